@@ -1,1 +1,49 @@
-fn main() {}
+//! `deltaserve`: the command-line entry point. Each subcommand lives in `commands/`.
+
+mod commands;
+mod model_source;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "deltaserve",
+    version,
+    about = "Inference server for hybrid Gated-DeltaNet + attention models (Qwen3.5/3.6, Qwen3-Next)"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text (or token ids) for one prompt.
+    Generate(commands::generate::Args),
+    /// Write the logits of every position of a token sequence to a safetensors file.
+    Logits(commands::logits::Args),
+    /// Write a complete random-weight model directory for a preset shape.
+    Synth(commands::synth::Args),
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(a) => commands::generate::run(a),
+        Command::Logits(a) => commands::logits::run(a),
+        Command::Synth(a) => commands::synth::run(a),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

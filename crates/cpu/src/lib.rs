@@ -1,1 +1,16 @@
+//! deltaserve-cpu: the f32 CPU reference backend, the numerical oracle every other backend is
+//! tested against. Plain loops, one file per op family, no speed tricks that need explaining.
+//!
+//! - [`linear`], [`norm`], [`activation`], [`conv`], [`rope`], [`attention`], [`gdn`]: the ops;
+//! - [`model`]: the forward pass of one sequence with its carried state.
 
+pub mod activation;
+pub mod attention;
+pub mod conv;
+pub mod gdn;
+pub mod linear;
+pub mod model;
+pub mod norm;
+pub mod rope;
+
+pub use model::{CpuModel, ForwardError, GdnMode, LayerState, Logits, SequenceState};

@@ -1,1 +1,28 @@
+//! deltaserve-text: everything between text and token ids for Qwen3.5/3.6 models — the HF
+//! tokenizer wrapper, HF-parity chat-template rendering, streaming detokenisation, stop strings,
+//! and a synthetic tokenizer for test models.
 
+mod bytelevel;
+mod error;
+mod incremental;
+mod pyjson;
+mod stop;
+mod strftime;
+mod synth;
+mod template;
+mod tokenizer;
+
+pub use error::TextError;
+pub use incremental::IncrementalDecoder;
+pub use stop::{StopMatcher, StopOutput};
+pub use synth::{
+    QWEN35_SPLIT_REGEX, SPECIAL_TOKENS, is_special_token, synthetic_tokenizer_config_json,
+    synthetic_tokenizer_config_json_for, synthetic_tokenizer_json,
+};
+pub use template::{ChatRequest, ChatTemplate};
+pub use tokenizer::Tokenizer;
+
+/// deltaserve's chat template in the Qwen3.5/3.6 format (ChatML, tools block with XML tool-call
+/// instructions, `<think>` handling with `enable_thinking` / `preserve_thinking`, tool results
+/// merged into user turns). Written for this project from the format description.
+pub const QWEN35_CHAT_TEMPLATE: &str = include_str!("qwen35_chat_template.jinja");

@@ -1,0 +1,5 @@
+//! One module per subcommand.
+
+pub mod generate;
+pub mod logits;
+pub mod synth;

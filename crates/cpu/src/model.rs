@@ -1,0 +1,298 @@
+//! The f32 reference forward pass of the Qwen3.5/3.6 text model, one sequence at a time, written
+//! to be read next to the architecture doc (§2). [`CpuModel::forward`] runs any number of new tokens
+//! of one sequence against its [`SequenceState`] (DeltaNet conv + recurrent state, attention KV),
+//! so a prompt can be fed in pieces of any size and then decoded token by token.
+
+use deltaserve_model::weights::{
+    AttentionWeights, DeltaNetWeights, HostTensor, MixerWeights, MlpWeights,
+};
+use deltaserve_model::{Dims, LayerKind, ModelConfig, ModelWeights};
+
+use crate::activation::{sigmoid, silu, softplus};
+use crate::attention::causal_gqa_attention;
+use crate::conv::causal_conv1d_silu;
+use crate::gdn::{GdnDims, GdnInputs, gdn_chunked, gdn_recurrent};
+use crate::linear::linear;
+use crate::norm::{gated_rms_norm, l2_norm, rms_norm_1p};
+use crate::rope::apply_partial_rope;
+
+/// Chunk length of the WY-form DeltaNet prefill.
+pub const GDN_CHUNK: usize = 64;
+
+/// How the DeltaNet core runs over a call's tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GdnMode {
+    /// Chunked WY form for calls of more than one token, recurrence for one token (as HF does).
+    Auto,
+    /// Token-by-token recurrence for every call.
+    Recurrent,
+}
+
+/// Which positions' logits a forward call returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// [t, vocab] for every new token.
+    All,
+    /// [1, vocab] for the last new token only.
+    Last,
+}
+
+/// Per-layer carried state of one sequence.
+#[derive(Clone, Debug)]
+pub enum LayerState {
+    DeltaNet {
+        /// [kernel − 1, conv_channels]: the last inputs of the short convolution.
+        conv: Vec<f32>,
+        /// [Hv, dk, dv] f32 recurrent state.
+        recurrent: Vec<f32>,
+    },
+    Attention {
+        /// [len, kv_heads, head_dim] after RoPE and k_norm.
+        k: Vec<f32>,
+        /// [len, kv_heads, head_dim]
+        v: Vec<f32>,
+    },
+}
+
+/// Everything a sequence carries between forward calls.
+#[derive(Clone, Debug)]
+pub struct SequenceState {
+    /// Tokens processed so far (the position of the next token).
+    pub len: usize,
+    pub layers: Vec<LayerState>,
+}
+
+/// The reference model: config, derived dims and f32 weights.
+pub struct CpuModel {
+    pub config: ModelConfig,
+    pub dims: Dims,
+    pub weights: ModelWeights<HostTensor>,
+}
+
+/// Errors of a forward call (bad input, never a panic).
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    #[error("token id {id} at position {index} is outside the vocabulary (size {vocab})")]
+    TokenOutOfRange { id: u32, index: usize, vocab: usize },
+    #[error("the sequence state does not belong to this model")]
+    StateMismatch,
+    #[error(transparent)]
+    Gdn(#[from] crate::gdn::GdnError),
+}
+
+impl CpuModel {
+    pub fn new(config: ModelConfig, weights: ModelWeights<HostTensor>) -> Self {
+        Self {
+            dims: config.dims(),
+            config,
+            weights,
+        }
+    }
+
+    /// A fresh (empty) sequence.
+    pub fn new_sequence(&self) -> SequenceState {
+        let d = &self.dims;
+        let layers = self
+            .config
+            .layer_types
+            .iter()
+            .map(|k| match k {
+                LayerKind::DeltaNet => LayerState::DeltaNet {
+                    conv: vec![0.0; (d.conv_kernel - 1) * d.conv_channels],
+                    recurrent: vec![0.0; d.gdn_v_heads * d.gdn_k_dim * d.gdn_v_dim],
+                },
+                LayerKind::Attention => LayerState::Attention {
+                    k: Vec::new(),
+                    v: Vec::new(),
+                },
+            })
+            .collect();
+        SequenceState { len: 0, layers }
+    }
+
+    /// Runs `tokens` (the next tokens of the sequence) and returns logits, row-major.
+    pub fn forward(
+        &self,
+        state: &mut SequenceState,
+        tokens: &[u32],
+        mode: GdnMode,
+        want: Logits,
+    ) -> Result<Vec<f32>, ForwardError> {
+        let d = &self.dims;
+        if state.layers.len() != d.num_layers {
+            return Err(ForwardError::StateMismatch);
+        }
+        if let Some((index, &id)) = tokens
+            .iter()
+            .enumerate()
+            .find(|(_, id)| **id as usize >= d.vocab)
+        {
+            return Err(ForwardError::TokenOutOfRange {
+                id,
+                index,
+                vocab: d.vocab,
+            });
+        }
+        let t = tokens.len();
+        if t == 0 {
+            return Ok(Vec::new());
+        }
+        let h = d.hidden;
+        let eps = self.config.rms_norm_eps;
+        let mut x = Vec::with_capacity(t * h);
+        for &id in tokens {
+            x.extend_from_slice(&self.weights.embed.data[id as usize * h..][..h]);
+        }
+        for (lw, ls) in self.weights.layers.iter().zip(state.layers.iter_mut()) {
+            let mut hn = x.clone();
+            rms_norm_1p(&mut hn, &lw.input_norm.data, eps);
+            let mixed = match (&lw.mixer, ls) {
+                (MixerWeights::DeltaNet(w), LayerState::DeltaNet { conv, recurrent }) => {
+                    self.deltanet(w, &hn, t, conv, recurrent, mode)?
+                }
+                (MixerWeights::Attention(w), LayerState::Attention { k, v }) => {
+                    self.attention(w, &hn, t, state.len, k, v)
+                }
+                _ => return Err(ForwardError::StateMismatch),
+            };
+            add_in_place(&mut x, &mixed);
+            let mut hn = x.clone();
+            rms_norm_1p(&mut hn, &lw.post_norm.data, eps);
+            add_in_place(&mut x, &self.mlp(&lw.mlp, &hn, t));
+        }
+        state.len += t;
+        let rows = match want {
+            Logits::All => x,
+            Logits::Last => x[(t - 1) * h..].to_vec(),
+        };
+        let mut rows = rows;
+        rms_norm_1p(&mut rows, &self.weights.final_norm.data, eps);
+        let n = rows.len() / h;
+        Ok(linear(&rows, n, &self.weights.lm_head().data, d.vocab, h))
+    }
+
+    /// Gated DeltaNet mixer (arch doc §2.2). hn: [t, hidden] → [t, hidden].
+    fn deltanet(
+        &self,
+        w: &DeltaNetWeights<HostTensor>,
+        hn: &[f32],
+        t: usize,
+        conv_state: &mut [f32],
+        recurrent: &mut [f32],
+        mode: GdnMode,
+    ) -> Result<Vec<f32>, ForwardError> {
+        let d = &self.dims;
+        let (hk, hv, dk, dv) = (d.gdn_k_heads, d.gdn_v_heads, d.gdn_k_dim, d.gdn_v_dim);
+        let mixed = linear(hn, t, &w.in_proj_qkv.data, d.conv_channels, d.hidden);
+        let z = linear(hn, t, &w.in_proj_z.data, d.gdn_value_width, d.hidden);
+        let b = linear(hn, t, &w.in_proj_b.data, hv, d.hidden);
+        let a = linear(hn, t, &w.in_proj_a.data, hv, d.hidden);
+        let c = causal_conv1d_silu(
+            &mixed,
+            d.conv_channels,
+            &w.conv1d.data,
+            d.conv_kernel,
+            conv_state,
+        );
+
+        // Split each token's conv output into q [Hk·dk] | k [Hk·dk] | v [Hv·dv].
+        let kw = d.gdn_key_width;
+        let mut q = Vec::with_capacity(t * kw);
+        let mut k = Vec::with_capacity(t * kw);
+        let mut v = Vec::with_capacity(t * d.gdn_value_width);
+        for row in c.chunks_exact(d.conv_channels) {
+            q.extend_from_slice(&row[..kw]);
+            k.extend_from_slice(&row[kw..2 * kw]);
+            v.extend_from_slice(&row[2 * kw..]);
+        }
+        l2_norm(&mut q, dk, 1e-6);
+        l2_norm(&mut k, dk, 1e-6);
+        let q_scale = 1.0 / (dk as f32).sqrt();
+        q.iter_mut().for_each(|x| *x *= q_scale);
+        let beta: Vec<f32> = b.iter().map(|&x| sigmoid(x)).collect();
+        let g: Vec<f32> = a
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| {
+                let head = i % hv;
+                -w.a_log.data[head].exp() * softplus(x + w.dt_bias.data[head])
+            })
+            .collect();
+
+        let dims = GdnDims {
+            num_k_heads: hk,
+            num_v_heads: hv,
+            head_k_dim: dk,
+            head_v_dim: dv,
+        };
+        let inputs = GdnInputs {
+            q: &q,
+            k: &k,
+            v: &v,
+            g: &g,
+            beta: &beta,
+        };
+        let mut o = vec![0.0f32; t * d.gdn_value_width];
+        if mode == GdnMode::Recurrent || t == 1 {
+            gdn_recurrent(dims, &inputs, recurrent, &mut o)?;
+        } else {
+            gdn_chunked(dims, GDN_CHUNK, &inputs, recurrent, &mut o)?;
+        }
+        gated_rms_norm(&mut o, &z, &w.norm.data, self.config.rms_norm_eps);
+        Ok(linear(&o, t, &w.out_proj.data, d.hidden, d.gdn_value_width))
+    }
+
+    /// Gated softmax attention (arch doc §2.3). hn: [t, hidden] → [t, hidden]; appends to the KV cache.
+    fn attention(
+        &self,
+        w: &AttentionWeights<HostTensor>,
+        hn: &[f32],
+        t: usize,
+        past: usize,
+        k_cache: &mut Vec<f32>,
+        v_cache: &mut Vec<f32>,
+    ) -> Vec<f32> {
+        let d = &self.dims;
+        let (nh, nkv, hd) = (d.q_heads, d.kv_heads, d.head_dim);
+        let eps = self.config.rms_norm_eps;
+        // q_proj rows are per head [q (hd) | gate (hd)].
+        let qg = linear(hn, t, &w.q_proj.data, 2 * d.attn_dim, d.hidden);
+        let mut q = Vec::with_capacity(t * d.attn_dim);
+        let mut gate = Vec::with_capacity(t * d.attn_dim);
+        for head in qg.chunks_exact(2 * hd) {
+            q.extend_from_slice(&head[..hd]);
+            gate.extend_from_slice(&head[hd..]);
+        }
+        let mut k = linear(hn, t, &w.k_proj.data, d.kv_dim, d.hidden);
+        let v = linear(hn, t, &w.v_proj.data, d.kv_dim, d.hidden);
+        rms_norm_1p(&mut q, &w.q_norm.data, eps);
+        rms_norm_1p(&mut k, &w.k_norm.data, eps);
+        let theta = self.config.rope_theta;
+        apply_partial_rope(&mut q, nh, hd, d.rotary_dim, theta, past);
+        apply_partial_rope(&mut k, nkv, hd, d.rotary_dim, theta, past);
+        k_cache.extend_from_slice(&k);
+        v_cache.extend_from_slice(&v);
+        let mut attn = causal_gqa_attention(&q, k_cache, v_cache, nh, nkv, hd);
+        for (o, g) in attn.iter_mut().zip(&gate) {
+            *o *= sigmoid(*g);
+        }
+        linear(&attn, t, &w.o_proj.data, d.hidden, d.attn_dim)
+    }
+
+    /// SwiGLU MLP: down(silu(gate·x) ⊙ up·x).
+    fn mlp(&self, w: &MlpWeights<HostTensor>, hn: &[f32], t: usize) -> Vec<f32> {
+        let d = &self.dims;
+        let mut gate = linear(hn, t, &w.gate_proj.data, d.intermediate, d.hidden);
+        let up = linear(hn, t, &w.up_proj.data, d.intermediate, d.hidden);
+        for (g, u) in gate.iter_mut().zip(&up) {
+            *g = silu(*g) * u;
+        }
+        linear(&gate, t, &w.down_proj.data, d.hidden, d.intermediate)
+    }
+}
+
+fn add_in_place(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}

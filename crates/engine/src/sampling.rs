@@ -1,0 +1,356 @@
+//! Next-token selection from logits: penalties, then greedy (`temperature == 0`) or seeded sampling
+//! with temperature, top-k, top-p and min-p. Semantics follow vLLM's:
+//! - `repetition_penalty` p over prompt + generated tokens: a positive logit is divided by p, a negative one multiplied;
+//! - `presence_penalty` / `frequency_penalty` over generated tokens: `logit −= presence·[count>0] + frequency·count`;
+//! - top-k keeps the k most likely, top-p the smallest set whose mass reaches p, min-p drops tokens below `min_p · p_max`.
+//!
+//! Ids at or beyond `valid_vocab` (padding rows of the embedding) are never chosen.
+
+use std::collections::HashMap;
+
+use rand::rngs::Xoshiro256PlusPlus;
+use rand::{RngExt, SeedableRng};
+
+/// User-facing sampling parameters, validated by [`SamplingParams::validate`].
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct SamplingParams {
+    /// 0 → greedy.
+    pub temperature: f32,
+    /// 0 → disabled.
+    pub top_k: usize,
+    /// 1 → disabled.
+    pub top_p: f32,
+    /// 0 → disabled.
+    pub min_p: f32,
+    /// 1 → disabled.
+    pub repetition_penalty: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// Seed of this request's RNG (None: drawn from the OS).
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+        }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        Self {
+            temperature: 0.0,
+            ..Self::default()
+        }
+    }
+
+    /// Checks ranges; the error names the parameter, the allowed range and the value given.
+    pub fn validate(&self) -> Result<(), String> {
+        let check = |ok: bool, name: &str, range: &str, v: f32| {
+            if ok {
+                Ok(())
+            } else {
+                Err(format!("`{name}` must be {range}, got {v}"))
+            }
+        };
+        check(
+            self.temperature.is_finite() && self.temperature >= 0.0,
+            "temperature",
+            ">= 0",
+            self.temperature,
+        )?;
+        check(
+            self.top_p > 0.0 && self.top_p <= 1.0,
+            "top_p",
+            "in (0, 1]",
+            self.top_p,
+        )?;
+        check(
+            (0.0..=1.0).contains(&self.min_p),
+            "min_p",
+            "in [0, 1]",
+            self.min_p,
+        )?;
+        check(
+            self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            "> 0",
+            self.repetition_penalty,
+        )?;
+        check(
+            (-2.0..=2.0).contains(&self.presence_penalty),
+            "presence_penalty",
+            "in [-2, 2]",
+            self.presence_penalty,
+        )?;
+        check(
+            (-2.0..=2.0).contains(&self.frequency_penalty),
+            "frequency_penalty",
+            "in [-2, 2]",
+            self.frequency_penalty,
+        )?;
+        Ok(())
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+}
+
+/// A request's sampler: its parameters, its RNG and the counts of generated tokens.
+pub struct Sampler {
+    params: SamplingParams,
+    rng: Xoshiro256PlusPlus,
+    valid_vocab: usize,
+    generated_counts: HashMap<u32, u32>,
+}
+
+impl Sampler {
+    /// `valid_vocab`: ids >= this are padding and never sampled.
+    pub fn new(params: SamplingParams, valid_vocab: usize) -> Self {
+        let seed = params.seed.unwrap_or_else(rand::random);
+        Self {
+            rng: Xoshiro256PlusPlus::seed_from_u64(seed),
+            params,
+            valid_vocab,
+            generated_counts: HashMap::new(),
+        }
+    }
+
+    /// Records a generated token (for presence/frequency penalties).
+    pub fn observe(&mut self, id: u32) {
+        *self.generated_counts.entry(id).or_insert(0) += 1;
+    }
+
+    /// Picks the next token from `logits` ([vocab], modified in place). `context` is the prompt plus
+    /// everything generated so far (for the repetition penalty).
+    pub fn sample(&mut self, logits: &mut [f32], context: &[u32]) -> u32 {
+        let n = self.valid_vocab.min(logits.len());
+        let logits = &mut logits[..n];
+        self.apply_penalties(logits, context);
+        if self.params.is_greedy() {
+            return argmax(logits);
+        }
+        let inv_t = 1.0 / self.params.temperature;
+        // Candidates sorted by logit, descending (ties: lower id first, for determinism).
+        let mut cand: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, l * inv_t))
+            .collect();
+        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if self.params.top_k > 0 {
+            cand.truncate(self.params.top_k);
+        }
+        let max = cand[0].1;
+        let mut probs: Vec<f32> = cand.iter().map(|&(_, l)| (l - max).exp()).collect();
+        let sum: f32 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= sum);
+        if self.params.top_p < 1.0 {
+            let mut acc = 0.0;
+            let keep = probs
+                .iter()
+                .position(|&p| {
+                    acc += p;
+                    acc >= self.params.top_p
+                })
+                .map_or(probs.len(), |i| i + 1);
+            probs.truncate(keep);
+        }
+        if self.params.min_p > 0.0 {
+            let floor = self.params.min_p * probs[0];
+            let keep = probs.iter().take_while(|&&p| p >= floor).count().max(1);
+            probs.truncate(keep);
+        }
+        let total: f32 = probs.iter().sum();
+        let mut r = self.rng.random::<f32>() * total;
+        for (i, p) in probs.iter().enumerate() {
+            if r < *p {
+                return cand[i].0;
+            }
+            r -= p;
+        }
+        cand[probs.len() - 1].0
+    }
+
+    fn apply_penalties(&self, logits: &mut [f32], context: &[u32]) {
+        let p = &self.params;
+        if p.repetition_penalty != 1.0 {
+            let mut seen = vec![false; logits.len()];
+            for &id in context {
+                if let Some(s) = seen.get_mut(id as usize) {
+                    *s = true;
+                }
+            }
+            for (l, s) in logits.iter_mut().zip(seen) {
+                if s {
+                    *l = if *l > 0.0 {
+                        *l / p.repetition_penalty
+                    } else {
+                        *l * p.repetition_penalty
+                    };
+                }
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            for (&id, &count) in &self.generated_counts {
+                if let Some(l) = logits.get_mut(id as usize) {
+                    *l -= p.presence_penalty + p.frequency_penalty * count as f32;
+                }
+            }
+        }
+    }
+}
+
+/// Index of the largest value (lowest index on ties).
+pub fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in x.iter().enumerate() {
+        if *v > x[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sampler(p: SamplingParams) -> Sampler {
+        Sampler::new(SamplingParams { seed: Some(7), ..p }, 8)
+    }
+
+    #[test]
+    fn greedy_takes_argmax_and_skips_padding() {
+        let mut s = sampler(SamplingParams::greedy());
+        let mut logits = vec![0.0, 3.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0, 9.0, 9.0];
+        assert_eq!(s.sample(&mut logits, &[]), 1);
+    }
+
+    #[test]
+    fn repetition_penalty_demotes_seen_tokens() {
+        let mut s = sampler(SamplingParams {
+            repetition_penalty: 4.0,
+            ..SamplingParams::greedy()
+        });
+        let mut logits = vec![0.0, 3.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0];
+        assert_eq!(s.sample(&mut logits, &[1]), 3);
+        assert_eq!(logits[1], 0.75);
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_use_generated_counts() {
+        let mut s = sampler(SamplingParams {
+            presence_penalty: 0.5,
+            frequency_penalty: 1.0,
+            ..SamplingParams::greedy()
+        });
+        s.observe(1);
+        s.observe(1);
+        let mut logits = vec![0.0, 3.0, 1.0, 0.6, 0.0, 0.0, 0.0, 0.0];
+        assert_eq!(s.sample(&mut logits, &[1, 1]), 2);
+        assert_eq!(logits[1], 3.0 - 0.5 - 2.0);
+    }
+
+    #[test]
+    fn top_k_one_is_greedy_and_seed_reproduces() {
+        let logits = vec![0.1, 0.5, 0.2, 0.4, 0.3, 0.0, 0.0, 0.0];
+        let mut s = sampler(SamplingParams {
+            temperature: 1.0,
+            top_k: 1,
+            ..Default::default()
+        });
+        assert_eq!(s.sample(&mut logits.clone(), &[]), 1);
+        let draw = |seed| {
+            let mut s = Sampler::new(
+                SamplingParams {
+                    seed: Some(seed),
+                    ..Default::default()
+                },
+                8,
+            );
+            (0..32)
+                .map(|_| s.sample(&mut logits.clone(), &[]))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(draw(3), draw(3));
+        assert_ne!(draw(3), draw(4));
+    }
+
+    #[test]
+    fn top_p_and_min_p_cut_the_tail() {
+        // probabilities ∝ e^l: token 0 dominates.
+        let logits = vec![10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+        for p in [
+            SamplingParams {
+                top_p: 0.5,
+                ..Default::default()
+            },
+            SamplingParams {
+                min_p: 0.01,
+                ..Default::default()
+            },
+        ] {
+            let mut s = sampler(p);
+            assert!((0..200).all(|_| s.sample(&mut logits.clone(), &[]) == 0));
+        }
+        // without cuts, the tail is sometimes drawn at high temperature
+        let mut s = sampler(SamplingParams {
+            temperature: 20.0,
+            ..Default::default()
+        });
+        assert!((0..200).any(|_| s.sample(&mut logits.clone(), &[]) != 0));
+    }
+
+    #[test]
+    fn sampling_frequencies_follow_the_softmax() {
+        let logits = vec![
+            2.0f32.ln(),
+            1.0f32.ln(),
+            1.0f32.ln(),
+            f32::NEG_INFINITY,
+            f32::NEG_INFINITY,
+            f32::NEG_INFINITY,
+            f32::NEG_INFINITY,
+            f32::NEG_INFINITY,
+        ];
+        let mut s = sampler(SamplingParams::default());
+        let n = 20_000;
+        let zeros = (0..n)
+            .filter(|_| s.sample(&mut logits.clone(), &[]) == 0)
+            .count();
+        let frac = zeros as f64 / n as f64;
+        assert!((frac - 0.5).abs() < 0.02, "P(0) = {frac}, expected 0.5");
+    }
+
+    #[test]
+    fn validate_names_the_parameter() {
+        let e = SamplingParams {
+            top_p: 0.0,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.contains("top_p"), "{e}");
+        assert!(
+            SamplingParams {
+                temperature: -1.0,
+                ..Default::default()
+            }
+            .validate()
+            .is_err()
+        );
+        assert!(SamplingParams::default().validate().is_ok());
+    }
+}

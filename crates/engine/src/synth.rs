@@ -1,0 +1,59 @@
+//! Complete synthetic model directories (weights + config from `deltaserve-model`, tokenizer and chat
+//! template from `deltaserve-text`), and the built-in demo model: the `tiny` preset with seed 0,
+//! generated deterministically on first use. Its weights are random: it produces gibberish.
+
+use std::path::{Path, PathBuf};
+
+use deltaserve_model::ModelError;
+use deltaserve_model::synth::{Preset, write_model};
+
+/// Version of the demo model's recipe; bump when the synthetic generator changes.
+const DEMO_VERSION: &str = "tiny-seed0-v1";
+
+/// Writes a full model directory for `preset`.
+pub fn write_synthetic_model(
+    dir: &Path,
+    preset: Preset,
+    layers: Option<usize>,
+    seed: u64,
+    progress: impl FnMut(u64, u64),
+) -> Result<(), ModelError> {
+    write_model(dir, preset, layers, seed, progress)?;
+    let tokenizer = deltaserve_text::synthetic_tokenizer_json(preset.tokenizer_mergeable())
+        .map_err(|e| ModelError::config(format!("synthetic tokenizer: {e}")))?;
+    let files = [
+        ("tokenizer.json", tokenizer),
+        (
+            "tokenizer_config.json",
+            deltaserve_text::synthetic_tokenizer_config_json(preset.tokenizer_mergeable()),
+        ),
+    ];
+    for (name, text) in files {
+        let path = dir.join(name);
+        std::fs::write(&path, text).map_err(|e| ModelError::io(&path, e))?;
+    }
+    Ok(())
+}
+
+/// The demo model's directory, generated on first use under the cache dir
+/// (`$DELTASERVE_CACHE`, else `$XDG_CACHE_HOME/deltaserve`, else `~/.cache/deltaserve`).
+pub fn demo_model_dir() -> Result<PathBuf, ModelError> {
+    let base = std::env::var_os("DELTASERVE_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|p| PathBuf::from(p).join("deltaserve")))
+        .or_else(|| std::env::var_os("HOME").map(|p| PathBuf::from(p).join(".cache/deltaserve")))
+        .unwrap_or_else(|| std::env::temp_dir().join("deltaserve"));
+    let dir = base.join(format!("demo-{DEMO_VERSION}"));
+    let marker = dir.join(".complete");
+    if !marker.exists() {
+        // Build next to the final place, then rename, so a crash never leaves a half-written model.
+        let tmp = base.join(format!("demo-{DEMO_VERSION}.tmp-{}", std::process::id()));
+        write_synthetic_model(&tmp, Preset::Tiny, None, 0, |_, _| {})?;
+        std::fs::write(tmp.join(".complete"), DEMO_VERSION).map_err(|e| ModelError::io(&tmp, e))?;
+        if std::fs::rename(&tmp, &dir).is_err() {
+            // Another process won the race; use its copy.
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+    }
+    Ok(dir)
+}

@@ -1,0 +1,269 @@
+//! Synthetic (random-weight) model directories at any shape: `config.json` in the real multimodal
+//! `qwen3_5` layout, `generation_config.json`, and `model.safetensors` in bf16 with the real tensor names.
+//! Weights are drawn deterministically from (seed, tensor name), so a preset + seed always gives the
+//! same bytes. Tokenizer files are written by the caller (the text crate owns tokenizers).
+
+use std::path::Path;
+
+use rand::rngs::Xoshiro256PlusPlus;
+use rand::{RngExt, SeedableRng};
+use serde_json::{Value, json};
+
+use crate::checkpoint::{DType, TensorHeader, write_safetensors};
+use crate::config::{LayerKind, ModelConfig};
+use crate::error::ModelError;
+
+/// Built-in model shapes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Preset {
+    /// A few MB, GVA ratio 3 and GQA like the 27B; for tests and the demo model.
+    Tiny,
+    /// The real Qwen3.6-27B text shapes (64 layers; cut with `layers`).
+    Qwen36_27b,
+}
+
+impl Preset {
+    pub const NAMES: [&'static str; 2] = ["tiny", "qwen3.6-27b"];
+
+    pub fn parse(name: &str) -> Result<Self, ModelError> {
+        match name {
+            "tiny" => Ok(Self::Tiny),
+            "qwen3.6-27b" | "qwen3.5-27b" => Ok(Self::Qwen36_27b),
+            other => Err(ModelError::config(format!(
+                "unknown preset `{other}` (known: {})",
+                Self::NAMES.join(", ")
+            ))),
+        }
+    }
+
+    /// Number of mergeable (non-special) tokens the synthetic tokenizer should have for this preset.
+    pub fn tokenizer_mergeable(self) -> usize {
+        match self {
+            Self::Tiny => 991,
+            Self::Qwen36_27b => 4063,
+        }
+    }
+
+    /// The `text_config` object, with `layers` decoder layers (None: the preset's own count).
+    pub fn text_config(self, layers: Option<usize>) -> Value {
+        let (hidden, n, heads, kv, hd, lk, lv, dk, dv, inter, vocab, mtp) = match self {
+            Self::Tiny => (128, 4, 4, 2, 32, 2, 6, 32, 32, 256, 1024, 0),
+            Self::Qwen36_27b => (5120, 64, 24, 4, 256, 16, 48, 128, 128, 17408, 248_320, 1),
+        };
+        let n = layers.unwrap_or(n);
+        let layer_types: Vec<&str> = (0..n)
+            .map(|i| {
+                if (i + 1) % 4 == 0 {
+                    "full_attention"
+                } else {
+                    "linear_attention"
+                }
+            })
+            .collect();
+        let rot_half = hd / 8; // partial_rotary_factor 0.25 → rotary dim hd/4, hd/8 frequencies
+        let mrope = [rot_half - 2 * (rot_half / 3), rot_half / 3, rot_half / 3];
+        // Stop tokens: <|im_end|> and <|endoftext|> in the synthetic tokenizer's id space.
+        let mergeable = self.tokenizer_mergeable() as u64;
+        json!({
+            "model_type": "qwen3_5_text",
+            "hidden_size": hidden,
+            "intermediate_size": inter,
+            "num_hidden_layers": n,
+            "layer_types": layer_types,
+            "full_attention_interval": 4,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv,
+            "head_dim": hd,
+            "attn_output_gate": true,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10_000_000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": mrope,
+                "mrope_interleaved": true
+            },
+            "partial_rotary_factor": 0.25,
+            "linear_num_key_heads": lk,
+            "linear_num_value_heads": lv,
+            "linear_key_head_dim": dk,
+            "linear_value_head_dim": dv,
+            "linear_conv_kernel_dim": 4,
+            "hidden_act": "silu",
+            "vocab_size": vocab,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": false,
+            "max_position_embeddings": 262_144,
+            "mtp_num_hidden_layers": mtp,
+            "mtp_use_dedicated_embeddings": false,
+            "mamba_ssm_dtype": "float32",
+            "attention_bias": false,
+            "attention_dropout": 0.0,
+            "dtype": "bfloat16",
+            "bos_token_id": null,
+            "eos_token_id": mergeable + 2,
+            "pad_token_id": mergeable
+        })
+    }
+
+    /// The whole `config.json` in the multimodal layout that Qwen3.5/3.6 checkpoints use.
+    pub fn config_json(self, layers: Option<usize>) -> Value {
+        json!({
+            "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "model_type": "qwen3_5",
+            "text_config": self.text_config(layers),
+            "vision_config": {
+                "model_type": "qwen3_5_vision", "depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
+                "num_heads": 16, "patch_size": 16, "temporal_patch_size": 2, "spatial_merge_size": 2,
+                "out_hidden_size": self.text_config(layers)["hidden_size"], "num_position_embeddings": 2304,
+                "deepstack_visual_indexes": []
+            },
+            "tie_word_embeddings": false,
+            "transformers_version": "5.17.0"
+        })
+    }
+}
+
+/// How a tensor is initialised.
+#[derive(Clone, Copy, Debug)]
+enum Init {
+    Normal(f32),
+    /// 1 + Normal(std): the gated norm's plain weight.
+    OnePlusNormal(f32),
+    /// ln(Uniform(1, 16)): `A_log`.
+    LogUniform1To16,
+}
+
+/// (stored name, shape, init) of every text-model tensor of a Qwen3.5-layout checkpoint.
+fn tensor_specs(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, Init)> {
+    let d = cfg.dims();
+    let h = d.hidden;
+    let lin = |out: usize, inp: usize| (vec![out, inp], Init::Normal(1.0 / (inp as f32).sqrt()));
+    let norm = |n: usize| (vec![n], Init::Normal(0.1));
+    let p = "model.language_model.";
+    let mut v: Vec<(String, (Vec<usize>, Init))> = vec![
+        (
+            format!("{p}embed_tokens.weight"),
+            (vec![d.vocab, h], Init::Normal(1.0)),
+        ),
+        (format!("{p}norm.weight"), norm(h)),
+    ];
+    if !cfg.tie_word_embeddings {
+        v.push(("lm_head.weight".into(), lin(d.vocab, h)));
+    }
+    for (i, kind) in cfg.layer_types.iter().enumerate() {
+        let l = |s: &str| format!("{p}layers.{i}.{s}");
+        v.push((l("input_layernorm.weight"), norm(h)));
+        v.push((l("post_attention_layernorm.weight"), norm(h)));
+        match kind {
+            LayerKind::DeltaNet => {
+                v.push((l("linear_attn.in_proj_qkv.weight"), lin(d.conv_channels, h)));
+                v.push((l("linear_attn.in_proj_z.weight"), lin(d.gdn_value_width, h)));
+                v.push((l("linear_attn.in_proj_b.weight"), lin(d.gdn_v_heads, h)));
+                v.push((l("linear_attn.in_proj_a.weight"), lin(d.gdn_v_heads, h)));
+                v.push((
+                    l("linear_attn.conv1d.weight"),
+                    (vec![d.conv_channels, 1, d.conv_kernel], Init::Normal(0.5)),
+                ));
+                v.push((
+                    l("linear_attn.dt_bias"),
+                    (vec![d.gdn_v_heads], Init::Normal(0.5)),
+                ));
+                v.push((
+                    l("linear_attn.A_log"),
+                    (vec![d.gdn_v_heads], Init::LogUniform1To16),
+                ));
+                v.push((
+                    l("linear_attn.norm.weight"),
+                    (vec![d.gdn_v_dim], Init::OnePlusNormal(0.1)),
+                ));
+                v.push((l("linear_attn.out_proj.weight"), lin(h, d.gdn_value_width)));
+            }
+            LayerKind::Attention => {
+                v.push((l("self_attn.q_proj.weight"), lin(2 * d.attn_dim, h)));
+                v.push((l("self_attn.k_proj.weight"), lin(d.kv_dim, h)));
+                v.push((l("self_attn.v_proj.weight"), lin(d.kv_dim, h)));
+                v.push((l("self_attn.o_proj.weight"), lin(h, d.attn_dim)));
+                v.push((l("self_attn.q_norm.weight"), norm(d.head_dim)));
+                v.push((l("self_attn.k_norm.weight"), norm(d.head_dim)));
+            }
+        }
+        v.push((l("mlp.gate_proj.weight"), lin(d.intermediate, h)));
+        v.push((l("mlp.up_proj.weight"), lin(d.intermediate, h)));
+        v.push((l("mlp.down_proj.weight"), lin(h, d.intermediate)));
+    }
+    v.into_iter().map(|(n, (s, i))| (n, s, i)).collect()
+}
+
+/// Writes config.json, generation_config.json and model.safetensors (bf16) for `preset` into `dir`.
+/// `progress` is called with (bytes written, total bytes).
+pub fn write_model(
+    dir: &Path,
+    preset: Preset,
+    layers: Option<usize>,
+    seed: u64,
+    mut progress: impl FnMut(u64, u64),
+) -> Result<ModelConfig, ModelError> {
+    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+    let config = preset.config_json(layers);
+    let text =
+        serde_json::to_string_pretty(&config).map_err(|e| ModelError::config(e.to_string()))?;
+    let cfg = ModelConfig::from_json_str(&text)?;
+    write_file(&dir.join("config.json"), text.as_bytes())?;
+    let mergeable = preset.tokenizer_mergeable() as u64;
+    let gen_cfg = json!({ "eos_token_id": [mergeable + 2, mergeable], "do_sample": false });
+    write_file(
+        &dir.join("generation_config.json"),
+        gen_cfg.to_string().as_bytes(),
+    )?;
+
+    let specs = tensor_specs(&cfg);
+    let headers: Vec<TensorHeader> = specs
+        .iter()
+        .map(|(name, shape, _)| TensorHeader {
+            name: name.clone(),
+            dtype: DType::BF16,
+            shape: shape.clone(),
+        })
+        .collect();
+    let total: u64 = specs
+        .iter()
+        .map(|(_, s, _)| s.iter().product::<usize>() as u64 * 2)
+        .sum();
+    let mut written = 0u64;
+    write_safetensors(&dir.join("model.safetensors"), &headers, |i, buf| {
+        let (name, shape, init) = &specs[i];
+        let n: usize = shape.iter().product();
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed ^ fnv1a(name.as_bytes()));
+        buf.reserve(n * 2);
+        for _ in 0..n {
+            let x = match *init {
+                Init::Normal(std) => std * normal(&mut rng),
+                Init::OnePlusNormal(std) => 1.0 + std * normal(&mut rng),
+                Init::LogUniform1To16 => (1.0 + 15.0 * rng.random::<f32>()).ln(),
+            };
+            buf.extend_from_slice(&half::bf16::from_f32(x).to_bits().to_le_bytes());
+        }
+        written += buf.len() as u64;
+        progress(written, total);
+        Ok(())
+    })?;
+    Ok(cfg)
+}
+
+fn write_file(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
+    std::fs::write(path, bytes).map_err(|e| ModelError::io(path, e))
+}
+
+/// A standard normal sample (Box–Muller).
+fn normal(rng: &mut Xoshiro256PlusPlus) -> f32 {
+    let u1: f32 = rng.random::<f32>().max(f32::MIN_POSITIVE);
+    let u2: f32 = rng.random::<f32>();
+    (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
+}
+
+/// FNV-1a, to derive a per-tensor seed from its name.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}

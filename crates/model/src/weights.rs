@@ -1,0 +1,425 @@
+//! The canonical weight set of the text model, independent of checkpoint naming and of the storage a
+//! backend wants. [`ModelWeights::load`] maps HF names (`model.language_model.*` or `model.*`,
+//! `lm_head.weight` or tied embeddings), checks every shape (errors name the tensor and both shapes),
+//! unpacks Qwen3-Next's `in_proj_qkvz` / `in_proj_ba` into the Qwen3.5 layout, skips `model.visual.*`,
+//! and hands each tensor to a backend converter as a [`TensorSource`]. `mtp.*` tensors stay in the
+//! checkpoint for a later speculative-decoding head.
+
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::checkpoint::{Checkpoint, DType, TensorRef};
+use crate::config::{Arch, LayerKind, ModelConfig};
+use crate::error::ModelError;
+
+/// The bytes of one canonical tensor: the concatenation of `parts` (row ranges of stored tensors).
+pub struct TensorSource<'a> {
+    /// Canonical (Qwen3.5 HF) name, e.g. `layers.3.linear_attn.in_proj_qkv.weight`.
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+    pub parts: Vec<&'a [u8]>,
+}
+
+impl TensorSource<'_> {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+    pub fn byte_len(&self) -> usize {
+        self.parts.iter().map(|p| p.len()).sum()
+    }
+    /// The tensor as f32.
+    pub fn to_f32(&self) -> Result<Vec<f32>, ModelError> {
+        let mut out = Vec::with_capacity(self.numel());
+        for p in &self.parts {
+            TensorRef::bytes_to_f32(&self.name, self.dtype, p, &mut out)?;
+        }
+        Ok(out)
+    }
+}
+
+/// A dense f32 tensor in host memory (the CPU reference backend's storage).
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostTensor {
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+impl HostTensor {
+    pub fn from_source(src: &TensorSource) -> Result<Self, ModelError> {
+        Ok(Self {
+            shape: src.shape.clone(),
+            data: src.to_f32()?,
+        })
+    }
+}
+
+/// Gated DeltaNet mixer weights (Qwen3.5 layout).
+pub struct DeltaNetWeights<T> {
+    /// [conv_channels, hidden]: rows [q (Hk·dk) | k (Hk·dk) | v (Hv·dv)].
+    pub in_proj_qkv: T,
+    /// [Hv·dv, hidden]
+    pub in_proj_z: T,
+    /// [Hv, hidden]
+    pub in_proj_b: T,
+    /// [Hv, hidden]
+    pub in_proj_a: T,
+    /// [conv_channels, kernel] (stored as [C, 1, K]).
+    pub conv1d: T,
+    /// [Hv]
+    pub dt_bias: T,
+    /// [Hv]
+    pub a_log: T,
+    /// [dv], plain weight (not 1+w).
+    pub norm: T,
+    /// [hidden, Hv·dv]
+    pub out_proj: T,
+}
+
+/// Gated attention mixer weights.
+pub struct AttentionWeights<T> {
+    /// [2·H·hd, hidden]: per head [q (hd) | gate (hd)].
+    pub q_proj: T,
+    /// [KV·hd, hidden]
+    pub k_proj: T,
+    /// [KV·hd, hidden]
+    pub v_proj: T,
+    /// [hidden, H·hd]
+    pub o_proj: T,
+    /// [hd], used as 1+w.
+    pub q_norm: T,
+    /// [hd], used as 1+w.
+    pub k_norm: T,
+}
+
+pub enum MixerWeights<T> {
+    DeltaNet(DeltaNetWeights<T>),
+    Attention(AttentionWeights<T>),
+}
+
+/// SwiGLU MLP weights.
+pub struct MlpWeights<T> {
+    /// [intermediate, hidden]
+    pub gate_proj: T,
+    /// [intermediate, hidden]
+    pub up_proj: T,
+    /// [hidden, intermediate]
+    pub down_proj: T,
+}
+
+pub struct LayerWeights<T> {
+    /// [hidden], 1+w
+    pub input_norm: T,
+    /// [hidden], 1+w
+    pub post_norm: T,
+    pub mixer: MixerWeights<T>,
+    pub mlp: MlpWeights<T>,
+}
+
+pub struct ModelWeights<T> {
+    /// [vocab, hidden]
+    pub embed: T,
+    /// [vocab, hidden]; `None` when the embeddings are tied.
+    pub lm_head: Option<T>,
+    /// [hidden], 1+w
+    pub final_norm: T,
+    pub layers: Vec<LayerWeights<T>>,
+}
+
+impl<T> ModelWeights<T> {
+    /// The output projection (the embedding table when tied).
+    pub fn lm_head(&self) -> &T {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+}
+
+impl ModelWeights<HostTensor> {
+    /// Loads every weight as f32 host tensors (CPU reference backend).
+    pub fn load_f32(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Self, ModelError> {
+        Self::load(ckpt, cfg, |src| HostTensor::from_source(&src))
+    }
+}
+
+impl<T> ModelWeights<T> {
+    /// Maps, checks and converts every text-model weight with `convert`, showing progress by bytes.
+    pub fn load(
+        ckpt: &Checkpoint,
+        cfg: &ModelConfig,
+        mut convert: impl FnMut(TensorSource<'_>) -> Result<T, ModelError>,
+    ) -> Result<Self, ModelError> {
+        let names = Names::detect(ckpt, cfg)?;
+        let total: u64 = names
+            .all_stored(cfg)
+            .iter()
+            .filter_map(|n| ckpt.get(n).ok())
+            .map(|t| t.bytes.len() as u64)
+            .sum();
+        let bar = ProgressBar::new(total).with_message("loading weights");
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{msg} [{bar:40}] {bytes}/{total_bytes} ({bytes_per_sec}, eta {eta})",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+        );
+        let mut load = |src: TensorSource<'_>| -> Result<T, ModelError> {
+            let n = src.byte_len() as u64;
+            let t = convert(src)?;
+            bar.inc(n);
+            Ok(t)
+        };
+        let d = cfg.dims();
+        let h = d.hidden;
+        let embed = load(direct(
+            ckpt,
+            &names.model("embed_tokens.weight"),
+            &[d.vocab, h],
+        )?)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(load(direct(ckpt, "lm_head.weight", &[d.vocab, h])?)?)
+        };
+        let final_norm = load(direct(ckpt, &names.model("norm.weight"), &[h])?)?;
+        let mut layers = Vec::with_capacity(d.num_layers);
+        for (i, kind) in cfg.layer_types.iter().enumerate() {
+            let l = |s: &str| names.model(&format!("layers.{i}.{s}"));
+            let input_norm = load(direct(ckpt, &l("input_layernorm.weight"), &[h])?)?;
+            let post_norm = load(direct(ckpt, &l("post_attention_layernorm.weight"), &[h])?)?;
+            let mixer = match kind {
+                LayerKind::DeltaNet => {
+                    let p = |s: &str| l(&format!("linear_attn.{s}"));
+                    let (qkv, z, b, a) = match cfg.arch {
+                        Arch::Qwen35 => (
+                            direct(ckpt, &p("in_proj_qkv.weight"), &[d.conv_channels, h])?,
+                            direct(ckpt, &p("in_proj_z.weight"), &[d.gdn_value_width, h])?,
+                            direct(ckpt, &p("in_proj_b.weight"), &[d.gdn_v_heads, h])?,
+                            direct(ckpt, &p("in_proj_a.weight"), &[d.gdn_v_heads, h])?,
+                        ),
+                        Arch::Qwen3Next => unpack_qwen3_next(
+                            ckpt,
+                            cfg,
+                            &p("in_proj_qkvz.weight"),
+                            &p("in_proj_ba.weight"),
+                        )?,
+                    };
+                    let mut conv = direct(
+                        ckpt,
+                        &p("conv1d.weight"),
+                        &[d.conv_channels, 1, d.conv_kernel],
+                    )?;
+                    conv.shape = vec![d.conv_channels, d.conv_kernel];
+                    MixerWeights::DeltaNet(DeltaNetWeights {
+                        in_proj_qkv: load(qkv)?,
+                        in_proj_z: load(z)?,
+                        in_proj_b: load(b)?,
+                        in_proj_a: load(a)?,
+                        conv1d: load(conv)?,
+                        dt_bias: load(direct(ckpt, &p("dt_bias"), &[d.gdn_v_heads])?)?,
+                        a_log: load(direct(ckpt, &p("A_log"), &[d.gdn_v_heads])?)?,
+                        norm: load(direct(ckpt, &p("norm.weight"), &[d.gdn_v_dim])?)?,
+                        out_proj: load(direct(
+                            ckpt,
+                            &p("out_proj.weight"),
+                            &[h, d.gdn_value_width],
+                        )?)?,
+                    })
+                }
+                LayerKind::Attention => {
+                    let p = |s: &str| l(&format!("self_attn.{s}"));
+                    MixerWeights::Attention(AttentionWeights {
+                        q_proj: load(direct(ckpt, &p("q_proj.weight"), &[2 * d.attn_dim, h])?)?,
+                        k_proj: load(direct(ckpt, &p("k_proj.weight"), &[d.kv_dim, h])?)?,
+                        v_proj: load(direct(ckpt, &p("v_proj.weight"), &[d.kv_dim, h])?)?,
+                        o_proj: load(direct(ckpt, &p("o_proj.weight"), &[h, d.attn_dim])?)?,
+                        q_norm: load(direct(ckpt, &p("q_norm.weight"), &[d.head_dim])?)?,
+                        k_norm: load(direct(ckpt, &p("k_norm.weight"), &[d.head_dim])?)?,
+                    })
+                }
+            };
+            let m = |s: &str| l(&format!("mlp.{s}"));
+            let mlp = MlpWeights {
+                gate_proj: load(direct(ckpt, &m("gate_proj.weight"), &[d.intermediate, h])?)?,
+                up_proj: load(direct(ckpt, &m("up_proj.weight"), &[d.intermediate, h])?)?,
+                down_proj: load(direct(ckpt, &m("down_proj.weight"), &[h, d.intermediate])?)?,
+            };
+            layers.push(LayerWeights {
+                input_norm,
+                post_norm,
+                mixer,
+                mlp,
+            });
+        }
+        bar.finish_and_clear();
+        let used = names.all_stored(cfg);
+        let unused: Vec<&str> = ckpt
+            .names()
+            .into_iter()
+            .filter(|n| {
+                !n.starts_with("model.visual.")
+                    && !n.starts_with("mtp.")
+                    && !used.iter().any(|u| u == n)
+            })
+            .collect();
+        if !unused.is_empty() {
+            tracing::warn!(
+                count = unused.len(),
+                first = unused[0],
+                "checkpoint tensors not used by the text model"
+            );
+        }
+        tracing::info!(bytes = total, tensors = used.len(), "weights loaded");
+        Ok(Self {
+            embed,
+            lm_head,
+            final_norm,
+            layers,
+        })
+    }
+}
+
+/// Where the text model's tensors live: `model.language_model.` (multimodal) or `model.` (text-only).
+struct Names {
+    prefix: &'static str,
+}
+
+impl Names {
+    fn detect(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Self, ModelError> {
+        for prefix in ["model.language_model.", "model."] {
+            if ckpt.contains(&format!("{prefix}embed_tokens.weight")) {
+                return Ok(Self { prefix });
+            }
+        }
+        let _ = cfg;
+        Err(ModelError::MissingTensor {
+            name: "model.language_model.embed_tokens.weight".into(),
+            hint: " (nor `model.embed_tokens.weight`): is this a Qwen3.5/3.6 or Qwen3-Next checkpoint?".into(),
+        })
+    }
+    fn model(&self, s: &str) -> String {
+        format!("{}{s}", self.prefix)
+    }
+    /// Every stored tensor name the text model reads.
+    fn all_stored(&self, cfg: &ModelConfig) -> Vec<String> {
+        let mut v = vec![self.model("embed_tokens.weight"), self.model("norm.weight")];
+        if !cfg.tie_word_embeddings {
+            v.push("lm_head.weight".into());
+        }
+        for (i, kind) in cfg.layer_types.iter().enumerate() {
+            let l = |s: &str| self.model(&format!("layers.{i}.{s}"));
+            v.push(l("input_layernorm.weight"));
+            v.push(l("post_attention_layernorm.weight"));
+            for m in ["gate_proj", "up_proj", "down_proj"] {
+                v.push(l(&format!("mlp.{m}.weight")));
+            }
+            let mixer: &[&str] = match (kind, cfg.arch) {
+                (LayerKind::Attention, _) => &[
+                    "self_attn.q_proj.weight",
+                    "self_attn.k_proj.weight",
+                    "self_attn.v_proj.weight",
+                    "self_attn.o_proj.weight",
+                    "self_attn.q_norm.weight",
+                    "self_attn.k_norm.weight",
+                ],
+                (LayerKind::DeltaNet, Arch::Qwen35) => &[
+                    "linear_attn.in_proj_qkv.weight",
+                    "linear_attn.in_proj_z.weight",
+                    "linear_attn.in_proj_b.weight",
+                    "linear_attn.in_proj_a.weight",
+                    "linear_attn.conv1d.weight",
+                    "linear_attn.dt_bias",
+                    "linear_attn.A_log",
+                    "linear_attn.norm.weight",
+                    "linear_attn.out_proj.weight",
+                ],
+                (LayerKind::DeltaNet, Arch::Qwen3Next) => &[
+                    "linear_attn.in_proj_qkvz.weight",
+                    "linear_attn.in_proj_ba.weight",
+                    "linear_attn.conv1d.weight",
+                    "linear_attn.dt_bias",
+                    "linear_attn.A_log",
+                    "linear_attn.norm.weight",
+                    "linear_attn.out_proj.weight",
+                ],
+            };
+            v.extend(mixer.iter().map(|s| l(s)));
+        }
+        v
+    }
+}
+
+/// A stored tensor used as is, after a shape check.
+fn direct<'a>(
+    ckpt: &'a Checkpoint,
+    name: &str,
+    shape: &[usize],
+) -> Result<TensorSource<'a>, ModelError> {
+    let t = ckpt.get_shaped(name, shape)?;
+    Ok(TensorSource {
+        name: name.to_string(),
+        shape: shape.to_vec(),
+        dtype: t.dtype,
+        parts: vec![t.bytes],
+    })
+}
+
+/// Splits Qwen3-Next's packed projections into the Qwen3.5 layout.
+/// `in_proj_qkvz` rows, per key-head group g: [q_g (dk) | k_g (dk) | v_g (r·dv) | z_g (r·dv)];
+/// `in_proj_ba` rows, per group: [b_g (r) | a_g (r)]. Output: qkv = [q_0..q_G | k_0..k_G | v_0..v_G], z, b, a.
+fn unpack_qwen3_next<'a>(
+    ckpt: &'a Checkpoint,
+    cfg: &ModelConfig,
+    qkvz_name: &str,
+    ba_name: &str,
+) -> Result<
+    (
+        TensorSource<'a>,
+        TensorSource<'a>,
+        TensorSource<'a>,
+        TensorSource<'a>,
+    ),
+    ModelError,
+> {
+    let d = cfg.dims();
+    let h = d.hidden;
+    let (dk, dv, r, groups) = (d.gdn_k_dim, d.gdn_v_dim, d.gdn_ratio, d.gdn_k_heads);
+    let qkvz = ckpt.get_shaped(qkvz_name, &[2 * d.gdn_key_width + 2 * d.gdn_value_width, h])?;
+    let ba = ckpt.get_shaped(ba_name, &[2 * d.gdn_v_heads, h])?;
+    let row_bytes = |t: &TensorRef| -> Result<usize, ModelError> {
+        t.dtype.size().map(|s| s * h).ok_or_else(|| {
+            ModelError::weights(format!(
+                "tensor `{}` has dtype {:?}; only BF16, F16 and F32 are supported",
+                t.name, t.dtype
+            ))
+        })
+    };
+    let (qrow, brow) = (row_bytes(&qkvz)?, row_bytes(&ba)?);
+    let rows = |t: &TensorRef<'a>, rb: usize, first: usize, n: usize| -> &'a [u8] {
+        &t.bytes[first * rb..(first + n) * rb]
+    };
+    let group_rows = 2 * dk + 2 * r * dv;
+    let (mut q, mut k, mut v, mut z, mut b, mut a) =
+        (vec![], vec![], vec![], vec![], vec![], vec![]);
+    for g in 0..groups {
+        let base = g * group_rows;
+        q.push(rows(&qkvz, qrow, base, dk));
+        k.push(rows(&qkvz, qrow, base + dk, dk));
+        v.push(rows(&qkvz, qrow, base + 2 * dk, r * dv));
+        z.push(rows(&qkvz, qrow, base + 2 * dk + r * dv, r * dv));
+        b.push(rows(&ba, brow, g * 2 * r, r));
+        a.push(rows(&ba, brow, g * 2 * r + r, r));
+    }
+    let base = qkvz_name.trim_end_matches("in_proj_qkvz.weight");
+    let src = |suffix: &str, parts: Vec<&'a [u8]>, n: usize, dtype| TensorSource {
+        name: format!("{base}{suffix} (from packed Qwen3-Next projection)"),
+        shape: vec![n, h],
+        dtype,
+        parts,
+    };
+    let qkv_parts = q.into_iter().chain(k).chain(v).collect();
+    Ok((
+        src("in_proj_qkv.weight", qkv_parts, d.conv_channels, qkvz.dtype),
+        src("in_proj_z.weight", z, d.gdn_value_width, qkvz.dtype),
+        src("in_proj_b.weight", b, d.gdn_v_heads, ba.dtype),
+        src("in_proj_a.weight", a, d.gdn_v_heads, ba.dtype),
+    ))
+}
