@@ -30,16 +30,13 @@ impl ModelArgs {
     pub fn load(&self) -> Result<LoadedModel> {
         match self.device.as_str() {
             "cpu" | "auto" => {}
-            "cuda" => bail!(
-                "--device cuda: the CUDA backend is not part of this build yet; use --device cpu"
-            ),
+            "cuda" => bail!("--device cuda: the CUDA backend is not part of this build yet; use --device cpu"),
             other => bail!("unknown --device `{other}` (expected cpu or cuda)"),
         }
         let dir = match &self.model {
             Some(d) => d.clone(),
             None => {
-                let dir = deltaserve_engine::synth::demo_model_dir()
-                    .context("creating the built-in demo model")?;
+                let dir = deltaserve_engine::synth::demo_model_dir().context("creating the built-in demo model")?;
                 tracing::warn!(
                     "no --model given: using the built-in demo model (tiny preset, RANDOM weights, its output is gibberish) at {}. \
                      To serve a real model pass --model /path/to/Qwen3.6-27B (a Hugging Face directory with config.json, \
@@ -61,11 +58,7 @@ fn load_dir(dir: &Path) -> Result<LoadedModel> {
     let ckpt = Checkpoint::open(dir)?;
     let weights = ModelWeights::load_f32(&ckpt, &config)?;
     let tok_path = dir.join("tokenizer.json");
-    let tokenizer = if tok_path.exists() {
-        Some(Tokenizer::from_file(&tok_path)?)
-    } else {
-        None
-    };
+    let tokenizer = if tok_path.exists() { Some(Tokenizer::from_file(&tok_path)?) } else { None };
     let template = ChatTemplate::from_dir(dir)?;
     tracing::info!(
         model = %dir.display(),
@@ -75,29 +68,20 @@ fn load_dir(dir: &Path) -> Result<LoadedModel> {
         tokenizer = tokenizer.is_some(),
         "model loaded on the CPU reference backend"
     );
-    Ok(LoadedModel {
-        model: CpuModel::new(config, weights),
-        tokenizer,
-        template,
-    })
+    Ok(LoadedModel { model: CpuModel::new(config, weights), tokenizer, template })
 }
 
 /// Parses `1,2,3` or `@file.json` (a JSON array of ids).
 pub fn parse_token_list(arg: &str) -> Result<Vec<u32>> {
     if let Some(path) = arg.strip_prefix('@') {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("reading token ids from {path}"))?;
-        let ids: Vec<u32> = serde_json::from_str(&text).with_context(|| {
-            format!("{path}: expected a JSON array of non-negative integer token ids")
-        })?;
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading token ids from {path}"))?;
+        let ids: Vec<u32> = serde_json::from_str(&text)
+            .with_context(|| format!("{path}: expected a JSON array of non-negative integer token ids"))?;
         return Ok(ids);
     }
     arg.split(',')
         .map(|s| s.trim())
         .filter(|s| !s.is_empty())
-        .map(|s| {
-            s.parse::<u32>()
-                .with_context(|| format!("`{s}` in --tokens is not a token id"))
-        })
+        .map(|s| s.parse::<u32>().with_context(|| format!("`{s}` in --tokens is not a token id")))
         .collect()
 }

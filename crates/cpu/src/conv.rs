@@ -6,20 +6,10 @@ use crate::activation::silu;
 
 /// x: [t, channels]; w: [channels, kernel]; state: [kernel − 1, channels], updated to the last
 /// kernel − 1 rows of (state ++ x). Returns [t, channels].
-pub fn causal_conv1d_silu(
-    x: &[f32],
-    channels: usize,
-    w: &[f32],
-    kernel: usize,
-    state: &mut [f32],
-) -> Vec<f32> {
+pub fn causal_conv1d_silu(x: &[f32], channels: usize, w: &[f32], kernel: usize, state: &mut [f32]) -> Vec<f32> {
     let t = x.len() / channels;
     let hist = kernel - 1;
-    assert_eq!(
-        state.len(),
-        hist * channels,
-        "conv state has the wrong size"
-    );
+    assert_eq!(state.len(), hist * channels, "conv state has the wrong size");
     // xpad = [state; x]: row r of xpad is state row r for r < hist, else x row r − hist.
     let row = |r: usize| -> &[f32] {
         if r < hist {

@@ -64,22 +64,13 @@ pub enum GdnError {
          head_k_dim={head_k_dim}, head_v_dim={head_v_dim} (all must be > 0 and \
          num_v_heads a multiple of num_k_heads)"
     )]
-    Dims {
-        num_k_heads: usize,
-        num_v_heads: usize,
-        head_k_dim: usize,
-        head_v_dim: usize,
-    },
+    Dims { num_k_heads: usize, num_v_heads: usize, head_k_dim: usize, head_v_dim: usize },
     /// `beta.len()` is not a multiple of `num_v_heads`, so `T` is undefined.
     #[error("`beta` has length {len}, which is not a multiple of num_v_heads={num_v_heads}")]
     TokenCount { len: usize, num_v_heads: usize },
     /// A slice has the wrong length for the dims and `T`.
     #[error("`{arg}` has length {actual}, expected {expected}")]
-    Length {
-        arg: &'static str,
-        expected: usize,
-        actual: usize,
-    },
+    Length { arg: &'static str, expected: usize, actual: usize },
     /// The chunk size passed to [`gdn_chunked`] is zero.
     #[error("chunk size must be at least 1")]
     ZeroChunk,
@@ -89,16 +80,9 @@ pub enum GdnError {
 ///
 /// `state: [Hv, Dk, Dv]` is read and updated in place; `out: [T, Hv, Dv]` is fully
 /// overwritten. `T = beta.len() / Hv`.
-pub fn gdn_recurrent(
-    d: GdnDims,
-    x: &GdnInputs,
-    state: &mut [f32],
-    out: &mut [f32],
-) -> Result<(), GdnError> {
+pub fn gdn_recurrent(d: GdnDims, x: &GdnInputs, state: &mut [f32], out: &mut [f32]) -> Result<(), GdnError> {
     let t = validate(d, x, state, out)?;
-    run_per_head(d, t, state, out, |h, s, o| {
-        recurrent_head(&HeadView::new(d, x, t, h), s, o)
-    });
+    run_per_head(d, t, state, out, |h, s, o| recurrent_head(&HeadView::new(d, x, t, h), s, o));
     Ok(())
 }
 
@@ -116,33 +100,18 @@ pub fn gdn_chunked(
         return Err(GdnError::ZeroChunk);
     }
     let t = validate(d, x, state, out)?;
-    run_per_head(d, t, state, out, |h, s, o| {
-        chunked_head(&HeadView::new(d, x, t, h), chunk, s, o)
-    });
+    run_per_head(d, t, state, out, |h, s, o| chunked_head(&HeadView::new(d, x, t, h), chunk, s, o));
     Ok(())
 }
 
 /// Checks all slice lengths against the dims; returns `T`.
 fn validate(d: GdnDims, x: &GdnInputs, state: &[f32], out: &[f32]) -> Result<usize, GdnError> {
-    let GdnDims {
-        num_k_heads: hk,
-        num_v_heads: hv,
-        head_k_dim: dk,
-        head_v_dim: dv,
-    } = d;
+    let GdnDims { num_k_heads: hk, num_v_heads: hv, head_k_dim: dk, head_v_dim: dv } = d;
     if hk == 0 || hv == 0 || dk == 0 || dv == 0 || hv % hk != 0 {
-        return Err(GdnError::Dims {
-            num_k_heads: hk,
-            num_v_heads: hv,
-            head_k_dim: dk,
-            head_v_dim: dv,
-        });
+        return Err(GdnError::Dims { num_k_heads: hk, num_v_heads: hv, head_k_dim: dk, head_v_dim: dv });
     }
     if !x.beta.len().is_multiple_of(hv) {
-        return Err(GdnError::TokenCount {
-            len: x.beta.len(),
-            num_v_heads: hv,
-        });
+        return Err(GdnError::TokenCount { len: x.beta.len(), num_v_heads: hv });
     }
     let t = x.beta.len() / hv;
     let checks = [
@@ -155,11 +124,7 @@ fn validate(d: GdnDims, x: &GdnInputs, state: &[f32], out: &[f32]) -> Result<usi
     ];
     for (arg, expected, actual) in checks {
         if expected != actual {
-            return Err(GdnError::Length {
-                arg,
-                expected,
-                actual,
-            });
+            return Err(GdnError::Length { arg, expected, actual });
         }
     }
     Ok(t)
@@ -206,16 +171,7 @@ struct HeadView<'a> {
 impl<'a> HeadView<'a> {
     fn new(d: GdnDims, x: &'a GdnInputs<'a>, t: usize, h: usize) -> Self {
         let ratio = d.num_v_heads / d.num_k_heads;
-        HeadView {
-            x,
-            t,
-            hv: d.num_v_heads,
-            hk: d.num_k_heads,
-            dk: d.head_k_dim,
-            dv: d.head_v_dim,
-            h,
-            kh: h / ratio,
-        }
+        HeadView { x, t, hv: d.num_v_heads, hk: d.num_k_heads, dk: d.head_k_dim, dv: d.head_v_dim, h, kh: h / ratio }
     }
     fn q(&self, tok: usize) -> &'a [f32] {
         let o = (tok * self.hk + self.kh) * self.dk;

@@ -2,18 +2,8 @@
 
 /// `y = x · wᵀ`; x: [t, inp], w: [out, inp], returns [t, out].
 pub fn linear(x: &[f32], t: usize, w: &[f32], out: usize, inp: usize) -> Vec<f32> {
-    assert_eq!(
-        x.len(),
-        t * inp,
-        "linear: x has {} values, expected {t}×{inp}",
-        x.len()
-    );
-    assert_eq!(
-        w.len(),
-        out * inp,
-        "linear: w has {} values, expected {out}×{inp}",
-        w.len()
-    );
+    assert_eq!(x.len(), t * inp, "linear: x has {} values, expected {t}×{inp}", x.len());
+    assert_eq!(w.len(), out * inp, "linear: w has {} values, expected {out}×{inp}", w.len());
     let mut y = vec![0.0f32; t * out];
     if t == 0 || out == 0 {
         return y;

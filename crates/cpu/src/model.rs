@@ -3,9 +3,7 @@
 //! of one sequence against its [`SequenceState`] (DeltaNet conv + recurrent state, attention KV),
 //! so a prompt can be fed in pieces of any size and then decoded token by token.
 
-use deltaserve_model::weights::{
-    AttentionWeights, DeltaNetWeights, HostTensor, MixerWeights, MlpWeights,
-};
+use deltaserve_model::weights::{AttentionWeights, DeltaNetWeights, HostTensor, MixerWeights, MlpWeights};
 use deltaserve_model::{Dims, LayerKind, ModelConfig, ModelWeights};
 
 use crate::activation::{sigmoid, silu, softplus};
@@ -82,11 +80,7 @@ pub enum ForwardError {
 
 impl CpuModel {
     pub fn new(config: ModelConfig, weights: ModelWeights<HostTensor>) -> Self {
-        Self {
-            dims: config.dims(),
-            config,
-            weights,
-        }
+        Self { dims: config.dims(), config, weights }
     }
 
     /// A fresh (empty) sequence.
@@ -101,10 +95,7 @@ impl CpuModel {
                     conv: vec![0.0; (d.conv_kernel - 1) * d.conv_channels],
                     recurrent: vec![0.0; d.gdn_v_heads * d.gdn_k_dim * d.gdn_v_dim],
                 },
-                LayerKind::Attention => LayerState::Attention {
-                    k: Vec::new(),
-                    v: Vec::new(),
-                },
+                LayerKind::Attention => LayerState::Attention { k: Vec::new(), v: Vec::new() },
             })
             .collect();
         SequenceState { len: 0, layers }
@@ -122,16 +113,8 @@ impl CpuModel {
         if state.layers.len() != d.num_layers {
             return Err(ForwardError::StateMismatch);
         }
-        if let Some((index, &id)) = tokens
-            .iter()
-            .enumerate()
-            .find(|(_, id)| **id as usize >= d.vocab)
-        {
-            return Err(ForwardError::TokenOutOfRange {
-                id,
-                index,
-                vocab: d.vocab,
-            });
+        if let Some((index, &id)) = tokens.iter().enumerate().find(|(_, id)| **id as usize >= d.vocab) {
+            return Err(ForwardError::TokenOutOfRange { id, index, vocab: d.vocab });
         }
         let t = tokens.len();
         if t == 0 {
@@ -187,13 +170,7 @@ impl CpuModel {
         let z = linear(hn, t, &w.in_proj_z.data, d.gdn_value_width, d.hidden);
         let b = linear(hn, t, &w.in_proj_b.data, hv, d.hidden);
         let a = linear(hn, t, &w.in_proj_a.data, hv, d.hidden);
-        let c = causal_conv1d_silu(
-            &mixed,
-            d.conv_channels,
-            &w.conv1d.data,
-            d.conv_kernel,
-            conv_state,
-        );
+        let c = causal_conv1d_silu(&mixed, d.conv_channels, &w.conv1d.data, d.conv_kernel, conv_state);
 
         // Split each token's conv output into q [Hk·dk] | k [Hk·dk] | v [Hv·dv].
         let kw = d.gdn_key_width;
@@ -219,19 +196,8 @@ impl CpuModel {
             })
             .collect();
 
-        let dims = GdnDims {
-            num_k_heads: hk,
-            num_v_heads: hv,
-            head_k_dim: dk,
-            head_v_dim: dv,
-        };
-        let inputs = GdnInputs {
-            q: &q,
-            k: &k,
-            v: &v,
-            g: &g,
-            beta: &beta,
-        };
+        let dims = GdnDims { num_k_heads: hk, num_v_heads: hv, head_k_dim: dk, head_v_dim: dv };
+        let inputs = GdnInputs { q: &q, k: &k, v: &v, g: &g, beta: &beta };
         let mut o = vec![0.0f32; t * d.gdn_value_width];
         if mode == GdnMode::Recurrent || t == 1 {
             gdn_recurrent(dims, &inputs, recurrent, &mut o)?;

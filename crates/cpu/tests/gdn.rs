@@ -26,12 +26,7 @@ impl Case {
 
     /// Inputs of tokens `a..b`.
     fn slice(&self, a: usize, b: usize) -> GdnInputs<'_> {
-        let GdnDims {
-            num_k_heads: hk,
-            num_v_heads: hv,
-            head_k_dim: dk,
-            head_v_dim: dv,
-        } = self.d;
+        let GdnDims { num_k_heads: hk, num_v_heads: hv, head_k_dim: dk, head_v_dim: dv } = self.d;
         GdnInputs {
             q: &self.q[a * hk * dk..b * hk * dk],
             k: &self.k[a * hk * dk..b * hk * dk],
@@ -62,23 +57,13 @@ fn l2norm_rows(x: &mut [f32], dim: usize, scale: f32) {
 /// [-5, 0] with occasional -30 and exact 0, beta in (0, 1), nonzero initial state.
 fn random_case(d: GdnDims, t: usize, seed: u64) -> Case {
     let mut rng = StdRng::seed_from_u64(seed);
-    let GdnDims {
-        num_k_heads: hk,
-        num_v_heads: hv,
-        head_k_dim: dk,
-        head_v_dim: dv,
-    } = d;
-    let mut uniform = |n: usize, lo: f32, hi: f32| -> Vec<f32> {
-        (0..n).map(|_| rng.random_range(lo..hi)).collect()
-    };
+    let GdnDims { num_k_heads: hk, num_v_heads: hv, head_k_dim: dk, head_v_dim: dv } = d;
+    let mut uniform = |n: usize, lo: f32, hi: f32| -> Vec<f32> { (0..n).map(|_| rng.random_range(lo..hi)).collect() };
     let mut q = uniform(t * hk * dk, -1.0, 1.0);
     let mut k = uniform(t * hk * dk, -1.0, 1.0);
     let v = uniform(t * hv * dv, -1.0, 1.0);
     let state0 = uniform(hv * dk * dv, -1.0, 1.0);
-    let beta = uniform(t * hv, -4.0, 4.0)
-        .into_iter()
-        .map(|b| 1.0 / (1.0 + (-b).exp()))
-        .collect();
+    let beta = uniform(t * hv, -4.0, 4.0).into_iter().map(|b| 1.0 / (1.0 + (-b).exp())).collect();
     let g = uniform(t * hv, 0.0, 1.0)
         .into_iter()
         .map(|r| {
@@ -94,16 +79,7 @@ fn random_case(d: GdnDims, t: usize, seed: u64) -> Case {
         .collect();
     l2norm_rows(&mut q, dk, (dk as f32).powf(-0.5));
     l2norm_rows(&mut k, dk, 1.0);
-    Case {
-        d,
-        t,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        state0,
-    }
+    Case { d, t, q, k, v, g, beta, state0 }
 }
 
 /// Max |a - b| relative to max(max |b|, 1e-6).
@@ -111,10 +87,7 @@ fn rel_err(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     assert!(a.iter().all(|x| x.is_finite()), "non-finite value");
     let scale = b.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
-    let diff = a
-        .iter()
-        .zip(b)
-        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+    let diff = a.iter().zip(b).fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
     diff / scale
 }
 
@@ -205,16 +178,10 @@ fn check_all_forms(c: &Case, want_out: &[f32], want_state: &[f32]) {
     }
     for (name, (out, state)) in results {
         for (got, want) in out.iter().zip(want_out) {
-            assert!(
-                (got - want).abs() < 1e-6,
-                "{name}: out {out:?} != {want_out:?}"
-            );
+            assert!((got - want).abs() < 1e-6, "{name}: out {out:?} != {want_out:?}");
         }
         for (got, want) in state.iter().zip(want_state) {
-            assert!(
-                (got - want).abs() < 1e-6,
-                "{name}: state {state:?} != {want_state:?}"
-            );
+            assert!((got - want).abs() < 1e-6, "{name}: state {state:?} != {want_state:?}");
         }
     }
 }
@@ -229,12 +196,7 @@ fn hand_checked_scalar() {
     //     S = 1.125; kv = -1.125; delta = 0.25*(-1 + 1.125) = 0.03125
     //     S = 1.125 + (-1)(0.03125) = 1.09375; o = 1.09375
     let c = Case {
-        d: GdnDims {
-            num_k_heads: 1,
-            num_v_heads: 1,
-            head_k_dim: 1,
-            head_v_dim: 1,
-        },
+        d: GdnDims { num_k_heads: 1, num_v_heads: 1, head_k_dim: 1, head_v_dim: 1 },
         t: 2,
         q: vec![1.0, 1.0],
         k: vec![1.0, -1.0],
@@ -256,12 +218,7 @@ fn hand_checked_2x2() {
     //     S = [[0.25,0.5],[1.5,-0.5]]; o = Sᵀq = 0.5*(1.75, 0) = (0.875, 0)
     let r = std::f32::consts::FRAC_1_SQRT_2;
     let c = Case {
-        d: GdnDims {
-            num_k_heads: 1,
-            num_v_heads: 1,
-            head_k_dim: 2,
-            head_v_dim: 2,
-        },
+        d: GdnDims { num_k_heads: 1, num_v_heads: 1, head_k_dim: 2, head_v_dim: 2 },
         t: 2,
         q: vec![r, 0.0, 0.5, 0.5],
         k: vec![1.0, 0.0, 0.0, 1.0],
@@ -277,12 +234,7 @@ fn hand_checked_2x2() {
 /// with a single-head run fed that key head.
 #[test]
 fn head_grouping_is_consecutive() {
-    let d = GdnDims {
-        num_k_heads: 2,
-        num_v_heads: 6,
-        head_k_dim: 8,
-        head_v_dim: 4,
-    };
+    let d = GdnDims { num_k_heads: 2, num_v_heads: 6, head_k_dim: 8, head_v_dim: 4 };
     let c = random_case(d, 20, 7);
     let (out, state) = run_recurrent(&c);
     let (out_c, state_c) = run_chunked(&c, 7);
@@ -290,18 +242,11 @@ fn head_grouping_is_consecutive() {
     assert!(rel_err(&state_c, &state) < TOL);
 
     let (dk, dv, hk, hv) = (8, 4, 2, 6);
-    let one = GdnDims {
-        num_k_heads: 1,
-        num_v_heads: 1,
-        head_k_dim: dk,
-        head_v_dim: dv,
-    };
+    let one = GdnDims { num_k_heads: 1, num_v_heads: 1, head_k_dim: dk, head_v_dim: dv };
     for h in 0..hv {
         let kh = h / 3;
         let pick = |x: &[f32], heads: usize, head: usize, dim: usize| -> Vec<f32> {
-            (0..c.t)
-                .flat_map(|t| x[(t * heads + head) * dim..(t * heads + head + 1) * dim].to_vec())
-                .collect()
+            (0..c.t).flat_map(|t| x[(t * heads + head) * dim..(t * heads + head + 1) * dim].to_vec()).collect()
         };
         let single = Case {
             d: one,
@@ -322,12 +267,7 @@ fn head_grouping_is_consecutive() {
 /// Very strong decays must not overflow or produce NaN in the chunked form.
 #[test]
 fn strong_decay_stays_finite() {
-    let d = GdnDims {
-        num_k_heads: 1,
-        num_v_heads: 2,
-        head_k_dim: 16,
-        head_v_dim: 16,
-    };
+    let d = GdnDims { num_k_heads: 1, num_v_heads: 2, head_k_dim: 16, head_v_dim: 16 };
     let mut c = random_case(d, 150, 11);
     for (i, g) in c.g.iter_mut().enumerate() {
         *g = if i % 5 == 0 { -1.0 } else { -100.0 };
@@ -342,20 +282,9 @@ fn strong_decay_stays_finite() {
 
 #[test]
 fn empty_input_is_a_no_op() {
-    let d = GdnDims {
-        num_k_heads: 1,
-        num_v_heads: 2,
-        head_k_dim: 3,
-        head_v_dim: 4,
-    };
+    let d = GdnDims { num_k_heads: 1, num_v_heads: 2, head_k_dim: 3, head_v_dim: 4 };
     let state0: Vec<f32> = (0..24).map(|i| i as f32).collect();
-    let x = GdnInputs {
-        q: &[],
-        k: &[],
-        v: &[],
-        g: &[],
-        beta: &[],
-    };
+    let x = GdnInputs { q: &[], k: &[], v: &[], g: &[], beta: &[] };
     let mut state = state0.clone();
     gdn_recurrent(d, &x, &mut state, &mut []).unwrap();
     gdn_chunked(d, 64, &x, &mut state, &mut []).unwrap();
@@ -364,12 +293,7 @@ fn empty_input_is_a_no_op() {
 
 #[test]
 fn shape_errors_are_reported() {
-    let d = GdnDims {
-        num_k_heads: 2,
-        num_v_heads: 4,
-        head_k_dim: 3,
-        head_v_dim: 5,
-    };
+    let d = GdnDims { num_k_heads: 2, num_v_heads: 4, head_k_dim: 3, head_v_dim: 5 };
     let c = random_case(d, 6, 3);
     let good_out = c.out_len();
     let good_state = c.state0.len();
@@ -382,84 +306,39 @@ fn shape_errors_are_reported() {
         assert_eq!(r, ch, "both functions must report the same error");
         r
     };
-    let len_err = |arg: &'static str, expected: usize, actual: usize| {
-        Err(GdnError::Length {
-            arg,
-            expected,
-            actual,
-        })
-    };
+    let len_err = |arg: &'static str, expected: usize, actual: usize| Err(GdnError::Length { arg, expected, actual });
 
     assert_eq!(call(d, &c.inputs(), good_state, good_out), Ok(()));
 
     let short = |s: &[f32]| s[..s.len() - 1].to_vec();
     let q = short(&c.q);
-    let x = GdnInputs {
-        q: &q,
-        ..c.inputs()
-    };
+    let x = GdnInputs { q: &q, ..c.inputs() };
     assert_eq!(call(d, &x, good_state, good_out), len_err("q", 36, 35));
     let k = short(&c.k);
-    let x = GdnInputs {
-        k: &k,
-        ..c.inputs()
-    };
+    let x = GdnInputs { k: &k, ..c.inputs() };
     assert_eq!(call(d, &x, good_state, good_out), len_err("k", 36, 35));
     let v = short(&c.v);
-    let x = GdnInputs {
-        v: &v,
-        ..c.inputs()
-    };
+    let x = GdnInputs { v: &v, ..c.inputs() };
     assert_eq!(call(d, &x, good_state, good_out), len_err("v", 120, 119));
     let g = short(&c.g);
-    let x = GdnInputs {
-        g: &g,
-        ..c.inputs()
-    };
+    let x = GdnInputs { g: &g, ..c.inputs() };
     assert_eq!(call(d, &x, good_state, good_out), len_err("g", 24, 23));
-    assert_eq!(
-        call(d, &c.inputs(), good_state + 1, good_out),
-        len_err("state", 60, 61)
-    );
-    assert_eq!(
-        call(d, &c.inputs(), good_state, good_out - 1),
-        len_err("out", 120, 119)
-    );
+    assert_eq!(call(d, &c.inputs(), good_state + 1, good_out), len_err("state", 60, 61));
+    assert_eq!(call(d, &c.inputs(), good_state, good_out - 1), len_err("out", 120, 119));
 
     // beta decides T; a ragged beta is its own error.
     let beta = short(&c.beta);
-    let x = GdnInputs {
-        beta: &beta,
-        ..c.inputs()
-    };
-    assert_eq!(
-        call(d, &x, good_state, good_out),
-        Err(GdnError::TokenCount {
-            len: 23,
-            num_v_heads: 4
-        })
-    );
+    let x = GdnInputs { beta: &beta, ..c.inputs() };
+    assert_eq!(call(d, &x, good_state, good_out), Err(GdnError::TokenCount { len: 23, num_v_heads: 4 }));
     // A shorter, consistent beta makes every other slice too long.
-    let x = GdnInputs {
-        beta: &c.beta[..20],
-        ..c.inputs()
-    };
+    let x = GdnInputs { beta: &c.beta[..20], ..c.inputs() };
     assert_eq!(call(d, &x, good_state, good_out), len_err("q", 30, 36));
 
     // Bad dims: Hv not a multiple of Hk, zero dims.
     for bad in [
-        GdnDims {
-            num_v_heads: 3,
-            ..d
-        },
-        GdnDims {
-            num_k_heads: 0,
-            ..d
-        },
-        GdnDims {
-            num_v_heads: 0,
-            ..d
-        },
+        GdnDims { num_v_heads: 3, ..d },
+        GdnDims { num_k_heads: 0, ..d },
+        GdnDims { num_v_heads: 0, ..d },
         GdnDims { head_k_dim: 0, ..d },
         GdnDims { head_v_dim: 0, ..d },
     ] {
@@ -470,16 +349,10 @@ fn shape_errors_are_reported() {
     // chunk = 0.
     let mut state = c.state0.clone();
     let mut out = vec![0.0; good_out];
-    assert_eq!(
-        gdn_chunked(d, 0, &c.inputs(), &mut state, &mut out),
-        Err(GdnError::ZeroChunk)
-    );
+    assert_eq!(gdn_chunked(d, 0, &c.inputs(), &mut state, &mut out), Err(GdnError::ZeroChunk));
     // Errors leave the state untouched.
     assert_eq!(state, c.state0);
     // Error messages name the argument and both lengths.
     let msg = len_err("q", 36, 35).unwrap_err().to_string();
-    assert!(
-        msg.contains("`q`") && msg.contains("36") && msg.contains("35"),
-        "{msg}"
-    );
+    assert!(msg.contains("`q`") && msg.contains("36") && msg.contains("35"), "{msg}");
 }

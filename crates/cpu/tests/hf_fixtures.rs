@@ -19,11 +19,7 @@ fn fixture_dirs() -> Vec<PathBuf> {
         .filter(|p| p.join("reference.json").exists())
         .collect();
     dirs.sort();
-    assert!(
-        dirs.len() >= 3,
-        "expected the three HF fixture models in {}",
-        root.display()
-    );
+    assert!(dirs.len() >= 3, "expected the three HF fixture models in {}", root.display());
     dirs
 }
 
@@ -36,8 +32,7 @@ fn load(dir: &Path) -> CpuModel {
 
 fn reference(dir: &Path) -> (serde_json::Value, Checkpoint) {
     let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
-            .unwrap();
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
     // reference.safetensors holds the f32 logits (and i64 ids, which we read from the JSON).
     let tmp = std::env::temp_dir().join(format!(
         "ds-hf-ref-{}-{}",
@@ -45,30 +40,19 @@ fn reference(dir: &Path) -> (serde_json::Value, Checkpoint) {
         dir.file_name().unwrap().to_string_lossy()
     ));
     std::fs::create_dir_all(&tmp).unwrap();
-    std::fs::copy(
-        dir.join("reference.safetensors"),
-        tmp.join("model.safetensors"),
-    )
-    .unwrap();
+    std::fs::copy(dir.join("reference.safetensors"), tmp.join("model.safetensors")).unwrap();
     (json, Checkpoint::open(&tmp).unwrap())
 }
 
 fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }
 
 /// max |ours − ref| / max |ref|.
 fn rel_err(ours: &[f32], reference: &[f32]) -> f32 {
     assert_eq!(ours.len(), reference.len());
     let scale = reference.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let worst = ours
-        .iter()
-        .zip(reference)
-        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    let worst = ours.iter().zip(reference).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
     worst / scale
 }
 
@@ -79,15 +63,9 @@ fn full_prompt_logits_match_hf() {
         let (json, refs) = reference(&dir);
         for p in json["prompts"].as_array().unwrap() {
             let tokens = ids(&p["ids"]);
-            let expected = refs
-                .get(&format!("logits_{}", tokens.len()))
-                .unwrap()
-                .to_f32()
-                .unwrap();
+            let expected = refs.get(&format!("logits_{}", tokens.len())).unwrap().to_f32().unwrap();
             let mut st = model.new_sequence();
-            let got = model
-                .forward(&mut st, &tokens, GdnMode::Auto, Logits::All)
-                .unwrap();
+            let got = model.forward(&mut st, &tokens, GdnMode::Auto, Logits::All).unwrap();
             let e = rel_err(&got, &expected);
             println!("{} T={}: max rel err {e:.2e}", dir.display(), tokens.len());
             assert!(
@@ -105,12 +83,7 @@ fn prompt_fed_in_uneven_pieces_matches_hf() {
     for dir in fixture_dirs() {
         let model = load(&dir);
         let (json, refs) = reference(&dir);
-        let p = json["prompts"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|p| p["len"] == 1100)
-            .unwrap();
+        let p = json["prompts"].as_array().unwrap().iter().find(|p| p["len"] == 1100).unwrap();
         let tokens = ids(&p["ids"]);
         let expected = refs.get("logits_1100").unwrap().to_f32().unwrap();
         let mut st = model.new_sequence();
@@ -123,19 +96,11 @@ fn prompt_fed_in_uneven_pieces_matches_hf() {
                 break;
             }
             let end = (at + s).min(tokens.len());
-            got.extend(
-                model
-                    .forward(&mut st, &tokens[at..end], GdnMode::Auto, Logits::All)
-                    .unwrap(),
-            );
+            got.extend(model.forward(&mut st, &tokens[at..end], GdnMode::Auto, Logits::All).unwrap());
             at = end;
         }
         let e = rel_err(&got, &expected);
-        assert!(
-            e < TOL,
-            "{}: pieces differ from HF by {e:.3e}",
-            dir.display()
-        );
+        assert!(e < TOL, "{}: pieces differ from HF by {e:.3e}", dir.display());
     }
 }
 
@@ -146,39 +111,21 @@ fn greedy_decode_trace_matches_hf() {
         let (json, refs) = reference(&dir);
         let dec = &json["decode"];
         let plen = dec["prompt_len"].as_u64().unwrap() as usize;
-        let prompt = ids(&json["prompts"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|p| p["len"] == plen)
-            .unwrap()["ids"]);
+        let prompt = ids(&json["prompts"].as_array().unwrap().iter().find(|p| p["len"] == plen).unwrap()["ids"]);
         let expected_ids = ids(&dec["generated"]);
         let expected_logits = refs.get("decode_logits").unwrap().to_f32().unwrap();
         let vocab = model.dims.vocab;
         let mut st = model.new_sequence();
-        let mut logits = model
-            .forward(&mut st, &prompt, GdnMode::Auto, Logits::Last)
-            .unwrap();
+        let mut logits = model.forward(&mut st, &prompt, GdnMode::Auto, Logits::Last).unwrap();
         let mut got_ids = Vec::new();
         for step in 0..expected_ids.len() {
             let e = rel_err(&logits, &expected_logits[step * vocab..(step + 1) * vocab]);
-            assert!(
-                e < TOL,
-                "{}: decode step {step} logits differ by {e:.3e}",
-                dir.display()
-            );
+            assert!(e < TOL, "{}: decode step {step} logits differ by {e:.3e}", dir.display());
             let id = deltaserve_engine_argmax(&logits);
             got_ids.push(id);
-            logits = model
-                .forward(&mut st, &[id], GdnMode::Auto, Logits::Last)
-                .unwrap();
+            logits = model.forward(&mut st, &[id], GdnMode::Auto, Logits::Last).unwrap();
         }
-        assert_eq!(
-            got_ids,
-            expected_ids,
-            "{}: greedy ids differ from HF",
-            dir.display()
-        );
+        assert_eq!(got_ids, expected_ids, "{}: greedy ids differ from HF", dir.display());
     }
 }
 

@@ -58,11 +58,7 @@ pub enum GenerateError {
         "prompt ({prompt} tokens) + max_tokens ({max_tokens}) = {} exceeds the model's context of {context} tokens",
         prompt + max_tokens
     )]
-    ContextTooLong {
-        prompt: usize,
-        max_tokens: usize,
-        context: usize,
-    },
+    ContextTooLong { prompt: usize, max_tokens: usize, context: usize },
     #[error(transparent)]
     Forward(#[from] ForwardError),
     #[error(transparent)]
@@ -82,11 +78,7 @@ pub fn generate(
     req.sampling.validate().map_err(GenerateError::Sampling)?;
     let context = model.config.max_position_embeddings;
     if req.prompt.len() + req.max_tokens > context {
-        return Err(GenerateError::ContextTooLong {
-            prompt: req.prompt.len(),
-            max_tokens: req.max_tokens,
-            context,
-        });
+        return Err(GenerateError::ContextTooLong { prompt: req.prompt.len(), max_tokens: req.max_tokens, context });
     }
     let valid_vocab = tokenizer.map_or(model.dims.vocab, |t| t.vocab_size().min(model.dims.vocab));
     let mut sampler = Sampler::new(req.sampling.clone(), valid_vocab);
@@ -135,15 +127,7 @@ pub fn generate(
     {
         let tail = decoder.finish(tok)?;
         let out = stops.push(&tail);
-        let rest = format!(
-            "{}{}",
-            out.emit,
-            if out.stopped.is_none() {
-                stops.flush()
-            } else {
-                String::new()
-            }
-        );
+        let rest = format!("{}{}", out.emit, if out.stopped.is_none() { stops.flush() } else { String::new() });
         text.push_str(&rest);
         on_text(&rest);
         if let Some(s) = out.stopped {

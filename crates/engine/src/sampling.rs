@@ -48,51 +48,24 @@ impl Default for SamplingParams {
 
 impl SamplingParams {
     pub fn greedy() -> Self {
-        Self {
-            temperature: 0.0,
-            ..Self::default()
-        }
+        Self { temperature: 0.0, ..Self::default() }
     }
 
     /// Checks ranges; the error names the parameter, the allowed range and the value given.
     pub fn validate(&self) -> Result<(), String> {
         let check = |ok: bool, name: &str, range: &str, v: f32| {
-            if ok {
-                Ok(())
-            } else {
-                Err(format!("`{name}` must be {range}, got {v}"))
-            }
+            if ok { Ok(()) } else { Err(format!("`{name}` must be {range}, got {v}")) }
         };
-        check(
-            self.temperature.is_finite() && self.temperature >= 0.0,
-            "temperature",
-            ">= 0",
-            self.temperature,
-        )?;
-        check(
-            self.top_p > 0.0 && self.top_p <= 1.0,
-            "top_p",
-            "in (0, 1]",
-            self.top_p,
-        )?;
-        check(
-            (0.0..=1.0).contains(&self.min_p),
-            "min_p",
-            "in [0, 1]",
-            self.min_p,
-        )?;
+        check(self.temperature.is_finite() && self.temperature >= 0.0, "temperature", ">= 0", self.temperature)?;
+        check(self.top_p > 0.0 && self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)?;
+        check((0.0..=1.0).contains(&self.min_p), "min_p", "in [0, 1]", self.min_p)?;
         check(
             self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0,
             "repetition_penalty",
             "> 0",
             self.repetition_penalty,
         )?;
-        check(
-            (-2.0..=2.0).contains(&self.presence_penalty),
-            "presence_penalty",
-            "in [-2, 2]",
-            self.presence_penalty,
-        )?;
+        check((-2.0..=2.0).contains(&self.presence_penalty), "presence_penalty", "in [-2, 2]", self.presence_penalty)?;
         check(
             (-2.0..=2.0).contains(&self.frequency_penalty),
             "frequency_penalty",
@@ -119,12 +92,7 @@ impl Sampler {
     /// `valid_vocab`: ids >= this are padding and never sampled.
     pub fn new(params: SamplingParams, valid_vocab: usize) -> Self {
         let seed = params.seed.unwrap_or_else(rand::random);
-        Self {
-            rng: Xoshiro256PlusPlus::seed_from_u64(seed),
-            params,
-            valid_vocab,
-            generated_counts: HashMap::new(),
-        }
+        Self { rng: Xoshiro256PlusPlus::seed_from_u64(seed), params, valid_vocab, generated_counts: HashMap::new() }
     }
 
     /// Records a generated token (for presence/frequency penalties).
@@ -143,11 +111,7 @@ impl Sampler {
         }
         let inv_t = 1.0 / self.params.temperature;
         // Candidates sorted by logit, descending (ties: lower id first, for determinism).
-        let mut cand: Vec<(u32, f32)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (i as u32, l * inv_t))
-            .collect();
+        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l * inv_t)).collect();
         cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         if self.params.top_k > 0 {
             cand.truncate(self.params.top_k);
@@ -194,11 +158,7 @@ impl Sampler {
             }
             for (l, s) in logits.iter_mut().zip(seen) {
                 if s {
-                    *l = if *l > 0.0 {
-                        *l / p.repetition_penalty
-                    } else {
-                        *l * p.repetition_penalty
-                    };
+                    *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
                 }
             }
         }
@@ -240,10 +200,7 @@ mod tests {
 
     #[test]
     fn repetition_penalty_demotes_seen_tokens() {
-        let mut s = sampler(SamplingParams {
-            repetition_penalty: 4.0,
-            ..SamplingParams::greedy()
-        });
+        let mut s = sampler(SamplingParams { repetition_penalty: 4.0, ..SamplingParams::greedy() });
         let mut logits = vec![0.0, 3.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0];
         assert_eq!(s.sample(&mut logits, &[1]), 3);
         assert_eq!(logits[1], 0.75);
@@ -251,11 +208,8 @@ mod tests {
 
     #[test]
     fn presence_and_frequency_penalties_use_generated_counts() {
-        let mut s = sampler(SamplingParams {
-            presence_penalty: 0.5,
-            frequency_penalty: 1.0,
-            ..SamplingParams::greedy()
-        });
+        let mut s =
+            sampler(SamplingParams { presence_penalty: 0.5, frequency_penalty: 1.0, ..SamplingParams::greedy() });
         s.observe(1);
         s.observe(1);
         let mut logits = vec![0.0, 3.0, 1.0, 0.6, 0.0, 0.0, 0.0, 0.0];
@@ -266,23 +220,11 @@ mod tests {
     #[test]
     fn top_k_one_is_greedy_and_seed_reproduces() {
         let logits = vec![0.1, 0.5, 0.2, 0.4, 0.3, 0.0, 0.0, 0.0];
-        let mut s = sampler(SamplingParams {
-            temperature: 1.0,
-            top_k: 1,
-            ..Default::default()
-        });
+        let mut s = sampler(SamplingParams { temperature: 1.0, top_k: 1, ..Default::default() });
         assert_eq!(s.sample(&mut logits.clone(), &[]), 1);
         let draw = |seed| {
-            let mut s = Sampler::new(
-                SamplingParams {
-                    seed: Some(seed),
-                    ..Default::default()
-                },
-                8,
-            );
-            (0..32)
-                .map(|_| s.sample(&mut logits.clone(), &[]))
-                .collect::<Vec<_>>()
+            let mut s = Sampler::new(SamplingParams { seed: Some(seed), ..Default::default() }, 8);
+            (0..32).map(|_| s.sample(&mut logits.clone(), &[])).collect::<Vec<_>>()
         };
         assert_eq!(draw(3), draw(3));
         assert_ne!(draw(3), draw(4));
@@ -292,24 +234,14 @@ mod tests {
     fn top_p_and_min_p_cut_the_tail() {
         // probabilities ∝ e^l: token 0 dominates.
         let logits = vec![10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
-        for p in [
-            SamplingParams {
-                top_p: 0.5,
-                ..Default::default()
-            },
-            SamplingParams {
-                min_p: 0.01,
-                ..Default::default()
-            },
-        ] {
+        for p in
+            [SamplingParams { top_p: 0.5, ..Default::default() }, SamplingParams { min_p: 0.01, ..Default::default() }]
+        {
             let mut s = sampler(p);
             assert!((0..200).all(|_| s.sample(&mut logits.clone(), &[]) == 0));
         }
         // without cuts, the tail is sometimes drawn at high temperature
-        let mut s = sampler(SamplingParams {
-            temperature: 20.0,
-            ..Default::default()
-        });
+        let mut s = sampler(SamplingParams { temperature: 20.0, ..Default::default() });
         assert!((0..200).any(|_| s.sample(&mut logits.clone(), &[]) != 0));
     }
 
@@ -327,30 +259,16 @@ mod tests {
         ];
         let mut s = sampler(SamplingParams::default());
         let n = 20_000;
-        let zeros = (0..n)
-            .filter(|_| s.sample(&mut logits.clone(), &[]) == 0)
-            .count();
+        let zeros = (0..n).filter(|_| s.sample(&mut logits.clone(), &[]) == 0).count();
         let frac = zeros as f64 / n as f64;
         assert!((frac - 0.5).abs() < 0.02, "P(0) = {frac}, expected 0.5");
     }
 
     #[test]
     fn validate_names_the_parameter() {
-        let e = SamplingParams {
-            top_p: 0.0,
-            ..Default::default()
-        }
-        .validate()
-        .unwrap_err();
+        let e = SamplingParams { top_p: 0.0, ..Default::default() }.validate().unwrap_err();
         assert!(e.contains("top_p"), "{e}");
-        assert!(
-            SamplingParams {
-                temperature: -1.0,
-                ..Default::default()
-            }
-            .validate()
-            .is_err()
-        );
+        assert!(SamplingParams { temperature: -1.0, ..Default::default() }.validate().is_err());
         assert!(SamplingParams::default().validate().is_ok());
     }
 }

@@ -21,13 +21,8 @@ pub fn write_synthetic_model(
     write_model(dir, preset, layers, seed, progress)?;
     let tokenizer = deltaserve_text::synthetic_tokenizer_json(preset.tokenizer_mergeable())
         .map_err(|e| ModelError::config(format!("synthetic tokenizer: {e}")))?;
-    let files = [
-        ("tokenizer.json", tokenizer),
-        (
-            "tokenizer_config.json",
-            deltaserve_text::synthetic_tokenizer_config_json(preset.tokenizer_mergeable()),
-        ),
-    ];
+    let files =
+        [("tokenizer.json", tokenizer), ("tokenizer_config.json", deltaserve_text::synthetic_tokenizer_config_json())];
     for (name, text) in files {
         let path = dir.join(name);
         std::fs::write(&path, text).map_err(|e| ModelError::io(&path, e))?;

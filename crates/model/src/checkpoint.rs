@@ -69,28 +69,14 @@ pub struct TensorRef<'a> {
 
 impl TensorRef<'_> {
     /// Converts (a byte range of) the tensor to f32. `bytes` must be a whole number of elements.
-    pub fn bytes_to_f32(
-        name: &str,
-        dtype: DType,
-        bytes: &[u8],
-        out: &mut Vec<f32>,
-    ) -> Result<(), ModelError> {
+    pub fn bytes_to_f32(name: &str, dtype: DType, bytes: &[u8], out: &mut Vec<f32>) -> Result<(), ModelError> {
         match dtype {
-            DType::F32 => out.extend(
-                bytes
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-            ),
+            DType::F32 => out.extend(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))),
             DType::BF16 => out.extend(
-                bytes
-                    .chunks_exact(2)
-                    .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()),
+                bytes.chunks_exact(2).map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()),
             ),
-            DType::F16 => out.extend(
-                bytes
-                    .chunks_exact(2)
-                    .map(|b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()),
-            ),
+            DType::F16 => out
+                .extend(bytes.chunks_exact(2).map(|b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())),
             DType::Other(d) => {
                 return Err(ModelError::weights(format!(
                     "tensor `{name}` has dtype {d}; only BF16, F16 and F32 are supported"
@@ -111,10 +97,7 @@ impl TensorRef<'_> {
 /// All tensors of a model directory, memory-mapped.
 impl std::fmt::Debug for Checkpoint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Checkpoint")
-            .field("dir", &self.dir)
-            .field("tensors", &self.entries.len())
-            .finish()
+        f.debug_struct("Checkpoint").field("dir", &self.dir).field("tensors", &self.entries.len()).finish()
     }
 }
 
@@ -130,22 +113,16 @@ impl Checkpoint {
         let index = dir.join("model.safetensors.index.json");
         let files: Vec<PathBuf> = if index.exists() {
             let text = std::fs::read_to_string(&index).map_err(|e| ModelError::io(&index, e))?;
-            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
-                ModelError::weights(format!("{}: invalid JSON: {e}", index.display()))
-            })?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| ModelError::weights(format!("{}: invalid JSON: {e}", index.display())))?;
             let map = v
                 .get("weight_map")
                 .and_then(|m| m.as_object())
-                .ok_or_else(|| {
-                    ModelError::weights(format!("{}: missing object `weight_map`", index.display()))
-                })?;
+                .ok_or_else(|| ModelError::weights(format!("{}: missing object `weight_map`", index.display())))?;
             let mut names = BTreeSet::new();
             for (tensor, file) in map {
                 let f = file.as_str().ok_or_else(|| {
-                    ModelError::weights(format!(
-                        "{}: weight_map[{tensor}] is not a file name",
-                        index.display()
-                    ))
+                    ModelError::weights(format!("{}: weight_map[{tensor}] is not a file name", index.display()))
                 })?;
                 if f.contains('/') || f.contains("..") {
                     return Err(ModelError::weights(format!(
@@ -168,10 +145,7 @@ impl Checkpoint {
             v
         };
         if files.is_empty() {
-            return Err(ModelError::weights(format!(
-                "{}: no *.safetensors files found",
-                dir.display()
-            )));
+            return Err(ModelError::weights(format!("{}: no *.safetensors files found", dir.display())));
         }
         let mut shards = Vec::with_capacity(files.len());
         let mut entries = HashMap::new();
@@ -180,12 +154,8 @@ impl Checkpoint {
             // SAFETY: the file is opened read-only; like every mmap-based loader we assume it is
             // not truncated by another process while mapped.
             let mmap = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::io(&path, e))?;
-            let (header_len, meta) = SafeTensors::read_metadata(&mmap).map_err(|e| {
-                ModelError::weights(format!(
-                    "{}: not a valid safetensors file ({e})",
-                    path.display()
-                ))
-            })?;
+            let (header_len, meta) = SafeTensors::read_metadata(&mmap)
+                .map_err(|e| ModelError::weights(format!("{}: not a valid safetensors file ({e})", path.display())))?;
             let base = 8 + header_len;
             for (name, info) in meta.tensors() {
                 let entry = Entry {
@@ -204,11 +174,7 @@ impl Checkpoint {
             }
             shards.push((path, mmap));
         }
-        Ok(Self {
-            dir: dir.to_path_buf(),
-            shards,
-            entries,
-        })
+        Ok(Self { dir: dir.to_path_buf(), shards, entries })
     }
 
     pub fn dir(&self) -> &Path {
@@ -228,34 +194,18 @@ impl Checkpoint {
 
     /// Looks a tensor up.
     pub fn get(&self, name: &str) -> Result<TensorRef<'_>, ModelError> {
-        let (key, e) =
-            self.entries
-                .get_key_value(name)
-                .ok_or_else(|| ModelError::MissingTensor {
-                    name: name.to_string(),
-                    hint: format!(
-                        " ({} holds {} tensors)",
-                        self.dir.display(),
-                        self.entries.len()
-                    ),
-                })?;
-        Ok(TensorRef {
-            name: key,
-            dtype: e.dtype,
-            shape: &e.shape,
-            bytes: &self.shards[e.shard].1[e.start..e.end],
-        })
+        let (key, e) = self.entries.get_key_value(name).ok_or_else(|| ModelError::MissingTensor {
+            name: name.to_string(),
+            hint: format!(" ({} holds {} tensors)", self.dir.display(), self.entries.len()),
+        })?;
+        Ok(TensorRef { name: key, dtype: e.dtype, shape: &e.shape, bytes: &self.shards[e.shard].1[e.start..e.end] })
     }
 
     /// Looks a tensor up and checks its shape.
     pub fn get_shaped(&self, name: &str, expected: &[usize]) -> Result<TensorRef<'_>, ModelError> {
         let t = self.get(name)?;
         if t.shape != expected {
-            return Err(ModelError::Shape {
-                name: name.into(),
-                expected: expected.to_vec(),
-                found: t.shape.to_vec(),
-            });
+            return Err(ModelError::Shape { name: name.into(), expected: expected.to_vec(), found: t.shape.to_vec() });
         }
         Ok(t)
     }
@@ -287,10 +237,7 @@ pub fn write_safetensors(
             DType::F16 => ("F16", 2),
             DType::F32 => ("F32", 4),
             DType::Other(d) => {
-                return Err(ModelError::weights(format!(
-                    "cannot write tensor `{}` as {d}",
-                    t.name
-                )));
+                return Err(ModelError::weights(format!("cannot write tensor `{}` as {d}", t.name)));
             }
         };
         let bytes = t.shape.iter().product::<usize>() * size;
@@ -301,16 +248,15 @@ pub fn write_safetensors(
         sizes.push(bytes);
         offset += bytes;
     }
-    let mut header = serde_json::to_vec(&serde_json::Value::Object(header))
-        .map_err(|e| ModelError::weights(e.to_string()))?;
+    let mut header =
+        serde_json::to_vec(&serde_json::Value::Object(header)).map_err(|e| ModelError::weights(e.to_string()))?;
     while header.len() % 8 != 0 {
         header.push(b' ');
     }
     let file = File::create(path).map_err(|e| ModelError::io(path, e))?;
     let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
     let io = |e| ModelError::io(path, e);
-    w.write_all(&(header.len() as u64).to_le_bytes())
-        .map_err(io)?;
+    w.write_all(&(header.len() as u64).to_le_bytes()).map_err(io)?;
     w.write_all(&header).map_err(io)?;
     let mut buf = Vec::new();
     for (i, t) in tensors.iter().enumerate() {
@@ -330,17 +276,10 @@ pub fn write_safetensors(
 }
 
 /// Writes f32 tensors (name, shape, values) to a safetensors file.
-pub fn write_f32_safetensors(
-    path: &Path,
-    tensors: &[(&str, Vec<usize>, &[f32])],
-) -> Result<(), ModelError> {
+pub fn write_f32_safetensors(path: &Path, tensors: &[(&str, Vec<usize>, &[f32])]) -> Result<(), ModelError> {
     let headers: Vec<TensorHeader> = tensors
         .iter()
-        .map(|(n, s, _)| TensorHeader {
-            name: n.to_string(),
-            dtype: DType::F32,
-            shape: s.clone(),
-        })
+        .map(|(n, s, _)| TensorHeader { name: n.to_string(), dtype: DType::F32, shape: s.clone() })
         .collect();
     write_safetensors(path, &headers, |i, buf| {
         buf.extend(tensors[i].2.iter().flat_map(|v| v.to_le_bytes()));

@@ -100,11 +100,9 @@ impl ModelConfig {
         let mut cfg = Self::from_json_str(&text).map_err(|e| e.in_file(&path))?;
         let gen_path = dir.join("generation_config.json");
         if gen_path.exists() {
-            let text =
-                std::fs::read_to_string(&gen_path).map_err(|e| ModelError::io(&gen_path, e))?;
-            let v: Value = serde_json::from_str(&text).map_err(|e| {
-                ModelError::config(format!("{}: invalid JSON: {e}", gen_path.display()))
-            })?;
+            let text = std::fs::read_to_string(&gen_path).map_err(|e| ModelError::io(&gen_path, e))?;
+            let v: Value = serde_json::from_str(&text)
+                .map_err(|e| ModelError::config(format!("{}: invalid JSON: {e}", gen_path.display())))?;
             if let Some(ids) = v.get("eos_token_id") {
                 for id in token_ids(ids, "generation_config.json eos_token_id")? {
                     if !cfg.eos_token_ids.contains(&id) {
@@ -118,11 +116,8 @@ impl ModelConfig {
 
     /// Parses the text of a `config.json`.
     pub fn from_json_str(text: &str) -> Result<Self, ModelError> {
-        let root: Value = serde_json::from_str(text)
-            .map_err(|e| ModelError::config(format!("invalid JSON: {e}")))?;
-        let root = root
-            .as_object()
-            .ok_or_else(|| ModelError::config("config.json must be a JSON object"))?;
+        let root: Value = serde_json::from_str(text).map_err(|e| ModelError::config(format!("invalid JSON: {e}")))?;
+        let root = root.as_object().ok_or_else(|| ModelError::config("config.json must be a JSON object"))?;
         let model_type = root
             .get("model_type")
             .and_then(Value::as_str)
@@ -132,9 +127,7 @@ impl ModelConfig {
                 let text_cfg = root
                     .get("text_config")
                     .and_then(Value::as_object)
-                    .ok_or_else(|| {
-                        ModelError::config("`qwen3_5` config needs an object field `text_config`")
-                    })?;
+                    .ok_or_else(|| ModelError::config("`qwen3_5` config needs an object field `text_config`"))?;
                 let tie_top = root.get("tie_word_embeddings").and_then(Value::as_bool);
                 let mut cfg = parse_text(text_cfg, Arch::Qwen35, "text_config.")?;
                 // The top-level flag is what HF's ForConditionalGeneration uses for the lm_head.
@@ -150,11 +143,9 @@ impl ModelConfig {
             }
             "qwen3_5_text" => parse_text(root, Arch::Qwen35, ""),
             "qwen3_next" => parse_text(root, Arch::Qwen3Next, ""),
-            "qwen3_5_moe" | "qwen3_5_moe_text" | "qwen3_moe" => {
-                Err(ModelError::unsupported(format!(
-                    "model_type `{model_type}`: mixture-of-experts models are not supported yet (dense MLP only)"
-                )))
-            }
+            "qwen3_5_moe" | "qwen3_5_moe_text" | "qwen3_moe" => Err(ModelError::unsupported(format!(
+                "model_type `{model_type}`: mixture-of-experts models are not supported yet (dense MLP only)"
+            ))),
             other => Err(ModelError::config(format!(
                 "unknown model_type `{other}` (supported: qwen3_5, qwen3_5_text, qwen3_next)"
             ))),
@@ -163,11 +154,7 @@ impl ModelConfig {
 
     /// The derived sizes.
     pub fn dims(&self) -> Dims {
-        let num_attention_layers = self
-            .layer_types
-            .iter()
-            .filter(|k| **k == LayerKind::Attention)
-            .count();
+        let num_attention_layers = self.layer_types.iter().filter(|k| **k == LayerKind::Attention).count();
         Dims {
             hidden: self.hidden_size,
             intermediate: self.intermediate_size,
@@ -270,17 +257,9 @@ const KNOWN_FIELDS: &[&str] = &[
     "use_qk_norm",
 ];
 
-fn parse_text(
-    obj: &Map<String, Value>,
-    arch: Arch,
-    prefix: &str,
-) -> Result<ModelConfig, ModelError> {
+fn parse_text(obj: &Map<String, Value>, arch: Arch, prefix: &str) -> Result<ModelConfig, ModelError> {
     let f = Fields { obj, prefix };
-    let unknown: Vec<&str> = obj
-        .keys()
-        .map(String::as_str)
-        .filter(|k| !KNOWN_FIELDS.contains(k))
-        .collect();
+    let unknown: Vec<&str> = obj.keys().map(String::as_str).filter(|k| !KNOWN_FIELDS.contains(k)).collect();
     if !unknown.is_empty() {
         tracing::warn!(fields = ?unknown, "config.json: ignoring fields deltaserve does not use");
     }
@@ -294,21 +273,15 @@ fn parse_text(
         )));
     }
     if f.opt_bool("attention_bias")?.unwrap_or(false) {
-        return Err(ModelError::unsupported(format!(
-            "`{prefix}attention_bias` = true is not supported"
-        )));
+        return Err(ModelError::unsupported(format!("`{prefix}attention_bias` = true is not supported")));
     }
     if f.opt_bool("use_sliding_window")?.unwrap_or(false) {
-        return Err(ModelError::unsupported(format!(
-            "`{prefix}use_sliding_window` = true is not supported"
-        )));
+        return Err(ModelError::unsupported(format!("`{prefix}use_sliding_window` = true is not supported")));
     }
     if let Some(act) = obj.get("hidden_act")
         && act.as_str() != Some("silu")
     {
-        return Err(ModelError::unsupported(format!(
-            "`{prefix}hidden_act` = {act}: only \"silu\" is supported"
-        )));
+        return Err(ModelError::unsupported(format!("`{prefix}hidden_act` = {act}: only \"silu\" is supported")));
     }
     if matches!(obj.get("attn_output_gate"), Some(Value::Bool(false))) {
         return Err(ModelError::unsupported(format!(
@@ -338,25 +311,15 @@ fn parse_text(
                 .collect::<Result<Vec<_>, _>>()?
         }
         Some(other) => {
-            return Err(ModelError::config(format!(
-                "`{prefix}layer_types` must be an array, got {other}"
-            )));
+            return Err(ModelError::config(format!("`{prefix}layer_types` must be an array, got {other}")));
         }
         None => {
             let interval = f.usize("full_attention_interval")?;
             if interval == 0 {
-                return Err(ModelError::config(format!(
-                    "`{prefix}full_attention_interval` must be > 0"
-                )));
+                return Err(ModelError::config(format!("`{prefix}full_attention_interval` must be > 0")));
             }
             (0..num_layers)
-                .map(|i| {
-                    if (i + 1) % interval == 0 {
-                        LayerKind::Attention
-                    } else {
-                        LayerKind::DeltaNet
-                    }
-                })
+                .map(|i| if (i + 1) % interval == 0 { LayerKind::Attention } else { LayerKind::DeltaNet })
                 .collect()
         }
     };
@@ -365,16 +328,12 @@ fn parse_text(
     let num_experts = f.opt_usize("num_experts")?.unwrap_or(0);
     if num_experts > 0 {
         let dense_layers: Vec<usize> = match obj.get("mlp_only_layers") {
-            Some(Value::Array(a)) => a
-                .iter()
-                .filter_map(Value::as_u64)
-                .map(|x| x as usize)
-                .collect(),
+            Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|x| x as usize).collect(),
             _ => Vec::new(),
         };
         let sparse_step = f.opt_usize("decoder_sparse_step")?.unwrap_or(1);
-        let has_moe = (0..num_layers)
-            .any(|i| !dense_layers.contains(&i) && sparse_step > 0 && (i + 1) % sparse_step == 0);
+        let has_moe =
+            (0..num_layers).any(|i| !dense_layers.contains(&i) && sparse_step > 0 && (i + 1) % sparse_step == 0);
         if has_moe {
             return Err(ModelError::unsupported(format!(
                 "`{prefix}num_experts` = {num_experts}: mixture-of-experts layers are not supported yet (dense MLP only)"
@@ -389,16 +348,9 @@ fn parse_text(
         Some(h) => h,
         None => hidden_size / num_attention_heads.max(1),
     };
-    let rope = obj
-        .get("rope_parameters")
-        .or_else(|| obj.get("rope_scaling"))
-        .filter(|v| !v.is_null());
+    let rope = obj.get("rope_parameters").or_else(|| obj.get("rope_scaling")).filter(|v| !v.is_null());
     if let Some(r) = rope {
-        let kind = r
-            .get("rope_type")
-            .or_else(|| r.get("type"))
-            .and_then(Value::as_str)
-            .unwrap_or("default");
+        let kind = r.get("rope_type").or_else(|| r.get("type")).and_then(Value::as_str).unwrap_or("default");
         if kind != "default" {
             return Err(ModelError::unsupported(format!(
                 "`{prefix}rope_parameters.rope_type` = \"{kind}\": only \"default\" RoPE is supported yet"
@@ -408,21 +360,17 @@ fn parse_text(
     let rope_field = |name: &str| rope.and_then(|r| r.get(name)).or_else(|| obj.get(name));
     let partial = match rope_field("partial_rotary_factor") {
         None => 1.0,
-        Some(v) => v.as_f64().ok_or_else(|| {
-            ModelError::config(format!(
-                "`{prefix}partial_rotary_factor` must be a number, got {v}"
-            ))
-        })?,
+        Some(v) => v
+            .as_f64()
+            .ok_or_else(|| ModelError::config(format!("`{prefix}partial_rotary_factor` must be a number, got {v}")))?,
     };
     let rope_theta = match rope_field("rope_theta") {
         None => {
-            return Err(ModelError::config(format!(
-                "missing field `{prefix}rope_parameters.rope_theta`"
-            )));
+            return Err(ModelError::config(format!("missing field `{prefix}rope_parameters.rope_theta`")));
         }
-        Some(v) => v.as_f64().ok_or_else(|| {
-            ModelError::config(format!("`{prefix}rope_theta` must be a number, got {v}"))
-        })?,
+        Some(v) => {
+            v.as_f64().ok_or_else(|| ModelError::config(format!("`{prefix}rope_theta` must be a number, got {v}")))?
+        }
     };
     let rotary_dim = (head_dim as f64 * partial) as usize; // truncated, as HF does
 
@@ -475,45 +423,32 @@ fn validate(c: &ModelConfig, p: &str) -> Result<(), ModelError> {
             return Err(ModelError::config(format!("`{p}{name}` must be > 0")));
         }
     }
-    if c.num_attention_heads % c.num_key_value_heads != 0 {
+    if !c.num_attention_heads.is_multiple_of(c.num_key_value_heads) {
         return Err(ModelError::config(format!(
             "`{p}num_attention_heads` ({}) must be a multiple of `{p}num_key_value_heads` ({})",
             c.num_attention_heads, c.num_key_value_heads
         )));
     }
-    if c.linear_num_value_heads % c.linear_num_key_heads != 0 {
+    if !c.linear_num_value_heads.is_multiple_of(c.linear_num_key_heads) {
         return Err(ModelError::config(format!(
             "`{p}linear_num_value_heads` ({}) must be a multiple of `{p}linear_num_key_heads` ({})",
             c.linear_num_value_heads, c.linear_num_key_heads
         )));
     }
-    if c.rotary_dim == 0 || c.rotary_dim % 2 != 0 || c.rotary_dim > c.head_dim {
+    if c.rotary_dim == 0 || !c.rotary_dim.is_multiple_of(2) || c.rotary_dim > c.head_dim {
         return Err(ModelError::config(format!(
             "`{p}partial_rotary_factor` gives a rotary dim of {} for head_dim {}: it must be even, > 0 and <= head_dim",
             c.rotary_dim, c.head_dim
         )));
     }
     if !(c.rms_norm_eps > 0.0 && c.rms_norm_eps < 1.0) {
-        return Err(ModelError::config(format!(
-            "`{p}rms_norm_eps` = {} is out of range",
-            c.rms_norm_eps
-        )));
+        return Err(ModelError::config(format!("`{p}rms_norm_eps` = {} is out of range", c.rms_norm_eps)));
     }
     if !(c.rope_theta > 0.0 && c.rope_theta.is_finite()) {
-        return Err(ModelError::config(format!(
-            "`{p}rope_theta` = {} must be positive",
-            c.rope_theta
-        )));
+        return Err(ModelError::config(format!("`{p}rope_theta` = {} must be positive", c.rope_theta)));
     }
-    if let Some(id) = c
-        .eos_token_ids
-        .iter()
-        .find(|&&id| id as usize >= c.vocab_size)
-    {
-        return Err(ModelError::config(format!(
-            "`{p}eos_token_id` {id} is outside the vocabulary ({})",
-            c.vocab_size
-        )));
+    if let Some(id) = c.eos_token_ids.iter().find(|&&id| id as usize >= c.vocab_size) {
+        return Err(ModelError::config(format!("`{p}eos_token_id` {id} is outside the vocabulary ({})", c.vocab_size)));
     }
     Ok(())
 }
@@ -547,10 +482,9 @@ impl Fields<'_> {
     fn opt_usize(&self, name: &str) -> Result<Option<usize>, ModelError> {
         match self.obj.get(name) {
             None | Some(Value::Null) => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .map(|x| Some(x as usize))
-                .ok_or_else(|| self.wrong(name, "a non-negative integer", v)),
+            Some(v) => {
+                v.as_u64().map(|x| Some(x as usize)).ok_or_else(|| self.wrong(name, "a non-negative integer", v))
+            }
         }
     }
     fn usize(&self, name: &str) -> Result<usize, ModelError> {
@@ -565,10 +499,7 @@ impl Fields<'_> {
     fn opt_bool(&self, name: &str) -> Result<Option<bool>, ModelError> {
         match self.obj.get(name) {
             None | Some(Value::Null) => Ok(None),
-            Some(v) => v
-                .as_bool()
-                .map(Some)
-                .ok_or_else(|| self.wrong(name, "true or false", v)),
+            Some(v) => v.as_bool().map(Some).ok_or_else(|| self.wrong(name, "true or false", v)),
         }
     }
 }

@@ -5,10 +5,7 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Io { path: PathBuf, source: std::io::Error },
     #[error("invalid model config: {0}")]
     Config(String),
     #[error("not supported: {0}")]
@@ -18,19 +15,12 @@ pub enum ModelError {
     #[error("tensor `{name}` is missing from the checkpoint{hint}")]
     MissingTensor { name: String, hint: String },
     #[error("tensor `{name}` has shape {found:?}, expected {expected:?}")]
-    Shape {
-        name: String,
-        expected: Vec<usize>,
-        found: Vec<usize>,
-    },
+    Shape { name: String, expected: Vec<usize>, found: Vec<usize> },
 }
 
 impl ModelError {
     pub fn io(path: &Path, source: std::io::Error) -> Self {
-        Self::Io {
-            path: path.to_path_buf(),
-            source,
-        }
+        Self::Io { path: path.to_path_buf(), source }
     }
     pub fn config(msg: impl Into<String>) -> Self {
         Self::Config(msg.into())

@@ -14,6 +14,4 @@ pub mod weights;
 pub use checkpoint::{Checkpoint, DType, TensorRef};
 pub use config::{Arch, Dims, LayerKind, ModelConfig};
 pub use error::ModelError;
-pub use weights::{
-    AttentionWeights, DeltaNetWeights, LayerWeights, MixerWeights, MlpWeights, ModelWeights,
-};
+pub use weights::{AttentionWeights, DeltaNetWeights, LayerWeights, MixerWeights, MlpWeights, ModelWeights};

@@ -29,10 +29,7 @@ impl Preset {
         match name {
             "tiny" => Ok(Self::Tiny),
             "qwen3.6-27b" | "qwen3.5-27b" => Ok(Self::Qwen36_27b),
-            other => Err(ModelError::config(format!(
-                "unknown preset `{other}` (known: {})",
-                Self::NAMES.join(", ")
-            ))),
+            other => Err(ModelError::config(format!("unknown preset `{other}` (known: {})", Self::NAMES.join(", ")))),
         }
     }
 
@@ -51,15 +48,8 @@ impl Preset {
             Self::Qwen36_27b => (5120, 64, 24, 4, 256, 16, 48, 128, 128, 17408, 248_320, 1),
         };
         let n = layers.unwrap_or(n);
-        let layer_types: Vec<&str> = (0..n)
-            .map(|i| {
-                if (i + 1) % 4 == 0 {
-                    "full_attention"
-                } else {
-                    "linear_attention"
-                }
-            })
-            .collect();
+        let layer_types: Vec<&str> =
+            (0..n).map(|i| if (i + 1) % 4 == 0 { "full_attention" } else { "linear_attention" }).collect();
         let rot_half = hd / 8; // partial_rotary_factor 0.25 → rotary dim hd/4, hd/8 frequencies
         let mrope = [rot_half - 2 * (rot_half / 3), rot_half / 3, rot_half / 3];
         // Stop tokens: <|im_end|> and <|endoftext|> in the synthetic tokenizer's id space.
@@ -141,10 +131,7 @@ fn tensor_specs(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, Init)> {
     let norm = |n: usize| (vec![n], Init::Normal(0.1));
     let p = "model.language_model.";
     let mut v: Vec<(String, (Vec<usize>, Init))> = vec![
-        (
-            format!("{p}embed_tokens.weight"),
-            (vec![d.vocab, h], Init::Normal(1.0)),
-        ),
+        (format!("{p}embed_tokens.weight"), (vec![d.vocab, h], Init::Normal(1.0))),
         (format!("{p}norm.weight"), norm(h)),
     ];
     if !cfg.tie_word_embeddings {
@@ -160,22 +147,10 @@ fn tensor_specs(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, Init)> {
                 v.push((l("linear_attn.in_proj_z.weight"), lin(d.gdn_value_width, h)));
                 v.push((l("linear_attn.in_proj_b.weight"), lin(d.gdn_v_heads, h)));
                 v.push((l("linear_attn.in_proj_a.weight"), lin(d.gdn_v_heads, h)));
-                v.push((
-                    l("linear_attn.conv1d.weight"),
-                    (vec![d.conv_channels, 1, d.conv_kernel], Init::Normal(0.5)),
-                ));
-                v.push((
-                    l("linear_attn.dt_bias"),
-                    (vec![d.gdn_v_heads], Init::Normal(0.5)),
-                ));
-                v.push((
-                    l("linear_attn.A_log"),
-                    (vec![d.gdn_v_heads], Init::LogUniform1To16),
-                ));
-                v.push((
-                    l("linear_attn.norm.weight"),
-                    (vec![d.gdn_v_dim], Init::OnePlusNormal(0.1)),
-                ));
+                v.push((l("linear_attn.conv1d.weight"), (vec![d.conv_channels, 1, d.conv_kernel], Init::Normal(0.5))));
+                v.push((l("linear_attn.dt_bias"), (vec![d.gdn_v_heads], Init::Normal(0.5))));
+                v.push((l("linear_attn.A_log"), (vec![d.gdn_v_heads], Init::LogUniform1To16)));
+                v.push((l("linear_attn.norm.weight"), (vec![d.gdn_v_dim], Init::OnePlusNormal(0.1))));
                 v.push((l("linear_attn.out_proj.weight"), lin(h, d.gdn_value_width)));
             }
             LayerKind::Attention => {
@@ -205,30 +180,19 @@ pub fn write_model(
 ) -> Result<ModelConfig, ModelError> {
     std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
     let config = preset.config_json(layers);
-    let text =
-        serde_json::to_string_pretty(&config).map_err(|e| ModelError::config(e.to_string()))?;
+    let text = serde_json::to_string_pretty(&config).map_err(|e| ModelError::config(e.to_string()))?;
     let cfg = ModelConfig::from_json_str(&text)?;
     write_file(&dir.join("config.json"), text.as_bytes())?;
     let mergeable = preset.tokenizer_mergeable() as u64;
     let gen_cfg = json!({ "eos_token_id": [mergeable + 2, mergeable], "do_sample": false });
-    write_file(
-        &dir.join("generation_config.json"),
-        gen_cfg.to_string().as_bytes(),
-    )?;
+    write_file(&dir.join("generation_config.json"), gen_cfg.to_string().as_bytes())?;
 
     let specs = tensor_specs(&cfg);
     let headers: Vec<TensorHeader> = specs
         .iter()
-        .map(|(name, shape, _)| TensorHeader {
-            name: name.clone(),
-            dtype: DType::BF16,
-            shape: shape.clone(),
-        })
+        .map(|(name, shape, _)| TensorHeader { name: name.clone(), dtype: DType::BF16, shape: shape.clone() })
         .collect();
-    let total: u64 = specs
-        .iter()
-        .map(|(_, s, _)| s.iter().product::<usize>() as u64 * 2)
-        .sum();
+    let total: u64 = specs.iter().map(|(_, s, _)| s.iter().product::<usize>() as u64 * 2).sum();
     let mut written = 0u64;
     write_safetensors(&dir.join("model.safetensors"), &headers, |i, buf| {
         let (name, shape, init) = &specs[i];
@@ -263,7 +227,5 @@ fn normal(rng: &mut Xoshiro256PlusPlus) -> f32 {
 
 /// FNV-1a, to derive a per-tensor seed from its name.
 fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
 }

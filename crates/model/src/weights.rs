@@ -46,10 +46,7 @@ pub struct HostTensor {
 
 impl HostTensor {
     pub fn from_source(src: &TensorSource) -> Result<Self, ModelError> {
-        Ok(Self {
-            shape: src.shape.clone(),
-            data: src.to_f32()?,
-        })
+        Ok(Self { shape: src.shape.clone(), data: src.to_f32()? })
     }
 }
 
@@ -147,19 +144,13 @@ impl<T> ModelWeights<T> {
         mut convert: impl FnMut(TensorSource<'_>) -> Result<T, ModelError>,
     ) -> Result<Self, ModelError> {
         let names = Names::detect(ckpt, cfg)?;
-        let total: u64 = names
-            .all_stored(cfg)
-            .iter()
-            .filter_map(|n| ckpt.get(n).ok())
-            .map(|t| t.bytes.len() as u64)
-            .sum();
+        let total: u64 =
+            names.all_stored(cfg).iter().filter_map(|n| ckpt.get(n).ok()).map(|t| t.bytes.len() as u64).sum();
         let bar = ProgressBar::new(total).with_message("loading weights");
         bar.set_style(
-            ProgressStyle::with_template(
-                "{msg} [{bar:40}] {bytes}/{total_bytes} ({bytes_per_sec}, eta {eta})",
-            )
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> "),
+            ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} ({bytes_per_sec}, eta {eta})")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
         );
         let mut load = |src: TensorSource<'_>| -> Result<T, ModelError> {
             let n = src.byte_len() as u64;
@@ -169,16 +160,9 @@ impl<T> ModelWeights<T> {
         };
         let d = cfg.dims();
         let h = d.hidden;
-        let embed = load(direct(
-            ckpt,
-            &names.model("embed_tokens.weight"),
-            &[d.vocab, h],
-        )?)?;
-        let lm_head = if cfg.tie_word_embeddings {
-            None
-        } else {
-            Some(load(direct(ckpt, "lm_head.weight", &[d.vocab, h])?)?)
-        };
+        let embed = load(direct(ckpt, &names.model("embed_tokens.weight"), &[d.vocab, h])?)?;
+        let lm_head =
+            if cfg.tie_word_embeddings { None } else { Some(load(direct(ckpt, "lm_head.weight", &[d.vocab, h])?)?) };
         let final_norm = load(direct(ckpt, &names.model("norm.weight"), &[h])?)?;
         let mut layers = Vec::with_capacity(d.num_layers);
         for (i, kind) in cfg.layer_types.iter().enumerate() {
@@ -195,18 +179,11 @@ impl<T> ModelWeights<T> {
                             direct(ckpt, &p("in_proj_b.weight"), &[d.gdn_v_heads, h])?,
                             direct(ckpt, &p("in_proj_a.weight"), &[d.gdn_v_heads, h])?,
                         ),
-                        Arch::Qwen3Next => unpack_qwen3_next(
-                            ckpt,
-                            cfg,
-                            &p("in_proj_qkvz.weight"),
-                            &p("in_proj_ba.weight"),
-                        )?,
+                        Arch::Qwen3Next => {
+                            unpack_qwen3_next(ckpt, cfg, &p("in_proj_qkvz.weight"), &p("in_proj_ba.weight"))?
+                        }
                     };
-                    let mut conv = direct(
-                        ckpt,
-                        &p("conv1d.weight"),
-                        &[d.conv_channels, 1, d.conv_kernel],
-                    )?;
+                    let mut conv = direct(ckpt, &p("conv1d.weight"), &[d.conv_channels, 1, d.conv_kernel])?;
                     conv.shape = vec![d.conv_channels, d.conv_kernel];
                     MixerWeights::DeltaNet(DeltaNetWeights {
                         in_proj_qkv: load(qkv)?,
@@ -217,11 +194,7 @@ impl<T> ModelWeights<T> {
                         dt_bias: load(direct(ckpt, &p("dt_bias"), &[d.gdn_v_heads])?)?,
                         a_log: load(direct(ckpt, &p("A_log"), &[d.gdn_v_heads])?)?,
                         norm: load(direct(ckpt, &p("norm.weight"), &[d.gdn_v_dim])?)?,
-                        out_proj: load(direct(
-                            ckpt,
-                            &p("out_proj.weight"),
-                            &[h, d.gdn_value_width],
-                        )?)?,
+                        out_proj: load(direct(ckpt, &p("out_proj.weight"), &[h, d.gdn_value_width])?)?,
                     })
                 }
                 LayerKind::Attention => {
@@ -242,38 +215,20 @@ impl<T> ModelWeights<T> {
                 up_proj: load(direct(ckpt, &m("up_proj.weight"), &[d.intermediate, h])?)?,
                 down_proj: load(direct(ckpt, &m("down_proj.weight"), &[h, d.intermediate])?)?,
             };
-            layers.push(LayerWeights {
-                input_norm,
-                post_norm,
-                mixer,
-                mlp,
-            });
+            layers.push(LayerWeights { input_norm, post_norm, mixer, mlp });
         }
         bar.finish_and_clear();
         let used = names.all_stored(cfg);
         let unused: Vec<&str> = ckpt
             .names()
             .into_iter()
-            .filter(|n| {
-                !n.starts_with("model.visual.")
-                    && !n.starts_with("mtp.")
-                    && !used.iter().any(|u| u == n)
-            })
+            .filter(|n| !n.starts_with("model.visual.") && !n.starts_with("mtp.") && !used.iter().any(|u| u == n))
             .collect();
         if !unused.is_empty() {
-            tracing::warn!(
-                count = unused.len(),
-                first = unused[0],
-                "checkpoint tensors not used by the text model"
-            );
+            tracing::warn!(count = unused.len(), first = unused[0], "checkpoint tensors not used by the text model");
         }
         tracing::info!(bytes = total, tensors = used.len(), "weights loaded");
-        Ok(Self {
-            embed,
-            lm_head,
-            final_norm,
-            layers,
-        })
+        Ok(Self { embed, lm_head, final_norm, layers })
     }
 }
 
@@ -348,18 +303,9 @@ impl Names {
 }
 
 /// A stored tensor used as is, after a shape check.
-fn direct<'a>(
-    ckpt: &'a Checkpoint,
-    name: &str,
-    shape: &[usize],
-) -> Result<TensorSource<'a>, ModelError> {
+fn direct<'a>(ckpt: &'a Checkpoint, name: &str, shape: &[usize]) -> Result<TensorSource<'a>, ModelError> {
     let t = ckpt.get_shaped(name, shape)?;
-    Ok(TensorSource {
-        name: name.to_string(),
-        shape: shape.to_vec(),
-        dtype: t.dtype,
-        parts: vec![t.bytes],
-    })
+    Ok(TensorSource { name: name.to_string(), shape: shape.to_vec(), dtype: t.dtype, parts: vec![t.bytes] })
 }
 
 /// Splits Qwen3-Next's packed projections into the Qwen3.5 layout.
@@ -370,15 +316,7 @@ fn unpack_qwen3_next<'a>(
     cfg: &ModelConfig,
     qkvz_name: &str,
     ba_name: &str,
-) -> Result<
-    (
-        TensorSource<'a>,
-        TensorSource<'a>,
-        TensorSource<'a>,
-        TensorSource<'a>,
-    ),
-    ModelError,
-> {
+) -> Result<(TensorSource<'a>, TensorSource<'a>, TensorSource<'a>, TensorSource<'a>), ModelError> {
     let d = cfg.dims();
     let h = d.hidden;
     let (dk, dv, r, groups) = (d.gdn_k_dim, d.gdn_v_dim, d.gdn_ratio, d.gdn_k_heads);
@@ -393,12 +331,10 @@ fn unpack_qwen3_next<'a>(
         })
     };
     let (qrow, brow) = (row_bytes(&qkvz)?, row_bytes(&ba)?);
-    let rows = |t: &TensorRef<'a>, rb: usize, first: usize, n: usize| -> &'a [u8] {
-        &t.bytes[first * rb..(first + n) * rb]
-    };
+    let rows =
+        |t: &TensorRef<'a>, rb: usize, first: usize, n: usize| -> &'a [u8] { &t.bytes[first * rb..(first + n) * rb] };
     let group_rows = 2 * dk + 2 * r * dv;
-    let (mut q, mut k, mut v, mut z, mut b, mut a) =
-        (vec![], vec![], vec![], vec![], vec![], vec![]);
+    let (mut q, mut k, mut v, mut z, mut b, mut a) = (vec![], vec![], vec![], vec![], vec![], vec![]);
     for g in 0..groups {
         let base = g * group_rows;
         q.push(rows(&qkvz, qrow, base, dk));

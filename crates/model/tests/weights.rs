@@ -17,10 +17,13 @@ fn load(dir: &Path) -> Result<ModelWeights<deltaserve_model::weights::HostTensor
     ModelWeights::load_f32(&ckpt, &cfg).map_err(|e| e.to_string())
 }
 
+/// Which tensors go into a shard.
+type KeepFn<'a> = &'a dyn Fn(&str) -> bool;
+
 /// Rewrites model.safetensors through `edit(name, shape) -> Option<(new_name, new_shape)>` (None drops it).
 fn rewrite(
     dir: &Path,
-    files: &[(&str, &dyn Fn(&str) -> bool)],
+    files: &[(&str, KeepFn)],
     edit: impl Fn(&str, &[usize]) -> Option<(String, Vec<usize>)>,
 ) {
     let ckpt = Checkpoint::open(dir).unwrap();
@@ -31,16 +34,8 @@ fn rewrite(
         for n in names.iter().filter(|n| keep(n)) {
             let t = ckpt.get(n).unwrap();
             if let Some((name, shape)) = edit(n, t.shape) {
-                sources.push((
-                    t.bytes.to_vec(),
-                    t.shape.iter().product::<usize>(),
-                    shape.iter().product::<usize>(),
-                ));
-                headers.push(TensorHeader {
-                    name,
-                    dtype: DType::BF16,
-                    shape,
-                });
+                sources.push((t.bytes.to_vec(), t.shape.iter().product::<usize>(), shape.iter().product::<usize>()));
+                headers.push(TensorHeader { name, dtype: DType::BF16, shape });
             }
         }
         let tmp = dir.join(format!("{file}.tmp"));
@@ -58,7 +53,7 @@ fn rewrite(
 fn synthetic_model_loads_with_expected_shapes() {
     let dir = tempdir("load");
     let cfg = tiny(&dir);
-    let w = load(&dir).ok().expect("loads");
+    let w = load(&dir).expect("loads");
     let d = cfg.dims();
     assert_eq!(w.embed.shape, vec![d.vocab, d.hidden]);
     assert_eq!(w.layers.len(), 4);
@@ -75,10 +70,7 @@ fn truncated_file_is_a_clear_error() {
     let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
     f.set_len(len - 100).unwrap();
     let e = load(&dir).err().expect("load should fail");
-    assert!(
-        e.contains("model.safetensors") && e.contains("not a valid safetensors"),
-        "{e}"
-    );
+    assert!(e.contains("model.safetensors") && e.contains("not a valid safetensors"), "{e}");
 }
 
 #[test]
@@ -87,20 +79,10 @@ fn wrong_shape_names_tensor_and_both_shapes() {
     tiny(&dir);
     let target = "model.language_model.layers.1.linear_attn.in_proj_z.weight";
     rewrite(&dir, &[("model.safetensors", &|_| true)], |n, s| {
-        Some((
-            n.to_string(),
-            if n == target {
-                vec![s[0] - 1, s[1]]
-            } else {
-                s.to_vec()
-            },
-        ))
+        Some((n.to_string(), if n == target { vec![s[0] - 1, s[1]] } else { s.to_vec() }))
     });
     let e = load(&dir).err().expect("load should fail");
-    assert!(
-        e.contains(target) && e.contains("[191, 128]") && e.contains("[192, 128]"),
-        "{e}"
-    );
+    assert!(e.contains(target) && e.contains("[191, 128]") && e.contains("[192, 128]"), "{e}");
 }
 
 #[test]
@@ -108,9 +90,7 @@ fn missing_tensor_is_named() {
     let dir = tempdir("missing");
     tiny(&dir);
     let target = "model.language_model.layers.3.self_attn.k_norm.weight";
-    rewrite(&dir, &[("model.safetensors", &|_| true)], |n, s| {
-        (n != target).then(|| (n.to_string(), s.to_vec()))
-    });
+    rewrite(&dir, &[("model.safetensors", &|_| true)], |n, s| (n != target).then(|| (n.to_string(), s.to_vec())));
     let e = load(&dir).err().expect("load should fail");
     assert!(e.contains(target) && e.contains("missing"), "{e}");
 }
@@ -119,7 +99,7 @@ fn missing_tensor_is_named() {
 fn sharded_text_only_layout_with_tied_embeddings_loads_identically() {
     let a = tempdir("shard-a");
     tiny(&a);
-    let reference = load(&a).ok().expect("loads");
+    let reference = load(&a).expect("loads");
     // Text-only names (`model.*`), two shards with an index, tied lm_head dropped.
     let b = tempdir("shard-b");
     std::fs::copy(a.join("model.safetensors"), b.join("model.safetensors")).unwrap();
@@ -131,43 +111,28 @@ fn sharded_text_only_layout_with_tied_embeddings_loads_identically() {
     let first = |n: &str| n.contains("layers.0.") || n.contains("embed");
     rewrite(
         &b,
-        &[
-            ("model-00001-of-00002.safetensors", &first),
-            ("model-00002-of-00002.safetensors", &|n: &str| !first(n)),
-        ],
-        |n, s| {
-            (n != "lm_head.weight")
-                .then(|| (n.replace("model.language_model.", "model."), s.to_vec()))
-        },
+        &[("model-00001-of-00002.safetensors", &first), ("model-00002-of-00002.safetensors", &|n: &str| !first(n))],
+        |n, s| (n != "lm_head.weight").then(|| (n.replace("model.language_model.", "model."), s.to_vec())),
     );
     std::fs::remove_file(b.join("model.safetensors")).unwrap();
-    let ckpt_names: Vec<String> = [
-        "model-00001-of-00002.safetensors",
-        "model-00002-of-00002.safetensors",
-    ]
-    .iter()
-    .flat_map(|f| {
-        let c = Checkpoint::open(&{
-            let d = tempdir(&format!("one-{f}"));
-            std::fs::copy(b.join(f), d.join("model.safetensors")).unwrap();
-            d
+    let ckpt_names: Vec<String> = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+        .iter()
+        .flat_map(|f| {
+            let c = Checkpoint::open(&{
+                let d = tempdir(&format!("one-{f}"));
+                std::fs::copy(b.join(f), d.join("model.safetensors")).unwrap();
+                d
+            })
+            .unwrap();
+            c.names().iter().map(|n| format!("\"{n}\": \"{f}\"")).collect::<Vec<_>>()
         })
-        .unwrap();
-        c.names()
-            .iter()
-            .map(|n| format!("\"{n}\": \"{f}\""))
-            .collect::<Vec<_>>()
-    })
-    .collect();
+        .collect();
     std::fs::write(
         b.join("model.safetensors.index.json"),
-        format!(
-            "{{\"metadata\": {{}}, \"weight_map\": {{{}}}}}",
-            ckpt_names.join(",")
-        ),
+        format!("{{\"metadata\": {{}}, \"weight_map\": {{{}}}}}", ckpt_names.join(",")),
     )
     .unwrap();
-    let w = load(&b).ok().expect("loads");
+    let w = load(&b).expect("loads");
     assert!(w.lm_head.is_none());
     assert_eq!(w.embed, reference.embed);
     assert_eq!(w.lm_head(), &reference.embed);
@@ -180,12 +145,7 @@ fn unsupported_dtype_and_garbage_files_are_errors() {
     std::fs::write(dir.join("model.safetensors"), b"definitely not safetensors").unwrap();
     assert!(Checkpoint::open(&dir).is_err());
     let empty = tempdir("empty");
-    assert!(
-        Checkpoint::open(&empty)
-            .unwrap_err()
-            .to_string()
-            .contains("no *.safetensors")
-    );
+    assert!(Checkpoint::open(&empty).unwrap_err().to_string().contains("no *.safetensors"));
 }
 
 fn tempdir(tag: &str) -> std::path::PathBuf {

@@ -11,9 +11,7 @@ pub(crate) fn byte_to_char() -> &'static [char; 256] {
         let mut table = ['\0'; 256];
         let mut next_extra = 256u32;
         for b in 0u32..256 {
-            let printable = (0x21..=0x7e).contains(&b)
-                || (0xa1..=0xac).contains(&b)
-                || (0xae..=0xff).contains(&b);
+            let printable = (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
             let code = if printable {
                 b
             } else {
@@ -31,21 +29,13 @@ pub(crate) fn byte_to_char() -> &'static [char; 256] {
 /// Inverse of [`byte_to_char`].
 pub(crate) fn char_to_byte() -> &'static HashMap<char, u8> {
     static MAP: OnceLock<HashMap<char, u8>> = OnceLock::new();
-    MAP.get_or_init(|| {
-        byte_to_char()
-            .iter()
-            .enumerate()
-            .map(|(b, &c)| (c, b as u8))
-            .collect()
-    })
+    MAP.get_or_init(|| byte_to_char().iter().enumerate().map(|(b, &c)| (c, b as u8)).collect())
 }
 
 /// Byte order used for the first 256 vocabulary ids: printable bytes first (as GPT-2 and Qwen do),
 /// then the remapped control/space bytes.
 pub(crate) fn base_byte_order() -> Vec<u8> {
-    let mut order: Vec<u8> = (0u8..=255)
-        .filter(|&b| (byte_to_char()[b as usize] as u32) < 256)
-        .collect();
+    let mut order: Vec<u8> = (0u8..=255).filter(|&b| (byte_to_char()[b as usize] as u32) < 256).collect();
     order.extend((0u8..=255).filter(|&b| (byte_to_char()[b as usize] as u32) >= 256));
     order
 }

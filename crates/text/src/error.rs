@@ -33,11 +33,7 @@ pub enum TextError {
     },
     /// A field of a config file has an unexpected shape.
     #[error("{path}: field `{field}`: {message}")]
-    ConfigField {
-        path: PathBuf,
-        field: String,
-        message: String,
-    },
+    ConfigField { path: PathBuf, field: String, message: String },
     /// The chat template does not compile.
     #[error("chat template syntax error: {0}")]
     TemplateSyntax(String),

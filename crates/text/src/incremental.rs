@@ -21,13 +21,7 @@ pub struct IncrementalDecoder {
 impl IncrementalDecoder {
     /// A decoder that drops special tokens when `skip_special` is true.
     pub fn new(skip_special: bool) -> Self {
-        Self {
-            skip_special,
-            pending: Vec::new(),
-            ids: Vec::new(),
-            prefix_offset: 0,
-            read_offset: 0,
-        }
+        Self { skip_special, pending: Vec::new(), ids: Vec::new(), prefix_offset: 0, read_offset: 0 }
     }
 
     /// Adds one id; returns the text that became complete (possibly empty).
@@ -47,10 +41,7 @@ impl IncrementalDecoder {
     /// as in a full decode).
     pub fn finish(&mut self, tok: &Tokenizer) -> Result<String, TextError> {
         if !tok.is_byte_level() {
-            let prefix = tok.decode(
-                &self.ids[self.prefix_offset..self.read_offset],
-                self.skip_special,
-            )?;
+            let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special)?;
             let full = tok.decode(&self.ids[self.prefix_offset..], self.skip_special)?;
             self.ids.clear();
             self.prefix_offset = 0;
@@ -75,9 +66,7 @@ impl IncrementalDecoder {
                 Err(e) => {
                     let valid = e.valid_up_to();
                     // The prefix up to `valid` is UTF-8 by construction.
-                    out.push_str(&String::from_utf8_lossy(
-                        &self.pending[start..start + valid],
-                    ));
+                    out.push_str(&String::from_utf8_lossy(&self.pending[start..start + valid]));
                     start += valid;
                     match e.error_len() {
                         Some(n) => {
@@ -103,10 +92,7 @@ impl IncrementalDecoder {
     /// emit the new suffix once it no longer ends in a replacement character.
     fn push_generic(&mut self, tok: &Tokenizer, id: u32) -> Result<String, TextError> {
         self.ids.push(id);
-        let prefix = tok.decode(
-            &self.ids[self.prefix_offset..self.read_offset],
-            self.skip_special,
-        )?;
+        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special)?;
         let full = tok.decode(&self.ids[self.prefix_offset..], self.skip_special)?;
         if full.len() > prefix.len() && !full.ends_with('\u{fffd}') && full.starts_with(&prefix) {
             let new = full[prefix.len()..].to_string();

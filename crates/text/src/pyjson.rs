@@ -29,13 +29,7 @@ impl DumpOptions {
             None if indent.is_some() => (",".to_string(), ": ".to_string()),
             None => (", ".to_string(), ": ".to_string()),
         };
-        Self {
-            ensure_ascii,
-            indent,
-            item_sep,
-            key_sep,
-            sort_keys,
-        }
+        Self { ensure_ascii, indent, item_sep, key_sep, sort_keys }
     }
 }
 
@@ -55,12 +49,7 @@ fn newline(opts: &DumpOptions, level: usize, out: &mut String) {
     }
 }
 
-fn dump(
-    v: &Value,
-    opts: &DumpOptions,
-    level: usize,
-    out: &mut String,
-) -> Result<(), minijinja::Error> {
+fn dump(v: &Value, opts: &DumpOptions, level: usize, out: &mut String) -> Result<(), minijinja::Error> {
     match v.kind() {
         ValueKind::Undefined | ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
@@ -237,15 +226,10 @@ fn py_repr(v: &Value) -> String {
         ValueKind::None => "None".to_string(),
         ValueKind::Bool => (if v.is_true() { "True" } else { "False" }).to_string(),
         ValueKind::Number if v.is_integer() => v.to_string(),
-        ValueKind::Number => f64::try_from(v.clone())
-            .map(float_repr)
-            .unwrap_or_else(|_| v.to_string()),
+        ValueKind::Number => f64::try_from(v.clone()).map(float_repr).unwrap_or_else(|_| v.to_string()),
         ValueKind::String => str_repr(v.as_str().unwrap_or_default()),
         ValueKind::Seq => {
-            let items: Vec<String> = v
-                .try_iter()
-                .map(|it| it.map(|x| py_repr(&x)).collect())
-                .unwrap_or_default();
+            let items: Vec<String> = v.try_iter().map(|it| it.map(|x| py_repr(&x)).collect()).unwrap_or_default();
             format!("[{}]", items.join(", "))
         }
         ValueKind::Map => {
@@ -263,11 +247,7 @@ fn py_repr(v: &Value) -> String {
 }
 
 fn str_repr(s: &str) -> String {
-    let quote = if s.contains('\'') && !s.contains('"') {
-        '"'
-    } else {
-        '\''
-    };
+    let quote = if s.contains('\'') && !s.contains('"') { '"' } else { '\'' };
     let mut out = String::new();
     out.push(quote);
     for c in s.chars() {
@@ -316,27 +296,16 @@ mod tests {
 
     #[test]
     fn dumps_default_separators_and_indent() {
-        let v = Value::from(minijinja::value::Serde(
-            serde_json::json!({"b": [1, 2.5, "x<y>&'"], "a": {}, "c": null}),
-        ));
+        let v = Value::from(minijinja::value::Serde(serde_json::json!({"b": [1, 2.5, "x<y>&'"], "a": {}, "c": null})));
         let opts = DumpOptions::new(false, None, None, false);
-        assert_eq!(
-            dumps(&v, &opts).unwrap(),
-            r#"{"b": [1, 2.5, "x<y>&'"], "a": {}, "c": null}"#
-        );
+        assert_eq!(dumps(&v, &opts).unwrap(), r#"{"b": [1, 2.5, "x<y>&'"], "a": {}, "c": null}"#);
         let opts = DumpOptions::new(false, Some("  ".into()), None, true);
         assert_eq!(
             dumps(&v, &opts).unwrap(),
             "{\n  \"a\": {},\n  \"b\": [\n    1,\n    2.5,\n    \"x<y>&'\"\n  ],\n  \"c\": null\n}"
         );
         let s = Value::from("é😀\u{1}");
-        assert_eq!(
-            dumps(&s, &DumpOptions::new(true, None, None, false)).unwrap(),
-            r#""\u00e9\ud83d\ude00\u0001""#
-        );
-        assert_eq!(
-            dumps(&s, &DumpOptions::new(false, None, None, false)).unwrap(),
-            "\"é😀\\u0001\""
-        );
+        assert_eq!(dumps(&s, &DumpOptions::new(true, None, None, false)).unwrap(), r#""\u00e9\ud83d\ude00\u0001""#);
+        assert_eq!(dumps(&s, &DumpOptions::new(false, None, None, false)).unwrap(), "\"é😀\\u0001\"");
     }
 }

@@ -22,11 +22,7 @@ impl StopMatcher {
     /// A matcher for `stops`; empty strings are ignored.
     pub fn new(stops: Vec<String>) -> Self {
         let stops = stops.into_iter().filter(|s| !s.is_empty()).collect();
-        Self {
-            stops,
-            held: String::new(),
-            done: false,
-        }
+        Self { stops, held: String::new(), done: false }
     }
 
     /// Adds text. After a stop has matched, further pushes emit nothing.
@@ -59,10 +55,7 @@ impl StopMatcher {
         let cut = self.held.len() - keep;
         let emit = self.held[..cut].to_string();
         self.held.drain(..cut);
-        StopOutput {
-            emit,
-            stopped: None,
-        }
+        StopOutput { emit, stopped: None }
     }
 
     /// Ends the stream: returns the held-back text (empty after a stop matched).

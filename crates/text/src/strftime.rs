@@ -4,15 +4,7 @@
 use std::fmt::Write;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-const DAYS: [&str; 7] = [
-    "Monday",
-    "Tuesday",
-    "Wednesday",
-    "Thursday",
-    "Friday",
-    "Saturday",
-    "Sunday",
-];
+const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
 const MONTHS: [&str; 12] = [
     "January",
     "February",
@@ -61,23 +53,11 @@ impl DateTime {
         let yday = cum[(month - 1) as usize] + day + u32::from(leap && month > 2);
         // 1970-01-01 was a Thursday (weekday 3 with Monday = 0).
         let weekday = (days + 3).rem_euclid(7) as u32;
-        Self {
-            year,
-            month,
-            day,
-            hour: rem / 3600,
-            minute: rem / 60 % 60,
-            second: rem % 60,
-            weekday,
-            yday,
-        }
+        Self { year, month, day, hour: rem / 3600, minute: rem / 60 % 60, second: rem % 60, weekday, yday }
     }
 
     pub fn now() -> Self {
-        let secs = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_secs() as i64)
-            .unwrap_or(0);
+        let secs = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
         Self::from_unix(secs)
     }
 
@@ -104,11 +84,7 @@ impl DateTime {
                     let _ = write!(out, "{v}");
                 }
             };
-            let hour12 = if self.hour % 12 == 0 {
-                12
-            } else {
-                self.hour % 12
-            };
+            let hour12 = if self.hour.is_multiple_of(12) { 12 } else { self.hour % 12 };
             match spec {
                 Some('Y') => {
                     let _ = write!(out, "{}", self.year);
@@ -160,10 +136,7 @@ mod tests {
         // 2024-02-29 13:05:09 UTC, a Thursday.
         let t = DateTime::from_unix(1_709_211_909);
         assert_eq!(t.format("%Y-%m-%d %H:%M:%S"), "2024-02-29 13:05:09");
-        assert_eq!(
-            t.format("%d %b %Y, %A %-I%p, day %j"),
-            "29 Feb 2024, Thursday 1PM, day 060"
-        );
+        assert_eq!(t.format("%d %b %Y, %A %-I%p, day %j"), "29 Feb 2024, Thursday 1PM, day 060");
         let t = DateTime::from_unix(0);
         assert_eq!(t.format("%a %B %-d %y %%"), "Thu January 1 70 %");
     }

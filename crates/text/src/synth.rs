@@ -5,9 +5,7 @@ use std::collections::HashMap;
 
 use serde_json::{Map, Value, json};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
-use tokenizers::{
-    NormalizedString, OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer,
-};
+use tokenizers::{NormalizedString, OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
 
 use crate::bytelevel::{base_byte_order, byte_to_char};
 use crate::error::TextError;
@@ -97,8 +95,7 @@ fn corpus_words() -> Result<Vec<(String, u64)>, TextError> {
     let mut normalized = NormalizedString::from(CORPUS);
     normalized.nfc();
     let mut pts = PreTokenizedString::from(normalized);
-    pre.pre_tokenize(&mut pts)
-        .map_err(|e| TextError::Synthetic(format!("pre-tokenizing the corpus: {e}")))?;
+    pre.pre_tokenize(&mut pts).map_err(|e| TextError::Synthetic(format!("pre-tokenizing the corpus: {e}")))?;
     let mut index: HashMap<String, usize> = HashMap::new();
     let mut words: Vec<(String, u64)> = Vec::new();
     for (piece, _, _) in pts.get_splits(OffsetReferential::Original, OffsetType::Byte) {
@@ -114,33 +111,23 @@ fn corpus_words() -> Result<Vec<(String, u64)>, TextError> {
 }
 
 /// Learns merges until the vocabulary has `mergeable` tokens. Returns (vocab by id, merges).
-fn learn_bpe(mergeable: usize) -> Result<(Vec<String>, Vec<(String, String)>), TextError> {
+/// A learned vocabulary (token strings by id) and its merges in rank order.
+type Learned = (Vec<String>, Vec<(String, String)>);
+
+fn learn_bpe(mergeable: usize) -> Result<Learned, TextError> {
     if mergeable < 256 {
         return Err(TextError::Synthetic(format!(
             "mergeable = {mergeable}, but the 256 byte tokens alone need at least 256"
         )));
     }
     let table = byte_to_char();
-    let mut vocab: Vec<String> = base_byte_order()
-        .iter()
-        .map(|&b| table[b as usize].to_string())
-        .collect();
-    let mut ids: HashMap<String, u32> = vocab
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.clone(), i as u32))
-        .collect();
+    let mut vocab: Vec<String> = base_byte_order().iter().map(|&b| table[b as usize].to_string()).collect();
+    let mut ids: HashMap<String, u32> = vocab.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
     let mut words: Vec<(Vec<u32>, u64)> = Vec::new();
     for (w, count) in corpus_words()? {
-        let symbols: Option<Vec<u32>> = w
-            .chars()
-            .map(|c| ids.get(&c.to_string()).copied())
-            .collect();
-        let symbols = symbols.ok_or_else(|| {
-            TextError::Synthetic(format!(
-                "corpus word {w:?} has a char outside the byte alphabet"
-            ))
-        })?;
+        let symbols: Option<Vec<u32>> = w.chars().map(|c| ids.get(&c.to_string()).copied()).collect();
+        let symbols = symbols
+            .ok_or_else(|| TextError::Synthetic(format!("corpus word {w:?} has a char outside the byte alphabet")))?;
         words.push((symbols, count));
     }
     let mut merges = Vec::new();
@@ -152,10 +139,7 @@ fn learn_bpe(mergeable: usize) -> Result<(Vec<String>, Vec<(String, String)>), T
             }
         }
         // Most frequent pair; ties go to the smallest (left, right) ids, so training is deterministic.
-        let best = counts
-            .into_iter()
-            .max_by(|a, b| a.1.cmp(&b.1).then_with(|| b.0.cmp(&a.0)))
-            .map(|(pair, _)| pair);
+        let best = counts.into_iter().max_by(|a, b| a.1.cmp(&b.1).then_with(|| b.0.cmp(&a.0))).map(|(pair, _)| pair);
         let Some((left, right)) = best else {
             extend_with_ascii_pairs(&mut vocab, &mut ids, &mut merges, mergeable)?;
             break;
@@ -218,10 +202,7 @@ fn extend_with_ascii_pairs(
     if vocab.len() >= mergeable {
         return Ok(());
     }
-    Err(TextError::Synthetic(format!(
-        "at most {} mergeable tokens can be built, {mergeable} requested",
-        vocab.len()
-    )))
+    Err(TextError::Synthetic(format!("at most {} mergeable tokens can be built, {mergeable} requested", vocab.len())))
 }
 
 /// A deterministic byte-level BPE `tokenizer.json` with `mergeable` model tokens (ids
@@ -270,8 +251,7 @@ pub fn synthetic_tokenizer_json(mergeable: usize) -> Result<String, TextError> {
             "merges": merges_json,
         }
     });
-    serde_json::to_string_pretty(&doc)
-        .map_err(|e| TextError::Synthetic(format!("serialising tokenizer.json: {e}")))
+    serde_json::to_string_pretty(&doc).map_err(|e| TextError::Synthetic(format!("serialising tokenizer.json: {e}")))
 }
 
 /// `tokenizer_config.json` for synthetic models: Qwen2Tokenizer class, our Qwen3.5-format chat
@@ -319,10 +299,8 @@ fn config_json(mergeable: Option<usize>) -> String {
         "tokenizer_class": "Qwen2Tokenizer",
         "unk_token": null,
     });
-    if mergeable.is_some() {
-        if let Some(obj) = doc.as_object_mut() {
-            obj.insert("added_tokens_decoder".into(), Value::Object(decoder));
-        }
+    if let (Some(_), Some(obj)) = (mergeable, doc.as_object_mut()) {
+        obj.insert("added_tokens_decoder".into(), Value::Object(decoder));
     }
     serde_json::to_string_pretty(&doc).unwrap_or_default()
 }

@@ -34,9 +34,7 @@ pub struct ChatTemplate {
 
 impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ChatTemplate")
-            .field("special", &self.special)
-            .finish()
+        f.debug_struct("ChatTemplate").field("special", &self.special).finish()
     }
 }
 
@@ -54,11 +52,7 @@ impl std::error::Error for Raised {}
 
 impl ChatTemplate {
     /// Compiles `source`. `bos_token`/`eos_token` become template variables when given.
-    pub fn new(
-        source: &str,
-        bos_token: Option<String>,
-        eos_token: Option<String>,
-    ) -> Result<Self, TextError> {
+    pub fn new(source: &str, bos_token: Option<String>, eos_token: Option<String>) -> Result<Self, TextError> {
         let mut special = Map::new();
         if let Some(b) = bos_token {
             special.insert("bos_token".into(), b.into());
@@ -69,10 +63,7 @@ impl ChatTemplate {
         Self::with_special(source, special)
     }
 
-    fn with_special(
-        source: &str,
-        special: Map<String, serde_json::Value>,
-    ) -> Result<Self, TextError> {
+    fn with_special(source: &str, special: Map<String, serde_json::Value>) -> Result<Self, TextError> {
         let mut env = hf_environment()?;
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
             .map_err(|e| TextError::TemplateSyntax(error_chain(&e)))?;
@@ -86,11 +77,7 @@ impl ChatTemplate {
     /// directory has no template.
     pub fn from_dir(dir: &Path) -> Result<Option<Self>, TextError> {
         let config_path = dir.join("tokenizer_config.json");
-        let config = if config_path.is_file() {
-            Some(read_json(&config_path)?)
-        } else {
-            None
-        };
+        let config = if config_path.is_file() { Some(read_json(&config_path)?) } else { None };
         let mut special = Map::new();
         if let Some(cfg) = &config {
             for field in ["bos_token", "eos_token", "pad_token", "unk_token"] {
@@ -122,30 +109,17 @@ impl ChatTemplate {
     pub fn render(&self, req: &ChatRequest) -> Result<String, TextError> {
         let mut ctx = self.special.clone();
         ctx.insert("messages".into(), req.messages.clone().into());
-        ctx.insert(
-            "tools".into(),
-            req.tools
-                .clone()
-                .map(serde_json::Value::Array)
-                .unwrap_or(serde_json::Value::Null),
-        );
+        ctx.insert("tools".into(), req.tools.clone().map(serde_json::Value::Array).unwrap_or(serde_json::Value::Null));
         ctx.insert("documents".into(), serde_json::Value::Null);
-        ctx.insert(
-            "add_generation_prompt".into(),
-            req.add_generation_prompt.into(),
-        );
+        ctx.insert("add_generation_prompt".into(), req.add_generation_prompt.into());
         for (k, v) in &req.kwargs {
             ctx.insert(k.clone(), v.clone());
         }
-        let tmpl = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .map_err(|e| TextError::TemplateRender(error_chain(&e)))?;
-        tmpl.render(Value::from(minijinja::value::Serde(&ctx)))
-            .map_err(|e| match raised_message(&e) {
-                Some(msg) => TextError::TemplateRaised(msg),
-                None => TextError::TemplateRender(error_chain(&e)),
-            })
+        let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(|e| TextError::TemplateRender(error_chain(&e)))?;
+        tmpl.render(Value::from(minijinja::value::Serde(&ctx))).map_err(|e| match raised_message(&e) {
+            Some(msg) => TextError::TemplateRaised(msg),
+            None => TextError::TemplateRender(error_chain(&e)),
+        })
     }
 }
 
@@ -171,33 +145,18 @@ fn hf_environment() -> Result<Environment<'static>, TextError> {
     });
     env.add_filter("tojson", tojson);
     env.add_filter("string", |v: Value| -> Value {
-        if v.as_str().is_some() {
-            v
-        } else {
-            Value::from(py_str(&v))
-        }
+        if v.as_str().is_some() { v } else { Value::from(py_str(&v)) }
     });
-    env.add_function(
-        "raise_exception",
-        |msg: Value| -> Result<Value, minijinja::Error> {
-            let msg = py_str(&msg);
-            Err(
-                minijinja::Error::new(ErrorKind::InvalidOperation, msg.clone())
-                    .with_source(Raised(msg)),
-            )
-        },
-    );
+    env.add_function("raise_exception", |msg: Value| -> Result<Value, minijinja::Error> {
+        let msg = py_str(&msg);
+        Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg.clone()).with_source(Raised(msg)))
+    });
     env.add_function("strftime_now", |fmt: String| DateTime::now().format(&fmt));
     Ok(env)
 }
 
 /// HF's `tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)`.
-fn tojson(
-    _state: &State,
-    value: &Value,
-    indent_pos: Option<Value>,
-    kwargs: Kwargs,
-) -> Result<Value, minijinja::Error> {
+fn tojson(_state: &State, value: &Value, indent_pos: Option<Value>, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
     let ensure_ascii = kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false);
     let indent_val = match indent_pos {
         Some(v) => Some(v),
@@ -210,10 +169,7 @@ fn tojson(
             Some(s) => Some(s.to_string()),
             None => {
                 let n = i64::try_from(v.clone()).map_err(|_| {
-                    minijinja::Error::new(
-                        ErrorKind::InvalidOperation,
-                        "tojson: indent must be an int or str",
-                    )
+                    minijinja::Error::new(ErrorKind::InvalidOperation, "tojson: indent must be an int or str")
                 })?;
                 Some(" ".repeat(n.max(0) as usize))
             }
@@ -223,10 +179,9 @@ fn tojson(
         Some(v) if !v.is_none() => {
             let parts: Vec<Value> = v.try_iter()?.collect();
             match parts.as_slice() {
-                [a, b] if a.as_str().is_some() && b.as_str().is_some() => Some((
-                    a.as_str().unwrap_or_default().to_string(),
-                    b.as_str().unwrap_or_default().to_string(),
-                )),
+                [a, b] if a.as_str().is_some() && b.as_str().is_some() => {
+                    Some((a.as_str().unwrap_or_default().to_string(), b.as_str().unwrap_or_default().to_string()))
+                }
                 _ => {
                     return Err(minijinja::Error::new(
                         ErrorKind::InvalidOperation,
@@ -266,50 +221,28 @@ fn error_chain(err: &minijinja::Error) -> String {
 }
 
 fn read_text(path: &Path) -> Result<String, TextError> {
-    std::fs::read_to_string(path).map_err(|source| TextError::Io {
-        path: path.to_path_buf(),
-        source,
-    })
+    std::fs::read_to_string(path).map_err(|source| TextError::Io { path: path.to_path_buf(), source })
 }
 
 fn read_json(path: &Path) -> Result<serde_json::Value, TextError> {
     let text = read_text(path)?;
-    serde_json::from_str(&text).map_err(|source| TextError::Json {
-        path: path.to_path_buf(),
-        source,
-    })
+    serde_json::from_str(&text).map_err(|source| TextError::Json { path: path.to_path_buf(), source })
 }
 
 fn field_error(path: &Path, field: &str, message: &str) -> TextError {
-    TextError::ConfigField {
-        path: path.to_path_buf(),
-        field: field.to_string(),
-        message: message.to_string(),
-    }
+    TextError::ConfigField { path: path.to_path_buf(), field: field.to_string(), message: message.to_string() }
 }
 
 /// A special token given as a string or as `{"content": ...}`; null/absent gives `None`.
-fn token_string(
-    path: &Path,
-    cfg: &serde_json::Value,
-    field: &str,
-) -> Result<Option<String>, TextError> {
+fn token_string(path: &Path, cfg: &serde_json::Value, field: &str) -> Result<Option<String>, TextError> {
     match cfg.get(field) {
         None | Some(serde_json::Value::Null) => Ok(None),
         Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
         Some(serde_json::Value::Object(o)) => match o.get("content") {
             Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
-            _ => Err(field_error(
-                path,
-                field,
-                "object without a string `content`",
-            )),
+            _ => Err(field_error(path, field, "object without a string `content`")),
         },
-        Some(_) => Err(field_error(
-            path,
-            field,
-            "expected a string, an object with `content`, or null",
-        )),
+        Some(_) => Err(field_error(path, field, "expected a string, an object with `content`, or null")),
     }
 }
 
@@ -324,24 +257,12 @@ fn template_field(path: &Path, cfg: &serde_json::Value) -> Result<Option<String>
                 if name == Some("default") {
                     return match entry.get("template") {
                         Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
-                        _ => Err(field_error(
-                            path,
-                            "chat_template",
-                            "entry \"default\" has no string `template`",
-                        )),
+                        _ => Err(field_error(path, "chat_template", "entry \"default\" has no string `template`")),
                     };
                 }
             }
-            Err(field_error(
-                path,
-                "chat_template",
-                "list has no entry named \"default\"",
-            ))
+            Err(field_error(path, "chat_template", "list has no entry named \"default\""))
         }
-        Some(_) => Err(field_error(
-            path,
-            "chat_template",
-            "expected a string or a list of {name, template}",
-        )),
+        Some(_) => Err(field_error(path, "chat_template", "expected a string or a list of {name, template}")),
     }
 }

@@ -17,20 +17,15 @@ pub struct Tokenizer {
 
 impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Tokenizer")
-            .field("vocab_size", &self.vocab_size)
-            .field("byte_level", &self.byte_level)
-            .finish()
+        f.debug_struct("Tokenizer").field("vocab_size", &self.vocab_size).field("byte_level", &self.byte_level).finish()
     }
 }
 
 impl Tokenizer {
     /// Loads a `tokenizer.json` file.
     pub fn from_file(path: &Path) -> Result<Self, TextError> {
-        let text = std::fs::read_to_string(path).map_err(|source| TextError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let text =
+            std::fs::read_to_string(path).map_err(|source| TextError::Io { path: path.to_path_buf(), source })?;
         Self::load(&text, &path.display().to_string())
     }
 
@@ -40,28 +35,19 @@ impl Tokenizer {
     }
 
     fn load(json: &str, origin: &str) -> Result<Self, TextError> {
-        let inner: tokenizers::Tokenizer =
-            json.parse()
-                .map_err(|e: tokenizers::Error| TextError::TokenizerLoad {
-                    origin: origin.to_string(),
-                    message: e.to_string(),
-                })?;
+        let inner: tokenizers::Tokenizer = json.parse().map_err(|e: tokenizers::Error| TextError::TokenizerLoad {
+            origin: origin.to_string(),
+            message: e.to_string(),
+        })?;
         let byte_level = matches!(inner.get_decoder(), Some(DecoderWrapper::ByteLevel(_)));
         let vocab_size = inner.get_vocab_size(true);
-        Ok(Self {
-            inner,
-            byte_level,
-            vocab_size,
-        })
+        Ok(Self { inner, byte_level, vocab_size })
     }
 
     /// Encodes text. Special/added tokens written in the text are recognised; no BOS or other
     /// post-processing tokens are added.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TextError> {
-        let enc = self
-            .inner
-            .encode(text, false)
-            .map_err(|e| TextError::Encode(e.to_string()))?;
+        let enc = self.inner.encode(text, false).map_err(|e| TextError::Encode(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
     }
 
@@ -70,9 +56,7 @@ impl Tokenizer {
         for &id in ids {
             self.check_id(id)?;
         }
-        self.inner
-            .decode(ids, skip_special)
-            .map_err(|e| TextError::Decode(e.to_string()))
+        self.inner.decode(ids, skip_special).map_err(|e| TextError::Decode(e.to_string()))
     }
 
     /// Number of tokens, added tokens included.
@@ -96,10 +80,7 @@ impl Tokenizer {
     }
 
     pub(crate) fn check_id(&self, id: u32) -> Result<String, TextError> {
-        self.inner.id_to_token(id).ok_or(TextError::UnknownId {
-            id,
-            vocab_size: self.vocab_size,
-        })
+        self.inner.id_to_token(id).ok_or(TextError::UnknownId { id, vocab_size: self.vocab_size })
     }
 
     pub(crate) fn is_byte_level(&self) -> bool {

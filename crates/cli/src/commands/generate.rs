@@ -65,14 +65,9 @@ pub fn run(a: Args) -> Result<()> {
     let prompt: Vec<u32> = match (&a.tokens, &a.prompt) {
         (Some(t), _) => parse_token_list(t)?,
         (None, Some(p)) => {
-            let tok = tok.context(
-                "--prompt needs a tokenizer.json in the model directory (or pass --tokens)",
-            )?;
+            let tok = tok.context("--prompt needs a tokenizer.json in the model directory (or pass --tokens)")?;
             let text = if a.chat {
-                let tpl = loaded
-                    .template
-                    .as_ref()
-                    .context("--chat needs a chat template in the model directory")?;
+                let tpl = loaded.template.as_ref().context("--chat needs a chat template in the model directory")?;
                 let mut messages = Vec::new();
                 if let Some(s) = &a.system {
                     messages.push(json!({"role": "system", "content": s}));
@@ -82,12 +77,7 @@ pub fn run(a: Args) -> Result<()> {
                 if a.no_think {
                     kwargs.insert("enable_thinking".into(), json!(false));
                 }
-                tpl.render(&ChatRequest {
-                    messages,
-                    tools: None,
-                    add_generation_prompt: true,
-                    kwargs,
-                })?
+                tpl.render(&ChatRequest { messages, tools: None, add_generation_prompt: true, kwargs })?
             } else {
                 p.clone()
             };
@@ -105,11 +95,7 @@ pub fn run(a: Args) -> Result<()> {
         frequency_penalty: a.frequency_penalty,
         seed: a.seed,
     };
-    let stop_token_ids = if a.ignore_eos {
-        Vec::new()
-    } else {
-        loaded.model.config.eos_token_ids.clone()
-    };
+    let stop_token_ids = if a.ignore_eos { Vec::new() } else { loaded.model.config.eos_token_ids.clone() };
     let req = GenerateRequest {
         prompt,
         max_tokens: a.max_tokens,
@@ -126,11 +112,7 @@ pub fn run(a: Args) -> Result<()> {
         }
     })?;
     let n = out.token_ids.len();
-    let decode_rate = if out.decode_ms > 0.0 {
-        n as f64 / (out.decode_ms / 1e3)
-    } else {
-        0.0
-    };
+    let decode_rate = if out.decode_ms > 0.0 { n as f64 / (out.decode_ms / 1e3) } else { 0.0 };
     if a.json {
         let v = json!({
             "token_ids": out.token_ids,

@@ -39,9 +39,8 @@ pub fn run(a: Args) -> Result<()> {
         &[("logits", vec![ids.len(), m.dims.vocab], &logits)],
     )?;
     let max_abs = logits.iter().fold(0.0f32, |acc, v| acc.max(v.abs()));
-    let hash = logits.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
-        (h ^ v.to_bits() as u64).wrapping_mul(0x0100_0000_01b3)
-    });
+    let hash =
+        logits.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| (h ^ v.to_bits() as u64).wrapping_mul(0x0100_0000_01b3));
     eprintln!(
         "wrote logits [{}, {}] to {} (max |logit| {max_abs:.4}, hash {hash:016x})",
         ids.len(),

@@ -28,24 +28,13 @@ pub fn run(a: Args) -> Result<()> {
     }
     let bar = ProgressBar::new(0).with_message("writing weights");
     bar.set_style(
-        ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} ({eta})")?
-            .progress_chars("=> "),
+        ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} ({eta})")?.progress_chars("=> "),
     );
-    deltaserve_engine::synth::write_synthetic_model(
-        &a.out,
-        preset,
-        a.layers,
-        a.seed,
-        |done, total| {
-            bar.set_length(total);
-            bar.set_position(done);
-        },
-    )?;
+    deltaserve_engine::synth::write_synthetic_model(&a.out, preset, a.layers, a.seed, |done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    })?;
     bar.finish_and_clear();
-    eprintln!(
-        "wrote a {} model with RANDOM weights to {}",
-        a.preset,
-        a.out.display()
-    );
+    eprintln!("wrote a {} model with RANDOM weights to {}", a.preset, a.out.display());
     Ok(())
 }
