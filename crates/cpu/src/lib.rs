@@ -11,6 +11,8 @@ pub mod gdn;
 pub mod linear;
 pub mod model;
 pub mod norm;
+pub mod paged;
 pub mod rope;
 
-pub use model::{CpuModel, ForwardError, GdnMode, LayerState, Logits, SequenceState};
+pub use model::{CpuModel, ForwardError, GdnMode, LayerState, Logits, SeqCache, SequenceState};
+pub use paged::{CpuBackend, CpuCacheConfig};

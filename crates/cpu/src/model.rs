@@ -60,6 +60,46 @@ pub struct SequenceState {
     pub layers: Vec<LayerState>,
 }
 
+/// Where one sequence's carried state lives: a [`SequenceState`] of its own, or pages and a slot of
+/// the paged backend's arena. Layer indices are absolute decoder-layer indices.
+pub trait SeqCache {
+    /// DeltaNet layer `layer`: (conv state [kernel − 1, conv_channels], recurrent state [Hv, dk, dv]).
+    fn deltanet_state(&mut self, layer: usize) -> (&mut [f32], &mut [f32]);
+    /// Stores K and V rows ([t, kv_heads·head_dim] each) of attention layer `layer` at positions `start..start + t`.
+    fn write_kv(&mut self, layer: usize, start: usize, k: &[f32], v: &[f32]);
+    /// K and V rows of positions `0..len` of attention layer `layer`, contiguous.
+    fn read_kv(&self, layer: usize, len: usize) -> (Vec<f32>, Vec<f32>);
+}
+
+impl SeqCache for SequenceState {
+    fn deltanet_state(&mut self, layer: usize) -> (&mut [f32], &mut [f32]) {
+        match &mut self.layers[layer] {
+            LayerState::DeltaNet { conv, recurrent } => (conv, recurrent),
+            LayerState::Attention { .. } => unreachable!("layer {layer} is an attention layer"),
+        }
+    }
+    fn write_kv(&mut self, layer: usize, start: usize, k: &[f32], v: &[f32]) {
+        match &mut self.layers[layer] {
+            LayerState::Attention { k: kc, v: vc } => {
+                // Rows are appended in position order, so `start` rows are already stored.
+                let _ = start;
+                kc.extend_from_slice(k);
+                vc.extend_from_slice(v);
+            }
+            LayerState::DeltaNet { .. } => unreachable!("layer {layer} is a DeltaNet layer"),
+        }
+    }
+    fn read_kv(&self, layer: usize, len: usize) -> (Vec<f32>, Vec<f32>) {
+        match &self.layers[layer] {
+            LayerState::Attention { k, v } => {
+                let width = k.len() / len.max(1);
+                (k[..len * width].to_vec(), v[..len * width].to_vec())
+            }
+            LayerState::DeltaNet { .. } => unreachable!("layer {layer} is a DeltaNet layer"),
+        }
+    }
+}
+
 /// The reference model: config, derived dims and f32 weights.
 pub struct CpuModel {
     pub config: ModelConfig,
@@ -109,10 +149,25 @@ impl CpuModel {
         mode: GdnMode,
         want: Logits,
     ) -> Result<Vec<f32>, ForwardError> {
-        let d = &self.dims;
-        if state.layers.len() != d.num_layers {
+        if state.layers.len() != self.dims.num_layers {
             return Err(ForwardError::StateMismatch);
         }
+        let start = state.len;
+        let logits = self.forward_cached(state, start, tokens, mode, want)?;
+        state.len += tokens.len();
+        Ok(logits)
+    }
+
+    /// Runs `tokens` at positions `start..` of a sequence whose state lives in `cache`.
+    pub fn forward_cached(
+        &self,
+        cache: &mut dyn SeqCache,
+        start: usize,
+        tokens: &[u32],
+        mode: GdnMode,
+        want: Logits,
+    ) -> Result<Vec<f32>, ForwardError> {
+        let d = &self.dims;
         if let Some((index, &id)) = tokens.iter().enumerate().find(|(_, id)| **id as usize >= d.vocab) {
             return Err(ForwardError::TokenOutOfRange { id, index, vocab: d.vocab });
         }
@@ -126,24 +181,21 @@ impl CpuModel {
         for &id in tokens {
             x.extend_from_slice(&self.weights.embed.data[id as usize * h..][..h]);
         }
-        for (lw, ls) in self.weights.layers.iter().zip(state.layers.iter_mut()) {
+        for (i, lw) in self.weights.layers.iter().enumerate() {
             let mut hn = x.clone();
             rms_norm_1p(&mut hn, &lw.input_norm.data, eps);
-            let mixed = match (&lw.mixer, ls) {
-                (MixerWeights::DeltaNet(w), LayerState::DeltaNet { conv, recurrent }) => {
+            let mixed = match &lw.mixer {
+                MixerWeights::DeltaNet(w) => {
+                    let (conv, recurrent) = cache.deltanet_state(i);
                     self.deltanet(w, &hn, t, conv, recurrent, mode)?
                 }
-                (MixerWeights::Attention(w), LayerState::Attention { k, v }) => {
-                    self.attention(w, &hn, t, state.len, k, v)
-                }
-                _ => return Err(ForwardError::StateMismatch),
+                MixerWeights::Attention(w) => self.attention(w, &hn, t, start, i, cache),
             };
             add_in_place(&mut x, &mixed);
             let mut hn = x.clone();
             rms_norm_1p(&mut hn, &lw.post_norm.data, eps);
             add_in_place(&mut x, &self.mlp(&lw.mlp, &hn, t));
         }
-        state.len += t;
         let rows = match want {
             Logits::All => x,
             Logits::Last => x[(t - 1) * h..].to_vec(),
@@ -215,8 +267,8 @@ impl CpuModel {
         hn: &[f32],
         t: usize,
         past: usize,
-        k_cache: &mut Vec<f32>,
-        v_cache: &mut Vec<f32>,
+        layer: usize,
+        cache: &mut dyn SeqCache,
     ) -> Vec<f32> {
         let d = &self.dims;
         let (nh, nkv, hd) = (d.q_heads, d.kv_heads, d.head_dim);
@@ -236,9 +288,9 @@ impl CpuModel {
         let theta = self.config.rope_theta;
         apply_partial_rope(&mut q, nh, hd, d.rotary_dim, theta, past);
         apply_partial_rope(&mut k, nkv, hd, d.rotary_dim, theta, past);
-        k_cache.extend_from_slice(&k);
-        v_cache.extend_from_slice(&v);
-        let mut attn = causal_gqa_attention(&q, k_cache, v_cache, nh, nkv, hd);
+        cache.write_kv(layer, past, &k, &v);
+        let (k_all, v_all) = cache.read_kv(layer, past + t);
+        let mut attn = causal_gqa_attention(&q, &k_all, &v_all, nh, nkv, hd);
         for (o, g) in attn.iter_mut().zip(&gate) {
             *o *= sigmoid(*g);
         }

@@ -1,12 +1,15 @@
 //! deltaserve-engine: turning requests into tokens.
 //!
+//! - [`engine`]: the engine thread (continuous batching over a [`deltaserve_backend::Backend`]) and its handle;
 //! - [`sampling`]: penalties and seeded sampling (greedy, temperature, top-k, top-p, min-p);
 //! - [`generate`]: one request on the CPU reference model (prefill in pieces, decode, stop rules);
 //! - [`synth`]: complete synthetic model directories and the built-in demo model.
 
+pub mod engine;
 pub mod generate;
 pub mod sampling;
 pub mod synth;
 
+pub use engine::{EngineError, EngineHandle, EngineStats, Event, Request, RequestStream, Timing, TokenLogprob, Usage};
 pub use generate::{FinishReason, GenerateError, GenerateOutput, GenerateRequest, generate};
 pub use sampling::{Sampler, SamplingParams};

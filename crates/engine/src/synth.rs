@@ -8,7 +8,7 @@ use deltaserve_model::ModelError;
 use deltaserve_model::synth::{Preset, write_model};
 
 /// Version of the demo model's recipe; bump when the synthetic generator changes.
-const DEMO_VERSION: &str = "tiny-seed0-v1";
+const DEMO_VERSION: &str = "tiny-seed0-v2";
 
 /// Writes a full model directory for `preset`.
 pub fn write_synthetic_model(
@@ -21,8 +21,10 @@ pub fn write_synthetic_model(
     write_model(dir, preset, layers, seed, progress)?;
     let tokenizer = deltaserve_text::synthetic_tokenizer_json(preset.tokenizer_mergeable())
         .map_err(|e| ModelError::config(format!("synthetic tokenizer: {e}")))?;
-    let files =
-        [("tokenizer.json", tokenizer), ("tokenizer_config.json", deltaserve_text::synthetic_tokenizer_config_json())];
+    let files = [
+        ("tokenizer.json", tokenizer),
+        ("tokenizer_config.json", deltaserve_text::synthetic_tokenizer_config_json_for(preset.tokenizer_mergeable())),
+    ];
     for (name, text) in files {
         let path = dir.join(name);
         std::fs::write(&path, text).map_err(|e| ModelError::io(&path, e))?;

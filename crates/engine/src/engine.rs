@@ -1,0 +1,509 @@
+//! The engine: one thread owns the backend and runs the step loop (schedule → backend step →
+//! sample → commit), driven through a small async-friendly API. [`EngineHandle::submit`] validates a
+//! request, queues it and returns a [`RequestStream`] of [`Event`]s; dropping the stream cancels the
+//! request and frees its pages and slot at the next step. Nothing the engine thread does blocks on a
+//! client: events go through unbounded channels, commands through a channel the thread drains.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use deltaserve_backend::{ArenaStats, Backend};
+use deltaserve_sched::{AdmitError, SchedConfig, SchedStats, Scheduler, SeqId, check_request};
+use deltaserve_text::{IncrementalDecoder, StopMatcher, Tokenizer};
+use tokio::sync::mpsc as tmpsc;
+
+use crate::generate::FinishReason;
+use crate::sampling::{Sampler, SamplingParams};
+
+/// A validated generation request, in tokens.
+#[derive(Clone, Debug)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Generation ends after one of these ids (it is included in the output ids, not in the text).
+    pub stop_token_ids: Vec<u32>,
+    /// Generation ends when the text contains one of these; the text is cut before it.
+    pub stop_strings: Vec<String>,
+    /// Return the sampled token's log-probability and this many top alternatives.
+    pub logprobs: Option<usize>,
+}
+
+/// Log-probabilities of a generated token (natural log, over the model's raw distribution).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct TokenLogprob {
+    pub logprob: f32,
+    /// The most likely tokens at this position, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens served from a prefix cache (0 until the prefix cache lands).
+    pub cached_tokens: usize,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Timing {
+    /// Submission → first admission.
+    pub queue_ms: f64,
+    /// Submission → first generated token.
+    pub ttft_ms: f64,
+    /// Submission → finish.
+    pub total_ms: f64,
+    /// Generated tokens per second after the first.
+    pub decode_tokens_per_s: f64,
+    pub preemptions: u32,
+}
+
+/// What a request's stream carries.
+#[derive(Clone, Debug)]
+pub enum Event {
+    /// A generated token and the text that became final with it (possibly empty: text is held back
+    /// while it could still be the start of a stop string or an incomplete UTF-8 character).
+    Token { id: u32, text: String, logprob: Option<TokenLogprob> },
+    /// The last event of a successful request.
+    Finished { reason: FinishReason, usage: Usage, timing: Timing },
+    /// The last event of a failed request.
+    Error(EngineError),
+}
+
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Admit(#[from] AdmitError),
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    #[error("backend error: {0}")]
+    Backend(String),
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
+/// Snapshot of the engine's state for metrics and tests.
+#[derive(Clone, Debug, Default)]
+pub struct EngineStats {
+    pub sched: SchedStats,
+    pub arena: ArenaStats,
+    pub steps: u64,
+    pub requests_finished: u64,
+    pub requests_failed: u64,
+    pub prompt_tokens: u64,
+    pub generated_tokens: u64,
+}
+
+enum Command {
+    Submit { id: SeqId, req: Request, tx: tmpsc::UnboundedSender<Event>, submitted: Instant },
+    Cancel(SeqId),
+    Shutdown { drain: bool },
+}
+
+struct Shared {
+    stats: Mutex<EngineStats>,
+    /// Submitted but not yet admitted (bounded by the scheduler's `max_waiting`).
+    queued: AtomicUsize,
+    next_id: AtomicU64,
+}
+
+struct Inner {
+    cmd: Mutex<mpsc::Sender<Command>>,
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    sched_cfg: SchedConfig,
+    vocab: usize,
+}
+
+/// Cheap-to-clone handle to a running engine.
+#[derive(Clone)]
+pub struct EngineHandle {
+    inner: Arc<Inner>,
+}
+
+/// The events of one request; dropping it cancels the request.
+pub struct RequestStream {
+    pub id: SeqId,
+    rx: tmpsc::UnboundedReceiver<Event>,
+    cancel: Option<mpsc::Sender<Command>>,
+}
+
+impl RequestStream {
+    /// The next event (None after the last one).
+    pub async fn next(&mut self) -> Option<Event> {
+        let e = self.rx.recv().await;
+        if matches!(e, Some(Event::Finished { .. } | Event::Error(_)) | None) {
+            self.cancel = None; // finished: nothing to cancel
+        }
+        e
+    }
+    /// Blocking variant for non-async callers (CLI, tests).
+    pub fn blocking_next(&mut self) -> Option<Event> {
+        let e = self.rx.blocking_recv();
+        if matches!(e, Some(Event::Finished { .. } | Event::Error(_)) | None) {
+            self.cancel = None;
+        }
+        e
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if let Some(tx) = self.cancel.take() {
+            let _ = tx.send(Command::Cancel(self.id));
+        }
+    }
+}
+
+impl EngineHandle {
+    /// Starts the engine thread over `backend`.
+    pub fn start(backend: Box<dyn Backend>, sched_cfg: SchedConfig, tokenizer: Option<Arc<Tokenizer>>) -> Self {
+        let (tx, rx) = mpsc::channel();
+        let shared = Arc::new(Shared {
+            stats: Mutex::new(EngineStats::default()),
+            queued: AtomicUsize::new(0),
+            next_id: AtomicU64::new(1),
+        });
+        let vocab = backend.vocab_size();
+        if let Ok(mut st) = shared.stats.lock() {
+            st.arena = backend.arena_stats();
+        }
+        let valid_vocab = tokenizer.as_ref().map_or(vocab, |t| t.vocab_size().min(vocab));
+        let worker = Worker {
+            sched: Scheduler::new(sched_cfg.clone()),
+            backend,
+            tokenizer,
+            valid_vocab,
+            reqs: HashMap::new(),
+            shared: shared.clone(),
+            rx,
+            logits: Vec::new(),
+        };
+        let thread = std::thread::Builder::new()
+            .name("deltaserve-engine".into())
+            .spawn(move || worker.run())
+            .expect("spawning the engine thread");
+        Self {
+            inner: Arc::new(Inner { cmd: Mutex::new(tx), shared, thread: Mutex::new(Some(thread)), sched_cfg, vocab }),
+        }
+    }
+
+    pub fn sched_config(&self) -> &SchedConfig {
+        &self.inner.sched_cfg
+    }
+
+    /// Validates and queues a request.
+    pub fn submit(&self, req: Request) -> Result<RequestStream, EngineError> {
+        req.sampling.validate().map_err(EngineError::Invalid)?;
+        if let Some((i, id)) = req.prompt.iter().enumerate().find(|(_, id)| **id as usize >= self.inner.vocab) {
+            return Err(EngineError::Invalid(format!(
+                "prompt token {i} has id {id}, outside the vocabulary of {} ids",
+                self.inner.vocab
+            )));
+        }
+        // Length checks happen before any work; a pure function of the plan's limits.
+        check_request(&self.inner.sched_cfg, req.prompt.len(), req.max_tokens)?;
+        let sh = &self.inner.shared;
+        let limit = self.inner.sched_cfg.max_waiting;
+        if sh.queued.fetch_add(1, Ordering::SeqCst) >= limit {
+            let waiting = sh.queued.fetch_sub(1, Ordering::SeqCst) - 1;
+            return Err(AdmitError::Overloaded { waiting, limit }.into());
+        }
+        let id = sh.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = tmpsc::unbounded_channel();
+        let cmd = self.inner.cmd.lock().map_err(|_| EngineError::Stopped)?.clone();
+        cmd.send(Command::Submit { id, req, tx, submitted: Instant::now() }).map_err(|_| {
+            sh.queued.fetch_sub(1, Ordering::SeqCst);
+            EngineError::Stopped
+        })?;
+        Ok(RequestStream { id, rx, cancel: Some(cmd) })
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        self.inner.shared.stats.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    /// Stops the engine: `drain` finishes in-flight requests first, otherwise they are cancelled
+    /// (their streams end with [`EngineError::Stopped`]). Waits for the thread to exit.
+    pub fn shutdown(&self, drain: bool) {
+        if let Ok(cmd) = self.inner.cmd.lock() {
+            let _ = cmd.send(Command::Shutdown { drain });
+        }
+        if let Some(t) = self.inner.thread.lock().ok().and_then(|mut t| t.take()) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Per-request state on the engine thread.
+struct Live {
+    req: Request,
+    tx: tmpsc::UnboundedSender<Event>,
+    sampler: Sampler,
+    decoder: IncrementalDecoder,
+    stops: StopMatcher,
+    submitted: Instant,
+    admitted: Option<Instant>,
+    first_token: Option<Instant>,
+    generated: usize,
+    preemptions: u32,
+}
+
+/// The engine thread's state.
+struct Worker {
+    sched: Scheduler,
+    backend: Box<dyn Backend>,
+    tokenizer: Option<Arc<Tokenizer>>,
+    valid_vocab: usize,
+    reqs: HashMap<SeqId, Live>,
+    shared: Arc<Shared>,
+    rx: mpsc::Receiver<Command>,
+    logits: Vec<f32>,
+}
+
+impl Worker {
+    fn run(mut self) {
+        let mut draining = false;
+        loop {
+            // Wait for work when idle; otherwise take whatever arrived since the last step.
+            if self.sched.is_idle() {
+                if draining {
+                    break;
+                }
+                match self.rx.recv() {
+                    Ok(cmd) => draining |= self.handle(cmd),
+                    Err(_) => break,
+                }
+            }
+            while let Ok(cmd) = self.rx.try_recv() {
+                draining |= self.handle(cmd);
+            }
+            if self.sched.is_idle() {
+                continue;
+            }
+            self.drop_disconnected();
+            self.step();
+            self.publish_stats();
+        }
+        for (_, live) in self.reqs.drain() {
+            let _ = live.tx.send(Event::Error(EngineError::Stopped));
+        }
+        self.publish_stats();
+    }
+
+    /// Applies a command; returns true when the engine should drain and stop.
+    fn handle(&mut self, cmd: Command) -> bool {
+        match cmd {
+            Command::Submit { id, req, tx, submitted } => {
+                match self.sched.add(id, req.prompt.clone(), req.max_tokens) {
+                    Ok(()) => {
+                        let sampler = Sampler::new(req.sampling.clone(), self.valid_vocab);
+                        let stops = StopMatcher::new(req.stop_strings.clone());
+                        self.reqs.insert(
+                            id,
+                            Live {
+                                req,
+                                tx,
+                                sampler,
+                                decoder: IncrementalDecoder::new(true),
+                                stops,
+                                submitted,
+                                admitted: None,
+                                first_token: None,
+                                generated: 0,
+                                preemptions: 0,
+                            },
+                        );
+                    }
+                    Err(e) => {
+                        self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+                        let _ = tx.send(Event::Error(e.into()));
+                    }
+                }
+                false
+            }
+            Command::Cancel(id) => {
+                self.cancel(id);
+                false
+            }
+            Command::Shutdown { drain } => {
+                if !drain {
+                    let ids: Vec<SeqId> = self.reqs.keys().copied().collect();
+                    for id in ids {
+                        self.fail(id, EngineError::Stopped);
+                    }
+                }
+                true
+            }
+        }
+    }
+
+    fn cancel(&mut self, id: SeqId) {
+        if let Some(live) = self.reqs.remove(&id) {
+            if live.admitted.is_none() {
+                self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+            }
+            self.sched.remove(id);
+        }
+    }
+
+    fn fail(&mut self, id: SeqId, e: EngineError) {
+        if let Some(live) = self.reqs.get(&id) {
+            let _ = live.tx.send(Event::Error(e));
+        }
+        self.cancel(id);
+        if let Ok(mut s) = self.shared.stats.lock() {
+            s.requests_failed += 1;
+        }
+    }
+
+    /// Cancels requests whose client went away.
+    fn drop_disconnected(&mut self) {
+        let gone: Vec<SeqId> = self.reqs.iter().filter(|(_, l)| l.tx.is_closed()).map(|(id, _)| *id).collect();
+        for id in gone {
+            self.cancel(id);
+        }
+    }
+
+    fn step(&mut self) {
+        let plan = self.sched.schedule();
+        let now = Instant::now();
+        for id in &plan.admitted {
+            if let Some(live) = self.reqs.get_mut(id)
+                && live.admitted.is_none()
+            {
+                live.admitted = Some(now);
+                self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        for id in &plan.preempted {
+            if let Some(live) = self.reqs.get_mut(id) {
+                live.preemptions += 1;
+            }
+        }
+        if plan.batch.seqs.is_empty() {
+            return;
+        }
+        self.logits.clear();
+        if let Err(e) = self.backend.step(&plan.batch, &mut self.logits) {
+            tracing::error!(error = %e, "backend step failed; failing the requests in the step");
+            for c in &plan.batch.seqs {
+                self.fail(c.seq_id, EngineError::Backend(e.to_string()));
+            }
+            return;
+        }
+        self.sched.commit(&plan);
+        if let Ok(mut s) = self.shared.stats.lock() {
+            s.steps += 1;
+        }
+        let vocab = self.backend.vocab_size();
+        let mut logits = std::mem::take(&mut self.logits);
+        let mut rows = logits.chunks_exact_mut(vocab);
+        for c in plan.batch.seqs.iter().filter(|c| c.want_logits) {
+            let Some(row) = rows.next() else { break };
+            self.emit_token(c.seq_id, row);
+        }
+        self.logits = logits;
+    }
+
+    /// Samples the next token of `id` from its logits row and streams it.
+    fn emit_token(&mut self, id: SeqId, row: &mut [f32]) {
+        let Some(live) = self.reqs.get_mut(&id) else { return };
+        let raw = live.req.logprobs.map(|_| row.to_vec());
+        let context = self.sched.tokens(id).unwrap_or(&[]);
+        let token = live.sampler.sample(row, context);
+        let logprob = raw.zip(live.req.logprobs).map(|(raw, k)| token_logprob(&raw, self.valid_vocab, token, k));
+        live.sampler.observe(token);
+        live.generated += 1;
+        live.first_token.get_or_insert_with(Instant::now);
+        let at_length = self.sched.append_token(id, token);
+        let mut text = String::new();
+        let mut reason = None;
+        if let Some(tok) = &self.tokenizer {
+            match live.decoder.push(tok, token) {
+                Ok(piece) => {
+                    let out = live.stops.push(&piece);
+                    text = out.emit;
+                    if let Some(s) = out.stopped {
+                        reason = Some(FinishReason::StopString(s));
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "detokenisation failed"),
+            }
+        }
+        if reason.is_none() && live.req.stop_token_ids.contains(&token) {
+            reason = Some(FinishReason::Stop);
+        }
+        if reason.is_none() && at_length {
+            reason = Some(FinishReason::Length);
+        }
+        if let Some(r) = &reason
+            && !matches!(r, FinishReason::StopString(_))
+            && let Some(tok) = &self.tokenizer
+        {
+            // Flush what the decoder and the stop matcher held back.
+            let tail = live.decoder.finish(tok).unwrap_or_default();
+            let out = live.stops.push(&tail);
+            text.push_str(&out.emit);
+            match out.stopped {
+                Some(s) => reason = Some(FinishReason::StopString(s)),
+                None => text.push_str(&live.stops.flush()),
+            }
+        }
+        if live.tx.send(Event::Token { id: token, text, logprob: logprob.clone() }).is_err() {
+            self.cancel(id);
+            return;
+        }
+        if let Some(reason) = reason {
+            self.finish(id, reason);
+        }
+    }
+
+    fn finish(&mut self, id: SeqId, reason: FinishReason) {
+        let Some(live) = self.reqs.remove(&id) else { return };
+        self.sched.remove(id);
+        let now = Instant::now();
+        let ms = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64() * 1e3;
+        let first = live.first_token.unwrap_or(now);
+        let decode_s = now.duration_since(first).as_secs_f64();
+        let timing = Timing {
+            queue_ms: live.admitted.map_or(0.0, |a| ms(live.submitted, a)),
+            ttft_ms: ms(live.submitted, first),
+            total_ms: ms(live.submitted, now),
+            decode_tokens_per_s: if decode_s > 0.0 { (live.generated - 1) as f64 / decode_s } else { 0.0 },
+            preemptions: live.preemptions,
+        };
+        let usage = Usage { prompt_tokens: live.req.prompt.len(), completion_tokens: live.generated, cached_tokens: 0 };
+        if let Ok(mut s) = self.shared.stats.lock() {
+            s.requests_finished += 1;
+            s.prompt_tokens += usage.prompt_tokens as u64;
+            s.generated_tokens += usage.completion_tokens as u64;
+        }
+        let _ = live.tx.send(Event::Finished { reason, usage, timing });
+    }
+
+    fn publish_stats(&self) {
+        if let Ok(mut s) = self.shared.stats.lock() {
+            s.sched = self.sched.stats();
+            s.arena = self.backend.arena_stats();
+        }
+    }
+}
+
+/// Log-probabilities of `token` and of the `k` most likely ids, from a raw logits row (ids below `valid`).
+fn token_logprob(raw: &[f32], valid: usize, token: u32, k: usize) -> TokenLogprob {
+    let row = &raw[..valid.min(raw.len())];
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = max + row.iter().map(|x| (x - max).exp()).sum::<f32>().ln();
+    let k = k.min(row.len());
+    let mut idx: Vec<u32> = (0..row.len() as u32).collect();
+    if k > 0 && k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, |a, b| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b)));
+    }
+    let mut top: Vec<(u32, f32)> = idx[..k].iter().map(|&i| (i, row[i as usize] - lse)).collect();
+    top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    TokenLogprob { logprob: raw.get(token as usize).map_or(f32::NEG_INFINITY, |l| l - lse), top }
+}

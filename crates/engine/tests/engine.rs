@@ -1,0 +1,280 @@
+//! The engine end to end on the CPU backend: whatever the batching (many concurrent requests, random
+//! arrival, tiny step budgets forcing many prefill chunks, a KV budget small enough to force
+//! preemption), every request's tokens equal its solo run; the arena never moves; cancellation,
+//! overload and shutdown behave.
+
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
+use deltaserve_engine::{
+    EngineError, EngineHandle, Event, FinishReason, GenerateRequest, Request, SamplingParams, generate,
+};
+use deltaserve_model::synth::Preset;
+use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
+use deltaserve_sched::{AdmitError, SchedConfig};
+use deltaserve_text::Tokenizer;
+
+fn model_dir() -> &'static PathBuf {
+    static D: OnceLock<PathBuf> = OnceLock::new();
+    D.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("ds-engine-test-{}", std::process::id()));
+        deltaserve_engine::synth::write_synthetic_model(&dir, Preset::Tiny, None, 21, |_, _| {}).unwrap();
+        dir
+    })
+}
+
+fn load_model() -> CpuModel {
+    let dir = model_dir();
+    let cfg = ModelConfig::from_dir(dir).unwrap();
+    let w = ModelWeights::load_f32(&Checkpoint::open(dir).unwrap(), &cfg).unwrap();
+    CpuModel::new(cfg, w)
+}
+
+fn tokenizer() -> Arc<Tokenizer> {
+    Arc::new(Tokenizer::from_file(&model_dir().join("tokenizer.json")).unwrap())
+}
+
+fn start(sched: SchedConfig) -> EngineHandle {
+    let backend = CpuBackend::new(
+        load_model(),
+        CpuCacheConfig { num_pages: sched.num_pages, page_size: sched.page_size, num_slots: sched.max_seqs },
+    );
+    EngineHandle::start(Box::new(backend), sched, Some(tokenizer()))
+}
+
+fn sched(max_batch_tokens: usize, num_pages: usize, max_seqs: usize) -> SchedConfig {
+    SchedConfig { max_batch_tokens, max_seqs, page_size: 8, num_pages, max_context: num_pages * 8, max_waiting: 64 }
+}
+
+/// Collects a stream: (token ids, text, finish reason).
+fn collect(mut s: deltaserve_engine::RequestStream) -> Result<(Vec<u32>, String, FinishReason), EngineError> {
+    let (mut ids, mut text) = (Vec::new(), String::new());
+    loop {
+        match s.blocking_next() {
+            Some(Event::Token { id, text: t, .. }) => {
+                ids.push(id);
+                text.push_str(&t);
+            }
+            Some(Event::Finished { reason, .. }) => return Ok((ids, text, reason)),
+            Some(Event::Error(e)) => return Err(e),
+            None => return Err(EngineError::Stopped),
+        }
+    }
+}
+
+struct Case {
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    sampling: SamplingParams,
+}
+
+fn cases(n: usize, seed: u64) -> Vec<Case> {
+    let mut x = seed;
+    let mut next = move |m: u64| {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (x >> 33) % m
+    };
+    (0..n)
+        .map(|i| {
+            let len = 1 + next(150) as usize;
+            let prompt = (0..len).map(|_| next(991) as u32).collect();
+            let sampling = if i % 3 == 2 {
+                SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.9, seed: Some(i as u64), ..Default::default() }
+            } else {
+                SamplingParams::greedy()
+            };
+            Case { prompt, max_tokens: 1 + next(24) as usize, sampling }
+        })
+        .collect()
+}
+
+fn solo(model: &CpuModel, tok: &Tokenizer, c: &Case) -> (Vec<u32>, String) {
+    let req = GenerateRequest {
+        prompt: c.prompt.clone(),
+        max_tokens: c.max_tokens,
+        sampling: c.sampling.clone(),
+        stop_token_ids: vec![],
+        stop_strings: vec![],
+        prefill_chunk: 1 << 20,
+    };
+    let out = generate(model, Some(tok), &req, |_| {}).unwrap();
+    (out.token_ids, out.text)
+}
+
+fn request(c: &Case) -> Request {
+    Request {
+        prompt: c.prompt.clone(),
+        max_tokens: c.max_tokens,
+        sampling: c.sampling.clone(),
+        stop_token_ids: vec![],
+        stop_strings: vec![],
+        logprobs: None,
+    }
+}
+
+#[test]
+fn batched_outputs_equal_solo_runs_under_any_batching() {
+    let model = load_model();
+    let tok = tokenizer();
+    let cs = cases(14, 5);
+    let expected: Vec<_> = cs.iter().map(|c| solo(&model, &tok, c)).collect();
+    // (max_batch_tokens, pages of 8 tokens, max_seqs): roomy; tiny steps; KV budget that forces preemption.
+    for (mbt, pages, seqs) in [(512, 400, 16), (7, 400, 5), (64, 24, 8)] {
+        let engine = start(sched(mbt, pages, seqs));
+        let arena_before = engine.stats().arena;
+        // Random arrival: submit from several threads with staggered delays.
+        let handles: Vec<_> = cs
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let engine = engine.clone();
+                let r = request(c);
+                std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis((i as u64 * 7) % 23));
+                    collect(engine.submit(r).unwrap()).unwrap()
+                })
+            })
+            .collect();
+        for (i, h) in handles.into_iter().enumerate() {
+            let (ids, text, _) = h.join().unwrap();
+            assert_eq!((&ids, &text), (&expected[i].0, &expected[i].1), "config ({mbt}, {pages}, {seqs}) request {i}");
+        }
+        let stats = engine.stats();
+        assert_eq!(stats.arena, arena_before, "the arena must not move while serving");
+        assert_eq!((stats.sched.pages_in_use, stats.sched.slots_in_use), (0, 0));
+        if pages == 24 {
+            assert!(stats.sched.preemptions > 0, "the small KV budget should have forced preemption");
+        }
+        engine.shutdown(true);
+    }
+}
+
+#[test]
+fn over_long_prompts_are_rejected_before_any_work_and_the_engine_stays_fine() {
+    let engine = start(sched(32, 8, 2)); // 64 positions
+    let fill = Request {
+        prompt: vec![5; 64],
+        max_tokens: 1,
+        sampling: SamplingParams::greedy(),
+        stop_token_ids: vec![],
+        stop_strings: vec![],
+        logprobs: None,
+    };
+    let (ids, _, reason) = collect(engine.submit(fill.clone()).unwrap()).unwrap();
+    assert_eq!((ids.len(), reason), (1, FinishReason::Length));
+    let err = engine.submit(Request { prompt: vec![5; 65], ..fill.clone() }).err().expect("rejected");
+    assert!(matches!(err, EngineError::Admit(AdmitError::ContextTooLong { prompt: 65, max_context: 64, .. })), "{err}");
+    assert!(err.to_string().contains("64"));
+    let err = engine.submit(Request { prompt: vec![5; 10], max_tokens: 56, ..fill.clone() }).err().expect("rejected");
+    assert!(matches!(err, EngineError::Admit(AdmitError::ContextTooLong { .. })));
+    let err = engine.submit(Request { prompt: vec![5_000], ..fill.clone() }).err().expect("rejected");
+    assert!(err.to_string().contains("outside the vocabulary"), "{err}");
+    let err = engine
+        .submit(Request { sampling: SamplingParams { top_p: 2.0, ..Default::default() }, ..fill.clone() })
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("top_p"));
+    // still serving
+    assert!(collect(engine.submit(Request { prompt: vec![7; 30], max_tokens: 5, ..fill }).unwrap()).is_ok());
+    engine.shutdown(true);
+}
+
+#[test]
+fn dropping_a_stream_cancels_and_frees_its_memory() {
+    let engine = start(sched(16, 64, 4));
+    let r = Request {
+        prompt: vec![3; 40],
+        max_tokens: 400,
+        sampling: SamplingParams::greedy(),
+        stop_token_ids: vec![],
+        stop_strings: vec![],
+        logprobs: None,
+    };
+    let mut s = engine.submit(r).unwrap();
+    for _ in 0..3 {
+        assert!(matches!(s.blocking_next(), Some(Event::Token { .. })));
+    }
+    drop(s);
+    let t0 = std::time::Instant::now();
+    while engine.stats().sched.running + engine.stats().sched.waiting > 0 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "cancellation did not free the sequence");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(engine.stats().sched.pages_in_use, 0);
+    engine.shutdown(false);
+}
+
+#[test]
+fn full_queue_is_overloaded_and_shutdown_without_drain_ends_streams() {
+    let engine = start(SchedConfig { max_waiting: 2, ..sched(4, 64, 1) });
+    let r = Request {
+        prompt: vec![3; 20],
+        max_tokens: 300,
+        sampling: SamplingParams::greedy(),
+        stop_token_ids: vec![],
+        stop_strings: vec![],
+        logprobs: None,
+    };
+    let mut streams: Vec<_> = Vec::new();
+    let mut overloaded = 0;
+    for _ in 0..8 {
+        match engine.submit(r.clone()) {
+            Ok(s) => streams.push(s),
+            Err(EngineError::Admit(AdmitError::Overloaded { .. })) => overloaded += 1,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(overloaded > 0, "8 submissions against 1 slot and a queue of 2 must overflow");
+    engine.shutdown(false);
+    for s in streams {
+        assert!(matches!(collect(s), Err(EngineError::Stopped)));
+    }
+    assert!(matches!(engine.submit(r), Err(EngineError::Stopped)));
+}
+
+#[test]
+fn stop_strings_stop_tokens_and_logprobs() {
+    let model = load_model();
+    let tok = tokenizer();
+    let engine = start(sched(64, 64, 4));
+    let base = Request {
+        prompt: vec![11, 12, 13],
+        max_tokens: 40,
+        sampling: SamplingParams::greedy(),
+        stop_token_ids: vec![],
+        stop_strings: vec![],
+        logprobs: Some(3),
+    };
+    let (ids, text, _) = collect(engine.submit(base.clone()).unwrap()).unwrap();
+    let solo_text =
+        solo(&model, &tok, &Case { prompt: base.prompt.clone(), max_tokens: 40, sampling: SamplingParams::greedy() }).1;
+    assert_eq!(text, solo_text);
+    // stop at a token id
+    let (ids2, _, reason) =
+        collect(engine.submit(Request { stop_token_ids: vec![ids[4]], ..base.clone() }).unwrap()).unwrap();
+    assert_eq!(reason, FinishReason::Stop);
+    assert_eq!(ids2.last(), Some(&ids[4]));
+    assert!(ids2.len() <= 5);
+    // stop at a string taken from the middle of the text
+    let chars: Vec<char> = text.chars().collect();
+    if chars.len() > 6 {
+        let stop: String = chars[3..6].iter().collect();
+        let (_, t3, reason) =
+            collect(engine.submit(Request { stop_strings: vec![stop.clone()], ..base.clone() }).unwrap()).unwrap();
+        assert_eq!(reason, FinishReason::StopString(stop.clone()));
+        assert!(!t3.contains(&stop) && text.starts_with(&t3), "{t3:?} vs {text:?}");
+    }
+    // logprobs: greedy token is the top-1 and logprobs are <= 0
+    let mut s = engine.submit(base).unwrap();
+    if let Some(Event::Token { id, logprob: Some(lp), .. }) = s.blocking_next() {
+        assert_eq!(lp.top.len(), 3);
+        assert_eq!(lp.top[0].0, id);
+        assert!((lp.logprob - lp.top[0].1).abs() < 1e-6 && lp.logprob <= 0.0);
+    } else {
+        panic!("expected a token with logprobs");
+    }
+    drop(s);
+    engine.shutdown(false);
+}

@@ -1,0 +1,142 @@
+//! Scheduler simulations: random workloads under tight budgets. After every step the pools are
+//! consistent, the token budget and sequence limit hold, chunks continue exactly where the cache
+//! ends, every sequence finishes with exactly its tokens, and preemption only delays.
+
+use std::collections::HashMap;
+
+use deltaserve_sched::{AdmitError, SchedConfig, Scheduler};
+use proptest::prelude::*;
+
+fn cfg(max_batch_tokens: usize, num_pages: usize, max_seqs: usize) -> SchedConfig {
+    SchedConfig { max_batch_tokens, max_seqs, page_size: 4, num_pages, max_context: 64, max_waiting: 1000 }
+}
+
+/// Runs a workload to completion; "sampling" appends a token derived from (id, position).
+fn simulate(c: SchedConfig, reqs: &[(usize, usize, usize)]) -> (HashMap<u64, Vec<u32>>, u64) {
+    let mut s = Scheduler::new(c.clone());
+    let mut done = HashMap::new();
+    let mut step = 0;
+    let mut pending: Vec<(usize, u64, Vec<u32>, usize)> = reqs
+        .iter()
+        .enumerate()
+        .map(|(i, &(arrive, p, m))| (arrive, i as u64, (0..p as u32).map(|t| t + 1000 * i as u32).collect(), m))
+        .collect();
+    pending.sort_by_key(|r| r.0);
+    loop {
+        while let Some(r) = pending.first() {
+            if r.0 > step {
+                break;
+            }
+            let (_, id, prompt, max) = pending.remove(0);
+            s.add(id, prompt, max).unwrap();
+        }
+        if s.is_idle() && pending.is_empty() {
+            break;
+        }
+        let plan = s.schedule();
+        assert!(plan.batch.num_tokens() <= c.max_batch_tokens);
+        assert!(plan.batch.seqs.len() <= c.max_seqs);
+        let mut seen = std::collections::HashSet::new();
+        for ch in &plan.batch.seqs {
+            assert!(seen.insert(ch.seq_id), "a sequence appears twice in one step");
+            let toks = s.tokens(ch.seq_id).unwrap();
+            assert_eq!(&toks[ch.start..ch.start + ch.tokens.len()], &ch.tokens[..]);
+            assert!(ch.pages.len() * c.page_size >= ch.start + ch.tokens.len());
+        }
+        s.commit(&plan);
+        for ch in plan.batch.seqs.iter().filter(|c| c.want_logits) {
+            let pos = ch.start + ch.tokens.len();
+            if s.append_token(ch.seq_id, (ch.seq_id * 7919 + pos as u64) as u32 % 50_000) {
+                done.insert(ch.seq_id, s.tokens(ch.seq_id).unwrap().to_vec());
+                s.remove(ch.seq_id);
+            }
+        }
+        s.assert_consistent();
+        step += 1;
+        assert!(step < 100_000, "no progress");
+    }
+    (done, s.stats().preemptions)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    #[test]
+    fn random_workloads_complete_identically_under_any_budget(
+        reqs in prop::collection::vec((0usize..20, 1usize..40, 1usize..20), 1..12),
+        budget in 1usize..40,
+        pages in 16usize..40,
+        seqs in 1usize..6,
+    ) {
+        let reqs: Vec<_> = reqs.into_iter().map(|(a, p, m)| (a, p, m.min(64 + 1 - p))).collect();
+        let (roomy, _) = simulate(cfg(256, 1000, 16), &reqs);
+        let (tight, _) = simulate(cfg(budget, pages, seqs), &reqs);
+        prop_assert_eq!(roomy.len(), reqs.len());
+        prop_assert_eq!(roomy, tight);
+    }
+}
+
+#[test]
+fn small_kv_budget_forces_preemption_and_everything_still_finishes() {
+    let reqs: Vec<(usize, usize, usize)> = (0..8).map(|i| (0, 20 + i, 30)).collect();
+    let (done, preemptions) = simulate(cfg(64, 16, 8), &reqs);
+    assert_eq!(done.len(), 8);
+    assert!(preemptions > 0, "the budget should force preemption");
+    for (i, (_, p, m)) in reqs.iter().enumerate() {
+        assert_eq!(done[&(i as u64)].len(), p + m);
+    }
+}
+
+#[test]
+fn admission_limits_are_clear_errors() {
+    let mut s = Scheduler::new(SchedConfig { max_waiting: 2, ..cfg(16, 16, 2) });
+    assert_eq!(s.add(1, vec![], 4), Err(AdmitError::EmptyPrompt));
+    assert_eq!(s.add(1, vec![1], 0), Err(AdmitError::ZeroMaxTokens));
+    // max_context 64: a 64-token prompt with one token to generate fits (the last token needs no slot).
+    assert!(s.add(1, vec![1; 64], 1).is_ok());
+    let e = s.add(2, vec![1; 65], 1).unwrap_err();
+    assert!(matches!(e, AdmitError::ContextTooLong { prompt: 65, max_context: 64, .. }), "{e}");
+    assert!(e.to_string().contains("64"));
+    assert!(matches!(s.add(3, vec![1; 10], 56), Err(AdmitError::ContextTooLong { .. })));
+    assert!(s.add(3, vec![1; 10], 55).is_ok());
+    assert_eq!(s.add(3, vec![1], 1), Err(AdmitError::DuplicateId(3)));
+    assert!(matches!(s.add(4, vec![1], 1), Err(AdmitError::Overloaded { waiting: 2, limit: 2 })));
+}
+
+#[test]
+fn long_prompt_is_split_across_steps_and_decodes_keep_flowing() {
+    let mut s = Scheduler::new(cfg(8, 100, 4));
+    s.add(1, vec![1; 3], 10).unwrap();
+    let p = s.schedule();
+    s.commit(&p);
+    s.append_token(1, 9);
+    s.add(2, vec![2; 30], 2).unwrap();
+    let mut steps = 0;
+    while s.tokens(2).map(|t| t.len()) == Some(30) {
+        let p = s.schedule();
+        // sequence 1 decodes one token in every step while 2's prompt streams in 7-token chunks
+        assert_eq!(p.batch.seqs[0].seq_id, 1);
+        assert_eq!(p.batch.seqs[0].tokens.len(), 1);
+        assert!(p.batch.num_tokens() <= 8);
+        s.commit(&p);
+        for c in p.batch.seqs.iter().filter(|c| c.want_logits) {
+            s.append_token(c.seq_id, 5);
+        }
+        s.assert_consistent();
+        steps += 1;
+    }
+    assert_eq!(steps, 5, "30 prompt tokens in chunks of 7");
+}
+
+#[test]
+fn cancellation_frees_everything_at_once() {
+    let mut s = Scheduler::new(cfg(64, 16, 4));
+    s.add(1, vec![1; 40], 10).unwrap();
+    let p = s.schedule();
+    s.commit(&p);
+    assert!(s.stats().pages_in_use > 0);
+    assert!(s.remove(1));
+    let st = s.stats();
+    assert_eq!((st.pages_in_use, st.slots_in_use, st.running, st.waiting), (0, 0, 0, 0));
+    assert!(!s.remove(1));
+    s.assert_consistent();
+}
