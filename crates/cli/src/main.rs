@@ -1,6 +1,7 @@
 //! `deltaserve`: the command-line entry point. Each subcommand lives in `commands/`.
 
 mod commands;
+mod engine_args;
 mod model_source;
 
 use clap::{Parser, Subcommand};
@@ -18,12 +19,16 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve the OpenAI- and Anthropic-compatible HTTP API (the built-in demo model without --model).
+    Serve(commands::serve::Args),
     /// Generate text (or token ids) for one prompt.
     Generate(commands::generate::Args),
     /// Write the logits of every position of a token sequence to a safetensors file.
     Logits(commands::logits::Args),
     /// Write a complete random-weight model directory for a preset shape.
     Synth(commands::synth::Args),
+    /// Print the static memory plan: what fits in a memory budget.
+    Plan(commands::plan::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -33,9 +38,11 @@ fn main() -> std::process::ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Serve(a) => commands::serve::run(a),
         Command::Generate(a) => commands::generate::run(a),
         Command::Logits(a) => commands::logits::run(a),
         Command::Synth(a) => commands::synth::run(a),
+        Command::Plan(a) => commands::plan::run(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

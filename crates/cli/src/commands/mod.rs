@@ -2,4 +2,6 @@
 
 pub mod generate;
 pub mod logits;
+pub mod plan;
+pub mod serve;
 pub mod synth;

@@ -1,0 +1,130 @@
+//! `deltaserve plan`: the static memory plan (what fits in a memory budget), from a model directory's
+//! `config.json` or a built-in preset shape. Reads no weights and touches no device.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use deltaserve_model::ModelConfig;
+use deltaserve_model::synth::Preset;
+use deltaserve_plan::{KvDtype, Plan, PlanOptions, WeightsDtype, parse_size};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// HF model directory (only config.json is read).
+    #[arg(long, conflicts_with = "preset")]
+    model: Option<PathBuf>,
+    /// Shape preset instead of a model directory: tiny or qwen3.6-27b.
+    #[arg(long)]
+    preset: Option<String>,
+    /// Number of decoder layers of the preset (default: the preset's).
+    #[arg(long, requires = "preset")]
+    layers: Option<usize>,
+    /// Memory budget (the arena cap, runtime reserve included): 24GiB, 24G, 512MiB, 1.5GiB or bytes.
+    #[arg(long, default_value = "24GiB", value_parser = parse_size)]
+    memory: u64,
+    /// Storage of the decoder linears: bf16, fp16, fp32, int4, fp8 (default: bf16 on cuda, fp32 on cpu).
+    #[arg(long)]
+    weights_dtype: Option<WeightsDtype>,
+    /// int4 weights carry packed int4 zero points (asymmetric).
+    #[arg(long)]
+    int4_asym: bool,
+    /// Store lm_head as int4 (group 128, fp16 scales).
+    #[arg(long)]
+    lm_head_int4: bool,
+    /// Keep the embedding table in pinned host memory, outside --memory.
+    #[arg(long)]
+    embed_on_host: bool,
+    /// KV cache dtype for K and V: bf16, fp16, fp32, fp8, int8, int4 (default: bf16 on cuda, fp32 on cpu).
+    #[arg(long)]
+    kv_cache_dtype: Option<KvDtype>,
+    /// K cache dtype (overrides --kv-cache-dtype for K).
+    #[arg(long)]
+    k_cache_dtype: Option<KvDtype>,
+    /// V cache dtype (overrides --kv-cache-dtype for V).
+    #[arg(long)]
+    v_cache_dtype: Option<KvDtype>,
+    /// Tokens per engine step (chunked prefill + decodes). Default: 4096 on cuda, 512 on cpu.
+    #[arg(long)]
+    max_batch_tokens: Option<usize>,
+    /// Sequences per step (DeltaNet state slots). Default: 16 on cuda, 4 on cpu.
+    #[arg(long)]
+    max_seqs: Option<usize>,
+    /// Context every sequence must be able to fill; error if it does not fit. Default: as large as fits.
+    #[arg(long)]
+    max_context: Option<usize>,
+    /// Tokens per KV page.
+    #[arg(long)]
+    page_size: Option<usize>,
+    /// DeltaNet state snapshots kept on the device. Default: 8 on cuda, 2 on cpu.
+    #[arg(long)]
+    snapshot_slots: Option<usize>,
+    /// Memory counted against --memory for the CUDA context, modules and handles. Default: 600MiB on cuda, 0 on cpu.
+    #[arg(long, value_parser = parse_size)]
+    runtime_reserve: Option<u64>,
+    /// Device the plan is for: cuda or cpu.
+    #[arg(long, default_value = "cuda")]
+    device: String,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Also print the activation workspace buffer by buffer.
+    #[arg(long)]
+    workspace: bool,
+    /// Write an SVG chart of the plan to FILE.
+    #[arg(long, value_name = "FILE")]
+    svg: Option<PathBuf>,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let cfg = match (&a.model, &a.preset) {
+        (Some(dir), _) => ModelConfig::from_dir(dir).with_context(|| format!("reading {}", dir.display()))?,
+        (None, Some(name)) => {
+            if a.layers == Some(0) {
+                bail!("--layers must be at least 1");
+            }
+            let json = Preset::parse(name)?.config_json(a.layers);
+            ModelConfig::from_json_str(&json.to_string())?
+        }
+        (None, None) => bail!("pass --model DIR (a directory with config.json) or --preset NAME (tiny, qwen3.6-27b)"),
+    };
+    let mut o = match a.device.as_str() {
+        "cuda" | "gpu" => PlanOptions::gpu_defaults(a.memory),
+        "cpu" => PlanOptions::cpu_defaults(a.memory),
+        other => bail!("unknown --device `{other}` (expected cuda or cpu)"),
+    };
+    if let Some(w) = a.weights_dtype {
+        o.weights_dtype = w;
+    }
+    o.int4_asym = a.int4_asym;
+    o.lm_head_int4 = a.lm_head_int4;
+    o.embed_on_host = a.embed_on_host;
+    if let Some(kv) = a.kv_cache_dtype {
+        (o.k_dtype, o.v_dtype) = (kv, kv);
+    }
+    o.k_dtype = a.k_cache_dtype.unwrap_or(o.k_dtype);
+    o.v_dtype = a.v_cache_dtype.unwrap_or(o.v_dtype);
+    o.max_batch_tokens = a.max_batch_tokens.unwrap_or(o.max_batch_tokens);
+    o.max_seqs = a.max_seqs.unwrap_or(o.max_seqs);
+    o.max_context = a.max_context;
+    o.page_size = a.page_size.unwrap_or(o.page_size);
+    o.snapshot_slots = a.snapshot_slots.unwrap_or(o.snapshot_slots);
+    o.runtime_reserve_bytes = a.runtime_reserve.unwrap_or(o.runtime_reserve_bytes);
+
+    let plan = Plan::new(&cfg, &o)?;
+    if let Some(path) = &a.svg {
+        std::fs::write(path, plan.svg()).with_context(|| format!("writing {}", path.display()))?;
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&plan.to_json())?);
+    } else {
+        print!("{}", plan.table());
+        if a.workspace {
+            println!();
+            print!("{}", plan.workspace_table());
+        }
+        if let Some(path) = &a.svg {
+            println!("wrote {}", path.display());
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,99 @@
+//! `deltaserve serve`: the OpenAI- and Anthropic-compatible HTTP server.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use deltaserve_server::{AppState, ServerConfig};
+
+use crate::engine_args::EngineArgs;
+use crate::model_source::ModelArgs;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    engine: EngineArgs,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Require this key (`Authorization: Bearer KEY` or `x-api-key: KEY`) on /v1/*.
+    #[arg(long, env = "DELTASERVE_API_KEY")]
+    api_key: Option<String>,
+    /// The model name clients send (default: the model directory's name, or `demo`).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Largest request body in MiB.
+    #[arg(long, default_value_t = 16)]
+    max_body_mib: usize,
+    /// On SIGINT/SIGTERM, seconds to let in-flight requests finish before cancelling them.
+    #[arg(long, default_value_t = 10)]
+    shutdown_grace_secs: u64,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let name = a.served_model_name.clone().unwrap_or_else(|| match &a.model.model {
+        Some(dir) => dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned()),
+        None => "demo".into(),
+    });
+    let loaded = a.model.load()?;
+    let started = a.engine.start_cpu(loaded)?;
+    eprintln!("{}", started.plan.table());
+    let tokenizer = started.tokenizer.clone().context("serving needs a tokenizer.json in the model directory")?;
+    let state = AppState {
+        engine: started.engine.clone(),
+        tokenizer,
+        template: started.template.clone(),
+        metrics: Arc::new(Default::default()),
+        cfg: Arc::new(ServerConfig {
+            served_model_name: name.clone(),
+            api_key: a.api_key.clone(),
+            max_body_bytes: a.max_body_mib << 20,
+        }),
+        eos_ids: started.eos_ids.clone(),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async move {
+        let addr: SocketAddr = format!("{}:{}", a.host, a.port)
+            .parse()
+            .with_context(|| format!("bad --host/--port {}:{}", a.host, a.port))?;
+        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+        let p = &started.plan;
+        tracing::info!(
+            model = %name,
+            max_context = p.max_context,
+            max_full_context_seqs = p.max_full_context_seqs,
+            max_seqs = p.max_seqs,
+            "serving on http://{} (OpenAI: /v1/chat/completions, /v1/completions; Anthropic: /v1/messages)",
+            listener.local_addr()?
+        );
+        deltaserve_server::serve(listener, state, shutdown_signal(), Duration::from_secs(a.shutdown_grace_secs))
+            .await?;
+        let engine = started.engine.clone();
+        tokio::task::spawn_blocking(move || engine.shutdown(false)).await?;
+        tracing::info!("stopped");
+        anyhow::Ok(())
+    })
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+}

@@ -1,0 +1,391 @@
+//! The Anthropic Messages API: `POST /v1/messages` (streaming and not; text, thinking and tool-use
+//! blocks) and `POST /v1/messages/count_tokens`, so agent clients that speak it work. Requests are
+//! converted to the chat messages our template renders; outputs come from the same parsed stream as
+//! the OpenAI endpoints.
+
+use std::convert::Infallible;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::response::sse::Event as SseEvent;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+use tokio::sync::mpsc;
+
+use deltaserve_engine::SamplingParams;
+
+use crate::error::{ApiError, Style};
+use crate::openai::{parse_body, sse};
+use crate::output::{Collected, Finish, OutEvent, OutputStream, Parsing};
+use crate::request::{Limits, build_request, new_id, normalize_messages, render_chat, type_name};
+use crate::state::AppState;
+
+#[derive(Debug, Deserialize)]
+pub struct MessagesRequest {
+    pub model: Option<String>,
+    pub max_tokens: Option<u64>,
+    pub messages: Vec<Value>,
+    pub system: Option<Value>,
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    pub stop_sequences: Option<Vec<String>>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<u32>,
+    pub stream: Option<bool>,
+    pub thinking: Option<Value>,
+    pub metadata: Option<Value>,
+}
+
+/// The chat messages, tools and template kwargs of an Anthropic request.
+fn convert(st: &AppState, req: &MessagesRequest) -> Result<(Vec<u32>, Parsing), ApiError> {
+    st.check_model(req.model.as_deref())?;
+    let mut messages = Vec::new();
+    match &req.system {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) => messages.push(json!({"role": "system", "content": s})),
+        Some(Value::Array(blocks)) => {
+            messages.push(json!({"role": "system", "content": blocks_text(blocks, "system")?}))
+        }
+        Some(other) => {
+            return Err(ApiError::bad_param(
+                "system",
+                format!("`system` must be a string or text blocks, got {}", type_name(other)),
+            ));
+        }
+    }
+    for (i, m) in req.messages.iter().enumerate() {
+        let role = m.get("role").and_then(Value::as_str).unwrap_or_default();
+        if role != "user" && role != "assistant" {
+            return Err(ApiError::bad_param(
+                "messages",
+                format!("messages[{i}].role must be \"user\" or \"assistant\""),
+            ));
+        }
+        match m.get("content") {
+            Some(Value::String(s)) => messages.push(json!({"role": role, "content": s})),
+            Some(Value::Array(blocks)) if role == "user" => user_blocks(blocks, i, &mut messages)?,
+            Some(Value::Array(blocks)) => messages.push(assistant_blocks(blocks, i)?),
+            _ => {
+                return Err(ApiError::bad_param(
+                    "messages",
+                    format!("messages[{i}].content must be a string or a list of blocks"),
+                ));
+            }
+        }
+    }
+    let tools = match req.tool_choice.as_ref().and_then(|c| c.get("type")).and_then(Value::as_str) {
+        Some("none") => None,
+        None | Some("auto") => {
+            req.tools.as_ref().map(|t| t.iter().map(to_openai_tool).collect::<Result<Vec<_>, _>>()).transpose()?
+        }
+        Some(other) => {
+            return Err(ApiError::bad_param(
+                "tool_choice",
+                format!("tool_choice type `{other}` is not supported yet (auto, none)"),
+            ));
+        }
+    };
+    let mut kwargs = Map::new();
+    match req.thinking.as_ref().and_then(|t| t.get("type")).and_then(Value::as_str) {
+        Some("enabled") => {
+            kwargs.insert("enable_thinking".into(), json!(true));
+        }
+        Some("disabled") => {
+            kwargs.insert("enable_thinking".into(), json!(false));
+        }
+        None => {}
+        Some(other) => {
+            return Err(ApiError::bad_param(
+                "thinking",
+                format!("thinking type `{other}` is not one of enabled, disabled"),
+            ));
+        }
+    }
+    render_chat(st, normalize_messages(&messages)?, tools, kwargs)
+}
+
+fn blocks_text(blocks: &[Value], field: &str) -> Result<String, ApiError> {
+    let mut s = String::new();
+    for b in blocks {
+        match (b.get("type").and_then(Value::as_str), b.get("text").and_then(Value::as_str)) {
+            (Some("text"), Some(t)) => s.push_str(t),
+            _ => return Err(ApiError::bad_param(field, format!("`{field}` blocks must be text blocks"))),
+        }
+    }
+    Ok(s)
+}
+
+/// User blocks: text accumulates into one user message; tool results become tool messages (first).
+fn user_blocks(blocks: &[Value], i: usize, out: &mut Vec<Value>) -> Result<(), ApiError> {
+    let mut text = String::new();
+    for (j, b) in blocks.iter().enumerate() {
+        match b.get("type").and_then(Value::as_str) {
+            Some("text") => text.push_str(b.get("text").and_then(Value::as_str).unwrap_or_default()),
+            Some("tool_result") => {
+                let content = match b.get("content") {
+                    None | Some(Value::Null) => String::new(),
+                    Some(Value::String(s)) => s.clone(),
+                    Some(Value::Array(parts)) => blocks_text(parts, "messages")?,
+                    Some(other) => other.to_string(),
+                };
+                let id = b.get("tool_use_id").and_then(Value::as_str).unwrap_or_default();
+                out.push(json!({"role": "tool", "tool_call_id": id, "content": content}));
+            }
+            other => {
+                return Err(ApiError::bad_param(
+                    "messages",
+                    format!(
+                        "messages[{i}].content[{j}]: block type {other:?} is not supported in user turns (text, tool_result)"
+                    ),
+                ));
+            }
+        }
+    }
+    if !text.is_empty() {
+        out.push(json!({"role": "user", "content": text}));
+    }
+    Ok(())
+}
+
+fn assistant_blocks(blocks: &[Value], i: usize) -> Result<Value, ApiError> {
+    let (mut text, mut reasoning, mut calls) = (String::new(), String::new(), Vec::new());
+    for (j, b) in blocks.iter().enumerate() {
+        match b.get("type").and_then(Value::as_str) {
+            Some("text") => text.push_str(b.get("text").and_then(Value::as_str).unwrap_or_default()),
+            Some("thinking") => reasoning.push_str(b.get("thinking").and_then(Value::as_str).unwrap_or_default()),
+            Some("redacted_thinking") => {}
+            Some("tool_use") => calls.push(json!({
+                "id": b.get("id").cloned().unwrap_or(Value::Null),
+                "type": "function",
+                "function": {"name": b.get("name").cloned().unwrap_or(Value::Null), "arguments": b.get("input").cloned().unwrap_or(json!({}))},
+            })),
+            other => {
+                return Err(ApiError::bad_param(
+                    "messages",
+                    format!("messages[{i}].content[{j}]: block type {other:?} is not supported in assistant turns"),
+                ));
+            }
+        }
+    }
+    let mut m = json!({"role": "assistant", "content": text});
+    if !reasoning.is_empty() {
+        m["reasoning_content"] = json!(reasoning);
+    }
+    if !calls.is_empty() {
+        m["tool_calls"] = Value::Array(calls);
+    }
+    Ok(m)
+}
+
+fn to_openai_tool(t: &Value) -> Result<Value, ApiError> {
+    let name = t
+        .get("name")
+        .and_then(Value::as_str)
+        .filter(|n| !n.is_empty())
+        .ok_or_else(|| ApiError::bad_param("tools", "every tool needs a `name`"))?;
+    Ok(json!({"type": "function", "function": {
+        "name": name,
+        "description": t.get("description").cloned().unwrap_or(Value::Null),
+        "parameters": t.get("input_schema").cloned().unwrap_or(json!({"type": "object", "properties": {}})),
+    }}))
+}
+
+pub async fn messages(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
+    let resp = messages_inner(&st, body).await.unwrap_or_else(|e| e.into_response_styled(Style::Anthropic));
+    st.metrics.request("messages", resp.status().as_u16());
+    resp
+}
+
+async fn messages_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let req: MessagesRequest = parse_body(body)?;
+    let max_tokens = req.max_tokens.ok_or_else(|| ApiError::bad_param("max_tokens", "`max_tokens` is required"))?;
+    let (prompt, parsing) = convert(st, &req)?;
+    let input_tokens = prompt.len();
+    let sampling = SamplingParams {
+        temperature: req.temperature.unwrap_or(1.0),
+        top_p: req.top_p.unwrap_or(1.0),
+        top_k: req.top_k.unwrap_or(0) as usize,
+        ..SamplingParams::default()
+    };
+    let engine_req = build_request(
+        prompt,
+        Limits {
+            max_tokens: Some(max_tokens),
+            sampling,
+            stop: req.stop_sequences.clone().unwrap_or_default(),
+            ignore_eos: false,
+            logprobs: None,
+            state: st,
+        },
+    )?;
+    let stream = st.engine.submit(engine_req)?;
+    let out = OutputStream::new(stream, parsing, st.tokenizer.clone(), st.metrics.clone());
+    let id = new_id("msg_");
+    let model = st.cfg.served_model_name.clone();
+    if req.stream.unwrap_or(false) {
+        return Ok(sse(message_stream(out, id, model, input_tokens)));
+    }
+    let col = Collected::collect(out).await?;
+    let finish = col.finish.clone().unwrap_or(Finish::Length);
+    let mut content = Vec::new();
+    if !col.reasoning.is_empty() {
+        content.push(json!({"type": "thinking", "thinking": col.reasoning, "signature": ""}));
+    }
+    if !col.content.is_empty() || col.tool_calls.is_empty() {
+        content.push(json!({"type": "text", "text": col.content}));
+    }
+    for (id, name, args) in &col.tool_calls {
+        let input: Value = serde_json::from_str(args).unwrap_or_else(|_| json!({}));
+        content.push(json!({"type": "tool_use", "id": tool_use_id(id), "name": name, "input": input}));
+    }
+    Ok(axum::Json(json!({
+        "id": id, "type": "message", "role": "assistant", "model": model, "content": content,
+        "stop_reason": stop_reason(&finish), "stop_sequence": stop_sequence(&finish),
+        "usage": usage(&col.usage),
+    }))
+    .into_response())
+}
+
+fn tool_use_id(call_id: &str) -> String {
+    format!("toolu_{}", call_id.trim_start_matches("call_"))
+}
+
+fn stop_reason(f: &Finish) -> &'static str {
+    match f {
+        Finish::Stop => "end_turn",
+        Finish::StopString(_) => "stop_sequence",
+        Finish::Length => "max_tokens",
+        Finish::ToolCalls => "tool_use",
+    }
+}
+
+fn stop_sequence(f: &Finish) -> Value {
+    match f {
+        Finish::StopString(s) => json!(s),
+        _ => Value::Null,
+    }
+}
+
+fn usage(u: &deltaserve_engine::Usage) -> Value {
+    json!({"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
+           "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0})
+}
+
+/// Which content block is open in a stream.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Block {
+    Thinking,
+    Text,
+    Tool(usize),
+}
+
+fn message_stream(
+    mut out: OutputStream,
+    id: String,
+    model: String,
+    input_tokens: usize,
+) -> mpsc::Receiver<Result<SseEvent, Infallible>> {
+    let (tx, rx) = mpsc::channel(64);
+    tokio::spawn(async move {
+        let send = |tx: &mpsc::Sender<Result<SseEvent, Infallible>>, kind: &'static str, data: Value| {
+            let tx = tx.clone();
+            async move { tx.send(Ok(SseEvent::default().event(kind).data(data.to_string()))).await.map_err(|_| ()) }
+        };
+        let start = json!({"type": "message_start", "message": {"id": id, "type": "message", "role": "assistant", "model": model,
+            "content": [], "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": input_tokens, "output_tokens": 0}}});
+        if send(&tx, "message_start", start).await.is_err() {
+            return;
+        }
+        let mut open: Option<(Block, usize)> = None;
+        let mut next_index = 0usize;
+        while let Some(batch) = out.next().await {
+            let events = match batch {
+                Ok(e) => e,
+                Err(e) => {
+                    let _ = send(&tx, "error", e.body(Style::Anthropic)).await;
+                    return;
+                }
+            };
+            for e in events {
+                let (block, delta) = match e {
+                    OutEvent::Reasoning(s) => (Block::Thinking, json!({"type": "thinking_delta", "thinking": s})),
+                    OutEvent::Content(s) => (Block::Text, json!({"type": "text_delta", "text": s})),
+                    OutEvent::ToolStart { index, id, name } => {
+                        if let Some((_, i)) = open.take() {
+                            let _ = send(&tx, "content_block_stop", json!({"type": "content_block_stop", "index": i}))
+                                .await;
+                        }
+                        let cb = json!({"type": "tool_use", "id": tool_use_id(&id), "name": name, "input": {}});
+                        let _ = send(
+                            &tx,
+                            "content_block_start",
+                            json!({"type": "content_block_start", "index": next_index, "content_block": cb}),
+                        )
+                        .await;
+                        open = Some((Block::Tool(index), next_index));
+                        next_index += 1;
+                        continue;
+                    }
+                    OutEvent::ToolArgs { index, delta } => {
+                        (Block::Tool(index), json!({"type": "input_json_delta", "partial_json": delta}))
+                    }
+                    OutEvent::ToolEnd { .. } | OutEvent::Token { .. } => continue,
+                    OutEvent::Done { finish, usage: u } => {
+                        if let Some((_, i)) = open.take() {
+                            let _ = send(&tx, "content_block_stop", json!({"type": "content_block_stop", "index": i}))
+                                .await;
+                        }
+                        let _ = send(
+                            &tx,
+                            "message_delta",
+                            json!({"type": "message_delta",
+                            "delta": {"stop_reason": stop_reason(&finish), "stop_sequence": stop_sequence(&finish)},
+                            "usage": {"output_tokens": u.completion_tokens}}),
+                        )
+                        .await;
+                        let _ = send(&tx, "message_stop", json!({"type": "message_stop"})).await;
+                        continue;
+                    }
+                };
+                if open.map(|(b, _)| b) != Some(block) {
+                    if let Some((_, i)) = open.take() {
+                        let _ =
+                            send(&tx, "content_block_stop", json!({"type": "content_block_stop", "index": i})).await;
+                    }
+                    let cb = match block {
+                        Block::Thinking => json!({"type": "thinking", "thinking": ""}),
+                        _ => json!({"type": "text", "text": ""}),
+                    };
+                    let _ = send(
+                        &tx,
+                        "content_block_start",
+                        json!({"type": "content_block_start", "index": next_index, "content_block": cb}),
+                    )
+                    .await;
+                    open = Some((block, next_index));
+                    next_index += 1;
+                }
+                let i = open.map_or(0, |(_, i)| i);
+                if send(&tx, "content_block_delta", json!({"type": "content_block_delta", "index": i, "delta": delta}))
+                    .await
+                    .is_err()
+                {
+                    return; // client gone: dropping `out` cancels the request
+                }
+            }
+        }
+    });
+    rx
+}
+
+pub async fn count_tokens(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
+    let resp = parse_body::<MessagesRequest>(body)
+        .and_then(|req| convert(&st, &req))
+        .map(|(ids, _)| axum::Json(json!({"input_tokens": ids.len()})).into_response())
+        .unwrap_or_else(|e| e.into_response_styled(Style::Anthropic));
+    st.metrics.request("count_tokens", resp.status().as_u16());
+    resp
+}

@@ -1,0 +1,156 @@
+//! Prometheus metrics in the text exposition format: request counters by endpoint and status, token
+//! counters, TTFT / inter-token / end-to-end latency histograms, and gauges read from the engine at
+//! scrape time (queue depth, running requests, KV pages, state slots, arena counters).
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::Mutex;
+
+use deltaserve_engine::EngineStats;
+
+/// Upper bounds (seconds) of the latency histograms.
+const LATENCY_BUCKETS: [f64; 14] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+
+#[derive(Default)]
+struct Histogram {
+    counts: [u64; LATENCY_BUCKETS.len()],
+    count: u64,
+    sum: f64,
+}
+
+impl Histogram {
+    fn observe(&mut self, v: f64) {
+        for (c, b) in self.counts.iter_mut().zip(LATENCY_BUCKETS) {
+            if v <= b {
+                *c += 1;
+            }
+        }
+        self.count += 1;
+        self.sum += v;
+    }
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (c, b) in self.counts.iter().zip(LATENCY_BUCKETS) {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {c}");
+        }
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}",
+            self.count, self.sum, self.count
+        );
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    requests: BTreeMap<(String, u16), u64>,
+    prompt_tokens: u64,
+    generation_tokens: u64,
+    cached_tokens: u64,
+    ttft: Histogram,
+    itl: Histogram,
+    e2e: Histogram,
+}
+
+#[derive(Default)]
+pub struct Metrics {
+    inner: Mutex<Inner>,
+}
+
+impl Metrics {
+    pub fn request(&self, endpoint: &str, status: u16) {
+        if let Ok(mut m) = self.inner.lock() {
+            *m.requests.entry((endpoint.to_string(), status)).or_insert(0) += 1;
+        }
+    }
+    pub fn tokens(&self, prompt: usize, generated: usize, cached: usize) {
+        if let Ok(mut m) = self.inner.lock() {
+            m.prompt_tokens += prompt as u64;
+            m.generation_tokens += generated as u64;
+            m.cached_tokens += cached as u64;
+        }
+    }
+    pub fn ttft(&self, seconds: f64) {
+        if let Ok(mut m) = self.inner.lock() {
+            m.ttft.observe(seconds);
+        }
+    }
+    pub fn inter_token(&self, seconds: f64) {
+        if let Ok(mut m) = self.inner.lock() {
+            m.itl.observe(seconds);
+        }
+    }
+    pub fn e2e(&self, seconds: f64) {
+        if let Ok(mut m) = self.inner.lock() {
+            m.e2e.observe(seconds);
+        }
+    }
+
+    /// The exposition text, with engine gauges read now.
+    pub fn render(&self, engine: &EngineStats) -> String {
+        let mut out = String::new();
+        let gauge = |out: &mut String, name: &str, help: &str, v: f64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+        };
+        let s = &engine.sched;
+        gauge(&mut out, "deltaserve_requests_running", "Sequences holding a state slot.", s.running as f64);
+        gauge(&mut out, "deltaserve_requests_waiting", "Requests queued for admission.", s.waiting as f64);
+        gauge(&mut out, "deltaserve_kv_pages_used", "KV-cache pages in use.", s.pages_in_use as f64);
+        gauge(&mut out, "deltaserve_kv_pages_total", "KV-cache pages in the static plan.", s.pages_total as f64);
+        gauge(&mut out, "deltaserve_state_slots_used", "DeltaNet state slots in use.", s.slots_in_use as f64);
+        gauge(
+            &mut out,
+            "deltaserve_state_slots_total",
+            "DeltaNet state slots in the static plan.",
+            s.slots_total as f64,
+        );
+        gauge(
+            &mut out,
+            "deltaserve_arena_allocations",
+            "Backend memory allocations since start-up.",
+            engine.arena.allocations as f64,
+        );
+        gauge(
+            &mut out,
+            "deltaserve_arena_high_water_bytes",
+            "Backend arena high-water mark.",
+            engine.arena.high_water_bytes as f64,
+        );
+        gauge(
+            &mut out,
+            "deltaserve_arena_capacity_bytes",
+            "Backend arena capacity.",
+            engine.arena.capacity_bytes as f64,
+        );
+        let counter = |out: &mut String, name: &str, help: &str, v: u64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+        };
+        counter(&mut out, "deltaserve_preemptions_total", "Sequences preempted (recomputed later).", s.preemptions);
+        counter(&mut out, "deltaserve_engine_steps_total", "Engine steps run.", engine.steps);
+        let Ok(m) = self.inner.lock() else { return out };
+        counter(&mut out, "deltaserve_prompt_tokens_total", "Prompt tokens of finished requests.", m.prompt_tokens);
+        counter(
+            &mut out,
+            "deltaserve_generation_tokens_total",
+            "Generated tokens of finished requests.",
+            m.generation_tokens,
+        );
+        counter(
+            &mut out,
+            "deltaserve_prefix_cache_hit_tokens_total",
+            "Prompt tokens served from the prefix cache.",
+            m.cached_tokens,
+        );
+        let _ = writeln!(
+            out,
+            "# HELP deltaserve_requests_total HTTP requests by endpoint and status.\n# TYPE deltaserve_requests_total counter"
+        );
+        for ((endpoint, status), v) in &m.requests {
+            let _ = writeln!(out, "deltaserve_requests_total{{endpoint=\"{endpoint}\",status=\"{status}\"}} {v}");
+        }
+        m.ttft.render(&mut out, "deltaserve_request_ttft_seconds", "Time to first token.");
+        m.itl.render(&mut out, "deltaserve_inter_token_latency_seconds", "Time between generated tokens.");
+        m.e2e.render(&mut out, "deltaserve_request_e2e_seconds", "Request latency, submission to finish.");
+        out
+    }
+}

@@ -1,0 +1,447 @@
+//! The OpenAI API: `/v1/chat/completions`, `/v1/completions` (both streaming over SSE and not) and
+//! `/v1/models`, with vLLM's extensions (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
+//! `chat_template_kwargs`) and Qwen reasoning/tool-call parsing.
+
+use std::convert::Infallible;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::error::{ApiError, Style};
+use crate::output::{Collected, Finish, OutEvent, OutputStream, Parsing};
+use crate::request::{
+    CommonParams, Limits, build_request, new_id, normalize_messages, render_chat, unix_now, validate_tools,
+};
+use crate::state::AppState;
+
+#[derive(Debug, Deserialize)]
+pub struct ChatCompletionRequest {
+    pub model: Option<String>,
+    pub messages: Vec<Value>,
+    #[serde(flatten)]
+    pub common: CommonParams,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<u32>,
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    pub response_format: Option<Value>,
+    pub chat_template_kwargs: Option<Map<String, Value>>,
+    pub parallel_tool_calls: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub model: Option<String>,
+    pub prompt: Value,
+    #[serde(flatten)]
+    pub common: CommonParams,
+    pub logprobs: Option<u32>,
+    pub echo: Option<bool>,
+    pub suffix: Option<String>,
+}
+
+/// Parses a JSON body, mapping every failure to 400 (or 413 when the body exceeds the limit).
+pub fn parse_body<T: serde::de::DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+    let bytes = body.map_err(|e| {
+        if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::TooLarge(format!("the request body is too large: {e}"))
+        } else {
+            ApiError::bad(format!("could not read the request body: {e}"))
+        }
+    })?;
+    let value: Value =
+        serde_json::from_slice(&bytes).map_err(|e| ApiError::bad(format!("the body is not valid JSON: {e}")))?;
+    if !value.is_object() {
+        return Err(ApiError::bad("the body must be a JSON object"));
+    }
+    serde_json::from_value(value).map_err(|e| ApiError::bad(format!("invalid request: {e}")))
+}
+
+pub async fn chat_completions(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
+    let result = chat_inner(&st, body).await;
+    finish_response(&st, "chat_completions", result)
+}
+
+async fn chat_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let req: ChatCompletionRequest = parse_body(body)?;
+    st.check_model(req.model.as_deref())?;
+    req.common.check_n()?;
+    if let Some(rf) = &req.response_format {
+        match rf.get("type").and_then(Value::as_str) {
+            Some("text") => {}
+            other => {
+                return Err(ApiError::bad_param(
+                    "response_format",
+                    format!("response_format type {other:?} is not supported yet (only \"text\")"),
+                ));
+            }
+        }
+    }
+    let tools = match (&req.tools, &req.tool_choice) {
+        (_, Some(Value::String(c))) if c == "none" => None,
+        (_, Some(Value::String(c))) if c == "auto" => req.tools.clone(),
+        (_, None) => req.tools.clone(),
+        (_, Some(other)) => {
+            return Err(ApiError::bad_param(
+                "tool_choice",
+                format!("tool_choice {other} is not supported yet (\"auto\" and \"none\" are)"),
+            ));
+        }
+    };
+    if let Some(t) = &tools {
+        validate_tools(t)?;
+    }
+    let top_logprobs = req.top_logprobs.unwrap_or(0) as usize;
+    if top_logprobs > 20 {
+        return Err(ApiError::bad_param("top_logprobs", "`top_logprobs` must be between 0 and 20"));
+    }
+    let logprobs = req.logprobs.unwrap_or(false).then_some(top_logprobs);
+    let messages = normalize_messages(&req.messages)?;
+    let (prompt, parsing) = render_chat(st, messages, tools, req.chat_template_kwargs.clone().unwrap_or_default())?;
+    let c = &req.common;
+    let engine_req = build_request(
+        prompt,
+        Limits {
+            max_tokens: c.max_completion_tokens.or(c.max_tokens),
+            sampling: c.sampling(),
+            stop: c.stops(),
+            ignore_eos: c.ignore_eos.unwrap_or(false),
+            logprobs,
+            state: st,
+        },
+    )?;
+    let stream = st.engine.submit(engine_req)?;
+    let out = OutputStream::new(stream, parsing, st.tokenizer.clone(), st.metrics.clone());
+    let id = new_id("chatcmpl-");
+    let model = st.cfg.served_model_name.clone();
+    if c.stream.unwrap_or(false) {
+        let include_usage = c.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+        return Ok(sse(chat_stream(out, id, model, include_usage, logprobs.is_some())));
+    }
+    let col = Collected::collect(out).await?;
+    let finish = col.finish.clone().unwrap_or(Finish::Length);
+    let mut message = json!({
+        "role": "assistant",
+        "content": if col.content.is_empty() && !col.tool_calls.is_empty() { Value::Null } else { json!(col.content) },
+        "reasoning_content": if col.reasoning.is_empty() { Value::Null } else { json!(col.reasoning) },
+    });
+    if !col.tool_calls.is_empty() {
+        message["tool_calls"] = Value::Array(
+            col.tool_calls
+                .iter()
+                .map(|(id, name, args)| json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}}))
+                .collect(),
+        );
+    }
+    let logprobs_json = logprobs
+        .map(|_| json!({ "content": col.tokens.iter().map(|(_, t, lp)| chat_logprob(st, t, lp)).collect::<Vec<_>>() }));
+    Ok(axum::Json(json!({
+        "id": id,
+        "object": "chat.completion",
+        "created": unix_now(),
+        "model": model,
+        "choices": [{ "index": 0, "message": message, "logprobs": logprobs_json, "finish_reason": finish_reason(&finish), "stop_reason": stop_reason(&finish) }],
+        "usage": usage_json(&col.usage),
+    }))
+    .into_response())
+}
+
+/// The SSE events of a streamed chat completion.
+fn chat_stream(
+    mut out: OutputStream,
+    id: String,
+    model: String,
+    include_usage: bool,
+    with_logprobs: bool,
+) -> mpsc::Receiver<Result<SseEvent, Infallible>> {
+    let (tx, rx) = mpsc::channel(64);
+    let created = unix_now();
+    let tokenizer_for_lp = out.tokenizer();
+    tokio::spawn(async move {
+        let chunk = |delta: Value, finish: Value, logprobs: Value| {
+            json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+                   "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
+        };
+        if send_json(&tx, chunk(json!({"role": "assistant", "content": ""}), Value::Null, Value::Null)).await.is_err() {
+            return;
+        }
+        while let Some(batch) = out.next().await {
+            let events = match batch {
+                Ok(e) => e,
+                Err(e) => {
+                    let _ = send_json(&tx, e.body(Style::OpenAi)).await;
+                    break;
+                }
+            };
+            let mut delta = Map::new();
+            let mut calls: Vec<Value> = Vec::new();
+            let mut lps: Vec<Value> = Vec::new();
+            let mut done = None;
+            for e in events {
+                match e {
+                    OutEvent::Reasoning(s) => append(&mut delta, "reasoning_content", &s),
+                    OutEvent::Content(s) => append(&mut delta, "content", &s),
+                    OutEvent::ToolStart { index, id, name } => calls.push(
+                        json!({"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}),
+                    ),
+                    OutEvent::ToolArgs { index, delta } => {
+                        calls.push(json!({"index": index, "function": {"arguments": delta}}));
+                    }
+                    OutEvent::ToolEnd { .. } => {}
+                    OutEvent::Token { text, logprob, .. } => {
+                        if with_logprobs {
+                            lps.push(logprob_entry(&tokenizer_for_lp, &text, &logprob));
+                        }
+                    }
+                    OutEvent::Done { finish, usage } => done = Some((finish, usage)),
+                }
+            }
+            if !calls.is_empty() {
+                delta.insert("tool_calls".into(), Value::Array(calls));
+            }
+            if !delta.is_empty() || !lps.is_empty() {
+                let lp = if lps.is_empty() { Value::Null } else { json!({ "content": lps }) };
+                if send_json(&tx, chunk(Value::Object(delta), Value::Null, lp)).await.is_err() {
+                    return; // client gone: dropping `out` cancels the request
+                }
+            }
+            if let Some((finish, usage)) = done {
+                let mut last = chunk(json!({}), json!(finish_reason(&finish)), Value::Null);
+                last["choices"][0]["stop_reason"] = stop_reason(&finish);
+                let _ = send_json(&tx, last).await;
+                if include_usage {
+                    let _ = send_json(
+                        &tx,
+                        json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+                               "choices": [], "usage": usage_json(&usage)}),
+                    )
+                    .await;
+                }
+            }
+        }
+        let _ = tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
+    });
+    rx
+}
+
+pub async fn completions(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
+    let result = completions_inner(&st, body).await;
+    finish_response(&st, "completions", result)
+}
+
+async fn completions_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let req: CompletionRequest = parse_body(body)?;
+    st.check_model(req.model.as_deref())?;
+    req.common.check_n()?;
+    if req.echo.unwrap_or(false) {
+        return Err(ApiError::bad_param("echo", "`echo` is not supported yet"));
+    }
+    if req.suffix.is_some() {
+        return Err(ApiError::bad_param("suffix", "`suffix` is not supported"));
+    }
+    let prompt = completion_prompt(st, &req.prompt)?;
+    let top = req.logprobs.map(|k| k as usize);
+    if top.is_some_and(|k| k > 20) {
+        return Err(ApiError::bad_param("logprobs", "`logprobs` must be between 0 and 20"));
+    }
+    let c = &req.common;
+    let engine_req = build_request(
+        prompt,
+        Limits {
+            max_tokens: c.max_tokens.or(Some(16)),
+            sampling: c.sampling(),
+            stop: c.stops(),
+            ignore_eos: c.ignore_eos.unwrap_or(false),
+            logprobs: top,
+            state: st,
+        },
+    )?;
+    let stream = st.engine.submit(engine_req)?;
+    let out = OutputStream::new(stream, Parsing::default(), st.tokenizer.clone(), st.metrics.clone());
+    let id = new_id("cmpl-");
+    let model = st.cfg.served_model_name.clone();
+    if c.stream.unwrap_or(false) {
+        let include_usage = c.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+        return Ok(sse(completion_stream(out, id, model, include_usage)));
+    }
+    let col = Collected::collect(out).await?;
+    let finish = col.finish.clone().unwrap_or(Finish::Length);
+    let logprobs = top.map(|_| completion_logprobs(&col));
+    Ok(axum::Json(json!({
+        "id": id, "object": "text_completion", "created": unix_now(), "model": model,
+        "choices": [{"index": 0, "text": col.content, "logprobs": logprobs, "finish_reason": finish_reason(&finish), "stop_reason": stop_reason(&finish)}],
+        "usage": usage_json(&col.usage),
+    }))
+    .into_response())
+}
+
+fn completion_stream(
+    mut out: OutputStream,
+    id: String,
+    model: String,
+    include_usage: bool,
+) -> mpsc::Receiver<Result<SseEvent, Infallible>> {
+    let (tx, rx) = mpsc::channel(64);
+    let created = unix_now();
+    tokio::spawn(async move {
+        let chunk = |text: &str, finish: Value| {
+            json!({"id": id, "object": "text_completion", "created": created, "model": model,
+                   "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}]})
+        };
+        while let Some(batch) = out.next().await {
+            let events = match batch {
+                Ok(e) => e,
+                Err(e) => {
+                    let _ = send_json(&tx, e.body(Style::OpenAi)).await;
+                    break;
+                }
+            };
+            let mut text = String::new();
+            let mut done = None;
+            for e in events {
+                match e {
+                    OutEvent::Content(s) | OutEvent::Reasoning(s) => text.push_str(&s),
+                    OutEvent::Done { finish, usage } => done = Some((finish, usage)),
+                    _ => {}
+                }
+            }
+            if !text.is_empty() && send_json(&tx, chunk(&text, Value::Null)).await.is_err() {
+                return;
+            }
+            if let Some((finish, usage)) = done {
+                let _ = send_json(&tx, chunk("", json!(finish_reason(&finish)))).await;
+                if include_usage {
+                    let _ = send_json(&tx, json!({"id": id, "object": "text_completion", "created": created, "model": model, "choices": [], "usage": usage_json(&usage)})).await;
+                }
+            }
+        }
+        let _ = tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
+    });
+    rx
+}
+
+/// A completions prompt: a string, a list of token ids, or a one-element list of either.
+fn completion_prompt(st: &AppState, p: &Value) -> Result<Vec<u32>, ApiError> {
+    let ids = |a: &[Value]| -> Option<Vec<u32>> {
+        a.iter().map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok())).collect()
+    };
+    match p {
+        Value::String(s) => st.tokenizer.encode(s).map_err(|e| ApiError::bad(format!("tokenising the prompt: {e}"))),
+        Value::Array(a) if a.len() == 1 && !a[0].is_number() => completion_prompt(st, &a[0]),
+        Value::Array(a) if !a.is_empty() => ids(a).ok_or_else(|| {
+            ApiError::bad_param("prompt", "`prompt` as a list must hold token ids (non-negative integers)")
+        }),
+        Value::Array(_) => Err(ApiError::bad_param("prompt", "`prompt` must not be empty")),
+        _ => Err(ApiError::bad_param("prompt", "`prompt` must be a string or a list of token ids")),
+    }
+}
+
+pub async fn models(State(st): State<AppState>) -> Response {
+    st.metrics.request("models", 200);
+    axum::Json(json!({
+        "object": "list",
+        "data": [{
+            "id": st.cfg.served_model_name,
+            "object": "model",
+            "created": unix_now(),
+            "owned_by": "deltaserve",
+            "root": st.cfg.served_model_name,
+            "max_model_len": st.engine.sched_config().max_context,
+        }]
+    }))
+    .into_response()
+}
+
+pub fn finish_reason(f: &Finish) -> &'static str {
+    match f {
+        Finish::Stop | Finish::StopString(_) => "stop",
+        Finish::Length => "length",
+        Finish::ToolCalls => "tool_calls",
+    }
+}
+
+fn stop_reason(f: &Finish) -> Value {
+    match f {
+        Finish::StopString(s) => json!(s),
+        _ => Value::Null,
+    }
+}
+
+pub fn usage_json(u: &deltaserve_engine::Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": { "cached_tokens": u.cached_tokens },
+    })
+}
+
+fn logprob_entry(tok: &deltaserve_text::Tokenizer, text: &str, lp: &deltaserve_engine::TokenLogprob) -> Value {
+    let top: Vec<Value> = lp
+        .top
+        .iter()
+        .map(|(id, l)| {
+            let t = tok.decode(&[*id], false).unwrap_or_default();
+            json!({"token": t, "logprob": l, "bytes": t.as_bytes()})
+        })
+        .collect();
+    json!({"token": text, "logprob": lp.logprob, "bytes": text.as_bytes(), "top_logprobs": top})
+}
+
+fn chat_logprob(st: &AppState, text: &str, lp: &deltaserve_engine::TokenLogprob) -> Value {
+    logprob_entry(&st.tokenizer, text, lp)
+}
+
+fn completion_logprobs(col: &Collected) -> Value {
+    let mut offset = 0;
+    let mut offsets = Vec::new();
+    for (_, t, _) in &col.tokens {
+        offsets.push(offset);
+        offset += t.len();
+    }
+    json!({
+        "tokens": col.tokens.iter().map(|(_, t, _)| t.clone()).collect::<Vec<_>>(),
+        "token_logprobs": col.tokens.iter().map(|(_, _, lp)| lp.logprob).collect::<Vec<_>>(),
+        "top_logprobs": col.tokens.iter().map(|(_, _, lp)| {
+            let m: Map<String, Value> = lp.top.iter().map(|(id, l)| (format!("{id}"), json!(l))).collect();
+            Value::Object(m)
+        }).collect::<Vec<_>>(),
+        "text_offset": offsets,
+    })
+}
+
+fn append(delta: &mut Map<String, Value>, key: &str, s: &str) {
+    match delta.get_mut(key) {
+        Some(Value::String(v)) => v.push_str(s),
+        _ => {
+            delta.insert(key.into(), json!(s));
+        }
+    }
+}
+
+pub async fn send_json(tx: &mpsc::Sender<Result<SseEvent, Infallible>>, v: Value) -> Result<(), ()> {
+    tx.send(Ok(SseEvent::default().data(v.to_string()))).await.map_err(|_| ())
+}
+
+pub fn sse(rx: mpsc::Receiver<Result<SseEvent, Infallible>>) -> Response {
+    Sse::new(ReceiverStream::new(rx)).keep_alive(KeepAlive::default()).into_response()
+}
+
+/// Records the request in the metrics and renders an error in the OpenAI style.
+pub fn finish_response(st: &AppState, endpoint: &str, r: Result<Response, ApiError>) -> Response {
+    let resp = r.unwrap_or_else(|e| {
+        if e.status().is_server_error() {
+            tracing::error!(endpoint, error = %e.message(), "request failed");
+        }
+        e.into_response_styled(Style::OpenAi)
+    });
+    st.metrics.request(endpoint, resp.status().as_u16());
+    resp
+}

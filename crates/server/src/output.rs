@@ -1,0 +1,234 @@
+//! From engine events to API-neutral output events: the text stream is split into reasoning and
+//! content (`<think>` … `</think>`), the content into plain text and tool calls (Qwen3 XML format →
+//! JSON arguments), and timing goes to the metrics. Both the OpenAI and the Anthropic handlers,
+//! streaming or not, consume the same [`OutputStream`].
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use deltaserve_engine::{Event, FinishReason, RequestStream, TokenLogprob, Usage};
+use deltaserve_text::{ReasoningDelta, ReasoningParser, Tokenizer, ToolCallParser, ToolEvent};
+
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+
+/// How to interpret the generated text.
+#[derive(Clone, Debug, Default)]
+pub struct Parsing {
+    /// `Some(starts_inside)`: split reasoning; `starts_inside` when the prompt opened `<think>`.
+    pub reasoning: Option<bool>,
+    /// Tools offered to the model (OpenAI `tools` or Anthropic tools converted to that shape).
+    pub tools: Option<Vec<serde_json::Value>>,
+}
+
+/// Why the output ended, in API-neutral terms.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// End-of-sequence token.
+    Stop,
+    /// A stop string matched (given).
+    StopString(String),
+    Length,
+    /// The model ended its turn after calling tools.
+    ToolCalls,
+}
+
+/// One piece of parsed output.
+#[derive(Clone, Debug)]
+pub enum OutEvent {
+    Reasoning(String),
+    Content(String),
+    ToolStart {
+        index: usize,
+        id: String,
+        name: String,
+    },
+    ToolArgs {
+        index: usize,
+        delta: String,
+    },
+    ToolEnd {
+        index: usize,
+    },
+    /// A generated token with its logprobs (only when requested).
+    Token {
+        id: u32,
+        text: String,
+        logprob: TokenLogprob,
+    },
+    Done {
+        finish: Finish,
+        usage: Usage,
+    },
+}
+
+pub struct OutputStream {
+    inner: RequestStream,
+    reasoning: Option<ReasoningParser>,
+    tools: Option<ToolCallParser>,
+    tokenizer: Arc<Tokenizer>,
+    metrics: Arc<Metrics>,
+    started: Instant,
+    last_token: Option<Instant>,
+    calls: usize,
+    done: bool,
+}
+
+impl OutputStream {
+    pub fn new(inner: RequestStream, parsing: Parsing, tokenizer: Arc<Tokenizer>, metrics: Arc<Metrics>) -> Self {
+        Self {
+            inner,
+            reasoning: parsing.reasoning.map(ReasoningParser::new),
+            tools: parsing.tools.as_deref().map(ToolCallParser::new),
+            tokenizer,
+            metrics,
+            started: Instant::now(),
+            last_token: None,
+            calls: 0,
+            done: false,
+        }
+    }
+
+    pub fn tokenizer(&self) -> Arc<Tokenizer> {
+        self.tokenizer.clone()
+    }
+
+    /// The next batch of output events; `None` after `Done` (or an error).
+    pub async fn next(&mut self) -> Option<Result<Vec<OutEvent>, ApiError>> {
+        if self.done {
+            return None;
+        }
+        let event = self.inner.next().await;
+        Some(self.on_event(event))
+    }
+
+    fn on_event(&mut self, event: Option<Event>) -> Result<Vec<OutEvent>, ApiError> {
+        let mut out = Vec::new();
+        match event {
+            Some(Event::Token { id, text, logprob }) => {
+                let now = Instant::now();
+                match self.last_token {
+                    None => self.metrics.ttft(now.duration_since(self.started).as_secs_f64()),
+                    Some(t) => self.metrics.inter_token(now.duration_since(t).as_secs_f64()),
+                }
+                self.last_token = Some(now);
+                if let Some(lp) = logprob {
+                    let piece = self.tokenizer.decode(&[id], false).unwrap_or_default();
+                    out.push(OutEvent::Token { id, text: piece, logprob: lp });
+                }
+                let delta = self.split_reasoning(&text, false);
+                self.route(delta, &mut out, false);
+            }
+            Some(Event::Finished { reason, usage, timing }) => {
+                let delta = self.split_reasoning("", true);
+                self.route(delta, &mut out, true);
+                self.metrics.e2e(timing.total_ms / 1e3);
+                self.metrics.tokens(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens);
+                let finish = match reason {
+                    FinishReason::Stop if self.calls > 0 => Finish::ToolCalls,
+                    FinishReason::Stop => Finish::Stop,
+                    FinishReason::StopString(s) => Finish::StopString(s),
+                    FinishReason::Length => Finish::Length,
+                };
+                out.push(OutEvent::Done { finish, usage });
+                self.done = true;
+            }
+            Some(Event::Error(e)) => {
+                self.done = true;
+                return Err(e.into());
+            }
+            None => {
+                self.done = true;
+                return Err(ApiError::Unavailable("the engine stopped".into()));
+            }
+        }
+        Ok(out)
+    }
+
+    fn split_reasoning(&mut self, text: &str, finish: bool) -> ReasoningDelta {
+        match &mut self.reasoning {
+            Some(p) => {
+                let mut d = p.push(text);
+                if finish {
+                    let f = p.finish();
+                    d.reasoning.push_str(&f.reasoning);
+                    d.content.push_str(&f.content);
+                }
+                d
+            }
+            None => ReasoningDelta { reasoning: String::new(), content: text.to_string() },
+        }
+    }
+
+    fn route(&mut self, delta: ReasoningDelta, out: &mut Vec<OutEvent>, finish: bool) {
+        if !delta.reasoning.is_empty() {
+            out.push(OutEvent::Reasoning(delta.reasoning));
+        }
+        let events = match &mut self.tools {
+            Some(p) => {
+                let mut ev = p.push(&delta.content);
+                if finish {
+                    ev.extend(p.finish());
+                }
+                ev
+            }
+            None if delta.content.is_empty() => Vec::new(),
+            None => vec![ToolEvent::Content(delta.content)],
+        };
+        for e in events {
+            out.push(match e {
+                ToolEvent::Content(s) => OutEvent::Content(s),
+                ToolEvent::Start { index, id, name } => {
+                    self.calls += 1;
+                    OutEvent::ToolStart { index, id, name }
+                }
+                ToolEvent::ArgumentsDelta { index, delta } => OutEvent::ToolArgs { index, delta },
+                ToolEvent::End { index } => OutEvent::ToolEnd { index },
+            });
+        }
+    }
+}
+
+/// A whole output, for non-streaming responses.
+#[derive(Clone, Debug, Default)]
+pub struct Collected {
+    pub reasoning: String,
+    pub content: String,
+    /// (id, name, JSON arguments)
+    pub tool_calls: Vec<(String, String, String)>,
+    pub tokens: Vec<(u32, String, TokenLogprob)>,
+    pub finish: Option<Finish>,
+    pub usage: Usage,
+}
+
+impl Collected {
+    pub fn add(&mut self, e: OutEvent) {
+        match e {
+            OutEvent::Reasoning(s) => self.reasoning.push_str(&s),
+            OutEvent::Content(s) => self.content.push_str(&s),
+            OutEvent::ToolStart { id, name, .. } => self.tool_calls.push((id, name, String::new())),
+            OutEvent::ToolArgs { index, delta } => {
+                if let Some(c) = self.tool_calls.get_mut(index) {
+                    c.2.push_str(&delta);
+                }
+            }
+            OutEvent::ToolEnd { .. } => {}
+            OutEvent::Token { id, text, logprob } => self.tokens.push((id, text, logprob)),
+            OutEvent::Done { finish, usage } => {
+                self.finish = Some(finish);
+                self.usage = usage;
+            }
+        }
+    }
+
+    /// Runs a stream to its end.
+    pub async fn collect(mut stream: OutputStream) -> Result<Self, ApiError> {
+        let mut c = Self::default();
+        while let Some(events) = stream.next().await {
+            for e in events? {
+                c.add(e);
+            }
+        }
+        Ok(c)
+    }
+}

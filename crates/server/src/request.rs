@@ -1,0 +1,279 @@
+//! Turning API requests into engine requests, shared by the OpenAI and Anthropic handlers: sampling
+//! parameters, stop rules and length defaults; chat messages normalised for the model's template and
+//! rendered to token ids; the parsing the output needs.
+
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+
+use deltaserve_engine::{Request, SamplingParams};
+use deltaserve_text::ChatRequest;
+
+use crate::error::ApiError;
+use crate::output::Parsing;
+use crate::state::AppState;
+
+/// Sampling and length fields common to the OpenAI endpoints (vLLM's extensions included).
+#[derive(Debug, Default, Deserialize)]
+pub struct CommonParams {
+    pub max_tokens: Option<u64>,
+    pub max_completion_tokens: Option<u64>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub seed: Option<u64>,
+    pub stop: Option<StopSpec>,
+    pub n: Option<u32>,
+    pub ignore_eos: Option<bool>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub user: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum StopSpec {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    pub include_usage: Option<bool>,
+}
+
+impl CommonParams {
+    /// The `stop` strings as a list.
+    pub fn stops(&self) -> Vec<String> {
+        match &self.stop {
+            None => Vec::new(),
+            Some(StopSpec::One(s)) => vec![s.clone()],
+            Some(StopSpec::Many(v)) => v.clone(),
+        }
+    }
+}
+
+/// What the handlers pass to [`build_request`].
+pub struct Limits<'a> {
+    pub max_tokens: Option<u64>,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    pub logprobs: Option<usize>,
+    pub state: &'a AppState,
+}
+
+/// An engine request for `prompt`, with the default max_tokens filling the remaining context.
+pub fn build_request(prompt: Vec<u32>, l: Limits) -> Result<Request, ApiError> {
+    if l.stop.len() > 16 || l.stop.iter().any(|s| s.len() > 1024) {
+        return Err(ApiError::bad_param("stop", "at most 16 stop strings of at most 1024 bytes each"));
+    }
+    let max_context = l.state.engine.sched_config().max_context;
+    let max_tokens = match l.max_tokens {
+        Some(0) => return Err(ApiError::bad_param("max_tokens", "`max_tokens` must be at least 1")),
+        Some(m) => usize::try_from(m).unwrap_or(usize::MAX),
+        None => (max_context + 1).saturating_sub(prompt.len()).max(1),
+    };
+    Ok(Request {
+        prompt,
+        max_tokens,
+        sampling: l.sampling,
+        stop_token_ids: if l.ignore_eos { Vec::new() } else { l.state.eos_ids.clone() },
+        stop_strings: l.stop.into_iter().filter(|s| !s.is_empty()).collect(),
+        logprobs: l.logprobs,
+    })
+}
+
+impl CommonParams {
+    /// Sampling parameters with OpenAI defaults (temperature 1, top_p 1).
+    pub fn sampling(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature.unwrap_or(1.0),
+            top_k: self.top_k.filter(|k| *k > 0).map_or(0, |k| k as usize),
+            top_p: self.top_p.unwrap_or(1.0),
+            min_p: self.min_p.unwrap_or(0.0),
+            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            seed: self.seed,
+        }
+    }
+
+    pub fn check_n(&self) -> Result<(), ApiError> {
+        match self.n {
+            None | Some(1) => Ok(()),
+            Some(n) => Err(ApiError::bad_param("n", format!("`n` = {n} is not supported: only n = 1"))),
+        }
+    }
+}
+
+/// Normalises chat messages for the Qwen templates: content parts joined to text, `developer` as
+/// `system`, OpenAI tool-call argument strings parsed into objects.
+pub fn normalize_messages(messages: &[Value]) -> Result<Vec<Value>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::bad_param("messages", "`messages` must not be empty"));
+    }
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let obj = m
+                .as_object()
+                .ok_or_else(|| ApiError::bad_param("messages", format!("messages[{i}] must be an object")))?;
+            let role = obj.get("role").and_then(Value::as_str).ok_or_else(|| {
+                ApiError::bad_param("messages", format!("messages[{i}].role is missing or not a string"))
+            })?;
+            let role = match role {
+                "system" | "user" | "assistant" | "tool" => role,
+                "developer" => "system",
+                other => {
+                    return Err(ApiError::bad_param(
+                        "messages",
+                        format!("messages[{i}].role `{other}` is not one of system, developer, user, assistant, tool"),
+                    ));
+                }
+            };
+            let mut out = obj.clone();
+            out.insert("role".into(), json!(role));
+            out.insert("content".into(), json!(content_text(obj.get("content"), i)?));
+            if let Some(calls) = obj.get("tool_calls").filter(|c| !c.is_null()) {
+                out.insert("tool_calls".into(), Value::Array(normalize_tool_calls(calls, i)?));
+            }
+            Ok(Value::Object(out))
+        })
+        .collect()
+}
+
+/// Message content as text: a string, null, or a list of `{type: text, text}` parts.
+fn content_text(content: Option<&Value>, i: usize) -> Result<String, ApiError> {
+    match content {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for (j, p) in parts.iter().enumerate() {
+                match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(t)) => text.push_str(t),
+                    (Some(kind), _) if kind != "text" => {
+                        return Err(ApiError::bad_param(
+                            "messages",
+                            format!(
+                                "messages[{i}].content[{j}]: content parts of type `{kind}` are not supported (text only)"
+                            ),
+                        ));
+                    }
+                    _ => {
+                        return Err(ApiError::bad_param(
+                            "messages",
+                            format!("messages[{i}].content[{j}] must be {{\"type\": \"text\", \"text\": \"...\"}}"),
+                        ));
+                    }
+                }
+            }
+            Ok(text)
+        }
+        Some(other) => Err(ApiError::bad_param(
+            "messages",
+            format!("messages[{i}].content must be a string or a list of parts, got {}", type_name(other)),
+        )),
+    }
+}
+
+fn normalize_tool_calls(calls: &Value, i: usize) -> Result<Vec<Value>, ApiError> {
+    let arr = calls
+        .as_array()
+        .ok_or_else(|| ApiError::bad_param("messages", format!("messages[{i}].tool_calls must be a list")))?;
+    arr.iter()
+        .enumerate()
+        .map(|(j, c)| {
+            let f = c.get("function").and_then(Value::as_object).ok_or_else(|| {
+                ApiError::bad_param("messages", format!("messages[{i}].tool_calls[{j}].function is missing"))
+            })?;
+            let name = f.get("name").and_then(Value::as_str).ok_or_else(|| {
+                ApiError::bad_param("messages", format!("messages[{i}].tool_calls[{j}].function.name is missing"))
+            })?;
+            let args = match f.get("arguments") {
+                None | Some(Value::Null) => json!({}),
+                Some(Value::String(s)) if s.trim().is_empty() => json!({}),
+                Some(Value::String(s)) => {
+                    serde_json::from_str::<Value>(s).ok().filter(Value::is_object).ok_or_else(|| {
+                        ApiError::bad_param(
+                            "messages",
+                            format!("messages[{i}].tool_calls[{j}].function.arguments is not a JSON object string"),
+                        )
+                    })?
+                }
+                Some(v @ Value::Object(_)) => v.clone(),
+                Some(other) => {
+                    return Err(ApiError::bad_param(
+                        "messages",
+                        format!(
+                            "messages[{i}].tool_calls[{j}].function.arguments must be a JSON object, got {}",
+                            type_name(other)
+                        ),
+                    ));
+                }
+            };
+            let mut out = c.as_object().cloned().unwrap_or_default();
+            out.insert("type".into(), json!("function"));
+            out.insert("function".into(), json!({ "name": name, "arguments": args }));
+            Ok(Value::Object(out))
+        })
+        .collect()
+}
+
+/// Validates OpenAI `tools`: a list of `{type: function, function: {name, parameters?}}`.
+pub fn validate_tools(tools: &[Value]) -> Result<(), ApiError> {
+    for (i, t) in tools.iter().enumerate() {
+        let name = t.get("function").and_then(|f| f.get("name")).and_then(Value::as_str);
+        if t.get("type").and_then(Value::as_str) != Some("function") || name.is_none_or(str::is_empty) {
+            return Err(ApiError::bad_param(
+                "tools",
+                format!("tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Renders the chat template and tokenises: (prompt ids, output parsing).
+pub fn render_chat(
+    state: &AppState,
+    messages: Vec<Value>,
+    tools: Option<Vec<Value>>,
+    kwargs: Map<String, Value>,
+) -> Result<(Vec<u32>, Parsing), ApiError> {
+    let template =
+        state.template.as_ref().ok_or_else(|| ApiError::bad("this model has no chat template; use /v1/completions"))?;
+    let text = template
+        .render(&ChatRequest { messages, tools: tools.clone(), add_generation_prompt: true, kwargs })
+        .map_err(|e| ApiError::bad_param("messages", format!("chat template: {e}")))?;
+    let ids = state.tokenizer.encode(&text).map_err(|e| ApiError::bad(format!("tokenising the prompt: {e}")))?;
+    // The generation prompt of Qwen3.5/3.6 opens `<think>` when thinking is on.
+    let opened = text.trim_end().ends_with("<think>");
+    Ok((ids, Parsing { reasoning: Some(opened), tools: tools.filter(|t| !t.is_empty()) }))
+}
+
+pub fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// `chatcmpl-…` / `cmpl-…` / `msg_…` ids.
+pub fn new_id(prefix: &str) -> String {
+    let n: u128 = rand::random();
+    format!("{prefix}{:024x}", n & ((1u128 << 96) - 1))
+}
+
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}

@@ -1,0 +1,65 @@
+//! The router: routes, API-key check, body limit, health, metrics and the 404 fallback.
+
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+
+use crate::error::{ApiError, Style};
+use crate::state::AppState;
+use crate::{anthropic, openai};
+
+pub fn router(state: AppState) -> Router {
+    let api = Router::new()
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/models", get(openai::models))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
+    Router::new()
+        .merge(api)
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(state.cfg.max_body_bytes))
+        .with_state(state)
+}
+
+fn style_for(path: &str) -> Style {
+    if path.starts_with("/v1/messages") { Style::Anthropic } else { Style::OpenAi }
+}
+
+/// `Authorization: Bearer KEY` (OpenAI) or `x-api-key: KEY` (Anthropic), when a key is configured.
+async fn require_key(State(st): State<AppState>, headers: HeaderMap, req: Request, next: Next) -> Response {
+    if let Some(key) = &st.cfg.api_key {
+        let bearer = headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")));
+        let x_key = headers.get("x-api-key").and_then(|v| v.to_str().ok());
+        if bearer != Some(key.as_str()) && x_key != Some(key.as_str()) {
+            let style = style_for(req.uri().path());
+            st.metrics.request("unauthorized", 401);
+            return ApiError::Unauthorized.into_response_styled(style);
+        }
+    }
+    next.run(req).await
+}
+
+async fn health(State(st): State<AppState>) -> Response {
+    let _ = st;
+    (StatusCode::OK, "ok").into_response()
+}
+
+async fn metrics(State(st): State<AppState>) -> Response {
+    let text = st.metrics.render(&st.engine.stats());
+    ([("content-type", "text/plain; version=0.0.4")], text).into_response()
+}
+
+async fn not_found(req: Request) -> Response {
+    let path = req.uri().path().to_string();
+    ApiError::NotFound(format!("no route for {} {path}", req.method())).into_response_styled(style_for(&path))
+}
