@@ -6,14 +6,17 @@ mod bytelevel;
 mod error;
 mod incremental;
 mod pyjson;
+mod reasoning;
 mod stop;
 mod strftime;
 mod synth;
 mod template;
 mod tokenizer;
+mod toolcall;
 
 pub use error::TextError;
 pub use incremental::IncrementalDecoder;
+pub use reasoning::{ReasoningDelta, ReasoningParser};
 pub use stop::{StopMatcher, StopOutput};
 pub use synth::{
     QWEN35_SPLIT_REGEX, SPECIAL_TOKENS, is_special_token, synthetic_tokenizer_config_json,
@@ -21,6 +24,7 @@ pub use synth::{
 };
 pub use template::{ChatRequest, ChatTemplate};
 pub use tokenizer::Tokenizer;
+pub use toolcall::{ToolCall, ToolCallParser, ToolEvent, collect_events, parse_complete};
 
 /// deltaserve's chat template in the Qwen3.5/3.6 format (ChatML, tools block with XML tool-call
 /// instructions, `<think>` handling with `enable_thinking` / `preserve_thinking`, tool results
