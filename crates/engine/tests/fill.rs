@@ -65,7 +65,10 @@ fn the_advertised_context_fills_to_exactly_100_percent() {
     assert_eq!(usage.completion_tokens, 41);
     // One token more is refused before any work, with the numbers in the message.
     let err = engine.submit(req(n + 1, 1)).err().expect("refused");
-    assert!(matches!(&err, EngineError::Admit(AdmitError::ContextTooLong { max_context, .. }) if *max_context == n), "{err}");
+    assert!(
+        matches!(&err, EngineError::Admit(AdmitError::ContextTooLong { max_context, .. }) if *max_context == n),
+        "{err}"
+    );
     assert!(err.to_string().contains(&n.to_string()), "{err}");
     // Still serving, and the arena never moved.
     let (_, usage) = finish(engine.submit(req(10, 5)).unwrap());

@@ -21,11 +21,7 @@ fn load(dir: &Path) -> Result<ModelWeights<deltaserve_model::weights::HostTensor
 type KeepFn<'a> = &'a dyn Fn(&str) -> bool;
 
 /// Rewrites model.safetensors through `edit(name, shape) -> Option<(new_name, new_shape)>` (None drops it).
-fn rewrite(
-    dir: &Path,
-    files: &[(&str, KeepFn)],
-    edit: impl Fn(&str, &[usize]) -> Option<(String, Vec<usize>)>,
-) {
+fn rewrite(dir: &Path, files: &[(&str, KeepFn)], edit: impl Fn(&str, &[usize]) -> Option<(String, Vec<usize>)>) {
     let ckpt = Checkpoint::open(dir).unwrap();
     let names: Vec<String> = ckpt.names().iter().map(|s| s.to_string()).collect();
     for (file, keep) in files {

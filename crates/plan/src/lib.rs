@@ -1,0 +1,33 @@
+//! deltaserve-plan: the ONE static memory plan, computed before anything is allocated.
+//!
+//! [`Plan::new`] is a pure function of the model shape ([`ModelConfig`]) and the limits ([`PlanOptions`]).
+//! It sizes every region of a single device arena (weights, KV pages, DeltaNet state slots, state snapshots,
+//! the activation workspace, logits, block tables, the GEMM workspace), gives each a 256-byte aligned offset,
+//! and hands ALL memory left over to KV pages, so the context it reports can be filled to 100%.
+//!
+//! - [`dtype`]: storage formats of weights and KV, with their exact byte costs;
+//! - [`weights`]: bytes of the text-model weights per format, split device / pinned host;
+//! - [`workspace`]: the activation workspace of one engine step, planned by liveness (first-fit by lifetime);
+//!   bounded by tokens per step and sequences per step, never by prompt length or context;
+//! - [`render`]: the human table, the JSON object and the SVG chart.
+//!
+//! This crate allocates nothing and knows no backend.
+//!
+//! [`ModelConfig`]: deltaserve_model::ModelConfig
+
+pub mod dtype;
+mod error;
+mod options;
+mod plan;
+mod render;
+pub mod size;
+pub mod weights;
+pub mod workspace;
+
+pub use dtype::{KvDtype, WeightsDtype};
+pub use error::PlanError;
+pub use options::PlanOptions;
+pub use plan::{ALIGN, Plan, Region};
+pub use size::{fmt_bytes, fmt_count, parse_size};
+pub use weights::WeightBytes;
+pub use workspace::{WorkspaceBuffer, WorkspaceLayout};

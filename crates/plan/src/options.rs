@@ -1,0 +1,85 @@
+//! [`PlanOptions`]: the limits a plan is computed for.
+
+use crate::dtype::{KvDtype, WeightsDtype};
+use crate::size::MIB;
+
+/// Everything besides the model shape that decides the plan.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlanOptions {
+    /// The arena cap (`--memory`), runtime reserve included.
+    pub budget_bytes: u64,
+    /// Storage of the decoder linears (norms, conv, `A_log`, `dt_bias` stay 16-bit, or 32-bit for `F32`;
+    /// embedding + lm_head 16-bit unless `lm_head_int4`).
+    pub weights_dtype: WeightsDtype,
+    /// int4 weights carry packed int4 zero points (asymmetric quantisation); ignored for other formats.
+    pub int4_asym: bool,
+    /// Store lm_head as int4 (group 128, fp16 scales) whatever `weights_dtype` is.
+    pub lm_head_int4: bool,
+    /// Keep the embedding table in pinned host memory (outside the device budget); a step gathers its rows on
+    /// the host and copies `[T, D]` to the device.
+    pub embed_on_host: bool,
+    pub k_dtype: KvDtype,
+    pub v_dtype: KvDtype,
+    /// 2 on GPU (bf16), 4 on the CPU reference backend.
+    pub activation_bytes_per_elem: usize,
+    /// Tokens per engine step (chunked prefill + decodes).
+    pub max_batch_tokens: usize,
+    /// Sequences per step = DeltaNet state slots.
+    pub max_seqs: usize,
+    /// None: as large as fits (capped by `max_position_embeddings`).
+    pub max_context: Option<usize>,
+    /// Tokens per KV page.
+    pub page_size: usize,
+    /// Device pool of DeltaNet state snapshots (recurrent + conv state of every DeltaNet layer).
+    pub snapshot_slots: usize,
+    /// CUDA context, modules, cuBLAS handles: counted against the budget, not allocated by the arena.
+    pub runtime_reserve_bytes: u64,
+    /// cuBLASLt workspace.
+    pub gemm_workspace_bytes: u64,
+    /// Split-K partitions of decode attention.
+    pub decode_partitions: usize,
+}
+
+impl PlanOptions {
+    /// bf16 weights and KV, bf16 activations, 4096 tokens and 16 sequences per step, 32-token pages,
+    /// 8 snapshots, 600 MiB runtime reserve, 32 MiB GEMM workspace, 16 decode partitions.
+    pub fn gpu_defaults(budget: u64) -> Self {
+        Self {
+            budget_bytes: budget,
+            weights_dtype: WeightsDtype::Bf16,
+            int4_asym: false,
+            lm_head_int4: false,
+            embed_on_host: false,
+            k_dtype: KvDtype::Bf16,
+            v_dtype: KvDtype::Bf16,
+            activation_bytes_per_elem: 2,
+            max_batch_tokens: 4096,
+            max_seqs: 16,
+            max_context: None,
+            page_size: 32,
+            snapshot_slots: 8,
+            runtime_reserve_bytes: 600 * MIB,
+            gemm_workspace_bytes: 32 * MIB,
+            decode_partitions: 16,
+        }
+    }
+
+    /// The f32 reference backend: f32 weights, KV and activations, 512 tokens and 4 sequences per step,
+    /// 32-token pages, 2 snapshots, no runtime reserve or GEMM workspace, 1 decode partition.
+    pub fn cpu_defaults(budget: u64) -> Self {
+        Self {
+            budget_bytes: budget,
+            weights_dtype: WeightsDtype::F32,
+            k_dtype: KvDtype::F32,
+            v_dtype: KvDtype::F32,
+            activation_bytes_per_elem: 4,
+            max_batch_tokens: 512,
+            max_seqs: 4,
+            snapshot_slots: 2,
+            runtime_reserve_bytes: 0,
+            gemm_workspace_bytes: 0,
+            decode_partitions: 1,
+            ..Self::gpu_defaults(budget)
+        }
+    }
+}

@@ -1,0 +1,530 @@
+//! [`Plan::new`]: sizes and places every region of the device arena; KV pages get everything left.
+
+use deltaserve_model::{Dims, ModelConfig};
+
+use crate::dtype::{KvDtype, WeightsDtype};
+use crate::error::PlanError;
+use crate::options::PlanOptions;
+use crate::size::fmt_bytes;
+use crate::weights::WeightBytes;
+use crate::workspace::{StepShape, WorkspaceLayout, plan_workspace};
+
+/// Alignment of every region offset and every workspace buffer offset.
+pub const ALIGN: u64 = 256;
+
+/// One region of the arena.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Region {
+    pub name: &'static str,
+    pub bytes: u64,
+    /// Offset in the arena (multiple of [`ALIGN`]).
+    pub offset: u64,
+    pub note: String,
+}
+
+/// The static memory plan.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    /// In arena order: weights, kv_pages, state_slots, snapshots, activations, logits, block_tables,
+    /// gemm_workspace. Offsets are 256-byte aligned; each region starts where the previous one ends, rounded up.
+    pub regions: Vec<Region>,
+    /// Weights in the device arena.
+    pub weights_bytes: u64,
+    /// Weights in pinned host memory (the embedding with `embed_on_host`), outside the budget.
+    pub host_weights_bytes: u64,
+    /// All attention layers, K + V, scales included.
+    pub kv_bytes_per_token: u64,
+    /// f32 recurrent state `[Hv, Dk, Dv]` + conv state `[K-1, conv_channels]` (activation dtype), every DeltaNet layer.
+    pub state_bytes_per_seq: u64,
+    pub activation_bytes: u64,
+    pub snapshot_bytes: u64,
+    /// `[max_seqs, vocab]` f32.
+    pub logits_bytes: u64,
+    /// `[max_seqs, ceil(context cap / page_size)]` i32 page ids.
+    pub block_table_bytes: u64,
+    /// Everything counted against the budget: the arena (alignment included) + the runtime reserve.
+    pub total_bytes: u64,
+    pub budget_bytes: u64,
+    pub page_size: usize,
+    /// Whole pages; KV gets ALL memory left after the fixed regions.
+    pub num_kv_pages: usize,
+    pub num_state_slots: usize,
+    /// The largest context one sequence can fill to 100%.
+    pub max_context: usize,
+    /// Sequences that can be at `max_context` at once (at most `max_seqs`).
+    pub max_full_context_seqs: usize,
+    pub max_batch_tokens: usize,
+    pub max_seqs: usize,
+    /// Named activation buffers with offsets inside the `activations` region, planned by liveness.
+    pub workspace: WorkspaceLayout,
+    /// The weight bytes by part.
+    pub weight_parts: WeightBytes,
+    /// The model's derived sizes.
+    pub dims: Dims,
+    /// The model's position limit (caps `max_context`).
+    pub max_position_embeddings: usize,
+    /// The options the plan was made for.
+    pub options: PlanOptions,
+}
+
+impl Plan {
+    /// Sizes and places every region for `cfg` under `opts`. Pure: allocates nothing.
+    pub fn new(cfg: &ModelConfig, opts: &PlanOptions) -> Result<Plan, PlanError> {
+        validate(cfg, opts)?;
+        let d = cfg.dims();
+        let overflow = |what| PlanError::Overflow { what };
+        let to64 = |x: u128, what| u64::try_from(x).map_err(|_| overflow(what));
+        let wb = WeightBytes::new(cfg, opts).ok_or(overflow("weight bytes"))?;
+        let weights = wb.device();
+        let reserve = opts.runtime_reserve_bytes;
+        let budget = opts.budget_bytes;
+        let hints = Hints { cfg, opts, wb: &wb };
+
+        // Per-token and per-sequence costs.
+        let kv = KvShape::new(&d, opts);
+        let kv_bytes_per_token = to64(kv.bytes_per_token(), "KV bytes per token")?;
+        let page_bytes = to64(kv.bytes_per_token() * opts.page_size as u128, "KV page")?;
+        let st = StateShape::new(&d, opts);
+        let state_bytes_per_seq = to64(st.bytes_per_seq(), "state bytes per sequence")?;
+
+        // Fixed regions.
+        let state_bytes = to64(st.region(opts.max_seqs), "state slots")?;
+        let snapshot_bytes = to64(st.region(opts.snapshot_slots), "snapshots")?;
+        let logits_bytes = to64(opts.max_seqs as u128 * d.vocab as u128 * 4, "logits")?;
+        let context_cap = opts.max_context.unwrap_or(cfg.max_position_embeddings);
+        let table_width = context_cap.div_ceil(opts.page_size);
+        let table_bytes = to64(opts.max_seqs as u128 * table_width as u128 * 4, "block tables")?;
+        let shape = StepShape {
+            tokens: opts.max_batch_tokens,
+            seqs: opts.max_seqs,
+            act_bytes: opts.activation_bytes_per_elem,
+            host_embed_elem: opts.embed_on_host.then_some(opts.weights_dtype.dense_elem_bytes() as usize),
+            decode_partitions: opts.decode_partitions,
+        };
+        let workspace = plan_workspace(cfg, &shape).ok_or(overflow("activation workspace"))?;
+        let activation_bytes = workspace.bytes;
+        let fixed_parts: [(&str, u64); 6] = [
+            ("state slots", state_bytes),
+            ("snapshots", snapshot_bytes),
+            ("activations", activation_bytes),
+            ("logits", logits_bytes),
+            ("block tables", table_bytes),
+            ("GEMM workspace", opts.gemm_workspace_bytes),
+        ];
+        let fixed = fixed_parts.iter().map(|(_, x)| x.next_multiple_of(ALIGN) as u128).sum::<u128>()
+            + weights.next_multiple_of(ALIGN) as u128
+            + reserve as u128;
+        let fixed = to64(fixed, "fixed regions")?;
+        let one_page = to64(kv.region(1), "KV page")?;
+        let minimum = fixed.saturating_add(one_page);
+
+        if weights.saturating_add(reserve) > budget {
+            let mut h = Vec::new();
+            if opts.weights_dtype != WeightsDtype::Int4 {
+                let int4 = PlanOptions { weights_dtype: WeightsDtype::Int4, ..opts.clone() };
+                if let Some(w) = WeightBytes::new(cfg, &int4) {
+                    h.push(format!("use --weights-dtype int4 ({} of weights)", fmt_bytes(w.device())));
+                }
+            }
+            h.extend(hints.weight_savings());
+            h.push(format!("raise --memory to at least {} (the whole plan at these settings)", fmt_bytes(minimum)));
+            return Err(PlanError::WeightsDoNotFit {
+                weights,
+                dtype: weights_desc(opts),
+                runtime_reserve: reserve,
+                budget,
+                hint: join_or(h),
+            });
+        }
+        if fixed > budget {
+            let mut breakdown: Vec<String> =
+                fixed_parts.iter().filter(|(_, x)| *x > 0).map(|(n, x)| format!("{n} {}", fmt_bytes(*x))).collect();
+            if reserve > 0 {
+                breakdown.push(format!("runtime reserve {}", fmt_bytes(reserve)));
+            }
+            let mut h = hints.fixed_savings(state_bytes_per_seq, activation_bytes);
+            h.extend(hints.weight_savings());
+            h.push(format!("raise --memory to at least {}", fmt_bytes(minimum)));
+            return Err(PlanError::FixedRegionsDoNotFit {
+                weights,
+                fixed,
+                budget,
+                breakdown: breakdown.join(", "),
+                hint: join_or(h),
+            });
+        }
+
+        // KV pages: everything left, in whole pages.
+        let left = budget - fixed;
+        let max_pos = cfg.max_position_embeddings;
+        let (num_kv_pages, max_context, max_full_context_seqs) = if let Some(pages) = left.checked_div(page_bytes) {
+            // Per-tensor alignment may cost a few hundred bytes: step back until the region fits.
+            let mut pages = usize::try_from(pages).unwrap_or(usize::MAX);
+            while pages > 0 && kv.region(pages) > left as u128 {
+                pages -= 1;
+            }
+            let kv_name = kv_desc(opts);
+            let fits = pages.saturating_mul(opts.page_size).min(max_pos);
+            if pages == 0 {
+                let mut h = hints.fixed_savings(state_bytes_per_seq, activation_bytes);
+                h.extend(hints.weight_savings());
+                h.push(format!("raise --memory to at least {}", fmt_bytes(minimum)));
+                return Err(PlanError::NoKvPage {
+                    weights,
+                    left,
+                    budget,
+                    page_bytes,
+                    page_size: opts.page_size,
+                    kv: kv_name,
+                    hint: join_or(h),
+                });
+            }
+            let max_context = match opts.max_context {
+                Some(mc) => {
+                    let need_pages = mc.div_ceil(opts.page_size);
+                    if need_pages > pages {
+                        let needed = to64(kv.region(need_pages), "KV for --max-context")?;
+                        let mut h = vec!["lower --max-context".to_string()];
+                        h.extend(hints.kv_smaller());
+                        h.extend(hints.weight_savings());
+                        h.extend(hints.fixed_savings(state_bytes_per_seq, activation_bytes));
+                        h.push(format!("raise --memory to at least {}", fmt_bytes(fixed.saturating_add(needed))));
+                        return Err(PlanError::ContextDoesNotFit {
+                            requested: mc,
+                            needed,
+                            left,
+                            weights,
+                            fits,
+                            kv: kv_name,
+                            hint: join_or(h),
+                        });
+                    }
+                    mc
+                }
+                None => fits,
+            };
+            let per_seq_pages = max_context.div_ceil(opts.page_size).max(1);
+            (pages, max_context, (pages / per_seq_pages).min(opts.max_seqs))
+        } else {
+            // No attention layer (page_bytes == 0): nothing grows with context.
+            (0, context_cap.min(max_pos), opts.max_seqs)
+        };
+        let kv_bytes = to64(kv.region(num_kv_pages), "KV pages")?;
+
+        let w = &wb;
+        let dense_note = if opts.weights_dtype == WeightsDtype::F32 { "f32" } else { "bf16" };
+        let lm_note = if opts.lm_head_int4 {
+            "int4"
+        } else if w.lm_head == 0 {
+            "tied to embed"
+        } else {
+            dense_note
+        };
+        let mut weights_note = format!(
+            "decoder linears {} {}, lm_head {} {lm_note}, norms/conv/A_log/dt_bias {} {dense_note}",
+            fmt_bytes(w.linears),
+            weights_desc(opts),
+            fmt_bytes(w.lm_head),
+            fmt_bytes(w.dense),
+        );
+        if opts.embed_on_host {
+            weights_note += &format!("; embed {} in pinned host memory", fmt_bytes(w.embed));
+        } else {
+            weights_note += &format!(", embed {} {dense_note}", fmt_bytes(w.embed));
+        }
+        let specs: Vec<(&'static str, u64, String)> = vec![
+            ("weights", weights, weights_note),
+            (
+                "kv_pages",
+                kv_bytes,
+                format!(
+                    "{num_kv_pages} pages × {} tokens × {} B/token ({} layers × K,V × {} kv heads × {}; K {} V {})",
+                    opts.page_size,
+                    kv_bytes_per_token,
+                    d.num_attention_layers,
+                    d.kv_heads,
+                    d.head_dim,
+                    opts.k_dtype,
+                    opts.v_dtype
+                ),
+            ),
+            (
+                "state_slots",
+                state_bytes,
+                format!(
+                    "{} slots × {} (DeltaNet recurrent f32 + conv, {} layers)",
+                    opts.max_seqs,
+                    fmt_bytes(state_bytes_per_seq),
+                    d.num_deltanet_layers
+                ),
+            ),
+            (
+                "snapshots",
+                snapshot_bytes,
+                format!("{} slots × {}", opts.snapshot_slots, fmt_bytes(state_bytes_per_seq)),
+            ),
+            (
+                "activations",
+                activation_bytes,
+                format!(
+                    "{} buffers by liveness at {} tokens / {} seqs per step (peak live {})",
+                    workspace.buffers.len(),
+                    opts.max_batch_tokens,
+                    opts.max_seqs,
+                    fmt_bytes(workspace.peak_live_bytes())
+                ),
+            ),
+            ("logits", logits_bytes, format!("[{}, {}] f32", opts.max_seqs, d.vocab)),
+            ("block_tables", table_bytes, format!("[{}, {table_width}] i32 page ids", opts.max_seqs)),
+            ("gemm_workspace", opts.gemm_workspace_bytes, "cuBLASLt workspace".to_string()),
+        ];
+        let mut regions = Vec::with_capacity(specs.len());
+        let mut offset = 0u64;
+        for (name, bytes, note) in specs {
+            regions.push(Region { name, bytes, offset, note });
+            offset += bytes.next_multiple_of(ALIGN);
+        }
+        let total_bytes = offset + reserve;
+        debug_assert!(total_bytes <= budget);
+
+        Ok(Plan {
+            regions,
+            weights_bytes: weights,
+            host_weights_bytes: wb.host(),
+            kv_bytes_per_token,
+            state_bytes_per_seq,
+            activation_bytes,
+            snapshot_bytes,
+            logits_bytes,
+            block_table_bytes: table_bytes,
+            total_bytes,
+            budget_bytes: budget,
+            page_size: opts.page_size,
+            num_kv_pages,
+            num_state_slots: opts.max_seqs,
+            max_context,
+            max_full_context_seqs,
+            max_batch_tokens: opts.max_batch_tokens,
+            max_seqs: opts.max_seqs,
+            workspace,
+            weight_parts: wb,
+            dims: d,
+            max_position_embeddings: max_pos,
+            options: opts.clone(),
+        })
+    }
+
+    /// The region called `name`.
+    pub fn region(&self, name: &str) -> Option<&Region> {
+        self.regions.iter().find(|r| r.name == name)
+    }
+
+    /// Size of the arena (what the backend allocates once): every region, alignment included.
+    pub fn arena_bytes(&self) -> u64 {
+        self.total_bytes - self.options.runtime_reserve_bytes
+    }
+
+    /// Bytes of one KV page (all attention layers, K + V, scales), without alignment padding.
+    pub fn kv_page_bytes(&self) -> u64 {
+        self.kv_bytes_per_token * self.page_size as u64
+    }
+
+    /// Layout of the `kv_pages` region: for each attention layer in order, four tensors each starting 256-byte
+    /// aligned — K `[pages, page_size, kv_heads, head_dim]`, K scales `[pages, page_size, kv_heads]` f16,
+    /// V, V scales (scales are 0 bytes for float formats). Returns their unpadded sizes.
+    pub fn kv_tensor_bytes(&self) -> [u64; 4] {
+        let kv = KvShape::new(&self.dims, &self.options);
+        kv.tensors(self.num_kv_pages).map(|x| x as u64)
+    }
+
+    /// Layout of the `state_slots` (and `snapshots`) region: for each DeltaNet layer in order, the recurrent state
+    /// `[slots, Hv, Dk, Dv]` f32 then the conv state `[slots, K-1, conv_channels]` (activation dtype), each
+    /// starting 256-byte aligned. Returns their unpadded sizes for `slots`.
+    pub fn state_tensor_bytes(&self, slots: usize) -> [u64; 2] {
+        let st = StateShape::new(&self.dims, &self.options);
+        st.tensors(slots).map(|x| x as u64)
+    }
+}
+
+fn al(x: u128) -> u128 {
+    x.next_multiple_of(ALIGN as u128)
+}
+
+/// Byte sizes of the paged KV cache.
+struct KvShape {
+    layers: u128,
+    /// Per token of one layer: K data, K scales, V data, V scales.
+    per_token: [u128; 4],
+    page_size: u128,
+}
+
+impl KvShape {
+    fn new(d: &Dims, o: &PlanOptions) -> Self {
+        let (kvh, hd) = (d.kv_heads as u128, d.head_dim as u128);
+        let data = |x: KvDtype| kvh * (hd * x.bits() as u128).div_ceil(8);
+        let scale = |x: KvDtype| kvh * x.scale_bytes() as u128;
+        Self {
+            layers: d.num_attention_layers as u128,
+            per_token: [data(o.k_dtype), scale(o.k_dtype), data(o.v_dtype), scale(o.v_dtype)],
+            page_size: o.page_size as u128,
+        }
+    }
+    fn bytes_per_token(&self) -> u128 {
+        self.layers * self.per_token.iter().sum::<u128>()
+    }
+    /// One layer's four tensors for `pages` pages of `page_size` tokens (unpadded).
+    fn tensors(&self, pages: usize) -> [u128; 4] {
+        self.per_token.map(|x| x * self.page_size * pages as u128)
+    }
+    fn region(&self, pages: usize) -> u128 {
+        self.layers * self.tensors(pages).iter().map(|&x| al(x)).sum::<u128>()
+    }
+}
+
+/// Byte sizes of the DeltaNet state (slots and snapshots).
+struct StateShape {
+    layers: u128,
+    /// Per sequence of one layer: recurrent f32, conv (activation dtype).
+    per_seq: [u128; 2],
+}
+
+impl StateShape {
+    fn new(d: &Dims, o: &PlanOptions) -> Self {
+        let recurrent = d.gdn_v_heads as u128 * d.gdn_k_dim as u128 * d.gdn_v_dim as u128 * 4;
+        let conv =
+            (d.conv_kernel as u128).saturating_sub(1) * d.conv_channels as u128 * o.activation_bytes_per_elem as u128;
+        Self { layers: d.num_deltanet_layers as u128, per_seq: [recurrent, conv] }
+    }
+    fn bytes_per_seq(&self) -> u128 {
+        self.layers * self.per_seq.iter().sum::<u128>()
+    }
+    fn tensors(&self, slots: usize) -> [u128; 2] {
+        self.per_seq.map(|x| x * slots as u128)
+    }
+    fn region(&self, slots: usize) -> u128 {
+        self.layers * self.tensors(slots).iter().map(|&x| al(x)).sum::<u128>()
+    }
+}
+
+fn validate(cfg: &ModelConfig, o: &PlanOptions) -> Result<(), PlanError> {
+    let bad = |option, value: String, reason: &str| {
+        Err(PlanError::InvalidOption { option, value, reason: reason.to_string() })
+    };
+    if o.max_batch_tokens == 0 {
+        return bad("--max-batch-tokens", "0".into(), "a step needs at least one token");
+    }
+    if o.max_seqs == 0 {
+        return bad("--max-seqs", "0".into(), "at least one sequence (DeltaNet state slot) is needed");
+    }
+    if o.max_seqs > o.max_batch_tokens {
+        return bad(
+            "--max-seqs",
+            o.max_seqs.to_string(),
+            &format!("more sequences per step than tokens per step (--max-batch-tokens {})", o.max_batch_tokens),
+        );
+    }
+    if o.page_size == 0 {
+        return bad("--page-size", "0".into(), "a KV page holds at least one token");
+    }
+    if !matches!(o.activation_bytes_per_elem, 2 | 4) {
+        return bad(
+            "activation_bytes_per_elem",
+            o.activation_bytes_per_elem.to_string(),
+            "must be 2 (bf16, GPU) or 4 (f32, CPU)",
+        );
+    }
+    if o.decode_partitions == 0 {
+        return bad("decode_partitions", "0".into(), "decode attention needs at least one partition");
+    }
+    match o.max_context {
+        Some(0) => bad("--max-context", "0".into(), "a context holds at least one token"),
+        Some(mc) if mc > cfg.max_position_embeddings => {
+            Err(PlanError::ContextExceedsModel { requested: mc, model_max: cfg.max_position_embeddings })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// `int4 (g128, fp16 scales)`, `bf16`, …
+fn weights_desc(o: &PlanOptions) -> String {
+    match o.weights_dtype {
+        WeightsDtype::Int4 if o.int4_asym => "int4 (g128, fp16 scales + int4 zeros)".into(),
+        WeightsDtype::Int4 => "int4 (g128, fp16 scales)".into(),
+        WeightsDtype::Fp8Block => "fp8 (128×128 blocks, f32 scales)".into(),
+        other => other.name().into(),
+    }
+}
+
+/// `fp8` or `K fp8 / V int4`.
+fn kv_desc(o: &PlanOptions) -> String {
+    if o.k_dtype == o.v_dtype { o.k_dtype.name().into() } else { format!("K {} / V {}", o.k_dtype, o.v_dtype) }
+}
+
+/// Suggestions for error messages, each with what it frees.
+struct Hints<'a> {
+    cfg: &'a ModelConfig,
+    opts: &'a PlanOptions,
+    wb: &'a WeightBytes,
+}
+
+impl Hints<'_> {
+    fn weight_savings(&self) -> Vec<String> {
+        let mut h = Vec::new();
+        if !self.opts.embed_on_host && self.wb.embed > 0 {
+            let on_host = PlanOptions { embed_on_host: true, ..self.opts.clone() };
+            if let Some(w) = WeightBytes::new(self.cfg, &on_host)
+                && w.device() < self.wb.device()
+            {
+                h.push(format!("use --embed-on-host (frees {})", fmt_bytes(self.wb.device() - w.device())));
+            }
+        }
+        if !self.opts.lm_head_int4 {
+            let int4 = PlanOptions { lm_head_int4: true, ..self.opts.clone() };
+            if let Some(w) = WeightBytes::new(self.cfg, &int4)
+                && w.device() < self.wb.device()
+            {
+                h.push(format!("use --lm-head-int4 (frees {})", fmt_bytes(self.wb.device() - w.device())));
+            }
+        }
+        h
+    }
+
+    fn kv_smaller(&self) -> Vec<String> {
+        let (k, v) = (self.opts.k_dtype, self.opts.v_dtype);
+        let smaller = |x: KvDtype| x.smaller().unwrap_or(x);
+        if k == v {
+            k.smaller().map(|s| format!("use --kv-cache-dtype {s}")).into_iter().collect()
+        } else if smaller(k) != k || smaller(v) != v {
+            vec![format!("use --k-cache-dtype {} --v-cache-dtype {}", smaller(k), smaller(v))]
+        } else {
+            Vec::new()
+        }
+    }
+
+    fn fixed_savings(&self, state_per_seq: u64, activations: u64) -> Vec<String> {
+        let o = self.opts;
+        let mut h = Vec::new();
+        if o.max_seqs > 1 {
+            h.push(format!("lower --max-seqs {} ({} of DeltaNet state each)", o.max_seqs, fmt_bytes(state_per_seq)));
+        }
+        if o.snapshot_slots > 0 {
+            h.push(format!("lower --snapshot-slots {} ({} each)", o.snapshot_slots, fmt_bytes(state_per_seq)));
+        }
+        if o.max_batch_tokens > 256 {
+            h.push(format!("lower --max-batch-tokens {} (activations {})", o.max_batch_tokens, fmt_bytes(activations)));
+        }
+        h
+    }
+}
+
+/// `a, b, or c`.
+fn join_or(mut items: Vec<String>) -> String {
+    match items.len() {
+        0 => String::new(),
+        1 => items.remove(0),
+        _ => {
+            let last = items.pop().unwrap_or_default();
+            format!("{}, or {last}", items.join(", "))
+        }
+    }
+}

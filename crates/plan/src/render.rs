@@ -1,0 +1,366 @@
+//! How a [`Plan`] is shown: [`Plan::to_json`], [`Plan::table`], [`Plan::workspace_table`] and [`Plan::svg`].
+
+use std::fmt::Write as _;
+
+use serde_json::{Value, json};
+
+use crate::plan::Plan;
+use crate::size::{fmt_bytes, fmt_count};
+
+impl Plan {
+    fn free_bytes(&self) -> u64 {
+        self.budget_bytes - self.total_bytes
+    }
+
+    fn pct(&self, b: u64) -> f64 {
+        if self.budget_bytes == 0 { 0.0 } else { 100.0 * b as f64 / self.budget_bytes as f64 }
+    }
+
+    fn context_line(&self) -> String {
+        let why = if self.options.max_context.is_some() {
+            "as requested by --max-context".to_string()
+        } else if self.max_context == self.max_position_embeddings {
+            format!("capped by the model's max_position_embeddings {}", fmt_count(self.max_position_embeddings as u64))
+        } else {
+            format!("{} KV pages × {} tokens", fmt_count(self.num_kv_pages as u64), self.page_size)
+        };
+        format!(
+            "context: one sequence can fill {} tokens (100%, {why}); {} sequence(s) at that length at once, {} per step",
+            fmt_count(self.max_context as u64),
+            self.max_full_context_seqs,
+            self.max_seqs
+        )
+    }
+
+    /// One JSON object with every number of the plan.
+    pub fn to_json(&self) -> Value {
+        let o = &self.options;
+        let w = &self.weight_parts;
+        let d = &self.dims;
+        json!({
+            "weights_bytes": self.weights_bytes,
+            "host_weights_bytes": self.host_weights_bytes,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "state_bytes_per_seq": self.state_bytes_per_seq,
+            "activation_bytes": self.activation_bytes,
+            "snapshot_bytes": self.snapshot_bytes,
+            "logits_bytes": self.logits_bytes,
+            "block_table_bytes": self.block_table_bytes,
+            "gemm_workspace_bytes": o.gemm_workspace_bytes,
+            "runtime_reserve_bytes": o.runtime_reserve_bytes,
+            "kv_pages_bytes": self.num_kv_pages as u64 * self.kv_page_bytes(),
+            "arena_bytes": self.arena_bytes(),
+            "total_bytes": self.total_bytes,
+            "budget_bytes": self.budget_bytes,
+            "free_bytes": self.free_bytes(),
+            "max_context": self.max_context,
+            "max_full_context_seqs": self.max_full_context_seqs,
+            "max_position_embeddings": self.max_position_embeddings,
+            "page_size": self.page_size,
+            "kv_page_bytes": self.kv_page_bytes(),
+            "num_kv_pages": self.num_kv_pages,
+            "num_state_slots": self.num_state_slots,
+            "snapshot_slots": o.snapshot_slots,
+            "max_batch_tokens": self.max_batch_tokens,
+            "max_seqs": self.max_seqs,
+            "options": {
+                "weights_dtype": o.weights_dtype.name(),
+                "int4_asym": o.int4_asym,
+                "lm_head_int4": o.lm_head_int4,
+                "embed_on_host": o.embed_on_host,
+                "k_dtype": o.k_dtype.name(),
+                "v_dtype": o.v_dtype.name(),
+                "activation_bytes_per_elem": o.activation_bytes_per_elem,
+                "decode_partitions": o.decode_partitions,
+                "max_context": o.max_context,
+            },
+            "model": {
+                "layers": d.num_layers,
+                "deltanet_layers": d.num_deltanet_layers,
+                "attention_layers": d.num_attention_layers,
+                "hidden": d.hidden,
+                "vocab": d.vocab,
+            },
+            "weights": {
+                "linears_bytes": w.linears,
+                "linear_params": w.linear_params,
+                "dense_bytes": w.dense,
+                "embed_bytes": w.embed,
+                "lm_head_bytes": w.lm_head,
+                "embed_on_host": w.embed_on_host,
+            },
+            "regions": self.regions.iter().map(|r| json!({
+                "name": r.name, "bytes": r.bytes, "offset": r.offset, "note": r.note,
+            })).collect::<Vec<_>>(),
+            "workspace": {
+                "bytes": self.workspace.bytes,
+                "peak_live_bytes": self.workspace.peak_live_bytes(),
+                "ops": self.workspace.ops,
+                "buffers": self.workspace.buffers.iter().map(|b| json!({
+                    "name": b.name, "bytes": b.bytes, "offset": b.offset,
+                    "first_op": b.first_op, "last_op": b.last_op, "shape": b.shape,
+                })).collect::<Vec<_>>(),
+            },
+        })
+    }
+
+    /// The human table: every region with size, % of budget and offset, then the fillable context.
+    pub fn table(&self) -> String {
+        let o = &self.options;
+        let d = &self.dims;
+        let mut s = String::new();
+        let kv =
+            if o.k_dtype == o.v_dtype { o.k_dtype.to_string() } else { format!("K {} / V {}", o.k_dtype, o.v_dtype) };
+        let _ = writeln!(
+            s,
+            "memory plan: {} layers ({} DeltaNet + {} attention), hidden {}, vocab {}",
+            d.num_layers,
+            d.num_deltanet_layers,
+            d.num_attention_layers,
+            d.hidden,
+            fmt_count(d.vocab as u64)
+        );
+        let _ = writeln!(
+            s,
+            "budget {} · weights {}{}{} · KV {kv} · activations {} · {} tokens / {} seqs per step",
+            fmt_bytes(self.budget_bytes),
+            o.weights_dtype,
+            if o.lm_head_int4 { " + int4 lm_head" } else { "" },
+            if o.embed_on_host { " + host embedding" } else { "" },
+            if o.activation_bytes_per_elem == 4 { "f32" } else { "bf16" },
+            fmt_count(self.max_batch_tokens as u64),
+            self.max_seqs
+        );
+        let _ = writeln!(s);
+        let _ = writeln!(s, "{:<16} {:>11} {:>7} {:>11}  note", "region", "size", "budget", "offset");
+        for r in &self.regions {
+            let _ = writeln!(
+                s,
+                "{:<16} {:>11} {:>6.1}% {:>11}  {}",
+                r.name,
+                fmt_bytes(r.bytes),
+                self.pct(r.bytes),
+                fmt_bytes(r.offset),
+                r.note
+            );
+        }
+        let reserve = o.runtime_reserve_bytes;
+        if reserve > 0 {
+            let _ = writeln!(
+                s,
+                "{:<16} {:>11} {:>6.1}% {:>11}  CUDA context, modules, cuBLAS handles (counted, not in the arena)",
+                "runtime_reserve",
+                fmt_bytes(reserve),
+                self.pct(reserve),
+                "-"
+            );
+        }
+        let pad = self.arena_bytes() - self.regions.iter().map(|r| r.bytes).sum::<u64>();
+        let _ = writeln!(
+            s,
+            "{:<16} {:>11} {:>6.1}% {:>11}  unused: less than one KV page ({}){}",
+            "free",
+            fmt_bytes(self.free_bytes()),
+            self.pct(self.free_bytes()),
+            "-",
+            fmt_bytes(self.kv_page_bytes()),
+            if pad > 0 { format!("; {pad} B of alignment padding is counted in total") } else { String::new() }
+        );
+        let _ = writeln!(s, "{:<16} {:>11} {:>6.1}%", "total", fmt_bytes(self.total_bytes), self.pct(self.total_bytes));
+        if self.host_weights_bytes > 0 {
+            let _ = writeln!(
+                s,
+                "{:<16} {:>11} {:>7} {:>11}  embedding table in pinned host memory (outside the budget)",
+                "host",
+                fmt_bytes(self.host_weights_bytes),
+                "",
+                ""
+            );
+        }
+        let _ = writeln!(s);
+        let _ = writeln!(
+            s,
+            "per token: {} of KV ({} B); per sequence: {} of DeltaNet state",
+            fmt_bytes(self.kv_bytes_per_token),
+            fmt_count(self.kv_bytes_per_token),
+            fmt_bytes(self.state_bytes_per_seq)
+        );
+        let _ = writeln!(s, "{}", self.context_line());
+        s
+    }
+
+    /// The activation workspace: every buffer with its offset, size, lifetime and shape.
+    pub fn workspace_table(&self) -> String {
+        let ws = &self.workspace;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "activation workspace: {} ({} buffers, {} ops; peak live {})",
+            fmt_bytes(ws.bytes),
+            ws.buffers.len(),
+            ws.ops.len(),
+            fmt_bytes(ws.peak_live_bytes())
+        );
+        let _ = writeln!(s, "{:<22} {:>11} {:>11}  {:<38} shape", "buffer", "offset", "size", "live (ops)");
+        let mut bufs: Vec<_> = ws.buffers.iter().collect();
+        bufs.sort_by_key(|b| (b.first_op, b.offset));
+        for b in bufs {
+            let live = format!("{}..{} {}→{}", b.first_op, b.last_op, ws.ops[b.first_op], ws.ops[b.last_op]);
+            let _ = writeln!(
+                s,
+                "{:<22} {:>11} {:>11}  {:<38} {}",
+                b.name,
+                fmt_bytes(b.offset),
+                fmt_bytes(b.bytes),
+                live,
+                b.shape
+            );
+        }
+        s
+    }
+
+    /// A self-contained SVG: one bar of the budget split into regions, a legend, and the activation workspace
+    /// drawn by liveness (ops across, offset down).
+    pub fn svg(&self) -> String {
+        const W: f64 = 1000.0;
+        const X0: f64 = 20.0;
+        const BAR_W: f64 = W - 2.0 * X0;
+        const COLORS: [&str; 8] =
+            ["#4e79a7", "#f28e2b", "#59a14f", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f"];
+        let o = &self.options;
+        let mut segs: Vec<(String, u64, &str, String)> = self
+            .regions
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (r.name.to_string(), r.bytes, COLORS[i % COLORS.len()], r.note.clone()))
+            .collect();
+        segs.push((
+            "runtime_reserve".into(),
+            o.runtime_reserve_bytes,
+            "#bab0ac",
+            "CUDA context, modules, cuBLAS handles".into(),
+        ));
+        segs.push(("free".into(), self.free_bytes(), "#eeeeee", "less than one KV page".into()));
+        let legend_rows = segs.len().div_ceil(2);
+        let ws_top = 130.0 + 22.0 * legend_rows as f64;
+        let ws_h = 260.0;
+        let h = ws_top + ws_h + 60.0;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{h}" viewBox="0 0 {W} {h}" font-family="sans-serif" font-size="12">"#
+        );
+        let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
+        let _ = writeln!(
+            s,
+            r#"<text x="{X0}" y="24" font-size="16" font-weight="bold">deltaserve memory plan: {} of {} ({:.1}%)</text>"#,
+            fmt_bytes(self.total_bytes),
+            fmt_bytes(self.budget_bytes),
+            self.pct(self.total_bytes)
+        );
+        let _ = writeln!(s, r#"<text x="{X0}" y="44">{}</text>"#, esc(&self.context_line()));
+        let scale = BAR_W / self.budget_bytes.max(1) as f64;
+        let mut x = X0;
+        for (name, bytes, color, note) in &segs {
+            let w = *bytes as f64 * scale;
+            if w <= 0.0 {
+                continue;
+            }
+            let _ = writeln!(
+                s,
+                r#"<rect x="{x:.2}" y="60" width="{w:.2}" height="44" fill="{color}" stroke="white" stroke-width="0.5"><title>{}: {} ({:.1}%) {}</title></rect>"#,
+                name,
+                fmt_bytes(*bytes),
+                self.pct(*bytes),
+                esc(note)
+            );
+            // Label what fits (about 6.5 px per character at 12 px).
+            let full = format!("{name} {}", fmt_bytes(*bytes));
+            let label = [full.as_str(), name.as_str()].into_iter().find(|l| w > l.len() as f64 * 6.5 + 6.0);
+            if let Some(label) = label {
+                let _ = writeln!(
+                    s,
+                    r#"<text x="{:.2}" y="86" text-anchor="middle" fill="black">{label}</text>"#,
+                    x + w / 2.0
+                );
+            }
+            x += w;
+        }
+        let _ = writeln!(s, r#"<rect x="{X0}" y="60" width="{BAR_W}" height="44" fill="none" stroke="black"/>"#);
+        for (i, (name, bytes, color, _)) in segs.iter().enumerate() {
+            let lx = X0 + (i % 2) as f64 * (BAR_W / 2.0);
+            let ly = 124.0 + 22.0 * (i / 2) as f64;
+            let _ = writeln!(
+                s,
+                r##"<rect x="{lx}" y="{}" width="14" height="14" fill="{color}" stroke="#888"/>"##,
+                ly - 11.0
+            );
+            let _ = writeln!(
+                s,
+                r#"<text x="{}" y="{ly}">{name}: {} ({:.1}%)</text>"#,
+                lx + 20.0,
+                fmt_bytes(*bytes),
+                self.pct(*bytes)
+            );
+        }
+        // Workspace by liveness.
+        let ws = &self.workspace;
+        let _ = writeln!(
+            s,
+            r#"<text x="{X0}" y="{}" font-weight="bold">activation workspace {} at {} tokens / {} seqs per step, by liveness (ops →, offset ↓)</text>"#,
+            ws_top - 6.0,
+            fmt_bytes(ws.bytes),
+            fmt_count(self.max_batch_tokens as u64),
+            self.max_seqs
+        );
+        let n_ops = ws.ops.len().max(1) as f64;
+        let ox = BAR_W / n_ops;
+        let oy = ws_h / ws.bytes.max(1) as f64;
+        let _ = writeln!(
+            s,
+            r##"<rect x="{X0}" y="{ws_top}" width="{BAR_W}" height="{ws_h}" fill="#fafafa" stroke="black"/>"##
+        );
+        for (i, b) in ws.buffers.iter().enumerate() {
+            let bx = X0 + b.first_op as f64 * ox;
+            let bw = (b.last_op - b.first_op + 1) as f64 * ox;
+            let by = ws_top + b.offset as f64 * oy;
+            let bh = (b.bytes as f64 * oy).max(0.5);
+            let _ = writeln!(
+                s,
+                r#"<rect x="{bx:.2}" y="{by:.2}" width="{bw:.2}" height="{bh:.2}" fill="{}" fill-opacity="0.8" stroke="white" stroke-width="0.5"><title>{}: {} at +{} ops {}..{} ({}→{}) {}</title></rect>"#,
+                COLORS[i % COLORS.len()],
+                b.name,
+                fmt_bytes(b.bytes),
+                fmt_bytes(b.offset),
+                b.first_op,
+                b.last_op,
+                ws.ops[b.first_op],
+                ws.ops[b.last_op],
+                esc(&b.shape)
+            );
+            if bh >= 11.0 && bw >= 60.0 {
+                let _ = writeln!(
+                    s,
+                    r#"<text x="{:.2}" y="{:.2}" font-size="10">{}</text>"#,
+                    bx + 3.0,
+                    by + bh.min(20.0) / 2.0 + 4.0,
+                    b.name
+                );
+            }
+        }
+        for (i, op) in ws.ops.iter().enumerate() {
+            let tx = X0 + (i as f64 + 0.5) * ox;
+            let ty = ws_top + ws_h + 8.0;
+            let _ = writeln!(
+                s,
+                r##"<text x="{tx:.2}" y="{ty:.2}" font-size="8" fill="#555" transform="rotate(40 {tx:.2} {ty:.2})">{op}</text>"##
+            );
+        }
+        s.push_str("</svg>\n");
+        s
+    }
+}
+
+fn esc(t: &str) -> String {
+    t.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+}

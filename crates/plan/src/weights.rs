@@ -1,0 +1,106 @@
+//! Bytes of the text-model weights in a given storage format, split between the device arena and pinned host
+//! memory. Shapes are the canonical (unpacked) `[out, in]` ones of `architecture.md` §5.1; MTP and vision
+//! weights are not loaded for text inference and are not counted. Every tensor (a quantised linear's data,
+//! scales and zero points are separate tensors) starts 256-byte aligned, and its padding is counted, so a
+//! bump allocator that places the tensors one after another fits exactly.
+
+use deltaserve_model::{LayerKind, ModelConfig};
+
+use crate::dtype::{QUANT_GROUP, WeightsDtype};
+use crate::options::PlanOptions;
+use crate::plan::ALIGN;
+
+fn al(x: u128) -> u128 {
+    x.next_multiple_of(ALIGN as u128)
+}
+
+/// Bytes of one `[out, in]` linear as separately aligned tensors (data, scales, zero points).
+fn linear_aligned(wd: WeightsDtype, out: usize, inp: usize, asym: bool) -> u128 {
+    let (o, i, g) = (out as u128, inp as u128, QUANT_GROUP as u128);
+    match wd {
+        WeightsDtype::Int4 => {
+            let groups = i.div_ceil(g);
+            al(o * i.div_ceil(2)) + al(o * groups * 2) + if asym { al(o * groups.div_ceil(2)) } else { 0 }
+        }
+        WeightsDtype::Fp8Block => al(o * i) + al(o.div_ceil(g) * i.div_ceil(g) * 4),
+        _ => al(wd.linear_bytes(out, inp, asym)),
+    }
+}
+
+/// Weight bytes by part.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WeightBytes {
+    /// Decoder linears (every `[out, in]` projection of every layer), in `weights_dtype`, scales included.
+    pub linears: u64,
+    /// Norm weights, conv taps, `A_log`, `dt_bias` (16-bit; 32-bit for fp32 weights), each tensor padded to 256 B.
+    pub dense: u64,
+    /// Embedding table (16-bit; 32-bit for fp32 weights). On the host when `embed_on_host`.
+    pub embed: u64,
+    /// lm_head (16-bit, or int4 with `lm_head_int4`); 0 when tied to a device-resident embedding.
+    pub lm_head: u64,
+    /// Parameters of the decoder linears (for the table).
+    pub linear_params: u64,
+    pub embed_on_host: bool,
+}
+
+impl WeightBytes {
+    pub fn new(cfg: &ModelConfig, opts: &PlanOptions) -> Option<Self> {
+        let d = cfg.dims();
+        let h = d.hidden;
+        let wd = opts.weights_dtype;
+        let asym = opts.int4_asym;
+        let mut shapes: Vec<(usize, usize)> = Vec::new();
+        let elem = wd.dense_elem_bytes() as u128;
+        let t = |n: usize| al(n as u128 * elem); // one small tensor of n elements
+        let mut dense: u128 = t(h); // final norm
+        for kind in &cfg.layer_types {
+            dense += 2 * t(h); // input + post-attention layernorm
+            match kind {
+                LayerKind::DeltaNet => {
+                    shapes.extend([
+                        (d.conv_channels, h),   // in_proj_qkv
+                        (d.gdn_value_width, h), // in_proj_z
+                        (d.gdn_v_heads, h),     // in_proj_b
+                        (d.gdn_v_heads, h),     // in_proj_a
+                        (h, d.gdn_value_width), // out_proj
+                    ]);
+                    // conv taps, A_log, dt_bias, gated-norm weight
+                    dense += t(d.conv_channels * d.conv_kernel) + 2 * t(d.gdn_v_heads) + t(d.gdn_v_dim);
+                }
+                LayerKind::Attention => {
+                    shapes.extend([(2 * d.attn_dim, h), (d.kv_dim, h), (d.kv_dim, h), (h, d.attn_dim)]);
+                    dense += 2 * t(d.head_dim); // q_norm, k_norm
+                }
+            }
+            shapes.extend([(d.intermediate, h), (d.intermediate, h), (h, d.intermediate)]);
+        }
+        let linears: u128 = shapes.iter().map(|&(o, i)| linear_aligned(wd, o, i, asym)).sum();
+        let linear_params: u128 = shapes.iter().map(|&(o, i)| o as u128 * i as u128).sum();
+        let table = al(d.vocab as u128 * h as u128 * elem);
+        let lm_head = if opts.lm_head_int4 {
+            linear_aligned(WeightsDtype::Int4, d.vocab, h, asym)
+        } else if cfg.tie_word_embeddings && !opts.embed_on_host {
+            0 // shares the device-resident embedding
+        } else {
+            table
+        };
+        Some(Self {
+            linears: u64::try_from(linears).ok()?,
+            dense: u64::try_from(dense).ok()?,
+            embed: u64::try_from(table).ok()?,
+            lm_head: u64::try_from(lm_head).ok()?,
+            linear_params: u64::try_from(linear_params).ok()?,
+            embed_on_host: opts.embed_on_host,
+        })
+    }
+
+    /// Bytes in the device arena.
+    pub fn device(&self) -> u64 {
+        self.linears + self.dense + self.lm_head + if self.embed_on_host { 0 } else { self.embed }
+    }
+
+    /// Bytes in pinned host memory.
+    pub fn host(&self) -> u64 {
+        if self.embed_on_host { self.embed } else { 0 }
+    }
+}

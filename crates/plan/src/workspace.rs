@@ -1,0 +1,286 @@
+//! The activation workspace of one engine step, planned by liveness once, at plan time.
+//!
+//! The step is written as an op list: upload the step inputs, embed, ONE layer section, then final norm,
+//! lm_head and sampling. The layer section holds the ops of a DeltaNet mixer, then those of an attention mixer
+//! (a layer runs one of the two), then the MLP. Each buffer lives from the first op that touches it to the last;
+//! a buffer that is live when the layer section starts (the residual stream, the step inputs) stays live to its
+//! end, because the section repeats for every layer. Buffers are then placed first-fit by lifetime (largest first,
+//! at the lowest 256-byte aligned offset that overlaps no placed buffer whose lifetime overlaps), as
+//! `ggml-alloc` does at run time, but once.
+//!
+//! Sizes depend on tokens per step `T` and sequences per step `S` only — never on prompt length or context.
+//! Chunked DeltaNet prefill is bounded by `T` too: a step holds at most `⌊(T + 63·min(S,T)) / 64⌋` chunks of
+//! 64 tokens (every sequence may end in a partial chunk). Prefill attention keeps its online softmax in
+//! registers / shared memory (no scratch); decode attention uses split-K partials `[S, P, H, hd + 2]` f32.
+
+use deltaserve_model::ModelConfig;
+
+use crate::plan::ALIGN;
+
+/// Chunk length of the chunked (WY) DeltaNet prefill.
+pub const GDN_CHUNK: usize = 64;
+
+/// One named buffer of the workspace.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkspaceBuffer {
+    pub name: &'static str,
+    pub bytes: u64,
+    /// Offset inside the `activations` region (256-byte aligned).
+    pub offset: u64,
+    /// First and last op (index into [`WorkspaceLayout::ops`]) during which the buffer is live, inclusive.
+    pub first_op: usize,
+    pub last_op: usize,
+    /// Shape and dtype, e.g. `[T=4096, 10240] act`.
+    pub shape: String,
+}
+
+impl WorkspaceBuffer {
+    /// Whether the two lifetimes share an op.
+    pub fn lifetime_overlaps(&self, o: &Self) -> bool {
+        self.first_op <= o.last_op && o.first_op <= self.last_op
+    }
+    /// Whether the two address ranges share a byte.
+    pub fn address_overlaps(&self, o: &Self) -> bool {
+        self.offset < o.offset + o.bytes && o.offset < self.offset + self.bytes
+    }
+}
+
+/// The planned workspace: named buffers with offsets and the region size.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkspaceLayout {
+    pub buffers: Vec<WorkspaceBuffer>,
+    /// Size of the `activations` region (256-byte aligned).
+    pub bytes: u64,
+    /// Op names in step order; `first_op`/`last_op` index this list.
+    pub ops: Vec<&'static str>,
+}
+
+impl WorkspaceLayout {
+    /// The buffer called `name`.
+    pub fn get(&self, name: &str) -> Option<&WorkspaceBuffer> {
+        self.buffers.iter().find(|b| b.name == name)
+    }
+
+    /// The most bytes live at any one op (a lower bound for [`WorkspaceLayout::bytes`]).
+    pub fn peak_live_bytes(&self) -> u64 {
+        (0..self.ops.len())
+            .map(|op| {
+                self.buffers
+                    .iter()
+                    .filter(|b| b.first_op <= op && op <= b.last_op)
+                    .map(|b| b.bytes.next_multiple_of(ALIGN))
+                    .sum::<u64>()
+            })
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// What one step looks like.
+#[derive(Clone, Copy, Debug)]
+pub struct StepShape {
+    /// `T`: tokens per step.
+    pub tokens: usize,
+    /// `S`: sequences per step.
+    pub seqs: usize,
+    /// Bytes per activation element (2 bf16, 4 f32).
+    pub act_bytes: usize,
+    /// Bytes per element of the embedding table (host staging rows), when it lives on the host.
+    pub host_embed_elem: Option<usize>,
+    /// Split-K partitions of decode attention.
+    pub decode_partitions: usize,
+}
+
+struct Builder {
+    bufs: Vec<(&'static str, u128, String)>,
+    ops: Vec<(&'static str, Vec<&'static str>, Vec<&'static str>)>,
+}
+
+impl Builder {
+    fn buf(&mut self, name: &'static str, bytes: u128, shape: String) {
+        if bytes > 0 {
+            self.bufs.push((name, bytes, shape));
+        }
+    }
+    fn op(&mut self, name: &'static str, reads: &[&'static str], writes: &[&'static str]) {
+        self.ops.push((name, reads.to_vec(), writes.to_vec()));
+    }
+}
+
+/// Plans the workspace of one step. None if a size overflows u64.
+pub fn plan_workspace(cfg: &ModelConfig, s: &StepShape) -> Option<WorkspaceLayout> {
+    let d = cfg.dims();
+    let (t, n) = (s.tokens as u128, s.seqs as u128);
+    let a = s.act_bytes as u128;
+    let act = if s.act_bytes == 4 { "f32" } else { "act" };
+    let chunks = (t + (GDN_CHUNK as u128 - 1) * n.min(t)) / GDN_CHUNK as u128;
+    let c = GDN_CHUNK as u128;
+    let (hd, hv) = (d.hidden as u128, d.gdn_v_heads as u128);
+    let tt = format!("T={}", s.tokens);
+    let ss = format!("S={}", s.seqs);
+    let mut b = Builder { bufs: Vec::new(), ops: Vec::new() };
+
+    // Step inputs (uploaded once per step).
+    b.buf("token_ids", t * 4, format!("[{tt}] i32"));
+    b.buf("positions", t * 4, format!("[{tt}] i32"));
+    b.buf("cu_seqlens", (n + 1) * 4, format!("[{ss}+1] i32"));
+    b.buf("seq_lens", n * 4, format!("[{ss}] i32 (context length after this step)"));
+    b.buf("state_slot_ids", n * 4, format!("[{ss}] i32"));
+    b.buf("last_token_idx", n * 4, format!("[{ss}] i32"));
+    if let Some(e) = s.host_embed_elem {
+        b.buf("embed_rows", t * hd * e as u128, format!("[{tt}, {}] embedding dtype (gathered on the host)", d.hidden));
+    }
+    b.buf("residual", t * hd * 4, format!("[{tt}, {}] f32", d.hidden));
+    b.buf("x_norm", t * hd * a, format!("[{tt}, {}] {act}", d.hidden));
+    b.buf("mixer_out", t * hd * a, format!("[{tt}, {}] {act}", d.hidden));
+    // DeltaNet mixer.
+    let (conv, vw, kw) = (d.conv_channels as u128, d.gdn_value_width as u128, d.gdn_key_width as u128);
+    b.buf("gdn_qkv", t * conv * a, format!("[{tt}, {}] {act}", d.conv_channels));
+    b.buf("gdn_z", t * vw * a, format!("[{tt}, {}] {act}", d.gdn_value_width));
+    b.buf("gdn_a", t * hv * 4, format!("[{tt}, {}] f32", d.gdn_v_heads));
+    b.buf("gdn_b", t * hv * 4, format!("[{tt}, {}] f32", d.gdn_v_heads));
+    b.buf("gdn_g", t * hv * 4, format!("[{tt}, {}] f32 (log decay)", d.gdn_v_heads));
+    b.buf("gdn_beta", t * hv * 4, format!("[{tt}, {}] f32", d.gdn_v_heads));
+    b.buf("gdn_conv_out", t * conv * a, format!("[{tt}, {}] {act} (q | k | v after conv + silu)", d.conv_channels));
+    b.buf("gdn_qk", t * 2 * kw * a, format!("[{tt}, 2·{}] {act} (l2-normalised q, k)", d.gdn_key_width));
+    let nc = format!("chunks={chunks}");
+    b.buf("gdn_chunk_a", chunks * hv * c * c * 4, format!("[{nc}, {}, 64, 64] f32", d.gdn_v_heads));
+    b.buf(
+        "gdn_chunk_w",
+        chunks * hv * c * d.gdn_k_dim as u128 * a,
+        format!("[{nc}, {}, 64, {}] {act}", d.gdn_v_heads, d.gdn_k_dim),
+    );
+    b.buf(
+        "gdn_chunk_u",
+        chunks * hv * c * d.gdn_v_dim as u128 * a,
+        format!("[{nc}, {}, 64, {}] {act}", d.gdn_v_heads, d.gdn_v_dim),
+    );
+    b.buf("gdn_core_out", t * vw * a, format!("[{tt}, {}] {act}", d.gdn_value_width));
+    b.buf("gdn_normed", t * vw * a, format!("[{tt}, {}] {act} (gated rmsnorm)", d.gdn_value_width));
+    // Attention mixer.
+    let (ad, kvd) = (d.attn_dim as u128, d.kv_dim as u128);
+    b.buf("attn_qg", t * 2 * ad * a, format!("[{tt}, {}, 2·{}] {act} (q | gate per head)", d.q_heads, d.head_dim));
+    b.buf("attn_k", t * kvd * a, format!("[{tt}, {}] {act}", d.kv_dim));
+    b.buf("attn_v", t * kvd * a, format!("[{tt}, {}] {act}", d.kv_dim));
+    b.buf(
+        "attn_decode_partials",
+        n * s.decode_partitions as u128 * d.q_heads as u128 * (d.head_dim as u128 + 2) * 4,
+        format!("[{ss}, P={}, {}, {}+2] f32 (split-K out, max, sum)", s.decode_partitions, d.q_heads, d.head_dim),
+    );
+    b.buf("attn_out", t * ad * a, format!("[{tt}, {}] {act}", d.attn_dim));
+    // MLP.
+    let i = d.intermediate as u128;
+    b.buf("mlp_in", t * hd * a, format!("[{tt}, {}] {act}", d.hidden));
+    b.buf("mlp_gate_up", t * 2 * i * a, format!("[{tt}, 2·{}] {act}", d.intermediate));
+    b.buf("mlp_act", t * i * a, format!("[{tt}, {}] {act}", d.intermediate));
+    b.buf("mlp_out", t * hd * a, format!("[{tt}, {}] {act}", d.hidden));
+    // Final.
+    b.buf("final_hidden", n * hd * a, format!("[{ss}, {}] {act} (last token, final-normed)", d.hidden));
+    b.buf("sample_probs", n * d.vocab as u128 * 4, format!("[{ss}, {}] f32", d.vocab));
+    b.buf("sampled_tokens", n * 4, format!("[{ss}] i32"));
+
+    const INPUTS: [&str; 6] = ["token_ids", "positions", "cu_seqlens", "seq_lens", "state_slot_ids", "last_token_idx"];
+    b.op("upload_inputs", &[], &INPUTS);
+    if s.host_embed_elem.is_some() {
+        b.op("embed_upload", &["token_ids"], &["embed_rows"]);
+        b.op("embed", &["embed_rows"], &["residual"]);
+    } else {
+        b.op("embed", &["token_ids"], &["residual"]);
+    }
+    let section_start = b.ops.len();
+    b.op("input_norm", &["residual"], &["x_norm"]);
+    b.op("gdn_in_proj", &["x_norm"], &["gdn_qkv", "gdn_z", "gdn_b", "gdn_a"]);
+    b.op("gdn_gate", &["gdn_a", "gdn_b"], &["gdn_g", "gdn_beta"]);
+    b.op("gdn_conv", &["gdn_qkv", "cu_seqlens", "state_slot_ids"], &["gdn_conv_out"]);
+    b.op("gdn_qk_l2norm", &["gdn_conv_out"], &["gdn_qk"]);
+    b.op(
+        "gdn_chunk_wy",
+        &["gdn_qk", "gdn_conv_out", "gdn_g", "gdn_beta", "cu_seqlens"],
+        &["gdn_chunk_a", "gdn_chunk_w", "gdn_chunk_u"],
+    );
+    b.op(
+        "gdn_chunk_fwd",
+        &["gdn_qk", "gdn_g", "gdn_chunk_a", "gdn_chunk_w", "gdn_chunk_u", "cu_seqlens", "state_slot_ids"],
+        &["gdn_core_out"],
+    );
+    b.op("gdn_gated_norm", &["gdn_core_out", "gdn_z"], &["gdn_normed"]);
+    b.op("gdn_out_proj", &["gdn_normed"], &["mixer_out"]);
+    b.op("attn_in_proj", &["x_norm"], &["attn_qg", "attn_k", "attn_v"]);
+    b.op("attn_qk_norm_rope", &["attn_qg", "attn_k", "positions"], &["attn_qg", "attn_k"]);
+    b.op("kv_append", &["attn_k", "attn_v", "positions", "cu_seqlens"], &[]);
+    b.op("attn_prefill", &["attn_qg", "cu_seqlens", "seq_lens"], &["attn_out"]);
+    b.op("attn_decode", &["attn_qg", "seq_lens"], &["attn_decode_partials"]);
+    b.op("attn_decode_reduce", &["attn_decode_partials"], &["attn_out"]);
+    b.op("attn_gate", &["attn_out", "attn_qg"], &["attn_out"]);
+    b.op("attn_o_proj", &["attn_out"], &["mixer_out"]);
+    b.op("post_norm", &["mixer_out", "residual"], &["residual", "mlp_in"]);
+    b.op("mlp_gate_up", &["mlp_in"], &["mlp_gate_up"]);
+    b.op("mlp_act", &["mlp_gate_up"], &["mlp_act"]);
+    b.op("mlp_down", &["mlp_act"], &["mlp_out"]);
+    b.op("mlp_residual", &["mlp_out", "residual"], &["residual"]);
+    let section_end = b.ops.len() - 1;
+    b.op("final_norm_gather", &["residual", "last_token_idx"], &["final_hidden"]);
+    b.op("lm_head", &["final_hidden"], &[]);
+    b.op("sample", &[], &["sample_probs", "sampled_tokens"]);
+
+    let mut buffers = Vec::with_capacity(b.bufs.len());
+    for (name, bytes, shape) in b.bufs {
+        let touches: Vec<usize> = b
+            .ops
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, r, w))| r.contains(&name) || w.contains(&name))
+            .map(|(i, _)| i)
+            .collect();
+        let (first, mut last) = match (touches.first(), touches.last()) {
+            (Some(&f), Some(&l)) => (f, l),
+            _ => continue, // declared but unused: nothing to place
+        };
+        if first < section_start && last >= section_start {
+            last = last.max(section_end); // live into the repeating layer section: live through all of it
+        }
+        buffers.push(WorkspaceBuffer {
+            name,
+            bytes: u64::try_from(bytes).ok()?,
+            offset: 0,
+            first_op: first,
+            last_op: last,
+            shape,
+        });
+    }
+    let bytes = place_first_fit(&mut buffers);
+    Some(WorkspaceLayout { buffers, bytes, ops: b.ops.into_iter().map(|(n, _, _)| n).collect() })
+}
+
+/// Places buffers first-fit by lifetime: largest first (ties: earlier first op, then name), each at the lowest
+/// `ALIGN`-aligned offset where it overlaps no already placed buffer with an overlapping lifetime. Sets every
+/// `offset` and returns the aligned end of the highest buffer.
+pub fn place_first_fit(buffers: &mut [WorkspaceBuffer]) -> u64 {
+    let mut order: Vec<usize> = (0..buffers.len()).collect();
+    order.sort_by(|&x, &y| {
+        let (a, b) = (&buffers[x], &buffers[y]);
+        b.bytes.cmp(&a.bytes).then(a.first_op.cmp(&b.first_op)).then(a.name.cmp(b.name))
+    });
+    let mut placed: Vec<usize> = Vec::with_capacity(buffers.len());
+    let mut end = 0u64;
+    for &i in &order {
+        let size = buffers[i].bytes.next_multiple_of(ALIGN);
+        let mut conflicts: Vec<(u64, u64)> = placed
+            .iter()
+            .filter(|&&j| buffers[j].lifetime_overlaps(&buffers[i]))
+            .map(|&j| (buffers[j].offset, buffers[j].offset + buffers[j].bytes.next_multiple_of(ALIGN)))
+            .collect();
+        conflicts.sort_unstable();
+        let mut offset = 0u64;
+        for (lo, hi) in conflicts {
+            if offset + size <= lo {
+                break;
+            }
+            offset = offset.max(hi);
+        }
+        buffers[i].offset = offset;
+        end = end.max(offset + size);
+        placed.push(i);
+    }
+    end
+}

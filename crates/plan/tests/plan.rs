@@ -1,0 +1,341 @@
+//! The plan against hand arithmetic from `qwen35-architecture.md` §4 and §6, its invariants, and its errors.
+
+use deltaserve_model::ModelConfig;
+use deltaserve_model::synth::Preset;
+use deltaserve_plan::{KvDtype, Plan, PlanError, PlanOptions, WeightsDtype};
+
+const GIB: u64 = 1 << 30;
+const MIB: u64 = 1 << 20;
+
+fn cfg(preset: &str, layers: Option<usize>) -> ModelConfig {
+    let json = Preset::parse(preset).unwrap().config_json(layers);
+    ModelConfig::from_json_str(&json.to_string()).unwrap()
+}
+
+fn int4_fp8(budget: u64) -> PlanOptions {
+    PlanOptions {
+        weights_dtype: WeightsDtype::Int4,
+        k_dtype: KvDtype::Fp8,
+        v_dtype: KvDtype::Fp8,
+        ..PlanOptions::gpu_defaults(budget)
+    }
+}
+
+/// `deltaserve plan --preset qwen3.6-27b --memory 24GiB --weights-dtype int4 --kv-cache-dtype fp8`, by hand.
+#[test]
+fn qwen36_27b_int4_fp8_24gib_by_hand() {
+    let plan = Plan::new(&cfg("qwen3.6-27b", None), &int4_fp8(24 * GIB)).unwrap();
+
+    // Weights (§6): decoder-linear params per layer kind, [out, in] shapes of §5.1.
+    let gdn_linears = 10240 * 5120 + 6144 * 5120 + 2 * 48 * 5120 + 5120 * 6144; // qkv, z, b+a, out_proj
+    let attn_linears = 2 * 24 * 256 * 5120 + 2 * 4 * 256 * 5120 + 5120 * 24 * 256; // q+gate, k+v, o_proj
+    let mlp_linears = 3 * 17408 * 5120;
+    assert_eq!(gdn_linears, 115_834_880);
+    assert_eq!(attn_linears, 104_857_600);
+    assert_eq!(mlp_linears, 267_386_880);
+    let linear_params: u64 = 48 * (gdn_linears + mlp_linears) + 16 * (attn_linears + mlp_linears);
+    assert_eq!(linear_params, 24_350_556_160); // §6: 2 × 24,350,556,160 FLOP per token
+    // int4, group 128 along `in` (every `in` here is a multiple of 128), fp16 scale: 0.5 B + 2 B / 128 = 33/64 B.
+    let linears = linear_params / 2 + linear_params / 128 * 2;
+    assert_eq!(linears, 12_555_755_520); // §6: 12.56 GB
+    // Norms, conv taps, A_log, dt_bias, gated-norm weight, q/k norms at bf16; every tensor starts 256-aligned,
+    // so A_log and dt_bias ([48] bf16 = 96 B) take 256 B each. Everything else is a multiple of 256 already.
+    let dense: u64 = 48 * (10240 * 4 * 2 + 2 * 256 + 128 * 2) + 16 * (2 * 256 * 2) + (64 * 2 + 1) * 5120 * 2;
+    assert_eq!(dense, 5_291_008 + 48 * 2 * (256 - 96));
+    let table = 248_320 * 5120 * 2; // embed and lm_head, bf16, untied
+    let weights = linears + dense + 2 * table;
+    assert_eq!(weights, 17_646_655_488); // §6: 17.65 GB (16.43 GiB)
+    assert_eq!(plan.weights_bytes, weights);
+    assert_eq!(plan.host_weights_bytes, 0);
+
+    // KV (§4): 16 layers × (K + V) × 4 kv heads × (256 × 1 B fp8 + 2 B f16 scale).
+    let kv_per_token: u64 = 16 * 2 * 4 * (256 + 2);
+    assert_eq!(kv_per_token, 33_024);
+    assert_eq!(plan.kv_bytes_per_token, kv_per_token);
+
+    // DeltaNet state (§4): 48 × (f32 [48, 128, 128] + bf16 [3, 10240]).
+    let state: u64 = 48 * (48 * 128 * 128 * 4 + 3 * 10240 * 2);
+    assert_eq!(state, 153_944_064); // 146.8 MiB
+    assert_eq!(plan.state_bytes_per_seq, state);
+    assert_eq!(plan.num_state_slots, 16);
+    assert_eq!(plan.snapshot_bytes, 8 * state);
+
+    // Activations: the peak is at `mlp_act` — residual f32 [T, D], gate|up [T, 2I], act [T, I] (bf16), plus the
+    // step inputs still live (positions [T] i32 and four [S] i32 arrays padded to 256 B). First-fit reaches it.
+    let t: u64 = 4096;
+    let peak = t * 5120 * 4 + t * 2 * 17408 * 2 + t * 17408 * 2 + t * 4 + (17 * 4u64).next_multiple_of(256) + 3 * 256;
+    assert_eq!(plan.workspace.peak_live_bytes(), peak);
+    assert_eq!(plan.activation_bytes, peak);
+    assert_eq!(plan.activation_bytes, 511_722_496); // 488.0 MiB
+
+    let logits = 16 * 248_320 * 4;
+    assert_eq!(plan.logits_bytes, logits);
+    let tables = 16 * (262_144 / 32) * 4;
+    assert_eq!(plan.block_table_bytes, tables);
+
+    // Fixed regions (each a multiple of 256 already) + runtime reserve; KV pages take the rest in whole pages.
+    let fixed = weights + 16 * state + 8 * state + peak + logits + tables + 32 * MIB + 600 * MIB;
+    let left = 24 * GIB - fixed;
+    let page = 32 * kv_per_token;
+    let pages = left / page;
+    assert_eq!(pages, 3063);
+    assert_eq!(plan.num_kv_pages as u64, pages);
+    assert_eq!(plan.page_size, 32);
+    assert_eq!(plan.max_context as u64, pages * 32); // 98,016 < 262,144
+    assert_eq!(plan.max_context, 98_016);
+    assert_eq!(plan.max_full_context_seqs, 1);
+    assert_eq!(plan.total_bytes, fixed + pages * page);
+    assert_eq!(plan.budget_bytes, 24 * GIB);
+    assert!(plan.budget_bytes - plan.total_bytes < page);
+    assert_eq!((plan.max_batch_tokens, plan.max_seqs), (4096, 16));
+
+    // Regions: arena order, 256-aligned, back to back.
+    let names: Vec<_> = plan.regions.iter().map(|r| r.name).collect();
+    assert_eq!(
+        names,
+        ["weights", "kv_pages", "state_slots", "snapshots", "activations", "logits", "block_tables", "gemm_workspace"]
+    );
+    let sizes: Vec<u64> = plan.regions.iter().map(|r| r.bytes).collect();
+    assert_eq!(sizes, [weights, pages * page, 16 * state, 8 * state, peak, logits, tables, 32 * MIB]);
+    let mut off = 0;
+    for r in &plan.regions {
+        assert_eq!(r.offset, off, "{}", r.name);
+        assert_eq!(r.offset % 256, 0);
+        off += r.bytes.next_multiple_of(256);
+    }
+    assert_eq!(off + 600 * MIB, plan.total_bytes);
+}
+
+/// What the 27B gets at 24 GiB with int4 weights + fp8 KV, and which switches reach the full 262,144.
+#[test]
+fn qwen36_27b_24gib_context_by_switches() {
+    let c = cfg("qwen3.6-27b", None);
+    let ctx = |f: &dyn Fn(&mut PlanOptions)| {
+        let mut o = int4_fp8(24 * GIB);
+        f(&mut o);
+        Plan::new(&c, &o).unwrap().max_context
+    };
+    assert_eq!(ctx(&|_| {}), 98_016);
+    assert_eq!(ctx(&|o| o.embed_on_host = true), 175_008);
+    assert_eq!(ctx(&|o| o.lm_head_int4 = true), 155_168);
+    assert_eq!(
+        ctx(&|o| {
+            o.embed_on_host = true;
+            o.lm_head_int4 = true;
+        }),
+        232_160
+    );
+    assert_eq!(
+        ctx(&|o| {
+            o.embed_on_host = true;
+            o.lm_head_int4 = true;
+            o.max_seqs = 8;
+        }),
+        262_144
+    );
+}
+
+#[test]
+fn workspace_is_bounded_and_independent_of_context() {
+    let c = cfg("qwen3.6-27b", None);
+    let base = Plan::new(&c, &int4_fp8(24 * GIB)).unwrap();
+    assert!(base.activation_bytes <= 3 * GIB / 2, "{}", base.activation_bytes);
+    for mc in [1, 4096, 50_000, 98_016] {
+        let p = Plan::new(&c, &PlanOptions { max_context: Some(mc), ..int4_fp8(24 * GIB) }).unwrap();
+        assert_eq!(p.workspace, base.workspace, "max_context {mc}");
+        assert_eq!(p.max_context, mc);
+    }
+    // A bigger budget (longer context) does not change it either; more tokens per step does.
+    let big = Plan::new(&c, &int4_fp8(80 * GIB)).unwrap();
+    assert_eq!(big.max_context, 262_144);
+    assert_eq!(big.workspace, base.workspace);
+    let small = Plan::new(&c, &PlanOptions { max_batch_tokens: 1024, ..int4_fp8(24 * GIB) }).unwrap();
+    assert!(small.activation_bytes < base.activation_bytes / 3);
+    // bf16 everything at 80 GiB: still bounded by the step.
+    let bf16 = Plan::new(&c, &PlanOptions::gpu_defaults(80 * GIB)).unwrap();
+    assert!(bf16.activation_bytes <= 3 * GIB / 2);
+}
+
+#[test]
+fn max_context_is_monotone_in_budget() {
+    let c = cfg("qwen3.6-27b", None);
+    let mut last: Option<usize> = None;
+    let mut budget = 16 * GIB;
+    while budget <= 48 * GIB {
+        match Plan::new(&c, &int4_fp8(budget)) {
+            Ok(p) => {
+                assert!(p.total_bytes <= budget);
+                assert!(p.max_context >= last.unwrap_or(0), "budget {budget}");
+                // Fragmentation: every full-context sequence holds whole pages.
+                let per_seq = p.max_context.div_ceil(p.page_size);
+                assert!(p.max_full_context_seqs >= 1);
+                assert!(p.max_full_context_seqs * per_seq <= p.num_kv_pages);
+                last = Some(p.max_context);
+            }
+            Err(e) => assert!(last.is_none(), "budget {budget} failed after a smaller one fit: {e}"),
+        }
+        budget += 128 * MIB;
+    }
+    assert_eq!(last, Some(262_144));
+}
+
+#[test]
+fn errors_name_sizes_and_fixes() {
+    let c = cfg("qwen3.6-27b", None);
+    let e = Plan::new(&c, &int4_fp8(8 * GIB)).unwrap_err();
+    assert!(matches!(e, PlanError::WeightsDoNotFit { .. }), "{e}");
+    let m = e.to_string();
+    for needle in ["16.43 GiB", "8.00 GiB", "--embed-on-host", "--memory"] {
+        assert!(m.contains(needle), "`{needle}` missing: {m}");
+    }
+    let e = Plan::new(&c, &PlanOptions::gpu_defaults(24 * GIB)).unwrap_err();
+    assert!(e.to_string().contains("--weights-dtype int4"), "{e}");
+
+    // Weights fit but the state slots do not.
+    let e = Plan::new(&c, &int4_fp8(18 * GIB)).unwrap_err();
+    assert!(matches!(e, PlanError::FixedRegionsDoNotFit { .. }), "{e}");
+    let m = e.to_string();
+    for needle in ["state slots 2.29 GiB", "snapshots 1.15 GiB", "--max-seqs", "18.00 GiB"] {
+        assert!(m.contains(needle), "`{needle}` missing: {m}");
+    }
+
+    // Requested context too long for the budget.
+    let e = Plan::new(&c, &PlanOptions { max_context: Some(200_000), ..int4_fp8(24 * GIB) }).unwrap_err();
+    assert!(matches!(e, PlanError::ContextDoesNotFit { fits: 98_016, .. }), "{e}");
+    let m = e.to_string();
+    for needle in
+        ["--max-context 200,000", "6.15 GiB of KV at fp8", "at most 98,016 tokens fit", "int4", "raise --memory"]
+    {
+        assert!(m.contains(needle), "`{needle}` missing: {m}");
+    }
+
+    // Longer than the model's positions.
+    let e = Plan::new(&c, &PlanOptions { max_context: Some(300_000), ..int4_fp8(80 * GIB) }).unwrap_err();
+    assert!(matches!(e, PlanError::ContextExceedsModel { .. }), "{e}");
+    assert!(e.to_string().contains("262,144"), "{e}");
+
+    // Not even one page: budget = exactly the fixed regions + half a page.
+    let ok = Plan::new(&c, &int4_fp8(24 * GIB)).unwrap();
+    let fixed = ok.total_bytes - ok.num_kv_pages as u64 * ok.kv_page_bytes();
+    let e = Plan::new(&c, &int4_fp8(fixed + ok.kv_page_bytes() / 2)).unwrap_err();
+    assert!(matches!(e, PlanError::NoKvPage { .. }), "{e}");
+    assert!(e.to_string().contains("one KV page"), "{e}");
+    let one = Plan::new(&c, &int4_fp8(fixed + ok.kv_page_bytes())).unwrap();
+    assert_eq!((one.num_kv_pages, one.max_context), (1, 32));
+
+    // Bad options.
+    for o in [
+        PlanOptions { max_seqs: 0, ..int4_fp8(24 * GIB) },
+        PlanOptions { max_batch_tokens: 8, max_seqs: 16, ..int4_fp8(24 * GIB) },
+        PlanOptions { page_size: 0, ..int4_fp8(24 * GIB) },
+        PlanOptions { max_context: Some(0), ..int4_fp8(24 * GIB) },
+    ] {
+        assert!(matches!(Plan::new(&c, &o), Err(PlanError::InvalidOption { .. })));
+    }
+}
+
+#[test]
+fn json_has_the_keys() {
+    let p = Plan::new(&cfg("qwen3.6-27b", None), &int4_fp8(24 * GIB)).unwrap();
+    let j = p.to_json();
+    for key in [
+        "weights_bytes",
+        "host_weights_bytes",
+        "kv_bytes_per_token",
+        "state_bytes_per_seq",
+        "activation_bytes",
+        "snapshot_bytes",
+        "logits_bytes",
+        "total_bytes",
+        "budget_bytes",
+        "max_context",
+        "max_full_context_seqs",
+        "num_kv_pages",
+        "page_size",
+        "regions",
+        "workspace",
+    ] {
+        assert!(j.get(key).is_some(), "missing {key}");
+    }
+    assert_eq!(j["max_context"], 98_016);
+    assert_eq!(j["regions"].as_array().unwrap().len(), p.regions.len());
+    let t = p.table();
+    assert!(t.contains("98,016 tokens") && t.contains("16.43 GiB") && t.contains("%"), "{t}");
+    let svg = p.svg();
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    assert!(svg.contains("kv_pages") && svg.contains("mlp_gate_up"));
+}
+
+#[test]
+fn host_embedding_and_int4_lm_head() {
+    let c = cfg("qwen3.6-27b", None);
+    let base = Plan::new(&c, &int4_fp8(24 * GIB)).unwrap();
+    let host = Plan::new(&c, &PlanOptions { embed_on_host: true, ..int4_fp8(24 * GIB) }).unwrap();
+    let table = 248_320 * 5120 * 2;
+    assert_eq!(host.host_weights_bytes, table);
+    assert_eq!(host.weights_bytes, base.weights_bytes - table);
+    // The host gathers the step's rows and uploads [T, D] bf16.
+    assert_eq!(host.workspace.get("embed_rows").unwrap().bytes, 4096 * 5120 * 2);
+    assert!(base.workspace.get("embed_rows").is_none());
+    let lm4 = Plan::new(&c, &PlanOptions { lm_head_int4: true, ..int4_fp8(24 * GIB) }).unwrap();
+    assert_eq!(lm4.weights_bytes, base.weights_bytes - table + table / 4 + 248_320 * 40 * 2);
+    // §6: 15.76 GB with lm_head int4.
+    assert_eq!(lm4.weights_bytes / 10_000_000, 1575);
+    // Asymmetric int4 adds packed zeros: §6 17.74 GB.
+    let asym = Plan::new(&c, &PlanOptions { int4_asym: true, ..int4_fp8(24 * GIB) }).unwrap();
+    assert_eq!((asym.weights_bytes + 5_000_000) / 10_000_000, 1774);
+    // fp8 blocks: §6 29.45 GB; bf16 53.79 GB.
+    let fp8 = Plan::new(&c, &PlanOptions { weights_dtype: WeightsDtype::Fp8Block, ..int4_fp8(40 * GIB) }).unwrap();
+    assert_eq!((fp8.weights_bytes + 5_000_000) / 10_000_000, 2945);
+    let bf16 = Plan::new(&c, &PlanOptions::gpu_defaults(80 * GIB)).unwrap();
+    assert_eq!((bf16.weights_bytes + 5_000_000) / 10_000_000, 5379);
+    assert_eq!(bf16.kv_bytes_per_token, 64 * 1024); // §4: 64 KiB/token at bf16
+}
+
+#[test]
+fn small_and_odd_models() {
+    // Tiny preset on the CPU defaults.
+    let tiny = cfg("tiny", None);
+    let p = Plan::new(&tiny, &PlanOptions::cpu_defaults(256 * MIB)).unwrap();
+    assert_eq!(p.max_context, 262_144);
+    assert!(p.total_bytes <= 256 * MIB);
+    // 27B cut to 3 layers: DeltaNet only, no KV at all.
+    let dn = cfg("qwen3.6-27b", Some(3));
+    let p = Plan::new(&dn, &int4_fp8(24 * GIB)).unwrap();
+    assert_eq!((p.kv_bytes_per_token, p.num_kv_pages, p.max_context), (0, 0, 262_144));
+    assert_eq!(p.max_full_context_seqs, 16);
+    // Mixed K/V dtypes.
+    let c = cfg("qwen3.6-27b", None);
+    let o = PlanOptions { k_dtype: KvDtype::Fp8, v_dtype: KvDtype::Int4, ..int4_fp8(24 * GIB) };
+    assert_eq!(Plan::new(&c, &o).unwrap().kv_bytes_per_token, 16 * 4 * (258 + 130));
+}
+
+/// The `kv_pages` and `state_slots` regions hold their per-layer tensors, each 256-aligned, for any page size.
+#[test]
+fn regions_hold_their_aligned_tensors() {
+    let al = |x: u64| x.next_multiple_of(256);
+    for preset in ["tiny", "qwen3.6-27b"] {
+        let c = cfg(preset, None);
+        let d = c.dims();
+        for page_size in [1, 7, 16, 32, 33] {
+            for (k, v) in [(KvDtype::Bf16, KvDtype::Bf16), (KvDtype::Fp8, KvDtype::Int4), (KvDtype::F32, KvDtype::Int8)]
+            {
+                let budget = if preset == "tiny" { GIB } else { 40 * GIB };
+                let o = PlanOptions {
+                    page_size,
+                    k_dtype: k,
+                    v_dtype: v,
+                    weights_dtype: WeightsDtype::Int4,
+                    ..PlanOptions::gpu_defaults(budget)
+                };
+                let p = Plan::new(&c, &o).unwrap();
+                let kv: u64 = p.kv_tensor_bytes().iter().map(|&x| al(x)).sum();
+                assert_eq!(p.region("kv_pages").unwrap().bytes, d.num_attention_layers as u64 * kv);
+                let st: u64 = p.state_tensor_bytes(p.max_seqs).iter().map(|&x| al(x)).sum();
+                assert_eq!(p.region("state_slots").unwrap().bytes, d.num_deltanet_layers as u64 * st);
+                assert!(p.total_bytes <= budget);
+                assert!(p.budget_bytes - p.total_bytes < p.kv_page_bytes() + 4 * 256 * d.num_attention_layers as u64);
+            }
+        }
+    }
+}

@@ -1,0 +1,86 @@
+//! The workspace layout never puts two buffers that are live at the same op at overlapping addresses.
+
+use deltaserve_model::ModelConfig;
+use deltaserve_model::synth::Preset;
+use deltaserve_plan::workspace::{StepShape, WorkspaceBuffer, place_first_fit, plan_workspace};
+use proptest::prelude::*;
+
+fn check(bufs: &[WorkspaceBuffer], bytes: u64) -> Result<(), TestCaseError> {
+    for (i, a) in bufs.iter().enumerate() {
+        prop_assert_eq!(a.offset % 256, 0, "{} misaligned", a.name);
+        prop_assert!(a.offset + a.bytes <= bytes, "{} past the end", a.name);
+        prop_assert!(a.first_op <= a.last_op);
+        for b in &bufs[i + 1..] {
+            prop_assert!(
+                !(a.lifetime_overlaps(b) && a.address_overlaps(b)),
+                "{} [{}..{} @{}+{}] and {} [{}..{} @{}+{}] collide",
+                a.name,
+                a.first_op,
+                a.last_op,
+                a.offset,
+                a.bytes,
+                b.name,
+                b.first_op,
+                b.last_op,
+                b.offset,
+                b.bytes
+            );
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    #[test]
+    fn planned_step_has_no_collisions(
+        tokens in 1usize..9000,
+        seq_frac in 0.0f64..1.0,
+        f32_act in any::<bool>(),
+        host_embed in any::<bool>(),
+        partitions in 1usize..33,
+        layers in 1usize..9,
+        tiny in any::<bool>(),
+    ) {
+        let preset = Preset::parse(if tiny { "tiny" } else { "qwen3.6-27b" }).unwrap();
+        let cfg = ModelConfig::from_json_str(&preset.config_json(Some(layers)).to_string()).unwrap();
+        let seqs = 1 + ((tokens.min(256) - 1) as f64 * seq_frac) as usize;
+        let shape = StepShape {
+            tokens,
+            seqs,
+            act_bytes: if f32_act { 4 } else { 2 },
+            host_embed_elem: host_embed.then_some(2),
+            decode_partitions: partitions,
+        };
+        let ws = plan_workspace(&cfg, &shape).unwrap();
+        check(&ws.buffers, ws.bytes)?;
+        prop_assert!(ws.bytes >= ws.peak_live_bytes());
+        // The residual stream and step inputs are live across the whole layer section.
+        let res = ws.get("residual").unwrap();
+        let last_layer_op = ws.ops.iter().position(|o| *o == "mlp_residual").unwrap();
+        prop_assert!(res.last_op > last_layer_op);
+        for name in ["positions", "cu_seqlens", "seq_lens", "state_slot_ids"] {
+            prop_assert!(ws.get(name).unwrap().last_op >= last_layer_op, "{}", name);
+        }
+    }
+
+    #[test]
+    fn first_fit_never_collides(specs in prop::collection::vec((1u64..100_000, 0usize..40, 0usize..10), 1..60)) {
+        let mut bufs: Vec<WorkspaceBuffer> = specs
+            .iter()
+            .map(|&(bytes, first, len)| WorkspaceBuffer {
+                name: "b",
+                bytes,
+                offset: 0,
+                first_op: first,
+                last_op: first + len,
+                shape: String::new(),
+            })
+            .collect();
+        let end = place_first_fit(&mut bufs);
+        check(&bufs, end)?;
+        let total: u64 = bufs.iter().map(|b| b.bytes.next_multiple_of(256)).sum();
+        prop_assert!(end <= total);
+    }
+}
