@@ -1,1 +1,23 @@
-//! placeholder
+//! deltaserve-cuda: the CUDA backend's op layer for Qwen3.5/3.6 hybrid models.
+//!
+//! - [`runtime`]: library checks, device open (sm_80+), stream, set-up copies;
+//! - [`arena`]: named device regions (one `cuMemAlloc` each) with bump sub-allocation and a seal;
+//! - [`nvrtc`]: run-time compilation of `kernels/*.cu` for the device's exact arch, cached;
+//!   [`nvrtc::kernels_check`] compiles all of them for sm_80/86/89/90 without a GPU;
+//! - [`ops`]: one launcher file per kernel file (same name), raw `u64` device pointers in;
+//! - [`gemm`]: `y = x · Wᵀ` through cuBLASLt with per-shape cached algorithms.
+//!
+//! Dtypes: activations bf16 in device memory, math in f32, DeltaNet state f32.
+
+pub mod arena;
+pub mod error;
+pub mod gemm;
+pub mod nvrtc;
+pub mod ops;
+pub mod runtime;
+
+pub use arena::{Arena, DevSpan, RegionId};
+pub use error::CudaError;
+pub use nvrtc::{KernelDims, KernelsReport, kernels_check};
+pub use ops::Kernels;
+pub use runtime::{LibStatus, Runtime};

@@ -1,0 +1,91 @@
+// conv.cu — causal depthwise conv1d over time + SiLU, with a carried state per sequence slot.
+//
+// Computes (f32 math, bf16 in/out), KW = CONV_K taps (-D CONV_K, 4 for Qwen3.5):
+//   y[t, c] = silu( sum_{j<KW} w[c, j] * xpad[p - (KW-1) + j, c] )
+// where p is t's position inside its sequence and xpad rows < 0 come from the sequence's state
+//   state[slot, KW-1 + row, c]  (the previous call's last KW-1 inputs; zero it at sequence start).
+//  conv_prefill:       varlen batch (cu_seqlens, slots); does NOT touch the state.
+//  conv_state_update:  after conv_prefill, state[slot] = last KW-1 rows of (state ++ x_seq).
+//  conv_decode:        one token per sequence: reads the state, writes y, shifts the state.
+// Shapes/dtypes: x [T, C] bf16 (token stride x_stride elements: the in_proj output may be wider);
+//   w [C, KW] bf16; y [T, C] bf16 contiguous; state [slots, KW-1, C] bf16 (pre-activation inputs);
+//   cu_seqlens [B+1] i32 (flattened token offsets); slots [B] i32.
+// Launch: conv_prefill grid (ceil(C/128), ceil(T/64)), block 128 (one channel per thread, 64
+//   tokens per block); conv_state_update / conv_decode grid (ceil(C/128), B), block 128.
+// Arch: plain loads, sm_80+.
+// Tested by: tests/ops.rs cases "conv_prefill" (ragged batches, with carried state) and "conv_decode".
+
+#ifndef CONV_K
+#define CONV_K 4
+#endif
+#define CONV_TT 64
+
+extern "C" __global__ void conv_prefill(const bf16_t* __restrict__ x, long long x_stride,
+                                        const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
+                                        const bf16_t* __restrict__ state,
+                                        const int* __restrict__ cu_seqlens,
+                                        const int* __restrict__ slots, int B, int C, int T) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float wk[CONV_K];
+#pragma unroll
+    for (int j = 0; j < CONV_K; j++) wk[j] = bf2f(w[(long long)c * CONV_K + j]);
+    int t0 = blockIdx.y * CONV_TT;
+    int t1 = min(t0 + CONV_TT, T);
+    if (t0 >= t1) return;
+    int s = seq_of_token(cu_seqlens, B, t0);
+    for (int t = t0; t < t1; t++) {
+        while (t >= cu_seqlens[s + 1]) s++;
+        int start = cu_seqlens[s];
+        int p = t - start;
+        const bf16_t* st = state + (long long)slots[s] * (CONV_K - 1) * C;
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < CONV_K; j++) {
+            int r = p - (CONV_K - 1) + j;
+            float xv = r >= 0 ? bf2f(x[(long long)(start + r) * x_stride + c])
+                              : bf2f(st[(long long)(CONV_K - 1 + r) * C + c]);
+            acc += wk[j] * xv;
+        }
+        y[(long long)t * C + c] = f2bf(siluf_(acc));
+    }
+}
+
+extern "C" __global__ void conv_state_update(const bf16_t* __restrict__ x, long long x_stride,
+                                             bf16_t* state, const int* __restrict__ cu_seqlens,
+                                             const int* __restrict__ slots, int C) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    int s = blockIdx.y;
+    if (c >= C) return;
+    int start = cu_seqlens[s], len = cu_seqlens[s + 1] - start;
+    bf16_t* st = state + (long long)slots[s] * (CONV_K - 1) * C;
+    bf16_t nv[CONV_K - 1];
+    // Row r of the new state is row len + r of (state ++ x_seq).
+#pragma unroll
+    for (int r = 0; r < CONV_K - 1; r++) {
+        int i = len + r;
+        nv[r] = i < CONV_K - 1 ? st[(long long)i * C + c]
+                               : x[(long long)(start + i - (CONV_K - 1)) * x_stride + c];
+    }
+#pragma unroll
+    for (int r = 0; r < CONV_K - 1; r++) st[(long long)r * C + c] = nv[r];
+}
+
+extern "C" __global__ void conv_decode(const bf16_t* __restrict__ x, long long x_stride,
+                                       const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
+                                       bf16_t* state, const int* __restrict__ slots, int C) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    int b = blockIdx.y;
+    if (c >= C) return;
+    bf16_t* st = state + (long long)slots[b] * (CONV_K - 1) * C;
+    bf16_t win[CONV_K];
+#pragma unroll
+    for (int r = 0; r < CONV_K - 1; r++) win[r] = st[(long long)r * C + c];
+    win[CONV_K - 1] = x[(long long)b * x_stride + c];
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < CONV_K; j++) acc += bf2f(w[(long long)c * CONV_K + j]) * bf2f(win[j]);
+    y[(long long)b * C + c] = f2bf(siluf_(acc));
+#pragma unroll
+    for (int r = 0; r < CONV_K - 1; r++) st[(long long)r * C + c] = win[r + 1];
+}

@@ -1,0 +1,23 @@
+// embed.cu — embedding gather.
+//
+// Computes: out[t, :] = table[ids[t], :]   (bf16 copy, bit exact)
+// Shapes/dtypes: table [vocab, D] bf16; ids [T] i32 (caller validates ids < vocab);
+//                out [T, D] bf16.
+// Launch: grid (T), block 256; 16-byte copies when D % 8 == 0, else 2-byte copies.
+// Arch: plain loads/stores, sm_80+.
+// Tested by: tests/ops.rs case "embed".
+
+extern "C" __global__ void embed_gather(const bf16_t* __restrict__ table, const int* __restrict__ ids,
+                                        bf16_t* __restrict__ out, int D) {
+    int t = blockIdx.x;
+    long long row = (long long)ids[t];
+    const bf16_t* src = table + row * D;
+    bf16_t* dst = out + (long long)t * D;
+    if ((D & 7) == 0) {
+        const uint4* s4 = (const uint4*)src;
+        uint4* d4 = (uint4*)dst;
+        for (int i = threadIdx.x; i < D / 8; i += blockDim.x) d4[i] = s4[i];
+    } else {
+        for (int i = threadIdx.x; i < D; i += blockDim.x) dst[i] = src[i];
+    }
+}

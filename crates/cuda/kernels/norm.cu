@@ -1,0 +1,69 @@
+// norm.cu — RMS normalisations.
+//
+// Computes (f32 math, bf16 in/out):
+//  add_rms_norm_1p:  h = bf16(x + res) (res optional: null -> h = x); res_out = h;
+//                    out = bf16(h * rsqrt(mean(h^2) + eps) * (1 + w))        (Qwen3_5RMSNorm)
+//  rms_norm_1p:      out[r] = bf16(x[r] * rsqrt(mean(x[r]^2) + eps) * (1 + w)) over rows with
+//                    independent strides (used for q_norm/k_norm on the per-head q|gate layout)
+//  gated_rms_norm:   out[r] = bf16(w * (o[r] * rsqrt(mean(o[r]^2) + eps)) * silu(z[r]))  (plain w)
+// Shapes/dtypes:
+//  add_rms_norm_1p: x, res, res_out, out [rows, D] bf16 (res_out may alias res); w [D] bf16.
+//  rms_norm_1p:     x row r at x + r*x_stride, out row r at out + r*out_stride (elements); w [D] bf16.
+//  gated_rms_norm:  o [rows, D] bf16 (rows = T*Hv, D = Dv); z row r at z + (r/H)*z_tok_stride +
+//                   (r%H)*D; w [D] f32 (Qwen3.5 stores it f32; Qwen3.6 bf16 upcasts exactly).
+// Launch: grid (rows), block 256 (any multiple of 32 <= 1024). Arch: shuffles only, sm_80+.
+// Tested by: tests/ops.rs cases "add_rms_norm_1p", "rms_norm_1p_strided", "gated_rms_norm".
+
+extern "C" __global__ void add_rms_norm_1p(const bf16_t* __restrict__ x, const bf16_t* res,
+                                           const bf16_t* __restrict__ w, bf16_t* res_out,
+                                           bf16_t* __restrict__ out, int D, float eps) {
+    __shared__ float red[32];
+    long long base = (long long)blockIdx.x * D;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        float h = bf2f(x[base + i]);
+        if (res) h = round_bf(h + bf2f(res[base + i]));
+        if (res_out) res_out[base + i] = f2bf(h);
+        ss += h * h;
+    }
+    float inv = rsqrtf(block_sum(ss, red) / (float)D + eps);
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        // Re-derive h exactly as above (same thread, same element): no race with res_out aliasing
+        // res because each element is read and written by one thread only.
+        float h = res_out ? bf2f(res_out[base + i]) : bf2f(x[base + i]);
+        out[base + i] = f2bf(h * inv * (1.0f + bf2f(w[i])));
+    }
+}
+
+extern "C" __global__ void rms_norm_1p(const bf16_t* __restrict__ x, long long x_stride,
+                                       const bf16_t* __restrict__ w, bf16_t* __restrict__ out,
+                                       long long out_stride, int D, float eps) {
+    __shared__ float red[32];
+    const bf16_t* xr = x + (long long)blockIdx.x * x_stride;
+    bf16_t* orow = out + (long long)blockIdx.x * out_stride;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        float v = bf2f(xr[i]);
+        ss += v * v;
+    }
+    float inv = rsqrtf(block_sum(ss, red) / (float)D + eps);
+    for (int i = threadIdx.x; i < D; i += blockDim.x)
+        orow[i] = f2bf(bf2f(xr[i]) * inv * (1.0f + bf2f(w[i])));
+}
+
+extern "C" __global__ void gated_rms_norm(const bf16_t* __restrict__ o, const bf16_t* __restrict__ z,
+                                          long long z_tok_stride, int H, const float* __restrict__ w,
+                                          bf16_t* __restrict__ out, int D, float eps) {
+    __shared__ float red[32];
+    int r = blockIdx.x;
+    const bf16_t* orow = o + (long long)r * D;
+    const bf16_t* zrow = z + (long long)(r / H) * z_tok_stride + (long long)(r % H) * D;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        float v = bf2f(orow[i]);
+        ss += v * v;
+    }
+    float inv = rsqrtf(block_sum(ss, red) / (float)D + eps);
+    for (int i = threadIdx.x; i < D; i += blockDim.x)
+        out[(long long)r * D + i] = f2bf(w[i] * (bf2f(orow[i]) * inv) * siluf_(bf2f(zrow[i])));
+}

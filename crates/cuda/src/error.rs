@@ -1,0 +1,73 @@
+//! The crate's error type: every failure names what was being done (library, kernel and launch
+//! dims, arena region, GEMM shape), so a log line is enough to find the cause.
+
+use cudarc::cublaslt::result::CublasError;
+use cudarc::driver::DriverError;
+use cudarc::nvrtc::result::NvrtcError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    /// A CUDA library could not be dlopened (checked before any call, since cudarc panics then).
+    #[error("CUDA library `{lib}` not found by dlopen ({hint})")]
+    LibraryMissing { lib: &'static str, hint: &'static str },
+    /// A driver call outside a kernel launch failed.
+    #[error("CUDA driver call `{call}` failed: {source}")]
+    Driver {
+        call: &'static str,
+        #[source]
+        source: DriverError,
+    },
+    /// The GPU is older than Ampere.
+    #[error("GPU {ordinal} ({name}) is sm_{major}{minor}; deltaserve's CUDA backend needs sm_80 or newer")]
+    UnsupportedArch { ordinal: usize, name: String, major: i32, minor: i32 },
+    /// No device with this ordinal.
+    #[error("no CUDA device {ordinal} (the driver reports {count})")]
+    NoDevice { ordinal: usize, count: i32 },
+    /// NVRTC rejected a kernel source; `log` is the compiler's output.
+    #[error("NVRTC could not compile `{module}` for {arch} with [{options}]:\n{log}")]
+    Compile { module: String, arch: String, options: String, log: String },
+    /// An NVRTC API call failed.
+    #[error("NVRTC call `{call}` for `{module}` failed: {source}")]
+    Nvrtc {
+        call: &'static str,
+        module: String,
+        #[source]
+        source: NvrtcError,
+    },
+    /// A kernel launch failed.
+    #[error("launch of `{kernel}` (grid {grid:?}, block {block:?}, smem {smem} B) failed: {source}")]
+    Launch {
+        kernel: &'static str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        #[source]
+        source: DriverError,
+    },
+    /// A launcher's arguments do not describe a valid launch.
+    #[error("`{kernel}`: invalid arguments: {msg}")]
+    InvalidArgs { kernel: &'static str, msg: String },
+    /// A kernel was requested that the loaded module set does not contain.
+    #[error("kernel `{0}` is not loaded")]
+    UnknownKernel(&'static str),
+    /// Arena misuse: sealed, out of space, unknown region.
+    #[error("arena region `{region}`: {msg}")]
+    Arena { region: String, msg: String },
+    /// A cuBLASLt call failed.
+    #[error("cuBLASLt `{call}` failed for y[{n}x{m}] = x[{n}x{k}] * W[{m}x{k}]^T: {source}")]
+    Blas {
+        call: &'static str,
+        m: usize,
+        n: usize,
+        k: usize,
+        #[source]
+        source: CublasError,
+    },
+}
+
+impl CudaError {
+    /// `map_err` adapter naming the driver call.
+    pub fn driver(call: &'static str) -> impl FnOnce(DriverError) -> CudaError {
+        move |source| CudaError::Driver { call, source }
+    }
+}

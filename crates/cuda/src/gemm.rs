@@ -1,0 +1,183 @@
+//! `y[n, m] = x[n, k] · W[m, k]ᵀ` (PyTorch Linear, row-major, no bias) through cuBLASLt:
+//! bf16 in, f32 accumulate, bf16 out. Descriptors and the algorithm are created once per exact
+//! shape (m = out features, n = tokens, k = in features) and cached; [`Gemm::prepare`] does it at
+//! warm-up so a step only calls `cublasLtMatmul`. [`Gemm::heuristic_calls`] lets callers assert
+//! that no heuristic ran on the hot path.
+//!
+//! Layout: cuBLASLt is column-major, so we compute yᵀ[m, n] = W · xᵀ with A = W viewed as a
+//! col-major [k, m] matrix, transposed (op T), and B = x viewed as col-major [k, n] (op N).
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::ffi::c_void;
+
+use cudarc::cublaslt::result;
+use cudarc::cublaslt::sys;
+use cudarc::driver::CudaStream;
+
+use crate::arena::DevSpan;
+use crate::error::CudaError;
+use crate::runtime::{LibStatus, Runtime};
+
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    a: sys::cublasLtMatrixLayout_t,
+    b: sys::cublasLtMatrixLayout_t,
+    c: sys::cublasLtMatrixLayout_t,
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+/// A cuBLASLt handle, its workspace (an arena span) and the per-shape plans.
+/// Not `Sync`: the thread that owns the GPU owns this.
+pub struct Gemm {
+    handle: sys::cublasLtHandle_t,
+    workspace: DevSpan,
+    plans: RefCell<HashMap<(usize, usize, usize), Plan>>,
+    heuristic_calls: Cell<usize>,
+}
+
+/// cuBLAS's recommended workspace: 32 MiB on Hopper, 4 MiB before.
+pub fn recommended_workspace_bytes(rt: &Runtime) -> usize {
+    if rt.cc.0 >= 9 { 32 << 20 } else { 4 << 20 }
+}
+
+impl Gemm {
+    /// Creates the handle; `workspace` is device memory reserved for cuBLASLt.
+    pub fn new(rt: &Runtime, workspace: DevSpan) -> Result<Gemm, CudaError> {
+        LibStatus::probe().require_all()?;
+        rt.context().bind_to_thread().map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        let handle = result::create_handle().map_err(|source| CudaError::Blas {
+            call: "cublasLtCreate",
+            m: 0,
+            n: 0,
+            k: 0,
+            source,
+        })?;
+        Ok(Gemm { handle, workspace, plans: RefCell::new(HashMap::new()), heuristic_calls: Cell::new(0) })
+    }
+
+    /// Number of algorithm heuristics run so far (one per distinct shape).
+    pub fn heuristic_calls(&self) -> usize {
+        self.heuristic_calls.get()
+    }
+
+    /// Builds and caches the plan for y[n, m] = x[n, k] · W[m, k]ᵀ.
+    pub fn prepare(&self, m: usize, n: usize, k: usize) -> Result<(), CudaError> {
+        if self.plans.borrow().contains_key(&(m, n, k)) {
+            return Ok(());
+        }
+        let plan = self.make_plan(m, n, k)?;
+        self.plans.borrow_mut().insert((m, n, k), plan);
+        Ok(())
+    }
+
+    fn make_plan(&self, m: usize, n: usize, k: usize) -> Result<Plan, CudaError> {
+        let err = |call| move |source| CudaError::Blas { call, m, n, k, source };
+        if m == 0 || n == 0 || k == 0 {
+            return Err(CudaError::InvalidArgs { kernel: "gemm", msg: format!("empty GEMM m={m} n={n} k={k}") });
+        }
+        let bf16 = sys::cudaDataType::CUDA_R_16BF;
+        let desc =
+            result::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)
+                .map_err(err("cublasLtMatmulDescCreate"))?;
+        let trans_t: i32 = 1;
+        // SAFETY: desc is live; the attribute is a 4-byte cublasOperation_t.
+        unsafe {
+            result::set_matmul_desc_attribute(
+                desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                &trans_t as *const i32 as *const c_void,
+                4,
+            )
+        }
+        .map_err(err("cublasLtMatmulDescSetAttribute(TRANSA)"))?;
+        let (m64, n64, k64) = (m as u64, n as u64, k as u64);
+        let a = result::create_matrix_layout(bf16, k64, m64, k as i64).map_err(err("cublasLtMatrixLayoutCreate(A)"))?;
+        let b = result::create_matrix_layout(bf16, k64, n64, k as i64).map_err(err("cublasLtMatrixLayoutCreate(B)"))?;
+        let c = result::create_matrix_layout(bf16, m64, n64, m as i64).map_err(err("cublasLtMatrixLayoutCreate(C)"))?;
+        let pref = result::create_matmul_pref().map_err(err("cublasLtMatmulPreferenceCreate"))?;
+        let ws = self.workspace.bytes as u64;
+        // SAFETY: pref is live; the attribute is a u64.
+        let heur = unsafe {
+            result::set_matmul_pref_attribute(
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &ws as *const u64 as *const c_void,
+                8,
+            )
+            .map_err(err("cublasLtMatmulPreferenceSetAttribute"))
+            .and_then(|_| {
+                result::get_matmul_algo_heuristic(self.handle, desc, a, b, c, c, pref)
+                    .map_err(err("cublasLtMatmulAlgoGetHeuristic"))
+            })
+        };
+        // SAFETY: destroyed once.
+        let _ = unsafe { result::destroy_matmul_pref(pref) };
+        self.heuristic_calls.set(self.heuristic_calls.get() + 1);
+        let heur = heur?;
+        Ok(Plan { desc, a, b, c, algo: heur.algo })
+    }
+
+    /// y [n, m] bf16 = x [n, k] bf16 · w [m, k] bf16ᵀ on `stream`. Uses the cached plan; a shape
+    /// never prepared is planned now (one heuristic call, counted).
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        w: u64,
+        y: u64,
+        n: usize,
+        m: usize,
+        k: usize,
+    ) -> Result<(), CudaError> {
+        if n == 0 {
+            return Ok(());
+        }
+        self.prepare(m, n, k)?;
+        let plans = self.plans.borrow();
+        let p = plans
+            .get(&(m, n, k))
+            .ok_or(CudaError::InvalidArgs { kernel: "gemm", msg: format!("no plan for m={m} n={n} k={k}") })?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: descriptors are live and describe the row-major buffers the caller passes; the
+        // workspace span belongs to this Gemm.
+        unsafe {
+            result::matmul(
+                self.handle,
+                p.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                w as *const c_void,
+                p.a,
+                x as *const c_void,
+                p.b,
+                y as *const c_void,
+                p.c,
+                y as *mut c_void,
+                p.c,
+                &p.algo,
+                self.workspace.ptr as *mut c_void,
+                self.workspace.bytes,
+                stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(|source| CudaError::Blas { call: "cublasLtMatmul", m, n, k, source })
+    }
+}
+
+impl Drop for Gemm {
+    fn drop(&mut self) {
+        // SAFETY: every descriptor and the handle are destroyed exactly once; errors at teardown
+        // are ignored.
+        unsafe {
+            for p in self.plans.borrow().values() {
+                let _ = result::destroy_matrix_layout(p.a);
+                let _ = result::destroy_matrix_layout(p.b);
+                let _ = result::destroy_matrix_layout(p.c);
+                let _ = result::destroy_matmul_desc(p.desc);
+            }
+            let _ = result::destroy_handle(self.handle);
+        }
+    }
+}

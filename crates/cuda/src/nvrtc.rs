@@ -1,0 +1,376 @@
+//! Run-time compilation of the embedded CUDA C kernels with NVRTC, to a cubin for one exact
+//! `sm_XY`, with `-D` specialisations (head dims, conv width, GQA group). Results are cached per
+//! process (key: module, arch, options). [`kernels_check`] compiles every module for every
+//! supported arch without a GPU (NVRTC alone, e.g. from the `nvidia-cuda-nvrtc` wheel).
+//!
+//! Kernels include no toolkit header: `kernels/prelude.cuh` (bf16 on raw bit patterns, warp
+//! reductions) is prepended to each source as text.
+
+use std::collections::HashMap;
+use std::ffi::{CStr, CString, c_char};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
+
+use cudarc::nvrtc::{result, sys};
+
+use crate::error::CudaError;
+
+const PRELUDE: &str = include_str!("../kernels/prelude.cuh");
+
+/// One `.cu` file and the kernels it defines.
+pub struct KernelSource {
+    pub module: &'static str,
+    pub src: &'static str,
+    pub functions: &'static [&'static str],
+}
+
+/// Every kernel source of the crate.
+pub const SOURCES: &[KernelSource] = &[
+    KernelSource { module: "embed", src: include_str!("../kernels/embed.cu"), functions: &["embed_gather"] },
+    KernelSource {
+        module: "norm",
+        src: include_str!("../kernels/norm.cu"),
+        functions: &["add_rms_norm_1p", "rms_norm_1p", "gated_rms_norm"],
+    },
+    KernelSource {
+        module: "elementwise",
+        src: include_str!("../kernels/elementwise.cu"),
+        functions: &["sigmoid_gate_mul", "swiglu"],
+    },
+    KernelSource { module: "rope", src: include_str!("../kernels/rope.cu"), functions: &["rope_partial"] },
+    KernelSource { module: "kv_cache", src: include_str!("../kernels/kv_cache.cu"), functions: &["kv_write"] },
+    KernelSource {
+        module: "conv",
+        src: include_str!("../kernels/conv.cu"),
+        functions: &["conv_prefill", "conv_state_update", "conv_decode"],
+    },
+    KernelSource { module: "gdn_gate", src: include_str!("../kernels/gdn_gate.cu"), functions: &["gdn_gate"] },
+    KernelSource {
+        module: "gdn_chunk",
+        src: include_str!("../kernels/gdn_chunk.cu"),
+        functions: &["gdn_chunk_prep", "gdn_chunk_state"],
+    },
+    KernelSource { module: "gdn_decode", src: include_str!("../kernels/gdn_decode.cu"), functions: &["gdn_decode"] },
+    KernelSource {
+        module: "attention",
+        src: include_str!("../kernels/attention.cu"),
+        functions: &["attn_prefill", "attn_decode_split", "attn_decode_combine"],
+    },
+];
+
+/// Archs the kernels must compile for (no `a` variants: no Hopper-only instructions).
+pub const CHECK_ARCHS: &[&str] = &["sm_80", "sm_86", "sm_89", "sm_90"];
+
+/// Whether libnvrtc can be dlopened.
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries dlopen on candidate names.
+    unsafe { sys::is_culib_present() }
+}
+
+/// NVRTC's (major, minor) version.
+pub fn nvrtc_version() -> Result<(i32, i32), CudaError> {
+    require_nvrtc("version")?;
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: writes two ints.
+    unsafe { sys::nvrtcVersion(&mut major, &mut minor) }.result().map_err(|source| CudaError::Nvrtc {
+        call: "nvrtcVersion",
+        module: String::new(),
+        source,
+    })?;
+    Ok((major, minor))
+}
+
+fn require_nvrtc(_what: &str) -> Result<(), CudaError> {
+    if nvrtc_present() {
+        Ok(())
+    } else {
+        Err(CudaError::LibraryMissing {
+            lib: "libnvrtc.so.13",
+            hint: "install the CUDA 13 toolkit or the nvidia-cuda-nvrtc==13.0.* wheel and add its lib dir to LD_LIBRARY_PATH",
+        })
+    }
+}
+
+/// A compiled module.
+#[derive(Clone)]
+pub struct Cubin {
+    pub module: &'static str,
+    pub arch: String,
+    pub image: Arc<Vec<u8>>,
+    /// NVRTC's log (with `verbose`: ptxas register / spill lines).
+    pub log: String,
+    pub compile_ms: f64,
+}
+
+type CacheKey = (&'static str, String, Vec<String>);
+
+fn cache() -> &'static Mutex<HashMap<CacheKey, Cubin>> {
+    static CACHE: OnceLock<Mutex<HashMap<CacheKey, Cubin>>> = OnceLock::new();
+    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// Compiles `source` for `arch` (e.g. "sm_90") with `-D` defines; cached per process.
+/// `verbose` adds ptxas's resource report to the log (and bypasses nothing: it is part of the key).
+pub fn compile(
+    source: &KernelSource,
+    arch: &str,
+    defines: &[(&str, String)],
+    verbose: bool,
+) -> Result<Cubin, CudaError> {
+    require_nvrtc(source.module)?;
+    let mut options = vec![
+        format!("--gpu-architecture={arch}"),
+        "-std=c++17".to_string(),
+        "--device-as-default-execution-space".to_string(),
+    ];
+    if verbose {
+        options.push("--ptxas-options=-v".to_string());
+    }
+    options.extend(defines.iter().map(|(k, v)| format!("-D{k}={v}")));
+    let key = (source.module, arch.to_string(), options.clone());
+    if let Ok(c) = cache().lock()
+        && let Some(hit) = c.get(&key)
+    {
+        return Ok(hit.clone());
+    }
+    let t0 = Instant::now();
+    let (image, log) = compile_uncached(source.module, &format!("{PRELUDE}\n{}", source.src), arch, &options)?;
+    let cubin = Cubin {
+        module: source.module,
+        arch: arch.to_string(),
+        image: Arc::new(image),
+        log,
+        compile_ms: t0.elapsed().as_secs_f64() * 1e3,
+    };
+    if let Ok(mut c) = cache().lock() {
+        c.insert(key, cubin.clone());
+    }
+    Ok(cubin)
+}
+
+fn compile_uncached(
+    module: &'static str,
+    src: &str,
+    arch: &str,
+    options: &[String],
+) -> Result<(Vec<u8>, String), CudaError> {
+    let nv = |call: &'static str| move |source| CudaError::Nvrtc { call, module: module.to_string(), source };
+    let c_src = CString::new(src).map_err(|_| CudaError::Compile {
+        module: module.into(),
+        arch: arch.into(),
+        options: options.join(" "),
+        log: "source contains a NUL byte".into(),
+    })?;
+    let name = CString::new(format!("{module}.cu")).unwrap_or_default();
+    let prog = result::create_program(&c_src, Some(&name)).map_err(nv("nvrtcCreateProgram"))?;
+    // SAFETY: `prog` is a live program until destroy_program below; options contain no NUL.
+    let compiled = unsafe { result::compile_program(prog, options) };
+    let log = unsafe { result::get_program_log(prog) }.map(|l| c_chars_to_string(&l)).unwrap_or_default();
+    let out = match compiled {
+        Err(_) => Err(CudaError::Compile {
+            module: module.into(),
+            arch: arch.into(),
+            options: options.join(" "),
+            log: log.clone(),
+        }),
+        Ok(()) => get_cubin(prog).map_err(nv("nvrtcGetCUBIN")),
+    };
+    // SAFETY: destroyed once.
+    let _ = unsafe { result::destroy_program(prog) };
+    out.map(|image| (image, log))
+}
+
+fn get_cubin(prog: sys::nvrtcProgram) -> Result<Vec<u8>, result::NvrtcError> {
+    let mut size = 0usize;
+    // SAFETY: `prog` compiled successfully; the buffer has the size NVRTC reports.
+    unsafe {
+        sys::nvrtcGetCUBINSize(prog, &mut size).result()?;
+        let mut buf = vec![0u8; size];
+        sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut c_char).result()?;
+        Ok(buf)
+    }
+}
+
+fn c_chars_to_string(v: &[c_char]) -> String {
+    if v.is_empty() {
+        return String::new();
+    }
+    // SAFETY: NVRTC logs are NUL-terminated; fall back to lossy bytes otherwise.
+    match CStr::from_bytes_until_nul(unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, v.len()) }) {
+        Ok(s) => s.to_string_lossy().into_owned(),
+        Err(_) => String::new(),
+    }
+}
+
+/// Dimensions the kernels are specialised on (one set per model).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KernelDims {
+    /// DeltaNet key / value head dims (DK, DV).
+    pub gdn_k_dim: usize,
+    pub gdn_v_dim: usize,
+    /// Short-convolution width.
+    pub conv_kernel: usize,
+    /// Full-attention head dim and query heads per kv head.
+    pub attn_head_dim: usize,
+    pub gqa_group: usize,
+    /// Value columns per block in gdn_chunk_state (16 or 32).
+    pub gdn_bv: usize,
+}
+
+impl KernelDims {
+    /// Qwen3.5/3.6 27B.
+    pub const QWEN35_27B: KernelDims =
+        KernelDims { gdn_k_dim: 128, gdn_v_dim: 128, conv_kernel: 4, attn_head_dim: 256, gqa_group: 6, gdn_bv: 32 };
+
+    /// The `-D` list for one module.
+    pub fn defines(&self, module: &str) -> Vec<(&'static str, String)> {
+        match module {
+            "conv" => vec![("CONV_K", self.conv_kernel.to_string())],
+            "gdn_gate" => vec![("DK", self.gdn_k_dim.to_string())],
+            "gdn_decode" => vec![("DK", self.gdn_k_dim.to_string()), ("DV", self.gdn_v_dim.to_string())],
+            "gdn_chunk" => vec![
+                ("DK", self.gdn_k_dim.to_string()),
+                ("DV", self.gdn_v_dim.to_string()),
+                ("GDN_BV", self.gdn_bv.to_string()),
+            ],
+            "attention" => vec![("HD", self.attn_head_dim.to_string()), ("GQA_GROUP", self.gqa_group.to_string())],
+            _ => Vec::new(),
+        }
+    }
+
+    /// Checks the constraints the kernels assume.
+    pub fn validate(&self) -> Result<(), CudaError> {
+        let bad = |msg: String| Err(CudaError::InvalidArgs { kernel: "KernelDims", msg });
+        if !self.gdn_k_dim.is_multiple_of(32) || !self.gdn_v_dim.is_multiple_of(32) || self.gdn_k_dim > 256 {
+            return bad(format!(
+                "DeltaNet head dims must be multiples of 32 (DK <= 256), got DK={} DV={}",
+                self.gdn_k_dim, self.gdn_v_dim
+            ));
+        }
+        if !(self.gdn_bv == 16 || self.gdn_bv == 32) || !self.gdn_v_dim.is_multiple_of(self.gdn_bv) {
+            return bad(format!("gdn_bv must be 16 or 32 and divide DV, got {}", self.gdn_bv));
+        }
+        if !self.attn_head_dim.is_multiple_of(32) || self.attn_head_dim > 256 {
+            return bad(format!("attention head dim must be a multiple of 32 and <= 256, got {}", self.attn_head_dim));
+        }
+        if self.gqa_group == 0 || self.gqa_group > 8 || !(2..=8).contains(&self.conv_kernel) {
+            return bad(format!(
+                "gqa_group must be 1..=8 and conv_kernel 2..=8, got {} and {}",
+                self.gqa_group, self.conv_kernel
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One line of the kernels-check report.
+#[derive(Clone, Debug)]
+pub struct CheckLine {
+    pub module: &'static str,
+    pub arch: String,
+    pub ok: bool,
+    pub cubin_bytes: usize,
+    pub compile_ms: f64,
+    /// ptxas resource lines (registers, smem, spills) or the compiler error.
+    pub detail: String,
+}
+
+/// Result of [`kernels_check`].
+#[derive(Clone, Debug)]
+pub struct KernelsReport {
+    pub nvrtc_version: (i32, i32),
+    pub lines: Vec<CheckLine>,
+}
+
+impl KernelsReport {
+    pub fn all_ok(&self) -> bool {
+        self.lines.iter().all(|l| l.ok)
+    }
+}
+
+impl std::fmt::Display for KernelsReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (ma, mi) = self.nvrtc_version;
+        writeln!(f, "NVRTC {ma}.{mi}")?;
+        for l in &self.lines {
+            writeln!(
+                f,
+                "{:<12} {:<6} {:<4} {:>8} B {:>7.0} ms",
+                l.module,
+                l.arch,
+                if l.ok { "ok" } else { "FAIL" },
+                l.cubin_bytes,
+                l.compile_ms
+            )?;
+            for d in l.detail.lines().filter(|d| !d.trim().is_empty()) {
+                writeln!(f, "    {}", d.trim())?;
+            }
+        }
+        let bad = self.lines.iter().filter(|l| !l.ok).count();
+        write!(f, "{} module builds, {} failed", self.lines.len(), bad)
+    }
+}
+
+/// Compiles every kernel module for every arch in `archs` (default [`CHECK_ARCHS`]) with `dims`;
+/// needs NVRTC only, no GPU. Compile failures are reported per line, not returned as `Err`.
+pub fn kernels_check(archs: &[&str], dims: &KernelDims) -> Result<KernelsReport, CudaError> {
+    let nvrtc_version = nvrtc_version()?;
+    dims.validate()?;
+    let jobs: Vec<(&KernelSource, &str)> = archs.iter().flat_map(|a| SOURCES.iter().map(move |s| (s, *a))).collect();
+    let lines = std::thread::scope(|scope| {
+        let handles: Vec<_> = jobs
+            .iter()
+            .map(|(src, arch)| {
+                scope.spawn(move || {
+                    let r = compile(src, arch, &dims.defines(src.module), true);
+                    match r {
+                        Ok(c) => CheckLine {
+                            module: src.module,
+                            arch: arch.to_string(),
+                            ok: true,
+                            cubin_bytes: c.image.len(),
+                            compile_ms: c.compile_ms,
+                            detail: resource_lines(&c.log),
+                        },
+                        Err(e) => CheckLine {
+                            module: src.module,
+                            arch: arch.to_string(),
+                            ok: false,
+                            cubin_bytes: 0,
+                            compile_ms: 0.0,
+                            detail: e.to_string(),
+                        },
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .zip(&jobs)
+            .map(|(h, (src, arch))| {
+                h.join().unwrap_or_else(|_| CheckLine {
+                    module: src.module,
+                    arch: arch.to_string(),
+                    ok: false,
+                    cubin_bytes: 0,
+                    compile_ms: 0.0,
+                    detail: "compiler thread panicked".into(),
+                })
+            })
+            .collect()
+    });
+    Ok(KernelsReport { nvrtc_version, lines })
+}
+
+/// Keeps ptxas's per-function summary lines ("Compiling entry", "Used N registers", spills).
+fn resource_lines(log: &str) -> String {
+    log.lines()
+        .filter(|l| {
+            l.contains("Compiling entry")
+                || l.contains("registers")
+                || (l.contains("spill") && !l.contains(" 0 bytes spill stores, 0 bytes spill loads"))
+        })
+        .map(|l| l.trim_start_matches("ptxas info    : ").to_string())
+        .collect::<Vec<_>>()
+        .join("\n")
+}

@@ -1,0 +1,126 @@
+//! Launchers for kernels/attention.cu: causal GQA attention over the paged KV cache, prefill
+//! (varlen, online softmax, no scratch) and decode (fixed split count + combine).
+
+use cudarc::driver::CudaStream;
+
+use super::{Kernels, invalid, launch, to_i32, to_u32};
+use crate::error::CudaError;
+use crate::nvrtc::KernelDims;
+
+/// Queries per prefill tile (fixed in the kernel).
+pub const Q_TILE: usize = 16;
+
+pub(crate) fn prefill_smem_bytes(d: &KernelDims) -> usize {
+    4 * ((Q_TILE + 64) * (d.attn_head_dim + 1) + Q_TILE * 32)
+}
+
+/// Host-side tile table for [`attn_prefill`]: (sequence, 16-query tile) pairs.
+pub fn tile_table(cu_seqlens: &[i32]) -> Vec<i32> {
+    super::tile_table(cu_seqlens, Q_TILE)
+}
+
+/// Scratch bytes for [`attn_decode`]: partial o [b, hq, n_split, hd] + (max, sum) pairs, f32.
+pub fn decode_scratch_bytes(n_seqs: usize, q_heads: usize, n_split: usize, head_dim: usize) -> usize {
+    let po = 4 * n_seqs * q_heads * n_split * head_dim;
+    po.div_ceil(256) * 256 + 8 * n_seqs * q_heads * n_split
+}
+
+/// Paged-KV geometry shared by both launchers.
+#[derive(Clone, Copy, Debug)]
+pub struct KvPages {
+    /// [num_blocks * page, kv_heads*head_dim] bf16.
+    pub k_cache: u64,
+    pub v_cache: u64,
+    /// [n_seqs, max_blocks] i32.
+    pub block_tables: u64,
+    pub max_blocks: usize,
+    pub page: usize,
+    pub kv_heads: usize,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct AttnPrefill {
+    /// [t, q_heads, hd] bf16 (normed, rotated); o the same shape.
+    pub q: u64,
+    pub o: u64,
+    pub kv: KvPages,
+    /// [n_seqs + 1] i32 query offsets; [n_seqs] i32 kv lengths including the new tokens.
+    pub cu_seqlens: u64,
+    pub seq_lens: u64,
+    /// [n_tiles, 2] i32 from [`tile_table`].
+    pub tile_table: u64,
+    pub n_tiles: usize,
+    pub q_heads: usize,
+    pub scale: f32,
+}
+
+pub fn attn_prefill(k: &Kernels, s: &CudaStream, a: &AttnPrefill) -> Result<(), CudaError> {
+    if a.n_tiles == 0 {
+        return Ok(());
+    }
+    let d = k.dims;
+    if a.kv.kv_heads == 0 || a.q_heads != a.kv.kv_heads * d.gqa_group || a.kv.page == 0 {
+        return Err(invalid("attn_prefill", format!("{a:?}: q_heads must be kv_heads * GQA_GROUP ({})", d.gqa_group)));
+    }
+    let AttnPrefill { q, o, cu_seqlens, seq_lens, tile_table, scale, .. } = *a;
+    let KvPages { k_cache, v_cache, block_tables, .. } = a.kv;
+    let mb = to_i32("attn_prefill", "max_blocks", a.kv.max_blocks)?;
+    let hq = to_i32("attn_prefill", "q_heads", a.q_heads)?;
+    let hkv = to_i32("attn_prefill", "kv_heads", a.kv.kv_heads)?;
+    let page = to_i32("attn_prefill", "page", a.kv.page)?;
+    let grid = (to_u32("attn_prefill", "n_tiles", a.n_tiles)?, to_u32("attn_prefill", "q_heads", a.q_heads)?, 1);
+    let smem = prefill_smem_bytes(&d) as u32;
+    launch!(k, s, "attn_prefill", grid, (128, 1, 1), smem;
+        q, k_cache, v_cache, block_tables, mb, cu_seqlens, seq_lens, tile_table, o, hq, hkv, page, scale)
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct AttnDecode {
+    /// [n_seqs, q_heads, hd] bf16; o the same shape.
+    pub q: u64,
+    pub o: u64,
+    pub kv: KvPages,
+    /// [n_seqs] i32 kv lengths (>= 1).
+    pub seq_lens: u64,
+    pub n_seqs: usize,
+    pub q_heads: usize,
+    /// Key-range partitions per sequence (fixed per graph bucket, e.g. 16).
+    pub n_split: usize,
+    /// At least [`decode_scratch_bytes`] bytes, 256-aligned.
+    pub scratch: u64,
+    pub scratch_bytes: usize,
+    pub scale: f32,
+}
+
+pub fn attn_decode(k: &Kernels, s: &CudaStream, a: &AttnDecode) -> Result<(), CudaError> {
+    if a.n_seqs == 0 {
+        return Ok(());
+    }
+    let d = k.dims;
+    let need = decode_scratch_bytes(a.n_seqs, a.q_heads, a.n_split, d.attn_head_dim);
+    if a.kv.kv_heads == 0 || a.q_heads != a.kv.kv_heads * d.gqa_group || a.n_split == 0 || a.kv.page == 0 {
+        return Err(invalid("attn_decode_split", format!("{a:?}")));
+    }
+    if a.scratch_bytes < need || !a.scratch.is_multiple_of(256) {
+        return Err(invalid("attn_decode_split", format!("scratch {} B; need {need} B, 256-aligned", a.scratch_bytes)));
+    }
+    let part_o = a.scratch;
+    let part_ml = part_o + (4 * a.n_seqs * a.q_heads * a.n_split * d.attn_head_dim).div_ceil(256) as u64 * 256;
+    let AttnDecode { q, o, seq_lens, scale, .. } = *a;
+    let KvPages { k_cache, v_cache, block_tables, .. } = a.kv;
+    let mb = to_i32("attn_decode_split", "max_blocks", a.kv.max_blocks)?;
+    let hq = to_i32("attn_decode_split", "q_heads", a.q_heads)?;
+    let hkv = to_i32("attn_decode_split", "kv_heads", a.kv.kv_heads)?;
+    let page = to_i32("attn_decode_split", "page", a.kv.page)?;
+    let ns = to_i32("attn_decode_split", "n_split", a.n_split)?;
+    let grid = (
+        to_u32("attn_decode_split", "n_seqs", a.n_seqs)?,
+        to_u32("attn_decode_split", "kv_heads", a.kv.kv_heads)?,
+        to_u32("attn_decode_split", "n_split", a.n_split)?,
+    );
+    launch!(k, s, "attn_decode_split", grid, (256, 1, 1), 0;
+        q, k_cache, v_cache, block_tables, mb, seq_lens, part_o, part_ml, hq, hkv, page, scale, ns)?;
+    let grid = (grid.0, to_u32("attn_decode_combine", "q_heads", a.q_heads)?, 1);
+    let block = (d.attn_head_dim as u32, 1, 1);
+    launch!(k, s, "attn_decode_combine", grid, block, 0; part_o, part_ml, o, hq, ns)
+}

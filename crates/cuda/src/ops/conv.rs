@@ -1,0 +1,76 @@
+//! Launchers for kernels/conv.cu: causal depthwise conv1d + SiLU with carried state (prefill over a
+//! varlen batch, then the state update; and the one-token decode update).
+
+use cudarc::driver::CudaStream;
+
+use super::{Kernels, invalid, launch, to_i32, to_u32};
+use crate::error::CudaError;
+
+/// Varlen conv for `t` flattened tokens of `n_seqs` sequences.
+#[derive(Clone, Copy, Debug)]
+pub struct ConvPrefill {
+    /// [t, channels] bf16, token stride `x_stride` elements.
+    pub x: u64,
+    pub x_stride: usize,
+    /// [channels, kernel] bf16.
+    pub w: u64,
+    /// [t, channels] bf16 contiguous.
+    pub y: u64,
+    /// [slots, kernel-1, channels] bf16; read, then updated to the last kernel-1 inputs.
+    pub state: u64,
+    /// [n_seqs + 1] i32 and [n_seqs] i32.
+    pub cu_seqlens: u64,
+    pub slots: u64,
+    pub n_seqs: usize,
+    pub t: usize,
+    pub channels: usize,
+}
+
+/// Runs conv_prefill then conv_state_update (two launches, stream ordered: the state is read by
+/// every token tile before it is overwritten).
+pub fn conv_prefill(k: &Kernels, s: &CudaStream, a: &ConvPrefill) -> Result<(), CudaError> {
+    if a.t == 0 {
+        return Ok(());
+    }
+    if a.n_seqs == 0 || a.channels == 0 || a.x_stride < a.channels {
+        return Err(invalid("conv_prefill", format!("{a:?}")));
+    }
+    let ConvPrefill { x, w, y, state, cu_seqlens, slots, .. } = *a;
+    let xs = a.x_stride as i64;
+    let b = to_i32("conv_prefill", "n_seqs", a.n_seqs)?;
+    let c = to_i32("conv_prefill", "channels", a.channels)?;
+    let t = to_i32("conv_prefill", "t", a.t)?;
+    let gx = to_u32("conv_prefill", "channel blocks", a.channels.div_ceil(128))?;
+    let gy = to_u32("conv_prefill", "token tiles", a.t.div_ceil(64))?;
+    launch!(k, s, "conv_prefill", (gx, gy, 1), (128, 1, 1), 0; x, xs, w, y, state, cu_seqlens, slots, b, c, t)?;
+    let gy = to_u32("conv_state_update", "n_seqs", a.n_seqs)?;
+    launch!(k, s, "conv_state_update", (gx, gy, 1), (128, 1, 1), 0; x, xs, state, cu_seqlens, slots, c)
+}
+
+/// One token per sequence: x [n_seqs, channels] (stride x_stride), y [n_seqs, channels],
+/// state[slots[b]] shifted in place.
+#[allow(clippy::too_many_arguments)]
+pub fn conv_decode(
+    k: &Kernels,
+    s: &CudaStream,
+    x: u64,
+    x_stride: usize,
+    w: u64,
+    y: u64,
+    state: u64,
+    slots: u64,
+    n_seqs: usize,
+    channels: usize,
+) -> Result<(), CudaError> {
+    if n_seqs == 0 {
+        return Ok(());
+    }
+    if channels == 0 || x_stride < channels {
+        return Err(invalid("conv_decode", format!("channels = {channels}, x_stride = {x_stride}")));
+    }
+    let xs = x_stride as i64;
+    let c = to_i32("conv_decode", "channels", channels)?;
+    let grid =
+        (to_u32("conv_decode", "channel blocks", channels.div_ceil(128))?, to_u32("conv_decode", "n_seqs", n_seqs)?, 1);
+    launch!(k, s, "conv_decode", grid, (128, 1, 1), 0; x, xs, w, y, state, slots, c)
+}

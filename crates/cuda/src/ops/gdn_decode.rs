@@ -1,0 +1,42 @@
+//! Launcher for kernels/gdn_decode.cu: one-token DeltaNet recurrence per sequence slot.
+
+use cudarc::driver::CudaStream;
+
+use super::{Kernels, invalid, launch, to_i32, to_u32};
+use crate::error::CudaError;
+
+#[derive(Clone, Copy, Debug)]
+pub struct GdnDecode {
+    /// q, k [n_seqs, hk, dk] bf16 (from gdn_gate); v head h at `v + b*v_stride + h*dv`.
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub v_stride: usize,
+    /// [n_seqs, hv] f32.
+    pub g: u64,
+    pub beta: u64,
+    /// [slots, hv, dk, dv] f32, and slot ids [n_seqs] i32.
+    pub state: u64,
+    pub slots: u64,
+    /// [n_seqs, hv, dv] bf16.
+    pub o: u64,
+    pub n_seqs: usize,
+    pub hk: usize,
+    pub hv: usize,
+}
+
+pub fn gdn_decode(k: &Kernels, s: &CudaStream, a: &GdnDecode) -> Result<(), CudaError> {
+    if a.n_seqs == 0 {
+        return Ok(());
+    }
+    let dv = k.dims.gdn_v_dim;
+    if a.hk == 0 || !a.hv.is_multiple_of(a.hk) || a.v_stride < a.hv * dv {
+        return Err(invalid("gdn_decode", format!("{a:?}")));
+    }
+    let GdnDecode { q, k: kp, v, g, beta, state, slots, o, .. } = *a;
+    let vs = a.v_stride as i64;
+    let hk = to_i32("gdn_decode", "hk", a.hk)?;
+    let hv = to_i32("gdn_decode", "hv", a.hv)?;
+    let grid = (to_u32("gdn_decode", "n_seqs", a.n_seqs)?, to_u32("gdn_decode", "hv", a.hv)?, (dv / 32) as u32);
+    launch!(k, s, "gdn_decode", grid, (128, 1, 1), 0; q, kp, v, vs, g, beta, state, slots, o, hk, hv)
+}

@@ -1,0 +1,46 @@
+//! Launcher for kernels/gdn_gate.cu: beta/g gates fused with q/k L2 norm and the q scale.
+
+use cudarc::driver::CudaStream;
+
+use super::{Kernels, invalid, launch, to_i32, to_u32};
+use crate::error::CudaError;
+
+#[derive(Clone, Copy, Debug)]
+pub struct GdnGate {
+    /// Conv output [t, conv_dim] bf16 (q at column 0, k at column hk*dk), token stride.
+    pub qk: u64,
+    pub qk_stride: usize,
+    /// [t, hv] bf16 each, token strides in elements.
+    pub b: u64,
+    pub b_stride: usize,
+    pub a: u64,
+    pub a_stride: usize,
+    /// [hv] f32 each.
+    pub a_log: u64,
+    pub dt_bias: u64,
+    /// Outputs: q, k [t, hk, dk] bf16; g, beta [t, hv] f32.
+    pub q_out: u64,
+    pub k_out: u64,
+    pub g: u64,
+    pub beta: u64,
+    pub t: usize,
+    pub hk: usize,
+    pub hv: usize,
+}
+
+pub fn gdn_gate(k: &Kernels, s: &CudaStream, a: &GdnGate) -> Result<(), CudaError> {
+    if a.t == 0 {
+        return Ok(());
+    }
+    let dk = k.dims.gdn_k_dim;
+    if a.hk == 0 || a.hv == 0 || a.qk_stride < 2 * a.hk * dk || a.b_stride < a.hv || a.a_stride < a.hv {
+        return Err(invalid("gdn_gate", format!("{a:?} (DK = {dk})")));
+    }
+    let GdnGate { qk, b, a: ap, a_log, dt_bias, q_out, k_out, g, beta, .. } = *a;
+    let (qs, bs, as_) = (a.qk_stride as i64, a.b_stride as i64, a.a_stride as i64);
+    let hk = to_i32("gdn_gate", "hk", a.hk)?;
+    let hv = to_i32("gdn_gate", "hv", a.hv)?;
+    let grid = (to_u32("gdn_gate", "t", a.t)?, 1, 1);
+    launch!(k, s, "gdn_gate", grid, (256, 1, 1), 0;
+        qk, qs, b, bs, ap, as_, a_log, dt_bias, q_out, k_out, g, beta, hk, hv)
+}

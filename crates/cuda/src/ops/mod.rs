@@ -1,0 +1,148 @@
+//! Kernel launchers: one file per `kernels/*.cu` file, same name. Each launcher takes raw `u64`
+//! device pointers and dims, checks the dims, and enqueues on the given stream (asynchronous;
+//! faults surface at the next synchronisation). [`Kernels`] holds every compiled function.
+
+pub mod attention;
+pub mod conv;
+pub mod elementwise;
+pub mod embed;
+pub mod gdn_chunk;
+pub mod gdn_decode;
+pub mod gdn_gate;
+pub mod kv_cache;
+pub mod norm;
+pub mod rope;
+
+use std::collections::HashMap;
+
+use cudarc::driver::CudaFunction;
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::nvrtc::Ptx;
+
+use crate::error::CudaError;
+use crate::nvrtc::{self, KernelDims, SOURCES};
+use crate::runtime::Runtime;
+
+/// Every kernel of the crate, compiled for one device and one set of [`KernelDims`].
+pub struct Kernels {
+    funcs: HashMap<&'static str, CudaFunction>,
+    pub dims: KernelDims,
+    pub arch: String,
+    /// Wall time of compiling + loading all modules (ms).
+    pub load_ms: f64,
+}
+
+impl Kernels {
+    /// Compiles (NVRTC, in parallel, cached per process) and loads every module, and raises the
+    /// dynamic shared-memory limit of the kernels that need more than 48 KB.
+    pub fn load(rt: &Runtime, dims: KernelDims) -> Result<Kernels, CudaError> {
+        dims.validate()?;
+        let t0 = std::time::Instant::now();
+        let arch = rt.arch();
+        let cubins: Vec<Result<nvrtc::Cubin, CudaError>> = std::thread::scope(|scope| {
+            let hs: Vec<_> = SOURCES
+                .iter()
+                .map(|src| {
+                    let arch = arch.as_str();
+                    scope.spawn(move || nvrtc::compile(src, arch, &dims.defines(src.module), false))
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(CudaError::InvalidArgs { kernel: "nvrtc", msg: "compiler thread panicked".into() })
+                    })
+                })
+                .collect()
+        });
+        let mut funcs = HashMap::new();
+        for (src, cubin) in SOURCES.iter().zip(cubins) {
+            let cubin = cubin?;
+            let module = rt
+                .context()
+                .load_module(Ptx::from_binary(cubin.image.as_ref().clone()))
+                .map_err(CudaError::driver("cuModuleLoadData"))?;
+            for &name in src.functions {
+                let f = module.load_function(name).map_err(CudaError::driver("cuModuleGetFunction"))?;
+                funcs.insert(name, f);
+            }
+        }
+        let k = Kernels { funcs, dims, arch, load_ms: t0.elapsed().as_secs_f64() * 1e3 };
+        for (name, bytes) in [
+            ("gdn_chunk_prep", gdn_chunk::prep_smem_bytes(&dims)),
+            ("gdn_chunk_state", gdn_chunk::state_smem_bytes(&dims)),
+            ("attn_prefill", attention::prefill_smem_bytes(&dims)),
+        ] {
+            if bytes as i64 > rt.max_smem_optin as i64 {
+                return Err(CudaError::InvalidArgs {
+                    kernel: name,
+                    msg: format!("needs {bytes} B of shared memory, the device allows {}", rt.max_smem_optin),
+                });
+            }
+            k.func(name)?
+                .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
+                .map_err(CudaError::driver("cuFuncSetAttribute(max dynamic smem)"))?;
+        }
+        Ok(k)
+    }
+
+    pub(crate) fn func(&self, name: &'static str) -> Result<&CudaFunction, CudaError> {
+        self.funcs.get(name).ok_or(CudaError::UnknownKernel(name))
+    }
+}
+
+/// `launch!(kernels, stream, "name", grid, block, smem; arg_idents...)`: every argument must be
+/// a local binding (its address is passed to the driver and must outlive the launch call).
+macro_rules! launch {
+    ($k:expr, $stream:expr, $name:literal, $grid:expr, $block:expr, $smem:expr; $($arg:ident),* $(,)?) => {{
+        use cudarc::driver::PushKernelArg as _;
+        let f = $k.func($name)?;
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: $grid,
+            block_dim: $block,
+            shared_mem_bytes: $smem,
+        };
+        let mut b = $stream.launch_builder(f);
+        $( b.arg(&$arg); )*
+        // SAFETY: argument order and types match the kernel signature in kernels/*.cu, and the
+        // launcher validated the dims that bound every device access.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(|source| $crate::error::CudaError::Launch {
+            kernel: $name,
+            grid: cfg.grid_dim,
+            block: cfg.block_dim,
+            smem: cfg.shared_mem_bytes,
+            source,
+        })
+    }};
+}
+pub(crate) use launch;
+
+/// Shorthand for an argument error.
+pub(crate) fn invalid(kernel: &'static str, msg: impl Into<String>) -> CudaError {
+    CudaError::InvalidArgs { kernel, msg: msg.into() }
+}
+
+/// `usize` -> kernel `int`, or an error naming the kernel.
+pub(crate) fn to_i32(kernel: &'static str, what: &str, v: usize) -> Result<i32, CudaError> {
+    i32::try_from(v).map_err(|_| invalid(kernel, format!("{what} = {v} does not fit in i32")))
+}
+
+/// `usize` -> grid dimension.
+pub(crate) fn to_u32(kernel: &'static str, what: &str, v: usize) -> Result<u32, CudaError> {
+    u32::try_from(v).map_err(|_| invalid(kernel, format!("{what} = {v} does not fit in u32")))
+}
+
+/// Host-side tile table for varlen launches: for each sequence (from `cu_seqlens`, B+1 offsets)
+/// and each tile of `tile` tokens inside it, the pair (sequence index, tile index). Upload it next
+/// to `cu_seqlens`; the kernels index it with blockIdx.x.
+pub fn tile_table(cu_seqlens: &[i32], tile: usize) -> Vec<i32> {
+    let mut out = Vec::new();
+    for (s, w) in cu_seqlens.windows(2).enumerate() {
+        let len = (w[1] - w[0]).max(0) as usize;
+        for c in 0..len.div_ceil(tile) {
+            out.push(s as i32);
+            out.push(c as i32);
+        }
+    }
+    out
+}

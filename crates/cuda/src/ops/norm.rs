@@ -1,0 +1,91 @@
+//! Launchers for kernels/norm.cu: residual-add + RMSNorm(1+w), strided RMSNorm(1+w) (q/k norms),
+//! and the DeltaNet output's gated RMSNorm (plain w, silu(z)).
+
+use cudarc::driver::CudaStream;
+
+use super::{Kernels, invalid, launch, to_i32, to_u32};
+use crate::error::CudaError;
+
+/// h = x + res (bf16; `res` None: h = x); `res_out` (may alias `res`) = h; out = rmsnorm_1p(h).
+/// All [rows, d] bf16; w [d] bf16.
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm_1p(
+    k: &Kernels,
+    s: &CudaStream,
+    x: u64,
+    res: Option<u64>,
+    w: u64,
+    res_out: Option<u64>,
+    out: u64,
+    rows: usize,
+    d: usize,
+    eps: f32,
+) -> Result<(), CudaError> {
+    if rows == 0 {
+        return Ok(());
+    }
+    if d == 0 {
+        return Err(invalid("add_rms_norm_1p", "d = 0"));
+    }
+    let (res, res_out) = (res.unwrap_or(0), res_out.unwrap_or(0));
+    let dd = to_i32("add_rms_norm_1p", "d", d)?;
+    let grid = (to_u32("add_rms_norm_1p", "rows", rows)?, 1, 1);
+    launch!(k, s, "add_rms_norm_1p", grid, (256, 1, 1), 0; x, res, w, res_out, out, dd, eps)
+}
+
+/// Row r of x at `x + r*x_stride`, of out at `out + r*out_stride` (elements), d wide;
+/// out = x * rsqrt(mean x² + eps) * (1 + w). For q_norm on the [T, H, 2*hd] q|gate layout use
+/// rows = T*H, x_stride = 2*hd, out_stride = hd.
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_1p(
+    k: &Kernels,
+    s: &CudaStream,
+    x: u64,
+    x_stride: usize,
+    w: u64,
+    out: u64,
+    out_stride: usize,
+    rows: usize,
+    d: usize,
+    eps: f32,
+) -> Result<(), CudaError> {
+    if rows == 0 {
+        return Ok(());
+    }
+    if d == 0 || x_stride < d || out_stride < d {
+        return Err(invalid("rms_norm_1p", format!("d = {d}, x_stride = {x_stride}, out_stride = {out_stride}")));
+    }
+    let (xs, os) = (x_stride as i64, out_stride as i64);
+    let dd = to_i32("rms_norm_1p", "d", d)?;
+    let grid = (to_u32("rms_norm_1p", "rows", rows)?, 1, 1);
+    launch!(k, s, "rms_norm_1p", grid, (256, 1, 1), 0; x, xs, w, out, os, dd, eps)
+}
+
+/// o [t*heads, d] bf16; z: head h of token t at `z + t*z_tok_stride + h*d`; w [d] f32;
+/// out [t*heads, d] = w * rmsnorm(o) * silu(z).
+#[allow(clippy::too_many_arguments)]
+pub fn gated_rms_norm(
+    k: &Kernels,
+    s: &CudaStream,
+    o: u64,
+    z: u64,
+    z_tok_stride: usize,
+    heads: usize,
+    w: u64,
+    out: u64,
+    t: usize,
+    d: usize,
+    eps: f32,
+) -> Result<(), CudaError> {
+    if t == 0 {
+        return Ok(());
+    }
+    if d == 0 || heads == 0 || z_tok_stride < heads * d {
+        return Err(invalid("gated_rms_norm", format!("d = {d}, heads = {heads}, z_tok_stride = {z_tok_stride}")));
+    }
+    let zs = z_tok_stride as i64;
+    let h = to_i32("gated_rms_norm", "heads", heads)?;
+    let dd = to_i32("gated_rms_norm", "d", d)?;
+    let grid = (to_u32("gated_rms_norm", "rows", t * heads)?, 1, 1);
+    launch!(k, s, "gated_rms_norm", grid, (128, 1, 1), 0; o, z, zs, h, w, out, dd, eps)
+}

@@ -1,0 +1,930 @@
+//! Every CUDA op against the f32 CPU reference (deltaserve-cpu), in ONE table of cases.
+//!
+//! Each case draws fresh random inputs (the seed is printed), rounds them to bf16 (what the GPU
+//! reads), runs the CPU reference in f32 on those rounded values, poisons the GPU outputs with
+//! NaN (0xFF bytes) before the launch, and checks every element: |ref − x| ≤ atol + rtol·|ref|.
+//! The worst element and its share of the tolerance are printed for every case.
+//!
+//! Tolerances (bf16 I/O, f32 math): a bf16 output is the f32 result rounded once, a relative
+//! error ≤ 2⁻⁹ ≈ 2e-3, so rtol = 8e-3 leaves 4× headroom for f32 reordering and libm differences
+//! (expf, sinf). atol covers cancellation near zero and is tied to the output scale (rms of ref):
+//! 2e-3·rms for single-rounding ops. The DeltaNet chunk kernel and attention accumulate over
+//! many tokens in a different order than the CPU, and GEMM sums 5120 products; they get
+//! rtol 1.6e-2 and atol 4e-3·rms. The residual stream (bf16(x + res)) must match bit for bit.
+//!
+//! With no CUDA driver the test prints SKIP and passes. To add an op: add an `Op` variant, its
+//! arm in `run_case`, and rows in `cases()`.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use deltaserve_cpu as cpu;
+use deltaserve_cuda::arena::{Arena, RegionId};
+use deltaserve_cuda::ops::{self, attention, conv, gdn_chunk, gdn_decode, gdn_gate, kv_cache};
+use deltaserve_cuda::{KernelDims, Kernels, LibStatus, Runtime, gemm};
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+// ---------------------------------------------------------------------------------------------
+// The table
+
+#[derive(Clone, Debug)]
+enum Op {
+    Embed {
+        t: usize,
+        d: usize,
+        vocab: usize,
+    },
+    AddRmsNorm {
+        rows: usize,
+        d: usize,
+        residual: bool,
+    },
+    RmsNormStrided {
+        t: usize,
+        heads: usize,
+        hd: usize,
+        stride: usize,
+    },
+    GatedRmsNorm {
+        t: usize,
+        hv: usize,
+        dv: usize,
+    },
+    SigmoidGate {
+        t: usize,
+        heads: usize,
+        hd: usize,
+    },
+    Swiglu {
+        t: usize,
+        i: usize,
+    },
+    Rope {
+        t: usize,
+        heads: usize,
+        hd: usize,
+        rot: usize,
+        pos0: usize,
+    },
+    ConvPrefill {
+        lens: Vec<usize>,
+        c: usize,
+    },
+    ConvDecode {
+        b: usize,
+        c: usize,
+    },
+    GdnGate {
+        t: usize,
+        hk: usize,
+        hv: usize,
+    },
+    GdnChunk {
+        lens: Vec<usize>,
+        hk: usize,
+        hv: usize,
+    },
+    GdnDecode {
+        b: usize,
+        hk: usize,
+        hv: usize,
+    },
+    /// (past, new) per sequence: kv_write of all positions, then prefill attention of the new.
+    AttnPrefill {
+        seqs: Vec<(usize, usize)>,
+        hq: usize,
+        hkv: usize,
+        page: usize,
+    },
+    AttnDecode {
+        lens: Vec<usize>,
+        hq: usize,
+        hkv: usize,
+        page: usize,
+        n_split: usize,
+    },
+    Gemm {
+        m: usize,
+        n: usize,
+        k: usize,
+    },
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Tol {
+    /// atol = atol_rms · rms(ref) + atol_abs
+    atol_rms: f32,
+    atol_abs: f32,
+    rtol: f32,
+}
+
+const SINGLE: Tol = Tol { atol_rms: 2e-3, atol_abs: 1e-6, rtol: 8e-3 };
+const ACCUM: Tol = Tol { atol_rms: 4e-3, atol_abs: 1e-6, rtol: 1.6e-2 };
+const EXACT: Tol = Tol { atol_rms: 0.0, atol_abs: 0.0, rtol: 0.0 };
+
+struct Case {
+    name: &'static str,
+    dims: KernelDims,
+    op: Op,
+    tol: Tol,
+}
+
+/// Small-attention variant: head dim 128, 2 query heads per kv head, BV 16 for the chunk kernel.
+const SMALL: KernelDims = KernelDims { attn_head_dim: 128, gqa_group: 2, gdn_bv: 16, ..KernelDims::QWEN35_27B };
+
+fn cases() -> Vec<Case> {
+    let q = KernelDims::QWEN35_27B;
+    let c = |name, dims, op, tol| Case { name, dims, op, tol };
+    vec![
+        c("embed", q, Op::Embed { t: 1, d: 5120, vocab: 1000 }, EXACT),
+        c("embed", q, Op::Embed { t: 37, d: 5120, vocab: 1000 }, EXACT),
+        c("add_rms_norm_1p", q, Op::AddRmsNorm { rows: 1, d: 5120, residual: true }, SINGLE),
+        c("add_rms_norm_1p", q, Op::AddRmsNorm { rows: 17, d: 5120, residual: true }, SINGLE),
+        c("add_rms_norm_1p", q, Op::AddRmsNorm { rows: 5, d: 5120, residual: false }, SINGLE),
+        c("rms_norm_1p_strided", q, Op::RmsNormStrided { t: 7, heads: 24, hd: 256, stride: 512 }, SINGLE),
+        c("rms_norm_1p_strided", q, Op::RmsNormStrided { t: 1, heads: 4, hd: 256, stride: 256 }, SINGLE),
+        c("gated_rms_norm", q, Op::GatedRmsNorm { t: 9, hv: 48, dv: 128 }, SINGLE),
+        c("sigmoid_gate_mul", q, Op::SigmoidGate { t: 5, heads: 24, hd: 256 }, SINGLE),
+        c("swiglu", q, Op::Swiglu { t: 3, i: 17408 }, SINGLE),
+        c("rope", q, Op::Rope { t: 1, heads: 24, hd: 256, rot: 64, pos0: 0 }, SINGLE),
+        c("rope", q, Op::Rope { t: 33, heads: 4, hd: 256, rot: 64, pos0: 100_000 }, SINGLE),
+        c("conv_prefill", q, Op::ConvPrefill { lens: vec![1], c: 10240 }, SINGLE),
+        c("conv_prefill", q, Op::ConvPrefill { lens: vec![63, 64, 65], c: 10240 }, SINGLE),
+        c("conv_prefill", q, Op::ConvPrefill { lens: vec![2, 1, 129, 127], c: 10240 }, SINGLE),
+        c("conv_decode", q, Op::ConvDecode { b: 5, c: 10240 }, SINGLE),
+        c("gdn_gate", q, Op::GdnGate { t: 70, hk: 16, hv: 48 }, SINGLE),
+        c("gdn_chunk", q, Op::GdnChunk { lens: vec![1], hk: 16, hv: 48 }, ACCUM),
+        c("gdn_chunk", q, Op::GdnChunk { lens: vec![63], hk: 16, hv: 48 }, ACCUM),
+        c("gdn_chunk", q, Op::GdnChunk { lens: vec![64], hk: 16, hv: 48 }, ACCUM),
+        c("gdn_chunk", q, Op::GdnChunk { lens: vec![65], hk: 16, hv: 48 }, ACCUM),
+        c("gdn_chunk", q, Op::GdnChunk { lens: vec![127], hk: 16, hv: 48 }, ACCUM),
+        c("gdn_chunk", q, Op::GdnChunk { lens: vec![129, 1, 64, 200], hk: 16, hv: 48 }, ACCUM),
+        c("gdn_chunk", SMALL, Op::GdnChunk { lens: vec![100, 3], hk: 4, hv: 4 }, ACCUM),
+        c("gdn_decode", q, Op::GdnDecode { b: 7, hk: 16, hv: 48 }, ACCUM),
+        c("kv_write+attn_prefill", q, Op::AttnPrefill { seqs: vec![(0, 1)], hq: 24, hkv: 4, page: 16 }, ACCUM),
+        c(
+            "kv_write+attn_prefill",
+            q,
+            Op::AttnPrefill { seqs: vec![(0, 63), (10, 65), (100, 17)], hq: 24, hkv: 4, page: 16 },
+            ACCUM,
+        ),
+        c(
+            "kv_write+attn_prefill",
+            SMALL,
+            Op::AttnPrefill { seqs: vec![(0, 129), (300, 5)], hq: 8, hkv: 4, page: 64 },
+            ACCUM,
+        ),
+        c(
+            "attn_decode",
+            q,
+            Op::AttnDecode { lens: vec![1, 17, 300, 1000], hq: 24, hkv: 4, page: 16, n_split: 8 },
+            ACCUM,
+        ),
+        c("attn_decode", SMALL, Op::AttnDecode { lens: vec![5, 64], hq: 8, hkv: 4, page: 32, n_split: 16 }, ACCUM),
+        c("gemm", q, Op::Gemm { m: 48, n: 1, k: 5120 }, ACCUM),
+        c("gemm", q, Op::Gemm { m: 2048, n: 129, k: 5120 }, ACCUM),
+    ]
+}
+
+// ---------------------------------------------------------------------------------------------
+// Driver
+
+#[test]
+fn ops_match_cpu_reference() {
+    if !LibStatus::probe().driver {
+        eprintln!("SKIP ops: no CUDA driver (libcuda) on this machine");
+        return;
+    }
+    let rt = Runtime::open(0).expect("CUDA driver present but the device could not be opened");
+    let seed = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
+    println!("device {} ({}), seed {seed}", rt.name, rt.arch());
+    let mut kernels: Vec<(KernelDims, Kernels)> = Vec::new();
+    let mut failures = Vec::new();
+    for (i, case) in cases().into_iter().enumerate() {
+        if !kernels.iter().any(|(d, _)| *d == case.dims) {
+            let k = Kernels::load(&rt, case.dims).expect("kernel load");
+            println!("loaded kernels for {:?} in {:.0} ms", case.dims, k.load_ms);
+            kernels.push((case.dims, k));
+        }
+        let k = &kernels.iter().find(|(d, _)| *d == case.dims).expect("loaded").1;
+        let mut rng = StdRng::seed_from_u64(seed.wrapping_add(i as u64));
+        let outcomes = match run_case(&rt, k, &case, &mut rng) {
+            Ok(o) => o,
+            Err(e) => vec![Outcome::error(format!("{e}"))],
+        };
+        for o in outcomes {
+            println!(
+                "{:<4} {:<22} {:<58} {}",
+                if o.ok { "ok" } else { "FAIL" },
+                case.name,
+                format!("{:?}", case.op).chars().take(58).collect::<String>(),
+                o.detail
+            );
+            if !o.ok {
+                failures.push(format!("{} {:?}: {}", case.name, case.op, o.detail));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} failing checks:\n{}", failures.len(), failures.join("\n"));
+}
+
+struct Outcome {
+    ok: bool,
+    detail: String,
+}
+
+impl Outcome {
+    fn error(msg: String) -> Self {
+        Outcome { ok: false, detail: msg }
+    }
+}
+
+fn compare(what: &str, reference: &[f32], got: &[f32], tol: Tol) -> Outcome {
+    if reference.len() != got.len() {
+        return Outcome::error(format!("{what}: length {} vs {}", got.len(), reference.len()));
+    }
+    let rms =
+        (reference.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / reference.len().max(1) as f64).sqrt() as f32;
+    let atol = tol.atol_rms * rms + tol.atol_abs;
+    let (mut worst, mut worst_share, mut max_err, mut nan) = (0usize, 0f32, 0f32, 0usize);
+    for (i, (&r, &x)) in reference.iter().zip(got).enumerate() {
+        if !x.is_finite() {
+            nan += 1;
+            continue;
+        }
+        let err = (r - x).abs();
+        let lim = atol + tol.rtol * r.abs();
+        let share = if lim > 0.0 {
+            err / lim
+        } else if err > 0.0 {
+            f32::INFINITY
+        } else {
+            0.0
+        };
+        max_err = max_err.max(err);
+        if share > worst_share {
+            worst_share = share;
+            worst = i;
+        }
+    }
+    let ok = nan == 0 && worst_share <= 1.0;
+    Outcome {
+        ok,
+        detail: format!(
+            "{what}: n={} max|err|={max_err:.3e} worst[{worst}] ref={:.4e} got={:.4e} ({:.0}% of tol; atol={atol:.2e} rtol={:.1e}){}",
+            reference.len(),
+            reference.get(worst).copied().unwrap_or(0.0),
+            got.get(worst).copied().unwrap_or(0.0),
+            worst_share * 100.0,
+            tol.rtol,
+            if nan > 0 { format!(" {nan} NON-FINITE (unwritten?)") } else { String::new() }
+        ),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device helpers: one arena region per case, poisoned outputs, bf16 rounding.
+
+struct Dev<'a> {
+    rt: &'a Runtime,
+    arena: Arena,
+    reg: RegionId,
+}
+
+type R<T> = Result<T, deltaserve_cuda::CudaError>;
+
+impl<'a> Dev<'a> {
+    fn new(rt: &'a Runtime, bytes: usize) -> R<Self> {
+        let mut arena = Arena::new(rt.context().clone());
+        let reg = arena.add_region("test", bytes)?;
+        Ok(Dev { rt, arena, reg })
+    }
+    fn alloc(&mut self, bytes: usize) -> R<u64> {
+        Ok(self.arena.alloc(self.reg, bytes)?.ptr)
+    }
+    fn bf16(&mut self, v: &[f32]) -> R<u64> {
+        let h: Vec<u16> = v.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
+        let p = self.alloc(2 * v.len())?;
+        self.rt.upload(p, &h)?;
+        Ok(p)
+    }
+    fn f32s(&mut self, v: &[f32]) -> R<u64> {
+        let p = self.alloc(4 * v.len())?;
+        self.rt.upload(p, v)?;
+        Ok(p)
+    }
+    fn i32s(&mut self, v: &[i32]) -> R<u64> {
+        let p = self.alloc(4 * v.len().max(1))?;
+        self.rt.upload(p, v)?;
+        Ok(p)
+    }
+    /// Output buffer filled with 0xFF bytes: NaN as bf16 and as f32.
+    fn poison(&mut self, bytes: usize) -> R<u64> {
+        let p = self.alloc(bytes)?;
+        self.rt.memset(p, 0xFF, bytes)?;
+        Ok(p)
+    }
+    fn get_bf16(&self, p: u64, n: usize) -> R<Vec<f32>> {
+        let mut h = vec![0u16; n];
+        self.rt.download(&mut h, p)?;
+        Ok(h.into_iter().map(|b| bf16::from_bits(b).to_f32()).collect())
+    }
+    fn get_f32(&self, p: u64, n: usize) -> R<Vec<f32>> {
+        let mut h = vec![0f32; n];
+        self.rt.download(&mut h, p)?;
+        Ok(h)
+    }
+}
+
+fn rb(x: f32) -> f32 {
+    bf16::from_f32(x).to_f32()
+}
+
+/// Uniform in [-a, a), rounded to bf16.
+fn randv(rng: &mut StdRng, n: usize, a: f32) -> Vec<f32> {
+    (0..n).map(|_| rb(rng.random_range(-a..a))).collect()
+}
+
+fn cu_of(lens: &[usize]) -> Vec<i32> {
+    let mut cu = vec![0i32];
+    for &l in lens {
+        cu.push(cu.last().copied().unwrap_or(0) + l as i32);
+    }
+    cu
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cases
+
+fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<Outcome>> {
+    let s = rt.stream().clone();
+    let tol = case.tol;
+    let mut dev = Dev::new(rt, 1 << 30)?;
+    let d = &mut dev;
+    let out = match case.op.clone() {
+        Op::Embed { t, d: dim, vocab } => {
+            let table = randv(rng, vocab * dim, 1.0);
+            let ids: Vec<i32> = (0..t).map(|_| rng.random_range(0..vocab as i32)).collect();
+            let (tp, ip, op) = (d.bf16(&table)?, d.i32s(&ids)?, d.poison(2 * t * dim)?);
+            ops::embed::embed_gather(k, &s, tp, ip, op, t, dim)?;
+            let r: Vec<f32> = ids.iter().flat_map(|&i| table[i as usize * dim..][..dim].to_vec()).collect();
+            vec![compare("out", &r, &d.get_bf16(op, t * dim)?, tol)]
+        }
+        Op::AddRmsNorm { rows, d: dim, residual } => {
+            let x = randv(rng, rows * dim, 2.0);
+            let res = randv(rng, rows * dim, 2.0);
+            let w = randv(rng, dim, 0.5);
+            let (xp, rp, wp) = (d.bf16(&x)?, d.bf16(&res)?, d.bf16(&w)?);
+            let (ro, op) = (d.poison(2 * rows * dim)?, d.poison(2 * rows * dim)?);
+            let (resp, rop) = if residual { (Some(rp), Some(ro)) } else { (None, None) };
+            ops::norm::add_rms_norm_1p(k, &s, xp, resp, wp, rop, op, rows, dim, 1e-6)?;
+            let h: Vec<f32> = if residual { x.iter().zip(&res).map(|(a, b)| rb(a + b)).collect() } else { x.clone() };
+            let mut n = h.clone();
+            cpu::norm::rms_norm_1p(&mut n, &w, 1e-6);
+            let mut v = vec![compare("normed", &n, &d.get_bf16(op, rows * dim)?, tol)];
+            if residual {
+                v.push(compare("residual", &h, &d.get_bf16(ro, rows * dim)?, EXACT));
+            }
+            v
+        }
+        Op::RmsNormStrided { t, heads, hd, stride } => {
+            let x = randv(rng, t * heads * stride, 3.0);
+            let w = randv(rng, hd, 0.5);
+            let (xp, wp, op) = (d.bf16(&x)?, d.bf16(&w)?, d.poison(2 * t * heads * hd)?);
+            ops::norm::rms_norm_1p(k, &s, xp, stride, wp, op, hd, t * heads, hd, 1e-6)?;
+            let mut r: Vec<f32> = x.chunks(stride).flat_map(|c| c[..hd].to_vec()).collect();
+            cpu::norm::rms_norm_1p(&mut r, &w, 1e-6);
+            vec![compare("out", &r, &d.get_bf16(op, t * heads * hd)?, tol)]
+        }
+        Op::GatedRmsNorm { t, hv, dv } => {
+            let o = randv(rng, t * hv * dv, 1.0);
+            let z = randv(rng, t * hv * dv, 3.0);
+            let w: Vec<f32> = (0..dv).map(|_| rng.random_range(0.5..1.5)).collect();
+            let (opp, zp, wp, outp) = (d.bf16(&o)?, d.bf16(&z)?, d.f32s(&w)?, d.poison(2 * t * hv * dv)?);
+            ops::norm::gated_rms_norm(k, &s, opp, zp, hv * dv, hv, wp, outp, t, dv, 1e-6)?;
+            let mut r = o.clone();
+            cpu::norm::gated_rms_norm(&mut r, &z, &w, 1e-6);
+            vec![compare("out", &r, &d.get_bf16(outp, t * hv * dv)?, tol)]
+        }
+        Op::SigmoidGate { t, heads, hd } => {
+            let x = randv(rng, t * heads * hd, 2.0);
+            let qg = randv(rng, t * heads * 2 * hd, 4.0);
+            let (xp, gp) = (d.bf16(&x)?, d.bf16(&qg)?);
+            ops::elementwise::sigmoid_gate_mul(k, &s, xp, gp + 2 * hd as u64, t, heads, hd, 2 * heads * hd, 2 * hd)?;
+            let r: Vec<f32> = (0..x.len())
+                .map(|i| {
+                    let (tt, h, dd) = (i / (heads * hd), (i / hd) % heads, i % hd);
+                    x[i] * cpu::activation::sigmoid(qg[tt * 2 * heads * hd + h * 2 * hd + hd + dd])
+                })
+                .collect();
+            vec![compare("out", &r, &d.get_bf16(xp, x.len())?, tol)]
+        }
+        Op::Swiglu { t, i } => {
+            let gu = randv(rng, t * 2 * i, 4.0);
+            let (gp, op) = (d.bf16(&gu)?, d.poison(2 * t * i)?);
+            ops::elementwise::swiglu(k, &s, gp, 2 * i, gp + 2 * i as u64, 2 * i, op, t, i)?;
+            let r: Vec<f32> = (0..t * i)
+                .map(|e| {
+                    let (tt, c) = (e / i, e % i);
+                    cpu::activation::silu(gu[tt * 2 * i + c]) * gu[tt * 2 * i + i + c]
+                })
+                .collect();
+            vec![compare("out", &r, &d.get_bf16(op, t * i)?, tol)]
+        }
+        Op::Rope { t, heads, hd, rot, pos0 } => {
+            let x = randv(rng, t * heads * hd, 2.0);
+            let pos: Vec<i32> = (0..t).map(|i| (pos0 + i) as i32).collect();
+            let (xp, pp) = (d.bf16(&x)?, d.i32s(&pos)?);
+            ops::rope::rope_partial(k, &s, xp, heads * hd, pp, t, heads, hd, rot, 1e7)?;
+            let mut r = x.clone();
+            cpu::rope::apply_partial_rope(&mut r, heads, hd, rot, 1e7, pos0);
+            vec![compare("out", &r, &d.get_bf16(xp, x.len())?, tol)]
+        }
+        Op::ConvPrefill { lens, c } => {
+            let kw = k.dims.conv_kernel;
+            let t: usize = lens.iter().sum();
+            let nb = lens.len();
+            let x = randv(rng, t * c, 2.0);
+            let w = randv(rng, c * kw, 0.6);
+            let st0 = randv(rng, nb * (kw - 1) * c, 2.0);
+            // Slots in reverse order, to catch slot/sequence mix-ups.
+            let slots: Vec<i32> = (0..nb as i32).rev().collect();
+            let cu = cu_of(&lens);
+            let mut st_dev = vec![0f32; st0.len()];
+            for (b, &sl) in slots.iter().enumerate() {
+                let n = (kw - 1) * c;
+                st_dev[sl as usize * n..][..n].copy_from_slice(&st0[b * n..][..n]);
+            }
+            let (xp, wp, sp, cup, slp, yp) =
+                (d.bf16(&x)?, d.bf16(&w)?, d.bf16(&st_dev)?, d.i32s(&cu)?, d.i32s(&slots)?, d.poison(2 * t * c)?);
+            let a = conv::ConvPrefill {
+                x: xp,
+                x_stride: c,
+                w: wp,
+                y: yp,
+                state: sp,
+                cu_seqlens: cup,
+                slots: slp,
+                n_seqs: nb,
+                t,
+                channels: c,
+            };
+            conv::conv_prefill(k, &s, &a)?;
+            let (mut ry, mut rs) = (Vec::new(), vec![0f32; st0.len()]);
+            for (b, &len) in lens.iter().enumerate() {
+                let n = (kw - 1) * c;
+                let mut st = st0[b * n..][..n].to_vec();
+                let xs = &x[cu[b] as usize * c..][..len * c];
+                ry.extend(cpu::conv::causal_conv1d_silu(xs, c, &w, kw, &mut st));
+                rs[slots[b] as usize * n..][..n].copy_from_slice(&st);
+            }
+            vec![
+                compare("y", &ry, &d.get_bf16(yp, t * c)?, tol),
+                compare("state", &rs, &d.get_bf16(sp, rs.len())?, EXACT),
+            ]
+        }
+        Op::ConvDecode { b, c } => {
+            let kw = k.dims.conv_kernel;
+            let x = randv(rng, b * c, 2.0);
+            let w = randv(rng, c * kw, 0.6);
+            let st0 = randv(rng, b * (kw - 1) * c, 2.0);
+            let slots: Vec<i32> = (0..b as i32).rev().collect();
+            let n = (kw - 1) * c;
+            let mut st_dev = vec![0f32; st0.len()];
+            for (bi, &sl) in slots.iter().enumerate() {
+                st_dev[sl as usize * n..][..n].copy_from_slice(&st0[bi * n..][..n]);
+            }
+            let (xp, wp, sp, slp, yp) =
+                (d.bf16(&x)?, d.bf16(&w)?, d.bf16(&st_dev)?, d.i32s(&slots)?, d.poison(2 * b * c)?);
+            conv::conv_decode(k, &s, xp, c, wp, yp, sp, slp, b, c)?;
+            let (mut ry, mut rs) = (Vec::new(), vec![0f32; st0.len()]);
+            for (bi, &sl) in slots.iter().enumerate() {
+                let mut st = st0[bi * n..][..n].to_vec();
+                ry.extend(cpu::conv::causal_conv1d_silu(&x[bi * c..][..c], c, &w, kw, &mut st));
+                rs[sl as usize * n..][..n].copy_from_slice(&st);
+            }
+            vec![
+                compare("y", &ry, &d.get_bf16(yp, b * c)?, tol),
+                compare("state", &rs, &d.get_bf16(sp, rs.len())?, EXACT),
+            ]
+        }
+        Op::GdnGate { t, hk, hv } => {
+            let dk = k.dims.gdn_k_dim;
+            let conv_dim = 2 * hk * dk + hv * k.dims.gdn_v_dim;
+            let qkv = randv(rng, t * conv_dim, 1.0);
+            let ba = randv(rng, t * 2 * hv, 4.0); // [b | a] per token, like a fused projection
+            let a_log: Vec<f32> = (0..hv).map(|_| rng.random_range(-2.0..1.5)).collect();
+            let dt_bias: Vec<f32> = (0..hv).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let (qp, bap, alp, dtp) = (d.bf16(&qkv)?, d.bf16(&ba)?, d.f32s(&a_log)?, d.f32s(&dt_bias)?);
+            let (qo, ko, go, bo) =
+                (d.poison(2 * t * hk * dk)?, d.poison(2 * t * hk * dk)?, d.poison(4 * t * hv)?, d.poison(4 * t * hv)?);
+            let a = gdn_gate::GdnGate {
+                qk: qp,
+                qk_stride: conv_dim,
+                b: bap,
+                b_stride: 2 * hv,
+                a: bap + 2 * hv as u64,
+                a_stride: 2 * hv,
+                a_log: alp,
+                dt_bias: dtp,
+                q_out: qo,
+                k_out: ko,
+                g: go,
+                beta: bo,
+                t,
+                hk,
+                hv,
+            };
+            gdn_gate::gdn_gate(k, &s, &a)?;
+            let (mut rq, mut rk, mut rg, mut rbeta) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            for tt in 0..t {
+                let row = &qkv[tt * conv_dim..];
+                let mut qq = row[..hk * dk].to_vec();
+                let mut kk = row[hk * dk..2 * hk * dk].to_vec();
+                cpu::norm::l2_norm(&mut qq, dk, 1e-6);
+                cpu::norm::l2_norm(&mut kk, dk, 1e-6);
+                rq.extend(qq.iter().map(|v| v / (dk as f32).sqrt()));
+                rk.extend(kk);
+                for h in 0..hv {
+                    let (bv, av) = (ba[tt * 2 * hv + h], ba[tt * 2 * hv + hv + h]);
+                    rbeta.push(cpu::activation::sigmoid(bv));
+                    rg.push(-a_log[h].exp() * cpu::activation::softplus(av + dt_bias[h]));
+                }
+            }
+            vec![
+                compare("q", &rq, &d.get_bf16(qo, rq.len())?, tol),
+                compare("k", &rk, &d.get_bf16(ko, rk.len())?, tol),
+                compare("g", &rg, &d.get_f32(go, rg.len())?, tol),
+                compare("beta", &rbeta, &d.get_f32(bo, rbeta.len())?, tol),
+            ]
+        }
+        Op::GdnChunk { lens, hk, hv } => gdn_case(k, &s, d, rng, &lens, hk, hv, tol, false)?,
+        Op::GdnDecode { b, hk, hv } => gdn_case(k, &s, d, rng, &vec![1; b], hk, hv, tol, true)?,
+        Op::AttnPrefill { seqs, hq, hkv, page } => attn_case(k, &s, d, rng, &seqs, hq, hkv, page, None, tol)?,
+        Op::AttnDecode { lens, hq, hkv, page, n_split } => {
+            let seqs: Vec<(usize, usize)> = lens.iter().map(|&l| (l - 1, 1)).collect();
+            attn_case(k, &s, d, rng, &seqs, hq, hkv, page, Some(n_split), tol)?
+        }
+        Op::Gemm { m, n, k: kk } => {
+            let x = randv(rng, n * kk, 1.0);
+            let w = randv(rng, m * kk, 0.05);
+            let ws_bytes = gemm::recommended_workspace_bytes(rt);
+            let ws = deltaserve_cuda::DevSpan { ptr: d.alloc(ws_bytes)?, bytes: ws_bytes };
+            let g = gemm::Gemm::new(rt, ws)?;
+            let (xp, wp, yp) = (d.bf16(&x)?, d.bf16(&w)?, d.poison(2 * n * m)?);
+            g.prepare(m, n, kk)?;
+            let before = g.heuristic_calls();
+            g.linear(&s, xp, wp, yp, n, m, kk)?;
+            let r = cpu::linear::linear(&x, n, &w, m, kk);
+            let mut v = vec![compare("y", &r, &d.get_bf16(yp, n * m)?, tol)];
+            if g.heuristic_calls() != before {
+                v.push(Outcome::error("heuristic ran on the hot path".into()));
+            }
+            v
+        }
+    };
+    rt.synchronize()?;
+    Ok(out)
+}
+
+/// DeltaNet core: random normalised q/k (as gdn_gate writes them), v, g, beta and a random
+/// carried state in shuffled slots; chunked prefill (or decode) vs cpu::gdn::gdn_recurrent.
+#[allow(clippy::too_many_arguments)]
+fn gdn_case(
+    k: &Kernels,
+    s: &std::sync::Arc<cudarc::driver::CudaStream>,
+    d: &mut Dev,
+    rng: &mut StdRng,
+    lens: &[usize],
+    hk: usize,
+    hv: usize,
+    tol: Tol,
+    decode: bool,
+) -> R<Vec<Outcome>> {
+    let (dk, dv) = (k.dims.gdn_k_dim, k.dims.gdn_v_dim);
+    let t: usize = lens.iter().sum();
+    let nb = lens.len();
+    let mut q = randv(rng, t * hk * dk, 1.0);
+    let mut kk = randv(rng, t * hk * dk, 1.0);
+    cpu::norm::l2_norm(&mut q, dk, 1e-6);
+    cpu::norm::l2_norm(&mut kk, dk, 1e-6);
+    let q: Vec<f32> = q.iter().map(|v| rb(v / (dk as f32).sqrt())).collect();
+    let kk: Vec<f32> = kk.iter().map(|&v| rb(v)).collect();
+    // v lives inside a wider conv-output row, like the real layout.
+    let v_stride = hv * dv + 64;
+    let vrow = randv(rng, t * v_stride, 1.0);
+    let g: Vec<f32> = (0..t * hv).map(|_| -rng.random_range(0.0f32..1.5).powi(2)).collect();
+    let beta: Vec<f32> = (0..t * hv).map(|_| rng.random_range(0.05..0.95)).collect();
+    let n_state = hv * dk * dv;
+    let st0: Vec<f32> = (0..nb * n_state).map(|_| rng.random_range(-0.5..0.5)).collect();
+    let n_slots = nb + 2;
+    // A permutation of 1..=nb (slot 0 and nb+1 unused), reversed against the batch order.
+    let slots: Vec<i32> = (0..nb).map(|b| (nb - b) as i32).collect();
+    let mut st_dev = vec![0f32; n_slots * n_state];
+    for (b, &sl) in slots.iter().enumerate() {
+        st_dev[sl as usize * n_state..][..n_state].copy_from_slice(&st0[b * n_state..][..n_state]);
+    }
+    let cu = cu_of(lens);
+    let (qp, kp, vp, gp, bp) = (d.bf16(&q)?, d.bf16(&kk)?, d.bf16(&vrow)?, d.f32s(&g)?, d.f32s(&beta)?);
+    let (sp, cup, slp, op) = (d.f32s(&st_dev)?, d.i32s(&cu)?, d.i32s(&slots)?, d.poison(2 * t * hv * dv)?);
+    if decode {
+        let a = gdn_decode::GdnDecode {
+            q: qp,
+            k: kp,
+            v: vp,
+            v_stride,
+            g: gp,
+            beta: bp,
+            state: sp,
+            slots: slp,
+            o: op,
+            n_seqs: nb,
+            hk,
+            hv,
+        };
+        gdn_decode::gdn_decode(k, s, &a)?;
+    } else {
+        let table = gdn_chunk::chunk_table(&cu);
+        let ws_bytes = gdn_chunk::workspace_bytes(t, hv, &k.dims);
+        let (tp, wsp) = (d.i32s(&table)?, d.poison(ws_bytes)?);
+        let a = gdn_chunk::GdnChunk {
+            q: qp,
+            k: kp,
+            v: vp,
+            v_stride,
+            g: gp,
+            beta: bp,
+            state: sp,
+            cu_seqlens: cup,
+            slots: slp,
+            chunk_table: tp,
+            n_chunks: table.len() / 2,
+            o: op,
+            workspace: wsp,
+            workspace_bytes: ws_bytes,
+            n_seqs: nb,
+            t,
+            hk,
+            hv,
+        };
+        gdn_chunk::gdn_chunk(k, s, &a)?;
+    }
+    let dims = cpu::gdn::GdnDims { num_k_heads: hk, num_v_heads: hv, head_k_dim: dk, head_v_dim: dv };
+    let mut ro = Vec::with_capacity(t * hv * dv);
+    let mut rs = st_dev.clone();
+    for (b, &len) in lens.iter().enumerate() {
+        let t0 = cu[b] as usize;
+        let vseq: Vec<f32> = (0..len).flat_map(|i| vrow[(t0 + i) * v_stride..][..hv * dv].to_vec()).collect();
+        let inp = cpu::gdn::GdnInputs {
+            q: &q[t0 * hk * dk..][..len * hk * dk],
+            k: &kk[t0 * hk * dk..][..len * hk * dk],
+            v: &vseq,
+            g: &g[t0 * hv..][..len * hv],
+            beta: &beta[t0 * hv..][..len * hv],
+        };
+        let mut st = st0[b * n_state..][..n_state].to_vec();
+        let mut o = vec![0f32; len * hv * dv];
+        cpu::gdn::gdn_recurrent(dims, &inp, &mut st, &mut o)
+            .map_err(|e| deltaserve_cuda::CudaError::InvalidArgs { kernel: "cpu reference", msg: e.to_string() })?;
+        ro.extend(o);
+        rs[slots[b] as usize * n_state..][..n_state].copy_from_slice(&st);
+    }
+    Ok(vec![
+        compare("o", &ro, &d.get_bf16(op, t * hv * dv)?, tol),
+        compare("state", &rs, &d.get_f32(sp, rs.len())?, tol),
+    ])
+}
+
+/// Paged attention: random K/V for every position written with kv_write through shuffled block
+/// tables, then prefill attention of the `new` queries (or decode with `n_split`).
+#[allow(clippy::too_many_arguments)]
+fn attn_case(
+    k: &Kernels,
+    s: &std::sync::Arc<cudarc::driver::CudaStream>,
+    d: &mut Dev,
+    rng: &mut StdRng,
+    seqs: &[(usize, usize)],
+    hq: usize,
+    hkv: usize,
+    page: usize,
+    n_split: Option<usize>,
+    tol: Tol,
+) -> R<Vec<Outcome>> {
+    let hd = k.dims.attn_head_dim;
+    let width = hkv * hd;
+    let nb = seqs.len();
+    let totals: Vec<usize> = seqs.iter().map(|&(p, n)| p + n).collect();
+    let max_blocks = totals.iter().map(|t| t.div_ceil(page)).max().unwrap_or(1);
+    let num_blocks = nb * max_blocks + 3;
+    // Physical blocks handed out in a scrambled order.
+    let mut perm: Vec<i32> = (0..num_blocks as i32).collect();
+    for i in (1..perm.len()).rev() {
+        let j = rng.random_range(0..=i);
+        perm.swap(i, j);
+    }
+    let mut bt = vec![0i32; nb * max_blocks];
+    for (i, v) in bt.iter_mut().enumerate() {
+        *v = perm[i];
+    }
+    // Write all positions of every sequence.
+    let t_all: usize = totals.iter().sum();
+    let kall = randv(rng, t_all * width, 2.0);
+    let vall = randv(rng, t_all * width, 1.0);
+    let pos_all: Vec<i32> = totals.iter().flat_map(|&t| 0..t as i32).collect();
+    let cu_all = cu_of(&totals);
+    let cache_bytes = 2 * num_blocks * page * width;
+    let (kc, vc) = (d.poison(cache_bytes)?, d.poison(cache_bytes)?);
+    let (kp, vp, pp, cap, btp) = (d.bf16(&kall)?, d.bf16(&vall)?, d.i32s(&pos_all)?, d.i32s(&cu_all)?, d.i32s(&bt)?);
+    kv_cache::kv_write(
+        k,
+        s,
+        &kv_cache::KvWrite {
+            k: kp,
+            k_stride: width,
+            v: vp,
+            v_stride: width,
+            k_cache: kc,
+            v_cache: vc,
+            block_tables: btp,
+            max_blocks,
+            cu_seqlens: cap,
+            positions: pp,
+            n_seqs: nb,
+            t: t_all,
+            page,
+            kv_heads: hkv,
+            head_dim: hd,
+        },
+    )?;
+    let news: Vec<usize> = seqs.iter().map(|&(_, n)| n).collect();
+    let t_new: usize = news.iter().sum();
+    let q = randv(rng, t_new * hq * hd, 2.0);
+    let qp = d.bf16(&q)?;
+    let op = d.poison(2 * t_new * hq * hd)?;
+    let lens: Vec<i32> = totals.iter().map(|&t| t as i32).collect();
+    let lp = d.i32s(&lens)?;
+    let kv = attention::KvPages { k_cache: kc, v_cache: vc, block_tables: btp, max_blocks, page, kv_heads: hkv };
+    let scale = 1.0 / (hd as f32).sqrt();
+    match n_split {
+        None => {
+            let cu = cu_of(&news);
+            let table = attention::tile_table(&cu);
+            let (cup, tp) = (d.i32s(&cu)?, d.i32s(&table)?);
+            let a = attention::AttnPrefill {
+                q: qp,
+                o: op,
+                kv,
+                cu_seqlens: cup,
+                seq_lens: lp,
+                tile_table: tp,
+                n_tiles: table.len() / 2,
+                q_heads: hq,
+                scale,
+            };
+            attention::attn_prefill(k, s, &a)?;
+        }
+        Some(n_split) => {
+            let bytes = attention::decode_scratch_bytes(nb, hq, n_split, hd);
+            let sc = d.poison(bytes)?;
+            let a = attention::AttnDecode {
+                q: qp,
+                o: op,
+                kv,
+                seq_lens: lp,
+                n_seqs: nb,
+                q_heads: hq,
+                n_split,
+                scratch: sc,
+                scratch_bytes: bytes,
+                scale,
+            };
+            attention::attn_decode(k, s, &a)?;
+        }
+    }
+    let mut r = Vec::new();
+    let mut qo = 0;
+    for (b, &(_, n)) in seqs.iter().enumerate() {
+        let t0 = cu_all[b] as usize;
+        let kc = &kall[t0 * width..][..totals[b] * width];
+        let vcache = &vall[t0 * width..][..totals[b] * width];
+        r.extend(cpu::attention::causal_gqa_attention(&q[qo * hq * hd..][..n * hq * hd], kc, vcache, hq, hkv, hd));
+        qo += n;
+    }
+    let mut out = vec![compare("o", &r, &d.get_bf16(op, t_new * hq * hd)?, tol)];
+    // kv_write check: read back every written row through the block table.
+    let kc_h = d.get_bf16(kc, cache_bytes / 2)?;
+    let mut got = Vec::with_capacity(kall.len());
+    for (b, &tot) in totals.iter().enumerate() {
+        for p in 0..tot {
+            let row = bt[b * max_blocks + p / page] as usize * page + p % page;
+            got.extend_from_slice(&kc_h[row * width..][..width]);
+        }
+    }
+    out.push(compare("k_cache", &kall, &got, EXACT));
+    Ok(out)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Timing (run explicitly: cargo test --release -p deltaserve-cuda --test ops -- --ignored)
+
+#[test]
+#[ignore = "benchmark; needs a GPU"]
+fn bench_gdn_prefill_27b() {
+    if !LibStatus::probe().driver {
+        eprintln!("SKIP bench: no CUDA driver");
+        return;
+    }
+    let rt = Runtime::open(0).expect("open device");
+    for bv in [32usize, 16] {
+        let dims = KernelDims { gdn_bv: bv, ..KernelDims::QWEN35_27B };
+        let k = Kernels::load(&rt, dims).expect("load");
+        for n_seqs in [1usize, 8] {
+            if let Err(e) = bench_gdn(&rt, &k, n_seqs) {
+                panic!("bench failed: {e}");
+            }
+        }
+    }
+}
+
+fn bench_gdn(rt: &Runtime, k: &Kernels, n_seqs: usize) -> R<()> {
+    let (hk, hv, t) = (16usize, 48usize, 16384usize);
+    let (dk, dv) = (k.dims.gdn_k_dim, k.dims.gdn_v_dim);
+    let s = rt.stream().clone();
+    let mut dev = Dev::new(rt, 3 << 30)?;
+    let d = &mut dev;
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut q = randv(&mut rng, t * hk * dk, 1.0);
+    let mut kk = randv(&mut rng, t * hk * dk, 1.0);
+    cpu::norm::l2_norm(&mut q, dk, 1e-6);
+    cpu::norm::l2_norm(&mut kk, dk, 1e-6);
+    let v = randv(&mut rng, t * hv * dv, 1.0);
+    let g: Vec<f32> = (0..t * hv).map(|_| -rng.random_range(0.0f32..0.5)).collect();
+    let beta: Vec<f32> = (0..t * hv).map(|_| rng.random_range(0.05..0.95)).collect();
+    let cu = cu_of(&vec![t / n_seqs; n_seqs]);
+    let slots: Vec<i32> = (0..n_seqs as i32).collect();
+    let table = gdn_chunk::chunk_table(&cu);
+    let ws_bytes = gdn_chunk::workspace_bytes(t, hv, &k.dims);
+    let (qp, kp, vp, gp, bp) = (d.bf16(&q)?, d.bf16(&kk)?, d.bf16(&v)?, d.f32s(&g)?, d.f32s(&beta)?);
+    let sp = d.f32s(&vec![0f32; n_seqs * hv * dk * dv])?;
+    let (cup, slp, tp) = (d.i32s(&cu)?, d.i32s(&slots)?, d.i32s(&table)?);
+    let (op, wsp) = (d.poison(2 * t * hv * dv)?, d.poison(ws_bytes)?);
+    let a = gdn_chunk::GdnChunk {
+        q: qp,
+        k: kp,
+        v: vp,
+        v_stride: hv * dv,
+        g: gp,
+        beta: bp,
+        state: sp,
+        cu_seqlens: cup,
+        slots: slp,
+        chunk_table: tp,
+        n_chunks: table.len() / 2,
+        o: op,
+        workspace: wsp,
+        workspace_bytes: ws_bytes,
+        n_seqs,
+        t,
+        hk,
+        hv,
+    };
+    let ctx = rt.context();
+    let ev = || {
+        ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(deltaserve_cuda::CudaError::driver("cuEventCreate"))
+    };
+    let de = deltaserve_cuda::CudaError::driver;
+    // [total, prep, state] per iteration
+    let mut times: Vec<[f32; 3]> = Vec::new();
+    for it in 0..6 {
+        let (e0, e1, e2) = (ev()?, ev()?, ev()?);
+        e0.record(&s).map_err(de("cuEventRecord"))?;
+        gdn_chunk::gdn_chunk_prep(k, &s, &a)?;
+        e1.record(&s).map_err(de("cuEventRecord"))?;
+        gdn_chunk::gdn_chunk_state(k, &s, &a)?;
+        e2.record(&s).map_err(de("cuEventRecord"))?;
+        e2.synchronize().map_err(de("cuEventSynchronize"))?;
+        let prep = e0.elapsed_ms(&e1).map_err(de("cuEventElapsedTime"))?;
+        let state = e1.elapsed_ms(&e2).map_err(de("cuEventElapsedTime"))?;
+        if it > 0 {
+            times.push([prep + state, prep, state]);
+        }
+    }
+    times.sort_by(|x, y| x[0].total_cmp(&y[0]));
+    let [med, med_prep, med_state] = times[times.len() / 2];
+    let times: Vec<f32> = times.iter().map(|x| x[0]).collect();
+    let o = d.get_bf16(op, t * hv * dv)?;
+    let nonfinite = o.iter().filter(|x| !x.is_finite()).count();
+    println!(
+        "BENCH gdn_chunk 27B shape Hk={hk} Hv={hv} Dk={dk} Dv={dv} BV={} T={t} ({n_seqs} seqs): median {med:.3} ms (prep {med_prep:.3} + state {med_state:.3}) over {} runs (min {:.3}, max {:.3}) = {:.2} M tokens/s per layer; workspace {:.1} MiB ({} B/token); non-finite outputs {nonfinite}",
+        k.dims.gdn_bv,
+        times.len(),
+        times[0],
+        times[times.len() - 1],
+        t as f64 / (med as f64 * 1e-3) / 1e6,
+        ws_bytes as f64 / (1 << 20) as f64,
+        ws_bytes / t,
+    );
+    Ok(())
+}
