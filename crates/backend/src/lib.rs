@@ -21,10 +21,36 @@ pub struct SeqChunk {
     pub want_logits: bool,
 }
 
-/// One engine step: chunks of distinct sequences, at most `max_batch_tokens` tokens in all.
+/// Where a DeltaNet state snapshot (recurrent + conv state of every DeltaNet layer) is kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SnapshotLoc {
+    /// A slot of the plan's device snapshot pool.
+    Device(u32),
+    /// A slot of the pinned host pool (`--snapshot-host-memory`).
+    Host(u32),
+}
+
+/// Cache maintenance a step performs around its chunks (prefix cache and state snapshots).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheOp {
+    /// Copy a state slot into a snapshot.
+    SaveState { slot: u32, to: SnapshotLoc },
+    /// Copy a snapshot into a state slot (the sequence then continues from the snapshot's position).
+    RestoreState { from: SnapshotLoc, slot: u32 },
+    /// Move a snapshot between tiers (device ↔ host).
+    MoveSnapshot { from: SnapshotLoc, to: SnapshotLoc },
+    /// Copy the first `tokens` positions of KV page `src` into page `dst` (every attention layer):
+    /// a shared, partly filled page becomes a private page the sequence can append to.
+    CopyPagePrefix { src: u32, dst: u32, tokens: u32 },
+}
+
+/// One engine step: `pre` ops, then chunks of distinct sequences (at most `max_batch_tokens`
+/// tokens in all), then `post` ops; each list runs in order.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StepBatch {
+    pub pre: Vec<CacheOp>,
     pub seqs: Vec<SeqChunk>,
+    pub post: Vec<CacheOp>,
 }
 
 impl StepBatch {
@@ -61,8 +87,9 @@ pub trait Backend: Send {
     fn name(&self) -> String;
     /// Logit rows are this wide.
     fn vocab_size(&self) -> usize;
-    /// Runs `batch`; appends one row of `vocab_size()` logits to `logits` for each chunk with
-    /// `want_logits`, in batch order. A chunk with `start == 0` begins from a zeroed state slot.
+    /// Runs `batch`: its `pre` ops, its chunks, its `post` ops. Appends one row of `vocab_size()`
+    /// logits to `logits` for each chunk with `want_logits`, in batch order. A chunk with
+    /// `start == 0` begins from a zeroed state slot.
     fn step(&mut self, batch: &StepBatch, logits: &mut Vec<f32>) -> Result<(), BackendError>;
     /// The arena's counters (tests assert they do not move while serving).
     fn arena_stats(&self) -> ArenaStats;

@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig};
 use deltaserve_engine::EngineHandle;
 use deltaserve_plan::{KvDtype, Plan, PlanOptions, parse_size};
-use deltaserve_sched::SchedConfig;
+use deltaserve_sched::{PrefixCacheConfig, SchedConfig};
 use deltaserve_text::{ChatTemplate, Tokenizer};
 
 use crate::model_source::LoadedModel;
@@ -35,6 +35,36 @@ pub struct EngineArgs {
     /// KV cache storage (the CPU reference backend stores f32).
     #[arg(long)]
     pub kv_cache_dtype: Option<String>,
+    /// DeltaNet state snapshots kept in the backend's memory plan (the prefix cache's first tier).
+    #[arg(long)]
+    pub snapshot_slots: Option<usize>,
+    /// Host memory for more snapshots (the second tier; restoring from it is a copy).
+    #[arg(long, default_value = "512MiB")]
+    pub snapshot_host_memory: String,
+    /// During long prefills, also snapshot every this many tokens (0: never).
+    #[arg(long, default_value_t = 4096)]
+    pub snapshot_interval: usize,
+    /// Disable the prefix cache (KV pages + DeltaNet state snapshots).
+    #[arg(long)]
+    pub no_prefix_cache: bool,
+}
+
+impl EngineArgs {
+    /// The two snapshot tiers: the plan's device pool and `--snapshot-host-memory` on the host.
+    fn prefix_cache(&self, plan: &Plan) -> Result<PrefixCacheConfig> {
+        if self.no_prefix_cache || plan.options.snapshot_slots == 0 {
+            return Ok(PrefixCacheConfig::disabled(plan.page_size));
+        }
+        let host =
+            parse_size(&self.snapshot_host_memory).map_err(|e| anyhow::anyhow!("--snapshot-host-memory: {e}"))?;
+        Ok(PrefixCacheConfig {
+            device_slots: plan.options.snapshot_slots,
+            host_slots: (host / plan.state_bytes_per_seq.max(1)) as usize,
+            page_size: plan.page_size,
+            snapshot_bytes: plan.state_bytes_per_seq,
+            page_bytes: plan.kv_page_bytes(),
+        })
+    }
 }
 
 /// A running engine and the plan it was built from.
@@ -59,6 +89,12 @@ impl EngineArgs {
             opts.max_seqs = v;
         }
         opts.max_context = self.max_context;
+        if let Some(v) = self.snapshot_slots {
+            opts.snapshot_slots = v;
+        }
+        if self.no_prefix_cache {
+            opts.snapshot_slots = 0;
+        }
         opts.page_size = self.page_size;
         if let Some(kv) = &self.kv_cache_dtype {
             let kv: KvDtype = kv.parse().map_err(|e| anyhow::anyhow!("--kv-cache-dtype: {e}"))?;
@@ -75,11 +111,19 @@ impl EngineArgs {
             num_pages: plan.num_kv_pages,
             max_context: plan.max_context,
             max_waiting: self.max_waiting,
+            prefix_cache: self.prefix_cache(&plan)?,
+            snapshot_interval: self.snapshot_interval,
         };
         let eos_ids = cfg.eos_token_ids.clone();
         let backend = CpuBackend::new(
             loaded.model,
-            CpuCacheConfig { num_pages: plan.num_kv_pages, page_size: plan.page_size, num_slots: plan.num_state_slots },
+            CpuCacheConfig {
+                num_pages: plan.num_kv_pages,
+                page_size: plan.page_size,
+                num_slots: plan.num_state_slots,
+                snapshot_slots: sched.prefix_cache.device_slots,
+                host_snapshot_slots: sched.prefix_cache.host_slots,
+            },
         );
         let tokenizer = loaded.tokenizer.map(Arc::new);
         let engine = EngineHandle::start(Box::new(backend), sched, tokenizer.clone());

@@ -5,7 +5,7 @@
 //! sequence's numbers. (Per-op temporaries of this oracle are ordinary heap memory, bounded by the
 //! step's tokens; the device backends carve those from the plan's activation workspace.)
 
-use deltaserve_backend::{ArenaStats, Backend, BackendError, StepBatch};
+use deltaserve_backend::{ArenaStats, Backend, BackendError, CacheOp, SnapshotLoc, StepBatch};
 use deltaserve_model::LayerKind;
 
 use crate::model::{CpuModel, GdnMode, Logits, SeqCache};
@@ -16,6 +16,10 @@ pub struct CpuCacheConfig {
     pub num_pages: usize,
     pub page_size: usize,
     pub num_slots: usize,
+    /// DeltaNet state snapshots in the arena (the plan's device pool).
+    pub snapshot_slots: usize,
+    /// DeltaNet state snapshots in a separate host pool (`--snapshot-host-memory`).
+    pub host_snapshot_slots: usize,
 }
 
 /// One allocation carved into named regions by offset; never grows.
@@ -60,6 +64,12 @@ struct Caches {
     kv_dim: usize,
     conv_len: usize,
     rec_len: usize,
+    /// Arena offset of the device snapshot pool: [snapshot_slots, snapshot_len].
+    snapshots: usize,
+    /// The host snapshot pool: [host_snapshot_slots, snapshot_len].
+    host_snapshots: Vec<f32>,
+    /// Floats of one snapshot: (conv, recurrent) of every DeltaNet layer, in layer order.
+    snapshot_len: usize,
 }
 
 impl CpuBackend {
@@ -70,8 +80,10 @@ impl CpuBackend {
         let conv_len = (d.conv_kernel - 1) * d.conv_channels;
         let rec_len = d.gdn_v_heads * d.gdn_k_dim * d.gdn_v_dim;
         let kv_floats = cfg.num_pages * cfg.page_size * kv_dim;
-        let total =
-            d.num_attention_layers * 2 * kv_floats + d.num_deltanet_layers * cfg.num_slots * (conv_len + rec_len);
+        let snapshot_len = d.num_deltanet_layers * (conv_len + rec_len);
+        let total = d.num_attention_layers * 2 * kv_floats
+            + d.num_deltanet_layers * cfg.num_slots * (conv_len + rec_len)
+            + cfg.snapshot_slots * snapshot_len;
         let mut arena = HostArena::with_capacity(total);
         let layers = model
             .config
@@ -85,7 +97,12 @@ impl CpuBackend {
                 },
             })
             .collect();
-        Self { model, caches: Caches { cfg, arena, layers, kv_dim, conv_len, rec_len } }
+        let snapshots = arena.carve(cfg.snapshot_slots * snapshot_len);
+        let host_snapshots = vec![0.0; cfg.host_snapshot_slots * snapshot_len];
+        Self {
+            model,
+            caches: Caches { cfg, arena, layers, kv_dim, conv_len, rec_len, snapshots, host_snapshots, snapshot_len },
+        }
     }
 
     pub fn model(&self) -> &CpuModel {
@@ -159,6 +176,9 @@ impl Backend for CpuBackend {
 
     fn step(&mut self, batch: &StepBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
         let caches = &mut self.caches;
+        for op in &batch.pre {
+            caches.apply(op)?;
+        }
         let cfg = caches.cfg;
         for c in &batch.seqs {
             let slot = c.slot as usize;
@@ -188,6 +208,9 @@ impl Backend for CpuBackend {
                 logits.extend_from_slice(&row);
             }
         }
+        for op in &batch.post {
+            caches.apply(op)?;
+        }
         Ok(())
     }
 
@@ -197,6 +220,109 @@ impl Backend for CpuBackend {
             allocations: a.allocations,
             high_water_bytes: (a.used * 4) as u64,
             capacity_bytes: (a.buf.len() * 4) as u64,
+        }
+    }
+}
+
+impl Caches {
+    /// (offset, len) of each DeltaNet layer's conv and recurrent state of `slot` in the arena.
+    fn slot_parts(&self, slot: usize) -> Vec<(usize, usize)> {
+        let mut parts = Vec::new();
+        for l in &self.layers {
+            if let LayerRegion::DeltaNet { conv, recurrent } = *l {
+                parts.push((conv + slot * self.conv_len, self.conv_len));
+                parts.push((recurrent + slot * self.rec_len, self.rec_len));
+            }
+        }
+        parts
+    }
+
+    fn check_snapshot(&self, loc: SnapshotLoc) -> Result<(), BackendError> {
+        let (i, n) = match loc {
+            SnapshotLoc::Device(i) => (i, self.cfg.snapshot_slots),
+            SnapshotLoc::Host(i) => (i, self.cfg.host_snapshot_slots),
+        };
+        if i as usize >= n {
+            return Err(BackendError::InvalidStep(format!("snapshot {loc:?} out of range")));
+        }
+        Ok(())
+    }
+
+    /// Copies a snapshot out (`load == false`: slot → snapshot; true: snapshot → slot).
+    fn transfer(&mut self, slot: u32, loc: SnapshotLoc, load: bool) -> Result<(), BackendError> {
+        self.check_snapshot(loc)?;
+        if slot as usize >= self.cfg.num_slots {
+            return Err(BackendError::InvalidStep(format!("state slot {slot} out of range")));
+        }
+        let mut at = 0;
+        for (off, len) in self.slot_parts(slot as usize) {
+            let snap: &mut [f32] = match loc {
+                SnapshotLoc::Device(i) => {
+                    let base = self.snapshots + i as usize * self.snapshot_len + at;
+                    // The snapshot pool lies after every slot region, so the two ranges never overlap.
+                    let (lo, hi) = self.arena.buf.split_at_mut(base);
+                    if load {
+                        lo[off..off + len].copy_from_slice(&hi[..len]);
+                    } else {
+                        hi[..len].copy_from_slice(&lo[off..off + len]);
+                    }
+                    at += len;
+                    continue;
+                }
+                SnapshotLoc::Host(i) => {
+                    let base = i as usize * self.snapshot_len + at;
+                    &mut self.host_snapshots[base..base + len]
+                }
+            };
+            if load {
+                self.arena.buf[off..off + len].copy_from_slice(snap);
+            } else {
+                snap.copy_from_slice(&self.arena.buf[off..off + len]);
+            }
+            at += len;
+        }
+        Ok(())
+    }
+
+    fn apply(&mut self, op: &CacheOp) -> Result<(), BackendError> {
+        match *op {
+            CacheOp::SaveState { slot, to } => self.transfer(slot, to, false),
+            CacheOp::RestoreState { from, slot } => self.transfer(slot, from, true),
+            CacheOp::MoveSnapshot { from, to } => {
+                self.check_snapshot(from)?;
+                self.check_snapshot(to)?;
+                let n = self.snapshot_len;
+                let data: Vec<f32> = match from {
+                    SnapshotLoc::Device(i) => self.arena.buf[self.snapshots + i as usize * n..][..n].to_vec(),
+                    SnapshotLoc::Host(i) => self.host_snapshots[i as usize * n..][..n].to_vec(),
+                };
+                match to {
+                    SnapshotLoc::Device(i) => {
+                        self.arena.buf[self.snapshots + i as usize * n..][..n].copy_from_slice(&data)
+                    }
+                    SnapshotLoc::Host(i) => self.host_snapshots[i as usize * n..][..n].copy_from_slice(&data),
+                }
+                Ok(())
+            }
+            CacheOp::CopyPagePrefix { src, dst, tokens } => {
+                let (ps, w) = (self.cfg.page_size, self.kv_dim);
+                if src as usize >= self.cfg.num_pages || dst as usize >= self.cfg.num_pages || tokens as usize > ps {
+                    return Err(BackendError::InvalidStep(format!(
+                        "page copy {src} → {dst} ({tokens} tokens) out of range"
+                    )));
+                }
+                let n = tokens as usize * w;
+                for l in self.layers.clone() {
+                    if let LayerRegion::Attention { k, v } = l {
+                        for base in [k, v] {
+                            let s0 = base + src as usize * ps * w;
+                            let d0 = base + dst as usize * ps * w;
+                            self.arena.buf.copy_within(s0..s0 + n, d0);
+                        }
+                    }
+                }
+                Ok(())
+            }
         }
     }
 }

@@ -11,7 +11,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use deltaserve_backend::{ArenaStats, Backend};
-use deltaserve_sched::{AdmitError, SchedConfig, SchedStats, Scheduler, SeqId, check_request};
+use deltaserve_sched::{AdmitError, SchedConfig, SchedStats, Scheduler, SeqId, SeqOptions, check_request};
 use deltaserve_text::{IncrementalDecoder, StopMatcher, Tokenizer};
 use tokio::sync::mpsc as tmpsc;
 
@@ -19,7 +19,7 @@ use crate::generate::FinishReason;
 use crate::sampling::{Sampler, SamplingParams};
 
 /// A validated generation request, in tokens.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Request {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
@@ -30,6 +30,11 @@ pub struct Request {
     pub stop_strings: Vec<String>,
     /// Return the sampled token's log-probability and this many top alternatives.
     pub logprobs: Option<usize>,
+    /// Prompt positions where the DeltaNet state is worth snapshotting for later requests (message
+    /// starts, the end of the prompt before the generation prompt).
+    pub snapshot_points: Vec<usize>,
+    /// Snapshot the final state too (an agent loop's next request re-renders this turn).
+    pub snapshot_on_finish: bool,
 }
 
 /// Log-probabilities of a generated token (natural log, over the model's raw distribution).
@@ -44,7 +49,7 @@ pub struct TokenLogprob {
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
-    /// Prompt tokens served from a prefix cache (0 until the prefix cache lands).
+    /// Prompt tokens restored from the prefix cache (KV pages + DeltaNet state snapshot).
     pub cached_tokens: usize,
 }
 
@@ -273,6 +278,7 @@ impl Worker {
                 if draining {
                     break;
                 }
+                self.publish_stats();
                 match self.rx.recv() {
                     Ok(cmd) => draining |= self.handle(cmd),
                     Err(_) => break,
@@ -298,7 +304,11 @@ impl Worker {
     fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
             Command::Submit { id, req, tx, submitted } => {
-                match self.sched.add(id, req.prompt.clone(), req.max_tokens) {
+                let opts = SeqOptions {
+                    snapshot_points: req.snapshot_points.clone(),
+                    snapshot_on_finish: req.snapshot_on_finish,
+                };
+                match self.sched.add_with(id, req.prompt.clone(), req.max_tokens, opts) {
                     Ok(()) => {
                         let sampler = Sampler::new(req.sampling.clone(), self.valid_vocab);
                         let stops = StopMatcher::new(req.stop_strings.clone());
@@ -384,12 +394,13 @@ impl Worker {
                 live.preemptions += 1;
             }
         }
-        if plan.batch.seqs.is_empty() {
+        if plan.is_empty() {
             return;
         }
         self.logits.clear();
         if let Err(e) = self.backend.step(&plan.batch, &mut self.logits) {
             tracing::error!(error = %e, "backend step failed; failing the requests in the step");
+            self.sched.clear_prefix_cache();
             for c in &plan.batch.seqs {
                 self.fail(c.seq_id, EngineError::Backend(e.to_string()));
             }
@@ -464,7 +475,8 @@ impl Worker {
 
     fn finish(&mut self, id: SeqId, reason: FinishReason) {
         let Some(live) = self.reqs.remove(&id) else { return };
-        self.sched.remove(id);
+        let cached_tokens = self.sched.cached_prefix(id);
+        self.sched.finish(id);
         let now = Instant::now();
         let ms = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64() * 1e3;
         let first = live.first_token.unwrap_or(now);
@@ -476,7 +488,7 @@ impl Worker {
             decode_tokens_per_s: if decode_s > 0.0 { (live.generated - 1) as f64 / decode_s } else { 0.0 },
             preemptions: live.preemptions,
         };
-        let usage = Usage { prompt_tokens: live.req.prompt.len(), completion_tokens: live.generated, cached_tokens: 0 };
+        let usage = Usage { prompt_tokens: live.req.prompt.len(), completion_tokens: live.generated, cached_tokens };
         if let Ok(mut s) = self.shared.stats.lock() {
             s.requests_finished += 1;
             s.prompt_tokens += usage.prompt_tokens as u64;

@@ -13,7 +13,7 @@ use deltaserve_engine::{
 };
 use deltaserve_model::synth::Preset;
 use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
-use deltaserve_sched::{AdmitError, SchedConfig};
+use deltaserve_sched::{AdmitError, PrefixCacheConfig, SchedConfig};
 use deltaserve_text::Tokenizer;
 
 fn model_dir() -> &'static PathBuf {
@@ -39,13 +39,28 @@ fn tokenizer() -> Arc<Tokenizer> {
 fn start(sched: SchedConfig) -> EngineHandle {
     let backend = CpuBackend::new(
         load_model(),
-        CpuCacheConfig { num_pages: sched.num_pages, page_size: sched.page_size, num_slots: sched.max_seqs },
+        CpuCacheConfig {
+            num_pages: sched.num_pages,
+            page_size: sched.page_size,
+            num_slots: sched.max_seqs,
+            snapshot_slots: sched.prefix_cache.device_slots,
+            host_snapshot_slots: sched.prefix_cache.host_slots,
+        },
     );
     EngineHandle::start(Box::new(backend), sched, Some(tokenizer()))
 }
 
 fn sched(max_batch_tokens: usize, num_pages: usize, max_seqs: usize) -> SchedConfig {
-    SchedConfig { max_batch_tokens, max_seqs, page_size: 8, num_pages, max_context: num_pages * 8, max_waiting: 64 }
+    SchedConfig {
+        max_batch_tokens,
+        max_seqs,
+        page_size: 8,
+        num_pages,
+        max_context: num_pages * 8,
+        max_waiting: 64,
+        prefix_cache: PrefixCacheConfig::disabled(8),
+        snapshot_interval: 0,
+    }
 }
 
 /// Collects a stream: (token ids, text, finish reason).
@@ -61,6 +76,19 @@ fn collect(mut s: deltaserve_engine::RequestStream) -> Result<(Vec<u32>, String,
             Some(Event::Error(e)) => return Err(e),
             None => return Err(EngineError::Stopped),
         }
+    }
+}
+
+/// Engine stats once nothing runs or waits (stats are published after each step).
+fn wait_idle(engine: &EngineHandle) -> deltaserve_engine::EngineStats {
+    let t0 = std::time::Instant::now();
+    loop {
+        let s = engine.stats();
+        if s.sched.running + s.sched.waiting == 0 && s.sched.slots_in_use == 0 {
+            return s;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "engine did not go idle: {:?}", s.sched);
+        std::thread::sleep(Duration::from_millis(5));
     }
 }
 
@@ -111,6 +139,7 @@ fn request(c: &Case) -> Request {
         stop_token_ids: vec![],
         stop_strings: vec![],
         logprobs: None,
+        ..Default::default()
     }
 }
 
@@ -141,7 +170,7 @@ fn batched_outputs_equal_solo_runs_under_any_batching() {
             let (ids, text, _) = h.join().unwrap();
             assert_eq!((&ids, &text), (&expected[i].0, &expected[i].1), "config ({mbt}, {pages}, {seqs}) request {i}");
         }
-        let stats = engine.stats();
+        let stats = wait_idle(&engine);
         assert_eq!(stats.arena, arena_before, "the arena must not move while serving");
         assert_eq!((stats.sched.pages_in_use, stats.sched.slots_in_use), (0, 0));
         if pages == 24 {
@@ -161,6 +190,7 @@ fn over_long_prompts_are_rejected_before_any_work_and_the_engine_stays_fine() {
         stop_token_ids: vec![],
         stop_strings: vec![],
         logprobs: None,
+        ..Default::default()
     };
     let (ids, _, reason) = collect(engine.submit(fill.clone()).unwrap()).unwrap();
     assert_eq!((ids.len(), reason), (1, FinishReason::Length));
@@ -191,18 +221,14 @@ fn dropping_a_stream_cancels_and_frees_its_memory() {
         stop_token_ids: vec![],
         stop_strings: vec![],
         logprobs: None,
+        ..Default::default()
     };
     let mut s = engine.submit(r).unwrap();
     for _ in 0..3 {
         assert!(matches!(s.blocking_next(), Some(Event::Token { .. })));
     }
     drop(s);
-    let t0 = std::time::Instant::now();
-    while engine.stats().sched.running + engine.stats().sched.waiting > 0 {
-        assert!(t0.elapsed() < Duration::from_secs(10), "cancellation did not free the sequence");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    assert_eq!(engine.stats().sched.pages_in_use, 0);
+    assert_eq!(wait_idle(&engine).sched.pages_in_use, 0);
     engine.shutdown(false);
 }
 
@@ -216,6 +242,7 @@ fn full_queue_is_overloaded_and_shutdown_without_drain_ends_streams() {
         stop_token_ids: vec![],
         stop_strings: vec![],
         logprobs: None,
+        ..Default::default()
     };
     let mut streams: Vec<_> = Vec::new();
     let mut overloaded = 0;
@@ -246,6 +273,7 @@ fn stop_strings_stop_tokens_and_logprobs() {
         stop_token_ids: vec![],
         stop_strings: vec![],
         logprobs: Some(3),
+        ..Default::default()
     };
     let (ids, text, _) = collect(engine.submit(base.clone()).unwrap()).unwrap();
     let solo_text =

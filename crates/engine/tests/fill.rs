@@ -9,7 +9,7 @@ use deltaserve_engine::{EngineError, EngineHandle, Event, FinishReason, Request,
 use deltaserve_model::synth::Preset;
 use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
 use deltaserve_plan::{Plan, PlanOptions};
-use deltaserve_sched::{AdmitError, SchedConfig};
+use deltaserve_sched::{AdmitError, PrefixCacheConfig, SchedConfig};
 use deltaserve_text::Tokenizer;
 
 #[test]
@@ -28,7 +28,13 @@ fn the_advertised_context_fills_to_exactly_100_percent() {
     let model = CpuModel::new(cfg.clone(), ModelWeights::load_f32(&Checkpoint::open(&dir).unwrap(), &cfg).unwrap());
     let backend = CpuBackend::new(
         model,
-        CpuCacheConfig { num_pages: plan.num_kv_pages, page_size: plan.page_size, num_slots: plan.num_state_slots },
+        CpuCacheConfig {
+            num_pages: plan.num_kv_pages,
+            page_size: plan.page_size,
+            num_slots: plan.num_state_slots,
+            snapshot_slots: 0,
+            host_snapshot_slots: 0,
+        },
     );
     let sched = SchedConfig {
         max_batch_tokens: plan.max_batch_tokens,
@@ -37,6 +43,8 @@ fn the_advertised_context_fills_to_exactly_100_percent() {
         num_pages: plan.num_kv_pages,
         max_context: plan.max_context,
         max_waiting: 8,
+        prefix_cache: PrefixCacheConfig::disabled(plan.page_size),
+        snapshot_interval: 0,
     };
     let tok = Arc::new(Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap());
     let engine = EngineHandle::start(Box::new(backend), sched, Some(tok));
@@ -49,6 +57,7 @@ fn the_advertised_context_fills_to_exactly_100_percent() {
         stop_token_ids: vec![],
         stop_strings: vec![],
         logprobs: None,
+        ..Default::default()
     };
     let finish = |mut s: deltaserve_engine::RequestStream| loop {
         match s.blocking_next() {

@@ -4,7 +4,9 @@
 //! workloads as deterministic simulations and check the pools' invariants after every step.
 
 pub mod pools;
+pub mod prefix;
 pub mod scheduler;
 
 pub use pools::{PagePool, SlotPool};
-pub use scheduler::{AdmitError, SchedConfig, SchedStats, Scheduler, SeqId, StepPlan, check_request};
+pub use prefix::{Hit, PrefixCache, PrefixCacheConfig, PrefixStats};
+pub use scheduler::{AdmitError, SchedConfig, SchedStats, Scheduler, SeqId, SeqOptions, StepPlan, check_request};

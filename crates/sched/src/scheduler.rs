@@ -8,9 +8,10 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use deltaserve_backend::{SeqChunk, StepBatch};
+use deltaserve_backend::{CacheOp, SeqChunk, StepBatch};
 
 use crate::pools::{PagePool, SlotPool};
+use crate::prefix::{PrefixCache, PrefixCacheConfig, PrefixStats};
 
 pub type SeqId = u64;
 
@@ -25,6 +26,10 @@ pub struct SchedConfig {
     pub max_context: usize,
     /// Requests that may wait for admission; more are refused as overloaded.
     pub max_waiting: usize,
+    /// Prefix cache of KV pages + DeltaNet state snapshots (disabled with 0 device slots).
+    pub prefix_cache: PrefixCacheConfig,
+    /// During long prefills, also snapshot every this many tokens (0: never).
+    pub snapshot_interval: usize,
 }
 
 /// Why a request is refused at submission.
@@ -59,6 +64,22 @@ struct Sequence {
     /// Submission order (FCFS and preemption victim choice).
     arrival: u64,
     preemptions: u32,
+    /// Positions (ascending) where the state should be snapshotted for the prefix cache.
+    snapshot_points: Vec<usize>,
+    snapshot_on_finish: bool,
+    /// Prompt tokens restored from the prefix cache at first admission.
+    cached_prefix: Option<usize>,
+}
+
+/// Per-sequence options of [`Scheduler::add_with`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SeqOptions {
+    /// Prompt positions where agent traffic will reuse the state: message starts, the end of the
+    /// prompt before the generation prompt. Chunks are cut there and the state is snapshotted.
+    pub snapshot_points: Vec<usize>,
+    /// Snapshot the state after the last fed token when the sequence finishes (the next request of
+    /// an agent loop re-renders the whole turn).
+    pub snapshot_on_finish: bool,
 }
 
 impl Sequence {
@@ -80,6 +101,13 @@ pub struct StepPlan {
     pub admitted: Vec<SeqId>,
 }
 
+impl StepPlan {
+    /// True when the step does nothing at all.
+    pub fn is_empty(&self) -> bool {
+        self.batch.seqs.is_empty() && self.batch.pre.is_empty() && self.batch.post.is_empty()
+    }
+}
+
 /// Counters for metrics and tests.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SchedStats {
@@ -90,6 +118,7 @@ pub struct SchedStats {
     pub slots_in_use: usize,
     pub slots_total: usize,
     pub preemptions: u64,
+    pub prefix: PrefixStats,
 }
 
 /// Checks a request's lengths against the limits: before any work, as a pure function.
@@ -122,6 +151,9 @@ pub struct Scheduler {
     running: Vec<SeqId>,
     next_arrival: u64,
     preemptions: u64,
+    prefix: PrefixCache,
+    /// Cache ops queued by [`Scheduler::finish`], run at the start of the next step.
+    pending_pre: Vec<CacheOp>,
 }
 
 impl Scheduler {
@@ -134,7 +166,9 @@ impl Scheduler {
             cfg.num_pages,
             cfg.page_size
         );
+        assert_eq!(cfg.prefix_cache.page_size, cfg.page_size, "prefix cache and KV pages share the page size");
         Self {
+            prefix: PrefixCache::new(cfg.prefix_cache),
             pages: PagePool::new(cfg.num_pages, cfg.page_size),
             slots: SlotPool::new(cfg.max_seqs),
             cfg,
@@ -143,6 +177,7 @@ impl Scheduler {
             running: Vec::new(),
             next_arrival: 0,
             preemptions: 0,
+            pending_pre: Vec::new(),
         }
     }
 
@@ -157,6 +192,17 @@ impl Scheduler {
 
     /// Queues a new sequence.
     pub fn add(&mut self, id: SeqId, prompt: Vec<u32>, max_tokens: usize) -> Result<(), AdmitError> {
+        self.add_with(id, prompt, max_tokens, SeqOptions::default())
+    }
+
+    /// Queues a new sequence with prefix-cache options.
+    pub fn add_with(
+        &mut self,
+        id: SeqId,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+        opts: SeqOptions,
+    ) -> Result<(), AdmitError> {
         self.check(prompt.len(), max_tokens)?;
         if self.seqs.contains_key(&id) {
             return Err(AdmitError::DuplicateId(id));
@@ -167,6 +213,12 @@ impl Scheduler {
         let arrival = self.next_arrival;
         self.next_arrival += 1;
         let prompt_len = prompt.len();
+        let mut points: Vec<usize> = opts.snapshot_points.into_iter().filter(|&p| p > 0 && p < prompt_len).collect();
+        if self.cfg.snapshot_interval > 0 {
+            points.extend((1..).map(|k| k * self.cfg.snapshot_interval).take_while(|&p| p < prompt_len));
+        }
+        points.sort_unstable();
+        points.dedup();
         self.seqs.insert(
             id,
             Sequence {
@@ -178,6 +230,9 @@ impl Scheduler {
                 pages: Vec::new(),
                 arrival,
                 preemptions: 0,
+                snapshot_points: points,
+                snapshot_on_finish: opts.snapshot_on_finish,
+                cached_prefix: None,
             },
         );
         self.waiting.push_back(id);
@@ -187,6 +242,7 @@ impl Scheduler {
     /// Plans the next step. The caller runs `plan.batch`, then calls [`Scheduler::commit`].
     pub fn schedule(&mut self) -> StepPlan {
         let mut plan = StepPlan::default();
+        plan.batch.pre = std::mem::take(&mut self.pending_pre);
         let mut budget = self.cfg.max_batch_tokens;
         // Decodes first (one token each, lowest latency), then prompts, each group oldest first.
         let mut order: Vec<SeqId> = self.running.clone();
@@ -201,41 +257,116 @@ impl Scheduler {
             if !self.running.contains(&id) {
                 continue; // preempted while making room for an older sequence
             }
-            let (cached, total) = {
-                let s = &self.seqs[&id];
-                (s.cached, s.tokens.len())
-            };
-            let n = (total - cached).min(budget);
-            if self.reserve_pages(id, cached + n, &mut plan.preempted) {
+            let n = self.chunk_len(id, budget);
+            let cached = self.seqs[&id].cached;
+            if self.reserve_pages(id, cached + n, &mut plan, &mut budget) {
                 budget -= n;
                 plan.batch.seqs.push(self.chunk(id, n));
             }
         }
-        // Admit waiting sequences while there is room.
-        while budget > 0 && self.running.len() < self.cfg.max_seqs {
+        // Admit waiting sequences while there is room, resuming from the prefix cache when possible.
+        while budget > 0 && self.running.len() < self.cfg.max_seqs && self.slots.num_free() > 0 {
             let Some(&id) = self.waiting.front() else { break };
-            let n = self.seqs[&id].tokens.len().min(budget);
-            let need = self.pages.pages_for(n);
-            if self.pages.num_free() < need || self.slots.num_free() == 0 {
+            if !self.admit(id, budget, &mut plan) {
                 break;
             }
-            self.waiting.pop_front();
-            let slot = self.slots.take().expect("checked above");
-            let pages = self.pages.take(need).expect("checked above");
-            let s = self.seqs.get_mut(&id).expect("waiting ids exist");
-            s.slot = Some(slot);
-            s.pages = pages;
-            self.running.push(id);
-            plan.admitted.push(id);
+            let n = self.chunk_len(id, budget);
+            let cached = self.seqs[&id].cached;
+            if !self.reserve_pages(id, cached + n, &mut plan, &mut budget) {
+                break;
+            }
             budget -= n;
+            plan.admitted.push(id);
             plan.batch.seqs.push(self.chunk(id, n));
+        }
+        // Chunks that end at a snapshot point save the state after they run.
+        let ends: Vec<(SeqId, usize)> = plan.batch.seqs.iter().map(|c| (c.seq_id, c.start + c.tokens.len())).collect();
+        for (id, end) in ends {
+            if self.seqs[&id].snapshot_points.binary_search(&end).is_ok() {
+                let mut ops = Vec::new();
+                self.snapshot(id, end, &mut ops);
+                plan.batch.post.extend(ops);
+            }
         }
         plan
     }
 
+    /// Tokens of `id` to run now: up to the budget and the next snapshot point.
+    fn chunk_len(&self, id: SeqId, budget: usize) -> usize {
+        let s = &self.seqs[&id];
+        let next_point = s.snapshot_points.iter().find(|&&p| p > s.cached).copied().unwrap_or(usize::MAX);
+        (s.tokens.len() - s.cached).min(budget).min(next_point - s.cached)
+    }
+
+    /// Moves the head of the queue to running: a slot, and the longest cached prefix if any.
+    /// Returns false (leaving it queued) when its first chunk's pages cannot be found, even after
+    /// evicting cached prefixes.
+    fn admit(&mut self, id: SeqId, budget: usize, plan: &mut StepPlan) -> bool {
+        let ps = self.cfg.page_size;
+        let max_prefix = self.seqs[&id].tokens.len() - 1; // the last token must run to give logits
+        let hit = if self.prefix.enabled() { self.prefix.lookup(&self.seqs[&id].tokens, max_prefix) } else { None };
+        let start = hit.as_ref().map_or(0, |h| h.len);
+        // Hold the hit's pages first, so that evictions below cannot free them.
+        let held: Vec<u32> = hit.as_ref().map_or(Vec::new(), |h| h.pages.clone());
+        for &p in &held {
+            self.pages.retain(p);
+        }
+        let first = (self.seqs[&id].tokens.len() - start).min(budget);
+        let need = self.pages.pages_for(start + first) - start / ps;
+        while self.pages.num_free() < need {
+            match self.prefix.evict_one() {
+                Some(released) => self.pages.give_back(released),
+                None => {
+                    self.pages.give_back(held);
+                    return false;
+                }
+            }
+        }
+        self.waiting.pop_front();
+        let slot = self.slots.take().expect("checked by the caller");
+        let mut pages: Vec<u32> = held[..start / ps].to_vec();
+        if let Some(h) = &hit {
+            plan.batch.pre.push(CacheOp::RestoreState { from: h.loc, slot });
+            if start % ps != 0 {
+                // The partly filled last page is copied: this sequence will append to it.
+                let own = self.pages.take(1).expect("counted in `need`")[0];
+                let src = held[start / ps];
+                plan.batch.pre.push(CacheOp::CopyPagePrefix { src, dst: own, tokens: (start % ps) as u32 });
+                self.pages.give_back([src]);
+                pages.push(own);
+            }
+        }
+        let s = self.seqs.get_mut(&id).expect("waiting ids exist");
+        s.slot = Some(slot);
+        s.pages = pages;
+        s.cached = start;
+        s.cached_prefix.get_or_insert(start);
+        self.running.push(id);
+        true
+    }
+
+    /// Snapshots `id`'s state at `end` (its cached length once the step ran) into the prefix cache.
+    fn snapshot(&mut self, id: SeqId, end: usize, ops: &mut Vec<CacheOp>) {
+        let tokens = self.seqs[&id].tokens[..end].to_vec();
+        if !self.prefix.enabled() || self.prefix.contains(&tokens) {
+            return;
+        }
+        let mut released = Vec::new();
+        let Some(loc) = self.prefix.alloc_device(ops, &mut released) else { return };
+        self.pages.give_back(released);
+        let slot = self.seqs[&id].slot.expect("running");
+        let pages: Vec<u32> = self.seqs[&id].pages[..self.pages.pages_for(end)].to_vec();
+        for &p in &pages {
+            self.pages.retain(p);
+        }
+        ops.push(CacheOp::SaveState { slot, to: loc });
+        self.prefix.insert(tokens, pages, loc);
+    }
+
     /// Makes `id` hold pages for `positions`, preempting newer sequences if needed. Returns false
     /// (and preempts `id` itself) when even that is not enough.
-    fn reserve_pages(&mut self, id: SeqId, positions: usize, preempted: &mut Vec<SeqId>) -> bool {
+    /// A victim that already has a chunk in `plan` loses it (its tokens go back to `budget`).
+    fn reserve_pages(&mut self, id: SeqId, positions: usize, plan: &mut StepPlan, budget: &mut usize) -> bool {
         loop {
             let need = self.pages.pages_for(positions).saturating_sub(self.seqs[&id].pages.len());
             if need == 0 {
@@ -245,10 +376,22 @@ impl Scheduler {
                 self.seqs.get_mut(&id).expect("running").pages.extend(pages);
                 return true;
             }
-            // Victim: the newest running sequence (possibly `id` itself).
-            let victim = *self.running.iter().max_by_key(|v| self.seqs[v].arrival).expect("id is running");
+            // Cached prefixes give way before running sequences do.
+            if let Some(released) = self.prefix.evict_one() {
+                self.pages.give_back(released);
+                continue;
+            }
+            // Victim: the newest running sequence (possibly `id` itself, which may still be waiting).
+            let Some(victim) = self.running.iter().copied().max_by_key(|v| self.seqs[v].arrival) else { return false };
+            if !self.running.contains(&id) && self.seqs[&victim].arrival < self.seqs[&id].arrival {
+                return false; // a newcomer never preempts older sequences
+            }
             self.preempt(victim);
-            preempted.push(victim);
+            plan.preempted.push(victim);
+            plan.admitted.retain(|a| *a != victim);
+            if let Some(i) = plan.batch.seqs.iter().position(|c| c.seq_id == victim) {
+                *budget += plan.batch.seqs.remove(i).tokens.len();
+            }
             if victim == id {
                 return false;
             }
@@ -308,6 +451,30 @@ impl Scheduler {
         }
     }
 
+    /// Ends a sequence normally: snapshots its final state first when it asked for that (the save
+    /// runs at the start of the next step, before anything can reuse its slot), then frees it.
+    pub fn finish(&mut self, id: SeqId) {
+        let Some(s) = self.seqs.get(&id) else { return };
+        if s.snapshot_on_finish && s.slot.is_some() && s.cached > 0 {
+            let mut ops = std::mem::take(&mut self.pending_pre);
+            self.snapshot(id, s.cached, &mut ops);
+            self.pending_pre = ops;
+        }
+        self.remove(id);
+    }
+
+    /// Prompt tokens restored from the prefix cache when `id` was first admitted.
+    pub fn cached_prefix(&self, id: SeqId) -> usize {
+        self.seqs.get(&id).and_then(|s| s.cached_prefix).unwrap_or(0)
+    }
+
+    /// Drops every cached prefix (after a failed step, whose snapshots may not have been written).
+    pub fn clear_prefix_cache(&mut self) {
+        let released = self.prefix.clear();
+        self.pages.give_back(released);
+        self.pending_pre.clear();
+    }
+
     /// Removes a sequence (finished or cancelled) and frees everything it holds at once.
     pub fn remove(&mut self, id: SeqId) -> bool {
         if !self.seqs.contains_key(&id) {
@@ -323,8 +490,9 @@ impl Scheduler {
         self.seqs.contains_key(&id)
     }
 
+    /// Nothing to run (no sequences, no queued cache work).
     pub fn is_idle(&self) -> bool {
-        self.seqs.is_empty()
+        self.seqs.is_empty() && self.pending_pre.is_empty()
     }
 
     /// Tokens (prompt + generated) of a sequence.
@@ -341,13 +509,15 @@ impl Scheduler {
             slots_in_use: self.slots.capacity() - self.slots.num_free(),
             slots_total: self.slots.capacity(),
             preemptions: self.preemptions,
+            prefix: self.prefix.stats(),
         }
     }
 
     /// Panics if any invariant is broken (tests call this after every step).
     pub fn assert_consistent(&self) {
         let held: usize = self.seqs.values().map(|s| s.pages.len()).sum();
-        self.pages.assert_consistent(held);
+        self.pages.assert_consistent(held + self.prefix.page_refs());
+        self.prefix.assert_consistent();
         assert_eq!(self.slots.num_free() + self.running.len(), self.slots.capacity(), "slots");
         assert_eq!(self.running.len() + self.waiting.len(), self.seqs.len(), "every sequence is running or waiting");
         assert!(self.running.len() <= self.cfg.max_seqs);

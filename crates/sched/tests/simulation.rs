@@ -4,15 +4,30 @@
 
 use std::collections::HashMap;
 
-use deltaserve_sched::{AdmitError, SchedConfig, Scheduler};
+use deltaserve_sched::{AdmitError, PrefixCacheConfig, SchedConfig, Scheduler};
 use proptest::prelude::*;
 
 fn cfg(max_batch_tokens: usize, num_pages: usize, max_seqs: usize) -> SchedConfig {
-    SchedConfig { max_batch_tokens, max_seqs, page_size: 4, num_pages, max_context: 64, max_waiting: 1000 }
+    SchedConfig {
+        max_batch_tokens,
+        max_seqs,
+        page_size: 4,
+        num_pages,
+        max_context: 64,
+        max_waiting: 1000,
+        prefix_cache: PrefixCacheConfig::disabled(4),
+        snapshot_interval: 0,
+    }
 }
 
 /// Runs a workload to completion; "sampling" appends a token derived from (id, position).
 fn simulate(c: SchedConfig, reqs: &[(usize, usize, usize)]) -> (HashMap<u64, Vec<u32>>, u64) {
+    simulate_with(c, reqs, false)
+}
+
+/// `shared`: prompts share prefixes (a common "system prompt" and each other's tokens) and ask for
+/// snapshots at fixed points, so the prefix cache is exercised.
+fn simulate_with(c: SchedConfig, reqs: &[(usize, usize, usize)], shared: bool) -> (HashMap<u64, Vec<u32>>, u64) {
     let mut s = Scheduler::new(c.clone());
     let mut done = HashMap::new();
     let mut step = 0;
@@ -28,9 +43,14 @@ fn simulate(c: SchedConfig, reqs: &[(usize, usize, usize)]) -> (HashMap<u64, Vec
                 break;
             }
             let (_, id, prompt, max) = pending.remove(0);
-            s.add(id, prompt, max).unwrap();
+            let opts = deltaserve_sched::SeqOptions {
+                snapshot_points: if shared { vec![5, 12, 17] } else { vec![] },
+                snapshot_on_finish: shared,
+            };
+            s.add_with(id, prompt, max, opts).unwrap();
         }
         if s.is_idle() && pending.is_empty() {
+            s.assert_consistent();
             break;
         }
         let plan = s.schedule();
@@ -48,7 +68,7 @@ fn simulate(c: SchedConfig, reqs: &[(usize, usize, usize)]) -> (HashMap<u64, Vec
             let pos = ch.start + ch.tokens.len();
             if s.append_token(ch.seq_id, (ch.seq_id * 7919 + pos as u64) as u32 % 50_000) {
                 done.insert(ch.seq_id, s.tokens(ch.seq_id).unwrap().to_vec());
-                s.remove(ch.seq_id);
+                s.finish(ch.seq_id);
             }
         }
         s.assert_consistent();
@@ -72,6 +92,29 @@ proptest! {
         let (tight, _) = simulate(cfg(budget, pages, seqs), &reqs);
         prop_assert_eq!(roomy.len(), reqs.len());
         prop_assert_eq!(roomy, tight);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    #[test]
+    fn prefix_cache_bookkeeping_stays_consistent_and_never_changes_outputs(
+        reqs in prop::collection::vec((0usize..20, 1usize..40, 1usize..20), 1..12),
+        budget in 1usize..40,
+        pages in 16usize..40,
+        seqs in 1usize..6,
+        device in 1usize..3,
+        host in 0usize..3,
+    ) {
+        let reqs: Vec<_> = reqs.into_iter().map(|(a, p, m)| (a, p, m.min(64 + 1 - p))).collect();
+        let (plain, _) = simulate_with(cfg(256, 1000, 16), &reqs, true);
+        let cached = SchedConfig {
+            prefix_cache: PrefixCacheConfig { device_slots: device, host_slots: host, page_size: 4, snapshot_bytes: 100, page_bytes: 10 },
+            snapshot_interval: 7,
+            ..cfg(budget, pages, seqs)
+        };
+        let (with_cache, _) = simulate_with(cached, &reqs, true);
+        prop_assert_eq!(plain, with_cache);
     }
 }
 

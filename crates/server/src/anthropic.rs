@@ -19,7 +19,7 @@ use deltaserve_engine::SamplingParams;
 use crate::error::{ApiError, Style};
 use crate::openai::{parse_body, sse};
 use crate::output::{Collected, Finish, OutEvent, OutputStream, Parsing};
-use crate::request::{Limits, build_request, new_id, normalize_messages, render_chat, type_name};
+use crate::request::{Limits, build_request, new_id, normalize_messages, render_chat, snapshot_points, type_name};
 use crate::state::AppState;
 
 #[derive(Debug, Deserialize)]
@@ -210,9 +210,12 @@ async fn messages_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -> R
         top_k: req.top_k.unwrap_or(0) as usize,
         ..SamplingParams::default()
     };
+    let points = snapshot_points(st, &prompt);
     let engine_req = build_request(
         prompt,
         Limits {
+            snapshot_points: points,
+            snapshot_on_finish: true,
             max_tokens: Some(max_tokens),
             sampling,
             stop: req.stop_sequences.clone().unwrap_or_default(),

@@ -16,6 +16,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::error::{ApiError, Style};
 use crate::output::{Collected, Finish, OutEvent, OutputStream, Parsing};
+use crate::request::snapshot_points;
 use crate::request::{
     CommonParams, Limits, build_request, new_id, normalize_messages, render_chat, unix_now, validate_tools,
 };
@@ -106,9 +107,12 @@ async fn chat_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -> Resul
     let messages = normalize_messages(&req.messages)?;
     let (prompt, parsing) = render_chat(st, messages, tools, req.chat_template_kwargs.clone().unwrap_or_default())?;
     let c = &req.common;
+    let points = snapshot_points(st, &prompt);
     let engine_req = build_request(
         prompt,
         Limits {
+            snapshot_points: points,
+            snapshot_on_finish: true,
             max_tokens: c.max_completion_tokens.or(c.max_tokens),
             sampling: c.sampling(),
             stop: c.stops(),
@@ -255,6 +259,8 @@ async fn completions_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -
     let engine_req = build_request(
         prompt,
         Limits {
+            snapshot_points: Vec::new(),
+            snapshot_on_finish: false,
             max_tokens: c.max_tokens.or(Some(16)),
             sampling: c.sampling(),
             stop: c.stops(),

@@ -63,6 +63,9 @@ pub struct Limits<'a> {
     pub stop: Vec<String>,
     pub ignore_eos: bool,
     pub logprobs: Option<usize>,
+    /// Prefix-cache hints (chat: message starts; see [`snapshot_points`]).
+    pub snapshot_points: Vec<usize>,
+    pub snapshot_on_finish: bool,
     pub state: &'a AppState,
 }
 
@@ -84,6 +87,8 @@ pub fn build_request(prompt: Vec<u32>, l: Limits) -> Result<Request, ApiError> {
         stop_token_ids: if l.ignore_eos { Vec::new() } else { l.state.eos_ids.clone() },
         stop_strings: l.stop.into_iter().filter(|s| !s.is_empty()).collect(),
         logprobs: l.logprobs,
+        snapshot_points: l.snapshot_points,
+        snapshot_on_finish: l.snapshot_on_finish,
     })
 }
 
@@ -276,4 +281,15 @@ pub fn new_id(prefix: &str) -> String {
 
 pub fn unix_now() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// Where a chat prompt's DeltaNet state is worth snapshotting: the start of every message (each
+/// `<|im_start|>`), which includes the end of the prompt before the generation prompt.
+pub fn snapshot_points(state: &AppState, prompt: &[u32]) -> Vec<usize> {
+    match state.tokenizer.token_id("<|im_start|>") {
+        Some(im_start) => {
+            prompt.iter().enumerate().filter(|(i, t)| *i > 0 && **t == im_start).map(|(i, _)| i).collect()
+        }
+        None => Vec::new(),
+    }
 }

@@ -62,6 +62,8 @@ fn app() -> axum::Router {
         num_pages: 64,
         max_context: 1024,
         max_waiting: 16,
+        prefix_cache: deltaserve_sched::PrefixCacheConfig::disabled(16),
+        snapshot_interval: 0,
     };
     let engine = EngineHandle::start(Box::new(backend), sched, Some(tokenizer.clone()));
     let state = AppState {

@@ -1,0 +1,231 @@
+//! The prefix cache never changes an output: random agent-like conversation trees (multi-turn
+//! growth, branching from earlier turns, edits of earlier messages, concurrent sessions sharing a
+//! system prompt) give token-identical greedy outputs and log-probabilities within f32 rounding
+//! with the cache on (tiny snapshot pools, so entries are demoted and evicted) and off; and
+//! multi-turn requests actually reuse the previous turn's context.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
+use deltaserve_engine::{EngineHandle, Event, Request, SamplingParams, Usage};
+use deltaserve_model::synth::Preset;
+use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
+use deltaserve_sched::{PrefixCacheConfig, SchedConfig};
+
+const IM_START: u32 = 992; // `<|im_start|>` in the tiny preset's tokenizer (mergeable 991 + 1)
+
+fn model_dir() -> &'static PathBuf {
+    static D: OnceLock<PathBuf> = OnceLock::new();
+    D.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("ds-prefix-test-{}", std::process::id()));
+        deltaserve_engine::synth::write_synthetic_model(&dir, Preset::Tiny, None, 33, |_, _| {}).unwrap();
+        dir
+    })
+}
+
+fn engine(cache: bool, num_pages: usize) -> EngineHandle {
+    let dir = model_dir();
+    let cfg = ModelConfig::from_dir(dir).unwrap();
+    let model = CpuModel::new(cfg.clone(), ModelWeights::load_f32(&Checkpoint::open(dir).unwrap(), &cfg).unwrap());
+    let d = cfg.dims();
+    let state_bytes = (d.num_deltanet_layers
+        * ((d.conv_kernel - 1) * d.conv_channels + d.gdn_v_heads * d.gdn_k_dim * d.gdn_v_dim)
+        * 4) as u64;
+    let prefix = if cache {
+        PrefixCacheConfig {
+            device_slots: 2,
+            host_slots: 3,
+            page_size: 8,
+            snapshot_bytes: state_bytes,
+            page_bytes: 8 * 512,
+        }
+    } else {
+        PrefixCacheConfig::disabled(8)
+    };
+    let sched = SchedConfig {
+        max_batch_tokens: 48,
+        max_seqs: 3,
+        page_size: 8,
+        num_pages,
+        max_context: 8 * 60,
+        max_waiting: 64,
+        prefix_cache: prefix,
+        snapshot_interval: 40,
+    };
+    let backend = CpuBackend::new(
+        model,
+        CpuCacheConfig {
+            num_pages,
+            page_size: 8,
+            num_slots: 3,
+            snapshot_slots: prefix.device_slots,
+            host_snapshot_slots: prefix.host_slots,
+        },
+    );
+    EngineHandle::start(Box::new(backend), sched, None)
+}
+
+/// A chat-like prompt: messages each starting with IM_START; returns (tokens, message starts).
+fn render(messages: &[Vec<u32>]) -> (Vec<u32>, Vec<usize>) {
+    let mut tokens = Vec::new();
+    let mut starts = Vec::new();
+    for m in messages {
+        starts.push(tokens.len());
+        tokens.push(IM_START);
+        tokens.extend(m);
+    }
+    starts.push(tokens.len());
+    tokens.extend([IM_START, 5, 6]); // generation prompt
+    (tokens, starts)
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self, m: u64) -> u64 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (self.0 >> 33) % m
+    }
+    fn message(&mut self) -> Vec<u32> {
+        let n = 1 + self.next(45) as usize;
+        (0..n).map(|_| self.next(990) as u32).collect()
+    }
+}
+
+/// (generated ids, per-token logprobs, usage)
+fn run(e: &EngineHandle, prompt: Vec<u32>, points: Vec<usize>) -> (Vec<u32>, Vec<f32>, Usage) {
+    let req = Request {
+        prompt,
+        max_tokens: 6,
+        sampling: SamplingParams::greedy(),
+        logprobs: Some(1),
+        snapshot_points: points,
+        snapshot_on_finish: true,
+        ..Default::default()
+    };
+    let mut s = e.submit(req).unwrap();
+    let (mut ids, mut lps) = (Vec::new(), Vec::new());
+    loop {
+        match s.blocking_next() {
+            Some(Event::Token { id, logprob, .. }) => {
+                ids.push(id);
+                lps.push(logprob.unwrap().logprob);
+            }
+            Some(Event::Finished { usage, .. }) => return (ids, lps, usage),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
+/// A workload: a list of conversations (message lists), built as trees by growth, branching, edits.
+fn workload(seed: u64) -> Vec<Vec<Vec<u32>>> {
+    let mut rng = Rng(seed);
+    let system: Vec<u32> = (0..30).map(|i| (i * 7 % 900) as u32).collect();
+    let mut convs: Vec<Vec<Vec<u32>>> = vec![vec![system.clone(), rng.message()]];
+    for _ in 0..14 {
+        let base = convs[rng.next(convs.len() as u64) as usize].clone();
+        let next = match rng.next(4) {
+            // grow: the previous turn's output is appended by `simulate`, then a new message
+            0 | 1 => {
+                let mut c = base;
+                c.push(rng.message());
+                c
+            }
+            // branch from an earlier turn
+            2 => {
+                let keep = 1 + rng.next(base.len() as u64) as usize;
+                let mut c = base[..keep].to_vec();
+                c.push(rng.message());
+                c
+            }
+            // edit an earlier message
+            _ => {
+                let mut c = base;
+                let i = rng.next(c.len() as u64) as usize;
+                let j = rng.next(c[i].len() as u64) as usize;
+                c[i][j] = (c[i][j] + 1) % 990;
+                c
+            }
+        };
+        convs.push(next);
+    }
+    // a second session sharing the system prompt
+    convs.push(vec![system, rng.message(), rng.message()]);
+    convs
+}
+
+/// Runs the workload: each conversation is rendered; after each request the assistant output is
+/// appended as a message of that conversation (so the next turn re-renders it identically).
+fn simulate(e: &EngineHandle, seed: u64) -> Vec<(Vec<u32>, Vec<f32>, Usage, usize)> {
+    let mut outputs = Vec::new();
+    let mut convs = workload(seed);
+    for i in 0..convs.len() {
+        let (prompt, starts) = render(&convs[i]);
+        let plen = prompt.len();
+        let (ids, lps, usage) = run(e, prompt, starts);
+        if i + 1 < convs.len() && convs[i + 1].starts_with(&convs[i]) {
+            let mut out = vec![5, 6];
+            out.extend(&ids[..ids.len() - 1]);
+            let at = convs[i].len();
+            convs[i + 1].insert(at, out);
+        }
+        outputs.push((ids, lps, usage, plen));
+    }
+    outputs
+}
+
+#[test]
+fn outputs_with_and_without_the_prefix_cache_are_identical() {
+    for (seed, pages) in [(1u64, 400usize), (2, 70), (3, 60)] {
+        let off = engine(false, pages);
+        let on = engine(true, pages);
+        let a = simulate(&off, seed);
+        let b = simulate(&on, seed);
+        let mut hits = 0;
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert_eq!(x.0, y.0, "seed {seed} request {i}: tokens differ with the cache");
+            for (p, q) in x.1.iter().zip(&y.1) {
+                assert!((p - q).abs() < 1e-4, "seed {seed} request {i}: logprob {p} vs {q}");
+            }
+            assert_eq!(x.2.cached_tokens, 0);
+            assert!(y.2.cached_tokens < y.3, "cached tokens must leave the last prompt token to run");
+            hits += (y.2.cached_tokens > 0) as usize;
+        }
+        assert!(hits >= 5, "seed {seed}: only {hits} requests hit the cache");
+        let st = on.stats().sched;
+        assert!(
+            st.prefix.evictions + st.prefix.demotions > 0,
+            "the tiny pools should have forced eviction: {:?}",
+            st.prefix
+        );
+        off.shutdown(true);
+        on.shutdown(true);
+    }
+}
+
+#[test]
+fn multi_turn_requests_reuse_the_previous_turn() {
+    let e = engine(true, 400);
+    let mut rng = Rng(9);
+    let mut messages = vec![(0..40).collect::<Vec<u32>>(), rng.message()];
+    let mut prev_len = 0;
+    for turn in 0..6 {
+        let (prompt, starts) = render(&messages);
+        let plen = prompt.len();
+        let (ids, _, usage) = run(&e, prompt, starts);
+        if turn > 0 {
+            // Everything up to the end of the previous prompt + its output is reused.
+            assert!(
+                usage.cached_tokens >= prev_len,
+                "turn {turn}: cached {} < previous context {prev_len}",
+                usage.cached_tokens
+            );
+        }
+        let mut out = vec![5, 6];
+        out.extend(&ids[..ids.len() - 1]);
+        prev_len = plen + ids.len() - 1;
+        messages.push(out);
+        messages.push(rng.message());
+    }
+    e.shutdown(true);
+}

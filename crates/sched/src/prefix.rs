@@ -1,0 +1,240 @@
+//! The prefix cache of a hybrid model. An attention layer's KV pages alone cannot resume a sequence:
+//! the DeltaNet layers also need their recurrent + conv state at exactly the same position. So an
+//! entry here is a prefix `tokens[0..len]` with both: references to the KV pages covering it (shared,
+//! content-addressed by the prefix's hash chain) and a state snapshot taken at `len`.
+//!
+//! Snapshots live in two tiers: the plan's device pool and a pinned host pool. When the device pool
+//! is full the least valuable entry moves to the host (a copy, restored later by a copy); when the
+//! host pool is full, or pages are needed, the least valuable entry is dropped. Value is recompute
+//! saved per byte held: tokens beyond the entry's longest cached ancestor, times (1 + hits), over the
+//! snapshot bytes plus the pages it adds — not plain LRU (ties go to the least recently used).
+//!
+//! Pure bookkeeping: page references are taken and released by the caller (the scheduler).
+
+use std::collections::HashMap;
+
+use deltaserve_backend::{CacheOp, SnapshotLoc};
+
+/// Capacities and sizes, from the plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrefixCacheConfig {
+    pub device_slots: usize,
+    pub host_slots: usize,
+    pub page_size: usize,
+    pub snapshot_bytes: u64,
+    pub page_bytes: u64,
+}
+
+impl PrefixCacheConfig {
+    pub fn disabled(page_size: usize) -> Self {
+        Self { device_slots: 0, host_slots: 0, page_size, snapshot_bytes: 1, page_bytes: 1 }
+    }
+    pub fn enabled(&self) -> bool {
+        self.device_slots > 0
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Entry {
+    tokens: Vec<u32>,
+    /// Pages covering positions `0..tokens.len()` (the last may be partly filled); one reference each.
+    pages: Vec<u32>,
+    loc: SnapshotLoc,
+    /// Length of the longest other entry that was a prefix of this one when it was inserted.
+    parent_len: usize,
+    hits: u64,
+    last_used: u64,
+}
+
+/// A usable cached prefix for a new sequence.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hit {
+    pub len: usize,
+    /// Pages covering `0..len` (the caller retains the full ones and copies the partial last one).
+    pub pages: Vec<u32>,
+    pub loc: SnapshotLoc,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefixStats {
+    pub entries_device: usize,
+    pub entries_host: usize,
+    pub lookups: u64,
+    pub hits: u64,
+    pub hit_tokens: u64,
+    pub evictions: u64,
+    pub demotions: u64,
+}
+
+pub struct PrefixCache {
+    cfg: PrefixCacheConfig,
+    entries: HashMap<u64, Entry>,
+    device_free: Vec<u32>,
+    host_free: Vec<u32>,
+    clock: u64,
+    stats: PrefixStats,
+}
+
+/// Rolling hash of token prefixes: `h(tokens[0..i+1]) = step(h(tokens[0..i]), tokens[i])`.
+fn step(h: u64, token: u32) -> u64 {
+    let x = (h ^ u64::from(token)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    x ^ (x >> 29)
+}
+
+const SEED: u64 = 0x243F_6A88_85A3_08D3;
+
+fn prefix_hash(tokens: &[u32]) -> u64 {
+    tokens.iter().fold(SEED, |h, &t| step(h, t))
+}
+
+impl PrefixCache {
+    pub fn new(cfg: PrefixCacheConfig) -> Self {
+        Self {
+            device_free: (0..cfg.device_slots as u32).rev().collect(),
+            host_free: (0..cfg.host_slots as u32).rev().collect(),
+            cfg,
+            entries: HashMap::new(),
+            clock: 0,
+            stats: PrefixStats::default(),
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.cfg.enabled()
+    }
+
+    /// The longest cached prefix of `tokens` of length at most `max_len`, marked as used.
+    pub fn lookup(&mut self, tokens: &[u32], max_len: usize) -> Option<Hit> {
+        if self.entries.is_empty() || max_len == 0 {
+            return None;
+        }
+        self.stats.lookups += 1;
+        let mut h = SEED;
+        let mut best = None;
+        for (i, &t) in tokens[..max_len.min(tokens.len())].iter().enumerate() {
+            h = step(h, t);
+            if let Some(e) = self.entries.get(&h)
+                && e.tokens[..] == tokens[..=i]
+            {
+                best = Some(h);
+            }
+        }
+        let key = best?;
+        self.clock += 1;
+        let e = self.entries.get_mut(&key).expect("found above");
+        e.hits += 1;
+        e.last_used = self.clock;
+        self.stats.hits += 1;
+        self.stats.hit_tokens += e.tokens.len() as u64;
+        Some(Hit { len: e.tokens.len(), pages: e.pages.clone(), loc: e.loc })
+    }
+
+    /// Whether `tokens` (a whole prefix) is cached already.
+    pub fn contains(&self, tokens: &[u32]) -> bool {
+        self.entries.get(&prefix_hash(tokens)).is_some_and(|e| e.tokens == tokens)
+    }
+
+    /// A device snapshot slot for a new entry: free, or made free by moving the least valuable
+    /// device entry to the host (ops appended to `ops`) or dropping it (its pages appended to
+    /// `released`). None when the cache is disabled.
+    pub fn alloc_device(&mut self, ops: &mut Vec<CacheOp>, released: &mut Vec<u32>) -> Option<SnapshotLoc> {
+        if !self.enabled() {
+            return None;
+        }
+        if let Some(d) = self.device_free.pop() {
+            return Some(SnapshotLoc::Device(d));
+        }
+        let victim = self.least_valuable(|loc| matches!(loc, SnapshotLoc::Device(_)))?;
+        let SnapshotLoc::Device(slot) = self.entries[&victim].loc else { unreachable!() };
+        if self.cfg.host_slots > 0 {
+            if self.host_free.is_empty()
+                && let Some(h) = self.least_valuable(|loc| matches!(loc, SnapshotLoc::Host(_)))
+            {
+                released.extend(self.remove(h));
+            }
+            if let Some(host) = self.host_free.pop() {
+                let to = SnapshotLoc::Host(host);
+                ops.push(CacheOp::MoveSnapshot { from: SnapshotLoc::Device(slot), to });
+                self.entries.get_mut(&victim).expect("exists").loc = to;
+                self.stats.demotions += 1;
+                return Some(SnapshotLoc::Device(slot));
+            }
+        }
+        released.extend(self.remove(victim));
+        self.device_free.pop().map(SnapshotLoc::Device)
+    }
+
+    /// Registers `tokens` with its pages (one reference each, already taken by the caller) and the
+    /// snapshot at `loc` (from [`PrefixCache::alloc_device`]).
+    pub fn insert(&mut self, tokens: Vec<u32>, pages: Vec<u32>, loc: SnapshotLoc) {
+        let key = prefix_hash(&tokens);
+        let parent_len = (1..tokens.len()).rev().find(|&l| self.contains(&tokens[..l])).unwrap_or(0);
+        self.clock += 1;
+        let old = self.entries.insert(key, Entry { tokens, pages, loc, parent_len, hits: 0, last_used: self.clock });
+        assert!(old.is_none(), "insert of a prefix that is cached already (or a 64-bit hash collision)");
+    }
+
+    /// Drops the least valuable entry; returns the pages it held (None when empty).
+    pub fn evict_one(&mut self) -> Option<Vec<u32>> {
+        let victim = self.least_valuable(|_| true)?;
+        Some(self.remove(victim))
+    }
+
+    /// Drops everything (e.g. after a failed step); returns the pages held.
+    pub fn clear(&mut self) -> Vec<u32> {
+        let keys: Vec<u64> = self.entries.keys().copied().collect();
+        keys.into_iter().flat_map(|k| self.remove(k)).collect()
+    }
+
+    fn remove(&mut self, key: u64) -> Vec<u32> {
+        let e = self.entries.remove(&key).expect("exists");
+        match e.loc {
+            SnapshotLoc::Device(d) => self.device_free.push(d),
+            SnapshotLoc::Host(h) => self.host_free.push(h),
+        }
+        self.stats.evictions += 1;
+        e.pages
+    }
+
+    fn value(&self, e: &Entry) -> f64 {
+        let ps = self.cfg.page_size;
+        let saved = (e.tokens.len() - e.parent_len) as f64 * (1 + e.hits) as f64;
+        let new_pages = e.tokens.len().div_ceil(ps) - e.parent_len / ps;
+        saved / (self.cfg.snapshot_bytes + new_pages as u64 * self.cfg.page_bytes) as f64
+    }
+
+    fn least_valuable(&self, filter: impl Fn(SnapshotLoc) -> bool) -> Option<u64> {
+        self.entries
+            .iter()
+            .filter(|(_, e)| filter(e.loc))
+            .min_by(|a, b| self.value(a.1).total_cmp(&self.value(b.1)).then(a.1.last_used.cmp(&b.1.last_used)))
+            .map(|(k, _)| *k)
+    }
+
+    /// Page references held by entries.
+    pub fn page_refs(&self) -> usize {
+        self.entries.values().map(|e| e.pages.len()).sum()
+    }
+
+    pub fn stats(&self) -> PrefixStats {
+        let device = self.entries.values().filter(|e| matches!(e.loc, SnapshotLoc::Device(_))).count();
+        PrefixStats { entries_device: device, entries_host: self.entries.len() - device, ..self.stats }
+    }
+
+    /// Panics if slots are double-booked.
+    pub fn assert_consistent(&self) {
+        let mut dev: Vec<u32> = self.device_free.clone();
+        let mut host: Vec<u32> = self.host_free.clone();
+        for e in self.entries.values() {
+            match e.loc {
+                SnapshotLoc::Device(d) => dev.push(d),
+                SnapshotLoc::Host(h) => host.push(h),
+            }
+            assert_eq!(e.pages.len(), e.tokens.len().div_ceil(self.cfg.page_size), "entry pages cover its tokens");
+        }
+        dev.sort_unstable();
+        host.sort_unstable();
+        assert_eq!(dev, (0..self.cfg.device_slots as u32).collect::<Vec<_>>(), "device snapshot slots");
+        assert_eq!(host, (0..self.cfg.host_slots as u32).collect::<Vec<_>>(), "host snapshot slots");
+    }
+}
