@@ -21,6 +21,9 @@ struct Cli {
 enum Command {
     /// Serve the OpenAI- and Anthropic-compatible HTTP API (the built-in demo model without --model).
     Serve(commands::serve::Args),
+    /// CUDA kernel tools (`kernels check`: compile every kernel for sm_80/86/89/90, no GPU needed).
+    #[command(subcommand)]
+    Kernels(commands::kernels::Command),
     /// Generate text (or token ids) for one prompt.
     Generate(commands::generate::Args),
     /// Write the logits of every position of a token sequence to a safetensors file.
@@ -39,6 +42,7 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Serve(a) => commands::serve::run(a),
+        Command::Kernels(c) => commands::kernels::run(c),
         Command::Generate(a) => commands::generate::run(a),
         Command::Logits(a) => commands::logits::run(a),
         Command::Synth(a) => commands::synth::run(a),

@@ -126,6 +126,28 @@ impl Metrics {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
         };
         counter(&mut out, "deltaserve_preemptions_total", "Sequences preempted (recomputed later).", s.preemptions);
+        let p = &s.prefix;
+        gauge(
+            &mut out,
+            "deltaserve_prefix_cache_entries_device",
+            "Cached prefixes with their state snapshot in the device pool.",
+            p.entries_device as f64,
+        );
+        gauge(
+            &mut out,
+            "deltaserve_prefix_cache_entries_host",
+            "Cached prefixes with their state snapshot in the host pool.",
+            p.entries_host as f64,
+        );
+        counter(&mut out, "deltaserve_prefix_cache_lookups_total", "Prefix-cache lookups at admission.", p.lookups);
+        counter(&mut out, "deltaserve_prefix_cache_hits_total", "Admissions that restored a cached prefix.", p.hits);
+        counter(&mut out, "deltaserve_prefix_cache_evictions_total", "Cached prefixes dropped.", p.evictions);
+        counter(
+            &mut out,
+            "deltaserve_prefix_cache_demotions_total",
+            "Snapshots moved from the device pool to the host pool.",
+            p.demotions,
+        );
         counter(&mut out, "deltaserve_engine_steps_total", "Engine steps run.", engine.steps);
         let Ok(m) = self.inner.lock() else { return out };
         counter(&mut out, "deltaserve_prompt_tokens_total", "Prompt tokens of finished requests.", m.prompt_tokens);

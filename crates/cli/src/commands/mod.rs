@@ -1,6 +1,7 @@
 //! One module per subcommand.
 
 pub mod generate;
+pub mod kernels;
 pub mod logits;
 pub mod plan;
 pub mod serve;
