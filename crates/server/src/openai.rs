@@ -62,7 +62,18 @@ pub fn parse_body<T: serde::de::DeserializeOwned>(body: Result<Bytes, BytesRejec
     if !value.is_object() {
         return Err(ApiError::bad("the body must be a JSON object"));
     }
-    serde_json::from_value(value).map_err(|e| ApiError::bad(format!("invalid request: {e}")))
+    // Name the offending field, as vLLM does (`temperature: invalid type: string "hot", expected f32`).
+    serde_path_to_error::deserialize(value.clone()).map_err(|e| {
+        // `#[serde(flatten)]` hides the path of the shared sampling fields: look there again.
+        let e = match serde_path_to_error::deserialize::<_, CommonParams>(value) {
+            Err(inner) if e.path().to_string() == "." => inner,
+            _ => e,
+        };
+        let path = e.path().to_string();
+        let field = path.split(['.', '[']).next().unwrap_or_default().to_string();
+        let msg = format!("invalid request: `{path}`: {}", e.inner());
+        if field.is_empty() || field == "?" { ApiError::bad(msg) } else { ApiError::bad_param(&field, msg) }
+    })
 }
 
 pub async fn chat_completions(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
@@ -74,6 +85,7 @@ async fn chat_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -> Resul
     let req: ChatCompletionRequest = parse_body(body)?;
     st.check_model(req.model.as_deref())?;
     req.common.check_n()?;
+    req.common.check_top_k()?;
     if let Some(rf) = &req.response_format {
         match rf.get("type").and_then(Value::as_str) {
             Some("text") => {}
@@ -244,6 +256,7 @@ async fn completions_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -
     let req: CompletionRequest = parse_body(body)?;
     st.check_model(req.model.as_deref())?;
     req.common.check_n()?;
+    req.common.check_top_k()?;
     if req.echo.unwrap_or(false) {
         return Err(ApiError::bad_param("echo", "`echo` is not supported yet"));
     }

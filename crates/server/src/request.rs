@@ -78,7 +78,8 @@ pub fn build_request(prompt: Vec<u32>, l: Limits) -> Result<Request, ApiError> {
     let max_tokens = match l.max_tokens {
         Some(0) => return Err(ApiError::bad_param("max_tokens", "`max_tokens` must be at least 1")),
         Some(m) => usize::try_from(m).unwrap_or(usize::MAX),
-        None => (max_context + 1).saturating_sub(prompt.len()).max(1),
+        // Fill the context exactly, as vLLM does (prompt + completion = max_model_len).
+        None => max_context.saturating_sub(prompt.len()).max(1),
     };
     Ok(Request {
         prompt,
@@ -104,6 +105,16 @@ impl CommonParams {
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
             seed: self.seed,
+        }
+    }
+
+    /// `top_k`: -1 or 0 (disabled) or at least 1, as in vLLM.
+    pub fn check_top_k(&self) -> Result<(), ApiError> {
+        match self.top_k {
+            Some(k) if k < -1 => {
+                Err(ApiError::bad_param("top_k", format!("`top_k` must be -1, 0 or at least 1, got {k}")))
+            }
+            _ => Ok(()),
         }
     }
 

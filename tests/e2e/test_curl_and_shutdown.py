@@ -1,0 +1,119 @@
+"""Raw SSE framing through curl, and graceful shutdown of a server with requests in flight."""
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+
+import util
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_streaming_chat(base):
+    body = util.chat_body(stream=True, max_tokens=6, stream_options={"include_usage": True})
+    out = subprocess.run(
+        ["curl", "-sS", "-N", "--max-time", "60", f"{base}/v1/chat/completions",
+         "-H", "Content-Type: application/json", "-H", f"Authorization: Bearer {util.API_KEY}",
+         "-d", json.dumps(body)],
+        capture_output=True, timeout=90, check=True, text=True)
+    raw = out.stdout
+    assert raw.rstrip("\n").endswith("data: [DONE]"), raw[-300:]
+    assert raw.endswith("\n\n"), repr(raw[-20:])
+    # Each event is `data: ...` followed by a blank line.
+    events = [e for e in raw.replace("\r\n", "\n").split("\n\n") if e.strip()]
+    assert events[-1] == "data: [DONE]"
+    for ev in events:
+        lines = [ln for ln in ev.split("\n") if not ln.startswith(":")]
+        assert len(lines) == 1 and lines[0].startswith("data: "), repr(ev)
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["usage"]["completion_tokens"] <= 6
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_anthropic_stream(base):
+    body = {"model": util.MODEL, "max_tokens": 4, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    out = subprocess.run(
+        ["curl", "-sS", "-N", "--max-time", "60", f"{base}/v1/messages", "-H", "content-type: application/json",
+         "-H", f"x-api-key: {util.API_KEY}", "-H", "anthropic-version: 2023-06-01", "-d", json.dumps(body)],
+        capture_output=True, timeout=90, check=True, text=True)
+    events = [e for e in out.stdout.replace("\r\n", "\n").split("\n\n") if e.strip()]
+    names = [e.split("\n")[0] for e in events]
+    assert names[0] == "event: message_start", names
+    assert names[-1] == "event: message_stop", names
+
+
+def test_graceful_shutdown_with_streams_in_flight(tmp_path):
+    """SIGINT while streams run: the process exits 0 within 15 s and every client sees its stream end."""
+    from conftest import MAIN_ARGS
+
+    srv = util.Server(args=MAIN_ARGS, log_path=tmp_path / "server.log").start()
+    ended = []
+    started = threading.Event()
+    errors = []
+
+    def stream():
+        try:
+            with util.client(srv.base, timeout=30) as c, c.stream(
+                    "POST", "/v1/chat/completions",
+                    json=util.chat_body(stream=True, max_tokens=2000, ignore_eos=True)) as r:
+                for n, _ in enumerate(r.iter_lines()):
+                    if n == 2:
+                        started.set()
+            ended.append("eof")
+        except httpx.HTTPError as e:
+            ended.append(type(e).__name__)
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=stream, daemon=True) for _ in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        assert started.wait(30), "no stream started"
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        code = srv.interrupt(util.SHUTDOWN_TIMEOUT)
+        took = time.monotonic() - t0
+        for t in threads:
+            t.join(timeout=20)
+        assert code is not None, f"not exited {util.SHUTDOWN_TIMEOUT:.0f} s after SIGINT\n{srv.log_tail()}"
+        assert code == 0, f"exit code {code}\n{srv.log_tail()}"
+        assert all(not t.is_alive() for t in threads), "a client stream hung after the server exited"
+        assert not errors, errors
+        assert len(ended) == 3
+        print(f"shutdown took {took:.2f} s; client endings: {ended}")
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{srv.base}/health", timeout=2)
+    finally:
+        srv.kill()
+
+
+def test_shutdown_when_idle_is_quick(tmp_path):
+    from conftest import SMALL_ARGS
+
+    srv = util.Server(args=SMALL_ARGS, log_path=tmp_path / "server.log").start()
+    try:
+        t0 = time.monotonic()
+        code = srv.interrupt(util.SHUTDOWN_TIMEOUT)
+        assert code == 0, f"exit code {code}\n{srv.log_tail()}"
+        assert time.monotonic() - t0 < 5.0, "idle shutdown took more than 5 s"
+    finally:
+        srv.kill()
+
+
+def test_sigterm_also_graceful(tmp_path):
+    import signal
+    from conftest import SMALL_ARGS
+
+    srv = util.Server(args=SMALL_ARGS, log_path=tmp_path / "server.log").start()
+    try:
+        srv.proc.send_signal(signal.SIGTERM)
+        code = srv.proc.wait(timeout=util.SHUTDOWN_TIMEOUT)
+        assert code == 0, f"exit code {code} after SIGTERM\n{srv.log_tail()}"
+    finally:
+        srv.kill()
