@@ -290,6 +290,11 @@ fn parse_text(obj: &Map<String, Value>, arch: Arch, prefix: &str) -> Result<Mode
     }
 
     let num_layers = f.usize("num_hidden_layers")?;
+    if num_layers > MAX_LAYERS {
+        return Err(ModelError::config(format!(
+            "`{prefix}num_hidden_layers` = {num_layers} is implausible (max {MAX_LAYERS})"
+        )));
+    }
     let layer_types = match obj.get("layer_types") {
         Some(Value::Array(items)) => {
             if items.len() != num_layers {
@@ -403,6 +408,10 @@ fn parse_text(obj: &Map<String, Value>, arch: Arch, prefix: &str) -> Result<Mode
     Ok(cfg)
 }
 
+/// Sanity bounds: configs beyond these are corrupt, and would overflow size arithmetic.
+const MAX_LAYERS: usize = 4096;
+const MAX_DIM: usize = 1 << 24;
+
 fn validate(c: &ModelConfig, p: &str) -> Result<(), ModelError> {
     let positive = [
         ("hidden_size", c.hidden_size),
@@ -421,6 +430,9 @@ fn validate(c: &ModelConfig, p: &str) -> Result<(), ModelError> {
     for (name, v) in positive {
         if v == 0 {
             return Err(ModelError::config(format!("`{p}{name}` must be > 0")));
+        }
+        if v > MAX_DIM {
+            return Err(ModelError::config(format!("`{p}{name}` = {v} is implausible (max {MAX_DIM})")));
         }
     }
     if !c.num_attention_heads.is_multiple_of(c.num_key_value_heads) {

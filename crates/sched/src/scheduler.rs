@@ -130,11 +130,11 @@ pub fn check_request(cfg: &SchedConfig, prompt_len: usize, max_tokens: usize) ->
         return Err(AdmitError::ZeroMaxTokens);
     }
     // The last generated token is returned but never fed back, so it needs no cache position.
-    if prompt_len + max_tokens - 1 > cfg.max_context {
+    if prompt_len.saturating_add(max_tokens - 1) > cfg.max_context {
         return Err(AdmitError::ContextTooLong {
             prompt: prompt_len,
             max_tokens,
-            needed: prompt_len + max_tokens,
+            needed: prompt_len.saturating_add(max_tokens),
             max_context: cfg.max_context,
         });
     }

@@ -141,6 +141,7 @@ fn admission_limits_are_clear_errors() {
     assert!(e.to_string().contains("64"));
     assert!(matches!(s.add(3, vec![1; 10], 56), Err(AdmitError::ContextTooLong { .. })));
     assert!(s.add(3, vec![1; 10], 55).is_ok());
+    assert!(matches!(s.add(9, vec![1; 10], usize::MAX), Err(AdmitError::ContextTooLong { .. })));
     assert_eq!(s.add(3, vec![1], 1), Err(AdmitError::DuplicateId(3)));
     assert!(matches!(s.add(4, vec![1], 1), Err(AdmitError::Overloaded { waiting: 2, limit: 2 })));
 }
