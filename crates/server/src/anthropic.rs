@@ -246,7 +246,7 @@ async fn messages_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -> R
     }
     Ok(axum::Json(json!({
         "id": id, "type": "message", "role": "assistant", "model": model, "content": content,
-        "stop_reason": stop_reason(&finish), "stop_sequence": stop_sequence(&finish),
+        "stop_reason": stop_reason(&finish), "stop_sequence": finish.stop_string(),
         "usage": usage(&col.usage),
     }))
     .into_response())
@@ -262,13 +262,6 @@ fn stop_reason(f: &Finish) -> &'static str {
         Finish::StopString(_) => "stop_sequence",
         Finish::Length => "max_tokens",
         Finish::ToolCalls => "tool_use",
-    }
-}
-
-fn stop_sequence(f: &Finish) -> Value {
-    match f {
-        Finish::StopString(s) => json!(s),
-        _ => Value::Null,
     }
 }
 
@@ -345,7 +338,7 @@ fn message_stream(
                             &tx,
                             "message_delta",
                             json!({"type": "message_delta",
-                            "delta": {"stop_reason": stop_reason(&finish), "stop_sequence": stop_sequence(&finish)},
+                            "delta": {"stop_reason": stop_reason(&finish), "stop_sequence": finish.stop_string()},
                             "usage": {"output_tokens": u.completion_tokens}}),
                         )
                         .await;

@@ -84,8 +84,7 @@ pub async fn chat_completions(State(st): State<AppState>, body: Result<Bytes, By
 async fn chat_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let req: ChatCompletionRequest = parse_body(body)?;
     st.check_model(req.model.as_deref())?;
-    req.common.check_n()?;
-    req.common.check_top_k()?;
+    req.common.validate()?;
     if let Some(rf) = &req.response_format {
         match rf.get("type").and_then(Value::as_str) {
             Some("text") => {}
@@ -163,7 +162,7 @@ async fn chat_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -> Resul
         "object": "chat.completion",
         "created": unix_now(),
         "model": model,
-        "choices": [{ "index": 0, "message": message, "logprobs": logprobs_json, "finish_reason": finish_reason(&finish), "stop_reason": stop_reason(&finish) }],
+        "choices": [{ "index": 0, "message": message, "logprobs": logprobs_json, "finish_reason": finish_reason(&finish), "stop_reason": finish.stop_string() }],
         "usage": usage_json(&col.usage),
     }))
     .into_response())
@@ -230,7 +229,7 @@ fn chat_stream(
             }
             if let Some((finish, usage)) = done {
                 let mut last = chunk(json!({}), json!(finish_reason(&finish)), Value::Null);
-                last["choices"][0]["stop_reason"] = stop_reason(&finish);
+                last["choices"][0]["stop_reason"] = finish.stop_string();
                 let _ = send_json(&tx, last).await;
                 if include_usage {
                     let _ = send_json(
@@ -255,8 +254,7 @@ pub async fn completions(State(st): State<AppState>, body: Result<Bytes, BytesRe
 async fn completions_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_body(body)?;
     st.check_model(req.model.as_deref())?;
-    req.common.check_n()?;
-    req.common.check_top_k()?;
+    req.common.validate()?;
     if req.echo.unwrap_or(false) {
         return Err(ApiError::bad_param("echo", "`echo` is not supported yet"));
     }
@@ -295,7 +293,7 @@ async fn completions_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -
     let logprobs = top.map(|_| completion_logprobs(&col));
     Ok(axum::Json(json!({
         "id": id, "object": "text_completion", "created": unix_now(), "model": model,
-        "choices": [{"index": 0, "text": col.content, "logprobs": logprobs, "finish_reason": finish_reason(&finish), "stop_reason": stop_reason(&finish)}],
+        "choices": [{"index": 0, "text": col.content, "logprobs": logprobs, "finish_reason": finish_reason(&finish), "stop_reason": finish.stop_string()}],
         "usage": usage_json(&col.usage),
     }))
     .into_response())
@@ -383,13 +381,6 @@ pub fn finish_reason(f: &Finish) -> &'static str {
         Finish::Stop | Finish::StopString(_) => "stop",
         Finish::Length => "length",
         Finish::ToolCalls => "tool_calls",
-    }
-}
-
-fn stop_reason(f: &Finish) -> Value {
-    match f {
-        Finish::StopString(s) => json!(s),
-        _ => Value::Null,
     }
 }
 

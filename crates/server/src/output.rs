@@ -33,6 +33,16 @@ pub enum Finish {
     ToolCalls,
 }
 
+impl Finish {
+    /// The matched stop string as JSON (`null` for other reasons).
+    pub fn stop_string(&self) -> serde_json::Value {
+        match self {
+            Self::StopString(s) => serde_json::Value::String(s.clone()),
+            _ => serde_json::Value::Null,
+        }
+    }
+}
+
 /// One piece of parsed output.
 #[derive(Clone, Debug)]
 pub enum OutEvent {

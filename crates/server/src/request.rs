@@ -108,21 +108,16 @@ impl CommonParams {
         }
     }
 
-    /// `top_k`: -1 or 0 (disabled) or at least 1, as in vLLM.
-    pub fn check_top_k(&self) -> Result<(), ApiError> {
-        match self.top_k {
-            Some(k) if k < -1 => {
-                Err(ApiError::bad_param("top_k", format!("`top_k` must be -1, 0 or at least 1, got {k}")))
-            }
-            _ => Ok(()),
+    /// Checks what the engine's own validation does not: `n` (only 1) and `top_k` (-1 or 0 to
+    /// disable, else at least 1, as in vLLM).
+    pub fn validate(&self) -> Result<(), ApiError> {
+        if let Some(n) = self.n.filter(|n| *n != 1) {
+            return Err(ApiError::bad_param("n", format!("`n` = {n} is not supported: only n = 1")));
         }
-    }
-
-    pub fn check_n(&self) -> Result<(), ApiError> {
-        match self.n {
-            None | Some(1) => Ok(()),
-            Some(n) => Err(ApiError::bad_param("n", format!("`n` = {n} is not supported: only n = 1"))),
+        if let Some(k) = self.top_k.filter(|k| *k < -1) {
+            return Err(ApiError::bad_param("top_k", format!("`top_k` must be -1, 0 or at least 1, got {k}")));
         }
+        Ok(())
     }
 }
 
