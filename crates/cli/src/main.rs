@@ -32,6 +32,8 @@ enum Command {
     Synth(commands::synth::Args),
     /// Print the static memory plan: what fits in a memory budget.
     Plan(commands::plan::Args),
+    /// Replay a synthetic multi-turn agent session against a server and report per-turn cost.
+    Soak(commands::soak::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -47,6 +49,7 @@ fn main() -> std::process::ExitCode {
         Command::Logits(a) => commands::logits::run(a),
         Command::Synth(a) => commands::synth::run(a),
         Command::Plan(a) => commands::plan::run(a),
+        Command::Soak(a) => commands::soak::run(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -5,4 +5,5 @@ pub mod kernels;
 pub mod logits;
 pub mod plan;
 pub mod serve;
+pub mod soak;
 pub mod synth;

@@ -1,0 +1,97 @@
+//! `deltaserve soak` end to end: a short session against the in-process demo server (JSON shape,
+//! prefix-cache accounting, no arena growth), and a clean failure when nothing listens at --url.
+
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn soak(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_deltaserve"))
+        .env("RUST_LOG", "warn")
+        .arg("soak")
+        .args(args)
+        .output()
+        .expect("run deltaserve soak")
+}
+
+#[test]
+fn in_process_demo_session_restores_the_context_and_does_not_allocate() {
+    let svg = std::env::temp_dir().join(format!("ds-soak-{}.svg", std::process::id()));
+    let out = soak(&["--turns", "6", "--target-context", "1500", "--json", "--svg", svg.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let v: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {}", String::from_utf8_lossy(&out.stdout)));
+    assert!(out.status.success(), "soak failed: {stderr}\n{v:#}");
+
+    let s = &v["summary"];
+    assert_eq!(s["ok"], true, "{v:#}");
+    assert_eq!(s["failures"].as_array().map(Vec::len), Some(0), "{v:#}");
+    assert_eq!(s["turns"], 6);
+    let turns = v["turns"].as_array().expect("turns is a list");
+    assert_eq!(turns.len(), 6);
+    let final_context = s["final_context"].as_u64().unwrap();
+    assert!((1000..=2000).contains(&final_context), "the context should grow to about 1500: {final_context}");
+    assert!(s["min_cached_fraction_of_previous_context"].as_f64().unwrap() >= 0.95, "{s:#}");
+    assert!(s["ttft_ratio_last_vs_turn2_per_new_token"].as_f64().unwrap() > 0.0, "{s:#}");
+
+    let u = |t: &Value, k: &str| t[k].as_u64().unwrap_or_else(|| panic!("turn field {k} is not a count: {t}"));
+    let f = |t: &Value, k: &str| t[k].as_f64().unwrap_or_else(|| panic!("turn field {k} is not a number: {t}"));
+    for (i, t) in turns.iter().enumerate() {
+        assert_eq!(u(t, "turn"), i as u64 + 1);
+        let (prompt, cached, new) = (u(t, "prompt_tokens"), u(t, "cached_tokens"), u(t, "new_tokens"));
+        assert_eq!(new, prompt - cached, "{t}");
+        assert!(cached < prompt, "at most prompt_tokens - 1 can be cached: {t}");
+        let (ttft, per_new, total) = (f(t, "ttft_ms"), f(t, "ttft_per_new_token_ms"), f(t, "total_ms"));
+        assert!(ttft > 0.0 && ttft <= total + 1e-6, "{t}");
+        assert!((per_new - ttft / new as f64).abs() < 1e-2, "{t}");
+        // No arena growth: every turn reports what turn 1 reported.
+        assert_eq!(t["arena_allocations"], turns[0]["arena_allocations"], "{t}");
+        assert_eq!(t["arena_high_water_bytes"], turns[0]["arena_high_water_bytes"], "{t}");
+        assert!(u(t, "arena_allocations") > 0 && u(t, "arena_high_water_bytes") > 0, "{t}");
+        assert!(u(t, "host_rss_bytes") > 0, "in-process: the host RSS is reported: {t}");
+        if i > 0 {
+            let prev = u(&turns[i - 1], "prompt_tokens");
+            assert!(prompt > prev, "the context grows every turn: {t}");
+            assert!(cached as f64 >= 0.95 * prev as f64, "turn {} restored {cached} of {prev}: {t}", i + 1);
+        } else {
+            assert_eq!(cached, 0, "nothing is cached before the first turn: {t}");
+        }
+    }
+    let chart = std::fs::read_to_string(&svg).expect("the SVG was written");
+    let _ = std::fs::remove_file(&svg);
+    assert!(chart.starts_with("<svg") && chart.trim_end().ends_with("</svg>"));
+    assert_eq!(chart.matches("<title>turn ").count(), 6 * 3, "one TTFT bar and a cached + a new bar per turn");
+}
+
+#[test]
+fn nothing_listening_is_a_clean_error() {
+    let out = soak(&["--url", "http://127.0.0.1:1", "--turns", "2", "--target-context", "500"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "expected failure; stderr: {stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(stderr.contains("error: soak failed"), "{stderr}");
+    assert!(stderr.contains("cannot connect to 127.0.0.1:1"), "{stderr}");
+
+    // With --json the report is still one JSON object, with the reason.
+    let out = soak(&["--url", "http://127.0.0.1:1", "--turns", "2", "--target-context", "500", "--json"]);
+    assert!(!out.status.success());
+    let v: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(v["summary"]["ok"], false);
+    assert_eq!(v["turns"].as_array().map(Vec::len), Some(0));
+    let failures = v["summary"]["failures"].as_array().unwrap();
+    assert!(failures.iter().any(|f| f.as_str().unwrap().contains("cannot connect")), "{v:#}");
+}
+
+#[test]
+fn bad_arguments_are_clean_errors() {
+    for (args, needle) in [
+        (&["--url", "https://127.0.0.1:1", "--turns", "2", "--target-context", "500"][..], "https is not supported"),
+        (&["--url", "http://127.0.0.1:1", "--turns", "0", "--target-context", "500"][..], "--turns must be at least 1"),
+    ] {
+        let out = soak(args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && !stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
+}
