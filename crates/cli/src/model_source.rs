@@ -27,14 +27,10 @@ pub struct LoadedModel {
 }
 
 impl ModelArgs {
-    pub fn load(&self) -> Result<LoadedModel> {
-        match self.device.as_str() {
-            "cpu" | "auto" => {}
-            "cuda" => bail!("--device cuda: the CUDA backend is not part of this build yet; use --device cpu"),
-            other => bail!("unknown --device `{other}` (expected cpu or cuda)"),
-        }
-        let dir = match &self.model {
-            Some(d) => d.clone(),
+    /// The model directory: `--model`, or the built-in demo model (created on first use).
+    pub fn dir(&self) -> Result<PathBuf> {
+        match &self.model {
+            Some(d) => Ok(d.clone()),
             None => {
                 let dir = deltaserve_engine::synth::demo_model_dir().context("creating the built-in demo model")?;
                 tracing::warn!(
@@ -43,10 +39,23 @@ impl ModelArgs {
                      *.safetensors and tokenizer.json).",
                     dir.display()
                 );
-                dir
+                Ok(dir)
             }
-        };
-        load_dir(&dir)
+        }
+    }
+
+    pub fn load(&self) -> Result<LoadedModel> {
+        self.load_dir(&self.dir()?)
+    }
+
+    /// Loads the model in `dir` (from [`ModelArgs::dir`]) for the selected device.
+    pub fn load_dir(&self, dir: &Path) -> Result<LoadedModel> {
+        match self.device.as_str() {
+            "cpu" | "auto" => {}
+            "cuda" => bail!("--device cuda: the CUDA backend is not part of this build yet; use --device cpu"),
+            other => bail!("unknown --device `{other}` (expected cpu or cuda)"),
+        }
+        load_dir(dir)
     }
 }
 

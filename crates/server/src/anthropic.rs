@@ -204,11 +204,12 @@ async fn messages_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -> R
     let max_tokens = req.max_tokens.ok_or_else(|| ApiError::bad_param("max_tokens", "`max_tokens` is required"))?;
     let (prompt, parsing) = convert(st, &req)?;
     let input_tokens = prompt.len();
+    let d = &st.sampling_defaults;
     let sampling = SamplingParams {
-        temperature: req.temperature.unwrap_or(1.0),
-        top_p: req.top_p.unwrap_or(1.0),
-        top_k: req.top_k.unwrap_or(0) as usize,
-        ..SamplingParams::default()
+        temperature: req.temperature.unwrap_or(d.temperature),
+        top_p: req.top_p.unwrap_or(d.top_p),
+        top_k: req.top_k.map_or(d.top_k, |k| k as usize),
+        ..d.clone()
     };
     let points = snapshot_points(st, &prompt);
     let engine_req = build_request(

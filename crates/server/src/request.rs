@@ -94,16 +94,16 @@ pub fn build_request(prompt: Vec<u32>, l: Limits) -> Result<Request, ApiError> {
 }
 
 impl CommonParams {
-    /// Sampling parameters with OpenAI defaults (temperature 1, top_p 1).
-    pub fn sampling(&self) -> SamplingParams {
+    /// Sampling parameters: the request's, else the model's defaults (`d`).
+    pub fn sampling(&self, d: &SamplingParams) -> SamplingParams {
         SamplingParams {
-            temperature: self.temperature.unwrap_or(1.0),
-            top_k: self.top_k.filter(|k| *k > 0).map_or(0, |k| k as usize),
-            top_p: self.top_p.unwrap_or(1.0),
-            min_p: self.min_p.unwrap_or(0.0),
-            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
-            presence_penalty: self.presence_penalty.unwrap_or(0.0),
-            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            temperature: self.temperature.unwrap_or(d.temperature),
+            top_k: self.top_k.map_or(d.top_k, |k| if k > 0 { k as usize } else { 0 }),
+            top_p: self.top_p.unwrap_or(d.top_p),
+            min_p: self.min_p.unwrap_or(d.min_p),
+            repetition_penalty: self.repetition_penalty.unwrap_or(d.repetition_penalty),
+            presence_penalty: self.presence_penalty.unwrap_or(d.presence_penalty),
+            frequency_penalty: self.frequency_penalty.unwrap_or(d.frequency_penalty),
             seed: self.seed,
         }
     }

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use deltaserve_engine::EngineHandle;
+use deltaserve_engine::{EngineHandle, SamplingParams};
 use deltaserve_text::{ChatTemplate, Tokenizer};
 
 use crate::metrics::Metrics;
@@ -26,6 +26,8 @@ pub struct AppState {
     pub cfg: Arc<ServerConfig>,
     /// Token ids that end generation (from the model's config).
     pub eos_ids: Vec<u32>,
+    /// Sampling used for fields a request leaves out (the model's generation_config.json, as vLLM does).
+    pub sampling_defaults: SamplingParams,
 }
 
 impl AppState {
@@ -39,5 +41,59 @@ impl AppState {
                 self.cfg.served_model_name
             ))),
         }
+    }
+}
+
+/// Sampling defaults from a model directory's `generation_config.json` (`temperature`, `top_p`,
+/// `top_k`, `min_p`, `repetition_penalty`), on top of OpenAI's (temperature 1, top_p 1).
+/// A missing or unreadable file gives OpenAI's defaults; bad values are ignored with a warning.
+pub fn sampling_defaults(model_dir: &std::path::Path) -> SamplingParams {
+    let mut p = SamplingParams::default();
+    let path = model_dir.join("generation_config.json");
+    let Ok(text) = std::fs::read_to_string(&path) else { return p };
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else {
+        tracing::warn!(path = %path.display(), "generation_config.json is not valid JSON; ignoring its sampling defaults");
+        return p;
+    };
+    let num = |k: &str| v.get(k).and_then(serde_json::Value::as_f64);
+    // Like vLLM, `do_sample` is not consulted: only the explicit values are.
+    if let Some(t) = num("temperature") {
+        p.temperature = t as f32;
+    }
+    if let Some(x) = num("top_p") {
+        p.top_p = x as f32;
+    }
+    if let Some(x) = num("top_k").filter(|k| *k > 0.0) {
+        p.top_k = x as usize;
+    }
+    if let Some(x) = num("min_p") {
+        p.min_p = x as f32;
+    }
+    if let Some(x) = num("repetition_penalty") {
+        p.repetition_penalty = x as f32;
+    }
+    if let Err(e) = p.validate() {
+        tracing::warn!(path = %path.display(), error = %e, "ignoring sampling defaults from generation_config.json");
+        return SamplingParams::default();
+    }
+    p
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generation_config_supplies_sampling_defaults() {
+        let dir = std::env::temp_dir().join(format!("ds-gencfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert_eq!(sampling_defaults(&dir), SamplingParams::default());
+        std::fs::write(dir.join("generation_config.json"), r#"{"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": true}"#).unwrap();
+        let d = sampling_defaults(&dir);
+        assert_eq!((d.temperature, d.top_p, d.top_k), (0.6, 0.95, 20));
+        std::fs::write(dir.join("generation_config.json"), r#"{"top_p": 7}"#).unwrap();
+        assert_eq!(sampling_defaults(&dir), SamplingParams::default(), "invalid values are ignored");
+        std::fs::write(dir.join("generation_config.json"), "{").unwrap();
+        assert_eq!(sampling_defaults(&dir), SamplingParams::default());
     }
 }

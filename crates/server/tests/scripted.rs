@@ -77,6 +77,7 @@ fn app() -> axum::Router {
             max_body_bytes: 1 << 20,
         }),
         eos_ids: vec![eos],
+        sampling_defaults: Default::default(),
     };
     routes::router(state)
 }

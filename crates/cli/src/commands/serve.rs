@@ -39,7 +39,8 @@ pub fn run(a: Args) -> Result<()> {
         Some(dir) => dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned()),
         None => "demo".into(),
     });
-    let loaded = a.model.load()?;
+    let model_dir = a.model.dir()?;
+    let loaded = a.model.load_dir(&model_dir)?;
     let started = a.engine.start_cpu(loaded)?;
     eprintln!("{}", started.plan.table());
     let tokenizer = started.tokenizer.clone().context("serving needs a tokenizer.json in the model directory")?;
@@ -54,6 +55,7 @@ pub fn run(a: Args) -> Result<()> {
             max_body_bytes: a.max_body_mib << 20,
         }),
         eos_ids: started.eos_ids.clone(),
+        sampling_defaults: deltaserve_server::state::sampling_defaults(&model_dir),
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {

@@ -125,10 +125,13 @@ impl InProcess {
             Some(dir) => dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned()),
             None => "demo".into(),
         };
+        let model_dir = a.model.dir()?;
         let (model, engine_args) = (a.model.clone(), a.engine.clone());
-        let started = tokio::task::spawn_blocking(move || -> Result<_> { engine_args.start_cpu(model.load()?) })
-            .await
-            .context("starting the engine")??;
+        let dir = model_dir.clone();
+        let started =
+            tokio::task::spawn_blocking(move || -> Result<_> { engine_args.start_cpu(model.load_dir(&dir)?) })
+                .await
+                .context("starting the engine")??;
         tracing::info!("{}", started.plan.table());
         let tokenizer = started.tokenizer.clone().context("serving needs a tokenizer.json in the model directory")?;
         let state = AppState {
@@ -142,6 +145,7 @@ impl InProcess {
                 max_body_bytes: 64 << 20,
             }),
             eos_ids: started.eos_ids.clone(),
+            sampling_defaults: deltaserve_server::state::sampling_defaults(&model_dir),
         };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.context("binding 127.0.0.1:0")?;
         let addr = listener.local_addr()?;
