@@ -9,7 +9,8 @@
 //                       handles all GQA_GROUP query heads of one kv head (K/V read once), writes
 //                       unnormalised partials (o, max, sum) in f32.
 //  attn_decode_combine: merges the n_split partials (log-sum-exp) into bf16 o.
-// Shapes/dtypes: q [T, Hq, HD] bf16; k_cache, v_cache [num_blocks * page, Hkv * HD] bf16;
+// Shapes/dtypes: q [T, Hq, HD] bf16 (head h of token t at q + t*q_tok + h*q_head: contiguous is
+//   q_tok = Hq*HD, q_head = HD; the attention q|gate projection output is q_tok = 2*Hq*HD, q_head = 2*HD); k_cache, v_cache [num_blocks * page, Hkv * HD] bf16;
 //   block_tables [B, max_blocks] i32; seq_lens [B] i32 (kv length including the new tokens);
 //   cu_seqlens [B+1] i32; tile_table [n_tiles, 2] i32 = (seq, 16-query tile index) from the host;
 //   o [T, Hq, HD] bf16; part_o [B, Hq, n_split, HD] f32; part_ml [B, Hq, n_split, 2] f32.
@@ -37,7 +38,7 @@ attn_prefill(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
              const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
              const int* __restrict__ cu_seqlens, const int* __restrict__ seq_lens,
              const int* __restrict__ tile_table, bf16_t* __restrict__ o, int Hq, int Hkv, int page,
-             float scale) {
+             float scale, long long q_tok, long long q_head) {
     extern __shared__ float smem[];
     float* Qs = smem;              // [BQ][HP]
     float* Ks = Qs + BQ * HP;      // [BK][HP]
@@ -57,7 +58,7 @@ attn_prefill(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
 
     for (int e = tid; e < BQ * HD; e += blockDim.x) {
         int r = e / HD, d = e % HD;
-        Qs[r * HP + d] = r < nq ? bf2f(q[((long long)(qstart + i0 + r) * Hq + h) * HD + d]) * scale : 0.0f;
+        Qs[r * HP + d] = r < nq ? bf2f(q[(long long)(qstart + i0 + r) * q_tok + (long long)h * q_head + d]) * scale : 0.0f;
     }
     const int qi = tid >> 3, sub = tid & 7;  // score role: key sub + 8m; output role: dims sub + 8j
     const int qpos = past + i0 + qi;         // absolute position of this thread's query row
@@ -133,7 +134,8 @@ extern "C" __global__ void __launch_bounds__(256)
 attn_decode_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
                   const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables,
                   int max_blocks, const int* __restrict__ seq_lens, float* __restrict__ part_o,
-                  float* __restrict__ part_ml, int Hq, int Hkv, int page, float scale, int n_split) {
+                  float* __restrict__ part_ml, int Hq, int Hkv, int page, float scale, int n_split,
+                  long long q_tok, long long q_head) {
     __shared__ float o_acc[GQA_GROUP][HD];
     __shared__ float ms[8][GQA_GROUP], ls[8][GQA_GROUP];
     const int b = blockIdx.x, hkv = blockIdx.y, sp = blockIdx.z;
@@ -148,7 +150,7 @@ attn_decode_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cac
     float qv[GQA_GROUP][DPL], acc[GQA_GROUP][DPL], m[GQA_GROUP], l[GQA_GROUP];
 #pragma unroll
     for (int g = 0; g < GQA_GROUP; g++) {
-        const bf16_t* qh = q + ((long long)b * Hq + hkv * GQA_GROUP + g) * HD + lane * DPL;
+        const bf16_t* qh = q + (long long)b * q_tok + (long long)(hkv * GQA_GROUP + g) * q_head + lane * DPL;
 #pragma unroll
         for (int d = 0; d < DPL; d++) {
             qv[g][d] = bf2f(qh[d]) * scale;

@@ -53,6 +53,12 @@ pub enum CudaError {
     /// Arena misuse: sealed, out of space, unknown region.
     #[error("arena region `{region}`: {msg}")]
     Arena { region: String, msg: String },
+    /// Loading or converting the model's weights failed.
+    #[error("weights: {0}")]
+    Weights(String),
+    /// The memory plan does not fit what the backend needs (names the buffer and both sizes).
+    #[error("plan: {0}")]
+    Plan(String),
     /// A cuBLASLt call failed.
     #[error("cuBLASLt `{call}` failed for y[{n}x{m}] = x[{n}x{k}] * W[{m}x{k}]^T: {source}")]
     Blas {

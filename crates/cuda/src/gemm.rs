@@ -32,7 +32,7 @@ struct Plan {
 pub struct Gemm {
     handle: sys::cublasLtHandle_t,
     workspace: DevSpan,
-    plans: RefCell<HashMap<(usize, usize, usize), Plan>>,
+    plans: RefCell<HashMap<(usize, usize, usize, bool), Plan>>,
     heuristic_calls: Cell<usize>,
 }
 
@@ -61,17 +61,22 @@ impl Gemm {
         self.heuristic_calls.get()
     }
 
-    /// Builds and caches the plan for y[n, m] = x[n, k] · W[m, k]ᵀ.
+    /// Builds and caches the plan for y[n, m] = x[n, k] · W[m, k]ᵀ (bf16 y).
     pub fn prepare(&self, m: usize, n: usize, k: usize) -> Result<(), CudaError> {
-        if self.plans.borrow().contains_key(&(m, n, k)) {
+        self.prepare_out(m, n, k, false)
+    }
+
+    /// [`Gemm::prepare`] with y in f32 (`f32_out`) or bf16.
+    pub fn prepare_out(&self, m: usize, n: usize, k: usize, f32_out: bool) -> Result<(), CudaError> {
+        if self.plans.borrow().contains_key(&(m, n, k, f32_out)) {
             return Ok(());
         }
-        let plan = self.make_plan(m, n, k)?;
-        self.plans.borrow_mut().insert((m, n, k), plan);
+        let plan = self.make_plan(m, n, k, f32_out)?;
+        self.plans.borrow_mut().insert((m, n, k, f32_out), plan);
         Ok(())
     }
 
-    fn make_plan(&self, m: usize, n: usize, k: usize) -> Result<Plan, CudaError> {
+    fn make_plan(&self, m: usize, n: usize, k: usize, f32_out: bool) -> Result<Plan, CudaError> {
         let err = |call| move |source| CudaError::Blas { call, m, n, k, source };
         if m == 0 || n == 0 || k == 0 {
             return Err(CudaError::InvalidArgs { kernel: "gemm", msg: format!("empty GEMM m={m} n={n} k={k}") });
@@ -94,7 +99,9 @@ impl Gemm {
         let (m64, n64, k64) = (m as u64, n as u64, k as u64);
         let a = result::create_matrix_layout(bf16, k64, m64, k as i64).map_err(err("cublasLtMatrixLayoutCreate(A)"))?;
         let b = result::create_matrix_layout(bf16, k64, n64, k as i64).map_err(err("cublasLtMatrixLayoutCreate(B)"))?;
-        let c = result::create_matrix_layout(bf16, m64, n64, m as i64).map_err(err("cublasLtMatrixLayoutCreate(C)"))?;
+        let c_type = if f32_out { sys::cudaDataType::CUDA_R_32F } else { bf16 };
+        let c =
+            result::create_matrix_layout(c_type, m64, n64, m as i64).map_err(err("cublasLtMatrixLayoutCreate(C)"))?;
         let pref = result::create_matmul_pref().map_err(err("cublasLtMatmulPreferenceCreate"))?;
         let ws = self.workspace.bytes as u64;
         // SAFETY: pref is live; the attribute is a u64.
@@ -131,13 +138,29 @@ impl Gemm {
         m: usize,
         k: usize,
     ) -> Result<(), CudaError> {
+        self.linear_out(stream, x, w, y, n, m, k, false)
+    }
+
+    /// [`Gemm::linear`] with y [n, m] in f32 (`f32_out`, e.g. logits) or bf16.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_out(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        w: u64,
+        y: u64,
+        n: usize,
+        m: usize,
+        k: usize,
+        f32_out: bool,
+    ) -> Result<(), CudaError> {
         if n == 0 {
             return Ok(());
         }
-        self.prepare(m, n, k)?;
+        self.prepare_out(m, n, k, f32_out)?;
         let plans = self.plans.borrow();
         let p = plans
-            .get(&(m, n, k))
+            .get(&(m, n, k, f32_out))
             .ok_or(CudaError::InvalidArgs { kernel: "gemm", msg: format!("no plan for m={m} n={n} k={k}") })?;
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: descriptors are live and describe the row-major buffers the caller passes; the

@@ -5,11 +5,13 @@
 //! - [`nvrtc`]: run-time compilation of `kernels/*.cu` for the device's exact arch, cached;
 //!   [`nvrtc::kernels_check`] compiles all of them for sm_80/86/89/90 without a GPU;
 //! - [`ops`]: one launcher file per kernel file (same name), raw `u64` device pointers in;
-//! - [`gemm`]: `y = x · Wᵀ` through cuBLASLt with per-shape cached algorithms.
+//! - [`gemm`]: `y = x · Wᵀ` through cuBLASLt with per-shape cached algorithms;
+//! - [`backend`]: [`CudaBackend`], the engine's `Backend` over the static plan's memory.
 //!
 //! Dtypes: activations bf16 in device memory, math in f32, DeltaNet state f32.
 
 pub mod arena;
+pub mod backend;
 pub mod error;
 pub mod gemm;
 pub mod nvrtc;
@@ -17,6 +19,7 @@ pub mod ops;
 pub mod runtime;
 
 pub use arena::{Arena, DevSpan, RegionId};
+pub use backend::{CudaBackend, WeightSource};
 pub use error::CudaError;
 pub use nvrtc::{KernelDims, KernelsReport, kernels_check};
 pub use ops::Kernels;

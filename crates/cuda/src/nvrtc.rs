@@ -27,6 +27,7 @@ pub struct KernelSource {
 /// Every kernel source of the crate.
 pub const SOURCES: &[KernelSource] = &[
     KernelSource { module: "embed", src: include_str!("../kernels/embed.cu"), functions: &["embed_gather"] },
+    KernelSource { module: "init", src: include_str!("../kernels/init.cu"), functions: &["init_random"] },
     KernelSource {
         module: "norm",
         src: include_str!("../kernels/norm.cu"),

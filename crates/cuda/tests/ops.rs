@@ -773,6 +773,8 @@ fn attn_case(
             let (cup, tp) = (d.i32s(&cu)?, d.i32s(&table)?);
             let a = attention::AttnPrefill {
                 q: qp,
+                q_tok: hq * hd,
+                q_head: hd,
                 o: op,
                 kv,
                 cu_seqlens: cup,
@@ -789,6 +791,8 @@ fn attn_case(
             let sc = d.poison(bytes)?;
             let a = attention::AttnDecode {
                 q: qp,
+                q_tok: hq * hd,
+                q_head: hd,
                 o: op,
                 kv,
                 seq_lens: lp,

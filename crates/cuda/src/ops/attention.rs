@@ -40,8 +40,11 @@ pub struct KvPages {
 
 #[derive(Clone, Copy, Debug)]
 pub struct AttnPrefill {
-    /// [t, q_heads, hd] bf16 (normed, rotated); o the same shape.
+    /// [t, q_heads, hd] bf16 (normed, rotated), head h of token i at `q + i*q_tok + h*q_head`
+    /// (elements); o contiguous [t, q_heads, hd].
     pub q: u64,
+    pub q_tok: usize,
+    pub q_head: usize,
     pub o: u64,
     pub kv: KvPages,
     /// [n_seqs + 1] i32 query offsets; [n_seqs] i32 kv lengths including the new tokens.
@@ -62,7 +65,11 @@ pub fn attn_prefill(k: &Kernels, s: &CudaStream, a: &AttnPrefill) -> Result<(), 
     if a.kv.kv_heads == 0 || a.q_heads != a.kv.kv_heads * d.gqa_group || a.kv.page == 0 {
         return Err(invalid("attn_prefill", format!("{a:?}: q_heads must be kv_heads * GQA_GROUP ({})", d.gqa_group)));
     }
+    if a.q_head < d.attn_head_dim || a.q_tok < a.q_heads * a.q_head {
+        return Err(invalid("attn_prefill", format!("{a:?}: q strides too small")));
+    }
     let AttnPrefill { q, o, cu_seqlens, seq_lens, tile_table, scale, .. } = *a;
+    let (qt, qh) = (a.q_tok as i64, a.q_head as i64);
     let KvPages { k_cache, v_cache, block_tables, .. } = a.kv;
     let mb = to_i32("attn_prefill", "max_blocks", a.kv.max_blocks)?;
     let hq = to_i32("attn_prefill", "q_heads", a.q_heads)?;
@@ -71,13 +78,15 @@ pub fn attn_prefill(k: &Kernels, s: &CudaStream, a: &AttnPrefill) -> Result<(), 
     let grid = (to_u32("attn_prefill", "n_tiles", a.n_tiles)?, to_u32("attn_prefill", "q_heads", a.q_heads)?, 1);
     let smem = prefill_smem_bytes(&d) as u32;
     launch!(k, s, "attn_prefill", grid, (128, 1, 1), smem;
-        q, k_cache, v_cache, block_tables, mb, cu_seqlens, seq_lens, tile_table, o, hq, hkv, page, scale)
+        q, k_cache, v_cache, block_tables, mb, cu_seqlens, seq_lens, tile_table, o, hq, hkv, page, scale, qt, qh)
 }
 
 #[derive(Clone, Copy, Debug)]
 pub struct AttnDecode {
-    /// [n_seqs, q_heads, hd] bf16; o the same shape.
+    /// [n_seqs, q_heads, hd] bf16 with strides like [`AttnPrefill::q`]; o contiguous.
     pub q: u64,
+    pub q_tok: usize,
+    pub q_head: usize,
     pub o: u64,
     pub kv: KvPages,
     /// [n_seqs] i32 kv lengths (>= 1).
@@ -106,7 +115,11 @@ pub fn attn_decode(k: &Kernels, s: &CudaStream, a: &AttnDecode) -> Result<(), Cu
     }
     let part_o = a.scratch;
     let part_ml = part_o + (4 * a.n_seqs * a.q_heads * a.n_split * d.attn_head_dim).div_ceil(256) as u64 * 256;
+    if a.q_head < d.attn_head_dim || a.q_tok < a.q_heads * a.q_head {
+        return Err(invalid("attn_decode_split", format!("{a:?}: q strides too small")));
+    }
     let AttnDecode { q, o, seq_lens, scale, .. } = *a;
+    let (qt, qh) = (a.q_tok as i64, a.q_head as i64);
     let KvPages { k_cache, v_cache, block_tables, .. } = a.kv;
     let mb = to_i32("attn_decode_split", "max_blocks", a.kv.max_blocks)?;
     let hq = to_i32("attn_decode_split", "q_heads", a.q_heads)?;
@@ -119,7 +132,7 @@ pub fn attn_decode(k: &Kernels, s: &CudaStream, a: &AttnDecode) -> Result<(), Cu
         to_u32("attn_decode_split", "n_split", a.n_split)?,
     );
     launch!(k, s, "attn_decode_split", grid, (256, 1, 1), 0;
-        q, k_cache, v_cache, block_tables, mb, seq_lens, part_o, part_ml, hq, hkv, page, scale, ns)?;
+        q, k_cache, v_cache, block_tables, mb, seq_lens, part_o, part_ml, hq, hkv, page, scale, ns, qt, qh)?;
     let grid = (grid.0, to_u32("attn_decode_combine", "q_heads", a.q_heads)?, 1);
     let block = (d.attn_head_dim as u32, 1, 1);
     launch!(k, s, "attn_decode_combine", grid, block, 0; part_o, part_ml, o, hq, ns)

@@ -1,0 +1,30 @@
+// init.cu — deterministic random weights generated on the GPU (benchmarks at real shapes without
+// a checkpoint): each element is a pure function of (seed, index), so any layout is reproducible.
+//
+// Computes, for i < n, with r = splitmix64(seed ^ splitmix64(i)), u1 in (0, 1], u2 in [0, 1):
+//   z = sqrt(-2 ln u1) cos(2 pi u2)                       (Box–Muller standard normal)
+//   mode 0: std * z      mode 1: 1 + std * z      mode 2: ln(1 + 15 u2)   (A_log = ln U(1, 16))
+// the distributions of crates/model/src/synth.rs (not its exact bytes: that uses a CPU RNG).
+// Shapes/dtypes: out [n] bf16 (is_f32 == 0) or f32. Launch: any grid (grid-stride), block 256.
+// Arch: plain, sm_80+. Tested by: tests/backend.rs (random-weight backend runs finite logits).
+
+__device__ __forceinline__ unsigned long long splitmix64(unsigned long long x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+extern "C" __global__ void init_random(void* out, long long n, unsigned long long seed, float std_,
+                                       int mode, int is_f32) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        unsigned long long r = splitmix64(seed ^ splitmix64((unsigned long long)i));
+        float u1 = (float)((r >> 40) + 1ull) * (1.0f / 16777216.0f);
+        float u2 = (float)((r >> 16) & 0xffffffull) * (1.0f / 16777216.0f);
+        float z = sqrtf(-2.0f * logf(u1)) * cosf(6.28318530718f * u2);
+        float v = mode == 0 ? std_ * z : (mode == 1 ? 1.0f + std_ * z : logf(1.0f + 15.0f * u2));
+        if (is_f32) ((float*)out)[i] = v;
+        else ((bf16_t*)out)[i] = f2bf(v);
+    }
+}

@@ -1,0 +1,1255 @@
+//! [`CudaBackend`]: the engine's [`Backend`] on one GPU, over the memory of the static plan.
+//!
+//! Memory: one `cuMemAlloc` per plan region (weights, kv_pages, state_slots, snapshots,
+//! activations, logits, block_tables, gemm_workspace) plus one `scratch` region for what the plan
+//! does not list (the chunked-DeltaNet f32 workspace, the varlen tile/chunk tables), and one pinned
+//! host pool for host snapshots. The arena is sealed when [`CudaBackend::new`] returns: a step
+//! allocates nothing (any allocation after the seal is an error), so [`Backend::arena_stats`]
+//! never moves while serving.
+//!
+//! A step mirrors `deltaserve_cpu::paged` (the reference of this contract) and `model.rs`'s
+//! forward order, but runs all chunks of the step together as one varlen batch: the chunks are
+//! reordered so multi-token chunks (prefill: conv prefill, chunked DeltaNet, paged prefill
+//! attention) come first and 1-token chunks (decode: conv/DeltaNet recurrence, split-K decode
+//! attention) last; logits rows come back in the batch's order.
+//!
+//! Layouts (as `deltaserve_plan::Plan` documents them): per attention layer K then V
+//! `[pages, page_size, kv_heads, head_dim]` bf16, each 256-byte aligned; per DeltaNet layer the
+//! recurrent state `[slots, Hv, Dk, Dv]` f32 then the conv state `[slots, K-1, conv_channels]`
+//! bf16. Activations are bf16 with f32 math inside kernels; logits f32.
+
+use std::path::PathBuf;
+
+use cudarc::driver::result;
+use deltaserve_backend::{ArenaStats, Backend, BackendError, CacheOp, SnapshotLoc, StepBatch};
+use deltaserve_model::weights::TensorSource;
+use deltaserve_model::{Checkpoint, DType, Dims, LayerKind, ModelConfig, ModelError, ModelWeights};
+use deltaserve_plan::Plan;
+
+use crate::arena::{Arena, DevSpan};
+use crate::error::CudaError;
+use crate::gemm::Gemm;
+use crate::nvrtc::KernelDims;
+use crate::ops::init::{Init, init_random};
+use crate::ops::{self, Kernels, attention, conv, elementwise, embed, gdn_chunk, gdn_decode, gdn_gate, kv_cache, norm};
+use crate::runtime::Runtime;
+
+/// Where the weights come from.
+#[derive(Clone, Debug)]
+pub enum WeightSource {
+    /// An HF checkpoint directory (safetensors, bf16/f16/f32; converted to bf16, `A_log`,
+    /// `dt_bias` and the gated-norm weight to f32).
+    Checkpoint(PathBuf),
+    /// Random weights at the real shapes, generated on the GPU (benchmarks): the distributions of
+    /// `deltaserve_model::synth`.
+    RandomWeights { seed: u64 },
+}
+
+const ALIGN: usize = crate::arena::ALIGN;
+
+fn al(x: usize) -> usize {
+    x.div_ceil(ALIGN) * ALIGN
+}
+
+/// Kernel specialisation for a model.
+pub fn kernel_dims(cfg: &ModelConfig) -> KernelDims {
+    let d = cfg.dims();
+    KernelDims {
+        gdn_k_dim: d.gdn_k_dim,
+        gdn_v_dim: d.gdn_v_dim,
+        conv_kernel: d.conv_kernel,
+        attn_head_dim: d.head_dim,
+        gqa_group: d.q_per_kv.max(1),
+        gdn_bv: if d.gdn_v_dim.is_multiple_of(32) { 32 } else { 16 },
+    }
+}
+
+struct GdnLayer {
+    qkv: u64,
+    z: u64,
+    /// [2·Hv, hidden]: in_proj_b rows then in_proj_a rows (one GEMM).
+    ba: u64,
+    conv: u64,
+    dt_bias: u64,
+    a_log: u64,
+    norm: u64,
+    out: u64,
+}
+
+struct AttnLayer {
+    q: u64,
+    k: u64,
+    v: u64,
+    o: u64,
+    q_norm: u64,
+    k_norm: u64,
+}
+
+enum Mixer {
+    Gdn(GdnLayer),
+    Attn(AttnLayer),
+}
+
+struct Layer {
+    input_norm: u64,
+    post_norm: u64,
+    mixer: Mixer,
+    /// [2·I, hidden]: gate rows then up rows (one GEMM).
+    gate_up: u64,
+    down: u64,
+}
+
+struct Weights {
+    embed: u64,
+    lm_head: u64,
+    final_norm: u64,
+    layers: Vec<Layer>,
+}
+
+/// Device addresses of the activation buffers (plan workspace offsets) and scratch.
+struct Ws {
+    token_ids: u64,
+    positions: u64,
+    cu_seqlens: u64,
+    seq_lens: u64,
+    slots: u64,
+    last_idx: u64,
+    residual: u64,
+    x_norm: u64,
+    mixer_out: u64,
+    gdn_qkv: u64,
+    gdn_z: u64,
+    gdn_ba: u64,
+    gdn_g: u64,
+    gdn_beta: u64,
+    gdn_conv_out: u64,
+    gdn_qk: u64,
+    gdn_core_out: u64,
+    gdn_normed: u64,
+    attn_qg: u64,
+    attn_k: u64,
+    attn_v: u64,
+    attn_partials: DevSpan,
+    attn_out: u64,
+    mlp_in: u64,
+    mlp_gate_up: u64,
+    mlp_act: u64,
+    mlp_out: u64,
+    final_hidden: u64,
+    /// scratch region: chunked DeltaNet workspace, chunk table, tile table.
+    gdn_ws: DevSpan,
+    chunk_table: DevSpan,
+    tile_table: DevSpan,
+}
+
+/// Where layer `i`'s cache lives.
+#[derive(Clone, Copy, Debug)]
+enum LayerCache {
+    /// K and V base addresses in kv_pages.
+    Attn { k: u64, v: u64 },
+    /// Byte offsets of the recurrent and conv tensors inside state_slots / snapshots.
+    Gdn { rec: usize, conv: usize, snap_rec: usize, snap_conv: usize },
+}
+
+/// Profiling state: the last tick and (group, seconds) totals.
+type Profile = (std::time::Instant, Vec<(&'static str, f64)>);
+
+/// The engine backend on one CUDA GPU.
+pub struct CudaBackend {
+    rt: Runtime,
+    k: Kernels,
+    gemm: Gemm,
+    arena: Arena,
+    d: Dims,
+    eps: f32,
+    rope_theta: f32,
+    w: Weights,
+    ws: Ws,
+    caches: Vec<LayerCache>,
+    states: DevSpan,
+    snapshots: DevSpan,
+    logits: DevSpan,
+    block_tables: DevSpan,
+    table_width: usize,
+    page_size: usize,
+    num_pages: usize,
+    num_slots: usize,
+    snapshot_slots: usize,
+    max_tokens: usize,
+    max_seqs: usize,
+    decode_partitions: usize,
+    /// One per-sequence state size: recurrent f32 and conv bf16 bytes (one DeltaNet layer).
+    rec_bytes: usize,
+    conv_bytes: usize,
+    /// Pinned host snapshot pool: [host_snapshot_slots, state bytes of every DeltaNet layer].
+    host_pool: *mut u8,
+    host_pool_bytes: usize,
+    host_snapshot_slots: usize,
+    snapshot_len: usize,
+    /// Bytes of weights the backend laid out (vs the plan's `weights` region).
+    pub weights_bytes: usize,
+    /// Size of the `scratch` region (not in the plan).
+    pub scratch_bytes: usize,
+    /// Per-op-group timing (synchronising after each group) when enabled: (group, seconds).
+    prof: std::cell::RefCell<Option<Profile>>,
+}
+
+// SAFETY: the backend is driven by one thread at a time (the engine's step loop); every entry
+// point binds the CUDA context to the calling thread first. The raw pointers (cuBLASLt handle,
+// pinned host pool) are owned by this value and never shared.
+unsafe impl Send for CudaBackend {}
+
+/// A converted tensor in the weights region.
+#[derive(Clone, Copy, Debug, Default)]
+struct DevTensor {
+    ptr: u64,
+}
+
+fn is_f32_tensor(name: &str) -> bool {
+    name.ends_with("A_log") || name.ends_with("dt_bias") || name.ends_with("linear_attn.norm.weight")
+}
+
+/// The first of a pair stored as one [2·rows, cols] tensor (the second follows it).
+fn pair_first(name: &str) -> bool {
+    name.contains("in_proj_b.weight") || name.contains("mlp.gate_proj.weight")
+}
+fn pair_second(name: &str) -> bool {
+    name.contains("in_proj_a.weight") || name.contains("mlp.up_proj.weight")
+}
+
+/// (elements, f32, init) of every tensor in load order; pairs are one entry of both halves.
+fn weight_specs(cfg: &ModelConfig) -> Vec<(usize, bool, Init)> {
+    let d = cfg.dims();
+    let h = d.hidden;
+    let lin = |o: usize, i: usize| (o * i, false, Init::Normal(1.0 / (i as f32).sqrt()));
+    let normw = |n: usize| (n, false, Init::Normal(0.1));
+    let mut v = vec![(d.vocab * h, false, Init::Normal(1.0))];
+    if !cfg.tie_word_embeddings {
+        v.push(lin(d.vocab, h));
+    }
+    v.push(normw(h));
+    for kind in &cfg.layer_types {
+        v.push(normw(h));
+        v.push(normw(h));
+        match kind {
+            LayerKind::DeltaNet => {
+                v.push(lin(d.conv_channels, h));
+                v.push(lin(d.gdn_value_width, h));
+                v.push(lin(2 * d.gdn_v_heads, h));
+                v.push((d.conv_channels * d.conv_kernel, false, Init::Normal(0.5)));
+                v.push((d.gdn_v_heads, true, Init::Normal(0.5)));
+                v.push((d.gdn_v_heads, true, Init::LogUniform1To16));
+                v.push((d.gdn_v_dim, true, Init::OnePlusNormal(0.1)));
+                v.push(lin(h, d.gdn_value_width));
+            }
+            LayerKind::Attention => {
+                v.push(lin(2 * d.attn_dim, h));
+                v.push(lin(d.kv_dim, h));
+                v.push(lin(d.kv_dim, h));
+                v.push(lin(h, d.attn_dim));
+                v.push(normw(d.head_dim));
+                v.push(normw(d.head_dim));
+            }
+        }
+        v.push(lin(2 * d.intermediate, h));
+        v.push(lin(h, d.intermediate));
+    }
+    v
+}
+
+fn weights_layout_bytes(cfg: &ModelConfig) -> usize {
+    weight_specs(cfg).iter().map(|&(n, f, _)| al(n * if f { 4 } else { 2 })).sum()
+}
+
+/// The source tensor as little-endian bf16 or f32 bytes.
+fn convert(src: &TensorSource<'_>, f32_out: bool) -> Result<Vec<u8>, ModelError> {
+    if !f32_out && src.dtype == DType::BF16 {
+        let mut out = Vec::with_capacity(src.byte_len());
+        for p in &src.parts {
+            out.extend_from_slice(p);
+        }
+        return Ok(out);
+    }
+    let x = src.to_f32()?;
+    let mut out = Vec::with_capacity(x.len() * if f32_out { 4 } else { 2 });
+    for v in x {
+        if f32_out {
+            out.extend_from_slice(&v.to_le_bytes());
+        } else {
+            out.extend_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes());
+        }
+    }
+    Ok(out)
+}
+
+impl CudaBackend {
+    /// Opens GPU 0, compiles the kernels for the model, allocates the plan's regions (one
+    /// `cuMemAlloc` each), loads or generates the weights, and seals the arena.
+    pub fn new(
+        cfg: &ModelConfig,
+        weights: WeightSource,
+        plan: &Plan,
+        host_snapshot_slots: usize,
+    ) -> Result<Self, CudaError> {
+        let rt = Runtime::open(0)?;
+        let d = cfg.dims();
+        if plan.dims != d {
+            return Err(CudaError::Plan("the plan was made for another model shape".into()));
+        }
+        if plan.options.activation_bytes_per_elem != 2
+            || plan.options.k_dtype.name() != "bf16"
+            || plan.options.v_dtype.name() != "bf16"
+            || plan.options.weights_dtype.name() != "bf16"
+            || plan.options.embed_on_host
+            || plan.options.lm_head_int4
+        {
+            return Err(CudaError::Plan(
+                "the CUDA backend supports bf16 weights, bf16 KV and bf16 activations only (gpu_defaults)".into(),
+            ));
+        }
+        let k = Kernels::load(&rt, kernel_dims(cfg))?;
+        let mut arena = Arena::new(rt.context().clone());
+        let region = |name: &str| -> Result<usize, CudaError> {
+            plan.region(name)
+                .map(|r| r.bytes as usize)
+                .ok_or_else(|| CudaError::Plan(format!("the plan has no `{name}` region")))
+        };
+
+        // Weights: the backend's own layout (pairs fused, three small tensors in f32), at least the
+        // plan's region.
+        let weights_bytes = weights_layout_bytes(cfg);
+        let wreg = arena.add_region("weights", weights_bytes.max(region("weights")?))?;
+
+        // Fixed plan regions, each one allocation, each carved whole.
+        let whole = |arena: &mut Arena, name: &str, bytes: usize| -> Result<DevSpan, CudaError> {
+            let id = arena.add_region(name, bytes)?;
+            arena.alloc(id, bytes)
+        };
+        let kv = whole(&mut arena, "kv_pages", region("kv_pages")?)?;
+        let states = whole(&mut arena, "state_slots", region("state_slots")?)?;
+        let snapshots = whole(&mut arena, "snapshots", region("snapshots")?)?;
+        let acts = whole(&mut arena, "activations", region("activations")?)?;
+        let logits = whole(&mut arena, "logits", region("logits")?)?;
+        let block_tables = whole(&mut arena, "block_tables", region("block_tables")?)?;
+        let gemm_ws = whole(&mut arena, "gemm_workspace", region("gemm_workspace")?)?;
+
+        // Scratch (not in the plan): chunked DeltaNet f32 workspace and the varlen tables.
+        let (t_max, s_max) = (plan.max_batch_tokens, plan.max_seqs);
+        let gdn_ws_bytes =
+            if d.num_deltanet_layers > 0 { gdn_chunk::workspace_bytes(t_max, d.gdn_v_heads, &k.dims) } else { 0 };
+        let chunk_bytes = 8 * (t_max / gdn_chunk::CHUNK + s_max + 1);
+        let tile_bytes = 8 * (t_max / attention::Q_TILE + s_max + 1);
+        let scratch_bytes = al(gdn_ws_bytes) + al(chunk_bytes) + al(tile_bytes);
+        let scratch = whole(&mut arena, "scratch", scratch_bytes)?;
+        let gdn_ws = DevSpan { ptr: scratch.ptr, bytes: gdn_ws_bytes };
+        let chunk_table = DevSpan { ptr: scratch.ptr + al(gdn_ws_bytes) as u64, bytes: chunk_bytes };
+        let tile_table = DevSpan { ptr: chunk_table.ptr + al(chunk_bytes) as u64, bytes: tile_bytes };
+
+        // Activation buffers from the plan's workspace, each checked against what we put there.
+        let (t, s) = (t_max, s_max);
+        let h = d.hidden;
+        let get = |name: &str, need: usize| -> Result<u64, CudaError> {
+            let b = plan
+                .workspace
+                .get(name)
+                .ok_or_else(|| CudaError::Plan(format!("the workspace has no buffer `{name}`")))?;
+            if (b.bytes as usize) < need || b.offset as usize + b.bytes as usize > acts.bytes {
+                return Err(CudaError::Plan(format!(
+                    "workspace buffer `{name}` holds {} B at offset {}; the backend needs {need} B",
+                    b.bytes, b.offset
+                )));
+            }
+            Ok(acts.ptr + b.offset)
+        };
+        let has_gdn = d.num_deltanet_layers > 0;
+        let has_attn = d.num_attention_layers > 0;
+        let opt = |present: bool, name: &str, need: usize| if present { get(name, need) } else { Ok(0) };
+        let p = plan.options.decode_partitions;
+        let partial_bytes = attention::decode_scratch_bytes(s, d.q_heads, p, d.head_dim);
+        let ws = Ws {
+            token_ids: get("token_ids", 4 * t)?,
+            positions: get("positions", 4 * t)?,
+            cu_seqlens: get("cu_seqlens", 4 * (s + 1))?,
+            seq_lens: get("seq_lens", 4 * s)?,
+            slots: get("state_slot_ids", 4 * s)?,
+            last_idx: get("last_token_idx", 4 * s)?,
+            residual: get("residual", 2 * t * h)?,
+            x_norm: get("x_norm", 2 * t * h)?,
+            mixer_out: get("mixer_out", 2 * t * h)?,
+            gdn_qkv: opt(has_gdn, "gdn_qkv", 2 * t * d.conv_channels)?,
+            gdn_z: opt(has_gdn, "gdn_z", 2 * t * d.gdn_value_width)?,
+            gdn_ba: opt(has_gdn, "gdn_b", 2 * t * 2 * d.gdn_v_heads)?,
+            gdn_g: opt(has_gdn, "gdn_g", 4 * t * d.gdn_v_heads)?,
+            gdn_beta: opt(has_gdn, "gdn_beta", 4 * t * d.gdn_v_heads)?,
+            gdn_conv_out: opt(has_gdn, "gdn_conv_out", 2 * t * d.conv_channels)?,
+            gdn_qk: opt(has_gdn, "gdn_qk", 2 * t * 2 * d.gdn_key_width)?,
+            gdn_core_out: opt(has_gdn, "gdn_core_out", 2 * t * d.gdn_value_width)?,
+            gdn_normed: opt(has_gdn, "gdn_normed", 2 * t * d.gdn_value_width)?,
+            attn_qg: opt(has_attn, "attn_qg", 2 * t * 2 * d.attn_dim)?,
+            attn_k: opt(has_attn, "attn_k", 2 * t * d.kv_dim)?,
+            attn_v: opt(has_attn, "attn_v", 2 * t * d.kv_dim)?,
+            attn_partials: DevSpan {
+                ptr: opt(has_attn, "attn_decode_partials", partial_bytes)?,
+                bytes: if has_attn { partial_bytes } else { 0 },
+            },
+            attn_out: opt(has_attn, "attn_out", 2 * t * d.attn_dim)?,
+            mlp_in: get("mlp_in", 2 * t * h)?,
+            mlp_gate_up: get("mlp_gate_up", 2 * t * 2 * d.intermediate)?,
+            mlp_act: get("mlp_act", 2 * t * d.intermediate)?,
+            mlp_out: get("mlp_out", 2 * t * h)?,
+            final_hidden: get("final_hidden", 2 * s * h)?,
+            gdn_ws,
+            chunk_table,
+            tile_table,
+        };
+        if logits.bytes < 4 * s * d.vocab {
+            return Err(CudaError::Plan(format!("logits region {} B < [{s}, {}] f32", logits.bytes, d.vocab)));
+        }
+        let table_width = plan.block_table_bytes as usize / (4 * s);
+
+        // Cache layouts (Plan::kv_tensor_bytes / state_tensor_bytes).
+        let [kb, ks, vb, vs] = plan.kv_tensor_bytes().map(|x| x as usize);
+        let [rb, cb] = plan.state_tensor_bytes(plan.num_state_slots).map(|x| x as usize);
+        let [srb, scb] = plan.state_tensor_bytes(plan.options.snapshot_slots).map(|x| x as usize);
+        let rec_bytes = d.gdn_v_heads * d.gdn_k_dim * d.gdn_v_dim * 4;
+        let conv_bytes = d.conv_kernel.saturating_sub(1) * d.conv_channels * 2;
+        let (mut kv_at, mut st_at, mut sn_at) = (0usize, 0usize, 0usize);
+        let mut caches = Vec::with_capacity(d.num_layers);
+        for kind in &cfg.layer_types {
+            match kind {
+                LayerKind::Attention => {
+                    let kp = kv.ptr + kv_at as u64;
+                    kv_at += al(kb) + al(ks);
+                    let vp = kv.ptr + kv_at as u64;
+                    kv_at += al(vb) + al(vs);
+                    caches.push(LayerCache::Attn { k: kp, v: vp });
+                }
+                LayerKind::DeltaNet => {
+                    caches.push(LayerCache::Gdn {
+                        rec: st_at,
+                        conv: st_at + al(rb),
+                        snap_rec: sn_at,
+                        snap_conv: sn_at + al(srb),
+                    });
+                    st_at += al(rb) + al(cb);
+                    sn_at += al(srb) + al(scb);
+                }
+            }
+        }
+        if kv_at > kv.bytes || st_at > states.bytes || sn_at > snapshots.bytes {
+            return Err(CudaError::Plan(format!(
+                "cache layouts exceed their regions: kv {kv_at}/{}, states {st_at}/{}, snapshots {sn_at}/{}",
+                kv.bytes, states.bytes, snapshots.bytes
+            )));
+        }
+
+        let gemm = Gemm::new(&rt, gemm_ws)?;
+        let snapshot_len = d.num_deltanet_layers * (rec_bytes + conv_bytes);
+        let host_pool_bytes = host_snapshot_slots * snapshot_len;
+        let host_pool = if host_pool_bytes > 0 {
+            // SAFETY: plain pinned allocation, freed once in Drop.
+            (unsafe { result::malloc_host(host_pool_bytes, 0) }.map_err(CudaError::driver("cuMemHostAlloc"))?)
+                as *mut u8
+        } else {
+            std::ptr::null_mut()
+        };
+
+        let mut be = CudaBackend {
+            rt,
+            k,
+            gemm,
+            arena,
+            d,
+            eps: cfg.rms_norm_eps,
+            rope_theta: cfg.rope_theta as f32,
+            w: Weights { embed: 0, lm_head: 0, final_norm: 0, layers: Vec::new() },
+            ws,
+            caches,
+            states,
+            snapshots,
+            logits,
+            block_tables,
+            table_width,
+            page_size: plan.page_size,
+            num_pages: plan.num_kv_pages,
+            num_slots: plan.num_state_slots,
+            snapshot_slots: plan.options.snapshot_slots,
+            max_tokens: t_max,
+            max_seqs: s_max,
+            decode_partitions: p,
+            rec_bytes,
+            conv_bytes,
+            host_pool,
+            host_pool_bytes,
+            host_snapshot_slots,
+            snapshot_len,
+            weights_bytes,
+            scratch_bytes,
+            prof: std::cell::RefCell::new(None),
+        };
+        be.w = match weights {
+            WeightSource::Checkpoint(dir) => be.load_checkpoint(cfg, &dir, wreg)?,
+            WeightSource::RandomWeights { seed } => be.random_weights(cfg, wreg, seed)?,
+        };
+        // Zero every cache region once (never read before written, but deterministic).
+        for span in [kv, be.states, be.snapshots] {
+            be.rt.memset(span.ptr, 0, span.bytes)?;
+        }
+        be.rt.synchronize()?;
+        be.arena.seal();
+        Ok(be)
+    }
+
+    fn load_checkpoint(
+        &mut self,
+        cfg: &ModelConfig,
+        dir: &std::path::Path,
+        wreg: crate::arena::RegionId,
+    ) -> Result<Weights, CudaError> {
+        let ckpt = Checkpoint::open(dir).map_err(|e| CudaError::Weights(e.to_string()))?;
+        let mut pending: Option<u64> = None;
+        let rt = &self.rt;
+        let arena = &mut self.arena;
+        let mw: ModelWeights<DevTensor> = ModelWeights::load(&ckpt, cfg, |src| {
+            let f32_out = is_f32_tensor(&src.name);
+            let bytes = convert(&src, f32_out)?;
+            let dev = |e: CudaError| ModelError::config(format!("{}: {e}", src.name));
+            let ptr = if pair_second(&src.name) {
+                pending
+                    .take()
+                    .ok_or_else(|| ModelError::config(format!("{}: its pair's first half was not loaded", src.name)))?
+            } else if pair_first(&src.name) {
+                let span = arena.alloc(wreg, 2 * bytes.len()).map_err(dev)?;
+                pending = Some(span.ptr + bytes.len() as u64);
+                span.ptr
+            } else {
+                arena.alloc(wreg, bytes.len()).map_err(dev)?.ptr
+            };
+            rt.upload(ptr, &bytes).map_err(dev)?;
+            Ok(DevTensor { ptr })
+        })
+        .map_err(|e| CudaError::Weights(e.to_string()))?;
+        let layers = mw
+            .layers
+            .iter()
+            .map(|l| Layer {
+                input_norm: l.input_norm.ptr,
+                post_norm: l.post_norm.ptr,
+                mixer: match &l.mixer {
+                    deltaserve_model::MixerWeights::DeltaNet(g) => Mixer::Gdn(GdnLayer {
+                        qkv: g.in_proj_qkv.ptr,
+                        z: g.in_proj_z.ptr,
+                        ba: g.in_proj_b.ptr,
+                        conv: g.conv1d.ptr,
+                        dt_bias: g.dt_bias.ptr,
+                        a_log: g.a_log.ptr,
+                        norm: g.norm.ptr,
+                        out: g.out_proj.ptr,
+                    }),
+                    deltaserve_model::MixerWeights::Attention(a) => Mixer::Attn(AttnLayer {
+                        q: a.q_proj.ptr,
+                        k: a.k_proj.ptr,
+                        v: a.v_proj.ptr,
+                        o: a.o_proj.ptr,
+                        q_norm: a.q_norm.ptr,
+                        k_norm: a.k_norm.ptr,
+                    }),
+                },
+                gate_up: l.mlp.gate_proj.ptr,
+                down: l.mlp.down_proj.ptr,
+            })
+            .collect();
+        Ok(Weights { embed: mw.embed.ptr, lm_head: mw.lm_head().ptr, final_norm: mw.final_norm.ptr, layers })
+    }
+
+    fn random_weights(
+        &mut self,
+        cfg: &ModelConfig,
+        wreg: crate::arena::RegionId,
+        seed: u64,
+    ) -> Result<Weights, CudaError> {
+        let specs = weight_specs(cfg);
+        let mut ptrs = Vec::with_capacity(specs.len());
+        for (i, &(n, f32_out, init)) in specs.iter().enumerate() {
+            let span = self.arena.alloc(wreg, n * if f32_out { 4 } else { 2 })?;
+            let tseed = seed ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            init_random(&self.k, self.rt.stream(), span.ptr, n, tseed, init, f32_out)?;
+            ptrs.push(span.ptr);
+        }
+        let mut it = ptrs.into_iter();
+        let mut next = || it.next().ok_or_else(|| CudaError::Weights("weight spec list too short".into()));
+        let embed = next()?;
+        let lm_head = if cfg.tie_word_embeddings { embed } else { next()? };
+        let final_norm = next()?;
+        let mut layers = Vec::with_capacity(cfg.layer_types.len());
+        for kind in &cfg.layer_types {
+            let input_norm = next()?;
+            let post_norm = next()?;
+            let mixer = match kind {
+                LayerKind::DeltaNet => Mixer::Gdn(GdnLayer {
+                    qkv: next()?,
+                    z: next()?,
+                    ba: next()?,
+                    conv: next()?,
+                    dt_bias: next()?,
+                    a_log: next()?,
+                    norm: next()?,
+                    out: next()?,
+                }),
+                LayerKind::Attention => Mixer::Attn(AttnLayer {
+                    q: next()?,
+                    k: next()?,
+                    v: next()?,
+                    o: next()?,
+                    q_norm: next()?,
+                    k_norm: next()?,
+                }),
+            };
+            let gate_up = next()?;
+            let down = next()?;
+            layers.push(Layer { input_norm, post_norm, mixer, gate_up, down });
+        }
+        self.rt.synchronize()?;
+        Ok(Weights { embed, lm_head, final_norm, layers })
+    }
+
+    /// The runtime (device name, stream) — for benchmarks.
+    pub fn runtime(&self) -> &Runtime {
+        &self.rt
+    }
+
+    /// (name, size) of each arena region.
+    pub fn regions(&self) -> Vec<(String, usize)> {
+        self.arena.regions().into_iter().map(|(n, s, _)| (n, s)).collect()
+    }
+
+    /// Turns per-op-group timing on (each group is followed by a stream synchronisation, so steps
+    /// get slower) or off; [`CudaBackend::take_profile`] returns and clears the totals.
+    pub fn set_profiling(&mut self, on: bool) {
+        *self.prof.borrow_mut() = on.then(|| (std::time::Instant::now(), Vec::new()));
+    }
+
+    /// (group, seconds) accumulated since profiling was turned on or last taken.
+    pub fn take_profile(&self) -> Vec<(&'static str, f64)> {
+        self.prof.borrow_mut().as_mut().map(|(_, v)| std::mem::take(v)).unwrap_or_default()
+    }
+
+    fn tick(&self, name: &'static str) -> Result<(), CudaError> {
+        let mut p = self.prof.borrow_mut();
+        if let Some((at, v)) = p.as_mut() {
+            self.rt.synchronize()?;
+            let dt = at.elapsed().as_secs_f64();
+            match v.iter_mut().find(|(n, _)| *n == name) {
+                Some(e) => e.1 += dt,
+                None => v.push((name, dt)),
+            }
+            *at = std::time::Instant::now();
+        }
+        Ok(())
+    }
+
+    /// cuBLASLt heuristic calls so far (one per new GEMM shape).
+    pub fn gemm_heuristic_calls(&self) -> usize {
+        self.gemm.heuristic_calls()
+    }
+
+    fn snapshot_check(&self, loc: SnapshotLoc) -> Result<(), BackendError> {
+        let (i, n) = match loc {
+            SnapshotLoc::Device(i) => (i, self.snapshot_slots),
+            SnapshotLoc::Host(i) => (i, self.host_snapshot_slots),
+        };
+        if i as usize >= n {
+            return Err(BackendError::InvalidStep(format!("snapshot {loc:?} out of range")));
+        }
+        Ok(())
+    }
+
+    /// Per DeltaNet layer: (slot address, snapshot address or host offset, bytes) of the two
+    /// tensors, for state slot `slot` and snapshot `loc`.
+    fn state_parts(&self, slot: Option<u32>, loc: SnapshotLoc) -> Vec<(u64, u64, usize)> {
+        let mut out = Vec::new();
+        let mut host_at = 0usize;
+        for c in &self.caches {
+            if let LayerCache::Gdn { rec, conv, snap_rec, snap_conv } = *c {
+                for (base, snap_base, len) in [(rec, snap_rec, self.rec_bytes), (conv, snap_conv, self.conv_bytes)] {
+                    let slot_addr = slot.map(|s| self.states.ptr + (base + s as usize * len) as u64).unwrap_or(0);
+                    let other = match loc {
+                        SnapshotLoc::Device(i) => self.snapshots.ptr + (snap_base + i as usize * len) as u64,
+                        SnapshotLoc::Host(i) => (i as usize * self.snapshot_len + host_at) as u64,
+                    };
+                    host_at += len;
+                    out.push((slot_addr, other, len));
+                }
+            }
+        }
+        out
+    }
+
+    fn copy(&self, dst: Place, src: Place, bytes: usize) -> Result<(), CudaError> {
+        let s = self.rt.stream().cu_stream();
+        // SAFETY: every address comes from state_parts / the pinned pool bounds checked by the
+        // callers (slot and snapshot indices are validated), and the pinned pool lives as long as
+        // self; the step synchronises before returning.
+        unsafe {
+            match (dst, src) {
+                (Place::Dev(d), Place::Dev(sr)) => {
+                    result::memcpy_dtod_async(d, sr, bytes, s).map_err(CudaError::driver("cuMemcpyDtoDAsync"))
+                }
+                (Place::Host(o), Place::Dev(sr)) => {
+                    let dst = std::slice::from_raw_parts_mut(self.host_pool.add(o), bytes);
+                    result::memcpy_dtoh_async(dst, sr, s).map_err(CudaError::driver("cuMemcpyDtoHAsync"))
+                }
+                (Place::Dev(d), Place::Host(o)) => {
+                    let src = std::slice::from_raw_parts(self.host_pool.add(o), bytes);
+                    result::memcpy_htod_async(d, src, s).map_err(CudaError::driver("cuMemcpyHtoDAsync"))
+                }
+                (Place::Host(o), Place::Host(so)) => {
+                    self.rt.synchronize()?;
+                    std::ptr::copy(self.host_pool.add(so), self.host_pool.add(o), bytes);
+                    Ok(())
+                }
+            }
+        }
+    }
+
+    fn apply(&self, op: &CacheOp) -> Result<(), BackendError> {
+        let place = |loc: SnapshotLoc, a: u64| match loc {
+            SnapshotLoc::Device(_) => Place::Dev(a),
+            SnapshotLoc::Host(_) => Place::Host(a as usize),
+        };
+        let dev = |e: CudaError| BackendError::Device(e.to_string());
+        match *op {
+            CacheOp::SaveState { slot, to } | CacheOp::RestoreState { from: to, slot } => {
+                self.snapshot_check(to)?;
+                if slot as usize >= self.num_slots {
+                    return Err(BackendError::InvalidStep(format!("state slot {slot} out of range")));
+                }
+                let save = matches!(op, CacheOp::SaveState { .. });
+                for (sa, oa, len) in self.state_parts(Some(slot), to) {
+                    if save {
+                        self.copy(place(to, oa), Place::Dev(sa), len).map_err(dev)?;
+                    } else {
+                        self.copy(Place::Dev(sa), place(to, oa), len).map_err(dev)?;
+                    }
+                }
+            }
+            CacheOp::MoveSnapshot { from, to } => {
+                self.snapshot_check(from)?;
+                self.snapshot_check(to)?;
+                let src = self.state_parts(None, from);
+                let dst = self.state_parts(None, to);
+                for ((_, s, len), (_, d, _)) in src.into_iter().zip(dst) {
+                    self.copy(place(to, d), place(from, s), len).map_err(dev)?;
+                }
+            }
+            CacheOp::CopyPagePrefix { src, dst, tokens } => {
+                let ps = self.page_size;
+                if src as usize >= self.num_pages || dst as usize >= self.num_pages || tokens as usize > ps {
+                    return Err(BackendError::InvalidStep(format!(
+                        "page copy {src} → {dst} ({tokens} tokens) out of range"
+                    )));
+                }
+                let row = self.d.kv_dim * 2;
+                let n = tokens as usize * row;
+                for c in &self.caches {
+                    if let LayerCache::Attn { k, v } = *c {
+                        for base in [k, v] {
+                            let s0 = base + (src as usize * ps * row) as u64;
+                            let d0 = base + (dst as usize * ps * row) as u64;
+                            if n > 0 && src != dst {
+                                self.copy(Place::Dev(d0), Place::Dev(s0), n).map_err(dev)?;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn upload_i32(&self, dst: u64, v: &[i32]) -> Result<(), CudaError> {
+        if v.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: dst is a workspace buffer checked at construction to hold the step's maximum;
+        // pageable source memory is staged before the call returns.
+        unsafe { result::memcpy_htod_async(dst, v, self.rt.stream().cu_stream()) }
+            .map_err(CudaError::driver("cuMemcpyHtoDAsync"))
+    }
+
+    /// Runs the step's chunks (validated) and appends the wanted logits rows.
+    fn run_chunks(&mut self, batch: &StepBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
+        let inv = |m: String| Err(BackendError::InvalidStep(m));
+        let chunks: Vec<usize> = (0..batch.seqs.len()).filter(|&i| !batch.seqs[i].tokens.is_empty()).collect();
+        for c in &batch.seqs {
+            if c.tokens.is_empty() && c.want_logits {
+                return inv(format!("seq {}: logits wanted for an empty chunk", c.seq_id));
+            }
+        }
+        if chunks.is_empty() {
+            return Ok(());
+        }
+        let t: usize = chunks.iter().map(|&i| batch.seqs[i].tokens.len()).sum();
+        if t > self.max_tokens || chunks.len() > self.max_seqs {
+            return inv(format!(
+                "{t} tokens in {} chunks exceed the plan ({} tokens, {} sequences per step)",
+                chunks.len(),
+                self.max_tokens,
+                self.max_seqs
+            ));
+        }
+        let mut used_slots = std::collections::HashSet::new();
+        for &i in &chunks {
+            let c = &batch.seqs[i];
+            if c.slot as usize >= self.num_slots || !used_slots.insert(c.slot) {
+                return inv(format!("seq {}: slot {} out of range or used twice in the step", c.seq_id, c.slot));
+            }
+            let end = c.start + c.tokens.len();
+            // Without attention layers pages are never read: a sequence needs none.
+            let need = if self.d.num_attention_layers > 0 { end.div_ceil(self.page_size) } else { 0 };
+            if c.pages.len() < need || need > self.table_width {
+                return inv(format!(
+                    "seq {}: {} pages do not cover {end} positions (table width {})",
+                    c.seq_id,
+                    c.pages.len(),
+                    self.table_width
+                ));
+            }
+            if c.pages[..need].iter().any(|&p| p as usize >= self.num_pages) {
+                return inv(format!("seq {}: page id out of range ({} pages)", c.seq_id, self.num_pages));
+            }
+            if let Some(&id) = c.tokens.iter().find(|&&id| id as usize >= self.d.vocab) {
+                return inv(format!("seq {}: token id {id} outside the vocabulary", c.seq_id));
+            }
+        }
+        // Prefill chunks (> 1 token) first, then decode chunks, each group in batch order.
+        let mut order: Vec<usize> = chunks.iter().copied().filter(|&i| batch.seqs[i].tokens.len() > 1).collect();
+        let n_pre = order.len();
+        order.extend(chunks.iter().copied().filter(|&i| batch.seqs[i].tokens.len() == 1));
+        let n = order.len();
+        let w = self.table_width;
+        let (mut ids, mut pos, mut cu, mut lens, mut slots) =
+            (Vec::with_capacity(t), Vec::with_capacity(t), vec![0i32], Vec::new(), Vec::new());
+        let mut tables = vec![0i32; n * w];
+        let mut row_of = vec![0usize; batch.seqs.len()];
+        for (r, &i) in order.iter().enumerate() {
+            let c = &batch.seqs[i];
+            ids.extend(c.tokens.iter().map(|&x| x as i32));
+            pos.extend((c.start..c.start + c.tokens.len()).map(|p| p as i32));
+            let end = c.start + c.tokens.len();
+            cu.push(cu[r] + c.tokens.len() as i32);
+            lens.push(end as i32);
+            slots.push(c.slot as i32);
+            let need = if self.d.num_attention_layers > 0 { end.div_ceil(self.page_size) } else { 0 };
+            for (j, &p) in c.pages[..need].iter().enumerate() {
+                tables[r * w + j] = p as i32;
+            }
+            row_of[i] = cu[r + 1] as usize - 1;
+        }
+        let tp = cu[n_pre] as usize;
+        let last: Vec<i32> =
+            batch.seqs.iter().enumerate().filter(|(_, c)| c.want_logits).map(|(i, _)| row_of[i] as i32).collect();
+        let chunk_table = gdn_chunk::chunk_table(&cu[..=n_pre]);
+        let tile_table = attention::tile_table(&cu[..=n_pre]);
+        let dev = |e: CudaError| BackendError::Device(e.to_string());
+        if chunk_table.len() * 4 > self.ws.chunk_table.bytes || tile_table.len() * 4 > self.ws.tile_table.bytes {
+            return Err(BackendError::Device("varlen tables exceed the scratch region".into()));
+        }
+        let ws = &self.ws;
+        (|| -> Result<(), CudaError> {
+            self.upload_i32(ws.token_ids, &ids)?;
+            self.upload_i32(ws.positions, &pos)?;
+            self.upload_i32(ws.cu_seqlens, &cu)?;
+            self.upload_i32(ws.seq_lens, &lens)?;
+            self.upload_i32(ws.slots, &slots)?;
+            self.upload_i32(ws.last_idx, &last)?;
+            self.upload_i32(self.block_tables.ptr, &tables)?;
+            self.upload_i32(ws.chunk_table.ptr, &chunk_table)?;
+            self.upload_i32(ws.tile_table.ptr, &tile_table)?;
+            // A chunk starting at position 0 begins from a zeroed state.
+            for &i in &order {
+                let c = &batch.seqs[i];
+                if c.start == 0 {
+                    for (sa, _, len) in self.state_parts(Some(c.slot), SnapshotLoc::Device(0)) {
+                        self.rt.memset(sa, 0, len)?;
+                    }
+                }
+            }
+            Ok(())
+        })()
+        .map_err(dev)?;
+        let shape = StepShape {
+            t,
+            n,
+            n_pre,
+            tp,
+            n_chunks: chunk_table.len() / 2,
+            n_tiles: tile_table.len() / 2,
+            n_logits: last.len(),
+        };
+        self.forward(&shape).map_err(dev)?;
+        if shape.n_logits > 0 {
+            let v = self.d.vocab;
+            let at = logits.len();
+            logits.resize(at + shape.n_logits * v, 0.0);
+            self.rt.download(&mut logits[at..], self.logits.ptr).map_err(dev)?;
+        }
+        Ok(())
+    }
+
+    fn forward(&self, sh: &StepShape) -> Result<(), CudaError> {
+        let (k, s, g, ws, d) = (&self.k, self.rt.stream().as_ref(), &self.gemm, &self.ws, &self.d);
+        let StepShape { t, n, n_pre, tp, .. } = *sh;
+        let n_dec = n - n_pre;
+        let h = d.hidden;
+        let eps = self.eps;
+        let b2 = |x: usize| (2 * x) as u64;
+        self.tick("step inputs")?;
+        embed::embed_gather(k, s, self.w.embed, ws.token_ids, ws.residual, t, h)?;
+        self.tick("embed")?;
+        for (li, layer) in self.w.layers.iter().enumerate() {
+            if li == 0 {
+                norm::add_rms_norm_1p(k, s, ws.residual, None, layer.input_norm, None, ws.x_norm, t, h, eps)?;
+            } else {
+                norm::add_rms_norm_1p(
+                    k,
+                    s,
+                    ws.mlp_out,
+                    Some(ws.residual),
+                    layer.input_norm,
+                    Some(ws.residual),
+                    ws.x_norm,
+                    t,
+                    h,
+                    eps,
+                )?;
+            }
+            self.tick("norms")?;
+            match (&layer.mixer, self.caches[li]) {
+                (Mixer::Gdn(gw), LayerCache::Gdn { rec, conv, .. }) => {
+                    let (cc, vw, kw, hv, hk, dv) = (
+                        d.conv_channels,
+                        d.gdn_value_width,
+                        d.gdn_key_width,
+                        d.gdn_v_heads,
+                        d.gdn_k_heads,
+                        d.gdn_v_dim,
+                    );
+                    let rec_state = self.states.ptr + rec as u64;
+                    let conv_state = self.states.ptr + conv as u64;
+                    g.linear(s, ws.x_norm, gw.qkv, ws.gdn_qkv, t, cc, h)?;
+                    g.linear(s, ws.x_norm, gw.z, ws.gdn_z, t, vw, h)?;
+                    g.linear(s, ws.x_norm, gw.ba, ws.gdn_ba, t, 2 * hv, h)?;
+                    self.tick("gdn in-proj GEMMs")?;
+                    if n_pre > 0 {
+                        conv::conv_prefill(
+                            k,
+                            s,
+                            &conv::ConvPrefill {
+                                x: ws.gdn_qkv,
+                                x_stride: cc,
+                                w: gw.conv,
+                                y: ws.gdn_conv_out,
+                                state: conv_state,
+                                cu_seqlens: ws.cu_seqlens,
+                                slots: ws.slots,
+                                n_seqs: n_pre,
+                                t: tp,
+                                channels: cc,
+                            },
+                        )?;
+                    }
+                    if n_dec > 0 {
+                        conv::conv_decode(
+                            k,
+                            s,
+                            ws.gdn_qkv + b2(tp * cc),
+                            cc,
+                            gw.conv,
+                            ws.gdn_conv_out + b2(tp * cc),
+                            conv_state,
+                            ws.slots + 4 * n_pre as u64,
+                            n_dec,
+                            cc,
+                        )?;
+                    }
+                    self.tick("gdn conv")?;
+                    let (q, kk) = (ws.gdn_qk, ws.gdn_qk + b2(t * kw));
+                    gdn_gate::gdn_gate(
+                        k,
+                        s,
+                        &gdn_gate::GdnGate {
+                            qk: ws.gdn_conv_out,
+                            qk_stride: cc,
+                            b: ws.gdn_ba,
+                            b_stride: 2 * hv,
+                            a: ws.gdn_ba + b2(hv),
+                            a_stride: 2 * hv,
+                            a_log: gw.a_log,
+                            dt_bias: gw.dt_bias,
+                            q_out: q,
+                            k_out: kk,
+                            g: ws.gdn_g,
+                            beta: ws.gdn_beta,
+                            t,
+                            hk,
+                            hv,
+                        },
+                    )?;
+                    self.tick("gdn gates + l2norm")?;
+                    let v = ws.gdn_conv_out + b2(2 * kw);
+                    if n_pre > 0 {
+                        gdn_chunk::gdn_chunk(
+                            k,
+                            s,
+                            &gdn_chunk::GdnChunk {
+                                q,
+                                k: kk,
+                                v,
+                                v_stride: cc,
+                                g: ws.gdn_g,
+                                beta: ws.gdn_beta,
+                                state: rec_state,
+                                cu_seqlens: ws.cu_seqlens,
+                                slots: ws.slots,
+                                chunk_table: ws.chunk_table.ptr,
+                                n_chunks: sh.n_chunks,
+                                o: ws.gdn_core_out,
+                                workspace: ws.gdn_ws.ptr,
+                                workspace_bytes: ws.gdn_ws.bytes,
+                                n_seqs: n_pre,
+                                t: tp,
+                                hk,
+                                hv,
+                            },
+                        )?;
+                    }
+                    if n_dec > 0 {
+                        gdn_decode::gdn_decode(
+                            k,
+                            s,
+                            &gdn_decode::GdnDecode {
+                                q: q + b2(tp * kw),
+                                k: kk + b2(tp * kw),
+                                v: v + b2(tp * cc),
+                                v_stride: cc,
+                                g: ws.gdn_g + (4 * tp * hv) as u64,
+                                beta: ws.gdn_beta + (4 * tp * hv) as u64,
+                                state: rec_state,
+                                slots: ws.slots + 4 * n_pre as u64,
+                                o: ws.gdn_core_out + b2(tp * vw),
+                                n_seqs: n_dec,
+                                hk,
+                                hv,
+                            },
+                        )?;
+                    }
+                    self.tick("gdn core (chunked / decode)")?;
+                    norm::gated_rms_norm(k, s, ws.gdn_core_out, ws.gdn_z, vw, hv, gw.norm, ws.gdn_normed, t, dv, eps)?;
+                    g.linear(s, ws.gdn_normed, gw.out, ws.mixer_out, t, h, vw)?;
+                    self.tick("gdn gated norm + out GEMM")?;
+                }
+                (Mixer::Attn(aw), LayerCache::Attn { k: k_cache, v: v_cache }) => {
+                    let (nh, nkv, hd, ad, kvd) = (d.q_heads, d.kv_heads, d.head_dim, d.attn_dim, d.kv_dim);
+                    g.linear(s, ws.x_norm, aw.q, ws.attn_qg, t, 2 * ad, h)?;
+                    g.linear(s, ws.x_norm, aw.k, ws.attn_k, t, kvd, h)?;
+                    g.linear(s, ws.x_norm, aw.v, ws.attn_v, t, kvd, h)?;
+                    self.tick("attn q/k/v GEMMs")?;
+                    norm::rms_norm_1p(k, s, ws.attn_qg, 2 * hd, aw.q_norm, ws.attn_qg, 2 * hd, t * nh, hd, eps)?;
+                    norm::rms_norm_1p(k, s, ws.attn_k, hd, aw.k_norm, ws.attn_k, hd, t * nkv, hd, eps)?;
+                    let theta = self.rope_theta;
+                    let rot = d.rotary_dim;
+                    ops::rope::rope_partial_strided(
+                        k,
+                        s,
+                        ws.attn_qg,
+                        2 * ad,
+                        2 * hd,
+                        ws.positions,
+                        t,
+                        nh,
+                        hd,
+                        rot,
+                        theta,
+                    )?;
+                    ops::rope::rope_partial(k, s, ws.attn_k, kvd, ws.positions, t, nkv, hd, rot, theta)?;
+                    let w = self.table_width;
+                    kv_cache::kv_write(
+                        k,
+                        s,
+                        &kv_cache::KvWrite {
+                            k: ws.attn_k,
+                            k_stride: kvd,
+                            v: ws.attn_v,
+                            v_stride: kvd,
+                            k_cache,
+                            v_cache,
+                            block_tables: self.block_tables.ptr,
+                            max_blocks: w,
+                            cu_seqlens: ws.cu_seqlens,
+                            positions: ws.positions,
+                            n_seqs: n,
+                            t,
+                            page: self.page_size,
+                            kv_heads: nkv,
+                            head_dim: hd,
+                        },
+                    )?;
+                    self.tick("attn norms + rope + kv write")?;
+                    let kv = attention::KvPages {
+                        k_cache,
+                        v_cache,
+                        block_tables: self.block_tables.ptr,
+                        max_blocks: w,
+                        page: self.page_size,
+                        kv_heads: nkv,
+                    };
+                    let scale = 1.0 / (hd as f32).sqrt();
+                    if n_pre > 0 {
+                        attention::attn_prefill(
+                            k,
+                            s,
+                            &attention::AttnPrefill {
+                                q: ws.attn_qg,
+                                q_tok: 2 * ad,
+                                q_head: 2 * hd,
+                                o: ws.attn_out,
+                                kv,
+                                cu_seqlens: ws.cu_seqlens,
+                                seq_lens: ws.seq_lens,
+                                tile_table: ws.tile_table.ptr,
+                                n_tiles: sh.n_tiles,
+                                q_heads: nh,
+                                scale,
+                            },
+                        )?;
+                    }
+                    if n_dec > 0 {
+                        let kv =
+                            attention::KvPages { block_tables: self.block_tables.ptr + (4 * n_pre * w) as u64, ..kv };
+                        attention::attn_decode(
+                            k,
+                            s,
+                            &attention::AttnDecode {
+                                q: ws.attn_qg + b2(tp * 2 * ad),
+                                q_tok: 2 * ad,
+                                q_head: 2 * hd,
+                                o: ws.attn_out + b2(tp * ad),
+                                kv,
+                                seq_lens: ws.seq_lens + 4 * n_pre as u64,
+                                n_seqs: n_dec,
+                                q_heads: nh,
+                                n_split: self.decode_partitions,
+                                scratch: ws.attn_partials.ptr,
+                                scratch_bytes: ws.attn_partials.bytes,
+                                scale,
+                            },
+                        )?;
+                    }
+                    self.tick("attn core (prefill / decode)")?;
+                    elementwise::sigmoid_gate_mul(k, s, ws.attn_out, ws.attn_qg + b2(hd), t, nh, hd, 2 * ad, 2 * hd)?;
+                    g.linear(s, ws.attn_out, aw.o, ws.mixer_out, t, h, ad)?;
+                    self.tick("attn gate + o GEMM")?;
+                }
+                _ => return Err(CudaError::Plan(format!("layer {li}: weights and cache kinds differ"))),
+            }
+            norm::add_rms_norm_1p(
+                k,
+                s,
+                ws.mixer_out,
+                Some(ws.residual),
+                layer.post_norm,
+                Some(ws.residual),
+                ws.mlp_in,
+                t,
+                h,
+                eps,
+            )?;
+            self.tick("norms")?;
+            let i = d.intermediate;
+            g.linear(s, ws.mlp_in, layer.gate_up, ws.mlp_gate_up, t, 2 * i, h)?;
+            elementwise::swiglu(k, s, ws.mlp_gate_up, 2 * i, ws.mlp_gate_up + b2(i), 2 * i, ws.mlp_act, t, i)?;
+            g.linear(s, ws.mlp_act, layer.down, ws.mlp_out, t, h, i)?;
+            self.tick("MLP (GEMMs + SwiGLU)")?;
+        }
+        if sh.n_logits > 0 {
+            // Last residual add + final norm over every row (cheap), then gather the wanted rows.
+            norm::add_rms_norm_1p(
+                k,
+                s,
+                ws.mlp_out,
+                Some(ws.residual),
+                self.w.final_norm,
+                Some(ws.residual),
+                ws.x_norm,
+                t,
+                h,
+                eps,
+            )?;
+            embed::embed_gather(k, s, ws.x_norm, ws.last_idx, ws.final_hidden, sh.n_logits, h)?;
+            g.linear_out(s, ws.final_hidden, self.w.lm_head, self.logits.ptr, sh.n_logits, d.vocab, h, true)?;
+            self.tick("final norm + lm_head")?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct StepShape {
+    t: usize,
+    n: usize,
+    n_pre: usize,
+    tp: usize,
+    n_chunks: usize,
+    n_tiles: usize,
+    n_logits: usize,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Place {
+    Dev(u64),
+    /// Byte offset in the pinned host pool.
+    Host(usize),
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> String {
+        "cuda:0".into()
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.d.vocab
+    }
+
+    fn step(&mut self, batch: &StepBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
+        let dev = |e: CudaError| BackendError::Device(e.to_string());
+        self.rt.context().bind_to_thread().map_err(|e| BackendError::Device(e.to_string()))?;
+        for op in &batch.pre {
+            self.apply(op)?;
+        }
+        self.run_chunks(batch, logits)?;
+        for op in &batch.post {
+            self.apply(op)?;
+        }
+        self.rt.synchronize().map_err(dev)
+    }
+
+    fn arena_stats(&self) -> ArenaStats {
+        let capacity: usize = self.arena.regions().iter().map(|(_, s, _)| s).sum();
+        ArenaStats {
+            allocations: self.arena.driver_allocs() as u64 + u64::from(!self.host_pool.is_null()),
+            high_water_bytes: (self.arena.high_water() + self.host_pool_bytes) as u64,
+            capacity_bytes: (capacity + self.host_pool_bytes) as u64,
+        }
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        if !self.host_pool.is_null() && self.rt.context().bind_to_thread().is_ok() {
+            let _ = self.rt.synchronize();
+            // SAFETY: allocated by malloc_host in new(), freed once.
+            let _ = unsafe { result::free_host(self.host_pool as *mut std::ffi::c_void) };
+        }
+    }
+}

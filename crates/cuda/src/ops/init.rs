@@ -1,0 +1,41 @@
+//! Launcher for kernels/init.cu (deterministic random weights on the device).
+
+use cudarc::driver::CudaStream;
+
+use super::{Kernels, launch};
+use crate::error::CudaError;
+
+/// Distribution of [`init_random`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    /// std · N(0, 1).
+    Normal(f32),
+    /// 1 + std · N(0, 1).
+    OnePlusNormal(f32),
+    /// ln U(1, 16) (`A_log`).
+    LogUniform1To16,
+}
+
+/// Fills `n` elements at `out` (bf16, or f32 with `f32_out`) from (seed, index).
+pub fn init_random(
+    k: &Kernels,
+    s: &CudaStream,
+    out: u64,
+    n: usize,
+    seed: u64,
+    init: Init,
+    f32_out: bool,
+) -> Result<(), CudaError> {
+    if n == 0 {
+        return Ok(());
+    }
+    let (std_, mode) = match init {
+        Init::Normal(x) => (x, 0i32),
+        Init::OnePlusNormal(x) => (x, 1),
+        Init::LogUniform1To16 => (0.0f32, 2),
+    };
+    let nn = n as i64;
+    let is_f32 = f32_out as i32;
+    let grid = (n.div_ceil(256).clamp(1, 16384) as u32, 1, 1);
+    launch!(k, s, "init_random", grid, (256, 1, 1), 0; out, nn, seed, std_, mode, is_f32)
+}

@@ -1,0 +1,467 @@
+//! CudaBackend against the CPU reference backend (the f32 oracle that matches HF transformers
+//! within 1e-3, crates/cpu/tests/hf_fixtures.rs) and against itself (ragged batches, snapshots).
+//! Every test prints its numbers and skips cleanly (passes, printing SKIP) without a usable GPU.
+//!
+//! Tolerance: the CUDA path keeps weights, activations, the residual stream and the KV cache in
+//! bf16 (f32 math inside kernels, f32 GEMM accumulation, f32 DeltaNet state), like HF run in bf16;
+//! the CPU reference is f32 throughout. Measured on the H200 (2026-11-29) on the 8-layer tiny
+//! model: per-row ‖Δ‖₂/‖ref‖₂ 1.2e-2 … 7e-2, median ≈ 2.5e-2, with two single-token rows of one
+//! prompt at 1.7e-1 (argmax unchanged) — above the 2e-2 first aimed for; see
+//! bench/results/cuda-backend-2026-11-29.md. The asserted bounds are therefore: no argmax flip
+//! where the reference's top-2 margin exceeds 2·TOL·max|ref| (a wrong op flips those), argmax
+//! agreement ≥ 90% of rows, the median row's L2 error ≤ TOL_MEDIAN, every row's ≤ TOL_ROW.
+//! A bug in any op (wrong head stride, position, slot or page) gives errors of order 1.
+
+use std::path::{Path, PathBuf};
+
+use deltaserve_backend::{Backend, CacheOp, SeqChunk, SnapshotLoc, StepBatch};
+use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
+use deltaserve_cuda::backend::kernel_dims;
+use deltaserve_cuda::{CudaBackend, Runtime, WeightSource};
+use deltaserve_model::synth::{Preset, write_model};
+use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
+use deltaserve_plan::{Plan, PlanOptions};
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+/// Margin unit for "decisive" argmaxes (relative to max |logit|).
+const TOL: f32 = 2e-2;
+/// Median over rows of ‖Δ‖₂ / ‖ref‖₂.
+const TOL_MEDIAN: f32 = 4e-2;
+/// Any row's ‖Δ‖₂ / ‖ref‖₂.
+const TOL_ROW: f32 = 2.5e-1;
+const PAGE: usize = 16;
+
+fn gpu() -> bool {
+    match Runtime::open(0) {
+        Ok(_) => true,
+        Err(e) => {
+            println!("SKIP: no usable GPU ({e})");
+            false
+        }
+    }
+}
+
+/// The synthetic tiny model (hidden 128, GQA 4/2 head_dim 32, DeltaNet 2/6 heads of 32, GVA 3 —
+/// the 27B's ratios) with `layers` layers (every 4th attention), written once per process.
+fn tiny_dir(layers: usize) -> (PathBuf, ModelConfig) {
+    let dir = std::env::temp_dir().join(format!("ds-cuda-backend-{}-{layers}", std::process::id()));
+    let cfg = write_model(&dir, Preset::Tiny, Some(layers), 11, |_, _| {}).unwrap();
+    (dir, cfg)
+}
+
+fn plan_for(cfg: &ModelConfig) -> Plan {
+    let mut o = PlanOptions::gpu_defaults(768 << 20);
+    o.max_batch_tokens = 2048;
+    o.max_seqs = 8;
+    o.max_context = Some(4096);
+    o.page_size = PAGE;
+    o.snapshot_slots = 4;
+    o.runtime_reserve_bytes = 0;
+    Plan::new(cfg, &o).unwrap()
+}
+
+fn cuda(dir: &Path, cfg: &ModelConfig, plan: &Plan) -> CudaBackend {
+    CudaBackend::new(cfg, WeightSource::Checkpoint(dir.to_path_buf()), plan, 4).unwrap()
+}
+
+fn cpu(dir: &Path, cfg: &ModelConfig) -> CpuBackend {
+    let ckpt = Checkpoint::open(dir).unwrap();
+    let w = ModelWeights::load_f32(&ckpt, cfg).unwrap();
+    CpuBackend::new(
+        CpuModel::new(cfg.clone(), w),
+        CpuCacheConfig { num_pages: 1024, page_size: PAGE, num_slots: 8, snapshot_slots: 4, host_snapshot_slots: 4 },
+    )
+}
+
+/// max |a − b| / max |b|.
+fn rel_err(ours: &[f32], reference: &[f32]) -> f32 {
+    assert_eq!(ours.len(), reference.len());
+    let scale = reference.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let worst = ours
+        .iter()
+        .zip(reference)
+        .fold(0.0f32, |m, (a, b)| if a.is_nan() { f32::INFINITY } else { m.max((a - b).abs()) });
+    worst / scale
+}
+
+fn argmax(x: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, v) in x.iter().enumerate() {
+        if *v > x[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// Whether the reference's top-2 margin is wide enough that bf16 must not flip the argmax.
+fn decisive(reference: &[f32]) -> bool {
+    let scale = reference.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let top = argmax(reference);
+    let second = reference.iter().enumerate().filter(|(i, _)| *i != top).fold(f32::MIN, |m, (_, v)| m.max(*v));
+    reference[top] - second > 2.0 * TOL * scale
+}
+
+/// ‖a − b‖₂ / ‖b‖₂.
+fn rel_l2(ours: &[f32], reference: &[f32]) -> f32 {
+    let num: f64 = ours.iter().zip(reference).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+    let den: f64 = reference.iter().map(|b| (*b as f64).powi(2)).sum();
+    (num / den).sqrt() as f32
+}
+
+/// Accumulates row comparisons.
+#[derive(Default)]
+struct Score {
+    rows: usize,
+    argmax_same: usize,
+    decisive_flips: usize,
+    worst: f32,
+    worst_l2: f32,
+    /// Per-row (max rel, L2 rel) for the log.
+    detail: Vec<(f32, f32)>,
+}
+
+impl Score {
+    fn add(&mut self, ours: &[f32], reference: &[f32], vocab: usize) {
+        for (o, r) in ours.chunks_exact(vocab).zip(reference.chunks_exact(vocab)) {
+            self.rows += 1;
+            let (e, l2) = (rel_err(o, r), rel_l2(o, r));
+            self.detail.push((e, l2));
+            self.worst = self.worst.max(e);
+            self.worst_l2 = self.worst_l2.max(l2);
+            if argmax(o) == argmax(r) {
+                self.argmax_same += 1;
+            } else if decisive(r) {
+                self.decisive_flips += 1;
+            }
+        }
+    }
+    fn check(&self, what: &str) {
+        let rows: Vec<String> = self.detail.iter().map(|(e, l)| format!("{e:.1e}/{l:.1e}")).collect();
+        println!("{what}: per row max-rel/L2-rel: {}", rows.join(" "));
+        println!(
+            "{what}: {} rows, max rel err {:.3e}, max L2 rel err {:.3e}, argmax agreement {}/{} ({:.1}%), decisive flips {}",
+            self.rows,
+            self.worst,
+            self.worst_l2,
+            self.argmax_same,
+            self.rows,
+            100.0 * self.argmax_same as f64 / self.rows.max(1) as f64,
+            self.decisive_flips
+        );
+        let mut l2: Vec<f32> = self.detail.iter().map(|d| d.1).collect();
+        l2.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let median = l2[l2.len() / 2];
+        println!("{what}: median L2 rel err {median:.3e}");
+        assert!(median <= TOL_MEDIAN, "{what}: median L2 rel err {median:.3e} > {TOL_MEDIAN:.0e}");
+        assert!(self.worst_l2 <= TOL_ROW, "{what}: a row's L2 rel err {:.3e} > {TOL_ROW:.0e}", self.worst_l2);
+        assert_eq!(self.decisive_flips, 0, "{what}: argmax flipped where the reference margin is decisive");
+        assert!(self.argmax_same * 10 >= self.rows * 9, "{what}: argmax agreement below 90%");
+    }
+
+    /// Like [`Score::check`], but returns the failure instead of panicking (so later parts of a
+    /// test still run and print).
+    fn soft_check(&self, what: &str) -> Option<String> {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.check(what)))
+            .err()
+            .map(|e| e.downcast_ref::<String>().cloned().unwrap_or_else(|| format!("{what} failed")))
+    }
+}
+
+fn chunk(slot: u32, pages: &[u32], start: usize, tokens: &[u32]) -> SeqChunk {
+    SeqChunk { seq_id: slot as u64, slot, pages: pages.to_vec(), start, tokens: tokens.to_vec(), want_logits: true }
+}
+
+fn one(c: SeqChunk) -> StepBatch {
+    StepBatch { pre: vec![], seqs: vec![c], post: vec![] }
+}
+
+fn run(b: &mut dyn Backend, batch: &StepBatch) -> Vec<f32> {
+    let mut out = Vec::new();
+    b.step(batch, &mut out).unwrap();
+    out
+}
+
+fn pages(first: u32, positions: usize) -> Vec<u32> {
+    (first..first + positions.div_ceil(PAGE) as u32).collect()
+}
+
+fn random_tokens(rng: &mut StdRng, n: usize, vocab: usize) -> Vec<u32> {
+    (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
+}
+
+/// (1) HF fixtures: runs those whose head dims the kernels support (multiples of 32); the three
+/// stored fixtures use head dims 16/24, so they are reported as skipped — CUDA ≈ HF is then
+/// established through the CPU reference (CPU ≈ HF within 1e-3 in crates/cpu/tests/hf_fixtures.rs,
+/// CUDA ≈ CPU below).
+#[test]
+fn hf_fixtures_logits() {
+    if !gpu() {
+        return;
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/hf");
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("reference.json").exists())
+        .collect();
+    dirs.sort();
+    for dir in dirs {
+        let cfg = ModelConfig::from_dir(&dir).unwrap();
+        if let Err(e) = kernel_dims(&cfg).validate() {
+            println!("SKIP {}: kernels not specialisable for these dims: {e}", dir.display());
+            continue;
+        }
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+        let tmp = std::env::temp_dir().join(format!("ds-cuda-hf-{}", std::process::id()));
+        std::fs::create_dir_all(&tmp).unwrap();
+        std::fs::copy(dir.join("reference.safetensors"), tmp.join("model.safetensors")).unwrap();
+        let refs = Checkpoint::open(&tmp).unwrap();
+        let plan = plan_for(&cfg);
+        let mut be = cuda(&dir, &cfg, &plan);
+        let vocab = be.vocab_size();
+        let mut score = Score::default();
+        for (slot, p) in json["prompts"].as_array().unwrap().iter().enumerate() {
+            let ids: Vec<u32> = p["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+            let expected = refs.get(&format!("logits_{}", ids.len())).unwrap().to_f32().unwrap();
+            // One step per position prefix is too slow; split into pieces and compare piece ends.
+            let pg = pages(100 * slot as u32, ids.len());
+            let mut at = 0;
+            for s in [1usize, 63, 65, 1, 200, 7, 300].iter().cycle() {
+                if at == ids.len() {
+                    break;
+                }
+                let end = (at + s).min(ids.len());
+                let got = run(&mut be, &one(chunk(slot as u32, &pg, at, &ids[at..end])));
+                score.add(&got, &expected[(end - 1) * vocab..end * vocab], vocab);
+                at = end;
+            }
+        }
+        score.check(&format!("HF {}", dir.display()));
+    }
+}
+
+/// (2) + (4): CUDA vs CPU on whole prompts, uneven pieces and a greedy decode.
+#[test]
+fn matches_cpu_backend() {
+    if !gpu() {
+        return;
+    }
+    let (dir, cfg) = tiny_dir(8);
+    let plan = plan_for(&cfg);
+    let mut g = cuda(&dir, &cfg, &plan);
+    let mut c = cpu(&dir, &cfg);
+    let stats = g.arena_stats();
+    println!("arena: {stats:?}; regions {:?}", g.regions());
+    let vocab = g.vocab_size();
+    let mut rng = StdRng::seed_from_u64(5);
+    let mut full = Score::default();
+    let mut pieces = Score::default();
+    for (i, len) in [1usize, 37, 300, 1100, 2048].into_iter().enumerate() {
+        let ids = random_tokens(&mut rng, len, vocab);
+        let pg = pages(200 * i as u32, len);
+        let b = one(chunk(0, &pg, 0, &ids));
+        full.add(&run(&mut g, &b), &run(&mut c, &b), vocab);
+        let mut at = 0;
+        for s in [1usize, 63, 65, 1, 1, 200, 64, 7, 128, 300].iter().cycle() {
+            if at == len || len > 1100 {
+                break;
+            }
+            let end = (at + s).min(len);
+            let b = one(chunk(1, &pg, at, &ids[at..end]));
+            pieces.add(&run(&mut g, &b), &run(&mut c, &b), vocab);
+            at = end;
+        }
+    }
+    let mut failures: Vec<String> = Vec::new();
+    failures.extend(full.soft_check("CPU full prompts (1, 37, 300, 1100, 2048 tokens)"));
+    failures.extend(pieces.soft_check("CPU uneven pieces"));
+
+    // Greedy decode of 16 tokens after a 37-token prompt: free-running on each backend, and
+    // teacher-forced (both fed the CUDA tokens) for per-step logits.
+    let prompt = random_tokens(&mut rng, 37, vocab);
+    let pg = pages(1000, 37 + 16);
+    let b = one(chunk(2, &pg, 0, &prompt));
+    let (mut lg, mut lc) = (run(&mut g, &b), run(&mut c, &b));
+    let (mut free_g, mut free_c) = (argmax(&lg) as u32, argmax(&lc) as u32);
+    let (mut ids_g, mut ids_c) = (Vec::new(), Vec::new());
+    let mut cg = cpu(&dir, &cfg); // free-running CPU copy
+    run(&mut cg, &b);
+    let mut forced = Score::default();
+    for step in 0..16 {
+        forced.add(&lg, &lc, vocab);
+        ids_g.push(free_g);
+        ids_c.push(free_c);
+        let pos = 37 + step;
+        let tok = argmax(&lg) as u32;
+        lg = run(&mut g, &one(chunk(2, &pg, pos, &[tok])));
+        lc = run(&mut c, &one(chunk(2, &pg, pos, &[tok])));
+        free_g = argmax(&lg) as u32;
+        free_c = argmax(&run(&mut cg, &one(chunk(2, &pg, pos, &[ids_c[step]])))) as u32;
+    }
+    let same = ids_g.iter().zip(&ids_c).filter(|(a, b)| a == b).count();
+    println!("greedy 16: CUDA {ids_g:?}\n           CPU  {ids_c:?}\n           identical {same}/16");
+    failures.extend(forced.soft_check("CPU decode (teacher-forced)"));
+    assert!(same * 10 >= 16 * 9, "greedy decode identical for {same}/16 steps (< 90%)");
+    assert_eq!(g.arena_stats(), stats, "arena counters moved while serving");
+    assert!(failures.is_empty(), "{failures:?}");
+}
+
+/// (3): a ragged batch (prefills from 0, continued prefill, decodes, a new 1-token sequence)
+/// equals each sequence run alone.
+#[test]
+fn ragged_batch_equals_alone() {
+    if !gpu() {
+        return;
+    }
+    let (dir, cfg) = tiny_dir(8);
+    let plan = plan_for(&cfg);
+    let mut alone = cuda(&dir, &cfg, &plan);
+    let mut batched = cuda(&dir, &cfg, &plan);
+    let stats = batched.arena_stats();
+    let vocab = alone.vocab_size();
+    let mut rng = StdRng::seed_from_u64(9);
+    // (history, new tokens) per sequence.
+    let shape = [(0usize, 300usize), (50, 1), (100, 37), (0, 1), (64, 1), (33, 70)];
+    let seqs: Vec<(Vec<u32>, Vec<u32>)> =
+        shape.iter().map(|&(h, n)| (random_tokens(&mut rng, h, vocab), random_tokens(&mut rng, n, vocab))).collect();
+    let pg: Vec<Vec<u32>> = (0..seqs.len()).map(|i| pages(40 * i as u32, 400)).collect();
+    for (i, (hist, _)) in seqs.iter().enumerate() {
+        if !hist.is_empty() {
+            let b = one(chunk(i as u32, &pg[i], 0, hist));
+            run(&mut alone, &b);
+            run(&mut batched, &b);
+        }
+    }
+    let mut want = Vec::new();
+    for (i, (hist, new)) in seqs.iter().enumerate() {
+        want.extend(run(&mut alone, &one(chunk(i as u32, &pg[i], hist.len(), new))));
+    }
+    let mut batch = StepBatch::default();
+    for (i, (hist, new)) in seqs.iter().enumerate() {
+        let mut c = chunk(i as u32, &pg[i], hist.len(), new);
+        c.want_logits = i != 2; // one chunk without logits
+        batch.seqs.push(c);
+    }
+    let got = run(&mut batched, &batch);
+    let want: Vec<f32> =
+        want.chunks_exact(vocab).enumerate().filter(|(i, _)| *i != 2).flat_map(|(_, r)| r.to_vec()).collect();
+    let mut s = Score::default();
+    s.add(&got, &want, vocab);
+    println!("ragged: worst row rel diff vs alone {:.3e}", s.worst);
+    s.check("ragged batch vs alone");
+    assert!(s.worst < 5e-3, "ragged batch differs from alone runs by {:.3e}", s.worst);
+    // One more all-decode step on both.
+    let mut batch = StepBatch::default();
+    let mut want = Vec::new();
+    for (i, (hist, new)) in seqs.iter().enumerate() {
+        let pos = hist.len() + new.len();
+        let c = chunk(i as u32, &pg[i], pos, &[(i * 7) as u32]);
+        want.extend(run(&mut alone, &one(c.clone())));
+        batch.seqs.push(c);
+    }
+    let mut s = Score::default();
+    s.add(&run(&mut batched, &batch), &want, vocab);
+    s.check("all-decode batch vs alone");
+    assert!(s.worst < 5e-3);
+    assert_eq!(batched.arena_stats(), stats);
+}
+
+/// (5): SaveState / RestoreState / MoveSnapshot (device ↔ host) / CopyPagePrefix round trips:
+/// a continuation from a restored state + copied partial page equals the original continuation.
+#[test]
+fn snapshot_ops_round_trip() {
+    if !gpu() {
+        return;
+    }
+    let (dir, cfg) = tiny_dir(8);
+    let plan = plan_for(&cfg);
+    let mut g = cuda(&dir, &cfg, &plan);
+    let stats = g.arena_stats();
+    let vocab = g.vocab_size();
+    let mut rng = StdRng::seed_from_u64(3);
+    let prefix = random_tokens(&mut rng, 40, vocab); // pages a, b full; c holds 8 tokens
+    let cont = random_tokens(&mut rng, 20, vocab);
+    let base = vec![10u32, 11, 12, 13];
+    // Prefix on slot 0, saved to device snapshot 1, then moved to host 0 and back to device 2.
+    let mut b = one(chunk(0, &base, 0, &prefix));
+    b.post = vec![
+        CacheOp::SaveState { slot: 0, to: SnapshotLoc::Device(1) },
+        CacheOp::MoveSnapshot { from: SnapshotLoc::Device(1), to: SnapshotLoc::Host(0) },
+        CacheOp::MoveSnapshot { from: SnapshotLoc::Host(0), to: SnapshotLoc::Host(2) },
+        CacheOp::MoveSnapshot { from: SnapshotLoc::Host(2), to: SnapshotLoc::Device(2) },
+        CacheOp::SaveState { slot: 0, to: SnapshotLoc::Host(1) },
+    ];
+    run(&mut g, &b);
+    let want = run(&mut g, &one(chunk(0, &base, 40, &cont)));
+    // Scribble on the other slots first so a missing restore would show.
+    run(&mut g, &one(chunk(3, &[30, 31], 0, &cont)));
+    run(&mut g, &one(chunk(4, &[32, 33], 0, &cont)));
+    run(&mut g, &one(chunk(5, &[34, 35], 0, &cont)));
+    let cases = [(3u32, SnapshotLoc::Device(1), 20u32), (4, SnapshotLoc::Device(2), 21), (5, SnapshotLoc::Host(1), 22)];
+    for (slot, from, page_c) in cases {
+        let pg = vec![10, 11, page_c, 23 + slot];
+        let b = StepBatch {
+            pre: vec![
+                CacheOp::RestoreState { from, slot },
+                CacheOp::CopyPagePrefix { src: 12, dst: page_c, tokens: 8 },
+            ],
+            seqs: vec![chunk(slot, &pg, 40, &cont)],
+            post: vec![],
+        };
+        let got = run(&mut g, &b);
+        let e = rel_err(&got, &want);
+        println!("restore from {from:?} into slot {slot}: rel diff {e:.3e}");
+        assert!(e < 1e-5, "restored continuation differs by {e:.3e}");
+    }
+    // Out-of-range ops are errors, not faults.
+    let mut out = Vec::new();
+    let bad = StepBatch { pre: vec![CacheOp::SaveState { slot: 0, to: SnapshotLoc::Host(9) }], ..Default::default() };
+    assert!(g.step(&bad, &mut out).is_err());
+    assert_eq!(g.arena_stats(), stats);
+}
+
+/// Random weights generated on the device give finite logits at the tiny shape.
+#[test]
+fn random_weights_run() {
+    if !gpu() {
+        return;
+    }
+    let cfg = ModelConfig::from_json_str(&Preset::Tiny.config_json(Some(4)).to_string()).unwrap();
+    let plan = plan_for(&cfg);
+    let mut g = CudaBackend::new(&cfg, WeightSource::RandomWeights { seed: 1 }, &plan, 0).unwrap();
+    let ids: Vec<u32> = (0..100).collect();
+    let out = run(&mut g, &one(chunk(0, &pages(0, 100), 0, &ids)));
+    assert!(out.iter().all(|x| x.is_finite()) && out.iter().any(|x| *x != 0.0));
+    let stats = g.arena_stats();
+    println!("random weights: {} logits finite; arena {stats:?}", out.len());
+}
+
+/// Diagnostic (prints, asserts only finiteness): CUDA-vs-CPU error by depth and prompt length, to
+/// tell bf16 accumulation (grows with depth and length) from a bug (jumps at one layer kind or
+/// length).
+#[test]
+fn error_by_depth_and_length() {
+    if !gpu() {
+        return;
+    }
+    for layers in [1usize, 3, 4, 8] {
+        let (dir, cfg) = tiny_dir(layers);
+        let plan = plan_for(&cfg);
+        let mut g = cuda(&dir, &cfg, &plan);
+        let mut c = cpu(&dir, &cfg);
+        let vocab = g.vocab_size();
+        let mut rng = StdRng::seed_from_u64(21);
+        let mut line = Vec::new();
+        for len in [1usize, 2, 37, 64, 65, 300, 1100] {
+            let ids = random_tokens(&mut rng, len, vocab);
+            let b = one(chunk(0, &pages(0, len), 0, &ids));
+            let (o, r) = (run(&mut g, &b), run(&mut c, &b));
+            assert!(o.iter().all(|x| x.is_finite()));
+            line.push(format!("T={len}: {:.1e}/{:.1e}", rel_err(&o, &r), rel_l2(&o, &r)));
+        }
+        println!("depth {layers} ({:?}): max-rel/L2-rel {}", cfg.layer_types, line.join(", "));
+    }
+}
