@@ -18,6 +18,10 @@ pub enum DType {
     BF16,
     F16,
     F32,
+    /// Packed integers (GPTQ `qweight` / `qzeros` / `g_idx`): never converted on their own.
+    I32,
+    /// FP8 e4m3fn (block-FP8 weights): meaningful only with their `weight_scale_inv`.
+    F8E4M3,
     /// Any other safetensors dtype (kept so that the error can name it).
     Other(&'static str),
 }
@@ -29,21 +33,37 @@ impl DType {
             StDtype::F16 => Self::F16,
             StDtype::F32 => Self::F32,
             StDtype::I64 => Self::Other("I64"),
-            StDtype::I32 => Self::Other("I32"),
+            StDtype::I32 => Self::I32,
             StDtype::I8 => Self::Other("I8"),
             StDtype::U8 => Self::Other("U8"),
-            StDtype::F8_E4M3 => Self::Other("F8_E4M3"),
+            StDtype::F8_E4M3 => Self::F8E4M3,
             StDtype::F64 => Self::Other("F64"),
             _ => Self::Other("unsupported"),
         }
     }
-    /// Bytes per element, for the readable dtypes.
+    /// Bytes per element, for the dtypes this crate reads.
     pub fn size(self) -> Option<usize> {
         match self {
+            Self::F8E4M3 => Some(1),
             Self::BF16 | Self::F16 => Some(2),
-            Self::F32 => Some(4),
+            Self::F32 | Self::I32 => Some(4),
             Self::Other(_) => None,
         }
+    }
+    /// The safetensors name of the dtype.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::BF16 => "BF16",
+            Self::F16 => "F16",
+            Self::F32 => "F32",
+            Self::I32 => "I32",
+            Self::F8E4M3 => "F8_E4M3",
+            Self::Other(d) => d,
+        }
+    }
+    /// True for the floating-point dtypes [`TensorRef::bytes_to_f32`] converts on their own.
+    pub fn is_float(self) -> bool {
+        matches!(self, Self::BF16 | Self::F16 | Self::F32)
     }
 }
 
@@ -77,6 +97,13 @@ impl TensorRef<'_> {
             ),
             DType::F16 => out
                 .extend(bytes.chunks_exact(2).map(|b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())),
+            DType::I32 | DType::F8E4M3 => {
+                return Err(ModelError::weights(format!(
+                    "tensor `{name}` has dtype {}: it is quantised data that needs its scales \
+                     (GPTQ qweight/qzeros/scales or FP8 weight_scale_inv) and cannot be read on its own",
+                    dtype.name()
+                )));
+            }
             DType::Other(d) => {
                 return Err(ModelError::weights(format!(
                     "tensor `{name}` has dtype {d}; only BF16, F16 and F32 are supported"
@@ -214,7 +241,7 @@ impl Checkpoint {
 /// Header entry of a tensor to write with [`write_safetensors`].
 pub struct TensorHeader {
     pub name: String,
-    /// safetensors dtype name: "BF16", "F16" or "F32".
+    /// BF16, F16, F32, I32 or F8E4M3.
     pub dtype: DType,
     pub shape: Vec<usize>,
 }
@@ -232,12 +259,10 @@ pub fn write_safetensors(
     let mut offset = 0usize;
     let mut sizes = Vec::with_capacity(tensors.len());
     for t in tensors {
-        let (name, size) = match t.dtype {
-            DType::BF16 => ("BF16", 2),
-            DType::F16 => ("F16", 2),
-            DType::F32 => ("F32", 4),
-            DType::Other(d) => {
-                return Err(ModelError::weights(format!("cannot write tensor `{}` as {d}", t.name)));
+        let (name, size) = match t.dtype.size() {
+            Some(size) if !matches!(t.dtype, DType::Other(_)) => (t.dtype.name(), size),
+            _ => {
+                return Err(ModelError::weights(format!("cannot write tensor `{}` as {}", t.name, t.dtype.name())));
             }
         };
         let bytes = t.shape.iter().product::<usize>() * size;

@@ -3,14 +3,17 @@
 //!
 //! Parsing is explicit: every field we use is read by name, and a missing, mistyped or inconsistent
 //! field is an error that names it. Fields that would change the math in ways we do not implement
-//! (MoE experts, YaRN, sliding windows, biases, quantisation) are refused by name; other unknown
-//! fields are reported once through `tracing` and ignored, as vLLM and llama.cpp do.
+//! (MoE experts, YaRN, sliding windows, biases, unsupported quantisation methods) are refused by name;
+//! other unknown fields are reported once through `tracing` and ignored, as vLLM and llama.cpp do.
+//! A supported `quantization_config` (GPTQ / AutoRound int4, block FP8) is parsed into
+//! [`ModelConfig::quantization`] (see [`crate::quant`]).
 
 use std::path::Path;
 
 use serde_json::{Map, Value};
 
 use crate::error::ModelError;
+use crate::quant::Quantization;
 
 /// Which checkpoint family the config came from (changes only the DeltaNet projection packing).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -56,6 +59,8 @@ pub struct ModelConfig {
     /// Token ids that end generation (config + generation_config.json).
     pub eos_token_ids: Vec<u32>,
     pub mtp_num_hidden_layers: usize,
+    /// The checkpoint's `quantization_config` (top level, or under `text_config`), if any.
+    pub quantization: Option<Quantization>,
 }
 
 /// Sizes derived once from a [`ModelConfig`]; nothing else recomputes them.
@@ -130,6 +135,10 @@ impl ModelConfig {
                     .ok_or_else(|| ModelError::config("`qwen3_5` config needs an object field `text_config`"))?;
                 let tie_top = root.get("tie_word_embeddings").and_then(Value::as_bool);
                 let mut cfg = parse_text(text_cfg, Arch::Qwen35, "text_config.")?;
+                // HF writes `quantization_config` at the top level of a multimodal config.
+                if let Some(q) = root.get("quantization_config").filter(|q| !q.is_null()) {
+                    cfg.quantization = Some(Quantization::from_json(q, "quantization_config")?);
+                }
                 // The top-level flag is what HF's ForConditionalGeneration uses for the lm_head.
                 if let Some(t) = tie_top {
                     cfg.tie_word_embeddings = t;
@@ -264,14 +273,11 @@ fn parse_text(obj: &Map<String, Value>, arch: Arch, prefix: &str) -> Result<Mode
         tracing::warn!(fields = ?unknown, "config.json: ignoring fields deltaserve does not use");
     }
 
+    let quantization = match obj.get("quantization_config") {
+        Some(q) if !q.is_null() => Some(Quantization::from_json(q, &format!("{prefix}quantization_config"))?),
+        _ => None,
+    };
     // Features that would change the math and are not implemented: refuse by name.
-    if let Some(q) = obj.get("quantization_config")
-        && !q.is_null()
-    {
-        return Err(ModelError::unsupported(format!(
-            "`{prefix}quantization_config`: quantised checkpoints are not supported yet"
-        )));
-    }
     if f.opt_bool("attention_bias")?.unwrap_or(false) {
         return Err(ModelError::unsupported(format!("`{prefix}attention_bias` = true is not supported")));
     }
@@ -403,6 +409,7 @@ fn parse_text(obj: &Map<String, Value>, arch: Arch, prefix: &str) -> Result<Mode
             None => Vec::new(),
         },
         mtp_num_hidden_layers: f.opt_usize("mtp_num_hidden_layers")?.unwrap_or(0),
+        quantization,
     };
     validate(&cfg, prefix)?;
     Ok(cfg)

@@ -3,15 +3,18 @@
 //! - [`config`]: `config.json` → validated [`ModelConfig`] and derived [`Dims`];
 //! - [`checkpoint`]: memory-mapped safetensors (single file or sharded), dtype conversion;
 //! - [`weights`]: the canonical per-layer weight set, with HF names mapped and Qwen3-Next packing undone;
+//! - [`quant`]: `quantization_config` and the GPTQ / block-FP8 encodings of quantised linears;
 //! - [`synth`]: random-weight model directories at any shape (tests, the demo model, benchmarks).
 
 pub mod checkpoint;
 pub mod config;
 pub mod error;
+pub mod quant;
 pub mod synth;
 pub mod weights;
 
 pub use checkpoint::{Checkpoint, DType, TensorRef};
 pub use config::{Arch, Dims, LayerKind, ModelConfig};
 pub use error::ModelError;
+pub use quant::{Quantization, QuantizedSource};
 pub use weights::{AttentionWeights, DeltaNetWeights, LayerWeights, MixerWeights, MlpWeights, ModelWeights};

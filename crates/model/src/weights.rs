@@ -4,31 +4,54 @@
 //! unpacks Qwen3-Next's `in_proj_qkvz` / `in_proj_ba` into the Qwen3.5 layout, skips `model.visual.*`,
 //! and hands each tensor to a backend converter as a [`TensorSource`]. `mtp.*` tensors stay in the
 //! checkpoint for a later speculative-decoding head.
+//!
+//! Linear weights of quantised checkpoints (GPTQ / AutoRound int4, block FP8; see [`crate::quant`])
+//! arrive as a [`TensorSource`] whose [`TensorSource::quantized`] holds the packed encoding;
+//! [`TensorSource::to_f32`] dequantises them, so f32 converters need no change.
 
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::checkpoint::{Checkpoint, DType, TensorRef};
 use crate::config::{Arch, LayerKind, ModelConfig};
 use crate::error::ModelError;
+use crate::quant::{self, QuantizedSource};
 
-/// The bytes of one canonical tensor: the concatenation of `parts` (row ranges of stored tensors).
+/// The bytes of one canonical tensor.
+///
+/// Dense tensors (`quantized: None`): the concatenation of `parts` (row ranges of stored tensors) in
+/// `dtype`. Quantised linears (`quantized: Some`): `shape` is the dequantised `[out, in]`, `parts`
+/// holds the main packed tensor (GPTQ `qweight`, dtype I32; FP8 `weight`, dtype F8E4M3) and
+/// `quantized` the whole encoding with its scales; [`Self::to_f32`] dequantises.
 pub struct TensorSource<'a> {
     /// Canonical (Qwen3.5 HF) name, e.g. `layers.3.linear_attn.in_proj_qkv.weight`.
     pub name: String,
     pub shape: Vec<usize>,
     pub dtype: DType,
     pub parts: Vec<&'a [u8]>,
+    /// The packed encoding of a quantised linear weight; `None` for dense tensors.
+    pub quantized: Option<QuantizedSource<'a>>,
 }
 
 impl TensorSource<'_> {
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
+    /// Checkpoint bytes behind the tensor (all of a quantised encoding, scales included).
     pub fn byte_len(&self) -> usize {
-        self.parts.iter().map(|p| p.len()).sum()
+        match &self.quantized {
+            Some(q) => q.byte_len(),
+            None => self.parts.iter().map(|p| p.len()).sum(),
+        }
     }
-    /// The tensor as f32.
+    /// True for a quantised linear (see [`Self::quantized`]).
+    pub fn is_quantized(&self) -> bool {
+        self.quantized.is_some()
+    }
+    /// The tensor as f32 (quantised linears dequantised).
     pub fn to_f32(&self) -> Result<Vec<f32>, ModelError> {
+        if let Some(q) = &self.quantized {
+            return q.dequantize(&self.name);
+        }
         let mut out = Vec::with_capacity(self.numel());
         for p in &self.parts {
             TensorRef::bytes_to_f32(&self.name, self.dtype, p, &mut out)?;
@@ -144,8 +167,17 @@ impl<T> ModelWeights<T> {
         mut convert: impl FnMut(TensorSource<'_>) -> Result<T, ModelError>,
     ) -> Result<Self, ModelError> {
         let names = Names::detect(ckpt, cfg)?;
-        let total: u64 =
-            names.all_stored(cfg).iter().filter_map(|n| ckpt.get(n).ok()).map(|t| t.bytes.len() as u64).sum();
+        let stored: Vec<String> = names
+            .all_stored(cfg)
+            .into_iter()
+            .flat_map(|n| {
+                let companions = quant::companion_names(&n);
+                std::iter::once(n).chain(companions)
+            })
+            .collect();
+        let total: u64 = stored.iter().filter_map(|n| ckpt.get(n).ok()).map(|t| t.bytes.len() as u64).sum();
+        let q = cfg.quantization.as_ref();
+        let lin = |name: &str, shape: [usize; 2]| linear(ckpt, q, name, shape);
         let bar = ProgressBar::new(total).with_message("loading weights");
         bar.set_style(
             ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} ({bytes_per_sec}, eta {eta})")
@@ -161,8 +193,7 @@ impl<T> ModelWeights<T> {
         let d = cfg.dims();
         let h = d.hidden;
         let embed = load(direct(ckpt, &names.model("embed_tokens.weight"), &[d.vocab, h])?)?;
-        let lm_head =
-            if cfg.tie_word_embeddings { None } else { Some(load(direct(ckpt, "lm_head.weight", &[d.vocab, h])?)?) };
+        let lm_head = if cfg.tie_word_embeddings { None } else { Some(load(lin("lm_head.weight", [d.vocab, h])?)?) };
         let final_norm = load(direct(ckpt, &names.model("norm.weight"), &[h])?)?;
         let mut layers = Vec::with_capacity(d.num_layers);
         for (i, kind) in cfg.layer_types.iter().enumerate() {
@@ -174,10 +205,10 @@ impl<T> ModelWeights<T> {
                     let p = |s: &str| l(&format!("linear_attn.{s}"));
                     let (qkv, z, b, a) = match cfg.arch {
                         Arch::Qwen35 => (
-                            direct(ckpt, &p("in_proj_qkv.weight"), &[d.conv_channels, h])?,
-                            direct(ckpt, &p("in_proj_z.weight"), &[d.gdn_value_width, h])?,
-                            direct(ckpt, &p("in_proj_b.weight"), &[d.gdn_v_heads, h])?,
-                            direct(ckpt, &p("in_proj_a.weight"), &[d.gdn_v_heads, h])?,
+                            lin(&p("in_proj_qkv.weight"), [d.conv_channels, h])?,
+                            lin(&p("in_proj_z.weight"), [d.gdn_value_width, h])?,
+                            lin(&p("in_proj_b.weight"), [d.gdn_v_heads, h])?,
+                            lin(&p("in_proj_a.weight"), [d.gdn_v_heads, h])?,
                         ),
                         Arch::Qwen3Next => {
                             unpack_qwen3_next(ckpt, cfg, &p("in_proj_qkvz.weight"), &p("in_proj_ba.weight"))?
@@ -194,16 +225,16 @@ impl<T> ModelWeights<T> {
                         dt_bias: load(direct(ckpt, &p("dt_bias"), &[d.gdn_v_heads])?)?,
                         a_log: load(direct(ckpt, &p("A_log"), &[d.gdn_v_heads])?)?,
                         norm: load(direct(ckpt, &p("norm.weight"), &[d.gdn_v_dim])?)?,
-                        out_proj: load(direct(ckpt, &p("out_proj.weight"), &[h, d.gdn_value_width])?)?,
+                        out_proj: load(lin(&p("out_proj.weight"), [h, d.gdn_value_width])?)?,
                     })
                 }
                 LayerKind::Attention => {
                     let p = |s: &str| l(&format!("self_attn.{s}"));
                     MixerWeights::Attention(AttentionWeights {
-                        q_proj: load(direct(ckpt, &p("q_proj.weight"), &[2 * d.attn_dim, h])?)?,
-                        k_proj: load(direct(ckpt, &p("k_proj.weight"), &[d.kv_dim, h])?)?,
-                        v_proj: load(direct(ckpt, &p("v_proj.weight"), &[d.kv_dim, h])?)?,
-                        o_proj: load(direct(ckpt, &p("o_proj.weight"), &[h, d.attn_dim])?)?,
+                        q_proj: load(lin(&p("q_proj.weight"), [2 * d.attn_dim, h])?)?,
+                        k_proj: load(lin(&p("k_proj.weight"), [d.kv_dim, h])?)?,
+                        v_proj: load(lin(&p("v_proj.weight"), [d.kv_dim, h])?)?,
+                        o_proj: load(lin(&p("o_proj.weight"), [h, d.attn_dim])?)?,
                         q_norm: load(direct(ckpt, &p("q_norm.weight"), &[d.head_dim])?)?,
                         k_norm: load(direct(ckpt, &p("k_norm.weight"), &[d.head_dim])?)?,
                     })
@@ -211,14 +242,14 @@ impl<T> ModelWeights<T> {
             };
             let m = |s: &str| l(&format!("mlp.{s}"));
             let mlp = MlpWeights {
-                gate_proj: load(direct(ckpt, &m("gate_proj.weight"), &[d.intermediate, h])?)?,
-                up_proj: load(direct(ckpt, &m("up_proj.weight"), &[d.intermediate, h])?)?,
-                down_proj: load(direct(ckpt, &m("down_proj.weight"), &[h, d.intermediate])?)?,
+                gate_proj: load(lin(&m("gate_proj.weight"), [d.intermediate, h])?)?,
+                up_proj: load(lin(&m("up_proj.weight"), [d.intermediate, h])?)?,
+                down_proj: load(lin(&m("down_proj.weight"), [h, d.intermediate])?)?,
             };
             layers.push(LayerWeights { input_norm, post_norm, mixer, mlp });
         }
         bar.finish_and_clear();
-        let used = names.all_stored(cfg);
+        let used = stored;
         let unused: Vec<&str> = ckpt
             .names()
             .into_iter()
@@ -305,7 +336,42 @@ impl Names {
 /// A stored tensor used as is, after a shape check.
 fn direct<'a>(ckpt: &'a Checkpoint, name: &str, shape: &[usize]) -> Result<TensorSource<'a>, ModelError> {
     let t = ckpt.get_shaped(name, shape)?;
-    Ok(TensorSource { name: name.to_string(), shape: shape.to_vec(), dtype: t.dtype, parts: vec![t.bytes] })
+    Ok(TensorSource {
+        name: name.to_string(),
+        shape: shape.to_vec(),
+        dtype: t.dtype,
+        parts: vec![t.bytes],
+        quantized: None,
+    })
+}
+
+/// A linear weight `[out, in]`: its quantised encoding when the checkpoint stores one, else dense.
+fn linear<'a>(
+    ckpt: &'a Checkpoint,
+    q: Option<&quant::Quantization>,
+    name: &str,
+    shape: [usize; 2],
+) -> Result<TensorSource<'a>, ModelError> {
+    match quant::linear_source(ckpt, q, name, shape)? {
+        Some(enc) => {
+            let (dtype, main) = match &enc {
+                QuantizedSource::Gptq(g) => (DType::I32, g.qweight),
+                QuantizedSource::Fp8Block(f) => (DType::F8E4M3, f.weight),
+            };
+            Ok(TensorSource {
+                name: name.to_string(),
+                shape: shape.to_vec(),
+                dtype,
+                parts: vec![main],
+                quantized: Some(enc),
+            })
+        }
+        None if q.is_some() && !ckpt.contains(name) => Err(ModelError::MissingTensor {
+            name: name.to_string(),
+            hint: format!(" (nor its quantised form `{}.qweight`)", name.strip_suffix(".weight").unwrap_or(name)),
+        }),
+        None => direct(ckpt, name, &shape),
+    }
 }
 
 /// Splits Qwen3-Next's packed projections into the Qwen3.5 layout.
@@ -320,10 +386,20 @@ fn unpack_qwen3_next<'a>(
     let d = cfg.dims();
     let h = d.hidden;
     let (dk, dv, r, groups) = (d.gdn_k_dim, d.gdn_v_dim, d.gdn_ratio, d.gdn_k_heads);
+    // Splitting a packed projection by rows would need column slices of GPTQ's qweight/scales/qzeros
+    // and row ranges across FP8 scale blocks; refuse rather than dequantise into owned buffers.
+    for name in [qkvz_name, ba_name] {
+        if quant::is_stored_quantized(ckpt, name) {
+            return Err(ModelError::unsupported(format!(
+                "tensor `{name}`: quantised Qwen3-Next packed projections (in_proj_qkvz / in_proj_ba) are not \
+                 supported yet; use a checkpoint that leaves them unquantised"
+            )));
+        }
+    }
     let qkvz = ckpt.get_shaped(qkvz_name, &[2 * d.gdn_key_width + 2 * d.gdn_value_width, h])?;
     let ba = ckpt.get_shaped(ba_name, &[2 * d.gdn_v_heads, h])?;
     let row_bytes = |t: &TensorRef| -> Result<usize, ModelError> {
-        t.dtype.size().map(|s| s * h).ok_or_else(|| {
+        t.dtype.size().filter(|_| t.dtype.is_float()).map(|s| s * h).ok_or_else(|| {
             ModelError::weights(format!(
                 "tensor `{}` has dtype {:?}; only BF16, F16 and F32 are supported",
                 t.name, t.dtype
@@ -350,6 +426,7 @@ fn unpack_qwen3_next<'a>(
         shape: vec![n, h],
         dtype,
         parts,
+        quantized: None,
     };
     let qkv_parts = q.into_iter().chain(k).chain(v).collect();
     Ok((

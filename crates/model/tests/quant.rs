@@ -1,0 +1,730 @@
+//! Quantised checkpoints: a GPTQ packer and an FP8 e4m3 block quantiser written here from the
+//! formats' definitions produce real-layout checkpoints from the tiny synthetic model; every
+//! dequantised weight must equal the packer's own dequantisation exactly and stay within the
+//! format's error of the original, and unquantised tensors must load unchanged.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use deltaserve_model::checkpoint::{TensorHeader, write_safetensors};
+use deltaserve_model::quant::{ModuleQuant, Quantization, ZeroFormat};
+use deltaserve_model::synth::{Preset, write_model};
+use deltaserve_model::weights::HostTensor;
+use deltaserve_model::{Checkpoint, DType, MixerWeights, ModelConfig, ModelWeights};
+use rand::rngs::Xoshiro256PlusPlus;
+use rand::{RngExt, SeedableRng};
+use serde_json::{Value, json};
+
+const P: &str = "model.language_model.";
+
+fn tempdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ds-quant-test-{}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn load(dir: &Path) -> Result<ModelWeights<HostTensor>, String> {
+    let cfg = ModelConfig::from_dir(dir).map_err(|e| e.to_string())?;
+    let ckpt = Checkpoint::open(dir).map_err(|e| e.to_string())?;
+    ModelWeights::load_f32(&ckpt, &cfg).map_err(|e| e.to_string())
+}
+
+/// Every loaded tensor under its stored checkpoint name.
+fn flatten(w: &ModelWeights<HostTensor>) -> HashMap<String, &HostTensor> {
+    let mut m = HashMap::new();
+    m.insert(format!("{P}embed_tokens.weight"), &w.embed);
+    m.insert(format!("{P}norm.weight"), &w.final_norm);
+    if let Some(l) = &w.lm_head {
+        m.insert("lm_head.weight".into(), l);
+    }
+    for (i, l) in w.layers.iter().enumerate() {
+        let n = |s: &str| format!("{P}layers.{i}.{s}");
+        m.insert(n("input_layernorm.weight"), &l.input_norm);
+        m.insert(n("post_attention_layernorm.weight"), &l.post_norm);
+        m.insert(n("mlp.gate_proj.weight"), &l.mlp.gate_proj);
+        m.insert(n("mlp.up_proj.weight"), &l.mlp.up_proj);
+        m.insert(n("mlp.down_proj.weight"), &l.mlp.down_proj);
+        match &l.mixer {
+            MixerWeights::DeltaNet(d) => {
+                let n = |s: &str| format!("{P}layers.{i}.linear_attn.{s}");
+                m.insert(n("in_proj_qkv.weight"), &d.in_proj_qkv);
+                m.insert(n("in_proj_z.weight"), &d.in_proj_z);
+                m.insert(n("in_proj_b.weight"), &d.in_proj_b);
+                m.insert(n("in_proj_a.weight"), &d.in_proj_a);
+                m.insert(n("conv1d.weight"), &d.conv1d);
+                m.insert(n("dt_bias"), &d.dt_bias);
+                m.insert(n("A_log"), &d.a_log);
+                m.insert(n("norm.weight"), &d.norm);
+                m.insert(n("out_proj.weight"), &d.out_proj);
+            }
+            MixerWeights::Attention(a) => {
+                let n = |s: &str| format!("{P}layers.{i}.self_attn.{s}");
+                m.insert(n("q_proj.weight"), &a.q_proj);
+                m.insert(n("k_proj.weight"), &a.k_proj);
+                m.insert(n("v_proj.weight"), &a.v_proj);
+                m.insert(n("o_proj.weight"), &a.o_proj);
+                m.insert(n("q_norm.weight"), &a.q_norm);
+                m.insert(n("k_norm.weight"), &a.k_norm);
+            }
+        }
+    }
+    m
+}
+
+/// A decoder linear a quantiser would convert (not embeddings, norms, conv, lm_head).
+fn is_decoder_linear(name: &str, shape: &[usize]) -> bool {
+    shape.len() == 2 && name.starts_with(&format!("{P}layers.")) && name.ends_with(".weight")
+}
+
+/// A tensor to write: name, dtype, shape, little-endian bytes.
+type Out = (String, DType, Vec<usize>, Vec<u8>);
+
+fn write_tensors(path: &Path, tensors: &[Out]) {
+    let headers: Vec<TensorHeader> =
+        tensors.iter().map(|(n, d, s, _)| TensorHeader { name: n.clone(), dtype: *d, shape: s.clone() }).collect();
+    write_safetensors(path, &headers, |i, buf| {
+        buf.extend_from_slice(&tensors[i].3);
+        Ok(())
+    })
+    .unwrap();
+}
+
+fn u32_bytes(v: &[u32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Writes `quantization_config` into the model directory's config.json (top level, as HF does).
+fn set_quant_config(dir: &Path, q: Value) {
+    let path = dir.join("config.json");
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    v["quantization_config"] = q;
+    std::fs::write(&path, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+}
+
+// ---------------------------------------------------------------------------------------------
+// GPTQ packer, from the format's definition
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug)]
+struct GptqVariant {
+    method: &'static str,
+    sym: bool,
+    act_order: bool,
+    /// GPTQModel `checkpoint_format: "gptq_v2"` (zeros stored as is) instead of v1 (zero − 1).
+    v2: bool,
+    /// `-1`: one group per output channel.
+    group: i64,
+    /// Store a `g_idx` even without act-order (AutoGPTQ always does).
+    write_trivial_g_idx: bool,
+}
+
+struct Packed {
+    /// `[in/8, out]`
+    qweight: Vec<u32>,
+    /// `[groups, out/8]`
+    qzeros: Vec<u32>,
+    /// `[groups, out]`, f16 bits
+    scales: Vec<u16>,
+    /// `[in]`
+    g_idx: Vec<i32>,
+    groups: usize,
+    /// The packer's own dequantisation, `[out, in]`.
+    deq: Vec<f32>,
+    /// Scale of each (out, in) element (for the error bound).
+    elem_scale: Vec<f32>,
+}
+
+/// Quantises `w` `[out, in]` to 4 bits per group of `group` input rows (in quantisation order:
+/// `perm` for act-order) and packs it as GPTQ stores it.
+fn gptq_pack(w: &[f32], out: usize, inp: usize, v: GptqVariant, rng: &mut Xoshiro256PlusPlus) -> Packed {
+    let group = if v.group < 0 { inp } else { v.group as usize };
+    let groups = inp.div_ceil(group);
+    // Quantisation order: identity, or a random permutation (act-order); g_idx[i] = position / group.
+    let mut order: Vec<usize> = (0..inp).collect();
+    if v.act_order {
+        for k in (1..inp).rev() {
+            let j = rng.random_range(0..=k);
+            order.swap(k, j);
+        }
+    }
+    let mut g_idx = vec![0i32; inp];
+    for (pos, &i) in order.iter().enumerate() {
+        g_idx[i] = (pos / group) as i32;
+    }
+    let maxq = 15i32;
+    let mut scale = vec![0f32; groups * out];
+    let mut zero = vec![0i32; groups * out];
+    let mut scales = vec![0u16; groups * out];
+    for g in 0..groups {
+        let rows: Vec<usize> = (0..inp).filter(|&i| g_idx[i] as usize == g).collect();
+        for o in 0..out {
+            let vals = rows.iter().map(|&i| w[o * inp + i]);
+            let (mn, mx) = vals.fold((0f32, 0f32), |(a, b), x| (a.min(x), b.max(x)));
+            let (s, z) = if v.sym {
+                let amax = mn.abs().max(mx);
+                (2.0 * amax / maxq as f32, (maxq + 1) / 2)
+            } else {
+                let s = (mx - mn) / maxq as f32;
+                (s, 0)
+            };
+            let s16 = half::f16::from_f32(if s > 0.0 { s } else { 1.0 });
+            let s = s16.to_f32();
+            let z = if v.sym {
+                z
+            } else {
+                // v1 stores zero − 1, so its zeros live in [1, 15]; v2 can store 0.
+                let zmin = if v.v2 { 0 } else { 1 };
+                ((-mn / s).round() as i32).clamp(zmin, maxq)
+            };
+            scale[g * out + o] = s;
+            zero[g * out + o] = z;
+            scales[g * out + o] = s16.to_bits();
+        }
+    }
+    let mut qweight = vec![0u32; inp / 8 * out];
+    let mut deq = vec![0f32; out * inp];
+    let mut elem_scale = vec![0f32; out * inp];
+    for i in 0..inp {
+        let g = g_idx[i] as usize;
+        for o in 0..out {
+            let (s, z) = (scale[g * out + o], zero[g * out + o]);
+            let q = ((w[o * inp + i] / s).round() as i32 + z).clamp(0, maxq);
+            qweight[(i / 8) * out + o] |= (q as u32) << (4 * (i % 8));
+            deq[o * inp + i] = (q - z) as f32 * s;
+            elem_scale[o * inp + i] = s;
+        }
+    }
+    let mut qzeros = vec![0u32; groups * out / 8];
+    for g in 0..groups {
+        for o in 0..out {
+            let stored = if v.v2 { zero[g * out + o] } else { zero[g * out + o] - 1 };
+            qzeros[g * (out / 8) + o / 8] |= ((stored as u32) & 0xf) << (4 * (o % 8));
+        }
+    }
+    Packed { qweight, qzeros, scales, g_idx, groups, deq, elem_scale }
+}
+
+fn gptq_config(v: GptqVariant, not_converted: &[&str]) -> Value {
+    let mut q = json!({
+        "bits": 4,
+        "group_size": v.group,
+        "sym": v.sym,
+        "desc_act": v.act_order,
+        "modules_to_not_convert": not_converted,
+    });
+    if v.method == "gptq" {
+        q["quant_method"] = json!("gptq");
+        q["checkpoint_format"] = json!(if v.v2 { "gptq_v2" } else { "gptq" });
+        q["damp_percent"] = json!(0.01);
+        q["static_groups"] = json!(false);
+        q["true_sequential"] = json!(true);
+    } else {
+        assert!(!v.v2, "AutoRound's GPTQ export is v1");
+        q["quant_method"] = json!("auto-round");
+        q["packing_format"] = json!("auto_round:auto_gptq");
+        q["data_type"] = json!("int");
+        q["block_name_to_quantize"] = json!("model.language_model.layers");
+        // AutoRound records modules it leaves in 16 bits in extra_config.
+        let extra: serde_json::Map<String, Value> =
+            not_converted.iter().map(|m| (m.to_string(), json!({ "bits": 16, "data_type": "float" }))).collect();
+        q["extra_config"] = Value::Object(extra);
+        q["modules_to_not_convert"] = Value::Null;
+    }
+    q
+}
+
+/// What the test expects of each stored linear.
+struct Expect {
+    /// Original (bf16 → f32) weights, by stored name.
+    original: HashMap<String, Vec<f32>>,
+    /// The quantiser's own dequantisation and per-element error bound, by stored name.
+    quantized: HashMap<String, (Vec<f32>, Vec<f32>)>,
+}
+
+/// Builds a GPTQ checkpoint from the tiny model in `dir` (rewriting model.safetensors and config.json).
+/// `not_converted`: modules (without `.weight`) left in bf16. `edit` may change one tensor's shape.
+fn make_gptq(dir: &Path, v: GptqVariant, not_converted: &[&str], edit: Option<(&str, Vec<usize>)>) -> Expect {
+    write_model(dir, Preset::Tiny, None, 11, |_, _| {}).unwrap();
+    let ckpt = Checkpoint::open(dir).unwrap();
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(5);
+    let mut tensors: Vec<Out> = Vec::new();
+    let mut exp = Expect { original: HashMap::new(), quantized: HashMap::new() };
+    for name in ckpt.names() {
+        let t = ckpt.get(name).unwrap();
+        let module = name.trim_end_matches(".weight");
+        let quantize = is_decoder_linear(name, t.shape)
+            && t.shape[0].is_multiple_of(8) // in_proj_a/b (6 rows) cannot hold packed zeros: left bf16, as real exports do
+            && !not_converted.contains(&module);
+        exp.original.insert(name.to_string(), t.to_f32().unwrap());
+        if !quantize {
+            tensors.push((name.to_string(), t.dtype, t.shape.to_vec(), t.bytes.to_vec()));
+            continue;
+        }
+        let (out, inp) = (t.shape[0], t.shape[1]);
+        let w = t.to_f32().unwrap();
+        let p = gptq_pack(&w, out, inp, v, &mut rng);
+        let groups = p.groups;
+        // Half a step, plus the f16 rounding of the scale (≤ 2^-11 relative) over the 15-step range
+        // for values clamped at the grid's ends.
+        exp.quantized.insert(name.to_string(), (p.deq, p.elem_scale.iter().map(|s| s * 0.51).collect()));
+        tensors.push((format!("{module}.qweight"), DType::I32, vec![inp / 8, out], u32_bytes(&p.qweight)));
+        tensors.push((format!("{module}.qzeros"), DType::I32, vec![groups, out / 8], u32_bytes(&p.qzeros)));
+        tensors.push((
+            format!("{module}.scales"),
+            DType::F16,
+            vec![groups, out],
+            p.scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
+        ));
+        if v.act_order || v.write_trivial_g_idx {
+            tensors.push((
+                format!("{module}.g_idx"),
+                DType::I32,
+                vec![inp],
+                p.g_idx.iter().flat_map(|g| g.to_le_bytes()).collect(),
+            ));
+        }
+    }
+    if let Some((target, shape)) = edit {
+        let t = tensors.iter_mut().find(|t| t.0 == target).expect("edited tensor exists");
+        let n: usize = shape.iter().product::<usize>() * 4;
+        t.3.resize(n, 0);
+        t.2 = shape;
+    }
+    drop(ckpt);
+    write_tensors(&dir.join("model.safetensors"), &tensors);
+    set_quant_config(dir, gptq_config(v, not_converted));
+    exp
+}
+
+/// Loads `dir` and checks every tensor against `exp`; returns (quantised count, max error / bound).
+fn check_loaded(dir: &Path, exp: &Expect) -> (usize, f32) {
+    let w = load(dir).expect("quantised checkpoint loads");
+    let flat = flatten(&w);
+    let mut worst = 0f32;
+    let mut nq = 0;
+    for (name, orig) in &exp.original {
+        if name.starts_with("mtp.") {
+            continue;
+        }
+        let got = flat.get(name).unwrap_or_else(|| panic!("{name} not loaded"));
+        match exp.quantized.get(name) {
+            Some((deq, bound)) => {
+                nq += 1;
+                assert_eq!(got.data.len(), deq.len(), "{name}");
+                for (k, (&g, &d)) in got.data.iter().zip(deq).enumerate() {
+                    assert!(g.to_bits() == d.to_bits(), "{name}[{k}]: loaded {g}, packer dequantised {d}");
+                    let err = (g - orig[k]).abs();
+                    assert!(err <= bound[k] * 1.0001 + 1e-7, "{name}[{k}]: error {err} > bound {}", bound[k]);
+                    if bound[k] > 0.0 {
+                        worst = worst.max(err / bound[k]);
+                    }
+                }
+                // And the quantisation is not trivially lossless or broken: relative RMS error of int4 / fp8.
+                let num: f32 = got.data.iter().zip(orig).map(|(a, b)| (a - b) * (a - b)).sum();
+                let den: f32 = orig.iter().map(|b| b * b).sum();
+                assert!((num / den).sqrt() < 0.2, "{name}: relative RMS error {}", (num / den).sqrt());
+            }
+            None => assert_eq!(&got.data, orig, "{name} (unquantised) must load unchanged"),
+        }
+    }
+    (nq, worst)
+}
+
+fn run_gptq(tag: &str, v: GptqVariant) {
+    let dir = tempdir(tag);
+    let not_converted =
+        ["model.language_model.layers.0.mlp.down_proj", "model.language_model.layers.3.self_attn.o_proj"];
+    let exp = make_gptq(&dir, v, &not_converted, None);
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let Some(Quantization::Gptq(g)) = &cfg.quantization else { panic!("{:?}", cfg.quantization) };
+    assert_eq!(g.params.sym, v.sym);
+    assert_eq!(g.desc_act, v.act_order);
+    assert_eq!(g.zero_format, if v.v2 { ZeroFormat::V2Exact } else { ZeroFormat::V1MinusOne });
+    let q = cfg.quantization.as_ref().unwrap();
+    assert_eq!(q.module(not_converted[0]), ModuleQuant::Excluded);
+    assert!(matches!(q.module("model.language_model.layers.1.mlp.up_proj"), ModuleQuant::Gptq(_)));
+    let (nq, worst) = check_loaded(&dir, &exp);
+    // 3 DeltaNet layers × (qkv, z, out) + 1 attention layer × 4 + 4 × 3 MLP, minus the 2 left in bf16.
+    assert_eq!(nq, 3 * 3 + 4 + 4 * 3 - 2, "{tag}");
+    assert!(worst > 0.3, "{tag}: the error bound is never approached ({worst}); is anything quantised?");
+}
+
+#[test]
+fn gptq_symmetric_v1_loads_exactly() {
+    run_gptq(
+        "gptq-sym",
+        GptqVariant { method: "gptq", sym: true, act_order: false, v2: false, group: 128, write_trivial_g_idx: true },
+    );
+}
+
+#[test]
+fn gptq_asymmetric_act_order_v1_loads_exactly() {
+    run_gptq(
+        "gptq-asym-act",
+        GptqVariant { method: "gptq", sym: false, act_order: true, v2: false, group: 128, write_trivial_g_idx: false },
+    );
+}
+
+#[test]
+fn gptq_v2_asymmetric_zeros_load_exactly() {
+    run_gptq(
+        "gptq-v2",
+        GptqVariant { method: "gptq", sym: false, act_order: false, v2: true, group: 128, write_trivial_g_idx: false },
+    );
+}
+
+#[test]
+fn gptq_symmetric_act_order_loads_exactly() {
+    run_gptq(
+        "gptq-sym-act",
+        GptqVariant { method: "gptq", sym: true, act_order: true, v2: false, group: 128, write_trivial_g_idx: false },
+    );
+}
+
+#[test]
+fn autoround_gptq_export_loads_exactly() {
+    run_gptq(
+        "autoround-asym",
+        GptqVariant {
+            method: "auto-round",
+            sym: false,
+            act_order: false,
+            v2: false,
+            group: 128,
+            write_trivial_g_idx: false,
+        },
+    );
+    run_gptq(
+        "autoround-sym-perchannel",
+        GptqVariant {
+            method: "auto-round",
+            sym: true,
+            act_order: false,
+            v2: false,
+            group: -1,
+            write_trivial_g_idx: false,
+        },
+    );
+}
+
+#[test]
+fn gptq_wrong_qweight_shape_names_tensor_and_both_shapes() {
+    let dir = tempdir("gptq-shape");
+    let v =
+        GptqVariant { method: "gptq", sym: true, act_order: false, v2: false, group: 128, write_trivial_g_idx: false };
+    let target = "model.language_model.layers.1.linear_attn.in_proj_z.qweight";
+    // in_proj_z is [192, 128]: qweight [16, 192].
+    make_gptq(&dir, v, &[], Some((target, vec![15, 192])));
+    let e = load(&dir).err().expect("load should fail");
+    assert!(e.contains(target) && e.contains("[15, 192]") && e.contains("[16, 192]"), "{e}");
+}
+
+#[test]
+fn gptq_missing_g_idx_with_desc_act_and_excluded_but_packed_are_errors() {
+    let dir = tempdir("gptq-gidx");
+    let v =
+        GptqVariant { method: "gptq", sym: false, act_order: true, v2: false, group: 128, write_trivial_g_idx: false };
+    make_gptq(&dir, v, &[], None);
+    // Drop one g_idx.
+    let target = "model.language_model.layers.2.mlp.up_proj.g_idx";
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let tensors: Vec<Out> = ckpt
+        .names()
+        .into_iter()
+        .filter(|n| *n != target)
+        .map(|n| {
+            let t = ckpt.get(n).unwrap();
+            (n.to_string(), t.dtype, t.shape.to_vec(), t.bytes.to_vec())
+        })
+        .collect();
+    drop(ckpt);
+    write_tensors(&dir.join("model.safetensors"), &tensors);
+    let e = load(&dir).err().expect("load should fail");
+    assert!(e.contains(target) && e.contains("desc_act"), "{e}");
+
+    // A module the config excludes but the checkpoint stores packed.
+    let dir = tempdir("gptq-excluded");
+    let v =
+        GptqVariant { method: "gptq", sym: true, act_order: false, v2: false, group: 128, write_trivial_g_idx: false };
+    make_gptq(&dir, v, &[], None);
+    set_quant_config(&dir, gptq_config(v, &["model.language_model.layers.1.mlp"]));
+    let e = load(&dir).err().expect("load should fail");
+    assert!(e.contains("layers.1.mlp.") && e.contains("unquantised"), "{e}");
+
+    // A GPTQ-packed checkpoint without quantization_config.
+    let path = dir.join("config.json");
+    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    c.as_object_mut().unwrap().remove("quantization_config");
+    std::fs::write(&path, c.to_string()).unwrap();
+    let e = load(&dir).err().expect("load should fail");
+    assert!(e.contains(".qweight") && e.contains("no quantization_config"), "{e}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block FP8, with an e4m3 encoder from the format's definition
+// ---------------------------------------------------------------------------------------------
+
+/// e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; subnormals at exponent 0; max 448; no inf.
+fn e4m3_decode(b: u8) -> f32 {
+    let s = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let e = ((b >> 3) & 0xf) as i32;
+    let m = (b & 7) as f32;
+    if e == 0 { s * m * 2f32.powi(-9) } else { s * (1.0 + m / 8.0) * 2f32.powi(e - 7) }
+}
+
+/// Round-to-nearest-even e4m3fn encoding, saturating at ±448. Non-negative codes are monotonic and
+/// contiguous (a mantissa carry moves to the next binade), which keeps this short.
+fn e4m3_encode(x: f32) -> u8 {
+    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+    let a = x.abs();
+    if a >= 448.0 {
+        return sign | 0x7e;
+    }
+    let rne = |v: f32| {
+        let f = v.floor();
+        let r = v - f;
+        if r > 0.5 || (r == 0.5 && f as i32 % 2 == 1) { f as i32 + 1 } else { f as i32 }
+    };
+    let code = if a < 2f32.powi(-6) {
+        rne(a / 2f32.powi(-9))
+    } else {
+        let e = a.log2().floor() as i32;
+        let e = if 2f32.powi(e) > a { e - 1 } else { e }; // guard log2 rounding
+        ((e + 7) << 3) + rne((a / 2f32.powi(e) - 1.0) * 8.0)
+    };
+    sign | code.min(0x7e) as u8
+}
+
+#[test]
+fn e4m3_encoder_round_trips_every_code() {
+    for b in 0..=255u8 {
+        if b & 0x7f == 0x7f {
+            assert!(deltaserve_model::quant::fp8_e4m3_to_f32(b).is_nan());
+            continue;
+        }
+        let x = e4m3_decode(b);
+        assert_eq!(deltaserve_model::quant::fp8_e4m3_to_f32(b).to_bits(), x.to_bits(), "code {b:#04x}");
+        if x != 0.0 {
+            assert_eq!(e4m3_encode(x), b, "{x}");
+        }
+    }
+    assert_eq!(e4m3_decode(0x7e), 448.0);
+}
+
+fn make_fp8(dir: &Path, block: [usize; 2], not_converted: &[&str], scale_rows_cut: Option<&str>) -> Expect {
+    write_model(dir, Preset::Tiny, None, 17, |_, _| {}).unwrap();
+    let ckpt = Checkpoint::open(dir).unwrap();
+    let mut tensors: Vec<Out> = Vec::new();
+    let mut exp = Expect { original: HashMap::new(), quantized: HashMap::new() };
+    for name in ckpt.names() {
+        let t = ckpt.get(name).unwrap();
+        let module = name.trim_end_matches(".weight");
+        exp.original.insert(name.to_string(), t.to_f32().unwrap());
+        // in_proj_b (6 rows) is quantised here too: a single partial scale block.
+        let quantize = is_decoder_linear(name, t.shape) && !not_converted.contains(&module);
+        if !quantize {
+            tensors.push((name.to_string(), t.dtype, t.shape.to_vec(), t.bytes.to_vec()));
+            continue;
+        }
+        let (out, inp) = (t.shape[0], t.shape[1]);
+        let w = t.to_f32().unwrap();
+        let (br, bc) = (out.div_ceil(block[0]), inp.div_ceil(block[1]));
+        let mut scale_inv = vec![0f32; br * bc];
+        for (k, s) in scale_inv.iter_mut().enumerate() {
+            let (r, c) = (k / bc, k % bc);
+            let mut amax = 0f32;
+            for o in r * block[0]..((r + 1) * block[0]).min(out) {
+                for i in c * block[1]..((c + 1) * block[1]).min(inp) {
+                    amax = amax.max(w[o * inp + i].abs());
+                }
+            }
+            *s = if amax > 0.0 { amax / 448.0 } else { 1.0 };
+        }
+        let mut codes = vec![0u8; out * inp];
+        let mut deq = vec![0f32; out * inp];
+        let mut bound = vec![0f32; out * inp];
+        for o in 0..out {
+            for i in 0..inp {
+                let s = scale_inv[(o / block[0]) * bc + i / block[1]];
+                let c = e4m3_encode(w[o * inp + i] / s);
+                codes[o * inp + i] = c;
+                deq[o * inp + i] = e4m3_decode(c) * s;
+                // Half an ulp: 2^-4 relative for normals, 2^-10 · s for subnormals.
+                bound[o * inp + i] = w[o * inp + i].abs() / 16.0 + s * 2f32.powi(-10);
+            }
+        }
+        exp.quantized.insert(name.to_string(), (deq, bound));
+        tensors.push((name.to_string(), DType::F8E4M3, vec![out, inp], codes));
+        let rows = if scale_rows_cut == Some(name) { br - 1 } else { br };
+        tensors.push((
+            format!("{module}.weight_scale_inv"),
+            DType::F32,
+            vec![rows, bc],
+            scale_inv[..rows * bc].iter().flat_map(|s| s.to_le_bytes()).collect(),
+        ));
+    }
+    drop(ckpt);
+    write_tensors(&dir.join("model.safetensors"), &tensors);
+    set_quant_config(
+        dir,
+        json!({
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": block,
+            "modules_to_not_convert": not_converted,
+        }),
+    );
+    exp
+}
+
+#[test]
+fn block_fp8_loads_exactly() {
+    for (tag, block) in [("fp8-128", [128, 128]), ("fp8-32x64", [32, 64])] {
+        let dir = tempdir(tag);
+        let not_converted = ["model.language_model.layers.0.linear_attn.in_proj_a", "lm_head"];
+        let exp = make_fp8(&dir, block, &not_converted, None);
+        let cfg = ModelConfig::from_dir(&dir).unwrap();
+        assert!(matches!(&cfg.quantization, Some(Quantization::Fp8Block(c)) if c.block == block));
+        let (nq, worst) = check_loaded(&dir, &exp);
+        // 3 DeltaNet layers × (qkv, z, b, a, out) − layer 0's in_proj_a, + 4 attention + 12 MLP.
+        assert_eq!(nq, 3 * 5 - 1 + 4 + 12, "{tag}");
+        assert!(worst > 0.3, "{tag}: {worst}");
+    }
+}
+
+#[test]
+fn block_fp8_wrong_scale_shape_is_named() {
+    let dir = tempdir("fp8-scale");
+    let target = "model.language_model.layers.3.self_attn.q_proj.weight";
+    make_fp8(&dir, [128, 128], &[], Some(target));
+    let e = load(&dir).err().expect("load should fail");
+    // q_proj is [256, 128] → scales [2, 1]; the file holds [1, 1].
+    assert!(
+        e.contains("layers.3.self_attn.q_proj.weight_scale_inv") && e.contains("[1, 1]") && e.contains("[2, 1]"),
+        "{e}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Config parsing
+// ---------------------------------------------------------------------------------------------
+
+fn config_with(q: Value) -> Result<ModelConfig, String> {
+    let mut c = Preset::Tiny.config_json(None);
+    c["quantization_config"] = q;
+    ModelConfig::from_json_str(&c.to_string()).map_err(|e| e.to_string())
+}
+
+#[test]
+fn unsupported_quantization_configs_are_named() {
+    let e = config_with(json!({ "quant_method": "gptq", "bits": 8, "group_size": 128, "sym": true })).unwrap_err();
+    assert!(e.contains("quantization_config.bits") && e.contains("8") && e.contains("not supported"), "{e}");
+    let e = config_with(json!({ "quant_method": "awq", "bits": 4, "group_size": 128 })).unwrap_err();
+    assert!(e.contains("quantization_config.quant_method") && e.contains("awq"), "{e}");
+    let e = config_with(json!({ "quant_method": "auto-round", "bits": 4, "group_size": 128, "sym": true,
+        "packing_format": "auto_round:auto_awq" }))
+    .unwrap_err();
+    assert!(e.contains("packing_format") && e.contains("auto_awq"), "{e}");
+    let e = config_with(json!({ "quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin" }))
+        .unwrap_err();
+    assert!(e.contains("checkpoint_format") && e.contains("marlin"), "{e}");
+    let e = config_with(json!({ "quant_method": "auto-round", "bits": 4, "group_size": 128, "sym": true,
+        "extra_config": { "model.language_model.layers.0.mlp.down_proj": { "bits": 8 } } }))
+    .unwrap_err();
+    assert!(e.contains("extra_config.model.language_model.layers.0.mlp.down_proj.bits") && e.contains("8"), "{e}");
+    let e = config_with(json!({ "quant_method": "fp8", "activation_scheme": "dynamic" })).unwrap_err();
+    assert!(e.contains("weight_block_size"), "{e}");
+    let e =
+        config_with(json!({ "quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128] }))
+            .unwrap_err();
+    assert!(e.contains("activation_scheme") && e.contains("static"), "{e}");
+    let e = config_with(json!({ "quant_method": "gptq", "bits": 4, "group_size": 0 })).unwrap_err();
+    assert!(e.contains("group_size") && e.contains("0"), "{e}");
+
+    // Under text_config (text-only layout) too.
+    let mut t = Preset::Tiny.text_config(None);
+    t["quantization_config"] = json!({ "quant_method": "bitsandbytes" });
+    let e = ModelConfig::from_json_str(&t.to_string()).unwrap_err().to_string();
+    assert!(e.contains("quant_method") && e.contains("bitsandbytes"), "{e}");
+    t["quantization_config"] =
+        json!({ "quant_method": "fp8", "weight_block_size": [128, 128], "ignored_layers": ["lm_head"] });
+    let cfg = ModelConfig::from_json_str(&t.to_string()).unwrap();
+    assert_eq!(cfg.quantization.as_ref().unwrap().module("lm_head"), ModuleQuant::Excluded);
+}
+
+#[test]
+fn module_rules_follow_the_config() {
+    let cfg = config_with(json!({
+        "quant_method": "auto-round", "bits": 4, "group_size": 128, "sym": false,
+        "block_name_to_quantize": "model.language_model.layers",
+        "extra_config": {
+            "model.language_model.layers.0.linear_attn.in_proj_a": { "bits": 16 },
+            "model.language_model.layers.1.mlp.down_proj": { "group_size": -1, "sym": true },
+        },
+    }))
+    .unwrap();
+    let q = cfg.quantization.unwrap();
+    assert_eq!(q.module("model.language_model.layers.0.linear_attn.in_proj_a"), ModuleQuant::Excluded);
+    assert_eq!(q.module("lm_head"), ModuleQuant::Excluded, "outside block_name_to_quantize");
+    let ModuleQuant::Gptq(p) = q.module("model.language_model.layers.1.mlp.down_proj") else { panic!() };
+    assert!(p.sym && p.group_size.is_none() && p.bits == 4);
+    let ModuleQuant::Gptq(p) = q.module("model.language_model.layers.1.mlp.up_proj") else { panic!() };
+    assert!(!p.sym && p.group_size == Some(128));
+    // Names with the text-only prefix match the same entries.
+    assert_eq!(q.module("model.layers.0.linear_attn.in_proj_a"), ModuleQuant::Excluded);
+
+    let none = ModelConfig::from_json_str(&Preset::Tiny.config_json(None).to_string()).unwrap();
+    assert!(none.quantization.is_none());
+}
+
+#[test]
+fn quantised_qwen3_next_packed_projection_is_refused_by_name() {
+    let dir = tempdir("next-fp8");
+    write_model(&dir, Preset::Tiny, None, 23, |_, _| {}).unwrap();
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let d = cfg.dims();
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let mut tensors: Vec<Out> = Vec::new();
+    for name in ckpt.names() {
+        let t = ckpt.get(name).unwrap();
+        let n = name.replace(P, "model.");
+        if n.contains("in_proj_z") || n.contains("in_proj_a") {
+            continue; // folded into the packed tensors below
+        }
+        if let Some(base) = n.strip_suffix("in_proj_qkv.weight") {
+            let rows = 2 * d.gdn_key_width + 2 * d.gdn_value_width;
+            tensors.push((
+                format!("{base}in_proj_qkvz.weight"),
+                DType::F8E4M3,
+                vec![rows, d.hidden],
+                vec![0x38; rows * d.hidden],
+            ));
+            let scale = 1f32.to_le_bytes().repeat(rows.div_ceil(128));
+            tensors.push((
+                format!("{base}in_proj_qkvz.weight_scale_inv"),
+                DType::F32,
+                vec![rows.div_ceil(128), 1],
+                scale,
+            ));
+        } else if let Some(base) = n.strip_suffix("in_proj_b.weight") {
+            tensors.push((
+                format!("{base}in_proj_ba.weight"),
+                t.dtype,
+                vec![2 * d.gdn_v_heads, d.hidden],
+                t.bytes.repeat(2),
+            ));
+        } else {
+            tensors.push((n, t.dtype, t.shape.to_vec(), t.bytes.to_vec()));
+        }
+    }
+    drop(ckpt);
+    write_tensors(&dir.join("model.safetensors"), &tensors);
+    let mut c = Preset::Tiny.text_config(None);
+    c["model_type"] = json!("qwen3_next");
+    c["quantization_config"] = json!({ "quant_method": "fp8", "weight_block_size": [128, 128] });
+    std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+    let e = load(&dir).err().expect("load should fail");
+    assert!(e.contains("layers.0.linear_attn.in_proj_qkvz.weight") && e.contains("Qwen3-Next"), "{e}");
+}
