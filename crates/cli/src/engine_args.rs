@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use deltaserve_cpu::{CpuBackend, CpuCacheConfig};
+use deltaserve_cpu::{CpuBackend, CpuCacheConfig, KvFormat};
 use deltaserve_engine::EngineHandle;
 use deltaserve_plan::{KvDtype, Plan, PlanOptions, parse_size};
 use deltaserve_sched::{PrefixCacheConfig, SchedConfig};
@@ -32,9 +32,17 @@ pub struct EngineArgs {
     /// Requests that may wait for admission before new ones get "overloaded" (HTTP 429).
     #[arg(long, default_value_t = 256)]
     pub max_waiting: usize,
-    /// KV cache storage (the CPU reference backend stores f32).
+    /// KV cache storage of K and V: bf16, fp16, fp32, fp8 (e4m3 + per-token-head fp16 scale), int8 or int4
+    /// (+ scale). The CPU reference backend keeps f32 pages holding exactly the values of that format.
+    /// Default: fp32 on the CPU backend.
     #[arg(long)]
     pub kv_cache_dtype: Option<String>,
+    /// K cache storage (overrides --kv-cache-dtype for K).
+    #[arg(long)]
+    pub k_cache_dtype: Option<String>,
+    /// V cache storage (overrides --kv-cache-dtype for V).
+    #[arg(long)]
+    pub v_cache_dtype: Option<String>,
     /// DeltaNet state snapshots kept in the backend's memory plan (the prefix cache's first tier).
     #[arg(long)]
     pub snapshot_slots: Option<usize>,
@@ -49,7 +57,30 @@ pub struct EngineArgs {
     pub no_prefix_cache: bool,
 }
 
+/// The CPU backend's emulation of a KV storage format.
+pub fn kv_format(d: KvDtype) -> KvFormat {
+    match d {
+        KvDtype::F32 => KvFormat::F32,
+        KvDtype::Bf16 => KvFormat::Bf16,
+        KvDtype::F16 => KvFormat::F16,
+        KvDtype::Fp8 => KvFormat::Fp8E4m3,
+        KvDtype::Int8 => KvFormat::Int8,
+        KvDtype::Int4 => KvFormat::Int4,
+    }
+}
+
 impl EngineArgs {
+    /// (K, V) storage from `--kv-cache-dtype` and the per-tensor overrides; None where unset.
+    fn kv_dtypes(&self) -> Result<(Option<KvDtype>, Option<KvDtype>)> {
+        let parse = |flag: &str, v: &Option<String>| -> Result<Option<KvDtype>> {
+            v.as_deref().map(|s| s.parse::<KvDtype>().map_err(|e| anyhow::anyhow!("--{flag}: {e}"))).transpose()
+        };
+        let both = parse("kv-cache-dtype", &self.kv_cache_dtype)?;
+        let k = parse("k-cache-dtype", &self.k_cache_dtype)?.or(both);
+        let v = parse("v-cache-dtype", &self.v_cache_dtype)?.or(both);
+        Ok((k, v))
+    }
+
     /// The two snapshot tiers: the plan's device pool and `--snapshot-host-memory` on the host.
     fn prefix_cache(&self, plan: &Plan) -> Result<PrefixCacheConfig> {
         if self.no_prefix_cache || plan.options.snapshot_slots == 0 {
@@ -96,12 +127,9 @@ impl EngineArgs {
             opts.snapshot_slots = 0;
         }
         opts.page_size = self.page_size;
-        if let Some(kv) = &self.kv_cache_dtype {
-            let kv: KvDtype = kv.parse().map_err(|e| anyhow::anyhow!("--kv-cache-dtype: {e}"))?;
-            if kv != KvDtype::F32 {
-                anyhow::bail!("--kv-cache-dtype {kv:?}: the CPU reference backend stores its KV cache in f32");
-            }
-        }
+        let (k_dtype, v_dtype) = self.kv_dtypes()?;
+        opts.k_dtype = k_dtype.unwrap_or(opts.k_dtype);
+        opts.v_dtype = v_dtype.unwrap_or(opts.v_dtype);
         let cfg = loaded.model.config.clone();
         let plan = Plan::new(&cfg, &opts).context("the memory plan does not fit")?;
         let sched = SchedConfig {
@@ -115,6 +143,25 @@ impl EngineArgs {
             snapshot_interval: self.snapshot_interval,
         };
         let eos_ids = cfg.eos_token_ids.clone();
+        let (k_format, v_format) = (kv_format(plan.options.k_dtype), kv_format(plan.options.v_dtype));
+        if (k_format, v_format) != (KvFormat::F32, KvFormat::F32) {
+            let d = loaded.model.dims;
+            let host =
+                plan.num_kv_pages as u64 * plan.page_size as u64 * (d.num_attention_layers * 2 * d.kv_dim * 4) as u64;
+            let msg = format!(
+                "the CPU reference backend emulates K {} / V {} in f32 pages: {} KV pages take {} of host memory \
+                 (the plan counts them at the format's size)",
+                plan.options.k_dtype,
+                plan.options.v_dtype,
+                plan.num_kv_pages,
+                deltaserve_plan::fmt_bytes(host)
+            );
+            if host > budget {
+                tracing::warn!("{msg}; lower --memory to bound it");
+            } else {
+                tracing::info!("{msg}");
+            }
+        }
         let backend = CpuBackend::new(
             loaded.model,
             CpuCacheConfig {
@@ -124,7 +171,8 @@ impl EngineArgs {
                 snapshot_slots: sched.prefix_cache.device_slots,
                 host_snapshot_slots: sched.prefix_cache.host_slots,
             },
-        );
+        )
+        .with_kv_formats(k_format, v_format);
         let tokenizer = loaded.tokenizer.map(Arc::new);
         let engine = EngineHandle::start(Box::new(backend), sched, tokenizer.clone());
         Ok(Started { engine, plan, tokenizer, template: loaded.template.map(Arc::new), eos_ids })

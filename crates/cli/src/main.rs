@@ -34,6 +34,9 @@ enum Command {
     Plan(commands::plan::Args),
     /// Replay a synthetic multi-turn agent session against a server and report per-turn cost.
     Soak(commands::soak::Args),
+    /// Quality evaluations (`eval kld`: KL divergence of KV-cache configurations against a baseline).
+    #[command(subcommand)]
+    Eval(commands::eval::Command),
 }
 
 fn main() -> std::process::ExitCode {
@@ -50,6 +53,7 @@ fn main() -> std::process::ExitCode {
         Command::Synth(a) => commands::synth::run(a),
         Command::Plan(a) => commands::plan::run(a),
         Command::Soak(a) => commands::soak::run(a),
+        Command::Eval(c) => commands::eval::run(c),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

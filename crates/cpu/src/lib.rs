@@ -2,17 +2,20 @@
 //! tested against. Plain loops, one file per op family, no speed tricks that need explaining.
 //!
 //! - [`linear`], [`norm`], [`activation`], [`conv`], [`rope`], [`attention`], [`gdn`]: the ops;
-//! - [`model`]: the forward pass of one sequence with its carried state.
+//! - [`model`]: the forward pass of one sequence with its carried state;
+//! - [`paged`]: the paged-arena backend; [`kvquant`]: the KV-cache storage formats it can emulate.
 
 pub mod activation;
 pub mod attention;
 pub mod conv;
 pub mod gdn;
+pub mod kvquant;
 pub mod linear;
 pub mod model;
 pub mod norm;
 pub mod paged;
 pub mod rope;
 
+pub use kvquant::{KvFormat, QuantizingCache};
 pub use model::{CpuModel, ForwardError, GdnMode, LayerState, Logits, SeqCache, SequenceState};
 pub use paged::{CpuBackend, CpuCacheConfig};

@@ -8,6 +8,7 @@
 use deltaserve_backend::{ArenaStats, Backend, BackendError, CacheOp, SnapshotLoc, StepBatch};
 use deltaserve_model::LayerKind;
 
+use crate::kvquant::KvFormat;
 use crate::model::{CpuModel, GdnMode, Logits, SeqCache};
 
 /// Capacities of the arena, from the plan.
@@ -70,6 +71,11 @@ struct Caches {
     host_snapshots: Vec<f32>,
     /// Floats of one snapshot: (conv, recurrent) of every DeltaNet layer, in layer order.
     snapshot_len: usize,
+    /// Storage formats of K and V: each written token-head row is quantised and dequantised back
+    /// (see [`crate::kvquant`]), so the f32 pages hold exactly what a device cache would.
+    k_format: KvFormat,
+    v_format: KvFormat,
+    head_dim: usize,
 }
 
 impl CpuBackend {
@@ -101,8 +107,34 @@ impl CpuBackend {
         let host_snapshots = vec![0.0; cfg.host_snapshot_slots * snapshot_len];
         Self {
             model,
-            caches: Caches { cfg, arena, layers, kv_dim, conv_len, rec_len, snapshots, host_snapshots, snapshot_len },
+            caches: Caches {
+                cfg,
+                arena,
+                layers,
+                kv_dim,
+                conv_len,
+                rec_len,
+                snapshots,
+                host_snapshots,
+                snapshot_len,
+                k_format: KvFormat::F32,
+                v_format: KvFormat::F32,
+                head_dim: d.head_dim,
+            },
         }
+    }
+
+    /// Stores K and V in these formats (default: both [`KvFormat::F32`], exact). The arena stays f32:
+    /// only the values change, to exactly those the device format would hold.
+    pub fn with_kv_formats(mut self, k: KvFormat, v: KvFormat) -> Self {
+        self.caches.k_format = k;
+        self.caches.v_format = v;
+        self
+    }
+
+    /// The (K, V) storage formats.
+    pub fn kv_formats(&self) -> (KvFormat, KvFormat) {
+        (self.caches.k_format, self.caches.v_format)
     }
 
     pub fn model(&self) -> &CpuModel {
@@ -143,10 +175,14 @@ impl SeqCache for PagedSeq<'_> {
             unreachable!("layer {layer} is not an attention layer")
         };
         let w = self.backend.kv_dim;
+        let (kf, vf, hd) = (self.backend.k_format, self.backend.v_format, self.backend.head_dim);
         for (i, (kr, vr)) in k.chunks_exact(w).zip(v.chunks_exact(w)).enumerate() {
             let (ko, vo) = (self.kv_offset(kb, start + i), self.kv_offset(vb, start + i));
-            self.backend.arena.buf[ko..ko + w].copy_from_slice(kr);
-            self.backend.arena.buf[vo..vo + w].copy_from_slice(vr);
+            let buf = &mut self.backend.arena.buf;
+            buf[ko..ko + w].copy_from_slice(kr);
+            kf.quantize_rows(&mut buf[ko..ko + w], hd);
+            buf[vo..vo + w].copy_from_slice(vr);
+            vf.quantize_rows(&mut buf[vo..vo + w], hd);
         }
     }
     fn read_kv(&self, layer: usize, len: usize) -> (Vec<f32>, Vec<f32>) {

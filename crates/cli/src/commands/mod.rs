@@ -1,5 +1,6 @@
 //! One module per subcommand.
 
+pub mod eval;
 pub mod generate;
 pub mod kernels;
 pub mod logits;
