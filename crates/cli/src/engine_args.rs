@@ -5,12 +5,13 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, KvFormat};
+use deltaserve_cuda::{CudaBackend, WeightSource};
 use deltaserve_engine::EngineHandle;
 use deltaserve_plan::{KvDtype, Plan, PlanOptions, parse_size};
 use deltaserve_sched::{PrefixCacheConfig, SchedConfig};
 use deltaserve_text::{ChatTemplate, Tokenizer};
 
-use crate::model_source::LoadedModel;
+use crate::model_source::{Device, LoadedModel, ModelArgs, TextModel};
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct EngineArgs {
@@ -109,10 +110,21 @@ pub struct Started {
 }
 
 impl EngineArgs {
-    /// Plans memory for `loaded` on the CPU backend, allocates the arena and starts the engine.
-    pub fn start_cpu(&self, loaded: LoadedModel) -> Result<Started> {
-        let budget = parse_size(self.memory.as_deref().unwrap_or("2GiB")).map_err(anyhow::Error::msg)?;
-        let mut opts = PlanOptions::cpu_defaults(budget);
+    /// The plan options: the backend's defaults with the command-line overrides.
+    fn plan_options(&self, device: Device) -> Result<PlanOptions> {
+        let (default_memory, mut opts) = match device {
+            Device::Cpu => ("2GiB", PlanOptions::cpu_defaults(0)),
+            Device::Cuda => ("", PlanOptions::gpu_defaults(0)),
+        };
+        opts.budget_bytes = match (self.memory.as_deref(), device) {
+            (Some(m), _) => parse_size(m).map_err(|e| anyhow::anyhow!("--memory: {e}"))?,
+            (None, Device::Cpu) => parse_size(default_memory).map_err(anyhow::Error::msg)?,
+            (None, Device::Cuda) => {
+                // The GPU's free memory now, less a margin for other processes and the driver.
+                let free = deltaserve_cuda::Runtime::open(0)?.free_memory()?;
+                free.saturating_sub(free / 20)
+            }
+        };
         if let Some(v) = self.max_batch_tokens {
             opts.max_batch_tokens = v;
         }
@@ -130,18 +142,59 @@ impl EngineArgs {
         let (k_dtype, v_dtype) = self.kv_dtypes()?;
         opts.k_dtype = k_dtype.unwrap_or(opts.k_dtype);
         opts.v_dtype = v_dtype.unwrap_or(opts.v_dtype);
-        let cfg = loaded.model.config.clone();
-        let plan = Plan::new(&cfg, &opts).context("the memory plan does not fit")?;
-        let sched = SchedConfig {
+        Ok(opts)
+    }
+
+    fn sched_config(&self, plan: &Plan) -> Result<SchedConfig> {
+        Ok(SchedConfig {
             max_batch_tokens: plan.max_batch_tokens,
             max_seqs: plan.max_seqs,
             page_size: plan.page_size,
             num_pages: plan.num_kv_pages,
             max_context: plan.max_context,
             max_waiting: self.max_waiting,
-            prefix_cache: self.prefix_cache(&plan)?,
+            prefix_cache: self.prefix_cache(plan)?,
             snapshot_interval: self.snapshot_interval,
+        })
+    }
+
+    /// Loads the model for the device `--device` selects, plans memory, allocates the backend's
+    /// arena and starts the engine.
+    pub fn start(&self, model: &ModelArgs) -> Result<Started> {
+        let dir = model.dir()?;
+        match model.device()? {
+            Device::Cpu => self.start_cpu(model.load_dir(&dir)?),
+            Device::Cuda => self.start_cuda(model.load_text(&dir)?, model.random_weights),
+        }
+    }
+
+    /// The CUDA backend: weights from the checkpoint (or random at the real shapes) straight into
+    /// the plan's device regions.
+    pub fn start_cuda(&self, text: TextModel, random_weights: bool) -> Result<Started> {
+        let opts = self.plan_options(Device::Cuda)?;
+        let cfg = text.config;
+        let plan = Plan::new(&cfg, &opts).context("the memory plan does not fit")?;
+        let sched = self.sched_config(&plan)?;
+        let weights = if random_weights {
+            tracing::warn!("--random-weights: initialising the weights at random on the GPU (benchmarks only)");
+            WeightSource::RandomWeights { seed: 0 }
+        } else {
+            WeightSource::Checkpoint(text.dir.clone())
         };
+        let backend = CudaBackend::new(&cfg, weights, &plan, sched.prefix_cache.host_slots)?;
+        let tokenizer = text.tokenizer.map(Arc::new);
+        let engine = EngineHandle::start(Box::new(backend), sched, tokenizer.clone());
+        let eos_ids = cfg.eos_token_ids.clone();
+        Ok(Started { engine, plan, tokenizer, template: text.template.map(Arc::new), eos_ids })
+    }
+
+    /// Plans memory for `loaded` on the CPU backend, allocates the arena and starts the engine.
+    pub fn start_cpu(&self, loaded: LoadedModel) -> Result<Started> {
+        let opts = self.plan_options(Device::Cpu)?;
+        let budget = opts.budget_bytes;
+        let cfg = loaded.model.config.clone();
+        let plan = Plan::new(&cfg, &opts).context("the memory plan does not fit")?;
+        let sched = self.sched_config(&plan)?;
         let eos_ids = cfg.eos_token_ids.clone();
         let (k_format, v_format) = (kv_format(plan.options.k_dtype), kv_format(plan.options.v_dtype));
         if (k_format, v_format) != (KvFormat::F32, KvFormat::F32) {

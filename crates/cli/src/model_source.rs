@@ -14,9 +14,35 @@ pub struct ModelArgs {
     /// HF model directory (config.json, *.safetensors, tokenizer.json). Default: the built-in demo model (random weights).
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// Backend: `cpu` (the f32 reference) or `cuda`. Default: cpu on machines without a GPU.
+    /// Backend: `cpu` (the f32 reference) or `cuda`. Default (`auto`): cuda when an NVIDIA driver,
+    /// NVRTC and cuBLAS are found, else cpu.
     #[arg(long, default_value = "auto")]
     pub device: String,
+    /// Use a built-in shape instead of a model directory (tiny, qwen3.6-27b); needs --random-weights
+    /// unless it is `tiny` (whose random weights are written to disk).
+    #[arg(long, conflicts_with = "model")]
+    pub preset: Option<String>,
+    /// With --preset: number of decoder layers.
+    #[arg(long, requires = "preset")]
+    pub preset_layers: Option<usize>,
+    /// Initialise the weights at random directly on the GPU (benchmarks at real shapes, no files).
+    #[arg(long)]
+    pub random_weights: bool,
+}
+
+/// Where the model runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Cuda,
+}
+
+/// A model's config, tokenizer and template (weights not loaded).
+pub struct TextModel {
+    pub dir: PathBuf,
+    pub config: ModelConfig,
+    pub tokenizer: Option<Tokenizer>,
+    pub template: Option<ChatTemplate>,
 }
 
 /// A loaded model with its optional tokenizer and chat template.
@@ -27,8 +53,31 @@ pub struct LoadedModel {
 }
 
 impl ModelArgs {
-    /// The model directory: `--model`, or the built-in demo model (created on first use).
+    /// The backend `--device` selects (`auto`: cuda when its libraries are present).
+    pub fn device(&self) -> Result<Device> {
+        match self.device.as_str() {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda),
+            "auto" => {
+                let libs = deltaserve_cuda::LibStatus::probe();
+                Ok(if libs.require_all().is_ok() { Device::Cuda } else { Device::Cpu })
+            }
+            other => bail!("unknown --device `{other}` (expected cpu, cuda or auto)"),
+        }
+    }
+
+    /// The model directory: `--model`, a `--preset` (config and tokenizer only, for
+    /// `--random-weights`), or the built-in demo model (created on first use).
     pub fn dir(&self) -> Result<PathBuf> {
+        if let Some(name) = &self.preset {
+            let preset = deltaserve_model::synth::Preset::parse(name)?;
+            let layers = self.preset_layers.map_or(String::new(), |l| format!("-{l}l"));
+            let dir = deltaserve_engine::synth::cache_dir().join(format!("preset-{name}{layers}-v1"));
+            if !dir.join("config.json").exists() {
+                deltaserve_engine::synth::write_synthetic_config(&dir, preset, self.preset_layers)?;
+            }
+            return Ok(dir);
+        }
         match &self.model {
             Some(d) => Ok(d.clone()),
             None => {
@@ -48,14 +97,27 @@ impl ModelArgs {
         self.load_dir(&self.dir()?)
     }
 
-    /// Loads the model in `dir` (from [`ModelArgs::dir`]) for the selected device.
+    /// Loads the model in `dir` (from [`ModelArgs::dir`]) with f32 weights for the CPU reference backend.
     pub fn load_dir(&self, dir: &Path) -> Result<LoadedModel> {
-        match self.device.as_str() {
-            "cpu" | "auto" => {}
-            "cuda" => bail!("--device cuda: the CUDA backend is not part of this build yet; use --device cpu"),
-            other => bail!("unknown --device `{other}` (expected cpu or cuda)"),
+        if self.device.as_str() == "cuda" {
+            bail!("this command runs the CPU reference model; --device cuda is for `serve` and `soak`");
+        }
+        if self.random_weights {
+            bail!("--random-weights initialises weights on the GPU: use it with --device cuda");
         }
         load_dir(dir)
+    }
+
+    /// Config, tokenizer and chat template of `dir`, without the weights (the CUDA backend loads
+    /// the weights itself, straight into device memory).
+    pub fn load_text(&self, dir: &Path) -> Result<TextModel> {
+        if !dir.is_dir() {
+            bail!("model directory {} does not exist", dir.display());
+        }
+        let config = ModelConfig::from_dir(dir)?;
+        let tok_path = dir.join("tokenizer.json");
+        let tokenizer = if tok_path.exists() { Some(Tokenizer::from_file(&tok_path)?) } else { None };
+        Ok(TextModel { dir: dir.to_path_buf(), config, tokenizer, template: ChatTemplate::from_dir(dir)? })
     }
 }
 

@@ -101,6 +101,13 @@ impl Runtime {
         Ok(Runtime { ctx, stream, cc, name, sm_count, max_smem_optin })
     }
 
+    /// Device memory free right now, as the driver reports it (bytes).
+    pub fn free_memory(&self) -> Result<u64, CudaError> {
+        self.ctx.bind_to_thread().map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        let (free, _total) = self.ctx.mem_get_info().map_err(CudaError::driver("cuMemGetInfo"))?;
+        Ok(free as u64)
+    }
+
     /// `sm_XY` for NVRTC, e.g. `sm_90` (never `sm_90a`: no Hopper-only instructions).
     pub fn arch(&self) -> String {
         format!("sm_{}{}", self.cc.0, self.cc.1)

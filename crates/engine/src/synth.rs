@@ -32,14 +32,42 @@ pub fn write_synthetic_model(
     Ok(())
 }
 
-/// The demo model's directory, generated on first use under the cache dir
-/// (`$DELTASERVE_CACHE`, else `$XDG_CACHE_HOME/deltaserve`, else `~/.cache/deltaserve`).
-pub fn demo_model_dir() -> Result<PathBuf, ModelError> {
-    let base = std::env::var_os("DELTASERVE_CACHE")
+/// A model directory with the config, tokenizer and chat template of `preset` but no weights: for
+/// backends that generate random weights at the real shapes themselves (`--random-weights`).
+pub fn write_synthetic_config(dir: &Path, preset: Preset, layers: Option<usize>) -> Result<(), ModelError> {
+    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+    let mergeable = preset.tokenizer_mergeable();
+    let files = [
+        ("config.json", preset.config_json(layers).to_string()),
+        ("generation_config.json", serde_json::json!({ "eos_token_id": [mergeable + 2, mergeable] }).to_string()),
+        (
+            "tokenizer.json",
+            deltaserve_text::synthetic_tokenizer_json(mergeable)
+                .map_err(|e| ModelError::config(format!("synthetic tokenizer: {e}")))?,
+        ),
+        ("tokenizer_config.json", deltaserve_text::synthetic_tokenizer_config_json_for(mergeable)),
+    ];
+    for (name, text) in files {
+        let path = dir.join(name);
+        std::fs::write(&path, text).map_err(|e| ModelError::io(&path, e))?;
+    }
+    Ok(())
+}
+
+/// deltaserve's cache directory: `$DELTASERVE_CACHE`, else `$XDG_CACHE_HOME/deltaserve`, else
+/// `~/.cache/deltaserve`, else a temporary directory.
+pub fn cache_dir() -> PathBuf {
+    std::env::var_os("DELTASERVE_CACHE")
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|p| PathBuf::from(p).join("deltaserve")))
         .or_else(|| std::env::var_os("HOME").map(|p| PathBuf::from(p).join(".cache/deltaserve")))
-        .unwrap_or_else(|| std::env::temp_dir().join("deltaserve"));
+        .unwrap_or_else(|| std::env::temp_dir().join("deltaserve"))
+}
+
+/// The demo model's directory, generated on first use under the cache dir
+/// (`$DELTASERVE_CACHE`, else `$XDG_CACHE_HOME/deltaserve`, else `~/.cache/deltaserve`).
+pub fn demo_model_dir() -> Result<PathBuf, ModelError> {
+    let base = cache_dir();
     let dir = base.join(format!("demo-{DEMO_VERSION}"));
     let marker = dir.join(".complete");
     if !marker.exists() {

@@ -40,8 +40,7 @@ pub fn run(a: Args) -> Result<()> {
         None => "demo".into(),
     });
     let model_dir = a.model.dir()?;
-    let loaded = a.model.load_dir(&model_dir)?;
-    let started = a.engine.start_cpu(loaded)?;
+    let started = a.engine.start(&a.model)?;
     eprintln!("{}", started.plan.table());
     let tokenizer = started.tokenizer.clone().context("serving needs a tokenizer.json in the model directory")?;
     let state = AppState {
