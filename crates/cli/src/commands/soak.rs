@@ -127,9 +127,7 @@ impl InProcess {
         };
         let model_dir = a.model.dir()?;
         let (model, engine_args) = (a.model.clone(), a.engine.clone());
-        let dir = model_dir.clone();
-        let started =
-            tokio::task::spawn_blocking(move || -> Result<_> { engine_args.start_cpu(model.load_dir(&dir)?) })
+        let started = tokio::task::spawn_blocking(move || -> Result<_> { engine_args.start(&model) })
                 .await
                 .context("starting the engine")??;
         tracing::info!("{}", started.plan.table());
