@@ -171,8 +171,10 @@ impl EngineArgs {
     /// The CUDA backend: weights from the checkpoint (or random at the real shapes) straight into
     /// the plan's device regions.
     pub fn start_cuda(&self, text: TextModel, random_weights: bool) -> Result<Started> {
-        let opts = self.plan_options(Device::Cuda)?;
+        let mut opts = self.plan_options(Device::Cuda)?;
         let cfg = text.config;
+        opts.backend_scratch_bytes =
+            deltaserve_cuda::backend::scratch_bytes(&cfg, opts.max_batch_tokens, opts.max_seqs) as u64;
         let plan = Plan::new(&cfg, &opts).context("the memory plan does not fit")?;
         let sched = self.sched_config(&plan)?;
         let weights = if random_weights {

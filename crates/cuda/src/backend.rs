@@ -51,6 +51,22 @@ fn al(x: usize) -> usize {
     x.div_ceil(ALIGN) * ALIGN
 }
 
+/// (chunked DeltaNet workspace, chunk table, tile table) bytes for steps of `t_max` tokens and
+/// `s_max` sequences.
+fn scratch_parts(cfg: &ModelConfig, t_max: usize, s_max: usize) -> (usize, usize, usize) {
+    let d = cfg.dims();
+    let dims = kernel_dims(cfg);
+    let gdn = if d.num_deltanet_layers > 0 { gdn_chunk::workspace_bytes(t_max, d.gdn_v_heads, &dims) } else { 0 };
+    (gdn, 8 * (t_max / gdn_chunk::CHUNK + s_max + 1), 8 * (t_max / attention::Q_TILE + s_max + 1))
+}
+
+/// The backend scratch the plan must reserve (`PlanOptions::backend_scratch_bytes`): bounded by the
+/// step's tokens and sequences, never by prompt length.
+pub fn scratch_bytes(cfg: &ModelConfig, t_max: usize, s_max: usize) -> usize {
+    let (a, b, c) = scratch_parts(cfg, t_max, s_max);
+    al(a) + al(b) + al(c)
+}
+
 /// Kernel specialisation for a model.
 pub fn kernel_dims(cfg: &ModelConfig) -> KernelDims {
     let d = cfg.dims();
@@ -333,14 +349,18 @@ impl CudaBackend {
         let block_tables = whole(&mut arena, "block_tables", region("block_tables")?)?;
         let gemm_ws = whole(&mut arena, "gemm_workspace", region("gemm_workspace")?)?;
 
-        // Scratch (not in the plan): chunked DeltaNet f32 workspace and the varlen tables.
+        // The plan's backend scratch: chunked DeltaNet f32 workspace and the varlen tables.
         let (t_max, s_max) = (plan.max_batch_tokens, plan.max_seqs);
-        let gdn_ws_bytes =
-            if d.num_deltanet_layers > 0 { gdn_chunk::workspace_bytes(t_max, d.gdn_v_heads, &k.dims) } else { 0 };
-        let chunk_bytes = 8 * (t_max / gdn_chunk::CHUNK + s_max + 1);
-        let tile_bytes = 8 * (t_max / attention::Q_TILE + s_max + 1);
-        let scratch_bytes = al(gdn_ws_bytes) + al(chunk_bytes) + al(tile_bytes);
-        let scratch = whole(&mut arena, "scratch", scratch_bytes)?;
+        let (gdn_ws_bytes, chunk_bytes, tile_bytes) = scratch_parts(cfg, t_max, s_max);
+        let scratch_bytes = scratch_bytes(cfg, t_max, s_max);
+        let planned = plan.region("backend_scratch").map_or(0, |r| r.bytes as usize);
+        if planned < scratch_bytes {
+            return Err(CudaError::Plan(format!(
+                "the plan reserves {planned} B of backend scratch, the CUDA backend needs {scratch_bytes} B \
+                 (set PlanOptions::backend_scratch_bytes from deltaserve_cuda::backend::scratch_bytes)"
+            )));
+        }
+        let scratch = whole(&mut arena, "backend_scratch", planned)?;
         let gdn_ws = DevSpan { ptr: scratch.ptr, bytes: gdn_ws_bytes };
         let chunk_table = DevSpan { ptr: scratch.ptr + al(gdn_ws_bytes) as u64, bytes: chunk_bytes };
         let tile_table = DevSpan { ptr: chunk_table.ptr + al(chunk_bytes) as u64, bytes: tile_bytes };

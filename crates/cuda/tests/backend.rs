@@ -58,6 +58,7 @@ fn plan_for(cfg: &ModelConfig) -> Plan {
     o.page_size = PAGE;
     o.snapshot_slots = 4;
     o.runtime_reserve_bytes = 0;
+    o.backend_scratch_bytes = deltaserve_cuda::backend::scratch_bytes(cfg, o.max_batch_tokens, o.max_seqs) as u64;
     Plan::new(cfg, &o).unwrap()
 }
 

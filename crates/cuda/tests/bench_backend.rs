@@ -92,6 +92,7 @@ fn bench_27b() {
     let d = cfg.dims();
     let mut o = PlanOptions::gpu_defaults(if layers >= 48 { 118 << 30 } else { 64 << 30 });
     o.max_context = Some(32768);
+    o.backend_scratch_bytes = deltaserve_cuda::backend::scratch_bytes(&cfg, o.max_batch_tokens, o.max_seqs) as u64;
     let plan = Plan::new(&cfg, &o).unwrap();
     let t0 = Instant::now();
     let mut be = CudaBackend::new(&cfg, WeightSource::RandomWeights { seed: 7 }, &plan, 2).unwrap();

@@ -15,6 +15,8 @@
 //!
 //! [`ModelConfig`]: deltaserve_model::ModelConfig
 
+#![recursion_limit = "256"]
+
 pub mod dtype;
 mod error;
 mod options;

@@ -36,6 +36,9 @@ pub struct PlanOptions {
     pub runtime_reserve_bytes: u64,
     /// cuBLASLt workspace.
     pub gemm_workspace_bytes: u64,
+    /// Backend-specific scratch the activation workspace does not describe (the CUDA backend's chunked
+    /// DeltaNet f32 workspace and varlen tables), bounded by the tokens and sequences per step.
+    pub backend_scratch_bytes: u64,
     /// Split-K partitions of decode attention.
     pub decode_partitions: usize,
 }
@@ -60,6 +63,7 @@ impl PlanOptions {
             snapshot_slots: 8,
             runtime_reserve_bytes: 600 * MIB,
             gemm_workspace_bytes: 32 * MIB,
+            backend_scratch_bytes: 0,
             decode_partitions: 16,
         }
     }

@@ -103,13 +103,14 @@ impl Plan {
         };
         let workspace = plan_workspace(cfg, &shape).ok_or(overflow("activation workspace"))?;
         let activation_bytes = workspace.bytes;
-        let fixed_parts: [(&str, u64); 6] = [
+        let fixed_parts: [(&str, u64); 7] = [
             ("state slots", state_bytes),
             ("snapshots", snapshot_bytes),
             ("activations", activation_bytes),
             ("logits", logits_bytes),
             ("block tables", table_bytes),
             ("GEMM workspace", opts.gemm_workspace_bytes),
+            ("backend scratch", opts.backend_scratch_bytes),
         ];
         let fixed = fixed_parts.iter().map(|(_, x)| x.next_multiple_of(ALIGN) as u128).sum::<u128>()
             + weights.next_multiple_of(ALIGN) as u128
@@ -277,6 +278,11 @@ impl Plan {
             ("logits", logits_bytes, format!("[{}, {}] f32", opts.max_seqs, d.vocab)),
             ("block_tables", table_bytes, format!("[{}, {table_width}] i32 page ids", opts.max_seqs)),
             ("gemm_workspace", opts.gemm_workspace_bytes, "cuBLASLt workspace".to_string()),
+            (
+                "backend_scratch",
+                opts.backend_scratch_bytes,
+                "backend scratch (chunked DeltaNet workspace, varlen tables)".to_string(),
+            ),
         ];
         let mut regions = Vec::with_capacity(specs.len());
         let mut offset = 0u64;

@@ -93,10 +93,20 @@ fn qwen36_27b_int4_fp8_24gib_by_hand() {
     let names: Vec<_> = plan.regions.iter().map(|r| r.name).collect();
     assert_eq!(
         names,
-        ["weights", "kv_pages", "state_slots", "snapshots", "activations", "logits", "block_tables", "gemm_workspace"]
+        [
+            "weights",
+            "kv_pages",
+            "state_slots",
+            "snapshots",
+            "activations",
+            "logits",
+            "block_tables",
+            "gemm_workspace",
+            "backend_scratch"
+        ]
     );
     let sizes: Vec<u64> = plan.regions.iter().map(|r| r.bytes).collect();
-    assert_eq!(sizes, [weights, pages * page, 16 * state, 8 * state, peak, logits, tables, 32 * MIB]);
+    assert_eq!(sizes, [weights, pages * page, 16 * state, 8 * state, peak, logits, tables, 32 * MIB, 0]);
     let mut off = 0;
     for r in &plan.regions {
         assert_eq!(r.offset, off, "{}", r.name);

@@ -88,7 +88,11 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("ds-gencfg-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         assert_eq!(sampling_defaults(&dir), SamplingParams::default());
-        std::fs::write(dir.join("generation_config.json"), r#"{"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": true}"#).unwrap();
+        std::fs::write(
+            dir.join("generation_config.json"),
+            r#"{"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": true}"#,
+        )
+        .unwrap();
         let d = sampling_defaults(&dir);
         assert_eq!((d.temperature, d.top_p, d.top_k), (0.6, 0.95, 20));
         std::fs::write(dir.join("generation_config.json"), r#"{"top_p": 7}"#).unwrap();

@@ -109,6 +109,10 @@ pub fn run(a: Args) -> Result<()> {
     o.page_size = a.page_size.unwrap_or(o.page_size);
     o.snapshot_slots = a.snapshot_slots.unwrap_or(o.snapshot_slots);
     o.runtime_reserve_bytes = a.runtime_reserve.unwrap_or(o.runtime_reserve_bytes);
+    if a.device != "cpu" {
+        // What the CUDA backend carves beside the activation workspace (as `serve --device cuda` plans it).
+        o.backend_scratch_bytes = deltaserve_cuda::backend::scratch_bytes(&cfg, o.max_batch_tokens, o.max_seqs) as u64;
+    }
 
     let plan = Plan::new(&cfg, &o)?;
     if let Some(path) = &a.svg {

@@ -128,8 +128,8 @@ impl InProcess {
         let model_dir = a.model.dir()?;
         let (model, engine_args) = (a.model.clone(), a.engine.clone());
         let started = tokio::task::spawn_blocking(move || -> Result<_> { engine_args.start(&model) })
-                .await
-                .context("starting the engine")??;
+            .await
+            .context("starting the engine")??;
         tracing::info!("{}", started.plan.table());
         let tokenizer = started.tokenizer.clone().context("serving needs a tokenizer.json in the model directory")?;
         let state = AppState {
