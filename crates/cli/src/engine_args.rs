@@ -9,6 +9,7 @@ use deltaserve_cuda::{CudaBackend, WeightSource};
 use deltaserve_engine::EngineHandle;
 use deltaserve_plan::{KvDtype, Plan, PlanOptions, parse_size};
 use deltaserve_sched::{PrefixCacheConfig, SchedConfig};
+use deltaserve_server::{AppState, ServerConfig};
 use deltaserve_text::{ChatTemplate, Tokenizer};
 
 use crate::model_source::{Device, LoadedModel, ModelArgs, TextModel};
@@ -107,6 +108,28 @@ pub struct Started {
     pub template: Option<Arc<ChatTemplate>>,
     /// Token ids that end generation.
     pub eos_ids: Vec<u32>,
+}
+
+impl Started {
+    /// The HTTP server's state over this engine.
+    pub fn app_state(
+        &self,
+        name: &str,
+        api_key: Option<String>,
+        max_body_bytes: usize,
+        model_dir: &std::path::Path,
+    ) -> Result<AppState> {
+        let tokenizer = self.tokenizer.clone().context("serving needs a tokenizer.json in the model directory")?;
+        Ok(AppState {
+            engine: self.engine.clone(),
+            tokenizer,
+            template: self.template.clone(),
+            metrics: Arc::new(Default::default()),
+            cfg: Arc::new(ServerConfig { served_model_name: name.to_string(), api_key, max_body_bytes }),
+            eos_ids: self.eos_ids.clone(),
+            sampling_defaults: deltaserve_server::state::sampling_defaults(model_dir),
+        })
+    }
 }
 
 impl EngineArgs {

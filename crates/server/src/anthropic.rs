@@ -225,8 +225,7 @@ async fn messages_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -> R
             state: st,
         },
     )?;
-    let stream = st.engine.submit(engine_req)?;
-    let out = OutputStream::new(stream, parsing, st.tokenizer.clone(), st.metrics.clone());
+    let out = st.generate(engine_req, parsing)?;
     let id = new_id("msg_");
     let model = st.cfg.served_model_name.clone();
     if req.stream.unwrap_or(false) {

@@ -132,8 +132,7 @@ async fn chat_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -> Resul
             state: st,
         },
     )?;
-    let stream = st.engine.submit(engine_req)?;
-    let out = OutputStream::new(stream, parsing, st.tokenizer.clone(), st.metrics.clone());
+    let out = st.generate(engine_req, parsing)?;
     let id = new_id("chatcmpl-");
     let model = st.cfg.served_model_name.clone();
     if c.stream.unwrap_or(false) {
@@ -280,8 +279,7 @@ async fn completions_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -
             state: st,
         },
     )?;
-    let stream = st.engine.submit(engine_req)?;
-    let out = OutputStream::new(stream, Parsing::default(), st.tokenizer.clone(), st.metrics.clone());
+    let out = st.generate(engine_req, Parsing::default())?;
     let id = new_id("cmpl-");
     let model = st.cfg.served_model_name.clone();
     if c.stream.unwrap_or(false) {

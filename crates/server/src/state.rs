@@ -31,6 +31,16 @@ pub struct AppState {
 }
 
 impl AppState {
+    /// Submits `req` to the engine and wraps its events in the output parser.
+    pub fn generate(
+        &self,
+        req: deltaserve_engine::Request,
+        parsing: crate::output::Parsing,
+    ) -> Result<crate::output::OutputStream, crate::error::ApiError> {
+        let stream = self.engine.submit(req)?;
+        Ok(crate::output::OutputStream::new(stream, parsing, self.tokenizer.clone(), self.metrics.clone()))
+    }
+
     /// Checks the request's `model` field: absent or the served name.
     pub fn check_model(&self, model: Option<&str>) -> Result<(), crate::error::ApiError> {
         match model {

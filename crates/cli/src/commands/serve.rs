@@ -1,11 +1,9 @@
 //! `deltaserve serve`: the OpenAI- and Anthropic-compatible HTTP server.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use deltaserve_server::{AppState, ServerConfig};
 
 use crate::engine_args::EngineArgs;
 use crate::model_source::ModelArgs;
@@ -42,20 +40,7 @@ pub fn run(a: Args) -> Result<()> {
     let model_dir = a.model.dir()?;
     let started = a.engine.start(&a.model)?;
     eprintln!("{}", started.plan.table());
-    let tokenizer = started.tokenizer.clone().context("serving needs a tokenizer.json in the model directory")?;
-    let state = AppState {
-        engine: started.engine.clone(),
-        tokenizer,
-        template: started.template.clone(),
-        metrics: Arc::new(Default::default()),
-        cfg: Arc::new(ServerConfig {
-            served_model_name: name.clone(),
-            api_key: a.api_key.clone(),
-            max_body_bytes: a.max_body_mib << 20,
-        }),
-        eos_ids: started.eos_ids.clone(),
-        sampling_defaults: deltaserve_server::state::sampling_defaults(&model_dir),
-    };
+    let state = started.app_state(&name, a.api_key.clone(), a.max_body_mib << 20, &model_dir)?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         let addr: SocketAddr = format!("{}:{}", a.host, a.port)

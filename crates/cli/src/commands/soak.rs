@@ -15,11 +15,9 @@
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
-use deltaserve_server::{AppState, ServerConfig};
 use serde_json::{Map, Value, json};
 
 use crate::engine_args::EngineArgs;
@@ -131,20 +129,7 @@ impl InProcess {
             .await
             .context("starting the engine")??;
         tracing::info!("{}", started.plan.table());
-        let tokenizer = started.tokenizer.clone().context("serving needs a tokenizer.json in the model directory")?;
-        let state = AppState {
-            engine: started.engine.clone(),
-            tokenizer,
-            template: started.template.clone(),
-            metrics: Arc::new(Default::default()),
-            cfg: Arc::new(ServerConfig {
-                served_model_name: name.clone(),
-                api_key: a.api_key.clone(),
-                max_body_bytes: 64 << 20,
-            }),
-            eos_ids: started.eos_ids.clone(),
-            sampling_defaults: deltaserve_server::state::sampling_defaults(&model_dir),
-        };
+        let state = started.app_state(&name, a.api_key.clone(), 64 << 20, &model_dir)?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.context("binding 127.0.0.1:0")?;
         let addr = listener.local_addr()?;
         tracing::info!(model = %name, "in-process server on http://{addr}");
