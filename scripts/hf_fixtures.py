@@ -4,7 +4,7 @@
 Usage:
     python3 scripts/hf_fixtures.py --out DIR [--device cpu|cuda] [--seed 1234] [--only NAME ...]
 
-For each model NAME in (qwen35_gva3, qwen35_gva1_tied, qwen3next_dense) writes DIR/NAME/:
+For each model NAME in (qwen35_gva3, qwen35_gva3_d32, qwen35_gva1_tied, qwen3next_dense) writes DIR/NAME/:
     config.json, generation_config.json, model.safetensors   (bf16, real HF tensor names)
     reference.safetensors   logits_<T> [T,V] f32 (T in 1,37,300,1100), decode_logits [24,V] f32,
                             input_ids_<T> [T] i64, decode_ids [37+24] i64
@@ -129,6 +129,25 @@ def build_configs():
                 dk=16,
                 dv=24,
                 inter=160,
+                vocab=512,
+                tied=False,
+            ),
+        ),
+        # Head dims that the CUDA kernels take (multiples of 32): the fixture CUDA is checked on.
+        "qwen35_gva3_d32": (
+            Qwen3_5ForConditionalGeneration,
+            qwen35_config(
+                hidden=128,
+                layer_types=[LIN, LIN, LIN, FULL, LIN, LIN, LIN, FULL],
+                heads=4,
+                kv_heads=2,
+                head_dim=32,
+                prf=0.25,
+                lk=2,
+                lv=6,
+                dk=32,
+                dv=32,
+                inter=256,
                 vocab=512,
                 tied=False,
             ),
