@@ -59,18 +59,6 @@ pub struct EngineArgs {
     pub no_prefix_cache: bool,
 }
 
-/// The CPU backend's emulation of a KV storage format.
-pub fn kv_format(d: KvDtype) -> KvFormat {
-    match d {
-        KvDtype::F32 => KvFormat::F32,
-        KvDtype::Bf16 => KvFormat::Bf16,
-        KvDtype::F16 => KvFormat::F16,
-        KvDtype::Fp8 => KvFormat::Fp8E4m3,
-        KvDtype::Int8 => KvFormat::Int8,
-        KvDtype::Int4 => KvFormat::Int4,
-    }
-}
-
 impl EngineArgs {
     /// (K, V) storage from `--kv-cache-dtype` and the per-tensor overrides; None where unset.
     fn kv_dtypes(&self) -> Result<(Option<KvDtype>, Option<KvDtype>)> {
@@ -221,7 +209,7 @@ impl EngineArgs {
         let plan = Plan::new(&cfg, &opts).context("the memory plan does not fit")?;
         let sched = self.sched_config(&plan)?;
         let eos_ids = cfg.eos_token_ids.clone();
-        let (k_format, v_format) = (kv_format(plan.options.k_dtype), kv_format(plan.options.v_dtype));
+        let (k_format, v_format) = (plan.options.k_dtype, plan.options.v_dtype);
         if (k_format, v_format) != (KvFormat::F32, KvFormat::F32) {
             let d = loaded.model.dims;
             let host =

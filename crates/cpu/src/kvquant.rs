@@ -8,7 +8,7 @@
 //! - [`KvFormat::F32`]: stored as is.
 //! - [`KvFormat::Bf16`], [`KvFormat::F16`]: each value rounded to nearest, ties to even (f16 overflows
 //!   to ±inf as IEEE conversion does; bf16 has f32's range).
-//! - [`KvFormat::Fp8E4m3`]: `scale = f16↑(amax / 448)`; each value becomes the nearest OCP e4m3 (FN)
+//! - [`KvFormat::Fp8`]: `scale = f16↑(amax / 448)`; each value becomes the nearest OCP e4m3 (FN)
 //!   number to `x / scale` (ties to even, saturating at ±448, never NaN), dequantised `× scale`.
 //! - [`KvFormat::Int8`]: `scale = f16↑(amax / 127)`; `q = clamp(round_half_even(x / scale), −127, 127)`.
 //! - [`KvFormat::Int4`]: `scale = f16↑(amax / 7)`; `q = clamp(round_half_even(x / scale), −7, 7)`:
@@ -23,62 +23,28 @@
 //! saturate (≈2.9e7 for fp8, 8.3e6 for int8, 4.6e5 for int4). An all-zero row stores zeros. NaN inputs stay NaN (a NaN in K/V is a bug upstream and must stay visible); ±inf
 //! inputs of the scaled formats saturate to ±`qmax · scale`.
 
-use std::fmt;
-use std::str::FromStr;
+/// Storage format of K or V in the KV cache: the plan's [`KvDtype`] (names, bits, scale bytes,
+/// parsing live there); this module adds how the reference backend rounds values to it.
+pub use deltaserve_plan::KvDtype as KvFormat;
 
-/// Storage format of K or V in the KV cache.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum KvFormat {
-    /// Exact (the reference).
-    #[default]
-    F32,
-    Bf16,
-    F16,
-    /// fp8 e4m3 (OCP FN: max 448, no inf) + a per-(token, head) fp16 scale.
-    Fp8E4m3,
-    /// int8 + a per-(token, head) fp16 scale.
-    Int8,
-    /// Symmetric int4 in [−7, 7] + a per-(token, head) fp16 scale.
-    Int4,
+/// The quantisation rules of each KV format (see the module docs).
+pub trait KvQuant: Copy {
+    /// The largest magnitude of a code, for the scaled formats (`scale = amax / qmax`).
+    fn qmax(self) -> Option<f32>;
+    /// The per-row scale this format stores for a row whose largest magnitude is `amax` (None for
+    /// the unscaled formats, and for all-zero rows).
+    fn row_scale(self, amax: f32) -> Option<f32>;
+    /// Quantises one token-head row in place: afterwards it holds the dequantised stored values.
+    fn quantize_row(self, row: &mut [f32]);
+    /// Quantises `data` ([rows, head_dim] of token-head rows, e.g. [t, kv_heads·head_dim]) in place.
+    fn quantize_rows(self, data: &mut [f32], head_dim: usize);
 }
 
-impl KvFormat {
-    pub const ALL: [KvFormat; 6] = [Self::F32, Self::Bf16, Self::F16, Self::Fp8E4m3, Self::Int8, Self::Int4];
-    pub const CHOICES: &'static str = "bf16, fp16, fp32, fp8, int8, int4";
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::F32 => "fp32",
-            Self::Bf16 => "bf16",
-            Self::F16 => "fp16",
-            Self::Fp8E4m3 => "fp8",
-            Self::Int8 => "int8",
-            Self::Int4 => "int4",
-        }
-    }
-
-    /// Bits per stored element.
-    pub fn bits(self) -> u32 {
-        match self {
-            Self::F32 => 32,
-            Self::Bf16 | Self::F16 => 16,
-            Self::Fp8E4m3 | Self::Int8 => 8,
-            Self::Int4 => 4,
-        }
-    }
-
-    /// Bytes of the per-(token, head) scale (0 for the float formats).
-    pub fn scale_bytes(self) -> u32 {
-        match self {
-            Self::Fp8E4m3 | Self::Int8 | Self::Int4 => 2,
-            _ => 0,
-        }
-    }
-
+impl KvQuant for KvFormat {
     /// The largest magnitude of a code, for the scaled formats (`scale = amax / qmax`).
-    pub fn qmax(self) -> Option<f32> {
+    fn qmax(self) -> Option<f32> {
         match self {
-            Self::Fp8E4m3 => Some(E4M3_MAX),
+            Self::Fp8 => Some(E4M3_MAX),
             Self::Int8 => Some(127.0),
             Self::Int4 => Some(7.0),
             _ => None,
@@ -87,18 +53,18 @@ impl KvFormat {
 
     /// The per-row scale this format stores for a row whose largest magnitude is `amax` (None for
     /// the unscaled formats, and for all-zero rows).
-    pub fn row_scale(self, amax: f32) -> Option<f32> {
+    fn row_scale(self, amax: f32) -> Option<f32> {
         let qmax = self.qmax()?;
         (amax > 0.0).then(|| f16_scale(amax / qmax))
     }
 
     /// Quantises one token-head row in place: afterwards it holds the dequantised stored values.
-    pub fn quantize_row(self, row: &mut [f32]) {
+    fn quantize_row(self, row: &mut [f32]) {
         match self {
             Self::F32 => {}
             Self::Bf16 => row.iter_mut().for_each(|x| *x = round_bf16(*x)),
             Self::F16 => row.iter_mut().for_each(|x| *x = round_f16(*x)),
-            Self::Fp8E4m3 | Self::Int8 | Self::Int4 => {
+            Self::Fp8 | Self::Int8 | Self::Int4 => {
                 let amax = row.iter().fold(0.0f32, |a, x| a.max(x.abs()));
                 let Some(scale) = self.row_scale(amax) else {
                     return; // all zeros (or NaN only): stored as is
@@ -106,7 +72,7 @@ impl KvFormat {
                 for x in row.iter_mut() {
                     let y = *x / scale;
                     let q = match self {
-                        Self::Fp8E4m3 => e4m3_to_f32(f32_to_e4m3(y)),
+                        Self::Fp8 => e4m3_to_f32(f32_to_e4m3(y)),
                         Self::Int8 => y.round_ties_even().clamp(-127.0, 127.0),
                         _ => y.round_ties_even().clamp(-7.0, 7.0),
                     };
@@ -117,33 +83,12 @@ impl KvFormat {
     }
 
     /// Quantises `data` ([rows, head_dim] of token-head rows, e.g. [t, kv_heads·head_dim]) in place.
-    pub fn quantize_rows(self, data: &mut [f32], head_dim: usize) {
+    fn quantize_rows(self, data: &mut [f32], head_dim: usize) {
         if self == Self::F32 {
             return;
         }
         assert!(head_dim > 0 && data.len().is_multiple_of(head_dim), "KV rows are not whole heads");
         data.chunks_exact_mut(head_dim).for_each(|r| self.quantize_row(r));
-    }
-}
-
-impl fmt::Display for KvFormat {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for KvFormat {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "bf16" | "bfloat16" => Ok(Self::Bf16),
-            "fp16" | "f16" | "float16" | "half" => Ok(Self::F16),
-            "fp32" | "f32" | "float32" | "float" => Ok(Self::F32),
-            "fp8" | "fp8_e4m3" | "e4m3" => Ok(Self::Fp8E4m3),
-            "int8" | "i8" | "q8" => Ok(Self::Int8),
-            "int4" | "i4" | "q4" => Ok(Self::Int4),
-            _ => Err(format!("unknown KV cache dtype `{s}` (choices: {})", Self::CHOICES)),
-        }
     }
 }
 

@@ -16,6 +16,6 @@ pub mod norm;
 pub mod paged;
 pub mod rope;
 
-pub use kvquant::{KvFormat, QuantizingCache};
+pub use kvquant::{KvFormat, KvQuant, QuantizingCache};
 pub use model::{CpuModel, ForwardError, GdnMode, LayerState, Logits, SeqCache, SequenceState};
 pub use paged::{CpuBackend, CpuCacheConfig};

@@ -8,7 +8,7 @@
 use deltaserve_backend::{ArenaStats, Backend, BackendError, CacheOp, SnapshotLoc, StepBatch};
 use deltaserve_model::LayerKind;
 
-use crate::kvquant::KvFormat;
+use crate::kvquant::{KvFormat, KvQuant};
 use crate::model::{CpuModel, GdnMode, Logits, SeqCache};
 
 /// Capacities of the arena, from the plan.

@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 
 use deltaserve_backend::{Backend, SeqChunk, StepBatch};
 use deltaserve_cpu::kvquant::{E4M3_MAX, e4m3_to_f32, round_bf16};
-use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel, GdnMode, KvFormat, Logits, QuantizingCache};
+use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel, GdnMode, KvFormat, KvQuant, Logits, QuantizingCache};
 use deltaserve_model::synth::{Preset, write_model};
 use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
 
@@ -77,7 +77,7 @@ fn round_trip_error_bounds_on_random_rows() {
                     KvFormat::Bf16 => x.abs() * 2f32.powi(-8),
                     KvFormat::F16 => x.abs() * 2f32.powi(-11) + 2f32.powi(-25), // subnormals: steps of 2^-24
                     // 4 significant bits in the normal range; steps of 2^-9·scale below 2^-6·scale.
-                    KvFormat::Fp8E4m3 => x.abs() * 2f32.powi(-4) * 1.000_001 + s * 2f32.powi(-10),
+                    KvFormat::Fp8 => x.abs() * 2f32.powi(-4) * 1.000_001 + s * 2f32.powi(-10),
                     KvFormat::Int8 | KvFormat::Int4 => s * 0.500_001,
                 };
                 assert!(err <= bound, "{f}: {x} → {y}, err {err:e} > {bound:e} (amax {a}, scale {s})");
@@ -101,7 +101,7 @@ fn round_trip_error_bounds_on_random_rows() {
             KvFormat::F32 => (0.0, 0.0),
             KvFormat::Bf16 => (2f64.powi(-8), 2f64.powi(-8)),
             KvFormat::F16 => (2f64.powi(-11), 2f64.powi(-11)),
-            KvFormat::Fp8E4m3 => (0.0626, 0.0626),
+            KvFormat::Fp8 => (0.0626, 0.0626),
             KvFormat::Int8 => (1.0, 0.00395),
             KvFormat::Int4 => (1.0, 0.0716),
         };
@@ -137,17 +137,14 @@ fn representable_values_are_exact() {
     for (f, codes) in [
         (KvFormat::Int8, vec![127.0, -127.0, 0.0, 1.0, -64.0, 33.0, 100.0, -2.0]),
         (KvFormat::Int4, vec![7.0, -7.0, 0.0, 1.0, -3.0, 5.0, -6.0, 2.0]),
-        (
-            KvFormat::Fp8E4m3,
-            [0x7eu8, 0xfe, 0x00, 0x01, 0x38, 0xb9, 0x52, 0x07].iter().map(|&c| e4m3_to_f32(c)).collect(),
-        ),
+        (KvFormat::Fp8, [0x7eu8, 0xfe, 0x00, 0x01, 0x38, 0xb9, 0x52, 0x07].iter().map(|&c| e4m3_to_f32(c)).collect()),
     ] {
         assert_eq!(codes[0], f.qmax().unwrap());
         let row: Vec<f32> = codes.iter().map(|c| c * s).collect();
         assert_eq!(quantized(f, &row), row, "{f}");
         assert_eq!(f.row_scale(amax(&row)), Some(s), "{f}");
     }
-    assert_eq!(KvFormat::Fp8E4m3.qmax(), Some(E4M3_MAX));
+    assert_eq!(KvFormat::Fp8.qmax(), Some(E4M3_MAX));
 }
 
 #[test]
@@ -177,7 +174,7 @@ fn huge_and_tiny_magnitudes_never_make_nan() {
                     assert!(y.abs() <= qmax * s, "{f} at {mag:e}: {x} → {y}, scale {s}");
                     // No clipping below the largest scale: at most half a step (of a coarse step for tiny rows).
                     if amax(&row) <= qmax * 65504.0 {
-                        let step = if f == KvFormat::Fp8E4m3 { (x.abs() / 8.0).max(s / 512.0) } else { s };
+                        let step = if f == KvFormat::Fp8 { (x.abs() / 8.0).max(s / 512.0) } else { s };
                         assert!((x - y).abs() <= step * 0.500_01, "{f} at {mag:e}: {x} → {y}, scale {s}");
                     }
                 }
@@ -194,7 +191,7 @@ fn huge_and_tiny_magnitudes_never_make_nan() {
     let mut row = base.clone();
     row[3] = f32::INFINITY;
     row[9] = f32::NEG_INFINITY;
-    for f in [KvFormat::Fp8E4m3, KvFormat::Int8, KvFormat::Int4] {
+    for f in [KvFormat::Fp8, KvFormat::Int8, KvFormat::Int4] {
         let q = quantized(f, &row);
         assert!(q.iter().all(|y| y.is_finite()), "{f}: {q:?}");
         assert!(q[3] > 0.0 && q[9] < 0.0, "{f}");
@@ -206,7 +203,7 @@ fn format_names_parse() {
     for f in KvFormat::ALL {
         assert_eq!(f.name().parse::<KvFormat>(), Ok(f));
     }
-    assert_eq!("E4M3".parse::<KvFormat>(), Ok(KvFormat::Fp8E4m3));
+    assert_eq!("E4M3".parse::<KvFormat>(), Ok(KvFormat::Fp8));
     let e = "int3".parse::<KvFormat>().unwrap_err();
     assert!(e.contains("int3") && e.contains("fp8, int8, int4"), "{e}");
 }
@@ -288,7 +285,7 @@ fn paged_backend_stores_what_the_format_holds() {
     for (k, v) in [
         (KvFormat::F32, KvFormat::F32),
         (KvFormat::Bf16, KvFormat::Bf16),
-        (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
+        (KvFormat::Fp8, KvFormat::Fp8),
         (KvFormat::Int8, KvFormat::Int4),
         (KvFormat::Int4, KvFormat::Int4),
     ] {

@@ -93,6 +93,7 @@ pub enum KvDtype {
 }
 
 impl KvDtype {
+    pub const ALL: [KvDtype; 6] = [Self::F32, Self::Bf16, Self::F16, Self::Fp8, Self::Int8, Self::Int4];
     pub const CHOICES: &'static str = "bf16, fp16, fp32, fp8, int8, int4";
 
     pub fn name(self) -> &'static str {

@@ -16,7 +16,6 @@ use anyhow::{Context, Result, bail};
 use deltaserve_cpu::{CpuModel, GdnMode, Logits, QuantizingCache};
 use deltaserve_plan::KvDtype;
 
-use crate::engine_args::kv_format;
 use crate::model_source::ModelArgs;
 
 #[derive(clap::Subcommand)]
@@ -165,12 +164,7 @@ fn run_config(
     chunk: usize,
     mut each: impl FnMut(usize, &[f32]),
 ) -> Result<()> {
-    let mut cache = QuantizingCache {
-        inner: m.new_sequence(),
-        k: kv_format(cfg.k),
-        v: kv_format(cfg.v),
-        head_dim: m.dims.head_dim,
-    };
+    let mut cache = QuantizingCache { inner: m.new_sequence(), k: cfg.k, v: cfg.v, head_dim: m.dims.head_dim };
     let vocab = m.dims.vocab;
     let mut at = 0;
     for piece in tokens.chunks(chunk.max(1)) {
