@@ -7,7 +7,8 @@ use anyhow::{Context, Result};
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, KvFormat};
 use deltaserve_cuda::{CudaBackend, WeightSource};
 use deltaserve_engine::EngineHandle;
-use deltaserve_plan::{KvDtype, Plan, PlanOptions, parse_size};
+use deltaserve_model::ModelConfig;
+use deltaserve_plan::{Free, KvDtype, Plan, PlanOptions, fit_context, parse_size};
 use deltaserve_sched::{PrefixCacheConfig, SchedConfig};
 use deltaserve_server::{AppState, ServerConfig};
 use deltaserve_text::{ChatTemplate, Tokenizer};
@@ -156,6 +157,38 @@ impl EngineArgs {
         Ok(opts)
     }
 
+    /// The options the planner may trade to reach the full context: those not set on the command line.
+    fn free(&self) -> Free {
+        Free {
+            max_seqs: self.max_seqs.is_none(),
+            snapshot_slots: self.snapshot_slots.is_none() && !self.no_prefix_cache,
+            embed_on_host: false,
+            lm_head_int4: false,
+        }
+    }
+
+    /// The plan for the full context (or `--max-context`), logging what the planner traded for it.
+    fn fit(
+        &self,
+        cfg: &ModelConfig,
+        opts: &PlanOptions,
+        free: Free,
+        scratch: &dyn Fn(&PlanOptions) -> u64,
+    ) -> Result<Plan> {
+        let fitted = fit_context(cfg, opts, free, scratch).context("the memory plan does not fit")?;
+        if !fitted.adjustments.is_empty() {
+            tracing::info!(
+                "memory plan: to fill the full context ({} tokens) the planner set {}",
+                fitted.target_context,
+                fitted.adjustments.join(", ")
+            );
+        }
+        if let Some(why) = &fitted.shortfall {
+            tracing::warn!("memory plan: {why}");
+        }
+        Ok(fitted.plan)
+    }
+
     fn sched_config(&self, plan: &Plan) -> Result<SchedConfig> {
         Ok(SchedConfig {
             max_batch_tokens: plan.max_batch_tokens,
@@ -182,11 +215,13 @@ impl EngineArgs {
     /// The CUDA backend: weights from the checkpoint (or random at the real shapes) straight into
     /// the plan's device regions.
     pub fn start_cuda(&self, text: TextModel, random_weights: bool) -> Result<Started> {
-        let mut opts = self.plan_options(Device::Cuda)?;
+        let opts = self.plan_options(Device::Cuda)?;
         let cfg = text.config;
-        opts.backend_scratch_bytes =
-            deltaserve_cuda::backend::scratch_bytes(&cfg, opts.max_batch_tokens, opts.max_seqs) as u64;
-        let plan = Plan::new(&cfg, &opts).context("the memory plan does not fit")?;
+        let scratch =
+            |o: &PlanOptions| deltaserve_cuda::backend::scratch_bytes(&cfg, o.max_batch_tokens, o.max_seqs) as u64;
+        // The CUDA backend keeps the embedding and lm_head on the device in bf16 for now.
+        let plan =
+            self.fit(&cfg, &opts, Free { embed_on_host: false, lm_head_int4: false, ..self.free() }, &scratch)?;
         let sched = self.sched_config(&plan)?;
         let weights = if random_weights {
             tracing::warn!("--random-weights: initialising the weights at random on the GPU (benchmarks only)");
@@ -206,7 +241,7 @@ impl EngineArgs {
         let opts = self.plan_options(Device::Cpu)?;
         let budget = opts.budget_bytes;
         let cfg = loaded.model.config.clone();
-        let plan = Plan::new(&cfg, &opts).context("the memory plan does not fit")?;
+        let plan = self.fit(&cfg, &opts, self.free(), &|_| 0)?;
         let sched = self.sched_config(&plan)?;
         let eos_ids = cfg.eos_token_ids.clone();
         let (k_format, v_format) = (plan.options.k_dtype, plan.options.v_dtype);

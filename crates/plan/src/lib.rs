@@ -9,6 +9,7 @@
 //! - [`weights`]: bytes of the text-model weights per format, split device / pinned host;
 //! - [`workspace`]: the activation workspace of one engine step, planned by liveness (first-fit by lifetime);
 //!   bounded by tokens per step and sequences per step, never by prompt length or context;
+//! - [`fit_context`]: aims at the model's full context by default, trading the knobs the user left open;
 //! - [`render`]: the human table, the JSON object and the SVG chart.
 //!
 //! This crate allocates nothing and knows no backend.
@@ -19,6 +20,7 @@
 
 pub mod dtype;
 mod error;
+mod fit;
 mod options;
 mod plan;
 mod render;
@@ -28,6 +30,7 @@ pub mod workspace;
 
 pub use dtype::{KvDtype, WeightsDtype};
 pub use error::PlanError;
+pub use fit::{Fitted, Free, fit_context};
 pub use options::PlanOptions;
 pub use plan::{ALIGN, Plan, Region};
 pub use size::{fmt_bytes, fmt_count, parse_size};

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use deltaserve_model::ModelConfig;
 use deltaserve_model::synth::Preset;
-use deltaserve_plan::{KvDtype, Plan, PlanOptions, WeightsDtype, parse_size};
+use deltaserve_plan::{Fitted, Free, KvDtype, PlanOptions, WeightsDtype, fit_context, parse_size};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -61,6 +61,11 @@ pub struct Args {
     /// Memory counted against --memory for the CUDA context, modules and handles. Default: 600MiB on cuda, 0 on cpu.
     #[arg(long, value_parser = parse_size)]
     runtime_reserve: Option<u64>,
+    /// Plan exactly the settings given (the largest context that fits them) instead of aiming at the model's
+    /// full context by trading the options left unset (snapshot slots, sequences per step, embedding on
+    /// the host, int4 lm_head with int4 weights).
+    #[arg(long)]
+    no_fit: bool,
     /// Device the plan is for: cuda or cpu.
     #[arg(long, default_value = "cuda")]
     device: String,
@@ -109,19 +114,33 @@ pub fn run(a: Args) -> Result<()> {
     o.page_size = a.page_size.unwrap_or(o.page_size);
     o.snapshot_slots = a.snapshot_slots.unwrap_or(o.snapshot_slots);
     o.runtime_reserve_bytes = a.runtime_reserve.unwrap_or(o.runtime_reserve_bytes);
-    if a.device != "cpu" {
+    let gpu = a.device != "cpu";
+    let scratch = |o: &PlanOptions| {
         // What the CUDA backend carves beside the activation workspace (as `serve --device cuda` plans it).
-        o.backend_scratch_bytes = deltaserve_cuda::backend::scratch_bytes(&cfg, o.max_batch_tokens, o.max_seqs) as u64;
-    }
-
-    let plan = Plan::new(&cfg, &o)?;
+        if gpu { deltaserve_cuda::backend::scratch_bytes(&cfg, o.max_batch_tokens, o.max_seqs) as u64 } else { 0 }
+    };
+    let free = if a.no_fit {
+        Free::default()
+    } else {
+        Free {
+            max_seqs: a.max_seqs.is_none(),
+            snapshot_slots: a.snapshot_slots.is_none(),
+            embed_on_host: gpu,
+            lm_head_int4: gpu,
+        }
+    };
+    let fitted = fit_context(&cfg, &o, free, &scratch)?;
+    let plan = &fitted.plan;
     if let Some(path) = &a.svg {
         std::fs::write(path, plan.svg()).with_context(|| format!("writing {}", path.display()))?;
     }
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&plan.to_json())?);
+        let mut j = plan.to_json();
+        j["fit"] = fit_json(&fitted);
+        println!("{}", serde_json::to_string_pretty(&j)?);
     } else {
         print!("{}", plan.table());
+        print!("{}", fit_text(&fitted));
         if a.workspace {
             println!();
             print!("{}", plan.workspace_table());
@@ -131,4 +150,31 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The `fit` object of `plan --json`: what was aimed at and what the planner changed to get there.
+fn fit_json(f: &Fitted) -> serde_json::Value {
+    serde_json::json!({
+        "target_context": f.target_context,
+        "reached": f.shortfall.is_none(),
+        "adjustments": f.adjustments,
+        "shortfall": f.shortfall,
+    })
+}
+
+/// The lines under the plan table saying what the planner changed (nothing when it changed nothing).
+fn fit_text(f: &Fitted) -> String {
+    let mut s = String::new();
+    if !f.adjustments.is_empty() {
+        s += &format!(
+            "fit: to fill the full context ({} tokens) the planner set {} (set these options to override; --no-fit \
+             plans the settings as given)\n",
+            deltaserve_plan::fmt_count(f.target_context as u64),
+            f.adjustments.join(", ")
+        );
+    }
+    if let Some(why) = &f.shortfall {
+        s += &format!("fit: {why}\n");
+    }
+    s
 }

@@ -1,0 +1,178 @@
+//! [`fit_context`]: "boots = fills" by default — when the user names no context, the plan aims at the
+//! model's full context (`max_position_embeddings`) and, if that does not fit, trades the knobs the
+//! user left open (device snapshots, sequences per step, the embedding's place, lm_head precision) in
+//! a fixed order, cheapest first, until it does.
+//!
+//! Order of the ladder (each rung keeps the earlier ones):
+//! 1. device snapshot slots down to 4 (the host tier still holds snapshots);
+//! 2. sequences per step down to 8;
+//! 3. the embedding table in pinned host memory (a step copies only its `[T, D]` rows);
+//! 4. lm_head in int4, only when the decoder linears are int4 already;
+//! 5. sequences per step 4, then 2, then 1, with 2, then 1 device snapshot.
+//!
+//! A knob the user set explicitly is never touched. If no rung reaches the target, the plan at the
+//! user's settings is returned (its `max_context` says what fits) with a note naming what it would take.
+
+use deltaserve_model::ModelConfig;
+
+use crate::dtype::WeightsDtype;
+use crate::error::PlanError;
+use crate::options::PlanOptions;
+use crate::plan::Plan;
+use crate::size::{fmt_bytes, fmt_count};
+
+/// Which options the planner may change (the user did not set them).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Free {
+    pub max_seqs: bool,
+    pub snapshot_slots: bool,
+    /// Only where the backend can keep the embedding on the host.
+    pub embed_on_host: bool,
+    /// Only where the backend can run an int4 lm_head.
+    pub lm_head_int4: bool,
+}
+
+impl Free {
+    /// Every knob open.
+    pub fn all() -> Self {
+        Self { max_seqs: true, snapshot_slots: true, embed_on_host: true, lm_head_int4: true }
+    }
+}
+
+/// A plan with the changes the planner made to reach its context.
+#[derive(Clone, Debug)]
+pub struct Fitted {
+    pub plan: Plan,
+    /// Human-readable, in the order applied, e.g. `--max-seqs 16 -> 8`.
+    pub adjustments: Vec<String>,
+    /// The context aimed at: `--max-context`, else the model's `max_position_embeddings`.
+    pub target_context: usize,
+    /// Why the target was not reached, when it was not.
+    pub shortfall: Option<String>,
+}
+
+/// Plans for the target context (see the module docs). `backend_scratch` recomputes the backend's
+/// scratch for candidate options (it depends on the sequences per step); pass `|o| o.backend_scratch_bytes`
+/// when it does not.
+pub fn fit_context(
+    cfg: &ModelConfig,
+    base: &PlanOptions,
+    free: Free,
+    backend_scratch: &dyn Fn(&PlanOptions) -> u64,
+) -> Result<Fitted, PlanError> {
+    let target = base.max_context.unwrap_or(cfg.max_position_embeddings);
+    let with_scratch = |mut o: PlanOptions| {
+        o.backend_scratch_bytes = backend_scratch(&o);
+        o
+    };
+    // The user's settings, planned for "as large as fits" so a shortfall is a plan, not an error.
+    let open = with_scratch(PlanOptions { max_context: None, ..base.clone() });
+    let first = Plan::new(cfg, &open);
+    if let Ok(p) = &first
+        && p.max_context >= target
+    {
+        return Ok(Fitted {
+            plan: finish(cfg, p, base, &open)?,
+            adjustments: Vec::new(),
+            target_context: target,
+            shortfall: None,
+        });
+    }
+
+    let mut o = open.clone();
+    let mut adjustments = Vec::new();
+    for rung in ladder(base, free) {
+        let before = o.clone();
+        rung.apply(&mut o);
+        if o == before {
+            continue;
+        }
+        o = with_scratch(o);
+        adjustments.push(rung.describe(&before, &o));
+        if let Ok(p) = Plan::new(cfg, &o)
+            && p.max_context >= target
+        {
+            return Ok(Fitted {
+                plan: finish(cfg, &p, base, &o)?,
+                adjustments,
+                target_context: target,
+                shortfall: None,
+            });
+        }
+    }
+
+    // Nothing reached the target: the user's settings decide (an explicit --max-context that does not
+    // fit is the plan's own error, with its hints).
+    if base.max_context.is_some() {
+        return Plan::new(cfg, &with_scratch(base.clone())).map(|plan| Fitted {
+            plan,
+            adjustments: Vec::new(),
+            target_context: target,
+            shortfall: None,
+        });
+    }
+    let plan = first?;
+    let shortfall = Some(format!(
+        "the full context ({} tokens) does not fit in {} even with {}; {} tokens fit",
+        fmt_count(target as u64),
+        fmt_bytes(base.budget_bytes),
+        if adjustments.is_empty() { "the settings given".to_string() } else { adjustments.join(", ") },
+        fmt_count(plan.max_context as u64),
+    ));
+    Ok(Fitted { plan, adjustments: Vec::new(), target_context: target, shortfall })
+}
+
+/// With an explicit `--max-context`, plan exactly that (KV pages still take all memory left).
+fn finish(cfg: &ModelConfig, p: &Plan, base: &PlanOptions, o: &PlanOptions) -> Result<Plan, PlanError> {
+    match base.max_context {
+        Some(mc) => Plan::new(cfg, &PlanOptions { max_context: Some(mc), ..o.clone() }),
+        None => Ok(p.clone()),
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Rung {
+    Snapshots(usize),
+    Seqs(usize),
+    EmbedOnHost,
+    LmHeadInt4,
+}
+
+fn ladder(base: &PlanOptions, free: Free) -> Vec<Rung> {
+    let mut r = Vec::new();
+    let mut push = |ok: bool, rung| {
+        if ok {
+            r.push(rung)
+        }
+    };
+    push(free.snapshot_slots, Rung::Snapshots(4));
+    push(free.max_seqs, Rung::Seqs(8));
+    push(free.embed_on_host, Rung::EmbedOnHost);
+    push(free.lm_head_int4 && base.weights_dtype == WeightsDtype::Int4, Rung::LmHeadInt4);
+    for (seqs, snaps) in [(4, 2), (2, 1), (1, 1)] {
+        push(free.max_seqs, Rung::Seqs(seqs));
+        push(free.snapshot_slots, Rung::Snapshots(snaps));
+    }
+    r
+}
+
+impl Rung {
+    fn apply(self, o: &mut PlanOptions) {
+        match self {
+            // Never raise a knob, never drop snapshots to 0 (that switches the prefix cache off).
+            Rung::Snapshots(n) => o.snapshot_slots = o.snapshot_slots.min(n),
+            Rung::Seqs(n) => o.max_seqs = o.max_seqs.min(n),
+            Rung::EmbedOnHost => o.embed_on_host = true,
+            Rung::LmHeadInt4 => o.lm_head_int4 = true,
+        }
+    }
+
+    fn describe(self, before: &PlanOptions, after: &PlanOptions) -> String {
+        match self {
+            Rung::Snapshots(_) => format!("--snapshot-slots {} -> {}", before.snapshot_slots, after.snapshot_slots),
+            Rung::Seqs(_) => format!("--max-seqs {} -> {}", before.max_seqs, after.max_seqs),
+            Rung::EmbedOnHost => "--embed-on-host".to_string(),
+            Rung::LmHeadInt4 => "--lm-head-int4".to_string(),
+        }
+    }
+}
