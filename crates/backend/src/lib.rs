@@ -4,9 +4,16 @@
 //! activation workspace) and executes one engine step at a time: a [`StepBatch`] of sequence chunks,
 //! each naming its state slot, its KV pages and its new tokens. Backends never see requests, text or
 //! HTTP; the scheduler never sees memory contents. Everything here is plain data.
+//!
+//! Speculative decoding (MTP) is an additive part of the contract: a chunk with `draft > 0` asks the
+//! backend to draft that many tokens with the model's MTP head and verify them in one forward
+//! ([`Backend::step_speculative`]); the engine then accepts a prefix and tells the backend how many
+//! positions to keep ([`Backend::commit_speculative`]). Until the commit the sequence's DeltaNet state
+//! is the one before the verify: a rejected draft leaves no trace. Backends without a draft head keep
+//! the default methods, which report speculative decoding as unsupported.
 
 /// One sequence's part of a step: `tokens` at positions `start..start + tokens.len()`.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SeqChunk {
     /// The engine's id of the sequence (for error messages only).
     pub seq_id: u64,
@@ -19,6 +26,17 @@ pub struct SeqChunk {
     pub tokens: Vec<u32>,
     /// Return the logits of the last token of this chunk.
     pub want_logits: bool,
+    /// Speculative decoding: after `tokens` (exactly one, the sequence's next token), draft this many
+    /// tokens with the MTP head and verify all `1 + draft` positions in one forward; the pages cover
+    /// `start + 1 + draft` positions. 0: a plain chunk. Only [`Backend::step_speculative`] takes such chunks.
+    pub draft: usize,
+}
+
+impl SeqChunk {
+    /// Positions this chunk runs through the model (its tokens plus its drafts).
+    pub fn positions(&self) -> usize {
+        self.tokens.len() + self.draft
+    }
 }
 
 /// Where a DeltaNet state snapshot (recurrent + conv state of every DeltaNet layer) is kept.
@@ -54,8 +72,9 @@ pub struct StepBatch {
 }
 
 impl StepBatch {
+    /// Positions run through the model (drafted positions included).
     pub fn num_tokens(&self) -> usize {
-        self.seqs.iter().map(|s| s.tokens.len()).sum()
+        self.seqs.iter().map(SeqChunk::positions).sum()
     }
     pub fn num_logits(&self) -> usize {
         self.seqs.iter().filter(|s| s.want_logits).count()
@@ -79,6 +98,24 @@ pub enum BackendError {
     InvalidStep(String),
     #[error("backend failure: {0}")]
     Device(String),
+    #[error("not supported by this backend: {0}")]
+    Unsupported(String),
+}
+
+/// Picks draft token `index` (0-based) of sequence `seq_id` from the draft head's logits row
+/// (`vocab_size()` wide): the engine's greedy or sampling choice. Called in draft order per sequence.
+pub type DraftPicker<'a> = dyn FnMut(u64, usize, &[f32]) -> u32 + 'a;
+
+/// What the engine keeps of a verified chunk: `accepted` positions (1..=1 + draft) from its `start`,
+/// i.e. its token and the first `accepted - 1` drafts, which the engine accepted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SpecCommit {
+    pub seq_id: u64,
+    pub slot: u32,
+    /// The chunk's pages (covering at least `start + accepted` positions).
+    pub pages: Vec<u32>,
+    pub start: usize,
+    pub accepted: usize,
 }
 
 /// A compute backend executing engine steps over the memory of the static plan.
@@ -93,4 +130,40 @@ pub trait Backend: Send {
     fn step(&mut self, batch: &StepBatch, logits: &mut Vec<f32>) -> Result<(), BackendError>;
     /// The arena's counters (tests assert they do not move while serving).
     fn arena_stats(&self) -> ArenaStats;
+
+    /// The most draft tokens one chunk may carry (0: no speculative decoding on this backend).
+    fn max_draft_tokens(&self) -> usize {
+        0
+    }
+
+    /// Runs `batch` like [`Backend::step`], except that chunks with `draft > 0` are speculative: the
+    /// backend drafts `draft` tokens with the MTP head (calling `pick` for each, in order), runs the main
+    /// model over the chunk's token and the drafts, appends `1 + draft` logit rows for the chunk (row i
+    /// predicts the token after position `start + i`) and pushes the drafts to `drafts` (one entry per
+    /// speculative chunk, in batch order). The chunk's DeltaNet state is left as it was before the step
+    /// until [`Backend::commit_speculative`]; KV written beyond the committed length is ignored later.
+    fn step_speculative(
+        &mut self,
+        batch: &StepBatch,
+        pick: &mut DraftPicker<'_>,
+        logits: &mut Vec<f32>,
+        drafts: &mut Vec<Vec<u32>>,
+    ) -> Result<(), BackendError> {
+        let _ = (pick, drafts);
+        if batch.seqs.iter().any(|c| c.draft > 0) {
+            return Err(BackendError::Unsupported(format!("speculative decoding (backend {})", self.name())));
+        }
+        self.step(batch, logits)
+    }
+
+    /// Keeps the accepted positions of the speculative chunks of the last
+    /// [`Backend::step_speculative`]: the DeltaNet state advances by exactly those positions (as if they
+    /// had been decoded one by one) and the MTP head's cache catches up. Must be called after that step,
+    /// before the next, for every speculative chunk whose sequence continues (or is snapshotted).
+    fn commit_speculative(&mut self, commits: &[SpecCommit]) -> Result<(), BackendError> {
+        if commits.is_empty() {
+            return Ok(());
+        }
+        Err(BackendError::Unsupported(format!("speculative decoding (backend {})", self.name())))
+    }
 }

@@ -17,5 +17,5 @@ pub mod paged;
 pub mod rope;
 
 pub use kvquant::{KvFormat, KvQuant, QuantizingCache};
-pub use model::{CpuModel, ForwardError, GdnMode, LayerState, Logits, SeqCache, SequenceState};
-pub use paged::{CpuBackend, CpuCacheConfig};
+pub use model::{CpuModel, ForwardError, GdnMode, GdnTrace, LayerState, Logits, SeqCache, SequenceState};
+pub use paged::{CpuBackend, CpuCacheConfig, MAX_DRAFT_TOKENS};

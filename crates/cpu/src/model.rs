@@ -2,8 +2,15 @@
 //! to be read next to the architecture doc (§2). [`CpuModel::forward`] runs any number of new tokens
 //! of one sequence against its [`SequenceState`] (DeltaNet conv + recurrent state, attention KV),
 //! so a prompt can be fed in pieces of any size and then decoded token by token.
+//!
+//! Speculative decoding pieces: [`CpuModel::forward_hidden`] returns the post-final-norm hidden rows
+//! (the MTP head's input), [`CpuModel::mtp_forward`] runs the MTP head (arch doc §2.5), and a cache
+//! that asks for it ([`SeqCache::wants_gdn_trace`]) receives each DeltaNet layer's recurrence inputs
+//! ([`GdnTrace`]), which [`CpuModel::replay_gdn`] applies to a committed state for an accepted prefix.
 
-use deltaserve_model::weights::{AttentionWeights, DeltaNetWeights, HostTensor, MixerWeights, MlpWeights};
+use deltaserve_model::weights::{
+    AttentionWeights, DeltaNetWeights, HostTensor, LayerWeights, MixerWeights, MlpWeights,
+};
 use deltaserve_model::{Dims, LayerKind, ModelConfig, ModelWeights};
 
 use crate::activation::{sigmoid, silu, softplus};
@@ -69,6 +76,28 @@ pub trait SeqCache {
     fn write_kv(&mut self, layer: usize, start: usize, k: &[f32], v: &[f32]);
     /// K and V rows of positions `0..len` of attention layer `layer`, contiguous.
     fn read_kv(&self, layer: usize, len: usize) -> (Vec<f32>, Vec<f32>);
+    /// Whether DeltaNet layers should hand their recurrence inputs to [`SeqCache::record_gdn_trace`].
+    fn wants_gdn_trace(&self) -> bool {
+        false
+    }
+    /// Receives DeltaNet layer `layer`'s recurrence inputs of this call (when [`SeqCache::wants_gdn_trace`]).
+    fn record_gdn_trace(&mut self, layer: usize, trace: GdnTrace) {
+        let _ = (layer, trace);
+    }
+}
+
+/// The inputs of one DeltaNet layer's state update for the `t` tokens of a call: enough to advance a
+/// state by any prefix of them with exactly the arithmetic of the call ([`CpuModel::replay_gdn`]).
+#[derive(Clone, Debug, Default)]
+pub struct GdnTrace {
+    /// [t, conv_channels]: the short convolution's inputs (its state is the last kernel − 1 of them).
+    pub mixed: Vec<f32>,
+    /// [t, Hk, dk] (normalised, q scaled), [t, Hk, dk], [t, Hv, dv], [t, Hv], [t, Hv].
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub g: Vec<f32>,
+    pub beta: Vec<f32>,
 }
 
 impl SeqCache for SequenceState {
@@ -116,6 +145,12 @@ pub enum ForwardError {
     StateMismatch,
     #[error(transparent)]
     Gdn(#[from] crate::gdn::GdnError),
+    #[error("this model has no MTP head (no `mtp.*` tensors, or `mtp_num_hidden_layers` is 0)")]
+    NoMtpHead,
+    #[error("speculative decoding: {0}")]
+    Speculation(String),
+    #[error("MTP input mismatch: {tokens} tokens but {rows} hidden rows")]
+    MtpInput { tokens: usize, rows: usize },
 }
 
 impl CpuModel {
@@ -167,27 +202,44 @@ impl CpuModel {
         mode: GdnMode,
         want: Logits,
     ) -> Result<Vec<f32>, ForwardError> {
+        let rows = self.forward_hidden(cache, start, tokens, mode)?;
+        let h = self.dims.hidden;
+        Ok(match want {
+            Logits::All => self.logits(&rows),
+            Logits::Last if rows.is_empty() => Vec::new(),
+            Logits::Last => self.logits(&rows[rows.len() - h..]),
+        })
+    }
+
+    /// Runs `tokens` at positions `start..` and returns the post-final-norm hidden rows `[t, hidden]`
+    /// (what the lm_head and the MTP head read).
+    pub fn forward_hidden(
+        &self,
+        cache: &mut dyn SeqCache,
+        start: usize,
+        tokens: &[u32],
+        mode: GdnMode,
+    ) -> Result<Vec<f32>, ForwardError> {
         let d = &self.dims;
-        if let Some((index, &id)) = tokens.iter().enumerate().find(|(_, id)| **id as usize >= d.vocab) {
-            return Err(ForwardError::TokenOutOfRange { id, index, vocab: d.vocab });
-        }
+        self.check_tokens(tokens)?;
         let t = tokens.len();
         if t == 0 {
             return Ok(Vec::new());
         }
-        let h = d.hidden;
         let eps = self.config.rms_norm_eps;
-        let mut x = Vec::with_capacity(t * h);
-        for &id in tokens {
-            x.extend_from_slice(&self.weights.embed.data[id as usize * h..][..h]);
-        }
+        let mut x = self.embed(tokens);
         for (i, lw) in self.weights.layers.iter().enumerate() {
             let mut hn = x.clone();
             rms_norm_1p(&mut hn, &lw.input_norm.data, eps);
             let mixed = match &lw.mixer {
                 MixerWeights::DeltaNet(w) => {
+                    let trace = cache.wants_gdn_trace();
                     let (conv, recurrent) = cache.deltanet_state(i);
-                    self.deltanet(w, &hn, t, conv, recurrent, mode)?
+                    let (out, tr) = self.deltanet(w, &hn, t, conv, recurrent, mode, trace)?;
+                    if let Some(tr) = tr {
+                        cache.record_gdn_trace(i, tr);
+                    }
+                    out
                 }
                 MixerWeights::Attention(w) => self.attention(w, &hn, t, start, i, cache),
             };
@@ -196,17 +248,125 @@ impl CpuModel {
             rms_norm_1p(&mut hn, &lw.post_norm.data, eps);
             add_in_place(&mut x, &self.mlp(&lw.mlp, &hn, t));
         }
-        let rows = match want {
-            Logits::All => x,
-            Logits::Last => x[(t - 1) * h..].to_vec(),
-        };
-        let mut rows = rows;
-        rms_norm_1p(&mut rows, &self.weights.final_norm.data, eps);
-        let n = rows.len() / h;
-        Ok(linear(&rows, n, &self.weights.lm_head().data, d.vocab, h))
+        rms_norm_1p(&mut x, &self.weights.final_norm.data, eps);
+        debug_assert_eq!(x.len(), t * d.hidden);
+        Ok(x)
     }
 
-    /// Gated DeltaNet mixer (arch doc §2.2). hn: [t, hidden] → [t, hidden].
+    /// Logits `[n, vocab]` of hidden rows `[n, hidden]` (the shared lm_head).
+    pub fn logits(&self, rows: &[f32]) -> Vec<f32> {
+        let (h, v) = (self.dims.hidden, self.dims.vocab);
+        linear(rows, rows.len() / h, &self.weights.lm_head().data, v, h)
+    }
+
+    /// True when the weights include an MTP head.
+    pub fn has_mtp(&self) -> bool {
+        self.weights.mtp.is_some()
+    }
+
+    /// The MTP head over `t` positions `start..start + t` of its own cache (attention layer index
+    /// `kv_layer` of `cache`): row i combines `hidden` row i (the main model's post-norm hidden of the
+    /// previous position, or the head's own output when drafting) with the embedding of `tokens[i]`.
+    /// Returns the post-`mtp.norm` rows `[t, hidden]`; their logits predict the token after `tokens[i]`.
+    pub fn mtp_forward(
+        &self,
+        cache: &mut dyn SeqCache,
+        kv_layer: usize,
+        start: usize,
+        hidden: &[f32],
+        tokens: &[u32],
+    ) -> Result<Vec<f32>, ForwardError> {
+        let mtp = self.weights.mtp.as_ref().ok_or(ForwardError::NoMtpHead)?;
+        self.check_tokens(tokens)?;
+        let (h, t) = (self.dims.hidden, tokens.len());
+        if hidden.len() != t * h {
+            return Err(ForwardError::MtpInput { tokens: t, rows: hidden.len() / h.max(1) });
+        }
+        if t == 0 {
+            return Ok(Vec::new());
+        }
+        let eps = self.config.rms_norm_eps;
+        let mut e = self.embed(tokens);
+        rms_norm_1p(&mut e, &mtp.pre_fc_norm_embedding.data, eps);
+        let mut hn = hidden.to_vec();
+        rms_norm_1p(&mut hn, &mtp.pre_fc_norm_hidden.data, eps);
+        // fc input rows: [normed embedding | normed hidden].
+        let mut cat = Vec::with_capacity(t * 2 * h);
+        for (er, hr) in e.chunks_exact(h).zip(hn.chunks_exact(h)) {
+            cat.extend_from_slice(er);
+            cat.extend_from_slice(hr);
+        }
+        let mut x = linear(&cat, t, &mtp.fc.data, h, 2 * h);
+        let LayerWeights { input_norm, post_norm, mixer, mlp } = &mtp.layer;
+        let MixerWeights::Attention(aw) = mixer else { unreachable!("the MTP layer is an attention layer") };
+        let mut a = x.clone();
+        rms_norm_1p(&mut a, &input_norm.data, eps);
+        add_in_place(&mut x, &self.attention(aw, &a, t, start, kv_layer, cache));
+        let mut a = x.clone();
+        rms_norm_1p(&mut a, &post_norm.data, eps);
+        add_in_place(&mut x, &self.mlp(mlp, &a, t));
+        rms_norm_1p(&mut x, &mtp.norm.data, eps);
+        Ok(x)
+    }
+
+    /// Advances a DeltaNet layer's committed state (`conv`, `recurrent`) by the first `n` tokens
+    /// of `trace`, with the recurrence (the arithmetic of token-by-token decode).
+    pub fn replay_gdn(
+        &self,
+        trace: &GdnTrace,
+        n: usize,
+        conv: &mut [f32],
+        recurrent: &mut [f32],
+    ) -> Result<(), ForwardError> {
+        let d = &self.dims;
+        let layer_w = self.weights.layers.iter().find_map(|l| match &l.mixer {
+            MixerWeights::DeltaNet(w) => Some(w),
+            MixerWeights::Attention(_) => None,
+        });
+        let Some(w) = layer_w else { return Ok(()) };
+        // Conv taps do not change the state update (it keeps the last inputs), any layer's will do.
+        let _ = causal_conv1d_silu(
+            &trace.mixed[..n * d.conv_channels],
+            d.conv_channels,
+            &w.conv1d.data,
+            d.conv_kernel,
+            conv,
+        );
+        let (hk, hv, dk, dv) = (d.gdn_k_heads, d.gdn_v_heads, d.gdn_k_dim, d.gdn_v_dim);
+        let dims = GdnDims { num_k_heads: hk, num_v_heads: hv, head_k_dim: dk, head_v_dim: dv };
+        let inputs = GdnInputs {
+            q: &trace.q[..n * hk * dk],
+            k: &trace.k[..n * hk * dk],
+            v: &trace.v[..n * hv * dv],
+            g: &trace.g[..n * hv],
+            beta: &trace.beta[..n * hv],
+        };
+        let mut o = vec![0.0f32; n * d.gdn_value_width];
+        gdn_recurrent(dims, &inputs, recurrent, &mut o)?;
+        Ok(())
+    }
+
+    fn check_tokens(&self, tokens: &[u32]) -> Result<(), ForwardError> {
+        let vocab = self.dims.vocab;
+        match tokens.iter().enumerate().find(|(_, id)| **id as usize >= vocab) {
+            Some((index, &id)) => Err(ForwardError::TokenOutOfRange { id, index, vocab }),
+            None => Ok(()),
+        }
+    }
+
+    /// Embedding rows `[t, hidden]`.
+    fn embed(&self, tokens: &[u32]) -> Vec<f32> {
+        let h = self.dims.hidden;
+        let mut x = Vec::with_capacity(tokens.len() * h);
+        for &id in tokens {
+            x.extend_from_slice(&self.weights.embed.data[id as usize * h..][..h]);
+        }
+        x
+    }
+
+    /// Gated DeltaNet mixer (arch doc §2.2). hn: [t, hidden] → [t, hidden]; with `trace`, also the
+    /// recurrence inputs.
+    #[allow(clippy::too_many_arguments)]
     fn deltanet(
         &self,
         w: &DeltaNetWeights<HostTensor>,
@@ -215,7 +375,8 @@ impl CpuModel {
         conv_state: &mut [f32],
         recurrent: &mut [f32],
         mode: GdnMode,
-    ) -> Result<Vec<f32>, ForwardError> {
+        trace: bool,
+    ) -> Result<(Vec<f32>, Option<GdnTrace>), ForwardError> {
         let d = &self.dims;
         let (hk, hv, dk, dv) = (d.gdn_k_heads, d.gdn_v_heads, d.gdn_k_dim, d.gdn_v_dim);
         let mixed = linear(hn, t, &w.in_proj_qkv.data, d.conv_channels, d.hidden);
@@ -257,7 +418,9 @@ impl CpuModel {
             gdn_chunked(dims, GDN_CHUNK, &inputs, recurrent, &mut o)?;
         }
         gated_rms_norm(&mut o, &z, &w.norm.data, self.config.rms_norm_eps);
-        Ok(linear(&o, t, &w.out_proj.data, d.hidden, d.gdn_value_width))
+        let out = linear(&o, t, &w.out_proj.data, d.hidden, d.gdn_value_width);
+        let trace = trace.then_some(GdnTrace { mixed, q, k, v, g, beta });
+        Ok((out, trace))
     }
 
     /// Gated softmax attention (arch doc §2.3). hn: [t, hidden] → [t, hidden]; appends to the KV cache.

@@ -4,12 +4,25 @@
 //! chunks one after another through [`CpuModel::forward_cached`], so batching can never change a
 //! sequence's numbers. (Per-op temporaries of this oracle are ordinary heap memory, bounded by the
 //! step's tokens; the device backends carve those from the plan's activation workspace.)
+//!
+//! Speculative decoding ([`CpuBackend::with_speculation`]): the arena gains the MTP head's KV (one more
+//! attention layer in every page, so prefix sharing and page copies cover it) and one "pending hidden"
+//! row per slot: the main model's post-norm hidden of the last fed position, which the head combines
+//! with the next token. MTP cache entry `p` holds (hidden of `p − 1`, token `p`), so it depends only on
+//! `tokens[..=p]` and shared prefix pages stay valid for every sequence sharing the prefix. The pending
+//! hidden is part of a slot's state snapshot. Every chunk updates the head's cache for its positions.
+//! A speculative chunk drafts with the head, then verifies on a scratch copy of the DeltaNet state
+//! (token-by-token recurrence, as decode does) while keeping each DeltaNet layer's recurrence inputs;
+//! [`Backend::commit_speculative`] replays those inputs for the accepted positions on the committed state,
+//! so the state is exactly what decoding the accepted tokens one by one gives.
 
-use deltaserve_backend::{ArenaStats, Backend, BackendError, CacheOp, SnapshotLoc, StepBatch};
+use deltaserve_backend::{
+    ArenaStats, Backend, BackendError, CacheOp, DraftPicker, SeqChunk, SnapshotLoc, SpecCommit, StepBatch,
+};
 use deltaserve_model::LayerKind;
 
 use crate::kvquant::{KvFormat, KvQuant};
-use crate::model::{CpuModel, GdnMode, Logits, SeqCache};
+use crate::model::{CpuModel, ForwardError, GdnMode, GdnTrace, Logits, SeqCache};
 
 /// Capacities of the arena, from the plan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,6 +68,23 @@ enum LayerRegion {
 pub struct CpuBackend {
     model: CpuModel,
     caches: Caches,
+    /// Most drafts per speculative chunk (0: speculation off).
+    max_draft: usize,
+    /// Speculative chunks of the last step, awaiting their commit.
+    verified: Vec<Verified>,
+}
+
+/// What a speculative chunk's verify keeps for its commit.
+struct Verified {
+    seq_id: u64,
+    slot: u32,
+    start: usize,
+    /// The chunk's token followed by its drafts.
+    tokens: Vec<u32>,
+    /// Post-norm hidden rows of those positions `[1 + draft, hidden]`.
+    rows: Vec<f32>,
+    /// Recurrence inputs per DeltaNet layer (layer index, trace).
+    traces: Vec<(usize, GdnTrace)>,
 }
 
 /// The arena and where each layer's region lies in it.
@@ -76,22 +106,50 @@ struct Caches {
     k_format: KvFormat,
     v_format: KvFormat,
     head_dim: usize,
+    /// Speculation: arena offset of the pending hidden rows `[slots, hidden]` (part of each snapshot).
+    pending_hidden: Option<usize>,
+    hidden: usize,
 }
+
+/// The most drafts per speculative chunk any backend step takes (`--speculative-tokens` 1..=4).
+pub const MAX_DRAFT_TOKENS: usize = 4;
 
 impl CpuBackend {
     /// Allocates the arena for `cfg` (the only allocation this backend makes for caches).
     pub fn new(model: CpuModel, cfg: CpuCacheConfig) -> Self {
+        Self::build(model, cfg, 0)
+    }
+
+    /// A backend that also runs speculative chunks of up to `max_draft` (1..=4) drafts with the model's
+    /// MTP head. Errors when the model has no MTP head or `max_draft` is out of range.
+    pub fn with_speculation(model: CpuModel, cfg: CpuCacheConfig, max_draft: usize) -> Result<Self, ForwardError> {
+        if !model.has_mtp() {
+            return Err(ForwardError::NoMtpHead);
+        }
+        if !(1..=MAX_DRAFT_TOKENS).contains(&max_draft) {
+            return Err(ForwardError::Speculation(format!(
+                "draft tokens per step must be 1..={MAX_DRAFT_TOKENS}, got {max_draft}"
+            )));
+        }
+        Ok(Self::build(model, cfg, max_draft))
+    }
+
+    fn build(model: CpuModel, cfg: CpuCacheConfig, max_draft: usize) -> Self {
         let d = model.dims;
+        let spec = max_draft > 0;
         let kv_dim = d.kv_dim;
         let conv_len = (d.conv_kernel - 1) * d.conv_channels;
         let rec_len = d.gdn_v_heads * d.gdn_k_dim * d.gdn_v_dim;
         let kv_floats = cfg.num_pages * cfg.page_size * kv_dim;
-        let snapshot_len = d.num_deltanet_layers * (conv_len + rec_len);
-        let total = d.num_attention_layers * 2 * kv_floats
+        let hidden_len = if spec { d.hidden } else { 0 };
+        let snapshot_len = d.num_deltanet_layers * (conv_len + rec_len) + hidden_len;
+        let kv_layers = d.num_attention_layers + usize::from(spec);
+        let total = kv_layers * 2 * kv_floats
             + d.num_deltanet_layers * cfg.num_slots * (conv_len + rec_len)
+            + cfg.num_slots * hidden_len
             + cfg.snapshot_slots * snapshot_len;
         let mut arena = HostArena::with_capacity(total);
-        let layers = model
+        let mut layers: Vec<LayerRegion> = model
             .config
             .layer_types
             .iter()
@@ -103,6 +161,11 @@ impl CpuBackend {
                 },
             })
             .collect();
+        let pending_hidden = spec.then(|| {
+            // The MTP head's KV: one more attention layer, at index `num_layers`.
+            layers.push(LayerRegion::Attention { k: arena.carve(kv_floats), v: arena.carve(kv_floats) });
+            arena.carve(cfg.num_slots * hidden_len)
+        });
         let snapshots = arena.carve(cfg.snapshot_slots * snapshot_len);
         let host_snapshots = vec![0.0; cfg.host_snapshot_slots * snapshot_len];
         Self {
@@ -120,7 +183,11 @@ impl CpuBackend {
                 k_format: KvFormat::F32,
                 v_format: KvFormat::F32,
                 head_dim: d.head_dim,
+                pending_hidden,
+                hidden: d.hidden,
             },
+            max_draft,
+            verified: Vec::new(),
         }
     }
 
@@ -140,6 +207,145 @@ impl CpuBackend {
     pub fn model(&self) -> &CpuModel {
         &self.model
     }
+
+    /// Runs a step; speculative chunks need `pick` (and speculation on).
+    fn run(
+        &mut self,
+        batch: &StepBatch,
+        mut pick: Option<&mut DraftPicker<'_>>,
+        logits: &mut Vec<f32>,
+        drafts: &mut Vec<Vec<u32>>,
+    ) -> Result<(), BackendError> {
+        self.verified.clear();
+        for op in &batch.pre {
+            self.caches.apply(op)?;
+        }
+        for c in &batch.seqs {
+            self.check_chunk(c)?;
+            let err = |e: ForwardError| BackendError::InvalidStep(format!("seq {}: {e}", c.seq_id));
+            let spec = self.max_draft > 0;
+            let mut view = PagedSeq { backend: &mut self.caches, slot: c.slot as usize, pages: &c.pages };
+            if c.start == 0 {
+                // A new (or recomputed) sequence starts from a zeroed state.
+                for (i, kind) in self.model.config.layer_types.iter().enumerate() {
+                    if *kind == LayerKind::DeltaNet {
+                        let (conv, rec) = view.deltanet_state(i);
+                        conv.fill(0.0);
+                        rec.fill(0.0);
+                    }
+                }
+                if spec {
+                    view.pending_hidden().fill(0.0);
+                }
+            }
+            if c.draft > 0 {
+                let Some(pick) = pick.as_deref_mut() else {
+                    return Err(BackendError::InvalidStep("speculative chunks need step_speculative".into()));
+                };
+                let (rows, tokens, traces) = Self::verify(&self.model, &mut view, c, pick).map_err(err)?;
+                logits.extend_from_slice(&self.model.logits(&rows));
+                drafts.push(tokens[1..].to_vec());
+                self.verified.push(Verified { seq_id: c.seq_id, slot: c.slot, start: c.start, tokens, rows, traces });
+            } else if spec {
+                let rows = self.model.forward_hidden(&mut view, c.start, &c.tokens, GdnMode::Auto).map_err(err)?;
+                // The head's cache for these positions: entry p = (hidden of p − 1, token p).
+                let h = self.model.dims.hidden;
+                let t = c.tokens.len();
+                let mut input = view.pending_hidden().to_vec();
+                input.extend_from_slice(&rows[..(t - 1) * h]);
+                let mtp_layer = self.model.dims.num_layers;
+                self.model.mtp_forward(&mut view, mtp_layer, c.start, &input, &c.tokens).map_err(err)?;
+                view.pending_hidden().copy_from_slice(&rows[(t - 1) * h..]);
+                if c.want_logits {
+                    logits.extend_from_slice(&self.model.logits(&rows[(t - 1) * h..]));
+                }
+            } else {
+                let row = self
+                    .model
+                    .forward_cached(&mut view, c.start, &c.tokens, GdnMode::Auto, Logits::Last)
+                    .map_err(err)?;
+                if c.want_logits {
+                    logits.extend_from_slice(&row);
+                }
+            }
+        }
+        for op in &batch.post {
+            self.caches.apply(op)?;
+        }
+        Ok(())
+    }
+
+    fn check_chunk(&self, c: &SeqChunk) -> Result<(), BackendError> {
+        let cfg = self.caches.cfg;
+        let slot = c.slot as usize;
+        if slot >= cfg.num_slots {
+            return Err(BackendError::InvalidStep(format!("seq {}: slot {slot} out of range", c.seq_id)));
+        }
+        if c.tokens.is_empty() {
+            return Err(BackendError::InvalidStep(format!("seq {}: empty chunk", c.seq_id)));
+        }
+        let end = c.start + c.positions();
+        if c.pages.len() * cfg.page_size < end || c.pages.iter().any(|&p| p as usize >= cfg.num_pages) {
+            return Err(BackendError::InvalidStep(format!("seq {}: pages do not cover {end} positions", c.seq_id)));
+        }
+        if c.draft > 0 {
+            if self.max_draft == 0 {
+                return Err(BackendError::Unsupported(
+                    "speculative decoding: this CPU backend was built without an MTP head".into(),
+                ));
+            }
+            if c.draft > self.max_draft || c.tokens.len() != 1 || c.start == 0 {
+                return Err(BackendError::InvalidStep(format!(
+                    "seq {}: a speculative chunk is one decode token after the prompt with 1..={} drafts \
+                     (got {} tokens at {} with {} drafts)",
+                    c.seq_id,
+                    self.max_draft,
+                    c.tokens.len(),
+                    c.start,
+                    c.draft
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Drafts `c.draft` tokens with the MTP head, then runs the main model over the chunk's token and the
+    /// drafts on a scratch copy of the DeltaNet state. Returns (hidden rows, token + drafts, traces).
+    #[allow(clippy::type_complexity)]
+    fn verify(
+        model: &CpuModel,
+        view: &mut PagedSeq<'_>,
+        c: &SeqChunk,
+        pick: &mut DraftPicker<'_>,
+    ) -> Result<(Vec<f32>, Vec<u32>, Vec<(usize, GdnTrace)>), ForwardError> {
+        let mtp_layer = model.dims.num_layers;
+        let mut tokens = c.tokens.clone();
+        // Entry `start` is real (pending hidden + the chunk's token); later entries are drafts, rewritten
+        // from the main model's hidden rows at the commit.
+        let mut g = view.pending_hidden().to_vec();
+        for i in 0..c.draft {
+            let pos = c.start + i;
+            g = model.mtp_forward(view, mtp_layer, pos, &g, &tokens[i..=i])?;
+            let row = model.logits(&g);
+            tokens.push(pick(c.seq_id, i, &row));
+        }
+        let scratch = model
+            .config
+            .layer_types
+            .iter()
+            .enumerate()
+            .map(|(i, k)| {
+                (*k == LayerKind::DeltaNet).then(|| {
+                    let (conv, rec) = view.deltanet_state(i);
+                    (conv.to_vec(), rec.to_vec())
+                })
+            })
+            .collect();
+        let inner = PagedSeq { backend: &mut *view.backend, slot: view.slot, pages: view.pages };
+        let mut vv = VerifyView { inner, scratch, traces: Vec::new() };
+        let rows = model.forward_hidden(&mut vv, c.start, &tokens, GdnMode::Recurrent)?;
+        Ok((rows, tokens, vv.traces))
+    }
 }
 
 /// One sequence's view of the arena during a step.
@@ -155,6 +361,44 @@ impl PagedSeq<'_> {
         let ps = self.backend.cfg.page_size;
         let page = self.pages[pos / ps] as usize;
         base + (page * ps + pos % ps) * self.backend.kv_dim
+    }
+}
+
+impl PagedSeq<'_> {
+    /// The slot's pending hidden row (speculation only).
+    fn pending_hidden(&mut self) -> &mut [f32] {
+        let b = &mut *self.backend;
+        let base = b.pending_hidden.expect("speculation is on") + self.slot * b.hidden;
+        &mut b.arena.buf[base..base + b.hidden]
+    }
+}
+
+/// A paged sequence seen through a scratch copy of its DeltaNet state (the speculative verify):
+/// KV goes to the pages, the committed state is not touched, and each DeltaNet layer's recurrence
+/// inputs are kept for the commit.
+struct VerifyView<'a> {
+    inner: PagedSeq<'a>,
+    /// Per layer: (conv, recurrent) copies for DeltaNet layers.
+    scratch: Vec<Option<(Vec<f32>, Vec<f32>)>>,
+    traces: Vec<(usize, GdnTrace)>,
+}
+
+impl SeqCache for VerifyView<'_> {
+    fn deltanet_state(&mut self, layer: usize) -> (&mut [f32], &mut [f32]) {
+        let (c, r) = self.scratch[layer].as_mut().expect("a DeltaNet layer");
+        (c, r)
+    }
+    fn write_kv(&mut self, layer: usize, start: usize, k: &[f32], v: &[f32]) {
+        self.inner.write_kv(layer, start, k, v)
+    }
+    fn read_kv(&self, layer: usize, len: usize) -> (Vec<f32>, Vec<f32>) {
+        self.inner.read_kv(layer, len)
+    }
+    fn wants_gdn_trace(&self) -> bool {
+        true
+    }
+    fn record_gdn_trace(&mut self, layer: usize, trace: GdnTrace) {
+        self.traces.push((layer, trace));
     }
 }
 
@@ -211,41 +455,59 @@ impl Backend for CpuBackend {
     }
 
     fn step(&mut self, batch: &StepBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
-        let caches = &mut self.caches;
-        for op in &batch.pre {
-            caches.apply(op)?;
+        if batch.seqs.iter().any(|c| c.draft > 0) {
+            return Err(BackendError::InvalidStep("speculative chunks need step_speculative".into()));
         }
-        let cfg = caches.cfg;
-        for c in &batch.seqs {
-            let slot = c.slot as usize;
-            if slot >= cfg.num_slots {
-                return Err(BackendError::InvalidStep(format!("seq {}: slot {slot} out of range", c.seq_id)));
+        self.run(batch, None, logits, &mut Vec::new())
+    }
+
+    fn max_draft_tokens(&self) -> usize {
+        self.max_draft
+    }
+
+    fn step_speculative(
+        &mut self,
+        batch: &StepBatch,
+        pick: &mut DraftPicker<'_>,
+        logits: &mut Vec<f32>,
+        drafts: &mut Vec<Vec<u32>>,
+    ) -> Result<(), BackendError> {
+        self.run(batch, Some(pick), logits, drafts)
+    }
+
+    fn commit_speculative(&mut self, commits: &[SpecCommit]) -> Result<(), BackendError> {
+        for c in commits {
+            let Some(i) = self.verified.iter().position(|v| v.seq_id == c.seq_id && v.slot == c.slot) else {
+                return Err(BackendError::InvalidStep(format!("seq {}: no speculative chunk to commit", c.seq_id)));
+            };
+            let v = self.verified.swap_remove(i);
+            let e = c.accepted;
+            if c.start != v.start || e == 0 || e > v.tokens.len() {
+                return Err(BackendError::InvalidStep(format!(
+                    "seq {}: commit of {e} positions at {} does not match the verified chunk ({} positions at {})",
+                    c.seq_id,
+                    c.start,
+                    v.tokens.len(),
+                    v.start
+                )));
             }
-            let end = c.start + c.tokens.len();
-            if c.pages.len() * cfg.page_size < end || c.pages.iter().any(|&p| p as usize >= cfg.num_pages) {
-                return Err(BackendError::InvalidStep(format!("seq {}: pages do not cover {end} positions", c.seq_id)));
+            let cfg = self.caches.cfg;
+            if c.pages.len() * cfg.page_size < v.start + e || c.pages.iter().any(|&p| p as usize >= cfg.num_pages) {
+                return Err(BackendError::InvalidStep(format!("seq {}: commit pages out of range", c.seq_id)));
             }
-            let mut view = PagedSeq { backend: caches, slot, pages: &c.pages };
-            if c.start == 0 {
-                // A new (or recomputed) sequence starts from a zeroed state.
-                for (i, kind) in self.model.config.layer_types.iter().enumerate() {
-                    if *kind == LayerKind::DeltaNet {
-                        let (conv, rec) = view.deltanet_state(i);
-                        conv.fill(0.0);
-                        rec.fill(0.0);
-                    }
-                }
+            let err = |e: ForwardError| BackendError::InvalidStep(format!("seq {}: {e}", c.seq_id));
+            let mut view = PagedSeq { backend: &mut self.caches, slot: c.slot as usize, pages: &c.pages };
+            for (layer, trace) in &v.traces {
+                let (conv, rec) = view.deltanet_state(*layer);
+                self.model.replay_gdn(trace, e, conv, rec).map_err(err)?;
             }
-            let row = self
-                .model
-                .forward_cached(&mut view, c.start, &c.tokens, GdnMode::Auto, Logits::Last)
-                .map_err(|e| BackendError::InvalidStep(format!("seq {}: {e}", c.seq_id)))?;
-            if c.want_logits {
-                logits.extend_from_slice(&row);
-            }
-        }
-        for op in &batch.post {
-            caches.apply(op)?;
+            // The head's cache entries of the accepted drafts, from the main model's hidden rows.
+            let h = self.model.dims.hidden;
+            let mtp_layer = self.model.dims.num_layers;
+            self.model
+                .mtp_forward(&mut view, mtp_layer, v.start + 1, &v.rows[..(e - 1) * h], &v.tokens[1..e])
+                .map_err(err)?;
+            view.pending_hidden().copy_from_slice(&v.rows[(e - 1) * h..e * h]);
         }
         Ok(())
     }
@@ -261,7 +523,8 @@ impl Backend for CpuBackend {
 }
 
 impl Caches {
-    /// (offset, len) of each DeltaNet layer's conv and recurrent state of `slot` in the arena.
+    /// (offset, len) of each DeltaNet layer's conv and recurrent state of `slot` in the arena, then the
+    /// pending hidden row when speculation is on.
     fn slot_parts(&self, slot: usize) -> Vec<(usize, usize)> {
         let mut parts = Vec::new();
         for l in &self.layers {
@@ -269,6 +532,9 @@ impl Caches {
                 parts.push((conv + slot * self.conv_len, self.conv_len));
                 parts.push((recurrent + slot * self.rec_len, self.rec_len));
             }
+        }
+        if let Some(base) = self.pending_hidden {
+            parts.push((base + slot * self.hidden, self.hidden));
         }
         parts
     }

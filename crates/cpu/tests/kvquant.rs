@@ -247,6 +247,7 @@ fn paged_logits(k: KvFormat, v: KvFormat, tokens: &[u32], chunks: &[usize]) -> V
                 start: at,
                 tokens: tokens[at..at + c].to_vec(),
                 want_logits: true,
+                draft: 0,
             }],
             ..StepBatch::default()
         };

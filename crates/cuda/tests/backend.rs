@@ -171,7 +171,15 @@ impl Score {
 }
 
 fn chunk(slot: u32, pages: &[u32], start: usize, tokens: &[u32]) -> SeqChunk {
-    SeqChunk { seq_id: slot as u64, slot, pages: pages.to_vec(), start, tokens: tokens.to_vec(), want_logits: true }
+    SeqChunk {
+        seq_id: slot as u64,
+        slot,
+        pages: pages.to_vec(),
+        start,
+        tokens: tokens.to_vec(),
+        want_logits: true,
+        draft: 0,
+    }
 }
 
 fn one(c: SeqChunk) -> StepBatch {

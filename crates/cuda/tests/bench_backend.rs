@@ -119,6 +119,7 @@ fn bench_27b() {
             start,
             tokens: tokens.to_vec(),
             want_logits: true,
+            draft: 0,
         }],
         post: vec![],
     };

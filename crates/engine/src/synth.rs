@@ -8,7 +8,7 @@ use deltaserve_model::ModelError;
 use deltaserve_model::synth::{Preset, write_model};
 
 /// Version of the demo model's recipe; bump when the synthetic generator changes.
-const DEMO_VERSION: &str = "tiny-seed0-v2";
+const DEMO_VERSION: &str = "tiny-seed0-v3";
 
 /// Writes a full model directory for `preset`.
 pub fn write_synthetic_model(

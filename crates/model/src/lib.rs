@@ -17,4 +17,4 @@ pub use checkpoint::{Checkpoint, DType, TensorRef};
 pub use config::{Arch, Dims, LayerKind, ModelConfig};
 pub use error::ModelError;
 pub use quant::{Quantization, QuantizedSource};
-pub use weights::{AttentionWeights, DeltaNetWeights, LayerWeights, MixerWeights, MlpWeights, ModelWeights};
+pub use weights::{AttentionWeights, DeltaNetWeights, LayerWeights, MixerWeights, MlpWeights, ModelWeights, MtpWeights};

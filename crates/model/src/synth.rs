@@ -44,7 +44,7 @@ impl Preset {
     /// The `text_config` object, with `layers` decoder layers (None: the preset's own count).
     pub fn text_config(self, layers: Option<usize>) -> Value {
         let (hidden, n, heads, kv, hd, lk, lv, dk, dv, inter, vocab, mtp) = match self {
-            Self::Tiny => (128, 4, 4, 2, 32, 2, 6, 32, 32, 256, 1024, 0),
+            Self::Tiny => (128, 4, 4, 2, 32, 2, 6, 32, 32, 256, 1024, 1),
             Self::Qwen36_27b => (5120, 64, 24, 4, 256, 16, 48, 128, 128, 17408, 248_320, 1),
         };
         let n = layers.unwrap_or(n);
@@ -113,6 +113,24 @@ impl Preset {
     }
 }
 
+/// Which MTP head (and main-model variant) [`write_model_with`] writes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum MtpVariant {
+    /// A random MTP head when the preset declares one (`mtp_num_hidden_layers` ≥ 1): its drafts are
+    /// almost always rejected (the reject path of speculative decoding).
+    Random,
+    /// No MTP head: `mtp_num_hidden_layers: 0` and no `mtp.*` tensors.
+    None,
+    /// A head built to agree with the main model. The main layers' residual contributions (`out_proj`,
+    /// `o_proj`, `down_proj`) are scaled by `residual_scale`; with 0 they vanish, so the main model's
+    /// next-token logits depend only on the current token (`lm_head(norm(embed(x)))`). The head's `fc`
+    /// picks the (normed, unit-weight) embedding half, its block adds zero (`o_proj`, `down_proj` = 0)
+    /// and `mtp.norm` equals the final norm, so it predicts from `x_{t+1}` what the main model will
+    /// predict at `t+1`: every draft is accepted (up to rounding of a common positive scale). A small
+    /// non-zero `residual_scale` gives partial acceptance on a model whose state matters.
+    Agreeing { residual_scale: f32 },
+}
+
 /// How a tensor is initialised.
 #[derive(Clone, Copy, Debug)]
 enum Init {
@@ -121,10 +139,76 @@ enum Init {
     OnePlusNormal(f32),
     /// ln(Uniform(1, 16)): `A_log`.
     LogUniform1To16,
+    /// All zeros.
+    Zero,
+    /// `[n, 2n]`: the identity in the first n columns, zeros in the rest.
+    IdentityLeft,
+}
+
+/// One tensor to write: stored name, shape, init, and the name its random stream is seeded from.
+struct Spec {
+    name: String,
+    shape: Vec<usize>,
+    init: Init,
+    seed_name: String,
+}
+
+/// Every tensor of a Qwen3.5-layout checkpoint (text model + MTP head) for `variant`.
+fn tensor_specs(cfg: &ModelConfig, variant: MtpVariant) -> Vec<Spec> {
+    let d = cfg.dims();
+    let h = d.hidden;
+    let p = "model.language_model.";
+    let mut specs: Vec<Spec> = text_tensor_specs(cfg)
+        .into_iter()
+        .map(|(name, shape, init)| Spec { seed_name: name.clone(), name, shape, init })
+        .collect();
+    if let MtpVariant::Agreeing { residual_scale } = variant {
+        for s in &mut specs {
+            let residual = ["linear_attn.out_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight"];
+            if residual.iter().any(|r| s.name.ends_with(r))
+                && let Init::Normal(std) = s.init
+            {
+                s.init = if residual_scale == 0.0 { Init::Zero } else { Init::Normal(std * residual_scale) };
+            }
+        }
+    }
+    if cfg.mtp_num_hidden_layers == 0 || variant == MtpVariant::None {
+        return specs;
+    }
+    let agree = matches!(variant, MtpVariant::Agreeing { .. });
+    let lin = |out: usize, inp: usize| (vec![out, inp], Init::Normal(1.0 / (inp as f32).sqrt()));
+    let norm = |n: usize| (vec![n], Init::Normal(0.1));
+    let zero = |out: usize, inp: usize| (vec![out, inp], Init::Zero);
+    let mut mtp: Vec<(String, (Vec<usize>, Init))> = vec![
+        ("mtp.fc.weight".into(), if agree { (vec![h, 2 * h], Init::IdentityLeft) } else { lin(h, 2 * h) }),
+        ("mtp.pre_fc_norm_embedding.weight".into(), if agree { (vec![h], Init::Zero) } else { norm(h) }),
+        ("mtp.pre_fc_norm_hidden.weight".into(), norm(h)),
+        ("mtp.norm.weight".into(), norm(h)),
+    ];
+    let l = |s: &str| format!("mtp.layers.0.{s}");
+    mtp.extend([
+        (l("input_layernorm.weight"), norm(h)),
+        (l("post_attention_layernorm.weight"), norm(h)),
+        (l("self_attn.q_proj.weight"), lin(2 * d.attn_dim, h)),
+        (l("self_attn.k_proj.weight"), lin(d.kv_dim, h)),
+        (l("self_attn.v_proj.weight"), lin(d.kv_dim, h)),
+        (l("self_attn.o_proj.weight"), if agree { zero(h, d.attn_dim) } else { lin(h, d.attn_dim) }),
+        (l("self_attn.q_norm.weight"), norm(d.head_dim)),
+        (l("self_attn.k_norm.weight"), norm(d.head_dim)),
+        (l("mlp.gate_proj.weight"), lin(d.intermediate, h)),
+        (l("mlp.up_proj.weight"), lin(d.intermediate, h)),
+        (l("mlp.down_proj.weight"), if agree { zero(h, d.intermediate) } else { lin(h, d.intermediate) }),
+    ]);
+    for (name, (shape, init)) in mtp {
+        // The agreeing head's final norm is the main model's (same random stream, same bytes).
+        let seed_name = if agree && name == "mtp.norm.weight" { format!("{p}norm.weight") } else { name.clone() };
+        specs.push(Spec { name, shape, init, seed_name });
+    }
+    specs
 }
 
 /// (stored name, shape, init) of every text-model tensor of a Qwen3.5-layout checkpoint.
-fn tensor_specs(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, Init)> {
+fn text_tensor_specs(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, Init)> {
     let d = cfg.dims();
     let h = d.hidden;
     let lin = |out: usize, inp: usize| (vec![out, inp], Init::Normal(1.0 / (inp as f32).sqrt()));
@@ -169,17 +253,32 @@ fn tensor_specs(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, Init)> {
     v.into_iter().map(|(n, (s, i))| (n, s, i)).collect()
 }
 
-/// Writes config.json, generation_config.json and model.safetensors (bf16) for `preset` into `dir`.
-/// `progress` is called with (bytes written, total bytes).
+/// Writes config.json, generation_config.json and model.safetensors (bf16) for `preset` into `dir`,
+/// with a random MTP head when the preset has one. `progress` is called with (bytes written, total bytes).
 pub fn write_model(
     dir: &Path,
     preset: Preset,
     layers: Option<usize>,
     seed: u64,
+    progress: impl FnMut(u64, u64),
+) -> Result<ModelConfig, ModelError> {
+    write_model_with(dir, preset, layers, seed, MtpVariant::Random, progress)
+}
+
+/// [`write_model`] with a choice of MTP head (see [`MtpVariant`]).
+pub fn write_model_with(
+    dir: &Path,
+    preset: Preset,
+    layers: Option<usize>,
+    seed: u64,
+    variant: MtpVariant,
     mut progress: impl FnMut(u64, u64),
 ) -> Result<ModelConfig, ModelError> {
     std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
-    let config = preset.config_json(layers);
+    let mut config = preset.config_json(layers);
+    if variant == MtpVariant::None {
+        config["text_config"]["mtp_num_hidden_layers"] = json!(0);
+    }
     let text = serde_json::to_string_pretty(&config).map_err(|e| ModelError::config(e.to_string()))?;
     let cfg = ModelConfig::from_json_str(&text)?;
     write_file(&dir.join("config.json"), text.as_bytes())?;
@@ -187,23 +286,26 @@ pub fn write_model(
     let gen_cfg = json!({ "eos_token_id": [mergeable + 2, mergeable], "do_sample": false });
     write_file(&dir.join("generation_config.json"), gen_cfg.to_string().as_bytes())?;
 
-    let specs = tensor_specs(&cfg);
+    let specs = tensor_specs(&cfg, variant);
     let headers: Vec<TensorHeader> = specs
         .iter()
-        .map(|(name, shape, _)| TensorHeader { name: name.clone(), dtype: DType::BF16, shape: shape.clone() })
+        .map(|s| TensorHeader { name: s.name.clone(), dtype: DType::BF16, shape: s.shape.clone() })
         .collect();
-    let total: u64 = specs.iter().map(|(_, s, _)| s.iter().product::<usize>() as u64 * 2).sum();
+    let total: u64 = specs.iter().map(|s| s.shape.iter().product::<usize>() as u64 * 2).sum();
     let mut written = 0u64;
     write_safetensors(&dir.join("model.safetensors"), &headers, |i, buf| {
-        let (name, shape, init) = &specs[i];
+        let Spec { shape, init, seed_name, .. } = &specs[i];
         let n: usize = shape.iter().product();
-        let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed ^ fnv1a(name.as_bytes()));
+        let cols = shape.last().copied().unwrap_or(1);
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed ^ fnv1a(seed_name.as_bytes()));
         buf.reserve(n * 2);
-        for _ in 0..n {
+        for idx in 0..n {
             let x = match *init {
                 Init::Normal(std) => std * normal(&mut rng),
                 Init::OnePlusNormal(std) => 1.0 + std * normal(&mut rng),
                 Init::LogUniform1To16 => (1.0 + 15.0 * rng.random::<f32>()).ln(),
+                Init::Zero => 0.0,
+                Init::IdentityLeft => f32::from(idx / cols == idx % cols),
             };
             buf.extend_from_slice(&half::bf16::from_f32(x).to_bits().to_le_bytes());
         }

@@ -2,8 +2,9 @@
 //! backend wants. [`ModelWeights::load`] maps HF names (`model.language_model.*` or `model.*`,
 //! `lm_head.weight` or tied embeddings), checks every shape (errors name the tensor and both shapes),
 //! unpacks Qwen3-Next's `in_proj_qkvz` / `in_proj_ba` into the Qwen3.5 layout, skips `model.visual.*`,
-//! and hands each tensor to a backend converter as a [`TensorSource`]. `mtp.*` tensors stay in the
-//! checkpoint for a later speculative-decoding head.
+//! and hands each tensor to a backend converter as a [`TensorSource`]. The `mtp.*` tensors (the
+//! multi-token-prediction head used for speculative decoding, arch doc §2.5 / §5.2) are loaded
+//! separately by [`ModelWeights::load_mtp`]; a checkpoint without them still loads.
 //!
 //! Linear weights of quantised checkpoints (GPTQ / AutoRound int4, block FP8; see [`crate::quant`])
 //! arrive as a [`TensorSource`] whose [`TensorSource::quantized`] holds the packed encoding;
@@ -143,6 +144,25 @@ pub struct ModelWeights<T> {
     /// [hidden], 1+w
     pub final_norm: T,
     pub layers: Vec<LayerWeights<T>>,
+    /// The MTP head (speculative decoding), when loaded with [`ModelWeights::load_mtp`].
+    pub mtp: Option<MtpWeights<T>>,
+}
+
+/// The multi-token-prediction head (arch doc §2.5): from the main model's post-final-norm hidden
+/// `h_t` and the embedding of the next token `e`, `x = fc([norm_e(e) | norm_h(h_t)])`, one gated
+/// full-attention decoder layer (its own KV cache), then `norm`; logits through the shared lm_head.
+/// It shares the embedding and lm_head with the main model.
+pub struct MtpWeights<T> {
+    /// [hidden, 2·hidden]: columns [embedding half | hidden half].
+    pub fc: T,
+    /// [hidden], 1+w, applied to the token embedding.
+    pub pre_fc_norm_embedding: T,
+    /// [hidden], 1+w, applied to the main model's hidden state.
+    pub pre_fc_norm_hidden: T,
+    /// [hidden], 1+w, after the decoder layer.
+    pub norm: T,
+    /// The decoder layer (always a gated attention mixer).
+    pub layer: LayerWeights<T>,
 }
 
 impl<T> ModelWeights<T> {
@@ -153,9 +173,12 @@ impl<T> ModelWeights<T> {
 }
 
 impl ModelWeights<HostTensor> {
-    /// Loads every weight as f32 host tensors (CPU reference backend).
+    /// Loads every weight as f32 host tensors (CPU reference backend), the MTP head included when
+    /// the checkpoint has one.
     pub fn load_f32(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Self, ModelError> {
-        Self::load(ckpt, cfg, |src| HostTensor::from_source(&src))
+        let mut w = Self::load(ckpt, cfg, |src| HostTensor::from_source(&src))?;
+        w.mtp = Self::load_mtp(ckpt, cfg, |src| HostTensor::from_source(&src))?;
+        Ok(w)
     }
 }
 
@@ -259,7 +282,57 @@ impl<T> ModelWeights<T> {
             tracing::warn!(count = unused.len(), first = unused[0], "checkpoint tensors not used by the text model");
         }
         tracing::info!(bytes = total, tensors = used.len(), "weights loaded");
-        Ok(Self { embed, lm_head, final_norm, layers })
+        Ok(Self { embed, lm_head, final_norm, layers, mtp: None })
+    }
+
+    /// The MTP head (`mtp.*`), converted with `convert`. `None` when the config declares no MTP layer
+    /// (`mtp_num_hidden_layers: 0`) or the checkpoint has no `mtp.fc.weight` (MTP tensors are often
+    /// stripped from quantised exports). A partial head (some `mtp.*` tensors missing) is an error that
+    /// names the missing tensor. Only the first MTP layer is used (Qwen3.5/3.6 ship one).
+    pub fn load_mtp(
+        ckpt: &Checkpoint,
+        cfg: &ModelConfig,
+        mut convert: impl FnMut(TensorSource<'_>) -> Result<T, ModelError>,
+    ) -> Result<Option<MtpWeights<T>>, ModelError> {
+        if cfg.mtp_num_hidden_layers == 0 || !ckpt.contains("mtp.fc.weight") {
+            return Ok(None);
+        }
+        if cfg.mtp_num_hidden_layers > 1 {
+            tracing::warn!(layers = cfg.mtp_num_hidden_layers, "only the first MTP layer is used for drafting");
+        }
+        let d = cfg.dims();
+        let h = d.hidden;
+        let q = cfg.quantization.as_ref();
+        let mut lin =
+            |name: &str, shape: [usize; 2]| -> Result<T, ModelError> { convert(linear(ckpt, q, name, shape)?) };
+        let fc = lin("mtp.fc.weight", [h, 2 * h])?;
+        let q_proj = lin("mtp.layers.0.self_attn.q_proj.weight", [2 * d.attn_dim, h])?;
+        let k_proj = lin("mtp.layers.0.self_attn.k_proj.weight", [d.kv_dim, h])?;
+        let v_proj = lin("mtp.layers.0.self_attn.v_proj.weight", [d.kv_dim, h])?;
+        let o_proj = lin("mtp.layers.0.self_attn.o_proj.weight", [h, d.attn_dim])?;
+        let gate_proj = lin("mtp.layers.0.mlp.gate_proj.weight", [d.intermediate, h])?;
+        let up_proj = lin("mtp.layers.0.mlp.up_proj.weight", [d.intermediate, h])?;
+        let down_proj = lin("mtp.layers.0.mlp.down_proj.weight", [h, d.intermediate])?;
+        let mut vec = |name: &str, n: usize| -> Result<T, ModelError> { convert(direct(ckpt, name, &[n])?) };
+        Ok(Some(MtpWeights {
+            fc,
+            pre_fc_norm_embedding: vec("mtp.pre_fc_norm_embedding.weight", h)?,
+            pre_fc_norm_hidden: vec("mtp.pre_fc_norm_hidden.weight", h)?,
+            norm: vec("mtp.norm.weight", h)?,
+            layer: LayerWeights {
+                input_norm: vec("mtp.layers.0.input_layernorm.weight", h)?,
+                post_norm: vec("mtp.layers.0.post_attention_layernorm.weight", h)?,
+                mixer: MixerWeights::Attention(AttentionWeights {
+                    q_proj,
+                    k_proj,
+                    v_proj,
+                    o_proj,
+                    q_norm: vec("mtp.layers.0.self_attn.q_norm.weight", d.head_dim)?,
+                    k_norm: vec("mtp.layers.0.self_attn.k_norm.weight", d.head_dim)?,
+                }),
+                mlp: MlpWeights { gate_proj, up_proj, down_proj },
+            },
+        }))
     }
 }
 

@@ -428,6 +428,7 @@ impl Scheduler {
             start: s.cached,
             tokens: s.tokens[s.cached..s.cached + n].to_vec(),
             want_logits: s.cached + n == s.tokens.len(),
+            draft: 0,
         }
     }
 
