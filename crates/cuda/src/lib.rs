@@ -6,6 +6,7 @@
 //!   [`nvrtc::kernels_check`] compiles all of them for sm_80/86/89/90 without a GPU;
 //! - [`ops`]: one launcher file per kernel file (same name), raw `u64` device pointers in;
 //! - [`gemm`]: `y = x · Wᵀ` through cuBLASLt with per-shape cached algorithms;
+//! - [`w4`]: the device format of 4-bit (W4A16) linears: GPTQ conversion, reference quantiser;
 //! - [`backend`]: [`CudaBackend`], the engine's `Backend` over the static plan's memory.
 //!
 //! Dtypes: activations bf16 in device memory, math in f32, DeltaNet state f32.
@@ -17,6 +18,7 @@ pub mod gemm;
 pub mod nvrtc;
 pub mod ops;
 pub mod runtime;
+pub mod w4;
 
 pub use arena::{Arena, DevSpan, RegionId};
 pub use backend::{CudaBackend, WeightSource};

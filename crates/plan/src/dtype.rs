@@ -49,7 +49,7 @@ impl WeightsDtype {
                 let groups = i.div_ceil(g);
                 let data = o * i.div_ceil(2);
                 let scales = o * groups * 2;
-                let zeros = if asym { o * groups.div_ceil(2) } else { 0 };
+                let zeros = if asym { groups * o.div_ceil(2) } else { 0 }; // [groups, ceil(out/2)] nibbles
                 data + scales + zeros
             }
             Self::Fp8Block => o * i + o.div_ceil(g) * i.div_ceil(g) * 4,
