@@ -3,6 +3,15 @@
 //! request, queues it and returns a [`RequestStream`] of [`Event`]s; dropping the stream cancels the
 //! request and frees its pages and slot at the next step. Nothing the engine thread does blocks on a
 //! client: events go through unbounded channels, commands through a channel the thread drains.
+//!
+//! Speculative decoding ([`EngineHandle::start_speculative`]): a decoding sequence's step drafts up to
+//! K tokens with the model's MTP head, verifies them in one forward and emits 1..=K+1 tokens. Greedy
+//! requests keep the longest prefix of drafts equal to what the target picks (so their outputs are
+//! those of plain decoding, token for token); sampling requests use rejection sampling (accept draft
+//! `d` with probability `min(1, p(d)/q(d))`, else draw from `max(0, p − q)`), which preserves the target
+//! distribution `p` (the sampler's, penalties and cuts included); `q` is the head's softmax at the
+//! request's temperature. Emission stops at a stop token, stop string or `max_tokens` like plain
+//! decoding, and only the emitted positions are committed to the sequence's state.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -10,13 +19,13 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use deltaserve_backend::{ArenaStats, Backend};
+use deltaserve_backend::{ArenaStats, Backend, SpecCommit};
 use deltaserve_sched::{AdmitError, SchedConfig, SchedStats, Scheduler, SeqId, SeqOptions, check_request};
 use deltaserve_text::{IncrementalDecoder, StopMatcher, Tokenizer};
 use tokio::sync::mpsc as tmpsc;
 
 use crate::generate::FinishReason;
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::{Sampler, SamplingParams, speculative_pick};
 
 /// A validated generation request, in tokens.
 #[derive(Clone, Debug, Default)]
@@ -100,6 +109,23 @@ pub struct EngineStats {
     pub requests_failed: u64,
     pub prompt_tokens: u64,
     pub generated_tokens: u64,
+    /// Speculative decoding: sequence-steps that verified drafts, drafts made, drafts accepted (and
+    /// emitted), tokens emitted by those steps.
+    pub spec_steps: u64,
+    pub spec_drafted: u64,
+    pub spec_accepted: u64,
+    pub spec_emitted: u64,
+}
+
+impl EngineStats {
+    /// Accepted drafts / drafts made (0 without speculation).
+    pub fn acceptance_rate(&self) -> f64 {
+        if self.spec_drafted == 0 { 0.0 } else { self.spec_accepted as f64 / self.spec_drafted as f64 }
+    }
+    /// Tokens emitted per speculative sequence-step (0 without speculation).
+    pub fn tokens_per_spec_step(&self) -> f64 {
+        if self.spec_steps == 0 { 0.0 } else { self.spec_emitted as f64 / self.spec_steps as f64 }
+    }
 }
 
 enum Command {
@@ -163,9 +189,48 @@ impl Drop for RequestStream {
     }
 }
 
+/// The most draft tokens per step `--speculative-tokens` accepts.
+pub const MAX_SPECULATIVE_TOKENS: usize = 4;
+
 impl EngineHandle {
     /// Starts the engine thread over `backend`.
     pub fn start(backend: Box<dyn Backend>, sched_cfg: SchedConfig, tokenizer: Option<Arc<Tokenizer>>) -> Self {
+        Self::spawn(backend, sched_cfg, tokenizer, 0)
+    }
+
+    /// Starts the engine with speculative decoding: `k` (1..=4) drafts per decode step. Errors when `k`
+    /// is out of range or the backend cannot draft that many (no MTP head, or no support).
+    pub fn start_speculative(
+        backend: Box<dyn Backend>,
+        sched_cfg: SchedConfig,
+        tokenizer: Option<Arc<Tokenizer>>,
+        k: usize,
+    ) -> Result<Self, EngineError> {
+        if !(1..=MAX_SPECULATIVE_TOKENS).contains(&k) {
+            return Err(EngineError::Invalid(format!(
+                "speculative tokens must be 1..={MAX_SPECULATIVE_TOKENS}, got {k}"
+            )));
+        }
+        let most = backend.max_draft_tokens();
+        if most < k {
+            return Err(EngineError::Invalid(if most == 0 {
+                format!(
+                    "backend {} cannot draft tokens (no MTP head, or speculative decoding unsupported)",
+                    backend.name()
+                )
+            } else {
+                format!("backend {} drafts at most {most} tokens per step, {k} requested", backend.name())
+            }));
+        }
+        Ok(Self::spawn(backend, sched_cfg, tokenizer, k))
+    }
+
+    fn spawn(
+        backend: Box<dyn Backend>,
+        sched_cfg: SchedConfig,
+        tokenizer: Option<Arc<Tokenizer>>,
+        spec: usize,
+    ) -> Self {
         let (tx, rx) = mpsc::channel();
         let shared = Arc::new(Shared {
             stats: Mutex::new(EngineStats::default()),
@@ -178,7 +243,7 @@ impl EngineHandle {
         }
         let valid_vocab = tokenizer.as_ref().map_or(vocab, |t| t.vocab_size().min(vocab));
         let worker = Worker {
-            sched: Scheduler::new(sched_cfg.clone()),
+            sched: Scheduler::new(sched_cfg.clone()).with_speculation(spec),
             backend,
             tokenizer,
             valid_vocab,
@@ -241,6 +306,15 @@ impl EngineHandle {
             let _ = t.join();
         }
     }
+}
+
+/// What happened to a request when a token was emitted.
+enum Emit {
+    Continue,
+    /// It is done (the caller finishes it once the step's commits are made).
+    Finish(FinishReason),
+    /// Its client went away (cancelled).
+    Gone,
 }
 
 /// Per-request state on the engine thread.
@@ -398,7 +472,24 @@ impl Worker {
             return;
         }
         self.logits.clear();
-        if let Err(e) = self.backend.step(&plan.batch, &mut self.logits) {
+        let mut drafts: Vec<Vec<u32>> = Vec::new();
+        // Sampling requests' draft distributions (q), per sequence in draft order.
+        let mut q_rows: HashMap<SeqId, Vec<Vec<f32>>> = HashMap::new();
+        let result = if self.sched.speculative_tokens() > 0 {
+            let reqs = &mut self.reqs;
+            let mut pick = |seq: u64, _i: usize, row: &[f32]| -> u32 {
+                let Some(live) = reqs.get_mut(&seq) else { return 0 };
+                let (token, q) = live.sampler.draft(row);
+                if let Some(q) = q {
+                    q_rows.entry(seq).or_default().push(q);
+                }
+                token
+            };
+            self.backend.step_speculative(&plan.batch, &mut pick, &mut self.logits, &mut drafts)
+        } else {
+            self.backend.step(&plan.batch, &mut self.logits)
+        };
+        if let Err(e) = result {
             tracing::error!(error = %e, "backend step failed; failing the requests in the step");
             self.sched.clear_prefix_cache();
             for c in &plan.batch.seqs {
@@ -413,19 +504,114 @@ impl Worker {
         let vocab = self.backend.vocab_size();
         let mut logits = std::mem::take(&mut self.logits);
         let mut rows = logits.chunks_exact_mut(vocab);
-        for c in plan.batch.seqs.iter().filter(|c| c.want_logits) {
-            let Some(row) = rows.next() else { break };
-            self.emit_token(c.seq_id, row);
+        let mut drafts = drafts.into_iter();
+        let mut commits = Vec::new();
+        let mut finished = Vec::new();
+        for c in &plan.batch.seqs {
+            if c.draft == 0 {
+                if !c.want_logits {
+                    continue;
+                }
+                let Some(row) = rows.next() else { break };
+                let token = self.sample(c.seq_id, row);
+                if let Some(token) = token
+                    && let Emit::Finish(r) = self.emit(c.seq_id, token.0, token.1)
+                {
+                    finished.push((c.seq_id, r));
+                }
+                continue;
+            }
+            let verified: Vec<&mut [f32]> = rows.by_ref().take(c.draft + 1).collect();
+            let draft = drafts.next().unwrap_or_default();
+            if verified.len() != c.draft + 1 || draft.len() != c.draft {
+                self.fail(c.seq_id, EngineError::Backend("speculative step returned too few rows or drafts".into()));
+                continue;
+            }
+            let q = q_rows.remove(&c.seq_id);
+            let (emitted, accepted, end) = self.accept(c.seq_id, &draft, verified, q);
+            if let Ok(mut s) = self.shared.stats.lock() {
+                s.spec_steps += 1;
+                s.spec_drafted += c.draft as u64;
+                s.spec_accepted += accepted as u64;
+                s.spec_emitted += emitted as u64;
+            }
+            if self.reqs.contains_key(&c.seq_id) && emitted > 0 {
+                self.sched.accept_drafts(c.seq_id, emitted - 1);
+                commits.push(SpecCommit {
+                    seq_id: c.seq_id,
+                    slot: c.slot,
+                    pages: c.pages.clone(),
+                    start: c.start,
+                    accepted: emitted,
+                });
+            }
+            if let Some(r) = end {
+                finished.push((c.seq_id, r));
+            }
         }
         self.logits = logits;
+        if let Err(e) = self.backend.commit_speculative(&commits) {
+            tracing::error!(error = %e, "speculative commit failed; failing its requests");
+            self.sched.clear_prefix_cache();
+            for c in &commits {
+                self.fail(c.seq_id, EngineError::Backend(e.to_string()));
+            }
+            finished.retain(|(id, _)| !commits.iter().any(|c| c.seq_id == *id));
+        }
+        for (id, reason) in finished {
+            self.finish(id, reason);
+        }
     }
 
-    /// Samples the next token of `id` from its logits row and streams it.
-    fn emit_token(&mut self, id: SeqId, row: &mut [f32]) {
-        let Some(live) = self.reqs.get_mut(&id) else { return };
+    /// Samples the next token of `id` from its logits row: (token, raw row when logprobs were asked).
+    fn sample(&mut self, id: SeqId, row: &mut [f32]) -> Option<(u32, Option<Vec<f32>>)> {
+        let live = self.reqs.get_mut(&id)?;
         let raw = live.req.logprobs.map(|_| row.to_vec());
         let context = self.sched.tokens(id).unwrap_or(&[]);
-        let token = live.sampler.sample(row, context);
+        Some((live.sampler.sample(row, context), raw))
+    }
+
+    /// Emits the verified tokens of a speculative chunk of `id`: row i of `rows` is the target's logits
+    /// after the chunk's token and drafts `..i`. Returns (tokens emitted, drafts among them, finish).
+    fn accept(
+        &mut self,
+        id: SeqId,
+        drafts: &[u32],
+        rows: Vec<&mut [f32]>,
+        q: Option<Vec<Vec<f32>>>,
+    ) -> (usize, usize, Option<FinishReason>) {
+        let (mut emitted, mut accepted) = (0, 0);
+        for (i, row) in rows.into_iter().enumerate() {
+            let Some(live) = self.reqs.get_mut(&id) else { break };
+            let raw = live.req.logprobs.map(|_| row.to_vec());
+            let context = self.sched.tokens(id).unwrap_or(&[]);
+            let draft = drafts.get(i).copied();
+            let (token, is_draft) = match (draft, q.as_ref().and_then(|q| q.get(i))) {
+                // Sampling: rejection sampling against the draft distribution q.
+                (Some(d), Some(qi)) if !live.sampler.is_greedy() => {
+                    let p = live.sampler.distribution(row, context);
+                    speculative_pick(&mut live.sampler, &p, qi, d)
+                }
+                // Greedy (or the bonus row): the target's own pick; a draft survives if it is that pick.
+                _ => {
+                    let t = live.sampler.sample(row, context);
+                    (t, draft == Some(t))
+                }
+            };
+            emitted += 1;
+            accepted += usize::from(is_draft);
+            match self.emit(id, token, raw) {
+                Emit::Continue if is_draft => {}
+                Emit::Continue | Emit::Gone => return (emitted, accepted, None),
+                Emit::Finish(r) => return (emitted, accepted, Some(r)),
+            }
+        }
+        (emitted, accepted, None)
+    }
+
+    /// Streams a chosen token of `id` (with its logprobs from the `raw` row) and applies the stop rules.
+    fn emit(&mut self, id: SeqId, token: u32, raw: Option<Vec<f32>>) -> Emit {
+        let Some(live) = self.reqs.get_mut(&id) else { return Emit::Gone };
         let logprob = raw.zip(live.req.logprobs).map(|(raw, k)| token_logprob(&raw, self.valid_vocab, token, k));
         live.sampler.observe(token);
         live.generated += 1;
@@ -464,12 +650,13 @@ impl Worker {
                 None => text.push_str(&live.stops.flush()),
             }
         }
-        if live.tx.send(Event::Token { id: token, text, logprob: logprob.clone() }).is_err() {
+        if live.tx.send(Event::Token { id: token, text, logprob }).is_err() {
             self.cancel(id);
-            return;
+            return Emit::Gone;
         }
-        if let Some(reason) = reason {
-            self.finish(id, reason);
+        match reason {
+            Some(r) => Emit::Finish(r),
+            None => Emit::Continue,
         }
     }
 

@@ -10,6 +10,9 @@ pub mod generate;
 pub mod sampling;
 pub mod synth;
 
-pub use engine::{EngineError, EngineHandle, EngineStats, Event, Request, RequestStream, Timing, TokenLogprob, Usage};
+pub use engine::{
+    EngineError, EngineHandle, EngineStats, Event, MAX_SPECULATIVE_TOKENS, Request, RequestStream, Timing,
+    TokenLogprob, Usage,
+};
 pub use generate::{FinishReason, GenerateError, GenerateOutput, GenerateRequest, generate};
 pub use sampling::{Sampler, SamplingParams};

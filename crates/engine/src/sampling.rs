@@ -109,6 +109,84 @@ impl Sampler {
         if self.params.is_greedy() {
             return argmax(logits);
         }
+        let (cand, probs) = self.candidates(logits);
+        let total: f32 = probs.iter().sum();
+        let mut r = self.rng.random::<f32>() * total;
+        for (i, p) in probs.iter().enumerate() {
+            if r < *p {
+                return cand[i].0;
+            }
+            r -= p;
+        }
+        cand[probs.len() - 1].0
+    }
+
+    /// The distribution [`Sampler::sample`] draws from (non-greedy parameters), dense over the valid
+    /// ids: penalties, temperature, top-k, top-p and min-p applied, normalised. `logits` is modified.
+    pub fn distribution(&self, logits: &mut [f32], context: &[u32]) -> Vec<f32> {
+        let n = self.valid_vocab.min(logits.len());
+        let logits = &mut logits[..n];
+        self.apply_penalties(logits, context);
+        let mut dense = vec![0.0f32; n];
+        if self.params.is_greedy() {
+            dense[argmax(logits) as usize] = 1.0;
+            return dense;
+        }
+        let (cand, probs) = self.candidates(logits);
+        let total: f32 = probs.iter().sum();
+        for (&(id, _), p) in cand.iter().zip(&probs) {
+            dense[id as usize] = p / total;
+        }
+        dense
+    }
+
+    /// A speculative draft from the draft head's logits `row`: greedy requests take the argmax (no
+    /// penalties: a draft is only a guess); sampling requests draw from `softmax(row / temperature)` over
+    /// the valid ids and also get that distribution back (the `q` of rejection sampling).
+    pub fn draft(&mut self, row: &[f32]) -> (u32, Option<Vec<f32>>) {
+        let row = &row[..self.valid_vocab.min(row.len())];
+        if self.params.is_greedy() {
+            return (argmax(row), None);
+        }
+        let inv_t = 1.0 / self.params.temperature;
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l * inv_t));
+        let mut q: Vec<f32> = row.iter().map(|&l| (l * inv_t - max).exp()).collect();
+        let sum: f32 = q.iter().sum();
+        q.iter_mut().for_each(|x| *x /= sum);
+        let token = self.draw(&q);
+        (token, Some(q))
+    }
+
+    /// A draw from unnormalised non-negative `weights` (the last positive id on rounding leftovers).
+    pub fn draw(&mut self, weights: &[f32]) -> u32 {
+        let total: f32 = weights.iter().sum();
+        let mut r = self.rng.random::<f32>() * total;
+        let mut last = 0;
+        for (i, &w) in weights.iter().enumerate() {
+            if w > 0.0 {
+                if r < w {
+                    return i as u32;
+                }
+                r -= w;
+                last = i;
+            }
+        }
+        last as u32
+    }
+
+    /// A uniform draw in [0, 1) from this request's RNG.
+    pub fn uniform(&mut self) -> f32 {
+        self.rng.random::<f32>()
+    }
+
+    /// Whether this request decodes greedily.
+    pub fn is_greedy(&self) -> bool {
+        self.params.is_greedy()
+    }
+
+    /// Candidates sorted by logit (descending, ties by id) after temperature, top-k, top-p and min-p,
+    /// with their (unnormalised after the cuts) probabilities.
+    fn candidates(&self, logits: &[f32]) -> (Vec<(u32, f32)>, Vec<f32>) {
         let inv_t = 1.0 / self.params.temperature;
         // Candidates sorted by logit, descending (ties: lower id first, for determinism).
         let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l * inv_t)).collect();
@@ -136,15 +214,7 @@ impl Sampler {
             let keep = probs.iter().take_while(|&&p| p >= floor).count().max(1);
             probs.truncate(keep);
         }
-        let total: f32 = probs.iter().sum();
-        let mut r = self.rng.random::<f32>() * total;
-        for (i, p) in probs.iter().enumerate() {
-            if r < *p {
-                return cand[i].0;
-            }
-            r -= p;
-        }
-        cand[probs.len() - 1].0
+        (cand, probs)
     }
 
     fn apply_penalties(&self, logits: &mut [f32], context: &[u32]) {
@@ -170,6 +240,21 @@ impl Sampler {
             }
         }
     }
+}
+
+/// One rejection-sampling decision of speculative decoding: draft `d` was drawn from `q`; accept it
+/// with probability `min(1, p(d)/q(d))`, else draw from the residual `max(0, p − q)` (normalised).
+/// The result is distributed exactly as `p` (Leviathan et al., 2023). Returns (token, accepted).
+pub fn speculative_pick(sampler: &mut Sampler, p: &[f32], q: &[f32], d: u32) -> (u32, bool) {
+    let pd = p.get(d as usize).copied().unwrap_or(0.0);
+    let qd = q.get(d as usize).copied().unwrap_or(0.0);
+    if sampler.uniform() * qd < pd {
+        return (d, true);
+    }
+    let residual: Vec<f32> =
+        p.iter().enumerate().map(|(i, &a)| (a - q.get(i).copied().unwrap_or(0.0)).max(0.0)).collect();
+    let t = if residual.iter().any(|&r| r > 0.0) { sampler.draw(&residual) } else { sampler.draw(p) };
+    (t, false)
 }
 
 /// Index of the largest value (lowest index on ties).
@@ -262,6 +347,73 @@ mod tests {
         let zeros = (0..n).filter(|_| s.sample(&mut logits.clone(), &[]) == 0).count();
         let frac = zeros as f64 / n as f64;
         assert!((frac - 0.5).abs() < 0.02, "P(0) = {frac}, expected 0.5");
+    }
+
+    /// Pearson's chi-square of `counts` against probabilities `p` (cells with p > 0).
+    fn chi_square(counts: &[u64], p: &[f32]) -> f64 {
+        let n: u64 = counts.iter().sum();
+        counts
+            .iter()
+            .zip(p)
+            .filter(|(_, p)| **p > 0.0)
+            .map(|(&c, &p)| {
+                let e = n as f64 * p as f64;
+                (c as f64 - e).powi(2) / e
+            })
+            .sum()
+    }
+
+    #[test]
+    fn rejection_sampling_preserves_the_target_distribution() {
+        // Small vocabulary; p and q overlap partly, q has mass where p has none and vice versa.
+        let p = [0.40f32, 0.25, 0.20, 0.10, 0.05, 0.0];
+        let q = [0.05f32, 0.10, 0.30, 0.05, 0.20, 0.30];
+        let mut s = Sampler::new(SamplingParams { seed: Some(12345), ..Default::default() }, 6);
+        let n = 200_000;
+        let mut counts = [0u64; 6];
+        let mut accepted = 0;
+        for _ in 0..n {
+            let d = s.draw(&q);
+            let (t, acc) = speculative_pick(&mut s, &p, &q, d);
+            counts[t as usize] += 1;
+            accepted += usize::from(acc);
+        }
+        // 4 degrees of freedom (5 cells with p > 0): the 0.999 quantile is 18.47. Seeded: deterministic.
+        let chi = chi_square(&counts, &p);
+        assert!(chi < 18.47, "chi-square {chi:.2} over {counts:?}");
+        assert_eq!(counts[5], 0, "a token the target excludes is never emitted");
+        // Acceptance probability is Σ min(p, q) = 0.05 + 0.10 + 0.20 + 0.05 + 0.05 = 0.45.
+        let rate = accepted as f64 / n as f64;
+        assert!((rate - 0.45).abs() < 0.01, "acceptance {rate}");
+        // Identical p and q: every draft is accepted.
+        let mut all = 0;
+        for _ in 0..1000 {
+            let d = s.draw(&p);
+            all += usize::from(speculative_pick(&mut s, &p, &p, d).1);
+        }
+        assert_eq!(all, 1000);
+    }
+
+    #[test]
+    fn distribution_is_what_sample_draws_from() {
+        let params = SamplingParams { temperature: 0.7, top_k: 5, top_p: 0.9, seed: Some(3), ..Default::default() };
+        let logits = [1.0f32, 0.5, 2.0, -1.0, 0.0, 1.5, 0.2, -0.3];
+        let s = Sampler::new(params.clone(), 8);
+        let p = s.distribution(&mut logits.clone(), &[]);
+        assert!((p.iter().sum::<f32>() - 1.0).abs() < 1e-5);
+        let mut s = Sampler::new(params, 8);
+        let n = 100_000;
+        let mut counts = [0u64; 8];
+        for _ in 0..n {
+            counts[s.sample(&mut logits.clone(), &[]) as usize] += 1;
+        }
+        for (i, (&c, &pi)) in counts.iter().zip(&p).enumerate() {
+            if pi == 0.0 {
+                assert_eq!(c, 0, "token {i} is outside the cuts");
+            }
+        }
+        let chi = chi_square(&counts, &p);
+        assert!(chi < 20.5, "chi-square {chi:.2}"); // ≤ 4 dof at 0.9995
     }
 
     #[test]

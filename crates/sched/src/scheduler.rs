@@ -5,6 +5,12 @@
 //! gives back its pages and slot, keeps its tokens (prompt + generated so far) and re-enters the
 //! front of the queue, so it later continues exactly where it was. No GPU, no clock, no async:
 //! tests drive it as a simulation.
+//!
+//! With speculative decoding ([`Scheduler::with_speculation`]) a decoding sequence's chunk carries up
+//! to K drafts (never more than its remaining `max_tokens` allow): the step costs `1 + drafts` tokens
+//! of the budget and pages for all those positions are reserved. [`Scheduler::commit`] counts only the
+//! chunk's token as cached; the engine then reports the accepted drafts with
+//! [`Scheduler::accept_drafts`], which also gives back the pages reserved for rejected positions.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -154,6 +160,8 @@ pub struct Scheduler {
     prefix: PrefixCache,
     /// Cache ops queued by [`Scheduler::finish`], run at the start of the next step.
     pending_pre: Vec<CacheOp>,
+    /// Most drafts per decode chunk (0: no speculative decoding).
+    spec_tokens: usize,
 }
 
 impl Scheduler {
@@ -178,7 +186,19 @@ impl Scheduler {
             next_arrival: 0,
             preemptions: 0,
             pending_pre: Vec::new(),
+            spec_tokens: 0,
         }
+    }
+
+    /// Speculative decoding: decode chunks carry up to `k` drafts.
+    pub fn with_speculation(mut self, k: usize) -> Self {
+        self.spec_tokens = k;
+        self
+    }
+
+    /// Most drafts per decode chunk (0: speculation off).
+    pub fn speculative_tokens(&self) -> usize {
+        self.spec_tokens
     }
 
     pub fn config(&self) -> &SchedConfig {
@@ -258,10 +278,13 @@ impl Scheduler {
                 continue; // preempted while making room for an older sequence
             }
             let n = self.chunk_len(id, budget);
+            let draft = self.drafts(id, budget - n);
             let cached = self.seqs[&id].cached;
-            if self.reserve_pages(id, cached + n, &mut plan, &mut budget) {
-                budget -= n;
-                plan.batch.seqs.push(self.chunk(id, n));
+            if self.reserve_pages(id, cached + n + draft, &mut plan, &mut budget) {
+                budget -= n + draft;
+                let mut c = self.chunk(id, n);
+                c.draft = draft;
+                plan.batch.seqs.push(c);
             }
         }
         // Admit waiting sequences while there is room, resuming from the prefix cache when possible.
@@ -279,8 +302,10 @@ impl Scheduler {
             plan.admitted.push(id);
             plan.batch.seqs.push(self.chunk(id, n));
         }
-        // Chunks that end at a snapshot point save the state after they run.
-        let ends: Vec<(SeqId, usize)> = plan.batch.seqs.iter().map(|c| (c.seq_id, c.start + c.tokens.len())).collect();
+        // Chunks that end at a snapshot point save the state after they run (prompt positions only:
+        // speculative chunks never end at one).
+        let ends: Vec<(SeqId, usize)> =
+            plan.batch.seqs.iter().filter(|c| c.draft == 0).map(|c| (c.seq_id, c.start + c.tokens.len())).collect();
         for (id, end) in ends {
             if self.seqs[&id].snapshot_points.binary_search(&end).is_ok() {
                 let mut ops = Vec::new();
@@ -289,6 +314,17 @@ impl Scheduler {
             }
         }
         plan
+    }
+
+    /// Drafts for `id`'s chunk this step: 0 unless it is decoding; at most K, what `spare` budget
+    /// allows, and one less than the tokens it may still emit (a step emits up to `1 + drafts`).
+    fn drafts(&self, id: SeqId, spare: usize) -> usize {
+        let s = &self.seqs[&id];
+        if self.spec_tokens == 0 || s.in_prefill() || s.tokens.len() == s.cached {
+            return 0;
+        }
+        let remaining = s.max_tokens.saturating_sub(s.generated());
+        self.spec_tokens.min(remaining.saturating_sub(1)).min(spare)
     }
 
     /// Tokens of `id` to run now: up to the budget and the next snapshot point.
@@ -390,7 +426,7 @@ impl Scheduler {
             plan.preempted.push(victim);
             plan.admitted.retain(|a| *a != victim);
             if let Some(i) = plan.batch.seqs.iter().position(|c| c.seq_id == victim) {
-                *budget += plan.batch.seqs.remove(i).tokens.len();
+                *budget += plan.batch.seqs.remove(i).positions();
             }
             if victim == id {
                 return false;
@@ -432,12 +468,29 @@ impl Scheduler {
         }
     }
 
-    /// Records that `plan.batch` ran: its tokens are now cached.
+    /// Records that `plan.batch` ran: its tokens are now cached (of a speculative chunk, its token;
+    /// the engine adds the accepted drafts with [`Scheduler::accept_drafts`]).
     pub fn commit(&mut self, plan: &StepPlan) {
         for c in &plan.batch.seqs {
             if let Some(s) = self.seqs.get_mut(&c.seq_id) {
                 s.cached = c.start + c.tokens.len();
             }
+        }
+    }
+
+    /// After a speculative chunk of `id` was committed: `accepted` of its drafts were kept (they are
+    /// cached now, and must already be appended as tokens), and the pages reserved beyond the cached
+    /// positions are given back.
+    pub fn accept_drafts(&mut self, id: SeqId, accepted: usize) {
+        let Some(s) = self.seqs.get_mut(&id) else { return };
+        if s.slot.is_none() {
+            return;
+        }
+        s.cached = (s.cached + accepted).min(s.tokens.len());
+        let keep = s.cached.div_ceil(self.cfg.page_size);
+        if s.pages.len() > keep {
+            let extra = s.pages.split_off(keep);
+            self.pages.give_back(extra);
         }
     }
 

@@ -1,0 +1,272 @@
+//! Speculative decoding (MTP) through the engine on the CPU backend never changes a greedy output:
+//! for K = 1..4, with a random head (drafts rejected), an agreeing head (drafts accepted) and a mostly
+//! agreeing one (partial acceptance on a model whose state matters), many concurrent requests with long
+//! prompts chunked over several steps, a KV budget small enough to preempt, stop tokens and a
+//! prefix-cache hit give exactly the tokens of plain decoding, with log-probabilities equal within f32
+//! rounding. The agreeing head accepts every draft (K + 1 tokens per step); sampling requests run;
+//! bad settings are refused.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
+use deltaserve_engine::{EngineHandle, EngineStats, Event, FinishReason, Request, SamplingParams, Usage};
+use deltaserve_model::synth::{MtpVariant, Preset, write_model_with};
+use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
+use deltaserve_sched::{PrefixCacheConfig, SchedConfig};
+
+const PAGE: usize = 8;
+
+fn model(variant: MtpVariant) -> CpuModel {
+    static DIRS: Mutex<Vec<(String, PathBuf)>> = Mutex::new(Vec::new());
+    let key = format!("{variant:?}");
+    let dir = {
+        let mut dirs = DIRS.lock().unwrap();
+        match dirs.iter().find(|(k, _)| *k == key) {
+            Some((_, d)) => d.clone(),
+            None => {
+                let n = dirs.len();
+                let d = std::env::temp_dir().join(format!("ds-spec-engine-{}-{n}", std::process::id()));
+                write_model_with(&d, Preset::Tiny, None, 21, variant, |_, _| {}).unwrap();
+                dirs.push((key, d.clone()));
+                d
+            }
+        }
+    };
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let w = ModelWeights::load_f32(&Checkpoint::open(&dir).unwrap(), &cfg).unwrap();
+    CpuModel::new(cfg, w)
+}
+
+struct Setup {
+    max_batch_tokens: usize,
+    num_pages: usize,
+    max_seqs: usize,
+    prefix_cache: bool,
+}
+
+fn sched(s: &Setup) -> SchedConfig {
+    let prefix_cache = if s.prefix_cache {
+        PrefixCacheConfig { device_slots: 2, host_slots: 2, page_size: PAGE, snapshot_bytes: 1 << 16, page_bytes: 4096 }
+    } else {
+        PrefixCacheConfig::disabled(PAGE)
+    };
+    SchedConfig {
+        max_batch_tokens: s.max_batch_tokens,
+        max_seqs: s.max_seqs,
+        page_size: PAGE,
+        num_pages: s.num_pages,
+        max_context: s.num_pages * PAGE,
+        max_waiting: 64,
+        prefix_cache,
+        snapshot_interval: 0,
+    }
+}
+
+fn cache_cfg(c: &SchedConfig) -> CpuCacheConfig {
+    CpuCacheConfig {
+        num_pages: c.num_pages,
+        page_size: c.page_size,
+        num_slots: c.max_seqs,
+        snapshot_slots: c.prefix_cache.device_slots,
+        host_snapshot_slots: c.prefix_cache.host_slots,
+    }
+}
+
+/// An engine over `variant`'s model: plain (`k == 0`) or speculative with `k` drafts.
+fn engine(variant: MtpVariant, k: usize, s: &Setup) -> EngineHandle {
+    let c = sched(s);
+    if k == 0 {
+        EngineHandle::start(Box::new(CpuBackend::new(model(variant), cache_cfg(&c))), c, None)
+    } else {
+        let b = CpuBackend::with_speculation(model(variant), cache_cfg(&c), k).unwrap();
+        EngineHandle::start_speculative(Box::new(b), c, None, k).unwrap()
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+struct Out {
+    ids: Vec<u32>,
+    logprobs: Vec<f32>,
+    reason: FinishReason,
+    usage: Usage,
+}
+
+fn collect(mut s: deltaserve_engine::RequestStream) -> Out {
+    let (mut ids, mut logprobs) = (Vec::new(), Vec::new());
+    loop {
+        match s.blocking_next() {
+            Some(Event::Token { id, logprob, .. }) => {
+                ids.push(id);
+                logprobs.push(logprob.map_or(f32::NAN, |l| l.logprob));
+            }
+            Some(Event::Finished { reason, usage, .. }) => return Out { ids, logprobs, reason, usage },
+            Some(Event::Error(e)) => panic!("request failed: {e}"),
+            None => panic!("stream ended early"),
+        }
+    }
+}
+
+/// Greedy requests: long prompts (several chunks), varied lengths, some with a stop token.
+fn requests(stops: &HashMap<usize, u32>) -> Vec<Request> {
+    let mut x = 77u64;
+    let mut next = move |m: u64| {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (x >> 33) % m
+    };
+    (0..6)
+        .map(|i| {
+            let len = 5 + next(60) as usize;
+            Request {
+                prompt: (0..len).map(|_| next(1000) as u32).collect(),
+                max_tokens: 6 + next(20) as usize,
+                sampling: SamplingParams::greedy(),
+                stop_token_ids: stops.get(&i).map(|&t| vec![t]).unwrap_or_default(),
+                logprobs: Some(0),
+                ..Request::default()
+            }
+        })
+        .collect()
+}
+
+/// Request 0 alone (snapshotting its final state), its follow-up turn (request 0's prompt + output +
+/// more tokens: a prefix-cache hit), then all of `reqs` concurrently (submitted at once).
+fn run(e: &EngineHandle, reqs: &[Request]) -> Vec<Out> {
+    let first = Request { snapshot_on_finish: true, ..reqs[0].clone() };
+    let mut outs = vec![collect(e.submit(first).unwrap())];
+    let mut follow = reqs[0].clone();
+    follow.prompt.extend(&outs[0].ids);
+    follow.prompt.extend([11, 12, 13]);
+    outs.push(collect(e.submit(follow).unwrap()));
+    let streams: Vec<_> = reqs.iter().map(|r| e.submit(r.clone()).unwrap()).collect();
+    outs.extend(streams.into_iter().map(collect));
+    outs
+}
+
+fn assert_same(plain: &[Out], spec: &[Out], what: &str) {
+    for (i, (a, b)) in plain.iter().zip(spec).enumerate() {
+        assert_eq!(a.ids, b.ids, "{what}: request {i} tokens");
+        assert_eq!(a.reason, b.reason, "{what}: request {i} finish");
+        for (j, (x, y)) in a.logprobs.iter().zip(&b.logprobs).enumerate() {
+            assert!((x - y).abs() <= 1e-5 * x.abs().max(1.0), "{what}: request {i} token {j} logprob {x} vs {y}");
+        }
+    }
+}
+
+fn wait_idle(e: &EngineHandle) -> EngineStats {
+    for _ in 0..2000 {
+        let s = e.stats();
+        if s.sched.running + s.sched.waiting == 0 {
+            return s;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    panic!("engine did not go idle");
+}
+
+#[test]
+fn greedy_speculation_is_token_identical_to_plain_decoding() {
+    let variants = [
+        MtpVariant::Random,
+        MtpVariant::Agreeing { residual_scale: 0.0 },
+        MtpVariant::Agreeing { residual_scale: 0.05 },
+    ];
+    // Small steps (prompts span several chunks) and a KV budget that forces preemption.
+    let setup = Setup { max_batch_tokens: 20, num_pages: 24, max_seqs: 4, prefix_cache: true };
+    for variant in variants {
+        let plain = engine(variant, 0, &setup);
+        let free = run(&plain, &requests(&HashMap::new()));
+        // Stop tokens that end requests in the middle of a speculative step.
+        let stops: HashMap<usize, u32> = [(1, free[3].ids[3]), (3, free[5].ids[4])].into_iter().collect();
+        let reqs = requests(&stops);
+        let want = run(&plain, &reqs);
+        let plain_stats = wait_idle(&plain);
+        plain.shutdown(true);
+        assert!(want[1].usage.cached_tokens > 0, "the follow-up hits the prefix cache");
+        for k in 1..=4 {
+            let e = engine(variant, k, &setup);
+            let got = run(&e, &reqs);
+            let stats = wait_idle(&e);
+            e.shutdown(true);
+            assert_same(&want, &got, &format!("{variant:?} K={k}"));
+            assert!(got[1].usage.cached_tokens > 0, "{variant:?} K={k}: prefix-cache hit");
+            assert!(stats.spec_steps > 0 && stats.spec_drafted > 0);
+            assert!(stats.sched.preemptions + plain_stats.sched.preemptions > 0, "the page budget preempts");
+            let rate = stats.acceptance_rate();
+            match variant {
+                MtpVariant::Random => assert!(rate < 0.2, "random head: acceptance {rate}"),
+                // Drafts past a stop token are not emitted, so not all count as accepted here.
+                MtpVariant::Agreeing { residual_scale: 0.0 } => {
+                    assert!(rate > 0.9, "agreeing head: acceptance {rate}")
+                }
+                _ => assert!(rate > 0.2 && rate < 1.0, "mostly agreeing head: acceptance {rate} (K={k})"),
+            }
+        }
+    }
+}
+
+#[test]
+fn agreeing_head_emits_k_plus_one_tokens_per_step() {
+    let setup = Setup { max_batch_tokens: 64, num_pages: 32, max_seqs: 2, prefix_cache: false };
+    let variant = MtpVariant::Agreeing { residual_scale: 0.0 };
+    for k in 1..=4 {
+        let e = engine(variant, k, &setup);
+        // One token from the prefill, then 3 full speculative steps.
+        let req = Request {
+            prompt: vec![5, 17, 300, 2],
+            max_tokens: 1 + 3 * (k + 1),
+            sampling: SamplingParams::greedy(),
+            ..Request::default()
+        };
+        let out = collect(e.submit(req).unwrap());
+        let stats = wait_idle(&e);
+        e.shutdown(true);
+        assert_eq!(out.ids.len(), 1 + 3 * (k + 1));
+        assert_eq!(stats.spec_steps, 3, "K={k}");
+        assert_eq!(stats.acceptance_rate(), 1.0, "K={k}");
+        assert_eq!(stats.tokens_per_spec_step(), (k + 1) as f64, "K={k}");
+    }
+}
+
+#[test]
+fn sampling_with_speculation_runs_and_respects_limits() {
+    let setup = Setup { max_batch_tokens: 32, num_pages: 32, max_seqs: 3, prefix_cache: false };
+    let e = engine(MtpVariant::Agreeing { residual_scale: 0.05 }, 3, &setup);
+    let streams: Vec<_> = (0..3u64)
+        .map(|i| {
+            let req = Request {
+                prompt: vec![7, 8, 9, 10 + i as u32],
+                max_tokens: 17,
+                sampling: SamplingParams { temperature: 0.9, top_k: 20, seed: Some(i), ..Default::default() },
+                ..Request::default()
+            };
+            e.submit(req).unwrap()
+        })
+        .collect();
+    for s in streams {
+        let out = collect(s);
+        assert_eq!(out.ids.len(), 17);
+        assert_eq!(out.reason, FinishReason::Length);
+    }
+    let stats = wait_idle(&e);
+    assert!(stats.spec_accepted > 0 && stats.spec_accepted < stats.spec_drafted, "{stats:?}");
+    e.shutdown(true);
+}
+
+#[test]
+fn bad_speculation_settings_are_refused() {
+    let setup = Setup { max_batch_tokens: 32, num_pages: 32, max_seqs: 2, prefix_cache: false };
+    let c = sched(&setup);
+    for k in [0, 5] {
+        let b = CpuBackend::with_speculation(model(MtpVariant::Random), cache_cfg(&c), 4).unwrap();
+        let e = EngineHandle::start_speculative(Box::new(b), c.clone(), None, k).err().unwrap();
+        assert!(e.to_string().contains("1..=4"), "{e}");
+    }
+    let b = CpuBackend::new(model(MtpVariant::None), cache_cfg(&c));
+    let e = EngineHandle::start_speculative(Box::new(b), c.clone(), None, 2).err().unwrap();
+    assert!(e.to_string().contains("cannot draft"), "{e}");
+    let b = CpuBackend::with_speculation(model(MtpVariant::Random), cache_cfg(&c), 2).unwrap();
+    let e = EngineHandle::start_speculative(Box::new(b), c, None, 3).err().unwrap();
+    assert!(e.to_string().contains("at most 2"), "{e}");
+}
