@@ -1,33 +1,46 @@
-// gdn_chunk.cu — chunked (WY / UT-transform) Gated DeltaNet prefill, chunk C = 64 (arch doc §3.1).
+// gdn_chunk.cu — chunked (WY / UT-transform) Gated DeltaNet prefill, chunk C = 64 (arch doc §3.1),
+// on tensor cores (mma.sync m16n8k16 bf16 -> f32, ldmatrix, cp.async: sm_80/86/89/90, no wgmma).
 //
 // Computes, per sequence and value head (state h = S in [DK, DV], f32), chunk by chunk, with
 // G = chunk-local cumsum of g, all exponents <= 0:
 //   A_ij  = beta_i (k_i . k_j) exp(G_i - G_j)  (i > j)       P_ij = (q_i . k_j) exp(G_i - G_j)  (i >= j)
-//   w     = (I + A)^-1 (beta * exp(G) * K)                   u    = (I + A)^-1 (beta * V)
+//   T     = (I + A)^-1                                      (unit lower triangular)
+//   w     = T diag(beta exp(G)) K                           u    = T diag(beta) V
 //   v_new = u - w h
 //   o_i   = exp(G_i) q_i h + sum_{j<=i} P_ij v_new_j
 //   h'    = exp(G_last) h + sum_j k_j^T (exp(G_last - G_j) v_new_j)
 // Two kernels, several sequences per launch (varlen: cu_seqlens + state slots):
-//  gdn_chunk_prep   grid (n_chunks, Hv), block 256, dynamic smem ~83 KB (DK = DV = 128).
-//      Everything that depends only on the chunk's q/k/v/g/beta: G, A, P, and w/u by forward
-//      substitution (one column per thread, its history in registers: fully unrolled 64x64).
-//      Writes the workspace (f32, per flattened token t and value head):
-//        ws_w [T, Hv, DK], ws_u [T, Hv, DV], ws_p [T, Hv, 64], ws_g [T, Hv]   (= 4*(DK+DV+65) B)
-//  gdn_chunk_state  grid (B, Hv, DV / GDN_BV), block 256, dynamic smem ~75 KB (BV = 32).
-//      The sequential part: walks the chunks of one sequence, holding the state slice
-//      h[:, vslice] (DK x BV f32) in shared memory; reads state[slot] once, writes it once.
-//      v columns are independent in the recurrence, so slices need no communication.
-//      Register tiles (RV chunk rows or RH state rows x 1 value column per thread) with
-//      float4 shared-memory reads of the row operand.
-// Shapes/dtypes: q, k [T, Hk, DK] bf16 (L2-normalised, q pre-scaled: gdn_gate.cu);
-//   v [T, *] bf16 (head v at column v*DV, token stride v_stride: the conv output);
+//  gdn_chunk_prep   grid (n_chunks, Hv), 128 threads (4 warps x 16 chunk rows), smem ~86 KB.
+//      Everything that depends only on the chunk: K K^T and Q K^T on tensor cores (exact bf16
+//      inputs, f32 accumulate), T by forward substitution in f32 (one column per thread, history in
+//      registers), then w and u as tensor-core products of T (times the per-column scale) with K / V.
+//      Writes the workspace, per flattened token t and value head:
+//        w_hi, w_lo [T, Hv, DK] bf16   u [T, Hv, DV] f32   P_hi, P_lo [T, Hv, 64] bf16   G [T, Hv] f32
+//      (= 4*(DK+DV+65) B per token and head: the workspace stays bounded by the step's tokens).
+//  gdn_chunk_state  grid (B, Hv, DV / (16*SNW)), SNW*32 threads, smem ~87 KB.
+//      The sequential walk. Everything is computed transposed so the recurrent state never leaves
+//      registers: warp w owns 16 value columns and holds h^T (16 x DK, f32) as mma accumulator tiles,
+//      which are also (register-only, no shuffle) the A operand of the next products:
+//        vn^T = u^T - h^T w^T     (A = h^T, B = w rows)            64 chunk rows
+//        o^T  = exp(G) * h^T q^T + vn^T P^T   (B = q rows, P rows; P lower triangular: half the tiles)
+//        h^T  = exp(G_last) h^T + (Dl * vn)^T K   (B = K via ldmatrix.trans)
+//      The chunk's w/q/P/K/G tiles stream in with cp.async in three groups, each issued one chunk
+//      ahead as soon as its buffer is free, and everything is L2-prefetched two chunks ahead: the
+//      walk is latency-bound (one block per (sequence, head, 64 columns)), so memory latency, not
+//      tensor-core throughput, sets the time per chunk (measured: plain-bf16 mode is only ~10% faster).
+//      The state is read once and written once per (sequence, head) per launch.
+// Precision (precise != 0, the default): every operand that is not exactly bf16 (h, T*scale, w, P,
+//   v_new) is split into hi + lo bf16 and the products hi*hi + lo*hi + hi*lo are summed in f32
+//   (~16 mantissa bits); q, k, v are exact bf16 inputs. precise == 0 drops the lo terms (FLA-like,
+//   plain bf16 operands; about 2.4x fewer mma in the walk).
+// Shapes/dtypes: q, k [T, Hk, DK] bf16 (L2-normalised, q pre-scaled: gdn_gate.cu), 16-byte aligned rows;
+//   v [T, *] bf16 (head v at column v*DV, token stride v_stride (multiple of 8): the conv output);
 //   g, beta [T, Hv] f32; state [slots, Hv, DK, DV] f32; o [T, Hv, DV] bf16;
 //   cu_seqlens [B+1] i32; slots [B] i32; chunk_table [n_chunks, 2] i32 = (seq, chunk index in seq),
 //   built on the host (ops::gdn_chunk::chunk_table). Value head v reads key head v / (Hv / Hk).
-// Arch: f32 FFMA + shared memory only (no tensor cores yet); runs on sm_80/86/89/90 (smem fits
-//   the 99 KB sm_86/89 limit). -D DK, DV (multiples of 32, DK+DV <= 512), GDN_BV (16 or 32).
+// -D DK, DV: multiples of 32, DK <= 128 (h^T lives in DK/2 registers per thread). GDN_BV is ignored.
 // Tested by: tests/ops.rs case "gdn_chunk" (1 token, 63/64/65/127/129, ragged batches, Hv/Hk=3,
-//   carried state) against deltaserve_cpu::gdn::gdn_recurrent.
+//   carried state, 1000 tokens) against deltaserve_cpu::gdn::gdn_recurrent, both precision modes.
 
 #ifndef DK
 #define DK 128
@@ -35,48 +48,153 @@
 #ifndef DV
 #define DV 128
 #endif
-#ifndef GDN_BV
-#define GDN_BV 32
-#endif
 #define CH 64
-#define KP (DK + 1)
+#define KPB (DK + 8)   // bf16 row pitch of K / Q / w tiles (272 B for DK=128: conflict-free fragments)
+#define VPB (DV + 8)   // bf16 row pitch of V tiles
+#define PPB (CH + 8)   // bf16 row pitch of P tiles
+#define AP (CH + 4)    // f32 row pitch of A and T
+#define SNW ((DV / 16) % 4 == 0 ? 4 : 2)  // warps per gdn_chunk_state block
+#define SBV (16 * SNW)                    // value columns per gdn_chunk_state block
 
-extern "C" __global__ void __launch_bounds__(256)
+// ---------------------------------------------------------------------------------------------
+// Tensor-core helpers. Fragment layouts (m16n8k16, g = lane/4, t = lane%4):
+//   A 16x16: a0 (g, 2t..2t+1) a1 (g+8, 2t..) a2 (g, 2t+8..) a3 (g+8, 2t+8..)
+//   B 16x8 : b0 (k 2t..2t+1, n g) b1 (k 2t+8.., n g)       C 16x8: c0,c1 (g, 2t..) c2,c3 (g+8, 2t..)
+// Lower column / k index in the low 16 bits.
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// (lo, hi) -> packed bf16x2, round to nearest even.
+__device__ __forceinline__ u32 cvt_bf2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// x0, x1 -> hi = bf16(x), lo = bf16(x - hi), both packed.
+__device__ __forceinline__ void split2(float x0, float x1, u32& hi, u32& lo) {
+    hi = cvt_bf2(x0, x1);
+    lo = cvt_bf2(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xffff0000u));
+}
+
+__device__ __forceinline__ u32 lds32(const bf16_t* p) { return *(const u32*)p; }
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// Two B fragments (n-tiles n0 and n0+8, k-tile k0) of a row-major [k][n] bf16 tile; `row0` points at
+// element (k0, n0). r0,r1 = b0,b1 of n-tile n0; r2,r3 = b0,b1 of n-tile n0+8.
+__device__ __forceinline__ void ldsm_b2_trans(u32 (&r)[4], const bf16_t* row0, int pitch, int lane) {
+    const bf16_t* p = row0 + (lane & 15) * pitch + (lane >> 4) * 8;
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+// cp.async of 16 (or 4) bytes; zero-fills the destination when !valid (src is then not read).
+__device__ __forceinline__ void cp16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp4(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 4 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_wait2() { asm volatile("cp.async.wait_group 2;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_wait0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
+
+// ---------------------------------------------------------------------------------------------
+// Prep: per (chunk, value head).
+
+// acc[N/8] (rows r0..r0+15 of T diag(scale) X, X = Xs [CH][PITCH] bf16 row-major), T lower triangular.
+template <int N, int PITCH>
+__device__ __forceinline__ void t_times(float (&acc)[N / 8][4], const float* Ts, const float* scale,
+                                        const bf16_t* Xs, int r0, int kt_max, int lane, bool precise) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int n = 0; n < N / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+#pragma unroll
+    for (int kt = 0; kt < CH / 16; kt++) {
+        if (kt > kt_max) break;  // T[i][j] = 0 for j > i
+        const int j0 = 16 * kt + 2 * t;
+        const float s0 = scale[j0], s1 = scale[j0 + 1], s8 = scale[j0 + 8], s9 = scale[j0 + 9];
+        const float* ta = Ts + (r0 + g) * AP + j0;
+        const float* tb = ta + 8 * AP;
+        u32 ah[4], al[4];
+        split2(ta[0] * s0, ta[1] * s1, ah[0], al[0]);
+        split2(tb[0] * s0, tb[1] * s1, ah[1], al[1]);
+        split2(ta[8] * s8, ta[9] * s9, ah[2], al[2]);
+        split2(tb[8] * s8, tb[9] * s9, ah[3], al[3]);
+#pragma unroll
+        for (int np = 0; np < N / 16; np++) {
+            u32 b[4];
+            ldsm_b2_trans(b, Xs + 16 * kt * PITCH + 16 * np, PITCH, lane);
+            mma_bf16(acc[2 * np], ah, b[0], b[1]);
+            mma_bf16(acc[2 * np + 1], ah, b[2], b[3]);
+            if (precise) {
+                mma_bf16(acc[2 * np], al, b[0], b[1]);
+                mma_bf16(acc[2 * np + 1], al, b[2], b[3]);
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128)
 gdn_chunk_prep(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                const bf16_t* __restrict__ v, long long v_stride,
                const float* __restrict__ g, const float* __restrict__ beta,
                const int* __restrict__ cu_seqlens, const int* __restrict__ chunk_table,
-               float* __restrict__ ws_w, float* __restrict__ ws_u, float* __restrict__ ws_p,
-               float* __restrict__ ws_g, int Hk, int Hv) {
-    extern __shared__ float smem[];
-    float* Ks = smem;                 // [CH][KP]
-    float* Qs = Ks + CH * KP;         // [CH][KP]
-    float* As = Qs + CH * KP;         // [CH][CH]
-    float* Gs = As + CH * CH;         // [CH] cumsum of g
-    float* Bs = Gs + CH;              // [CH] beta (0 past the chunk end)
-    float* Xs = Bs + CH;              // [CH] beta * exp(G)
+               bf16_t* __restrict__ ws_wh, bf16_t* __restrict__ ws_wl, float* __restrict__ ws_u,
+               bf16_t* __restrict__ ws_ph, bf16_t* __restrict__ ws_pl, float* __restrict__ ws_g,
+               int Hk, int Hv, int precise) {
+    extern __shared__ uint4 smem_u4[];
+    bf16_t* Ks = (bf16_t*)smem_u4;       // [CH][KPB]
+    bf16_t* Qs = Ks + CH * KPB;          // [CH][KPB]
+    bf16_t* Vs = Qs + CH * KPB;          // [CH][VPB]
+    float* As = (float*)(Vs + CH * VPB); // [CH][AP]  A (strictly lower)
+    float* Ts = As + CH * AP;            // [CH][AP]  T = (I + A)^-1
+    float* Gs = Ts + CH * AP;            // [CH] cumsum of g (0 past the chunk end)
+    float* Bs = Gs + CH;                 // [CH] beta (0 past the chunk end)
+    float* Ew = Bs + CH;                 // [CH] beta * exp(G)
 
-    const int tid = threadIdx.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gq = lane >> 2, t4 = lane & 3;
     const int hv = blockIdx.y, hk = hv / (Hv / Hk);
     const int s = chunk_table[2 * blockIdx.x], ci = chunk_table[2 * blockIdx.x + 1];
     const int t0 = cu_seqlens[s] + ci * CH;
     const int L = min(CH, cu_seqlens[s + 1] - t0);
 
-    for (int e = tid; e < CH * DK; e += blockDim.x) {
-        int i = e / DK, d = e % DK;
-        float kv = 0.0f, qv = 0.0f;
-        if (i < L) {
-            long long off = ((long long)(t0 + i) * Hk + hk) * DK + d;
-            kv = bf2f(k[off]);
-            qv = bf2f(q[off]);
-        }
-        Ks[i * KP + d] = kv;
-        Qs[i * KP + d] = qv;
+    // All tile loads in flight at once (cp.async, zero-filled past the chunk end).
+    for (int e = tid; e < CH * (DK / 8); e += blockDim.x) {
+        const int i = e / (DK / 8), p = e % (DK / 8);
+        const bool ok = i < L;
+        const long long off = ((long long)(ok ? t0 + i : t0) * Hk + hk) * DK + 8 * p;
+        cp16(Ks + i * KPB + 8 * p, k + off, ok);
+        cp16(Qs + i * KPB + 8 * p, q + off, ok);
     }
+    for (int e = tid; e < CH * (DV / 8); e += blockDim.x) {
+        const int i = e / (DV / 8), p = e % (DV / 8);
+        const bool ok = i < L;
+        cp16(Vs + i * VPB + 8 * p, v + (long long)(ok ? t0 + i : t0) * v_stride + (long long)hv * DV + 8 * p, ok);
+    }
+    cp_commit();
     if (tid < CH) {
         Gs[tid] = tid < L ? g[(long long)(t0 + tid) * Hv + hv] : 0.0f;
         Bs[tid] = tid < L ? beta[(long long)(t0 + tid) * Hv + hv] : 0.0f;
     }
+    cp_wait0();
     __syncthreads();
     if (tid == 0) {
         float acc = 0.0f;
@@ -87,197 +205,413 @@ gdn_chunk_prep(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     }
     __syncthreads();
     if (tid < CH) {
-        Xs[tid] = Bs[tid] * expf(Gs[tid]);
+        Ew[tid] = Bs[tid] * expf(Gs[tid]);
         if (tid < L) ws_g[(long long)(t0 + tid) * Hv + hv] = Gs[tid];
     }
 
-    // A (strictly lower) and P (lower incl. diagonal). A warp shares i; lanes run over j.
-    for (int e = tid; e < CH * CH; e += blockDim.x) {
-        int i = e / CH, j = e % CH;
-        float a = 0.0f, p = 0.0f;
-        if (j <= i && i < L) {
-            float kk = 0.0f, qk = 0.0f;
-#pragma unroll 8
-            for (int d = 0; d < DK; d++) {
-                float kj = Ks[j * KP + d];
-                kk += Ks[i * KP + d] * kj;
-                qk += Qs[i * KP + d] * kj;
+    const int r0 = 16 * warp;  // this warp's chunk rows
+    {
+        // S = K K^T and QK = Q K^T for rows r0..r0+15, all 64 columns.
+        float sa[CH / 8][4], sp[CH / 8][4];
+#pragma unroll
+        for (int n = 0; n < CH / 8; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) sa[n][c] = sp[n][c] = 0.0f;
+#pragma unroll
+        for (int kt = 0; kt < DK / 16; kt++) {
+            const int c0 = 16 * kt + 2 * t4;
+            u32 ak[4], aq[4];
+            ak[0] = lds32(Ks + (r0 + gq) * KPB + c0);
+            ak[1] = lds32(Ks + (r0 + gq + 8) * KPB + c0);
+            ak[2] = lds32(Ks + (r0 + gq) * KPB + c0 + 8);
+            ak[3] = lds32(Ks + (r0 + gq + 8) * KPB + c0 + 8);
+            aq[0] = lds32(Qs + (r0 + gq) * KPB + c0);
+            aq[1] = lds32(Qs + (r0 + gq + 8) * KPB + c0);
+            aq[2] = lds32(Qs + (r0 + gq) * KPB + c0 + 8);
+            aq[3] = lds32(Qs + (r0 + gq + 8) * KPB + c0 + 8);
+#pragma unroll
+            for (int n = 0; n < CH / 8; n++) {
+                const bf16_t* kb = Ks + (8 * n + gq) * KPB + c0;
+                const u32 b0 = lds32(kb), b1 = lds32(kb + 8);
+                mma_bf16(sa[n], ak, b0, b1);
+                mma_bf16(sp[n], aq, b0, b1);
             }
-            float decay = expf(Gs[i] - Gs[j]);
-            p = qk * decay;
-            if (j < i) a = Bs[i] * decay * kk;
         }
-        As[i * CH + j] = a;
-        if (i < L) ws_p[((long long)(t0 + i) * Hv + hv) * CH + j] = p;
+        // Epilogue: A into shared memory, P (hi/lo bf16) into the workspace.
+#pragma unroll
+        for (int n = 0; n < CH / 8; n++) {
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++) {
+                const int i = r0 + gq + 8 * hh;
+                float pv[2];
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int j = 8 * n + 2 * t4 + e;
+                    const float dec = j <= i ? expf(Gs[i] - Gs[j]) : 0.0f;
+                    As[i * AP + j] = j < i ? Bs[i] * dec * sa[n][2 * hh + e] : 0.0f;
+                    pv[e] = dec * sp[n][2 * hh + e];
+                }
+                if (i < L) {
+                    u32 hi, lo;
+                    split2(pv[0], pv[1], hi, lo);
+                    const long long off = ((long long)(t0 + i) * Hv + hv) * CH + 8 * n + 2 * t4;
+                    *(u32*)(ws_ph + off) = hi;
+                    *(u32*)(ws_pl + off) = lo;
+                }
+            }
+        }
     }
     __syncthreads();
 
-    // Forward substitution: row_i = X_i - sum_{j<i} A_ij row_j, for the DK columns of w
-    // (X = beta exp(G) k) and the DV columns of u (X = beta v). Each thread owns one column and
-    // keeps its 64 earlier rows in registers (indices are compile-time after unrolling).
-    for (int col = tid; col < DK + DV; col += blockDim.x) {
-        const bool is_w = col < DK;
-        const int cc = is_w ? col : col - DK;
-        const bf16_t* vcol = v + (long long)hv * DV + cc;
-        float* dst = is_w ? ws_w + (long long)hv * DK + cc : ws_u + (long long)hv * DV + cc;
-        const long long dst_stride = (long long)Hv * (is_w ? DK : DV);
+    // T = (I + A)^-1 by forward substitution, one column c per thread: T[i][c] = [i == c] -
+    // sum_{j<i} A[i][j] T[j][c] (T[j][c] = 0 for j < c, so the sum may run over all j < i).
+    if (tid < CH) {
+        const int c = tid;
         float hist[CH];
 #pragma unroll
         for (int i = 0; i < CH; i++) {
-            float x;
-            if (is_w) x = Ks[i * KP + cc] * Xs[i];
-            else x = i < L ? bf2f(vcol[(long long)(t0 + i) * v_stride]) * Bs[i] : 0.0f;
+            float x0 = i == c ? 1.0f : 0.0f, x1 = 0.0f, x2 = 0.0f, x3 = 0.0f;
+            const float* ar = As + i * AP;
 #pragma unroll
-            for (int j = 0; j < i; j++) x -= As[i * CH + j] * hist[j];
-            hist[i] = x;
-            if (i < L) dst[(long long)(t0 + i) * dst_stride] = x;
-        }
-    }
-}
-
-#define NRG (256 / GDN_BV)       // row groups (threads per value column)
-#define RV (CH / NRG)            // chunk rows per thread: rows rg*RV .. rg*RV+RV
-#define RH (DK / NRG)            // state rows per thread: rows rg*RH .. rg*RH+RH
-#define VNP (GDN_BV + 1)
-#define KP4 (DK + 4)             // Buf row pitch: 16-byte aligned rows for float4 reads
-
-// Loads rows [0, CH) of a [*, DK] bf16 matrix (row i at src + i*row_stride) into Buf as f32,
-// zero past L. 4 elements (8 bytes) per access.
-__device__ __forceinline__ void load_bf16_rows(float* Buf, const bf16_t* src, long long row_stride, int L) {
-    for (int e = threadIdx.x; e < CH * DK / 4; e += blockDim.x) {
-        int i = e / (DK / 4), d4 = e % (DK / 4);
-        float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (i < L) {
-            uint2 raw = *(const uint2*)(src + i * row_stride + 4 * d4);
-            f = make_float4(__uint_as_float(raw.x << 16), __uint_as_float(raw.x & 0xffff0000u),
-                            __uint_as_float(raw.y << 16), __uint_as_float(raw.y & 0xffff0000u));
-        }
-        *(float4*)&Buf[i * KP4 + 4 * d4] = f;
-    }
-}
-
-// acc[r] = sum_d Buf[rg*RV + r][d] * Hs[d][c]   (register tile: RV rows x 1 column)
-__device__ __forceinline__ void rows_times_state(float (&acc)[RV], const float* Buf, const float* Hs, int rg, int c) {
-#pragma unroll
-    for (int r = 0; r < RV; r++) acc[r] = 0.0f;
-#pragma unroll 4
-    for (int d = 0; d < DK; d += 4) {
-        float h0 = Hs[(d + 0) * GDN_BV + c], h1 = Hs[(d + 1) * GDN_BV + c];
-        float h2 = Hs[(d + 2) * GDN_BV + c], h3 = Hs[(d + 3) * GDN_BV + c];
-#pragma unroll
-        for (int r = 0; r < RV; r++) {
-            float4 b = *(const float4*)&Buf[(rg * RV + r) * KP4 + d];
-            acc[r] += b.x * h0 + b.y * h1 + b.z * h2 + b.w * h3;
-        }
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(256)
-gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
-                const float* __restrict__ ws_w, const float* __restrict__ ws_u,
-                const float* __restrict__ ws_p, const float* __restrict__ ws_g,
-                float* __restrict__ state, bf16_t* __restrict__ o,
-                const int* __restrict__ cu_seqlens, const int* __restrict__ slots, int Hk, int Hv) {
-    extern __shared__ float4 smem4[];
-    float* smem = (float*)smem4;
-    float* Hs = smem;                 // [DK][GDN_BV] state slice
-    float* Buf = Hs + DK * GDN_BV;    // [CH][KP4]: w, then q, then k of the chunk
-    float* Ps = Buf + CH * KP4;       // [CH][CH] (zero above the diagonal and past L)
-    float* Vn = Ps + CH * CH;         // [CH][VNP] v_new slice
-    float* Gs = Vn + CH * VNP;        // [CH]
-    float* Dl = Gs + CH;              // [CH] exp(G_last - G_j), 0 past the chunk end
-
-    const int tid = threadIdx.x;
-    const int s = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * GDN_BV;
-    const int hk = hv / (Hv / Hk);
-    const int c = tid % GDN_BV, rg = tid / GDN_BV;
-    const int start = cu_seqlens[s], len = cu_seqlens[s + 1] - start;
-    float* st = state + ((long long)slots[s] * Hv + hv) * DK * DV;
-
-    for (int e = tid; e < DK * GDN_BV; e += blockDim.x) {
-        int r = e / GDN_BV, cc = e % GDN_BV;
-        Hs[e] = st[(long long)r * DV + v0 + cc];
-    }
-
-    for (int t0 = start; t0 < start + len; t0 += CH) {
-        const int L = min(CH, start + len - t0);
-        __syncthreads();  // previous chunk done with Buf/Ps/Vn/Gs/Hs
-        for (int e = tid; e < CH * DK / 4; e += blockDim.x) {
-            int i = e / (DK / 4), d4 = e % (DK / 4);
-            float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (i < L) f = ((const float4*)(ws_w + ((long long)(t0 + i) * Hv + hv) * DK))[d4];
-            *(float4*)&Buf[i * KP4 + 4 * d4] = f;
-        }
-        for (int e = tid; e < CH * CH / 4; e += blockDim.x) {
-            int i = e / (CH / 4), j4 = e % (CH / 4);
-            float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (i < L) f = ((const float4*)(ws_p + ((long long)(t0 + i) * Hv + hv) * CH))[j4];
-            *(float4*)&Ps[i * CH + 4 * j4] = f;
-        }
-        if (tid < CH) Gs[tid] = tid < L ? ws_g[(long long)(t0 + tid) * Hv + hv] : 0.0f;
-        __syncthreads();
-        if (tid < CH) Dl[tid] = tid < L ? expf(Gs[L - 1] - Gs[tid]) : 0.0f;
-
-        float acc[RV];
-        // v_new = u - w h
-        rows_times_state(acc, Buf, Hs, rg, c);
-#pragma unroll
-        for (int r = 0; r < RV; r++) {
-            int i = rg * RV + r;
-            float u = i < L ? ws_u[((long long)(t0 + i) * Hv + hv) * DV + v0 + c] : 0.0f;
-            Vn[i * VNP + c] = u - acc[r];
-        }
-        __syncthreads();
-        load_bf16_rows(Buf, q + ((long long)t0 * Hk + hk) * DK, (long long)Hk * DK, L);
-        __syncthreads();
-        // o = exp(G) q h + P v_new
-        rows_times_state(acc, Buf, Hs, rg, c);
-#pragma unroll
-        for (int r = 0; r < RV; r++) acc[r] *= expf(Gs[rg * RV + r]);
-#pragma unroll 4
-        for (int j = 0; j < CH; j += 4) {
-            float n0 = Vn[(j + 0) * VNP + c], n1 = Vn[(j + 1) * VNP + c];
-            float n2 = Vn[(j + 2) * VNP + c], n3 = Vn[(j + 3) * VNP + c];
-#pragma unroll
-            for (int r = 0; r < RV; r++) {
-                float4 p = *(const float4*)&Ps[(rg * RV + r) * CH + j];
-                acc[r] += p.x * n0 + p.y * n1 + p.z * n2 + p.w * n3;
+            for (int j = 0; j + 4 <= i; j += 4) {
+                const float4 a = *(const float4*)(ar + j);
+                x0 -= a.x * hist[j];
+                x1 -= a.y * hist[j + 1];
+                x2 -= a.z * hist[j + 2];
+                x3 -= a.w * hist[j + 3];
             }
-        }
 #pragma unroll
-        for (int r = 0; r < RV; r++) {
-            int i = rg * RV + r;
-            if (i < L) o[((long long)(t0 + i) * Hv + hv) * DV + v0 + c] = f2bf(acc[r]);
-        }
-        __syncthreads();
-        load_bf16_rows(Buf, k + ((long long)t0 * Hk + hk) * DK, (long long)Hk * DK, L);
-        __syncthreads();
-        // h' = exp(G_last) h + K^T (Dl * v_new), rows rg*RH .. +RH
-        float hacc[RH];
-#pragma unroll
-        for (int r = 0; r < RH; r++) hacc[r] = 0.0f;
-#pragma unroll 2
-        for (int j = 0; j < CH; j++) {
-            float vn = Dl[j] * Vn[j * VNP + c];
-#pragma unroll
-            for (int r4 = 0; r4 < RH / 4; r4++) {
-                float4 b = *(const float4*)&Buf[j * KP4 + rg * RH + 4 * r4];
-                hacc[4 * r4 + 0] += b.x * vn;
-                hacc[4 * r4 + 1] += b.y * vn;
-                hacc[4 * r4 + 2] += b.z * vn;
-                hacc[4 * r4 + 3] += b.w * vn;
-            }
-        }
-        const float eg = expf(Gs[L - 1]);
-#pragma unroll
-        for (int r = 0; r < RH; r++) {
-            int d = rg * RH + r;
-            Hs[d * GDN_BV + c] = eg * Hs[d * GDN_BV + c] + hacc[r];
+            for (int j = i & ~3; j < i; j++) x0 -= ar[j] * hist[j];
+            hist[i] = (x0 + x1) + (x2 + x3);
+            Ts[i * AP + c] = hist[i];
         }
     }
     __syncthreads();
-    for (int e = tid; e < DK * GDN_BV; e += blockDim.x) {
-        int r = e / GDN_BV, cc = e % GDN_BV;
-        st[(long long)r * DV + v0 + cc] = Hs[e];
+
+    // w = T diag(beta exp(G)) K -> hi/lo bf16;  u = T diag(beta) V -> f32. Rows r0..r0+15.
+    {
+        float acc[DK / 8][4];
+        t_times<DK, KPB>(acc, Ts, Ew, Ks, r0, warp, lane, precise != 0);
+#pragma unroll
+        for (int n = 0; n < DK / 8; n++) {
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++) {
+                const int i = r0 + gq + 8 * hh;
+                if (i < L) {
+                    u32 hi, lo;
+                    split2(acc[n][2 * hh], acc[n][2 * hh + 1], hi, lo);
+                    const long long off = ((long long)(t0 + i) * Hv + hv) * DK + 8 * n + 2 * t4;
+                    *(u32*)(ws_wh + off) = hi;
+                    *(u32*)(ws_wl + off) = lo;
+                }
+            }
+        }
+    }
+    {
+        float acc[DV / 8][4];
+        t_times<DV, VPB>(acc, Ts, Bs, Vs, r0, warp, lane, precise != 0);
+#pragma unroll
+        for (int n = 0; n < DV / 8; n++) {
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++) {
+                const int i = r0 + gq + 8 * hh;
+                if (i < L) {
+                    const long long off = ((long long)(t0 + i) * Hv + hv) * DV + 8 * n + 2 * t4;
+                    *(float2*)(ws_u + off) = make_float2(acc[n][2 * hh], acc[n][2 * hh + 1]);
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// State walk: per (sequence, value head, SBV value columns); warp w owns columns vw..vw+15.
+
+extern "C" __global__ void __launch_bounds__(SNW * 32)
+gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
+                const bf16_t* __restrict__ ws_wh, const bf16_t* __restrict__ ws_wl,
+                const float* __restrict__ ws_u, const bf16_t* __restrict__ ws_ph,
+                const bf16_t* __restrict__ ws_pl, const float* __restrict__ ws_g,
+                float* __restrict__ state, bf16_t* __restrict__ o,
+                const int* __restrict__ cu_seqlens, const int* __restrict__ slots, int Hk, int Hv,
+                int precise_flag) {
+    extern __shared__ uint4 smem_u4[];
+    bf16_t* Wh = (bf16_t*)smem_u4;  // [CH][KPB] w hi     (group A)
+    bf16_t* Wl = Wh + CH * KPB;     // [CH][KPB] w lo     (group A)
+    bf16_t* Qs = Wl + CH * KPB;     // [CH][KPB] q        (group A)
+    bf16_t* Ks = Qs + CH * KPB;     // [CH][KPB] k        (group C)
+    bf16_t* Ph = Ks + CH * KPB;     // [CH][PPB] P hi     (group B)
+    bf16_t* Pl = Ph + CH * PPB;     // [CH][PPB] P lo     (group B)
+    float* Gs = (float*)(Pl + CH * PPB);  // [2][CH] G, double-buffered (group A)
+
+    const bool precise = precise_flag != 0;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gq = lane >> 2, t4 = lane & 3;
+    const int s = blockIdx.x, hv = blockIdx.y, hk = hv / (Hv / Hk);
+    const int vw = blockIdx.z * SBV + warp * 16;
+    const int start = cu_seqlens[s], len = cu_seqlens[s + 1] - start;
+    if (len <= 0) return;  // uniform over the block
+    const int nch = (len + CH - 1) / CH;
+    float* st = state + ((long long)slots[s] * Hv + hv) * DK * DV;
+
+    // Loaders (every thread commits one group per call, empty past the last chunk).
+    auto chunk_rows = [&](int c, int& t0, int& L) {
+        t0 = start + c * CH;
+        L = min(CH, start + len - t0);
+    };
+    auto load_a = [&](int c) {
+        if (c < nch) {
+            int t0, L;
+            chunk_rows(c, t0, L);
+            for (int e = tid; e < CH * (DK / 8); e += SNW * 32) {
+                const int i = e / (DK / 8), p = e % (DK / 8);
+                const bool ok = i < L;
+                const long long row = ok ? t0 + i : t0;
+                const long long wo = (row * Hv + hv) * DK + 8 * p;
+                cp16(Wh + i * KPB + 8 * p, ws_wh + wo, ok);
+                cp16(Wl + i * KPB + 8 * p, ws_wl + wo, ok);
+                cp16(Qs + i * KPB + 8 * p, q + (row * Hk + hk) * DK + 8 * p, ok);
+            }
+            if (tid < CH) {
+                const bool ok = tid < L;
+                cp4(Gs + (c & 1) * CH + tid, ws_g + (long long)(ok ? t0 + tid : t0) * Hv + hv, ok);
+            }
+        }
+        cp_commit();
+    };
+    auto load_b = [&](int c) {
+        if (c < nch) {
+            int t0, L;
+            chunk_rows(c, t0, L);
+            for (int e = tid; e < CH * (CH / 8); e += SNW * 32) {
+                const int i = e / (CH / 8), p = e % (CH / 8);
+                const bool ok = i < L;
+                const long long po = ((long long)(ok ? t0 + i : t0) * Hv + hv) * CH + 8 * p;
+                cp16(Ph + i * PPB + 8 * p, ws_ph + po, ok);
+                cp16(Pl + i * PPB + 8 * p, ws_pl + po, ok);
+            }
+        }
+        cp_commit();
+    };
+    auto load_c = [&](int c) {
+        if (c < nch) {
+            int t0, L;
+            chunk_rows(c, t0, L);
+            for (int e = tid; e < CH * (DK / 8); e += SNW * 32) {
+                const int i = e / (DK / 8), p = e % (DK / 8);
+                const bool ok = i < L;
+                const long long row = ok ? t0 + i : t0;
+                cp16(Ks + i * KPB + 8 * p, k + (row * Hk + hk) * DK + 8 * p, ok);
+            }
+        }
+        cp_commit();
+    };
+    // u^T tile of chunk c in accumulator layout: (row v = vw+g(+8), col i = 8n+2t(+1)); 0 past L.
+    float un[CH / 8][4];
+    auto load_u = [&](int c) {
+        int t0 = 0, L = 0;
+        if (c < nch) chunk_rows(c, t0, L);
+#pragma unroll
+        for (int n = 0; n < CH / 8; n++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int i = 8 * n + 2 * t4 + e;
+                const float* up = ws_u + ((long long)(t0 + i) * Hv + hv) * DV + vw + gq;
+                un[n][e] = i < L ? up[0] : 0.0f;
+                un[n][2 + e] = i < L ? up[8] : 0.0f;
+            }
+        }
+    };
+
+    // L2 prefetch of every row chunk c will read (w hi/lo, q, k, P hi/lo, this block's u slice):
+    // issued two chunks ahead, so the cp.async / u loads of the walk hit L2 instead of HBM.
+    auto prefetch_chunk = [&](int c) {
+        if (c >= nch) return;
+        int t0, L;
+        chunk_rows(c, t0, L);
+        for (int i = tid; i < 2 * L; i += SNW * 32) {
+            const long long row = t0 + (i >> 1);
+            if (i & 1) {
+                const char* wh = (const char*)(ws_wh + (row * Hv + hv) * DK);
+                const char* wl = (const char*)(ws_wl + (row * Hv + hv) * DK);
+                for (int b = 0; b < 2 * DK; b += 128) {
+                    prefetch_l2(wh + b);
+                    prefetch_l2(wl + b);
+                }
+                const char* up = (const char*)(ws_u + (row * Hv + hv) * DV + blockIdx.z * SBV);
+                for (int b = 0; b < 4 * SBV; b += 128) prefetch_l2(up + b);
+            } else {
+                const char* qp = (const char*)(q + (row * Hk + hk) * DK);
+                const char* kp = (const char*)(k + (row * Hk + hk) * DK);
+                for (int b = 0; b < 2 * DK; b += 128) {
+                    prefetch_l2(qp + b);
+                    prefetch_l2(kp + b);
+                }
+                prefetch_l2(ws_ph + (row * Hv + hv) * CH);
+                prefetch_l2(ws_pl + (row * Hv + hv) * CH);
+            }
+        }
+    };
+
+    // h^T tiles: h[n] covers (v = vw+g(+8), d = 8n+2t(+1)); element (v, d) = state[d][v].
+    float h[DK / 8][4];
+#pragma unroll
+    for (int n = 0; n < DK / 8; n++) {
+        const float* sp = st + (long long)(8 * n + 2 * t4) * DV + vw + gq;
+        h[n][0] = sp[0];
+        h[n][1] = sp[DV];
+        h[n][2] = sp[8];
+        h[n][3] = sp[DV + 8];
+    }
+    load_a(0);
+    load_b(0);
+    load_c(0);
+    prefetch_chunk(1);
+    load_u(0);
+
+    for (int c = 0; c < nch; c++) {
+        int t0, L;
+        chunk_rows(c, t0, L);
+        prefetch_chunk(c + 2);
+        cp_wait2();
+        __syncthreads();  // group A(c): w, q, G
+
+        // Phase 1: acc = u^T - h^T w^T (= vn^T), oq = -h^T q^T.
+        float acc[CH / 8][4], oq[CH / 8][4];
+#pragma unroll
+        for (int n = 0; n < CH / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                acc[n][e] = un[n][e];
+                oq[n][e] = 0.0f;
+            }
+#pragma unroll
+        for (int kt = 0; kt < DK / 16; kt++) {
+            u32 ah[4], al[4];  // -h^T, k-tile kt (d = 16kt..16kt+15)
+            split2(-h[2 * kt][0], -h[2 * kt][1], ah[0], al[0]);
+            split2(-h[2 * kt][2], -h[2 * kt][3], ah[1], al[1]);
+            split2(-h[2 * kt + 1][0], -h[2 * kt + 1][1], ah[2], al[2]);
+            split2(-h[2 * kt + 1][2], -h[2 * kt + 1][3], ah[3], al[3]);
+#pragma unroll
+            for (int n = 0; n < CH / 8; n++) {
+                const int off = (8 * n + gq) * KPB + 16 * kt + 2 * t4;
+                const u32 b0 = lds32(Wh + off), b1 = lds32(Wh + off + 8);
+                const u32 q0 = lds32(Qs + off), q1 = lds32(Qs + off + 8);
+                mma_bf16(acc[n], ah, b0, b1);
+                mma_bf16(oq[n], ah, q0, q1);
+                if (precise) {
+                    const u32 c0 = lds32(Wl + off), c1 = lds32(Wl + off + 8);
+                    mma_bf16(acc[n], al, b0, b1);
+                    mma_bf16(acc[n], ah, c0, c1);
+                    mma_bf16(oq[n], al, q0, q1);
+                }
+            }
+        }
+        __syncthreads();  // w, q buffers free
+        load_a(c + 1);
+        cp_wait2();
+        __syncthreads();  // group B(c): P
+
+        // Phase 2: o^T = exp(G_i) h^T q^T + vn^T P^T  (oq holds -h^T q^T).
+        const float* G = Gs + (c & 1) * CH;
+#pragma unroll
+        for (int n = 0; n < CH / 8; n++) {
+            const int i = 8 * n + 2 * t4;
+            const float e0 = -expf(G[i]), e1 = -expf(G[i + 1]);
+            oq[n][0] *= e0;
+            oq[n][1] *= e1;
+            oq[n][2] *= e0;
+            oq[n][3] *= e1;
+        }
+        u32 vh[CH / 16][4], vl[CH / 16][4];  // vn^T as A fragments (k = chunk row j)
+#pragma unroll
+        for (int kt = 0; kt < CH / 16; kt++) {
+            split2(acc[2 * kt][0], acc[2 * kt][1], vh[kt][0], vl[kt][0]);
+            split2(acc[2 * kt][2], acc[2 * kt][3], vh[kt][1], vl[kt][1]);
+            split2(acc[2 * kt + 1][0], acc[2 * kt + 1][1], vh[kt][2], vl[kt][2]);
+            split2(acc[2 * kt + 1][2], acc[2 * kt + 1][3], vh[kt][3], vl[kt][3]);
+        }
+#pragma unroll
+        for (int n = 0; n < CH / 8; n++) {
+#pragma unroll
+            for (int kt = 0; kt < CH / 16; kt++) {
+                if (kt > n / 2) continue;  // P[i][j] = 0 for j > i
+                const int off = (8 * n + gq) * PPB + 16 * kt + 2 * t4;
+                const u32 b0 = lds32(Ph + off), b1 = lds32(Ph + off + 8);
+                mma_bf16(oq[n], vh[kt], b0, b1);
+                if (precise) {
+                    const u32 c0 = lds32(Pl + off), c1 = lds32(Pl + off + 8);
+                    mma_bf16(oq[n], vl[kt], b0, b1);
+                    mma_bf16(oq[n], vh[kt], c0, c1);
+                }
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < CH / 8; n++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int i = 8 * n + 2 * t4 + e;
+                if (i < L) {
+                    bf16_t* op = o + ((long long)(t0 + i) * Hv + hv) * DV + vw + gq;
+                    op[0] = f2bf(oq[n][e]);
+                    op[8] = f2bf(oq[n][2 + e]);
+                }
+            }
+        }
+        // (Dl * vn)^T with Dl_j = exp(G_last - G_j), 0 past the chunk end.
+        const float gl = G[L - 1];
+#pragma unroll
+        for (int n = 0; n < CH / 8; n++) {
+            const int j = 8 * n + 2 * t4;
+            const float d0 = j < L ? expf(gl - G[j]) : 0.0f, d1 = j + 1 < L ? expf(gl - G[j + 1]) : 0.0f;
+            acc[n][0] *= d0;
+            acc[n][1] *= d1;
+            acc[n][2] *= d0;
+            acc[n][3] *= d1;
+        }
+#pragma unroll
+        for (int kt = 0; kt < CH / 16; kt++) {
+            split2(acc[2 * kt][0], acc[2 * kt][1], vh[kt][0], vl[kt][0]);
+            split2(acc[2 * kt][2], acc[2 * kt][3], vh[kt][1], vl[kt][1]);
+            split2(acc[2 * kt + 1][0], acc[2 * kt + 1][1], vh[kt][2], vl[kt][2]);
+            split2(acc[2 * kt + 1][2], acc[2 * kt + 1][3], vh[kt][3], vl[kt][3]);
+        }
+        __syncthreads();  // P buffers free
+        load_b(c + 1);
+        cp_wait2();
+        __syncthreads();  // group C(c): K
+        load_u(c + 1);    // next chunk's u, in flight during the state update
+
+        // Phase 3: h^T = exp(G_last) h^T + (Dl * vn)^T K.
+        const float eg = expf(gl);
+#pragma unroll
+        for (int n = 0; n < DK / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) h[n][e] *= eg;
+#pragma unroll
+        for (int kt = 0; kt < CH / 16; kt++) {
+#pragma unroll
+            for (int np = 0; np < DK / 16; np++) {
+                u32 b[4];
+                ldsm_b2_trans(b, Ks + 16 * kt * KPB + 16 * np, KPB, lane);
+                mma_bf16(h[2 * np], vh[kt], b[0], b[1]);
+                mma_bf16(h[2 * np + 1], vh[kt], b[2], b[3]);
+                if (precise) {
+                    mma_bf16(h[2 * np], vl[kt], b[0], b[1]);
+                    mma_bf16(h[2 * np + 1], vl[kt], b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();  // K buffer free
+        load_c(c + 1);
+    }
+
+#pragma unroll
+    for (int n = 0; n < DK / 8; n++) {
+        float* sp = st + (long long)(8 * n + 2 * t4) * DV + vw + gq;
+        sp[0] = h[n][0];
+        sp[DV] = h[n][1];
+        sp[8] = h[n][2];
+        sp[DV + 8] = h[n][3];
     }
 }

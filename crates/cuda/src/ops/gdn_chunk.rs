@@ -1,5 +1,5 @@
 //! Launchers for kernels/gdn_chunk.cu: chunked (C = 64) Gated DeltaNet prefill over a varlen
-//! batch, with a transient f32 workspace proportional to the step's tokens.
+//! batch on tensor cores, with a transient workspace proportional to the step's tokens.
 
 use cudarc::driver::CudaStream;
 
@@ -10,19 +10,30 @@ use crate::nvrtc::KernelDims;
 /// Chunk length (fixed in the kernel).
 pub const CHUNK: usize = 64;
 
-/// Workspace bytes for `t` tokens: w [t,hv,dk], u [t,hv,dv], P [t,hv,64], G [t,hv], all f32.
+/// Workspace bytes for `t` tokens (the one place that sizes it): w_hi, w_lo [t,hv,dk] bf16,
+/// u [t,hv,dv] f32, P_hi, P_lo [t,hv,64] bf16, G [t,hv] f32 = 4 (dk + dv + 65) B per token and head.
 pub fn workspace_bytes(t: usize, hv: usize, dims: &KernelDims) -> usize {
     let per_tok_head = dims.gdn_k_dim + dims.gdn_v_dim + CHUNK + 1;
-    // Each part starts 256-byte aligned.
-    4 * t * hv * per_tok_head + 4 * 256
+    // Each of the six parts starts 256-byte aligned.
+    4 * t * hv * per_tok_head + 6 * 256
 }
 
+/// Largest key head dim the state kernel takes (h^T lives in registers).
+pub const MAX_K_DIM: usize = 128;
+
 pub(crate) fn prep_smem_bytes(d: &KernelDims) -> usize {
-    4 * (2 * CHUNK * (d.gdn_k_dim + 1) + CHUNK * CHUNK + 3 * CHUNK)
+    // K, Q [64][dk+8] bf16, V [64][dv+8] bf16, A and T [64][68] f32, G/beta/scale [64] f32.
+    2 * (2 * CHUNK * (d.gdn_k_dim + 8) + CHUNK * (d.gdn_v_dim + 8)) + 4 * (2 * CHUNK * (CHUNK + 4) + 3 * CHUNK)
 }
 
 pub(crate) fn state_smem_bytes(d: &KernelDims) -> usize {
-    4 * (d.gdn_k_dim * d.gdn_bv + CHUNK * (d.gdn_k_dim + 4) + CHUNK * CHUNK + CHUNK * (d.gdn_bv + 1) + 2 * CHUNK)
+    // w_hi, w_lo, q, k [64][dk+8] bf16, P_hi, P_lo [64][72] bf16, G [2][64] f32.
+    2 * (4 * CHUNK * (d.gdn_k_dim + 8) + 2 * CHUNK * (CHUNK + 8)) + 4 * 2 * CHUNK
+}
+
+/// Value columns per gdn_chunk_state block (16 per warp; 4 warps when dv/16 allows, else 2).
+fn state_block_cols(d: &KernelDims) -> usize {
+    if (d.gdn_v_dim / 16).is_multiple_of(4) { 64 } else { 32 }
 }
 
 /// Host-side chunk table: (sequence, chunk index) per 64-token chunk; upload as i32 pairs.
@@ -58,21 +69,46 @@ pub struct GdnChunk {
     pub hv: usize,
 }
 
-/// Runs [`gdn_chunk_prep`] then [`gdn_chunk_state`] (stream ordered).
-pub fn gdn_chunk(k: &Kernels, s: &CudaStream, a: &GdnChunk) -> Result<(), CudaError> {
-    gdn_chunk_prep(k, s, a)?;
-    gdn_chunk_state(k, s, a)
+/// Operand precision of the tensor-core products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    /// Non-bf16 operands (state, T, w, P, v_new) split into hi + lo bf16: ~f32 accuracy (default).
+    Split,
+    /// Plain bf16 operands (as flash-linear-attention): fewer tensor-core instructions.
+    Bf16,
 }
 
-/// Workspace pointers (w, u, P, G), each part 256-aligned.
-fn workspace_parts(a: &GdnChunk, d: &KernelDims) -> (u64, u64, u64, u64) {
+/// Runs [`gdn_chunk_prep`] then [`gdn_chunk_state`] (stream ordered), [`Precision::Split`].
+pub fn gdn_chunk(k: &Kernels, s: &CudaStream, a: &GdnChunk) -> Result<(), CudaError> {
+    gdn_chunk_with(k, s, a, Precision::Split)
+}
+
+/// [`gdn_chunk`] with an explicit operand precision.
+pub fn gdn_chunk_with(k: &Kernels, s: &CudaStream, a: &GdnChunk, p: Precision) -> Result<(), CudaError> {
+    gdn_chunk_prep_with(k, s, a, p)?;
+    gdn_chunk_state_with(k, s, a, p)
+}
+
+/// Workspace parts (w_hi, w_lo, u, P_hi, P_lo, G), each 256-aligned.
+struct Parts {
+    wh: u64,
+    wl: u64,
+    u: u64,
+    ph: u64,
+    pl: u64,
+    g: u64,
+}
+
+fn workspace_parts(a: &GdnChunk, d: &KernelDims) -> Parts {
     let align = |b: usize| (b.div_ceil(256) * 256) as u64;
     let th = a.t * a.hv;
-    let ws_w = a.workspace;
-    let ws_u = ws_w + align(4 * th * d.gdn_k_dim);
-    let ws_p = ws_u + align(4 * th * d.gdn_v_dim);
-    let ws_g = ws_p + align(4 * th * CHUNK);
-    (ws_w, ws_u, ws_p, ws_g)
+    let wh = a.workspace;
+    let wl = wh + align(2 * th * d.gdn_k_dim);
+    let u = wl + align(2 * th * d.gdn_k_dim);
+    let ph = u + align(4 * th * d.gdn_v_dim);
+    let pl = ph + align(2 * th * CHUNK);
+    let g = pl + align(2 * th * CHUNK);
+    Parts { wh, wl, u, ph, pl, g }
 }
 
 fn validate(k: &Kernels, a: &GdnChunk) -> Result<(), CudaError> {
@@ -80,6 +116,16 @@ fn validate(k: &Kernels, a: &GdnChunk) -> Result<(), CudaError> {
     let need = workspace_bytes(a.t, a.hv, &d);
     if a.hk == 0 || !a.hv.is_multiple_of(a.hk) || a.v_stride < a.hv * d.gdn_v_dim || a.n_seqs == 0 {
         return Err(invalid("gdn_chunk_prep", format!("{a:?}")));
+    }
+    if d.gdn_k_dim > MAX_K_DIM {
+        return Err(invalid("gdn_chunk_state", format!("key head dim {} > {MAX_K_DIM}", d.gdn_k_dim)));
+    }
+    // 16-byte vector loads / cp.async of q, k, v rows.
+    if !(a.q | a.k | a.v).is_multiple_of(16) || !a.v_stride.is_multiple_of(8) {
+        return Err(invalid(
+            "gdn_chunk_prep",
+            format!("q/k/v must be 16-byte aligned and v_stride a multiple of 8: {a:?}"),
+        ));
     }
     if a.workspace_bytes < need || !a.workspace.is_multiple_of(256) {
         return Err(invalid(
@@ -90,41 +136,54 @@ fn validate(k: &Kernels, a: &GdnChunk) -> Result<(), CudaError> {
     Ok(())
 }
 
-/// The parallel part: per (chunk, value head) G, A, P, w, u into the workspace.
+/// The parallel part: per (chunk, value head) G, P, T = (I + A)^-1, w, u into the workspace.
 pub fn gdn_chunk_prep(k: &Kernels, s: &CudaStream, a: &GdnChunk) -> Result<(), CudaError> {
+    gdn_chunk_prep_with(k, s, a, Precision::Split)
+}
+
+/// [`gdn_chunk_prep`] with an explicit operand precision.
+pub fn gdn_chunk_prep_with(k: &Kernels, s: &CudaStream, a: &GdnChunk, p: Precision) -> Result<(), CudaError> {
     if a.t == 0 || a.n_chunks == 0 {
         return Ok(());
     }
     validate(k, a)?;
     let d = k.dims;
-    let (ws_w, ws_u, ws_p, ws_g) = workspace_parts(a, &d);
+    let Parts { wh, wl, u, ph, pl, g: ws_g } = workspace_parts(a, &d);
     let GdnChunk { q, k: kp, v, g, beta, cu_seqlens, chunk_table, .. } = *a;
     let vs = a.v_stride as i64;
     let hk = to_i32("gdn_chunk_prep", "hk", a.hk)?;
     let hv = to_i32("gdn_chunk_prep", "hv", a.hv)?;
+    let precise = i32::from(p == Precision::Split);
     let grid = (to_u32("gdn_chunk_prep", "n_chunks", a.n_chunks)?, to_u32("gdn_chunk_prep", "hv", a.hv)?, 1);
     let smem = prep_smem_bytes(&d) as u32;
-    launch!(k, s, "gdn_chunk_prep", grid, (256, 1, 1), smem;
-        q, kp, v, vs, g, beta, cu_seqlens, chunk_table, ws_w, ws_u, ws_p, ws_g, hk, hv)
+    launch!(k, s, "gdn_chunk_prep", grid, (128, 1, 1), smem;
+        q, kp, v, vs, g, beta, cu_seqlens, chunk_table, wh, wl, u, ph, pl, ws_g, hk, hv, precise)
 }
 
 /// The sequential part: per (sequence, value head, value slice) walk the chunks, update the state.
 pub fn gdn_chunk_state(k: &Kernels, s: &CudaStream, a: &GdnChunk) -> Result<(), CudaError> {
+    gdn_chunk_state_with(k, s, a, Precision::Split)
+}
+
+/// [`gdn_chunk_state`] with an explicit operand precision.
+pub fn gdn_chunk_state_with(k: &Kernels, s: &CudaStream, a: &GdnChunk, p: Precision) -> Result<(), CudaError> {
     if a.t == 0 || a.n_chunks == 0 {
         return Ok(());
     }
     validate(k, a)?;
     let d = k.dims;
-    let (ws_w, ws_u, ws_p, ws_g) = workspace_parts(a, &d);
+    let Parts { wh, wl, u, ph, pl, g: ws_g } = workspace_parts(a, &d);
     let GdnChunk { q, k: kp, state, cu_seqlens, slots, o, .. } = *a;
     let hk = to_i32("gdn_chunk_state", "hk", a.hk)?;
     let hv = to_i32("gdn_chunk_state", "hv", a.hv)?;
+    let precise = i32::from(p == Precision::Split);
+    let cols = state_block_cols(&d);
     let grid = (
         to_u32("gdn_chunk_state", "n_seqs", a.n_seqs)?,
         to_u32("gdn_chunk_state", "hv", a.hv)?,
-        (d.gdn_v_dim / d.gdn_bv) as u32,
+        (d.gdn_v_dim / cols) as u32,
     );
     let smem = state_smem_bytes(&d) as u32;
-    launch!(k, s, "gdn_chunk_state", grid, (256, 1, 1), smem;
-        q, kp, ws_w, ws_u, ws_p, ws_g, state, o, cu_seqlens, slots, hk, hv)
+    launch!(k, s, "gdn_chunk_state", grid, (2 * cols as u32, 1, 1), smem;
+        q, kp, wh, wl, u, ph, pl, ws_g, state, o, cu_seqlens, slots, hk, hv, precise)
 }
