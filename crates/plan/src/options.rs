@@ -41,6 +41,10 @@ pub struct PlanOptions {
     pub backend_scratch_bytes: u64,
     /// Split-K partitions of decode attention.
     pub decode_partitions: usize,
+    /// Speculative decoding (`--speculative-tokens`, 0 = off): drafts per decode step. When on, the plan
+    /// also holds the MTP head's weights, its KV (one more attention layer in every page), a pending
+    /// hidden row per state slot (and snapshot), K + 1 logit rows per sequence and the verify workspace.
+    pub speculative_tokens: usize,
 }
 
 impl PlanOptions {
@@ -65,6 +69,7 @@ impl PlanOptions {
             gemm_workspace_bytes: 32 * MIB,
             backend_scratch_bytes: 0,
             decode_partitions: 16,
+            speculative_tokens: 0,
         }
     }
 

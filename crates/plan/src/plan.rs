@@ -90,7 +90,22 @@ impl Plan {
         // Fixed regions.
         let state_bytes = to64(st.region(opts.max_seqs), "state slots")?;
         let snapshot_bytes = to64(st.region(opts.snapshot_slots), "snapshots")?;
-        let logits_bytes = to64(opts.max_seqs as u128 * d.vocab as u128 * 4, "logits")?;
+        // Speculative decoding verifies 1 + K positions per sequence: that many logit rows each.
+        let spec = opts.speculative_tokens;
+        let logits_bytes = to64(opts.max_seqs as u128 * (1 + spec) as u128 * d.vocab as u128 * 4, "logits")?;
+        // Verify workspace (its positions count against max_batch_tokens, so the activation workspace
+        // covers the forward): per sequence and verified position the main model's hidden row and each
+        // DeltaNet layer's recurrence inputs (conv input, q, k, v, g, beta; f32), replayed at the commit;
+        // plus the K draft logit rows per sequence.
+        let spec_bytes = if spec > 0 {
+            let per_pos = d.hidden as u128
+                + d.num_deltanet_layers as u128
+                    * (d.conv_channels + 2 * d.gdn_key_width + d.gdn_value_width + 2 * d.gdn_v_heads) as u128;
+            let b = opts.max_seqs as u128 * ((1 + spec) as u128 * per_pos + spec as u128 * d.vocab as u128) * 4;
+            to64(b, "speculation workspace")?
+        } else {
+            0
+        };
         let context_cap = opts.max_context.unwrap_or(cfg.max_position_embeddings);
         let table_width = context_cap.div_ceil(opts.page_size);
         let table_bytes = to64(opts.max_seqs as u128 * table_width as u128 * 4, "block tables")?;
@@ -103,7 +118,8 @@ impl Plan {
         };
         let workspace = plan_workspace(cfg, &shape).ok_or(overflow("activation workspace"))?;
         let activation_bytes = workspace.bytes;
-        let fixed_parts: [(&str, u64); 7] = [
+        let fixed_parts: [(&str, u64); 8] = [
+            ("speculation", spec_bytes),
             ("state slots", state_bytes),
             ("snapshots", snapshot_bytes),
             ("activations", activation_bytes),
@@ -275,7 +291,7 @@ impl Plan {
                     fmt_bytes(workspace.peak_live_bytes())
                 ),
             ),
-            ("logits", logits_bytes, format!("[{}, {}] f32", opts.max_seqs, d.vocab)),
+            ("logits", logits_bytes, format!("[{}, {}] f32", opts.max_seqs * (1 + spec), d.vocab)),
             ("block_tables", table_bytes, format!("[{}, {table_width}] i32 page ids", opts.max_seqs)),
             ("gemm_workspace", opts.gemm_workspace_bytes, "cuBLASLt workspace".to_string()),
             (
@@ -284,6 +300,20 @@ impl Plan {
                 "backend scratch (chunked DeltaNet workspace, varlen tables)".to_string(),
             ),
         ];
+        let mut specs = specs;
+        if spec > 0 {
+            specs.push((
+                "speculation",
+                spec_bytes,
+                format!(
+                    "{} seqs × {} verified positions (hidden + DeltaNet recurrence inputs) + {spec} draft logit rows; \
+                     MTP head {} in weights, its KV in every page, a pending hidden per state slot",
+                    opts.max_seqs,
+                    1 + spec,
+                    fmt_bytes(wb.mtp)
+                ),
+            ));
+        }
         let mut regions = Vec::with_capacity(specs.len());
         let mut offset = 0u64;
         for (name, bytes, note) in specs {
@@ -370,7 +400,8 @@ impl KvShape {
         let data = |x: KvDtype| kvh * (hd * x.bits() as u128).div_ceil(8);
         let scale = |x: KvDtype| kvh * x.scale_bytes() as u128;
         Self {
-            layers: d.num_attention_layers as u128,
+            // With speculative decoding the MTP head's attention layer keeps its KV in the same pages.
+            layers: d.num_attention_layers as u128 + u128::from(o.speculative_tokens > 0),
             per_token: [data(o.k_dtype), scale(o.k_dtype), data(o.v_dtype), scale(o.v_dtype)],
             page_size: o.page_size as u128,
         }
@@ -392,6 +423,8 @@ struct StateShape {
     layers: u128,
     /// Per sequence of one layer: recurrent f32, conv (activation dtype).
     per_seq: [u128; 2],
+    /// Per sequence, beyond the layers: the pending hidden row of speculative decoding (else 0).
+    extra: u128,
 }
 
 impl StateShape {
@@ -399,16 +432,17 @@ impl StateShape {
         let recurrent = d.gdn_v_heads as u128 * d.gdn_k_dim as u128 * d.gdn_v_dim as u128 * 4;
         let conv =
             (d.conv_kernel as u128).saturating_sub(1) * d.conv_channels as u128 * o.activation_bytes_per_elem as u128;
-        Self { layers: d.num_deltanet_layers as u128, per_seq: [recurrent, conv] }
+        let extra = if o.speculative_tokens > 0 { d.hidden as u128 * o.activation_bytes_per_elem as u128 } else { 0 };
+        Self { layers: d.num_deltanet_layers as u128, per_seq: [recurrent, conv], extra }
     }
     fn bytes_per_seq(&self) -> u128 {
-        self.layers * self.per_seq.iter().sum::<u128>()
+        self.layers * self.per_seq.iter().sum::<u128>() + self.extra
     }
     fn tensors(&self, slots: usize) -> [u128; 2] {
         self.per_seq.map(|x| x * slots as u128)
     }
     fn region(&self, slots: usize) -> u128 {
-        self.layers * self.tensors(slots).iter().map(|&x| al(x)).sum::<u128>()
+        self.layers * self.tensors(slots).iter().map(|&x| al(x)).sum::<u128>() + al(self.extra * slots as u128)
     }
 }
 
@@ -431,6 +465,16 @@ fn validate(cfg: &ModelConfig, o: &PlanOptions) -> Result<(), PlanError> {
     }
     if o.page_size == 0 {
         return bad("--page-size", "0".into(), "a KV page holds at least one token");
+    }
+    if o.speculative_tokens > 4 {
+        return bad("--speculative-tokens", o.speculative_tokens.to_string(), "must be 1..=4 (0: off)");
+    }
+    if o.speculative_tokens > 0 && cfg.mtp_num_hidden_layers == 0 {
+        return bad(
+            "--speculative-tokens",
+            o.speculative_tokens.to_string(),
+            "the model has no MTP head (mtp_num_hidden_layers is 0)",
+        );
     }
     if !matches!(o.activation_bytes_per_elem, 2 | 4) {
         return bad(

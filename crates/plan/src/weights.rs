@@ -1,6 +1,7 @@
 //! Bytes of the text-model weights in a given storage format, split between the device arena and pinned host
-//! memory. Shapes are the canonical (unpacked) `[out, in]` ones of `architecture.md` §5.1; MTP and vision
-//! weights are not loaded for text inference and are not counted. Every tensor (a quantised linear's data,
+//! memory. Shapes are the canonical (unpacked) `[out, in]` ones of `architecture.md` §5.1; vision weights
+//! are not loaded for text inference and are not counted; the MTP head (§5.2) is counted only with
+//! speculative decoding on. Every tensor (a quantised linear's data,
 //! scales and zero points are separate tensors) starts 256-byte aligned, and its padding is counted, so a
 //! bump allocator that places the tensors one after another fits exactly.
 
@@ -41,6 +42,8 @@ pub struct WeightBytes {
     /// Parameters of the decoder linears (for the table).
     pub linear_params: u64,
     pub embed_on_host: bool,
+    /// The MTP head (its linears in `weights_dtype`, its norms dense) with speculative decoding on; else 0.
+    pub mtp: u64,
 }
 
 impl WeightBytes {
@@ -74,6 +77,22 @@ impl WeightBytes {
             }
             shapes.extend([(d.intermediate, h), (d.intermediate, h), (h, d.intermediate)]);
         }
+        let mtp = if opts.speculative_tokens > 0 && cfg.mtp_num_hidden_layers > 0 {
+            let mtp_shapes = [
+                (h, 2 * h),
+                (2 * d.attn_dim, h),
+                (d.kv_dim, h),
+                (d.kv_dim, h),
+                (h, d.attn_dim),
+                (d.intermediate, h),
+                (d.intermediate, h),
+                (h, d.intermediate),
+            ];
+            // fc, q/k/v/o, gate/up/down; norms: 2 pre-fc, final, input, post-attention, q_norm, k_norm.
+            mtp_shapes.iter().map(|&(o, i)| linear_aligned(wd, o, i, asym)).sum::<u128>() + 5 * t(h) + 2 * t(d.head_dim)
+        } else {
+            0
+        };
         let linears: u128 = shapes.iter().map(|&(o, i)| linear_aligned(wd, o, i, asym)).sum();
         let linear_params: u128 = shapes.iter().map(|&(o, i)| o as u128 * i as u128).sum();
         let table = al(d.vocab as u128 * h as u128 * elem);
@@ -91,12 +110,13 @@ impl WeightBytes {
             lm_head: u64::try_from(lm_head).ok()?,
             linear_params: u64::try_from(linear_params).ok()?,
             embed_on_host: opts.embed_on_host,
+            mtp: u64::try_from(mtp).ok()?,
         })
     }
 
     /// Bytes in the device arena.
     pub fn device(&self) -> u64 {
-        self.linears + self.dense + self.lm_head + if self.embed_on_host { 0 } else { self.embed }
+        self.linears + self.dense + self.lm_head + self.mtp + if self.embed_on_host { 0 } else { self.embed }
     }
 
     /// Bytes in pinned host memory.
