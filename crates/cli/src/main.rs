@@ -2,7 +2,10 @@
 
 mod commands;
 mod engine_args;
+mod http;
+mod in_process;
 mod model_source;
+mod synthetic_text;
 
 use clap::{Parser, Subcommand};
 
@@ -32,6 +35,9 @@ enum Command {
     Synth(commands::synth::Args),
     /// Print the static memory plan: what fits in a memory budget.
     Plan(commands::plan::Args),
+    /// The ceiling ladder: fill the advertised context (one prompt at 25..100%, then many turns) and check
+    /// the driver-reported memory against the plan.
+    Probe(commands::probe::Args),
     /// Replay a synthetic multi-turn agent session against a server and report per-turn cost.
     Soak(commands::soak::Args),
     /// Quality evaluations (`eval kld`: KL divergence of KV-cache configurations against a baseline).
@@ -52,6 +58,7 @@ fn main() -> std::process::ExitCode {
         Command::Logits(a) => commands::logits::run(a),
         Command::Synth(a) => commands::synth::run(a),
         Command::Plan(a) => commands::plan::run(a),
+        Command::Probe(a) => commands::probe::run(a),
         Command::Soak(a) => commands::soak::run(a),
         Command::Eval(c) => commands::eval::run(c),
     };

@@ -5,6 +5,7 @@ pub mod generate;
 pub mod kernels;
 pub mod logits;
 pub mod plan;
+pub mod probe;
 pub mod serve;
 pub mod soak;
 pub mod synth;

@@ -1,0 +1,66 @@
+//! The server in-process, for the load tools (`soak`, `probe` without `--url`): built exactly as `serve`
+//! builds it, on 127.0.0.1 with an ephemeral port, and stopped at the end.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+
+use crate::engine_args::EngineArgs;
+use crate::model_source::ModelArgs;
+
+pub(crate) struct InProcess {
+    pub(crate) addr: SocketAddr,
+    pub(crate) name: String,
+    /// The memory plan the engine was started with.
+    pub(crate) plan: deltaserve_plan::Plan,
+    pub(crate) engine: deltaserve_engine::EngineHandle,
+    pub(crate) stop_tx: tokio::sync::oneshot::Sender<()>,
+    pub(crate) join: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl InProcess {
+    /// Builds the server state the way `serve` does and serves it on 127.0.0.1:0.
+    pub(crate) async fn start(model: &ModelArgs, engine: &EngineArgs, api_key: Option<String>) -> Result<Self> {
+        let name = match &model.model {
+            Some(dir) => dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned()),
+            None => "demo".into(),
+        };
+        let model_dir = model.dir()?;
+        let (model, engine_args) = (model.clone(), engine.clone());
+        let started = tokio::task::spawn_blocking(move || -> Result<_> { engine_args.start(&model) })
+            .await
+            .context("starting the engine")??;
+        tracing::info!("{}", started.plan.table());
+        let state = started.app_state(&name, api_key, 64 << 20, &model_dir)?;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.context("binding 127.0.0.1:0")?;
+        let addr = listener.local_addr()?;
+        tracing::info!(model = %name, "in-process server on http://{addr}");
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let join = tokio::spawn(deltaserve_server::serve(
+            listener,
+            state,
+            async move {
+                let _ = stop_rx.await;
+            },
+            Duration::from_secs(2),
+        ));
+        Ok(Self { addr, name, plan: started.plan, engine: started.engine, stop_tx, join })
+    }
+
+    pub(crate) async fn stop(self) -> Result<()> {
+        let _ = self.stop_tx.send(());
+        self.join.await.context("the in-process server task")?.context("the in-process server")?;
+        let engine = self.engine;
+        tokio::task::spawn_blocking(move || engine.shutdown(false)).await?;
+        Ok(())
+    }
+}
+
+/// The resident set size of this process (`VmRSS` in /proc/self/status), in bytes.
+pub(crate) fn host_rss_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}

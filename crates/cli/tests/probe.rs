@@ -1,0 +1,79 @@
+//! `deltaserve probe` end to end on the in-process demo model: every rung fills exactly its share of the
+//! advertised context, the conversation reaches 100% through the prefix cache, and bad input is a clean error.
+
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn probe(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_deltaserve"))
+        .env("RUST_LOG", "warn")
+        .arg("probe")
+        .args(args)
+        .output()
+        .expect("run deltaserve probe")
+}
+
+#[test]
+fn fills_the_demo_context_in_one_prompt_and_over_turns() {
+    let svg = std::env::temp_dir().join(format!("ds-probe-{}.svg", std::process::id()));
+    let out = probe(&[
+        "--max-context",
+        "2048",
+        "--rungs",
+        "25,92,100",
+        "--turns",
+        "4",
+        "--max-tokens",
+        "4",
+        "--json",
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let v: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {}", String::from_utf8_lossy(&out.stdout)));
+    assert!(out.status.success(), "probe failed: {stderr}\n{v:#}");
+    assert_eq!(v["passed"], true, "{v:#}");
+    assert_eq!(v["max_context"], 2048);
+    // The demo model has random weights: no needle check unless asked.
+    assert_eq!(v["needle_checked"], false);
+
+    let u = |t: &Value, k: &str| t[k].as_u64().unwrap_or_else(|| panic!("{k} is not a count: {t}"));
+    let rungs = v["rungs"].as_array().unwrap();
+    assert_eq!(rungs.len(), 3);
+    for (r, pct) in rungs.iter().zip([25.0, 92.0, 100.0]) {
+        let want = (2048.0 * pct / 100.0) as u64 - 4;
+        let prompt = u(r, "prompt_tokens");
+        // Fitted to within the probe's slack below the target, never above it.
+        assert!(prompt <= want && prompt + 16 >= want, "rung {pct}: {prompt} tokens for {want}: {r}");
+        assert_eq!(u(r, "cached_tokens"), 0, "each rung is a fresh prefill: {r}");
+        assert_eq!(u(r, "completion_tokens"), 4, "ignore_eos: {r}");
+    }
+    let turns = v["turns"].as_array().unwrap();
+    assert_eq!(turns.len(), 4);
+    let last = turns.last().unwrap();
+    assert!(u(last, "prompt_tokens") + 4 + 16 >= 2048 && u(last, "prompt_tokens") + 4 <= 2048, "{last}");
+    for w in turns.windows(2) {
+        assert!(u(&w[1], "cached_tokens") as f64 >= 0.95 * u(&w[0], "prompt_tokens") as f64, "{w:?}");
+    }
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("turn 4"), "{svg}");
+}
+
+#[test]
+fn bad_rungs_are_a_clean_error() {
+    let out = probe(&["--rungs", "0,50"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--rungs") && !stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+fn nothing_listening_is_a_clean_error() {
+    let out = probe(&["--url", "http://127.0.0.1:9", "--rungs", "50", "--turns", "0"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("cannot connect") && !stderr.contains("panicked"), "{stderr}");
+}
