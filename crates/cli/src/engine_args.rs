@@ -58,9 +58,26 @@ pub struct EngineArgs {
     /// Disable the prefix cache (KV pages + DeltaNet state snapshots).
     #[arg(long)]
     pub no_prefix_cache: bool,
+    /// Speculative decoding with the model's MTP head: draft K (1..4) tokens per decode step and verify
+    /// them in one forward (greedy outputs are unchanged; sampling keeps its distribution). Needs a
+    /// checkpoint with `mtp.*` tensors; CPU backend only for now.
+    #[arg(long)]
+    pub speculative_tokens: Option<usize>,
 }
 
 impl EngineArgs {
+    /// Drafts per decode step (0: off); `--speculative-tokens` must be 1..=4.
+    fn speculative_tokens(&self) -> Result<usize> {
+        match self.speculative_tokens {
+            None => Ok(0),
+            Some(k) if (1..=deltaserve_engine::MAX_SPECULATIVE_TOKENS).contains(&k) => Ok(k),
+            Some(k) => anyhow::bail!(
+                "--speculative-tokens {k}: must be 1..={} (drafts per decode step)",
+                deltaserve_engine::MAX_SPECULATIVE_TOKENS
+            ),
+        }
+    }
+
     /// (K, V) storage from `--kv-cache-dtype` and the per-tensor overrides; None where unset.
     fn kv_dtypes(&self) -> Result<(Option<KvDtype>, Option<KvDtype>)> {
         let parse = |flag: &str, v: &Option<String>| -> Result<Option<KvDtype>> {
@@ -154,6 +171,7 @@ impl EngineArgs {
         let (k_dtype, v_dtype) = self.kv_dtypes()?;
         opts.k_dtype = k_dtype.unwrap_or(opts.k_dtype);
         opts.v_dtype = v_dtype.unwrap_or(opts.v_dtype);
+        opts.speculative_tokens = self.speculative_tokens()?;
         Ok(opts)
     }
 
@@ -215,6 +233,11 @@ impl EngineArgs {
     /// The CUDA backend: weights from the checkpoint (or random at the real shapes) straight into
     /// the plan's device regions.
     pub fn start_cuda(&self, text: TextModel, random_weights: bool) -> Result<Started> {
+        if self.speculative_tokens()? > 0 {
+            anyhow::bail!(
+                "--speculative-tokens: speculative decoding is not supported by the CUDA backend yet (use --device cpu)"
+            );
+        }
         let opts = self.plan_options(Device::Cuda)?;
         let cfg = text.config;
         let scratch =
@@ -238,6 +261,13 @@ impl EngineArgs {
 
     /// Plans memory for `loaded` on the CPU backend, allocates the arena and starts the engine.
     pub fn start_cpu(&self, loaded: LoadedModel) -> Result<Started> {
+        let spec = self.speculative_tokens()?;
+        if spec > 0 && !loaded.model.has_mtp() {
+            anyhow::bail!(
+                "--speculative-tokens {spec}: this model has no MTP head (no `mtp.*` tensors in the checkpoint, or \
+                 `mtp_num_hidden_layers` is 0)"
+            );
+        }
         let opts = self.plan_options(Device::Cpu)?;
         let budget = opts.budget_bytes;
         let cfg = loaded.model.config.clone();
@@ -263,19 +293,24 @@ impl EngineArgs {
                 tracing::info!("{msg}");
             }
         }
-        let backend = CpuBackend::new(
-            loaded.model,
-            CpuCacheConfig {
-                num_pages: plan.num_kv_pages,
-                page_size: plan.page_size,
-                num_slots: plan.num_state_slots,
-                snapshot_slots: sched.prefix_cache.device_slots,
-                host_snapshot_slots: sched.prefix_cache.host_slots,
-            },
-        )
-        .with_kv_formats(k_format, v_format);
+        let cache = CpuCacheConfig {
+            num_pages: plan.num_kv_pages,
+            page_size: plan.page_size,
+            num_slots: plan.num_state_slots,
+            snapshot_slots: sched.prefix_cache.device_slots,
+            host_snapshot_slots: sched.prefix_cache.host_slots,
+        };
         let tokenizer = loaded.tokenizer.map(Arc::new);
-        let engine = EngineHandle::start(Box::new(backend), sched, tokenizer.clone());
+        let engine = if spec > 0 {
+            let backend = CpuBackend::with_speculation(loaded.model, cache, spec)
+                .context("--speculative-tokens")?
+                .with_kv_formats(k_format, v_format);
+            EngineHandle::start_speculative(Box::new(backend), sched, tokenizer.clone(), spec)
+                .context("--speculative-tokens")?
+        } else {
+            let backend = CpuBackend::new(loaded.model, cache).with_kv_formats(k_format, v_format);
+            EngineHandle::start(Box::new(backend), sched, tokenizer.clone())
+        };
         Ok(Started { engine, plan, tokenizer, template: loaded.template.map(Arc::new), eos_ids })
     }
 }

@@ -1,6 +1,7 @@
 //! Prometheus metrics in the text exposition format: request counters by endpoint and status, token
 //! counters, TTFT / inter-token / end-to-end latency histograms, and gauges read from the engine at
-//! scrape time (queue depth, running requests, KV pages, state slots, arena counters).
+//! scrape time (queue depth, running requests, KV pages, state slots, arena counters, speculative
+//! decoding: drafted / accepted tokens, acceptance rate, tokens per step).
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -149,6 +150,42 @@ impl Metrics {
             p.demotions,
         );
         counter(&mut out, "deltaserve_engine_steps_total", "Engine steps run.", engine.steps);
+        counter(
+            &mut out,
+            "deltaserve_spec_decode_steps_total",
+            "Speculative decode steps (per sequence): drafts verified in one forward.",
+            engine.spec_steps,
+        );
+        counter(
+            &mut out,
+            "deltaserve_spec_decode_draft_tokens_total",
+            "Tokens drafted by the MTP head.",
+            engine.spec_drafted,
+        );
+        counter(
+            &mut out,
+            "deltaserve_spec_decode_accepted_tokens_total",
+            "Drafted tokens accepted (and emitted).",
+            engine.spec_accepted,
+        );
+        counter(
+            &mut out,
+            "deltaserve_spec_decode_emitted_tokens_total",
+            "Tokens emitted by speculative decode steps.",
+            engine.spec_emitted,
+        );
+        gauge(
+            &mut out,
+            "deltaserve_spec_decode_acceptance_rate",
+            "Accepted / drafted tokens since start (0 without speculation).",
+            engine.acceptance_rate(),
+        );
+        gauge(
+            &mut out,
+            "deltaserve_spec_decode_tokens_per_step",
+            "Tokens emitted per speculative decode step since start (0 without speculation).",
+            engine.tokens_per_spec_step(),
+        );
         let Ok(m) = self.inner.lock() else { return out };
         counter(&mut out, "deltaserve_prompt_tokens_total", "Prompt tokens of finished requests.", m.prompt_tokens);
         counter(
