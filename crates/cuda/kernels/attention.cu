@@ -4,23 +4,56 @@
 // q_len_s) and query head h (kv head h / GQA_GROUP):
 //   o[i, h] = sum_{p <= past_s + i} softmax_p(scale * q[i,h] . K[p]) V[p]
 // where key p lives at cache row block_tables[s, p / page] * page + p % page.
-//  attn_prefill:        varlen queries (cu_seqlens), tiles of 16 queries x 32 keys; no scratch.
+//  attn_prefill:        varlen queries (cu_seqlens); FlashAttention-2 style on tensor cores
+//                       (mma.sync m16n8k16 bf16 -> f32, ldmatrix, cp.async); no scratch.
 //  attn_decode_split:   one query per sequence; keys split into n_split equal ranges, each block
 //                       handles all GQA_GROUP query heads of one kv head (K/V read once), writes
 //                       unnormalised partials (o, max, sum) in f32.
 //  attn_decode_combine: merges the n_split partials (log-sum-exp) into bf16 o.
 // Shapes/dtypes: q [T, Hq, HD] bf16 (head h of token t at q + t*q_tok + h*q_head: contiguous is
-//   q_tok = Hq*HD, q_head = HD; the attention q|gate projection output is q_tok = 2*Hq*HD, q_head = 2*HD); k_cache, v_cache [num_blocks * page, Hkv * HD] bf16;
-//   block_tables [B, max_blocks] i32; seq_lens [B] i32 (kv length including the new tokens);
-//   cu_seqlens [B+1] i32; tile_table [n_tiles, 2] i32 = (seq, 16-query tile index) from the host;
-//   o [T, Hq, HD] bf16; part_o [B, Hq, n_split, HD] f32; part_ml [B, Hq, n_split, 2] f32.
-// Launch: attn_prefill grid (n_tiles, Hq), block 128, dynamic smem (16+64)*(HD+1)*4 + 2 KB
-//   (~82 KB at HD 256); attn_decode_split grid (B, Hkv, n_split), block 256 (8 warps, one key per
-//   warp at a time, 16-byte loads); attn_decode_combine grid (B, Hq), block HD.
-//   -D HD (head dim, multiple of 32, <= 256), GQA_GROUP (Hq / Hkv).
-// Arch: f32 FFMA + shuffles + shared atomics only, sm_80+ (no tensor cores yet).
+//   q_tok = Hq*HD, q_head = HD; the attention q|gate projection output is q_tok = 2*Hq*HD,
+//   q_head = 2*HD; q 4-byte aligned, strides even); k_cache, v_cache [num_blocks * page, Hkv * HD]
+//   bf16 (16-byte aligned); block_tables [B, max_blocks] i32; seq_lens [B] i32 (kv length
+//   including the new tokens); cu_seqlens [B+1] i32; tile_table [n_tiles, 2] i32 = (seq, 16-query
+//   tile index) from the host; o [T, Hq, HD] bf16; part_o [B, Hq, n_split, HD] f32;
+//   part_ml [B, Hq, n_split, 2] f32.
+// Launch: attn_prefill grid (n_tiles, Hkv), block 32*GQA_GROUP, dynamic smem
+//   2 stages * (K + V) * 32 keys * (HD+8) * 2 B (67,584 B at HD 256); attn_decode_split grid
+//   (B, Hkv, n_split), block 256 (8 warps, one key per warp at a time, 16-byte loads);
+//   attn_decode_combine grid (B, Hq), block HD.
+//   -D HD (head dim, multiple of 32, <= 256), GQA_GROUP (Hq / Hkv, 1..8).
+// Arch: sm_80+ (mma.sync, ldmatrix, cp.async; no Hopper-only instructions).
 // Tested by: tests/ops.rs cases "kv_write+attn_prefill" and "attn_decode" against
-//   deltaserve_cpu::attention::causal_gqa_attention.
+//   deltaserve_cpu::attention::causal_gqa_attention; timed by tests/bench_attention.rs.
+//
+// attn_prefill design (one block = 16 queries x all GQA_GROUP heads of one kv head):
+//  - Warp w owns query head hkv*GQA_GROUP + w for the block's 16 queries: one m16 row tile. The
+//    K/V tile is loaded once per block and read by all GQA_GROUP warps (6x less K/V traffic than
+//    one block per q head at the 27B shape). 16 rows per warp is the most that fits: the f32 O
+//    accumulator is 16 x HD (128 registers/thread at HD 256) and Q stays in registers as mma A
+//    fragments (64 registers at HD 256), so per 32-key tile a warp reads only K and V from shared
+//    memory (ldmatrix), no Q.
+//  - KV tile = 32 keys (one page at page 32), double-buffered with cp.async (16-byte chunks; keys
+//    past the visible end are zero-filled, so poisoned / unmapped cache rows are never read).
+//    Smem rows are padded to HD+8 bf16 (16 B) so ldmatrix row addresses hit distinct banks.
+//    When the page size is a multiple of 32 a tile lies inside one page: one block-table lookup.
+//  - S = Q K^T (ldmatrix non-trans of K rows = mma "col" B), scaled into the log2 domain
+//    (scale*log2 e) and exp2f; causal mask only on tiles that reach past the tile's first query
+//    position (at most the last two); tiles past the last query are never visited.
+//  - Online softmax per row (rows g and g+8 of the m16 tile per thread, 4 threads per row; row
+//    sums stay per-thread partial until the end); O is rescaled only when some row max moved
+//    (warp vote), which after the first tiles is rare.
+//  - O += P V with V via ldmatrix.trans and P split into two bf16 operands (hi = bf16(p),
+//    lo = bf16(p - hi)), f32 accumulation. Plain bf16 P (FlashAttention's choice) measured
+//    107-166% of the ops test's tolerance (abs errors ~1e-3 at outputs ~1e-3 where the weighted
+//    sum cancels); the split costs 64 more mma per warp and 32-key tile (192 instead of 128) but
+//    no more shared-memory traffic.
+//  - Blocks run in reverse tile-table order so the longest (causal) tiles start first, and grid.x
+//    = tiles, grid.y = kv heads so co-resident blocks stream the same kv head's K/V (L2 reuse).
+// Measured (H200, bench/results/attention-prefill-2026-11-29.md): every ops.rs prefill case within
+//   21-23% of the ACCUM tolerance, max |err| 1.95e-3 at |ref| ~0.5 (the bf16 rounding of o; with
+//   plain bf16 P it was 107-166%). 27B shape, 4096 causal queries: 145 TFLOP/s at 4K keys, 152-154
+//   from 32K to 262K keys (195 with plain bf16 P). Latency-bound: 255 registers, 6 warps per SM.
 
 #ifndef HD
 #define HD 256
@@ -28,104 +61,280 @@
 #ifndef GQA_GROUP
 #define GQA_GROUP 6
 #endif
-#define BQ 16
-#define BK 32
-#define HP (HD + 1)
 #define NEG_INF (-__int_as_float(0x7f800000))
 
-extern "C" __global__ void __launch_bounds__(128)
+#define PF_BQ 16                       // queries per block (Q_TILE in ops/attention.rs)
+#define PF_BK 32                       // keys per KV tile
+#define PF_NT (32 * GQA_GROUP)         // threads per block: one warp per q head of the group
+#define PF_STR (HD + 8)                // smem row stride in bf16 (16-byte pad)
+#define PF_CH (HD / 8)                 // 16-byte chunks per K/V row
+#define PF_MAT_BYTES (PF_BK * PF_STR * 2)   // one K or V tile
+#define PF_STAGE_BYTES (2 * PF_MAT_BYTES)   // K + V
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 r;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// 16-byte global -> shared copy; src_bytes 0 writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all_but_1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+// c += a (16x16 bf16, row) * b (16x8 bf16, col), f32 accumulate.
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two f32 -> packed bf16x2 (round to nearest even): lo in bits 0..15 (the lower column / address).
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// (x0, x1) -> hi = bf16x2(x0, x1) and lo = bf16x2(x0 - hi0, x1 - hi1).
+__device__ __forceinline__ void split_bf16(float x0, float x1, u32& hi, u32& lo) {
+    hi = pack_bf16(x0, x1);
+    lo = pack_bf16(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xffff0000u));
+}
+
+// S_CHAINS: independent accumulator sets for S = Q K^T (1: one chain of HD/16 dependent mma per
+// 8-key column; 2: even / odd k steps accumulate separately and are added, halving the chain).
+// 2 measured 5% slower on the H200 (more spills at 255 registers); attn_prefill uses 1.
+template <int S_CHAINS>
+__device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
+                                             const bf16_t* __restrict__ v_cache,
+                                             const int* __restrict__ block_tables, int max_blocks,
+                                             const int* __restrict__ cu_seqlens, const int* __restrict__ seq_lens,
+                                             const int* __restrict__ tile_table, bf16_t* __restrict__ o, int Hq,
+                                             int Hkv, int page, float scale, long long q_tok, long long q_head) {
+    extern __shared__ __align__(16) unsigned char pf_smem[];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, tg = lane & 3;  // mma fragment row group / thread in group
+    const int tile = gridDim.x - 1 - blockIdx.x;  // longest tiles first
+    const int s = tile_table[2 * tile], qt = tile_table[2 * tile + 1];
+    const int hkv = blockIdx.y, h = hkv * GQA_GROUP + warp;
+    const int qstart = cu_seqlens[s], qlen = cu_seqlens[s + 1] - qstart;
+    const int past = seq_lens[s] - qlen;
+    const int i0 = qt * PF_BQ;
+    const int nq = min(PF_BQ, qlen - i0);
+    const int kend = past + i0 + nq;  // keys [0, kend) are visible to some query of the tile
+    const int n_kt = (kend + PF_BK - 1) / PF_BK;
+    const long long width = (long long)Hkv * HD;
+    const int* bt = block_tables + (long long)s * max_blocks;
+    const bf16_t* kbase = k_cache + (long long)hkv * HD;
+    const bf16_t* vbase = v_cache + (long long)hkv * HD;
+    const u32 sbase = smem_addr(pf_smem);
+    const bool page_tiles = (page % PF_BK) == 0;  // every KV tile lies inside one page
+
+    // Issue the cp.async copies of KV tile j into stage st (one commit group per tile).
+    auto load_tile = [&](int j, int st) {
+        const int kb = j * PF_BK;
+        const u32 dst = sbase + st * PF_STAGE_BYTES;
+        long long row0 = 0;
+        if (page_tiles) row0 = (long long)bt[kb / page] * page + kb % page;
+        for (int c = tid; c < PF_BK * PF_CH; c += PF_NT) {
+            const int r = c / PF_CH, ch = c % PF_CH;
+            const int p = kb + r;
+            const bool ok = p < kend;
+            long long row = 0;
+            if (ok) row = page_tiles ? row0 + r : (long long)bt[p / page] * page + p % page;
+            const long long off = row * width + ch * 8;
+            const u32 d = dst + (u32)(r * PF_STR + ch * 8) * 2;
+            cp_async16(d, kbase + off, ok ? 16 : 0);
+            cp_async16(d + PF_MAT_BYTES, vbase + off, ok ? 16 : 0);
+        }
+        cp_async_commit();
+    };
+
+    load_tile(0, 0);
+
+    // Q of this warp's head as mma A fragments (rows g, g+8; 16 columns per k step), raw bf16.
+    u32 qf[HD / 16][4];
+    {
+        const bool v0 = g < nq, v1 = g + 8 < nq;
+        const bf16_t* q0 = q + (long long)(qstart + i0 + g) * q_tok + (long long)h * q_head + 2 * tg;
+        const bf16_t* q1 = q0 + 8 * q_tok;
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ks++) {
+            qf[ks][0] = v0 ? *(const u32*)(q0 + ks * 16) : 0u;
+            qf[ks][1] = v1 ? *(const u32*)(q1 + ks * 16) : 0u;
+            qf[ks][2] = v0 ? *(const u32*)(q0 + ks * 16 + 8) : 0u;
+            qf[ks][3] = v1 ? *(const u32*)(q1 + ks * 16 + 8) : 0u;
+        }
+    }
+
+    float oacc[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++) oacc[n][0] = oacc[n][1] = oacc[n][2] = oacc[n][3] = 0.0f;
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;  // rows g, g+8 (l: this thread's columns)
+    const float sl2 = scale * 1.4426950408889634f;
+    const int first_q = past + i0;
+    const int qpos0 = first_q + g, qpos1 = qpos0 + 8;
+
+    // ldmatrix lane offsets (bytes) inside a tile.
+    // K (non-trans, B of S = Q K^T): matrices (keys 0-7, d 0-7), (keys 0-7, d 8-15), (keys 8-15, d 0-7), (8-15, 8-15).
+    const u32 k_lane = (u32)(((lane & 7) + ((lane >> 4) << 3)) * PF_STR + ((lane >> 3) & 1) * 8) * 2;
+    // V (trans, B of O = P V): matrices (keys 0-7, d 0-7), (keys 8-15, d 0-7), (keys 0-7, d 8-15), (8-15, 8-15).
+    const u32 v_lane = (u32)(((lane & 7) + (((lane >> 3) & 1) << 3)) * PF_STR + (lane >> 4) * 8) * 2;
+
+    for (int j = 0; j < n_kt; j++) {
+        if (j + 1 < n_kt) {
+            load_tile(j + 1, (j + 1) & 1);
+            cp_async_wait_all_but_1();
+        } else {
+            cp_async_wait_all();
+        }
+        __syncthreads();
+        const u32 ks_base = sbase + (j & 1) * PF_STAGE_BYTES;
+        const u32 vs_base = ks_base + PF_MAT_BYTES;
+
+        float sc[S_CHAINS][PF_BK / 8][4];
+#pragma unroll
+        for (int c = 0; c < S_CHAINS; c++)
+#pragma unroll
+            for (int n = 0; n < PF_BK / 8; n++) sc[c][n][0] = sc[c][n][1] = sc[c][n][2] = sc[c][n][3] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ks++) {
+#pragma unroll
+            for (int np = 0; np < PF_BK / 16; np++) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4(ks_base + k_lane + (u32)(np * 16 * PF_STR + ks * 16) * 2, b0, b1, b2, b3);
+                mma_bf16(sc[ks % S_CHAINS][2 * np], qf[ks], b0, b1);
+                mma_bf16(sc[ks % S_CHAINS][2 * np + 1], qf[ks], b2, b3);
+            }
+        }
+#pragma unroll
+        for (int c = 1; c < S_CHAINS; c++)
+#pragma unroll
+            for (int n = 0; n < PF_BK / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) sc[0][n][e] += sc[c][n][e];
+
+        float (&sx)[PF_BK / 8][4] = sc[0];
+        // Scale into the log2 domain; causal mask where the tile reaches past the first query.
+        const int kb = j * PF_BK;
+        if (kb + PF_BK - 1 > first_q) {
+#pragma unroll
+            for (int n = 0; n < PF_BK / 8; n++) {
+                const int key = kb + n * 8 + 2 * tg;
+                sx[n][0] = key <= qpos0 ? sx[n][0] * sl2 : NEG_INF;
+                sx[n][1] = key + 1 <= qpos0 ? sx[n][1] * sl2 : NEG_INF;
+                sx[n][2] = key <= qpos1 ? sx[n][2] * sl2 : NEG_INF;
+                sx[n][3] = key + 1 <= qpos1 ? sx[n][3] * sl2 : NEG_INF;
+            }
+        } else {
+#pragma unroll
+            for (int n = 0; n < PF_BK / 8; n++) {
+                sx[n][0] *= sl2;
+                sx[n][1] *= sl2;
+                sx[n][2] *= sl2;
+                sx[n][3] *= sl2;
+            }
+        }
+
+        float mx0 = m0, mx1 = m1;
+#pragma unroll
+        for (int n = 0; n < PF_BK / 8; n++) {
+            mx0 = fmaxf(mx0, fmaxf(sx[n][0], sx[n][1]));
+            mx1 = fmaxf(mx1, fmaxf(sx[n][2], sx[n][3]));
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        // A row with no visible key yet keeps max -inf: subtract 0 instead (all its p are 0).
+        const float base0 = mx0 == NEG_INF ? 0.0f : mx0, base1 = mx1 == NEG_INF ? 0.0f : mx1;
+        const float a0 = exp2f(m0 - base0), a1 = exp2f(m1 - base1);
+        m0 = mx0;
+        m1 = mx1;
+        float rs0 = 0.0f, rs1 = 0.0f;
+#pragma unroll
+        for (int n = 0; n < PF_BK / 8; n++) {
+            sx[n][0] = exp2f(sx[n][0] - base0);
+            sx[n][1] = exp2f(sx[n][1] - base0);
+            sx[n][2] = exp2f(sx[n][2] - base1);
+            sx[n][3] = exp2f(sx[n][3] - base1);
+            rs0 += sx[n][0] + sx[n][1];
+            rs1 += sx[n][2] + sx[n][3];
+        }
+        l0 = l0 * a0 + rs0;
+        l1 = l1 * a1 + rs1;
+        if (__any_sync(0xffffffffu, a0 != 1.0f || a1 != 1.0f)) {
+#pragma unroll
+            for (int n = 0; n < HD / 8; n++) {
+                oacc[n][0] *= a0;
+                oacc[n][1] *= a0;
+                oacc[n][2] *= a1;
+                oacc[n][3] *= a1;
+            }
+        }
+
+        // O += P V: P (bf16) from the S accumulators, 16 keys per k step.
+#pragma unroll
+        for (int kk = 0; kk < PF_BK / 16; kk++) {
+            // P = hi + lo, both bf16 (hi = bf16(p), lo = bf16(p - hi)): P enters with ~2^-17
+            // relative error instead of bf16's 2^-9, which the f32 reference tolerance needs.
+            u32 ph[4], pl[4];
+            split_bf16(sx[2 * kk][0], sx[2 * kk][1], ph[0], pl[0]);
+            split_bf16(sx[2 * kk][2], sx[2 * kk][3], ph[1], pl[1]);
+            split_bf16(sx[2 * kk + 1][0], sx[2 * kk + 1][1], ph[2], pl[2]);
+            split_bf16(sx[2 * kk + 1][2], sx[2 * kk + 1][3], ph[3], pl[3]);
+#pragma unroll
+            for (int np = 0; np < HD / 16; np++) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4_t(vs_base + v_lane + (u32)(kk * 16 * PF_STR + np * 16) * 2, b0, b1, b2, b3);
+                mma_bf16(oacc[2 * np], ph, b0, b1);
+                mma_bf16(oacc[2 * np + 1], ph, b2, b3);
+                mma_bf16(oacc[2 * np], pl, b0, b1);
+                mma_bf16(oacc[2 * np + 1], pl, b2, b3);
+            }
+        }
+        __syncthreads();  // stage j & 1 is refilled by the load issued in iteration j + 1
+    }
+
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+    bf16_t* o0 = o + ((long long)(qstart + i0 + g) * Hq + h) * HD + 2 * tg;
+    bf16_t* o1 = o0 + 8LL * Hq * HD;
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++) {
+        if (g < nq) *(u32*)(o0 + n * 8) = pack_bf16(oacc[n][0] * inv0, oacc[n][1] * inv0);
+        if (g + 8 < nq) *(u32*)(o1 + n * 8) = pack_bf16(oacc[n][2] * inv1, oacc[n][3] * inv1);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(PF_NT, 1)
 attn_prefill(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
              const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
              const int* __restrict__ cu_seqlens, const int* __restrict__ seq_lens,
              const int* __restrict__ tile_table, bf16_t* __restrict__ o, int Hq, int Hkv, int page,
              float scale, long long q_tok, long long q_head) {
-    extern __shared__ float smem[];
-    float* Qs = smem;              // [BQ][HP]
-    float* Ks = Qs + BQ * HP;      // [BK][HP]
-    float* Vs = Ks + BK * HP;      // [BK][HP]
-    float* Ps = Vs + BK * HP;      // [BQ][BK]
-
-    const int tid = threadIdx.x;
-    const int s = tile_table[2 * blockIdx.x], qt = tile_table[2 * blockIdx.x + 1];
-    const int h = blockIdx.y, hkv = h / GQA_GROUP;
-    const int qstart = cu_seqlens[s], qlen = cu_seqlens[s + 1] - qstart;
-    const int past = seq_lens[s] - qlen;
-    const int i0 = qt * BQ;
-    const int nq = min(BQ, qlen - i0);
-    const int kend = past + i0 + nq;  // keys [0, kend) are visible to some query of the tile
-    const long long width = (long long)Hkv * HD;
-    const int* bt = block_tables + (long long)s * max_blocks;
-
-    for (int e = tid; e < BQ * HD; e += blockDim.x) {
-        int r = e / HD, d = e % HD;
-        Qs[r * HP + d] = r < nq ? bf2f(q[(long long)(qstart + i0 + r) * q_tok + (long long)h * q_head + d]) * scale : 0.0f;
-    }
-    const int qi = tid >> 3, sub = tid & 7;  // score role: key sub + 8m; output role: dims sub + 8j
-    const int qpos = past + i0 + qi;         // absolute position of this thread's query row
-    float m = NEG_INF, l = 0.0f;
-    float acc[HD / 8];
-#pragma unroll
-    for (int j = 0; j < HD / 8; j++) acc[j] = 0.0f;
-
-    for (int kb = 0; kb < kend; kb += BK) {
-        __syncthreads();
-        for (int e = tid; e < BK * HD; e += blockDim.x) {
-            int r = e / HD, d = e % HD;
-            int p = kb + r;
-            float kv = 0.0f, vv = 0.0f;
-            if (p < kend) {
-                long long row = (long long)bt[p / page] * page + p % page;
-                kv = bf2f(k_cache[row * width + (long long)hkv * HD + d]);
-                vv = bf2f(v_cache[row * width + (long long)hkv * HD + d]);
-            }
-            Ks[r * HP + d] = kv;
-            Vs[r * HP + d] = vv;
-        }
-        __syncthreads();
-        float sc[BK / 8];
-        float mt = NEG_INF;
-#pragma unroll
-        for (int mm = 0; mm < BK / 8; mm++) {
-            int key = sub + 8 * mm;
-            float dot = 0.0f;
-#pragma unroll 8
-            for (int d = 0; d < HD; d++) dot += Qs[qi * HP + d] * Ks[key * HP + d];
-            bool vis = qi < nq && kb + key <= qpos;
-            sc[mm] = vis ? dot : NEG_INF;
-            mt = fmaxf(mt, sc[mm]);
-        }
-        mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
-        mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
-        mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 4));
-        float mnew = fmaxf(m, mt);
-        float alpha = mnew == NEG_INF ? 1.0f : expf(m - mnew);
-        float ps = 0.0f;
-#pragma unroll
-        for (int mm = 0; mm < BK / 8; mm++) {
-            float p = mnew == NEG_INF ? 0.0f : expf(sc[mm] - mnew);
-            Ps[qi * BK + sub + 8 * mm] = p;
-            ps += p;
-        }
-        ps += __shfl_xor_sync(0xffffffffu, ps, 1);
-        ps += __shfl_xor_sync(0xffffffffu, ps, 2);
-        ps += __shfl_xor_sync(0xffffffffu, ps, 4);
-        l = l * alpha + ps;
-        m = mnew;
-        __syncthreads();
-#pragma unroll
-        for (int j = 0; j < HD / 8; j++) acc[j] *= alpha;
-        for (int key = 0; key < BK; key++) {
-            float p = Ps[qi * BK + key];
-#pragma unroll
-            for (int j = 0; j < HD / 8; j++) acc[j] += p * Vs[key * HP + sub + 8 * j];
-        }
-    }
-    if (qi < nq) {
-        float inv = 1.0f / l;
-        bf16_t* dst = o + ((long long)(qstart + i0 + qi) * Hq + h) * HD;
-#pragma unroll
-        for (int j = 0; j < HD / 8; j++) dst[sub + 8 * j] = f2bf(acc[j] * inv);
-    }
+    prefill_body<1>(q, k_cache, v_cache, block_tables, max_blocks, cu_seqlens, seq_lens, tile_table, o, Hq, Hkv,
+                    page, scale, q_tok, q_head);
 }
 
 #define DPL (HD / 32)  // dims per lane in decode

@@ -133,6 +133,9 @@ struct Case {
 
 /// Small-attention variant: head dim 128, 2 query heads per kv head, BV 16 for the chunk kernel.
 const SMALL: KernelDims = KernelDims { attn_head_dim: 128, gqa_group: 2, gdn_bv: 16, ..KernelDims::QWEN35_27B };
+/// Attention at the smallest head dims: no GQA (64) and a group of 8 (32).
+const HD64_G1: KernelDims = KernelDims { attn_head_dim: 64, gqa_group: 1, ..KernelDims::QWEN35_27B };
+const HD32_G8: KernelDims = KernelDims { attn_head_dim: 32, gqa_group: 8, ..KernelDims::QWEN35_27B };
 /// DeltaNet head dims 32 (the qwen35_gva3_d32 fixture's shape): 2 warps per state block.
 const GDN32: KernelDims = KernelDims { gdn_k_dim: 32, gdn_v_dim: 32, ..KernelDims::QWEN35_27B };
 /// gdn_chunk with plain bf16 operands (Precision::Bf16, FLA-like): measured worst errors ~3% of the
@@ -191,6 +194,37 @@ fn cases() -> Vec<Case> {
             "kv_write+attn_prefill",
             SMALL,
             Op::AttnPrefill { seqs: vec![(0, 129), (300, 5)], hq: 8, hkv: 4, page: 64 },
+            ACCUM,
+        ),
+        c(
+            "kv_write+attn_prefill",
+            q,
+            Op::AttnPrefill { seqs: vec![(0, 15), (0, 16), (0, 17)], hq: 24, hkv: 4, page: 32 },
+            ACCUM,
+        ),
+        c(
+            "kv_write+attn_prefill",
+            q,
+            Op::AttnPrefill { seqs: vec![(5, 64), (31, 127), (33, 129), (1000, 1)], hq: 24, hkv: 4, page: 32 },
+            ACCUM,
+        ),
+        c("kv_write+attn_prefill", q, Op::AttnPrefill { seqs: vec![(0, 300)], hq: 24, hkv: 4, page: 32 }, ACCUM),
+        c(
+            "kv_write+attn_prefill",
+            SMALL,
+            Op::AttnPrefill { seqs: vec![(17, 63), (0, 64), (64, 65), (40, 2)], hq: 8, hkv: 4, page: 16 },
+            ACCUM,
+        ),
+        c(
+            "kv_write+attn_prefill",
+            HD64_G1,
+            Op::AttnPrefill { seqs: vec![(3, 33), (0, 1)], hq: 2, hkv: 2, page: 32 },
+            ACCUM,
+        ),
+        c(
+            "kv_write+attn_prefill",
+            HD32_G8,
+            Op::AttnPrefill { seqs: vec![(70, 40), (0, 16), (9, 1)], hq: 8, hkv: 1, page: 8 },
             ACCUM,
         ),
         c(

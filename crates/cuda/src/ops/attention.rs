@@ -1,5 +1,5 @@
 //! Launchers for kernels/attention.cu: causal GQA attention over the paged KV cache, prefill
-//! (varlen, online softmax, no scratch) and decode (fixed split count + combine).
+//! (varlen, online softmax on tensor cores, no scratch) and decode (fixed split count + combine).
 
 use cudarc::driver::CudaStream;
 
@@ -7,11 +7,15 @@ use super::{Kernels, invalid, launch, to_i32, to_u32};
 use crate::error::CudaError;
 use crate::nvrtc::KernelDims;
 
-/// Queries per prefill tile (fixed in the kernel).
+/// Queries per prefill tile (fixed in the kernel: one m16 mma row tile per query head).
 pub const Q_TILE: usize = 16;
 
+/// Keys per KV tile of the prefill kernel.
+const KV_TILE: usize = 32;
+
+/// Dynamic shared memory of [`attn_prefill`]: 2 stages of K and V tiles, rows padded by 8 bf16.
 pub(crate) fn prefill_smem_bytes(d: &KernelDims) -> usize {
-    4 * ((Q_TILE + 64) * (d.attn_head_dim + 1) + Q_TILE * 32)
+    2 * 2 * KV_TILE * (d.attn_head_dim + 8) * 2
 }
 
 /// Host-side tile table for [`attn_prefill`]: (sequence, 16-query tile) pairs.
@@ -68,6 +72,13 @@ pub fn attn_prefill(k: &Kernels, s: &CudaStream, a: &AttnPrefill) -> Result<(), 
     if a.q_head < d.attn_head_dim || a.q_tok < a.q_heads * a.q_head {
         return Err(invalid("attn_prefill", format!("{a:?}: q strides too small")));
     }
+    // The kernel reads q and writes o in bf16 pairs and copies K/V rows in 16-byte chunks.
+    if !a.q.is_multiple_of(4) || !a.q_tok.is_multiple_of(2) || !a.q_head.is_multiple_of(2) || !a.o.is_multiple_of(4) {
+        return Err(invalid("attn_prefill", format!("{a:?}: q/o must be 4-byte aligned with even strides")));
+    }
+    if !a.kv.k_cache.is_multiple_of(16) || !a.kv.v_cache.is_multiple_of(16) {
+        return Err(invalid("attn_prefill", format!("{a:?}: the K/V caches must be 16-byte aligned")));
+    }
     let AttnPrefill { q, o, cu_seqlens, seq_lens, tile_table, scale, .. } = *a;
     let (qt, qh) = (a.q_tok as i64, a.q_head as i64);
     let KvPages { k_cache, v_cache, block_tables, .. } = a.kv;
@@ -75,9 +86,11 @@ pub fn attn_prefill(k: &Kernels, s: &CudaStream, a: &AttnPrefill) -> Result<(), 
     let hq = to_i32("attn_prefill", "q_heads", a.q_heads)?;
     let hkv = to_i32("attn_prefill", "kv_heads", a.kv.kv_heads)?;
     let page = to_i32("attn_prefill", "page", a.kv.page)?;
-    let grid = (to_u32("attn_prefill", "n_tiles", a.n_tiles)?, to_u32("attn_prefill", "q_heads", a.q_heads)?, 1);
+    // One block per (16-query tile, kv head); one warp per query head of the GQA group.
+    let grid = (to_u32("attn_prefill", "n_tiles", a.n_tiles)?, to_u32("attn_prefill", "kv_heads", a.kv.kv_heads)?, 1);
+    let block = (32 * d.gqa_group as u32, 1, 1);
     let smem = prefill_smem_bytes(&d) as u32;
-    launch!(k, s, "attn_prefill", grid, (128, 1, 1), smem;
+    launch!(k, s, "attn_prefill", grid, block, smem;
         q, k_cache, v_cache, block_tables, mb, cu_seqlens, seq_lens, tile_table, o, hq, hkv, page, scale, qt, qh)
 }
 

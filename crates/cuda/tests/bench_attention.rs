@@ -1,0 +1,181 @@
+//! Benchmark of the paged attention kernels at the Qwen3.6-27B attention shape (24 q heads, 4 kv
+//! heads, head dim 256, page 32), random bf16 K/V/Q generated on the GPU, scrambled block table:
+//! `cargo test -p deltaserve-cuda --release --test bench_attention -- --ignored --nocapture`.
+//!
+//! attn_prefill: 4096 queries (one chunked-prefill step) after 0 / 28,672 / 126,976 / 258,048 past
+//! keys, causal; q in the backend's q|gate layout. Time: CUDA events around each launch, 2 warm-up
+//! launches, median of the timed ones. FLOPs = 4 · head_dim · q_heads · Σ_queries visible keys.
+//! Compared with the bf16 GEMM rate (766 TFLOP/s) and PyTorch SDPA's Hopper kernels at the same
+//! shapes (/work/shared/anchors/rooflines-h200.json; built-in copies when the file is absent).
+//!
+//! attn_decode: 1 query per sequence at 32K context, batch 1 and 8, 16 partitions: K/V bytes read
+//! per second against the 4.26 TB/s device copy rate of the same anchors file.
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
+use cudarc::driver::sys::CUevent_flags;
+use deltaserve_cuda::ops::attention::{self, AttnDecode, AttnPrefill, KvPages};
+use deltaserve_cuda::ops::init::{Init, init_random};
+use deltaserve_cuda::{Arena, KernelDims, Kernels, LibStatus, Runtime};
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+const HQ: usize = 24;
+const HKV: usize = 4;
+const HD: usize = 256;
+const PAGE: usize = 32;
+const TQ: usize = 4096;
+const MAX_CTX: usize = 262_144;
+const GEMM_TFLOPS: f64 = 766.0;
+
+/// SDPA (Hopper kernels) TFLOP/s for 4096 causal queries at a total context, and the copy rate.
+fn anchors() -> (Vec<(usize, f64)>, f64) {
+    let path = std::env::var("DS_ROOFLINES").unwrap_or_else(|_| "/work/shared/anchors/rooflines-h200.json".into());
+    let builtin = (vec![(4096, 517.2), (32768, 752.5), (131_072, 672.0)], 4.263);
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return builtin;
+    };
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return builtin;
+    };
+    let mut sdpa = Vec::new();
+    for ctx in [4096usize, 32768, 131_072, 262_144] {
+        if let Some(t) = v.get(format!("sdpa_q4096_ctx{ctx}")).and_then(|e| e.get("TFLOPs")).and_then(|t| t.as_f64()) {
+            sdpa.push((ctx, t));
+        }
+    }
+    let copy = v.get("copy_TBps").and_then(|c| c.as_f64()).unwrap_or(builtin.1);
+    (if sdpa.is_empty() { builtin.0 } else { sdpa }, copy)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Median milliseconds of `f` (CUDA events around each call) after 2 warm-up calls.
+fn time_ms(rt: &Runtime, runs: usize, mut f: impl FnMut(&Arc<CudaStream>)) -> f64 {
+    let s = rt.stream();
+    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let (e0, e1) = (rt.context().new_event(flags).unwrap(), rt.context().new_event(flags).unwrap());
+    for _ in 0..2 {
+        f(s);
+    }
+    rt.synchronize().unwrap();
+    let mut times = Vec::new();
+    for _ in 0..runs {
+        e0.record(s).unwrap();
+        f(s);
+        e1.record(s).unwrap();
+        times.push(e0.elapsed_ms(&e1).unwrap() as f64);
+    }
+    median(times)
+}
+
+#[test]
+#[ignore]
+fn bench_attn_prefill_27b() {
+    if !LibStatus::probe().driver {
+        eprintln!("SKIP bench_attention: no CUDA driver");
+        return;
+    }
+    let rt = Runtime::open(0).unwrap();
+    let k = Kernels::load(&rt, KernelDims::QWEN35_27B).unwrap();
+    println!("device {} ({}), kernels loaded in {:.0} ms", rt.name, rt.arch(), k.load_ms);
+    let (sdpa, copy_tbps) = anchors();
+    let width = HKV * HD;
+    let n_pages = MAX_CTX / PAGE;
+    let cache_elems = MAX_CTX * width;
+    let q_tok = 2 * HQ * HD; // q|gate projection rows, like the backend
+    let mut arena = Arena::new(rt.context().clone());
+    let reg = arena.add_region("bench", 2 * 2 * cache_elems + 2 * TQ * q_tok + 2 * TQ * HQ * HD + (64 << 20)).unwrap();
+    let kc = arena.alloc(reg, 2 * cache_elems).unwrap().ptr;
+    let vc = arena.alloc(reg, 2 * cache_elems).unwrap().ptr;
+    let q = arena.alloc(reg, 2 * TQ * q_tok).unwrap().ptr;
+    let o = arena.alloc(reg, 2 * TQ * HQ * HD).unwrap().ptr;
+    let s = rt.stream();
+    init_random(&k, s, kc, cache_elems, 11, Init::Normal(1.0), false).unwrap();
+    init_random(&k, s, vc, cache_elems, 12, Init::Normal(1.0), false).unwrap();
+    init_random(&k, s, q, TQ * q_tok, 13, Init::Normal(1.0), false).unwrap();
+    // Physical pages in a scrambled order (as a long-running server's free list hands them out).
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut perm: Vec<i32> = (0..n_pages as i32).collect();
+    for i in (1..perm.len()).rev() {
+        let j = rng.random_range(0..=i);
+        perm.swap(i, j);
+    }
+    let bt = arena.alloc(reg, 4 * n_pages).unwrap().ptr;
+    rt.upload(bt, &perm).unwrap();
+    let small = arena.alloc(reg, 1 << 20).unwrap().ptr;
+    let (cu_p, lens_p, tiles_p) = (small, small + 4096, small + 8192);
+    let kv = KvPages { k_cache: kc, v_cache: vc, block_tables: bt, max_blocks: n_pages, page: PAGE, kv_heads: HKV };
+    let scale = 1.0 / (HD as f32).sqrt();
+
+    println!("attn_prefill, 27B shape (Hq {HQ}, Hkv {HKV}, head dim {HD}, page {PAGE}), {TQ} causal queries:");
+    println!("{:>8} {:>8} {:>10} {:>9} {:>8} {:>10} {:>8}", "past", "keys", "ms", "TFLOP/s", "/GEMM", "SDPA", "/SDPA");
+    for past in [0usize, 28_672, 126_976, 258_048] {
+        let cu = [0i32, TQ as i32];
+        let lens = [(past + TQ) as i32];
+        let tiles = attention::tile_table(&cu);
+        rt.upload(cu_p, &cu).unwrap();
+        rt.upload(lens_p, &lens).unwrap();
+        rt.upload(tiles_p, &tiles).unwrap();
+        let a = AttnPrefill {
+            q,
+            q_tok,
+            q_head: 2 * HD,
+            o,
+            kv,
+            cu_seqlens: cu_p,
+            seq_lens: lens_p,
+            tile_table: tiles_p,
+            n_tiles: tiles.len() / 2,
+            q_heads: HQ,
+            scale,
+        };
+        let runs = if past > 100_000 { 5 } else { 9 };
+        let ms = time_ms(&rt, runs, |s| attention::attn_prefill(&k, s, &a).unwrap());
+        let visible = (TQ * past + TQ * (TQ + 1) / 2) as f64;
+        let tflops = 4.0 * (HD * HQ) as f64 * visible / (ms * 1e-3) / 1e12;
+        let ctx = past + TQ;
+        let sd = sdpa.iter().find(|(c, _)| *c == ctx).map(|(_, t)| *t);
+        println!(
+            "{past:>8} {ctx:>8} {ms:>10.3} {tflops:>9.1} {:>7.0}% {:>10} {:>8}",
+            100.0 * tflops / GEMM_TFLOPS,
+            sd.map(|t| format!("{t:.1}")).unwrap_or_else(|| "-".into()),
+            sd.map(|t| format!("{:.0}%", 100.0 * tflops / t)).unwrap_or_else(|| "-".into()),
+        );
+    }
+
+    // Decode: one query per sequence at 32K context, each sequence on its own pages.
+    let ctx = 32_768usize;
+    let n_split = 16;
+    let scratch_bytes = attention::decode_scratch_bytes(8, HQ, n_split, HD);
+    let scratch = arena.alloc(reg, scratch_bytes).unwrap().ptr;
+    println!("attn_decode, {ctx} context, {n_split} partitions:");
+    println!("{:>6} {:>10} {:>10} {:>8}", "batch", "us", "GB/s", "/copy");
+    for b in [1usize, 8] {
+        let per = ctx / PAGE;
+        let lens = vec![ctx as i32; b];
+        rt.upload(lens_p, &lens).unwrap();
+        let a = AttnDecode {
+            q,
+            q_tok,
+            q_head: 2 * HD,
+            o,
+            kv: KvPages { max_blocks: per, ..kv },
+            seq_lens: lens_p,
+            n_seqs: b,
+            q_heads: HQ,
+            n_split,
+            scratch,
+            scratch_bytes,
+            scale,
+        };
+        let ms = time_ms(&rt, 21, |s| attention::attn_decode(&k, s, &a).unwrap());
+        let bytes = (b * ctx * width * 2 * 2) as f64;
+        let gbs = bytes / (ms * 1e-3) / 1e9;
+        println!("{b:>6} {:>10.1} {gbs:>10.0} {:>7.0}%", ms * 1e3, 100.0 * gbs / (copy_tbps * 1e3));
+    }
+}
