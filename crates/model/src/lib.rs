@@ -4,12 +4,14 @@
 //! - [`checkpoint`]: memory-mapped safetensors (single file or sharded), dtype conversion;
 //! - [`weights`]: the canonical per-layer weight set, with HF names mapped and Qwen3-Next packing undone;
 //! - [`quant`]: `quantization_config` and the GPTQ / block-FP8 encodings of quantised linears;
+//! - [`shard`]: tensor-parallel sharding of every weight (which rows / columns a rank holds);
 //! - [`synth`]: random-weight model directories at any shape (tests, the demo model, benchmarks).
 
 pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod quant;
+pub mod shard;
 pub mod synth;
 pub mod weights;
 
@@ -17,4 +19,5 @@ pub use checkpoint::{Checkpoint, DType, TensorRef};
 pub use config::{Arch, Dims, LayerKind, ModelConfig};
 pub use error::ModelError;
 pub use quant::{Quantization, QuantizedSource};
+pub use shard::{ShardSpec, Split, TensorShard};
 pub use weights::{AttentionWeights, DeltaNetWeights, LayerWeights, MixerWeights, MlpWeights, ModelWeights, MtpWeights};
