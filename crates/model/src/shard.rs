@@ -177,17 +177,20 @@ pub fn check_world(cfg: &ModelConfig, world: usize) -> Result<(), ModelError> {
         return Err(ModelError::unsupported(format!("tensor parallel size {world}: must be 1, 2, 4 or 8")));
     }
     let d = cfg.dims();
-    let ok: Vec<String> =
-        WORLD_SIZES.iter().filter(|&&w| d.kv_heads % w == 0 && d.gdn_k_heads % w == 0).map(|w| w.to_string()).collect();
+    let ok: Vec<String> = WORLD_SIZES
+        .iter()
+        .filter(|&&w| d.kv_heads.is_multiple_of(w) && d.gdn_k_heads.is_multiple_of(w))
+        .map(|w| w.to_string())
+        .collect();
     let ok = ok.join(", ");
-    if d.kv_heads % world != 0 {
+    if !d.kv_heads.is_multiple_of(world) {
         return Err(ModelError::unsupported(format!(
             "tensor parallel size {world} does not divide the model's {} attention kv heads ({} query heads): \
              attention is split by whole kv-head groups; this model takes tensor parallel sizes {ok}",
             d.kv_heads, d.q_heads
         )));
     }
-    if d.gdn_k_heads % world != 0 {
+    if !d.gdn_k_heads.is_multiple_of(world) {
         return Err(ModelError::unsupported(format!(
             "tensor parallel size {world} does not divide the model's {} DeltaNet key heads ({} value heads): \
              DeltaNet is split by whole key-head groups; this model takes tensor parallel sizes {ok}",

@@ -3,6 +3,8 @@
 //! (small head dims) every tensor's shards of every rank put back together give the full tensor,
 //! element for element, with no element held by two ranks unless replicated.
 
+#![allow(clippy::single_range_in_vec_init)]
+
 use deltaserve_model::ModelConfig;
 use deltaserve_model::shard::{ShardSpec, Split, WORLD_SIZES, check_world, unshard};
 use deltaserve_model::synth::Preset;
