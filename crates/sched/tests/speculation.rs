@@ -1,0 +1,105 @@
+//! Speculative decoding in the scheduler: random workloads with random acceptance under tight page
+//! budgets (preemption) and a prefix cache. After every step the pools are consistent, drafts never
+//! exceed K or what a sequence may still emit, pages cover every verified position, unused pages are
+//! given back after the accept, and every sequence ends with exactly its tokens.
+
+use std::collections::HashMap;
+
+use deltaserve_sched::{PrefixCacheConfig, SchedConfig, Scheduler, SeqOptions};
+use proptest::prelude::*;
+
+fn cfg(max_batch_tokens: usize, num_pages: usize, max_seqs: usize, cache: bool) -> SchedConfig {
+    let prefix_cache = if cache {
+        PrefixCacheConfig { device_slots: 2, host_slots: 1, page_size: 4, snapshot_bytes: 100, page_bytes: 10 }
+    } else {
+        PrefixCacheConfig::disabled(4)
+    };
+    SchedConfig {
+        max_batch_tokens,
+        max_seqs,
+        page_size: 4,
+        num_pages,
+        max_context: 64,
+        max_waiting: 1000,
+        prefix_cache,
+        snapshot_interval: 0,
+    }
+}
+
+/// The token at position `pos` of sequence `id` (deterministic "model").
+fn truth(id: u64, pos: usize) -> u32 {
+    (id as u32 * 7919 + pos as u32 * 31) % 997
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn drafts_are_bounded_and_pages_follow_the_accepts(
+        k in 1usize..=4,
+        reqs in prop::collection::vec((1usize..30, 1usize..20), 1..8),
+        accept_seed in any::<u64>(),
+        budget in 6usize..24,
+        pages in 16usize..40,
+        cache in any::<bool>(),
+    ) {
+        let c = cfg(budget, pages, 3, cache);
+        let mut s = Scheduler::new(c.clone()).with_speculation(k);
+        let mut want: HashMap<u64, usize> = HashMap::new();
+        for (i, &(p, m)) in reqs.iter().enumerate() {
+            let id = i as u64;
+            let prompt: Vec<u32> = (0..p).map(|pos| truth(id, pos)).collect();
+            let opts = SeqOptions { snapshot_points: vec![], snapshot_on_finish: cache };
+            s.add_with(id, prompt, m, opts).unwrap();
+            want.insert(id, p + m);
+        }
+        let mut rng = accept_seed;
+        let mut steps = 0;
+        let mut drafted = 0;
+        while !s.is_idle() {
+            steps += 1;
+            prop_assert!(steps < 10_000, "no progress");
+            let plan = s.schedule();
+            prop_assert!(plan.batch.num_tokens() <= c.max_batch_tokens);
+            s.commit(&plan);
+            for ch in &plan.batch.seqs {
+                prop_assert!(ch.pages.len() * 4 >= ch.start + ch.positions(), "pages cover the verified positions");
+                if !ch.want_logits {
+                    continue;
+                }
+                let id = ch.seq_id;
+                let toks = s.tokens(id).unwrap().to_vec();
+                let generated = toks.len() - reqs[id as usize].0;
+                let remaining = reqs[id as usize].1 - generated;
+                prop_assert!(ch.draft <= k && ch.draft < remaining.max(1), "drafts {} with {remaining} left", ch.draft);
+                if ch.draft > 0 {
+                    drafted += 1;
+                    prop_assert_eq!(ch.tokens.len(), 1);
+                }
+                // Accept a random prefix of the drafts, then emit accepted + 1 tokens.
+                rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let accepted = if ch.draft == 0 { 0 } else { (rng >> 33) as usize % (ch.draft + 1) };
+                let mut finished = false;
+                for _ in 0..=accepted {
+                    let pos = s.tokens(id).unwrap().len();
+                    finished = s.append_token(id, truth(id, pos));
+                    if finished { break; }
+                }
+                if ch.draft > 0 {
+                    let emitted = s.tokens(id).unwrap().len() - toks.len();
+                    s.accept_drafts(id, emitted - 1);
+                }
+                if finished {
+                    let toks = s.tokens(id).unwrap().to_vec();
+                    prop_assert_eq!(toks.len(), want[&id]);
+                    prop_assert!(toks.iter().enumerate().all(|(p, &t)| t == truth(id, p)));
+                    s.finish(id);
+                }
+            }
+            s.assert_consistent();
+        }
+        let st = s.stats();
+        prop_assert_eq!(st.pages_in_use, if cache { st.pages_in_use } else { 0 });
+        prop_assert!(drafted > 0 || reqs.iter().all(|r| r.1 <= 2) || budget < 8);
+    }
+}
