@@ -2,6 +2,7 @@
 
 mod commands;
 mod engine_args;
+mod gpu_memory;
 mod http;
 mod in_process;
 mod model_source;
@@ -27,6 +28,8 @@ enum Command {
     /// CUDA kernel tools (`kernels check`: compile every kernel for sm_80/86/89/90, no GPU needed).
     #[command(subcommand)]
     Kernels(commands::kernels::Command),
+    /// Measure the CUDA backend (prefill, decode, memory) against the GPU's measured ceilings.
+    Bench(commands::bench::Args),
     /// Generate text (or token ids) for one prompt.
     Generate(commands::generate::Args),
     /// Write the logits of every position of a token sequence to a safetensors file.
@@ -54,6 +57,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Serve(a) => commands::serve::run(a),
         Command::Kernels(c) => commands::kernels::run(c),
+        Command::Bench(a) => commands::bench::run(a),
         Command::Generate(a) => commands::generate::run(a),
         Command::Logits(a) => commands::logits::run(a),
         Command::Synth(a) => commands::synth::run(a),

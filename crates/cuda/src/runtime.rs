@@ -146,6 +146,13 @@ impl Runtime {
         self.synchronize()
     }
 
+    /// Copies `bytes` bytes from device address `src` to `dst` on the stream (asynchronous; benchmarks).
+    pub fn copy_device(&self, dst: u64, src: u64, bytes: usize) -> Result<(), CudaError> {
+        // SAFETY: the caller passes two device ranges of at least `bytes` bytes.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .map_err(CudaError::driver("cuMemcpyDtoDAsync"))
+    }
+
     /// Fills `bytes` bytes at `dst` with `value` on the stream (asynchronous).
     pub fn memset(&self, dst: u64, value: u8, bytes: usize) -> Result<(), CudaError> {
         // SAFETY: the caller passes a device range of at least `bytes` bytes.

@@ -1,5 +1,6 @@
 //! One module per subcommand.
 
+pub mod bench;
 pub mod eval;
 pub mod generate;
 pub mod kernels;

@@ -1,0 +1,586 @@
+//! `deltaserve bench`: speed and memory of the CUDA backend, each figure against a roofline measured in
+//! the same run. First the device's ceilings (a bf16 8192³ cuBLASLt GEMM, a device-to-device copy), then
+//! the backend on the model (default: the Qwen3.6-27B shapes with random weights made on the GPU):
+//! prefill of single prompts (default 1K, 4K, 32K, 128K, 262K tokens, chunked as the scheduler chunks
+//! them), decode steps at several batch sizes and contexts, and the device memory the driver reports for
+//! this process against the plan.
+//!
+//! Rooflines (`qwen35-architecture.md` §6):
+//! - prefill: FLOPs = T·(2·linear params + DeltaNet chunk core) + attention 4·head_dim·q_heads·layers per
+//!   (query, visible key) + one lm_head row; the roofline time is FLOPs / the measured GEMM rate;
+//! - decode: bytes = device weights (one embedding row) + KV read + DeltaNet state read and written; the
+//!   roofline time is bytes / the measured copy rate (read + write bytes per second).
+//!
+//! The decode steps run on whatever the KV pages and state slots hold (their content does not change the
+//! work), so no long prefill is needed to measure decode at 32K context.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use deltaserve_backend::{Backend, SeqChunk, StepBatch};
+use deltaserve_cuda::ops::init::{Init, init_random};
+use deltaserve_cuda::{Arena, CudaBackend, Kernels, Runtime, WeightSource};
+use deltaserve_model::ModelConfig;
+use deltaserve_plan::{Plan, PlanOptions, fmt_bytes, fmt_count, parse_size};
+use serde_json::{Value, json};
+
+use crate::gpu_memory::GpuSampler;
+use crate::model_source::ModelArgs;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Memory budget of the plan (default: the GPU's free memory less 5%).
+    #[arg(long, value_parser = parse_size)]
+    memory: Option<u64>,
+    /// Prompt lengths of the prefill runs (capped by the plan's context).
+    #[arg(long, value_delimiter = ',', default_value = "1024,4096,32768,131072,262144")]
+    prompts: Vec<usize>,
+    /// Batch sizes of the decode runs.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    batches: Vec<usize>,
+    /// Contexts of the decode runs.
+    #[arg(long, value_delimiter = ',', default_value = "1024,32768")]
+    contexts: Vec<usize>,
+    /// Timed decode steps per (batch, context) (after 3 warm-up steps).
+    #[arg(long, default_value_t = 24)]
+    steps: usize,
+    /// Tokens per engine step (prefill chunk).
+    #[arg(long, default_value_t = 4096)]
+    max_batch_tokens: usize,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Also write an SVG chart (prefill tok/s by prompt length, decode tok/s by batch) to this file.
+    #[arg(long)]
+    svg: Option<PathBuf>,
+}
+
+#[derive(Debug, Default)]
+struct Ceilings {
+    gemm_tflops: f64,
+    copy_gbs: f64,
+}
+
+#[derive(Debug)]
+struct PrefillRow {
+    tokens: usize,
+    seconds: f64,
+    tflop: f64,
+    /// Roofline time over measured time.
+    ratio: f64,
+    /// Share of the FLOPs in softmax attention.
+    attention_share: f64,
+    driver_peak_bytes: Option<u64>,
+}
+
+#[derive(Debug)]
+struct DecodeRow {
+    batch: usize,
+    context: usize,
+    ms_per_step: f64,
+    bytes: f64,
+    ratio: f64,
+    driver_peak_bytes: Option<u64>,
+}
+
+struct Report {
+    gpu: String,
+    model: String,
+    ceilings: Ceilings,
+    plan_bytes: u64,
+    arena_bytes: u64,
+    idle_driver_bytes: Option<u64>,
+    startup_s: f64,
+    prefill: Vec<PrefillRow>,
+    decode: Vec<DecodeRow>,
+    skipped: Vec<String>,
+    arena_allocations_moved: bool,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let mut model = a.model.clone();
+    if model.model.is_none() && model.preset.is_none() {
+        model.preset = Some("qwen3.6-27b".into());
+        model.random_weights = true;
+    }
+    if model.preset.is_some() && !model.random_weights {
+        bail!("--preset needs --random-weights (a preset has no weight files)");
+    }
+    if a.steps == 0 || a.batches.contains(&0) || a.prompts.contains(&0) || a.contexts.contains(&0) {
+        bail!("--steps, --batches, --prompts and --contexts take positive numbers");
+    }
+    deltaserve_cuda::LibStatus::probe().require_all().context("bench runs on the CUDA backend")?;
+    let dir = model.dir()?;
+    let text = model.load_text(&dir)?;
+    let cfg = text.config;
+
+    let rt = Runtime::open(0)?;
+    let gpu = format!("{} ({})", rt.context().name().unwrap_or_default(), rt.arch());
+    tracing::info!("bench: measuring the device's ceilings on {gpu}");
+    let ceilings = measure_ceilings(&rt)?;
+    tracing::info!(
+        "bench: bf16 GEMM {:.0} TFLOP/s, device copy {:.0} GB/s (read + write)",
+        ceilings.gemm_tflops,
+        ceilings.copy_gbs
+    );
+    let budget = match a.memory {
+        Some(m) => m,
+        None => {
+            let free = rt.free_memory()?;
+            free - free / 20
+        }
+    };
+    drop(rt);
+
+    let max_prompt = a.prompts.iter().copied().max().unwrap_or(0).min(cfg.max_position_embeddings);
+    let mut o = PlanOptions::gpu_defaults(budget);
+    o.max_batch_tokens = a.max_batch_tokens;
+    o.max_seqs = a.batches.iter().copied().max().unwrap_or(1).max(1);
+    o.snapshot_slots = 0;
+    o.max_context = Some(max_prompt.max(a.contexts.iter().copied().max().unwrap_or(0) + a.steps + 8));
+    o.backend_scratch_bytes = deltaserve_cuda::backend::scratch_bytes(&cfg, o.max_batch_tokens, o.max_seqs) as u64;
+    let plan = Plan::new(&cfg, &o).context("the bench's memory plan does not fit (lower --prompts or --batches)")?;
+    tracing::info!("bench plan:\n{}", plan.table());
+
+    let sampler = GpuSampler::start(Some(std::process::id()));
+    let t0 = Instant::now();
+    let weights = if model.random_weights {
+        WeightSource::RandomWeights { seed: 7 }
+    } else {
+        WeightSource::Checkpoint(text.dir.clone())
+    };
+    let mut be = CudaBackend::new(&cfg, weights, &plan, 0)?;
+    let startup_s = t0.elapsed().as_secs_f64();
+    let stats = be.arena_stats();
+    let idle_driver_bytes = sampler.as_ref().map(|s| s.take_peak(Some(std::process::id())));
+    let peak = |s: &Option<GpuSampler>| s.as_ref().map(|s| s.take_peak(Some(std::process::id())));
+
+    let mut report = Report {
+        gpu,
+        model: model_name(&model, &cfg),
+        ceilings,
+        plan_bytes: plan.total_bytes,
+        arena_bytes: plan.arena_bytes(),
+        idle_driver_bytes,
+        startup_s,
+        prefill: Vec::new(),
+        decode: Vec::new(),
+        skipped: Vec::new(),
+        arena_allocations_moved: false,
+    };
+
+    let d = cfg.dims();
+    let vocab = d.vocab;
+    let page = plan.page_size;
+    for &t in &a.prompts {
+        if t > plan.max_context {
+            report.skipped.push(format!("prefill {t}: beyond the plan's context {}", plan.max_context));
+            continue;
+        }
+        tracing::info!("bench: prefill {} tokens", fmt_count(t as u64));
+        let pages: Vec<u32> = (0..t.div_ceil(page) as u32).collect();
+        let tokens: Vec<u32> = (0..t).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
+        // Warm-up on the first length only (kernels and GEMM algorithms are ready after one step).
+        if report.prefill.is_empty() {
+            prefill(&mut be, &pages, &tokens[..t.min(a.max_batch_tokens)], a.max_batch_tokens)?;
+        }
+        peak(&sampler);
+        let s = prefill(&mut be, &pages, &tokens, a.max_batch_tokens)?;
+        let (flop, attn) = prefill_flops(&cfg, plan.weight_parts.linear_params, t);
+        let roofline = flop / (report.ceilings.gemm_tflops * 1e12);
+        report.prefill.push(PrefillRow {
+            tokens: t,
+            seconds: s,
+            tflop: flop / 1e12,
+            ratio: roofline / s,
+            attention_share: attn / flop,
+            driver_peak_bytes: peak(&sampler),
+        });
+        tracing::info!("bench: prefill {t}: {:.0} tok/s", t as f64 / s);
+    }
+
+    for &ctx in &a.contexts {
+        for &b in &a.batches {
+            let per_seq = (ctx + a.steps + 4).div_ceil(page);
+            if b * per_seq > plan.num_kv_pages || ctx + a.steps + 4 > plan.max_context {
+                report.skipped.push(format!(
+                    "decode batch {b} at {ctx}: needs {} KV pages, the plan has {}",
+                    b * per_seq,
+                    plan.num_kv_pages
+                ));
+                continue;
+            }
+            tracing::info!("bench: decode batch {b} at context {}", fmt_count(ctx as u64));
+            peak(&sampler);
+            let ms = decode(&mut be, b, ctx, per_seq, a.steps, vocab)?;
+            let weight_bytes = (plan.weights_bytes - plan.weight_parts.embed) as f64;
+            let bytes = weight_bytes
+                + (b * ctx) as f64 * plan.kv_bytes_per_token as f64
+                + 2.0 * b as f64 * plan.state_bytes_per_seq as f64;
+            let floor_ms = bytes / (report.ceilings.copy_gbs * 1e9) * 1e3;
+            report.decode.push(DecodeRow {
+                batch: b,
+                context: ctx,
+                ms_per_step: ms,
+                bytes,
+                ratio: floor_ms / ms,
+                driver_peak_bytes: peak(&sampler),
+            });
+        }
+    }
+    report.arena_allocations_moved = be.arena_stats().allocations != stats.allocations;
+    drop(be);
+
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report.to_json())?);
+    } else {
+        print!("{}", report.table());
+    }
+    if let Some(path) = &a.svg {
+        std::fs::write(path, report.svg()).with_context(|| format!("writing {}", path.display()))?;
+    }
+    if report.arena_allocations_moved {
+        bail!("the arena allocated after start");
+    }
+    if let Some(p) = report.peak_driver_bytes()
+        && p > report.plan_bytes
+    {
+        bail!("driver-reported memory {} is above the plan's {}", fmt_bytes(p), fmt_bytes(report.plan_bytes));
+    }
+    Ok(())
+}
+
+fn model_name(m: &ModelArgs, cfg: &ModelConfig) -> String {
+    let shape = format!("{} layers, hidden {}", cfg.layer_types.len(), cfg.hidden_size);
+    match (&m.model, &m.preset) {
+        (Some(dir), _) => format!("{} ({shape})", dir.display()),
+        (None, Some(p)) => format!("preset {p}, random weights ({shape})"),
+        _ => shape,
+    }
+}
+
+/// bf16 GEMM rate (8192³, median of 10) and device copy rate (1 GiB, read + write bytes per second).
+fn measure_ceilings(rt: &Runtime) -> Result<Ceilings> {
+    let k = Kernels::load(rt, deltaserve_cuda::KernelDims::QWEN35_27B)?;
+    let n = 8192usize;
+    let mut arena = Arena::new(rt.context().clone());
+    let r = arena.add_region("bench ceilings", 3 * n * n * 2 + (32 << 20))?;
+    let (x, w, y) = (arena.alloc(r, n * n * 2)?, arena.alloc(r, n * n * 2)?, arena.alloc(r, n * n * 2)?);
+    let ws = arena.alloc(r, 32 << 20)?;
+    init_random(&k, rt.stream(), x.ptr, n * n, 1, Init::Normal(1.0), false)?;
+    init_random(&k, rt.stream(), w.ptr, n * n, 2, Init::Normal(1.0), false)?;
+    let g = deltaserve_cuda::gemm::Gemm::new(rt, ws)?;
+    let gemm_s = time_median(rt, 12, || g.linear(rt.stream(), x.ptr, w.ptr, y.ptr, n, n, n))?;
+    // The copy reuses the GEMM buffers: 2 × 128 MiB, several copies per timing.
+    let bytes = n * n * 2;
+    let copy_s = time_median(rt, 12, || {
+        for _ in 0..8 {
+            rt.copy_device(y.ptr, x.ptr, bytes)?;
+        }
+        Ok(())
+    })? / 8.0;
+    drop(g);
+    drop(arena);
+    Ok(Ceilings { gemm_tflops: 2.0 * (n as f64).powi(3) / gemm_s / 1e12, copy_gbs: 2.0 * bytes as f64 / copy_s / 1e9 })
+}
+
+/// Median wall time of `f` (synchronised), after 2 warm-up runs.
+fn time_median(
+    rt: &Runtime,
+    runs: usize,
+    mut f: impl FnMut() -> Result<(), deltaserve_cuda::CudaError>,
+) -> Result<f64> {
+    let mut times = Vec::new();
+    for i in 0..runs + 2 {
+        rt.synchronize()?;
+        let t0 = Instant::now();
+        f()?;
+        rt.synchronize()?;
+        if i >= 2 {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    Ok(median(times))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// One prompt through the backend in chunks of `chunk` tokens (slot 0, state from zero); seconds.
+fn prefill(be: &mut CudaBackend, pages: &[u32], tokens: &[u32], chunk: usize) -> Result<f64> {
+    let mut logits = Vec::new();
+    let t0 = Instant::now();
+    for (i, c) in tokens.chunks(chunk).enumerate() {
+        let start = i * chunk;
+        let last = start + c.len() == tokens.len();
+        let batch = StepBatch {
+            seqs: vec![SeqChunk {
+                seq_id: 0,
+                slot: 0,
+                pages: pages.to_vec(),
+                start,
+                tokens: c.to_vec(),
+                want_logits: last,
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        logits.clear();
+        be.step(&batch, &mut logits)?;
+    }
+    let s = t0.elapsed().as_secs_f64();
+    if !logits.iter().all(|x| x.is_finite()) {
+        bail!("prefill of {} tokens produced non-finite logits", tokens.len());
+    }
+    Ok(s)
+}
+
+/// `b` sequences of one token each at positions `ctx..`: median ms per step over `steps` steps.
+fn decode(be: &mut CudaBackend, b: usize, ctx: usize, per_seq: usize, steps: usize, vocab: usize) -> Result<f64> {
+    let mut logits = Vec::new();
+    let mut times = Vec::new();
+    for step in 0..steps + 3 {
+        let seqs = (0..b)
+            .map(|i| SeqChunk {
+                seq_id: i as u64,
+                slot: i as u32,
+                pages: ((i * per_seq) as u32..((i + 1) * per_seq) as u32).collect(),
+                start: ctx + step,
+                tokens: vec![((i * 131 + step * 17) % vocab) as u32],
+                want_logits: true,
+                ..Default::default()
+            })
+            .collect();
+        let batch = StepBatch { seqs, ..Default::default() };
+        logits.clear();
+        let t0 = Instant::now();
+        be.step(&batch, &mut logits)?;
+        if step >= 3 {
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    Ok(median(times))
+}
+
+/// (total FLOPs, attention FLOPs) of a `t`-token prompt from position 0 (§6 of the architecture doc).
+fn prefill_flops(cfg: &ModelConfig, linear_params: u64, t: usize) -> (f64, f64) {
+    let d = cfg.dims();
+    let t = t as f64;
+    let linears = 2.0 * linear_params as f64 * t;
+    let gdn = 180e3 * (d.gdn_k_dim * d.gdn_v_dim) as f64 / 16384.0 * (d.gdn_v_heads * d.num_deltanet_layers) as f64 * t;
+    let attn = 4.0 * (d.head_dim * d.q_heads * d.num_attention_layers) as f64 * t * (t + 1.0) / 2.0;
+    let lm_head = 2.0 * (d.vocab * d.hidden) as f64;
+    (linears + gdn + attn + lm_head, attn)
+}
+
+impl Report {
+    fn peak_driver_bytes(&self) -> Option<u64> {
+        let p = self.prefill.iter().filter_map(|r| r.driver_peak_bytes);
+        p.chain(self.decode.iter().filter_map(|r| r.driver_peak_bytes)).chain(self.idle_driver_bytes).max()
+    }
+
+    fn to_json(&self) -> Value {
+        json!({
+            "gpu": self.gpu,
+            "model": self.model,
+            "ceilings": {"gemm_bf16_tflops": r1(self.ceilings.gemm_tflops), "copy_gb_s": r1(self.ceilings.copy_gbs)},
+            "plan_bytes": self.plan_bytes,
+            "arena_bytes": self.arena_bytes,
+            "startup_s": r1(self.startup_s),
+            "driver_idle_bytes": self.idle_driver_bytes,
+            "driver_peak_bytes": self.peak_driver_bytes(),
+            "arena_allocated_after_start": self.arena_allocations_moved,
+            "prefill": self.prefill.iter().map(|r| json!({
+                "tokens": r.tokens, "seconds": r3(r.seconds), "ttft_ms": r1(r.seconds * 1e3),
+                "tokens_per_s": r1(r.tokens as f64 / r.seconds), "tflops": r1(r.tflop / r.seconds),
+                "roofline_ratio": r3(r.ratio), "attention_flop_share": r3(r.attention_share),
+                "driver_peak_bytes": r.driver_peak_bytes,
+            })).collect::<Vec<_>>(),
+            "decode": self.decode.iter().map(|r| json!({
+                "batch": r.batch, "context": r.context, "ms_per_step": r3(r.ms_per_step),
+                "tokens_per_s": r1(r.batch as f64 * 1e3 / r.ms_per_step), "bytes_per_step": r.bytes,
+                "roofline_ratio": r3(r.ratio), "driver_peak_bytes": r.driver_peak_bytes,
+            })).collect::<Vec<_>>(),
+            "skipped": self.skipped,
+        })
+    }
+
+    fn table(&self) -> String {
+        let mut s = String::new();
+        let c = &self.ceilings;
+        let _ = writeln!(s, "deltaserve bench on {}: {}", self.gpu, self.model);
+        let _ = writeln!(
+            s,
+            "ceilings: bf16 GEMM {:.0} TFLOP/s · device copy {:.0} GB/s (read + write) · backend up in {:.1} s",
+            c.gemm_tflops, c.copy_gbs, self.startup_s
+        );
+        let _ = writeln!(s, "\nprefill (one prompt, chunked)    roofline = FLOPs / GEMM rate");
+        let _ = writeln!(
+            s,
+            "{:>9} {:>10} {:>10} {:>9} {:>9} {:>8} {:>11}",
+            "tokens", "TTFT ms", "tok/s", "TFLOP/s", "roofline", "attn %", "driver"
+        );
+        for r in &self.prefill {
+            let _ = writeln!(
+                s,
+                "{:>9} {:>10.0} {:>10.0} {:>9.0} {:>8.1}% {:>7.0}% {:>11}",
+                r.tokens,
+                r.seconds * 1e3,
+                r.tokens as f64 / r.seconds,
+                r.tflop / r.seconds,
+                100.0 * r.ratio,
+                100.0 * r.attention_share,
+                r.driver_peak_bytes.map_or("n/a".into(), fmt_bytes)
+            );
+        }
+        let _ = writeln!(s, "\ndecode (one token per sequence)    roofline = bytes / copy rate");
+        let _ = writeln!(
+            s,
+            "{:>6} {:>8} {:>10} {:>10} {:>10} {:>9} {:>11}",
+            "batch", "context", "ms/step", "tok/s", "GB/step", "roofline", "driver"
+        );
+        for r in &self.decode {
+            let _ = writeln!(
+                s,
+                "{:>6} {:>8} {:>10.2} {:>10.1} {:>10.2} {:>8.1}% {:>11}",
+                r.batch,
+                r.context,
+                r.ms_per_step,
+                r.batch as f64 * 1e3 / r.ms_per_step,
+                r.bytes / 1e9,
+                100.0 * r.ratio,
+                r.driver_peak_bytes.map_or("n/a".into(), fmt_bytes)
+            );
+        }
+        let _ = writeln!(
+            s,
+            "\nmemory: plan {} (arena {}); driver idle {}, peak {} ({}); arena allocations after start: {}",
+            fmt_bytes(self.plan_bytes),
+            fmt_bytes(self.arena_bytes),
+            self.idle_driver_bytes.map_or("n/a".into(), fmt_bytes),
+            self.peak_driver_bytes().map_or("n/a".into(), fmt_bytes),
+            self.peak_driver_bytes()
+                .map_or("-".into(), |p| format!("{:.3} of the plan", p as f64 / self.plan_bytes as f64)),
+            if self.arena_allocations_moved { "YES" } else { "none" }
+        );
+        for k in &self.skipped {
+            let _ = writeln!(s, "skipped: {k}");
+        }
+        s
+    }
+
+    /// Prefill tokens/s by prompt length and decode tokens/s by batch (one series per context).
+    fn svg(&self) -> String {
+        let (w, h, pad) = (820.0, 360.0, 56.0);
+        let pw = (w - 3.0 * pad) / 2.0;
+        let ph = h - 2.0 * pad;
+        let mut s = format!(
+            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"11\">\n\
+             <text x=\"{pad}\" y=\"22\" font-size=\"14\">deltaserve bench — {}</text>\n",
+            xml(&self.gpu)
+        );
+        let panels: [(&str, Vec<Bar>); 2] = [
+            (
+                "prefill tok/s by prompt (label: % of roofline)",
+                self.prefill.iter().map(|r| (short(r.tokens), r.tokens as f64 / r.seconds, r.ratio)).collect(),
+            ),
+            (
+                "decode tok/s by batch @ context (label: % of roofline)",
+                self.decode
+                    .iter()
+                    .map(|r| {
+                        (format!("b{}@{}", r.batch, short(r.context)), r.batch as f64 * 1e3 / r.ms_per_step, r.ratio)
+                    })
+                    .collect(),
+            ),
+        ];
+        for (i, (title, bars)) in panels.iter().enumerate() {
+            let x0 = pad + i as f64 * (pw + pad);
+            let y0 = pad;
+            let _ = writeln!(s, "<text x=\"{x0}\" y=\"{}\">{title}</text>", y0 - 8.0);
+            let _ = writeln!(
+                s,
+                "<rect x=\"{x0}\" y=\"{y0}\" width=\"{pw}\" height=\"{ph}\" fill=\"none\" stroke=\"#999\"/>"
+            );
+            let max = bars.iter().map(|b| b.1).fold(1.0, f64::max);
+            let bw = pw / bars.len().max(1) as f64;
+            for (j, (label, v, ratio)) in bars.iter().enumerate() {
+                let bh = ph * v / max;
+                let x = x0 + j as f64 * bw + bw * 0.15;
+                let _ = writeln!(
+                    s,
+                    "<rect x=\"{x:.1}\" y=\"{:.1}\" width=\"{:.1}\" height=\"{bh:.1}\" fill=\"#4a7bd0\"><title>{label}: {v:.0}</title></rect>",
+                    y0 + ph - bh,
+                    bw * 0.7
+                );
+                let cx = x + bw * 0.35;
+                let _ = writeln!(
+                    s,
+                    "<text x=\"{cx:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{:.0} ({:.0}%)</text>",
+                    y0 + ph - bh - 4.0,
+                    v,
+                    100.0 * ratio
+                );
+                let _ = writeln!(
+                    s,
+                    "<text x=\"{cx:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{}</text>",
+                    y0 + ph + 14.0,
+                    xml(label)
+                );
+            }
+        }
+        s.push_str("</svg>\n");
+        s
+    }
+}
+
+/// (label, value, roofline ratio) of one bar.
+type Bar = (String, f64, f64);
+
+fn short(n: usize) -> String {
+    if n >= 1024 && n.is_multiple_of(1024) { format!("{}K", n / 1024) } else { n.to_string() }
+}
+
+fn r1(v: f64) -> f64 {
+    (v * 10.0).round() / 10.0
+}
+
+fn r3(v: f64) -> f64 {
+    (v * 1000.0).round() / 1000.0
+}
+
+fn xml(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefill_flops_match_the_architecture_doc() {
+        // §6: a T-token prompt of the 27B costs about T·49.1e9 + 196,608·T² + 2.5e9 FLOPs.
+        let json = deltaserve_model::synth::Preset::Qwen36_27b.config_json(None);
+        let cfg = ModelConfig::from_json_str(&json.to_string()).unwrap();
+        for t in [4096usize, 32768, 131072] {
+            let (total, attn) = prefill_flops(&cfg, 24_350_556_160, t);
+            let doc = t as f64 * 49.1e9 + 196_608.0 * (t as f64).powi(2) + 2.5e9;
+            assert!((total / doc - 1.0).abs() < 0.01, "{t}: {total:e} vs {doc:e}");
+            assert!(attn < total);
+        }
+        let (total, attn) = prefill_flops(&cfg, 24_350_556_160, 131072);
+        assert!((attn / total - 0.34).abs() < 0.01, "§6: attention is 34% at 128K");
+    }
+
+    #[test]
+    fn labels() {
+        assert_eq!(short(32768), "32K");
+        assert_eq!(short(1000), "1000");
+    }
+}
