@@ -19,7 +19,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use deltaserve_backend::{Backend, SeqChunk, StepBatch};
+use deltaserve_backend::{Backend, CacheOp, SeqChunk, SnapshotLoc, StepBatch};
 use deltaserve_cuda::ops::init::{Init, init_random};
 use deltaserve_cuda::{Arena, CudaBackend, Kernels, Runtime, WeightSource};
 use deltaserve_model::ModelConfig;
@@ -99,6 +99,8 @@ struct Report {
     decode: Vec<DecodeRow>,
     skipped: Vec<String>,
     arena_allocations_moved: bool,
+    /// (what, ms) of DeltaNet state snapshot copies: save/restore to/from the device and host tiers.
+    snapshots: Vec<(&'static str, f64)>,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -140,7 +142,8 @@ pub fn run(a: Args) -> Result<()> {
     let mut o = PlanOptions::gpu_defaults(budget);
     o.max_batch_tokens = a.max_batch_tokens;
     o.max_seqs = a.batches.iter().copied().max().unwrap_or(1).max(1);
-    o.snapshot_slots = 0;
+    // One device and one host snapshot slot: the restore timings of issue #7.
+    o.snapshot_slots = 1;
     o.max_context = Some(max_prompt.max(a.contexts.iter().copied().max().unwrap_or(0) + a.steps + 8));
     o.backend_scratch_bytes = deltaserve_cuda::backend::scratch_bytes(&cfg, o.max_batch_tokens, o.max_seqs) as u64;
     let plan = Plan::new(&cfg, &o).context("the bench's memory plan does not fit (lower --prompts or --batches)")?;
@@ -153,7 +156,7 @@ pub fn run(a: Args) -> Result<()> {
     } else {
         WeightSource::Checkpoint(text.dir.clone())
     };
-    let mut be = CudaBackend::new(&cfg, weights, &plan, 0)?;
+    let mut be = CudaBackend::new(&cfg, weights, &plan, 1)?;
     let startup_s = t0.elapsed().as_secs_f64();
     let stats = be.arena_stats();
     let idle_driver_bytes = sampler.as_ref().map(|s| s.take_peak(Some(std::process::id())));
@@ -171,6 +174,7 @@ pub fn run(a: Args) -> Result<()> {
         decode: Vec::new(),
         skipped: Vec::new(),
         arena_allocations_moved: false,
+        snapshots: Vec::new(),
     };
 
     let d = cfg.dims();
@@ -230,6 +234,24 @@ pub fn run(a: Args) -> Result<()> {
                 ratio: floor_ms / ms,
                 driver_peak_bytes: peak(&sampler),
             });
+        }
+    }
+    if d.num_deltanet_layers > 0 {
+        tracing::info!("bench: DeltaNet state snapshots ({} per sequence)", fmt_bytes(plan.state_bytes_per_seq));
+        let ops: [(&'static str, CacheOp); 4] = [
+            ("save to device", CacheOp::SaveState { slot: 0, to: SnapshotLoc::Device(0) }),
+            (
+                "restore from device",
+                CacheOp::RestoreState { from: SnapshotLoc::Device(0), slot: 1.min(plan.max_seqs as u32 - 1) },
+            ),
+            ("save to host", CacheOp::SaveState { slot: 0, to: SnapshotLoc::Host(0) }),
+            (
+                "restore from host",
+                CacheOp::RestoreState { from: SnapshotLoc::Host(0), slot: 1.min(plan.max_seqs as u32 - 1) },
+            ),
+        ];
+        for (what, op) in ops {
+            report.snapshots.push((what, time_cache_op(&mut be, op)?));
         }
     }
     report.arena_allocations_moved = be.arena_stats().allocations != stats.allocations;
@@ -368,6 +390,21 @@ fn decode(be: &mut CudaBackend, b: usize, ctx: usize, per_seq: usize, steps: usi
     Ok(median(times))
 }
 
+/// Median ms of a step that only runs `op` (10 runs after 2 warm-ups), synchronised.
+fn time_cache_op(be: &mut CudaBackend, op: CacheOp) -> Result<f64> {
+    let batch = StepBatch { pre: vec![op], ..Default::default() };
+    let mut logits = Vec::new();
+    let mut times = Vec::new();
+    for i in 0..12 {
+        let t0 = Instant::now();
+        be.step(&batch, &mut logits)?;
+        if i >= 2 {
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    Ok(median(times))
+}
+
 /// (total FLOPs, attention FLOPs) of a `t`-token prompt from position 0 (§6 of the architecture doc).
 fn prefill_flops(cfg: &ModelConfig, linear_params: u64, t: usize) -> (f64, f64) {
     let d = cfg.dims();
@@ -407,6 +444,7 @@ impl Report {
                 "tokens_per_s": r1(r.batch as f64 * 1e3 / r.ms_per_step), "bytes_per_step": r.bytes,
                 "roofline_ratio": r3(r.ratio), "driver_peak_bytes": r.driver_peak_bytes,
             })).collect::<Vec<_>>(),
+            "snapshots_ms": self.snapshots.iter().map(|(w, ms)| (w.replace(' ', "_"), json!(r3(*ms)))).collect::<serde_json::Map<_, _>>(),
             "skipped": self.skipped,
         })
     }
@@ -469,6 +507,10 @@ impl Report {
                 .map_or("-".into(), |p| format!("{:.3} of the plan", p as f64 / self.plan_bytes as f64)),
             if self.arena_allocations_moved { "YES" } else { "none" }
         );
+        if !self.snapshots.is_empty() {
+            let parts: Vec<String> = self.snapshots.iter().map(|(w, ms)| format!("{w} {ms:.2} ms")).collect();
+            let _ = writeln!(s, "DeltaNet state snapshot: {}", parts.join(" · "));
+        }
         for k in &self.skipped {
             let _ = writeln!(s, "skipped: {k}");
         }
