@@ -3,6 +3,7 @@
 //!
 //! - [`linear`], [`norm`], [`activation`], [`conv`], [`rope`], [`attention`], [`gdn`]: the ops;
 //! - [`model`]: the forward pass of one sequence with its carried state;
+//! - [`tp`]: tensor parallelism simulated over in-memory ranks (sharded weights, explicit collectives);
 //! - [`paged`]: the paged-arena backend; [`kvquant`]: the KV-cache storage formats it can emulate.
 
 pub mod activation;
@@ -15,7 +16,9 @@ pub mod model;
 pub mod norm;
 pub mod paged;
 pub mod rope;
+pub mod tp;
 
 pub use kvquant::{KvFormat, KvQuant, QuantizingCache};
 pub use model::{CpuModel, ForwardError, GdnMode, GdnTrace, LayerState, Logits, SeqCache, SequenceState};
 pub use paged::{CpuBackend, CpuCacheConfig, MAX_DRAFT_TOKENS};
+pub use tp::{TpModel, TpSequence};

@@ -367,7 +367,7 @@ impl CpuModel {
     /// Gated DeltaNet mixer (arch doc §2.2). hn: [t, hidden] → [t, hidden]; with `trace`, also the
     /// recurrence inputs.
     #[allow(clippy::too_many_arguments)]
-    fn deltanet(
+    pub(crate) fn deltanet(
         &self,
         w: &DeltaNetWeights<HostTensor>,
         hn: &[f32],
@@ -424,7 +424,7 @@ impl CpuModel {
     }
 
     /// Gated softmax attention (arch doc §2.3). hn: [t, hidden] → [t, hidden]; appends to the KV cache.
-    fn attention(
+    pub(crate) fn attention(
         &self,
         w: &AttentionWeights<HostTensor>,
         hn: &[f32],
@@ -461,7 +461,7 @@ impl CpuModel {
     }
 
     /// SwiGLU MLP: down(silu(gate·x) ⊙ up·x).
-    fn mlp(&self, w: &MlpWeights<HostTensor>, hn: &[f32], t: usize) -> Vec<f32> {
+    pub(crate) fn mlp(&self, w: &MlpWeights<HostTensor>, hn: &[f32], t: usize) -> Vec<f32> {
         let d = &self.dims;
         let mut gate = linear(hn, t, &w.gate_proj.data, d.intermediate, d.hidden);
         let up = linear(hn, t, &w.up_proj.data, d.intermediate, d.hidden);
