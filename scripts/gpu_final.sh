@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# gpu_final.sh — one device call that checks and measures everything GPU-side (device tool `run`).
+#   Here:  cargo build --release -p deltaserve && cargo test -p deltaserve-cuda --release --no-run
+#          scripts/gpu_final.sh --stage            # copies the binaries into .carry/final/
+#   There: (carry [".carry/final"]) scripts/gpu_final.sh   # logs and JSON/SVG to $OUT
+# Steps, each under its own timeout, in order of importance (STEPS=ops,backend,bench,soak,probe):
+#   ops      every kernel against the CPU reference (random inputs, poisoned outputs, awkward sizes)
+#   backend  CudaBackend against the CPU engine (logits, batching, snapshots, CUDA graphs, arena)
+#   bench    `deltaserve bench`: ceilings, prefill 1K..262K, decode b1/8/32 at 1K/32K, snapshots, memory
+#   soak     27B random weights, a 12-turn agent session to SOAK_TARGET tokens (default 131072)
+#   probe    27B random weights, the ceiling ladder at the full 262,144 context
+set -uo pipefail
+C=.carry/final
+if [[ "${1:-}" == "--stage" ]]; then
+    mkdir -p "$C"
+    cp target/release/deltaserve "$C/deltaserve"
+    for t in ops backend; do
+        bin=$(ls -t target/release/deps/${t}-* 2>/dev/null | grep -v '\.d$' | head -1)
+        [[ -n "$bin" ]] || { echo "no release test binary for $t" >&2; exit 1; }
+        cp "$bin" "$C/$t"
+    done
+    ls -la "$C"
+    exit 0
+fi
+# At most 8 files come back from the device: work in $W and pack it into $OUT/gpu_final.tgz after each step.
+FINAL="${OUT:-/tmp/gpu_final}"
+W=/tmp/gpu_final_work
+OUT=$W
+STEPS="${STEPS:-ops,backend,bench,soak,probe}"
+SOAK_TARGET="${SOAK_TARGET:-131072}"
+mkdir -p "$W" "$FINAL"
+export DELTASERVE_CACHE=/tmp/dscache RUST_LOG=info
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+t0=$(date +%s)
+step() { tar czf "$FINAL/gpu_final.tgz" -C "$W" . 2>/dev/null; echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
+has() { [[ ",$STEPS," == *",$1,"* ]]; }
+if has ops; then
+    step ops
+    timeout 120 "$C/ops" --nocapture --test-threads=1 ops_match_cpu_reference >"$OUT/ops.log" 2>&1
+    echo "rc=$?"; grep -E "FAIL|test result|panicked" "$OUT/ops.log" | head -20
+fi
+if has backend; then
+    step backend
+    timeout 180 "$C/backend" --nocapture --test-threads=1 >"$OUT/backend.log" 2>&1
+    echo "rc=$?"; grep -E "^test |test result|panicked|FAIL" "$OUT/backend.log" | head -30
+fi
+if has bench; then
+    step bench
+    timeout 330 "$C/deltaserve" bench --json --svg "$OUT/bench.svg" >"$OUT/bench.json" 2>"$OUT/bench.log"
+    echo "rc=$?"; tail -n 3 "$OUT/bench.log"
+    python3 - "$OUT/bench.json" <<'PY' || true
+import json, sys
+d = json.load(open(sys.argv[1]))
+print("ceilings", d["ceilings"])
+for r in d["prefill"]: print("prefill", r["tokens"], r["tokens_per_s"], "tok/s", r["tflops"], "TFLOP/s", r["roofline_ratio"], r["driver_peak_bytes"])
+for r in d["decode"]: print("decode b", r["batch"], "ctx", r["context"], r["ms_per_step"], "ms", r["roofline_ratio"])
+print("snapshots", d.get("snapshots_ms"), "plan", d["plan_bytes"], "driver peak", d["driver_peak_bytes"], d["skipped"])
+PY
+fi
+if has soak; then
+    step soak
+    timeout 300 "$C/deltaserve" soak --device cuda --preset qwen3.6-27b --random-weights --max-seqs 4 \
+        --turns 12 --target-context "$SOAK_TARGET" --json --svg "$OUT/soak-27b.svg" >"$OUT/soak-27b.json" 2>"$OUT/soak-27b.log"
+    echo "rc=$?"; tail -n 2 "$OUT/soak-27b.log"
+    python3 - "$OUT/soak-27b.json" <<'PY' || true
+import json, sys
+d = json.load(open(sys.argv[1]))
+for t in d["turns"]: print(t["turn"], t["prompt_tokens"], t["cached_tokens"], t["new_tokens"], round(t["ttft_ms"], 1), round(t["ttft_per_new_token_ms"], 4))
+print(d["summary"])
+PY
+fi
+if has probe; then
+    step probe
+    timeout "${PROBE_TIMEOUT:-240}" "$C/deltaserve" probe --device cuda --preset qwen3.6-27b --random-weights --max-seqs 4 \
+        --rungs "${PROBE_RUNGS:-25,50,100}" --turns "${PROBE_TURNS:-3}" --json --svg "$OUT/probe-27b.svg" >"$OUT/probe-27b.json" 2>"$OUT/probe-27b.log"
+    echo "rc=$?"; tail -n 2 "$OUT/probe-27b.log"
+    python3 -c "import json,sys; d=json.load(open('$OUT/probe-27b.json')); [print(r) for r in d['rungs']+d['turns']]; print(d['passed'], d['failures'], d['plan_bytes'])" || true
+fi
+step done
