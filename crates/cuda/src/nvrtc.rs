@@ -53,6 +53,11 @@ pub const SOURCES: &[KernelSource] = &[
     },
     KernelSource { module: "gdn_decode", src: include_str!("../kernels/gdn_decode.cu"), functions: &["gdn_decode"] },
     KernelSource {
+        module: "w4a16",
+        src: include_str!("../kernels/w4a16.cu"),
+        functions: &["w4_permute_x", "w4_gemv_reg", "w4_gemv_cp4", "w4_gemv_cp8", "w4_dequant", "w4_quantize"],
+    },
+    KernelSource {
         module: "attention",
         src: include_str!("../kernels/attention.cu"),
         functions: &["attn_prefill", "attn_decode_split", "attn_decode_combine"],

@@ -19,7 +19,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use deltaserve_cpu as cpu;
 use deltaserve_cuda::arena::{Arena, RegionId};
+use deltaserve_cuda::ops::w4a16;
 use deltaserve_cuda::ops::{self, attention, conv, gdn_chunk, gdn_decode, gdn_gate, kv_cache};
+use deltaserve_cuda::w4::{ScaleDtype, W4Linear};
 use deltaserve_cuda::{KernelDims, Kernels, LibStatus, Runtime, gemm};
 use half::bf16;
 use rand::rngs::StdRng;
@@ -109,6 +111,31 @@ enum Op {
         m: usize,
         n: usize,
         k: usize,
+    },
+    /// 4-bit GEMV (every warps-per-tile choice): m tokens, W [out, inp]; asym = zero points,
+    /// perm = act-order permutation, bf16 = bf16 scales.
+    W4Gemv {
+        m: usize,
+        out: usize,
+        inp: usize,
+        asym: bool,
+        perm: bool,
+        bf16: bool,
+    },
+    /// Rows r0..r1 of a 4-bit W [out, inp] to bf16, bit-exact vs W4Linear::dequantize_bf16.
+    W4Dequant {
+        out: usize,
+        inp: usize,
+        r0: usize,
+        r1: usize,
+        asym: bool,
+        perm: bool,
+    },
+    /// bf16 W [out, inp] -> int4 in two row slices, bit-exact vs W4Linear::quantize.
+    W4Quantize {
+        out: usize,
+        inp: usize,
+        asym: bool,
     },
 }
 
@@ -236,6 +263,24 @@ fn cases() -> Vec<Case> {
         c("attn_decode", SMALL, Op::AttnDecode { lens: vec![5, 64], hq: 8, hkv: 4, page: 32, n_split: 16 }, ACCUM),
         c("gemm", q, Op::Gemm { m: 48, n: 1, k: 5120 }, ACCUM),
         c("gemm", q, Op::Gemm { m: 2048, n: 129, k: 5120 }, ACCUM),
+        c("w4_gemv", q, Op::W4Gemv { m: 1, out: 200, inp: 1024, asym: false, perm: false, bf16: false }, ACCUM),
+        c("w4_gemv", q, Op::W4Gemv { m: 2, out: 200, inp: 1024, asym: true, perm: false, bf16: false }, ACCUM),
+        c("w4_gemv", q, Op::W4Gemv { m: 3, out: 200, inp: 1024, asym: false, perm: true, bf16: false }, ACCUM),
+        c("w4_gemv", q, Op::W4Gemv { m: 4, out: 200, inp: 1024, asym: true, perm: true, bf16: false }, ACCUM),
+        c("w4_gemv", q, Op::W4Gemv { m: 5, out: 200, inp: 1024, asym: false, perm: false, bf16: true }, ACCUM),
+        c("w4_gemv", q, Op::W4Gemv { m: 6, out: 200, inp: 1024, asym: true, perm: false, bf16: true }, ACCUM),
+        c("w4_gemv", q, Op::W4Gemv { m: 7, out: 200, inp: 1024, asym: false, perm: false, bf16: false }, ACCUM),
+        c("w4_gemv", q, Op::W4Gemv { m: 8, out: 200, inp: 1024, asym: true, perm: false, bf16: false }, ACCUM),
+        c("w4_gemv", q, Op::W4Gemv { m: 1, out: 5120, inp: 17408, asym: false, perm: false, bf16: false }, ACCUM),
+        c("w4_gemv", q, Op::W4Gemv { m: 3, out: 1000, inp: 5120, asym: true, perm: true, bf16: false }, ACCUM),
+        c("w4_gemv", q, Op::W4Gemv { m: 8, out: 37, inp: 128, asym: true, perm: false, bf16: false }, ACCUM),
+        c("w4_gemv", q, Op::W4Gemv { m: 11, out: 48, inp: 384, asym: false, perm: true, bf16: false }, ACCUM),
+        c("w4_dequant", q, Op::W4Dequant { out: 300, inp: 1024, r0: 0, r1: 300, asym: false, perm: false }, EXACT),
+        c("w4_dequant", q, Op::W4Dequant { out: 301, inp: 512, r0: 100, r1: 233, asym: true, perm: false }, EXACT),
+        c("w4_dequant", q, Op::W4Dequant { out: 64, inp: 640, r0: 7, r1: 64, asym: true, perm: true }, EXACT),
+        c("w4_quantize", q, Op::W4Quantize { out: 301, inp: 512, asym: true }, EXACT),
+        c("w4_quantize", q, Op::W4Quantize { out: 256, inp: 5120, asym: false }, EXACT),
+        c("w4_quantize", q, Op::W4Quantize { out: 33, inp: 128, asym: false }, EXACT),
     ]
 }
 
@@ -618,6 +663,9 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
             let seqs: Vec<(usize, usize)> = lens.iter().map(|&l| (l - 1, 1)).collect();
             attn_case(k, &s, d, rng, &seqs, hq, hkv, page, Some(n_split), tol)?
         }
+        Op::W4Gemv { m, out, inp, asym, perm, bf16 } => w4_gemv_case(rt, k, &s, d, rng, m, out, inp, asym, perm, bf16)?,
+        Op::W4Dequant { out, inp, r0, r1, asym, perm } => w4_dequant_case(k, &s, d, rng, out, inp, r0, r1, asym, perm)?,
+        Op::W4Quantize { out, inp, asym } => w4_quantize_case(k, &s, d, rng, out, inp, asym)?,
         Op::Gemm { m, n, k: kk } => {
             let x = randv(rng, n * kk, 1.0);
             let w = randv(rng, m * kk, 0.05);
@@ -880,6 +928,236 @@ fn attn_case(
     }
     out.push(compare("k_cache", &kall, &got, EXACT));
     Ok(out)
+}
+
+// ---------------------------------------------------------------------------------------------
+// W4A16: 4-bit weights in the device format of deltaserve_cuda::w4 (host oracle there).
+
+/// A random int4 linear: random quants, scales of both signs (fp16 or bf16), random zero points
+/// (asym), a random act-order permutation (perm).
+fn w4_random(rng: &mut StdRng, out: usize, inp: usize, asym: bool, perm: bool, bf16_scales: bool) -> W4Linear {
+    let groups = inp / 128;
+    let q: Vec<u8> = (0..out * inp).map(|_| rng.random_range(0..16u8)).collect();
+    let scales = (0..groups * out)
+        .map(|_| {
+            let v = rng.random_range(2e-3f32..2e-2) * if rng.random_range(0..4) == 0 { -1.0 } else { 1.0 };
+            if bf16_scales { bf16::from_f32(v).to_bits() } else { half::f16::from_f32(v).to_bits() }
+        })
+        .collect();
+    let zeros = asym.then(|| {
+        let z: Vec<u8> = (0..groups * out).map(|_| rng.random_range(0..16u8)).collect();
+        W4Linear::pack_zeros(out, groups, &z)
+    });
+    let perm = perm.then(|| {
+        let mut p: Vec<i32> = (0..inp as i32).collect();
+        for i in (1..inp).rev() {
+            p.swap(i, rng.random_range(0..=i));
+        }
+        p
+    });
+    W4Linear {
+        out_features: out,
+        in_features: inp,
+        qweight: W4Linear::pack_quants(out, inp, &q),
+        scales,
+        scale_dtype: if bf16_scales { ScaleDtype::Bf16 } else { ScaleDtype::F16 },
+        zeros,
+        perm,
+    }
+}
+
+fn w4_upload(d: &mut Dev, l: &W4Linear) -> R<w4a16::W4Weights> {
+    let qweight = d.alloc(4 * l.qweight.len())?;
+    d.rt.upload(qweight, &l.qweight)?;
+    let scales = d.alloc(2 * l.scales.len())?;
+    d.rt.upload(scales, &l.scales)?;
+    let zeros = match &l.zeros {
+        Some(z) => {
+            let p = d.alloc(z.len())?;
+            d.rt.upload(p, z)?;
+            Some(p)
+        }
+        None => None,
+    };
+    let perm = match &l.perm {
+        Some(p) => Some(d.i32s(p)?),
+        None => None,
+    };
+    Ok(w4a16::W4Weights {
+        qweight,
+        scales,
+        scale_dtype: l.scale_dtype,
+        zeros,
+        perm,
+        out: l.out_features,
+        inp: l.in_features,
+    })
+}
+
+/// GEMV vs the CPU matmul with the dequantised f32 weights, x with a padded row stride, for every
+/// kernel variant and warps-per-tile choice; then token 0 alone must give bitwise the same row as
+/// in the m-token launch (default configuration).
+#[allow(clippy::too_many_arguments)]
+fn w4_gemv_case(
+    rt: &Runtime,
+    k: &Kernels,
+    s: &std::sync::Arc<cudarc::driver::CudaStream>,
+    d: &mut Dev,
+    rng: &mut StdRng,
+    m: usize,
+    out: usize,
+    inp: usize,
+    asym: bool,
+    perm: bool,
+    bf16_scales: bool,
+) -> R<Vec<Outcome>> {
+    let l = w4_random(rng, out, inp, asym, perm, bf16_scales);
+    let w = w4_upload(d, &l)?;
+    let (ldx, ldy) = (inp + 8, out + 3);
+    let x = randv(rng, m * ldx, 1.0);
+    let xc: Vec<f32> = x.chunks(ldx).flat_map(|r| r[..inp].to_vec()).collect();
+    let r = cpu::linear::linear(&xc, m, &l.dequantize(), out, inp);
+    let xp = d.bf16(&x)?;
+    let scratch = d.alloc(2 * 8 * inp)?;
+    let auto = w4a16::gemv_config(out, inp, rt.sm_count as usize);
+    let mut v = Vec::new();
+    let mut first = Vec::new();
+    for kernel in w4a16::GemvKernel::ALL {
+        for wpt in [1usize, 2, 4, 8] {
+            let cfg = w4a16::GemvConfig { kernel, wpt };
+            let yp = d.poison(2 * m * ldy)?;
+            w4a16::w4_gemv(k, s, &w, xp, ldx, yp, ldy, m, cfg, Some(scratch))?;
+            let y = d.get_bf16(yp, m * ldy)?;
+            let y: Vec<f32> = y.chunks(ldy).flat_map(|r| r[..out].to_vec()).collect();
+            let tag = format!("y {} wpt={wpt}{}", kernel.name(), if cfg == auto { " (default)" } else { "" });
+            v.push(compare(&tag, &r, &y, ACCUM));
+            if cfg == auto {
+                first = y[..out].to_vec();
+            }
+        }
+    }
+    let yp = d.poison(2 * ldy)?;
+    w4a16::w4_gemv(k, s, &w, xp, ldx, yp, ldy, 1, auto, Some(scratch))?;
+    let y1 = d.get_bf16(yp, out)?;
+    let same = y1.iter().zip(&first).all(|(a, b)| a.to_bits() == b.to_bits());
+    v.push(Outcome { ok: same, detail: format!("token 0 alone bitwise equal to the {m}-token launch: {same}") });
+    Ok(v)
+}
+
+/// Bit-exact comparison of 16-bit patterns.
+fn same_bits(what: &str, want: &[u16], got: &[u16]) -> Outcome {
+    let bad = want.iter().zip(got).filter(|(a, b)| a != b).count() + want.len().abs_diff(got.len());
+    let first = want.iter().zip(got).position(|(a, b)| a != b);
+    Outcome { ok: bad == 0, detail: format!("{what}: {} values, {bad} differ (first at {first:?})", want.len()) }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn w4_dequant_case(
+    k: &Kernels,
+    s: &std::sync::Arc<cudarc::driver::CudaStream>,
+    d: &mut Dev,
+    rng: &mut StdRng,
+    out: usize,
+    inp: usize,
+    r0: usize,
+    r1: usize,
+    asym: bool,
+    perm: bool,
+) -> R<Vec<Outcome>> {
+    let l = w4_random(rng, out, inp, asym, perm, false);
+    let w = w4_upload(d, &l)?;
+    let ldd = inp + 8;
+    let dp = d.poison(2 * (r1 - r0) * ldd)?;
+    w4a16::w4_dequant(k, s, &w, r0, r1, dp, ldd)?;
+    let mut got = vec![0u16; (r1 - r0) * ldd];
+    d.rt.download(&mut got, dp)?;
+    let got: Vec<u16> = got.chunks(ldd).flat_map(|r| r[..inp].to_vec()).collect();
+    Ok(vec![same_bits("bf16 rows", &l.dequantize_bf16(r0, r1), &got)])
+}
+
+/// Quantises in two row slices through a staging buffer, compares every output word with the host
+/// quantiser, and checks the round trip within half a quantisation step.
+fn w4_quantize_case(
+    k: &Kernels,
+    s: &std::sync::Arc<cudarc::driver::CudaStream>,
+    d: &mut Dev,
+    rng: &mut StdRng,
+    out: usize,
+    inp: usize,
+    asym: bool,
+) -> R<Vec<Outcome>> {
+    let mut wv = randv(rng, out * inp, 0.05);
+    wv[5] = 1.5; // an outlier
+    if out > 2 {
+        wv[inp..inp + 128].iter_mut().for_each(|v| *v = 0.0); // an all-zero group
+        wv[2 * inp..2 * inp + 128].iter_mut().for_each(|v| *v = rb(v.abs() + 0.01)); // all positive
+    }
+    let host = W4Linear::quantize(&wv, out, inp, asym)?;
+    let groups = inp / 128;
+    let dev = w4a16::W4Weights {
+        qweight: d.poison(out * inp / 2)?,
+        scales: d.poison(2 * groups * out)?,
+        scale_dtype: ScaleDtype::F16,
+        zeros: if asym { Some(d.poison(groups * out.div_ceil(2))?) } else { None },
+        perm: None,
+        out,
+        inp,
+    };
+    let ldw = inp + 8;
+    let staged: Vec<f32> = wv.chunks(inp).flat_map(|r| r.iter().copied().chain(std::iter::repeat_n(0.0, 8))).collect();
+    let sp = d.bf16(&staged)?;
+    let half = (out / 2) & !1;
+    w4a16::w4_quantize(k, s, sp, ldw, 0, half, &dev)?;
+    w4a16::w4_quantize(k, s, sp + (2 * half * ldw) as u64, ldw, half, out, &dev)?;
+    let mut qw = vec![0u32; out * inp / 8];
+    d.rt.download(&mut qw, dev.qweight)?;
+    let mut sc = vec![0u16; groups * out];
+    d.rt.download(&mut sc, dev.scales)?;
+    let zeros = match dev.zeros {
+        Some(p) => {
+            let mut z = vec![0u8; groups * out.div_ceil(2)];
+            d.rt.download(&mut z, p)?;
+            Some(z)
+        }
+        None => None,
+    };
+    let qbad = qw.iter().zip(&host.qweight).filter(|(a, b)| a != b).count();
+    let zbad = match (&zeros, &host.zeros) {
+        (Some(a), Some(b)) => a.iter().zip(b).filter(|(x, y)| x != y).count(),
+        _ => 0,
+    };
+    let mut v = vec![
+        Outcome {
+            ok: qbad == 0,
+            detail: format!("qweight: {} words, {qbad} differ from the host quantiser", qw.len()),
+        },
+        same_bits("scales", &host.scales, &sc),
+        Outcome { ok: zbad == 0, detail: format!("zeros: {zbad} bytes differ from the host quantiser") },
+    ];
+    let gpu = W4Linear { qweight: qw, scales: sc, zeros, ..host.clone() };
+    let deq = gpu.dequantize();
+    let mut worst = 0f32;
+    for o in 0..out {
+        for i in 0..inp {
+            let step = gpu.scale(i / 128, o);
+            let err = (deq[o * inp + i] - wv[o * inp + i]).abs();
+            worst = worst.max(if step > 0.0 {
+                err / (0.5 * step)
+            } else if err > 0.0 {
+                f32::INFINITY
+            } else {
+                0.0
+            });
+        }
+    }
+    // Symmetric: within half a step. Asymmetric: the rounded zero point shifts the grid, so the
+    // clamped extremes may be off by up to one step.
+    let bound = if asym { 2.002 } else { 1.001 };
+    v.push(Outcome {
+        ok: worst <= bound,
+        detail: format!("round trip: worst |w - deq(q(w))| = {worst:.4} half-steps (bound {bound})"),
+    });
+    Ok(v)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ pub mod init;
 pub mod kv_cache;
 pub mod norm;
 pub mod rope;
+pub mod w4a16;
 
 use std::collections::HashMap;
 
@@ -73,6 +74,8 @@ impl Kernels {
             ("gdn_chunk_prep", gdn_chunk::prep_smem_bytes(&dims)),
             ("gdn_chunk_state", gdn_chunk::state_smem_bytes(&dims)),
             ("attn_prefill", attention::prefill_smem_bytes(&dims)),
+            ("w4_gemv_cp4", w4a16::GemvKernel::Async4.smem_bytes()),
+            ("w4_gemv_cp8", w4a16::GemvKernel::Async8.smem_bytes()),
         ] {
             if bytes as i64 > rt.max_smem_optin as i64 {
                 return Err(CudaError::InvalidArgs {

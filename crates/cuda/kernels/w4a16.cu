@@ -1,0 +1,460 @@
+// w4a16.cu — 4-bit weights, bf16 activations (W4A16): decode GEMV, dequantisation, quantisation.
+//
+// Device format of one linear W [out, in] (in % 128 == 0; NG = in/128 groups of 128 "device
+// columns"; host side and tests in src/w4.rs):
+//   qweight u32 [out, in/8], row-major by output row: word j of row o holds device columns
+//           8j..8j+7; column 8j+c is nibble (c & 1)*4 + (c >> 1) (nibbles hold columns
+//           0,2,4,6,1,3,5,7), so (word >> 4p) & 0x000f000f = columns (2p, 2p+1) in the two halves.
+//   scales  u16 [NG, out] (group-major): fp16 bits, or bf16 bits when scale_bf16 != 0.
+//   zeros   u8  [NG, ceil(out/2)]: zero of (g, o) = nibble (o & 1) of byte g*ceil(out/2) + o/2;
+//           NULL = symmetric, zero 8.
+//   perm    i32 [in] (act-order checkpoints only): device column j holds input feature perm[j].
+//   W[o, perm[j]] = (q[o, j] - zero[j/128, o]) * scale[j/128, o]   (f32)
+//
+// Computes:
+//  w4_permute_x: xo[m, j] = x[m, perm[j]]  (the GEMV's x for act-order weights; xo row stride in)
+//  w4_gemv_*:    y[m, o] = bf16(sum_j x[m, j] * W[o, j]), m < M <= 8, f32 accumulation.
+//  w4_dequant:   dst[r - r0, perm[j]] = bf16(W[r, perm[j]]) for rows r0 <= r < r1 (prefill path:
+//                an N-slice of bf16 weights for cuBLASLt).
+//  w4_quantize:  rows r0..r1 of a bf16 W (staging buffer, row r at w + (r - r0)*ldw) -> the format,
+//                round to nearest even, per (row, group of 128):
+//                  sym:  s = fp16(min(max|w|/7, 65504)), q = clamp(rint(w/s), -8, 7) + 8
+//                  asym: lo = min(min w, 0), hi = max(max w, 0), s = fp16(min((hi-lo)/15, 65504)),
+//                        z = clamp(rint(-lo/s), 0, 15), q = clamp(rint(w/s) + z, 0, 15)
+//                  s == 0: q = z (8 sym, 0 asym). Bit-equal to W4Linear::quantize (src/w4.rs).
+//
+// Method (w4_gemv_*): tensor cores with the tokens as the n = 8 columns of mma.sync m16n8k16
+//   (bf16 x bf16 -> f32). A warp owns 16 output rows (a "tile") and a contiguous range of groups;
+//   lane (g = lane/4, t = lane%4) takes 16 bytes (32 columns) of rows g and g+8 per group.
+//   Unpacking is two integer ops per column pair: ((w >> 4p) & 0x000f000f) | 0x43004300 is the
+//   bf16 pair (128 + q0, 128 + q1), and one fma.bf16x2 subtracts (128 + zero) exactly, leaving the
+//   integers q - zero as the A fragment. The lane's 32 columns are the A/B fragments of 8 MMAs
+//   under a fixed permutation of k (the same for A and for x, which lane (g, t) reads for token g,
+//   64 bytes per group, from global/L1). Each group's 8 MMAs accumulate into a fresh f32 tile that
+//   is scaled by the group's scale (integer weights times bf16 x: the products are exact in f32).
+//   `wpt` warps split one tile's groups (split-K inside the block), summed in shared memory in a
+//   fixed order, so a token's result does not depend on M. Variants (same results up to the f32
+//   summation order of the split):
+//   - w4_gemv_reg: W4_D groups of weights/scales/zeros in flight in registers (16-byte
+//     non-allocating loads);
+//   - w4_gemv_cp4 / w4_gemv_cp8: a per-warp ring of 4 / 8 stages in shared memory filled with
+//     cp.async (weights, scale and zero words), 3 / 7 groups in flight tracked by commit groups;
+//     each lane copies and reads back only its own slots (no barrier); x one group ahead in
+//     registers.
+//
+// Launch:
+//  w4_permute_x: grid (ceil(M*in/256)), block 256.
+//  w4_gemv_*:    grid (ceil(ceil(out/16) / (8/wpt))), block 256 (8 warps), wpt in {1,2,4,8};
+//                x 16-byte aligned with ldx % 8 == 0, scales and zeros 4-byte aligned; reg: static
+//                smem 4 KB; cp4 / cp8: dynamic smem 48 / 96 KB (8 warps x stages x 1.5 KB).
+//  w4_dequant:   grid (ceil((r1-r0)*in/8 / 256)) (grid-stride), block 256; dst 16-byte aligned,
+//                ldd % 8 == 0.
+//  w4_quantize:  grid (ceil(ceil((r1-r0)/2) * NG / 8)), block 256: one warp per (row pair, group);
+//                r0 even, r1 even or r1 == out.
+// Arch: mma.sync bf16, fma.rn.bf16x2, cp.async, cvt f16, ld.global.nc: sm_80+ (nothing Hopper-only).
+// Tested by: tests/ops.rs cases "w4_gemv", "w4_dequant", "w4_quantize"; bench in tests/bench_w4.rs.
+
+#define W4_WARPS 8
+#define W4_D 4
+
+__device__ __forceinline__ uint4 w4_ld_stream(const uint4* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ uint4 w4_ld(const uint4* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ float w4_h2f(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ unsigned short w4_f2h(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float w4_scale(unsigned short s, int scale_bf16) {
+    return scale_bf16 ? bf2f(s) : w4_h2f(s);
+}
+
+__device__ __forceinline__ u32 w4_zero(const unsigned char* zeros, int zstride, int g, int o) {
+    return zeros ? ((u32)(zeros[(long long)g * zstride + (o >> 1)] >> ((o & 1) * 4)) & 15u) : 8u;
+}
+
+// bf16x2 of -(128 + z) in both halves (exact: 128..143 has 8 significant bits).
+__device__ __forceinline__ u32 w4_negz2(u32 z) {
+    u32 b = (u32)f2bf(-(128.0f + (float)z));
+    return b | (b << 16);
+}
+
+// Columns (2p, 2p+1) of word w as the bf16 pair (q0 - z, q1 - z).
+__device__ __forceinline__ u32 w4_pair(u32 w, int p, u32 negz2) {
+    u32 v = ((w >> (4 * p)) & 0x000f000fu) | 0x43004300u;
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x3f803f80u), "r"(negz2));
+    return r;
+}
+
+// c += A(16x16 row) * B(16x8 col), bf16 in, f32 accumulate.
+__device__ __forceinline__ void w4_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 w4_comp(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+extern "C" __global__ void w4_permute_x(const bf16_t* __restrict__ x, long long ldx, const int* __restrict__ perm,
+                                        bf16_t* __restrict__ xo, int M, int in) {
+    long long n = (long long)M * in;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long m = i / in;
+        int j = (int)(i - m * in);
+        xo[i] = x[m * ldx + perm[j]];
+    }
+}
+
+// The 8 MMAs of one group: A = rows (a, b) of the lane's 32 columns (ca, cb), B = x (xv).
+__device__ __forceinline__ void w4_group_mma(float* tmp, const uint4& ca, const uint4& cb, u32 nza, u32 nzb,
+                                             const uint4* xv) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const u32 aw = w4_comp(ca, j >> 1), bw = w4_comp(cb, j >> 1);
+        const int p = (j & 1) * 2;
+        w4_mma(tmp, w4_pair(aw, p, nza), w4_pair(bw, p, nzb), w4_pair(aw, p + 1, nza), w4_pair(bw, p + 1, nzb),
+               w4_comp(xv[j >> 1], p), w4_comp(xv[j >> 1], p + 1));
+    }
+}
+
+// Sums the wpt partial tiles (warp w writes its 128 partials at red + w * red_stride, a region no
+// other warp touches) and stores the tile's outputs. Contains __syncthreads() when wpt > 1.
+__device__ __forceinline__ void w4_gemv_store(float* acc, float* red, int red_stride, int wpt, int warp, int lane,
+                                              int part, int tile, int out, int M, bf16_t* __restrict__ y,
+                                              long long ldy) {
+    if (wpt > 1) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) red[warp * red_stride + c * 32 + lane] = acc[c];
+        __syncthreads();
+        if (part != 0) return;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            float s = 0.f;
+            for (int w = 0; w < wpt; ++w) s += red[(warp + w) * red_stride + c * 32 + lane];
+            acc[c] = s;
+        }
+    }
+    const int ntiles = (out + 15) >> 4;
+    if (tile >= ntiles) return;
+    const int g = lane >> 2, t = lane & 3;
+    const int row_a = tile * 16 + g, row_b = row_a + 8;
+    const int m0 = 2 * t, m1 = 2 * t + 1;
+    if (row_a < out) {
+        if (m0 < M) y[(long long)m0 * ldy + row_a] = f2bf(acc[0]);
+        if (m1 < M) y[(long long)m1 * ldy + row_a] = f2bf(acc[1]);
+    }
+    if (row_b < out) {
+        if (m0 < M) y[(long long)m0 * ldy + row_b] = f2bf(acc[2]);
+        if (m1 < M) y[(long long)m1 * ldy + row_b] = f2bf(acc[3]);
+    }
+}
+
+// Variant "reg": W4_D groups of weights, scales and zeros in flight in registers.
+extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 2)
+w4_gemv_reg(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,
+            const unsigned char* __restrict__ zeros, int scale_bf16, const bf16_t* __restrict__ x, long long ldx,
+            bf16_t* __restrict__ y, long long ldy, int M, int out, int in, int wpt) {
+    __shared__ float red[W4_WARPS * 128];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int tile = blockIdx.x * (W4_WARPS / wpt) + warp / wpt;
+    const int part = warp % wpt;
+    const int ng = in >> 7;
+    const int gb = (int)((long long)part * ng / wpt), ge = (int)((long long)(part + 1) * ng / wpt);
+    const int ra = min(tile * 16 + g, out - 1), rb = min(tile * 16 + g + 8, out - 1);  // loads; stores check
+    const long long wrow = (long long)(in >> 5);                                      // uint4 per row
+    const uint4* pa = (const uint4*)qw + (long long)ra * wrow + t;                    // group i: + 4i
+    const uint4* pb = (const uint4*)qw + (long long)rb * wrow + t;
+    const int zstride = (out + 1) >> 1;
+    const bool has_x = g < M;
+    const uint4* px = (const uint4*)(x + (long long)(has_x ? g : 0) * ldx) + t * 4;  // group i: + 16i
+
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    uint4 wa[W4_D], wb[W4_D];
+    u32 sab[W4_D], zab[W4_D];  // scale bits (a | b << 16), zeros (a | b << 8)
+#pragma unroll
+    for (int d = 0; d < W4_D; ++d) {
+        const int gi = gb + d;
+        if (gi < ge) {
+            wa[d] = w4_ld_stream(pa + 4 * gi);
+            wb[d] = w4_ld_stream(pb + 4 * gi);
+            sab[d] = (u32)scales[(long long)gi * out + ra] | ((u32)scales[(long long)gi * out + rb] << 16);
+            zab[d] = w4_zero(zeros, zstride, gi, ra) | (w4_zero(zeros, zstride, gi, rb) << 8);
+        }
+    }
+    for (int gs = gb; gs < ge; gs += W4_D) {
+#pragma unroll
+        for (int d = 0; d < W4_D; ++d) {
+            const int gi = gs + d;
+            if (gi < ge) {
+                uint4 xv[4];
+#pragma unroll
+                for (int q = 0; q < 4; ++q) xv[q] = has_x ? w4_ld(px + 16 * gi + q) : make_uint4(0u, 0u, 0u, 0u);
+                const uint4 ca = wa[d], cb = wb[d];
+                const u32 cs = sab[d], cz = zab[d];
+                const int gn = gi + W4_D;
+                if (gn < ge) {
+                    wa[d] = w4_ld_stream(pa + 4 * gn);
+                    wb[d] = w4_ld_stream(pb + 4 * gn);
+                    sab[d] = (u32)scales[(long long)gn * out + ra] | ((u32)scales[(long long)gn * out + rb] << 16);
+                    zab[d] = w4_zero(zeros, zstride, gn, ra) | (w4_zero(zeros, zstride, gn, rb) << 8);
+                }
+                float tmp[4] = {0.f, 0.f, 0.f, 0.f};
+                w4_group_mma(tmp, ca, cb, w4_negz2(cz & 0xffu), w4_negz2(cz >> 8), xv);
+                const float sa = w4_scale((unsigned short)(cs & 0xffffu), scale_bf16);
+                const float sb = w4_scale((unsigned short)(cs >> 16), scale_bf16);
+                acc[0] += sa * tmp[0];
+                acc[1] += sa * tmp[1];
+                acc[2] += sb * tmp[2];
+                acc[3] += sb * tmp[3];
+            }
+        }
+    }
+    w4_gemv_store(acc, red, 128, wpt, warp, lane, part, tile, out, M, y, ldy);
+}
+
+__device__ __forceinline__ u32 w4_smem_addr(const void* p) {
+    u32 r;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ void w4_cp16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+// Copies src_bytes (1..4) of the 4-byte aligned word at src, zero-filling the rest.
+__device__ __forceinline__ void w4_cp4(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void w4_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void w4_cp_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Variant "async": the weights, scales and zeros of S groups stream through a per-warp ring in
+// shared memory with cp.async (S - 1 groups in flight, tracked by commit groups); each lane copies
+// and reads back only its own slots, so no barrier is needed. x (L2-resident) is loaded into
+// registers one group ahead. Ring per warp and stage: 2 x 32 uint4 of weights (rows a, b), 32 uint4
+// of {scale word a, scale word b, zero word a, zero word b}: 1.5 KB.
+#define W4_STAGE_U4 96
+template <int S>
+__device__ __forceinline__ void w4_gemv_async(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,
+                                              const unsigned char* __restrict__ zeros, int scale_bf16,
+                                              const bf16_t* __restrict__ x, long long ldx, bf16_t* __restrict__ y,
+                                              long long ldy, int M, int out, int in, int wpt, uint4* smem) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int tile = blockIdx.x * (W4_WARPS / wpt) + warp / wpt;
+    const int part = warp % wpt;
+    const int ng = in >> 7;
+    const int gb = (int)((long long)part * ng / wpt), ge = (int)((long long)(part + 1) * ng / wpt);
+    const int ra = min(tile * 16 + g, out - 1), rb = min(tile * 16 + g + 8, out - 1);
+    const long long wrow = (long long)(in >> 5);
+    const uint4* pa = (const uint4*)qw + (long long)ra * wrow + t;
+    const uint4* pb = (const uint4*)qw + (long long)rb * wrow + t;
+    const int zstride = (out + 1) >> 1;
+    const long long n_scales = (long long)ng * out, n_zeros = (long long)ng * zstride;
+    const bool has_x = g < M;
+    const uint4* px = (const uint4*)(x + (long long)(has_x ? g : 0) * ldx) + t * 4;
+    uint4* ring = smem + warp * (S * W4_STAGE_U4);
+    const u32 ring_s = w4_smem_addr(ring);
+
+    auto issue = [&](int st, int gi) {
+        const u32 base = ring_s + (u32)(st * W4_STAGE_U4 * 16);
+        w4_cp16(base + lane * 16, pa + 4 * gi);
+        w4_cp16(base + (32 + lane) * 16, pb + 4 * gi);
+        const u32 sz = base + (64 + lane) * 16;
+        const long long ea = ((long long)gi * out + ra) & ~1LL, eb = ((long long)gi * out + rb) & ~1LL;
+        w4_cp4(sz, scales + ea, (int)min(4LL, 2 * (n_scales - ea)));
+        w4_cp4(sz + 4, scales + eb, (int)min(4LL, 2 * (n_scales - eb)));
+        if (zeros) {
+            const long long za = ((long long)gi * zstride + (ra >> 1)) & ~3LL;
+            const long long zb = ((long long)gi * zstride + (rb >> 1)) & ~3LL;
+            w4_cp4(sz + 8, zeros + za, (int)min(4LL, n_zeros - za));
+            w4_cp4(sz + 12, zeros + zb, (int)min(4LL, n_zeros - zb));
+        }
+    };
+
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    uint4 xc[4], xn[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        xc[q] = (has_x && gb < ge) ? w4_ld(px + 16 * gb + q) : make_uint4(0u, 0u, 0u, 0u);
+        xn[q] = make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+        if (gb + s < ge) issue(s, gb + s);
+        w4_cp_commit();
+    }
+    for (int gi = gb; gi < ge; ++gi) {
+        const int k = gi - gb;
+        if (gi + S - 1 < ge) issue((k + S - 1) & (S - 1), gi + S - 1);
+        w4_cp_commit();
+        if (has_x && gi + 1 < ge) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) xn[q] = w4_ld(px + 16 * (gi + 1) + q);
+        }
+        w4_cp_wait<S - 1>();
+        const uint4* st = ring + (k & (S - 1)) * W4_STAGE_U4;
+        const uint4 ca = st[lane], cb = st[32 + lane], sz = st[64 + lane];
+        const long long ea = (long long)gi * out + ra, eb = (long long)gi * out + rb;
+        const unsigned short sa16 = (unsigned short)(sz.x >> ((ea & 1) * 16));
+        const unsigned short sb16 = (unsigned short)(sz.y >> ((eb & 1) * 16));
+        u32 za = 8u, zb = 8u;
+        if (zeros) {
+            const long long ya = (long long)gi * zstride + (ra >> 1), yb = (long long)gi * zstride + (rb >> 1);
+            za = (sz.z >> (8 * (ya & 3) + 4 * (ra & 1))) & 15u;
+            zb = (sz.w >> (8 * (yb & 3) + 4 * (rb & 1))) & 15u;
+        }
+        float tmp[4] = {0.f, 0.f, 0.f, 0.f};
+        w4_group_mma(tmp, ca, cb, w4_negz2(za), w4_negz2(zb), xc);
+        const float sa = w4_scale(sa16, scale_bf16), sb = w4_scale(sb16, scale_bf16);
+        acc[0] += sa * tmp[0];
+        acc[1] += sa * tmp[1];
+        acc[2] += sb * tmp[2];
+        acc[3] += sb * tmp[3];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) xc[q] = xn[q];
+    }
+    w4_cp_wait<0>();
+    // Partials go into this warp's own ring (its copies are drained), summed after a barrier.
+    w4_gemv_store(acc, (float*)smem, S * W4_STAGE_U4 * 4, wpt, warp, lane, part, tile, out, M, y, ldy);
+}
+
+extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 3)
+w4_gemv_cp4(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,
+            const unsigned char* __restrict__ zeros, int scale_bf16, const bf16_t* __restrict__ x, long long ldx,
+            bf16_t* __restrict__ y, long long ldy, int M, int out, int in, int wpt) {
+    extern __shared__ uint4 w4_dyn[];
+    w4_gemv_async<4>(qw, scales, zeros, scale_bf16, x, ldx, y, ldy, M, out, in, wpt, w4_dyn);
+}
+
+extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 2)
+w4_gemv_cp8(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,
+            const unsigned char* __restrict__ zeros, int scale_bf16, const bf16_t* __restrict__ x, long long ldx,
+            bf16_t* __restrict__ y, long long ldy, int M, int out, int in, int wpt) {
+    extern __shared__ uint4 w4_dyn[];
+    w4_gemv_async<8>(qw, scales, zeros, scale_bf16, x, ldx, y, ldy, M, out, in, wpt, w4_dyn);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+w4_dequant(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,
+           const unsigned char* __restrict__ zeros, int scale_bf16, const int* __restrict__ perm,
+           bf16_t* __restrict__ dst, long long ldd, int out, int in, int r0, int r1) {
+    const int wpr = in >> 3;  // words per row
+    const int zstride = (out + 1) >> 1;
+    const long long n = (long long)(r1 - r0) * wpr;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int rr = (int)(i / wpr), j = (int)(i - (long long)rr * wpr);
+        const int o = r0 + rr, gi = j >> 4;
+        const u32 w = qw[(long long)o * wpr + j];
+        const float s = w4_scale(scales[(long long)gi * out + o], scale_bf16);
+        const int z = (int)w4_zero(zeros, zstride, gi, o);
+        bf16_t v[8];
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+            const int q = (int)((w >> (4 * ((c & 1) * 4 + (c >> 1)))) & 15u);
+            v[c] = f2bf((float)(q - z) * s);
+        }
+        bf16_t* drow = dst + (long long)rr * ldd;
+        if (perm) {
+#pragma unroll
+            for (int c = 0; c < 8; ++c) drow[perm[8 * j + c]] = v[c];
+        } else {
+            uint4 pk;
+            pk.x = (u32)v[0] | ((u32)v[1] << 16);
+            pk.y = (u32)v[2] | ((u32)v[3] << 16);
+            pk.z = (u32)v[4] | ((u32)v[5] << 16);
+            pk.w = (u32)v[6] | ((u32)v[7] << 16);
+            *(uint4*)(drow + 8 * j) = pk;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+w4_quantize(const bf16_t* __restrict__ w, long long ldw, int out, int in, int r0, int r1, int asym,
+            u32* __restrict__ qw, unsigned short* __restrict__ scales, unsigned char* __restrict__ zeros) {
+    const int ng = in >> 7;
+    const int pairs = (r1 - r0 + 1) >> 1;
+    const long long wid = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (wid >= (long long)pairs * ng) return;  // whole warps
+    const int gi = (int)(wid % ng), pi = (int)(wid / ng);
+    const int zstride = (out + 1) >> 1;
+    u32 zbyte = 0;
+    for (int h = 0; h < 2; ++h) {
+        const int o = r0 + 2 * pi + h;
+        if (o >= r1) break;  // uniform over the warp
+        const bf16_t* src = w + (long long)(o - r0) * ldw + gi * 128 + lane * 4;
+        float v[4];
+        float amax = 0.f, lo = 0.f, hi = 0.f;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            v[c] = bf2f(src[c]);
+            amax = fmaxf(amax, fabsf(v[c]));
+            lo = fminf(lo, v[c]);
+            hi = fmaxf(hi, v[c]);
+        }
+        float sf;
+        u32 z;
+        unsigned short s16;
+        if (asym) {
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) {
+                lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, off));
+                hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, off));
+            }
+            s16 = w4_f2h(fminf((hi - lo) / 15.0f, 65504.0f));
+            sf = w4_h2f(s16);
+            z = sf > 0.f ? (u32)fminf(fmaxf(rintf(-lo / sf), 0.f), 15.f) : 0u;
+        } else {
+            amax = warp_max(amax);
+            s16 = w4_f2h(fminf(amax / 7.0f, 65504.0f));
+            sf = w4_h2f(s16);
+            z = 8u;
+        }
+        u32 part = 0;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            u32 q;
+            if (sf > 0.f) {
+                const float r = rintf(v[c] / sf);
+                q = asym ? (u32)fminf(fmaxf(r + (float)z, 0.f), 15.f) : (u32)((int)fminf(fmaxf(r, -8.f), 7.f) + 8);
+            } else {
+                q = z;
+            }
+            const int cw = (lane & 1) * 4 + c;  // column within the word
+            part |= q << (4 * ((cw & 1) * 4 + (cw >> 1)));
+        }
+        const u32 other = __shfl_down_sync(0xffffffffu, part, 1);
+        if ((lane & 1) == 0) qw[(long long)o * (in >> 3) + gi * 16 + (lane >> 1)] = part | other;
+        if (lane == 0) scales[(long long)gi * out + o] = s16;
+        zbyte |= z << (4 * h);
+    }
+    if (asym && lane == 0) zeros[(long long)gi * zstride + (r0 >> 1) + pi] = (unsigned char)zbyte;
+}

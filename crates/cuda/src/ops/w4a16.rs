@@ -1,0 +1,250 @@
+//! Launchers for kernels/w4a16.cu: 4-bit weights with bf16 activations (format in [`crate::w4`]).
+//!
+//! - [`w4_gemv`]: decode projections `y[m, out] = x[m, in] · Wᵀ` for any `m` (8 tokens per launch);
+//! - [`w4_dequant`]: rows `r0..r1` of `W` to a bf16 `[r1 − r0, in]` tile (prefill: dequantise an
+//!   N-slice into a bounded scratch, then a cuBLASLt bf16 GEMM on it);
+//! - [`w4_quantize`]: bf16 rows of a linear to the format on the GPU (`--quantize int4` at load).
+
+use cudarc::driver::CudaStream;
+
+use super::{Kernels, invalid, launch, to_i32, to_u32};
+use crate::error::CudaError;
+use crate::w4::{ScaleDtype, W4_GROUP, W4Bytes, W4Linear};
+
+/// Tokens per GEMV launch (the MMA's n).
+pub const GEMV_MAX_M: usize = 8;
+const WARPS: usize = 8;
+
+/// One int4 linear in device memory (pointers into the weights arena).
+#[derive(Clone, Copy, Debug)]
+pub struct W4Weights {
+    /// u32 `[out, in/8]`, 16-byte aligned.
+    pub qweight: u64,
+    /// u16 `[in/128, out]`.
+    pub scales: u64,
+    pub scale_dtype: ScaleDtype,
+    /// u8 `[in/128, ceil(out/2)]`; `None` = symmetric.
+    pub zeros: Option<u64>,
+    /// i32 `[in]`; `None` = identity.
+    pub perm: Option<u64>,
+    pub out: usize,
+    pub inp: usize,
+}
+
+impl W4Weights {
+    fn check(&self, kernel: &'static str) -> Result<(), CudaError> {
+        W4Linear::check_shape(kernel, self.out, self.inp)?;
+        if !self.qweight.is_multiple_of(16) {
+            return Err(invalid(kernel, format!("qweight at {:#x} is not 16-byte aligned", self.qweight)));
+        }
+        Ok(())
+    }
+
+    /// Device bytes of this linear's tensors.
+    pub fn bytes(&self) -> W4Bytes {
+        W4Bytes::new(self.out, self.inp, self.zeros.is_some(), self.perm.is_some())
+    }
+
+    fn scale_bf16(&self) -> i32 {
+        i32::from(self.scale_dtype == ScaleDtype::Bf16)
+    }
+}
+
+/// The GEMV kernels (same math and results up to f32 summation order; see kernels/w4a16.cu).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemvKernel {
+    /// Four groups of weights in flight in registers.
+    Reg,
+    /// cp.async ring of 4 stages per warp in shared memory (48 KB per block).
+    Async4,
+    /// cp.async ring of 8 stages per warp (96 KB per block).
+    Async8,
+}
+
+impl GemvKernel {
+    pub const ALL: [GemvKernel; 3] = [GemvKernel::Reg, GemvKernel::Async4, GemvKernel::Async8];
+
+    /// Dynamic shared memory per block (bytes).
+    pub const fn smem_bytes(self) -> usize {
+        match self {
+            GemvKernel::Reg => 0,
+            GemvKernel::Async4 => WARPS * 4 * STAGE_BYTES,
+            GemvKernel::Async8 => WARPS * 8 * STAGE_BYTES,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            GemvKernel::Reg => "reg",
+            GemvKernel::Async4 => "cp4",
+            GemvKernel::Async8 => "cp8",
+        }
+    }
+}
+
+/// Bytes of one ring stage of one warp (W4_STAGE_U4 uint4).
+const STAGE_BYTES: usize = 96 * 16;
+
+/// Kernel and warps per 16-row tile of one GEMV shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemvConfig {
+    pub kernel: GemvKernel,
+    /// Warps sharing one tile's groups (split-K inside a block): 1, 2, 4 or 8.
+    pub wpt: usize,
+}
+
+/// The configuration for an `[out, in]` linear on a GPU with `sm_count` SMs: [`GemvKernel::Async4`]
+/// (the fastest variant at every 27B shape but the tiny k/v projections on the H200, see
+/// bench/results/w4a16-2026-11-29.md) with the fewest warps per tile (1, 2, 4, 8) that give about
+/// 128 tile-warps per SM (more warps per tile only helped up to there), and no more than there
+/// are groups.
+pub fn gemv_config(out: usize, inp: usize, sm_count: usize) -> GemvConfig {
+    let tiles = out.div_ceil(16);
+    let groups = (inp / W4_GROUP).max(1);
+    let want = 128 * sm_count.max(1);
+    let mut wpt = 1;
+    while wpt < WARPS && tiles * wpt < want && wpt * 2 <= groups {
+        wpt *= 2;
+    }
+    GemvConfig { kernel: GemvKernel::Async4, wpt }
+}
+
+/// `y[m, out]` (bf16, row stride `ldy`) = `x[m, in]` (bf16, row stride `ldx`) · Wᵀ, f32 accumulation.
+/// `cfg` from [`gemv_config`]. Act-order weights (`perm`) need `x_scratch`: bf16 `[min(m, 8), in]`,
+/// where x is gathered in the device column order.
+#[allow(clippy::too_many_arguments)]
+pub fn w4_gemv(
+    k: &Kernels,
+    s: &CudaStream,
+    w: &W4Weights,
+    x: u64,
+    ldx: usize,
+    y: u64,
+    ldy: usize,
+    m: usize,
+    cfg: GemvConfig,
+    x_scratch: Option<u64>,
+) -> Result<(), CudaError> {
+    const K: &str = "w4_gemv";
+    w.check(K)?;
+    if m == 0 {
+        return Ok(());
+    }
+    let wpt = cfg.wpt;
+    if ![1, 2, 4, 8].contains(&wpt) {
+        return Err(invalid(K, format!("warps per tile must be 1, 2, 4 or 8, got {wpt}")));
+    }
+    if ldy < w.out || ldx < w.inp {
+        return Err(invalid(K, format!("ldx {ldx} < in {} or ldy {ldy} < out {}", w.inp, w.out)));
+    }
+    if w.perm.is_none() && (!x.is_multiple_of(16) || !ldx.is_multiple_of(8)) {
+        return Err(invalid(K, format!("x at {x:#x} with row stride {ldx} is not 16-byte aligned per row")));
+    }
+    if w.perm.is_some() && x_scratch.is_none_or(|p| !p.is_multiple_of(16)) {
+        return Err(invalid(K, "act-order weights need a 16-byte aligned x scratch of [8, in] bf16"));
+    }
+    if !w.scales.is_multiple_of(4) || w.zeros.is_some_and(|z| !z.is_multiple_of(4)) {
+        return Err(invalid(K, "scales and zeros must be 4-byte aligned"));
+    }
+    let (out, inp) = (to_i32(K, "out", w.out)?, to_i32(K, "in", w.inp)?);
+    let grid = (to_u32(K, "blocks", w.out.div_ceil(16).div_ceil(WARPS / wpt))?, 1, 1);
+    let block = ((WARPS * 32) as u32, 1, 1);
+    let smem = cfg.kernel.smem_bytes() as u32;
+    let (qw, sc, zp, sbf) = (w.qweight, w.scales, w.zeros.unwrap_or(0), w.scale_bf16());
+    let wpt_i = wpt as i32;
+    let ldy_i = ldy as i64;
+    for m0 in (0..m).step_by(GEMV_MAX_M) {
+        let mc = (m - m0).min(GEMV_MAX_M);
+        let xc = x + 2 * (m0 * ldx) as u64;
+        let yc = y + 2 * (m0 * ldy) as u64;
+        let mc_i = mc as i32;
+        let (xg, ldxg) = match (w.perm, x_scratch) {
+            (Some(perm), Some(scratch)) => {
+                let ldx_l = ldx as i64;
+                let n = mc * w.inp;
+                launch!(k, s, "w4_permute_x", (n.div_ceil(256).min(1 << 16) as u32, 1, 1), (256, 1, 1), 0;
+                    xc, ldx_l, perm, scratch, mc_i, inp)?;
+                (scratch, w.inp as i64)
+            }
+            _ => (xc, ldx as i64),
+        };
+        match cfg.kernel {
+            GemvKernel::Reg => launch!(k, s, "w4_gemv_reg", grid, block, smem;
+                qw, sc, zp, sbf, xg, ldxg, yc, ldy_i, mc_i, out, inp, wpt_i)?,
+            GemvKernel::Async4 => launch!(k, s, "w4_gemv_cp4", grid, block, smem;
+                qw, sc, zp, sbf, xg, ldxg, yc, ldy_i, mc_i, out, inp, wpt_i)?,
+            GemvKernel::Async8 => launch!(k, s, "w4_gemv_cp8", grid, block, smem;
+                qw, sc, zp, sbf, xg, ldxg, yc, ldy_i, mc_i, out, inp, wpt_i)?,
+        }
+    }
+    Ok(())
+}
+
+/// Rows `r0..r1` of `w` dequantised to bf16 `dst[r − r0, feature]` (row stride `ldd`, input-feature
+/// order: act-order columns are scattered back), exactly `bf16((q − zero) · scale)`.
+#[allow(clippy::too_many_arguments)]
+pub fn w4_dequant(
+    k: &Kernels,
+    s: &CudaStream,
+    w: &W4Weights,
+    r0: usize,
+    r1: usize,
+    dst: u64,
+    ldd: usize,
+) -> Result<(), CudaError> {
+    const K: &str = "w4_dequant";
+    w.check(K)?;
+    if r0 > r1 || r1 > w.out {
+        return Err(invalid(K, format!("rows {r0}..{r1} outside 0..{}", w.out)));
+    }
+    if r0 == r1 {
+        return Ok(());
+    }
+    if ldd < w.inp || (w.perm.is_none() && (!dst.is_multiple_of(16) || !ldd.is_multiple_of(8))) {
+        return Err(invalid(
+            K,
+            format!("dst at {dst:#x} with row stride {ldd} (in {}): must be 16-byte aligned rows", w.inp),
+        ));
+    }
+    let words = (r1 - r0) * (w.inp / 8);
+    let grid = (words.div_ceil(256).min(1 << 20) as u32, 1, 1);
+    let (qw, sc, zp, sbf, pp) = (w.qweight, w.scales, w.zeros.unwrap_or(0), w.scale_bf16(), w.perm.unwrap_or(0));
+    let (out, inp, a, b) = (to_i32(K, "out", w.out)?, to_i32(K, "in", w.inp)?, r0 as i32, r1 as i32);
+    let ldd_i = ldd as i64;
+    launch!(k, s, "w4_dequant", grid, (256, 1, 1), 0; qw, sc, zp, sbf, pp, dst, ldd_i, out, inp, a, b)
+}
+
+/// Quantises rows `r0..r1` of a bf16 linear (row `r` at `src + (r − r0)·ldw` elements: a staging
+/// buffer holding just those rows) into `w` (fp16 scales; asymmetric iff `w.zeros` is set; no
+/// `perm`). `r0` must be even and `r1` even or `out` (two rows share a zero-point byte).
+#[allow(clippy::too_many_arguments)]
+pub fn w4_quantize(
+    k: &Kernels,
+    s: &CudaStream,
+    src: u64,
+    ldw: usize,
+    r0: usize,
+    r1: usize,
+    w: &W4Weights,
+) -> Result<(), CudaError> {
+    const K: &str = "w4_quantize";
+    w.check(K)?;
+    if w.scale_dtype != ScaleDtype::F16 || w.perm.is_some() {
+        return Err(invalid(K, "quantises to fp16 scales without a permutation"));
+    }
+    if r0 > r1 || r1 > w.out || !r0.is_multiple_of(2) || !(r1.is_multiple_of(2) || r1 == w.out) || ldw < w.inp {
+        return Err(invalid(
+            K,
+            format!("rows {r0}..{r1} of {} (r0 even, r1 even or out) with ldw {ldw} (in {})", w.out, w.inp),
+        ));
+    }
+    if r0 == r1 {
+        return Ok(());
+    }
+    let warps = (r1 - r0).div_ceil(2) * (w.inp / W4_GROUP);
+    let grid = (to_u32(K, "blocks", warps.div_ceil(8))?, 1, 1);
+    let (out, inp, a, b) = (to_i32(K, "out", w.out)?, to_i32(K, "in", w.inp)?, r0 as i32, r1 as i32);
+    let asym = i32::from(w.zeros.is_some());
+    let (ldw_i, qw, sc, zp) = (ldw as i64, w.qweight, w.scales, w.zeros.unwrap_or(0));
+    launch!(k, s, "w4_quantize", grid, (256, 1, 1), 0; src, ldw_i, out, inp, a, b, asym, qw, sc, zp)
+}

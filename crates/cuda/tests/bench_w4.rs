@@ -1,0 +1,304 @@
+//! W4A16 benchmarks at the Qwen3.6-27B shapes (run explicitly, needs a GPU):
+//!
+//!   cargo test --release -p deltaserve-cuda --test bench_w4 -- --ignored --nocapture
+//!
+//! - decode: `w4_gemv` at M = 1 (every warps-per-tile choice) and M = 8, GB/s over the bytes the
+//!   kernel reads (packed weights + scales (+ zeros) + x), as a share of the device-to-device copy
+//!   bandwidth measured in the same run (2 × bytes / time of a 1 GiB `cuMemcpyDtoD`). Several copies
+//!   of each weight are cycled so that the footprint exceeds L2;
+//! - prefill: 4096 tokens through `w4_dequant` of 4096-row slices + a cuBLASLt bf16 GEMM per
+//!   slice, TFLOP/s and its share of one bf16 cuBLASLt GEMM of the same shape;
+//! - `w4_quantize` throughput (bf16 bytes read per second), the `--quantize int4` load path.
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
+use deltaserve_cuda::arena::{Arena, RegionId};
+use deltaserve_cuda::ops::init::{Init, init_random};
+use deltaserve_cuda::ops::w4a16::{self, GemvConfig, GemvKernel, W4Weights};
+use deltaserve_cuda::w4::{ScaleDtype, W4Bytes};
+use deltaserve_cuda::{CudaError, DevSpan, KernelDims, Kernels, LibStatus, Runtime, gemm};
+
+type R<T> = Result<T, CudaError>;
+
+struct Dev<'a> {
+    rt: &'a Runtime,
+    arena: Arena,
+    reg: RegionId,
+}
+
+impl<'a> Dev<'a> {
+    fn new(rt: &'a Runtime, bytes: usize) -> R<Self> {
+        let mut arena = Arena::new(rt.context().clone());
+        let reg = arena.add_region("bench_w4", bytes)?;
+        Ok(Dev { rt, arena, reg })
+    }
+    fn alloc(&mut self, bytes: usize) -> R<u64> {
+        Ok(self.arena.alloc(self.reg, bytes.max(16))?.ptr)
+    }
+}
+
+/// Mean milliseconds per call of `f` over `iters` calls (after 3 warm-up calls), by events.
+fn time_ms(rt: &Runtime, iters: usize, mut f: impl FnMut(usize) -> R<()>) -> R<f64> {
+    let s = rt.stream();
+    let de = CudaError::driver;
+    for i in 0..3 {
+        f(i)?;
+    }
+    let ev = || {
+        rt.context()
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(CudaError::driver("cuEventCreate"))
+    };
+    let (e0, e1) = (ev()?, ev()?);
+    e0.record(s).map_err(de("cuEventRecord"))?;
+    for i in 0..iters {
+        f(i)?;
+    }
+    e1.record(s).map_err(de("cuEventRecord"))?;
+    e1.synchronize().map_err(de("cuEventSynchronize"))?;
+    Ok(e0.elapsed_ms(&e1).map_err(de("cuEventElapsedTime"))? as f64 / iters as f64)
+}
+
+fn copy_bandwidth(rt: &Runtime) -> R<f64> {
+    let bytes = 1usize << 30;
+    let mut d = Dev::new(rt, 2 * bytes + 4096)?;
+    let (a, b) = (d.alloc(bytes)?, d.alloc(bytes)?);
+    rt.memset(a, 0x3c, bytes)?;
+    let s = rt.stream().cu_stream();
+    let ms = time_ms(rt, 10, |_| {
+        // SAFETY: both spans are `bytes` long and do not overlap.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(b, a, bytes, s) }
+            .map_err(CudaError::driver("cuMemcpyDtoDAsync"))
+    })?;
+    Ok(2.0 * bytes as f64 / (ms * 1e-3) / 1e9)
+}
+
+/// A random bf16 [out, in] (std 0.02) quantised on the GPU; returns the device weights and the
+/// quantise time.
+fn make_w4(
+    k: &Kernels,
+    s: &Arc<CudaStream>,
+    d: &mut Dev,
+    stage: u64,
+    out: usize,
+    inp: usize,
+    asym: bool,
+) -> R<(W4Weights, f64)> {
+    let b = W4Bytes::new(out, inp, asym, false);
+    let w = W4Weights {
+        qweight: d.alloc(b.qweight)?,
+        scales: d.alloc(b.scales)?,
+        scale_dtype: ScaleDtype::F16,
+        zeros: if asym { Some(d.alloc(b.zeros)?) } else { None },
+        perm: None,
+        out,
+        inp,
+    };
+    let ms = time_ms(d.rt, 3, |_| w4a16::w4_quantize(k, s, stage, inp, 0, out, &w))?;
+    Ok((w, ms))
+}
+
+/// Copies of `w` (the first is `w` itself) so that cycling them reads at least `footprint` bytes.
+fn copies(d: &mut Dev, w: &W4Weights, footprint: usize) -> R<Vec<W4Weights>> {
+    let b = w.bytes();
+    let n = footprint.div_ceil(b.total()).max(1);
+    let s = d.rt.stream().cu_stream();
+    let mut v = vec![*w];
+    for _ in 1..n {
+        let c = W4Weights {
+            qweight: d.alloc(b.qweight)?,
+            scales: d.alloc(b.scales)?,
+            zeros: if w.zeros.is_some() { Some(d.alloc(b.zeros)?) } else { None },
+            ..*w
+        };
+        let cp = |dst: u64, src: u64, n: usize| {
+            // SAFETY: distinct arena spans of n bytes.
+            unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, n, s) }
+                .map_err(CudaError::driver("cuMemcpyDtoDAsync"))
+        };
+        cp(c.qweight, w.qweight, b.qweight)?;
+        cp(c.scales, w.scales, b.scales)?;
+        if let (Some(dz), Some(sz)) = (c.zeros, w.zeros) {
+            cp(dz, sz, b.zeros)?;
+        }
+        v.push(c);
+    }
+    d.rt.synchronize()?;
+    Ok(v)
+}
+
+/// Decode shapes: (name, out, in).
+const DECODE: &[(&str, usize, usize)] = &[
+    ("mlp gate+up", 34816, 5120),
+    ("mlp down", 5120, 17408),
+    ("gdn in_proj_qkv", 10240, 5120),
+    ("gdn in_proj_z", 6144, 5120),
+    ("gdn out_proj", 5120, 6144),
+    ("attn q (+gate)", 12288, 5120),
+    ("attn k or v", 1024, 5120),
+    ("lm_head", 248320, 5120),
+];
+
+/// Prefill shapes at 4096 tokens.
+const PREFILL: &[(&str, usize, usize)] = &[
+    ("mlp gate+up", 34816, 5120),
+    ("mlp down", 5120, 17408),
+    ("gdn in_proj_qkv", 10240, 5120),
+    ("gdn out_proj", 5120, 6144),
+];
+
+const TOKENS: usize = 4096;
+const SLICE: usize = 4096;
+/// Slice sizes compared (rows of bf16 scratch: SLICE x in is what the plan would reserve).
+const SLICES: &[usize] = &[2048, 4096, 8192];
+
+#[test]
+#[ignore = "benchmark; needs a GPU"]
+fn bench_w4_27b() {
+    if !LibStatus::probe().driver {
+        eprintln!("SKIP bench: no CUDA driver");
+        return;
+    }
+    let rt = Runtime::open(0).expect("open device");
+    let k = Kernels::load(&rt, KernelDims::QWEN35_27B).expect("load kernels");
+    if let Err(e) = run(&rt, &k) {
+        panic!("bench failed: {e}");
+    }
+}
+
+fn run(rt: &Runtime, k: &Kernels) -> R<()> {
+    let s = rt.stream().clone();
+    let copy = copy_bandwidth(rt)?;
+    println!("device {} ({}), {} SMs", rt.name, rt.arch(), rt.sm_count);
+    println!("BENCH copy bandwidth (cuMemcpyDtoD 1 GiB, read + write): {copy:.0} GB/s");
+    println!();
+    println!("| linear | out x in | M | kernel | asym | us | GB/s read | % of copy |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let mut quant_lines = Vec::new();
+    let mut best_lines = Vec::new();
+    for &(name, out, inp) in DECODE {
+        // bf16 staging + two int4 variants, each with copies of up to 400 MB + one linear
+        let mut d = Dev::new(rt, 4 * out * inp + (1 << 30))?;
+        let stage = d.alloc(2 * out * inp)?;
+        init_random(k, &s, stage, out * inp, 7, Init::Normal(0.02), false)?;
+        let x = d.alloc(2 * 8 * inp)?;
+        init_random(k, &s, x, 8 * inp, 8, Init::Normal(1.0), false)?;
+        let y = d.alloc(2 * 8 * out)?;
+        let auto = w4a16::gemv_config(out, inp, rt.sm_count as usize);
+        let mut best: Option<(f64, String)> = None;
+        for asym in [false, true] {
+            let (w, qms) = make_w4(k, &s, &mut d, stage, out, inp, asym)?;
+            quant_lines.push(format!(
+                "| {name} | {out} x {inp} | {asym} | {:.1} | {:.0} |",
+                qms * 1e3,
+                2.0 * (out * inp) as f64 / (qms * 1e-3) / 1e9
+            ));
+            let ws = copies(&mut d, &w, 400 << 20)?;
+            let mut cfgs: Vec<(usize, GemvConfig)> = Vec::new();
+            for kernel in GemvKernel::ALL {
+                let at = GemvConfig { kernel, wpt: auto.wpt };
+                if asym {
+                    cfgs.push((1, at));
+                } else {
+                    cfgs.extend([1usize, 2, 4, 8].iter().map(|&wpt| (1, GemvConfig { kernel, wpt })));
+                    cfgs.extend([(2, at), (4, at), (8, at)]);
+                }
+            }
+            for (m, cfg) in cfgs {
+                let iters = 50.max(ws.len());
+                let ms =
+                    time_ms(rt, iters, |i| w4a16::w4_gemv(k, &s, &ws[i % ws.len()], x, inp, y, out, m, cfg, None))?;
+                let b = w.bytes();
+                let read = (b.qweight + b.scales + b.zeros + 2 * m * inp) as f64;
+                let gbs = read / (ms * 1e-3) / 1e9;
+                let tag =
+                    format!("{} wpt={}{}", cfg.kernel.name(), cfg.wpt, if cfg == auto { " (default)" } else { "" });
+                println!(
+                    "| {name} | {out} x {inp} | {m} | {tag} | {asym} | {:.1} | {gbs:.0} | {:.1}% |",
+                    ms * 1e3,
+                    100.0 * gbs / copy
+                );
+                if m == 1 && !asym && best.as_ref().is_none_or(|(b, _)| gbs > *b) {
+                    best = Some((gbs, tag));
+                }
+            }
+        }
+        if let Some((gbs, tag)) = best {
+            best_lines.push(format!("| {name} | {out} x {inp} | {tag} | {gbs:.0} | {:.1}% |", 100.0 * gbs / copy));
+        }
+        rt.synchronize()?;
+    }
+    println!();
+    println!("Best M = 1 configuration per shape (symmetric):");
+    println!("| linear | out x in | kernel | GB/s read | % of copy |");
+    println!("|---|---|---|---|---|");
+    for l in best_lines {
+        println!("{l}");
+    }
+    println!();
+    println!("w4_quantize (bf16 read, one linear):");
+    println!("| linear | out x in | asym | us | GB/s |");
+    println!("|---|---|---|---|---|");
+    for l in quant_lines {
+        println!("{l}");
+    }
+
+    println!();
+    println!("Prefill at {TOKENS} tokens: bf16 cuBLASLt vs w4_dequant of row slices + cuBLASLt per slice");
+    println!(
+        "| linear | out x in | slice rows | bf16 ms | bf16 TFLOP/s | w4 ms | w4 TFLOP/s | w4 / bf16 | dequant ms (GB/s written) |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for &(name, out, inp) in PREFILL {
+        let ws_bytes = gemm::recommended_workspace_bytes(rt);
+        let scratch_rows = SLICES.iter().copied().max().unwrap_or(SLICE).min(out);
+        let mut d = Dev::new(
+            rt,
+            2 * out * inp + 2 * TOKENS * (inp + out) + 2 * scratch_rows * (inp + TOKENS) + out * inp + (256 << 20),
+        )?;
+        let wsp = DevSpan { ptr: d.alloc(ws_bytes)?, bytes: ws_bytes };
+        let g = gemm::Gemm::new(rt, wsp)?;
+        let wb = d.alloc(2 * out * inp)?;
+        init_random(k, &s, wb, out * inp, 9, Init::Normal(0.02), false)?;
+        let x = d.alloc(2 * TOKENS * inp)?;
+        init_random(k, &s, x, TOKENS * inp, 10, Init::Normal(1.0), false)?;
+        let y = d.alloc(2 * TOKENS * out)?;
+        let (w, _) = make_w4(k, &s, &mut d, wb, out, inp, false)?;
+        let scratch = d.alloc(2 * scratch_rows * inp)?;
+        let ytmp = d.alloc(2 * TOKENS * scratch_rows)?;
+        g.prepare(out, TOKENS, inp)?;
+        let bf = time_ms(rt, 10, |_| g.linear(&s, x, wb, y, TOKENS, out, inp))?;
+        let flop = 2.0 * TOKENS as f64 * out as f64 * inp as f64;
+        for &slice in SLICES {
+            if slice > SLICE && slice >= 2 * out {
+                continue;
+            }
+            let slices: Vec<(usize, usize)> = (0..out).step_by(slice).map(|r| (r, (r + slice).min(out))).collect();
+            for &(r0, r1) in &slices {
+                g.prepare(r1 - r0, TOKENS, inp)?;
+            }
+            let w4 = time_ms(rt, 10, |_| {
+                for &(r0, r1) in &slices {
+                    w4a16::w4_dequant(k, &s, &w, r0, r1, scratch, inp)?;
+                    g.linear(&s, x, scratch, ytmp, TOKENS, r1 - r0, inp)?;
+                }
+                Ok(())
+            })?;
+            let dq = time_ms(rt, 10, |_| {
+                for &(r0, r1) in &slices {
+                    w4a16::w4_dequant(k, &s, &w, r0, r1, scratch, inp)?;
+                }
+                Ok(())
+            })?;
+            println!(
+                "| {name} | {out} x {inp} | {slice} | {bf:.3} | {:.0} | {w4:.3} | {:.0} | {:.1}% | {dq:.3} ({:.0}) |",
+                flop / (bf * 1e-3) / 1e12,
+                flop / (w4 * 1e-3) / 1e12,
+                100.0 * bf / w4,
+                2.0 * (out * inp) as f64 / (dq * 1e-3) / 1e9
+            );
+        }
+    }
+    Ok(())
+}
