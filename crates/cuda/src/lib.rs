@@ -7,12 +7,14 @@
 //! - [`ops`]: one launcher file per kernel file (same name), raw `u64` device pointers in;
 //! - [`gemm`]: `y = x · Wᵀ` through cuBLASLt with per-shape cached algorithms;
 //! - [`w4`]: the device format of 4-bit (W4A16) linears: GPTQ conversion, reference quantiser;
+//! - [`collective`]: NCCL communicators over local GPUs, in-place all-reduce (sum) and all-gather;
 //! - [`backend`]: [`CudaBackend`], the engine's `Backend` over the static plan's memory.
 //!
 //! Dtypes: activations bf16 in device memory, math in f32, DeltaNet state f32.
 
 pub mod arena;
 pub mod backend;
+pub mod collective;
 pub mod error;
 pub mod gemm;
 pub mod nvrtc;
