@@ -91,6 +91,21 @@ impl W4Bytes {
     pub fn total(&self) -> usize {
         self.qweight + self.scales + self.zeros + self.perm
     }
+
+    /// Byte offsets of (qweight, scales, zeros, perm) when the tensors are placed one after another,
+    /// each starting `align`-byte aligned (the arena's 256), and the bytes that takes: for a linear
+    /// without `perm` exactly what the plan charges (`deltaserve_plan` weights, int4).
+    pub fn layout(&self, align: usize) -> ([usize; 4], usize) {
+        let mut at = 0usize;
+        let mut offs = [0usize; 4];
+        for (o, b) in offs.iter_mut().zip([self.qweight, self.scales, self.zeros, self.perm]) {
+            *o = at;
+            if b > 0 {
+                at += b.next_multiple_of(align.max(1));
+            }
+        }
+        (offs, at)
+    }
 }
 
 /// Nibble (0..8) of device column `c` (mod 8) inside its word.
@@ -724,11 +739,37 @@ mod tests {
     }
 
     #[test]
+    fn f32_scales_keep_their_value_or_are_counted() {
+        let mut rng = StdRng::seed_from_u64(12);
+        let mut g = make(BASE, &mut rng, false);
+        // bf16 values that fp16 cannot hold exactly (tiny): stored as bf16, exact.
+        let vals: Vec<f32> = (0..4 * 40).map(|i| bf16::from_f32(1e-6 * (1.0 + i as f32 / 7.0)).to_f32()).collect();
+        g.scales = le32(vals.iter().map(|v| v.to_bits()));
+        g.sdt = DType::F32;
+        let c = W4Linear::from_gptq(&g.source(), "t").expect("converts");
+        assert_eq!((c.linear.scale_dtype, c.scales_rounded), (ScaleDtype::Bf16, 0));
+        let want = deltaserve_model::QuantizedSource::Gptq(g.source()).dequantize("t").expect("dequantises");
+        assert!(c.linear.dequantize().iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
+        // Neither fp16 nor bf16: rounded to fp16 and counted.
+        let vals: Vec<f32> = (0..4 * 40).map(|i| 0.01 + i as f32 * 1.234_567e-7).collect();
+        g.scales = le32(vals.iter().map(|v| v.to_bits()));
+        let c = W4Linear::from_gptq(&g.source(), "t").expect("converts");
+        assert_eq!(c.linear.scale_dtype, ScaleDtype::F16);
+        assert!(c.scales_rounded > 0);
+    }
+
+    #[test]
     fn bytes_match_what_the_plan_charges() {
         for (out, inp) in [(5120, 17408), (34816, 5120), (48, 5120), (1024, 6144), (7, 384), (3, 256)] {
             for asym in [false, true] {
                 let b = W4Bytes::new(out, inp, asym, false);
                 assert_eq!(b.total() as u128, WeightsDtype::Int4.linear_bytes(out, inp, asym), "[{out}, {inp}] {asym}");
+                // Placed as the plan's weights region places them: each tensor 256-byte aligned.
+                let al = |x: usize| x.next_multiple_of(256);
+                let (offs, total) = b.layout(256);
+                assert_eq!(total, al(b.qweight) + al(b.scales) + al(b.zeros), "[{out}, {inp}] {asym}");
+                assert_eq!(offs[1], al(b.qweight));
+                assert!(offs.iter().all(|o| o % 256 == 0));
             }
         }
     }

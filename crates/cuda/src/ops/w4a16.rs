@@ -40,6 +40,21 @@ impl W4Weights {
         Ok(())
     }
 
+    /// The tensors of an `[out, in]` linear placed from `base` as [`W4Bytes::layout`] places them
+    /// with the arena's alignment (what the plan charges per int4 linear); `base` 256-byte aligned.
+    pub fn at(base: u64, out: usize, inp: usize, asym: bool, perm: bool, scale_dtype: ScaleDtype) -> W4Weights {
+        let (offs, _) = W4Bytes::new(out, inp, asym, perm).layout(crate::arena::ALIGN);
+        W4Weights {
+            qweight: base,
+            scales: base + offs[1] as u64,
+            scale_dtype,
+            zeros: asym.then_some(base + offs[2] as u64),
+            perm: perm.then_some(base + offs[3] as u64),
+            out,
+            inp,
+        }
+    }
+
     /// Device bytes of this linear's tensors.
     pub fn bytes(&self) -> W4Bytes {
         W4Bytes::new(self.out, self.inp, self.zeros.is_some(), self.perm.is_some())
@@ -247,4 +262,28 @@ pub fn w4_quantize(
     let asym = i32::from(w.zeros.is_some());
     let (ldw_i, qw, sc, zp) = (ldw as i64, w.qweight, w.scales, w.zeros.unwrap_or(0));
     launch!(k, s, "w4_quantize", grid, (256, 1, 1), 0; src, ldw_i, out, inp, a, b, asym, qw, sc, zp)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensors_are_placed_aligned_after_each_other() {
+        let w = W4Weights::at(1 << 20, 1000, 5120, true, true, ScaleDtype::F16);
+        let b = w.bytes();
+        assert_eq!(w.scales - w.qweight, b.qweight.next_multiple_of(256) as u64);
+        let z = w.zeros.expect("asym");
+        assert_eq!(z - w.scales, b.scales.next_multiple_of(256) as u64);
+        assert_eq!(w.perm.expect("perm") - z, b.zeros.next_multiple_of(256) as u64);
+        let s = W4Weights::at(0, 48, 5120, false, false, ScaleDtype::Bf16);
+        assert!(s.zeros.is_none() && s.perm.is_none());
+    }
+
+    #[test]
+    fn default_config_at_the_27b_shapes() {
+        for (out, inp, wpt) in [(34816, 5120, 8), (5120, 17408, 8), (1024, 5120, 8), (248320, 5120, 2), (48, 128, 1)] {
+            assert_eq!(gemv_config(out, inp, 132), GemvConfig { kernel: GemvKernel::Async4, wpt }, "[{out}, {inp}]");
+        }
+    }
 }
