@@ -45,6 +45,12 @@ pub struct PlanOptions {
     /// also holds the MTP head's weights, its KV (one more attention layer in every page), a pending
     /// hidden row per state slot (and snapshot), K + 1 logit rows per sequence and the verify workspace.
     pub speculative_tokens: usize,
+    /// Tensor parallelism (`--tensor-parallel`, 1 = off): the model is split over this many cards
+    /// (Megatron style, [`deltaserve_model::shard`]) and the plan is **per card**: the card's weight
+    /// shards, its KV heads' pages (kv heads / N), its DeltaNet value heads' state (value heads / N),
+    /// activations at the card's shapes, the gathered logits. `budget_bytes` is then one card's budget
+    /// (the smallest card's, with mixed cards: it decides the context every card can hold).
+    pub tensor_parallel: usize,
 }
 
 impl PlanOptions {
@@ -70,6 +76,7 @@ impl PlanOptions {
             backend_scratch_bytes: 0,
             decode_partitions: 16,
             speculative_tokens: 0,
+            tensor_parallel: 1,
         }
     }
 

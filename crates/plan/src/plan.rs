@@ -1,6 +1,6 @@
 //! [`Plan::new`]: sizes and places every region of the device arena; KV pages get everything left.
 
-use deltaserve_model::{Dims, ModelConfig};
+use deltaserve_model::{Dims, ModelConfig, ModelError, ShardSpec};
 
 use crate::dtype::{KvDtype, WeightsDtype};
 use crate::error::PlanError;
@@ -59,8 +59,11 @@ pub struct Plan {
     pub workspace: WorkspaceLayout,
     /// The weight bytes by part.
     pub weight_parts: WeightBytes,
-    /// The model's derived sizes.
+    /// The derived sizes of what one card holds (the whole model at `tensor_parallel` 1; under TP
+    /// the card's shard: heads, kv heads, DeltaNet heads, intermediate and vocabulary divided).
     pub dims: Dims,
+    /// The whole model's vocabulary (the gathered logits' width).
+    pub model_vocab: usize,
     /// The model's position limit (caps `max_context`).
     pub max_position_embeddings: usize,
     /// The options the plan was made for.
@@ -71,6 +74,12 @@ impl Plan {
     /// Sizes and places every region for `cfg` under `opts`. Pure: allocates nothing.
     pub fn new(cfg: &ModelConfig, opts: &PlanOptions) -> Result<Plan, PlanError> {
         validate(cfg, opts)?;
+        // With tensor parallelism everything below is one card's: the card's shard of the model is a
+        // model of its own shape (heads, kv heads, DeltaNet heads, intermediate, vocabulary divided).
+        // Logits are gathered over the full vocabulary; sampling reads them.
+        let full_vocab = cfg.vocab_size;
+        let card = card_config(cfg, opts.tensor_parallel)?;
+        let cfg = &card;
         let d = cfg.dims();
         let overflow = |what| PlanError::Overflow { what };
         let to64 = |x: u128, what| u64::try_from(x).map_err(|_| overflow(what));
@@ -92,7 +101,9 @@ impl Plan {
         let snapshot_bytes = to64(st.region(opts.snapshot_slots), "snapshots")?;
         // Speculative decoding verifies 1 + K positions per sequence: that many logit rows each.
         let spec = opts.speculative_tokens;
-        let logits_bytes = to64(opts.max_seqs as u128 * (1 + spec) as u128 * d.vocab as u128 * 4, "logits")?;
+        // Under TP a card also holds its own vocabulary shard of the rows before the all-gather.
+        let logit_cols = full_vocab as u128 + if opts.tensor_parallel > 1 { d.vocab as u128 } else { 0 };
+        let logits_bytes = to64(opts.max_seqs as u128 * (1 + spec) as u128 * logit_cols * 4, "logits")?;
         // Verify workspace (its positions count against max_batch_tokens, so the activation workspace
         // covers the forward): per sequence and verified position the main model's hidden row and each
         // DeltaNet layer's recurrence inputs (conv input, q, k, v, g, beta; f32), replayed at the commit;
@@ -101,7 +112,7 @@ impl Plan {
             let per_pos = d.hidden as u128
                 + d.num_deltanet_layers as u128
                     * (d.conv_channels + 2 * d.gdn_key_width + d.gdn_value_width + 2 * d.gdn_v_heads) as u128;
-            let b = opts.max_seqs as u128 * ((1 + spec) as u128 * per_pos + spec as u128 * d.vocab as u128) * 4;
+            let b = opts.max_seqs as u128 * ((1 + spec) as u128 * per_pos + spec as u128 * full_vocab as u128) * 4;
             to64(b, "speculation workspace")?
         } else {
             0
@@ -116,7 +127,8 @@ impl Plan {
             host_embed_elem: opts.embed_on_host.then_some(opts.weights_dtype.dense_elem_bytes() as usize),
             decode_partitions: opts.decode_partitions,
         };
-        let workspace = plan_workspace(cfg, &shape).ok_or(overflow("activation workspace"))?;
+        let ws_cfg = ModelConfig { vocab_size: full_vocab, ..cfg.clone() };
+        let workspace = plan_workspace(&ws_cfg, &shape).ok_or(overflow("activation workspace"))?;
         let activation_bytes = workspace.bytes;
         let fixed_parts: [(&str, u64); 8] = [
             ("speculation", spec_bytes),
@@ -291,7 +303,19 @@ impl Plan {
                     fmt_bytes(workspace.peak_live_bytes())
                 ),
             ),
-            ("logits", logits_bytes, format!("[{}, {}] f32", opts.max_seqs * (1 + spec), d.vocab)),
+            (
+                "logits",
+                logits_bytes,
+                if opts.tensor_parallel > 1 {
+                    format!(
+                        "[{rows}, {full_vocab}] f32 gathered + this card's [{rows}, {}] vocabulary shard",
+                        d.vocab,
+                        rows = opts.max_seqs * (1 + spec)
+                    )
+                } else {
+                    format!("[{}, {}] f32", opts.max_seqs * (1 + spec), d.vocab)
+                },
+            ),
             ("block_tables", table_bytes, format!("[{}, {table_width}] i32 page ids", opts.max_seqs)),
             ("gemm_workspace", opts.gemm_workspace_bytes, "cuBLASLt workspace".to_string()),
             (
@@ -345,6 +369,7 @@ impl Plan {
             workspace,
             weight_parts: wb,
             dims: d,
+            model_vocab: full_vocab,
             max_position_embeddings: max_pos,
             options: opts.clone(),
         })
@@ -493,6 +518,23 @@ fn validate(cfg: &ModelConfig, o: &PlanOptions) -> Result<(), PlanError> {
         }
         _ => Ok(()),
     }
+}
+
+/// The model shape one card holds at tensor parallelism `tp` (rank 0's shard, the largest; the
+/// config itself at `tp` = 1). An error names the head counts `tp` does not divide.
+pub fn card_config(cfg: &ModelConfig, tp: usize) -> Result<ModelConfig, PlanError> {
+    if tp == 1 {
+        return Ok(cfg.clone());
+    }
+    let spec = ShardSpec::new(cfg, 0, tp).map_err(|e| PlanError::InvalidOption {
+        option: "--tensor-parallel",
+        value: tp.to_string(),
+        reason: match e {
+            ModelError::Unsupported(m) => m,
+            other => other.to_string(),
+        },
+    })?;
+    Ok(spec.rank_config(cfg))
 }
 
 /// `int4 (g128, fp16 scales)`, `bf16`, …

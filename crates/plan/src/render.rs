@@ -32,12 +32,20 @@ impl Plan {
         )
     }
 
-    /// One JSON object with every number of the plan.
+    /// `""` at TP=1, else ` (per card, TP=N)`.
+    fn per_card(&self) -> String {
+        let tp = self.options.tensor_parallel;
+        if tp > 1 { format!(" (per card, TP={tp})") } else { String::new() }
+    }
+
+    /// One JSON object with every number of the plan (one card's under tensor parallelism).
     pub fn to_json(&self) -> Value {
         let o = &self.options;
         let w = &self.weight_parts;
         let d = &self.dims;
         json!({
+            "tensor_parallel": o.tensor_parallel,
+            "scope": if o.tensor_parallel > 1 { format!("per card, TP={}", o.tensor_parallel) } else { "one card".to_string() },
             "weights_bytes": self.weights_bytes,
             "host_weights_bytes": self.host_weights_bytes,
             "kv_bytes_per_token": self.kv_bytes_per_token,
@@ -74,13 +82,19 @@ impl Plan {
                 "activation_bytes_per_elem": o.activation_bytes_per_elem,
                 "decode_partitions": o.decode_partitions,
                 "max_context": o.max_context,
+                "tensor_parallel": o.tensor_parallel,
             },
             "model": {
                 "layers": d.num_layers,
                 "deltanet_layers": d.num_deltanet_layers,
                 "attention_layers": d.num_attention_layers,
                 "hidden": d.hidden,
-                "vocab": d.vocab,
+                "vocab": self.model_vocab,
+                "card_vocab": d.vocab,
+                "card_q_heads": d.q_heads,
+                "card_kv_heads": d.kv_heads,
+                "card_deltanet_v_heads": d.gdn_v_heads,
+                "card_intermediate": d.intermediate,
             },
             "weights": {
                 "linears_bytes": w.linears,
@@ -114,17 +128,32 @@ impl Plan {
             if o.k_dtype == o.v_dtype { o.k_dtype.to_string() } else { format!("K {} / V {}", o.k_dtype, o.v_dtype) };
         let _ = writeln!(
             s,
-            "memory plan: {} layers ({} DeltaNet + {} attention), hidden {}, vocab {}",
+            "memory plan{}: {} layers ({} DeltaNet + {} attention), hidden {}, vocab {}",
+            self.per_card(),
             d.num_layers,
             d.num_deltanet_layers,
             d.num_attention_layers,
             d.hidden,
-            fmt_count(d.vocab as u64)
+            fmt_count(self.model_vocab as u64)
         );
+        if o.tensor_parallel > 1 {
+            let _ = writeln!(
+                s,
+                "each of {} cards holds {} q / {} kv attention heads, {} DeltaNet value heads, intermediate {}, \
+                 vocabulary {}; budget, sizes and context below are one card's",
+                o.tensor_parallel,
+                d.q_heads,
+                d.kv_heads,
+                d.gdn_v_heads,
+                fmt_count(d.intermediate as u64),
+                fmt_count(d.vocab as u64)
+            );
+        }
         let _ = writeln!(
             s,
-            "budget {} · weights {}{}{} · KV {kv} · activations {} · {} tokens / {} seqs per step",
+            "budget {}{} · weights {}{}{} · KV {kv} · activations {} · {} tokens / {} seqs per step",
             fmt_bytes(self.budget_bytes),
+            if o.tensor_parallel > 1 { " per card" } else { "" },
             o.weights_dtype,
             if o.lm_head_int4 { " + int4 lm_head" } else { "" },
             if o.embed_on_host { " + host embedding" } else { "" },
@@ -181,10 +210,11 @@ impl Plan {
         let _ = writeln!(s);
         let _ = writeln!(
             s,
-            "per token: {} of KV ({} B); per sequence: {} of DeltaNet state",
+            "per token: {} of KV ({} B); per sequence: {} of DeltaNet state{}",
             fmt_bytes(self.kv_bytes_per_token),
             fmt_count(self.kv_bytes_per_token),
-            fmt_bytes(self.state_bytes_per_seq)
+            fmt_bytes(self.state_bytes_per_seq),
+            self.per_card()
         );
         let _ = writeln!(s, "{}", self.context_line());
         s
