@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use deltaserve_model::ModelConfig;
 use deltaserve_model::synth::Preset;
-use deltaserve_plan::{Fitted, Free, KvDtype, PlanOptions, WeightsDtype, fit_context, parse_size};
+use deltaserve_plan::{Fitted, Free, KvDtype, PlanOptions, WeightsDtype, card_config, fit_context, parse_size};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -19,9 +19,15 @@ pub struct Args {
     /// Number of decoder layers of the preset (default: the preset's).
     #[arg(long, requires = "preset")]
     layers: Option<usize>,
-    /// Memory budget (the arena cap, runtime reserve included): 24GiB, 24G, 512MiB, 1.5GiB or bytes.
+    /// Memory budget (the arena cap, runtime reserve included): 24GiB, 24G, 512MiB, 1.5GiB or bytes. With
+    /// --tensor-parallel: one card's budget (with cards of different sizes, the smallest card's).
     #[arg(long, default_value = "24GiB", value_parser = parse_size)]
     memory: u64,
+    /// Split the model over N cards (1, 2, 4 or 8; it must divide the attention kv heads and the DeltaNet
+    /// key heads). The plan is then per card: the card's weight shards, KV of its kv heads, state of its
+    /// DeltaNet value heads.
+    #[arg(long, default_value_t = 1)]
+    tensor_parallel: usize,
     /// Storage of the decoder linears: bf16, fp16, fp32, int4, fp8 (default: bf16 on cuda, fp32 on cpu).
     #[arg(long)]
     weights_dtype: Option<WeightsDtype>,
@@ -114,10 +120,13 @@ pub fn run(a: Args) -> Result<()> {
     o.page_size = a.page_size.unwrap_or(o.page_size);
     o.snapshot_slots = a.snapshot_slots.unwrap_or(o.snapshot_slots);
     o.runtime_reserve_bytes = a.runtime_reserve.unwrap_or(o.runtime_reserve_bytes);
+    o.tensor_parallel = a.tensor_parallel;
+    // One card's model shape (the whole model at --tensor-parallel 1).
+    let card = card_config(&cfg, a.tensor_parallel)?;
     let gpu = a.device != "cpu";
     let scratch = |o: &PlanOptions| {
         // What the CUDA backend carves beside the activation workspace (as `serve --device cuda` plans it).
-        if gpu { deltaserve_cuda::backend::scratch_bytes(&cfg, o.max_batch_tokens, o.max_seqs) as u64 } else { 0 }
+        if gpu { deltaserve_cuda::backend::scratch_bytes(&card, o.max_batch_tokens, o.max_seqs) as u64 } else { 0 }
     };
     let free = if a.no_fit {
         Free::default()

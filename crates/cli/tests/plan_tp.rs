@@ -1,0 +1,42 @@
+//! `deltaserve plan --tensor-parallel N`: the plan is per card (no GPU needed).
+
+use std::process::Command;
+
+fn plan(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_deltaserve")).arg("plan").args(args).output().unwrap()
+}
+
+fn plan_json(args: &[&str]) -> serde_json::Value {
+    let out = plan(args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn tensor_parallel_plans_one_card() {
+    let base = ["--preset", "qwen3.6-27b", "--memory", "24GiB", "--weights-dtype", "int4", "--json"];
+    let one = plan_json(&base);
+    let two = plan_json(&[&base[..], &["--tensor-parallel", "2"]].concat());
+    assert_eq!(two["tensor_parallel"], 2);
+    assert_eq!(two["scope"], "per card, TP=2");
+    let half = |k: &str| (one[k].as_u64().unwrap(), two[k].as_u64().unwrap());
+    let (kv1, kv2) = half("kv_bytes_per_token");
+    assert_eq!(kv1, 2 * kv2);
+    let (s1, s2) = half("state_bytes_per_seq");
+    assert_eq!(s1, 2 * s2);
+    assert!(two["weights_bytes"].as_u64().unwrap() < one["weights_bytes"].as_u64().unwrap() / 2 + (64 << 20));
+    assert_eq!(two["max_context"], 262_144);
+
+    let out =
+        plan(&["--preset", "qwen3.6-27b", "--memory", "24GiB", "--weights-dtype", "int4", "--tensor-parallel", "2"]);
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && table.contains("per card, TP=2"), "{table}");
+}
+
+#[test]
+fn tensor_parallel_that_splits_a_head_group_is_an_error() {
+    let out = plan(&["--preset", "qwen3.6-27b", "--tensor-parallel", "8"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--tensor-parallel 8") && err.contains("4 attention kv heads"), "{err}");
+}
