@@ -63,9 +63,25 @@ pub struct EngineArgs {
     /// checkpoint with `mtp.*` tensors; CPU backend only for now.
     #[arg(long)]
     pub speculative_tokens: Option<usize>,
+    /// Tensor parallelism: split the model over N GPUs (1, 2, 4 or 8). Only 1 for now: the CUDA backend
+    /// does not shard yet (`deltaserve plan --tensor-parallel N` shows the per-card plan).
+    #[arg(long, default_value_t = 1)]
+    pub tensor_parallel: usize,
 }
 
 impl EngineArgs {
+    /// `--tensor-parallel`: only 1 is served until a backend shards the model.
+    fn check_tensor_parallel(&self, backend: &str) -> Result<()> {
+        match self.tensor_parallel {
+            1 => Ok(()),
+            n => anyhow::bail!(
+                "--tensor-parallel {n}: the {backend} backend does not shard the model across GPUs yet (only 1 is \
+                 supported; the sharding and its per-card plan exist: see `deltaserve plan --tensor-parallel {n}`, and \
+                 the CPU reference simulates the sharded forward in its tests)"
+            ),
+        }
+    }
+
     /// Drafts per decode step (0: off); `--speculative-tokens` must be 1..=4.
     fn speculative_tokens(&self) -> Result<usize> {
         match self.speculative_tokens {
@@ -233,6 +249,7 @@ impl EngineArgs {
     /// The CUDA backend: weights from the checkpoint (or random at the real shapes) straight into
     /// the plan's device regions.
     pub fn start_cuda(&self, text: TextModel, random_weights: bool) -> Result<Started> {
+        self.check_tensor_parallel("CUDA")?;
         if self.speculative_tokens()? > 0 {
             anyhow::bail!(
                 "--speculative-tokens: speculative decoding is not supported by the CUDA backend yet (use --device cpu)"
@@ -261,6 +278,7 @@ impl EngineArgs {
 
     /// Plans memory for `loaded` on the CPU backend, allocates the arena and starts the engine.
     pub fn start_cpu(&self, loaded: LoadedModel) -> Result<Started> {
+        self.check_tensor_parallel("CPU")?;
         let spec = self.speculative_tokens()?;
         if spec > 0 && !loaded.model.has_mtp() {
             anyhow::bail!(

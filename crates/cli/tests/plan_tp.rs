@@ -40,3 +40,24 @@ fn tensor_parallel_that_splits_a_head_group_is_an_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--tensor-parallel 8") && err.contains("4 attention kv heads"), "{err}");
 }
+
+#[test]
+fn serve_refuses_tensor_parallel_above_one_until_a_backend_shards() {
+    // cpu: the built-in demo model; cuda: the tiny preset with weights drawn on the GPU.
+    let cpu: &[&str] = &["--device", "cpu"];
+    let cuda: &[&str] = &["--device", "cuda", "--preset", "tiny", "--random-weights"];
+    for (device, args) in [("cpu", cpu), ("cuda", cuda)] {
+        let out = Command::new(env!("CARGO_BIN_EXE_deltaserve"))
+            .arg("serve")
+            .args(args)
+            .args(["--tensor-parallel", "2", "--port", "0"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{device}: {err}");
+        // On a machine without a GPU `--device cuda` fails earlier, at device selection.
+        if device == "cpu" || err.contains("--tensor-parallel") {
+            assert!(err.contains("--tensor-parallel 2") && err.contains("does not shard"), "{device}: {err}");
+        }
+    }
+}
