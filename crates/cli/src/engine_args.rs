@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, KvFormat};
+use deltaserve_cuda::backend::CudaOptions;
 use deltaserve_cuda::{CudaBackend, WeightSource};
 use deltaserve_engine::EngineHandle;
 use deltaserve_model::ModelConfig;
@@ -58,6 +59,9 @@ pub struct EngineArgs {
     /// Disable the prefix cache (KV pages + DeltaNet state snapshots).
     #[arg(long)]
     pub no_prefix_cache: bool,
+    /// CUDA backend: launch decode steps eagerly instead of replaying CUDA graphs.
+    #[arg(long)]
+    pub no_cuda_graphs: bool,
     /// Speculative decoding with the model's MTP head: draft K (1..4) tokens per decode step and verify
     /// them in one forward (greedy outputs are unchanged; sampling keeps its distribution). Needs a
     /// checkpoint with `mtp.*` tensors; CPU backend only for now.
@@ -269,7 +273,8 @@ impl EngineArgs {
         } else {
             WeightSource::Checkpoint(text.dir.clone())
         };
-        let backend = CudaBackend::new(&cfg, weights, &plan, sched.prefix_cache.host_slots)?;
+        let cuda_opts = CudaOptions { cuda_graphs: !self.no_cuda_graphs, ..CudaOptions::default() };
+        let backend = CudaBackend::with_options(&cfg, weights, &plan, sched.prefix_cache.host_slots, cuda_opts)?;
         let tokenizer = text.tokenizer.map(Arc::new);
         let engine = EngineHandle::start(Box::new(backend), sched, tokenizer.clone());
         let eos_ids = cfg.eos_token_ids.clone();

@@ -7,6 +7,7 @@
 //  conv_prefill:       varlen batch (cu_seqlens, slots); does NOT touch the state.
 //  conv_state_update:  after conv_prefill, state[slot] = last KW-1 rows of (state ++ x_seq).
 //  conv_decode:        one token per sequence: reads the state, writes y, shifts the state.
+// Decode rows whose slot is < 0 (decode-graph padding) touch no state and output 0.
 // Shapes/dtypes: x [T, C] bf16 (token stride x_stride elements: the in_proj output may be wider);
 //   w [C, KW] bf16; y [T, C] bf16 contiguous; state [slots, KW-1, C] bf16 (pre-activation inputs);
 //   cu_seqlens [B+1] i32 (flattened token offsets); slots [B] i32.
@@ -77,6 +78,10 @@ extern "C" __global__ void conv_decode(const bf16_t* __restrict__ x, long long x
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     int b = blockIdx.y;
     if (c >= C) return;
+    if (slots[b] < 0) {  // padding row of a decode graph: no state, zero output
+        y[(long long)b * C + c] = 0;
+        return;
+    }
     bf16_t* st = state + (long long)slots[b] * (CONV_K - 1) * C;
     bf16_t win[CONV_K];
 #pragma unroll

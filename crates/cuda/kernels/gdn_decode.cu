@@ -3,6 +3,7 @@
 // Computes, per sequence b and value head v (S = state[slots[b], v] in [DK, DV], f32):
 //   S = exp(g) S;  kv = S^T k;  delta = beta (v - kv);  S += k (x) delta;  o = S^T q
 // (arch doc §2.2 step 8 with T = 1). The state is read once and written once.
+// Sequences whose slot is < 0 (decode-graph padding) touch no state and output 0.
 // Shapes/dtypes: q, k [B, Hk, DK] bf16 (normalised, q pre-scaled: gdn_gate.cu);
 //   v [B, *] bf16 (head v at column v*DV, token stride v_stride); g, beta [B, Hv] f32;
 //   state [slots, Hv, DK, DV] f32; slots [B] i32; o [B, Hv, DV] bf16.
@@ -29,6 +30,10 @@ gdn_decode(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     __shared__ float qs[DK], ks[DK], red[4][32];
     const int b = blockIdx.x, hv = blockIdx.y, c = blockIdx.z * 32 + (threadIdx.x & 31);
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (slots[b] < 0) {  // padding row of a decode graph (whole block): no state, zero output
+        if (w == 0) o[((long long)b * Hv + hv) * DV + c] = 0;
+        return;
+    }
     const int hk = hv / (Hv / Hk);
     for (int d = threadIdx.x; d < DK; d += blockDim.x) {
         qs[d] = bf2f(q[((long long)b * Hk + hk) * DK + d]);

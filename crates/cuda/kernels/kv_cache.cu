@@ -3,6 +3,7 @@
 // Computes: for each flattened token t of sequence s (cu_seqlens), with absolute position
 //   p = pos[t]:  row = block_tables[s * max_blocks + p / page] * page + p % page
 //   k_cache[row, :, :] = k[t, :, :];  v_cache[row, :, :] = v[t, :, :]   (bf16 copies)
+// Tokens at a position < 0 (decode-graph padding) write nothing.
 // Shapes/dtypes: k, v [T, Hkv*hd] bf16 with token strides k_stride/v_stride (elements);
 //   k_cache, v_cache [num_blocks * page, Hkv*hd] bf16 (= [num_blocks, page, Hkv, hd]);
 //   block_tables [B, max_blocks] i32; cu_seqlens [B+1] i32; pos [T] i32.
@@ -18,6 +19,7 @@ extern "C" __global__ void kv_write(const bf16_t* __restrict__ k, long long k_st
     int t = blockIdx.x;
     int s = seq_of_token(cu_seqlens, B, t);
     int p = pos[t];
+    if (p < 0) return;  // padding row of a decode graph
     long long row = (long long)block_tables[s * max_blocks + p / page] * page + p % page;
     const bf16_t* ks = k + (long long)t * k_stride;
     const bf16_t* vs = v + (long long)t * v_stride;

@@ -20,7 +20,10 @@
 
 use std::path::PathBuf;
 
-use cudarc::driver::result;
+use std::collections::HashMap;
+
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaStream, result};
 use deltaserve_backend::{ArenaStats, Backend, BackendError, CacheOp, SnapshotLoc, StepBatch};
 use deltaserve_model::weights::TensorSource;
 use deltaserve_model::{Checkpoint, DType, Dims, LayerKind, ModelConfig, ModelError, ModelWeights};
@@ -30,6 +33,7 @@ use crate::arena::{Arena, DevSpan};
 use crate::error::CudaError;
 use crate::gemm::Gemm;
 use crate::nvrtc::KernelDims;
+use crate::ops::gemv::{self, GemvOut};
 use crate::ops::init::{Init, init_random};
 use crate::ops::{self, Kernels, attention, conv, elementwise, embed, gdn_chunk, gdn_decode, gdn_gate, kv_cache, norm};
 use crate::runtime::Runtime;
@@ -43,6 +47,41 @@ pub enum WeightSource {
     /// Random weights at the real shapes, generated on the GPU (benchmarks): the distributions of
     /// `deltaserve_model::synth`.
     RandomWeights { seed: u64 },
+}
+
+/// Run-time choices of the backend (not part of the memory plan).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// Replay decode steps (every sequence of the step has one token) from CUDA graphs, one per
+    /// batch size, captured lazily on that size's first step (which runs eagerly). Off: every
+    /// step launches its kernels eagerly.
+    pub cuda_graphs: bool,
+    /// Steps of at most this many tokens run their projections through the decode GEMV
+    /// (`kernels/gemv.cu`, at most [`gemv::MAX_TOKENS`]) instead of cuBLASLt; 0 turns it off.
+    pub gemv_max_tokens: usize,
+    /// EXPERIMENTAL, known wrong — leave false. Pads decode batches to power-of-two buckets
+    /// (token 0, position −1, slot −1 rows; one graph per bucket). On the H200 (2026-11-29) the
+    /// padded steps gave O(1) logit differences on some real rows (tests/backend.rs
+    /// `decode_graphs_match_eager` prints this configuration), independent of the GEMV; the
+    /// cause is not found yet. false: one graph per exact batch size (bitwise equal to eager).
+    pub graph_pad: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions { cuda_graphs: true, gemv_max_tokens: gemv::MAX_TOKENS, graph_pad: false }
+    }
+}
+
+/// Counters of the decode-graph path.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GraphStats {
+    /// Graphs captured (one per bucket used so far).
+    pub captures: usize,
+    /// Steps replayed from a captured graph.
+    pub replays: usize,
+    /// Decode steps run eagerly (graphs off, profiling on, or a bucket's first step).
+    pub eager_decode_steps: usize,
 }
 
 const ALIGN: usize = crate::arena::ALIGN;
@@ -208,6 +247,10 @@ pub struct CudaBackend {
     pub scratch_bytes: usize,
     /// Per-op-group timing (synchronising after each group) when enabled: (group, seconds).
     prof: std::cell::RefCell<Option<Profile>>,
+    opts: CudaOptions,
+    /// Decode graphs by bucket size (captured lazily).
+    graphs: HashMap<usize, CudaGraph>,
+    graph_stats: GraphStats,
 }
 
 // SAFETY: the backend is driven by one thread at a time (the engine's step loop); every entry
@@ -300,12 +343,24 @@ fn convert(src: &TensorSource<'_>, f32_out: bool) -> Result<Vec<u8>, ModelError>
 
 impl CudaBackend {
     /// Opens GPU 0, compiles the kernels for the model, allocates the plan's regions (one
-    /// `cuMemAlloc` each), loads or generates the weights, and seals the arena.
+    /// `cuMemAlloc` each), loads or generates the weights, and seals the arena. Default
+    /// [`CudaOptions`] (decode graphs and the decode GEMV on).
     pub fn new(
         cfg: &ModelConfig,
         weights: WeightSource,
         plan: &Plan,
         host_snapshot_slots: usize,
+    ) -> Result<Self, CudaError> {
+        Self::with_options(cfg, weights, plan, host_snapshot_slots, CudaOptions::default())
+    }
+
+    /// [`CudaBackend::new`] with explicit [`CudaOptions`].
+    pub fn with_options(
+        cfg: &ModelConfig,
+        weights: WeightSource,
+        plan: &Plan,
+        host_snapshot_slots: usize,
+        opts: CudaOptions,
     ) -> Result<Self, CudaError> {
         let rt = Runtime::open(0)?;
         let d = cfg.dims();
@@ -506,6 +561,9 @@ impl CudaBackend {
             weights_bytes,
             scratch_bytes,
             prof: std::cell::RefCell::new(None),
+            opts,
+            graphs: HashMap::new(),
+            graph_stats: GraphStats::default(),
         };
         be.w = match weights {
             WeightSource::Checkpoint(dir) => be.load_checkpoint(cfg, &dir, wreg)?,
@@ -671,6 +729,71 @@ impl CudaBackend {
     /// cuBLASLt heuristic calls so far (one per new GEMM shape).
     pub fn gemm_heuristic_calls(&self) -> usize {
         self.gemm.heuristic_calls()
+    }
+
+    pub fn options(&self) -> CudaOptions {
+        self.opts
+    }
+
+    /// Changes the options; captured graphs are dropped (they bake in the old choices).
+    pub fn set_options(&mut self, opts: CudaOptions) -> Result<(), CudaError> {
+        if opts != self.opts {
+            self.rt.synchronize()?;
+            self.graphs.clear();
+            self.opts = opts;
+        }
+        Ok(())
+    }
+
+    pub fn graph_stats(&self) -> GraphStats {
+        self.graph_stats
+    }
+
+    /// The decode graph of a step with `n` one-token sequences: `n` itself, or with
+    /// [`CudaOptions::graph_pad`] the next power of two capped at the plan's `max_seqs`.
+    pub fn graph_bucket(&self, n: usize) -> usize {
+        if !self.opts.graph_pad {
+            return n;
+        }
+        n.next_power_of_two().min(self.max_seqs).max(n)
+    }
+
+    /// y_s [t, m_s] = x [t, kdim] · W_sᵀ for each output: the decode GEMV (one launch for all
+    /// outputs) for steps of at most `gemv_max_tokens` tokens, else one cuBLASLt GEMM each.
+    fn proj(
+        &self,
+        s: &CudaStream,
+        x: u64,
+        t: usize,
+        kdim: usize,
+        outs: &[GemvOut],
+        f32_out: bool,
+    ) -> Result<(), CudaError> {
+        let aligned = x.is_multiple_of(16) && outs.iter().all(|o| o.w.is_multiple_of(16) && o.y.is_multiple_of(16));
+        if t <= self.opts.gemv_max_tokens && gemv::supported(t, kdim) && aligned {
+            return gemv::gemv(&self.k, s, x, t, kdim, outs, f32_out);
+        }
+        for o in outs {
+            self.gemm.linear_out(s, x, o.w, o.y, t, o.m, kdim, f32_out)?;
+        }
+        Ok(())
+    }
+
+    /// Captures `forward(sh)` as the graph of bucket `b` (nothing runs; the caller ran the step
+    /// eagerly first, which also warmed every cuBLASLt plan the capture records).
+    fn capture(&mut self, b: usize, sh: &StepShape) -> Result<(), CudaError> {
+        let st = self.rt.stream().clone();
+        st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(CudaError::driver("cuStreamBeginCapture"))?;
+        let recorded = self.forward(sh);
+        // Always end the capture, also when recording failed, so the stream is usable again.
+        let graph = st.end_capture(CUgraphInstantiate_flags(0)).map_err(CudaError::driver("cuStreamEndCapture"));
+        recorded?;
+        let graph = graph?.ok_or_else(|| CudaError::Plan("the decode capture recorded no work".into()))?;
+        graph.upload().map_err(CudaError::driver("cuGraphUpload"))?;
+        self.graphs.insert(b, graph);
+        self.graph_stats.captures += 1;
+        Ok(())
     }
 
     fn snapshot_check(&self, loc: SnapshotLoc) -> Result<(), BackendError> {
@@ -847,10 +970,15 @@ impl CudaBackend {
         let n_pre = order.len();
         order.extend(chunks.iter().copied().filter(|&i| batch.seqs[i].tokens.len() == 1));
         let n = order.len();
+        // Decode steps replay the graph of their batch size. With graph_pad (experimental) the
+        // rows past n are padding: token 0 at position −1 (no KV write), state slot −1 (no state
+        // update), one key of page 0, logits computed and not returned.
+        let graph = self.opts.cuda_graphs && n_pre == 0 && self.prof.borrow().is_none();
+        let rows = if graph { self.graph_bucket(n) } else { n };
         let w = self.table_width;
         let (mut ids, mut pos, mut cu, mut lens, mut slots) =
-            (Vec::with_capacity(t), Vec::with_capacity(t), vec![0i32], Vec::new(), Vec::new());
-        let mut tables = vec![0i32; n * w];
+            (Vec::with_capacity(rows), Vec::with_capacity(rows), vec![0i32], Vec::new(), Vec::new());
+        let mut tables = vec![0i32; rows * w];
         let mut row_of = vec![0usize; batch.seqs.len()];
         for (r, &i) in order.iter().enumerate() {
             let c = &batch.seqs[i];
@@ -866,9 +994,20 @@ impl CudaBackend {
             }
             row_of[i] = cu[r + 1] as usize - 1;
         }
+        for _ in n..rows {
+            ids.push(0);
+            pos.push(-1);
+            cu.push(cu[cu.len() - 1] + 1);
+            lens.push(1);
+            slots.push(-1);
+        }
         let tp = cu[n_pre] as usize;
-        let last: Vec<i32> =
+        let mut last: Vec<i32> =
             batch.seqs.iter().enumerate().filter(|(_, c)| c.want_logits).map(|(i, _)| row_of[i] as i32).collect();
+        let n_want = last.len();
+        if graph {
+            last.resize(rows, 0);
+        }
         let chunk_table = gdn_chunk::chunk_table(&cu[..=n_pre]);
         let tile_table = attention::tile_table(&cu[..=n_pre]);
         let dev = |e: CudaError| BackendError::Device(e.to_string());
@@ -899,26 +1038,40 @@ impl CudaBackend {
         })()
         .map_err(dev)?;
         let shape = StepShape {
-            t,
-            n,
+            t: t + (rows - n),
+            n: rows,
             n_pre,
             tp,
             n_chunks: chunk_table.len() / 2,
             n_tiles: tile_table.len() / 2,
             n_logits: last.len(),
         };
-        self.forward(&shape).map_err(dev)?;
-        if shape.n_logits > 0 {
+        if !graph {
+            self.forward(&shape).map_err(dev)?;
+            if n_pre == 0 {
+                self.graph_stats.eager_decode_steps += 1;
+            }
+        } else if let Some(g) = self.graphs.get(&rows) {
+            g.launch().map_err(CudaError::driver("cuGraphLaunch")).map_err(dev)?;
+            self.graph_stats.replays += 1;
+        } else {
+            // First step of this bucket: run it eagerly (warms every plan), then capture.
+            self.forward(&shape).map_err(dev)?;
+            self.graph_stats.eager_decode_steps += 1;
+            self.capture(rows, &shape).map_err(dev)?;
+        }
+        if n_want > 0 {
             let v = self.d.vocab;
             let at = logits.len();
-            logits.resize(at + shape.n_logits * v, 0.0);
+            logits.resize(at + n_want * v, 0.0);
             self.rt.download(&mut logits[at..], self.logits.ptr).map_err(dev)?;
         }
         Ok(())
     }
 
     fn forward(&self, sh: &StepShape) -> Result<(), CudaError> {
-        let (k, s, g, ws, d) = (&self.k, self.rt.stream().as_ref(), &self.gemm, &self.ws, &self.d);
+        let (k, s, ws, d) = (&self.k, self.rt.stream().as_ref(), &self.ws, &self.d);
+        let out = |w: u64, y: u64, m: usize| GemvOut { w, y, m };
         let StepShape { t, n, n_pre, tp, .. } = *sh;
         let n_dec = n - n_pre;
         let h = d.hidden;
@@ -957,9 +1110,8 @@ impl CudaBackend {
                     );
                     let rec_state = self.states.ptr + rec as u64;
                     let conv_state = self.states.ptr + conv as u64;
-                    g.linear(s, ws.x_norm, gw.qkv, ws.gdn_qkv, t, cc, h)?;
-                    g.linear(s, ws.x_norm, gw.z, ws.gdn_z, t, vw, h)?;
-                    g.linear(s, ws.x_norm, gw.ba, ws.gdn_ba, t, 2 * hv, h)?;
+                    let outs = [out(gw.qkv, ws.gdn_qkv, cc), out(gw.z, ws.gdn_z, vw), out(gw.ba, ws.gdn_ba, 2 * hv)];
+                    self.proj(s, ws.x_norm, t, h, &outs, false)?;
                     self.tick("gdn in-proj GEMMs")?;
                     if n_pre > 0 {
                         conv::conv_prefill(
@@ -1066,14 +1218,13 @@ impl CudaBackend {
                     }
                     self.tick("gdn core (chunked / decode)")?;
                     norm::gated_rms_norm(k, s, ws.gdn_core_out, ws.gdn_z, vw, hv, gw.norm, ws.gdn_normed, t, dv, eps)?;
-                    g.linear(s, ws.gdn_normed, gw.out, ws.mixer_out, t, h, vw)?;
+                    self.proj(s, ws.gdn_normed, t, vw, &[out(gw.out, ws.mixer_out, h)], false)?;
                     self.tick("gdn gated norm + out GEMM")?;
                 }
                 (Mixer::Attn(aw), LayerCache::Attn { k: k_cache, v: v_cache }) => {
                     let (nh, nkv, hd, ad, kvd) = (d.q_heads, d.kv_heads, d.head_dim, d.attn_dim, d.kv_dim);
-                    g.linear(s, ws.x_norm, aw.q, ws.attn_qg, t, 2 * ad, h)?;
-                    g.linear(s, ws.x_norm, aw.k, ws.attn_k, t, kvd, h)?;
-                    g.linear(s, ws.x_norm, aw.v, ws.attn_v, t, kvd, h)?;
+                    let outs = [out(aw.q, ws.attn_qg, 2 * ad), out(aw.k, ws.attn_k, kvd), out(aw.v, ws.attn_v, kvd)];
+                    self.proj(s, ws.x_norm, t, h, &outs, false)?;
                     self.tick("attn q/k/v GEMMs")?;
                     norm::rms_norm_1p(k, s, ws.attn_qg, 2 * hd, aw.q_norm, ws.attn_qg, 2 * hd, t * nh, hd, eps)?;
                     norm::rms_norm_1p(k, s, ws.attn_k, hd, aw.k_norm, ws.attn_k, hd, t * nkv, hd, eps)?;
@@ -1168,7 +1319,7 @@ impl CudaBackend {
                     }
                     self.tick("attn core (prefill / decode)")?;
                     elementwise::sigmoid_gate_mul(k, s, ws.attn_out, ws.attn_qg + b2(hd), t, nh, hd, 2 * ad, 2 * hd)?;
-                    g.linear(s, ws.attn_out, aw.o, ws.mixer_out, t, h, ad)?;
+                    self.proj(s, ws.attn_out, t, ad, &[out(aw.o, ws.mixer_out, h)], false)?;
                     self.tick("attn gate + o GEMM")?;
                 }
                 _ => return Err(CudaError::Plan(format!("layer {li}: weights and cache kinds differ"))),
@@ -1187,9 +1338,9 @@ impl CudaBackend {
             )?;
             self.tick("norms")?;
             let i = d.intermediate;
-            g.linear(s, ws.mlp_in, layer.gate_up, ws.mlp_gate_up, t, 2 * i, h)?;
+            self.proj(s, ws.mlp_in, t, h, &[out(layer.gate_up, ws.mlp_gate_up, 2 * i)], false)?;
             elementwise::swiglu(k, s, ws.mlp_gate_up, 2 * i, ws.mlp_gate_up + b2(i), 2 * i, ws.mlp_act, t, i)?;
-            g.linear(s, ws.mlp_act, layer.down, ws.mlp_out, t, h, i)?;
+            self.proj(s, ws.mlp_act, t, i, &[out(layer.down, ws.mlp_out, h)], false)?;
             self.tick("MLP (GEMMs + SwiGLU)")?;
         }
         if sh.n_logits > 0 {
@@ -1207,7 +1358,7 @@ impl CudaBackend {
                 eps,
             )?;
             embed::embed_gather(k, s, ws.x_norm, ws.last_idx, ws.final_hidden, sh.n_logits, h)?;
-            g.linear_out(s, ws.final_hidden, self.w.lm_head, self.logits.ptr, sh.n_logits, d.vocab, h, true)?;
+            self.proj(s, ws.final_hidden, sh.n_logits, h, &[out(self.w.lm_head, self.logits.ptr, d.vocab)], true)?;
             self.tick("final norm + lm_head")?;
         }
         Ok(())
@@ -1266,6 +1417,7 @@ impl Backend for CudaBackend {
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
+        self.graphs.clear();
         if !self.host_pool.is_null() && self.rt.context().bind_to_thread().is_ok() {
             let _ = self.rt.synchronize();
             // SAFETY: allocated by malloc_host in new(), freed once.

@@ -52,6 +52,7 @@ pub const SOURCES: &[KernelSource] = &[
         functions: &["gdn_chunk_prep", "gdn_chunk_state"],
     },
     KernelSource { module: "gdn_decode", src: include_str!("../kernels/gdn_decode.cu"), functions: &["gdn_decode"] },
+    KernelSource { module: "gemv", src: include_str!("../kernels/gemv.cu"), functions: &["gemv_bf16"] },
     KernelSource {
         module: "w4a16",
         src: include_str!("../kernels/w4a16.cu"),

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 use deltaserve_backend::{Backend, CacheOp, SeqChunk, SnapshotLoc, StepBatch};
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
-use deltaserve_cuda::backend::kernel_dims;
+use deltaserve_cuda::backend::{CudaOptions, kernel_dims};
 use deltaserve_cuda::{CudaBackend, Runtime, WeightSource};
 use deltaserve_model::synth::{Preset, write_model};
 use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
@@ -62,8 +62,15 @@ fn plan_for(cfg: &ModelConfig) -> Plan {
     Plan::new(cfg, &o).unwrap()
 }
 
+/// Backend options of the tests: the defaults (decode graphs on), or graphs off with
+/// DS_TEST_CUDA_GRAPHS=0 (to run the suite on each path).
+fn test_opts() -> CudaOptions {
+    let off = std::env::var("DS_TEST_CUDA_GRAPHS").is_ok_and(|x| x == "0");
+    CudaOptions { cuda_graphs: !off, ..CudaOptions::default() }
+}
+
 fn cuda(dir: &Path, cfg: &ModelConfig, plan: &Plan) -> CudaBackend {
-    CudaBackend::new(cfg, WeightSource::Checkpoint(dir.to_path_buf()), plan, 4).unwrap()
+    CudaBackend::with_options(cfg, WeightSource::Checkpoint(dir.to_path_buf()), plan, 4, test_opts()).unwrap()
 }
 
 fn cpu(dir: &Path, cfg: &ModelConfig) -> CpuBackend {
@@ -299,8 +306,10 @@ fn matches_cpu_backend() {
     let mut cg = cpu(&dir, &cfg); // free-running CPU copy
     run(&mut cg, &b);
     let mut forced = Score::default();
+    let mut decisive_at = Vec::new();
     for step in 0..16 {
         forced.add(&lg, &lc, vocab);
+        decisive_at.push(decisive(&lc));
         ids_g.push(free_g);
         ids_c.push(free_c);
         let pos = 37 + step;
@@ -313,7 +322,14 @@ fn matches_cpu_backend() {
     let same = ids_g.iter().zip(&ids_c).filter(|(a, b)| a == b).count();
     println!("greedy 16: CUDA {ids_g:?}\n           CPU  {ids_c:?}\n           identical {same}/16");
     failures.extend(forced.soft_check("CPU decode (teacher-forced)"));
-    assert!(same * 10 >= 16 * 9, "greedy decode identical for {same}/16 steps (< 90%)");
+    // The free-running sequences may part only where the reference's top-2 margin is within bf16
+    // noise (until they part, the CPU copy's logits are the teacher-forced ones): a near tie can
+    // go either way under a different summation order (it did at step 7 with the decode GEMV,
+    // while no teacher-forced argmax flipped where the margin was decisive).
+    if let Some(k) = ids_g.iter().zip(&ids_c).position(|(a, b)| a != b) {
+        println!("greedy: sequences part at step {k} (reference margin decisive there: {})", decisive_at[k]);
+        assert!(!decisive_at[k], "greedy decode parted at step {k}, where the reference's margin is decisive");
+    }
     assert_eq!(g.arena_stats(), stats, "arena counters moved while serving");
     assert!(failures.is_empty(), "{failures:?}");
 }
@@ -472,5 +488,248 @@ fn error_by_depth_and_length() {
             line.push(format!("T={len}: {:.1e}/{:.1e}", rel_err(&o, &r), rel_l2(&o, &r)));
         }
         println!("depth {layers} ({:?}): max-rel/L2-rel {}", cfg.layer_types, line.join(", "));
+    }
+}
+
+/// Decode steps replayed from CUDA graphs equal eager launches: two backends of the same tiny
+/// model (one with graphs, one without) run the same prompts and then the same teacher-forced
+/// decode schedule, where sequences join and leave between steps (batch sizes 1, 3, 5, 7, 8, 2,
+/// 11, 16; one graph per size, captured on its first step and replayed after), one sequence
+/// starts with a 1-token prompt inside a decode batch, one chunk wants no logits, and one mixed
+/// step (prefill + decode) runs eagerly on both. Both paths run the same kernels at the same n,
+/// so every row must be bitwise equal (also above 8 rows, where the projections use cuBLASLt).
+/// Measured on the H200 (2026-11-29): 104/104 rows bitwise equal. The experimental padded
+/// buckets (`CudaOptions::graph_pad`) run first and are only printed: they gave O(1)
+/// differences on some rows (56/104 equal), with and without the GEMV.
+#[test]
+fn decode_graphs_match_eager() {
+    if !gpu() {
+        return;
+    }
+    let d = CudaOptions::default();
+    // Diagnostic first (printed, not asserted): the experimental padded buckets, known wrong.
+    let padded = CudaOptions { graph_pad: true, ..d };
+    graphs_vs_eager("padded buckets (experimental)", padded, CudaOptions { cuda_graphs: false, ..d });
+    let r = graphs_vs_eager("default", d, CudaOptions { cuda_graphs: false, ..d });
+    r.check();
+}
+
+/// What [`graphs_vs_eager`] measured.
+struct GraphsReport {
+    worst_small: f32,
+    worst_big: f32,
+    argmax_same_big: usize,
+    rows_big: usize,
+    captures: usize,
+    replays: usize,
+    eager_captures: usize,
+    arena_moved: bool,
+}
+
+impl GraphsReport {
+    fn check(&self) {
+        assert_eq!(self.worst_small, 0.0, "graph replay differs from eager launches at <= 8 rows");
+        assert_eq!(self.worst_big, 0.0, "graph replay differs from eager launches at > 8 rows");
+        assert!(
+            self.argmax_same_big * 10 >= self.rows_big * 9,
+            "argmax agreement {}/{}",
+            self.argmax_same_big,
+            self.rows_big
+        );
+        assert_eq!(self.captures, 8, "one capture per batch size used (1, 3, 5, 7, 8, 2, 11, 16)");
+        assert!(self.replays >= 8, "graphs were replayed");
+        assert_eq!(self.eager_captures, 0);
+        assert!(!self.arena_moved, "arena counters moved while capturing or replaying");
+    }
+}
+
+fn graphs_vs_eager(label: &str, graph_opts: CudaOptions, eager_opts: CudaOptions) -> GraphsReport {
+    let (dir, cfg) = tiny_dir(8);
+    let mut o = PlanOptions::gpu_defaults(768 << 20);
+    o.max_batch_tokens = 2048;
+    o.max_seqs = 16;
+    o.max_context = Some(4096);
+    o.page_size = PAGE;
+    o.snapshot_slots = 4;
+    o.runtime_reserve_bytes = 0;
+    o.backend_scratch_bytes = deltaserve_cuda::backend::scratch_bytes(&cfg, o.max_batch_tokens, o.max_seqs) as u64;
+    let plan = Plan::new(&cfg, &o).unwrap();
+    let src = || WeightSource::Checkpoint(dir.clone());
+    let mut eager = CudaBackend::with_options(&cfg, src(), &plan, 0, eager_opts).unwrap();
+    let mut graphs = CudaBackend::with_options(&cfg, src(), &plan, 0, graph_opts).unwrap();
+    let stats = graphs.arena_stats();
+    let vocab = eager.vocab_size();
+    let mut rng = StdRng::seed_from_u64(17);
+    let n_seqs = 16usize;
+    // Prompt lengths; sequence 7 has none: its first token is a 1-token chunk at position 0.
+    let prompt_len = |i: usize| if i == 7 { 0 } else { 5 + 23 * i };
+    let pg: Vec<Vec<u32>> = (0..n_seqs).map(|i| pages(30 * i as u32, 450)).collect();
+    let mut pos = vec![0usize; n_seqs];
+    let mut next = vec![0u32; n_seqs];
+    for i in 0..n_seqs {
+        let len = prompt_len(i);
+        if len == 0 {
+            next[i] = 3;
+            continue;
+        }
+        let ids = random_tokens(&mut rng, len, vocab);
+        let b = one(chunk(i as u32, &pg[i], 0, &ids));
+        let (le, lg) = (run(&mut eager, &b), run(&mut graphs, &b));
+        assert_eq!(le, lg, "prefill differs (both eager)");
+        next[i] = argmax(&le) as u32;
+        pos[i] = len;
+    }
+    let schedule: Vec<Vec<usize>> = vec![
+        vec![0],
+        vec![0],
+        vec![0, 1, 2],
+        vec![0, 1, 2],
+        vec![1, 2, 3, 4, 7],
+        vec![1, 2, 3, 4, 7],
+        vec![2, 3, 4, 5, 6, 7, 1],
+        vec![0, 1, 2, 3, 4, 5, 6, 7],
+        vec![0, 1, 2, 3, 4, 5, 6, 7],
+        vec![5, 6],
+        vec![6, 5],
+        vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+        vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+        (0..16).collect(),
+        (0..16).collect(),
+        vec![3],
+        vec![3],
+        vec![4, 6, 2],
+    ];
+    let (mut exact_rows, mut rows, mut worst_small, mut worst_big) = (0usize, 0usize, 0f32, 0f32);
+    let (mut argmax_same_big, mut rows_big) = (0usize, 0usize);
+    for (step, active) in schedule.iter().enumerate() {
+        let mut batch = StepBatch::default();
+        for (j, &i) in active.iter().enumerate() {
+            let mut c = chunk(i as u32, &pg[i], pos[i], &[next[i]]);
+            c.want_logits = !(step == 6 && j == 3); // one chunk without logits
+            batch.seqs.push(c);
+        }
+        if step == 9 {
+            // A mixed step: a prefill chunk beside the decodes (eager on both backends).
+            let extra = random_tokens(&mut rng, 9, vocab);
+            batch.seqs.push(chunk(12, &pg[12], pos[12], &extra));
+        }
+        let (le, lg) = (run(&mut eager, &batch), run(&mut graphs, &batch));
+        assert_eq!(le.len(), lg.len());
+        let step_diffs: Vec<String> =
+            le.chunks_exact(vocab).zip(lg.chunks_exact(vocab)).map(|(a, b)| format!("{:.0e}", rel_err(b, a))).collect();
+        let want: Vec<usize> = batch.seqs.iter().enumerate().filter(|(_, c)| c.want_logits).map(|(j, _)| j).collect();
+        for (r, (a, b)) in le.chunks_exact(vocab).zip(lg.chunks_exact(vocab)).enumerate() {
+            let e = rel_err(b, a);
+            rows += 1;
+            exact_rows += usize::from(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
+            if active.len() <= 8 {
+                worst_small = worst_small.max(e);
+            } else {
+                worst_big = worst_big.max(e);
+                rows_big += 1;
+                argmax_same_big += usize::from(argmax(a) == argmax(b));
+            }
+            // Teacher forcing: both backends get the eager backend's greedy token.
+            let c = &batch.seqs[want[r]];
+            if c.tokens.len() == 1 {
+                next[c.slot as usize] = argmax(a) as u32;
+            }
+        }
+        for c in &batch.seqs {
+            pos[c.slot as usize] += c.tokens.len();
+        }
+        println!(
+            "{label} step {step}: seqs {:?} (bucket {}), {:?}; row diffs {}",
+            batch.seqs.iter().map(|c| c.slot).collect::<Vec<_>>(),
+            graphs.graph_bucket(active.len()),
+            graphs.graph_stats(),
+            step_diffs.join(" ")
+        );
+    }
+    let gs = graphs.graph_stats();
+    println!(
+        "{label}: graphs vs eager: {exact_rows}/{rows} rows bitwise equal; max rel diff ≤ 8 rows {worst_small:.3e}, \
+         > 8 rows {worst_big:.3e} (argmax {argmax_same_big}/{rows_big}); graph stats {gs:?}; eager {:?}",
+        eager.graph_stats()
+    );
+    GraphsReport {
+        worst_small,
+        worst_big,
+        argmax_same_big,
+        rows_big,
+        captures: gs.captures,
+        replays: gs.replays,
+        eager_captures: eager.graph_stats().captures,
+        arena_moved: graphs.arena_stats() != stats,
+    }
+}
+
+/// One backend, no second one in the process: decode steps of two sequences (bucket 2) with
+/// graphs, then the same steps again from restored states (SaveState/RestoreState) with graphs
+/// off; the logits must be bitwise equal.
+#[test]
+fn graphs_match_eager_same_backend() {
+    if !gpu() {
+        return;
+    }
+    let (dir, cfg) = tiny_dir(8);
+    let plan = plan_for(&cfg);
+    let mut g = CudaBackend::with_options(
+        &cfg,
+        WeightSource::Checkpoint(dir.clone()),
+        &plan,
+        0,
+        CudaOptions { cuda_graphs: true, ..CudaOptions::default() },
+    )
+    .unwrap();
+    let vocab = g.vocab_size();
+    let mut rng = StdRng::seed_from_u64(23);
+    let pg: Vec<Vec<u32>> = (0..3).map(|i| pages(60 * i as u32, 300)).collect();
+    let lens = [40usize, 64, 7];
+    let mut next = vec![0u32; 3];
+    for i in 0..3 {
+        let ids = random_tokens(&mut rng, lens[i], vocab);
+        let mut b = one(chunk(i as u32, &pg[i], 0, &ids));
+        b.post = vec![CacheOp::SaveState { slot: i as u32, to: SnapshotLoc::Device(i as u32) }];
+        next[i] = argmax(&run(&mut g, &b)) as u32;
+    }
+    let steps = 6;
+    let mut per_mode = Vec::new();
+    for graphs in [true, false] {
+        g.set_options(CudaOptions { cuda_graphs: graphs, ..CudaOptions::default() }).unwrap();
+        let mut toks = next.clone();
+        let mut pos = lens;
+        let mut out = Vec::new();
+        for st in 0..steps {
+            let mut b = StepBatch::default();
+            if st == 0 {
+                b.pre = (0..3).map(|i| CacheOp::RestoreState { from: SnapshotLoc::Device(i), slot: i }).collect();
+            }
+            // Alternate which sequences decode: 3, 2, 1 rows.
+            let active: Vec<usize> = match st % 3 {
+                0 => vec![0, 1, 2],
+                1 => vec![2, 0],
+                _ => vec![1],
+            };
+            for &i in &active {
+                b.seqs.push(chunk(i as u32, &pg[i], pos[i], &[toks[i]]));
+                pos[i] += 1;
+            }
+            let l = run(&mut g, &b);
+            for (r, &i) in active.iter().enumerate() {
+                toks[i] = argmax(&l[r * vocab..(r + 1) * vocab]) as u32;
+            }
+            out.push(l);
+        }
+        println!("same backend, graphs {graphs}: {:?}", g.graph_stats());
+        per_mode.push(out);
+    }
+    for (st, (a, b)) in per_mode[0].iter().zip(&per_mode[1]).enumerate() {
+        let diffs: Vec<String> =
+            a.chunks_exact(vocab).zip(b.chunks_exact(vocab)).map(|(x, y)| format!("{:.0e}", rel_err(x, y))).collect();
+        println!("same backend step {st}: graphs vs eager row diffs {}", diffs.join(" "));
+    }
+    for (a, b) in per_mode[0].iter().zip(&per_mode[1]) {
+        assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "graphs differ from eager on one backend");
     }
 }

@@ -112,6 +112,13 @@ enum Op {
         n: usize,
         k: usize,
     },
+    /// Decode GEMV: n tokens, up to 3 weight matrices [m, k] sharing x; f32 or bf16 out.
+    Gemv {
+        n: usize,
+        ms: Vec<usize>,
+        k: usize,
+        f32_out: bool,
+    },
     /// 4-bit GEMV (every warps-per-tile choice): m tokens, W [out, inp]; asym = zero points,
     /// perm = act-order permutation, bf16 = bf16 scales.
     W4Gemv {
@@ -263,6 +270,14 @@ fn cases() -> Vec<Case> {
         c("attn_decode", SMALL, Op::AttnDecode { lens: vec![5, 64], hq: 8, hkv: 4, page: 32, n_split: 16 }, ACCUM),
         c("gemm", q, Op::Gemm { m: 48, n: 1, k: 5120 }, ACCUM),
         c("gemm", q, Op::Gemm { m: 2048, n: 129, k: 5120 }, ACCUM),
+        c("gemv", q, Op::Gemv { n: 1, ms: vec![5120], k: 17408, f32_out: false }, ACCUM),
+        c("gemv", q, Op::Gemv { n: 3, ms: vec![10240, 6144, 96], k: 5120, f32_out: false }, ACCUM),
+        c("gemv", q, Op::Gemv { n: 8, ms: vec![37], k: 136, f32_out: true }, ACCUM),
+        c("gemv", q, Op::Gemv { n: 5, ms: vec![1, 17, 33], k: 8, f32_out: false }, ACCUM),
+        c("gemv", q, Op::Gemv { n: 2, ms: vec![1000], k: 5120, f32_out: true }, ACCUM),
+        c("gemv", q, Op::Gemv { n: 6, ms: vec![4099, 24], k: 6144, f32_out: false }, ACCUM),
+        c("gemv", q, Op::Gemv { n: 4, ms: vec![64], k: 5128, f32_out: false }, ACCUM),
+        c("gemv", q, Op::Gemv { n: 7, ms: vec![250], k: 1000, f32_out: true }, ACCUM),
         c("w4_gemv", q, Op::W4Gemv { m: 1, out: 200, inp: 1024, asym: false, perm: false, bf16: false }, ACCUM),
         c("w4_gemv", q, Op::W4Gemv { m: 2, out: 200, inp: 1024, asym: true, perm: false, bf16: false }, ACCUM),
         c("w4_gemv", q, Op::W4Gemv { m: 3, out: 200, inp: 1024, asym: false, perm: true, bf16: false }, ACCUM),
@@ -680,6 +695,36 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
             let mut v = vec![compare("y", &r, &d.get_bf16(yp, n * m)?, tol)];
             if g.heuristic_calls() != before {
                 v.push(Outcome::error("heuristic ran on the hot path".into()));
+            }
+            v
+        }
+        Op::Gemv { n, ms, k: kk, f32_out } => {
+            // Poisoned outputs, CPU reference per matrix; then token 0 alone (n = 1) must give
+            // bitwise the same row as in the n-token launch.
+            let x = randv(rng, n * kk, 1.0);
+            let xp = d.bf16(&x)?;
+            let eb = if f32_out { 4 } else { 2 };
+            let mut outs = Vec::new();
+            let mut singles = Vec::new();
+            let mut refs = Vec::new();
+            for &m in &ms {
+                let w = randv(rng, m * kk, 0.05);
+                let wp = d.bf16(&w)?;
+                outs.push(ops::gemv::GemvOut { w: wp, y: d.poison(eb * n * m)?, m });
+                singles.push(ops::gemv::GemvOut { w: wp, y: d.poison(eb * m)?, m });
+                refs.push(cpu::linear::linear(&x, n, &w, m, kk));
+            }
+            ops::gemv::gemv(k, &s, xp, n, kk, &outs, f32_out)?;
+            ops::gemv::gemv(k, &s, xp, 1, kk, &singles, f32_out)?;
+            let get = |p: u64, len: usize| if f32_out { d.get_f32(p, len) } else { d.get_bf16(p, len) };
+            let mut v = Vec::new();
+            for ((o, one), r) in outs.iter().zip(&singles).zip(&refs) {
+                let got = get(o.y, n * o.m)?;
+                v.push(compare(&format!("y[{n}, {}]", o.m), r, &got, tol));
+                let alone = get(one.y, o.m)?;
+                if alone.iter().zip(&got).any(|(a, b)| a.to_bits() != b.to_bits()) {
+                    v.push(Outcome::error(format!("m={}: token 0 at n=1 differs from n={n}", o.m)));
+                }
             }
             v
         }

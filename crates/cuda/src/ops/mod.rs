@@ -9,6 +9,7 @@ pub mod embed;
 pub mod gdn_chunk;
 pub mod gdn_decode;
 pub mod gdn_gate;
+pub mod gemv;
 pub mod init;
 pub mod kv_cache;
 pub mod norm;
