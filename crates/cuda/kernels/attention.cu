@@ -26,6 +26,22 @@
 // Tested by: tests/ops.rs cases "kv_write+attn_prefill" and "attn_decode" against
 //   deltaserve_cpu::attention::causal_gqa_attention; timed by tests/bench_attention.rs.
 //
+// Quantised KV (-D KV_K_FMT / KV_V_FMT = KVF_FP8 1, KVF_INT8 2, KVF_INT4 3; absent = bf16, which
+// compiles exactly the bf16 code): the cache of that matrix holds codes [rows, Hkv, HD] (fp8 e4m3 /
+// int8 1 B, int4 two per byte, low nibble first; written by kv_quant.cu) and k_scales / v_scales
+// [rows, Hkv] f16, value = code * scale (deltaserve_cpu::kvquant). Every code is exact in bf16 and
+// f32, so the kernels never round a dequantised value: the scale of key p is applied in f32 outside
+// the dot products, S[i,p] = kscale[p] * (q_i . kcode_p) and O[i] = sum_p (P[i,p] * vscale[p]) vcode_p
+// (the V scale folds into P before its hi/lo bf16 split; the softmax sums use P unscaled). Tested by
+// tests/ops.rs cases "kv_q+attn_prefill" / "kv_q+attn_decode" against the CPU attention over the
+// CPU-dequantised cache (same tolerance as bf16).
+//  - prefill: the codes of a KV tile are copied (cp.async, double-buffered as for bf16) into a raw
+//    stage; after the wait all threads widen them to bf16 codes in a single converted tile with the
+//    bf16 layout (padded rows), which the unchanged ldmatrix/mma path reads. Tile scales travel
+//    through registers of threads 0..31 (loaded when the tile is issued, stored to smem one
+//    iteration later) into f32 smem. Smem (HD 256): fp8/int8 66.3 KB, int4 50.3 KB, mixed <= 66.8 KB.
+//  - decode: each lane loads its HD/32 codes (32-bit words when they are whole) and widens them.
+//
 // attn_prefill design (one block = 16 queries x all GQA_GROUP heads of one kv head):
 //  - Warp w owns query head hkv*GQA_GROUP + w for the block's 16 queries: one m16 row tile. The
 //    K/V tile is loaded once per block and read by all GQA_GROUP warps (6x less K/V traffic than
@@ -63,13 +79,92 @@
 #endif
 #define NEG_INF (-__int_as_float(0x7f800000))
 
+// KV-cache formats (nvrtc::KvFormats::code).
+#define KVF_BF16 0
+#define KVF_FP8 1
+#define KVF_INT8 2
+#define KVF_INT4 3
+#ifndef KV_K_FMT
+#define KV_K_FMT KVF_BF16
+#endif
+#ifndef KV_V_FMT
+#define KV_V_FMT KVF_BF16
+#endif
+#define KQ_K (KV_K_FMT != KVF_BF16)
+#define KQ_V (KV_V_FMT != KVF_BF16)
+#define KQ_ANY (KQ_K || KQ_V)
+// Bytes of one token-head row in the cache.
+#define KV_ROWB(f) ((f) == KVF_BF16 ? 2 * HD : ((f) == KVF_INT4 ? HD / 2 : HD))
+#define K_ROWB KV_ROWB(KV_K_FMT)
+#define V_ROWB KV_ROWB(KV_V_FMT)
+
+// Code (low 8 bits; int4: low 4) -> its exact value as f32.
+template <int FMT>
+__device__ __forceinline__ float kv_code_f32(u32 c) {
+    if (FMT == KVF_FP8) {
+        // e4m3 bits as an f32 with the exponent field at bit 23 (subnormal when e = 0), times
+        // 2^120 (= 2^(127-7)): exact for normal and subnormal codes (no flush to zero).
+        const float a = __uint_as_float((c & 0x7fu) << 20) * __uint_as_float(247u << 23);
+        return __uint_as_float(__float_as_uint(a) | ((c & 0x80u) << 24));
+    } else if (FMT == KVF_INT8) {
+        return (float)(int)(signed char)(c & 0xffu);
+    } else {
+        return (float)(((int)(c << 28)) >> 28);
+    }
+}
+
+// Two codes -> packed bf16x2 (exact: every code has <= 4 significant bits, int8 <= 8 bits).
+template <int FMT>
+__device__ __forceinline__ u32 kv_codes_bf16x2(u32 c0, u32 c1) {
+    return (__float_as_uint(kv_code_f32<FMT>(c0)) >> 16) | (__float_as_uint(kv_code_f32<FMT>(c1)) & 0xffff0000u);
+}
+
+__device__ __forceinline__ float kv_h2f(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
 #define PF_BQ 16                       // queries per block (Q_TILE in ops/attention.rs)
 #define PF_BK 32                       // keys per KV tile
 #define PF_NT (32 * GQA_GROUP)         // threads per block: one warp per q head of the group
 #define PF_STR (HD + 8)                // smem row stride in bf16 (16-byte pad)
 #define PF_CH (HD / 8)                 // 16-byte chunks per K/V row
 #define PF_MAT_BYTES (PF_BK * PF_STR * 2)   // one K or V tile
-#define PF_STAGE_BYTES (2 * PF_MAT_BYTES)   // K + V
+// One cp.async stage: K then V, each a bf16 tile (padded rows) or, for a quantised format, the raw
+// codes (PF_BK rows of K_ROWB / V_ROWB bytes). With bf16 K and V: 2 * PF_MAT_BYTES as always.
+#define PF_K_PART (KQ_K ? PF_BK * K_ROWB : PF_MAT_BYTES)
+#define PF_V_PART (KQ_V ? PF_BK * V_ROWB : PF_MAT_BYTES)
+#define PF_STAGE_BYTES (PF_K_PART + PF_V_PART)
+// After the 2 stages: converted bf16 code tiles (quantised formats only), then f32 tile scales.
+#define PF_CV_K (2 * PF_STAGE_BYTES)
+#define PF_CV_V (PF_CV_K + (KQ_K ? PF_MAT_BYTES : 0))
+#define PF_SC_K (PF_CV_V + (KQ_V ? PF_MAT_BYTES : 0))
+#define PF_SC_V (PF_SC_K + (KQ_K ? PF_BK * 4 : 0))
+#define PF_SMEM_BYTES (PF_SC_V + (KQ_V ? PF_BK * 4 : 0))  // = ops/attention.rs prefill_smem_bytes
+
+// Widens the raw codes of one tile (PF_BK rows) into bf16 codes with the padded tile layout.
+template <int FMT>
+__device__ __forceinline__ void pf_convert_tile(const unsigned char* raw, unsigned char* cv, int tid) {
+    for (int c = tid; c < PF_BK * (HD / 8); c += PF_NT) {
+        const int r = c / (HD / 8), ch = c % (HD / 8);  // 8 elements: one 16-byte bf16 store
+        uint4 o;
+        if (FMT == KVF_INT4) {
+            const u32 w = *(const u32*)(raw + r * (HD / 2) + ch * 4);
+            o.x = kv_codes_bf16x2<FMT>(w, w >> 4);
+            o.y = kv_codes_bf16x2<FMT>(w >> 8, w >> 12);
+            o.z = kv_codes_bf16x2<FMT>(w >> 16, w >> 20);
+            o.w = kv_codes_bf16x2<FMT>(w >> 24, w >> 28);
+        } else {
+            const uint2 w = *(const uint2*)(raw + r * HD + ch * 8);
+            o.x = kv_codes_bf16x2<FMT>(w.x, w.x >> 8);
+            o.y = kv_codes_bf16x2<FMT>(w.x >> 16, w.x >> 24);
+            o.z = kv_codes_bf16x2<FMT>(w.y, w.y >> 8);
+            o.w = kv_codes_bf16x2<FMT>(w.y >> 16, w.y >> 24);
+        }
+        *(uint4*)(cv + (r * PF_STR + ch * 8) * 2) = o;
+    }
+}
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 r;
@@ -122,8 +217,10 @@ __device__ __forceinline__ void split_bf16(float x0, float x1, u32& hi, u32& lo)
 // 8-key column; 2: even / odd k steps accumulate separately and are added, halving the chain).
 // 2 measured 5% slower on the H200 (more spills at 255 registers); attn_prefill uses 1.
 template <int S_CHAINS>
-__device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
-                                             const bf16_t* __restrict__ v_cache,
+__device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
+                                             const void* __restrict__ v_cache,
+                                             const unsigned short* __restrict__ k_scales,
+                                             const unsigned short* __restrict__ v_scales,
                                              const int* __restrict__ block_tables, int max_blocks,
                                              const int* __restrict__ cu_seqlens, const int* __restrict__ seq_lens,
                                              const int* __restrict__ tile_table, bf16_t* __restrict__ o, int Hq,
@@ -142,8 +239,17 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
     const int n_kt = (kend + PF_BK - 1) / PF_BK;
     const long long width = (long long)Hkv * HD;
     const int* bt = block_tables + (long long)s * max_blocks;
-    const bf16_t* kbase = k_cache + (long long)hkv * HD;
-    const bf16_t* vbase = v_cache + (long long)hkv * HD;
+#if !KQ_ANY
+    const bf16_t* kbase = (const bf16_t*)k_cache + (long long)hkv * HD;
+    const bf16_t* vbase = (const bf16_t*)v_cache + (long long)hkv * HD;
+#else
+    // Byte addressing: token-head row (row * Hkv + hkv) of K_ROWB / V_ROWB bytes.
+    const unsigned char* kbytes = (const unsigned char*)k_cache;
+    const unsigned char* vbytes = (const unsigned char*)v_cache;
+    u32 pend_k = 0, pend_v = 0;  // f16 scale bits of key (tile + tid), tid < PF_BK, for the next tile
+    (void)k_scales;
+    (void)v_scales;
+#endif
     const u32 sbase = smem_addr(pf_smem);
     const bool page_tiles = (page % PF_BK) == 0;  // every KV tile lies inside one page
 
@@ -153,6 +259,7 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
         const u32 dst = sbase + st * PF_STAGE_BYTES;
         long long row0 = 0;
         if (page_tiles) row0 = (long long)bt[kb / page] * page + kb % page;
+#if !KQ_ANY
         for (int c = tid; c < PF_BK * PF_CH; c += PF_NT) {
             const int r = c / PF_CH, ch = c % PF_CH;
             const int p = kb + r;
@@ -164,6 +271,42 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
             cp_async16(d, kbase + off, ok ? 16 : 0);
             cp_async16(d + PF_MAT_BYTES, vbase + off, ok ? 16 : 0);
         }
+#else
+        (void)width;
+        // K, then V: 16-byte chunks of each row; bf16 lands in the padded tile, codes packed.
+#pragma unroll
+        for (int m = 0; m < 2; m++) {
+            const bool quant = m == 0 ? KQ_K : KQ_V;
+            const int rowb = m == 0 ? K_ROWB : V_ROWB;
+            const int nch = rowb / 16;
+            const unsigned char* src = m == 0 ? kbytes : vbytes;
+            const u32 dm = dst + (m == 0 ? 0 : PF_K_PART);
+            for (int c = tid; c < PF_BK * nch; c += PF_NT) {
+                const int r = c / nch, ch = c % nch;
+                const int p = kb + r;
+                const bool ok = p < kend;
+                long long row = 0;
+                if (ok) row = page_tiles ? row0 + r : (long long)bt[p / page] * page + p % page;
+                const u32 d = dm + (quant ? (u32)(r * rowb + ch * 16) : (u32)(r * PF_STR + ch * 8) * 2);
+                cp_async16(d, src + (row * Hkv + hkv) * rowb + ch * 16, ok ? 16 : 0);
+            }
+        }
+        if (tid < PF_BK) {
+            const int p = kb + tid;
+            unsigned short a = 0, b = 0;
+            if (p < kend) {
+                const long long row = page_tiles ? row0 + tid : (long long)bt[p / page] * page + p % page;
+#if KQ_K
+                a = k_scales[row * Hkv + hkv];
+#endif
+#if KQ_V
+                b = v_scales[row * Hkv + hkv];
+#endif
+            }
+            pend_k = a;
+            pend_v = b;
+        }
+#endif
         cp_async_commit();
     };
 
@@ -199,6 +342,14 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
     const u32 v_lane = (u32)(((lane & 7) + (((lane >> 3) & 1) << 3)) * PF_STR + (lane >> 4) * 8) * 2;
 
     for (int j = 0; j < n_kt; j++) {
+#if KQ_ANY
+        // Tile j's scales (loaded by load_tile(j)) to smem before load_tile(j + 1) reuses the
+        // registers; the previous iteration's last barrier freed the buffers.
+        if (tid < PF_BK) {
+            ((float*)(pf_smem + PF_SC_K))[tid] = kv_h2f((unsigned short)pend_k);
+            ((float*)(pf_smem + PF_SC_V))[tid] = kv_h2f((unsigned short)pend_v);
+        }
+#endif
         if (j + 1 < n_kt) {
             load_tile(j + 1, (j + 1) & 1);
             cp_async_wait_all_but_1();
@@ -206,8 +357,27 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
             cp_async_wait_all();
         }
         __syncthreads();
+#if !KQ_ANY
         const u32 ks_base = sbase + (j & 1) * PF_STAGE_BYTES;
         const u32 vs_base = ks_base + PF_MAT_BYTES;
+#else
+        const u32 st_base = sbase + (j & 1) * PF_STAGE_BYTES;
+#if KQ_K
+        pf_convert_tile<KV_K_FMT>(pf_smem + (j & 1) * PF_STAGE_BYTES, pf_smem + PF_CV_K, tid);
+        const u32 ks_base = sbase + PF_CV_K;
+        const float* sks = (const float*)(pf_smem + PF_SC_K);
+#else
+        const u32 ks_base = st_base;
+#endif
+#if KQ_V
+        pf_convert_tile<KV_V_FMT>(pf_smem + (j & 1) * PF_STAGE_BYTES + PF_K_PART, pf_smem + PF_CV_V, tid);
+        const u32 vs_base = sbase + PF_CV_V;
+        const float* svs = (const float*)(pf_smem + PF_SC_V);
+#else
+        const u32 vs_base = st_base + PF_K_PART;
+#endif
+        __syncthreads();
+#endif
 
         float sc[S_CHAINS][PF_BK / 8][4];
 #pragma unroll
@@ -234,24 +404,40 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
         float (&sx)[PF_BK / 8][4] = sc[0];
         // Scale into the log2 domain; causal mask where the tile reaches past the first query.
         const int kb = j * PF_BK;
+#if KQ_K
+        // K scales of this thread's key columns, folded into the log2-domain factor.
+        float f0[PF_BK / 8], f1[PF_BK / 8];
+#pragma unroll
+        for (int n = 0; n < PF_BK / 8; n++) {
+            f0[n] = sks[n * 8 + 2 * tg] * sl2;
+            f1[n] = sks[n * 8 + 2 * tg + 1] * sl2;
+        }
+#define PF_F0(n) f0[n]
+#define PF_F1(n) f1[n]
+#else
+#define PF_F0(n) sl2
+#define PF_F1(n) sl2
+#endif
         if (kb + PF_BK - 1 > first_q) {
 #pragma unroll
             for (int n = 0; n < PF_BK / 8; n++) {
                 const int key = kb + n * 8 + 2 * tg;
-                sx[n][0] = key <= qpos0 ? sx[n][0] * sl2 : NEG_INF;
-                sx[n][1] = key + 1 <= qpos0 ? sx[n][1] * sl2 : NEG_INF;
-                sx[n][2] = key <= qpos1 ? sx[n][2] * sl2 : NEG_INF;
-                sx[n][3] = key + 1 <= qpos1 ? sx[n][3] * sl2 : NEG_INF;
+                sx[n][0] = key <= qpos0 ? sx[n][0] * PF_F0(n) : NEG_INF;
+                sx[n][1] = key + 1 <= qpos0 ? sx[n][1] * PF_F1(n) : NEG_INF;
+                sx[n][2] = key <= qpos1 ? sx[n][2] * PF_F0(n) : NEG_INF;
+                sx[n][3] = key + 1 <= qpos1 ? sx[n][3] * PF_F1(n) : NEG_INF;
             }
         } else {
 #pragma unroll
             for (int n = 0; n < PF_BK / 8; n++) {
-                sx[n][0] *= sl2;
-                sx[n][1] *= sl2;
-                sx[n][2] *= sl2;
-                sx[n][3] *= sl2;
+                sx[n][0] *= PF_F0(n);
+                sx[n][1] *= PF_F1(n);
+                sx[n][2] *= PF_F0(n);
+                sx[n][3] *= PF_F1(n);
             }
         }
+#undef PF_F0
+#undef PF_F1
 
         float mx0 = m0, mx1 = m1;
 #pragma unroll
@@ -296,10 +482,20 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
             // P = hi + lo, both bf16 (hi = bf16(p), lo = bf16(p - hi)): P enters with ~2^-17
             // relative error instead of bf16's 2^-9, which the f32 reference tolerance needs.
             u32 ph[4], pl[4];
+#if KQ_V
+            // P * vscale of the key (the V codes are unscaled).
+            const float va = svs[kk * 16 + 2 * tg], vb = svs[kk * 16 + 2 * tg + 1];
+            const float vc = svs[kk * 16 + 8 + 2 * tg], vd = svs[kk * 16 + 8 + 2 * tg + 1];
+            split_bf16(sx[2 * kk][0] * va, sx[2 * kk][1] * vb, ph[0], pl[0]);
+            split_bf16(sx[2 * kk][2] * va, sx[2 * kk][3] * vb, ph[1], pl[1]);
+            split_bf16(sx[2 * kk + 1][0] * vc, sx[2 * kk + 1][1] * vd, ph[2], pl[2]);
+            split_bf16(sx[2 * kk + 1][2] * vc, sx[2 * kk + 1][3] * vd, ph[3], pl[3]);
+#else
             split_bf16(sx[2 * kk][0], sx[2 * kk][1], ph[0], pl[0]);
             split_bf16(sx[2 * kk][2], sx[2 * kk][3], ph[1], pl[1]);
             split_bf16(sx[2 * kk + 1][0], sx[2 * kk + 1][1], ph[2], pl[2]);
             split_bf16(sx[2 * kk + 1][2], sx[2 * kk + 1][3], ph[3], pl[3]);
+#endif
 #pragma unroll
             for (int np = 0; np < HD / 16; np++) {
                 u32 b0, b1, b2, b3;
@@ -328,20 +524,56 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
 }
 
 extern "C" __global__ void __launch_bounds__(PF_NT, 1)
-attn_prefill(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
-             const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+attn_prefill(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
+             const void* __restrict__ v_cache, const unsigned short* __restrict__ k_scales,
+             const unsigned short* __restrict__ v_scales, const int* __restrict__ block_tables, int max_blocks,
              const int* __restrict__ cu_seqlens, const int* __restrict__ seq_lens,
              const int* __restrict__ tile_table, bf16_t* __restrict__ o, int Hq, int Hkv, int page,
              float scale, long long q_tok, long long q_head) {
-    prefill_body<1>(q, k_cache, v_cache, block_tables, max_blocks, cu_seqlens, seq_lens, tile_table, o, Hq, Hkv,
-                    page, scale, q_tok, q_head);
+    prefill_body<1>(q, k_cache, v_cache, k_scales, v_scales, block_tables, max_blocks, cu_seqlens, seq_lens,
+                    tile_table, o, Hq, Hkv, page, scale, q_tok, q_head);
 }
 
 #define DPL (HD / 32)  // dims per lane in decode
 
+// Decode: this lane's DPL codes of one token-head row (bytes at `rowp`), widened to f32.
+template <int FMT>
+__device__ __forceinline__ void dec_load_codes(const unsigned char* __restrict__ rowp, int lane, float* out) {
+    const int e0 = lane * DPL;
+    if (FMT == KVF_INT4) {
+        if (DPL % 8 == 0) {
+#pragma unroll
+            for (int w = 0; w < DPL / 8; w++) {
+                const u32 x = *(const u32*)(rowp + e0 / 2 + 4 * w);
+#pragma unroll
+                for (int i = 0; i < 8; i++) out[8 * w + i] = kv_code_f32<FMT>(x >> (4 * i));
+            }
+        } else {
+#pragma unroll
+            for (int d = 0; d < DPL; d++) {
+                const int e = e0 + d;
+                out[d] = kv_code_f32<FMT>((u32)rowp[e >> 1] >> (4 * (e & 1)));
+            }
+        }
+    } else {
+        if (DPL % 4 == 0) {
+#pragma unroll
+            for (int w = 0; w < DPL / 4; w++) {
+                const u32 x = *(const u32*)(rowp + e0 + 4 * w);
+#pragma unroll
+                for (int i = 0; i < 4; i++) out[4 * w + i] = kv_code_f32<FMT>(x >> (8 * i));
+            }
+        } else {
+#pragma unroll
+            for (int d = 0; d < DPL; d++) out[d] = kv_code_f32<FMT>((u32)rowp[e0 + d]);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256)
-attn_decode_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
-                  const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables,
+attn_decode_split(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
+                  const void* __restrict__ v_cache, const unsigned short* __restrict__ k_scales,
+                  const unsigned short* __restrict__ v_scales, const int* __restrict__ block_tables,
                   int max_blocks, const int* __restrict__ seq_lens, float* __restrict__ part_o,
                   float* __restrict__ part_ml, int Hq, int Hkv, int page, float scale, int n_split,
                   long long q_tok, long long q_head) {
@@ -370,26 +602,55 @@ attn_decode_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cac
     }
     for (int p = k0 + w; p < k1; p += 8) {
         long long row = (long long)bt[p / page] * page + p % page;
-        const bf16_t* kr = k_cache + row * width + (long long)hkv * HD + lane * DPL;
-        const bf16_t* vr = v_cache + row * width + (long long)hkv * HD + lane * DPL;
         float kf[DPL], vf[DPL];
+#if !KQ_ANY
+        const bf16_t* kr = (const bf16_t*)k_cache + row * width + (long long)hkv * HD + lane * DPL;
+        const bf16_t* vr = (const bf16_t*)v_cache + row * width + (long long)hkv * HD + lane * DPL;
 #pragma unroll
         for (int d = 0; d < DPL; d++) {
             kf[d] = bf2f(kr[d]);
             vf[d] = bf2f(vr[d]);
         }
+#else
+#if !KQ_K
+        const bf16_t* kr = (const bf16_t*)k_cache + row * width + (long long)hkv * HD + lane * DPL;
+#pragma unroll
+        for (int d = 0; d < DPL; d++) kf[d] = bf2f(kr[d]);
+#else
+        // Codes; the key's scale multiplies the dot product.
+        dec_load_codes<KV_K_FMT>((const unsigned char*)k_cache + (row * Hkv + hkv) * K_ROWB, lane, kf);
+        const float ksc = kv_h2f(k_scales[row * Hkv + hkv]);
+#endif
+#if !KQ_V
+        const bf16_t* vr = (const bf16_t*)v_cache + row * width + (long long)hkv * HD + lane * DPL;
+#pragma unroll
+        for (int d = 0; d < DPL; d++) vf[d] = bf2f(vr[d]);
+#else
+        // Codes; the key's scale multiplies its probability.
+        dec_load_codes<KV_V_FMT>((const unsigned char*)v_cache + (row * Hkv + hkv) * V_ROWB, lane, vf);
+        const float vsc = kv_h2f(v_scales[row * Hkv + hkv]);
+#endif
+#endif
 #pragma unroll
         for (int g = 0; g < GQA_GROUP; g++) {
             float dot = 0.0f;
 #pragma unroll
             for (int d = 0; d < DPL; d++) dot += qv[g][d] * kf[d];
             dot = warp_sum(dot);
+#if KQ_K
+            dot *= ksc;
+#endif
             float mnew = fmaxf(m[g], dot);
             float alpha = expf(m[g] - mnew);  // m = -inf -> 0, and acc/l are 0 then
             float pr = expf(dot - mnew);
             l[g] = l[g] * alpha + pr;
+#if KQ_V
+            const float pv = pr * vsc;
+#else
+            const float pv = pr;
+#endif
 #pragma unroll
-            for (int d = 0; d < DPL; d++) acc[g][d] = acc[g][d] * alpha + pr * vf[d];
+            for (int d = 0; d < DPL; d++) acc[g][d] = acc[g][d] * alpha + pv * vf[d];
             m[g] = mnew;
         }
     }

@@ -25,6 +25,6 @@ pub mod w4;
 pub use arena::{Arena, DevSpan, RegionId};
 pub use backend::{CudaBackend, WeightSource};
 pub use error::CudaError;
-pub use nvrtc::{KernelDims, KernelsReport, kernels_check};
+pub use nvrtc::{KernelDims, KernelsReport, KvFormats, kernels_check};
 pub use ops::Kernels;
 pub use runtime::{LibStatus, Runtime};

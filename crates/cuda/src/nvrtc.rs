@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use cudarc::nvrtc::{result, sys};
+use deltaserve_plan::KvDtype;
 
 use crate::error::CudaError;
 
@@ -40,6 +41,7 @@ pub const SOURCES: &[KernelSource] = &[
     },
     KernelSource { module: "rope", src: include_str!("../kernels/rope.cu"), functions: &["rope_partial"] },
     KernelSource { module: "kv_cache", src: include_str!("../kernels/kv_cache.cu"), functions: &["kv_write"] },
+    KernelSource { module: "kv_quant", src: include_str!("../kernels/kv_quant.cu"), functions: &["kv_write_q"] },
     KernelSource {
         module: "conv",
         src: include_str!("../kernels/conv.cu"),
@@ -270,6 +272,75 @@ impl KernelDims {
     }
 }
 
+/// Storage formats of the paged KV cache, K and V independently, that the attention kernels are
+/// compiled for: bf16, or fp8 (e4m3) / int8 / int4 codes with one f16 scale per (token, kv head)
+/// (rules: deltaserve_cpu::kvquant). The attention module is specialised per pair (`-D KV_K_FMT`,
+/// `-D KV_V_FMT`, absent for bf16 so the bf16 build is the plain one); the cache writer
+/// (kv_quant.cu) takes the formats at run time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KvFormats {
+    pub k: KvDtype,
+    pub v: KvDtype,
+}
+
+impl KvFormats {
+    pub const BF16: KvFormats = KvFormats { k: KvDtype::Bf16, v: KvDtype::Bf16 };
+
+    /// A format's code in the kernels (`KVF_*` in kernels/attention.cu and kv_quant.cu); None for
+    /// the formats the CUDA kernels do not store (fp16, fp32).
+    pub fn code(x: KvDtype) -> Option<i32> {
+        match x {
+            KvDtype::Bf16 => Some(0),
+            KvDtype::Fp8 => Some(1),
+            KvDtype::Int8 => Some(2),
+            KvDtype::Int4 => Some(3),
+            KvDtype::F16 | KvDtype::F32 => None,
+        }
+    }
+
+    /// The `-D` list for one module (empty unless the module is "attention" and a format is not bf16).
+    pub fn defines(&self, module: &str) -> Vec<(&'static str, String)> {
+        let mut v = Vec::new();
+        if module == "attention" {
+            for (name, x) in [("KV_K_FMT", self.k), ("KV_V_FMT", self.v)] {
+                if let Some(c) = Self::code(x).filter(|&c| c != 0) {
+                    v.push((name, c.to_string()));
+                }
+            }
+        }
+        v
+    }
+
+    /// Checks that both formats are ones the kernels store.
+    pub fn validate(&self) -> Result<(), CudaError> {
+        if Self::code(self.k).is_none() || Self::code(self.v).is_none() {
+            return Err(CudaError::InvalidArgs {
+                kernel: "KvFormats",
+                msg: format!(
+                    "the CUDA KV cache stores bf16, fp8, int8 or int4; got K {} and V {}",
+                    self.k.name(),
+                    self.v.name()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether K / V carry per-(token, head) scales.
+    pub fn scaled(&self) -> (bool, bool) {
+        (self.k.scale_bytes() > 0, self.v.scale_bytes() > 0)
+    }
+}
+
+/// Quantised-KV builds of the attention module that [`kernels_check`] compiles besides the bf16
+/// one: every format's K path and V path at least once, and mixed pairs.
+pub const CHECK_KV: &[(KvFormats, &str)] = &[
+    (KvFormats { k: KvDtype::Fp8, v: KvDtype::Fp8 }, "attention[fp8/fp8]"),
+    (KvFormats { k: KvDtype::Int8, v: KvDtype::Int4 }, "attention[int8/int4]"),
+    (KvFormats { k: KvDtype::Int4, v: KvDtype::Int8 }, "attention[int4/int8]"),
+    (KvFormats { k: KvDtype::Bf16, v: KvDtype::Fp8 }, "attention[bf16/fp8]"),
+];
+
 /// One line of the kernels-check report.
 #[derive(Clone, Debug)]
 pub struct CheckLine {
@@ -302,7 +373,7 @@ impl std::fmt::Display for KernelsReport {
         for l in &self.lines {
             writeln!(
                 f,
-                "{:<12} {:<6} {:<4} {:>8} B {:>7.0} ms",
+                "{:<20} {:<6} {:<4} {:>8} B {:>7.0} ms",
                 l.module,
                 l.arch,
                 if l.ok { "ok" } else { "FAIL" },
@@ -323,16 +394,23 @@ impl std::fmt::Display for KernelsReport {
 pub fn kernels_check(archs: &[&str], dims: &KernelDims) -> Result<KernelsReport, CudaError> {
     let nvrtc_version = nvrtc_version()?;
     dims.validate()?;
-    let jobs: Vec<(&KernelSource, &str)> = archs.iter().flat_map(|a| SOURCES.iter().map(move |s| (s, *a))).collect();
+    // (source, arch, KV formats, report label)
+    let mut jobs: Vec<(&KernelSource, &str, KvFormats, &'static str)> =
+        archs.iter().flat_map(|a| SOURCES.iter().map(move |s| (s, *a, KvFormats::BF16, s.module))).collect();
+    if let Some(attn) = SOURCES.iter().find(|s| s.module == "attention") {
+        jobs.extend(archs.iter().flat_map(|a| CHECK_KV.iter().map(move |&(kv, label)| (attn, *a, kv, label))));
+    }
     let lines = std::thread::scope(|scope| {
         let handles: Vec<_> = jobs
             .iter()
-            .map(|(src, arch)| {
+            .map(|&(src, arch, kv, label)| {
                 scope.spawn(move || {
-                    let r = compile(src, arch, &dims.defines(src.module), true);
+                    let mut defines = dims.defines(src.module);
+                    defines.extend(kv.defines(src.module));
+                    let r = compile(src, arch, &defines, true);
                     match r {
                         Ok(c) => CheckLine {
-                            module: src.module,
+                            module: label,
                             arch: arch.to_string(),
                             ok: true,
                             cubin_bytes: c.image.len(),
@@ -340,7 +418,7 @@ pub fn kernels_check(archs: &[&str], dims: &KernelDims) -> Result<KernelsReport,
                             detail: resource_lines(&c.log),
                         },
                         Err(e) => CheckLine {
-                            module: src.module,
+                            module: label,
                             arch: arch.to_string(),
                             ok: false,
                             cubin_bytes: 0,
@@ -354,9 +432,9 @@ pub fn kernels_check(archs: &[&str], dims: &KernelDims) -> Result<KernelsReport,
         handles
             .into_iter()
             .zip(&jobs)
-            .map(|(h, (src, arch))| {
+            .map(|(h, (_, arch, _, label))| {
                 h.join().unwrap_or_else(|_| CheckLine {
-                    module: src.module,
+                    module: label,
                     arch: arch.to_string(),
                     ok: false,
                     cubin_bytes: 0,

@@ -22,7 +22,8 @@ use deltaserve_cuda::arena::{Arena, RegionId};
 use deltaserve_cuda::ops::w4a16;
 use deltaserve_cuda::ops::{self, attention, conv, gdn_chunk, gdn_decode, gdn_gate, kv_cache};
 use deltaserve_cuda::w4::{ScaleDtype, W4Linear};
-use deltaserve_cuda::{KernelDims, Kernels, LibStatus, Runtime, gemm};
+use deltaserve_cuda::{KernelDims, Kernels, KvFormats, LibStatus, Runtime, gemm};
+use deltaserve_plan::KvDtype;
 use half::bf16;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -144,6 +145,20 @@ enum Op {
         inp: usize,
         asym: bool,
     },
+    /// Quantised KV cache (K and V formats): kv_write_q of all positions (codes and f16 scales
+    /// bit-equal to deltaserve_cpu::kvquant), then (unless `special`) prefill attention of the new
+    /// tokens, or decode with `n_split`, against the CPU attention over the CPU-dequantised cache.
+    /// `special` adds all-zero, tiny, huge (saturating) and ±inf rows and checks the write only.
+    KvQ {
+        fk: KvDtype,
+        fv: KvDtype,
+        seqs: Vec<(usize, usize)>,
+        hq: usize,
+        hkv: usize,
+        page: usize,
+        n_split: Option<usize>,
+        special: bool,
+    },
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -183,9 +198,25 @@ fn gdn_op(lens: &[usize], hk: usize, hv: usize, prec: gdn_chunk::Precision) -> O
     Op::GdnChunk { lens: lens.to_vec(), hk, hv, prec }
 }
 
+/// A quantised-KV case (see [`Op::KvQ`]).
+#[allow(clippy::too_many_arguments)]
+fn kvq(
+    fk: KvDtype,
+    fv: KvDtype,
+    seqs: &[(usize, usize)],
+    hq: usize,
+    hkv: usize,
+    page: usize,
+    n_split: Option<usize>,
+    special: bool,
+) -> Op {
+    Op::KvQ { fk, fv, seqs: seqs.to_vec(), hq, hkv, page, n_split, special }
+}
+
 fn cases() -> Vec<Case> {
     let q = KernelDims::QWEN35_27B;
     let c = |name, dims, op, tol| Case { name, dims, op, tol };
+    let (bf, f8, i8, i4) = (KvDtype::Bf16, KvDtype::Fp8, KvDtype::Int8, KvDtype::Int4);
     vec![
         c("embed", q, Op::Embed { t: 1, d: 5120, vocab: 1000 }, EXACT),
         c("embed", q, Op::Embed { t: 37, d: 5120, vocab: 1000 }, EXACT),
@@ -296,6 +327,24 @@ fn cases() -> Vec<Case> {
         c("w4_quantize", q, Op::W4Quantize { out: 301, inp: 512, asym: true }, EXACT),
         c("w4_quantize", q, Op::W4Quantize { out: 256, inp: 5120, asym: false }, EXACT),
         c("w4_quantize", q, Op::W4Quantize { out: 33, inp: 128, asym: false }, EXACT),
+        // Quantised KV: writes with special rows (1 token; page boundaries; several sequences) ...
+        c("kv_write_q", q, kvq(f8, i4, &[(0, 1)], 24, 4, 16, None, true), EXACT),
+        c("kv_write_q", q, kvq(i8, f8, &[(0, 33), (5, 16), (0, 2)], 24, 4, 16, None, true), EXACT),
+        c("kv_write_q", HD32_G8, kvq(i4, i8, &[(0, 17), (3, 9)], 8, 1, 8, None, true), EXACT),
+        c("kv_write_q", SMALL, kvq(i4, bf, &[(60, 70)], 8, 4, 32, None, true), EXACT),
+        // ... and attention over them (write checks included), same tolerance as the bf16 cases.
+        c("kv_q+attn_prefill", q, kvq(f8, f8, &[(0, 63), (10, 65), (100, 17)], 24, 4, 16, None, false), ACCUM),
+        c("kv_q+attn_prefill", q, kvq(i8, i4, &[(5, 64), (31, 127), (1000, 1)], 24, 4, 32, None, false), ACCUM),
+        c("kv_q+attn_prefill", q, kvq(i4, i8, &[(0, 300)], 24, 4, 32, None, false), ACCUM),
+        c("kv_q+attn_prefill", SMALL, kvq(bf, i4, &[(17, 63), (0, 64), (64, 65)], 8, 4, 16, None, false), ACCUM),
+        c("kv_q+attn_prefill", HD64_G1, kvq(i8, bf, &[(3, 33), (0, 1)], 2, 2, 32, None, false), ACCUM),
+        c("kv_q+attn_prefill", HD32_G8, kvq(i4, f8, &[(70, 40), (0, 16), (9, 1)], 8, 1, 8, None, false), ACCUM),
+        c("kv_q+attn_decode", q, kvq(f8, f8, &[(0, 1), (16, 1), (299, 1), (999, 1)], 24, 4, 16, Some(8), false), ACCUM),
+        c("kv_q+attn_decode", q, kvq(i8, i4, &[(4, 1), (63, 1)], 24, 4, 32, Some(16), false), ACCUM),
+        c("kv_q+attn_decode", q, kvq(i4, i8, &[(500, 1)], 24, 4, 16, Some(4), false), ACCUM),
+        c("kv_q+attn_decode", SMALL, kvq(bf, i4, &[(33, 1), (0, 1)], 8, 4, 16, Some(8), false), ACCUM),
+        c("kv_q+attn_decode", HD64_G1, kvq(i8, bf, &[(40, 1), (7, 1)], 2, 2, 32, Some(4), false), ACCUM),
+        c("kv_q+attn_decode", HD32_G8, kvq(i4, f8, &[(77, 1), (8, 1)], 8, 1, 8, Some(3), false), ACCUM),
     ]
 }
 
@@ -678,6 +727,9 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
             let seqs: Vec<(usize, usize)> = lens.iter().map(|&l| (l - 1, 1)).collect();
             attn_case(k, &s, d, rng, &seqs, hq, hkv, page, Some(n_split), tol)?
         }
+        Op::KvQ { fk, fv, seqs, hq, hkv, page, n_split, special } => {
+            kvq_case(rt, k, &s, d, rng, KvFormats { k: fk, v: fv }, &seqs, (hq, hkv, page), n_split, special, tol)?
+        }
         Op::W4Gemv { m, out, inp, asym, perm, bf16 } => w4_gemv_case(rt, k, &s, d, rng, m, out, inp, asym, perm, bf16)?,
         Op::W4Dequant { out, inp, r0, r1, asym, perm } => w4_dequant_case(k, &s, d, rng, out, inp, r0, r1, asym, perm)?,
         Op::W4Quantize { out, inp, asym } => w4_quantize_case(k, &s, d, rng, out, inp, asym)?,
@@ -975,6 +1027,280 @@ fn attn_case(
     Ok(out)
 }
 
+// ---------------------------------------------------------------------------------------------
+// Quantised KV cache: kv_quant.cu writes, attention.cu reading codes + scales.
+
+/// Host encoding of one token-head row with the CPU oracle's rules (deltaserve_cpu::kvquant):
+/// (cache bytes, f16 scale bits; 0 for bf16 and all-zero rows).
+fn kvq_encode(fmt: KvDtype, row: &[f32]) -> (Vec<u8>, u16) {
+    use cpu::kvquant::{KvQuant, f32_to_e4m3, f32_to_f16_bits};
+    if fmt == KvDtype::Bf16 {
+        return (row.iter().flat_map(|&x| bf16::from_f32(x).to_bits().to_le_bytes()).collect(), 0);
+    }
+    let amax = row.iter().fold(0.0f32, |a, x| a.max(x.abs()));
+    let Some(scale) = fmt.row_scale(amax) else {
+        return (vec![0u8; ops::kv_quant::row_bytes(fmt, row.len())], 0);
+    };
+    let codes: Vec<u8> = row
+        .iter()
+        .map(|&x| {
+            let y = x / scale;
+            match fmt {
+                KvDtype::Fp8 => f32_to_e4m3(y),
+                KvDtype::Int8 => y.round_ties_even().clamp(-127.0, 127.0) as i8 as u8,
+                _ => (y.round_ties_even().clamp(-7.0, 7.0) as i8 as u8) & 0xf,
+            }
+        })
+        .collect();
+    let bytes = if fmt == KvDtype::Int4 { codes.chunks(2).map(|p| p[0] | (p[1] << 4)).collect() } else { codes };
+    (bytes, f32_to_f16_bits(scale))
+}
+
+/// Host decoding of one stored row: code × scale in f32 (bf16: the value).
+fn kvq_decode(fmt: KvDtype, bytes: &[u8], scale_bits: u16, hd: usize) -> Vec<f32> {
+    use cpu::kvquant::{e4m3_to_f32, f16_bits_to_f32};
+    let sc = f16_bits_to_f32(scale_bits);
+    (0..hd)
+        .map(|i| match fmt {
+            KvDtype::Bf16 => bf16::from_bits(u16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]])).to_f32(),
+            KvDtype::Fp8 => e4m3_to_f32(bytes[i]) * sc,
+            KvDtype::Int8 => f32::from(bytes[i] as i8) * sc,
+            _ => f32::from((((bytes[i / 2] >> (4 * (i % 2))) << 4) as i8) >> 4) * sc,
+        })
+        .collect()
+}
+
+/// The host codec the GPU checks rely on: encode then decode gives deltaserve_cpu::kvquant's values.
+#[test]
+fn kvq_host_codec_matches_kvquant() {
+    use cpu::kvquant::KvQuant;
+    let mut rng = StdRng::seed_from_u64(11);
+    for fmt in [KvDtype::Bf16, KvDtype::Fp8, KvDtype::Int8, KvDtype::Int4] {
+        for (i, mag) in [0.0f32, 1e-7, 1e-3, 1.0, 300.0, 1e6, 1e37].into_iter().enumerate() {
+            let hd = [32, 64, 256][i % 3];
+            let mut row = randv(&mut rng, hd, 1.0).into_iter().map(|x| rb(x * mag)).collect::<Vec<f32>>();
+            if i == 5 {
+                row[3] = f32::INFINITY;
+            }
+            let (bytes, sc) = kvq_encode(fmt, &row);
+            assert_eq!(bytes.len(), ops::kv_quant::row_bytes(fmt, hd));
+            let mut oracle = row.clone();
+            fmt.quantize_row(&mut oracle);
+            let dec = kvq_decode(fmt, &bytes, sc, hd);
+            assert!(dec.iter().zip(&oracle).all(|(a, b)| a == b), "{fmt:?} x{mag}: {dec:?} vs {oracle:?}");
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn kvq_case(
+    rt: &Runtime,
+    k: &Kernels,
+    s: &cudarc::driver::CudaStream,
+    d: &mut Dev,
+    rng: &mut StdRng,
+    kv: KvFormats,
+    seqs: &[(usize, usize)],
+    (hq, hkv, page): (usize, usize, usize),
+    n_split: Option<usize>,
+    special: bool,
+    tol: Tol,
+) -> R<Vec<Outcome>> {
+    use cpu::kvquant::{KvQuant, f32_to_f16_bits};
+    let hd = k.dims.attn_head_dim;
+    let width = hkv * hd;
+    let nb = seqs.len();
+    let totals: Vec<usize> = seqs.iter().map(|&(p, n)| p + n).collect();
+    let max_blocks = totals.iter().map(|t| t.div_ceil(page)).max().unwrap_or(1);
+    let num_blocks = nb * max_blocks + 3;
+    let mut perm: Vec<i32> = (0..num_blocks as i32).collect();
+    for i in (1..perm.len()).rev() {
+        let j = rng.random_range(0..=i);
+        perm.swap(i, j);
+    }
+    let bt: Vec<i32> = perm[..nb * max_blocks].to_vec();
+    let t_all: usize = totals.iter().sum();
+    let mut kall = randv(rng, t_all * width, 2.0);
+    let mut vall = randv(rng, t_all * width, 1.0);
+    if special {
+        // Rows (token-heads) with special contents, cycling through the kinds.
+        let kinds = |r: usize, x: &mut [f32], rng: &mut StdRng| match r % 6 {
+            0 => x.fill(0.0),
+            1 => x.iter_mut().for_each(|v| *v = rb(*v * 1e-6)), // subnormal f16 scales
+            2 => x.iter_mut().for_each(|v| *v = rb(*v * 1e6)),  // beyond int4's scale range
+            3 => x.iter_mut().for_each(|v| *v = rb(*v * 1e37)), // saturates every format
+            4 => {
+                x.iter_mut().for_each(|v| *v = rb(*v * 1e3));
+                x[rng.random_range(0..x.len())] = f32::INFINITY;
+                x[rng.random_range(0..x.len())] = f32::NEG_INFINITY;
+            }
+            _ => {
+                x.fill(0.0);
+                x[rng.random_range(0..x.len())] = -0.5; // one value; the rest zeros (and -0)
+                x[rng.random_range(0..x.len())] = -0.0;
+            }
+        };
+        for (r, row) in kall.chunks_mut(hd).enumerate().filter(|(r, _)| r % 3 == 0) {
+            kinds(r / 3, row, rng);
+        }
+        for (r, row) in vall.chunks_mut(hd).enumerate().filter(|(r, _)| r % 3 == 1) {
+            kinds(r / 3 + 1, row, rng);
+        }
+    }
+    let pos_all: Vec<i32> = totals.iter().flat_map(|&t| 0..t as i32).collect();
+    let cu_all = cu_of(&totals);
+    let rows = num_blocks * page * hkv;
+    let (krb, vrb) = (ops::kv_quant::row_bytes(kv.k, hd), ops::kv_quant::row_bytes(kv.v, hd));
+    let (kc, vc) = (d.poison(rows * krb)?, d.poison(rows * vrb)?);
+    let (ksc, vsc) = (d.poison(2 * rows)?, d.poison(2 * rows)?);
+    let (kp, vp, pp, cap, btp) = (d.bf16(&kall)?, d.bf16(&vall)?, d.i32s(&pos_all)?, d.i32s(&cu_all)?, d.i32s(&bt)?);
+    let tensor = |data, scales, fmt| ops::kv_quant::KvTensor { data, scales, fmt };
+    ops::kv_quant::kv_write_q(
+        k,
+        s,
+        &ops::kv_quant::KvWriteQ {
+            k: kp,
+            k_stride: width,
+            v: vp,
+            v_stride: width,
+            k_cache: tensor(kc, ksc, kv.k),
+            v_cache: tensor(vc, vsc, kv.v),
+            block_tables: btp,
+            max_blocks,
+            cu_seqlens: cap,
+            positions: pp,
+            n_seqs: nb,
+            t: t_all,
+            page,
+            kv_heads: hkv,
+            head_dim: hd,
+        },
+    )?;
+    rt.synchronize()?;
+
+    // The write: bytes and scale bits of every written row against the host encoding, and the
+    // host-decoded values against the CPU oracle's quantize_row (value equality: -0 == 0).
+    let mut out = Vec::new();
+    for (what, fmt, all, cache, scales, rowb) in [("K", kv.k, &kall, kc, ksc, krb), ("V", kv.v, &vall, vc, vsc, vrb)] {
+        let mut bytes = vec![0u8; rows * rowb];
+        let mut sbits = vec![0u16; rows];
+        rt.download(&mut bytes, cache)?;
+        rt.download(&mut sbits, scales)?;
+        let (mut bad_codes, mut bad_scales, mut bad_values, mut first) = (0usize, 0usize, 0usize, String::new());
+        for (b, &tot) in totals.iter().enumerate() {
+            for p in 0..tot {
+                let row = bt[b * max_blocks + p / page] as usize * page + p % page;
+                for h in 0..hkv {
+                    let x = &all[(cu_all[b] as usize + p) * width + h * hd..][..hd];
+                    let idx = row * hkv + h;
+                    let got = &bytes[idx * rowb..][..rowb];
+                    let (want, want_sc) = kvq_encode(fmt, x);
+                    let mut oracle = x.to_vec();
+                    fmt.quantize_row(&mut oracle);
+                    let dec = kvq_decode(fmt, got, sbits[idx], hd);
+                    let codes_ok = got == want.as_slice();
+                    let scale_ok = fmt == KvDtype::Bf16 || sbits[idx] == want_sc;
+                    let values_ok = dec.iter().zip(&oracle).all(|(a, o)| a == o);
+                    bad_codes += usize::from(!codes_ok);
+                    bad_scales += usize::from(!scale_ok);
+                    bad_values += usize::from(!values_ok);
+                    if first.is_empty() && !(codes_ok && scale_ok && values_ok) {
+                        let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                        first = format!(
+                            "; first: seq {b} pos {p} head {h} amax {amax:e} scale {:#06x} want {want_sc:#06x} \
+                             (row_scale {:?}) codes {:?}.. want {:?}..",
+                            sbits[idx],
+                            fmt.row_scale(amax).map(f32_to_f16_bits),
+                            &got[..rowb.min(8)],
+                            &want[..rowb.min(8)]
+                        );
+                    }
+                }
+            }
+        }
+        out.push(Outcome {
+            ok: bad_codes + bad_scales + bad_values == 0,
+            detail: format!(
+                "{what} {}: {} rows; {bad_codes} with other codes, {bad_scales} other scales, {bad_values} \
+                 decoding other than kvquant{first}",
+                fmt.name(),
+                t_all * hkv
+            ),
+        });
+    }
+    if special {
+        return Ok(out);
+    }
+
+    // Attention over the cache with kernels compiled for its formats.
+    let kq = Kernels::load_kv(rt, k.dims, kv)?;
+    let news: Vec<usize> = seqs.iter().map(|&(_, n)| n).collect();
+    let t_new: usize = news.iter().sum();
+    let q = randv(rng, t_new * hq * hd, 2.0);
+    let qp = d.bf16(&q)?;
+    let op = d.poison(2 * t_new * hq * hd)?;
+    let lens: Vec<i32> = totals.iter().map(|&t| t as i32).collect();
+    let lp = d.i32s(&lens)?;
+    let pages = attention::KvPages { k_cache: kc, v_cache: vc, block_tables: btp, max_blocks, page, kv_heads: hkv };
+    let scales = attention::KvScales { k: ksc, v: vsc };
+    let scale = 1.0 / (hd as f32).sqrt();
+    match n_split {
+        None => {
+            let cu = cu_of(&news);
+            let table = attention::tile_table(&cu);
+            let (cup, tp) = (d.i32s(&cu)?, d.i32s(&table)?);
+            let a = attention::AttnPrefill {
+                q: qp,
+                q_tok: hq * hd,
+                q_head: hd,
+                o: op,
+                kv: pages,
+                cu_seqlens: cup,
+                seq_lens: lp,
+                tile_table: tp,
+                n_tiles: table.len() / 2,
+                q_heads: hq,
+                scale,
+            };
+            attention::attn_prefill_q(&kq, s, &a, &scales)?;
+        }
+        Some(n_split) => {
+            let bytes = attention::decode_scratch_bytes(nb, hq, n_split, hd);
+            let sc = d.poison(bytes)?;
+            let a = attention::AttnDecode {
+                q: qp,
+                q_tok: hq * hd,
+                q_head: hd,
+                o: op,
+                kv: pages,
+                seq_lens: lp,
+                n_seqs: nb,
+                q_heads: hq,
+                n_split,
+                scratch: sc,
+                scratch_bytes: bytes,
+                scale,
+            };
+            attention::attn_decode_q(&kq, s, &a, &scales)?;
+        }
+    }
+    // Reference: the CPU attention over the CPU-dequantised cache.
+    kv.k.quantize_rows(&mut kall, hd);
+    kv.v.quantize_rows(&mut vall, hd);
+    let mut r = Vec::new();
+    let mut qo = 0;
+    for (b, &(_, n)) in seqs.iter().enumerate() {
+        let t0 = cu_all[b] as usize;
+        let kcache = &kall[t0 * width..][..totals[b] * width];
+        let vcache = &vall[t0 * width..][..totals[b] * width];
+        r.extend(cpu::attention::causal_gqa_attention(&q[qo * hq * hd..][..n * hq * hd], kcache, vcache, hq, hkv, hd));
+        qo += n;
+    }
+    out.push(compare("o", &r, &d.get_bf16(op, t_new * hq * hd)?, tol));
+    Ok(out)
+}
+
+// ---------------------------------------------------------------------------------------------
 // ---------------------------------------------------------------------------------------------
 // W4A16: 4-bit weights in the device format of deltaserve_cuda::w4 (host oracle there).
 

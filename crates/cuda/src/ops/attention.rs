@@ -1,11 +1,13 @@
 //! Launchers for kernels/attention.cu: causal GQA attention over the paged KV cache, prefill
 //! (varlen, online softmax on tensor cores, no scratch) and decode (fixed split count + combine).
+//! The cache is bf16, or quantised per [`Kernels::kv`] (the `_q` launchers take its scales).
 
 use cudarc::driver::CudaStream;
 
 use super::{Kernels, invalid, launch, to_i32, to_u32};
 use crate::error::CudaError;
-use crate::nvrtc::KernelDims;
+use crate::nvrtc::{KernelDims, KvFormats};
+use deltaserve_plan::KvDtype;
 
 /// Queries per prefill tile (fixed in the kernel: one m16 mma row tile per query head).
 pub const Q_TILE: usize = 16;
@@ -13,9 +15,31 @@ pub const Q_TILE: usize = 16;
 /// Keys per KV tile of the prefill kernel.
 const KV_TILE: usize = 32;
 
-/// Dynamic shared memory of [`attn_prefill`]: 2 stages of K and V tiles, rows padded by 8 bf16.
-pub(crate) fn prefill_smem_bytes(d: &KernelDims) -> usize {
-    2 * 2 * KV_TILE * (d.attn_head_dim + 8) * 2
+/// Dynamic shared memory of [`attn_prefill`] (PF_SMEM_BYTES in attention.cu): 2 stages of K and V
+/// tiles (bf16 rows padded by 8, or the raw codes of a quantised format), then for each quantised
+/// matrix one converted bf16 tile and the tile's f32 scales.
+pub(crate) fn prefill_smem_bytes(d: &KernelDims, kv: &KvFormats) -> usize {
+    let hd = d.attn_head_dim;
+    let tile = KV_TILE * (hd + 8) * 2;
+    let part = |f: KvDtype| if f == KvDtype::Bf16 { tile } else { KV_TILE * hd * f.bits() as usize / 8 };
+    let extra = |f: KvDtype| if f == KvDtype::Bf16 { 0 } else { tile + 4 * KV_TILE };
+    2 * (part(kv.k) + part(kv.v)) + extra(kv.k) + extra(kv.v)
+}
+
+/// Per-(token, head) f16 scales of a quantised cache ([rows, kv_heads] each; 0 for a bf16 matrix).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct KvScales {
+    pub k: u64,
+    pub v: u64,
+}
+
+fn check_scales(kernel: &'static str, k: &Kernels, sc: &KvScales) -> Result<(), CudaError> {
+    for (what, f, p) in [("K", k.kv.k, sc.k), ("V", k.kv.v, sc.v)] {
+        if f.scale_bytes() > 0 && (p == 0 || !p.is_multiple_of(2)) {
+            return Err(invalid(kernel, format!("{what} is {} and needs 2-byte aligned scales, got {p:#x}", f.name())));
+        }
+    }
+    Ok(())
 }
 
 /// Host-side tile table for [`attn_prefill`]: (sequence, 16-query tile) pairs.
@@ -32,7 +56,8 @@ pub fn decode_scratch_bytes(n_seqs: usize, q_heads: usize, n_split: usize, head_
 /// Paged-KV geometry shared by both launchers.
 #[derive(Clone, Copy, Debug)]
 pub struct KvPages {
-    /// [num_blocks * page, kv_heads*head_dim] bf16.
+    /// [num_blocks * page, kv_heads*head_dim] bf16, or the codes of the format of [`Kernels::kv`]
+    /// (ops::kv_quant's layout).
     pub k_cache: u64,
     pub v_cache: u64,
     /// [n_seqs, max_blocks] i32.
@@ -62,9 +87,17 @@ pub struct AttnPrefill {
 }
 
 pub fn attn_prefill(k: &Kernels, s: &CudaStream, a: &AttnPrefill) -> Result<(), CudaError> {
+    attn_prefill_q(k, s, a, &KvScales::default())
+}
+
+/// [`attn_prefill`] over a cache stored in the formats the kernels were loaded for ([`Kernels::kv`]):
+/// `kv.k_cache` / `kv.v_cache` hold the codes, `sc` their scales.
+pub fn attn_prefill_q(k: &Kernels, s: &CudaStream, a: &AttnPrefill, sc: &KvScales) -> Result<(), CudaError> {
     if a.n_tiles == 0 {
         return Ok(());
     }
+    check_scales("attn_prefill", k, sc)?;
+    let (k_scales, v_scales) = (sc.k, sc.v);
     let d = k.dims;
     if a.kv.kv_heads == 0 || a.q_heads != a.kv.kv_heads * d.gqa_group || a.kv.page == 0 {
         return Err(invalid("attn_prefill", format!("{a:?}: q_heads must be kv_heads * GQA_GROUP ({})", d.gqa_group)));
@@ -89,9 +122,10 @@ pub fn attn_prefill(k: &Kernels, s: &CudaStream, a: &AttnPrefill) -> Result<(), 
     // One block per (16-query tile, kv head); one warp per query head of the GQA group.
     let grid = (to_u32("attn_prefill", "n_tiles", a.n_tiles)?, to_u32("attn_prefill", "kv_heads", a.kv.kv_heads)?, 1);
     let block = (32 * d.gqa_group as u32, 1, 1);
-    let smem = prefill_smem_bytes(&d) as u32;
+    let smem = prefill_smem_bytes(&d, &k.kv) as u32;
     launch!(k, s, "attn_prefill", grid, block, smem;
-        q, k_cache, v_cache, block_tables, mb, cu_seqlens, seq_lens, tile_table, o, hq, hkv, page, scale, qt, qh)
+        q, k_cache, v_cache, k_scales, v_scales, block_tables, mb, cu_seqlens, seq_lens, tile_table, o, hq, hkv,
+        page, scale, qt, qh)
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -115,9 +149,19 @@ pub struct AttnDecode {
 }
 
 pub fn attn_decode(k: &Kernels, s: &CudaStream, a: &AttnDecode) -> Result<(), CudaError> {
+    attn_decode_q(k, s, a, &KvScales::default())
+}
+
+/// [`attn_decode`] over a cache stored in the formats the kernels were loaded for ([`Kernels::kv`]).
+pub fn attn_decode_q(k: &Kernels, s: &CudaStream, a: &AttnDecode, sc: &KvScales) -> Result<(), CudaError> {
     if a.n_seqs == 0 {
         return Ok(());
     }
+    check_scales("attn_decode_split", k, sc)?;
+    if k.kv != KvFormats::BF16 && (!a.kv.k_cache.is_multiple_of(4) || !a.kv.v_cache.is_multiple_of(4)) {
+        return Err(invalid("attn_decode_split", format!("{a:?}: the K/V caches must be 4-byte aligned")));
+    }
+    let (k_scales, v_scales) = (sc.k, sc.v);
     let d = k.dims;
     let need = decode_scratch_bytes(a.n_seqs, a.q_heads, a.n_split, d.attn_head_dim);
     if a.kv.kv_heads == 0 || a.q_heads != a.kv.kv_heads * d.gqa_group || a.n_split == 0 || a.kv.page == 0 {
@@ -145,7 +189,8 @@ pub fn attn_decode(k: &Kernels, s: &CudaStream, a: &AttnDecode) -> Result<(), Cu
         to_u32("attn_decode_split", "n_split", a.n_split)?,
     );
     launch!(k, s, "attn_decode_split", grid, (256, 1, 1), 0;
-        q, k_cache, v_cache, block_tables, mb, seq_lens, part_o, part_ml, hq, hkv, page, scale, ns, qt, qh)?;
+        q, k_cache, v_cache, k_scales, v_scales, block_tables, mb, seq_lens, part_o, part_ml, hq, hkv, page, scale,
+        ns, qt, qh)?;
     let grid = (grid.0, to_u32("attn_decode_combine", "q_heads", a.q_heads)?, 1);
     let block = (d.attn_head_dim as u32, 1, 1);
     launch!(k, s, "attn_decode_combine", grid, block, 0; part_o, part_ml, o, hq, ns)

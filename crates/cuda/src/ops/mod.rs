@@ -12,6 +12,7 @@ pub mod gdn_gate;
 pub mod gemv;
 pub mod init;
 pub mod kv_cache;
+pub mod kv_quant;
 pub mod norm;
 pub mod rope;
 pub mod w4a16;
@@ -23,13 +24,15 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::nvrtc::Ptx;
 
 use crate::error::CudaError;
-use crate::nvrtc::{self, KernelDims, SOURCES};
+use crate::nvrtc::{self, KernelDims, KvFormats, SOURCES};
 use crate::runtime::Runtime;
 
 /// Every kernel of the crate, compiled for one device and one set of [`KernelDims`].
 pub struct Kernels {
     funcs: HashMap<&'static str, CudaFunction>,
     pub dims: KernelDims,
+    /// KV-cache formats the attention kernels were compiled for ([`Kernels::load`]: bf16).
+    pub kv: KvFormats,
     pub arch: String,
     /// Wall time of compiling + loading all modules (ms).
     pub load_ms: f64,
@@ -39,7 +42,13 @@ impl Kernels {
     /// Compiles (NVRTC, in parallel, cached per process) and loads every module, and raises the
     /// dynamic shared-memory limit of the kernels that need more than 48 KB.
     pub fn load(rt: &Runtime, dims: KernelDims) -> Result<Kernels, CudaError> {
+        Self::load_kv(rt, dims, KvFormats::BF16)
+    }
+
+    /// [`Kernels::load`] with the attention kernels reading a KV cache stored in `kv`.
+    pub fn load_kv(rt: &Runtime, dims: KernelDims, kv: KvFormats) -> Result<Kernels, CudaError> {
         dims.validate()?;
+        kv.validate()?;
         let t0 = std::time::Instant::now();
         let arch = rt.arch();
         let cubins: Vec<Result<nvrtc::Cubin, CudaError>> = std::thread::scope(|scope| {
@@ -47,7 +56,9 @@ impl Kernels {
                 .iter()
                 .map(|src| {
                     let arch = arch.as_str();
-                    scope.spawn(move || nvrtc::compile(src, arch, &dims.defines(src.module), false))
+                    let mut defines = dims.defines(src.module);
+                    defines.extend(kv.defines(src.module));
+                    scope.spawn(move || nvrtc::compile(src, arch, &defines, false))
                 })
                 .collect();
             hs.into_iter()
@@ -70,11 +81,11 @@ impl Kernels {
                 funcs.insert(name, f);
             }
         }
-        let k = Kernels { funcs, dims, arch, load_ms: t0.elapsed().as_secs_f64() * 1e3 };
+        let k = Kernels { funcs, dims, kv, arch, load_ms: t0.elapsed().as_secs_f64() * 1e3 };
         for (name, bytes) in [
             ("gdn_chunk_prep", gdn_chunk::prep_smem_bytes(&dims)),
             ("gdn_chunk_state", gdn_chunk::state_smem_bytes(&dims)),
-            ("attn_prefill", attention::prefill_smem_bytes(&dims)),
+            ("attn_prefill", attention::prefill_smem_bytes(&dims, &kv)),
             ("w4_gemv_cp4", w4a16::GemvKernel::Async4.smem_bytes()),
             ("w4_gemv_cp8", w4a16::GemvKernel::Async8.smem_bytes()),
         ] {

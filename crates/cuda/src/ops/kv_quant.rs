@@ -1,0 +1,100 @@
+//! Launcher for kernels/kv_quant.cu: the paged KV write into caches stored as bf16, fp8 (e4m3),
+//! int8 or int4 with per-(token, head) f16 scales, K and V formats independent, with the rounding
+//! of `deltaserve_cpu::kvquant` bit for bit. Addressing is [`super::kv_cache::kv_write`]'s.
+//!
+//! Layout of one attention layer's cache (the plan's `kv_pages` tensors, `Plan::kv_tensor_bytes`):
+//! K data `[pages * page_size, kv_heads, head_dim]` at the format's bits (int4: element 2i in the
+//! low nibble of byte i, 2i+1 in the high nibble, two's complement), K scales
+//! `[pages * page_size, kv_heads]` f16, then V data and V scales alike.
+
+use cudarc::driver::CudaStream;
+use deltaserve_plan::KvDtype;
+
+use super::{Kernels, invalid, launch, to_i32, to_u32};
+use crate::error::CudaError;
+use crate::nvrtc::KvFormats;
+
+/// Bytes of one token-head row (`head_dim` elements) of a format, without the scale.
+pub fn row_bytes(fmt: KvDtype, head_dim: usize) -> usize {
+    (head_dim * fmt.bits() as usize).div_ceil(8)
+}
+
+/// One K or V tensor of a layer's cache: data and (for the scaled formats) scales.
+#[derive(Clone, Copy, Debug)]
+pub struct KvTensor {
+    /// `[rows, kv_heads, head_dim]` at the format's bits.
+    pub data: u64,
+    /// `[rows, kv_heads]` f16 (ignored, may be 0, for bf16).
+    pub scales: u64,
+    pub fmt: KvDtype,
+}
+
+/// Paged KV cache write for one layer. Every pointer is a device address.
+#[derive(Clone, Copy, Debug)]
+pub struct KvWriteQ {
+    /// [t, kv_heads*head_dim] bf16, token strides in elements (even).
+    pub k: u64,
+    pub k_stride: usize,
+    pub v: u64,
+    pub v_stride: usize,
+    pub k_cache: KvTensor,
+    pub v_cache: KvTensor,
+    /// [n_seqs, max_blocks] i32.
+    pub block_tables: u64,
+    pub max_blocks: usize,
+    /// [n_seqs + 1] i32, and absolute positions [t] i32 (< 0: padding, nothing written).
+    pub cu_seqlens: u64,
+    pub positions: u64,
+    pub n_seqs: usize,
+    pub t: usize,
+    pub page: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+fn check_tensor(what: &str, x: &KvTensor, head_dim: usize) -> Result<i32, CudaError> {
+    let code = KvFormats::code(x.fmt).ok_or_else(|| {
+        invalid("kv_write_q", format!("{what}: the CUDA KV cache stores bf16, fp8, int8 or int4, not {}", x.fmt.name()))
+    })?;
+    let align = row_bytes(x.fmt, head_dim).min(4) as u64;
+    if x.data == 0 || !x.data.is_multiple_of(align) {
+        return Err(invalid("kv_write_q", format!("{what}: data pointer {:#x} not {align}-byte aligned", x.data)));
+    }
+    if x.fmt.scale_bytes() > 0 && (x.scales == 0 || !x.scales.is_multiple_of(2)) {
+        return Err(invalid("kv_write_q", format!("{what}: {} needs a 2-byte aligned scales pointer", x.fmt.name())));
+    }
+    Ok(code)
+}
+
+pub fn kv_write_q(k: &Kernels, s: &CudaStream, a: &KvWriteQ) -> Result<(), CudaError> {
+    if a.t == 0 {
+        return Ok(());
+    }
+    let width = a.kv_heads * a.head_dim;
+    if a.page == 0 || a.n_seqs == 0 || a.max_blocks == 0 || a.kv_heads == 0 || a.k_stride < width || a.v_stride < width
+    {
+        return Err(invalid("kv_write_q", format!("{a:?}")));
+    }
+    // Lanes move element pairs as 32-bit words.
+    if !a.head_dim.is_multiple_of(2)
+        || !a.k_stride.is_multiple_of(2)
+        || !a.v_stride.is_multiple_of(2)
+        || !a.k.is_multiple_of(4)
+        || !a.v.is_multiple_of(4)
+    {
+        return Err(invalid("kv_write_q", format!("{a:?}: head_dim and strides must be even, k/v 4-byte aligned")));
+    }
+    let kf = check_tensor("K", &a.k_cache, a.head_dim)?;
+    let vf = check_tensor("V", &a.v_cache, a.head_dim)?;
+    let KvWriteQ { k: kp, v: vp, block_tables, cu_seqlens, positions, .. } = *a;
+    let (kc, ksc, vc, vsc) = (a.k_cache.data, a.k_cache.scales, a.v_cache.data, a.v_cache.scales);
+    let (ks, vs) = (a.k_stride as i64, a.v_stride as i64);
+    let mb = to_i32("kv_write_q", "max_blocks", a.max_blocks)?;
+    let b = to_i32("kv_write_q", "n_seqs", a.n_seqs)?;
+    let page = to_i32("kv_write_q", "page", a.page)?;
+    let hkv = to_i32("kv_write_q", "kv_heads", a.kv_heads)?;
+    let hd = to_i32("kv_write_q", "head_dim", a.head_dim)?;
+    let grid = (to_u32("kv_write_q", "t", a.t)?, 1, 1);
+    launch!(k, s, "kv_write_q", grid, (128, 1, 1), 0;
+        kp, ks, vp, vs, kc, ksc, vc, vsc, block_tables, mb, cu_seqlens, b, positions, page, hkv, hd, kf, vf)
+}
