@@ -98,3 +98,99 @@ pub fn kv_write_q(k: &Kernels, s: &CudaStream, a: &KvWriteQ) -> Result<(), CudaE
     launch!(k, s, "kv_write_q", grid, (128, 1, 1), 0;
         kp, ks, vp, vs, kc, ksc, vc, vsc, block_tables, mb, cu_seqlens, b, positions, page, hkv, hd, kf, vf)
 }
+
+/// The backend's entry point: writes the step's K/V rows (`a` as for the bf16 writer; its
+/// `k_cache` / `v_cache` are ignored) into `layer`, through the plain bf16 copy kernel when both
+/// formats are bf16 and through [`kv_write_q`] otherwise.
+pub fn kv_write_layer(
+    k: &Kernels,
+    s: &CudaStream,
+    a: &super::kv_cache::KvWrite,
+    layer: &LayerKv,
+) -> Result<(), CudaError> {
+    if layer.k.fmt == KvDtype::Bf16 && layer.v.fmt == KvDtype::Bf16 {
+        let w = super::kv_cache::KvWrite { k_cache: layer.k.data, v_cache: layer.v.data, ..*a };
+        return super::kv_cache::kv_write(k, s, &w);
+    }
+    let q = KvWriteQ {
+        k: a.k,
+        k_stride: a.k_stride,
+        v: a.v,
+        v_stride: a.v_stride,
+        k_cache: layer.k,
+        v_cache: layer.v,
+        block_tables: a.block_tables,
+        max_blocks: a.max_blocks,
+        cu_seqlens: a.cu_seqlens,
+        positions: a.positions,
+        n_seqs: a.n_seqs,
+        t: a.t,
+        page: a.page,
+        kv_heads: a.kv_heads,
+        head_dim: a.head_dim,
+    };
+    kv_write_q(k, s, &q)
+}
+
+/// One attention layer's cache inside the plan's `kv_pages` region: K data, K scales, V data,
+/// V scales, each starting `deltaserve_plan::ALIGN`-aligned (the backend's carving order).
+#[derive(Clone, Copy, Debug)]
+pub struct LayerKv {
+    pub k: KvTensor,
+    pub v: KvTensor,
+}
+
+impl LayerKv {
+    /// Carves one layer at `base` from the plan's per-layer tensor sizes (`Plan::kv_tensor_bytes`:
+    /// K data, K scales, V data, V scales); returns the layer and the bytes it spans.
+    pub fn carve(base: u64, sizes: [usize; 4], kv: KvFormats) -> (LayerKv, usize) {
+        let al = |x: usize| x.next_multiple_of(deltaserve_plan::ALIGN as usize);
+        let [kb, ks, vb, vs] = sizes;
+        let k = KvTensor { data: base, scales: base + al(kb) as u64, fmt: kv.k };
+        let v_at = base + (al(kb) + al(ks)) as u64;
+        let v = KvTensor { data: v_at, scales: v_at + al(vb) as u64, fmt: kv.v };
+        (LayerKv { k, v }, al(kb) + al(ks) + al(vb) + al(vs))
+    }
+
+    /// The scales the `_q` attention launchers take.
+    pub fn scales(&self) -> super::attention::KvScales {
+        super::attention::KvScales { k: self.k.scales, v: self.v.scales }
+    }
+
+    /// (base address, bytes per token) of each stored tensor (data, and scales of the scaled
+    /// formats), for copying whole tokens between pages: token `i` of page `p` starts at
+    /// `base + (p * page_size + i) * bytes_per_token`.
+    pub fn token_tensors(&self, kv_heads: usize, head_dim: usize) -> Vec<(u64, usize)> {
+        let mut v = Vec::with_capacity(4);
+        for x in [self.k, self.v] {
+            v.push((x.data, kv_heads * row_bytes(x.fmt, head_dim)));
+            if x.fmt.scale_bytes() > 0 {
+                v.push((x.scales, kv_heads * x.fmt.scale_bytes() as usize));
+            }
+        }
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn carving_follows_the_plan_layout() {
+        let kv = KvFormats { k: KvDtype::Int4, v: KvDtype::Fp8 };
+        // 10 pages of 16 tokens, 4 kv heads of 256: K 4·128 B/token, scales 4·2, V 4·256.
+        let sizes = [160 * 512, 160 * 8, 160 * 1024, 160 * 8];
+        let (l, bytes) = LayerKv::carve(1 << 20, sizes, kv);
+        assert_eq!(l.k.data, 1 << 20);
+        assert_eq!(l.k.scales, (1 << 20) + 81920);
+        assert_eq!(l.v.data, (1 << 20) + 81920 + 1280);
+        assert_eq!(l.v.scales, (1 << 20) + 81920 + 1280 + 163840);
+        assert_eq!(bytes, 81920 + 1280 + 163840 + 1280);
+        let t = l.token_tensors(4, 256);
+        assert_eq!(t, vec![(l.k.data, 512), (l.k.scales, 8), (l.v.data, 1024), (l.v.scales, 8)]);
+        let (b, _) = LayerKv::carve(0, [100, 0, 100, 0], KvFormats::BF16);
+        assert_eq!(b.token_tensors(1, 50), vec![(0, 100), (256, 100)]);
+        assert_eq!(row_bytes(KvDtype::Int4, 32), 16);
+    }
+}
