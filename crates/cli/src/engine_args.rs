@@ -9,7 +9,8 @@ use deltaserve_cuda::backend::CudaOptions;
 use deltaserve_cuda::{CudaBackend, WeightSource};
 use deltaserve_engine::EngineHandle;
 use deltaserve_model::ModelConfig;
-use deltaserve_plan::{Free, KvDtype, Plan, PlanOptions, fit_context, parse_size};
+use deltaserve_model::quant::Quantization;
+use deltaserve_plan::{Free, KvDtype, Plan, PlanOptions, WeightBytes, WeightsDtype, fit_context, parse_size};
 use deltaserve_sched::{PrefixCacheConfig, SchedConfig};
 use deltaserve_server::{AppState, ServerConfig};
 use deltaserve_text::{ChatTemplate, Tokenizer};
@@ -71,6 +72,26 @@ pub struct EngineArgs {
     /// does not shard yet (`deltaserve plan --tensor-parallel N` shows the per-card plan).
     #[arg(long, default_value_t = 1)]
     pub tensor_parallel: usize,
+    /// CUDA backend: storage of the decoder linears, bf16 or int4 (group 128). int4 with a bf16
+    /// checkpoint quantises it at load (as --quantize int4); with --random-weights, random int4 codes
+    /// at the real shapes. A GPTQ / AutoRound checkpoint is int4 by itself.
+    #[arg(long)]
+    pub weights_dtype: Option<String>,
+    /// CUDA backend: quantise a bf16 checkpoint's decoder linears at load, on the GPU (int4: round to
+    /// nearest, group 128, fp16 scales; symmetric unless --int4-asym).
+    #[arg(long, value_name = "int4")]
+    pub quantize: Option<String>,
+    /// int4 weights with zero points (asymmetric) when quantising at load or for random weights.
+    #[arg(long)]
+    pub int4_asym: bool,
+    /// CUDA backend: store lm_head in int4 (logits through the int4 GEMV). Default: the planner may
+    /// choose it when int4 weights do not reach the full context otherwise.
+    #[arg(long)]
+    pub lm_head_int4: bool,
+    /// CUDA backend: keep the embedding table in pinned host memory (a step uploads its rows).
+    /// Default: the planner may choose it when the full context does not fit otherwise.
+    #[arg(long)]
+    pub embed_on_host: bool,
 }
 
 impl EngineArgs {
@@ -205,6 +226,45 @@ impl EngineArgs {
         }
     }
 
+    /// The CUDA weight storage: (int4 decoder linears, asymmetric) from --weights-dtype / --quantize
+    /// and the checkpoint's GPTQ quantization_config.
+    fn cuda_weights(&self, cfg: &ModelConfig, random_weights: bool) -> Result<(bool, bool)> {
+        let flag = match self.weights_dtype.as_deref() {
+            None => None,
+            Some(w) => match w.parse::<WeightsDtype>().map_err(|e| anyhow::anyhow!("--weights-dtype: {e}"))? {
+                WeightsDtype::Bf16 => Some(false),
+                WeightsDtype::Int4 => Some(true),
+                other => anyhow::bail!("--weights-dtype {other}: the CUDA backend stores weights in bf16 or int4"),
+            },
+        };
+        let quantize = match self.quantize.as_deref() {
+            None => false,
+            Some("int4") if random_weights => {
+                anyhow::bail!("--quantize int4 quantises a checkpoint; with --random-weights use --weights-dtype int4")
+            }
+            Some("int4") => true,
+            Some(other) => anyhow::bail!("--quantize {other}: only int4 is supported"),
+        };
+        let gptq = match &cfg.quantization {
+            Some(Quantization::Gptq(g)) if !random_weights => Some(g.params.sym),
+            _ => None,
+        };
+        if let Some(sym) = gptq {
+            if flag == Some(false) || quantize {
+                anyhow::bail!(
+                    "this checkpoint is GPTQ-quantised (int4 by itself): --weights-dtype bf16 / --quantize do not apply"
+                );
+            }
+            return Ok((true, !sym || self.int4_asym));
+        }
+        if matches!(&cfg.quantization, Some(Quantization::Fp8Block(_))) && !random_weights && !quantize {
+            tracing::warn!(
+                "block-FP8 checkpoint: the CUDA backend dequantises it to bf16 (or int4 with --quantize int4)"
+            );
+        }
+        Ok((flag.unwrap_or(false) || quantize, self.int4_asym))
+    }
+
     /// The plan for the full context (or `--max-context`), logging what the planner traded for it.
     fn fit(
         &self,
@@ -259,13 +319,34 @@ impl EngineArgs {
                 "--speculative-tokens: speculative decoding is not supported by the CUDA backend yet (use --device cpu)"
             );
         }
-        let opts = self.plan_options(Device::Cuda)?;
+        let mut opts = self.plan_options(Device::Cuda)?;
         let cfg = text.config;
-        let scratch =
-            |o: &PlanOptions| deltaserve_cuda::backend::scratch_bytes(&cfg, o.max_batch_tokens, o.max_seqs) as u64;
-        // The CUDA backend keeps the embedding and lm_head on the device in bf16 for now.
-        let plan =
-            self.fit(&cfg, &opts, Free { embed_on_host: false, lm_head_int4: false, ..self.free() }, &scratch)?;
+        let (int4, asym) = self.cuda_weights(&cfg, random_weights)?;
+        if int4 {
+            opts.weights_dtype = WeightsDtype::Int4;
+        }
+        opts.int4_asym = asym;
+        opts.lm_head_int4 = self.lm_head_int4;
+        opts.embed_on_host = self.embed_on_host;
+        // A GPTQ checkpoint may keep some linears bf16 or need act-order permutations: the backend
+        // takes what its weights need beyond the plan's weights region from the backend scratch.
+        let gptq_dir = (int4 && !random_weights && cfg.quantization.is_some()).then(|| text.dir.clone());
+        let scratch = |o: &PlanOptions| {
+            let mut b = deltaserve_cuda::backend::scratch_bytes_for(&cfg, o) as u64;
+            if let Some(dir) = &gptq_dir {
+                let fmt = deltaserve_cuda::backend::WeightFormat::of(o);
+                match deltaserve_cuda::backend::checkpoint_weights_bytes(&cfg, dir, fmt) {
+                    Ok(w) => {
+                        let planned = WeightBytes::new(&cfg, o).map_or(0, |w| w.device());
+                        b += (w as u64).saturating_sub(planned);
+                    }
+                    Err(e) => tracing::warn!("sizing the checkpoint's int4 weights: {e}"),
+                }
+            }
+            b
+        };
+        let free = Free { embed_on_host: !self.embed_on_host, lm_head_int4: !self.lm_head_int4, ..self.free() };
+        let plan = self.fit(&cfg, &opts, free, &scratch)?;
         let sched = self.sched_config(&plan)?;
         let weights = if random_weights {
             tracing::warn!("--random-weights: initialising the weights at random on the GPU (benchmarks only)");
@@ -284,6 +365,12 @@ impl EngineArgs {
     /// Plans memory for `loaded` on the CPU backend, allocates the arena and starts the engine.
     pub fn start_cpu(&self, loaded: LoadedModel) -> Result<Started> {
         self.check_tensor_parallel("CPU")?;
+        if self.weights_dtype.is_some() || self.quantize.is_some() || self.lm_head_int4 || self.embed_on_host {
+            anyhow::bail!(
+                "--weights-dtype / --quantize / --lm-head-int4 / --embed-on-host: CUDA backend options (the CPU \
+                 reference keeps f32 weights)"
+            );
+        }
         let spec = self.speculative_tokens()?;
         if spec > 0 && !loaded.model.has_mtp() {
             anyhow::bail!(

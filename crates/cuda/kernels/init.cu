@@ -4,6 +4,7 @@
 // Computes, for i < n, with r = splitmix64(seed ^ splitmix64(i)), u1 in (0, 1], u2 in [0, 1):
 //   z = sqrt(-2 ln u1) cos(2 pi u2)                       (Box–Muller standard normal)
 //   mode 0: std * z      mode 1: 1 + std * z      mode 2: ln(1 + 15 u2)   (A_log = ln U(1, 16))
+//   mode 3: raw 32-bit words (random int4 codes; out is u32 [n])   mode 4: std * (1 + 0.1 z) (int4 scales)
 // the distributions of crates/model/src/synth.rs (not its exact bytes: that uses a CPU RNG).
 // Shapes/dtypes: out [n] bf16 (is_f32 == 0) or f32. Launch: any grid (grid-stride), block 256.
 // Arch: plain, sm_80+. Tested by: tests/backend.rs (random-weight backend runs finite logits).
@@ -23,7 +24,13 @@ extern "C" __global__ void init_random(void* out, long long n, unsigned long lon
         float u1 = (float)((r >> 40) + 1ull) * (1.0f / 16777216.0f);
         float u2 = (float)((r >> 16) & 0xffffffull) * (1.0f / 16777216.0f);
         float z = sqrtf(-2.0f * logf(u1)) * cosf(6.28318530718f * u2);
-        float v = mode == 0 ? std_ * z : (mode == 1 ? 1.0f + std_ * z : logf(1.0f + 15.0f * u2));
+        if (mode == 3) {  // raw random 32-bit words (packed int4 codes); n counts words
+            ((unsigned int*)out)[i] = (unsigned int)(r ^ (r >> 32));
+            continue;
+        }
+        float v = mode == 0 ? std_ * z
+                            : (mode == 1 ? 1.0f + std_ * z
+                                         : (mode == 2 ? logf(1.0f + 15.0f * u2) : std_ * (1.0f + 0.1f * z)));
         if (is_f32) ((float*)out)[i] = v;
         else ((bf16_t*)out)[i] = f2bf(v);
     }

@@ -13,7 +13,8 @@
 //
 // Computes:
 //  w4_permute_x: xo[m, j] = x[m, perm[j]]  (the GEMV's x for act-order weights; xo row stride in)
-//  w4_gemv_*:    y[m, o] = bf16(sum_j x[m, j] * W[o, j]), m < M <= 8, f32 accumulation.
+//  w4_gemv_*:    y[m, o] = bf16(sum_j x[m, j] * W[o, j]), m < M <= 8, f32 accumulation
+//                (w4_gemv_reg_f32: y in f32).
 //  w4_dequant:   dst[r - r0, perm[j]] = bf16(W[r, perm[j]]) for rows r0 <= r < r1 (prefill path:
 //                an N-slice of bf16 weights for cuBLASLt).
 //  w4_quantize:  rows r0..r1 of a bf16 W (staging buffer, row r at w + (r - r0)*ldw) -> the format,
@@ -142,8 +143,11 @@ __device__ __forceinline__ void w4_group_mma(float* tmp, const uint4& ca, const 
 
 // Sums the wpt partial tiles (warp w writes its 128 partials at red + w * red_stride, a region no
 // other warp touches) and stores the tile's outputs. Contains __syncthreads() when wpt > 1.
+__device__ __forceinline__ void w4_put(bf16_t* p, float v) { *p = f2bf(v); }
+__device__ __forceinline__ void w4_put(float* p, float v) { *p = v; }
+template <typename OutT>
 __device__ __forceinline__ void w4_gemv_store(float* acc, float* red, int red_stride, int wpt, int warp, int lane,
-                                              int part, int tile, int out, int M, bf16_t* __restrict__ y,
+                                              int part, int tile, int out, int M, OutT* __restrict__ y,
                                               long long ldy) {
     if (wpt > 1) {
 #pragma unroll
@@ -163,21 +167,22 @@ __device__ __forceinline__ void w4_gemv_store(float* acc, float* red, int red_st
     const int row_a = tile * 16 + g, row_b = row_a + 8;
     const int m0 = 2 * t, m1 = 2 * t + 1;
     if (row_a < out) {
-        if (m0 < M) y[(long long)m0 * ldy + row_a] = f2bf(acc[0]);
-        if (m1 < M) y[(long long)m1 * ldy + row_a] = f2bf(acc[1]);
+        if (m0 < M) w4_put(y + (long long)m0 * ldy + row_a, acc[0]);
+        if (m1 < M) w4_put(y + (long long)m1 * ldy + row_a, acc[1]);
     }
     if (row_b < out) {
-        if (m0 < M) y[(long long)m0 * ldy + row_b] = f2bf(acc[2]);
-        if (m1 < M) y[(long long)m1 * ldy + row_b] = f2bf(acc[3]);
+        if (m0 < M) w4_put(y + (long long)m0 * ldy + row_b, acc[2]);
+        if (m1 < M) w4_put(y + (long long)m1 * ldy + row_b, acc[3]);
     }
 }
 
 // Variant "reg": W4_D groups of weights, scales and zeros in flight in registers.
-extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 2)
-w4_gemv_reg(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,
-            const unsigned char* __restrict__ zeros, int scale_bf16, const bf16_t* __restrict__ x, long long ldx,
-            bf16_t* __restrict__ y, long long ldy, int M, int out, int in, int wpt) {
-    __shared__ float red[W4_WARPS * 128];
+// (OutT = float: the f32-output variant, for int4 lm_head logits.)
+template <typename OutT>
+__device__ __forceinline__ void w4_gemv_reg_body(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,
+                                                 const unsigned char* __restrict__ zeros, int scale_bf16,
+                                                 const bf16_t* __restrict__ x, long long ldx, OutT* __restrict__ y,
+                                                 long long ldy, int M, int out, int in, int wpt, float* red) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int tile = blockIdx.x * (W4_WARPS / wpt) + warp / wpt;
@@ -234,6 +239,23 @@ w4_gemv_reg(const u32* __restrict__ qw, const unsigned short* __restrict__ scale
         }
     }
     w4_gemv_store(acc, red, 128, wpt, warp, lane, part, tile, out, M, y, ldy);
+}
+
+extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 2)
+w4_gemv_reg(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,
+            const unsigned char* __restrict__ zeros, int scale_bf16, const bf16_t* __restrict__ x, long long ldx,
+            bf16_t* __restrict__ y, long long ldy, int M, int out, int in, int wpt) {
+    __shared__ float red[W4_WARPS * 128];
+    w4_gemv_reg_body<bf16_t>(qw, scales, zeros, scale_bf16, x, ldx, y, ldy, M, out, in, wpt, red);
+}
+
+// y in f32 (logits of an int4 lm_head); otherwise w4_gemv_reg.
+extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 2)
+w4_gemv_reg_f32(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,
+                const unsigned char* __restrict__ zeros, int scale_bf16, const bf16_t* __restrict__ x, long long ldx,
+                float* __restrict__ y, long long ldy, int M, int out, int in, int wpt) {
+    __shared__ float red[W4_WARPS * 128];
+    w4_gemv_reg_body<float>(qw, scales, zeros, scale_bf16, x, ldx, y, ldy, M, out, in, wpt, red);
 }
 
 __device__ __forceinline__ u32 w4_smem_addr(const void* p) {

@@ -27,7 +27,7 @@ use cudarc::driver::{CudaGraph, CudaStream, result};
 use deltaserve_backend::{ArenaStats, Backend, BackendError, CacheOp, SnapshotLoc, StepBatch};
 use deltaserve_model::weights::TensorSource;
 use deltaserve_model::{Checkpoint, DType, Dims, LayerKind, ModelConfig, ModelError, ModelWeights};
-use deltaserve_plan::Plan;
+use deltaserve_plan::{Plan, PlanOptions, WeightsDtype};
 
 use crate::arena::{Arena, DevSpan};
 use crate::error::CudaError;
@@ -35,8 +35,10 @@ use crate::gemm::Gemm;
 use crate::nvrtc::KernelDims;
 use crate::ops::gemv::{self, GemvOut};
 use crate::ops::init::{Init, init_random};
+use crate::ops::w4a16::{self, W4Weights};
 use crate::ops::{self, Kernels, attention, conv, elementwise, embed, gdn_chunk, gdn_decode, gdn_gate, kv_cache, norm};
 use crate::runtime::Runtime;
+use crate::w4::{ScaleDtype, W4Bytes, W4Linear};
 
 /// Where the weights come from.
 #[derive(Clone, Debug)]
@@ -90,20 +92,102 @@ fn al(x: usize) -> usize {
     x.div_ceil(ALIGN) * ALIGN
 }
 
-/// (chunked DeltaNet workspace, chunk table, tile table) bytes for steps of `t_max` tokens and
-/// `s_max` sequences.
-fn scratch_parts(cfg: &ModelConfig, t_max: usize, s_max: usize) -> (usize, usize, usize) {
-    let d = cfg.dims();
-    let dims = kernel_dims(cfg);
-    let gdn = if d.num_deltanet_layers > 0 { gdn_chunk::workspace_bytes(t_max, d.gdn_v_heads, &dims) } else { 0 };
-    (gdn, 8 * (t_max / gdn_chunk::CHUNK + s_max + 1), 8 * (t_max / attention::Q_TILE + s_max + 1))
+/// Bound of the bf16 slice an int4 linear is dequantised into for a prefill GEMM (the int4
+/// prefill path: `w4_dequant` of a row slice, then cuBLASLt on it, writing the slice's columns).
+pub const W4_SLICE_BYTES: usize = 64 << 20;
+
+/// The parts of the backend's scratch region, in order.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ScratchParts {
+    /// Chunked DeltaNet f32 workspace.
+    pub gdn: usize,
+    /// Varlen chunk and tile tables.
+    pub chunk_table: usize,
+    pub tile_table: usize,
+    /// bf16 `[8, max in]`: x gathered in device-column order for act-order int4 weights.
+    pub w4_x: usize,
+    /// bf16 slice of dequantised int4 weight rows (prefill GEMMs); 0 without int4 decoder linears.
+    pub w4_slice: usize,
 }
 
-/// The backend scratch the plan must reserve (`PlanOptions::backend_scratch_bytes`): bounded by the
-/// step's tokens and sequences, never by prompt length.
+impl ScratchParts {
+    /// For steps of `t_max` tokens and `s_max` sequences; `int4_linears` / `lm_head_int4` as the
+    /// plan's options say.
+    pub fn new(cfg: &ModelConfig, t_max: usize, s_max: usize, int4_linears: bool, lm_head_int4: bool) -> Self {
+        let d = cfg.dims();
+        let dims = kernel_dims(cfg);
+        let gdn = if d.num_deltanet_layers > 0 { gdn_chunk::workspace_bytes(t_max, d.gdn_v_heads, &dims) } else { 0 };
+        let lin = decoder_linear_shapes(cfg);
+        let max_in = lin.iter().map(|&(_, i)| i).max().unwrap_or(0).max(d.hidden);
+        let (w4_x, w4_slice) = if int4_linears {
+            let biggest = lin.iter().map(|&(o, i)| 2 * o * i).max().unwrap_or(0);
+            (2 * 8 * max_in, biggest.min(W4_SLICE_BYTES))
+        } else if lm_head_int4 {
+            (2 * 8 * d.hidden, 0)
+        } else {
+            (0, 0)
+        };
+        ScratchParts {
+            gdn,
+            chunk_table: 8 * (t_max / gdn_chunk::CHUNK + s_max + 1),
+            tile_table: 8 * (t_max / attention::Q_TILE + s_max + 1),
+            w4_x,
+            w4_slice,
+        }
+    }
+
+    /// Bytes of the region (each part 256-byte aligned).
+    pub fn total(&self) -> usize {
+        al(self.gdn) + al(self.chunk_table) + al(self.tile_table) + al(self.w4_x) + al(self.w4_slice)
+    }
+}
+
+/// Every decoder linear's `[out, in]` (the shapes the plan prices).
+fn decoder_linear_shapes(cfg: &ModelConfig) -> Vec<(usize, usize)> {
+    let d = cfg.dims();
+    let h = d.hidden;
+    let mut v = Vec::new();
+    for kind in &cfg.layer_types {
+        match kind {
+            LayerKind::DeltaNet => v.extend([
+                (d.conv_channels, h),
+                (d.gdn_value_width, h),
+                (d.gdn_v_heads, h),
+                (d.gdn_v_heads, h),
+                (h, d.gdn_value_width),
+            ]),
+            LayerKind::Attention => v.extend([(2 * d.attn_dim, h), (d.kv_dim, h), (d.kv_dim, h), (h, d.attn_dim)]),
+        }
+        v.extend([(d.intermediate, h), (d.intermediate, h), (h, d.intermediate)]);
+    }
+    v
+}
+
+/// Rows per dequantised slice of an `[out, in]` int4 linear in a slice buffer of `slice_bytes`:
+/// all rows when they fit, else a multiple of 128 (at least 16 rows, or an error at the caller).
+pub fn w4_slice_rows(out: usize, inp: usize, slice_bytes: usize) -> usize {
+    let fit = slice_bytes / (2 * inp.max(1));
+    if fit >= out {
+        out
+    } else if fit >= 128 {
+        fit / 128 * 128
+    } else {
+        fit / 16 * 16
+    }
+}
+
+/// The backend scratch the plan must reserve (`PlanOptions::backend_scratch_bytes`) for bf16
+/// weights: bounded by the step's tokens and sequences, never by prompt length.
 pub fn scratch_bytes(cfg: &ModelConfig, t_max: usize, s_max: usize) -> usize {
-    let (a, b, c) = scratch_parts(cfg, t_max, s_max);
-    al(a) + al(b) + al(c)
+    ScratchParts::new(cfg, t_max, s_max, false, false).total()
+}
+
+/// [`scratch_bytes`] for the plan's options: int4 decoder linears add the bf16 slice the prefill
+/// GEMMs dequantise into ([`W4_SLICE_BYTES`] at most) and the act-order x scratch; an int4 lm_head
+/// the x scratch.
+pub fn scratch_bytes_for(cfg: &ModelConfig, opts: &PlanOptions) -> usize {
+    let int4 = opts.weights_dtype == WeightsDtype::Int4;
+    ScratchParts::new(cfg, opts.max_batch_tokens, opts.max_seqs, int4, opts.lm_head_int4).total()
 }
 
 /// Kernel specialisation for a model.
@@ -119,23 +203,53 @@ pub fn kernel_dims(cfg: &ModelConfig) -> KernelDims {
     }
 }
 
+/// One stored linear (or a fused pair of bf16 linears): `rows` output rows.
+#[derive(Clone, Copy, Debug)]
+enum Part {
+    /// bf16 `[rows, in]` (dense tensors: rows 0).
+    Bf16 {
+        w: u64,
+        rows: usize,
+    },
+    W4(W4Weights),
+}
+
+impl Part {
+    fn rows(&self) -> usize {
+        match self {
+            Part::Bf16 { rows, .. } => *rows,
+            Part::W4(w) => w.out,
+        }
+    }
+    fn ptr(&self) -> u64 {
+        match self {
+            Part::Bf16 { w, .. } => *w,
+            Part::W4(w) => w.qweight,
+        }
+    }
+}
+
+/// A projection: its parts write consecutive column ranges of one output (bf16 pairs are one
+/// fused part; int4 pairs two).
+type Proj = Vec<Part>;
+
 struct GdnLayer {
-    qkv: u64,
-    z: u64,
-    /// [2·Hv, hidden]: in_proj_b rows then in_proj_a rows (one GEMM).
-    ba: u64,
+    qkv: Proj,
+    z: Proj,
+    /// [2·Hv, hidden]: in_proj_b rows then in_proj_a rows.
+    ba: Proj,
     conv: u64,
     dt_bias: u64,
     a_log: u64,
     norm: u64,
-    out: u64,
+    out: Proj,
 }
 
 struct AttnLayer {
-    q: u64,
-    k: u64,
-    v: u64,
-    o: u64,
+    q: Proj,
+    k: Proj,
+    v: Proj,
+    o: Proj,
     q_norm: u64,
     k_norm: u64,
 }
@@ -149,16 +263,26 @@ struct Layer {
     input_norm: u64,
     post_norm: u64,
     mixer: Mixer,
-    /// [2·I, hidden]: gate rows then up rows (one GEMM).
-    gate_up: u64,
-    down: u64,
+    /// [2·I, hidden]: gate rows then up rows.
+    gate_up: Proj,
+    down: Proj,
 }
 
 struct Weights {
+    /// Device embedding table (0 when it is on the host).
     embed: u64,
-    lm_head: u64,
+    lm_head: Proj,
     final_norm: u64,
     layers: Vec<Layer>,
+}
+
+/// The embedding table in pinned host memory (`embed_on_host`) and the pinned `[t_max, hidden]`
+/// bf16 buffer a step's rows are gathered into before one upload.
+struct HostEmbed {
+    table: *mut u8,
+    table_bytes: usize,
+    staging: *mut u8,
+    staging_bytes: usize,
 }
 
 /// Device addresses of the activation buffers (plan workspace offsets) and scratch.
@@ -195,6 +319,9 @@ struct Ws {
     gdn_ws: DevSpan,
     chunk_table: DevSpan,
     tile_table: DevSpan,
+    /// int4: act-order x scratch and the dequantised slice (0 bytes when unused).
+    w4_x: DevSpan,
+    w4_slice: DevSpan,
 }
 
 /// Where layer `i`'s cache lives.
@@ -251,18 +378,16 @@ pub struct CudaBackend {
     /// Decode graphs by bucket size (captured lazily).
     graphs: HashMap<usize, CudaGraph>,
     graph_stats: GraphStats,
+    host_embed: Option<HostEmbed>,
+    /// Linears quantised at load (`--quantize int4`) and converted from GPTQ.
+    pub w4_quantized: usize,
+    pub w4_converted: usize,
 }
 
 // SAFETY: the backend is driven by one thread at a time (the engine's step loop); every entry
 // point binds the CUDA context to the calling thread first. The raw pointers (cuBLASLt handle,
 // pinned host pool) are owned by this value and never shared.
 unsafe impl Send for CudaBackend {}
-
-/// A converted tensor in the weights region.
-#[derive(Clone, Copy, Debug, Default)]
-struct DevTensor {
-    ptr: u64,
-}
 
 fn is_f32_tensor(name: &str) -> bool {
     name.ends_with("A_log") || name.ends_with("dt_bias") || name.ends_with("linear_attn.norm.weight")
@@ -276,15 +401,83 @@ fn pair_second(name: &str) -> bool {
     name.contains("in_proj_a.weight") || name.contains("mlp.up_proj.weight")
 }
 
-/// (elements, f32, init) of every tensor in load order; pairs are one entry of both halves.
-fn weight_specs(cfg: &ModelConfig) -> Vec<(usize, bool, Init)> {
+/// How the backend stores the weights (from the plan's options).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WeightFormat {
+    /// Decoder linears in int4 (one part per linear) instead of bf16 (pairs fused).
+    pub int4: bool,
+    /// int4 with zero points.
+    pub asym: bool,
+    pub lm_head_int4: bool,
+    pub embed_on_host: bool,
+}
+
+impl WeightFormat {
+    pub fn of(opts: &PlanOptions) -> Self {
+        WeightFormat {
+            int4: opts.weights_dtype == WeightsDtype::Int4,
+            asym: opts.int4_asym,
+            lm_head_int4: opts.lm_head_int4,
+            embed_on_host: opts.embed_on_host,
+        }
+    }
+    /// A device lm_head of its own (not the device embedding).
+    fn own_lm_head(&self, cfg: &ModelConfig) -> bool {
+        !cfg.tie_word_embeddings || self.embed_on_host || self.lm_head_int4
+    }
+}
+
+/// One tensor of the backend's weight layout.
+#[derive(Clone, Copy, Debug)]
+enum WSpec {
+    /// `n` elements, bf16 or f32, with the random init.
+    Dense { n: usize, f32: bool, init: Init },
+    /// An int4 `[out, in]` linear (random init: weights of std `1/sqrt(in)`).
+    W4 { out: usize, inp: usize, asym: bool },
+    /// The embedding table in pinned host memory.
+    Host { n: usize },
+}
+
+impl WSpec {
+    fn device_bytes(&self) -> usize {
+        match *self {
+            WSpec::Dense { n, f32, .. } => al(n * if f32 { 4 } else { 2 }),
+            WSpec::W4 { out, inp, asym } => W4Bytes::new(out, inp, asym, false).layout(ALIGN).1,
+            WSpec::Host { .. } => 0,
+        }
+    }
+}
+
+/// Every tensor in load order: embedding, own lm_head, final norm, then per layer the norms and
+/// the mixer's and MLP's tensors. bf16 pairs (in_proj_b + in_proj_a, gate + up) are one entry of
+/// both halves; int4 pairs two entries.
+fn weight_specs(cfg: &ModelConfig, f: WeightFormat) -> Vec<WSpec> {
     let d = cfg.dims();
     let h = d.hidden;
-    let lin = |o: usize, i: usize| (o * i, false, Init::Normal(1.0 / (i as f32).sqrt()));
-    let normw = |n: usize| (n, false, Init::Normal(0.1));
-    let mut v = vec![(d.vocab * h, false, Init::Normal(1.0))];
-    if !cfg.tie_word_embeddings {
-        v.push(lin(d.vocab, h));
+    let dense = |n: usize, init: Init| WSpec::Dense { n, f32: false, init };
+    let lin = |o: usize, i: usize| -> Vec<WSpec> {
+        if f.int4 {
+            vec![WSpec::W4 { out: o, inp: i, asym: f.asym }]
+        } else {
+            vec![dense(o * i, Init::Normal(1.0 / (i as f32).sqrt()))]
+        }
+    };
+    let pair = |o: usize, i: usize| -> Vec<WSpec> {
+        if f.int4 {
+            vec![WSpec::W4 { out: o, inp: i, asym: f.asym }, WSpec::W4 { out: o, inp: i, asym: f.asym }]
+        } else {
+            vec![dense(2 * o * i, Init::Normal(1.0 / (i as f32).sqrt()))]
+        }
+    };
+    let normw = |n: usize| dense(n, Init::Normal(0.1));
+    let mut v =
+        vec![if f.embed_on_host { WSpec::Host { n: d.vocab * h } } else { dense(d.vocab * h, Init::Normal(1.0)) }];
+    if f.own_lm_head(cfg) {
+        if f.lm_head_int4 {
+            v.push(WSpec::W4 { out: d.vocab, inp: h, asym: f.asym });
+        } else {
+            v.push(dense(d.vocab * h, Init::Normal(1.0 / (h as f32).sqrt())));
+        }
     }
     v.push(normw(h));
     for kind in &cfg.layer_types {
@@ -292,32 +485,214 @@ fn weight_specs(cfg: &ModelConfig) -> Vec<(usize, bool, Init)> {
         v.push(normw(h));
         match kind {
             LayerKind::DeltaNet => {
-                v.push(lin(d.conv_channels, h));
-                v.push(lin(d.gdn_value_width, h));
-                v.push(lin(2 * d.gdn_v_heads, h));
-                v.push((d.conv_channels * d.conv_kernel, false, Init::Normal(0.5)));
-                v.push((d.gdn_v_heads, true, Init::Normal(0.5)));
-                v.push((d.gdn_v_heads, true, Init::LogUniform1To16));
-                v.push((d.gdn_v_dim, true, Init::OnePlusNormal(0.1)));
-                v.push(lin(h, d.gdn_value_width));
+                v.extend(lin(d.conv_channels, h));
+                v.extend(lin(d.gdn_value_width, h));
+                v.extend(pair(d.gdn_v_heads, h));
+                v.push(dense(d.conv_channels * d.conv_kernel, Init::Normal(0.5)));
+                v.push(WSpec::Dense { n: d.gdn_v_heads, f32: true, init: Init::Normal(0.5) });
+                v.push(WSpec::Dense { n: d.gdn_v_heads, f32: true, init: Init::LogUniform1To16 });
+                v.push(WSpec::Dense { n: d.gdn_v_dim, f32: true, init: Init::OnePlusNormal(0.1) });
+                v.extend(lin(h, d.gdn_value_width));
             }
             LayerKind::Attention => {
-                v.push(lin(2 * d.attn_dim, h));
-                v.push(lin(d.kv_dim, h));
-                v.push(lin(d.kv_dim, h));
-                v.push(lin(h, d.attn_dim));
+                v.extend(lin(2 * d.attn_dim, h));
+                v.extend(lin(d.kv_dim, h));
+                v.extend(lin(d.kv_dim, h));
+                v.extend(lin(h, d.attn_dim));
                 v.push(normw(d.head_dim));
                 v.push(normw(d.head_dim));
             }
         }
-        v.push(lin(2 * d.intermediate, h));
-        v.push(lin(h, d.intermediate));
+        v.extend(pair(d.intermediate, h));
+        v.extend(lin(h, d.intermediate));
     }
     v
 }
 
-fn weights_layout_bytes(cfg: &ModelConfig) -> usize {
-    weight_specs(cfg).iter().map(|&(n, f, _)| al(n * if f { 4 } else { 2 })).sum()
+/// Device bytes of the weights as the backend places them for random weights and for a bf16
+/// checkpoint (quantised at load when `f.int4`): what it compares with the plan's `weights`
+/// region. It differs from the plan only by the three small DeltaNet tensors the backend keeps in
+/// f32 (`A_log`, `dt_bias`, the gated-norm weight; the plan prices them 16-bit) and, for bf16,
+/// by the alignment padding the fused pairs save.
+pub fn weights_device_bytes(cfg: &ModelConfig, f: WeightFormat) -> usize {
+    weight_specs(cfg, f).iter().map(WSpec::device_bytes).sum()
+}
+
+/// A decoder linear (stored `[out, in]` projection) by its tensor name.
+fn is_linear(name: &str) -> bool {
+    const LIN: [&str; 12] = [
+        "in_proj_qkv.weight",
+        "in_proj_z.weight",
+        "in_proj_b.weight",
+        "in_proj_a.weight",
+        "out_proj.weight",
+        "q_proj.weight",
+        "k_proj.weight",
+        "v_proj.weight",
+        "o_proj.weight",
+        "gate_proj.weight",
+        "up_proj.weight",
+        "down_proj.weight",
+    ];
+    LIN.iter().any(|l| name.ends_with(&format!(".{l}")) || name == *l)
+}
+
+/// True when a GPTQ `g_idx` is not `i / group` (act-order): the conversion may need a permutation.
+fn act_order(g: &deltaserve_model::quant::GptqSource<'_>) -> bool {
+    let gs = g.params.group_size.unwrap_or(g.in_features).max(1);
+    g.g_idx.is_some_and(|b| {
+        b.chunks_exact(4).enumerate().any(|(i, w)| u32::from_le_bytes([w[0], w[1], w[2], w[3]]) as usize != i / gs)
+    })
+}
+
+/// Device bytes the backend places for the weights of checkpoint `dir` in format `f` (an upper
+/// bound: act-order GPTQ linears are counted with their permutation). For a GPTQ checkpoint under
+/// an int4 plan this differs from the plan's `weights` region by the linears the checkpoint leaves
+/// unquantised (kept bf16) and the act-order permutations; callers reserve the difference as
+/// backend scratch (the backend takes it from there).
+pub fn checkpoint_weights_bytes(cfg: &ModelConfig, dir: &std::path::Path, f: WeightFormat) -> Result<usize, CudaError> {
+    let ckpt = Checkpoint::open(dir).map_err(|e| CudaError::Weights(e.to_string()))?;
+    let d = cfg.dims();
+    let keep_dense = matches!(cfg.quantization, Some(deltaserve_model::quant::Quantization::Gptq(_)));
+    let w4 = |o: usize, i: usize, asym: bool, perm: bool| W4Bytes::new(o, i, asym, perm).layout(ALIGN).1;
+    let mut total = 0usize;
+    let _: ModelWeights<()> = ModelWeights::load(&ckpt, cfg, |src| {
+        let name = &src.name;
+        let dense2 = al(2 * src.numel());
+        let lin = |int4: bool, keep: bool| match &src.quantized {
+            Some(deltaserve_model::QuantizedSource::Gptq(g)) if int4 => {
+                w4(src.shape[0], src.shape[1], !g.params.sym, act_order(g))
+            }
+            _ if int4 && !keep => w4(src.shape[0], src.shape[1], f.asym, false),
+            _ => dense2,
+        };
+        total += if name.ends_with("embed_tokens.weight") {
+            let head = if cfg.tie_word_embeddings && f.own_lm_head(cfg) {
+                if f.lm_head_int4 { w4(d.vocab, d.hidden, f.asym, false) } else { dense2 }
+            } else {
+                0
+            };
+            head + if f.embed_on_host { 0 } else { dense2 }
+        } else if name.ends_with("lm_head.weight") {
+            lin(f.lm_head_int4, false)
+        } else if f.int4 && is_linear(name) {
+            lin(true, keep_dense)
+        } else if is_f32_tensor(name) {
+            al(4 * src.numel())
+        } else {
+            dense2
+        };
+        Ok(())
+    })
+    .map_err(|e| CudaError::Weights(e.to_string()))?;
+    Ok(total)
+}
+
+/// Places weights in the weights region while a checkpoint loads.
+struct Loader<'a> {
+    rt: &'a Runtime,
+    k: &'a Kernels,
+    arena: &'a mut Arena,
+    wreg: crate::arena::RegionId,
+    /// Device staging for quantisation at load (the empty KV pages region).
+    staging: DevSpan,
+    quantized: usize,
+    converted: usize,
+    total_w4: usize,
+}
+
+impl Loader<'_> {
+    fn dense(&mut self, bytes: &[u8]) -> Result<u64, CudaError> {
+        let ptr = self.arena.alloc(self.wreg, bytes.len())?.ptr;
+        self.rt.upload(ptr, bytes)?;
+        Ok(ptr)
+    }
+
+    /// `[out, in]` bf16 bytes quantised on the GPU (rows staged through `staging`).
+    fn quantize(
+        &mut self,
+        bf16: &[u8],
+        out: usize,
+        inp: usize,
+        asym: bool,
+        name: &str,
+    ) -> Result<W4Weights, CudaError> {
+        W4Linear::check_shape(name, out, inp)?;
+        if bf16.len() != 2 * out * inp {
+            return Err(CudaError::Weights(format!("`{name}`: {} B, expected [{out}, {inp}] bf16", bf16.len())));
+        }
+        let rows = (self.staging.bytes / (2 * inp)).min(out.next_multiple_of(2)) & !1;
+        if rows < 2 {
+            return Err(CudaError::Plan(format!(
+                "--quantize int4 stages each linear's rows in the KV pages region: {} B cannot hold 2 rows of \
+                 `{name}` [{out}, {inp}] ({} B); plan for more context (or a larger --memory)",
+                self.staging.bytes,
+                4 * inp
+            )));
+        }
+        let (_, bytes) = W4Bytes::new(out, inp, asym, false).layout(ALIGN);
+        let base = self.arena.alloc(self.wreg, bytes)?.ptr;
+        let w = W4Weights::at(base, out, inp, asym, false, ScaleDtype::F16);
+        let s = self.rt.stream().clone();
+        for r0 in (0..out).step_by(rows) {
+            let r1 = (r0 + rows).min(out);
+            // upload() waits for the stream, so the previous chunk's quantisation has read the staging.
+            self.rt.upload(self.staging.ptr, &bf16[2 * r0 * inp..2 * r1 * inp])?;
+            w4a16::w4_quantize(self.k, &s, self.staging.ptr, inp, r0, r1, &w)?;
+        }
+        self.rt.synchronize()?;
+        self.quantized += 1;
+        let n = self.quantized + self.converted;
+        if n.is_multiple_of(32) || n == self.total_w4 {
+            tracing::info!("int4 weights: {n}/{} linears", self.total_w4);
+        }
+        Ok(w)
+    }
+
+    fn gptq(&mut self, g: &deltaserve_model::quant::GptqSource<'_>, name: &str) -> Result<W4Weights, CudaError> {
+        let c = W4Linear::from_gptq(g, name)?;
+        if c.zero16_clamped > 0 || c.scales_rounded > 0 {
+            tracing::warn!(
+                "`{name}`: {} zero points of 16 clamped to 15, {} f32 scales rounded to fp16",
+                c.zero16_clamped,
+                c.scales_rounded
+            );
+        }
+        let l = c.linear;
+        let (asym, perm) = (l.zeros.is_some(), l.perm.is_some());
+        let (_, bytes) = l.bytes().layout(ALIGN);
+        let base = self.arena.alloc(self.wreg, bytes)?.ptr;
+        let w = W4Weights::at(base, l.out_features, l.in_features, asym, perm, l.scale_dtype);
+        self.rt.upload(w.qweight, &l.qweight)?;
+        self.rt.upload(w.scales, &l.scales)?;
+        if let (Some(p), Some(z)) = (w.zeros, &l.zeros) {
+            self.rt.upload(p, z)?;
+        }
+        if let (Some(p), Some(v)) = (w.perm, &l.perm) {
+            self.rt.upload(p, v)?;
+        }
+        self.converted += 1;
+        Ok(w)
+    }
+
+    /// One linear: int4 (converted from GPTQ, or quantised unless `keep_dense`) or bf16.
+    fn linear(&mut self, src: &TensorSource<'_>, int4: bool, asym: bool, keep_dense: bool) -> Result<Part, CudaError> {
+        let (out, inp) = match src.shape.as_slice() {
+            [o, i] => (*o, *i),
+            s => return Err(CudaError::Weights(format!("`{}`: shape {s:?} is not a linear", src.name))),
+        };
+        if int4 {
+            if let Some(deltaserve_model::QuantizedSource::Gptq(g)) = &src.quantized {
+                return Ok(Part::W4(self.gptq(g, &src.name)?));
+            }
+            if !keep_dense {
+                let bytes = convert(src, false).map_err(|e| CudaError::Weights(e.to_string()))?;
+                return Ok(Part::W4(self.quantize(&bytes, out, inp, asym, &src.name)?));
+            }
+        }
+        let bytes = convert(src, false).map_err(|e| CudaError::Weights(e.to_string()))?;
+        Ok(Part::Bf16 { w: self.dense(&bytes)?, rows: out })
+    }
 }
 
 /// The source tensor as little-endian bf16 or f32 bytes.
@@ -370,14 +745,18 @@ impl CudaBackend {
         if plan.options.activation_bytes_per_elem != 2
             || plan.options.k_dtype.name() != "bf16"
             || plan.options.v_dtype.name() != "bf16"
-            || plan.options.weights_dtype.name() != "bf16"
-            || plan.options.embed_on_host
-            || plan.options.lm_head_int4
         {
             return Err(CudaError::Plan(
-                "the CUDA backend supports bf16 weights, bf16 KV and bf16 activations only (gpu_defaults)".into(),
+                "the CUDA backend supports bf16 KV and bf16 activations only (gpu_defaults)".into(),
             ));
         }
+        if !matches!(plan.options.weights_dtype, WeightsDtype::Bf16 | WeightsDtype::Int4) {
+            return Err(CudaError::Plan(format!(
+                "the CUDA backend stores weights in bf16 or int4, not {}",
+                plan.options.weights_dtype.name()
+            )));
+        }
+        let fmt = WeightFormat::of(&plan.options);
         let k = Kernels::load(&rt, kernel_dims(cfg))?;
         let mut arena = Arena::new(rt.context().clone());
         let region = |name: &str| -> Result<usize, CudaError> {
@@ -386,10 +765,17 @@ impl CudaBackend {
                 .ok_or_else(|| CudaError::Plan(format!("the plan has no `{name}` region")))
         };
 
-        // Weights: the backend's own layout (pairs fused, three small tensors in f32), at least the
-        // plan's region.
-        let weights_bytes = weights_layout_bytes(cfg);
-        let wreg = arena.add_region("weights", weights_bytes.max(region("weights")?))?;
+        // Weights: the backend's own layout (bf16 pairs fused, three small tensors in f32), at least
+        // the plan's region. What a GPTQ checkpoint needs beyond the plan (linears it leaves bf16,
+        // act-order permutations) comes out of spare backend scratch the caller reserved for it.
+        let weights_bytes = match &weights {
+            WeightSource::Checkpoint(dir) if fmt.int4 && cfg.quantization.is_some() => {
+                checkpoint_weights_bytes(cfg, dir, fmt)?
+            }
+            _ => weights_device_bytes(cfg, fmt),
+        };
+        let plan_weights = region("weights")?;
+        let wreg = arena.add_region("weights", weights_bytes.max(plan_weights))?;
 
         // Fixed plan regions, each one allocation, each carved whole.
         let whole = |arena: &mut Arena, name: &str, bytes: usize| -> Result<DevSpan, CudaError> {
@@ -406,19 +792,28 @@ impl CudaBackend {
 
         // The plan's backend scratch: chunked DeltaNet f32 workspace and the varlen tables.
         let (t_max, s_max) = (plan.max_batch_tokens, plan.max_seqs);
-        let (gdn_ws_bytes, chunk_bytes, tile_bytes) = scratch_parts(cfg, t_max, s_max);
-        let scratch_bytes = scratch_bytes(cfg, t_max, s_max);
+        let parts = ScratchParts::new(cfg, t_max, s_max, fmt.int4, fmt.lm_head_int4);
+        let scratch_bytes = parts.total();
         let planned = plan.region("backend_scratch").map_or(0, |r| r.bytes as usize);
         if planned < scratch_bytes {
             return Err(CudaError::Plan(format!(
                 "the plan reserves {planned} B of backend scratch, the CUDA backend needs {scratch_bytes} B \
-                 (set PlanOptions::backend_scratch_bytes from deltaserve_cuda::backend::scratch_bytes)"
+                 (set PlanOptions::backend_scratch_bytes from deltaserve_cuda::backend::scratch_bytes_for)"
             )));
         }
-        let scratch = whole(&mut arena, "backend_scratch", planned)?;
-        let gdn_ws = DevSpan { ptr: scratch.ptr, bytes: gdn_ws_bytes };
-        let chunk_table = DevSpan { ptr: scratch.ptr + al(gdn_ws_bytes) as u64, bytes: chunk_bytes };
-        let tile_table = DevSpan { ptr: chunk_table.ptr + al(chunk_bytes) as u64, bytes: tile_bytes };
+        let over = weights_bytes.saturating_sub(plan_weights).min(planned - scratch_bytes);
+        let scratch = whole(&mut arena, "backend_scratch", planned - over)?;
+        let mut at = scratch.ptr;
+        let mut carve = |bytes: usize| {
+            let span = DevSpan { ptr: at, bytes };
+            at += al(bytes) as u64;
+            span
+        };
+        let gdn_ws = carve(parts.gdn);
+        let chunk_table = carve(parts.chunk_table);
+        let tile_table = carve(parts.tile_table);
+        let w4_x = carve(parts.w4_x);
+        let w4_slice = carve(parts.w4_slice);
 
         // Activation buffers from the plan's workspace, each checked against what we put there.
         let (t, s) = (t_max, s_max);
@@ -476,6 +871,8 @@ impl CudaBackend {
             gdn_ws,
             chunk_table,
             tile_table,
+            w4_x,
+            w4_slice,
         };
         if logits.bytes < 4 * s * d.vocab {
             return Err(CudaError::Plan(format!("logits region {} B < [{s}, {}] f32", logits.bytes, d.vocab)));
@@ -528,6 +925,24 @@ impl CudaBackend {
         } else {
             std::ptr::null_mut()
         };
+        let host_embed = if fmt.embed_on_host {
+            let table_bytes = d.vocab * h * 2;
+            let staging_bytes = t_max * h * 2;
+            // SAFETY: plain pinned allocations, freed once in Drop (also when a later step of new() fails:
+            // the HostEmbed is owned by the backend value from here on).
+            let table = unsafe { result::malloc_host(table_bytes, 0) }.map_err(CudaError::driver("cuMemHostAlloc"))?;
+            let staging = match unsafe { result::malloc_host(staging_bytes.max(1), 0) } {
+                Ok(p) => p,
+                Err(e) => {
+                    // SAFETY: allocated just above, freed once.
+                    let _ = unsafe { result::free_host(table) };
+                    return Err(CudaError::driver("cuMemHostAlloc")(e));
+                }
+            };
+            Some(HostEmbed { table: table as *mut u8, table_bytes, staging: staging as *mut u8, staging_bytes })
+        } else {
+            None
+        };
 
         let mut be = CudaBackend {
             rt,
@@ -537,7 +952,7 @@ impl CudaBackend {
             d,
             eps: cfg.rms_norm_eps,
             rope_theta: cfg.rope_theta as f32,
-            w: Weights { embed: 0, lm_head: 0, final_norm: 0, layers: Vec::new() },
+            w: Weights { embed: 0, lm_head: Vec::new(), final_norm: 0, layers: Vec::new() },
             ws,
             caches,
             states,
@@ -564,10 +979,15 @@ impl CudaBackend {
             opts,
             graphs: HashMap::new(),
             graph_stats: GraphStats::default(),
+            host_embed,
+            w4_quantized: 0,
+            w4_converted: 0,
         };
+        // The KV pages region is empty until the first step: staging for quantisation at load and
+        // for the host embedding's random init.
         be.w = match weights {
-            WeightSource::Checkpoint(dir) => be.load_checkpoint(cfg, &dir, wreg)?,
-            WeightSource::RandomWeights { seed } => be.random_weights(cfg, wreg, seed)?,
+            WeightSource::Checkpoint(dir) => be.load_checkpoint(cfg, &dir, wreg, fmt, kv)?,
+            WeightSource::RandomWeights { seed } => be.random_weights(cfg, wreg, seed, fmt, kv)?,
         };
         // Zero every cache region once (never read before written, but deterministic).
         for span in [kv, be.states, be.snapshots] {
@@ -583,61 +1003,134 @@ impl CudaBackend {
         cfg: &ModelConfig,
         dir: &std::path::Path,
         wreg: crate::arena::RegionId,
+        fmt: WeightFormat,
+        staging: DevSpan,
     ) -> Result<Weights, CudaError> {
         let ckpt = Checkpoint::open(dir).map_err(|e| CudaError::Weights(e.to_string()))?;
+        let d = self.d;
+        let h = d.hidden;
+        // A GPTQ checkpoint keeps the linears it left unquantised in bf16; a bf16 checkpoint under an
+        // int4 plan is quantised at load (`--quantize int4`).
+        let keep_dense = matches!(cfg.quantization, Some(deltaserve_model::quant::Quantization::Gptq(_)));
+        let total_w4 = weight_specs(cfg, fmt).iter().filter(|s| matches!(s, WSpec::W4 { .. })).count();
+        let mut ld = Loader {
+            rt: &self.rt,
+            k: &self.k,
+            arena: &mut self.arena,
+            wreg,
+            staging,
+            quantized: 0,
+            converted: 0,
+            total_w4,
+        };
         let mut pending: Option<u64> = None;
-        let rt = &self.rt;
-        let arena = &mut self.arena;
-        let mw: ModelWeights<DevTensor> = ModelWeights::load(&ckpt, cfg, |src| {
-            let f32_out = is_f32_tensor(&src.name);
-            let bytes = convert(&src, f32_out)?;
+        let mut tied_head: Option<Part> = None;
+        let host = self.host_embed.as_ref().map(|e| (e.table, e.table_bytes));
+        let tied = cfg.tie_word_embeddings;
+        let mw: ModelWeights<Part> = ModelWeights::load(&ckpt, cfg, |src| {
             let dev = |e: CudaError| ModelError::config(format!("{}: {e}", src.name));
-            let ptr = if pair_second(&src.name) {
+            let name = src.name.clone();
+            if name.ends_with("embed_tokens.weight") {
+                let bytes = convert(&src, false)?;
+                let own_head = tied && fmt.own_lm_head(cfg);
+                if own_head {
+                    tied_head = Some(if fmt.lm_head_int4 {
+                        Part::W4(ld.quantize(&bytes, d.vocab, h, fmt.asym, &name).map_err(dev)?)
+                    } else {
+                        Part::Bf16 { w: ld.dense(&bytes).map_err(dev)?, rows: d.vocab }
+                    });
+                }
+                return match host {
+                    Some((table, table_bytes)) => {
+                        if bytes.len() != table_bytes {
+                            return Err(ModelError::config(format!(
+                                "{name}: {} B, expected {table_bytes}",
+                                bytes.len()
+                            )));
+                        }
+                        // SAFETY: the pinned table holds table_bytes bytes and lives as long as the backend.
+                        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), table, table_bytes) };
+                        Ok(Part::Bf16 { w: 0, rows: d.vocab })
+                    }
+                    None => Ok(Part::Bf16 { w: ld.dense(&bytes).map_err(dev)?, rows: d.vocab }),
+                };
+            }
+            if name.ends_with("lm_head.weight") {
+                return ld.linear(&src, fmt.lm_head_int4, fmt.asym, false).map_err(dev);
+            }
+            if fmt.int4 && is_linear(&name) {
+                return ld.linear(&src, true, fmt.asym, keep_dense).map_err(dev);
+            }
+            // bf16 linears (pairs fused) and the small tensors.
+            let f32_out = is_f32_tensor(&name);
+            let rows = if src.shape.len() == 2 { src.shape[0] } else { 0 };
+            let bytes = convert(&src, f32_out)?;
+            let ptr = if pair_second(&name) {
                 pending
                     .take()
-                    .ok_or_else(|| ModelError::config(format!("{}: its pair's first half was not loaded", src.name)))?
-            } else if pair_first(&src.name) {
-                let span = arena.alloc(wreg, 2 * bytes.len()).map_err(dev)?;
+                    .ok_or_else(|| ModelError::config(format!("{name}: its pair's first half was not loaded")))?
+            } else if pair_first(&name) {
+                let span = ld.arena.alloc(ld.wreg, 2 * bytes.len()).map_err(dev)?;
                 pending = Some(span.ptr + bytes.len() as u64);
                 span.ptr
             } else {
-                arena.alloc(wreg, bytes.len()).map_err(dev)?.ptr
+                ld.arena.alloc(ld.wreg, bytes.len()).map_err(dev)?.ptr
             };
-            rt.upload(ptr, &bytes).map_err(dev)?;
-            Ok(DevTensor { ptr })
+            ld.rt.upload(ptr, &bytes).map_err(dev)?;
+            Ok(Part::Bf16 { w: ptr, rows: if pair_first(&name) { 2 * rows } else { rows } })
         })
         .map_err(|e| CudaError::Weights(e.to_string()))?;
+        let (quantized, converted) = (ld.quantized, ld.converted);
+        if quantized > 0 {
+            tracing::info!("quantised {quantized} linears to int4 on the GPU (round to nearest, group 128)");
+        }
+        self.w4_quantized = quantized;
+        self.w4_converted = converted;
+        let one = |p: &Part| vec![*p];
+        // int4: pairs are two parts; bf16: the first half is the fused pair.
+        let two =
+            |a: &Part, b: &Part| if matches!(a, Part::Bf16 { .. }) && !fmt.int4 { vec![*a] } else { vec![*a, *b] };
         let layers = mw
             .layers
             .iter()
             .map(|l| Layer {
-                input_norm: l.input_norm.ptr,
-                post_norm: l.post_norm.ptr,
+                input_norm: l.input_norm.ptr(),
+                post_norm: l.post_norm.ptr(),
                 mixer: match &l.mixer {
                     deltaserve_model::MixerWeights::DeltaNet(g) => Mixer::Gdn(GdnLayer {
-                        qkv: g.in_proj_qkv.ptr,
-                        z: g.in_proj_z.ptr,
-                        ba: g.in_proj_b.ptr,
-                        conv: g.conv1d.ptr,
-                        dt_bias: g.dt_bias.ptr,
-                        a_log: g.a_log.ptr,
-                        norm: g.norm.ptr,
-                        out: g.out_proj.ptr,
+                        qkv: one(&g.in_proj_qkv),
+                        z: one(&g.in_proj_z),
+                        ba: two(&g.in_proj_b, &g.in_proj_a),
+                        conv: g.conv1d.ptr(),
+                        dt_bias: g.dt_bias.ptr(),
+                        a_log: g.a_log.ptr(),
+                        norm: g.norm.ptr(),
+                        out: one(&g.out_proj),
                     }),
                     deltaserve_model::MixerWeights::Attention(a) => Mixer::Attn(AttnLayer {
-                        q: a.q_proj.ptr,
-                        k: a.k_proj.ptr,
-                        v: a.v_proj.ptr,
-                        o: a.o_proj.ptr,
-                        q_norm: a.q_norm.ptr,
-                        k_norm: a.k_norm.ptr,
+                        q: one(&a.q_proj),
+                        k: one(&a.k_proj),
+                        v: one(&a.v_proj),
+                        o: one(&a.o_proj),
+                        q_norm: a.q_norm.ptr(),
+                        k_norm: a.k_norm.ptr(),
                     }),
                 },
-                gate_up: l.mlp.gate_proj.ptr,
-                down: l.mlp.down_proj.ptr,
+                gate_up: two(&l.mlp.gate_proj, &l.mlp.up_proj),
+                down: one(&l.mlp.down_proj),
             })
             .collect();
-        Ok(Weights { embed: mw.embed.ptr, lm_head: mw.lm_head().ptr, final_norm: mw.final_norm.ptr, layers })
+        let lm_head = match (&mw.lm_head, tied_head) {
+            (Some(p), _) => *p,
+            (None, Some(p)) => p,
+            (None, None) => mw.embed,
+        };
+        Ok(Weights {
+            embed: if self.host_embed.is_some() { 0 } else { mw.embed.ptr() },
+            lm_head: vec![lm_head],
+            final_norm: mw.final_norm.ptr(),
+            layers,
+        })
     }
 
     fn random_weights(
@@ -645,50 +1138,106 @@ impl CudaBackend {
         cfg: &ModelConfig,
         wreg: crate::arena::RegionId,
         seed: u64,
+        fmt: WeightFormat,
+        staging: DevSpan,
     ) -> Result<Weights, CudaError> {
-        let specs = weight_specs(cfg);
-        let mut ptrs = Vec::with_capacity(specs.len());
-        for (i, &(n, f32_out, init)) in specs.iter().enumerate() {
-            let span = self.arena.alloc(wreg, n * if f32_out { 4 } else { 2 })?;
+        let specs = weight_specs(cfg, fmt);
+        let mut parts = Vec::with_capacity(specs.len());
+        let s = self.rt.stream().clone();
+        for (i, spec) in specs.iter().enumerate() {
             let tseed = seed ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-            init_random(&self.k, self.rt.stream(), span.ptr, n, tseed, init, f32_out)?;
-            ptrs.push(span.ptr);
+            let part = match *spec {
+                WSpec::Dense { n, f32, init } => {
+                    let span = self.arena.alloc(wreg, n * if f32 { 4 } else { 2 })?;
+                    init_random(&self.k, &s, span.ptr, n, tseed, init, f32)?;
+                    Part::Bf16 { w: span.ptr, rows: 0 }
+                }
+                WSpec::W4 { out, inp, asym } => {
+                    let (_, bytes) = W4Bytes::new(out, inp, asym, false).layout(ALIGN);
+                    let base = self.arena.alloc(wreg, bytes)?.ptr;
+                    let w = W4Weights::at(base, out, inp, asym, false, ScaleDtype::Bf16);
+                    let b = w.bytes();
+                    init_random(&self.k, &s, w.qweight, b.qweight / 4, tseed, Init::Bits, false)?;
+                    // Uniform codes with zero 8 have a std of ~4.6 steps: weights of std 1/sqrt(in).
+                    let std = 1.0 / (inp as f32).sqrt() / 4.6;
+                    init_random(&self.k, &s, w.scales, b.scales / 2, tseed ^ 1, Init::Scale(std), false)?;
+                    if let Some(z) = w.zeros {
+                        self.rt.memset(z, 0x88, b.zeros)?;
+                    }
+                    Part::W4(w)
+                }
+                WSpec::Host { n } => {
+                    let Some(he) = &self.host_embed else {
+                        return Err(CudaError::Plan("embed_on_host without a host table".into()));
+                    };
+                    // Generated on the GPU through the (still empty) KV region, copied to the pinned table.
+                    let chunk = (staging.bytes / 2).min(n);
+                    if chunk == 0 {
+                        return Err(CudaError::Plan("no KV region to stage the host embedding".into()));
+                    }
+                    for (c, e0) in (0..n).step_by(chunk).enumerate() {
+                        let m = chunk.min(n - e0);
+                        init_random(&self.k, &s, staging.ptr, m, tseed ^ c as u64, Init::Normal(1.0), false)?;
+                        // SAFETY: the table holds n bf16 elements (table_bytes = 2n); e0 + m <= n.
+                        let dst = unsafe { std::slice::from_raw_parts_mut(he.table.add(2 * e0), 2 * m) };
+                        self.rt.download(dst, staging.ptr)?;
+                    }
+                    Part::Bf16 { w: 0, rows: 0 }
+                }
+            };
+            parts.push(part);
         }
-        let mut it = ptrs.into_iter();
+        let mut it = parts.into_iter();
         let mut next = || it.next().ok_or_else(|| CudaError::Weights("weight spec list too short".into()));
-        let embed = next()?;
-        let lm_head = if cfg.tie_word_embeddings { embed } else { next()? };
-        let final_norm = next()?;
+        let proj = |next: &mut dyn FnMut() -> Result<Part, CudaError>, pair: bool| -> Result<Proj, CudaError> {
+            Ok(if pair && fmt.int4 { vec![next()?, next()?] } else { vec![next()?] })
+        };
+        let d = self.d;
+        let embed_part = next()?;
+        let embed = embed_part.ptr();
+        let lm_head = if fmt.own_lm_head(cfg) { next()? } else { Part::Bf16 { w: embed, rows: d.vocab } };
+        let lm_head = match lm_head {
+            Part::Bf16 { w, .. } => Part::Bf16 { w, rows: d.vocab },
+            p => p,
+        };
+        let final_norm = next()?.ptr();
         let mut layers = Vec::with_capacity(cfg.layer_types.len());
+        // Row counts of bf16 parts (the forward needs them only for mixed projections).
+        let rows = |mut p: Proj, r: usize| -> Proj {
+            if let [Part::Bf16 { rows, .. }] = p.as_mut_slice() {
+                *rows = r;
+            }
+            p
+        };
         for kind in &cfg.layer_types {
-            let input_norm = next()?;
-            let post_norm = next()?;
+            let input_norm = next()?.ptr();
+            let post_norm = next()?.ptr();
             let mixer = match kind {
                 LayerKind::DeltaNet => Mixer::Gdn(GdnLayer {
-                    qkv: next()?,
-                    z: next()?,
-                    ba: next()?,
-                    conv: next()?,
-                    dt_bias: next()?,
-                    a_log: next()?,
-                    norm: next()?,
-                    out: next()?,
+                    qkv: rows(proj(&mut next, false)?, d.conv_channels),
+                    z: rows(proj(&mut next, false)?, d.gdn_value_width),
+                    ba: rows(proj(&mut next, true)?, 2 * d.gdn_v_heads),
+                    conv: next()?.ptr(),
+                    dt_bias: next()?.ptr(),
+                    a_log: next()?.ptr(),
+                    norm: next()?.ptr(),
+                    out: rows(proj(&mut next, false)?, d.hidden),
                 }),
                 LayerKind::Attention => Mixer::Attn(AttnLayer {
-                    q: next()?,
-                    k: next()?,
-                    v: next()?,
-                    o: next()?,
-                    q_norm: next()?,
-                    k_norm: next()?,
+                    q: rows(proj(&mut next, false)?, 2 * d.attn_dim),
+                    k: rows(proj(&mut next, false)?, d.kv_dim),
+                    v: rows(proj(&mut next, false)?, d.kv_dim),
+                    o: rows(proj(&mut next, false)?, d.hidden),
+                    q_norm: next()?.ptr(),
+                    k_norm: next()?.ptr(),
                 }),
             };
-            let gate_up = next()?;
-            let down = next()?;
+            let gate_up = rows(proj(&mut next, true)?, 2 * d.intermediate);
+            let down = rows(proj(&mut next, false)?, d.hidden);
             layers.push(Layer { input_norm, post_norm, mixer, gate_up, down });
         }
         self.rt.synchronize()?;
-        Ok(Weights { embed, lm_head, final_norm, layers })
+        Ok(Weights { embed: if fmt.embed_on_host { 0 } else { embed }, lm_head: vec![lm_head], final_norm, layers })
     }
 
     /// The runtime (device name, stream) — for benchmarks.
@@ -760,21 +1309,84 @@ impl CudaBackend {
 
     /// y_s [t, m_s] = x [t, kdim] · W_sᵀ for each output: the decode GEMV (one launch for all
     /// outputs) for steps of at most `gemv_max_tokens` tokens, else one cuBLASLt GEMM each.
+    /// Outputs made of int4 parts (or mixing int4 and bf16 parts) run part by part:
+    /// [`CudaBackend::w4_linear`] for int4, a cuBLASLt GEMM into the part's columns for bf16.
     fn proj(
         &self,
         s: &CudaStream,
         x: u64,
         t: usize,
         kdim: usize,
-        outs: &[GemvOut],
+        outs: &[ProjOut<'_>],
         f32_out: bool,
     ) -> Result<(), CudaError> {
-        let aligned = x.is_multiple_of(16) && outs.iter().all(|o| o.w.is_multiple_of(16) && o.y.is_multiple_of(16));
-        if t <= self.opts.gemv_max_tokens && gemv::supported(t, kdim) && aligned {
-            return gemv::gemv(&self.k, s, x, t, kdim, outs, f32_out);
+        let bf16: Option<Vec<GemvOut>> = outs
+            .iter()
+            .map(|o| match o.parts {
+                [Part::Bf16 { w, .. }] => Some(GemvOut { w: *w, y: o.y, m: o.m }),
+                _ => None,
+            })
+            .collect();
+        if let Some(outs) = bf16 {
+            let aligned = x.is_multiple_of(16) && outs.iter().all(|o| o.w.is_multiple_of(16) && o.y.is_multiple_of(16));
+            if t <= self.opts.gemv_max_tokens && gemv::supported(t, kdim) && aligned {
+                return gemv::gemv(&self.k, s, x, t, kdim, &outs, f32_out);
+            }
+            for o in &outs {
+                self.gemm.linear_out(s, x, o.w, o.y, t, o.m, kdim, f32_out)?;
+            }
+            return Ok(());
         }
+        let eb = if f32_out { 4 } else { 2 };
         for o in outs {
-            self.gemm.linear_out(s, x, o.w, o.y, t, o.m, kdim, f32_out)?;
+            let mut col = 0usize;
+            for p in o.parts {
+                let y = o.y + (eb * col) as u64;
+                match p {
+                    Part::Bf16 { w, rows } => self.gemm.linear_ld(s, x, *w, y, t, *rows, kdim, o.m, f32_out)?,
+                    Part::W4(w) => self.w4_linear(s, x, w, y, o.m, t, f32_out)?,
+                }
+                col += p.rows();
+            }
+            if col != o.m {
+                return Err(CudaError::Plan(format!("projection parts cover {col} of {} output columns", o.m)));
+            }
+        }
+        Ok(())
+    }
+
+    /// `y[t, w.out]` (row stride `ldy`) = `x[t, w.inp]` · Wᵀ for an int4 linear: the int4 GEMV for
+    /// steps of at most `gemv_max_tokens` tokens and for f32 outputs (lm_head logits; any `t`),
+    /// else row slices dequantised to bf16 in the scratch and a cuBLASLt GEMM per slice writing
+    /// its columns of `y`.
+    #[allow(clippy::too_many_arguments)]
+    fn w4_linear(
+        &self,
+        s: &CudaStream,
+        x: u64,
+        w: &W4Weights,
+        y: u64,
+        ldy: usize,
+        t: usize,
+        f32_out: bool,
+    ) -> Result<(), CudaError> {
+        let xs = (self.ws.w4_x.bytes >= 2 * 8 * w.inp).then_some(self.ws.w4_x.ptr);
+        if f32_out || t <= self.opts.gemv_max_tokens {
+            let cfg = w4a16::gemv_config(w.out, w.inp, self.rt.sm_count.max(1) as usize);
+            return w4a16::w4_gemv_out(&self.k, s, w, x, w.inp, y, ldy, t, cfg, xs, f32_out);
+        }
+        let slice = self.ws.w4_slice;
+        let rows = w4_slice_rows(w.out, w.inp, slice.bytes);
+        if rows == 0 {
+            return Err(CudaError::Plan(format!(
+                "the int4 prefill slice ({} B) cannot hold 16 rows of a [{}, {}] linear",
+                slice.bytes, w.out, w.inp
+            )));
+        }
+        for r0 in (0..w.out).step_by(rows) {
+            let r1 = (r0 + rows).min(w.out);
+            w4a16::w4_dequant(&self.k, s, w, r0, r1, slice.ptr, w.inp)?;
+            self.gemm.linear_ld(s, x, slice.ptr, y + 2 * r0 as u64, t, r1 - r0, w.inp, ldy, false)?;
         }
         Ok(())
     }
@@ -910,6 +1522,27 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Gathers the embedding rows of `ids` from the pinned host table into the pinned staging
+    /// buffer and uploads them to `residual` (before the step's kernels or graph; the previous
+    /// step synchronised, so the staging is free).
+    fn upload_host_embedding(&self, he: &HostEmbed, ids: &[i32]) -> Result<(), CudaError> {
+        let row = 2 * self.d.hidden;
+        let n = ids.len() * row;
+        if n > he.staging_bytes {
+            return Err(CudaError::Plan(format!("{} embedding rows exceed the host staging buffer", ids.len())));
+        }
+        for (r, &id) in ids.iter().enumerate() {
+            let id = id.clamp(0, self.d.vocab as i32 - 1) as usize;
+            // SAFETY: id < vocab rows of `row` bytes in the table; r < staging_bytes / row.
+            unsafe { std::ptr::copy_nonoverlapping(he.table.add(id * row), he.staging.add(r * row), row) };
+        }
+        // SAFETY: residual holds [t_max, hidden] bf16 (checked at construction); the pinned staging
+        // lives as long as self and is not written again before the step synchronises.
+        let src = unsafe { std::slice::from_raw_parts(he.staging, n) };
+        unsafe { result::memcpy_htod_async(self.ws.residual, src, self.rt.stream().cu_stream()) }
+            .map_err(CudaError::driver("cuMemcpyHtoDAsync"))
+    }
+
     fn upload_i32(&self, dst: u64, v: &[i32]) -> Result<(), CudaError> {
         if v.is_empty() {
             return Ok(());
@@ -1025,6 +1658,9 @@ impl CudaBackend {
             self.upload_i32(self.block_tables.ptr, &tables)?;
             self.upload_i32(ws.chunk_table.ptr, &chunk_table)?;
             self.upload_i32(ws.tile_table.ptr, &tile_table)?;
+            if let Some(he) = &self.host_embed {
+                self.upload_host_embedding(he, &ids)?;
+            }
             // A chunk starting at position 0 begins from a zeroed state.
             for &i in &order {
                 let c = &batch.seqs[i];
@@ -1071,14 +1707,15 @@ impl CudaBackend {
 
     fn forward(&self, sh: &StepShape) -> Result<(), CudaError> {
         let (k, s, ws, d) = (&self.k, self.rt.stream().as_ref(), &self.ws, &self.d);
-        let out = |w: u64, y: u64, m: usize| GemvOut { w, y, m };
         let StepShape { t, n, n_pre, tp, .. } = *sh;
         let n_dec = n - n_pre;
         let h = d.hidden;
         let eps = self.eps;
         let b2 = |x: usize| (2 * x) as u64;
         self.tick("step inputs")?;
-        embed::embed_gather(k, s, self.w.embed, ws.token_ids, ws.residual, t, h)?;
+        if self.host_embed.is_none() {
+            embed::embed_gather(k, s, self.w.embed, ws.token_ids, ws.residual, t, h)?;
+        } // else: run_chunks uploaded the rows gathered on the host into `residual`.
         self.tick("embed")?;
         for (li, layer) in self.w.layers.iter().enumerate() {
             if li == 0 {
@@ -1110,7 +1747,7 @@ impl CudaBackend {
                     );
                     let rec_state = self.states.ptr + rec as u64;
                     let conv_state = self.states.ptr + conv as u64;
-                    let outs = [out(gw.qkv, ws.gdn_qkv, cc), out(gw.z, ws.gdn_z, vw), out(gw.ba, ws.gdn_ba, 2 * hv)];
+                    let outs = [po(&gw.qkv, ws.gdn_qkv, cc), po(&gw.z, ws.gdn_z, vw), po(&gw.ba, ws.gdn_ba, 2 * hv)];
                     self.proj(s, ws.x_norm, t, h, &outs, false)?;
                     self.tick("gdn in-proj GEMMs")?;
                     if n_pre > 0 {
@@ -1218,12 +1855,12 @@ impl CudaBackend {
                     }
                     self.tick("gdn core (chunked / decode)")?;
                     norm::gated_rms_norm(k, s, ws.gdn_core_out, ws.gdn_z, vw, hv, gw.norm, ws.gdn_normed, t, dv, eps)?;
-                    self.proj(s, ws.gdn_normed, t, vw, &[out(gw.out, ws.mixer_out, h)], false)?;
+                    self.proj(s, ws.gdn_normed, t, vw, &[po(&gw.out, ws.mixer_out, h)], false)?;
                     self.tick("gdn gated norm + out GEMM")?;
                 }
                 (Mixer::Attn(aw), LayerCache::Attn { k: k_cache, v: v_cache }) => {
                     let (nh, nkv, hd, ad, kvd) = (d.q_heads, d.kv_heads, d.head_dim, d.attn_dim, d.kv_dim);
-                    let outs = [out(aw.q, ws.attn_qg, 2 * ad), out(aw.k, ws.attn_k, kvd), out(aw.v, ws.attn_v, kvd)];
+                    let outs = [po(&aw.q, ws.attn_qg, 2 * ad), po(&aw.k, ws.attn_k, kvd), po(&aw.v, ws.attn_v, kvd)];
                     self.proj(s, ws.x_norm, t, h, &outs, false)?;
                     self.tick("attn q/k/v GEMMs")?;
                     norm::rms_norm_1p(k, s, ws.attn_qg, 2 * hd, aw.q_norm, ws.attn_qg, 2 * hd, t * nh, hd, eps)?;
@@ -1319,7 +1956,7 @@ impl CudaBackend {
                     }
                     self.tick("attn core (prefill / decode)")?;
                     elementwise::sigmoid_gate_mul(k, s, ws.attn_out, ws.attn_qg + b2(hd), t, nh, hd, 2 * ad, 2 * hd)?;
-                    self.proj(s, ws.attn_out, t, ad, &[out(aw.o, ws.mixer_out, h)], false)?;
+                    self.proj(s, ws.attn_out, t, ad, &[po(&aw.o, ws.mixer_out, h)], false)?;
                     self.tick("attn gate + o GEMM")?;
                 }
                 _ => return Err(CudaError::Plan(format!("layer {li}: weights and cache kinds differ"))),
@@ -1338,9 +1975,9 @@ impl CudaBackend {
             )?;
             self.tick("norms")?;
             let i = d.intermediate;
-            self.proj(s, ws.mlp_in, t, h, &[out(layer.gate_up, ws.mlp_gate_up, 2 * i)], false)?;
+            self.proj(s, ws.mlp_in, t, h, &[po(&layer.gate_up, ws.mlp_gate_up, 2 * i)], false)?;
             elementwise::swiglu(k, s, ws.mlp_gate_up, 2 * i, ws.mlp_gate_up + b2(i), 2 * i, ws.mlp_act, t, i)?;
-            self.proj(s, ws.mlp_act, t, i, &[out(layer.down, ws.mlp_out, h)], false)?;
+            self.proj(s, ws.mlp_act, t, i, &[po(&layer.down, ws.mlp_out, h)], false)?;
             self.tick("MLP (GEMMs + SwiGLU)")?;
         }
         if sh.n_logits > 0 {
@@ -1358,11 +1995,22 @@ impl CudaBackend {
                 eps,
             )?;
             embed::embed_gather(k, s, ws.x_norm, ws.last_idx, ws.final_hidden, sh.n_logits, h)?;
-            self.proj(s, ws.final_hidden, sh.n_logits, h, &[out(self.w.lm_head, self.logits.ptr, d.vocab)], true)?;
+            self.proj(s, ws.final_hidden, sh.n_logits, h, &[po(&self.w.lm_head, self.logits.ptr, d.vocab)], true)?;
             self.tick("final norm + lm_head")?;
         }
         Ok(())
     }
+}
+
+/// One output of [`CudaBackend::proj`]: `y [t, m]`, its parts writing consecutive columns.
+struct ProjOut<'a> {
+    parts: &'a [Part],
+    y: u64,
+    m: usize,
+}
+
+fn po(parts: &[Part], y: u64, m: usize) -> ProjOut<'_> {
+    ProjOut { parts, y, m }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -1407,10 +2055,11 @@ impl Backend for CudaBackend {
 
     fn arena_stats(&self) -> ArenaStats {
         let capacity: usize = self.arena.regions().iter().map(|(_, s, _)| s).sum();
+        let (host_n, host_b) = self.host_embed.as_ref().map_or((0, 0), |e| (2, e.table_bytes + e.staging_bytes.max(1)));
         ArenaStats {
-            allocations: self.arena.driver_allocs() as u64 + u64::from(!self.host_pool.is_null()),
-            high_water_bytes: (self.arena.high_water() + self.host_pool_bytes) as u64,
-            capacity_bytes: (capacity + self.host_pool_bytes) as u64,
+            allocations: self.arena.driver_allocs() as u64 + u64::from(!self.host_pool.is_null()) + host_n,
+            high_water_bytes: (self.arena.high_water() + self.host_pool_bytes + host_b) as u64,
+            capacity_bytes: (capacity + self.host_pool_bytes + host_b) as u64,
         }
     }
 }
@@ -1418,10 +2067,19 @@ impl Backend for CudaBackend {
 impl Drop for CudaBackend {
     fn drop(&mut self) {
         self.graphs.clear();
-        if !self.host_pool.is_null() && self.rt.context().bind_to_thread().is_ok() {
+        if self.rt.context().bind_to_thread().is_ok() {
             let _ = self.rt.synchronize();
-            // SAFETY: allocated by malloc_host in new(), freed once.
-            let _ = unsafe { result::free_host(self.host_pool as *mut std::ffi::c_void) };
+            if !self.host_pool.is_null() {
+                // SAFETY: allocated by malloc_host in new(), freed once.
+                let _ = unsafe { result::free_host(self.host_pool as *mut std::ffi::c_void) };
+            }
+            if let Some(he) = self.host_embed.take() {
+                // SAFETY: allocated by malloc_host in new(), freed once.
+                unsafe {
+                    let _ = result::free_host(he.table as *mut std::ffi::c_void);
+                    let _ = result::free_host(he.staging as *mut std::ffi::c_void);
+                }
+            }
         }
     }
 }

@@ -27,12 +27,20 @@ struct Plan {
     algo: sys::cublasLtMatmulAlgo_t,
 }
 
+/// (m, n, k, f32 y, y's leading dimension, y's alignment in bytes).
+type PlanKey = (usize, usize, usize, bool, usize, u32);
+
+/// The largest power of two (at most 256) dividing a device address: what cuBLASLt may assume of it.
+fn alignment(ptr: u64) -> u32 {
+    if ptr == 0 { 256 } else { (1u64 << ptr.trailing_zeros().min(8)) as u32 }
+}
+
 /// A cuBLASLt handle, its workspace (an arena span) and the per-shape plans.
 /// Not `Sync`: the thread that owns the GPU owns this.
 pub struct Gemm {
     handle: sys::cublasLtHandle_t,
     workspace: DevSpan,
-    plans: RefCell<HashMap<(usize, usize, usize, bool), Plan>>,
+    plans: RefCell<HashMap<PlanKey, Plan>>,
     heuristic_calls: Cell<usize>,
 }
 
@@ -68,18 +76,26 @@ impl Gemm {
 
     /// [`Gemm::prepare`] with y in f32 (`f32_out`) or bf16.
     pub fn prepare_out(&self, m: usize, n: usize, k: usize, f32_out: bool) -> Result<(), CudaError> {
-        if self.plans.borrow().contains_key(&(m, n, k, f32_out)) {
+        self.prepare_key((m, n, k, f32_out, m, 256))
+    }
+
+    fn prepare_key(&self, key: PlanKey) -> Result<(), CudaError> {
+        if self.plans.borrow().contains_key(&key) {
             return Ok(());
         }
-        let plan = self.make_plan(m, n, k, f32_out)?;
-        self.plans.borrow_mut().insert((m, n, k, f32_out), plan);
+        let plan = self.make_plan(key)?;
+        self.plans.borrow_mut().insert(key, plan);
         Ok(())
     }
 
-    fn make_plan(&self, m: usize, n: usize, k: usize, f32_out: bool) -> Result<Plan, CudaError> {
+    fn make_plan(&self, key: PlanKey) -> Result<Plan, CudaError> {
+        let (m, n, k, f32_out, ldc, align_c) = key;
         let err = |call| move |source| CudaError::Blas { call, m, n, k, source };
-        if m == 0 || n == 0 || k == 0 {
-            return Err(CudaError::InvalidArgs { kernel: "gemm", msg: format!("empty GEMM m={m} n={n} k={k}") });
+        if m == 0 || n == 0 || k == 0 || ldc < m {
+            return Err(CudaError::InvalidArgs {
+                kernel: "gemm",
+                msg: format!("empty GEMM or ldc < m: m={m} n={n} k={k} ldc={ldc}"),
+            });
         }
         let bf16 = sys::cudaDataType::CUDA_R_16BF;
         let desc =
@@ -101,7 +117,7 @@ impl Gemm {
         let b = result::create_matrix_layout(bf16, k64, n64, k as i64).map_err(err("cublasLtMatrixLayoutCreate(B)"))?;
         let c_type = if f32_out { sys::cudaDataType::CUDA_R_32F } else { bf16 };
         let c =
-            result::create_matrix_layout(c_type, m64, n64, m as i64).map_err(err("cublasLtMatrixLayoutCreate(C)"))?;
+            result::create_matrix_layout(c_type, m64, n64, ldc as i64).map_err(err("cublasLtMatrixLayoutCreate(C)"))?;
         let pref = result::create_matmul_pref().map_err(err("cublasLtMatmulPreferenceCreate"))?;
         let ws = self.workspace.bytes as u64;
         // SAFETY: pref is live; the attribute is a u64.
@@ -113,6 +129,17 @@ impl Gemm {
                 8,
             )
             .map_err(err("cublasLtMatmulPreferenceSetAttribute"))
+            .and_then(|_| {
+                // y may start inside a wider row (a column slice of the output): say how aligned.
+                for attr in [
+                    sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                    sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                ] {
+                    result::set_matmul_pref_attribute(pref, attr, &align_c as *const u32 as *const c_void, 4)
+                        .map_err(err("cublasLtMatmulPreferenceSetAttribute(alignment)"))?;
+                }
+                Ok(())
+            })
             .and_then(|_| {
                 result::get_matmul_algo_heuristic(self.handle, desc, a, b, c, c, pref)
                     .map_err(err("cublasLtMatmulAlgoGetHeuristic"))
@@ -154,13 +181,33 @@ impl Gemm {
         k: usize,
         f32_out: bool,
     ) -> Result<(), CudaError> {
+        self.linear_ld(stream, x, w, y, n, m, k, m, f32_out)
+    }
+
+    /// [`Gemm::linear_out`] writing row `i` of y at `y + i·ldc` elements (`ldc ≥ m`): y may be a
+    /// column slice of a wider output (the int4 prefill path writes each dequantised row slice's
+    /// product straight into its columns). Plans are cached per (shape, ldc, y's alignment).
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_ld(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        w: u64,
+        y: u64,
+        n: usize,
+        m: usize,
+        k: usize,
+        ldc: usize,
+        f32_out: bool,
+    ) -> Result<(), CudaError> {
         if n == 0 {
             return Ok(());
         }
-        self.prepare_out(m, n, k, f32_out)?;
+        let key = (m, n, k, f32_out, ldc, alignment(y));
+        self.prepare_key(key)?;
         let plans = self.plans.borrow();
         let p = plans
-            .get(&(m, n, k, f32_out))
+            .get(&key)
             .ok_or(CudaError::InvalidArgs { kernel: "gemm", msg: format!("no plan for m={m} n={n} k={k}") })?;
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: descriptors are live and describe the row-major buffers the caller passes; the

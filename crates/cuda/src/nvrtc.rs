@@ -58,7 +58,15 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         module: "w4a16",
         src: include_str!("../kernels/w4a16.cu"),
-        functions: &["w4_permute_x", "w4_gemv_reg", "w4_gemv_cp4", "w4_gemv_cp8", "w4_dequant", "w4_quantize"],
+        functions: &[
+            "w4_permute_x",
+            "w4_gemv_reg",
+            "w4_gemv_reg_f32",
+            "w4_gemv_cp4",
+            "w4_gemv_cp8",
+            "w4_dequant",
+            "w4_quantize",
+        ],
     },
     KernelSource {
         module: "attention",

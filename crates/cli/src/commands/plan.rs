@@ -126,7 +126,7 @@ pub fn run(a: Args) -> Result<()> {
     let gpu = a.device != "cpu";
     let scratch = |o: &PlanOptions| {
         // What the CUDA backend carves beside the activation workspace (as `serve --device cuda` plans it).
-        if gpu { deltaserve_cuda::backend::scratch_bytes(&card, o.max_batch_tokens, o.max_seqs) as u64 } else { 0 }
+        if gpu { deltaserve_cuda::backend::scratch_bytes_for(&card, o) as u64 } else { 0 }
     };
     let free = if a.no_fit {
         Free::default()

@@ -14,9 +14,14 @@ pub enum Init {
     OnePlusNormal(f32),
     /// ln U(1, 16) (`A_log`).
     LogUniform1To16,
+    /// Uniformly random 32-bit words (packed int4 codes): `n` counts words, `f32_out` is ignored.
+    Bits,
+    /// std · (1 + 0.1 · N(0, 1)): positive, plausible int4 group scales.
+    Scale(f32),
 }
 
-/// Fills `n` elements at `out` (bf16, or f32 with `f32_out`) from (seed, index).
+/// Fills `n` elements at `out` (bf16, or f32 with `f32_out`; u32 words for [`Init::Bits`]) from
+/// (seed, index).
 pub fn init_random(
     k: &Kernels,
     s: &CudaStream,
@@ -33,6 +38,8 @@ pub fn init_random(
         Init::Normal(x) => (x, 0i32),
         Init::OnePlusNormal(x) => (x, 1),
         Init::LogUniform1To16 => (0.0f32, 2),
+        Init::Bits => (0.0f32, 3),
+        Init::Scale(x) => (x, 4),
     };
     let nn = n as i64;
     let is_f32 = f32_out as i32;

@@ -140,6 +140,25 @@ pub fn w4_gemv(
     cfg: GemvConfig,
     x_scratch: Option<u64>,
 ) -> Result<(), CudaError> {
+    w4_gemv_out(k, s, w, x, ldx, y, ldy, m, cfg, x_scratch, false)
+}
+
+/// [`w4_gemv`] with `y` in f32 when `f32_out` (int4 lm_head logits; always the register variant,
+/// `cfg.wpt` warps per tile), else bf16.
+#[allow(clippy::too_many_arguments)]
+pub fn w4_gemv_out(
+    k: &Kernels,
+    s: &CudaStream,
+    w: &W4Weights,
+    x: u64,
+    ldx: usize,
+    y: u64,
+    ldy: usize,
+    m: usize,
+    cfg: GemvConfig,
+    x_scratch: Option<u64>,
+    f32_out: bool,
+) -> Result<(), CudaError> {
     const K: &str = "w4_gemv";
     w.check(K)?;
     if m == 0 {
@@ -164,14 +183,14 @@ pub fn w4_gemv(
     let (out, inp) = (to_i32(K, "out", w.out)?, to_i32(K, "in", w.inp)?);
     let grid = (to_u32(K, "blocks", w.out.div_ceil(16).div_ceil(WARPS / wpt))?, 1, 1);
     let block = ((WARPS * 32) as u32, 1, 1);
-    let smem = cfg.kernel.smem_bytes() as u32;
+    let smem = if f32_out { 0 } else { cfg.kernel.smem_bytes() as u32 };
     let (qw, sc, zp, sbf) = (w.qweight, w.scales, w.zeros.unwrap_or(0), w.scale_bf16());
     let wpt_i = wpt as i32;
     let ldy_i = ldy as i64;
     for m0 in (0..m).step_by(GEMV_MAX_M) {
         let mc = (m - m0).min(GEMV_MAX_M);
         let xc = x + 2 * (m0 * ldx) as u64;
-        let yc = y + 2 * (m0 * ldy) as u64;
+        let yc = y + (if f32_out { 4 } else { 2 } * m0 * ldy) as u64;
         let mc_i = mc as i32;
         let (xg, ldxg) = match (w.perm, x_scratch) {
             (Some(perm), Some(scratch)) => {
@@ -183,6 +202,11 @@ pub fn w4_gemv(
             }
             _ => (xc, ldx as i64),
         };
+        if f32_out {
+            launch!(k, s, "w4_gemv_reg_f32", grid, block, smem;
+                qw, sc, zp, sbf, xg, ldxg, yc, ldy_i, mc_i, out, inp, wpt_i)?;
+            continue;
+        }
         match cfg.kernel {
             GemvKernel::Reg => launch!(k, s, "w4_gemv_reg", grid, block, smem;
                 qw, sc, zp, sbf, xg, ldxg, yc, ldy_i, mc_i, out, inp, wpt_i)?,
