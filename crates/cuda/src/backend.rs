@@ -2083,3 +2083,95 @@ impl Drop for CudaBackend {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use deltaserve_model::synth::Preset;
+    use deltaserve_plan::WeightBytes;
+
+    fn preset(p: Preset, layers: Option<usize>) -> ModelConfig {
+        ModelConfig::from_json_str(&p.config_json(layers).to_string()).unwrap()
+    }
+
+    /// What the backend keeps in f32 beyond the plan's 16-bit pricing (A_log, dt_bias, gated norm).
+    fn f32_extra(cfg: &ModelConfig) -> usize {
+        let d = cfg.dims();
+        d.num_deltanet_layers
+            * (2 * (al(4 * d.gdn_v_heads) - al(2 * d.gdn_v_heads)) + al(4 * d.gdn_v_dim) - al(2 * d.gdn_v_dim))
+    }
+
+    #[test]
+    fn int4_weights_place_exactly_what_the_plan_charges() {
+        for cfg in [preset(Preset::Qwen36_27b, None), preset(Preset::Tiny, None)] {
+            for asym in [false, true] {
+                for lm_head_int4 in [false, true] {
+                    for embed_on_host in [false, true] {
+                        let mut o = PlanOptions::gpu_defaults(24 << 30);
+                        o.weights_dtype = WeightsDtype::Int4;
+                        o.int4_asym = asym;
+                        o.lm_head_int4 = lm_head_int4;
+                        o.embed_on_host = embed_on_host;
+                        let plan = WeightBytes::new(&cfg, &o).unwrap();
+                        let ours = weights_device_bytes(&cfg, WeightFormat::of(&o));
+                        assert_eq!(
+                            ours,
+                            plan.device() as usize + f32_extra(&cfg),
+                            "hidden {} asym {asym} lm_head_int4 {lm_head_int4} embed_on_host {embed_on_host}",
+                            cfg.dims().hidden
+                        );
+                        // The host table is the plan's host weights.
+                        let host: usize = weight_specs(&cfg, WeightFormat::of(&o))
+                            .iter()
+                            .map(|s| if let WSpec::Host { n } = s { 2 * n } else { 0 })
+                            .sum();
+                        assert_eq!(host as u64, plan.host());
+                    }
+                }
+            }
+            // bf16: fused pairs only save alignment padding.
+            let o = PlanOptions::gpu_defaults(24 << 30);
+            let plan = WeightBytes::new(&cfg, &o).unwrap().device() as usize;
+            let ours = weights_device_bytes(&cfg, WeightFormat::of(&o));
+            assert!(ours <= plan + f32_extra(&cfg) && ours + 4096 * cfg.dims().num_layers >= plan);
+        }
+    }
+
+    #[test]
+    fn int4_scratch_adds_the_slice_and_x_scratch() {
+        let cfg = preset(Preset::Qwen36_27b, None);
+        let mut o = PlanOptions::gpu_defaults(24 << 30);
+        let base = scratch_bytes(&cfg, o.max_batch_tokens, o.max_seqs);
+        assert_eq!(scratch_bytes_for(&cfg, &o), base);
+        o.weights_dtype = WeightsDtype::Int4;
+        assert_eq!(scratch_bytes_for(&cfg, &o), base + al(2 * 8 * 17408) + W4_SLICE_BYTES);
+        o.weights_dtype = WeightsDtype::Bf16;
+        o.lm_head_int4 = true;
+        assert_eq!(scratch_bytes_for(&cfg, &o), base + al(2 * 8 * 5120));
+        // The tiny model's largest linear fits whole.
+        let tiny = preset(Preset::Tiny, None);
+        let p = ScratchParts::new(&tiny, 512, 4, true, false);
+        let d = tiny.dims();
+        assert_eq!(p.w4_slice, 2 * d.hidden * d.intermediate.max(d.conv_channels));
+    }
+
+    #[test]
+    fn slice_rows_at_the_27b_shapes() {
+        for (out, inp, rows) in [(17408, 5120, 6528), (5120, 17408, 1920), (10240, 5120, 6528), (1024, 5120, 1024)] {
+            let r = w4_slice_rows(out, inp, W4_SLICE_BYTES);
+            assert_eq!(r, rows, "[{out}, {inp}]");
+            assert!(2 * r * inp <= W4_SLICE_BYTES);
+        }
+        assert_eq!(w4_slice_rows(100, 1 << 30, W4_SLICE_BYTES), 0);
+        assert_eq!(w4_slice_rows(48, 128, 1 << 20), 48);
+    }
+
+    #[test]
+    fn linear_names() {
+        assert!(is_linear("model.language_model.layers.3.linear_attn.in_proj_qkv.weight"));
+        assert!(is_linear("model.layers.0.mlp.down_proj.weight"));
+        assert!(!is_linear("model.layers.0.linear_attn.conv1d.weight"));
+        assert!(!is_linear("model.layers.0.self_attn.q_norm.weight"));
+        assert!(!is_linear("lm_head.weight"));
+    }
+}

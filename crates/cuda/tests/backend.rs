@@ -733,3 +733,208 @@ fn graphs_match_eager_same_backend() {
         assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "graphs differ from eager on one backend");
     }
 }
+
+/// The tiny preset with 4 DeltaNet value heads (value width 128), so every linear's `in` is a
+/// multiple of 128 (the int4 format's group), written once per process.
+fn tiny_int4_dir(layers: usize) -> (PathBuf, ModelConfig) {
+    let dir = std::env::temp_dir().join(format!("ds-cuda-backend-int4-{}-{layers}", std::process::id()));
+    let mut config = Preset::Tiny.config_json(Some(layers));
+    config["text_config"]["linear_num_value_heads"] = serde_json::json!(4);
+    let cfg = deltaserve_model::synth::write_model_json(
+        &dir,
+        Preset::Tiny,
+        config,
+        13,
+        deltaserve_model::synth::MtpVariant::None,
+        |_, _| {},
+    )
+    .unwrap();
+    (dir, cfg)
+}
+
+fn plan_with(cfg: &ModelConfig, f: impl Fn(&mut PlanOptions)) -> Plan {
+    let mut o = PlanOptions::gpu_defaults(768 << 20);
+    o.max_batch_tokens = 2048;
+    o.max_seqs = 8;
+    o.max_context = Some(4096);
+    o.page_size = PAGE;
+    o.snapshot_slots = 4;
+    o.runtime_reserve_bytes = 0;
+    f(&mut o);
+    o.backend_scratch_bytes = deltaserve_cuda::backend::scratch_bytes_for(cfg, &o) as u64;
+    Plan::new(cfg, &o).unwrap()
+}
+
+/// The CPU reference over the weights the CUDA backend quantises at load: every decoder linear
+/// (and lm_head with `lm_head_int4`) replaced by the host quantiser's dequantised values (bit-equal
+/// to `w4_quantize`).
+fn cpu_int4(dir: &Path, cfg: &ModelConfig, int4: bool, asym: bool, lm_head_int4: bool) -> CpuBackend {
+    use deltaserve_cuda::w4::W4Linear;
+    let ckpt = Checkpoint::open(dir).unwrap();
+    let mut w = ModelWeights::load_f32(&ckpt, cfg).unwrap();
+    let q = |t: &mut deltaserve_model::weights::HostTensor| {
+        let (o, i) = (t.shape[0], t.shape[1]);
+        t.data = W4Linear::quantize(&t.data, o, i, asym).unwrap().dequantize();
+    };
+    if int4 {
+        for l in &mut w.layers {
+            match &mut l.mixer {
+                deltaserve_model::MixerWeights::DeltaNet(g) => {
+                    for t in [&mut g.in_proj_qkv, &mut g.in_proj_z, &mut g.in_proj_b, &mut g.in_proj_a, &mut g.out_proj]
+                    {
+                        q(t);
+                    }
+                }
+                deltaserve_model::MixerWeights::Attention(a) => {
+                    for t in [&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj] {
+                        q(t);
+                    }
+                }
+            }
+            for t in [&mut l.mlp.gate_proj, &mut l.mlp.up_proj, &mut l.mlp.down_proj] {
+                q(t);
+            }
+        }
+    }
+    if lm_head_int4 {
+        let mut head = w.lm_head().clone();
+        q(&mut head);
+        w.lm_head = Some(head);
+    }
+    CpuBackend::new(
+        CpuModel::new(cfg.clone(), w),
+        CpuCacheConfig { num_pages: 1024, page_size: PAGE, num_slots: 8, snapshot_slots: 4, host_snapshot_slots: 4 },
+    )
+}
+
+/// Prefill (1, 37, 300, 1100 tokens: GEMV and sliced-GEMM paths) and a 12-step greedy decode
+/// (graphs), CUDA vs the CPU reference on the same weights. Returns the failures.
+fn compare_int4(label: &str, g: &mut CudaBackend, c: &mut CpuBackend) -> Vec<String> {
+    let vocab = g.vocab_size();
+    let allocs = g.arena_stats().allocations;
+    let mut rng = StdRng::seed_from_u64(21);
+    let mut pre = Score::default();
+    for (i, len) in [1usize, 5, 37, 300, 1100].into_iter().enumerate() {
+        let ids = random_tokens(&mut rng, len, vocab);
+        let b = one(chunk(0, &pages(200 * i as u32, len), 0, &ids));
+        pre.add(&run(g, &b), &run(c, &b), vocab);
+    }
+    let prompt = random_tokens(&mut rng, 37, vocab);
+    let pg = pages(1000, 37 + 12);
+    let b = one(chunk(2, &pg, 0, &prompt));
+    let (mut lg, mut lc) = (run(g, &b), run(c, &b));
+    let mut dec = Score::default();
+    for step in 0..12 {
+        dec.add(&lg, &lc, vocab);
+        let tok = argmax(&lg) as u32;
+        lg = run(g, &one(chunk(2, &pg, 37 + step, &[tok])));
+        lc = run(c, &one(chunk(2, &pg, 37 + step, &[tok])));
+    }
+    println!("{label}: graph stats {:?}", g.graph_stats());
+    let mut failures: Vec<String> = Vec::new();
+    failures.extend(pre.soft_check(&format!("{label} prefill")));
+    failures.extend(dec.soft_check(&format!("{label} decode (teacher-forced)")));
+    if g.arena_stats().allocations != allocs {
+        failures.push(format!("{label}: the arena allocated while serving"));
+    }
+    failures
+}
+
+/// (5a) int4 decoder linears quantised at load on the GPU (sym and asym, with an int4 lm_head and
+/// the embedding on the host in some runs) against the CPU on the dequantised weights.
+#[test]
+fn int4_quantized_at_load_matches_cpu() {
+    if !gpu() {
+        return;
+    }
+    let (dir, cfg) = tiny_int4_dir(8);
+    let mut failures = Vec::new();
+    for (asym, lm_head_int4, embed_on_host) in [(false, false, false), (true, false, false), (false, true, true)] {
+        let plan = plan_with(&cfg, |o| {
+            o.weights_dtype = deltaserve_plan::WeightsDtype::Int4;
+            o.int4_asym = asym;
+            o.lm_head_int4 = lm_head_int4;
+            o.embed_on_host = embed_on_host;
+        });
+        let mut g = cuda(&dir, &cfg, &plan);
+        println!(
+            "int4 asym {asym} lm_head_int4 {lm_head_int4} embed_on_host {embed_on_host}: quantised {} linears, weights {} B (plan {} B)",
+            g.w4_quantized,
+            g.weights_bytes,
+            plan.region("weights").unwrap().bytes
+        );
+        assert!(g.w4_quantized > 0);
+        let mut c = cpu_int4(&dir, &cfg, true, asym, lm_head_int4);
+        failures.extend(compare_int4(
+            &format!("int4 asym={asym} lm_head_int4={lm_head_int4} host_embed={embed_on_host}"),
+            &mut g,
+            &mut c,
+        ));
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// (5b) bf16 weights with the embedding on the host give the same logits bit for bit (the rows
+/// are the same bf16 values, uploaded instead of gathered); an int4 lm_head matches the CPU with
+/// the dequantised lm_head.
+#[test]
+fn embed_on_host_and_int4_lm_head() {
+    if !gpu() {
+        return;
+    }
+    let (dir, cfg) = tiny_int4_dir(4);
+    let base = plan_with(&cfg, |_| {});
+    let host = plan_with(&cfg, |o| o.embed_on_host = true);
+    let mut a = cuda(&dir, &cfg, &base);
+    let mut b = cuda(&dir, &cfg, &host);
+    let allocs = b.arena_stats().allocations;
+    let vocab = a.vocab_size();
+    let mut rng = StdRng::seed_from_u64(3);
+    for (i, len) in [1usize, 40, 700].into_iter().enumerate() {
+        let ids = random_tokens(&mut rng, len, vocab);
+        let st = one(chunk(0, &pages(100 * i as u32, len + 4), 0, &ids));
+        assert_eq!(run(&mut a, &st), run(&mut b, &st), "embed_on_host changed prefill logits ({len} tokens)");
+        for k in 0..4 {
+            let st = one(chunk(0, &pages(100 * i as u32, len + 4), len + k, &[ids[k % len]]));
+            assert_eq!(run(&mut a, &st), run(&mut b, &st), "embed_on_host changed decode logits");
+        }
+    }
+    assert_eq!(b.arena_stats().allocations, allocs, "allocations after start");
+    println!("embed_on_host: logits identical; arena {:?}", b.arena_stats());
+    let head = plan_with(&cfg, |o| o.lm_head_int4 = true);
+    let mut g = cuda(&dir, &cfg, &head);
+    let mut c = cpu_int4(&dir, &cfg, false, false, true);
+    let failures = compare_int4("bf16 + int4 lm_head", &mut g, &mut c);
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// (5c) Random int4 weights at the model's shapes: finite logits on prefill and decode, and no
+/// allocation after start.
+#[test]
+fn random_int4_weights_run() {
+    if !gpu() {
+        return;
+    }
+    let (_, cfg) = tiny_int4_dir(4);
+    for asym in [false, true] {
+        let plan = plan_with(&cfg, |o| {
+            o.weights_dtype = deltaserve_plan::WeightsDtype::Int4;
+            o.int4_asym = asym;
+            o.lm_head_int4 = true;
+        });
+        let mut g =
+            CudaBackend::with_options(&cfg, WeightSource::RandomWeights { seed: 1 }, &plan, 2, test_opts()).unwrap();
+        let allocs = g.arena_stats().allocations;
+        let vocab = g.vocab_size();
+        let ids: Vec<u32> = (0..600).map(|i| (i * 7 % vocab) as u32).collect();
+        let pg = pages(0, 610);
+        let l = run(&mut g, &one(chunk(0, &pg, 0, &ids)));
+        assert!(l.iter().all(|x| x.is_finite()), "prefill logits not finite");
+        for k in 0..5 {
+            let l = run(&mut g, &one(chunk(0, &pg, 600 + k, &[3])));
+            assert!(l.iter().all(|x| x.is_finite()), "decode logits not finite");
+        }
+        assert_eq!(g.arena_stats().allocations, allocs);
+        println!("random int4 asym {asym}: weights {} B, logits finite", g.weights_bytes);
+    }
+}

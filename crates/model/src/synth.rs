@@ -272,13 +272,26 @@ pub fn write_model_with(
     layers: Option<usize>,
     seed: u64,
     variant: MtpVariant,
-    mut progress: impl FnMut(u64, u64),
+    progress: impl FnMut(u64, u64),
 ) -> Result<ModelConfig, ModelError> {
-    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
     let mut config = preset.config_json(layers);
     if variant == MtpVariant::None {
         config["text_config"]["mtp_num_hidden_layers"] = json!(0);
     }
+    write_model_json(dir, preset, config, seed, variant, progress)
+}
+
+/// [`write_model_with`] from a `config.json` value (a preset's, edited: other head counts or sizes
+/// at the preset's tokenizer).
+pub fn write_model_json(
+    dir: &Path,
+    preset: Preset,
+    config: Value,
+    seed: u64,
+    variant: MtpVariant,
+    mut progress: impl FnMut(u64, u64),
+) -> Result<ModelConfig, ModelError> {
+    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
     let text = serde_json::to_string_pretty(&config).map_err(|e| ModelError::config(e.to_string()))?;
     let cfg = ModelConfig::from_json_str(&text)?;
     write_file(&dir.join("config.json"), text.as_bytes())?;
