@@ -23,7 +23,7 @@ use deltaserve_backend::{Backend, CacheOp, SeqChunk, SnapshotLoc, StepBatch};
 use deltaserve_cuda::ops::init::{Init, init_random};
 use deltaserve_cuda::{Arena, CudaBackend, Kernels, Runtime, WeightSource};
 use deltaserve_model::ModelConfig;
-use deltaserve_plan::{Plan, PlanOptions, fmt_bytes, fmt_count, parse_size};
+use deltaserve_plan::{KvDtype, Plan, PlanOptions, WeightsDtype, fmt_bytes, fmt_count, parse_size};
 use serde_json::{Value, json};
 
 use crate::gpu_memory::GpuSampler;
@@ -48,6 +48,21 @@ pub struct Args {
     /// Timed decode steps per (batch, context) (after 3 warm-up steps).
     #[arg(long, default_value_t = 24)]
     steps: usize,
+    /// Storage of the decoder linears: bf16 or int4 (random int4 codes made on the GPU).
+    #[arg(long, default_value = "bf16")]
+    weights_dtype: WeightsDtype,
+    /// int4 weights with zero points (asymmetric).
+    #[arg(long)]
+    int4_asym: bool,
+    /// lm_head in int4.
+    #[arg(long)]
+    lm_head_int4: bool,
+    /// Keep the embedding table in pinned host memory.
+    #[arg(long)]
+    embed_on_host: bool,
+    /// KV cache dtype for K and V: bf16, fp8, int8, int4.
+    #[arg(long, default_value = "bf16")]
+    kv_cache_dtype: KvDtype,
     /// Tokens per engine step (prefill chunk).
     #[arg(long, default_value_t = 4096)]
     max_batch_tokens: usize,
@@ -145,7 +160,12 @@ pub fn run(a: Args) -> Result<()> {
     // One device and one host snapshot slot: the restore timings of issue #7.
     o.snapshot_slots = 1;
     o.max_context = Some(max_prompt.max(a.contexts.iter().copied().max().unwrap_or(0) + a.steps + 8));
-    o.backend_scratch_bytes = deltaserve_cuda::backend::scratch_bytes(&cfg, o.max_batch_tokens, o.max_seqs) as u64;
+    o.weights_dtype = a.weights_dtype;
+    o.int4_asym = a.int4_asym;
+    o.lm_head_int4 = a.lm_head_int4;
+    o.embed_on_host = a.embed_on_host;
+    (o.k_dtype, o.v_dtype) = (a.kv_cache_dtype, a.kv_cache_dtype);
+    o.backend_scratch_bytes = deltaserve_cuda::backend::scratch_bytes_for(&cfg, &o) as u64;
     let plan = Plan::new(&cfg, &o).context("the bench's memory plan does not fit (lower --prompts or --batches)")?;
     tracing::info!("bench plan:\n{}", plan.table());
 
@@ -164,7 +184,14 @@ pub fn run(a: Args) -> Result<()> {
 
     let mut report = Report {
         gpu,
-        model: model_name(&model, &cfg),
+        model: format!(
+            "{} · weights {}{}{} · KV {}",
+            model_name(&model, &cfg),
+            plan.options.weights_dtype.name(),
+            if plan.options.lm_head_int4 { " + int4 lm_head" } else { "" },
+            if plan.options.embed_on_host { " + host embedding" } else { "" },
+            plan.options.k_dtype.name()
+        ),
         ceilings,
         plan_bytes: plan.total_bytes,
         arena_bytes: plan.arena_bytes(),
@@ -221,7 +248,9 @@ pub fn run(a: Args) -> Result<()> {
             tracing::info!("bench: decode batch {b} at context {}", fmt_count(ctx as u64));
             peak(&sampler);
             let ms = decode(&mut be, b, ctx, per_seq, a.steps, vocab)?;
-            let weight_bytes = (plan.weights_bytes - plan.weight_parts.embed) as f64;
+            // Device weights, less the embedding table of which a step reads only its rows.
+            let embed_on_device = if plan.options.embed_on_host { 0 } else { plan.weight_parts.embed };
+            let weight_bytes = (plan.weights_bytes - embed_on_device) as f64;
             let bytes = weight_bytes
                 + (b * ctx) as f64 * plan.kv_bytes_per_token as f64
                 + 2.0 * b as f64 * plan.state_bytes_per_seq as f64;
