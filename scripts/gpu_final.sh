@@ -9,6 +9,8 @@
 #   bench    `deltaserve bench`: ceilings, prefill 1K..262K, decode b1/8/32 at 1K/32K, snapshots, memory
 #   soak     27B random weights, a 12-turn agent session to SOAK_TARGET tokens (default 131072)
 #   probe    27B random weights, the ceiling ladder at the full 262,144 context
+#   probe24  27B random int4 weights, fp8 KV, --memory 24GiB: the ladder at 262,144 (issue #6)
+#   bench24  `deltaserve bench` in the same 24 GiB configuration (4-bit prefill / decode targets)
 set -uo pipefail
 C=.carry/final
 if [[ "${1:-}" == "--stage" ]]; then
@@ -75,5 +77,20 @@ if has probe; then
         --rungs "${PROBE_RUNGS:-25,50,100}" --turns "${PROBE_TURNS:-3}" --json --svg "$OUT/probe-27b.svg" >"$OUT/probe-27b.json" 2>"$OUT/probe-27b.log"
     echo "rc=$?"; tail -n 2 "$OUT/probe-27b.log"
     python3 -c "import json,sys; d=json.load(open('$OUT/probe-27b.json')); [print(r) for r in d['rungs']+d['turns']]; print(d['passed'], d['failures'], d['plan_bytes'])" || true
+fi
+Q24="--preset qwen3.6-27b --random-weights --weights-dtype int4 --kv-cache-dtype fp8 --memory 24GiB"
+if has probe24; then
+    step probe24
+    timeout "${PROBE24_TIMEOUT:-300}" "$C/deltaserve" probe --device cuda $Q24 --rungs "${PROBE24_RUNGS:-25,100}" \
+        --turns "${PROBE24_TURNS:-2}" --json --svg "$OUT/probe-24g.svg" >"$OUT/probe-24g.json" 2>"$OUT/probe-24g.log"
+    echo "rc=$?"; grep -E "memory plan|fit|WARN|ERROR|error" "$OUT/probe-24g.log" | head -5; tail -n 2 "$OUT/probe-24g.log"
+    python3 -c "import json,sys; d=json.load(open('$OUT/probe-24g.json')); [print(r) for r in d['rungs']+d['turns']]; print(d['passed'], d['failures'], d['plan_bytes'], d['idle_driver_bytes'])" || true
+fi
+if has bench24; then
+    step bench24
+    timeout "${BENCH24_TIMEOUT:-120}" "$C/deltaserve" bench --weights-dtype int4 --kv-cache-dtype fp8 --lm-head-int4 --embed-on-host \
+        --memory 24GiB --prompts 4096,32768 --batches 1,8 --contexts 1024,32768 --json >"$OUT/bench-24g.json" 2>"$OUT/bench-24g.log"
+    echo "rc=$?"; tail -n 2 "$OUT/bench-24g.log"
+    python3 -c "import json; d=json.load(open('$OUT/bench-24g.json')); print(d['model']); [print('prefill', r['tokens'], r['tokens_per_s'], r['roofline_ratio']) for r in d['prefill']]; [print('decode', r['batch'], r['context'], r['ms_per_step'], r['roofline_ratio']) for r in d['decode']]; print(d['plan_bytes'], d['driver_peak_bytes'], d['skipped'])" || true
 fi
 step done
