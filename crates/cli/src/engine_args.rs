@@ -320,6 +320,11 @@ impl EngineArgs {
             );
         }
         let mut opts = self.plan_options(Device::Cuda)?;
+        // The CUDA KV cache stores bf16, fp8, int8 or int4 (K and V independently); refuse the
+        // others before planning and loading.
+        deltaserve_cuda::KvFormats { k: opts.k_dtype, v: opts.v_dtype }
+            .validate()
+            .map_err(|e| anyhow::anyhow!("--kv-cache-dtype / --k-cache-dtype / --v-cache-dtype: {e}"))?;
         let cfg = text.config;
         let (int4, asym) = self.cuda_weights(&cfg, random_weights)?;
         if int4 {

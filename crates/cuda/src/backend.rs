@@ -32,9 +32,10 @@ use deltaserve_plan::{Plan, PlanOptions, WeightsDtype};
 use crate::arena::{Arena, DevSpan};
 use crate::error::CudaError;
 use crate::gemm::Gemm;
-use crate::nvrtc::KernelDims;
+use crate::nvrtc::{KernelDims, KvFormats};
 use crate::ops::gemv::{self, GemvOut};
 use crate::ops::init::{Init, init_random};
+use crate::ops::kv_quant::{self, LayerKv};
 use crate::ops::w4a16::{self, W4Weights};
 use crate::ops::{self, Kernels, attention, conv, elementwise, embed, gdn_chunk, gdn_decode, gdn_gate, kv_cache, norm};
 use crate::runtime::Runtime;
@@ -327,8 +328,8 @@ struct Ws {
 /// Where layer `i`'s cache lives.
 #[derive(Clone, Copy, Debug)]
 enum LayerCache {
-    /// K and V base addresses in kv_pages.
-    Attn { k: u64, v: u64 },
+    /// K and V data (and scales of a quantised format) in kv_pages.
+    Attn(LayerKv),
     /// Byte offsets of the recurrent and conv tensors inside state_slots / snapshots.
     Gdn { rec: usize, conv: usize, snap_rec: usize, snap_conv: usize },
 }
@@ -742,14 +743,12 @@ impl CudaBackend {
         if plan.dims != d {
             return Err(CudaError::Plan("the plan was made for another model shape".into()));
         }
-        if plan.options.activation_bytes_per_elem != 2
-            || plan.options.k_dtype.name() != "bf16"
-            || plan.options.v_dtype.name() != "bf16"
-        {
-            return Err(CudaError::Plan(
-                "the CUDA backend supports bf16 KV and bf16 activations only (gpu_defaults)".into(),
-            ));
+        if plan.options.activation_bytes_per_elem != 2 {
+            return Err(CudaError::Plan("the CUDA backend supports bf16 activations only (gpu_defaults)".into()));
         }
+        // K/V stored as bf16, fp8, int8 or int4 (load_kv refuses fp16 / fp32).
+        let kvf = KvFormats { k: plan.options.k_dtype, v: plan.options.v_dtype };
+        kvf.validate().map_err(|e| CudaError::Plan(format!("{e}")))?;
         if !matches!(plan.options.weights_dtype, WeightsDtype::Bf16 | WeightsDtype::Int4) {
             return Err(CudaError::Plan(format!(
                 "the CUDA backend stores weights in bf16 or int4, not {}",
@@ -757,7 +756,7 @@ impl CudaBackend {
             )));
         }
         let fmt = WeightFormat::of(&plan.options);
-        let k = Kernels::load(&rt, kernel_dims(cfg))?;
+        let k = Kernels::load_kv(&rt, kernel_dims(cfg), kvf)?;
         let mut arena = Arena::new(rt.context().clone());
         let region = |name: &str| -> Result<usize, CudaError> {
             plan.region(name)
@@ -890,11 +889,9 @@ impl CudaBackend {
         for kind in &cfg.layer_types {
             match kind {
                 LayerKind::Attention => {
-                    let kp = kv.ptr + kv_at as u64;
-                    kv_at += al(kb) + al(ks);
-                    let vp = kv.ptr + kv_at as u64;
-                    kv_at += al(vb) + al(vs);
-                    caches.push(LayerCache::Attn { k: kp, v: vp });
+                    let (l, n) = LayerKv::carve(kv.ptr + kv_at as u64, [kb, ks, vb, vs], kvf);
+                    kv_at += n;
+                    caches.push(LayerCache::Attn(l));
                 }
                 LayerKind::DeltaNet => {
                     caches.push(LayerCache::Gdn {
@@ -1504,16 +1501,16 @@ impl CudaBackend {
                         "page copy {src} → {dst} ({tokens} tokens) out of range"
                     )));
                 }
-                let row = self.d.kv_dim * 2;
-                let n = tokens as usize * row;
+                if tokens == 0 || src == dst {
+                    return Ok(());
+                }
                 for c in &self.caches {
-                    if let LayerCache::Attn { k, v } = *c {
-                        for base in [k, v] {
-                            let s0 = base + (src as usize * ps * row) as u64;
-                            let d0 = base + (dst as usize * ps * row) as u64;
-                            if n > 0 && src != dst {
-                                self.copy(Place::Dev(d0), Place::Dev(s0), n).map_err(dev)?;
-                            }
+                    if let LayerCache::Attn(l) = *c {
+                        // Data and (quantised formats) scales, each `bpt` bytes per token.
+                        for (base, bpt) in l.token_tensors(self.d.kv_heads, self.d.head_dim) {
+                            let s0 = base + (src as usize * ps * bpt) as u64;
+                            let d0 = base + (dst as usize * ps * bpt) as u64;
+                            self.copy(Place::Dev(d0), Place::Dev(s0), tokens as usize * bpt).map_err(dev)?;
                         }
                     }
                 }
@@ -1858,7 +1855,7 @@ impl CudaBackend {
                     self.proj(s, ws.gdn_normed, t, vw, &[po(&gw.out, ws.mixer_out, h)], false)?;
                     self.tick("gdn gated norm + out GEMM")?;
                 }
-                (Mixer::Attn(aw), LayerCache::Attn { k: k_cache, v: v_cache }) => {
+                (Mixer::Attn(aw), LayerCache::Attn(l)) => {
                     let (nh, nkv, hd, ad, kvd) = (d.q_heads, d.kv_heads, d.head_dim, d.attn_dim, d.kv_dim);
                     let outs = [po(&aw.q, ws.attn_qg, 2 * ad), po(&aw.k, ws.attn_k, kvd), po(&aw.v, ws.attn_v, kvd)];
                     self.proj(s, ws.x_norm, t, h, &outs, false)?;
@@ -1882,7 +1879,7 @@ impl CudaBackend {
                     )?;
                     ops::rope::rope_partial(k, s, ws.attn_k, kvd, ws.positions, t, nkv, hd, rot, theta)?;
                     let w = self.table_width;
-                    kv_cache::kv_write(
+                    kv_quant::kv_write_layer(
                         k,
                         s,
                         &kv_cache::KvWrite {
@@ -1890,8 +1887,8 @@ impl CudaBackend {
                             k_stride: kvd,
                             v: ws.attn_v,
                             v_stride: kvd,
-                            k_cache,
-                            v_cache,
+                            k_cache: l.k.data,
+                            v_cache: l.v.data,
                             block_tables: self.block_tables.ptr,
                             max_blocks: w,
                             cu_seqlens: ws.cu_seqlens,
@@ -1902,11 +1899,13 @@ impl CudaBackend {
                             kv_heads: nkv,
                             head_dim: hd,
                         },
+                        &l,
                     )?;
                     self.tick("attn norms + rope + kv write")?;
+                    let sc = l.scales();
                     let kv = attention::KvPages {
-                        k_cache,
-                        v_cache,
+                        k_cache: l.k.data,
+                        v_cache: l.v.data,
                         block_tables: self.block_tables.ptr,
                         max_blocks: w,
                         page: self.page_size,
@@ -1914,7 +1913,7 @@ impl CudaBackend {
                     };
                     let scale = 1.0 / (hd as f32).sqrt();
                     if n_pre > 0 {
-                        attention::attn_prefill(
+                        attention::attn_prefill_q(
                             k,
                             s,
                             &attention::AttnPrefill {
@@ -1930,12 +1929,13 @@ impl CudaBackend {
                                 q_heads: nh,
                                 scale,
                             },
+                            &sc,
                         )?;
                     }
                     if n_dec > 0 {
                         let kv =
                             attention::KvPages { block_tables: self.block_tables.ptr + (4 * n_pre * w) as u64, ..kv };
-                        attention::attn_decode(
+                        attention::attn_decode_q(
                             k,
                             s,
                             &attention::AttnDecode {
@@ -1952,6 +1952,7 @@ impl CudaBackend {
                                 scratch_bytes: ws.attn_partials.bytes,
                                 scale,
                             },
+                            &sc,
                         )?;
                     }
                     self.tick("attn core (prefill / decode)")?;

@@ -938,3 +938,108 @@ fn random_int4_weights_run() {
         println!("random int4 asym {asym}: weights {} B, logits finite", g.weights_bytes);
     }
 }
+
+/// (6a) Quantised KV cache: fp8 K/V and int8 K/V (codes + per-(token, head) f16 scales in
+/// kv_pages) against the CPU reference storing the same formats (deltaserve_cpu::kvquant: the
+/// values a device cache of the format holds), prefill 1 … 1100 tokens and a 12-step greedy decode
+/// through the decode graphs, same bounds as the bf16 comparison. A KV format the kernels do not
+/// store (fp16) is an error, not a fault.
+#[test]
+fn quantized_kv_matches_cpu() {
+    use deltaserve_plan::KvDtype;
+    if !gpu() {
+        return;
+    }
+    let (dir, cfg) = tiny_dir(8);
+    let mut failures = Vec::new();
+    for (kf, vf) in [(KvDtype::Fp8, KvDtype::Fp8), (KvDtype::Int8, KvDtype::Int8)] {
+        let plan = plan_with(&cfg, |o| {
+            o.k_dtype = kf;
+            o.v_dtype = vf;
+        });
+        let bf16 = plan_with(&cfg, |_| {});
+        println!(
+            "KV K {} / V {}: kv_pages {} B, {} pages (bf16: {} pages)",
+            kf.name(),
+            vf.name(),
+            plan.region("kv_pages").unwrap().bytes,
+            plan.num_kv_pages,
+            bf16.num_kv_pages
+        );
+        assert!(plan.num_kv_pages > bf16.num_kv_pages, "a quantised cache holds more pages");
+        let mut g = cuda(&dir, &cfg, &plan);
+        let mut c = cpu(&dir, &cfg).with_kv_formats(kf, vf);
+        failures.extend(compare_int4(&format!("KV {}/{}", kf.name(), vf.name()), &mut g, &mut c));
+        assert!(g.graph_stats().captures > 0 || !test_opts().cuda_graphs, "decode graphs were not used");
+    }
+    let plan = plan_with(&cfg, |o| {
+        o.k_dtype = KvDtype::F16;
+        o.v_dtype = KvDtype::F16;
+    });
+    let r = CudaBackend::with_options(&cfg, WeightSource::Checkpoint(dir.clone()), &plan, 4, test_opts());
+    assert!(r.is_err(), "an fp16 KV cache must be refused");
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// (6b) Prefix-cache path with an fp8 cache: CopyPagePrefix copies the codes and the scales of a
+/// partly filled page (restored state + copied page continue exactly like the original), and the
+/// continuation matches the CPU reference with fp8 K/V doing the same ops.
+#[test]
+fn fp8_kv_page_prefix_copy() {
+    use deltaserve_plan::KvDtype;
+    if !gpu() {
+        return;
+    }
+    let (dir, cfg) = tiny_dir(8);
+    let plan = plan_with(&cfg, |o| {
+        o.k_dtype = KvDtype::Fp8;
+        o.v_dtype = KvDtype::Fp8;
+    });
+    let mut g = cuda(&dir, &cfg, &plan);
+    let mut c = cpu(&dir, &cfg).with_kv_formats(KvDtype::Fp8, KvDtype::Fp8);
+    let stats = g.arena_stats();
+    let vocab = g.vocab_size();
+    let mut rng = StdRng::seed_from_u64(8);
+    let prefix = random_tokens(&mut rng, 40, vocab); // pages 10, 11 full; 12 holds 8 tokens
+    let cont = random_tokens(&mut rng, 20, vocab);
+    let base = vec![10u32, 11, 12, 13];
+    let mut b = one(chunk(0, &base, 0, &prefix));
+    b.post = vec![CacheOp::SaveState { slot: 0, to: SnapshotLoc::Device(1) }];
+    let mut score = Score::default();
+    score.add(&run(&mut g, &b), &run(&mut c, &b), vocab);
+    let cont_b = one(chunk(0, &base, 40, &cont));
+    let want = run(&mut g, &cont_b);
+    score.add(&want, &run(&mut c, &cont_b), vocab);
+    // Scribble on the target pages first so a missing copy (codes or scales) would show.
+    run(&mut g, &one(chunk(3, &[20, 21], 0, &cont)));
+    let pg = vec![10, 11, 20, 24, 25];
+    let b = StepBatch {
+        pre: vec![
+            CacheOp::RestoreState { from: SnapshotLoc::Device(1), slot: 3 },
+            CacheOp::CopyPagePrefix { src: 12, dst: 20, tokens: 8 },
+        ],
+        seqs: vec![chunk(3, &pg, 40, &cont)],
+        post: vec![],
+    };
+    let got = run(&mut g, &b);
+    let e = rel_err(&got, &want);
+    println!("fp8 KV: restored slot 3 with page 12 → 20 copied: rel diff {e:.3e}");
+    assert!(e < 1e-5, "continuation after the fp8 page copy differs by {e:.3e}");
+    // The same on the CPU reference, and decode steps on the copied pages on both.
+    run(&mut c, &one(chunk(3, &[20, 21], 0, &cont)));
+    let cg = run(&mut c, &b);
+    score.add(&got, &cg, vocab);
+    let mut tok = argmax(&got[got.len() - vocab..]) as u32;
+    for step in 0..6 {
+        let d = one(chunk(3, &pg, 60 + step, &[tok]));
+        let (lg, lc) = (run(&mut g, &d), run(&mut c, &d));
+        score.add(&lg, &lc, vocab);
+        tok = argmax(&lg) as u32;
+    }
+    score.check("fp8 KV prefix copy vs CPU");
+    // Out-of-range copies are errors, not faults.
+    let mut out = Vec::new();
+    let bad = StepBatch { pre: vec![CacheOp::CopyPagePrefix { src: 12, dst: 20, tokens: 17 }], ..Default::default() };
+    assert!(g.step(&bad, &mut out).is_err());
+    assert_eq!(g.arena_stats(), stats);
+}
