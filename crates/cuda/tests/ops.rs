@@ -337,14 +337,16 @@ fn cases() -> Vec<Case> {
         c("kv_q+attn_prefill", q, kvq(i8, i4, &[(5, 64), (31, 127), (1000, 1)], 24, 4, 32, None, false), ACCUM),
         c("kv_q+attn_prefill", q, kvq(i4, i8, &[(0, 300)], 24, 4, 32, None, false), ACCUM),
         c("kv_q+attn_prefill", SMALL, kvq(bf, i4, &[(17, 63), (0, 64), (64, 65)], 8, 4, 16, None, false), ACCUM),
-        c("kv_q+attn_prefill", HD64_G1, kvq(i8, bf, &[(3, 33), (0, 1)], 2, 2, 32, None, false), ACCUM),
         c("kv_q+attn_prefill", HD32_G8, kvq(i4, f8, &[(70, 40), (0, 16), (9, 1)], 8, 1, 8, None, false), ACCUM),
         c("kv_q+attn_decode", q, kvq(f8, f8, &[(0, 1), (16, 1), (299, 1), (999, 1)], 24, 4, 16, Some(8), false), ACCUM),
         c("kv_q+attn_decode", q, kvq(i8, i4, &[(4, 1), (63, 1)], 24, 4, 32, Some(16), false), ACCUM),
         c("kv_q+attn_decode", q, kvq(i4, i8, &[(500, 1)], 24, 4, 16, Some(4), false), ACCUM),
         c("kv_q+attn_decode", SMALL, kvq(bf, i4, &[(33, 1), (0, 1)], 8, 4, 16, Some(8), false), ACCUM),
-        c("kv_q+attn_decode", HD64_G1, kvq(i8, bf, &[(40, 1), (7, 1)], 2, 2, 32, Some(4), false), ACCUM),
         c("kv_q+attn_decode", HD32_G8, kvq(i4, f8, &[(77, 1), (8, 1)], 8, 1, 8, Some(3), false), ACCUM),
+        // Quantised K with bf16 V at head dim 64, group 1: an illegal address on the H200 (2026-11-29, not yet
+        // found); last, so a fault does not hide the cases above.
+        c("kv_q+attn_prefill", HD64_G1, kvq(i8, bf, &[(3, 33), (0, 1)], 2, 2, 32, None, false), ACCUM),
+        c("kv_q+attn_decode", HD64_G1, kvq(i8, bf, &[(40, 1), (7, 1)], 2, 2, 32, Some(4), false), ACCUM),
     ]
 }
 
