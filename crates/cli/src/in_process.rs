@@ -22,9 +22,10 @@ pub(crate) struct InProcess {
 impl InProcess {
     /// Builds the server state the way `serve` does and serves it on 127.0.0.1:0.
     pub(crate) async fn start(model: &ModelArgs, engine: &EngineArgs, api_key: Option<String>) -> Result<Self> {
-        let name = match &model.model {
-            Some(dir) => dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned()),
-            None => "demo".into(),
+        let name = match (&model.model, &model.preset) {
+            (Some(dir), _) => dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned()),
+            (None, Some(preset)) => preset.clone(),
+            (None, None) => "demo".into(),
         };
         let model_dir = model.dir()?;
         let (model, engine_args) = (model.clone(), engine.clone());
