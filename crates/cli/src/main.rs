@@ -6,6 +6,7 @@ mod gpu_memory;
 mod http;
 mod in_process;
 mod model_source;
+mod report;
 mod synthetic_text;
 
 use clap::{Parser, Subcommand};

@@ -20,4 +20,6 @@ pub use config::{Arch, Dims, LayerKind, ModelConfig};
 pub use error::ModelError;
 pub use quant::{Quantization, QuantizedSource};
 pub use shard::{ShardSpec, Split, TensorShard};
-pub use weights::{AttentionWeights, DeltaNetWeights, LayerWeights, MixerWeights, MlpWeights, ModelWeights, MtpWeights};
+pub use weights::{
+    AttentionWeights, DeltaNetWeights, LayerWeights, MixerWeights, MlpWeights, ModelWeights, MtpWeights,
+};

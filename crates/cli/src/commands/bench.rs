@@ -28,6 +28,7 @@ use serde_json::{Value, json};
 
 use crate::gpu_memory::GpuSampler;
 use crate::model_source::ModelArgs;
+use crate::report::{ToolReport, emit, round_to, xml};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -286,23 +287,7 @@ pub fn run(a: Args) -> Result<()> {
     report.arena_allocations_moved = be.arena_stats().allocations != stats.allocations;
     drop(be);
 
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&report.to_json())?);
-    } else {
-        print!("{}", report.table());
-    }
-    if let Some(path) = &a.svg {
-        std::fs::write(path, report.svg()).with_context(|| format!("writing {}", path.display()))?;
-    }
-    if report.arena_allocations_moved {
-        bail!("the arena allocated after start");
-    }
-    if let Some(p) = report.peak_driver_bytes()
-        && p > report.plan_bytes
-    {
-        bail!("driver-reported memory {} is above the plan's {}", fmt_bytes(p), fmt_bytes(report.plan_bytes));
-    }
-    Ok(())
+    emit("bench", &report, a.json, a.svg.as_deref())
 }
 
 fn model_name(m: &ModelArgs, cfg: &ModelConfig) -> String {
@@ -450,7 +435,9 @@ impl Report {
         let p = self.prefill.iter().filter_map(|r| r.driver_peak_bytes);
         p.chain(self.decode.iter().filter_map(|r| r.driver_peak_bytes)).chain(self.idle_driver_bytes).max()
     }
+}
 
+impl ToolReport for Report {
     fn to_json(&self) -> Value {
         json!({
             "gpu": self.gpu,
@@ -609,6 +596,23 @@ impl Report {
         s.push_str("</svg>\n");
         s
     }
+
+    fn failures(&self) -> Vec<String> {
+        let mut f = Vec::new();
+        if self.arena_allocations_moved {
+            f.push("the arena allocated after start".to_string());
+        }
+        if let Some(p) = self.peak_driver_bytes()
+            && p > self.plan_bytes
+        {
+            f.push(format!(
+                "driver-reported memory {} is above the plan's {}",
+                fmt_bytes(p),
+                fmt_bytes(self.plan_bytes)
+            ));
+        }
+        f
+    }
 }
 
 /// (label, value, roofline ratio) of one bar.
@@ -619,15 +623,11 @@ fn short(n: usize) -> String {
 }
 
 fn r1(v: f64) -> f64 {
-    (v * 10.0).round() / 10.0
+    round_to(v, 1)
 }
 
 fn r3(v: f64) -> f64 {
-    (v * 1000.0).round() / 1000.0
-}
-
-fn xml(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+    round_to(v, 3)
 }
 
 #[cfg(test)]

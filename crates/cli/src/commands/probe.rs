@@ -17,7 +17,7 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Result, anyhow, bail};
 use deltaserve_plan::{fmt_bytes, fmt_count, parse_size};
 use serde_json::{Value, json};
 
@@ -26,6 +26,7 @@ use crate::gpu_memory::GpuSampler;
 use crate::http::{Client, Target};
 use crate::in_process::InProcess;
 use crate::model_source::ModelArgs;
+use crate::report::{ToolReport, emit, round_to, xml};
 use crate::synthetic_text::{Rng, lines};
 
 /// Share of the previous turn's prompt a turn must restore from the prefix cache.
@@ -129,19 +130,7 @@ pub fn run(a: Args) -> Result<()> {
         }
     });
     rt.shutdown_timeout(Duration::from_secs(2));
-    let report = report?;
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&report.to_json())?);
-    } else {
-        print!("{}", report.table());
-    }
-    if let Some(path) = &a.svg {
-        std::fs::write(path, report.svg()).with_context(|| format!("writing {}", path.display()))?;
-    }
-    if !report.failures.is_empty() {
-        bail!("probe failed:\n  - {}", report.failures.join("\n  - "));
-    }
-    Ok(())
+    emit("probe", &report?, a.json, a.svg.as_deref())
 }
 
 struct Setup {
@@ -518,7 +507,9 @@ impl Report {
         }
         self.failures.extend(f);
     }
+}
 
+impl ToolReport for Report {
     fn to_json(&self) -> Value {
         let row = |r: &Row| {
             json!({
@@ -653,14 +644,14 @@ impl Report {
         s.push_str("</svg>\n");
         s
     }
+
+    fn failures(&self) -> Vec<String> {
+        self.failures.clone()
+    }
 }
 
 fn round1(v: f64) -> f64 {
-    (v * 10.0).round() / 10.0
-}
-
-fn xml(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+    round_to(v, 1)
 }
 
 #[cfg(test)]

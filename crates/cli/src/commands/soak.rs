@@ -23,6 +23,7 @@ use crate::engine_args::EngineArgs;
 use crate::http::{Client, Reply, Target};
 use crate::in_process::{InProcess, host_rss_bytes};
 use crate::model_source::ModelArgs;
+use crate::report::{ToolReport, emit, round_to, xml};
 use crate::synthetic_text::{Rng, follow_up, system_prompt, task, tool_output, tools};
 
 /// Required fraction of the previous turn's prompt that the next turn must restore from the cache.
@@ -92,19 +93,7 @@ pub fn run(a: Args) -> Result<()> {
         }
     });
     rt.shutdown_timeout(Duration::from_secs(2));
-    let report = report?;
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&report.to_json())?);
-    } else {
-        print!("{}", report.table());
-    }
-    if let Some(path) = &a.svg {
-        std::fs::write(path, report.svg()).with_context(|| format!("writing {}", path.display()))?;
-    }
-    if !report.failures.is_empty() {
-        bail!("soak failed:\n  - {}", report.failures.join("\n  - "));
-    }
-    Ok(())
+    emit("soak", &report?, a.json, a.svg.as_deref())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -366,7 +355,9 @@ impl Report {
             .map(|w| w[1].cached_tokens as f64 / w[0].prompt_tokens.max(1) as f64)
             .min_by(|a, b| a.total_cmp(b))
     }
+}
 
+impl ToolReport for Report {
     fn to_json(&self) -> Value {
         let turns: Vec<Value> = self
             .turns
@@ -549,6 +540,10 @@ impl Report {
         s.push_str("</svg>\n");
         s
     }
+
+    fn failures(&self) -> Vec<String> {
+        self.failures.clone()
+    }
 }
 
 /// A panel's frame, title and three y-axis ticks.
@@ -569,12 +564,8 @@ fn axes(s: &mut String, x: f64, y: f64, w: f64, h: f64, max: f64, title: &str) {
     }
 }
 
-fn xml(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
-}
-
 fn round3(v: f64) -> f64 {
-    (v * 1000.0).round() / 1000.0
+    round_to(v, 3)
 }
 
 #[cfg(test)]
