@@ -346,8 +346,14 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
         // Tile j's scales (loaded by load_tile(j)) to smem before load_tile(j + 1) reuses the
         // registers; the previous iteration's last barrier freed the buffers.
         if (tid < PF_BK) {
+            // Only the quantised matrices have a scale row in smem (PF_SMEM_BYTES reserves nothing
+            // for a bf16 one: writing it anyway ran past the allocation for quantised K + bf16 V).
+#if KQ_K
             ((float*)(pf_smem + PF_SC_K))[tid] = kv_h2f((unsigned short)pend_k);
+#endif
+#if KQ_V
             ((float*)(pf_smem + PF_SC_V))[tid] = kv_h2f((unsigned short)pend_v);
+#endif
         }
 #endif
         if (j + 1 < n_kt) {
