@@ -119,11 +119,6 @@ __device__ __forceinline__ u32 kv_codes_bf16x2(u32 c0, u32 c1) {
     return (__float_as_uint(kv_code_f32<FMT>(c0)) >> 16) | (__float_as_uint(kv_code_f32<FMT>(c1)) & 0xffff0000u);
 }
 
-__device__ __forceinline__ float kv_h2f(unsigned short h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
 
 #define PF_BQ 16                       // queries per block (Q_TILE in ops/attention.rs)
 #define PF_BK 32                       // keys per KV tile
@@ -166,19 +161,6 @@ __device__ __forceinline__ void pf_convert_tile(const unsigned char* raw, unsign
     }
 }
 
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 r;
-    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-    return r;
-}
-
-// 16-byte global -> shared copy; src_bytes 0 writes zeros and reads nothing.
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all_but_1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 
 __device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -191,14 +173,6 @@ __device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u
                  : "r"(addr));
 }
 
-// c += a (16x16 bf16, row) * b (16x8 bf16, col), f32 accumulate.
-__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // Two f32 -> packed bf16x2 (round to nearest even): lo in bits 0..15 (the lower column / address).
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
@@ -349,18 +323,18 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
             // Only the quantised matrices have a scale row in smem (PF_SMEM_BYTES reserves nothing
             // for a bf16 one: writing it anyway ran past the allocation for quantised K + bf16 V).
 #if KQ_K
-            ((float*)(pf_smem + PF_SC_K))[tid] = kv_h2f((unsigned short)pend_k);
+            ((float*)(pf_smem + PF_SC_K))[tid] = f16_to_f32((unsigned short)pend_k);
 #endif
 #if KQ_V
-            ((float*)(pf_smem + PF_SC_V))[tid] = kv_h2f((unsigned short)pend_v);
+            ((float*)(pf_smem + PF_SC_V))[tid] = f16_to_f32((unsigned short)pend_v);
 #endif
         }
 #endif
         if (j + 1 < n_kt) {
             load_tile(j + 1, (j + 1) & 1);
-            cp_async_wait_all_but_1();
+            cp_async_wait<1>();
         } else {
-            cp_async_wait_all();
+            cp_async_wait<0>();
         }
         __syncthreads();
 #if !KQ_ANY
@@ -625,7 +599,7 @@ attn_decode_split(const bf16_t* __restrict__ q, const void* __restrict__ k_cache
 #else
         // Codes; the key's scale multiplies the dot product.
         dec_load_codes<KV_K_FMT>((const unsigned char*)k_cache + (row * Hkv + hkv) * K_ROWB, lane, kf);
-        const float ksc = kv_h2f(k_scales[row * Hkv + hkv]);
+        const float ksc = f16_to_f32(k_scales[row * Hkv + hkv]);
 #endif
 #if !KQ_V
         const bf16_t* vr = (const bf16_t*)v_cache + row * width + (long long)hkv * HD + lane * DPL;
@@ -634,7 +608,7 @@ attn_decode_split(const bf16_t* __restrict__ q, const void* __restrict__ k_cache
 #else
         // Codes; the key's scale multiplies its probability.
         dec_load_codes<KV_V_FMT>((const unsigned char*)v_cache + (row * Hkv + hkv) * V_ROWB, lane, vf);
-        const float vsc = kv_h2f(v_scales[row * Hkv + hkv]);
+        const float vsc = f16_to_f32(v_scales[row * Hkv + hkv]);
 #endif
 #endif
 #pragma unroll

@@ -57,17 +57,7 @@
 #define SBV (16 * SNW)                    // value columns per gdn_chunk_state block
 
 // ---------------------------------------------------------------------------------------------
-// Tensor-core helpers. Fragment layouts (m16n8k16, g = lane/4, t = lane%4):
-//   A 16x16: a0 (g, 2t..2t+1) a1 (g+8, 2t..) a2 (g, 2t+8..) a3 (g+8, 2t+8..)
-//   B 16x8 : b0 (k 2t..2t+1, n g) b1 (k 2t+8.., n g)       C 16x8: c0,c1 (g, 2t..) c2,c3 (g+8, 2t..)
-// Lower column / k index in the low 16 bits.
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// Tensor-core helpers (mma_bf16, smem_addr, cp.async: prelude.cuh, with the fragment layouts).
 
 // (lo, hi) -> packed bf16x2, round to nearest even.
 __device__ __forceinline__ u32 cvt_bf2(float lo, float hi) {
@@ -84,11 +74,6 @@ __device__ __forceinline__ void split2(float x0, float x1, u32& hi, u32& lo) {
 
 __device__ __forceinline__ u32 lds32(const bf16_t* p) { return *(const u32*)p; }
 
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(a) : "l"(p));
-    return a;
-}
 
 // Two B fragments (n-tiles n0 and n0+8, k-tile k0) of a row-major [k][n] bf16 tile; `row0` points at
 // element (k0, n0). r0,r1 = b0,b1 of n-tile n0; r2,r3 = b0,b1 of n-tile n0+8.
@@ -101,18 +86,11 @@ __device__ __forceinline__ void ldsm_b2_trans(u32 (&r)[4], const bf16_t* row0, i
 
 // cp.async of 16 (or 4) bytes; zero-fills the destination when !valid (src is then not read).
 __device__ __forceinline__ void cp16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-                 "r"(valid ? 16 : 0)
-                 : "memory");
+    cp_async16(smem_addr(dst), src, valid ? 16 : 0);
 }
 __device__ __forceinline__ void cp4(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-                 "r"(valid ? 4 : 0)
-                 : "memory");
+    cp_async4(smem_addr(dst), src, valid ? 4 : 0);
 }
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_wait2() { asm volatile("cp.async.wait_group 2;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_wait0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
 // ---------------------------------------------------------------------------------------------
@@ -189,12 +167,12 @@ gdn_chunk_prep(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
         const bool ok = i < L;
         cp16(Vs + i * VPB + 8 * p, v + (long long)(ok ? t0 + i : t0) * v_stride + (long long)hv * DV + 8 * p, ok);
     }
-    cp_commit();
+    cp_async_commit();
     if (tid < CH) {
         Gs[tid] = tid < L ? g[(long long)(t0 + tid) * Hv + hv] : 0.0f;
         Bs[tid] = tid < L ? beta[(long long)(t0 + tid) * Hv + hv] : 0.0f;
     }
-    cp_wait0();
+    cp_async_wait<0>();
     __syncthreads();
     if (tid == 0) {
         float acc = 0.0f;
@@ -377,7 +355,7 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                 cp4(Gs + (c & 1) * CH + tid, ws_g + (long long)(ok ? t0 + tid : t0) * Hv + hv, ok);
             }
         }
-        cp_commit();
+        cp_async_commit();
     };
     auto load_b = [&](int c) {
         if (c < nch) {
@@ -391,7 +369,7 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                 cp16(Pl + i * PPB + 8 * p, ws_pl + po, ok);
             }
         }
-        cp_commit();
+        cp_async_commit();
     };
     auto load_c = [&](int c) {
         if (c < nch) {
@@ -404,7 +382,7 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                 cp16(Ks + i * KPB + 8 * p, k + (row * Hk + hk) * DK + 8 * p, ok);
             }
         }
-        cp_commit();
+        cp_async_commit();
     };
     // u^T tile of chunk c in accumulator layout: (row v = vw+g(+8), col i = 8n+2t(+1)); 0 past L.
     float un[CH / 8][4];
@@ -473,7 +451,7 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
         int t0, L;
         chunk_rows(c, t0, L);
         prefetch_chunk(c + 2);
-        cp_wait2();
+        cp_async_wait<2>();
         __syncthreads();  // group A(c): w, q, G
 
         // Phase 1: acc = u^T - h^T w^T (= vn^T), oq = -h^T q^T.
@@ -509,7 +487,7 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
         }
         __syncthreads();  // w, q buffers free
         load_a(c + 1);
-        cp_wait2();
+        cp_async_wait<2>();
         __syncthreads();  // group B(c): P
 
         // Phase 2: o^T = exp(G_i) h^T q^T + vn^T P^T  (oq holds -h^T q^T).
@@ -578,7 +556,7 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
         }
         __syncthreads();  // P buffers free
         load_b(c + 1);
-        cp_wait2();
+        cp_async_wait<2>();
         __syncthreads();  // group C(c): K
         load_u(c + 1);    // next chunk's u, in flight during the state update
 

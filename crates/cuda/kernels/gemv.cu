@@ -25,29 +25,6 @@
 #define GEMV_U 4
 #define GEMV_ROWS 16
 
-__device__ __forceinline__ uint4 gemv_ld_stream(const uint4* p) {
-    uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(p));
-    return r;
-}
-
-__device__ __forceinline__ uint4 gemv_ld(const uint4* p) {
-    uint4 r;
-    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-    return r;
-}
-
-// d += A(16x16, row) · B(16x8, col), bf16 inputs, f32 accumulators.
-__device__ __forceinline__ void gemv_mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 extern "C" __global__ void __launch_bounds__(128, 4)
 gemv_bf16(const bf16_t* __restrict__ x, int N, int K,
           const bf16_t* __restrict__ w0, void* __restrict__ y0, int m0, int nb0,
@@ -86,9 +63,9 @@ gemv_bf16(const bf16_t* __restrict__ x, int N, int K,
 #pragma unroll
         for (int u = 0; u < GEMV_U; u++) {
             const int v = vb + u * 4 + c, vc = v < K8 ? v : 0;
-            a[u] = gemv_ld_stream(wp0 + vc);
-            a8[u] = gemv_ld_stream(wp1 + vc);
-            xv[u] = gemv_ld(xp + vc);
+            a[u] = ld_nc_stream(wp0 + vc);
+            a8[u] = ld_nc_stream(wp1 + vc);
+            xv[u] = ld_nc(xp + vc);
         }
     }
     for (; vb < K8; vb += step) {
@@ -98,9 +75,9 @@ gemv_bf16(const bf16_t* __restrict__ x, int N, int K,
 #pragma unroll
             for (int u = 0; u < GEMV_U; u++) {
                 const int v = nb + u * 4 + c, vc = v < K8 ? v : 0;
-                na[u] = gemv_ld_stream(wp0 + vc);
-                na8[u] = gemv_ld_stream(wp1 + vc);
-                nxv[u] = gemv_ld(xp + vc);
+                na[u] = ld_nc_stream(wp0 + vc);
+                na8[u] = ld_nc_stream(wp1 + vc);
+                nxv[u] = ld_nc(xp + vc);
             }
         }
 #pragma unroll
@@ -109,8 +86,8 @@ gemv_bf16(const bf16_t* __restrict__ x, int N, int K,
             if (!(ok0 && in)) a[u] = zero;
             if (!(ok1 && in)) a8[u] = zero;
             if (!(okx && in)) xv[u] = zero;
-            gemv_mma(acc, a[u].x, a8[u].x, a[u].y, a8[u].y, xv[u].x, xv[u].y);
-            gemv_mma(acc, a[u].z, a8[u].z, a[u].w, a8[u].w, xv[u].z, xv[u].w);
+            mma_bf16(acc, a[u].x, a8[u].x, a[u].y, a8[u].y, xv[u].x, xv[u].y);
+            mma_bf16(acc, a[u].z, a8[u].z, a[u].w, a8[u].w, xv[u].z, xv[u].w);
         }
 #pragma unroll
         for (int u = 0; u < GEMV_U; u++) {

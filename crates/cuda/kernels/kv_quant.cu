@@ -28,22 +28,12 @@
 #define KVF_INT8 2
 #define KVF_INT4 3
 
-__device__ __forceinline__ unsigned short kq_f32_to_f16_rn(float f) {
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-__device__ __forceinline__ float kq_f16_to_f32(unsigned short h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
 
 // f16 bits of the stored scale for a wanted scale s = amax / qmax > 0 (kvquant::f16_scale).
 __device__ __forceinline__ unsigned short kq_scale_bits(float s) {
     if (!(s <= 65504.0f)) return 0x7bffu;  // NaN or above the largest finite f16
-    unsigned short h = kq_f32_to_f16_rn(s);
-    if (kq_f16_to_f32(h) < s) h += 1;  // round up (from 0 this gives 2^-24, the clamp's floor)
+    unsigned short h = f32_to_f16_rn(s);
+    if (f16_to_f32(h) < s) h += 1;  // round up (from 0 this gives 2^-24, the clamp's floor)
     return h;
 }
 
@@ -86,7 +76,7 @@ __device__ __forceinline__ void kq_row(const bf16_t* __restrict__ x, unsigned ch
     amax = warp_max(amax);
     const float qmax = fmt == KVF_FP8 ? 448.0f : (fmt == KVF_INT8 ? 127.0f : 7.0f);
     const unsigned short sb = amax > 0.0f ? kq_scale_bits(__fdiv_rn(amax, qmax)) : (unsigned short)0;
-    const float sc = kq_f16_to_f32(sb);
+    const float sc = f16_to_f32(sb);
     if (lane == 0) *scale = sb;
     for (int i = lane; i < pairs; i += 32) {
         const u32 w = ((const u32*)x)[i];

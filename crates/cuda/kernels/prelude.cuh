@@ -2,7 +2,7 @@
 //
 // Computes: nothing by itself. Provides bf16 <-> f32 conversion on raw `unsigned short` bit
 // patterns (so kernels need no toolkit header: NVRTC 13 has no built-in cuda_bf16.h), warp
-// reductions, and small math helpers.
+// reductions, small math helpers, f16 conversions, and the sm_80 tensor-core / cp.async helpers.
 // Dtypes: bf16 is stored as `bf16_t` (= unsigned short, the upper 16 bits of an IEEE f32).
 // Arch features: plain sm_80 instructions only (shuffles); runs on sm_80/86/89/90.
 // Tested by: every op test in crates/cuda/tests/ops.rs (all kernels include it).
@@ -61,4 +61,80 @@ __device__ __forceinline__ int seq_of_token(const int* cu, int n, int t) {
         if (cu[mid] <= t) lo = mid; else hi = mid - 1;
     }
     return lo;
+}
+
+// ---------------------------------------------------------------------------------------------
+// f16 bits <-> f32 (KV-cache and int4-weight scales).
+
+__device__ __forceinline__ float f16_to_f32(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// f32 -> f16 bits, round to nearest even (overflow gives inf, as IEEE conversion does).
+__device__ __forceinline__ unsigned short f32_to_f16_rn(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// ---------------------------------------------------------------------------------------------
+// sm_80 tensor-core and asynchronous-copy helpers (mma.sync, cp.async, non-coherent loads), shared
+// by the attention, DeltaNet-chunk, GEMV and int4 kernels. Nothing Hopper-only.
+
+// Shared-memory address of a generic pointer into shared memory (for ldmatrix / cp.async).
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// c += A (16x16 bf16, row) * B (16x8 bf16, col), f32 accumulate (mma.sync m16n8k16). Fragments
+// (g = lane/4, t = lane%4): a0 (g, 2t..2t+1) a1 (g+8, 2t..) a2 (g, 2t+8..) a3 (g+8, 2t+8..);
+// b0 (k 2t..2t+1, n g) b1 (k 2t+8.., n g); c0,c1 (g, 2t..) c2,c3 (g+8, 2t..); lower index in the low
+// 16 bits.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// The same with A as four registers and C at `c` (4 floats).
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    const u32 a[4] = {a0, a1, a2, a3};
+    mma_bf16(*reinterpret_cast<float(*)[4]>(c), a, b0, b1);
+}
+
+// cp.async of 16 (cache-global) or 4 (cache-all) bytes to shared address `dst`; only `src_bytes` are
+// read, the rest of the destination is zero-filled (0: nothing is read).
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+// The whole 16 bytes (no zero-fill operand).
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most N commit groups are pending.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// 16-byte read-only (non-coherent) global loads; the _stream one does not allocate in L1.
+__device__ __forceinline__ uint4 ld_nc(const uint4* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ uint4 ld_nc_stream(const uint4* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
 }

@@ -58,34 +58,8 @@
 #define W4_WARPS 8
 #define W4_D 4
 
-__device__ __forceinline__ uint4 w4_ld_stream(const uint4* p) {
-    uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(p));
-    return r;
-}
-
-__device__ __forceinline__ uint4 w4_ld(const uint4* p) {
-    uint4 r;
-    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-    return r;
-}
-
-__device__ __forceinline__ float w4_h2f(unsigned short h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-
-__device__ __forceinline__ unsigned short w4_f2h(float f) {
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-
 __device__ __forceinline__ float w4_scale(unsigned short s, int scale_bf16) {
-    return scale_bf16 ? bf2f(s) : w4_h2f(s);
+    return scale_bf16 ? bf2f(s) : f16_to_f32(s);
 }
 
 __device__ __forceinline__ u32 w4_zero(const unsigned char* zeros, int zstride, int g, int o) {
@@ -104,14 +78,6 @@ __device__ __forceinline__ u32 w4_pair(u32 w, int p, u32 negz2) {
     u32 r;
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x3f803f80u), "r"(negz2));
     return r;
-}
-
-// c += A(16x16 row) * B(16x8 col), bf16 in, f32 accumulate.
-__device__ __forceinline__ void w4_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ u32 w4_comp(const uint4& v, int i) {
@@ -136,7 +102,7 @@ __device__ __forceinline__ void w4_group_mma(float* tmp, const uint4& ca, const 
     for (int j = 0; j < 8; ++j) {
         const u32 aw = w4_comp(ca, j >> 1), bw = w4_comp(cb, j >> 1);
         const int p = (j & 1) * 2;
-        w4_mma(tmp, w4_pair(aw, p, nza), w4_pair(bw, p, nzb), w4_pair(aw, p + 1, nza), w4_pair(bw, p + 1, nzb),
+        mma_bf16(tmp, w4_pair(aw, p, nza), w4_pair(bw, p, nzb), w4_pair(aw, p + 1, nza), w4_pair(bw, p + 1, nzb),
                w4_comp(xv[j >> 1], p), w4_comp(xv[j >> 1], p + 1));
     }
 }
@@ -204,8 +170,8 @@ __device__ __forceinline__ void w4_gemv_reg_body(const u32* __restrict__ qw, con
     for (int d = 0; d < W4_D; ++d) {
         const int gi = gb + d;
         if (gi < ge) {
-            wa[d] = w4_ld_stream(pa + 4 * gi);
-            wb[d] = w4_ld_stream(pb + 4 * gi);
+            wa[d] = ld_nc_stream(pa + 4 * gi);
+            wb[d] = ld_nc_stream(pb + 4 * gi);
             sab[d] = (u32)scales[(long long)gi * out + ra] | ((u32)scales[(long long)gi * out + rb] << 16);
             zab[d] = w4_zero(zeros, zstride, gi, ra) | (w4_zero(zeros, zstride, gi, rb) << 8);
         }
@@ -217,13 +183,13 @@ __device__ __forceinline__ void w4_gemv_reg_body(const u32* __restrict__ qw, con
             if (gi < ge) {
                 uint4 xv[4];
 #pragma unroll
-                for (int q = 0; q < 4; ++q) xv[q] = has_x ? w4_ld(px + 16 * gi + q) : make_uint4(0u, 0u, 0u, 0u);
+                for (int q = 0; q < 4; ++q) xv[q] = has_x ? ld_nc(px + 16 * gi + q) : make_uint4(0u, 0u, 0u, 0u);
                 const uint4 ca = wa[d], cb = wb[d];
                 const u32 cs = sab[d], cz = zab[d];
                 const int gn = gi + W4_D;
                 if (gn < ge) {
-                    wa[d] = w4_ld_stream(pa + 4 * gn);
-                    wb[d] = w4_ld_stream(pb + 4 * gn);
+                    wa[d] = ld_nc_stream(pa + 4 * gn);
+                    wb[d] = ld_nc_stream(pb + 4 * gn);
                     sab[d] = (u32)scales[(long long)gn * out + ra] | ((u32)scales[(long long)gn * out + rb] << 16);
                     zab[d] = w4_zero(zeros, zstride, gn, ra) | (w4_zero(zeros, zstride, gn, rb) << 8);
                 }
@@ -258,23 +224,6 @@ w4_gemv_reg_f32(const u32* __restrict__ qw, const unsigned short* __restrict__ s
     w4_gemv_reg_body<float>(qw, scales, zeros, scale_bf16, x, ldx, y, ldy, M, out, in, wpt, red);
 }
 
-__device__ __forceinline__ u32 w4_smem_addr(const void* p) {
-    u32 r;
-    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-    return r;
-}
-__device__ __forceinline__ void w4_cp16(u32 dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-// Copies src_bytes (1..4) of the 4-byte aligned word at src, zero-filling the rest.
-__device__ __forceinline__ void w4_cp4(u32 dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void w4_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void w4_cp_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 
 // Variant "async": the weights, scales and zeros of S groups stream through a per-warp ring in
 // shared memory with cp.async (S - 1 groups in flight, tracked by commit groups); each lane copies
@@ -302,21 +251,21 @@ __device__ __forceinline__ void w4_gemv_async(const u32* __restrict__ qw, const 
     const bool has_x = g < M;
     const uint4* px = (const uint4*)(x + (long long)(has_x ? g : 0) * ldx) + t * 4;
     uint4* ring = smem + warp * (S * W4_STAGE_U4);
-    const u32 ring_s = w4_smem_addr(ring);
+    const u32 ring_s = smem_addr(ring);
 
     auto issue = [&](int st, int gi) {
         const u32 base = ring_s + (u32)(st * W4_STAGE_U4 * 16);
-        w4_cp16(base + lane * 16, pa + 4 * gi);
-        w4_cp16(base + (32 + lane) * 16, pb + 4 * gi);
+        cp_async16(base + lane * 16, pa + 4 * gi);
+        cp_async16(base + (32 + lane) * 16, pb + 4 * gi);
         const u32 sz = base + (64 + lane) * 16;
         const long long ea = ((long long)gi * out + ra) & ~1LL, eb = ((long long)gi * out + rb) & ~1LL;
-        w4_cp4(sz, scales + ea, (int)min(4LL, 2 * (n_scales - ea)));
-        w4_cp4(sz + 4, scales + eb, (int)min(4LL, 2 * (n_scales - eb)));
+        cp_async4(sz, scales + ea, (int)min(4LL, 2 * (n_scales - ea)));
+        cp_async4(sz + 4, scales + eb, (int)min(4LL, 2 * (n_scales - eb)));
         if (zeros) {
             const long long za = ((long long)gi * zstride + (ra >> 1)) & ~3LL;
             const long long zb = ((long long)gi * zstride + (rb >> 1)) & ~3LL;
-            w4_cp4(sz + 8, zeros + za, (int)min(4LL, n_zeros - za));
-            w4_cp4(sz + 12, zeros + zb, (int)min(4LL, n_zeros - zb));
+            cp_async4(sz + 8, zeros + za, (int)min(4LL, n_zeros - za));
+            cp_async4(sz + 12, zeros + zb, (int)min(4LL, n_zeros - zb));
         }
     };
 
@@ -324,23 +273,23 @@ __device__ __forceinline__ void w4_gemv_async(const u32* __restrict__ qw, const 
     uint4 xc[4], xn[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-        xc[q] = (has_x && gb < ge) ? w4_ld(px + 16 * gb + q) : make_uint4(0u, 0u, 0u, 0u);
+        xc[q] = (has_x && gb < ge) ? ld_nc(px + 16 * gb + q) : make_uint4(0u, 0u, 0u, 0u);
         xn[q] = make_uint4(0u, 0u, 0u, 0u);
     }
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) {
         if (gb + s < ge) issue(s, gb + s);
-        w4_cp_commit();
+        cp_async_commit();
     }
     for (int gi = gb; gi < ge; ++gi) {
         const int k = gi - gb;
         if (gi + S - 1 < ge) issue((k + S - 1) & (S - 1), gi + S - 1);
-        w4_cp_commit();
+        cp_async_commit();
         if (has_x && gi + 1 < ge) {
 #pragma unroll
-            for (int q = 0; q < 4; ++q) xn[q] = w4_ld(px + 16 * (gi + 1) + q);
+            for (int q = 0; q < 4; ++q) xn[q] = ld_nc(px + 16 * (gi + 1) + q);
         }
-        w4_cp_wait<S - 1>();
+        cp_async_wait<S - 1>();
         const uint4* st = ring + (k & (S - 1)) * W4_STAGE_U4;
         const uint4 ca = st[lane], cb = st[32 + lane], sz = st[64 + lane];
         const long long ea = (long long)gi * out + ra, eb = (long long)gi * out + rb;
@@ -362,7 +311,7 @@ __device__ __forceinline__ void w4_gemv_async(const u32* __restrict__ qw, const 
 #pragma unroll
         for (int q = 0; q < 4; ++q) xc[q] = xn[q];
     }
-    w4_cp_wait<0>();
+    cp_async_wait<0>();
     // Partials go into this warp's own ring (its copies are drained), summed after a barrier.
     w4_gemv_store(acc, (float*)smem, S * W4_STAGE_U4 * 4, wpt, warp, lane, part, tile, out, M, y, ldy);
 }
@@ -451,13 +400,13 @@ w4_quantize(const bf16_t* __restrict__ w, long long ldw, int out, int in, int r0
                 lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, off));
                 hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, off));
             }
-            s16 = w4_f2h(fminf((hi - lo) / 15.0f, 65504.0f));
-            sf = w4_h2f(s16);
+            s16 = f32_to_f16_rn(fminf((hi - lo) / 15.0f, 65504.0f));
+            sf = f16_to_f32(s16);
             z = sf > 0.f ? (u32)fminf(fmaxf(rintf(-lo / sf), 0.f), 15.f) : 0u;
         } else {
             amax = warp_max(amax);
-            s16 = w4_f2h(fminf(amax / 7.0f, 65504.0f));
-            sf = w4_h2f(s16);
+            s16 = f32_to_f16_rn(fminf(amax / 7.0f, 65504.0f));
+            sf = f16_to_f32(s16);
             z = 8u;
         }
         u32 part = 0;
