@@ -7,7 +7,61 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 
 use crate::engine_args::EngineArgs;
+use crate::http::Target;
 use crate::model_source::ModelArgs;
+
+/// Where a load tool (`soak`, `probe`) sends its requests: a running server, or one it starts in-process.
+#[derive(clap::Args)]
+pub struct ServerArgs {
+    /// Server to drive, e.g. http://127.0.0.1:8000 (default: start the server in-process on an ephemeral
+    /// port with the --model / engine flags, and stop it at the end). With --url, --model is the model name
+    /// sent in requests (default: the first model of /v1/models).
+    #[arg(long)]
+    pub url: Option<String>,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// API key, sent as `Authorization: Bearer KEY` (in-process: the server requires it too).
+    #[arg(long, env = "DELTASERVE_API_KEY")]
+    pub api_key: Option<String>,
+}
+
+/// A server to send requests to; [`Connected::stop`] stops it when it runs in-process.
+pub(crate) struct Connected {
+    pub(crate) target: Target,
+    /// The model name for requests (None: the first of /v1/models).
+    pub(crate) model: Option<String>,
+    /// The in-process server, when there is no --url.
+    pub(crate) local: Option<InProcess>,
+}
+
+impl ServerArgs {
+    /// Parses --url, or starts the server in-process.
+    pub(crate) async fn connect(&self) -> Result<Connected> {
+        match &self.url {
+            Some(url) => Ok(Connected {
+                target: Target::parse(url)?,
+                model: self.model.model.as_ref().map(|m| m.to_string_lossy().into_owned()),
+                local: None,
+            }),
+            None => {
+                let server = InProcess::start(&self.model, &self.engine, self.api_key.clone()).await?;
+                let target = Target { host: "127.0.0.1".into(), port: server.addr.port(), base: String::new() };
+                Ok(Connected { target, model: Some(server.name.clone()), local: Some(server) })
+            }
+        }
+    }
+}
+
+impl Connected {
+    pub(crate) async fn stop(self) -> Result<()> {
+        match self.local {
+            Some(server) => server.stop().await,
+            None => Ok(()),
+        }
+    }
+}
 
 pub(crate) struct InProcess {
     pub(crate) addr: SocketAddr,

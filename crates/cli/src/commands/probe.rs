@@ -21,11 +21,9 @@ use anyhow::{Result, anyhow, bail};
 use deltaserve_plan::{fmt_bytes, fmt_count, parse_size};
 use serde_json::{Value, json};
 
-use crate::engine_args::EngineArgs;
 use crate::gpu_memory::GpuSampler;
 use crate::http::{Client, Target};
-use crate::in_process::InProcess;
-use crate::model_source::ModelArgs;
+use crate::in_process::ServerArgs;
 use crate::report::{ToolReport, emit, round_to, xml};
 use crate::synthetic_text::{Rng, lines};
 
@@ -44,17 +42,8 @@ pub enum Needle {
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Server to probe, e.g. http://127.0.0.1:8000 (default: start the server in-process with the --model /
-    /// engine flags). With --url, --model is the model name sent in requests (default: the first model).
-    #[arg(long)]
-    url: Option<String>,
     #[command(flatten)]
-    model: ModelArgs,
-    #[command(flatten)]
-    engine: EngineArgs,
-    /// API key, sent as `Authorization: Bearer KEY` (in-process: the server requires it too).
-    #[arg(long, env = "DELTASERVE_API_KEY")]
-    api_key: Option<String>,
+    server: ServerArgs,
     /// Rungs of the single-prompt ladder, in percent of the advertised context.
     #[arg(long, value_delimiter = ',', default_value = "25,50,75,92,100")]
     rungs: Vec<f64>,
@@ -99,35 +88,30 @@ pub fn run(a: Args) -> Result<()> {
     }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let report = rt.block_on(async {
-        match &a.url {
-            Some(url) => {
-                let target = Target::parse(url)?;
-                let model = a.model.model.as_ref().map(|m| m.to_string_lossy().into_owned());
-                let setup = Setup {
-                    server: target.origin(),
-                    model,
-                    plan_bytes: a.plan_bytes,
-                    pid: a.gpu_pid,
-                    needle: a.needle == Needle::On || a.needle == Needle::Auto,
-                };
-                anyhow::Ok(probe(&a, target, setup).await)
-            }
-            None => {
-                let server = InProcess::start(&a.model, &a.engine, a.api_key.clone()).await?;
-                let target = Target { host: "127.0.0.1".into(), port: server.addr.port(), base: String::new() };
-                let noise = a.model.model.is_none() || a.model.random_weights;
-                let setup = Setup {
-                    server: format!("in-process {}", target.origin()),
-                    model: Some(server.name.clone()),
-                    plan_bytes: Some(server.plan.total_bytes),
+        let server = a.server.connect().await?;
+        let setup = match &server.local {
+            None => Setup {
+                server: server.target.origin(),
+                model: server.model.clone(),
+                plan_bytes: a.plan_bytes,
+                pid: a.gpu_pid,
+                needle: a.needle == Needle::On || a.needle == Needle::Auto,
+            },
+            Some(local) => {
+                let m = &a.server.model;
+                let noise = m.model.is_none() || m.random_weights;
+                Setup {
+                    server: format!("in-process {}", server.target.origin()),
+                    model: server.model.clone(),
+                    plan_bytes: Some(local.plan.total_bytes),
                     pid: Some(std::process::id()),
                     needle: a.needle == Needle::On || (a.needle == Needle::Auto && !noise),
-                };
-                let report = probe(&a, target, setup).await;
-                server.stop().await?;
-                Ok(report)
+                }
             }
-        }
+        };
+        let report = probe(&a, server.target.clone(), setup).await;
+        server.stop().await?;
+        anyhow::Ok(report)
     });
     rt.shutdown_timeout(Duration::from_secs(2));
     emit("probe", &report?, a.json, a.svg.as_deref())
@@ -290,7 +274,8 @@ async fn probe(a: &Args, target: Target, setup: Setup) -> Report {
 }
 
 async fn run_probe(a: &Args, target: Target, setup: &Setup, report: &mut Report) -> Result<()> {
-    let client = Client { target, api_key: a.api_key.clone(), timeout: Duration::from_secs(a.request_timeout_secs) };
+    let client =
+        Client { target, api_key: a.server.api_key.clone(), timeout: Duration::from_secs(a.request_timeout_secs) };
     let models = client.get_json("/v1/models").await?;
     let first = &models["data"][0];
     let model = setup.model.clone().or_else(|| first["id"].as_str().map(str::to_string));

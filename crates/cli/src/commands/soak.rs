@@ -19,10 +19,8 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow, bail};
 use serde_json::{Map, Value, json};
 
-use crate::engine_args::EngineArgs;
 use crate::http::{Client, Reply, Target};
-use crate::in_process::{InProcess, host_rss_bytes};
-use crate::model_source::ModelArgs;
+use crate::in_process::{ServerArgs, host_rss_bytes};
 use crate::report::{ToolReport, emit, round_to, xml};
 use crate::synthetic_text::{Rng, follow_up, system_prompt, task, tool_output, tools};
 
@@ -33,18 +31,8 @@ const USER_EVERY: usize = 4;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Server to test, e.g. http://127.0.0.1:8000 (default: start the server in-process on an
-    /// ephemeral port with the --model / engine flags, and stop it at the end). With --url, --model
-    /// is the model name sent in requests (default: the first model of /v1/models).
-    #[arg(long)]
-    url: Option<String>,
     #[command(flatten)]
-    model: ModelArgs,
-    #[command(flatten)]
-    engine: EngineArgs,
-    /// API key, sent as `Authorization: Bearer KEY` (in-process: the server requires it too).
-    #[arg(long, env = "DELTASERVE_API_KEY")]
-    api_key: Option<String>,
+    server: ServerArgs,
     /// Requests in the session (the first one is the system prompt + task).
     #[arg(long)]
     turns: usize,
@@ -77,20 +65,10 @@ pub fn run(a: Args) -> Result<()> {
     }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let report = rt.block_on(async {
-        match &a.url {
-            Some(url) => {
-                let target = Target::parse(url)?;
-                let model = a.model.model.as_ref().map(|m| m.to_string_lossy().into_owned());
-                anyhow::Ok(soak(&a, &target, model, false).await)
-            }
-            None => {
-                let server = InProcess::start(&a.model, &a.engine, a.api_key.clone()).await?;
-                let target = Target { host: "127.0.0.1".into(), port: server.addr.port(), base: String::new() };
-                let report = soak(&a, &target, Some(server.name.clone()), true).await;
-                server.stop().await?;
-                Ok(report)
-            }
-        }
+        let server = a.server.connect().await?;
+        let report = soak(&a, &server.target, server.model.clone(), server.local.is_some()).await;
+        server.stop().await?;
+        anyhow::Ok(report)
     });
     rt.shutdown_timeout(Duration::from_secs(2));
     emit("soak", &report?, a.json, a.svg.as_deref())
@@ -159,7 +137,7 @@ async fn run_session(
 ) -> Result<()> {
     let client = Client {
         target: target.clone(),
-        api_key: a.api_key.clone(),
+        api_key: a.server.api_key.clone(),
         timeout: Duration::from_secs(a.request_timeout_secs),
     };
     // Reachability first, and the model name when none was given.
