@@ -4,9 +4,10 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
+use deltaserve_backend::Backend;
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, KvFormat};
 use deltaserve_cuda::backend::CudaOptions;
-use deltaserve_cuda::{CudaBackend, WeightSource};
+use deltaserve_cuda::{CudaBackend, TpBackend, WeightSource};
 use deltaserve_engine::EngineHandle;
 use deltaserve_model::ModelConfig;
 use deltaserve_model::quant::Quantization;
@@ -68,8 +69,9 @@ pub struct EngineArgs {
     /// checkpoint with `mtp.*` tensors; CPU backend only for now.
     #[arg(long)]
     pub speculative_tokens: Option<usize>,
-    /// Tensor parallelism: split the model over N GPUs (1, 2, 4 or 8). Only 1 for now: the CUDA backend
-    /// does not shard yet (`deltaserve plan --tensor-parallel N` shows the per-card plan).
+    /// CUDA backend: tensor parallelism, one model split over GPUs 0..N (N = 1, 2, 4 or 8; it must
+    /// divide the attention kv heads and the DeltaNet key heads). --memory is then per card (default:
+    /// the smallest card's free memory); `deltaserve plan --tensor-parallel N` shows the per-card plan.
     #[arg(long, default_value_t = 1)]
     pub tensor_parallel: usize,
     /// CUDA backend: storage of the decoder linears, bf16 or int4 (group 128). int4 with a bf16
@@ -95,14 +97,14 @@ pub struct EngineArgs {
 }
 
 impl EngineArgs {
-    /// `--tensor-parallel`: only 1 is served until a backend shards the model.
-    fn check_tensor_parallel(&self, backend: &str) -> Result<()> {
+    /// `--tensor-parallel` on the CPU reference: only 1 (it simulates the sharded forward in its
+    /// tests, it does not serve sharded).
+    fn check_cpu_tensor_parallel(&self) -> Result<()> {
         match self.tensor_parallel {
             1 => Ok(()),
             n => anyhow::bail!(
-                "--tensor-parallel {n}: the {backend} backend does not shard the model across GPUs yet (only 1 is \
-                 supported; the sharding and its per-card plan exist: see `deltaserve plan --tensor-parallel {n}`, and \
-                 the CPU reference simulates the sharded forward in its tests)"
+                "--tensor-parallel {n}: the CPU reference backend does not shard the model (tensor parallelism \
+                 runs on the CUDA backend: --device cuda)"
             ),
         }
     }
@@ -190,8 +192,12 @@ impl EngineArgs {
             (Some(m), _) => parse_size(m).map_err(|e| anyhow::anyhow!("--memory: {e}"))?,
             (None, Device::Cpu) => parse_size(default_memory).map_err(anyhow::Error::msg)?,
             (None, Device::Cuda) => {
-                // The GPU's free memory now, less a margin for other processes and the driver.
-                let free = deltaserve_cuda::Runtime::open(0)?.free_memory()?;
+                // The GPU's free memory now, less a margin for other processes and the driver; under
+                // tensor parallelism the smallest card's.
+                let mut free = u64::MAX;
+                for gpu in 0..self.tensor_parallel.max(1) {
+                    free = free.min(deltaserve_cuda::Runtime::open(gpu)?.free_memory()?);
+                }
                 free.saturating_sub(free / 20)
             }
         };
@@ -313,7 +319,15 @@ impl EngineArgs {
     /// The CUDA backend: weights from the checkpoint (or random at the real shapes) straight into
     /// the plan's device regions.
     pub fn start_cuda(&self, text: TextModel, random_weights: bool) -> Result<Started> {
-        self.check_tensor_parallel("CUDA")?;
+        let tp = self.tensor_parallel;
+        deltaserve_model::shard::check_world(&text.config, tp)
+            .map_err(|e| anyhow::anyhow!("--tensor-parallel {tp}: {e}"))?;
+        if tp > 1 {
+            let n = deltaserve_cuda::device_count()?;
+            if n < tp {
+                anyhow::bail!("--tensor-parallel {tp} needs {tp} GPUs; the driver reports {n} (CUDA_VISIBLE_DEVICES?)");
+            }
+        }
         if self.speculative_tokens()? > 0 {
             anyhow::bail!(
                 "--speculative-tokens: speculative decoding is not supported by the CUDA backend yet (use --device cpu)"
@@ -326,6 +340,13 @@ impl EngineArgs {
             .validate()
             .map_err(|e| anyhow::anyhow!("--kv-cache-dtype / --k-cache-dtype / --v-cache-dtype: {e}"))?;
         let cfg = text.config;
+        opts.tensor_parallel = tp;
+        if tp > 1 && !random_weights && cfg.quantization.is_some() {
+            anyhow::bail!(
+                "--tensor-parallel {tp}: quantised checkpoints (GPTQ / block FP8) are not sharded yet; use a bf16 \
+                 checkpoint (with --quantize int4 for int4 weights)"
+            );
+        }
         let (int4, asym) = self.cuda_weights(&cfg, random_weights)?;
         if int4 {
             opts.weights_dtype = WeightsDtype::Int4;
@@ -360,16 +381,21 @@ impl EngineArgs {
             WeightSource::Checkpoint(text.dir.clone())
         };
         let cuda_opts = CudaOptions { cuda_graphs: !self.no_cuda_graphs, ..CudaOptions::default() };
-        let backend = CudaBackend::with_options(&cfg, weights, &plan, sched.prefix_cache.host_slots, cuda_opts)?;
+        let host_slots = sched.prefix_cache.host_slots;
+        let backend: Box<dyn Backend> = if tp > 1 {
+            Box::new(TpBackend::new(&cfg, weights, &plan, host_slots, cuda_opts)?)
+        } else {
+            Box::new(CudaBackend::with_options(&cfg, weights, &plan, host_slots, cuda_opts)?)
+        };
         let tokenizer = text.tokenizer.map(Arc::new);
-        let engine = EngineHandle::start(Box::new(backend), sched, tokenizer.clone());
+        let engine = EngineHandle::start(backend, sched, tokenizer.clone());
         let eos_ids = cfg.eos_token_ids.clone();
         Ok(Started { engine, plan, tokenizer, template: text.template.map(Arc::new), eos_ids })
     }
 
     /// Plans memory for `loaded` on the CPU backend, allocates the arena and starts the engine.
     pub fn start_cpu(&self, loaded: LoadedModel) -> Result<Started> {
-        self.check_tensor_parallel("CPU")?;
+        self.check_cpu_tensor_parallel()?;
         if self.weights_dtype.is_some() || self.quantize.is_some() || self.lm_head_int4 || self.embed_on_host {
             anyhow::bail!(
                 "--weights-dtype / --quantize / --lm-head-int4 / --embed-on-host: CUDA backend options (the CPU \

@@ -57,7 +57,9 @@ pub(crate) fn query_gpu_memory(pid: Option<u32>) -> Option<u64> {
     parse_compute_apps(&String::from_utf8_lossy(&out.stdout), pid)
 }
 
-/// `pid, MiB` lines: the MiB of `pid`, or the sum of all lines; None when `pid` is not listed.
+/// `pid, MiB` lines (one per process and GPU): the MiB of `pid` on its fullest GPU (tensor
+/// parallelism: the per-card figure the plan budgets), or the sum of all lines; None when `pid` is
+/// not listed.
 fn parse_compute_apps(text: &str, pid: Option<u32>) -> Option<u64> {
     let rows: Vec<(u32, u64)> = text
         .lines()
@@ -67,7 +69,7 @@ fn parse_compute_apps(text: &str, pid: Option<u32>) -> Option<u64> {
         })
         .collect();
     let mib = match pid {
-        Some(pid) => rows.iter().find(|r| r.0 == pid)?.1,
+        Some(pid) => rows.iter().filter(|r| r.0 == pid).map(|r| r.1).max()?,
         None if rows.is_empty() => return None,
         None => rows.iter().map(|r| r.1).sum(),
     };
@@ -84,6 +86,8 @@ mod tests {
         assert_eq!(parse_compute_apps(text, Some(1234)), Some(24000 << 20));
         assert_eq!(parse_compute_apps(text, None), Some(24100 << 20));
         assert_eq!(parse_compute_apps(text, Some(5)), None);
+        // One process on two GPUs: its fullest card.
+        assert_eq!(parse_compute_apps("7, 20000\n7, 23000\n8, 1\n", Some(7)), Some(23000 << 20));
         assert_eq!(parse_compute_apps("", None), None);
         assert_eq!(parse_compute_apps("No running processes found\n", None), None);
     }

@@ -42,7 +42,7 @@ fn tensor_parallel_that_splits_a_head_group_is_an_error() {
 }
 
 #[test]
-fn serve_refuses_tensor_parallel_above_one_until_a_backend_shards() {
+fn serve_tensor_parallel_is_cuda_only_and_checks_the_gpus() {
     // cpu: the built-in demo model; cuda: the tiny preset with weights drawn on the GPU.
     let cpu: &[&str] = &["--device", "cpu"];
     let cuda: &[&str] = &["--device", "cuda", "--preset", "tiny", "--random-weights"];
@@ -50,14 +50,18 @@ fn serve_refuses_tensor_parallel_above_one_until_a_backend_shards() {
         let out = Command::new(env!("CARGO_BIN_EXE_deltaserve"))
             .arg("serve")
             .args(args)
-            .args(["--tensor-parallel", "2", "--port", "0"])
+            // More GPUs than any test machine has: refused before anything is loaded.
+            .args(["--tensor-parallel", "64", "--port", "0"])
             .output()
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{device}: {err}");
-        // On a machine without a GPU `--device cuda` fails earlier, at device selection.
-        if device == "cpu" || err.contains("--tensor-parallel") {
-            assert!(err.contains("--tensor-parallel 2") && err.contains("does not shard"), "{device}: {err}");
+        if device == "cpu" {
+            assert!(err.contains("--tensor-parallel 64") && err.contains("--device cuda"), "{device}: {err}");
+        } else if err.contains("--tensor-parallel") {
+            // With a GPU: the size is checked (64 is not 1, 2, 4 or 8). Without one, device selection
+            // or the GPU's memory query fails first, also an error.
+            assert!(err.contains("must be 1, 2, 4 or 8"), "{device}: {err}");
         }
     }
 }

@@ -18,18 +18,20 @@
 //! recurrent state `[slots, Hv, Dk, Dv]` f32 then the conv state `[slots, K-1, conv_channels]`
 //! bf16. Activations are bf16 with f32 math inside kernels; logits f32.
 
-use std::path::PathBuf;
-
 use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaStream, result};
 use deltaserve_backend::{ArenaStats, Backend, BackendError, CacheOp, SnapshotLoc, StepBatch};
+use deltaserve_model::shard::{ShardSpec, Split};
 use deltaserve_model::weights::TensorSource;
 use deltaserve_model::{Checkpoint, DType, Dims, LayerKind, ModelConfig, ModelError, ModelWeights};
 use deltaserve_plan::{Plan, PlanOptions, WeightsDtype};
 
 use crate::arena::{Arena, DevSpan};
+use crate::collective::{CollDtype, Communicators};
 use crate::error::CudaError;
 use crate::gemm::Gemm;
 use crate::nvrtc::{KernelDims, KvFormats};
@@ -185,10 +187,11 @@ pub fn scratch_bytes(cfg: &ModelConfig, t_max: usize, s_max: usize) -> usize {
 
 /// [`scratch_bytes`] for the plan's options: int4 decoder linears add the bf16 slice the prefill
 /// GEMMs dequantise into ([`W4_SLICE_BYTES`] at most) and the act-order x scratch; an int4 lm_head
-/// the x scratch.
+/// the x scratch. Under tensor parallelism: one card's (its shard of the heads), as the plan.
 pub fn scratch_bytes_for(cfg: &ModelConfig, opts: &PlanOptions) -> usize {
     let int4 = opts.weights_dtype == WeightsDtype::Int4;
-    ScratchParts::new(cfg, opts.max_batch_tokens, opts.max_seqs, int4, opts.lm_head_int4).total()
+    let card = deltaserve_plan::card_config(cfg, opts.tensor_parallel).unwrap_or_else(|_| cfg.clone());
+    ScratchParts::new(&card, opts.max_batch_tokens, opts.max_seqs, int4, opts.lm_head_int4).total()
 }
 
 /// Kernel specialisation for a model.
@@ -383,6 +386,17 @@ pub struct CudaBackend {
     /// Linears quantised at load (`--quantize int4`) and converted from GPTQ.
     pub w4_quantized: usize,
     pub w4_converted: usize,
+    /// Tensor parallelism: this backend is one rank of a [`crate::tp::TpBackend`].
+    tp: Option<RankComm>,
+}
+
+/// One tensor-parallel rank: its shard of the model and the communicators of its group (attached
+/// once every rank is built).
+struct RankComm {
+    spec: ShardSpec,
+    /// The whole model's vocabulary (token ids are checked against it).
+    full_vocab: usize,
+    comms: Option<Arc<Communicators>>,
 }
 
 // SAFETY: the backend is driven by one thread at a time (the engine's step loop); every entry
@@ -600,9 +614,30 @@ struct Loader<'a> {
     quantized: usize,
     converted: usize,
     total_w4: usize,
+    /// Tensor parallelism: the rank's shard, cut from every tensor as it loads.
+    shard: Option<&'a ShardSpec>,
 }
 
 impl Loader<'_> {
+    /// The source tensor as little-endian bf16 (or f32) bytes, cut to the rank's shard under tensor
+    /// parallelism, with its (shard's) shape.
+    fn bytes(&self, src: &TensorSource<'_>, f32_out: bool) -> Result<(Vec<u8>, Vec<usize>), ModelError> {
+        let bytes = convert(src, f32_out)?;
+        match self.shard {
+            None => Ok((bytes, src.shape.clone())),
+            Some(spec) => {
+                let split = spec.split_stored(&src.name)?;
+                let shape = split.shard_shape(&src.shape);
+                let out = if f32_out {
+                    shard_bytes::<4>(&split, &src.name, &src.shape, &bytes)?
+                } else {
+                    shard_bytes::<2>(&split, &src.name, &src.shape, &bytes)?
+                };
+                Ok((out, shape))
+            }
+        }
+    }
+
     fn dense(&mut self, bytes: &[u8]) -> Result<u64, CudaError> {
         let ptr = self.arena.alloc(self.wreg, bytes.len())?.ptr;
         self.rt.upload(ptr, bytes)?;
@@ -678,22 +713,33 @@ impl Loader<'_> {
 
     /// One linear: int4 (converted from GPTQ, or quantised unless `keep_dense`) or bf16.
     fn linear(&mut self, src: &TensorSource<'_>, int4: bool, asym: bool, keep_dense: bool) -> Result<Part, CudaError> {
-        let (out, inp) = match src.shape.as_slice() {
+        if int4 && let Some(deltaserve_model::QuantizedSource::Gptq(g)) = &src.quantized {
+            if self.shard.is_some() {
+                return Err(CudaError::Weights(format!("`{}`: GPTQ weights under tensor parallelism", src.name)));
+            }
+            return Ok(Part::W4(self.gptq(g, &src.name)?));
+        }
+        let (bytes, shape) = self.bytes(src, false).map_err(|e| CudaError::Weights(e.to_string()))?;
+        let (out, inp) = match shape.as_slice() {
             [o, i] => (*o, *i),
             s => return Err(CudaError::Weights(format!("`{}`: shape {s:?} is not a linear", src.name))),
         };
-        if int4 {
-            if let Some(deltaserve_model::QuantizedSource::Gptq(g)) = &src.quantized {
-                return Ok(Part::W4(self.gptq(g, &src.name)?));
-            }
-            if !keep_dense {
-                let bytes = convert(src, false).map_err(|e| CudaError::Weights(e.to_string()))?;
-                return Ok(Part::W4(self.quantize(&bytes, out, inp, asym, &src.name)?));
-            }
+        if int4 && !keep_dense {
+            return Ok(Part::W4(self.quantize(&bytes, out, inp, asym, &src.name)?));
         }
-        let bytes = convert(src, false).map_err(|e| CudaError::Weights(e.to_string()))?;
         Ok(Part::Bf16 { w: self.dense(&bytes)?, rows: out })
     }
+}
+
+/// A tensor's shard from its full little-endian bytes, `N` bytes per element.
+fn shard_bytes<const N: usize>(
+    split: &Split,
+    name: &str,
+    shape: &[usize],
+    bytes: &[u8],
+) -> Result<Vec<u8>, ModelError> {
+    let elems: Vec<[u8; N]> = bytes.chunks_exact(N).map(|c| c.try_into().unwrap_or([0; N])).collect();
+    Ok(split.extract(name, shape, &elems)?.concat())
 }
 
 /// The source tensor as little-endian bf16 or f32 bytes.
@@ -738,10 +784,73 @@ impl CudaBackend {
         host_snapshot_slots: usize,
         opts: CudaOptions,
     ) -> Result<Self, CudaError> {
-        let rt = Runtime::open(0)?;
+        Self::build(cfg, weights, plan, host_snapshot_slots, opts, None)
+    }
+
+    /// Rank `spec.rank` of a tensor-parallel group, on GPU `spec.rank`: the rank's shard of the model
+    /// `cfg` (its heads, DeltaNet heads, intermediate and vocabulary ranges; a checkpoint's tensors
+    /// are cut as they load) under the per-card `plan` (`tensor_parallel` = `spec.world`). Steps need
+    /// the group's communicators ([`CudaBackend::attach`]); [`crate::tp::TpBackend`] drives the ranks.
+    pub fn rank(
+        cfg: &ModelConfig,
+        weights: WeightSource,
+        plan: &Plan,
+        host_snapshot_slots: usize,
+        opts: CudaOptions,
+        spec: ShardSpec,
+    ) -> Result<Self, CudaError> {
+        if plan.options.tensor_parallel != spec.world {
+            return Err(CudaError::Plan(format!(
+                "rank {} of {}: the plan is for tensor parallel size {}",
+                spec.rank, spec.world, plan.options.tensor_parallel
+            )));
+        }
+        Self::build(cfg, weights, plan, host_snapshot_slots, opts, Some(spec))
+    }
+
+    /// Gives a rank its group's communicators (rank r's stream must be this backend's stream).
+    pub fn attach(&mut self, comms: Arc<Communicators>) -> Result<(), CudaError> {
+        let Some(tp) = &mut self.tp else {
+            return Err(CudaError::Plan(
+                "communicators attached to a backend that is not a tensor-parallel rank".into(),
+            ));
+        };
+        if comms.world() != tp.spec.world || !Arc::ptr_eq(comms.stream(tp.spec.rank), self.rt.stream()) {
+            return Err(CudaError::Plan(format!(
+                "rank {}: the communicators' world or stream is not this rank's",
+                tp.spec.rank
+            )));
+        }
+        self.graphs.clear();
+        tp.comms = Some(comms);
+        Ok(())
+    }
+
+    fn build(
+        full_cfg: &ModelConfig,
+        weights: WeightSource,
+        plan: &Plan,
+        host_snapshot_slots: usize,
+        opts: CudaOptions,
+        shard: Option<ShardSpec>,
+    ) -> Result<Self, CudaError> {
+        let rank_cfg = shard.as_ref().map(|s| s.rank_config(full_cfg));
+        let cfg = rank_cfg.as_ref().unwrap_or(full_cfg);
+        let rt = Runtime::open(shard.as_ref().map_or(0, |s| s.rank))?;
         let d = cfg.dims();
-        if plan.dims != d {
+        // Under tensor parallelism the plan is rank 0's (the largest shard); a last rank's vocabulary
+        // shard may be shorter.
+        let same_shape = match &shard {
+            None => plan.dims == d,
+            Some(_) => Dims { vocab: plan.dims.vocab, ..d } == plan.dims && d.vocab <= plan.dims.vocab,
+        };
+        if !same_shape {
             return Err(CudaError::Plan("the plan was made for another model shape".into()));
+        }
+        if shard.is_some() && matches!(weights, WeightSource::Checkpoint(_)) && full_cfg.quantization.is_some() {
+            return Err(CudaError::Plan(
+                "tensor parallelism loads bf16 / f16 / f32 checkpoints (quantised ones: not yet)".into(),
+            ));
         }
         if plan.options.activation_bytes_per_elem != 2 {
             return Err(CudaError::Plan("the CUDA backend supports bf16 activations only (gpu_defaults)".into()));
@@ -979,12 +1088,17 @@ impl CudaBackend {
             host_embed,
             w4_quantized: 0,
             w4_converted: 0,
+            tp: shard.map(|spec| RankComm { spec, full_vocab: full_cfg.vocab_size, comms: None }),
         };
         // The KV pages region is empty until the first step: staging for quantisation at load and
         // for the host embedding's random init.
         be.w = match weights {
-            WeightSource::Checkpoint(dir) => be.load_checkpoint(cfg, &dir, wreg, fmt, kv)?,
-            WeightSource::RandomWeights { seed } => be.random_weights(cfg, wreg, seed, fmt, kv)?,
+            WeightSource::Checkpoint(dir) => be.load_checkpoint(full_cfg, cfg, &dir, wreg, fmt, kv)?,
+            WeightSource::RandomWeights { seed } => {
+                // Each rank draws its own shard's values.
+                let seed = seed ^ be.tp.as_ref().map_or(0, |t| (t.spec.rank as u64) << 32);
+                be.random_weights(cfg, wreg, seed, fmt, kv)?
+            }
         };
         // Zero every cache region once (never read before written, but deterministic).
         for span in [kv, be.states, be.snapshots] {
@@ -995,8 +1109,11 @@ impl CudaBackend {
         Ok(be)
     }
 
+    /// Loads the checkpoint of the model `full` into this backend's layout for `cfg` (the rank's
+    /// shape under tensor parallelism, where every tensor is cut to the rank's shard as it loads).
     fn load_checkpoint(
         &mut self,
+        full: &ModelConfig,
         cfg: &ModelConfig,
         dir: &std::path::Path,
         wreg: crate::arena::RegionId,
@@ -1019,16 +1136,17 @@ impl CudaBackend {
             quantized: 0,
             converted: 0,
             total_w4,
+            shard: self.tp.as_ref().map(|t| &t.spec),
         };
         let mut pending: Option<u64> = None;
         let mut tied_head: Option<Part> = None;
         let host = self.host_embed.as_ref().map(|e| (e.table, e.table_bytes));
         let tied = cfg.tie_word_embeddings;
-        let mw: ModelWeights<Part> = ModelWeights::load(&ckpt, cfg, |src| {
+        let mw: ModelWeights<Part> = ModelWeights::load(&ckpt, full, |src| {
             let dev = |e: CudaError| ModelError::config(format!("{}: {e}", src.name));
             let name = src.name.clone();
             if name.ends_with("embed_tokens.weight") {
-                let bytes = convert(&src, false)?;
+                let (bytes, _) = ld.bytes(&src, false)?;
                 let own_head = tied && fmt.own_lm_head(cfg);
                 if own_head {
                     tied_head = Some(if fmt.lm_head_int4 {
@@ -1060,8 +1178,8 @@ impl CudaBackend {
             }
             // bf16 linears (pairs fused) and the small tensors.
             let f32_out = is_f32_tensor(&name);
-            let rows = if src.shape.len() == 2 { src.shape[0] } else { 0 };
-            let bytes = convert(&src, f32_out)?;
+            let (bytes, shape) = ld.bytes(&src, f32_out)?;
+            let rows = if shape.len() == 2 { shape[0] } else { 0 };
             let ptr = if pair_second(&name) {
                 pending
                     .take()
@@ -1270,6 +1388,52 @@ impl CudaBackend {
             *at = std::time::Instant::now();
         }
         Ok(())
+    }
+
+    /// The model's vocabulary (a tensor-parallel rank holds a shard of it: [`Backend::vocab_size`]).
+    fn full_vocab(&self) -> usize {
+        self.tp.as_ref().map_or(self.d.vocab, |t| t.full_vocab)
+    }
+
+    /// Tensor parallelism: the in-place all-reduce (sum) of the `[.., elems]` bf16 activations at
+    /// `buf` over the group, on this rank's stream (so also inside a captured decode graph). A no-op
+    /// on one GPU.
+    fn all_reduce(&self, buf: u64, elems: usize) -> Result<(), CudaError> {
+        let Some(r) = &self.tp else { return Ok(()) };
+        let comms = r.comms.as_ref().ok_or_else(|| {
+            CudaError::Plan(format!(
+                "tensor-parallel rank {} runs a step before its communicators are attached",
+                r.spec.rank
+            ))
+        })?;
+        comms
+            .all_reduce_sum_rank(r.spec.rank, DevSpan { ptr: buf, bytes: 2 * elems }, elems, CollDtype::Bf16)
+            .map_err(|e| CudaError::Plan(format!("rank {}: {e}", r.spec.rank)))?;
+        self.tick("all-reduce")
+    }
+
+    /// Benchmarks: seconds per all-reduce of `[tokens, hidden]` bf16 activations, the size a step
+    /// of `tokens` tokens reduces after every row-parallel projection (the mean of `reps` calls on
+    /// the `mixer_out` buffer, synchronised). Every rank of the group must call it at once.
+    pub fn time_all_reduce(&self, tokens: usize, reps: usize) -> Result<f64, CudaError> {
+        if tokens > self.max_tokens || reps == 0 {
+            return Err(CudaError::Plan(format!("all-reduce timing of {tokens} tokens × {reps}")));
+        }
+        self.rt.context().bind_to_thread().map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        let elems = tokens * self.d.hidden;
+        self.all_reduce(self.ws.mixer_out, elems)?;
+        self.rt.synchronize()?;
+        let t0 = std::time::Instant::now();
+        for _ in 0..reps {
+            self.all_reduce(self.ws.mixer_out, elems)?;
+        }
+        self.rt.synchronize()?;
+        Ok(t0.elapsed().as_secs_f64() / reps as f64)
+    }
+
+    /// This rank's vocabulary range under tensor parallelism (all of it on one GPU).
+    pub fn vocab_range(&self) -> std::ops::Range<usize> {
+        self.tp.as_ref().map_or(0..self.d.vocab, |t| t.spec.vocab.clone())
     }
 
     /// cuBLASLt heuristic calls so far (one per new GEMM shape).
@@ -1529,9 +1693,16 @@ impl CudaBackend {
             return Err(CudaError::Plan(format!("{} embedding rows exceed the host staging buffer", ids.len())));
         }
         for (r, &id) in ids.iter().enumerate() {
-            let id = id.clamp(0, self.d.vocab as i32 - 1) as usize;
-            // SAFETY: id < vocab rows of `row` bytes in the table; r < staging_bytes / row.
-            unsafe { std::ptr::copy_nonoverlapping(he.table.add(id * row), he.staging.add(r * row), row) };
+            // SAFETY: r < staging_bytes / row (checked above); id < vocab rows of `row` bytes in the table.
+            unsafe {
+                if id < 0 {
+                    // Outside a tensor-parallel rank's vocabulary shard.
+                    std::ptr::write_bytes(he.staging.add(r * row), 0, row);
+                } else {
+                    let id = (id as usize).min(self.d.vocab - 1);
+                    std::ptr::copy_nonoverlapping(he.table.add(id * row), he.staging.add(r * row), row);
+                }
+            }
         }
         // SAFETY: residual holds [t_max, hidden] bf16 (checked at construction); the pinned staging
         // lives as long as self and is not written again before the step synchronises.
@@ -1591,7 +1762,7 @@ impl CudaBackend {
             if c.pages[..need].iter().any(|&p| p as usize >= self.num_pages) {
                 return inv(format!("seq {}: page id out of range ({} pages)", c.seq_id, self.num_pages));
             }
-            if let Some(&id) = c.tokens.iter().find(|&&id| id as usize >= self.d.vocab) {
+            if let Some(&id) = c.tokens.iter().find(|&&id| id as usize >= self.full_vocab()) {
                 return inv(format!("seq {}: token id {id} outside the vocabulary", c.seq_id));
             }
         }
@@ -1630,6 +1801,14 @@ impl CudaBackend {
             cu.push(cu[cu.len() - 1] + 1);
             lens.push(1);
             slots.push(-1);
+        }
+        // A tensor-parallel rank embeds the ids of its vocabulary shard (−1: a row of zeros, the
+        // all-reduce after the embedding sums the ranks' rows).
+        if let Some(r) = &self.tp {
+            let v = &r.spec.vocab;
+            for id in &mut ids {
+                *id = if v.contains(&(*id as usize)) { *id - v.start as i32 } else { -1 };
+            }
         }
         let tp = cu[n_pre] as usize;
         let mut last: Vec<i32> =
@@ -1714,6 +1893,7 @@ impl CudaBackend {
             embed::embed_gather(k, s, self.w.embed, ws.token_ids, ws.residual, t, h)?;
         } // else: run_chunks uploaded the rows gathered on the host into `residual`.
         self.tick("embed")?;
+        self.all_reduce(ws.residual, t * h)?;
         for (li, layer) in self.w.layers.iter().enumerate() {
             if li == 0 {
                 norm::add_rms_norm_1p(k, s, ws.residual, None, layer.input_norm, None, ws.x_norm, t, h, eps)?;
@@ -1962,6 +2142,7 @@ impl CudaBackend {
                 }
                 _ => return Err(CudaError::Plan(format!("layer {li}: weights and cache kinds differ"))),
             }
+            self.all_reduce(ws.mixer_out, t * h)?;
             norm::add_rms_norm_1p(
                 k,
                 s,
@@ -1980,6 +2161,7 @@ impl CudaBackend {
             elementwise::swiglu(k, s, ws.mlp_gate_up, 2 * i, ws.mlp_gate_up + b2(i), 2 * i, ws.mlp_act, t, i)?;
             self.proj(s, ws.mlp_act, t, i, &[po(&layer.down, ws.mlp_out, h)], false)?;
             self.tick("MLP (GEMMs + SwiGLU)")?;
+            self.all_reduce(ws.mlp_out, t * h)?;
         }
         if sh.n_logits > 0 {
             // Last residual add + final norm over every row (cheap), then gather the wanted rows.
@@ -2034,7 +2216,7 @@ enum Place {
 
 impl Backend for CudaBackend {
     fn name(&self) -> String {
-        "cuda:0".into()
+        format!("cuda:{}", self.rt.context().ordinal())
     }
 
     fn vocab_size(&self) -> usize {

@@ -20,6 +20,7 @@ pub mod gemm;
 pub mod nvrtc;
 pub mod ops;
 pub mod runtime;
+pub mod tp;
 pub mod w4;
 
 pub use arena::{Arena, DevSpan, RegionId};
@@ -27,4 +28,5 @@ pub use backend::{CudaBackend, WeightSource};
 pub use error::CudaError;
 pub use nvrtc::{KernelDims, KernelsReport, KvFormats, kernels_check};
 pub use ops::Kernels;
-pub use runtime::{LibStatus, Runtime};
+pub use runtime::{LibStatus, Runtime, device_count};
+pub use tp::TpBackend;

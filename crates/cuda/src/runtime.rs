@@ -70,6 +70,14 @@ pub struct Runtime {
     pub max_smem_optin: i32,
 }
 
+/// Number of CUDA devices the driver reports (after `CUDA_VISIBLE_DEVICES`).
+pub fn device_count() -> Result<usize, CudaError> {
+    LibStatus::probe().require_all()?;
+    result::init().map_err(CudaError::driver("cuInit"))?;
+    let n = result::device::get_count().map_err(CudaError::driver("cuDeviceGetCount"))?;
+    Ok(n.max(0) as usize)
+}
+
 impl Runtime {
     /// Opens device `ordinal`. Errors (never panics) when a library is missing, there is no such
     /// device, or it is older than sm_80.

@@ -528,10 +528,15 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
     let out = match case.op.clone() {
         Op::Embed { t, d: dim, vocab } => {
             let table = randv(rng, vocab * dim, 1.0);
-            let ids: Vec<i32> = (0..t).map(|_| rng.random_range(0..vocab as i32)).collect();
+            // Every 3rd id is −1 (outside a tensor-parallel rank's vocabulary shard): a row of zeros.
+            let ids: Vec<i32> =
+                (0..t).map(|i| if i % 3 == 2 { -1 } else { rng.random_range(0..vocab as i32) }).collect();
             let (tp, ip, op) = (d.bf16(&table)?, d.i32s(&ids)?, d.poison(2 * t * dim)?);
             ops::embed::embed_gather(k, &s, tp, ip, op, t, dim)?;
-            let r: Vec<f32> = ids.iter().flat_map(|&i| table[i as usize * dim..][..dim].to_vec()).collect();
+            let r: Vec<f32> = ids
+                .iter()
+                .flat_map(|&i| if i < 0 { vec![0.0; dim] } else { table[i as usize * dim..][..dim].to_vec() })
+                .collect();
             vec![compare("out", &r, &d.get_bf16(op, t * dim)?, tol)]
         }
         Op::AddRmsNorm { rows, d: dim, residual } => {

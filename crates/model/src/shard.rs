@@ -67,8 +67,9 @@ impl Split {
         s
     }
 
-    /// The shard of a full row-major f32 tensor of `shape`. `name` is for errors only.
-    pub fn extract(&self, name: &str, shape: &[usize], data: &[f32]) -> Result<Vec<f32>, ModelError> {
+    /// The shard of a full row-major tensor of `shape` (elements of any type: f32 values, or the
+    /// `u16` bits of bf16). `name` is for errors only.
+    pub fn extract<T: Copy>(&self, name: &str, shape: &[usize], data: &[T]) -> Result<Vec<T>, ModelError> {
         let numel: usize = shape.iter().product();
         if data.len() != numel || shape.is_empty() {
             return Err(ModelError::weights(format!("shard of `{name}`: {} values for shape {shape:?}", data.len())));
@@ -150,6 +151,14 @@ pub struct ShardSpec {
     /// Vocabulary rows of the embedding and lm_head.
     pub vocab: Range<usize>,
     dims: Dims,
+}
+
+/// The canonical name of a stored tensor name: without the `model.language_model.` / `model.`
+/// prefix and without the note the loader appends to projections it unpacks from Qwen3-Next's packed
+/// tensors (`… (from packed Qwen3-Next projection)`).
+pub fn canonical_name(stored: &str) -> &str {
+    let name = stored.split(" (").next().unwrap_or(stored);
+    name.strip_prefix("model.language_model.").or_else(|| name.strip_prefix("model.")).unwrap_or(name)
 }
 
 /// `[rank·c, (rank+1)·c) ∩ [0, n)` with `c = ceil(n / world)`: the last ranks may be shorter.
@@ -243,6 +252,12 @@ impl ShardSpec {
         c.intermediate_size = self.intermediate.len();
         c.vocab_size = self.vocab.len();
         c
+    }
+
+    /// How the tensor stored as `stored` in a checkpoint (`model.language_model.layers.3.…`, or a
+    /// projection unpacked from Qwen3-Next's `in_proj_qkvz` / `in_proj_ba`) is split for this rank.
+    pub fn split_stored(&self, stored: &str) -> Result<Split, ModelError> {
+        self.split(canonical_name(stored))
     }
 
     /// How the tensor called `name` (canonical, see the module docs) is split for this rank.

@@ -13,6 +13,11 @@
 //!
 //! The decode steps run on whatever the KV pages and state slots hold (their content does not change the
 //! work), so no long prefill is needed to measure decode at 32K context.
+//!
+//! `--tensor-parallel N` runs the model over GPUs 0..N: the plan, the bytes and the FLOPs are one card's
+//! (its shard), the rooflines are one card's against the ceilings measured on GPU 0, and each row adds
+//! the all-reduce share of the step time: (2·layers + 1) all-reduces of the step's `[tokens, hidden]`
+//! activations, each timed alone on the group in the same run, over the measured step time.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -21,9 +26,9 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use deltaserve_backend::{Backend, CacheOp, SeqChunk, SnapshotLoc, StepBatch};
 use deltaserve_cuda::ops::init::{Init, init_random};
-use deltaserve_cuda::{Arena, CudaBackend, Kernels, Runtime, WeightSource};
+use deltaserve_cuda::{Arena, CudaBackend, Kernels, Runtime, TpBackend, WeightSource};
 use deltaserve_model::ModelConfig;
-use deltaserve_plan::{KvDtype, Plan, PlanOptions, WeightsDtype, fmt_bytes, fmt_count, parse_size};
+use deltaserve_plan::{KvDtype, Plan, PlanOptions, WeightsDtype, card_config, fmt_bytes, fmt_count, parse_size};
 use serde_json::{Value, json};
 
 use crate::gpu_memory::GpuSampler;
@@ -67,6 +72,9 @@ pub struct Args {
     /// Tokens per engine step (prefill chunk).
     #[arg(long, default_value_t = 4096)]
     max_batch_tokens: usize,
+    /// Tensor parallelism over GPUs 0..N (--memory is per card).
+    #[arg(long, default_value_t = 1)]
+    tensor_parallel: usize,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -90,6 +98,8 @@ struct PrefillRow {
     ratio: f64,
     /// Share of the FLOPs in softmax attention.
     attention_share: f64,
+    /// Tensor parallelism: the all-reduces' share of the time.
+    allreduce_share: Option<f64>,
     driver_peak_bytes: Option<u64>,
 }
 
@@ -100,11 +110,13 @@ struct DecodeRow {
     ms_per_step: f64,
     bytes: f64,
     ratio: f64,
+    allreduce_share: Option<f64>,
     driver_peak_bytes: Option<u64>,
 }
 
 struct Report {
     gpu: String,
+    tensor_parallel: usize,
     model: String,
     ceilings: Ceilings,
     plan_bytes: u64,
@@ -136,6 +148,8 @@ pub fn run(a: Args) -> Result<()> {
     let text = model.load_text(&dir)?;
     let cfg = text.config;
 
+    let tp = a.tensor_parallel;
+    let card = card_config(&cfg, tp)?;
     let rt = Runtime::open(0)?;
     let gpu = format!("{} ({})", rt.context().name().unwrap_or_default(), rt.arch());
     tracing::info!("bench: measuring the device's ceilings on {gpu}");
@@ -166,6 +180,7 @@ pub fn run(a: Args) -> Result<()> {
     o.lm_head_int4 = a.lm_head_int4;
     o.embed_on_host = a.embed_on_host;
     (o.k_dtype, o.v_dtype) = (a.kv_cache_dtype, a.kv_cache_dtype);
+    o.tensor_parallel = tp;
     o.backend_scratch_bytes = deltaserve_cuda::backend::scratch_bytes_for(&cfg, &o) as u64;
     let plan = Plan::new(&cfg, &o).context("the bench's memory plan does not fit (lower --prompts or --batches)")?;
     tracing::info!("bench plan:\n{}", plan.table());
@@ -177,17 +192,23 @@ pub fn run(a: Args) -> Result<()> {
     } else {
         WeightSource::Checkpoint(text.dir.clone())
     };
-    let mut be = CudaBackend::new(&cfg, weights, &plan, 1)?;
+    let mut be = if tp > 1 {
+        Under::Tp(TpBackend::new(&cfg, weights, &plan, 1, Default::default())?)
+    } else {
+        Under::One(Box::new(CudaBackend::new(&cfg, weights, &plan, 1)?))
+    };
     let startup_s = t0.elapsed().as_secs_f64();
-    let stats = be.arena_stats();
+    let stats = be.get().arena_stats();
     let idle_driver_bytes = sampler.as_ref().map(|s| s.take_peak(Some(std::process::id())));
     let peak = |s: &Option<GpuSampler>| s.as_ref().map(|s| s.take_peak(Some(std::process::id())));
 
     let mut report = Report {
-        gpu,
+        gpu: if tp > 1 { format!("{tp}× {gpu}") } else { gpu },
+        tensor_parallel: tp,
         model: format!(
-            "{} · weights {}{}{} · KV {}",
+            "{}{} · weights {}{}{} · KV {}",
             model_name(&model, &cfg),
+            if tp > 1 { format!(" · tensor parallel {tp} (per card below)") } else { String::new() },
             plan.options.weights_dtype.name(),
             if plan.options.lm_head_int4 { " + int4 lm_head" } else { "" },
             if plan.options.embed_on_host { " + host embedding" } else { "" },
@@ -208,6 +229,8 @@ pub fn run(a: Args) -> Result<()> {
     let d = cfg.dims();
     let vocab = d.vocab;
     let page = plan.page_size;
+    // All-reduces per step: after the embedding and after each layer's mixer and MLP.
+    let reduces = (2 * d.num_layers + 1) as f64;
     for &t in &a.prompts {
         if t > plan.max_context {
             report.skipped.push(format!("prefill {t}: beyond the plan's context {}", plan.max_context));
@@ -218,19 +241,31 @@ pub fn run(a: Args) -> Result<()> {
         let tokens: Vec<u32> = (0..t).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
         // Warm-up on the first length only (kernels and GEMM algorithms are ready after one step).
         if report.prefill.is_empty() {
-            prefill(&mut be, &pages, &tokens[..t.min(a.max_batch_tokens)], a.max_batch_tokens)?;
+            prefill(be.get(), &pages, &tokens[..t.min(a.max_batch_tokens)], a.max_batch_tokens)?;
         }
         peak(&sampler);
-        let s = prefill(&mut be, &pages, &tokens, a.max_batch_tokens)?;
-        let (flop, attn) = prefill_flops(&cfg, plan.weight_parts.linear_params, t);
+        let s = prefill(be.get(), &pages, &tokens, a.max_batch_tokens)?;
+        let driver_peak_bytes = peak(&sampler);
+        // One card's FLOPs (its shard) against one card's GEMM rate; `flop` counts every card's.
+        let (flop, attn) = prefill_flops(&card, plan.weight_parts.linear_params, t);
         let roofline = flop / (report.ceilings.gemm_tflops * 1e12);
+        let (flop, attn) = (flop * tp as f64, attn * tp as f64);
+        let (full, rest) = (t / a.max_batch_tokens, t % a.max_batch_tokens);
+        let allreduce_share = match be.all_reduce_s(a.max_batch_tokens)? {
+            Some(per) => {
+                let last = if rest > 0 { be.all_reduce_s(rest)?.unwrap_or(0.0) } else { 0.0 };
+                Some(reduces * (full as f64 * per + last) / s)
+            }
+            None => None,
+        };
         report.prefill.push(PrefillRow {
             tokens: t,
             seconds: s,
             tflop: flop / 1e12,
             ratio: roofline / s,
             attention_share: attn / flop,
-            driver_peak_bytes: peak(&sampler),
+            allreduce_share,
+            driver_peak_bytes,
         });
         tracing::info!("bench: prefill {t}: {:.0} tok/s", t as f64 / s);
     }
@@ -248,8 +283,11 @@ pub fn run(a: Args) -> Result<()> {
             }
             tracing::info!("bench: decode batch {b} at context {}", fmt_count(ctx as u64));
             peak(&sampler);
-            let ms = decode(&mut be, b, ctx, per_seq, a.steps, vocab)?;
-            // Device weights, less the embedding table of which a step reads only its rows.
+            let ms = decode(be.get(), b, ctx, per_seq, a.steps, vocab)?;
+            let driver_peak_bytes = peak(&sampler);
+            let allreduce_share = be.all_reduce_s(b)?.map(|per| reduces * per * 1e3 / ms);
+            // One card's device weights (less the embedding table, of which a step reads only its rows),
+            // KV and state.
             let embed_on_device = if plan.options.embed_on_host { 0 } else { plan.weight_parts.embed };
             let weight_bytes = (plan.weights_bytes - embed_on_device) as f64;
             let bytes = weight_bytes
@@ -262,7 +300,8 @@ pub fn run(a: Args) -> Result<()> {
                 ms_per_step: ms,
                 bytes,
                 ratio: floor_ms / ms,
-                driver_peak_bytes: peak(&sampler),
+                allreduce_share,
+                driver_peak_bytes,
             });
         }
     }
@@ -281,13 +320,36 @@ pub fn run(a: Args) -> Result<()> {
             ),
         ];
         for (what, op) in ops {
-            report.snapshots.push((what, time_cache_op(&mut be, op)?));
+            report.snapshots.push((what, time_cache_op(be.get(), op)?));
         }
     }
-    report.arena_allocations_moved = be.arena_stats().allocations != stats.allocations;
+    report.arena_allocations_moved = be.get().arena_stats().allocations != stats.allocations;
     drop(be);
 
     emit("bench", &report, a.json, a.svg.as_deref())
+}
+
+/// The backend under test: one GPU or a tensor-parallel group.
+enum Under {
+    One(Box<CudaBackend>),
+    Tp(TpBackend),
+}
+
+impl Under {
+    fn get(&mut self) -> &mut dyn Backend {
+        match self {
+            Under::One(b) => b.as_mut(),
+            Under::Tp(b) => b,
+        }
+    }
+
+    /// Seconds per all-reduce of `[tokens, hidden]` over the group (None on one GPU).
+    fn all_reduce_s(&mut self, tokens: usize) -> Result<Option<f64>> {
+        match self {
+            Under::One(_) => Ok(None),
+            Under::Tp(b) => Ok(Some(b.time_all_reduce(tokens, 20)?)),
+        }
+    }
 }
 
 fn model_name(m: &ModelArgs, cfg: &ModelConfig) -> String {
@@ -349,7 +411,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// One prompt through the backend in chunks of `chunk` tokens (slot 0, state from zero); seconds.
-fn prefill(be: &mut CudaBackend, pages: &[u32], tokens: &[u32], chunk: usize) -> Result<f64> {
+fn prefill(be: &mut dyn Backend, pages: &[u32], tokens: &[u32], chunk: usize) -> Result<f64> {
     let mut logits = Vec::new();
     let t0 = Instant::now();
     for (i, c) in tokens.chunks(chunk).enumerate() {
@@ -378,7 +440,7 @@ fn prefill(be: &mut CudaBackend, pages: &[u32], tokens: &[u32], chunk: usize) ->
 }
 
 /// `b` sequences of one token each at positions `ctx..`: median ms per step over `steps` steps.
-fn decode(be: &mut CudaBackend, b: usize, ctx: usize, per_seq: usize, steps: usize, vocab: usize) -> Result<f64> {
+fn decode(be: &mut dyn Backend, b: usize, ctx: usize, per_seq: usize, steps: usize, vocab: usize) -> Result<f64> {
     let mut logits = Vec::new();
     let mut times = Vec::new();
     for step in 0..steps + 3 {
@@ -405,7 +467,7 @@ fn decode(be: &mut CudaBackend, b: usize, ctx: usize, per_seq: usize, steps: usi
 }
 
 /// Median ms of a step that only runs `op` (10 runs after 2 warm-ups), synchronised.
-fn time_cache_op(be: &mut CudaBackend, op: CacheOp) -> Result<f64> {
+fn time_cache_op(be: &mut dyn Backend, op: CacheOp) -> Result<f64> {
     let batch = StepBatch { pre: vec![op], ..Default::default() };
     let mut logits = Vec::new();
     let mut times = Vec::new();
@@ -441,6 +503,7 @@ impl ToolReport for Report {
     fn to_json(&self) -> Value {
         json!({
             "gpu": self.gpu,
+            "tensor_parallel": self.tensor_parallel,
             "model": self.model,
             "ceilings": {"gemm_bf16_tflops": r1(self.ceilings.gemm_tflops), "copy_gb_s": r1(self.ceilings.copy_gbs)},
             "plan_bytes": self.plan_bytes,
@@ -453,12 +516,13 @@ impl ToolReport for Report {
                 "tokens": r.tokens, "seconds": r3(r.seconds), "ttft_ms": r1(r.seconds * 1e3),
                 "tokens_per_s": r1(r.tokens as f64 / r.seconds), "tflops": r1(r.tflop / r.seconds),
                 "roofline_ratio": r3(r.ratio), "attention_flop_share": r3(r.attention_share),
-                "driver_peak_bytes": r.driver_peak_bytes,
+                "allreduce_share": r.allreduce_share.map(r3), "driver_peak_bytes": r.driver_peak_bytes,
             })).collect::<Vec<_>>(),
             "decode": self.decode.iter().map(|r| json!({
                 "batch": r.batch, "context": r.context, "ms_per_step": r3(r.ms_per_step),
                 "tokens_per_s": r1(r.batch as f64 * 1e3 / r.ms_per_step), "bytes_per_step": r.bytes,
-                "roofline_ratio": r3(r.ratio), "driver_peak_bytes": r.driver_peak_bytes,
+                "roofline_ratio": r3(r.ratio), "allreduce_share": r.allreduce_share.map(r3),
+                "driver_peak_bytes": r.driver_peak_bytes,
             })).collect::<Vec<_>>(),
             "snapshots_ms": self.snapshots.iter().map(|(w, ms)| (w.replace(' ', "_"), json!(r3(*ms)))).collect::<serde_json::Map<_, _>>(),
             "skipped": self.skipped,
@@ -477,39 +541,41 @@ impl ToolReport for Report {
         let _ = writeln!(s, "\nprefill (one prompt, chunked)    roofline = FLOPs / GEMM rate");
         let _ = writeln!(
             s,
-            "{:>9} {:>10} {:>10} {:>9} {:>9} {:>8} {:>11}",
-            "tokens", "TTFT ms", "tok/s", "TFLOP/s", "roofline", "attn %", "driver"
+            "{:>9} {:>10} {:>10} {:>9} {:>9} {:>8} {:>11} {:>11}",
+            "tokens", "TTFT ms", "tok/s", "TFLOP/s", "roofline", "attn %", "driver", "all-reduce"
         );
         for r in &self.prefill {
             let _ = writeln!(
                 s,
-                "{:>9} {:>10.0} {:>10.0} {:>9.0} {:>8.1}% {:>7.0}% {:>11}",
+                "{:>9} {:>10.0} {:>10.0} {:>9.0} {:>8.1}% {:>7.0}% {:>11} {:>11}",
                 r.tokens,
                 r.seconds * 1e3,
                 r.tokens as f64 / r.seconds,
                 r.tflop / r.seconds,
                 100.0 * r.ratio,
                 100.0 * r.attention_share,
-                r.driver_peak_bytes.map_or("n/a".into(), fmt_bytes)
+                r.driver_peak_bytes.map_or("n/a".into(), fmt_bytes),
+                pct(r.allreduce_share)
             );
         }
         let _ = writeln!(s, "\ndecode (one token per sequence)    roofline = bytes / copy rate");
         let _ = writeln!(
             s,
-            "{:>6} {:>8} {:>10} {:>10} {:>10} {:>9} {:>11}",
-            "batch", "context", "ms/step", "tok/s", "GB/step", "roofline", "driver"
+            "{:>6} {:>8} {:>10} {:>10} {:>10} {:>9} {:>11} {:>11}",
+            "batch", "context", "ms/step", "tok/s", "GB/step", "roofline", "driver", "all-reduce"
         );
         for r in &self.decode {
             let _ = writeln!(
                 s,
-                "{:>6} {:>8} {:>10.2} {:>10.1} {:>10.2} {:>8.1}% {:>11}",
+                "{:>6} {:>8} {:>10.2} {:>10.1} {:>10.2} {:>8.1}% {:>11} {:>11}",
                 r.batch,
                 r.context,
                 r.ms_per_step,
                 r.batch as f64 * 1e3 / r.ms_per_step,
                 r.bytes / 1e9,
                 100.0 * r.ratio,
-                r.driver_peak_bytes.map_or("n/a".into(), fmt_bytes)
+                r.driver_peak_bytes.map_or("n/a".into(), fmt_bytes),
+                pct(r.allreduce_share)
             );
         }
         let _ = writeln!(
@@ -620,6 +686,10 @@ type Bar = (String, f64, f64);
 
 fn short(n: usize) -> String {
     if n >= 1024 && n.is_multiple_of(1024) { format!("{}K", n / 1024) } else { n.to_string() }
+}
+
+fn pct(v: Option<f64>) -> String {
+    v.map_or("-".into(), |v| format!("{:.1}%", 100.0 * v))
 }
 
 fn r1(v: f64) -> f64 {
