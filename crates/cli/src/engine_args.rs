@@ -340,7 +340,7 @@ impl EngineArgs {
             .validate()
             .map_err(|e| anyhow::anyhow!("--kv-cache-dtype / --k-cache-dtype / --v-cache-dtype: {e}"))?;
         let cfg = text.config;
-        opts.tensor_parallel = tp;
+        opts.set_tensor_parallel(tp);
         if tp > 1 && !random_weights && cfg.quantization.is_some() {
             anyhow::bail!(
                 "--tensor-parallel {tp}: quantised checkpoints (GPTQ / block FP8) are not sharded yet; use a bf16 \

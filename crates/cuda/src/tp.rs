@@ -77,13 +77,14 @@ impl TpBackend {
         for b in &mut ranks {
             b.attach(comms.clone())?;
         }
-        tracing::info!("tensor parallel: {world} ranks ready, NCCL communicators attached (NVLS off)");
-        Ok(Self {
-            vocab: specs.iter().map(|s| s.vocab.clone()).collect(),
-            full_vocab: cfg.vocab_size,
-            ranks,
-            _comms: comms,
-        })
+        let vocab = specs.iter().map(|s| s.vocab.clone()).collect();
+        let mut tp = Self { vocab, full_vocab: cfg.vocab_size, ranks, _comms: comms };
+        // NCCL sets up a protocol's buffers at its first collective: run a full step's all-reduce and a
+        // one-token one now, so serving allocates nothing (the driver's figure is flat from here on).
+        tp.time_all_reduce(plan.max_batch_tokens, 1)?;
+        tp.time_all_reduce(1, 1)?;
+        tracing::info!("tensor parallel: {world} ranks ready, NCCL communicators attached and warmed (NVLS off)");
+        Ok(tp)
     }
 
     /// Number of ranks.

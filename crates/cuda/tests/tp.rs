@@ -7,8 +7,10 @@
 //! SKIP) with fewer than 2 GPUs or without NCCL.
 //!
 //! Bounds: TP=2 against one GPU differs by the order of the row-parallel sums (bf16 partial outputs
-//! summed by NCCL instead of one f32 GEMM accumulation): the same bf16 bounds as the CUDA-vs-oracle
-//! comparison (module docs of `backend.rs`); both against the oracle with those bounds.
+//! summed by NCCL instead of one f32 GEMM accumulation): the bf16 bounds of the CUDA-vs-oracle
+//! comparison (module docs of `backend.rs`). Both against the oracle: the same median and per-row
+//! bounds and no decisive argmax flip, with argmax agreement ≥ 80% (few rows here: on the H200 the
+//! one-GPU backend agreed on 15 of 17 rows, both flips where the oracle's top-2 margin is not decisive).
 
 use deltaserve_backend::{Backend, CacheOp, SnapshotLoc, StepBatch};
 use deltaserve_cuda::backend::scratch_bytes_for;
@@ -64,22 +66,22 @@ fn steps(vocab: usize) -> Vec<StepBatch> {
         StepBatch { pre: vec![], seqs: vec![chunk(0, &pa, 250, &a[250..]), chunk(1, &pb, 77, &[7])], post: vec![] },
     ];
     // Batch-2 decodes (graph: eager, capture, replays), then a snapshot of a to the host.
-    for i in 0..5 {
+    for i in 0..10 {
         let t = [(i * 37 + 3) as u32 % vocab as u32];
         let u = [(i * 11 + 1) as u32 % vocab as u32];
         v.push(StepBatch {
             pre: vec![],
             seqs: vec![chunk(0, &pa, 300 + i, &t), chunk(1, &pb, 78 + i, &u)],
-            post: if i == 4 { vec![CacheOp::SaveState { slot: 0, to: SnapshotLoc::Host(0) }] } else { vec![] },
+            post: if i == 9 { vec![CacheOp::SaveState { slot: 0, to: SnapshotLoc::Host(0) }] } else { vec![] },
         });
     }
     // a's state restored into slot 2 (a's pages): the next token must give the same logits as in slot 0.
     v.push(StepBatch {
         pre: vec![CacheOp::RestoreState { from: SnapshotLoc::Host(0), slot: 2 }],
-        seqs: vec![chunk(2, &pa, 305, &[42])],
+        seqs: vec![chunk(2, &pa, 310, &[42])],
         post: vec![],
     });
-    v.push(one(chunk(0, &pa, 305, &[42])));
+    v.push(one(chunk(0, &pa, 310, &[42])));
     v
 }
 
@@ -129,9 +131,16 @@ fn tp2_matches_one_gpu_and_the_oracle() {
     // The restored slot continues exactly as the original (same rank states, same pages).
     let n = two.len();
     assert_eq!(two[n - 2], two[n - 1], "TP=2: a snapshot restored into another slot diverged");
-    one_vs_oracle.check("1 GPU vs oracle");
-    vs_oracle.check("TP=2 vs oracle");
-    vs_one.check("TP=2 vs 1 GPU");
+    let oracle_bounds = Bounds { median: TOL_MEDIAN, argmax_share: 0.8 };
+    let failed: Vec<String> = [
+        one_vs_oracle.soft_check_with("1 GPU vs oracle", oracle_bounds),
+        vs_oracle.soft_check_with("TP=2 vs oracle", oracle_bounds),
+        vs_one.soft_check("TP=2 vs 1 GPU"),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    assert!(failed.is_empty(), "{failed:?}");
 
     let ar = tp.time_all_reduce(2048, 10).unwrap();
     let ar1 = tp.time_all_reduce(1, 10).unwrap();

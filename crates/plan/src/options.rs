@@ -53,7 +53,22 @@ pub struct PlanOptions {
     pub tensor_parallel: usize,
 }
 
+/// Device memory NCCL takes per card beyond the CUDA runtime (communicator buffers for every channel
+/// and protocol, its kernels, proxy state), counted against a card's budget under tensor parallelism.
+/// Measured on 2× H200 over NVLink with NCCL 2.28.3 (bench/results/tp-2x-h200-2026-11-29.md): the
+/// driver reported 0.79 GiB per card above a plan without it; PCIe cards set up fewer channels.
+pub const COLLECTIVE_RESERVE_BYTES: u64 = 1 << 30;
+
 impl PlanOptions {
+    /// Sets tensor parallelism to `n` cards: the plan becomes per card, and on the GPU (a nonzero
+    /// runtime reserve) each card also reserves [`COLLECTIVE_RESERVE_BYTES`] for NCCL.
+    pub fn set_tensor_parallel(&mut self, n: usize) {
+        let had = if self.tensor_parallel > 1 { COLLECTIVE_RESERVE_BYTES } else { 0 };
+        let reserve = self.runtime_reserve_bytes.saturating_sub(had);
+        self.tensor_parallel = n;
+        self.runtime_reserve_bytes = if n > 1 && reserve > 0 { reserve + COLLECTIVE_RESERVE_BYTES } else { reserve };
+    }
+
     /// bf16 weights and KV, bf16 activations, 4096 tokens and 16 sequences per step, 32-token pages,
     /// 8 snapshots, 600 MiB runtime reserve, 32 MiB GEMM workspace, 16 decode partitions.
     pub fn gpu_defaults(budget: u64) -> Self {

@@ -178,11 +178,12 @@ impl Plan {
         if reserve > 0 {
             let _ = writeln!(
                 s,
-                "{:<16} {:>11} {:>6.1}% {:>11}  CUDA context, modules, cuBLAS handles (counted, not in the arena)",
+                "{:<16} {:>11} {:>6.1}% {:>11}  {} (counted, not in the arena)",
                 "runtime_reserve",
                 fmt_bytes(reserve),
                 self.pct(reserve),
-                "-"
+                "-",
+                reserve_note(o)
             );
         }
         let pad = self.arena_bytes() - self.regions.iter().map(|r| r.bytes).sum::<u64>();
@@ -265,12 +266,7 @@ impl Plan {
             .enumerate()
             .map(|(i, r)| (r.name.to_string(), r.bytes, COLORS[i % COLORS.len()], r.note.clone()))
             .collect();
-        segs.push((
-            "runtime_reserve".into(),
-            o.runtime_reserve_bytes,
-            "#bab0ac",
-            "CUDA context, modules, cuBLAS handles".into(),
-        ));
+        segs.push(("runtime_reserve".into(), o.runtime_reserve_bytes, "#bab0ac", reserve_note(o)));
         segs.push(("free".into(), self.free_bytes(), "#eeeeee", "less than one KV page".into()));
         let legend_rows = segs.len().div_ceil(2);
         let ws_top = 130.0 + 22.0 * legend_rows as f64;
@@ -394,4 +390,16 @@ impl Plan {
 
 fn esc(t: &str) -> String {
     t.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+}
+
+/// What the runtime reserve holds.
+fn reserve_note(o: &crate::PlanOptions) -> String {
+    if o.tensor_parallel > 1 {
+        format!(
+            "CUDA context, modules, cuBLAS handles + {} of NCCL buffers",
+            fmt_bytes(crate::COLLECTIVE_RESERVE_BYTES)
+        )
+    } else {
+        "CUDA context, modules, cuBLAS handles".into()
+    }
 }

@@ -107,3 +107,29 @@ fn qwen36_27b_bf16_in_24gib_per_card() {
     println!("TP=2 int4: max_context {} ({:?})", f2.plan.max_context, f2.adjustments);
     assert_eq!(f2.plan.max_context, 262_144);
 }
+
+#[test]
+fn tensor_parallel_reserves_nccl_memory_per_card_on_the_gpu() {
+    use deltaserve_plan::COLLECTIVE_RESERVE_BYTES;
+    let mut o = PlanOptions::gpu_defaults(24 * GIB);
+    let base = o.runtime_reserve_bytes;
+    o.set_tensor_parallel(2);
+    assert_eq!((o.tensor_parallel, o.runtime_reserve_bytes), (2, base + COLLECTIVE_RESERVE_BYTES));
+    // Setting it again does not add twice; back to one card removes it.
+    o.set_tensor_parallel(4);
+    assert_eq!(o.runtime_reserve_bytes, base + COLLECTIVE_RESERVE_BYTES);
+    o.set_tensor_parallel(1);
+    assert_eq!(o.runtime_reserve_bytes, base);
+    // The CPU reference has no runtime reserve and no NCCL.
+    let mut c = PlanOptions::cpu_defaults(GIB);
+    c.set_tensor_parallel(2);
+    assert_eq!(c.runtime_reserve_bytes, 0);
+    // The plan counts it and says what it is for.
+    let cfg = cfg_27b();
+    let mut o = PlanOptions::gpu_defaults(24 * GIB);
+    o.weights_dtype = WeightsDtype::Int4;
+    o.set_tensor_parallel(2);
+    let p = Plan::new(&cfg, &o).unwrap();
+    assert_eq!(p.total_bytes - p.arena_bytes(), base + COLLECTIVE_RESERVE_BYTES);
+    assert!(p.table().contains("NCCL"), "{}", p.table());
+}

@@ -180,7 +180,7 @@ pub fn run(a: Args) -> Result<()> {
     o.lm_head_int4 = a.lm_head_int4;
     o.embed_on_host = a.embed_on_host;
     (o.k_dtype, o.v_dtype) = (a.kv_cache_dtype, a.kv_cache_dtype);
-    o.tensor_parallel = tp;
+    o.set_tensor_parallel(tp);
     o.backend_scratch_bytes = deltaserve_cuda::backend::scratch_bytes_for(&cfg, &o) as u64;
     let plan = Plan::new(&cfg, &o).context("the bench's memory plan does not fit (lower --prompts or --batches)")?;
     tracing::info!("bench plan:\n{}", plan.table());

@@ -120,13 +120,14 @@ pub fn run(a: Args) -> Result<()> {
     o.page_size = a.page_size.unwrap_or(o.page_size);
     o.snapshot_slots = a.snapshot_slots.unwrap_or(o.snapshot_slots);
     o.runtime_reserve_bytes = a.runtime_reserve.unwrap_or(o.runtime_reserve_bytes);
-    o.tensor_parallel = a.tensor_parallel;
-    // One card's model shape (the whole model at --tensor-parallel 1).
-    let card = card_config(&cfg, a.tensor_parallel)?;
+    o.set_tensor_parallel(a.tensor_parallel);
+    // A size that splits a head group is refused here, naming the heads.
+    card_config(&cfg, a.tensor_parallel)?;
     let gpu = a.device != "cpu";
     let scratch = |o: &PlanOptions| {
-        // What the CUDA backend carves beside the activation workspace (as `serve --device cuda` plans it).
-        if gpu { deltaserve_cuda::backend::scratch_bytes_for(&card, o) as u64 } else { 0 }
+        // What the CUDA backend carves beside the activation workspace (as `serve --device cuda` plans it,
+        // one card's under tensor parallelism).
+        if gpu { deltaserve_cuda::backend::scratch_bytes_for(&cfg, o) as u64 } else { 0 }
     };
     let free = if a.no_fit {
         Free::default()
