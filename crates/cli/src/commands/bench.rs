@@ -14,6 +14,10 @@
 //! The decode steps run on whatever the KV pages and state slots hold (their content does not change the
 //! work), so no long prefill is needed to measure decode at 32K context.
 //!
+//! Speculative decoding's verify step (issue #8) is costed the same way: one sequence stepping `--verify-tokens`
+//! (K + 1, default 3) tokens per step at each decode context, against the one-token step at that context (the
+//! main model's forward over K + 1 positions; the MTP head's draft steps are not included).
+//!
 //! `--tensor-parallel N` runs the model over GPUs 0..N: the plan, the bytes and the FLOPs are one card's
 //! (its shard), the rooflines are one card's against the ceilings measured on GPU 0, and each row adds
 //! the all-reduce share of the step time: (2·layers + 1) all-reduces of the step's `[tokens, hidden]`
@@ -72,6 +76,9 @@ pub struct Args {
     /// Tokens per engine step (prefill chunk).
     #[arg(long, default_value_t = 4096)]
     max_batch_tokens: usize,
+    /// Tokens per step of the verify-shaped runs (K + 1 of speculative decoding; 0 or 1: none).
+    #[arg(long, default_value_t = 3)]
+    verify_tokens: usize,
     /// Tensor parallelism over GPUs 0..N (--memory is per card).
     #[arg(long, default_value_t = 1)]
     tensor_parallel: usize,
@@ -129,6 +136,8 @@ struct Report {
     arena_allocations_moved: bool,
     /// (what, ms) of DeltaNet state snapshot copies: save/restore to/from the device and host tiers.
     snapshots: Vec<(&'static str, f64)>,
+    /// Verify-shaped steps: (tokens per step, context, ms per step, ms of the one-token step there).
+    verify: Vec<(usize, usize, f64, f64)>,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -224,6 +233,7 @@ pub fn run(a: Args) -> Result<()> {
         skipped: Vec::new(),
         arena_allocations_moved: false,
         snapshots: Vec::new(),
+        verify: Vec::new(),
     };
 
     let d = cfg.dims();
@@ -283,7 +293,7 @@ pub fn run(a: Args) -> Result<()> {
             }
             tracing::info!("bench: decode batch {b} at context {}", fmt_count(ctx as u64));
             peak(&sampler);
-            let ms = decode(be.get(), b, ctx, per_seq, a.steps, vocab)?;
+            let ms = decode(be.get(), b, 1, ctx, per_seq, a.steps, vocab)?;
             let driver_peak_bytes = peak(&sampler);
             let allreduce_share = be.all_reduce_s(b)?.map(|per| reduces * per * 1e3 / ms);
             // One card's device weights (less the embedding table, of which a step reads only its rows),
@@ -303,6 +313,17 @@ pub fn run(a: Args) -> Result<()> {
                 allreduce_share,
                 driver_peak_bytes,
             });
+        }
+        // One sequence stepping K + 1 tokens (a verify's forward) against its one-token step.
+        let n = a.verify_tokens;
+        let one = report.decode.iter().find(|r| r.batch == 1 && r.context == ctx).map(|r| r.ms_per_step);
+        if let (true, Some(one)) = (n > 1, one) {
+            let per_seq = (ctx + (a.steps + 3) * n + 4).div_ceil(page);
+            if per_seq <= plan.num_kv_pages && ctx + (a.steps + 3) * n + 4 <= plan.max_context {
+                tracing::info!("bench: verify-shaped steps of {n} tokens at context {}", fmt_count(ctx as u64));
+                let ms = decode(be.get(), 1, n, ctx, per_seq, a.steps, vocab)?;
+                report.verify.push((n, ctx, ms, one));
+            }
         }
     }
     if d.num_deltanet_layers > 0 {
@@ -439,8 +460,17 @@ fn prefill(be: &mut dyn Backend, pages: &[u32], tokens: &[u32], chunk: usize) ->
     Ok(s)
 }
 
-/// `b` sequences of one token each at positions `ctx..`: median ms per step over `steps` steps.
-fn decode(be: &mut dyn Backend, b: usize, ctx: usize, per_seq: usize, steps: usize, vocab: usize) -> Result<f64> {
+/// `b` sequences of `n` tokens each per step at positions `ctx..` (n = 1: decode): median ms per step over
+/// `steps` steps.
+fn decode(
+    be: &mut dyn Backend,
+    b: usize,
+    n: usize,
+    ctx: usize,
+    per_seq: usize,
+    steps: usize,
+    vocab: usize,
+) -> Result<f64> {
     let mut logits = Vec::new();
     let mut times = Vec::new();
     for step in 0..steps + 3 {
@@ -449,8 +479,8 @@ fn decode(be: &mut dyn Backend, b: usize, ctx: usize, per_seq: usize, steps: usi
                 seq_id: i as u64,
                 slot: i as u32,
                 pages: ((i * per_seq) as u32..((i + 1) * per_seq) as u32).collect(),
-                start: ctx + step,
-                tokens: vec![((i * 131 + step * 17) % vocab) as u32],
+                start: ctx + step * n,
+                tokens: (0..n).map(|j| ((i * 131 + step * 17 + j * 7) % vocab) as u32).collect(),
                 want_logits: true,
                 ..Default::default()
             })
@@ -524,6 +554,10 @@ impl ToolReport for Report {
                 "roofline_ratio": r3(r.ratio), "allreduce_share": r.allreduce_share.map(r3),
                 "driver_peak_bytes": r.driver_peak_bytes,
             })).collect::<Vec<_>>(),
+            "verify": self.verify.iter().map(|&(n, ctx, ms, one)| json!({
+                "tokens_per_step": n, "context": ctx, "ms_per_step": r3(ms), "decode_ms_per_step": r3(one),
+                "ratio_to_decode": r3(ms / one),
+            })).collect::<Vec<_>>(),
             "snapshots_ms": self.snapshots.iter().map(|(w, ms)| (w.replace(' ', "_"), json!(r3(*ms)))).collect::<serde_json::Map<_, _>>(),
             "skipped": self.skipped,
         })
@@ -592,6 +626,13 @@ impl ToolReport for Report {
         if !self.snapshots.is_empty() {
             let parts: Vec<String> = self.snapshots.iter().map(|(w, ms)| format!("{w} {ms:.2} ms")).collect();
             let _ = writeln!(s, "DeltaNet state snapshot: {}", parts.join(" · "));
+        }
+        for &(n, ctx, ms, one) in &self.verify {
+            let _ = writeln!(
+                s,
+                "verify-shaped step ({n} tokens, batch 1) at {ctx}: {ms:.2} ms = {:.2}× the one-token step ({one:.2} ms)",
+                ms / one
+            );
         }
         for k in &self.skipped {
             let _ = writeln!(s, "skipped: {k}");
