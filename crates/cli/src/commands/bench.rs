@@ -183,7 +183,9 @@ pub fn run(a: Args) -> Result<()> {
     o.max_seqs = a.batches.iter().copied().max().unwrap_or(1).max(1);
     // One device and one host snapshot slot: the restore timings of issue #7.
     o.snapshot_slots = 1;
-    o.max_context = Some(max_prompt.max(a.contexts.iter().copied().max().unwrap_or(0) + a.steps + 8));
+    // Decode runs step from each context: `steps + 3` steps of one token, and of `verify_tokens` tokens.
+    let span = (a.steps + 3) * a.verify_tokens.max(1) + 8;
+    o.max_context = Some(max_prompt.max(a.contexts.iter().copied().max().unwrap_or(0) + span));
     o.weights_dtype = a.weights_dtype;
     o.int4_asym = a.int4_asym;
     o.lm_head_int4 = a.lm_head_int4;
