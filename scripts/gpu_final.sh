@@ -13,39 +13,18 @@
 #   bench24  `deltaserve bench` in the same 24 GiB configuration (4-bit prefill / decode targets)
 set -uo pipefail
 C=.carry/final
+source "$(dirname "$0")/gpu_steps.sh"
 if [[ "${1:-}" == "--stage" ]]; then
-    mkdir -p "$C"
-    cp target/release/deltaserve "$C/deltaserve"
-    for t in ops backend; do
-        bin=$(ls -t target/release/deps/${t}-* 2>/dev/null | grep -v '\.d$' | head -1)
-        [[ -n "$bin" ]] || { echo "no release test binary for $t" >&2; exit 1; }
-        cp "$bin" "$C/$t"
-    done
-    ls -la "$C"
-    exit 0
+    gpu_stage "$C" ops backend
+    exit
 fi
-# At most 8 files come back from the device: work in $W and pack it into $OUT/gpu_final.tgz after each step.
-FINAL="${OUT:-/tmp/gpu_final}"
-W=/tmp/gpu_final_work
-OUT=$W
-STEPS="${STEPS:-ops,backend,bench,soak,probe}"
+# Logs in $OUT, packed into $OUT/gpu_final.tgz after each step (scripts/gpu_steps.sh).
+gpu_steps_init gpu_final ops,backend,bench,soak,probe
 SOAK_TARGET="${SOAK_TARGET:-131072}"
-mkdir -p "$W" "$FINAL"
-export DELTASERVE_CACHE=/tmp/dscache RUST_LOG=info
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
-t0=$(date +%s)
-step() { tar czf "$FINAL/gpu_final.tgz" -C "$W" . 2>/dev/null; echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
-has() { [[ ",$STEPS," == *",$1,"* ]]; }
-if has ops; then
-    step ops
-    timeout 120 "$C/ops" --nocapture --test-threads=1 ops_match_cpu_reference >"$OUT/ops.log" 2>&1
-    echo "rc=$?"; grep -E "FAIL|test result|panicked" "$OUT/ops.log" | head -20
-fi
-if has backend; then
-    step backend
-    timeout 180 "$C/backend" --nocapture --test-threads=1 >"$OUT/backend.log" 2>&1
-    echo "rc=$?"; grep -E "^test |test result|panicked|FAIL" "$OUT/backend.log" | head -30
-fi
+test_step ops 120 "FAIL|test result|panicked" "$C/ops" --nocapture --test-threads=1 ops_match_cpu_reference
+test_step backend 180 "^test |test result|panicked|FAIL" "$C/backend" --nocapture --test-threads=1 \
+    --skip hf_fixtures_logits
 if has bench; then
     step bench
     timeout 330 "$C/deltaserve" bench --json --svg "$OUT/bench.svg" >"$OUT/bench.json" 2>"$OUT/bench.log"

@@ -13,45 +13,24 @@
 # Logs and JSON/SVG are packed into $OUT/gpu_tp.tgz after every step (at most 8 files come back).
 set -uo pipefail
 C=.carry/tp
+source "$(dirname "$0")/gpu_steps.sh"
 if [[ "${1:-}" == "--stage" ]]; then
-    mkdir -p "$C"
-    cp target/release/deltaserve "$C/deltaserve"
-    for t in ops nccl tp; do
-        bin=$(ls -t target/release/deps/${t}-* 2>/dev/null | grep -v '\.d$' | head -1)
-        [[ -n "$bin" ]] || { echo "no release test binary for $t" >&2; exit 1; }
-        cp "$bin" "$C/$t"
-    done
-    ls -la "$C"
-    exit 0
+    gpu_stage "$C" ops nccl tp
+    exit
 fi
 # NVLink multicast stays off (the shared hosts require it).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export DELTASERVE_CACHE=/tmp/dscache RUST_LOG=info
-FINAL="${OUT:-/tmp/gpu_tp}"
-W=/tmp/gpu_tp_work
-OUT=$W
-STEPS="${STEPS:-nccl,tp,bench,probe,ops}"
+gpu_steps_init gpu_tp nccl,tp,bench,probe,ops
 BENCH_ARGS="${BENCH_ARGS:---prompts 4096,32768,131072 --batches 1,8 --contexts 1024,32768 --steps 16}"
-mkdir -p "$W" "$FINAL"
-t0=$(date +%s)
-step() { tar czf "$FINAL/gpu_tp.tgz" -C "$W" . 2>/dev/null; echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
-has() { [[ ",$STEPS," == *",$1,"* ]]; }
 {
     nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
     nvidia-smi topo -m
     ls -l /usr/lib/x86_64-linux-gnu/libnccl* 2>/dev/null
 } >"$OUT/machine.txt" 2>&1
 head -3 "$OUT/machine.txt"
-if has nccl; then
-    step nccl
-    timeout 90 "$C/nccl" --nocapture --test-threads=1 >"$OUT/nccl.log" 2>&1
-    echo "rc=$?"; grep -E "^test |test result|panicked|SKIP|version" "$OUT/nccl.log" | head -12
-fi
-if has tp; then
-    step tp
-    timeout 150 "$C/tp" --nocapture --test-threads=1 >"$OUT/tp.log" 2>&1
-    echo "rc=$?"; grep -E "^test |test result|panicked|SKIP|median|graphs|all-reduce|argmax" "$OUT/tp.log" | head -30
-fi
+test_step nccl 90 "^test |test result|panicked|SKIP|version" "$C/nccl" --nocapture --test-threads=1
+test_step tp 150 "^test |test result|panicked|SKIP|median|graphs|all-reduce|argmax" "$C/tp" --nocapture \
+    --test-threads=1
 summary() {
     python3 - "$1" <<'PY' || true
 import json, sys
@@ -82,9 +61,5 @@ if has probe; then
     python3 -c "import json,sys; d=json.load(open('$OUT/probe-tp2.json')); [print(r) for r in d['rungs']+d['turns']]; print(d['passed'], d['failures'], d['plan_bytes'])" || true
     sort -t, -k2 -n "$OUT/probe-smi.log" | tail -3
 fi
-if has ops; then
-    step ops
-    timeout 150 "$C/ops" --nocapture --test-threads=1 ops_match_cpu_reference >"$OUT/ops.log" 2>&1
-    echo "rc=$?"; grep -E "FAIL|test result|panicked|embed" "$OUT/ops.log" | head -20
-fi
+test_step ops 150 "FAIL|test result|panicked|embed" "$C/ops" --nocapture --test-threads=1 ops_match_cpu_reference
 step done

@@ -365,15 +365,7 @@ impl GraphsReport {
 
 fn graphs_vs_eager(label: &str, graph_opts: CudaOptions, eager_opts: CudaOptions) -> GraphsReport {
     let (dir, cfg) = tiny_dir(8);
-    let mut o = PlanOptions::gpu_defaults(768 << 20);
-    o.max_batch_tokens = 2048;
-    o.max_seqs = 16;
-    o.max_context = Some(4096);
-    o.page_size = PAGE;
-    o.snapshot_slots = 4;
-    o.runtime_reserve_bytes = 0;
-    o.backend_scratch_bytes = deltaserve_cuda::backend::scratch_bytes(&cfg, o.max_batch_tokens, o.max_seqs) as u64;
-    let plan = Plan::new(&cfg, &o).unwrap();
+    let plan = test_plan(&cfg, 16, 1);
     let src = || WeightSource::Checkpoint(dir.clone());
     let mut eager = CudaBackend::with_options(&cfg, src(), &plan, 0, eager_opts).unwrap();
     let mut graphs = CudaBackend::with_options(&cfg, src(), &plan, 0, graph_opts).unwrap();

@@ -15,11 +15,10 @@
 //! no decisive flip). A wrong shard or a missing all-reduce gives errors of order 1.
 
 use deltaserve_backend::{Backend, CacheOp, SnapshotLoc, StepBatch};
-use deltaserve_cuda::backend::scratch_bytes_for;
 use deltaserve_cuda::collective::nccl_present;
 use deltaserve_cuda::{CudaBackend, TpBackend, WeightSource, device_count};
 use deltaserve_model::ModelConfig;
-use deltaserve_plan::{Plan, PlanOptions};
+use deltaserve_plan::Plan;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
@@ -42,16 +41,7 @@ fn two_gpus() -> bool {
 
 /// `plan_for`'s options, per card at tensor parallel size `tp`.
 fn plan_tp(cfg: &ModelConfig, tp: usize) -> Plan {
-    let mut o = PlanOptions::gpu_defaults(768 << 20);
-    o.max_batch_tokens = 2048;
-    o.max_seqs = 8;
-    o.max_context = Some(4096);
-    o.page_size = PAGE;
-    o.snapshot_slots = 4;
-    o.runtime_reserve_bytes = 0;
-    o.tensor_parallel = tp;
-    o.backend_scratch_bytes = scratch_bytes_for(cfg, &o) as u64;
-    Plan::new(cfg, &o).unwrap()
+    test_plan(cfg, 8, tp)
 }
 
 /// The test's steps, the same on every backend: (batch, rows of logits it returns).

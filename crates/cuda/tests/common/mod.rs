@@ -59,14 +59,21 @@ pub fn tiny_dir(layers: usize) -> (PathBuf, ModelConfig) {
 }
 
 pub fn plan_for(cfg: &ModelConfig) -> Plan {
+    test_plan(cfg, 8, 1)
+}
+
+/// The tests' plan: 768 MiB per card, 2048 tokens and `max_seqs` sequences per step, 4096 context,
+/// 16-token pages, 4 snapshots, no runtime reserve; per card at tensor parallel size `tp`.
+pub fn test_plan(cfg: &ModelConfig, max_seqs: usize, tp: usize) -> Plan {
     let mut o = PlanOptions::gpu_defaults(768 << 20);
     o.max_batch_tokens = 2048;
-    o.max_seqs = 8;
+    o.max_seqs = max_seqs;
     o.max_context = Some(4096);
     o.page_size = PAGE;
     o.snapshot_slots = 4;
     o.runtime_reserve_bytes = 0;
-    o.backend_scratch_bytes = deltaserve_cuda::backend::scratch_bytes(cfg, o.max_batch_tokens, o.max_seqs) as u64;
+    o.tensor_parallel = tp;
+    o.backend_scratch_bytes = deltaserve_cuda::backend::scratch_bytes_for(cfg, &o) as u64;
     Plan::new(cfg, &o).unwrap()
 }
 
