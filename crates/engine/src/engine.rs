@@ -318,6 +318,47 @@ enum Emit {
 }
 
 /// Per-request state on the engine thread.
+/// Vocabularies from which a step's rows are sampled on several threads.
+const PARALLEL_SAMPLING_VOCAB: usize = 32_768;
+
+/// A sampled token and, when logprobs were asked, the raw logits row it came from.
+type Sampled = (u32, Option<Vec<f32>>);
+
+/// One row to sample: its sequence's sampler and context.
+struct SampleTask<'a> {
+    id: SeqId,
+    sampler: &'a mut Sampler,
+    logprobs: bool,
+    context: &'a [u32],
+    row: &'a mut [f32],
+}
+
+impl SampleTask<'_> {
+    fn run(&mut self) -> (SeqId, Sampled) {
+        let raw = self.logprobs.then(|| self.row.to_vec());
+        (self.id, (self.sampler.sample(self.row, self.context), raw))
+    }
+}
+
+/// Runs every task: on several threads when there are several rows of a large vocabulary (each task
+/// owns its sampler and row, so the results are those of one pass in order).
+fn run_all(tasks: &mut [SampleTask<'_>]) -> Vec<(SeqId, Sampled)> {
+    let vocab = tasks.first().map_or(0, |t| t.row.len());
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = cores.min(tasks.len());
+    if threads <= 1 || vocab < PARALLEL_SAMPLING_VOCAB {
+        return tasks.iter_mut().map(SampleTask::run).collect();
+    }
+    let per = tasks.len().div_ceil(threads);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = tasks
+            .chunks_mut(per)
+            .map(|chunk| s.spawn(move || chunk.iter_mut().map(SampleTask::run).collect::<Vec<_>>()))
+            .collect();
+        handles.into_iter().flat_map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+    })
+}
+
 struct Live {
     req: Request,
     tx: tmpsc::UnboundedSender<Event>,
@@ -504,24 +545,35 @@ impl Worker {
         let vocab = self.backend.vocab_size();
         let mut logits = std::mem::take(&mut self.logits);
         let mut rows = logits.chunks_exact_mut(vocab);
+        // Rows of plain chunks are sampled first, all at once (in parallel across sequences); rows of
+        // speculative chunks stay in batch order for the accept pass below.
+        let mut plain: Vec<(SeqId, &mut [f32])> = Vec::new();
+        let mut verify_rows: Vec<Vec<&mut [f32]>> = Vec::new();
+        for c in &plan.batch.seqs {
+            if c.draft == 0 {
+                if c.want_logits {
+                    let Some(row) = rows.next() else { break };
+                    plain.push((c.seq_id, row));
+                }
+            } else {
+                verify_rows.push(rows.by_ref().take(c.draft + 1).collect());
+            }
+        }
+        let mut sampled = self.sample_rows(plain);
+        let mut verify_rows = verify_rows.into_iter();
         let mut drafts = drafts.into_iter();
         let mut commits = Vec::new();
         let mut finished = Vec::new();
         for c in &plan.batch.seqs {
             if c.draft == 0 {
-                if !c.want_logits {
-                    continue;
-                }
-                let Some(row) = rows.next() else { break };
-                let token = self.sample(c.seq_id, row);
-                if let Some(token) = token
+                if let Some(token) = sampled.remove(&c.seq_id)
                     && let Emit::Finish(r) = self.emit(c.seq_id, token.0, token.1)
                 {
                     finished.push((c.seq_id, r));
                 }
                 continue;
             }
-            let verified: Vec<&mut [f32]> = rows.by_ref().take(c.draft + 1).collect();
+            let verified: Vec<&mut [f32]> = verify_rows.next().unwrap_or_default();
             let draft = drafts.next().unwrap_or_default();
             if verified.len() != c.draft + 1 || draft.len() != c.draft {
                 self.fail(c.seq_id, EngineError::Backend("speculative step returned too few rows or drafts".into()));
@@ -563,12 +615,27 @@ impl Worker {
         }
     }
 
-    /// Samples the next token of `id` from its logits row: (token, raw row when logprobs were asked).
-    fn sample(&mut self, id: SeqId, row: &mut [f32]) -> Option<(u32, Option<Vec<f32>>)> {
-        let live = self.reqs.get_mut(&id)?;
-        let raw = live.req.logprobs.map(|_| row.to_vec());
-        let context = self.sched.tokens(id).unwrap_or(&[]);
-        Some((live.sampler.sample(row, context), raw))
+    /// Samples the next token of each sequence from its logits row: (token, raw row when logprobs were
+    /// asked) by sequence. Every sequence has its own sampler and RNG, so the rows are independent: with
+    /// several rows of a large vocabulary they are sampled on several threads (the same tokens as one by
+    /// one; a draw over 248K ids costs ~1 ms).
+    fn sample_rows(&mut self, rows: Vec<(SeqId, &mut [f32])>) -> HashMap<SeqId, Sampled> {
+        let sched = &self.sched;
+        let mut lives: HashMap<SeqId, &mut Live> = self.reqs.iter_mut().map(|(id, l)| (*id, l)).collect();
+        let mut tasks: Vec<SampleTask<'_>> = Vec::with_capacity(rows.len());
+        for (id, row) in rows {
+            if let Some(live) = lives.remove(&id) {
+                let logprobs = live.req.logprobs.is_some();
+                tasks.push(SampleTask {
+                    id,
+                    sampler: &mut live.sampler,
+                    logprobs,
+                    context: sched.tokens(id).unwrap_or(&[]),
+                    row,
+                });
+            }
+        }
+        run_all(&mut tasks).into_iter().collect()
     }
 
     /// Emits the verified tokens of a speculative chunk of `id`: row i of `rows` is the target's logits
@@ -705,4 +772,53 @@ fn token_logprob(raw: &[f32], valid: usize, token: u32, k: usize) -> TokenLogpro
     let mut top: Vec<(u32, f32)> = idx[..k].iter().map(|&i| (i, row[i as usize] - lse)).collect();
     top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
     TokenLogprob { logprob: raw.get(token as usize).map_or(f32::NEG_INFINITY, |l| l - lse), top }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::rngs::Xoshiro256PlusPlus;
+    use rand::{RngExt, SeedableRng};
+
+    /// Rows of a large vocabulary sampled on several threads give each sequence the tokens (and raw
+    /// rows) of one sequential pass with the same samplers.
+    #[test]
+    fn parallel_sampling_equals_sequential() {
+        let vocab = PARALLEL_SAMPLING_VOCAB + 5;
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(9);
+        let rows: Vec<Vec<f32>> =
+            (0..7).map(|_| (0..vocab).map(|_| rng.random::<f32>() * 10.0 - 5.0).collect()).collect();
+        let params = |i: usize| SamplingParams {
+            temperature: if i == 3 { 0.0 } else { 0.8 },
+            top_k: [0, 20, 50][i % 3],
+            top_p: 0.9,
+            seed: Some(i as u64),
+            ..Default::default()
+        };
+        let run = |parallel: bool| {
+            let mut samplers: Vec<Sampler> = (0..rows.len()).map(|i| Sampler::new(params(i), vocab)).collect();
+            let mut rows = rows.clone();
+            let context = [1u32, 2, 3];
+            let mut out = Vec::new();
+            for _step in 0..3 {
+                let mut tasks: Vec<SampleTask<'_>> = samplers
+                    .iter_mut()
+                    .zip(rows.iter_mut())
+                    .enumerate()
+                    .map(|(i, (sampler, row))| SampleTask {
+                        id: i as SeqId,
+                        sampler,
+                        logprobs: i == 1,
+                        context: &context,
+                        row,
+                    })
+                    .collect();
+                out.push(if parallel { run_all(&mut tasks) } else { tasks.iter_mut().map(SampleTask::run).collect() });
+            }
+            out
+        };
+        let (par, seq) = (run(true), run(false));
+        assert_eq!(par, seq);
+        assert!(par[0].iter().any(|(id, (_, raw))| *id == 1 && raw.as_ref().is_some_and(|r| r.len() == vocab)));
+    }
 }
