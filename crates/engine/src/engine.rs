@@ -821,4 +821,33 @@ mod tests {
         assert_eq!(par, seq);
         assert!(par[0].iter().any(|(id, (_, raw))| *id == 1 && raw.as_ref().is_some_and(|r| r.len() == vocab)));
     }
+
+    /// `cargo test --release -p deltaserve-engine --lib parallel_sampling_cost -- --ignored --nocapture`:
+    /// 32 rows of the 27B's 248,320 ids (Qwen's top_k 20 / top_p 0.95), sequential vs `run_all`.
+    #[test]
+    #[ignore]
+    fn parallel_sampling_cost() {
+        let vocab = 248_320;
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(2);
+        let base: Vec<f32> = (0..vocab).map(|_| rng.random::<f32>() * 12.0 - 6.0).collect();
+        let p = SamplingParams { temperature: 0.6, top_k: 20, top_p: 0.95, seed: Some(1), ..Default::default() };
+        let mut samplers: Vec<Sampler> = (0..32).map(|_| Sampler::new(p.clone(), vocab)).collect();
+        for parallel in [false, true] {
+            let mut rows: Vec<Vec<f32>> = vec![base.clone(); 32];
+            let t0 = std::time::Instant::now();
+            let mut tasks: Vec<SampleTask<'_>> = samplers
+                .iter_mut()
+                .zip(rows.iter_mut())
+                .enumerate()
+                .map(|(i, (sampler, row))| SampleTask { id: i as SeqId, sampler, logprobs: false, context: &[], row })
+                .collect();
+            let n = if parallel { run_all(&mut tasks).len() } else { tasks.iter_mut().map(SampleTask::run).count() };
+            let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+            println!(
+                "{n} rows, {}: {:.1} ms ({cores} cores)",
+                if parallel { "run_all" } else { "sequential" },
+                t0.elapsed().as_secs_f64() * 1e3
+            );
+        }
+    }
 }
