@@ -118,6 +118,18 @@ pub struct SpecCommit {
     pub accepted: usize,
 }
 
+/// Index of the largest value, the lowest index on ties; NaNs are never larger (a NaN at index 0
+/// keeps index 0). The greedy rule of the engine and of device argmax kernels.
+pub fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in x.iter().enumerate() {
+        if *v > x[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
 /// A compute backend executing engine steps over the memory of the static plan.
 pub trait Backend: Send {
     /// Short name for logs (`cpu`, `cuda:0`).
@@ -130,6 +142,19 @@ pub trait Backend: Send {
     fn step(&mut self, batch: &StepBatch, logits: &mut Vec<f32>) -> Result<(), BackendError>;
     /// The arena's counters (tests assert they do not move while serving).
     fn arena_stats(&self) -> ArenaStats;
+
+    /// Runs `batch` like [`Backend::step`] for steps whose every wanted row decodes greedily, and
+    /// appends each wanted row's [`argmax`] over ids `< valid` to `tokens` instead of its logits (a
+    /// device backend picks them on the device and downloads 4 bytes a row instead of the row).
+    fn step_argmax(&mut self, batch: &StepBatch, valid: usize, tokens: &mut Vec<u32>) -> Result<(), BackendError> {
+        let mut logits = Vec::new();
+        self.step(batch, &mut logits)?;
+        let vocab = self.vocab_size();
+        if vocab > 0 {
+            tokens.extend(logits.chunks_exact(vocab).map(|row| argmax(&row[..valid.min(vocab)])));
+        }
+        Ok(())
+    }
 
     /// The most draft tokens one chunk may carry (0: no speculative decoding on this backend).
     fn max_draft_tokens(&self) -> usize {

@@ -1722,7 +1722,21 @@ impl CudaBackend {
     }
 
     /// Runs the step's chunks (validated) and appends the wanted logits rows.
-    fn run_chunks(&mut self, batch: &StepBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
+    /// A step: its `pre` ops, its chunks (their wanted rows into `out`), its `post` ops.
+    fn step_to(&mut self, batch: &StepBatch, out: StepOut<'_>) -> Result<(), BackendError> {
+        let dev = |e: CudaError| BackendError::Device(e.to_string());
+        self.rt.context().bind_to_thread().map_err(|e| BackendError::Device(e.to_string()))?;
+        for op in &batch.pre {
+            self.apply(op)?;
+        }
+        self.run_chunks(batch, out)?;
+        for op in &batch.post {
+            self.apply(op)?;
+        }
+        self.rt.synchronize().map_err(dev)
+    }
+
+    fn run_chunks(&mut self, batch: &StepBatch, out: StepOut<'_>) -> Result<(), BackendError> {
         let inv = |m: String| Err(BackendError::InvalidStep(m));
         let chunks: Vec<usize> = (0..batch.seqs.len()).filter(|&i| !batch.seqs[i].tokens.is_empty()).collect();
         for c in &batch.seqs {
@@ -1874,9 +1888,22 @@ impl CudaBackend {
         }
         if n_want > 0 {
             let v = self.d.vocab;
-            let at = logits.len();
-            logits.resize(at + n_want * v, 0.0);
-            self.rt.download(&mut logits[at..], self.logits.ptr).map_err(dev)?;
+            match out {
+                StepOut::Logits(logits) => {
+                    let at = logits.len();
+                    logits.resize(at + n_want * v, 0.0);
+                    self.rt.download(&mut logits[at..], self.logits.ptr).map_err(dev)?;
+                }
+                StepOut::Argmax { valid, tokens } => {
+                    // The ids land in `last_idx` (the step's gather indices, read by the forward only).
+                    let ids = self.ws.last_idx;
+                    ops::argmax::argmax_rows(&self.k, self.rt.stream(), self.logits.ptr, v, valid.min(v), n_want, ids)
+                        .map_err(dev)?;
+                    let mut got = vec![0i32; n_want];
+                    self.rt.download(&mut got, ids).map_err(dev)?;
+                    tokens.extend(got.into_iter().map(|t| t as u32));
+                }
+            }
         }
         Ok(())
     }
@@ -2196,6 +2223,12 @@ fn po(parts: &[Part], y: u64, m: usize) -> ProjOut<'_> {
     ProjOut { parts, y, m }
 }
 
+/// What a step hands back: every wanted row's logits, or its argmax over ids `< valid`.
+enum StepOut<'a> {
+    Logits(&'a mut Vec<f32>),
+    Argmax { valid: usize, tokens: &'a mut Vec<u32> },
+}
+
 #[derive(Clone, Copy, Debug)]
 struct StepShape {
     t: usize,
@@ -2224,16 +2257,16 @@ impl Backend for CudaBackend {
     }
 
     fn step(&mut self, batch: &StepBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
-        let dev = |e: CudaError| BackendError::Device(e.to_string());
-        self.rt.context().bind_to_thread().map_err(|e| BackendError::Device(e.to_string()))?;
-        for op in &batch.pre {
-            self.apply(op)?;
+        self.step_to(batch, StepOut::Logits(logits))
+    }
+
+    /// The argmax of each wanted row on the GPU; 4 bytes a row come back instead of the row. (A
+    /// tensor-parallel rank holds a vocabulary shard: its group picks on the host.)
+    fn step_argmax(&mut self, batch: &StepBatch, valid: usize, tokens: &mut Vec<u32>) -> Result<(), BackendError> {
+        if self.tp.is_some() {
+            return Err(BackendError::Unsupported("argmax on one tensor-parallel rank's vocabulary shard".into()));
         }
-        self.run_chunks(batch, logits)?;
-        for op in &batch.post {
-            self.apply(op)?;
-        }
-        self.rt.synchronize().map_err(dev)
+        self.step_to(batch, StepOut::Argmax { valid, tokens })
     }
 
     fn arena_stats(&self) -> ArenaStats {

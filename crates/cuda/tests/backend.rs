@@ -154,6 +154,43 @@ fn matches_cpu_backend() {
     assert!(failures.is_empty(), "{failures:?}");
 }
 
+/// `step_argmax` (the argmax of each wanted row taken on the GPU) picks the argmax of the logits that
+/// `step` returns for the same steps on a twin backend: a mixed prefill step, then greedy decodes fed
+/// back (batch 3, decode graphs), with the full vocabulary and with `valid` below it.
+#[test]
+fn argmax_step_picks_the_logits_argmax() {
+    if !gpu() {
+        return;
+    }
+    let (dir, cfg) = tiny_dir(8);
+    let plan = plan_for(&cfg);
+    let vocab = cfg.vocab_size;
+    for valid in [vocab, vocab - 9] {
+        let (mut logits_be, mut argmax_be) = (cuda(&dir, &cfg, &plan), cuda(&dir, &cfg, &plan));
+        let mut rng = StdRng::seed_from_u64(4);
+        let prompts: Vec<Vec<u32>> = [40usize, 1, 77].iter().map(|&n| random_tokens(&mut rng, n, vocab)).collect();
+        let pg: Vec<Vec<u32>> = (0..3).map(|i| pages(40 * i as u32, 200)).collect();
+        let mut batch = StepBatch::default();
+        for (i, p) in prompts.iter().enumerate() {
+            batch.seqs.push(chunk(i as u32, &pg[i], 0, p));
+        }
+        let mut pos: Vec<usize> = prompts.iter().map(Vec::len).collect();
+        for step in 0..6 {
+            let rows = run(&mut logits_be, &batch);
+            let want: Vec<u32> = rows.chunks_exact(vocab).map(|r| deltaserve_backend::argmax(&r[..valid])).collect();
+            let mut got = Vec::new();
+            argmax_be.step_argmax(&batch, valid, &mut got).unwrap();
+            assert_eq!(got, want, "step {step}, valid {valid}");
+            batch = StepBatch::default();
+            for (i, &t) in got.iter().enumerate() {
+                batch.seqs.push(chunk(i as u32, &pg[i], pos[i], &[t]));
+                pos[i] += 1;
+            }
+        }
+        println!("argmax on the GPU (valid {valid}): 6 steps × 3 rows equal to the host argmax of the logits");
+    }
+}
+
 /// (3): a ragged batch (prefills from 0, continued prefill, decodes, a new 1-token sequence)
 /// equals each sequence run alone.
 #[test]

@@ -38,6 +38,13 @@ enum Op {
         d: usize,
         vocab: usize,
     },
+    /// Rows of `vocab` f32 logits, the argmax over the first `valid`; `special`: ties, NaNs, infinities.
+    Argmax {
+        rows: usize,
+        vocab: usize,
+        valid: usize,
+        special: bool,
+    },
     AddRmsNorm {
         rows: usize,
         d: usize,
@@ -220,6 +227,10 @@ fn cases() -> Vec<Case> {
     vec![
         c("embed", q, Op::Embed { t: 1, d: 5120, vocab: 1000 }, EXACT),
         c("embed", q, Op::Embed { t: 37, d: 5120, vocab: 1000 }, EXACT),
+        c("argmax", q, Op::Argmax { rows: 1, vocab: 248_320, valid: 248_320, special: false }, EXACT),
+        c("argmax", q, Op::Argmax { rows: 9, vocab: 248_320, valid: 248_077, special: false }, EXACT),
+        c("argmax", q, Op::Argmax { rows: 12, vocab: 1000, valid: 999, special: true }, EXACT),
+        c("argmax", q, Op::Argmax { rows: 3, vocab: 7, valid: 7, special: true }, EXACT),
         c("add_rms_norm_1p", q, Op::AddRmsNorm { rows: 1, d: 5120, residual: true }, SINGLE),
         c("add_rms_norm_1p", q, Op::AddRmsNorm { rows: 17, d: 5120, residual: true }, SINGLE),
         c("add_rms_norm_1p", q, Op::AddRmsNorm { rows: 5, d: 5120, residual: false }, SINGLE),
@@ -538,6 +549,36 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
                 .flat_map(|&i| if i < 0 { vec![0.0; dim] } else { table[i as usize * dim..][..dim].to_vec() })
                 .collect();
             vec![compare("out", &r, &d.get_bf16(op, t * dim)?, tol)]
+        }
+        Op::Argmax { rows, vocab, valid, special } => {
+            let mut x = randv(rng, rows * vocab, 4.0);
+            if special {
+                // Row r: a maximum repeated at several ids (the lowest must win), and per row kind a NaN
+                // at 0, a NaN elsewhere, +inf, all -inf, all NaN, a maximum past `valid`.
+                for (r, row) in x.chunks_exact_mut(vocab).enumerate() {
+                    let m = 50.0;
+                    for i in [vocab / 2, vocab / 3, vocab - 1, 1] {
+                        if i < valid {
+                            row[i] = m;
+                        }
+                    }
+                    match r % 6 {
+                        0 => row[0] = f32::NAN,
+                        1 => row[vocab / 4] = f32::NAN,
+                        2 => row[vocab / 5] = f32::INFINITY,
+                        3 => row.iter_mut().for_each(|v| *v = f32::NEG_INFINITY),
+                        4 => row.iter_mut().for_each(|v| *v = f32::NAN),
+                        _ => row[vocab - 1] = 1e9,
+                    }
+                }
+            }
+            let (xp, ip) = (d.f32s(&x)?, d.poison(4 * rows)?);
+            ops::argmax::argmax_rows(k, &s, xp, vocab, valid, rows, ip)?;
+            let mut got = vec![0i32; rows];
+            d.rt.download(&mut got, ip)?;
+            let want: Vec<i32> =
+                x.chunks_exact(vocab).map(|row| deltaserve_backend::argmax(&row[..valid]) as i32).collect();
+            vec![Outcome { ok: got == want, detail: format!("ids {got:?} (host argmax {want:?})") }]
         }
         Op::AddRmsNorm { rows, d: dim, residual } => {
             let x = randv(rng, rows * dim, 2.0);

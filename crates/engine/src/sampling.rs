@@ -184,6 +184,12 @@ impl Sampler {
         self.params.is_greedy()
     }
 
+    /// Whether [`Sampler::sample`] is the plain argmax of the row (greedy, no penalty to apply).
+    pub fn picks_argmax(&self) -> bool {
+        let p = &self.params;
+        p.is_greedy() && p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
+    }
+
     /// Candidates after temperature, top-k, top-p and min-p, with their (unnormalised after the cuts)
     /// probabilities: softmax over the top-k candidates (every id without top-k, summed in id order),
     /// then the top-p prefix, then the min-p floor. Sorted by logit (descending, ties by id), except
@@ -309,16 +315,7 @@ fn cut(probs: &[f32], top_p: f32, min_p: f32) -> usize {
     keep
 }
 
-/// Index of the largest value (lowest index on ties).
-pub fn argmax(x: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in x.iter().enumerate() {
-        if *v > x[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
+pub use deltaserve_backend::argmax;
 
 #[cfg(test)]
 mod tests {

@@ -2,6 +2,7 @@
 //! device pointers and dims, checks the dims, and enqueues on the given stream (asynchronous;
 //! faults surface at the next synchronisation). [`Kernels`] holds every compiled function.
 
+pub mod argmax;
 pub mod attention;
 pub mod conv;
 pub mod elementwise;

@@ -1,0 +1,64 @@
+// argmax.cu — greedy token selection on the device: the argmax of each logits row.
+//
+// Computes: ids[r] = the first i < valid (lowest index on ties) with x[r, i] == max_{j < valid} x[r, j],
+//           with the host's sequential rule (`best = 0; for i: if x[i] > x[best] best = i`): NaNs are
+//           never a maximum, and a NaN at index 0 keeps index 0 (nothing compares greater than it).
+// Shapes/dtypes: x [R, ld] f32 (logits rows, ld >= valid); ids [R] i32.
+// Launch: grid (R), block 1024 (any multiple of 32 up to 1024). Arch: plain loads, warp shuffles, sm_80+.
+// Tested by: tests/ops.rs case "argmax"; tests/backend.rs `argmax_step_picks_the_logits_argmax`.
+
+__device__ __forceinline__ bool am_better(float v, int i, float bv, int bi) {
+    // v beats (bv, bi): larger value, or equal value at a lower index; NaN never beats, anything
+    // non-NaN beats a NaN best (a NaN best only survives at index 0, handled by the caller).
+    if (v != v) return false;
+    if (bv != bv) return true;
+    return v > bv || (v == bv && i < bi);
+}
+
+extern "C" __global__ void argmax_rows(const float* __restrict__ x, long long ld, int valid, int* __restrict__ ids) {
+    const float* row = x + (long long)blockIdx.x * ld;
+    float bv = __int_as_float(0x7fc00000);  // NaN: "nothing yet"
+    int bi = 0x7fffffff;
+    for (int i = threadIdx.x; i < valid; i += blockDim.x) {
+        const float v = row[i];
+        if (am_better(v, i, bv, bi)) {
+            bv = v;
+            bi = i;
+        }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
+        if (am_better(ov, oi, bv, bi)) {
+            bv = ov;
+            bi = oi;
+        }
+    }
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    if (lane == 0) {
+        sv[warp] = bv;
+        si[warp] = bi;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        bv = lane < nw ? sv[lane] : __int_as_float(0x7fc00000);
+        bi = lane < nw ? si[lane] : 0x7fffffff;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
+            if (am_better(ov, oi, bv, bi)) {
+                bv = ov;
+                bi = oi;
+            }
+        }
+        if (lane == 0) {
+            // A NaN at index 0 wins the sequential rule (nothing is greater than it); all-NaN rows too.
+            const float x0 = row[0];
+            ids[blockIdx.x] = (x0 != x0 || bv != bv) ? 0 : bi;
+        }
+    }
+}
