@@ -341,12 +341,6 @@ impl EngineArgs {
             .map_err(|e| anyhow::anyhow!("--kv-cache-dtype / --k-cache-dtype / --v-cache-dtype: {e}"))?;
         let cfg = text.config;
         opts.set_tensor_parallel(tp);
-        if tp > 1 && !random_weights && cfg.quantization.is_some() {
-            anyhow::bail!(
-                "--tensor-parallel {tp}: quantised checkpoints (GPTQ / block FP8) are not sharded yet; use a bf16 \
-                 checkpoint (with --quantize int4 for int4 weights)"
-            );
-        }
         let (int4, asym) = self.cuda_weights(&cfg, random_weights)?;
         if int4 {
             opts.weights_dtype = WeightsDtype::Int4;
@@ -356,14 +350,17 @@ impl EngineArgs {
         opts.embed_on_host = self.embed_on_host;
         // A GPTQ checkpoint may keep some linears bf16 or need act-order permutations: the backend
         // takes what its weights need beyond the plan's weights region from the backend scratch.
+        // Under tensor parallelism: rank 0's shard (the largest) against one card's plan.
         let gptq_dir = (int4 && !random_weights && cfg.quantization.is_some()).then(|| text.dir.clone());
+        let rank0 = (tp > 1).then(|| deltaserve_model::shard::ShardSpec::new(&cfg, 0, tp)).transpose()?;
+        let card = deltaserve_plan::card_config(&cfg, tp)?;
         let scratch = |o: &PlanOptions| {
             let mut b = deltaserve_cuda::backend::scratch_bytes_for(&cfg, o) as u64;
             if let Some(dir) = &gptq_dir {
                 let fmt = deltaserve_cuda::backend::WeightFormat::of(o);
-                match deltaserve_cuda::backend::checkpoint_weights_bytes(&cfg, dir, fmt) {
+                match deltaserve_cuda::backend::checkpoint_weights_bytes(&cfg, dir, fmt, rank0.as_ref()) {
                     Ok(w) => {
-                        let planned = WeightBytes::new(&cfg, o).map_or(0, |w| w.device());
+                        let planned = WeightBytes::new(&card, o).map_or(0, |w| w.device());
                         b += (w as u64).saturating_sub(planned);
                     }
                     Err(e) => tracing::warn!("sizing the checkpoint's int4 weights: {e}"),

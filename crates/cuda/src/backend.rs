@@ -564,26 +564,36 @@ fn act_order(g: &deltaserve_model::quant::GptqSource<'_>) -> bool {
 /// bound: act-order GPTQ linears are counted with their permutation). For a GPTQ checkpoint under
 /// an int4 plan this differs from the plan's `weights` region by the linears the checkpoint leaves
 /// unquantised (kept bf16) and the act-order permutations; callers reserve the difference as
-/// backend scratch (the backend takes it from there).
-pub fn checkpoint_weights_bytes(cfg: &ModelConfig, dir: &std::path::Path, f: WeightFormat) -> Result<usize, CudaError> {
+/// backend scratch (the backend takes it from there). Under tensor parallelism, `shard`'s share (the
+/// tensors cut as the rank loads them; `cfg` is the whole model).
+pub fn checkpoint_weights_bytes(
+    cfg: &ModelConfig,
+    dir: &std::path::Path,
+    f: WeightFormat,
+    shard: Option<&ShardSpec>,
+) -> Result<usize, CudaError> {
     let ckpt = Checkpoint::open(dir).map_err(|e| CudaError::Weights(e.to_string()))?;
-    let d = cfg.dims();
     let keep_dense = matches!(cfg.quantization, Some(deltaserve_model::quant::Quantization::Gptq(_)));
     let w4 = |o: usize, i: usize, asym: bool, perm: bool| W4Bytes::new(o, i, asym, perm).layout(ALIGN).1;
     let mut total = 0usize;
     let _: ModelWeights<()> = ModelWeights::load(&ckpt, cfg, |src| {
         let name = &src.name;
-        let dense2 = al(2 * src.numel());
+        let shape = match shard {
+            Some(s) => s.split_stored(name)?.shard_shape(&src.shape),
+            None => src.shape.clone(),
+        };
+        let numel: usize = shape.iter().product();
+        let dense2 = al(2 * numel);
         let lin = |int4: bool, keep: bool| match &src.quantized {
             Some(deltaserve_model::QuantizedSource::Gptq(g)) if int4 => {
-                w4(src.shape[0], src.shape[1], !g.params.sym, act_order(g))
+                w4(shape[0], shape[1], !g.params.sym, act_order(g))
             }
-            _ if int4 && !keep => w4(src.shape[0], src.shape[1], f.asym, false),
+            _ if int4 && !keep => w4(shape[0], shape[1], f.asym, false),
             _ => dense2,
         };
         total += if name.ends_with("embed_tokens.weight") {
             let head = if cfg.tie_word_embeddings && f.own_lm_head(cfg) {
-                if f.lm_head_int4 { w4(d.vocab, d.hidden, f.asym, false) } else { dense2 }
+                if f.lm_head_int4 { w4(shape[0], shape[1], f.asym, false) } else { dense2 }
             } else {
                 0
             };
@@ -593,7 +603,7 @@ pub fn checkpoint_weights_bytes(cfg: &ModelConfig, dir: &std::path::Path, f: Wei
         } else if f.int4 && is_linear(name) {
             lin(true, keep_dense)
         } else if is_f32_tensor(name) {
-            al(4 * src.numel())
+            al(4 * numel)
         } else {
             dense2
         };
@@ -714,8 +724,12 @@ impl Loader<'_> {
     /// One linear: int4 (converted from GPTQ, or quantised unless `keep_dense`) or bf16.
     fn linear(&mut self, src: &TensorSource<'_>, int4: bool, asym: bool, keep_dense: bool) -> Result<Part, CudaError> {
         if int4 && let Some(deltaserve_model::QuantizedSource::Gptq(g)) = &src.quantized {
-            if self.shard.is_some() {
-                return Err(CudaError::Weights(format!("`{}`: GPTQ weights under tensor parallelism", src.name)));
+            if let Some(spec) = self.shard {
+                // The rank's shard of the packed tensors, converted like a whole linear.
+                let werr = |e: ModelError| CudaError::Weights(e.to_string());
+                let split = spec.split_stored(&src.name).map_err(werr)?;
+                let cut = deltaserve_model::shard::shard_gptq(&split, g, &src.name).map_err(werr)?;
+                return Ok(Part::W4(self.gptq(&cut.source(), &src.name)?));
             }
             return Ok(Part::W4(self.gptq(g, &src.name)?));
         }
@@ -847,11 +861,6 @@ impl CudaBackend {
         if !same_shape {
             return Err(CudaError::Plan("the plan was made for another model shape".into()));
         }
-        if shard.is_some() && matches!(weights, WeightSource::Checkpoint(_)) && full_cfg.quantization.is_some() {
-            return Err(CudaError::Plan(
-                "tensor parallelism loads bf16 / f16 / f32 checkpoints (quantised ones: not yet)".into(),
-            ));
-        }
         if plan.options.activation_bytes_per_elem != 2 {
             return Err(CudaError::Plan("the CUDA backend supports bf16 activations only (gpu_defaults)".into()));
         }
@@ -878,7 +887,7 @@ impl CudaBackend {
         // act-order permutations) comes out of spare backend scratch the caller reserved for it.
         let weights_bytes = match &weights {
             WeightSource::Checkpoint(dir) if fmt.int4 && cfg.quantization.is_some() => {
-                checkpoint_weights_bytes(cfg, dir, fmt)?
+                checkpoint_weights_bytes(full_cfg, dir, fmt, shard.as_ref())?
             }
             _ => weights_device_bytes(cfg, fmt),
         };

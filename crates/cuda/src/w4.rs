@@ -602,6 +602,54 @@ mod tests {
         c
     }
 
+    /// A tensor-parallel shard of a GPTQ linear, cut in its packed form, dequantises (directly and
+    /// through the device format) to the same shard of the whole dequantised weight.
+    #[test]
+    fn gptq_shards_equal_the_shards_of_the_weight() {
+        use deltaserve_model::shard::{Split, shard_gptq};
+        let one = |r: std::ops::Range<usize>| std::iter::once(r).collect::<Vec<_>>();
+        let mut rng = StdRng::seed_from_u64(21);
+        let specs = [
+            BASE,
+            Spec { sym: false, zf: ZeroFormat::V2Exact, sdt: DType::BF16, ..BASE },
+            Spec { gidx: 1, sym: false, ..BASE },
+            Spec { group: None, ..BASE },
+            Spec { gidx: 2, ..BASE },
+        ];
+        let splits = [
+            Split::Rows(vec![0..16, 24..40]),
+            Split::Rows(one(8..48)),
+            Split::Cols(one(128..384)),
+            Split::Cols(one(0..256)),
+            Split::Replicated,
+        ];
+        for (k, sp) in specs.iter().enumerate() {
+            let sp = Spec { out: 48, ..*sp };
+            let g = make(sp, &mut rng, false);
+            let full = deltaserve_model::QuantizedSource::Gptq(g.source()).dequantize("t").unwrap();
+            for split in &splits {
+                let cut = match shard_gptq(split, &g.source(), "t") {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // Only act-order weights cut by input columns are refused.
+                        assert!(sp.gidx == 2 && matches!(split, Split::Cols(_)), "spec {k} {split:?}: {e}");
+                        assert!(e.to_string().contains("act-order"), "{e}");
+                        continue;
+                    }
+                };
+                let want = split.extract("t", &[48, 512], &full).unwrap();
+                let got = deltaserve_model::QuantizedSource::Gptq(cut.source()).dequantize("t").unwrap();
+                assert_eq!(got, want, "spec {k} {split:?}: the shard's own dequantisation");
+                let dev = W4Linear::from_gptq(&cut.source(), "t").unwrap().linear.dequantize();
+                assert_eq!(dev, want, "spec {k} {split:?}: through the device format");
+            }
+        }
+        // Ranges that cut a packed word or a group are errors, not wrong weights.
+        let g = make(BASE, &mut rng, false);
+        assert!(shard_gptq(&Split::Rows(one(0..12)), &g.source(), "t").is_err());
+        assert!(shard_gptq(&Split::Cols(one(0..200)), &g.source(), "t").is_err());
+    }
+
     #[test]
     fn gptq_symmetric_v1_and_v2_convert_exactly() {
         for zf in [ZeroFormat::V1MinusOne, ZeroFormat::V2Exact] {

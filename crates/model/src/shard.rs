@@ -31,8 +31,10 @@
 
 use std::ops::Range;
 
+use crate::checkpoint::DType;
 use crate::config::{Dims, LayerKind, ModelConfig};
 use crate::error::ModelError;
+use crate::quant::{GptqParams, GptqSource, ZeroFormat};
 use crate::weights::{
     AttentionWeights, DeltaNetWeights, HostTensor, LayerWeights, MixerWeights, MlpWeights, ModelWeights, MtpWeights,
 };
@@ -329,6 +331,161 @@ impl ShardSpec {
             let split = self.split(name)?;
             Ok(HostTensor { shape: split.shard_shape(&t.shape), data: split.extract(name, &t.shape, &t.data)? })
         })
+    }
+}
+
+/// One GPTQ-packed linear cut to a rank's shard, owning its tensors ([`shard_gptq`]).
+#[derive(Clone, Debug)]
+pub struct GptqShard {
+    pub params: GptqParams,
+    pub zero_format: ZeroFormat,
+    pub out_features: usize,
+    pub in_features: usize,
+    pub qweight: Vec<u8>,
+    pub qzeros: Option<Vec<u8>>,
+    pub scales: Vec<u8>,
+    pub scales_dtype: DType,
+    pub g_idx: Option<Vec<u8>>,
+}
+
+impl GptqShard {
+    pub fn source(&self) -> GptqSource<'_> {
+        GptqSource {
+            params: self.params,
+            zero_format: self.zero_format,
+            out_features: self.out_features,
+            in_features: self.in_features,
+            qweight: &self.qweight,
+            qzeros: self.qzeros.as_deref(),
+            scales: &self.scales,
+            scales_dtype: self.scales_dtype,
+            g_idx: self.g_idx.as_deref(),
+        }
+    }
+}
+
+/// The columns `ranges` (in elements of `elem` bytes) of a row-major byte matrix with `cols` columns.
+fn byte_cols(data: &[u8], cols: usize, elem: usize, ranges: &[Range<usize>]) -> Vec<u8> {
+    let row = cols * elem;
+    let mut out = Vec::with_capacity(data.len() / row.max(1) * ranges.iter().map(|r| r.len() * elem).sum::<usize>());
+    for r in data.chunks_exact(row.max(1)) {
+        for c in ranges {
+            out.extend_from_slice(&r[c.start * elem..c.end * elem]);
+        }
+    }
+    out
+}
+
+/// The rows `ranges` of a row-major byte matrix of rows of `row` bytes.
+fn byte_rows(data: &[u8], row: usize, ranges: &[Range<usize>]) -> Vec<u8> {
+    ranges.iter().flat_map(|r| data[r.start * row..r.end * row].iter().copied()).collect()
+}
+
+/// Cuts a GPTQ-packed `[out, in]` linear (qweight I32 `[in·bits/32, out]`, qzeros I32 `[groups,
+/// out·bits/32]`, scales `[groups, out]`, g_idx I32 `[in]`) to `split`, without unpacking:
+/// - rows of the weight (output features) are columns of qweight, scales and qzeros (a range must hold
+///   whole qzeros words: multiples of 32/bits);
+/// - columns (input features) are rows of qweight (multiples of 32/bits) and whole groups of scales and
+///   qzeros (multiples of the group size, or the one group of per-channel weights). Act-order weights
+///   (a `g_idx` that does not follow the input order) cannot be cut by input columns: the device format
+///   keeps 128 consecutive columns per scale, and a shard of act-order columns has no such groups.
+pub fn shard_gptq(split: &Split, src: &GptqSource<'_>, name: &str) -> Result<GptqShard, ModelError> {
+    let (out, inp) = (src.out_features, src.in_features);
+    let bits = src.params.bits as usize;
+    if bits == 0 || 32 % bits != 0 {
+        return Err(ModelError::unsupported(format!("`{name}`: GPTQ with {bits} bits cannot be sharded")));
+    }
+    let pf = 32 / bits;
+    let gs = src.params.group_size.unwrap_or(inp).max(1);
+    let groups = inp.div_ceil(gs);
+    let selem = match src.scales_dtype {
+        DType::F32 => 4,
+        _ => 2,
+    };
+    let whole = |what: &str, r: &Range<usize>, unit: usize| {
+        if r.start.is_multiple_of(unit) && r.end.is_multiple_of(unit) {
+            Ok(())
+        } else {
+            Err(ModelError::unsupported(format!(
+                "`{name}`: its tensor-parallel shard {what} {r:?} does not fall on whole units of {unit}"
+            )))
+        }
+    };
+    let owned = |qweight, qzeros, scales, g_idx, out_features, in_features| GptqShard {
+        params: src.params,
+        zero_format: src.zero_format,
+        out_features,
+        in_features,
+        qweight,
+        qzeros,
+        scales,
+        scales_dtype: src.scales_dtype,
+        g_idx,
+    };
+    match split {
+        Split::Replicated => Ok(owned(
+            src.qweight.to_vec(),
+            src.qzeros.map(<[u8]>::to_vec),
+            src.scales.to_vec(),
+            src.g_idx.map(<[u8]>::to_vec),
+            out,
+            inp,
+        )),
+        Split::Rows(ranges) => {
+            for r in ranges {
+                whole("rows", r, pf)?;
+            }
+            let words: Vec<Range<usize>> = ranges.iter().map(|r| r.start / pf..r.end / pf).collect();
+            Ok(owned(
+                byte_cols(src.qweight, out, 4, ranges),
+                src.qzeros.map(|z| byte_cols(z, out / pf, 4, &words)),
+                byte_cols(src.scales, out, selem, ranges),
+                src.g_idx.map(<[u8]>::to_vec),
+                Split::kept(ranges),
+                inp,
+            ))
+        }
+        Split::Cols(ranges) => {
+            if let Some(g) = src.g_idx {
+                let act_order = g
+                    .chunks_exact(4)
+                    .enumerate()
+                    .any(|(i, w)| u32::from_le_bytes([w[0], w[1], w[2], w[3]]) as usize != i / gs);
+                if act_order {
+                    return Err(ModelError::unsupported(format!(
+                        "`{name}`: act-order (desc_act) GPTQ weights cannot be split by input columns for tensor \
+                         parallelism; use --tensor-parallel 1 or a checkpoint quantised without desc_act"
+                    )));
+                }
+            }
+            let kept = Split::kept(ranges);
+            // Per-channel weights: every shard keeps the one group.
+            let group_rows: Vec<Range<usize>> = if groups == 1 {
+                std::iter::once(0..1).collect()
+            } else {
+                for r in ranges {
+                    whole("input columns", r, gs)?;
+                }
+                ranges.iter().map(|r| r.start / gs..r.end / gs).collect()
+            };
+            for r in ranges {
+                whole("input columns", r, pf)?;
+            }
+            let qrows: Vec<Range<usize>> = ranges.iter().map(|r| r.start / pf..r.end / pf).collect();
+            let mut shard = owned(
+                byte_rows(src.qweight, out * 4, &qrows),
+                src.qzeros.map(|z| byte_rows(z, out / pf * 4, &group_rows)),
+                byte_rows(src.scales, out * selem, &group_rows),
+                src.g_idx.map(|_| (0..kept).flat_map(|i| ((i / gs) as u32).to_le_bytes()).collect()),
+                out,
+                kept,
+            );
+            if groups == 1 {
+                // One group over the shard's input columns (per-channel).
+                shard.params = GptqParams { group_size: None, ..src.params };
+            }
+            Ok(shard)
+        }
     }
 }
 
