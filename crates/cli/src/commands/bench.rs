@@ -14,6 +14,9 @@
 //! The decode steps run on whatever the KV pages and state slots hold (their content does not change the
 //! work), so no long prefill is needed to measure decode at 32K context.
 //!
+//! Each decode row is timed twice: steps that hand back the logits, and steps that hand back each row's
+//! argmax picked on the device (`argmax ms`: what greedy decoding costs).
+//!
 //! Speculative decoding's verify step (issue #8) is costed the same way: one sequence stepping `--verify-tokens`
 //! (K + 1, default 3) tokens per step at each decode context, against the one-token step at that context (the
 //! main model's forward over K + 1 positions; the MTP head's draft steps are not included).
@@ -115,6 +118,8 @@ struct DecodeRow {
     batch: usize,
     context: usize,
     ms_per_step: f64,
+    /// The same steps with the tokens picked on the device (`Backend::step_argmax`, greedy decoding).
+    ms_per_step_argmax: f64,
     bytes: f64,
     ratio: f64,
     allreduce_share: Option<f64>,
@@ -295,7 +300,8 @@ pub fn run(a: Args) -> Result<()> {
             }
             tracing::info!("bench: decode batch {b} at context {}", fmt_count(ctx as u64));
             peak(&sampler);
-            let ms = decode(be.get(), b, 1, ctx, per_seq, a.steps, vocab)?;
+            let ms = decode(be.get(), b, 1, ctx, per_seq, a.steps, vocab, false)?;
+            let ms_argmax = decode(be.get(), b, 1, ctx, per_seq, a.steps, vocab, true)?;
             let driver_peak_bytes = peak(&sampler);
             let allreduce_share = be.all_reduce_s(b)?.map(|per| reduces * per * 1e3 / ms);
             // One card's device weights (less the embedding table, of which a step reads only its rows),
@@ -310,6 +316,7 @@ pub fn run(a: Args) -> Result<()> {
                 batch: b,
                 context: ctx,
                 ms_per_step: ms,
+                ms_per_step_argmax: ms_argmax,
                 bytes,
                 ratio: floor_ms / ms,
                 allreduce_share,
@@ -323,7 +330,7 @@ pub fn run(a: Args) -> Result<()> {
             let per_seq = (ctx + (a.steps + 3) * n + 4).div_ceil(page);
             if per_seq <= plan.num_kv_pages && ctx + (a.steps + 3) * n + 4 <= plan.max_context {
                 tracing::info!("bench: verify-shaped steps of {n} tokens at context {}", fmt_count(ctx as u64));
-                let ms = decode(be.get(), 1, n, ctx, per_seq, a.steps, vocab)?;
+                let ms = decode(be.get(), 1, n, ctx, per_seq, a.steps, vocab, false)?;
                 report.verify.push((n, ctx, ms, one));
             }
         }
@@ -463,7 +470,9 @@ fn prefill(be: &mut dyn Backend, pages: &[u32], tokens: &[u32], chunk: usize) ->
 }
 
 /// `b` sequences of `n` tokens each per step at positions `ctx..` (n = 1: decode): median ms per step over
-/// `steps` steps.
+/// `steps` steps. `argmax`: the steps hand back each row's argmax ([`Backend::step_argmax`], what greedy
+/// decoding uses) instead of its logits.
+#[allow(clippy::too_many_arguments)]
 fn decode(
     be: &mut dyn Backend,
     b: usize,
@@ -472,8 +481,10 @@ fn decode(
     per_seq: usize,
     steps: usize,
     vocab: usize,
+    argmax: bool,
 ) -> Result<f64> {
     let mut logits = Vec::new();
+    let mut tokens = Vec::new();
     let mut times = Vec::new();
     for step in 0..steps + 3 {
         let seqs = (0..b)
@@ -489,8 +500,13 @@ fn decode(
             .collect();
         let batch = StepBatch { seqs, ..Default::default() };
         logits.clear();
+        tokens.clear();
         let t0 = Instant::now();
-        be.step(&batch, &mut logits)?;
+        if argmax {
+            be.step_argmax(&batch, vocab, &mut tokens)?;
+        } else {
+            be.step(&batch, &mut logits)?;
+        }
         if step >= 3 {
             times.push(t0.elapsed().as_secs_f64() * 1e3);
         }
@@ -552,6 +568,7 @@ impl ToolReport for Report {
             })).collect::<Vec<_>>(),
             "decode": self.decode.iter().map(|r| json!({
                 "batch": r.batch, "context": r.context, "ms_per_step": r3(r.ms_per_step),
+                "ms_per_step_argmax": r3(r.ms_per_step_argmax),
                 "tokens_per_s": r1(r.batch as f64 * 1e3 / r.ms_per_step), "bytes_per_step": r.bytes,
                 "roofline_ratio": r3(r.ratio), "allreduce_share": r.allreduce_share.map(r3),
                 "driver_peak_bytes": r.driver_peak_bytes,
@@ -597,16 +614,17 @@ impl ToolReport for Report {
         let _ = writeln!(s, "\ndecode (one token per sequence)    roofline = bytes / copy rate");
         let _ = writeln!(
             s,
-            "{:>6} {:>8} {:>10} {:>10} {:>10} {:>9} {:>11} {:>11}",
-            "batch", "context", "ms/step", "tok/s", "GB/step", "roofline", "driver", "all-reduce"
+            "{:>6} {:>8} {:>10} {:>12} {:>10} {:>10} {:>9} {:>11} {:>11}",
+            "batch", "context", "ms/step", "argmax ms", "tok/s", "GB/step", "roofline", "driver", "all-reduce"
         );
         for r in &self.decode {
             let _ = writeln!(
                 s,
-                "{:>6} {:>8} {:>10.2} {:>10.1} {:>10.2} {:>8.1}% {:>11} {:>11}",
+                "{:>6} {:>8} {:>10.2} {:>12.2} {:>10.1} {:>10.2} {:>8.1}% {:>11} {:>11}",
                 r.batch,
                 r.context,
                 r.ms_per_step,
+                r.ms_per_step_argmax,
                 r.batch as f64 * 1e3 / r.ms_per_step,
                 r.bytes / 1e9,
                 100.0 * r.ratio,
