@@ -2362,6 +2362,38 @@ mod tests {
         }
     }
 
+    /// The per-rank sizing of a checkpoint's weights (what a tensor-parallel rank places: every tensor
+    /// cut to its shard) equals the layout of the rank's model shape, for each rank; unsharded, the
+    /// whole model's.
+    #[test]
+    fn checkpoint_bytes_per_rank_are_the_rank_shapes() {
+        let dir = std::env::temp_dir().join(format!("ds-cuda-ckpt-bytes-{}", std::process::id()));
+        let cfg = deltaserve_model::synth::write_model(&dir, Preset::Tiny, Some(4), 3, |_, _| {}).unwrap();
+        for int4 in [true, false] {
+            let mut o = PlanOptions::gpu_defaults(1 << 30);
+            if int4 {
+                o.weights_dtype = WeightsDtype::Int4;
+            }
+            let fmt = WeightFormat::of(&o);
+            if int4 {
+                // int4: one entry per linear, as the checkpoint walk counts them.
+                assert_eq!(checkpoint_weights_bytes(&cfg, &dir, fmt, None).unwrap(), weights_device_bytes(&cfg, fmt));
+            }
+            for spec in ShardSpec::all(&cfg, 2).unwrap() {
+                let got = checkpoint_weights_bytes(&cfg, &dir, fmt, Some(&spec)).unwrap();
+                let rank = spec.rank_config(&cfg);
+                if int4 {
+                    assert_eq!(got, weights_device_bytes(&rank, fmt), "rank {}", spec.rank);
+                } else {
+                    // bf16 pairs are fused in the layout (one alignment instead of two).
+                    let layout = weights_device_bytes(&rank, fmt);
+                    assert!(got >= layout && got <= layout + 2 * 256 * rank.layer_types.len(), "rank {}", spec.rank);
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn int4_scratch_adds_the_slice_and_x_scratch() {
         let cfg = preset(Preset::Qwen36_27b, None);
