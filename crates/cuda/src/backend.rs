@@ -745,15 +745,18 @@ impl Loader<'_> {
     }
 }
 
-/// A tensor's shard from its full little-endian bytes, `N` bytes per element.
+/// A tensor's shard from its full little-endian bytes, `N` bytes per element (one copy: the shard).
 fn shard_bytes<const N: usize>(
     split: &Split,
     name: &str,
     shape: &[usize],
     bytes: &[u8],
 ) -> Result<Vec<u8>, ModelError> {
-    let elems: Vec<[u8; N]> = bytes.chunks_exact(N).map(|c| c.try_into().unwrap_or([0; N])).collect();
-    Ok(split.extract(name, shape, &elems)?.concat())
+    let (elems, rest) = bytes.as_chunks::<N>();
+    if !rest.is_empty() {
+        return Err(ModelError::weights(format!("`{name}`: {} bytes are not whole {N}-byte elements", bytes.len())));
+    }
+    Ok(split.extract(name, shape, elems)?.into_flattened())
 }
 
 /// The source tensor as little-endian bf16 or f32 bytes.
@@ -2392,6 +2395,19 @@ mod tests {
             }
         }
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn shard_bytes_cut_whole_elements() {
+        // A [4, 3] tensor of 2-byte elements 0..12.
+        let vals: Vec<u16> = (0..12).collect();
+        let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let back = |b: Vec<u8>| -> Vec<u16> { b.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect() };
+        let rows = Split::Rows(vec![1..2, 3..4]);
+        assert_eq!(back(shard_bytes::<2>(&rows, "t", &[4, 3], &bytes).unwrap()), vec![3, 4, 5, 9, 10, 11]);
+        let cols = Split::Cols(std::iter::once(1..3).collect());
+        assert_eq!(back(shard_bytes::<2>(&cols, "t", &[4, 3], &bytes).unwrap()), vec![1, 2, 4, 5, 7, 8, 10, 11]);
+        assert!(shard_bytes::<2>(&rows, "t", &[4, 3], &bytes[..23]).is_err());
     }
 
     #[test]
