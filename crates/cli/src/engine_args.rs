@@ -354,11 +354,21 @@ impl EngineArgs {
         let gptq_dir = (int4 && !random_weights && cfg.quantization.is_some()).then(|| text.dir.clone());
         let rank0 = (tp > 1).then(|| deltaserve_model::shard::ShardSpec::new(&cfg, 0, tp)).transpose()?;
         let card = deltaserve_plan::card_config(&cfg, tp)?;
+        // The fit tries several option sets; the checkpoint is walked once per weight format.
+        let walked: std::cell::RefCell<Vec<(deltaserve_cuda::backend::WeightFormat, Result<usize, String>)>> =
+            Default::default();
         let scratch = |o: &PlanOptions| {
             let mut b = deltaserve_cuda::backend::scratch_bytes_for(&cfg, o) as u64;
             if let Some(dir) = &gptq_dir {
                 let fmt = deltaserve_cuda::backend::WeightFormat::of(o);
-                match deltaserve_cuda::backend::checkpoint_weights_bytes(&cfg, dir, fmt, rank0.as_ref()) {
+                let known = walked.borrow().iter().find(|(f, _)| *f == fmt).map(|(_, r)| r.clone());
+                let bytes = known.unwrap_or_else(|| {
+                    let r = deltaserve_cuda::backend::checkpoint_weights_bytes(&cfg, dir, fmt, rank0.as_ref())
+                        .map_err(|e| e.to_string());
+                    walked.borrow_mut().push((fmt, r.clone()));
+                    r
+                });
+                match bytes {
                     Ok(w) => {
                         let planned = WeightBytes::new(&card, o).map_or(0, |w| w.device());
                         b += (w as u64).saturating_sub(planned);
