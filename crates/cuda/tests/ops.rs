@@ -1203,16 +1203,17 @@ fn kvq_case(
     let (ksc, vsc) = (d.poison(2 * rows)?, d.poison(2 * rows)?);
     let (kp, vp, pp, cap, btp) = (d.bf16(&kall)?, d.bf16(&vall)?, d.i32s(&pos_all)?, d.i32s(&cu_all)?, d.i32s(&bt)?);
     let tensor = |data, scales, fmt| ops::kv_quant::KvTensor { data, scales, fmt };
+    let layer = ops::kv_quant::LayerKv { k: tensor(kc, ksc, kv.k), v: tensor(vc, vsc, kv.v) };
     ops::kv_quant::kv_write_q(
         k,
         s,
-        &ops::kv_quant::KvWriteQ {
+        &ops::kv_cache::KvWrite {
             k: kp,
             k_stride: width,
             v: vp,
             v_stride: width,
-            k_cache: tensor(kc, ksc, kv.k),
-            v_cache: tensor(vc, vsc, kv.v),
+            k_cache: 0,
+            v_cache: 0,
             block_tables: btp,
             max_blocks,
             cu_seqlens: cap,
@@ -1223,6 +1224,7 @@ fn kvq_case(
             kv_heads: hkv,
             head_dim: hd,
         },
+        &layer,
     )?;
     rt.synchronize()?;
 

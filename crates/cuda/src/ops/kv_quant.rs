@@ -29,29 +29,6 @@ pub struct KvTensor {
     pub fmt: KvDtype,
 }
 
-/// Paged KV cache write for one layer. Every pointer is a device address.
-#[derive(Clone, Copy, Debug)]
-pub struct KvWriteQ {
-    /// [t, kv_heads*head_dim] bf16, token strides in elements (even).
-    pub k: u64,
-    pub k_stride: usize,
-    pub v: u64,
-    pub v_stride: usize,
-    pub k_cache: KvTensor,
-    pub v_cache: KvTensor,
-    /// [n_seqs, max_blocks] i32.
-    pub block_tables: u64,
-    pub max_blocks: usize,
-    /// [n_seqs + 1] i32, and absolute positions [t] i32 (< 0: padding, nothing written).
-    pub cu_seqlens: u64,
-    pub positions: u64,
-    pub n_seqs: usize,
-    pub t: usize,
-    pub page: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-}
-
 fn check_tensor(what: &str, x: &KvTensor, head_dim: usize) -> Result<i32, CudaError> {
     let code = KvFormats::code(x.fmt).ok_or_else(|| {
         invalid("kv_write_q", format!("{what}: the CUDA KV cache stores bf16, fp8, int8 or int4, not {}", x.fmt.name()))
@@ -66,7 +43,9 @@ fn check_tensor(what: &str, x: &KvTensor, head_dim: usize) -> Result<i32, CudaEr
     Ok(code)
 }
 
-pub fn kv_write_q(k: &Kernels, s: &CudaStream, a: &KvWriteQ) -> Result<(), CudaError> {
+/// Paged KV cache write of one layer into `layer`'s K and V tensors (any formats): the step's rows
+/// and addressing as for the bf16 writer (`a`; its `k_cache` / `v_cache` are not used).
+pub fn kv_write_q(k: &Kernels, s: &CudaStream, a: &super::kv_cache::KvWrite, layer: &LayerKv) -> Result<(), CudaError> {
     if a.t == 0 {
         return Ok(());
     }
@@ -84,10 +63,10 @@ pub fn kv_write_q(k: &Kernels, s: &CudaStream, a: &KvWriteQ) -> Result<(), CudaE
     {
         return Err(invalid("kv_write_q", format!("{a:?}: head_dim and strides must be even, k/v 4-byte aligned")));
     }
-    let kf = check_tensor("K", &a.k_cache, a.head_dim)?;
-    let vf = check_tensor("V", &a.v_cache, a.head_dim)?;
-    let KvWriteQ { k: kp, v: vp, block_tables, cu_seqlens, positions, .. } = *a;
-    let (kc, ksc, vc, vsc) = (a.k_cache.data, a.k_cache.scales, a.v_cache.data, a.v_cache.scales);
+    let kf = check_tensor("K", &layer.k, a.head_dim)?;
+    let vf = check_tensor("V", &layer.v, a.head_dim)?;
+    let super::kv_cache::KvWrite { k: kp, v: vp, block_tables, cu_seqlens, positions, .. } = *a;
+    let (kc, ksc, vc, vsc) = (layer.k.data, layer.k.scales, layer.v.data, layer.v.scales);
     let (ks, vs) = (a.k_stride as i64, a.v_stride as i64);
     let mb = to_i32("kv_write_q", "max_blocks", a.max_blocks)?;
     let b = to_i32("kv_write_q", "n_seqs", a.n_seqs)?;
@@ -112,24 +91,7 @@ pub fn kv_write_layer(
         let w = super::kv_cache::KvWrite { k_cache: layer.k.data, v_cache: layer.v.data, ..*a };
         return super::kv_cache::kv_write(k, s, &w);
     }
-    let q = KvWriteQ {
-        k: a.k,
-        k_stride: a.k_stride,
-        v: a.v,
-        v_stride: a.v_stride,
-        k_cache: layer.k,
-        v_cache: layer.v,
-        block_tables: a.block_tables,
-        max_blocks: a.max_blocks,
-        cu_seqlens: a.cu_seqlens,
-        positions: a.positions,
-        n_seqs: a.n_seqs,
-        t: a.t,
-        page: a.page,
-        kv_heads: a.kv_heads,
-        head_dim: a.head_dim,
-    };
-    kv_write_q(k, s, &q)
+    kv_write_q(k, s, a, layer)
 }
 
 /// One attention layer's cache inside the plan's `kv_pages` region: K data, K scales, V data,
