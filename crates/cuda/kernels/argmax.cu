@@ -15,6 +15,19 @@ __device__ __forceinline__ bool am_better(float v, int i, float bv, int bi) {
     return v > bv || (v == bv && i < bi);
 }
 
+// The best of the warp's 32 candidates, in every lane.
+__device__ __forceinline__ void am_warp_best(float& bv, int& bi) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
+        if (am_better(ov, oi, bv, bi)) {
+            bv = ov;
+            bi = oi;
+        }
+    }
+}
+
 extern "C" __global__ void argmax_rows(const float* __restrict__ x, long long ld, int valid, int* __restrict__ ids) {
     const float* row = x + (long long)blockIdx.x * ld;
     float bv = __int_as_float(0x7fc00000);  // NaN: "nothing yet"
@@ -26,15 +39,7 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, long long ld
             bi = i;
         }
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
-        if (am_better(ov, oi, bv, bi)) {
-            bv = ov;
-            bi = oi;
-        }
-    }
+    am_warp_best(bv, bi);
     __shared__ float sv[32];
     __shared__ int si[32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
@@ -46,15 +51,7 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, long long ld
     if (warp == 0) {
         bv = lane < nw ? sv[lane] : __int_as_float(0x7fc00000);
         bi = lane < nw ? si[lane] : 0x7fffffff;
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
-            if (am_better(ov, oi, bv, bi)) {
-                bv = ov;
-                bi = oi;
-            }
-        }
+        am_warp_best(bv, bi);
         if (lane == 0) {
             // A NaN at index 0 wins the sequential rule (nothing is greater than it); all-NaN rows too.
             const float x0 = row[0];
