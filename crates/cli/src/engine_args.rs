@@ -328,10 +328,17 @@ impl EngineArgs {
                 anyhow::bail!("--tensor-parallel {tp} needs {tp} GPUs; the driver reports {n} (CUDA_VISIBLE_DEVICES?)");
             }
         }
-        if self.speculative_tokens()? > 0 {
-            anyhow::bail!(
-                "--speculative-tokens: speculative decoding is not supported by the CUDA backend yet (use --device cpu)"
-            );
+        let spec = self.speculative_tokens()?;
+        if spec > 0 {
+            if tp > 1 {
+                anyhow::bail!("--speculative-tokens: not supported with --tensor-parallel yet");
+            }
+            if self.embed_on_host {
+                anyhow::bail!("--speculative-tokens: not supported with --embed-on-host yet");
+            }
+            if text.config.mtp_num_hidden_layers == 0 {
+                anyhow::bail!("--speculative-tokens {spec}: this model has no MTP head (`mtp_num_hidden_layers` is 0)");
+            }
         }
         let mut opts = self.plan_options(Device::Cuda)?;
         // The CUDA KV cache stores bf16, fp8, int8 or int4 (K and V independently); refuse the
@@ -378,7 +385,10 @@ impl EngineArgs {
             }
             b
         };
-        let free = Free { embed_on_host: !self.embed_on_host, lm_head_int4: !self.lm_head_int4, ..self.free() };
+        // The fit may move the embedding to host memory, except under speculative decoding (the MTP head
+        // embeds its tokens on the device).
+        let free =
+            Free { embed_on_host: !self.embed_on_host && spec == 0, lm_head_int4: !self.lm_head_int4, ..self.free() };
         let plan = self.fit(&cfg, &opts, free, &scratch)?;
         let sched = self.sched_config(&plan)?;
         let weights = if random_weights {
@@ -395,7 +405,11 @@ impl EngineArgs {
             Box::new(CudaBackend::with_options(&cfg, weights, &plan, host_slots, cuda_opts)?)
         };
         let tokenizer = text.tokenizer.map(Arc::new);
-        let engine = EngineHandle::start(backend, sched, tokenizer.clone());
+        let engine = if spec > 0 {
+            EngineHandle::start_speculative(backend, sched, tokenizer.clone(), spec).context("--speculative-tokens")?
+        } else {
+            EngineHandle::start(backend, sched, tokenizer.clone())
+        };
         let eos_ids = cfg.eos_token_ids.clone();
         Ok(Started { engine, plan, tokenizer, template: text.template.map(Arc::new), eos_ids })
     }

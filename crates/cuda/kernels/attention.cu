@@ -6,7 +6,9 @@
 // where key p lives at cache row block_tables[s, p / page] * page + p % page.
 //  attn_prefill:        varlen queries (cu_seqlens); FlashAttention-2 style on tensor cores
 //                       (mma.sync m16n8k16 bf16 -> f32, ldmatrix, cp.async); no scratch.
-//  attn_decode_split:   one query per sequence; keys split into n_split equal ranges, each block
+//  attn_decode_split:   one query per row b (a decode sequence, or one row of a speculative verify:
+//                       its block-table row is table_rows[b] when table_rows is not null, else b);
+//                       keys split into n_split equal ranges, each block
 //                       handles all GQA_GROUP query heads of one kv head (K/V read once), writes
 //                       unnormalised partials (o, max, sum) in f32.
 //  attn_decode_combine: merges the n_split partials (log-sum-exp) into bf16 o.
@@ -554,7 +556,8 @@ extern "C" __global__ void __launch_bounds__(256)
 attn_decode_split(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
                   const void* __restrict__ v_cache, const unsigned short* __restrict__ k_scales,
                   const unsigned short* __restrict__ v_scales, const int* __restrict__ block_tables,
-                  int max_blocks, const int* __restrict__ seq_lens, float* __restrict__ part_o,
+                  const int* __restrict__ table_rows, int max_blocks, const int* __restrict__ seq_lens,
+                  float* __restrict__ part_o,
                   float* __restrict__ part_ml, int Hq, int Hkv, int page, float scale, int n_split,
                   long long q_tok, long long q_head) {
     __shared__ float o_acc[GQA_GROUP][HD];
@@ -565,7 +568,7 @@ attn_decode_split(const bf16_t* __restrict__ q, const void* __restrict__ k_cache
     const int per = (len + n_split - 1) / n_split;
     const int k0 = sp * per, k1 = min(len, k0 + per);
     const long long width = (long long)Hkv * HD;
-    const int* bt = block_tables + (long long)b * max_blocks;
+    const int* bt = block_tables + (long long)(table_rows ? table_rows[b] : b) * max_blocks;
 
     for (int e = threadIdx.x; e < GQA_GROUP * HD; e += blockDim.x) o_acc[e / HD][e % HD] = 0.0f;
     float qv[GQA_GROUP][DPL], acc[GQA_GROUP][DPL], m[GQA_GROUP], l[GQA_GROUP];

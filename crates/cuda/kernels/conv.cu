@@ -5,7 +5,9 @@
 // where p is t's position inside its sequence and xpad rows < 0 come from the sequence's state
 //   state[slot, KW-1 + row, c]  (the previous call's last KW-1 inputs; zero it at sequence start).
 //  conv_prefill:       varlen batch (cu_seqlens, slots); does NOT touch the state.
-//  conv_state_update:  after conv_prefill, state[slot] = last KW-1 rows of (state ++ x_seq).
+//  conv_state_update:  after conv_prefill, state[slot] = last KW-1 rows of (state ++ x_seq), where
+//                      x_seq is the sequence's rows, or only its first lens[s] rows when lens is given
+//                      (the accepted tokens of a speculative verify).
 //  conv_decode:        one token per sequence: reads the state, writes y, shifts the state.
 // Decode rows whose slot is < 0 (decode-graph padding) touch no state and output 0.
 // Shapes/dtypes: x [T, C] bf16 (token stride x_stride elements: the in_proj output may be wider);
@@ -54,11 +56,12 @@ extern "C" __global__ void conv_prefill(const bf16_t* __restrict__ x, long long 
 
 extern "C" __global__ void conv_state_update(const bf16_t* __restrict__ x, long long x_stride,
                                              bf16_t* state, const int* __restrict__ cu_seqlens,
-                                             const int* __restrict__ slots, int C) {
+                                             const int* __restrict__ slots,
+                                             const int* __restrict__ lens, int C) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     int s = blockIdx.y;
-    if (c >= C) return;
-    int start = cu_seqlens[s], len = cu_seqlens[s + 1] - start;
+    if (c >= C || slots[s] < 0) return;
+    int start = cu_seqlens[s], len = lens ? lens[s] : cu_seqlens[s + 1] - start;
     bf16_t* st = state + (long long)slots[s] * (CONV_K - 1) * C;
     bf16_t nv[CONV_K - 1];
     // Row r of the new state is row len + r of (state ++ x_seq).

@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaStream, result};
-use deltaserve_backend::{ArenaStats, Backend, BackendError, CacheOp, SnapshotLoc, StepBatch};
+use deltaserve_backend::{ArenaStats, Backend, BackendError, CacheOp, DraftPicker, SnapshotLoc, SpecCommit, StepBatch};
 use deltaserve_model::shard::{ShardSpec, Split};
 use deltaserve_model::weights::TensorSource;
 use deltaserve_model::{Checkpoint, DType, Dims, LayerKind, ModelConfig, ModelError, ModelWeights};
@@ -39,7 +39,9 @@ use crate::ops::gemv::{self, GemvOut};
 use crate::ops::init::{Init, init_random};
 use crate::ops::kv_quant::{self, LayerKv};
 use crate::ops::w4a16::{self, W4Weights};
-use crate::ops::{self, Kernels, attention, conv, elementwise, embed, gdn_chunk, gdn_decode, gdn_gate, kv_cache, norm};
+use crate::ops::{
+    self, Kernels, attention, conv, elementwise, embed, gdn_chunk, gdn_decode, gdn_gate, kv_cache, mtp, norm,
+};
 use crate::runtime::Runtime;
 use crate::w4::{ScaleDtype, W4Bytes, W4Linear};
 
@@ -70,11 +72,21 @@ pub struct CudaOptions {
     /// `decode_graphs_match_eager` prints this configuration), independent of the GEMV; the
     /// cause is not found yet. false: one graph per exact batch size (bitwise equal to eager).
     pub graph_pad: bool,
+    /// Speculative verify chunks whose context reaches this many tokens attend as decode queries
+    /// (split-K over the keys), shorter ones with the prefill kernel. Measured on the H200 at the 27B
+    /// shapes: at 1K context the prefill kernel is as fast at batch 1 and faster at batch 8; at 32K it
+    /// is 2.4× slower at batch 1 (it has no split over the keys).
+    pub verify_decode_attention_from: usize,
 }
 
 impl Default for CudaOptions {
     fn default() -> Self {
-        CudaOptions { cuda_graphs: true, gemv_max_tokens: gemv::MAX_TOKENS, graph_pad: false }
+        CudaOptions {
+            cuda_graphs: true,
+            gemv_max_tokens: gemv::MAX_TOKENS,
+            graph_pad: false,
+            verify_decode_attention_from: 4096,
+        }
     }
 }
 
@@ -278,6 +290,85 @@ struct Weights {
     lm_head: Proj,
     final_norm: u64,
     layers: Vec<Layer>,
+    /// The MTP head, loaded when the plan has speculative decoding on.
+    mtp: Option<MtpHead>,
+}
+
+/// The MTP head (arch doc §2.5): `fc([norm_e(embed(x)) | norm_h(hidden)])`, one attention decoder
+/// layer with its own KV, then `norm`; logits through the shared lm_head.
+struct MtpHead {
+    fc: Proj,
+    pre_fc_norm_embedding: u64,
+    pre_fc_norm_hidden: u64,
+    norm: u64,
+    layer: Layer,
+}
+
+/// Speculative decoding state: the head's KV layer, the pending hidden rows, the verify trace.
+///
+/// Every step writes the head's cache entries of its positions (entry p = the head's K/V of
+/// (post-norm hidden of p − 1, token p)) and each plain chunk's last hidden becomes its slot's pending
+/// hidden. A speculative chunk drafts with the head, then runs through the main model as a short
+/// prefill whose DeltaNet layers leave the committed state untouched (conv without state update,
+/// [`ops::gdn_decode::gdn_recurrent`] without write-back) while each DeltaNet layer's inputs (the
+/// in-projection rows `qkv` and `ba`) are kept in the trace; the commit recomputes conv and gates from
+/// the trace and runs the recurrence over the accepted rows with write-back — the per-token arithmetic
+/// of decode.
+struct Spec {
+    max_draft: usize,
+    kv: LayerKv,
+    /// `[slots, hidden]` bf16 in `state_slots` (byte offset), and in `snapshots`.
+    pending: usize,
+    snap_pending: usize,
+    /// Rows the verify buffers hold: `max_seqs · (1 + max_draft)`.
+    rows: usize,
+    /// `[rows, hidden]` bf16: the main model's post-norm hidden of the last step's verify rows.
+    verify_hidden: u64,
+    /// `[max_seqs, hidden]` bf16: the head's output rows of the previous draft step.
+    draft_hidden: u64,
+    /// The head's activation buffers (the plan's `mtp_*` workspace buffers: they live after the
+    /// layers, so they never alias what the main forward still needs), and its input rows and fc input.
+    ws: Ws,
+    rows_in: u64,
+    cat: u64,
+    /// Per DeltaNet layer `[rows, conv_channels]` and `[rows, 2·Hv]` bf16: in-projection rows of the
+    /// last step's verify rows.
+    trace_x: u64,
+    trace_ba: u64,
+    /// i32 index arrays, `rows + 1` entries each: pending stores (rows, slots), commit (starts, lens,
+    /// slots), the verify group's cu_seqlens and slots, and its rows' attention lengths and block-table
+    /// rows.
+    idx: DevSpan,
+    /// Split-K partials of the verify rows' decode attention (`rows` queries).
+    partials: DevSpan,
+    /// Speculative chunks of the last step, awaiting their commit.
+    verified: Vec<Verified>,
+    /// The verify group of the last step: its rows, and its chunks' row offsets and slots.
+    verify_cu: Vec<i32>,
+    verify_slots: Vec<i32>,
+    /// Wall time of the last step's draft phase (it ends synchronised: its logits are on the host).
+    draft_s: f64,
+}
+
+/// A verified speculative chunk: its `n` rows start at row `row0` of the verify group.
+struct Verified {
+    seq_id: u64,
+    slot: u32,
+    start: usize,
+    n: usize,
+    row0: usize,
+}
+
+impl Spec {
+    /// Index array `which` inside `idx`: 0 pending rows, 1 pending slots, 2 commit starts, 3 commit
+    /// lens, 4 commit slots, 5 verify cu_seqlens, 6 verify slots, 7 verify rows' attention lengths,
+    /// 8 verify rows' block-table rows.
+    fn idx_at(&self, which: usize) -> u64 {
+        self.idx.ptr + 4 * (which * (self.rows + 1)) as u64
+    }
+    fn idx_bytes(rows: usize) -> usize {
+        4 * 9 * (rows + 1)
+    }
 }
 
 /// The embedding table in pinned host memory (`embed_on_host`) and the pinned `[t_max, hidden]`
@@ -290,6 +381,7 @@ struct HostEmbed {
 }
 
 /// Device addresses of the activation buffers (plan workspace offsets) and scratch.
+#[derive(Clone, Copy)]
 struct Ws {
     token_ids: u64,
     positions: u64,
@@ -318,6 +410,8 @@ struct Ws {
     mlp_gate_up: u64,
     mlp_act: u64,
     mlp_out: u64,
+    /// Every row after the final norm.
+    final_normed: u64,
     final_hidden: u64,
     /// scratch region: chunked DeltaNet workspace, chunk table, tile table.
     gdn_ws: DevSpan,
@@ -388,6 +482,8 @@ pub struct CudaBackend {
     pub w4_converted: usize,
     /// Tensor parallelism: this backend is one rank of a [`crate::tp::TpBackend`].
     tp: Option<RankComm>,
+    /// Speculative decoding (the plan's `speculative_tokens` > 0).
+    spec: Option<Spec>,
 }
 
 /// One tensor-parallel rank: its shard of the model and the communicators of its group (attached
@@ -421,6 +517,8 @@ fn pair_second(name: &str) -> bool {
 pub struct WeightFormat {
     /// Decoder linears in int4 (one part per linear) instead of bf16 (pairs fused).
     pub int4: bool,
+    /// The MTP head too (speculative decoding on, and the model declares one).
+    pub mtp: bool,
     /// int4 with zero points.
     pub asym: bool,
     pub lm_head_int4: bool,
@@ -431,6 +529,7 @@ impl WeightFormat {
     pub fn of(opts: &PlanOptions) -> Self {
         WeightFormat {
             int4: opts.weights_dtype == WeightsDtype::Int4,
+            mtp: opts.speculative_tokens > 0,
             asym: opts.int4_asym,
             lm_head_int4: opts.lm_head_int4,
             embed_on_host: opts.embed_on_host,
@@ -464,8 +563,8 @@ impl WSpec {
 }
 
 /// Every tensor in load order: embedding, own lm_head, final norm, then per layer the norms and
-/// the mixer's and MLP's tensors. bf16 pairs (in_proj_b + in_proj_a, gate + up) are one entry of
-/// both halves; int4 pairs two entries.
+/// the mixer's and MLP's tensors, then the MTP head's (fc, its three norms, its layer). bf16 pairs
+/// (in_proj_b + in_proj_a, gate + up) are one entry of both halves; int4 pairs two entries.
 fn weight_specs(cfg: &ModelConfig, f: WeightFormat) -> Vec<WSpec> {
     let d = cfg.dims();
     let h = d.hidden;
@@ -495,7 +594,13 @@ fn weight_specs(cfg: &ModelConfig, f: WeightFormat) -> Vec<WSpec> {
         }
     }
     v.push(normw(h));
-    for kind in &cfg.layer_types {
+    let mtp = f.mtp && cfg.mtp_num_hidden_layers > 0;
+    let kinds = cfg.layer_types.iter().map(|k| (false, *k));
+    for (is_mtp, kind) in kinds.chain(mtp.then_some((true, LayerKind::Attention))) {
+        if is_mtp {
+            v.extend(lin(h, 2 * h));
+            v.extend([normw(h), normw(h), normw(h)]);
+        }
         v.push(normw(h));
         v.push(normw(h));
         match kind {
@@ -535,6 +640,9 @@ pub fn weights_device_bytes(cfg: &ModelConfig, f: WeightFormat) -> usize {
 
 /// A decoder linear (stored `[out, in]` projection) by its tensor name.
 fn is_linear(name: &str) -> bool {
+    if name == "mtp.fc.weight" {
+        return true;
+    }
     const LIN: [&str; 12] = [
         "in_proj_qkv.weight",
         "in_proj_z.weight",
@@ -877,6 +985,20 @@ impl CudaBackend {
             )));
         }
         let fmt = WeightFormat::of(&plan.options);
+        let max_draft = plan.options.speculative_tokens;
+        if max_draft > 0 {
+            let refuse =
+                |what: &str| Err(CudaError::Plan(format!("speculative decoding on CUDA does not support {what} yet")));
+            if shard.is_some() {
+                return refuse("tensor parallelism");
+            }
+            if fmt.embed_on_host {
+                return refuse("the embedding table in host memory (--embed-on-host)");
+            }
+            if cfg.mtp_num_hidden_layers == 0 {
+                return Err(CudaError::Plan("speculative decoding: the model has no MTP head".into()));
+            }
+        }
         let k = Kernels::load_kv(&rt, kernel_dims(cfg), kvf)?;
         let mut arena = Arena::new(rt.context().clone());
         let region = |name: &str| -> Result<usize, CudaError> {
@@ -956,7 +1078,7 @@ impl CudaBackend {
         let opt = |present: bool, name: &str, need: usize| if present { get(name, need) } else { Ok(0) };
         let p = plan.options.decode_partitions;
         let partial_bytes = attention::decode_scratch_bytes(s, d.q_heads, p, d.head_dim);
-        let ws = Ws {
+        let mut ws = Ws {
             token_ids: get("token_ids", 4 * t)?,
             positions: get("positions", 4 * t)?,
             cu_seqlens: get("cu_seqlens", 4 * (s + 1))?,
@@ -987,6 +1109,7 @@ impl CudaBackend {
             mlp_gate_up: get("mlp_gate_up", 2 * t * 2 * d.intermediate)?,
             mlp_act: get("mlp_act", 2 * t * d.intermediate)?,
             mlp_out: get("mlp_out", 2 * t * h)?,
+            final_normed: get("final_normed", 2 * t * h)?,
             final_hidden: get("final_hidden", 2 * s * h)?,
             gdn_ws,
             chunk_table,
@@ -1026,6 +1149,18 @@ impl CudaBackend {
                 }
             }
         }
+        // Speculative decoding: the MTP head's KV layer after the model's, and the pending hidden rows
+        // after the DeltaNet tensors of the slots and of the snapshots.
+        let spec_kv = (max_draft > 0).then(|| {
+            let (l, n) = LayerKv::carve(kv.ptr + kv_at as u64, [kb, ks, vb, vs], kvf);
+            kv_at += n;
+            l
+        });
+        let (pending, snap_pending) = (st_at, sn_at);
+        if max_draft > 0 {
+            st_at += al(plan.num_state_slots * h * 2);
+            sn_at += al(plan.options.snapshot_slots * h * 2);
+        }
         if kv_at > kv.bytes || st_at > states.bytes || sn_at > snapshots.bytes {
             return Err(CudaError::Plan(format!(
                 "cache layouts exceed their regions: kv {kv_at}/{}, states {st_at}/{}, snapshots {sn_at}/{}",
@@ -1033,8 +1168,88 @@ impl CudaBackend {
             )));
         }
 
+        let spec = match spec_kv {
+            Some(kv) => {
+                let region = whole(&mut arena, "speculation", region("speculation")?)?;
+                let rows = s * (1 + max_draft);
+                let n_gdn = d.num_deltanet_layers;
+                let sizes = [
+                    rows * h * 2,
+                    s * h * 2,
+                    n_gdn * rows * d.conv_channels * 2,
+                    n_gdn * rows * 2 * d.gdn_v_heads * 2,
+                    Spec::idx_bytes(rows),
+                    rows * 4,
+                    rows * h * 2,
+                    attention::decode_scratch_bytes(rows, d.q_heads, p, d.head_dim),
+                ];
+                let mut at = region.ptr;
+                let spans = sizes.map(|b| {
+                    let p = at;
+                    at += al(b) as u64;
+                    DevSpan { ptr: p, bytes: b }
+                });
+                if at - region.ptr > region.bytes as u64 {
+                    return Err(CudaError::Plan(format!(
+                        "the speculation region holds {} B, the CUDA backend needs {} B",
+                        region.bytes,
+                        at - region.ptr
+                    )));
+                }
+                // Every verified row may want logits: the gather indices and rows of the lm_head.
+                ws.last_idx = spans[5].ptr;
+                ws.final_hidden = spans[6].ptr;
+                let mws = Ws {
+                    residual: get("mtp_residual", 2 * t * h)?,
+                    x_norm: get("mtp_norm", 2 * t * h)?,
+                    mixer_out: get("mtp_mixer_out", 2 * t * h)?,
+                    attn_qg: get("mtp_qg", 2 * t * 2 * d.attn_dim)?,
+                    attn_k: get("mtp_k", 2 * t * d.kv_dim)?,
+                    attn_v: get("mtp_v", 2 * t * d.kv_dim)?,
+                    attn_partials: DevSpan { ptr: get("mtp_partials", partial_bytes)?, bytes: partial_bytes },
+                    attn_out: get("mtp_attn_out", 2 * t * d.attn_dim)?,
+                    mlp_in: get("mtp_mlp_in", 2 * t * h)?,
+                    mlp_gate_up: get("mtp_gate_up", 2 * t * 2 * d.intermediate)?,
+                    mlp_act: get("mtp_act", 2 * t * d.intermediate)?,
+                    mlp_out: get("mtp_mlp_out", 2 * t * h)?,
+                    last_idx: spans[5].ptr,
+                    final_hidden: spans[6].ptr,
+                    ..ws
+                };
+                Some(Spec {
+                    max_draft,
+                    kv,
+                    ws: mws,
+                    rows_in: get("mtp_rows", 2 * t * h)?,
+                    cat: get("mtp_cat", 2 * t * 2 * h)?,
+                    pending,
+                    snap_pending,
+                    rows,
+                    verify_hidden: spans[0].ptr,
+                    draft_hidden: spans[1].ptr,
+                    trace_x: spans[2].ptr,
+                    trace_ba: spans[3].ptr,
+                    idx: spans[4],
+                    partials: spans[7],
+                    verified: Vec::new(),
+                    verify_cu: Vec::new(),
+                    verify_slots: Vec::new(),
+                    draft_s: 0.0,
+                })
+            }
+            None => None,
+        };
+        if logits.bytes < 4 * s * (1 + max_draft) * d.vocab {
+            return Err(CudaError::Plan(format!(
+                "logits region {} B < [{}, {}] f32",
+                logits.bytes,
+                s * (1 + max_draft),
+                d.vocab
+            )));
+        }
+
         let gemm = Gemm::new(&rt, gemm_ws)?;
-        let snapshot_len = d.num_deltanet_layers * (rec_bytes + conv_bytes);
+        let snapshot_len = d.num_deltanet_layers * (rec_bytes + conv_bytes) + if spec.is_some() { h * 2 } else { 0 };
         let host_pool_bytes = host_snapshot_slots * snapshot_len;
         let host_pool = if host_pool_bytes > 0 {
             // SAFETY: plain pinned allocation, freed once in Drop.
@@ -1070,7 +1285,7 @@ impl CudaBackend {
             d,
             eps: cfg.rms_norm_eps,
             rope_theta: cfg.rope_theta as f32,
-            w: Weights { embed: 0, lm_head: Vec::new(), final_norm: 0, layers: Vec::new() },
+            w: Weights { embed: 0, lm_head: Vec::new(), final_norm: 0, layers: Vec::new(), mtp: None },
             ws,
             caches,
             states,
@@ -1101,6 +1316,7 @@ impl CudaBackend {
             w4_quantized: 0,
             w4_converted: 0,
             tp: shard.map(|spec| RankComm { spec, full_vocab: full_cfg.vocab_size, comms: None }),
+            spec,
         };
         // The KV pages region is empty until the first step: staging for quantisation at load and
         // for the host embedding's random init.
@@ -1154,7 +1370,7 @@ impl CudaBackend {
         let mut tied_head: Option<Part> = None;
         let host = self.host_embed.as_ref().map(|e| (e.table, e.table_bytes));
         let tied = cfg.tie_word_embeddings;
-        let mw: ModelWeights<Part> = ModelWeights::load(&ckpt, full, |src| {
+        let mut convert = |src: TensorSource<'_>| -> Result<Part, ModelError> {
             let dev = |e: CudaError| ModelError::config(format!("{}: {e}", src.name));
             let name = src.name.clone();
             if name.ends_with("embed_tokens.weight") {
@@ -1205,8 +1421,17 @@ impl CudaBackend {
             };
             ld.rt.upload(ptr, &bytes).map_err(dev)?;
             Ok(Part::Bf16 { w: ptr, rows: if pair_first(&name) { 2 * rows } else { rows } })
-        })
-        .map_err(|e| CudaError::Weights(e.to_string()))?;
+        };
+        let werr = |e: ModelError| CudaError::Weights(e.to_string());
+        let mw: ModelWeights<Part> = ModelWeights::load(&ckpt, full, &mut convert).map_err(werr)?;
+        let mtp_w = if fmt.mtp {
+            let m = ModelWeights::<Part>::load_mtp(&ckpt, full, &mut convert).map_err(werr)?;
+            Some(m.ok_or_else(|| {
+                CudaError::Weights("speculative decoding needs the checkpoint's MTP head (no `mtp.*` tensors)".into())
+            })?)
+        } else {
+            None
+        };
         let (quantized, converted) = (ld.quantized, ld.converted);
         if quantized > 0 {
             tracing::info!("quantised {quantized} linears to int4 on the GPU (round to nearest, group 128)");
@@ -1217,36 +1442,40 @@ impl CudaBackend {
         // int4: pairs are two parts; bf16: the first half is the fused pair.
         let two =
             |a: &Part, b: &Part| if matches!(a, Part::Bf16 { .. }) && !fmt.int4 { vec![*a] } else { vec![*a, *b] };
-        let layers = mw
-            .layers
-            .iter()
-            .map(|l| Layer {
-                input_norm: l.input_norm.ptr(),
-                post_norm: l.post_norm.ptr(),
-                mixer: match &l.mixer {
-                    deltaserve_model::MixerWeights::DeltaNet(g) => Mixer::Gdn(GdnLayer {
-                        qkv: one(&g.in_proj_qkv),
-                        z: one(&g.in_proj_z),
-                        ba: two(&g.in_proj_b, &g.in_proj_a),
-                        conv: g.conv1d.ptr(),
-                        dt_bias: g.dt_bias.ptr(),
-                        a_log: g.a_log.ptr(),
-                        norm: g.norm.ptr(),
-                        out: one(&g.out_proj),
-                    }),
-                    deltaserve_model::MixerWeights::Attention(a) => Mixer::Attn(AttnLayer {
-                        q: one(&a.q_proj),
-                        k: one(&a.k_proj),
-                        v: one(&a.v_proj),
-                        o: one(&a.o_proj),
-                        q_norm: a.q_norm.ptr(),
-                        k_norm: a.k_norm.ptr(),
-                    }),
-                },
-                gate_up: two(&l.mlp.gate_proj, &l.mlp.up_proj),
-                down: one(&l.mlp.down_proj),
-            })
-            .collect();
+        let layer = |l: &deltaserve_model::LayerWeights<Part>| Layer {
+            input_norm: l.input_norm.ptr(),
+            post_norm: l.post_norm.ptr(),
+            mixer: match &l.mixer {
+                deltaserve_model::MixerWeights::DeltaNet(g) => Mixer::Gdn(GdnLayer {
+                    qkv: one(&g.in_proj_qkv),
+                    z: one(&g.in_proj_z),
+                    ba: two(&g.in_proj_b, &g.in_proj_a),
+                    conv: g.conv1d.ptr(),
+                    dt_bias: g.dt_bias.ptr(),
+                    a_log: g.a_log.ptr(),
+                    norm: g.norm.ptr(),
+                    out: one(&g.out_proj),
+                }),
+                deltaserve_model::MixerWeights::Attention(a) => Mixer::Attn(AttnLayer {
+                    q: one(&a.q_proj),
+                    k: one(&a.k_proj),
+                    v: one(&a.v_proj),
+                    o: one(&a.o_proj),
+                    q_norm: a.q_norm.ptr(),
+                    k_norm: a.k_norm.ptr(),
+                }),
+            },
+            gate_up: two(&l.mlp.gate_proj, &l.mlp.up_proj),
+            down: one(&l.mlp.down_proj),
+        };
+        let layers = mw.layers.iter().map(layer).collect();
+        let mtp = mtp_w.map(|m| MtpHead {
+            fc: one(&m.fc),
+            pre_fc_norm_embedding: m.pre_fc_norm_embedding.ptr(),
+            pre_fc_norm_hidden: m.pre_fc_norm_hidden.ptr(),
+            norm: m.norm.ptr(),
+            layer: layer(&m.layer),
+        });
         let lm_head = match (&mw.lm_head, tied_head) {
             (Some(p), _) => *p,
             (None, Some(p)) => p,
@@ -1257,6 +1486,7 @@ impl CudaBackend {
             lm_head: vec![lm_head],
             final_norm: mw.final_norm.ptr(),
             layers,
+            mtp,
         })
     }
 
@@ -1336,35 +1566,52 @@ impl CudaBackend {
             }
             p
         };
-        for kind in &cfg.layer_types {
+        let layer = |next: &mut dyn FnMut() -> Result<Part, CudaError>, kind: LayerKind| -> Result<Layer, CudaError> {
             let input_norm = next()?.ptr();
             let post_norm = next()?.ptr();
             let mixer = match kind {
                 LayerKind::DeltaNet => Mixer::Gdn(GdnLayer {
-                    qkv: rows(proj(&mut next, false)?, d.conv_channels),
-                    z: rows(proj(&mut next, false)?, d.gdn_value_width),
-                    ba: rows(proj(&mut next, true)?, 2 * d.gdn_v_heads),
+                    qkv: rows(proj(next, false)?, d.conv_channels),
+                    z: rows(proj(next, false)?, d.gdn_value_width),
+                    ba: rows(proj(next, true)?, 2 * d.gdn_v_heads),
                     conv: next()?.ptr(),
                     dt_bias: next()?.ptr(),
                     a_log: next()?.ptr(),
                     norm: next()?.ptr(),
-                    out: rows(proj(&mut next, false)?, d.hidden),
+                    out: rows(proj(next, false)?, d.hidden),
                 }),
                 LayerKind::Attention => Mixer::Attn(AttnLayer {
-                    q: rows(proj(&mut next, false)?, 2 * d.attn_dim),
-                    k: rows(proj(&mut next, false)?, d.kv_dim),
-                    v: rows(proj(&mut next, false)?, d.kv_dim),
-                    o: rows(proj(&mut next, false)?, d.hidden),
+                    q: rows(proj(next, false)?, 2 * d.attn_dim),
+                    k: rows(proj(next, false)?, d.kv_dim),
+                    v: rows(proj(next, false)?, d.kv_dim),
+                    o: rows(proj(next, false)?, d.hidden),
                     q_norm: next()?.ptr(),
                     k_norm: next()?.ptr(),
                 }),
             };
-            let gate_up = rows(proj(&mut next, true)?, 2 * d.intermediate);
-            let down = rows(proj(&mut next, false)?, d.hidden);
-            layers.push(Layer { input_norm, post_norm, mixer, gate_up, down });
+            let gate_up = rows(proj(next, true)?, 2 * d.intermediate);
+            let down = rows(proj(next, false)?, d.hidden);
+            Ok(Layer { input_norm, post_norm, mixer, gate_up, down })
+        };
+        for kind in &cfg.layer_types {
+            layers.push(layer(&mut next, *kind)?);
         }
+        let mtp = if fmt.mtp && cfg.mtp_num_hidden_layers > 0 {
+            let fc = rows(proj(&mut next, false)?, d.hidden);
+            let (pre_fc_norm_embedding, pre_fc_norm_hidden, norm) = (next()?.ptr(), next()?.ptr(), next()?.ptr());
+            let layer = layer(&mut next, LayerKind::Attention)?;
+            Some(MtpHead { fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm, layer })
+        } else {
+            None
+        };
         self.rt.synchronize()?;
-        Ok(Weights { embed: if fmt.embed_on_host { 0 } else { embed }, lm_head: vec![lm_head], final_norm, layers })
+        Ok(Weights {
+            embed: if fmt.embed_on_host { 0 } else { embed },
+            lm_head: vec![lm_head],
+            final_norm,
+            layers,
+            mtp,
+        })
     }
 
     /// The runtime (device name, stream) — for benchmarks.
@@ -1465,6 +1712,11 @@ impl CudaBackend {
             self.opts = opts;
         }
         Ok(())
+    }
+
+    /// Seconds the last speculative step spent drafting with the MTP head (0 without speculation).
+    pub fn last_draft_s(&self) -> f64 {
+        self.spec.as_ref().map_or(0.0, |sp| sp.draft_s)
     }
 
     pub fn graph_stats(&self) -> GraphStats {
@@ -1593,22 +1845,28 @@ impl CudaBackend {
     }
 
     /// Per DeltaNet layer: (slot address, snapshot address or host offset, bytes) of the two
-    /// tensors, for state slot `slot` and snapshot `loc`.
+    /// tensors, for state slot `slot` and snapshot `loc`; then, with speculative decoding, the slot's
+    /// pending hidden row (part of its state).
     fn state_parts(&self, slot: Option<u32>, loc: SnapshotLoc) -> Vec<(u64, u64, usize)> {
-        let mut out = Vec::new();
-        let mut host_at = 0usize;
+        let mut parts = Vec::new();
         for c in &self.caches {
             if let LayerCache::Gdn { rec, conv, snap_rec, snap_conv } = *c {
-                for (base, snap_base, len) in [(rec, snap_rec, self.rec_bytes), (conv, snap_conv, self.conv_bytes)] {
-                    let slot_addr = slot.map(|s| self.states.ptr + (base + s as usize * len) as u64).unwrap_or(0);
-                    let other = match loc {
-                        SnapshotLoc::Device(i) => self.snapshots.ptr + (snap_base + i as usize * len) as u64,
-                        SnapshotLoc::Host(i) => (i as usize * self.snapshot_len + host_at) as u64,
-                    };
-                    host_at += len;
-                    out.push((slot_addr, other, len));
-                }
+                parts.extend([(rec, snap_rec, self.rec_bytes), (conv, snap_conv, self.conv_bytes)]);
             }
+        }
+        if let Some(sp) = &self.spec {
+            parts.push((sp.pending, sp.snap_pending, 2 * self.d.hidden));
+        }
+        let mut host_at = 0usize;
+        let mut out = Vec::with_capacity(parts.len());
+        for (base, snap_base, len) in parts {
+            let slot_addr = slot.map(|s| self.states.ptr + (base + s as usize * len) as u64).unwrap_or(0);
+            let other = match loc {
+                SnapshotLoc::Device(i) => self.snapshots.ptr + (snap_base + i as usize * len) as u64,
+                SnapshotLoc::Host(i) => (i as usize * self.snapshot_len + host_at) as u64,
+            };
+            host_at += len;
+            out.push((slot_addr, other, len));
         }
         out
     }
@@ -1680,14 +1938,15 @@ impl CudaBackend {
                 if tokens == 0 || src == dst {
                     return Ok(());
                 }
-                for c in &self.caches {
-                    if let LayerCache::Attn(l) = *c {
-                        // Data and (quantised formats) scales, each `bpt` bytes per token.
-                        for (base, bpt) in l.token_tensors(self.d.kv_heads, self.d.head_dim) {
-                            let s0 = base + (src as usize * ps * bpt) as u64;
-                            let d0 = base + (dst as usize * ps * bpt) as u64;
-                            self.copy(Place::Dev(d0), Place::Dev(s0), tokens as usize * bpt).map_err(dev)?;
-                        }
+                let mtp_kv = self.spec.as_ref().map(|sp| sp.kv);
+                let attn = self.caches.iter().filter_map(|c| if let LayerCache::Attn(l) = *c { Some(l) } else { None });
+                // The MTP head's KV is in the pages too (speculative decoding).
+                for l in attn.chain(mtp_kv) {
+                    // Data and (quantised formats) scales, each `bpt` bytes per token.
+                    for (base, bpt) in l.token_tensors(self.d.kv_heads, self.d.head_dim) {
+                        let s0 = base + (src as usize * ps * bpt) as u64;
+                        let d0 = base + (dst as usize * ps * bpt) as u64;
+                        self.copy(Place::Dev(d0), Place::Dev(s0), tokens as usize * bpt).map_err(dev)?;
                     }
                 }
             }
@@ -1736,19 +1995,29 @@ impl CudaBackend {
     /// Runs the step's chunks (validated) and appends the wanted logits rows.
     /// A step: its `pre` ops, its chunks (their wanted rows into `out`), its `post` ops.
     fn step_to(&mut self, batch: &StepBatch, out: StepOut<'_>) -> Result<(), BackendError> {
+        if batch.seqs.iter().any(|c| c.draft > 0) {
+            return Err(BackendError::InvalidStep("speculative chunks need step_speculative".into()));
+        }
         let dev = |e: CudaError| BackendError::Device(e.to_string());
         self.rt.context().bind_to_thread().map_err(|e| BackendError::Device(e.to_string()))?;
         for op in &batch.pre {
             self.apply(op)?;
         }
-        self.run_chunks(batch, out)?;
+        if let Some(sp) = &mut self.spec {
+            sp.verified.clear();
+        }
+        self.run_chunks(batch, &[], out)?;
         for op in &batch.post {
             self.apply(op)?;
         }
         self.rt.synchronize().map_err(dev)
     }
 
-    fn run_chunks(&mut self, batch: &StepBatch, out: StepOut<'_>) -> Result<(), BackendError> {
+    /// `verify[i]`: chunk i is the verify pass of a speculative chunk (its token and drafts; missing
+    /// entries: false). Its DeltaNet state is left as it was, every row's logits are returned, and it
+    /// is recorded for [`Backend::commit_speculative`].
+    fn run_chunks(&mut self, batch: &StepBatch, verify: &[bool], out: StepOut<'_>) -> Result<(), BackendError> {
+        let is_ver = |i: usize| verify.get(i).copied().unwrap_or(false);
         let inv = |m: String| Err(BackendError::InvalidStep(m));
         let chunks: Vec<usize> = (0..batch.seqs.len()).filter(|&i| !batch.seqs[i].tokens.is_empty()).collect();
         for c in &batch.seqs {
@@ -1792,10 +2061,21 @@ impl CudaBackend {
                 return inv(format!("seq {}: token id {id} outside the vocabulary", c.seq_id));
             }
         }
-        // Prefill chunks (> 1 token) first, then decode chunks, each group in batch order.
-        let mut order: Vec<usize> = chunks.iter().copied().filter(|&i| batch.seqs[i].tokens.len() > 1).collect();
+        // Prefill chunks (> 1 token) first, then verify chunks, then decode chunks, each group in batch
+        // order.
+        let multi = |i: &usize| batch.seqs[*i].tokens.len() > 1;
+        let mut order: Vec<usize> = chunks.iter().copied().filter(|i| multi(i) && !is_ver(*i)).collect();
+        let n_real = order.len();
+        // Verify chunks: those over a short context attend with the prefill kernel, the others (last)
+        // as decode queries, split-K over their long context.
+        let from = self.opts.verify_decode_attention_from;
+        let long_ctx = |i: &usize| batch.seqs[*i].start >= from;
+        order.extend(chunks.iter().copied().filter(|i| is_ver(*i) && !long_ctx(i)));
+        let n_ver_pf = order.len() - n_real;
+        order.extend(chunks.iter().copied().filter(|i| is_ver(*i) && long_ctx(i)));
         let n_pre = order.len();
-        order.extend(chunks.iter().copied().filter(|&i| batch.seqs[i].tokens.len() == 1));
+        let n_ver = n_pre - n_real;
+        order.extend(chunks.iter().copied().filter(|i| !multi(i) && !is_ver(*i)));
         let n = order.len();
         // Decode steps replay the graph of their batch size. With graph_pad (experimental) the
         // rows past n are padding: token 0 at position −1 (no KV write), state slot −1 (no state
@@ -1837,14 +2117,45 @@ impl CudaBackend {
             }
         }
         let tp = cu[n_pre] as usize;
-        let mut last: Vec<i32> =
-            batch.seqs.iter().enumerate().filter(|(_, c)| c.want_logits).map(|(i, _)| row_of[i] as i32).collect();
+        let tv = tp - cu[n_real] as usize;
+        // Wanted rows in batch order: a verify chunk's every row, another chunk's last.
+        let mut last: Vec<i32> = Vec::new();
+        for (i, c) in batch.seqs.iter().enumerate() {
+            if is_ver(i) {
+                let n = c.tokens.len() as i32;
+                last.extend(row_of[i] as i32 + 1 - n..=row_of[i] as i32);
+            } else if c.want_logits {
+                last.push(row_of[i] as i32);
+            }
+        }
         let n_want = last.len();
         if graph {
             last.resize(rows, 0);
         }
-        let chunk_table = gdn_chunk::chunk_table(&cu[..=n_pre]);
-        let tile_table = attention::tile_table(&cu[..=n_pre]);
+        // Speculative decoding: each plain chunk's last row becomes its slot's pending hidden (graph
+        // padding rows: none).
+        let mut pend: (Vec<i32>, Vec<i32>) = (Vec::new(), Vec::new());
+        if self.spec.is_some() {
+            for (r, &i) in order.iter().enumerate() {
+                if !is_ver(i) {
+                    pend.0.push(cu[r + 1] - 1);
+                    pend.1.push(slots[r]);
+                }
+            }
+            pend.0.resize(pend.0.len() + rows - n, -1);
+            pend.1.resize(pend.1.len() + rows - n, -1);
+        }
+        let chunk_table = gdn_chunk::chunk_table(&cu[..=n_real]);
+        // Prefill attention covers the prefill chunks and the short-context verify chunks; the other
+        // verify rows run as decode queries.
+        let tile_table = attention::tile_table(&cu[..=n_real + n_ver_pf]);
+        let tvd = tp - cu[n_real + n_ver_pf] as usize;
+        let (mut ver_lens, mut ver_tables) = (Vec::new(), Vec::new());
+        for (r, &i) in order.iter().enumerate().take(n_pre).skip(n_real + n_ver_pf) {
+            let c = &batch.seqs[i];
+            ver_lens.extend((1..=c.tokens.len()).map(|j| (c.start + j) as i32));
+            ver_tables.extend(std::iter::repeat_n(r as i32, c.tokens.len()));
+        }
         let dev = |e: CudaError| BackendError::Device(e.to_string());
         if chunk_table.len() * 4 > self.ws.chunk_table.bytes || tile_table.len() * 4 > self.ws.tile_table.bytes {
             return Err(BackendError::Device("varlen tables exceed the scratch region".into()));
@@ -1860,6 +2171,12 @@ impl CudaBackend {
             self.upload_i32(self.block_tables.ptr, &tables)?;
             self.upload_i32(ws.chunk_table.ptr, &chunk_table)?;
             self.upload_i32(ws.tile_table.ptr, &tile_table)?;
+            if let Some(sp) = &self.spec {
+                self.upload_i32(sp.idx_at(0), &pend.0)?;
+                self.upload_i32(sp.idx_at(1), &pend.1)?;
+                self.upload_i32(sp.idx_at(7), &ver_lens)?;
+                self.upload_i32(sp.idx_at(8), &ver_tables)?;
+            }
             if let Some(he) = &self.host_embed {
                 self.upload_host_embedding(he, &ids)?;
             }
@@ -1880,9 +2197,13 @@ impl CudaBackend {
             n: rows,
             n_pre,
             tp,
+            n_ver,
+            tv,
+            tvd,
             n_chunks: chunk_table.len() / 2,
             n_tiles: tile_table.len() / 2,
             n_logits: last.len(),
+            n_pend: pend.0.len(),
         };
         if !graph {
             self.forward(&shape).map_err(dev)?;
@@ -1897,6 +2218,20 @@ impl CudaBackend {
             self.forward(&shape).map_err(dev)?;
             self.graph_stats.eager_decode_steps += 1;
             self.capture(rows, &shape).map_err(dev)?;
+        }
+        if let Some(sp) = &mut self.spec {
+            let base = cu[n_real];
+            sp.verify_cu = cu[n_real..=n_pre].iter().map(|&x| x - base).collect();
+            sp.verify_slots = slots[n_real..n_pre].to_vec();
+            sp.verified = order[n_real..n_pre]
+                .iter()
+                .enumerate()
+                .map(|(j, &i)| {
+                    let c = &batch.seqs[i];
+                    let row0 = sp.verify_cu[j] as usize;
+                    Verified { seq_id: c.seq_id, slot: c.slot, start: c.start, n: c.tokens.len(), row0 }
+                })
+                .collect();
         }
         if n_want > 0 {
             let v = self.d.vocab;
@@ -1922,287 +2257,23 @@ impl CudaBackend {
 
     fn forward(&self, sh: &StepShape) -> Result<(), CudaError> {
         let (k, s, ws, d) = (&self.k, self.rt.stream().as_ref(), &self.ws, &self.d);
-        let StepShape { t, n, n_pre, tp, .. } = *sh;
-        let n_dec = n - n_pre;
+        let t = sh.t;
         let h = d.hidden;
         let eps = self.eps;
-        let b2 = |x: usize| (2 * x) as u64;
         self.tick("step inputs")?;
         if self.host_embed.is_none() {
             embed::embed_gather(k, s, self.w.embed, ws.token_ids, ws.residual, t, h)?;
         } // else: run_chunks uploaded the rows gathered on the host into `residual`.
         self.tick("embed")?;
         self.all_reduce(ws.residual, t * h)?;
+        let mut gdn_index = 0;
         for (li, layer) in self.w.layers.iter().enumerate() {
-            if li == 0 {
-                norm::add_rms_norm_1p(k, s, ws.residual, None, layer.input_norm, None, ws.x_norm, t, h, eps)?;
-            } else {
-                norm::add_rms_norm_1p(
-                    k,
-                    s,
-                    ws.mlp_out,
-                    Some(ws.residual),
-                    layer.input_norm,
-                    Some(ws.residual),
-                    ws.x_norm,
-                    t,
-                    h,
-                    eps,
-                )?;
-            }
-            self.tick("norms")?;
-            match (&layer.mixer, self.caches[li]) {
-                (Mixer::Gdn(gw), LayerCache::Gdn { rec, conv, .. }) => {
-                    let (cc, vw, kw, hv, hk, dv) = (
-                        d.conv_channels,
-                        d.gdn_value_width,
-                        d.gdn_key_width,
-                        d.gdn_v_heads,
-                        d.gdn_k_heads,
-                        d.gdn_v_dim,
-                    );
-                    let rec_state = self.states.ptr + rec as u64;
-                    let conv_state = self.states.ptr + conv as u64;
-                    let outs = [po(&gw.qkv, ws.gdn_qkv, cc), po(&gw.z, ws.gdn_z, vw), po(&gw.ba, ws.gdn_ba, 2 * hv)];
-                    self.proj(s, ws.x_norm, t, h, &outs, false)?;
-                    self.tick("gdn in-proj GEMMs")?;
-                    if n_pre > 0 {
-                        conv::conv_prefill(
-                            k,
-                            s,
-                            &conv::ConvPrefill {
-                                x: ws.gdn_qkv,
-                                x_stride: cc,
-                                w: gw.conv,
-                                y: ws.gdn_conv_out,
-                                state: conv_state,
-                                cu_seqlens: ws.cu_seqlens,
-                                slots: ws.slots,
-                                n_seqs: n_pre,
-                                t: tp,
-                                channels: cc,
-                            },
-                        )?;
-                    }
-                    if n_dec > 0 {
-                        conv::conv_decode(
-                            k,
-                            s,
-                            ws.gdn_qkv + b2(tp * cc),
-                            cc,
-                            gw.conv,
-                            ws.gdn_conv_out + b2(tp * cc),
-                            conv_state,
-                            ws.slots + 4 * n_pre as u64,
-                            n_dec,
-                            cc,
-                        )?;
-                    }
-                    self.tick("gdn conv")?;
-                    let (q, kk) = (ws.gdn_qk, ws.gdn_qk + b2(t * kw));
-                    gdn_gate::gdn_gate(
-                        k,
-                        s,
-                        &gdn_gate::GdnGate {
-                            qk: ws.gdn_conv_out,
-                            qk_stride: cc,
-                            b: ws.gdn_ba,
-                            b_stride: 2 * hv,
-                            a: ws.gdn_ba + b2(hv),
-                            a_stride: 2 * hv,
-                            a_log: gw.a_log,
-                            dt_bias: gw.dt_bias,
-                            q_out: q,
-                            k_out: kk,
-                            g: ws.gdn_g,
-                            beta: ws.gdn_beta,
-                            t,
-                            hk,
-                            hv,
-                        },
-                    )?;
-                    self.tick("gdn gates + l2norm")?;
-                    let v = ws.gdn_conv_out + b2(2 * kw);
-                    if n_pre > 0 {
-                        gdn_chunk::gdn_chunk(
-                            k,
-                            s,
-                            &gdn_chunk::GdnChunk {
-                                q,
-                                k: kk,
-                                v,
-                                v_stride: cc,
-                                g: ws.gdn_g,
-                                beta: ws.gdn_beta,
-                                state: rec_state,
-                                cu_seqlens: ws.cu_seqlens,
-                                slots: ws.slots,
-                                chunk_table: ws.chunk_table.ptr,
-                                n_chunks: sh.n_chunks,
-                                o: ws.gdn_core_out,
-                                workspace: ws.gdn_ws.ptr,
-                                workspace_bytes: ws.gdn_ws.bytes,
-                                n_seqs: n_pre,
-                                t: tp,
-                                hk,
-                                hv,
-                            },
-                        )?;
-                    }
-                    if n_dec > 0 {
-                        gdn_decode::gdn_decode(
-                            k,
-                            s,
-                            &gdn_decode::GdnDecode {
-                                q: q + b2(tp * kw),
-                                k: kk + b2(tp * kw),
-                                v: v + b2(tp * cc),
-                                v_stride: cc,
-                                g: ws.gdn_g + (4 * tp * hv) as u64,
-                                beta: ws.gdn_beta + (4 * tp * hv) as u64,
-                                state: rec_state,
-                                slots: ws.slots + 4 * n_pre as u64,
-                                o: ws.gdn_core_out + b2(tp * vw),
-                                n_seqs: n_dec,
-                                hk,
-                                hv,
-                            },
-                        )?;
-                    }
-                    self.tick("gdn core (chunked / decode)")?;
-                    norm::gated_rms_norm(k, s, ws.gdn_core_out, ws.gdn_z, vw, hv, gw.norm, ws.gdn_normed, t, dv, eps)?;
-                    self.proj(s, ws.gdn_normed, t, vw, &[po(&gw.out, ws.mixer_out, h)], false)?;
-                    self.tick("gdn gated norm + out GEMM")?;
-                }
-                (Mixer::Attn(aw), LayerCache::Attn(l)) => {
-                    let (nh, nkv, hd, ad, kvd) = (d.q_heads, d.kv_heads, d.head_dim, d.attn_dim, d.kv_dim);
-                    let outs = [po(&aw.q, ws.attn_qg, 2 * ad), po(&aw.k, ws.attn_k, kvd), po(&aw.v, ws.attn_v, kvd)];
-                    self.proj(s, ws.x_norm, t, h, &outs, false)?;
-                    self.tick("attn q/k/v GEMMs")?;
-                    norm::rms_norm_1p(k, s, ws.attn_qg, 2 * hd, aw.q_norm, ws.attn_qg, 2 * hd, t * nh, hd, eps)?;
-                    norm::rms_norm_1p(k, s, ws.attn_k, hd, aw.k_norm, ws.attn_k, hd, t * nkv, hd, eps)?;
-                    let theta = self.rope_theta;
-                    let rot = d.rotary_dim;
-                    ops::rope::rope_partial_strided(
-                        k,
-                        s,
-                        ws.attn_qg,
-                        2 * ad,
-                        2 * hd,
-                        ws.positions,
-                        t,
-                        nh,
-                        hd,
-                        rot,
-                        theta,
-                    )?;
-                    ops::rope::rope_partial(k, s, ws.attn_k, kvd, ws.positions, t, nkv, hd, rot, theta)?;
-                    let w = self.table_width;
-                    kv_quant::kv_write_layer(
-                        k,
-                        s,
-                        &kv_cache::KvWrite {
-                            k: ws.attn_k,
-                            k_stride: kvd,
-                            v: ws.attn_v,
-                            v_stride: kvd,
-                            k_cache: l.k.data,
-                            v_cache: l.v.data,
-                            block_tables: self.block_tables.ptr,
-                            max_blocks: w,
-                            cu_seqlens: ws.cu_seqlens,
-                            positions: ws.positions,
-                            n_seqs: n,
-                            t,
-                            page: self.page_size,
-                            kv_heads: nkv,
-                            head_dim: hd,
-                        },
-                        &l,
-                    )?;
-                    self.tick("attn norms + rope + kv write")?;
-                    let sc = l.scales();
-                    let kv = attention::KvPages {
-                        k_cache: l.k.data,
-                        v_cache: l.v.data,
-                        block_tables: self.block_tables.ptr,
-                        max_blocks: w,
-                        page: self.page_size,
-                        kv_heads: nkv,
-                    };
-                    let scale = 1.0 / (hd as f32).sqrt();
-                    if n_pre > 0 {
-                        attention::attn_prefill_q(
-                            k,
-                            s,
-                            &attention::AttnPrefill {
-                                q: ws.attn_qg,
-                                q_tok: 2 * ad,
-                                q_head: 2 * hd,
-                                o: ws.attn_out,
-                                kv,
-                                cu_seqlens: ws.cu_seqlens,
-                                seq_lens: ws.seq_lens,
-                                tile_table: ws.tile_table.ptr,
-                                n_tiles: sh.n_tiles,
-                                q_heads: nh,
-                                scale,
-                            },
-                            &sc,
-                        )?;
-                    }
-                    if n_dec > 0 {
-                        let kv =
-                            attention::KvPages { block_tables: self.block_tables.ptr + (4 * n_pre * w) as u64, ..kv };
-                        attention::attn_decode_q(
-                            k,
-                            s,
-                            &attention::AttnDecode {
-                                q: ws.attn_qg + b2(tp * 2 * ad),
-                                q_tok: 2 * ad,
-                                q_head: 2 * hd,
-                                o: ws.attn_out + b2(tp * ad),
-                                kv,
-                                seq_lens: ws.seq_lens + 4 * n_pre as u64,
-                                n_seqs: n_dec,
-                                q_heads: nh,
-                                n_split: self.decode_partitions,
-                                scratch: ws.attn_partials.ptr,
-                                scratch_bytes: ws.attn_partials.bytes,
-                                scale,
-                            },
-                            &sc,
-                        )?;
-                    }
-                    self.tick("attn core (prefill / decode)")?;
-                    elementwise::sigmoid_gate_mul(k, s, ws.attn_out, ws.attn_qg + b2(hd), t, nh, hd, 2 * ad, 2 * hd)?;
-                    self.proj(s, ws.attn_out, t, ad, &[po(&aw.o, ws.mixer_out, h)], false)?;
-                    self.tick("attn gate + o GEMM")?;
-                }
-                _ => return Err(CudaError::Plan(format!("layer {li}: weights and cache kinds differ"))),
-            }
-            self.all_reduce(ws.mixer_out, t * h)?;
-            norm::add_rms_norm_1p(
-                k,
-                s,
-                ws.mixer_out,
-                Some(ws.residual),
-                layer.post_norm,
-                Some(ws.residual),
-                ws.mlp_in,
-                t,
-                h,
-                eps,
-            )?;
-            self.tick("norms")?;
-            let i = d.intermediate;
-            self.proj(s, ws.mlp_in, t, h, &[po(&layer.gate_up, ws.mlp_gate_up, 2 * i)], false)?;
-            elementwise::swiglu(k, s, ws.mlp_gate_up, 2 * i, ws.mlp_gate_up + b2(i), 2 * i, ws.mlp_act, t, i)?;
-            self.proj(s, ws.mlp_act, t, i, &[po(&layer.down, ws.mlp_out, h)], false)?;
-            self.tick("MLP (GEMMs + SwiGLU)")?;
-            self.all_reduce(ws.mlp_out, t * h)?;
+            let cache = self.caches[li];
+            let gi = matches!(cache, LayerCache::Gdn { .. }).then_some(gdn_index);
+            self.layer(ws, layer, cache, li == 0, sh, gi, false)?;
+            gdn_index += usize::from(gi.is_some());
         }
-        if sh.n_logits > 0 {
+        if sh.n_logits > 0 || self.spec.is_some() {
             // Last residual add + final norm over every row (cheap), then gather the wanted rows.
             norm::add_rms_norm_1p(
                 k,
@@ -2211,14 +2282,599 @@ impl CudaBackend {
                 Some(ws.residual),
                 self.w.final_norm,
                 Some(ws.residual),
+                ws.final_normed,
+                t,
+                h,
+                eps,
+            )?;
+        }
+        if sh.n_logits > 0 {
+            embed::embed_gather(k, s, ws.final_normed, ws.last_idx, ws.final_hidden, sh.n_logits, h)?;
+            self.proj(s, ws.final_hidden, sh.n_logits, h, &[po(&self.w.lm_head, self.logits.ptr, d.vocab)], true)?;
+            self.tick("final norm + lm_head")?;
+        }
+        if let Some(sp) = &self.spec {
+            // The MTP head's cache entries of every row (row r: the hidden of row r − 1, or the slot's
+            // pending hidden for a chunk's first row), the verify rows' hidden for their commit, and
+            // each plain chunk's last hidden as its slot's new pending hidden.
+            let (pending, fin) = (self.states.ptr + sp.pending as u64, ws.final_normed);
+            mtp::shift_rows(k, s, fin, pending, ws.cu_seqlens, ws.slots, sh.n, sp.rows_in, t, h)?;
+            if sh.n_ver > 0 {
+                let r0 = sh.tp - sh.tv;
+                self.copy(Place::Dev(sp.verify_hidden), Place::Dev(fin + (2 * r0 * h) as u64), 2 * sh.tv * h)?;
+            }
+            mtp::scatter_rows(k, s, fin, sp.idx_at(0), pending, sp.idx_at(1), sh.n_pend, h)?;
+            self.mtp_forward(sh, sp.rows_in, true)?;
+            self.tick("MTP head cache")?;
+        }
+        Ok(())
+    }
+
+    /// One decoder layer over the step `sh`. Its input is `residual` (`first`) or `mlp_out +
+    /// residual`; its output is left in `mlp_out` (residual updated). `gdn_index`: the layer's index
+    /// among the DeltaNet layers (its verify trace). `kv_only` (attention layers): stop once the K/V
+    /// of the step's rows are in the cache (the MTP head's cache entries).
+    #[allow(clippy::too_many_arguments)]
+    fn layer(
+        &self,
+        ws: &Ws,
+        layer: &Layer,
+        cache: LayerCache,
+        first: bool,
+        sh: &StepShape,
+        gdn_index: Option<usize>,
+        kv_only: bool,
+    ) -> Result<(), CudaError> {
+        let (k, s, d) = (&self.k, self.rt.stream().as_ref(), &self.d);
+        let StepShape { t, n, n_pre, tp, tv, .. } = *sh;
+        let n_dec = n - n_pre;
+        let n_real = n_pre - sh.n_ver;
+        let h = d.hidden;
+        let eps = self.eps;
+        let b2 = |x: usize| (2 * x) as u64;
+        if first {
+            norm::add_rms_norm_1p(k, s, ws.residual, None, layer.input_norm, None, ws.x_norm, t, h, eps)?;
+        } else {
+            norm::add_rms_norm_1p(
+                k,
+                s,
+                ws.mlp_out,
+                Some(ws.residual),
+                layer.input_norm,
+                Some(ws.residual),
                 ws.x_norm,
                 t,
                 h,
                 eps,
             )?;
+        }
+        self.tick("norms")?;
+        match (&layer.mixer, cache) {
+            (Mixer::Gdn(gw), LayerCache::Gdn { rec, conv, .. }) => {
+                let (cc, vw, kw, hv, hk, dv) =
+                    (d.conv_channels, d.gdn_value_width, d.gdn_key_width, d.gdn_v_heads, d.gdn_k_heads, d.gdn_v_dim);
+                let rec_state = self.states.ptr + rec as u64;
+                let conv_state = self.states.ptr + conv as u64;
+                let outs = [po(&gw.qkv, ws.gdn_qkv, cc), po(&gw.z, ws.gdn_z, vw), po(&gw.ba, ws.gdn_ba, 2 * hv)];
+                self.proj(s, ws.x_norm, t, h, &outs, false)?;
+                self.tick("gdn in-proj GEMMs")?;
+                if n_pre > 0 {
+                    // Verify rows (the last n_ver sequences of the group) read the state, never write it.
+                    let cp = conv::ConvPrefill {
+                        x: ws.gdn_qkv,
+                        x_stride: cc,
+                        w: gw.conv,
+                        y: ws.gdn_conv_out,
+                        state: conv_state,
+                        cu_seqlens: ws.cu_seqlens,
+                        slots: ws.slots,
+                        n_seqs: n_pre,
+                        t: tp,
+                        channels: cc,
+                    };
+                    conv::conv_prefill_only(k, s, &cp)?;
+                    conv::conv_state_update(k, s, &cp, n_real, 0)?;
+                }
+                if n_dec > 0 {
+                    conv::conv_decode(
+                        k,
+                        s,
+                        ws.gdn_qkv + b2(tp * cc),
+                        cc,
+                        gw.conv,
+                        ws.gdn_conv_out + b2(tp * cc),
+                        conv_state,
+                        ws.slots + 4 * n_pre as u64,
+                        n_dec,
+                        cc,
+                    )?;
+                }
+                if let (true, Some(sp), Some(gi)) = (sh.n_ver > 0, &self.spec, gdn_index) {
+                    // The verify trace: this layer's in-projection rows of the verify group (qkv is dead
+                    // after the conv and ba after the gates: the plan lets later buffers reuse them).
+                    let r0 = tp - tv;
+                    let x_at = sp.trace_x + b2(gi * sp.rows * cc);
+                    let ba_at = sp.trace_ba + b2(gi * sp.rows * 2 * hv);
+                    self.copy(Place::Dev(x_at), Place::Dev(ws.gdn_qkv + b2(r0 * cc)), 2 * tv * cc)?;
+                    self.copy(Place::Dev(ba_at), Place::Dev(ws.gdn_ba + b2(r0 * 2 * hv)), 2 * tv * 2 * hv)?;
+                }
+                self.tick("gdn conv")?;
+                let (q, kk) = self.gdn_gates(gw, ws.gdn_ba, t)?;
+                self.tick("gdn gates + l2norm")?;
+                let v = ws.gdn_conv_out + b2(2 * kw);
+                if n_real > 0 {
+                    gdn_chunk::gdn_chunk(
+                        k,
+                        s,
+                        &gdn_chunk::GdnChunk {
+                            q,
+                            k: kk,
+                            v,
+                            v_stride: cc,
+                            g: ws.gdn_g,
+                            beta: ws.gdn_beta,
+                            state: rec_state,
+                            cu_seqlens: ws.cu_seqlens,
+                            slots: ws.slots,
+                            chunk_table: ws.chunk_table.ptr,
+                            n_chunks: sh.n_chunks,
+                            o: ws.gdn_core_out,
+                            workspace: ws.gdn_ws.ptr,
+                            workspace_bytes: ws.gdn_ws.bytes,
+                            n_seqs: n_real,
+                            t: tp - tv,
+                            hk,
+                            hv,
+                        },
+                    )?;
+                }
+                if sh.n_ver > 0 {
+                    // Verify rows: outputs from the committed state, which stays as it was.
+                    let dec = gdn_decode::GdnDecode {
+                        q,
+                        k: kk,
+                        v,
+                        v_stride: cc,
+                        g: ws.gdn_g,
+                        beta: ws.gdn_beta,
+                        state: rec_state,
+                        slots: ws.slots + 4 * n_real as u64,
+                        o: ws.gdn_core_out,
+                        n_seqs: sh.n_ver,
+                        hk,
+                        hv,
+                    };
+                    let starts = ws.cu_seqlens + 4 * n_real as u64;
+                    let r = gdn_decode::GdnRecurrent { d: dec, starts, lens: 0, write_state: false };
+                    gdn_decode::gdn_recurrent(k, s, &r)?;
+                }
+                if n_dec > 0 {
+                    gdn_decode::gdn_decode(
+                        k,
+                        s,
+                        &gdn_decode::GdnDecode {
+                            q: q + b2(tp * kw),
+                            k: kk + b2(tp * kw),
+                            v: v + b2(tp * cc),
+                            v_stride: cc,
+                            g: ws.gdn_g + (4 * tp * hv) as u64,
+                            beta: ws.gdn_beta + (4 * tp * hv) as u64,
+                            state: rec_state,
+                            slots: ws.slots + 4 * n_pre as u64,
+                            o: ws.gdn_core_out + b2(tp * vw),
+                            n_seqs: n_dec,
+                            hk,
+                            hv,
+                        },
+                    )?;
+                }
+                self.tick("gdn core (chunked / decode)")?;
+                norm::gated_rms_norm(k, s, ws.gdn_core_out, ws.gdn_z, vw, hv, gw.norm, ws.gdn_normed, t, dv, eps)?;
+                self.proj(s, ws.gdn_normed, t, vw, &[po(&gw.out, ws.mixer_out, h)], false)?;
+                self.tick("gdn gated norm + out GEMM")?;
+            }
+            (Mixer::Attn(aw), LayerCache::Attn(l)) => {
+                let (nh, nkv, hd, ad, kvd) = (d.q_heads, d.kv_heads, d.head_dim, d.attn_dim, d.kv_dim);
+                let outs = [po(&aw.q, ws.attn_qg, 2 * ad), po(&aw.k, ws.attn_k, kvd), po(&aw.v, ws.attn_v, kvd)];
+                self.proj(s, ws.x_norm, t, h, &outs, false)?;
+                self.tick("attn q/k/v GEMMs")?;
+                norm::rms_norm_1p(k, s, ws.attn_qg, 2 * hd, aw.q_norm, ws.attn_qg, 2 * hd, t * nh, hd, eps)?;
+                norm::rms_norm_1p(k, s, ws.attn_k, hd, aw.k_norm, ws.attn_k, hd, t * nkv, hd, eps)?;
+                let theta = self.rope_theta;
+                let rot = d.rotary_dim;
+                ops::rope::rope_partial_strided(k, s, ws.attn_qg, 2 * ad, 2 * hd, ws.positions, t, nh, hd, rot, theta)?;
+                ops::rope::rope_partial(k, s, ws.attn_k, kvd, ws.positions, t, nkv, hd, rot, theta)?;
+                let w = self.table_width;
+                kv_quant::kv_write_layer(
+                    k,
+                    s,
+                    &kv_cache::KvWrite {
+                        k: ws.attn_k,
+                        k_stride: kvd,
+                        v: ws.attn_v,
+                        v_stride: kvd,
+                        k_cache: l.k.data,
+                        v_cache: l.v.data,
+                        block_tables: self.block_tables.ptr,
+                        max_blocks: w,
+                        cu_seqlens: ws.cu_seqlens,
+                        positions: ws.positions,
+                        n_seqs: n,
+                        t,
+                        page: self.page_size,
+                        kv_heads: nkv,
+                        head_dim: hd,
+                    },
+                    &l,
+                )?;
+                self.tick("attn norms + rope + kv write")?;
+                if kv_only {
+                    return Ok(());
+                }
+                let sc = l.scales();
+                let kv = attention::KvPages {
+                    k_cache: l.k.data,
+                    v_cache: l.v.data,
+                    block_tables: self.block_tables.ptr,
+                    max_blocks: w,
+                    page: self.page_size,
+                    kv_heads: nkv,
+                };
+                let scale = 1.0 / (hd as f32).sqrt();
+                // The prefill kernel's tiles: the prefill chunks and the short-context verify chunks.
+                if sh.n_tiles > 0 {
+                    attention::attn_prefill_q(
+                        k,
+                        s,
+                        &attention::AttnPrefill {
+                            q: ws.attn_qg,
+                            q_tok: 2 * ad,
+                            q_head: 2 * hd,
+                            o: ws.attn_out,
+                            kv,
+                            cu_seqlens: ws.cu_seqlens,
+                            seq_lens: ws.seq_lens,
+                            tile_table: ws.tile_table.ptr,
+                            n_tiles: sh.n_tiles,
+                            q_heads: nh,
+                            scale,
+                        },
+                        &sc,
+                    )?;
+                }
+                let dec = attention::AttnDecode {
+                    q: ws.attn_qg + b2(tp * 2 * ad),
+                    q_tok: 2 * ad,
+                    q_head: 2 * hd,
+                    o: ws.attn_out + b2(tp * ad),
+                    kv: attention::KvPages { block_tables: self.block_tables.ptr + (4 * n_pre * w) as u64, ..kv },
+                    seq_lens: ws.seq_lens + 4 * n_pre as u64,
+                    table_rows: 0,
+                    n_seqs: n_dec,
+                    q_heads: nh,
+                    n_split: self.decode_partitions,
+                    scratch: ws.attn_partials.ptr,
+                    scratch_bytes: ws.attn_partials.bytes,
+                    scale,
+                };
+                if let (true, Some(sp)) = (sh.tvd > 0, &self.spec) {
+                    // Long-context verify rows as decode queries (split-K over the keys: a few queries
+                    // over a long context), each with its causal length and its chunk's block-table row.
+                    let r0 = tp - sh.tvd;
+                    let a = attention::AttnDecode {
+                        q: ws.attn_qg + b2(r0 * 2 * ad),
+                        o: ws.attn_out + b2(r0 * ad),
+                        kv,
+                        seq_lens: sp.idx_at(7),
+                        table_rows: sp.idx_at(8),
+                        n_seqs: sh.tvd,
+                        scratch: sp.partials.ptr,
+                        scratch_bytes: sp.partials.bytes,
+                        ..dec
+                    };
+                    attention::attn_decode_q(k, s, &a, &sc)?;
+                }
+                if n_dec > 0 {
+                    attention::attn_decode_q(k, s, &dec, &sc)?;
+                }
+                self.tick("attn core (prefill / decode)")?;
+                elementwise::sigmoid_gate_mul(k, s, ws.attn_out, ws.attn_qg + b2(hd), t, nh, hd, 2 * ad, 2 * hd)?;
+                self.proj(s, ws.attn_out, t, ad, &[po(&aw.o, ws.mixer_out, h)], false)?;
+                self.tick("attn gate + o GEMM")?;
+            }
+            _ => return Err(CudaError::Plan("a layer's weights and cache kinds differ".into())),
+        }
+        self.all_reduce(ws.mixer_out, t * h)?;
+        norm::add_rms_norm_1p(
+            k,
+            s,
+            ws.mixer_out,
+            Some(ws.residual),
+            layer.post_norm,
+            Some(ws.residual),
+            ws.mlp_in,
+            t,
+            h,
+            eps,
+        )?;
+        self.tick("norms")?;
+        let i = d.intermediate;
+        self.proj(s, ws.mlp_in, t, h, &[po(&layer.gate_up, ws.mlp_gate_up, 2 * i)], false)?;
+        elementwise::swiglu(k, s, ws.mlp_gate_up, 2 * i, ws.mlp_gate_up + b2(i), 2 * i, ws.mlp_act, t, i)?;
+        self.proj(s, ws.mlp_act, t, i, &[po(&layer.down, ws.mlp_out, h)], false)?;
+        self.tick("MLP (GEMMs + SwiGLU)")?;
+        self.all_reduce(ws.mlp_out, t * h)?;
+        Ok(())
+    }
+
+    /// A DeltaNet layer's gates and normalised q, k of `t` rows: from the conv output (`gdn_conv_out`)
+    /// and the in-projection rows `ba` (`[t, 2·Hv]`: b then a); returns the (q, k) buffers. g and beta
+    /// land in `gdn_g` / `gdn_beta`.
+    fn gdn_gates(&self, gw: &GdnLayer, ba: u64, t: usize) -> Result<(u64, u64), CudaError> {
+        let (ws, d) = (&self.ws, &self.d);
+        let (hv, kw) = (d.gdn_v_heads, d.gdn_key_width);
+        let (q, kk) = (ws.gdn_qk, ws.gdn_qk + (2 * t * kw) as u64);
+        let gate = gdn_gate::GdnGate {
+            qk: ws.gdn_conv_out,
+            qk_stride: d.conv_channels,
+            b: ba,
+            b_stride: 2 * hv,
+            a: ba + (2 * hv) as u64,
+            a_stride: 2 * hv,
+            a_log: gw.a_log,
+            dt_bias: gw.dt_bias,
+            q_out: q,
+            k_out: kk,
+            g: ws.gdn_g,
+            beta: ws.gdn_beta,
+            t,
+            hk: d.gdn_k_heads,
+            hv,
+        };
+        gdn_gate::gdn_gate(&self.k, self.rt.stream().as_ref(), &gate)?;
+        Ok((q, kk))
+    }
+
+    /// Drafts with the MTP head for the speculative chunks of `batch` (draft step i runs every chunk
+    /// with more than i drafts at position `start + i`): returns each chunk's drafts (empty for plain
+    /// chunks), picked by `pick` from the head's logits.
+    fn draft(&mut self, batch: &StepBatch, pick: &mut DraftPicker<'_>) -> Result<Vec<Vec<u32>>, BackendError> {
+        let dev = |e: CudaError| BackendError::Device(e.to_string());
+        let mut order: Vec<usize> = (0..batch.seqs.len()).filter(|&i| batch.seqs[i].draft > 0).collect();
+        // Longest first: the chunks of draft step i are the first rows of step i − 1.
+        order.sort_by_key(|&i| std::cmp::Reverse(batch.seqs[i].draft));
+        let mut out = vec![Vec::new(); batch.seqs.len()];
+        let Some(&first) = order.first() else { return Ok(out) };
+        let (w, v, h, ps) = (self.table_width, self.d.vocab, self.d.hidden, self.page_size);
+        let mut tables = vec![0i32; order.len() * w];
+        let mut slots = Vec::with_capacity(order.len());
+        for (r, &i) in order.iter().enumerate() {
+            let c = &batch.seqs[i];
+            for (j, &p) in c.pages[..(c.start + c.draft).div_ceil(ps)].iter().enumerate() {
+                tables[r * w + j] = p as i32;
+            }
+            slots.push(c.slot as i32);
+        }
+        let (ws_slots, ws_last) = (self.ws.slots, self.ws.last_idx);
+        let all: Vec<i32> = (0..order.len() as i32).collect();
+        (|| -> Result<(), CudaError> {
+            self.upload_i32(self.block_tables.ptr, &tables)?;
+            self.upload_i32(ws_slots, &slots)?;
+            self.upload_i32(ws_last, &all)
+        })()
+        .map_err(dev)?;
+        let mut rows = vec![0f32; order.len() * v];
+        for i in 0..batch.seqs[first].draft {
+            let m = order.iter().take_while(|&&j| batch.seqs[j].draft > i).count();
+            let (mut ids, mut pos, mut lens) = (Vec::with_capacity(m), Vec::with_capacity(m), Vec::with_capacity(m));
+            for &j in &order[..m] {
+                let c = &batch.seqs[j];
+                ids.push(if i == 0 { c.tokens[0] } else { out[j][i - 1] } as i32);
+                pos.push((c.start + i) as i32);
+                lens.push((c.start + i + 1) as i32);
+            }
+            let cu: Vec<i32> = (0..=m as i32).collect();
+            let shape = StepShape {
+                t: m,
+                n: m,
+                n_pre: 0,
+                tp: 0,
+                n_ver: 0,
+                tv: 0,
+                tvd: 0,
+                n_chunks: 0,
+                n_tiles: 0,
+                n_logits: m,
+                n_pend: 0,
+            };
+            let sp = self.spec.as_ref().ok_or_else(|| BackendError::Unsupported("speculative decoding".into()))?;
+            let (ws, k, s) = (&self.ws, &self.k, self.rt.stream().as_ref());
+            (|| -> Result<(), CudaError> {
+                self.upload_i32(ws.token_ids, &ids)?;
+                self.upload_i32(ws.positions, &pos)?;
+                self.upload_i32(ws.cu_seqlens, &cu)?;
+                self.upload_i32(ws.seq_lens, &lens)?;
+                // Draft 0 continues from the slot's pending hidden; later drafts from the head's own rows.
+                let hidden_in = if i == 0 {
+                    let pending = self.states.ptr + sp.pending as u64;
+                    mtp::shift_rows(k, s, sp.rows_in, pending, ws.cu_seqlens, ws.slots, m, sp.rows_in, m, h)?;
+                    sp.rows_in
+                } else {
+                    sp.draft_hidden
+                };
+                self.mtp_forward(&shape, hidden_in, false)?;
+                self.copy(Place::Dev(sp.draft_hidden), Place::Dev(sp.ws.x_norm), 2 * m * h)?;
+                self.rt.download(&mut rows[..m * v], self.logits.ptr)
+            })()
+            .map_err(dev)?;
+            for (r, &j) in order[..m].iter().enumerate() {
+                let c = &batch.seqs[j];
+                let t = pick(c.seq_id, i, &rows[r * v..(r + 1) * v]);
+                if t as usize >= v {
+                    return Err(BackendError::InvalidStep(format!(
+                        "seq {}: draft token {t} outside the vocabulary",
+                        c.seq_id
+                    )));
+                }
+                out[j].push(t);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Checks a step's speculative chunks: one decode token after the prompt, 1..=max_draft drafts,
+    /// pages for every verified position.
+    fn check_speculative(&self, batch: &StepBatch) -> Result<(), BackendError> {
+        let max_draft = self.spec.as_ref().map_or(0, |sp| sp.max_draft);
+        for c in batch.seqs.iter().filter(|c| c.draft > 0) {
+            if max_draft == 0 {
+                return Err(BackendError::Unsupported(format!(
+                    "speculative decoding (backend {} was started without --speculative-tokens)",
+                    self.name()
+                )));
+            }
+            if c.draft > max_draft || c.tokens.len() != 1 || c.start == 0 {
+                return Err(BackendError::InvalidStep(format!(
+                    "seq {}: a speculative chunk is one decode token after the prompt with 1..={max_draft} drafts \
+                     (got {} tokens at {} with {} drafts)",
+                    c.seq_id,
+                    c.tokens.len(),
+                    c.start,
+                    c.draft
+                )));
+            }
+            let need = (c.start + 1 + c.draft).div_ceil(self.page_size);
+            if c.pages.len() < need
+                || need > self.table_width
+                || c.pages[..need].iter().any(|&p| p as usize >= self.num_pages)
+            {
+                return Err(BackendError::InvalidStep(format!(
+                    "seq {}: pages do not cover {} positions",
+                    c.seq_id,
+                    c.start + 1 + c.draft
+                )));
+            }
+            if c.slot as usize >= self.num_slots || c.tokens[0] as usize >= self.d.vocab {
+                return Err(BackendError::InvalidStep(format!("seq {}: slot or token out of range", c.seq_id)));
+            }
+        }
+        Ok(())
+    }
+
+    /// Advances the committed DeltaNet state of each commit by its accepted rows of the last verify
+    /// (conv and gates recomputed from the trace, the recurrence with write-back: decode's arithmetic)
+    /// and sets its slot's pending hidden to the main model's row of its last accepted position.
+    fn commit(&mut self, commits: &[SpecCommit]) -> Result<(), BackendError> {
+        let inv = |m: String| BackendError::InvalidStep(m);
+        let Some(sp) = self.spec.as_mut() else {
+            return Err(BackendError::Unsupported(format!("speculative decoding (backend {})", self.name())));
+        };
+        let (mut starts, mut lens, mut slots, mut hid) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for c in commits {
+            let Some(i) = sp.verified.iter().position(|v| v.seq_id == c.seq_id && v.slot == c.slot) else {
+                return Err(inv(format!("seq {}: no speculative chunk to commit", c.seq_id)));
+            };
+            let v = sp.verified.swap_remove(i);
+            if c.start != v.start || c.accepted == 0 || c.accepted > v.n {
+                return Err(inv(format!(
+                    "seq {}: commit of {} positions at {} does not match the verified chunk ({} positions at {})",
+                    c.seq_id, c.accepted, c.start, v.n, v.start
+                )));
+            }
+            starts.push(v.row0 as i32);
+            lens.push(c.accepted as i32);
+            slots.push(c.slot as i32);
+            hid.push((v.row0 + c.accepted - 1) as i32);
+        }
+        let n = commits.len();
+        let sp = self.spec.as_ref().ok_or_else(|| inv("no speculation".into()))?;
+        let (k, s, ws, d) = (&self.k, self.rt.stream().as_ref(), &self.ws, &self.d);
+        let (cc, hv, kw) = (d.conv_channels, d.gdn_v_heads, d.gdn_key_width);
+        let tv = *sp.verify_cu.last().unwrap_or(&0) as usize;
+        let b2 = |x: usize| (2 * x) as u64;
+        let run = || -> Result<(), CudaError> {
+            self.rt.context().bind_to_thread().map_err(CudaError::driver("cuCtxSetCurrent"))?;
+            for (at, v) in [(0, &hid), (1, &slots), (2, &starts), (3, &lens), (4, &slots)] {
+                self.upload_i32(sp.idx_at(at), v)?;
+            }
+            self.upload_i32(sp.idx_at(5), &sp.verify_cu)?;
+            self.upload_i32(sp.idx_at(6), &sp.verify_slots)?;
+            let gdn = self.w.layers.iter().zip(&self.caches).filter_map(|(l, c)| match (&l.mixer, *c) {
+                (Mixer::Gdn(gw), LayerCache::Gdn { rec, conv, .. }) => Some((gw, rec, conv)),
+                _ => None,
+            });
+            for (gi, (gw, rec, conv)) in gdn.enumerate() {
+                let x = sp.trace_x + b2(gi * sp.rows * cc);
+                let ba = sp.trace_ba + b2(gi * sp.rows * 2 * hv);
+                let conv_state = self.states.ptr + conv as u64;
+                let mut cp = conv::ConvPrefill {
+                    x,
+                    x_stride: cc,
+                    w: gw.conv,
+                    y: ws.gdn_conv_out,
+                    state: conv_state,
+                    cu_seqlens: sp.idx_at(5),
+                    slots: sp.idx_at(6),
+                    n_seqs: sp.verify_slots.len(),
+                    t: tv,
+                    channels: cc,
+                };
+                conv::conv_prefill_only(k, s, &cp)?;
+                let (q, kk) = self.gdn_gates(gw, ba, tv)?;
+                let dec = gdn_decode::GdnDecode {
+                    q,
+                    k: kk,
+                    v: ws.gdn_conv_out + b2(2 * kw),
+                    v_stride: cc,
+                    g: ws.gdn_g,
+                    beta: ws.gdn_beta,
+                    state: self.states.ptr + rec as u64,
+                    slots: sp.idx_at(4),
+                    o: ws.gdn_core_out,
+                    n_seqs: n,
+                    hk: d.gdn_k_heads,
+                    hv,
+                };
+                let r =
+                    gdn_decode::GdnRecurrent { d: dec, starts: sp.idx_at(2), lens: sp.idx_at(3), write_state: true };
+                gdn_decode::gdn_recurrent(k, s, &r)?;
+                cp.cu_seqlens = sp.idx_at(2);
+                cp.slots = sp.idx_at(4);
+                cp.n_seqs = n;
+                conv::conv_state_update(k, s, &cp, n, sp.idx_at(3))?;
+            }
+            let pending = self.states.ptr + sp.pending as u64;
+            mtp::scatter_rows(k, s, sp.verify_hidden, sp.idx_at(0), pending, sp.idx_at(1), n, d.hidden)?;
+            self.rt.synchronize()
+        };
+        run().map_err(|e| BackendError::Device(e.to_string()))
+    }
+
+    /// The MTP head over the step's rows (inputs uploaded for `sh`): row r combines `hidden_in` row r
+    /// (`[t, hidden]` bf16) with the embedding of token r at its position. `kv_only`: only the head's
+    /// cache entries are written; else its post-norm rows end in `x_norm` and the logits of the rows
+    /// `last_idx[..n_logits]` in the logits region.
+    fn mtp_forward(&self, sh: &StepShape, hidden_in: u64, kv_only: bool) -> Result<(), CudaError> {
+        let (k, s, d) = (&self.k, self.rt.stream().as_ref(), &self.d);
+        let (Some(sp), Some(m)) = (&self.spec, &self.w.mtp) else {
+            return Err(CudaError::Plan("the MTP head is not loaded".into()));
+        };
+        let (t, h, eps) = (sh.t, d.hidden, self.eps);
+        let ws = &sp.ws;
+        // fc input rows: [normed embedding | normed hidden].
+        let cat = sp.cat;
+        embed::embed_gather(k, s, self.w.embed, ws.token_ids, ws.residual, t, h)?;
+        norm::rms_norm_1p(k, s, ws.residual, h, m.pre_fc_norm_embedding, cat, 2 * h, t, h, eps)?;
+        norm::rms_norm_1p(k, s, hidden_in, h, m.pre_fc_norm_hidden, cat + (2 * h) as u64, 2 * h, t, h, eps)?;
+        self.proj(s, cat, t, 2 * h, &[po(&m.fc, ws.residual, h)], false)?;
+        self.layer(ws, &m.layer, LayerCache::Attn(sp.kv), true, sh, None, kv_only)?;
+        if kv_only {
+            return Ok(());
+        }
+        norm::add_rms_norm_1p(k, s, ws.mlp_out, Some(ws.residual), m.norm, Some(ws.residual), ws.x_norm, t, h, eps)?;
+        if sh.n_logits > 0 {
             embed::embed_gather(k, s, ws.x_norm, ws.last_idx, ws.final_hidden, sh.n_logits, h)?;
             self.proj(s, ws.final_hidden, sh.n_logits, h, &[po(&self.w.lm_head, self.logits.ptr, d.vocab)], true)?;
-            self.tick("final norm + lm_head")?;
         }
         Ok(())
     }
@@ -2243,13 +2899,22 @@ enum StepOut<'a> {
 
 #[derive(Clone, Copy, Debug)]
 struct StepShape {
+    /// Rows (tokens) and sequences of the step.
     t: usize,
     n: usize,
+    /// The multi-token group (first): its sequences and rows; the verify chunks of speculative
+    /// decoding are its last `n_ver` sequences (`tv` rows).
     n_pre: usize,
     tp: usize,
+    n_ver: usize,
+    tv: usize,
+    /// The last `tvd` verify rows attend as decode queries (long contexts).
+    tvd: usize,
     n_chunks: usize,
     n_tiles: usize,
     n_logits: usize,
+    /// Pending-hidden stores (speculative decoding): entries of the index arrays.
+    n_pend: usize,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -2270,6 +2935,59 @@ impl Backend for CudaBackend {
 
     fn step(&mut self, batch: &StepBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
         self.step_to(batch, StepOut::Logits(logits))
+    }
+
+    fn max_draft_tokens(&self) -> usize {
+        self.spec.as_ref().map_or(0, |sp| sp.max_draft)
+    }
+
+    /// Drafts with the MTP head (one head forward per draft position, its logits picked on the host),
+    /// then one forward of the main model over every chunk, speculative chunks as short prefills whose
+    /// DeltaNet state stays committed (see [`Spec`]).
+    fn step_speculative(
+        &mut self,
+        batch: &StepBatch,
+        pick: &mut DraftPicker<'_>,
+        logits: &mut Vec<f32>,
+        drafts: &mut Vec<Vec<u32>>,
+    ) -> Result<(), BackendError> {
+        if !batch.seqs.iter().any(|c| c.draft > 0) {
+            return self.step(batch, logits);
+        }
+        self.check_speculative(batch)?;
+        let dev = |e: CudaError| BackendError::Device(e.to_string());
+        self.rt.context().bind_to_thread().map_err(|e| BackendError::Device(e.to_string()))?;
+        if let Some(sp) = &mut self.spec {
+            sp.verified.clear();
+        }
+        for op in &batch.pre {
+            self.apply(op)?;
+        }
+        let t0 = std::time::Instant::now();
+        let mut dtoks = self.draft(batch, pick)?;
+        if let Some(sp) = &mut self.spec {
+            sp.draft_s = t0.elapsed().as_secs_f64();
+        }
+        let verify: Vec<bool> = batch.seqs.iter().map(|c| c.draft > 0).collect();
+        let mut ex = StepBatch { pre: Vec::new(), seqs: batch.seqs.clone(), post: Vec::new() };
+        for (c, d) in ex.seqs.iter_mut().zip(&dtoks) {
+            c.tokens.extend_from_slice(d);
+            c.draft = 0;
+        }
+        self.run_chunks(&ex, &verify, StepOut::Logits(logits))?;
+        for op in &batch.post {
+            self.apply(op)?;
+        }
+        self.rt.synchronize().map_err(dev)?;
+        drafts.extend(verify.iter().zip(dtoks.iter_mut()).filter(|(v, _)| **v).map(|(_, d)| std::mem::take(d)));
+        Ok(())
+    }
+
+    fn commit_speculative(&mut self, commits: &[SpecCommit]) -> Result<(), BackendError> {
+        if commits.is_empty() {
+            return Ok(());
+        }
+        self.commit(commits)
     }
 
     /// The argmax of each wanted row on the GPU; 4 bytes a row come back instead of the row. (A

@@ -54,7 +54,12 @@ pub const SOURCES: &[KernelSource] = &[
         src: include_str!("../kernels/gdn_chunk.cu"),
         functions: &["gdn_chunk_prep", "gdn_chunk_state"],
     },
-    KernelSource { module: "gdn_decode", src: include_str!("../kernels/gdn_decode.cu"), functions: &["gdn_decode"] },
+    KernelSource {
+        module: "gdn_decode",
+        src: include_str!("../kernels/gdn_decode.cu"),
+        functions: &["gdn_decode", "gdn_recurrent"],
+    },
+    KernelSource { module: "mtp", src: include_str!("../kernels/mtp.cu"), functions: &["shift_rows", "scatter_rows"] },
     KernelSource { module: "gemv", src: include_str!("../kernels/gemv.cu"), functions: &["gemv_bf16"] },
     KernelSource {
         module: "w4a16",

@@ -160,6 +160,7 @@ fn bench_attn_prefill_27b() {
         let lens = vec![ctx as i32; b];
         rt.upload(lens_p, &lens).unwrap();
         let a = AttnDecode {
+            table_rows: 0,
             q,
             q_tok,
             q_head: 2 * HD,

@@ -101,6 +101,27 @@ enum Op {
         hk: usize,
         hv: usize,
     },
+    /// gdn_recurrent over `lens` rows per sequence: verify (`accept` None: outputs of every row, the
+    /// state bit-untouched) or commit of the first `accept[b]` rows (the state against the oracle, and
+    /// bit-equal to gdn_decode run token by token over those rows).
+    GdnRecurrent {
+        lens: Vec<usize>,
+        accept: Option<Vec<usize>>,
+        hk: usize,
+        hv: usize,
+    },
+    /// conv_state_update over the first `accept[b]` of `lens[b]` rows (speculative commit): bit-exact
+    /// against the oracle's window shift.
+    ConvAccept {
+        lens: Vec<usize>,
+        accept: Vec<usize>,
+        c: usize,
+    },
+    /// shift_rows (each row's previous row, or its slot's pending row) and scatter_rows: bit-exact.
+    MtpRows {
+        lens: Vec<usize>,
+        d: usize,
+    },
     /// (past, new) per sequence: kv_write of all positions, then prefill attention of the new.
     AttnPrefill {
         seqs: Vec<(usize, usize)>,
@@ -259,6 +280,17 @@ fn cases() -> Vec<Case> {
         c("gdn_chunk", q, gdn_op(&[129, 1, 64, 200], 16, 48, BF16), GDN_BF16),
         c("gdn_chunk", q, gdn_op(&[1000], 16, 48, BF16), GDN_BF16),
         c("gdn_decode", q, Op::GdnDecode { b: 7, hk: 16, hv: 48 }, ACCUM),
+        c("gdn_recurrent", q, Op::GdnRecurrent { lens: vec![3, 1, 5, 2], accept: None, hk: 16, hv: 48 }, ACCUM),
+        c(
+            "gdn_recurrent",
+            q,
+            Op::GdnRecurrent { lens: vec![3, 1, 5, 2], accept: Some(vec![2, 1, 5, 1]), hk: 16, hv: 48 },
+            ACCUM,
+        ),
+        c("gdn_recurrent", GDN32, Op::GdnRecurrent { lens: vec![4, 2], accept: Some(vec![3, 2]), hk: 2, hv: 6 }, ACCUM),
+        c("conv_state_update", q, Op::ConvAccept { lens: vec![3, 1, 5, 2], accept: vec![2, 1, 5, 1], c: 10240 }, EXACT),
+        c("mtp_rows", q, Op::MtpRows { lens: vec![3, 1, 5, 2], d: 5120 }, EXACT),
+        c("mtp_rows", q, Op::MtpRows { lens: vec![1, 2], d: 36 }, EXACT),
         c("kv_write+attn_prefill", q, Op::AttnPrefill { seqs: vec![(0, 1)], hq: 24, hkv: 4, page: 16 }, ACCUM),
         c(
             "kv_write+attn_prefill",
@@ -768,8 +800,85 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
                 compare("beta", &rbeta, &d.get_f32(bo, rbeta.len())?, tol),
             ]
         }
-        Op::GdnChunk { lens, hk, hv, prec } => gdn_case(k, &s, d, rng, &lens, hk, hv, tol, Some(prec))?,
-        Op::GdnDecode { b, hk, hv } => gdn_case(k, &s, d, rng, &vec![1; b], hk, hv, tol, None)?,
+        Op::GdnChunk { lens, hk, hv, prec } => gdn_case(k, &s, d, rng, &lens, hk, hv, tol, GdnMode::Chunked(prec))?,
+        Op::GdnDecode { b, hk, hv } => gdn_case(k, &s, d, rng, &vec![1; b], hk, hv, tol, GdnMode::Decode)?,
+        Op::GdnRecurrent { lens, accept, hk, hv } => {
+            gdn_case(k, &s, d, rng, &lens, hk, hv, tol, GdnMode::Recurrent(accept))?
+        }
+        Op::ConvAccept { lens, accept, c } => {
+            let kw = k.dims.conv_kernel;
+            let t: usize = lens.iter().sum();
+            let nb = lens.len();
+            let x = randv(rng, t * c, 2.0);
+            let n = (kw - 1) * c;
+            let st0 = randv(rng, (nb + 1) * n, 2.0);
+            let slots: Vec<i32> = (1..=nb as i32).rev().collect();
+            let cu = cu_of(&lens);
+            let acc: Vec<i32> = accept.iter().map(|&a| a as i32).collect();
+            let (xp, sp, cup, slp, ap) = (d.bf16(&x)?, d.bf16(&st0)?, d.i32s(&cu)?, d.i32s(&slots)?, d.i32s(&acc)?);
+            let a = conv::ConvPrefill {
+                x: xp,
+                x_stride: c,
+                w: 0,
+                y: 0,
+                state: sp,
+                cu_seqlens: cup,
+                slots: slp,
+                n_seqs: nb,
+                t,
+                channels: c,
+            };
+            conv::conv_state_update(k, &s, &a, nb, ap)?;
+            // The oracle: the last kw − 1 rows of (state ++ accepted rows).
+            let mut rs: Vec<f32> = st0.iter().map(|&v| rb(v)).collect();
+            for (b, &sl) in slots.iter().enumerate() {
+                let old = &rs[sl as usize * n..][..n].to_vec();
+                let mut rows: Vec<&[f32]> = old.chunks_exact(c).collect();
+                rows.extend(x[cu[b] as usize * c..][..accept[b] * c].chunks_exact(c));
+                let new: Vec<f32> =
+                    rows[rows.len() - (kw - 1)..].iter().flat_map(|r| r.iter().map(|&v| rb(v))).collect();
+                rs[sl as usize * n..][..n].copy_from_slice(&new);
+            }
+            vec![compare("state", &rs, &d.get_bf16(sp, rs.len())?, tol)]
+        }
+        Op::MtpRows { lens, d: dim } => {
+            let t: usize = lens.iter().sum();
+            let nb = lens.len();
+            let x = randv(rng, t * dim, 2.0);
+            let pend = randv(rng, (nb + 2) * dim, 2.0);
+            // The last sequence is decode-graph padding (slot −1: zero rows).
+            let slots: Vec<i32> = (0..nb).map(|b| if b + 1 == nb { -1 } else { (nb - b) as i32 }).collect();
+            let cu = cu_of(&lens);
+            let (xp, pp, cup, slp, yp) =
+                (d.bf16(&x)?, d.bf16(&pend)?, d.i32s(&cu)?, d.i32s(&slots)?, d.poison(2 * t * dim)?);
+            ops::mtp::shift_rows(k, &s, xp, pp, cup, slp, nb, yp, t, dim)?;
+            let mut ry = Vec::with_capacity(t * dim);
+            for (b, &len) in lens.iter().enumerate() {
+                for i in 0..len {
+                    let r = cu[b] as usize + i;
+                    let row: Vec<f32> = if slots[b] < 0 {
+                        vec![0.0; dim]
+                    } else if i == 0 {
+                        pend[slots[b] as usize * dim..][..dim].to_vec()
+                    } else {
+                        x[(r - 1) * dim..][..dim].to_vec()
+                    };
+                    ry.extend(row.iter().map(|&v| rb(v)));
+                }
+            }
+            let shifted = compare("shift", &ry, &d.get_bf16(yp, t * dim)?, tol);
+            // Scatter each sequence's last row to its slot (−1 rows skipped).
+            let rows: Vec<i32> = (0..nb).map(|b| cu[b + 1] - 1).collect();
+            ops::mtp::scatter_rows(k, &s, xp, d.i32s(&rows)?, pp, slp, nb, dim)?;
+            let mut rp: Vec<f32> = pend.iter().map(|&v| rb(v)).collect();
+            for b in 0..nb {
+                if slots[b] >= 0 {
+                    let src: Vec<f32> = x[rows[b] as usize * dim..][..dim].iter().map(|&v| rb(v)).collect();
+                    rp[slots[b] as usize * dim..][..dim].copy_from_slice(&src);
+                }
+            }
+            vec![shifted, compare("scatter", &rp, &d.get_bf16(pp, rp.len())?, tol)]
+        }
         Op::AttnPrefill { seqs, hq, hkv, page } => attn_case(k, &s, d, rng, &seqs, hq, hkv, page, None, tol)?,
         Op::AttnDecode { lens, hq, hkv, page, n_split } => {
             let seqs: Vec<(usize, usize)> = lens.iter().map(|&l| (l - 1, 1)).collect();
@@ -833,9 +942,17 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
     Ok(out)
 }
 
+/// Which DeltaNet core kernel [`gdn_case`] runs.
+enum GdnMode {
+    Chunked(gdn_chunk::Precision),
+    /// One token per sequence.
+    Decode,
+    /// gdn_recurrent: verify (None) or commit of the first `accept[b]` rows.
+    Recurrent(Option<Vec<usize>>),
+}
+
 /// DeltaNet core: random normalised q/k (as gdn_gate writes them), v, g, beta and a random
-/// carried state in shuffled slots; chunked prefill with `chunked` precision (None: decode) vs
-/// cpu::gdn::gdn_recurrent.
+/// carried state in shuffled slots; the `mode`'s kernel vs cpu::gdn::gdn_recurrent.
 #[allow(clippy::too_many_arguments)]
 fn gdn_case(
     k: &Kernels,
@@ -846,7 +963,7 @@ fn gdn_case(
     hk: usize,
     hv: usize,
     tol: Tol,
-    chunked: Option<gdn_chunk::Precision>,
+    mode: GdnMode,
 ) -> R<Vec<Outcome>> {
     let (dk, dv) = (k.dims.gdn_k_dim, k.dims.gdn_v_dim);
     let t: usize = lens.iter().sum();
@@ -874,7 +991,13 @@ fn gdn_case(
     let cu = cu_of(lens);
     let (qp, kp, vp, gp, bp) = (d.bf16(&q)?, d.bf16(&kk)?, d.bf16(&vrow)?, d.f32s(&g)?, d.f32s(&beta)?);
     let (sp, cup, slp, op) = (d.f32s(&st_dev)?, d.i32s(&cu)?, d.i32s(&slots)?, d.poison(2 * t * hv * dv)?);
-    if let Some(prec) = chunked {
+    let mut extra = Vec::new();
+    // Rows of each sequence the state advances by (and whose outputs are compared).
+    let used: Vec<usize> = match &mode {
+        GdnMode::Recurrent(Some(a)) => a.clone(),
+        _ => lens.to_vec(),
+    };
+    if let GdnMode::Chunked(prec) = mode {
         let table = gdn_chunk::chunk_table(&cu);
         let ws_bytes = gdn_chunk::workspace_bytes(t, hv, &k.dims);
         let (tp, wsp) = (d.i32s(&table)?, d.poison(ws_bytes)?);
@@ -899,6 +1022,60 @@ fn gdn_case(
             hv,
         };
         gdn_chunk::gdn_chunk_with(k, s, &a, prec)?;
+    } else if let GdnMode::Recurrent(accept) = &mode {
+        let dec = gdn_decode::GdnDecode {
+            q: qp,
+            k: kp,
+            v: vp,
+            v_stride,
+            g: gp,
+            beta: bp,
+            state: sp,
+            slots: slp,
+            o: op,
+            n_seqs: nb,
+            hk,
+            hv,
+        };
+        // A verify takes its rows from cu_seqlens (lens 0), a commit from starts + lens.
+        let lens_i: Vec<i32> = used.iter().map(|&x| x as i32).collect();
+        let r = gdn_decode::GdnRecurrent {
+            d: dec,
+            starts: d.i32s(&cu)?,
+            lens: if accept.is_some() { d.i32s(&lens_i)? } else { 0 },
+            write_state: accept.is_some(),
+        };
+        gdn_decode::gdn_recurrent(k, s, &r)?;
+        if accept.is_some() {
+            // The same rows through gdn_decode, one token per launch, on a copy of the state: the
+            // commit must leave exactly (bit for bit) what decoding them one by one leaves.
+            let sp2 = d.f32s(&st_dev)?;
+            let o2 = d.poison(2 * hv * dv)?;
+            for (b, &n) in used.iter().enumerate() {
+                for i in 0..n {
+                    let row = cu[b] as usize + i;
+                    let one = gdn_decode::GdnDecode {
+                        q: qp + (2 * row * hk * dk) as u64,
+                        k: kp + (2 * row * hk * dk) as u64,
+                        v: vp + (2 * row * v_stride) as u64,
+                        g: gp + (4 * row * hv) as u64,
+                        beta: bp + (4 * row * hv) as u64,
+                        state: sp2,
+                        slots: slp + 4 * b as u64,
+                        o: o2,
+                        n_seqs: 1,
+                        ..dec
+                    };
+                    gdn_decode::gdn_decode(k, s, &one)?;
+                }
+            }
+            let (a, b) = (d.get_f32(sp, st_dev.len())?, d.get_f32(sp2, st_dev.len())?);
+            if a.iter().zip(&b).any(|(x, y)| x.to_bits() != y.to_bits()) {
+                extra.push(Outcome::error("commit state differs from gdn_decode token by token".into()));
+            }
+        } else if d.get_f32(sp, st_dev.len())?.iter().zip(&st_dev).any(|(x, y)| x.to_bits() != y.to_bits()) {
+            extra.push(Outcome::error("verify (write_state = 0) changed the state".into()));
+        }
     } else {
         let a = gdn_decode::GdnDecode {
             q: qp,
@@ -919,8 +1096,11 @@ fn gdn_case(
     let dims = cpu::gdn::GdnDims { num_k_heads: hk, num_v_heads: hv, head_k_dim: dk, head_v_dim: dv };
     let mut ro = Vec::with_capacity(t * hv * dv);
     let mut rs = st_dev.clone();
-    for (b, &len) in lens.iter().enumerate() {
+    let mut got_o = Vec::with_capacity(t * hv * dv);
+    let all_o = d.get_bf16(op, t * hv * dv)?;
+    for (b, &len) in used.iter().enumerate() {
         let t0 = cu[b] as usize;
+        got_o.extend_from_slice(&all_o[t0 * hv * dv..][..len * hv * dv]);
         let vseq: Vec<f32> = (0..len).flat_map(|i| vrow[(t0 + i) * v_stride..][..hv * dv].to_vec()).collect();
         let inp = cpu::gdn::GdnInputs {
             q: &q[t0 * hk * dk..][..len * hk * dk],
@@ -934,12 +1114,14 @@ fn gdn_case(
         cpu::gdn::gdn_recurrent(dims, &inp, &mut st, &mut o)
             .map_err(|e| deltaserve_cuda::CudaError::InvalidArgs { kernel: "cpu reference", msg: e.to_string() })?;
         ro.extend(o);
-        rs[slots[b] as usize * n_state..][..n_state].copy_from_slice(&st);
+        // A verify leaves the committed state as it was.
+        if !matches!(mode, GdnMode::Recurrent(None)) {
+            rs[slots[b] as usize * n_state..][..n_state].copy_from_slice(&st);
+        }
     }
-    Ok(vec![
-        compare("o", &ro, &d.get_bf16(op, t * hv * dv)?, tol),
-        compare("state", &rs, &d.get_f32(sp, rs.len())?, tol),
-    ])
+    let mut out = vec![compare("o", &ro, &got_o, tol), compare("state", &rs, &d.get_f32(sp, rs.len())?, tol)];
+    out.extend(extra);
+    Ok(out)
 }
 
 /// Paged attention: random K/V for every position written with kv_write through shuffled block
@@ -1012,6 +1194,7 @@ fn attn_case(
     let lp = d.i32s(&lens)?;
     let kv = attention::KvPages { k_cache: kc, v_cache: vc, block_tables: btp, max_blocks, page, kv_heads: hkv };
     let scale = 1.0 / (hd as f32).sqrt();
+    let mut indirect = None;
     match n_split {
         None => {
             let cu = cu_of(&news);
@@ -1042,6 +1225,7 @@ fn attn_case(
                 o: op,
                 kv,
                 seq_lens: lp,
+                table_rows: 0,
                 n_seqs: nb,
                 q_heads: hq,
                 n_split,
@@ -1050,6 +1234,17 @@ fn attn_case(
                 scale,
             };
             attention::attn_decode(k, s, &a)?;
+            // The same queries through `table_rows` (the speculative verify's indirection), the block
+            // table rows stored in reverse order.
+            let mut bt_rev = vec![0i32; nb * max_blocks];
+            for b in 0..nb {
+                bt_rev[(nb - 1 - b) * max_blocks..][..max_blocks].copy_from_slice(&bt[b * max_blocks..][..max_blocks]);
+            }
+            let rows: Vec<i32> = (0..nb as i32).rev().collect();
+            let op2 = d.poison(2 * t_new * hq * hd)?;
+            let kv2 = attention::KvPages { block_tables: d.i32s(&bt_rev)?, ..kv };
+            attention::attn_decode(k, s, &attention::AttnDecode { o: op2, kv: kv2, table_rows: d.i32s(&rows)?, ..a })?;
+            indirect = Some(op2);
         }
     }
     let mut r = Vec::new();
@@ -1062,6 +1257,9 @@ fn attn_case(
         qo += n;
     }
     let mut out = vec![compare("o", &r, &d.get_bf16(op, t_new * hq * hd)?, tol)];
+    if let Some(op2) = indirect {
+        out.push(compare("o via table_rows", &r, &d.get_bf16(op2, t_new * hq * hd)?, tol));
+    }
     // kv_write check: read back every written row through the block table.
     let kc_h = d.get_bf16(kc, cache_bytes / 2)?;
     let mut got = Vec::with_capacity(kall.len());
@@ -1324,6 +1522,7 @@ fn kvq_case(
                 o: op,
                 kv: pages,
                 seq_lens: lp,
+                table_rows: 0,
                 n_seqs: nb,
                 q_heads: hq,
                 n_split,

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use deltaserve_model::ModelError;
-use deltaserve_model::synth::{Preset, write_model};
+use deltaserve_model::synth::{MtpVariant, Preset, write_model_with};
 
 /// Version of the demo model's recipe; bump when the synthetic generator changes.
 const DEMO_VERSION: &str = "tiny-seed0-v3";
@@ -18,7 +18,19 @@ pub fn write_synthetic_model(
     seed: u64,
     progress: impl FnMut(u64, u64),
 ) -> Result<(), ModelError> {
-    write_model(dir, preset, layers, seed, progress)?;
+    write_synthetic_model_with(dir, preset, layers, seed, MtpVariant::Random, progress)
+}
+
+/// [`write_synthetic_model`] with a chosen MTP head (an agreeing one makes speculative decoding accept).
+pub fn write_synthetic_model_with(
+    dir: &Path,
+    preset: Preset,
+    layers: Option<usize>,
+    seed: u64,
+    mtp: MtpVariant,
+    progress: impl FnMut(u64, u64),
+) -> Result<(), ModelError> {
+    write_model_with(dir, preset, layers, seed, mtp, progress)?;
     let tokenizer = deltaserve_text::synthetic_tokenizer_json(preset.tokenizer_mergeable())
         .map_err(|e| ModelError::config(format!("synthetic tokenizer: {e}")))?;
     let files = [

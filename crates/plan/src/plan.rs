@@ -106,12 +106,14 @@ impl Plan {
         let logits_bytes = to64(opts.max_seqs as u128 * (1 + spec) as u128 * logit_cols * 4, "logits")?;
         // Verify workspace (its positions count against max_batch_tokens, so the activation workspace
         // covers the forward): per sequence and verified position the main model's hidden row and each
-        // DeltaNet layer's recurrence inputs (conv input, q, k, v, g, beta; f32), replayed at the commit;
-        // plus the K draft logit rows per sequence.
+        // DeltaNet layer's recurrence inputs (conv input, q, k, v, g, beta; f32), replayed at the commit,
+        // and the split-K partials of its attention as a decode query; plus the K draft logit rows per
+        // sequence.
         let spec_bytes = if spec > 0 {
             let per_pos = d.hidden as u128
                 + d.num_deltanet_layers as u128
-                    * (d.conv_channels + 2 * d.gdn_key_width + d.gdn_value_width + 2 * d.gdn_v_heads) as u128;
+                    * (d.conv_channels + 2 * d.gdn_key_width + d.gdn_value_width + 2 * d.gdn_v_heads) as u128
+                + (opts.decode_partitions * d.q_heads * (d.head_dim + 2)) as u128;
             let b = opts.max_seqs as u128 * ((1 + spec) as u128 * per_pos + spec as u128 * full_vocab as u128) * 4;
             to64(b, "speculation workspace")?
         } else {
@@ -126,6 +128,7 @@ impl Plan {
             act_bytes: opts.activation_bytes_per_elem,
             host_embed_elem: opts.embed_on_host.then_some(opts.weights_dtype.dense_elem_bytes() as usize),
             decode_partitions: opts.decode_partitions,
+            speculative: spec > 0,
         };
         let ws_cfg = ModelConfig { vocab_size: full_vocab, ..cfg.clone() };
         let workspace = plan_workspace(&ws_cfg, &shape).ok_or(overflow("activation workspace"))?;

@@ -89,6 +89,9 @@ pub struct StepShape {
     pub host_embed_elem: Option<usize>,
     /// Split-K partitions of decode attention.
     pub decode_partitions: usize,
+    /// Speculative decoding: after the logits every step runs the MTP head over its rows (it needs the
+    /// step's inputs and the final-normed rows after the last layer).
+    pub speculative: bool,
 }
 
 struct Builder {
@@ -175,9 +178,32 @@ pub fn plan_workspace(cfg: &ModelConfig, s: &StepShape) -> Option<WorkspaceLayou
     b.buf("mlp_act", t * i * a, format!("[{tt}, {}] {act}", d.intermediate));
     b.buf("mlp_out", t * hd * a, format!("[{tt}, {}] {act}", d.hidden));
     // Final.
+    b.buf("final_normed", t * hd * a, format!("[{tt}, {}] {act} (every row, final-normed)", d.hidden));
     b.buf("final_hidden", n * hd * a, format!("[{ss}, {}] {act} (last token, final-normed)", d.hidden));
     b.buf("sample_probs", n * d.vocab as u128 * 4, format!("[{ss}, {}] f32", d.vocab));
     b.buf("sampled_tokens", n * 4, format!("[{ss}] i32"));
+    if s.speculative {
+        // The MTP head's own buffers: it runs after the layers, over the step's rows.
+        let m = |x: usize| format!("[{tt}, {x}] {act}");
+        b.buf("mtp_rows", t * hd * a, format!("{} (each row's previous final-normed row)", m(d.hidden)));
+        b.buf("mtp_cat", t * 2 * hd * a, format!("{} (normed embedding | normed hidden)", m(2 * d.hidden)));
+        b.buf("mtp_residual", t * hd * 4, format!("[{tt}, {}] f32", d.hidden));
+        b.buf("mtp_norm", t * hd * a, m(d.hidden));
+        b.buf("mtp_qg", t * 2 * ad * a, m(2 * d.attn_dim));
+        b.buf("mtp_k", t * kvd * a, m(d.kv_dim));
+        b.buf("mtp_v", t * kvd * a, m(d.kv_dim));
+        b.buf(
+            "mtp_partials",
+            n * s.decode_partitions as u128 * d.q_heads as u128 * (d.head_dim as u128 + 2) * 4,
+            format!("[{ss}, P={}, {}, {}+2] f32", s.decode_partitions, d.q_heads, d.head_dim),
+        );
+        b.buf("mtp_attn_out", t * ad * a, m(d.attn_dim));
+        b.buf("mtp_mixer_out", t * hd * a, m(d.hidden));
+        b.buf("mtp_mlp_in", t * hd * a, m(d.hidden));
+        b.buf("mtp_gate_up", t * 2 * i * a, m(2 * d.intermediate));
+        b.buf("mtp_act", t * i * a, m(d.intermediate));
+        b.buf("mtp_mlp_out", t * hd * a, m(d.hidden));
+    }
 
     const INPUTS: [&str; 6] = ["token_ids", "positions", "cu_seqlens", "seq_lens", "state_slot_ids", "last_token_idx"];
     b.op("upload_inputs", &[], &INPUTS);
@@ -189,18 +215,30 @@ pub fn plan_workspace(cfg: &ModelConfig, s: &StepShape) -> Option<WorkspaceLayou
     }
     let section_start = b.ops.len();
     b.op("input_norm", &["residual"], &["x_norm"]);
+    // The DeltaNet ops in the backend's order: conv first, then the gates fused with the q/k L2 norm (it
+    // reads the conv output and the b/a rows); decode's recurrence reads v (conv output) while writing
+    // its output, so the conv output stays live through the core.
     b.op("gdn_in_proj", &["x_norm"], &["gdn_qkv", "gdn_z", "gdn_b", "gdn_a"]);
-    b.op("gdn_gate", &["gdn_a", "gdn_b"], &["gdn_g", "gdn_beta"]);
     b.op("gdn_conv", &["gdn_qkv", "cu_seqlens", "state_slot_ids"], &["gdn_conv_out"]);
-    b.op("gdn_qk_l2norm", &["gdn_conv_out"], &["gdn_qk"]);
+    b.op("gdn_gate_qk_l2norm", &["gdn_a", "gdn_b", "gdn_conv_out"], &["gdn_g", "gdn_beta", "gdn_qk"]);
     b.op(
         "gdn_chunk_wy",
         &["gdn_qk", "gdn_conv_out", "gdn_g", "gdn_beta", "cu_seqlens"],
         &["gdn_chunk_a", "gdn_chunk_w", "gdn_chunk_u"],
     );
     b.op(
-        "gdn_chunk_fwd",
-        &["gdn_qk", "gdn_g", "gdn_chunk_a", "gdn_chunk_w", "gdn_chunk_u", "cu_seqlens", "state_slot_ids"],
+        "gdn_core",
+        &[
+            "gdn_qk",
+            "gdn_conv_out",
+            "gdn_g",
+            "gdn_beta",
+            "gdn_chunk_a",
+            "gdn_chunk_w",
+            "gdn_chunk_u",
+            "cu_seqlens",
+            "state_slot_ids",
+        ],
         &["gdn_core_out"],
     );
     b.op("gdn_gated_norm", &["gdn_core_out", "gdn_z"], &["gdn_normed"]);
@@ -219,8 +257,26 @@ pub fn plan_workspace(cfg: &ModelConfig, s: &StepShape) -> Option<WorkspaceLayou
     b.op("mlp_down", &["mlp_act"], &["mlp_out"]);
     b.op("mlp_residual", &["mlp_out", "residual"], &["residual"]);
     let section_end = b.ops.len() - 1;
-    b.op("final_norm_gather", &["residual", "last_token_idx"], &["final_hidden"]);
+    b.op("final_norm_gather", &["residual", "mlp_out", "last_token_idx"], &["final_normed", "final_hidden"]);
     b.op("lm_head", &["final_hidden"], &[]);
+    if s.speculative {
+        // The MTP head over the step's rows (its cache entries; its logits when drafting): row r from the
+        // final-normed row r − 1 (or the slot's pending hidden) and token r, through fc and its layer.
+        b.op("mtp_shift", &["final_normed", "cu_seqlens", "state_slot_ids"], &["mtp_rows"]);
+        b.op("mtp_embed", &["token_ids"], &["mtp_residual"]);
+        b.op("mtp_pre_fc_norms", &["mtp_residual", "mtp_rows"], &["mtp_cat"]);
+        b.op("mtp_fc", &["mtp_cat"], &["mtp_residual"]);
+        b.op("mtp_input_norm", &["mtp_residual"], &["mtp_norm"]);
+        b.op("mtp_qkv", &["mtp_norm"], &["mtp_qg", "mtp_k", "mtp_v"]);
+        b.op("mtp_rope_kv_append", &["mtp_qg", "mtp_k", "mtp_v", "positions", "cu_seqlens"], &["mtp_qg", "mtp_k"]);
+        b.op("mtp_attention", &["mtp_qg", "cu_seqlens", "seq_lens"], &["mtp_partials", "mtp_attn_out"]);
+        b.op("mtp_o_proj", &["mtp_attn_out", "mtp_qg"], &["mtp_mixer_out"]);
+        b.op("mtp_post_norm", &["mtp_mixer_out", "mtp_residual"], &["mtp_residual", "mtp_mlp_in"]);
+        b.op("mtp_gate_up", &["mtp_mlp_in"], &["mtp_gate_up"]);
+        b.op("mtp_act", &["mtp_gate_up"], &["mtp_act"]);
+        b.op("mtp_down", &["mtp_act"], &["mtp_mlp_out"]);
+        b.op("mtp_norm_logits", &["mtp_mlp_out", "mtp_residual", "last_token_idx"], &["mtp_norm", "final_hidden"]);
+    }
     b.op("sample", &[], &["sample_probs", "sampled_tokens"]);
 
     let mut buffers = Vec::with_capacity(b.bufs.len());

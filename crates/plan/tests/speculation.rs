@@ -31,7 +31,9 @@ fn speculation_accounts_for_the_head_its_kv_and_the_verify_workspace() {
     // 1 + K logit rows per sequence.
     assert_eq!(on.logits_bytes, off.logits_bytes * 4);
     let ws = on.region("speculation").expect("a speculation region");
-    let per_pos = 5120 + 48 * (10240 + 2 * 2048 + 6144 + 2 * 48);
+    // Per verified position: hidden row, DeltaNet recurrence inputs, attention partials (16 splits × 24
+    // heads × (256 + 2)).
+    let per_pos = 5120 + 48 * (10240 + 2 * 2048 + 6144 + 2 * 48) + 16 * 24 * 258;
     assert_eq!(ws.bytes, 16 * (4 * per_pos + 3 * 248_320) * 4);
     assert!(off.region("speculation").is_none());
     assert!(on.num_kv_pages < off.num_kv_pages);

@@ -42,6 +42,7 @@ proptest! {
         partitions in 1usize..33,
         layers in 1usize..9,
         tiny in any::<bool>(),
+        speculative in any::<bool>(),
     ) {
         let preset = Preset::parse(if tiny { "tiny" } else { "qwen3.6-27b" }).unwrap();
         let cfg = ModelConfig::from_json_str(&preset.config_json(Some(layers)).to_string()).unwrap();
@@ -52,6 +53,7 @@ proptest! {
             act_bytes: if f32_act { 4 } else { 2 },
             host_embed_elem: host_embed.then_some(2),
             decode_partitions: partitions,
+            speculative,
         };
         let ws = plan_workspace(&cfg, &shape).unwrap();
         check(&ws.buffers, ws.bytes)?;
@@ -62,6 +64,21 @@ proptest! {
         prop_assert!(res.last_op > last_layer_op);
         for name in ["positions", "cu_seqlens", "seq_lens", "state_slot_ids"] {
             prop_assert!(ws.get(name).unwrap().last_op >= last_layer_op, "{}", name);
+        }
+        // With speculative decoding the MTP head reads the step's inputs and the final-normed rows after
+        // the logits: they stay live until it does.
+        if speculative {
+            let at = |op: &str| ws.ops.iter().position(|o| *o == op).unwrap();
+            for (name, op) in [
+                ("token_ids", "mtp_embed"),
+                ("positions", "mtp_rope_kv_append"),
+                ("cu_seqlens", "mtp_attention"),
+                ("seq_lens", "mtp_attention"),
+                ("state_slot_ids", "mtp_shift"),
+            ] {
+                prop_assert!(ws.get(name).unwrap().last_op >= at(op), "{}", name);
+            }
+            prop_assert!(ws.get("final_normed").unwrap().last_op >= at("mtp_shift"));
         }
     }
 

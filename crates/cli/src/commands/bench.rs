@@ -21,6 +21,11 @@
 //! (K + 1, default 3) tokens per step at each decode context, against the one-token step at that context (the
 //! main model's forward over K + 1 positions; the MTP head's draft steps are not included).
 //!
+//! `--speculative-tokens K` also times whole speculative steps (one GPU): the MTP head drafting K tokens,
+//! the verify forward over K + 1 positions and the commit of all K + 1, at each decode context and batch
+//! size, against the one-token step there (with random weights the head's drafts are rejected; the cost
+//! of a step does not depend on its acceptance, except the commit's replay, timed here at its maximum).
+//!
 //! `--tensor-parallel N` runs the model over GPUs 0..N: the plan, the bytes and the FLOPs are one card's
 //! (its shard), the rooflines are one card's against the ceilings measured on GPU 0, and each row adds
 //! the all-reduce share of the step time: (2·layers + 1) all-reduces of the step's `[tokens, hidden]`
@@ -85,6 +90,9 @@ pub struct Args {
     /// Tensor parallelism over GPUs 0..N (--memory is per card).
     #[arg(long, default_value_t = 1)]
     tensor_parallel: usize,
+    /// Also time speculative steps drafting this many tokens with the MTP head (1..=4; 0: none).
+    #[arg(long, default_value_t = 0)]
+    speculative_tokens: usize,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -143,6 +151,29 @@ struct Report {
     snapshots: Vec<(&'static str, f64)>,
     /// Verify-shaped steps: (tokens per step, context, ms per step, ms of the one-token step there).
     verify: Vec<(usize, usize, f64, f64)>,
+    speculative: Vec<SpecRow>,
+}
+
+/// Whole speculative steps at one (batch, context): ms per step of each phase.
+#[derive(Debug)]
+struct SpecRow {
+    k: usize,
+    batch: usize,
+    context: usize,
+    draft_ms: f64,
+    verify_ms: f64,
+    commit_ms: f64,
+    decode_ms: f64,
+}
+
+impl SpecRow {
+    fn total_ms(&self) -> f64 {
+        self.draft_ms + self.verify_ms + self.commit_ms
+    }
+    /// Decode speed-up at `tokens` emitted per step (accepted drafts + 1).
+    fn speedup(&self, tokens: f64) -> f64 {
+        tokens * self.decode_ms / self.total_ms()
+    }
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -189,7 +220,7 @@ pub fn run(a: Args) -> Result<()> {
     // One device and one host snapshot slot: the restore timings of issue #7.
     o.snapshot_slots = 1;
     // Decode runs step from each context: `steps + 3` steps of one token, and of `verify_tokens` tokens.
-    let span = (a.steps + 3) * a.verify_tokens.max(1) + 8;
+    let span = (a.steps + 3) * a.verify_tokens.max(1).max(a.speculative_tokens + 1) + 8;
     o.max_context = Some(max_prompt.max(a.contexts.iter().copied().max().unwrap_or(0) + span));
     o.weights_dtype = a.weights_dtype;
     o.int4_asym = a.int4_asym;
@@ -197,6 +228,12 @@ pub fn run(a: Args) -> Result<()> {
     o.embed_on_host = a.embed_on_host;
     (o.k_dtype, o.v_dtype) = (a.kv_cache_dtype, a.kv_cache_dtype);
     o.set_tensor_parallel(tp);
+    if a.speculative_tokens > 0 {
+        if tp > 1 {
+            bail!("--speculative-tokens: not with --tensor-parallel");
+        }
+        o.speculative_tokens = a.speculative_tokens;
+    }
     o.backend_scratch_bytes = deltaserve_cuda::backend::scratch_bytes_for(&cfg, &o) as u64;
     let plan = Plan::new(&cfg, &o).context("the bench's memory plan does not fit (lower --prompts or --batches)")?;
     tracing::info!("bench plan:\n{}", plan.table());
@@ -241,6 +278,7 @@ pub fn run(a: Args) -> Result<()> {
         arena_allocations_moved: false,
         snapshots: Vec::new(),
         verify: Vec::new(),
+        speculative: Vec::new(),
     };
 
     let d = cfg.dims();
@@ -332,6 +370,30 @@ pub fn run(a: Args) -> Result<()> {
                 tracing::info!("bench: verify-shaped steps of {n} tokens at context {}", fmt_count(ctx as u64));
                 let ms = decode(be.get(), 1, n, ctx, per_seq, a.steps, vocab, false)?;
                 report.verify.push((n, ctx, ms, one));
+            }
+        }
+        let k = a.speculative_tokens;
+        if let (true, Under::One(cb)) = (k > 0, &mut be) {
+            for &b in &a.batches {
+                let Some(one) = report.decode.iter().find(|r| r.batch == b && r.context == ctx).map(|r| r.ms_per_step)
+                else {
+                    continue;
+                };
+                let per_seq = (ctx + (a.steps + 3) * (k + 1) + 4).div_ceil(page);
+                if b * per_seq > plan.num_kv_pages {
+                    continue;
+                }
+                tracing::info!("bench: speculative steps (K = {k}) batch {b} at context {}", fmt_count(ctx as u64));
+                let (draft_ms, verify_ms, commit_ms) = speculative(cb, b, k, ctx, per_seq, a.steps, vocab)?;
+                report.speculative.push(SpecRow {
+                    k,
+                    batch: b,
+                    context: ctx,
+                    draft_ms,
+                    verify_ms,
+                    commit_ms,
+                    decode_ms: one,
+                });
             }
         }
     }
@@ -514,6 +576,60 @@ fn decode(
     Ok(median(times))
 }
 
+/// Speculative steps of `b` sequences drafting `k` tokens from context `ctx`, committing all `k + 1`
+/// positions: median ms of (draft, verify, commit).
+fn speculative(
+    be: &mut CudaBackend,
+    b: usize,
+    k: usize,
+    ctx: usize,
+    per_seq: usize,
+    steps: usize,
+    vocab: usize,
+) -> Result<(f64, f64, f64)> {
+    let (mut draft, mut verify, mut commit) = (Vec::new(), Vec::new(), Vec::new());
+    let mut pick = |_: u64, _: usize, row: &[f32]| deltaserve_backend::argmax(row);
+    let mut logits = Vec::new();
+    let mut drafts = Vec::new();
+    for step in 0..steps + 3 {
+        let seqs: Vec<SeqChunk> = (0..b)
+            .map(|i| SeqChunk {
+                seq_id: i as u64,
+                slot: i as u32,
+                pages: ((i * per_seq) as u32..((i + 1) * per_seq) as u32).collect(),
+                start: ctx + step * (k + 1),
+                tokens: vec![((i * 131 + step * 17) % vocab) as u32],
+                want_logits: true,
+                draft: k,
+            })
+            .collect();
+        let commits: Vec<deltaserve_backend::SpecCommit> = seqs
+            .iter()
+            .map(|c| deltaserve_backend::SpecCommit {
+                seq_id: c.seq_id,
+                slot: c.slot,
+                pages: c.pages.clone(),
+                start: c.start,
+                accepted: k + 1,
+            })
+            .collect();
+        let batch = StepBatch { seqs, ..Default::default() };
+        logits.clear();
+        drafts.clear();
+        let t0 = Instant::now();
+        be.step_speculative(&batch, &mut pick, &mut logits, &mut drafts)?;
+        let t1 = Instant::now();
+        be.commit_speculative(&commits)?;
+        if step >= 3 {
+            let d = be.last_draft_s() * 1e3;
+            draft.push(d);
+            verify.push((t1 - t0).as_secs_f64() * 1e3 - d);
+            commit.push(t1.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    Ok((median(draft), median(verify), median(commit)))
+}
+
 /// Median ms of a step that only runs `op` (10 runs after 2 warm-ups), synchronised.
 fn time_cache_op(be: &mut dyn Backend, op: CacheOp) -> Result<f64> {
     let batch = StepBatch { pre: vec![op], ..Default::default() };
@@ -576,6 +692,13 @@ impl ToolReport for Report {
             "verify": self.verify.iter().map(|&(n, ctx, ms, one)| json!({
                 "tokens_per_step": n, "context": ctx, "ms_per_step": r3(ms), "decode_ms_per_step": r3(one),
                 "ratio_to_decode": r3(ms / one),
+            })).collect::<Vec<_>>(),
+            "speculative": self.speculative.iter().map(|r| json!({
+                "draft_tokens": r.k, "batch": r.batch, "context": r.context, "draft_ms": r3(r.draft_ms),
+                "verify_ms": r3(r.verify_ms), "commit_ms": r3(r.commit_ms), "step_ms": r3(r.total_ms()),
+                "decode_ms_per_step": r3(r.decode_ms), "verify_ratio_to_decode": r3(r.verify_ms / r.decode_ms),
+                "step_ratio_to_decode": r3(r.total_ms() / r.decode_ms),
+                "speedup_at_2_5_tokens": r3(r.speedup(2.5)), "speedup_at_3_tokens": r3(r.speedup(3.0)),
             })).collect::<Vec<_>>(),
             "snapshots_ms": self.snapshots.iter().map(|(w, ms)| (w.replace(' ', "_"), json!(r3(*ms)))).collect::<serde_json::Map<_, _>>(),
             "skipped": self.skipped,
@@ -653,6 +776,40 @@ impl ToolReport for Report {
                 "verify-shaped step ({n} tokens, batch 1) at {ctx}: {ms:.2} ms = {:.2}× the one-token step ({one:.2} ms)",
                 ms / one
             );
+        }
+        if !self.speculative.is_empty() {
+            let _ = writeln!(s, "\nspeculative steps (MTP head drafts K, verify K + 1, commit K + 1)");
+            let _ = writeln!(
+                s,
+                "{:>3} {:>6} {:>8} {:>9} {:>10} {:>10} {:>9} {:>10} {:>9} {:>11}",
+                "K",
+                "batch",
+                "context",
+                "draft ms",
+                "verify ms",
+                "commit ms",
+                "step ms",
+                "decode ms",
+                "verify ×",
+                "×@2.5 / ×@3"
+            );
+            for r in &self.speculative {
+                let _ = writeln!(
+                    s,
+                    "{:>3} {:>6} {:>8} {:>9.2} {:>10.2} {:>10.2} {:>9.2} {:>10.2} {:>9.2} {:>5.2} / {:.2}",
+                    r.k,
+                    r.batch,
+                    r.context,
+                    r.draft_ms,
+                    r.verify_ms,
+                    r.commit_ms,
+                    r.total_ms(),
+                    r.decode_ms,
+                    r.verify_ms / r.decode_ms,
+                    r.speedup(2.5),
+                    r.speedup(3.0)
+                );
+            }
         }
         for k in &self.skipped {
             let _ = writeln!(s, "skipped: {k}");

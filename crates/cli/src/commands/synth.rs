@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use anyhow::Result;
-use deltaserve_model::synth::Preset;
+use deltaserve_model::synth::{MtpVariant, Preset};
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(clap::Args)]
@@ -19,6 +19,11 @@ pub struct Args {
     layers: Option<usize>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Write an MTP head built to agree with the model (speculative decoding accepts its drafts), with
+    /// the main layers' residual contributions scaled by this factor (0: every draft accepted; larger:
+    /// fewer). Changes the main model too. Default: a random head (drafts rejected).
+    #[arg(long)]
+    mtp_agreeing: Option<f32>,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -30,7 +35,14 @@ pub fn run(a: Args) -> Result<()> {
     bar.set_style(
         ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} ({eta})")?.progress_chars("=> "),
     );
-    deltaserve_engine::synth::write_synthetic_model(&a.out, preset, a.layers, a.seed, |done, total| {
+    let mtp = match a.mtp_agreeing {
+        Some(residual_scale) if residual_scale.is_finite() && residual_scale >= 0.0 => {
+            MtpVariant::Agreeing { residual_scale }
+        }
+        Some(x) => anyhow::bail!("--mtp-agreeing {x}: a residual scale ≥ 0"),
+        None => MtpVariant::Random,
+    };
+    deltaserve_engine::synth::write_synthetic_model_with(&a.out, preset, a.layers, a.seed, mtp, |done, total| {
         bar.set_length(total);
         bar.set_position(done);
     })?;

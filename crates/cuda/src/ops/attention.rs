@@ -138,6 +138,8 @@ pub struct AttnDecode {
     pub kv: KvPages,
     /// [n_seqs] i32 kv lengths (>= 1).
     pub seq_lens: u64,
+    /// [n_seqs] i32 block-table row of each query row (0: row b uses table row b).
+    pub table_rows: u64,
     pub n_seqs: usize,
     pub q_heads: usize,
     /// Key-range partitions per sequence (fixed per graph bucket, e.g. 16).
@@ -175,7 +177,7 @@ pub fn attn_decode_q(k: &Kernels, s: &CudaStream, a: &AttnDecode, sc: &KvScales)
     if a.q_head < d.attn_head_dim || a.q_tok < a.q_heads * a.q_head {
         return Err(invalid("attn_decode_split", format!("{a:?}: q strides too small")));
     }
-    let AttnDecode { q, o, seq_lens, scale, .. } = *a;
+    let AttnDecode { q, o, seq_lens, table_rows, scale, .. } = *a;
     let (qt, qh) = (a.q_tok as i64, a.q_head as i64);
     let KvPages { k_cache, v_cache, block_tables, .. } = a.kv;
     let mb = to_i32("attn_decode_split", "max_blocks", a.kv.max_blocks)?;
@@ -189,8 +191,8 @@ pub fn attn_decode_q(k: &Kernels, s: &CudaStream, a: &AttnDecode, sc: &KvScales)
         to_u32("attn_decode_split", "n_split", a.n_split)?,
     );
     launch!(k, s, "attn_decode_split", grid, (256, 1, 1), 0;
-        q, k_cache, v_cache, k_scales, v_scales, block_tables, mb, seq_lens, part_o, part_ml, hq, hkv, page, scale,
-        ns, qt, qh)?;
+        q, k_cache, v_cache, k_scales, v_scales, block_tables, table_rows, mb, seq_lens, part_o, part_ml, hq, hkv,
+        page, scale, ns, qt, qh)?;
     let grid = (grid.0, to_u32("attn_decode_combine", "q_heads", a.q_heads)?, 1);
     let block = (d.attn_head_dim as u32, 1, 1);
     launch!(k, s, "attn_decode_combine", grid, block, 0; part_o, part_ml, o, hq, ns)

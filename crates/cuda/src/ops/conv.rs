@@ -29,6 +29,13 @@ pub struct ConvPrefill {
 /// Runs conv_prefill then conv_state_update (two launches, stream ordered: the state is read by
 /// every token tile before it is overwritten).
 pub fn conv_prefill(k: &Kernels, s: &CudaStream, a: &ConvPrefill) -> Result<(), CudaError> {
+    conv_prefill_only(k, s, a)?;
+    conv_state_update(k, s, a, a.n_seqs, 0)
+}
+
+/// conv_prefill alone: `y` from the carried state and `x`; the state is not touched (the verify pass
+/// of speculative decoding).
+pub fn conv_prefill_only(k: &Kernels, s: &CudaStream, a: &ConvPrefill) -> Result<(), CudaError> {
     if a.t == 0 {
         return Ok(());
     }
@@ -42,9 +49,31 @@ pub fn conv_prefill(k: &Kernels, s: &CudaStream, a: &ConvPrefill) -> Result<(), 
     let t = to_i32("conv_prefill", "t", a.t)?;
     let gx = to_u32("conv_prefill", "channel blocks", a.channels.div_ceil(128))?;
     let gy = to_u32("conv_prefill", "token tiles", a.t.div_ceil(64))?;
-    launch!(k, s, "conv_prefill", (gx, gy, 1), (128, 1, 1), 0; x, xs, w, y, state, cu_seqlens, slots, b, c, t)?;
-    let gy = to_u32("conv_state_update", "n_seqs", a.n_seqs)?;
-    launch!(k, s, "conv_state_update", (gx, gy, 1), (128, 1, 1), 0; x, xs, state, cu_seqlens, slots, c)
+    launch!(k, s, "conv_prefill", (gx, gy, 1), (128, 1, 1), 0; x, xs, w, y, state, cu_seqlens, slots, b, c, t)
+}
+
+/// The state update of the first `n_seqs` sequences of `a`: state[slot] = the last kernel-1 rows of
+/// (state ++ the sequence's rows), of only its first `lens[s]` rows when `lens` (an `[n_seqs]` i32
+/// array) is not 0 (the accepted tokens of a speculative verify).
+pub fn conv_state_update(
+    k: &Kernels,
+    s: &CudaStream,
+    a: &ConvPrefill,
+    n_seqs: usize,
+    lens: u64,
+) -> Result<(), CudaError> {
+    if a.t == 0 || n_seqs == 0 {
+        return Ok(());
+    }
+    if n_seqs > a.n_seqs || a.channels == 0 || a.x_stride < a.channels {
+        return Err(invalid("conv_state_update", format!("{n_seqs} sequences of {a:?}")));
+    }
+    let ConvPrefill { x, state, cu_seqlens, slots, .. } = *a;
+    let xs = a.x_stride as i64;
+    let c = to_i32("conv_state_update", "channels", a.channels)?;
+    let gx = to_u32("conv_state_update", "channel blocks", a.channels.div_ceil(128))?;
+    let gy = to_u32("conv_state_update", "n_seqs", n_seqs)?;
+    launch!(k, s, "conv_state_update", (gx, gy, 1), (128, 1, 1), 0; x, xs, state, cu_seqlens, slots, lens, c)
 }
 
 /// One token per sequence: x [n_seqs, channels] (stride x_stride), y [n_seqs, channels],

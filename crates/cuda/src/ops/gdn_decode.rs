@@ -1,4 +1,5 @@
-//! Launcher for kernels/gdn_decode.cu: one-token DeltaNet recurrence per sequence slot.
+//! Launchers for kernels/gdn_decode.cu: the DeltaNet recurrence per sequence slot, one token per
+//! sequence (decode) or a few (the verify and commit of speculative decoding).
 
 use cudarc::driver::CudaStream;
 
@@ -39,4 +40,35 @@ pub fn gdn_decode(k: &Kernels, s: &CudaStream, a: &GdnDecode) -> Result<(), Cuda
     let hv = to_i32("gdn_decode", "hv", a.hv)?;
     let grid = (to_u32("gdn_decode", "n_seqs", a.n_seqs)?, to_u32("gdn_decode", "hv", a.hv)?, (dv / 32) as u32);
     launch!(k, s, "gdn_decode", grid, (128, 1, 1), 0; q, kp, v, vs, g, beta, state, slots, o, hk, hv)
+}
+
+/// The recurrence over `lens[b]` rows from row `starts[b]` of sequence b (`starts`, `lens`, `d.slots`:
+/// `[n_seqs]` i32 device arrays; `lens` 0: `starts` is a cu_seqlens array of `n_seqs + 1`); `d`'s
+/// row-indexed buffers hold every row.
+#[derive(Clone, Copy, Debug)]
+pub struct GdnRecurrent {
+    pub d: GdnDecode,
+    pub starts: u64,
+    pub lens: u64,
+    /// Write the advanced state back (commit) or leave it untouched (verify).
+    pub write_state: bool,
+}
+
+pub fn gdn_recurrent(k: &Kernels, s: &CudaStream, a: &GdnRecurrent) -> Result<(), CudaError> {
+    let d = &a.d;
+    if d.n_seqs == 0 {
+        return Ok(());
+    }
+    let dv = k.dims.gdn_v_dim;
+    if d.hk == 0 || !d.hv.is_multiple_of(d.hk) || d.v_stride < d.hv * dv {
+        return Err(invalid("gdn_recurrent", format!("{a:?}")));
+    }
+    let GdnDecode { q, k: kp, v, g, beta, state, slots, o, .. } = *d;
+    let (starts, lens, write) = (a.starts, a.lens, i32::from(a.write_state));
+    let vs = d.v_stride as i64;
+    let hk = to_i32("gdn_recurrent", "hk", d.hk)?;
+    let hv = to_i32("gdn_recurrent", "hv", d.hv)?;
+    let grid = (to_u32("gdn_recurrent", "n_seqs", d.n_seqs)?, to_u32("gdn_recurrent", "hv", d.hv)?, (dv / 32) as u32);
+    launch!(k, s, "gdn_recurrent", grid, (128, 1, 1), 0;
+        q, kp, v, vs, g, beta, state, slots, starts, lens, o, hk, hv, write)
 }

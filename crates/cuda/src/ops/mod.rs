@@ -14,6 +14,7 @@ pub mod gemv;
 pub mod init;
 pub mod kv_cache;
 pub mod kv_quant;
+pub mod mtp;
 pub mod norm;
 pub mod rope;
 pub mod w4a16;
