@@ -390,9 +390,15 @@ fn at_27b_shapes_prefill_and_verify_match_decode() {
         }
         println!("27B k = 2 (companions {companions}): {} steps, {} drafts accepted", sg.steps, sg.accepted);
     }
-    // The same noise floor between verify and plain decode rows (GEMM shapes differ).
+    // The same noise floor between verify and plain decode rows (GEMM shapes differ). The argmax is not
+    // checked here: random weights give the 248K logits no decisive top-2 margin (the H200 run agreed on
+    // fewer than 80% of rows at errors of 4–9e-2); the tiny model's test above checks it.
     let rows: Vec<String> = vs_plain.detail.iter().map(|d| format!("{:.1e}", d.1)).collect();
-    println!("27B verified rows vs plain decode, L2 rel err: {}", rows.join(" "));
+    println!(
+        "27B verified rows vs plain decode, L2 rel err: {} (argmax agreement {}/{})",
+        rows.join(" "),
+        vs_plain.argmax_same,
+        vs_plain.rows
+    );
     assert!(vs_plain.worst_l2 <= TOL_ROW, "27B: a verified row is {:.3e} from plain decode", vs_plain.worst_l2);
-    assert!(vs_plain.argmax_same * 5 >= vs_plain.rows * 4, "27B: argmax agreement below 80%");
 }
