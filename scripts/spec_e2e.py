@@ -3,8 +3,9 @@
 
 For each synthetic tiny model (a random MTP head: drafts rejected; agreeing heads: drafts accepted), serves
 it with `--speculative-tokens K` for K in 0 (off), 1, 3 and sends the same greedy completions (several at
-once, so they batch; one long prompt, so it is chunked), then compares every output with K = 0's and reads
-the acceptance counters from /metrics. Greedy outputs must be identical token for token, except where the
+once, so they batch; one long prompt, so it is chunked) twice — the second round restores each prompt from
+the prefix cache (DeltaNet state snapshot with the MTP head's pending row, shared KV pages) — then compares
+every output with K = 0's first round and reads the acceptance counters from /metrics. Greedy outputs must be identical token for token, except where the
 two forwards' bf16 logits tie (the verify runs the main model over K + 1 positions, plain decode over one:
 GEMM shapes differ, so the last bits do): a divergence passes only where the K = 0 run's top-2 logprobs at
 that token are within TIE nats of each other; each is reported with its position and margin.
@@ -40,15 +41,17 @@ def complete(port, prompt, out, i, logprobs):
         body = {"model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
         if logprobs:
             body["logprobs"] = 2
-        c = http(port, "/v1/completions", body)["choices"][0]
-        out[i] = (c["text"], c.get("logprobs"))
+        r = http(port, "/v1/completions", body)
+        c = r["choices"][0]
+        cached = (r.get("usage", {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        out[i] = (c["text"], c.get("logprobs"), cached)
     except Exception as e:  # a failed request fails the run
-        out[i] = (f"ERROR {e}", None)
+        out[i] = (f"ERROR {e}", None, 0)
 
 
 def run(model_dir, k, port):
     cmd = [BIN, "serve", "--device", DEVICE, "--model", model_dir, "--port", str(port), "--served-model-name", "m",
-           "--memory", "2GiB", "--max-seqs", "8"]
+           "--memory", "2GiB", "--max-seqs", "8", "--snapshot-interval", "16"]
     if k:
         cmd += ["--speculative-tokens", str(k)]
     log = open(f"/tmp/spec_serve_{port}.log", "w")
@@ -62,11 +65,14 @@ def run(model_dir, k, port):
                 if p.poll() is not None:
                     raise RuntimeError(f"server exited: {open(log.name).read()[-2000:]}")
                 time.sleep(0.2)
-        outs = [None] * len(PROMPTS)
-        ts = [threading.Thread(target=complete, args=(port, pr, outs, i, True)) for i, pr in enumerate(PROMPTS)]
+        outs = []
         t0 = time.time()
-        [t.start() for t in ts]
-        [t.join() for t in ts]
+        for _round in range(2):
+            o = [None] * len(PROMPTS)
+            ts = [threading.Thread(target=complete, args=(port, pr, o, i, True)) for i, pr in enumerate(PROMPTS)]
+            [t.start() for t in ts]
+            [t.join() for t in ts]
+            outs += o
         wall = time.time() - t0
         metrics = {}
         for line in http(port, "/metrics").splitlines():
@@ -95,9 +101,9 @@ def main():
             port += 1
             outs, metrics, wall = run(d, k, port)
             if k == 0:
-                base = outs
+                base = outs[:len(PROMPTS)]
             diverged = []
-            for i, ((o, olp), (b, lp)) in enumerate(zip(outs, base)):
+            for i, ((o, olp, _), (b, lp, _)) in enumerate(zip(outs, base + base)):
                 if o != b:
                     # The first differing token (token texts: different token sequences may spell the same
                     # text for a while), and the K = 0 run's top-2 margin there.
@@ -106,14 +112,19 @@ def main():
                     top = sorted(lp["top_logprobs"][tok].values(), reverse=True)
                     margin = top[0] - top[1] if len(top) > 1 else float("inf")
                     mine = sorted(olp["top_logprobs"][tok].values(), reverse=True)
-                    diverged.append({"prompt": i, "token": tok, "top2_margin": round(margin, 4),
+                    diverged.append({"prompt": i % len(PROMPTS), "round": 1 + i // len(PROMPTS), "token": tok,
+                                     "top2_margin": round(margin, 4),
                                      "base_top2": [round(x, 4) for x in top[:2]],
                                      "spec_top2": [round(x, 4) for x in mine[:2]]})
-            run_r = {"k": k, "wall_s": round(wall, 3), "identical": len(PROMPTS) - len(diverged), "of": len(PROMPTS),
-                     "diverged": diverged, "metrics": metrics}
+            cached = [c for _, _, c in outs[len(PROMPTS):]]
+            run_r = {"k": k, "wall_s": round(wall, 3), "identical": len(outs) - len(diverged), "of": len(outs),
+                     "round2_cached_tokens": cached, "diverged": diverged, "metrics": metrics}
             entry["runs"].append(run_r)
             print(name, "K", k, json.dumps(run_r), flush=True)
-            if any(d["top2_margin"] >= TIE for d in diverged) or any(o.startswith("ERROR") for o, _ in outs):
+            if any(d["top2_margin"] >= TIE for d in diverged) or any(o.startswith("ERROR") for o, _, _ in outs):
+                ok = False
+            if not any(cached):
+                print(name, "K", k, "FAILED: no prefix-cache hit in the second round", flush=True)
                 ok = False
         report["models"].append(entry)
     report["passed"] = ok

@@ -431,6 +431,22 @@ enum LayerCache {
     Gdn { rec: usize, conv: usize, snap_rec: usize, snap_conv: usize },
 }
 
+/// What a captured CUDA graph replays: a decode step of a batch-size bucket, a step of speculative
+/// verify chunks (and decode rows) of one shape, or a commit of one shape.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum GraphKey {
+    Decode(usize),
+    /// (decode rows, verify rows attending as decode queries, each verify chunk's rows in order).
+    Verify(usize, usize, Vec<usize>),
+    /// (commits, verify rows, verify chunks) of the last step.
+    Commit(usize, usize, usize),
+    /// A draft step of the MTP head: (rows, first draft).
+    Draft(usize, bool),
+}
+
+/// The most CUDA graphs a backend keeps (decode buckets, verify, commit and draft shapes).
+const MAX_GRAPHS: usize = 48;
+
 /// Profiling state: the last tick and (group, seconds) totals.
 type Profile = (std::time::Instant, Vec<(&'static str, f64)>);
 
@@ -474,7 +490,7 @@ pub struct CudaBackend {
     prof: std::cell::RefCell<Option<Profile>>,
     opts: CudaOptions,
     /// Decode graphs by bucket size (captured lazily).
-    graphs: HashMap<usize, CudaGraph>,
+    graphs: HashMap<GraphKey, CudaGraph>,
     graph_stats: GraphStats,
     host_embed: Option<HostEmbed>,
     /// Linears quantised at load (`--quantize int4`) and converted from GPTQ.
@@ -1816,19 +1832,35 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Captures `forward(sh)` as the graph of bucket `b` (nothing runs; the caller ran the step
-    /// eagerly first, which also warmed every cuBLASLt plan the capture records).
-    fn capture(&mut self, b: usize, sh: &StepShape) -> Result<(), CudaError> {
+    /// Runs `work` (stream work only: its inputs are uploaded) from the graph of `key`: replays it, or
+    /// runs `work` eagerly (which also warms every cuBLASLt plan) and captures it for the next time.
+    /// Eagerly every time when graphs are off or profiling is on.
+    fn run_graphed(&mut self, key: GraphKey, work: &dyn Fn(&Self) -> Result<(), CudaError>) -> Result<(), CudaError> {
+        let graphed = self.opts.cuda_graphs && self.prof.borrow().is_none();
+        if let (true, Some(g)) = (graphed, self.graphs.get(&key)) {
+            g.launch().map_err(CudaError::driver("cuGraphLaunch"))?;
+            self.graph_stats.replays += 1;
+            return Ok(());
+        }
+        work(self)?;
+        if matches!(key, GraphKey::Decode(_)) {
+            self.graph_stats.eager_decode_steps += 1;
+        }
+        // Graphs live in driver memory outside the plan (the runtime reserve covers them): at most
+        // MAX_GRAPHS shapes are captured, later new shapes run eagerly.
+        if !graphed || self.graphs.len() >= MAX_GRAPHS {
+            return Ok(());
+        }
         let st = self.rt.stream().clone();
         st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(CudaError::driver("cuStreamBeginCapture"))?;
-        let recorded = self.forward(sh);
+        let recorded = work(self);
         // Always end the capture, also when recording failed, so the stream is usable again.
         let graph = st.end_capture(CUgraphInstantiate_flags(0)).map_err(CudaError::driver("cuStreamEndCapture"));
         recorded?;
-        let graph = graph?.ok_or_else(|| CudaError::Plan("the decode capture recorded no work".into()))?;
+        let graph = graph?.ok_or_else(|| CudaError::Plan("the graph capture recorded no work".into()))?;
         graph.upload().map_err(CudaError::driver("cuGraphUpload"))?;
-        self.graphs.insert(b, graph);
+        self.graphs.insert(key, graph);
         self.graph_stats.captures += 1;
         Ok(())
     }
@@ -2205,19 +2237,19 @@ impl CudaBackend {
             n_logits: last.len(),
             n_pend: pend.0.len(),
         };
-        if !graph {
-            self.forward(&shape).map_err(dev)?;
-            if n_pre == 0 {
-                self.graph_stats.eager_decode_steps += 1;
-            }
-        } else if let Some(g) = self.graphs.get(&rows) {
-            g.launch().map_err(CudaError::driver("cuGraphLaunch")).map_err(dev)?;
-            self.graph_stats.replays += 1;
+        // Decode steps replay the graph of their bucket; steps of verify chunks (and decode rows) the
+        // graph of their shape; steps with a prefill chunk run eagerly.
+        let key = if n_pre == 0 {
+            Some(GraphKey::Decode(rows))
+        } else if n_real == 0 {
+            let lens = order[..n_pre].iter().map(|&i| batch.seqs[i].tokens.len()).collect();
+            Some(GraphKey::Verify(n - n_pre, tvd, lens))
         } else {
-            // First step of this bucket: run it eagerly (warms every plan), then capture.
-            self.forward(&shape).map_err(dev)?;
-            self.graph_stats.eager_decode_steps += 1;
-            self.capture(rows, &shape).map_err(dev)?;
+            None
+        };
+        match key {
+            Some(key) => self.run_graphed(key, &|be: &Self| be.forward(&shape)).map_err(dev)?,
+            None => self.forward(&shape).map_err(dev)?,
         }
         if let Some(sp) = &mut self.spec {
             let base = cu[n_real];
@@ -2687,26 +2719,30 @@ impl CudaBackend {
                 n_logits: m,
                 n_pend: 0,
             };
-            let sp = self.spec.as_ref().ok_or_else(|| BackendError::Unsupported("speculative decoding".into()))?;
-            let (ws, k, s) = (&self.ws, &self.k, self.rt.stream().as_ref());
-            (|| -> Result<(), CudaError> {
-                self.upload_i32(ws.token_ids, &ids)?;
-                self.upload_i32(ws.positions, &pos)?;
-                self.upload_i32(ws.cu_seqlens, &cu)?;
-                self.upload_i32(ws.seq_lens, &lens)?;
-                // Draft 0 continues from the slot's pending hidden; later drafts from the head's own rows.
+            // Draft 0 continues from the slot's pending hidden; later drafts from the head's own rows.
+            let work = |be: &Self| -> Result<(), CudaError> {
+                let sp = be.spec.as_ref().ok_or_else(|| CudaError::Plan("no speculation".into()))?;
+                let (ws, k, s) = (&be.ws, &be.k, be.rt.stream().as_ref());
                 let hidden_in = if i == 0 {
-                    let pending = self.states.ptr + sp.pending as u64;
+                    let pending = be.states.ptr + sp.pending as u64;
                     mtp::shift_rows(k, s, sp.rows_in, pending, ws.cu_seqlens, ws.slots, m, sp.rows_in, m, h)?;
                     sp.rows_in
                 } else {
                     sp.draft_hidden
                 };
-                self.mtp_forward(&shape, hidden_in, false)?;
-                self.copy(Place::Dev(sp.draft_hidden), Place::Dev(sp.ws.x_norm), 2 * m * h)?;
-                self.rt.download(&mut rows[..m * v], self.logits.ptr)
+                be.mtp_forward(&shape, hidden_in, false)?;
+                be.copy(Place::Dev(sp.draft_hidden), Place::Dev(sp.ws.x_norm), 2 * m * h)
+            };
+            let ws = self.ws;
+            (|| -> Result<(), CudaError> {
+                self.upload_i32(ws.token_ids, &ids)?;
+                self.upload_i32(ws.positions, &pos)?;
+                self.upload_i32(ws.cu_seqlens, &cu)?;
+                self.upload_i32(ws.seq_lens, &lens)
             })()
             .map_err(dev)?;
+            self.run_graphed(GraphKey::Draft(m, i == 0), &work).map_err(dev)?;
+            self.rt.download(&mut rows[..m * v], self.logits.ptr).map_err(dev)?;
             for (r, &j) in order[..m].iter().enumerate() {
                 let c = &batch.seqs[j];
                 let t = pick(c.seq_id, i, &rows[r * v..(r + 1) * v]);
@@ -2788,66 +2824,71 @@ impl CudaBackend {
         }
         let n = commits.len();
         let sp = self.spec.as_ref().ok_or_else(|| inv("no speculation".into()))?;
-        let (k, s, ws, d) = (&self.k, self.rt.stream().as_ref(), &self.ws, &self.d);
-        let (cc, hv, kw) = (d.conv_channels, d.gdn_v_heads, d.gdn_key_width);
-        let tv = *sp.verify_cu.last().unwrap_or(&0) as usize;
-        let b2 = |x: usize| (2 * x) as u64;
-        let run = || -> Result<(), CudaError> {
+        let (tv, nv) = (*sp.verify_cu.last().unwrap_or(&0) as usize, sp.verify_slots.len());
+        let dev = |e: CudaError| BackendError::Device(e.to_string());
+        let upload = || -> Result<(), CudaError> {
             self.rt.context().bind_to_thread().map_err(CudaError::driver("cuCtxSetCurrent"))?;
             for (at, v) in [(0, &hid), (1, &slots), (2, &starts), (3, &lens), (4, &slots)] {
                 self.upload_i32(sp.idx_at(at), v)?;
             }
             self.upload_i32(sp.idx_at(5), &sp.verify_cu)?;
-            self.upload_i32(sp.idx_at(6), &sp.verify_slots)?;
-            let gdn = self.w.layers.iter().zip(&self.caches).filter_map(|(l, c)| match (&l.mixer, *c) {
-                (Mixer::Gdn(gw), LayerCache::Gdn { rec, conv, .. }) => Some((gw, rec, conv)),
-                _ => None,
-            });
-            for (gi, (gw, rec, conv)) in gdn.enumerate() {
-                let x = sp.trace_x + b2(gi * sp.rows * cc);
-                let ba = sp.trace_ba + b2(gi * sp.rows * 2 * hv);
-                let conv_state = self.states.ptr + conv as u64;
-                let mut cp = conv::ConvPrefill {
-                    x,
-                    x_stride: cc,
-                    w: gw.conv,
-                    y: ws.gdn_conv_out,
-                    state: conv_state,
-                    cu_seqlens: sp.idx_at(5),
-                    slots: sp.idx_at(6),
-                    n_seqs: sp.verify_slots.len(),
-                    t: tv,
-                    channels: cc,
-                };
-                conv::conv_prefill_only(k, s, &cp)?;
-                let (q, kk) = self.gdn_gates(gw, ba, tv)?;
-                let dec = gdn_decode::GdnDecode {
-                    q,
-                    k: kk,
-                    v: ws.gdn_conv_out + b2(2 * kw),
-                    v_stride: cc,
-                    g: ws.gdn_g,
-                    beta: ws.gdn_beta,
-                    state: self.states.ptr + rec as u64,
-                    slots: sp.idx_at(4),
-                    o: ws.gdn_core_out,
-                    n_seqs: n,
-                    hk: d.gdn_k_heads,
-                    hv,
-                };
-                let r =
-                    gdn_decode::GdnRecurrent { d: dec, starts: sp.idx_at(2), lens: sp.idx_at(3), write_state: true };
-                gdn_decode::gdn_recurrent(k, s, &r)?;
-                cp.cu_seqlens = sp.idx_at(2);
-                cp.slots = sp.idx_at(4);
-                cp.n_seqs = n;
-                conv::conv_state_update(k, s, &cp, n, sp.idx_at(3))?;
-            }
-            let pending = self.states.ptr + sp.pending as u64;
-            mtp::scatter_rows(k, s, sp.verify_hidden, sp.idx_at(0), pending, sp.idx_at(1), n, d.hidden)?;
-            self.rt.synchronize()
+            self.upload_i32(sp.idx_at(6), &sp.verify_slots)
         };
-        run().map_err(|e| BackendError::Device(e.to_string()))
+        upload().map_err(dev)?;
+        self.run_graphed(GraphKey::Commit(n, tv, nv), &|be: &Self| be.commit_kernels(n, tv, nv)).map_err(dev)?;
+        self.rt.synchronize().map_err(dev)
+    }
+
+    /// The commit's work (inputs uploaded by [`CudaBackend::commit`]): per DeltaNet layer, conv and gates
+    /// of the `tv` verify rows of `nv` chunks from the trace, the recurrence with write-back over the
+    /// accepted rows of the `n` commits and the conv window's shift; then the pending hidden rows.
+    fn commit_kernels(&self, n: usize, tv: usize, nv: usize) -> Result<(), CudaError> {
+        let sp = self.spec.as_ref().ok_or_else(|| CudaError::Plan("no speculation".into()))?;
+        let (k, s, ws, d) = (&self.k, self.rt.stream().as_ref(), &self.ws, &self.d);
+        let (cc, hv, kw) = (d.conv_channels, d.gdn_v_heads, d.gdn_key_width);
+        let b2 = |x: usize| (2 * x) as u64;
+        let gdn = self.w.layers.iter().zip(&self.caches).filter_map(|(l, c)| match (&l.mixer, *c) {
+            (Mixer::Gdn(gw), LayerCache::Gdn { rec, conv, .. }) => Some((gw, rec, conv)),
+            _ => None,
+        });
+        for (gi, (gw, rec, conv)) in gdn.enumerate() {
+            let mut cp = conv::ConvPrefill {
+                x: sp.trace_x + b2(gi * sp.rows * cc),
+                x_stride: cc,
+                w: gw.conv,
+                y: ws.gdn_conv_out,
+                state: self.states.ptr + conv as u64,
+                cu_seqlens: sp.idx_at(5),
+                slots: sp.idx_at(6),
+                n_seqs: nv,
+                t: tv,
+                channels: cc,
+            };
+            conv::conv_prefill_only(k, s, &cp)?;
+            let (q, kk) = self.gdn_gates(gw, sp.trace_ba + b2(gi * sp.rows * 2 * hv), tv)?;
+            let dec = gdn_decode::GdnDecode {
+                q,
+                k: kk,
+                v: ws.gdn_conv_out + b2(2 * kw),
+                v_stride: cc,
+                g: ws.gdn_g,
+                beta: ws.gdn_beta,
+                state: self.states.ptr + rec as u64,
+                slots: sp.idx_at(4),
+                o: ws.gdn_core_out,
+                n_seqs: n,
+                hk: d.gdn_k_heads,
+                hv,
+            };
+            let r = gdn_decode::GdnRecurrent { d: dec, starts: sp.idx_at(2), lens: sp.idx_at(3), write_state: true };
+            gdn_decode::gdn_recurrent(k, s, &r)?;
+            cp.cu_seqlens = sp.idx_at(2);
+            cp.slots = sp.idx_at(4);
+            cp.n_seqs = n;
+            conv::conv_state_update(k, s, &cp, n, sp.idx_at(3))?;
+        }
+        let pending = self.states.ptr + sp.pending as u64;
+        mtp::scatter_rows(k, s, sp.verify_hidden, sp.idx_at(0), pending, sp.idx_at(1), n, d.hidden)
     }
 
     /// The MTP head over the step's rows (inputs uploaded for `sh`): row r combines `hidden_in` row r

@@ -250,6 +250,8 @@ fn verify_and_commit_track_plain_decode() {
         assert!(sc.argmax_same as f32 >= 0.9 * sc.rows as f32, "{what}: argmax agreement below 90%");
     }
     assert_eq!(g.arena_stats().allocations, stats0.allocations, "no allocation while serving");
+    // Verify, commit and draft steps of a repeated shape replay CUDA graphs (with `test_opts()` graphs on).
+    println!("graphs: {:?}", g.graph_stats());
     let _ = std::fs::remove_dir_all(&dir);
 }
 
