@@ -30,12 +30,24 @@ pub struct SeqChunk {
     /// tokens with the MTP head and verify all `1 + draft` positions in one forward; the pages cover
     /// `start + 1 + draft` positions. 0: a plain chunk. Only [`Backend::step_speculative`] takes such chunks.
     pub draft: usize,
+    /// Speculative chunks of greedy requests: n > 0 makes every draft the [`argmax`] of the draft head's
+    /// logits over ids `< n`, which the backend may pick where the logits are instead of calling the
+    /// [`DraftPicker`] (0: the picker picks).
+    pub greedy_draft_vocab: usize,
 }
 
 impl SeqChunk {
     /// Positions this chunk runs through the model (its tokens plus its drafts).
     pub fn positions(&self) -> usize {
         self.tokens.len() + self.draft
+    }
+
+    /// Draft `i` of this chunk from the draft head's logits `row`: the greedy pick, or `pick`'s.
+    pub fn pick_draft(&self, pick: &mut DraftPicker<'_>, i: usize, row: &[f32]) -> u32 {
+        match self.greedy_draft_vocab {
+            0 => pick(self.seq_id, i, row),
+            n => argmax(&row[..n.min(row.len())]),
+        }
     }
 }
 

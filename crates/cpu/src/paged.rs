@@ -327,7 +327,7 @@ impl CpuBackend {
             let pos = c.start + i;
             g = model.mtp_forward(view, mtp_layer, pos, &g, &tokens[i..=i])?;
             let row = model.logits(&g);
-            tokens.push(pick(c.seq_id, i, &row));
+            tokens.push(c.pick_draft(pick, i, &row));
         }
         let scratch = model
             .config

@@ -248,6 +248,7 @@ fn paged_logits(k: KvFormat, v: KvFormat, tokens: &[u32], chunks: &[usize]) -> V
                 tokens: tokens[at..at + c].to_vec(),
                 want_logits: true,
                 draft: 0,
+                greedy_draft_vocab: 0,
             }],
             ..StepBatch::default()
         };

@@ -33,7 +33,16 @@ fn argmax(x: &[f32]) -> u32 {
 }
 
 fn chunk(slot: u32, start: usize, tokens: &[u32], draft: usize) -> SeqChunk {
-    SeqChunk { seq_id: 7, slot, pages: (0..32).collect(), start, tokens: tokens.to_vec(), want_logits: true, draft }
+    SeqChunk {
+        seq_id: 7,
+        slot,
+        pages: (0..32).collect(),
+        start,
+        tokens: tokens.to_vec(),
+        want_logits: true,
+        draft,
+        greedy_draft_vocab: 0,
+    }
 }
 
 fn batch(c: SeqChunk) -> StepBatch {

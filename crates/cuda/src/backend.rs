@@ -2695,7 +2695,7 @@ impl CudaBackend {
             self.upload_i32(ws_last, &all)
         })()
         .map_err(dev)?;
-        let mut rows = vec![0f32; order.len() * v];
+        let mut rows = Vec::new();
         for i in 0..batch.seqs[first].draft {
             let m = order.iter().take_while(|&&j| batch.seqs[j].draft > i).count();
             let (mut ids, mut pos, mut lens) = (Vec::with_capacity(m), Vec::with_capacity(m), Vec::with_capacity(m));
@@ -2742,10 +2742,25 @@ impl CudaBackend {
             })()
             .map_err(dev)?;
             self.run_graphed(GraphKey::Draft(m, i == 0), &work).map_err(dev)?;
+            // Greedy drafts of one vocabulary bound: picked by the argmax kernel, 4 bytes a row come back.
+            let n0 = batch.seqs[order[0]].greedy_draft_vocab;
+            if n0 > 0 && order[..m].iter().all(|&j| batch.seqs[j].greedy_draft_vocab == n0) {
+                let sp = self.spec.as_ref().ok_or_else(|| BackendError::Unsupported("speculative decoding".into()))?;
+                let ids = sp.idx_at(2); // the commit's arrays: free until the commit uploads them
+                let s = self.rt.stream().as_ref();
+                ops::argmax::argmax_rows(&self.k, s, self.logits.ptr, v, n0.min(v), m, ids).map_err(dev)?;
+                let mut got = vec![0i32; m];
+                self.rt.download(&mut got, ids).map_err(dev)?;
+                for (&j, t) in order[..m].iter().zip(got) {
+                    out[j].push(t as u32);
+                }
+                continue;
+            }
+            rows.resize(m * v, 0.0);
             self.rt.download(&mut rows[..m * v], self.logits.ptr).map_err(dev)?;
             for (r, &j) in order[..m].iter().enumerate() {
                 let c = &batch.seqs[j];
-                let t = pick(c.seq_id, i, &rows[r * v..(r + 1) * v]);
+                let t = c.pick_draft(pick, i, &rows[r * v..(r + 1) * v]);
                 if t as usize >= v {
                     return Err(BackendError::InvalidStep(format!(
                         "seq {}: draft token {t} outside the vocabulary",

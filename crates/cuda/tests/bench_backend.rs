@@ -209,6 +209,7 @@ fn bench_27b() {
             tokens: tokens.to_vec(),
             want_logits: true,
             draft: 0,
+            greedy_draft_vocab: 0,
         }],
         post: vec![],
     };
@@ -291,6 +292,7 @@ fn bench_27b() {
                                 tokens: vec![toks[j]],
                                 want_logits: true,
                                 draft: 0,
+                                greedy_draft_vocab: 0,
                             })
                             .collect(),
                         post: vec![],

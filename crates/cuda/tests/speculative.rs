@@ -67,7 +67,16 @@ fn cpu_spec(dir: &std::path::Path, cfg: &ModelConfig) -> CpuBackend {
 }
 
 fn chunk_at(slot: u32, pages: &[u32], start: usize, tokens: &[u32], draft: usize) -> SeqChunk {
-    SeqChunk { seq_id: 7, slot, pages: pages.to_vec(), start, tokens: tokens.to_vec(), want_logits: true, draft }
+    SeqChunk {
+        seq_id: 7,
+        slot,
+        pages: pages.to_vec(),
+        start,
+        tokens: tokens.to_vec(),
+        want_logits: true,
+        draft,
+        greedy_draft_vocab: 0,
+    }
 }
 
 fn batch(c: SeqChunk) -> StepBatch {
@@ -270,11 +279,21 @@ fn agreeing_head_drafts_what_the_model_predicts() {
     let mut next = argmax(&logits) as u32;
     let mut pos = prompt.len();
     let (mut same, mut total) = (0, 0);
-    for _ in 0..6 {
+    for step in 0..6 {
         let (mut rows, mut drafts) = (Vec::new(), Vec::new());
-        let mut pick = |_: u64, _: usize, row: &[f32]| argmax(row) as u32;
-        let c = chunk_at(0, &pg, pos, &[next], MAX_DRAFT);
+        let mut picked = 0;
+        let mut pick = |_: u64, _: usize, row: &[f32]| {
+            picked += 1;
+            argmax(row) as u32
+        };
+        let mut c = chunk_at(0, &pg, pos, &[next], MAX_DRAFT);
+        // Every other step the drafts are greedy: picked by the argmax kernel, not by the picker.
+        let greedy = step % 2 == 1;
+        if greedy {
+            c.greedy_draft_vocab = vocab;
+        }
         b.step_speculative(&batch(c.clone()), &mut pick, &mut rows, &mut drafts).unwrap();
+        assert_eq!(picked, if greedy { 0 } else { MAX_DRAFT }, "the picker runs only for non-greedy drafts");
         let verified: Vec<u32> = rows.chunks_exact(vocab).map(|r| argmax(r) as u32).collect();
         same += verified[..MAX_DRAFT].iter().zip(&drafts[0]).filter(|(a, b)| a == b).count();
         total += MAX_DRAFT;

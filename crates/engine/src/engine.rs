@@ -494,7 +494,11 @@ impl Worker {
     }
 
     fn step(&mut self) {
-        let plan = self.sched.schedule();
+        let mut plan = self.sched.schedule();
+        // Greedy requests' drafts are argmaxes: the backend picks them where the logits are.
+        for c in plan.batch.seqs.iter_mut().filter(|c| c.draft > 0) {
+            c.greedy_draft_vocab = self.reqs.get(&c.seq_id).map_or(0, |l| l.sampler.greedy_draft_vocab());
+        }
         let now = Instant::now();
         for id in &plan.admitted {
             if let Some(live) = self.reqs.get_mut(id)

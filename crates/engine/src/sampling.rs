@@ -140,6 +140,12 @@ impl Sampler {
         dense
     }
 
+    /// The vocabulary bound of this request's drafts when they are plain argmaxes (greedy requests: the
+    /// backend may pick them where the logits are), else 0 (drafts are drawn: [`Sampler::draft`]).
+    pub fn greedy_draft_vocab(&self) -> usize {
+        if self.params.is_greedy() { self.valid_vocab } else { 0 }
+    }
+
     /// A speculative draft from the draft head's logits `row`: greedy requests take the argmax (no
     /// penalties: a draft is only a guess); sampling requests draw from `softmax(row / temperature)` over
     /// the valid ids and also get that distribution back (the `q` of rejection sampling).

@@ -465,6 +465,7 @@ impl Scheduler {
             tokens: s.tokens[s.cached..s.cached + n].to_vec(),
             want_logits: s.cached + n == s.tokens.len(),
             draft: 0,
+            greedy_draft_vocab: 0,
         }
     }
 

@@ -601,6 +601,7 @@ fn speculative(
                 tokens: vec![((i * 131 + step * 17) % vocab) as u32],
                 want_logits: true,
                 draft: k,
+                greedy_draft_vocab: vocab,
             })
             .collect();
         let commits: Vec<deltaserve_backend::SpecCommit> = seqs

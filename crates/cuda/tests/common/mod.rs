@@ -213,6 +213,7 @@ pub fn chunk(slot: u32, pages: &[u32], start: usize, tokens: &[u32]) -> SeqChunk
         tokens: tokens.to_vec(),
         want_logits: true,
         draft: 0,
+        greedy_draft_vocab: 0,
     }
 }
 
