@@ -33,15 +33,16 @@ fn argmax(x: &[f32]) -> u32 {
 }
 
 fn chunk(slot: u32, start: usize, tokens: &[u32], draft: usize) -> SeqChunk {
+    let tokens = tokens.to_vec();
     SeqChunk {
         seq_id: 7,
         slot,
         pages: (0..32).collect(),
         start,
-        tokens: tokens.to_vec(),
+        tokens,
         want_logits: true,
         draft,
-        greedy_draft_vocab: 0,
+        ..Default::default()
     }
 }
 

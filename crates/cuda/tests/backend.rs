@@ -20,7 +20,6 @@ use deltaserve_cuda::backend::{CudaOptions, kernel_dims};
 use deltaserve_cuda::{CudaBackend, WeightSource};
 use deltaserve_model::synth::Preset;
 use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
-use deltaserve_plan::{Plan, PlanOptions};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
@@ -599,19 +598,6 @@ fn tiny_int4_dir(layers: usize) -> (PathBuf, ModelConfig) {
     )
     .unwrap();
     (dir, cfg)
-}
-
-fn plan_with(cfg: &ModelConfig, f: impl Fn(&mut PlanOptions)) -> Plan {
-    let mut o = PlanOptions::gpu_defaults(768 << 20);
-    o.max_batch_tokens = 2048;
-    o.max_seqs = 8;
-    o.max_context = Some(4096);
-    o.page_size = PAGE;
-    o.snapshot_slots = 4;
-    o.runtime_reserve_bytes = 0;
-    f(&mut o);
-    o.backend_scratch_bytes = deltaserve_cuda::backend::scratch_bytes_for(cfg, &o) as u64;
-    Plan::new(cfg, &o).unwrap()
 }
 
 /// The CPU reference over the weights the CUDA backend quantises at load: every decoder linear

@@ -991,6 +991,20 @@ fn gdn_case(
     let cu = cu_of(lens);
     let (qp, kp, vp, gp, bp) = (d.bf16(&q)?, d.bf16(&kk)?, d.bf16(&vrow)?, d.f32s(&g)?, d.f32s(&beta)?);
     let (sp, cup, slp, op) = (d.f32s(&st_dev)?, d.i32s(&cu)?, d.i32s(&slots)?, d.poison(2 * t * hv * dv)?);
+    let dec = gdn_decode::GdnDecode {
+        q: qp,
+        k: kp,
+        v: vp,
+        v_stride,
+        g: gp,
+        beta: bp,
+        state: sp,
+        slots: slp,
+        o: op,
+        n_seqs: nb,
+        hk,
+        hv,
+    };
     let mut extra = Vec::new();
     // Rows of each sequence the state advances by (and whose outputs are compared).
     let used: Vec<usize> = match &mode {
@@ -1023,20 +1037,6 @@ fn gdn_case(
         };
         gdn_chunk::gdn_chunk_with(k, s, &a, prec)?;
     } else if let GdnMode::Recurrent(accept) = &mode {
-        let dec = gdn_decode::GdnDecode {
-            q: qp,
-            k: kp,
-            v: vp,
-            v_stride,
-            g: gp,
-            beta: bp,
-            state: sp,
-            slots: slp,
-            o: op,
-            n_seqs: nb,
-            hk,
-            hv,
-        };
         // A verify takes its rows from cu_seqlens (lens 0), a commit from starts + lens.
         let lens_i: Vec<i32> = used.iter().map(|&x| x as i32).collect();
         let r = gdn_decode::GdnRecurrent {
@@ -1077,21 +1077,7 @@ fn gdn_case(
             extra.push(Outcome::error("verify (write_state = 0) changed the state".into()));
         }
     } else {
-        let a = gdn_decode::GdnDecode {
-            q: qp,
-            k: kp,
-            v: vp,
-            v_stride,
-            g: gp,
-            beta: bp,
-            state: sp,
-            slots: slp,
-            o: op,
-            n_seqs: nb,
-            hk,
-            hv,
-        };
-        gdn_decode::gdn_decode(k, s, &a)?;
+        gdn_decode::gdn_decode(k, s, &dec)?;
     }
     let dims = cpu::gdn::GdnDims { num_k_heads: hk, num_v_heads: hv, head_k_dim: dk, head_v_dim: dv };
     let mut ro = Vec::with_capacity(t * hv * dv);

@@ -22,7 +22,6 @@ use deltaserve_cuda::backend::CudaOptions;
 use deltaserve_cuda::{CudaBackend, WeightSource};
 use deltaserve_model::synth::{MtpVariant, Preset, write_model_with};
 use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
-use deltaserve_plan::{Plan, PlanOptions};
 
 mod common;
 use common::*;
@@ -35,21 +34,8 @@ fn model_dir(variant: MtpVariant, tag: &str) -> (PathBuf, ModelConfig) {
     (dir, cfg)
 }
 
-fn spec_plan(cfg: &ModelConfig, k: usize) -> Plan {
-    let mut o = PlanOptions::gpu_defaults(768 << 20);
-    o.max_batch_tokens = 2048;
-    o.max_seqs = 8;
-    o.max_context = Some(4096);
-    o.page_size = PAGE;
-    o.snapshot_slots = 4;
-    o.runtime_reserve_bytes = 0;
-    o.speculative_tokens = k;
-    o.backend_scratch_bytes = deltaserve_cuda::backend::scratch_bytes_for(cfg, &o) as u64;
-    Plan::new(cfg, &o).unwrap()
-}
-
 fn cuda_spec(dir: &std::path::Path, cfg: &ModelConfig, k: usize) -> CudaBackend {
-    let plan = spec_plan(cfg, k);
+    let plan = plan_with(cfg, |o| o.speculative_tokens = k);
     CudaBackend::with_options(cfg, WeightSource::Checkpoint(dir.to_path_buf()), &plan, 2, test_opts()).unwrap()
 }
 
@@ -67,16 +53,8 @@ fn cpu_spec(dir: &std::path::Path, cfg: &ModelConfig) -> CpuBackend {
 }
 
 fn chunk_at(slot: u32, pages: &[u32], start: usize, tokens: &[u32], draft: usize) -> SeqChunk {
-    SeqChunk {
-        seq_id: 7,
-        slot,
-        pages: pages.to_vec(),
-        start,
-        tokens: tokens.to_vec(),
-        want_logits: true,
-        draft,
-        greedy_draft_vocab: 0,
-    }
+    let (pages, tokens) = (pages.to_vec(), tokens.to_vec());
+    SeqChunk { seq_id: 7, slot, pages, start, tokens, want_logits: true, draft, ..Default::default() }
 }
 
 fn batch(c: SeqChunk) -> StepBatch {
@@ -357,15 +335,13 @@ fn at_27b_shapes_prefill_and_verify_match_decode() {
         return;
     }
     let cfg = ModelConfig::from_json_str(&Preset::parse("qwen3.6-27b").unwrap().config_json(None).to_string()).unwrap();
-    let mut o = PlanOptions::gpu_defaults(72 << 30);
-    o.max_batch_tokens = 4096;
-    o.max_seqs = 8;
-    o.max_context = Some(8192);
-    o.page_size = PAGE;
-    o.snapshot_slots = 4;
-    o.speculative_tokens = 2;
-    o.backend_scratch_bytes = deltaserve_cuda::backend::scratch_bytes_for(&cfg, &o) as u64;
-    let plan = Plan::new(&cfg, &o).unwrap();
+    // The 27B layout of the workspace: 4096 tokens per step.
+    let plan = plan_with(&cfg, |o| {
+        o.budget_bytes = 72 << 30;
+        o.max_batch_tokens = 4096;
+        o.max_context = Some(8192);
+        o.speculative_tokens = 2;
+    });
     let mut g =
         CudaBackend::with_options(&cfg, WeightSource::RandomWeights { seed: 3 }, &plan, 2, test_opts()).unwrap();
     let vocab = cfg.vocab_size;

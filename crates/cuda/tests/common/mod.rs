@@ -65,14 +65,23 @@ pub fn plan_for(cfg: &ModelConfig) -> Plan {
 /// The tests' plan: 768 MiB per card, 2048 tokens and `max_seqs` sequences per step, 4096 context,
 /// 16-token pages, 4 snapshots, no runtime reserve; per card at tensor parallel size `tp`.
 pub fn test_plan(cfg: &ModelConfig, max_seqs: usize, tp: usize) -> Plan {
+    plan_with(cfg, |o| {
+        o.max_seqs = max_seqs;
+        o.tensor_parallel = tp;
+    })
+}
+
+/// The tests' plan options (768 MiB, 2048 tokens and 8 sequences per step, 4096 context, 16-token pages,
+/// 4 snapshots, no runtime reserve) changed by `f`, with the backend scratch they need.
+pub fn plan_with(cfg: &ModelConfig, f: impl Fn(&mut PlanOptions)) -> Plan {
     let mut o = PlanOptions::gpu_defaults(768 << 20);
     o.max_batch_tokens = 2048;
-    o.max_seqs = max_seqs;
+    o.max_seqs = 8;
     o.max_context = Some(4096);
     o.page_size = PAGE;
     o.snapshot_slots = 4;
     o.runtime_reserve_bytes = 0;
-    o.tensor_parallel = tp;
+    f(&mut o);
     o.backend_scratch_bytes = deltaserve_cuda::backend::scratch_bytes_for(cfg, &o) as u64;
     Plan::new(cfg, &o).unwrap()
 }
