@@ -66,11 +66,11 @@ pub struct CudaOptions {
     /// Steps of at most this many tokens run their projections through the decode GEMV
     /// (`kernels/gemv.cu`, at most [`gemv::MAX_TOKENS`]) instead of cuBLASLt; 0 turns it off.
     pub gemv_max_tokens: usize,
-    /// EXPERIMENTAL, known wrong — leave false. Pads decode batches to power-of-two buckets
-    /// (token 0, position −1, slot −1 rows; one graph per bucket). On the H200 (2026-11-29) the
-    /// padded steps gave O(1) logit differences on some real rows (tests/backend.rs
-    /// `decode_graphs_match_eager` prints this configuration), independent of the GEMV; the
-    /// cause is not found yet. false: one graph per exact batch size (bitwise equal to eager).
+    /// Pads decode batches to power-of-two buckets (token 0, position −1, slot −1 rows; one graph
+    /// per bucket). Bitwise equal to eager launches on the H200 (tests/backend.rs
+    /// `decode_graphs_match_eager`) since the workspace plan follows the backend's op order — before,
+    /// aliased buffers gave O(1) differences on some rows. Off by default (not yet measured for speed):
+    /// one graph per exact batch size.
     pub graph_pad: bool,
     /// Speculative verify chunks whose context reaches this many tokens attend as decode queries
     /// (split-K over the keys), shorter ones with the prefill kernel. Measured on the H200 at the 27B
@@ -2109,7 +2109,7 @@ impl CudaBackend {
         let n_ver = n_pre - n_real;
         order.extend(chunks.iter().copied().filter(|i| !multi(i) && !is_ver(*i)));
         let n = order.len();
-        // Decode steps replay the graph of their batch size. With graph_pad (experimental) the
+        // Decode steps replay the graph of their batch size. With graph_pad the
         // rows past n are padding: token 0 at position −1 (no KV write), state slot −1 (no state
         // update), one key of page 0, logits computed and not returned.
         let graph = self.opts.cuda_graphs && n_pre == 0 && self.prof.borrow().is_none();
