@@ -74,12 +74,19 @@ def run(model_dir, k, port):
             [t.join() for t in ts]
             outs += o
         wall = time.time() - t0
+        # A sampling request (rejection sampling against the head's distribution): it must complete.
+        try:
+            r = http(port, "/v1/completions", {"model": "m", "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS,
+                                                "temperature": 0.8, "top_p": 0.95, "seed": 7, "ignore_eos": True})
+            sampled = r["usage"]["completion_tokens"]
+        except Exception as e:
+            sampled = f"ERROR {e}"
         metrics = {}
         for line in http(port, "/metrics").splitlines():
             if line.startswith("deltaserve_spec_decode_"):
                 name, val = line.rsplit(" ", 1)
                 metrics[name] = float(val)
-        return outs, metrics, wall
+        return outs, metrics, wall, sampled
     finally:
         p.terminate()
         p.wait(timeout=30)
@@ -99,7 +106,7 @@ def main():
         entry = {"model": name, "runs": []}
         for k in KS:
             port += 1
-            outs, metrics, wall = run(d, k, port)
+            outs, metrics, wall, sampled = run(d, k, port)
             if k == 0:
                 base = outs[:len(PROMPTS)]
             diverged = []
@@ -118,10 +125,14 @@ def main():
                                      "spec_top2": [round(x, 4) for x in mine[:2]]})
             cached = [c for _, _, c in outs[len(PROMPTS):]]
             run_r = {"k": k, "wall_s": round(wall, 3), "identical": len(outs) - len(diverged), "of": len(outs),
-                     "round2_cached_tokens": cached, "diverged": diverged, "metrics": metrics}
+                     "round2_cached_tokens": cached, "diverged": diverged, "sampled_tokens": sampled,
+                     "metrics": metrics}
             entry["runs"].append(run_r)
             print(name, "K", k, json.dumps(run_r), flush=True)
             if any(d["top2_margin"] >= TIE for d in diverged) or any(o.startswith("ERROR") for o, _, _ in outs):
+                ok = False
+            if sampled != MAX_TOKENS:
+                print(name, "K", k, f"FAILED: the sampling request gave {sampled}", flush=True)
                 ok = False
             if not any(cached):
                 print(name, "K", k, "FAILED: no prefix-cache hit in the second round", flush=True)
