@@ -204,3 +204,27 @@ pub trait Backend: Send {
         Err(BackendError::Unsupported(format!("speculative decoding (backend {})", self.name())))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_drafts_skip_the_picker() {
+        let row = [0.5f32, 2.0, 9.0, 1.0];
+        let mut calls = 0;
+        let mut pick = |seq: u64, i: usize, r: &[f32]| {
+            calls += 1;
+            assert_eq!((seq, i, r.len()), (3, 1, 4));
+            0u32
+        };
+        let mut c = SeqChunk { seq_id: 3, draft: 2, ..SeqChunk::default() };
+        assert_eq!(c.pick_draft(&mut pick, 1, &row), 0, "the picker's choice");
+        // Greedy: the argmax below the vocabulary bound (id 2 is beyond a bound of 2).
+        c.greedy_draft_vocab = 2;
+        assert_eq!(c.pick_draft(&mut pick, 1, &row), 1);
+        c.greedy_draft_vocab = 100;
+        assert_eq!(c.pick_draft(&mut pick, 1, &row), 2);
+        assert_eq!(calls, 1);
+    }
+}

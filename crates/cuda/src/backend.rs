@@ -2765,19 +2765,23 @@ mod tests {
     fn int4_weights_place_exactly_what_the_plan_charges() {
         for cfg in [preset(Preset::Qwen36_27b, None), preset(Preset::Tiny, None)] {
             for asym in [false, true] {
-                for lm_head_int4 in [false, true] {
+                for (lm_head_int4, spec) in [(false, 0), (true, 0), (false, 2), (true, 3)] {
                     for embed_on_host in [false, true] {
                         let mut o = PlanOptions::gpu_defaults(24 << 30);
                         o.weights_dtype = WeightsDtype::Int4;
                         o.int4_asym = asym;
                         o.lm_head_int4 = lm_head_int4;
                         o.embed_on_host = embed_on_host;
+                        // With speculative decoding the MTP head's linears are int4 too.
+                        o.speculative_tokens = spec;
                         let plan = WeightBytes::new(&cfg, &o).unwrap();
+                        assert_eq!(plan.mtp > 0, spec > 0 && cfg.mtp_num_hidden_layers > 0);
                         let ours = weights_device_bytes(&cfg, WeightFormat::of(&o));
                         assert_eq!(
                             ours,
                             plan.device() as usize + f32_extra(&cfg),
-                            "hidden {} asym {asym} lm_head_int4 {lm_head_int4} embed_on_host {embed_on_host}",
+                            "hidden {} asym {asym} lm_head_int4 {lm_head_int4} embed_on_host {embed_on_host} \
+                             spec {spec}",
                             cfg.dims().hidden
                         );
                         // The host table is the plan's host weights.
