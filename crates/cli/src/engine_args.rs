@@ -65,8 +65,9 @@ pub struct EngineArgs {
     #[arg(long)]
     pub no_cuda_graphs: bool,
     /// Speculative decoding with the model's MTP head: draft K (1..4) tokens per decode step and verify
-    /// them in one forward (greedy outputs are unchanged; sampling keeps its distribution). Needs a
-    /// checkpoint with `mtp.*` tensors; CPU backend only for now.
+    /// them in one forward (greedy outputs are unchanged up to bf16 ties on CUDA; sampling keeps its
+    /// distribution). Needs a checkpoint with `mtp.*` tensors; on CUDA not yet with --tensor-parallel or
+    /// --embed-on-host.
     #[arg(long)]
     pub speculative_tokens: Option<usize>,
     /// CUDA backend: tensor parallelism, one model split over GPUs 0..N (N = 1, 2, 4 or 8; it must
