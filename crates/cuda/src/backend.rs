@@ -1656,6 +1656,16 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// The argmax over ids `< valid` of each of the first `rows` rows of the logits region, picked on the
+    /// device into the i32 array at `ids` (4 bytes a row come back).
+    fn logits_argmax(&self, rows: usize, valid: usize, ids: u64) -> Result<Vec<u32>, CudaError> {
+        let v = self.d.vocab;
+        ops::argmax::argmax_rows(&self.k, self.rt.stream(), self.logits.ptr, v, valid.min(v), rows, ids)?;
+        let mut got = vec![0i32; rows];
+        self.rt.download(&mut got, ids)?;
+        Ok(got.into_iter().map(|t| t as u32).collect())
+    }
+
     /// Seconds the last speculative step spent drafting with the MTP head (0 without speculation).
     pub fn last_draft_s(&self) -> f64 {
         self.spec.as_ref().map_or(0.0, |sp| sp.draft_s)
@@ -2201,12 +2211,7 @@ impl CudaBackend {
                 }
                 StepOut::Argmax { valid, tokens } => {
                     // The ids land in `last_idx` (the step's gather indices, read by the forward only).
-                    let ids = self.ws.last_idx;
-                    ops::argmax::argmax_rows(&self.k, self.rt.stream(), self.logits.ptr, v, valid.min(v), n_want, ids)
-                        .map_err(dev)?;
-                    let mut got = vec![0i32; n_want];
-                    self.rt.download(&mut got, ids).map_err(dev)?;
-                    tokens.extend(got.into_iter().map(|t| t as u32));
+                    tokens.extend(self.logits_argmax(n_want, valid, self.ws.last_idx).map_err(dev)?);
                 }
             }
         }

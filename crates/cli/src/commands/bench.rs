@@ -549,18 +549,7 @@ fn decode(
     let mut tokens = Vec::new();
     let mut times = Vec::new();
     for step in 0..steps + 3 {
-        let seqs = (0..b)
-            .map(|i| SeqChunk {
-                seq_id: i as u64,
-                slot: i as u32,
-                pages: ((i * per_seq) as u32..((i + 1) * per_seq) as u32).collect(),
-                start: ctx + step * n,
-                tokens: (0..n).map(|j| ((i * 131 + step * 17 + j * 7) % vocab) as u32).collect(),
-                want_logits: true,
-                ..Default::default()
-            })
-            .collect();
-        let batch = StepBatch { seqs, ..Default::default() };
+        let batch = StepBatch { seqs: step_seqs(b, n, ctx + step * n, per_seq, step, vocab), ..Default::default() };
         logits.clear();
         tokens.clear();
         let t0 = Instant::now();
@@ -574,6 +563,22 @@ fn decode(
         }
     }
     Ok(median(times))
+}
+
+/// Step `step`'s chunks of `b` sequences (slot i, pages `i·per_seq..`), `n` tokens each from position
+/// `start`, each wanting its logits.
+fn step_seqs(b: usize, n: usize, start: usize, per_seq: usize, step: usize, vocab: usize) -> Vec<SeqChunk> {
+    (0..b)
+        .map(|i| SeqChunk {
+            seq_id: i as u64,
+            slot: i as u32,
+            pages: ((i * per_seq) as u32..((i + 1) * per_seq) as u32).collect(),
+            start,
+            tokens: (0..n).map(|j| ((i * 131 + step * 17 + j * 7) % vocab) as u32).collect(),
+            want_logits: true,
+            ..Default::default()
+        })
+        .collect()
 }
 
 /// Speculative steps of `b` sequences drafting `k` tokens from context `ctx`, committing all `k + 1`
@@ -592,18 +597,10 @@ fn speculative(
     let mut logits = Vec::new();
     let mut drafts = Vec::new();
     for step in 0..steps + 3 {
-        let seqs: Vec<SeqChunk> = (0..b)
-            .map(|i| SeqChunk {
-                seq_id: i as u64,
-                slot: i as u32,
-                pages: ((i * per_seq) as u32..((i + 1) * per_seq) as u32).collect(),
-                start: ctx + step * (k + 1),
-                tokens: vec![((i * 131 + step * 17) % vocab) as u32],
-                want_logits: true,
-                draft: k,
-                greedy_draft_vocab: vocab,
-            })
-            .collect();
+        let mut seqs = step_seqs(b, 1, ctx + step * (k + 1), per_seq, step, vocab);
+        for c in &mut seqs {
+            (c.draft, c.greedy_draft_vocab) = (k, vocab);
+        }
         let commits: Vec<deltaserve_backend::SpecCommit> = seqs
             .iter()
             .map(|c| deltaserve_backend::SpecCommit {

@@ -165,13 +165,10 @@ impl CudaBackend {
             let n0 = batch.seqs[order[0]].greedy_draft_vocab;
             if n0 > 0 && order[..m].iter().all(|&j| batch.seqs[j].greedy_draft_vocab == n0) {
                 let sp = self.spec.as_ref().ok_or_else(|| BackendError::Unsupported("speculative decoding".into()))?;
-                let ids = sp.idx_at(2); // the commit's arrays: free until the commit uploads them
-                let s = self.rt.stream().as_ref();
-                ops::argmax::argmax_rows(&self.k, s, self.logits.ptr, v, n0.min(v), m, ids).map_err(dev)?;
-                let mut got = vec![0i32; m];
-                self.rt.download(&mut got, ids).map_err(dev)?;
+                // Into the commit's arrays: free until the commit uploads them.
+                let got = self.logits_argmax(m, n0, sp.idx_at(2)).map_err(dev)?;
                 for (&j, t) in order[..m].iter().zip(got) {
-                    out[j].push(t as u32);
+                    out[j].push(t);
                 }
                 continue;
             }
