@@ -19,11 +19,13 @@
 //   including the new tokens); cu_seqlens [B+1] i32; tile_table [n_tiles, 2] i32 = (seq, 16-query
 //   tile index) from the host; o [T, Hq, HD] bf16; part_o [B, Hq, n_split, HD] f32;
 //   part_ml [B, Hq, n_split, 2] f32.
-// Launch: attn_prefill grid (n_tiles, Hkv), block 32*GQA_GROUP, dynamic smem
-//   2 stages * (K + V) * 32 keys * (HD+8) * 2 B (67,584 B at HD 256); attn_decode_split grid
+// Launch: attn_prefill grid (n_tiles, Hkv * GQA_GROUP / PF_HPB), block 64*PF_HPB, dynamic smem
+//   2 stages * (K + V) * PF_BK keys * (HD+8) * 2 B + the pairs' exchange 2*PF_HPB*PF_BK*64 B
+//   (91,136 B at HD 256, 32 keys, 6 heads); attn_decode_split grid
 //   (B, Hkv, n_split), block 256 (8 warps, one key per warp at a time, 16-byte loads);
 //   attn_decode_combine grid (B, Hq), block HD.
-//   -D HD (head dim, multiple of 32, <= 256), GQA_GROUP (Hq / Hkv, 1..8).
+//   -D HD (head dim, multiple of 32, <= 256), GQA_GROUP (Hq / Hkv, 1..8); PF_BK, PF_PSPLIT, PF_HPB
+//   (ops::attention tiling: nvrtc::AttnTiling).
 // Arch: sm_80+ (mma.sync, ldmatrix, cp.async; no Hopper-only instructions).
 // Tested by: tests/ops.rs cases "kv_write+attn_prefill" and "attn_decode" against
 //   deltaserve_cpu::attention::causal_gqa_attention; timed by tests/bench_attention.rs.
@@ -44,34 +46,33 @@
 //    iteration later) into f32 smem. Smem (HD 256): fp8/int8 66.3 KB, int4 50.3 KB, mixed <= 66.8 KB.
 //  - decode: each lane loads its HD/32 codes (32-bit words when they are whole) and widens them.
 //
-// attn_prefill design (one block = 16 queries x all GQA_GROUP heads of one kv head):
-//  - Warp w owns query head hkv*GQA_GROUP + w for the block's 16 queries: one m16 row tile. The
-//    K/V tile is loaded once per block and read by all GQA_GROUP warps (6x less K/V traffic than
-//    one block per q head at the 27B shape). 16 rows per warp is the most that fits: the f32 O
-//    accumulator is 16 x HD (128 registers/thread at HD 256) and Q stays in registers as mma A
-//    fragments (64 registers at HD 256), so per 32-key tile a warp reads only K and V from shared
-//    memory (ldmatrix), no Q.
-//  - KV tile = 32 keys (one page at page 32), double-buffered with cp.async (16-byte chunks; keys
-//    past the visible end are zero-filled, so poisoned / unmapped cache rows are never read).
-//    Smem rows are padded to HD+8 bf16 (16 B) so ldmatrix row addresses hit distinct banks.
-//    When the page size is a multiple of 32 a tile lies inside one page: one block-table lookup.
-//  - S = Q K^T (ldmatrix non-trans of K rows = mma "col" B), scaled into the log2 domain
-//    (scale*log2 e) and exp2f; causal mask only on tiles that reach past the tile's first query
-//    position (at most the last two); tiles past the last query are never visited.
-//  - Online softmax per row (rows g and g+8 of the m16 tile per thread, 4 threads per row; row
-//    sums stay per-thread partial until the end); O is rescaled only when some row max moved
-//    (warp vote), which after the first tiles is rare.
-//  - O += P V with V via ldmatrix.trans and P split into two bf16 operands (hi = bf16(p),
-//    lo = bf16(p - hi)), f32 accumulation. Plain bf16 P (FlashAttention's choice) measured
-//    107-166% of the ops test's tolerance (abs errors ~1e-3 at outputs ~1e-3 where the weighted
-//    sum cancels); the split costs 64 more mma per warp and 32-key tile (192 instead of 128) but
-//    no more shared-memory traffic.
+// attn_prefill design (one block = 16 queries x PF_HPB query heads of one kv head):
+//  - Warps 2p and 2p+1 (a pair) own query head p of the block for the block's 16 queries (one m16
+//    row tile) and split its head dims: each holds Q (mma A fragments) and the f32 O accumulator
+//    for HD/2 dims only (32 + 64 registers at HD 256), so 12 warps of 168 registers fit an SM. Per
+//    KV tile each warp computes S over its half of the dims, the pair adds the two halves through
+//    shared memory (named barrier 1 + p; a + b == b + a, so both hold bitwise the same S), and both
+//    run the same online softmax; each then multiplies P by its half of V. The K/V tile is loaded
+//    once per block and read by all PF_HPB heads (GQA sharing).
+//  - KV tile = PF_BK keys (32: one page at page 32), double-buffered with cp.async (16-byte chunks;
+//    keys past the visible end are zero-filled, so poisoned / unmapped cache rows are never read).
+//    Smem rows are padded to HD+8 bf16 (16 B) so ldmatrix row addresses hit distinct banks. When the
+//    page size is a multiple of PF_BK a tile lies inside one page: one block-table lookup, and each
+//    thread copies a fixed column of every PF_RSTEP-th row (a pointer bump per copy).
+//  - S = Q K^T (ldmatrix non-trans of K rows = mma "col" B), in the log2 domain (scale * log2 e
+//    applied in the exp's FFMA), ex2.approx; causal mask only on tiles that reach past the tile's
+//    first query position; tiles past the last query are never visited.
+//  - Online softmax per row (rows g and g+8 of the m16 tile per thread, 4 threads per row; row sums
+//    stay per-thread partial until the end); O is rescaled only when some row max moved (warp vote).
+//  - O += P V with V via ldmatrix.trans, f32 accumulation; P as plain bf16 (PF_PSPLIT 0, the
+//    default, like FlashAttention) or as hi = bf16(p) plus lo = bf16(p - hi) (PF_PSPLIT 1: ~2^-17
+//    relative error instead of 2^-9, 1.5x the mma).
 //  - Blocks run in reverse tile-table order so the longest (causal) tiles start first, and grid.x
-//    = tiles, grid.y = kv heads so co-resident blocks stream the same kv head's K/V (L2 reuse).
-// Measured (H200, bench/results/attention-prefill-2026-11-29.md): every ops.rs prefill case within
-//   21-23% of the ACCUM tolerance, max |err| 1.95e-3 at |ref| ~0.5 (the bf16 rounding of o; with
-//   plain bf16 P it was 107-166%). 27B shape, 4096 causal queries: 145 TFLOP/s at 4K keys, 152-154
-//   from 32K to 262K keys (195 with plain bf16 P). Latency-bound: 255 registers, 6 warps per SM.
+//    = tiles, grid.y = kv heads x head groups so co-resident blocks stream the same K/V (L2 reuse).
+// Measured (H200, bench/results/attention-pairs-h200-2026-11-29.md): 27B shape, 4096 causal
+//   queries, 32K-262K keys: 193 TFLOP/s with plain P, 165 with the split (one warp per head, the
+//   previous design: 154 split, 181-195 plain). ncu: ~9 instructions per mma, stalls mostly on fixed-
+//   latency dependencies ("wait"), 12 warps per SM changed little against 6.
 
 #ifndef HD
 #define HD 256
@@ -123,22 +124,35 @@ __device__ __forceinline__ u32 kv_codes_bf16x2(u32 c0, u32 c1) {
 
 
 #define PF_BQ 16                       // queries per block (Q_TILE in ops/attention.rs)
-#define PF_BK 32                       // keys per KV tile
-#define PF_NT (32 * GQA_GROUP)         // threads per block: one warp per q head of the group
+#ifndef PF_BK
+#define PF_BK 32                       // keys per KV tile (ops::attention::AttnTiling::keys)
+#endif
+#ifndef PF_PSPLIT
+#define PF_PSPLIT 1                    // P as bf16 hi + lo (1) or plain bf16 (0)
+#endif
+#ifndef PF_HPB
+#define PF_HPB GQA_GROUP               // query heads per block (a divisor of GQA_GROUP)
+#endif
+#define PF_HALF (HD / 2)               // head dims per warp: a warp pair shares one query head
+#define PF_NW (2 * PF_HPB)             // warps per block
+#define PF_NT (32 * PF_NW)             // threads per block
 #define PF_STR (HD + 8)                // smem row stride in bf16 (16-byte pad)
 #define PF_CH (HD / 8)                 // 16-byte chunks per K/V row
+#define PF_RSTEP (PF_NT / PF_CH)       // tile rows one pass of the block's threads copies
 #define PF_MAT_BYTES (PF_BK * PF_STR * 2)   // one K or V tile
 // One cp.async stage: K then V, each a bf16 tile (padded rows) or, for a quantised format, the raw
 // codes (PF_BK rows of K_ROWB / V_ROWB bytes). With bf16 K and V: 2 * PF_MAT_BYTES as always.
 #define PF_K_PART (KQ_K ? PF_BK * K_ROWB : PF_MAT_BYTES)
 #define PF_V_PART (KQ_V ? PF_BK * V_ROWB : PF_MAT_BYTES)
 #define PF_STAGE_BYTES (PF_K_PART + PF_V_PART)
-// After the 2 stages: converted bf16 code tiles (quantised formats only), then f32 tile scales.
+// After the 2 stages: converted bf16 code tiles (quantised formats only), f32 tile scales, then the
+// warp pairs' partial-S exchange (PF_NW warps x PF_BK x 16 f32).
 #define PF_CV_K (2 * PF_STAGE_BYTES)
 #define PF_CV_V (PF_CV_K + (KQ_K ? PF_MAT_BYTES : 0))
 #define PF_SC_K (PF_CV_V + (KQ_V ? PF_MAT_BYTES : 0))
 #define PF_SC_V (PF_SC_K + (KQ_K ? PF_BK * 4 : 0))
-#define PF_SMEM_BYTES (PF_SC_V + (KQ_V ? PF_BK * 4 : 0))  // = ops/attention.rs prefill_smem_bytes
+#define PF_XCH (PF_SC_V + (KQ_V ? PF_BK * 4 : 0))
+#define PF_SMEM_BYTES (PF_XCH + PF_NW * PF_BK * 64)  // = ops/attention.rs prefill_smem_bytes
 
 // Widens the raw codes of one tile (PF_BK rows) into bf16 codes with the padded tile layout.
 template <int FMT>
@@ -189,10 +203,53 @@ __device__ __forceinline__ void split_bf16(float x0, float x1, u32& hi, u32& lo)
     lo = pack_bf16(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xffff0000u));
 }
 
-// S_CHAINS: independent accumulator sets for S = Q K^T (1: one chain of HD/16 dependent mma per
-// 8-key column; 2: even / odd k steps accumulate separately and are added, halving the chain).
-// 2 measured 5% slower on the H200 (more spills at 255 registers); attn_prefill uses 1.
-template <int S_CHAINS>
+// One block = 16 queries x PF_HPB query heads of one kv head; warps 2h and 2h+1 (a pair) own query
+// head h of the block and split its head dims: each holds Q and the f32 O accumulator for its
+// PF_HALF dims only (half the registers of one warp per head, so twice the warps fit on an SM).
+// Per KV tile each warp computes S over its half of the dims, the pair swaps the partial S through
+// shared memory (named barrier 1 + h, 64 threads) and both add them (a + b == b + a: the two warps
+// hold bitwise the same S, max, P and row sums), then each multiplies P by its half of V.
+// 2^x in one MUFU op (inputs <= 0 here; results below 2^-126 flush to 0, -inf gives 0).
+__device__ __forceinline__ float pf_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Barrier 1 + pair with immediate ids, so ptxas reserves PF_HPB + 1 barriers, not all 16 (which
+// would cap the blocks per SM).
+__device__ __forceinline__ void pair_sync(int pair) {
+#define PF_BAR(p) \
+    case p: \
+        asm volatile("bar.sync " #p " + 1, 64;" ::: "memory"); \
+        break;
+    switch (pair) {
+        PF_BAR(0)
+#if PF_HPB > 1
+        PF_BAR(1)
+#endif
+#if PF_HPB > 2
+        PF_BAR(2)
+#endif
+#if PF_HPB > 3
+        PF_BAR(3)
+#endif
+#if PF_HPB > 4
+        PF_BAR(4)
+#endif
+#if PF_HPB > 5
+        PF_BAR(5)
+#endif
+#if PF_HPB > 6
+        PF_BAR(6)
+#endif
+#if PF_HPB > 7
+        PF_BAR(7)
+#endif
+    }
+#undef PF_BAR
+}
+
 __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
                                              const void* __restrict__ v_cache,
                                              const unsigned short* __restrict__ k_scales,
@@ -204,9 +261,13 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
     extern __shared__ __align__(16) unsigned char pf_smem[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, tg = lane & 3;  // mma fragment row group / thread in group
+    const int pair = warp >> 1, half = warp & 1;
+    const int d0 = half * PF_HALF;  // this warp's first head dim
     const int tile = gridDim.x - 1 - blockIdx.x;  // longest tiles first
     const int s = tile_table[2 * tile], qt = tile_table[2 * tile + 1];
-    const int hkv = blockIdx.y, h = hkv * GQA_GROUP + warp;
+    const int groups = GQA_GROUP / PF_HPB;  // blocks per kv head
+    const int hkv = blockIdx.y / groups;
+    const int h = hkv * GQA_GROUP + (blockIdx.y % groups) * PF_HPB + pair;
     const int qstart = cu_seqlens[s], qlen = cu_seqlens[s + 1] - qstart;
     const int past = seq_lens[s] - qlen;
     const int i0 = qt * PF_BQ;
@@ -228,6 +289,12 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
 #endif
     const u32 sbase = smem_addr(pf_smem);
     const bool page_tiles = (page % PF_BK) == 0;  // every KV tile lies inside one page
+#if !KQ_ANY && PF_NT % PF_CH == 0
+    // This thread's 16-byte chunk of a tile row (column tid % PF_CH) in rows lane_row + i * PF_RSTEP.
+    const int lane_row = tid / PF_CH;
+    const long long lane_off = (long long)lane_row * width + (tid % PF_CH) * 8;
+    const u32 lane_dst = (u32)(lane_row * PF_STR + (tid % PF_CH) * 8) * 2;
+#endif
 
     // Issue the cp.async copies of KV tile j into stage st (one commit group per tile).
     auto load_tile = [&](int j, int st) {
@@ -236,6 +303,30 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
         long long row0 = 0;
         if (page_tiles) row0 = (long long)bt[kb / page] * page + kb % page;
 #if !KQ_ANY
+#if PF_NT % PF_CH == 0
+        if (page_tiles) {
+            // The tile lies in one page: rows row0 .. row0 + PF_BK - 1, each thread a fixed chunk
+            // (column) of every PF_RSTEP-th row, so only a pointer advances per copy. Rows past the
+            // visible end are zero-filled (their page rows exist, so the address stays valid).
+            const bf16_t* kp = kbase + (row0 * width + lane_off);
+            const bf16_t* vp = vbase + (row0 * width + lane_off);
+            const long long step = PF_RSTEP * width;
+            const int left = kend - kb - lane_row;  // rows r = lane_row + i * PF_RSTEP are visible while < left
+#pragma unroll
+            for (int i = 0; i < (PF_BK + PF_RSTEP - 1) / PF_RSTEP; i++) {
+                if (PF_BK % PF_RSTEP == 0 || lane_row + i * PF_RSTEP < PF_BK) {
+                    const u32 d = dst + lane_dst + (u32)(i * PF_RSTEP * PF_STR * 2);
+                    const int n = i * PF_RSTEP < left ? 16 : 0;
+                    cp_async16(d, kp, n);
+                    cp_async16(d + PF_MAT_BYTES, vp, n);
+                }
+                kp += step;
+                vp += step;
+            }
+            cp_async_commit();
+            return;
+        }
+#endif
         for (int c = tid; c < PF_BK * PF_CH; c += PF_NT) {
             const int r = c / PF_CH, ch = c % PF_CH;
             const int p = kb + r;
@@ -288,14 +379,14 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
 
     load_tile(0, 0);
 
-    // Q of this warp's head as mma A fragments (rows g, g+8; 16 columns per k step), raw bf16.
-    u32 qf[HD / 16][4];
+    // Q of this warp's head and half as mma A fragments (rows g, g+8; 16 dims per k step), raw bf16.
+    u32 qf[PF_HALF / 16][4];
     {
         const bool v0 = g < nq, v1 = g + 8 < nq;
-        const bf16_t* q0 = q + (long long)(qstart + i0 + g) * q_tok + (long long)h * q_head + 2 * tg;
+        const bf16_t* q0 = q + (long long)(qstart + i0 + g) * q_tok + (long long)h * q_head + d0 + 2 * tg;
         const bf16_t* q1 = q0 + 8 * q_tok;
 #pragma unroll
-        for (int ks = 0; ks < HD / 16; ks++) {
+        for (int ks = 0; ks < PF_HALF / 16; ks++) {
             qf[ks][0] = v0 ? *(const u32*)(q0 + ks * 16) : 0u;
             qf[ks][1] = v1 ? *(const u32*)(q1 + ks * 16) : 0u;
             qf[ks][2] = v0 ? *(const u32*)(q0 + ks * 16 + 8) : 0u;
@@ -303,19 +394,22 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
         }
     }
 
-    float oacc[HD / 8][4];
+    float oacc[PF_HALF / 8][4];
 #pragma unroll
-    for (int n = 0; n < HD / 8; n++) oacc[n][0] = oacc[n][1] = oacc[n][2] = oacc[n][3] = 0.0f;
+    for (int n = 0; n < PF_HALF / 8; n++) oacc[n][0] = oacc[n][1] = oacc[n][2] = oacc[n][3] = 0.0f;
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;  // rows g, g+8 (l: this thread's columns)
     const float sl2 = scale * 1.4426950408889634f;
     const int first_q = past + i0;
     const int qpos0 = first_q + g, qpos1 = qpos0 + 8;
+    // This warp's and its partner's partial S, fragment order: [n][lane] float4.
+    float4* xme = (float4*)(pf_smem + PF_XCH) + warp * (PF_BK / 8) * 32 + lane;
+    const float4* xpa = (const float4*)(pf_smem + PF_XCH) + (warp ^ 1) * (PF_BK / 8) * 32 + lane;
 
-    // ldmatrix lane offsets (bytes) inside a tile.
+    // ldmatrix lane offsets (bytes) inside a tile, at this warp's first dim.
     // K (non-trans, B of S = Q K^T): matrices (keys 0-7, d 0-7), (keys 0-7, d 8-15), (keys 8-15, d 0-7), (8-15, 8-15).
-    const u32 k_lane = (u32)(((lane & 7) + ((lane >> 4) << 3)) * PF_STR + ((lane >> 3) & 1) * 8) * 2;
+    const u32 k_lane = (u32)(((lane & 7) + ((lane >> 4) << 3)) * PF_STR + ((lane >> 3) & 1) * 8 + d0) * 2;
     // V (trans, B of O = P V): matrices (keys 0-7, d 0-7), (keys 8-15, d 0-7), (keys 0-7, d 8-15), (8-15, 8-15).
-    const u32 v_lane = (u32)(((lane & 7) + (((lane >> 3) & 1) << 3)) * PF_STR + (lane >> 4) * 8) * 2;
+    const u32 v_lane = (u32)(((lane & 7) + (((lane >> 3) & 1) << 3)) * PF_STR + (lane >> 4) * 8 + d0) * 2;
 
     for (int j = 0; j < n_kt; j++) {
 #if KQ_ANY
@@ -361,30 +455,35 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
         __syncthreads();
 #endif
 
-        float sc[S_CHAINS][PF_BK / 8][4];
+        // This warp's half of S = Q K^T, then the pair's sum.
+        float sx[PF_BK / 8][4];
 #pragma unroll
-        for (int c = 0; c < S_CHAINS; c++)
+        for (int n = 0; n < PF_BK / 8; n++) sx[n][0] = sx[n][1] = sx[n][2] = sx[n][3] = 0.0f;
 #pragma unroll
-            for (int n = 0; n < PF_BK / 8; n++) sc[c][n][0] = sc[c][n][1] = sc[c][n][2] = sc[c][n][3] = 0.0f;
-#pragma unroll
-        for (int ks = 0; ks < HD / 16; ks++) {
+        for (int ks = 0; ks < PF_HALF / 16; ks++) {
 #pragma unroll
             for (int np = 0; np < PF_BK / 16; np++) {
                 u32 b0, b1, b2, b3;
                 ldsm_x4(ks_base + k_lane + (u32)(np * 16 * PF_STR + ks * 16) * 2, b0, b1, b2, b3);
-                mma_bf16(sc[ks % S_CHAINS][2 * np], qf[ks], b0, b1);
-                mma_bf16(sc[ks % S_CHAINS][2 * np + 1], qf[ks], b2, b3);
+                mma_bf16(sx[2 * np], qf[ks], b0, b1);
+                mma_bf16(sx[2 * np + 1], qf[ks], b2, b3);
             }
         }
 #pragma unroll
-        for (int c = 1; c < S_CHAINS; c++)
+        for (int n = 0; n < PF_BK / 8; n++) xme[n * 32] = make_float4(sx[n][0], sx[n][1], sx[n][2], sx[n][3]);
+        pair_sync(pair);
 #pragma unroll
-            for (int n = 0; n < PF_BK / 8; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) sc[0][n][e] += sc[c][n][e];
+        for (int n = 0; n < PF_BK / 8; n++) {
+            const float4 p = xpa[n * 32];
+            sx[n][0] += p.x;
+            sx[n][1] += p.y;
+            sx[n][2] += p.z;
+            sx[n][3] += p.w;
+        }
 
-        float (&sx)[PF_BK / 8][4] = sc[0];
-        // Scale into the log2 domain; causal mask where the tile reaches past the first query.
+        // Into the log2 domain, scaled by fs at the exponent (bf16 K: the softmax scale rides on the
+        // exp's FFMA; quantised K: each key's scale differs, so S is scaled here and fs = 1); causal
+        // mask where the tile reaches past the first query.
         const int kb = j * PF_BK;
 #if KQ_K
         // K scales of this thread's key columns, folded into the log2-domain factor.
@@ -394,34 +493,36 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
             f0[n] = sks[n * 8 + 2 * tg] * sl2;
             f1[n] = sks[n * 8 + 2 * tg + 1] * sl2;
         }
-#define PF_F0(n) f0[n]
-#define PF_F1(n) f1[n]
+#define PF_F0(x, n) (x) * f0[n]
+#define PF_F1(x, n) (x) * f1[n]
+        const float fs = 1.0f;
 #else
-#define PF_F0(n) sl2
-#define PF_F1(n) sl2
+#define PF_F0(x, n) (x)
+#define PF_F1(x, n) (x)
+        const float fs = sl2;
 #endif
         if (kb + PF_BK - 1 > first_q) {
 #pragma unroll
             for (int n = 0; n < PF_BK / 8; n++) {
                 const int key = kb + n * 8 + 2 * tg;
-                sx[n][0] = key <= qpos0 ? sx[n][0] * PF_F0(n) : NEG_INF;
-                sx[n][1] = key + 1 <= qpos0 ? sx[n][1] * PF_F1(n) : NEG_INF;
-                sx[n][2] = key <= qpos1 ? sx[n][2] * PF_F0(n) : NEG_INF;
-                sx[n][3] = key + 1 <= qpos1 ? sx[n][3] * PF_F1(n) : NEG_INF;
+                sx[n][0] = key <= qpos0 ? PF_F0(sx[n][0], n) : NEG_INF;
+                sx[n][1] = key + 1 <= qpos0 ? PF_F1(sx[n][1], n) : NEG_INF;
+                sx[n][2] = key <= qpos1 ? PF_F0(sx[n][2], n) : NEG_INF;
+                sx[n][3] = key + 1 <= qpos1 ? PF_F1(sx[n][3], n) : NEG_INF;
             }
         } else {
 #pragma unroll
             for (int n = 0; n < PF_BK / 8; n++) {
-                sx[n][0] *= PF_F0(n);
-                sx[n][1] *= PF_F1(n);
-                sx[n][2] *= PF_F0(n);
-                sx[n][3] *= PF_F1(n);
+                sx[n][0] = PF_F0(sx[n][0], n);
+                sx[n][1] = PF_F1(sx[n][1], n);
+                sx[n][2] = PF_F0(sx[n][2], n);
+                sx[n][3] = PF_F1(sx[n][3], n);
             }
         }
 #undef PF_F0
 #undef PF_F1
 
-        float mx0 = m0, mx1 = m1;
+        float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
         for (int n = 0; n < PF_BK / 8; n++) {
             mx0 = fmaxf(mx0, fmaxf(sx[n][0], sx[n][1]));
@@ -431,18 +532,20 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
         mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        mx0 = fmaxf(m0, mx0 * fs);  // fs > 0: -inf stays -inf
+        mx1 = fmaxf(m1, mx1 * fs);
         // A row with no visible key yet keeps max -inf: subtract 0 instead (all its p are 0).
         const float base0 = mx0 == NEG_INF ? 0.0f : mx0, base1 = mx1 == NEG_INF ? 0.0f : mx1;
-        const float a0 = exp2f(m0 - base0), a1 = exp2f(m1 - base1);
+        const float a0 = pf_exp2(m0 - base0), a1 = pf_exp2(m1 - base1);
         m0 = mx0;
         m1 = mx1;
         float rs0 = 0.0f, rs1 = 0.0f;
 #pragma unroll
         for (int n = 0; n < PF_BK / 8; n++) {
-            sx[n][0] = exp2f(sx[n][0] - base0);
-            sx[n][1] = exp2f(sx[n][1] - base0);
-            sx[n][2] = exp2f(sx[n][2] - base1);
-            sx[n][3] = exp2f(sx[n][3] - base1);
+            sx[n][0] = pf_exp2(fmaf(sx[n][0], fs, -base0));
+            sx[n][1] = pf_exp2(fmaf(sx[n][1], fs, -base0));
+            sx[n][2] = pf_exp2(fmaf(sx[n][2], fs, -base1));
+            sx[n][3] = pf_exp2(fmaf(sx[n][3], fs, -base1));
             rs0 += sx[n][0] + sx[n][1];
             rs1 += sx[n][2] + sx[n][3];
         }
@@ -450,7 +553,7 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
         l1 = l1 * a1 + rs1;
         if (__any_sync(0xffffffffu, a0 != 1.0f || a1 != 1.0f)) {
 #pragma unroll
-            for (int n = 0; n < HD / 8; n++) {
+            for (int n = 0; n < PF_HALF / 8; n++) {
                 oacc[n][0] *= a0;
                 oacc[n][1] *= a0;
                 oacc[n][2] *= a1;
@@ -458,37 +561,46 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
             }
         }
 
-        // O += P V: P (bf16) from the S accumulators, 16 keys per k step.
+        // O += P V over this warp's half of the dims, 16 keys per k step.
 #pragma unroll
         for (int kk = 0; kk < PF_BK / 16; kk++) {
+            u32 ph[4];
+#if PF_PSPLIT
             // P = hi + lo, both bf16 (hi = bf16(p), lo = bf16(p - hi)): P enters with ~2^-17
-            // relative error instead of bf16's 2^-9, which the f32 reference tolerance needs.
-            u32 ph[4], pl[4];
+            // relative error instead of bf16's 2^-9.
+            u32 pl[4];
+#define PF_PACK(i, x, y) split_bf16(x, y, ph[i], pl[i])
+#else
+#define PF_PACK(i, x, y) ph[i] = pack_bf16(x, y)
+#endif
 #if KQ_V
             // P * vscale of the key (the V codes are unscaled).
             const float va = svs[kk * 16 + 2 * tg], vb = svs[kk * 16 + 2 * tg + 1];
             const float vc = svs[kk * 16 + 8 + 2 * tg], vd = svs[kk * 16 + 8 + 2 * tg + 1];
-            split_bf16(sx[2 * kk][0] * va, sx[2 * kk][1] * vb, ph[0], pl[0]);
-            split_bf16(sx[2 * kk][2] * va, sx[2 * kk][3] * vb, ph[1], pl[1]);
-            split_bf16(sx[2 * kk + 1][0] * vc, sx[2 * kk + 1][1] * vd, ph[2], pl[2]);
-            split_bf16(sx[2 * kk + 1][2] * vc, sx[2 * kk + 1][3] * vd, ph[3], pl[3]);
+            PF_PACK(0, sx[2 * kk][0] * va, sx[2 * kk][1] * vb);
+            PF_PACK(1, sx[2 * kk][2] * va, sx[2 * kk][3] * vb);
+            PF_PACK(2, sx[2 * kk + 1][0] * vc, sx[2 * kk + 1][1] * vd);
+            PF_PACK(3, sx[2 * kk + 1][2] * vc, sx[2 * kk + 1][3] * vd);
 #else
-            split_bf16(sx[2 * kk][0], sx[2 * kk][1], ph[0], pl[0]);
-            split_bf16(sx[2 * kk][2], sx[2 * kk][3], ph[1], pl[1]);
-            split_bf16(sx[2 * kk + 1][0], sx[2 * kk + 1][1], ph[2], pl[2]);
-            split_bf16(sx[2 * kk + 1][2], sx[2 * kk + 1][3], ph[3], pl[3]);
+            PF_PACK(0, sx[2 * kk][0], sx[2 * kk][1]);
+            PF_PACK(1, sx[2 * kk][2], sx[2 * kk][3]);
+            PF_PACK(2, sx[2 * kk + 1][0], sx[2 * kk + 1][1]);
+            PF_PACK(3, sx[2 * kk + 1][2], sx[2 * kk + 1][3]);
 #endif
+#undef PF_PACK
 #pragma unroll
-            for (int np = 0; np < HD / 16; np++) {
+            for (int np = 0; np < PF_HALF / 16; np++) {
                 u32 b0, b1, b2, b3;
                 ldsm_x4_t(vs_base + v_lane + (u32)(kk * 16 * PF_STR + np * 16) * 2, b0, b1, b2, b3);
                 mma_bf16(oacc[2 * np], ph, b0, b1);
                 mma_bf16(oacc[2 * np + 1], ph, b2, b3);
+#if PF_PSPLIT
                 mma_bf16(oacc[2 * np], pl, b0, b1);
                 mma_bf16(oacc[2 * np + 1], pl, b2, b3);
+#endif
             }
         }
-        __syncthreads();  // stage j & 1 is refilled by the load issued in iteration j + 1
+        __syncthreads();  // stage j & 1 and the exchange are rewritten in iteration j + 1
     }
 
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -496,24 +608,25 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
     const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
-    bf16_t* o0 = o + ((long long)(qstart + i0 + g) * Hq + h) * HD + 2 * tg;
+    bf16_t* o0 = o + ((long long)(qstart + i0 + g) * Hq + h) * HD + d0 + 2 * tg;
     bf16_t* o1 = o0 + 8LL * Hq * HD;
 #pragma unroll
-    for (int n = 0; n < HD / 8; n++) {
+    for (int n = 0; n < PF_HALF / 8; n++) {
         if (g < nq) *(u32*)(o0 + n * 8) = pack_bf16(oacc[n][0] * inv0, oacc[n][1] * inv0);
         if (g + 8 < nq) *(u32*)(o1 + n * 8) = pack_bf16(oacc[n][2] * inv1, oacc[n][3] * inv1);
     }
 }
 
-extern "C" __global__ void __launch_bounds__(PF_NT, 1)
+// Registers for 12 resident warps per SM whatever the block size (168 per thread).
+extern "C" __global__ void __launch_bounds__(PF_NT, (12 / PF_NW) > 0 ? (12 / PF_NW) : 1)
 attn_prefill(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
              const void* __restrict__ v_cache, const unsigned short* __restrict__ k_scales,
              const unsigned short* __restrict__ v_scales, const int* __restrict__ block_tables, int max_blocks,
              const int* __restrict__ cu_seqlens, const int* __restrict__ seq_lens,
              const int* __restrict__ tile_table, bf16_t* __restrict__ o, int Hq, int Hkv, int page,
              float scale, long long q_tok, long long q_head) {
-    prefill_body<1>(q, k_cache, v_cache, k_scales, v_scales, block_tables, max_blocks, cu_seqlens, seq_lens,
-                    tile_table, o, Hq, Hkv, page, scale, q_tok, q_head);
+    prefill_body(q, k_cache, v_cache, k_scales, v_scales, block_tables, max_blocks, cu_seqlens, seq_lens,
+                 tile_table, o, Hq, Hkv, page, scale, q_tok, q_head);
 }
 
 #define DPL (HD / 32)  // dims per lane in decode

@@ -26,7 +26,7 @@ pub mod w4;
 pub use arena::{Arena, DevSpan, RegionId};
 pub use backend::{CudaBackend, WeightSource};
 pub use error::CudaError;
-pub use nvrtc::{KernelDims, KernelsReport, KvFormats, kernels_check};
+pub use nvrtc::{AttnTiling, KernelDims, KernelsReport, KvFormats, kernels_check};
 pub use ops::Kernels;
 pub use runtime::{LibStatus, Runtime, device_count};
 pub use tp::TpBackend;

@@ -346,6 +346,61 @@ impl KvFormats {
     }
 }
 
+/// How the attention prefill kernel tiles its work (`PF_*` in kernels/attention.cu): keys per KV
+/// tile, query heads per block and P's precision in the P·V product. A warp pair shares each query
+/// head of a block, splitting its head dims.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AttnTiling {
+    /// Keys per KV tile: 32 or 64.
+    pub keys: usize,
+    /// P enters the P·V product as bf16 hi + lo (about 16 mantissa bits) instead of plain bf16.
+    pub p_split: bool,
+    /// Query heads (of one kv head) per block, a divisor of the GQA group; 0: [`AttnTiling::auto_heads`].
+    pub heads: usize,
+}
+
+impl AttnTiling {
+    /// 32-key tiles (fit a 99 KB sm_86 block), plain bf16 P (FlashAttention's choice: its rounding
+    /// moves o by about 2^-9 of |v|; 17% faster than the hi/lo split on the H200), 6 heads per block
+    /// at the 27B's GQA 6 (bench/results/attention-pairs-h200-2026-11-29.md).
+    pub const DEFAULT: AttnTiling = AttnTiling { keys: 32, p_split: false, heads: 0 };
+
+    /// The default heads per block: the largest divisor of the GQA group up to 6 (2 warps per head;
+    /// 12 warps at most, so 168 registers per thread still fit one block per SM).
+    pub fn auto_heads(gqa_group: usize) -> usize {
+        (1..=gqa_group.min(6)).rev().find(|d| gqa_group.is_multiple_of(*d)).unwrap_or(1)
+    }
+
+    /// Query heads per block for a GQA group.
+    pub fn heads_per_block(&self, gqa_group: usize) -> usize {
+        if self.heads == 0 { Self::auto_heads(gqa_group) } else { self.heads }
+    }
+
+    /// The `-D` list for one module (empty unless the module is "attention").
+    pub fn defines(&self, dims: &KernelDims, module: &str) -> Vec<(&'static str, String)> {
+        if module != "attention" {
+            return Vec::new();
+        }
+        vec![
+            ("PF_BK", self.keys.to_string()),
+            ("PF_PSPLIT", u8::from(self.p_split).to_string()),
+            ("PF_HPB", self.heads_per_block(dims.gqa_group).to_string()),
+        ]
+    }
+
+    pub fn validate(&self, dims: &KernelDims) -> Result<(), CudaError> {
+        let bad = |msg: String| Err(CudaError::InvalidArgs { kernel: "AttnTiling", msg });
+        if !(self.keys == 32 || self.keys == 64) {
+            return bad(format!("keys per attention tile must be 32 or 64, got {}", self.keys));
+        }
+        let h = self.heads_per_block(dims.gqa_group);
+        if h == 0 || h > 8 || !dims.gqa_group.is_multiple_of(h) {
+            return bad(format!("heads per block ({h}) must divide the GQA group ({}) and be <= 8", dims.gqa_group));
+        }
+        Ok(())
+    }
+}
+
 /// Quantised-KV builds of the attention module that [`kernels_check`] compiles besides the bf16
 /// one: every format's K path and V path at least once, and mixed pairs.
 pub const CHECK_KV: &[(KvFormats, &str)] = &[
@@ -421,6 +476,7 @@ pub fn kernels_check(archs: &[&str], dims: &KernelDims) -> Result<KernelsReport,
                 scope.spawn(move || {
                     let mut defines = dims.defines(src.module);
                     defines.extend(kv.defines(src.module));
+                    defines.extend(AttnTiling::DEFAULT.defines(dims, src.module));
                     let r = compile(src, arch, &defines, true);
                     match r {
                         Ok(c) => CheckLine {

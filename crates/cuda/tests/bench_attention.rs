@@ -17,7 +17,7 @@ use cudarc::driver::CudaStream;
 use cudarc::driver::sys::CUevent_flags;
 use deltaserve_cuda::ops::attention::{self, AttnDecode, AttnPrefill, KvPages};
 use deltaserve_cuda::ops::init::{Init, init_random};
-use deltaserve_cuda::{Arena, KernelDims, Kernels, LibStatus, Runtime};
+use deltaserve_cuda::{Arena, AttnTiling, KernelDims, Kernels, KvFormats, LibStatus, Runtime};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
@@ -112,40 +112,64 @@ fn bench_attn_prefill_27b() {
     let kv = KvPages { k_cache: kc, v_cache: vc, block_tables: bt, max_blocks: n_pages, page: PAGE, kv_heads: HKV };
     let scale = 1.0 / (HD as f32).sqrt();
 
-    println!("attn_prefill, 27B shape (Hq {HQ}, Hkv {HKV}, head dim {HD}, page {PAGE}), {TQ} causal queries:");
-    println!("{:>8} {:>8} {:>10} {:>9} {:>8} {:>10} {:>8}", "past", "keys", "ms", "TFLOP/s", "/GEMM", "SDPA", "/SDPA");
-    for past in [0usize, 28_672, 126_976, 258_048] {
-        let cu = [0i32, TQ as i32];
-        let lens = [(past + TQ) as i32];
-        let tiles = attention::tile_table(&cu);
-        rt.upload(cu_p, &cu).unwrap();
-        rt.upload(lens_p, &lens).unwrap();
-        rt.upload(tiles_p, &tiles).unwrap();
-        let a = AttnPrefill {
-            q,
-            q_tok,
-            q_head: 2 * HD,
-            o,
-            kv,
-            cu_seqlens: cu_p,
-            seq_lens: lens_p,
-            tile_table: tiles_p,
-            n_tiles: tiles.len() / 2,
-            q_heads: HQ,
-            scale,
+    // Every tiling the device's shared memory allows: the shipped default first.
+    let mut tilings = vec![AttnTiling::DEFAULT];
+    for (keys, heads) in [(32, 6), (32, 3), (32, 2), (64, 3)] {
+        for p_split in [true, false] {
+            let t = AttnTiling { keys, p_split, heads };
+            if !tilings.contains(&t) {
+                tilings.push(t);
+            }
+        }
+    }
+    for tiling in tilings {
+        let kt = match Kernels::load_tiled(&rt, KernelDims::QWEN35_27B, KvFormats::BF16, tiling) {
+            Ok(kt) => kt,
+            Err(e) => {
+                println!("attn_prefill {tiling:?}: not loaded ({e})");
+                continue;
+            }
         };
-        let runs = if past > 100_000 { 5 } else { 9 };
-        let ms = time_ms(&rt, runs, |s| attention::attn_prefill(&k, s, &a).unwrap());
-        let visible = (TQ * past + TQ * (TQ + 1) / 2) as f64;
-        let tflops = 4.0 * (HD * HQ) as f64 * visible / (ms * 1e-3) / 1e12;
-        let ctx = past + TQ;
-        let sd = sdpa.iter().find(|(c, _)| *c == ctx).map(|(_, t)| *t);
         println!(
-            "{past:>8} {ctx:>8} {ms:>10.3} {tflops:>9.1} {:>7.0}% {:>10} {:>8}",
-            100.0 * tflops / GEMM_TFLOPS,
-            sd.map(|t| format!("{t:.1}")).unwrap_or_else(|| "-".into()),
-            sd.map(|t| format!("{:.0}%", 100.0 * tflops / t)).unwrap_or_else(|| "-".into()),
+            "attn_prefill {tiling:?}, 27B shape (Hq {HQ}, Hkv {HKV}, head dim {HD}, page {PAGE}), {TQ} causal queries:"
         );
+        println!(
+            "{:>8} {:>8} {:>10} {:>9} {:>8} {:>10} {:>8}",
+            "past", "keys", "ms", "TFLOP/s", "/GEMM", "SDPA", "/SDPA"
+        );
+        for past in [0usize, 28_672, 126_976, 258_048] {
+            let cu = [0i32, TQ as i32];
+            let lens = [(past + TQ) as i32];
+            let tiles = attention::tile_table(&cu);
+            rt.upload(cu_p, &cu).unwrap();
+            rt.upload(lens_p, &lens).unwrap();
+            rt.upload(tiles_p, &tiles).unwrap();
+            let a = AttnPrefill {
+                q,
+                q_tok,
+                q_head: 2 * HD,
+                o,
+                kv,
+                cu_seqlens: cu_p,
+                seq_lens: lens_p,
+                tile_table: tiles_p,
+                n_tiles: tiles.len() / 2,
+                q_heads: HQ,
+                scale,
+            };
+            let runs = if past > 100_000 { 5 } else { 9 };
+            let ms = time_ms(&rt, runs, |s| attention::attn_prefill(&kt, s, &a).unwrap());
+            let visible = (TQ * past + TQ * (TQ + 1) / 2) as f64;
+            let tflops = 4.0 * (HD * HQ) as f64 * visible / (ms * 1e-3) / 1e12;
+            let ctx = past + TQ;
+            let sd = sdpa.iter().find(|(c, _)| *c == ctx).map(|(_, t)| *t);
+            println!(
+                "{past:>8} {ctx:>8} {ms:>10.3} {tflops:>9.1} {:>7.0}% {:>10} {:>8}",
+                100.0 * tflops / GEMM_TFLOPS,
+                sd.map(|t| format!("{t:.1}")).unwrap_or_else(|| "-".into()),
+                sd.map(|t| format!("{:.0}%", 100.0 * tflops / t)).unwrap_or_else(|| "-".into()),
+            );
+        }
     }
 
     // Decode: one query per sequence at 32K context, each sequence on its own pages.

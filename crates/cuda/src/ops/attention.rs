@@ -6,24 +6,23 @@ use cudarc::driver::CudaStream;
 
 use super::{Kernels, invalid, launch, to_i32, to_u32};
 use crate::error::CudaError;
-use crate::nvrtc::{KernelDims, KvFormats};
+use crate::nvrtc::{AttnTiling, KernelDims, KvFormats};
 use deltaserve_plan::KvDtype;
 
 /// Queries per prefill tile (fixed in the kernel: one m16 mma row tile per query head).
 pub const Q_TILE: usize = 16;
 
-/// Keys per KV tile of the prefill kernel.
-const KV_TILE: usize = 32;
-
 /// Dynamic shared memory of [`attn_prefill`] (PF_SMEM_BYTES in attention.cu): 2 stages of K and V
 /// tiles (bf16 rows padded by 8, or the raw codes of a quantised format), then for each quantised
-/// matrix one converted bf16 tile and the tile's f32 scales.
-pub(crate) fn prefill_smem_bytes(d: &KernelDims, kv: &KvFormats) -> usize {
-    let hd = d.attn_head_dim;
-    let tile = KV_TILE * (hd + 8) * 2;
-    let part = |f: KvDtype| if f == KvDtype::Bf16 { tile } else { KV_TILE * hd * f.bits() as usize / 8 };
-    let extra = |f: KvDtype| if f == KvDtype::Bf16 { 0 } else { tile + 4 * KV_TILE };
-    2 * (part(kv.k) + part(kv.v)) + extra(kv.k) + extra(kv.v)
+/// matrix one converted bf16 tile and the tile's f32 scales, then the warp pairs' partial-S
+/// exchange (16 f32 per key and warp).
+pub(crate) fn prefill_smem_bytes(d: &KernelDims, kv: &KvFormats, t: &AttnTiling) -> usize {
+    let (hd, keys) = (d.attn_head_dim, t.keys);
+    let tile = keys * (hd + 8) * 2;
+    let part = |f: KvDtype| if f == KvDtype::Bf16 { tile } else { keys * hd * f.bits() as usize / 8 };
+    let extra = |f: KvDtype| if f == KvDtype::Bf16 { 0 } else { tile + 4 * keys };
+    let warps = 2 * t.heads_per_block(d.gqa_group);
+    2 * (part(kv.k) + part(kv.v)) + extra(kv.k) + extra(kv.v) + warps * keys * 64
 }
 
 /// Per-(token, head) f16 scales of a quantised cache ([rows, kv_heads] each; 0 for a bf16 matrix).
@@ -119,10 +118,16 @@ pub fn attn_prefill_q(k: &Kernels, s: &CudaStream, a: &AttnPrefill, sc: &KvScale
     let hq = to_i32("attn_prefill", "q_heads", a.q_heads)?;
     let hkv = to_i32("attn_prefill", "kv_heads", a.kv.kv_heads)?;
     let page = to_i32("attn_prefill", "page", a.kv.page)?;
-    // One block per (16-query tile, kv head); one warp per query head of the GQA group.
-    let grid = (to_u32("attn_prefill", "n_tiles", a.n_tiles)?, to_u32("attn_prefill", "kv_heads", a.kv.kv_heads)?, 1);
-    let block = (32 * d.gqa_group as u32, 1, 1);
-    let smem = prefill_smem_bytes(&d, &k.kv) as u32;
+    // One block per (16-query tile, kv head, group of heads_per_block query heads); a warp pair per
+    // query head.
+    let hpb = k.attn.heads_per_block(d.gqa_group);
+    let grid = (
+        to_u32("attn_prefill", "n_tiles", a.n_tiles)?,
+        to_u32("attn_prefill", "kv_heads", a.kv.kv_heads * (d.gqa_group / hpb))?,
+        1,
+    );
+    let block = (64 * hpb as u32, 1, 1);
+    let smem = prefill_smem_bytes(&d, &k.kv, &k.attn) as u32;
     launch!(k, s, "attn_prefill", grid, block, smem;
         q, k_cache, v_cache, k_scales, v_scales, block_tables, mb, cu_seqlens, seq_lens, tile_table, o, hq, hkv,
         page, scale, qt, qh)

@@ -26,7 +26,7 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::nvrtc::Ptx;
 
 use crate::error::CudaError;
-use crate::nvrtc::{self, KernelDims, KvFormats, SOURCES};
+use crate::nvrtc::{self, AttnTiling, KernelDims, KvFormats, SOURCES};
 use crate::runtime::Runtime;
 
 /// Every kernel of the crate, compiled for one device and one set of [`KernelDims`].
@@ -35,6 +35,8 @@ pub struct Kernels {
     pub dims: KernelDims,
     /// KV-cache formats the attention kernels were compiled for ([`Kernels::load`]: bf16).
     pub kv: KvFormats,
+    /// Tiling of the attention prefill kernel.
+    pub attn: AttnTiling,
     pub arch: String,
     /// Wall time of compiling + loading all modules (ms).
     pub load_ms: f64,
@@ -49,8 +51,14 @@ impl Kernels {
 
     /// [`Kernels::load`] with the attention kernels reading a KV cache stored in `kv`.
     pub fn load_kv(rt: &Runtime, dims: KernelDims, kv: KvFormats) -> Result<Kernels, CudaError> {
+        Self::load_tiled(rt, dims, kv, AttnTiling::DEFAULT)
+    }
+
+    /// [`Kernels::load_kv`] with the attention prefill kernel tiled as `attn` (benchmarks compare tilings).
+    pub fn load_tiled(rt: &Runtime, dims: KernelDims, kv: KvFormats, attn: AttnTiling) -> Result<Kernels, CudaError> {
         dims.validate()?;
         kv.validate()?;
+        attn.validate(&dims)?;
         let t0 = std::time::Instant::now();
         let arch = rt.arch();
         let cubins: Vec<Result<nvrtc::Cubin, CudaError>> = std::thread::scope(|scope| {
@@ -60,6 +68,7 @@ impl Kernels {
                     let arch = arch.as_str();
                     let mut defines = dims.defines(src.module);
                     defines.extend(kv.defines(src.module));
+                    defines.extend(attn.defines(&dims, src.module));
                     scope.spawn(move || nvrtc::compile(src, arch, &defines, false))
                 })
                 .collect();
@@ -83,11 +92,11 @@ impl Kernels {
                 funcs.insert(name, f);
             }
         }
-        let k = Kernels { funcs, dims, kv, arch, load_ms: t0.elapsed().as_secs_f64() * 1e3 };
+        let k = Kernels { funcs, dims, kv, attn, arch, load_ms: t0.elapsed().as_secs_f64() * 1e3 };
         for (name, bytes) in [
             ("gdn_chunk_prep", gdn_chunk::prep_smem_bytes(&dims)),
             ("gdn_chunk_state", gdn_chunk::state_smem_bytes(&dims)),
-            ("attn_prefill", attention::prefill_smem_bytes(&dims, &kv)),
+            ("attn_prefill", attention::prefill_smem_bytes(&dims, &kv, &attn)),
             ("w4_gemv_cp4", w4a16::GemvKernel::Async4.smem_bytes()),
             ("w4_gemv_cp8", w4a16::GemvKernel::Async8.smem_bytes()),
         ] {
