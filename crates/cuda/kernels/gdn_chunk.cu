@@ -10,7 +10,7 @@
 //   o_i   = exp(G_i) q_i h + sum_{j<=i} P_ij v_new_j
 //   h'    = exp(G_last) h + sum_j k_j^T (exp(G_last - G_j) v_new_j)
 // Two kernels, several sequences per launch (varlen: cu_seqlens + state slots):
-//  gdn_chunk_prep   grid (n_chunks, Hv), 128 threads (4 warps x 16 chunk rows), smem ~86 KB.
+//  gdn_chunk_prep   grid (n_chunks, Hv), 128 threads (4 warps x 16 chunk rows), smem ~69 KB.
 //      Everything that depends only on the chunk: K K^T and Q K^T on tensor cores (exact bf16
 //      inputs, f32 accumulate), T by forward substitution in f32 (one column per thread, history in
 //      registers), then w and u as tensor-core products of T (times the per-column scale) with K / V.
@@ -53,6 +53,8 @@
 #define VPB (DV + 8)   // bf16 row pitch of V tiles
 #define PPB (CH + 8)   // bf16 row pitch of P tiles
 #define AP (CH + 4)    // f32 row pitch of A and T
+// Bytes of the region Q and then T share in gdn_chunk_prep (ops::gdn_chunk::prep_smem_bytes).
+#define PREP_QT_BYTES (CH * KPB * 2 > CH * AP * 4 ? CH * KPB * 2 : CH * AP * 4)
 #define SNW ((DV / 16) % 4 == 0 ? 4 : 2)  // warps per gdn_chunk_state block
 #define SBV (16 * SNW)                    // value columns per gdn_chunk_state block
 
@@ -138,12 +140,13 @@ gdn_chunk_prep(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                bf16_t* __restrict__ ws_ph, bf16_t* __restrict__ ws_pl, float* __restrict__ ws_g,
                int Hk, int Hv, int precise) {
     extern __shared__ uint4 smem_u4[];
+    // Q is dead once Q K^T is out, so T takes its place (3 blocks per SM instead of 2 at DK = 128).
     bf16_t* Ks = (bf16_t*)smem_u4;       // [CH][KPB]
     bf16_t* Qs = Ks + CH * KPB;          // [CH][KPB]
-    bf16_t* Vs = Qs + CH * KPB;          // [CH][VPB]
+    float* Ts = (float*)Qs;              // [CH][AP]  T = (I + A)^-1, after Q's last read
+    bf16_t* Vs = (bf16_t*)((unsigned char*)Qs + PREP_QT_BYTES);  // [CH][VPB]
     float* As = (float*)(Vs + CH * VPB); // [CH][AP]  A (strictly lower)
-    float* Ts = As + CH * AP;            // [CH][AP]  T = (I + A)^-1
-    float* Gs = Ts + CH * AP;            // [CH] cumsum of g (0 past the chunk end)
+    float* Gs = As + CH * AP;            // [CH] cumsum of g (0 past the chunk end)
     float* Bs = Gs + CH;                 // [CH] beta (0 past the chunk end)
     float* Ew = Bs + CH;                 // [CH] beta * exp(G)
 

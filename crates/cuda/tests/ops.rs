@@ -224,11 +224,12 @@ const HD32_G8: KernelDims = KernelDims { attn_head_dim: 32, gqa_group: 8, ..Kern
 /// Qwen3-Next's attention (head dim 256, 16 q heads over 2 kv heads): two prefill blocks per kv head.
 const NEXT_ATTN: KernelDims = KernelDims { attn_head_dim: 256, gqa_group: 8, ..KernelDims::QWEN35_27B };
 /// Attention prefill with plain bf16 P (the default AttnTiling, FlashAttention's choice): P's
-/// rounding (2^-9 relative) moves o by up to 2^-9 · Σ p |v| ≈ 2^-9 · |v| — the scale of V, not of o,
-/// which cancels to ~|v| / sqrt(keys) over random keys. Measured 107-166% of ACCUM's absolute term
-/// on the H200 (bench/results/attention-prefill-2026-11-29.md), hence 3x ACCUM's absolute term. The
-/// hi/lo split (AttnTiling::p_split) is held to ACCUM.
-const ATTN_PLAIN_P: Tol = Tol { atol_rms: 1.2e-2, atol_abs: 1e-6, rtol: 1.6e-2 };
+/// rounding (2^-9 relative) moves o by up to 2^-9 · Σ p |v| — the scale of V, not of o, which cancels
+/// to ~|v| / sqrt(keys) over random keys. Measured on the H200 (bench/results/attention-pairs-h200-
+/// 2026-11-29.md): absolute errors up to 0.9% (bf16 K/V) and 1.3% (quantised V, whose scale folds
+/// into P before the rounding) of rms(o) on elements where o cancels, hence 2.4% of rms(o). The hi/lo
+/// split (AttnTiling::p_split) is held to ACCUM.
+const ATTN_PLAIN_P: Tol = Tol { atol_rms: 2.4e-2, atol_abs: 1e-6, rtol: 1.6e-2 };
 /// DeltaNet head dims 32 (the qwen35_gva3_d32 fixture's shape): 2 warps per state block.
 const GDN32: KernelDims = KernelDims { gdn_k_dim: 32, gdn_v_dim: 32, ..KernelDims::QWEN35_27B };
 /// gdn_chunk with plain bf16 operands (Precision::Bf16, FLA-like): measured worst errors ~3% of the

@@ -22,8 +22,10 @@ pub fn workspace_bytes(t: usize, hv: usize, dims: &KernelDims) -> usize {
 pub const MAX_K_DIM: usize = 128;
 
 pub(crate) fn prep_smem_bytes(d: &KernelDims) -> usize {
-    // K, Q [64][dk+8] bf16, V [64][dv+8] bf16, A and T [64][68] f32, G/beta/scale [64] f32.
-    2 * (2 * CHUNK * (d.gdn_k_dim + 8) + CHUNK * (d.gdn_v_dim + 8)) + 4 * (2 * CHUNK * (CHUNK + 4) + 3 * CHUNK)
+    // K [64][dk+8] bf16, Q [64][dk+8] bf16 then T [64][68] f32 in one region, V [64][dv+8] bf16,
+    // A [64][68] f32, G/beta/scale [64] f32 (PREP_QT_BYTES in gdn_chunk.cu).
+    let (k_tile, a_tile) = (2 * CHUNK * (d.gdn_k_dim + 8), 4 * CHUNK * (CHUNK + 4));
+    k_tile + k_tile.max(a_tile) + 2 * CHUNK * (d.gdn_v_dim + 8) + a_tile + 4 * 3 * CHUNK
 }
 
 pub(crate) fn state_smem_bytes(d: &KernelDims) -> usize {
