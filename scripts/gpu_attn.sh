@@ -3,11 +3,12 @@
 #   Here:  cargo build --release -p deltaserve && cargo test -p deltaserve-cuda --release --no-run
 #          scripts/gpu_attn.sh --stage        # copies the binaries into .carry/attn/
 #   There: (carry [".carry/attn"]) STEPS=... scripts/gpu_attn.sh   # logs and JSON to $OUT/gpu_attn.tgz
-# Steps (STEPS=ops,attn,gdn,backend,bench,soak):
+# Steps (STEPS=ops,attn,gdn,backend,spec,bench,soak):
 #   ops      every kernel against the CPU reference (attention prefill in every tiling, quantised KV)
 #   attn     tests/bench_attention.rs: attn_prefill TFLOP/s at 4K..262K keys for every tiling, decode
 #   gdn      tests/ops.rs bench_gdn_prefill_27b: the chunked DeltaNet kernels at the 27B shape
 #   backend  tests/backend.rs (logits vs the CPU engine, batching, graphs, quantised paths)
+#   spec     tests/speculative.rs (verify rows' decode attention, commit, drafts)
 #   bench    27B random weights: `deltaserve bench $BENCH_ARGS` (default: prefill 1K..262K, decode,
 #            memory; JSON + SVG)
 #   soak     27B random weights: 12-turn soak to 128K (TTFT per new token per turn, JSON + SVG)
@@ -15,7 +16,7 @@ set -uo pipefail
 C=.carry/attn
 source "$(dirname "$0")/gpu_steps.sh"
 if [[ "${1:-}" == "--stage" ]]; then
-    gpu_stage "$C" ops backend bench_attention
+    gpu_stage "$C" ops backend bench_attention speculative
     exit
 fi
 gpu_steps_init gpu_attn ops,attn
@@ -24,6 +25,7 @@ test_step ops 200 "FAIL|test result|panicked|attn_prefill" "$C/ops" --nocapture 
 test_step attn 200 "attn_prefill|^ +[0-9]+ +[0-9]+ |not loaded|panicked" "$C/bench_attention" --nocapture --ignored
 test_step gdn 120 "BENCH|panicked" "$C/ops" --nocapture --ignored bench_gdn_prefill_27b
 test_step backend 240 "^test |test result|panicked|FAIL" "$C/backend" --nocapture --test-threads=1 --skip hf_fixtures_logits
+test_step spec 200 "^test |test result|panicked|FAIL" "$C/speculative" --nocapture --test-threads=1
 if has bench; then
     step bench
     timeout 300 "$C/deltaserve" bench ${BENCH_ARGS:-} --json --svg "$OUT/bench.svg" >"$OUT/bench.json" 2>"$OUT/bench.log"

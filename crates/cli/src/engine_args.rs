@@ -396,6 +396,9 @@ impl EngineArgs {
             tracing::warn!("--random-weights: initialising the weights at random on the GPU (benchmarks only)");
             WeightSource::RandomWeights { seed: 0 }
         } else {
+            if let Some(q) = &cfg.quantization {
+                tracing::info!(quantization = %q.describe(), "checkpoint quantisation (converted to the device format at load)");
+            }
             WeightSource::Checkpoint(text.dir.clone())
         };
         let cuda_opts = CudaOptions { cuda_graphs: !self.no_cuda_graphs, ..CudaOptions::default() };

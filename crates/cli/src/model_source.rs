@@ -137,6 +137,7 @@ fn load_dir(dir: &Path) -> Result<LoadedModel> {
         hidden = config.hidden_size,
         vocab = config.vocab_size,
         tokenizer = tokenizer.is_some(),
+        quantization = config.quantization.as_ref().map_or("none".to_string(), |q| q.describe() + ", dequantised to f32"),
         "model loaded on the CPU reference backend"
     );
     Ok(LoadedModel { model: CpuModel::new(config, weights), tokenizer, template })

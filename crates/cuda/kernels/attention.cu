@@ -8,9 +8,11 @@
 //                       (mma.sync m16n8k16 bf16 -> f32, ldmatrix, cp.async); no scratch.
 //  attn_decode_split:   one query per row b (a decode sequence, or one row of a speculative verify:
 //                       its block-table row is table_rows[b] when table_rows is not null, else b);
-//                       keys split into n_split equal ranges, each block
+//                       keys split into dec_parts(len) <= n_split equal ranges (one per 128
+//                       keys), each block
 //                       handles all GQA_GROUP query heads of one kv head (K/V read once), writes
-//                       unnormalised partials (o, max, sum) in f32.
+//                       unnormalised partials (o, max in the log2 domain, sum) in f32. Each warp
+//                       walks every 8th key with the next key's loads in flight.
 //  attn_decode_combine: merges the n_split partials (log-sum-exp) into bf16 o.
 // Shapes/dtypes: q [T, Hq, HD] bf16 (head h of token t at q + t*q_tok + h*q_head: contiguous is
 //   q_tok = Hq*HD, q_head = HD; the attention q|gate projection output is q_tok = 2*Hq*HD,
@@ -665,6 +667,13 @@ __device__ __forceinline__ void dec_load_codes(const unsigned char* __restrict__
     }
 }
 
+// Partitions of a row with `len` keys: one per DEC_PART_KEYS keys, at most n_split. A row's split
+// depends on its own length only, so its result does not depend on the batch it decodes in.
+#define DEC_PART_KEYS 128
+__device__ __forceinline__ int dec_parts(int len, int n_split) {
+    return max(1, min(n_split, (len + DEC_PART_KEYS - 1) / DEC_PART_KEYS));
+}
+
 extern "C" __global__ void __launch_bounds__(256)
 attn_decode_split(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
                   const void* __restrict__ v_cache, const unsigned short* __restrict__ k_scales,
@@ -678,27 +687,35 @@ attn_decode_split(const bf16_t* __restrict__ q, const void* __restrict__ k_cache
     const int b = blockIdx.x, hkv = blockIdx.y, sp = blockIdx.z;
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int len = seq_lens[b];
-    const int per = (len + n_split - 1) / n_split;
+    const int parts = dec_parts(len, n_split);
+    if (sp >= parts) return;  // this row's context needs fewer partitions (the combine reads `parts`)
+    const int per = (len + parts - 1) / parts;
     const int k0 = sp * per, k1 = min(len, k0 + per);
     const long long width = (long long)Hkv * HD;
     const int* bt = block_tables + (long long)(table_rows ? table_rows[b] : b) * max_blocks;
 
     for (int e = threadIdx.x; e < GQA_GROUP * HD; e += blockDim.x) o_acc[e / HD][e % HD] = 0.0f;
+    const float sl2 = scale * 1.4426950408889634f;
     float qv[GQA_GROUP][DPL], acc[GQA_GROUP][DPL], m[GQA_GROUP], l[GQA_GROUP];
 #pragma unroll
     for (int g = 0; g < GQA_GROUP; g++) {
         const bf16_t* qh = q + (long long)b * q_tok + (long long)(hkv * GQA_GROUP + g) * q_head + lane * DPL;
 #pragma unroll
         for (int d = 0; d < DPL; d++) {
-            qv[g][d] = bf2f(qh[d]) * scale;
+            qv[g][d] = bf2f(qh[d]) * sl2;  // log2 domain: softmax by exp2
             acc[g][d] = 0.0f;
         }
         m[g] = NEG_INF;
         l[g] = 0.0f;
     }
-    for (int p = k0 + w; p < k1; p += 8) {
-        long long row = (long long)bt[p / page] * page + p % page;
-        float kf[DPL], vf[DPL];
+    // Key p's K and V (this lane's DPL dims, widened to f32) and, for quantised formats, its scales.
+    float ksc = 1.0f, vsc = 1.0f;
+    (void)ksc;
+    (void)vsc;
+    auto load_key = [&](int p, float* kf, float* vf, float& ks, float& vs) {
+        const long long row = (long long)bt[p / page] * page + p % page;
+        (void)ks;
+        (void)vs;
 #if !KQ_ANY
         const bf16_t* kr = (const bf16_t*)k_cache + row * width + (long long)hkv * HD + lane * DPL;
         const bf16_t* vr = (const bf16_t*)v_cache + row * width + (long long)hkv * HD + lane * DPL;
@@ -715,7 +732,7 @@ attn_decode_split(const bf16_t* __restrict__ q, const void* __restrict__ k_cache
 #else
         // Codes; the key's scale multiplies the dot product.
         dec_load_codes<KV_K_FMT>((const unsigned char*)k_cache + (row * Hkv + hkv) * K_ROWB, lane, kf);
-        const float ksc = f16_to_f32(k_scales[row * Hkv + hkv]);
+        ks = f16_to_f32(k_scales[row * Hkv + hkv]);
 #endif
 #if !KQ_V
         const bf16_t* vr = (const bf16_t*)v_cache + row * width + (long long)hkv * HD + lane * DPL;
@@ -724,9 +741,17 @@ attn_decode_split(const bf16_t* __restrict__ q, const void* __restrict__ k_cache
 #else
         // Codes; the key's scale multiplies its probability.
         dec_load_codes<KV_V_FMT>((const unsigned char*)v_cache + (row * Hkv + hkv) * V_ROWB, lane, vf);
-        const float vsc = f16_to_f32(v_scales[row * Hkv + hkv]);
+        vs = f16_to_f32(v_scales[row * Hkv + hkv]);
 #endif
 #endif
+    };
+    // Software pipeline: the next key's loads are in flight while this key is computed (each warp
+    // walks keys k0 + w, k0 + w + 8, ...; without it every key waited a full memory latency).
+    float kf[DPL], vf[DPL];
+    if (k0 + w < k1) load_key(k0 + w, kf, vf, ksc, vsc);
+    for (int p = k0 + w; p < k1; p += 8) {
+        float kn[DPL] = {}, vn[DPL] = {}, ksn = 1.0f, vsn = 1.0f;
+        if (p + 8 < k1) load_key(p + 8, kn, vn, ksn, vsn);
 #pragma unroll
         for (int g = 0; g < GQA_GROUP; g++) {
             float dot = 0.0f;
@@ -737,8 +762,8 @@ attn_decode_split(const bf16_t* __restrict__ q, const void* __restrict__ k_cache
             dot *= ksc;
 #endif
             float mnew = fmaxf(m[g], dot);
-            float alpha = expf(m[g] - mnew);  // m = -inf -> 0, and acc/l are 0 then
-            float pr = expf(dot - mnew);
+            float alpha = pf_exp2(m[g] - mnew);  // m = -inf -> 0, and acc/l are 0 then
+            float pr = pf_exp2(dot - mnew);
             l[g] = l[g] * alpha + pr;
 #if KQ_V
             const float pv = pr * vsc;
@@ -749,6 +774,13 @@ attn_decode_split(const bf16_t* __restrict__ q, const void* __restrict__ k_cache
             for (int d = 0; d < DPL; d++) acc[g][d] = acc[g][d] * alpha + pv * vf[d];
             m[g] = mnew;
         }
+#pragma unroll
+        for (int d = 0; d < DPL; d++) {
+            kf[d] = kn[d];
+            vf[d] = vn[d];
+        }
+        ksc = ksn;
+        vsc = vsn;
     }
     if (lane == 0) {
 #pragma unroll
@@ -762,13 +794,13 @@ attn_decode_split(const bf16_t* __restrict__ q, const void* __restrict__ k_cache
     for (int g = 0; g < GQA_GROUP; g++) {
         float M = NEG_INF;
         for (int ww = 0; ww < 8; ww++) M = fmaxf(M, ms[ww][g]);
-        float f = m[g] == NEG_INF ? 0.0f : expf(m[g] - M);
+        float f = m[g] == NEG_INF ? 0.0f : pf_exp2(m[g] - M);
 #pragma unroll
         for (int d = 0; d < DPL; d++) atomicAdd(&o_acc[g][lane * DPL + d], acc[g][d] * f);
         if (threadIdx.x == 0) {
             float Lsum = 0.0f;
             for (int ww = 0; ww < 8; ww++)
-                Lsum += ms[ww][g] == NEG_INF ? 0.0f : ls[ww][g] * expf(ms[ww][g] - M);
+                Lsum += ms[ww][g] == NEG_INF ? 0.0f : ls[ww][g] * pf_exp2(ms[ww][g] - M);
             long long pi = (((long long)b * Hq + hkv * GQA_GROUP + g) * n_split + sp) * 2;
             part_ml[pi] = M;
             part_ml[pi + 1] = Lsum;
@@ -783,16 +815,18 @@ attn_decode_split(const bf16_t* __restrict__ q, const void* __restrict__ k_cache
 
 extern "C" __global__ void attn_decode_combine(const float* __restrict__ part_o,
                                                const float* __restrict__ part_ml,
+                                               const int* __restrict__ seq_lens,
                                                bf16_t* __restrict__ o, int Hq, int n_split) {
     const int b = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
     const long long base = ((long long)b * Hq + h) * n_split;
+    const int parts = dec_parts(seq_lens[b], n_split);
     float M = NEG_INF;
-    for (int sp = 0; sp < n_split; sp++) M = fmaxf(M, part_ml[(base + sp) * 2]);
+    for (int sp = 0; sp < parts; sp++) M = fmaxf(M, part_ml[(base + sp) * 2]);
     float num = 0.0f, den = 0.0f;
-    for (int sp = 0; sp < n_split; sp++) {
+    for (int sp = 0; sp < parts; sp++) {
         float ms = part_ml[(base + sp) * 2];
         if (ms == NEG_INF) continue;
-        float f = expf(ms - M);
+        float f = pf_exp2(ms - M);  // partial maxima are in the log2 domain
         num += f * part_o[(base + sp) * HD + d];
         den += f * part_ml[(base + sp) * 2 + 1];
     }

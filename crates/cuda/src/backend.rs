@@ -28,7 +28,7 @@ use deltaserve_backend::{ArenaStats, Backend, BackendError, CacheOp, DraftPicker
 use deltaserve_model::shard::{ShardSpec, Split};
 use deltaserve_model::weights::TensorSource;
 use deltaserve_model::{Checkpoint, DType, Dims, LayerKind, ModelConfig, ModelError, ModelWeights};
-use deltaserve_plan::{Plan, PlanOptions, WeightsDtype};
+use deltaserve_plan::{Plan, PlanOptions, VERIFY_PARTITIONS, WeightsDtype};
 
 use crate::arena::{Arena, DevSpan};
 use crate::collective::{CollDtype, Communicators};
@@ -1123,7 +1123,7 @@ impl CudaBackend {
                     Spec::idx_bytes(rows),
                     rows * 4,
                     rows * h * 2,
-                    attention::decode_scratch_bytes(rows, d.q_heads, p, d.head_dim),
+                    attention::decode_scratch_bytes(rows, d.q_heads, p.min(VERIFY_PARTITIONS), d.head_dim),
                 ];
                 let mut at = region.ptr;
                 let spans = sizes.map(|b| {
@@ -2531,6 +2531,7 @@ impl CudaBackend {
                         seq_lens: sp.idx_at(7),
                         table_rows: sp.idx_at(8),
                         n_seqs: sh.tvd,
+                        n_split: self.decode_partitions.min(VERIFY_PARTITIONS),
                         scratch: sp.partials.ptr,
                         scratch_bytes: sp.partials.bytes,
                         ..dec

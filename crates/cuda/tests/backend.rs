@@ -587,7 +587,12 @@ fn graphs_match_eager_same_backend() {
 /// The tiny preset with 4 DeltaNet value heads (value width 128), so every linear's `in` is a
 /// multiple of 128 (the int4 format's group), written once per process.
 fn tiny_int4_dir(layers: usize) -> (PathBuf, ModelConfig) {
-    let dir = std::env::temp_dir().join(format!("ds-cuda-backend-int4-{}-{layers}", std::process::id()));
+    tiny_int4_dir_named("int4", layers)
+}
+
+/// [`tiny_int4_dir`] in a directory of its own (`tag`), for tests that rewrite the checkpoint.
+fn tiny_int4_dir_named(tag: &str, layers: usize) -> (PathBuf, ModelConfig) {
+    let dir = std::env::temp_dir().join(format!("ds-cuda-backend-{tag}-{}-{layers}", std::process::id()));
     let mut config = Preset::Tiny.config_json(Some(layers));
     config["text_config"]["linear_num_value_heads"] = serde_json::json!(4);
     let cfg = deltaserve_model::synth::write_model_json(
@@ -707,6 +712,55 @@ fn int4_quantized_at_load_matches_cpu() {
             &mut g,
             &mut c,
         ));
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// (5c) GPTQ checkpoints written from the format's definition (deltaserve_model::synth::gptq:
+/// symmetric v1 with a stored trivial g_idx, asymmetric with act-order, asymmetric gptq_v2, two
+/// linears left bf16) load on the GPU (converted to the device format) and match the CPU engine on
+/// the same checkpoint (which dequantises it exactly).
+#[test]
+fn gptq_checkpoint_matches_cpu() {
+    use deltaserve_model::synth::gptq::{self, GptqVariant};
+    if !gpu() {
+        return;
+    }
+    let v2 = GptqVariant { v2: true, sym: false, ..GptqVariant::SYM };
+    let mut failures = Vec::new();
+    for (tag, v) in [("sym-v1", GptqVariant::SYM), ("asym-act-order", GptqVariant::ASYM_ACT_ORDER), ("asym-v2", v2)] {
+        let (dir, _) = tiny_int4_dir_named(&format!("gptq-{tag}"), 8);
+        let kept = ["model.language_model.layers.0.mlp.down_proj", "model.language_model.layers.3.self_attn.o_proj"];
+        let done = gptq::convert(&dir, v, &kept, 5, |_| {}).unwrap();
+        let cfg = ModelConfig::from_dir(&dir).unwrap();
+        assert!(cfg.quantization.is_some(), "{tag}: quantization_config read");
+        // What the checkpoint needs beyond an int4 plan's weights region (the linears it keeps
+        // bf16, act-order permutations) comes from backend scratch, as `serve` reserves it.
+        let extra = |o: &deltaserve_plan::PlanOptions| {
+            let need = deltaserve_cuda::backend::checkpoint_weights_bytes(
+                &cfg,
+                &dir,
+                deltaserve_cuda::backend::WeightFormat::of(o),
+                None,
+            )
+            .unwrap();
+            let planned = deltaserve_plan::WeightBytes::new(&cfg, o).map_or(0, |w| w.device()) as usize;
+            need.saturating_sub(planned)
+        };
+        let plan = plan_with_scratch(&cfg, extra, |o| {
+            o.weights_dtype = deltaserve_plan::WeightsDtype::Int4;
+            o.int4_asym = !v.sym;
+        });
+        let mut g = cuda(&dir, &cfg, &plan);
+        println!(
+            "gptq {tag}: {} linears packed, {} converted to the device format, weights {} B",
+            done.quantized.len(),
+            g.w4_converted,
+            g.weights_bytes
+        );
+        assert!(!done.quantized.is_empty() && g.w4_converted > 0, "{tag}: nothing converted");
+        let mut c = cpu(&dir, &cfg);
+        failures.extend(compare_int4(&format!("gptq {tag}"), &mut g, &mut c));
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }

@@ -120,6 +120,24 @@ pub struct Fp8BlockConfig {
 pub const GPTQ_BITS: &[u32] = &[4];
 
 impl Quantization {
+    /// One line for logs: the format and its parameters.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Gptq(g) => format!(
+                "{} int{} (group {}, {}{})",
+                match g.producer {
+                    GptqProducer::Gptq => "GPTQ",
+                    GptqProducer::AutoRound => "AutoRound (GPTQ packing)",
+                },
+                g.params.bits,
+                g.params.group_size.map_or("per channel".to_string(), |s| s.to_string()),
+                if g.params.sym { "symmetric" } else { "asymmetric" },
+                if g.desc_act { ", act-order" } else { "" }
+            ),
+            Self::Fp8Block(c) => format!("block FP8 e4m3 ({}x{} scale blocks)", c.block[0], c.block[1]),
+        }
+    }
+
     /// Parses a `quantization_config` object; `field` is its path in config.json (for errors).
     pub fn from_json(v: &Value, field: &str) -> Result<Self, ModelError> {
         let obj = v.as_object().ok_or_else(|| ModelError::config(format!("`{field}` must be an object, got {v}")))?;

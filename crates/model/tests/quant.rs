@@ -6,13 +6,11 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use deltaserve_model::checkpoint::{TensorHeader, write_safetensors};
 use deltaserve_model::quant::{ModuleQuant, Quantization, ZeroFormat};
+use deltaserve_model::synth::gptq::{self, GptqVariant, OutTensor};
 use deltaserve_model::synth::{Preset, write_model};
 use deltaserve_model::weights::HostTensor;
 use deltaserve_model::{Checkpoint, DType, MixerWeights, ModelConfig, ModelWeights};
-use rand::rngs::Xoshiro256PlusPlus;
-use rand::{RngExt, SeedableRng};
 use serde_json::{Value, json};
 
 const P: &str = "model.language_model.";
@@ -72,167 +70,20 @@ fn flatten(w: &ModelWeights<HostTensor>) -> HashMap<String, &HostTensor> {
     m
 }
 
-/// A decoder linear a quantiser would convert (not embeddings, norms, conv, lm_head).
-fn is_decoder_linear(name: &str, shape: &[usize]) -> bool {
-    shape.len() == 2 && name.starts_with(&format!("{P}layers.")) && name.ends_with(".weight")
-}
-
 /// A tensor to write: name, dtype, shape, little-endian bytes.
-type Out = (String, DType, Vec<usize>, Vec<u8>);
+type Out = OutTensor;
 
 fn write_tensors(path: &Path, tensors: &[Out]) {
-    let headers: Vec<TensorHeader> =
-        tensors.iter().map(|(n, d, s, _)| TensorHeader { name: n.clone(), dtype: *d, shape: s.clone() }).collect();
-    write_safetensors(path, &headers, |i, buf| {
-        buf.extend_from_slice(&tensors[i].3);
-        Ok(())
-    })
-    .unwrap();
+    gptq::write_tensors(path, tensors).unwrap();
 }
 
-fn u32_bytes(v: &[u32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-/// Writes `quantization_config` into the model directory's config.json (top level, as HF does).
 fn set_quant_config(dir: &Path, q: Value) {
-    let path = dir.join("config.json");
-    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    v["quantization_config"] = q;
-    std::fs::write(&path, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+    gptq::set_quant_config(dir, q).unwrap();
 }
 
 // ---------------------------------------------------------------------------------------------
-// GPTQ packer, from the format's definition
+// GPTQ checkpoints: deltaserve_model::synth::gptq packs them from the format's definition
 // ---------------------------------------------------------------------------------------------
-
-#[derive(Clone, Copy, Debug)]
-struct GptqVariant {
-    method: &'static str,
-    sym: bool,
-    act_order: bool,
-    /// GPTQModel `checkpoint_format: "gptq_v2"` (zeros stored as is) instead of v1 (zero − 1).
-    v2: bool,
-    /// `-1`: one group per output channel.
-    group: i64,
-    /// Store a `g_idx` even without act-order (AutoGPTQ always does).
-    write_trivial_g_idx: bool,
-}
-
-struct Packed {
-    /// `[in/8, out]`
-    qweight: Vec<u32>,
-    /// `[groups, out/8]`
-    qzeros: Vec<u32>,
-    /// `[groups, out]`, f16 bits
-    scales: Vec<u16>,
-    /// `[in]`
-    g_idx: Vec<i32>,
-    groups: usize,
-    /// The packer's own dequantisation, `[out, in]`.
-    deq: Vec<f32>,
-    /// Scale of each (out, in) element (for the error bound).
-    elem_scale: Vec<f32>,
-}
-
-/// Quantises `w` `[out, in]` to 4 bits per group of `group` input rows (in quantisation order:
-/// `perm` for act-order) and packs it as GPTQ stores it.
-fn gptq_pack(w: &[f32], out: usize, inp: usize, v: GptqVariant, rng: &mut Xoshiro256PlusPlus) -> Packed {
-    let group = if v.group < 0 { inp } else { v.group as usize };
-    let groups = inp.div_ceil(group);
-    // Quantisation order: identity, or a random permutation (act-order); g_idx[i] = position / group.
-    let mut order: Vec<usize> = (0..inp).collect();
-    if v.act_order {
-        for k in (1..inp).rev() {
-            let j = rng.random_range(0..=k);
-            order.swap(k, j);
-        }
-    }
-    let mut g_idx = vec![0i32; inp];
-    for (pos, &i) in order.iter().enumerate() {
-        g_idx[i] = (pos / group) as i32;
-    }
-    let maxq = 15i32;
-    let mut scale = vec![0f32; groups * out];
-    let mut zero = vec![0i32; groups * out];
-    let mut scales = vec![0u16; groups * out];
-    for g in 0..groups {
-        let rows: Vec<usize> = (0..inp).filter(|&i| g_idx[i] as usize == g).collect();
-        for o in 0..out {
-            let vals = rows.iter().map(|&i| w[o * inp + i]);
-            let (mn, mx) = vals.fold((0f32, 0f32), |(a, b), x| (a.min(x), b.max(x)));
-            let (s, z) = if v.sym {
-                let amax = mn.abs().max(mx);
-                (2.0 * amax / maxq as f32, (maxq + 1) / 2)
-            } else {
-                let s = (mx - mn) / maxq as f32;
-                (s, 0)
-            };
-            let s16 = half::f16::from_f32(if s > 0.0 { s } else { 1.0 });
-            let s = s16.to_f32();
-            let z = if v.sym {
-                z
-            } else {
-                // v1 stores zero − 1, so its zeros live in [1, 15]; v2 can store 0.
-                let zmin = if v.v2 { 0 } else { 1 };
-                ((-mn / s).round() as i32).clamp(zmin, maxq)
-            };
-            scale[g * out + o] = s;
-            zero[g * out + o] = z;
-            scales[g * out + o] = s16.to_bits();
-        }
-    }
-    let mut qweight = vec![0u32; inp / 8 * out];
-    let mut deq = vec![0f32; out * inp];
-    let mut elem_scale = vec![0f32; out * inp];
-    for i in 0..inp {
-        let g = g_idx[i] as usize;
-        for o in 0..out {
-            let (s, z) = (scale[g * out + o], zero[g * out + o]);
-            let q = ((w[o * inp + i] / s).round() as i32 + z).clamp(0, maxq);
-            qweight[(i / 8) * out + o] |= (q as u32) << (4 * (i % 8));
-            deq[o * inp + i] = (q - z) as f32 * s;
-            elem_scale[o * inp + i] = s;
-        }
-    }
-    let mut qzeros = vec![0u32; groups * out / 8];
-    for g in 0..groups {
-        for o in 0..out {
-            let stored = if v.v2 { zero[g * out + o] } else { zero[g * out + o] - 1 };
-            qzeros[g * (out / 8) + o / 8] |= ((stored as u32) & 0xf) << (4 * (o % 8));
-        }
-    }
-    Packed { qweight, qzeros, scales, g_idx, groups, deq, elem_scale }
-}
-
-fn gptq_config(v: GptqVariant, not_converted: &[&str]) -> Value {
-    let mut q = json!({
-        "bits": 4,
-        "group_size": v.group,
-        "sym": v.sym,
-        "desc_act": v.act_order,
-        "modules_to_not_convert": not_converted,
-    });
-    if v.method == "gptq" {
-        q["quant_method"] = json!("gptq");
-        q["checkpoint_format"] = json!(if v.v2 { "gptq_v2" } else { "gptq" });
-        q["damp_percent"] = json!(0.01);
-        q["static_groups"] = json!(false);
-        q["true_sequential"] = json!(true);
-    } else {
-        assert!(!v.v2, "AutoRound's GPTQ export is v1");
-        q["quant_method"] = json!("auto-round");
-        q["packing_format"] = json!("auto_round:auto_gptq");
-        q["data_type"] = json!("int");
-        q["block_name_to_quantize"] = json!("model.language_model.layers");
-        // AutoRound records modules it leaves in 16 bits in extra_config.
-        let extra: serde_json::Map<String, Value> =
-            not_converted.iter().map(|m| (m.to_string(), json!({ "bits": 16, "data_type": "float" }))).collect();
-        q["extra_config"] = Value::Object(extra);
-        q["modules_to_not_convert"] = Value::Null;
-    }
-    q
-}
 
 /// What the test expects of each stored linear.
 struct Expect {
@@ -246,55 +97,23 @@ struct Expect {
 /// `not_converted`: modules (without `.weight`) left in bf16. `edit` may change one tensor's shape.
 fn make_gptq(dir: &Path, v: GptqVariant, not_converted: &[&str], edit: Option<(&str, Vec<usize>)>) -> Expect {
     write_model(dir, Preset::Tiny, None, 11, |_, _| {}).unwrap();
-    let ckpt = Checkpoint::open(dir).unwrap();
-    let mut rng = Xoshiro256PlusPlus::seed_from_u64(5);
-    let mut tensors: Vec<Out> = Vec::new();
-    let mut exp = Expect { original: HashMap::new(), quantized: HashMap::new() };
-    for name in ckpt.names() {
-        let t = ckpt.get(name).unwrap();
-        let module = name.trim_end_matches(".weight");
-        let quantize = is_decoder_linear(name, t.shape)
-            && t.shape[0].is_multiple_of(8) // in_proj_a/b (6 rows) cannot hold packed zeros: left bf16, as real exports do
-            && !not_converted.contains(&module);
-        exp.original.insert(name.to_string(), t.to_f32().unwrap());
-        if !quantize {
-            tensors.push((name.to_string(), t.dtype, t.shape.to_vec(), t.bytes.to_vec()));
-            continue;
+    let done = gptq::convert(dir, v, not_converted, 5, |tensors| {
+        if let Some((target, shape)) = edit {
+            let t = tensors.iter_mut().find(|t| t.0 == target).expect("edited tensor exists");
+            let n: usize = shape.iter().product::<usize>() * 4;
+            t.3.resize(n, 0);
+            t.2 = shape;
         }
-        let (out, inp) = (t.shape[0], t.shape[1]);
-        let w = t.to_f32().unwrap();
-        let p = gptq_pack(&w, out, inp, v, &mut rng);
-        let groups = p.groups;
-        // Half a step, plus the f16 rounding of the scale (≤ 2^-11 relative) over the 15-step range
-        // for values clamped at the grid's ends.
-        exp.quantized.insert(name.to_string(), (p.deq, p.elem_scale.iter().map(|s| s * 0.51).collect()));
-        tensors.push((format!("{module}.qweight"), DType::I32, vec![inp / 8, out], u32_bytes(&p.qweight)));
-        tensors.push((format!("{module}.qzeros"), DType::I32, vec![groups, out / 8], u32_bytes(&p.qzeros)));
-        tensors.push((
-            format!("{module}.scales"),
-            DType::F16,
-            vec![groups, out],
-            p.scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
-        ));
-        if v.act_order || v.write_trivial_g_idx {
-            tensors.push((
-                format!("{module}.g_idx"),
-                DType::I32,
-                vec![inp],
-                p.g_idx.iter().flat_map(|g| g.to_le_bytes()).collect(),
-            ));
-        }
-    }
-    if let Some((target, shape)) = edit {
-        let t = tensors.iter_mut().find(|t| t.0 == target).expect("edited tensor exists");
-        let n: usize = shape.iter().product::<usize>() * 4;
-        t.3.resize(n, 0);
-        t.2 = shape;
-    }
-    drop(ckpt);
-    write_tensors(&dir.join("model.safetensors"), &tensors);
-    set_quant_config(dir, gptq_config(v, not_converted));
-    exp
+    })
+    .unwrap();
+    // Half a step, plus the f16 rounding of the scale (≤ 2^-11 relative) over the 15-step range for
+    // values clamped at the grid's ends.
+    let quantized = done
+        .quantized
+        .into_iter()
+        .map(|(name, (deq, scale))| (name, (deq, scale.iter().map(|s| s * 0.51).collect())))
+        .collect();
+    Expect { original: done.original, quantized }
 }
 
 /// Loads `dir` and checks every tensor against `exp`; returns (quantised count, max error / bound).
@@ -448,7 +267,7 @@ fn gptq_missing_g_idx_with_desc_act_and_excluded_but_packed_are_errors() {
     let v =
         GptqVariant { method: "gptq", sym: true, act_order: false, v2: false, group: 128, write_trivial_g_idx: false };
     make_gptq(&dir, v, &[], None);
-    set_quant_config(&dir, gptq_config(v, &["model.language_model.layers.1.mlp"]));
+    set_quant_config(&dir, gptq::config(v, &["model.language_model.layers.1.mlp"]));
     let e = load(&dir).err().expect("load should fail");
     assert!(e.contains("layers.1.mlp.") && e.contains("unquantised"), "{e}");
 
@@ -522,7 +341,7 @@ fn make_fp8(dir: &Path, block: [usize; 2], not_converted: &[&str], scale_rows_cu
         let module = name.trim_end_matches(".weight");
         exp.original.insert(name.to_string(), t.to_f32().unwrap());
         // in_proj_b (6 rows) is quantised here too: a single partial scale block.
-        let quantize = is_decoder_linear(name, t.shape) && !not_converted.contains(&module);
+        let quantize = gptq::is_decoder_linear(name, t.shape) && !not_converted.contains(&module);
         if !quantize {
             tensors.push((name.to_string(), t.dtype, t.shape.to_vec(), t.bytes.to_vec()));
             continue;

@@ -3,6 +3,10 @@
 use crate::dtype::{KvDtype, WeightsDtype};
 use crate::size::MIB;
 
+/// Split-K partitions of the decode attention of speculative verify rows (fixed: the speculation
+/// region holds their partials for every verified position).
+pub const VERIFY_PARTITIONS: usize = 16;
+
 /// Everything besides the model shape that decides the plan.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PlanOptions {
@@ -39,7 +43,8 @@ pub struct PlanOptions {
     /// Backend-specific scratch the activation workspace does not describe (the CUDA backend's chunked
     /// DeltaNet f32 workspace and varlen tables), bounded by the tokens and sequences per step.
     pub backend_scratch_bytes: u64,
-    /// Split-K partitions of decode attention.
+    /// Split-K partitions of decode attention: the most a sequence uses (the CUDA kernel gives each
+    /// row one partition per 128 keys of its context, up to this).
     pub decode_partitions: usize,
     /// Speculative decoding (`--speculative-tokens`, 0 = off): drafts per decode step. When on, the plan
     /// also holds the MTP head's weights, its KV (one more attention layer in every page), a pending

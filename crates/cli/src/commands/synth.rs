@@ -24,6 +24,11 @@ pub struct Args {
     /// fewer). Changes the main model too. Default: a random head (drafts rejected).
     #[arg(long)]
     mtp_agreeing: Option<f32>,
+    /// Then rewrite the decoder linears as a 4-bit GPTQ checkpoint (round-to-nearest codes in the
+    /// real GPTQ layout, group 128): `sym` (v1, as AutoGPTQ exports) or `asym-act-order` (zero points
+    /// and a permuted column order). For testing GPTQ loading without a real export.
+    #[arg(long, value_parser = ["sym", "asym-act-order"])]
+    gptq: Option<String>,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -47,6 +52,12 @@ pub fn run(a: Args) -> Result<()> {
         bar.set_position(done);
     })?;
     bar.finish_and_clear();
+    if let Some(kind) = &a.gptq {
+        use deltaserve_model::synth::gptq::{self, GptqVariant};
+        let v = if kind == "sym" { GptqVariant::SYM } else { GptqVariant::ASYM_ACT_ORDER };
+        let done = gptq::convert(&a.out, v, &[], a.seed, |_| {})?;
+        eprintln!("packed {} decoder linears as GPTQ int4 ({kind}, group 128)", done.quantized.len());
+    }
     eprintln!("wrote a {} model with RANDOM weights to {}", a.preset, a.out.display());
     Ok(())
 }

@@ -200,5 +200,5 @@ pub fn attn_decode_q(k: &Kernels, s: &CudaStream, a: &AttnDecode, sc: &KvScales)
         page, scale, ns, qt, qh)?;
     let grid = (grid.0, to_u32("attn_decode_combine", "q_heads", a.q_heads)?, 1);
     let block = (d.attn_head_dim as u32, 1, 1);
-    launch!(k, s, "attn_decode_combine", grid, block, 0; part_o, part_ml, o, hq, ns)
+    launch!(k, s, "attn_decode_combine", grid, block, 0; part_o, part_ml, seq_lens, o, hq, ns)
 }

@@ -74,6 +74,16 @@ pub fn test_plan(cfg: &ModelConfig, max_seqs: usize, tp: usize) -> Plan {
 /// The tests' plan options (768 MiB, 2048 tokens and 8 sequences per step, 4096 context, 16-token pages,
 /// 4 snapshots, no runtime reserve) changed by `f`, with the backend scratch they need.
 pub fn plan_with(cfg: &ModelConfig, f: impl Fn(&mut PlanOptions)) -> Plan {
+    plan_with_scratch(cfg, |_| 0, f)
+}
+
+/// [`plan_with`], with `extra(options)` more bytes of backend scratch (what a GPTQ checkpoint needs
+/// beyond the plan's weights region, as `serve` reserves it).
+pub fn plan_with_scratch(
+    cfg: &ModelConfig,
+    extra: impl Fn(&PlanOptions) -> usize,
+    f: impl Fn(&mut PlanOptions),
+) -> Plan {
     let mut o = PlanOptions::gpu_defaults(768 << 20);
     o.max_batch_tokens = 2048;
     o.max_seqs = 8;
@@ -82,7 +92,7 @@ pub fn plan_with(cfg: &ModelConfig, f: impl Fn(&mut PlanOptions)) -> Plan {
     o.snapshot_slots = 4;
     o.runtime_reserve_bytes = 0;
     f(&mut o);
-    o.backend_scratch_bytes = deltaserve_cuda::backend::scratch_bytes_for(cfg, &o) as u64;
+    o.backend_scratch_bytes = (deltaserve_cuda::backend::scratch_bytes_for(cfg, &o) + extra(&o)) as u64;
     Plan::new(cfg, &o).unwrap()
 }
 

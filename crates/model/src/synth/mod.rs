@@ -3,6 +3,8 @@
 //! Weights are drawn deterministically from (seed, tensor name), so a preset + seed always gives the
 //! same bytes. Tokenizer files are written by the caller (the text crate owns tokenizers).
 
+pub mod gptq;
+
 use std::path::Path;
 
 use rand::rngs::Xoshiro256PlusPlus;
