@@ -15,12 +15,7 @@
 set -uo pipefail
 C=.carry/attn
 source "$(dirname "$0")/gpu_steps.sh"
-if [[ "${1:-}" == "--stage" ]]; then
-    gpu_stage "$C" ops backend bench_attention speculative
-    exit
-fi
-gpu_steps_init gpu_attn ops,attn
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+gpu_begin "${1:-}" "$C" gpu_attn ops,attn ops backend bench_attention speculative
 test_step ops 200 "FAIL|test result|panicked|attn_prefill" "$C/ops" --nocapture --test-threads=1 ops_match_cpu_reference
 test_step attn 200 "attn_prefill|^ +[0-9]+ +[0-9]+ |not loaded|panicked" "$C/bench_attention" --nocapture --ignored
 test_step gdn 120 "BENCH|panicked" "$C/ops" --nocapture --ignored bench_gdn_prefill_27b

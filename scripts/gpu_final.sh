@@ -14,14 +14,9 @@
 set -uo pipefail
 C=.carry/final
 source "$(dirname "$0")/gpu_steps.sh"
-if [[ "${1:-}" == "--stage" ]]; then
-    gpu_stage "$C" ops backend
-    exit
-fi
+gpu_begin "${1:-}" "$C" gpu_final ops,backend,bench,soak,probe ops backend
 # Logs in $OUT, packed into $OUT/gpu_final.tgz after each step (scripts/gpu_steps.sh).
-gpu_steps_init gpu_final ops,backend,bench,soak,probe
 SOAK_TARGET="${SOAK_TARGET:-131072}"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 test_step ops 120 "FAIL|test result|panicked" "$C/ops" --nocapture --test-threads=1 ops_match_cpu_reference
 test_step backend 180 "^test |test result|panicked|FAIL" "$C/backend" --nocapture --test-threads=1 \
     --skip hf_fixtures_logits

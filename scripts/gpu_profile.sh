@@ -12,15 +12,10 @@
 set -uo pipefail
 C=.carry/prof
 source "$(dirname "$0")/gpu_steps.sh"
-if [[ "${1:-}" == "--stage" ]]; then
-    gpu_stage "$C" ops bench_attention
-    exit
-fi
-gpu_steps_init gpu_profile decode,decode4,gdn,attn
+gpu_begin "${1:-}" "$C" gpu_profile decode,decode4,gdn,attn ops bench_attention
 NCU="ncu --clock-control none --cache-control none"
 STALLS="--metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio,smsp__inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed_pipe_tensor_op_hmma.sum"
 SECT="--section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 B="--prompts 1024 --batches 1 --contexts 1024 --steps 2 --verify-tokens 0"
 if has decode; then
     step decode

@@ -14,12 +14,7 @@
 set -uo pipefail
 C=.carry/spec
 source "$(dirname "$0")/gpu_steps.sh"
-if [[ "${1:-}" == "--stage" ]]; then
-    gpu_stage "$C" ops backend speculative
-    exit
-fi
-gpu_steps_init gpu_spec ops,spec,backend,e2e,bench
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+gpu_begin "${1:-}" "$C" gpu_spec ops,spec,backend,e2e,bench ops backend speculative
 test_step ops 150 "FAIL|test result|panicked" "$C/ops" --nocapture --test-threads=1 ops_match_cpu_reference
 test_step spec 150 "^test |test result|panicked|FAIL|: [0-9]+ rows|median|drafts|k = " "$C/speculative" --nocapture --test-threads=1
 test_step backend 200 "^test |test result|panicked|FAIL" "$C/backend" --nocapture --test-threads=1 --skip hf_fixtures_logits

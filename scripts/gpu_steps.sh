@@ -1,5 +1,9 @@
 # gpu_steps.sh — sourced by the device scripts (gpu_final.sh, gpu_tp.sh): a work folder packed after every
 # step (the device tool returns at most 8 files), step selection by $STEPS, and a test-binary step.
+#   gpu_begin ARG DIR NAME DEFAULT_STEPS TEST...
+#                                       a device script's start: with ARG --stage, gpu_stage DIR TEST... and
+#                                       exit; else gpu_steps_init NAME DEFAULT_STEPS and the GPU's line in
+#                                       $OUT/gpu.txt
 #   gpu_steps_init NAME DEFAULT_STEPS   logs in $OUT (= /tmp/NAME_work), packed into ${OUT:-/tmp/NAME}/NAME.tgz
 #   has STEP                            whether STEP is selected
 #   step LABEL                          pack what is there, print LABEL and the elapsed seconds
@@ -39,4 +43,14 @@ gpu_stage() {
         cp "$bin" "$dir/$t"
     done
     ls -la "$dir"
+}
+gpu_begin() {
+    local arg=$1 dir=$2 name=$3 steps=$4
+    shift 4
+    if [[ "$arg" == "--stage" ]]; then
+        gpu_stage "$dir" "$@"
+        exit
+    fi
+    gpu_steps_init "$name" "$steps"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 }
