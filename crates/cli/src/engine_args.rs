@@ -11,7 +11,7 @@ use deltaserve_cuda::{CudaBackend, TpBackend, WeightSource};
 use deltaserve_engine::EngineHandle;
 use deltaserve_model::ModelConfig;
 use deltaserve_model::quant::Quantization;
-use deltaserve_plan::{Free, KvDtype, Plan, PlanOptions, WeightBytes, WeightsDtype, fit_context, parse_size};
+use deltaserve_plan::{Free, KvDtype, Plan, PlanOptions, WeightsDtype, fit_context, parse_size};
 use deltaserve_sched::{PrefixCacheConfig, SchedConfig};
 use deltaserve_server::{AppState, ServerConfig};
 use deltaserve_text::{ChatTemplate, Tokenizer};
@@ -252,17 +252,11 @@ impl EngineArgs {
             Some("int4") => true,
             Some(other) => anyhow::bail!("--quantize {other}: only int4 is supported"),
         };
-        let gptq = match &cfg.quantization {
-            Some(Quantization::Gptq(g)) if !random_weights => Some(g.params.sym),
-            _ => None,
-        };
-        if let Some(sym) = gptq {
-            if flag == Some(false) || quantize {
-                anyhow::bail!(
-                    "this checkpoint is GPTQ-quantised (int4 by itself): --weights-dtype bf16 / --quantize do not apply"
-                );
+        if !random_weights {
+            let wd = flag.map(|int4| if int4 { WeightsDtype::Int4 } else { WeightsDtype::Bf16 });
+            if let Some(asym) = crate::cuda_scratch::gptq_int4(cfg, wd, quantize)? {
+                return Ok((true, asym || self.int4_asym));
             }
-            return Ok((true, !sym || self.int4_asym));
         }
         if matches!(&cfg.quantization, Some(Quantization::Fp8Block(_))) && !random_weights && !quantize {
             tracing::warn!(
@@ -358,34 +352,9 @@ impl EngineArgs {
         opts.embed_on_host = self.embed_on_host;
         // A GPTQ checkpoint may keep some linears bf16 or need act-order permutations: the backend
         // takes what its weights need beyond the plan's weights region from the backend scratch.
-        // Under tensor parallelism: rank 0's shard (the largest) against one card's plan.
-        let gptq_dir = (int4 && !random_weights && cfg.quantization.is_some()).then(|| text.dir.clone());
-        let rank0 = (tp > 1).then(|| deltaserve_model::shard::ShardSpec::new(&cfg, 0, tp)).transpose()?;
-        let card = deltaserve_plan::card_config(&cfg, tp)?;
-        // The fit tries several option sets; the checkpoint is walked once per weight format.
-        let walked: std::cell::RefCell<Vec<(deltaserve_cuda::backend::WeightFormat, Result<usize, String>)>> =
-            Default::default();
-        let scratch = |o: &PlanOptions| {
-            let mut b = deltaserve_cuda::backend::scratch_bytes_for(&cfg, o) as u64;
-            if let Some(dir) = &gptq_dir {
-                let fmt = deltaserve_cuda::backend::WeightFormat::of(o);
-                let known = walked.borrow().iter().find(|(f, _)| *f == fmt).map(|(_, r)| r.clone());
-                let bytes = known.unwrap_or_else(|| {
-                    let r = deltaserve_cuda::backend::checkpoint_weights_bytes(&cfg, dir, fmt, rank0.as_ref())
-                        .map_err(|e| e.to_string());
-                    walked.borrow_mut().push((fmt, r.clone()));
-                    r
-                });
-                match bytes {
-                    Ok(w) => {
-                        let planned = WeightBytes::new(&card, o).map_or(0, |w| w.device());
-                        b += (w as u64).saturating_sub(planned);
-                    }
-                    Err(e) => tracing::warn!("sizing the checkpoint's int4 weights: {e}"),
-                }
-            }
-            b
-        };
+        let checkpoint = (!random_weights).then(|| text.dir.clone());
+        let cuda_scratch = crate::cuda_scratch::CudaScratch::new(&cfg, checkpoint, tp)?;
+        let scratch = |o: &PlanOptions| cuda_scratch.bytes(o);
         // The fit may move the embedding to host memory, except under speculative decoding (the MTP head
         // embeds its tokens on the device).
         let free =

@@ -46,3 +46,38 @@ fn no_fit_plans_the_settings_as_given() {
     assert_eq!(j["fit"]["reached"], false);
     assert_eq!(j["fit"]["adjustments"].as_array().unwrap().len(), 0);
 }
+
+/// A GPTQ checkpoint is planned as `serve --device cuda` loads it: int4 (asymmetric when the checkpoint
+/// has zero points), with the linears it keeps bf16 priced in the backend scratch; asking for bf16
+/// weights is a clear error.
+#[test]
+fn gptq_checkpoint_plans_int4_like_serve() {
+    let dir = std::env::temp_dir().join(format!("ds-plan-gptq-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let bin = env!("CARGO_BIN_EXE_deltaserve");
+    let out = Command::new(bin)
+        .args(["synth", "--preset", "tiny", "--out"])
+        .arg(&dir)
+        .args(["--gptq", "asym-act-order"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let d = dir.to_str().unwrap();
+    let j = plan_json(&["--model", d, "--json"]);
+    assert_eq!(j["options"]["weights_dtype"], "int4", "{}", j["options"]);
+    assert_eq!(j["options"]["int4_asym"], true);
+    // A bf16 checkpoint of the same shape, planned int4, has no linears kept bf16: the GPTQ one's scratch is
+    // larger by what it keeps dense (the tiny model's in_proj_a/b have 6 rows: left bf16, as real exports do).
+    let plain = plan_json(&["--preset", "tiny", "--weights-dtype", "int4", "--int4-asym", "--json"]);
+    assert!(
+        j["backend_scratch_bytes"].as_u64().unwrap() > plain["backend_scratch_bytes"].as_u64().unwrap(),
+        "{} vs {}",
+        j["backend_scratch_bytes"],
+        plain["backend_scratch_bytes"]
+    );
+    let out = Command::new(bin).args(["plan", "--model", d, "--weights-dtype", "bf16"]).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("GPTQ-quantised"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,5 +1,6 @@
 //! `deltaserve plan`: the static memory plan (what fits in a memory budget), from a model directory's
-//! `config.json` or a built-in preset shape. Reads no weights and touches no device.
+//! `config.json` or a built-in preset shape. Touches no device; reads no weights (of a quantised
+//! checkpoint planned int4 it walks the tensor headers and act-order indices, as `serve` does).
 
 use std::path::PathBuf;
 
@@ -10,7 +11,7 @@ use deltaserve_plan::{Fitted, Free, KvDtype, PlanOptions, WeightsDtype, card_con
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// HF model directory (only config.json is read).
+    /// HF model directory (config.json; a quantised checkpoint's tensor headers).
     #[arg(long, conflicts_with = "preset")]
     model: Option<PathBuf>,
     /// Shape preset instead of a model directory: tiny or qwen3.6-27b.
@@ -107,6 +108,15 @@ pub fn run(a: Args) -> Result<()> {
         o.weights_dtype = w;
     }
     o.int4_asym = a.int4_asym;
+    let gpu = a.device != "cpu";
+    // A GPTQ checkpoint is int4 by itself on CUDA (as `serve` loads it).
+    if gpu
+        && a.model.is_some()
+        && let Some(asym) = crate::cuda_scratch::gptq_int4(&cfg, a.weights_dtype, false)?
+    {
+        o.weights_dtype = WeightsDtype::Int4;
+        o.int4_asym = asym || a.int4_asym;
+    }
     o.lm_head_int4 = a.lm_head_int4;
     o.embed_on_host = a.embed_on_host;
     if let Some(kv) = a.kv_cache_dtype {
@@ -123,12 +133,10 @@ pub fn run(a: Args) -> Result<()> {
     o.set_tensor_parallel(a.tensor_parallel);
     // A size that splits a head group is refused here, naming the heads.
     card_config(&cfg, a.tensor_parallel)?;
-    let gpu = a.device != "cpu";
-    let scratch = |o: &PlanOptions| {
-        // What the CUDA backend carves beside the activation workspace (as `serve --device cuda` plans it,
-        // one card's under tensor parallelism).
-        if gpu { deltaserve_cuda::backend::scratch_bytes_for(&cfg, o) as u64 } else { 0 }
-    };
+    // What the CUDA backend carves beside the activation workspace (as `serve --device cuda` plans it,
+    // one card's under tensor parallelism).
+    let cuda_scratch = crate::cuda_scratch::CudaScratch::new(&cfg, a.model.clone(), a.tensor_parallel)?;
+    let scratch = |o: &PlanOptions| if gpu { cuda_scratch.bytes(o) } else { 0 };
     let free = if a.no_fit {
         Free::default()
     } else {
