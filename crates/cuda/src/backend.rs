@@ -28,7 +28,7 @@ use deltaserve_backend::{ArenaStats, Backend, BackendError, CacheOp, DraftPicker
 use deltaserve_model::shard::{ShardSpec, Split};
 use deltaserve_model::weights::TensorSource;
 use deltaserve_model::{Checkpoint, DType, Dims, LayerKind, ModelConfig, ModelError, ModelWeights};
-use deltaserve_plan::{Plan, PlanOptions, VERIFY_PARTITIONS, WeightsDtype};
+use deltaserve_plan::{Plan, PlanOptions, WeightsDtype};
 
 use crate::arena::{Arena, DevSpan};
 use crate::collective::{CollDtype, Communicators};
@@ -1123,7 +1123,7 @@ impl CudaBackend {
                     Spec::idx_bytes(rows),
                     rows * 4,
                     rows * h * 2,
-                    attention::decode_scratch_bytes(rows, d.q_heads, p.min(VERIFY_PARTITIONS), d.head_dim),
+                    attention::decode_scratch_bytes(rows, d.q_heads, plan.options.verify_partitions(), d.head_dim),
                 ];
                 let mut at = region.ptr;
                 let spans = sizes.map(|b| {
@@ -1173,6 +1173,7 @@ impl CudaBackend {
                     trace_ba: spans[3].ptr,
                     idx: spans[4],
                     partials: spans[7],
+                    partitions: plan.options.verify_partitions(),
                     verified: Vec::new(),
                     verify_cu: Vec::new(),
                     verify_slots: Vec::new(),
@@ -2531,7 +2532,7 @@ impl CudaBackend {
                         seq_lens: sp.idx_at(7),
                         table_rows: sp.idx_at(8),
                         n_seqs: sh.tvd,
-                        n_split: self.decode_partitions.min(VERIFY_PARTITIONS),
+                        n_split: sp.partitions,
                         scratch: sp.partials.ptr,
                         scratch_bytes: sp.partials.bytes,
                         ..dec

@@ -70,17 +70,6 @@ fn flatten(w: &ModelWeights<HostTensor>) -> HashMap<String, &HostTensor> {
     m
 }
 
-/// A tensor to write: name, dtype, shape, little-endian bytes.
-type Out = OutTensor;
-
-fn write_tensors(path: &Path, tensors: &[Out]) {
-    gptq::write_tensors(path, tensors).unwrap();
-}
-
-fn set_quant_config(dir: &Path, q: Value) {
-    gptq::set_quant_config(dir, q).unwrap();
-}
-
 // ---------------------------------------------------------------------------------------------
 // GPTQ checkpoints: deltaserve_model::synth::gptq packs them from the format's definition
 // ---------------------------------------------------------------------------------------------
@@ -248,7 +237,7 @@ fn gptq_missing_g_idx_with_desc_act_and_excluded_but_packed_are_errors() {
     // Drop one g_idx.
     let target = "model.language_model.layers.2.mlp.up_proj.g_idx";
     let ckpt = Checkpoint::open(&dir).unwrap();
-    let tensors: Vec<Out> = ckpt
+    let tensors: Vec<OutTensor> = ckpt
         .names()
         .into_iter()
         .filter(|n| *n != target)
@@ -258,7 +247,7 @@ fn gptq_missing_g_idx_with_desc_act_and_excluded_but_packed_are_errors() {
         })
         .collect();
     drop(ckpt);
-    write_tensors(&dir.join("model.safetensors"), &tensors);
+    gptq::write_tensors(&dir.join("model.safetensors"), &tensors).unwrap();
     let e = load(&dir).err().expect("load should fail");
     assert!(e.contains(target) && e.contains("desc_act"), "{e}");
 
@@ -267,7 +256,7 @@ fn gptq_missing_g_idx_with_desc_act_and_excluded_but_packed_are_errors() {
     let v =
         GptqVariant { method: "gptq", sym: true, act_order: false, v2: false, group: 128, write_trivial_g_idx: false };
     make_gptq(&dir, v, &[], None);
-    set_quant_config(&dir, gptq::config(v, &["model.language_model.layers.1.mlp"]));
+    gptq::set_quant_config(&dir, gptq::config(v, &["model.language_model.layers.1.mlp"])).unwrap();
     let e = load(&dir).err().expect("load should fail");
     assert!(e.contains("layers.1.mlp.") && e.contains("unquantised"), "{e}");
 
@@ -334,7 +323,7 @@ fn e4m3_encoder_round_trips_every_code() {
 fn make_fp8(dir: &Path, block: [usize; 2], not_converted: &[&str], scale_rows_cut: Option<&str>) -> Expect {
     write_model(dir, Preset::Tiny, None, 17, |_, _| {}).unwrap();
     let ckpt = Checkpoint::open(dir).unwrap();
-    let mut tensors: Vec<Out> = Vec::new();
+    let mut tensors: Vec<OutTensor> = Vec::new();
     let mut exp = Expect { original: HashMap::new(), quantized: HashMap::new() };
     for name in ckpt.names() {
         let t = ckpt.get(name).unwrap();
@@ -384,8 +373,8 @@ fn make_fp8(dir: &Path, block: [usize; 2], not_converted: &[&str], scale_rows_cu
         ));
     }
     drop(ckpt);
-    write_tensors(&dir.join("model.safetensors"), &tensors);
-    set_quant_config(
+    gptq::write_tensors(&dir.join("model.safetensors"), &tensors).unwrap();
+    gptq::set_quant_config(
         dir,
         json!({
             "quant_method": "fp8",
@@ -394,7 +383,8 @@ fn make_fp8(dir: &Path, block: [usize; 2], not_converted: &[&str], scale_rows_cu
             "weight_block_size": block,
             "modules_to_not_convert": not_converted,
         }),
-    );
+    )
+    .unwrap();
     exp
 }
 
@@ -505,7 +495,7 @@ fn quantised_qwen3_next_packed_projection_is_refused_by_name() {
     let cfg = ModelConfig::from_dir(&dir).unwrap();
     let d = cfg.dims();
     let ckpt = Checkpoint::open(&dir).unwrap();
-    let mut tensors: Vec<Out> = Vec::new();
+    let mut tensors: Vec<OutTensor> = Vec::new();
     for name in ckpt.names() {
         let t = ckpt.get(name).unwrap();
         let n = name.replace(P, "model.");
@@ -539,7 +529,7 @@ fn quantised_qwen3_next_packed_projection_is_refused_by_name() {
         }
     }
     drop(ckpt);
-    write_tensors(&dir.join("model.safetensors"), &tensors);
+    gptq::write_tensors(&dir.join("model.safetensors"), &tensors).unwrap();
     let mut c = Preset::Tiny.text_config(None);
     c["model_type"] = json!("qwen3_next");
     c["quantization_config"] = json!({ "quant_method": "fp8", "weight_block_size": [128, 128] });

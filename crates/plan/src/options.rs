@@ -3,8 +3,8 @@
 use crate::dtype::{KvDtype, WeightsDtype};
 use crate::size::MIB;
 
-/// Split-K partitions of the decode attention of speculative verify rows (fixed: the speculation
-/// region holds their partials for every verified position).
+/// Split-K partitions of the decode attention of speculative verify rows, at most (the speculation
+/// region holds their partials for every verified position): [`PlanOptions::verify_partitions`].
 pub const VERIFY_PARTITIONS: usize = 16;
 
 /// Everything besides the model shape that decides the plan.
@@ -65,6 +65,11 @@ pub struct PlanOptions {
 pub const COLLECTIVE_RESERVE_BYTES: u64 = 1 << 30;
 
 impl PlanOptions {
+    /// Split-K partitions of a speculative verify row's decode attention.
+    pub fn verify_partitions(&self) -> usize {
+        self.decode_partitions.min(VERIFY_PARTITIONS)
+    }
+
     /// Sets tensor parallelism to `n` cards: the plan becomes per card, and on the GPU (a nonzero
     /// runtime reserve) each card also reserves [`COLLECTIVE_RESERVE_BYTES`] for NCCL.
     pub fn set_tensor_parallel(&mut self, n: usize) {

@@ -113,7 +113,7 @@ impl Plan {
             let per_pos = d.hidden as u128
                 + d.num_deltanet_layers as u128
                     * (d.conv_channels + 2 * d.gdn_key_width + d.gdn_value_width + 2 * d.gdn_v_heads) as u128
-                + (opts.decode_partitions.min(crate::VERIFY_PARTITIONS) * d.q_heads * (d.head_dim + 2)) as u128;
+                + (opts.verify_partitions() * d.q_heads * (d.head_dim + 2)) as u128;
             let b = opts.max_seqs as u128 * ((1 + spec) as u128 * per_pos + spec as u128 * full_vocab as u128) * 4;
             to64(b, "speculation workspace")?
         } else {

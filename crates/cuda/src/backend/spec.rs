@@ -49,8 +49,9 @@ pub(super) struct Spec {
     /// slots), the verify group's cu_seqlens and slots, and its rows' attention lengths and block-table
     /// rows.
     pub(super) idx: DevSpan,
-    /// Split-K partials of the verify rows' decode attention (`rows` queries).
+    /// Split-K partials of the verify rows' decode attention (`rows` queries), `partitions` per row.
     pub(super) partials: DevSpan,
+    pub(super) partitions: usize,
     /// Speculative chunks of the last step, awaiting their commit.
     pub(super) verified: Vec<Verified>,
     /// The verify group of the last step: its rows, and its chunks' row offsets and slots.

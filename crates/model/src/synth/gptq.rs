@@ -197,13 +197,15 @@ pub fn convert(
             && t.shape[0].is_multiple_of(8)
             && t.shape[1].is_multiple_of(8)
             && !not_converted.contains(&module);
-        done.original.insert(name.to_string(), t.to_f32()?);
+        let w = t.to_f32()?;
         if !quantize {
             tensors.push((name.to_string(), t.dtype, t.shape.to_vec(), t.bytes.to_vec()));
+            done.original.insert(name.to_string(), w);
             continue;
         }
         let (out, inp) = (t.shape[0], t.shape[1]);
-        let p = pack(&t.to_f32()?, out, inp, v, &mut rng);
+        let p = pack(&w, out, inp, v, &mut rng);
+        done.original.insert(name.to_string(), w);
         let u32s = |x: &[u32]| x.iter().flat_map(|w| w.to_le_bytes()).collect::<Vec<u8>>();
         tensors.push((format!("{module}.qweight"), DType::I32, vec![inp / 8, out], u32s(&p.qweight)));
         tensors.push((format!("{module}.qzeros"), DType::I32, vec![p.groups, out / 8], u32s(&p.qzeros)));
