@@ -64,6 +64,10 @@ pub struct EngineArgs {
     /// CUDA backend: launch decode steps eagerly instead of replaying CUDA graphs.
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// CUDA backend: the most split-K partitions a decode row's attention uses (one per 128 keys of its
+    /// context, up to this; 1..=128, default 32). More helps long contexts at small batches.
+    #[arg(long)]
+    pub decode_partitions: Option<usize>,
     /// Speculative decoding with the model's MTP head: draft K (1..4) tokens per decode step and verify
     /// them in one forward (greedy outputs are unchanged up to bf16 ties on CUDA; sampling keeps its
     /// distribution). Needs a checkpoint with `mtp.*` tensors; on CUDA not yet with --tensor-parallel or
@@ -220,6 +224,10 @@ impl EngineArgs {
         opts.k_dtype = k_dtype.unwrap_or(opts.k_dtype);
         opts.v_dtype = v_dtype.unwrap_or(opts.v_dtype);
         opts.speculative_tokens = self.speculative_tokens()?;
+        if let Some(n) = self.decode_partitions {
+            anyhow::ensure!((1..=128).contains(&n), "--decode-partitions must be 1..=128, got {n}");
+            opts.decode_partitions = n;
+        }
         Ok(opts)
     }
 

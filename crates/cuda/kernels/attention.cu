@@ -12,7 +12,9 @@
 //                       keys), each block
 //                       handles all GQA_GROUP query heads of one kv head (K/V read once), writes
 //                       unnormalised partials (o, max in the log2 domain, sum) in f32. Each warp
-//                       walks every 8th key with the next key's loads in flight.
+//                       walks chunks of DEC_KC consecutive keys (every 8th chunk) with the next
+//                       chunk's loads in flight; the 8 warps' partials are summed in shared
+//                       memory in a fixed order (no atomics: deterministic run to run).
 //  attn_decode_combine: merges the n_split partials (log-sum-exp) into bf16 o.
 // Shapes/dtypes: q [T, Hq, HD] bf16 (head h of token t at q + t*q_tok + h*q_head: contiguous is
 //   q_tok = Hq*HD, q_head = HD; the attention q|gate projection output is q_tok = 2*Hq*HD,
@@ -24,7 +26,8 @@
 // Launch: attn_prefill grid (n_tiles, Hkv * GQA_GROUP / PF_HPB), block 64*PF_HPB, dynamic smem
 //   2 stages * (K + V) * PF_BK keys * (HD+8) * 2 B + the pairs' exchange 2*PF_HPB*PF_BK*64 B
 //   (91,136 B at HD 256, 32 keys, 6 heads); attn_decode_split grid
-//   (B, Hkv, n_split), block 256 (8 warps, one key per warp at a time, 16-byte loads);
+//   (B, Hkv, n_split), block 256 (8 warps, 2*DEC_KC keys per warp in flight, 16-byte loads at
+//   HD 256 bf16), static smem 4*GQA_GROUP*HD*4 B + 0.5 KB;
 //   attn_decode_combine grid (B, Hq), block HD.
 //   -D HD (head dim, multiple of 32, <= 256), GQA_GROUP (Hq / Hkv, 1..8); PF_BK, PF_PSPLIT, PF_HPB
 //   (ops::attention tiling: nvrtc::AttnTiling).
@@ -632,38 +635,48 @@ attn_prefill(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
 }
 
 #define DPL (HD / 32)  // dims per lane in decode
+#define DEC_KC 4       // keys per chunk of a decode warp
 
-// Decode: this lane's DPL codes of one token-head row (bytes at `rowp`), widened to f32.
-template <int FMT>
-__device__ __forceinline__ void dec_load_codes(const unsigned char* __restrict__ rowp, int lane, float* out) {
-    const int e0 = lane * DPL;
-    if (FMT == KVF_INT4) {
-        if (DPL % 8 == 0) {
-#pragma unroll
-            for (int w = 0; w < DPL / 8; w++) {
-                const u32 x = *(const u32*)(rowp + e0 / 2 + 4 * w);
-#pragma unroll
-                for (int i = 0; i < 8; i++) out[8 * w + i] = kv_code_f32<FMT>(x >> (4 * i));
-            }
-        } else {
-#pragma unroll
-            for (int d = 0; d < DPL; d++) {
-                const int e = e0 + d;
-                out[d] = kv_code_f32<FMT>((u32)rowp[e >> 1] >> (4 * (e & 1)));
-            }
-        }
+__device__ __forceinline__ u32 w4_comp_u4(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Decode: a lane's DPL elements of one token-head row, as raw bits (bf16 pairs or codes) in a uint4
+// (DEC_LB(fmt) bytes from DEC_OFF(fmt, lane): 2*DPL for bf16, DPL for fp8 / int8, DPL/2 for int4 — at
+// head dim 32 an int4 lane reads the byte that holds its one nibble, number DEC_NIB0(lane)), widened
+// at use.
+#define DEC_LB(f) ((f) == KVF_BF16 ? 2 * DPL : ((f) == KVF_INT4 ? (DPL + 1) / 2 : DPL))
+#define DEC_OFF(f, lane) ((f) == KVF_INT4 ? ((lane) * DPL) >> 1 : (lane) * DEC_LB(f))
+#define DEC_NIB0(lane) (((lane) * DPL) & 1)
+template <int BYTES>
+__device__ __forceinline__ uint4 dec_load_raw(const unsigned char* __restrict__ p) {
+    uint4 r = make_uint4(0u, 0u, 0u, 0u);
+    if (BYTES == 16) {
+        r = *(const uint4*)p;
+    } else if (BYTES == 8) {
+        const uint2 v = *(const uint2*)p;
+        r.x = v.x;
+        r.y = v.y;
+    } else if (BYTES == 4) {
+        r.x = *(const u32*)p;
+    } else if (BYTES == 2) {
+        r.x = *(const unsigned short*)p;
     } else {
-        if (DPL % 4 == 0) {
-#pragma unroll
-            for (int w = 0; w < DPL / 4; w++) {
-                const u32 x = *(const u32*)(rowp + e0 + 4 * w);
-#pragma unroll
-                for (int i = 0; i < 4; i++) out[4 * w + i] = kv_code_f32<FMT>(x >> (8 * i));
-            }
-        } else {
-#pragma unroll
-            for (int d = 0; d < DPL; d++) out[d] = kv_code_f32<FMT>((u32)rowp[e0 + d]);
-        }
+        r.x = *p;
+    }
+    return r;
+}
+// Element d (< DPL) of a raw row piece of format FMT, as f32 (codes: unscaled); nib0: DEC_NIB0.
+template <int FMT>
+__device__ __forceinline__ float dec_elem(const uint4& r, int d, int nib0) {
+    if (FMT == KVF_BF16) {
+        const u32 w = w4_comp_u4(r, d >> 1);
+        return __uint_as_float((d & 1) ? (w & 0xffff0000u) : (w << 16));
+    } else if (FMT == KVF_INT4) {
+        const int n = d + nib0;
+        return kv_code_f32<FMT>(w4_comp_u4(r, n >> 3) >> (4 * (n & 7)));
+    } else {
+        return kv_code_f32<FMT>(w4_comp_u4(r, d >> 2) >> (8 * (d & 3)));
     }
 }
 
@@ -682,7 +695,9 @@ attn_decode_split(const bf16_t* __restrict__ q, const void* __restrict__ k_cache
                   float* __restrict__ part_o,
                   float* __restrict__ part_ml, int Hq, int Hkv, int page, float scale, int n_split,
                   long long q_tok, long long q_head) {
-    __shared__ float o_acc[GQA_GROUP][HD];
+    // The 8 warps' partial outputs, summed without atomics in a fixed order: warps 4..7 store theirs,
+    // warps 0..3 add their own, then every thread sums the 4 slots (deterministic run to run).
+    __shared__ float red[4][GQA_GROUP][HD];
     __shared__ float ms[8][GQA_GROUP], ls[8][GQA_GROUP];
     const int b = blockIdx.x, hkv = blockIdx.y, sp = blockIdx.z;
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -694,7 +709,6 @@ attn_decode_split(const bf16_t* __restrict__ q, const void* __restrict__ k_cache
     const long long width = (long long)Hkv * HD;
     const int* bt = block_tables + (long long)(table_rows ? table_rows[b] : b) * max_blocks;
 
-    for (int e = threadIdx.x; e < GQA_GROUP * HD; e += blockDim.x) o_acc[e / HD][e % HD] = 0.0f;
     const float sl2 = scale * 1.4426950408889634f;
     float qv[GQA_GROUP][DPL], acc[GQA_GROUP][DPL], m[GQA_GROUP], l[GQA_GROUP];
 #pragma unroll
@@ -708,79 +722,59 @@ attn_decode_split(const bf16_t* __restrict__ q, const void* __restrict__ k_cache
         m[g] = NEG_INF;
         l[g] = 0.0f;
     }
-    // Key p's K and V (this lane's DPL dims, widened to f32) and, for quantised formats, its scales.
-    float ksc = 1.0f, vsc = 1.0f;
-    (void)ksc;
-    (void)vsc;
-    auto load_key = [&](int p, float* kf, float* vf, float& ks, float& vs) {
-        const long long row = (long long)bt[p / page] * page + p % page;
-        (void)ks;
-        (void)vs;
-#if !KQ_ANY
-        const bf16_t* kr = (const bf16_t*)k_cache + row * width + (long long)hkv * HD + lane * DPL;
-        const bf16_t* vr = (const bf16_t*)v_cache + row * width + (long long)hkv * HD + lane * DPL;
-#pragma unroll
-        for (int d = 0; d < DPL; d++) {
-            kf[d] = bf2f(kr[d]);
-            vf[d] = bf2f(vr[d]);
-        }
-#else
-#if !KQ_K
-        const bf16_t* kr = (const bf16_t*)k_cache + row * width + (long long)hkv * HD + lane * DPL;
-#pragma unroll
-        for (int d = 0; d < DPL; d++) kf[d] = bf2f(kr[d]);
-#else
-        // Codes; the key's scale multiplies the dot product.
-        dec_load_codes<KV_K_FMT>((const unsigned char*)k_cache + (row * Hkv + hkv) * K_ROWB, lane, kf);
-        ks = f16_to_f32(k_scales[row * Hkv + hkv]);
-#endif
-#if !KQ_V
-        const bf16_t* vr = (const bf16_t*)v_cache + row * width + (long long)hkv * HD + lane * DPL;
-#pragma unroll
-        for (int d = 0; d < DPL; d++) vf[d] = bf2f(vr[d]);
-#else
-        // Codes; the key's scale multiplies its probability.
-        dec_load_codes<KV_V_FMT>((const unsigned char*)v_cache + (row * Hkv + hkv) * V_ROWB, lane, vf);
-        vs = f16_to_f32(v_scales[row * Hkv + hkv]);
-#endif
-#endif
+    // Key p's K and V: this lane's raw bits and, for quantised formats, the row's scales.
+    struct DecKey {
+        uint4 k, v;
+        float ks, vs;
     };
-    // Software pipeline: the next key's loads are in flight while this key is computed (each warp
-    // walks keys k0 + w, k0 + w + 8, ...; without it every key waited a full memory latency).
-    float kf[DPL], vf[DPL];
-    if (k0 + w < k1) load_key(k0 + w, kf, vf, ksc, vsc);
-    for (int p = k0 + w; p < k1; p += 8) {
-        float kn[DPL] = {}, vn[DPL] = {}, ksn = 1.0f, vsn = 1.0f;
-        if (p + 8 < k1) load_key(p + 8, kn, vn, ksn, vsn);
+    auto load_key = [&](int p, DecKey& r) {
+        const long long row = (long long)bt[p / page] * page + p % page;
+        const long long th = row * Hkv + hkv;  // token-head row
+        r.k = dec_load_raw<DEC_LB(KV_K_FMT)>((const unsigned char*)k_cache + th * K_ROWB + DEC_OFF(KV_K_FMT, lane));
+        r.v = dec_load_raw<DEC_LB(KV_V_FMT)>((const unsigned char*)v_cache + th * V_ROWB + DEC_OFF(KV_V_FMT, lane));
+        r.ks = KQ_K ? f16_to_f32(k_scales[th]) : 1.0f;
+        r.vs = KQ_V ? f16_to_f32(v_scales[th]) : 1.0f;
+    };
+    // Warp w walks chunks of DEC_KC consecutive keys (k0 + (8c + w) * DEC_KC ...); the next chunk's
+    // loads are in flight while this one is computed, so up to 2 * DEC_KC keys per warp are in
+    // flight (one key at a time left every key waiting a full memory latency).
+    DecKey cur[DEC_KC], nxt[DEC_KC];
+    const int stride = 8 * DEC_KC;
+    const int c0 = k0 + w * DEC_KC;
 #pragma unroll
-        for (int g = 0; g < GQA_GROUP; g++) {
-            float dot = 0.0f;
+    for (int i = 0; i < DEC_KC; i++)
+        if (c0 + i < k1) load_key(c0 + i, cur[i]);
+    for (int p0 = c0; p0 < k1; p0 += stride) {
 #pragma unroll
-            for (int d = 0; d < DPL; d++) dot += qv[g][d] * kf[d];
-            dot = warp_sum(dot);
-#if KQ_K
-            dot *= ksc;
-#endif
-            float mnew = fmaxf(m[g], dot);
-            float alpha = pf_exp2(m[g] - mnew);  // m = -inf -> 0, and acc/l are 0 then
-            float pr = pf_exp2(dot - mnew);
-            l[g] = l[g] * alpha + pr;
-#if KQ_V
-            const float pv = pr * vsc;
-#else
-            const float pv = pr;
-#endif
+        for (int i = 0; i < DEC_KC; i++)
+            if (p0 + stride + i < k1) load_key(p0 + stride + i, nxt[i]);
 #pragma unroll
-            for (int d = 0; d < DPL; d++) acc[g][d] = acc[g][d] * alpha + pv * vf[d];
-            m[g] = mnew;
+        for (int i = 0; i < DEC_KC; i++) {
+            if (p0 + i >= k1) break;  // uniform over the warp
+            float kf[DPL], vf[DPL];
+#pragma unroll
+            for (int d = 0; d < DPL; d++) {
+                kf[d] = dec_elem<KV_K_FMT>(cur[i].k, d, DEC_NIB0(lane));
+                vf[d] = dec_elem<KV_V_FMT>(cur[i].v, d, DEC_NIB0(lane));
+            }
+#pragma unroll
+            for (int g = 0; g < GQA_GROUP; g++) {
+                float dot = 0.0f;
+#pragma unroll
+                for (int d = 0; d < DPL; d++) dot += qv[g][d] * kf[d];
+                dot = warp_sum(dot) * cur[i].ks;  // codes: the key's scale multiplies the dot product
+                float mnew = fmaxf(m[g], dot);
+                float alpha = pf_exp2(m[g] - mnew);  // m = -inf -> 0, and acc/l are 0 then
+                float pr = pf_exp2(dot - mnew);
+                l[g] = l[g] * alpha + pr;
+                const float pv = pr * cur[i].vs;  // codes: the key's scale multiplies its probability
+#pragma unroll
+                for (int d = 0; d < DPL; d++) acc[g][d] = acc[g][d] * alpha + pv * vf[d];
+                m[g] = mnew;
+            }
         }
 #pragma unroll
-        for (int d = 0; d < DPL; d++) {
-            kf[d] = kn[d];
-            vf[d] = vn[d];
-        }
-        ksc = ksn;
-        vsc = vsn;
+        for (int i = 0; i < DEC_KC; i++) cur[i] = nxt[i];
     }
     if (lane == 0) {
 #pragma unroll
@@ -790,13 +784,12 @@ attn_decode_split(const bf16_t* __restrict__ q, const void* __restrict__ k_cache
         }
     }
     __syncthreads();
+    float f[GQA_GROUP];
 #pragma unroll
     for (int g = 0; g < GQA_GROUP; g++) {
         float M = NEG_INF;
         for (int ww = 0; ww < 8; ww++) M = fmaxf(M, ms[ww][g]);
-        float f = m[g] == NEG_INF ? 0.0f : pf_exp2(m[g] - M);
-#pragma unroll
-        for (int d = 0; d < DPL; d++) atomicAdd(&o_acc[g][lane * DPL + d], acc[g][d] * f);
+        f[g] = m[g] == NEG_INF ? 0.0f : pf_exp2(m[g] - M);
         if (threadIdx.x == 0) {
             float Lsum = 0.0f;
             for (int ww = 0; ww < 8; ww++)
@@ -806,10 +799,26 @@ attn_decode_split(const bf16_t* __restrict__ q, const void* __restrict__ k_cache
             part_ml[pi + 1] = Lsum;
         }
     }
+    if (w >= 4) {
+#pragma unroll
+        for (int g = 0; g < GQA_GROUP; g++) {
+#pragma unroll
+            for (int d = 0; d < DPL; d++) red[w - 4][g][lane * DPL + d] = acc[g][d] * f[g];
+        }
+    }
+    __syncthreads();
+    if (w < 4) {
+#pragma unroll
+        for (int g = 0; g < GQA_GROUP; g++) {
+#pragma unroll
+            for (int d = 0; d < DPL; d++) red[w][g][lane * DPL + d] += acc[g][d] * f[g];
+        }
+    }
     __syncthreads();
     for (int e = threadIdx.x; e < GQA_GROUP * HD; e += blockDim.x) {
-        int g = e / HD, d = e % HD;
-        part_o[(((long long)b * Hq + hkv * GQA_GROUP + g) * n_split + sp) * HD + d] = o_acc[g][d];
+        const int g = e / HD, d = e % HD;
+        part_o[(((long long)b * Hq + hkv * GQA_GROUP + g) * n_split + sp) * HD + d] =
+            (red[0][g][d] + red[1][g][d]) + (red[2][g][d] + red[3][g][d]);
     }
 }
 

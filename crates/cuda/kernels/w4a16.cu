@@ -107,39 +107,41 @@ __device__ __forceinline__ void w4_group_mma(float* tmp, const uint4& ca, const 
     }
 }
 
-// Sums the wpt partial tiles (warp w writes its 128 partials at red + w * red_stride, a region no
-// other warp touches) and stores the tile's outputs. Contains __syncthreads() when wpt > 1.
+// Sums the wpt partial results (warp w writes its NT*128 partials at red + w * red_stride, a region
+// no other warp touches) and stores the outputs of NT 16-row tiles: fragment value c (0..3) of tile
+// i is output row rows[2i + (c >> 1)] (rows[] per lane; < 0: not stored), token 2t + (c & 1).
+// Contains __syncthreads() when wpt > 1.
 __device__ __forceinline__ void w4_put(bf16_t* p, float v) { *p = f2bf(v); }
 __device__ __forceinline__ void w4_put(float* p, float v) { *p = v; }
-template <typename OutT>
+template <int NT, typename OutT>
 __device__ __forceinline__ void w4_gemv_store(float* acc, float* red, int red_stride, int wpt, int warp, int lane,
-                                              int part, int tile, int out, int M, OutT* __restrict__ y,
+                                              int part, const int* rows, int M, OutT* __restrict__ y,
                                               long long ldy) {
     if (wpt > 1) {
 #pragma unroll
-        for (int c = 0; c < 4; ++c) red[warp * red_stride + c * 32 + lane] = acc[c];
+        for (int c = 0; c < 4 * NT; ++c) red[warp * red_stride + c * 32 + lane] = acc[c];
         __syncthreads();
         if (part != 0) return;
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
+        for (int c = 0; c < 4 * NT; ++c) {
             float s = 0.f;
             for (int w = 0; w < wpt; ++w) s += red[(warp + w) * red_stride + c * 32 + lane];
             acc[c] = s;
         }
     }
-    const int ntiles = (out + 15) >> 4;
-    if (tile >= ntiles) return;
-    const int g = lane >> 2, t = lane & 3;
-    const int row_a = tile * 16 + g, row_b = row_a + 8;
-    const int m0 = 2 * t, m1 = 2 * t + 1;
-    if (row_a < out) {
-        if (m0 < M) w4_put(y + (long long)m0 * ldy + row_a, acc[0]);
-        if (m1 < M) w4_put(y + (long long)m1 * ldy + row_a, acc[1]);
+    const int t = lane & 3;
+#pragma unroll
+    for (int c = 0; c < 4 * NT; ++c) {
+        const int row = rows[c >> 1], m = 2 * t + (c & 1);
+        if (row >= 0 && m < M) w4_put(y + (long long)m * ldy + row, acc[c]);
     }
-    if (row_b < out) {
-        if (m0 < M) w4_put(y + (long long)m0 * ldy + row_b, acc[2]);
-        if (m1 < M) w4_put(y + (long long)m1 * ldy + row_b, acc[3]);
-    }
+}
+
+// The rows of a 16-row tile's fragment values for w4_gemv_store (rows past `out`: -1).
+__device__ __forceinline__ void w4_tile_rows(int* rows, int tile, int lane, int out) {
+    const int ra = tile * 16 + (lane >> 2), rb = ra + 8;
+    rows[0] = ra < out ? ra : -1;
+    rows[1] = rb < out ? rb : -1;
 }
 
 // Variant "reg": W4_D groups of weights, scales and zeros in flight in registers.
@@ -204,7 +206,9 @@ __device__ __forceinline__ void w4_gemv_reg_body(const u32* __restrict__ qw, con
             }
         }
     }
-    w4_gemv_store(acc, red, 128, wpt, warp, lane, part, tile, out, M, y, ldy);
+    int rows[2];
+    w4_tile_rows(rows, tile, lane, out);
+    w4_gemv_store<1>(acc, red, 128, wpt, warp, lane, part, rows, M, y, ldy);
 }
 
 extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 2)
@@ -313,7 +317,9 @@ __device__ __forceinline__ void w4_gemv_async(const u32* __restrict__ qw, const 
     }
     cp_async_wait<0>();
     // Partials go into this warp's own ring (its copies are drained), summed after a barrier.
-    w4_gemv_store(acc, (float*)smem, S * W4_STAGE_U4 * 4, wpt, warp, lane, part, tile, out, M, y, ldy);
+    int rows[2];
+    w4_tile_rows(rows, tile, lane, out);
+    w4_gemv_store<1>(acc, (float*)smem, S * W4_STAGE_U4 * 4, wpt, warp, lane, part, rows, M, y, ldy);
 }
 
 extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 3)
@@ -331,6 +337,212 @@ w4_gemv_cp8(const u32* __restrict__ qw, const unsigned short* __restrict__ scale
     extern __shared__ uint4 w4_dyn[];
     w4_gemv_async<8>(qw, scales, zeros, scale_bf16, x, ldx, y, ldy, M, out, in, wpt, w4_dyn);
 }
+
+// Variant "pair" (w4p_*): a warp streams two 16-row tiles (32 output rows) through a cp.async ring
+// and spends ~90 instructions per KB of weights (cp4: ~340):
+//  - lane (g, t) owns the 4 consecutive rows rb + j (rb = 32*pair + 4g, j = 0..3) as MMA rows g
+//    (j = 0), g + 8 (j = 1) of tile 0 and g, g + 8 of tile 1 (j = 2, 3); their 4 scales are one 8-byte
+//    load, their zeros one 2-byte load (out % 4 == 0, VEC; otherwise one load per row);
+//  - unpacking is one LOP3 per column pair, ((w >> 4p) & 0x000f000f) | 0x43004300 = bf16 (128 + q0,
+//    128 + q1), straight into the MMA (no zero subtraction per weight);
+//  - a third MMA with A = ones gives each token's sum of x over the group, X, and the group adds
+//    s * (T - (128 + z) * X) per row and token (T: the MMA of 128 + q; exact integers times bf16 x).
+// The weights of S = 4 groups (2 KB each) stream through a per-warp ring (3 in flight); scales and
+// zeros ride in registers 3 groups ahead; x one group ahead. The group loop is unrolled by S, so
+// stages and register slots are compile-time.
+#define W4P_S 4
+#define W4P_STAGE_U4 128
+
+template <bool SBF>
+__device__ __forceinline__ float w4p_scale(u32 bits) {
+    return SBF ? __uint_as_float(bits << 16) : f16_to_f32((unsigned short)bits);
+}
+
+// bf16 pair (128 + q0, 128 + q1) of the column pair in nibbles (p, p + 4) of w (after w >> 4p).
+__device__ __forceinline__ u32 w4p_unpack(u32 w) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(w), "r"(0x000f000fu), "r"(0x43004300u));
+    return r;
+}
+
+template <typename OutT, bool ASYM, bool SBF, bool VEC>
+__device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,
+                                         const unsigned char* __restrict__ zeros, const bf16_t* __restrict__ x,
+                                         long long ldx, OutT* __restrict__ y, long long ldy, int M, int out, int in,
+                                         int wpt, int block, uint4* smem) {
+    constexpr int S = W4P_S;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int pair = block * (W4_WARPS / wpt) + warp / wpt;
+    const int part = warp % wpt;
+    const int ng = in >> 7;
+    const int gb = (int)((long long)part * ng / wpt), ge = (int)((long long)(part + 1) * ng / wpt);
+    const int n = ge - gb;
+    const int r0 = pair * 32 + 4 * g;  // this lane's rows r0 .. r0 + 3
+    const int rv = min(r0, out - 4);  // VEC (out % 4 == 0): the 4 rows whose scales / zeros are loaded
+    const long long wrow = (long long)(in >> 5);  // uint4 per row
+    const uint4* pw[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) pw[j] = (const uint4*)qw + (long long)min(r0 + j, out - 1) * wrow + t + 4 * gb;
+    const int zstride = (out + 1) >> 1;
+    // Scales / zeros of the next group to issue (advanced by one group per issue).
+    const unsigned short* ps = scales + (long long)gb * out;
+    const unsigned char* pz = ASYM ? zeros + (long long)gb * zstride : nullptr;
+    const bool has_x = g < M;
+    const uint4* px = (const uint4*)(x + (long long)(has_x ? g : 0) * ldx) + t * 4 + 16 * gb;
+    const u32 ring_s = smem_addr(smem + warp * (S * W4P_STAGE_U4));
+    const uint4* ring = smem + warp * (S * W4P_STAGE_U4);
+
+    uint2 sv[S];  // scale bits: x = rows 0 | 1 << 16, y = rows 2 | 3 << 16
+    u32 zv[S];    // zeros: nibble j = row j
+    // Issues group rel (relative to the group that pw/px point at) into stage st; scales / zeros
+    // from ps / pz, which then advance.
+    auto issue = [&](int st, int rel, uint2& s_out, u32& z_out) {
+        const u32 base = ring_s + (u32)(st * W4P_STAGE_U4 * 16) + lane * 16;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) cp_async16(base + j * 512, pw[j] + 4 * rel);
+        if (VEC) {
+            s_out = __ldg((const uint2*)(ps + rv));
+        } else {
+            const u32 a = __ldg(ps + min(r0, out - 1)), b = __ldg(ps + min(r0 + 1, out - 1));
+            const u32 c = __ldg(ps + min(r0 + 2, out - 1)), d = __ldg(ps + min(r0 + 3, out - 1));
+            s_out = make_uint2(a | (b << 16), c | (d << 16));
+        }
+        ps += out;
+        if (ASYM) {
+            if (VEC) {
+                z_out = __ldg((const unsigned short*)(pz + (rv >> 1)));
+            } else {
+                u32 z = 0;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int r = min(r0 + j, out - 1);
+                    z |= ((u32)(__ldg(pz + (r >> 1)) >> (4 * (r & 1))) & 15u) << (4 * j);
+                }
+                z_out = z;
+            }
+            pz += zstride;
+        }
+    };
+
+    float acc[8];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) acc[c] = 0.f;
+    uint4 xb[2][4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        xb[0][q] = (has_x && n > 0) ? ld_nc(px + q) : make_uint4(0u, 0u, 0u, 0u);
+        xb[1][q] = make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int st = 0; st < S - 1; ++st) {
+        if (st < n) issue(st, st, sv[st], zv[st]);
+        cp_async_commit();
+    }
+    const u32 ones = 0x3f803f80u;
+    for (int k0 = 0; k0 < n; k0 += S) {
+#pragma unroll
+        for (int u = 0; u < S; ++u) {
+            const int k = k0 + u;
+            if (k < n) {
+                const int sn = (u + S - 1) % S;
+                if (k + S - 1 < n) issue(sn, u + S - 1, sv[sn], zv[sn]);
+                cp_async_commit();
+                if (has_x && k + 1 < n) {
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) xb[(u + 1) & 1][q] = ld_nc(px + 16 * (u + 1) + q);
+                }
+                cp_async_wait<S - 1>();
+                const uint4* st = ring + u * W4P_STAGE_U4 + lane;
+                const uint4 w0 = st[0], w1 = st[32], w2 = st[64], w3 = st[96];
+                const uint4* xv = xb[u & 1];
+                float t0[4] = {0.f, 0.f, 0.f, 0.f}, t1[4] = {0.f, 0.f, 0.f, 0.f}, xs[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {  // word i of each row: columns 8i .. 8i + 7 of the lane's 32
+                    const u32 a0 = w4_comp(w0, i), a1 = w4_comp(w1, i), a2 = w4_comp(w2, i), a3 = w4_comp(w3, i);
+                    const u32 b0 = w4_comp(xv[i], 0), b1 = w4_comp(xv[i], 1), b2 = w4_comp(xv[i], 2),
+                              b3 = w4_comp(xv[i], 3);
+                    mma_bf16(t0, w4p_unpack(a0), w4p_unpack(a1), w4p_unpack(a0 >> 4), w4p_unpack(a1 >> 4), b0, b1);
+                    mma_bf16(t1, w4p_unpack(a2), w4p_unpack(a3), w4p_unpack(a2 >> 4), w4p_unpack(a3 >> 4), b0, b1);
+                    mma_bf16(xs, ones, ones, ones, ones, b0, b1);
+                    mma_bf16(t0, w4p_unpack(a0 >> 8), w4p_unpack(a1 >> 8), w4p_unpack(a0 >> 12), w4p_unpack(a1 >> 12),
+                             b2, b3);
+                    mma_bf16(t1, w4p_unpack(a2 >> 8), w4p_unpack(a3 >> 8), w4p_unpack(a2 >> 12), w4p_unpack(a3 >> 12),
+                             b2, b3);
+                    mma_bf16(xs, ones, ones, ones, ones, b2, b3);
+                }
+                const uint2 sb = sv[u];
+                float s[4] = {w4p_scale<SBF>(sb.x & 0xffffu), w4p_scale<SBF>(sb.x >> 16),
+                              w4p_scale<SBF>(sb.y & 0xffffu), w4p_scale<SBF>(sb.y >> 16)};
+                float c[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    // -(128 + z) as f32: 128 = 0x43000000, one unit of the mantissa at bit 16.
+                    const float zf = ASYM ? __uint_as_float(0x43000000u | (((zv[u] >> (4 * j)) & 15u) << 16)) : 136.f;
+                    c[j] = -zf * s[j];
+                }
+                acc[0] = fmaf(c[0], xs[0], fmaf(s[0], t0[0], acc[0]));
+                acc[1] = fmaf(c[0], xs[1], fmaf(s[0], t0[1], acc[1]));
+                acc[2] = fmaf(c[1], xs[0], fmaf(s[1], t0[2], acc[2]));
+                acc[3] = fmaf(c[1], xs[1], fmaf(s[1], t0[3], acc[3]));
+                acc[4] = fmaf(c[2], xs[0], fmaf(s[2], t1[0], acc[4]));
+                acc[5] = fmaf(c[2], xs[1], fmaf(s[2], t1[1], acc[5]));
+                acc[6] = fmaf(c[3], xs[0], fmaf(s[3], t1[2], acc[6]));
+                acc[7] = fmaf(c[3], xs[1], fmaf(s[3], t1[3], acc[7]));
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) pw[j] += 4 * S;
+        px += 16 * S;
+    }
+    cp_async_wait<0>();
+    // Rows of the fragment values: tile 0 rows g, g + 8 = r0, r0 + 1; tile 1: r0 + 2, r0 + 3.
+    int rows[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) rows[j] = r0 + j < out ? r0 + j : -1;
+    w4_gemv_store<2>(acc, (float*)smem, S * W4P_STAGE_U4 * 4, wpt, warp, lane, part, rows, M, y, ldy);
+}
+
+// One launch runs up to three linears that share x and `in` (a layer's q/k/v or qkv/z/ba): segment
+// s takes nb_s consecutive blocks (nb_s = ceil(ceil(out_s/32) / (8/wpt)); unused segments nb = 0).
+#define W4P_SEG_ARGS(i, OUT_T)                                                                               \
+    const u32 *__restrict__ qw##i, const unsigned short *__restrict__ sc##i,                                  \
+        const unsigned char *__restrict__ z##i, OUT_T *__restrict__ y##i, long long ldy##i, int out##i, int nb##i
+#define W4P_KERNEL(NAME, OUT_T, ASYM, SBF)                                                                    \
+    extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 2)                                              \
+        NAME(const bf16_t* __restrict__ x, long long ldx, int M, int in, int wpt, W4P_SEG_ARGS(0, OUT_T),         \
+             W4P_SEG_ARGS(1, OUT_T), W4P_SEG_ARGS(2, OUT_T)) {                                                  \
+        extern __shared__ uint4 w4_dyn[];                                                                        \
+        int b = blockIdx.x;                                                                                      \
+        const u32* qw = qw0;                                                                                     \
+        const unsigned short* sc = sc0;                                                                          \
+        const unsigned char* z = z0;                                                                             \
+        OUT_T* y = y0;                                                                                           \
+        long long ldy = ldy0;                                                                                    \
+        int out = out0;                                                                                          \
+        if (b >= nb0) {                                                                                          \
+            b -= nb0;                                                                                            \
+            if (b < nb1) {                                                                                       \
+                qw = qw1; sc = sc1; z = z1; y = y1; ldy = ldy1; out = out1;                                      \
+            } else {                                                                                             \
+                b -= nb1;                                                                                        \
+                qw = qw2; sc = sc2; z = z2; y = y2; ldy = ldy2; out = out2;                                      \
+            }                                                                                                    \
+        }                                                                                                        \
+        if ((out & 3) == 0)                                                                                      \
+            w4p_body<OUT_T, ASYM, SBF, true>(qw, sc, z, x, ldx, y, ldy, M, out, in, wpt, b, w4_dyn);             \
+        else                                                                                                     \
+            w4p_body<OUT_T, ASYM, SBF, false>(qw, sc, z, x, ldx, y, ldy, M, out, in, wpt, b, w4_dyn);            \
+    }
+// w4p_<y: h bf16 | f f32><s symmetric | a zero points><h f16 | b bf16 scales>
+W4P_KERNEL(w4p_hsh, bf16_t, false, false)
+W4P_KERNEL(w4p_hsb, bf16_t, false, true)
+W4P_KERNEL(w4p_hah, bf16_t, true, false)
+W4P_KERNEL(w4p_hab, bf16_t, true, true)
+W4P_KERNEL(w4p_fsh, float, false, false)
+W4P_KERNEL(w4p_fsb, float, false, true)
+W4P_KERNEL(w4p_fah, float, true, false)
+W4P_KERNEL(w4p_fab, float, true, true)
 
 extern "C" __global__ void __launch_bounds__(256)
 w4_dequant(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,

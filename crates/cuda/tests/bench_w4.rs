@@ -140,6 +140,9 @@ const DECODE: &[(&str, usize, usize)] = &[
     ("lm_head", 248320, 5120),
 ];
 
+/// Linears of a layer that share x (one launch of w4_gemv_multi), in = 5120.
+const MULTI: &[(&str, &[usize])] = &[("attn q+k+v", &[12288, 1024, 1024]), ("gdn qkv+z+ba", &[10240, 6144, 96])];
+
 /// Prefill shapes at 4096 tokens.
 const PREFILL: &[(&str, usize, usize)] = &[
     ("mlp gate+up", 34816, 5120),
@@ -229,6 +232,57 @@ fn run(rt: &Runtime, k: &Kernels) -> R<()> {
         }
         rt.synchronize()?;
     }
+    println!();
+    println!("One launch for a layer's linears sharing x (w4_gemv_multi) vs one launch each (default configs):");
+    println!("| linears | rows x in | M | separate us | one launch us | GB/s (one launch) | % of copy |");
+    println!("|---|---|---|---|---|---|---|");
+    for &(name, outs) in MULTI {
+        let inp = 5120;
+        let total: usize = outs.iter().sum();
+        let mut d = Dev::new(rt, 3 * total * inp + (1 << 30))?;
+        let stage = d.alloc(2 * outs.iter().max().copied().unwrap_or(0) * inp)?;
+        let x = d.alloc(2 * 8 * inp)?;
+        init_random(k, &s, x, 8 * inp, 8, Init::Normal(1.0), false)?;
+        // Sets of the layer's linears (several, cycled, so the footprint exceeds L2).
+        let mut sets: Vec<Vec<(W4Weights, u64)>> = Vec::new();
+        let mut bytes = 0usize;
+        while sets.len() < 2 || bytes < (400 << 20) {
+            let mut set = Vec::new();
+            for &out in outs {
+                init_random(k, &s, stage, out * inp, 7 + sets.len() as u64, Init::Normal(0.02), false)?;
+                let (w, _) = make_w4(k, &s, &mut d, stage, out, inp, false)?;
+                bytes += w.bytes().total();
+                set.push((w, d.alloc(2 * 8 * out)?));
+            }
+            sets.push(set);
+        }
+        for m in [1usize, 8] {
+            let sep = time_ms(rt, 50.max(sets.len()), |i| {
+                for (w, y) in &sets[i % sets.len()] {
+                    let cfg = w4a16::gemv_config(w.out, inp, rt.sm_count as usize);
+                    w4a16::w4_gemv(k, &s, w, x, inp, *y, w.out, m, cfg, None)?;
+                }
+                Ok(())
+            })?;
+            let cfg = w4a16::gemv_config(total, inp, rt.sm_count as usize);
+            let one = time_ms(rt, 50.max(sets.len()), |i| {
+                let set = &sets[i % sets.len()];
+                let wo: Vec<w4a16::W4Out<'_>> =
+                    set.iter().map(|(w, y)| w4a16::W4Out { w, y: *y, ldy: w.out }).collect();
+                w4a16::w4_gemv_multi(k, &s, &wo, x, inp, m, cfg, false)
+            })?;
+            let read = (sets[0].iter().map(|(w, _)| w.bytes().total()).sum::<usize>() + 2 * m * inp) as f64;
+            let gbs = read / (one * 1e-3) / 1e9;
+            println!(
+                "| {name} | {total} x {inp} | {m} | {:.1} | {:.1} | {gbs:.0} | {:.1}% |",
+                sep * 1e3,
+                one * 1e3,
+                100.0 * gbs / copy
+            );
+        }
+        rt.synchronize()?;
+    }
+
     println!();
     println!("Best M = 1 configuration per shape (symmetric):");
     println!("| linear | out x in | kernel | GB/s read | % of copy |");

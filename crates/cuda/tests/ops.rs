@@ -166,6 +166,15 @@ enum Op {
         perm: bool,
         bf16: bool,
     },
+    /// Up to three 4-bit linears sharing x in one launch (w4_gemv_multi): each output vs the CPU
+    /// and bitwise vs its own launch with the same configuration.
+    W4GemvMulti {
+        m: usize,
+        outs: Vec<usize>,
+        inp: usize,
+        asym: bool,
+        bf16: bool,
+    },
     /// Rows r0..r1 of a 4-bit W [out, inp] to bf16, bit-exact vs W4Linear::dequantize_bf16.
     W4Dequant {
         out: usize,
@@ -398,6 +407,26 @@ fn cases() -> Vec<Case> {
         c("w4_gemv", q, Op::W4Gemv { m: 3, out: 1000, inp: 5120, asym: true, perm: true, bf16: false }, ACCUM),
         c("w4_gemv", q, Op::W4Gemv { m: 8, out: 37, inp: 128, asym: true, perm: false, bf16: false }, ACCUM),
         c("w4_gemv", q, Op::W4Gemv { m: 11, out: 48, inp: 384, asym: false, perm: true, bf16: false }, ACCUM),
+        c("w4_gemv", q, Op::W4Gemv { m: 1, out: 301, inp: 640, asym: true, perm: false, bf16: true }, ACCUM),
+        c("w4_gemv", q, Op::W4Gemv { m: 2, out: 6, inp: 256, asym: false, perm: false, bf16: false }, ACCUM),
+        c(
+            "w4_gemv_multi",
+            q,
+            Op::W4GemvMulti { m: 1, outs: vec![12288, 1024, 1024], inp: 5120, asym: false, bf16: false },
+            ACCUM,
+        ),
+        c(
+            "w4_gemv_multi",
+            q,
+            Op::W4GemvMulti { m: 11, outs: vec![200, 37, 96], inp: 384, asym: true, bf16: true },
+            ACCUM,
+        ),
+        c(
+            "w4_gemv_multi",
+            q,
+            Op::W4GemvMulti { m: 3, outs: vec![64, 1000], inp: 1024, asym: true, bf16: false },
+            ACCUM,
+        ),
         c("w4_dequant", q, Op::W4Dequant { out: 300, inp: 1024, r0: 0, r1: 300, asym: false, perm: false }, EXACT),
         c("w4_dequant", q, Op::W4Dequant { out: 301, inp: 512, r0: 100, r1: 233, asym: true, perm: false }, EXACT),
         c("w4_dequant", q, Op::W4Dequant { out: 64, inp: 640, r0: 7, r1: 64, asym: true, perm: true }, EXACT),
@@ -926,6 +955,9 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
             kvq_case(rt, k, &s, d, rng, KvFormats { k: fk, v: fv }, &seqs, (hq, hkv, page), n_split, special, tol)?
         }
         Op::W4Gemv { m, out, inp, asym, perm, bf16 } => w4_gemv_case(rt, k, &s, d, rng, m, out, inp, asym, perm, bf16)?,
+        Op::W4GemvMulti { m, ref outs, inp, asym, bf16 } => {
+            w4_gemv_multi_case(rt, k, &s, d, rng, m, outs, inp, asym, bf16)?
+        }
         Op::W4Dequant { out, inp, r0, r1, asym, perm } => w4_dequant_case(k, &s, d, rng, out, inp, r0, r1, asym, perm)?,
         Op::W4Quantize { out, inp, asym } => w4_quantize_case(k, &s, d, rng, out, inp, asym)?,
         Op::Gemm { m, n, k: kk } => {
@@ -1680,11 +1712,60 @@ fn w4_gemv_case(
             }
         }
     }
+    // f32 outputs (int4 lm_head logits): the register variant and the pair kernel.
+    for kernel in [w4a16::GemvKernel::Reg, w4a16::GemvKernel::Pair] {
+        let cfg = w4a16::GemvConfig { kernel, wpt: auto.wpt };
+        let yp = d.poison(4 * m * ldy)?;
+        w4a16::w4_gemv_out(k, s, &w, xp, ldx, yp, ldy, m, cfg, Some(scratch), true)?;
+        let y = d.get_f32(yp, m * ldy)?;
+        let y: Vec<f32> = y.chunks(ldy).flat_map(|r| r[..out].to_vec()).collect();
+        v.push(compare(&format!("y f32 {} wpt={}", kernel.name(), cfg.wpt), &r, &y, ACCUM));
+    }
     let yp = d.poison(2 * ldy)?;
     w4a16::w4_gemv(k, s, &w, xp, ldx, yp, ldy, 1, auto, Some(scratch))?;
     let y1 = d.get_bf16(yp, out)?;
     let same = y1.iter().zip(&first).all(|(a, b)| a.to_bits() == b.to_bits());
     v.push(Outcome { ok: same, detail: format!("token 0 alone bitwise equal to the {m}-token launch: {same}") });
+    Ok(v)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn w4_gemv_multi_case(
+    rt: &Runtime,
+    k: &Kernels,
+    s: &std::sync::Arc<cudarc::driver::CudaStream>,
+    d: &mut Dev,
+    rng: &mut StdRng,
+    m: usize,
+    outs: &[usize],
+    inp: usize,
+    asym: bool,
+    bf16_scales: bool,
+) -> R<Vec<Outcome>> {
+    let ls: Vec<W4Linear> = outs.iter().map(|&o| w4_random(rng, o, inp, asym, false, bf16_scales)).collect();
+    let ws = ls.iter().map(|l| w4_upload(d, l)).collect::<R<Vec<_>>>()?;
+    let ldx = inp + 8;
+    let x = randv(rng, m * ldx, 1.0);
+    let xc: Vec<f32> = x.chunks(ldx).flat_map(|r| r[..inp].to_vec()).collect();
+    let xp = d.bf16(&x)?;
+    let cfg = w4a16::gemv_config(outs.iter().sum(), inp, rt.sm_count as usize);
+    let ys = outs.iter().map(|&o| d.poison(2 * m * (o + 1))).collect::<R<Vec<_>>>()?;
+    let wo: Vec<w4a16::W4Out<'_>> = ws.iter().zip(&ys).map(|(w, &y)| w4a16::W4Out { w, y, ldy: w.out + 1 }).collect();
+    w4a16::w4_gemv_multi(k, s, &wo, xp, ldx, m, cfg, false)?;
+    let mut v = Vec::new();
+    for (i, (l, w)) in ls.iter().zip(&ws).enumerate() {
+        let ldy = w.out + 1;
+        let r = cpu::linear::linear(&xc, m, &l.dequantize(), w.out, inp);
+        let y = d.get_bf16(ys[i], m * ldy)?;
+        let y: Vec<f32> = y.chunks(ldy).flat_map(|r| r[..w.out].to_vec()).collect();
+        v.push(compare(&format!("y{i} [{}, {inp}] wpt={}", w.out, cfg.wpt), &r, &y, ACCUM));
+        let yp = d.poison(2 * m * ldy)?;
+        w4a16::w4_gemv(k, s, w, xp, ldx, yp, ldy, m, cfg, None)?;
+        let alone = d.get_bf16(yp, m * ldy)?;
+        let alone: Vec<f32> = alone.chunks(ldy).flat_map(|r| r[..w.out].to_vec()).collect();
+        let same = alone.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits());
+        v.push(Outcome { ok: same, detail: format!("y{i} bitwise equal to its own launch: {same}") });
+    }
     Ok(v)
 }
 

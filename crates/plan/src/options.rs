@@ -99,7 +99,7 @@ impl PlanOptions {
             runtime_reserve_bytes: 600 * MIB,
             gemm_workspace_bytes: 32 * MIB,
             backend_scratch_bytes: 0,
-            decode_partitions: 16,
+            decode_partitions: 32,
             speculative_tokens: 0,
             tensor_parallel: 1,
         }

@@ -93,6 +93,9 @@ pub struct Args {
     /// Also time speculative steps drafting this many tokens with the MTP head (1..=4; 0: none).
     #[arg(long, default_value_t = 0)]
     speculative_tokens: usize,
+    /// The most split-K partitions a decode row's attention uses (as `serve --decode-partitions`).
+    #[arg(long, default_value_t = PlanOptions::gpu_defaults(0).decode_partitions)]
+    decode_partitions: usize,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -227,6 +230,10 @@ pub fn run(a: Args) -> Result<()> {
     o.lm_head_int4 = a.lm_head_int4;
     o.embed_on_host = a.embed_on_host;
     (o.k_dtype, o.v_dtype) = (a.kv_cache_dtype, a.kv_cache_dtype);
+    if !(1..=128).contains(&a.decode_partitions) {
+        bail!("--decode-partitions must be 1..=128, got {}", a.decode_partitions);
+    }
+    o.decode_partitions = a.decode_partitions;
     o.set_tensor_parallel(tp);
     if a.speculative_tokens > 0 {
         if tp > 1 {

@@ -99,7 +99,10 @@ impl Kernels {
             ("attn_prefill", attention::prefill_smem_bytes(&dims, &kv, &attn)),
             ("w4_gemv_cp4", w4a16::GemvKernel::Async4.smem_bytes()),
             ("w4_gemv_cp8", w4a16::GemvKernel::Async8.smem_bytes()),
-        ] {
+        ]
+        .into_iter()
+        .chain(w4a16::PAIR_KERNELS.iter().map(|&n| (n, w4a16::GemvKernel::Pair.smem_bytes())))
+        {
             if bytes as i64 > rt.max_smem_optin as i64 {
                 return Err(CudaError::InvalidArgs {
                     kernel: name,
@@ -121,7 +124,7 @@ impl Kernels {
 /// `launch!(kernels, stream, "name", grid, block, smem; arg_idents...)`: every argument must be
 /// a local binding (its address is passed to the driver and must outlive the launch call).
 macro_rules! launch {
-    ($k:expr, $stream:expr, $name:literal, $grid:expr, $block:expr, $smem:expr; $($arg:ident),* $(,)?) => {{
+    ($k:expr, $stream:expr, $name:expr, $grid:expr, $block:expr, $smem:expr; $($arg:ident),* $(,)?) => {{
         use cudarc::driver::PushKernelArg as _;
         let f = $k.func($name)?;
         let cfg = cudarc::driver::LaunchConfig {

@@ -74,10 +74,13 @@ pub enum GemvKernel {
     Async4,
     /// cp.async ring of 8 stages per warp (96 KB per block).
     Async8,
+    /// A warp streams two 16-row tiles through a 4-stage cp.async ring (64 KB per block): one LOP3
+    /// per weight pair, zero points applied per group after the MMA (kernels `w4p_*`).
+    Pair,
 }
 
 impl GemvKernel {
-    pub const ALL: [GemvKernel; 3] = [GemvKernel::Reg, GemvKernel::Async4, GemvKernel::Async8];
+    pub const ALL: [GemvKernel; 4] = [GemvKernel::Reg, GemvKernel::Async4, GemvKernel::Async8, GemvKernel::Pair];
 
     /// Dynamic shared memory per block (bytes).
     pub const fn smem_bytes(self) -> usize {
@@ -85,6 +88,7 @@ impl GemvKernel {
             GemvKernel::Reg => 0,
             GemvKernel::Async4 => WARPS * 4 * STAGE_BYTES,
             GemvKernel::Async8 => WARPS * 8 * STAGE_BYTES,
+            GemvKernel::Pair => WARPS * 4 * PAIR_STAGE_BYTES,
         }
     }
 
@@ -93,12 +97,32 @@ impl GemvKernel {
             GemvKernel::Reg => "reg",
             GemvKernel::Async4 => "cp4",
             GemvKernel::Async8 => "cp8",
+            GemvKernel::Pair => "pair",
+        }
+    }
+
+    /// Output rows per warp (one or two 16-row tiles).
+    const fn rows_per_warp(self) -> usize {
+        match self {
+            GemvKernel::Pair => 32,
+            _ => 16,
         }
     }
 }
 
+/// Every `w4p_*` kernel (output dtype x zero points x scale dtype).
+pub(crate) const PAIR_KERNELS: [&str; 8] =
+    ["w4p_hsh", "w4p_hsb", "w4p_hah", "w4p_hab", "w4p_fsh", "w4p_fsb", "w4p_fah", "w4p_fab"];
+
+/// The `w4p_*` kernel for an output dtype, zero points and scale dtype (see kernels/w4a16.cu).
+fn pair_kernel(f32_out: bool, asym: bool, bf16_scales: bool) -> &'static str {
+    PAIR_KERNELS[4 * usize::from(f32_out) + 2 * usize::from(asym) + usize::from(bf16_scales)]
+}
+
 /// Bytes of one ring stage of one warp (W4_STAGE_U4 uint4).
 const STAGE_BYTES: usize = 96 * 16;
+/// The same for [`GemvKernel::Pair`] (W4P_STAGE_U4 uint4: 4 rows x 32 lanes x 16 bytes).
+const PAIR_STAGE_BYTES: usize = 128 * 16;
 
 /// Kernel and warps per 16-row tile of one GEMV shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,20 +132,18 @@ pub struct GemvConfig {
     pub wpt: usize,
 }
 
-/// The configuration for an `[out, in]` linear on a GPU with `sm_count` SMs: [`GemvKernel::Async4`]
-/// (the fastest variant at every 27B shape but the tiny k/v projections on the H200, see
-/// bench/results/w4a16-2026-11-29.md) with the fewest warps per tile (1, 2, 4, 8) that give about
-/// 128 tile-warps per SM (more warps per tile only helped up to there), and no more than there
-/// are groups.
+/// The configuration for an `[out, in]` linear on a GPU with `sm_count` SMs: [`GemvKernel::Pair`]
+/// with 8 warps per 32-row pair for linears of fewer than 2 pairs per SM, else 4 (the fastest at
+/// every 27B shape on the H200: bench/results/decode-w4pair-h200-2026-11-29.md), and no more than half as
+/// many warps as there are groups.
 pub fn gemv_config(out: usize, inp: usize, sm_count: usize) -> GemvConfig {
-    let tiles = out.div_ceil(16);
+    let pairs = out.div_ceil(32);
     let groups = (inp / W4_GROUP).max(1);
-    let want = 128 * sm_count.max(1);
-    let mut wpt = 1;
-    while wpt < WARPS && tiles * wpt < want && wpt * 2 <= groups {
-        wpt *= 2;
+    let mut wpt = if pairs < 2 * sm_count.max(1) { 8 } else { 4 };
+    while wpt > 1 && wpt * 2 > groups {
+        wpt /= 2;
     }
-    GemvConfig { kernel: GemvKernel::Async4, wpt }
+    GemvConfig { kernel: GemvKernel::Pair, wpt }
 }
 
 /// `y[m, out]` (bf16, row stride `ldy`) = `x[m, in]` (bf16, row stride `ldx`) · Wᵀ, f32 accumulation.
@@ -143,8 +165,8 @@ pub fn w4_gemv(
     w4_gemv_out(k, s, w, x, ldx, y, ldy, m, cfg, x_scratch, false)
 }
 
-/// [`w4_gemv`] with `y` in f32 when `f32_out` (int4 lm_head logits; always the register variant,
-/// `cfg.wpt` warps per tile), else bf16.
+/// [`w4_gemv`] with `y` in f32 when `f32_out` (int4 lm_head logits: the pair kernel when `cfg` names
+/// it, else the register variant, `cfg.wpt` warps per tile), else bf16.
 #[allow(clippy::too_many_arguments)]
 pub fn w4_gemv_out(
     k: &Kernels,
@@ -177,13 +199,15 @@ pub fn w4_gemv_out(
     if w.perm.is_some() && x_scratch.is_none_or(|p| !p.is_multiple_of(16)) {
         return Err(invalid(K, "act-order weights need a 16-byte aligned x scratch of [8, in] bf16"));
     }
-    if !w.scales.is_multiple_of(4) || w.zeros.is_some_and(|z| !z.is_multiple_of(4)) {
-        return Err(invalid(K, "scales and zeros must be 4-byte aligned"));
+    if !w.scales.is_multiple_of(8) || w.zeros.is_some_and(|z| !z.is_multiple_of(4)) {
+        return Err(invalid(K, "scales must be 8-byte and zeros 4-byte aligned"));
     }
     let (out, inp) = (to_i32(K, "out", w.out)?, to_i32(K, "in", w.inp)?);
-    let grid = (to_u32(K, "blocks", w.out.div_ceil(16).div_ceil(WARPS / wpt))?, 1, 1);
+    let pair = cfg.kernel == GemvKernel::Pair;
+    let rows_per_block = cfg.kernel.rows_per_warp() * (WARPS / wpt);
+    let grid = (to_u32(K, "blocks", w.out.div_ceil(rows_per_block))?, 1, 1);
     let block = ((WARPS * 32) as u32, 1, 1);
-    let smem = if f32_out { 0 } else { cfg.kernel.smem_bytes() as u32 };
+    let smem = if f32_out && !pair { 0 } else { cfg.kernel.smem_bytes() as u32 };
     let (qw, sc, zp, sbf) = (w.qweight, w.scales, w.zeros.unwrap_or(0), w.scale_bf16());
     let wpt_i = wpt as i32;
     let ldy_i = ldy as i64;
@@ -202,6 +226,10 @@ pub fn w4_gemv_out(
             }
             _ => (xc, ldx as i64),
         };
+        if pair {
+            launch_pair(k, s, &[W4Out { w, y: yc, ldy }], xg, ldxg, mc, wpt, f32_out)?;
+            continue;
+        }
         if f32_out {
             launch!(k, s, "w4_gemv_reg_f32", grid, block, smem;
                 qw, sc, zp, sbf, xg, ldxg, yc, ldy_i, mc_i, out, inp, wpt_i)?;
@@ -214,9 +242,119 @@ pub fn w4_gemv_out(
                 qw, sc, zp, sbf, xg, ldxg, yc, ldy_i, mc_i, out, inp, wpt_i)?,
             GemvKernel::Async8 => launch!(k, s, "w4_gemv_cp8", grid, block, smem;
                 qw, sc, zp, sbf, xg, ldxg, yc, ldy_i, mc_i, out, inp, wpt_i)?,
+            GemvKernel::Pair => unreachable!("launched above"),
         }
     }
     Ok(())
+}
+
+/// One linear of [`w4_gemv_multi`]: its weights and `y[m, out]` (row stride `ldy`).
+#[derive(Clone, Copy, Debug)]
+pub struct W4Out<'a> {
+    pub w: &'a W4Weights,
+    pub y: u64,
+    pub ldy: usize,
+}
+
+/// Whether [`w4_gemv_multi`] takes these linears in one launch: 1 to 3 of the same input width,
+/// zero points and scale dtype, none act-order (each would need its own permuted x).
+pub fn multi_supported(outs: &[W4Out<'_>]) -> bool {
+    let Some(first) = outs.first() else { return false };
+    outs.len() <= 3
+        && outs.iter().all(|o| {
+            o.w.perm.is_none()
+                && o.w.inp == first.w.inp
+                && o.w.zeros.is_some() == first.w.zeros.is_some()
+                && o.w.scale_dtype == first.w.scale_dtype
+        })
+}
+
+/// `y_i[m, out_i] = x[m, in] · W_iᵀ` for up to three linears sharing x (a layer's q/k/v or qkv/z/ba)
+/// in one launch of the pair kernel per 8 tokens, `cfg.wpt` warps per 32-row pair (see
+/// [`gemv_config`] over the summed rows). Each linear's rows equal its [`w4_gemv`] rows with the same
+/// `cfg` bitwise.
+#[allow(clippy::too_many_arguments)]
+pub fn w4_gemv_multi(
+    k: &Kernels,
+    s: &CudaStream,
+    outs: &[W4Out<'_>],
+    x: u64,
+    ldx: usize,
+    m: usize,
+    cfg: GemvConfig,
+    f32_out: bool,
+) -> Result<(), CudaError> {
+    const K: &str = "w4_gemv_multi";
+    if !multi_supported(outs) || cfg.kernel != GemvKernel::Pair {
+        return Err(invalid(K, "1 to 3 pair-kernel linears of one input width and format, without act-order"));
+    }
+    let inp = outs[0].w.inp;
+    for o in outs {
+        o.w.check(K)?;
+        if o.ldy < o.w.out {
+            return Err(invalid(K, format!("ldy {} < out {}", o.ldy, o.w.out)));
+        }
+    }
+    if ldx < inp || !x.is_multiple_of(16) || !ldx.is_multiple_of(8) {
+        return Err(invalid(K, format!("x at {x:#x} with row stride {ldx} (in {inp}): 16-byte aligned rows")));
+    }
+    let eb = if f32_out { 4 } else { 2 };
+    for m0 in (0..m).step_by(GEMV_MAX_M) {
+        let mc = (m - m0).min(GEMV_MAX_M);
+        let chunk: Vec<W4Out<'_>> = outs.iter().map(|o| W4Out { y: o.y + (eb * m0 * o.ldy) as u64, ..*o }).collect();
+        launch_pair(k, s, &chunk, x + 2 * (m0 * ldx) as u64, ldx as i64, mc, cfg.wpt, f32_out)?;
+    }
+    Ok(())
+}
+
+/// One launch of the pair kernel over `outs` (checked by the caller: 1..=3 linears of one format,
+/// input x already in the device column order), `mc` <= 8 tokens.
+#[allow(clippy::too_many_arguments)]
+fn launch_pair(
+    k: &Kernels,
+    s: &CudaStream,
+    outs: &[W4Out<'_>],
+    x: u64,
+    ldx: i64,
+    mc: usize,
+    wpt: usize,
+    f32_out: bool,
+) -> Result<(), CudaError> {
+    const K: &str = "w4_gemv";
+    if ![1, 2, 4, 8].contains(&wpt) {
+        return Err(invalid(K, format!("warps per pair must be 1, 2, 4 or 8, got {wpt}")));
+    }
+    let first = outs[0].w;
+    for o in outs {
+        if !o.w.scales.is_multiple_of(8) || o.w.zeros.is_some_and(|z| !z.is_multiple_of(4)) {
+            return Err(invalid(K, "scales must be 8-byte and zeros 4-byte aligned"));
+        }
+    }
+    let name = pair_kernel(f32_out, first.zeros.is_some(), first.scale_dtype == ScaleDtype::Bf16);
+    let rows_per_block = GemvKernel::Pair.rows_per_warp() * (WARPS / wpt);
+    // Segment i: (qweight, scales, zeros, y, ldy, out, blocks); unused segments have 0 blocks.
+    let mut seg = [(0u64, 0u64, 0u64, 0u64, 0i64, 1i32, 0i32); 3];
+    let mut blocks = 0usize;
+    for (i, o) in outs.iter().enumerate() {
+        let nb = o.w.out.div_ceil(rows_per_block);
+        blocks += nb;
+        seg[i] = (
+            o.w.qweight,
+            o.w.scales,
+            o.w.zeros.unwrap_or(0),
+            o.y,
+            o.ldy as i64,
+            to_i32(K, "out", o.w.out)?,
+            to_i32(K, "blocks", nb)?,
+        );
+    }
+    let grid = (to_u32(K, "blocks", blocks)?, 1, 1);
+    let block = ((WARPS * 32) as u32, 1, 1);
+    let smem = GemvKernel::Pair.smem_bytes() as u32;
+    let (mc_i, inp, wpt_i) = (mc as i32, to_i32(K, "in", first.inp)?, wpt as i32);
+    let [(q0, s0, z0, y0, l0, o0, n0), (q1, s1, z1, y1, l1, o1, n1), (q2, s2, z2, y2, l2, o2, n2)] = seg;
+    launch!(k, s, name, grid, block, smem; x, ldx, mc_i, inp, wpt_i,
+        q0, s0, z0, y0, l0, o0, n0, q1, s1, z1, y1, l1, o1, n1, q2, s2, z2, y2, l2, o2, n2)
 }
 
 /// Rows `r0..r1` of `w` dequantised to bf16 `dst[r − r0, feature]` (row stride `ldd`, input-feature
@@ -306,8 +444,16 @@ mod tests {
 
     #[test]
     fn default_config_at_the_27b_shapes() {
-        for (out, inp, wpt) in [(34816, 5120, 8), (5120, 17408, 8), (1024, 5120, 8), (248320, 5120, 2), (48, 128, 1)] {
-            assert_eq!(gemv_config(out, inp, 132), GemvConfig { kernel: GemvKernel::Async4, wpt }, "[{out}, {inp}]");
+        for (out, inp, wpt) in [
+            (34816, 5120, 4),
+            (5120, 17408, 8),
+            (10240, 5120, 4),
+            (6144, 5120, 8),
+            (1024, 5120, 8),
+            (248320, 5120, 4),
+            (48, 128, 1),
+        ] {
+            assert_eq!(gemv_config(out, inp, 132), GemvConfig { kernel: GemvKernel::Pair, wpt }, "[{out}, {inp}]");
         }
     }
 }

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# gpu_decode.sh — decode on the GPU (issues #5, #6: the int4 GEMV, decode attention), in one device call.
+#   Here:  cargo build --release -p deltaserve && cargo test -p deltaserve-cuda --release --no-run
+#          scripts/gpu_decode.sh --stage        # copies the binaries into .carry/decode/
+#   There: (carry [".carry/decode"]) STEPS=... scripts/gpu_decode.sh   # logs and JSON to $OUT/gpu_decode.tgz
+# Steps (STEPS=ops,w4,attn,bench4,bench4p64,bench16,bench32,bench64,backend,spec):
+#   ops      every kernel against the CPU reference (every int4 GEMV variant, decode attention)
+#   w4       tests/bench_w4.rs: the int4 GEMV variants at the 27B shapes (GB/s vs copy), prefill slices
+#   attn     tests/bench_attention.rs, decode kernel only: partitions 16 / 64 at batch 1 / 8, 32K
+#   bench4   27B, int4 weights, fp8 KV, 24 GiB: `deltaserve bench` decode at batch 1 / 8, 1K / 32K
+#   bench4p64  the same with --decode-partitions 64
+#   bench16  27B bf16 decode (batch 1 / 8, 1K / 32K) with 16 decode partitions (the default)
+#   bench32, bench64  the same with --decode-partitions 32 / 64
+#   backend  tests/backend.rs (logits vs the CPU engine, batching, graphs, int4, quantised KV)
+#   spec     tests/speculative.rs (verify rows' decode attention, commit, drafts)
+set -uo pipefail
+C=.carry/decode
+source "$(dirname "$0")/gpu_steps.sh"
+gpu_begin "${1:-}" "$C" gpu_decode ops,w4,attn,bench4,bench16,bench64,backend ops bench_w4 bench_attention backend speculative
+test_step ops 200 "FAIL|test result|panicked" "$C/ops" --nocapture --test-threads=1 ops_match_cpu_reference
+test_step w4 200 "BENCH|pair|panicked|Best" "$C/bench_w4" --nocapture --ignored bench_w4_27b
+DS_BENCH_ATTN=decode test_step attn 60 "attn_decode|split|panicked|^\|" "$C/bench_attention" --nocapture --ignored
+D="--prompts 4096 --batches 1,8 --contexts 1024,32768 --steps 9 --verify-tokens 0"
+for b in bench4 bench4p64 bench16 bench32 bench64; do
+    has $b || continue
+    step $b
+    case $b in
+        bench4) A="--weights-dtype int4 --kv-cache-dtype fp8 --lm-head-int4 --embed-on-host --memory 24GiB" ;;
+        bench4p64) A="--weights-dtype int4 --kv-cache-dtype fp8 --lm-head-int4 --embed-on-host --memory 24GiB --decode-partitions 64" ;;
+        bench16) A="--memory 100GiB" ;;
+        bench32) A="--memory 100GiB --decode-partitions 32" ;;
+        bench64) A="--memory 100GiB --decode-partitions 64" ;;
+    esac
+    timeout 200 "$C/deltaserve" bench $D $A --json >"$OUT/$b.json" 2>"$OUT/$b.log"
+    echo "rc=$?"; tail -n 2 "$OUT/$b.log"
+    python3 -c "import json; d=json.load(open('$OUT/$b.json')); [print('prefill', r) for r in d['prefill']]; [print('decode', r['batch'], r['context'], r['ms_per_step'], r['roofline_ratio']) for r in d['decode']]; print(d['plan_bytes'], d['driver_peak_bytes'])" || true
+done
+test_step backend 240 "^test |test result|panicked|FAIL" "$C/backend" --nocapture --test-threads=1 --skip hf_fixtures_logits
+test_step spec 200 "^test |test result|panicked|FAIL" "$C/speculative" --nocapture --test-threads=1
+step done
