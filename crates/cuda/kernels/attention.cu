@@ -15,7 +15,9 @@
 //                       walks chunks of DEC_KC consecutive keys (every 8th chunk) with the next
 //                       chunk's loads in flight; the 8 warps' partials are summed in shared
 //                       memory in a fixed order (no atomics: deterministic run to run).
-//  attn_decode_combine: merges the n_split partials (log-sum-exp) into bf16 o.
+//  attn_decode_combine: merges the n_split partials (log-sum-exp) into bf16 o; with a gate pointer
+//                       also applies the attention output gate, o *= sigmoid(gate) (as
+//                       elementwise.cu's sigmoid_gate_mul after it would).
 // Shapes/dtypes: q [T, Hq, HD] bf16 (head h of token t at q + t*q_tok + h*q_head: contiguous is
 //   q_tok = Hq*HD, q_head = HD; the attention q|gate projection output is q_tok = 2*Hq*HD,
 //   q_head = 2*HD; q 4-byte aligned, strides even); k_cache, v_cache [num_blocks * page, Hkv * HD]
@@ -825,7 +827,9 @@ attn_decode_split(const bf16_t* __restrict__ q, const void* __restrict__ k_cache
 extern "C" __global__ void attn_decode_combine(const float* __restrict__ part_o,
                                                const float* __restrict__ part_ml,
                                                const int* __restrict__ seq_lens,
-                                               bf16_t* __restrict__ o, int Hq, int n_split) {
+                                               bf16_t* __restrict__ o, int Hq, int n_split,
+                                               const bf16_t* __restrict__ gate, long long g_tok,
+                                               long long g_head) {
     const int b = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
     const long long base = ((long long)b * Hq + h) * n_split;
     const int parts = dec_parts(seq_lens[b], n_split);
@@ -839,5 +843,7 @@ extern "C" __global__ void attn_decode_combine(const float* __restrict__ part_o,
         num += f * part_o[(base + sp) * HD + d];
         den += f * part_ml[(base + sp) * 2 + 1];
     }
-    o[((long long)b * Hq + h) * HD + d] = f2bf(num / den);
+    float v = num / den;
+    if (gate) v = round_bf(v) * sigmoidf_(bf2f(gate[(long long)b * g_tok + (long long)h * g_head + d]));
+    o[((long long)b * Hq + h) * HD + d] = f2bf(v);
 }

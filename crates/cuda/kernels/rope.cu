@@ -27,3 +27,45 @@ extern "C" __global__ void rope_partial(bf16_t* x, long long tok_stride, const i
         hx[i + half] = f2bf(b * c + a * s);
     }
 }
+
+// qk_norm_rope: an attention layer's per-head q and k RMSNorm(1 + w) then partial RoPE, in place, in
+// one launch (was rms_norm_1p on q and on k, then rope_partial on each). Per (token t, head h): h < nq
+// is q head h at q + t*q_tok + h*q_head (norm weight wq), else k head h - nq at k + t*k_tok +
+// (h - nq)*k_head (weight wk); D = head_dim <= QKNR_MAX_D, R = rotary_dim. Bitwise equal to the four
+// separate kernels: the same block sum over 256 threads (rms_norm_1p's launch), the normalised
+// value rounded to bf16 before the rotation, the same rotation arithmetic.
+// Launch: grid (T, nq + nk), block 256. Tested by: tests/ops.rs case "qk_norm_rope".
+#define QKNR_MAX_D 512
+extern "C" __global__ void __launch_bounds__(256)
+qk_norm_rope(bf16_t* q, long long q_tok, long long q_head, const bf16_t* __restrict__ wq, int nq, bf16_t* k,
+             long long k_tok, long long k_head, const bf16_t* __restrict__ wk, const int* __restrict__ pos, int D,
+             int R, float theta_base, float eps) {
+    __shared__ float ys[QKNR_MAX_D];
+    __shared__ float red[32];
+    const int t = blockIdx.x, h = blockIdx.y;
+    const bool isq = h < nq;
+    bf16_t* row = isq ? q + (long long)t * q_tok + (long long)h * q_head
+                      : k + (long long)t * k_tok + (long long)(h - nq) * k_head;
+    const bf16_t* w = isq ? wq : wk;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        const float v = bf2f(row[i]);
+        ss += v * v;
+    }
+    const float inv = rsqrtf(block_sum(ss, red) / (float)D + eps);
+    for (int i = threadIdx.x; i < D; i += blockDim.x) ys[i] = round_bf(bf2f(row[i]) * inv * (1.0f + bf2f(w[i])));
+    __syncthreads();
+    const int half = R / 2;
+    const float p = (float)pos[t];
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        float v = ys[i];
+        if (i < R) {
+            const int j = i < half ? i : i - half;
+            const float inv_freq = 1.0f / powf(theta_base, (float)(2 * j) / (float)R);
+            const float ang = p * inv_freq;
+            const float c = cosf(ang), s = sinf(ang);
+            v = i < half ? ys[i] * c - ys[i + half] * s : ys[i] * c + ys[i - half] * s;
+        }
+        row[i] = f2bf(v);
+    }
+}

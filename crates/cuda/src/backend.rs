@@ -2457,12 +2457,24 @@ impl CudaBackend {
                 let outs = [po(&aw.q, ws.attn_qg, 2 * ad), po(&aw.k, ws.attn_k, kvd), po(&aw.v, ws.attn_v, kvd)];
                 self.proj(s, ws.x_norm, t, h, &outs, false)?;
                 self.tick("attn q/k/v GEMMs")?;
-                norm::rms_norm_1p(k, s, ws.attn_qg, 2 * hd, aw.q_norm, ws.attn_qg, 2 * hd, t * nh, hd, eps)?;
-                norm::rms_norm_1p(k, s, ws.attn_k, hd, aw.k_norm, ws.attn_k, hd, t * nkv, hd, eps)?;
-                let theta = self.rope_theta;
-                let rot = d.rotary_dim;
-                ops::rope::rope_partial_strided(k, s, ws.attn_qg, 2 * ad, 2 * hd, ws.positions, t, nh, hd, rot, theta)?;
-                ops::rope::rope_partial(k, s, ws.attn_k, kvd, ws.positions, t, nkv, hd, rot, theta)?;
+                let qkr = ops::rope::QkNormRope {
+                    q: ws.attn_qg,
+                    q_tok: 2 * ad,
+                    q_head: 2 * hd,
+                    q_heads: nh,
+                    q_norm: aw.q_norm,
+                    k: ws.attn_k,
+                    k_tok: kvd,
+                    kv_heads: nkv,
+                    k_norm: aw.k_norm,
+                    positions: ws.positions,
+                    t,
+                    head_dim: hd,
+                    rotary_dim: d.rotary_dim,
+                    theta: self.rope_theta,
+                    eps,
+                };
+                ops::rope::qk_norm_rope(k, s, &qkr)?;
                 let w = self.table_width;
                 kv_quant::kv_write_layer(
                     k,
@@ -2535,6 +2547,8 @@ impl CudaBackend {
                     scratch: ws.attn_partials.ptr,
                     scratch_bytes: ws.attn_partials.bytes,
                     scale,
+                    // The output gate (the q|gate layout's second half) rides on the combine step.
+                    gate: ws.attn_qg + b2(tp * 2 * ad) + b2(hd),
                 };
                 if let (true, Some(sp)) = (sh.tvd > 0, &self.spec) {
                     // Long-context verify rows as decode queries (split-K over the keys: a few queries
@@ -2542,6 +2556,7 @@ impl CudaBackend {
                     let r0 = tp - sh.tvd;
                     let a = attention::AttnDecode {
                         q: ws.attn_qg + b2(r0 * 2 * ad),
+                        gate: ws.attn_qg + b2(r0 * 2 * ad) + b2(hd),
                         o: ws.attn_out + b2(r0 * ad),
                         kv,
                         seq_lens: sp.idx_at(7),
@@ -2558,7 +2573,20 @@ impl CudaBackend {
                     attention::attn_decode_q(k, s, &dec, &sc)?;
                 }
                 self.tick("attn core (prefill / decode)")?;
-                elementwise::sigmoid_gate_mul(k, s, ws.attn_out, ws.attn_qg + b2(hd), t, nh, hd, 2 * ad, 2 * hd)?;
+                // The output gate of the rows the prefill kernel attended (decode-attended rows, the
+                // last tvd verify rows and the decode rows, were gated in the combine step).
+                let gated_rows = tp - sh.tvd;
+                elementwise::sigmoid_gate_mul(
+                    k,
+                    s,
+                    ws.attn_out,
+                    ws.attn_qg + b2(hd),
+                    gated_rows,
+                    nh,
+                    hd,
+                    2 * ad,
+                    2 * hd,
+                )?;
                 self.proj(s, ws.attn_out, t, ad, &[po(&aw.o, ws.mixer_out, h)], false)?;
                 self.tick("attn gate + o GEMM")?;
             }

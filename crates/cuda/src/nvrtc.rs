@@ -40,7 +40,11 @@ pub const SOURCES: &[KernelSource] = &[
         src: include_str!("../kernels/elementwise.cu"),
         functions: &["sigmoid_gate_mul", "swiglu"],
     },
-    KernelSource { module: "rope", src: include_str!("../kernels/rope.cu"), functions: &["rope_partial"] },
+    KernelSource {
+        module: "rope",
+        src: include_str!("../kernels/rope.cu"),
+        functions: &["rope_partial", "qk_norm_rope"],
+    },
     KernelSource { module: "kv_cache", src: include_str!("../kernels/kv_cache.cu"), functions: &["kv_write"] },
     KernelSource { module: "kv_quant", src: include_str!("../kernels/kv_quant.cu"), functions: &["kv_write_q"] },
     KernelSource {

@@ -198,6 +198,7 @@ fn bench_attn_prefill_27b() {
             scratch,
             scratch_bytes,
             scale,
+            gate: 0,
         };
         let ms = time_ms(&rt, 21, |s| attention::attn_decode(&k, s, &a).unwrap());
         let bytes = (b * ctx * width * 2 * 2) as f64;

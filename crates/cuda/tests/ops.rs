@@ -77,6 +77,15 @@ enum Op {
         rot: usize,
         pos0: usize,
     },
+    /// q|gate and k heads: the fused RMSNorm + RoPE kernel, bitwise vs rms_norm_1p + rope_partial.
+    QkNormRope {
+        t: usize,
+        nq: usize,
+        nkv: usize,
+        hd: usize,
+        rot: usize,
+        pos0: usize,
+    },
     ConvPrefill {
         lens: Vec<usize>,
         c: usize,
@@ -293,6 +302,9 @@ fn cases() -> Vec<Case> {
         c("swiglu", q, Op::Swiglu { t: 3, i: 17408 }, SINGLE),
         c("rope", q, Op::Rope { t: 1, heads: 24, hd: 256, rot: 64, pos0: 0 }, SINGLE),
         c("rope", q, Op::Rope { t: 33, heads: 4, hd: 256, rot: 64, pos0: 100_000 }, SINGLE),
+        c("qk_norm_rope", q, Op::QkNormRope { t: 1, nq: 24, nkv: 4, hd: 256, rot: 64, pos0: 70_000 }, EXACT),
+        c("qk_norm_rope", q, Op::QkNormRope { t: 37, nq: 16, nkv: 2, hd: 256, rot: 64, pos0: 5 }, EXACT),
+        c("qk_norm_rope", q, Op::QkNormRope { t: 5, nq: 8, nkv: 1, hd: 64, rot: 32, pos0: 260_000 }, EXACT),
         c("conv_prefill", q, Op::ConvPrefill { lens: vec![1], c: 10240 }, SINGLE),
         c("conv_prefill", q, Op::ConvPrefill { lens: vec![63, 64, 65], c: 10240 }, SINGLE),
         c("conv_prefill", q, Op::ConvPrefill { lens: vec![2, 1, 129, 127], c: 10240 }, SINGLE),
@@ -744,6 +756,48 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
             let mut r = x.clone();
             cpu::rope::apply_partial_rope(&mut r, heads, hd, rot, 1e7, pos0);
             vec![compare("out", &r, &d.get_bf16(xp, x.len())?, tol)]
+        }
+        Op::QkNormRope { t, nq, nkv, hd, rot, pos0 } => {
+            // q in the q|gate layout [t, nq, 2*hd] (the gate halves must stay untouched), k [t, nkv, hd].
+            let (q_tok, k_tok) = (2 * nq * hd, nkv * hd);
+            let q = randv(rng, t * q_tok, 2.0);
+            let kv = randv(rng, t * k_tok, 2.0);
+            let (wq, wk) = (randv(rng, hd, 0.5), randv(rng, hd, 0.5));
+            let pos: Vec<i32> = (0..t).map(|i| (pos0 + 3 * i) as i32).collect();
+            let (wqp, wkp, pp) = (d.bf16(&wq)?, d.bf16(&wk)?, d.i32s(&pos)?);
+            let (qa, ka, qb, kb) = (d.bf16(&q)?, d.bf16(&kv)?, d.bf16(&q)?, d.bf16(&kv)?);
+            let (theta, eps) = (1e7, 1e-6);
+            ops::norm::rms_norm_1p(k, &s, qa, 2 * hd, wqp, qa, 2 * hd, t * nq, hd, eps)?;
+            ops::norm::rms_norm_1p(k, &s, ka, hd, wkp, ka, hd, t * nkv, hd, eps)?;
+            ops::rope::rope_partial_strided(k, &s, qa, q_tok, 2 * hd, pp, t, nq, hd, rot, theta)?;
+            ops::rope::rope_partial(k, &s, ka, k_tok, pp, t, nkv, hd, rot, theta)?;
+            let a = ops::rope::QkNormRope {
+                q: qb,
+                q_tok,
+                q_head: 2 * hd,
+                q_heads: nq,
+                q_norm: wqp,
+                k: kb,
+                k_tok,
+                kv_heads: nkv,
+                k_norm: wkp,
+                positions: pp,
+                t,
+                head_dim: hd,
+                rotary_dim: rot,
+                theta,
+                eps,
+            };
+            ops::rope::qk_norm_rope(k, &s, &a)?;
+            let bits = |p: u64, n: usize| -> R<Vec<u16>> {
+                let mut v = vec![0u16; n];
+                d.rt.download(&mut v, p)?;
+                Ok(v)
+            };
+            vec![
+                same_bits("q|gate vs the separate kernels", &bits(qa, q.len())?, &bits(qb, q.len())?),
+                same_bits("k vs the separate kernels", &bits(ka, kv.len())?, &bits(kb, kv.len())?),
+            ]
         }
         Op::ConvPrefill { lens, c } => {
             let kw = k.dims.conv_kernel;
@@ -1251,6 +1305,7 @@ fn attn_case(
     let kv = attention::KvPages { k_cache: kc, v_cache: vc, block_tables: btp, max_blocks, page, kv_heads: hkv };
     let scale = 1.0 / (hd as f32).sqrt();
     let mut indirect = None;
+    let mut gated: Option<(u64, Vec<f32>)> = None;
     match n_split {
         None => {
             let cu = cu_of(&news);
@@ -1288,8 +1343,16 @@ fn attn_case(
                 scratch: sc,
                 scratch_bytes: bytes,
                 scale,
+                gate: 0,
             };
             attention::attn_decode(k, s, &a)?;
+            // The same queries with the output gate applied in the combine step (gate rows with q's
+            // strides).
+            let g = randv(rng, t_new * hq * hd, 2.0);
+            let gp = d.bf16(&g)?;
+            let op3 = d.poison(2 * t_new * hq * hd)?;
+            attention::attn_decode(k, s, &attention::AttnDecode { o: op3, gate: gp, ..a })?;
+            gated = Some((op3, g));
             // The same queries through `table_rows` (the speculative verify's indirection), the block
             // table rows stored in reverse order.
             let mut bt_rev = vec![0i32; nb * max_blocks];
@@ -1315,6 +1378,17 @@ fn attn_case(
     let mut out = vec![compare("o", &r, &d.get_bf16(op, t_new * hq * hd)?, tol)];
     if let Some(op2) = indirect {
         out.push(compare("o via table_rows", &r, &d.get_bf16(op2, t_new * hq * hd)?, tol));
+    }
+    if let Some((op3, g)) = gated {
+        let want: Vec<f32> = r
+            .iter()
+            .zip(&g)
+            .map(|(o, g)| {
+                let g = bf16::from_f32(*g).to_f32();
+                bf16::from_f32(*o).to_f32() / (1.0 + (-g).exp())
+            })
+            .collect();
+        out.push(compare("o gated in the combine step", &want, &d.get_bf16(op3, t_new * hq * hd)?, tol));
     }
     // kv_write check: read back every written row through the block table.
     let kc_h = d.get_bf16(kc, cache_bytes / 2)?;
@@ -1585,6 +1659,7 @@ fn kvq_case(
                 scratch: sc,
                 scratch_bytes: bytes,
                 scale,
+                gate: 0,
             };
             attention::attn_decode_q(&kq, s, &a, &scales)?;
         }

@@ -153,6 +153,10 @@ pub struct AttnDecode {
     pub scratch: u64,
     pub scratch_bytes: usize,
     pub scale: f32,
+    /// 0, or the attention output gate: o of row b head h is multiplied by sigmoid(gate[b*q_tok +
+    /// h*q_head + d]) (strides as q's; the gate half of the q|gate layout is q + head_dim) in the
+    /// combine step, exactly as `sigmoid_gate_mul` after it would.
+    pub gate: u64,
 }
 
 pub fn attn_decode(k: &Kernels, s: &CudaStream, a: &AttnDecode) -> Result<(), CudaError> {
@@ -182,7 +186,7 @@ pub fn attn_decode_q(k: &Kernels, s: &CudaStream, a: &AttnDecode, sc: &KvScales)
     if a.q_head < d.attn_head_dim || a.q_tok < a.q_heads * a.q_head {
         return Err(invalid("attn_decode_split", format!("{a:?}: q strides too small")));
     }
-    let AttnDecode { q, o, seq_lens, table_rows, scale, .. } = *a;
+    let AttnDecode { q, o, seq_lens, table_rows, scale, gate, .. } = *a;
     let (qt, qh) = (a.q_tok as i64, a.q_head as i64);
     let KvPages { k_cache, v_cache, block_tables, .. } = a.kv;
     let mb = to_i32("attn_decode_split", "max_blocks", a.kv.max_blocks)?;
@@ -200,5 +204,5 @@ pub fn attn_decode_q(k: &Kernels, s: &CudaStream, a: &AttnDecode, sc: &KvScales)
         page, scale, ns, qt, qh)?;
     let grid = (grid.0, to_u32("attn_decode_combine", "q_heads", a.q_heads)?, 1);
     let block = (d.attn_head_dim as u32, 1, 1);
-    launch!(k, s, "attn_decode_combine", grid, block, 0; part_o, part_ml, seq_lens, o, hq, ns)
+    launch!(k, s, "attn_decode_combine", grid, block, 0; part_o, part_ml, seq_lens, o, hq, ns, gate, qt, qh)
 }
