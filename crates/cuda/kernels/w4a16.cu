@@ -503,15 +503,15 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
     w4_gemv_store<2>(acc, (float*)smem, S * W4P_STAGE_U4 * 4, wpt, warp, lane, part, rows, M, y, ldy);
 }
 
-// One launch runs up to three linears that share x and `in` (a layer's q/k/v or qkv/z/ba): segment
-// s takes nb_s consecutive blocks (nb_s = ceil(ceil(out_s/32) / (8/wpt)); unused segments nb = 0).
+// One launch runs up to four linears that share x and `in` (a layer's q/k/v, qkv/z/b/a or gate/up):
+// segment s takes nb_s consecutive blocks (nb_s = ceil(ceil(out_s/32) / (8/wpt)); unused: nb = 0).
 #define W4P_SEG_ARGS(i, OUT_T)                                                                               \
     const u32 *__restrict__ qw##i, const unsigned short *__restrict__ sc##i,                                  \
         const unsigned char *__restrict__ z##i, OUT_T *__restrict__ y##i, long long ldy##i, int out##i, int nb##i
 #define W4P_KERNEL(NAME, OUT_T, ASYM, SBF)                                                                    \
     extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 2)                                              \
         NAME(const bf16_t* __restrict__ x, long long ldx, int M, int in, int wpt, W4P_SEG_ARGS(0, OUT_T),         \
-             W4P_SEG_ARGS(1, OUT_T), W4P_SEG_ARGS(2, OUT_T)) {                                                  \
+             W4P_SEG_ARGS(1, OUT_T), W4P_SEG_ARGS(2, OUT_T), W4P_SEG_ARGS(3, OUT_T)) {                          \
         extern __shared__ uint4 w4_dyn[];                                                                        \
         int b = blockIdx.x;                                                                                      \
         const u32* qw = qw0;                                                                                     \
@@ -524,9 +524,12 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
             b -= nb0;                                                                                            \
             if (b < nb1) {                                                                                       \
                 qw = qw1; sc = sc1; z = z1; y = y1; ldy = ldy1; out = out1;                                      \
-            } else {                                                                                             \
+            } else if (b < nb1 + nb2) {                                                                          \
                 b -= nb1;                                                                                        \
                 qw = qw2; sc = sc2; z = z2; y = y2; ldy = ldy2; out = out2;                                      \
+            } else {                                                                                             \
+                b -= nb1 + nb2;                                                                                  \
+                qw = qw3; sc = sc3; z = z3; y = y3; ldy = ldy3; out = out3;                                      \
             }                                                                                                    \
         }                                                                                                        \
         if ((out & 3) == 0)                                                                                      \

@@ -1715,16 +1715,20 @@ impl CudaBackend {
             }
             return Ok(());
         }
-        if !f32_out && t <= self.opts.gemv_max_tokens && outs.len() > 1 {
-            // Several int4 linears sharing x (q/k/v, qkv/z/ba): one launch of the int4 GEMV.
-            let w4: Option<Vec<w4a16::W4Out<'_>>> = outs
-                .iter()
-                .map(|o| match o.parts {
-                    [Part::W4(w)] => Some(w4a16::W4Out { w, y: o.y, ldy: o.m }),
-                    _ => None,
-                })
-                .collect();
-            if let Some(w4) = w4.filter(|w4| w4a16::multi_supported(w4)) {
+        if !f32_out && t <= self.opts.gemv_max_tokens && outs.iter().map(|o| o.parts.len()).sum::<usize>() > 1 {
+            // Several int4 linears sharing x (q/k/v, qkv/z/b/a, gate/up: outputs and the parts that
+            // write consecutive columns of one): one launch of the int4 GEMV.
+            let mut w4 = Vec::new();
+            let all_int4 = outs.iter().all(|o| {
+                let mut col = 0usize;
+                o.parts.iter().all(|p| {
+                    let Part::W4(w) = p else { return false };
+                    w4.push(w4a16::W4Out { w, y: o.y + (2 * col) as u64, ldy: o.m });
+                    col += w.out;
+                    true
+                }) && col == o.m
+            });
+            if all_int4 && w4a16::multi_supported(&w4) {
                 let rows = w4.iter().map(|o| o.w.out).sum();
                 let cfg = w4a16::gemv_config(rows, kdim, self.rt.sm_count.max(1) as usize);
                 return w4a16::w4_gemv_multi(&self.k, s, &w4, x, kdim, t, cfg, false);

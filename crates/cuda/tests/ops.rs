@@ -295,6 +295,9 @@ fn cases() -> Vec<Case> {
         c("add_rms_norm_1p", q, Op::AddRmsNorm { rows: 1, d: 5120, residual: true }, SINGLE),
         c("add_rms_norm_1p", q, Op::AddRmsNorm { rows: 17, d: 5120, residual: true }, SINGLE),
         c("add_rms_norm_1p", q, Op::AddRmsNorm { rows: 5, d: 5120, residual: false }, SINGLE),
+        // The scalar path: a width not a multiple of 8, and one wider than the vector path holds.
+        c("add_rms_norm_1p", q, Op::AddRmsNorm { rows: 3, d: 36, residual: true }, SINGLE),
+        c("add_rms_norm_1p", q, Op::AddRmsNorm { rows: 2, d: 8200, residual: true }, SINGLE),
         c("rms_norm_1p_strided", q, Op::RmsNormStrided { t: 7, heads: 24, hd: 256, stride: 512 }, SINGLE),
         c("rms_norm_1p_strided", q, Op::RmsNormStrided { t: 1, heads: 4, hd: 256, stride: 256 }, SINGLE),
         c("gated_rms_norm", q, Op::GatedRmsNorm { t: 9, hv: 48, dv: 128 }, SINGLE),
@@ -437,6 +440,12 @@ fn cases() -> Vec<Case> {
             "w4_gemv_multi",
             q,
             Op::W4GemvMulti { m: 3, outs: vec![64, 1000], inp: 1024, asym: true, bf16: false },
+            ACCUM,
+        ),
+        c(
+            "w4_gemv_multi",
+            q,
+            Op::W4GemvMulti { m: 2, outs: vec![10240, 6144, 48, 48], inp: 5120, asym: false, bf16: true },
             ACCUM,
         ),
         c("w4_dequant", q, Op::W4Dequant { out: 300, inp: 1024, r0: 0, r1: 300, asym: false, perm: false }, EXACT),

@@ -256,11 +256,14 @@ pub struct W4Out<'a> {
     pub ldy: usize,
 }
 
-/// Whether [`w4_gemv_multi`] takes these linears in one launch: 1 to 3 of the same input width,
-/// zero points and scale dtype, none act-order (each would need its own permuted x).
+/// Linears one [`w4_gemv_multi`] launch takes at most.
+pub const MULTI_MAX: usize = 4;
+
+/// Whether [`w4_gemv_multi`] takes these linears in one launch: 1 to [`MULTI_MAX`] of the same input
+/// width, zero points and scale dtype, none act-order (each would need its own permuted x).
 pub fn multi_supported(outs: &[W4Out<'_>]) -> bool {
     let Some(first) = outs.first() else { return false };
-    outs.len() <= 3
+    outs.len() <= MULTI_MAX
         && outs.iter().all(|o| {
             o.w.perm.is_none()
                 && o.w.inp == first.w.inp
@@ -269,7 +272,7 @@ pub fn multi_supported(outs: &[W4Out<'_>]) -> bool {
         })
 }
 
-/// `y_i[m, out_i] = x[m, in] · W_iᵀ` for up to three linears sharing x (a layer's q/k/v or qkv/z/ba)
+/// `y_i[m, out_i] = x[m, in] · W_iᵀ` for up to four linears sharing x (a layer's q/k/v, qkv/z/b/a, gate/up)
 /// in one launch of the pair kernel per 8 tokens, `cfg.wpt` warps per 32-row pair (see
 /// [`gemv_config`] over the summed rows). Each linear's rows equal its [`w4_gemv`] rows with the same
 /// `cfg` bitwise.
@@ -286,7 +289,7 @@ pub fn w4_gemv_multi(
 ) -> Result<(), CudaError> {
     const K: &str = "w4_gemv_multi";
     if !multi_supported(outs) || cfg.kernel != GemvKernel::Pair {
-        return Err(invalid(K, "1 to 3 pair-kernel linears of one input width and format, without act-order"));
+        return Err(invalid(K, "1 to 4 pair-kernel linears of one input width and format, without act-order"));
     }
     let inp = outs[0].w.inp;
     for o in outs {
@@ -307,7 +310,7 @@ pub fn w4_gemv_multi(
     Ok(())
 }
 
-/// One launch of the pair kernel over `outs` (checked by the caller: 1..=3 linears of one format,
+/// One launch of the pair kernel over `outs` (checked by the caller: 1..=4 linears of one format,
 /// input x already in the device column order), `mc` <= 8 tokens.
 #[allow(clippy::too_many_arguments)]
 fn launch_pair(
@@ -333,7 +336,7 @@ fn launch_pair(
     let name = pair_kernel(f32_out, first.zeros.is_some(), first.scale_dtype == ScaleDtype::Bf16);
     let rows_per_block = GemvKernel::Pair.rows_per_warp() * (WARPS / wpt);
     // Segment i: (qweight, scales, zeros, y, ldy, out, blocks); unused segments have 0 blocks.
-    let mut seg = [(0u64, 0u64, 0u64, 0u64, 0i64, 1i32, 0i32); 3];
+    let mut seg = [(0u64, 0u64, 0u64, 0u64, 0i64, 1i32, 0i32); MULTI_MAX];
     let mut blocks = 0usize;
     for (i, o) in outs.iter().enumerate() {
         let nb = o.w.out.div_ceil(rows_per_block);
@@ -352,9 +355,15 @@ fn launch_pair(
     let block = ((WARPS * 32) as u32, 1, 1);
     let smem = GemvKernel::Pair.smem_bytes() as u32;
     let (mc_i, inp, wpt_i) = (mc as i32, to_i32(K, "in", first.inp)?, wpt as i32);
-    let [(q0, s0, z0, y0, l0, o0, n0), (q1, s1, z1, y1, l1, o1, n1), (q2, s2, z2, y2, l2, o2, n2)] = seg;
+    let [
+        (q0, s0, z0, y0, l0, o0, n0),
+        (q1, s1, z1, y1, l1, o1, n1),
+        (q2, s2, z2, y2, l2, o2, n2),
+        (q3, s3, z3, y3, l3, o3, n3),
+    ] = seg;
     launch!(k, s, name, grid, block, smem; x, ldx, mc_i, inp, wpt_i,
-        q0, s0, z0, y0, l0, o0, n0, q1, s1, z1, y1, l1, o1, n1, q2, s2, z2, y2, l2, o2, n2)
+        q0, s0, z0, y0, l0, o0, n0, q1, s1, z1, y1, l1, o1, n1, q2, s2, z2, y2, l2, o2, n2,
+        q3, s3, z3, y3, l3, o3, n3)
 }
 
 /// Rows `r0..r1` of `w` dequantised to bf16 `dst[r − r0, feature]` (row stride `ldd`, input-feature
