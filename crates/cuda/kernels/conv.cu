@@ -86,14 +86,5 @@ extern "C" __global__ void conv_decode(const bf16_t* __restrict__ x, long long x
         return;
     }
     bf16_t* st = state + (long long)slots[b] * (CONV_K - 1) * C;
-    bf16_t win[CONV_K];
-#pragma unroll
-    for (int r = 0; r < CONV_K - 1; r++) win[r] = st[(long long)r * C + c];
-    win[CONV_K - 1] = x[(long long)b * x_stride + c];
-    float acc = 0.0f;
-#pragma unroll
-    for (int j = 0; j < CONV_K; j++) acc += bf2f(w[(long long)c * CONV_K + j]) * bf2f(win[j]);
-    y[(long long)b * C + c] = f2bf(siluf_(acc));
-#pragma unroll
-    for (int r = 0; r < CONV_K - 1; r++) st[(long long)r * C + c] = win[r + 1];
+    y[(long long)b * C + c] = conv_decode_step<CONV_K>(x[(long long)b * x_stride + c], w, st, c, C);
 }

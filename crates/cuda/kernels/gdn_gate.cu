@@ -17,6 +17,31 @@
 #define DK 128
 #endif
 
+#ifndef CONV_K
+#define CONV_K 4
+#endif
+
+// One q or k row: out = bf16(v / sqrt(sum v^2 + 1e-6) * scale), v = the DK bf16 values at src; one warp.
+__device__ __forceinline__ void gdn_l2norm_row(const bf16_t* src, bf16_t* __restrict__ dst, float scale, int lane) {
+    float v[DK / 32];
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < DK / 32; i++) {
+        v[i] = bf2f(src[lane + 32 * i]);
+        ss += v[i] * v[i];
+    }
+    const float inv = 1.0f / sqrtf(warp_sum(ss) + 1e-6f) * scale;
+#pragma unroll
+    for (int i = 0; i < DK / 32; i++) dst[lane + 32 * i] = f2bf(v[i] * inv);
+}
+
+// beta and g of value head h from its b and a (f32).
+__device__ __forceinline__ void gdn_gate_values(float bv, float av, const float* __restrict__ A_log,
+                                                const float* __restrict__ dt_bias, int h, float* beta, float* g) {
+    *beta = sigmoidf_(bv);
+    *g = -expf(A_log[h]) * softplusf_(av + dt_bias[h]);
+}
+
 extern "C" __global__ void gdn_gate(const bf16_t* __restrict__ qk, long long qk_stride,
                                     const bf16_t* __restrict__ b, long long b_stride,
                                     const bf16_t* __restrict__ a, long long a_stride,
@@ -29,26 +54,53 @@ extern "C" __global__ void gdn_gate(const bf16_t* __restrict__ qk, long long qk_
     const float qscale = rsqrtf((float)DK);
     for (int r = warp; r < 2 * Hk; r += nw) {
         // rows 0..Hk are q heads, Hk..2Hk are k heads; in the conv output they are contiguous.
-        const bf16_t* src = row + (long long)r * DK;
-        float v[DK / 32];
-        float ss = 0.0f;
-#pragma unroll
-        for (int i = 0; i < DK / 32; i++) {
-            v[i] = bf2f(src[lane + 32 * i]);
-            ss += v[i] * v[i];
-        }
-        float inv = 1.0f / sqrtf(warp_sum(ss) + 1e-6f);
-        bool is_q = r < Hk;
-        if (is_q) inv *= qscale;
+        const bool is_q = r < Hk;
         bf16_t* dst = (is_q ? q_out + ((long long)t * Hk + r) * DK
                             : k_out + ((long long)t * Hk + (r - Hk)) * DK);
-#pragma unroll
-        for (int i = 0; i < DK / 32; i++) dst[lane + 32 * i] = f2bf(v[i] * inv);
+        gdn_l2norm_row(row + (long long)r * DK, dst, is_q ? qscale : 1.0f, lane);
     }
-    for (int h = threadIdx.x; h < Hv; h += blockDim.x) {
-        float bv = bf2f(b[(long long)t * b_stride + h]);
-        float av = bf2f(a[(long long)t * a_stride + h]);
-        beta[(long long)t * Hv + h] = sigmoidf_(bv);
-        g[(long long)t * Hv + h] = -expf(A_log[h]) * softplusf_(av + dt_bias[h]);
+    for (int h = threadIdx.x; h < Hv; h += blockDim.x)
+        gdn_gate_values(bf2f(b[(long long)t * b_stride + h]), bf2f(a[(long long)t * a_stride + h]), A_log, dt_bias, h,
+                        &beta[(long long)t * Hv + h], &g[(long long)t * Hv + h]);
+}
+
+// gdn_conv_gate_decode: decode rows (one token per sequence b): conv_decode (conv.cu) and gdn_gate in
+// one launch, bitwise the same. Block (b, j < C/DK) convolves channels j*DK .. j*DK + DK - 1 (one q, k
+// or v head: the conv channels are q | k | v heads of DK = DV columns), writes y and shifts its state
+// rows; a q or k block then normalises its head from the bf16 outputs (warp 0, as gdn_gate); block
+// (b, C/DK) writes row b's beta and g. Padding rows (slot < 0): y = 0, no state, q/k from zeros.
+// x [B, *] bf16 (token stride x_stride), w [C, CONV_K], y [B, C], state [slots, CONV_K-1, C] bf16;
+// q_out, k_out [B, Hk, DK]; b, a [B, Hv] (strides b_stride, a_stride); g, beta [B, Hv] f32.
+// Launch: grid (B, C/DK + 1), block DK (C % DK == 0, DV == DK). Tested by: tests/ops.rs case
+// "gdn_conv_gate_decode" (bitwise vs conv_decode + gdn_gate).
+extern "C" __global__ void gdn_conv_gate_decode(const bf16_t* __restrict__ x, long long x_stride,
+                                                const bf16_t* __restrict__ w, bf16_t* __restrict__ y, bf16_t* state,
+                                                const int* __restrict__ slots, int C, const bf16_t* __restrict__ b,
+                                                long long b_stride, const bf16_t* __restrict__ a, long long a_stride,
+                                                const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+                                                bf16_t* __restrict__ q_out, bf16_t* __restrict__ k_out,
+                                                float* __restrict__ g, float* __restrict__ beta, int Hk, int Hv) {
+    __shared__ bf16_t ys[DK];
+    const int row = blockIdx.x, j = blockIdx.y, tid = threadIdx.x;
+    if (j == C / DK) {
+        for (int h = tid; h < Hv; h += blockDim.x)
+            gdn_gate_values(bf2f(b[(long long)row * b_stride + h]), bf2f(a[(long long)row * a_stride + h]), A_log,
+                            dt_bias, h, &beta[(long long)row * Hv + h], &g[(long long)row * Hv + h]);
+        return;
+    }
+    const int c = j * DK + tid;
+    bf16_t out = 0;
+    if (slots[row] >= 0) {
+        bf16_t* st = state + (long long)slots[row] * (CONV_K - 1) * C;
+        out = conv_decode_step<CONV_K>(x[(long long)row * x_stride + c], w, st, c, C);
+    }
+    y[(long long)row * C + c] = out;
+    if (j >= 2 * Hk) return;  // a v head: nothing to normalise (uniform over the block)
+    ys[tid] = out;
+    __syncthreads();
+    if (tid < 32) {
+        const bool is_q = j < Hk;
+        bf16_t* dst = is_q ? q_out + ((long long)row * Hk + j) * DK : k_out + ((long long)row * Hk + (j - Hk)) * DK;
+        gdn_l2norm_row(ys, dst, is_q ? rsqrtf((float)DK) : 1.0f, tid);
     }
 }

@@ -138,3 +138,22 @@ __device__ __forceinline__ uint4 ld_nc_stream(const uint4* p) {
         : "l"(p));
     return r;
 }
+
+// ---------------------------------------------------------------------------------------------
+// One causal depthwise conv1d decode step of channel c (KW taps; conv.cu's conv_decode and
+// gdn_gate.cu's fused decode kernel): the window is the state's KW - 1 rows then x; returns
+// bf16(silu(sum_j w[c, j] * win[j])) and shifts the state by one row. state row r at st + r*C.
+template <int KW>
+__device__ __forceinline__ bf16_t conv_decode_step(bf16_t x, const bf16_t* __restrict__ w, bf16_t* st, int c,
+                                                   long long C) {
+    bf16_t win[KW];
+#pragma unroll
+    for (int r = 0; r < KW - 1; r++) win[r] = st[(long long)r * C + c];
+    win[KW - 1] = x;
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < KW; j++) acc += bf2f(w[(long long)c * KW + j]) * bf2f(win[j]);
+#pragma unroll
+    for (int r = 0; r < KW - 1; r++) st[(long long)r * C + c] = win[r + 1];
+    return f2bf(siluf_(acc));
+}

@@ -2358,7 +2358,36 @@ impl CudaBackend {
                     conv::conv_prefill_only(k, s, &cp)?;
                     conv::conv_state_update(k, s, &cp, n_real, 0)?;
                 }
-                if n_dec > 0 {
+                // Decode rows: the conv and the gates in one launch (the gates of the other rows below).
+                let dk = d.gdn_k_dim;
+                let fused_dec = n_dec > 0 && dk == dv && cc == (2 * hk + hv) * dk;
+                if fused_dec {
+                    let (q0, k0) = (ws.gdn_qk, ws.gdn_qk + b2(t * kw));
+                    let ba_dec = ws.gdn_ba + b2(tp * 2 * hv);
+                    let f = gdn_gate::GdnConvGateDecode {
+                        x: ws.gdn_qkv + b2(tp * cc),
+                        x_stride: cc,
+                        w: gw.conv,
+                        y: ws.gdn_conv_out + b2(tp * cc),
+                        state: conv_state,
+                        slots: ws.slots + 4 * n_pre as u64,
+                        n_seqs: n_dec,
+                        channels: cc,
+                        b: ba_dec,
+                        b_stride: 2 * hv,
+                        a: ba_dec + b2(hv),
+                        a_stride: 2 * hv,
+                        a_log: gw.a_log,
+                        dt_bias: gw.dt_bias,
+                        q_out: q0 + b2(tp * kw),
+                        k_out: k0 + b2(tp * kw),
+                        g: ws.gdn_g + (4 * tp * hv) as u64,
+                        beta: ws.gdn_beta + (4 * tp * hv) as u64,
+                        hk,
+                        hv,
+                    };
+                    gdn_gate::gdn_conv_gate_decode(k, s, &f)?;
+                } else if n_dec > 0 {
                     conv::conv_decode(
                         k,
                         s,
@@ -2382,7 +2411,7 @@ impl CudaBackend {
                     self.copy(Place::Dev(ba_at), Place::Dev(ws.gdn_ba + b2(r0 * 2 * hv)), 2 * tv * 2 * hv)?;
                 }
                 self.tick("gdn conv")?;
-                let (q, kk) = self.gdn_gates(gw, ws.gdn_ba, t)?;
+                let (q, kk) = self.gdn_gates(gw, ws.gdn_ba, t, if fused_dec { tp } else { t })?;
                 self.tick("gdn gates + l2norm")?;
                 let v = ws.gdn_conv_out + b2(2 * kw);
                 if n_real > 0 {
@@ -2619,10 +2648,10 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// A DeltaNet layer's gates and normalised q, k of `t` rows: from the conv output (`gdn_conv_out`)
-    /// and the in-projection rows `ba` (`[t, 2·Hv]`: b then a); returns the (q, k) buffers. g and beta
-    /// land in `gdn_g` / `gdn_beta`.
-    fn gdn_gates(&self, gw: &GdnLayer, ba: u64, t: usize) -> Result<(u64, u64), CudaError> {
+    /// A DeltaNet layer's gates and normalised q, k of the first `rows` of the step's `t` rows: from the
+    /// conv output (`gdn_conv_out`) and the in-projection rows `ba` (`[t, 2·Hv]`: b then a); returns the
+    /// (q, k) buffers (`[t, Hk, Dk]` each). g and beta land in `gdn_g` / `gdn_beta`.
+    fn gdn_gates(&self, gw: &GdnLayer, ba: u64, t: usize, rows: usize) -> Result<(u64, u64), CudaError> {
         let (ws, d) = (&self.ws, &self.d);
         let (hv, kw) = (d.gdn_v_heads, d.gdn_key_width);
         let (q, kk) = (ws.gdn_qk, ws.gdn_qk + (2 * t * kw) as u64);
@@ -2639,7 +2668,7 @@ impl CudaBackend {
             k_out: kk,
             g: ws.gdn_g,
             beta: ws.gdn_beta,
-            t,
+            t: rows,
             hk: d.gdn_k_heads,
             hv,
         };

@@ -52,7 +52,11 @@ pub const SOURCES: &[KernelSource] = &[
         src: include_str!("../kernels/conv.cu"),
         functions: &["conv_prefill", "conv_state_update", "conv_decode"],
     },
-    KernelSource { module: "gdn_gate", src: include_str!("../kernels/gdn_gate.cu"), functions: &["gdn_gate"] },
+    KernelSource {
+        module: "gdn_gate",
+        src: include_str!("../kernels/gdn_gate.cu"),
+        functions: &["gdn_gate", "gdn_conv_gate_decode"],
+    },
     KernelSource {
         module: "gdn_chunk",
         src: include_str!("../kernels/gdn_chunk.cu"),
@@ -261,7 +265,7 @@ impl KernelDims {
     pub fn defines(&self, module: &str) -> Vec<(&'static str, String)> {
         match module {
             "conv" => vec![("CONV_K", self.conv_kernel.to_string())],
-            "gdn_gate" => vec![("DK", self.gdn_k_dim.to_string())],
+            "gdn_gate" => vec![("DK", self.gdn_k_dim.to_string()), ("CONV_K", self.conv_kernel.to_string())],
             "gdn_decode" => vec![("DK", self.gdn_k_dim.to_string()), ("DV", self.gdn_v_dim.to_string())],
             "gdn_chunk" => vec![
                 ("DK", self.gdn_k_dim.to_string()),

@@ -94,6 +94,12 @@ enum Op {
         b: usize,
         c: usize,
     },
+    /// Decode rows: gdn_conv_gate_decode bitwise vs conv_decode + gdn_gate (slots < 0: padding).
+    GdnConvGateDecode {
+        slots: Vec<i32>,
+        hk: usize,
+        hv: usize,
+    },
     GdnGate {
         t: usize,
         hk: usize,
@@ -313,6 +319,8 @@ fn cases() -> Vec<Case> {
         c("conv_prefill", q, Op::ConvPrefill { lens: vec![2, 1, 129, 127], c: 10240 }, SINGLE),
         c("conv_decode", q, Op::ConvDecode { b: 5, c: 10240 }, SINGLE),
         c("gdn_gate", q, Op::GdnGate { t: 70, hk: 16, hv: 48 }, SINGLE),
+        c("gdn_conv_gate_decode", q, Op::GdnConvGateDecode { slots: vec![2, -1, 0], hk: 16, hv: 48 }, EXACT),
+        c("gdn_conv_gate_decode", q, Op::GdnConvGateDecode { slots: vec![1], hk: 2, hv: 6 }, EXACT),
         c("gdn_chunk", q, gdn_op(&[1], 16, 48, SPLIT), ACCUM),
         c("gdn_chunk", q, gdn_op(&[63], 16, 48, SPLIT), ACCUM),
         c("gdn_chunk", q, gdn_op(&[64], 16, 48, SPLIT), ACCUM),
@@ -875,6 +883,100 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
                 compare("y", &ry, &d.get_bf16(yp, b * c)?, tol),
                 compare("state", &rs, &d.get_bf16(sp, rs.len())?, EXACT),
             ]
+        }
+        Op::GdnConvGateDecode { ref slots, hk, hv } => {
+            let (dk, kw) = (k.dims.gdn_k_dim, k.dims.conv_kernel);
+            let c = (2 * hk + hv) * dk;
+            let (b, xs) = (slots.len(), c + 8);
+            let n_slots = 4;
+            let x = randv(rng, b * xs, 1.0);
+            let w = randv(rng, c * kw, 0.6);
+            let st0 = randv(rng, n_slots * (kw - 1) * c, 1.0);
+            let ba = randv(rng, b * 2 * hv, 4.0);
+            let a_log: Vec<f32> = (0..hv).map(|_| rng.random_range(-2.0..1.5)).collect();
+            let dt_bias: Vec<f32> = (0..hv).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let (xp, wp, bap, alp, dtp, sp) =
+                (d.bf16(&x)?, d.bf16(&w)?, d.bf16(&ba)?, d.f32s(&a_log)?, d.f32s(&dt_bias)?, d.i32s(slots)?);
+            // Path A: the separate kernels; path B: the fused one; each with its own state copy.
+            let mut outs = Vec::new();
+            for fused in [false, true] {
+                let st = d.bf16(&st0)?;
+                let y = d.poison(2 * b * c)?;
+                let (qo, ko, go, bo) = (
+                    d.poison(2 * b * hk * dk)?,
+                    d.poison(2 * b * hk * dk)?,
+                    d.poison(4 * b * hv)?,
+                    d.poison(4 * b * hv)?,
+                );
+                if fused {
+                    let f = gdn_gate::GdnConvGateDecode {
+                        x: xp,
+                        x_stride: xs,
+                        w: wp,
+                        y,
+                        state: st,
+                        slots: sp,
+                        n_seqs: b,
+                        channels: c,
+                        b: bap,
+                        b_stride: 2 * hv,
+                        a: bap + (2 * hv) as u64,
+                        a_stride: 2 * hv,
+                        a_log: alp,
+                        dt_bias: dtp,
+                        q_out: qo,
+                        k_out: ko,
+                        g: go,
+                        beta: bo,
+                        hk,
+                        hv,
+                    };
+                    gdn_gate::gdn_conv_gate_decode(k, &s, &f)?;
+                } else {
+                    conv::conv_decode(k, &s, xp, xs, wp, y, st, sp, b, c)?;
+                    let a = gdn_gate::GdnGate {
+                        qk: y,
+                        qk_stride: c,
+                        b: bap,
+                        b_stride: 2 * hv,
+                        a: bap + (2 * hv) as u64,
+                        a_stride: 2 * hv,
+                        a_log: alp,
+                        dt_bias: dtp,
+                        q_out: qo,
+                        k_out: ko,
+                        g: go,
+                        beta: bo,
+                        t: b,
+                        hk,
+                        hv,
+                    };
+                    gdn_gate::gdn_gate(k, &s, &a)?;
+                }
+                let bits16 = |p: u64, n: usize| -> R<Vec<u16>> {
+                    let mut v = vec![0u16; n];
+                    d.rt.download(&mut v, p)?;
+                    Ok(v)
+                };
+                let bits32 = |p: u64, n: usize| -> R<Vec<u16>> {
+                    let mut v = vec![0u16; 2 * n];
+                    d.rt.download(&mut v, p)?;
+                    Ok(v)
+                };
+                outs.push([
+                    bits16(y, b * c)?,
+                    bits16(st, st0.len())?,
+                    bits16(qo, b * hk * dk)?,
+                    bits16(ko, b * hk * dk)?,
+                    bits32(go, b * hv)?,
+                    bits32(bo, b * hv)?,
+                ]);
+            }
+            ["y", "conv state", "q", "k", "g", "beta"]
+                .iter()
+                .enumerate()
+                .map(|(i, what)| same_bits(&format!("{what} vs conv_decode + gdn_gate"), &outs[0][i], &outs[1][i]))
+                .collect()
         }
         Op::GdnGate { t, hk, hv } => {
             let dk = k.dims.gdn_k_dim;

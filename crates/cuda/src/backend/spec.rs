@@ -297,7 +297,7 @@ impl CudaBackend {
                 channels: cc,
             };
             conv::conv_prefill_only(k, s, &cp)?;
-            let (q, kk) = self.gdn_gates(gw, sp.trace_ba + b2(gi * sp.rows * 2 * hv), tv)?;
+            let (q, kk) = self.gdn_gates(gw, sp.trace_ba + b2(gi * sp.rows * 2 * hv), tv, tv)?;
             let dec = gdn_decode::GdnDecode {
                 q,
                 k: kk,
