@@ -13,15 +13,15 @@
 // Shapes/dtypes: x [T, C] bf16 (token stride x_stride elements: the in_proj output may be wider);
 //   w [C, KW] bf16; y [T, C] bf16 contiguous; state [slots, KW-1, C] bf16 (pre-activation inputs);
 //   cu_seqlens [B+1] i32 (flattened token offsets); slots [B] i32.
-// Launch: conv_prefill grid (ceil(C/128), ceil(T/64)), block 128 (one channel per thread, 64
-//   tokens per block); conv_state_update / conv_decode grid (ceil(C/128), B), block 128.
+// Launch: conv_prefill grid (ceil(C/128), ceil(T/16)), block 128 (one channel per thread, 16
+//   tokens per block, the window sliding in registers); conv_state_update / conv_decode grid (ceil(C/128), B), block 128.
 // Arch: plain loads, sm_80+.
 // Tested by: tests/ops.rs cases "conv_prefill" (ragged batches, with carried state) and "conv_decode".
 
 #ifndef CONV_K
 #define CONV_K 4
 #endif
-#define CONV_TT 64
+#define CONV_TT 16
 
 extern "C" __global__ void conv_prefill(const bf16_t* __restrict__ x, long long x_stride,
                                         const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
@@ -37,19 +37,32 @@ extern "C" __global__ void conv_prefill(const bf16_t* __restrict__ x, long long 
     int t1 = min(t0 + CONV_TT, T);
     if (t0 >= t1) return;
     int s = seq_of_token(cu_seqlens, B, t0);
+    // The window of token t (its sequence's inputs p - CONV_K + 1 .. p, the carried state before the
+    // sequence's first input) slides along in registers: one new load per token; refilled at the
+    // block's first token and at each sequence start.
+    float win[CONV_K];
+    int win_seq = -1;
     for (int t = t0; t < t1; t++) {
         while (t >= cu_seqlens[s + 1]) s++;
-        int start = cu_seqlens[s];
-        int p = t - start;
-        const bf16_t* st = state + (long long)slots[s] * (CONV_K - 1) * C;
+        const int start = cu_seqlens[s];
+        const int p = t - start;
+        if (s != win_seq) {
+            const bf16_t* st = state + (long long)slots[s] * (CONV_K - 1) * C;
+#pragma unroll
+            for (int j = 0; j < CONV_K - 1; j++) {
+                const int r = p - (CONV_K - 1) + j;
+                win[j] = r >= 0 ? bf2f(x[(long long)(start + r) * x_stride + c])
+                                : bf2f(st[(long long)(CONV_K - 1 + r) * C + c]);
+            }
+            win_seq = s;
+        } else {
+#pragma unroll
+            for (int j = 0; j < CONV_K - 1; j++) win[j] = win[j + 1];
+        }
+        win[CONV_K - 1] = bf2f(x[(long long)t * x_stride + c]);
         float acc = 0.0f;
 #pragma unroll
-        for (int j = 0; j < CONV_K; j++) {
-            int r = p - (CONV_K - 1) + j;
-            float xv = r >= 0 ? bf2f(x[(long long)(start + r) * x_stride + c])
-                              : bf2f(st[(long long)(CONV_K - 1 + r) * C + c]);
-            acc += wk[j] * xv;
-        }
+        for (int j = 0; j < CONV_K; j++) acc += wk[j] * win[j];
         y[(long long)t * C + c] = f2bf(siluf_(acc));
     }
 }

@@ -17,6 +17,7 @@
 //   state [slots, Hv, DK, DV] f32; slots, lens [B], starts [B] (or [B+1]) i32; o [rows, Hv, DV] bf16.
 // Launch: grid (B, Hv, DV / 32), block 128: lane = value column, warp w owns state rows
 //   [w*DK/4, (w+1)*DK/4) in registers; the two column sums reduce across the 4 warps in smem.
+//   gdn_decode_gated (decode rows + the gated RMSNorm): grid (B, Hv), block 4 * DV.
 //   Each warp reads 128 contiguous bytes per state row. -D DK, DV (multiples of 32).
 // Arch: plain f32, sm_80+.
 // Tested by: tests/ops.rs cases "gdn_decode" and "gdn_recurrent" against deltaserve_cpu::gdn::gdn_recurrent.
@@ -29,16 +30,21 @@
 #endif
 #define RW (DK / 4)
 
-// Runs rows t0 .. t0 + n - 1 of one (sequence, value head, 32 columns) block through the recurrence.
-__device__ __forceinline__ void gdn_tokens(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
-                                           const bf16_t* __restrict__ v, long long v_stride,
-                                           const float* __restrict__ g, const float* __restrict__ beta,
-                                           float* __restrict__ st, bf16_t* __restrict__ o, int Hk,
-                                           int Hv, int hv, int c, long long t0, int n, bool write_state) {
-    __shared__ float qs[DK], ks[DK], red[4][32];
-    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+// Runs rows t0 .. t0 + n - 1 of one (sequence, value head) through the recurrence for value column c
+// of this thread: warp w holds state rows [(w & 3) * RW, +RW) of column c in registers; the blocks of
+// gdn_decode / gdn_recurrent have 4 warps (one 32-column group), gdn_decode_gated's 4 * DV / 32 warps
+// (column group w >> 2). The column sums reduce over the 4 row groups in shared memory. Returns the
+// last row's output (bf16-rounded) in the warps of row group 0, which also store o unless o is null.
+__device__ __forceinline__ float gdn_tokens(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
+                                            const bf16_t* __restrict__ v, long long v_stride,
+                                            const float* __restrict__ g, const float* __restrict__ beta,
+                                            float* __restrict__ st, bf16_t* __restrict__ o, int Hk,
+                                            int Hv, int hv, int c, long long t0, int n, bool write_state) {
+    __shared__ float qs[DK], ks[DK], red[4][DV];
+    const int w = (threadIdx.x >> 5) & 3;
     const int hk = hv / (Hv / Hk);
     float S[RW];
+    float out = 0.0f;
 #pragma unroll
     for (int r = 0; r < RW; r++) S[r] = st[(long long)(w * RW + r) * DV + c];
     for (int i = 0; i < n; i++) {
@@ -57,9 +63,9 @@ __device__ __forceinline__ void gdn_tokens(const bf16_t* __restrict__ q, const b
             S[r] *= decay;
             kv += S[r] * ks[w * RW + r];
         }
-        red[w][lane] = kv;
+        red[w][c] = kv;
         __syncthreads();
-        kv = red[0][lane] + red[1][lane] + red[2][lane] + red[3][lane];
+        kv = red[0][c] + red[1][c] + red[2][c] + red[3][c];
         const float delta = bt * (bf2f(v[t * v_stride + (long long)hv * DV + c]) - kv);
         float ov = 0.0f;
 #pragma unroll
@@ -68,14 +74,19 @@ __device__ __forceinline__ void gdn_tokens(const bf16_t* __restrict__ q, const b
             ov += S[r] * qs[w * RW + r];
         }
         __syncthreads();
-        red[w][lane] = ov;
+        red[w][c] = ov;
         __syncthreads();
-        if (w == 0) o[(t * Hv + hv) * DV + c] = f2bf(red[0][lane] + red[1][lane] + red[2][lane] + red[3][lane]);
+        if (w == 0) {
+            const bf16_t ob = f2bf(red[0][c] + red[1][c] + red[2][c] + red[3][c]);
+            out = bf2f(ob);
+            if (o) o[(t * Hv + hv) * DV + c] = ob;
+        }
     }
     if (write_state) {
 #pragma unroll
         for (int r = 0; r < RW; r++) st[(long long)(w * RW + r) * DV + c] = S[r];
     }
+    return out;
 }
 
 extern "C" __global__ void __launch_bounds__(128)
@@ -91,6 +102,41 @@ gdn_decode(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     }
     float* st = state + ((long long)slots[b] * Hv + hv) * DK * DV;
     gdn_tokens(q, k, v, v_stride, g, beta, st, o, Hk, Hv, hv, c, b, 1, true);
+}
+
+// gdn_decode_gated: gdn_decode followed by norm.cu's gated_rms_norm of the row's head, in one launch
+// and bitwise the same: out[b, hv, :] = bf16(w * (o * rsqrt(mean(o^2) + eps)) * silu(z[b, hv, :]))
+// with o the bf16 recurrence output (not stored). z row b head hv at z + b*z_tok_stride + hv*DV;
+// w [DV] f32; out [B, Hv, DV] bf16. Launch: grid (B, Hv), block 4 * DV (DV / 32 column groups of 4
+// warps). Padding rows (slot < 0) normalise o = 0, as the two kernels did.
+extern "C" __global__ void __launch_bounds__(4 * DV)
+gdn_decode_gated(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
+                 const bf16_t* __restrict__ v, long long v_stride,
+                 const float* __restrict__ g, const float* __restrict__ beta,
+                 float* __restrict__ state, const int* __restrict__ slots,
+                 const bf16_t* __restrict__ z, long long z_tok_stride, const float* __restrict__ nw,
+                 bf16_t* __restrict__ out, int Hk, int Hv, float eps) {
+    __shared__ float gred[DV / 32];
+    const int b = blockIdx.x, hv = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int c = (warp >> 2) * 32 + lane;
+    float o = 0.0f;
+    if (slots[b] >= 0) {  // uniform over the block
+        float* st = state + ((long long)slots[b] * Hv + hv) * DK * DV;
+        o = gdn_tokens(q, k, v, v_stride, g, beta, st, nullptr, Hk, Hv, hv, c, b, 1, true);
+    }
+    // gated_rms_norm's block sum over the DV values (its block of DV threads: warp = column group).
+    if ((warp & 3) == 0) {
+        const float ws = warp_sum(o * o);
+        if (lane == 0) gred[warp >> 2] = ws;
+    }
+    __syncthreads();
+    if ((warp & 3) == 0) {
+        const float tsum = warp_sum(lane < DV / 32 ? gred[lane] : 0.0f);
+        const float inv = rsqrtf(tsum / (float)DV + eps);
+        const bf16_t* zrow = z + (long long)b * z_tok_stride + (long long)hv * DV;
+        out[((long long)b * Hv + hv) * DV + c] = f2bf(nw[c] * (o * inv) * siluf_(bf2f(zrow[c])));
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(128)

@@ -3,11 +3,18 @@
 // Computes, in place, for every token t, head h and i < R/2 (R = rotary_dim):
 //   theta_i = pos[t] * (1 / theta_base^(2i/R))          (f32, like HF's inv_freq)
 //   x'_i     = x_i cos - x_{i+R/2} sin ;  x'_{i+R/2} = x_{i+R/2} cos + x_i sin
-// dims [R, head_dim) pass through. f32 math, accurate sinf/cosf (positions up to 1e6 rad).
+// dims [R, head_dim) pass through. f32 math (products rounded before the sum), accurate sinf/cosf
+// (positions up to 1e6 rad).
 // Shapes/dtypes: x [T, H, head_dim] bf16 (row stride `tok_stride`, head stride `head_stride`
 //   elements: head_dim when contiguous, 2*head_dim on the q|gate layout); pos [T] i32.
 // Launch: grid (T), block 128; threads loop over H * R/2 pairs. Arch: sm_80+.
 // Tested by: tests/ops.rs case "rope".
+
+// x*c + y*s with both products rounded (no FMA contraction), so that rope_partial and qk_norm_rope,
+// compiled separately, round identically.
+__device__ __forceinline__ float rope_rot(float x, float y, float c, float s) {
+    return __fadd_rn(__fmul_rn(x, c), __fmul_rn(y, s));
+}
 
 extern "C" __global__ void rope_partial(bf16_t* x, long long tok_stride, const int* __restrict__ pos,
                                         int H, int head_dim, int R, float theta_base,
@@ -23,8 +30,8 @@ extern "C" __global__ void rope_partial(bf16_t* x, long long tok_stride, const i
         float c = cosf(ang), s = sinf(ang);
         bf16_t* hx = row + (long long)h * head_stride;
         float a = bf2f(hx[i]), b = bf2f(hx[i + half]);
-        hx[i] = f2bf(a * c - b * s);
-        hx[i + half] = f2bf(b * c + a * s);
+        hx[i] = f2bf(rope_rot(a, b, c, -s));
+        hx[i + half] = f2bf(rope_rot(b, a, c, s));
     }
 }
 
@@ -64,7 +71,7 @@ qk_norm_rope(bf16_t* q, long long q_tok, long long q_head, const bf16_t* __restr
             const float inv_freq = 1.0f / powf(theta_base, (float)(2 * j) / (float)R);
             const float ang = p * inv_freq;
             const float c = cosf(ang), s = sinf(ang);
-            v = i < half ? ys[i] * c - ys[i + half] * s : ys[i] * c + ys[i - half] * s;
+            v = i < half ? rope_rot(ys[i], ys[i + half], c, -s) : rope_rot(ys[i], ys[i - half], c, s);
         }
         row[i] = f2bf(v);
     }

@@ -2368,23 +2368,25 @@ impl CudaBackend {
                         x: ws.gdn_qkv + b2(tp * cc),
                         x_stride: cc,
                         w: gw.conv,
-                        y: ws.gdn_conv_out + b2(tp * cc),
                         state: conv_state,
                         slots: ws.slots + 4 * n_pre as u64,
-                        n_seqs: n_dec,
-                        channels: cc,
-                        b: ba_dec,
-                        b_stride: 2 * hv,
-                        a: ba_dec + b2(hv),
-                        a_stride: 2 * hv,
-                        a_log: gw.a_log,
-                        dt_bias: gw.dt_bias,
-                        q_out: q0 + b2(tp * kw),
-                        k_out: k0 + b2(tp * kw),
-                        g: ws.gdn_g + (4 * tp * hv) as u64,
-                        beta: ws.gdn_beta + (4 * tp * hv) as u64,
-                        hk,
-                        hv,
+                        gate: gdn_gate::GdnGate {
+                            qk: ws.gdn_conv_out + b2(tp * cc),
+                            qk_stride: cc,
+                            b: ba_dec,
+                            b_stride: 2 * hv,
+                            a: ba_dec + b2(hv),
+                            a_stride: 2 * hv,
+                            a_log: gw.a_log,
+                            dt_bias: gw.dt_bias,
+                            q_out: q0 + b2(tp * kw),
+                            k_out: k0 + b2(tp * kw),
+                            g: ws.gdn_g + (4 * tp * hv) as u64,
+                            beta: ws.gdn_beta + (4 * tp * hv) as u64,
+                            t: n_dec,
+                            hk,
+                            hv,
+                        },
                     };
                     gdn_gate::gdn_conv_gate_decode(k, s, &f)?;
                 } else if n_dec > 0 {
@@ -2461,27 +2463,34 @@ impl CudaBackend {
                     gdn_decode::gdn_recurrent(k, s, &r)?;
                 }
                 if n_dec > 0 {
-                    gdn_decode::gdn_decode(
-                        k,
-                        s,
-                        &gdn_decode::GdnDecode {
-                            q: q + b2(tp * kw),
-                            k: kk + b2(tp * kw),
-                            v: v + b2(tp * cc),
-                            v_stride: cc,
-                            g: ws.gdn_g + (4 * tp * hv) as u64,
-                            beta: ws.gdn_beta + (4 * tp * hv) as u64,
-                            state: rec_state,
-                            slots: ws.slots + 4 * n_pre as u64,
-                            o: ws.gdn_core_out + b2(tp * vw),
-                            n_seqs: n_dec,
-                            hk,
-                            hv,
-                        },
-                    )?;
+                    let dec = gdn_decode::GdnDecode {
+                        q: q + b2(tp * kw),
+                        k: kk + b2(tp * kw),
+                        v: v + b2(tp * cc),
+                        v_stride: cc,
+                        g: ws.gdn_g + (4 * tp * hv) as u64,
+                        beta: ws.gdn_beta + (4 * tp * hv) as u64,
+                        state: rec_state,
+                        slots: ws.slots + 4 * n_pre as u64,
+                        o: ws.gdn_core_out + b2(tp * vw),
+                        n_seqs: n_dec,
+                        hk,
+                        hv,
+                    };
+                    // Decode rows: the recurrence and the gated norm in one launch.
+                    let gated = gdn_decode::GdnDecodeGated {
+                        d: dec,
+                        z: ws.gdn_z + b2(tp * vw),
+                        z_tok_stride: vw,
+                        norm_w: gw.norm,
+                        out: ws.gdn_normed + b2(tp * vw),
+                        eps,
+                    };
+                    gdn_decode::gdn_decode_gated(k, s, &gated)?;
                 }
                 self.tick("gdn core (chunked / decode)")?;
-                norm::gated_rms_norm(k, s, ws.gdn_core_out, ws.gdn_z, vw, hv, gw.norm, ws.gdn_normed, t, dv, eps)?;
+                // The gated norm of the other rows (the chunked and verify rows).
+                norm::gated_rms_norm(k, s, ws.gdn_core_out, ws.gdn_z, vw, hv, gw.norm, ws.gdn_normed, tp, dv, eps)?;
                 self.proj(s, ws.gdn_normed, t, vw, &[po(&gw.out, ws.mixer_out, h)], false)?;
                 self.tick("gdn gated norm + out GEMM")?;
             }

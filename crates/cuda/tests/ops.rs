@@ -116,6 +116,12 @@ enum Op {
         hk: usize,
         hv: usize,
     },
+    /// Decode rows: gdn_decode_gated bitwise vs gdn_decode + gated_rms_norm (slots < 0: padding).
+    GdnDecodeGated {
+        slots: Vec<i32>,
+        hk: usize,
+        hv: usize,
+    },
     /// gdn_recurrent over `lens` rows per sequence: verify (`accept` None: outputs of every row, the
     /// state bit-untouched) or commit of the first `accept[b]` rows (the state against the oracle, and
     /// bit-equal to gdn_decode run token by token over those rows).
@@ -334,6 +340,8 @@ fn cases() -> Vec<Case> {
         c("gdn_chunk", q, gdn_op(&[129, 1, 64, 200], 16, 48, BF16), GDN_BF16),
         c("gdn_chunk", q, gdn_op(&[1000], 16, 48, BF16), GDN_BF16),
         c("gdn_decode", q, Op::GdnDecode { b: 7, hk: 16, hv: 48 }, ACCUM),
+        c("gdn_decode_gated", q, Op::GdnDecodeGated { slots: vec![3, -1, 0, 1], hk: 16, hv: 48 }, EXACT),
+        c("gdn_decode_gated", GDN32, Op::GdnDecodeGated { slots: vec![0, 2], hk: 2, hv: 6 }, EXACT),
         c("gdn_recurrent", q, Op::GdnRecurrent { lens: vec![3, 1, 5, 2], accept: None, hk: 16, hv: 48 }, ACCUM),
         c(
             "gdn_recurrent",
@@ -908,50 +916,29 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
                     d.poison(4 * b * hv)?,
                     d.poison(4 * b * hv)?,
                 );
+                let gate = gdn_gate::GdnGate {
+                    qk: y,
+                    qk_stride: c,
+                    b: bap,
+                    b_stride: 2 * hv,
+                    a: bap + (2 * hv) as u64,
+                    a_stride: 2 * hv,
+                    a_log: alp,
+                    dt_bias: dtp,
+                    q_out: qo,
+                    k_out: ko,
+                    g: go,
+                    beta: bo,
+                    t: b,
+                    hk,
+                    hv,
+                };
                 if fused {
-                    let f = gdn_gate::GdnConvGateDecode {
-                        x: xp,
-                        x_stride: xs,
-                        w: wp,
-                        y,
-                        state: st,
-                        slots: sp,
-                        n_seqs: b,
-                        channels: c,
-                        b: bap,
-                        b_stride: 2 * hv,
-                        a: bap + (2 * hv) as u64,
-                        a_stride: 2 * hv,
-                        a_log: alp,
-                        dt_bias: dtp,
-                        q_out: qo,
-                        k_out: ko,
-                        g: go,
-                        beta: bo,
-                        hk,
-                        hv,
-                    };
+                    let f = gdn_gate::GdnConvGateDecode { x: xp, x_stride: xs, w: wp, state: st, slots: sp, gate };
                     gdn_gate::gdn_conv_gate_decode(k, &s, &f)?;
                 } else {
                     conv::conv_decode(k, &s, xp, xs, wp, y, st, sp, b, c)?;
-                    let a = gdn_gate::GdnGate {
-                        qk: y,
-                        qk_stride: c,
-                        b: bap,
-                        b_stride: 2 * hv,
-                        a: bap + (2 * hv) as u64,
-                        a_stride: 2 * hv,
-                        a_log: alp,
-                        dt_bias: dtp,
-                        q_out: qo,
-                        k_out: ko,
-                        g: go,
-                        beta: bo,
-                        t: b,
-                        hk,
-                        hv,
-                    };
-                    gdn_gate::gdn_gate(k, &s, &a)?;
+                    gdn_gate::gdn_gate(k, &s, &gate)?;
                 }
                 let bits16 = |p: u64, n: usize| -> R<Vec<u16>> {
                     let mut v = vec![0u16; n];
@@ -1029,6 +1016,57 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
             ]
         }
         Op::GdnChunk { lens, hk, hv, prec } => gdn_case(k, &s, d, rng, &lens, hk, hv, tol, GdnMode::Chunked(prec))?,
+        Op::GdnDecodeGated { ref slots, hk, hv } => {
+            let (dk, dv) = (k.dims.gdn_k_dim, k.dims.gdn_v_dim);
+            let b = slots.len();
+            let n_slots = slots.iter().copied().max().unwrap_or(0).max(0) as usize + 1;
+            let (vs, zs) = (hv * dv + 8, hv * dv);
+            let qv = randv(rng, b * hk * dk, 0.3);
+            let kv = randv(rng, b * hk * dk, 0.3);
+            let v = randv(rng, b * vs, 1.0);
+            let g: Vec<f32> = (0..b * hv).map(|_| -rng.random_range(0.0..1.0f32)).collect();
+            let beta: Vec<f32> = (0..b * hv).map(|_| rng.random_range(0.0..1.0f32)).collect();
+            let st0 = randv(rng, n_slots * hv * dk * dv, 0.5);
+            let z = randv(rng, b * zs, 2.0);
+            let nw = randv(rng, dv, 1.0);
+            let (qp, kp, vp, gp, bp) = (d.bf16(&qv)?, d.bf16(&kv)?, d.bf16(&v)?, d.f32s(&g)?, d.f32s(&beta)?);
+            let (zp, nwp, sp) = (d.bf16(&z)?, d.f32s(&nw)?, d.i32s(slots)?);
+            let mut got = Vec::new();
+            for fused in [false, true] {
+                let st = d.f32s(&st0)?;
+                let (o, out) = (d.poison(2 * b * hv * dv)?, d.poison(2 * b * hv * dv)?);
+                let dec = gdn_decode::GdnDecode {
+                    q: qp,
+                    k: kp,
+                    v: vp,
+                    v_stride: vs,
+                    g: gp,
+                    beta: bp,
+                    state: st,
+                    slots: sp,
+                    o,
+                    n_seqs: b,
+                    hk,
+                    hv,
+                };
+                if fused {
+                    let a = gdn_decode::GdnDecodeGated { d: dec, z: zp, z_tok_stride: zs, norm_w: nwp, out, eps: 1e-6 };
+                    gdn_decode::gdn_decode_gated(k, &s, &a)?;
+                } else {
+                    gdn_decode::gdn_decode(k, &s, &dec)?;
+                    ops::norm::gated_rms_norm(k, &s, o, zp, zs, hv, nwp, out, b, dv, 1e-6)?;
+                }
+                let mut ob = vec![0u16; b * hv * dv];
+                d.rt.download(&mut ob, out)?;
+                let mut sb = vec![0u16; 2 * st0.len()];
+                d.rt.download(&mut sb, st)?;
+                got.push((ob, sb));
+            }
+            vec![
+                same_bits("out vs gdn_decode + gated_rms_norm", &got[0].0, &got[1].0),
+                same_bits("state vs gdn_decode", &got[0].1, &got[1].1),
+            ]
+        }
         Op::GdnDecode { b, hk, hv } => gdn_case(k, &s, d, rng, &vec![1; b], hk, hv, tol, GdnMode::Decode)?,
         Op::GdnRecurrent { lens, accept, hk, hv } => {
             gdn_case(k, &s, d, rng, &lens, hk, hv, tol, GdnMode::Recurrent(accept))?

@@ -6,6 +6,9 @@ use cudarc::driver::CudaStream;
 use super::{Kernels, invalid, launch, to_i32, to_u32};
 use crate::error::CudaError;
 
+/// Tokens per block of `conv_prefill` (CONV_TT in kernels/conv.cu).
+const CONV_TOKENS_PER_BLOCK: usize = 16;
+
 /// Varlen conv for `t` flattened tokens of `n_seqs` sequences.
 #[derive(Clone, Copy, Debug)]
 pub struct ConvPrefill {
@@ -48,7 +51,7 @@ pub fn conv_prefill_only(k: &Kernels, s: &CudaStream, a: &ConvPrefill) -> Result
     let c = to_i32("conv_prefill", "channels", a.channels)?;
     let t = to_i32("conv_prefill", "t", a.t)?;
     let gx = to_u32("conv_prefill", "channel blocks", a.channels.div_ceil(128))?;
-    let gy = to_u32("conv_prefill", "token tiles", a.t.div_ceil(64))?;
+    let gy = to_u32("conv_prefill", "token tiles", a.t.div_ceil(CONV_TOKENS_PER_BLOCK))?;
     launch!(k, s, "conv_prefill", (gx, gy, 1), (128, 1, 1), 0; x, xs, w, y, state, cu_seqlens, slots, b, c, t)
 }
 

@@ -42,6 +42,39 @@ pub fn gdn_decode(k: &Kernels, s: &CudaStream, a: &GdnDecode) -> Result<(), Cuda
     launch!(k, s, "gdn_decode", grid, (128, 1, 1), 0; q, kp, v, vs, g, beta, state, slots, o, hk, hv)
 }
 
+/// Decode rows through the recurrence and then the gated RMSNorm of each head (norm.rs's
+/// `gated_rms_norm`) in one launch, bitwise the same; the recurrence output `d.o` is not stored.
+#[derive(Clone, Copy, Debug)]
+pub struct GdnDecodeGated {
+    pub d: GdnDecode,
+    /// z row b head h at `z + b*z_tok_stride + h*dv` (bf16); the norm weight [dv] f32.
+    pub z: u64,
+    pub z_tok_stride: usize,
+    pub norm_w: u64,
+    /// [n_seqs, hv, dv] bf16.
+    pub out: u64,
+    pub eps: f32,
+}
+
+pub fn gdn_decode_gated(k: &Kernels, s: &CudaStream, a: &GdnDecodeGated) -> Result<(), CudaError> {
+    const K: &str = "gdn_decode_gated";
+    let d = &a.d;
+    if d.n_seqs == 0 {
+        return Ok(());
+    }
+    let dv = k.dims.gdn_v_dim;
+    if d.hk == 0 || !d.hv.is_multiple_of(d.hk) || d.v_stride < d.hv * dv || a.z_tok_stride < d.hv * dv || dv > 256 {
+        return Err(invalid(K, format!("{a:?} (DV = {dv} <= 256)")));
+    }
+    let GdnDecode { q, k: kp, v, g, beta, state, slots, .. } = *d;
+    let (z, nw, out, eps) = (a.z, a.norm_w, a.out, a.eps);
+    let (vs, zs) = (d.v_stride as i64, a.z_tok_stride as i64);
+    let (hk, hv) = (to_i32(K, "hk", d.hk)?, to_i32(K, "hv", d.hv)?);
+    let grid = (to_u32(K, "n_seqs", d.n_seqs)?, to_u32(K, "hv", d.hv)?, 1);
+    launch!(k, s, K, grid, ((4 * dv) as u32, 1, 1), 0;
+        q, kp, v, vs, g, beta, state, slots, z, zs, nw, out, hk, hv, eps)
+}
+
 /// The recurrence over `lens[b]` rows from row `starts[b]` of sequence b (`starts`, `lens`, `d.slots`:
 /// `[n_seqs]` i32 device arrays; `lens` 0: `starts` is a cu_seqlens array of `n_seqs + 1`); `d`'s
 /// row-indexed buffers hold every row.

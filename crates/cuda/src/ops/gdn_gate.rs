@@ -50,53 +50,43 @@ pub fn gdn_gate(k: &Kernels, s: &CudaStream, a: &GdnGate) -> Result<(), CudaErro
 /// of [`gdn_gate`] in one launch, bitwise the same.
 #[derive(Clone, Copy, Debug)]
 pub struct GdnConvGateDecode {
-    /// In-projection rows [n_seqs, *] bf16 (q | k | v channels from column 0), token stride.
+    /// In-projection rows [gate.t, *] bf16 (q | k | v channels from column 0), token stride.
     pub x: u64,
     pub x_stride: usize,
-    /// Conv weights [channels, conv_kernel] bf16; conv output y [n_seqs, channels] bf16; conv state
-    /// [slots, conv_kernel - 1, channels] bf16; slots [n_seqs] i32 (< 0: padding row).
+    /// Conv weights [channels, conv_kernel] bf16; conv state [slots, conv_kernel - 1, channels] bf16;
+    /// slots [gate.t] i32 (< 0: a padding row).
     pub w: u64,
-    pub y: u64,
     pub state: u64,
     pub slots: u64,
-    pub n_seqs: usize,
-    pub channels: usize,
-    /// The gates' inputs and outputs as in [`GdnGate`] (rows = the decode rows).
-    pub b: u64,
-    pub b_stride: usize,
-    pub a: u64,
-    pub a_stride: usize,
-    pub a_log: u64,
-    pub dt_bias: u64,
-    pub q_out: u64,
-    pub k_out: u64,
-    pub g: u64,
-    pub beta: u64,
-    pub hk: usize,
-    pub hv: usize,
+    /// The gates of the same rows; `gate.qk` is where the conv output goes ([gate.t, channels] bf16,
+    /// `gate.qk_stride` = channels = (2 hk + hv) head_dim).
+    pub gate: GdnGate,
 }
 
 pub fn gdn_conv_gate_decode(k: &Kernels, s: &CudaStream, a: &GdnConvGateDecode) -> Result<(), CudaError> {
     const K: &str = "gdn_conv_gate_decode";
-    if a.n_seqs == 0 {
+    let g = &a.gate;
+    if g.t == 0 {
         return Ok(());
     }
     let (dk, dv) = (k.dims.gdn_k_dim, k.dims.gdn_v_dim);
-    if a.hk == 0
-        || a.hv == 0
+    let channels = g.qk_stride;
+    if g.hk == 0
+        || g.hv == 0
         || dk != dv
-        || a.channels != (2 * a.hk + a.hv) * dk
-        || a.x_stride < a.channels
-        || a.b_stride < a.hv
-        || a.a_stride < a.hv
+        || channels != (2 * g.hk + g.hv) * dk
+        || a.x_stride < channels
+        || g.b_stride < g.hv
+        || g.a_stride < g.hv
     {
         return Err(invalid(K, format!("{a:?} (DK = {dk}, DV = {dv}: heads of one width, channels = (2 hk + hv) DK)")));
     }
-    let GdnConvGateDecode { x, w, y, state, slots, b, a: ap, a_log, dt_bias, q_out, k_out, g, beta, .. } = *a;
-    let (xs, bs, as_) = (a.x_stride as i64, a.b_stride as i64, a.a_stride as i64);
-    let c = to_i32(K, "channels", a.channels)?;
-    let (hk, hv) = (to_i32(K, "hk", a.hk)?, to_i32(K, "hv", a.hv)?);
-    let grid = (to_u32(K, "n_seqs", a.n_seqs)?, to_u32(K, "heads", a.channels / dk + 1)?, 1);
+    let GdnConvGateDecode { x, w, state, slots, .. } = *a;
+    let GdnGate { qk: y, b, a: ap, a_log, dt_bias, q_out, k_out, g: gp, beta, .. } = *g;
+    let (xs, bs, as_) = (a.x_stride as i64, g.b_stride as i64, g.a_stride as i64);
+    let c = to_i32(K, "channels", channels)?;
+    let (hk, hv) = (to_i32(K, "hk", g.hk)?, to_i32(K, "hv", g.hv)?);
+    let grid = (to_u32(K, "n_seqs", g.t)?, to_u32(K, "heads", channels / dk + 1)?, 1);
     launch!(k, s, K, grid, (dk as u32, 1, 1), 0;
-        x, xs, w, y, state, slots, c, b, bs, ap, as_, a_log, dt_bias, q_out, k_out, g, beta, hk, hv)
+        x, xs, w, y, state, slots, c, b, bs, ap, as_, a_log, dt_bias, q_out, k_out, gp, beta, hk, hv)
 }
