@@ -452,6 +452,28 @@ mod tests {
     }
 
     #[test]
+    fn one_launch_takes_up_to_four_linears_of_one_format() {
+        let w = |out, inp, asym, perm, sd| W4Weights::at(0, out, inp, asym, perm, sd);
+        let (q, k, v) = (
+            w(12288, 5120, false, false, ScaleDtype::F16),
+            w(1024, 5120, false, false, ScaleDtype::F16),
+            w(1024, 5120, false, false, ScaleDtype::F16),
+        );
+        let o = |w| W4Out { w, y: 0, ldy: 1 };
+        assert!(multi_supported(&[o(&q), o(&k), o(&v)]));
+        assert!(multi_supported(&[o(&q), o(&k), o(&v), o(&k)]));
+        assert!(!multi_supported(&[o(&q), o(&k), o(&v), o(&k), o(&v)]), "at most MULTI_MAX");
+        assert!(!multi_supported(&[]));
+        let other_in = w(1024, 6144, false, false, ScaleDtype::F16);
+        let asym = w(1024, 5120, true, false, ScaleDtype::F16);
+        let bf16 = w(1024, 5120, false, false, ScaleDtype::Bf16);
+        let act_order = w(1024, 5120, false, true, ScaleDtype::F16);
+        for bad in [&other_in, &asym, &bf16, &act_order] {
+            assert!(!multi_supported(&[o(&q), o(bad)]), "{bad:?}");
+        }
+    }
+
+    #[test]
     fn default_config_at_the_27b_shapes() {
         for (out, inp, wpt) in [
             (34816, 5120, 4),
