@@ -13,8 +13,10 @@
 //
 // Computes:
 //  w4_permute_x: xo[m, j] = x[m, perm[j]]  (the GEMV's x for act-order weights; xo row stride in)
+//  w4p_*:        the same for up to four linears sharing x in one launch (the default GEMV: the
+//                "pair" kernel, described above its code; bf16 or f32 y), and the older variants
 //  w4_gemv_*:    y[m, o] = bf16(sum_j x[m, j] * W[o, j]), m < M <= 8, f32 accumulation
-//                (w4_gemv_reg_f32: y in f32).
+//                (w4_gemv_reg_f32: y in f32), kept as benchmark baselines.
 //  w4_dequant:   dst[r - r0, perm[j]] = bf16(W[r, perm[j]]) for rows r0 <= r < r1 (prefill path:
 //                an N-slice of bf16 weights for cuBLASLt).
 //  w4_quantize:  rows r0..r1 of a bf16 W (staging buffer, row r at w + (r - r0)*ldw) -> the format,
@@ -48,12 +50,15 @@
 //  w4_gemv_*:    grid (ceil(ceil(out/16) / (8/wpt))), block 256 (8 warps), wpt in {1,2,4,8};
 //                x 16-byte aligned with ldx % 8 == 0, scales and zeros 4-byte aligned; reg: static
 //                smem 4 KB; cp4 / cp8: dynamic smem 48 / 96 KB (8 warps x stages x 1.5 KB).
+//  w4p_*:        grid (sum over the linears of ceil(ceil(out/32) / (8/wpt))), block 256, dynamic smem
+//                64 KB (8 warps x 4 stages x 2 KB); scales 8-byte aligned.
 //  w4_dequant:   grid (ceil((r1-r0)*in/8 / 256)) (grid-stride), block 256; dst 16-byte aligned,
 //                ldd % 8 == 0.
 //  w4_quantize:  grid (ceil(ceil((r1-r0)/2) * NG / 8)), block 256: one warp per (row pair, group);
 //                r0 even, r1 even or r1 == out.
 // Arch: mma.sync bf16, fma.rn.bf16x2, cp.async, cvt f16, ld.global.nc: sm_80+ (nothing Hopper-only).
-// Tested by: tests/ops.rs cases "w4_gemv", "w4_dequant", "w4_quantize"; bench in tests/bench_w4.rs.
+// Tested by: tests/ops.rs cases "w4_gemv", "w4_gemv_multi", "w4_dequant", "w4_quantize"; bench in
+// tests/bench_w4.rs.
 
 #define W4_WARPS 8
 #define W4_D 4

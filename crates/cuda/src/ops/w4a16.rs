@@ -1,6 +1,7 @@
 //! Launchers for kernels/w4a16.cu: 4-bit weights with bf16 activations (format in [`crate::w4`]).
 //!
 //! - [`w4_gemv`]: decode projections `y[m, out] = x[m, in] · Wᵀ` for any `m` (8 tokens per launch);
+//! - [`w4_gemv_multi`]: up to four linears sharing x in one launch (a layer's q/k/v, qkv/z/b/a, gate/up);
 //! - [`w4_dequant`]: rows `r0..r1` of `W` to a bf16 `[r1 − r0, in]` tile (prefill: dequantise an
 //!   N-slice into a bounded scratch, then a cuBLASLt bf16 GEMM on it);
 //! - [`w4_quantize`]: bf16 rows of a linear to the format on the GPU (`--quantize int4` at load).
