@@ -639,10 +639,6 @@ attn_prefill(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
 #define DPL (HD / 32)  // dims per lane in decode
 #define DEC_KC 4       // keys per chunk of a decode warp
 
-__device__ __forceinline__ u32 w4_comp_u4(const uint4& v, int i) {
-    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
-
 // Decode: a lane's DPL elements of one token-head row, as raw bits (bf16 pairs or codes) in a uint4
 // (DEC_LB(fmt) bytes from DEC_OFF(fmt, lane): 2*DPL for bf16, DPL for fp8 / int8, DPL/2 for int4 — at
 // head dim 32 an int4 lane reads the byte that holds its one nibble, number DEC_NIB0(lane)), widened
@@ -672,13 +668,13 @@ __device__ __forceinline__ uint4 dec_load_raw(const unsigned char* __restrict__ 
 template <int FMT>
 __device__ __forceinline__ float dec_elem(const uint4& r, int d, int nib0) {
     if (FMT == KVF_BF16) {
-        const u32 w = w4_comp_u4(r, d >> 1);
+        const u32 w = u4_comp(r, d >> 1);
         return __uint_as_float((d & 1) ? (w & 0xffff0000u) : (w << 16));
     } else if (FMT == KVF_INT4) {
         const int n = d + nib0;
-        return kv_code_f32<FMT>(w4_comp_u4(r, n >> 3) >> (4 * (n & 7)));
+        return kv_code_f32<FMT>(u4_comp(r, n >> 3) >> (4 * (n & 7)));
     } else {
-        return kv_code_f32<FMT>(w4_comp_u4(r, d >> 2) >> (8 * (d & 3)));
+        return kv_code_f32<FMT>(u4_comp(r, d >> 2) >> (8 * (d & 3)));
     }
 }
 

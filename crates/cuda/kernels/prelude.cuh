@@ -83,6 +83,11 @@ __device__ __forceinline__ unsigned short f32_to_f16_rn(float f) {
 // sm_80 tensor-core and asynchronous-copy helpers (mma.sync, cp.async, non-coherent loads), shared
 // by the attention, DeltaNet-chunk, GEMV and int4 kernels. Nothing Hopper-only.
 
+// Component i (0..3, unrolled to a constant) of a uint4: x, y, z, w.
+__device__ __forceinline__ u32 u4_comp(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
 // Shared-memory address of a generic pointer into shared memory (for ldmatrix / cp.async).
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 r;

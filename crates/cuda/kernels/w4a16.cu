@@ -85,10 +85,6 @@ __device__ __forceinline__ u32 w4_pair(u32 w, int p, u32 negz2) {
     return r;
 }
 
-__device__ __forceinline__ u32 w4_comp(const uint4& v, int i) {
-    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
-
 extern "C" __global__ void w4_permute_x(const bf16_t* __restrict__ x, long long ldx, const int* __restrict__ perm,
                                         bf16_t* __restrict__ xo, int M, int in) {
     long long n = (long long)M * in;
@@ -105,10 +101,10 @@ __device__ __forceinline__ void w4_group_mma(float* tmp, const uint4& ca, const 
                                              const uint4* xv) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-        const u32 aw = w4_comp(ca, j >> 1), bw = w4_comp(cb, j >> 1);
+        const u32 aw = u4_comp(ca, j >> 1), bw = u4_comp(cb, j >> 1);
         const int p = (j & 1) * 2;
         mma_bf16(tmp, w4_pair(aw, p, nza), w4_pair(bw, p, nzb), w4_pair(aw, p + 1, nza), w4_pair(bw, p + 1, nzb),
-               w4_comp(xv[j >> 1], p), w4_comp(xv[j >> 1], p + 1));
+               u4_comp(xv[j >> 1], p), u4_comp(xv[j >> 1], p + 1));
     }
 }
 
@@ -464,9 +460,9 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
                 float t0[4] = {0.f, 0.f, 0.f, 0.f}, t1[4] = {0.f, 0.f, 0.f, 0.f}, xs[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {  // word i of each row: columns 8i .. 8i + 7 of the lane's 32
-                    const u32 a0 = w4_comp(w0, i), a1 = w4_comp(w1, i), a2 = w4_comp(w2, i), a3 = w4_comp(w3, i);
-                    const u32 b0 = w4_comp(xv[i], 0), b1 = w4_comp(xv[i], 1), b2 = w4_comp(xv[i], 2),
-                              b3 = w4_comp(xv[i], 3);
+                    const u32 a0 = u4_comp(w0, i), a1 = u4_comp(w1, i), a2 = u4_comp(w2, i), a3 = u4_comp(w3, i);
+                    const u32 b0 = u4_comp(xv[i], 0), b1 = u4_comp(xv[i], 1), b2 = u4_comp(xv[i], 2),
+                              b3 = u4_comp(xv[i], 3);
                     mma_bf16(t0, w4p_unpack(a0), w4p_unpack(a1), w4p_unpack(a0 >> 4), w4p_unpack(a1 >> 4), b0, b1);
                     mma_bf16(t1, w4p_unpack(a2), w4p_unpack(a3), w4p_unpack(a2 >> 4), w4p_unpack(a3 >> 4), b0, b1);
                     mma_bf16(xs, ones, ones, ones, ones, b0, b1);

@@ -2359,8 +2359,7 @@ impl CudaBackend {
                     conv::conv_state_update(k, s, &cp, n_real, 0)?;
                 }
                 // Decode rows: the conv and the gates in one launch (the gates of the other rows below).
-                let dk = d.gdn_k_dim;
-                let fused_dec = n_dec > 0 && dk == dv && cc == (2 * hk + hv) * dk;
+                let fused_dec = n_dec > 0 && gdn_gate::conv_gate_decode_supported(&k.dims, cc, hk, hv);
                 if fused_dec {
                     let (q0, k0) = (ws.gdn_qk, ws.gdn_qk + b2(t * kw));
                     let ba_dec = ws.gdn_ba + b2(tp * 2 * hv);

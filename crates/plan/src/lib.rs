@@ -31,7 +31,7 @@ pub mod workspace;
 pub use dtype::{KvDtype, WeightsDtype};
 pub use error::PlanError;
 pub use fit::{Fitted, Free, fit_context};
-pub use options::{COLLECTIVE_RESERVE_BYTES, PlanOptions};
+pub use options::{COLLECTIVE_RESERVE_BYTES, MAX_DECODE_PARTITIONS, PlanOptions};
 pub use plan::{ALIGN, Plan, Region, card_config};
 pub use size::{fmt_bytes, fmt_count, parse_size};
 pub use weights::WeightBytes;

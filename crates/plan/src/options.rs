@@ -7,6 +7,9 @@ use crate::size::MIB;
 /// region holds their partials for every verified position): [`PlanOptions::verify_partitions`].
 pub const VERIFY_PARTITIONS: usize = 16;
 
+/// Split-K partitions of a decode row's attention, at most ([`PlanOptions::decode_partitions`]).
+pub const MAX_DECODE_PARTITIONS: usize = 128;
+
 /// Everything besides the model shape that decides the plan.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PlanOptions {

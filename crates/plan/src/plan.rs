@@ -4,7 +4,7 @@ use deltaserve_model::{Dims, ModelConfig, ModelError, ShardSpec};
 
 use crate::dtype::{KvDtype, WeightsDtype};
 use crate::error::PlanError;
-use crate::options::PlanOptions;
+use crate::options::{MAX_DECODE_PARTITIONS, PlanOptions};
 use crate::size::fmt_bytes;
 use crate::weights::WeightBytes;
 use crate::workspace::{StepShape, WorkspaceLayout, plan_workspace};
@@ -511,8 +511,12 @@ fn validate(cfg: &ModelConfig, o: &PlanOptions) -> Result<(), PlanError> {
             "must be 2 (bf16, GPU) or 4 (f32, CPU)",
         );
     }
-    if o.decode_partitions == 0 {
-        return bad("decode_partitions", "0".into(), "decode attention needs at least one partition");
+    if !(1..=MAX_DECODE_PARTITIONS).contains(&o.decode_partitions) {
+        return bad(
+            "--decode-partitions",
+            o.decode_partitions.to_string(),
+            &format!("decode attention uses 1 to {MAX_DECODE_PARTITIONS} partitions"),
+        );
     }
     match o.max_context {
         Some(0) => bad("--max-context", "0".into(), "a context holds at least one token"),

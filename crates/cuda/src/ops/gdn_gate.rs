@@ -4,6 +4,7 @@
 use cudarc::driver::CudaStream;
 
 use super::{Kernels, invalid, launch, to_i32, to_u32};
+use crate::KernelDims;
 use crate::error::CudaError;
 
 #[derive(Clone, Copy, Debug)]
@@ -63,6 +64,12 @@ pub struct GdnConvGateDecode {
     pub gate: GdnGate,
 }
 
+/// Whether [`gdn_conv_gate_decode`] takes a layer of `channels` conv channels with `hk` key and `hv`
+/// value heads: one block per head of conv channels needs key and value heads of one width.
+pub fn conv_gate_decode_supported(dims: &KernelDims, channels: usize, hk: usize, hv: usize) -> bool {
+    hk > 0 && hv > 0 && dims.gdn_k_dim == dims.gdn_v_dim && channels == (2 * hk + hv) * dims.gdn_k_dim
+}
+
 pub fn gdn_conv_gate_decode(k: &Kernels, s: &CudaStream, a: &GdnConvGateDecode) -> Result<(), CudaError> {
     const K: &str = "gdn_conv_gate_decode";
     let g = &a.gate;
@@ -71,10 +78,7 @@ pub fn gdn_conv_gate_decode(k: &Kernels, s: &CudaStream, a: &GdnConvGateDecode) 
     }
     let (dk, dv) = (k.dims.gdn_k_dim, k.dims.gdn_v_dim);
     let channels = g.qk_stride;
-    if g.hk == 0
-        || g.hv == 0
-        || dk != dv
-        || channels != (2 * g.hk + g.hv) * dk
+    if !conv_gate_decode_supported(&k.dims, channels, g.hk, g.hv)
         || a.x_stride < channels
         || g.b_stride < g.hv
         || g.a_stride < g.hv
