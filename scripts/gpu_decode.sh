@@ -6,6 +6,7 @@
 # Steps (STEPS=ops,w4,attn,bench4,bench4p64,bench16,bench32,bench64,backend,spec):
 #   ops      every kernel against the CPU reference (every int4 GEMV variant, decode attention)
 #   w4       tests/bench_w4.rs: the int4 GEMV variants at the 27B shapes (GB/s vs copy), prefill slices
+#   gdn      tests/ops.rs bench_gdn_prefill_27b: the chunked DeltaNet kernels at the 27B shape (M tok/s per layer)
 #   attn     tests/bench_attention.rs, decode kernel only: partitions 16 / 64 at batch 1 / 8, 32K
 #   bench4   27B, int4 weights, fp8 KV, 24 GiB: `deltaserve bench` decode at batch 1 / 8, 1K / 32K
 #   bench4p64  the same with --decode-partitions 64
@@ -13,23 +14,27 @@
 #   bench32, bench64  the same with --decode-partitions 32 / 64
 #   backend  tests/backend.rs (logits vs the CPU engine, batching, graphs, int4, quantised KV)
 #   spec     tests/speculative.rs (verify rows' decode attention, commit, drafts)
+#   w4prof   Nsight Compute on one pair-kernel int4 GEMV launch (gate+up, M = 1, 4 warps per pair)
+#   gdnprof  Nsight Compute on the chunked DeltaNet kernels (gdn_chunk_prep / gdn_chunk_state) of the
+#            27B-shape bench in tests/ops.rs: speed of light, warp stall reasons, top stall sources
 set -uo pipefail
 C=.carry/decode
 source "$(dirname "$0")/gpu_steps.sh"
 gpu_begin "${1:-}" "$C" gpu_decode ops,w4,attn,bench4,bench16,bench64,backend ops bench_w4 bench_attention backend speculative
 test_step ops 200 "FAIL|test result|panicked" "$C/ops" --nocapture --test-threads=1 ops_match_cpu_reference
-test_step w4 200 "BENCH|pair|panicked|Best" "$C/bench_w4" --nocapture --ignored bench_w4_27b
+test_step w4 200 "BENCH|pair|panicked|Best|units|rows" "$C/bench_w4" --nocapture --ignored bench_w4_27b
+test_step gdn 120 "^\||panicked|BENCH" "$C/ops" --nocapture --ignored bench_gdn_prefill_27b
 DS_BENCH_ATTN=decode test_step attn 60 "attn_decode|split|panicked|^\|" "$C/bench_attention" --nocapture --ignored
-D="--prompts 4096 --batches 1,8 --contexts 1024,32768 --steps 9 --verify-tokens 0"
+D="--batches 1,8 --contexts 1024,32768 --steps 9 --verify-tokens 0"
 for b in bench4 bench4p64 bench16 bench32 bench64; do
     has $b || continue
     step $b
     case $b in
-        bench4) A="--weights-dtype int4 --kv-cache-dtype fp8 --lm-head-int4 --embed-on-host --memory 24GiB" ;;
-        bench4p64) A="--weights-dtype int4 --kv-cache-dtype fp8 --lm-head-int4 --embed-on-host --memory 24GiB --decode-partitions 64" ;;
-        bench16) A="--memory 100GiB" ;;
-        bench32) A="--memory 100GiB --decode-partitions 32" ;;
-        bench64) A="--memory 100GiB --decode-partitions 64" ;;
+        bench4) A="--prompts 512,4096 --weights-dtype int4 --kv-cache-dtype fp8 --lm-head-int4 --embed-on-host --memory 24GiB" ;;
+        bench4p64) A="--prompts 4096 --weights-dtype int4 --kv-cache-dtype fp8 --lm-head-int4 --embed-on-host --memory 24GiB --decode-partitions 64" ;;
+        bench16) A="--prompts 4096 --memory 100GiB" ;;
+        bench32) A="--prompts 4096 --memory 100GiB --decode-partitions 32" ;;
+        bench64) A="--prompts 4096 --memory 100GiB --decode-partitions 64" ;;
     esac
     timeout 200 "$C/deltaserve" bench $D $A --json >"$OUT/$b.json" 2>"$OUT/$b.log"
     echo "rc=$?"; tail -n 2 "$OUT/$b.log"
@@ -37,4 +42,25 @@ for b in bench4 bench4p64 bench16 bench32 bench64; do
 done
 test_step backend 240 "^test |test result|panicked|FAIL" "$C/backend" --nocapture --test-threads=1 --skip hf_fixtures_logits
 test_step spec 200 "^test |test result|panicked|FAIL" "$C/speculative" --nocapture --test-threads=1
+if has w4prof; then
+    step w4prof
+    for kn in "w4p_hsh --launch-skip 110"; do
+        # shellcheck disable=SC2086
+        DS_BENCH_W4="gate+up" timeout 120 ncu --kernel-name $kn --launch-count 1 \
+            --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
+            --section MemoryWorkloadAnalysis --section SourceCounters \
+            "$C/bench_w4" --nocapture --ignored bench_w4_27b >>"$OUT/w4prof.log" 2>&1
+        echo "rc=$?"
+    done
+    grep -E "w4p_hsh|Duration|Stall|Issue Slots Busy|Warp Cycles Per Issued|Achieved Occupancy|Memory Throughput|Registers Per|DRAM Throughput|L2 Hit" "$OUT/w4prof.log" | head -60
+fi
+if has gdnprof; then
+    step gdnprof
+    timeout 200 ncu --kernel-name regex:'gdn_chunk_(prep|state)' --launch-skip 6 --launch-count 2 \
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
+        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SourceCounters \
+        "$C/ops" --nocapture --ignored bench_gdn_prefill_27b >"$OUT/gdnprof.log" 2>&1
+    echo "rc=$?"
+    grep -E "Duration|Stall|Issue Slots Busy|Warp Cycles Per Issued|Achieved Occupancy|Registers|Memory Throughput|Compute \(SM\)|smsp__pcsamp" "$OUT/gdnprof.log" | head -60
+fi
 step done

@@ -52,8 +52,8 @@
 //                smem 4 KB; cp4 / cp8: dynamic smem 48 / 96 KB (8 warps x stages x 1.5 KB).
 //  w4p_*:        grid (sum over the linears of ceil(ceil(out/32) / (8/wpt))), block 256, dynamic smem
 //                64 KB (8 warps x 4 stages x 2 KB); scales 8-byte aligned.
-//  w4_dequant:   grid (ceil((r1-r0)*in/8 / 256)) (grid-stride), block 256; dst 16-byte aligned,
-//                ldd % 8 == 0.
+//  w4_dequant:   grid (ceil((r1-r0)*in/32 / 256)) (grid-stride; per word with perm), block 256; dst
+//                16-byte aligned, ldd % 8 == 0 (without perm); (r1-r0)*in/8 < 2^31.
 //  w4_quantize:  grid (ceil(ceil((r1-r0)/2) * NG / 8)), block 256: one warp per (row pair, group);
 //                r0 even, r1 even or r1 == out.
 // Arch: mma.sync bf16, fma.rn.bf16x2, cp.async, cvt f16, ld.global.nc: sm_80+ (nothing Hopper-only).
@@ -548,38 +548,58 @@ W4P_KERNEL(w4p_fsb, float, false, true)
 W4P_KERNEL(w4p_fah, float, true, false)
 W4P_KERNEL(w4p_fab, float, true, true)
 
+// Eight columns of word w as bf16 (q - z) * s, packed in column order (column c of the word is
+// nibble (c & 1) * 4 + (c >> 1)).
+__device__ __forceinline__ uint4 w4_dequant_word(u32 w, float s, int z) {
+    u32 r[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const int c0 = 2 * p, c1 = 2 * p + 1;
+        const int q0 = (int)((w >> (4 * ((c0 & 1) * 4 + (c0 >> 1)))) & 15u);
+        const int q1 = (int)((w >> (4 * ((c1 & 1) * 4 + (c1 >> 1)))) & 15u);
+        r[p] = (u32)f2bf((float)(q0 - z) * s) | ((u32)f2bf((float)(q1 - z) * s) << 16);
+    }
+    return make_uint4(r[0], r[1], r[2], r[3]);
+}
+
+// Without perm: one thread per 4 words (32 columns of one row, one group): a 16-byte load, one scale
+// and zero, four 16-byte stores; 32-bit indices (the launcher keeps rows * in / 32 below 2^31).
+// With perm: one thread per word, each column scattered to its input feature.
 extern "C" __global__ void __launch_bounds__(256)
 w4_dequant(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,
            const unsigned char* __restrict__ zeros, int scale_bf16, const int* __restrict__ perm,
            bf16_t* __restrict__ dst, long long ldd, int out, int in, int r0, int r1) {
-    const int wpr = in >> 3;  // words per row
     const int zstride = (out + 1) >> 1;
-    const long long n = (long long)(r1 - r0) * wpr;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
-        const int rr = (int)(i / wpr), j = (int)(i - (long long)rr * wpr);
+    if (!perm) {
+        const int qpr = in >> 5;  // uint4 per row
+        const int n = (r1 - r0) * qpr;
+        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+            const int rr = i / qpr, j4 = i - rr * qpr;
+            const int o = r0 + rr, gi = j4 >> 2;
+            const uint4 w = ld_nc_stream((const uint4*)qw + (long long)o * qpr + j4);
+            const float s = w4_scale(scales[(long long)gi * out + o], scale_bf16);
+            const int z = (int)w4_zero(zeros, zstride, gi, o);
+            uint4* d = (uint4*)(dst + (long long)rr * ldd + 32 * j4);
+            d[0] = w4_dequant_word(w.x, s, z);
+            d[1] = w4_dequant_word(w.y, s, z);
+            d[2] = w4_dequant_word(w.z, s, z);
+            d[3] = w4_dequant_word(w.w, s, z);
+        }
+        return;
+    }
+    const int wpr = in >> 3;  // words per row
+    const int n = (r1 - r0) * wpr;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const int rr = i / wpr, j = i - rr * wpr;
         const int o = r0 + rr, gi = j >> 4;
         const u32 w = qw[(long long)o * wpr + j];
         const float s = w4_scale(scales[(long long)gi * out + o], scale_bf16);
         const int z = (int)w4_zero(zeros, zstride, gi, o);
-        bf16_t v[8];
-#pragma unroll
-        for (int c = 0; c < 8; ++c) {
-            const int q = (int)((w >> (4 * ((c & 1) * 4 + (c >> 1)))) & 15u);
-            v[c] = f2bf((float)(q - z) * s);
-        }
+        const uint4 v = w4_dequant_word(w, s, z);
+        const u32 pk[4] = {v.x, v.y, v.z, v.w};
         bf16_t* drow = dst + (long long)rr * ldd;
-        if (perm) {
 #pragma unroll
-            for (int c = 0; c < 8; ++c) drow[perm[8 * j + c]] = v[c];
-        } else {
-            uint4 pk;
-            pk.x = (u32)v[0] | ((u32)v[1] << 16);
-            pk.y = (u32)v[2] | ((u32)v[3] << 16);
-            pk.z = (u32)v[4] | ((u32)v[5] << 16);
-            pk.w = (u32)v[6] | ((u32)v[7] << 16);
-            *(uint4*)(drow + 8 * j) = pk;
-        }
+        for (int c = 0; c < 8; ++c) drow[perm[8 * j + c]] = (bf16_t)(pk[c >> 1] >> (16 * (c & 1)));
     }
 }
 
@@ -644,4 +664,56 @@ w4_quantize(const bf16_t* __restrict__ w, long long ldw, int out, int in, int r0
         zbyte |= z << (4 * h);
     }
     if (asym && lane == 0) zeros[(long long)gi * zstride + (r0 >> 1) + pi] = (unsigned char)zbyte;
+}
+
+// w4_read_probe (benchmark only, tests/bench_w4.rs): the pair kernel's weight streaming alone (its
+// grid, warps per pair and 4-stage cp.async ring; no math), over an [out, in] int4 buffer read either
+// as the device format (tiled == 0: a unit = 64 bytes of each of 32 rows, row stride in/2 bytes) or
+// as if each (pair, group) unit were one contiguous 2 KB block (tiled != 0). Says how much of the
+// GEMV's gap to the copy rate is the access pattern. sink gets one word that is never 0x9e3779b9.
+extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 2)
+w4_read_probe(const uint4* __restrict__ qw, int out, int in, int wpt, int tiled, unsigned* __restrict__ sink) {
+    extern __shared__ uint4 w4_dyn[];
+    constexpr int S = W4P_S;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int pair = blockIdx.x * (W4_WARPS / wpt) + warp / wpt;
+    const int part = warp % wpt;
+    const int ng = in >> 7;
+    const int gb = (int)((long long)part * ng / wpt), ge = (int)((long long)(part + 1) * ng / wpt);
+    const int n = ge - gb;
+    const int r0 = pair * 32 + 4 * g;
+    const long long wrow = (long long)(in >> 5);
+    const u32 ring_s = smem_addr(w4_dyn + warp * (S * W4P_STAGE_U4));
+    const uint4* ring = w4_dyn + warp * (S * W4P_STAGE_U4);
+    auto src = [&](int k, int j) -> const uint4* {
+        if (tiled) return qw + ((long long)pair * ng + k) * W4P_STAGE_U4 + j * 32 + lane;
+        return qw + (long long)min(r0 + j, out - 1) * wrow + t + 4 * k;
+    };
+    auto issue = [&](int st, int k) {
+        const u32 base = ring_s + (u32)(st * W4P_STAGE_U4 * 16) + lane * 16;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) cp_async16(base + j * 512, src(k, j));
+    };
+    u32 acc = 0;
+#pragma unroll
+    for (int st = 0; st < S - 1; ++st) {
+        if (st < n) issue(st, gb + st);
+        cp_async_commit();
+    }
+    for (int k0 = 0; k0 < n; k0 += S) {
+#pragma unroll
+        for (int u = 0; u < S; ++u) {
+            const int k = k0 + u;
+            if (k < n) {
+                if (k + S - 1 < n) issue((u + S - 1) % S, gb + k + S - 1);
+                cp_async_commit();
+                cp_async_wait<S - 1>();
+                const uint4* stg = ring + u * W4P_STAGE_U4 + lane;
+                acc ^= stg[0].x ^ stg[32].y ^ stg[64].z ^ stg[96].w;
+            }
+        }
+    }
+    cp_async_wait<0>();
+    if (acc == 0x9e3779b9u) sink[0] = acc;
 }

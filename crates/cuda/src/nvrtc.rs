@@ -86,6 +86,7 @@ pub const SOURCES: &[KernelSource] = &[
             "w4p_fsb",
             "w4p_fah",
             "w4p_fab",
+            "w4_read_probe",
             "w4_dequant",
             "w4_quantize",
         ],

@@ -9,6 +9,8 @@
 //! - prefill: 4096 tokens through `w4_dequant` of 4096-row slices + a cuBLASLt bf16 GEMM per
 //!   slice, TFLOP/s and its share of one bf16 cuBLASLt GEMM of the same shape;
 //! - `w4_quantize` throughput (bf16 bytes read per second), the `--quantize int4` load path.
+//!
+//! `DS_BENCH_W4=<substring>` runs only the decode shapes whose name contains it (for profilers).
 
 use std::sync::Arc;
 
@@ -180,7 +182,9 @@ fn run(rt: &Runtime, k: &Kernels) -> R<()> {
     println!("|---|---|---|---|---|---|---|---|");
     let mut quant_lines = Vec::new();
     let mut best_lines = Vec::new();
-    for &(name, out, inp) in DECODE {
+    // DS_BENCH_W4=<substring>: only the decode shapes whose name contains it (for profilers), nothing else.
+    let only = std::env::var("DS_BENCH_W4").ok();
+    for &(name, out, inp) in DECODE.iter().filter(|(n, ..)| only.as_ref().is_none_or(|o| n.contains(o.as_str()))) {
         // bf16 staging + two int4 variants, each with copies of up to 400 MB + one linear
         let mut d = Dev::new(rt, 4 * out * inp + (1 << 30))?;
         let stage = d.alloc(2 * out * inp)?;
@@ -231,6 +235,10 @@ fn run(rt: &Runtime, k: &Kernels) -> R<()> {
             best_lines.push(format!("| {name} | {out} x {inp} | {tag} | {gbs:.0} | {:.1}% |", 100.0 * gbs / copy));
         }
         rt.synchronize()?;
+    }
+    read_probe(rt, k, copy, only.as_deref())?;
+    if only.is_some() {
+        return Ok(());
     }
     println!();
     println!("One launch for a layer's linears sharing x (w4_gemv_multi) vs one launch each (default configs):");
@@ -353,6 +361,42 @@ fn run(rt: &Runtime, k: &Kernels) -> R<()> {
                 2.0 * (out * inp) as f64 / (dq * 1e-3) / 1e9
             );
         }
+    }
+    Ok(())
+}
+
+/// The pair kernel's weight streaming alone (w4_read_probe: same grid and ring, no math), in the
+/// device layout and as contiguous 2 KB units: how much of the GEMV's gap to the copy rate is the
+/// access pattern (64 bytes from each of 32 rows per unit) rather than the math.
+fn read_probe(rt: &Runtime, k: &Kernels, copy: f64, only: Option<&str>) -> R<()> {
+    let s = rt.stream().clone();
+    println!();
+    println!("Weight streaming alone (w4_read_probe, M = 1 grid of the pair kernel, no math):");
+    println!("| linear | out x in | wpt | layout | us | GB/s | % of copy |");
+    println!("|---|---|---|---|---|---|---|");
+    for &(name, out, inp) in DECODE.iter().filter(|(n, ..)| only.is_none_or(|o| n.contains(o))) {
+        let mut d = Dev::new(rt, 2 * out * inp + (1 << 30))?;
+        let stage = d.alloc(2 * out * inp)?;
+        init_random(k, &s, stage, out * inp, 7, Init::Normal(0.02), false)?;
+        let (w, _) = make_w4(k, &s, &mut d, stage, out, inp, false)?;
+        let ws = copies(&mut d, &w, 400 << 20)?;
+        let sink = d.alloc(16)?;
+        let auto = w4a16::gemv_config(out, inp, rt.sm_count as usize);
+        for wpt in [auto.wpt, 8] {
+            for tiled in [false, true] {
+                let ms = time_ms(rt, 50.max(ws.len()), |i| {
+                    w4a16::w4_read_probe(k, &s, &ws[i % ws.len()], wpt, tiled, sink)
+                })?;
+                let gbs = (out * inp / 2) as f64 / (ms * 1e-3) / 1e9;
+                let layout = if tiled { "2 KB units" } else { "device (rows)" };
+                println!(
+                    "| {name} | {out} x {inp} | {wpt} | {layout} | {:.1} | {gbs:.0} | {:.1}% |",
+                    ms * 1e3,
+                    100.0 * gbs / copy
+                );
+            }
+        }
+        rt.synchronize()?;
     }
     Ok(())
 }

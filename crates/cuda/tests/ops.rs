@@ -467,6 +467,7 @@ fn cases() -> Vec<Case> {
         c("w4_dequant", q, Op::W4Dequant { out: 300, inp: 1024, r0: 0, r1: 300, asym: false, perm: false }, EXACT),
         c("w4_dequant", q, Op::W4Dequant { out: 301, inp: 512, r0: 100, r1: 233, asym: true, perm: false }, EXACT),
         c("w4_dequant", q, Op::W4Dequant { out: 64, inp: 640, r0: 7, r1: 64, asym: true, perm: true }, EXACT),
+        c("w4_dequant", q, Op::W4Dequant { out: 1000, inp: 5120, r0: 3, r1: 1000, asym: true, perm: false }, EXACT),
         c("w4_quantize", q, Op::W4Quantize { out: 301, inp: 512, asym: true }, EXACT),
         c("w4_quantize", q, Op::W4Quantize { out: 256, inp: 5120, asym: false }, EXACT),
         c("w4_quantize", q, Op::W4Quantize { out: 33, inp: 128, asym: false }, EXACT),

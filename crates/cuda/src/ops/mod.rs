@@ -102,6 +102,7 @@ impl Kernels {
         ]
         .into_iter()
         .chain(w4a16::PAIR_KERNELS.iter().map(|&n| (n, w4a16::GemvKernel::Pair.smem_bytes())))
+        .chain(std::iter::once(("w4_read_probe", w4a16::GemvKernel::Pair.smem_bytes())))
         {
             if bytes as i64 > rt.max_smem_optin as i64 {
                 return Err(CudaError::InvalidArgs {

@@ -367,6 +367,29 @@ fn launch_pair(
         q3, s3, z3, y3, l3, o3, n3)
 }
 
+/// Benchmark probe: streams `w.qweight` as the pair kernel would (its grid for `wpt` warps per pair,
+/// its cp.async ring, no math) in the device layout (`tiled` false) or as contiguous 2 KB blocks per
+/// (32-row pair, group) unit (`tiled` true, the same bytes). `sink`: one writable u32.
+pub fn w4_read_probe(
+    k: &Kernels,
+    s: &CudaStream,
+    w: &W4Weights,
+    wpt: usize,
+    tiled: bool,
+    sink: u64,
+) -> Result<(), CudaError> {
+    const K: &str = "w4_read_probe";
+    w.check(K)?;
+    if ![1, 2, 4, 8].contains(&wpt) || !w.out.is_multiple_of(32) {
+        return Err(invalid(K, "wpt 1, 2, 4 or 8 and out a multiple of 32"));
+    }
+    let grid = (to_u32(K, "blocks", w.out.div_ceil(32 * (WARPS / wpt)))?, 1, 1);
+    let (out, inp, wpt_i, tiled_i) = (to_i32(K, "out", w.out)?, to_i32(K, "in", w.inp)?, wpt as i32, i32::from(tiled));
+    let qw = w.qweight;
+    launch!(k, s, K, grid, ((WARPS * 32) as u32, 1, 1), GemvKernel::Pair.smem_bytes() as u32;
+        qw, out, inp, wpt_i, tiled_i, sink)
+}
+
 /// Rows `r0..r1` of `w` dequantised to bf16 `dst[r − r0, feature]` (row stride `ldd`, input-feature
 /// order: act-order columns are scattered back), exactly `bf16((q − zero) · scale)`.
 #[allow(clippy::too_many_arguments)]
@@ -394,7 +417,10 @@ pub fn w4_dequant(
         ));
     }
     let words = (r1 - r0) * (w.inp / 8);
-    let grid = (words.div_ceil(256).min(1 << 20) as u32, 1, 1);
+    to_i32(K, "words", words)?;
+    // One thread per 4 words without a permutation, per word with one.
+    let items = if w.perm.is_some() { words } else { words / 4 };
+    let grid = (items.div_ceil(256).min(1 << 20) as u32, 1, 1);
     let (qw, sc, zp, sbf, pp) = (w.qweight, w.scales, w.zeros.unwrap_or(0), w.scale_bf16(), w.perm.unwrap_or(0));
     let (out, inp, a, b) = (to_i32(K, "out", w.out)?, to_i32(K, "in", w.inp)?, r0 as i32, r1 as i32);
     let ldd_i = ldd as i64;
