@@ -15,16 +15,17 @@
 //      inputs, f32 accumulate), T by forward substitution in f32 (one column per thread, history in
 //      registers), then w and u as tensor-core products of T (times the per-column scale) with K / V.
 //      Writes the workspace, per flattened token t and value head:
-//        w_hi, w_lo [T, Hv, DK] bf16   u [T, Hv, DV] f32   P_hi, P_lo [T, Hv, 64] bf16   G [T, Hv] f32
-//      (= 4*(DK+DV+65) B per token and head: the workspace stays bounded by the step's tokens).
-//  gdn_chunk_state  grid (B, Hv, DV / (16*SNW)), SNW*32 threads, smem ~87 KB.
+//        w_hi, w_lo [T, Hv, DK] bf16   u [T, Hv, DV] f32   P_hi, P_lo [T, Hv, 64] bf16
+//        E [T, Hv, 2] f32 = (exp(G_i), exp(G_last - G_i)) (the walk's decays, computed once here)
+//      (= 4*(DK+DV+66) B per token and head: the workspace stays bounded by the step's tokens).
+//  gdn_chunk_state  grid (B, Hv, DV / (16*SNW)), SNW*32 threads, smem ~96 KB (fits sm_86's 99 KB).
 //      The sequential walk. Everything is computed transposed so the recurrent state never leaves
 //      registers: warp w owns 16 value columns and holds h^T (16 x DK, f32) as mma accumulator tiles,
 //      which are also (register-only, no shuffle) the A operand of the next products:
 //        vn^T = u^T - h^T w^T     (A = h^T, B = w rows)            64 chunk rows
 //        o^T  = exp(G) * h^T q^T + vn^T P^T   (B = q rows, P rows; P lower triangular: half the tiles)
 //        h^T  = exp(G_last) h^T + (Dl * vn)^T K   (B = K via ldmatrix.trans)
-//      The chunk's w/q/P/K/G tiles stream in with cp.async in three groups, each issued one chunk
+//      The chunk's w/q/P/K/decay tiles stream in with cp.async in three groups, each issued one chunk
 //      ahead as soon as its buffer is free, and everything is L2-prefetched two chunks ahead: the
 //      walk is latency-bound (one block per (sequence, head, 64 columns)), so memory latency, not
 //      tensor-core throughput, sets the time per chunk (measured: plain-bf16 mode is only ~10% faster).
@@ -57,6 +58,7 @@
 #define PREP_QT_BYTES (CH * KPB * 2 > CH * AP * 4 ? CH * KPB * 2 : CH * AP * 4)
 #define SNW ((DV / 16) % 4 == 0 ? 4 : 2)  // warps per gdn_chunk_state block
 #define SBV (16 * SNW)                    // value columns per gdn_chunk_state block
+#define OPB (SBV + 8)                     // bf16 row pitch of the o tile
 
 // ---------------------------------------------------------------------------------------------
 // Tensor-core helpers (mma_bf16, smem_addr, cp.async: prelude.cuh, with the fragment layouts).
@@ -92,6 +94,10 @@ __device__ __forceinline__ void cp16(void* dst, const void* src, bool valid) {
 }
 __device__ __forceinline__ void cp4(void* dst, const void* src, bool valid) {
     cp_async4(smem_addr(dst), src, valid ? 4 : 0);
+}
+__device__ __forceinline__ void cp8(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 8 : 0)
+                 : "memory");
 }
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
@@ -187,7 +193,10 @@ gdn_chunk_prep(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     __syncthreads();
     if (tid < CH) {
         Ew[tid] = Bs[tid] * expf(Gs[tid]);
-        if (tid < L) ws_g[(long long)(t0 + tid) * Hv + hv] = Gs[tid];
+        if (tid < L) {
+            const float2 e = make_float2(expf(Gs[tid]), expf(Gs[L - 1] - Gs[tid]));
+            *(float2*)(ws_g + 2 * ((long long)(t0 + tid) * Hv + hv)) = e;
+        }
     }
 
     const int r0 = 16 * warp;  // this warp's chunk rows
@@ -323,7 +332,8 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     bf16_t* Ks = Qs + CH * KPB;     // [CH][KPB] k        (group C)
     bf16_t* Ph = Ks + CH * KPB;     // [CH][PPB] P hi     (group B)
     bf16_t* Pl = Ph + CH * PPB;     // [CH][PPB] P lo     (group B)
-    float* Gs = (float*)(Pl + CH * PPB);  // [2][CH] G, double-buffered (group A)
+    float2* Es = (float2*)(Pl + CH * PPB);  // [2][CH] (exp(G_i), exp(G_last - G_i)), double-buffered (group A)
+    bf16_t* Os = (bf16_t*)(Es + 2 * CH);    // [CH][OPB] the chunk's o, this block's SBV columns
 
     const bool precise = precise_flag != 0;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -353,9 +363,9 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                 cp16(Wl + i * KPB + 8 * p, ws_wl + wo, ok);
                 cp16(Qs + i * KPB + 8 * p, q + (row * Hk + hk) * DK + 8 * p, ok);
             }
-            if (tid < CH) {
+            if (tid < CH) {  // zero past the chunk end: exp(G_last - G_j) = 0 there
                 const bool ok = tid < L;
-                cp4(Gs + (c & 1) * CH + tid, ws_g + (long long)(ok ? t0 + tid : t0) * Hv + hv, ok);
+                cp8(Es + (c & 1) * CH + tid, ws_g + 2 * ((long long)(ok ? t0 + tid : t0) * Hv + hv), ok);
             }
         }
         cp_async_commit();
@@ -494,11 +504,11 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
         __syncthreads();  // group B(c): P
 
         // Phase 2: o^T = exp(G_i) h^T q^T + vn^T P^T  (oq holds -h^T q^T).
-        const float* G = Gs + (c & 1) * CH;
+        const float2* E = Es + (c & 1) * CH;
 #pragma unroll
         for (int n = 0; n < CH / 8; n++) {
             const int i = 8 * n + 2 * t4;
-            const float e0 = -expf(G[i]), e1 = -expf(G[i + 1]);
+            const float e0 = -E[i].x, e1 = -E[i + 1].x;
             oq[n][0] *= e0;
             oq[n][1] *= e1;
             oq[n][2] *= e0;
@@ -527,24 +537,21 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                 }
             }
         }
+        // o through shared memory (stored below with 16-byte writes).
 #pragma unroll
         for (int n = 0; n < CH / 8; n++) {
 #pragma unroll
             for (int e = 0; e < 2; e++) {
-                const int i = 8 * n + 2 * t4 + e;
-                if (i < L) {
-                    bf16_t* op = o + ((long long)(t0 + i) * Hv + hv) * DV + vw + gq;
-                    op[0] = f2bf(oq[n][e]);
-                    op[8] = f2bf(oq[n][2 + e]);
-                }
+                bf16_t* os = Os + (8 * n + 2 * t4 + e) * OPB + warp * 16 + gq;
+                os[0] = f2bf(oq[n][e]);
+                os[8] = f2bf(oq[n][2 + e]);
             }
         }
         // (Dl * vn)^T with Dl_j = exp(G_last - G_j), 0 past the chunk end.
-        const float gl = G[L - 1];
 #pragma unroll
         for (int n = 0; n < CH / 8; n++) {
             const int j = 8 * n + 2 * t4;
-            const float d0 = j < L ? expf(gl - G[j]) : 0.0f, d1 = j + 1 < L ? expf(gl - G[j + 1]) : 0.0f;
+            const float d0 = E[j].y, d1 = E[j + 1].y;
             acc[n][0] *= d0;
             acc[n][1] *= d1;
             acc[n][2] *= d0;
@@ -557,14 +564,20 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
             split2(acc[2 * kt + 1][0], acc[2 * kt + 1][1], vh[kt][2], vl[kt][2]);
             split2(acc[2 * kt + 1][2], acc[2 * kt + 1][3], vh[kt][3], vl[kt][3]);
         }
-        __syncthreads();  // P buffers free
+        __syncthreads();  // P buffers free, o tile complete
         load_b(c + 1);
+        for (int e = tid; e < CH * (SBV / 8); e += SNW * 32) {
+            const int i = e / (SBV / 8), p = e % (SBV / 8);
+            if (i < L)
+                *(uint4*)(o + ((long long)(t0 + i) * Hv + hv) * DV + blockIdx.z * SBV + 8 * p) =
+                    *(const uint4*)(Os + i * OPB + 8 * p);
+        }
         cp_async_wait<2>();
         __syncthreads();  // group C(c): K
         load_u(c + 1);    // next chunk's u, in flight during the state update
 
         // Phase 3: h^T = exp(G_last) h^T + (Dl * vn)^T K.
-        const float eg = expf(gl);
+        const float eg = E[L - 1].x;
 #pragma unroll
         for (int n = 0; n < DK / 8; n++)
 #pragma unroll

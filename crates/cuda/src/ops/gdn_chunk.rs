@@ -11,9 +11,10 @@ use crate::nvrtc::KernelDims;
 pub const CHUNK: usize = 64;
 
 /// Workspace bytes for `t` tokens (the one place that sizes it): w_hi, w_lo [t,hv,dk] bf16,
-/// u [t,hv,dv] f32, P_hi, P_lo [t,hv,64] bf16, G [t,hv] f32 = 4 (dk + dv + 65) B per token and head.
+/// u [t,hv,dv] f32, P_hi, P_lo [t,hv,64] bf16, the decays (exp(G), exp(G_last − G)) [t,hv,2] f32
+/// = 4 (dk + dv + 66) B per token and head.
 pub fn workspace_bytes(t: usize, hv: usize, dims: &KernelDims) -> usize {
-    let per_tok_head = dims.gdn_k_dim + dims.gdn_v_dim + CHUNK + 1;
+    let per_tok_head = dims.gdn_k_dim + dims.gdn_v_dim + CHUNK + 2;
     // Each of the six parts starts 256-byte aligned.
     4 * t * hv * per_tok_head + 6 * 256
 }
@@ -29,8 +30,11 @@ pub(crate) fn prep_smem_bytes(d: &KernelDims) -> usize {
 }
 
 pub(crate) fn state_smem_bytes(d: &KernelDims) -> usize {
-    // w_hi, w_lo, q, k [64][dk+8] bf16, P_hi, P_lo [64][72] bf16, G [2][64] f32.
-    2 * (4 * CHUNK * (d.gdn_k_dim + 8) + 2 * CHUNK * (CHUNK + 8)) + 4 * 2 * CHUNK
+    // w_hi, w_lo, q, k [64][dk+8] bf16, P_hi, P_lo [64][72] bf16, decays [2][64] (f32, f32),
+    // o [64][cols+8] bf16 (at most sm_86's 99 KB per block at dk = dv = 128).
+    2 * (4 * CHUNK * (d.gdn_k_dim + 8) + 2 * CHUNK * (CHUNK + 8))
+        + 8 * 2 * CHUNK
+        + 2 * CHUNK * (state_block_cols(d) + 8)
 }
 
 /// Value columns per gdn_chunk_state block (16 per warp; 4 warps when dv/16 allows, else 2).
