@@ -12,8 +12,9 @@
 // Two kernels, several sequences per launch (varlen: cu_seqlens + state slots):
 //  gdn_chunk_prep   grid (n_chunks, Hv), 128 threads (4 warps x 16 chunk rows), smem ~69 KB.
 //      Everything that depends only on the chunk: K K^T and Q K^T on tensor cores (exact bf16
-//      inputs, f32 accumulate), T by forward substitution in f32 (one column per thread, history in
-//      registers), then w and u as tensor-core products of T (times the per-column scale) with K / V.
+//      inputs, f32 accumulate), T in f32 by 16 x 16 blocks (forward substitution on the diagonal blocks,
+//      then the block rows below as small products), then w and u as tensor-core products of T (times
+//      the per-column scale) with K / V.
 //      Writes the workspace, per flattened token t and value head:
 //        w_hi, w_lo [T, Hv, DK] bf16   u [T, Hv, DV] f32   P_hi, P_lo [T, Hv, 64] bf16
 //        E [T, Hv, 2] f32 = (exp(G_i), exp(G_last - G_i)) (the walk's decays, computed once here)
@@ -253,30 +254,49 @@ gdn_chunk_prep(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     }
     __syncthreads();
 
-    // T = (I + A)^-1 by forward substitution, one column c per thread: T[i][c] = [i == c] -
-    // sum_{j<i} A[i][j] T[j][c] (T[j][c] = 0 for j < c, so the sum may run over all j < i).
+    // T = (I + A)^-1 in 16 x 16 blocks (A strictly lower triangular, so T is unit lower triangular).
+    // Diagonal blocks by forward substitution, one (block, column) per thread: T_bb[i][c] = [i == c] -
+    // sum_{j<i} A_bb[i][j] T_bb[j][c]. Then block rows b = 1..3 in turn, all their blocks at once:
+    // M_j = sum_{k=j}^{b-1} A_bk T_kj, T_bj = -T_bb M_j, with M_j in the upper block (0, j + 1) of Ts
+    // (never read by the products below, which take only T's lower blocks).
     if (tid < CH) {
-        const int c = tid;
-        float hist[CH];
+        const int b0 = 16 * (tid >> 4), c = tid & 15;
+        float hist[16];
 #pragma unroll
-        for (int i = 0; i < CH; i++) {
-            float x0 = i == c ? 1.0f : 0.0f, x1 = 0.0f, x2 = 0.0f, x3 = 0.0f;
-            const float* ar = As + i * AP;
+        for (int i = 0; i < 16; i++) {
+            const float* ar = As + (b0 + i) * AP + b0;
+            float x = i == c ? 1.0f : 0.0f;
 #pragma unroll
-            for (int j = 0; j + 4 <= i; j += 4) {
-                const float4 a = *(const float4*)(ar + j);
-                x0 -= a.x * hist[j];
-                x1 -= a.y * hist[j + 1];
-                x2 -= a.z * hist[j + 2];
-                x3 -= a.w * hist[j + 3];
-            }
-#pragma unroll
-            for (int j = i & ~3; j < i; j++) x0 -= ar[j] * hist[j];
-            hist[i] = (x0 + x1) + (x2 + x3);
-            Ts[i * AP + c] = hist[i];
+            for (int jj = 0; jj < i; jj++) x -= ar[jj] * hist[jj];
+            hist[i] = x;
+            Ts[(b0 + i) * AP + b0 + c] = x;
         }
     }
     __syncthreads();
+    for (int b = 1; b < CH / 16; b++) {
+        for (int e = tid; e < b * 256; e += blockDim.x) {
+            const int jb = e >> 8, r = (e >> 4) & 15, cc = e & 15;
+            float m = 0.0f;
+            for (int kb = jb; kb < b; kb++) {
+                const float* ar = As + (16 * b + r) * AP + 16 * kb;
+                const float* tc = Ts + (16 * kb) * AP + 16 * jb + cc;
+#pragma unroll
+                for (int q = 0; q < 16; q++) m += ar[q] * tc[q * AP];
+            }
+            Ts[r * AP + 16 * (jb + 1) + cc] = m;
+        }
+        __syncthreads();
+        for (int e = tid; e < b * 256; e += blockDim.x) {
+            const int jb = e >> 8, r = (e >> 4) & 15, cc = e & 15;
+            const float* tr = Ts + (16 * b + r) * AP + 16 * b;
+            const float* mc = Ts + 16 * (jb + 1) + cc;
+            float x = 0.0f;
+#pragma unroll
+            for (int q = 0; q < 16; q++) x -= (q <= r ? tr[q] : 0.0f) * mc[q * AP];
+            Ts[(16 * b + r) * AP + 16 * jb + cc] = x;
+        }
+        __syncthreads();
+    }
 
     // w = T diag(beta exp(G)) K -> hi/lo bf16;  u = T diag(beta) V -> f32. Rows r0..r0+15.
     {
