@@ -193,11 +193,10 @@ gdn_chunk_prep(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     }
     __syncthreads();
     if (tid < CH) {
-        Ew[tid] = Bs[tid] * expf(Gs[tid]);
-        if (tid < L) {
-            const float2 e = make_float2(expf(Gs[tid]), expf(Gs[L - 1] - Gs[tid]));
-            *(float2*)(ws_g + 2 * ((long long)(t0 + tid) * Hv + hv)) = e;
-        }
+        const float eg = expf(Gs[tid]);
+        Ew[tid] = Bs[tid] * eg;
+        if (tid < L)
+            *(float2*)(ws_g + 2 * ((long long)(t0 + tid) * Hv + hv)) = make_float2(eg, expf(Gs[L - 1] - Gs[tid]));
     }
 
     const int r0 = 16 * warp;  // this warp's chunk rows

@@ -917,23 +917,7 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
                     d.poison(4 * b * hv)?,
                     d.poison(4 * b * hv)?,
                 );
-                let gate = gdn_gate::GdnGate {
-                    qk: y,
-                    qk_stride: c,
-                    b: bap,
-                    b_stride: 2 * hv,
-                    a: bap + (2 * hv) as u64,
-                    a_stride: 2 * hv,
-                    a_log: alp,
-                    dt_bias: dtp,
-                    q_out: qo,
-                    k_out: ko,
-                    g: go,
-                    beta: bo,
-                    t: b,
-                    hk,
-                    hv,
-                };
+                let gate = gate_args(y, c, bap, alp, dtp, [qo, ko, go, bo], b, hk, hv);
                 if fused {
                     let f = gdn_gate::GdnConvGateDecode { x: xp, x_stride: xs, w: wp, state: st, slots: sp, gate };
                     gdn_gate::gdn_conv_gate_decode(k, &s, &f)?;
@@ -976,23 +960,7 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
             let (qp, bap, alp, dtp) = (d.bf16(&qkv)?, d.bf16(&ba)?, d.f32s(&a_log)?, d.f32s(&dt_bias)?);
             let (qo, ko, go, bo) =
                 (d.poison(2 * t * hk * dk)?, d.poison(2 * t * hk * dk)?, d.poison(4 * t * hv)?, d.poison(4 * t * hv)?);
-            let a = gdn_gate::GdnGate {
-                qk: qp,
-                qk_stride: conv_dim,
-                b: bap,
-                b_stride: 2 * hv,
-                a: bap + 2 * hv as u64,
-                a_stride: 2 * hv,
-                a_log: alp,
-                dt_bias: dtp,
-                q_out: qo,
-                k_out: ko,
-                g: go,
-                beta: bo,
-                t,
-                hk,
-                hv,
-            };
+            let a = gate_args(qp, conv_dim, bap, alp, dtp, [qo, ko, go, bo], t, hk, hv);
             gdn_gate::gdn_gate(k, &s, &a)?;
             let (mut rq, mut rk, mut rg, mut rbeta) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
             for tt in 0..t {
@@ -1992,6 +1960,40 @@ fn w4_gemv_multi_case(
         v.push(Outcome { ok: same, detail: format!("y{i} bitwise equal to its own launch: {same}") });
     }
     Ok(v)
+}
+
+/// DeltaNet gate arguments for `t` rows: q|k read from `qk` (row stride `qk_stride`), b and a from
+/// one `[t, 2·hv]` bf16 buffer `ba` ([b | a] per row, like the fused projection), outputs
+/// `[q, k, g, beta]`.
+#[allow(clippy::too_many_arguments)]
+fn gate_args(
+    qk: u64,
+    qk_stride: usize,
+    ba: u64,
+    a_log: u64,
+    dt_bias: u64,
+    [q_out, k_out, g, beta]: [u64; 4],
+    t: usize,
+    hk: usize,
+    hv: usize,
+) -> gdn_gate::GdnGate {
+    gdn_gate::GdnGate {
+        qk,
+        qk_stride,
+        b: ba,
+        b_stride: 2 * hv,
+        a: ba + 2 * hv as u64,
+        a_stride: 2 * hv,
+        a_log,
+        dt_bias,
+        q_out,
+        k_out,
+        g,
+        beta,
+        t,
+        hk,
+        hv,
+    }
 }
 
 /// Bit-exact comparison of 16-bit patterns.
