@@ -197,13 +197,6 @@ __device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u
 }
 
 
-// Two f32 -> packed bf16x2 (round to nearest even): lo in bits 0..15 (the lower column / address).
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
 // (x0, x1) -> hi = bf16x2(x0, x1) and lo = bf16x2(x0 - hi0, x1 - hi1).
 __device__ __forceinline__ void split_bf16(float x0, float x1, u32& hi, u32& lo) {
     hi = pack_bf16(x0, x1);

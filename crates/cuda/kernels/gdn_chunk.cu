@@ -64,17 +64,10 @@
 // ---------------------------------------------------------------------------------------------
 // Tensor-core helpers (mma_bf16, smem_addr, cp.async: prelude.cuh, with the fragment layouts).
 
-// (lo, hi) -> packed bf16x2, round to nearest even.
-__device__ __forceinline__ u32 cvt_bf2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
 // x0, x1 -> hi = bf16(x), lo = bf16(x - hi), both packed.
 __device__ __forceinline__ void split2(float x0, float x1, u32& hi, u32& lo) {
-    hi = cvt_bf2(x0, x1);
-    lo = cvt_bf2(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xffff0000u));
+    hi = pack_bf16(x0, x1);
+    lo = pack_bf16(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xffff0000u));
 }
 
 __device__ __forceinline__ u32 lds32(const bf16_t* p) { return *(const u32*)p; }

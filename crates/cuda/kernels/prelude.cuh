@@ -21,6 +21,14 @@ __device__ __forceinline__ bf16_t f2bf(float f) {
     return (bf16_t)(u >> 16);
 }
 
+// Two f32 -> packed bf16x2, round to nearest even (one instruction; NaN -> the canonical NaN): lo in
+// bits 0..15 (the lower column / address).
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
 // Round an f32 through bf16 (what storing to a bf16 tensor and reading back does).
 __device__ __forceinline__ float round_bf(float f) { return bf2f(f2bf(f)); }
 

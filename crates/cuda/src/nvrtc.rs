@@ -74,10 +74,6 @@ pub const SOURCES: &[KernelSource] = &[
         src: include_str!("../kernels/w4a16.cu"),
         functions: &[
             "w4_permute_x",
-            "w4_gemv_reg",
-            "w4_gemv_reg_f32",
-            "w4_gemv_cp4",
-            "w4_gemv_cp8",
             "w4p_hsh",
             "w4p_hsb",
             "w4p_hah",

@@ -8,11 +8,17 @@
 //! One linear `W [out, in]` (`in` a multiple of 128), in groups of [`W4_GROUP`] = 128 consecutive
 //! *device columns*; `NG = in / 128` groups:
 //!
-//! - `qweight` u32 `[out, in/8]`, row-major by output row: word `j` of row `o` holds device columns
-//!   `8j..8j+8`, column `8j + c` in nibble `(c & 1)·4 + (c >> 1)` (the nibbles hold columns
-//!   `0,2,4,6,1,3,5,7`, so `(word >> 4p) & 0x000f000f` is the pair of columns `(2p, 2p+1)` in the
-//!   two 16-bit halves, which is what the tensor-core GEMV feeds to `mma` as is). A GEMV lane reads
-//!   16 contiguous bytes = 32 columns of one row.
+//! - `qweight` u32, `out·in/8` words, **tile-major**: the rows form "pairs" of 32 (the last one has
+//!   `R = out − 32p ≤ 32` rows); the (pair `p`, group `k`) *unit* holds the pair's `R` rows × 128
+//!   columns (64 bytes per row), units in (p, k) row-major order, so pair `p` starts at 16-byte
+//!   chunk `p·NG·128` and unit (p, k) at `p·NG·128 + k·R·4`. Inside a unit, row `rr = 4g + j`
+//!   (`j = rr % 4`) holds the chunks `(before(j) + g)·4 + t`, `t = 0..4` its 32-column quarters,
+//!   where `before(j)` counts the unit's rows with `rr % 4 < j` (`8j` when `R = 32`): the GEMV
+//!   lane `(g, t)` copies chunk `t` of rows `4g + j` for `j = 0..4`, four contiguous 512-byte runs of
+//!   a 2 KB unit ([`u4_index`]). A chunk is 4 words of 8 columns; column `8i + c` of a word is in
+//!   nibble `(c & 1)·4 + (c >> 1)` (the nibbles hold columns `0,2,4,6,1,3,5,7`, so
+//!   `(word >> 4p) & 0x000f000f` is the pair of columns `(2p, 2p+1)` in the two 16-bit halves, which
+//!   is what the tensor-core GEMV feeds to `mma` as is).
 //! - `scales` u16 `[NG, out]`, group-major (one group's scales of 16 consecutive rows are one
 //!   32-byte sector): fp16 bits, or bf16 bits when the checkpoint's scales were bf16
 //!   ([`ScaleDtype`]).
@@ -57,7 +63,7 @@ impl ScaleDtype {
 pub struct W4Linear {
     pub out_features: usize,
     pub in_features: usize,
-    /// u32 `[out, in/8]`, interleaved nibbles (see the module docs).
+    /// u32 × `out·in/8`, tile-major with interleaved nibbles (see the module docs).
     pub qweight: Vec<u32>,
     /// `[in/128, out]` 16-bit patterns in `scale_dtype`.
     pub scales: Vec<u16>,
@@ -106,6 +112,21 @@ impl W4Bytes {
         }
         (offs, at)
     }
+}
+
+/// Index of the 16-byte chunk (4 words) holding device columns `32c .. 32c + 32` of row `o` of an
+/// `[out, inp]` linear in the tile-major order (module docs; `w4_u4` in kernels/w4a16.cu).
+pub fn u4_index(out: usize, inp: usize, o: usize, c: usize) -> usize {
+    let ng = inp / W4_GROUP;
+    let (p, rr) = (o / 32, o % 32);
+    let r = (out - 32 * p).min(32);
+    let before: usize = (0..rr % 4).map(|jj| (r + 3 - jj) / 4).sum();
+    p * ng * 128 + (c / 4) * r * 4 + (before + rr / 4) * 4 + c % 4
+}
+
+/// Index of the word holding device column `j` of row `o` (the column's nibble: [`nibble_of`]).
+pub fn word_index(out: usize, inp: usize, o: usize, j: usize) -> usize {
+    4 * u4_index(out, inp, o, j / 32) + (j % 32) / 8
 }
 
 /// Nibble (0..8) of device column `c` (mod 8) inside its word.
@@ -164,7 +185,7 @@ impl W4Linear {
 
     /// Quant of row `o`, device column `j`.
     pub fn q(&self, o: usize, j: usize) -> u32 {
-        (self.qweight[o * (self.in_features / 8) + j / 8] >> (4 * nibble_of(j))) & 15
+        (self.qweight[word_index(self.out_features, self.in_features, o, j)] >> (4 * nibble_of(j))) & 15
     }
 
     /// Zero point of (group `g`, row `o`).
@@ -210,7 +231,7 @@ impl W4Linear {
         let mut w = vec![0u32; out * inp / 8];
         for o in 0..out {
             for j in 0..inp {
-                w[o * inp / 8 + j / 8] |= (q[o * inp + j] as u32 & 15) << (4 * nibble_of(j));
+                w[word_index(out, inp, o, j)] |= (q[o * inp + j] as u32 & 15) << (4 * nibble_of(j));
             }
         }
         w
@@ -784,6 +805,46 @@ mod tests {
             let pair = (w >> (4 * p)) & 0x000f_000f;
             assert_eq!((pair & 0xffff, pair >> 16), (2 * p as u32, 2 * p as u32 + 1));
         }
+    }
+
+    /// The tile-major order is a bijection onto `0..out·in/32` chunks, a full (pair, group) unit is
+    /// 2 KB of consecutive chunks, and lane `(g, t)`'s copy `j` of a full unit is chunk `32j + 4g + t`
+    /// (each copy of the warp: 512 contiguous bytes).
+    #[test]
+    fn tile_major_order_is_a_bijection_with_contiguous_units() {
+        for (out, inp) in [(64, 256), (48, 384), (7, 128), (33, 128), (101, 512), (3, 256)] {
+            let n = out * inp / 32;
+            let mut seen = vec![false; n];
+            for o in 0..out {
+                for c in 0..inp / 32 {
+                    let u = u4_index(out, inp, o, c);
+                    assert!(u < n && !seen[u], "[{out}, {inp}] row {o} chunk {c} -> {u}");
+                    seen[u] = true;
+                    // Rows of one unit stay inside it.
+                    let (p, k) = (o / 32, c / 4);
+                    let r = (out - 32 * p).min(32);
+                    let base = p * (inp / 128) * 128 + k * r * 4;
+                    assert!((base..base + 4 * r).contains(&u));
+                    if r == 32 {
+                        let (g, j, t) = ((o % 32) / 4, o % 4, c % 4);
+                        assert_eq!(u - base, 32 * j + 4 * g + t);
+                    }
+                }
+            }
+        }
+        // Round trip through the packer.
+        let (out, inp) = (40, 256);
+        let q: Vec<u8> = (0..out * inp).map(|i| (i * 7 % 16) as u8).collect();
+        let l = W4Linear {
+            out_features: out,
+            in_features: inp,
+            qweight: W4Linear::pack_quants(out, inp, &q),
+            scales: vec![0; 2 * out],
+            scale_dtype: ScaleDtype::F16,
+            zeros: None,
+            perm: None,
+        };
+        assert!((0..out * inp).all(|i| l.q(i / inp, i % inp) == q[i] as u32));
     }
 
     #[test]

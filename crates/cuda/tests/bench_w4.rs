@@ -6,7 +6,7 @@
 //!   kernel reads (packed weights + scales (+ zeros) + x), as a share of the device-to-device copy
 //!   bandwidth measured in the same run (2 × bytes / time of a 1 GiB `cuMemcpyDtoD`). Several copies
 //!   of each weight are cycled so that the footprint exceeds L2;
-//! - prefill: 4096 tokens through `w4_dequant` of 4096-row slices + a cuBLASLt bf16 GEMM per
+//! - prefill: 512 and 4096 tokens through `w4_dequant` of row slices (1K-8K rows) + a cuBLASLt GEMM per
 //!   slice, TFLOP/s and its share of one bf16 cuBLASLt GEMM of the same shape;
 //! - `w4_quantize` throughput (bf16 bytes read per second), the `--quantize int4` load path.
 //!
@@ -17,7 +17,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use deltaserve_cuda::arena::{Arena, RegionId};
 use deltaserve_cuda::ops::init::{Init, init_random};
-use deltaserve_cuda::ops::w4a16::{self, GemvConfig, GemvKernel, W4Weights};
+use deltaserve_cuda::ops::w4a16::{self, GemvConfig, W4Weights};
 use deltaserve_cuda::w4::{ScaleDtype, W4Bytes};
 use deltaserve_cuda::{CudaError, DevSpan, KernelDims, Kernels, LibStatus, Runtime, gemm};
 
@@ -145,7 +145,7 @@ const DECODE: &[(&str, usize, usize)] = &[
 /// Linears of a layer that share x (one launch of w4_gemv_multi), in = 5120.
 const MULTI: &[(&str, &[usize])] = &[("attn q+k+v", &[12288, 1024, 1024]), ("gdn qkv+z+ba", &[10240, 6144, 96])];
 
-/// Prefill shapes at 4096 tokens.
+/// Prefill shapes (at each of TOKENS).
 const PREFILL: &[(&str, usize, usize)] = &[
     ("mlp gate+up", 34816, 5120),
     ("mlp down", 5120, 17408),
@@ -153,10 +153,11 @@ const PREFILL: &[(&str, usize, usize)] = &[
     ("gdn out_proj", 5120, 6144),
 ];
 
-const TOKENS: usize = 4096;
+/// Prefill step sizes: a short agent turn and a full step.
+const TOKENS: &[usize] = &[512, 4096];
 const SLICE: usize = 4096;
-/// Slice sizes compared (rows of bf16 scratch: SLICE x in is what the plan would reserve).
-const SLICES: &[usize] = &[2048, 4096, 8192];
+/// Slice sizes compared (rows of bf16 scratch; the plan reserves up to 64 MiB: 6,528 rows at in = 5120).
+const SLICES: &[usize] = &[1024, 2048, 4096, 8192];
 
 #[test]
 #[ignore = "benchmark; needs a GPU"]
@@ -178,7 +179,7 @@ fn run(rt: &Runtime, k: &Kernels) -> R<()> {
     println!("device {} ({}), {} SMs", rt.name, rt.arch(), rt.sm_count);
     println!("BENCH copy bandwidth (cuMemcpyDtoD 1 GiB, read + write): {copy:.0} GB/s");
     println!();
-    println!("| linear | out x in | M | kernel | asym | us | GB/s read | % of copy |");
+    println!("| linear | out x in | M | warps per pair | asym | us | GB/s read | % of copy |");
     println!("|---|---|---|---|---|---|---|---|");
     let mut quant_lines = Vec::new();
     let mut best_lines = Vec::new();
@@ -203,14 +204,11 @@ fn run(rt: &Runtime, k: &Kernels) -> R<()> {
             ));
             let ws = copies(&mut d, &w, 400 << 20)?;
             let mut cfgs: Vec<(usize, GemvConfig)> = Vec::new();
-            for kernel in GemvKernel::ALL {
-                let at = GemvConfig { kernel, wpt: auto.wpt };
-                if asym {
-                    cfgs.push((1, at));
-                } else {
-                    cfgs.extend([1usize, 2, 4, 8].iter().map(|&wpt| (1, GemvConfig { kernel, wpt })));
-                    cfgs.extend([(2, at), (4, at), (8, at)]);
-                }
+            if asym {
+                cfgs.push((1, auto));
+            } else {
+                cfgs.extend([1usize, 2, 4, 8].iter().map(|&wpt| (1, GemvConfig { wpt })));
+                cfgs.extend([(2, auto), (4, auto), (8, auto)]);
             }
             for (m, cfg) in cfgs {
                 let iters = 50.max(ws.len());
@@ -219,8 +217,7 @@ fn run(rt: &Runtime, k: &Kernels) -> R<()> {
                 let b = w.bytes();
                 let read = (b.qweight + b.scales + b.zeros + 2 * m * inp) as f64;
                 let gbs = read / (ms * 1e-3) / 1e9;
-                let tag =
-                    format!("{} wpt={}{}", cfg.kernel.name(), cfg.wpt, if cfg == auto { " (default)" } else { "" });
+                let tag = format!("wpt={}{}", cfg.wpt, if cfg == auto { " (default)" } else { "" });
                 println!(
                     "| {name} | {out} x {inp} | {m} | {tag} | {asym} | {:.1} | {gbs:.0} | {:.1}% |",
                     ms * 1e3,
@@ -293,7 +290,7 @@ fn run(rt: &Runtime, k: &Kernels) -> R<()> {
 
     println!();
     println!("Best M = 1 configuration per shape (symmetric):");
-    println!("| linear | out x in | kernel | GB/s read | % of copy |");
+    println!("| linear | out x in | warps per pair | GB/s read | % of copy |");
     println!("|---|---|---|---|---|");
     for l in best_lines {
         println!("{l}");
@@ -307,43 +304,43 @@ fn run(rt: &Runtime, k: &Kernels) -> R<()> {
     }
 
     println!();
-    println!("Prefill at {TOKENS} tokens: bf16 cuBLASLt vs w4_dequant of row slices + cuBLASLt per slice");
+    println!("Prefill: bf16 cuBLASLt vs w4_dequant of row slices + cuBLASLt per slice");
     println!(
-        "| linear | out x in | slice rows | bf16 ms | bf16 TFLOP/s | w4 ms | w4 TFLOP/s | w4 / bf16 | dequant ms (GB/s written) |"
+        "| linear | out x in | tokens | slice rows | bf16 ms | bf16 TFLOP/s | w4 ms | w4 TFLOP/s | w4 / bf16 | dequant ms (GB/s written) |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
-    for &(name, out, inp) in PREFILL {
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for (&tokens, &(name, out, inp)) in TOKENS.iter().flat_map(|t| PREFILL.iter().map(move |p| (t, p))) {
         let ws_bytes = gemm::recommended_workspace_bytes(rt);
         let scratch_rows = SLICES.iter().copied().max().unwrap_or(SLICE).min(out);
         let mut d = Dev::new(
             rt,
-            2 * out * inp + 2 * TOKENS * (inp + out) + 2 * scratch_rows * (inp + TOKENS) + out * inp + (256 << 20),
+            2 * out * inp + 2 * tokens * (inp + out) + 2 * scratch_rows * (inp + tokens) + out * inp + (256 << 20),
         )?;
         let wsp = DevSpan { ptr: d.alloc(ws_bytes)?, bytes: ws_bytes };
         let g = gemm::Gemm::new(rt, wsp)?;
         let wb = d.alloc(2 * out * inp)?;
         init_random(k, &s, wb, out * inp, 9, Init::Normal(0.02), false)?;
-        let x = d.alloc(2 * TOKENS * inp)?;
-        init_random(k, &s, x, TOKENS * inp, 10, Init::Normal(1.0), false)?;
-        let y = d.alloc(2 * TOKENS * out)?;
+        let x = d.alloc(2 * tokens * inp)?;
+        init_random(k, &s, x, tokens * inp, 10, Init::Normal(1.0), false)?;
+        let y = d.alloc(2 * tokens * out)?;
         let (w, _) = make_w4(k, &s, &mut d, wb, out, inp, false)?;
         let scratch = d.alloc(2 * scratch_rows * inp)?;
-        let ytmp = d.alloc(2 * TOKENS * scratch_rows)?;
-        g.prepare(out, TOKENS, inp)?;
-        let bf = time_ms(rt, 10, |_| g.linear(&s, x, wb, y, TOKENS, out, inp))?;
-        let flop = 2.0 * TOKENS as f64 * out as f64 * inp as f64;
+        let ytmp = d.alloc(2 * tokens * scratch_rows)?;
+        g.prepare(out, tokens, inp)?;
+        let bf = time_ms(rt, 10, |_| g.linear(&s, x, wb, y, tokens, out, inp))?;
+        let flop = 2.0 * tokens as f64 * out as f64 * inp as f64;
         for &slice in SLICES {
             if slice > SLICE && slice >= 2 * out {
                 continue;
             }
             let slices: Vec<(usize, usize)> = (0..out).step_by(slice).map(|r| (r, (r + slice).min(out))).collect();
             for &(r0, r1) in &slices {
-                g.prepare(r1 - r0, TOKENS, inp)?;
+                g.prepare(r1 - r0, tokens, inp)?;
             }
             let w4 = time_ms(rt, 10, |_| {
                 for &(r0, r1) in &slices {
                     w4a16::w4_dequant(k, &s, &w, r0, r1, scratch, inp)?;
-                    g.linear(&s, x, scratch, ytmp, TOKENS, r1 - r0, inp)?;
+                    g.linear(&s, x, scratch, ytmp, tokens, r1 - r0, inp)?;
                 }
                 Ok(())
             })?;
@@ -354,7 +351,7 @@ fn run(rt: &Runtime, k: &Kernels) -> R<()> {
                 Ok(())
             })?;
             println!(
-                "| {name} | {out} x {inp} | {slice} | {bf:.3} | {:.0} | {w4:.3} | {:.0} | {:.1}% | {dq:.3} ({:.0}) |",
+                "| {name} | {out} x {inp} | {tokens} | {slice} | {bf:.3} | {:.0} | {w4:.3} | {:.0} | {:.1}% | {dq:.3} ({:.0}) |",
                 flop / (bf * 1e-3) / 1e12,
                 flop / (w4 * 1e-3) / 1e12,
                 100.0 * bf / w4,
@@ -366,8 +363,9 @@ fn run(rt: &Runtime, k: &Kernels) -> R<()> {
 }
 
 /// The pair kernel's weight streaming alone (w4_read_probe: same grid and ring, no math), in the
-/// device layout and as contiguous 2 KB units: how much of the GEMV's gap to the copy rate is the
-/// access pattern (64 bytes from each of 32 rows per unit) rather than the math.
+/// device layout (tile-major: contiguous 2 KB units) and row-major as the format was before (64 bytes
+/// from each of 32 rows per unit): how much of the GEMV's gap to the copy rate is streaming and
+/// access pattern rather than the math.
 fn read_probe(rt: &Runtime, k: &Kernels, copy: f64, only: Option<&str>) -> R<()> {
     let s = rt.stream().clone();
     println!();
@@ -388,7 +386,7 @@ fn read_probe(rt: &Runtime, k: &Kernels, copy: f64, only: Option<&str>) -> R<()>
                     w4a16::w4_read_probe(k, &s, &ws[i % ws.len()], wpt, tiled, sink)
                 })?;
                 let gbs = (out * inp / 2) as f64 / (ms * 1e-3) / 1e9;
-                let layout = if tiled { "2 KB units" } else { "device (rows)" };
+                let layout = if tiled { "device (tile-major)" } else { "row-major (before)" };
                 println!(
                     "| {name} | {out} x {inp} | {wpt} | {layout} | {:.1} | {gbs:.0} | {:.1}% |",
                     ms * 1e3,

@@ -97,12 +97,10 @@ impl Kernels {
             ("gdn_chunk_prep", gdn_chunk::prep_smem_bytes(&dims)),
             ("gdn_chunk_state", gdn_chunk::state_smem_bytes(&dims)),
             ("attn_prefill", attention::prefill_smem_bytes(&dims, &kv, &attn)),
-            ("w4_gemv_cp4", w4a16::GemvKernel::Async4.smem_bytes()),
-            ("w4_gemv_cp8", w4a16::GemvKernel::Async8.smem_bytes()),
         ]
         .into_iter()
-        .chain(w4a16::PAIR_KERNELS.iter().map(|&n| (n, w4a16::GemvKernel::Pair.smem_bytes())))
-        .chain(std::iter::once(("w4_read_probe", w4a16::GemvKernel::Pair.smem_bytes())))
+        .chain(w4a16::PAIR_KERNELS.iter().map(|&n| (n, w4a16::PAIR_SMEM_BYTES)))
+        .chain(std::iter::once(("w4_read_probe", w4a16::PAIR_SMEM_BYTES)))
         {
             if bytes as i64 > rt.max_smem_optin as i64 {
                 return Err(CudaError::InvalidArgs {

@@ -66,51 +66,6 @@ impl W4Weights {
     }
 }
 
-/// The GEMV kernels (same math and results up to f32 summation order; see kernels/w4a16.cu).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GemvKernel {
-    /// Four groups of weights in flight in registers.
-    Reg,
-    /// cp.async ring of 4 stages per warp in shared memory (48 KB per block).
-    Async4,
-    /// cp.async ring of 8 stages per warp (96 KB per block).
-    Async8,
-    /// A warp streams two 16-row tiles through a 4-stage cp.async ring (64 KB per block): one LOP3
-    /// per weight pair, zero points applied per group after the MMA (kernels `w4p_*`).
-    Pair,
-}
-
-impl GemvKernel {
-    pub const ALL: [GemvKernel; 4] = [GemvKernel::Reg, GemvKernel::Async4, GemvKernel::Async8, GemvKernel::Pair];
-
-    /// Dynamic shared memory per block (bytes).
-    pub const fn smem_bytes(self) -> usize {
-        match self {
-            GemvKernel::Reg => 0,
-            GemvKernel::Async4 => WARPS * 4 * STAGE_BYTES,
-            GemvKernel::Async8 => WARPS * 8 * STAGE_BYTES,
-            GemvKernel::Pair => WARPS * 4 * PAIR_STAGE_BYTES,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            GemvKernel::Reg => "reg",
-            GemvKernel::Async4 => "cp4",
-            GemvKernel::Async8 => "cp8",
-            GemvKernel::Pair => "pair",
-        }
-    }
-
-    /// Output rows per warp (one or two 16-row tiles).
-    const fn rows_per_warp(self) -> usize {
-        match self {
-            GemvKernel::Pair => 32,
-            _ => 16,
-        }
-    }
-}
-
 /// Every `w4p_*` kernel (output dtype x zero points x scale dtype).
 pub(crate) const PAIR_KERNELS: [&str; 8] =
     ["w4p_hsh", "w4p_hsb", "w4p_hah", "w4p_hab", "w4p_fsh", "w4p_fsb", "w4p_fah", "w4p_fab"];
@@ -120,31 +75,39 @@ fn pair_kernel(f32_out: bool, asym: bool, bf16_scales: bool) -> &'static str {
     PAIR_KERNELS[4 * usize::from(f32_out) + 2 * usize::from(asym) + usize::from(bf16_scales)]
 }
 
-/// Bytes of one ring stage of one warp (W4_STAGE_U4 uint4).
-const STAGE_BYTES: usize = 96 * 16;
-/// The same for [`GemvKernel::Pair`] (W4P_STAGE_U4 uint4: 4 rows x 32 lanes x 16 bytes).
-const PAIR_STAGE_BYTES: usize = 128 * 16;
+/// Dynamic shared memory of a pair-kernel block: 8 warps × 4 ring stages × 2 KB (one unit of the
+/// format: 32 rows × 128 columns).
+pub const PAIR_SMEM_BYTES: usize = WARPS * 4 * 128 * 16;
+/// Output rows per warp of the pair kernel (two 16-row MMA tiles).
+const PAIR_ROWS: usize = 32;
 
-/// Kernel and warps per 16-row tile of one GEMV shape.
+/// Warps per 32-row pair of one GEMV shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemvConfig {
-    pub kernel: GemvKernel,
-    /// Warps sharing one tile's groups (split-K inside a block): 1, 2, 4 or 8.
+    /// Warps sharing one pair's groups (split-K inside a block): 1, 2, 4 or 8.
     pub wpt: usize,
 }
 
-/// The configuration for an `[out, in]` linear on a GPU with `sm_count` SMs: [`GemvKernel::Pair`]
-/// with 8 warps per 32-row pair for linears of fewer than 2 pairs per SM, else 4 (the fastest at
-/// every 27B shape on the H200: bench/results/decode-w4pair-h200-2026-11-29.md), and no more than half as
-/// many warps as there are groups.
+/// The configuration for an `[out, in]` linear on a GPU with `sm_count` SMs: 8 warps per 32-row pair
+/// for linears of fewer than 2 pairs per SM, 4 up to 32 pairs per SM, else 1 (a vocabulary-sized
+/// lm_head: its blocks stream in waves anyway; the fastest at every 27B shape on the H200:
+/// bench/results/w4-tile-major-h200-2026-11-29.md), and no more than half as many warps as there are
+/// groups.
 pub fn gemv_config(out: usize, inp: usize, sm_count: usize) -> GemvConfig {
     let pairs = out.div_ceil(32);
     let groups = (inp / W4_GROUP).max(1);
-    let mut wpt = if pairs < 2 * sm_count.max(1) { 8 } else { 4 };
+    let sms = sm_count.max(1);
+    let mut wpt = if pairs < 2 * sms {
+        8
+    } else if pairs < 32 * sms {
+        4
+    } else {
+        1
+    };
     while wpt > 1 && wpt * 2 > groups {
         wpt /= 2;
     }
-    GemvConfig { kernel: GemvKernel::Pair, wpt }
+    GemvConfig { wpt }
 }
 
 /// `y[m, out]` (bf16, row stride `ldy`) = `x[m, in]` (bf16, row stride `ldx`) · Wᵀ, f32 accumulation.
@@ -166,8 +129,7 @@ pub fn w4_gemv(
     w4_gemv_out(k, s, w, x, ldx, y, ldy, m, cfg, x_scratch, false)
 }
 
-/// [`w4_gemv`] with `y` in f32 when `f32_out` (int4 lm_head logits: the pair kernel when `cfg` names
-/// it, else the register variant, `cfg.wpt` warps per tile), else bf16.
+/// [`w4_gemv`] with `y` in f32 when `f32_out` (int4 lm_head logits), else bf16.
 #[allow(clippy::too_many_arguments)]
 pub fn w4_gemv_out(
     k: &Kernels,
@@ -187,10 +149,6 @@ pub fn w4_gemv_out(
     if m == 0 {
         return Ok(());
     }
-    let wpt = cfg.wpt;
-    if ![1, 2, 4, 8].contains(&wpt) {
-        return Err(invalid(K, format!("warps per tile must be 1, 2, 4 or 8, got {wpt}")));
-    }
     if ldy < w.out || ldx < w.inp {
         return Err(invalid(K, format!("ldx {ldx} < in {} or ldy {ldy} < out {}", w.inp, w.out)));
     }
@@ -200,26 +158,14 @@ pub fn w4_gemv_out(
     if w.perm.is_some() && x_scratch.is_none_or(|p| !p.is_multiple_of(16)) {
         return Err(invalid(K, "act-order weights need a 16-byte aligned x scratch of [8, in] bf16"));
     }
-    if !w.scales.is_multiple_of(8) || w.zeros.is_some_and(|z| !z.is_multiple_of(4)) {
-        return Err(invalid(K, "scales must be 8-byte and zeros 4-byte aligned"));
-    }
-    let (out, inp) = (to_i32(K, "out", w.out)?, to_i32(K, "in", w.inp)?);
-    let pair = cfg.kernel == GemvKernel::Pair;
-    let rows_per_block = cfg.kernel.rows_per_warp() * (WARPS / wpt);
-    let grid = (to_u32(K, "blocks", w.out.div_ceil(rows_per_block))?, 1, 1);
-    let block = ((WARPS * 32) as u32, 1, 1);
-    let smem = if f32_out && !pair { 0 } else { cfg.kernel.smem_bytes() as u32 };
-    let (qw, sc, zp, sbf) = (w.qweight, w.scales, w.zeros.unwrap_or(0), w.scale_bf16());
-    let wpt_i = wpt as i32;
-    let ldy_i = ldy as i64;
+    let inp = to_i32(K, "in", w.inp)?;
     for m0 in (0..m).step_by(GEMV_MAX_M) {
         let mc = (m - m0).min(GEMV_MAX_M);
         let xc = x + 2 * (m0 * ldx) as u64;
         let yc = y + (if f32_out { 4 } else { 2 } * m0 * ldy) as u64;
-        let mc_i = mc as i32;
         let (xg, ldxg) = match (w.perm, x_scratch) {
             (Some(perm), Some(scratch)) => {
-                let ldx_l = ldx as i64;
+                let (ldx_l, mc_i) = (ldx as i64, mc as i32);
                 let n = mc * w.inp;
                 launch!(k, s, "w4_permute_x", (n.div_ceil(256).min(1 << 16) as u32, 1, 1), (256, 1, 1), 0;
                     xc, ldx_l, perm, scratch, mc_i, inp)?;
@@ -227,24 +173,7 @@ pub fn w4_gemv_out(
             }
             _ => (xc, ldx as i64),
         };
-        if pair {
-            launch_pair(k, s, &[W4Out { w, y: yc, ldy }], xg, ldxg, mc, wpt, f32_out)?;
-            continue;
-        }
-        if f32_out {
-            launch!(k, s, "w4_gemv_reg_f32", grid, block, smem;
-                qw, sc, zp, sbf, xg, ldxg, yc, ldy_i, mc_i, out, inp, wpt_i)?;
-            continue;
-        }
-        match cfg.kernel {
-            GemvKernel::Reg => launch!(k, s, "w4_gemv_reg", grid, block, smem;
-                qw, sc, zp, sbf, xg, ldxg, yc, ldy_i, mc_i, out, inp, wpt_i)?,
-            GemvKernel::Async4 => launch!(k, s, "w4_gemv_cp4", grid, block, smem;
-                qw, sc, zp, sbf, xg, ldxg, yc, ldy_i, mc_i, out, inp, wpt_i)?,
-            GemvKernel::Async8 => launch!(k, s, "w4_gemv_cp8", grid, block, smem;
-                qw, sc, zp, sbf, xg, ldxg, yc, ldy_i, mc_i, out, inp, wpt_i)?,
-            GemvKernel::Pair => unreachable!("launched above"),
-        }
+        launch_pair(k, s, &[W4Out { w, y: yc, ldy }], xg, ldxg, mc, cfg.wpt, f32_out)?;
     }
     Ok(())
 }
@@ -289,8 +218,8 @@ pub fn w4_gemv_multi(
     f32_out: bool,
 ) -> Result<(), CudaError> {
     const K: &str = "w4_gemv_multi";
-    if !multi_supported(outs) || cfg.kernel != GemvKernel::Pair {
-        return Err(invalid(K, "1 to 4 pair-kernel linears of one input width and format, without act-order"));
+    if !multi_supported(outs) {
+        return Err(invalid(K, "1 to 4 linears of one input width and format, without act-order"));
     }
     let inp = outs[0].w.inp;
     for o in outs {
@@ -333,9 +262,11 @@ fn launch_pair(
         if !o.w.scales.is_multiple_of(8) || o.w.zeros.is_some_and(|z| !z.is_multiple_of(4)) {
             return Err(invalid(K, "scales must be 8-byte and zeros 4-byte aligned"));
         }
+        // The kernel indexes qweight by 32-bit 16-byte chunks.
+        to_i32(K, "qweight chunks", o.w.out * o.w.inp / 32)?;
     }
     let name = pair_kernel(f32_out, first.zeros.is_some(), first.scale_dtype == ScaleDtype::Bf16);
-    let rows_per_block = GemvKernel::Pair.rows_per_warp() * (WARPS / wpt);
+    let rows_per_block = PAIR_ROWS * (WARPS / wpt);
     // Segment i: (qweight, scales, zeros, y, ldy, out, blocks); unused segments have 0 blocks.
     let mut seg = [(0u64, 0u64, 0u64, 0u64, 0i64, 1i32, 0i32); MULTI_MAX];
     let mut blocks = 0usize;
@@ -354,7 +285,7 @@ fn launch_pair(
     }
     let grid = (to_u32(K, "blocks", blocks)?, 1, 1);
     let block = ((WARPS * 32) as u32, 1, 1);
-    let smem = GemvKernel::Pair.smem_bytes() as u32;
+    let smem = PAIR_SMEM_BYTES as u32;
     let (mc_i, inp, wpt_i) = (mc as i32, to_i32(K, "in", first.inp)?, wpt as i32);
     let [
         (q0, s0, z0, y0, l0, o0, n0),
@@ -368,8 +299,9 @@ fn launch_pair(
 }
 
 /// Benchmark probe: streams `w.qweight` as the pair kernel would (its grid for `wpt` warps per pair,
-/// its cp.async ring, no math) in the device layout (`tiled` false) or as contiguous 2 KB blocks per
-/// (32-row pair, group) unit (`tiled` true, the same bytes). `sink`: one writable u32.
+/// its cp.async ring, no math) in the device layout (`tiled` true: tile-major, a 2 KB unit per
+/// (32-row pair, group)) or row-major as the format was before (`tiled` false, the same bytes).
+/// `sink`: one writable u32.
 pub fn w4_read_probe(
     k: &Kernels,
     s: &CudaStream,
@@ -386,7 +318,7 @@ pub fn w4_read_probe(
     let grid = (to_u32(K, "blocks", w.out.div_ceil(32 * (WARPS / wpt)))?, 1, 1);
     let (out, inp, wpt_i, tiled_i) = (to_i32(K, "out", w.out)?, to_i32(K, "in", w.inp)?, wpt as i32, i32::from(tiled));
     let qw = w.qweight;
-    launch!(k, s, K, grid, ((WARPS * 32) as u32, 1, 1), GemvKernel::Pair.smem_bytes() as u32;
+    launch!(k, s, K, grid, ((WARPS * 32) as u32, 1, 1), PAIR_SMEM_BYTES as u32;
         qw, out, inp, wpt_i, tiled_i, sink)
 }
 
@@ -508,10 +440,10 @@ mod tests {
             (10240, 5120, 4),
             (6144, 5120, 8),
             (1024, 5120, 8),
-            (248320, 5120, 4),
+            (248320, 5120, 1),
             (48, 128, 1),
         ] {
-            assert_eq!(gemv_config(out, inp, 132), GemvConfig { kernel: GemvKernel::Pair, wpt }, "[{out}, {inp}]");
+            assert_eq!(gemv_config(out, inp, 132), GemvConfig { wpt }, "[{out}, {inp}]");
         }
     }
 }
