@@ -11,7 +11,8 @@
 //  rms_norm_1p:     x row r at x + r*x_stride, out row r at out + r*out_stride (elements); w [D] bf16.
 //  gated_rms_norm:  o [rows, D] bf16 (rows = T*Hv, D = Dv); z row r at z + (r/H)*z_tok_stride +
 //                   (r%H)*D; w [D] f32 (Qwen3.5 stores it f32; Qwen3.6 bf16 upcasts exactly).
-// Launch: grid (rows), block 256 (any multiple of 32 <= 1024). Arch: shuffles only, sm_80+.
+// Launch: grid (rows), block 256 (any multiple of 32 <= 1024); gated_rms_norm grid (ceil(rows/8)),
+// block 256 (a warp per row). Arch: shuffles only, sm_80+.
 // add_rms_norm_1p keeps a row in registers (16-byte loads, all issued before the sum) when D % 8 == 0,
 // D <= 8192 at 256 threads and the rows are 16-byte aligned; else a scalar loop.
 // Tested by: tests/ops.rs cases "add_rms_norm_1p", "rms_norm_1p_strided", "gated_rms_norm".
@@ -121,19 +122,30 @@ extern "C" __global__ void rms_norm_1p(const bf16_t* __restrict__ x, long long x
         orow[i] = f2bf(bf2f(xr[i]) * inv * (1.0f + bf2f(w[i])));
 }
 
+// One warp per row, 8 rows per 256-thread block (a 128-thread block per 128-wide row spent most of its
+// time being scheduled: 196K blocks for a 4096-token step). Bitwise what that block computed: lane l
+// plays its threads l + 32j (j < 4), each summing o^2 over elements l + 32j + 128k in k order, and the
+// four warp sums are combined as block_sum combined them (gdn_decode_gated matches this too).
 extern "C" __global__ void gated_rms_norm(const bf16_t* __restrict__ o, const bf16_t* __restrict__ z,
                                           long long z_tok_stride, int H, const float* __restrict__ w,
-                                          bf16_t* __restrict__ out, int D, float eps) {
-    __shared__ float red[32];
-    int r = blockIdx.x;
+                                          bf16_t* __restrict__ out, int rows, int D, float eps) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (r >= rows) return;
     const bf16_t* orow = o + (long long)r * D;
     const bf16_t* zrow = z + (long long)(r / H) * z_tok_stride + (long long)(r % H) * D;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) {
-        float v = bf2f(orow[i]);
-        ss += v * v;
+    float part[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        float ss = 0.0f;
+        for (int i = lane + 32 * j; i < D; i += 128) {
+            const float v = bf2f(orow[i]);
+            ss += v * v;
+        }
+        part[j] = warp_sum(ss);
     }
-    float inv = rsqrtf(block_sum(ss, red) / (float)D + eps);
-    for (int i = threadIdx.x; i < D; i += blockDim.x)
+    const float t = lane == 0 ? part[0] : lane == 1 ? part[1] : lane == 2 ? part[2] : lane == 3 ? part[3] : 0.0f;
+    const float inv = rsqrtf(warp_sum(t) / (float)D + eps);
+    for (int i = lane; i < D; i += 32)
         out[(long long)r * D + i] = f2bf(w[i] * (bf2f(orow[i]) * inv) * siluf_(bf2f(zrow[i])));
 }

@@ -38,7 +38,7 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         module: "elementwise",
         src: include_str!("../kernels/elementwise.cu"),
-        functions: &["sigmoid_gate_mul", "swiglu"],
+        functions: &["sigmoid_gate_mul", "swiglu", "sigmoid_gate_mul8", "swiglu8"],
     },
     KernelSource {
         module: "rope",

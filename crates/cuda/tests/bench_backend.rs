@@ -1,6 +1,7 @@
 //! Benchmark of CudaBackend at the Qwen3.6-27B shapes with random weights generated on the GPU
 //! (`cargo test -p deltaserve-cuda --release --test bench_backend -- --ignored --nocapture`).
-//! DS_BENCH_LAYERS (default 64) cuts the depth; numbers are also reported per layer.
+//! DS_BENCH_LAYERS (default 64) cuts the depth; numbers are also reported per layer. DS_BENCH_GEMV=0 /
+//! DS_BENCH_DECODE=0 skip the GEMV comparison / the decode timings.
 //!
 //! Measures, in one process: the ceilings (a bf16 8192³ cuBLASLt GEMM, a 4 GiB device copy), the
 //! decode GEMV against cuBLASLt on each 27B projection shape at 1/2/4/8 tokens, a 4096-token
@@ -257,70 +258,78 @@ fn bench_27b() {
         plan.num_kv_pages,
         plan.max_seqs
     );
-    let steps = 12usize;
-    let mut next_page = 0u32;
-    for ctx in [1024usize, 32768 - 2 * steps - 8] {
-        for batch in [1usize, 8, 32] {
-            let per_seq = (ctx + 2 * steps + 8).div_ceil(page);
-            if batch > plan.max_seqs || batch * per_seq > plan.num_kv_pages {
-                println!("BENCH decode batch {batch}, ctx {ctx}: SKIP (needs {} pages, {batch} seqs)", batch * per_seq);
-                continue;
-            }
-            if next_page as usize + batch * per_seq > plan.num_kv_pages {
-                next_page = 0;
-            }
-            let seq_pages: Vec<Vec<u32>> = (0..batch)
-                .map(|i| (0..per_seq as u32).map(|p| next_page + (i * per_seq) as u32 + p).collect())
-                .collect();
-            next_page += (batch * per_seq) as u32;
-            let bytes = weight_bytes + batch as f64 * (ctx as f64 * kv_token_bytes + 2.0 * state_seq_bytes);
-            let floor_ms = bytes / (gbs * 1e9) * 1e3;
-            let mut line = Vec::new();
-            for graphs in [false, true] {
-                be.set_options(CudaOptions { cuda_graphs: graphs, ..CudaOptions::default() }).unwrap();
-                let mut times = Vec::new();
-                let mut toks = vec![1u32; batch];
-                for i in 0..steps {
-                    let b = StepBatch {
-                        pre: vec![],
-                        seqs: (0..batch)
-                            .map(|j| SeqChunk {
-                                seq_id: j as u64,
-                                slot: j as u32,
-                                pages: seq_pages[j].clone(),
-                                start: ctx + i + if graphs { steps } else { 0 },
-                                tokens: vec![toks[j]],
-                                want_logits: true,
-                                draft: 0,
-                                greedy_draft_vocab: 0,
-                            })
-                            .collect(),
-                        post: vec![],
-                    };
-                    logits.clear();
-                    let t0 = Instant::now();
-                    be.step(&b, &mut logits).unwrap();
-                    times.push(t0.elapsed().as_secs_f64());
-                    for (j, row) in logits.chunks_exact(d.vocab).enumerate() {
-                        toks[j] =
-                            row.iter().enumerate().fold((0, f32::MIN), |m, (k, &v)| if v > m.1 { (k, v) } else { m }).0
-                                as u32;
-                    }
+    // DS_BENCH_DECODE=0 skips the decode timings (profiles and memory only).
+    if std::env::var("DS_BENCH_DECODE").map_or(true, |v| v != "0") {
+        let steps = 12usize;
+        let mut next_page = 0u32;
+        for ctx in [1024usize, 32768 - 2 * steps - 8] {
+            for batch in [1usize, 8, 32] {
+                let per_seq = (ctx + 2 * steps + 8).div_ceil(page);
+                if batch > plan.max_seqs || batch * per_seq > plan.num_kv_pages {
+                    println!(
+                        "BENCH decode batch {batch}, ctx {ctx}: SKIP (needs {} pages, {batch} seqs)",
+                        batch * per_seq
+                    );
+                    continue;
                 }
-                assert!(logits.iter().all(|x| x.is_finite()));
-                let ms = median(times[3..].to_vec()) * 1e3;
-                line.push(format!(
-                    "{}: {ms:.2} ms/step = {:.1} tok/s ({:.0}% of roofline)",
-                    if graphs { "graphs" } else { "eager" },
-                    batch as f64 * 1e3 / ms,
-                    100.0 * floor_ms / ms
-                ));
+                if next_page as usize + batch * per_seq > plan.num_kv_pages {
+                    next_page = 0;
+                }
+                let seq_pages: Vec<Vec<u32>> = (0..batch)
+                    .map(|i| (0..per_seq as u32).map(|p| next_page + (i * per_seq) as u32 + p).collect())
+                    .collect();
+                next_page += (batch * per_seq) as u32;
+                let bytes = weight_bytes + batch as f64 * (ctx as f64 * kv_token_bytes + 2.0 * state_seq_bytes);
+                let floor_ms = bytes / (gbs * 1e9) * 1e3;
+                let mut line = Vec::new();
+                for graphs in [false, true] {
+                    be.set_options(CudaOptions { cuda_graphs: graphs, ..CudaOptions::default() }).unwrap();
+                    let mut times = Vec::new();
+                    let mut toks = vec![1u32; batch];
+                    for i in 0..steps {
+                        let b = StepBatch {
+                            pre: vec![],
+                            seqs: (0..batch)
+                                .map(|j| SeqChunk {
+                                    seq_id: j as u64,
+                                    slot: j as u32,
+                                    pages: seq_pages[j].clone(),
+                                    start: ctx + i + if graphs { steps } else { 0 },
+                                    tokens: vec![toks[j]],
+                                    want_logits: true,
+                                    draft: 0,
+                                    greedy_draft_vocab: 0,
+                                })
+                                .collect(),
+                            post: vec![],
+                        };
+                        logits.clear();
+                        let t0 = Instant::now();
+                        be.step(&b, &mut logits).unwrap();
+                        times.push(t0.elapsed().as_secs_f64());
+                        for (j, row) in logits.chunks_exact(d.vocab).enumerate() {
+                            toks[j] = row
+                                .iter()
+                                .enumerate()
+                                .fold((0, f32::MIN), |m, (k, &v)| if v > m.1 { (k, v) } else { m })
+                                .0 as u32;
+                        }
+                    }
+                    assert!(logits.iter().all(|x| x.is_finite()));
+                    let ms = median(times[3..].to_vec()) * 1e3;
+                    line.push(format!(
+                        "{}: {ms:.2} ms/step = {:.1} tok/s ({:.0}% of roofline)",
+                        if graphs { "graphs" } else { "eager" },
+                        batch as f64 * 1e3 / ms,
+                        100.0 * floor_ms / ms
+                    ));
+                }
+                println!(
+                    "BENCH decode batch {batch}, ctx {ctx}: roofline {floor_ms:.2} ms ({:.2} GB/step); {}",
+                    bytes / 1e9,
+                    line.join("; ")
+                );
             }
-            println!(
-                "BENCH decode batch {batch}, ctx {ctx}: roofline {floor_ms:.2} ms ({:.2} GB/step); {}",
-                bytes / 1e9,
-                line.join("; ")
-            );
         }
     }
     println!("BENCH graph stats: {:?}", be.graph_stats());

@@ -86,6 +86,7 @@ pub fn gated_rms_norm(
     let zs = z_tok_stride as i64;
     let h = to_i32("gated_rms_norm", "heads", heads)?;
     let dd = to_i32("gated_rms_norm", "d", d)?;
-    let grid = (to_u32("gated_rms_norm", "rows", t * heads)?, 1, 1);
-    launch!(k, s, "gated_rms_norm", grid, (128, 1, 1), 0; o, z, zs, h, w, out, dd, eps)
+    let rows = to_i32("gated_rms_norm", "rows", t * heads)?;
+    let grid = ((t * heads).div_ceil(8) as u32, 1, 1);
+    launch!(k, s, "gated_rms_norm", grid, (256, 1, 1), 0; o, z, zs, h, w, out, rows, dd, eps)
 }
