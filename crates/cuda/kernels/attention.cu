@@ -79,7 +79,9 @@
 // Measured (H200, bench/results/attention-pairs-h200-2026-11-29.md): 27B shape, 4096 causal
 //   queries, 32K-262K keys: 193 TFLOP/s with plain P, 165 with the split (one warp per head, the
 //   previous design: 154 split, 181-195 plain). ncu: ~9 instructions per mma, stalls mostly on fixed-
-//   latency dependencies ("wait"), 12 warps per SM changed little against 6.
+//   latency dependencies ("wait"), 12 warps per SM changed little against 6. Without the per-tile
+//   page division (power-of-two pages): 205 TFLOP/s at 128K-262K keys; a third KV stage (one barrier
+//   per tile instead of two) changed nothing (bench/results/session8-h200-2026-11-29.md).
 
 #ifndef HD
 #define HD 256
@@ -289,6 +291,8 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
 #endif
     const u32 sbase = smem_addr(pf_smem);
     const bool page_tiles = (page % PF_BK) == 0;  // every KV tile lies inside one page
+    // A 32-bit division per tile was ~30 of the ~365 instructions a warp issues per tile.
+    const int pshift = (page & (page - 1)) == 0 ? __ffs(page) - 1 : -1;
 #if !KQ_ANY && PF_NT % PF_CH == 0
     // This thread's 16-byte chunk of a tile row (column tid % PF_CH) in rows lane_row + i * PF_RSTEP.
     const int lane_row = tid / PF_CH;
@@ -301,7 +305,10 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
         const int kb = j * PF_BK;
         const u32 dst = sbase + st * PF_STAGE_BYTES;
         long long row0 = 0;
-        if (page_tiles) row0 = (long long)bt[kb / page] * page + kb % page;
+        if (page_tiles) {
+            const int pg = pshift >= 0 ? kb >> pshift : kb / page;  // no division for power-of-two pages
+            row0 = (long long)bt[pg] * page + (kb - pg * page);
+        }
 #if !KQ_ANY
 #if PF_NT % PF_CH == 0
         if (page_tiles) {
