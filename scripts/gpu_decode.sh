@@ -4,8 +4,8 @@
 #          scripts/gpu_decode.sh --stage        # copies the binaries into .carry/decode/
 #   There: (carry [".carry/decode"]) STEPS=... scripts/gpu_decode.sh   # logs and JSON to $OUT/gpu_decode.tgz
 # Steps (STEPS=ops,w4,attn,bench4,bench4p64,bench16,bench32,bench64,backend,spec):
-#   ops      every kernel against the CPU reference (every int4 GEMV variant, decode attention)
-#   w4       tests/bench_w4.rs: the int4 GEMV variants at the 27B shapes (GB/s vs copy), prefill slices
+#   ops      every kernel against the CPU reference (int4 GEMV at every warps-per-pair, decode attention)
+#   w4       tests/bench_w4.rs: the int4 GEMV at the 27B shapes (GB/s vs copy), streaming probe, prefill slices
 #   gdn      tests/ops.rs bench_gdn_prefill_27b: the chunked DeltaNet kernels at the 27B shape (M tok/s per layer)
 #   attn     tests/bench_attention.rs, decode kernel only: partitions 16 / 64 at batch 1 / 8, 32K
 #   bench4   27B, int4 weights, fp8 KV, 24 GiB: `deltaserve bench` decode at batch 1 / 8, 1K / 32K

@@ -341,7 +341,7 @@ __device__ __forceinline__ float w4_zf(u32 z) { return __uint_as_float(0x4b00000
 // Without perm: one thread per 4 words (32 columns of one row, one group): a 16-byte load (64-byte
 // runs per row and group), one scale and zero, four 16-byte stores (a warp writes 2 KB of one row);
 // 32-bit slice indices (the launcher keeps rows * in / 32 below 2^31). (Four such items per thread
-// with all loads first was slower: bench/results/w4-tile-major-h200-2026-11-29.md.)
+// with all loads first was slower: bench/results/session8-h200-2026-11-29.md.)
 // With perm: one thread per word, each column scattered to its input feature.
 extern "C" __global__ void __launch_bounds__(256)
 w4_dequant(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,

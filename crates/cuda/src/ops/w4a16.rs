@@ -91,7 +91,7 @@ pub struct GemvConfig {
 /// The configuration for an `[out, in]` linear on a GPU with `sm_count` SMs: 8 warps per 32-row pair
 /// for linears of fewer than 2 pairs per SM, 4 up to 32 pairs per SM, else 1 (a vocabulary-sized
 /// lm_head: its blocks stream in waves anyway; the fastest at every 27B shape on the H200:
-/// bench/results/w4-tile-major-h200-2026-11-29.md), and no more than half as many warps as there are
+/// bench/results/session8-h200-2026-11-29.md), and no more than half as many warps as there are
 /// groups.
 pub fn gemv_config(out: usize, inp: usize, sm_count: usize) -> GemvConfig {
     let pairs = out.div_ceil(32);
