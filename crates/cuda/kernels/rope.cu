@@ -36,35 +36,47 @@ extern "C" __global__ void rope_partial(bf16_t* x, long long tok_stride, const i
 }
 
 // qk_norm_rope: an attention layer's per-head q and k RMSNorm(1 + w) then partial RoPE, in place, in
-// one launch (was rms_norm_1p on q and on k, then rope_partial on each). Per (token t, head h): h < nq
+// one launch (was rms_norm_1p on q and on k, then rope_partial on each). Row r = t*(nq + nk) + h: h < nq
 // is q head h at q + t*q_tok + h*q_head (norm weight wq), else k head h - nq at k + t*k_tok +
 // (h - nq)*k_head (weight wk); D = head_dim <= QKNR_MAX_D, R = rotary_dim. Bitwise equal to the four
-// separate kernels: the same block sum over 256 threads (rms_norm_1p's launch), the normalised
-// value rounded to bf16 before the rotation, the same rotation arithmetic.
-// Launch: grid (T, nq + nk), block 256. Tested by: tests/ops.rs case "qk_norm_rope".
+// separate kernels: the same sum as rms_norm_1p's 256-thread block (lane l plays its threads l + 32j,
+// j < 8, each summing elements l + 32j + 256k in k order; the 8 warp sums combined as block_sum does),
+// the normalised value rounded to bf16 before the rotation, the same rotation arithmetic. One warp per
+// row, 8 rows per block (a 256-thread block per row spent most of a prefill step being scheduled:
+// 115K blocks for 4,096 tokens).
+// Launch: grid (ceil(T*(nq + nk)/8)), block 256. Tested by: tests/ops.rs case "qk_norm_rope".
 #define QKNR_MAX_D 512
 extern "C" __global__ void __launch_bounds__(256)
 qk_norm_rope(bf16_t* q, long long q_tok, long long q_head, const bf16_t* __restrict__ wq, int nq, bf16_t* k,
-             long long k_tok, long long k_head, const bf16_t* __restrict__ wk, const int* __restrict__ pos, int D,
-             int R, float theta_base, float eps) {
-    __shared__ float ys[QKNR_MAX_D];
-    __shared__ float red[32];
-    const int t = blockIdx.x, h = blockIdx.y;
+             long long k_tok, long long k_head, const bf16_t* __restrict__ wk, const int nk,
+             const int* __restrict__ pos, int T, int D, int R, float theta_base, float eps) {
+    __shared__ float ys_all[8][QKNR_MAX_D];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const long long r = (long long)blockIdx.x * 8 + warp;
+    if (r >= (long long)T * (nq + nk)) return;
+    const int t = (int)(r / (nq + nk)), h = (int)(r % (nq + nk));
     const bool isq = h < nq;
     bf16_t* row = isq ? q + (long long)t * q_tok + (long long)h * q_head
                       : k + (long long)t * k_tok + (long long)(h - nq) * k_head;
     const bf16_t* w = isq ? wq : wk;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) {
-        const float v = bf2f(row[i]);
-        ss += v * v;
+    float ss8 = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        float ss = 0.0f;
+        for (int i = lane + 32 * j; i < D; i += 256) {
+            const float v = bf2f(row[i]);
+            ss += v * v;
+        }
+        ss = warp_sum(ss);
+        if (lane == j) ss8 = ss;
     }
-    const float inv = rsqrtf(block_sum(ss, red) / (float)D + eps);
-    for (int i = threadIdx.x; i < D; i += blockDim.x) ys[i] = round_bf(bf2f(row[i]) * inv * (1.0f + bf2f(w[i])));
-    __syncthreads();
+    const float inv = rsqrtf(warp_sum(ss8) / (float)D + eps);
+    float* ys = ys_all[warp];
+    for (int i = lane; i < D; i += 32) ys[i] = round_bf(bf2f(row[i]) * inv * (1.0f + bf2f(w[i])));
+    __syncwarp();
     const int half = R / 2;
     const float p = (float)pos[t];
-    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    for (int i = lane; i < D; i += 32) {
         float v = ys[i];
         if (i < R) {
             const int j = i < half ? i : i - half;

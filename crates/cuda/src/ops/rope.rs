@@ -112,9 +112,11 @@ pub fn qk_norm_rope(k: &Kernels, s: &CudaStream, a: &QkNormRope) -> Result<(), C
             ),
         ));
     }
-    let grid = (to_u32(K, "t", a.t)?, to_u32(K, "heads", a.q_heads + a.kv_heads)?, 1);
+    // One warp per (token, head) row, 8 rows per block.
+    let grid = (to_u32(K, "blocks", (a.t * (a.q_heads + a.kv_heads)).div_ceil(8))?, 1, 1);
     let (q, qt, qh, wq, nq) = (a.q, a.q_tok as i64, a.q_head as i64, a.q_norm, to_i32(K, "q_heads", a.q_heads)?);
-    let (kp, kt, kh, wk) = (a.k, a.k_tok as i64, hd as i64, a.k_norm);
-    let (pos, d, r, theta, eps) = (a.positions, hd as i32, a.rotary_dim as i32, a.theta, a.eps);
-    launch!(k, s, K, grid, (256, 1, 1), 0; q, qt, qh, wq, nq, kp, kt, kh, wk, pos, d, r, theta, eps)
+    let (kp, kt, kh, wk, nk) = (a.k, a.k_tok as i64, hd as i64, a.k_norm, to_i32(K, "kv_heads", a.kv_heads)?);
+    let (pos, tt, d, r, theta, eps) =
+        (a.positions, to_i32(K, "t", a.t)?, hd as i32, a.rotary_dim as i32, a.theta, a.eps);
+    launch!(k, s, K, grid, (256, 1, 1), 0; q, qt, qh, wq, nq, kp, kt, kh, wk, nk, pos, tt, d, r, theta, eps)
 }
