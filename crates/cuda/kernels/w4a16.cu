@@ -339,9 +339,11 @@ __device__ __forceinline__ uint4 w4_dequant_word(u32 w, float s, float zf) {
 __device__ __forceinline__ float w4_zf(u32 z) { return __uint_as_float(0x4b000000u | z); }
 
 // Without perm: one thread per 4 words (32 columns of one row, one group): a 16-byte load (64-byte
-// runs per row and group), one scale and zero, four 16-byte stores (a warp writes 2 KB of one row);
-// 32-bit slice indices (the launcher keeps rows * in / 32 below 2^31). (Four such items per thread
-// with all loads first was slower: bench/results/session8-h200-2026-11-29.md.)
+// runs per row and group), one scale and zero; the warp's 32 x 64 bytes of output go through shared
+// memory so that each 16-byte store instruction writes 512 contiguous bytes (stored straight from
+// registers, every instruction wrote 32 half sectors and the kernel was bound by L2 write
+// transactions at ~1.3 TB/s). 32-bit slice indices (the launcher keeps rows * in / 32 below 2^31).
+// (Four items per thread with all loads first was slower: bench/results/session8-h200-2026-11-29.md.)
 // With perm: one thread per word, each column scattered to its input feature.
 extern "C" __global__ void __launch_bounds__(256)
 w4_dequant(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,
@@ -349,19 +351,38 @@ w4_dequant(const u32* __restrict__ qw, const unsigned short* __restrict__ scales
            bf16_t* __restrict__ dst, long long ldd, int out, int in, int r0, int r1) {
     const int zstride = (out + 1) >> 1;
     if (!perm) {
+        // Per warp: 4 x 32 uint4, [part k][lane] with a row pitch of 33 (conflict-free 16-byte writes,
+        // at most 2-way conflicts on the reads).
+        __shared__ uint4 stage[8][4 * 33];
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
         const int qpr = in >> 5;  // uint4 per row
         const int n = (r1 - r0) * qpr;
-        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-            const int rr = i / qpr, j4 = i - rr * qpr;
-            const int o = r0 + rr, gi = j4 >> 2;
-            const uint4 w = ld_nc_stream((const uint4*)qw + w4_u4(o, j4, out, in >> 7));
-            const float s = w4_scale(scales[(long long)gi * out + o], scale_bf16);
-            const float z = w4_zf(w4_zero(zeros, zstride, gi, o));
-            uint4* d = (uint4*)(dst + (long long)rr * ldd + 32 * j4);
-            d[0] = w4_dequant_word(w.x, s, z);
-            d[1] = w4_dequant_word(w.y, s, z);
-            d[2] = w4_dequant_word(w.z, s, z);
-            d[3] = w4_dequant_word(w.w, s, z);
+        const int stride = gridDim.x * blockDim.x;
+        // Whole warps iterate together (the staging needs every lane).
+        for (int base = (blockIdx.x * blockDim.x + threadIdx.x) - lane; base < n; base += stride) {
+            const int i = base + lane;
+            if (i < n) {
+                const int rr = i / qpr, j4 = i - rr * qpr;
+                const int o = r0 + rr, gi = j4 >> 2;
+                const uint4 w = ld_nc_stream((const uint4*)qw + w4_u4(o, j4, out, in >> 7));
+                const float s = w4_scale(scales[(long long)gi * out + o], scale_bf16);
+                const float z = w4_zf(w4_zero(zeros, zstride, gi, o));
+                stage[warp][0 * 33 + lane] = w4_dequant_word(w.x, s, z);
+                stage[warp][1 * 33 + lane] = w4_dequant_word(w.y, s, z);
+                stage[warp][2 * 33 + lane] = w4_dequant_word(w.z, s, z);
+                stage[warp][3 * 33 + lane] = w4_dequant_word(w.w, s, z);
+            }
+            __syncwarp();
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int e = q * 32 + lane;  // 16-byte unit e of the warp's output: item e/4, part e%4
+                const int it = base + (e >> 2);
+                if (it < n) {
+                    const int rr = it / qpr, j4 = it - rr * qpr;
+                    *(uint4*)(dst + (long long)rr * ldd + 32 * j4 + 8 * (e & 3)) = stage[warp][(e & 3) * 33 + (e >> 2)];
+                }
+            }
+            __syncwarp();
         }
         return;
     }
