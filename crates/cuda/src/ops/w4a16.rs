@@ -19,7 +19,7 @@ const WARPS: usize = 8;
 /// One int4 linear in device memory (pointers into the weights arena).
 #[derive(Clone, Copy, Debug)]
 pub struct W4Weights {
-    /// u32 `[out, in/8]`, 16-byte aligned.
+    /// u32 × `out·in/8`, tile-major ([`crate::w4`]), 16-byte aligned.
     pub qweight: u64,
     /// u16 `[in/128, out]`.
     pub scales: u64,
