@@ -75,7 +75,7 @@ pub struct AttnPrefill {
     pub q_head: usize,
     pub o: u64,
     pub kv: KvPages,
-    /// [n_seqs + 1] i32 query offsets; [n_seqs] i32 kv lengths including the new tokens.
+    /// `[n_seqs + 1]` i32 query offsets; `[n_seqs]` i32 kv lengths including the new tokens.
     pub cu_seqlens: u64,
     pub seq_lens: u64,
     /// [n_tiles, 2] i32 from [`tile_table`].
@@ -141,9 +141,9 @@ pub struct AttnDecode {
     pub q_head: usize,
     pub o: u64,
     pub kv: KvPages,
-    /// [n_seqs] i32 kv lengths (>= 1).
+    /// `[n_seqs]` i32 kv lengths (>= 1).
     pub seq_lens: u64,
-    /// [n_seqs] i32 block-table row of each query row (0: row b uses table row b).
+    /// `[n_seqs]` i32 block-table row of each query row (0: row b uses table row b).
     pub table_rows: u64,
     pub n_seqs: usize,
     pub q_heads: usize,

@@ -16,7 +16,7 @@ pub struct GdnDecode {
     /// [n_seqs, hv] f32.
     pub g: u64,
     pub beta: u64,
-    /// [slots, hv, dk, dv] f32, and slot ids [n_seqs] i32.
+    /// [slots, hv, dk, dv] f32, and slot ids `[n_seqs]` i32.
     pub state: u64,
     pub slots: u64,
     /// [n_seqs, hv, dv] bf16.
