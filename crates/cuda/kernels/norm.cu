@@ -134,18 +134,7 @@ extern "C" __global__ void gated_rms_norm(const bf16_t* __restrict__ o, const bf
     if (r >= rows) return;
     const bf16_t* orow = o + (long long)r * D;
     const bf16_t* zrow = z + (long long)(r / H) * z_tok_stride + (long long)(r % H) * D;
-    float part[4];
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        float ss = 0.0f;
-        for (int i = lane + 32 * j; i < D; i += 128) {
-            const float v = bf2f(orow[i]);
-            ss += v * v;
-        }
-        part[j] = warp_sum(ss);
-    }
-    const float t = lane == 0 ? part[0] : lane == 1 ? part[1] : lane == 2 ? part[2] : lane == 3 ? part[3] : 0.0f;
-    const float inv = rsqrtf(warp_sum(t) / (float)D + eps);
+    const float inv = rsqrtf(warp_as_block_sumsq<4>(orow, D, lane) / (float)D + eps);
     for (int i = lane; i < D; i += 32)
         out[(long long)r * D + i] = f2bf(w[i] * (bf2f(orow[i]) * inv) * siluf_(bf2f(zrow[i])));
 }

@@ -56,6 +56,25 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     return warp_sum(t);
 }
 
+// mean-square building block: the sum of row[i]^2 over i < D exactly as a block of NW warps computes it
+// with block_sum (thread v sums elements v, v + 32*NW, ... in order; the NW warp sums combined by one
+// warp_sum) — computed by one warp, lane l playing threads l + 32j. Every lane gets the sum.
+template <int NW>
+__device__ __forceinline__ float warp_as_block_sumsq(const bf16_t* row, int D, int lane) {
+    float tot = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NW; j++) {
+        float ss = 0.0f;
+        for (int i = lane + 32 * j; i < D; i += 32 * NW) {
+            const float v = bf2f(row[i]);
+            ss += v * v;
+        }
+        ss = warp_sum(ss);
+        if (lane == j) tot = ss;
+    }
+    return warp_sum(tot);
+}
+
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float siluf_(float x) { return x / (1.0f + expf(-x)); }
 // PyTorch F.softplus (beta 1, threshold 20).

@@ -59,18 +59,7 @@ qk_norm_rope(bf16_t* q, long long q_tok, long long q_head, const bf16_t* __restr
     bf16_t* row = isq ? q + (long long)t * q_tok + (long long)h * q_head
                       : k + (long long)t * k_tok + (long long)(h - nq) * k_head;
     const bf16_t* w = isq ? wq : wk;
-    float ss8 = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        float ss = 0.0f;
-        for (int i = lane + 32 * j; i < D; i += 256) {
-            const float v = bf2f(row[i]);
-            ss += v * v;
-        }
-        ss = warp_sum(ss);
-        if (lane == j) ss8 = ss;
-    }
-    const float inv = rsqrtf(warp_sum(ss8) / (float)D + eps);
+    const float inv = rsqrtf(warp_as_block_sumsq<8>(row, D, lane) / (float)D + eps);
     float* ys = ys_all[warp];
     for (int i = lane; i < D; i += 32) ys[i] = round_bf(bf2f(row[i]) * inv * (1.0f + bf2f(w[i])));
     __syncwarp();
