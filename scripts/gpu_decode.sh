@@ -8,6 +8,8 @@
 #   w4       tests/bench_w4.rs: the int4 GEMV at the 27B shapes (GB/s vs copy), streaming probe, prefill slices
 #   gdn      tests/ops.rs bench_gdn_prefill_27b: the chunked DeltaNet kernels at the 27B shape (M tok/s per layer)
 #   attn     tests/bench_attention.rs, decode kernel only: partitions 16 / 64 at batch 1 / 8, 32K
+#   attnp    tests/bench_attention.rs, prefill only: the default kernel and the warp-pair kernel, 4K-262K keys
+#   benchp   27B bf16 `deltaserve bench` prefill 1K / 4K / 32K / 128K (decode batch 1 at 1K only), JSON + SVG
 #   bench4   27B, int4 weights, fp8 KV, 24 GiB: `deltaserve bench` decode at batch 1 / 8, 1K / 32K
 #   bench4p64  the same with --decode-partitions 64
 #   bench16  27B bf16 decode (batch 1 / 8, 1K / 32K) with 16 decode partitions (the default)
@@ -25,6 +27,14 @@ test_step ops 200 "FAIL|test result|panicked" "$C/ops" --nocapture --test-thread
 test_step w4 200 "BENCH|pair|panicked|Best|units|rows" "$C/bench_w4" --nocapture --ignored bench_w4_27b
 test_step gdn 120 "^\||panicked|BENCH" "$C/ops" --nocapture --ignored bench_gdn_prefill_27b
 DS_BENCH_ATTN=decode test_step attn 60 "attn_decode|split|panicked|^\|" "$C/bench_attention" --nocapture --ignored
+DS_BENCH_ATTN=prefill test_step attnp 120 "attn_prefill|^ +[0-9]|panicked" "$C/bench_attention" --nocapture --ignored
+if has benchp; then
+    step benchp
+    timeout 240 "$C/deltaserve" bench --prompts 1024,4096,32768,131072 --batches 1 --contexts 1024 --steps 5 \
+        --verify-tokens 0 --json --svg "$OUT/benchp.svg" >"$OUT/benchp.json" 2>"$OUT/benchp.log"
+    echo "rc=$?"; tail -n 2 "$OUT/benchp.log"
+    python3 -c "import json; d=json.load(open('$OUT/benchp.json')); print(d['ceilings']); [print('prefill', r) for r in d['prefill']]; [print('decode', r['batch'], r['context'], r['ms_per_step'], r['roofline_ratio']) for r in d['decode']]; print(d['plan_bytes'], d['driver_peak_bytes'])" || true
+fi
 D="--batches 1,8 --contexts 1024,32768 --steps 9 --verify-tokens 0"
 for b in bench4 bench4p64 bench16 bench32 bench64; do
     has $b || continue

@@ -218,38 +218,89 @@ __device__ __forceinline__ float pf_exp2(float x) {
     return y;
 }
 
-// Barrier 1 + pair with immediate ids, so ptxas reserves PF_HPB + 1 barriers, not all 16 (which
-// would cap the blocks per SM).
+// Barrier 1 + pair with immediate ids, so ptxas reserves NP + 1 barriers, not all 16 (which would
+// cap the blocks per SM). NP: pairs per block (<= 8).
+template <int NP>
 __device__ __forceinline__ void pair_sync(int pair) {
 #define PF_BAR(p) \
     case p: \
-        asm volatile("bar.sync " #p " + 1, 64;" ::: "memory"); \
+        if (NP > p) asm volatile("bar.sync " #p " + 1, 64;" ::: "memory"); \
         break;
     switch (pair) {
         PF_BAR(0)
-#if PF_HPB > 1
         PF_BAR(1)
-#endif
-#if PF_HPB > 2
         PF_BAR(2)
-#endif
-#if PF_HPB > 3
         PF_BAR(3)
-#endif
-#if PF_HPB > 4
         PF_BAR(4)
-#endif
-#if PF_HPB > 5
         PF_BAR(5)
-#endif
-#if PF_HPB > 6
         PF_BAR(6)
-#endif
-#if PF_HPB > 7
         PF_BAR(7)
-#endif
     }
 #undef PF_BAR
+}
+
+// Issues the cp.async copies of keys [kb, kb + BK) of one kv head's bf16 K and V (kbase / vbase:
+// the head's first element in cache row 0, rows `width` elements apart) into a stage at `dst`: the
+// K tile, then the V tile BK * PF_STR * 2 bytes later, rows padded to PF_STR. Keys at or past kend
+// are zero-filled (their cache rows are never read). page_tiles: every BK-key tile lies inside one
+// page (one block-table lookup; each thread copies a fixed 16-byte column of every (NT / PF_CH)-th
+// row, so only a pointer advances per copy); pshift: log2(page) for power-of-two pages, else -1.
+// NT threads call it; the caller commits the group.
+// This thread's fixed 16-byte column of the one-page copy: first row, source offset and smem
+// offset (computed once per block, outside the KV loop).
+struct KvLane {
+    int row;
+    long long off;
+    u32 dst;
+};
+__device__ __forceinline__ KvLane kv_lane(int tid, long long width) {
+    const int row = tid / PF_CH;
+    return KvLane{row, (long long)row * width + (tid % PF_CH) * 8, (u32)(row * PF_STR + (tid % PF_CH) * 8) * 2};
+}
+template <int NT, int BK>
+__device__ __forceinline__ void kv_tile_bf16(u32 dst, const bf16_t* kbase, const bf16_t* vbase, const int* bt,
+                                             int page, int pshift, bool page_tiles, long long width, int kb,
+                                             int kend, int tid, const KvLane& ln) {
+    constexpr int MAT = BK * PF_STR * 2;
+    long long row0 = 0;
+    if (page_tiles) {
+        // A 32-bit division per tile was ~30 of the ~365 instructions a warp issued per tile.
+        const int pg = pshift >= 0 ? kb >> pshift : kb / page;
+        row0 = (long long)bt[pg] * page + (kb - pg * page);
+    }
+    if (NT % PF_CH == 0 && page_tiles) {
+        constexpr int RSTEP = NT % PF_CH == 0 ? NT / PF_CH : 1;  // tile rows one pass copies
+        const int lane_row = ln.row;
+        const long long lane_off = ln.off;
+        const u32 lane_dst = ln.dst;
+        const bf16_t* kp = kbase + (row0 * width + lane_off);
+        const bf16_t* vp = vbase + (row0 * width + lane_off);
+        const long long step = RSTEP * width;
+        const int left = kend - kb - lane_row;  // rows lane_row + i * RSTEP are visible while i * RSTEP < left
+#pragma unroll
+        for (int i = 0; i < (BK + RSTEP - 1) / RSTEP; i++) {
+            if (BK % RSTEP == 0 || lane_row + i * RSTEP < BK) {
+                const u32 d = dst + lane_dst + (u32)(i * RSTEP * PF_STR * 2);
+                const int n = i * RSTEP < left ? 16 : 0;
+                cp_async16(d, kp, n);
+                cp_async16(d + MAT, vp, n);
+            }
+            kp += step;
+            vp += step;
+        }
+        return;
+    }
+    for (int c = tid; c < BK * PF_CH; c += NT) {
+        const int r = c / PF_CH, ch = c % PF_CH;
+        const int p = kb + r;
+        const bool ok = p < kend;
+        long long row = 0;
+        if (ok) row = page_tiles ? row0 + r : (long long)bt[p / page] * page + p % page;
+        const long long off = row * width + ch * 8;
+        const u32 d = dst + (u32)(r * PF_STR + ch * 8) * 2;
+        cp_async16(d, kbase + off, ok ? 16 : 0);
+        cp_async16(d + MAT, vbase + off, ok ? 16 : 0);
+    }
 }
 
 __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
@@ -291,61 +342,22 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
 #endif
     const u32 sbase = smem_addr(pf_smem);
     const bool page_tiles = (page % PF_BK) == 0;  // every KV tile lies inside one page
-    // A 32-bit division per tile was ~30 of the ~365 instructions a warp issues per tile.
     const int pshift = (page & (page - 1)) == 0 ? __ffs(page) - 1 : -1;
-#if !KQ_ANY && PF_NT % PF_CH == 0
-    // This thread's 16-byte chunk of a tile row (column tid % PF_CH) in rows lane_row + i * PF_RSTEP.
-    const int lane_row = tid / PF_CH;
-    const long long lane_off = (long long)lane_row * width + (tid % PF_CH) * 8;
-    const u32 lane_dst = (u32)(lane_row * PF_STR + (tid % PF_CH) * 8) * 2;
+#if !KQ_ANY
+    const KvLane kvl = kv_lane(tid, width);
 #endif
-
     // Issue the cp.async copies of KV tile j into stage st (one commit group per tile).
     auto load_tile = [&](int j, int st) {
         const int kb = j * PF_BK;
         const u32 dst = sbase + st * PF_STAGE_BYTES;
+#if !KQ_ANY
+        kv_tile_bf16<PF_NT, PF_BK>(dst, kbase, vbase, bt, page, pshift, page_tiles, width, kb, kend, tid, kvl);
+#else
         long long row0 = 0;
         if (page_tiles) {
             const int pg = pshift >= 0 ? kb >> pshift : kb / page;  // no division for power-of-two pages
             row0 = (long long)bt[pg] * page + (kb - pg * page);
         }
-#if !KQ_ANY
-#if PF_NT % PF_CH == 0
-        if (page_tiles) {
-            // The tile lies in one page: rows row0 .. row0 + PF_BK - 1, each thread a fixed chunk
-            // (column) of every PF_RSTEP-th row, so only a pointer advances per copy. Rows past the
-            // visible end are zero-filled (their page rows exist, so the address stays valid).
-            const bf16_t* kp = kbase + (row0 * width + lane_off);
-            const bf16_t* vp = vbase + (row0 * width + lane_off);
-            const long long step = PF_RSTEP * width;
-            const int left = kend - kb - lane_row;  // rows r = lane_row + i * PF_RSTEP are visible while < left
-#pragma unroll
-            for (int i = 0; i < (PF_BK + PF_RSTEP - 1) / PF_RSTEP; i++) {
-                if (PF_BK % PF_RSTEP == 0 || lane_row + i * PF_RSTEP < PF_BK) {
-                    const u32 d = dst + lane_dst + (u32)(i * PF_RSTEP * PF_STR * 2);
-                    const int n = i * PF_RSTEP < left ? 16 : 0;
-                    cp_async16(d, kp, n);
-                    cp_async16(d + PF_MAT_BYTES, vp, n);
-                }
-                kp += step;
-                vp += step;
-            }
-            cp_async_commit();
-            return;
-        }
-#endif
-        for (int c = tid; c < PF_BK * PF_CH; c += PF_NT) {
-            const int r = c / PF_CH, ch = c % PF_CH;
-            const int p = kb + r;
-            const bool ok = p < kend;
-            long long row = 0;
-            if (ok) row = page_tiles ? row0 + r : (long long)bt[p / page] * page + p % page;
-            const long long off = row * width + ch * 8;
-            const u32 d = dst + (u32)(r * PF_STR + ch * 8) * 2;
-            cp_async16(d, kbase + off, ok ? 16 : 0);
-            cp_async16(d + PF_MAT_BYTES, vbase + off, ok ? 16 : 0);
-        }
-#else
         (void)width;
         // K, then V: 16-byte chunks of each row; bf16 lands in the padded tile, codes packed.
 #pragma unroll
@@ -478,7 +490,7 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
         }
 #pragma unroll
         for (int n = 0; n < PF_BK / 8; n++) xme[n * 32] = make_float4(sx[n][0], sx[n][1], sx[n][2], sx[n][3]);
-        pair_sync(pair);
+        pair_sync<PF_HPB>(pair);
 #pragma unroll
         for (int n = 0; n < PF_BK / 8; n++) {
             const float4 p = xpa[n * 32];
@@ -634,6 +646,260 @@ attn_prefill(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
              float scale, long long q_tok, long long q_head) {
     prefill_body(q, k_cache, v_cache, k_scales, v_scales, block_tables, max_blocks, cu_seqlens, seq_lens,
                  tile_table, o, Hq, Hkv, page, scale, q_tok, q_head);
+}
+
+// ---------------------------------------------------------------------------------------------
+// attn_prefill_wide: the same attention with 128 (query, head) rows per block — packed GQA rows
+// (row r of a sequence is query r / GQA_GROUP, head r % GQA_GROUP of the kv head), so a block fills
+// its rows whatever the group size — and a warp pair per 32 rows (two m16 row tiles per warp) that
+// splits the head dims as attn_prefill's pairs do. Against attn_prefill's 16 queries x 6 heads per
+// block and one m16 tile per warp: every K/V fragment a warp loads from shared memory feeds two
+// m16 tiles instead of one, and each K/V tile serves 128 rows instead of 96. The price: Q cannot
+// live in registers (the warp's O accumulators for 32 rows x HD/2 dims take 128 at HD 256), so Q
+// sits in shared memory (XOR-swizzled 16-byte chunks: row r's chunk c at c ^ (r & 7), so the 8
+// rows of an ldmatrix hit distinct banks without padding) and is re-read per KV tile; 8 warps of
+// up to 255 registers per SM. bf16 K/V and plain bf16 P only (attn_prefill covers the rest).
+// Smem (HD 256): Q 64 KB + 2 stages x (K + V) x 32 keys 66 KB + the pairs' S exchange 32 KB =
+// 162 KB: fits sm_80 (163 KB) and sm_90, not sm_86/89 (99 KB; those use attn_prefill).
+// Launch: grid (n_tiles, Hkv), block PW_NT, dynamic smem PW_SMEM_BYTES; tile_table [n_tiles, 2] =
+// (seq, 128-row tile) over the packed rows (q_len * GQA_GROUP per sequence). q 16-byte aligned
+// with q_tok, q_head multiples of 8.
+#define PW_ROWS 128                        // packed (query, head) rows per block
+#define PW_NW 8                            // warps per block: 4 pairs x 32 rows
+#define PW_NT (32 * PW_NW)
+#define PW_BK 32                           // keys per KV tile
+#define PW_MAT (PW_BK * PF_STR * 2)        // one K or V tile (padded rows)
+#define PW_STAGE (2 * PW_MAT)
+#define PW_KV0 (PW_ROWS * HD * 2)          // the stages follow the Q tile
+#define PW_XCH (PW_KV0 + 2 * PW_STAGE)     // then the exchange: 32 rows x PW_BK f32 per warp
+#define PW_SMEM_BYTES (PW_XCH + PW_NW * 32 * PW_BK * 4)  // = ops/attention.rs wide_smem_bytes
+#define PW_SWZ (PF_CH >= 8 ? 7 : PF_CH - 1)
+
+extern "C" __global__ void __launch_bounds__(PW_NT, 1)
+attn_prefill_wide(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
+                  const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+                  const int* __restrict__ cu_seqlens, const int* __restrict__ seq_lens,
+                  const int* __restrict__ tile_table, bf16_t* __restrict__ o, int Hq, int Hkv, int page,
+                  float scale, long long q_tok, long long q_head) {
+    extern __shared__ __align__(16) unsigned char pw_smem[];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, tg = lane & 3;
+    const int pair = warp >> 1, half = warp & 1;
+    const int d0 = half * PF_HALF;
+    const int tile = gridDim.x - 1 - blockIdx.x;  // longest tiles first
+    const int s = tile_table[2 * tile], rt = tile_table[2 * tile + 1];
+    const int hkv = blockIdx.y;
+    const int qstart = cu_seqlens[s], qlen = cu_seqlens[s + 1] - qstart;
+    const int past = seq_lens[s] - qlen;
+    const int r0 = rt * PW_ROWS;  // the tile's first packed row
+    const int nrows = min(PW_ROWS, qlen * GQA_GROUP - r0);
+    const int first_q = past + r0 / GQA_GROUP;
+    const int kend = past + (r0 + nrows - 1) / GQA_GROUP + 1;  // keys [0, kend) are visible to some row
+    const int n_kt = (kend + PW_BK - 1) / PW_BK;
+    const long long width = (long long)Hkv * HD;
+    const int* bt = block_tables + (long long)s * max_blocks;
+    const bf16_t* kbase = k_cache + (long long)hkv * HD;
+    const bf16_t* vbase = v_cache + (long long)hkv * HD;
+    const u32 sbase = smem_addr(pw_smem);
+    const u32 kv0 = sbase + PW_KV0;
+    const bool page_tiles = (page % PW_BK) == 0;
+    const int pshift = (page & (page - 1)) == 0 ? __ffs(page) - 1 : -1;
+
+    // The tile's Q rows (zero past the sequence) and KV tile 0: the first commit group.
+    for (int c = tid; c < PW_ROWS * PF_CH; c += PW_NT) {
+        const int r = c / PF_CH, ch = c % PF_CH;
+        const bool ok = r < nrows;
+        const int pr = r0 + r, i = pr / GQA_GROUP, hh = pr - i * GQA_GROUP;
+        const bf16_t* src = ok ? q + (long long)(qstart + i) * q_tok + (long long)(hkv * GQA_GROUP + hh) * q_head + ch * 8 : q;
+        cp_async16(sbase + (u32)(r * HD * 2 + (ch ^ (r & PW_SWZ)) * 16), src, ok ? 16 : 0);
+    }
+    const KvLane kvl = kv_lane(tid, width);
+    kv_tile_bf16<PW_NT, PW_BK>(kv0, kbase, vbase, bt, page, pshift, page_tiles, width, 0, kend, tid, kvl);
+    cp_async_commit();
+
+    // This thread's 4 rows: m tile mt, fragment half hf (rows g, g + 8) -> block row
+    // 32 pair + 16 mt + 8 hf + g; its query position (-1 past the tile's rows: always masked).
+    int qpos[2][2];
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const int r = 32 * pair + 16 * mt + 8 * hf + g;
+            qpos[mt][hf] = r < nrows ? past + (r0 + r) / GQA_GROUP : -1;
+        }
+
+    // ldmatrix (A, x4) lane addresses of Q: row 32 pair + 16 mt + (lane & 15), chunk
+    // c = d0 / 8 + 2 ks + (lane >> 4) stored at c ^ (lane & 7); for ks = 4u + v that is
+    // ((d0 / 8 + (lane >> 4) + 2v) ^ (lane & 7)) + 8u (the xor only touches the low 3 bits).
+    u32 qa[4];
+#pragma unroll
+    for (int v = 0; v < 4; v++)
+        qa[v] = sbase + (u32)((32 * pair + (lane & 15)) * HD * 2 +
+                              ((d0 / 8 + (lane >> 4) + 2 * v) ^ (lane & PW_SWZ)) * 16);
+    // K (non-trans) and V (trans) lane offsets inside a tile, as in attn_prefill.
+    const u32 k_lane = (u32)(((lane & 7) + ((lane >> 4) << 3)) * PF_STR + ((lane >> 3) & 1) * 8 + d0) * 2;
+    const u32 v_lane = (u32)(((lane & 7) + (((lane >> 3) & 1) << 3)) * PF_STR + (lane >> 4) * 8 + d0) * 2;
+
+    float oacc[2][PF_HALF / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int n = 0; n < PF_HALF / 8; n++) oacc[mt][n][0] = oacc[mt][n][1] = oacc[mt][n][2] = oacc[mt][n][3] = 0.0f;
+    float mrow[2][2], lrow[2][2];
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++) mrow[mt][0] = mrow[mt][1] = NEG_INF, lrow[mt][0] = lrow[mt][1] = 0.0f;
+    const float fs = scale * 1.4426950408889634f;  // log2 domain
+    float4* xme = (float4*)(pw_smem + PW_XCH) + warp * (2 * PW_BK / 8) * 32 + lane;
+    const float4* xpa = (const float4*)(pw_smem + PW_XCH) + (warp ^ 1) * (2 * PW_BK / 8) * 32 + lane;
+
+    for (int j = 0; j < n_kt; j++) {
+        if (j + 1 < n_kt) {
+            kv_tile_bf16<PW_NT, PW_BK>(kv0 + ((j + 1) & 1) * PW_STAGE, kbase, vbase, bt, page, pshift, page_tiles,
+                                       width, (j + 1) * PW_BK, kend, tid, kvl);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const u32 ks_base = kv0 + (j & 1) * PW_STAGE;
+        const u32 vs_base = ks_base + PW_MAT;
+
+        // This warp's half of S for its 32 rows; each K fragment feeds both m tiles.
+        float sx[2][PW_BK / 8][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int n = 0; n < PW_BK / 8; n++) sx[mt][n][0] = sx[mt][n][1] = sx[mt][n][2] = sx[mt][n][3] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < PF_HALF / 16; ks++) {
+            u32 kf[PW_BK / 16][4];
+#pragma unroll
+            for (int np = 0; np < PW_BK / 16; np++)
+                ldsm_x4(ks_base + k_lane + (u32)(np * 16 * PF_STR + ks * 16) * 2, kf[np][0], kf[np][1], kf[np][2],
+                        kf[np][3]);
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+                u32 a[4];
+                ldsm_x4(qa[ks & 3] + (u32)((ks >> 2) * 128 + mt * 16 * HD * 2), a[0], a[1], a[2], a[3]);
+#pragma unroll
+                for (int np = 0; np < PW_BK / 16; np++) {
+                    mma_bf16(sx[mt][2 * np], a, kf[np][0], kf[np][1]);
+                    mma_bf16(sx[mt][2 * np + 1], a, kf[np][2], kf[np][3]);
+                }
+            }
+        }
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int n = 0; n < PW_BK / 8; n++)
+                xme[(mt * (PW_BK / 8) + n) * 32] = make_float4(sx[mt][n][0], sx[mt][n][1], sx[mt][n][2], sx[mt][n][3]);
+        pair_sync<PW_NW / 2>(pair);
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int n = 0; n < PW_BK / 8; n++) {
+                const float4 p = xpa[(mt * (PW_BK / 8) + n) * 32];
+                sx[mt][n][0] += p.x;
+                sx[mt][n][1] += p.y;
+                sx[mt][n][2] += p.z;
+                sx[mt][n][3] += p.w;
+            }
+
+        // Causal mask where the tile reaches past the tile's first query, then the online softmax
+        // per row (as attn_prefill: log2 domain, the scale on the exp's FFMA).
+        const int kb = j * PW_BK;
+        if (kb + PW_BK - 1 > first_q) {
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int n = 0; n < PW_BK / 8; n++) {
+                    const int key = kb + n * 8 + 2 * tg;
+                    if (key > qpos[mt][0]) sx[mt][n][0] = NEG_INF;
+                    if (key + 1 > qpos[mt][0]) sx[mt][n][1] = NEG_INF;
+                    if (key > qpos[mt][1]) sx[mt][n][2] = NEG_INF;
+                    if (key + 1 > qpos[mt][1]) sx[mt][n][3] = NEG_INF;
+                }
+        }
+        float alpha[2][2];
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                float mx = NEG_INF;
+#pragma unroll
+                for (int n = 0; n < PW_BK / 8; n++) mx = fmaxf(mx, fmaxf(sx[mt][n][2 * hf], sx[mt][n][2 * hf + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                mx = fmaxf(mrow[mt][hf], mx * fs);  // fs > 0: -inf stays -inf
+                // A row with no visible key yet keeps max -inf: subtract 0 instead (all its p are 0).
+                const float base = mx == NEG_INF ? 0.0f : mx;
+                alpha[mt][hf] = pf_exp2(mrow[mt][hf] - base);
+                mrow[mt][hf] = mx;
+                float rs = 0.0f;
+#pragma unroll
+                for (int n = 0; n < PW_BK / 8; n++) {
+                    sx[mt][n][2 * hf] = pf_exp2(fmaf(sx[mt][n][2 * hf], fs, -base));
+                    sx[mt][n][2 * hf + 1] = pf_exp2(fmaf(sx[mt][n][2 * hf + 1], fs, -base));
+                    rs += sx[mt][n][2 * hf] + sx[mt][n][2 * hf + 1];
+                }
+                lrow[mt][hf] = lrow[mt][hf] * alpha[mt][hf] + rs;
+            }
+        if (__any_sync(0xffffffffu, alpha[0][0] != 1.0f || alpha[0][1] != 1.0f || alpha[1][0] != 1.0f ||
+                                        alpha[1][1] != 1.0f)) {
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int n = 0; n < PF_HALF / 8; n++) {
+                    oacc[mt][n][0] *= alpha[mt][0];
+                    oacc[mt][n][1] *= alpha[mt][0];
+                    oacc[mt][n][2] *= alpha[mt][1];
+                    oacc[mt][n][3] *= alpha[mt][1];
+                }
+        }
+
+        // O += P V over this warp's half of the dims; each V fragment feeds both m tiles.
+#pragma unroll
+        for (int kk = 0; kk < PW_BK / 16; kk++) {
+            u32 ph[2][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+                ph[mt][0] = pack_bf16(sx[mt][2 * kk][0], sx[mt][2 * kk][1]);
+                ph[mt][1] = pack_bf16(sx[mt][2 * kk][2], sx[mt][2 * kk][3]);
+                ph[mt][2] = pack_bf16(sx[mt][2 * kk + 1][0], sx[mt][2 * kk + 1][1]);
+                ph[mt][3] = pack_bf16(sx[mt][2 * kk + 1][2], sx[mt][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int np = 0; np < PF_HALF / 16; np++) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4_t(vs_base + v_lane + (u32)(kk * 16 * PF_STR + np * 16) * 2, b0, b1, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    mma_bf16(oacc[mt][2 * np], ph[mt], b0, b1);
+                    mma_bf16(oacc[mt][2 * np + 1], ph[mt], b2, b3);
+                }
+            }
+        }
+        __syncthreads();  // stage j & 1 and the exchange are rewritten in iteration j + 1
+    }
+
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            float l = lrow[mt][hf];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            const int r = 32 * pair + 16 * mt + 8 * hf + g;
+            if (r < nrows) {
+                const int pr = r0 + r, i = pr / GQA_GROUP, hh = pr - i * GQA_GROUP;
+                bf16_t* orow = o + ((long long)(qstart + i) * Hq + hkv * GQA_GROUP + hh) * HD + d0 + 2 * tg;
+#pragma unroll
+                for (int n = 0; n < PF_HALF / 8; n++)
+                    *(u32*)(orow + n * 8) = pack_bf16(oacc[mt][n][2 * hf] * inv, oacc[mt][n][2 * hf + 1] * inv);
+            }
+        }
 }
 
 #define DPL (HD / 32)  // dims per lane in decode

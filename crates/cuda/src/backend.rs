@@ -2136,7 +2136,7 @@ impl CudaBackend {
         let chunk_table = gdn_chunk::chunk_table(&cu[..=n_real]);
         // Prefill attention covers the prefill chunks and the short-context verify chunks; the other
         // verify rows run as decode queries.
-        let tile_table = attention::tile_table(&cu[..=n_real + n_ver_pf]);
+        let tile_table = attention::tile_table(&self.k, &cu[..=n_real + n_ver_pf]);
         let tvd = tp - cu[n_real + n_ver_pf] as usize;
         let (mut ver_lens, mut ver_tables) = (Vec::new(), Vec::new());
         for (r, &i) in order.iter().enumerate().take(n_pre).skip(n_real + n_ver_pf) {

@@ -90,7 +90,7 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         module: "attention",
         src: include_str!("../kernels/attention.cu"),
-        functions: &["attn_prefill", "attn_decode_split", "attn_decode_combine"],
+        functions: &["attn_prefill", "attn_prefill_wide", "attn_decode_split", "attn_decode_combine"],
     },
 ];
 
@@ -370,13 +370,18 @@ pub struct AttnTiling {
     pub p_split: bool,
     /// Query heads (of one kv head) per block, a divisor of the GQA group; 0: [`AttnTiling::auto_heads`].
     pub heads: usize,
+    /// Prefer `attn_prefill_wide` (128 packed (query, head) rows per block, two m16 row tiles per
+    /// warp) where it applies: bf16 K and V, plain P, 32-key tiles, head dim >= 32 and the device's
+    /// shared memory holds its block ([`crate::Kernels::attn_wide`] says whether it is used).
+    pub wide: bool,
 }
 
 impl AttnTiling {
     /// 32-key tiles (fit a 99 KB sm_86 block), plain bf16 P (FlashAttention's choice: its rounding
     /// moves o by about 2^-9 of |v|; 17% faster than the hi/lo split on the H200), 6 heads per block
-    /// at the 27B's GQA 6 (bench/results/attention-pairs-h200-2026-11-29.md).
-    pub const DEFAULT: AttnTiling = AttnTiling { keys: 32, p_split: false, heads: 0 };
+    /// at the 27B's GQA 6 (bench/results/attention-pairs-h200-2026-11-29.md); the wide kernel where
+    /// it applies.
+    pub const DEFAULT: AttnTiling = AttnTiling { keys: 32, p_split: false, heads: 0, wide: true };
 
     /// The default heads per block: the largest divisor of the GQA group up to 6 (2 warps per head;
     /// 12 warps at most, so 168 registers per thread still fit one block per SM).

@@ -113,12 +113,15 @@ fn bench_attn_prefill_27b() {
     let scale = 1.0 / (HD as f32).sqrt();
 
     // Every tiling the device's shared memory allows: the shipped default first (none with
-    // DS_BENCH_ATTN=decode: the decode kernel only).
-    let decode_only = std::env::var("DS_BENCH_ATTN").is_ok_and(|v| v == "decode");
+    // DS_BENCH_ATTN=decode: the decode kernel only; with DS_BENCH_ATTN=prefill: the default and the
+    // warp-pair kernel's default tiling, no decode).
+    let mode = std::env::var("DS_BENCH_ATTN").unwrap_or_default();
+    let decode_only = mode == "decode";
     let mut tilings = if decode_only { Vec::new() } else { vec![AttnTiling::DEFAULT] };
-    for (keys, heads) in [(32, 6), (32, 3), (32, 2), (64, 3)].into_iter().filter(|_| !decode_only) {
-        for p_split in [true, false] {
-            let t = AttnTiling { keys, p_split, heads };
+    let grid: &[(usize, usize)] = if mode == "prefill" { &[(32, 6)] } else { &[(32, 6), (32, 3), (32, 2), (64, 3)] };
+    for &(keys, heads) in grid.iter().filter(|_| !decode_only) {
+        for p_split in [true, false].into_iter().filter(|&p| !(p && mode == "prefill")) {
+            let t = AttnTiling { keys, p_split, heads, wide: false };
             if !tilings.contains(&t) {
                 tilings.push(t);
             }
@@ -132,8 +135,9 @@ fn bench_attn_prefill_27b() {
                 continue;
             }
         };
+        let kernel = if kt.attn_wide() { "attn_prefill_wide" } else { "attn_prefill" };
         println!(
-            "attn_prefill {tiling:?}, 27B shape (Hq {HQ}, Hkv {HKV}, head dim {HD}, page {PAGE}), {TQ} causal queries:"
+            "{kernel} {tiling:?}, 27B shape (Hq {HQ}, Hkv {HKV}, head dim {HD}, page {PAGE}), {TQ} causal queries:"
         );
         println!(
             "{:>8} {:>8} {:>10} {:>9} {:>8} {:>10} {:>8}",
@@ -142,7 +146,7 @@ fn bench_attn_prefill_27b() {
         for past in [0usize, 28_672, 126_976, 258_048] {
             let cu = [0i32, TQ as i32];
             let lens = [(past + TQ) as i32];
-            let tiles = attention::tile_table(&cu);
+            let tiles = attention::tile_table(&kt, &cu);
             rt.upload(cu_p, &cu).unwrap();
             rt.upload(lens_p, &lens).unwrap();
             rt.upload(tiles_p, &tiles).unwrap();
@@ -174,6 +178,9 @@ fn bench_attn_prefill_27b() {
         }
     }
 
+    if mode == "prefill" {
+        return;
+    }
     // Decode: one query per sequence at 32K context, each sequence on its own pages.
     let ctx = 32_768usize;
     let scratch_bytes = attention::decode_scratch_bytes(8, HQ, 64, HD);

@@ -273,9 +273,12 @@ fn gdn_op(lens: &[usize], hk: usize, hv: usize, prec: gdn_chunk::Precision) -> O
     Op::GdnChunk { lens: lens.to_vec(), hk, hv, prec }
 }
 
-/// A 27B-shape prefill case (24 q heads, 4 kv heads) with kernels tiled `keys` per KV tile.
+/// A 27B-shape prefill case (24 q heads, 4 kv heads) on `attn_prefill` (the warp-pair kernel, not
+/// the wide one) tiled `keys` per KV tile. (The `Op::AttnPrefill` cases run the default tiling: the
+/// wide kernel on devices whose shared memory holds it, as the H200's does.)
 fn tiled(seqs: &[(usize, usize)], page: usize, keys: usize, p_split: bool, heads: usize) -> Op {
-    Op::AttnPrefillTiled { seqs: seqs.to_vec(), hq: 24, hkv: 4, page, tiling: AttnTiling { keys, p_split, heads } }
+    let tiling = AttnTiling { keys, p_split, heads, wide: false };
+    Op::AttnPrefillTiled { seqs: seqs.to_vec(), hq: 24, hkv: 4, page, tiling }
 }
 
 /// A quantised-KV case (see [`Op::KvQ`]).
@@ -410,6 +413,12 @@ fn cases() -> Vec<Case> {
         c("kv_write+attn_prefill", q, tiled(&[(0, 63), (64, 65), (100, 17)], 16, 64, true, 3), ACCUM),
         c("kv_write+attn_prefill", q, tiled(&[(5, 64), (31, 127), (1000, 1)], 64, 64, false, 0), ATTN_PLAIN_P),
         c("kv_write+attn_prefill", q, tiled(&[(0, 300), (33, 129)], 32, 32, false, 3), ATTN_PLAIN_P),
+        c(
+            "kv_write+attn_prefill",
+            q,
+            tiled(&[(5, 64), (31, 127), (33, 129), (1000, 1)], 32, 32, false, 0),
+            ATTN_PLAIN_P,
+        ),
         c("kv_write+attn_prefill", q, tiled(&[(0, 300), (33, 129)], 32, 32, true, 3), ACCUM),
         c("kv_write+attn_prefill", q, tiled(&[(2, 77), (0, 1)], 16, 32, true, 2), ACCUM),
         c(
@@ -1430,7 +1439,7 @@ fn attn_case(
     match n_split {
         None => {
             let cu = cu_of(&news);
-            let table = attention::tile_table(&cu);
+            let table = attention::tile_table(k, &cu);
             let (cup, tp) = (d.i32s(&cu)?, d.i32s(&table)?);
             let a = attention::AttnPrefill {
                 q: qp,
@@ -1746,7 +1755,7 @@ fn kvq_case(
     match n_split {
         None => {
             let cu = cu_of(&news);
-            let table = attention::tile_table(&cu);
+            let table = attention::tile_table(&kq, &cu);
             let (cup, tp) = (d.i32s(&cu)?, d.i32s(&table)?);
             let a = attention::AttnPrefill {
                 q: qp,

@@ -25,6 +25,24 @@ pub(crate) fn prefill_smem_bytes(d: &KernelDims, kv: &KvFormats, t: &AttnTiling)
     2 * (part(kv.k) + part(kv.v)) + extra(kv.k) + extra(kv.v) + warps * keys * 64
 }
 
+/// Packed (query, head) rows per block of `attn_prefill_wide` (row r of a sequence: query
+/// r / GQA group, head r % GQA group of the block's kv head).
+pub const WIDE_ROWS: usize = 128;
+
+/// Dynamic shared memory of `attn_prefill_wide` (PW_SMEM_BYTES in attention.cu): the block's Q rows
+/// (unpadded, swizzled), 2 stages of 32-key K and V tiles (rows padded by 8), the warp pairs' S
+/// exchange (8 warps x 32 rows x 32 keys, f32).
+pub(crate) fn wide_smem_bytes(d: &KernelDims) -> usize {
+    let hd = d.attn_head_dim;
+    WIDE_ROWS * hd * 2 + 2 * 2 * 32 * (hd + 8) * 2 + 8 * 32 * 32 * 4
+}
+
+/// Whether `attn_prefill_wide` serves tiling `t` over a cache in `kv` (the device's shared memory
+/// aside): bf16 K and V, plain P, 32-key tiles.
+pub(crate) fn wide_applies(d: &KernelDims, kv: &KvFormats, t: &AttnTiling) -> bool {
+    t.wide && *kv == KvFormats::BF16 && !t.p_split && t.keys == 32 && d.attn_head_dim >= 32
+}
+
 /// Per-(token, head) f16 scales of a quantised cache ([rows, kv_heads] each; 0 for a bf16 matrix).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct KvScales {
@@ -41,9 +59,17 @@ fn check_scales(kernel: &'static str, k: &Kernels, sc: &KvScales) -> Result<(), 
     Ok(())
 }
 
-/// Host-side tile table for [`attn_prefill`]: (sequence, 16-query tile) pairs.
-pub fn tile_table(cu_seqlens: &[i32]) -> Vec<i32> {
-    super::tile_table(cu_seqlens, Q_TILE)
+/// Host-side tile table for [`attn_prefill`] with the kernels `k`: (sequence, 16-query tile) pairs,
+/// or with the wide kernel ([`Kernels::attn_wide`]) (sequence, tile of [`WIDE_ROWS`] packed rows)
+/// pairs — never more entries than 16-query tiles (a GQA group is at most 8).
+pub fn tile_table(k: &Kernels, cu_seqlens: &[i32]) -> Vec<i32> {
+    if k.attn_wide() {
+        let g = k.dims.gqa_group as i32;
+        let rows: Vec<i32> = cu_seqlens.iter().map(|&c| c * g).collect();
+        super::tile_table(&rows, WIDE_ROWS)
+    } else {
+        super::tile_table(cu_seqlens, Q_TILE)
+    }
 }
 
 /// Scratch bytes for [`attn_decode`]: partial o [b, hq, n_split, hd] + (max, sum) pairs, f32.
@@ -118,6 +144,18 @@ pub fn attn_prefill_q(k: &Kernels, s: &CudaStream, a: &AttnPrefill, sc: &KvScale
     let hq = to_i32("attn_prefill", "q_heads", a.q_heads)?;
     let hkv = to_i32("attn_prefill", "kv_heads", a.kv.kv_heads)?;
     let page = to_i32("attn_prefill", "page", a.kv.page)?;
+    if k.attn_wide() {
+        // Q rows are copied to shared memory in 16-byte chunks.
+        if !q.is_multiple_of(16) || !a.q_tok.is_multiple_of(8) || !a.q_head.is_multiple_of(8) {
+            return Err(invalid("attn_prefill", format!("{a:?}: q must be 16-byte aligned with strides of 8")));
+        }
+        // One block per (tile of 128 packed rows, kv head); a warp pair per 32 rows.
+        let grid =
+            (to_u32("attn_prefill", "n_tiles", a.n_tiles)?, to_u32("attn_prefill", "kv_heads", a.kv.kv_heads)?, 1);
+        let smem = wide_smem_bytes(&d) as u32;
+        return launch!(k, s, "attn_prefill_wide", grid, (256, 1, 1), smem;
+            q, k_cache, v_cache, block_tables, mb, cu_seqlens, seq_lens, tile_table, o, hq, hkv, page, scale, qt, qh);
+    }
     // One block per (16-query tile, kv head, group of heads_per_block query heads); a warp pair per
     // query head.
     let hpb = k.attn.heads_per_block(d.gqa_group);

@@ -59,6 +59,10 @@ impl Kernels {
         dims.validate()?;
         kv.validate()?;
         attn.validate(&dims)?;
+        // `attn.wide` from here on says whether the wide prefill kernel is used.
+        let wide = attention::wide_applies(&dims, &kv, &attn)
+            && attention::wide_smem_bytes(&dims) as i64 <= rt.max_smem_optin as i64;
+        let attn = AttnTiling { wide, ..attn };
         let t0 = std::time::Instant::now();
         let arch = rt.arch();
         let cubins: Vec<Result<nvrtc::Cubin, CudaError>> = std::thread::scope(|scope| {
@@ -99,6 +103,7 @@ impl Kernels {
             ("attn_prefill", attention::prefill_smem_bytes(&dims, &kv, &attn)),
         ]
         .into_iter()
+        .chain(wide.then(|| ("attn_prefill_wide", attention::wide_smem_bytes(&dims))))
         .chain(w4a16::PAIR_KERNELS.iter().map(|&n| (n, w4a16::PAIR_SMEM_BYTES)))
         .chain(std::iter::once(("w4_read_probe", w4a16::PAIR_SMEM_BYTES)))
         {
@@ -113,6 +118,12 @@ impl Kernels {
                 .map_err(CudaError::driver("cuFuncSetAttribute(max dynamic smem)"))?;
         }
         Ok(k)
+    }
+
+    /// Whether attention prefill runs `attn_prefill_wide` (see [`AttnTiling::wide`]); the tile
+    /// table follows ([`attention::tile_table`]).
+    pub fn attn_wide(&self) -> bool {
+        self.attn.wide
     }
 
     pub(crate) fn func(&self, name: &'static str) -> Result<&CudaFunction, CudaError> {
