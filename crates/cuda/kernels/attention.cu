@@ -241,7 +241,7 @@ __device__ __forceinline__ void pair_sync(int pair) {
 
 // Issues the cp.async copies of keys [kb, kb + BK) of one kv head's bf16 K and V (kbase / vbase:
 // the head's first element in cache row 0, rows `width` elements apart) into a stage at `dst`: the
-// K tile, then the V tile BK * PF_STR * 2 bytes later, rows padded to PF_STR. Keys at or past kend
+// K tile, then the V tile MAT bytes later (default BK * PF_STR * 2), rows padded to PF_STR. Keys at or past kend
 // are zero-filled (their cache rows are never read). page_tiles: every BK-key tile lies inside one
 // page (one block-table lookup; each thread copies a fixed 16-byte column of every (NT / PF_CH)-th
 // row, so only a pointer advances per copy); pshift: log2(page) for power-of-two pages, else -1.
@@ -257,11 +257,10 @@ __device__ __forceinline__ KvLane kv_lane(int tid, long long width) {
     const int row = tid / PF_CH;
     return KvLane{row, (long long)row * width + (tid % PF_CH) * 8, (u32)(row * PF_STR + (tid % PF_CH) * 8) * 2};
 }
-template <int NT, int BK>
+template <int NT, int BK, int MAT = BK * PF_STR * 2>
 __device__ __forceinline__ void kv_tile_bf16(u32 dst, const bf16_t* kbase, const bf16_t* vbase, const int* bt,
                                              int page, int pshift, bool page_tiles, long long width, int kb,
                                              int kend, int tid, const KvLane& ln) {
-    constexpr int MAT = BK * PF_STR * 2;
     long long row0 = 0;
     if (page_tiles) {
         // A 32-bit division per tile was ~30 of the ~365 instructions a warp issued per tile.
@@ -649,63 +648,72 @@ attn_prefill(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
 }
 
 // ---------------------------------------------------------------------------------------------
-// attn_prefill_wide: the same attention with 128 (query, head) rows per block — packed GQA rows
-// (row r of a sequence is query r / GQA_GROUP, head r % GQA_GROUP of the kv head), so a block fills
-// its rows whatever the group size — and a warp pair per 32 rows (two m16 row tiles per warp) that
-// splits the head dims as attn_prefill's pairs do. Against attn_prefill's 16 queries x 6 heads per
-// block and one m16 tile per warp: every K/V fragment a warp loads from shared memory feeds two
-// m16 tiles instead of one, and each K/V tile serves 128 rows instead of 96. The price: Q cannot
-// live in registers (the warp's O accumulators for 32 rows x HD/2 dims take 128 at HD 256), so Q
-// sits in shared memory (XOR-swizzled 16-byte chunks: row r's chunk c at c ^ (r & 7), so the 8
-// rows of an ldmatrix hit distinct banks without padding) and is re-read per KV tile; 8 warps of
-// up to 255 registers per SM. bf16 K/V and plain bf16 P only (attn_prefill covers the rest).
-// Smem (HD 256): Q 64 KB + 2 stages x (K + V) x 32 keys 66 KB + the pairs' S exchange 32 KB =
-// 162 KB: fits sm_80 (163 KB) and sm_90, not sm_86/89 (99 KB; those use attn_prefill).
-// Launch: grid (n_tiles, Hkv), block PW_NT, dynamic smem PW_SMEM_BYTES; tile_table [n_tiles, 2] =
-// (seq, 128-row tile) over the packed rows (q_len * GQA_GROUP per sequence). q 16-byte aligned
-// with q_tok, q_head multiples of 8.
+// attn_prefill_wide / attn_prefill_wide64 (BK = 32 / 64 keys per KV tile): the same attention with
+// 128 (query, head) rows per block — packed GQA rows (row r of a sequence is query r / GQA_GROUP,
+// head r % GQA_GROUP of the kv head), so a block fills its rows whatever the group size — in 4 warp
+// pairs of 32 rows (two m16 tiles). Per KV tile each warp of a pair computes S for its own m16 tile
+// over all head dims (even and odd k steps in two accumulator sets at BK 32: shorter HMMA chains)
+// and runs the online softmax of its 16 rows; the pair swaps P (bf16 A fragments) and the rows'
+// rescale factors through shared memory (named barrier 1 + pair), and each warp multiplies both
+// tiles' P by its half of V (O for 32 rows x HD/2 dims: 128 registers at HD 256). Against
+// attn_prefill (16 queries x 6 heads, a warp pair per m16 tile exchanging partial S in f32 and both
+// running the same softmax): each V fragment feeds two m16 tiles, each K/V tile serves 128 rows
+// instead of 96, the softmax is not duplicated and the exchange is 4x smaller. Q cannot live in
+// registers, so it sits in shared memory, XOR-swizzled (row r's 16-byte chunk c at c ^ (r & 7): the
+// 8 rows of an ldmatrix hit distinct banks without padding) and is re-read per KV tile. 8 warps of up
+// to 255 registers per SM; bf16 K/V and plain bf16 P only (attn_prefill covers the rest).
+// Smem (HD 256): Q 64 KB + 2 stages x (K + V) x BK keys (66 / 132 KB) + the exchange 10 / 18 KB =
+// 140 KB at BK 32 (sm_80, sm_90; not sm_86/89's 99 KB: they use attn_prefill), 214 KB at BK 64 (sm_90).
+// Measured (H200, 27B shape, 4096 causal queries): 244 TFLOP/s at 128K keys at BK 32 (attn_prefill:
+// 205; the first wide version, which split S by head dims as attn_prefill does: 226).
+// Launch: grid (n_tiles, Hkv), block PW_NT, dynamic smem pw_smem_bytes(BK); tile_table [n_tiles, 2] =
+// (seq, 128-row tile) over the packed rows (q_len * GQA_GROUP per sequence). q 16-byte aligned with
+// q_tok, q_head multiples of 8.
 #define PW_ROWS 128                        // packed (query, head) rows per block
 #define PW_NW 8                            // warps per block: 4 pairs x 32 rows
 #define PW_NT (32 * PW_NW)
-#define PW_BK 32                           // keys per KV tile
-#define PW_MAT (PW_BK * PF_STR * 2)        // one K or V tile (padded rows)
-#define PW_STAGE (2 * PW_MAT)
-#define PW_KV0 (PW_ROWS * HD * 2)          // the stages follow the Q tile
-#define PW_XCH (PW_KV0 + 2 * PW_STAGE)     // then the exchange: 32 rows x PW_BK f32 per warp
-#define PW_SMEM_BYTES (PW_XCH + PW_NW * 32 * PW_BK * 4)  // = ops/attention.rs wide_smem_bytes
+#define PW_KV0 (PW_ROWS * HD * 2)          // the K/V stages follow the Q tile
 #define PW_SWZ (PF_CH >= 8 ? 7 : PF_CH - 1)
+// Smem layout for BK keys per tile (= ops/attention.rs wide_smem_bytes): Q, 2 stages of K + V, the
+// P exchange (BK / 16 uint4 per lane and warp), the factor exchange (a float2 per lane and warp).
+__host__ __device__ constexpr int pw_mat(int bk) { return bk * PF_STR * 2; }
+__host__ __device__ constexpr int pw_xch(int bk) { return PW_KV0 + 4 * pw_mat(bk); }
+__host__ __device__ constexpr int pw_xa(int bk) { return pw_xch(bk) + PW_NW * 32 * bk; }
+__host__ __device__ constexpr int pw_smem_bytes(int bk) { return pw_xa(bk) + PW_NW * 32 * 8; }
 
-extern "C" __global__ void __launch_bounds__(PW_NT, 1)
-attn_prefill_wide(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
-                  const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
-                  const int* __restrict__ cu_seqlens, const int* __restrict__ seq_lens,
-                  const int* __restrict__ tile_table, bf16_t* __restrict__ o, int Hq, int Hkv, int page,
-                  float scale, long long q_tok, long long q_head) {
+template <int BK>
+__device__ __forceinline__ void wide_body(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
+                                          const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables,
+                                          int max_blocks, const int* __restrict__ cu_seqlens,
+                                          const int* __restrict__ seq_lens, const int* __restrict__ tile_table,
+                                          bf16_t* __restrict__ o, int Hq, int Hkv, int page, float scale,
+                                          long long q_tok, long long q_head) {
+    constexpr int MAT = pw_mat(BK), STAGE = 2 * MAT;
+    constexpr bool SPLIT_S = BK == 32;  // two accumulator sets for S (registers allow it at 32 keys)
     extern __shared__ __align__(16) unsigned char pw_smem[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, tg = lane & 3;
     const int pair = warp >> 1, half = warp & 1;
     const int d0 = half * PF_HALF;
-    const int tile = gridDim.x - 1 - blockIdx.x;  // longest tiles first
+    const int tile = gridDim.x - 1 - blockIdx.x;
     const int s = tile_table[2 * tile], rt = tile_table[2 * tile + 1];
     const int hkv = blockIdx.y;
     const int qstart = cu_seqlens[s], qlen = cu_seqlens[s + 1] - qstart;
     const int past = seq_lens[s] - qlen;
-    const int r0 = rt * PW_ROWS;  // the tile's first packed row
+    const int r0 = rt * PW_ROWS;
     const int nrows = min(PW_ROWS, qlen * GQA_GROUP - r0);
     const int first_q = past + r0 / GQA_GROUP;
-    const int kend = past + (r0 + nrows - 1) / GQA_GROUP + 1;  // keys [0, kend) are visible to some row
-    const int n_kt = (kend + PW_BK - 1) / PW_BK;
+    const int kend = past + (r0 + nrows - 1) / GQA_GROUP + 1;
+    const int n_kt = (kend + BK - 1) / BK;
     const long long width = (long long)Hkv * HD;
     const int* bt = block_tables + (long long)s * max_blocks;
     const bf16_t* kbase = k_cache + (long long)hkv * HD;
     const bf16_t* vbase = v_cache + (long long)hkv * HD;
     const u32 sbase = smem_addr(pw_smem);
     const u32 kv0 = sbase + PW_KV0;
-    const bool page_tiles = (page % PW_BK) == 0;
+    const bool page_tiles = (page % BK) == 0;
     const int pshift = (page & (page - 1)) == 0 ? __ffs(page) - 1 : -1;
 
-    // The tile's Q rows (zero past the sequence) and KV tile 0: the first commit group.
     for (int c = tid; c < PW_ROWS * PF_CH; c += PW_NT) {
         const int r = c / PF_CH, ch = c % PF_CH;
         const bool ok = r < nrows;
@@ -714,30 +722,33 @@ attn_prefill_wide(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cac
         cp_async16(sbase + (u32)(r * HD * 2 + (ch ^ (r & PW_SWZ)) * 16), src, ok ? 16 : 0);
     }
     const KvLane kvl = kv_lane(tid, width);
-    kv_tile_bf16<PW_NT, PW_BK>(kv0, kbase, vbase, bt, page, pshift, page_tiles, width, 0, kend, tid, kvl);
-    cp_async_commit();
-
-    // This thread's 4 rows: m tile mt, fragment half hf (rows g, g + 8) -> block row
-    // 32 pair + 16 mt + 8 hf + g; its query position (-1 past the tile's rows: always masked).
-    int qpos[2][2];
-#pragma unroll
-    for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
-            const int r = 32 * pair + 16 * mt + 8 * hf + g;
-            qpos[mt][hf] = r < nrows ? past + (r0 + r) / GQA_GROUP : -1;
+    // 64-key tiles over 32-key pages: two one-page halves (no per-row block-table lookups).
+    const bool halves = BK == 64 && !page_tiles && page % 32 == 0;
+    auto load_tile = [&](int kb, u32 dst) {
+        if (BK == 64 && halves) {
+            kv_tile_bf16<PW_NT, 32, MAT>(dst, kbase, vbase, bt, page, pshift, true, width, kb, kend, tid, kvl);
+            kv_tile_bf16<PW_NT, 32, MAT>(dst + 32 * PF_STR * 2, kbase, vbase, bt, page, pshift, true, width, kb + 32,
+                                         kend, tid, kvl);
+        } else {
+            kv_tile_bf16<PW_NT, BK>(dst, kbase, vbase, bt, page, pshift, page_tiles, width, kb, kend, tid, kvl);
         }
+        cp_async_commit();
+    };
+    load_tile(0, kv0);
 
-    // ldmatrix (A, x4) lane addresses of Q: row 32 pair + 16 mt + (lane & 15), chunk
-    // c = d0 / 8 + 2 ks + (lane >> 4) stored at c ^ (lane & 7); for ks = 4u + v that is
-    // ((d0 / 8 + (lane >> 4) + 2v) ^ (lane & 7)) + 8u (the xor only touches the low 3 bits).
+    // Own rows: m tile `half` of the pair, rows g and g + 8.
+    int qpos[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        const int r = 32 * pair + 16 * half + 8 * hf + g;
+        qpos[hf] = r < nrows ? past + (r0 + r) / GQA_GROUP : -1;
+    }
+    // Q lane addresses of the own tile over all dims: chunk 2 ks + (lane >> 4), ks = 4u + v.
     u32 qa[4];
 #pragma unroll
     for (int v = 0; v < 4; v++)
-        qa[v] = sbase + (u32)((32 * pair + (lane & 15)) * HD * 2 +
-                              ((d0 / 8 + (lane >> 4) + 2 * v) ^ (lane & PW_SWZ)) * 16);
-    // K (non-trans) and V (trans) lane offsets inside a tile, as in attn_prefill.
-    const u32 k_lane = (u32)(((lane & 7) + ((lane >> 4) << 3)) * PF_STR + ((lane >> 3) & 1) * 8 + d0) * 2;
+        qa[v] = sbase + (u32)((32 * pair + 16 * half + (lane & 15)) * HD * 2 + (((lane >> 4) + 2 * v) ^ (lane & PW_SWZ)) * 16);
+    const u32 k_lane = (u32)(((lane & 7) + ((lane >> 4) << 3)) * PF_STR + ((lane >> 3) & 1) * 8) * 2;  // all dims
     const u32 v_lane = (u32)(((lane & 7) + (((lane >> 3) & 1) << 3)) * PF_STR + (lane >> 4) * 8 + d0) * 2;
 
     float oacc[2][PF_HALF / 8][4];
@@ -745,151 +756,159 @@ attn_prefill_wide(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cac
     for (int mt = 0; mt < 2; mt++)
 #pragma unroll
         for (int n = 0; n < PF_HALF / 8; n++) oacc[mt][n][0] = oacc[mt][n][1] = oacc[mt][n][2] = oacc[mt][n][3] = 0.0f;
-    float mrow[2][2], lrow[2][2];
-#pragma unroll
-    for (int mt = 0; mt < 2; mt++) mrow[mt][0] = mrow[mt][1] = NEG_INF, lrow[mt][0] = lrow[mt][1] = 0.0f;
-    const float fs = scale * 1.4426950408889634f;  // log2 domain
-    float4* xme = (float4*)(pw_smem + PW_XCH) + warp * (2 * PW_BK / 8) * 32 + lane;
-    const float4* xpa = (const float4*)(pw_smem + PW_XCH) + (warp ^ 1) * (2 * PW_BK / 8) * 32 + lane;
+    float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.0f, 0.0f};
+    const float fs = scale * 1.4426950408889634f;
+    // Exchange per warp: P of its tile (BK / 16 x 4 u32 per lane) and its rows' factors (float2).
+    uint4* xp_me = (uint4*)(pw_smem + pw_xch(BK)) + warp * (BK / 16) * 32 + lane;
+    const uint4* xp_pa = (const uint4*)(pw_smem + pw_xch(BK)) + (warp ^ 1) * (BK / 16) * 32 + lane;
+    float2* xa_me = (float2*)(pw_smem + pw_xa(BK)) + warp * 32 + lane;
+    const float2* xa_pa = (const float2*)(pw_smem + pw_xa(BK)) + (warp ^ 1) * 32 + lane;
 
     for (int j = 0; j < n_kt; j++) {
         if (j + 1 < n_kt) {
-            kv_tile_bf16<PW_NT, PW_BK>(kv0 + ((j + 1) & 1) * PW_STAGE, kbase, vbase, bt, page, pshift, page_tiles,
-                                       width, (j + 1) * PW_BK, kend, tid, kvl);
-            cp_async_commit();
+            load_tile((j + 1) * BK, kv0 + ((j + 1) & 1) * STAGE);
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
         }
         __syncthreads();
-        const u32 ks_base = kv0 + (j & 1) * PW_STAGE;
-        const u32 vs_base = ks_base + PW_MAT;
+        const u32 ks_base = kv0 + (j & 1) * STAGE;
+        const u32 vs_base = ks_base + MAT;
 
-        // This warp's half of S for its 32 rows; each K fragment feeds both m tiles.
-        float sx[2][PW_BK / 8][4];
+        // S of the own 16 rows over all dims; even / odd k steps in two accumulator sets (shorter chains).
+        float sx[BK / 8][4], sy[BK / 8][4];
 #pragma unroll
-        for (int mt = 0; mt < 2; mt++)
+        for (int n = 0; n < BK / 8; n++)
+            sx[n][0] = sx[n][1] = sx[n][2] = sx[n][3] = sy[n][0] = sy[n][1] = sy[n][2] = sy[n][3] = 0.0f;
 #pragma unroll
-            for (int n = 0; n < PW_BK / 8; n++) sx[mt][n][0] = sx[mt][n][1] = sx[mt][n][2] = sx[mt][n][3] = 0.0f;
+        for (int ks = 0; ks < HD / 16; ks++) {
+            u32 a[4];
+            ldsm_x4(qa[ks & 3] + (u32)((ks >> 2) * 128), a[0], a[1], a[2], a[3]);
 #pragma unroll
-        for (int ks = 0; ks < PF_HALF / 16; ks++) {
-            u32 kf[PW_BK / 16][4];
-#pragma unroll
-            for (int np = 0; np < PW_BK / 16; np++)
-                ldsm_x4(ks_base + k_lane + (u32)(np * 16 * PF_STR + ks * 16) * 2, kf[np][0], kf[np][1], kf[np][2],
-                        kf[np][3]);
-#pragma unroll
-            for (int mt = 0; mt < 2; mt++) {
-                u32 a[4];
-                ldsm_x4(qa[ks & 3] + (u32)((ks >> 2) * 128 + mt * 16 * HD * 2), a[0], a[1], a[2], a[3]);
-#pragma unroll
-                for (int np = 0; np < PW_BK / 16; np++) {
-                    mma_bf16(sx[mt][2 * np], a, kf[np][0], kf[np][1]);
-                    mma_bf16(sx[mt][2 * np + 1], a, kf[np][2], kf[np][3]);
+            for (int np = 0; np < BK / 16; np++) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4(ks_base + k_lane + (u32)(np * 16 * PF_STR + ks * 16) * 2, b0, b1, b2, b3);
+                if (SPLIT_S && (ks & 1)) {
+                    mma_bf16(sy[2 * np], a, b0, b1);
+                    mma_bf16(sy[2 * np + 1], a, b2, b3);
+                } else {
+                    mma_bf16(sx[2 * np], a, b0, b1);
+                    mma_bf16(sx[2 * np + 1], a, b2, b3);
                 }
             }
         }
 #pragma unroll
-        for (int mt = 0; mt < 2; mt++)
+        for (int n = 0; n < (SPLIT_S ? BK / 8 : 0); n++) {
+            sx[n][0] += sy[n][0];
+            sx[n][1] += sy[n][1];
+            sx[n][2] += sy[n][2];
+            sx[n][3] += sy[n][3];
+        }
+        const int kb = j * BK;
+        if (kb + BK - 1 > first_q) {
 #pragma unroll
-            for (int n = 0; n < PW_BK / 8; n++)
-                xme[(mt * (PW_BK / 8) + n) * 32] = make_float4(sx[mt][n][0], sx[mt][n][1], sx[mt][n][2], sx[mt][n][3]);
+            for (int n = 0; n < BK / 8; n++) {
+                const int key = kb + n * 8 + 2 * tg;
+                if (key > qpos[0]) sx[n][0] = NEG_INF;
+                if (key + 1 > qpos[0]) sx[n][1] = NEG_INF;
+                if (key > qpos[1]) sx[n][2] = NEG_INF;
+                if (key + 1 > qpos[1]) sx[n][3] = NEG_INF;
+            }
+        }
+        float al[2];
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            float mx = NEG_INF;
+#pragma unroll
+            for (int n = 0; n < BK / 8; n++) mx = fmaxf(mx, fmaxf(sx[n][2 * hf], sx[n][2 * hf + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            mx = fmaxf(mrow[hf], mx * fs);
+            const float base = mx == NEG_INF ? 0.0f : mx;
+            al[hf] = pf_exp2(mrow[hf] - base);
+            mrow[hf] = mx;
+            float rs = 0.0f;
+#pragma unroll
+            for (int n = 0; n < BK / 8; n++) {
+                sx[n][2 * hf] = pf_exp2(fmaf(sx[n][2 * hf], fs, -base));
+                sx[n][2 * hf + 1] = pf_exp2(fmaf(sx[n][2 * hf + 1], fs, -base));
+                rs += sx[n][2 * hf] + sx[n][2 * hf + 1];
+            }
+            lrow[hf] = lrow[hf] * al[hf] + rs;
+        }
+        // Own P as bf16 A fragments (16 keys per step), to the partner with the rescale factors.
+        u32 po[BK / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; kk++) {
+            po[kk][0] = pack_bf16(sx[2 * kk][0], sx[2 * kk][1]);
+            po[kk][1] = pack_bf16(sx[2 * kk][2], sx[2 * kk][3]);
+            po[kk][2] = pack_bf16(sx[2 * kk + 1][0], sx[2 * kk + 1][1]);
+            po[kk][3] = pack_bf16(sx[2 * kk + 1][2], sx[2 * kk + 1][3]);
+            xp_me[kk * 32] = make_uint4(po[kk][0], po[kk][1], po[kk][2], po[kk][3]);
+        }
+        *xa_me = make_float2(al[0], al[1]);
         pair_sync<PW_NW / 2>(pair);
+        u32 pq[BK / 16][4];
 #pragma unroll
-        for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-            for (int n = 0; n < PW_BK / 8; n++) {
-                const float4 p = xpa[(mt * (PW_BK / 8) + n) * 32];
-                sx[mt][n][0] += p.x;
-                sx[mt][n][1] += p.y;
-                sx[mt][n][2] += p.z;
-                sx[mt][n][3] += p.w;
-            }
-
-        // Causal mask where the tile reaches past the tile's first query, then the online softmax
-        // per row (as attn_prefill: log2 domain, the scale on the exp's FFMA).
-        const int kb = j * PW_BK;
-        if (kb + PW_BK - 1 > first_q) {
-#pragma unroll
-            for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-                for (int n = 0; n < PW_BK / 8; n++) {
-                    const int key = kb + n * 8 + 2 * tg;
-                    if (key > qpos[mt][0]) sx[mt][n][0] = NEG_INF;
-                    if (key + 1 > qpos[mt][0]) sx[mt][n][1] = NEG_INF;
-                    if (key > qpos[mt][1]) sx[mt][n][2] = NEG_INF;
-                    if (key + 1 > qpos[mt][1]) sx[mt][n][3] = NEG_INF;
-                }
+        for (int kk = 0; kk < BK / 16; kk++) {
+            const uint4 t = xp_pa[kk * 32];
+            pq[kk][0] = t.x;
+            pq[kk][1] = t.y;
+            pq[kk][2] = t.z;
+            pq[kk][3] = t.w;
         }
-        float alpha[2][2];
+        const float2 ap = *xa_pa;
+        // Factors of m tile 0 / 1 (own tile = half).
+        const float a00 = half ? ap.x : al[0], a01 = half ? ap.y : al[1];
+        const float a10 = half ? al[0] : ap.x, a11 = half ? al[1] : ap.y;
+        if (__any_sync(0xffffffffu, a00 != 1.0f || a01 != 1.0f || a10 != 1.0f || a11 != 1.0f)) {
 #pragma unroll
-        for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                float mx = NEG_INF;
-#pragma unroll
-                for (int n = 0; n < PW_BK / 8; n++) mx = fmaxf(mx, fmaxf(sx[mt][n][2 * hf], sx[mt][n][2 * hf + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                mx = fmaxf(mrow[mt][hf], mx * fs);  // fs > 0: -inf stays -inf
-                // A row with no visible key yet keeps max -inf: subtract 0 instead (all its p are 0).
-                const float base = mx == NEG_INF ? 0.0f : mx;
-                alpha[mt][hf] = pf_exp2(mrow[mt][hf] - base);
-                mrow[mt][hf] = mx;
-                float rs = 0.0f;
-#pragma unroll
-                for (int n = 0; n < PW_BK / 8; n++) {
-                    sx[mt][n][2 * hf] = pf_exp2(fmaf(sx[mt][n][2 * hf], fs, -base));
-                    sx[mt][n][2 * hf + 1] = pf_exp2(fmaf(sx[mt][n][2 * hf + 1], fs, -base));
-                    rs += sx[mt][n][2 * hf] + sx[mt][n][2 * hf + 1];
-                }
-                lrow[mt][hf] = lrow[mt][hf] * alpha[mt][hf] + rs;
+            for (int n = 0; n < PF_HALF / 8; n++) {
+                oacc[0][n][0] *= a00;
+                oacc[0][n][1] *= a00;
+                oacc[0][n][2] *= a01;
+                oacc[0][n][3] *= a01;
+                oacc[1][n][0] *= a10;
+                oacc[1][n][1] *= a10;
+                oacc[1][n][2] *= a11;
+                oacc[1][n][3] *= a11;
             }
-        if (__any_sync(0xffffffffu, alpha[0][0] != 1.0f || alpha[0][1] != 1.0f || alpha[1][0] != 1.0f ||
-                                        alpha[1][1] != 1.0f)) {
-#pragma unroll
-            for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-                for (int n = 0; n < PF_HALF / 8; n++) {
-                    oacc[mt][n][0] *= alpha[mt][0];
-                    oacc[mt][n][1] *= alpha[mt][0];
-                    oacc[mt][n][2] *= alpha[mt][1];
-                    oacc[mt][n][3] *= alpha[mt][1];
-                }
         }
-
-        // O += P V over this warp's half of the dims; each V fragment feeds both m tiles.
 #pragma unroll
-        for (int kk = 0; kk < PW_BK / 16; kk++) {
-            u32 ph[2][4];
+        for (int kk = 0; kk < BK / 16; kk++) {
+            u32 p0[4], p1[4];
 #pragma unroll
-            for (int mt = 0; mt < 2; mt++) {
-                ph[mt][0] = pack_bf16(sx[mt][2 * kk][0], sx[mt][2 * kk][1]);
-                ph[mt][1] = pack_bf16(sx[mt][2 * kk][2], sx[mt][2 * kk][3]);
-                ph[mt][2] = pack_bf16(sx[mt][2 * kk + 1][0], sx[mt][2 * kk + 1][1]);
-                ph[mt][3] = pack_bf16(sx[mt][2 * kk + 1][2], sx[mt][2 * kk + 1][3]);
+            for (int i = 0; i < 4; i++) {
+                p0[i] = half ? pq[kk][i] : po[kk][i];
+                p1[i] = half ? po[kk][i] : pq[kk][i];
             }
 #pragma unroll
             for (int np = 0; np < PF_HALF / 16; np++) {
                 u32 b0, b1, b2, b3;
                 ldsm_x4_t(vs_base + v_lane + (u32)(kk * 16 * PF_STR + np * 16) * 2, b0, b1, b2, b3);
-#pragma unroll
-                for (int mt = 0; mt < 2; mt++) {
-                    mma_bf16(oacc[mt][2 * np], ph[mt], b0, b1);
-                    mma_bf16(oacc[mt][2 * np + 1], ph[mt], b2, b3);
-                }
+                mma_bf16(oacc[0][2 * np], p0, b0, b1);
+                mma_bf16(oacc[0][2 * np + 1], p0, b2, b3);
+                mma_bf16(oacc[1][2 * np], p1, b0, b1);
+                mma_bf16(oacc[1][2 * np + 1], p1, b2, b3);
             }
         }
-        __syncthreads();  // stage j & 1 and the exchange are rewritten in iteration j + 1
+        __syncthreads();
     }
 
+    // Row sums: own tile's from this warp, the other tile's from the partner.
+    float l0 = lrow[0], l1 = lrow[1];
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    *xa_me = make_float2(l0, l1);
+    pair_sync<PW_NW / 2>(pair);
+    const float2 lp = *xa_pa;
 #pragma unroll
     for (int mt = 0; mt < 2; mt++)
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
-            float l = lrow[mt][hf];
-            l += __shfl_xor_sync(0xffffffffu, l, 1);
-            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float l = (mt == half) ? (hf ? l1 : l0) : (hf ? lp.y : lp.x);
             const float inv = l > 0.0f ? 1.0f / l : 0.0f;
             const int r = 32 * pair + 16 * mt + 8 * hf + g;
             if (r < nrows) {
@@ -900,6 +919,26 @@ attn_prefill_wide(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cac
                     *(u32*)(orow + n * 8) = pack_bf16(oacc[mt][n][2 * hf] * inv, oacc[mt][n][2 * hf + 1] * inv);
             }
         }
+}
+
+extern "C" __global__ void __launch_bounds__(PW_NT, 1)
+attn_prefill_wide(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
+                  const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+                  const int* __restrict__ cu_seqlens, const int* __restrict__ seq_lens,
+                  const int* __restrict__ tile_table, bf16_t* __restrict__ o, int Hq, int Hkv, int page,
+                  float scale, long long q_tok, long long q_head) {
+    wide_body<32>(q, k_cache, v_cache, block_tables, max_blocks, cu_seqlens, seq_lens, tile_table, o, Hq, Hkv, page,
+                  scale, q_tok, q_head);
+}
+
+extern "C" __global__ void __launch_bounds__(PW_NT, 1)
+attn_prefill_wide64(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
+                    const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+                    const int* __restrict__ cu_seqlens, const int* __restrict__ seq_lens,
+                    const int* __restrict__ tile_table, bf16_t* __restrict__ o, int Hq, int Hkv, int page,
+                    float scale, long long q_tok, long long q_head) {
+    wide_body<64>(q, k_cache, v_cache, block_tables, max_blocks, cu_seqlens, seq_lens, tile_table, o, Hq, Hkv,
+                  page, scale, q_tok, q_head);
 }
 
 #define DPL (HD / 32)  // dims per lane in decode

@@ -90,7 +90,13 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         module: "attention",
         src: include_str!("../kernels/attention.cu"),
-        functions: &["attn_prefill", "attn_prefill_wide", "attn_decode_split", "attn_decode_combine"],
+        functions: &[
+            "attn_prefill",
+            "attn_prefill_wide",
+            "attn_prefill_wide64",
+            "attn_decode_split",
+            "attn_decode_combine",
+        ],
     },
 ];
 
@@ -370,18 +376,20 @@ pub struct AttnTiling {
     pub p_split: bool,
     /// Query heads (of one kv head) per block, a divisor of the GQA group; 0: [`AttnTiling::auto_heads`].
     pub heads: usize,
-    /// Prefer `attn_prefill_wide` (128 packed (query, head) rows per block, two m16 row tiles per
-    /// warp) where it applies: bf16 K and V, plain P, 32-key tiles, head dim >= 32 and the device's
-    /// shared memory holds its block ([`crate::Kernels::attn_wide`] says whether it is used).
+    /// Prefer `attn_prefill_wide` (128 packed (query, head) rows per block, a warp pair per 32 rows)
+    /// where it applies: bf16 K and V, plain P, and the device's shared memory holds its block at
+    /// `keys` (else at 32 keys; else `attn_prefill` at 32 keys). [`crate::Kernels::attn`] holds the
+    /// tiling that runs ([`crate::Kernels::attn_wide`]).
     pub wide: bool,
 }
 
 impl AttnTiling {
-    /// 32-key tiles (fit a 99 KB sm_86 block), plain bf16 P (FlashAttention's choice: its rounding
-    /// moves o by about 2^-9 of |v|; 17% faster than the hi/lo split on the H200), 6 heads per block
-    /// at the 27B's GQA 6 (bench/results/attention-pairs-h200-2026-11-29.md); the wide kernel where
-    /// it applies.
-    pub const DEFAULT: AttnTiling = AttnTiling { keys: 32, p_split: false, heads: 0, wide: true };
+    /// The wide kernel at 64 keys per tile where it applies and fits (sm_90), else at 32 (sm_80);
+    /// elsewhere (sm_86/89: 99 KB of shared memory per block) `attn_prefill` at 32-key tiles. Plain
+    /// bf16 P (FlashAttention's choice: its rounding moves o by about 2^-9 of |v|; 17% faster than
+    /// the hi/lo split on the H200), 6 heads per block at the 27B's GQA 6 for `attn_prefill`
+    /// (bench/results/attention-pairs-h200-2026-11-29.md).
+    pub const DEFAULT: AttnTiling = AttnTiling { keys: 64, p_split: false, heads: 0, wide: true };
 
     /// The default heads per block: the largest divisor of the GQA group up to 6 (2 warps per head;
     /// 12 warps at most, so 168 registers per thread still fit one block per SM).
@@ -494,7 +502,10 @@ pub fn kernels_check(archs: &[&str], dims: &KernelDims) -> Result<KernelsReport,
                 scope.spawn(move || {
                     let mut defines = dims.defines(src.module);
                     defines.extend(kv.defines(src.module));
-                    defines.extend(AttnTiling::DEFAULT.defines(dims, src.module));
+                    // attn_prefill as it runs where the wide kernels do not fit (sm_86/89: 32-key
+                    // tiles); the wide kernels do not depend on the tiling's defines.
+                    let tiling = AttnTiling { keys: 32, wide: false, ..AttnTiling::DEFAULT };
+                    defines.extend(tiling.defines(dims, src.module));
                     let r = compile(src, arch, &defines, true);
                     match r {
                         Ok(c) => CheckLine {

@@ -118,6 +118,12 @@ fn bench_attn_prefill_27b() {
     let mode = std::env::var("DS_BENCH_ATTN").unwrap_or_default();
     let decode_only = mode == "decode";
     let mut tilings = if decode_only { Vec::new() } else { vec![AttnTiling::DEFAULT] };
+    for keys in [32, 64].into_iter().filter(|_| !decode_only) {
+        let t = AttnTiling { keys, ..AttnTiling::DEFAULT };
+        if !tilings.contains(&t) {
+            tilings.push(t);
+        }
+    }
     let grid: &[(usize, usize)] = if mode == "prefill" { &[(32, 6)] } else { &[(32, 6), (32, 3), (32, 2), (64, 3)] };
     for &(keys, heads) in grid.iter().filter(|_| !decode_only) {
         for p_split in [true, false].into_iter().filter(|&p| !(p && mode == "prefill")) {
@@ -135,7 +141,11 @@ fn bench_attn_prefill_27b() {
                 continue;
             }
         };
-        let kernel = if kt.attn_wide() { "attn_prefill_wide" } else { "attn_prefill" };
+        let kernel = match (kt.attn.wide, kt.attn.keys) {
+            (true, 64) => "attn_prefill_wide64",
+            (true, _) => "attn_prefill_wide",
+            _ => "attn_prefill",
+        };
         println!(
             "{kernel} {tiling:?}, 27B shape (Hq {HQ}, Hkv {HKV}, head dim {HD}, page {PAGE}), {TQ} causal queries:"
         );

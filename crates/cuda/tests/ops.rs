@@ -281,6 +281,13 @@ fn tiled(seqs: &[(usize, usize)], page: usize, keys: usize, p_split: bool, heads
     Op::AttnPrefillTiled { seqs: seqs.to_vec(), hq: 24, hkv: 4, page, tiling }
 }
 
+/// A prefill case on the wide kernel at `keys` per KV tile (where the device's shared memory holds
+/// it: 64 keys on the H200; else the tiling falls back as `Kernels::load_tiled` resolves it).
+fn wide(seqs: &[(usize, usize)], hq: usize, hkv: usize, page: usize, keys: usize) -> Op {
+    let tiling = AttnTiling { keys, p_split: false, heads: 0, wide: true };
+    Op::AttnPrefillTiled { seqs: seqs.to_vec(), hq, hkv, page, tiling }
+}
+
 /// A quantised-KV case (see [`Op::KvQ`]).
 #[allow(clippy::too_many_arguments)]
 fn kvq(
@@ -419,6 +426,15 @@ fn cases() -> Vec<Case> {
             tiled(&[(5, 64), (31, 127), (33, 129), (1000, 1)], 32, 32, false, 0),
             ATTN_PLAIN_P,
         ),
+        // The wide kernel at 64 keys per tile: 32-key pages (two one-page halves per tile), 16-key
+        // pages (per-row lookups), 64- and 128-key pages (one page per tile); other head dims / groups.
+        c("kv_write+attn_prefill", q, wide(&[(5, 64), (31, 127), (33, 129), (1000, 1)], 24, 4, 32, 64), ATTN_PLAIN_P),
+        c("kv_write+attn_prefill", q, wide(&[(0, 300), (70, 40), (0, 1)], 24, 4, 16, 64), ATTN_PLAIN_P),
+        c("kv_write+attn_prefill", q, wide(&[(0, 63), (64, 65), (100, 17)], 24, 4, 64, 64), ATTN_PLAIN_P),
+        c("kv_write+attn_prefill", q, wide(&[(0, 300), (129, 64)], 24, 4, 128, 64), ATTN_PLAIN_P),
+        c("kv_write+attn_prefill", SMALL, wide(&[(17, 63), (0, 64), (64, 65), (40, 2)], 8, 4, 16, 64), ATTN_PLAIN_P),
+        c("kv_write+attn_prefill", NEXT_ATTN, wide(&[(0, 100), (50, 33), (7, 1)], 16, 2, 32, 64), ATTN_PLAIN_P),
+        c("kv_write+attn_prefill", HD32_G8, wide(&[(70, 40), (0, 16), (9, 1)], 8, 1, 8, 64), ATTN_PLAIN_P),
         c("kv_write+attn_prefill", q, tiled(&[(0, 300), (33, 129)], 32, 32, true, 3), ACCUM),
         c("kv_write+attn_prefill", q, tiled(&[(2, 77), (0, 1)], 16, 32, true, 2), ACCUM),
         c(
@@ -520,7 +536,12 @@ fn ops_match_cpu_reference() {
     println!("device {} ({}), seed {seed}", rt.name, rt.arch());
     let mut kernels: Vec<(KernelDims, Kernels)> = Vec::new();
     let mut failures = Vec::new();
+    // DS_OPS_FILTER=<substring>: only the cases whose name contains it (quick device runs).
+    let filter = std::env::var("DS_OPS_FILTER").unwrap_or_default();
     for (i, case) in cases().into_iter().enumerate() {
+        if !case.name.contains(filter.as_str()) {
+            continue;
+        }
         if !kernels.iter().any(|(d, _)| *d == case.dims) {
             let k = Kernels::load(&rt, case.dims).expect("kernel load");
             println!("loaded kernels for {:?} in {:.0} ms", case.dims, k.load_ms);

@@ -29,18 +29,31 @@ pub(crate) fn prefill_smem_bytes(d: &KernelDims, kv: &KvFormats, t: &AttnTiling)
 /// r / GQA group, head r % GQA group of the block's kv head).
 pub const WIDE_ROWS: usize = 128;
 
-/// Dynamic shared memory of `attn_prefill_wide` (PW_SMEM_BYTES in attention.cu): the block's Q rows
-/// (unpadded, swizzled), 2 stages of 32-key K and V tiles (rows padded by 8), the warp pairs' S
-/// exchange (8 warps x 32 rows x 32 keys, f32).
-pub(crate) fn wide_smem_bytes(d: &KernelDims) -> usize {
+/// Dynamic shared memory of `attn_prefill_wide` at `keys` per KV tile (pw_smem_bytes in
+/// attention.cu): the block's Q rows (unpadded, swizzled), 2 stages of K and V tiles (rows padded by
+/// 8), the pairs' P exchange (bf16, 32 lanes x keys / 16 x 16 B per warp) and the rows' factors
+/// (a float2 per lane and warp).
+pub(crate) fn wide_smem_bytes(d: &KernelDims, keys: usize) -> usize {
     let hd = d.attn_head_dim;
-    WIDE_ROWS * hd * 2 + 2 * 2 * 32 * (hd + 8) * 2 + 8 * 32 * 32 * 4
+    WIDE_ROWS * hd * 2 + 4 * keys * (hd + 8) * 2 + 8 * 32 * keys + 8 * 32 * 8
 }
 
-/// Whether `attn_prefill_wide` serves tiling `t` over a cache in `kv` (the device's shared memory
-/// aside): bf16 K and V, plain P, 32-key tiles.
-pub(crate) fn wide_applies(d: &KernelDims, kv: &KvFormats, t: &AttnTiling) -> bool {
-    t.wide && *kv == KvFormats::BF16 && !t.p_split && t.keys == 32 && d.attn_head_dim >= 32
+/// The tiling the kernels run for a requested `t`: the wide kernel at `t.keys` where it applies (bf16
+/// K and V, plain P) and its shared memory fits `max_smem`, else at 32 keys, else `attn_prefill` at
+/// 32 keys (a tiling that asked for the wide kernel, e.g. the default, never falls back to 64-key
+/// pair tiles). Tilings with `wide: false` are kept as they are.
+pub(crate) fn resolve_tiling(d: &KernelDims, kv: &KvFormats, t: AttnTiling, max_smem: usize) -> AttnTiling {
+    if !t.wide {
+        return t;
+    }
+    if *kv == KvFormats::BF16 && !t.p_split && d.attn_head_dim >= 32 {
+        for keys in [t.keys, 32] {
+            if wide_smem_bytes(d, keys) <= max_smem {
+                return AttnTiling { keys, ..t };
+            }
+        }
+    }
+    AttnTiling { wide: false, keys: 32, ..t }
 }
 
 /// Per-(token, head) f16 scales of a quantised cache ([rows, kv_heads] each; 0 for a bf16 matrix).
@@ -152,8 +165,9 @@ pub fn attn_prefill_q(k: &Kernels, s: &CudaStream, a: &AttnPrefill, sc: &KvScale
         // One block per (tile of 128 packed rows, kv head); a warp pair per 32 rows.
         let grid =
             (to_u32("attn_prefill", "n_tiles", a.n_tiles)?, to_u32("attn_prefill", "kv_heads", a.kv.kv_heads)?, 1);
-        let smem = wide_smem_bytes(&d) as u32;
-        return launch!(k, s, "attn_prefill_wide", grid, (256, 1, 1), smem;
+        let smem = wide_smem_bytes(&d, k.attn.keys) as u32;
+        let name = if k.attn.keys == 64 { "attn_prefill_wide64" } else { "attn_prefill_wide" };
+        return launch!(k, s, name, grid, (256, 1, 1), smem;
             q, k_cache, v_cache, block_tables, mb, cu_seqlens, seq_lens, tile_table, o, hq, hkv, page, scale, qt, qh);
     }
     // One block per (16-query tile, kv head, group of heads_per_block query heads); a warp pair per

@@ -59,10 +59,8 @@ impl Kernels {
         dims.validate()?;
         kv.validate()?;
         attn.validate(&dims)?;
-        // `attn.wide` from here on says whether the wide prefill kernel is used.
-        let wide = attention::wide_applies(&dims, &kv, &attn)
-            && attention::wide_smem_bytes(&dims) as i64 <= rt.max_smem_optin as i64;
-        let attn = AttnTiling { wide, ..attn };
+        // From here on `attn` is the tiling that runs (`wide`: the wide prefill kernel at `keys`).
+        let attn = attention::resolve_tiling(&dims, &kv, attn, rt.max_smem_optin.max(0) as usize);
         let t0 = std::time::Instant::now();
         let arch = rt.arch();
         let cubins: Vec<Result<nvrtc::Cubin, CudaError>> = std::thread::scope(|scope| {
@@ -100,10 +98,14 @@ impl Kernels {
         for (name, bytes) in [
             ("gdn_chunk_prep", gdn_chunk::prep_smem_bytes(&dims)),
             ("gdn_chunk_state", gdn_chunk::state_smem_bytes(&dims)),
-            ("attn_prefill", attention::prefill_smem_bytes(&dims, &kv, &attn)),
         ]
         .into_iter()
-        .chain(wide.then(|| ("attn_prefill_wide", attention::wide_smem_bytes(&dims))))
+        // The prefill kernel that runs (the other is never launched with these kernels).
+        .chain(std::iter::once(match (attn.wide, attn.keys) {
+            (true, 64) => ("attn_prefill_wide64", attention::wide_smem_bytes(&dims, 64)),
+            (true, _) => ("attn_prefill_wide", attention::wide_smem_bytes(&dims, 32)),
+            _ => ("attn_prefill", attention::prefill_smem_bytes(&dims, &kv, &attn)),
+        }))
         .chain(w4a16::PAIR_KERNELS.iter().map(|&n| (n, w4a16::PAIR_SMEM_BYTES)))
         .chain(std::iter::once(("w4_read_probe", w4a16::PAIR_SMEM_BYTES)))
         {
