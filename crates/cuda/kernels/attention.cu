@@ -163,10 +163,10 @@ __device__ __forceinline__ u32 kv_codes_bf16x2(u32 c0, u32 c1) {
 #define PF_XCH (PF_SC_V + (KQ_V ? PF_BK * 4 : 0))
 #define PF_SMEM_BYTES (PF_XCH + PF_NW * PF_BK * 64)  // = ops/attention.rs prefill_smem_bytes
 
-// Widens the raw codes of one tile (PF_BK rows) into bf16 codes with the padded tile layout.
-template <int FMT>
+// Widens the raw codes of one tile (BK rows) into bf16 codes with the padded tile layout (NT threads).
+template <int FMT, int NT, int BK>
 __device__ __forceinline__ void pf_convert_tile(const unsigned char* raw, unsigned char* cv, int tid) {
-    for (int c = tid; c < PF_BK * (HD / 8); c += PF_NT) {
+    for (int c = tid; c < BK * (HD / 8); c += NT) {
         const int r = c / (HD / 8), ch = c % (HD / 8);  // 8 elements: one 16-byte bf16 store
         uint4 o;
         if (FMT == KVF_INT4) {
@@ -186,6 +186,54 @@ __device__ __forceinline__ void pf_convert_tile(const unsigned char* raw, unsign
     }
 }
 
+// Issues the cp.async copies of keys [kb, kb + BK) of a cache with quantised K and/or V (a bf16
+// matrix lands as a padded bf16 tile, codes packed as BK rows of K_ROWB / V_ROWB bytes) into a stage
+// at `dst` (K part, then the V part KPART bytes later; token-head row (row * Hkv + hkv)); threads
+// tid < BK return the f16 scale bits of key kb + tid in sk / sv (0 past kend or for a bf16 matrix).
+// Keys at or past kend are zero-filled. NT threads; the caller commits.
+template <int NT, int BK, int KPART>
+__device__ __forceinline__ void kv_tile_q(u32 dst, const unsigned char* kbytes, const unsigned char* vbytes,
+                                          const unsigned short* k_scales, const unsigned short* v_scales,
+                                          const int* bt, int page, int pshift, bool page_tiles, int Hkv, int hkv,
+                                          int kb, int kend, int tid, u32& sk, u32& sv) {
+    long long row0 = 0;
+    if (page_tiles) {
+        const int pg = pshift >= 0 ? kb >> pshift : kb / page;  // no division for power-of-two pages
+        row0 = (long long)bt[pg] * page + (kb - pg * page);
+    }
+    auto row_of = [&](int p, int r) -> long long {
+        if (page_tiles) return row0 + r;
+        if (pshift >= 0) return (long long)bt[p >> pshift] * page + (p & (page - 1));
+        return (long long)bt[p / page] * page + p % page;
+    };
+#pragma unroll
+    for (int m = 0; m < 2; m++) {
+        const bool quant = m == 0 ? KQ_K : KQ_V;
+        const int rowb = m == 0 ? K_ROWB : V_ROWB;
+        const int nch = rowb / 16;
+        const unsigned char* src = m == 0 ? kbytes : vbytes;
+        const u32 dm = dst + (m == 0 ? 0 : KPART);
+        for (int c = tid; c < BK * nch; c += NT) {
+            const int r = c / nch, ch = c % nch;
+            const int p = kb + r;
+            const bool ok = p < kend;
+            const long long row = ok ? row_of(p, r) : 0;
+            const u32 d = dm + (quant ? (u32)(r * rowb + ch * 16) : (u32)(r * PF_STR + ch * 8) * 2);
+            cp_async16(d, src + (row * Hkv + hkv) * rowb + ch * 16, ok ? 16 : 0);
+        }
+    }
+    if (tid < BK) {
+        const int p = kb + tid;
+        unsigned short a = 0, b = 0;
+        if (p < kend) {
+            const long long row = row_of(p, tid);
+            if (KQ_K) a = k_scales[row * Hkv + hkv];
+            if (KQ_V) b = v_scales[row * Hkv + hkv];
+        }
+        sk = a;
+        sv = b;
+    }
+}
 
 __device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -336,8 +384,6 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
     const unsigned char* kbytes = (const unsigned char*)k_cache;
     const unsigned char* vbytes = (const unsigned char*)v_cache;
     u32 pend_k = 0, pend_v = 0;  // f16 scale bits of key (tile + tid), tid < PF_BK, for the next tile
-    (void)k_scales;
-    (void)v_scales;
 #endif
     const u32 sbase = smem_addr(pf_smem);
     const bool page_tiles = (page % PF_BK) == 0;  // every KV tile lies inside one page
@@ -352,45 +398,9 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
 #if !KQ_ANY
         kv_tile_bf16<PF_NT, PF_BK>(dst, kbase, vbase, bt, page, pshift, page_tiles, width, kb, kend, tid, kvl);
 #else
-        long long row0 = 0;
-        if (page_tiles) {
-            const int pg = pshift >= 0 ? kb >> pshift : kb / page;  // no division for power-of-two pages
-            row0 = (long long)bt[pg] * page + (kb - pg * page);
-        }
         (void)width;
-        // K, then V: 16-byte chunks of each row; bf16 lands in the padded tile, codes packed.
-#pragma unroll
-        for (int m = 0; m < 2; m++) {
-            const bool quant = m == 0 ? KQ_K : KQ_V;
-            const int rowb = m == 0 ? K_ROWB : V_ROWB;
-            const int nch = rowb / 16;
-            const unsigned char* src = m == 0 ? kbytes : vbytes;
-            const u32 dm = dst + (m == 0 ? 0 : PF_K_PART);
-            for (int c = tid; c < PF_BK * nch; c += PF_NT) {
-                const int r = c / nch, ch = c % nch;
-                const int p = kb + r;
-                const bool ok = p < kend;
-                long long row = 0;
-                if (ok) row = page_tiles ? row0 + r : (long long)bt[p / page] * page + p % page;
-                const u32 d = dm + (quant ? (u32)(r * rowb + ch * 16) : (u32)(r * PF_STR + ch * 8) * 2);
-                cp_async16(d, src + (row * Hkv + hkv) * rowb + ch * 16, ok ? 16 : 0);
-            }
-        }
-        if (tid < PF_BK) {
-            const int p = kb + tid;
-            unsigned short a = 0, b = 0;
-            if (p < kend) {
-                const long long row = page_tiles ? row0 + tid : (long long)bt[p / page] * page + p % page;
-#if KQ_K
-                a = k_scales[row * Hkv + hkv];
-#endif
-#if KQ_V
-                b = v_scales[row * Hkv + hkv];
-#endif
-            }
-            pend_k = a;
-            pend_v = b;
-        }
+        kv_tile_q<PF_NT, PF_BK, PF_K_PART>(dst, kbytes, vbytes, k_scales, v_scales, bt, page, pshift, page_tiles, Hkv,
+                                           hkv, kb, kend, tid, pend_k, pend_v);
 #endif
         cp_async_commit();
     };
@@ -457,14 +467,14 @@ __device__ __forceinline__ void prefill_body(const bf16_t* __restrict__ q, const
 #else
         const u32 st_base = sbase + (j & 1) * PF_STAGE_BYTES;
 #if KQ_K
-        pf_convert_tile<KV_K_FMT>(pf_smem + (j & 1) * PF_STAGE_BYTES, pf_smem + PF_CV_K, tid);
+        pf_convert_tile<KV_K_FMT, PF_NT, PF_BK>(pf_smem + (j & 1) * PF_STAGE_BYTES, pf_smem + PF_CV_K, tid);
         const u32 ks_base = sbase + PF_CV_K;
         const float* sks = (const float*)(pf_smem + PF_SC_K);
 #else
         const u32 ks_base = st_base;
 #endif
 #if KQ_V
-        pf_convert_tile<KV_V_FMT>(pf_smem + (j & 1) * PF_STAGE_BYTES + PF_K_PART, pf_smem + PF_CV_V, tid);
+        pf_convert_tile<KV_V_FMT, PF_NT, PF_BK>(pf_smem + (j & 1) * PF_STAGE_BYTES + PF_K_PART, pf_smem + PF_CV_V, tid);
         const u32 vs_base = sbase + PF_CV_V;
         const float* svs = (const float*)(pf_smem + PF_SC_V);
 #else
@@ -661,9 +671,13 @@ attn_prefill(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
 // instead of 96, the softmax is not duplicated and the exchange is 4x smaller. Q cannot live in
 // registers, so it sits in shared memory, XOR-swizzled (row r's 16-byte chunk c at c ^ (r & 7): the
 // 8 rows of an ldmatrix hit distinct banks without padding) and is re-read per KV tile. 8 warps of up
-// to 255 registers per SM; bf16 K/V and plain bf16 P only (attn_prefill covers the rest).
-// Smem (HD 256): Q 64 KB + 2 stages x (K + V) x BK keys (66 / 132 KB) + the exchange 10 / 18 KB =
-// 140 KB at BK 32 (sm_80, sm_90; not sm_86/89's 99 KB: they use attn_prefill), 214 KB at BK 64 (sm_90).
+// to 255 registers per SM; plain bf16 P only (the hi/lo split: attn_prefill). Quantised K / V as in
+// attn_prefill: the codes land in the stage, all threads widen them into a bf16 tile after the wait,
+// K scales multiply S per key column (with the softmax scale), V scales fold into P before its bf16
+// rounding (the row sums use P unscaled).
+// Smem (HD 256, bf16 K/V): Q 64 KB + 2 stages x (K + V) x BK keys (66 / 132 KB) + the exchange 10 /
+// 18 KB = 140 KB at BK 32 (sm_80, sm_90; not sm_86/89's 99 KB: they use attn_prefill), 214 KB at BK
+// 64 (sm_90); fp8 K/V at BK 64: 212.5 KB.
 // Measured (H200, 27B shape, 4096 causal queries): 244 TFLOP/s at 128K keys at BK 32 (attn_prefill:
 // 205; the first wide version, which split S by head dims as attn_prefill does: 226).
 // Launch: grid (n_tiles, Hkv), block PW_NT, dynamic smem pw_smem_bytes(BK); tile_table [n_tiles, 2] =
@@ -674,21 +688,31 @@ attn_prefill(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
 #define PW_NT (32 * PW_NW)
 #define PW_KV0 (PW_ROWS * HD * 2)          // the K/V stages follow the Q tile
 #define PW_SWZ (PF_CH >= 8 ? 7 : PF_CH - 1)
-// Smem layout for BK keys per tile (= ops/attention.rs wide_smem_bytes): Q, 2 stages of K + V, the
-// P exchange (BK / 16 uint4 per lane and warp), the factor exchange (a float2 per lane and warp).
+// Smem layout for BK keys per tile (= ops/attention.rs wide_smem_bytes): Q, 2 stages of K + V (a
+// bf16 matrix as a padded tile, a quantised one as its codes), for each quantised matrix its
+// converted bf16 tile and then its f32 tile scales, the P exchange (BK / 16 uint4 per lane and warp),
+// the factor exchange (a float2 per lane and warp).
 __host__ __device__ constexpr int pw_mat(int bk) { return bk * PF_STR * 2; }
-__host__ __device__ constexpr int pw_xch(int bk) { return PW_KV0 + 4 * pw_mat(bk); }
+__host__ __device__ constexpr int pw_kpart(int bk) { return KQ_K ? bk * K_ROWB : pw_mat(bk); }
+__host__ __device__ constexpr int pw_stage(int bk) { return pw_kpart(bk) + (KQ_V ? bk * V_ROWB : pw_mat(bk)); }
+__host__ __device__ constexpr int pw_cvk(int bk) { return PW_KV0 + 2 * pw_stage(bk); }
+__host__ __device__ constexpr int pw_cvv(int bk) { return pw_cvk(bk) + (KQ_K ? pw_mat(bk) : 0); }
+__host__ __device__ constexpr int pw_sck(int bk) { return pw_cvv(bk) + (KQ_V ? pw_mat(bk) : 0); }
+__host__ __device__ constexpr int pw_scv(int bk) { return pw_sck(bk) + (KQ_K ? bk * 4 : 0); }
+__host__ __device__ constexpr int pw_xch(int bk) { return pw_scv(bk) + (KQ_V ? bk * 4 : 0); }
 __host__ __device__ constexpr int pw_xa(int bk) { return pw_xch(bk) + PW_NW * 32 * bk; }
 __host__ __device__ constexpr int pw_smem_bytes(int bk) { return pw_xa(bk) + PW_NW * 32 * 8; }
 
 template <int BK>
-__device__ __forceinline__ void wide_body(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
-                                          const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables,
+__device__ __forceinline__ void wide_body(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
+                                          const void* __restrict__ v_cache,
+                                          const unsigned short* __restrict__ k_scales,
+                                          const unsigned short* __restrict__ v_scales, const int* __restrict__ block_tables,
                                           int max_blocks, const int* __restrict__ cu_seqlens,
                                           const int* __restrict__ seq_lens, const int* __restrict__ tile_table,
                                           bf16_t* __restrict__ o, int Hq, int Hkv, int page, float scale,
                                           long long q_tok, long long q_head) {
-    constexpr int MAT = pw_mat(BK), STAGE = 2 * MAT;
+    constexpr int MAT = pw_mat(BK), STAGE = pw_stage(BK);
     constexpr bool SPLIT_S = BK == 32;  // two accumulator sets for S (registers allow it at 32 keys)
     extern __shared__ __align__(16) unsigned char pw_smem[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -707,8 +731,12 @@ __device__ __forceinline__ void wide_body(const bf16_t* __restrict__ q, const bf
     const int n_kt = (kend + BK - 1) / BK;
     const long long width = (long long)Hkv * HD;
     const int* bt = block_tables + (long long)s * max_blocks;
-    const bf16_t* kbase = k_cache + (long long)hkv * HD;
-    const bf16_t* vbase = v_cache + (long long)hkv * HD;
+#if !KQ_ANY
+    const bf16_t* kbase = (const bf16_t*)k_cache + (long long)hkv * HD;
+    const bf16_t* vbase = (const bf16_t*)v_cache + (long long)hkv * HD;
+#else
+    u32 pend_k = 0, pend_v = 0;  // f16 scale bits of key (tile + tid), tid < BK, for the next tile
+#endif
     const u32 sbase = smem_addr(pw_smem);
     const u32 kv0 = sbase + PW_KV0;
     const bool page_tiles = (page % BK) == 0;
@@ -721,10 +749,21 @@ __device__ __forceinline__ void wide_body(const bf16_t* __restrict__ q, const bf
         const bf16_t* src = ok ? q + (long long)(qstart + i) * q_tok + (long long)(hkv * GQA_GROUP + hh) * q_head + ch * 8 : q;
         cp_async16(sbase + (u32)(r * HD * 2 + (ch ^ (r & PW_SWZ)) * 16), src, ok ? 16 : 0);
     }
+#if !KQ_ANY
     const KvLane kvl = kv_lane(tid, width);
+#else
+    (void)width;
+#endif
+#if !KQ_ANY
     // 64-key tiles over 32-key pages: two one-page halves (no per-row block-table lookups).
     const bool halves = BK == 64 && !page_tiles && page % 32 == 0;
+#endif
     auto load_tile = [&](int kb, u32 dst) {
+#if KQ_ANY
+        kv_tile_q<PW_NT, BK, pw_kpart(BK)>(dst, (const unsigned char*)k_cache, (const unsigned char*)v_cache,
+                                           k_scales, v_scales, bt, page, pshift, page_tiles, Hkv, hkv, kb, kend,
+                                           tid, pend_k, pend_v);
+#else
         if (BK == 64 && halves) {
             kv_tile_bf16<PW_NT, 32, MAT>(dst, kbase, vbase, bt, page, pshift, true, width, kb, kend, tid, kvl);
             kv_tile_bf16<PW_NT, 32, MAT>(dst + 32 * PF_STR * 2, kbase, vbase, bt, page, pshift, true, width, kb + 32,
@@ -732,6 +771,7 @@ __device__ __forceinline__ void wide_body(const bf16_t* __restrict__ q, const bf
         } else {
             kv_tile_bf16<PW_NT, BK>(dst, kbase, vbase, bt, page, pshift, page_tiles, width, kb, kend, tid, kvl);
         }
+#endif
         cp_async_commit();
     };
     load_tile(0, kv0);
@@ -757,7 +797,9 @@ __device__ __forceinline__ void wide_body(const bf16_t* __restrict__ q, const bf
 #pragma unroll
         for (int n = 0; n < PF_HALF / 8; n++) oacc[mt][n][0] = oacc[mt][n][1] = oacc[mt][n][2] = oacc[mt][n][3] = 0.0f;
     float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.0f, 0.0f};
-    const float fs = scale * 1.4426950408889634f;
+    const float sl2 = scale * 1.4426950408889634f;  // log2 domain
+    // bf16 K: the scale rides on the exp's FFMA; quantised K: S is scaled per key column below.
+    const float fs = KQ_K ? 1.0f : sl2;
     // Exchange per warp: P of its tile (BK / 16 x 4 u32 per lane) and its rows' factors (float2).
     uint4* xp_me = (uint4*)(pw_smem + pw_xch(BK)) + warp * (BK / 16) * 32 + lane;
     const uint4* xp_pa = (const uint4*)(pw_smem + pw_xch(BK)) + (warp ^ 1) * (BK / 16) * 32 + lane;
@@ -765,6 +807,14 @@ __device__ __forceinline__ void wide_body(const bf16_t* __restrict__ q, const bf
     const float2* xa_pa = (const float2*)(pw_smem + pw_xa(BK)) + (warp ^ 1) * 32 + lane;
 
     for (int j = 0; j < n_kt; j++) {
+#if KQ_ANY
+        // Tile j's scales (loaded with its codes) to smem before load_tile(j + 1) reuses the
+        // registers; the previous iteration's last barrier freed the buffers.
+        if (tid < BK) {
+            if (KQ_K) ((float*)(pw_smem + pw_sck(BK)))[tid] = f16_to_f32((unsigned short)pend_k);
+            if (KQ_V) ((float*)(pw_smem + pw_scv(BK)))[tid] = f16_to_f32((unsigned short)pend_v);
+        }
+#endif
         if (j + 1 < n_kt) {
             load_tile((j + 1) * BK, kv0 + ((j + 1) & 1) * STAGE);
             cp_async_wait<1>();
@@ -772,8 +822,20 @@ __device__ __forceinline__ void wide_body(const bf16_t* __restrict__ q, const bf
             cp_async_wait<0>();
         }
         __syncthreads();
-        const u32 ks_base = kv0 + (j & 1) * STAGE;
-        const u32 vs_base = ks_base + MAT;
+        const u32 st_base = kv0 + (j & 1) * STAGE;
+#if KQ_ANY
+        // Quantised matrices: widen the codes into bf16 tiles (exact), read like bf16 ones below.
+#if KQ_K
+        pf_convert_tile<KV_K_FMT, PW_NT, BK>(pw_smem + PW_KV0 + (j & 1) * STAGE, pw_smem + pw_cvk(BK), tid);
+#endif
+#if KQ_V
+        pf_convert_tile<KV_V_FMT, PW_NT, BK>(pw_smem + PW_KV0 + (j & 1) * STAGE + pw_kpart(BK), pw_smem + pw_cvv(BK),
+                                             tid);
+#endif
+        __syncthreads();
+#endif
+        const u32 ks_base = KQ_K ? sbase + pw_cvk(BK) : st_base;
+        const u32 vs_base = KQ_V ? sbase + pw_cvv(BK) : st_base + pw_kpart(BK);
 
         // S of the own 16 rows over all dims; even / odd k steps in two accumulator sets (shorter chains).
         float sx[BK / 8][4], sy[BK / 8][4];
@@ -804,6 +866,19 @@ __device__ __forceinline__ void wide_body(const bf16_t* __restrict__ q, const bf
             sx[n][2] += sy[n][2];
             sx[n][3] += sy[n][3];
         }
+#if KQ_K
+        {
+            const float* sks = (const float*)(pw_smem + pw_sck(BK));
+#pragma unroll
+            for (int n = 0; n < BK / 8; n++) {
+                const float f0 = sks[n * 8 + 2 * tg] * sl2, f1 = sks[n * 8 + 2 * tg + 1] * sl2;
+                sx[n][0] *= f0;
+                sx[n][1] *= f1;
+                sx[n][2] *= f0;
+                sx[n][3] *= f1;
+            }
+        }
+#endif
         const int kb = j * BK;
         if (kb + BK - 1 > first_q) {
 #pragma unroll
@@ -840,10 +915,18 @@ __device__ __forceinline__ void wide_body(const bf16_t* __restrict__ q, const bf
         u32 po[BK / 16][4];
 #pragma unroll
         for (int kk = 0; kk < BK / 16; kk++) {
-            po[kk][0] = pack_bf16(sx[2 * kk][0], sx[2 * kk][1]);
-            po[kk][1] = pack_bf16(sx[2 * kk][2], sx[2 * kk][3]);
-            po[kk][2] = pack_bf16(sx[2 * kk + 1][0], sx[2 * kk + 1][1]);
-            po[kk][3] = pack_bf16(sx[2 * kk + 1][2], sx[2 * kk + 1][3]);
+#if KQ_V
+            // P * vscale of the key (the V codes are unscaled; the row sums above use P unscaled).
+            const float* svs = (const float*)(pw_smem + pw_scv(BK));
+            const float va = svs[kk * 16 + 2 * tg], vb = svs[kk * 16 + 2 * tg + 1];
+            const float vc = svs[kk * 16 + 8 + 2 * tg], vd = svs[kk * 16 + 8 + 2 * tg + 1];
+#else
+            const float va = 1.0f, vb = 1.0f, vc = 1.0f, vd = 1.0f;
+#endif
+            po[kk][0] = pack_bf16(sx[2 * kk][0] * va, sx[2 * kk][1] * vb);
+            po[kk][1] = pack_bf16(sx[2 * kk][2] * va, sx[2 * kk][3] * vb);
+            po[kk][2] = pack_bf16(sx[2 * kk + 1][0] * vc, sx[2 * kk + 1][1] * vd);
+            po[kk][3] = pack_bf16(sx[2 * kk + 1][2] * vc, sx[2 * kk + 1][3] * vd);
             xp_me[kk * 32] = make_uint4(po[kk][0], po[kk][1], po[kk][2], po[kk][3]);
         }
         *xa_me = make_float2(al[0], al[1]);
@@ -922,22 +1005,24 @@ __device__ __forceinline__ void wide_body(const bf16_t* __restrict__ q, const bf
 }
 
 extern "C" __global__ void __launch_bounds__(PW_NT, 1)
-attn_prefill_wide(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
-                  const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+attn_prefill_wide(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
+                  const void* __restrict__ v_cache, const unsigned short* __restrict__ k_scales,
+                  const unsigned short* __restrict__ v_scales, const int* __restrict__ block_tables, int max_blocks,
                   const int* __restrict__ cu_seqlens, const int* __restrict__ seq_lens,
                   const int* __restrict__ tile_table, bf16_t* __restrict__ o, int Hq, int Hkv, int page,
                   float scale, long long q_tok, long long q_head) {
-    wide_body<32>(q, k_cache, v_cache, block_tables, max_blocks, cu_seqlens, seq_lens, tile_table, o, Hq, Hkv, page,
+    wide_body<32>(q, k_cache, v_cache, k_scales, v_scales, block_tables, max_blocks, cu_seqlens, seq_lens, tile_table, o, Hq, Hkv, page,
                   scale, q_tok, q_head);
 }
 
 extern "C" __global__ void __launch_bounds__(PW_NT, 1)
-attn_prefill_wide64(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
-                    const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+attn_prefill_wide64(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
+                    const void* __restrict__ v_cache, const unsigned short* __restrict__ k_scales,
+                    const unsigned short* __restrict__ v_scales, const int* __restrict__ block_tables, int max_blocks,
                     const int* __restrict__ cu_seqlens, const int* __restrict__ seq_lens,
                     const int* __restrict__ tile_table, bf16_t* __restrict__ o, int Hq, int Hkv, int page,
                     float scale, long long q_tok, long long q_head) {
-    wide_body<64>(q, k_cache, v_cache, block_tables, max_blocks, cu_seqlens, seq_lens, tile_table, o, Hq, Hkv,
+    wide_body<64>(q, k_cache, v_cache, k_scales, v_scales, block_tables, max_blocks, cu_seqlens, seq_lens, tile_table, o, Hq, Hkv,
                   page, scale, q_tok, q_head);
 }
 

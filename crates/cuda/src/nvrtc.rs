@@ -377,7 +377,7 @@ pub struct AttnTiling {
     /// Query heads (of one kv head) per block, a divisor of the GQA group; 0: [`AttnTiling::auto_heads`].
     pub heads: usize,
     /// Prefer `attn_prefill_wide` (128 packed (query, head) rows per block, a warp pair per 32 rows)
-    /// where it applies: bf16 K and V, plain P, and the device's shared memory holds its block at
+    /// where it applies: plain P, and the device's shared memory holds its block at
     /// `keys` (else at 32 keys; else `attn_prefill` at 32 keys). [`crate::Kernels::attn`] holds the
     /// tiling that runs ([`crate::Kernels::attn_wide`]).
     pub wide: bool,

@@ -1773,25 +1773,35 @@ fn kvq_case(
     let pages = attention::KvPages { k_cache: kc, v_cache: vc, block_tables: btp, max_blocks, page, kv_heads: hkv };
     let scales = attention::KvScales { k: ksc, v: vsc };
     let scale = 1.0 / (hd as f32).sqrt();
+    // Prefill also runs on attn_prefill (the kernel of GPUs without room for the wide one) into op2.
+    let mut op2 = None;
     match n_split {
         None => {
             let cu = cu_of(&news);
-            let table = attention::tile_table(&kq, &cu);
-            let (cup, tp) = (d.i32s(&cu)?, d.i32s(&table)?);
-            let a = attention::AttnPrefill {
-                q: qp,
-                q_tok: hq * hd,
-                q_head: hd,
-                o: op,
-                kv: pages,
-                cu_seqlens: cup,
-                seq_lens: lp,
-                tile_table: tp,
-                n_tiles: table.len() / 2,
-                q_heads: hq,
-                scale,
-            };
-            attention::attn_prefill_q(&kq, s, &a, &scales)?;
+            let cup = d.i32s(&cu)?;
+            let pair = AttnTiling { keys: 32, wide: false, ..AttnTiling::DEFAULT };
+            let kp = Kernels::load_tiled(rt, k.dims, kv, pair)?;
+            for (kk, o) in [(&kq, op), (&kp, d.poison(2 * t_new * hq * hd)?)] {
+                let table = attention::tile_table(kk, &cu);
+                let tp = d.i32s(&table)?;
+                let a = attention::AttnPrefill {
+                    q: qp,
+                    q_tok: hq * hd,
+                    q_head: hd,
+                    o,
+                    kv: pages,
+                    cu_seqlens: cup,
+                    seq_lens: lp,
+                    tile_table: tp,
+                    n_tiles: table.len() / 2,
+                    q_heads: hq,
+                    scale,
+                };
+                attention::attn_prefill_q(kk, s, &a, &scales)?;
+                if o != op {
+                    op2 = Some(o);
+                }
+            }
         }
         Some(n_split) => {
             let bytes = attention::decode_scratch_bytes(nb, hq, n_split, hd);
@@ -1828,6 +1838,9 @@ fn kvq_case(
         qo += n;
     }
     out.push(compare("o", &r, &d.get_bf16(op, t_new * hq * hd)?, tol));
+    if let Some(op2) = op2 {
+        out.push(compare("o (attn_prefill)", &r, &d.get_bf16(op2, t_new * hq * hd)?, tol));
+    }
     Ok(out)
 }
 

@@ -30,25 +30,29 @@ pub(crate) fn prefill_smem_bytes(d: &KernelDims, kv: &KvFormats, t: &AttnTiling)
 pub const WIDE_ROWS: usize = 128;
 
 /// Dynamic shared memory of `attn_prefill_wide` at `keys` per KV tile (pw_smem_bytes in
-/// attention.cu): the block's Q rows (unpadded, swizzled), 2 stages of K and V tiles (rows padded by
-/// 8), the pairs' P exchange (bf16, 32 lanes x keys / 16 x 16 B per warp) and the rows' factors
-/// (a float2 per lane and warp).
-pub(crate) fn wide_smem_bytes(d: &KernelDims, keys: usize) -> usize {
+/// attention.cu): the block's Q rows (unpadded, swizzled), 2 stages of K and V (bf16 tiles with rows
+/// padded by 8, or a quantised format's codes), for each quantised matrix its converted bf16 tile and
+/// f32 tile scales, the pairs' P exchange (bf16, 32 lanes x keys / 16 x 16 B per warp) and the rows'
+/// factors (a float2 per lane and warp).
+pub(crate) fn wide_smem_bytes(d: &KernelDims, kv: &KvFormats, keys: usize) -> usize {
     let hd = d.attn_head_dim;
-    WIDE_ROWS * hd * 2 + 4 * keys * (hd + 8) * 2 + 8 * 32 * keys + 8 * 32 * 8
+    let tile = keys * (hd + 8) * 2;
+    let part = |f: KvDtype| if f == KvDtype::Bf16 { tile } else { keys * hd * f.bits() as usize / 8 };
+    let extra = |f: KvDtype| if f == KvDtype::Bf16 { 0 } else { tile + 4 * keys };
+    WIDE_ROWS * hd * 2 + 2 * (part(kv.k) + part(kv.v)) + extra(kv.k) + extra(kv.v) + 8 * 32 * keys + 8 * 32 * 8
 }
 
-/// The tiling the kernels run for a requested `t`: the wide kernel at `t.keys` where it applies (bf16
-/// K and V, plain P) and its shared memory fits `max_smem`, else at 32 keys, else `attn_prefill` at
-/// 32 keys (a tiling that asked for the wide kernel, e.g. the default, never falls back to 64-key
-/// pair tiles). Tilings with `wide: false` are kept as they are.
+/// The tiling the kernels run for a requested `t`: the wide kernel at `t.keys` where it applies
+/// (plain P) and its shared memory fits `max_smem`, else at 32 keys, else `attn_prefill` at 32 keys
+/// (a tiling that asked for the wide kernel, e.g. the default, never falls back to 64-key pair
+/// tiles). Tilings with `wide: false` are kept as they are.
 pub(crate) fn resolve_tiling(d: &KernelDims, kv: &KvFormats, t: AttnTiling, max_smem: usize) -> AttnTiling {
     if !t.wide {
         return t;
     }
-    if *kv == KvFormats::BF16 && !t.p_split && d.attn_head_dim >= 32 {
+    if !t.p_split && d.attn_head_dim >= 32 {
         for keys in [t.keys, 32] {
-            if wide_smem_bytes(d, keys) <= max_smem {
+            if wide_smem_bytes(d, kv, keys) <= max_smem {
                 return AttnTiling { keys, ..t };
             }
         }
@@ -165,10 +169,11 @@ pub fn attn_prefill_q(k: &Kernels, s: &CudaStream, a: &AttnPrefill, sc: &KvScale
         // One block per (tile of 128 packed rows, kv head); a warp pair per 32 rows.
         let grid =
             (to_u32("attn_prefill", "n_tiles", a.n_tiles)?, to_u32("attn_prefill", "kv_heads", a.kv.kv_heads)?, 1);
-        let smem = wide_smem_bytes(&d, k.attn.keys) as u32;
+        let smem = wide_smem_bytes(&d, &k.kv, k.attn.keys) as u32;
         let name = if k.attn.keys == 64 { "attn_prefill_wide64" } else { "attn_prefill_wide" };
         return launch!(k, s, name, grid, (256, 1, 1), smem;
-            q, k_cache, v_cache, block_tables, mb, cu_seqlens, seq_lens, tile_table, o, hq, hkv, page, scale, qt, qh);
+            q, k_cache, v_cache, k_scales, v_scales, block_tables, mb, cu_seqlens, seq_lens, tile_table, o, hq, hkv,
+            page, scale, qt, qh);
     }
     // One block per (16-query tile, kv head, group of heads_per_block query heads); a warp pair per
     // query head.

@@ -102,8 +102,8 @@ impl Kernels {
         .into_iter()
         // The prefill kernel that runs (the other is never launched with these kernels).
         .chain(std::iter::once(match (attn.wide, attn.keys) {
-            (true, 64) => ("attn_prefill_wide64", attention::wide_smem_bytes(&dims, 64)),
-            (true, _) => ("attn_prefill_wide", attention::wide_smem_bytes(&dims, 32)),
+            (true, 64) => ("attn_prefill_wide64", attention::wide_smem_bytes(&dims, &kv, 64)),
+            (true, _) => ("attn_prefill_wide", attention::wide_smem_bytes(&dims, &kv, 32)),
             _ => ("attn_prefill", attention::prefill_smem_bytes(&dims, &kv, &attn)),
         }))
         .chain(w4a16::PAIR_KERNELS.iter().map(|&n| (n, w4a16::PAIR_SMEM_BYTES)))
