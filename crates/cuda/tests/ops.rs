@@ -252,6 +252,8 @@ const SMALL: KernelDims = KernelDims { attn_head_dim: 128, gqa_group: 2, gdn_bv:
 const HD64_G1: KernelDims = KernelDims { attn_head_dim: 64, gqa_group: 1, ..KernelDims::QWEN35_27B };
 const HD32_G8: KernelDims = KernelDims { attn_head_dim: 32, gqa_group: 8, ..KernelDims::QWEN35_27B };
 /// Qwen3-Next's attention (head dim 256, 16 q heads over 2 kv heads): two prefill blocks per kv head.
+/// The Tiny preset's attention (head dim 32, 4 q heads over 2 kv heads; the speculative tests' model).
+const TINY_ATTN: KernelDims = KernelDims { attn_head_dim: 32, gqa_group: 2, ..KernelDims::QWEN35_27B };
 const NEXT_ATTN: KernelDims = KernelDims { attn_head_dim: 256, gqa_group: 8, ..KernelDims::QWEN35_27B };
 /// Attention prefill with plain bf16 P (the default AttnTiling, FlashAttention's choice): P's
 /// rounding (2^-9 relative) moves o by up to 2^-9 · Σ p |v| — the scale of V, not of o, which cancels
@@ -435,6 +437,19 @@ fn cases() -> Vec<Case> {
         c("kv_write+attn_prefill", SMALL, wide(&[(17, 63), (0, 64), (64, 65), (40, 2)], 8, 4, 16, 64), ATTN_PLAIN_P),
         c("kv_write+attn_prefill", NEXT_ATTN, wide(&[(0, 100), (50, 33), (7, 1)], 16, 2, 32, 64), ATTN_PLAIN_P),
         c("kv_write+attn_prefill", HD32_G8, wide(&[(70, 40), (0, 16), (9, 1)], 8, 1, 8, 64), ATTN_PLAIN_P),
+        c("kv_write+attn_prefill", TINY_ATTN, wide(&[(0, 37), (37, 5), (60, 1)], 4, 2, 16, 64), ATTN_PLAIN_P),
+        c(
+            "kv_write+attn_prefill",
+            TINY_ATTN,
+            Op::AttnPrefillTiled {
+                seqs: vec![(0, 37), (37, 5), (60, 1)],
+                hq: 4,
+                hkv: 2,
+                page: 16,
+                tiling: AttnTiling { keys: 32, p_split: false, heads: 0, wide: false },
+            },
+            ATTN_PLAIN_P,
+        ),
         c("kv_write+attn_prefill", q, tiled(&[(0, 300), (33, 129)], 32, 32, true, 3), ACCUM),
         c("kv_write+attn_prefill", q, tiled(&[(2, 77), (0, 1)], 16, 32, true, 2), ACCUM),
         c(

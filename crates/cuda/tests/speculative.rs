@@ -227,7 +227,13 @@ fn verify_and_commit_track_plain_decode() {
     vs_plain.check_with("verified rows vs plain decode (CUDA)", Bounds { median: 2e-2, argmax_share: 0.98 });
     assert!(vs_plain.worst_l2 <= 8e-2, "a verified row is {:.1e} from plain decode", vs_plain.worst_l2);
     // Against the f32 oracle: the bf16 drift of `backend.rs` over a 40-token decode (rows late in the
-    // sequence may flip where the margin is a few % of the logits); the bounds on the errors still hold.
+    // sequence may flip where the margin is a few % of the logits). Its worst row depends on the token
+    // trajectory (the GPU's own greedy tokens), not on the kernels' accuracy: on the H200 (session 9,
+    // bench/results/spec-*-h200-2026-11-30-s9.log) the worst row was 0.12 with attn_prefill and 0.27
+    // with attn_prefill_wide (equally accurate in tests/ops.rs, incl. this model's attention shape) on
+    // their own trajectories, 0.297 / 0.294 for the two on the oracle's greedy trajectory, the medians
+    // 2.3e-2 .. 3.3e-2 throughout. A wrong state, conv window or pending hidden gives errors of order
+    // 1, so the median bound stays TOL_MEDIAN and the worst row is held to twice TOL_ROW.
     for (what, sc) in
         [("verified rows vs the CPU oracle's", &vs_cpu), ("MTP draft logits vs the CPU oracle's", &drafts_vs_cpu)]
     {
@@ -236,7 +242,10 @@ fn verify_and_commit_track_plain_decode() {
         }
         let mut l2: Vec<f32> = sc.detail.iter().map(|d| d.1).collect();
         l2.sort_by(|a, b| a.total_cmp(b));
-        assert!(l2[l2.len() / 2] <= TOL_MEDIAN && sc.worst_l2 <= TOL_ROW, "{what}: errors beyond the bf16 bounds");
+        assert!(
+            l2[l2.len() / 2] <= TOL_MEDIAN && sc.worst_l2 <= 2.0 * TOL_ROW,
+            "{what}: errors beyond the bf16 bounds"
+        );
         assert!(sc.argmax_same as f32 >= 0.9 * sc.rows as f32, "{what}: argmax agreement below 90%");
     }
     assert_eq!(g.arena_stats().allocations, stats0.allocations, "no allocation while serving");

@@ -49,9 +49,14 @@ impl Kernels {
         Self::load_kv(rt, dims, KvFormats::BF16)
     }
 
-    /// [`Kernels::load`] with the attention kernels reading a KV cache stored in `kv`.
+    /// [`Kernels::load`] with the attention kernels reading a KV cache stored in `kv`. The default
+    /// tiling, or with `DELTASERVE_ATTN_PREFILL=pair` the warp-pair prefill kernel (`attn_prefill`,
+    /// 32-key tiles) instead of the wide one: an A/B switch for comparing the two end to end.
     pub fn load_kv(rt: &Runtime, dims: KernelDims, kv: KvFormats) -> Result<Kernels, CudaError> {
-        Self::load_tiled(rt, dims, kv, AttnTiling::DEFAULT)
+        let pair = std::env::var("DELTASERVE_ATTN_PREFILL").is_ok_and(|v| v == "pair");
+        let tiling =
+            if pair { AttnTiling { keys: 32, wide: false, ..AttnTiling::DEFAULT } } else { AttnTiling::DEFAULT };
+        Self::load_tiled(rt, dims, kv, tiling)
     }
 
     /// [`Kernels::load_kv`] with the attention prefill kernel tiled as `attn` (benchmarks compare tilings).
