@@ -6,6 +6,9 @@
 // where key p lives at cache row block_tables[s, p / page] * page + p % page.
 //  attn_prefill:        varlen queries (cu_seqlens); FlashAttention-2 style on tensor cores
 //                       (mma.sync m16n8k16 bf16 -> f32, ldmatrix, cp.async); no scratch.
+//  attn_prefill_wide / attn_prefill_wide64: the same with 128 packed (query, head) rows per block
+//                       (the default where its 140 / 214 KB of shared memory fit: sm_80 / sm_90;
+//                       design below attn_prefill's).
 //  attn_decode_split:   one query per row b (a decode sequence, or one row of a speculative verify:
 //                       its block-table row is table_rows[b] when table_rows is not null, else b);
 //                       keys split into dec_parts(len) <= n_split equal ranges (one per 128
@@ -678,8 +681,9 @@ attn_prefill(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
 // Smem (HD 256, bf16 K/V): Q 64 KB + 2 stages x (K + V) x BK keys (66 / 132 KB) + the exchange 10 /
 // 18 KB = 140 KB at BK 32 (sm_80, sm_90; not sm_86/89's 99 KB: they use attn_prefill), 214 KB at BK
 // 64 (sm_90); fp8 K/V at BK 64: 212.5 KB.
-// Measured (H200, 27B shape, 4096 causal queries): 244 TFLOP/s at 128K keys at BK 32 (attn_prefill:
-// 205; the first wide version, which split S by head dims as attn_prefill does: 226).
+// Measured (H200, 27B shape, 4096 causal queries, bench/results/session9-h200-2026-11-30.md): 274
+// TFLOP/s at 128K keys at BK 64, 245 at BK 32 (attn_prefill: 205; a first wide version that split S by
+// head dims as attn_prefill does: 226).
 // Launch: grid (n_tiles, Hkv), block PW_NT, dynamic smem pw_smem_bytes(BK); tile_table [n_tiles, 2] =
 // (seq, 128-row tile) over the packed rows (q_len * GQA_GROUP per sequence). q 16-byte aligned with
 // q_tok, q_head multiples of 8.

@@ -80,9 +80,14 @@ fn check_scales(kernel: &'static str, k: &Kernels, sc: &KvScales) -> Result<(), 
 /// or with the wide kernel ([`Kernels::attn_wide`]) (sequence, tile of [`WIDE_ROWS`] packed rows)
 /// pairs — never more entries than 16-query tiles (a GQA group is at most 8).
 pub fn tile_table(k: &Kernels, cu_seqlens: &[i32]) -> Vec<i32> {
-    if k.attn_wide() {
-        let g = k.dims.gqa_group as i32;
-        let rows: Vec<i32> = cu_seqlens.iter().map(|&c| c * g).collect();
+    tile_table_for(k.attn_wide(), k.dims.gqa_group, cu_seqlens)
+}
+
+/// [`tile_table`] for the wide kernel (`wide`: tiles of [`WIDE_ROWS`] packed rows, `gqa_group` rows
+/// per query) or attn_prefill (16-query tiles).
+fn tile_table_for(wide: bool, gqa_group: usize, cu_seqlens: &[i32]) -> Vec<i32> {
+    if wide {
+        let rows: Vec<i32> = cu_seqlens.iter().map(|&c| c * gqa_group as i32).collect();
         super::tile_table(&rows, WIDE_ROWS)
     } else {
         super::tile_table(cu_seqlens, Q_TILE)
@@ -262,4 +267,60 @@ pub fn attn_decode_q(k: &Kernels, s: &CudaStream, a: &AttnDecode, sc: &KvScales)
     let grid = (grid.0, to_u32("attn_decode_combine", "q_heads", a.q_heads)?, 1);
     let block = (d.attn_head_dim as u32, 1, 1);
     launch!(k, s, "attn_decode_combine", grid, block, 0; part_o, part_ml, seq_lens, o, hq, ns, gate, qt, qh)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const D: KernelDims = KernelDims::QWEN35_27B;
+    const FP8: KvFormats = KvFormats { k: KvDtype::Fp8, v: KvDtype::Fp8 };
+    // cudaDevAttrMaxSharedMemoryPerBlockOptin of the GPUs the kernels target.
+    const H100: usize = 232_448;
+    const A100: usize = 166_912;
+    const RTX3090: usize = 101_376;
+
+    #[test]
+    fn wide_shared_memory_at_the_27b_shape() {
+        // Q 64 KiB + 2 stages of K and V (rows padded to 264) + P exchange + factor exchange.
+        assert_eq!(wide_smem_bytes(&D, &KvFormats::BF16, 64), 65_536 + 4 * 64 * 264 * 2 + 16_384 + 2_048);
+        assert_eq!(wide_smem_bytes(&D, &KvFormats::BF16, 32), 143_360);
+        // fp8: code stages, converted bf16 tiles and f32 scales instead of bf16 stages.
+        assert_eq!(wide_smem_bytes(&D, &FP8, 64), 65_536 + 4 * 64 * 256 + 2 * (64 * 264 * 2 + 256) + 16_384 + 2_048);
+    }
+
+    #[test]
+    fn the_default_tiling_follows_the_shared_memory() {
+        let t = AttnTiling::DEFAULT;
+        for kv in [KvFormats::BF16, FP8, KvFormats { k: KvDtype::Int4, v: KvDtype::Int8 }] {
+            let h = resolve_tiling(&D, &kv, t, H100);
+            assert!(h.wide && h.keys == 64, "{kv:?}: {h:?}");
+            let a = resolve_tiling(&D, &kv, t, A100);
+            assert!(a.wide && a.keys == 32, "{kv:?}: {a:?}");
+            // sm_86 / sm_89: attn_prefill at 32-key tiles, which fits their 99 KB.
+            let r = resolve_tiling(&D, &kv, t, RTX3090);
+            assert!(!r.wide && r.keys == 32, "{kv:?}: {r:?}");
+            assert!(prefill_smem_bytes(&D, &kv, &r) <= RTX3090);
+        }
+        // The hi/lo P split runs on attn_prefill only; a tiling without `wide` is kept as asked.
+        let split = resolve_tiling(&D, &KvFormats::BF16, AttnTiling { p_split: true, ..t }, H100);
+        assert!(!split.wide && split.keys == 32 && split.p_split);
+        let pair = AttnTiling { keys: 64, p_split: false, heads: 3, wide: false };
+        assert_eq!(resolve_tiling(&D, &KvFormats::BF16, pair, H100), pair);
+    }
+
+    #[test]
+    fn wide_tiles_cover_the_packed_rows() {
+        // Sequences of 37, 0, 263 and 1 queries, 6 query heads per kv head: 222, 0, 1578, 6 rows.
+        let cu = [0, 37, 37, 300, 301];
+        let t = tile_table_for(true, 6, &cu);
+        let want: Vec<(i32, i32)> =
+            [(0, 2), (2, 13), (3, 1)].iter().flat_map(|&(s, n)| (0..n).map(move |i| (s, i))).collect();
+        let got: Vec<(i32, i32)> = t.chunks(2).map(|p| (p[0], p[1])).collect();
+        assert_eq!(got, want);
+        // Never more entries than 16-query tiles (the backend's tile-table region is sized for those).
+        for g in 1..=8 {
+            assert!(tile_table_for(true, g, &cu).len() <= tile_table_for(false, g, &cu).len());
+        }
+    }
 }
