@@ -1475,21 +1475,7 @@ fn attn_case(
     match n_split {
         None => {
             let cu = cu_of(&news);
-            let table = attention::tile_table(k, &cu);
-            let (cup, tp) = (d.i32s(&cu)?, d.i32s(&table)?);
-            let a = attention::AttnPrefill {
-                q: qp,
-                q_tok: hq * hd,
-                q_head: hd,
-                o: op,
-                kv,
-                cu_seqlens: cup,
-                seq_lens: lp,
-                tile_table: tp,
-                n_tiles: table.len() / 2,
-                q_heads: hq,
-                scale,
-            };
+            let a = prefill_args(d, k, &cu, (qp, hq, hd), op, kv, lp, scale)?;
             attention::attn_prefill(k, s, &a)?;
         }
         Some(n_split) => {
@@ -1632,6 +1618,36 @@ fn kvq_host_codec_matches_kvquant() {
             assert!(dec.iter().zip(&oracle).all(|(a, b)| a == b), "{fmt:?} x{mag}: {dec:?} vs {oracle:?}");
         }
     }
+}
+
+/// Prefill launch arguments for contiguous q `[t, hq, hd]` (device pointer qp) over `kv`, with the
+/// tile table of the kernels `k` for the query offsets `cu` (uploaded here).
+#[allow(clippy::too_many_arguments)]
+fn prefill_args(
+    d: &mut Dev,
+    k: &Kernels,
+    cu: &[i32],
+    (qp, hq, hd): (u64, usize, usize),
+    o: u64,
+    kv: attention::KvPages,
+    seq_lens: u64,
+    scale: f32,
+) -> R<attention::AttnPrefill> {
+    let table = attention::tile_table(k, cu);
+    let (cu_seqlens, tile_table) = (d.i32s(cu)?, d.i32s(&table)?);
+    Ok(attention::AttnPrefill {
+        q: qp,
+        q_tok: hq * hd,
+        q_head: hd,
+        o,
+        kv,
+        cu_seqlens,
+        seq_lens,
+        tile_table,
+        n_tiles: table.len() / 2,
+        q_heads: hq,
+        scale,
+    })
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -1793,25 +1809,10 @@ fn kvq_case(
     match n_split {
         None => {
             let cu = cu_of(&news);
-            let cup = d.i32s(&cu)?;
             let pair = AttnTiling { keys: 32, wide: false, ..AttnTiling::DEFAULT };
             let kp = Kernels::load_tiled(rt, k.dims, kv, pair)?;
             for (kk, o) in [(&kq, op), (&kp, d.poison(2 * t_new * hq * hd)?)] {
-                let table = attention::tile_table(kk, &cu);
-                let tp = d.i32s(&table)?;
-                let a = attention::AttnPrefill {
-                    q: qp,
-                    q_tok: hq * hd,
-                    q_head: hd,
-                    o,
-                    kv: pages,
-                    cu_seqlens: cup,
-                    seq_lens: lp,
-                    tile_table: tp,
-                    n_tiles: table.len() / 2,
-                    q_heads: hq,
-                    scale,
-                };
+                let a = prefill_args(d, kk, &cu, (qp, hq, hd), o, pages, lp, scale)?;
                 attention::attn_prefill_q(kk, s, &a, &scales)?;
                 if o != op {
                     op2 = Some(o);
