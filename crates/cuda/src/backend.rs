@@ -942,6 +942,12 @@ impl CudaBackend {
             }
         }
         let k = Kernels::load_kv(&rt, kernel_dims(cfg), kvf)?;
+        tracing::info!(
+            "kernels for {} compiled and loaded in {:.0} ms; attention prefill: {}",
+            k.arch,
+            k.load_ms,
+            k.attn_prefill_kernel()
+        );
         let mut arena = Arena::new(rt.context().clone());
         let region = |name: &str| -> Result<usize, CudaError> {
             plan.region(name)

@@ -141,11 +141,7 @@ fn bench_attn_prefill_27b() {
                 continue;
             }
         };
-        let kernel = match (kt.attn.wide, kt.attn.keys) {
-            (true, 64) => "attn_prefill_wide64",
-            (true, _) => "attn_prefill_wide",
-            _ => "attn_prefill",
-        };
+        let kernel = kt.attn_prefill_kernel();
         println!(
             "{kernel} {tiling:?}, 27B shape (Hq {HQ}, Hkv {HKV}, head dim {HD}, page {PAGE}), {TQ} causal queries:"
         );

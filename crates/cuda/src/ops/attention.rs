@@ -60,6 +60,15 @@ pub(crate) fn resolve_tiling(d: &KernelDims, kv: &KvFormats, t: AttnTiling, max_
     AttnTiling { wide: false, keys: 32, ..t }
 }
 
+/// The prefill kernel that runs with the (resolved) tiling `t`.
+pub(crate) fn prefill_kernel(t: &AttnTiling) -> &'static str {
+    match (t.wide, t.keys) {
+        (true, 64) => "attn_prefill_wide64",
+        (true, _) => "attn_prefill_wide",
+        _ => "attn_prefill",
+    }
+}
+
 /// Per-(token, head) f16 scales of a quantised cache ([rows, kv_heads] each; 0 for a bf16 matrix).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct KvScales {
@@ -175,8 +184,7 @@ pub fn attn_prefill_q(k: &Kernels, s: &CudaStream, a: &AttnPrefill, sc: &KvScale
         let grid =
             (to_u32("attn_prefill", "n_tiles", a.n_tiles)?, to_u32("attn_prefill", "kv_heads", a.kv.kv_heads)?, 1);
         let smem = wide_smem_bytes(&d, &k.kv, k.attn.keys) as u32;
-        let name = if k.attn.keys == 64 { "attn_prefill_wide64" } else { "attn_prefill_wide" };
-        return launch!(k, s, name, grid, (256, 1, 1), smem;
+        return launch!(k, s, k.attn_prefill_kernel(), grid, (256, 1, 1), smem;
             q, k_cache, v_cache, k_scales, v_scales, block_tables, mb, cu_seqlens, seq_lens, tile_table, o, hq, hkv,
             page, scale, qt, qh);
     }

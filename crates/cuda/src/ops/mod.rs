@@ -106,11 +106,14 @@ impl Kernels {
         ]
         .into_iter()
         // The prefill kernel that runs (the other is never launched with these kernels).
-        .chain(std::iter::once(match (attn.wide, attn.keys) {
-            (true, 64) => ("attn_prefill_wide64", attention::wide_smem_bytes(&dims, &kv, 64)),
-            (true, _) => ("attn_prefill_wide", attention::wide_smem_bytes(&dims, &kv, 32)),
-            _ => ("attn_prefill", attention::prefill_smem_bytes(&dims, &kv, &attn)),
-        }))
+        .chain(std::iter::once((
+            attention::prefill_kernel(&attn),
+            if attn.wide {
+                attention::wide_smem_bytes(&dims, &kv, attn.keys)
+            } else {
+                attention::prefill_smem_bytes(&dims, &kv, &attn)
+            },
+        )))
         .chain(w4a16::PAIR_KERNELS.iter().map(|&n| (n, w4a16::PAIR_SMEM_BYTES)))
         .chain(std::iter::once(("w4_read_probe", w4a16::PAIR_SMEM_BYTES)))
         {
@@ -131,6 +134,11 @@ impl Kernels {
     /// table follows ([`attention::tile_table`]).
     pub fn attn_wide(&self) -> bool {
         self.attn.wide
+    }
+
+    /// The attention prefill kernel these kernels launch.
+    pub fn attn_prefill_kernel(&self) -> &'static str {
+        attention::prefill_kernel(&self.attn)
     }
 
     pub(crate) fn func(&self, name: &'static str) -> Result<&CudaFunction, CudaError> {
