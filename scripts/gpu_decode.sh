@@ -9,7 +9,7 @@
 #   gdn      tests/ops.rs bench_gdn_prefill_27b: the chunked DeltaNet kernels at the 27B shape (M tok/s per layer)
 #   attn     tests/bench_attention.rs, decode kernel only: partitions 16 / 64 at batch 1 / 8, 32K
 #   attnp    tests/bench_attention.rs, prefill only: the default kernel and the warp-pair kernel, 4K-262K keys
-#   benchp   27B bf16 `deltaserve bench` prefill 1K / 4K / 32K / 128K (decode batch 1 at 1K only), JSON + SVG
+#   benchp   27B bf16 `deltaserve bench` prefill 1K / 4K / 32K / 128K (and the decode points below)
 #   bench4   27B, int4 weights, fp8 KV, 24 GiB: `deltaserve bench` decode at batch 1 / 8, 1K / 32K
 #   bench4p64  the same with --decode-partitions 64
 #   bench16  27B bf16 decode (batch 1 / 8, 1K / 32K) with 16 decode partitions (the default)
@@ -28,25 +28,19 @@ test_step w4 200 "BENCH|pair|panicked|Best|units|rows" "$C/bench_w4" --nocapture
 test_step gdn 120 "^\||panicked|BENCH" "$C/ops" --nocapture --ignored bench_gdn_prefill_27b
 DS_BENCH_ATTN=decode test_step attn 60 "attn_decode|split|panicked|^\|" "$C/bench_attention" --nocapture --ignored
 DS_BENCH_ATTN=prefill test_step attnp 120 "attn_prefill|^ +[0-9]|panicked" "$C/bench_attention" --nocapture --ignored
-if has benchp; then
-    step benchp
-    timeout 240 "$C/deltaserve" bench --prompts 1024,4096,32768,131072 --batches 1 --contexts 1024 --steps 5 \
-        --verify-tokens 0 --json --svg "$OUT/benchp.svg" >"$OUT/benchp.json" 2>"$OUT/benchp.log"
-    echo "rc=$?"; tail -n 2 "$OUT/benchp.log"
-    python3 -c "import json; d=json.load(open('$OUT/benchp.json')); print(d['ceilings']); [print('prefill', r) for r in d['prefill']]; [print('decode', r['batch'], r['context'], r['ms_per_step'], r['roofline_ratio']) for r in d['decode']]; print(d['plan_bytes'], d['driver_peak_bytes'])" || true
-fi
 D="--batches 1,8 --contexts 1024,32768 --steps 9 --verify-tokens 0"
-for b in bench4 bench4p64 bench16 bench32 bench64; do
+for b in benchp bench4 bench4p64 bench16 bench32 bench64; do
     has $b || continue
     step $b
     case $b in
+        benchp) A="--prompts 1024,4096,32768,131072" ;;
         bench4) A="--prompts 512,4096 --weights-dtype int4 --kv-cache-dtype fp8 --lm-head-int4 --embed-on-host --memory 24GiB" ;;
         bench4p64) A="--prompts 4096 --weights-dtype int4 --kv-cache-dtype fp8 --lm-head-int4 --embed-on-host --memory 24GiB --decode-partitions 64" ;;
         bench16) A="--prompts 4096 --memory 100GiB" ;;
         bench32) A="--prompts 4096 --memory 100GiB --decode-partitions 32" ;;
         bench64) A="--prompts 4096 --memory 100GiB --decode-partitions 64" ;;
     esac
-    timeout 200 "$C/deltaserve" bench $D $A --json >"$OUT/$b.json" 2>"$OUT/$b.log"
+    timeout 240 "$C/deltaserve" bench $D $A --json --svg "$OUT/$b.svg" >"$OUT/$b.json" 2>"$OUT/$b.log"
     echo "rc=$?"; tail -n 2 "$OUT/$b.log"
     python3 -c "import json; d=json.load(open('$OUT/$b.json')); [print('prefill', r) for r in d['prefill']]; [print('decode', r['batch'], r['context'], r['ms_per_step'], r['roofline_ratio']) for r in d['decode']]; print(d['plan_bytes'], d['driver_peak_bytes'])" || true
 done

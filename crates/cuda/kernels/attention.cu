@@ -684,15 +684,15 @@ attn_prefill(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
 // Measured (H200, 27B shape, 4096 causal queries, bench/results/session9-h200-2026-11-30.md): 274
 // TFLOP/s at 128K keys at BK 64, 245 at BK 32 (attn_prefill: 205; a first wide version that split S by
 // head dims as attn_prefill does: 226).
-// Launch: grid (n_tiles, Hkv), block PW_NT, dynamic smem pw_smem_bytes(BK); tile_table [n_tiles, 2] =
-// (seq, 128-row tile) over the packed rows (q_len * GQA_GROUP per sequence). q 16-byte aligned with
-// q_tok, q_head multiples of 8.
+// Launch: grid (n_tiles, Hkv), block PW_NT, dynamic smem ops/attention.rs wide_smem_bytes;
+// tile_table [n_tiles, 2] = (seq, 128-row tile) over the packed rows (q_len * GQA_GROUP per sequence).
+// q 16-byte aligned with q_tok, q_head multiples of 8.
 #define PW_ROWS 128                        // packed (query, head) rows per block
 #define PW_NW 8                            // warps per block: 4 pairs x 32 rows
 #define PW_NT (32 * PW_NW)
 #define PW_KV0 (PW_ROWS * HD * 2)          // the K/V stages follow the Q tile
 #define PW_SWZ (PF_CH >= 8 ? 7 : PF_CH - 1)
-// Smem layout for BK keys per tile (= ops/attention.rs wide_smem_bytes): Q, 2 stages of K + V (a
+// Smem layout for BK keys per tile (its total = ops/attention.rs wide_smem_bytes): Q, 2 stages of K + V (a
 // bf16 matrix as a padded tile, a quantised one as its codes), for each quantised matrix its
 // converted bf16 tile and then its f32 tile scales, the P exchange (BK / 16 uint4 per lane and warp),
 // the factor exchange (a float2 per lane and warp).
@@ -705,7 +705,7 @@ __host__ __device__ constexpr int pw_sck(int bk) { return pw_cvv(bk) + (KQ_V ? p
 __host__ __device__ constexpr int pw_scv(int bk) { return pw_sck(bk) + (KQ_K ? bk * 4 : 0); }
 __host__ __device__ constexpr int pw_xch(int bk) { return pw_scv(bk) + (KQ_V ? bk * 4 : 0); }
 __host__ __device__ constexpr int pw_xa(int bk) { return pw_xch(bk) + PW_NW * 32 * bk; }
-__host__ __device__ constexpr int pw_smem_bytes(int bk) { return pw_xa(bk) + PW_NW * 32 * 8; }
+// The block's dynamic shared memory ends after the factor exchange: pw_xa(bk) + PW_NW * 32 * 8 bytes.
 
 template <int BK>
 __device__ __forceinline__ void wide_body(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
@@ -755,12 +755,10 @@ __device__ __forceinline__ void wide_body(const bf16_t* __restrict__ q, const vo
     }
 #if !KQ_ANY
     const KvLane kvl = kv_lane(tid, width);
-#else
-    (void)width;
-#endif
-#if !KQ_ANY
     // 64-key tiles over 32-key pages: two one-page halves (no per-row block-table lookups).
     const bool halves = BK == 64 && !page_tiles && page % 32 == 0;
+#else
+    (void)width;
 #endif
     auto load_tile = [&](int kb, u32 dst) {
 #if KQ_ANY
@@ -768,7 +766,7 @@ __device__ __forceinline__ void wide_body(const bf16_t* __restrict__ q, const vo
                                            k_scales, v_scales, bt, page, pshift, page_tiles, Hkv, hkv, kb, kend,
                                            tid, pend_k, pend_v);
 #else
-        if (BK == 64 && halves) {
+        if (halves) {
             kv_tile_bf16<PW_NT, 32, MAT>(dst, kbase, vbase, bt, page, pshift, true, width, kb, kend, tid, kvl);
             kv_tile_bf16<PW_NT, 32, MAT>(dst + 32 * PF_STR * 2, kbase, vbase, bt, page, pshift, true, width, kb + 32,
                                          kend, tid, kvl);

@@ -1811,13 +1811,12 @@ fn kvq_case(
             let cu = cu_of(&news);
             let pair = AttnTiling { keys: 32, wide: false, ..AttnTiling::DEFAULT };
             let kp = Kernels::load_tiled(rt, k.dims, kv, pair)?;
-            for (kk, o) in [(&kq, op), (&kp, d.poison(2 * t_new * hq * hd)?)] {
+            let o2 = d.poison(2 * t_new * hq * hd)?;
+            for (kk, o) in [(&kq, op), (&kp, o2)] {
                 let a = prefill_args(d, kk, &cu, (qp, hq, hd), o, pages, lp, scale)?;
                 attention::attn_prefill_q(kk, s, &a, &scales)?;
-                if o != op {
-                    op2 = Some(o);
-                }
             }
+            op2 = Some(o2);
         }
         Some(n_split) => {
             let bytes = attention::decode_scratch_bytes(nb, hq, n_split, hd);

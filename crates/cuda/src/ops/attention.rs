@@ -29,7 +29,7 @@ pub(crate) fn prefill_smem_bytes(d: &KernelDims, kv: &KvFormats, t: &AttnTiling)
 /// r / GQA group, head r % GQA group of the block's kv head).
 pub const WIDE_ROWS: usize = 128;
 
-/// Dynamic shared memory of `attn_prefill_wide` at `keys` per KV tile (pw_smem_bytes in
+/// Dynamic shared memory of `attn_prefill_wide` at `keys` per KV tile (the pw_* layout in
 /// attention.cu): the block's Q rows (unpadded, swizzled), 2 stages of K and V (bf16 tiles with rows
 /// padded by 8, or a quantised format's codes), for each quantised matrix its converted bf16 tile and
 /// f32 tile scales, the pairs' P exchange (bf16, 32 lanes x keys / 16 x 16 B per warp) and the rows'
