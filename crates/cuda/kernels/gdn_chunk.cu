@@ -27,9 +27,10 @@
 //        o^T  = exp(G) * h^T q^T + vn^T P^T   (B = q rows, P rows; P lower triangular: half the tiles)
 //        h^T  = exp(G_last) h^T + (Dl * vn)^T K   (B = K via ldmatrix.trans)
 //      The chunk's w/q/P/K/decay tiles stream in with cp.async in three groups, each issued one chunk
-//      ahead as soon as its buffer is free, and everything is L2-prefetched two chunks ahead: the
-//      walk is latency-bound (one block per (sequence, head, 64 columns)), so memory latency, not
-//      tensor-core throughput, sets the time per chunk (measured: plain-bf16 mode is only ~10% faster).
+//      ahead as soon as its buffer is free; each thread's copy addresses are a per-chunk base plus
+//      per-kernel 32-bit offsets. The walk is bound by its own instruction stream (one block per
+//      (sequence, head, 64 columns), one warp per scheduler), so every instruction per chunk counts:
+//      an L2 prefetch of the next chunks cost more than it saved (bench/results/session10-*.md).
 //      The state is read once and written once per (sequence, head) per launch.
 // Precision (precise != 0, the default): every operand that is not exactly bf16 (h, T*scale, w, P,
 //   v_new) is split into hi + lo bf16 and the products hi*hi + lo*hi + hi*lo are summed in f32
@@ -93,7 +94,6 @@ __device__ __forceinline__ void cp8(void* dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 8 : 0)
                  : "memory");
 }
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
 // ---------------------------------------------------------------------------------------------
 // Prep: per (chunk, value head).
@@ -357,23 +357,40 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     const int nch = (len + CH - 1) / CH;
     float* st = state + ((long long)slots[s] * Hv + hv) * DK * DV;
 
-    // Loaders (every thread commits one group per call, empty past the last chunk).
+    // Loaders (every thread commits one group per call, empty past the last chunk). A thread copies
+    // the same 16-byte piece of rows li, li + RP, ... of every tile, so its source addresses are one
+    // per-chunk base plus multiples of a per-kernel row step (computed once here, not per copy).
     auto chunk_rows = [&](int c, int& t0, int& L) {
         t0 = start + c * CH;
         L = min(CH, start + len - t0);
     };
+    constexpr int KP = DK / 8, RP = SNW * 32 / KP;      // K/Q/w tiles: pieces per row, rows per pass
+    constexpr int PP = CH / 8, RPP = SNW * 32 / PP;     // P tiles
+    static_assert(SNW * 32 % KP == 0 && SNW * 32 % PP == 0, "a thread keeps one piece column");
+    const int li = tid / KP, lp = tid % KP, pi = tid / PP, pp = tid % PP;
+    // Per chunk: 64-bit bases of row t0 (element offsets below), then 32-bit offsets inside the chunk
+    // (< CH rows x Hv x max(DK, CH) elements): the thread's first piece, and the step between passes.
+    const long long w0 = ((long long)start * Hv + hv) * DK, q0 = ((long long)start * Hk + hk) * DK;
+    const long long p0 = ((long long)start * Hv + hv) * CH;
+    const long long w_chunk = (long long)CH * Hv * DK, q_chunk = (long long)CH * Hk * DK;
+    const long long p_chunk = (long long)CH * Hv * CH;
+    const int wt = li * Hv * DK + 8 * lp, ws = RP * Hv * DK;
+    const int qt = li * Hk * DK + 8 * lp, qs = RP * Hk * DK;
+    const int pt = pi * Hv * CH + 8 * pp, ps = RPP * Hv * CH;
     auto load_a = [&](int c) {
         if (c < nch) {
             int t0, L;
             chunk_rows(c, t0, L);
-            for (int e = tid; e < CH * (DK / 8); e += SNW * 32) {
-                const int i = e / (DK / 8), p = e % (DK / 8);
-                const bool ok = i < L;
-                const long long row = ok ? t0 + i : t0;
-                const long long wo = (row * Hv + hv) * DK + 8 * p;
-                cp16(Wh + i * KPB + 8 * p, ws_wh + wo, ok);
-                cp16(Wl + i * KPB + 8 * p, ws_wl + wo, ok);
-                cp16(Qs + i * KPB + 8 * p, q + (row * Hk + hk) * DK + 8 * p, ok);
+            const long long wb = w0 + c * w_chunk;
+            const bf16_t *whb = ws_wh + wb, *wlb = ws_wl + wb, *qb = q + q0 + c * q_chunk;
+#pragma unroll
+            for (int m = 0; m < CH / RP; m++) {
+                const int i = li + m * RP;
+                const bool ok = i < L;  // else zero-fill (row t0 is a valid address, not read)
+                const int wo = ok ? wt + m * ws : 0, qo = ok ? qt + m * qs : 0;
+                cp16(Wh + i * KPB + 8 * lp, whb + wo, ok);
+                cp16(Wl + i * KPB + 8 * lp, wlb + wo, ok);
+                cp16(Qs + i * KPB + 8 * lp, qb + qo, ok);
             }
             if (tid < CH) {  // zero past the chunk end: exp(G_last - G_j) = 0 there
                 const bool ok = tid < L;
@@ -386,12 +403,15 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
         if (c < nch) {
             int t0, L;
             chunk_rows(c, t0, L);
-            for (int e = tid; e < CH * (CH / 8); e += SNW * 32) {
-                const int i = e / (CH / 8), p = e % (CH / 8);
+            const long long pb = p0 + c * p_chunk;
+            const bf16_t *phb = ws_ph + pb, *plb = ws_pl + pb;
+#pragma unroll
+            for (int m = 0; m < CH / RPP; m++) {
+                const int i = pi + m * RPP;
                 const bool ok = i < L;
-                const long long po = ((long long)(ok ? t0 + i : t0) * Hv + hv) * CH + 8 * p;
-                cp16(Ph + i * PPB + 8 * p, ws_ph + po, ok);
-                cp16(Pl + i * PPB + 8 * p, ws_pl + po, ok);
+                const int po = ok ? pt + m * ps : 0;
+                cp16(Ph + i * PPB + 8 * pp, phb + po, ok);
+                cp16(Pl + i * PPB + 8 * pp, plb + po, ok);
             }
         }
         cp_async_commit();
@@ -400,58 +420,32 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
         if (c < nch) {
             int t0, L;
             chunk_rows(c, t0, L);
-            for (int e = tid; e < CH * (DK / 8); e += SNW * 32) {
-                const int i = e / (DK / 8), p = e % (DK / 8);
+            const bf16_t* kb = k + q0 + c * q_chunk;
+#pragma unroll
+            for (int m = 0; m < CH / RP; m++) {
+                const int i = li + m * RP;
                 const bool ok = i < L;
-                const long long row = ok ? t0 + i : t0;
-                cp16(Ks + i * KPB + 8 * p, k + (row * Hk + hk) * DK + 8 * p, ok);
+                cp16(Ks + i * KPB + 8 * lp, kb + (ok ? qt + m * qs : 0), ok);
             }
         }
         cp_async_commit();
     };
     // u^T tile of chunk c in accumulator layout: (row v = vw+g(+8), col i = 8n+2t(+1)); 0 past L.
+    // Rows 8n + 2t + e of the chunk: one base pointer plus 32-bit multiples of the row length.
     float un[CH / 8][4];
+    const int u_row = Hv * DV;
+    const float* u0 = ws_u + ((long long)(start + 2 * t4) * Hv + hv) * DV + vw + gq;
     auto load_u = [&](int c) {
-        int t0 = 0, L = 0;
-        if (c < nch) chunk_rows(c, t0, L);
+        const int L = c < nch ? min(CH, len - c * CH) : 0;
+        const float* ub = u0 + (long long)c * CH * u_row;
 #pragma unroll
         for (int n = 0; n < CH / 8; n++) {
 #pragma unroll
             for (int e = 0; e < 2; e++) {
                 const int i = 8 * n + 2 * t4 + e;
-                const float* up = ws_u + ((long long)(t0 + i) * Hv + hv) * DV + vw + gq;
+                const float* up = ub + (8 * n + e) * u_row;
                 un[n][e] = i < L ? up[0] : 0.0f;
                 un[n][2 + e] = i < L ? up[8] : 0.0f;
-            }
-        }
-    };
-
-    // L2 prefetch of every row chunk c will read (w hi/lo, q, k, P hi/lo, this block's u slice):
-    // issued two chunks ahead, so the cp.async / u loads of the walk hit L2 instead of HBM.
-    auto prefetch_chunk = [&](int c) {
-        if (c >= nch) return;
-        int t0, L;
-        chunk_rows(c, t0, L);
-        for (int i = tid; i < 2 * L; i += SNW * 32) {
-            const long long row = t0 + (i >> 1);
-            if (i & 1) {
-                const char* wh = (const char*)(ws_wh + (row * Hv + hv) * DK);
-                const char* wl = (const char*)(ws_wl + (row * Hv + hv) * DK);
-                for (int b = 0; b < 2 * DK; b += 128) {
-                    prefetch_l2(wh + b);
-                    prefetch_l2(wl + b);
-                }
-                const char* up = (const char*)(ws_u + (row * Hv + hv) * DV + blockIdx.z * SBV);
-                for (int b = 0; b < 4 * SBV; b += 128) prefetch_l2(up + b);
-            } else {
-                const char* qp = (const char*)(q + (row * Hk + hk) * DK);
-                const char* kp = (const char*)(k + (row * Hk + hk) * DK);
-                for (int b = 0; b < 2 * DK; b += 128) {
-                    prefetch_l2(qp + b);
-                    prefetch_l2(kp + b);
-                }
-                prefetch_l2(ws_ph + (row * Hv + hv) * CH);
-                prefetch_l2(ws_pl + (row * Hv + hv) * CH);
             }
         }
     };
@@ -469,13 +463,11 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     load_a(0);
     load_b(0);
     load_c(0);
-    prefetch_chunk(1);
     load_u(0);
 
     for (int c = 0; c < nch; c++) {
         int t0, L;
         chunk_rows(c, t0, L);
-        prefetch_chunk(c + 2);
         cp_async_wait<2>();
         __syncthreads();  // group A(c): w, q, G
 

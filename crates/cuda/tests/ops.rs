@@ -348,6 +348,7 @@ fn cases() -> Vec<Case> {
         c("gdn_chunk", q, gdn_op(&[65], 16, 48, SPLIT), ACCUM),
         c("gdn_chunk", q, gdn_op(&[127], 16, 48, SPLIT), ACCUM),
         c("gdn_chunk", q, gdn_op(&[129, 1, 64, 200], 16, 48, SPLIT), ACCUM),
+        c("gdn_chunk", q, gdn_op(&[65, 0, 130, 0, 7], 16, 48, SPLIT), ACCUM),
         c("gdn_chunk", SMALL, gdn_op(&[100, 3], 4, 4, SPLIT), ACCUM),
         c("gdn_chunk", q, gdn_op(&[1000], 16, 48, SPLIT), ACCUM),
         c("gdn_chunk", GDN32, gdn_op(&[70, 1, 130], 2, 6, SPLIT), ACCUM),
@@ -2182,7 +2183,7 @@ fn bench_gdn_prefill_27b() {
     let k = Kernels::load(&rt, KernelDims::QWEN35_27B).expect("load");
     println!("device {} ({})", rt.name, rt.arch());
     for prec in [gdn_chunk::Precision::Split, gdn_chunk::Precision::Bf16] {
-        for (t, n_seqs) in [(4096usize, 1usize), (4096, 4), (16384, 1), (16384, 8)] {
+        for (t, n_seqs) in [(4096usize, 1usize), (4096, 4), (16384, 1), (16384, 8), (65536, 1)] {
             if let Err(e) = bench_gdn(&rt, &k, t, n_seqs, prec) {
                 panic!("bench failed: {e}");
             }
@@ -2190,9 +2191,10 @@ fn bench_gdn_prefill_27b() {
     }
 }
 
-/// Flash-linear-attention's chunk_gated_delta_rule on one H200 at this shape (anchors/README.md).
-const FLA_MTOK_4K: f64 = 6.6;
-const FLA_MTOK_64K: f64 = 11.1;
+/// Flash-linear-attention's chunk_gated_delta_rule on one H200 at this shape, one sequence of T
+/// tokens: (T, M tokens/s per layer) (../shared/anchors/fla-chunk-gated-delta-rule-h200.json).
+const FLA_MTOK: [(usize, f64); 6] =
+    [(4128, 6.589), (8192, 9.401), (16384, 10.797), (32768, 10.974), (65536, 11.111), (131072, 11.425)];
 /// The issue #5 target, M tokens/s per layer.
 const GDN_TARGET_MTOK: f64 = 8.0;
 
@@ -2200,7 +2202,12 @@ fn bench_gdn(rt: &Runtime, k: &Kernels, t: usize, n_seqs: usize, prec: gdn_chunk
     let (hk, hv) = (16usize, 48usize);
     let (dk, dv) = (k.dims.gdn_k_dim, k.dims.gdn_v_dim);
     let s = rt.stream().clone();
-    let mut dev = Dev::new(rt, 3 << 30)?;
+    let cu = cu_of(&vec![t / n_seqs; n_seqs]);
+    let table = gdn_chunk::chunk_table(&cu);
+    let ws_bytes = gdn_chunk::workspace_bytes(t, hv, &k.dims);
+    // Workspace, inputs (q, k, v, o bf16; g, beta f32), state, tables and slack.
+    let mut dev =
+        Dev::new(rt, ws_bytes + t * (4 * hk * dk + 4 * hv * dv + 8 * hv) + n_seqs * hv * dk * dv * 4 + (64 << 20))?;
     let d = &mut dev;
     let mut rng = StdRng::seed_from_u64(7);
     let mut q = randv(&mut rng, t * hk * dk, 1.0);
@@ -2210,10 +2217,7 @@ fn bench_gdn(rt: &Runtime, k: &Kernels, t: usize, n_seqs: usize, prec: gdn_chunk
     let v = randv(&mut rng, t * hv * dv, 1.0);
     let g: Vec<f32> = (0..t * hv).map(|_| -rng.random_range(0.0f32..0.5)).collect();
     let beta: Vec<f32> = (0..t * hv).map(|_| rng.random_range(0.05..0.95)).collect();
-    let cu = cu_of(&vec![t / n_seqs; n_seqs]);
     let slots: Vec<i32> = (0..n_seqs as i32).collect();
-    let table = gdn_chunk::chunk_table(&cu);
-    let ws_bytes = gdn_chunk::workspace_bytes(t, hv, &k.dims);
     let (qp, kp, vp, gp, bp) = (d.bf16(&q)?, d.bf16(&kk)?, d.bf16(&v)?, d.f32s(&g)?, d.f32s(&beta)?);
     let sp = d.f32s(&vec![0f32; n_seqs * hv * dk * dv])?;
     let (cup, slp, tp) = (d.i32s(&cu)?, d.i32s(&slots)?, d.i32s(&table)?);
@@ -2266,14 +2270,15 @@ fn bench_gdn(rt: &Runtime, k: &Kernels, t: usize, n_seqs: usize, prec: gdn_chunk
     let o = d.get_bf16(op, t * hv * dv)?;
     let nonfinite = o.iter().filter(|x| !x.is_finite()).count();
     let mtok = t as f64 / (med as f64 * 1e-3) / 1e6;
+    // FLA at the nearest measured prompt length (one sequence).
+    let (fla_t, fla) = FLA_MTOK.iter().copied().min_by_key(|&(ft, _)| ft.abs_diff(t / n_seqs)).unwrap_or((0, 0.0));
     println!(
-        "BENCH gdn_chunk 27B shape Hk={hk} Hv={hv} Dk={dk} Dv={dv} {prec:?} T={t} ({n_seqs} seqs): median {med:.3} ms (prep {med_prep:.3} + state {med_state:.3}) over {} runs (min {:.3}, max {:.3}) = {mtok:.2} M tokens/s per layer = {:.2}x the 8 M target, {:.2}x FLA@4K ({FLA_MTOK_4K}), {:.2}x FLA@64K ({FLA_MTOK_64K}); workspace {:.1} MiB ({} B/token); non-finite outputs {nonfinite}",
+        "BENCH gdn_chunk 27B shape Hk={hk} Hv={hv} Dk={dk} Dv={dv} {prec:?} T={t} ({n_seqs} seqs): median {med:.3} ms (prep {med_prep:.3} + state {med_state:.3}) over {} runs (min {:.3}, max {:.3}) = {mtok:.2} M tokens/s per layer = {:.2}x the 8 M target, {:.2}x FLA at one {fla_t}-token sequence ({fla}); workspace {:.1} MiB ({} B/token); non-finite outputs {nonfinite}",
         times.len(),
         times[0],
         times[times.len() - 1],
         mtok / GDN_TARGET_MTOK,
-        mtok / FLA_MTOK_4K,
-        mtok / FLA_MTOK_64K,
+        mtok / fla,
         ws_bytes as f64 / (1 << 20) as f64,
         ws_bytes / t,
     );
