@@ -131,6 +131,34 @@ __device__ __forceinline__ void t_times(float (&acc)[N / 8][4], const float* Ts,
     }
 }
 
+// Prep's output staging (compile-time fragment indices, so acc stays in registers): rows r0..r0+15
+// of w's hi or lo bf16 into Sw [CH][KPB]; columns P*UB .. P*UB + UB - 1 of u into Su [CH][UB + 4]
+// f32, then out(P) stores them; passes P .. NP - 1.
+template <bool LO>
+__device__ __forceinline__ void stage_w(const float (&acc)[DK / 8][4], bf16_t* Sw, int r0, int gq, int t4) {
+#pragma unroll
+    for (int n = 0; n < DK / 8; n++) {
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            u32 hi, lo;
+            split2(acc[n][2 * hh], acc[n][2 * hh + 1], hi, lo);
+            *(u32*)(Sw + (r0 + gq + 8 * hh) * KPB + 8 * n + 2 * t4) = LO ? lo : hi;
+        }
+    }
+}
+template <int P, int NP, int UB, typename Out>
+__device__ __forceinline__ void u_passes(const float (&acc)[DV / 8][4], float* Su, int r0, int gq, int t4, Out out) {
+#pragma unroll
+    for (int n = P * UB / 8; n < (P + 1) * UB / 8; n++) {
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++)
+            *(float2*)(Su + (r0 + gq + 8 * hh) * (UB + 4) + 8 * n - P * UB + 2 * t4) =
+                make_float2(acc[n][2 * hh], acc[n][2 * hh + 1]);
+    }
+    out(P);
+    if constexpr (P + 1 < NP) u_passes<P + 1, NP, UB>(acc, Su, r0, gq, t4, out);
+}
+
 extern "C" __global__ void __launch_bounds__(128)
 gdn_chunk_prep(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                const bf16_t* __restrict__ v, long long v_stride,
@@ -291,38 +319,37 @@ gdn_chunk_prep(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     }
 
     // w = T diag(beta exp(G)) K -> hi/lo bf16;  u = T diag(beta) V -> f32. Rows r0..r0+15.
+    // The results leave through A's shared memory (dead once T is out) as 16-byte row stores, 16 KB
+    // per pass: written straight from the mma fragments, every store instruction filled half sectors
+    // of 8 rows and the stores took ~45% of the kernel.
+    bf16_t* Sw = (bf16_t*)As;  // [CH][KPB] bf16 (DK <= 128: fits A's [CH][AP] f32)
+    float* Su = As;            // [CH][UB + 4] f32, UB value columns per pass
+    constexpr int UB = DV < 64 ? DV : 64;
+    auto rows_out = [&](const uint4* src, int pitch_u4, void* dst, long long row_stride_bytes, int pieces) {
+        __syncthreads();  // the staged tile is complete
+        for (int e = tid; e < CH * pieces; e += blockDim.x) {
+            const int i = e / pieces, p = e % pieces;
+            if (i < L)
+                *(uint4*)((char*)dst + (long long)i * row_stride_bytes + 16 * p) = src[i * pitch_u4 + p];
+        }
+        __syncthreads();  // the staging buffer is free again
+    };
     {
         float acc[DK / 8][4];
         t_times<DK, KPB>(acc, Ts, Ew, Ks, r0, warp, lane, precise != 0);
-#pragma unroll
-        for (int n = 0; n < DK / 8; n++) {
-#pragma unroll
-            for (int hh = 0; hh < 2; hh++) {
-                const int i = r0 + gq + 8 * hh;
-                if (i < L) {
-                    u32 hi, lo;
-                    split2(acc[n][2 * hh], acc[n][2 * hh + 1], hi, lo);
-                    const long long off = ((long long)(t0 + i) * Hv + hv) * DK + 8 * n + 2 * t4;
-                    *(u32*)(ws_wh + off) = hi;
-                    *(u32*)(ws_wl + off) = lo;
-                }
-            }
-        }
+        const long long wo = ((long long)t0 * Hv + hv) * DK;
+        stage_w<false>(acc, Sw, r0, gq, t4);
+        rows_out((const uint4*)Sw, KPB / 8, ws_wh + wo, 2LL * Hv * DK, DK / 8);
+        stage_w<true>(acc, Sw, r0, gq, t4);
+        rows_out((const uint4*)Sw, KPB / 8, ws_wl + wo, 2LL * Hv * DK, DK / 8);
     }
     {
         float acc[DV / 8][4];
         t_times<DV, VPB>(acc, Ts, Bs, Vs, r0, warp, lane, precise != 0);
-#pragma unroll
-        for (int n = 0; n < DV / 8; n++) {
-#pragma unroll
-            for (int hh = 0; hh < 2; hh++) {
-                const int i = r0 + gq + 8 * hh;
-                if (i < L) {
-                    const long long off = ((long long)(t0 + i) * Hv + hv) * DV + 8 * n + 2 * t4;
-                    *(float2*)(ws_u + off) = make_float2(acc[n][2 * hh], acc[n][2 * hh + 1]);
-                }
-            }
-        }
+        u_passes<0, DV / UB, UB>(acc, Su, r0, gq, t4, [&](int part) {
+            rows_out((const uint4*)Su, (UB + 4) / 4, ws_u + ((long long)t0 * Hv + hv) * DV + part * UB, 4LL * Hv * DV,
+                     UB / 4);
+        });
     }
 }
 
