@@ -387,9 +387,10 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     // Loaders (every thread commits one group per call, empty past the last chunk). A thread copies
     // the same 16-byte piece of rows li, li + RP, ... of every tile, so its source addresses are one
     // per-chunk base plus multiples of a per-kernel row step (computed once here, not per copy).
+    auto chunk_len = [&](int c) { return min(CH, len - c * CH); };
     auto chunk_rows = [&](int c, int& t0, int& L) {
         t0 = start + c * CH;
-        L = min(CH, start + len - t0);
+        L = chunk_len(c);
     };
     constexpr int KP = DK / 8, RP = SNW * 32 / KP;      // K/Q/w tiles: pieces per row, rows per pass
     constexpr int PP = CH / 8, RPP = SNW * 32 / PP;     // P tiles
@@ -428,8 +429,7 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     };
     auto load_b = [&](int c) {
         if (c < nch) {
-            int t0, L;
-            chunk_rows(c, t0, L);
+            const int L = chunk_len(c);
             const long long pb = p0 + c * p_chunk;
             const bf16_t *phb = ws_ph + pb, *plb = ws_pl + pb;
 #pragma unroll
@@ -445,8 +445,7 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     };
     auto load_c = [&](int c) {
         if (c < nch) {
-            int t0, L;
-            chunk_rows(c, t0, L);
+            const int L = chunk_len(c);
             const bf16_t* kb = k + q0 + c * q_chunk;
 #pragma unroll
             for (int m = 0; m < CH / RP; m++) {
@@ -463,7 +462,7 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     const int u_row = Hv * DV;
     const float* u0 = ws_u + ((long long)(start + 2 * t4) * Hv + hv) * DV + vw + gq;
     auto load_u = [&](int c) {
-        const int L = c < nch ? min(CH, len - c * CH) : 0;
+        const int L = c < nch ? chunk_len(c) : 0;
         const float* ub = u0 + (long long)c * CH * u_row;
 #pragma unroll
         for (int n = 0; n < CH / 8; n++) {
