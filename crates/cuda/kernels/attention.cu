@@ -1218,6 +1218,7 @@ extern "C" __global__ void attn_decode_combine(const float* __restrict__ part_o,
                                                bf16_t* __restrict__ o, int Hq, int n_split,
                                                const bf16_t* __restrict__ gate, long long g_tok,
                                                long long g_head) {
+    pdl_trigger();  // the GEMV that follows may start streaming its weights (sm_90)
     const int b = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
     const long long base = ((long long)b * Hq + h) * n_split;
     const int parts = dec_parts(seq_lens[b], n_split);

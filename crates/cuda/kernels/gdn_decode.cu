@@ -116,6 +116,7 @@ gdn_decode_gated(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                  float* __restrict__ state, const int* __restrict__ slots,
                  const bf16_t* __restrict__ z, long long z_tok_stride, const float* __restrict__ nw,
                  bf16_t* __restrict__ out, int Hk, int Hv, float eps) {
+    pdl_trigger();  // the GEMV that follows may start streaming its weights (sm_90)
     __shared__ float gred[DV / 32];
     const int b = blockIdx.x, hv = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

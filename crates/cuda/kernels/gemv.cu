@@ -18,7 +18,8 @@
 //   every N).
 // Launch: grid (sum_s ceil(M_s / 16)), block 128 (4 warps; <= 128 registers so 4 blocks fit an SM:
 //   the 320 blocks of an M = 5120 projection run in one wave on 132 SMs), static smem 2 KB.
-// Arch: mma.sync bf16 + ld.global.nc, sm_80+ (no Hopper-only instructions).
+// Arch: mma.sync bf16 + ld.global.nc, sm_80+ (no Hopper-only instructions; on sm_90 the launcher
+//   may launch it programmatically: the first weights load before pdl_wait()).
 // Tested by: tests/ops.rs case "gemv" against deltaserve_cpu::linear::linear.
 
 #define GEMV_WARPS 4
@@ -65,6 +66,15 @@ gemv_bf16(const bf16_t* __restrict__ x, int N, int K,
             const int v = vb + u * 4 + c, vc = v < K8 ? v : 0;
             a[u] = ld_nc_stream(wp0 + vc);
             a8[u] = ld_nc_stream(wp1 + vc);
+        }
+    }
+    // Launched to overlap the previous kernel (sm_90): the first weights are in flight; x and y
+    // are that kernel's.
+    pdl_wait();
+    if (vb < K8) {
+#pragma unroll
+        for (int u = 0; u < GEMV_U; u++) {
+            const int v = vb + u * 4 + c, vc = v < K8 ? v : 0;
             xv[u] = ld_nc(xp + vc);
         }
     }

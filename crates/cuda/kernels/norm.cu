@@ -82,6 +82,7 @@ __device__ __forceinline__ void add_rms_norm_1p_vec(const bf16_t* __restrict__ x
 extern "C" __global__ void add_rms_norm_1p(const bf16_t* __restrict__ x, const bf16_t* res,
                                            const bf16_t* __restrict__ w, bf16_t* res_out,
                                            bf16_t* __restrict__ out, int D, float eps) {
+    pdl_trigger();  // the GEMV that follows may start streaming its weights (sm_90)
     __shared__ float red[32];
     const unsigned long long al = (unsigned long long)x | (unsigned long long)res | (unsigned long long)w |
                                   (unsigned long long)res_out | (unsigned long long)out;
@@ -109,6 +110,7 @@ extern "C" __global__ void add_rms_norm_1p(const bf16_t* __restrict__ x, const b
 extern "C" __global__ void rms_norm_1p(const bf16_t* __restrict__ x, long long x_stride,
                                        const bf16_t* __restrict__ w, bf16_t* __restrict__ out,
                                        long long out_stride, int D, float eps) {
+    pdl_trigger();  // the GEMV that follows may start streaming its weights (sm_90)
     __shared__ float red[32];
     const bf16_t* xr = x + (long long)blockIdx.x * x_stride;
     bf16_t* orow = out + (long long)blockIdx.x * out_stride;

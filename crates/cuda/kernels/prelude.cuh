@@ -189,3 +189,19 @@ __device__ __forceinline__ bf16_t conv_decode_step(bf16_t x, const bf16_t* __res
     for (int r = 0; r < KW - 1; r++) st[(long long)r * C + c] = win[r + 1];
     return f2bf(siluf_(acc));
 }
+
+// Programmatic dependent launch (sm_90 and later; no-ops on Ampere/Ada, where every launch waits for
+// the previous kernel as usual). pdl_trigger(): this kernel lets the next one in the stream launch
+// now (that one still waits for this one's completion before reading its outputs). pdl_wait(): in a
+// kernel launched to overlap its predecessor, waits until the predecessor has completed and its
+// memory is visible; nothing the predecessor writes may be read (or overwritten) before it.
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}

@@ -41,7 +41,8 @@
 //                dst 16-byte aligned, ldd % 8 == 0 (without perm); out*in/32 < 2^31.
 //  w4_quantize:  grid (ceil(ceil((r1-r0)/2) * NG / 8)), block 256: one warp per (row pair, group);
 //                r0 even, r1 even or r1 == out.
-// Arch: mma.sync bf16, cp.async, cvt f16, ld.global.nc: sm_80+ (nothing Hopper-only).
+// Arch: mma.sync bf16, cp.async, cvt f16, ld.global.nc: sm_80+ (nothing Hopper-only; on sm_90 the
+// launcher may launch w4p_* programmatically: the ring's first units load before pdl_wait()).
 // Tested by: tests/ops.rs cases "w4_gemv", "w4_gemv_multi", "w4_dequant", "w4_quantize"; bench in
 // tests/bench_w4.rs.
 
@@ -200,16 +201,19 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
     float acc[8];
 #pragma unroll
     for (int c = 0; c < 8; ++c) acc[c] = 0.f;
+#pragma unroll
+    for (int st = 0; st < S - 1; ++st) {
+        if (st < n) issue(st, st, sv[st], zv[st]);
+        cp_async_commit();
+    }
+    // Launched to overlap the previous kernel (sm_90): the weights are in flight; x and y are that
+    // kernel's.
+    pdl_wait();
     uint4 xb[2][4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
         xb[0][q] = (has_x && n > 0) ? ld_nc(px + q) : make_uint4(0u, 0u, 0u, 0u);
         xb[1][q] = make_uint4(0u, 0u, 0u, 0u);
-    }
-#pragma unroll
-    for (int st = 0; st < S - 1; ++st) {
-        if (st < n) issue(st, st, sv[st], zv[st]);
-        cp_async_commit();
     }
     const u32 ones = 0x3f803f80u;
     for (int k0 = 0; k0 < n; k0 += S) {

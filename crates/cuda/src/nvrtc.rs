@@ -169,6 +169,10 @@ pub fn compile(
         options.push("--ptxas-options=-v".to_string());
     }
     options.extend(defines.iter().map(|(k, v)| format!("-D{k}={v}")));
+    // Experiments: extra options for every module (e.g. `-DW4P_MINB=3`, switches a kernel file reads).
+    if let Ok(extra) = std::env::var("DELTASERVE_NVRTC_OPTIONS") {
+        options.extend(extra.split_whitespace().map(str::to_string));
+    }
     let key = (source.module, arch.to_string(), options.clone());
     if let Ok(c) = cache().lock()
         && let Some(hit) = c.get(&key)

@@ -10,7 +10,9 @@
 //!   slice, TFLOP/s and its share of one bf16 cuBLASLt GEMM of the same shape;
 //! - `w4_quantize` throughput (bf16 bytes read per second), the `--quantize int4` load path.
 //!
-//! `DS_BENCH_W4=<substring>` runs only the decode shapes whose name contains it (for profilers).
+//! `DS_BENCH_W4=<substring>` runs only the decode shapes whose name contains it (for profilers);
+//! `DS_BENCH_W4_SWEEP=1` runs only the shape sweep (the GEMV's fixed cost per launch:
+//! bench/results/session11-h200-2026-11-30.md).
 
 use std::sync::Arc;
 
@@ -60,6 +62,16 @@ fn time_ms(rt: &Runtime, iters: usize, mut f: impl FnMut(usize) -> R<()>) -> R<f
     e1.record(s).map_err(de("cuEventRecord"))?;
     e1.synchronize().map_err(de("cuEventSynchronize"))?;
     Ok(e0.elapsed_ms(&e1).map_err(de("cuEventElapsedTime"))? as f64 / iters as f64)
+}
+
+/// A decode shape's buffers from `d`: random bf16 weights `[out, in]` to quantise (std 0.02), x
+/// `[8, in]` (std 1) and y `[8, out]`.
+fn decode_buffers(k: &Kernels, s: &Arc<CudaStream>, d: &mut Dev, out: usize, inp: usize) -> R<(u64, u64, u64)> {
+    let stage = d.alloc(2 * out * inp)?;
+    init_random(k, s, stage, out * inp, 7, Init::Normal(0.02), false)?;
+    let x = d.alloc(2 * 8 * inp)?;
+    init_random(k, s, x, 8 * inp, 8, Init::Normal(1.0), false)?;
+    Ok((stage, x, d.alloc(2 * 8 * out)?))
 }
 
 fn copy_bandwidth(rt: &Runtime) -> R<f64> {
@@ -176,6 +188,9 @@ fn bench_w4_27b() {
 fn run(rt: &Runtime, k: &Kernels) -> R<()> {
     let s = rt.stream().clone();
     let copy = copy_bandwidth(rt)?;
+    if std::env::var("DS_BENCH_W4_SWEEP").is_ok() {
+        return shape_sweep(rt, k, copy);
+    }
     println!("device {} ({}), {} SMs", rt.name, rt.arch(), rt.sm_count);
     println!("BENCH copy bandwidth (cuMemcpyDtoD 1 GiB, read + write): {copy:.0} GB/s");
     println!();
@@ -188,11 +203,7 @@ fn run(rt: &Runtime, k: &Kernels) -> R<()> {
     for &(name, out, inp) in DECODE.iter().filter(|(n, ..)| only.as_ref().is_none_or(|o| n.contains(o.as_str()))) {
         // bf16 staging + two int4 variants, each with copies of up to 400 MB + one linear
         let mut d = Dev::new(rt, 4 * out * inp + (1 << 30))?;
-        let stage = d.alloc(2 * out * inp)?;
-        init_random(k, &s, stage, out * inp, 7, Init::Normal(0.02), false)?;
-        let x = d.alloc(2 * 8 * inp)?;
-        init_random(k, &s, x, 8 * inp, 8, Init::Normal(1.0), false)?;
-        let y = d.alloc(2 * 8 * out)?;
+        let (stage, x, y) = decode_buffers(k, &s, &mut d, out, inp)?;
         let auto = w4a16::gemv_config(out, inp, rt.sm_count as usize);
         let mut best: Option<(f64, String)> = None;
         for asym in [false, true] {
@@ -393,6 +404,48 @@ fn read_probe(rt: &Runtime, k: &Kernels, copy: f64, only: Option<&str>) -> R<()>
                     100.0 * gbs / copy
                 );
             }
+        }
+        rt.synchronize()?;
+    }
+    Ok(())
+}
+
+/// DS_BENCH_W4_SWEEP: the pair kernel at M = 1 over shapes that vary the waves of blocks and the
+/// groups each warp streams (what separates the lm_head's ~90% of copy from the MLP's ~56%).
+fn shape_sweep(rt: &Runtime, k: &Kernels, copy: f64) -> R<()> {
+    let s = rt.stream().clone();
+    println!("| out x in | wpt | blocks | waves (2/SM) | groups per warp | us | % of copy |");
+    println!("|---|---|---|---|---|---|---|");
+    let shapes = [
+        (34816, 5120),
+        (69632, 5120),
+        (139264, 5120),
+        (248320, 5120),
+        (34816, 10240),
+        (34816, 20480),
+        (8704, 20480),
+        (17408, 10240),
+    ];
+    for (out, inp) in shapes {
+        let mut d = Dev::new(rt, 2 * out * inp + (1 << 30))?;
+        let (stage, x, y) = decode_buffers(k, &s, &mut d, out, inp)?;
+        let (w, _) = make_w4(k, &s, &mut d, stage, out, inp, false)?;
+        let ws = copies(&mut d, &w, 400 << 20)?;
+        for wpt in [1usize, 2, 4, 8] {
+            let cfg = GemvConfig { wpt };
+            let ms = time_ms(rt, 50.max(ws.len()), |i| {
+                w4a16::w4_gemv(k, &s, &ws[i % ws.len()], x, inp, y, out, 1, cfg, None)
+            })?;
+            let b = w.bytes();
+            let gbs = (b.qweight + b.scales + 2 * inp) as f64 / (ms * 1e-3) / 1e9;
+            let blocks = out.div_ceil(32 * (8 / wpt));
+            println!(
+                "| {out} x {inp} | {wpt} | {blocks} | {:.2} | {} | {:.1} | {:.1}% |",
+                blocks as f64 / (2 * rt.sm_count as usize) as f64,
+                inp / 128 / wpt,
+                ms * 1e3,
+                100.0 * gbs / copy
+            );
         }
         rt.synchronize()?;
     }

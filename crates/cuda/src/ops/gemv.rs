@@ -4,7 +4,7 @@
 
 use cudarc::driver::CudaStream;
 
-use super::{Kernels, invalid, launch, to_i32, to_u32};
+use super::{Kernels, invalid, launch_pdl, to_i32, to_u32};
 use crate::error::CudaError;
 
 /// Most tokens (rows of x) one launch takes: the MMA's n = 8.
@@ -62,5 +62,5 @@ pub fn gemv(
     let (w1, y1, m1, nb1) = (seg[1].w, seg[1].y, to_i32(NAME, "m", seg[1].m)?, to_i32(NAME, "blocks", nb[1])?);
     let (w2, y2, m2) = (seg[2].w, seg[2].y, to_i32(NAME, "m", seg[2].m)?);
     let f32o = i32::from(f32_out);
-    launch!(k, s, "gemv_bf16", grid, (128, 1, 1), 0; x, nn, kk, w0, y0, m0, nb0, w1, y1, m1, nb1, w2, y2, m2, f32o)
+    launch_pdl!(k, s, "gemv_bf16", grid, (128, 1, 1), 0; x, nn, kk, w0, y0, m0, nb0, w1, y1, m1, nb1, w2, y2, m2, f32o)
 }

@@ -40,6 +40,10 @@ pub struct Kernels {
     pub arch: String,
     /// Wall time of compiling + loading all modules (ms).
     pub load_ms: f64,
+    /// Launch the decode GEMVs (int4 and bf16) with programmatic stream serialization (sm_90 and
+    /// later, see [`launch_programmatic`]): they stream their first weights while the kernel before
+    /// them finishes. [`pdl_enabled`].
+    pub pdl: bool,
 }
 
 impl Kernels {
@@ -99,7 +103,8 @@ impl Kernels {
                 funcs.insert(name, f);
             }
         }
-        let k = Kernels { funcs, dims, kv, attn, arch, load_ms: t0.elapsed().as_secs_f64() * 1e3 };
+        let pdl = pdl_enabled(rt.cc, std::env::var("DELTASERVE_PDL").ok().as_deref());
+        let k = Kernels { funcs, dims, kv, attn, arch, load_ms: t0.elapsed().as_secs_f64() * 1e3, pdl };
         for (name, bytes) in [
             ("gdn_chunk_prep", gdn_chunk::prep_smem_bytes(&dims)),
             ("gdn_chunk_state", gdn_chunk::state_smem_bytes(&dims)),
@@ -172,6 +177,76 @@ macro_rules! launch {
 }
 pub(crate) use launch;
 
+/// Whether kernels launch programmatically on a GPU of compute capability `cc`: from sm_90 on
+/// (`griddepcontrol` is Hopper's), unless `DELTASERVE_PDL` (`env`) is `0` (an A/B switch).
+pub fn pdl_enabled(cc: (i32, i32), env: Option<&str>) -> bool {
+    cc.0 >= 9 && env != Some("0")
+}
+
+/// [`launch!`] for a kernel that may overlap the previous kernel in the stream: with `k.pdl` it is
+/// launched by [`launch_programmatic`] (the kernel must `pdl_wait()` before touching anything the
+/// previous kernel reads or writes), else like [`launch!`].
+macro_rules! launch_pdl {
+    ($k:expr, $stream:expr, $name:expr, $grid:expr, $block:expr, $smem:expr; $($arg:ident),* $(,)?) => {{
+        if $k.pdl {
+            let mut params: Vec<*mut std::ffi::c_void> =
+                vec![$( (&$arg) as *const _ as *mut std::ffi::c_void ),*];
+            // SAFETY: argument order and types match the kernel signature in kernels/*.cu (as for
+            // launch!), every pointer is to a local that outlives the call, and the kernel waits
+            // for its predecessor before reading its outputs.
+            unsafe { $crate::ops::launch_programmatic($k, $stream, $name, $grid, $block, $smem, &mut params) }
+        } else {
+            $crate::ops::launch!($k, $stream, $name, $grid, $block, $smem; $($arg),*)
+        }
+    }};
+}
+pub(crate) use launch_pdl;
+
+/// Launches `name` with programmatic stream serialization (`cuLaunchKernelEx`, sm_90 and later;
+/// captured into CUDA graphs as a programmatic edge): the kernel may begin once every block of the
+/// previous kernel has started and called `pdl_trigger()` (or exited), and waits in `pdl_wait()`
+/// for that kernel's completion and memory.
+///
+/// # Safety
+/// `params` holds one pointer per kernel parameter, in order, each to a value of the parameter's
+/// type that lives until this returns; the kernel calls `pdl_wait()` before it reads or writes
+/// memory that the previous kernel in the stream reads or writes.
+pub(crate) unsafe fn launch_programmatic(
+    k: &Kernels,
+    s: &cudarc::driver::CudaStream,
+    name: &'static str,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    smem: u32,
+    params: &mut [*mut std::ffi::c_void],
+) -> Result<(), CudaError> {
+    use cudarc::driver::sys;
+    let f = k.func(name)?;
+    let err = |source| CudaError::Launch { kernel: name, grid, block, smem, source };
+    s.context().bind_to_thread().map_err(err)?;
+    // SAFETY: a zeroed attribute is valid; id and value are set below.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let cfg = sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: block.0,
+        blockDimY: block.1,
+        blockDimZ: block.2,
+        sharedMemBytes: smem,
+        hStream: s.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: the function belongs to the stream's context (bound above); the caller guarantees the
+    // parameters.
+    unsafe { sys::cuLaunchKernelEx(&cfg, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
+        .result()
+        .map_err(err)
+}
+
 /// Shorthand for an argument error.
 pub(crate) fn invalid(kernel: &'static str, msg: impl Into<String>) -> CudaError {
     CudaError::InvalidArgs { kernel, msg: msg.into() }
@@ -200,4 +275,19 @@ pub fn tile_table(cu_seqlens: &[i32], tile: usize) -> Vec<i32> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pdl_enabled;
+
+    #[test]
+    fn programmatic_launches_only_from_sm90_and_switchable() {
+        for cc in [(8, 0), (8, 6), (8, 9)] {
+            assert!(!pdl_enabled(cc, None), "{cc:?}: Ampere and Ada launch as before");
+        }
+        assert!(pdl_enabled((9, 0), None));
+        assert!(pdl_enabled((10, 0), Some("1")));
+        assert!(!pdl_enabled((9, 0), Some("0")), "DELTASERVE_PDL=0 turns it off");
+    }
 }

@@ -8,7 +8,7 @@
 
 use cudarc::driver::CudaStream;
 
-use super::{Kernels, invalid, launch, to_i32, to_u32};
+use super::{Kernels, invalid, launch, launch_pdl, to_i32, to_u32};
 use crate::error::CudaError;
 use crate::w4::{ScaleDtype, W4_GROUP, W4Bytes, W4Linear};
 
@@ -293,7 +293,7 @@ fn launch_pair(
         (q2, s2, z2, y2, l2, o2, n2),
         (q3, s3, z3, y3, l3, o3, n3),
     ] = seg;
-    launch!(k, s, name, grid, block, smem; x, ldx, mc_i, inp, wpt_i,
+    launch_pdl!(k, s, name, grid, block, smem; x, ldx, mc_i, inp, wpt_i,
         q0, s0, z0, y0, l0, o0, n0, q1, s1, z1, y1, l1, o1, n1, q2, s2, z2, y2, l2, o2, n2,
         q3, s3, z3, y3, l3, o3, n3)
 }
