@@ -12,6 +12,8 @@
 #   benchp   27B bf16 `deltaserve bench` prefill 1K / 4K / 32K / 128K (and the decode points below)
 #   bench4   27B, int4 weights, fp8 KV, 24 GiB: `deltaserve bench` decode at batch 1 / 8, 1K / 32K
 #   bench4p64  the same with --decode-partitions 64
+#   bench4nopdl  bench4 with DELTASERVE_PDL=0 (ordinary launches of the decode GEMVs; the A/B of PDL on sm_90)
+#   w4sweep  tests/bench_w4.rs DS_BENCH_W4_SWEEP=1: the int4 GEMV over shapes varying its waves and groups per warp
 #   bench16  27B bf16 decode (batch 1 / 8, 1K / 32K) with 16 decode partitions (the default)
 #   bench32, bench64  the same with --decode-partitions 32 / 64
 #   backend  tests/backend.rs (logits vs the CPU engine, batching, graphs, int4, quantised KV)
@@ -25,25 +27,29 @@ source "$(dirname "$0")/gpu_steps.sh"
 gpu_begin "${1:-}" "$C" gpu_decode ops,w4,attn,bench4,bench16,bench64,backend ops bench_w4 bench_attention backend speculative
 test_step ops 200 "FAIL|test result|panicked" "$C/ops" --nocapture --test-threads=1 ops_match_cpu_reference
 test_step w4 200 "BENCH|pair|panicked|Best|units|rows" "$C/bench_w4" --nocapture --ignored bench_w4_27b
+DS_BENCH_W4_SWEEP=1 test_step w4sweep 120 "^\||panicked" "$C/bench_w4" --nocapture --ignored bench_w4_27b
 test_step gdn 120 "^\||panicked|BENCH" "$C/ops" --nocapture --ignored bench_gdn_prefill_27b
 DS_BENCH_ATTN=decode test_step attn 60 "attn_decode|split|panicked|^\|" "$C/bench_attention" --nocapture --ignored
 DS_BENCH_ATTN=prefill test_step attnp 120 "attn_prefill|^ +[0-9]|panicked" "$C/bench_attention" --nocapture --ignored
 D="--batches 1,8 --contexts 1024,32768 --steps 9 --verify-tokens 0"
-for b in benchp bench4 bench4p64 bench16 bench32 bench64; do
+for b in benchp bench4 bench4p64 bench4nopdl bench16 bench32 bench64; do
     has $b || continue
     step $b
     case $b in
         benchp) A="--prompts 1024,4096,32768,131072" ;;
         bench4) A="--prompts 512,4096 --weights-dtype int4 --kv-cache-dtype fp8 --lm-head-int4 --embed-on-host --memory 24GiB" ;;
         bench4p64) A="--prompts 4096 --weights-dtype int4 --kv-cache-dtype fp8 --lm-head-int4 --embed-on-host --memory 24GiB --decode-partitions 64" ;;
+        bench4nopdl) A="--prompts 512,4096 --weights-dtype int4 --kv-cache-dtype fp8 --lm-head-int4 --embed-on-host --memory 24GiB" ;;
         bench16) A="--prompts 4096 --memory 100GiB" ;;
         bench32) A="--prompts 4096 --memory 100GiB --decode-partitions 32" ;;
         bench64) A="--prompts 4096 --memory 100GiB --decode-partitions 64" ;;
     esac
+    if [[ $b == bench4nopdl ]]; then export DELTASERVE_PDL=0; else unset DELTASERVE_PDL; fi
     timeout 240 "$C/deltaserve" bench $D $A --json --svg "$OUT/$b.svg" >"$OUT/$b.json" 2>"$OUT/$b.log"
     echo "rc=$?"; tail -n 2 "$OUT/$b.log"
     python3 -c "import json; d=json.load(open('$OUT/$b.json')); [print('prefill', r) for r in d['prefill']]; [print('decode', r['batch'], r['context'], r['ms_per_step'], r['roofline_ratio']) for r in d['decode']]; print(d['plan_bytes'], d['driver_peak_bytes'])" || true
 done
+unset DELTASERVE_PDL
 test_step backend 240 "^test |test result|panicked|FAIL" "$C/backend" --nocapture --test-threads=1 --skip hf_fixtures_logits
 test_step spec 200 "^test |test result|panicked|FAIL" "$C/speculative" --nocapture --test-threads=1
 if has w4prof; then

@@ -169,7 +169,8 @@ pub fn compile(
         options.push("--ptxas-options=-v".to_string());
     }
     options.extend(defines.iter().map(|(k, v)| format!("-D{k}={v}")));
-    // Experiments: extra options for every module (e.g. `-DW4P_MINB=3`, switches a kernel file reads).
+    // Experiments: extra options for every module (`-DNAME=VALUE` for a switch a kernel file reads
+    // under #ifndef, to sweep it without rebuilding).
     if let Ok(extra) = std::env::var("DELTASERVE_NVRTC_OPTIONS") {
         options.extend(extra.split_whitespace().map(str::to_string));
     }

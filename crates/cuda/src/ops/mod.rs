@@ -189,8 +189,7 @@ pub fn pdl_enabled(cc: (i32, i32), env: Option<&str>) -> bool {
 macro_rules! launch_pdl {
     ($k:expr, $stream:expr, $name:expr, $grid:expr, $block:expr, $smem:expr; $($arg:ident),* $(,)?) => {{
         if $k.pdl {
-            let mut params: Vec<*mut std::ffi::c_void> =
-                vec![$( (&$arg) as *const _ as *mut std::ffi::c_void ),*];
+            let mut params = [$( (&$arg) as *const _ as *mut std::ffi::c_void ),*];
             // SAFETY: argument order and types match the kernel signature in kernels/*.cu (as for
             // launch!), every pointer is to a local that outlives the call, and the kernel waits
             // for its predecessor before reading its outputs.
