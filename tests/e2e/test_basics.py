@@ -32,6 +32,29 @@ def test_metrics_needs_no_key_and_lists_every_metric(base, http):
         [k for k in m if k.startswith("deltaserve_requests_total")]
 
 
+def test_next_turn_tokenizes_only_its_new_messages(base, http):
+    # The server tokenises chat prompts a message at a time and keeps each message's ids: the second
+    # turn takes the system and first user message from that cache (other tests' requests can only
+    # add to the counters, hence >=).
+    turn1 = [
+        {"role": "system", "content": "You answer in one word. " * 30},
+        {"role": "user", "content": "Name a colour that is not red, green or blue, please. " * 10},
+    ]
+    r = http.post("/v1/chat/completions", json=util.chat_body(messages=turn1, max_tokens=2))
+    assert r.status_code == 200, r.text
+    first = r.json()["usage"]["prompt_tokens"]
+    mid = util.metrics(base)
+    turn2 = turn1 + [{"role": "assistant", "content": "Teal"}, {"role": "user", "content": "Another?"}]
+    r = http.post("/v1/chat/completions", json=util.chat_body(messages=turn2, max_tokens=2))
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] > first
+    after = util.metrics(base)
+    reused = after["deltaserve_prompt_tokens_tokenizer_reused_total"] - mid["deltaserve_prompt_tokens_tokenizer_reused_total"]
+    # Everything of turn 1 but its generation prompt (`<|im_start|>assistant\n`, a few tokens).
+    assert reused >= first - 8, (reused, first)
+    assert after["deltaserve_prompt_tokenizer_cache_tokens"] > 0
+
+
 def test_token_counters_advance_by_usage(base, http):
     before = util.metrics(base)
     r = http.post("/v1/chat/completions", json=util.chat_body(max_tokens=6, **util.greedy()))

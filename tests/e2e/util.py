@@ -42,6 +42,9 @@ METRIC_NAMES = [
     "deltaserve_prefix_cache_hit_tokens_total",
     "deltaserve_arena_allocations",
     "deltaserve_arena_high_water_bytes",
+    "deltaserve_prompt_tokens_tokenized_total",
+    "deltaserve_prompt_tokens_tokenizer_reused_total",
+    "deltaserve_prompt_tokenizer_cache_tokens",
 ]
 
 

@@ -176,6 +176,7 @@ impl Started {
         let tokenizer = self.tokenizer.clone().context("serving needs a tokenizer.json in the model directory")?;
         Ok(AppState {
             engine: self.engine.clone(),
+            prompt_encoder: deltaserve_server::state::prompt_encoder(&tokenizer),
             tokenizer,
             template: self.template.clone(),
             metrics: Arc::new(Default::default()),

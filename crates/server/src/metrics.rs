@@ -8,6 +8,7 @@ use std::fmt::Write;
 use std::sync::Mutex;
 
 use deltaserve_engine::EngineStats;
+use deltaserve_text::PromptCacheStats;
 
 /// Upper bounds (seconds) of the latency histograms.
 const LATENCY_BUCKETS: [f64; 14] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
@@ -211,5 +212,22 @@ impl Metrics {
         m.itl.render(&mut out, "deltaserve_inter_token_latency_seconds", "Time between generated tokens.");
         m.e2e.render(&mut out, "deltaserve_request_e2e_seconds", "Request latency, submission to finish.");
         out
+    }
+}
+
+/// The prompt encoder's counters: prompt tokens taken from its per-message cache vs tokenised, and
+/// the tokens it holds (see `deltaserve_text::PromptEncoder`).
+pub fn render_prompt_encoder(out: &mut String, s: &PromptCacheStats) {
+    for (name, help, kind, v) in [
+        ("deltaserve_prompt_tokens_tokenized_total", "Prompt tokens tokenised.", "counter", s.miss_tokens),
+        (
+            "deltaserve_prompt_tokens_tokenizer_reused_total",
+            "Prompt tokens taken from the tokenizer's per-message cache instead of tokenised again.",
+            "counter",
+            s.hit_tokens,
+        ),
+        ("deltaserve_prompt_tokenizer_cache_tokens", "Tokens held by the per-message cache.", "gauge", s.tokens as u64),
+    ] {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
     }
 }

@@ -348,7 +348,9 @@ fn completion_prompt(st: &AppState, p: &Value) -> Result<Vec<u32>, ApiError> {
         a.iter().map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok())).collect()
     };
     match p {
-        Value::String(s) => st.tokenizer.encode(s).map_err(|e| ApiError::bad(format!("tokenising the prompt: {e}"))),
+        Value::String(s) => {
+            st.prompt_encoder.encode(s).map_err(|e| ApiError::bad(format!("tokenising the prompt: {e}")))
+        }
         Value::Array(a) if a.len() == 1 && !a[0].is_number() => completion_prompt(st, &a[0]),
         Value::Array(a) if !a.is_empty() => ids(a).ok_or_else(|| {
             ApiError::bad_param("prompt", "`prompt` as a list must hold token ids (non-negative integers)")

@@ -262,7 +262,7 @@ pub fn render_chat(
     let text = template
         .render(&ChatRequest { messages, tools: tools.clone(), add_generation_prompt: true, kwargs })
         .map_err(|e| ApiError::bad_param("messages", format!("chat template: {e}")))?;
-    let ids = state.tokenizer.encode(&text).map_err(|e| ApiError::bad(format!("tokenising the prompt: {e}")))?;
+    let ids = state.prompt_encoder.encode(&text).map_err(|e| ApiError::bad(format!("tokenising the prompt: {e}")))?;
     // The generation prompt of Qwen3.5/3.6 opens `<think>` when thinking is on.
     let opened = text.trim_end().ends_with("<think>");
     Ok((ids, Parsing { reasoning: Some(opened), tools: tools.filter(|t| !t.is_empty()) }))
@@ -289,10 +289,13 @@ pub fn unix_now() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
+/// The token that opens every message of a Qwen3.5/3.6 chat prompt.
+pub const MESSAGE_OPENER: &str = "<|im_start|>";
+
 /// Where a chat prompt's DeltaNet state is worth snapshotting: the start of every message (each
-/// `<|im_start|>`), which includes the end of the prompt before the generation prompt.
+/// [`MESSAGE_OPENER`]), which includes the end of the prompt before the generation prompt.
 pub fn snapshot_points(state: &AppState, prompt: &[u32]) -> Vec<usize> {
-    match state.tokenizer.token_id("<|im_start|>") {
+    match state.tokenizer.token_id(MESSAGE_OPENER) {
         Some(im_start) => {
             prompt.iter().enumerate().filter(|(i, t)| *i > 0 && **t == im_start).map(|(i, _)| i).collect()
         }

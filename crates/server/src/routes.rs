@@ -55,7 +55,8 @@ async fn health(State(st): State<AppState>) -> Response {
 }
 
 async fn metrics(State(st): State<AppState>) -> Response {
-    let text = st.metrics.render(&st.engine.stats());
+    let mut text = st.metrics.render(&st.engine.stats());
+    crate::metrics::render_prompt_encoder(&mut text, &st.prompt_encoder.stats());
     ([("content-type", "text/plain; version=0.0.4")], text).into_response()
 }
 

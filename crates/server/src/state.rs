@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use deltaserve_engine::{EngineHandle, SamplingParams};
-use deltaserve_text::{ChatTemplate, Tokenizer};
+use deltaserve_text::{ChatTemplate, PromptEncoder, Tokenizer};
 
 use crate::metrics::Metrics;
 
@@ -21,6 +21,8 @@ pub struct ServerConfig {
 pub struct AppState {
     pub engine: EngineHandle,
     pub tokenizer: Arc<Tokenizer>,
+    /// Encodes prompts a message at a time with a cache ([`prompt_encoder`]).
+    pub prompt_encoder: Arc<PromptEncoder>,
     pub template: Option<Arc<ChatTemplate>>,
     pub metrics: Arc<Metrics>,
     pub cfg: Arc<ServerConfig>,
@@ -28,6 +30,12 @@ pub struct AppState {
     pub eos_ids: Vec<u32>,
     /// Sampling used for fields a request leaves out (the model's generation_config.json, as vLLM does).
     pub sampling_defaults: SamplingParams,
+}
+
+/// The server's prompt encoder over `tokenizer`: split before every message opener (`<|im_start|>`),
+/// each message's ids cached, so a turn re-encodes only the messages it adds.
+pub fn prompt_encoder(tokenizer: &Arc<Tokenizer>) -> Arc<PromptEncoder> {
+    Arc::new(PromptEncoder::new(tokenizer.clone(), crate::request::MESSAGE_OPENER, PromptEncoder::DEFAULT_MAX_TOKENS))
 }
 
 impl AppState {

@@ -68,6 +68,7 @@ fn app() -> axum::Router {
     let engine = EngineHandle::start(Box::new(backend), sched, Some(tokenizer.clone()));
     let state = AppState {
         engine,
+        prompt_encoder: deltaserve_server::state::prompt_encoder(&tokenizer),
         tokenizer,
         template,
         metrics: Arc::new(Default::default()),

@@ -1,10 +1,11 @@
 //! deltaserve-text: everything between text and token ids for Qwen3.5/3.6 models — the HF
-//! tokenizer wrapper, HF-parity chat-template rendering, streaming detokenisation, stop strings,
-//! and a synthetic tokenizer for test models.
+//! tokenizer wrapper, HF-parity chat-template rendering, per-message prompt encoding with a cache,
+//! streaming detokenisation, stop strings, and a synthetic tokenizer for test models.
 
 mod bytelevel;
 mod error;
 mod incremental;
+mod prompt_cache;
 mod pyjson;
 mod reasoning;
 mod stop;
@@ -16,6 +17,7 @@ mod toolcall;
 
 pub use error::TextError;
 pub use incremental::IncrementalDecoder;
+pub use prompt_cache::{PromptCacheStats, PromptEncoder};
 pub use reasoning::{ReasoningDelta, ReasoningParser};
 pub use stop::{StopMatcher, StopOutput};
 pub use synth::{
