@@ -45,6 +45,7 @@ METRIC_NAMES = [
     "deltaserve_prompt_tokens_tokenized_total",
     "deltaserve_prompt_tokens_tokenizer_reused_total",
     "deltaserve_prompt_tokenizer_cache_tokens",
+    "deltaserve_engine_step_seconds_total",
 ]
 
 

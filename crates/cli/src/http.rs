@@ -75,6 +75,9 @@ pub(crate) struct MetricsSample {
     pub(crate) allocations: u64,
     pub(crate) high_water: u64,
     pub(crate) kv_pages_used: Option<u64>,
+    /// Engine steps run and their wall time (s) so far (absent on servers that do not report them).
+    pub(crate) steps: Option<u64>,
+    pub(crate) step_seconds: Option<f64>,
 }
 
 pub(crate) struct Client {
@@ -108,18 +111,20 @@ impl Client {
             bail!("GET /metrics: HTTP {}: {}", r.status, error_text(&r.body));
         }
         let text = String::from_utf8_lossy(&r.body);
-        let get = |name: &str| {
+        let getf = |name: &str| {
             text.lines()
                 .filter(|l| !l.starts_with('#'))
                 .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse::<f64>().ok())
-                .map(|v| v as u64)
         };
+        let get = |name: &str| getf(name).map(|v| v as u64);
         let need =
             |name: &str| get(name).ok_or_else(|| anyhow!("GET /metrics: no `{name}` gauge (is this deltaserve?)"));
         Ok(MetricsSample {
             allocations: need("deltaserve_arena_allocations")?,
             high_water: need("deltaserve_arena_high_water_bytes")?,
             kv_pages_used: get("deltaserve_kv_pages_used"),
+            steps: get("deltaserve_engine_steps_total"),
+            step_seconds: getf("deltaserve_engine_step_seconds_total"),
         })
     }
 

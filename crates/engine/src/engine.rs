@@ -105,6 +105,9 @@ pub struct EngineStats {
     pub sched: SchedStats,
     pub arena: ArenaStats,
     pub steps: u64,
+    /// Wall time of the backend's step calls (each returns with its outputs on the host), in
+    /// seconds: the engine's compute, against which a request's time to first token can be split.
+    pub step_seconds: f64,
     pub requests_finished: u64,
     pub requests_failed: u64,
     pub prompt_tokens: u64,
@@ -527,6 +530,7 @@ impl Worker {
                 self.reqs.get(&c.seq_id).is_some_and(|l| l.req.logprobs.is_none() && l.sampler.picks_argmax())
             });
         let mut greedy_tokens: Vec<u32> = Vec::new();
+        let started = Instant::now();
         let result = if greedy_step {
             self.backend.step_argmax(&plan.batch, self.valid_vocab, &mut greedy_tokens)
         } else if self.sched.speculative_tokens() > 0 {
@@ -551,9 +555,11 @@ impl Worker {
             }
             return;
         }
+        let step_seconds = started.elapsed().as_secs_f64();
         self.sched.commit(&plan);
         if let Ok(mut s) = self.shared.stats.lock() {
             s.steps += 1;
+            s.step_seconds += step_seconds;
         }
         let vocab = self.backend.vocab_size();
         let mut logits = std::mem::take(&mut self.logits);

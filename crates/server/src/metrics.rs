@@ -151,6 +151,12 @@ impl Metrics {
             p.demotions,
         );
         counter(&mut out, "deltaserve_engine_steps_total", "Engine steps run.", engine.steps);
+        let _ = writeln!(
+            out,
+            "# HELP deltaserve_engine_step_seconds_total Wall time of the backend's steps.\n\
+             # TYPE deltaserve_engine_step_seconds_total counter\ndeltaserve_engine_step_seconds_total {}",
+            engine.step_seconds
+        );
         counter(
             &mut out,
             "deltaserve_spec_decode_steps_total",

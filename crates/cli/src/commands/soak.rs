@@ -92,6 +92,10 @@ struct Turn {
     arena_allocations: Option<u64>,
     kv_pages_used: Option<u64>,
     host_rss_bytes: Option<u64>,
+    /// Engine steps during the turn and their wall time (from the server's /metrics before and
+    /// after it): how much of the turn was compute, and in how many steps its prompt ran.
+    steps: Option<u64>,
+    step_ms: Option<f64>,
 }
 
 impl Turn {
@@ -151,6 +155,7 @@ async fn run_session(
     };
     let m0 = client.metrics().await?;
     report.baseline = Some((m0.allocations, m0.high_water));
+    let mut last_steps = (m0.steps, m0.step_seconds);
 
     let mut rng = Rng::new(a.seed);
     let n = a.turns;
@@ -232,6 +237,9 @@ async fn run_session(
             ..Default::default()
         };
         let m = client.metrics().await.with_context(|| format!("turn {t}"))?;
+        turn.steps = m.steps.zip(last_steps.0).map(|(a, b)| a.saturating_sub(b));
+        turn.step_ms = m.step_seconds.zip(last_steps.1).map(|(a, b)| (a - b).max(0.0) * 1e3);
+        last_steps = (m.steps, m.step_seconds);
         turn.arena_allocations = Some(m.allocations);
         turn.arena_high_water_bytes = Some(m.high_water);
         turn.kv_pages_used = m.kv_pages_used;
@@ -355,6 +363,8 @@ impl ToolReport for Report {
                     "arena_allocations": t.arena_allocations,
                     "kv_pages_used": t.kv_pages_used,
                     "host_rss_bytes": t.host_rss_bytes,
+                    "steps": t.steps,
+                    "step_ms": t.step_ms.map(round3),
                 })
             })
             .collect();
@@ -387,13 +397,24 @@ impl ToolReport for Report {
         let rss = if self.in_process { "  host RSS" } else { "" };
         let _ = writeln!(
             s,
-            "{:>4} {:>4} {:>8} {:>8} {:>7} {:>9} {:>12} {:>9} {:>14} {:>7}{rss}",
-            "turn", "msg", "prompt", "cached", "new", "ttft ms", "ttft/new ms", "total ms", "arena hw", "allocs"
+            "{:>4} {:>4} {:>8} {:>8} {:>7} {:>9} {:>12} {:>9} {:>6} {:>9} {:>14} {:>7}{rss}",
+            "turn",
+            "msg",
+            "prompt",
+            "cached",
+            "new",
+            "ttft ms",
+            "ttft/new ms",
+            "total ms",
+            "steps",
+            "step ms",
+            "arena hw",
+            "allocs"
         );
         for t in &self.turns {
             let _ = write!(
                 s,
-                "{:>4} {:>4} {:>8} {:>8} {:>7} {:>9.1} {:>12.4} {:>9.1} {:>14} {:>7}",
+                "{:>4} {:>4} {:>8} {:>8} {:>7} {:>9.1} {:>12.4} {:>9.1} {:>6} {:>9} {:>14} {:>7}",
                 t.turn,
                 t.kind,
                 t.prompt_tokens,
@@ -402,6 +423,8 @@ impl ToolReport for Report {
                 t.ttft_ms,
                 t.ttft_per_new_token_ms(),
                 t.total_ms,
+                t.steps.map_or("-".into(), |v| v.to_string()),
+                t.step_ms.map_or("-".into(), |v| format!("{v:.1}")),
                 t.arena_high_water_bytes.map_or("-".into(), |v| v.to_string()),
                 t.arena_allocations.map_or("-".into(), |v| v.to_string()),
             );
