@@ -91,9 +91,7 @@ impl Metrics {
     /// The exposition text, with engine gauges read now.
     pub fn render(&self, engine: &EngineStats) -> String {
         let mut out = String::new();
-        let gauge = |out: &mut String, name: &str, help: &str, v: f64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
-        };
+        let gauge = |out: &mut String, name: &str, help: &str, v: f64| sample(out, name, help, "gauge", v);
         let s = &engine.sched;
         gauge(&mut out, "deltaserve_requests_running", "Sequences holding a state slot.", s.running as f64);
         gauge(&mut out, "deltaserve_requests_waiting", "Requests queued for admission.", s.waiting as f64);
@@ -124,9 +122,7 @@ impl Metrics {
             "Backend arena capacity.",
             engine.arena.capacity_bytes as f64,
         );
-        let counter = |out: &mut String, name: &str, help: &str, v: u64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
-        };
+        let counter = |out: &mut String, name: &str, help: &str, v: u64| sample(out, name, help, "counter", v);
         counter(&mut out, "deltaserve_preemptions_total", "Sequences preempted (recomputed later).", s.preemptions);
         let p = &s.prefix;
         gauge(
@@ -151,11 +147,13 @@ impl Metrics {
             p.demotions,
         );
         counter(&mut out, "deltaserve_engine_steps_total", "Engine steps run.", engine.steps);
-        let _ = writeln!(
-            out,
-            "# HELP deltaserve_engine_step_seconds_total Wall time of the backend's steps.\n\
-             # TYPE deltaserve_engine_step_seconds_total counter\ndeltaserve_engine_step_seconds_total {}",
-            engine.step_seconds
+        let seconds = engine.step_seconds;
+        sample(
+            &mut out,
+            "deltaserve_engine_step_seconds_total",
+            "Wall time of the backend's steps.",
+            "counter",
+            seconds,
         );
         counter(
             &mut out,
@@ -234,6 +232,11 @@ pub fn render_prompt_encoder(out: &mut String, s: &PromptCacheStats) {
         ),
         ("deltaserve_prompt_tokenizer_cache_tokens", "Tokens held by the per-message cache.", "gauge", s.tokens as u64),
     ] {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
+        sample(out, name, help, kind, v);
     }
+}
+
+/// One unlabelled sample with its HELP and TYPE lines.
+fn sample(out: &mut String, name: &str, help: &str, kind: &str, v: impl std::fmt::Display) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
 }

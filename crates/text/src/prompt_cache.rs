@@ -115,15 +115,14 @@ impl PromptEncoder {
 
     /// `text` split before every occurrence of `opener` (the first piece may not start with it).
     fn pieces<'a>(text: &'a str, opener: &str) -> Vec<&'a str> {
-        let mut starts: Vec<usize> = text.match_indices(opener).map(|(i, _)| i).filter(|&i| i > 0).collect();
-        starts.push(text.len());
-        let mut out = Vec::with_capacity(starts.len());
+        let mut out = Vec::new();
         let mut at = 0;
-        for s in starts {
-            if s > at {
-                out.push(&text[at..s]);
-            }
-            at = s;
+        for (i, _) in text.match_indices(opener).filter(|&(i, _)| i > 0) {
+            out.push(&text[at..i]);
+            at = i;
+        }
+        if at < text.len() {
+            out.push(&text[at..]);
         }
         out
     }
@@ -171,14 +170,13 @@ impl PromptEncoder {
             if piece_ids.len() > self.max_tokens / 4 {
                 continue; // one piece may not crowd out the rest
             }
+            c.stats.tokens += piece_ids.len();
             let old = c.map.insert(keys[i], Piece { text: pieces[i].into(), ids: piece_ids.into(), used: now });
             c.stats.tokens -= old.map_or(0, |o| o.ids.len());
-            c.stats.tokens += c.map[&keys[i]].ids.len();
         }
         if c.stats.tokens > self.max_tokens {
             Self::evict(&mut c, self.max_tokens * 3 / 4);
         }
-        c.stats.pieces = c.map.len();
         Ok(ids)
     }
 
@@ -198,6 +196,7 @@ impl PromptEncoder {
 
     /// What the cache holds and has saved so far.
     pub fn stats(&self) -> PromptCacheStats {
-        self.cache.lock().unwrap_or_else(|e| e.into_inner()).stats
+        let c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        PromptCacheStats { pieces: c.map.len(), ..c.stats }
     }
 }
