@@ -15,9 +15,10 @@
 //      inputs, f32 accumulate), T in f32 by 16 x 16 blocks (forward substitution on the diagonal blocks,
 //      then the block rows below as small products), then w and u as tensor-core products of T (times
 //      the per-column scale) with K / V.
-//      Writes the workspace, per flattened token t and value head:
-//        w_hi, w_lo [T, Hv, DK] bf16   u [T, Hv, DV] f32   P_hi, P_lo [T, Hv, 64] bf16
-//        E [T, Hv, 2] f32 = (exp(G_i), exp(G_last - G_i)) (the walk's decays, computed once here)
+//      Writes the workspace, head-major (so that a chunk's rows of one head are contiguous and the
+//      walk's tile copies are constant offsets from one base), per value head and flattened token t:
+//        w_hi, w_lo [Hv, T, DK] bf16   u [Hv, T, DV] f32   P_hi, P_lo [Hv, T, 64] bf16
+//        E [Hv, T, 2] f32 = (exp(G_i), exp(G_last - G_i)) (the walk's decays, computed once here)
 //      (= 4*(DK+DV+66) B per token and head: the workspace stays bounded by the step's tokens).
 //  gdn_chunk_state  grid (B, Hv, DV / (16*SNW)), SNW*32 threads, smem ~96 KB (fits sm_86's 99 KB).
 //      The sequential walk. Everything is computed transposed so the recurrent state never leaves
@@ -28,14 +29,15 @@
 //        h^T  = exp(G_last) h^T + (Dl * vn)^T K   (B = K via ldmatrix.trans)
 //      The chunk's w/q/P/K/decay tiles stream in with cp.async in three groups, each issued one chunk
 //      ahead as soon as its buffer is free; each thread's copy addresses are a per-chunk base plus
-//      per-kernel 32-bit offsets. The walk is bound by its own instruction stream (one block per
+//      constant offsets (unpredicated but for a sequence's last chunk); B fragments come in by
+//      ldmatrix (one instruction per two n-tiles). The walk is bound by its own instruction stream (one block per
 //      (sequence, head, 64 columns), one warp per scheduler), so every instruction per chunk counts:
 //      an L2 prefetch of the next chunks cost more than it saved (bench/results/session10-*.md).
 //      The state is read once and written once per (sequence, head) per launch.
-// Precision (precise != 0, the default): every operand that is not exactly bf16 (h, T*scale, w, P,
+// Precision (gdn_chunk_state, and prep's precise != 0, the default): every operand that is not exactly bf16 (h, T*scale, w, P,
 //   v_new) is split into hi + lo bf16 and the products hi*hi + lo*hi + hi*lo are summed in f32
 //   (~16 mantissa bits); q, k, v are exact bf16 inputs. precise == 0 drops the lo terms (FLA-like,
-//   plain bf16 operands; about 2.4x fewer mma in the walk).
+//   plain bf16 operands; about 2.4x fewer mma in the walk: gdn_chunk_state_bf16).
 // Shapes/dtypes: q, k [T, Hk, DK] bf16 (L2-normalised, q pre-scaled: gdn_gate.cu), 16-byte aligned rows;
 //   v [T, *] bf16 (head v at column v*DV, token stride v_stride (multiple of 8): the conv output);
 //   g, beta [T, Hv] f32; state [slots, Hv, DK, DV] f32; o [T, Hv, DV] bf16;
@@ -71,24 +73,15 @@ __device__ __forceinline__ void split2(float x0, float x1, u32& hi, u32& lo) {
     lo = pack_bf16(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xffff0000u));
 }
 
-__device__ __forceinline__ u32 lds32(const bf16_t* p) { return *(const u32*)p; }
-
 
 // Two B fragments (n-tiles n0 and n0+8, k-tile k0) of a row-major [k][n] bf16 tile; `row0` points at
 // element (k0, n0). r0,r1 = b0,b1 of n-tile n0; r2,r3 = b0,b1 of n-tile n0+8.
 __device__ __forceinline__ void ldsm_b2_trans(u32 (&r)[4], const bf16_t* row0, int pitch, int lane) {
-    const bf16_t* p = row0 + (lane & 15) * pitch + (lane >> 4) * 8;
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
+    ldsm_x4_t(smem_addr(row0 + (lane & 15) * pitch + (lane >> 4) * 8), r[0], r[1], r[2], r[3]);
 }
-
 // cp.async of 16 (or 4) bytes; zero-fills the destination when !valid (src is then not read).
 __device__ __forceinline__ void cp16(void* dst, const void* src, bool valid) {
     cp_async16(smem_addr(dst), src, valid ? 16 : 0);
-}
-__device__ __forceinline__ void cp4(void* dst, const void* src, bool valid) {
-    cp_async4(smem_addr(dst), src, valid ? 4 : 0);
 }
 __device__ __forceinline__ void cp8(void* dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 8 : 0)
@@ -166,7 +159,7 @@ gdn_chunk_prep(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                const int* __restrict__ cu_seqlens, const int* __restrict__ chunk_table,
                bf16_t* __restrict__ ws_wh, bf16_t* __restrict__ ws_wl, float* __restrict__ ws_u,
                bf16_t* __restrict__ ws_ph, bf16_t* __restrict__ ws_pl, float* __restrict__ ws_g,
-               int Hk, int Hv, int precise) {
+               int T, int Hk, int Hv, int precise) {
     extern __shared__ uint4 smem_u4[];
     // Q is dead once Q K^T is out, so T takes its place (3 blocks per SM instead of 2 at DK = 128).
     bf16_t* Ks = (bf16_t*)smem_u4;       // [CH][KPB]
@@ -184,6 +177,7 @@ gdn_chunk_prep(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     const int s = chunk_table[2 * blockIdx.x], ci = chunk_table[2 * blockIdx.x + 1];
     const int t0 = cu_seqlens[s] + ci * CH;
     const int L = min(CH, cu_seqlens[s + 1] - t0);
+    const long long wrow = (long long)hv * T + t0;  // this chunk's first row in the head-major workspace
 
     // All tile loads in flight at once (cp.async, zero-filled past the chunk end).
     for (int e = tid; e < CH * (DK / 8); e += blockDim.x) {
@@ -217,7 +211,7 @@ gdn_chunk_prep(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
         const float eg = expf(Gs[tid]);
         Ew[tid] = Bs[tid] * eg;
         if (tid < L)
-            *(float2*)(ws_g + 2 * ((long long)(t0 + tid) * Hv + hv)) = make_float2(eg, expf(Gs[L - 1] - Gs[tid]));
+            *(float2*)(ws_g + 2 * (wrow + tid)) = make_float2(eg, expf(Gs[L - 1] - Gs[tid]));
     }
 
     const int r0 = 16 * warp;  // this warp's chunk rows
@@ -228,24 +222,24 @@ gdn_chunk_prep(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
         for (int n = 0; n < CH / 8; n++)
 #pragma unroll
             for (int c = 0; c < 4; c++) sa[n][c] = sp[n][c] = 0.0f;
+        // ldmatrix lane offsets: A fragments (rows r0.., r0+8.. x columns 16kt.., 16kt+8..) and B
+        // fragments of two n-tiles (K rows 8n.., 8n+8.. x columns 16kt.., 16kt+8..).
+        const int a_off = (r0 + (lane & 7) + ((lane >> 3) & 1) * 8) * KPB + (lane >> 4) * 8;
+        const int b_off = ((lane >> 4) * 8 + (lane & 7)) * KPB + ((lane >> 3) & 1) * 8;
+        const u32 ka = smem_addr(Ks + a_off), qa = smem_addr(Qs + a_off), kbl = smem_addr(Ks + b_off);
 #pragma unroll
         for (int kt = 0; kt < DK / 16; kt++) {
-            const int c0 = 16 * kt + 2 * t4;
             u32 ak[4], aq[4];
-            ak[0] = lds32(Ks + (r0 + gq) * KPB + c0);
-            ak[1] = lds32(Ks + (r0 + gq + 8) * KPB + c0);
-            ak[2] = lds32(Ks + (r0 + gq) * KPB + c0 + 8);
-            ak[3] = lds32(Ks + (r0 + gq + 8) * KPB + c0 + 8);
-            aq[0] = lds32(Qs + (r0 + gq) * KPB + c0);
-            aq[1] = lds32(Qs + (r0 + gq + 8) * KPB + c0);
-            aq[2] = lds32(Qs + (r0 + gq) * KPB + c0 + 8);
-            aq[3] = lds32(Qs + (r0 + gq + 8) * KPB + c0 + 8);
+            ldsm_x4(ka + 32 * kt, ak[0], ak[1], ak[2], ak[3]);
+            ldsm_x4(qa + 32 * kt, aq[0], aq[1], aq[2], aq[3]);
 #pragma unroll
-            for (int n = 0; n < CH / 8; n++) {
-                const bf16_t* kb = Ks + (8 * n + gq) * KPB + c0;
-                const u32 b0 = lds32(kb), b1 = lds32(kb + 8);
-                mma_bf16(sa[n], ak, b0, b1);
-                mma_bf16(sp[n], aq, b0, b1);
+            for (int np = 0; np < CH / 16; np++) {
+                u32 b[4];
+                ldsm_x4(kbl + 2 * (16 * np * KPB + 16 * kt), b[0], b[1], b[2], b[3]);
+                mma_bf16(sa[2 * np], ak, b[0], b[1]);
+                mma_bf16(sp[2 * np], aq, b[0], b[1]);
+                mma_bf16(sa[2 * np + 1], ak, b[2], b[3]);
+                mma_bf16(sp[2 * np + 1], aq, b[2], b[3]);
             }
         }
         // Epilogue: A into shared memory, P (hi/lo bf16) into the workspace.
@@ -265,7 +259,7 @@ gdn_chunk_prep(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                 if (i < L) {
                     u32 hi, lo;
                     split2(pv[0], pv[1], hi, lo);
-                    const long long off = ((long long)(t0 + i) * Hv + hv) * CH + 8 * n + 2 * t4;
+                    const long long off = (wrow + i) * CH + 8 * n + 2 * t4;
                     *(u32*)(ws_ph + off) = hi;
                     *(u32*)(ws_pl + off) = lo;
                 }
@@ -325,45 +319,44 @@ gdn_chunk_prep(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     bf16_t* Sw = (bf16_t*)As;  // [CH][KPB] bf16 (DK <= 128: fits A's [CH][AP] f32)
     float* Su = As;            // [CH][UB + 4] f32, UB value columns per pass
     constexpr int UB = DV < 64 ? DV : 64;
-    auto rows_out = [&](const uint4* src, int pitch_u4, void* dst, long long row_stride_bytes, int pieces) {
+    auto rows_out = [&](const uint4* src, int pitch_u4, void* dst, int row_stride_bytes, int pieces) {
         __syncthreads();  // the staged tile is complete
         for (int e = tid; e < CH * pieces; e += blockDim.x) {
             const int i = e / pieces, p = e % pieces;
-            if (i < L)
-                *(uint4*)((char*)dst + (long long)i * row_stride_bytes + 16 * p) = src[i * pitch_u4 + p];
+            if (i < L) *(uint4*)((char*)dst + i * row_stride_bytes + 16 * p) = src[i * pitch_u4 + p];
         }
         __syncthreads();  // the staging buffer is free again
     };
     {
         float acc[DK / 8][4];
         t_times<DK, KPB>(acc, Ts, Ew, Ks, r0, warp, lane, precise != 0);
-        const long long wo = ((long long)t0 * Hv + hv) * DK;
         stage_w<false>(acc, Sw, r0, gq, t4);
-        rows_out((const uint4*)Sw, KPB / 8, ws_wh + wo, 2LL * Hv * DK, DK / 8);
+        rows_out((const uint4*)Sw, KPB / 8, ws_wh + wrow * DK, 2 * DK, DK / 8);
         stage_w<true>(acc, Sw, r0, gq, t4);
-        rows_out((const uint4*)Sw, KPB / 8, ws_wl + wo, 2LL * Hv * DK, DK / 8);
+        rows_out((const uint4*)Sw, KPB / 8, ws_wl + wrow * DK, 2 * DK, DK / 8);
     }
     {
         float acc[DV / 8][4];
         t_times<DV, VPB>(acc, Ts, Bs, Vs, r0, warp, lane, precise != 0);
         u_passes<0, DV / UB, UB>(acc, Su, r0, gq, t4, [&](int part) {
-            rows_out((const uint4*)Su, (UB + 4) / 4, ws_u + ((long long)t0 * Hv + hv) * DV + part * UB, 4LL * Hv * DV,
-                     UB / 4);
+            rows_out((const uint4*)Su, (UB + 4) / 4, ws_u + wrow * DV + part * UB, 4 * DV, UB / 4);
         });
     }
 }
 
 // ---------------------------------------------------------------------------------------------
 // State walk: per (sequence, value head, SBV value columns); warp w owns columns vw..vw+15.
+// PRECISE: the hi/lo operands (gdn_chunk_state); else plain bf16 (gdn_chunk_state_bf16, tests and
+// benches only). A template, not a runtime flag, so that each kernel's loop has only its own code.
 
-extern "C" __global__ void __launch_bounds__(SNW * 32)
-gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
-                const bf16_t* __restrict__ ws_wh, const bf16_t* __restrict__ ws_wl,
-                const float* __restrict__ ws_u, const bf16_t* __restrict__ ws_ph,
-                const bf16_t* __restrict__ ws_pl, const float* __restrict__ ws_g,
-                float* __restrict__ state, bf16_t* __restrict__ o,
-                const int* __restrict__ cu_seqlens, const int* __restrict__ slots, int Hk, int Hv,
-                int precise_flag) {
+template <bool PRECISE>
+__device__ __forceinline__ void state_walk(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
+                                           const bf16_t* __restrict__ ws_wh, const bf16_t* __restrict__ ws_wl,
+                                           const float* __restrict__ ws_u, const bf16_t* __restrict__ ws_ph,
+                                           const bf16_t* __restrict__ ws_pl, const float* __restrict__ ws_g,
+                                           float* __restrict__ state, bf16_t* __restrict__ o,
+                                           const int* __restrict__ cu_seqlens, const int* __restrict__ slots,
+                                           int T, int Hk, int Hv) {
     extern __shared__ uint4 smem_u4[];
     bf16_t* Wh = (bf16_t*)smem_u4;  // [CH][KPB] w hi     (group A)
     bf16_t* Wl = Wh + CH * KPB;     // [CH][KPB] w lo     (group A)
@@ -374,7 +367,6 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     float2* Es = (float2*)(Pl + CH * PPB);  // [2][CH] (exp(G_i), exp(G_last - G_i)), double-buffered (group A)
     bf16_t* Os = (bf16_t*)(Es + 2 * CH);    // [CH][OPB] the chunk's o, this block's SBV columns
 
-    const bool precise = precise_flag != 0;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gq = lane >> 2, t4 = lane & 3;
     const int s = blockIdx.x, hv = blockIdx.y, hk = hv / (Hv / Hk);
@@ -383,46 +375,54 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     if (len <= 0) return;  // uniform over the block
     const int nch = (len + CH - 1) / CH;
     float* st = state + ((long long)slots[s] * Hv + hv) * DK * DV;
+    // Row of (this head, the sequence's first token) in the head-major workspace parts: a chunk's
+    // w, P, u, decay rows are contiguous there, so every offset inside a tile is a constant.
+    const long long wrow = (long long)hv * T + start;
 
     // Loaders (every thread commits one group per call, empty past the last chunk). A thread copies
-    // the same 16-byte piece of rows li, li + RP, ... of every tile, so its source addresses are one
-    // per-chunk base plus multiples of a per-kernel row step (computed once here, not per copy).
+    // the same 16-byte piece of rows li, li + RP, ... of every tile: from one per-chunk base, at
+    // compile-time offsets (workspace tiles) or multiples of the q/k row step. Full chunks copy
+    // unconditionally; only a sequence's last, partial chunk zero-fills the rows past its end.
     auto chunk_len = [&](int c) { return min(CH, len - c * CH); };
-    auto chunk_rows = [&](int c, int& t0, int& L) {
-        t0 = start + c * CH;
-        L = chunk_len(c);
-    };
     constexpr int KP = DK / 8, RP = SNW * 32 / KP;      // K/Q/w tiles: pieces per row, rows per pass
     constexpr int PP = CH / 8, RPP = SNW * 32 / PP;     // P tiles
     static_assert(SNW * 32 % KP == 0 && SNW * 32 % PP == 0, "a thread keeps one piece column");
     const int li = tid / KP, lp = tid % KP, pi = tid / PP, pp = tid % PP;
-    // Per chunk: 64-bit bases of row t0 (element offsets below), then 32-bit offsets inside the chunk
-    // (< CH rows x Hv x max(DK, CH) elements): the thread's first piece, and the step between passes.
-    const long long w0 = ((long long)start * Hv + hv) * DK, q0 = ((long long)start * Hk + hk) * DK;
-    const long long p0 = ((long long)start * Hv + hv) * CH;
-    const long long w_chunk = (long long)CH * Hv * DK, q_chunk = (long long)CH * Hk * DK;
-    const long long p_chunk = (long long)CH * Hv * CH;
-    const int wt = li * Hv * DK + 8 * lp, ws = RP * Hv * DK;
-    const int qt = li * Hk * DK + 8 * lp, qs = RP * Hk * DK;
-    const int pt = pi * Hv * CH + 8 * pp, ps = RPP * Hv * CH;
+    const int qstep = RP * Hk * DK;  // q/k elements between a thread's rows
+    const bf16_t* wh0 = ws_wh + wrow * DK + li * DK + 8 * lp;
+    const bf16_t* wl0 = ws_wl + wrow * DK + li * DK + 8 * lp;
+    const long long qrow0 = ((long long)start * Hk + hk) * DK + (long long)li * Hk * DK + 8 * lp;
+    const bf16_t* q0 = q + qrow0;
+    const bf16_t* k0 = k + qrow0;
+    const bf16_t* ph0 = ws_ph + wrow * CH + pi * CH + 8 * pp;
+    const bf16_t* pl0 = ws_pl + wrow * CH + pi * CH + 8 * pp;
+    const u32 wh_d = smem_addr(Wh + li * KPB + 8 * lp), wl_d = smem_addr(Wl + li * KPB + 8 * lp);
+    const u32 q_d = smem_addr(Qs + li * KPB + 8 * lp), k_d = smem_addr(Ks + li * KPB + 8 * lp);
+    const u32 ph_d = smem_addr(Ph + pi * PPB + 8 * pp), pl_d = smem_addr(Pl + pi * PPB + 8 * pp);
     auto load_a = [&](int c) {
         if (c < nch) {
-            int t0, L;
-            chunk_rows(c, t0, L);
-            const long long wb = w0 + c * w_chunk;
-            const bf16_t *whb = ws_wh + wb, *wlb = ws_wl + wb, *qb = q + q0 + c * q_chunk;
+            const int L = chunk_len(c);
+            const bf16_t *whb = wh0 + (long long)c * CH * DK, *wlb = wl0 + (long long)c * CH * DK;
+            const bf16_t* qb = q0 + (long long)c * CH * Hk * DK;
+            if (L == CH) {
 #pragma unroll
-            for (int m = 0; m < CH / RP; m++) {
-                const int i = li + m * RP;
-                const bool ok = i < L;  // else zero-fill (row t0 is a valid address, not read)
-                const int wo = ok ? wt + m * ws : 0, qo = ok ? qt + m * qs : 0;
-                cp16(Wh + i * KPB + 8 * lp, whb + wo, ok);
-                cp16(Wl + i * KPB + 8 * lp, wlb + wo, ok);
-                cp16(Qs + i * KPB + 8 * lp, qb + qo, ok);
+                for (int m = 0; m < CH / RP; m++) {
+                    cp_async16(wh_d + 2 * m * RP * KPB, whb + m * RP * DK);
+                    cp_async16(wl_d + 2 * m * RP * KPB, wlb + m * RP * DK);
+                    cp_async16(q_d + 2 * m * RP * KPB, qb + m * qstep);
+                }
+            } else {
+#pragma unroll
+                for (int m = 0; m < CH / RP; m++) {
+                    const bool ok = li + m * RP < L;  // else zero-fill (the base is a valid address, not read)
+                    cp_async16(wh_d + 2 * m * RP * KPB, ok ? whb + m * RP * DK : whb, ok ? 16 : 0);
+                    cp_async16(wl_d + 2 * m * RP * KPB, ok ? wlb + m * RP * DK : wlb, ok ? 16 : 0);
+                    cp_async16(q_d + 2 * m * RP * KPB, ok ? qb + m * qstep : qb, ok ? 16 : 0);
+                }
             }
             if (tid < CH) {  // zero past the chunk end: exp(G_last - G_j) = 0 there
                 const bool ok = tid < L;
-                cp8(Es + (c & 1) * CH + tid, ws_g + 2 * ((long long)(ok ? t0 + tid : t0) * Hv + hv), ok);
+                cp8(Es + (c & 1) * CH + tid, ws_g + 2 * (wrow + c * CH + (ok ? tid : 0)), ok);
             }
         }
         cp_async_commit();
@@ -430,15 +430,12 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     auto load_b = [&](int c) {
         if (c < nch) {
             const int L = chunk_len(c);
-            const long long pb = p0 + c * p_chunk;
-            const bf16_t *phb = ws_ph + pb, *plb = ws_pl + pb;
+            const bf16_t *phb = ph0 + (long long)c * CH * CH, *plb = pl0 + (long long)c * CH * CH;
 #pragma unroll
             for (int m = 0; m < CH / RPP; m++) {
-                const int i = pi + m * RPP;
-                const bool ok = i < L;
-                const int po = ok ? pt + m * ps : 0;
-                cp16(Ph + i * PPB + 8 * pp, phb + po, ok);
-                cp16(Pl + i * PPB + 8 * pp, plb + po, ok);
+                const bool ok = L == CH || pi + m * RPP < L;
+                cp_async16(ph_d + 2 * m * RPP * PPB, ok ? phb + m * RPP * CH : phb, ok ? 16 : 0);
+                cp_async16(pl_d + 2 * m * RPP * PPB, ok ? plb + m * RPP * CH : plb, ok ? 16 : 0);
             }
         }
         cp_async_commit();
@@ -446,45 +443,69 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     auto load_c = [&](int c) {
         if (c < nch) {
             const int L = chunk_len(c);
-            const bf16_t* kb = k + q0 + c * q_chunk;
+            const bf16_t* kb = k0 + (long long)c * CH * Hk * DK;
+            if (L == CH) {
 #pragma unroll
-            for (int m = 0; m < CH / RP; m++) {
-                const int i = li + m * RP;
-                const bool ok = i < L;
-                cp16(Ks + i * KPB + 8 * lp, kb + (ok ? qt + m * qs : 0), ok);
+                for (int m = 0; m < CH / RP; m++) cp_async16(k_d + 2 * m * RP * KPB, kb + m * qstep);
+            } else {
+#pragma unroll
+                for (int m = 0; m < CH / RP; m++) {
+                    const bool ok = li + m * RP < L;
+                    cp_async16(k_d + 2 * m * RP * KPB, ok ? kb + m * qstep : kb, ok ? 16 : 0);
+                }
             }
         }
         cp_async_commit();
     };
     // u^T tile of chunk c in accumulator layout: (row v = vw+g(+8), col i = 8n+2t(+1)); 0 past L.
-    // Rows 8n + 2t + e of the chunk: one base pointer plus 32-bit multiples of the row length.
+    // Rows 8n + 2t + e of the chunk sit at constant offsets from one per-chunk pointer.
     float un[CH / 8][4];
-    const int u_row = Hv * DV;
-    const float* u0 = ws_u + ((long long)(start + 2 * t4) * Hv + hv) * DV + vw + gq;
+    const float* u0 = ws_u + (wrow + 2 * t4) * DV + vw + gq;
     auto load_u = [&](int c) {
         const int L = c < nch ? chunk_len(c) : 0;
-        const float* ub = u0 + (long long)c * CH * u_row;
+        const float* ub = u0 + (long long)c * CH * DV;
+        if (L == CH) {
 #pragma unroll
-        for (int n = 0; n < CH / 8; n++) {
+            for (int n = 0; n < CH / 8; n++) {
 #pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const int i = 8 * n + 2 * t4 + e;
-                const float* up = ub + (8 * n + e) * u_row;
-                un[n][e] = i < L ? up[0] : 0.0f;
-                un[n][2 + e] = i < L ? up[8] : 0.0f;
+                for (int e = 0; e < 2; e++) {
+                    const float* up = ub + (8 * n + e) * DV;
+                    un[n][e] = up[0];
+                    un[n][2 + e] = up[8];
+                }
+            }
+        } else {
+#pragma unroll
+            for (int n = 0; n < CH / 8; n++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int i = 8 * n + 2 * t4 + e;
+                    const float* up = ub + (8 * n + e) * DV;
+                    un[n][e] = i < L ? up[0] : 0.0f;
+                    un[n][2 + e] = i < L ? up[8] : 0.0f;
+                }
             }
         }
     };
 
-    // h^T tiles: h[n] covers (v = vw+g(+8), d = 8n+2t(+1)); element (v, d) = state[d][v].
+    // ldmatrix lane addresses (bytes): B fragments of two n-tiles (rows 8n.., 8n+8..) x one k-tile
+    // (columns 16kt.., 16kt+8..) of a row-major [n][k] tile; + constant tile offsets below.
+    const int b_row = (lane >> 4) * 8 + (lane & 7), b_col = ((lane >> 3) & 1) * 8;
+    const u32 wh_l = smem_addr(Wh) + 2 * (b_row * KPB + b_col), wl_l = smem_addr(Wl) + 2 * (b_row * KPB + b_col);
+    const u32 q_l = smem_addr(Qs) + 2 * (b_row * KPB + b_col);
+    const u32 ph_l = smem_addr(Ph) + 2 * (b_row * PPB + b_col), pl_l = smem_addr(Pl) + 2 * (b_row * PPB + b_col);
+    const u32 k_t = smem_addr(Ks + (lane & 15) * KPB + (lane >> 4) * 8);  // ldmatrix.trans rows
+
+    // -h^T tiles (negated: the products below need -h, and negating the decays instead is free):
+    // h[n] covers (v = vw+g(+8), d = 8n+2t(+1)); element (v, d) = -state[d][v].
     float h[DK / 8][4];
 #pragma unroll
     for (int n = 0; n < DK / 8; n++) {
         const float* sp = st + (long long)(8 * n + 2 * t4) * DV + vw + gq;
-        h[n][0] = sp[0];
-        h[n][1] = sp[DV];
-        h[n][2] = sp[8];
-        h[n][3] = sp[DV + 8];
+        h[n][0] = -sp[0];
+        h[n][1] = -sp[DV];
+        h[n][2] = -sp[8];
+        h[n][3] = -sp[DV + 8];
     }
     load_a(0);
     load_b(0);
@@ -492,8 +513,7 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     load_u(0);
 
     for (int c = 0; c < nch; c++) {
-        int t0, L;
-        chunk_rows(c, t0, L);
+        const int t0 = start + c * CH, L = chunk_len(c);
         cp_async_wait<2>();
         __syncthreads();  // group A(c): w, q, G
 
@@ -509,22 +529,29 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
 #pragma unroll
         for (int kt = 0; kt < DK / 16; kt++) {
             u32 ah[4], al[4];  // -h^T, k-tile kt (d = 16kt..16kt+15)
-            split2(-h[2 * kt][0], -h[2 * kt][1], ah[0], al[0]);
-            split2(-h[2 * kt][2], -h[2 * kt][3], ah[1], al[1]);
-            split2(-h[2 * kt + 1][0], -h[2 * kt + 1][1], ah[2], al[2]);
-            split2(-h[2 * kt + 1][2], -h[2 * kt + 1][3], ah[3], al[3]);
+            split2(h[2 * kt][0], h[2 * kt][1], ah[0], al[0]);
+            split2(h[2 * kt][2], h[2 * kt][3], ah[1], al[1]);
+            split2(h[2 * kt + 1][0], h[2 * kt + 1][1], ah[2], al[2]);
+            split2(h[2 * kt + 1][2], h[2 * kt + 1][3], ah[3], al[3]);
 #pragma unroll
-            for (int n = 0; n < CH / 8; n++) {
-                const int off = (8 * n + gq) * KPB + 16 * kt + 2 * t4;
-                const u32 b0 = lds32(Wh + off), b1 = lds32(Wh + off + 8);
-                const u32 q0 = lds32(Qs + off), q1 = lds32(Qs + off + 8);
-                mma_bf16(acc[n], ah, b0, b1);
-                mma_bf16(oq[n], ah, q0, q1);
-                if (precise) {
-                    const u32 c0 = lds32(Wl + off), c1 = lds32(Wl + off + 8);
-                    mma_bf16(acc[n], al, b0, b1);
-                    mma_bf16(acc[n], ah, c0, c1);
-                    mma_bf16(oq[n], al, q0, q1);
+            for (int np = 0; np < CH / 16; np++) {
+                const u32 off = 2 * (16 * np * KPB + 16 * kt);
+                u32 b[4], qb[4];
+                ldsm_x4(wh_l + off, b[0], b[1], b[2], b[3]);
+                ldsm_x4(q_l + off, qb[0], qb[1], qb[2], qb[3]);
+                mma_bf16(acc[2 * np], ah, b[0], b[1]);
+                mma_bf16(acc[2 * np + 1], ah, b[2], b[3]);
+                mma_bf16(oq[2 * np], ah, qb[0], qb[1]);
+                mma_bf16(oq[2 * np + 1], ah, qb[2], qb[3]);
+                if (PRECISE) {
+                    u32 cl[4];
+                    ldsm_x4(wl_l + off, cl[0], cl[1], cl[2], cl[3]);
+                    mma_bf16(acc[2 * np], al, b[0], b[1]);
+                    mma_bf16(acc[2 * np + 1], al, b[2], b[3]);
+                    mma_bf16(acc[2 * np], ah, cl[0], cl[1]);
+                    mma_bf16(acc[2 * np + 1], ah, cl[2], cl[3]);
+                    mma_bf16(oq[2 * np], al, qb[0], qb[1]);
+                    mma_bf16(oq[2 * np + 1], al, qb[2], qb[3]);
                 }
             }
         }
@@ -552,18 +579,23 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
             split2(acc[2 * kt + 1][0], acc[2 * kt + 1][1], vh[kt][2], vl[kt][2]);
             split2(acc[2 * kt + 1][2], acc[2 * kt + 1][3], vh[kt][3], vl[kt][3]);
         }
+        // Rows 8n.. and 8n+8.. of P (n even) share their nonzero k-tiles kt <= n / 2.
 #pragma unroll
-        for (int n = 0; n < CH / 8; n++) {
+        for (int np = 0; np < CH / 16; np++) {
 #pragma unroll
-            for (int kt = 0; kt < CH / 16; kt++) {
-                if (kt > n / 2) continue;  // P[i][j] = 0 for j > i
-                const int off = (8 * n + gq) * PPB + 16 * kt + 2 * t4;
-                const u32 b0 = lds32(Ph + off), b1 = lds32(Ph + off + 8);
-                mma_bf16(oq[n], vh[kt], b0, b1);
-                if (precise) {
-                    const u32 c0 = lds32(Pl + off), c1 = lds32(Pl + off + 8);
-                    mma_bf16(oq[n], vl[kt], b0, b1);
-                    mma_bf16(oq[n], vh[kt], c0, c1);
+            for (int kt = 0; kt <= np; kt++) {
+                const u32 off = 2 * (16 * np * PPB + 16 * kt);
+                u32 b[4];
+                ldsm_x4(ph_l + off, b[0], b[1], b[2], b[3]);
+                mma_bf16(oq[2 * np], vh[kt], b[0], b[1]);
+                mma_bf16(oq[2 * np + 1], vh[kt], b[2], b[3]);
+                if (PRECISE) {
+                    u32 cl[4];
+                    ldsm_x4(pl_l + off, cl[0], cl[1], cl[2], cl[3]);
+                    mma_bf16(oq[2 * np], vl[kt], b[0], b[1]);
+                    mma_bf16(oq[2 * np + 1], vl[kt], b[2], b[3]);
+                    mma_bf16(oq[2 * np], vh[kt], cl[0], cl[1]);
+                    mma_bf16(oq[2 * np + 1], vh[kt], cl[2], cl[3]);
                 }
             }
         }
@@ -577,11 +609,11 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                 os[8] = f2bf(oq[n][2 + e]);
             }
         }
-        // (Dl * vn)^T with Dl_j = exp(G_last - G_j), 0 past the chunk end.
+        // -(Dl * vn)^T with Dl_j = exp(G_last - G_j), 0 past the chunk end.
 #pragma unroll
         for (int n = 0; n < CH / 8; n++) {
             const int j = 8 * n + 2 * t4;
-            const float d0 = E[j].y, d1 = E[j + 1].y;
+            const float d0 = -E[j].y, d1 = -E[j + 1].y;
             acc[n][0] *= d0;
             acc[n][1] *= d1;
             acc[n][2] *= d0;
@@ -606,7 +638,7 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
         __syncthreads();  // group C(c): K
         load_u(c + 1);    // next chunk's u, in flight during the state update
 
-        // Phase 3: h^T = exp(G_last) h^T + (Dl * vn)^T K.
+        // Phase 3: h^T = exp(G_last) h^T + (Dl * vn)^T K  (on -h^T, with -(Dl * vn)^T).
         const float eg = E[L - 1].x;
 #pragma unroll
         for (int n = 0; n < DK / 8; n++)
@@ -617,10 +649,10 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
 #pragma unroll
             for (int np = 0; np < DK / 16; np++) {
                 u32 b[4];
-                ldsm_b2_trans(b, Ks + 16 * kt * KPB + 16 * np, KPB, lane);
+                ldsm_x4_t(k_t + 2 * (16 * kt * KPB + 16 * np), b[0], b[1], b[2], b[3]);
                 mma_bf16(h[2 * np], vh[kt], b[0], b[1]);
                 mma_bf16(h[2 * np + 1], vh[kt], b[2], b[3]);
-                if (precise) {
+                if (PRECISE) {
                     mma_bf16(h[2 * np], vl[kt], b[0], b[1]);
                     mma_bf16(h[2 * np + 1], vl[kt], b[2], b[3]);
                 }
@@ -633,9 +665,22 @@ gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
 #pragma unroll
     for (int n = 0; n < DK / 8; n++) {
         float* sp = st + (long long)(8 * n + 2 * t4) * DV + vw + gq;
-        sp[0] = h[n][0];
-        sp[DV] = h[n][1];
-        sp[8] = h[n][2];
-        sp[DV + 8] = h[n][3];
+        sp[0] = -h[n][0];
+        sp[DV] = -h[n][1];
+        sp[8] = -h[n][2];
+        sp[DV + 8] = -h[n][3];
     }
+}
+
+#define GDN_STATE_ARGS                                                                                          \
+    const bf16_t *__restrict__ q, const bf16_t *__restrict__ k, const bf16_t *__restrict__ ws_wh,             \
+        const bf16_t *__restrict__ ws_wl, const float *__restrict__ ws_u, const bf16_t *__restrict__ ws_ph,  \
+        const bf16_t *__restrict__ ws_pl, const float *__restrict__ ws_g, float *__restrict__ state,         \
+        bf16_t *__restrict__ o, const int *__restrict__ cu_seqlens, const int *__restrict__ slots, int T, int Hk, \
+        int Hv
+extern "C" __global__ void __launch_bounds__(SNW * 32) gdn_chunk_state(GDN_STATE_ARGS) {
+    state_walk<true>(q, k, ws_wh, ws_wl, ws_u, ws_ph, ws_pl, ws_g, state, o, cu_seqlens, slots, T, Hk, Hv);
+}
+extern "C" __global__ void __launch_bounds__(SNW * 32) gdn_chunk_state_bf16(GDN_STATE_ARGS) {
+    state_walk<false>(q, k, ws_wh, ws_wl, ws_u, ws_ph, ws_pl, ws_g, state, o, cu_seqlens, slots, T, Hk, Hv);
 }

@@ -138,6 +138,19 @@ __device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a
     mma_bf16(*reinterpret_cast<float(*)[4]>(c), a, b0, b1);
 }
 
+// Four 8x8 b16 matrices from shared memory (ldmatrix .x4): lanes 8m..8m+7 give the row addresses of
+// matrix m, which lands in r_m as (row lane/4, columns 2(lane%4), +1); _t transposes each matrix.
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
 // cp.async of 16 (cache-global) or 4 (cache-all) bytes to shared address `dst`; only `src_bytes` are
 // read, the rest of the destination is zero-filled (0: nothing is read).
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {

@@ -60,7 +60,7 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         module: "gdn_chunk",
         src: include_str!("../kernels/gdn_chunk.cu"),
-        functions: &["gdn_chunk_prep", "gdn_chunk_state"],
+        functions: &["gdn_chunk_prep", "gdn_chunk_state", "gdn_chunk_state_bf16"],
     },
     KernelSource {
         module: "gdn_decode",

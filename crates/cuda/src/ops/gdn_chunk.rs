@@ -10,9 +10,9 @@ use crate::nvrtc::KernelDims;
 /// Chunk length (fixed in the kernel).
 pub const CHUNK: usize = 64;
 
-/// Workspace bytes for `t` tokens (the one place that sizes it): w_hi, w_lo [t,hv,dk] bf16,
-/// u [t,hv,dv] f32, P_hi, P_lo [t,hv,64] bf16, the decays (exp(G), exp(G_last − G)) [t,hv,2] f32
-/// = 4 (dk + dv + 66) B per token and head.
+/// Workspace bytes for `t` tokens (the one place that sizes it): w_hi, w_lo [hv,t,dk] bf16,
+/// u [hv,t,dv] f32, P_hi, P_lo [hv,t,64] bf16, the decays (exp(G), exp(G_last − G)) [hv,t,2] f32
+/// = 4 (dk + dv + 66) B per token and head (head-major: a chunk's rows of one head are contiguous).
 pub fn workspace_bytes(t: usize, hv: usize, dims: &KernelDims) -> usize {
     let per_tok_head = dims.gdn_k_dim + dims.gdn_v_dim + CHUNK + 2;
     // Each of the six parts starts 256-byte aligned.
@@ -157,13 +157,14 @@ pub fn gdn_chunk_prep_with(k: &Kernels, s: &CudaStream, a: &GdnChunk, p: Precisi
     let Parts { wh, wl, u, ph, pl, g: ws_g } = workspace_parts(a, &d);
     let GdnChunk { q, k: kp, v, g, beta, cu_seqlens, chunk_table, .. } = *a;
     let vs = a.v_stride as i64;
+    let t = to_i32("gdn_chunk_prep", "t", a.t)?;
     let hk = to_i32("gdn_chunk_prep", "hk", a.hk)?;
     let hv = to_i32("gdn_chunk_prep", "hv", a.hv)?;
     let precise = i32::from(p == Precision::Split);
     let grid = (to_u32("gdn_chunk_prep", "n_chunks", a.n_chunks)?, to_u32("gdn_chunk_prep", "hv", a.hv)?, 1);
     let smem = prep_smem_bytes(&d) as u32;
     launch!(k, s, "gdn_chunk_prep", grid, (128, 1, 1), smem;
-        q, kp, v, vs, g, beta, cu_seqlens, chunk_table, wh, wl, u, ph, pl, ws_g, hk, hv, precise)
+        q, kp, v, vs, g, beta, cu_seqlens, chunk_table, wh, wl, u, ph, pl, ws_g, t, hk, hv, precise)
 }
 
 /// The sequential part: per (sequence, value head, value slice) walk the chunks, update the state.
@@ -180,9 +181,13 @@ pub fn gdn_chunk_state_with(k: &Kernels, s: &CudaStream, a: &GdnChunk, p: Precis
     let d = k.dims;
     let Parts { wh, wl, u, ph, pl, g: ws_g } = workspace_parts(a, &d);
     let GdnChunk { q, k: kp, state, cu_seqlens, slots, o, .. } = *a;
+    let t = to_i32("gdn_chunk_state", "t", a.t)?;
     let hk = to_i32("gdn_chunk_state", "hk", a.hk)?;
     let hv = to_i32("gdn_chunk_state", "hv", a.hv)?;
-    let precise = i32::from(p == Precision::Split);
+    let name = match p {
+        Precision::Split => "gdn_chunk_state",
+        Precision::Bf16 => "gdn_chunk_state_bf16",
+    };
     let cols = state_block_cols(&d);
     let grid = (
         to_u32("gdn_chunk_state", "n_seqs", a.n_seqs)?,
@@ -190,6 +195,6 @@ pub fn gdn_chunk_state_with(k: &Kernels, s: &CudaStream, a: &GdnChunk, p: Precis
         (d.gdn_v_dim / cols) as u32,
     );
     let smem = state_smem_bytes(&d) as u32;
-    launch!(k, s, "gdn_chunk_state", grid, (2 * cols as u32, 1, 1), smem;
-        q, kp, wh, wl, u, ph, pl, ws_g, state, o, cu_seqlens, slots, hk, hv, precise)
+    launch!(k, s, name, grid, (2 * cols as u32, 1, 1), smem;
+        q, kp, wh, wl, u, ph, pl, ws_g, state, o, cu_seqlens, slots, t, hk, hv)
 }

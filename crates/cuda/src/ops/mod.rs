@@ -108,6 +108,7 @@ impl Kernels {
         for (name, bytes) in [
             ("gdn_chunk_prep", gdn_chunk::prep_smem_bytes(&dims)),
             ("gdn_chunk_state", gdn_chunk::state_smem_bytes(&dims)),
+            ("gdn_chunk_state_bf16", gdn_chunk::state_smem_bytes(&dims)),
         ]
         .into_iter()
         // The prefill kernel that runs (the other is never launched with these kernels).
