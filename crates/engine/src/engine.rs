@@ -73,6 +73,10 @@ pub struct Timing {
     /// Generated tokens per second after the first.
     pub decode_tokens_per_s: f64,
     pub preemptions: u32,
+    /// Engine steps that ran this request's prompt (admission → first token) and their wall time:
+    /// the rest of `ttft_ms - queue_ms` is spent outside the backend (scheduling, the engine loop).
+    pub prefill_steps: u32,
+    pub prefill_step_ms: f64,
 }
 
 /// What a request's stream carries.
@@ -373,6 +377,9 @@ struct Live {
     first_token: Option<Instant>,
     generated: usize,
     preemptions: u32,
+    /// Steps (and their seconds) that ran this request before its first token.
+    prefill_steps: u32,
+    prefill_step_s: f64,
 }
 
 /// The engine thread's state.
@@ -443,6 +450,8 @@ impl Worker {
                                 first_token: None,
                                 generated: 0,
                                 preemptions: 0,
+                                prefill_steps: 0,
+                                prefill_step_s: 0.0,
                             },
                         );
                     }
@@ -497,7 +506,9 @@ impl Worker {
     }
 
     fn step(&mut self) {
+        let entered = Instant::now();
         let mut plan = self.sched.schedule();
+        let scheduled = entered.elapsed();
         // Greedy requests' drafts are argmaxes: the backend picks them where the logits are.
         for c in plan.batch.seqs.iter_mut().filter(|c| c.draft > 0) {
             c.greedy_draft_vocab = self.reqs.get(&c.seq_id).map_or(0, |l| l.sampler.greedy_draft_vocab());
@@ -556,7 +567,17 @@ impl Worker {
             return;
         }
         let step_seconds = started.elapsed().as_secs_f64();
+        let committed = Instant::now();
+        for c in &plan.batch.seqs {
+            if let Some(live) = self.reqs.get_mut(&c.seq_id)
+                && live.first_token.is_none()
+            {
+                live.prefill_steps += 1;
+                live.prefill_step_s += step_seconds;
+            }
+        }
         self.sched.commit(&plan);
+        let commit = committed.elapsed();
         if let Ok(mut s) = self.shared.stats.lock() {
             s.steps += 1;
             s.step_seconds += step_seconds;
@@ -636,6 +657,18 @@ impl Worker {
         }
         for (id, reason) in finished {
             self.finish(id, reason);
+        }
+        // Where a step's time outside the backend went, when it is noticeable.
+        let outside = entered.elapsed().as_secs_f64() - step_seconds;
+        if outside > 0.005 {
+            tracing::debug!(
+                tokens = plan.batch.seqs.iter().map(|c| c.tokens.len()).sum::<usize>(),
+                backend_ms = format!("{:.1}", step_seconds * 1e3),
+                outside_ms = format!("{:.1}", outside * 1e3),
+                schedule_ms = format!("{:.1}", scheduled.as_secs_f64() * 1e3),
+                commit_ms = format!("{:.1}", commit.as_secs_f64() * 1e3),
+                "engine step spent time outside the backend"
+            );
         }
     }
 
@@ -765,8 +798,22 @@ impl Worker {
             total_ms: ms(live.submitted, now),
             decode_tokens_per_s: if decode_s > 0.0 { (live.generated - 1) as f64 / decode_s } else { 0.0 },
             preemptions: live.preemptions,
+            prefill_steps: live.prefill_steps,
+            prefill_step_ms: live.prefill_step_s * 1e3,
         };
         let usage = Usage { prompt_tokens: live.req.prompt.len(), completion_tokens: live.generated, cached_tokens };
+        tracing::debug!(
+            id,
+            prompt = usage.prompt_tokens,
+            cached = cached_tokens,
+            generated = usage.completion_tokens,
+            queue_ms = format!("{:.1}", timing.queue_ms),
+            ttft_ms = format!("{:.1}", timing.ttft_ms),
+            prefill_steps = timing.prefill_steps,
+            prefill_step_ms = format!("{:.1}", timing.prefill_step_ms),
+            total_ms = format!("{:.1}", timing.total_ms),
+            "request finished"
+        );
         if let Ok(mut s) = self.shared.stats.lock() {
             s.requests_finished += 1;
             s.prompt_tokens += usage.prompt_tokens as u64;

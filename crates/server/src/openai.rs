@@ -82,6 +82,7 @@ pub async fn chat_completions(State(st): State<AppState>, body: Result<Bytes, By
 }
 
 async fn chat_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let received = std::time::Instant::now();
     let req: ChatCompletionRequest = parse_body(body)?;
     st.check_model(req.model.as_deref())?;
     req.common.validate()?;
@@ -132,6 +133,11 @@ async fn chat_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -> Resul
             state: st,
         },
     )?;
+    tracing::debug!(
+        prompt = engine_req.prompt.len(),
+        prepare_ms = format!("{:.1}", received.elapsed().as_secs_f64() * 1e3),
+        "chat request parsed, rendered and tokenised"
+    );
     let out = st.generate(engine_req, parsing)?;
     let id = new_id("chatcmpl-");
     let model = st.cfg.served_model_name.clone();
