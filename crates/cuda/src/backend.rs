@@ -373,8 +373,20 @@ enum GraphKey {
 /// The most CUDA graphs a backend keeps (decode buckets, verify, commit and draft shapes).
 const MAX_GRAPHS: usize = 48;
 
-/// Profiling state: the last tick and (group, seconds) totals.
-type Profile = (std::time::Instant, Vec<(&'static str, f64)>);
+/// Per-op-group GPU time while profiling ([`CudaBackend::set_profiling`]): a timing event is recorded
+/// at the start of a step and after each group (no synchronisation in between), read back once at the
+/// end of the step and summed by group.
+struct Profile {
+    events: Vec<cudarc::driver::CudaEvent>,
+    /// Events recorded in the current step (the first marks its start).
+    used: usize,
+    /// `names[i]`: the group that ended at `events[i + 1]`.
+    names: Vec<&'static str>,
+    totals: Vec<(&'static str, f64)>,
+}
+
+/// Timing events per profiled step (a step records one per op group: ~6 per layer); more flush early.
+const PROFILE_EVENTS: usize = 1024;
 
 /// The engine backend on one CUDA GPU.
 pub struct CudaBackend {
@@ -1573,27 +1585,75 @@ impl CudaBackend {
         self.arena.regions().into_iter().map(|(n, s, _)| (n, s)).collect()
     }
 
-    /// Turns per-op-group timing on (each group is followed by a stream synchronisation, so steps
-    /// get slower) or off; [`CudaBackend::take_profile`] returns and clears the totals.
-    pub fn set_profiling(&mut self, on: bool) {
-        *self.prof.borrow_mut() = on.then(|| (std::time::Instant::now(), Vec::new()));
+    /// Turns per-op-group timing on or off: steps then run eagerly (no CUDA graphs) with a timing
+    /// event after each op group; [`CudaBackend::take_profile`] returns and clears the totals.
+    pub fn set_profiling(&mut self, on: bool) -> Result<(), CudaError> {
+        let prof = if on {
+            let ctx = self.rt.context();
+            let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+            let events = (0..PROFILE_EVENTS)
+                .map(|_| ctx.new_event(timing))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(CudaError::driver("cuEventCreate"))?;
+            Some(Profile { events, used: 0, names: Vec::new(), totals: Vec::new() })
+        } else {
+            None
+        };
+        *self.prof.borrow_mut() = prof;
+        Ok(())
     }
 
-    /// (group, seconds) accumulated since profiling was turned on or last taken.
+    /// (group, seconds of GPU time) accumulated since profiling was turned on or last taken.
     pub fn take_profile(&self) -> Vec<(&'static str, f64)> {
-        self.prof.borrow_mut().as_mut().map(|(_, v)| std::mem::take(v)).unwrap_or_default()
+        self.prof.borrow_mut().as_mut().map(|p| std::mem::take(&mut p.totals)).unwrap_or_default()
     }
 
-    fn tick(&self, name: &'static str) -> Result<(), CudaError> {
+    /// Profiling: marks the start of a step (first adding up groups timed outside one).
+    fn prof_begin(&self) -> Result<(), CudaError> {
+        self.prof_end()?;
         let mut p = self.prof.borrow_mut();
-        if let Some((at, v)) = p.as_mut() {
-            self.rt.synchronize()?;
-            let dt = at.elapsed().as_secs_f64();
-            match v.iter_mut().find(|(n, _)| *n == name) {
-                Some(e) => e.1 += dt,
-                None => v.push((name, dt)),
+        if let Some(p) = p.as_mut() {
+            p.names.clear();
+            p.events[0].record(self.rt.stream()).map_err(CudaError::driver("cuEventRecord"))?;
+            p.used = 1;
+        }
+        Ok(())
+    }
+
+    /// Profiling: waits for the step's events and adds the time between them to their groups.
+    fn prof_end(&self) -> Result<(), CudaError> {
+        let mut p = self.prof.borrow_mut();
+        if let Some(p) = p.as_mut() {
+            for (i, &name) in p.names.iter().enumerate() {
+                let ms = p.events[i].elapsed_ms(&p.events[i + 1]).map_err(CudaError::driver("cuEventElapsedTime"))?;
+                match p.totals.iter_mut().find(|(n, _)| *n == name) {
+                    Some(e) => e.1 += f64::from(ms) / 1e3,
+                    None => p.totals.push((name, f64::from(ms) / 1e3)),
+                }
             }
-            *at = std::time::Instant::now();
+            p.names.clear();
+            p.used = 0;
+        }
+        Ok(())
+    }
+
+    /// Profiling: the op group `name` ends here.
+    fn tick(&self, name: &'static str) -> Result<(), CudaError> {
+        let full = self.prof.borrow().as_ref().is_some_and(|p| p.used == p.events.len());
+        if full {
+            self.prof_end()?;
+            self.prof_begin()?;
+        }
+        let mut p = self.prof.borrow_mut();
+        if let Some(p) = p.as_mut() {
+            if p.used == 0 {
+                // A group outside a step (e.g. a cache op): its own start.
+                p.events[0].record(self.rt.stream()).map_err(CudaError::driver("cuEventRecord"))?;
+                p.used = 1;
+            }
+            p.events[p.used].record(self.rt.stream()).map_err(CudaError::driver("cuEventRecord"))?;
+            p.names.push(name);
+            p.used += 1;
         }
         Ok(())
     }
@@ -2011,6 +2071,14 @@ impl CudaBackend {
     /// entries: false). Its DeltaNet state is left as it was, every row's logits are returned, and it
     /// is recorded for [`Backend::commit_speculative`].
     fn run_chunks(&mut self, batch: &StepBatch, verify: &[bool], out: StepOut<'_>) -> Result<(), BackendError> {
+        let dev = |e: CudaError| BackendError::Device(e.to_string());
+        self.prof_begin().map_err(dev)?;
+        let r = self.run_chunks_timed(batch, verify, out);
+        self.prof_end().map_err(dev)?;
+        r
+    }
+
+    fn run_chunks_timed(&mut self, batch: &StepBatch, verify: &[bool], out: StepOut<'_>) -> Result<(), BackendError> {
         let is_ver = |i: usize| verify.get(i).copied().unwrap_or(false);
         let inv = |m: String| Err(BackendError::InvalidStep(m));
         let chunks: Vec<usize> = (0..batch.seqs.len()).filter(|&i| !batch.seqs[i].tokens.is_empty()).collect();

@@ -584,6 +584,41 @@ fn graphs_match_eager_same_backend() {
     }
 }
 
+/// Profiling (a timing event after each op group) times every group and changes no result: the same
+/// prompt and decode step in two slots, without and with profiling, give the same logits bit for bit.
+#[test]
+fn profiling_times_op_groups_without_changing_results() {
+    if !gpu() {
+        return;
+    }
+    let (dir, cfg) = tiny_dir(8);
+    let plan = plan_for(&cfg);
+    let opts = CudaOptions { cuda_graphs: false, ..CudaOptions::default() };
+    let mut be = CudaBackend::with_options(&cfg, WeightSource::Checkpoint(dir), &plan, 0, opts).unwrap();
+    let vocab = be.vocab_size();
+    let ids = random_tokens(&mut StdRng::seed_from_u64(31), 70, vocab);
+    let mut runs = Vec::new();
+    for (slot, profile) in [(0u32, false), (1, true)] {
+        be.set_profiling(profile).unwrap();
+        let pg = pages(60 * slot, 80);
+        let prefill = run(&mut be, &one(chunk(slot, &pg, 0, &ids)));
+        let next = argmax(&prefill) as u32;
+        let decode = run(&mut be, &one(chunk(slot, &pg, ids.len(), &[next])));
+        runs.push((prefill, decode, be.take_profile()));
+    }
+    be.set_profiling(false).unwrap();
+    let (plain, timed) = (&runs[0], &runs[1]);
+    assert!(plain.2.is_empty(), "no totals without profiling");
+    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    assert!(same(&plain.0, &timed.0) && same(&plain.1, &timed.1), "profiling changed the logits");
+    let groups: Vec<&str> = timed.2.iter().map(|g| g.0).collect();
+    println!("profile of a 70-token prefill + one decode step: {:?}", timed.2);
+    for g in ["embed", "norms", "gdn core (chunked / decode)", "attn core (prefill / decode)", "final norm + lm_head"] {
+        assert!(groups.contains(&g), "group {g} missing from {groups:?}");
+    }
+    assert!(timed.2.iter().all(|g| g.1 >= 0.0) && timed.2.iter().map(|g| g.1).sum::<f64>() > 0.0);
+}
+
 /// The tiny preset with 4 DeltaNet value heads (value width 128), so every linear's `in` is a
 /// multiple of 128 (the int4 format's group), written once per process.
 fn tiny_int4_dir(layers: usize) -> (PathBuf, ModelConfig) {

@@ -96,6 +96,10 @@ pub struct Args {
     /// The most split-K partitions a decode row's attention uses (as `serve --decode-partitions`).
     #[arg(long, default_value_t = PlanOptions::gpu_defaults(0).decode_partitions)]
     decode_partitions: usize,
+    /// Also time one decode step of one sequence per context op group by op group (eagerly, a timing
+    /// event after each group: where a decode step's GPU time goes).
+    #[arg(long)]
+    profile: bool,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -155,6 +159,8 @@ struct Report {
     /// Verify-shaped steps: (tokens per step, context, ms per step, ms of the one-token step there).
     verify: Vec<(usize, usize, f64, f64)>,
     speculative: Vec<SpecRow>,
+    /// `--profile`: (context, eager ms per step, [(op group, GPU ms per step)]) of batch-1 decode.
+    profiles: Vec<(usize, f64, Vec<(&'static str, f64)>)>,
 }
 
 /// Whole speculative steps at one (batch, context): ms per step of each phase.
@@ -283,6 +289,7 @@ pub fn run(a: Args) -> Result<()> {
         snapshots: Vec::new(),
         verify: Vec::new(),
         speculative: Vec::new(),
+        profiles: Vec::new(),
     };
 
     let d = cfg.dims();
@@ -344,6 +351,15 @@ pub fn run(a: Args) -> Result<()> {
             peak(&sampler);
             let ms = decode(be.get(), b, 1, ctx, per_seq, a.steps, vocab, false)?;
             let ms_argmax = decode(be.get(), b, 1, ctx, per_seq, a.steps, vocab, true)?;
+            if let (true, 1, Under::One(cb)) = (a.profile, b, &mut be) {
+                tracing::info!("bench: decode step op groups at context {}", fmt_count(ctx as u64));
+                cb.set_profiling(true)?;
+                let eager_ms = decode(cb.as_mut(), 1, 1, ctx, per_seq, a.steps, vocab, false)?;
+                let steps = (a.steps + 3) as f64; // decode() runs 3 warm-up steps
+                let groups = cb.take_profile().into_iter().map(|(g, s)| (g, s * 1e3 / steps)).collect();
+                cb.set_profiling(false)?;
+                report.profiles.push((ctx, eager_ms, groups));
+            }
             let driver_peak_bytes = peak(&sampler);
             let allreduce_share = be.all_reduce_s(b)?.map(|per| reduces * per * 1e3 / ms);
             // One card's device weights (less the embedding table, of which a step reads only its rows),
@@ -702,6 +718,11 @@ impl ToolReport for Report {
                 "step_ratio_to_decode": r3(r.total_ms() / r.decode_ms),
                 "speedup_at_2_5_tokens": r3(r.speedup(2.5)), "speedup_at_3_tokens": r3(r.speedup(3.0)),
             })).collect::<Vec<_>>(),
+            "profile": self.profiles.iter().map(|(ctx, eager_ms, groups)| json!({
+                "batch": 1, "context": ctx, "eager_ms_per_step": r3(*eager_ms),
+                "gpu_ms_per_step": r3(groups.iter().map(|g| g.1).sum::<f64>()),
+                "groups_ms": groups.iter().map(|(g, ms)| json!([g, r3(*ms)])).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>(),
             "snapshots_ms": self.snapshots.iter().map(|(w, ms)| (w.replace(' ', "_"), json!(r3(*ms)))).collect::<serde_json::Map<_, _>>(),
             "skipped": self.skipped,
         })
@@ -768,6 +789,16 @@ impl ToolReport for Report {
                 .map_or("-".into(), |p| format!("{:.3} of the plan", p as f64 / self.plan_bytes as f64)),
             if self.arena_allocations_moved { "YES" } else { "none" }
         );
+        for (ctx, eager_ms, groups) in &self.profiles {
+            let gpu: f64 = groups.iter().map(|g| g.1).sum();
+            let _ = writeln!(
+                s,
+                "\ndecode step at batch 1, context {ctx}, op group by op group (eager: {eager_ms:.2} ms/step, GPU {gpu:.2} ms)"
+            );
+            for (g, ms) in groups {
+                let _ = writeln!(s, "{g:>32} {ms:>8.3} ms {:>5.1}%", 100.0 * ms / gpu);
+            }
+        }
         if !self.snapshots.is_empty() {
             let parts: Vec<String> = self.snapshots.iter().map(|(w, ms)| format!("{w} {ms:.2} ms")).collect();
             let _ = writeln!(s, "DeltaNet state snapshot: {}", parts.join(" · "));
