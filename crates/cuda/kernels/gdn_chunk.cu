@@ -412,12 +412,14 @@ __device__ __forceinline__ void state_walk(const bf16_t* __restrict__ q, const b
                     cp_async16(q_d + 2 * m * RP * KPB, qb + m * qstep);
                 }
             } else {
+                // Rows past the end are zero-filled from the chunk's row 0 (a valid address, not read).
+                const bf16_t *wh_z = whb - li * DK, *wl_z = wlb - li * DK, *q_z = qb - li * Hk * DK;
 #pragma unroll
                 for (int m = 0; m < CH / RP; m++) {
-                    const bool ok = li + m * RP < L;  // else zero-fill (the base is a valid address, not read)
-                    cp_async16(wh_d + 2 * m * RP * KPB, ok ? whb + m * RP * DK : whb, ok ? 16 : 0);
-                    cp_async16(wl_d + 2 * m * RP * KPB, ok ? wlb + m * RP * DK : wlb, ok ? 16 : 0);
-                    cp_async16(q_d + 2 * m * RP * KPB, ok ? qb + m * qstep : qb, ok ? 16 : 0);
+                    const bool ok = li + m * RP < L;
+                    cp_async16(wh_d + 2 * m * RP * KPB, ok ? whb + m * RP * DK : wh_z, ok ? 16 : 0);
+                    cp_async16(wl_d + 2 * m * RP * KPB, ok ? wlb + m * RP * DK : wl_z, ok ? 16 : 0);
+                    cp_async16(q_d + 2 * m * RP * KPB, ok ? qb + m * qstep : q_z, ok ? 16 : 0);
                 }
             }
             if (tid < CH) {  // zero past the chunk end: exp(G_last - G_j) = 0 there
@@ -431,11 +433,12 @@ __device__ __forceinline__ void state_walk(const bf16_t* __restrict__ q, const b
         if (c < nch) {
             const int L = chunk_len(c);
             const bf16_t *phb = ph0 + (long long)c * CH * CH, *plb = pl0 + (long long)c * CH * CH;
+            const bf16_t *ph_z = phb - pi * CH, *pl_z = plb - pi * CH;  // row 0 (zero-fill source)
 #pragma unroll
             for (int m = 0; m < CH / RPP; m++) {
                 const bool ok = L == CH || pi + m * RPP < L;
-                cp_async16(ph_d + 2 * m * RPP * PPB, ok ? phb + m * RPP * CH : phb, ok ? 16 : 0);
-                cp_async16(pl_d + 2 * m * RPP * PPB, ok ? plb + m * RPP * CH : plb, ok ? 16 : 0);
+                cp_async16(ph_d + 2 * m * RPP * PPB, ok ? phb + m * RPP * CH : ph_z, ok ? 16 : 0);
+                cp_async16(pl_d + 2 * m * RPP * PPB, ok ? plb + m * RPP * CH : pl_z, ok ? 16 : 0);
             }
         }
         cp_async_commit();
@@ -448,10 +451,11 @@ __device__ __forceinline__ void state_walk(const bf16_t* __restrict__ q, const b
 #pragma unroll
                 for (int m = 0; m < CH / RP; m++) cp_async16(k_d + 2 * m * RP * KPB, kb + m * qstep);
             } else {
+                const bf16_t* k_z = kb - li * Hk * DK;  // row 0 (zero-fill source)
 #pragma unroll
                 for (int m = 0; m < CH / RP; m++) {
                     const bool ok = li + m * RP < L;
-                    cp_async16(k_d + 2 * m * RP * KPB, ok ? kb + m * qstep : kb, ok ? 16 : 0);
+                    cp_async16(k_d + 2 * m * RP * KPB, ok ? kb + m * qstep : k_z, ok ? 16 : 0);
                 }
             }
         }

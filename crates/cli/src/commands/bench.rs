@@ -159,8 +159,16 @@ struct Report {
     /// Verify-shaped steps: (tokens per step, context, ms per step, ms of the one-token step there).
     verify: Vec<(usize, usize, f64, f64)>,
     speculative: Vec<SpecRow>,
-    /// `--profile`: (context, eager ms per step, [(op group, GPU ms per step)]) of batch-1 decode.
-    profiles: Vec<(usize, f64, Vec<(&'static str, f64)>)>,
+    profiles: Vec<ProfileRow>,
+}
+
+/// `--profile`: one batch-1 decode step at `context`, op group by op group.
+struct ProfileRow {
+    context: usize,
+    /// Eager (profiled) ms per step.
+    eager_ms: f64,
+    /// (op group, GPU ms per step).
+    groups: Vec<(&'static str, f64)>,
 }
 
 /// Whole speculative steps at one (batch, context): ms per step of each phase.
@@ -358,7 +366,7 @@ pub fn run(a: Args) -> Result<()> {
                 let steps = (a.steps + 3) as f64; // decode() runs 3 warm-up steps
                 let groups = cb.take_profile().into_iter().map(|(g, s)| (g, s * 1e3 / steps)).collect();
                 cb.set_profiling(false)?;
-                report.profiles.push((ctx, eager_ms, groups));
+                report.profiles.push(ProfileRow { context: ctx, eager_ms, groups });
             }
             let driver_peak_bytes = peak(&sampler);
             let allreduce_share = be.all_reduce_s(b)?.map(|per| reduces * per * 1e3 / ms);
@@ -718,10 +726,10 @@ impl ToolReport for Report {
                 "step_ratio_to_decode": r3(r.total_ms() / r.decode_ms),
                 "speedup_at_2_5_tokens": r3(r.speedup(2.5)), "speedup_at_3_tokens": r3(r.speedup(3.0)),
             })).collect::<Vec<_>>(),
-            "profile": self.profiles.iter().map(|(ctx, eager_ms, groups)| json!({
-                "batch": 1, "context": ctx, "eager_ms_per_step": r3(*eager_ms),
-                "gpu_ms_per_step": r3(groups.iter().map(|g| g.1).sum::<f64>()),
-                "groups_ms": groups.iter().map(|(g, ms)| json!([g, r3(*ms)])).collect::<Vec<_>>(),
+            "profile": self.profiles.iter().map(|p| json!({
+                "batch": 1, "context": p.context, "eager_ms_per_step": r3(p.eager_ms),
+                "gpu_ms_per_step": r3(p.groups.iter().map(|g| g.1).sum::<f64>()),
+                "groups_ms": p.groups.iter().map(|(g, ms)| json!([g, r3(*ms)])).collect::<Vec<_>>(),
             })).collect::<Vec<_>>(),
             "snapshots_ms": self.snapshots.iter().map(|(w, ms)| (w.replace(' ', "_"), json!(r3(*ms)))).collect::<serde_json::Map<_, _>>(),
             "skipped": self.skipped,
@@ -789,13 +797,14 @@ impl ToolReport for Report {
                 .map_or("-".into(), |p| format!("{:.3} of the plan", p as f64 / self.plan_bytes as f64)),
             if self.arena_allocations_moved { "YES" } else { "none" }
         );
-        for (ctx, eager_ms, groups) in &self.profiles {
-            let gpu: f64 = groups.iter().map(|g| g.1).sum();
+        for p in &self.profiles {
+            let gpu: f64 = p.groups.iter().map(|g| g.1).sum();
             let _ = writeln!(
                 s,
-                "\ndecode step at batch 1, context {ctx}, op group by op group (eager: {eager_ms:.2} ms/step, GPU {gpu:.2} ms)"
+                "\ndecode step at batch 1, context {}, op group by op group (eager: {:.2} ms/step, GPU {gpu:.2} ms)",
+                p.context, p.eager_ms
             );
-            for (g, ms) in groups {
+            for (g, ms) in &p.groups {
                 let _ = writeln!(s, "{g:>32} {ms:>8.3} ms {:>5.1}%", 100.0 * ms / gpu);
             }
         }
