@@ -306,3 +306,26 @@ fn stop_strings_stop_tokens_and_logprobs() {
     drop(s);
     engine.shutdown(false);
 }
+
+/// A request's timing counts the steps that ran its prompt: with a 7-token step budget a 50-token
+/// prompt runs in ceil(50 / 7) = 8 steps before its first token, whose wall time lies within the TTFT.
+#[test]
+fn timing_counts_the_prefill_steps_of_a_request() {
+    let engine = start(sched(7, 400, 4));
+    let prompt: Vec<u32> = (0..50).map(|i| (i * 37 % 991) as u32).collect();
+    let r = Request { prompt, max_tokens: 3, sampling: SamplingParams::greedy(), ..Default::default() };
+    let mut s = engine.submit(r).unwrap();
+    let timing = loop {
+        match s.blocking_next() {
+            Some(Event::Finished { timing, .. }) => break timing,
+            Some(Event::Token { .. }) => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    assert_eq!(timing.prefill_steps, 8, "{timing:?}");
+    assert!(
+        timing.prefill_step_ms > 0.0 && timing.prefill_step_ms <= timing.ttft_ms - timing.queue_ms + 1e-6,
+        "{timing:?}"
+    );
+    engine.shutdown(true);
+}
