@@ -8,7 +8,8 @@
 //! - [`gemm`]: `y = x · Wᵀ` through cuBLASLt with per-shape cached algorithms;
 //! - [`w4`]: the device format of 4-bit (W4A16) linears: GPTQ conversion, reference quantiser;
 //! - [`collective`]: NCCL communicators over local GPUs, in-place all-reduce (sum) and all-gather;
-//! - [`backend`]: [`CudaBackend`], the engine's `Backend` over the static plan's memory.
+//! - [`backend`]: [`CudaBackend`], the engine's `Backend` over the static plan's memory;
+//! - [`gdn_bench`]: timing of the chunked DeltaNet prefill kernels at a model's shape (`bench`).
 //!
 //! Dtypes: activations bf16 in device memory, math in f32, DeltaNet state f32.
 
@@ -16,6 +17,7 @@ pub mod arena;
 pub mod backend;
 pub mod collective;
 pub mod error;
+pub mod gdn_bench;
 pub mod gemm;
 pub mod nvrtc;
 pub mod ops;

@@ -2191,96 +2191,30 @@ fn bench_gdn_prefill_27b() {
     }
 }
 
-/// Flash-linear-attention's chunk_gated_delta_rule on one H200 at this shape, one sequence of T
-/// tokens: (T, M tokens/s per layer) (../shared/anchors/fla-chunk-gated-delta-rule-h200.json).
-const FLA_MTOK: [(usize, f64); 6] =
-    [(4128, 6.589), (8192, 9.401), (16384, 10.797), (32768, 10.974), (65536, 11.111), (131072, 11.425)];
 /// The issue #5 target, M tokens/s per layer.
 const GDN_TARGET_MTOK: f64 = 8.0;
 
 fn bench_gdn(rt: &Runtime, k: &Kernels, t: usize, n_seqs: usize, prec: gdn_chunk::Precision) -> R<()> {
     let (hk, hv) = (16usize, 48usize);
     let (dk, dv) = (k.dims.gdn_k_dim, k.dims.gdn_v_dim);
-    let s = rt.stream().clone();
-    let cu = cu_of(&vec![t / n_seqs; n_seqs]);
-    let table = gdn_chunk::chunk_table(&cu);
-    let ws_bytes = gdn_chunk::workspace_bytes(t, hv, &k.dims);
-    // Workspace, inputs (q, k, v, o bf16; g, beta f32), state, tables and slack.
-    let mut dev =
-        Dev::new(rt, ws_bytes + t * (4 * hk * dk + 4 * hv * dv + 8 * hv) + n_seqs * hv * dk * dv * 4 + (64 << 20))?;
-    let d = &mut dev;
-    let mut rng = StdRng::seed_from_u64(7);
-    let mut q = randv(&mut rng, t * hk * dk, 1.0);
-    let mut kk = randv(&mut rng, t * hk * dk, 1.0);
-    cpu::norm::l2_norm(&mut q, dk, 1e-6);
-    cpu::norm::l2_norm(&mut kk, dk, 1e-6);
-    let v = randv(&mut rng, t * hv * dv, 1.0);
-    let g: Vec<f32> = (0..t * hv).map(|_| -rng.random_range(0.0f32..0.5)).collect();
-    let beta: Vec<f32> = (0..t * hv).map(|_| rng.random_range(0.05..0.95)).collect();
-    let slots: Vec<i32> = (0..n_seqs as i32).collect();
-    let (qp, kp, vp, gp, bp) = (d.bf16(&q)?, d.bf16(&kk)?, d.bf16(&v)?, d.f32s(&g)?, d.f32s(&beta)?);
-    let sp = d.f32s(&vec![0f32; n_seqs * hv * dk * dv])?;
-    let (cup, slp, tp) = (d.i32s(&cu)?, d.i32s(&slots)?, d.i32s(&table)?);
-    let (op, wsp) = (d.poison(2 * t * hv * dv)?, d.poison(ws_bytes)?);
-    let a = gdn_chunk::GdnChunk {
-        q: qp,
-        k: kp,
-        v: vp,
-        v_stride: hv * dv,
-        g: gp,
-        beta: bp,
-        state: sp,
-        cu_seqlens: cup,
-        slots: slp,
-        chunk_table: tp,
-        n_chunks: table.len() / 2,
-        o: op,
-        workspace: wsp,
-        workspace_bytes: ws_bytes,
-        n_seqs,
-        t,
-        hk,
-        hv,
-    };
-    let ctx = rt.context();
-    let ev = || {
-        ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(deltaserve_cuda::CudaError::driver("cuEventCreate"))
-    };
-    let de = deltaserve_cuda::CudaError::driver;
-    // [total, prep, state] per iteration
-    let mut times: Vec<[f32; 3]> = Vec::new();
-    for it in 0..11 {
-        let (e0, e1, e2) = (ev()?, ev()?, ev()?);
-        e0.record(&s).map_err(de("cuEventRecord"))?;
-        gdn_chunk::gdn_chunk_prep_with(k, &s, &a, prec)?;
-        e1.record(&s).map_err(de("cuEventRecord"))?;
-        gdn_chunk::gdn_chunk_state_with(k, &s, &a, prec)?;
-        e2.record(&s).map_err(de("cuEventRecord"))?;
-        e2.synchronize().map_err(de("cuEventSynchronize"))?;
-        let prep = e0.elapsed_ms(&e1).map_err(de("cuEventElapsedTime"))?;
-        let state = e1.elapsed_ms(&e2).map_err(de("cuEventElapsedTime"))?;
-        if it > 0 {
-            times.push([prep + state, prep, state]);
-        }
-    }
-    times.sort_by(|x, y| x[0].total_cmp(&y[0]));
-    let [med, med_prep, med_state] = times[times.len() / 2];
-    let times: Vec<f32> = times.iter().map(|x| x[0]).collect();
-    let o = d.get_bf16(op, t * hv * dv)?;
-    let nonfinite = o.iter().filter(|x| !x.is_finite()).count();
-    let mtok = t as f64 / (med as f64 * 1e-3) / 1e6;
+    let r = deltaserve_cuda::gdn_bench::time_gdn_prefill(rt, k, hk, hv, t, n_seqs, prec, 10)?;
+    let mtok = r.mtok_per_s();
     // FLA at the nearest measured prompt length (one sequence).
-    let (fla_t, fla) = FLA_MTOK.iter().copied().min_by_key(|&(ft, _)| ft.abs_diff(t / n_seqs)).unwrap_or((0, 0.0));
+    let (fla_t, fla) = deltaserve_cuda::gdn_bench::fla_h200_nearest(t / n_seqs);
     println!(
-        "BENCH gdn_chunk 27B shape Hk={hk} Hv={hv} Dk={dk} Dv={dv} {prec:?} T={t} ({n_seqs} seqs): median {med:.3} ms (prep {med_prep:.3} + state {med_state:.3}) over {} runs (min {:.3}, max {:.3}) = {mtok:.2} M tokens/s per layer = {:.2}x the 8 M target, {:.2}x FLA at one {fla_t}-token sequence ({fla}); workspace {:.1} MiB ({} B/token); non-finite outputs {nonfinite}",
-        times.len(),
-        times[0],
-        times[times.len() - 1],
+        "BENCH gdn_chunk 27B shape Hk={hk} Hv={hv} Dk={dk} Dv={dv} {prec:?} T={t} ({n_seqs} seqs): median {:.3} ms (prep {:.3} + state {:.3}) over {} runs (min {:.3}, max {:.3}) = {mtok:.2} M tokens/s per layer = {:.2}x the 8 M target, {:.2}x FLA at one {fla_t}-token sequence ({fla}); workspace {:.1} MiB ({} B/token); non-finite outputs {}",
+        r.ms,
+        r.prep_ms,
+        r.state_ms,
+        r.runs,
+        r.min_ms,
+        r.max_ms,
         mtok / GDN_TARGET_MTOK,
         mtok / fla,
-        ws_bytes as f64 / (1 << 20) as f64,
-        ws_bytes / t,
+        r.workspace_bytes as f64 / (1 << 20) as f64,
+        r.workspace_bytes / t,
+        r.nonfinite,
     );
+    assert_eq!(r.nonfinite, 0, "non-finite DeltaNet outputs");
     Ok(())
 }

@@ -160,6 +160,8 @@ struct Report {
     verify: Vec<(usize, usize, f64, f64)>,
     speculative: Vec<SpecRow>,
     profiles: Vec<ProfileRow>,
+    /// The chunked DeltaNet prefill kernels alone at the model's (per-card) shape.
+    deltanet: Vec<deltaserve_cuda::gdn_bench::GdnTiming>,
 }
 
 /// `--profile`: one batch-1 decode step at `context`, op group by op group.
@@ -221,6 +223,8 @@ pub fn run(a: Args) -> Result<()> {
         ceilings.gemm_tflops,
         ceilings.copy_gbs
     );
+    let mut skipped = Vec::new();
+    let deltanet = measure_deltanet(&rt, &card, &mut skipped)?;
     let budget = match a.memory {
         Some(m) => m,
         None => {
@@ -292,12 +296,13 @@ pub fn run(a: Args) -> Result<()> {
         startup_s,
         prefill: Vec::new(),
         decode: Vec::new(),
-        skipped: Vec::new(),
+        skipped,
         arena_allocations_moved: false,
         snapshots: Vec::new(),
         verify: Vec::new(),
         speculative: Vec::new(),
         profiles: Vec::new(),
+        deltanet,
     };
 
     let d = cfg.dims();
@@ -479,6 +484,35 @@ fn model_name(m: &ModelArgs, cfg: &ModelConfig) -> String {
         (None, Some(p)) => format!("preset {p}, random weights ({shape})"),
         _ => shape,
     }
+}
+
+/// The chunked DeltaNet prefill kernels alone (prep + walk, one layer) at the model's per-card shape:
+/// one prompt of 4K, 16K and 64K tokens and four of 1K, as far as the free memory allows (each case
+/// allocates its own buffers, freed before the backend starts).
+fn measure_deltanet(
+    rt: &Runtime,
+    card: &ModelConfig,
+    skipped: &mut Vec<String>,
+) -> Result<Vec<deltaserve_cuda::gdn_bench::GdnTiming>> {
+    use deltaserve_cuda::gdn_bench::{gdn_bench_bytes, time_gdn_prefill};
+    let d = card.dims();
+    if d.num_deltanet_layers == 0 {
+        return Ok(Vec::new());
+    }
+    let k = Kernels::load(rt, deltaserve_cuda::backend::kernel_dims(card))?;
+    let mut out = Vec::new();
+    for (t, seqs) in [(4096usize, 1usize), (16384, 1), (65536, 1), (4096, 4)] {
+        let need = gdn_bench_bytes(&k, t, seqs, d.gdn_k_heads, d.gdn_v_heads) as u64;
+        let free = rt.free_memory()?;
+        if need > free - free / 10 {
+            skipped.push(format!("DeltaNet kernels at {t} tokens: need {}, {} free", fmt_bytes(need), fmt_bytes(free)));
+            continue;
+        }
+        tracing::info!("bench: DeltaNet prefill kernels, {seqs} × {} tokens", fmt_count((t / seqs) as u64));
+        let prec = deltaserve_cuda::ops::gdn_chunk::Precision::Split;
+        out.push(time_gdn_prefill(rt, &k, d.gdn_k_heads, d.gdn_v_heads, t, seqs, prec, 10)?);
+    }
+    Ok(out)
 }
 
 /// bf16 GEMM rate (8192³, median of 10) and device copy rate (1 GiB, read + write bytes per second).
@@ -726,6 +760,15 @@ impl ToolReport for Report {
                 "step_ratio_to_decode": r3(r.total_ms() / r.decode_ms),
                 "speedup_at_2_5_tokens": r3(r.speedup(2.5)), "speedup_at_3_tokens": r3(r.speedup(3.0)),
             })).collect::<Vec<_>>(),
+            "deltanet_prefill": self.deltanet.iter().map(|r| {
+                let (fla_t, fla) = deltaserve_cuda::gdn_bench::fla_h200_nearest(r.tokens / r.seqs);
+                json!({
+                    "tokens": r.tokens, "sequences": r.seqs, "ms": r3(r.ms), "prep_ms": r3(r.prep_ms),
+                    "walk_ms": r3(r.state_ms), "mtok_per_s_per_layer": r3(r.mtok_per_s()),
+                    "fla_h200_mtok_per_s": fla, "fla_h200_tokens": fla_t, "ratio_to_fla_h200": r3(r.mtok_per_s() / fla),
+                    "workspace_bytes": r.workspace_bytes, "nonfinite_outputs": r.nonfinite,
+                })
+            }).collect::<Vec<_>>(),
             "profile": self.profiles.iter().map(|p| json!({
                 "batch": 1, "context": p.context, "eager_ms_per_step": r3(p.eager_ms),
                 "gpu_ms_per_step": r3(p.groups.iter().map(|g| g.1).sum::<f64>()),
@@ -797,6 +840,31 @@ impl ToolReport for Report {
                 .map_or("-".into(), |p| format!("{:.3} of the plan", p as f64 / self.plan_bytes as f64)),
             if self.arena_allocations_moved { "YES" } else { "none" }
         );
+        if !self.deltanet.is_empty() {
+            let _ = writeln!(
+                s,
+                "\nDeltaNet chunked prefill kernels alone (one layer, the model's shape; FLA = flash-linear-attention on an H200)"
+            );
+            let _ = writeln!(
+                s,
+                "{:>14} {:>9} {:>9} {:>9} {:>12} {:>8} {:>12}",
+                "tokens", "ms", "prep ms", "walk ms", "M tok/s", "vs FLA", "workspace"
+            );
+            for r in &self.deltanet {
+                let (_, fla) = deltaserve_cuda::gdn_bench::fla_h200_nearest(r.tokens / r.seqs);
+                let _ = writeln!(
+                    s,
+                    "{:>14} {:>9.3} {:>9.3} {:>9.3} {:>12.2} {:>7.2}× {:>12}",
+                    if r.seqs == 1 { format!("{}", r.tokens) } else { format!("{} × {}", r.seqs, r.tokens / r.seqs) },
+                    r.ms,
+                    r.prep_ms,
+                    r.state_ms,
+                    r.mtok_per_s(),
+                    r.mtok_per_s() / fla,
+                    fmt_bytes(r.workspace_bytes as u64)
+                );
+            }
+        }
         for p in &self.profiles {
             let gpu: f64 = p.groups.iter().map(|g| g.1).sum();
             let _ = writeln!(
@@ -925,6 +993,9 @@ impl ToolReport for Report {
 
     fn failures(&self) -> Vec<String> {
         let mut f = Vec::new();
+        for r in self.deltanet.iter().filter(|r| r.nonfinite > 0) {
+            f.push(format!("the DeltaNet kernels gave {} non-finite outputs at {} tokens", r.nonfinite, r.tokens));
+        }
         if self.arena_allocations_moved {
             f.push("the arena allocated after start".to_string());
         }
