@@ -2074,10 +2074,11 @@ impl CudaBackend {
         let dev = |e: CudaError| BackendError::Device(e.to_string());
         self.prof_begin().map_err(dev)?;
         let r = self.run_chunks_timed(batch, verify, out);
-        self.prof_end().map_err(dev)?;
-        r
+        let p = self.prof_end().map_err(dev);
+        r.and(p)
     }
 
+    /// [`CudaBackend::run_chunks`] between the profiler's step marks.
     fn run_chunks_timed(&mut self, batch: &StepBatch, verify: &[bool], out: StepOut<'_>) -> Result<(), BackendError> {
         let is_ver = |i: usize| verify.get(i).copied().unwrap_or(false);
         let inv = |m: String| Err(BackendError::InvalidStep(m));
