@@ -97,7 +97,8 @@ pub struct Args {
     #[arg(long, default_value_t = PlanOptions::gpu_defaults(0).decode_partitions)]
     decode_partitions: usize,
     /// Also time one decode step of one sequence per context op group by op group (eagerly, a timing
-    /// event after each group: where a decode step's GPU time goes).
+    /// event after each group: where a decode step's GPU time goes; one GPU, not under
+    /// --tensor-parallel).
     #[arg(long)]
     profile: bool,
     /// Print one JSON object instead of the table.
