@@ -218,14 +218,17 @@ pub fn run(a: Args) -> Result<()> {
     let rt = Runtime::open(0)?;
     let gpu = format!("{} ({})", rt.context().name().unwrap_or_default(), rt.arch());
     tracing::info!("bench: measuring the device's ceilings on {gpu}");
-    let ceilings = measure_ceilings(&rt)?;
+    // One set of kernels, specialised to the model, for the ceilings and the DeltaNet timings.
+    let kernels = Kernels::load(&rt, deltaserve_cuda::backend::kernel_dims(&card))?;
+    let ceilings = measure_ceilings(&rt, &kernels)?;
     tracing::info!(
         "bench: bf16 GEMM {:.0} TFLOP/s, device copy {:.0} GB/s (read + write)",
         ceilings.gemm_tflops,
         ceilings.copy_gbs
     );
     let mut skipped = Vec::new();
-    let deltanet = measure_deltanet(&rt, &card, &mut skipped)?;
+    let deltanet = measure_deltanet(&rt, &kernels, &card, &mut skipped)?;
+    drop(kernels);
     let budget = match a.memory {
         Some(m) => m,
         None => {
@@ -492,6 +495,7 @@ fn model_name(m: &ModelArgs, cfg: &ModelConfig) -> String {
 /// allocates its own buffers, freed before the backend starts).
 fn measure_deltanet(
     rt: &Runtime,
+    k: &Kernels,
     card: &ModelConfig,
     skipped: &mut Vec<String>,
 ) -> Result<Vec<deltaserve_cuda::gdn_bench::GdnTiming>> {
@@ -500,10 +504,9 @@ fn measure_deltanet(
     if d.num_deltanet_layers == 0 {
         return Ok(Vec::new());
     }
-    let k = Kernels::load(rt, deltaserve_cuda::backend::kernel_dims(card))?;
     let mut out = Vec::new();
     for (t, seqs) in [(4096usize, 1usize), (16384, 1), (65536, 1), (4096, 4)] {
-        let need = gdn_bench_bytes(&k, t, seqs, d.gdn_k_heads, d.gdn_v_heads) as u64;
+        let need = gdn_bench_bytes(k, t, seqs, d.gdn_k_heads, d.gdn_v_heads) as u64;
         let free = rt.free_memory()?;
         if need > free - free / 10 {
             skipped.push(format!("DeltaNet kernels at {t} tokens: need {}, {} free", fmt_bytes(need), fmt_bytes(free)));
@@ -511,21 +514,20 @@ fn measure_deltanet(
         }
         tracing::info!("bench: DeltaNet prefill kernels, {seqs} × {} tokens", fmt_count((t / seqs) as u64));
         let prec = deltaserve_cuda::ops::gdn_chunk::Precision::Split;
-        out.push(time_gdn_prefill(rt, &k, d.gdn_k_heads, d.gdn_v_heads, t, seqs, prec, 10)?);
+        out.push(time_gdn_prefill(rt, k, d.gdn_k_heads, d.gdn_v_heads, t, seqs, prec, 10)?);
     }
     Ok(out)
 }
 
 /// bf16 GEMM rate (8192³, median of 10) and device copy rate (1 GiB, read + write bytes per second).
-fn measure_ceilings(rt: &Runtime) -> Result<Ceilings> {
-    let k = Kernels::load(rt, deltaserve_cuda::KernelDims::QWEN35_27B)?;
+fn measure_ceilings(rt: &Runtime, k: &Kernels) -> Result<Ceilings> {
     let n = 8192usize;
     let mut arena = Arena::new(rt.context().clone());
     let r = arena.add_region("bench ceilings", 3 * n * n * 2 + (32 << 20))?;
     let (x, w, y) = (arena.alloc(r, n * n * 2)?, arena.alloc(r, n * n * 2)?, arena.alloc(r, n * n * 2)?);
     let ws = arena.alloc(r, 32 << 20)?;
-    init_random(&k, rt.stream(), x.ptr, n * n, 1, Init::Normal(1.0), false)?;
-    init_random(&k, rt.stream(), w.ptr, n * n, 2, Init::Normal(1.0), false)?;
+    init_random(k, rt.stream(), x.ptr, n * n, 1, Init::Normal(1.0), false)?;
+    init_random(k, rt.stream(), w.ptr, n * n, 2, Init::Normal(1.0), false)?;
     let g = deltaserve_cuda::gemm::Gemm::new(rt, ws)?;
     let gemm_s = time_median(rt, 12, || g.linear(rt.stream(), x.ptr, w.ptr, y.ptr, n, n, n))?;
     // The copy reuses the GEMM buffers: 2 × 128 MiB, several copies per timing.
