@@ -21,8 +21,8 @@
 // Computes:
 //  w4_permute_x: xo[m, j] = x[m, perm[j]]  (the GEMV's x for act-order weights; xo row stride in)
 //  w4p_*:        y[m, o] = sum_j x[m, j] * W[o, j], m < M <= 8, f32 accumulation, bf16 or f32 y, for
-//                up to four linears sharing x in one launch (the "pair" kernel, described above
-//                its code).
+//                up to four segments sharing x in one launch: linears, or row ranges of one run
+//                with their own warps per pair (the "pair" kernel, described above its code).
 //  w4_dequant:   dst[r - r0, perm[j]] = bf16(W[r, perm[j]]) for rows r0 <= r < r1 (prefill path:
 //                an N-slice of bf16 weights for cuBLASLt).
 //  w4_quantize:  rows r0..r1 of a bf16 W (staging buffer, row r at w + (r - r0)*ldw) -> the format,
@@ -34,9 +34,9 @@
 //
 // Launch:
 //  w4_permute_x: grid (ceil(M*in/256)), block 256.
-//  w4p_*:        grid (sum over the linears of ceil(ceil(out/32) / (8/wpt))), block 256, dynamic smem
-//                64 KB (8 warps x 4 stages x 2 KB); x 16-byte aligned with ldx % 8 == 0; scales
-//                8-byte aligned, zeros 4-byte aligned.
+//  w4p_*:        grid (sum over the segments of ceil(ceil(out_s/32) / (8/wpt_s))), block 256, dynamic
+//                smem 64 KB (8 warps x 4 stages x 2 KB); x 16-byte aligned with ldx % 8 == 0; scales
+//                8-byte aligned, zeros 4-byte aligned (a segment from row r0 of a linear: r0 % 32 == 0).
 //  w4_dequant:   grid (ceil((r1-r0)*in/32 / 256)) (grid-stride; per word with perm), block 256;
 //                dst 16-byte aligned, ldd % 8 == 0 (without perm); out*in/32 < 2^31.
 //  w4_quantize:  grid (ceil(ceil((r1-r0)/2) * NG / 8)), block 256: one warp per (row pair, group);
@@ -137,8 +137,8 @@ __device__ __forceinline__ u32 w4p_unpack(u32 w) {
 template <typename OutT, bool ASYM, bool SBF, bool VEC>
 __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,
                                          const unsigned char* __restrict__ zeros, const bf16_t* __restrict__ x,
-                                         long long ldx, OutT* __restrict__ y, long long ldy, int M, int out, int in,
-                                         int wpt, int block, uint4* smem) {
+                                         long long ldx, OutT* __restrict__ y, long long ldy, int M, int out, int os,
+                                         int in, int wpt, int block, uint4* smem) {
     constexpr int S = W4P_S;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -157,9 +157,9 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
     u32 pw[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) pw[j] = (u32)w4_u4(min(r0 + j, out - 1), 4 * gb + t, out, ng);
-    const int zstride = (out + 1) >> 1;
-    // Scales / zeros of the next group to issue (advanced by one group per issue).
-    const unsigned short* ps = scales + (long long)gb * out;
+    const int zstride = (os + 1) >> 1;
+    // Scales / zeros of the next group to issue (advanced by one group per issue; os: their row stride).
+    const unsigned short* ps = scales + (long long)gb * os;
     const unsigned char* pz = ASYM ? zeros + (long long)gb * zstride : nullptr;
     const bool has_x = g < M;
     const uint4* px = (const uint4*)(x + (long long)(has_x ? g : 0) * ldx) + t * 4 + 16 * gb;
@@ -181,7 +181,7 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
             const u32 c = __ldg(ps + min(r0 + 2, out - 1)), d = __ldg(ps + min(r0 + 3, out - 1));
             s_out = make_uint2(a | (b << 16), c | (d << 16));
         }
-        ps += out;
+        ps += os;
         if (ASYM) {
             if (VEC) {
                 z_out = __ldg((const unsigned short*)(pz + (rv >> 1)));
@@ -279,14 +279,17 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
     w4_gemv_store<2>(acc, (float*)smem, S * W4P_STAGE_U4 * 4, wpt, warp, lane, part, rows, M, y, ldy);
 }
 
-// One launch runs up to four linears that share x and `in` (a layer's q/k/v, qkv/z/b/a or gate/up):
-// segment s takes nb_s consecutive blocks (nb_s = ceil(ceil(out_s/32) / (8/wpt)); unused: nb = 0).
+// One launch runs up to four segments that share x and `in`: linears (a layer's q/k/v, qkv/z/b/a or
+// gate/up) or row ranges of one (a 32-row multiple from row r0: qw, sc, z, y advanced to r0; os the
+// linear's rows, the scales' and zeros' row stride). Segment s takes nb_s consecutive blocks of wpt_s
+// warps per pair (nb_s = ceil(ceil(out_s/32) / (8/wpt_s)); unused: nb = 0).
 #define W4P_SEG_ARGS(i, OUT_T)                                                                               \
     const u32 *__restrict__ qw##i, const unsigned short *__restrict__ sc##i,                                  \
-        const unsigned char *__restrict__ z##i, OUT_T *__restrict__ y##i, long long ldy##i, int out##i, int nb##i
+        const unsigned char *__restrict__ z##i, OUT_T *__restrict__ y##i, long long ldy##i, int out##i,        \
+        int os##i, int wpt##i, int nb##i
 #define W4P_KERNEL(NAME, OUT_T, ASYM, SBF)                                                                    \
     extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 2)                                              \
-        NAME(const bf16_t* __restrict__ x, long long ldx, int M, int in, int wpt, W4P_SEG_ARGS(0, OUT_T),         \
+        NAME(const bf16_t* __restrict__ x, long long ldx, int M, int in, W4P_SEG_ARGS(0, OUT_T),                  \
              W4P_SEG_ARGS(1, OUT_T), W4P_SEG_ARGS(2, OUT_T), W4P_SEG_ARGS(3, OUT_T)) {                          \
         extern __shared__ uint4 w4_dyn[];                                                                        \
         int b = blockIdx.x;                                                                                      \
@@ -295,23 +298,23 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
         const unsigned char* z = z0;                                                                             \
         OUT_T* y = y0;                                                                                           \
         long long ldy = ldy0;                                                                                    \
-        int out = out0;                                                                                          \
+        int out = out0, os = os0, wpt = wpt0;                                                                    \
         if (b >= nb0) {                                                                                          \
             b -= nb0;                                                                                            \
             if (b < nb1) {                                                                                       \
-                qw = qw1; sc = sc1; z = z1; y = y1; ldy = ldy1; out = out1;                                      \
+                qw = qw1; sc = sc1; z = z1; y = y1; ldy = ldy1; out = out1; os = os1; wpt = wpt1;                \
             } else if (b < nb1 + nb2) {                                                                          \
                 b -= nb1;                                                                                        \
-                qw = qw2; sc = sc2; z = z2; y = y2; ldy = ldy2; out = out2;                                      \
+                qw = qw2; sc = sc2; z = z2; y = y2; ldy = ldy2; out = out2; os = os2; wpt = wpt2;                \
             } else {                                                                                             \
                 b -= nb1 + nb2;                                                                                  \
-                qw = qw3; sc = sc3; z = z3; y = y3; ldy = ldy3; out = out3;                                      \
+                qw = qw3; sc = sc3; z = z3; y = y3; ldy = ldy3; out = out3; os = os3; wpt = wpt3;                \
             }                                                                                                    \
         }                                                                                                        \
-        if ((out & 3) == 0)                                                                                      \
-            w4p_body<OUT_T, ASYM, SBF, true>(qw, sc, z, x, ldx, y, ldy, M, out, in, wpt, b, w4_dyn);             \
+        if ((out & 3) == 0 && (os & 3) == 0)                                                                     \
+            w4p_body<OUT_T, ASYM, SBF, true>(qw, sc, z, x, ldx, y, ldy, M, out, os, in, wpt, b, w4_dyn);         \
         else                                                                                                     \
-            w4p_body<OUT_T, ASYM, SBF, false>(qw, sc, z, x, ldx, y, ldy, M, out, in, wpt, b, w4_dyn);            \
+            w4p_body<OUT_T, ASYM, SBF, false>(qw, sc, z, x, ldx, y, ldy, M, out, os, in, wpt, b, w4_dyn);        \
     }
 // w4p_<y: h bf16 | f f32><s symmetric | a zero points><h f16 | b bf16 scales>
 W4P_KERNEL(w4p_hsh, bf16_t, false, false)

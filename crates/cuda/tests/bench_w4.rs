@@ -12,7 +12,8 @@
 //!
 //! `DS_BENCH_W4=<substring>` runs only the decode shapes whose name contains it (for profilers);
 //! `DS_BENCH_W4_SWEEP=1` runs only the shape sweep (the GEMV's fixed cost per launch:
-//! bench/results/session11-h200-2026-11-30.md).
+//! bench/results/session11-h200-2026-11-30.md; its wave quantisation: session13), over the shapes
+//! `DS_BENCH_W4_SHAPES="out:in,..."` when set.
 
 use std::sync::Arc;
 
@@ -155,7 +156,8 @@ const DECODE: &[(&str, usize, usize)] = &[
 ];
 
 /// Linears of a layer that share x (one launch of w4_gemv_multi), in = 5120.
-const MULTI: &[(&str, &[usize])] = &[("attn q+k+v", &[12288, 1024, 1024]), ("gdn qkv+z+ba", &[10240, 6144, 96])];
+const MULTI: &[(&str, &[usize])] =
+    &[("attn q+k+v", &[12288, 1024, 1024]), ("gdn qkv+z+ba", &[10240, 6144, 96]), ("mlp gate+up", &[17408, 17408])];
 
 /// Prefill shapes (at each of TOKENS).
 const PREFILL: &[(&str, usize, usize)] = &[
@@ -218,7 +220,7 @@ fn run(rt: &Runtime, k: &Kernels) -> R<()> {
             if asym {
                 cfgs.push((1, auto));
             } else {
-                cfgs.extend([1usize, 2, 4, 8].iter().map(|&wpt| (1, GemvConfig { wpt })));
+                cfgs.extend([1usize, 2, 4, 8].iter().map(|&wpt| (1, GemvConfig { wpt, slots: 0 })));
                 cfgs.extend([(2, auto), (4, auto), (8, auto)]);
             }
             for (m, cfg) in cfgs {
@@ -416,33 +418,46 @@ fn shape_sweep(rt: &Runtime, k: &Kernels, copy: f64) -> R<()> {
     let s = rt.stream().clone();
     println!("| out x in | wpt | blocks | waves (2/SM) | groups per warp | us | % of copy |");
     println!("|---|---|---|---|---|---|---|");
-    let shapes = [
-        (34816, 5120),
-        (69632, 5120),
-        (139264, 5120),
-        (248320, 5120),
-        (34816, 10240),
-        (34816, 20480),
-        (8704, 20480),
-        (17408, 10240),
-    ];
+    // DS_BENCH_W4_SHAPES="out:in,out:in,...": these shapes instead of the default list (e.g. rows
+    // either side of a wave boundary: bench/results/session13-h200-2026-11-30.md).
+    let shapes: Vec<(usize, usize)> = match std::env::var("DS_BENCH_W4_SHAPES") {
+        Ok(v) => v
+            .split(',')
+            .filter_map(|p| p.split_once(':'))
+            .filter_map(|(o, i)| Some((o.trim().parse().ok()?, i.trim().parse().ok()?)))
+            .collect(),
+        Err(_) => vec![
+            (34816, 5120),
+            (69632, 5120),
+            (139264, 5120),
+            (248320, 5120),
+            (34816, 10240),
+            (34816, 20480),
+            (8704, 20480),
+            (17408, 10240),
+        ],
+    };
     for (out, inp) in shapes {
         let mut d = Dev::new(rt, 2 * out * inp + (1 << 30))?;
         let (stage, x, y) = decode_buffers(k, &s, &mut d, out, inp)?;
         let (w, _) = make_w4(k, &s, &mut d, stage, out, inp, false)?;
         let ws = copies(&mut d, &w, 400 << 20)?;
-        for wpt in [1usize, 2, 4, 8] {
-            let cfg = GemvConfig { wpt };
+        // Every warps-per-pair without the thin-wave split, then the default (with it, "+ split").
+        let auto = w4a16::gemv_config(out, inp, rt.sm_count as usize);
+        let cfgs = [1usize, 2, 4, 8].map(|wpt| GemvConfig { wpt, slots: 0 });
+        for cfg in cfgs.into_iter().chain([auto]) {
             let ms = time_ms(rt, 50.max(ws.len()), |i| {
                 w4a16::w4_gemv(k, &s, &ws[i % ws.len()], x, inp, y, out, 1, cfg, None)
             })?;
             let b = w.bytes();
             let gbs = (b.qweight + b.scales + 2 * inp) as f64 / (ms * 1e-3) / 1e9;
-            let blocks = out.div_ceil(32 * (8 / wpt));
+            let segs = w4a16::launch_segments(&[out.div_ceil(32)], inp / 128, cfg);
+            let blocks: usize = segs.iter().map(|p| p.pairs.div_ceil(8 / p.wpt)).sum();
+            let tag = if segs.len() > 1 { format!("{} + split", cfg.wpt) } else { cfg.wpt.to_string() };
             println!(
-                "| {out} x {inp} | {wpt} | {blocks} | {:.2} | {} | {:.1} | {:.1}% |",
+                "| {out} x {inp} | {tag} | {blocks} | {:.2} | {} | {:.1} | {:.1}% |",
                 blocks as f64 / (2 * rt.sm_count as usize) as f64,
-                inp / 128 / wpt,
+                inp / 128 / cfg.wpt,
                 ms * 1e3,
                 100.0 * gbs / copy
             );

@@ -86,28 +86,90 @@ const PAIR_ROWS: usize = 32;
 pub struct GemvConfig {
     /// Warps sharing one pair's groups (split-K inside a block): 1, 2, 4 or 8.
     pub wpt: usize,
+    /// Blocks the GPU holds at once (2 per SM; 0: never split a thin last wave, see
+    /// [`launch_segments`]).
+    pub slots: usize,
 }
 
-/// The configuration for an `[out, in]` linear on a GPU with `sm_count` SMs: 8 warps per 32-row pair
-/// for linears of fewer than 2 pairs per SM, 4 up to 32 pairs per SM, else 1 (a vocabulary-sized
-/// lm_head: its blocks stream in waves anyway; the fastest at every 27B shape on the H200:
-/// bench/results/session8-h200-2026-11-29.md), and no more than half as many warps as there are
-/// groups.
+/// The configuration for a launch of `out` rows (summed over its linears) × `inp` on a GPU with
+/// `sm_count` SMs: the fewest warps per pair (1, 2, 4, 8) whose blocks fill at least 60% of a wave
+/// (2 blocks per SM; else 8), and no more than half as many warps as there are groups. Fewer warps
+/// per pair means fewer, longer blocks (fewer pipeline fills, no reduction); 60% of a wave keeps the
+/// SMs busy enough. On the H200 this picks the fastest of the four at every measured shape
+/// (bench/results/session13-h200-2026-11-30.md; gate+up 34,816 × 5,120: 2, which with the
+/// thin-wave split of [`launch_segments`] runs in one wave and a short tail).
 pub fn gemv_config(out: usize, inp: usize, sm_count: usize) -> GemvConfig {
-    let pairs = out.div_ceil(32);
+    let pairs = out.div_ceil(PAIR_ROWS);
     let groups = (inp / W4_GROUP).max(1);
-    let sms = sm_count.max(1);
-    let mut wpt = if pairs < 2 * sms {
-        8
-    } else if pairs < 32 * sms {
-        4
-    } else {
-        1
-    };
+    let slots = 2 * sm_count.max(1);
+    let want = [1, 2, 4].into_iter().find(|&w| 5 * pairs.div_ceil(WARPS / w) >= 3 * slots).unwrap_or(WARPS);
+    GemvConfig { wpt: fit_wpt(want, groups), slots }
+}
+
+/// Warps per pair for `groups` groups: at most `want`, and no more than half as many as the groups.
+fn fit_wpt(want: usize, groups: usize) -> usize {
+    let mut wpt = want;
     while wpt > 1 && wpt * 2 > groups {
         wpt /= 2;
     }
-    GemvConfig { wpt }
+    wpt
+}
+
+/// One segment of a GEMV launch: pairs `pair0 .. pair0 + pairs` of linear `linear`, `wpt` warps per
+/// pair.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Segment {
+    pub linear: usize,
+    pub pair0: usize,
+    pub pairs: usize,
+    pub wpt: usize,
+}
+
+/// The segments of a launch over linears of `pairs[i]` pairs and `groups` groups: each linear at
+/// `cfg.wpt`, except that when the launch's blocks end in a thin wave (more blocks than `cfg.slots`,
+/// the remainder at most a quarter of them) that wave's pairs, taken from the end of the launch,
+/// run with 8 warps per pair (or as many as the groups allow) in as many more, shorter blocks: the
+/// thin wave then costs a fraction of a full one (gate+up at the 27B shape: 272 blocks of 20 units
+/// per warp on 264 slots; 1,056 pairs at 2 warps, the last 32 at 8). At most [`MULTI_MAX`]
+/// segments (otherwise no split).
+pub fn launch_segments(pairs: &[usize], groups: usize, cfg: GemvConfig) -> Vec<Segment> {
+    let whole: Vec<Segment> =
+        pairs.iter().enumerate().map(|(linear, &p)| Segment { linear, pair0: 0, pairs: p, wpt: cfg.wpt }).collect();
+    let ppb = WARPS / cfg.wpt;
+    let blocks: usize = pairs.iter().map(|p| p.div_ceil(ppb)).sum();
+    let tail_wpt = fit_wpt(WARPS, groups);
+    if cfg.slots == 0 || tail_wpt <= cfg.wpt || blocks <= cfg.slots {
+        return whole;
+    }
+    let thin = blocks % cfg.slots;
+    if thin == 0 || 4 * thin > cfg.slots {
+        return whole;
+    }
+    // The last `thin` blocks' pairs, from the last linear backwards (a linear's last block may hold
+    // fewer than ppb pairs).
+    let mut segs = Vec::new();
+    let mut left = thin;
+    let mut tails = Vec::new();
+    for (i, &p) in pairs.iter().enumerate().rev() {
+        let nb = p.div_ceil(ppb);
+        let take = left.min(nb);
+        left -= take;
+        let main = (nb - take) * ppb;
+        tails.push((i, main.min(p)));
+        if left == 0 {
+            break;
+        }
+    }
+    for (i, &p) in pairs.iter().enumerate() {
+        let main = tails.iter().find(|t| t.0 == i).map_or(p, |t| t.1);
+        if main > 0 {
+            segs.push(Segment { linear: i, pair0: 0, pairs: main, wpt: cfg.wpt });
+        }
+    }
+    for &(i, main) in tails.iter().rev() {
+        segs.push(Segment { linear: i, pair0: main, pairs: pairs[i] - main, wpt: tail_wpt });
+    }
+    if segs.len() > MULTI_MAX { whole } else { segs }
 }
 
 /// `y[m, out]` (bf16, row stride `ldy`) = `x[m, in]` (bf16, row stride `ldx`) · Wᵀ, f32 accumulation.
@@ -173,7 +235,7 @@ pub fn w4_gemv_out(
             }
             _ => (xc, ldx as i64),
         };
-        launch_pair(k, s, &[W4Out { w, y: yc, ldy }], xg, ldxg, mc, cfg.wpt, f32_out)?;
+        launch_pair(k, s, &[W4Out { w, y: yc, ldy }], xg, ldxg, mc, cfg, f32_out)?;
     }
     Ok(())
 }
@@ -205,7 +267,8 @@ pub fn multi_supported(outs: &[W4Out<'_>]) -> bool {
 /// `y_i[m, out_i] = x[m, in] · W_iᵀ` for up to four linears sharing x (a layer's q/k/v, qkv/z/b/a, gate/up)
 /// in one launch of the pair kernel per 8 tokens, `cfg.wpt` warps per 32-row pair (see
 /// [`gemv_config`] over the summed rows). Each linear's rows equal its [`w4_gemv`] rows with the same
-/// `cfg` bitwise.
+/// `cfg` bitwise, except those the launch's thin last wave runs with more warps per pair
+/// ([`launch_segments`]: then equal to rounding).
 #[allow(clippy::too_many_arguments)]
 pub fn w4_gemv_multi(
     k: &Kernels,
@@ -235,7 +298,7 @@ pub fn w4_gemv_multi(
     for m0 in (0..m).step_by(GEMV_MAX_M) {
         let mc = (m - m0).min(GEMV_MAX_M);
         let chunk: Vec<W4Out<'_>> = outs.iter().map(|o| W4Out { y: o.y + (eb * m0 * o.ldy) as u64, ..*o }).collect();
-        launch_pair(k, s, &chunk, x + 2 * (m0 * ldx) as u64, ldx as i64, mc, cfg.wpt, f32_out)?;
+        launch_pair(k, s, &chunk, x + 2 * (m0 * ldx) as u64, ldx as i64, mc, cfg, f32_out)?;
     }
     Ok(())
 }
@@ -250,12 +313,12 @@ fn launch_pair(
     x: u64,
     ldx: i64,
     mc: usize,
-    wpt: usize,
+    cfg: GemvConfig,
     f32_out: bool,
 ) -> Result<(), CudaError> {
     const K: &str = "w4_gemv";
-    if ![1, 2, 4, 8].contains(&wpt) {
-        return Err(invalid(K, format!("warps per pair must be 1, 2, 4 or 8, got {wpt}")));
+    if ![1, 2, 4, 8].contains(&cfg.wpt) {
+        return Err(invalid(K, format!("warps per pair must be 1, 2, 4 or 8, got {}", cfg.wpt)));
     }
     let first = outs[0].w;
     for o in outs {
@@ -266,36 +329,46 @@ fn launch_pair(
         to_i32(K, "qweight chunks", o.w.out * o.w.inp / 32)?;
     }
     let name = pair_kernel(f32_out, first.zeros.is_some(), first.scale_dtype == ScaleDtype::Bf16);
-    let rows_per_block = PAIR_ROWS * (WARPS / wpt);
-    // Segment i: (qweight, scales, zeros, y, ldy, out, blocks); unused segments have 0 blocks.
-    let mut seg = [(0u64, 0u64, 0u64, 0u64, 0i64, 1i32, 0i32); MULTI_MAX];
+    let groups = first.inp / W4_GROUP;
+    // Kernel segments: (qweight, scales, zeros, y, ldy, rows, scale row stride, wpt, blocks); unused
+    // ones have 0 blocks. A segment from row r0 of its linear: its units start at pair r0/32
+    // (tile-major), its scales at column r0 of each group's row, its zeros at byte r0/2, its outputs
+    // at column r0 of y.
+    let pairs: Vec<usize> = outs.iter().map(|o| o.w.out.div_ceil(PAIR_ROWS)).collect();
+    let mut seg = [(0u64, 0u64, 0u64, 0u64, 0i64, 1i32, 1i32, 1i32, 0i32); MULTI_MAX];
     let mut blocks = 0usize;
-    for (i, o) in outs.iter().enumerate() {
-        let nb = o.w.out.div_ceil(rows_per_block);
+    let eb = if f32_out { 4 } else { 2 };
+    for (n, sg) in launch_segments(&pairs, groups, cfg).into_iter().enumerate() {
+        let o = &outs[sg.linear];
+        let row0 = sg.pair0 * PAIR_ROWS;
+        let rows = (sg.pairs * PAIR_ROWS).min(o.w.out - row0);
+        let nb = sg.pairs.div_ceil(WARPS / sg.wpt);
         blocks += nb;
-        seg[i] = (
-            o.w.qweight,
-            o.w.scales,
-            o.w.zeros.unwrap_or(0),
-            o.y,
+        seg[n] = (
+            o.w.qweight + (row0 * o.w.inp / 2) as u64,
+            o.w.scales + (2 * row0) as u64,
+            o.w.zeros.map_or(0, |z| z + (row0 / 2) as u64),
+            o.y + (eb * row0) as u64,
             o.ldy as i64,
+            to_i32(K, "out", rows)?,
             to_i32(K, "out", o.w.out)?,
+            sg.wpt as i32,
             to_i32(K, "blocks", nb)?,
         );
     }
     let grid = (to_u32(K, "blocks", blocks)?, 1, 1);
     let block = ((WARPS * 32) as u32, 1, 1);
     let smem = PAIR_SMEM_BYTES as u32;
-    let (mc_i, inp, wpt_i) = (mc as i32, to_i32(K, "in", first.inp)?, wpt as i32);
+    let (mc_i, inp) = (mc as i32, to_i32(K, "in", first.inp)?);
     let [
-        (q0, s0, z0, y0, l0, o0, n0),
-        (q1, s1, z1, y1, l1, o1, n1),
-        (q2, s2, z2, y2, l2, o2, n2),
-        (q3, s3, z3, y3, l3, o3, n3),
+        (q0, s0, z0, y0, l0, o0, r0, w0, n0),
+        (q1, s1, z1, y1, l1, o1, r1, w1, n1),
+        (q2, s2, z2, y2, l2, o2, r2, w2, n2),
+        (q3, s3, z3, y3, l3, o3, r3, w3, n3),
     ] = seg;
-    launch_pdl!(k, s, name, grid, block, smem; x, ldx, mc_i, inp, wpt_i,
-        q0, s0, z0, y0, l0, o0, n0, q1, s1, z1, y1, l1, o1, n1, q2, s2, z2, y2, l2, o2, n2,
-        q3, s3, z3, y3, l3, o3, n3)
+    launch_pdl!(k, s, name, grid, block, smem; x, ldx, mc_i, inp,
+        q0, s0, z0, y0, l0, o0, r0, w0, n0, q1, s1, z1, y1, l1, o1, r1, w1, n1,
+        q2, s2, z2, y2, l2, o2, r2, w2, n2, q3, s3, z3, y3, l3, o3, r3, w3, n3)
 }
 
 /// Benchmark probe: streams `w.qweight` as the pair kernel would (its grid for `wpt` warps per pair,
@@ -435,15 +508,48 @@ mod tests {
     #[test]
     fn default_config_at_the_27b_shapes() {
         for (out, inp, wpt) in [
-            (34816, 5120, 4),
+            (34816, 5120, 2),
             (5120, 17408, 8),
+            (16480, 5120, 4),
+            (14336, 5120, 4),
             (10240, 5120, 4),
+            (12288, 5120, 4),
+            (16896, 5120, 4),
+            (8448, 5120, 8),
+            (25344, 5120, 2),
+            (50688, 5120, 1),
             (6144, 5120, 8),
             (1024, 5120, 8),
             (248320, 5120, 1),
             (48, 128, 1),
         ] {
-            assert_eq!(gemv_config(out, inp, 132), GemvConfig { wpt }, "[{out}, {inp}]");
+            assert_eq!(gemv_config(out, inp, 132), GemvConfig { wpt, slots: 264 }, "[{out}, {inp}]");
         }
+    }
+
+    #[test]
+    fn thin_last_waves_run_with_more_warps_per_pair() {
+        let seg = |linear, pair0, pairs, wpt| Segment { linear, pair0, pairs, wpt };
+        let cfg = gemv_config(34816, 5120, 132);
+        // gate and up (544 pairs each) at 2 warps per pair: 272 blocks on 264 slots; the last 8
+        // blocks' 32 pairs (of up) run at 8 warps per pair.
+        assert_eq!(launch_segments(&[544, 544], 40, cfg), [seg(0, 0, 544, 2), seg(1, 0, 512, 2), seg(1, 512, 32, 8)]);
+        assert_eq!(launch_segments(&[1088], 40, cfg), [seg(0, 0, 1056, 2), seg(0, 1056, 32, 8)]);
+        // A thin wave (3 blocks) reaching into an earlier linear, with a partial last block (3 pairs).
+        let c = GemvConfig { wpt: 2, slots: 19 };
+        assert_eq!(launch_segments(&[80, 7], 40, c), [seg(0, 0, 76, 2), seg(0, 76, 4, 8), seg(1, 0, 7, 8)]);
+        // One wave or less, a thick last wave, already 8 warps per pair, too many segments, slots 0.
+        assert_eq!(launch_segments(&[320], 40, GemvConfig { wpt: 4, slots: 264 }), [seg(0, 0, 320, 4)]);
+        assert_eq!(launch_segments(&[700], 40, GemvConfig { wpt: 4, slots: 264 }), [seg(0, 0, 700, 4)]);
+        assert_eq!(launch_segments(&[300], 136, GemvConfig { wpt: 8, slots: 264 }), [seg(0, 0, 300, 8)]);
+        let many = launch_segments(&[8, 8, 8, 8], 40, GemvConfig { wpt: 1, slots: 3 });
+        assert_eq!(many.len(), 4);
+        assert!(many.iter().all(|s| s.wpt == 1));
+        assert_eq!(launch_segments(&[1088], 40, GemvConfig { wpt: 2, slots: 0 }), [seg(0, 0, 1088, 2)]);
+        // Few groups cap the tail's warps per pair (8 groups: 4 warps).
+        assert_eq!(
+            launch_segments(&[1100], 8, GemvConfig { wpt: 2, slots: 264 }),
+            [seg(0, 0, 1056, 2), seg(0, 1056, 44, 4)]
+        );
     }
 }
