@@ -1796,7 +1796,7 @@ impl CudaBackend {
             });
             if all_int4 && w4a16::multi_supported(&w4) {
                 let rows = w4.iter().map(|o| o.w.out).sum();
-                let cfg = w4a16::gemv_config(rows, kdim, self.rt.sm_count.max(1) as usize);
+                let cfg = w4a16::gemv_config(rows, kdim, self.k.w4_slots);
                 return w4a16::w4_gemv_multi(&self.k, s, &w4, x, kdim, t, cfg, false);
             }
         }
@@ -1835,7 +1835,7 @@ impl CudaBackend {
     ) -> Result<(), CudaError> {
         let xs = (self.ws.w4_x.bytes >= 2 * 8 * w.inp).then_some(self.ws.w4_x.ptr);
         if f32_out || t <= self.opts.gemv_max_tokens {
-            let cfg = w4a16::gemv_config(w.out, w.inp, self.rt.sm_count.max(1) as usize);
+            let cfg = w4a16::gemv_config(w.out, w.inp, self.k.w4_slots);
             return w4a16::w4_gemv_out(&self.k, s, w, x, w.inp, y, ldy, t, cfg, xs, f32_out);
         }
         let slice = self.ws.w4_slice;

@@ -193,7 +193,7 @@ fn run(rt: &Runtime, k: &Kernels) -> R<()> {
     if std::env::var("DS_BENCH_W4_SWEEP").is_ok() {
         return shape_sweep(rt, k, copy);
     }
-    println!("device {} ({}), {} SMs", rt.name, rt.arch(), rt.sm_count);
+    println!("device {} ({}), {} SMs, {} int4 GEMV blocks at once", rt.name, rt.arch(), rt.sm_count, k.w4_slots);
     println!("BENCH copy bandwidth (cuMemcpyDtoD 1 GiB, read + write): {copy:.0} GB/s");
     println!();
     println!("| linear | out x in | M | warps per pair | asym | us | GB/s read | % of copy |");
@@ -206,7 +206,7 @@ fn run(rt: &Runtime, k: &Kernels) -> R<()> {
         // bf16 staging + two int4 variants, each with copies of up to 400 MB + one linear
         let mut d = Dev::new(rt, 4 * out * inp + (1 << 30))?;
         let (stage, x, y) = decode_buffers(k, &s, &mut d, out, inp)?;
-        let auto = w4a16::gemv_config(out, inp, rt.sm_count as usize);
+        let auto = w4a16::gemv_config(out, inp, k.w4_slots);
         let mut best: Option<(f64, String)> = None;
         for asym in [false, true] {
             let (w, qms) = make_w4(k, &s, &mut d, stage, out, inp, asym)?;
@@ -277,12 +277,12 @@ fn run(rt: &Runtime, k: &Kernels) -> R<()> {
         for m in [1usize, 8] {
             let sep = time_ms(rt, 50.max(sets.len()), |i| {
                 for (w, y) in &sets[i % sets.len()] {
-                    let cfg = w4a16::gemv_config(w.out, inp, rt.sm_count as usize);
+                    let cfg = w4a16::gemv_config(w.out, inp, k.w4_slots);
                     w4a16::w4_gemv(k, &s, w, x, inp, *y, w.out, m, cfg, None)?;
                 }
                 Ok(())
             })?;
-            let cfg = w4a16::gemv_config(total, inp, rt.sm_count as usize);
+            let cfg = w4a16::gemv_config(total, inp, k.w4_slots);
             let one = time_ms(rt, 50.max(sets.len()), |i| {
                 let set = &sets[i % sets.len()];
                 let wo: Vec<w4a16::W4Out<'_>> =
@@ -392,7 +392,7 @@ fn read_probe(rt: &Runtime, k: &Kernels, copy: f64, only: Option<&str>) -> R<()>
         let (w, _) = make_w4(k, &s, &mut d, stage, out, inp, false)?;
         let ws = copies(&mut d, &w, 400 << 20)?;
         let sink = d.alloc(16)?;
-        let auto = w4a16::gemv_config(out, inp, rt.sm_count as usize);
+        let auto = w4a16::gemv_config(out, inp, k.w4_slots);
         for wpt in [auto.wpt, 8] {
             for tiled in [false, true] {
                 let ms = time_ms(rt, 50.max(ws.len()), |i| {
@@ -443,7 +443,7 @@ fn shape_sweep(rt: &Runtime, k: &Kernels, copy: f64) -> R<()> {
         let (w, _) = make_w4(k, &s, &mut d, stage, out, inp, false)?;
         let ws = copies(&mut d, &w, 400 << 20)?;
         // Every warps-per-pair without the thin-wave split, then the default (with it, "+ split").
-        let auto = w4a16::gemv_config(out, inp, rt.sm_count as usize);
+        let auto = w4a16::gemv_config(out, inp, k.w4_slots);
         let cfgs = [1usize, 2, 4, 8].map(|wpt| GemvConfig { wpt, slots: 0 });
         for cfg in cfgs.into_iter().chain([auto]) {
             let ms = time_ms(rt, 50.max(ws.len()), |i| {

@@ -508,7 +508,7 @@ fn cases() -> Vec<Case> {
             Op::W4GemvMulti { m: 2, outs: vec![10240, 6144, 48, 48], inp: 5120, asym: false, bf16: true },
             ACCUM,
         ),
-        // The 27B's gate and up: on a GPU of 132 SMs up's last pairs run in the thin-wave tail.
+        // The 27B's gate and up: on an H200 (264 blocks at once) up's last pairs run in the thin-wave tail.
         c(
             "w4_gemv_multi",
             q,
@@ -1182,9 +1182,9 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
         Op::KvQ { fk, fv, seqs, hq, hkv, page, n_split, special } => {
             kvq_case(rt, k, &s, d, rng, KvFormats { k: fk, v: fv }, &seqs, (hq, hkv, page), n_split, special, tol)?
         }
-        Op::W4Gemv { m, out, inp, asym, perm, bf16 } => w4_gemv_case(rt, k, &s, d, rng, m, out, inp, asym, perm, bf16)?,
+        Op::W4Gemv { m, out, inp, asym, perm, bf16 } => w4_gemv_case(k, &s, d, rng, m, out, inp, asym, perm, bf16)?,
         Op::W4GemvMulti { m, ref outs, inp, asym, bf16 } => {
-            w4_gemv_multi_case(rt, k, &s, d, rng, m, outs, inp, asym, bf16)?
+            w4_gemv_multi_case(k, &s, d, rng, m, outs, inp, asym, bf16)?
         }
         Op::W4Dequant { out, inp, r0, r1, asym, perm } => w4_dequant_case(k, &s, d, rng, out, inp, r0, r1, asym, perm)?,
         Op::W4Quantize { out, inp, asym } => w4_quantize_case(k, &s, d, rng, out, inp, asym)?,
@@ -1937,7 +1937,6 @@ fn w4_upload(d: &mut Dev, l: &W4Linear) -> R<w4a16::W4Weights> {
 /// in the m-token launch (default configuration).
 #[allow(clippy::too_many_arguments)]
 fn w4_gemv_case(
-    rt: &Runtime,
     k: &Kernels,
     s: &std::sync::Arc<cudarc::driver::CudaStream>,
     d: &mut Dev,
@@ -1957,7 +1956,7 @@ fn w4_gemv_case(
     let r = cpu::linear::linear(&xc, m, &l.dequantize(), out, inp);
     let xp = d.bf16(&x)?;
     let scratch = d.alloc(2 * 8 * inp)?;
-    let auto = w4a16::gemv_config(out, inp, rt.sm_count as usize);
+    let auto = w4a16::gemv_config(out, inp, k.w4_slots);
     let mut v = Vec::new();
     let mut first = Vec::new();
     // Every warps-per-pair, and a thin last wave split off (2 warps per pair, 4 pairs a block, one
@@ -1994,7 +1993,6 @@ fn w4_gemv_case(
 
 #[allow(clippy::too_many_arguments)]
 fn w4_gemv_multi_case(
-    rt: &Runtime,
     k: &Kernels,
     s: &std::sync::Arc<cudarc::driver::CudaStream>,
     d: &mut Dev,
@@ -2011,7 +2009,7 @@ fn w4_gemv_multi_case(
     let x = randv(rng, m * ldx, 1.0);
     let xc: Vec<f32> = x.chunks(ldx).flat_map(|r| r[..inp].to_vec()).collect();
     let xp = d.bf16(&x)?;
-    let cfg = w4a16::gemv_config(outs.iter().sum(), inp, rt.sm_count as usize);
+    let cfg = w4a16::gemv_config(outs.iter().sum(), inp, k.w4_slots);
     let ys = outs.iter().map(|&o| d.poison(2 * m * (o + 1))).collect::<R<Vec<_>>>()?;
     let wo: Vec<w4a16::W4Out<'_>> = ws.iter().zip(&ys).map(|(w, &y)| w4a16::W4Out { w, y, ldy: w.out + 1 }).collect();
     w4a16::w4_gemv_multi(k, s, &wo, xp, ldx, m, cfg, false)?;

@@ -44,6 +44,9 @@ pub struct Kernels {
     /// later, see [`launch_programmatic`]): they stream their first weights while the kernel before
     /// them finishes. [`pdl_enabled`].
     pub pdl: bool,
+    /// Blocks of the int4 GEMV the GPU holds at once (its occupancy per SM × SMs: 264 on the H200,
+    /// 2 per SM; 1 per SM where an SM's shared memory holds one, e.g. sm_86). [`w4a16::gemv_config`].
+    pub w4_slots: usize,
 }
 
 impl Kernels {
@@ -104,7 +107,8 @@ impl Kernels {
             }
         }
         let pdl = pdl_enabled(rt.cc, std::env::var("DELTASERVE_PDL").ok().as_deref());
-        let k = Kernels { funcs, dims, kv, attn, arch, load_ms: t0.elapsed().as_secs_f64() * 1e3, pdl };
+        let mut k =
+            Kernels { funcs, dims, kv, attn, arch, load_ms: t0.elapsed().as_secs_f64() * 1e3, pdl, w4_slots: 0 };
         for (name, bytes) in [
             ("gdn_chunk_prep", gdn_chunk::prep_smem_bytes(&dims)),
             ("gdn_chunk_state", gdn_chunk::state_smem_bytes(&dims)),
@@ -133,6 +137,11 @@ impl Kernels {
                 .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
                 .map_err(CudaError::driver("cuFuncSetAttribute(max dynamic smem)"))?;
         }
+        let per_sm = k
+            .func(w4a16::PAIR_KERNELS[0])?
+            .occupancy_max_active_blocks_per_multiprocessor(w4a16::BLOCK_THREADS, w4a16::PAIR_SMEM_BYTES, None)
+            .map_err(CudaError::driver("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
+        k.w4_slots = per_sm.max(1) as usize * rt.sm_count.max(1) as usize;
         Ok(k)
     }
 

@@ -15,6 +15,8 @@ use crate::w4::{ScaleDtype, W4_GROUP, W4Bytes, W4Linear};
 /// Tokens per GEMV launch (the MMA's n).
 pub const GEMV_MAX_M: usize = 8;
 const WARPS: usize = 8;
+/// Threads per block of the pair kernel.
+pub const BLOCK_THREADS: u32 = (WARPS * 32) as u32;
 
 /// One int4 linear in device memory (pointers into the weights arena).
 #[derive(Clone, Copy, Debug)]
@@ -86,22 +88,22 @@ const PAIR_ROWS: usize = 32;
 pub struct GemvConfig {
     /// Warps sharing one pair's groups (split-K inside a block): 1, 2, 4 or 8.
     pub wpt: usize,
-    /// Blocks the GPU holds at once (2 per SM; 0: never split a thin last wave, see
+    /// Blocks the GPU holds at once ([`Kernels::w4_slots`]; 0: never split a thin last wave, see
     /// [`launch_segments`]).
     pub slots: usize,
 }
 
-/// The configuration for a launch of `out` rows (summed over its linears) × `inp` on a GPU with
-/// `sm_count` SMs: the fewest warps per pair (1, 2, 4, 8) whose blocks fill at least 60% of a wave
-/// (2 blocks per SM; else 8), and no more than half as many warps as there are groups. Fewer warps
+/// The configuration for a launch of `out` rows (summed over its linears) × `inp` on a GPU that holds
+/// `slots` blocks at once ([`Kernels::w4_slots`]): the fewest warps per pair (1, 2, 4, 8) whose blocks
+/// fill at least 60% of that wave (else 8), and no more than half as many warps as there are groups. Fewer warps
 /// per pair means fewer, longer blocks (fewer pipeline fills, no reduction); 60% of a wave keeps the
 /// SMs busy enough. On the H200 this picks the fastest of the four at every measured shape
 /// (bench/results/session13-h200-2026-11-30.md; gate+up 34,816 × 5,120: 2, which with the
 /// thin-wave split of [`launch_segments`] runs in one wave and a short tail).
-pub fn gemv_config(out: usize, inp: usize, sm_count: usize) -> GemvConfig {
+pub fn gemv_config(out: usize, inp: usize, slots: usize) -> GemvConfig {
     let pairs = out.div_ceil(PAIR_ROWS);
     let groups = (inp / W4_GROUP).max(1);
-    let slots = 2 * sm_count.max(1);
+    let slots = slots.max(1);
     let want = [1, 2, 4].into_iter().find(|&w| 5 * pairs.div_ceil(WARPS / w) >= 3 * slots).unwrap_or(WARPS);
     GemvConfig { wpt: fit_wpt(want, groups), slots }
 }
@@ -523,14 +525,14 @@ mod tests {
             (248320, 5120, 1),
             (48, 128, 1),
         ] {
-            assert_eq!(gemv_config(out, inp, 132), GemvConfig { wpt, slots: 264 }, "[{out}, {inp}]");
+            assert_eq!(gemv_config(out, inp, 264), GemvConfig { wpt, slots: 264 }, "[{out}, {inp}]");
         }
     }
 
     #[test]
     fn thin_last_waves_run_with_more_warps_per_pair() {
         let seg = |linear, pair0, pairs, wpt| Segment { linear, pair0, pairs, wpt };
-        let cfg = gemv_config(34816, 5120, 132);
+        let cfg = gemv_config(34816, 5120, 264);
         // gate and up (544 pairs each) at 2 warps per pair: 272 blocks on 264 slots; the last 8
         // blocks' 32 pairs (of up) run at 8 warps per pair.
         assert_eq!(launch_segments(&[544, 544], 40, cfg), [seg(0, 0, 544, 2), seg(1, 0, 512, 2), seg(1, 512, 32, 8)]);
