@@ -359,7 +359,7 @@ fn launch_pair(
         );
     }
     let grid = (to_u32(K, "blocks", blocks)?, 1, 1);
-    let block = ((WARPS * 32) as u32, 1, 1);
+    let block = (BLOCK_THREADS, 1, 1);
     let smem = PAIR_SMEM_BYTES as u32;
     let (mc_i, inp) = (mc as i32, to_i32(K, "in", first.inp)?);
     let [
@@ -393,7 +393,7 @@ pub fn w4_read_probe(
     let grid = (to_u32(K, "blocks", w.out.div_ceil(32 * (WARPS / wpt)))?, 1, 1);
     let (out, inp, wpt_i, tiled_i) = (to_i32(K, "out", w.out)?, to_i32(K, "in", w.inp)?, wpt as i32, i32::from(tiled));
     let qw = w.qweight;
-    launch!(k, s, K, grid, ((WARPS * 32) as u32, 1, 1), PAIR_SMEM_BYTES as u32;
+    launch!(k, s, K, grid, (BLOCK_THREADS, 1, 1), PAIR_SMEM_BYTES as u32;
         qw, out, inp, wpt_i, tiled_i, sink)
 }
 
