@@ -238,8 +238,6 @@ __device__ __forceinline__ void kv_tile_q(u32 dst, const unsigned char* kbytes, 
     }
 }
 
-
-
 // (x0, x1) -> hi = bf16x2(x0, x1) and lo = bf16x2(x0 - hi0, x1 - hi1).
 __device__ __forceinline__ void split_bf16(float x0, float x1, u32& hi, u32& lo) {
     hi = pack_bf16(x0, x1);

@@ -378,8 +378,9 @@ const MAX_GRAPHS: usize = 48;
 /// end of the step and summed by group.
 struct Profile {
     events: Vec<cudarc::driver::CudaEvent>,
-    /// Events recorded in the current step (the first marks its start).
-    used: usize,
+    /// Whether `events[0]` marks the start of the current step (then `names.len() + 1` events are
+    /// recorded).
+    open: bool,
     /// `names[i]`: the group that ended at `events[i + 1]`.
     names: Vec<&'static str>,
     totals: Vec<(&'static str, f64)>,
@@ -1595,7 +1596,7 @@ impl CudaBackend {
                 .map(|_| ctx.new_event(timing))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(CudaError::driver("cuEventCreate"))?;
-            Some(Profile { events, used: 0, names: Vec::new(), totals: Vec::new() })
+            Some(Profile { events, open: false, names: Vec::new(), totals: Vec::new() })
         } else {
             None
         };
@@ -1615,7 +1616,7 @@ impl CudaBackend {
         if let Some(p) = p.as_mut() {
             p.names.clear();
             p.events[0].record(self.rt.stream()).map_err(CudaError::driver("cuEventRecord"))?;
-            p.used = 1;
+            p.open = true;
         }
         Ok(())
     }
@@ -1632,28 +1633,27 @@ impl CudaBackend {
                 }
             }
             p.names.clear();
-            p.used = 0;
+            p.open = false;
         }
         Ok(())
     }
 
     /// Profiling: the op group `name` ends here.
     fn tick(&self, name: &'static str) -> Result<(), CudaError> {
-        let full = self.prof.borrow().as_ref().is_some_and(|p| p.used == p.events.len());
+        let full = self.prof.borrow().as_ref().is_some_and(|p| p.names.len() + 1 == p.events.len());
         if full {
             self.prof_end()?;
             self.prof_begin()?;
         }
         let mut p = self.prof.borrow_mut();
         if let Some(p) = p.as_mut() {
-            if p.used == 0 {
+            if !p.open {
                 // A group outside a step (e.g. a cache op): its own start.
                 p.events[0].record(self.rt.stream()).map_err(CudaError::driver("cuEventRecord"))?;
-                p.used = 1;
+                p.open = true;
             }
-            p.events[p.used].record(self.rt.stream()).map_err(CudaError::driver("cuEventRecord"))?;
+            p.events[p.names.len() + 1].record(self.rt.stream()).map_err(CudaError::driver("cuEventRecord"))?;
             p.names.push(name);
-            p.used += 1;
         }
         Ok(())
     }

@@ -2013,6 +2013,9 @@ fn w4_gemv_multi_case(
     let ys = outs.iter().map(|&o| d.poison(2 * m * (o + 1))).collect::<R<Vec<_>>>()?;
     let wo: Vec<w4a16::W4Out<'_>> = ws.iter().zip(&ys).map(|(w, &y)| w4a16::W4Out { w, y, ldy: w.out + 1 }).collect();
     w4a16::w4_gemv_multi(k, s, &wo, xp, ldx, m, cfg, false)?;
+    // The linears part of which the shared launch ran in its thin-wave tail.
+    let pairs: Vec<usize> = outs.iter().map(|o| o.div_ceil(32)).collect();
+    let segs = w4a16::launch_segments(&pairs, inp / 128, cfg);
     let mut v = Vec::new();
     for (i, (l, w)) in ls.iter().zip(&ws).enumerate() {
         let ldy = w.out + 1;
@@ -2025,9 +2028,7 @@ fn w4_gemv_multi_case(
         let alone = d.get_bf16(yp, m * ldy)?;
         let alone: Vec<f32> = alone.chunks(ldy).flat_map(|r| r[..w.out].to_vec()).collect();
         // Bitwise equal unless the shared launch ran part of this linear in its thin-wave tail.
-        let pairs: Vec<usize> = outs.iter().map(|o| o.div_ceil(32)).collect();
-        let tail = w4a16::launch_segments(&pairs, inp / 128, cfg).iter().any(|s| s.linear == i && s.wpt != cfg.wpt);
-        if tail {
+        if segs.iter().any(|s| s.linear == i && s.wpt != cfg.wpt) {
             v.push(compare(&format!("y{i} (thin-wave tail) vs its own launch"), &alone, &y, ACCUM));
         } else {
             let same = alone.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits());
