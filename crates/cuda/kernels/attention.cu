@@ -16,8 +16,10 @@
 //                       handles all GQA_GROUP query heads of one kv head (K/V read once), writes
 //                       unnormalised partials (o, max in the log2 domain, sum) in f32. Each warp
 //                       walks chunks of DEC_KC consecutive keys (every 8th chunk) with the next
-//                       chunk's loads in flight; the 8 warps' partials are summed in shared
-//                       memory in a fixed order (no atomics: deterministic run to run).
+//                       chunk's loads in flight; a chunk's DEC_KC x GQA_GROUP dot products are
+//                       reduced across the warp together and the online softmax rescales once per
+//                       chunk; the 8 warps' partials are summed in shared memory in a fixed order
+//                       (no atomics: deterministic run to run).
 //  attn_decode_combine: merges the n_split partials (log-sum-exp) into bf16 o; with a gate pointer
 //                       also applies the attention output gate, o *= sigmoid(gate) (as
 //                       elementwise.cu's sigmoid_gate_mul after it would).
@@ -1077,6 +1079,7 @@ attn_decode_split(const bf16_t* __restrict__ q, const void* __restrict__ k_cache
     // warps 0..3 add their own, then every thread sums the 4 slots (deterministic run to run).
     __shared__ float red[4][GQA_GROUP][HD];
     __shared__ float ms[8][GQA_GROUP], ls[8][GQA_GROUP];
+    pdl_enter();  // launched programmatically on sm_90
     const int b = blockIdx.x, hkv = blockIdx.y, sp = blockIdx.z;
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int len = seq_lens[b];
@@ -1126,29 +1129,65 @@ attn_decode_split(const bf16_t* __restrict__ q, const void* __restrict__ k_cache
 #pragma unroll
         for (int i = 0; i < DEC_KC; i++)
             if (p0 + stride + i < k1) load_key(p0 + stride + i, nxt[i]);
+        // The chunk's DEC_KC x GQA_GROUP dot products first, reduced across the warp together (their
+        // shuffles overlap), then one online-softmax rescale per chunk: a key-by-key update put a
+        // warp reduction and a rescale on one dependency chain per key and head.
+        const int nk = min(DEC_KC, k1 - p0);  // >= 1, uniform over the warp
+        float dot[DEC_KC][GQA_GROUP];
 #pragma unroll
         for (int i = 0; i < DEC_KC; i++) {
-            if (p0 + i >= k1) break;  // uniform over the warp
-            float kf[DPL], vf[DPL];
+            float kf[DPL];
 #pragma unroll
-            for (int d = 0; d < DPL; d++) {
-                kf[d] = dec_elem<KV_K_FMT>(cur[i].k, d, DEC_NIB0(lane));
-                vf[d] = dec_elem<KV_V_FMT>(cur[i].v, d, DEC_NIB0(lane));
-            }
+            for (int d = 0; d < DPL; d++) kf[d] = dec_elem<KV_K_FMT>(cur[i].k, d, DEC_NIB0(lane));
 #pragma unroll
             for (int g = 0; g < GQA_GROUP; g++) {
-                float dot = 0.0f;
+                float t = 0.0f;
 #pragma unroll
-                for (int d = 0; d < DPL; d++) dot += qv[g][d] * kf[d];
-                dot = warp_sum(dot) * cur[i].ks;  // codes: the key's scale multiplies the dot product
-                float mnew = fmaxf(m[g], dot);
-                float alpha = pf_exp2(m[g] - mnew);  // m = -inf -> 0, and acc/l are 0 then
-                float pr = pf_exp2(dot - mnew);
-                l[g] = l[g] * alpha + pr;
-                const float pv = pr * cur[i].vs;  // codes: the key's scale multiplies its probability
+                for (int d = 0; d < DPL; d++) t += qv[g][d] * kf[d];
+                dot[i][g] = t;
+            }
+        }
 #pragma unroll
-                for (int d = 0; d < DPL; d++) acc[g][d] = acc[g][d] * alpha + pv * vf[d];
-                m[g] = mnew;
+        for (int off = 16; off > 0; off >>= 1) {
+#pragma unroll
+            for (int i = 0; i < DEC_KC; i++) {
+#pragma unroll
+                for (int g = 0; g < GQA_GROUP; g++) dot[i][g] += __shfl_xor_sync(0xffffffffu, dot[i][g], off);
+            }
+        }
+        float pk[DEC_KC][GQA_GROUP];
+#pragma unroll
+        for (int g = 0; g < GQA_GROUP; g++) {
+            float mnew = m[g];
+#pragma unroll
+            for (int i = 0; i < DEC_KC; i++) {
+                // codes: the key's scale multiplies the dot product; keys past the range weigh 0
+                dot[i][g] = i < nk ? dot[i][g] * cur[i].ks : NEG_INF;
+                mnew = fmaxf(mnew, dot[i][g]);
+            }
+            const float alpha = pf_exp2(m[g] - mnew);  // m = -inf -> 0, and acc/l are 0 then
+            float lsum = l[g] * alpha;
+#pragma unroll
+            for (int i = 0; i < DEC_KC; i++) {
+                const float pr = pf_exp2(dot[i][g] - mnew);
+                lsum += pr;
+                pk[i][g] = i < nk ? pr * cur[i].vs : 0.0f;  // codes: the key's scale multiplies its probability
+            }
+            l[g] = lsum;
+            m[g] = mnew;
+#pragma unroll
+            for (int d = 0; d < DPL; d++) acc[g][d] *= alpha;
+        }
+#pragma unroll
+        for (int i = 0; i < DEC_KC; i++) {
+            if (i >= nk) break;  // uniform over the warp
+            float vf[DPL];
+#pragma unroll
+            for (int d = 0; d < DPL; d++) vf[d] = dec_elem<KV_V_FMT>(cur[i].v, d, DEC_NIB0(lane));
+#pragma unroll
+            for (int g = 0; g < GQA_GROUP; g++) {
+#pragma unroll
+                for (int d = 0; d < DPL; d++) acc[g][d] = fmaf(pk[i][g], vf[d], acc[g][d]);
             }
         }
 #pragma unroll
@@ -1206,7 +1245,7 @@ extern "C" __global__ void attn_decode_combine(const float* __restrict__ part_o,
                                                bf16_t* __restrict__ o, int Hq, int n_split,
                                                const bf16_t* __restrict__ gate, long long g_tok,
                                                long long g_head) {
-    pdl_trigger();  // the GEMV that follows may start streaming its weights (sm_90)
+    pdl_enter();  // launched programmatically on sm_90: the GEMV that follows may start streaming its weights
     const int b = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
     const long long base = ((long long)b * Hq + h) * n_split;
     const int parts = dec_parts(seq_lens[b], n_split);

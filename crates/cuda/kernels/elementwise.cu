@@ -29,7 +29,7 @@ extern "C" __global__ void sigmoid_gate_mul(bf16_t* x, const bf16_t* __restrict_
 extern "C" __global__ void swiglu(const bf16_t* __restrict__ gate, long long g_stride,
                                   const bf16_t* __restrict__ up, long long u_stride,
                                   bf16_t* __restrict__ out, int T, int I) {
-    pdl_trigger();  // the GEMV that follows may start streaming its weights (sm_90)
+    pdl_enter();  // launched programmatically on sm_90: the GEMV that follows may start streaming its weights
     long long n = (long long)T * I;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
@@ -66,7 +66,7 @@ extern "C" __global__ void sigmoid_gate_mul8(bf16_t* x, const bf16_t* __restrict
 extern "C" __global__ void swiglu8(const bf16_t* __restrict__ gate, long long g_stride,
                                    const bf16_t* __restrict__ up, long long u_stride, bf16_t* __restrict__ out,
                                    int T, int I) {
-    pdl_trigger();  // the GEMV that follows may start streaming its weights (sm_90)
+    pdl_enter();  // launched programmatically on sm_90: the GEMV that follows may start streaming its weights
     const int c = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
     if (c >= I) return;
     for (long long t = blockIdx.y; t < T; t += gridDim.y) {

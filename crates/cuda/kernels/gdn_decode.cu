@@ -35,11 +35,14 @@
 // gdn_decode / gdn_recurrent have 4 warps (one 32-column group), gdn_decode_gated's 4 * DV / 32 warps
 // (column group w >> 2). The column sums reduce over the 4 row groups in shared memory. Returns the
 // last row's output (bf16-rounded) in the warps of row group 0, which also store o unless o is null.
+// wait: a programmatically launched kernel (sm_90) whose state no earlier kernel of the step writes:
+// the state loads are issued first, then it waits for the previous kernel (q, k, v, g, beta).
 __device__ __forceinline__ float gdn_tokens(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                                             const bf16_t* __restrict__ v, long long v_stride,
                                             const float* __restrict__ g, const float* __restrict__ beta,
                                             float* __restrict__ st, bf16_t* __restrict__ o, int Hk,
-                                            int Hv, int hv, int c, long long t0, int n, bool write_state) {
+                                            int Hv, int hv, int c, long long t0, int n, bool write_state,
+                                            bool wait = false) {
     __shared__ float qs[DK], ks[DK], red[4][DV];
     const int w = (threadIdx.x >> 5) & 3;
     const int hk = hv / (Hv / Hk);
@@ -47,6 +50,7 @@ __device__ __forceinline__ float gdn_tokens(const bf16_t* __restrict__ q, const 
     float out = 0.0f;
 #pragma unroll
     for (int r = 0; r < RW; r++) S[r] = st[(long long)(w * RW + r) * DV + c];
+    if (wait) pdl_wait();
     for (int i = 0; i < n; i++) {
         const long long t = t0 + i;
         __syncthreads();  // the previous token's reads of qs, ks and red are done
@@ -116,15 +120,21 @@ gdn_decode_gated(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                  float* __restrict__ state, const int* __restrict__ slots,
                  const bf16_t* __restrict__ z, long long z_tok_stride, const float* __restrict__ nw,
                  bf16_t* __restrict__ out, int Hk, int Hv, float eps) {
-    pdl_trigger();  // the GEMV that follows may start streaming its weights (sm_90)
+    // Launched programmatically on sm_90: the GEMV that follows may start streaming its weights, and
+    // this kernel loads its state (no kernel before it in the step writes it; slots is a step input)
+    // before it waits for the previous kernel's q, k, v, g, beta.
+    pdl_trigger();
     __shared__ float gred[DV / 32];
     const int b = blockIdx.x, hv = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int c = (warp >> 2) * 32 + lane;
     float o = 0.0f;
-    if (slots[b] >= 0) {  // uniform over the block
-        float* st = state + ((long long)slots[b] * Hv + hv) * DK * DV;
-        o = gdn_tokens(q, k, v, v_stride, g, beta, st, nullptr, Hk, Hv, hv, c, b, 1, true);
+    const int slot = slots[b];
+    if (slot >= 0) {  // uniform over the block
+        float* st = state + ((long long)slot * Hv + hv) * DK * DV;
+        o = gdn_tokens(q, k, v, v_stride, g, beta, st, nullptr, Hk, Hv, hv, c, b, 1, true, true);
+    } else {
+        pdl_wait();
     }
     // gated_rms_norm's block sum over the DV values (its block of DV threads: warp = column group).
     if ((warp & 3) == 0) {

@@ -81,6 +81,7 @@ extern "C" __global__ void gdn_conv_gate_decode(const bf16_t* __restrict__ x, lo
                                                 bf16_t* __restrict__ q_out, bf16_t* __restrict__ k_out,
                                                 float* __restrict__ g, float* __restrict__ beta, int Hk, int Hv) {
     __shared__ bf16_t ys[DK];
+    pdl_enter();  // launched programmatically on sm_90
     const int row = blockIdx.x, j = blockIdx.y, tid = threadIdx.x;
     if (j == C / DK) {
         for (int h = tid; h < Hv; h += blockDim.x)

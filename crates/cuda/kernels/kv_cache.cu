@@ -16,6 +16,7 @@ extern "C" __global__ void kv_write(const bf16_t* __restrict__ k, long long k_st
                                     const int* __restrict__ block_tables, int max_blocks,
                                     const int* __restrict__ cu_seqlens, int B,
                                     const int* __restrict__ pos, int page, int width) {
+    pdl_enter();  // launched programmatically on sm_90
     int t = blockIdx.x;
     int s = seq_of_token(cu_seqlens, B, t);
     int p = pos[t];

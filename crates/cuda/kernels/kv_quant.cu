@@ -103,6 +103,7 @@ kv_write_q(const bf16_t* __restrict__ k, long long k_stride, const bf16_t* __res
            unsigned char* k_cache, unsigned short* k_scales, unsigned char* v_cache, unsigned short* v_scales,
            const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ cu_seqlens, int B,
            const int* __restrict__ pos, int page, int Hkv, int hd, int k_fmt, int v_fmt) {
+    pdl_enter();  // launched programmatically on sm_90
     const int t = blockIdx.x;
     const int s = seq_of_token(cu_seqlens, B, t);
     const int p = pos[t];

@@ -82,7 +82,7 @@ __device__ __forceinline__ void add_rms_norm_1p_vec(const bf16_t* __restrict__ x
 extern "C" __global__ void add_rms_norm_1p(const bf16_t* __restrict__ x, const bf16_t* res,
                                            const bf16_t* __restrict__ w, bf16_t* res_out,
                                            bf16_t* __restrict__ out, int D, float eps) {
-    pdl_trigger();  // the GEMV that follows may start streaming its weights (sm_90)
+    pdl_enter();  // launched programmatically on sm_90: the GEMV that follows may start streaming its weights
     __shared__ float red[32];
     const unsigned long long al = (unsigned long long)x | (unsigned long long)res | (unsigned long long)w |
                                   (unsigned long long)res_out | (unsigned long long)out;

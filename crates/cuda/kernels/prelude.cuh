@@ -218,3 +218,11 @@ __device__ __forceinline__ void pdl_wait() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+// pdl_enter(): the first statement of a kernel that its launcher may launch programmatically
+// (launch_pdl!) and that reads nothing before its predecessor is done: lets the next kernel launch,
+// then waits for the predecessor. Every block of such a kernel passes here before touching memory or
+// returning, so its completion implies its predecessors' (the chain stays ordered).
+__device__ __forceinline__ void pdl_enter() {
+    pdl_trigger();
+    pdl_wait();
+}

@@ -51,6 +51,7 @@ qk_norm_rope(bf16_t* q, long long q_tok, long long q_head, const bf16_t* __restr
              long long k_tok, long long k_head, const bf16_t* __restrict__ wk, const int nk,
              const int* __restrict__ pos, int T, int D, int R, float theta_base, float eps) {
     __shared__ float ys_all[8][QKNR_MAX_D];
+    pdl_enter();  // launched programmatically on sm_90
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const long long r = (long long)blockIdx.x * 8 + warp;
     if (r >= (long long)T * (nq + nk)) return;

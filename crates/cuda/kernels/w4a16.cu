@@ -42,7 +42,8 @@
 //  w4_quantize:  grid (ceil(ceil((r1-r0)/2) * NG / 8)), block 256: one warp per (row pair, group);
 //                r0 even, r1 even or r1 == out.
 // Arch: mma.sync bf16, cp.async, cvt f16, ld.global.nc: sm_80+ (nothing Hopper-only; on sm_90 the
-// launcher may launch w4p_* programmatically: the ring's first units load before pdl_wait()).
+// launcher may launch w4p_* programmatically: the ring's first units load before pdl_wait(), and a
+// w4p_* block lets the next kernel launch as it starts: pdl_trigger(), a no-op below sm_90).
 // Tested by: tests/ops.rs cases "w4_gemv", "w4_gemv_multi", "w4_dequant", "w4_quantize"; bench in
 // tests/bench_w4.rs.
 
@@ -292,6 +293,7 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
         NAME(const bf16_t* __restrict__ x, long long ldx, int M, int in, W4P_SEG_ARGS(0, OUT_T),                  \
              W4P_SEG_ARGS(1, OUT_T), W4P_SEG_ARGS(2, OUT_T), W4P_SEG_ARGS(3, OUT_T)) {                          \
         extern __shared__ uint4 w4_dyn[];                                                                        \
+        pdl_trigger(); /* sm_90: the next kernel may launch; it waits for this one's completion */               \
         int b = blockIdx.x;                                                                                      \
         const u32* qw = qw0;                                                                                     \
         const unsigned short* sc = sc0;                                                                          \

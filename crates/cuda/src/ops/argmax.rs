@@ -2,7 +2,7 @@
 
 use cudarc::driver::CudaStream;
 
-use super::{Kernels, invalid, launch, to_i32, to_u32};
+use super::{Kernels, invalid, launch_pdl, to_i32, to_u32};
 use crate::error::CudaError;
 
 /// `ids[r]` (i32) = the argmax of `x[r, ..valid]` (f32 rows at stride `ld` elements) for `rows` rows,
@@ -23,5 +23,5 @@ pub fn argmax_rows(
         return Err(invalid("argmax_rows", format!("valid {valid} of rows of {ld}")));
     }
     let (ld, v) = (ld as i64, to_i32("argmax_rows", "valid", valid)?);
-    launch!(k, s, "argmax_rows", (to_u32("argmax_rows", "rows", rows)?, 1, 1), (1024, 1, 1), 0; x, ld, v, ids)
+    launch_pdl!(k, s, "argmax_rows", (to_u32("argmax_rows", "rows", rows)?, 1, 1), (1024, 1, 1), 0; x, ld, v, ids)
 }

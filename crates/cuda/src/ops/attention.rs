@@ -4,7 +4,7 @@
 
 use cudarc::driver::CudaStream;
 
-use super::{Kernels, invalid, launch, to_i32, to_u32};
+use super::{Kernels, invalid, launch, launch_pdl, to_i32, to_u32};
 use crate::error::CudaError;
 use crate::nvrtc::{AttnTiling, KernelDims, KvFormats};
 use deltaserve_plan::KvDtype;
@@ -269,12 +269,12 @@ pub fn attn_decode_q(k: &Kernels, s: &CudaStream, a: &AttnDecode, sc: &KvScales)
         to_u32("attn_decode_split", "kv_heads", a.kv.kv_heads)?,
         to_u32("attn_decode_split", "n_split", a.n_split)?,
     );
-    launch!(k, s, "attn_decode_split", grid, (256, 1, 1), 0;
+    launch_pdl!(k, s, "attn_decode_split", grid, (256, 1, 1), 0;
         q, k_cache, v_cache, k_scales, v_scales, block_tables, table_rows, mb, seq_lens, part_o, part_ml, hq, hkv,
         page, scale, ns, qt, qh)?;
     let grid = (grid.0, to_u32("attn_decode_combine", "q_heads", a.q_heads)?, 1);
     let block = (d.attn_head_dim as u32, 1, 1);
-    launch!(k, s, "attn_decode_combine", grid, block, 0; part_o, part_ml, seq_lens, o, hq, ns, gate, qt, qh)
+    launch_pdl!(k, s, "attn_decode_combine", grid, block, 0; part_o, part_ml, seq_lens, o, hq, ns, gate, qt, qh)
 }
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 
 use cudarc::driver::CudaStream;
 
-use super::{Kernels, launch, to_i32};
+use super::{Kernels, launch, launch_pdl, to_i32};
 use crate::error::CudaError;
 
 fn grid_for(n: usize) -> (u32, u32, u32) {
@@ -71,7 +71,7 @@ pub fn swiglu(
     let (gs, us) = (g_stride as i64, u_stride as i64);
     let (tt, ii) = (to_i32("swiglu", "t", t)?, to_i32("swiglu", "i", i)?);
     if vec8(&[i, g_stride, u_stride], &[gate, up, out]) {
-        return launch!(k, s, "swiglu8", grid8(t, i), (256, 1, 1), 0; gate, gs, up, us, out, tt, ii);
+        return launch_pdl!(k, s, "swiglu8", grid8(t, i), (256, 1, 1), 0; gate, gs, up, us, out, tt, ii);
     }
-    launch!(k, s, "swiglu", grid_for(n), (256, 1, 1), 0; gate, gs, up, us, out, tt, ii)
+    launch_pdl!(k, s, "swiglu", grid_for(n), (256, 1, 1), 0; gate, gs, up, us, out, tt, ii)
 }

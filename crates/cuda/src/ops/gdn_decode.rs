@@ -3,7 +3,7 @@
 
 use cudarc::driver::CudaStream;
 
-use super::{Kernels, invalid, launch, to_i32, to_u32};
+use super::{Kernels, invalid, launch, launch_pdl, to_i32, to_u32};
 use crate::error::CudaError;
 
 #[derive(Clone, Copy, Debug)]
@@ -71,7 +71,7 @@ pub fn gdn_decode_gated(k: &Kernels, s: &CudaStream, a: &GdnDecodeGated) -> Resu
     let (vs, zs) = (d.v_stride as i64, a.z_tok_stride as i64);
     let (hk, hv) = (to_i32(K, "hk", d.hk)?, to_i32(K, "hv", d.hv)?);
     let grid = (to_u32(K, "n_seqs", d.n_seqs)?, to_u32(K, "hv", d.hv)?, 1);
-    launch!(k, s, K, grid, ((4 * dv) as u32, 1, 1), 0;
+    launch_pdl!(k, s, K, grid, ((4 * dv) as u32, 1, 1), 0;
         q, kp, v, vs, g, beta, state, slots, z, zs, nw, out, hk, hv, eps)
 }
 

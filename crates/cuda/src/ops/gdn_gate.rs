@@ -3,7 +3,7 @@
 
 use cudarc::driver::CudaStream;
 
-use super::{Kernels, invalid, launch, to_i32, to_u32};
+use super::{Kernels, invalid, launch, launch_pdl, to_i32, to_u32};
 use crate::KernelDims;
 use crate::error::CudaError;
 
@@ -91,6 +91,6 @@ pub fn gdn_conv_gate_decode(k: &Kernels, s: &CudaStream, a: &GdnConvGateDecode) 
     let c = to_i32(K, "channels", channels)?;
     let (hk, hv) = (to_i32(K, "hk", g.hk)?, to_i32(K, "hv", g.hv)?);
     let grid = (to_u32(K, "n_seqs", g.t)?, to_u32(K, "heads", channels / dk + 1)?, 1);
-    launch!(k, s, K, grid, (dk as u32, 1, 1), 0;
+    launch_pdl!(k, s, K, grid, (dk as u32, 1, 1), 0;
         x, xs, w, y, state, slots, c, b, bs, ap, as_, a_log, dt_bias, q_out, k_out, gp, beta, hk, hv)
 }

@@ -2,7 +2,7 @@
 
 use cudarc::driver::CudaStream;
 
-use super::{Kernels, invalid, launch, to_i32, to_u32};
+use super::{Kernels, invalid, launch_pdl, to_i32, to_u32};
 use crate::error::CudaError;
 
 /// Paged KV cache write for one layer. Every pointer is a device address.
@@ -44,6 +44,6 @@ pub fn kv_write(k: &Kernels, s: &CudaStream, a: &KvWrite) -> Result<(), CudaErro
     let page = to_i32("kv_write", "page", a.page)?;
     let w = to_i32("kv_write", "width", width)?;
     let grid = (to_u32("kv_write", "t", a.t)?, 1, 1);
-    launch!(k, s, "kv_write", grid, (128, 1, 1), 0;
+    launch_pdl!(k, s, "kv_write", grid, (128, 1, 1), 0;
         kp, ks, vp, vs, k_cache, v_cache, block_tables, mb, cu_seqlens, b, positions, page, w)
 }

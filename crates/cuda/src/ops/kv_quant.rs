@@ -10,7 +10,7 @@
 use cudarc::driver::CudaStream;
 use deltaserve_plan::KvDtype;
 
-use super::{Kernels, invalid, launch, to_i32, to_u32};
+use super::{Kernels, invalid, launch_pdl, to_i32, to_u32};
 use crate::error::CudaError;
 use crate::nvrtc::KvFormats;
 
@@ -74,7 +74,7 @@ pub fn kv_write_q(k: &Kernels, s: &CudaStream, a: &super::kv_cache::KvWrite, lay
     let hkv = to_i32("kv_write_q", "kv_heads", a.kv_heads)?;
     let hd = to_i32("kv_write_q", "head_dim", a.head_dim)?;
     let grid = (to_u32("kv_write_q", "t", a.t)?, 1, 1);
-    launch!(k, s, "kv_write_q", grid, (128, 1, 1), 0;
+    launch_pdl!(k, s, "kv_write_q", grid, (128, 1, 1), 0;
         kp, ks, vp, vs, kc, ksc, vc, vsc, block_tables, mb, cu_seqlens, b, positions, page, hkv, hd, kf, vf)
 }
 

@@ -40,9 +40,11 @@ pub struct Kernels {
     pub arch: String,
     /// Wall time of compiling + loading all modules (ms).
     pub load_ms: f64,
-    /// Launch the decode GEMVs (int4 and bf16) with programmatic stream serialization (sm_90 and
-    /// later, see [`launch_programmatic`]): they stream their first weights while the kernel before
-    /// them finishes. [`pdl_enabled`].
+    /// Launch the kernels of a decode step ([`launch_pdl!`]: the GEMVs, norms, SwiGLU, the DeltaNet
+    /// and attention decode kernels, RoPE, KV writes, embedding gathers, argmax) with programmatic
+    /// stream serialization (sm_90 and later, see [`launch_programmatic`]): each may launch while the
+    /// kernel before it finishes; the GEMVs stream their first weights and the DeltaNet decode kernel
+    /// loads its state before waiting for it. [`pdl_enabled`].
     pub pdl: bool,
     /// Blocks of the int4 GEMV the GPU holds at once (its occupancy per SM × SMs: 264 on the H200,
     /// 2 per SM; 1 per SM where an SM's shared memory holds one, e.g. sm_86). [`w4a16::gemv_config`].
@@ -194,8 +196,10 @@ pub fn pdl_enabled(cc: (i32, i32), env: Option<&str>) -> bool {
 }
 
 /// [`launch!`] for a kernel that may overlap the previous kernel in the stream: with `k.pdl` it is
-/// launched by [`launch_programmatic`] (the kernel must `pdl_wait()` before touching anything the
-/// previous kernel reads or writes), else like [`launch!`].
+/// launched by [`launch_programmatic`], else like [`launch!`]. The kernel must `pdl_wait()` before
+/// touching anything the previous kernel reads or writes, and in every block before it exits (most
+/// call `pdl_enter()` first): a programmatic kernel that finished without waiting would not imply
+/// that its predecessor had finished, and the next kernel waits only for this one.
 macro_rules! launch_pdl {
     ($k:expr, $stream:expr, $name:expr, $grid:expr, $block:expr, $smem:expr; $($arg:ident),* $(,)?) => {{
         if $k.pdl {

@@ -3,7 +3,7 @@
 
 use cudarc::driver::CudaStream;
 
-use super::{Kernels, invalid, launch, to_i32, to_u32};
+use super::{Kernels, invalid, launch, launch_pdl, to_i32, to_u32};
 use crate::error::CudaError;
 
 /// h = x + res (bf16; `res` None: h = x); `res_out` (may alias `res`) = h; out = rmsnorm_1p(h).
@@ -30,7 +30,7 @@ pub fn add_rms_norm_1p(
     let (res, res_out) = (res.unwrap_or(0), res_out.unwrap_or(0));
     let dd = to_i32("add_rms_norm_1p", "d", d)?;
     let grid = (to_u32("add_rms_norm_1p", "rows", rows)?, 1, 1);
-    launch!(k, s, "add_rms_norm_1p", grid, (256, 1, 1), 0; x, res, w, res_out, out, dd, eps)
+    launch_pdl!(k, s, "add_rms_norm_1p", grid, (256, 1, 1), 0; x, res, w, res_out, out, dd, eps)
 }
 
 /// Row r of x at `x + r*x_stride`, of out at `out + r*out_stride` (elements), d wide;

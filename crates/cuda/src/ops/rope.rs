@@ -3,7 +3,7 @@
 
 use cudarc::driver::CudaStream;
 
-use super::{Kernels, invalid, launch, to_i32, to_u32};
+use super::{Kernels, invalid, launch, launch_pdl, to_i32, to_u32};
 use crate::error::CudaError;
 
 /// x [t, heads, head_dim] bf16 (token stride `tok_stride` elements), pos [t] i32; rotates the
@@ -118,5 +118,5 @@ pub fn qk_norm_rope(k: &Kernels, s: &CudaStream, a: &QkNormRope) -> Result<(), C
     let (kp, kt, kh, wk, nk) = (a.k, a.k_tok as i64, hd as i64, a.k_norm, to_i32(K, "kv_heads", a.kv_heads)?);
     let (pos, tt, d, r, theta, eps) =
         (a.positions, to_i32(K, "t", a.t)?, hd as i32, a.rotary_dim as i32, a.theta, a.eps);
-    launch!(k, s, K, grid, (256, 1, 1), 0; q, qt, qh, wq, nq, kp, kt, kh, wk, nk, pos, tt, d, r, theta, eps)
+    launch_pdl!(k, s, K, grid, (256, 1, 1), 0; q, qt, qh, wq, nq, kp, kt, kh, wk, nk, pos, tt, d, r, theta, eps)
 }
