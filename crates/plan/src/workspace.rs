@@ -133,7 +133,8 @@ pub fn plan_workspace(cfg: &ModelConfig, s: &StepShape) -> Option<WorkspaceLayou
     if let Some(e) = s.host_embed_elem {
         b.buf("embed_rows", t * hd * e as u128, format!("[{tt}, {}] embedding dtype (gathered on the host)", d.hidden));
     }
-    b.buf("residual", t * hd * 4, format!("[{tt}, {}] f32", d.hidden));
+    // The residual stream in the activation dtype (the CUDA backend adds in bf16, as the reference does).
+    b.buf("residual", t * hd * a, format!("[{tt}, {}] {act}", d.hidden));
     b.buf("x_norm", t * hd * a, format!("[{tt}, {}] {act}", d.hidden));
     b.buf("mixer_out", t * hd * a, format!("[{tt}, {}] {act}", d.hidden));
     // DeltaNet mixer.
@@ -187,7 +188,7 @@ pub fn plan_workspace(cfg: &ModelConfig, s: &StepShape) -> Option<WorkspaceLayou
         let m = |x: usize| format!("[{tt}, {x}] {act}");
         b.buf("mtp_rows", t * hd * a, format!("{} (each row's previous final-normed row)", m(d.hidden)));
         b.buf("mtp_cat", t * 2 * hd * a, format!("{} (normed embedding | normed hidden)", m(2 * d.hidden)));
-        b.buf("mtp_residual", t * hd * 4, format!("[{tt}, {}] f32", d.hidden));
+        b.buf("mtp_residual", t * hd * a, format!("[{tt}, {}] {act}", d.hidden));
         b.buf("mtp_norm", t * hd * a, m(d.hidden));
         b.buf("mtp_qg", t * 2 * ad * a, m(2 * d.attn_dim));
         b.buf("mtp_k", t * kvd * a, m(d.kv_dim));
