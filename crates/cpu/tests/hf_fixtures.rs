@@ -34,14 +34,7 @@ fn reference(dir: &Path) -> (serde_json::Value, Checkpoint) {
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
     // reference.safetensors holds the f32 logits (and i64 ids, which we read from the JSON).
-    let tmp = std::env::temp_dir().join(format!(
-        "ds-hf-ref-{}-{}",
-        std::process::id(),
-        dir.file_name().unwrap().to_string_lossy()
-    ));
-    std::fs::create_dir_all(&tmp).unwrap();
-    std::fs::copy(dir.join("reference.safetensors"), tmp.join("model.safetensors")).unwrap();
-    (json, Checkpoint::open(&tmp).unwrap())
+    (json, Checkpoint::open_file(&dir.join("reference.safetensors")).unwrap())
 }
 
 fn ids(v: &serde_json::Value) -> Vec<u32> {

@@ -50,10 +50,7 @@ fn hf_fixtures_logits() {
         }
         let json: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
-        let tmp = std::env::temp_dir().join(format!("ds-cuda-hf-{}", std::process::id()));
-        std::fs::create_dir_all(&tmp).unwrap();
-        std::fs::copy(dir.join("reference.safetensors"), tmp.join("model.safetensors")).unwrap();
-        let refs = Checkpoint::open(&tmp).unwrap();
+        let refs = Checkpoint::open_file(&dir.join("reference.safetensors")).unwrap();
         let plan = plan_for(&cfg);
         let mut be = cuda(&dir, &cfg, &plan);
         let vocab = be.vocab_size();

@@ -174,6 +174,16 @@ impl Checkpoint {
         if files.is_empty() {
             return Err(ModelError::weights(format!("{}: no *.safetensors files found", dir.display())));
         }
+        Self::map(dir, files)
+    }
+
+    /// Opens one safetensors file (e.g. a fixture's reference tensors), whatever its name.
+    pub fn open_file(path: &Path) -> Result<Self, ModelError> {
+        Self::map(path.parent().unwrap_or(Path::new(".")), vec![path.to_path_buf()])
+    }
+
+    /// Memory-maps `files` (the shards of the checkpoint in `dir`) and indexes their tensors.
+    fn map(dir: &Path, files: Vec<PathBuf>) -> Result<Self, ModelError> {
         let mut shards = Vec::with_capacity(files.len());
         let mut entries = HashMap::new();
         for (i, path) in files.into_iter().enumerate() {
@@ -278,26 +288,43 @@ pub fn write_safetensors(
     while header.len() % 8 != 0 {
         header.push(b' ');
     }
-    let file = File::create(path).map_err(|e| ModelError::io(path, e))?;
-    let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
-    let io = |e| ModelError::io(path, e);
-    w.write_all(&(header.len() as u64).to_le_bytes()).map_err(io)?;
-    w.write_all(&header).map_err(io)?;
-    let mut buf = Vec::new();
-    for (i, t) in tensors.iter().enumerate() {
-        buf.clear();
-        fill(i, &mut buf)?;
-        if buf.len() != sizes[i] {
-            return Err(ModelError::weights(format!(
-                "tensor `{}`: produced {} bytes, expected {}",
-                t.name,
-                buf.len(),
-                sizes[i]
-            )));
+    // Written next to its place and renamed over it: a reader never maps a half-written or truncated
+    // file (a process that has the old one mapped keeps reading the old bytes).
+    let partial = partial_path(path);
+    let written = (|| {
+        let file = File::create(&partial).map_err(|e| ModelError::io(&partial, e))?;
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
+        let io = |e| ModelError::io(&partial, e);
+        w.write_all(&(header.len() as u64).to_le_bytes()).map_err(io)?;
+        w.write_all(&header).map_err(io)?;
+        let mut buf = Vec::new();
+        for (i, t) in tensors.iter().enumerate() {
+            buf.clear();
+            fill(i, &mut buf)?;
+            if buf.len() != sizes[i] {
+                return Err(ModelError::weights(format!(
+                    "tensor `{}`: produced {} bytes, expected {}",
+                    t.name,
+                    buf.len(),
+                    sizes[i]
+                )));
+            }
+            w.write_all(&buf).map_err(io)?;
         }
-        w.write_all(&buf).map_err(io)?;
+        w.flush().map_err(io)
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&partial);
+        return Err(e);
     }
-    w.flush().map_err(io)
+    std::fs::rename(&partial, path).map_err(|e| ModelError::io(path, e))
+}
+
+/// Where a file is written before it is renamed into place: `path` + `.partial`.
+pub(crate) fn partial_path(path: &Path) -> PathBuf {
+    let mut partial = path.as_os_str().to_owned();
+    partial.push(".partial");
+    PathBuf::from(partial)
 }
 
 /// Writes f32 tensors (name, shape, values) to a safetensors file.

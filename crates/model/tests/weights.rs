@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use deltaserve_model::checkpoint::{TensorHeader, write_safetensors};
+use deltaserve_model::checkpoint::{TensorHeader, write_f32_safetensors, write_safetensors};
 use deltaserve_model::synth::{Preset, write_model};
 use deltaserve_model::{Checkpoint, DType, ModelConfig, ModelWeights};
 
@@ -142,6 +142,30 @@ fn unsupported_dtype_and_garbage_files_are_errors() {
     assert!(Checkpoint::open(&dir).is_err());
     let empty = tempdir("empty");
     assert!(Checkpoint::open(&empty).unwrap_err().to_string().contains("no *.safetensors"));
+}
+
+/// Rewriting a safetensors file never disturbs a reader that has the old one open (the new file is
+/// written beside it and renamed over it: no truncation under a mapping), a failed write leaves the
+/// old file and no partial one, and `open_file` reads a file of any name.
+#[test]
+fn rewriting_a_mapped_file_keeps_the_old_bytes_for_its_reader() {
+    let dir = tempdir("rewrite");
+    let path = dir.join("reference.safetensors");
+    write_f32_safetensors(&path, &[("t", vec![4], &[1.0, 2.0, 3.0, 4.0])]).unwrap();
+    let old = Checkpoint::open_file(&path).unwrap();
+    write_f32_safetensors(&path, &[("t", vec![2], &[9.0, 8.0])]).unwrap();
+    assert_eq!(old.get("t").unwrap().to_f32().unwrap(), vec![1.0, 2.0, 3.0, 4.0]);
+    assert_eq!(Checkpoint::open_file(&path).unwrap().get("t").unwrap().to_f32().unwrap(), vec![9.0, 8.0]);
+
+    let headers = [TensorHeader { name: "t".into(), dtype: DType::F32, shape: vec![3] }];
+    let short = write_safetensors(&path, &headers, |_, buf| {
+        buf.extend_from_slice(&[0u8; 4]);
+        Ok(())
+    });
+    assert!(short.unwrap_err().to_string().contains("produced 4 bytes, expected 12"));
+    assert_eq!(Checkpoint::open_file(&path).unwrap().get("t").unwrap().to_f32().unwrap(), vec![9.0, 8.0]);
+    let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(names, vec![std::ffi::OsString::from("reference.safetensors")]);
 }
 
 fn tempdir(tag: &str) -> std::path::PathBuf {

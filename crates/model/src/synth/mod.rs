@@ -331,8 +331,12 @@ pub fn write_model_json(
     Ok(cfg)
 }
 
+/// Writes beside `path` and renames over it, as `write_safetensors` does: a test reading the model
+/// another test of the same process is rewriting sees the old file or the new one, never a partial one.
 fn write_file(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
-    std::fs::write(path, bytes).map_err(|e| ModelError::io(path, e))
+    let partial = crate::checkpoint::partial_path(path);
+    std::fs::write(&partial, bytes).map_err(|e| ModelError::io(&partial, e))?;
+    std::fs::rename(&partial, path).map_err(|e| ModelError::io(path, e))
 }
 
 /// A standard normal sample (Box–Muller).
