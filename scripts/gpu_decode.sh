@@ -13,6 +13,9 @@
 #   bench4   27B, int4 weights, fp8 KV, 24 GiB: `deltaserve bench` decode at batch 1 / 8, 1K / 32K
 #   bench4p64  the same with --decode-partitions 64
 #   bench4nopdl  bench4 with DELTASERVE_PDL=0 (ordinary launches of the decode GEMVs; the A/B of PDL on sm_90)
+#   nvsweep  bench4's int4 decode points (512-token prompt, 48 steps) under each of the NVRTC option sets in
+#            SWEEP (";"-separated; default: none, W4P_PF = 4 / 8 / 16 / 32 — the int4 GEMV's L2 prefetch before
+#            its wait — and DEC_PART_KEYS = 32 / 64 — keys per decode-attention partition), two rounds, ms per step
 #   w4sweep  tests/bench_w4.rs DS_BENCH_W4_SWEEP=1: the int4 GEMV over shapes varying its waves and groups per warp
 #   bench16  27B bf16 decode (batch 1 / 8, 1K / 32K) with 16 decode partitions (the default)
 #   bench32, bench64  the same with --decode-partitions 32 / 64
@@ -50,6 +53,19 @@ for b in benchp bench4 bench4p64 bench4nopdl bench16 bench32 bench64; do
     python3 -c "import json; d=json.load(open('$OUT/$b.json')); [print('prefill', r) for r in d['prefill']]; [print('decode', r['batch'], r['context'], r['ms_per_step'], r['roofline_ratio']) for r in d['decode']]; print(d['plan_bytes'], d['driver_peak_bytes'])" || true
 done
 unset DELTASERVE_PDL
+if has nvsweep; then
+    step nvsweep
+    IFS=';' read -ra sets <<<"${SWEEP:-;-DW4P_PF=4;-DW4P_PF=8;-DW4P_PF=16;-DW4P_PF=32;-DDEC_PART_KEYS=32;-DDEC_PART_KEYS=64}"
+    for round in 1 2; do
+        for i in "${!sets[@]}"; do
+            o="${sets[$i]}"
+            DELTASERVE_NVRTC_OPTIONS="$o" timeout 120 "$C/deltaserve" bench --prompts 512 --batches 1,8 \
+                --contexts 1024,32768 --steps 48 --verify-tokens 0 --weights-dtype int4 --kv-cache-dtype fp8 \
+                --lm-head-int4 --embed-on-host --memory 24GiB --json >"$OUT/nvsweep$i-r$round.json" 2>/dev/null
+            python3 -c "import json; d=json.load(open('$OUT/nvsweep$i-r$round.json')); print('[$o] round $round', ' '.join('b%d@%d %.3f' % (r['batch'], r['context'], r['ms_per_step']) for r in d['decode']))" || echo "[$o] round $round failed"
+        done
+    done
+fi
 test_step backend 240 "^test |test result|panicked|FAIL" "$C/backend" --nocapture --test-threads=1 --skip hf_fixtures_logits
 test_step spec 200 "^test |test result|panicked|FAIL" "$C/speculative" --nocapture --test-threads=1
 if has w4prof; then

@@ -1062,7 +1062,9 @@ __device__ __forceinline__ float dec_elem(const uint4& r, int d, int nib0) {
 
 // Partitions of a row with `len` keys: one per DEC_PART_KEYS keys, at most n_split. A row's split
 // depends on its own length only, so its result does not depend on the batch it decodes in.
-#define DEC_PART_KEYS 128
+#ifndef DEC_PART_KEYS
+#define DEC_PART_KEYS 128  // an NVRTC define for experiments (a shorter range: more, shorter blocks)
+#endif
 __device__ __forceinline__ int dec_parts(int len, int n_split) {
     return max(1, min(n_split, (len + DEC_PART_KEYS - 1) / DEC_PART_KEYS));
 }

@@ -44,6 +44,9 @@
 // Arch: mma.sync bf16, cp.async, cvt f16, ld.global.nc: sm_80+ (nothing Hopper-only; on sm_90 the
 // launcher may launch w4p_* programmatically: the ring's first units load before pdl_wait(), and a
 // w4p_* block lets the next kernel launch as it starts: pdl_trigger(), a no-op below sm_90).
+// Experiment switch (NVRTC define, default off): W4P_PF = P makes every w4p_* warp prefetch its next P
+// groups of weights into L2 before pdl_wait() (see the code), for HBM to keep streaming while the small
+// kernel before a GEMV runs; not measured yet.
 // Tested by: tests/ops.rs cases "w4_gemv", "w4_gemv_multi", "w4_dequant", "w4_quantize"; bench in
 // tests/bench_w4.rs.
 
@@ -122,6 +125,9 @@ __device__ __forceinline__ void w4_gemv_store(float* acc, float* red, int red_st
 // stages and register slots are compile-time.
 #define W4P_S 4
 #define W4P_STAGE_U4 128
+#ifndef W4P_PF
+#define W4P_PF 0  // groups per warp prefetched into L2 before the wait (an experiment, below)
+#endif
 
 template <bool SBF>
 __device__ __forceinline__ float w4p_scale(u32 bits) {
@@ -207,6 +213,19 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
         if (st < n) issue(st, st, sv[st], zv[st]);
         cp_async_commit();
     }
+#if W4P_PF > 0
+    // Experiment (DELTASERVE_NVRTC_OPTIONS=-DW4P_PF=P; off by default): while this block waits for
+    // the kernel before it, the warp also pulls its next P groups (after the ring's S - 1) into L2,
+    // so that HBM keeps streaming this GEMV's weights while a small kernel between two GEMVs runs.
+    // A pair's units are contiguous (R * 64 bytes each), so that is one run of P * R * 64 bytes.
+    if (pair * 32 < out) {
+        const int np = min(W4P_PF, n - (S - 1));
+        const int R = min(32, out - pair * 32);
+        const char* run = (const char*)(qw4 + w4_u4(pair * 32, 4 * (gb + S - 1), out, ng));
+        for (int off = lane * 128; off < np * R * 64; off += 32 * 128)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(run + off));
+    }
+#endif
     // Launched to overlap the previous kernel (sm_90): the weights are in flight; x and y are that
     // kernel's.
     pdl_wait();
