@@ -13,9 +13,10 @@
 #   bench4   27B, int4 weights, fp8 KV, 24 GiB: `deltaserve bench` decode at batch 1 / 8, 1K / 32K
 #   bench4p64  the same with --decode-partitions 64
 #   bench4nopdl  bench4 with DELTASERVE_PDL=0 (ordinary launches of the decode GEMVs; the A/B of PDL on sm_90)
-#   nvsweep  bench4's int4 decode points (512-token prompt, 48 steps) under each of the NVRTC option sets in
-#            SWEEP (";"-separated; default: none, W4P_PF = 4 / 8 / 16 / 32 — the int4 GEMV's L2 prefetch before
-#            its wait — and DEC_PART_KEYS = 32 / 64 — keys per decode-attention partition), two rounds, ms per step
+#   nvsweep  bench4's int4 decode points (512-token prompt, 48 steps) under each environment in SWEEP (";"-
+#            separated sets of space-separated VAR=VALUE; default: none; DELTASERVE_GEMV_TAILS = norm / swiglu /
+#            norm,swiglu — ops run by the int4 GEMV's last block; NVRTC defines W4P_PF = 8 / 16 — the int4 GEMV's L2
+#            prefetch before its wait — and DEC_PART_KEYS = 32 — keys per decode-attention partition), two rounds
 #   w4sweep  tests/bench_w4.rs DS_BENCH_W4_SWEEP=1: the int4 GEMV over shapes varying its waves and groups per warp
 #   bench16  27B bf16 decode (batch 1 / 8, 1K / 32K) with 16 decode partitions (the default)
 #   bench32, bench64  the same with --decode-partitions 32 / 64
@@ -55,11 +56,13 @@ done
 unset DELTASERVE_PDL
 if has nvsweep; then
     step nvsweep
-    IFS=';' read -ra sets <<<"${SWEEP:-;-DW4P_PF=4;-DW4P_PF=8;-DW4P_PF=16;-DW4P_PF=32;-DDEC_PART_KEYS=32;-DDEC_PART_KEYS=64}"
+    N=DELTASERVE_NVRTC_OPTIONS T=DELTASERVE_GEMV_TAILS
+    IFS=';' read -ra sets <<<"${SWEEP:-;$T=norm;$T=swiglu;$T=norm,swiglu;$N=-DW4P_PF=8;$N=-DW4P_PF=16;$T=norm,swiglu $N=-DW4P_PF=8;$N=-DDEC_PART_KEYS=32}"
     for round in 1 2; do
         for i in "${!sets[@]}"; do
             o="${sets[$i]}"
-            DELTASERVE_NVRTC_OPTIONS="$o" timeout 120 "$C/deltaserve" bench --prompts 512 --batches 1,8 \
+            # shellcheck disable=SC2086 # a set is words VAR=VALUE
+            env $o timeout 120 "$C/deltaserve" bench --prompts 512 --batches 1,8 \
                 --contexts 1024,32768 --steps 48 --verify-tokens 0 --weights-dtype int4 --kv-cache-dtype fp8 \
                 --lm-head-int4 --embed-on-host --memory 24GiB --json >"$OUT/nvsweep$i-r$round.json" 2>/dev/null
             python3 -c "import json; d=json.load(open('$OUT/nvsweep$i-r$round.json')); print('[$o] round $round', ' '.join('b%d@%d %.3f' % (r['batch'], r['context'], r['ms_per_step']) for r in d['decode']))" || echo "[$o] round $round failed"

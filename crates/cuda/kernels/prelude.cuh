@@ -183,6 +183,79 @@ __device__ __forceinline__ uint4 ld_nc_stream(const uint4* p) {
         : "l"(p));
     return r;
 }
+// 16-byte global load through L2 only (no L1): data another block of the same kernel wrote (L1 is not
+// coherent across SMs).
+__device__ __forceinline__ uint4 ld_cg(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// One row of add_rms_norm_1p (norm.cu) by a whole block, vectorised: h = bf16(x + res) (res null:
+// h = x), res_out = h (null: not stored; may alias res), out = bf16(h * rsqrt(mean(h^2) + eps) *
+// (1 + w)). A thread's up to NORM_MAXV 16-byte vectors of x, res and w are all loaded before any
+// arithmetic and h stays in registers. Needs D % 8 == 0, D <= 8 * NORM_MAXV * blockDim.x and 16-byte
+// aligned rows. CG: x and res are read through L2 only (rows other blocks of the same kernel wrote:
+// the int4 GEMV's norm tail in w4a16.cu, bitwise this function as norm.cu runs it). Contains
+// __syncthreads(); `red` >= 32 floats of shared memory.
+#define NORM_MAXV 4
+template <bool CG>
+__device__ __forceinline__ void add_rms_norm_1p_row(const bf16_t* __restrict__ x, const bf16_t* res,
+                                                    const bf16_t* __restrict__ w, bf16_t* res_out,
+                                                    bf16_t* __restrict__ out, int D, float eps, float* red) {
+    const int nv = D >> 3;
+    uint4 hv[NORM_MAXV], wv[NORM_MAXV], rv[NORM_MAXV];
+#pragma unroll
+    for (int j = 0; j < NORM_MAXV; j++) {
+        const int v = threadIdx.x + j * blockDim.x;
+        if (v < nv) {
+            hv[j] = CG ? ld_cg(x + 8 * v) : *(const uint4*)(x + 8 * v);
+            rv[j] = !res ? make_uint4(0u, 0u, 0u, 0u) : CG ? ld_cg(res + 8 * v) : *(const uint4*)(res + 8 * v);
+            wv[j] = *(const uint4*)(w + 8 * v);
+        }
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NORM_MAXV; j++) {
+        const int v = threadIdx.x + j * blockDim.x;
+        if (v < nv) {
+            u32* hw = (u32*)&hv[j];
+            const u32* rw = (const u32*)&rv[j];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float a = __uint_as_float(hw[e] << 16), b = __uint_as_float(hw[e] & 0xffff0000u);
+                if (res) {
+                    a = round_bf(a + __uint_as_float(rw[e] << 16));
+                    b = round_bf(b + __uint_as_float(rw[e] & 0xffff0000u));
+                    hw[e] = (__float_as_uint(a) >> 16) | (__float_as_uint(b) & 0xffff0000u);
+                }
+                ss += a * a;
+                ss += b * b;
+            }
+            if (res_out) *(uint4*)(res_out + 8 * v) = hv[j];
+        }
+    }
+    const float inv = rsqrtf(block_sum(ss, red) / (float)D + eps);
+#pragma unroll
+    for (int j = 0; j < NORM_MAXV; j++) {
+        const int v = threadIdx.x + j * blockDim.x;
+        if (v < nv) {
+            const u32* hw = (const u32*)&hv[j];
+            const u32* ww = (const u32*)&wv[j];
+            uint4 o;
+            u32* ow = (u32*)&o;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float wa = 1.0f + __uint_as_float(ww[e] << 16), wb = 1.0f + __uint_as_float(ww[e] & 0xffff0000u);
+                const float a = __uint_as_float(hw[e] << 16) * inv * wa;
+                const float b = __uint_as_float(hw[e] & 0xffff0000u) * inv * wb;
+                ow[e] = (u32)f2bf(a) | ((u32)f2bf(b) << 16);
+            }
+            *(uint4*)(out + 8 * v) = o;
+        }
+    }
+}
 
 // ---------------------------------------------------------------------------------------------
 // One causal depthwise conv1d decode step of channel c (KW taps; conv.cu's conv_decode and

@@ -748,6 +748,77 @@ fn int4_quantized_at_load_matches_cpu() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
+/// The int4 GEMV's tails (the residual add + RMSNorm after `down` and after the mixer's output
+/// projection, SwiGLU after gate/up, run by the GEMV launch's last block) leave every logit bitwise as
+/// the separate kernels do: prefill chunks of 1 and 5 tokens (the GEMV path) and 37 (GEMMs), then
+/// decode steps of 1, 3, 8 and 11 sequences (graphs; 11 rows run GEMMs, without tails), symmetric and
+/// asymmetric weights.
+#[test]
+fn gemv_tails_match_separate_kernels() {
+    use deltaserve_cuda::backend::GemvTails;
+    if !gpu() {
+        return;
+    }
+    let (dir, cfg) = tiny_int4_dir(8);
+    for asym in [false, true] {
+        let plan = plan_with(&cfg, |o| {
+            o.weights_dtype = deltaserve_plan::WeightsDtype::Int4;
+            o.int4_asym = asym;
+            o.max_seqs = 16;
+        });
+        let src = || WeightSource::Checkpoint(dir.clone());
+        let apart = CudaOptions { gemv_tails: GemvTails::default(), ..test_opts() };
+        let fused = CudaOptions { gemv_tails: GemvTails { norm: true, swiglu: true }, ..test_opts() };
+        let mut a = CudaBackend::with_options(&cfg, src(), &plan, 4, apart).unwrap();
+        let mut f = CudaBackend::with_options(&cfg, src(), &plan, 4, fused).unwrap();
+        let allocs = f.arena_stats().allocations;
+        let vocab = a.vocab_size();
+        let mut rng = StdRng::seed_from_u64(5);
+        let n_seqs = 11usize;
+        let pg: Vec<Vec<u32>> = (0..n_seqs).map(|i| pages(40 * i as u32, 600)).collect();
+        let (mut pos, mut next) = (vec![0usize; n_seqs], vec![0u32; n_seqs]);
+        for i in 0..n_seqs {
+            // Prompts of 1, 5 and 37 tokens, the 5-token one in two chunks.
+            let len = [1usize, 5, 37][i % 3];
+            let ids = random_tokens(&mut rng, len, vocab);
+            let cut = if len == 5 { 2 } else { len };
+            let mut last = Vec::new();
+            for (start, part) in [(0, &ids[..cut]), (cut, &ids[cut..])] {
+                if part.is_empty() {
+                    continue;
+                }
+                let b = one(chunk(i as u32, &pg[i], start, part));
+                let (la, lf) = (run(&mut a, &b), run(&mut f, &b));
+                assert!(la == lf, "asym {asym}: prefill of sequence {i} ({} tokens from {start}) differs", part.len());
+                last = la;
+            }
+            next[i] = argmax(&last) as u32;
+            pos[i] = len;
+        }
+        let schedule: Vec<Vec<usize>> =
+            vec![vec![0], vec![0], vec![1, 2, 3], vec![1, 2, 3], (0..8).collect(), (0..8).collect(), (0..11).collect()];
+        for (step, active) in schedule.iter().enumerate() {
+            let mut batch = StepBatch::default();
+            for &i in active {
+                batch.seqs.push(chunk(i as u32, &pg[i], pos[i], &[next[i]]));
+            }
+            let (la, lf) = (run(&mut a, &batch), run(&mut f, &batch));
+            let same = la.iter().zip(&lf).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(
+                same && la.len() == lf.len(),
+                "asym {asym}: decode step {step} ({} sequences) differs",
+                active.len()
+            );
+            for (j, &i) in active.iter().enumerate() {
+                next[i] = argmax(&la[j * vocab..(j + 1) * vocab]) as u32;
+                pos[i] += 1;
+            }
+        }
+        println!("asym {asym}: every logit bitwise equal; graph stats {:?}", f.graph_stats());
+        assert_eq!(f.arena_stats().allocations, allocs, "the arena allocated while serving");
+    }
+}
+
 /// (5c) GPTQ checkpoints written from the format's definition (deltaserve_model::synth::gptq:
 /// symmetric v1 with a stored trivial g_idx, asymmetric with act-order, asymmetric gptq_v2, two
 /// linears left bf16) load on the GPU (converted to the device format) and match the CPU engine on
