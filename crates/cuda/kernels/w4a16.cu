@@ -39,7 +39,7 @@
 //  w4p_*:        grid (sum over the segments of ceil(ceil(out_s/32) / (8/wpt_s))), block 256, dynamic
 //                smem 64 KB (8 warps x 4 stages x 2 KB); x 16-byte aligned with ldx % 8 == 0; scales
 //                8-byte aligned, zeros 4-byte aligned (a segment from row r0 of a linear: r0 % 32 == 0);
-//                tail = 0 (none), or the tail's arguments (w4p_tail; bf16 y only).
+//                tail = 0 (none), or the tail's arguments (w4p_tail; the w4p_*_t kernels, bf16 y).
 //  w4_dequant:   grid (ceil((r1-r0)*in/32 / 256)) (grid-stride; per word with perm), block 256;
 //                dst 16-byte aligned, ldd % 8 == 0 (without perm); out*in/32 < 2^31.
 //  w4_quantize:  grid (ceil(ceil((r1-r0)/2) * NG / 8)), block 256: one warp per (row pair, group);
@@ -71,6 +71,7 @@ __device__ __forceinline__ u32 w4_zero(const unsigned char* zeros, int zstride, 
     return zeros ? ((u32)(zeros[(long long)g * zstride + (o >> 1)] >> ((o & 1) * 4)) & 15u) : 8u;
 }
 
+#ifndef W4P_TAIL_MODULE
 extern "C" __global__ void w4_permute_x(const bf16_t* __restrict__ x, long long ldx, const int* __restrict__ perm,
                                         bf16_t* __restrict__ xo, int M, int in) {
     long long n = (long long)M * in;
@@ -81,6 +82,7 @@ extern "C" __global__ void w4_permute_x(const bf16_t* __restrict__ x, long long 
         xo[i] = x[m * ldx + perm[j]];
     }
 }
+#endif
 
 // Sums the wpt partial results (warp w writes its NT*128 partials at red + w * red_stride, a region
 // no other warp touches) and stores the outputs of NT 16-row tiles: fragment value c (0..3) of tile
@@ -311,7 +313,9 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
 //                  tail_out[m] = the RMSNorm of h with weight tail_w.
 //  W4_TAIL_SWIGLU: tail_y = [gate | up] (n + n columns); tail_out[m, c] = bf16(silu(gate[m, c]) *
 //                  up[m, c]), c < n (bitwise swiglu).
-// tail_out rows are n apart. The blocks count themselves in *tail_count (0 before the launch; the last
+// One block runs the tail: the norm row by row (each row's loads in flight together), SwiGLU 8 pieces
+// of 8 columns per thread at a time; meant for a few rows (the backend uses it up to 2). tail_out rows
+// are n apart. The blocks count themselves in *tail_count (0 before the launch; the last
 // block sets it back to 0, and a programmatically launched successor counts only after this launch has
 // completed). tail_out may share memory with x: the last block writes it after every block has read all
 // of x. Needs n % 8 == 0, 16-byte aligned rows, and n <= 8 * NORM_MAXV * 256 for the norm (the
@@ -319,6 +323,7 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
 #define W4_TAIL_NONE 0
 #define W4_TAIL_NORM 1
 #define W4_TAIL_SWIGLU 2
+#define W4_TAIL_U 8
 __device__ __forceinline__ void w4p_tail(int tail, unsigned int* count, const bf16_t* ty, long long tld,
                                          bf16_t* tres, const bf16_t* __restrict__ tw, bf16_t* __restrict__ tout,
                                          int n, int M, float eps, uint4* smem) {
@@ -337,19 +342,35 @@ __device__ __forceinline__ void w4p_tail(int tail, unsigned int* count, const bf
             add_rms_norm_1p_row<true>(ty + m * tld, tres + (long long)m * n, tw, tres + (long long)m * n,
                                       tout + (long long)m * n, n, eps, red);
     } else {
-        const int nv = n >> 3;
-        for (int e = threadIdx.x; e < M * nv; e += blockDim.x) {
-            const int m = e / nv, c = 8 * (e - m * nv);
-            const uint4 gv = ld_cg(ty + m * tld + c), uv = ld_cg(ty + m * tld + n + c);
-            const u32 gw[4] = {gv.x, gv.y, gv.z, gv.w}, uw[4] = {uv.x, uv.y, uv.z, uv.w};
-            u32 o[4];
+        // W4_TAIL_U 8-column pieces per thread in flight (their loads first): one row of the 27B's
+        // 17,408 is 8.5 pieces per thread, two rounds of memory latency rather than nine.
+        const int nv = n >> 3, total = M * nv;
+        for (int e0 = threadIdx.x; e0 < total; e0 += W4_TAIL_U * blockDim.x) {
+            uint4 gv[W4_TAIL_U], uv[W4_TAIL_U];
 #pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const float g0 = __uint_as_float(gw[k] << 16), g1 = __uint_as_float(gw[k] & 0xffff0000u);
-                const float u0 = __uint_as_float(uw[k] << 16), u1 = __uint_as_float(uw[k] & 0xffff0000u);
-                o[k] = (u32)f2bf(siluf_(g0) * u0) | ((u32)f2bf(siluf_(g1) * u1) << 16);
+            for (int u = 0; u < W4_TAIL_U; ++u) {
+                const int e = e0 + u * blockDim.x;
+                if (e < total) {
+                    const int m = e / nv, c = 8 * (e - m * nv);
+                    gv[u] = ld_cg(ty + m * tld + c);
+                    uv[u] = ld_cg(ty + m * tld + n + c);
+                }
             }
-            *(uint4*)(tout + (long long)m * n + c) = make_uint4(o[0], o[1], o[2], o[3]);
+#pragma unroll
+            for (int u = 0; u < W4_TAIL_U; ++u) {
+                const int e = e0 + u * blockDim.x;
+                if (e >= total) break;
+                const int m = e / nv, c = 8 * (e - m * nv);
+                const u32 gw[4] = {gv[u].x, gv[u].y, gv[u].z, gv[u].w}, uw[4] = {uv[u].x, uv[u].y, uv[u].z, uv[u].w};
+                u32 o[4];
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const float g0 = __uint_as_float(gw[k] << 16), g1 = __uint_as_float(gw[k] & 0xffff0000u);
+                    const float u0 = __uint_as_float(uw[k] << 16), u1 = __uint_as_float(uw[k] & 0xffff0000u);
+                    o[k] = (u32)f2bf(siluf_(g0) * u0) | ((u32)f2bf(siluf_(g1) * u1) << 16);
+                }
+                *(uint4*)(tout + (long long)m * n + c) = make_uint4(o[0], o[1], o[2], o[3]);
+            }
         }
     }
     if (threadIdx.x == 0) *count = 0u;
@@ -363,7 +384,9 @@ __device__ __forceinline__ void w4p_tail(int tail, unsigned int* count, const bf
     const u32 *__restrict__ qw##i, const unsigned short *__restrict__ sc##i,                                  \
         const unsigned char *__restrict__ z##i, OUT_T *__restrict__ y##i, long long ldy##i, int out##i,        \
         int os##i, int wpt##i, int nb##i
-#define W4P_KERNEL(NAME, OUT_T, ASYM, SBF)                                                                    \
+// TAIL: the kernel runs a tail when `tail` says so (the *_t kernels); the others ignore the tail
+// arguments and contain none of its code.
+#define W4P_KERNEL(NAME, OUT_T, ASYM, SBF, TAIL)                                                              \
     extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 2)                                              \
         NAME(const bf16_t* __restrict__ x, long long ldx, int M, int in, W4P_SEG_ARGS(0, OUT_T),                  \
              W4P_SEG_ARGS(1, OUT_T), W4P_SEG_ARGS(2, OUT_T), W4P_SEG_ARGS(3, OUT_T), int tail,                  \
@@ -394,18 +417,26 @@ __device__ __forceinline__ void w4p_tail(int tail, unsigned int* count, const bf
             w4p_body<OUT_T, ASYM, SBF, true>(qw, sc, z, x, ldx, y, ldy, M, out, os, in, wpt, b, w4_dyn);         \
         else                                                                                                     \
             w4p_body<OUT_T, ASYM, SBF, false>(qw, sc, z, x, ldx, y, ldy, M, out, os, in, wpt, b, w4_dyn);        \
-        if (tail != W4_TAIL_NONE)                                                                                \
+        if (TAIL && tail != W4_TAIL_NONE)                                                                        \
             w4p_tail(tail, tail_count, tail_y, tail_ld, tail_res, tail_w, tail_out, tail_n, M, tail_eps, w4_dyn); \
     }
-// w4p_<y: h bf16 | f f32><s symmetric | a zero points><h f16 | b bf16 scales>
-W4P_KERNEL(w4p_hsh, bf16_t, false, false)
-W4P_KERNEL(w4p_hsb, bf16_t, false, true)
-W4P_KERNEL(w4p_hah, bf16_t, true, false)
-W4P_KERNEL(w4p_hab, bf16_t, true, true)
-W4P_KERNEL(w4p_fsh, float, false, false)
-W4P_KERNEL(w4p_fsb, float, false, true)
-W4P_KERNEL(w4p_fah, float, true, false)
-W4P_KERNEL(w4p_fab, float, true, true)
+// w4p_<y: h bf16 | f f32><s symmetric | a zero points><h f16 | b bf16 scales>[_t: with a tail]
+// The *_t kernels are their own module (w4a16_tail: this file with -DW4P_TAIL_MODULE, which holds
+// nothing else), compiled beside this one: the default kernels and the start-up compile stay as they were.
+#ifdef W4P_TAIL_MODULE
+W4P_KERNEL(w4p_hsh_t, bf16_t, false, false, true)
+W4P_KERNEL(w4p_hsb_t, bf16_t, false, true, true)
+W4P_KERNEL(w4p_hah_t, bf16_t, true, false, true)
+W4P_KERNEL(w4p_hab_t, bf16_t, true, true, true)
+#else
+W4P_KERNEL(w4p_hsh, bf16_t, false, false, false)
+W4P_KERNEL(w4p_hsb, bf16_t, false, true, false)
+W4P_KERNEL(w4p_hah, bf16_t, true, false, false)
+W4P_KERNEL(w4p_hab, bf16_t, true, true, false)
+W4P_KERNEL(w4p_fsh, float, false, false, false)
+W4P_KERNEL(w4p_fsb, float, false, true, false)
+W4P_KERNEL(w4p_fah, float, true, false, false)
+W4P_KERNEL(w4p_fab, float, true, true, false)
 
 // Eight columns of word w as bf16 (q - z) * s, packed in column order (columns (2p, 2p + 1) are
 // nibbles p, p + 4). zf = 2^23 + z: 2^23 + q is the f32 pattern 0x4b000000 | q, so (2^23 + q) - zf
@@ -605,3 +636,4 @@ w4_read_probe(const uint4* __restrict__ qw, int out, int in, int wpt, int tiled,
     cp_async_wait<0>();
     if (acc == 0x9e3779b9u) sink[0] = acc;
 }
+#endif  // W4P_TAIL_MODULE

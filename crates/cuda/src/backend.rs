@@ -80,11 +80,15 @@ pub struct CudaOptions {
     /// shapes: at 1K context the prefill kernel is as fast at batch 1 and faster at batch 8; at 32K it
     /// is 2.4× slower at batch 1 (it has no split over the keys).
     pub verify_decode_attention_from: usize,
-    /// Ops run by the last block of the int4 GEMV before them ([`w4a16::Tail`]) in steps that use the
-    /// GEMV, on one GPU. Off by default until measured; `DELTASERVE_GEMV_TAILS=norm,swiglu` (or one of
+    /// Ops run by the last block of the int4 GEMV before them ([`w4a16::Tail`]) in steps of at most
+    /// [`TAIL_MAX_ROWS`] tokens, on one GPU. Off by default until measured; `DELTASERVE_GEMV_TAILS=norm,swiglu` (or one of
     /// them) turns them on.
     pub gemv_tails: GemvTails,
 }
+
+/// Most rows of a step whose ops run as GEMV tails: one block runs a tail, row after row (the norm),
+/// so with more rows the ops' own kernels, spread over the GPU, finish sooner.
+pub const TAIL_MAX_ROWS: usize = 2;
 
 /// Which ops the int4 GEMV runs in its launch (see [`CudaOptions::gemv_tails`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -1862,7 +1866,7 @@ impl CudaBackend {
     }
 
     /// [`CudaBackend::proj`] (bf16 outputs) with `tail` run by the int4 GEMV's last block, when the GEMV
-    /// takes it: a step of at most `gemv_max_tokens` tokens on one GPU (under tensor parallelism the
+    /// takes it: a step of at most [`TAIL_MAX_ROWS`] tokens (and `gemv_max_tokens`) on one GPU (under tensor parallelism the
     /// outputs are partial sums until the all-reduce), int4 outputs without act-order, a tail the kernel
     /// runs. Returns false when nothing ran: the caller runs the projection and the op apart. The
     /// GEMV's outputs are the ones `proj` writes (same launch configuration), bitwise.
@@ -1875,7 +1879,7 @@ impl CudaBackend {
         outs: &[ProjOut<'_>],
         tail: &w4a16::Tail,
     ) -> Result<bool, CudaError> {
-        if self.tp.is_some() || t == 0 || t > self.opts.gemv_max_tokens {
+        if self.tp.is_some() || t == 0 || t > self.opts.gemv_max_tokens.min(TAIL_MAX_ROWS) {
             return Ok(false);
         }
         let Some(w4) = w4_outs(outs).filter(|w4| w4a16::tail_supported(w4, tail)) else { return Ok(false) };

@@ -750,9 +750,9 @@ fn int4_quantized_at_load_matches_cpu() {
 
 /// The int4 GEMV's tails (the residual add + RMSNorm after `down` and after the mixer's output
 /// projection, SwiGLU after gate/up, run by the GEMV launch's last block) leave every logit bitwise as
-/// the separate kernels do: prefill chunks of 1 and 5 tokens (the GEMV path) and 37 (GEMMs), then
-/// decode steps of 1, 3, 8 and 11 sequences (graphs; 11 rows run GEMMs, without tails), symmetric and
-/// asymmetric weights.
+/// the separate kernels do: prefill chunks of 1 and 2 tokens (tails), 3 (the GEMV without tails) and
+/// 37 (GEMMs), then decode steps of 1, 2, 3, 8 and 11 sequences (graphs; tails up to
+/// `TAIL_MAX_ROWS` = 2 rows), symmetric and asymmetric weights.
 #[test]
 fn gemv_tails_match_separate_kernels() {
     use deltaserve_cuda::backend::GemvTails;
@@ -795,8 +795,16 @@ fn gemv_tails_match_separate_kernels() {
             next[i] = argmax(&last) as u32;
             pos[i] = len;
         }
-        let schedule: Vec<Vec<usize>> =
-            vec![vec![0], vec![0], vec![1, 2, 3], vec![1, 2, 3], (0..8).collect(), (0..8).collect(), (0..11).collect()];
+        let schedule: Vec<Vec<usize>> = vec![
+            vec![0],
+            vec![0],
+            vec![4, 7],
+            vec![4, 7],
+            vec![1, 2, 3],
+            (0..8).collect(),
+            (0..8).collect(),
+            (0..11).collect(),
+        ];
         for (step, active) in schedule.iter().enumerate() {
             let mut batch = StepBatch::default();
             for &i in active {

@@ -74,9 +74,14 @@ impl W4Weights {
 pub(crate) const PAIR_KERNELS: [&str; 8] =
     ["w4p_hsh", "w4p_hsb", "w4p_hah", "w4p_hab", "w4p_fsh", "w4p_fsb", "w4p_fah", "w4p_fab"];
 
-/// The `w4p_*` kernel for an output dtype, zero points and scale dtype (see kernels/w4a16.cu).
-fn pair_kernel(f32_out: bool, asym: bool, bf16_scales: bool) -> &'static str {
-    PAIR_KERNELS[4 * usize::from(f32_out) + 2 * usize::from(asym) + usize::from(bf16_scales)]
+/// The `w4p_*_t` kernels: bf16 outputs with a tail ([`Tail`]).
+pub(crate) const TAIL_KERNELS: [&str; 4] = ["w4p_hsh_t", "w4p_hsb_t", "w4p_hah_t", "w4p_hab_t"];
+
+/// The `w4p_*` kernel for an output dtype, zero points and scale dtype, with a tail or not (see
+/// kernels/w4a16.cu; a tail needs bf16 outputs).
+fn pair_kernel(f32_out: bool, asym: bool, bf16_scales: bool, tail: bool) -> &'static str {
+    let i = 2 * usize::from(asym) + usize::from(bf16_scales);
+    if tail { TAIL_KERNELS[i] } else { PAIR_KERNELS[4 * usize::from(f32_out) + i] }
 }
 
 /// Dynamic shared memory of a pair-kernel block: 8 warps × 4 ring stages × 2 KB (one unit of the
@@ -460,7 +465,7 @@ fn launch_pair(
         // The kernel indexes qweight by 32-bit 16-byte chunks.
         to_i32(K, "qweight chunks", o.w.out * o.w.inp / 32)?;
     }
-    let name = pair_kernel(f32_out, first.zeros.is_some(), first.scale_dtype == ScaleDtype::Bf16);
+    let name = pair_kernel(f32_out, first.zeros.is_some(), first.scale_dtype == ScaleDtype::Bf16, tail.0 != 0);
     let groups = first.inp / W4_GROUP;
     // Kernel segments: (qweight, scales, zeros, y, ldy, rows, scale row stride, wpt, blocks); unused
     // ones have 0 blocks. A segment from row r0 of its linear: its units start at pair r0/32
