@@ -1842,9 +1842,7 @@ impl CudaBackend {
             // Several int4 linears sharing x (q/k/v, qkv/z/b/a, gate/up: outputs and the parts that
             // write consecutive columns of one): one launch of the int4 GEMV.
             if let Some(w4) = w4_outs(outs).filter(|w4| w4a16::multi_supported(w4)) {
-                let rows = w4.iter().map(|o| o.w.out).sum();
-                let cfg = w4a16::gemv_config(rows, kdim, self.k.w4_slots);
-                return w4a16::w4_gemv_multi(&self.k, s, &w4, x, kdim, t, cfg, false);
+                return w4a16::w4_gemv_multi(&self.k, s, &w4, x, kdim, t, self.multi_config(&w4, kdim), false);
             }
         }
         let eb = if f32_out { 4 } else { 2 };
@@ -1883,10 +1881,13 @@ impl CudaBackend {
             return Ok(false);
         }
         let Some(w4) = w4_outs(outs).filter(|w4| w4a16::tail_supported(w4, tail)) else { return Ok(false) };
-        let rows = w4.iter().map(|o| o.w.out).sum();
-        let cfg = w4a16::gemv_config(rows, kdim, self.k.w4_slots);
-        w4a16::w4_gemv_tail(&self.k, s, &w4, x, kdim, t, cfg, tail)?;
+        w4a16::w4_gemv_tail(&self.k, s, &w4, x, kdim, t, self.multi_config(&w4, kdim), tail)?;
         Ok(true)
+    }
+
+    /// The int4 GEMV's configuration for one launch over the linears `w4` (their rows summed).
+    fn multi_config(&self, w4: &[w4a16::W4Out<'_>], kdim: usize) -> w4a16::GemvConfig {
+        w4a16::gemv_config(w4.iter().map(|o| o.w.out).sum(), kdim, self.k.w4_slots)
     }
 
     /// `y[t, w.out]` (row stride `ldy`) = `x[t, w.inp]` · Wᵀ for an int4 linear: the int4 GEMV for
@@ -2791,16 +2792,7 @@ impl CudaBackend {
         let tails = self.opts.gemv_tails;
         let count = ws.gemv_tail;
         let mix_outs = [po(mix_w, ws.mixer_out, h)];
-        let post = w4a16::Tail::AddNorm {
-            y: ws.mixer_out,
-            ldy: h,
-            res: ws.residual,
-            w: layer.post_norm,
-            out: ws.mlp_in,
-            n: h,
-            eps,
-            count,
-        };
+        let post = w4a16::Tail::AddNorm { res: ws.residual, w: layer.post_norm, out: ws.mlp_in, n: h, eps, count };
         let post_fused = tails.norm && self.proj_tail(s, mix_x, t, mix_k, &mix_outs, &post)?;
         if !post_fused {
             self.proj(s, mix_x, t, mix_k, &mix_outs, false)?;
@@ -2824,7 +2816,7 @@ impl CudaBackend {
         self.tick("norms")?;
         let i = d.intermediate;
         let gate_up = [po(&layer.gate_up, ws.mlp_gate_up, 2 * i)];
-        let glu = w4a16::Tail::Swiglu { y: ws.mlp_gate_up, ldy: 2 * i, out: ws.mlp_act, n: i, count };
+        let glu = w4a16::Tail::Swiglu { out: ws.mlp_act, n: i, count };
         if !(tails.swiglu && self.proj_tail(s, ws.mlp_in, t, h, &gate_up, &glu)?) {
             self.proj(s, ws.mlp_in, t, h, &gate_up, false)?;
             elementwise::swiglu(k, s, ws.mlp_gate_up, 2 * i, ws.mlp_gate_up + b2(i), 2 * i, ws.mlp_act, t, i)?;
@@ -2833,16 +2825,7 @@ impl CudaBackend {
         let down = [po(&layer.down, ws.mlp_out, h)];
         let next_fused = match next_norm {
             Some(w) if tails.norm => {
-                let tail = w4a16::Tail::AddNorm {
-                    y: ws.mlp_out,
-                    ldy: h,
-                    res: ws.residual,
-                    w,
-                    out: ws.x_norm,
-                    n: h,
-                    eps,
-                    count,
-                };
+                let tail = w4a16::Tail::AddNorm { res: ws.residual, w, out: ws.x_norm, n: h, eps, count };
                 self.proj_tail(s, ws.mlp_act, t, i, &down, &tail)?
             }
             _ => false,

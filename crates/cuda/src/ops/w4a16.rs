@@ -244,7 +244,7 @@ pub fn w4_gemv_out(
             }
             _ => (xc, ldx as i64),
         };
-        launch_pair(k, s, &[W4Out { w, y: yc, ldy }], xg, ldxg, mc, cfg, f32_out, Tail::None.args(0))?;
+        launch_pair(k, s, &[W4Out { w, y: yc, ldy }], xg, ldxg, mc, cfg, f32_out, Tail::None.args(0, 0, 0))?;
     }
     Ok(())
 }
@@ -293,17 +293,16 @@ pub fn w4_gemv_multi(
 }
 
 /// What the last block of a pair-kernel launch runs once every block has stored its rows
-/// (kernels/w4a16.cu `w4p_tail`): the op that would otherwise be the next kernel, bitwise. `y`
-/// (row stride `ldy`) is where the launch's outputs are; `count` a u32 of device memory that is 0
-/// (every tail launch leaves it 0 again).
+/// (kernels/w4a16.cu `w4p_tail`): the op that would otherwise be the next kernel, bitwise. It reads
+/// the launch's outputs `y` (the linears write consecutive columns of one `[m, cols]` buffer at one
+/// row stride, from the first linear's `y`); `count` is a u32 of device memory that is 0 (every
+/// tail launch leaves it 0 again).
 #[derive(Clone, Copy, Debug)]
 pub enum Tail {
     None,
     /// `add_rms_norm_1p` of the launch's rows: `h = y + res`, `res = h`, `out = RMSNorm(h) · (1 + w)`
-    /// (`y`, `res`, `out`: `[m, n]`, `res` and `out` at row stride `n`).
+    /// (`cols = n`; `res` and `out` `[m, n]`).
     AddNorm {
-        y: u64,
-        ldy: usize,
         res: u64,
         w: u64,
         out: u64,
@@ -311,10 +310,9 @@ pub enum Tail {
         eps: f32,
         count: u64,
     },
-    /// `swiglu`: `out[r, c] = silu(y[r, c]) · y[r, n + c]` for `c < n` (`y` = gate | up; `out` `[m, n]`).
+    /// `swiglu`: `out[r, c] = silu(y[r, c]) · y[r, n + c]` for `c < n` (`y` = gate | up, `cols = 2n`;
+    /// `out` `[m, n]`).
     Swiglu {
-        y: u64,
-        ldy: usize,
         out: u64,
         n: usize,
         count: u64,
@@ -322,30 +320,38 @@ pub enum Tail {
 }
 
 impl Tail {
-    /// The kernel's tail arguments for the launch over rows `m0..` of the step.
-    fn args(&self, m0: usize) -> TailArgs {
+    /// The kernel's tail arguments for the launch over rows `m0..` of the step, whose outputs start at
+    /// `y` (row stride `ldy`).
+    fn args(&self, y: u64, ldy: usize, m0: usize) -> TailArgs {
         let r = |p: u64, ld: usize| p + (2 * m0 * ld) as u64;
         match *self {
             Tail::None => (0, 0, 0, 0, 0, 0, 0, 0, 0.0),
-            Tail::AddNorm { y, ldy, res, w, out, n, eps, count } => {
-                (1, count, r(y, ldy), ldy as i64, r(res, n), w, r(out, n), n as i32, eps)
+            Tail::AddNorm { res, w, out, n, eps, count } => {
+                (1, count, y, ldy as i64, r(res, n), w, r(out, n), n as i32, eps)
             }
-            Tail::Swiglu { y, ldy, out, n, count } => (2, count, r(y, ldy), ldy as i64, 0, 0, r(out, n), n as i32, 0.0),
+            Tail::Swiglu { out, n, count } => (2, count, y, ldy as i64, 0, 0, r(out, n), n as i32, 0.0),
         }
     }
 
-    /// Why the kernel cannot run this tail (None: it can).
-    fn unsupported(&self) -> Option<String> {
-        let (n, ldy, ptrs, max_n, count) = match *self {
+    /// Why the kernel cannot run this tail after the linears `outs` (None: it can).
+    fn unsupported(&self, outs: &[W4Out<'_>]) -> Option<String> {
+        let (n, cols, ptrs, max_n, count) = match *self {
             Tail::None => return None,
-            Tail::AddNorm { y, ldy, res, w, out, n, count, .. } => {
-                (n, ldy, vec![y, res, w, out], Some(NORM_TAIL_MAX), count)
-            }
-            Tail::Swiglu { y, ldy, out, n, count } => (n, ldy, vec![y, y + 2 * n as u64, out], None, count),
+            Tail::AddNorm { res, w, out, n, count, .. } => (n, n, vec![res, w, out], Some(NORM_TAIL_MAX), count),
+            Tail::Swiglu { out, n, count } => (n, 2 * n, vec![out], None, count),
         };
-        let why = if n == 0 || !n.is_multiple_of(8) || !ldy.is_multiple_of(8) {
+        let (y, ldy) = outs.first().map_or((0, 0), |o| (o.y, o.ldy));
+        let mut col = 0;
+        let consecutive = outs.iter().all(|o| {
+            let here = o.y == y + 2 * col as u64 && o.ldy == ldy;
+            col += o.w.out;
+            here
+        });
+        let why = if !consecutive || col != cols {
+            format!("the linears must write the tail's {cols} columns of one buffer, in order")
+        } else if n == 0 || !n.is_multiple_of(8) || !ldy.is_multiple_of(8) {
             format!("width {n} and row stride {ldy} must be multiples of 8")
-        } else if ptrs.iter().any(|p| !p.is_multiple_of(16)) {
+        } else if ptrs.iter().chain([&y, &(y + 2 * n as u64)]).any(|p| !p.is_multiple_of(16)) {
             "rows must be 16-byte aligned".to_string()
         } else if max_n.is_some_and(|mx| n > mx) {
             format!("a norm tail is at most {NORM_TAIL_MAX} wide, got {n}")
@@ -366,7 +372,7 @@ pub const NORM_TAIL_MAX: usize = 8 * 4 * BLOCK_THREADS as usize;
 
 /// Whether [`w4_gemv_tail`] runs these linears with this tail (else run them and the op apart).
 pub fn tail_supported(outs: &[W4Out<'_>], tail: &Tail) -> bool {
-    multi_supported(outs) && tail.unsupported().is_none()
+    multi_supported(outs) && tail.unsupported(outs).is_none()
 }
 
 /// [`w4_gemv_multi`] (bf16 outputs) followed, in the same launch, by `tail` over the `m` rows: the
@@ -385,7 +391,7 @@ pub fn w4_gemv_tail(
     tail: &Tail,
 ) -> Result<(), CudaError> {
     const K: &str = "w4_gemv_tail";
-    if let Some(why) = tail.unsupported() {
+    if let Some(why) = tail.unsupported(outs) {
         return Err(invalid(K, why));
     }
     let written = match *tail {
@@ -431,7 +437,8 @@ fn multi(
     for m0 in (0..m).step_by(GEMV_MAX_M) {
         let mc = (m - m0).min(GEMV_MAX_M);
         let chunk: Vec<W4Out<'_>> = outs.iter().map(|o| W4Out { y: o.y + (eb * m0 * o.ldy) as u64, ..*o }).collect();
-        launch_pair(k, s, &chunk, x + 2 * (m0 * ldx) as u64, ldx as i64, mc, cfg, f32_out, tail.args(m0))?;
+        let t = tail.args(chunk[0].y, chunk[0].ldy, m0);
+        launch_pair(k, s, &chunk, x + 2 * (m0 * ldx) as u64, ldx as i64, mc, cfg, f32_out, t)?;
     }
     Ok(())
 }
