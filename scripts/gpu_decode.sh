@@ -14,9 +14,8 @@
 #   bench4p64  the same with --decode-partitions 64
 #   bench4nopdl  bench4 with DELTASERVE_PDL=0 (ordinary launches of the decode GEMVs; the A/B of PDL on sm_90)
 #   nvsweep  bench4's int4 decode points (512-token prompt, 48 steps) under each environment in SWEEP (";"-
-#            separated sets of space-separated VAR=VALUE; default: none; DELTASERVE_GEMV_TAILS = norm / swiglu /
-#            norm,swiglu — ops run by the int4 GEMV's last block; NVRTC defines W4P_PF = 8 / 16 — the int4 GEMV's L2
-#            prefetch before its wait — and DEC_PART_KEYS = 32 — keys per decode-attention partition), two rounds
+#            separated sets of space-separated VAR=VALUE, e.g. DELTASERVE_NVRTC_OPTIONS=-DDEC_PART_KEYS=32 — keys
+#            per decode-attention partition; default: none and that one), two rounds
 #   w4sweep  tests/bench_w4.rs DS_BENCH_W4_SWEEP=1: the int4 GEMV over shapes varying its waves and groups per warp
 #   bench16  27B bf16 decode (batch 1 / 8, 1K / 32K) with 16 decode partitions (the default)
 #   bench32, bench64  the same with --decode-partitions 32 / 64
@@ -56,8 +55,7 @@ done
 unset DELTASERVE_PDL
 if has nvsweep; then
     step nvsweep
-    N=DELTASERVE_NVRTC_OPTIONS T=DELTASERVE_GEMV_TAILS
-    IFS=';' read -ra sets <<<"${SWEEP:-;$T=norm;$T=swiglu;$T=norm,swiglu;$N=-DW4P_PF=8;$N=-DW4P_PF=16;$T=norm,swiglu $N=-DW4P_PF=8;$N=-DDEC_PART_KEYS=32}"
+    IFS=';' read -ra sets <<<"${SWEEP:-;DELTASERVE_NVRTC_OPTIONS=-DDEC_PART_KEYS=32}"
     for round in 1 2; do
         for i in "${!sets[@]}"; do
             o="${sets[$i]}"

@@ -17,9 +17,68 @@
 // D <= 8192 at 256 threads and the rows are 16-byte aligned; else a scalar loop.
 // Tested by: tests/ops.rs cases "add_rms_norm_1p", "rms_norm_1p_strided", "gated_rms_norm".
 
-// add_rms_norm_1p, vectorised (prelude.cuh's add_rms_norm_1p_row): a thread's 16-byte vectors of x,
-// res and w are all loaded before any arithmetic and h stays in registers (the scalar loop waited a full
-// memory latency per element pair and re-read res_out: ~18 us for one 5120-wide row).
+// add_rms_norm_1p, vectorised: a thread's up to NORM_MAXV 16-byte vectors of x, res and w are all
+// loaded before any arithmetic and h stays in registers (the scalar loop waited a full memory latency
+// per element pair and re-read res_out: ~18 us for one 5120-wide row). Needs D % 8 == 0,
+// D <= 8 * NORM_MAXV * blockDim.x and 16-byte aligned rows (checked by the kernel below).
+#define NORM_MAXV 4
+__device__ __forceinline__ void add_rms_norm_1p_vec(const bf16_t* __restrict__ x, const bf16_t* res,
+                                                    const bf16_t* __restrict__ w, bf16_t* res_out,
+                                                    bf16_t* __restrict__ out, int D, float eps, float* red) {
+    const long long base = (long long)blockIdx.x * D;
+    const int nv = D >> 3;
+    uint4 hv[NORM_MAXV], wv[NORM_MAXV], rv[NORM_MAXV];
+#pragma unroll
+    for (int j = 0; j < NORM_MAXV; j++) {
+        const int v = threadIdx.x + j * blockDim.x;
+        if (v < nv) {
+            hv[j] = *(const uint4*)(x + base + 8 * v);
+            rv[j] = res ? *(const uint4*)(res + base + 8 * v) : make_uint4(0u, 0u, 0u, 0u);
+            wv[j] = *(const uint4*)(w + 8 * v);
+        }
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NORM_MAXV; j++) {
+        const int v = threadIdx.x + j * blockDim.x;
+        if (v < nv) {
+            u32* hw = (u32*)&hv[j];
+            const u32* rw = (const u32*)&rv[j];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float a = __uint_as_float(hw[e] << 16), b = __uint_as_float(hw[e] & 0xffff0000u);
+                if (res) {
+                    a = round_bf(a + __uint_as_float(rw[e] << 16));
+                    b = round_bf(b + __uint_as_float(rw[e] & 0xffff0000u));
+                    hw[e] = (__float_as_uint(a) >> 16) | (__float_as_uint(b) & 0xffff0000u);
+                }
+                ss += a * a;
+                ss += b * b;
+            }
+            if (res_out) *(uint4*)(res_out + base + 8 * v) = hv[j];
+        }
+    }
+    const float inv = rsqrtf(block_sum(ss, red) / (float)D + eps);
+#pragma unroll
+    for (int j = 0; j < NORM_MAXV; j++) {
+        const int v = threadIdx.x + j * blockDim.x;
+        if (v < nv) {
+            const u32* hw = (const u32*)&hv[j];
+            const u32* ww = (const u32*)&wv[j];
+            uint4 o;
+            u32* ow = (u32*)&o;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float wa = 1.0f + __uint_as_float(ww[e] << 16), wb = 1.0f + __uint_as_float(ww[e] & 0xffff0000u);
+                const float a = __uint_as_float(hw[e] << 16) * inv * wa;
+                const float b = __uint_as_float(hw[e] & 0xffff0000u) * inv * wb;
+                ow[e] = (u32)f2bf(a) | ((u32)f2bf(b) << 16);
+            }
+            *(uint4*)(out + base + 8 * v) = o;
+        }
+    }
+}
+
 extern "C" __global__ void add_rms_norm_1p(const bf16_t* __restrict__ x, const bf16_t* res,
                                            const bf16_t* __restrict__ w, bf16_t* res_out,
                                            bf16_t* __restrict__ out, int D, float eps) {
@@ -28,9 +87,7 @@ extern "C" __global__ void add_rms_norm_1p(const bf16_t* __restrict__ x, const b
     const unsigned long long al = (unsigned long long)x | (unsigned long long)res | (unsigned long long)w |
                                   (unsigned long long)res_out | (unsigned long long)out;
     if ((D & 7) == 0 && (al & 15) == 0 && D <= 8 * NORM_MAXV * (int)blockDim.x) {  // uniform
-        const long long base = (long long)blockIdx.x * D;
-        add_rms_norm_1p_row<false>(x + base, res ? res + base : nullptr, w, res_out ? res_out + base : nullptr,
-                                   out + base, D, eps, red);
+        add_rms_norm_1p_vec(x, res, w, res_out, out, D, eps, red);
         return;
     }
     long long base = (long long)blockIdx.x * D;

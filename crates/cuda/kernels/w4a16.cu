@@ -22,9 +22,7 @@
 //  w4_permute_x: xo[m, j] = x[m, perm[j]]  (the GEMV's x for act-order weights; xo row stride in)
 //  w4p_*:        y[m, o] = sum_j x[m, j] * W[o, j], m < M <= 8, f32 accumulation, bf16 or f32 y, for
 //                up to four segments sharing x in one launch: linears, or row ranges of one run
-//                with their own warps per pair (the "pair" kernel, described above its code); optionally
-//                followed by a tail that the launch's last block runs (residual add + RMSNorm, or SwiGLU,
-//                of the launch's rows: w4p_tail).
+//                with their own warps per pair (the "pair" kernel, described above its code).
 //  w4_dequant:   dst[r - r0, perm[j]] = bf16(W[r, perm[j]]) for rows r0 <= r < r1 (prefill path:
 //                an N-slice of bf16 weights for cuBLASLt).
 //  w4_quantize:  rows r0..r1 of a bf16 W (staging buffer, row r at w + (r - r0)*ldw) -> the format,
@@ -38,8 +36,7 @@
 //  w4_permute_x: grid (ceil(M*in/256)), block 256.
 //  w4p_*:        grid (sum over the segments of ceil(ceil(out_s/32) / (8/wpt_s))), block 256, dynamic
 //                smem 64 KB (8 warps x 4 stages x 2 KB); x 16-byte aligned with ldx % 8 == 0; scales
-//                8-byte aligned, zeros 4-byte aligned (a segment from row r0 of a linear: r0 % 32 == 0);
-//                tail = 0 (none), or the tail's arguments (w4p_tail; the w4p_*_t kernels, bf16 y).
+//                8-byte aligned, zeros 4-byte aligned (a segment from row r0 of a linear: r0 % 32 == 0).
 //  w4_dequant:   grid (ceil((r1-r0)*in/32 / 256)) (grid-stride; per word with perm), block 256;
 //                dst 16-byte aligned, ldd % 8 == 0 (without perm); out*in/32 < 2^31.
 //  w4_quantize:  grid (ceil(ceil((r1-r0)/2) * NG / 8)), block 256: one warp per (row pair, group);
@@ -47,11 +44,8 @@
 // Arch: mma.sync bf16, cp.async, cvt f16, ld.global.nc: sm_80+ (nothing Hopper-only; on sm_90 the
 // launcher may launch w4p_* programmatically: the ring's first units load before pdl_wait(), and a
 // w4p_* block lets the next kernel launch as it starts: pdl_trigger(), a no-op below sm_90).
-// Experiment switch (NVRTC define, default off): W4P_PF = P makes every w4p_* warp prefetch its next P
-// groups of weights into L2 before pdl_wait() (see the code), for HBM to keep streaming while the small
-// kernel before a GEMV runs; not measured yet.
-// Tested by: tests/ops.rs cases "w4_gemv", "w4_gemv_multi", "w4_gemv_tail", "w4_dequant", "w4_quantize"
-// (the tails also by tests/backend.rs gemv_tails_match_separate_kernels); bench in tests/bench_w4.rs.
+// Tested by: tests/ops.rs cases "w4_gemv", "w4_gemv_multi", "w4_dequant", "w4_quantize"; bench in
+// tests/bench_w4.rs.
 
 #define W4_WARPS 8
 
@@ -71,7 +65,6 @@ __device__ __forceinline__ u32 w4_zero(const unsigned char* zeros, int zstride, 
     return zeros ? ((u32)(zeros[(long long)g * zstride + (o >> 1)] >> ((o & 1) * 4)) & 15u) : 8u;
 }
 
-#ifndef W4P_TAIL_MODULE
 extern "C" __global__ void w4_permute_x(const bf16_t* __restrict__ x, long long ldx, const int* __restrict__ perm,
                                         bf16_t* __restrict__ xo, int M, int in) {
     long long n = (long long)M * in;
@@ -82,7 +75,6 @@ extern "C" __global__ void w4_permute_x(const bf16_t* __restrict__ x, long long 
         xo[i] = x[m * ldx + perm[j]];
     }
 }
-#endif
 
 // Sums the wpt partial results (warp w writes its NT*128 partials at red + w * red_stride, a region
 // no other warp touches) and stores the outputs of NT 16-row tiles: fragment value c (0..3) of tile
@@ -130,9 +122,6 @@ __device__ __forceinline__ void w4_gemv_store(float* acc, float* red, int red_st
 // stages and register slots are compile-time.
 #define W4P_S 4
 #define W4P_STAGE_U4 128
-#ifndef W4P_PF
-#define W4P_PF 0  // groups per warp prefetched into L2 before the wait (an experiment, below)
-#endif
 
 template <bool SBF>
 __device__ __forceinline__ float w4p_scale(u32 bits) {
@@ -218,19 +207,6 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
         if (st < n) issue(st, st, sv[st], zv[st]);
         cp_async_commit();
     }
-#if W4P_PF > 0
-    // Experiment (DELTASERVE_NVRTC_OPTIONS=-DW4P_PF=P; off by default): while this block waits for
-    // the kernel before it, the warp also pulls its next P groups (after the ring's S - 1) into L2,
-    // so that HBM keeps streaming this GEMV's weights while a small kernel between two GEMVs runs.
-    // A pair's units are contiguous (R * 64 bytes each), so that is one run of P * R * 64 bytes.
-    if (pair * 32 < out) {
-        const int np = min(W4P_PF, n - (S - 1));
-        const int R = min(32, out - pair * 32);
-        const char* run = (const char*)(qw4 + w4_u4(pair * 32, 4 * (gb + S - 1), out, ng));
-        for (int off = lane * 128; off < np * R * 64; off += 32 * 128)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(run + off));
-    }
-#endif
     // Launched to overlap the previous kernel (sm_90): the weights are in flight; x and y are that
     // kernel's.
     pdl_wait();
@@ -304,78 +280,6 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
     w4_gemv_store<2>(acc, (float*)smem, S * W4P_STAGE_U4 * 4, wpt, warp, lane, part, rows, M, y, ldy);
 }
 
-// The tail of a w4p_* launch (tail != W4_TAIL_NONE, bf16 y only): once every block has stored its rows,
-// the last block to finish runs the op that would otherwise be the next kernel, so the GEMV that
-// follows follows a GEMV (no small kernel's latency between them). tail_y: the launch's output, [M, *]
-// at row stride tail_ld.
-//  W4_TAIL_NORM:   add_rms_norm_1p of each row m (prelude.cuh's add_rms_norm_1p_row, bitwise the
-//                  add_rms_norm_1p kernel): h = tail_y[m] + tail_res[m] (n columns), tail_res[m] = h,
-//                  tail_out[m] = the RMSNorm of h with weight tail_w.
-//  W4_TAIL_SWIGLU: tail_y = [gate | up] (n + n columns); tail_out[m, c] = bf16(silu(gate[m, c]) *
-//                  up[m, c]), c < n (bitwise swiglu).
-// One block runs the tail: the norm row by row (each row's loads in flight together), SwiGLU 8 pieces
-// of 8 columns per thread at a time; meant for a few rows (the backend uses it up to 2). tail_out rows
-// are n apart. The blocks count themselves in *tail_count (0 before the launch; the last
-// block sets it back to 0, and a programmatically launched successor counts only after this launch has
-// completed). tail_out may share memory with x: the last block writes it after every block has read all
-// of x. Needs n % 8 == 0, 16-byte aligned rows, and n <= 8 * NORM_MAXV * 256 for the norm (the
-// launcher checks).
-#define W4_TAIL_NONE 0
-#define W4_TAIL_NORM 1
-#define W4_TAIL_SWIGLU 2
-#define W4_TAIL_U 8
-__device__ __forceinline__ void w4p_tail(int tail, unsigned int* count, const bf16_t* ty, long long tld,
-                                         bf16_t* tres, const bf16_t* __restrict__ tw, bf16_t* __restrict__ tout,
-                                         int n, int M, float eps, uint4* smem) {
-    float* red = (float*)smem;
-    int* last = (int*)smem + 64;
-    __syncthreads();  // every warp of this block has stored its outputs (and is done with the ring)
-    if (threadIdx.x == 0) {
-        __threadfence();  // with the barrier: the block's stores are visible before its count
-        *last = atomicAdd(count, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!*last) return;
-    __threadfence();  // the other blocks' stores, ordered before their counts
-    if (tail == W4_TAIL_NORM) {
-        for (int m = 0; m < M; ++m)
-            add_rms_norm_1p_row<true>(ty + m * tld, tres + (long long)m * n, tw, tres + (long long)m * n,
-                                      tout + (long long)m * n, n, eps, red);
-    } else {
-        // W4_TAIL_U 8-column pieces per thread in flight (their loads first): one row of the 27B's
-        // 17,408 is 8.5 pieces per thread, two rounds of memory latency rather than nine.
-        const int nv = n >> 3, total = M * nv;
-        for (int e0 = threadIdx.x; e0 < total; e0 += W4_TAIL_U * blockDim.x) {
-            uint4 gv[W4_TAIL_U], uv[W4_TAIL_U];
-#pragma unroll
-            for (int u = 0; u < W4_TAIL_U; ++u) {
-                const int e = e0 + u * blockDim.x;
-                if (e < total) {
-                    const int m = e / nv, c = 8 * (e - m * nv);
-                    gv[u] = ld_cg(ty + m * tld + c);
-                    uv[u] = ld_cg(ty + m * tld + n + c);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < W4_TAIL_U; ++u) {
-                const int e = e0 + u * blockDim.x;
-                if (e >= total) break;
-                const int m = e / nv, c = 8 * (e - m * nv);
-                const u32 gw[4] = {gv[u].x, gv[u].y, gv[u].z, gv[u].w}, uw[4] = {uv[u].x, uv[u].y, uv[u].z, uv[u].w};
-                u32 o[4];
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    const float g0 = __uint_as_float(gw[k] << 16), g1 = __uint_as_float(gw[k] & 0xffff0000u);
-                    const float u0 = __uint_as_float(uw[k] << 16), u1 = __uint_as_float(uw[k] & 0xffff0000u);
-                    o[k] = (u32)f2bf(siluf_(g0) * u0) | ((u32)f2bf(siluf_(g1) * u1) << 16);
-                }
-                *(uint4*)(tout + (long long)m * n + c) = make_uint4(o[0], o[1], o[2], o[3]);
-            }
-        }
-    }
-    if (threadIdx.x == 0) *count = 0u;
-}
-
 // One launch runs up to four segments that share x and `in`: linears (a layer's q/k/v, qkv/z/b/a or
 // gate/up) or row ranges of one (a 32-row multiple from row r0: qw, sc, z, y advanced to r0; os the
 // linear's rows, the scales' and zeros' row stride). Segment s takes nb_s consecutive blocks of wpt_s
@@ -384,14 +288,10 @@ __device__ __forceinline__ void w4p_tail(int tail, unsigned int* count, const bf
     const u32 *__restrict__ qw##i, const unsigned short *__restrict__ sc##i,                                  \
         const unsigned char *__restrict__ z##i, OUT_T *__restrict__ y##i, long long ldy##i, int out##i,        \
         int os##i, int wpt##i, int nb##i
-// TAIL: the kernel runs a tail when `tail` says so (the *_t kernels); the others ignore the tail
-// arguments and contain none of its code.
-#define W4P_KERNEL(NAME, OUT_T, ASYM, SBF, TAIL)                                                              \
+#define W4P_KERNEL(NAME, OUT_T, ASYM, SBF)                                                                    \
     extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 2)                                              \
         NAME(const bf16_t* __restrict__ x, long long ldx, int M, int in, W4P_SEG_ARGS(0, OUT_T),                  \
-             W4P_SEG_ARGS(1, OUT_T), W4P_SEG_ARGS(2, OUT_T), W4P_SEG_ARGS(3, OUT_T), int tail,                  \
-             unsigned int* tail_count, const bf16_t* tail_y, long long tail_ld, bf16_t* tail_res,                \
-             const bf16_t* tail_w, bf16_t* tail_out, int tail_n, float tail_eps) {                               \
+             W4P_SEG_ARGS(1, OUT_T), W4P_SEG_ARGS(2, OUT_T), W4P_SEG_ARGS(3, OUT_T)) {                          \
         extern __shared__ uint4 w4_dyn[];                                                                        \
         pdl_trigger(); /* sm_90: the next kernel may launch; it waits for this one's completion */               \
         int b = blockIdx.x;                                                                                      \
@@ -417,26 +317,16 @@ __device__ __forceinline__ void w4p_tail(int tail, unsigned int* count, const bf
             w4p_body<OUT_T, ASYM, SBF, true>(qw, sc, z, x, ldx, y, ldy, M, out, os, in, wpt, b, w4_dyn);         \
         else                                                                                                     \
             w4p_body<OUT_T, ASYM, SBF, false>(qw, sc, z, x, ldx, y, ldy, M, out, os, in, wpt, b, w4_dyn);        \
-        if (TAIL && tail != W4_TAIL_NONE)                                                                        \
-            w4p_tail(tail, tail_count, tail_y, tail_ld, tail_res, tail_w, tail_out, tail_n, M, tail_eps, w4_dyn); \
     }
-// w4p_<y: h bf16 | f f32><s symmetric | a zero points><h f16 | b bf16 scales>[_t: with a tail]
-// The *_t kernels are their own module (w4a16_tail: this file with -DW4P_TAIL_MODULE, which holds
-// nothing else), compiled beside this one: the default kernels and the start-up compile stay as they were.
-#ifdef W4P_TAIL_MODULE
-W4P_KERNEL(w4p_hsh_t, bf16_t, false, false, true)
-W4P_KERNEL(w4p_hsb_t, bf16_t, false, true, true)
-W4P_KERNEL(w4p_hah_t, bf16_t, true, false, true)
-W4P_KERNEL(w4p_hab_t, bf16_t, true, true, true)
-#else
-W4P_KERNEL(w4p_hsh, bf16_t, false, false, false)
-W4P_KERNEL(w4p_hsb, bf16_t, false, true, false)
-W4P_KERNEL(w4p_hah, bf16_t, true, false, false)
-W4P_KERNEL(w4p_hab, bf16_t, true, true, false)
-W4P_KERNEL(w4p_fsh, float, false, false, false)
-W4P_KERNEL(w4p_fsb, float, false, true, false)
-W4P_KERNEL(w4p_fah, float, true, false, false)
-W4P_KERNEL(w4p_fab, float, true, true, false)
+// w4p_<y: h bf16 | f f32><s symmetric | a zero points><h f16 | b bf16 scales>
+W4P_KERNEL(w4p_hsh, bf16_t, false, false)
+W4P_KERNEL(w4p_hsb, bf16_t, false, true)
+W4P_KERNEL(w4p_hah, bf16_t, true, false)
+W4P_KERNEL(w4p_hab, bf16_t, true, true)
+W4P_KERNEL(w4p_fsh, float, false, false)
+W4P_KERNEL(w4p_fsb, float, false, true)
+W4P_KERNEL(w4p_fah, float, true, false)
+W4P_KERNEL(w4p_fab, float, true, true)
 
 // Eight columns of word w as bf16 (q - z) * s, packed in column order (columns (2p, 2p + 1) are
 // nibbles p, p + 4). zf = 2^23 + z: 2^23 + q is the f32 pattern 0x4b000000 | q, so (2^23 + q) - zf
@@ -636,4 +526,3 @@ w4_read_probe(const uint4* __restrict__ qw, int out, int in, int wpt, int tiled,
     cp_async_wait<0>();
     if (acc == 0x9e3779b9u) sink[0] = acc;
 }
-#endif  // W4P_TAIL_MODULE

@@ -80,33 +80,6 @@ pub struct CudaOptions {
     /// shapes: at 1K context the prefill kernel is as fast at batch 1 and faster at batch 8; at 32K it
     /// is 2.4× slower at batch 1 (it has no split over the keys).
     pub verify_decode_attention_from: usize,
-    /// Ops run by the last block of the int4 GEMV before them ([`w4a16::Tail`]) in steps of at most
-    /// [`TAIL_MAX_ROWS`] tokens, on one GPU. Off by default until measured; `DELTASERVE_GEMV_TAILS=norm,swiglu` (or one of
-    /// them) turns them on.
-    pub gemv_tails: GemvTails,
-}
-
-/// Most rows of a step whose ops run as GEMV tails: one block runs a tail, row after row (the norm),
-/// so with more rows the ops' own kernels, spread over the GPU, finish sooner.
-pub const TAIL_MAX_ROWS: usize = 2;
-
-/// Which ops the int4 GEMV runs in its launch (see [`CudaOptions::gemv_tails`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct GemvTails {
-    /// The residual add + RMSNorm after `down` (the next layer's input norm) and after the mixer's output
-    /// projection (the post-attention norm).
-    pub norm: bool,
-    /// SwiGLU after gate/up.
-    pub swiglu: bool,
-}
-
-impl GemvTails {
-    /// From `DELTASERVE_GEMV_TAILS` (a comma-separated list of `norm`, `swiglu`; unset: none).
-    pub fn from_env() -> Self {
-        let v = std::env::var("DELTASERVE_GEMV_TAILS").unwrap_or_default();
-        let has = |name: &str| v.split(',').any(|x| x.trim() == name);
-        GemvTails { norm: has("norm"), swiglu: has("swiglu") }
-    }
 }
 
 impl Default for CudaOptions {
@@ -116,7 +89,6 @@ impl Default for CudaOptions {
             gemv_max_tokens: gemv::MAX_TOKENS,
             graph_pad: false,
             verify_decode_attention_from: 4096,
-            gemv_tails: GemvTails::from_env(),
         }
     }
 }
@@ -154,8 +126,6 @@ pub struct ScratchParts {
     pub w4_x: usize,
     /// bf16 slice of dequantised int4 weight rows (prefill GEMMs); 0 without int4 decoder linears.
     pub w4_slice: usize,
-    /// u32: the int4 GEMV tails' block count ([`w4a16::Tail`]; 0 between launches).
-    pub gemv_tail: usize,
 }
 
 impl ScratchParts {
@@ -181,18 +151,12 @@ impl ScratchParts {
             tile_table: 8 * (t_max / attention::Q_TILE + s_max + 1),
             w4_x,
             w4_slice,
-            gemv_tail: if int4_linears { 4 } else { 0 },
         }
     }
 
     /// Bytes of the region (each part 256-byte aligned).
     pub fn total(&self) -> usize {
-        al(self.gdn)
-            + al(self.chunk_table)
-            + al(self.tile_table)
-            + al(self.w4_x)
-            + al(self.w4_slice)
-            + al(self.gemv_tail)
+        al(self.gdn) + al(self.chunk_table) + al(self.tile_table) + al(self.w4_x) + al(self.w4_slice)
     }
 }
 
@@ -382,19 +346,6 @@ struct Ws {
     /// int4: act-order x scratch and the dequantised slice (0 bytes when unused).
     w4_x: DevSpan,
     w4_slice: DevSpan,
-    /// The int4 GEMV tails' u32 block count (0: no int4 linears, no tails).
-    gemv_tail: u64,
-}
-
-/// What a decoder layer starts from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum LayerInput {
-    /// The embeddings in `residual` (the first layer): its input norm reads them alone.
-    Embedded,
-    /// The previous layer's output in `mlp_out`: the input norm adds it to `residual` first.
-    Unnormed,
-    /// `residual` updated and `x_norm` written by the previous layer's `down` launch (its norm tail).
-    Normed,
 }
 
 /// Where layer `i`'s cache lives.
@@ -1010,9 +961,6 @@ impl CudaBackend {
             k.load_ms,
             k.attn_prefill_kernel()
         );
-        if opts.gemv_tails != GemvTails::default() {
-            tracing::info!("int4 GEMV tails (DELTASERVE_GEMV_TAILS, experimental): {:?}", opts.gemv_tails);
-        }
         let mut arena = Arena::new(rt.context().clone());
         let region = |name: &str| -> Result<usize, CudaError> {
             plan.region(name)
@@ -1069,7 +1017,6 @@ impl CudaBackend {
         let tile_table = carve(parts.tile_table);
         let w4_x = carve(parts.w4_x);
         let w4_slice = carve(parts.w4_slice);
-        let gemv_tail = carve(parts.gemv_tail);
 
         // Activation buffers from the plan's workspace, each checked against what we put there.
         let (t, s) = (t_max, s_max);
@@ -1130,7 +1077,6 @@ impl CudaBackend {
             tile_table,
             w4_x,
             w4_slice,
-            gemv_tail: if gemv_tail.bytes > 0 { gemv_tail.ptr } else { 0 },
         };
         if logits.bytes < 4 * s * d.vocab {
             return Err(CudaError::Plan(format!("logits region {} B < [{s}, {}] f32", logits.bytes, d.vocab)));
@@ -1347,9 +1293,6 @@ impl CudaBackend {
         // Zero every cache region once (never read before written, but deterministic).
         for span in [kv, be.states, be.snapshots] {
             be.rt.memset(span.ptr, 0, span.bytes)?;
-        }
-        if be.ws.gemv_tail != 0 {
-            be.rt.memset(be.ws.gemv_tail, 0, 4)?; // the tails' block count starts at 0 (and stays 0 between launches)
         }
         be.rt.synchronize()?;
         be.arena.seal();
@@ -1841,8 +1784,20 @@ impl CudaBackend {
         if !f32_out && t <= self.opts.gemv_max_tokens && outs.iter().map(|o| o.parts.len()).sum::<usize>() > 1 {
             // Several int4 linears sharing x (q/k/v, qkv/z/b/a, gate/up: outputs and the parts that
             // write consecutive columns of one): one launch of the int4 GEMV.
-            if let Some(w4) = w4_outs(outs).filter(|w4| w4a16::multi_supported(w4)) {
-                return w4a16::w4_gemv_multi(&self.k, s, &w4, x, kdim, t, self.multi_config(&w4, kdim), false);
+            let mut w4 = Vec::new();
+            let all_int4 = outs.iter().all(|o| {
+                let mut col = 0usize;
+                o.parts.iter().all(|p| {
+                    let Part::W4(w) = p else { return false };
+                    w4.push(w4a16::W4Out { w, y: o.y + (2 * col) as u64, ldy: o.m });
+                    col += w.out;
+                    true
+                }) && col == o.m
+            });
+            if all_int4 && w4a16::multi_supported(&w4) {
+                let rows = w4.iter().map(|o| o.w.out).sum();
+                let cfg = w4a16::gemv_config(rows, kdim, self.k.w4_slots);
+                return w4a16::w4_gemv_multi(&self.k, s, &w4, x, kdim, t, cfg, false);
             }
         }
         let eb = if f32_out { 4 } else { 2 };
@@ -1861,33 +1816,6 @@ impl CudaBackend {
             }
         }
         Ok(())
-    }
-
-    /// [`CudaBackend::proj`] (bf16 outputs) with `tail` run by the int4 GEMV's last block, when the GEMV
-    /// takes it: a step of at most [`TAIL_MAX_ROWS`] tokens (and `gemv_max_tokens`) on one GPU (under tensor parallelism the
-    /// outputs are partial sums until the all-reduce), int4 outputs without act-order, a tail the kernel
-    /// runs. Returns false when nothing ran: the caller runs the projection and the op apart. The
-    /// GEMV's outputs are the ones `proj` writes (same launch configuration), bitwise.
-    fn proj_tail(
-        &self,
-        s: &CudaStream,
-        x: u64,
-        t: usize,
-        kdim: usize,
-        outs: &[ProjOut<'_>],
-        tail: &w4a16::Tail,
-    ) -> Result<bool, CudaError> {
-        if self.tp.is_some() || t == 0 || t > self.opts.gemv_max_tokens.min(TAIL_MAX_ROWS) {
-            return Ok(false);
-        }
-        let Some(w4) = w4_outs(outs).filter(|w4| w4a16::tail_supported(w4, tail)) else { return Ok(false) };
-        w4a16::w4_gemv_tail(&self.k, s, &w4, x, kdim, t, self.multi_config(&w4, kdim), tail)?;
-        Ok(true)
-    }
-
-    /// The int4 GEMV's configuration for one launch over the linears `w4` (their rows summed).
-    fn multi_config(&self, w4: &[w4a16::W4Out<'_>], kdim: usize) -> w4a16::GemvConfig {
-        w4a16::gemv_config(w4.iter().map(|o| o.w.out).sum(), kdim, self.k.w4_slots)
     }
 
     /// `y[t, w.out]` (row stride `ldy`) = `x[t, w.inp]` · Wᵀ for an int4 linear: the int4 GEMV for
@@ -2397,15 +2325,12 @@ impl CudaBackend {
         self.tick("embed")?;
         self.all_reduce(ws.residual, t * h)?;
         let mut gdn_index = 0;
-        let mut input = LayerInput::Embedded;
         for (li, layer) in self.w.layers.iter().enumerate() {
             let cache = self.caches[li];
             let gi = matches!(cache, LayerCache::Gdn { .. }).then_some(gdn_index);
-            let next_norm = self.w.layers.get(li + 1).map(|l| l.input_norm);
-            input = self.layer(ws, layer, cache, input, next_norm, sh, gi, false)?;
+            self.layer(ws, layer, cache, li == 0, sh, gi, false)?;
             gdn_index += usize::from(gi.is_some());
         }
-        debug_assert_eq!(input, LayerInput::Unnormed, "the last layer leaves its output in mlp_out");
         if sh.n_logits > 0 || self.spec.is_some() {
             // Last residual add + final norm over every row (cheap), then gather the wanted rows.
             norm::add_rms_norm_1p(
@@ -2443,24 +2368,21 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// One decoder layer over the step `sh`, its input as `input` says. Its output is left in
-    /// `mlp_out` (residual not yet updated: returns [`LayerInput::Unnormed`]), or, when the int4 GEMV's
-    /// norm tail ran `next_norm` (the next layer's input norm weight), added to `residual` and
-    /// normalised into `x_norm` ([`LayerInput::Normed`]). `gdn_index`: the layer's index among the
-    /// DeltaNet layers (its verify trace). `kv_only` (attention layers): stop once the K/V of the
-    /// step's rows are in the cache (the MTP head's cache entries).
+    /// One decoder layer over the step `sh`. Its input is `residual` (`first`) or `mlp_out +
+    /// residual`; its output is left in `mlp_out` (residual updated). `gdn_index`: the layer's index
+    /// among the DeltaNet layers (its verify trace). `kv_only` (attention layers): stop once the K/V
+    /// of the step's rows are in the cache (the MTP head's cache entries).
     #[allow(clippy::too_many_arguments)]
     fn layer(
         &self,
         ws: &Ws,
         layer: &Layer,
         cache: LayerCache,
-        input: LayerInput,
-        next_norm: Option<u64>,
+        first: bool,
         sh: &StepShape,
         gdn_index: Option<usize>,
         kv_only: bool,
-    ) -> Result<LayerInput, CudaError> {
+    ) -> Result<(), CudaError> {
         let (k, s, d) = (&self.k, self.rt.stream().as_ref(), &self.d);
         let StepShape { t, n, n_pre, tp, tv, .. } = *sh;
         let n_dec = n - n_pre;
@@ -2468,11 +2390,10 @@ impl CudaBackend {
         let h = d.hidden;
         let eps = self.eps;
         let b2 = |x: usize| (2 * x) as u64;
-        match input {
-            LayerInput::Embedded => {
-                norm::add_rms_norm_1p(k, s, ws.residual, None, layer.input_norm, None, ws.x_norm, t, h, eps)?
-            }
-            LayerInput::Unnormed => norm::add_rms_norm_1p(
+        if first {
+            norm::add_rms_norm_1p(k, s, ws.residual, None, layer.input_norm, None, ws.x_norm, t, h, eps)?;
+        } else {
+            norm::add_rms_norm_1p(
                 k,
                 s,
                 ws.mlp_out,
@@ -2483,12 +2404,10 @@ impl CudaBackend {
                 t,
                 h,
                 eps,
-            )?,
-            LayerInput::Normed => {}
+            )?;
         }
         self.tick("norms")?;
-        // The mixer's output projection: its input, width and weights, and the profile group it ends.
-        let (mix_x, mix_k, mix_w, mix_group): (u64, usize, &[Part], &'static str) = match (&layer.mixer, cache) {
+        match (&layer.mixer, cache) {
             (Mixer::Gdn(gw), LayerCache::Gdn { rec, conv, .. }) => {
                 let (cc, vw, kw, hv, hk, dv) =
                     (d.conv_channels, d.gdn_value_width, d.gdn_key_width, d.gdn_v_heads, d.gdn_k_heads, d.gdn_v_dim);
@@ -2646,7 +2565,8 @@ impl CudaBackend {
                 self.tick("gdn core (chunked / decode)")?;
                 // The gated norm of the other rows (the chunked and verify rows).
                 norm::gated_rms_norm(k, s, ws.gdn_core_out, ws.gdn_z, vw, hv, gw.norm, ws.gdn_normed, tp, dv, eps)?;
-                (ws.gdn_normed, vw, &gw.out, "gdn gated norm + out GEMM")
+                self.proj(s, ws.gdn_normed, t, vw, &[po(&gw.out, ws.mixer_out, h)], false)?;
+                self.tick("gdn gated norm + out GEMM")?;
             }
             (Mixer::Attn(aw), LayerCache::Attn(l)) => {
                 let (nh, nkv, hd, ad, kvd) = (d.q_heads, d.kv_heads, d.head_dim, d.attn_dim, d.kv_dim);
@@ -2696,7 +2616,7 @@ impl CudaBackend {
                 )?;
                 self.tick("attn norms + rope + kv write")?;
                 if kv_only {
-                    return Ok(LayerInput::Unnormed);
+                    return Ok(());
                 }
                 let sc = l.scales();
                 let kv = attention::KvPages {
@@ -2783,61 +2703,32 @@ impl CudaBackend {
                     2 * ad,
                     2 * hd,
                 )?;
-                (ws.attn_out, ad, &aw.o, "attn gate + o GEMM")
+                self.proj(s, ws.attn_out, t, ad, &[po(&aw.o, ws.mixer_out, h)], false)?;
+                self.tick("attn gate + o GEMM")?;
             }
             _ => return Err(CudaError::Plan("a layer's weights and cache kinds differ".into())),
-        };
-        // The output projection, then the residual add + post-attention norm (in its launch when the
-        // GEMV's norm tail runs it).
-        let tails = self.opts.gemv_tails;
-        let count = ws.gemv_tail;
-        let mix_outs = [po(mix_w, ws.mixer_out, h)];
-        let post = w4a16::Tail::AddNorm { res: ws.residual, w: layer.post_norm, out: ws.mlp_in, n: h, eps, count };
-        let post_fused = tails.norm && self.proj_tail(s, mix_x, t, mix_k, &mix_outs, &post)?;
-        if !post_fused {
-            self.proj(s, mix_x, t, mix_k, &mix_outs, false)?;
         }
-        self.tick(mix_group)?;
-        if !post_fused {
-            self.all_reduce(ws.mixer_out, t * h)?;
-            norm::add_rms_norm_1p(
-                k,
-                s,
-                ws.mixer_out,
-                Some(ws.residual),
-                layer.post_norm,
-                Some(ws.residual),
-                ws.mlp_in,
-                t,
-                h,
-                eps,
-            )?;
-        }
+        self.all_reduce(ws.mixer_out, t * h)?;
+        norm::add_rms_norm_1p(
+            k,
+            s,
+            ws.mixer_out,
+            Some(ws.residual),
+            layer.post_norm,
+            Some(ws.residual),
+            ws.mlp_in,
+            t,
+            h,
+            eps,
+        )?;
         self.tick("norms")?;
         let i = d.intermediate;
-        let gate_up = [po(&layer.gate_up, ws.mlp_gate_up, 2 * i)];
-        let glu = w4a16::Tail::Swiglu { out: ws.mlp_act, n: i, count };
-        if !(tails.swiglu && self.proj_tail(s, ws.mlp_in, t, h, &gate_up, &glu)?) {
-            self.proj(s, ws.mlp_in, t, h, &gate_up, false)?;
-            elementwise::swiglu(k, s, ws.mlp_gate_up, 2 * i, ws.mlp_gate_up + b2(i), 2 * i, ws.mlp_act, t, i)?;
-        }
-        // `down`, then the next layer's residual add + input norm in its launch when the norm tail runs.
-        let down = [po(&layer.down, ws.mlp_out, h)];
-        let next_fused = match next_norm {
-            Some(w) if tails.norm => {
-                let tail = w4a16::Tail::AddNorm { res: ws.residual, w, out: ws.x_norm, n: h, eps, count };
-                self.proj_tail(s, ws.mlp_act, t, i, &down, &tail)?
-            }
-            _ => false,
-        };
-        if next_fused {
-            self.tick("MLP (GEMMs + SwiGLU)")?;
-            return Ok(LayerInput::Normed);
-        }
-        self.proj(s, ws.mlp_act, t, i, &down, false)?;
+        self.proj(s, ws.mlp_in, t, h, &[po(&layer.gate_up, ws.mlp_gate_up, 2 * i)], false)?;
+        elementwise::swiglu(k, s, ws.mlp_gate_up, 2 * i, ws.mlp_gate_up + b2(i), 2 * i, ws.mlp_act, t, i)?;
+        self.proj(s, ws.mlp_act, t, i, &[po(&layer.down, ws.mlp_out, h)], false)?;
         self.tick("MLP (GEMMs + SwiGLU)")?;
         self.all_reduce(ws.mlp_out, t * h)?;
-        Ok(LayerInput::Unnormed)
+        Ok(())
     }
 
     /// A DeltaNet layer's gates and normalised q, k of the first `rows` of the step's `t` rows: from the
@@ -2878,24 +2769,6 @@ struct ProjOut<'a> {
 
 fn po(parts: &[Part], y: u64, m: usize) -> ProjOut<'_> {
     ProjOut { parts, y, m }
-}
-
-/// The int4 GEMV's linears for `outs` when every part is int4 (a part writes the columns after the
-/// previous part's of its output), else None.
-fn w4_outs<'a>(outs: &[ProjOut<'a>]) -> Option<Vec<w4a16::W4Out<'a>>> {
-    let mut w4 = Vec::new();
-    for o in outs {
-        let mut col = 0usize;
-        for p in o.parts {
-            let Part::W4(w) = p else { return None };
-            w4.push(w4a16::W4Out { w, y: o.y + (2 * col) as u64, ldy: o.m });
-            col += w.out;
-        }
-        if col != o.m {
-            return None;
-        }
-    }
-    Some(w4)
 }
 
 /// What a step hands back: every wanted row's logits, or its argmax over ids `< valid`.
@@ -3140,13 +3013,13 @@ mod tests {
     }
 
     #[test]
-    fn int4_scratch_adds_the_slice_x_scratch_and_tail_count() {
+    fn int4_scratch_adds_the_slice_and_x_scratch() {
         let cfg = preset(Preset::Qwen36_27b, None);
         let mut o = PlanOptions::gpu_defaults(24 << 30);
         let base = scratch_bytes(&cfg, o.max_batch_tokens, o.max_seqs);
         assert_eq!(scratch_bytes_for(&cfg, &o), base);
         o.weights_dtype = WeightsDtype::Int4;
-        assert_eq!(scratch_bytes_for(&cfg, &o), base + al(2 * 8 * 17408) + W4_SLICE_BYTES + al(4));
+        assert_eq!(scratch_bytes_for(&cfg, &o), base + al(2 * 8 * 17408) + W4_SLICE_BYTES);
         o.weights_dtype = WeightsDtype::Bf16;
         o.lm_head_int4 = true;
         assert_eq!(scratch_bytes_for(&cfg, &o), base + al(2 * 8 * 5120));

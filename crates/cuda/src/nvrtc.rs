@@ -87,13 +87,6 @@ pub const SOURCES: &[KernelSource] = &[
             "w4_quantize",
         ],
     },
-    // The same file's GEMV kernels with a tail (-DW4P_TAIL_MODULE, KernelDims::defines): a module of
-    // their own, compiled in parallel with w4a16.
-    KernelSource {
-        module: "w4a16_tail",
-        src: include_str!("../kernels/w4a16.cu"),
-        functions: &["w4p_hsh_t", "w4p_hsb_t", "w4p_hah_t", "w4p_hab_t"],
-    },
     KernelSource {
         module: "attention",
         src: include_str!("../kernels/attention.cu"),
@@ -288,7 +281,6 @@ impl KernelDims {
                 ("GDN_BV", self.gdn_bv.to_string()),
             ],
             "attention" => vec![("HD", self.attn_head_dim.to_string()), ("GQA_GROUP", self.gqa_group.to_string())],
-            "w4a16_tail" => vec![("W4P_TAIL_MODULE", "1".to_string())],
             _ => Vec::new(),
         }
     }

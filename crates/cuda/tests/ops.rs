@@ -196,18 +196,6 @@ enum Op {
         asym: bool,
         bf16: bool,
     },
-    /// The int4 GEMV with a tail (w4_gemv_tail: residual add + RMSNorm, or SwiGLU, run by the launch's
-    /// last block) bitwise vs w4_gemv_multi and then the norm / swiglu kernel; `alias` (m <= 8): the
-    /// tail's output overwrites x (as the workspace plan may place it); launched twice (the block count
-    /// is reused); with m > 8 an output overlapping x is refused.
-    W4GemvTail {
-        m: usize,
-        outs: Vec<usize>,
-        inp: usize,
-        asym: bool,
-        swiglu: bool,
-        alias: bool,
-    },
     /// Rows r0..r1 of a 4-bit W [out, inp] to bf16, bit-exact vs W4Linear::dequantize_bf16.
     W4Dequant {
         out: usize,
@@ -526,43 +514,6 @@ fn cases() -> Vec<Case> {
             q,
             Op::W4GemvMulti { m: 1, outs: vec![17408, 17408], inp: 5120, asym: false, bf16: false },
             ACCUM,
-        ),
-        // The 27B's down (+ the next layer's input norm) and gate/up (+ SwiGLU), and odd shapes, 8+ tokens.
-        c(
-            "w4_gemv_tail",
-            q,
-            Op::W4GemvTail { m: 1, outs: vec![5120], inp: 17408, asym: false, swiglu: false, alias: true },
-            EXACT,
-        ),
-        c(
-            "w4_gemv_tail",
-            q,
-            Op::W4GemvTail { m: 3, outs: vec![1024], inp: 1024, asym: true, swiglu: false, alias: false },
-            EXACT,
-        ),
-        c(
-            "w4_gemv_tail",
-            q,
-            Op::W4GemvTail { m: 11, outs: vec![384, 256], inp: 384, asym: false, swiglu: false, alias: false },
-            EXACT,
-        ),
-        c(
-            "w4_gemv_tail",
-            q,
-            Op::W4GemvTail { m: 1, outs: vec![17408, 17408], inp: 5120, asym: false, swiglu: true, alias: true },
-            EXACT,
-        ),
-        c(
-            "w4_gemv_tail",
-            q,
-            Op::W4GemvTail { m: 8, outs: vec![2048], inp: 1024, asym: true, swiglu: true, alias: true },
-            EXACT,
-        ),
-        c(
-            "w4_gemv_tail",
-            q,
-            Op::W4GemvTail { m: 11, outs: vec![512, 512], inp: 256, asym: false, swiglu: true, alias: false },
-            EXACT,
         ),
         c("w4_dequant", q, Op::W4Dequant { out: 300, inp: 1024, r0: 0, r1: 300, asym: false, perm: false }, EXACT),
         c("w4_dequant", q, Op::W4Dequant { out: 301, inp: 512, r0: 100, r1: 233, asym: true, perm: false }, EXACT),
@@ -1234,9 +1185,6 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
         Op::W4Gemv { m, out, inp, asym, perm, bf16 } => w4_gemv_case(k, &s, d, rng, m, out, inp, asym, perm, bf16)?,
         Op::W4GemvMulti { m, ref outs, inp, asym, bf16 } => {
             w4_gemv_multi_case(k, &s, d, rng, m, outs, inp, asym, bf16)?
-        }
-        Op::W4GemvTail { m, ref outs, inp, asym, swiglu, alias } => {
-            w4_gemv_tail_case(k, &s, d, rng, m, outs, inp, asym, swiglu, alias)?
         }
         Op::W4Dequant { out, inp, r0, r1, asym, perm } => w4_dequant_case(k, &s, d, rng, out, inp, r0, r1, asym, perm)?,
         Op::W4Quantize { out, inp, asym } => w4_quantize_case(k, &s, d, rng, out, inp, asym)?,
@@ -2086,87 +2034,6 @@ fn w4_gemv_multi_case(
             let same = alone.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits());
             v.push(Outcome { ok: same, detail: format!("y{i} bitwise equal to its own launch: {same}") });
         }
-    }
-    Ok(v)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn w4_gemv_tail_case(
-    k: &Kernels,
-    s: &std::sync::Arc<cudarc::driver::CudaStream>,
-    d: &mut Dev,
-    rng: &mut StdRng,
-    m: usize,
-    outs: &[usize],
-    inp: usize,
-    asym: bool,
-    swiglu: bool,
-    alias: bool,
-) -> R<Vec<Outcome>> {
-    let ls: Vec<W4Linear> = outs.iter().map(|&o| w4_random(rng, o, inp, asym, false, false)).collect();
-    let ws = ls.iter().map(|l| w4_upload(d, l)).collect::<R<Vec<_>>>()?;
-    // The linears write consecutive columns of one y [m, total] (as a layer's gate | up do).
-    let total: usize = outs.iter().sum();
-    let n = if swiglu { total / 2 } else { total };
-    let x = randv(rng, m * inp, 1.0);
-    let res = randv(rng, m * n, 4.0);
-    let nw = randv(rng, n, 0.5);
-    let nwp = d.bf16(&nw)?;
-    // x in a buffer that also holds the tail's output when that overwrites x.
-    let mut xbuf = x.clone();
-    xbuf.resize(m * inp.max(n), 0.0);
-    let cfg = w4a16::gemv_config(total, inp, k.w4_slots);
-    let outs_at = |y: u64| -> Vec<w4a16::W4Out<'_>> {
-        let mut col = 0;
-        ws.iter()
-            .map(|w| {
-                let o = w4a16::W4Out { w, y: y + (2 * col) as u64, ldy: total };
-                col += w.out;
-                o
-            })
-            .collect()
-    };
-    // Reference: the GEMV, then the op's own kernel.
-    let xp = d.bf16(&x)?;
-    let (y_ref, out_ref, res_ref) = (d.poison(2 * m * total)?, d.poison(2 * m * n)?, d.bf16(&res)?);
-    w4a16::w4_gemv_multi(k, s, &outs_at(y_ref), xp, inp, m, cfg, false)?;
-    if swiglu {
-        ops::elementwise::swiglu(k, s, y_ref, total, y_ref + (2 * n) as u64, total, out_ref, m, n)?;
-    } else {
-        ops::norm::add_rms_norm_1p(k, s, y_ref, Some(res_ref), nwp, Some(res_ref), out_ref, m, n, 1e-6)?;
-    }
-    let want = [d.get_bf16(y_ref, m * total)?, d.get_bf16(out_ref, m * n)?, d.get_bf16(res_ref, m * n)?];
-    let count = d.i32s(&[0])?;
-    let mut v = Vec::new();
-    for round in 0..2 {
-        // x again (an aliased tail output overwrote it), a fresh residual and outputs.
-        let xp = d.bf16(&xbuf)?;
-        let (y, resp2) = (d.poison(2 * m * total)?, d.bf16(&res)?);
-        let out = if alias { xp } else { d.poison(2 * m * n)? };
-        let tail = if swiglu {
-            w4a16::Tail::Swiglu { out, n, count }
-        } else {
-            w4a16::Tail::AddNorm { res: resp2, w: nwp, out, n, eps: 1e-6, count }
-        };
-        w4a16::w4_gemv_tail(k, s, &outs_at(y), xp, inp, m, cfg, &tail)?;
-        let got = [d.get_bf16(y, m * total)?, d.get_bf16(out, m * n)?, d.get_bf16(resp2, m * n)?];
-        for (what, (a, b)) in ["y", "tail output", "residual"].iter().zip(want.iter().zip(&got)) {
-            let same = a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
-            v.push(Outcome {
-                ok: same,
-                detail: format!("round {round}: {what} bitwise equal to the separate kernels: {same}"),
-            });
-        }
-        let mut c = [1i32];
-        d.rt.download(&mut c, count)?;
-        v.push(Outcome { ok: c[0] == 0, detail: format!("round {round}: block count back to 0 ({})", c[0]) });
-    }
-    if m > w4a16::GEMV_MAX_M {
-        let xp = d.bf16(&xbuf)?;
-        let y = d.poison(2 * m * total)?;
-        let tail = w4a16::Tail::Swiglu { out: xp, n: total / 2, count };
-        let refused = w4a16::w4_gemv_tail(k, s, &outs_at(y), xp, inp, m, cfg, &tail).is_err();
-        v.push(Outcome { ok: refused, detail: format!("{m} rows: a tail output overlapping x refused: {refused}") });
     }
     Ok(v)
 }

@@ -126,7 +126,7 @@ impl Kernels {
                 attention::prefill_smem_bytes(&dims, &kv, &attn)
             },
         )))
-        .chain(w4a16::PAIR_KERNELS.iter().chain(&w4a16::TAIL_KERNELS).map(|&n| (n, w4a16::PAIR_SMEM_BYTES)))
+        .chain(w4a16::PAIR_KERNELS.iter().map(|&n| (n, w4a16::PAIR_SMEM_BYTES)))
         .chain(std::iter::once(("w4_read_probe", w4a16::PAIR_SMEM_BYTES)))
         {
             if bytes as i64 > rt.max_smem_optin as i64 {

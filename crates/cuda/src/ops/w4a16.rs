@@ -2,8 +2,6 @@
 //!
 //! - [`w4_gemv`]: decode projections `y[m, out] = x[m, in] · Wᵀ` for any `m` (8 tokens per launch);
 //! - [`w4_gemv_multi`]: up to four linears sharing x in one launch (a layer's q/k/v, qkv/z/b/a, gate/up);
-//!   [`w4_gemv_tail`]: the same with the op that follows it (residual add + RMSNorm, SwiGLU) run by the
-//!   launch's last block ([`Tail`]);
 //! - [`w4_dequant`]: rows `r0..r1` of `W` to a bf16 `[r1 − r0, in]` tile (prefill: dequantise an
 //!   N-slice into a bounded scratch, then a cuBLASLt bf16 GEMM on it);
 //! - [`w4_quantize`]: bf16 rows of a linear to the format on the GPU (`--quantize int4` at load).
@@ -74,14 +72,9 @@ impl W4Weights {
 pub(crate) const PAIR_KERNELS: [&str; 8] =
     ["w4p_hsh", "w4p_hsb", "w4p_hah", "w4p_hab", "w4p_fsh", "w4p_fsb", "w4p_fah", "w4p_fab"];
 
-/// The `w4p_*_t` kernels: bf16 outputs with a tail ([`Tail`]).
-pub(crate) const TAIL_KERNELS: [&str; 4] = ["w4p_hsh_t", "w4p_hsb_t", "w4p_hah_t", "w4p_hab_t"];
-
-/// The `w4p_*` kernel for an output dtype, zero points and scale dtype, with a tail or not (see
-/// kernels/w4a16.cu; a tail needs bf16 outputs).
-fn pair_kernel(f32_out: bool, asym: bool, bf16_scales: bool, tail: bool) -> &'static str {
-    let i = 2 * usize::from(asym) + usize::from(bf16_scales);
-    if tail { TAIL_KERNELS[i] } else { PAIR_KERNELS[4 * usize::from(f32_out) + i] }
+/// The `w4p_*` kernel for an output dtype, zero points and scale dtype (see kernels/w4a16.cu).
+fn pair_kernel(f32_out: bool, asym: bool, bf16_scales: bool) -> &'static str {
+    PAIR_KERNELS[4 * usize::from(f32_out) + 2 * usize::from(asym) + usize::from(bf16_scales)]
 }
 
 /// Dynamic shared memory of a pair-kernel block: 8 warps × 4 ring stages × 2 KB (one unit of the
@@ -244,7 +237,7 @@ pub fn w4_gemv_out(
             }
             _ => (xc, ldx as i64),
         };
-        launch_pair(k, s, &[W4Out { w, y: yc, ldy }], xg, ldxg, mc, cfg, f32_out, Tail::None.args(0, 0, 0))?;
+        launch_pair(k, s, &[W4Out { w, y: yc, ldy }], xg, ldxg, mc, cfg, f32_out)?;
     }
     Ok(())
 }
@@ -289,136 +282,6 @@ pub fn w4_gemv_multi(
     cfg: GemvConfig,
     f32_out: bool,
 ) -> Result<(), CudaError> {
-    multi(k, s, outs, x, ldx, m, cfg, f32_out, &Tail::None)
-}
-
-/// What the last block of a pair-kernel launch runs once every block has stored its rows
-/// (kernels/w4a16.cu `w4p_tail`): the op that would otherwise be the next kernel, bitwise. It reads
-/// the launch's outputs `y` (the linears write consecutive columns of one `[m, cols]` buffer at one
-/// row stride, from the first linear's `y`); `count` is a u32 of device memory that is 0 (every
-/// tail launch leaves it 0 again).
-#[derive(Clone, Copy, Debug)]
-pub enum Tail {
-    None,
-    /// `add_rms_norm_1p` of the launch's rows: `h = y + res`, `res = h`, `out = RMSNorm(h) · (1 + w)`
-    /// (`cols = n`; `res` and `out` `[m, n]`).
-    AddNorm {
-        res: u64,
-        w: u64,
-        out: u64,
-        n: usize,
-        eps: f32,
-        count: u64,
-    },
-    /// `swiglu`: `out[r, c] = silu(y[r, c]) · y[r, n + c]` for `c < n` (`y` = gate | up, `cols = 2n`;
-    /// `out` `[m, n]`).
-    Swiglu {
-        out: u64,
-        n: usize,
-        count: u64,
-    },
-}
-
-impl Tail {
-    /// The kernel's tail arguments for the launch over rows `m0..` of the step, whose outputs start at
-    /// `y` (row stride `ldy`).
-    fn args(&self, y: u64, ldy: usize, m0: usize) -> TailArgs {
-        let r = |p: u64, ld: usize| p + (2 * m0 * ld) as u64;
-        match *self {
-            Tail::None => (0, 0, 0, 0, 0, 0, 0, 0, 0.0),
-            Tail::AddNorm { res, w, out, n, eps, count } => {
-                (1, count, y, ldy as i64, r(res, n), w, r(out, n), n as i32, eps)
-            }
-            Tail::Swiglu { out, n, count } => (2, count, y, ldy as i64, 0, 0, r(out, n), n as i32, 0.0),
-        }
-    }
-
-    /// Why the kernel cannot run this tail after the linears `outs` (None: it can).
-    fn unsupported(&self, outs: &[W4Out<'_>]) -> Option<String> {
-        let (n, cols, ptrs, max_n, count) = match *self {
-            Tail::None => return None,
-            Tail::AddNorm { res, w, out, n, count, .. } => (n, n, vec![res, w, out], Some(NORM_TAIL_MAX), count),
-            Tail::Swiglu { out, n, count } => (n, 2 * n, vec![out], None, count),
-        };
-        let (y, ldy) = outs.first().map_or((0, 0), |o| (o.y, o.ldy));
-        let mut col = 0;
-        let consecutive = outs.iter().all(|o| {
-            let here = o.y == y + 2 * col as u64 && o.ldy == ldy;
-            col += o.w.out;
-            here
-        });
-        let why = if !consecutive || col != cols {
-            format!("the linears must write the tail's {cols} columns of one buffer, in order")
-        } else if n == 0 || !n.is_multiple_of(8) || !ldy.is_multiple_of(8) {
-            format!("width {n} and row stride {ldy} must be multiples of 8")
-        } else if ptrs.iter().chain([&y, &(y + 2 * n as u64)]).any(|p| !p.is_multiple_of(16)) {
-            "rows must be 16-byte aligned".to_string()
-        } else if max_n.is_some_and(|mx| n > mx) {
-            format!("a norm tail is at most {NORM_TAIL_MAX} wide, got {n}")
-        } else if count == 0 || !count.is_multiple_of(4) {
-            "the block count needs 4-byte aligned device memory".to_string()
-        } else {
-            return None;
-        };
-        Some(why)
-    }
-}
-
-/// (kernel code, count, y, ldy, res, w, out, n, eps): the `w4p_*` kernels' last arguments.
-type TailArgs = (i32, u64, u64, i64, u64, u64, u64, i32, f32);
-
-/// Widest row a norm tail takes (`8 · NORM_MAXV · threads`, prelude.cuh).
-pub const NORM_TAIL_MAX: usize = 8 * 4 * BLOCK_THREADS as usize;
-
-/// Whether [`w4_gemv_tail`] runs these linears with this tail (else run them and the op apart).
-pub fn tail_supported(outs: &[W4Out<'_>], tail: &Tail) -> bool {
-    multi_supported(outs) && tail.unsupported(outs).is_none()
-}
-
-/// [`w4_gemv_multi`] (bf16 outputs) followed, in the same launch, by `tail` over the `m` rows: the
-/// last block of each 8-token launch runs it once every block has stored its outputs. The tail's
-/// outputs may share memory with x when `m` <= 8 (one launch reads all of x before they are written);
-/// with more rows they must not (a launch's tail would overwrite the next launch's x).
-#[allow(clippy::too_many_arguments)]
-pub fn w4_gemv_tail(
-    k: &Kernels,
-    s: &CudaStream,
-    outs: &[W4Out<'_>],
-    x: u64,
-    ldx: usize,
-    m: usize,
-    cfg: GemvConfig,
-    tail: &Tail,
-) -> Result<(), CudaError> {
-    const K: &str = "w4_gemv_tail";
-    if let Some(why) = tail.unsupported(outs) {
-        return Err(invalid(K, why));
-    }
-    let written = match *tail {
-        Tail::None => vec![],
-        Tail::AddNorm { res, out, n, .. } => vec![(res, 2 * m * n), (out, 2 * m * n)],
-        Tail::Swiglu { out, n, .. } => vec![(out, 2 * m * n)],
-    };
-    let x_end = x + (2 * m * ldx) as u64;
-    if m > GEMV_MAX_M && written.iter().any(|&(p, bytes)| p < x_end && x < p + bytes as u64) {
-        return Err(invalid(K, format!("over {GEMV_MAX_M} rows the tail's outputs must not overlap x")));
-    }
-    multi(k, s, outs, x, ldx, m, cfg, false, tail)
-}
-
-/// [`w4_gemv_multi`] / [`w4_gemv_tail`]: checks, then one pair-kernel launch per 8 rows.
-#[allow(clippy::too_many_arguments)]
-fn multi(
-    k: &Kernels,
-    s: &CudaStream,
-    outs: &[W4Out<'_>],
-    x: u64,
-    ldx: usize,
-    m: usize,
-    cfg: GemvConfig,
-    f32_out: bool,
-    tail: &Tail,
-) -> Result<(), CudaError> {
     const K: &str = "w4_gemv_multi";
     if !multi_supported(outs) {
         return Err(invalid(K, "1 to 4 linears of one input width and format, without act-order"));
@@ -437,8 +300,7 @@ fn multi(
     for m0 in (0..m).step_by(GEMV_MAX_M) {
         let mc = (m - m0).min(GEMV_MAX_M);
         let chunk: Vec<W4Out<'_>> = outs.iter().map(|o| W4Out { y: o.y + (eb * m0 * o.ldy) as u64, ..*o }).collect();
-        let t = tail.args(chunk[0].y, chunk[0].ldy, m0);
-        launch_pair(k, s, &chunk, x + 2 * (m0 * ldx) as u64, ldx as i64, mc, cfg, f32_out, t)?;
+        launch_pair(k, s, &chunk, x + 2 * (m0 * ldx) as u64, ldx as i64, mc, cfg, f32_out)?;
     }
     Ok(())
 }
@@ -455,12 +317,8 @@ fn launch_pair(
     mc: usize,
     cfg: GemvConfig,
     f32_out: bool,
-    tail: TailArgs,
 ) -> Result<(), CudaError> {
     const K: &str = "w4_gemv";
-    if tail.0 != 0 && f32_out {
-        return Err(invalid(K, "a tail needs bf16 outputs"));
-    }
     if ![1, 2, 4, 8].contains(&cfg.wpt) {
         return Err(invalid(K, format!("warps per pair must be 1, 2, 4 or 8, got {}", cfg.wpt)));
     }
@@ -472,7 +330,7 @@ fn launch_pair(
         // The kernel indexes qweight by 32-bit 16-byte chunks.
         to_i32(K, "qweight chunks", o.w.out * o.w.inp / 32)?;
     }
-    let name = pair_kernel(f32_out, first.zeros.is_some(), first.scale_dtype == ScaleDtype::Bf16, tail.0 != 0);
+    let name = pair_kernel(f32_out, first.zeros.is_some(), first.scale_dtype == ScaleDtype::Bf16);
     let groups = first.inp / W4_GROUP;
     // Kernel segments: (qweight, scales, zeros, y, ldy, rows, scale row stride, wpt, blocks); unused
     // ones have 0 blocks. A segment from row r0 of its linear: its units start at pair r0/32
@@ -510,11 +368,9 @@ fn launch_pair(
         (q2, s2, z2, y2, l2, o2, r2, w2, n2),
         (q3, s3, z3, y3, l3, o3, r3, w3, n3),
     ] = seg;
-    let (tail, t_count, t_y, t_ld, t_res, t_w, t_out, t_n, t_eps) = tail;
     launch_pdl!(k, s, name, grid, block, smem; x, ldx, mc_i, inp,
         q0, s0, z0, y0, l0, o0, r0, w0, n0, q1, s1, z1, y1, l1, o1, r1, w1, n1,
-        q2, s2, z2, y2, l2, o2, r2, w2, n2, q3, s3, z3, y3, l3, o3, r3, w3, n3,
-        tail, t_count, t_y, t_ld, t_res, t_w, t_out, t_n, t_eps)
+        q2, s2, z2, y2, l2, o2, r2, w2, n2, q3, s3, z3, y3, l3, o3, r3, w3, n3)
 }
 
 /// Benchmark probe: streams `w.qweight` as the pair kernel would (its grid for `wpt` warps per pair,
