@@ -288,13 +288,10 @@ pub fn write_safetensors(
     while header.len() % 8 != 0 {
         header.push(b' ');
     }
-    // Written next to its place and renamed over it: a reader never maps a half-written or truncated
-    // file (a process that has the old one mapped keeps reading the old bytes).
-    let partial = partial_path(path);
-    let written = (|| {
-        let file = File::create(&partial).map_err(|e| ModelError::io(&partial, e))?;
+    replace_file(path, |partial| {
+        let file = File::create(partial).map_err(|e| ModelError::io(partial, e))?;
         let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
-        let io = |e| ModelError::io(&partial, e);
+        let io = |e| ModelError::io(partial, e);
         w.write_all(&(header.len() as u64).to_le_bytes()).map_err(io)?;
         w.write_all(&header).map_err(io)?;
         let mut buf = Vec::new();
@@ -312,19 +309,21 @@ pub fn write_safetensors(
             w.write_all(&buf).map_err(io)?;
         }
         w.flush().map_err(io)
-    })();
-    if let Err(e) = written {
+    })
+}
+
+/// Writes `path` by `write` into a file beside it (`path` + `.partial`), then renames that over it: a
+/// reader never maps a half-written or truncated file (a process that has the old one mapped keeps
+/// reading the old bytes). On an error the partial file is removed and `path` is left as it was.
+pub(crate) fn replace_file(path: &Path, write: impl FnOnce(&Path) -> Result<(), ModelError>) -> Result<(), ModelError> {
+    let mut partial = path.as_os_str().to_owned();
+    partial.push(".partial");
+    let partial = PathBuf::from(partial);
+    if let Err(e) = write(&partial) {
         let _ = std::fs::remove_file(&partial);
         return Err(e);
     }
     std::fs::rename(&partial, path).map_err(|e| ModelError::io(path, e))
-}
-
-/// Where a file is written before it is renamed into place: `path` + `.partial`.
-pub(crate) fn partial_path(path: &Path) -> PathBuf {
-    let mut partial = path.as_os_str().to_owned();
-    partial.push(".partial");
-    PathBuf::from(partial)
 }
 
 /// Writes f32 tensors (name, shape, values) to a safetensors file.

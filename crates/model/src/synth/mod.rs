@@ -331,12 +331,12 @@ pub fn write_model_json(
     Ok(cfg)
 }
 
-/// Writes beside `path` and renames over it, as `write_safetensors` does: a test reading the model
+/// Writes beside `path` and renames over it (`checkpoint::replace_file`): a test reading the model
 /// another test of the same process is rewriting sees the old file or the new one, never a partial one.
 fn write_file(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
-    let partial = crate::checkpoint::partial_path(path);
-    std::fs::write(&partial, bytes).map_err(|e| ModelError::io(&partial, e))?;
-    std::fs::rename(&partial, path).map_err(|e| ModelError::io(path, e))
+    crate::checkpoint::replace_file(path, |partial| {
+        std::fs::write(partial, bytes).map_err(|e| ModelError::io(partial, e))
+    })
 }
 
 /// A standard normal sample (Box–Muller).
