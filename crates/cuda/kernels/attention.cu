@@ -1265,3 +1265,372 @@ extern "C" __global__ void attn_decode_combine(const float* __restrict__ part_o,
     if (gate) v = round_bf(v) * sigmoidf_(bf2f(gate[(long long)b * g_tok + (long long)h * g_head + d]));
     o[((long long)b * Hq + h) * HD + d] = f2bf(v);
 }
+
+// ---------------------------------------------------------------------------------------------
+// attn_decode_mma: attn_decode_split on tensor cores, for K and V caches of 1-byte codes (fp8 e4m3,
+// int8). Same grid, block, arguments and partials (part_o / part_ml, read by attn_decode_combine);
+// the keys of a partition start at a multiple of 16 (a row's split still depends on its length
+// only; a partition past the row's end writes max = -inf, which the combine skips).
+//
+// Design (one block = one (row, kv head, partition); warp w takes the 16-key tiles w, w + 8, ...):
+//  - S^T = K Q^T on mma.sync m16n8k16 f16 -> f32: the tile's 16 keys are the M rows, the GQA group's
+//    heads the N columns (<= 8; padding heads are zeros), the head dims the K steps. The dims of a
+//    K step are permuted (the same permutation for Q and K, so the dot products are unchanged) such
+//    that lane (g, t) reads 4 contiguous bytes per step of keys g and g + 8 and its step words come
+//    from 16-byte loads of which the 4 lanes t of a key cover 64 contiguous bytes (dm_kbyte).
+//  - Codes widen to f16 exactly (fp8: cvt.rn.f16x2.e4m3x2 on sm_89+, a bit move + one multiply by
+//    256 below; int8: the 1024 + x magic). Q is the bf16 query times a power of two qs that puts
+//    the group's largest |q| in [2^14, 2^15): bf16 values are exact in f16 in that range, so S is
+//    the exact f32-accumulated dot product; scale * log2(e) * kscale / qs is applied in f32.
+//  - Online softmax in the log2 domain on the C fragment (keys g, g + 8 x heads 2t, 2t + 1: the
+//    tile max per head over 8 lanes by 3 shuffles; row sums stay per lane until the end).
+//  - O^T += V^T P'^T: the head dims are the M rows (16 per m-tile; lane g reads 32 contiguous bytes
+//    per key, dm_vbyte), the keys the K step, the heads the N columns. P' = p * vscale / vt (vt:
+//    the tile's largest V scale, so P' <= 1 in f16; O is kept in units of the last vt, rescaled
+//    with the softmax factor) split into f16 hi + lo (two mma: ~2^-22 relative, like f32) and
+//    transposed from the C layout into the B fragment by movmatrix. Two keys' bytes of one dim are
+//    paired by one prmt before widening.
+//  - Next tile's K (and scales) loads are issued before this tile's S, its V loads after S (fewer
+//    live registers than loading both at once): ~8 KB per warp in flight at HD 256.
+//  - The 8 warps' (max, sum, O) merge in shared memory in a fixed order, as attn_decode_split's.
+// Arch: mma.sync, movmatrix (sm_75+), cvt e4m3x2 only under __CUDA_ARCH__ >= 890: sm_80+.
+// Tested by: tests/ops.rs cases "kv_q+attn_decode" with fp8 / int8 K and V (against the CPU
+// attention over the dequantised cache); timed by tests/bench_attention.rs (decode, fp8).
+#define DM_OK(f) ((f) == KVF_FP8 || (f) == KVF_INT8)
+#define DM_KW (HD / 16)                        // K words per lane per key = K steps = O m-tiles
+#define DM_KU ((HD / 4) % 16 == 0 ? 16 : 8)   // K load unit (bytes) of a lane
+#define DM_VW (HD / 32)                        // V words per lane per key
+#define DM_VU ((HD / 8) % 16 == 0 ? 16 : ((HD / 8) % 8 == 0 ? 8 : 4))  // V load unit (bytes)
+
+// Byte (= dim) of word w of lane t's K piece of a key row: load unit j = w / (KU/4) at KU * (4j + t).
+__device__ __forceinline__ int dm_kbyte(int t, int w) {
+    return DM_KU * (4 * (w / (DM_KU / 4)) + t) + 4 * (w % (DM_KU / 4));
+}
+// Byte (= dim) of word w of lane g's V piece of a key row: load unit j at VU * (8j + g).
+__device__ __forceinline__ int dm_vbyte(int g, int w) {
+    return DM_VU * (8 * (w / (DM_VU / 4)) + g) + 4 * (w % (DM_VU / 4));
+}
+
+template <int U>
+__device__ __forceinline__ void dm_load(const unsigned char* __restrict__ p, u32* w) {
+    if (U == 16) {
+        const uint4 v = *(const uint4*)p;
+        w[0] = v.x;
+        w[1] = v.y;
+        w[2] = v.z;
+        w[3] = v.w;
+    } else if (U == 8) {
+        const uint2 v = *(const uint2*)p;
+        w[0] = v.x;
+        w[1] = v.y;
+    } else {
+        w[0] = *(const u32*)p;
+    }
+}
+
+__device__ __forceinline__ u32 dm_prmt(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
+// Two f32 -> f16x2 (lo in bits 0..15), round to nearest even.
+__device__ __forceinline__ u32 dm_pack_h2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ float dm_h_lo(u32 h) { return f16_to_f32((unsigned short)(h & 0xffffu)); }
+__device__ __forceinline__ float dm_h_hi(u32 h) { return f16_to_f32((unsigned short)(h >> 16)); }
+
+// The codes in bytes 2h and 2h + 1 of w -> f16x2 of their exact values (byte 2h in the low half).
+template <int FMT>
+__device__ __forceinline__ u32 dm_h2(u32 w, int h) {
+    u32 r;
+    if (FMT == KVF_FP8) {
+#if __CUDA_ARCH__ >= 890 && !defined(DM_NO_CVT_E4M3)  // (-DDM_NO_CVT_E4M3: tests the sm_80 path on sm_89+)
+        const unsigned short s = (unsigned short)(w >> (16 * h));
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(s));
+#else
+        // [0, b0, 0, b1]: sign to bit 15, the 7 exponent/mantissa bits to bits 13..7 = the f16 of
+        // code * 2^-8 (subnormal codes included), then * 256 (exact).
+        const u32 v = dm_prmt(w, 0u, h ? 0x3424u : 0x1404u);
+        const u32 f = (v & 0x80008000u) | ((v >> 1) & 0x3f803f80u);
+        asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(f), "r"(0x5c005c00u));
+#endif
+    } else {
+        // f16 (1024 + (c + 128)) - 1152 = c, exact.
+        const u32 v = dm_prmt(w ^ 0x80808080u, 0x64646464u, h ? 0x5342u : 0x5140u);
+        asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(0x64806480u));
+    }
+    return r;
+}
+
+__device__ __forceinline__ void mma_f16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Transpose of an 8x8 16-bit matrix in the mma fragment layout (lane (g, t): row g, cols 2t, 2t+1).
+__device__ __forceinline__ u32 dm_movt(u32 x) {
+    u32 r;
+    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+    return r;
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
+                const void* __restrict__ v_cache, const unsigned short* __restrict__ k_scales,
+                const unsigned short* __restrict__ v_scales, const int* __restrict__ block_tables,
+                const int* __restrict__ table_rows, int max_blocks, const int* __restrict__ seq_lens,
+                float* __restrict__ part_o, float* __restrict__ part_ml, int Hq, int Hkv, int page, float scale,
+                int n_split, long long q_tok, long long q_head) {
+#if DM_OK(KV_K_FMT) && DM_OK(KV_V_FMT)
+    __shared__ float red[4][GQA_GROUP][HD];
+    __shared__ float ms[8][GQA_GROUP], ls[8][GQA_GROUP];
+    pdl_enter();  // launched programmatically on sm_90
+    const int b = blockIdx.x, hkv = blockIdx.y, sp = blockIdx.z;
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int len = seq_lens[b];
+    const int parts = dec_parts(len, n_split);
+    if (sp >= parts) return;
+    const int per = (((len + parts - 1) / parts) + 15) & ~15;
+    const int k0 = min(len, sp * per), k1 = min(len, k0 + per);
+    const int* bt = block_tables + (long long)(table_rows ? table_rows[b] : b) * max_blocks;
+    const unsigned char* kc = (const unsigned char*)k_cache;
+    const unsigned char* vc = (const unsigned char*)v_cache;
+
+    // Q fragments (B of S^T, the same for every warp: in shared memory, lane l's pair at qsm[st][l]):
+    // head g of the group (zeros past it), lane t's dims of each K step, times qs.
+    __shared__ uint2 qsm[DM_KW][32];
+    float kf;  // scale * log2(e) / qs: S^T's factor besides the key's scale
+    {
+        float qf[DM_KW][4];
+        float qmax = 0.0f;
+        const bf16_t* qh = q + (long long)b * q_tok + (long long)(hkv * GQA_GROUP + g) * q_head;
+#pragma unroll
+        for (int s = 0; s < DM_KW; s++) {
+            const int d = dm_kbyte(t, s);
+            const u32 lo = g < GQA_GROUP ? *(const u32*)(qh + d) : 0u;
+            const u32 hi = g < GQA_GROUP ? *(const u32*)(qh + d + 2) : 0u;
+            qf[s][0] = __uint_as_float(lo << 16);
+            qf[s][1] = __uint_as_float(lo & 0xffff0000u);
+            qf[s][2] = __uint_as_float(hi << 16);
+            qf[s][3] = __uint_as_float(hi & 0xffff0000u);
+#pragma unroll
+            for (int e = 0; e < 4; e++) qmax = fmaxf(qmax, fabsf(qf[s][e]));
+        }
+        qmax = warp_max(qmax);  // every warp's lanes see all of the group's Q: the same qs everywhere
+        const int ex = qmax > 0.0f ? max((int)((__float_as_uint(qmax) >> 23) & 0xffu) - 127, -100) : 0;
+        const float qs = __uint_as_float((u32)(127 + 14 - ex) << 23);
+        if (w == 0) {
+#pragma unroll
+            for (int s = 0; s < DM_KW; s++)
+                qsm[s][lane] = make_uint2(dm_pack_h2(qf[s][0] * qs, qf[s][1] * qs), dm_pack_h2(qf[s][2] * qs, qf[s][3] * qs));
+        }
+        kf = scale * 1.4426950408889634f / qs;
+    }
+    __syncthreads();
+
+    // A tile's raw codes: K of keys g, g + 8 (lane t's piece), V of keys 2t, 2t+1, 2t+8, 2t+9 (lane
+    // g's piece), the scales of keys g, g + 8. Keys at or past k1: zeros (their rows are never read).
+    struct KPart {
+        u32 k[2][DM_KW];
+        float ks[2], vs[2];
+    };
+    struct VPart {
+        u32 v[4][DM_VW];
+    };
+    const bool one_page = page % 16 == 0;  // a 16-key tile (16-aligned) lies inside one page
+    auto row_of = [&](int p0, long long rb, int p) -> long long {
+        return one_page ? rb + (p - p0) : (long long)bt[p / page] * page + p % page;
+    };
+    auto tile_base = [&](int p0) -> long long { return one_page ? (long long)bt[p0 / page] * page + p0 % page : 0; };
+    auto load_k = [&](int p0, long long rb, KPart& r) {
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+            const int p = p0 + g + 8 * kk;
+            if (p < k1) {
+                const long long th = row_of(p0, rb, p) * Hkv + hkv;
+                const unsigned char* src = kc + th * HD;
+#pragma unroll
+                for (int j = 0; j < DM_KW / (DM_KU / 4); j++)
+                    dm_load<DM_KU>(src + DM_KU * (4 * j + t), &r.k[kk][j * (DM_KU / 4)]);
+                r.ks[kk] = f16_to_f32(k_scales[th]);
+                r.vs[kk] = f16_to_f32(v_scales[th]);
+            } else {
+#pragma unroll
+                for (int s = 0; s < DM_KW; s++) r.k[kk][s] = 0u;
+                r.ks[kk] = 0.0f;
+                r.vs[kk] = 0.0f;
+            }
+        }
+    };
+    auto load_v = [&](int p0, long long rb, VPart& r) {
+#pragma unroll
+        for (int vv = 0; vv < 4; vv++) {
+            const int p = p0 + 2 * t + (vv & 1) + 8 * (vv >> 1);
+            if (p < k1) {
+                const unsigned char* src = vc + (row_of(p0, rb, p) * Hkv + hkv) * HD;
+#pragma unroll
+                for (int j = 0; j < DM_VW / (DM_VU / 4); j++)
+                    dm_load<DM_VU>(src + DM_VU * (8 * j + g), &r.v[vv][j * (DM_VU / 4)]);
+            } else {
+#pragma unroll
+                for (int s = 0; s < DM_VW; s++) r.v[vv][s] = 0u;
+            }
+        }
+    };
+
+    float acc[DM_KW][4];
+#pragma unroll
+    for (int i = 0; i < DM_KW; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f, unit = 1.0f;
+    const int ntiles = (k1 - k0 + 15) >> 4;
+    KPart kcur, knxt;
+    VPart vcur, vnxt;
+    long long rb_cur = 0, rb_nxt = 0;
+    if (w < ntiles) {
+        rb_cur = tile_base(k0 + 16 * w);
+        load_k(k0 + 16 * w, rb_cur, kcur);
+        load_v(k0 + 16 * w, rb_cur, vcur);
+    }
+    for (int j = w; j < ntiles; j += 8) {
+        const int p0 = k0 + 16 * j;
+        const bool more = j + 8 < ntiles;
+        if (more) {
+            rb_nxt = tile_base(p0 + 128);
+            load_k(p0 + 128, rb_nxt, knxt);
+        }
+        // S^T: c0 (key g, head 2t), c1 (key g, head 2t+1), c2 (key g+8, head 2t), c3 (key g+8, head 2t+1).
+        // Two accumulators (even and odd K steps): two dependency chains of mma instead of one.
+        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int st = 0; st < DM_KW; st++) {
+            const uint2 qb = qsm[st][lane];
+            mma_f16((st & 1) ? s2 : s, dm_h2<KV_K_FMT>(kcur.k[0][st], 0), dm_h2<KV_K_FMT>(kcur.k[1][st], 0),
+                    dm_h2<KV_K_FMT>(kcur.k[0][st], 1), dm_h2<KV_K_FMT>(kcur.k[1][st], 1), qb.x, qb.y);
+        }
+#pragma unroll
+        for (int c = 0; c < 4; c++) s[c] += s2[c];
+        if (more) load_v(p0 + 128, rb_nxt, vnxt);
+        const bool ok0 = p0 + g < k1, ok8 = p0 + g + 8 < k1;
+        const float f0k = kcur.ks[0] * kf, f8k = kcur.ks[1] * kf;
+        const float x00 = ok0 ? s[0] * f0k : NEG_INF, x01 = ok0 ? s[1] * f0k : NEG_INF;
+        const float x80 = ok8 ? s[2] * f8k : NEG_INF, x81 = ok8 ? s[3] * f8k : NEG_INF;
+        float t0 = fmaxf(x00, x80), t1 = fmaxf(x01, x81);
+        float vt = fmaxf(kcur.vs[0], kcur.vs[1]);
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) {
+            t0 = fmaxf(t0, __shfl_xor_sync(0xffffffffu, t0, off));
+            t1 = fmaxf(t1, __shfl_xor_sync(0xffffffffu, t1, off));
+            vt = fmaxf(vt, __shfl_xor_sync(0xffffffffu, vt, off));
+        }
+        // The tile's first key is valid: the new maxima are finite; m = -inf gives alpha = 0.
+        const float mn0 = fmaxf(m0, t0), mn1 = fmaxf(m1, t1);
+        const float a0 = pf_exp2(m0 - mn0), a1 = pf_exp2(m1 - mn1);
+        const float p00 = pf_exp2(x00 - mn0), p01 = pf_exp2(x01 - mn1);
+        const float p80 = pf_exp2(x80 - mn0), p81 = pf_exp2(x81 - mn1);
+        l0 = l0 * a0 + (p00 + p80);
+        l1 = l1 * a1 + (p01 + p81);
+        m0 = mn0;
+        m1 = mn1;
+        vt = vt > 0.0f ? vt : 1.0f;
+        const float rv = 1.0f / vt;
+        const float f0 = a0 * unit * rv, f1 = a1 * unit * rv;
+        unit = vt;
+#pragma unroll
+        for (int i = 0; i < DM_KW; i++) {
+            acc[i][0] *= f0;
+            acc[i][1] *= f1;
+            acc[i][2] *= f0;
+            acc[i][3] *= f1;
+        }
+        const float r0 = kcur.vs[0] * rv, r8 = kcur.vs[1] * rv;
+        const float q00 = p00 * r0, q01 = p01 * r0, q80 = p80 * r8, q81 = p81 * r8;
+        const u32 h0 = dm_pack_h2(q00, q01), h8 = dm_pack_h2(q80, q81);
+        const u32 e0 = dm_pack_h2(q00 - dm_h_lo(h0), q01 - dm_h_hi(h0));
+        const u32 e8 = dm_pack_h2(q80 - dm_h_lo(h8), q81 - dm_h_hi(h8));
+        const u32 bh0 = dm_movt(h0), bh1 = dm_movt(h8), bl0 = dm_movt(e0), bl1 = dm_movt(e8);
+#pragma unroll
+        for (int i = 0; i < DM_KW; i++) {  // (independent across m-tiles: the scheduler interleaves them)
+            const u32 sel = (i & 1) ? 0x7362u : 0x5140u;
+            const u32 y1 = dm_prmt(vcur.v[0][i >> 1], vcur.v[1][i >> 1], sel);
+            const u32 y2 = dm_prmt(vcur.v[2][i >> 1], vcur.v[3][i >> 1], sel);
+            const u32 va0 = dm_h2<KV_V_FMT>(y1, 0), va1 = dm_h2<KV_V_FMT>(y1, 1);
+            const u32 va2 = dm_h2<KV_V_FMT>(y2, 0), va3 = dm_h2<KV_V_FMT>(y2, 1);
+            mma_f16(acc[i], va0, va1, va2, va3, bh0, bh1);
+            mma_f16(acc[i], va0, va1, va2, va3, bl0, bl1);
+        }
+        if (more) {
+            kcur = knxt;
+            vcur = vnxt;
+        }
+    }
+    // Row sums over the 8 lanes of a head pair; lanes g == 0 hold heads 2t, 2t + 1.
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+    }
+    if (g == 0) {
+        if (2 * t < GQA_GROUP) {
+            ms[w][2 * t] = m0;
+            ls[w][2 * t] = l0;
+        }
+        if (2 * t + 1 < GQA_GROUP) {
+            ms[w][2 * t + 1] = m1;
+            ls[w][2 * t + 1] = l1;
+        }
+    }
+    __syncthreads();
+    // Factor of this warp's O per head (0 for a warp without keys), times its unit.
+    float fw[2];
+#pragma unroll
+    for (int c = 0; c < 2; c++) {
+        const int h = 2 * t + c;
+        const float mh = c ? m1 : m0;
+        float M = NEG_INF;
+        if (h < GQA_GROUP) {
+            for (int ww = 0; ww < 8; ww++) M = fmaxf(M, ms[ww][h]);
+        }
+        fw[c] = (h < GQA_GROUP && mh != NEG_INF) ? pf_exp2(mh - M) * unit : 0.0f;
+    }
+    if (threadIdx.x < GQA_GROUP) {
+        const int h = threadIdx.x;
+        float M = NEG_INF;
+        for (int ww = 0; ww < 8; ww++) M = fmaxf(M, ms[ww][h]);
+        float Lsum = 0.0f;
+        for (int ww = 0; ww < 8; ww++) Lsum += ms[ww][h] == NEG_INF ? 0.0f : ls[ww][h] * pf_exp2(ms[ww][h] - M);
+        const long long pi = (((long long)b * Hq + hkv * GQA_GROUP + h) * n_split + sp) * 2;
+        part_ml[pi] = M;
+        part_ml[pi + 1] = Lsum;
+    }
+    // acc[i][c]: dim dm_vbyte(g, i >> 1) + 2 (i & 1) + (c >> 1), head 2t + (c & 1).
+    auto put = [&](int slot, bool add) {
+#pragma unroll
+        for (int i = 0; i < DM_KW; i++) {
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int h = 2 * t + (c & 1);
+                if (h < GQA_GROUP) {
+                    const int d = dm_vbyte(g, i >> 1) + 2 * (i & 1) + (c >> 1);
+                    const float v = acc[i][c] * fw[c & 1];
+                    red[slot][h][d] = add ? red[slot][h][d] + v : v;
+                }
+            }
+        }
+    };
+    if (w >= 4) put(w - 4, false);
+    __syncthreads();
+    if (w < 4) put(w, true);
+    __syncthreads();
+    for (int e = threadIdx.x; e < GQA_GROUP * HD; e += blockDim.x) {
+        const int h = e / HD, d = e % HD;
+        part_o[(((long long)b * Hq + hkv * GQA_GROUP + h) * n_split + sp) * HD + d] =
+            (red[0][h][d] + red[1][h][d]) + (red[2][h][d] + red[3][h][d]);
+    }
+#endif
+}

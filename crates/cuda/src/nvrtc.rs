@@ -96,6 +96,7 @@ pub const SOURCES: &[KernelSource] = &[
             "attn_prefill_wide64",
             "attn_decode_split",
             "attn_decode_combine",
+            "attn_decode_mma",
         ],
     },
 ];

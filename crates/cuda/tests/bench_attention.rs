@@ -9,15 +9,17 @@
 //! shapes (/work/shared/anchors/rooflines-h200.json; built-in copies when the file is absent).
 //!
 //! attn_decode: 1 query per sequence at 32K context, batch 1 and 8, 16 partitions: K/V bytes read
-//! per second against the 4.26 TB/s device copy rate of the same anchors file.
+//! per second against the 4.26 TB/s device copy rate of the same anchors file. Then over an fp8
+//! cache at 4K / 32K / 128K context: attn_decode_split against attn_decode_mma.
 
 use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
 use cudarc::driver::sys::CUevent_flags;
-use deltaserve_cuda::ops::attention::{self, AttnDecode, AttnPrefill, KvPages};
+use deltaserve_cuda::ops::attention::{self, AttnDecode, AttnPrefill, KvPages, KvScales};
 use deltaserve_cuda::ops::init::{Init, init_random};
 use deltaserve_cuda::{Arena, AttnTiling, KernelDims, Kernels, KvFormats, LibStatus, Runtime};
+use deltaserve_plan::KvDtype;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
@@ -89,9 +91,14 @@ fn bench_attn_prefill_27b() {
     let cache_elems = MAX_CTX * width;
     let q_tok = 2 * HQ * HD; // q|gate projection rows, like the backend
     let mut arena = Arena::new(rt.context().clone());
-    let reg = arena.add_region("bench", 2 * 2 * cache_elems + 2 * TQ * q_tok + 2 * TQ * HQ * HD + (64 << 20)).unwrap();
+    let scale_bytes = 2 * MAX_CTX * HKV; // one f16 scale per cache row and kv head (the fp8 decode runs)
+    let reg = arena
+        .add_region("bench", 2 * 2 * cache_elems + 2 * scale_bytes + 2 * TQ * q_tok + 2 * TQ * HQ * HD + (64 << 20))
+        .unwrap();
     let kc = arena.alloc(reg, 2 * cache_elems).unwrap().ptr;
     let vc = arena.alloc(reg, 2 * cache_elems).unwrap().ptr;
+    let ksc = arena.alloc(reg, scale_bytes).unwrap().ptr;
+    let vsc = arena.alloc(reg, scale_bytes).unwrap().ptr;
     let q = arena.alloc(reg, 2 * TQ * q_tok).unwrap().ptr;
     let o = arena.alloc(reg, 2 * TQ * HQ * HD).unwrap().ptr;
     let s = rt.stream();
@@ -217,5 +224,55 @@ fn bench_attn_prefill_27b() {
         let bytes = (b * ctx * width * 2 * 2) as f64;
         let gbs = bytes / (ms * 1e-3) / 1e9;
         println!("{n_split:>6} {b:>6} {:>10.1} {gbs:>10.0} {:>7.0}%", ms * 1e3, 100.0 * gbs / (copy_tbps * 1e3));
+    }
+
+    // Decode over an fp8 (e4m3) cache, the 24 GB configuration's: the split kernel against the
+    // tensor-core one (attn_decode_mma), both with the backend's 32 partitions. Codes are random
+    // bytes and every scale 1.0 (timing only: some codes are NaN patterns). Bytes = codes + scales.
+    let mut k8 = Kernels::load_kv(&rt, KernelDims::QWEN35_27B, KvFormats { k: KvDtype::Fp8, v: KvDtype::Fp8 }).unwrap();
+    init_random(&k8, s, kc, cache_elems / 4, 21, Init::Bits, false).unwrap();
+    init_random(&k8, s, vc, cache_elems / 4, 22, Init::Bits, false).unwrap();
+    let ones = vec![0x3c00u16; MAX_CTX * HKV];
+    rt.upload(ksc, &ones).unwrap();
+    rt.upload(vsc, &ones).unwrap();
+    let scales = KvScales { k: ksc, v: vsc };
+    println!("attn_decode fp8 K/V, cap 32 partitions:");
+    println!("{:>18} {:>8} {:>6} {:>10} {:>10} {:>8}", "kernel", "context", "batch", "us", "GB/s", "/copy");
+    for ctx in [4096usize, 32_768, 131_072] {
+        for b in [1usize, 8] {
+            if b * ctx > MAX_CTX {
+                continue;
+            }
+            let per = ctx / PAGE;
+            rt.upload(lens_p, &vec![ctx as i32; b]).unwrap();
+            let a = AttnDecode {
+                table_rows: 0,
+                q,
+                q_tok,
+                q_head: 2 * HD,
+                o,
+                kv: KvPages { max_blocks: per, ..kv },
+                seq_lens: lens_p,
+                n_seqs: b,
+                q_heads: HQ,
+                n_split: 32,
+                scratch,
+                scratch_bytes,
+                scale,
+                gate: 0,
+            };
+            for mma in [false, true] {
+                k8.decode_mma = mma;
+                let ms = time_ms(&rt, 21, |s| attention::attn_decode_q(&k8, s, &a, &scales).unwrap());
+                let bytes = (b * ctx * (width + 2 * HKV) * 2) as f64;
+                let gbs = bytes / (ms * 1e-3) / 1e9;
+                let name = if mma { "attn_decode_mma" } else { "attn_decode_split" };
+                println!(
+                    "{name:>18} {ctx:>8} {b:>6} {:>10.1} {gbs:>10.0} {:>7.0}%",
+                    ms * 1e3,
+                    100.0 * gbs / (copy_tbps * 1e3)
+                );
+            }
+        }
     }
 }

@@ -538,6 +538,15 @@ fn cases() -> Vec<Case> {
         c("kv_q+attn_decode", q, kvq(i4, i8, &[(500, 1)], 24, 4, 16, Some(4), false), ACCUM),
         c("kv_q+attn_decode", SMALL, kvq(bf, i4, &[(33, 1), (0, 1)], 8, 4, 16, Some(8), false), ACCUM),
         c("kv_q+attn_decode", HD32_G8, kvq(i4, f8, &[(77, 1), (8, 1)], 8, 1, 8, Some(3), false), ACCUM),
+        // 1-byte K and V codes: attn_decode_mma (tensor cores) and attn_decode_split both, each against the
+        // oracle: several tiles per warp (4000 keys over 16 partitions, 3000 over 4), partitions past a
+        // row's end, 16-key tiles inside a page (page 16, 32) or across pages (page 8), GQA 1, 2, 6, 8.
+        c("kv_q+attn_decode", q, kvq(i8, i8, &[(4000, 1), (127, 1), (128, 1)], 24, 4, 32, Some(16), false), ACCUM),
+        c("kv_q+attn_decode", q, kvq(f8, i8, &[(3000, 1), (15, 1)], 24, 4, 16, Some(4), false), ACCUM),
+        c("kv_q+attn_decode", q, kvq(i8, f8, &[(700, 1), (1, 1)], 24, 4, 8, Some(32), false), ACCUM),
+        c("kv_q+attn_decode", HD32_G8, kvq(f8, f8, &[(77, 1), (8, 1), (500, 1)], 8, 1, 8, Some(3), false), ACCUM),
+        c("kv_q+attn_decode", SMALL, kvq(f8, i8, &[(33, 1), (0, 1), (260, 1)], 8, 4, 16, Some(8), false), ACCUM),
+        c("kv_q+attn_decode", HD64_G1, kvq(i8, i8, &[(40, 1), (7, 1), (1000, 1)], 2, 2, 32, Some(4), false), ACCUM),
         // Quantised K with bf16 V: faulted on the H200 (2026-11-29; the prefill wrote the absent V scale row past
         // the end of shared memory, fixed since but not yet re-run on a GPU); last, so a fault hides nothing.
         c("kv_q+attn_prefill", HD64_G1, kvq(i8, bf, &[(3, 33), (0, 1)], 2, 2, 32, None, false), ATTN_PLAIN_P),
@@ -1801,7 +1810,7 @@ fn kvq_case(
     }
 
     // Attention over the cache with kernels compiled for its formats.
-    let kq = Kernels::load_kv(rt, k.dims, kv)?;
+    let mut kq = Kernels::load_kv(rt, k.dims, kv)?;
     let news: Vec<usize> = seqs.iter().map(|&(_, n)| n).collect();
     let t_new: usize = news.iter().sum();
     let q = randv(rng, t_new * hq * hd, 2.0);
@@ -1846,6 +1855,13 @@ fn kvq_case(
                 gate: 0,
             };
             attention::attn_decode_q(&kq, s, &a, &scales)?;
+            if kq.decode_mma {
+                // The tensor-core kernel ran; the split kernel (its A/B switch) into op2.
+                kq.decode_mma = false;
+                let o2 = d.poison(2 * t_new * hq * hd)?;
+                attention::attn_decode_q(&kq, s, &attention::AttnDecode { o: o2, ..a }, &scales)?;
+                op2 = Some(o2);
+            }
         }
     }
     // Reference: the CPU attention over the CPU-dequantised cache.
@@ -1862,7 +1878,8 @@ fn kvq_case(
     }
     out.push(compare("o", &r, &d.get_bf16(op, t_new * hq * hd)?, tol));
     if let Some(op2) = op2 {
-        out.push(compare("o (attn_prefill)", &r, &d.get_bf16(op2, t_new * hq * hd)?, tol));
+        let what = if n_split.is_some() { "o (attn_decode_split)" } else { "o (attn_prefill)" };
+        out.push(compare(what, &r, &d.get_bf16(op2, t_new * hq * hd)?, tol));
     }
     Ok(out)
 }

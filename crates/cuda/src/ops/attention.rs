@@ -229,6 +229,13 @@ pub struct AttnDecode {
     pub gate: u64,
 }
 
+/// Whether `attn_decode_mma` (tensor-core decode attention) reads caches of these formats: K and V
+/// both 1-byte codes (fp8 e4m3 or int8). Other formats use `attn_decode_split`.
+pub fn decode_mma_supported(kv: &KvFormats) -> bool {
+    let byte = |d: KvDtype| matches!(d, KvDtype::Fp8 | KvDtype::Int8);
+    byte(kv.k) && byte(kv.v)
+}
+
 pub fn attn_decode(k: &Kernels, s: &CudaStream, a: &AttnDecode) -> Result<(), CudaError> {
     attn_decode_q(k, s, a, &KvScales::default())
 }
@@ -269,7 +276,10 @@ pub fn attn_decode_q(k: &Kernels, s: &CudaStream, a: &AttnDecode, sc: &KvScales)
         to_u32("attn_decode_split", "kv_heads", a.kv.kv_heads)?,
         to_u32("attn_decode_split", "n_split", a.n_split)?,
     );
-    launch_pdl!(k, s, "attn_decode_split", grid, (256, 1, 1), 0;
+    // The tensor-core kernel: same arguments and partials (16-byte aligned caches: its vector loads).
+    let mma = k.decode_mma && decode_mma_supported(&k.kv) && k_cache.is_multiple_of(16) && v_cache.is_multiple_of(16);
+    let name = if mma { "attn_decode_mma" } else { "attn_decode_split" };
+    launch_pdl!(k, s, name, grid, (256, 1, 1), 0;
         q, k_cache, v_cache, k_scales, v_scales, block_tables, table_rows, mb, seq_lens, part_o, part_ml, hq, hkv,
         page, scale, ns, qt, qh)?;
     let grid = (grid.0, to_u32("attn_decode_combine", "q_heads", a.q_heads)?, 1);

@@ -49,6 +49,10 @@ pub struct Kernels {
     /// Blocks of the int4 GEMV the GPU holds at once (its occupancy per SM × SMs: 264 on the H200,
     /// 2 per SM; 1 per SM where an SM's shared memory holds one, e.g. sm_86). [`w4a16::gemv_config`].
     pub w4_slots: usize,
+    /// Decode attention on tensor cores (`attn_decode_mma`) where the cache formats allow it
+    /// ([`attention::decode_mma_supported`]: 1-byte K and V codes); `DELTASERVE_DECODE_ATTN=split`
+    /// at load (or false here) keeps `attn_decode_split`, the A/B switch of the benchmarks.
+    pub decode_mma: bool,
 }
 
 impl Kernels {
@@ -109,8 +113,10 @@ impl Kernels {
             }
         }
         let pdl = pdl_enabled(rt.cc, std::env::var("DELTASERVE_PDL").ok().as_deref());
-        let mut k =
-            Kernels { funcs, dims, kv, attn, arch, load_ms: t0.elapsed().as_secs_f64() * 1e3, pdl, w4_slots: 0 };
+        let decode_mma = attention::decode_mma_supported(&kv)
+            && std::env::var("DELTASERVE_DECODE_ATTN").map_or(true, |v| v != "split");
+        let load_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let mut k = Kernels { funcs, dims, kv, attn, arch, load_ms, pdl, w4_slots: 0, decode_mma };
         for (name, bytes) in [
             ("gdn_chunk_prep", gdn_chunk::prep_smem_bytes(&dims)),
             ("gdn_chunk_state", gdn_chunk::state_smem_bytes(&dims)),
