@@ -1267,48 +1267,65 @@ extern "C" __global__ void attn_decode_combine(const float* __restrict__ part_o,
 }
 
 // ---------------------------------------------------------------------------------------------
-// attn_decode_mma: attn_decode_split on tensor cores, for K and V caches of 1-byte codes (fp8 e4m3,
-// int8). Same grid, block, arguments and partials (part_o / part_ml, read by attn_decode_combine);
-// the keys of a partition start at a multiple of 16 (a row's split still depends on its length
-// only; a partition past the row's end writes max = -inf, which the combine skips).
+// attn_decode_mma: attn_decode_split on tensor cores, for K and V caches each of bf16 or of 1-byte
+// codes (fp8 e4m3, int8; int4 caches use attn_decode_split). Same grid, block, arguments and
+// partials (part_o / part_ml, read by attn_decode_combine); the keys of a partition start at a
+// multiple of 16 (a row's split still depends on its length only; a partition past the row's end
+// writes max = -inf, which the combine skips).
 //
 // Design (one block = one (row, kv head, partition); warp w takes the 16-key tiles w, w + 8, ...):
-//  - S^T = K Q^T on mma.sync m16n8k16 f16 -> f32: the tile's 16 keys are the M rows, the GQA group's
+//  - S^T = K Q^T on mma.sync m16n8k16 (-> f32): the tile's 16 keys are the M rows, the GQA group's
 //    heads the N columns (<= 8; padding heads are zeros), the head dims the K steps. The dims of a
 //    K step are permuted (the same permutation for Q and K, so the dot products are unchanged) such
-//    that lane (g, t) reads 4 contiguous bytes per step of keys g and g + 8 and its step words come
-//    from 16-byte loads of which the 4 lanes t of a key cover 64 contiguous bytes (dm_kbyte).
-//  - Codes widen to f16 exactly (fp8: cvt.rn.f16x2.e4m3x2 on sm_89+, a bit move + one multiply by
-//    256 below; int8: the 1024 + x magic). Q is the bf16 query times a power of two qs that puts
-//    the group's largest |q| in [2^14, 2^15): bf16 values are exact in f16 in that range, so S is
-//    the exact f32-accumulated dot product; scale * log2(e) * kscale / qs is applied in f32.
+//    that lane (g, t) needs 4 contiguous dims per step of keys g and g + 8, and its pieces come from
+//    16-byte loads of which the 4 lanes t of a key cover 64 contiguous bytes (dm_kel).
+//  - bf16 K: the mma is bf16 with Q as stored. Codes: f16, the codes widened exactly (fp8:
+//    cvt.rn.f16x2.e4m3x2 on sm_89+, a bit move + one multiply by 256 below; int8: the 1024 + x
+//    magic), Q times a power of two qs that puts the group's largest |q| in [2^14, 2^15) (bf16
+//    values are exact in f16 there). S is the f32-accumulated dot product of the exact values;
+//    scale * log2(e) * kscale / qs is applied in f32.
 //  - Online softmax in the log2 domain on the C fragment (keys g, g + 8 x heads 2t, 2t + 1: the
 //    tile max per head over 8 lanes by 3 shuffles; row sums stay per lane until the end).
 //  - O^T += V^T P'^T: the head dims are the M rows (16 per m-tile; lane g reads 32 contiguous bytes
-//    per key, dm_vbyte), the keys the K step, the heads the N columns. P' = p * vscale / vt (vt:
-//    the tile's largest V scale, so P' <= 1 in f16; O is kept in units of the last vt, rescaled
-//    with the softmax factor) split into f16 hi + lo (two mma: ~2^-22 relative, like f32) and
-//    transposed from the C layout into the B fragment by movmatrix. Two keys' bytes of one dim are
-//    paired by one prmt before widening.
-//  - Next tile's K (and scales) loads are issued before this tile's S, its V loads after S (fewer
-//    live registers than loading both at once): ~8 KB per warp in flight at HD 256.
+//    per key at 1 byte per dim, dm_vel), the keys the K step, the heads the N columns. Codes:
+//    P' = p * vscale / vt (vt: the tile's largest V scale, so P' <= 1; O is kept in units of the
+//    last vt, rescaled with the softmax factor); bf16 V: P' = p. P' is split into hi + lo of the
+//    mma's type (two mma: ~2^-16 relative for bf16, ~2^-22 for f16) and transposed from the C
+//    layout into the B fragment by movmatrix. Two keys' values of one dim are paired by one prmt.
+//  - 1-byte K and V: the next tile's K (and scales) loads are issued before this tile's S, its V
+//    loads after S (~8 KB per warp in flight at HD 256). With a bf16 matrix a tile takes up to 128
+//    registers per lane: each tile is loaded where it is used (16 KB per warp in flight). (Two 1-byte
+//    tiles loaded at once instead of the double buffer measured ~4% slower, three spilled.)
 //  - The 8 warps' (max, sum, O) merge in shared memory in a fixed order, as attn_decode_split's.
 // Arch: mma.sync, movmatrix (sm_75+), cvt e4m3x2 only under __CUDA_ARCH__ >= 890: sm_80+.
-// Tested by: tests/ops.rs cases "kv_q+attn_decode" with fp8 / int8 K and V (against the CPU
-// attention over the dequantised cache); timed by tests/bench_attention.rs (decode, fp8).
-#define DM_OK(f) ((f) == KVF_FP8 || (f) == KVF_INT8)
-#define DM_KW (HD / 16)                        // K words per lane per key = K steps = O m-tiles
-#define DM_KU ((HD / 4) % 16 == 0 ? 16 : 8)   // K load unit (bytes) of a lane
-#define DM_VW (HD / 32)                        // V words per lane per key
-#define DM_VU ((HD / 8) % 16 == 0 ? 16 : ((HD / 8) % 8 == 0 ? 8 : 4))  // V load unit (bytes)
+// Tested by: tests/ops.rs cases "attn_decode" (bf16) and "kv_q+attn_decode" (every K/V pair of
+// bf16 / fp8 / int8), each also run on attn_decode_split, against the CPU attention over the
+// dequantised cache; timed by tests/bench_attention.rs (decode, bf16 and fp8).
+#define DM_OK(f) ((f) != KVF_INT4)
+#define DM_KES (KV_K_FMT == KVF_BF16 ? 2 : 1)  // bytes per element of K / V
+#define DM_VES (KV_V_FMT == KVF_BF16 ? 2 : 1)
+#define DM_PF (DM_KES == 1 && DM_VES == 1)     // register double buffer (1-byte K and V)
+#define DM_MT (HD / 16)                         // K steps of S^T = m-tiles of O^T
+#define DM_KW (HD * DM_KES / 16)                // K words per lane per key
+#define DM_KU ((HD * DM_KES / 4) % 16 == 0 ? 16 : 8)  // K load unit (bytes) of a lane
+#define DM_VW (HD * DM_VES / 32)                // V words per lane per key
+#define DM_VU ((HD * DM_VES / 8) % 16 == 0 ? 16 : ((HD * DM_VES / 8) % 8 == 0 ? 8 : 4))  // V load unit
 
-// Byte (= dim) of word w of lane t's K piece of a key row: load unit j = w / (KU/4) at KU * (4j + t).
+// Byte of word w of lane t's K piece of a key row: load unit j = w / (KU/4) at KU * (4j + t).
 __device__ __forceinline__ int dm_kbyte(int t, int w) {
     return DM_KU * (4 * (w / (DM_KU / 4)) + t) + 4 * (w % (DM_KU / 4));
 }
-// Byte (= dim) of word w of lane g's V piece of a key row: load unit j at VU * (8j + g).
+// Byte of word w of lane g's V piece of a key row: load unit j at VU * (8j + g).
 __device__ __forceinline__ int dm_vbyte(int g, int w) {
     return DM_VU * (8 * (w / (DM_VU / 4)) + g) + 4 * (w % (DM_VU / 4));
+}
+// Dim of value r (0..3) of K step st for lane t: r = 0, 1 are a0's (and Q's b0) pair, r = 2, 3 a2's (b1).
+__device__ __forceinline__ int dm_kel(int t, int st, int r) {
+    return DM_KES == 1 ? dm_kbyte(t, st) + r : dm_kbyte(t, 2 * st + (r >> 1)) / 2 + (r & 1);
+}
+// Dim of row g (hi = 0) or g + 8 (hi = 1) of O^T's m-tile i for lane g.
+__device__ __forceinline__ int dm_vel(int g, int i, int hi) {
+    return DM_VES == 1 ? dm_vbyte(g, i >> 1) + 2 * (i & 1) + hi : dm_vbyte(g, i) / 2 + hi;
 }
 
 template <int U>
@@ -1343,6 +1360,20 @@ __device__ __forceinline__ u32 dm_pack_h2(float lo, float hi) {
 __device__ __forceinline__ float dm_h_lo(u32 h) { return f16_to_f32((unsigned short)(h & 0xffffu)); }
 __device__ __forceinline__ float dm_h_hi(u32 h) { return f16_to_f32((unsigned short)(h >> 16)); }
 
+// Two f32 -> the 16-bit pair of the mma type that V's format uses (bf16: bf16, codes: f16).
+template <int FMT>
+__device__ __forceinline__ u32 dm_pack(float lo, float hi) {
+    return FMT == KVF_BF16 ? pack_bf16(lo, hi) : dm_pack_h2(lo, hi);
+}
+template <int FMT>
+__device__ __forceinline__ float dm_lo(u32 h) {
+    return FMT == KVF_BF16 ? __uint_as_float(h << 16) : dm_h_lo(h);
+}
+template <int FMT>
+__device__ __forceinline__ float dm_hi(u32 h) {
+    return FMT == KVF_BF16 ? __uint_as_float(h & 0xffff0000u) : dm_h_hi(h);
+}
+
 // The codes in bytes 2h and 2h + 1 of w -> f16x2 of their exact values (byte 2h in the low half).
 template <int FMT>
 __device__ __forceinline__ u32 dm_h2(u32 w, int h) {
@@ -1372,6 +1403,15 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], u32 a0, u32 a1, u32 a2, u
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+// The mma of a matrix's format: bf16 for a bf16 cache, f16 for codes.
+template <int FMT>
+__device__ __forceinline__ void dm_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    if (FMT == KVF_BF16) {
+        mma_bf16(c, a0, a1, a2, a3, b0, b1);
+    } else {
+        mma_f16(c, a0, a1, a2, a3, b0, b1);
+    }
+}
 
 // Transpose of an 8x8 16-bit matrix in the mma fragment layout (lane (g, t): row g, cols 2t, 2t+1).
 __device__ __forceinline__ u32 dm_movt(u32 x) {
@@ -1390,6 +1430,8 @@ attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
 #if DM_OK(KV_K_FMT) && DM_OK(KV_V_FMT)
     __shared__ float red[4][GQA_GROUP][HD];
     __shared__ float ms[8][GQA_GROUP], ls[8][GQA_GROUP];
+    // Q fragments (B of S^T, the same for every warp: lane l's pair at qsm[st][l]).
+    __shared__ uint2 qsm[DM_MT][32];
     pdl_enter();  // launched programmatically on sm_90
     const int b = blockIdx.x, hkv = blockIdx.y, sp = blockIdx.z;
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -1402,40 +1444,48 @@ attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
     const unsigned char* kc = (const unsigned char*)k_cache;
     const unsigned char* vc = (const unsigned char*)v_cache;
 
-    // Q fragments (B of S^T, the same for every warp: in shared memory, lane l's pair at qsm[st][l]):
-    // head g of the group (zeros past it), lane t's dims of each K step, times qs.
-    __shared__ uint2 qsm[DM_KW][32];
-    float kf;  // scale * log2(e) / qs: S^T's factor besides the key's scale
+    // Q: head g of the group (zeros past it), lane t's dims of each K step (bf16 K: as stored; codes:
+    // times qs, in f16).
+    float kf;  // S^T's factor besides the key's scale: scale * log2(e) (/ qs)
     {
-        float qf[DM_KW][4];
-        float qmax = 0.0f;
         const bf16_t* qh = q + (long long)b * q_tok + (long long)(hkv * GQA_GROUP + g) * q_head;
+        u32 qw[DM_MT][2];
+        float qmax = 0.0f;
 #pragma unroll
-        for (int s = 0; s < DM_KW; s++) {
-            const int d = dm_kbyte(t, s);
-            const u32 lo = g < GQA_GROUP ? *(const u32*)(qh + d) : 0u;
-            const u32 hi = g < GQA_GROUP ? *(const u32*)(qh + d + 2) : 0u;
-            qf[s][0] = __uint_as_float(lo << 16);
-            qf[s][1] = __uint_as_float(lo & 0xffff0000u);
-            qf[s][2] = __uint_as_float(hi << 16);
-            qf[s][3] = __uint_as_float(hi & 0xffff0000u);
+        for (int st = 0; st < DM_MT; st++) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) qmax = fmaxf(qmax, fabsf(qf[s][e]));
+            for (int r = 0; r < 2; r++) {
+                qw[st][r] = g < GQA_GROUP ? *(const u32*)(qh + dm_kel(t, st, 2 * r)) : 0u;
+                qmax = fmaxf(qmax, fmaxf(fabsf(__uint_as_float(qw[st][r] << 16)),
+                                         fabsf(__uint_as_float(qw[st][r] & 0xffff0000u))));
+            }
         }
-        qmax = warp_max(qmax);  // every warp's lanes see all of the group's Q: the same qs everywhere
-        const int ex = qmax > 0.0f ? max((int)((__float_as_uint(qmax) >> 23) & 0xffu) - 127, -100) : 0;
-        const float qs = __uint_as_float((u32)(127 + 14 - ex) << 23);
+        float qs = 1.0f;
+        if (KV_K_FMT != KVF_BF16) {
+            qmax = warp_max(qmax);  // every warp's lanes see all of the group's Q: the same qs everywhere
+            const int ex = qmax > 0.0f ? max((int)((__float_as_uint(qmax) >> 23) & 0xffu) - 127, -100) : 0;
+            qs = __uint_as_float((u32)(127 + 14 - ex) << 23);
+        }
         if (w == 0) {
 #pragma unroll
-            for (int s = 0; s < DM_KW; s++)
-                qsm[s][lane] = make_uint2(dm_pack_h2(qf[s][0] * qs, qf[s][1] * qs), dm_pack_h2(qf[s][2] * qs, qf[s][3] * qs));
+            for (int st = 0; st < DM_MT; st++) {
+                u32 f[2];
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    f[r] = KV_K_FMT == KVF_BF16 ? qw[st][r]
+                                                : dm_pack_h2(__uint_as_float(qw[st][r] << 16) * qs,
+                                                             __uint_as_float(qw[st][r] & 0xffff0000u) * qs);
+                }
+                qsm[st][lane] = make_uint2(f[0], f[1]);
+            }
         }
         kf = scale * 1.4426950408889634f / qs;
     }
     __syncthreads();
 
-    // A tile's raw codes: K of keys g, g + 8 (lane t's piece), V of keys 2t, 2t+1, 2t+8, 2t+9 (lane
-    // g's piece), the scales of keys g, g + 8. Keys at or past k1: zeros (their rows are never read).
+    // A tile's raw values: K of keys g, g + 8 (lane t's piece), V of keys 2t, 2t+1, 2t+8, 2t+9 (lane
+    // g's piece), the scales of keys g, g + 8 (1 for bf16). Keys at or past k1: zeros (their rows
+    // are never read).
     struct KPart {
         u32 k[2][DM_KW];
         float ks[2], vs[2];
@@ -1454,15 +1504,15 @@ attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
             const int p = p0 + g + 8 * kk;
             if (p < k1) {
                 const long long th = row_of(p0, rb, p) * Hkv + hkv;
-                const unsigned char* src = kc + th * HD;
+                const unsigned char* src = kc + th * (HD * DM_KES);
 #pragma unroll
                 for (int j = 0; j < DM_KW / (DM_KU / 4); j++)
                     dm_load<DM_KU>(src + DM_KU * (4 * j + t), &r.k[kk][j * (DM_KU / 4)]);
-                r.ks[kk] = f16_to_f32(k_scales[th]);
-                r.vs[kk] = f16_to_f32(v_scales[th]);
+                r.ks[kk] = KQ_K ? f16_to_f32(k_scales[th]) : 1.0f;
+                r.vs[kk] = KQ_V ? f16_to_f32(v_scales[th]) : 1.0f;
             } else {
 #pragma unroll
-                for (int s = 0; s < DM_KW; s++) r.k[kk][s] = 0u;
+                for (int i = 0; i < DM_KW; i++) r.k[kk][i] = 0u;
                 r.ks[kk] = 0.0f;
                 r.vs[kk] = 0.0f;
             }
@@ -1473,49 +1523,71 @@ attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
         for (int vv = 0; vv < 4; vv++) {
             const int p = p0 + 2 * t + (vv & 1) + 8 * (vv >> 1);
             if (p < k1) {
-                const unsigned char* src = vc + (row_of(p0, rb, p) * Hkv + hkv) * HD;
+                const unsigned char* src = vc + (row_of(p0, rb, p) * Hkv + hkv) * (HD * DM_VES);
 #pragma unroll
                 for (int j = 0; j < DM_VW / (DM_VU / 4); j++)
                     dm_load<DM_VU>(src + DM_VU * (8 * j + g), &r.v[vv][j * (DM_VU / 4)]);
             } else {
 #pragma unroll
-                for (int s = 0; s < DM_VW; s++) r.v[vv][s] = 0u;
+                for (int i = 0; i < DM_VW; i++) r.v[vv][i] = 0u;
             }
         }
     };
 
-    float acc[DM_KW][4];
+    float acc[DM_MT][4];
 #pragma unroll
-    for (int i = 0; i < DM_KW; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    for (int i = 0; i < DM_MT; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f, unit = 1.0f;
     const int ntiles = (k1 - k0 + 15) >> 4;
-    KPart kcur, knxt;
-    VPart vcur, vnxt;
-    long long rb_cur = 0, rb_nxt = 0;
+    KPart kcur;
+    VPart vcur;
+#if DM_PF
+    KPart knxt;
+    VPart vnxt;
+    long long rb_nxt = 0;
     if (w < ntiles) {
-        rb_cur = tile_base(k0 + 16 * w);
-        load_k(k0 + 16 * w, rb_cur, kcur);
-        load_v(k0 + 16 * w, rb_cur, vcur);
+        const long long rb = tile_base(k0 + 16 * w);
+        load_k(k0 + 16 * w, rb, kcur);
+        load_v(k0 + 16 * w, rb, vcur);
     }
+#endif
     for (int j = w; j < ntiles; j += 8) {
         const int p0 = k0 + 16 * j;
+#if DM_PF
         const bool more = j + 8 < ntiles;
         if (more) {
             rb_nxt = tile_base(p0 + 128);
             load_k(p0 + 128, rb_nxt, knxt);
         }
-        // S^T: c0 (key g, head 2t), c1 (key g, head 2t+1), c2 (key g+8, head 2t), c3 (key g+8, head 2t+1).
-        // Two accumulators (even and odd K steps): two dependency chains of mma instead of one.
+#else
+        const long long rb = tile_base(p0);
+        load_k(p0, rb, kcur);
+        load_v(p0, rb, vcur);
+#endif
+        // S^T: c0 (key g, head 2t), c1 (key g, head 2t+1), c2 (key g+8, head 2t), c3 (key g+8, head
+        // 2t+1); two accumulators (even and odd K steps): two dependency chains of mma instead of one.
         float s[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-        for (int st = 0; st < DM_KW; st++) {
+        for (int st = 0; st < DM_MT; st++) {
             const uint2 qb = qsm[st][lane];
-            mma_f16((st & 1) ? s2 : s, dm_h2<KV_K_FMT>(kcur.k[0][st], 0), dm_h2<KV_K_FMT>(kcur.k[1][st], 0),
-                    dm_h2<KV_K_FMT>(kcur.k[0][st], 1), dm_h2<KV_K_FMT>(kcur.k[1][st], 1), qb.x, qb.y);
+            u32 a[4];  // keys g, g + 8 x dims (r = 0, 1), then (r = 2, 3)
+#pragma unroll
+            for (int kk = 0; kk < 2; kk++) {
+                if (DM_KES == 1) {
+                    a[kk] = dm_h2<KV_K_FMT>(kcur.k[kk][st], 0);
+                    a[2 + kk] = dm_h2<KV_K_FMT>(kcur.k[kk][st], 1);
+                } else {
+                    a[kk] = kcur.k[kk][2 * st];
+                    a[2 + kk] = kcur.k[kk][2 * st + 1];
+                }
+            }
+            dm_mma<KV_K_FMT>((st & 1) ? s2 : s, a[0], a[1], a[2], a[3], qb.x, qb.y);
         }
 #pragma unroll
         for (int c = 0; c < 4; c++) s[c] += s2[c];
+#if DM_PF
         if (more) load_v(p0 + 128, rb_nxt, vnxt);
+#endif
         const bool ok0 = p0 + g < k1, ok8 = p0 + g + 8 < k1;
         const float f0k = kcur.ks[0] * kf, f8k = kcur.ks[1] * kf;
         const float x00 = ok0 ? s[0] * f0k : NEG_INF, x01 = ok0 ? s[1] * f0k : NEG_INF;
@@ -1526,7 +1598,7 @@ attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
         for (int off = 4; off < 32; off <<= 1) {
             t0 = fmaxf(t0, __shfl_xor_sync(0xffffffffu, t0, off));
             t1 = fmaxf(t1, __shfl_xor_sync(0xffffffffu, t1, off));
-            vt = fmaxf(vt, __shfl_xor_sync(0xffffffffu, vt, off));
+            if (KQ_V) vt = fmaxf(vt, __shfl_xor_sync(0xffffffffu, vt, off));
         }
         // The tile's first key is valid: the new maxima are finite; m = -inf gives alpha = 0.
         const float mn0 = fmaxf(m0, t0), mn1 = fmaxf(m1, t1);
@@ -1537,37 +1609,51 @@ attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
         l1 = l1 * a1 + (p01 + p81);
         m0 = mn0;
         m1 = mn1;
-        vt = vt > 0.0f ? vt : 1.0f;
-        const float rv = 1.0f / vt;
-        const float f0 = a0 * unit * rv, f1 = a1 * unit * rv;
-        unit = vt;
+        float f0 = a0, f1 = a1, r0 = 1.0f, r8 = 1.0f;
+        if (KQ_V) {
+            vt = vt > 0.0f ? vt : 1.0f;
+            const float rv = 1.0f / vt;
+            f0 *= unit * rv;
+            f1 *= unit * rv;
+            unit = vt;
+            r0 = kcur.vs[0] * rv;
+            r8 = kcur.vs[1] * rv;
+        }
 #pragma unroll
-        for (int i = 0; i < DM_KW; i++) {
+        for (int i = 0; i < DM_MT; i++) {
             acc[i][0] *= f0;
             acc[i][1] *= f1;
             acc[i][2] *= f0;
             acc[i][3] *= f1;
         }
-        const float r0 = kcur.vs[0] * rv, r8 = kcur.vs[1] * rv;
         const float q00 = p00 * r0, q01 = p01 * r0, q80 = p80 * r8, q81 = p81 * r8;
-        const u32 h0 = dm_pack_h2(q00, q01), h8 = dm_pack_h2(q80, q81);
-        const u32 e0 = dm_pack_h2(q00 - dm_h_lo(h0), q01 - dm_h_hi(h0));
-        const u32 e8 = dm_pack_h2(q80 - dm_h_lo(h8), q81 - dm_h_hi(h8));
+        const u32 h0 = dm_pack<KV_V_FMT>(q00, q01), h8 = dm_pack<KV_V_FMT>(q80, q81);
+        const u32 e0 = dm_pack<KV_V_FMT>(q00 - dm_lo<KV_V_FMT>(h0), q01 - dm_hi<KV_V_FMT>(h0));
+        const u32 e8 = dm_pack<KV_V_FMT>(q80 - dm_lo<KV_V_FMT>(h8), q81 - dm_hi<KV_V_FMT>(h8));
         const u32 bh0 = dm_movt(h0), bh1 = dm_movt(h8), bl0 = dm_movt(e0), bl1 = dm_movt(e8);
 #pragma unroll
-        for (int i = 0; i < DM_KW; i++) {  // (independent across m-tiles: the scheduler interleaves them)
-            const u32 sel = (i & 1) ? 0x7362u : 0x5140u;
-            const u32 y1 = dm_prmt(vcur.v[0][i >> 1], vcur.v[1][i >> 1], sel);
-            const u32 y2 = dm_prmt(vcur.v[2][i >> 1], vcur.v[3][i >> 1], sel);
-            const u32 va0 = dm_h2<KV_V_FMT>(y1, 0), va1 = dm_h2<KV_V_FMT>(y1, 1);
-            const u32 va2 = dm_h2<KV_V_FMT>(y2, 0), va3 = dm_h2<KV_V_FMT>(y2, 1);
-            mma_f16(acc[i], va0, va1, va2, va3, bh0, bh1);
-            mma_f16(acc[i], va0, va1, va2, va3, bl0, bl1);
+        for (int i = 0; i < DM_MT; i++) {  // (independent across m-tiles: the scheduler interleaves them)
+            u32 va[4];  // rows g, g + 8 x keys (2t, 2t + 1), then keys (2t + 8, 2t + 9)
+#pragma unroll
+            for (int kp = 0; kp < 2; kp++) {
+                if (DM_VES == 1) {
+                    const u32 y = dm_prmt(vcur.v[2 * kp][i >> 1], vcur.v[2 * kp + 1][i >> 1], (i & 1) ? 0x7362u : 0x5140u);
+                    va[2 * kp] = dm_h2<KV_V_FMT>(y, 0);
+                    va[2 * kp + 1] = dm_h2<KV_V_FMT>(y, 1);
+                } else {
+                    va[2 * kp] = dm_prmt(vcur.v[2 * kp][i], vcur.v[2 * kp + 1][i], 0x5410u);
+                    va[2 * kp + 1] = dm_prmt(vcur.v[2 * kp][i], vcur.v[2 * kp + 1][i], 0x7632u);
+                }
+            }
+            dm_mma<KV_V_FMT>(acc[i], va[0], va[1], va[2], va[3], bh0, bh1);
+            dm_mma<KV_V_FMT>(acc[i], va[0], va[1], va[2], va[3], bl0, bl1);
         }
+#if DM_PF
         if (more) {
             kcur = knxt;
             vcur = vnxt;
         }
+#endif
     }
     // Row sums over the 8 lanes of a head pair; lanes g == 0 hold heads 2t, 2t + 1.
 #pragma unroll
@@ -1608,15 +1694,15 @@ attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
         part_ml[pi] = M;
         part_ml[pi + 1] = Lsum;
     }
-    // acc[i][c]: dim dm_vbyte(g, i >> 1) + 2 (i & 1) + (c >> 1), head 2t + (c & 1).
+    // acc[i][c]: dim dm_vel(g, i, c >> 1), head 2t + (c & 1).
     auto put = [&](int slot, bool add) {
 #pragma unroll
-        for (int i = 0; i < DM_KW; i++) {
+        for (int i = 0; i < DM_MT; i++) {
 #pragma unroll
             for (int c = 0; c < 4; c++) {
                 const int h = 2 * t + (c & 1);
                 if (h < GQA_GROUP) {
-                    const int d = dm_vbyte(g, i >> 1) + 2 * (i & 1) + (c >> 1);
+                    const int d = dm_vel(g, i, c >> 1);
                     const float v = acc[i][c] * fw[c & 1];
                     red[slot][h][d] = add ? red[slot][h][d] + v : v;
                 }

@@ -8,9 +8,9 @@
 //! Compared with the bf16 GEMM rate (766 TFLOP/s) and PyTorch SDPA's Hopper kernels at the same
 //! shapes (/work/shared/anchors/rooflines-h200.json; built-in copies when the file is absent).
 //!
-//! attn_decode: 1 query per sequence at 32K context, batch 1 and 8, 16 partitions: K/V bytes read
-//! per second against the 4.26 TB/s device copy rate of the same anchors file. Then over an fp8
-//! cache at 4K / 32K / 128K context: attn_decode_split against attn_decode_mma.
+//! attn_decode: 1 query per sequence at 32K context, batch 1 and 8, 16 / 32 / 64 partitions, each
+//! on attn_decode_split and attn_decode_mma: K/V bytes read per second against the 4.26 TB/s device
+//! copy rate of the same anchors file. Then over an fp8 cache at 4K / 32K / 128K context.
 
 use std::sync::Arc;
 
@@ -199,8 +199,11 @@ fn bench_attn_prefill_27b() {
     let scratch_bytes = attention::decode_scratch_bytes(8, HQ, 64, HD);
     let scratch = arena.alloc(reg, scratch_bytes).unwrap().ptr;
     println!("attn_decode, {ctx} context (a row uses one partition per 128 keys, up to the cap):");
-    println!("{:>6} {:>6} {:>10} {:>10} {:>8}", "cap", "batch", "us", "GB/s", "/copy");
-    for (n_split, b) in [(16usize, 1usize), (16, 8), (64, 1), (64, 8)] {
+    println!("{:>18} {:>6} {:>6} {:>10} {:>10} {:>8}", "kernel", "cap", "batch", "us", "GB/s", "/copy");
+    let mut k = k;
+    for (n_split, b, mma) in
+        [16usize, 32, 64].into_iter().flat_map(|n| [(n, 1usize, false), (n, 1, true), (n, 8, false), (n, 8, true)])
+    {
         let per = ctx / PAGE;
         let lens = vec![ctx as i32; b];
         rt.upload(lens_p, &lens).unwrap();
@@ -220,10 +223,16 @@ fn bench_attn_prefill_27b() {
             scale,
             gate: 0,
         };
+        k.decode_mma = mma;
         let ms = time_ms(&rt, 21, |s| attention::attn_decode(&k, s, &a).unwrap());
         let bytes = (b * ctx * width * 2 * 2) as f64;
         let gbs = bytes / (ms * 1e-3) / 1e9;
-        println!("{n_split:>6} {b:>6} {:>10.1} {gbs:>10.0} {:>7.0}%", ms * 1e3, 100.0 * gbs / (copy_tbps * 1e3));
+        let name = if mma { "attn_decode_mma" } else { "attn_decode_split" };
+        println!(
+            "{name:>18} {n_split:>6} {b:>6} {:>10.1} {gbs:>10.0} {:>7.0}%",
+            ms * 1e3,
+            100.0 * gbs / (copy_tbps * 1e3)
+        );
     }
 
     // Decode over an fp8 (e4m3) cache, the 24 GB configuration's: the split kernel against the

@@ -460,6 +460,9 @@ fn cases() -> Vec<Case> {
             ACCUM,
         ),
         c("attn_decode", SMALL, Op::AttnDecode { lens: vec![5, 64], hq: 8, hkv: 4, page: 32, n_split: 16 }, ACCUM),
+        // (bf16 cache: attn_decode_mma without prefetch; several tiles per warp, tiles across pages.)
+        c("attn_decode", q, Op::AttnDecode { lens: vec![3000, 1, 129], hq: 24, hkv: 4, page: 32, n_split: 16 }, ACCUM),
+        c("attn_decode", HD32_G8, Op::AttnDecode { lens: vec![100, 9], hq: 8, hkv: 1, page: 8, n_split: 4 }, ACCUM),
         c("gemm", q, Op::Gemm { m: 48, n: 1, k: 5120 }, ACCUM),
         c("gemm", q, Op::Gemm { m: 2048, n: 129, k: 5120 }, ACCUM),
         c("gemv", q, Op::Gemv { n: 1, ms: vec![5120], k: 17408, f32_out: false }, ACCUM),
@@ -538,7 +541,7 @@ fn cases() -> Vec<Case> {
         c("kv_q+attn_decode", q, kvq(i4, i8, &[(500, 1)], 24, 4, 16, Some(4), false), ACCUM),
         c("kv_q+attn_decode", SMALL, kvq(bf, i4, &[(33, 1), (0, 1)], 8, 4, 16, Some(8), false), ACCUM),
         c("kv_q+attn_decode", HD32_G8, kvq(i4, f8, &[(77, 1), (8, 1)], 8, 1, 8, Some(3), false), ACCUM),
-        // 1-byte K and V codes: attn_decode_mma (tensor cores) and attn_decode_split both, each against the
+        // K and V without int4: attn_decode_mma (tensor cores) and attn_decode_split both, each against the
         // oracle: several tiles per warp (4000 keys over 16 partitions, 3000 over 4), partitions past a
         // row's end, 16-key tiles inside a page (page 16, 32) or across pages (page 8), GQA 1, 2, 6, 8.
         c("kv_q+attn_decode", q, kvq(i8, i8, &[(4000, 1), (127, 1), (128, 1)], 24, 4, 32, Some(16), false), ACCUM),
@@ -547,6 +550,8 @@ fn cases() -> Vec<Case> {
         c("kv_q+attn_decode", HD32_G8, kvq(f8, f8, &[(77, 1), (8, 1), (500, 1)], 8, 1, 8, Some(3), false), ACCUM),
         c("kv_q+attn_decode", SMALL, kvq(f8, i8, &[(33, 1), (0, 1), (260, 1)], 8, 4, 16, Some(8), false), ACCUM),
         c("kv_q+attn_decode", HD64_G1, kvq(i8, i8, &[(40, 1), (7, 1), (1000, 1)], 2, 2, 32, Some(4), false), ACCUM),
+        c("kv_q+attn_decode", q, kvq(bf, f8, &[(2000, 1), (31, 1)], 24, 4, 16, Some(8), false), ACCUM),
+        c("kv_q+attn_decode", HD32_G8, kvq(f8, bf, &[(300, 1), (2, 1)], 8, 1, 8, Some(4), false), ACCUM),
         // Quantised K with bf16 V: faulted on the H200 (2026-11-29; the prefill wrote the absent V scale row past
         // the end of shared memory, fixed since but not yet re-run on a GPU); last, so a fault hides nothing.
         c("kv_q+attn_prefill", HD64_G1, kvq(i8, bf, &[(3, 33), (0, 1)], 2, 2, 32, None, false), ATTN_PLAIN_P),
@@ -1186,7 +1191,17 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
         }
         Op::AttnDecode { lens, hq, hkv, page, n_split } => {
             let seqs: Vec<(usize, usize)> = lens.iter().map(|&l| (l - 1, 1)).collect();
-            attn_case(k, &s, d, rng, &seqs, hq, hkv, page, Some(n_split), tol)?
+            let mut out = attn_case(k, &s, d, rng, &seqs, hq, hkv, page, Some(n_split), tol)?;
+            if k.decode_mma {
+                // attn_decode_mma ran; the same case on attn_decode_split (its A/B switch).
+                let mut ks = Kernels::load(rt, k.dims)?;
+                ks.decode_mma = false;
+                for mut o in attn_case(&ks, &s, d, rng, &seqs, hq, hkv, page, Some(n_split), tol)? {
+                    o.detail = format!("attn_decode_split: {}", o.detail);
+                    out.push(o);
+                }
+            }
+            out
         }
         Op::KvQ { fk, fv, seqs, hq, hkv, page, n_split, special } => {
             kvq_case(rt, k, &s, d, rng, KvFormats { k: fk, v: fv }, &seqs, (hq, hkv, page), n_split, special, tol)?

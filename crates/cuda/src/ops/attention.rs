@@ -230,10 +230,9 @@ pub struct AttnDecode {
 }
 
 /// Whether `attn_decode_mma` (tensor-core decode attention) reads caches of these formats: K and V
-/// both 1-byte codes (fp8 e4m3 or int8). Other formats use `attn_decode_split`.
+/// each bf16, fp8 (e4m3) or int8. A 4-bit K or V uses `attn_decode_split`.
 pub fn decode_mma_supported(kv: &KvFormats) -> bool {
-    let byte = |d: KvDtype| matches!(d, KvDtype::Fp8 | KvDtype::Int8);
-    byte(kv.k) && byte(kv.v)
+    kv.k != KvDtype::Int4 && kv.v != KvDtype::Int4
 }
 
 pub fn attn_decode(k: &Kernels, s: &CudaStream, a: &AttnDecode) -> Result<(), CudaError> {

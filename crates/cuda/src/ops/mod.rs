@@ -50,7 +50,7 @@ pub struct Kernels {
     /// 2 per SM; 1 per SM where an SM's shared memory holds one, e.g. sm_86). [`w4a16::gemv_config`].
     pub w4_slots: usize,
     /// Decode attention on tensor cores (`attn_decode_mma`) where the cache formats allow it
-    /// ([`attention::decode_mma_supported`]: 1-byte K and V codes); `DELTASERVE_DECODE_ATTN=split`
+    /// ([`attention::decode_mma_supported`]: no 4-bit K or V); `DELTASERVE_DECODE_ATTN=split`
     /// at load (or false here) keeps `attn_decode_split`, the A/B switch of the benchmarks.
     pub decode_mma: bool,
 }
