@@ -1304,12 +1304,30 @@ extern "C" __global__ void attn_decode_combine(const float* __restrict__ part_o,
 #define DM_OK(f) ((f) != KVF_INT4)
 #define DM_KES (KV_K_FMT == KVF_BF16 ? 2 : 1)  // bytes per element of K / V
 #define DM_VES (KV_V_FMT == KVF_BF16 ? 2 : 1)
-#define DM_PF (DM_KES == 1 && DM_VES == 1)     // register double buffer (1-byte K and V)
 #define DM_MT (HD / 16)                         // K steps of S^T = m-tiles of O^T
+// Warp pairs (-DDM_PAIR=1, an experiment switch; 1-byte K and V, HD % 64 == 0): the two warps of a
+// pair take the same tiles, both compute S and the softmax (bitwise the same), and each accumulates
+// half of O's head dims from half of V, without the double buffer; at 124 registers two blocks fit an
+// SM. Measured on the H200 (fp8, 32 partitions; bench/results/session17-h200-2026-11-30.md): faster
+// where the grid has many blocks (b8 @ 4K 103 -> 68 us, b8 @ 32K 259 -> 231 us), slower at batch 1
+// (b1 @ 32K 44 -> 58 us, b1 @ 128K 107 -> 178 us: 128 blocks, one per SM, now 4 tile columns). Chosen
+// per launch it would make a row's bits depend on its batch, hence off.
+#ifndef DM_PAIR
+#define DM_PAIR 0
+#endif
+#if DM_PAIR && !(KV_K_FMT != KVF_BF16 && KV_V_FMT != KVF_BF16 && HD % 64 == 0)
+#undef DM_PAIR
+#define DM_PAIR 0
+#endif
+#define DM_PF (DM_KES == 1 && DM_VES == 1 && !DM_PAIR)  // register double buffer (1-byte, no pairs)
+#define DM_NP (DM_PAIR ? 4 : 8)                 // tile columns of a block (warp pairs or warps)
+#define DM_MTH (DM_MT / (1 + DM_PAIR))          // O^T m-tiles of a warp
 #define DM_KW (HD * DM_KES / 16)                // K words per lane per key
 #define DM_KU ((HD * DM_KES / 4) % 16 == 0 ? 16 : 8)  // K load unit (bytes) of a lane
 #define DM_VW (HD * DM_VES / 32)                // V words per lane per key
 #define DM_VU ((HD * DM_VES / 8) % 16 == 0 ? 16 : ((HD * DM_VES / 8) % 8 == 0 ? 8 : 4))  // V load unit
+#define DM_VWH (DM_VW / (1 + DM_PAIR))          // V words per lane per key of a warp (its half of the dims)
+#define DM_VC (DM_VU < 4 * DM_VWH ? DM_VU : 4 * DM_VWH)  // V load chunk (bytes) of a warp
 
 // Byte of word w of lane t's K piece of a key row: load unit j = w / (KU/4) at KU * (4j + t).
 __device__ __forceinline__ int dm_kbyte(int t, int w) {
@@ -1420,7 +1438,7 @@ __device__ __forceinline__ u32 dm_movt(u32 x) {
     return r;
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1)
+extern "C" __global__ void __launch_bounds__(256, DM_PAIR ? 2 : 1)
 attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
                 const void* __restrict__ v_cache, const unsigned short* __restrict__ k_scales,
                 const unsigned short* __restrict__ v_scales, const int* __restrict__ block_tables,
@@ -1435,6 +1453,8 @@ attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
     pdl_enter();  // launched programmatically on sm_90
     const int b = blockIdx.x, hkv = blockIdx.y, sp = blockIdx.z;
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int col = DM_PAIR ? w >> 1 : w;  // tile column (tiles col, col + DM_NP, ...)
+    const int hh = DM_PAIR ? w & 1 : 0;     // half of the head dims (pairs)
     const int len = seq_lens[b];
     const int parts = dec_parts(len, n_split);
     if (sp >= parts) return;
@@ -1491,7 +1511,7 @@ attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
         float ks[2], vs[2];
     };
     struct VPart {
-        u32 v[4][DM_VW];
+        u32 v[4][DM_VWH];  // this warp's words hh * DM_VWH ...
     };
     const bool one_page = page % 16 == 0;  // a 16-key tile (16-aligned) lies inside one page
     auto row_of = [&](int p0, long long rb, int p) -> long long {
@@ -1525,18 +1545,18 @@ attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
             if (p < k1) {
                 const unsigned char* src = vc + (row_of(p0, rb, p) * Hkv + hkv) * (HD * DM_VES);
 #pragma unroll
-                for (int j = 0; j < DM_VW / (DM_VU / 4); j++)
-                    dm_load<DM_VU>(src + DM_VU * (8 * j + g), &r.v[vv][j * (DM_VU / 4)]);
+                for (int j = 0; j < DM_VWH / (DM_VC / 4); j++)
+                    dm_load<DM_VC>(src + dm_vbyte(g, hh * DM_VWH + j * (DM_VC / 4)), &r.v[vv][j * (DM_VC / 4)]);
             } else {
 #pragma unroll
-                for (int i = 0; i < DM_VW; i++) r.v[vv][i] = 0u;
+                for (int i = 0; i < DM_VWH; i++) r.v[vv][i] = 0u;
             }
         }
     };
 
-    float acc[DM_MT][4];
+    float acc[DM_MTH][4];  // m-tiles hh * DM_MTH ...
 #pragma unroll
-    for (int i = 0; i < DM_MT; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    for (int i = 0; i < DM_MTH; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f, unit = 1.0f;
     const int ntiles = (k1 - k0 + 15) >> 4;
     KPart kcur;
@@ -1545,13 +1565,13 @@ attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
     KPart knxt;
     VPart vnxt;
     long long rb_nxt = 0;
-    if (w < ntiles) {
-        const long long rb = tile_base(k0 + 16 * w);
-        load_k(k0 + 16 * w, rb, kcur);
-        load_v(k0 + 16 * w, rb, vcur);
+    if (col < ntiles) {
+        const long long rb = tile_base(k0 + 16 * col);
+        load_k(k0 + 16 * col, rb, kcur);
+        load_v(k0 + 16 * col, rb, vcur);
     }
 #endif
-    for (int j = w; j < ntiles; j += 8) {
+    for (int j = col; j < ntiles; j += DM_NP) {
         const int p0 = k0 + 16 * j;
 #if DM_PF
         const bool more = j + 8 < ntiles;
@@ -1620,7 +1640,7 @@ attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
             r8 = kcur.vs[1] * rv;
         }
 #pragma unroll
-        for (int i = 0; i < DM_MT; i++) {
+        for (int i = 0; i < DM_MTH; i++) {
             acc[i][0] *= f0;
             acc[i][1] *= f1;
             acc[i][2] *= f0;
@@ -1632,7 +1652,7 @@ attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
         const u32 e8 = dm_pack<KV_V_FMT>(q80 - dm_lo<KV_V_FMT>(h8), q81 - dm_hi<KV_V_FMT>(h8));
         const u32 bh0 = dm_movt(h0), bh1 = dm_movt(h8), bl0 = dm_movt(e0), bl1 = dm_movt(e8);
 #pragma unroll
-        for (int i = 0; i < DM_MT; i++) {  // (independent across m-tiles: the scheduler interleaves them)
+        for (int i = 0; i < DM_MTH; i++) {  // (independent across m-tiles: the scheduler interleaves them)
             u32 va[4];  // rows g, g + 8 x keys (2t, 2t + 1), then keys (2t + 8, 2t + 9)
 #pragma unroll
             for (int kp = 0; kp < 2; kp++) {
@@ -1661,14 +1681,14 @@ attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
         l0 += __shfl_xor_sync(0xffffffffu, l0, off);
         l1 += __shfl_xor_sync(0xffffffffu, l1, off);
     }
-    if (g == 0) {
+    if (g == 0 && hh == 0) {  // (a pair's two warps hold the same max and sums)
         if (2 * t < GQA_GROUP) {
-            ms[w][2 * t] = m0;
-            ls[w][2 * t] = l0;
+            ms[col][2 * t] = m0;
+            ls[col][2 * t] = l0;
         }
         if (2 * t + 1 < GQA_GROUP) {
-            ms[w][2 * t + 1] = m1;
-            ls[w][2 * t + 1] = l1;
+            ms[col][2 * t + 1] = m1;
+            ls[col][2 * t + 1] = l1;
         }
     }
     __syncthreads();
@@ -1680,38 +1700,42 @@ attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
         const float mh = c ? m1 : m0;
         float M = NEG_INF;
         if (h < GQA_GROUP) {
-            for (int ww = 0; ww < 8; ww++) M = fmaxf(M, ms[ww][h]);
+            for (int ww = 0; ww < DM_NP; ww++) M = fmaxf(M, ms[ww][h]);
         }
         fw[c] = (h < GQA_GROUP && mh != NEG_INF) ? pf_exp2(mh - M) * unit : 0.0f;
     }
     if (threadIdx.x < GQA_GROUP) {
         const int h = threadIdx.x;
         float M = NEG_INF;
-        for (int ww = 0; ww < 8; ww++) M = fmaxf(M, ms[ww][h]);
+        for (int ww = 0; ww < DM_NP; ww++) M = fmaxf(M, ms[ww][h]);
         float Lsum = 0.0f;
-        for (int ww = 0; ww < 8; ww++) Lsum += ms[ww][h] == NEG_INF ? 0.0f : ls[ww][h] * pf_exp2(ms[ww][h] - M);
+        for (int ww = 0; ww < DM_NP; ww++) Lsum += ms[ww][h] == NEG_INF ? 0.0f : ls[ww][h] * pf_exp2(ms[ww][h] - M);
         const long long pi = (((long long)b * Hq + hkv * GQA_GROUP + h) * n_split + sp) * 2;
         part_ml[pi] = M;
         part_ml[pi + 1] = Lsum;
     }
-    // acc[i][c]: dim dm_vel(g, i, c >> 1), head 2t + (c & 1).
+    // acc[i][c]: dim dm_vel(g, hh * DM_MTH + i, c >> 1), head 2t + (c & 1).
     auto put = [&](int slot, bool add) {
 #pragma unroll
-        for (int i = 0; i < DM_MT; i++) {
+        for (int i = 0; i < DM_MTH; i++) {
 #pragma unroll
             for (int c = 0; c < 4; c++) {
                 const int h = 2 * t + (c & 1);
                 if (h < GQA_GROUP) {
-                    const int d = dm_vel(g, i, c >> 1);
+                    const int d = dm_vel(g, hh * DM_MTH + i, c >> 1);
                     const float v = acc[i][c] * fw[c & 1];
                     red[slot][h][d] = add ? red[slot][h][d] + v : v;
                 }
             }
         }
     };
-    if (w >= 4) put(w - 4, false);
-    __syncthreads();
-    if (w < 4) put(w, true);
+    if (DM_PAIR) {
+        put(col, false);  // the 4 pairs' slots; a pair's warps write disjoint dims
+    } else {
+        if (w >= 4) put(w - 4, false);
+        __syncthreads();
+        if (w < 4) put(w, true);
+    }
     __syncthreads();
     for (int e = threadIdx.x; e < GQA_GROUP * HD; e += blockDim.x) {
         const int h = e / HD, d = e % HD;
