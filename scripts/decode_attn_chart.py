@@ -7,6 +7,8 @@ self-contained SVG, grouped bars of K/V bytes per second as a share of the devic
 import re
 import sys
 
+from svg_bars import bar
+
 
 def parse(path):
     """(section, label) -> {kernel: share of copy}; bf16 rows are (cap, batch) at 32K, fp8 rows (context, batch)."""
@@ -50,10 +52,7 @@ def main():
             v = rows[lab].get(k)
             if v is None:
                 continue
-            bh = ph * min(v, 100) / 100
-            x = x0 + j * bw
-            s.append(f'<rect x="{x:.1f}" y="{top + ph - bh:.1f}" width="{bw:.1f}" height="{bh:.1f}" fill="{color}"/>')
-            s.append(f'<text x="{x + bw / 2:.1f}" y="{top + ph - bh - 4:.1f}" text-anchor="middle">{v}</text>')
+            bar(s, x0 + j * bw, bw, top, ph, ph * min(v, 100) / 100, color, v, f"{lab} {k}: {v}% of copy")
         s.append(f'<text x="{x0 + bw:.1f}" y="{top + ph + 16}" text-anchor="middle">{lab}</text>')
     s.append("</svg>")
     open(path, "w").write("\n".join(s) + "\n")

@@ -6,6 +6,8 @@
 import json
 import sys
 
+from svg_bars import bar
+
 
 def rows(d):
     out = []
@@ -37,9 +39,7 @@ def main():
         bw = slot * 0.33
         for j, (v, color) in enumerate(zip(group, ["#9db7e0", "#2f5fb3"])):
             bh = 0.88 * ph * v / m
-            s.append(f'<rect x="{x0 + j * bw:.1f}" y="{top + ph - bh:.1f}" width="{bw:.1f}" height="{bh:.1f}" fill="{color}">'
-                     f'<title>{lab} TP={j + 1}: {v:.0f} tok/s</title></rect>')
-            s.append(f'<text x="{x0 + j * bw + bw / 2:.1f}" y="{top + ph - bh - 4:.1f}" text-anchor="middle">{v:.0f}</text>')
+            bar(s, x0 + j * bw, bw, top, ph, bh, color, f"{v:.0f}", f"{lab} TP={j + 1}: {v:.0f} tok/s")
         s.append(f'<text x="{x0 + bw:.1f}" y="{top + ph + 16}" text-anchor="middle">{lab}</text>')
         s.append(f'<text x="{x0 + bw:.1f}" y="{top + ph + 32}" text-anchor="middle" font-weight="bold">{vb[lab] / va[lab]:.2f}×</text>')
     s.append(f'<rect x="{pad}" y="52" width="10" height="10" fill="#9db7e0"/><text x="{pad + 15}" y="61">TP=1 (one GPU)</text>')

@@ -198,22 +198,16 @@ fn bench_attn_prefill_27b() {
     let ctx = 32_768usize;
     let scratch_bytes = attention::decode_scratch_bytes(8, HQ, 64, HD);
     let scratch = arena.alloc(reg, scratch_bytes).unwrap().ptr;
-    println!("attn_decode, {ctx} context (a row uses one partition per 128 keys, up to the cap):");
-    println!("{:>18} {:>6} {:>6} {:>10} {:>10} {:>8}", "kernel", "cap", "batch", "us", "GB/s", "/copy");
-    let mut k = k;
-    for (n_split, b, mma) in
-        [16usize, 32, 64].into_iter().flat_map(|n| [(n, 1usize, false), (n, 1, true), (n, 8, false), (n, 8, true)])
-    {
-        let per = ctx / PAGE;
-        let lens = vec![ctx as i32; b];
-        rt.upload(lens_p, &lens).unwrap();
-        let a = AttnDecode {
+    // One query per row at `ctx` keys for `b` rows, each on its own pages; at most `n_split` partitions.
+    let args = |ctx: usize, b: usize, n_split: usize| {
+        rt.upload(lens_p, &vec![ctx as i32; b]).unwrap();
+        AttnDecode {
             table_rows: 0,
             q,
             q_tok,
             q_head: 2 * HD,
             o,
-            kv: KvPages { max_blocks: per, ..kv },
+            kv: KvPages { max_blocks: ctx / PAGE, ..kv },
             seq_lens: lens_p,
             n_seqs: b,
             q_heads: HQ,
@@ -222,17 +216,24 @@ fn bench_attn_prefill_27b() {
             scratch_bytes,
             scale,
             gate: 0,
-        };
+        }
+    };
+    // A row of the table: the kernel, the case (a, b), µs, and GB/s and share of the copy rate.
+    let row = |mma: bool, a: usize, b: usize, ms: f64, bytes: usize| {
+        let gbs = bytes as f64 / (ms * 1e-3) / 1e9;
+        let name = if mma { "attn_decode_mma" } else { "attn_decode_split" };
+        println!("{name:>18} {a:>8} {b:>6} {:>10.1} {gbs:>10.0} {:>7.0}%", ms * 1e3, 100.0 * gbs / (copy_tbps * 1e3));
+    };
+    println!("attn_decode, {ctx} context (a row uses one partition per 128 keys, up to the cap):");
+    println!("{:>18} {:>8} {:>6} {:>10} {:>10} {:>8}", "kernel", "cap", "batch", "us", "GB/s", "/copy");
+    let mut k = k;
+    for (n_split, b, mma) in
+        [16usize, 32, 64].into_iter().flat_map(|n| [(n, 1usize, false), (n, 1, true), (n, 8, false), (n, 8, true)])
+    {
+        let a = args(ctx, b, n_split);
         k.decode_mma = mma;
         let ms = time_ms(&rt, 21, |s| attention::attn_decode(&k, s, &a).unwrap());
-        let bytes = (b * ctx * width * 2 * 2) as f64;
-        let gbs = bytes / (ms * 1e-3) / 1e9;
-        let name = if mma { "attn_decode_mma" } else { "attn_decode_split" };
-        println!(
-            "{name:>18} {n_split:>6} {b:>6} {:>10.1} {gbs:>10.0} {:>7.0}%",
-            ms * 1e3,
-            100.0 * gbs / (copy_tbps * 1e3)
-        );
+        row(mma, n_split, b, ms, b * ctx * width * 2 * 2);
     }
 
     // Decode over an fp8 (e4m3) cache, the 24 GB configuration's: the split kernel against the
@@ -248,39 +249,12 @@ fn bench_attn_prefill_27b() {
     println!("attn_decode fp8 K/V, cap 32 partitions:");
     println!("{:>18} {:>8} {:>6} {:>10} {:>10} {:>8}", "kernel", "context", "batch", "us", "GB/s", "/copy");
     for ctx in [4096usize, 32_768, 131_072] {
-        for b in [1usize, 8] {
-            if b * ctx > MAX_CTX {
-                continue;
-            }
-            let per = ctx / PAGE;
-            rt.upload(lens_p, &vec![ctx as i32; b]).unwrap();
-            let a = AttnDecode {
-                table_rows: 0,
-                q,
-                q_tok,
-                q_head: 2 * HD,
-                o,
-                kv: KvPages { max_blocks: per, ..kv },
-                seq_lens: lens_p,
-                n_seqs: b,
-                q_heads: HQ,
-                n_split: 32,
-                scratch,
-                scratch_bytes,
-                scale,
-                gate: 0,
-            };
+        for b in [1usize, 8].into_iter().filter(|b| b * ctx <= MAX_CTX) {
+            let a = args(ctx, b, 32);
             for mma in [false, true] {
                 k8.decode_mma = mma;
                 let ms = time_ms(&rt, 21, |s| attention::attn_decode_q(&k8, s, &a, &scales).unwrap());
-                let bytes = (b * ctx * (width + 2 * HKV) * 2) as f64;
-                let gbs = bytes / (ms * 1e-3) / 1e9;
-                let name = if mma { "attn_decode_mma" } else { "attn_decode_split" };
-                println!(
-                    "{name:>18} {ctx:>8} {b:>6} {:>10.1} {gbs:>10.0} {:>7.0}%",
-                    ms * 1e3,
-                    100.0 * gbs / (copy_tbps * 1e3)
-                );
+                row(mma, ctx, b, ms, b * ctx * (width + 2 * HKV) * 2);
             }
         }
     }
