@@ -20,6 +20,9 @@
 //                       reduced across the warp together and the online softmax rescales once per
 //                       chunk; the 8 warps' partials are summed in shared memory in a fixed order
 //                       (no atomics: deterministic run to run).
+//  attn_decode_mma:     attn_decode_split's work on tensor cores (same grid, arguments and partials;
+//                       K and V of bf16 / fp8 / int8; the default where the formats allow, design
+//                       above its code at the end of this file).
 //  attn_decode_combine: merges the n_split partials (log-sum-exp) into bf16 o; with a gate pointer
 //                       also applies the attention output gate, o *= sigmoid(gate) (as
 //                       elementwise.cu's sigmoid_gate_mul after it would).

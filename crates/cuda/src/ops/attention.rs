@@ -298,6 +298,16 @@ mod tests {
     const RTX3090: usize = 101_376;
 
     #[test]
+    fn tensor_core_decode_takes_every_pair_without_int4() {
+        use KvDtype::*;
+        for k in [Bf16, Fp8, Int8, Int4] {
+            for v in [Bf16, Fp8, Int8, Int4] {
+                assert_eq!(decode_mma_supported(&KvFormats { k, v }), k != Int4 && v != Int4, "{k:?}/{v:?}");
+            }
+        }
+    }
+
+    #[test]
     fn wide_shared_memory_at_the_27b_shape() {
         // Q 64 KiB + 2 stages of K and V (rows padded to 264) + P exchange + factor exchange.
         assert_eq!(wide_smem_bytes(&D, &KvFormats::BF16, 64), 65_536 + 4 * 64 * 264 * 2 + 16_384 + 2_048);
