@@ -1349,21 +1349,12 @@ __device__ __forceinline__ int dm_vel(int g, int i, int hi) {
     return DM_VES == 1 ? dm_vbyte(g, i >> 1) + 2 * (i & 1) + hi : dm_vbyte(g, i) / 2 + hi;
 }
 
+// U bytes (16, 8 or 4) at p into the words w[0 .. U/4) (dec_load_raw's vector load).
 template <int U>
 __device__ __forceinline__ void dm_load(const unsigned char* __restrict__ p, u32* w) {
-    if (U == 16) {
-        const uint4 v = *(const uint4*)p;
-        w[0] = v.x;
-        w[1] = v.y;
-        w[2] = v.z;
-        w[3] = v.w;
-    } else if (U == 8) {
-        const uint2 v = *(const uint2*)p;
-        w[0] = v.x;
-        w[1] = v.y;
-    } else {
-        w[0] = *(const u32*)p;
-    }
+    const uint4 v = dec_load_raw<U>(p);
+#pragma unroll
+    for (int i = 0; i < U / 4; i++) w[i] = u4_comp(v, i);
 }
 
 __device__ __forceinline__ u32 dm_prmt(u32 a, u32 b, u32 sel) {
