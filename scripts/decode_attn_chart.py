@@ -11,19 +11,21 @@ from svg_bars import bar
 
 
 def parse(path):
-    """(section, label) -> {kernel: share of copy}; bf16 rows are (cap, batch) at 32K, fp8 rows (context, batch)."""
+    """label -> {kernel: share of copy}; bf16 rows are (cap, batch) at 32K, quantised-cache rows (fp8,
+    int4) (context, batch)."""
     out, section = {}, None
     for line in open(path):
+        q = re.match(r"attn_decode (\w+) K/V", line)
         if line.startswith("attn_decode, "):
             section = "bf16 @32K"
-        elif line.startswith("attn_decode fp8"):
-            section = "fp8"
+        elif q:
+            section = q.group(1)
         m = re.match(r"\s*(attn_decode_\w+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+(\d+)\s+(\d+)%", line)
         if not m or section is None:
             continue
         kernel, a, b, _us, _gbs, pct = m.groups()
-        if section == "fp8":
-            label = f"fp8 {int(a) // 1024}K b{b}"
+        if section != "bf16 @32K":
+            label = f"{section} {int(a) // 1024}K b{b}"
         else:
             label = f"bf16 32K b{b} p{a}"
         out.setdefault(label, {})[kernel] = int(pct)
@@ -33,7 +35,7 @@ def parse(path):
 def main():
     rows, path, sub = parse(sys.argv[1]), sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else ""
     labels = list(rows)
-    w, h, pad, top = 980, 400, 60, 80
+    w, h, pad, top = 1240, 400, 60, 80
     pw, ph = w - 2 * pad, h - top - 70
     slot = pw / max(len(labels), 1)
     s = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">',

@@ -21,7 +21,8 @@
 //                       chunk; the 8 warps' partials are summed in shared memory in a fixed order
 //                       (no atomics: deterministic run to run).
 //  attn_decode_mma:     attn_decode_split's work on tensor cores (same grid, arguments and partials;
-//                       K and V of bf16 / fp8 / int8; the default where the formats allow, design
+//                       K and V of bf16 / fp8 / int8, int4 at head dims % 64 == 0; the default
+//                       where the formats allow, design
 //                       above its code at the end of this file).
 //  attn_decode_combine: merges the n_split partials (log-sum-exp) into bf16 o; with a gate pointer
 //                       also applies the attention output gate, o *= sigmoid(gate) (as
@@ -1270,8 +1271,9 @@ extern "C" __global__ void attn_decode_combine(const float* __restrict__ part_o,
 }
 
 // ---------------------------------------------------------------------------------------------
-// attn_decode_mma: attn_decode_split on tensor cores, for K and V caches each of bf16 or of 1-byte
-// codes (fp8 e4m3, int8; int4 caches use attn_decode_split). Same grid, block, arguments and
+// attn_decode_mma: attn_decode_split on tensor cores, for K and V caches each of bf16 or of codes
+// (fp8 e4m3, int8, int4; int4 only at head dims that are multiples of 64, else attn_decode_split
+// takes the pair). Same grid, block, arguments and
 // partials (part_o / part_ml, read by attn_decode_combine); the keys of a partition start at a
 // multiple of 16 (a row's split still depends on its length only; a partition past the row's end
 // writes max = -inf, which the combine skips).
@@ -1283,8 +1285,9 @@ extern "C" __global__ void attn_decode_combine(const float* __restrict__ part_o,
 //    that lane (g, t) needs 4 contiguous dims per step of keys g and g + 8, and its pieces come from
 //    16-byte loads of which the 4 lanes t of a key cover 64 contiguous bytes (dm_kel).
 //  - bf16 K: the mma is bf16 with Q as stored. Codes: f16, the codes widened exactly (fp8:
-//    cvt.rn.f16x2.e4m3x2 on sm_89+, a bit move + one multiply by 256 below; int8: the 1024 + x
-//    magic), Q times a power of two qs that puts the group's largest |q| in [2^14, 2^15) (bf16
+//    cvt.rn.f16x2.e4m3x2 on sm_89+, a bit move + one multiply by 256 below; int8 and int4: the
+//    1024 + x magic, dm_i4; an int4 lane piece holds twice the dims of a 1-byte one), Q times a
+//    power of two qs that puts the group's largest |q| in [2^14, 2^15) (bf16
 //    values are exact in f16 there). S is the f32-accumulated dot product of the exact values;
 //    scale * log2(e) * kscale / qs is applied in f32.
 //  - Online softmax in the log2 domain on the C fragment (keys g, g + 8 x heads 2t, 2t + 1: the
@@ -1295,18 +1298,19 @@ extern "C" __global__ void attn_decode_combine(const float* __restrict__ part_o,
 //    last vt, rescaled with the softmax factor); bf16 V: P' = p. P' is split into hi + lo of the
 //    mma's type (two mma: ~2^-16 relative for bf16, ~2^-22 for f16) and transposed from the C
 //    layout into the B fragment by movmatrix. Two keys' values of one dim are paired by one prmt.
-//  - 1-byte K and V: the next tile's K (and scales) loads are issued before this tile's S, its V
-//    loads after S (~8 KB per warp in flight at HD 256). With a bf16 matrix a tile takes up to 128
+//  - Codes in K and V (1-byte or int4): the next tile's K (and scales) loads are issued before this
+//    tile's S, its V loads after S (~8 KB per warp in flight at HD 256, fp8). With a bf16 matrix a tile takes up to 128
 //    registers per lane: each tile is loaded where it is used (16 KB per warp in flight). (Two 1-byte
 //    tiles loaded at once instead of the double buffer measured ~4% slower, three spilled.)
 //  - The 8 warps' (max, sum, O) merge in shared memory in a fixed order, as attn_decode_split's.
 // Arch: mma.sync, movmatrix (sm_75+), cvt e4m3x2 only under __CUDA_ARCH__ >= 890: sm_80+.
-// Tested by: tests/ops.rs cases "attn_decode" (bf16) and "kv_q+attn_decode" (every K/V pair of
-// bf16 / fp8 / int8), each also run on attn_decode_split, against the CPU attention over the
-// dequantised cache; timed by tests/bench_attention.rs (decode, bf16 and fp8).
-#define DM_OK(f) ((f) != KVF_INT4)
-#define DM_KES (KV_K_FMT == KVF_BF16 ? 2 : 1)  // bytes per element of K / V
-#define DM_VES (KV_V_FMT == KVF_BF16 ? 2 : 1)
+// Tested by: tests/ops.rs cases "attn_decode" (bf16) and "kv_q+attn_decode" (K/V pairs of bf16 /
+// fp8 / int8 / int4), each also run on attn_decode_split, against the CPU attention over the
+// dequantised cache; timed by tests/bench_attention.rs (decode: bf16, fp8, int4).
+#define DM_OK(f) ((f) != KVF_INT4 || HD % 64 == 0)  // int4: a lane's V piece is >= 4 bytes
+#define DM_BITS(f) ((f) == KVF_BF16 ? 16 : ((f) == KVF_INT4 ? 4 : 8))
+#define DM_KB (HD * DM_BITS(KV_K_FMT) / 8)  // bytes of a K / V token-head row
+#define DM_VB (HD * DM_BITS(KV_V_FMT) / 8)
 #define DM_MT (HD / 16)                         // K steps of S^T = m-tiles of O^T
 // Warp pairs (-DDM_PAIR=1, an experiment switch; 1-byte K and V, HD % 64 == 0): the two warps of a
 // pair take the same tiles, both compute S and the softmax (bitwise the same), and each accumulates
@@ -1318,17 +1322,17 @@ extern "C" __global__ void attn_decode_combine(const float* __restrict__ part_o,
 #ifndef DM_PAIR
 #define DM_PAIR 0
 #endif
-#if DM_PAIR && !(KV_K_FMT != KVF_BF16 && KV_V_FMT != KVF_BF16 && HD % 64 == 0)
+#if DM_PAIR && !(DM_BITS(KV_K_FMT) == 8 && DM_BITS(KV_V_FMT) == 8 && HD % 64 == 0)
 #undef DM_PAIR
 #define DM_PAIR 0
 #endif
-#define DM_PF (DM_KES == 1 && DM_VES == 1 && !DM_PAIR)  // register double buffer (1-byte, no pairs)
+#define DM_PF (DM_KB <= HD && DM_VB <= HD && !DM_PAIR)  // register double buffer (codes, no pairs)
 #define DM_NP (DM_PAIR ? 4 : 8)                 // tile columns of a block (warp pairs or warps)
 #define DM_MTH (DM_MT / (1 + DM_PAIR))          // O^T m-tiles of a warp
-#define DM_KW (HD * DM_KES / 16)                // K words per lane per key
-#define DM_KU ((HD * DM_KES / 4) % 16 == 0 ? 16 : 8)  // K load unit (bytes) of a lane
-#define DM_VW (HD * DM_VES / 32)                // V words per lane per key
-#define DM_VU ((HD * DM_VES / 8) % 16 == 0 ? 16 : ((HD * DM_VES / 8) % 8 == 0 ? 8 : 4))  // V load unit
+#define DM_KW (DM_KB / 16)                      // K words per lane per key
+#define DM_KU ((DM_KB / 4) % 16 == 0 ? 16 : 8)  // K load unit (bytes) of a lane
+#define DM_VW (DM_VB / 32)                      // V words per lane per key
+#define DM_VU ((DM_VB / 8) % 16 == 0 ? 16 : ((DM_VB / 8) % 8 == 0 ? 8 : 4))  // V load unit
 #define DM_VWH (DM_VW / (1 + DM_PAIR))          // V words per lane per key of a warp (its half of the dims)
 #define DM_VC (DM_VU < 4 * DM_VWH ? DM_VU : 4 * DM_VWH)  // V load chunk (bytes) of a warp
 
@@ -1341,12 +1345,18 @@ __device__ __forceinline__ int dm_vbyte(int g, int w) {
     return DM_VU * (8 * (w / (DM_VU / 4)) + g) + 4 * (w % (DM_VU / 4));
 }
 // Dim of value r (0..3) of K step st for lane t: r = 0, 1 are a0's (and Q's b0) pair, r = 2, 3 a2's (b1).
+// 1-byte codes: bytes r of word st; int4 (two dims a byte, low nibble first): of word st / 2, the low
+// (r = 0, 1) or high (r = 2, 3) nibbles of bytes s = st & 1 (r = 0, 2) and s + 2 (r = 1, 3), so that
+// a fragment register is one mask of the word shifted (dm_i4); bf16: the halves of words 2 st, 2 st + 1.
 __device__ __forceinline__ int dm_kel(int t, int st, int r) {
-    return DM_KES == 1 ? dm_kbyte(t, st) + r : dm_kbyte(t, 2 * st + (r >> 1)) / 2 + (r & 1);
+    if (KV_K_FMT == KVF_INT4) return 2 * (dm_kbyte(t, st >> 1) + (st & 1) + 2 * (r & 1)) + (r >> 1);
+    return DM_KB == HD ? dm_kbyte(t, st) + r : dm_kbyte(t, 2 * st + (r >> 1)) / 2 + (r & 1);
 }
-// Dim of row g (hi = 0) or g + 8 (hi = 1) of O^T's m-tile i for lane g.
+// Dim of row g (hi = 0) or g + 8 (hi = 1) of O^T's m-tile i for lane g: 1-byte codes, bytes 2 (i & 1)
+// + hi of word i / 2; int4, the nibbles of byte i & 3 of word i / 4; bf16, the halves of word i.
 __device__ __forceinline__ int dm_vel(int g, int i, int hi) {
-    return DM_VES == 1 ? dm_vbyte(g, i >> 1) + 2 * (i & 1) + hi : dm_vbyte(g, i) / 2 + hi;
+    if (KV_V_FMT == KVF_INT4) return 2 * (dm_vbyte(g, i >> 2) + (i & 3)) + hi;
+    return DM_VB == HD ? dm_vbyte(g, i >> 1) + 2 * (i & 1) + hi : dm_vbyte(g, i) / 2 + hi;
 }
 
 // U bytes (16, 8 or 4) at p into the words w[0 .. U/4) (dec_load_raw's vector load).
@@ -1409,6 +1419,15 @@ __device__ __forceinline__ u32 dm_h2(u32 w, int h) {
     return r;
 }
 
+// The two int4 codes (two's complement, -8..7) at bits 0..3 and 16..19 of x -> f16x2 of their exact
+// values: flipping a code's top bit gives c + 8, and f16 (1024 + (c + 8)) - 1032 = c; the mask, the
+// flip and the f16 exponent bits are one LOP3, ((x & 0x000f000f) ^ 0x64086408), then one HSUB2.
+__device__ __forceinline__ u32 dm_i4(u32 x) {
+    u32 r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"((x & 0x000f000fu) ^ 0x64086408u), "r"(0x64086408u));
+    return r;
+}
+
 __device__ __forceinline__ void mma_f16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
@@ -1444,6 +1463,7 @@ attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
     __shared__ float ms[8][GQA_GROUP], ls[8][GQA_GROUP];
     // Q fragments (B of S^T, the same for every warp: lane l's pair at qsm[st][l]).
     __shared__ uint2 qsm[DM_MT][32];
+    __shared__ float kf_sm;
     pdl_enter();  // launched programmatically on sm_90
     const int b = blockIdx.x, hkv = blockIdx.y, sp = blockIdx.z;
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -1459,9 +1479,8 @@ attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
     const unsigned char* vc = (const unsigned char*)v_cache;
 
     // Q: head g of the group (zeros past it), lane t's dims of each K step (bf16 K: as stored; codes:
-    // times qs, in f16).
-    float kf;  // S^T's factor besides the key's scale: scale * log2(e) (/ qs)
-    {
+    // times qs, in f16). Warp 0 loads it, stores the fragments and the factor; the others wait.
+    if (w == 0) {
         const bf16_t* qh = q + (long long)b * q_tok + (long long)(hkv * GQA_GROUP + g) * q_head;
         u32 qw[DM_MT][2];
         float qmax = 0.0f;
@@ -1469,33 +1488,36 @@ attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
         for (int st = 0; st < DM_MT; st++) {
 #pragma unroll
             for (int r = 0; r < 2; r++) {
-                qw[st][r] = g < GQA_GROUP ? *(const u32*)(qh + dm_kel(t, st, 2 * r)) : 0u;
+                if (KV_K_FMT == KVF_INT4) {  // (dm_kel's pairs are not adjacent dims)
+                    qw[st][r] = g < GQA_GROUP ? (u32)qh[dm_kel(t, st, 2 * r)] | ((u32)qh[dm_kel(t, st, 2 * r + 1)] << 16) : 0u;
+                } else {
+                    qw[st][r] = g < GQA_GROUP ? *(const u32*)(qh + dm_kel(t, st, 2 * r)) : 0u;
+                }
                 qmax = fmaxf(qmax, fmaxf(fabsf(__uint_as_float(qw[st][r] << 16)),
                                          fabsf(__uint_as_float(qw[st][r] & 0xffff0000u))));
             }
         }
         float qs = 1.0f;
         if (KV_K_FMT != KVF_BF16) {
-            qmax = warp_max(qmax);  // every warp's lanes see all of the group's Q: the same qs everywhere
+            qmax = warp_max(qmax);  // the warp's lanes hold all of the group's Q
             const int ex = qmax > 0.0f ? max((int)((__float_as_uint(qmax) >> 23) & 0xffu) - 127, -100) : 0;
             qs = __uint_as_float((u32)(127 + 14 - ex) << 23);
         }
-        if (w == 0) {
 #pragma unroll
-            for (int st = 0; st < DM_MT; st++) {
-                u32 f[2];
+        for (int st = 0; st < DM_MT; st++) {
+            u32 f[2];
 #pragma unroll
-                for (int r = 0; r < 2; r++) {
-                    f[r] = KV_K_FMT == KVF_BF16 ? qw[st][r]
-                                                : dm_pack_h2(__uint_as_float(qw[st][r] << 16) * qs,
-                                                             __uint_as_float(qw[st][r] & 0xffff0000u) * qs);
-                }
-                qsm[st][lane] = make_uint2(f[0], f[1]);
+            for (int r = 0; r < 2; r++) {
+                f[r] = KV_K_FMT == KVF_BF16 ? qw[st][r]
+                                            : dm_pack_h2(__uint_as_float(qw[st][r] << 16) * qs,
+                                                         __uint_as_float(qw[st][r] & 0xffff0000u) * qs);
             }
+            qsm[st][lane] = make_uint2(f[0], f[1]);
         }
-        kf = scale * 1.4426950408889634f / qs;
+        if (lane == 0) kf_sm = scale * 1.4426950408889634f / qs;
     }
     __syncthreads();
+    const float kf = kf_sm;  // S^T's factor besides the key's scale: scale * log2(e) (/ qs)
 
     // A tile's raw values: K of keys g, g + 8 (lane t's piece), V of keys 2t, 2t+1, 2t+8, 2t+9 (lane
     // g's piece), the scales of keys g, g + 8 (1 for bf16). Keys at or past k1: zeros (their rows
@@ -1518,7 +1540,7 @@ attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
             const int p = p0 + g + 8 * kk;
             if (p < k1) {
                 const long long th = row_of(p0, rb, p) * Hkv + hkv;
-                const unsigned char* src = kc + th * (HD * DM_KES);
+                const unsigned char* src = kc + th * DM_KB;
 #pragma unroll
                 for (int j = 0; j < DM_KW / (DM_KU / 4); j++)
                     dm_load<DM_KU>(src + DM_KU * (4 * j + t), &r.k[kk][j * (DM_KU / 4)]);
@@ -1537,7 +1559,7 @@ attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
         for (int vv = 0; vv < 4; vv++) {
             const int p = p0 + 2 * t + (vv & 1) + 8 * (vv >> 1);
             if (p < k1) {
-                const unsigned char* src = vc + (row_of(p0, rb, p) * Hkv + hkv) * (HD * DM_VES);
+                const unsigned char* src = vc + (row_of(p0, rb, p) * Hkv + hkv) * DM_VB;
 #pragma unroll
                 for (int j = 0; j < DM_VWH / (DM_VC / 4); j++)
                     dm_load<DM_VC>(src + dm_vbyte(g, hh * DM_VWH + j * (DM_VC / 4)), &r.v[vv][j * (DM_VC / 4)]);
@@ -1587,7 +1609,11 @@ attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
             u32 a[4];  // keys g, g + 8 x dims (r = 0, 1), then (r = 2, 3)
 #pragma unroll
             for (int kk = 0; kk < 2; kk++) {
-                if (DM_KES == 1) {
+                if (KV_K_FMT == KVF_INT4) {  // (dm_kel's nibbles: low, then high, of bytes st & 1 and + 2)
+                    const u32 x = kcur.k[kk][st >> 1] >> (8 * (st & 1));
+                    a[kk] = dm_i4(x);
+                    a[2 + kk] = dm_i4(x >> 4);
+                } else if (DM_KB == HD) {
                     a[kk] = dm_h2<KV_K_FMT>(kcur.k[kk][st], 0);
                     a[2 + kk] = dm_h2<KV_K_FMT>(kcur.k[kk][st], 1);
                 } else {
@@ -1650,7 +1676,14 @@ attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
             u32 va[4];  // rows g, g + 8 x keys (2t, 2t + 1), then keys (2t + 8, 2t + 9)
 #pragma unroll
             for (int kp = 0; kp < 2; kp++) {
-                if (DM_VES == 1) {
+                if (KV_V_FMT == KVF_INT4) {
+                    // Byte i & 3 of word i / 4 of keys 2t (+8), 2t + 1 (+9) into bytes 0, 2: the low
+                    // nibbles are row g's dim, the high ones row g + 8's.
+                    const int j = i & 3;
+                    const u32 y = dm_prmt(vcur.v[2 * kp][i >> 2], vcur.v[2 * kp + 1][i >> 2], (u32)(j | ((4 + j) << 8)));
+                    va[2 * kp] = dm_i4(y);
+                    va[2 * kp + 1] = dm_i4(y >> 4);
+                } else if (DM_VB == HD) {
                     const u32 y = dm_prmt(vcur.v[2 * kp][i >> 1], vcur.v[2 * kp + 1][i >> 1], (i & 1) ? 0x7362u : 0x5140u);
                     va[2 * kp] = dm_h2<KV_V_FMT>(y, 0);
                     va[2 * kp + 1] = dm_h2<KV_V_FMT>(y, 1);

@@ -10,7 +10,7 @@
 //!
 //! attn_decode: 1 query per sequence at 32K context, batch 1 and 8, 16 / 32 / 64 partitions, each
 //! on attn_decode_split and attn_decode_mma: K/V bytes read per second against the 4.26 TB/s device
-//! copy rate of the same anchors file. Then over an fp8 cache at 4K / 32K / 128K context.
+//! copy rate of the same anchors file. Then over fp8 and int4 caches at 4K / 32K / 128K context.
 
 use std::sync::Arc;
 
@@ -236,25 +236,28 @@ fn bench_attn_prefill_27b() {
         row(mma, n_split, b, ms, b * ctx * width * 2 * 2);
     }
 
-    // Decode over an fp8 (e4m3) cache, the 24 GB configuration's: the split kernel against the
-    // tensor-core one (attn_decode_mma), both with the backend's 32 partitions. Codes are random
-    // bytes and every scale 1.0 (timing only: some codes are NaN patterns). Bytes = codes + scales.
-    let mut k8 = Kernels::load_kv(&rt, KernelDims::QWEN35_27B, KvFormats { k: KvDtype::Fp8, v: KvDtype::Fp8 }).unwrap();
-    init_random(&k8, s, kc, cache_elems / 4, 21, Init::Bits, false).unwrap();
-    init_random(&k8, s, vc, cache_elems / 4, 22, Init::Bits, false).unwrap();
+    // Decode over quantised caches: fp8 (e4m3, the 24 GB configuration's) and int4: the split kernel
+    // against the tensor-core one (attn_decode_mma), both with the backend's 32 partitions. Codes are
+    // random bytes and every scale 1.0 (timing only: some fp8 codes are NaN patterns). Bytes = codes +
+    // scales.
     let ones = vec![0x3c00u16; MAX_CTX * HKV];
     rt.upload(ksc, &ones).unwrap();
     rt.upload(vsc, &ones).unwrap();
     let scales = KvScales { k: ksc, v: vsc };
-    println!("attn_decode fp8 K/V, cap 32 partitions:");
-    println!("{:>18} {:>8} {:>6} {:>10} {:>10} {:>8}", "kernel", "context", "batch", "us", "GB/s", "/copy");
-    for ctx in [4096usize, 32_768, 131_072] {
-        for b in [1usize, 8].into_iter().filter(|b| b * ctx <= MAX_CTX) {
-            let a = args(ctx, b, 32);
-            for mma in [false, true] {
-                k8.decode_mma = mma;
-                let ms = time_ms(&rt, 21, |s| attention::attn_decode_q(&k8, s, &a, &scales).unwrap());
-                row(mma, ctx, b, ms, b * ctx * (width + 2 * HKV) * 2);
+    for (fmt, name, row_bytes) in [(KvDtype::Fp8, "fp8", width), (KvDtype::Int4, "int4", width / 2)] {
+        let mut kq = Kernels::load_kv(&rt, KernelDims::QWEN35_27B, KvFormats { k: fmt, v: fmt }).unwrap();
+        init_random(&kq, s, kc, cache_elems / 4, 21, Init::Bits, false).unwrap();
+        init_random(&kq, s, vc, cache_elems / 4, 22, Init::Bits, false).unwrap();
+        println!("attn_decode {name} K/V, cap 32 partitions:");
+        println!("{:>18} {:>8} {:>6} {:>10} {:>10} {:>8}", "kernel", "context", "batch", "us", "GB/s", "/copy");
+        for ctx in [4096usize, 32_768, 131_072] {
+            for b in [1usize, 8].into_iter().filter(|b| b * ctx <= MAX_CTX) {
+                let a = args(ctx, b, 32);
+                for mma in [false, true] {
+                    kq.decode_mma = mma;
+                    let ms = time_ms(&rt, 21, |s| attention::attn_decode_q(&kq, s, &a, &scales).unwrap());
+                    row(mma, ctx, b, ms, b * ctx * (row_bytes + 2 * HKV) * 2);
+                }
             }
         }
     }

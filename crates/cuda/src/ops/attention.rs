@@ -229,10 +229,11 @@ pub struct AttnDecode {
     pub gate: u64,
 }
 
-/// Whether `attn_decode_mma` (tensor-core decode attention) reads caches of these formats: K and V
-/// each bf16, fp8 (e4m3) or int8. A 4-bit K or V uses `attn_decode_split`.
-pub fn decode_mma_supported(kv: &KvFormats) -> bool {
-    kv.k != KvDtype::Int4 && kv.v != KvDtype::Int4
+/// Whether `attn_decode_mma` (tensor-core decode attention) reads caches of these formats at this
+/// head dim: K and V each bf16, fp8 (e4m3), int8, or int4 when the head dim is a multiple of 64 (a
+/// lane's piece of a V row is then at least 4 bytes); otherwise `attn_decode_split`.
+pub fn decode_mma_supported(kv: &KvFormats, head_dim: usize) -> bool {
+    head_dim.is_multiple_of(64) || (kv.k != KvDtype::Int4 && kv.v != KvDtype::Int4)
 }
 
 pub fn attn_decode(k: &Kernels, s: &CudaStream, a: &AttnDecode) -> Result<(), CudaError> {
@@ -276,7 +277,10 @@ pub fn attn_decode_q(k: &Kernels, s: &CudaStream, a: &AttnDecode, sc: &KvScales)
         to_u32("attn_decode_split", "n_split", a.n_split)?,
     );
     // The tensor-core kernel: same arguments and partials (16-byte aligned caches: its vector loads).
-    let mma = k.decode_mma && decode_mma_supported(&k.kv) && k_cache.is_multiple_of(16) && v_cache.is_multiple_of(16);
+    let mma = k.decode_mma
+        && decode_mma_supported(&k.kv, d.attn_head_dim)
+        && k_cache.is_multiple_of(16)
+        && v_cache.is_multiple_of(16);
     let name = if mma { "attn_decode_mma" } else { "attn_decode_split" };
     launch_pdl!(k, s, name, grid, (256, 1, 1), 0;
         q, k_cache, v_cache, k_scales, v_scales, block_tables, table_rows, mb, seq_lens, part_o, part_ml, hq, hkv,
@@ -302,7 +306,9 @@ mod tests {
         use KvDtype::*;
         for k in [Bf16, Fp8, Int8, Int4] {
             for v in [Bf16, Fp8, Int8, Int4] {
-                assert_eq!(decode_mma_supported(&KvFormats { k, v }), k != Int4 && v != Int4, "{k:?}/{v:?}");
+                let kv = KvFormats { k, v };
+                assert!(decode_mma_supported(&kv, 256) && decode_mma_supported(&kv, 64), "{k:?}/{v:?}");
+                assert_eq!(decode_mma_supported(&kv, 32), k != Int4 && v != Int4, "{k:?}/{v:?}");
             }
         }
     }

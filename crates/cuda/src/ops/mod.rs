@@ -50,7 +50,7 @@ pub struct Kernels {
     /// 2 per SM; 1 per SM where an SM's shared memory holds one, e.g. sm_86). [`w4a16::gemv_config`].
     pub w4_slots: usize,
     /// Decode attention on tensor cores (`attn_decode_mma`) where the cache formats allow it
-    /// ([`attention::decode_mma_supported`]: no 4-bit K or V); `DELTASERVE_DECODE_ATTN=split`
+    /// ([`attention::decode_mma_supported`]: a 4-bit K or V at head dims % 64 == 0 only); `DELTASERVE_DECODE_ATTN=split`
     /// at load (or false here) keeps `attn_decode_split`, the A/B switch of the benchmarks.
     pub decode_mma: bool,
 }
@@ -113,7 +113,7 @@ impl Kernels {
             }
         }
         let pdl = pdl_enabled(rt.cc, std::env::var("DELTASERVE_PDL").ok().as_deref());
-        let decode_mma = attention::decode_mma_supported(&kv)
+        let decode_mma = attention::decode_mma_supported(&kv, dims.attn_head_dim)
             && std::env::var("DELTASERVE_DECODE_ATTN").map_or(true, |v| v != "split");
         let load_ms = t0.elapsed().as_secs_f64() * 1e3;
         let mut k = Kernels { funcs, dims, kv, attn, arch, load_ms, pdl, w4_slots: 0, decode_mma };
