@@ -1299,9 +1299,11 @@ extern "C" __global__ void attn_decode_combine(const float* __restrict__ part_o,
 //    mma's type (two mma: ~2^-16 relative for bf16, ~2^-22 for f16) and transposed from the C
 //    layout into the B fragment by movmatrix. Two keys' values of one dim are paired by one prmt.
 //  - Codes in K and V (1-byte or int4): the next tile's K (and scales) loads are issued before this
-//    tile's S, its V loads after S (~8 KB per warp in flight at HD 256, fp8). With a bf16 matrix a tile takes up to 128
-//    registers per lane: each tile is loaded where it is used (16 KB per warp in flight). (Two 1-byte
-//    tiles loaded at once instead of the double buffer measured ~4% slower, three spilled.)
+//    tile's S, its V loads after S (~8 KB per warp in flight at HD 256, fp8). With a bf16 matrix a
+//    tile takes up to 128 registers per lane: each tile is loaded where it is used (16 KB per warp in
+//    flight). (Two 1-byte tiles loaded at once instead of the double buffer measured ~4% slower, three
+//    spilled.) The loaded words are not touched until their tile is used (an int4 variant that
+//    flipped the codes' sign bits at load time stalled on the loads: b8 @ 32K +19% end to end).
 //  - The 8 warps' (max, sum, O) merge in shared memory in a fixed order, as attn_decode_split's.
 // Arch: mma.sync, movmatrix (sm_75+), cvt e4m3x2 only under __CUDA_ARCH__ >= 890: sm_80+.
 // Tested by: tests/ops.rs cases "attn_decode" (bf16) and "kv_q+attn_decode" (K/V pairs of bf16 /
@@ -1489,7 +1491,9 @@ attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
 #pragma unroll
             for (int r = 0; r < 2; r++) {
                 if (KV_K_FMT == KVF_INT4) {  // (dm_kel's pairs are not adjacent dims)
-                    qw[st][r] = g < GQA_GROUP ? (u32)qh[dm_kel(t, st, 2 * r)] | ((u32)qh[dm_kel(t, st, 2 * r + 1)] << 16) : 0u;
+                    const u32 lo = g < GQA_GROUP ? qh[dm_kel(t, st, 2 * r)] : 0u;
+                    const u32 hi = g < GQA_GROUP ? qh[dm_kel(t, st, 2 * r + 1)] : 0u;
+                    qw[st][r] = lo | (hi << 16);
                 } else {
                     qw[st][r] = g < GQA_GROUP ? *(const u32*)(qh + dm_kel(t, st, 2 * r)) : 0u;
                 }
@@ -1680,7 +1684,7 @@ attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
                     // Byte i & 3 of word i / 4 of keys 2t (+8), 2t + 1 (+9) into bytes 0, 2: the low
                     // nibbles are row g's dim, the high ones row g + 8's.
                     const int j = i & 3;
-                    const u32 y = dm_prmt(vcur.v[2 * kp][i >> 2], vcur.v[2 * kp + 1][i >> 2], (u32)(j | ((4 + j) << 8)));
+                    const u32 y = dm_prmt(vcur.v[2 * kp][i >> 2], vcur.v[2 * kp + 1][i >> 2], (u32)(j | (4 + j) << 8));
                     va[2 * kp] = dm_i4(y);
                     va[2 * kp + 1] = dm_i4(y >> 4);
                 } else if (DM_VB == HD) {
