@@ -545,8 +545,9 @@ fn cases() -> Vec<Case> {
         c("kv_q+attn_decode", q, kvq(i4, i4, &[(4000, 1), (127, 1), (16, 1)], 24, 4, 32, Some(16), false), ACCUM),
         c("kv_q+attn_decode", q, kvq(f8, i4, &[(2000, 1), (1, 1)], 24, 4, 8, Some(32), false), ACCUM),
         c("kv_q+attn_decode", HD64_G1, kvq(i4, i4, &[(40, 1), (1000, 1)], 2, 2, 16, Some(4), false), ACCUM),
-        // attn_decode_mma (tensor cores) and attn_decode_split both, each against the oracle: several tiles per warp (4000 keys over 16 partitions, 3000 over 4), partitions past a
-        // row's end, 16-key tiles inside a page (page 16, 32) or across pages (page 8), GQA 1, 2, 6, 8.
+        // attn_decode_mma (tensor cores) and attn_decode_split both, each against the oracle: several
+        // tiles per warp (4000 keys over 16 partitions, 3000 over 4), partitions past a row's end, 16-key
+        // tiles inside a page (page 16, 32) or across pages (page 8), GQA 1, 2, 6, 8.
         c("kv_q+attn_decode", q, kvq(i8, i8, &[(4000, 1), (127, 1), (128, 1)], 24, 4, 32, Some(16), false), ACCUM),
         c("kv_q+attn_decode", q, kvq(f8, i8, &[(3000, 1), (15, 1)], 24, 4, 16, Some(4), false), ACCUM),
         c("kv_q+attn_decode", q, kvq(i8, f8, &[(700, 1), (1, 1)], 24, 4, 8, Some(32), false), ACCUM),

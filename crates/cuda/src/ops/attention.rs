@@ -302,7 +302,7 @@ mod tests {
     const RTX3090: usize = 101_376;
 
     #[test]
-    fn tensor_core_decode_takes_every_pair_without_int4() {
+    fn tensor_core_decode_takes_int4_only_at_head_dims_of_64() {
         use KvDtype::*;
         for k in [Bf16, Fp8, Int8, Int4] {
             for v in [Bf16, Fp8, Int8, Int4] {

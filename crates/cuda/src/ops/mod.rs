@@ -50,8 +50,9 @@ pub struct Kernels {
     /// 2 per SM; 1 per SM where an SM's shared memory holds one, e.g. sm_86). [`w4a16::gemv_config`].
     pub w4_slots: usize,
     /// Decode attention on tensor cores (`attn_decode_mma`) where the cache formats allow it
-    /// ([`attention::decode_mma_supported`]: a 4-bit K or V at head dims % 64 == 0 only); `DELTASERVE_DECODE_ATTN=split`
-    /// at load (or false here) keeps `attn_decode_split`, the A/B switch of the benchmarks.
+    /// ([`attention::decode_mma_supported`]: a 4-bit K or V at head dims % 64 == 0 only);
+    /// `DELTASERVE_DECODE_ATTN=split` at load (or false here) keeps `attn_decode_split`, the A/B switch
+    /// of the benchmarks.
     pub decode_mma: bool,
 }
 
