@@ -28,7 +28,7 @@ __device__ __forceinline__ void am_warp_best(float& bv, int& bi) {
     }
 }
 
-extern "C" __global__ void argmax_rows(const float* __restrict__ x, long long ld, int valid, int* __restrict__ ids) {
+extern "C" __global__ void argmax_rows(const float* x, long long ld, int valid, int* __restrict__ ids) {
     pdl_enter();  // launched programmatically on sm_90
     const float* row = x + (long long)blockIdx.x * ld;
     float bv = __int_as_float(0x7fc00000);  // NaN: "nothing yet"

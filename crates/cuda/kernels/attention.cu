@@ -1033,7 +1033,7 @@ attn_prefill_wide64(const bf16_t* __restrict__ q, const void* __restrict__ k_cac
 #define DEC_OFF(f, lane) ((f) == KVF_INT4 ? ((lane) * DPL) >> 1 : (lane) * DEC_LB(f))
 #define DEC_NIB0(lane) (((lane) * DPL) & 1)
 template <int BYTES>
-__device__ __forceinline__ uint4 dec_load_raw(const unsigned char* __restrict__ p) {
+__device__ __forceinline__ uint4 dec_load_raw(const unsigned char* p) {
     uint4 r = make_uint4(0u, 0u, 0u, 0u);
     if (BYTES == 16) {
         r = *(const uint4*)p;
@@ -1074,9 +1074,8 @@ __device__ __forceinline__ int dec_parts(int len, int n_split) {
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-attn_decode_split(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
-                  const void* __restrict__ v_cache, const unsigned short* __restrict__ k_scales,
-                  const unsigned short* __restrict__ v_scales, const int* __restrict__ block_tables,
+attn_decode_split(const bf16_t* q, const void* k_cache, const void* v_cache, const unsigned short* k_scales,
+                  const unsigned short* v_scales, const int* __restrict__ block_tables,
                   const int* __restrict__ table_rows, int max_blocks, const int* __restrict__ seq_lens,
                   float* __restrict__ part_o,
                   float* __restrict__ part_ml, int Hq, int Hkv, int page, float scale, int n_split,
@@ -1245,11 +1244,10 @@ attn_decode_split(const bf16_t* __restrict__ q, const void* __restrict__ k_cache
     }
 }
 
-extern "C" __global__ void attn_decode_combine(const float* __restrict__ part_o,
-                                               const float* __restrict__ part_ml,
+extern "C" __global__ void attn_decode_combine(const float* part_o, const float* part_ml,
                                                const int* __restrict__ seq_lens,
                                                bf16_t* __restrict__ o, int Hq, int n_split,
-                                               const bf16_t* __restrict__ gate, long long g_tok,
+                                               const bf16_t* gate, long long g_tok,
                                                long long g_head) {
     pdl_enter();  // launched programmatically on sm_90: the GEMV that follows may start streaming its weights
     const int b = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
@@ -1363,7 +1361,7 @@ __device__ __forceinline__ int dm_vel(int g, int i, int hi) {
 
 // U bytes (16, 8 or 4) at p into the words w[0 .. U/4) (dec_load_raw's vector load).
 template <int U>
-__device__ __forceinline__ void dm_load(const unsigned char* __restrict__ p, u32* w) {
+__device__ __forceinline__ void dm_load(const unsigned char* p, u32* w) {
     const uint4 v = dec_load_raw<U>(p);
 #pragma unroll
     for (int i = 0; i < U / 4; i++) w[i] = u4_comp(v, i);
@@ -1454,9 +1452,8 @@ __device__ __forceinline__ u32 dm_movt(u32 x) {
 }
 
 extern "C" __global__ void __launch_bounds__(256, DM_PAIR ? 2 : 1)
-attn_decode_mma(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
-                const void* __restrict__ v_cache, const unsigned short* __restrict__ k_scales,
-                const unsigned short* __restrict__ v_scales, const int* __restrict__ block_tables,
+attn_decode_mma(const bf16_t* q, const void* k_cache, const void* v_cache, const unsigned short* k_scales,
+                const unsigned short* v_scales, const int* __restrict__ block_tables,
                 const int* __restrict__ table_rows, int max_blocks, const int* __restrict__ seq_lens,
                 float* __restrict__ part_o, float* __restrict__ part_ml, int Hq, int Hkv, int page, float scale,
                 int n_split, long long q_tok, long long q_head) {

@@ -26,8 +26,7 @@ extern "C" __global__ void sigmoid_gate_mul(bf16_t* x, const bf16_t* __restrict_
     }
 }
 
-extern "C" __global__ void swiglu(const bf16_t* __restrict__ gate, long long g_stride,
-                                  const bf16_t* __restrict__ up, long long u_stride,
+extern "C" __global__ void swiglu(const bf16_t* gate, long long g_stride, const bf16_t* up, long long u_stride,
                                   bf16_t* __restrict__ out, int T, int I) {
     pdl_enter();  // launched programmatically on sm_90: the GEMV that follows may start streaming its weights
     long long n = (long long)T * I;
@@ -63,8 +62,8 @@ extern "C" __global__ void sigmoid_gate_mul8(bf16_t* x, const bf16_t* __restrict
     }
 }
 
-extern "C" __global__ void swiglu8(const bf16_t* __restrict__ gate, long long g_stride,
-                                   const bf16_t* __restrict__ up, long long u_stride, bf16_t* __restrict__ out,
+extern "C" __global__ void swiglu8(const bf16_t* gate, long long g_stride, const bf16_t* up, long long u_stride,
+                                   bf16_t* __restrict__ out,
                                    int T, int I) {
     pdl_enter();  // launched programmatically on sm_90: the GEMV that follows may start streaming its weights
     const int c = (blockIdx.x * blockDim.x + threadIdx.x) * 8;

@@ -8,7 +8,7 @@
 // Arch: plain loads/stores, sm_80+.
 // Tested by: tests/ops.rs case "embed".
 
-extern "C" __global__ void embed_gather(const bf16_t* __restrict__ table, const int* __restrict__ ids,
+extern "C" __global__ void embed_gather(const bf16_t* table, const int* __restrict__ ids,
                                         bf16_t* __restrict__ out, int D) {
     pdl_enter();  // launched programmatically on sm_90
     int t = blockIdx.x;

@@ -37,9 +37,8 @@
 // last row's output (bf16-rounded) in the warps of row group 0, which also store o unless o is null.
 // wait: a programmatically launched kernel (sm_90) whose state no earlier kernel of the step writes:
 // the state loads are issued first, then it waits for the previous kernel (q, k, v, g, beta).
-__device__ __forceinline__ float gdn_tokens(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
-                                            const bf16_t* __restrict__ v, long long v_stride,
-                                            const float* __restrict__ g, const float* __restrict__ beta,
+__device__ __forceinline__ float gdn_tokens(const bf16_t* q, const bf16_t* k, const bf16_t* v, long long v_stride,
+                                            const float* g, const float* beta,
                                             float* __restrict__ st, bf16_t* __restrict__ o, int Hk,
                                             int Hv, int hv, int c, long long t0, int n, bool write_state,
                                             bool wait = false) {
@@ -114,11 +113,9 @@ gdn_decode(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
 // w [DV] f32; out [B, Hv, DV] bf16. Launch: grid (B, Hv), block 4 * DV (DV / 32 column groups of 4
 // warps). Padding rows (slot < 0) normalise o = 0, as the two kernels did.
 extern "C" __global__ void __launch_bounds__(4 * DV)
-gdn_decode_gated(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
-                 const bf16_t* __restrict__ v, long long v_stride,
-                 const float* __restrict__ g, const float* __restrict__ beta,
-                 float* __restrict__ state, const int* __restrict__ slots,
-                 const bf16_t* __restrict__ z, long long z_tok_stride, const float* __restrict__ nw,
+gdn_decode_gated(const bf16_t* q, const bf16_t* k, const bf16_t* v, long long v_stride, const float* g,
+                 const float* beta, float* __restrict__ state, const int* __restrict__ slots, const bf16_t* z,
+                 long long z_tok_stride, const float* __restrict__ nw,
                  bf16_t* __restrict__ out, int Hk, int Hv, float eps) {
     // Launched programmatically on sm_90: the GEMV that follows may start streaming its weights, and
     // this kernel loads its state (no kernel before it in the step writes it; slots is a step input)

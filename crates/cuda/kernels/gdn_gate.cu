@@ -73,10 +73,10 @@ extern "C" __global__ void gdn_gate(const bf16_t* __restrict__ qk, long long qk_
 // q_out, k_out [B, Hk, DK]; b, a [B, Hv] (strides b_stride, a_stride); g, beta [B, Hv] f32.
 // Launch: grid (B, C/DK + 1), block DK (C % DK == 0, DV == DK). Tested by: tests/ops.rs case
 // "gdn_conv_gate_decode" (bitwise vs conv_decode + gdn_gate).
-extern "C" __global__ void gdn_conv_gate_decode(const bf16_t* __restrict__ x, long long x_stride,
-                                                const bf16_t* __restrict__ w, bf16_t* __restrict__ y, bf16_t* state,
-                                                const int* __restrict__ slots, int C, const bf16_t* __restrict__ b,
-                                                long long b_stride, const bf16_t* __restrict__ a, long long a_stride,
+extern "C" __global__ void gdn_conv_gate_decode(const bf16_t* x, long long x_stride, const bf16_t* __restrict__ w,
+                                                bf16_t* __restrict__ y, bf16_t* state, const int* __restrict__ slots,
+                                                int C, const bf16_t* b, long long b_stride, const bf16_t* a,
+                                                long long a_stride,
                                                 const float* __restrict__ A_log, const float* __restrict__ dt_bias,
                                                 bf16_t* __restrict__ q_out, bf16_t* __restrict__ k_out,
                                                 float* __restrict__ g, float* __restrict__ beta, int Hk, int Hv) {

@@ -27,7 +27,7 @@
 #define GEMV_ROWS 16
 
 extern "C" __global__ void __launch_bounds__(128, 4)
-gemv_bf16(const bf16_t* __restrict__ x, int N, int K,
+gemv_bf16(const bf16_t* x, int N, int K,
           const bf16_t* __restrict__ w0, void* __restrict__ y0, int m0, int nb0,
           const bf16_t* __restrict__ w1, void* __restrict__ y1, int m1, int nb1,
           const bf16_t* __restrict__ w2, void* __restrict__ y2, int m2, int f32_out) {
@@ -75,7 +75,7 @@ gemv_bf16(const bf16_t* __restrict__ x, int N, int K,
 #pragma unroll
         for (int u = 0; u < GEMV_U; u++) {
             const int v = vb + u * 4 + c, vc = v < K8 ? v : 0;
-            xv[u] = ld_nc(xp + vc);
+            xv[u] = ld_act(xp + vc);
         }
     }
     for (; vb < K8; vb += step) {
@@ -87,7 +87,7 @@ gemv_bf16(const bf16_t* __restrict__ x, int N, int K,
                 const int v = nb + u * 4 + c, vc = v < K8 ? v : 0;
                 na[u] = ld_nc_stream(wp0 + vc);
                 na8[u] = ld_nc_stream(wp1 + vc);
-                nxv[u] = ld_nc(xp + vc);
+                nxv[u] = ld_act(xp + vc);
             }
         }
 #pragma unroll

@@ -10,8 +10,7 @@
 // Launch: grid (T), block 128. Arch: sm_80+.
 // Tested by: tests/ops.rs cases "kv_write+attn_prefill", "attn_decode".
 
-extern "C" __global__ void kv_write(const bf16_t* __restrict__ k, long long k_stride,
-                                    const bf16_t* __restrict__ v, long long v_stride,
+extern "C" __global__ void kv_write(const bf16_t* k, long long k_stride, const bf16_t* v, long long v_stride,
                                     bf16_t* k_cache, bf16_t* v_cache,
                                     const int* __restrict__ block_tables, int max_blocks,
                                     const int* __restrict__ cu_seqlens, int B,

@@ -99,7 +99,7 @@ __device__ __forceinline__ long long kq_row_bytes(int fmt, int hd) {
 }
 
 extern "C" __global__ void __launch_bounds__(128)
-kv_write_q(const bf16_t* __restrict__ k, long long k_stride, const bf16_t* __restrict__ v, long long v_stride,
+kv_write_q(const bf16_t* k, long long k_stride, const bf16_t* v, long long v_stride,
            unsigned char* k_cache, unsigned short* k_scales, unsigned char* v_cache, unsigned short* v_scales,
            const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ cu_seqlens, int B,
            const int* __restrict__ pos, int page, int Hkv, int hd, int k_fmt, int v_fmt) {

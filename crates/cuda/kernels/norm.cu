@@ -22,7 +22,7 @@
 // per element pair and re-read res_out: ~18 us for one 5120-wide row). Needs D % 8 == 0,
 // D <= 8 * NORM_MAXV * blockDim.x and 16-byte aligned rows (checked by the kernel below).
 #define NORM_MAXV 4
-__device__ __forceinline__ void add_rms_norm_1p_vec(const bf16_t* __restrict__ x, const bf16_t* res,
+__device__ __forceinline__ void add_rms_norm_1p_vec(const bf16_t* x, const bf16_t* res,
                                                     const bf16_t* __restrict__ w, bf16_t* res_out,
                                                     bf16_t* __restrict__ out, int D, float eps, float* red) {
     const long long base = (long long)blockIdx.x * D;
@@ -79,7 +79,7 @@ __device__ __forceinline__ void add_rms_norm_1p_vec(const bf16_t* __restrict__ x
     }
 }
 
-extern "C" __global__ void add_rms_norm_1p(const bf16_t* __restrict__ x, const bf16_t* res,
+extern "C" __global__ void add_rms_norm_1p(const bf16_t* x, const bf16_t* res,
                                            const bf16_t* __restrict__ w, bf16_t* res_out,
                                            bf16_t* __restrict__ out, int D, float eps) {
     pdl_enter();  // launched programmatically on sm_90: the GEMV that follows may start streaming its weights

@@ -170,10 +170,18 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-// 16-byte read-only (non-coherent) global loads; the _stream one does not allocate in L1.
+// 16-byte read-only (non-coherent) global loads, for data no kernel writes while this one runs
+// (weights, step inputs uploaded before the step); the _stream one does not allocate in L1. Not for
+// what an earlier kernel of the step wrote: see pdl_wait below, and ld_act.
 __device__ __forceinline__ uint4 ld_nc(const uint4* p) {
     uint4 r;
     asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+// A 16-byte (coherent) global load of an activation, i.e. data an earlier kernel of the step wrote.
+__device__ __forceinline__ uint4 ld_act(const uint4* p) {
+    uint4 r;
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
 }
 __device__ __forceinline__ uint4 ld_nc_stream(const uint4* p) {
@@ -208,6 +216,13 @@ __device__ __forceinline__ bf16_t conv_decode_step(bf16_t x, const bf16_t* __res
 // now (that one still waits for this one's completion before reading its outputs). pdl_wait(): in a
 // kernel launched to overlap its predecessor, waits until the predecessor has completed and its
 // memory is visible; nothing the predecessor writes may be read (or overwritten) before it.
+// A programmatically launched kernel is running while its predecessors write its inputs, so those
+// inputs (anything an earlier kernel of the step wrote, not only the predecessor's outputs) must not
+// be read through the non-coherent read-only path: no ld_nc / __ldg, and no `const T* __restrict__`
+// kernel parameters for them (from which the compiler emits ld.global.nc). Measured on the H200
+// (bench/results/session19-h200-2026-11-30.md): a `const __restrict__` load of z (written by the
+// in-projection two kernels back) right after pdl_wait() read the previous layer's values; the same
+// load through L2, or placed later, read the right ones.
 __device__ __forceinline__ void pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

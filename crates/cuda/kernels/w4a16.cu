@@ -137,7 +137,7 @@ __device__ __forceinline__ u32 w4p_unpack(u32 w) {
 
 template <typename OutT, bool ASYM, bool SBF, bool VEC>
 __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,
-                                         const unsigned char* __restrict__ zeros, const bf16_t* __restrict__ x,
+                                         const unsigned char* __restrict__ zeros, const bf16_t* x,
                                          long long ldx, OutT* __restrict__ y, long long ldy, int M, int out, int os,
                                          int in, int wpt, int block, uint4* smem) {
     constexpr int S = W4P_S;
@@ -213,7 +213,7 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
     uint4 xb[2][4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-        xb[0][q] = (has_x && n > 0) ? ld_nc(px + q) : make_uint4(0u, 0u, 0u, 0u);
+        xb[0][q] = (has_x && n > 0) ? ld_act(px + q) : make_uint4(0u, 0u, 0u, 0u);
         xb[1][q] = make_uint4(0u, 0u, 0u, 0u);
     }
     const u32 ones = 0x3f803f80u;
@@ -227,7 +227,7 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
                 cp_async_commit();
                 if (has_x && k + 1 < n) {
 #pragma unroll
-                    for (int q = 0; q < 4; ++q) xb[(u + 1) & 1][q] = ld_nc(px + 16 * (u + 1) + q);
+                    for (int q = 0; q < 4; ++q) xb[(u + 1) & 1][q] = ld_act(px + 16 * (u + 1) + q);
                 }
                 cp_async_wait<S - 1>();
                 const uint4* st = ring + u * W4P_STAGE_U4 + lane;
@@ -290,7 +290,7 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
         int os##i, int wpt##i, int nb##i
 #define W4P_KERNEL(NAME, OUT_T, ASYM, SBF)                                                                    \
     extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 2)                                              \
-        NAME(const bf16_t* __restrict__ x, long long ldx, int M, int in, W4P_SEG_ARGS(0, OUT_T),                  \
+        NAME(const bf16_t* x, long long ldx, int M, int in, W4P_SEG_ARGS(0, OUT_T),                               \
              W4P_SEG_ARGS(1, OUT_T), W4P_SEG_ARGS(2, OUT_T), W4P_SEG_ARGS(3, OUT_T)) {                          \
         extern __shared__ uint4 w4_dyn[];                                                                        \
         pdl_trigger(); /* sm_90: the next kernel may launch; it waits for this one's completion */               \
