@@ -81,19 +81,27 @@ extern "C" __global__ void gdn_conv_gate_decode(const bf16_t* x, long long x_str
                                                 bf16_t* __restrict__ q_out, bf16_t* __restrict__ k_out,
                                                 float* __restrict__ g, float* __restrict__ beta, int Hk, int Hv) {
     __shared__ bf16_t ys[DK];
-    pdl_enter();  // launched programmatically on sm_90
+    // Launched programmatically on sm_90: the conv state rows and taps load before the wait for the
+    // in-projection (no earlier kernel of the step writes them; the slot ids are a step input).
+    pdl_trigger();
     const int row = blockIdx.x, j = blockIdx.y, tid = threadIdx.x;
+    const int c = j * DK + tid;
+    const int slot = slots[row];
+    bf16_t* st = state + (long long)max(slot, 0) * (CONV_K - 1) * C;
+    bf16_t win[CONV_K];
+    float wv[CONV_K];
+    if (j < C / DK && slot >= 0) conv_window_load<CONV_K>(st, w, c, C, win, wv);
+    pdl_wait();
     if (j == C / DK) {
         for (int h = tid; h < Hv; h += blockDim.x)
             gdn_gate_values(bf2f(b[(long long)row * b_stride + h]), bf2f(a[(long long)row * a_stride + h]), A_log,
                             dt_bias, h, &beta[(long long)row * Hv + h], &g[(long long)row * Hv + h]);
         return;
     }
-    const int c = j * DK + tid;
     bf16_t out = 0;
-    if (slots[row] >= 0) {
-        bf16_t* st = state + (long long)slots[row] * (CONV_K - 1) * C;
-        out = conv_decode_step<CONV_K>(x[(long long)row * x_stride + c], w, st, c, C);
+    if (slot >= 0) {
+        out = conv_window_out<CONV_K>(x[(long long)row * x_stride + c], wv, win);
+        conv_state_shift<CONV_K>(st, c, C, win);
     }
     y[(long long)row * C + c] = out;
     if (j >= 2 * Hk) return;  // a v head: nothing to normalise (uniform over the block)

@@ -11,15 +11,17 @@
 //  rms_norm_1p:     x row r at x + r*x_stride, out row r at out + r*out_stride (elements); w [D] bf16.
 //  gated_rms_norm:  o [rows, D] bf16 (rows = T*Hv, D = Dv); z row r at z + (r/H)*z_tok_stride +
 //                   (r%H)*D; w [D] f32 (Qwen3.5 stores it f32; Qwen3.6 bf16 upcasts exactly).
-// Launch: grid (rows), block 256 (any multiple of 32 <= 1024); gated_rms_norm grid (ceil(rows/8)),
-// block 256 (a warp per row). Arch: shuffles only, sm_80+.
+// Launch: grid (rows), block 256 (any multiple of 32 <= 1024; add_rms_norm_1p: up to 640, its launcher
+// takes a thread per 16-byte vector of the row); gated_rms_norm grid (ceil(rows/8)), block 256 (a
+// warp per row). Arch: shuffles only, sm_80+.
 // add_rms_norm_1p keeps a row in registers (16-byte loads, all issued before the sum) when D % 8 == 0,
 // D <= 8192 at 256 threads and the rows are 16-byte aligned; else a scalar loop.
 // Tested by: tests/ops.rs cases "add_rms_norm_1p", "rms_norm_1p_strided", "gated_rms_norm".
 
 // add_rms_norm_1p, vectorised: a thread's up to NORM_MAXV 16-byte vectors of x, res and w are all
 // loaded before any arithmetic and h stays in registers (the scalar loop waited a full memory latency
-// per element pair and re-read res_out: ~18 us for one 5120-wide row). Needs D % 8 == 0,
+// per element pair and re-read res_out: ~18 us for one 5120-wide row). The weights (no kernel writes
+// them) load before the wait for the previous kernel (pdl_wait), x and res after it. Needs D % 8 == 0,
 // D <= 8 * NORM_MAXV * blockDim.x and 16-byte aligned rows (checked by the kernel below).
 #define NORM_MAXV 4
 __device__ __forceinline__ void add_rms_norm_1p_vec(const bf16_t* x, const bf16_t* res,
@@ -31,10 +33,15 @@ __device__ __forceinline__ void add_rms_norm_1p_vec(const bf16_t* x, const bf16_
 #pragma unroll
     for (int j = 0; j < NORM_MAXV; j++) {
         const int v = threadIdx.x + j * blockDim.x;
+        if (v < nv) wv[j] = *(const uint4*)(w + 8 * v);
+    }
+    pdl_wait();
+#pragma unroll
+    for (int j = 0; j < NORM_MAXV; j++) {
+        const int v = threadIdx.x + j * blockDim.x;
         if (v < nv) {
             hv[j] = *(const uint4*)(x + base + 8 * v);
             rv[j] = res ? *(const uint4*)(res + base + 8 * v) : make_uint4(0u, 0u, 0u, 0u);
-            wv[j] = *(const uint4*)(w + 8 * v);
         }
     }
     float ss = 0.0f;
@@ -82,7 +89,9 @@ __device__ __forceinline__ void add_rms_norm_1p_vec(const bf16_t* x, const bf16_
 extern "C" __global__ void add_rms_norm_1p(const bf16_t* x, const bf16_t* res,
                                            const bf16_t* __restrict__ w, bf16_t* res_out,
                                            bf16_t* __restrict__ out, int D, float eps) {
-    pdl_enter();  // launched programmatically on sm_90: the GEMV that follows may start streaming its weights
+    // Launched programmatically on sm_90: the GEMV that follows may start streaming its weights; each
+    // path waits for the previous kernel before it reads x or res (pdl_wait).
+    pdl_trigger();
     __shared__ float red[32];
     const unsigned long long al = (unsigned long long)x | (unsigned long long)res | (unsigned long long)w |
                                   (unsigned long long)res_out | (unsigned long long)out;
@@ -90,6 +99,7 @@ extern "C" __global__ void add_rms_norm_1p(const bf16_t* x, const bf16_t* res,
         add_rms_norm_1p_vec(x, res, w, res_out, out, D, eps, red);
         return;
     }
+    pdl_wait();
     long long base = (long long)blockIdx.x * D;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < D; i += blockDim.x) {

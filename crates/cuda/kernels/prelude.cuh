@@ -194,21 +194,40 @@ __device__ __forceinline__ uint4 ld_nc_stream(const uint4* p) {
 
 // ---------------------------------------------------------------------------------------------
 // One causal depthwise conv1d decode step of channel c (KW taps; conv.cu's conv_decode and
-// gdn_gate.cu's fused decode kernel): the window is the state's KW - 1 rows then x; returns
-// bf16(silu(sum_j w[c, j] * win[j])) and shifts the state by one row. state row r at st + r*C.
+// gdn_gate.cu's fused decode kernel), in parts: conv_window_load reads the state's KW - 1 rows (row r
+// at st + r*C) into win and the channel's taps into wv; conv_window_out puts x last in the window and
+// returns bf16(silu(sum_j w[c, j] * win[j])); conv_state_shift writes the state one row on (win[1..]).
+// conv_decode_step: all three.
+template <int KW>
+__device__ __forceinline__ void conv_window_load(const bf16_t* st, const bf16_t* __restrict__ w, int c, long long C,
+                                                 bf16_t (&win)[KW], float (&wv)[KW]) {
+#pragma unroll
+    for (int r = 0; r < KW - 1; r++) win[r] = st[(long long)r * C + c];
+#pragma unroll
+    for (int j = 0; j < KW; j++) wv[j] = bf2f(w[(long long)c * KW + j]);
+}
+template <int KW>
+__device__ __forceinline__ bf16_t conv_window_out(bf16_t x, const float (&wv)[KW], bf16_t (&win)[KW]) {
+    win[KW - 1] = x;
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < KW; j++) acc += wv[j] * bf2f(win[j]);
+    return f2bf(siluf_(acc));
+}
+template <int KW>
+__device__ __forceinline__ void conv_state_shift(bf16_t* st, int c, long long C, const bf16_t (&win)[KW]) {
+#pragma unroll
+    for (int r = 0; r < KW - 1; r++) st[(long long)r * C + c] = win[r + 1];
+}
 template <int KW>
 __device__ __forceinline__ bf16_t conv_decode_step(bf16_t x, const bf16_t* __restrict__ w, bf16_t* st, int c,
                                                    long long C) {
     bf16_t win[KW];
-#pragma unroll
-    for (int r = 0; r < KW - 1; r++) win[r] = st[(long long)r * C + c];
-    win[KW - 1] = x;
-    float acc = 0.0f;
-#pragma unroll
-    for (int j = 0; j < KW; j++) acc += bf2f(w[(long long)c * KW + j]) * bf2f(win[j]);
-#pragma unroll
-    for (int r = 0; r < KW - 1; r++) st[(long long)r * C + c] = win[r + 1];
-    return f2bf(siluf_(acc));
+    float wv[KW];
+    conv_window_load<KW>(st, w, c, C, win, wv);
+    const bf16_t y = conv_window_out<KW>(x, wv, win);
+    conv_state_shift<KW>(st, c, C, win);
+    return y;
 }
 
 // Programmatic dependent launch (sm_90 and later; no-ops on Ampere/Ada, where every launch waits for

@@ -30,7 +30,15 @@ pub fn add_rms_norm_1p(
     let (res, res_out) = (res.unwrap_or(0), res_out.unwrap_or(0));
     let dd = to_i32("add_rms_norm_1p", "d", d)?;
     let grid = (to_u32("add_rms_norm_1p", "rows", rows)?, 1, 1);
-    launch_pdl!(k, s, "add_rms_norm_1p", grid, (256, 1, 1), 0; x, res, w, res_out, out, dd, eps)
+    launch_pdl!(k, s, "add_rms_norm_1p", grid, (add_norm_threads(d), 1, 1), 0; x, res, w, res_out, out, dd, eps)
+}
+
+/// Threads of an add_rms_norm_1p block for rows of `d`: one per 16-byte vector of the row (all its
+/// loads in one round trip), 256 to 640 (the kernel's 68 registers x 640 fit an SM). At the 27B's
+/// 5,120: 640, which took the H200's batch-1 decode step from 6.28 to 6.20 ms
+/// (bench/results/session19-h200-2026-11-30.md).
+fn add_norm_threads(d: usize) -> u32 {
+    (d.div_ceil(8).next_multiple_of(32)).clamp(256, 640) as u32
 }
 
 /// Row r of x at `x + r*x_stride`, of out at `out + r*out_stride` (elements), d wide;
@@ -89,4 +97,18 @@ pub fn gated_rms_norm(
     let rows = to_i32("gated_rms_norm", "rows", t * heads)?;
     let grid = ((t * heads).div_ceil(8) as u32, 1, 1);
     launch!(k, s, "gated_rms_norm", grid, (256, 1, 1), 0; o, z, zs, h, w, out, rows, dd, eps)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::add_norm_threads;
+
+    #[test]
+    fn add_norm_blocks_take_a_thread_per_vector_within_bounds() {
+        assert_eq!(add_norm_threads(5120), 640);
+        assert_eq!(add_norm_threads(4096), 512);
+        assert_eq!(add_norm_threads(2048), 256);
+        assert_eq!(add_norm_threads(36), 256);
+        assert_eq!(add_norm_threads(8200), 640);
+    }
 }
