@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""Decode A/B from `deltaserve bench --json` files: one self-contained SVG, grouped bars of the share of
+the bandwidth roofline per decode point (batch @ context), one colour per build, the mean over each
+build's files (rounds), and a line at the target.
+
+    scripts/decode_ab_chart.py OUT.svg "title" "subtitle" TARGET_PCT LABEL=FILE[,FILE...] ...
+"""
+import json
+import sys
+
+from svg_bars import bar
+
+COLORS = ["#b0b0b0", "#9db7e0", "#2f5fb3", "#e0a040"]
+
+
+def load(files):
+    """(batch, context) -> (mean ms per step, mean % of the roofline) over the files."""
+    acc = {}
+    for f in files:
+        for r in json.load(open(f))["decode"]:
+            acc.setdefault((r["batch"], r["context"]), []).append((r["ms_per_step"], 100 * r["roofline_ratio"]))
+    return {k: (sum(v[0] for v in vs) / len(vs), sum(v[1] for v in vs) / len(vs)) for k, vs in acc.items()}
+
+
+def main():
+    out, title, sub, target = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+    builds = [(a.split("=", 1)[0], load(a.split("=", 1)[1].split(","))) for a in sys.argv[5:]]
+    points = sorted({p for _, d in builds for p in d}, key=lambda p: (p[1], p[0]))
+    w, h, pad, top = 960, 400, 60, 80
+    pw, ph = w - 2 * pad, h - top - 70
+    slot = pw / max(len(points), 1)
+    legend = " · ".join(f'<tspan fill="{COLORS[i % len(COLORS)]}">■</tspan> {n}' for i, (n, _) in enumerate(builds))
+    s = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">',
+         f'<text x="{pad}" y="24" font-size="14">{title}</text>',
+         f'<text x="{pad}" y="42" fill="#555">{sub}</text>',
+         f'<text x="{pad}" y="60">{legend} · bars: % of the bandwidth roofline (value: ms per step)</text>',
+         f'<rect x="{pad}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>']
+    for pct in (20, 40, 60, 80, 100):
+        y = top + ph - ph * pct / 100
+        s.append(f'<line x1="{pad}" y1="{y:.1f}" x2="{pad + pw}" y2="{y:.1f}" stroke="#ddd"/>')
+        s.append(f'<text x="{pad - 6}" y="{y + 4:.1f}" text-anchor="end" fill="#777">{pct}%</text>')
+    y = top + ph - ph * target / 100
+    s.append(f'<line x1="{pad}" y1="{y:.1f}" x2="{pad + pw}" y2="{y:.1f}" stroke="#c33" stroke-dasharray="6 4"/>')
+    s.append(f'<text x="{pad + pw - 4}" y="{y - 4:.1f}" text-anchor="end" fill="#c33">target {target:.0f}%</text>')
+    for i, p in enumerate(points):
+        bw = slot * 0.7 / max(len(builds), 1)
+        x0 = pad + i * slot + slot * 0.15
+        for j, (name, d) in enumerate(builds):
+            if p not in d:
+                continue
+            ms, pct = d[p]
+            bar(s, x0 + j * bw, bw, top, ph, ph * min(pct, 100) / 100, COLORS[j % len(COLORS)], f"{ms:.2f}",
+                f"{name} b{p[0]} @ {p[1]}: {ms:.3f} ms, {pct:.1f}% of the roofline")
+        s.append(f'<text x="{x0 + 0.35 * slot:.1f}" y="{top + ph + 16}" text-anchor="middle">b{p[0]} @ {p[1] // 1024}K</text>')
+    s.append("</svg>")
+    open(out, "w").write("\n".join(s) + "\n")
+
+
+if __name__ == "__main__":
+    main()
