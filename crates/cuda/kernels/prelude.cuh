@@ -241,7 +241,7 @@ __device__ __forceinline__ bf16_t conv_decode_step(bf16_t x, const bf16_t* __res
 // kernel parameters for them (from which the compiler emits ld.global.nc). Measured on the H200
 // (bench/results/session19-h200-2026-11-30.md): a `const __restrict__` load of z (written by the
 // in-projection two kernels back) right after pdl_wait() read the previous layer's values; the same
-// load through L2, or placed later, read the right ones.
+// load through L2, or placed later, read the right ones. tests/pdl_reads.rs checks the sources.
 __device__ __forceinline__ void pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

@@ -1,0 +1,186 @@
+//! The read rule of programmatically launched kernels (kernels/prelude.cuh, above `pdl_trigger`),
+//! checked on the kernel sources without a GPU. A function that waits for the kernel before it
+//! (`pdl_wait()` / `pdl_enter()`) runs while earlier kernels of the step still write its inputs, so
+//! its `const T* __restrict__` parameters, from which the compiler emits the non-coherent
+//! `ld.global.nc`, may only be data that nothing writes during the step: weights and step inputs
+//! uploaded before it. Session 19 measured the failure this prevents: such a load of the
+//! in-projection's z read the previous layer's values (bench/results/session19-h200-2026-11-30.md).
+
+use deltaserve_cuda::nvrtc::SOURCES;
+
+/// Parameter names that hold weights or step inputs in the kernels that wait.
+const READ_ONLY: &[&str] = &[
+    "w",
+    "w0",
+    "w1",
+    "w2",
+    "qw",
+    "scales",
+    "zeros",
+    "nw",
+    "A_log",
+    "dt_bias",
+    "wq",
+    "wk",
+    "slots",
+    "ids",
+    "pos",
+    "block_tables",
+    "table_rows",
+    "seq_lens",
+    "cu_seqlens",
+    "perm",
+];
+
+/// Local pointers into weights that the functions that wait read with `ld_nc` / `__ldg` (the bf16
+/// GEMV's rows, the int4 GEMV's scales and zeros).
+const READ_ONLY_LOCALS: &[&str] = &["wp0", "wp1", "ps", "pz"];
+
+/// A function definition of a kernel source: its name, parameter list and body.
+struct Function<'a> {
+    name: &'a str,
+    params: &'a str,
+    body: &'a str,
+}
+
+/// The byte index just past the bracket that closes the one at `open` (`(` or `{`).
+fn closing(s: &str, open: usize) -> Option<usize> {
+    let (o, c) = match s.as_bytes()[open] {
+        b'(' => (b'(', b')'),
+        _ => (b'{', b'}'),
+    };
+    let mut depth = 0usize;
+    for (i, &b) in s.as_bytes().iter().enumerate().skip(open) {
+        if b == o {
+            depth += 1;
+        } else if b == c {
+            depth -= 1;
+            if depth == 0 {
+                return Some(i + 1);
+            }
+        }
+    }
+    None
+}
+
+/// Every `__global__` / `__device__` function defined in `src` (a `__launch_bounds__(..)` before the
+/// name is skipped; declarations without a body are not returned).
+fn functions(src: &str) -> Vec<Function<'_>> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while let Some(off) = src[at..].find("__global__").into_iter().chain(src[at..].find("__device__")).min() {
+        let mut i = at + off + "__global__".len();
+        let paren = loop {
+            let Some(p) = src[i..].find('(').map(|p| i + p) else { return out };
+            let name_start = src[..p].rfind(|c: char| !(c.is_alphanumeric() || c == '_')).map_or(0, |q| q + 1);
+            if &src[name_start..p] == "__launch_bounds__" {
+                i = closing(src, p).unwrap_or(src.len());
+                continue;
+            }
+            break p;
+        };
+        let name_start = src[..paren].rfind(|c: char| !(c.is_alphanumeric() || c == '_')).map_or(0, |q| q + 1);
+        let Some(close) = closing(src, paren) else { break };
+        let rest = src[close..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
+        if rest.starts_with('{') {
+            let open = src.len() - rest.len();
+            let end = closing(src, open).unwrap_or(src.len());
+            out.push(Function {
+                name: &src[name_start..paren],
+                params: &src[paren + 1..close - 1],
+                body: &src[open..end],
+            });
+            at = end;
+        } else {
+            at = close;
+        }
+    }
+    out
+}
+
+/// The names of `params` declared `const T* __restrict__ name`.
+fn const_restrict(params: &str) -> Vec<&str> {
+    params
+        .split(',')
+        .filter(|p| p.contains("const") && p.contains('*') && p.contains("__restrict__"))
+        .filter_map(|p| p.trim_end_matches(|c: char| c.is_whitespace() || c == '\\').rsplit([' ', '*']).next())
+        .collect()
+}
+
+/// `t` without its leading opening parentheses and spaces.
+fn open_parens(t: &str) -> &str {
+    t.trim_start_matches(|c: char| c == '(' || c.is_whitespace())
+}
+
+/// The pointer each read-only load (`ld_nc(`, `ld_nc_stream(`, `__ldg(`) of `body` reads through: the
+/// first identifier of its argument after any casts.
+fn read_only_loads(body: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    for call in ["ld_nc(", "ld_nc_stream(", "__ldg("] {
+        for (i, _) in body.match_indices(call) {
+            let open = i + call.len() - 1;
+            let arg = &body[open + 1..closing(body, open).map_or(body.len(), |e| e - 1)];
+            // Skip casts "(const T*)" and opening parentheses.
+            let mut a = open_parens(arg);
+            while let (true, Some(e)) = (a.starts_with("const "), a.find(')')) {
+                a = open_parens(&a[e + 1..]);
+            }
+            let end = a.find(|c: char| !(c.is_alphanumeric() || c == '_')).unwrap_or(a.len());
+            out.push(&a[..end]);
+        }
+    }
+    out
+}
+
+#[test]
+fn functions_that_wait_read_earlier_kernels_outputs_coherently() {
+    let mut checked = Vec::new();
+    let mut bad = Vec::new();
+    for s in SOURCES {
+        for f in functions(s.src) {
+            if !(f.body.contains("pdl_wait()") || f.body.contains("pdl_enter()")) {
+                continue;
+            }
+            checked.push(f.name);
+            for p in const_restrict(f.params) {
+                if !READ_ONLY.contains(&p) {
+                    bad.push(format!(
+                        "{}.cu: {}({p}): `const __restrict__` in a function that waits",
+                        s.module, f.name
+                    ));
+                }
+            }
+            for p in read_only_loads(f.body) {
+                if !READ_ONLY.contains(&p) && !READ_ONLY_LOCALS.contains(&p) {
+                    bad.push(format!(
+                        "{}.cu: {}: a read-only load through `{p}` in a function that waits",
+                        s.module, f.name
+                    ));
+                }
+            }
+        }
+    }
+    for must in
+        ["w4p_body", "gemv_bf16", "add_rms_norm_1p", "gdn_decode_gated", "gdn_conv_gate_decode", "attn_decode_mma"]
+    {
+        assert!(checked.contains(&must), "{must} not found among the functions that wait: {checked:?}");
+    }
+    assert!(
+        bad.is_empty(),
+        "inputs written by earlier kernels of the step must not be `const __restrict__`:\n{}",
+        bad.join("\n")
+    );
+}
+
+#[test]
+fn the_parser_finds_a_bad_parameter() {
+    let src = "extern \"C\" __global__ void __launch_bounds__(128, 2)\nk(const float* __restrict__ x, const float* \
+               __restrict__ w, float* y) {\n    pdl_enter();\n    y[0] = x[0] * w[0];\n}\n__device__ int f(int a);\n";
+    let fs = functions(src);
+    assert_eq!(fs.len(), 1);
+    assert_eq!(fs[0].name, "k");
+    assert_eq!(const_restrict(fs[0].params), ["x", "w"]);
+    assert!(fs[0].body.contains("pdl_enter()"));
+    let body = "{ a = ld_nc(px + q); b = __ldg((const uint2*)(ps + rv)); c = ld_nc_stream(wp0 + vc); }";
+    assert_eq!(read_only_loads(body), ["px", "wp0", "ps"]);
+}
