@@ -66,20 +66,23 @@ fn closing(s: &str, open: usize) -> Option<usize> {
 /// Every `__global__` / `__device__` function defined in `src` (a `__launch_bounds__(..)` before the
 /// name is skipped; declarations without a body are not returned).
 fn functions(src: &str) -> Vec<Function<'_>> {
+    // The identifier that ends at byte `end`.
+    let ident_before = |end: usize| {
+        let start = src[..end].rfind(|c: char| !(c.is_alphanumeric() || c == '_')).map_or(0, |q| q + 1);
+        (start, &src[start..end])
+    };
     let mut out = Vec::new();
     let mut at = 0;
     while let Some(off) = src[at..].find("__global__").into_iter().chain(src[at..].find("__device__")).min() {
+        // (both keywords are 10 bytes long)
         let mut i = at + off + "__global__".len();
-        let paren = loop {
+        let (name_start, paren) = loop {
             let Some(p) = src[i..].find('(').map(|p| i + p) else { return out };
-            let name_start = src[..p].rfind(|c: char| !(c.is_alphanumeric() || c == '_')).map_or(0, |q| q + 1);
-            if &src[name_start..p] == "__launch_bounds__" {
-                i = closing(src, p).unwrap_or(src.len());
-                continue;
+            match ident_before(p) {
+                (_, "__launch_bounds__") => i = closing(src, p).unwrap_or(src.len()),
+                (start, _) => break (start, p),
             }
-            break p;
         };
-        let name_start = src[..paren].rfind(|c: char| !(c.is_alphanumeric() || c == '_')).map_or(0, |q| q + 1);
         let Some(close) = closing(src, paren) else { break };
         let rest = src[close..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
         if rest.starts_with('{') {
