@@ -8,7 +8,7 @@ build's files (rounds), and a line at the target.
 import json
 import sys
 
-from svg_bars import bar
+from svg_bars import bar, percent_grid
 
 COLORS = ["#b0b0b0", "#9db7e0", "#2f5fb3", "#e0a040"]
 
@@ -35,10 +35,7 @@ def main():
          f'<text x="{pad}" y="42" fill="#555">{sub}</text>',
          f'<text x="{pad}" y="60">{legend} · bars: % of the bandwidth roofline (value: ms per step)</text>',
          f'<rect x="{pad}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>']
-    for pct in (20, 40, 60, 80, 100):
-        y = top + ph - ph * pct / 100
-        s.append(f'<line x1="{pad}" y1="{y:.1f}" x2="{pad + pw}" y2="{y:.1f}" stroke="#ddd"/>')
-        s.append(f'<text x="{pad - 6}" y="{y + 4:.1f}" text-anchor="end" fill="#777">{pct}%</text>')
+    percent_grid(s, pad, top, pw, ph, (20, 40, 60, 80, 100))
     y = top + ph - ph * target / 100
     s.append(f'<line x1="{pad}" y1="{y:.1f}" x2="{pad + pw}" y2="{y:.1f}" stroke="#c33" stroke-dasharray="6 4"/>')
     s.append(f'<text x="{pad + pw - 4}" y="{y - 4:.1f}" text-anchor="end" fill="#c33">target {target:.0f}%</text>')

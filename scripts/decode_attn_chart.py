@@ -7,7 +7,7 @@ self-contained SVG, grouped bars of K/V bytes per second as a share of the devic
 import re
 import sys
 
-from svg_bars import bar
+from svg_bars import bar, percent_grid
 
 
 def parse(path):
@@ -43,10 +43,7 @@ def main():
          f'<text x="{pad}" y="42" fill="#555">{sub} · light: attn_decode_split · dark: attn_decode_mma (tensor cores)'
          ' · bf16 labels: batch, partition cap</text>',
          f'<rect x="{pad}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>']
-    for pct in (25, 50, 75, 100):
-        y = top + ph - ph * pct / 100
-        s.append(f'<line x1="{pad}" y1="{y:.1f}" x2="{pad + pw}" y2="{y:.1f}" stroke="#ddd"/>')
-        s.append(f'<text x="{pad - 6}" y="{y + 4:.1f}" text-anchor="end" fill="#777">{pct}%</text>')
+    percent_grid(s, pad, top, pw, ph, (25, 50, 75, 100))
     for i, lab in enumerate(labels):
         x0 = pad + i * slot + slot * 0.15
         bw = slot * 0.34
