@@ -8,7 +8,7 @@ build's files (rounds), and a line at the target.
 import json
 import sys
 
-from svg_bars import bar, percent_grid
+from svg_bars import bar, frame, percent_grid, target_line
 
 COLORS = ["#b0b0b0", "#9db7e0", "#2f5fb3", "#e0a040"]
 
@@ -30,15 +30,10 @@ def main():
     pw, ph = w - 2 * pad, h - top - 70
     slot = pw / max(len(points), 1)
     legend = " · ".join(f'<tspan fill="{COLORS[i % len(COLORS)]}">■</tspan> {n}' for i, (n, _) in enumerate(builds))
-    s = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">',
-         f'<text x="{pad}" y="24" font-size="14">{title}</text>',
-         f'<text x="{pad}" y="42" fill="#555">{sub}</text>',
-         f'<text x="{pad}" y="60">{legend} · bars: % of the bandwidth roofline (value: ms per step)</text>',
-         f'<rect x="{pad}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>']
+    s = frame(w, h, pad, top, pw, ph, title, sub,
+              [f'<text x="{pad}" y="60">{legend} · bars: % of the bandwidth roofline (value: ms per step)</text>'])
     percent_grid(s, pad, top, pw, ph, (20, 40, 60, 80, 100))
-    y = top + ph - ph * target / 100
-    s.append(f'<line x1="{pad}" y1="{y:.1f}" x2="{pad + pw}" y2="{y:.1f}" stroke="#c33" stroke-dasharray="6 4"/>')
-    s.append(f'<text x="{pad + pw - 4}" y="{y - 4:.1f}" text-anchor="end" fill="#c33">target {target:.0f}%</text>')
+    target_line(s, pad, top, pw, ph, target)
     for i, p in enumerate(points):
         bw = slot * 0.7 / max(len(builds), 1)
         x0 = pad + i * slot + slot * 0.15

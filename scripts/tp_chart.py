@@ -6,7 +6,7 @@
 import json
 import sys
 
-from svg_bars import bar
+from svg_bars import bar, frame
 
 
 def rows(d):
@@ -27,10 +27,9 @@ def main():
     w, h, pad, top = 860, 390, 60, 80
     pw, ph = w - 2 * pad, h - top - 60
     slot = pw / max(len(labels), 1)
-    s = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">',
-         f'<text x="{pad}" y="24" font-size="14">deltaserve, 27B shapes (bf16, random weights): one GPU vs tensor parallel 2</text>',
-         f'<text x="{pad}" y="42" fill="#555">{one["gpu"]} · bars: tokens/s; label: TP=2 speed-up (each pair scaled to its larger bar)</text>',
-         f'<rect x="{pad}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>']
+    s = frame(w, h, pad, top, pw, ph,
+              "deltaserve, 27B shapes (bf16, random weights): one GPU vs tensor parallel 2",
+              f"{one['gpu']} · bars: tokens/s; label: TP=2 speed-up (each pair scaled to its larger bar)")
     for i, lab in enumerate(labels):
         group = [va[lab], vb[lab]]
         # Prefill and decode differ by 1000x: scale each group to its own larger bar.
