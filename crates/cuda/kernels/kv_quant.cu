@@ -61,7 +61,7 @@ __device__ __forceinline__ unsigned int kq_code(int fmt, float y) {
 }
 
 // Stores one token-head row `x` (hd bf16) into `dst` (the row's bytes) and its scale.
-__device__ __forceinline__ void kq_row(const bf16_t* __restrict__ x, unsigned char* dst, unsigned short* scale,
+__device__ __forceinline__ void kq_row(const bf16_t* x, unsigned char* dst, unsigned short* scale,
                                        int hd, int fmt, int lane) {
     const int pairs = hd >> 1;
     if (fmt == KVF_BF16) {

@@ -1,10 +1,11 @@
 //! The read rule of programmatically launched kernels (kernels/prelude.cuh, above `pdl_trigger`),
 //! checked on the kernel sources without a GPU. A function that waits for the kernel before it
-//! (`pdl_wait()` / `pdl_enter()`) runs while earlier kernels of the step still write its inputs, so
-//! its `const T* __restrict__` parameters, from which the compiler emits the non-coherent
-//! `ld.global.nc`, may only be data that nothing writes during the step: weights and step inputs
-//! uploaded before it. Session 19 measured the failure this prevents: such a load of the
+//! (`pdl_wait()` / `pdl_enter()`), and every helper it calls, runs while earlier kernels of the step
+//! still write its inputs, so its `const T* __restrict__` parameters, from which the compiler may emit
+//! the non-coherent `ld.global.nc`, may only be data that nothing writes during the step: weights and
+//! step inputs uploaded before it. Session 19 measured the failure this prevents: such a load of the
 //! in-projection's z read the previous layer's values (bench/results/session19-h200-2026-11-30.md).
+//! Every kernel launched with `launch_pdl!` must wait at all.
 
 use deltaserve_cuda::nvrtc::SOURCES;
 
@@ -135,16 +136,64 @@ fn read_only_loads(body: &str) -> Vec<&str> {
     out
 }
 
+/// The functions of `fs` whose names `body` calls (`name(` or a template's `name<`).
+fn callees<'a>(body: &str, fs: &'a [Function<'a>]) -> Vec<&'a str> {
+    let mut out = Vec::new();
+    for f in fs {
+        let called = body.match_indices(f.name).any(|(i, _)| {
+            let before = body[..i].chars().next_back();
+            let after = body[i + f.name.len()..].chars().next();
+            !before.is_some_and(|c| c.is_alphanumeric() || c == '_') && matches!(after, Some('(' | '<'))
+        });
+        if called {
+            out.push(f.name);
+        }
+    }
+    out
+}
+
+/// The functions that wait (`pdl_wait()` / `pdl_enter()`) and every function they call, transitively: a
+/// helper that takes an activation through a `const __restrict__` parameter reads it the same way.
+fn waiting_and_callees<'a>(fs: &'a [Function<'a>]) -> Vec<&'a Function<'a>> {
+    let mut names: Vec<&str> =
+        fs.iter().filter(|f| f.body.contains("pdl_wait()") || f.body.contains("pdl_enter()")).map(|f| f.name).collect();
+    let mut i = 0;
+    while i < names.len() {
+        let name = names[i];
+        for f in fs.iter().filter(|f| f.name == name) {
+            for c in callees(f.body, fs) {
+                if !names.contains(&c) {
+                    names.push(c);
+                }
+            }
+        }
+        i += 1;
+    }
+    fs.iter().filter(|f| names.contains(&f.name)).collect()
+}
+
+/// Whether `f` calls `pdl_wait()` / `pdl_enter()`, itself or through the functions it calls (to `depth` 8).
+fn waits_itself_or_in_a_callee(f: &Function<'_>, fs: &[Function<'_>], depth: usize) -> bool {
+    f.body.contains("pdl_wait()")
+        || f.body.contains("pdl_enter()")
+        || (depth < 8
+            && callees(f.body, fs).iter().any(|c| {
+                fs.iter().any(|g| g.name == *c && g.name != f.name && waits_itself_or_in_a_callee(g, fs, depth + 1))
+            }))
+}
+
+const PRELUDE: &str = include_str!("../kernels/prelude.cuh");
+
 #[test]
 fn functions_that_wait_read_earlier_kernels_outputs_coherently() {
     let mut checked = Vec::new();
     let mut bad = Vec::new();
     for s in SOURCES {
-        for f in functions(s.src) {
-            if !(f.body.contains("pdl_wait()") || f.body.contains("pdl_enter()")) {
-                continue;
-            }
-            checked.push(f.name);
+        // Each module is compiled with the prelude in front of it.
+        let src = format!("{PRELUDE}\n{}", s.src);
+        let fs = functions(&src);
+        for f in waiting_and_callees(&fs) {
+            checked.push(f.name.to_string());
             for p in const_restrict(f.params) {
                 if !READ_ONLY.contains(&p) {
                     bad.push(format!(
@@ -163,16 +212,49 @@ fn functions_that_wait_read_earlier_kernels_outputs_coherently() {
             }
         }
     }
-    for must in
-        ["w4p_body", "gemv_bf16", "add_rms_norm_1p", "gdn_decode_gated", "gdn_conv_gate_decode", "attn_decode_mma"]
-    {
-        assert!(checked.contains(&must), "{must} not found among the functions that wait: {checked:?}");
+    for must in [
+        "w4p_body",
+        "gemv_bf16",
+        "add_rms_norm_1p",
+        "add_rms_norm_1p_vec",
+        "gdn_decode_gated",
+        "gdn_conv_gate_decode",
+        "attn_decode_mma",
+        "w4_gemv_store",
+    ] {
+        assert!(checked.iter().any(|c| c == must), "{must} not found among the functions that wait: {checked:?}");
     }
     assert!(
         bad.is_empty(),
         "inputs written by earlier kernels of the step must not be `const __restrict__`:\n{}",
         bad.join("\n")
     );
+}
+
+/// Every kernel a launcher starts with `launch_pdl!` under a literal name (src/ops/*.rs) waits for the kernel
+/// before it: a programmatic launch without `pdl_wait()` / `pdl_enter()` would read its inputs unsynchronised.
+/// (Launches under a computed name: the `w4p_*`, attention decode, DeltaNet decode and RoPE kernels, listed in
+/// the test above.)
+#[test]
+fn kernels_launched_programmatically_wait() {
+    let ops = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/ops");
+    let mut launched = Vec::new();
+    for e in std::fs::read_dir(&ops).unwrap() {
+        let text = std::fs::read_to_string(e.unwrap().path()).unwrap();
+        for (i, _) in text.match_indices("launch_pdl!(k, s, \"") {
+            let rest = &text[i + "launch_pdl!(k, s, \"".len()..];
+            launched.push(rest[..rest.find('"').unwrap()].to_string());
+        }
+    }
+    assert!(launched.len() >= 9, "launch_pdl! call sites with literal names: {launched:?}");
+    for name in &launched {
+        let waits = SOURCES.iter().any(|s| {
+            let src = format!("{PRELUDE}\n{}", s.src);
+            let fs = functions(&src);
+            fs.iter().any(|f| f.name == name && waits_itself_or_in_a_callee(f, &fs, 0))
+        });
+        assert!(waits, "{name} is launched programmatically but does not wait for the kernel before it");
+    }
 }
 
 #[test]
@@ -184,6 +266,12 @@ fn the_parser_finds_a_bad_parameter() {
     assert_eq!(fs[0].name, "k");
     assert_eq!(const_restrict(fs[0].params), ["x", "w"]);
     assert!(fs[0].body.contains("pdl_enter()"));
+    // A helper the waiting kernel calls is checked too (kv_write_q's kq_row took its K/V row this way).
+    let src = "__device__ void h(const float* __restrict__ x, float* y) { y[0] = x[0]; }\n__device__ void u(int a)                { }\n__global__ void k(const float* x, float* y) {\n    pdl_wait();\n    h(x, y);\n}\n";
+    let fs = functions(src);
+    let names: Vec<&str> = waiting_and_callees(&fs).iter().map(|f| f.name).collect();
+    assert_eq!(names, ["h", "k"]);
+    assert!(waits_itself_or_in_a_callee(&fs[2], &fs, 0) && !waits_itself_or_in_a_callee(&fs[0], &fs, 0));
     let body = "{ a = ld_nc(px + q); b = __ldg((const uint2*)(ps + rv)); c = ld_nc_stream(wp0 + vc); }";
     assert_eq!(read_only_loads(body), ["px", "wp0", "ps"]);
 }
