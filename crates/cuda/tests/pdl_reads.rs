@@ -220,6 +220,8 @@ fn functions_that_wait_read_earlier_kernels_outputs_coherently() {
         "gdn_decode_gated",
         "gdn_conv_gate_decode",
         "attn_decode_mma",
+        "attn_decode_split",
+        "qk_norm_rope",
         "w4_gemv_store",
     ] {
         assert!(checked.iter().any(|c| c == must), "{must} not found among the functions that wait: {checked:?}");
