@@ -152,11 +152,13 @@ fn callees<'a>(body: &str, fs: &'a [Function<'a>]) -> Vec<&'a str> {
     out
 }
 
-/// The functions that wait (`pdl_wait()` / `pdl_enter()`) and every function they call, transitively: a
-/// helper that takes an activation through a `const __restrict__` parameter reads it the same way.
-fn waiting_and_callees<'a>(fs: &'a [Function<'a>]) -> Vec<&'a Function<'a>> {
-    let mut names: Vec<&str> =
-        fs.iter().filter(|f| f.body.contains("pdl_wait()") || f.body.contains("pdl_enter()")).map(|f| f.name).collect();
+/// Whether `f` waits for the kernel before it itself (`pdl_wait()` / `pdl_enter()` in its body).
+fn waits(f: &Function<'_>) -> bool {
+    f.body.contains("pdl_wait()") || f.body.contains("pdl_enter()")
+}
+
+/// The functions of `fs` named in `names` and every function they call, transitively.
+fn with_callees<'a>(mut names: Vec<&'a str>, fs: &'a [Function<'a>]) -> Vec<&'a Function<'a>> {
     let mut i = 0;
     while i < names.len() {
         let name = names[i];
@@ -172,14 +174,15 @@ fn waiting_and_callees<'a>(fs: &'a [Function<'a>]) -> Vec<&'a Function<'a>> {
     fs.iter().filter(|f| names.contains(&f.name)).collect()
 }
 
-/// Whether `f` calls `pdl_wait()` / `pdl_enter()`, itself or through the functions it calls (to `depth` 8).
-fn waits_itself_or_in_a_callee(f: &Function<'_>, fs: &[Function<'_>], depth: usize) -> bool {
-    f.body.contains("pdl_wait()")
-        || f.body.contains("pdl_enter()")
-        || (depth < 8
-            && callees(f.body, fs).iter().any(|c| {
-                fs.iter().any(|g| g.name == *c && g.name != f.name && waits_itself_or_in_a_callee(g, fs, depth + 1))
-            }))
+/// The functions that wait and every function they call: a helper that takes an activation through a
+/// `const __restrict__` parameter reads it the same way.
+fn waiting_and_callees<'a>(fs: &'a [Function<'a>]) -> Vec<&'a Function<'a>> {
+    with_callees(fs.iter().filter(|f| waits(f)).map(|f| f.name).collect(), fs)
+}
+
+/// Each kernel source with the prelude in front of it, as NVRTC compiles it.
+fn modules() -> Vec<(&'static str, String)> {
+    SOURCES.iter().map(|s| (s.module, format!("{PRELUDE}\n{}", s.src))).collect()
 }
 
 const PRELUDE: &str = include_str!("../kernels/prelude.cuh");
@@ -188,25 +191,20 @@ const PRELUDE: &str = include_str!("../kernels/prelude.cuh");
 fn functions_that_wait_read_earlier_kernels_outputs_coherently() {
     let mut checked = Vec::new();
     let mut bad = Vec::new();
-    for s in SOURCES {
-        // Each module is compiled with the prelude in front of it.
-        let src = format!("{PRELUDE}\n{}", s.src);
+    for (module, src) in modules() {
         let fs = functions(&src);
         for f in waiting_and_callees(&fs) {
             checked.push(f.name.to_string());
             for p in const_restrict(f.params) {
                 if !READ_ONLY.contains(&p) {
-                    bad.push(format!(
-                        "{}.cu: {}({p}): `const __restrict__` in a function that waits",
-                        s.module, f.name
-                    ));
+                    bad.push(format!("{module}.cu: {}({p}): `const __restrict__` in a function that waits", f.name));
                 }
             }
             for p in read_only_loads(f.body) {
                 if !READ_ONLY.contains(&p) && !READ_ONLY_LOCALS.contains(&p) {
                     bad.push(format!(
-                        "{}.cu: {}: a read-only load through `{p}` in a function that waits",
-                        s.module, f.name
+                        "{module}.cu: {}: a read-only load through `{p}` in a function that waits",
+                        f.name
                     ));
                 }
             }
@@ -249,13 +247,11 @@ fn kernels_launched_programmatically_wait() {
         }
     }
     assert!(launched.len() >= 9, "launch_pdl! call sites with literal names: {launched:?}");
+    let modules = modules();
+    let parsed: Vec<Vec<Function<'_>>> = modules.iter().map(|(_, src)| functions(src)).collect();
     for name in &launched {
-        let waits = SOURCES.iter().any(|s| {
-            let src = format!("{PRELUDE}\n{}", s.src);
-            let fs = functions(&src);
-            fs.iter().any(|f| f.name == name && waits_itself_or_in_a_callee(f, &fs, 0))
-        });
-        assert!(waits, "{name} is launched programmatically but does not wait for the kernel before it");
+        let waits_somewhere = parsed.iter().any(|fs| with_callees(vec![name.as_str()], fs).iter().any(|f| waits(f)));
+        assert!(waits_somewhere, "{name} is launched programmatically but does not wait for the kernel before it");
     }
 }
 
@@ -267,13 +263,14 @@ fn the_parser_finds_a_bad_parameter() {
     assert_eq!(fs.len(), 1);
     assert_eq!(fs[0].name, "k");
     assert_eq!(const_restrict(fs[0].params), ["x", "w"]);
-    assert!(fs[0].body.contains("pdl_enter()"));
+    assert!(waits(&fs[0]));
     // A helper the waiting kernel calls is checked too (kv_write_q's kq_row took its K/V row this way).
     let src = "__device__ void h(const float* __restrict__ x, float* y) { y[0] = x[0]; }\n__device__ void u(int a)                { }\n__global__ void k(const float* x, float* y) {\n    pdl_wait();\n    h(x, y);\n}\n";
     let fs = functions(src);
     let names: Vec<&str> = waiting_and_callees(&fs).iter().map(|f| f.name).collect();
     assert_eq!(names, ["h", "k"]);
-    assert!(waits_itself_or_in_a_callee(&fs[2], &fs, 0) && !waits_itself_or_in_a_callee(&fs[0], &fs, 0));
+    let waits_from = |name| with_callees(vec![name], &fs).iter().any(|f| waits(f));
+    assert!(waits_from("k") && !waits_from("h"));
     let body = "{ a = ld_nc(px + q); b = __ldg((const uint2*)(ps + rv)); c = ld_nc_stream(wp0 + vc); }";
     assert_eq!(read_only_loads(body), ["px", "wp0", "ps"]);
 }
