@@ -378,7 +378,7 @@ impl EngineArgs {
             }
             WeightSource::Checkpoint(text.dir.clone())
         };
-        let cuda_opts = CudaOptions { cuda_graphs: !self.no_cuda_graphs, ..CudaOptions::default() };
+        let cuda_opts = cuda_options(!self.no_cuda_graphs);
         let host_slots = sched.prefix_cache.host_slots;
         let backend: Box<dyn Backend> = if tp > 1 {
             Box::new(TpBackend::new(&cfg, weights, &plan, host_slots, cuda_opts)?)
@@ -456,4 +456,11 @@ impl EngineArgs {
         };
         Ok(Started { engine, plan, tokenizer, template: loaded.template.map(Arc::new), eos_ids })
     }
+}
+
+/// The CUDA backend's options of the server and the benchmarks. `DELTASERVE_FOLD=0`: decode steps run
+/// the residual add + RMSNorm as its own kernel instead of folded into the int4 projections (an A/B switch).
+pub fn cuda_options(cuda_graphs: bool) -> CudaOptions {
+    let fold_norms = std::env::var("DELTASERVE_FOLD").map_or(true, |v| v != "0");
+    CudaOptions { cuda_graphs, fold_norms, ..CudaOptions::default() }
 }

@@ -23,6 +23,7 @@
 //  w4p_*:        y[m, o] = sum_j x[m, j] * W[o, j], m < M <= 8, f32 accumulation, bf16 or f32 y, for
 //                up to four segments sharing x in one launch: linears, or row ranges of one run
 //                with their own warps per pair (the "pair" kernel, described above its code).
+//  w4pf_*:       w4p_* with the residual add + RMSNorm between two projections folded in (W4Fold, below).
 //  w4_dequant:   dst[r - r0, perm[j]] = bf16(W[r, perm[j]]) for rows r0 <= r < r1 (prefill path:
 //                an N-slice of bf16 weights for cuBLASLt).
 //  w4_quantize:  rows r0..r1 of a bf16 W (staging buffer, row r at w + (r - r0)*ldw) -> the format,
@@ -34,9 +35,10 @@
 //
 // Launch:
 //  w4_permute_x: grid (ceil(M*in/256)), block 256.
-//  w4p_*:        grid (sum over the segments of ceil(ceil(out_s/32) / (8/wpt_s))), block 256, dynamic
+//  w4p_*, w4pf_*: grid (sum over the segments of ceil(ceil(out_s/32) / (8/wpt_s))), block 256, dynamic
 //                smem 64 KB (8 warps x 4 stages x 2 KB); x 16-byte aligned with ldx % 8 == 0; scales
-//                8-byte aligned, zeros 4-byte aligned (a segment from row r0 of a linear: r0 % 32 == 0).
+//                8-byte aligned, zeros 4-byte aligned (a segment from row r0 of a linear: r0 % 32 == 0);
+//                w4pf_*: 8 KB more dynamic smem (W4_FOLD_SMEM).
 //  w4_dequant:   grid (ceil((r1-r0)*in/32 / 256)) (grid-stride; per word with perm), block 256;
 //                dst 16-byte aligned, ldd % 8 == 0 (without perm); out*in/32 < 2^31.
 //  w4_quantize:  grid (ceil(ceil((r1-r0)/2) * NG / 8)), block 256: one warp per (row pair, group);
@@ -44,8 +46,8 @@
 // Arch: mma.sync bf16, cp.async, cvt f16, ld.global.nc: sm_80+ (nothing Hopper-only; on sm_90 the
 // launcher may launch w4p_* programmatically: the ring's first units load before pdl_wait(), and a
 // w4p_* block lets the next kernel launch as it starts: pdl_trigger(), a no-op below sm_90).
-// Tested by: tests/ops.rs cases "w4_gemv", "w4_gemv_multi", "w4_dequant", "w4_quantize"; bench in
-// tests/bench_w4.rs.
+// Tested by: tests/ops.rs cases "w4_gemv", "w4_gemv_multi", "w4_gemv_fold", "w4_dequant", "w4_quantize";
+// tests/backend.rs folded_norms_match_separate_kernels; bench in tests/bench_w4.rs.
 
 #define W4_WARPS 8
 
@@ -77,20 +79,16 @@ extern "C" __global__ void w4_permute_x(const bf16_t* __restrict__ x, long long 
 }
 
 // Sums the wpt partial results (warp w writes its NT*128 partials at red + w * red_stride, a region
-// no other warp touches) and stores the outputs of NT 16-row tiles: fragment value c (0..3) of tile
-// i is output row rows[2i + (c >> 1)] (rows[] per lane; < 0: not stored), token 2t + (c & 1).
-// Contains __syncthreads() when wpt > 1.
-__device__ __forceinline__ void w4_put(bf16_t* p, float v) { *p = f2bf(v); }
-__device__ __forceinline__ void w4_put(float* p, float v) { *p = v; }
-template <int NT, typename OutT>
-__device__ __forceinline__ void w4_gemv_store(float* acc, float* red, int red_stride, int wpt, int warp, int lane,
-                                              int part, const int* rows, int M, OutT* __restrict__ y,
-                                              long long ldy) {
+// no other warp touches) into the part-0 warps' acc; false in the other warps. Contains
+// __syncthreads() when wpt > 1.
+template <int NT>
+__device__ __forceinline__ bool w4_sum_parts(float* acc, float* red, int red_stride, int wpt, int warp, int lane,
+                                             int part) {
     if (wpt > 1) {
 #pragma unroll
         for (int c = 0; c < 4 * NT; ++c) red[warp * red_stride + c * 32 + lane] = acc[c];
         __syncthreads();
-        if (part != 0) return;
+        if (part != 0) return false;
 #pragma unroll
         for (int c = 0; c < 4 * NT; ++c) {
             float s = 0.f;
@@ -98,12 +96,140 @@ __device__ __forceinline__ void w4_gemv_store(float* acc, float* red, int red_st
             acc[c] = s;
         }
     }
+    return true;
+}
+
+// w4_sum_parts, then stores the outputs of NT 16-row tiles: fragment value c (0..3) of tile i is output
+// row rows[2i + (c >> 1)] (rows[] per lane; < 0: not stored), token 2t + (c & 1).
+__device__ __forceinline__ void w4_put(bf16_t* p, float v) { *p = f2bf(v); }
+__device__ __forceinline__ void w4_put(float* p, float v) { *p = v; }
+template <int NT, typename OutT>
+__device__ __forceinline__ void w4_gemv_store(float* acc, float* red, int red_stride, int wpt, int warp, int lane,
+                                              int part, const int* rows, int M, OutT* __restrict__ y,
+                                              long long ldy) {
+    if (!w4_sum_parts<NT>(acc, red, red_stride, wpt, warp, lane, part)) return;
     const int t = lane & 3;
 #pragma unroll
     for (int c = 0; c < 4 * NT; ++c) {
         const int row = rows[c >> 1], m = 2 * t + (c & 1);
         if (row >= 0 && m < M) w4_put(y + (long long)m * ldy + row, acc[c]);
     }
+}
+
+// The pair kernel's ring (described above its code): W4P_S stages of W4P_STAGE_U4 uint4 per warp.
+#define W4P_S 4
+#define W4P_STAGE_U4 128
+
+// The residual add + RMSNorm between two decode projections, folded into them (a "fold", the w4pf_*
+// kernels; steps of at most 8 tokens, tensor parallelism off, rows of at most W4_FOLD_MAX_D with
+// D % 128 == 0).
+//  mode 1, the projection whose output joins the residual stream (a mixer's out / o projection, down;
+//      one linear): y is the residual stream [M, out] (read and written), and for each output
+//        h = bf16(y + bf16(acc))                  (add_rms_norm_1p's residual, bit for bit)
+//        y = h,   fx[m, r] = bf16(h * (1 + nw[r]))  (the next norm's input before its 1/rms; row stride ldy)
+//      and ss[8 * pair + m] = the sum of h^2 over the pair's 32 rows (its lanes in row order, then a
+//      butterfly over the 8 row groups), for every pair of the linear. A segment's rows start at
+//      y - y0 (y0: the launch's first segment, row 0).
+//  mode 2, the projection after that norm (in-projections, gate/up): x is mode 1's fx, and the outputs
+//      are scaled by inv_m = rsqrt(S_m / in + eps), S_m the sum of ss[8p + m] over p < np (np =
+//      ceil(in / 32); the lanes (g, t) add p = g, g + 8, ... in order, then a butterfly over g).
+// Against add_rms_norm_1p + a plain GEMV this rounds x differently (bf16(h(1 + w)), then the sum times
+// inv, instead of bf16(h · inv · (1 + w))) and sums the squares in another order: as accurate (tests).
+// What it saves: the norm kernel between the two projections (one launch and its memory round trips
+// on the critical path of every decode step, 126 per step at the 27B's 64 layers). What it adds stays
+// off the tail: the epilogue's inputs (mode 1: the lane's residual values and norm weights; mode 2: the
+// sums) are copied into W4_FOLD_SMEM bytes of shared memory after the ring, by cp.async issued with the
+// ring's weights, so the epilogue reads shared memory only.
+// W4Fold holds the kernel's parameters as they are; offsets are derived where they are used.
+struct W4Fold {
+    bf16_t* fx;
+    const bf16_t* nw;
+    float* ss;
+    const void* y0;
+    int mode, np;
+    float eps;
+};
+#define W4_FOLD_SMEM 8192
+#define W4_FOLD_MAX_D 8192
+// Mode 1's staging: the residual [8 tokens][256 rows of the block] bf16, then the norm weights [256].
+#define W4_FOLD_ROWS 256
+
+__device__ __forceinline__ void cp_async8(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src) : "memory");
+}
+// Commits what is pending and waits for every cp.async of the thread (the fold's copies join the
+// ring's groups; a warp without groups has them uncommitted).
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// The fold's epilogue, once per kernel (not in each w4p_body instantiation), after w4p_body left each
+// pair's summed acc in its part-0 warp's slice of the ring (acc[c] at red[c * 32 + lane]: row r0 + c / 2,
+// token 2t + c % 2) and the staging is filled (W4Fold). Lane (g, t) of a part-0 warp: rows r0 .. r0 + 3
+// (r0 = 32 * pair + 4g), tokens 2t, 2t + 1. wpt is a power of two. Mode 1 stores 4 rows of a token as
+// one 8-byte vector (the launcher keeps y, fx 8-byte aligned and ldy % 4 == 0).
+#define W4P_RED_STRIDE (W4P_S * W4P_STAGE_U4 * 4)
+__device__ __forceinline__ void w4p_fold_epilogue(const W4Fold& f, int block, int wpt, bf16_t* y, long long ldy,
+                                                  int out, int M, int in, const uint4* smem) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, lw = __ffs(wpt) - 1;
+    if (warp & (wpt - 1)) return;
+    const int g = lane >> 2, t = lane & 3, pw = warp >> lw;  // pw: the warp's pair in the block
+    const int pair = (block << (3 - lw)) + pw, r0 = 32 * pair + 4 * g;
+    const float* red = (const float*)smem + warp * W4P_RED_STRIDE + lane;
+    const bf16_t* stage = (const bf16_t*)(smem + W4_WARPS * W4P_S * W4P_STAGE_U4);
+    const bool live = r0 < out;  // whole pairs: out % 32 == 0
+    float v[2] = {0.f, 0.f};     // mode 1: sums of h^2; mode 2: of the producer's sums (tokens 2t, 2t + 1)
+    if (f.mode == 1) {
+        const long long seg = y - (const bf16_t*)f.y0;  // the segment's first row in the linear
+        const int prow = 32 * pw + 4 * g;
+        const uint2 wv = *(const uint2*)(stage + 8 * W4_FOLD_ROWS + prow);
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const int m = 2 * t + k;
+            if (!live || m >= M) continue;
+            const uint2 rv = *(const uint2*)(stage + m * W4_FOLD_ROWS + prow);
+            const u32 rw[2] = {rv.x, rv.y}, ww[2] = {wv.x, wv.y};
+            u32 hw[2], xw[2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {  // rows 2i, 2i + 1 of the four
+                const float h0 = round_bf(round_bf(red[(4 * i + k) * 32]) + __uint_as_float(rw[i] << 16));
+                const float h1 =
+                    round_bf(round_bf(red[(4 * i + 2 + k) * 32]) + __uint_as_float(rw[i] & 0xffff0000u));
+                v[k] += h0 * h0;
+                v[k] += h1 * h1;
+                hw[i] = pack_bf16(h0, h1);
+                xw[i] = pack_bf16(h0 * (1.0f + __uint_as_float(ww[i] << 16)),
+                                  h1 * (1.0f + __uint_as_float(ww[i] & 0xffff0000u)));
+            }
+            *(uint2*)(y + (long long)m * ldy + r0) = make_uint2(hw[0], hw[1]);
+            *(uint2*)(f.fx + seg + (long long)m * ldy + r0) = make_uint2(xw[0], xw[1]);
+        }
+    } else {
+        const float* sss = (const float*)stage + 2 * t;  // [np][8]: lane (g, t) adds pairs g, g + 8, ...
+#pragma unroll 4
+        for (int p = g; p < f.np; p += 8) {
+            const float2 s2 = *(const float2*)(sss + 8 * p);
+            v[0] += s2.x;
+            v[1] += s2.y;
+        }
+    }
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {  // over the 8 row groups / pair residues g
+        v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
+        v[1] += __shfl_xor_sync(0xffffffffu, v[1], o);
+    }
+    if (f.mode == 1) {
+        float* ss = f.ss + 8 * ((int)((y - (const bf16_t*)f.y0) >> 5) + pair);
+        if (lane < 4 && 2 * t < M) ss[2 * t] = v[0];
+        if (lane < 4 && 2 * t + 1 < M) ss[2 * t + 1] = v[1];
+        return;
+    }
+    const float inv[2] = {rsqrtf(v[0] / (float)in + f.eps), rsqrtf(v[1] / (float)in + f.eps)};
+    float acc[8];
+    int rows[4];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) acc[c] = red[c * 32] * inv[c & 1];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) rows[j] = r0 + j < out ? r0 + j : -1;
+    w4_gemv_store<2>(acc, nullptr, 0, 1, warp, lane, 0, rows, M, y, ldy);  // (1 warp per pair: no reduction)
 }
 
 // The "pair" GEMV (w4p_*): a warp streams two 16-row tiles (32 output rows, one pair of the format)
@@ -120,9 +246,6 @@ __device__ __forceinline__ void w4_gemv_store(float* acc, float* red, int red_st
 // The weights of S = 4 groups (2 KB each) stream through a per-warp ring (3 in flight); scales and
 // zeros ride in registers 3 groups ahead; x one group ahead. The group loop is unrolled by S, so
 // stages and register slots are compile-time.
-#define W4P_S 4
-#define W4P_STAGE_U4 128
-
 template <bool SBF>
 __device__ __forceinline__ float w4p_scale(u32 bits) {
     return SBF ? __uint_as_float(bits << 16) : f16_to_f32((unsigned short)bits);
@@ -135,11 +258,12 @@ __device__ __forceinline__ u32 w4p_unpack(u32 w) {
     return r;
 }
 
-template <typename OutT, bool ASYM, bool SBF, bool VEC>
+// FOLD (the w4pf_* kernels): the fold's staging and, instead of storing, acc left for w4p_fold_epilogue.
+template <typename OutT, bool ASYM, bool SBF, bool VEC, bool FOLD>
 __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,
                                          const unsigned char* __restrict__ zeros, const bf16_t* x,
                                          long long ldx, OutT* __restrict__ y, long long ldy, int M, int out, int os,
-                                         int in, int wpt, int block, uint4* smem) {
+                                         int in, int wpt, int block, uint4* smem, const W4Fold& f) {
     constexpr int S = W4P_S;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -207,9 +331,29 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
         if (st < n) issue(st, st, sv[st], zv[st]);
         cp_async_commit();
     }
+    // The fold's staging (W4Fold), after the ring: a mode-1 lane's norm weights (a weight: before the
+    // wait) and residual values at its rows from prow in the block (the launcher keeps out % 32 == 0);
+    // mode 2's sums, copied by every thread of the block.
+    const u32 fold_s = smem_addr(smem + W4_WARPS * S * W4P_STAGE_U4);
+    const int prow = (warp / wpt) * 32 + 4 * g;
+    if constexpr (FOLD) {
+        if (f.mode == 1 && part == 0)
+            cp_async8(fold_s + 2 * (8 * W4_FOLD_ROWS + prow), f.nw + ((const bf16_t*)y - (const bf16_t*)f.y0) + r0);
+    }
     // Launched to overlap the previous kernel (sm_90): the weights are in flight; x and y are that
     // kernel's.
     pdl_wait();
+    if constexpr (FOLD) {
+        if (f.mode == 1 && part == 0) {
+#pragma unroll
+            for (int k = 0; k < 2; ++k)
+                if (2 * t + k < M)
+                    cp_async8(fold_s + 2 * ((2 * t + k) * W4_FOLD_ROWS + prow), y + (long long)(2 * t + k) * ldy + r0);
+        }
+        if (f.mode == 2)
+            for (int i = threadIdx.x; i < 2 * f.np; i += W4_WARPS * 32)
+                cp_async16(fold_s + 16 * i, (const uint4*)f.ss + i);
+    }
     uint4 xb[2][4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
@@ -272,6 +416,15 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
         for (int j = 0; j < 4; ++j) pw[j] += gstep * S;
         px += 16 * S;
     }
+    if constexpr (FOLD) {
+        cp_async_wait_all();
+        if (f.mode == 2) __syncthreads();  // the sums were staged by every thread of the block
+        if (!w4_sum_parts<2>(acc, (float*)smem, W4P_RED_STRIDE, wpt, warp, lane, part)) return;
+        // w4p_fold_epilogue takes the sums from the warp's slice of the ring.
+#pragma unroll
+        for (int c = 0; c < 8; ++c) ((float*)smem)[warp * W4P_RED_STRIDE + c * 32 + lane] = acc[c];
+        return;
+    }
     cp_async_wait<0>();
     // Rows of the fragment values: tile 0 rows g, g + 8 = r0, r0 + 1; tile 1: r0 + 2, r0 + 3.
     int rows[4];
@@ -288,35 +441,57 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
     const u32 *__restrict__ qw##i, const unsigned short *__restrict__ sc##i,                                  \
         const unsigned char *__restrict__ z##i, OUT_T *__restrict__ y##i, long long ldy##i, int out##i,        \
         int os##i, int wpt##i, int nb##i
+// The segment of block blockIdx.x: b (its block in the segment), qw, sc, z, y, ldy, out, os, wpt.
+#define W4P_SELECT(OUT_T)                                                                                     \
+    int b = blockIdx.x;                                                                                       \
+    const u32* qw = qw0;                                                                                      \
+    const unsigned short* sc = sc0;                                                                           \
+    const unsigned char* z = z0;                                                                              \
+    OUT_T* y = y0;                                                                                            \
+    long long ldy = ldy0;                                                                                     \
+    int out = out0, os = os0, wpt = wpt0;                                                                     \
+    if (b >= nb0) {                                                                                           \
+        b -= nb0;                                                                                             \
+        if (b < nb1) {                                                                                        \
+            qw = qw1; sc = sc1; z = z1; y = y1; ldy = ldy1; out = out1; os = os1; wpt = wpt1;                 \
+        } else if (b < nb1 + nb2) {                                                                           \
+            b -= nb1;                                                                                         \
+            qw = qw2; sc = sc2; z = z2; y = y2; ldy = ldy2; out = out2; os = os2; wpt = wpt2;                 \
+        } else {                                                                                              \
+            b -= nb1 + nb2;                                                                                   \
+            qw = qw3; sc = sc3; z = z3; y = y3; ldy = ldy3; out = out3; os = os3; wpt = wpt3;                 \
+        }                                                                                                     \
+    }
 #define W4P_KERNEL(NAME, OUT_T, ASYM, SBF)                                                                    \
     extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 2)                                              \
         NAME(const bf16_t* x, long long ldx, int M, int in, W4P_SEG_ARGS(0, OUT_T),                               \
              W4P_SEG_ARGS(1, OUT_T), W4P_SEG_ARGS(2, OUT_T), W4P_SEG_ARGS(3, OUT_T)) {                          \
         extern __shared__ uint4 w4_dyn[];                                                                        \
         pdl_trigger(); /* sm_90: the next kernel may launch; it waits for this one's completion */               \
-        int b = blockIdx.x;                                                                                      \
-        const u32* qw = qw0;                                                                                     \
-        const unsigned short* sc = sc0;                                                                          \
-        const unsigned char* z = z0;                                                                             \
-        OUT_T* y = y0;                                                                                           \
-        long long ldy = ldy0;                                                                                    \
-        int out = out0, os = os0, wpt = wpt0;                                                                    \
-        if (b >= nb0) {                                                                                          \
-            b -= nb0;                                                                                            \
-            if (b < nb1) {                                                                                       \
-                qw = qw1; sc = sc1; z = z1; y = y1; ldy = ldy1; out = out1; os = os1; wpt = wpt1;                \
-            } else if (b < nb1 + nb2) {                                                                          \
-                b -= nb1;                                                                                        \
-                qw = qw2; sc = sc2; z = z2; y = y2; ldy = ldy2; out = out2; os = os2; wpt = wpt2;                \
-            } else {                                                                                             \
-                b -= nb1 + nb2;                                                                                  \
-                qw = qw3; sc = sc3; z = z3; y = y3; ldy = ldy3; out = out3; os = os3; wpt = wpt3;                \
-            }                                                                                                    \
-        }                                                                                                        \
+        W4P_SELECT(OUT_T)                                                                                        \
         if ((out & 3) == 0 && (os & 3) == 0)                                                                     \
-            w4p_body<OUT_T, ASYM, SBF, true>(qw, sc, z, x, ldx, y, ldy, M, out, os, in, wpt, b, w4_dyn);         \
+            w4p_body<OUT_T, ASYM, SBF, true, false>(qw, sc, z, x, ldx, y, ldy, M, out, os, in, wpt, b, w4_dyn, {}); \
         else                                                                                                     \
-            w4p_body<OUT_T, ASYM, SBF, false>(qw, sc, z, x, ldx, y, ldy, M, out, os, in, wpt, b, w4_dyn);        \
+            w4p_body<OUT_T, ASYM, SBF, false, false>(qw, sc, z, x, ldx, y, ldy, M, out, os, in, wpt, b, w4_dyn, {}); \
+    }
+// The folded kernels (bf16 outputs): fx, nw, fss, fmode, fnp, feps are W4Fold's (mode 1 launches one
+// linear, whose segments' offsets y_s - y0 locate their rows). A kernel of its own, so that the fold's
+// code leaves w4p_*'s unchanged (bench/results/session21-h200-2026-11-30.md: with it inside, ptxas
+// scheduled the plain kernel's main loop differently and the decode step was ~0.4 ms slower).
+#define W4P_FOLD_KERNEL(NAME, ASYM, SBF)                                                                      \
+    extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 2)                                              \
+        NAME(const bf16_t* x, long long ldx, int M, int in, W4P_SEG_ARGS(0, bf16_t), W4P_SEG_ARGS(1, bf16_t),     \
+             W4P_SEG_ARGS(2, bf16_t), W4P_SEG_ARGS(3, bf16_t), bf16_t* fx, const bf16_t* __restrict__ nw,         \
+             float* fss, int fmode, int fnp, float feps) {                                                       \
+        extern __shared__ uint4 w4_dyn[];                                                                        \
+        pdl_trigger(); /* sm_90: the next kernel may launch; it waits for this one's completion */               \
+        W4P_SELECT(bf16_t)                                                                                       \
+        const W4Fold f{fx, nw, fss, y0, fmode, fnp, feps};                                                       \
+        if ((out & 3) == 0 && (os & 3) == 0)                                                                     \
+            w4p_body<bf16_t, ASYM, SBF, true, true>(qw, sc, z, x, ldx, y, ldy, M, out, os, in, wpt, b, w4_dyn, f); \
+        else                                                                                                     \
+            w4p_body<bf16_t, ASYM, SBF, false, true>(qw, sc, z, x, ldx, y, ldy, M, out, os, in, wpt, b, w4_dyn, f); \
+        w4p_fold_epilogue(f, b, wpt, y, ldy, out, M, in, w4_dyn);                                                \
     }
 // w4p_<y: h bf16 | f f32><s symmetric | a zero points><h f16 | b bf16 scales>
 W4P_KERNEL(w4p_hsh, bf16_t, false, false)
@@ -327,6 +502,11 @@ W4P_KERNEL(w4p_fsh, float, false, false)
 W4P_KERNEL(w4p_fsb, float, false, true)
 W4P_KERNEL(w4p_fah, float, true, false)
 W4P_KERNEL(w4p_fab, float, true, true)
+// w4pf_<s | a><h | b>: the folded ones.
+W4P_FOLD_KERNEL(w4pf_sh, false, false)
+W4P_FOLD_KERNEL(w4pf_sb, false, true)
+W4P_FOLD_KERNEL(w4pf_ah, true, false)
+W4P_FOLD_KERNEL(w4pf_ab, true, true)
 
 // Eight columns of word w as bf16 (q - z) * s, packed in column order (columns (2p, 2p + 1) are
 // nibbles p, p + 4). zf = 2^23 + z: 2^23 + q is the f32 pattern 0x4b000000 | q, so (2^23 + q) - zf

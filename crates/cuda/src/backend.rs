@@ -38,7 +38,7 @@ use crate::nvrtc::{KernelDims, KvFormats};
 use crate::ops::gemv::{self, GemvOut};
 use crate::ops::init::{Init, init_random};
 use crate::ops::kv_quant::{self, LayerKv};
-use crate::ops::w4a16::{self, W4Weights};
+use crate::ops::w4a16::{self, Fold, W4Weights};
 use crate::ops::{
     self, Kernels, attention, conv, elementwise, embed, gdn_chunk, gdn_decode, gdn_gate, kv_cache, mtp, norm,
 };
@@ -80,6 +80,11 @@ pub struct CudaOptions {
     /// shapes: at 1K context the prefill kernel is as fast at batch 1 and faster at batch 8; at 32K it
     /// is 2.4× slower at batch 1 (it has no split over the keys).
     pub verify_decode_attention_from: usize,
+    /// Decode steps of at most 8 tokens fold each residual add + RMSNorm between two int4 projections
+    /// into them ([`w4a16::Fold`]: the norm kernel's launch and round trips leave the critical path),
+    /// when every layer's projections are int4 GEMVs and tensor parallelism is off. Off: the separate
+    /// `add_rms_norm_1p` kernel (bitwise the reference's order of operations).
+    pub fold_norms: bool,
 }
 
 impl Default for CudaOptions {
@@ -89,6 +94,7 @@ impl Default for CudaOptions {
             gemv_max_tokens: gemv::MAX_TOKENS,
             graph_pad: false,
             verify_decode_attention_from: 4096,
+            fold_norms: true,
         }
     }
 }
@@ -346,6 +352,9 @@ struct Ws {
     /// int4: act-order x scratch and the dequantised slice (0 bytes when unused).
     w4_x: DevSpan,
     w4_slice: DevSpan,
+    /// The folded norms' input `[min(t, 8), hidden]` and sums of squares ([`w4a16::Fold`]).
+    fold_x: u64,
+    fold_sums: u64,
 }
 
 /// Where layer `i`'s cache lives.
@@ -439,6 +448,8 @@ pub struct CudaBackend {
     tp: Option<RankComm>,
     /// Speculative decoding (the plan's `speculative_tokens` > 0).
     spec: Option<Spec>,
+    /// Every layer's norms can fold into its projections ([`layers_fold`]; tensor parallelism off).
+    fold: bool,
 }
 
 /// One tensor-parallel rank: its shard of the model and the communicators of its group (attached
@@ -1070,6 +1081,8 @@ impl CudaBackend {
             mlp_gate_up: get("mlp_gate_up", 2 * t * 2 * d.intermediate)?,
             mlp_act: get("mlp_act", 2 * t * d.intermediate)?,
             mlp_out: get("mlp_out", 2 * t * h)?,
+            fold_x: get("fold_x", 2 * t.min(w4a16::GEMV_MAX_M) * h)?,
+            fold_sums: get("fold_sums", w4a16::fold_sums_bytes(h))?,
             final_normed: get("final_normed", 2 * t * h)?,
             final_hidden: get("final_hidden", 2 * s * h)?,
             gdn_ws,
@@ -1279,6 +1292,7 @@ impl CudaBackend {
             w4_converted: 0,
             tp: shard.map(|spec| RankComm { spec, full_vocab: full_cfg.vocab_size, comms: None }),
             spec,
+            fold: false,
         };
         // The KV pages region is empty until the first step: staging for quantisation at load and
         // for the host embedding's random init.
@@ -1295,6 +1309,7 @@ impl CudaBackend {
             be.rt.memset(span.ptr, 0, span.bytes)?;
         }
         be.rt.synchronize()?;
+        be.fold = be.tp.is_none() && layers_fold(&be.w.layers, be.d.hidden);
         be.arena.seal();
         Ok(be)
     }
@@ -1784,19 +1799,8 @@ impl CudaBackend {
         if !f32_out && t <= self.opts.gemv_max_tokens && outs.iter().map(|o| o.parts.len()).sum::<usize>() > 1 {
             // Several int4 linears sharing x (q/k/v, qkv/z/b/a, gate/up: outputs and the parts that
             // write consecutive columns of one): one launch of the int4 GEMV.
-            let mut w4 = Vec::new();
-            let all_int4 = outs.iter().all(|o| {
-                let mut col = 0usize;
-                o.parts.iter().all(|p| {
-                    let Part::W4(w) = p else { return false };
-                    w4.push(w4a16::W4Out { w, y: o.y + (2 * col) as u64, ldy: o.m });
-                    col += w.out;
-                    true
-                }) && col == o.m
-            });
-            if all_int4 && w4a16::multi_supported(&w4) {
-                let rows = w4.iter().map(|o| o.w.out).sum();
-                let cfg = w4a16::gemv_config(rows, kdim, self.k.w4_slots);
+            if let Some(w4) = w4_outs(outs) {
+                let cfg = w4_multi_config(&w4, kdim, self.k.w4_slots);
                 return w4a16::w4_gemv_multi(&self.k, s, &w4, x, kdim, t, cfg, false);
             }
         }
@@ -1816,6 +1820,38 @@ impl CudaBackend {
             }
         }
         Ok(())
+    }
+
+    /// [`CudaBackend::proj`] (bf16 outputs) with the residual add + RMSNorm around it folded in (`fold`;
+    /// [`Fold::None`]: `proj`). A folded projection is one int4 GEMV launch (`self.fold` checked that
+    /// every layer's are).
+    fn proj_fold(
+        &self,
+        s: &CudaStream,
+        x: u64,
+        t: usize,
+        kdim: usize,
+        outs: &[ProjOut<'_>],
+        fold: Fold,
+    ) -> Result<(), CudaError> {
+        if fold == Fold::None {
+            return self.proj(s, x, t, kdim, outs, false);
+        }
+        let w4 =
+            w4_outs(outs).ok_or_else(|| CudaError::Plan("a folded projection is not one int4 GEMV launch".into()))?;
+        let cfg = w4_multi_config(&w4, kdim, self.k.w4_slots);
+        w4a16::w4_gemv_fold(&self.k, s, &w4, x, kdim, t, cfg, fold)
+    }
+
+    /// Whether decode steps fold their RMSNorms into the int4 projections ([`CudaOptions::fold_norms`]
+    /// and every layer's projections allow it).
+    pub fn norms_fold(&self) -> bool {
+        self.fold && self.opts.fold_norms
+    }
+
+    /// Whether this step's norms fold into its projections ([`CudaOptions::fold_norms`]).
+    fn folds(&self, t: usize) -> bool {
+        self.norms_fold() && t <= w4a16::GEMV_MAX_M && t <= self.opts.gemv_max_tokens
     }
 
     /// `y[t, w.out]` (row stride `ldy`) = `x[t, w.inp]` · Wᵀ for an int4 linear: the int4 GEMV for
@@ -2325,10 +2361,14 @@ impl CudaBackend {
         self.tick("embed")?;
         self.all_reduce(ws.residual, t * h)?;
         let mut gdn_index = 0;
+        let fold = self.folds(t);
         for (li, layer) in self.w.layers.iter().enumerate() {
             let cache = self.caches[li];
             let gi = matches!(cache, LayerCache::Gdn { .. }).then_some(gdn_index);
-            self.layer(ws, layer, cache, li == 0, sh, gi, false)?;
+            // The last layer's output stays in mlp_out: the final norm below adds it.
+            let lf =
+                fold.then(|| LayerFold { input: li > 0, next_norm: self.w.layers.get(li + 1).map(|l| l.input_norm) });
+            self.layer(ws, layer, cache, li == 0, sh, gi, false, lf)?;
             gdn_index += usize::from(gi.is_some());
         }
         if sh.n_logits > 0 || self.spec.is_some() {
@@ -2368,10 +2408,13 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// One decoder layer over the step `sh`. Its input is `residual` (`first`) or `mlp_out +
-    /// residual`; its output is left in `mlp_out` (residual updated). `gdn_index`: the layer's index
-    /// among the DeltaNet layers (its verify trace). `kv_only` (attention layers): stop once the K/V
-    /// of the step's rows are in the cache (the MTP head's cache entries).
+    /// One decoder layer over the step `sh`. Its input is `residual` (`first`), `mlp_out + residual`,
+    /// or with `fold.input` the previous layer's folded norm (`fold_x`, `fold_sums`, residual updated);
+    /// its output is left in `mlp_out` (residual updated), or with `fold.next_norm` folded into the next
+    /// norm. `fold`: the step folds its norms into the int4 projections ([`w4a16::Fold`]).
+    /// `gdn_index`: the layer's index among the DeltaNet layers (its verify trace). `kv_only`
+    /// (attention layers): stop once the K/V of the step's rows are in the cache (the MTP head's cache
+    /// entries).
     #[allow(clippy::too_many_arguments)]
     fn layer(
         &self,
@@ -2382,6 +2425,7 @@ impl CudaBackend {
         sh: &StepShape,
         gdn_index: Option<usize>,
         kv_only: bool,
+        fold: Option<LayerFold>,
     ) -> Result<(), CudaError> {
         let (k, s, d) = (&self.k, self.rt.stream().as_ref(), &self.d);
         let StepShape { t, n, n_pre, tp, tv, .. } = *sh;
@@ -2390,9 +2434,17 @@ impl CudaBackend {
         let h = d.hidden;
         let eps = self.eps;
         let b2 = |x: usize| (2 * x) as u64;
+        // The input norm: its own kernel, or the previous layer's down projection and this layer's
+        // in-projection (folded).
+        let fold_in = fold.is_some_and(|f| f.input);
+        let (x_in, in_fold) =
+            if fold_in { (ws.fold_x, Fold::Norm { sums: ws.fold_sums, eps }) } else { (ws.x_norm, Fold::None) };
+        // Folded: the projection that ends the mixer / the MLP writes the residual stream and the next
+        // norm's input.
+        let fold_out = |norm_w: u64| Fold::Residual { x_out: ws.fold_x, norm_w, sums: ws.fold_sums };
         if first {
             norm::add_rms_norm_1p(k, s, ws.residual, None, layer.input_norm, None, ws.x_norm, t, h, eps)?;
-        } else {
+        } else if !fold_in {
             norm::add_rms_norm_1p(
                 k,
                 s,
@@ -2414,7 +2466,7 @@ impl CudaBackend {
                 let rec_state = self.states.ptr + rec as u64;
                 let conv_state = self.states.ptr + conv as u64;
                 let outs = [po(&gw.qkv, ws.gdn_qkv, cc), po(&gw.z, ws.gdn_z, vw), po(&gw.ba, ws.gdn_ba, 2 * hv)];
-                self.proj(s, ws.x_norm, t, h, &outs, false)?;
+                self.proj_fold(s, x_in, t, h, &outs, in_fold)?;
                 self.tick("gdn in-proj GEMMs")?;
                 if n_pre > 0 {
                     // Verify rows (the last n_ver sequences of the group) read the state, never write it.
@@ -2565,13 +2617,13 @@ impl CudaBackend {
                 self.tick("gdn core (chunked / decode)")?;
                 // The gated norm of the other rows (the chunked and verify rows).
                 norm::gated_rms_norm(k, s, ws.gdn_core_out, ws.gdn_z, vw, hv, gw.norm, ws.gdn_normed, tp, dv, eps)?;
-                self.proj(s, ws.gdn_normed, t, vw, &[po(&gw.out, ws.mixer_out, h)], false)?;
+                self.mixer_out_proj(s, ws, ws.gdn_normed, t, vw, &gw.out, fold.map(|_| fold_out(layer.post_norm)))?;
                 self.tick("gdn gated norm + out GEMM")?;
             }
             (Mixer::Attn(aw), LayerCache::Attn(l)) => {
                 let (nh, nkv, hd, ad, kvd) = (d.q_heads, d.kv_heads, d.head_dim, d.attn_dim, d.kv_dim);
                 let outs = [po(&aw.q, ws.attn_qg, 2 * ad), po(&aw.k, ws.attn_k, kvd), po(&aw.v, ws.attn_v, kvd)];
-                self.proj(s, ws.x_norm, t, h, &outs, false)?;
+                self.proj_fold(s, x_in, t, h, &outs, in_fold)?;
                 self.tick("attn q/k/v GEMMs")?;
                 let qkr = ops::rope::QkNormRope {
                     q: ws.attn_qg,
@@ -2703,32 +2755,62 @@ impl CudaBackend {
                     2 * ad,
                     2 * hd,
                 )?;
-                self.proj(s, ws.attn_out, t, ad, &[po(&aw.o, ws.mixer_out, h)], false)?;
+                self.mixer_out_proj(s, ws, ws.attn_out, t, ad, &aw.o, fold.map(|_| fold_out(layer.post_norm)))?;
                 self.tick("attn gate + o GEMM")?;
             }
             _ => return Err(CudaError::Plan("a layer's weights and cache kinds differ".into())),
         }
-        self.all_reduce(ws.mixer_out, t * h)?;
-        norm::add_rms_norm_1p(
-            k,
-            s,
-            ws.mixer_out,
-            Some(ws.residual),
-            layer.post_norm,
-            Some(ws.residual),
-            ws.mlp_in,
-            t,
-            h,
-            eps,
-        )?;
-        self.tick("norms")?;
+        let (mlp_x, mlp_fold) = if fold.is_some() {
+            (ws.fold_x, Fold::Norm { sums: ws.fold_sums, eps })
+        } else {
+            self.all_reduce(ws.mixer_out, t * h)?;
+            norm::add_rms_norm_1p(
+                k,
+                s,
+                ws.mixer_out,
+                Some(ws.residual),
+                layer.post_norm,
+                Some(ws.residual),
+                ws.mlp_in,
+                t,
+                h,
+                eps,
+            )?;
+            self.tick("norms")?;
+            (ws.mlp_in, Fold::None)
+        };
         let i = d.intermediate;
-        self.proj(s, ws.mlp_in, t, h, &[po(&layer.gate_up, ws.mlp_gate_up, 2 * i)], false)?;
+        self.proj_fold(s, mlp_x, t, h, &[po(&layer.gate_up, ws.mlp_gate_up, 2 * i)], mlp_fold)?;
         elementwise::swiglu(k, s, ws.mlp_gate_up, 2 * i, ws.mlp_gate_up + b2(i), 2 * i, ws.mlp_act, t, i)?;
+        if let Some(next) = fold.and_then(|f| f.next_norm) {
+            self.proj_fold(s, ws.mlp_act, t, i, &[po(&layer.down, ws.residual, h)], fold_out(next))?;
+            self.tick("MLP (GEMMs + SwiGLU)")?;
+            return Ok(());
+        }
         self.proj(s, ws.mlp_act, t, i, &[po(&layer.down, ws.mlp_out, h)], false)?;
         self.tick("MLP (GEMMs + SwiGLU)")?;
         self.all_reduce(ws.mlp_out, t * h)?;
         Ok(())
+    }
+
+    /// A mixer's output projection: into `mixer_out`, or folded (`fold`) into the residual stream and
+    /// the post-attention norm's input.
+    #[allow(clippy::too_many_arguments)]
+    fn mixer_out_proj(
+        &self,
+        s: &CudaStream,
+        ws: &Ws,
+        x: u64,
+        t: usize,
+        kdim: usize,
+        w: &Proj,
+        fold: Option<Fold>,
+    ) -> Result<(), CudaError> {
+        let h = self.d.hidden;
+        match fold {
+            Some(f) => self.proj_fold(s, x, t, kdim, &[po(w, ws.residual, h)], f),
+            None => self.proj(s, x, t, kdim, &[po(w, ws.mixer_out, h)], false),
+        }
     }
 
     /// A DeltaNet layer's gates and normalised q, k of the first `rows` of the step's `t` rows: from the
@@ -2760,11 +2842,64 @@ impl CudaBackend {
     }
 }
 
+/// How a layer's RMSNorms fold into its int4 projections ([`CudaBackend::layer`]; the post-attention
+/// norm always does when this is given).
+#[derive(Clone, Copy)]
+struct LayerFold {
+    /// The input norm was folded into the previous layer's down projection.
+    input: bool,
+    /// The weight of the norm after this layer (the next layer's input norm), which the down projection
+    /// folds into; None: the output goes to `mlp_out`.
+    next_norm: Option<u64>,
+}
+
 /// One output of [`CudaBackend::proj`]: `y [t, m]`, its parts writing consecutive columns.
 struct ProjOut<'a> {
     parts: &'a [Part],
     y: u64,
     m: usize,
+}
+
+/// The int4 GEMV outputs of `outs` when every part is int4 and one launch takes them all
+/// ([`w4a16::multi_supported`]).
+fn w4_outs<'a>(outs: &[ProjOut<'a>]) -> Option<Vec<w4a16::W4Out<'a>>> {
+    let mut w4 = Vec::new();
+    for o in outs {
+        let mut col = 0usize;
+        for p in o.parts {
+            let Part::W4(w) = p else { return None };
+            w4.push(w4a16::W4Out { w, y: o.y + (2 * col) as u64, ldy: o.m });
+            col += w.out;
+        }
+        if col != o.m {
+            return None;
+        }
+    }
+    w4a16::multi_supported(&w4).then_some(w4)
+}
+
+/// The GEMV configuration of one launch over `w4` (their rows summed).
+fn w4_multi_config(w4: &[w4a16::W4Out<'_>], kdim: usize, slots: usize) -> w4a16::GemvConfig {
+    w4a16::gemv_config(w4.iter().map(|o| o.w.out).sum(), kdim, slots)
+}
+
+/// Whether every layer's residual add + RMSNorm can fold into its projections: rows of `hidden` fold
+/// ([`w4a16::fold_supported`]), each projection that follows a norm is one int4 GEMV launch, and each
+/// that feeds the residual stream one int4 linear.
+fn layers_fold(layers: &[Layer], hidden: usize) -> bool {
+    fn whole(p: &Proj) -> ProjOut<'_> {
+        po(p, 0, p.iter().map(Part::rows).sum())
+    }
+    let launch = |ps: &[&Proj]| w4_outs(&ps.iter().map(|p| whole(p)).collect::<Vec<_>>()).is_some();
+    let linear = |p: &Proj| w4_outs(&[whole(p)]).is_some_and(|w| w.len() == 1);
+    w4a16::fold_supported(hidden)
+        && layers.iter().all(|l| {
+            let (inp, out) = match &l.mixer {
+                Mixer::Gdn(g) => (launch(&[&g.qkv, &g.z, &g.ba]), &g.out),
+                Mixer::Attn(a) => (launch(&[&a.q, &a.k, &a.v]), &a.o),
+            };
+            inp && linear(out) && launch(&[&l.gate_up]) && linear(&l.down)
+        })
 }
 
 fn po(parts: &[Part], y: u64, m: usize) -> ProjOut<'_> {

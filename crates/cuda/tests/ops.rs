@@ -196,6 +196,19 @@ enum Op {
         asym: bool,
         bf16: bool,
     },
+    /// The residual add + RMSNorm folded into the 4-bit projections around it (w4_gemv_fold): a
+    /// producer [hidden, pin] whose output joins the residual stream, then the consumers `outs` x
+    /// [hidden], against the same GEMVs with add_rms_norm_1p between them. `thin`: the producer's
+    /// thin last wave runs as a second segment (its rows from an offset).
+    W4Fold {
+        m: usize,
+        hidden: usize,
+        pin: usize,
+        outs: Vec<usize>,
+        asym: bool,
+        bf16: bool,
+        thin: bool,
+    },
     /// Rows r0..r1 of a 4-bit W [out, inp] to bf16, bit-exact vs W4Linear::dequantize_bf16.
     W4Dequant {
         out: usize,
@@ -237,6 +250,9 @@ struct Tol {
 
 const SINGLE: Tol = Tol { atol_rms: 2e-3, atol_abs: 1e-6, rtol: 8e-3 };
 const ACCUM: Tol = Tol { atol_rms: 4e-3, atol_abs: 1e-6, rtol: 1.6e-2 };
+/// A GEMV whose x was rounded to bf16 from exact values (the normed x): ~0.16% of the output RMS per
+/// output from the rounding alone, so 1.2e-2 is ~7 standard deviations.
+const FOLD_X: Tol = Tol { atol_rms: 1.2e-2, atol_abs: 1e-6, rtol: 1.6e-2 };
 const EXACT: Tol = Tol { atol_rms: 0.0, atol_abs: 0.0, rtol: 0.0 };
 
 struct Case {
@@ -509,6 +525,47 @@ fn cases() -> Vec<Case> {
             "w4_gemv_multi",
             q,
             Op::W4GemvMulti { m: 2, outs: vec![10240, 6144, 48, 48], inp: 5120, asym: false, bf16: true },
+            ACCUM,
+        ),
+        // The 27B's down into gate/up, and o_proj into q/k/v (tensor-parallel halves' widths), folded.
+        c(
+            "w4_gemv_fold",
+            q,
+            Op::W4Fold {
+                m: 1,
+                hidden: 5120,
+                pin: 17408,
+                outs: vec![17408, 17408],
+                asym: false,
+                bf16: false,
+                thin: false,
+            },
+            ACCUM,
+        ),
+        c(
+            "w4_gemv_fold",
+            q,
+            Op::W4Fold {
+                m: 2,
+                hidden: 5120,
+                pin: 6144,
+                outs: vec![10240, 6144, 48, 48],
+                asym: false,
+                bf16: true,
+                thin: true,
+            },
+            ACCUM,
+        ),
+        c(
+            "w4_gemv_fold",
+            q,
+            Op::W4Fold { m: 8, hidden: 1024, pin: 384, outs: vec![200, 37], asym: true, bf16: false, thin: true },
+            ACCUM,
+        ),
+        c(
+            "w4_gemv_fold",
+            q,
+            Op::W4Fold { m: 5, hidden: 384, pin: 256, outs: vec![64], asym: true, bf16: true, thin: false },
             ACCUM,
         ),
         // The 27B's gate and up: on an H200 (264 blocks at once) up's last pairs run in the thin-wave tail.
@@ -1213,6 +1270,9 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
         Op::W4Gemv { m, out, inp, asym, perm, bf16 } => w4_gemv_case(k, &s, d, rng, m, out, inp, asym, perm, bf16)?,
         Op::W4GemvMulti { m, ref outs, inp, asym, bf16 } => {
             w4_gemv_multi_case(k, &s, d, rng, m, outs, inp, asym, bf16)?
+        }
+        Op::W4Fold { m, hidden, pin, ref outs, asym, bf16, thin } => {
+            w4_fold_case(k, &s, d, rng, m, (hidden, pin), outs, asym, bf16, thin)?
         }
         Op::W4Dequant { out, inp, r0, r1, asym, perm } => w4_dequant_case(k, &s, d, rng, out, inp, r0, r1, asym, perm)?,
         Op::W4Quantize { out, inp, asym } => w4_quantize_case(k, &s, d, rng, out, inp, asym)?,
@@ -2071,6 +2131,107 @@ fn w4_gemv_multi_case(
             v.push(Outcome { ok: same, detail: format!("y{i} bitwise equal to its own launch: {same}") });
         }
     }
+    Ok(v)
+}
+
+/// The folded pair of projections (producer into the residual stream, consumers after the norm) vs the
+/// same kernels unfolded with add_rms_norm_1p between them: the residual bitwise (the producer's
+/// configuration is the same), the norm's input bitwise vs bf16(h · (1 + w)) on the host, the sums of
+/// squares vs the host's. The consumers' outputs of both paths against the host's f64 product with the
+/// exact normed x: each within FOLD_X (both round x to bf16, at different points), and the folded
+/// error's RMS within 1.2× the unfolded one's (the fold is as accurate as the norm kernel).
+#[allow(clippy::too_many_arguments)]
+fn w4_fold_case(
+    k: &Kernels,
+    s: &std::sync::Arc<cudarc::driver::CudaStream>,
+    d: &mut Dev,
+    rng: &mut StdRng,
+    m: usize,
+    (hidden, pin): (usize, usize),
+    outs: &[usize],
+    asym: bool,
+    bf16_scales: bool,
+    thin: bool,
+) -> R<Vec<Outcome>> {
+    const EPS: f32 = 1e-6;
+    let pl = w4_random(rng, hidden, pin, asym, false, bf16_scales);
+    let pw = w4_upload(d, &pl)?;
+    let ls: Vec<W4Linear> = outs.iter().map(|&o| w4_random(rng, o, hidden, asym, false, bf16_scales)).collect();
+    let ws = ls.iter().map(|l| w4_upload(d, l)).collect::<R<Vec<_>>>()?;
+    let xp_host = randv(rng, m * pin, 1.0);
+    let res = randv(rng, m * hidden, 2.0);
+    let nw = randv(rng, hidden, 0.5);
+    let (xp, nwp) = (d.bf16(&xp_host)?, d.bf16(&nw)?);
+    let pcfg = if thin {
+        w4a16::GemvConfig { wpt: 2, slots: hidden.div_ceil(32).div_ceil(4).saturating_sub(1) }
+    } else {
+        w4a16::gemv_config(hidden, pin, k.w4_slots)
+    };
+    let ccfg = w4a16::gemv_config(outs.iter().sum(), hidden, k.w4_slots);
+    let ys = |d: &mut Dev| outs.iter().map(|&o| d.poison(2 * m * o)).collect::<R<Vec<_>>>();
+    let wo = |ys: &[u64]| -> Vec<w4a16::W4Out<'_>> {
+        ws.iter().zip(ys).map(|(w, &y)| w4a16::W4Out { w, y, ldy: w.out }).collect()
+    };
+    // Unfolded: producer -> add_rms_norm_1p -> consumers.
+    let (mixer, res_u, normed) = (d.poison(2 * m * hidden)?, d.bf16(&res)?, d.poison(2 * m * hidden)?);
+    w4a16::w4_gemv(k, s, &pw, xp, pin, mixer, hidden, m, pcfg, None)?;
+    ops::norm::add_rms_norm_1p(k, s, mixer, Some(res_u), nwp, Some(res_u), normed, m, hidden, EPS)?;
+    let yu = ys(d)?;
+    w4a16::w4_gemv_multi(k, s, &wo(&yu), normed, hidden, m, ccfg, false)?;
+    // Folded.
+    let (res_f, fx) = (d.bf16(&res)?, d.poison(2 * m * hidden)?);
+    let sums = d.poison(w4a16::fold_sums_bytes(hidden))?;
+    let prod = [w4a16::W4Out { w: &pw, y: res_f, ldy: hidden }];
+    let fold = w4a16::Fold::Residual { x_out: fx, norm_w: nwp, sums };
+    w4a16::w4_gemv_fold(k, s, &prod, xp, pin, m, pcfg, fold)?;
+    let yf = ys(d)?;
+    w4a16::w4_gemv_fold(k, s, &wo(&yf), fx, hidden, m, ccfg, w4a16::Fold::Norm { sums, eps: EPS })?;
+
+    let mut v = Vec::new();
+    let h = d.get_bf16(res_u, m * hidden)?;
+    let hf = d.get_bf16(res_f, m * hidden)?;
+    let same = h.iter().zip(&hf).all(|(a, b)| a.to_bits() == b.to_bits());
+    v.push(Outcome { ok: same, detail: format!("residual bitwise equal to add_rms_norm_1p's: {same}") });
+    let want_x: Vec<f32> = h.iter().enumerate().map(|(i, &x)| rb(x * (1.0 + nw[i % hidden]))).collect();
+    let got_x = d.get_bf16(fx, m * hidden)?;
+    let same = want_x.iter().zip(&got_x).all(|(a, b)| a.to_bits() == b.to_bits());
+    v.push(Outcome { ok: same, detail: format!("norm input bitwise bf16(h (1 + w)): {same}") });
+    let pairs = hidden.div_ceil(32);
+    let sv = d.get_f32(sums, pairs * 8)?;
+    let got_ss: Vec<f32> = (0..m).map(|t| (0..pairs).map(|p| sv[8 * p + t]).sum()).collect();
+    let want_ss: Vec<f32> =
+        h.chunks(hidden).map(|r| r.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() as f32).collect();
+    v.push(compare("sums of squares", &want_ss, &got_ss, Tol { atol_rms: 0.0, atol_abs: 0.0, rtol: 1e-5 }));
+    // The exact normed x (f64) from the GPU's h.
+    let xn: Vec<f64> = h
+        .chunks(hidden)
+        .flat_map(|r| {
+            let ms = r.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / hidden as f64;
+            let inv = 1.0 / (ms + EPS as f64).sqrt();
+            r.iter().zip(&nw).map(move |(x, w)| *x as f64 * inv * (1.0 + *w as f64))
+        })
+        .collect();
+    let (mut se_u, mut se_f) = (0f64, 0f64);
+    for (i, (l, o)) in ls.iter().zip(outs).enumerate() {
+        let wd = l.dequantize();
+        let r: Vec<f32> = (0..m * o)
+            .map(|k| {
+                let (t, row) = (k / o, k % o);
+                let xr = &xn[t * hidden..(t + 1) * hidden];
+                wd[row * hidden..(row + 1) * hidden].iter().zip(xr).map(|(w, x)| *w as f64 * x).sum::<f64>() as f32
+            })
+            .collect();
+        let (a, b) = (d.get_bf16(yu[i], m * o)?, d.get_bf16(yf[i], m * o)?);
+        se_u += r.iter().zip(&a).map(|(r, y)| ((r - y) as f64).powi(2)).sum::<f64>();
+        se_f += r.iter().zip(&b).map(|(r, y)| ((r - y) as f64).powi(2)).sum::<f64>();
+        v.push(compare(&format!("y{i} [{o}, {hidden}] unfolded vs exact"), &r, &a, FOLD_X));
+        v.push(compare(&format!("y{i} [{o}, {hidden}] folded vs exact"), &r, &b, FOLD_X));
+    }
+    let ok = se_f <= 1.44 * se_u;
+    v.push(Outcome {
+        ok,
+        detail: format!("error RMS folded / unfolded = {:.3} (at most 1.2)", (se_f / se_u.max(1e-30)).sqrt()),
+    });
     Ok(v)
 }
 

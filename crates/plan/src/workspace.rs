@@ -20,6 +20,9 @@ use crate::plan::ALIGN;
 /// Chunk length of the chunked (WY) DeltaNet prefill.
 pub const GDN_CHUNK: usize = 64;
 
+/// Tokens of the decode steps whose RMSNorms fold into the int4 projections (one GEMV launch).
+pub const FOLD_TOKENS: usize = 8;
+
 /// One named buffer of the workspace.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WorkspaceBuffer {
@@ -137,6 +140,15 @@ pub fn plan_workspace(cfg: &ModelConfig, s: &StepShape) -> Option<WorkspaceLayou
     b.buf("residual", t * hd * a, format!("[{tt}, {}] {act}", d.hidden));
     b.buf("x_norm", t * hd * a, format!("[{tt}, {}] {act}", d.hidden));
     b.buf("mixer_out", t * hd * a, format!("[{tt}, {}] {act}", d.hidden));
+    // Decode steps of at most 8 tokens fold the residual add + RMSNorm into the int4 projections around it
+    // (the CUDA backend's `w4a16::Fold`): the norm's input before its 1/rms, and per-32-row sums of squares.
+    let ft = t.min(FOLD_TOKENS as u128);
+    b.buf("fold_x", ft * hd * a, format!("[min({tt}, {FOLD_TOKENS}), {}] {act}", d.hidden));
+    b.buf(
+        "fold_sums",
+        hd.div_ceil(32) * FOLD_TOKENS as u128 * 4,
+        format!("[{}/32, {FOLD_TOKENS}] f32 (sums of squares)", d.hidden),
+    );
     // DeltaNet mixer.
     let (conv, vw, kw) = (d.conv_channels as u128, d.gdn_value_width as u128, d.gdn_key_width as u128);
     b.buf("gdn_qkv", t * conv * a, format!("[{tt}, {}] {act}", d.conv_channels));
@@ -215,11 +227,12 @@ pub fn plan_workspace(cfg: &ModelConfig, s: &StepShape) -> Option<WorkspaceLayou
         b.op("embed", &["token_ids"], &["residual"]);
     }
     let section_start = b.ops.len();
-    b.op("input_norm", &["residual"], &["x_norm"]);
+    // A folded input norm is the in-projection's epilogue: the fold buffers stay live around the section.
+    b.op("input_norm", &["residual", "fold_x", "fold_sums"], &["x_norm"]);
     // The DeltaNet ops in the backend's order: conv first, then the gates fused with the q/k L2 norm (it
     // reads the conv output and the b/a rows); decode's recurrence reads v (conv output) while writing
     // its output, so the conv output stays live through the core.
-    b.op("gdn_in_proj", &["x_norm"], &["gdn_qkv", "gdn_z", "gdn_b", "gdn_a"]);
+    b.op("gdn_in_proj", &["x_norm", "fold_x", "fold_sums"], &["gdn_qkv", "gdn_z", "gdn_b", "gdn_a"]);
     b.op("gdn_conv", &["gdn_qkv", "cu_seqlens", "state_slot_ids"], &["gdn_conv_out"]);
     b.op("gdn_gate_qk_l2norm", &["gdn_a", "gdn_b", "gdn_conv_out"], &["gdn_g", "gdn_beta", "gdn_qk"]);
     b.op(
@@ -243,19 +256,19 @@ pub fn plan_workspace(cfg: &ModelConfig, s: &StepShape) -> Option<WorkspaceLayou
         &["gdn_core_out"],
     );
     b.op("gdn_gated_norm", &["gdn_core_out", "gdn_z"], &["gdn_normed"]);
-    b.op("gdn_out_proj", &["gdn_normed"], &["mixer_out"]);
-    b.op("attn_in_proj", &["x_norm"], &["attn_qg", "attn_k", "attn_v"]);
+    b.op("gdn_out_proj", &["gdn_normed", "residual"], &["mixer_out", "residual", "fold_x", "fold_sums"]);
+    b.op("attn_in_proj", &["x_norm", "fold_x", "fold_sums"], &["attn_qg", "attn_k", "attn_v"]);
     b.op("attn_qk_norm_rope", &["attn_qg", "attn_k", "positions"], &["attn_qg", "attn_k"]);
     b.op("kv_append", &["attn_k", "attn_v", "positions", "cu_seqlens"], &[]);
     b.op("attn_prefill", &["attn_qg", "cu_seqlens", "seq_lens"], &["attn_out"]);
     b.op("attn_decode", &["attn_qg", "seq_lens"], &["attn_decode_partials"]);
     b.op("attn_decode_reduce", &["attn_decode_partials"], &["attn_out"]);
     b.op("attn_gate", &["attn_out", "attn_qg"], &["attn_out"]);
-    b.op("attn_o_proj", &["attn_out"], &["mixer_out"]);
+    b.op("attn_o_proj", &["attn_out", "residual"], &["mixer_out", "residual", "fold_x", "fold_sums"]);
     b.op("post_norm", &["mixer_out", "residual"], &["residual", "mlp_in"]);
-    b.op("mlp_gate_up", &["mlp_in"], &["mlp_gate_up"]);
+    b.op("mlp_gate_up", &["mlp_in", "fold_x", "fold_sums"], &["mlp_gate_up"]);
     b.op("mlp_act", &["mlp_gate_up"], &["mlp_act"]);
-    b.op("mlp_down", &["mlp_act"], &["mlp_out"]);
+    b.op("mlp_down", &["mlp_act", "residual"], &["mlp_out", "residual", "fold_x", "fold_sums"]);
     b.op("mlp_residual", &["mlp_out", "residual"], &["residual"]);
     let section_end = b.ops.len() - 1;
     b.op("final_norm_gather", &["residual", "mlp_out", "last_token_idx"], &["final_normed", "final_hidden"]);

@@ -271,10 +271,11 @@ pub fn run(a: Args) -> Result<()> {
     } else {
         WeightSource::Checkpoint(text.dir.clone())
     };
+    let opts = crate::engine_args::cuda_options(true);
     let mut be = if tp > 1 {
-        Under::Tp(TpBackend::new(&cfg, weights, &plan, 1, Default::default())?)
+        Under::Tp(TpBackend::new(&cfg, weights, &plan, 1, opts)?)
     } else {
-        Under::One(Box::new(CudaBackend::new(&cfg, weights, &plan, 1)?))
+        Under::One(Box::new(CudaBackend::with_options(&cfg, weights, &plan, 1, opts)?))
     };
     let startup_s = t0.elapsed().as_secs_f64();
     let stats = be.get().arena_stats();

@@ -340,7 +340,7 @@ impl CudaBackend {
         norm::rms_norm_1p(k, s, ws.residual, h, m.pre_fc_norm_embedding, cat, 2 * h, t, h, eps)?;
         norm::rms_norm_1p(k, s, hidden_in, h, m.pre_fc_norm_hidden, cat + (2 * h) as u64, 2 * h, t, h, eps)?;
         self.proj(s, cat, t, 2 * h, &[po(&m.fc, ws.residual, h)], false)?;
-        self.layer(ws, &m.layer, LayerCache::Attn(sp.kv), true, sh, None, kv_only)?;
+        self.layer(ws, &m.layer, LayerCache::Attn(sp.kv), true, sh, None, kv_only, None)?;
         if kv_only {
             return Ok(());
         }

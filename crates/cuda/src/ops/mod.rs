@@ -134,6 +134,7 @@ impl Kernels {
             },
         )))
         .chain(w4a16::PAIR_KERNELS.iter().map(|&n| (n, w4a16::PAIR_SMEM_BYTES)))
+        .chain(w4a16::FOLD_KERNELS.iter().map(|&n| (n, w4a16::FOLD_KERNEL_SMEM_BYTES)))
         .chain(std::iter::once(("w4_read_probe", w4a16::PAIR_SMEM_BYTES)))
         {
             if bytes as i64 > rt.max_smem_optin as i64 {

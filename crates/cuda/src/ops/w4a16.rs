@@ -2,6 +2,8 @@
 //!
 //! - [`w4_gemv`]: decode projections `y[m, out] = x[m, in] · Wᵀ` for any `m` (8 tokens per launch);
 //! - [`w4_gemv_multi`]: up to four linears sharing x in one launch (a layer's q/k/v, qkv/z/b/a, gate/up);
+//! - [`w4_gemv_fold`]: the same with the residual add + RMSNorm between two projections folded into them
+//!   ([`Fold`]);
 //! - [`w4_dequant`]: rows `r0..r1` of `W` to a bf16 `[r1 − r0, in]` tile (prefill: dequantise an
 //!   N-slice into a bounded scratch, then a cuBLASLt bf16 GEMM on it);
 //! - [`w4_quantize`]: bf16 rows of a linear to the format on the GPU (`--quantize int4` at load).
@@ -72,8 +74,15 @@ impl W4Weights {
 pub(crate) const PAIR_KERNELS: [&str; 8] =
     ["w4p_hsh", "w4p_hsb", "w4p_hah", "w4p_hab", "w4p_fsh", "w4p_fsb", "w4p_fah", "w4p_fab"];
 
-/// The `w4p_*` kernel for an output dtype, zero points and scale dtype (see kernels/w4a16.cu).
-fn pair_kernel(f32_out: bool, asym: bool, bf16_scales: bool) -> &'static str {
+/// Every `w4pf_*` kernel (the folded pair kernel, bf16 outputs: zero points x scale dtype).
+pub(crate) const FOLD_KERNELS: [&str; 4] = ["w4pf_sh", "w4pf_sb", "w4pf_ah", "w4pf_ab"];
+
+/// The `w4p_*` kernel for an output dtype, zero points and scale dtype (see kernels/w4a16.cu), or with
+/// `fold` the `w4pf_*` one (bf16 outputs).
+fn pair_kernel(f32_out: bool, asym: bool, bf16_scales: bool, fold: bool) -> &'static str {
+    if fold {
+        return FOLD_KERNELS[2 * usize::from(asym) + usize::from(bf16_scales)];
+    }
     PAIR_KERNELS[4 * usize::from(f32_out) + 2 * usize::from(asym) + usize::from(bf16_scales)]
 }
 
@@ -237,7 +246,7 @@ pub fn w4_gemv_out(
             }
             _ => (xc, ldx as i64),
         };
-        launch_pair(k, s, &[W4Out { w, y: yc, ldy }], xg, ldxg, mc, cfg, f32_out)?;
+        launch_pair(k, s, &[W4Out { w, y: yc, ldy }], xg, ldxg, mc, cfg, f32_out, Fold::None)?;
     }
     Ok(())
 }
@@ -283,26 +292,126 @@ pub fn w4_gemv_multi(
     f32_out: bool,
 ) -> Result<(), CudaError> {
     const K: &str = "w4_gemv_multi";
-    if !multi_supported(outs) {
-        return Err(invalid(K, "1 to 4 linears of one input width and format, without act-order"));
-    }
-    let inp = outs[0].w.inp;
-    for o in outs {
-        o.w.check(K)?;
-        if o.ldy < o.w.out {
-            return Err(invalid(K, format!("ldy {} < out {}", o.ldy, o.w.out)));
-        }
-    }
-    if ldx < inp || !x.is_multiple_of(16) || !ldx.is_multiple_of(8) {
-        return Err(invalid(K, format!("x at {x:#x} with row stride {ldx} (in {inp}): 16-byte aligned rows")));
-    }
+    check_multi(K, outs, x, ldx)?;
     let eb = if f32_out { 4 } else { 2 };
     for m0 in (0..m).step_by(GEMV_MAX_M) {
         let mc = (m - m0).min(GEMV_MAX_M);
         let chunk: Vec<W4Out<'_>> = outs.iter().map(|o| W4Out { y: o.y + (eb * m0 * o.ldy) as u64, ..*o }).collect();
-        launch_pair(k, s, &chunk, x + 2 * (m0 * ldx) as u64, ldx as i64, mc, cfg, f32_out)?;
+        launch_pair(k, s, &chunk, x + 2 * (m0 * ldx) as u64, ldx as i64, mc, cfg, f32_out, Fold::None)?;
     }
     Ok(())
+}
+
+/// What [`w4_gemv_multi`] requires of its linears and x.
+fn check_multi(kernel: &'static str, outs: &[W4Out<'_>], x: u64, ldx: usize) -> Result<(), CudaError> {
+    if !multi_supported(outs) {
+        return Err(invalid(kernel, "1 to 4 linears of one input width and format, without act-order"));
+    }
+    let inp = outs[0].w.inp;
+    for o in outs {
+        o.w.check(kernel)?;
+        if o.ldy < o.w.out {
+            return Err(invalid(kernel, format!("ldy {} < out {}", o.ldy, o.w.out)));
+        }
+    }
+    if ldx < inp || !x.is_multiple_of(16) || !ldx.is_multiple_of(8) {
+        return Err(invalid(kernel, format!("x at {x:#x} with row stride {ldx} (in {inp}): 16-byte aligned rows")));
+    }
+    Ok(())
+}
+
+/// The residual add + RMSNorm between two int4 decode projections, folded into them (kernels/w4a16.cu,
+/// `W4Fold`): the first writes the residual stream, the norm's input before its 1/rms and the sums of
+/// squares; the second scales its outputs by 1/rms. Sums: f32 `[ceil(d / 32), 8]` ([`fold_sums_bytes`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum Fold {
+    /// A plain GEMV.
+    #[default]
+    None,
+    /// One linear whose `y` is the residual stream `h` `[m, out]` (bf16, read and written):
+    /// `h = bf16(h + bf16(x·Wᵀ))`, `x_out[m, r] = bf16(h · (1 + norm_w[r]))` (bf16, row stride `ldy`), and
+    /// `sums` the per-32-row sums of `h²`.
+    Residual { x_out: u64, norm_w: u64, sums: u64 },
+    /// `x` is a `Residual` launch's `x_out` (row length `in`); every output is scaled by
+    /// `rsqrt(Σ h² / in + eps)` from its `sums`.
+    Norm { sums: u64, eps: f32 },
+}
+
+/// Tokens a fold's sums hold per 32-row pair (a launch's tokens at most).
+const FOLD_TOKENS: usize = GEMV_MAX_M;
+/// Shared memory a folded launch adds after the ring (kernels/w4a16.cu `W4_FOLD_SMEM`): mode 1's staged
+/// residual and norm weights, mode 2's staged sums.
+const FOLD_SMEM_BYTES: usize = 8192;
+/// The widest rows a fold normalises (`W4_FOLD_MAX_D`: mode 2's sums fill the staging).
+pub const FOLD_MAX_D: usize = 8192;
+
+/// Whether rows of `d` elements fold ([`Fold`]): at most [`FOLD_MAX_D`], a multiple of the int4 group.
+pub fn fold_supported(d: usize) -> bool {
+    d <= FOLD_MAX_D && d.is_multiple_of(W4_GROUP)
+}
+
+/// Dynamic shared memory of a `w4pf_*` launch: the ring, then the fold's staging.
+pub const FOLD_KERNEL_SMEM_BYTES: usize = PAIR_SMEM_BYTES + FOLD_SMEM_BYTES;
+
+/// Bytes of a fold's sums for rows of `d` elements.
+pub fn fold_sums_bytes(d: usize) -> usize {
+    d.div_ceil(PAIR_ROWS) * FOLD_TOKENS * 4
+}
+
+/// [`w4_gemv_multi`] for one launch (`m` <= 8 tokens, bf16 outputs) with `fold`: a [`Fold::Residual`]
+/// launch takes one linear, whose `y` is the residual stream.
+#[allow(clippy::too_many_arguments)]
+pub fn w4_gemv_fold(
+    k: &Kernels,
+    s: &CudaStream,
+    outs: &[W4Out<'_>],
+    x: u64,
+    ldx: usize,
+    m: usize,
+    cfg: GemvConfig,
+    fold: Fold,
+) -> Result<(), CudaError> {
+    const K: &str = "w4_gemv_fold";
+    check_multi(K, outs, x, ldx)?;
+    if m > GEMV_MAX_M {
+        return Err(invalid(K, format!("{m} tokens: a fold is one launch of at most {GEMV_MAX_M}")));
+    }
+    match fold {
+        Fold::None => {}
+        Fold::Residual { x_out, norm_w, sums } => {
+            if outs.len() != 1 || !fold_supported(outs[0].w.out) {
+                return Err(invalid(
+                    K,
+                    format!(
+                        "a residual fold launches one linear of at most {FOLD_MAX_D} rows, a multiple of {W4_GROUP}"
+                    ),
+                ));
+            }
+            let o = &outs[0];
+            if !sums.is_multiple_of(16)
+                || !x_out.is_multiple_of(8)
+                || !o.y.is_multiple_of(8)
+                || !o.ldy.is_multiple_of(4)
+            {
+                return Err(invalid(K, "fold sums must be 16-byte aligned, x_out and y 8-byte, ldy a multiple of 4"));
+            }
+            if !norm_w.is_multiple_of(8) {
+                return Err(invalid(K, "the norm weight must be 8-byte aligned"));
+            }
+        }
+        Fold::Norm { sums, .. } => {
+            if !fold_supported(outs[0].w.inp) {
+                return Err(invalid(
+                    K,
+                    format!("a norm fold takes x rows of at most {FOLD_MAX_D}, a multiple of {W4_GROUP}"),
+                ));
+            }
+            if !sums.is_multiple_of(16) {
+                return Err(invalid(K, "fold sums must be 16-byte aligned"));
+            }
+        }
+    }
+    launch_pair(k, s, outs, x, ldx as i64, m, cfg, false, fold)
 }
 
 /// One launch of the pair kernel over `outs` (checked by the caller: 1..=4 linears of one format,
@@ -317,6 +426,7 @@ fn launch_pair(
     mc: usize,
     cfg: GemvConfig,
     f32_out: bool,
+    fold: Fold,
 ) -> Result<(), CudaError> {
     const K: &str = "w4_gemv";
     if ![1, 2, 4, 8].contains(&cfg.wpt) {
@@ -330,7 +440,7 @@ fn launch_pair(
         // The kernel indexes qweight by 32-bit 16-byte chunks.
         to_i32(K, "qweight chunks", o.w.out * o.w.inp / 32)?;
     }
-    let name = pair_kernel(f32_out, first.zeros.is_some(), first.scale_dtype == ScaleDtype::Bf16);
+    let name = pair_kernel(f32_out, first.zeros.is_some(), first.scale_dtype == ScaleDtype::Bf16, fold != Fold::None);
     let groups = first.inp / W4_GROUP;
     // Kernel segments: (qweight, scales, zeros, y, ldy, rows, scale row stride, wpt, blocks); unused
     // ones have 0 blocks. A segment from row r0 of its linear: its units start at pair r0/32
@@ -360,7 +470,7 @@ fn launch_pair(
     }
     let grid = (to_u32(K, "blocks", blocks)?, 1, 1);
     let block = (BLOCK_THREADS, 1, 1);
-    let smem = PAIR_SMEM_BYTES as u32;
+    let smem = (if fold == Fold::None { PAIR_SMEM_BYTES } else { FOLD_KERNEL_SMEM_BYTES }) as u32;
     let (mc_i, inp) = (mc as i32, to_i32(K, "in", first.inp)?);
     let [
         (q0, s0, z0, y0, l0, o0, r0, w0, n0),
@@ -368,9 +478,19 @@ fn launch_pair(
         (q2, s2, z2, y2, l2, o2, r2, w2, n2),
         (q3, s3, z3, y3, l3, o3, r3, w3, n3),
     ] = seg;
+    let (fx, nw, fss, fmode, feps) = match fold {
+        Fold::None => {
+            return launch_pdl!(k, s, name, grid, block, smem; x, ldx, mc_i, inp,
+                q0, s0, z0, y0, l0, o0, r0, w0, n0, q1, s1, z1, y1, l1, o1, r1, w1, n1,
+                q2, s2, z2, y2, l2, o2, r2, w2, n2, q3, s3, z3, y3, l3, o3, r3, w3, n3);
+        }
+        Fold::Residual { x_out, norm_w, sums } => (x_out, norm_w, sums, 1i32, 0f32),
+        Fold::Norm { sums, eps } => (0, 0, sums, 2, eps),
+    };
+    let fnp = to_i32(K, "fold pairs", first.inp.div_ceil(PAIR_ROWS))?;
     launch_pdl!(k, s, name, grid, block, smem; x, ldx, mc_i, inp,
         q0, s0, z0, y0, l0, o0, r0, w0, n0, q1, s1, z1, y1, l1, o1, r1, w1, n1,
-        q2, s2, z2, y2, l2, o2, r2, w2, n2, q3, s3, z3, y3, l3, o3, r3, w3, n3)
+        q2, s2, z2, y2, l2, o2, r2, w2, n2, q3, s3, z3, y3, l3, o3, r3, w3, n3, fx, nw, fss, fmode, fnp, feps)
 }
 
 /// Benchmark probe: streams `w.qweight` as the pair kernel would (its grid for `wpt` warps per pair,
