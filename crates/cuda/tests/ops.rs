@@ -527,7 +527,7 @@ fn cases() -> Vec<Case> {
             Op::W4GemvMulti { m: 2, outs: vec![10240, 6144, 48, 48], inp: 5120, asym: false, bf16: true },
             ACCUM,
         ),
-        // The 27B's down into gate/up, and o_proj into q/k/v (tensor-parallel halves' widths), folded.
+        // The 27B's down into gate/up, and a DeltaNet out-projection into the in-projection (qkv, z, b, a), folded.
         c(
             "w4_gemv_fold",
             q,
