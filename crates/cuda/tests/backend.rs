@@ -817,12 +817,7 @@ fn folded_norms_match_separate_kernels() {
         if let Some(e) = s_off.soft_check_with(&format!("norm kernel vs CPU (asym={asym})"), QUANT) {
             println!("(not asserted here) {e}");
         }
-        let median = |s: &Score| {
-            let mut l2: Vec<f32> = s.detail.iter().map(|d| d.1).collect();
-            l2.sort_by(f32::total_cmp);
-            l2[l2.len() / 2]
-        };
-        let (m_on, m_off) = (median(&s_on), median(&s_off));
+        let (m_on, m_off) = (s_on.median_l2(), s_off.median_l2());
         println!("fold asym={asym}: median L2 rel err vs CPU {m_on:.3e} folded, {m_off:.3e} with the norm kernel");
         if m_on > 1.25 * m_off + 2e-3 {
             failures.push(format!("asym={asym}: folded median L2 {m_on:.3e} vs {m_off:.3e} with the norm kernel"));

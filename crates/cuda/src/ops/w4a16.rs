@@ -9,6 +9,7 @@
 //! - [`w4_quantize`]: bf16 rows of a linear to the format on the GPU (`--quantize int4` at load).
 
 use cudarc::driver::CudaStream;
+use deltaserve_plan::workspace::FOLD_TOKENS;
 
 use super::{Kernels, invalid, launch, launch_pdl, to_i32, to_u32};
 use crate::error::CudaError;
@@ -337,8 +338,8 @@ pub enum Fold {
     Norm { sums: u64, eps: f32 },
 }
 
-/// Tokens a fold's sums hold per 32-row pair (a launch's tokens at most).
-const FOLD_TOKENS: usize = GEMV_MAX_M;
+// A fold's sums hold FOLD_TOKENS tokens per 32-row pair (the plan sizes `fold_sums` by it): a launch's tokens.
+const _: () = assert!(FOLD_TOKENS == GEMV_MAX_M);
 /// Shared memory a folded launch adds after the ring (kernels/w4a16.cu `W4_FOLD_SMEM`): mode 1's staged
 /// residual and norm weights, mode 2's staged sums.
 const FOLD_SMEM_BYTES: usize = 8192;

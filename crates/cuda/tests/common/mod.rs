@@ -179,6 +179,13 @@ impl Score {
             }
         }
     }
+    /// The median row's L2 rel error.
+    pub fn median_l2(&self) -> f32 {
+        let mut l2: Vec<f32> = self.detail.iter().map(|d| d.1).collect();
+        l2.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        l2[l2.len() / 2]
+    }
+
     pub fn check(&self, what: &str) {
         self.check_with(what, BF16)
     }
@@ -196,9 +203,7 @@ impl Score {
             100.0 * self.argmax_same as f64 / self.rows.max(1) as f64,
             self.decisive_flips
         );
-        let mut l2: Vec<f32> = self.detail.iter().map(|d| d.1).collect();
-        l2.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        let median = l2[l2.len() / 2];
+        let median = self.median_l2();
         println!("{what}: median L2 rel err {median:.3e}");
         assert!(median <= b.median, "{what}: median L2 rel err {median:.3e} > {:.0e}", b.median);
         assert!(self.worst_l2 <= TOL_ROW, "{what}: a row's L2 rel err {:.3e} > {TOL_ROW:.0e}", self.worst_l2);
