@@ -478,6 +478,10 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
 // linear, whose segments' offsets y_s - y0 locate their rows). A kernel of its own, so that the fold's
 // code leaves w4p_*'s unchanged (bench/results/session21-h200-2026-11-30.md: with it inside, ptxas
 // scheduled the plain kernel's main loop differently and the decode step was ~0.4 ms slower).
+// Before adding a kernel or epilogue code here, compare the main loops' SASS (scripts/sass.py --against):
+// session 22's new instantiations of w4p_body (the SwiGLU folded into gate/up) ran that loop 0.12-0.46 ms
+// per 27B step slower in the step, though as fast alone; an epilogue added to w4pf_* that left its loop
+// as it was (1 of 824 instructions moved) measured faster (bench/results/session22-h200-2026-11-30.md).
 #define W4P_FOLD_KERNEL(NAME, ASYM, SBF)                                                                      \
     extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 2)                                              \
         NAME(const bf16_t* x, long long ldx, int M, int in, W4P_SEG_ARGS(0, bf16_t), W4P_SEG_ARGS(1, bf16_t),     \
