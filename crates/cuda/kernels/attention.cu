@@ -100,11 +100,7 @@
 #endif
 #define NEG_INF (-__int_as_float(0x7f800000))
 
-// KV-cache formats (nvrtc::KvFormats::code).
-#define KVF_BF16 0
-#define KVF_FP8 1
-#define KVF_INT8 2
-#define KVF_INT4 3
+// KV-cache formats: KVF_* (prelude.cuh).
 #ifndef KV_K_FMT
 #define KV_K_FMT KVF_BF16
 #endif

@@ -261,3 +261,81 @@ __device__ __forceinline__ void pdl_enter() {
     pdl_trigger();
     pdl_wait();
 }
+
+// ---------------------------------------------------------------------------------------------
+// KV-cache codes (kv_quant.cu's kv_write_q, rope.cu's qk_norm_rope_kv; attention.cu reads them): the
+// formats (nvrtc::KvFormats::code) and one token-head row's encoding, as deltaserve_cpu::kvquant rounds it
+// (kv_quant.cu's header has the rules).
+#define KVF_BF16 0
+#define KVF_FP8 1
+#define KVF_INT8 2
+#define KVF_INT4 3
+
+// f16 bits of the stored scale for a wanted scale s = amax / qmax > 0 (kvquant::f16_scale).
+__device__ __forceinline__ unsigned short kq_scale_bits(float s) {
+    if (!(s <= 65504.0f)) return 0x7bffu;  // NaN or above the largest finite f16
+    unsigned short h = f32_to_f16_rn(s);
+    if (f16_to_f32(h) < s) h += 1;  // round up (from 0 this gives 2^-24, the clamp's floor)
+    return h;
+}
+
+// The e4m3 (OCP FN) code nearest to y, ties to even, saturating at +-448, NaN -> 0 (kvquant::f32_to_e4m3).
+__device__ __forceinline__ unsigned int kq_e4m3(float y) {
+    if (y != y) return 0u;
+    const unsigned int sign = (__float_as_uint(y) >> 24) & 0x80u;
+    const float a = fminf(fabsf(y), 448.0f);
+    if (a < 0.015625f) return sign | (unsigned int)rintf(a * 512.0f);  // subnormal: multiple of 2^-9
+    int e = (int)(__float_as_uint(a) >> 23) - 127;                      // in [-6, 8]
+    float r = rintf(a * __uint_as_float((unsigned int)(127 + 3 - e) << 23));  // a / 2^(e-3), exact
+    if (r >= 16.0f) {
+        e += 1;
+        r = 8.0f;
+    }
+    return sign | ((unsigned int)(e + 7) << 3) | ((unsigned int)r - 8u);
+}
+
+// One code of a scaled format for y = x / scale (the low 8 bits; int4 uses the low 4).
+__device__ __forceinline__ unsigned int kq_code(int fmt, float y) {
+    if (fmt == KVF_FP8) return kq_e4m3(y);
+    const float qmax = fmt == KVF_INT8 ? 127.0f : 7.0f;
+    const int q = (int)fminf(fmaxf(rintf(y), -qmax), qmax);
+    return (unsigned int)q & 0xffu;
+}
+
+// Stores one token-head row `x` (hd bf16) into `dst` (the row's bytes) and its scale.
+__device__ __forceinline__ void kq_row(const bf16_t* x, unsigned char* dst, unsigned short* scale,
+                                       int hd, int fmt, int lane) {
+    const int pairs = hd >> 1;
+    if (fmt == KVF_BF16) {
+        for (int i = lane; i < pairs; i += 32) ((u32*)dst)[i] = ((const u32*)x)[i];
+        return;
+    }
+    float amax = 0.0f;
+    for (int i = lane; i < pairs; i += 32) {
+        const u32 w = ((const u32*)x)[i];
+        amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(w << 16)), fabsf(__uint_as_float(w & 0xffff0000u))));
+    }
+    amax = warp_max(amax);
+    const float qmax = fmt == KVF_FP8 ? 448.0f : (fmt == KVF_INT8 ? 127.0f : 7.0f);
+    const unsigned short sb = amax > 0.0f ? kq_scale_bits(__fdiv_rn(amax, qmax)) : (unsigned short)0;
+    const float sc = f16_to_f32(sb);
+    if (lane == 0) *scale = sb;
+    for (int i = lane; i < pairs; i += 32) {
+        const u32 w = ((const u32*)x)[i];
+        unsigned int c0 = 0, c1 = 0;
+        if (sb != 0) {
+            c0 = kq_code(fmt, __fdiv_rn(__uint_as_float(w << 16), sc));
+            c1 = kq_code(fmt, __fdiv_rn(__uint_as_float(w & 0xffff0000u), sc));
+        }
+        if (fmt == KVF_INT4) {
+            dst[i] = (unsigned char)((c0 & 0xfu) | ((c1 & 0xfu) << 4));
+        } else {
+            ((unsigned short*)dst)[i] = (unsigned short)(c0 | (c1 << 8));
+        }
+    }
+}
+
+// Bytes of one token-head row of hd elements in format fmt.
+__device__ __forceinline__ long long kq_row_bytes(int fmt, int hd) {
+    return fmt == KVF_BF16 ? 2LL * hd : (fmt == KVF_INT4 ? hd / 2 : hd);
+}

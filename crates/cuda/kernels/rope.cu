@@ -35,46 +35,92 @@ extern "C" __global__ void rope_partial(bf16_t* x, long long tok_stride, const i
     }
 }
 
-// qk_norm_rope: an attention layer's per-head q and k RMSNorm(1 + w) then partial RoPE, in place, in
-// one launch (was rms_norm_1p on q and on k, then rope_partial on each). Row r = t*(nq + nk) + h: h < nq
-// is q head h at q + t*q_tok + h*q_head (norm weight wq), else k head h - nq at k + t*k_tok +
-// (h - nq)*k_head (weight wk); D = head_dim <= QKNR_MAX_D, R = rotary_dim. Bitwise equal to the four
-// separate kernels: the same sum as rms_norm_1p's 256-thread block (lane l plays its threads l + 32j,
-// j < 8, each summing elements l + 32j + 256k in k order; the 8 warp sums combined as block_sum does),
-// the normalised value rounded to bf16 before the rotation, the same rotation arithmetic. One warp per
-// row, 8 rows per block (a 256-thread block per row spent most of a prefill step being scheduled:
-// 115K blocks for 4,096 tokens).
-// Launch: grid (ceil(T*(nq + nk)/8)), block 256. Tested by: tests/ops.rs case "qk_norm_rope".
+// qk_norm_rope: an attention layer's per-head q and k RMSNorm(1 + w) then partial RoPE, in place, and
+// (nv = nk) the step's K rows as it leaves them and its V rows into the paged KV cache, in one launch.
+// Row r = t*(nq + nk + nv) + h, one warp each: h < nq is q head h at q + t*q_tok + h*q_head (norm weight
+// wq), h < nq + nk k head h - nq at k + t*k_tok + (h - nq)*k_head (weight wk), else v head h - nq - nk at
+// v + t*v_tok + (h - nq - nk)*D. D = head_dim <= QKNR_MAX_D, R = rotary_dim.
+//  - The norm and RoPE are bitwise rms_norm_1p's and rope_partial's: the same sum as rms_norm_1p's
+//    256-thread block (lane l plays its threads l + 32j, j < 8, each summing elements l + 32j + 256k in
+//    k order; the 8 warp sums combined as block_sum does), the normalised value rounded to bf16 before
+//    the rotation, the same rotation arithmetic.
+//  - The KV write (nv > 0) is kv_quant.cu's kv_write_q, bit for bit (formats k_fmt / v_fmt: KVF_*;
+//    its addressing; tokens with pos < 0, decode-graph padding, store nothing).
+// What does not depend on the previous kernel is done before pdl_wait: the row's cache address (step
+// inputs) and its rotation's cos / sin. One warp per row, 8 rows per block (a 256-thread block per row
+// spent most of a prefill step being scheduled: 115K blocks for 4,096 tokens). The loops stay rolled:
+// unrolled, sinf / cosf's rarely taken large-argument paths made the kernel ~9K instructions and, with
+// its code fetched once per layer, 2.7x slower (bench/results/session23-h200-2026-12-01.md).
+// Launch: grid (ceil(T*(nq + nk + nv)/8)), block 256. Tested by: tests/ops.rs cases "qk_norm_rope"
+// (vs rms_norm_1p + rope_partial) and "qk_norm_rope_kv" (vs the same launch without KV + kv_write_q).
 #define QKNR_MAX_D 512
 extern "C" __global__ void __launch_bounds__(256)
 qk_norm_rope(bf16_t* q, long long q_tok, long long q_head, const bf16_t* __restrict__ wq, int nq, bf16_t* k,
-             long long k_tok, long long k_head, const bf16_t* __restrict__ wk, const int nk,
-             const int* __restrict__ pos, int T, int D, int R, float theta_base, float eps) {
+             long long k_tok, long long k_head, const bf16_t* __restrict__ wk, const int nk, const bf16_t* v,
+             long long v_tok, int nv, const int* __restrict__ pos, int T, int D, int R, float theta_base, float eps,
+             unsigned char* k_cache, unsigned short* k_scales, unsigned char* v_cache, unsigned short* v_scales,
+             const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ cu_seqlens, int B,
+             int page, int k_fmt, int v_fmt) {
     __shared__ float ys_all[8][QKNR_MAX_D];
-    pdl_enter();  // launched programmatically on sm_90
+    __shared__ float rot_all[8][2][QKNR_MAX_D / 2];  // cos, sin of the row's rotation frequencies
+    __shared__ __align__(16) bf16_t kb_all[8][QKNR_MAX_D];  // a k row's final values (kq_row reads words)
+    pdl_trigger();  // launched programmatically on sm_90: the attention kernel may launch
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const long long r = (long long)blockIdx.x * 8 + warp;
-    if (r >= (long long)T * (nq + nk)) return;
-    const int t = (int)(r / (nq + nk)), h = (int)(r % (nq + nk));
-    const bool isq = h < nq;
-    bf16_t* row = isq ? q + (long long)t * q_tok + (long long)h * q_head
-                      : k + (long long)t * k_tok + (long long)(h - nq) * k_head;
-    const bf16_t* w = isq ? wq : wk;
-    const float inv = rsqrtf(warp_as_block_sumsq<8>(row, D, lane) / (float)D + eps);
-    float* ys = ys_all[warp];
-    for (int i = lane; i < D; i += 32) ys[i] = round_bf(bf2f(row[i]) * inv * (1.0f + bf2f(w[i])));
-    __syncwarp();
-    const int half = R / 2;
-    const float p = (float)pos[t];
-    for (int i = lane; i < D; i += 32) {
-        float v = ys[i];
-        if (i < R) {
-            const int j = i < half ? i : i - half;
-            const float inv_freq = 1.0f / powf(theta_base, (float)(2 * j) / (float)R);
-            const float ang = p * inv_freq;
-            const float c = cosf(ang), s = sinf(ang);
-            v = i < half ? rope_rot(ys[i], ys[i + half], c, -s) : rope_rot(ys[i], ys[i - half], c, s);
-        }
-        row[i] = f2bf(v);
+    const bool live = r < (long long)T * (nq + nk + nv);
+    const int t = live ? (int)(r / (nq + nk + nv)) : 0, h = live ? (int)(r % (nq + nk + nv)) : 0;
+    const int p = live ? pos[t] : -1;
+    // The cache row of a k / v head (-1: none), from step inputs.
+    long long idx = -1;
+    if (live && nv > 0 && h >= nq && p >= 0) {
+        const int s = seq_of_token(cu_seqlens, B, t);
+        const long long row = (long long)block_tables[(long long)s * max_blocks + p / page] * page + p % page;
+        idx = row * nk + (h < nq + nk ? h - nq : h - nq - nk);
     }
+    // The rotation of frequency j < R/2 (dims j and j + R/2) of a q or k head, qk_norm_rope's arithmetic.
+    // (Loops stay rolled: unrolled, sinf / cosf's rarely taken large-argument paths made this kernel
+    // ~9K instructions and 2.7x slower, fetching its code.)
+    const int half = R / 2;
+    float* rc = rot_all[warp][0];
+    float* rs = rot_all[warp][1];
+    if (live && h < nq + nk) {
+        const float pf = (float)p;
+        for (int j = lane; j < half; j += 32) {
+            const float inv_freq = 1.0f / powf(theta_base, (float)(2 * j) / (float)R);
+            const float ang = pf * inv_freq;
+            rc[j] = cosf(ang);
+            rs[j] = sinf(ang);
+        }
+    }
+    pdl_wait();
+    if (!live) return;
+    const bf16_t* x = v + (long long)t * v_tok + (long long)(h - nq - nk) * D;  // a v head's row
+    if (h < nq + nk) {
+        const bool isq = h < nq;
+        bf16_t* row = isq ? q + (long long)t * q_tok + (long long)h * q_head
+                          : k + (long long)t * k_tok + (long long)(h - nq) * k_head;
+        const bf16_t* w = isq ? wq : wk;
+        const float inv = rsqrtf(warp_as_block_sumsq<8>(row, D, lane) / (float)D + eps);
+        float* ys = ys_all[warp];
+        bf16_t* kb = kb_all[warp];
+        for (int i = lane; i < D; i += 32) ys[i] = round_bf(bf2f(row[i]) * inv * (1.0f + bf2f(w[i])));
+        __syncwarp();
+        for (int i = lane; i < D; i += 32) {
+            float vv = ys[i];
+            if (i < R) {
+                const int j = i < half ? i : i - half;
+                vv = i < half ? rope_rot(ys[i], ys[i + half], rc[j], -rs[j]) : rope_rot(ys[i], ys[i - half], rc[j], rs[j]);
+            }
+            row[i] = f2bf(vv);
+            kb[i] = f2bf(vv);
+        }
+        if (isq) return;
+        __syncwarp();  // the k row's bf16 values in kb
+        x = kb;
+    }
+    if (idx < 0) return;
+    const bool is_k = h < nq + nk;
+    const int fmt = is_k ? k_fmt : v_fmt;
+    kq_row(x, (is_k ? k_cache : v_cache) + idx * kq_row_bytes(fmt, D), (is_k ? k_scales : v_scales) + idx, D, fmt,
+           lane);
 }

@@ -37,7 +37,7 @@ use crate::gemm::Gemm;
 use crate::nvrtc::{KernelDims, KvFormats};
 use crate::ops::gemv::{self, GemvOut};
 use crate::ops::init::{Init, init_random};
-use crate::ops::kv_quant::{self, LayerKv};
+use crate::ops::kv_quant::LayerKv;
 use crate::ops::w4a16::{self, Fold, W4Weights};
 use crate::ops::{
     self, Kernels, attention, conv, elementwise, embed, gdn_chunk, gdn_decode, gdn_gate, kv_cache, mtp, norm,
@@ -2642,30 +2642,26 @@ impl CudaBackend {
                     theta: self.rope_theta,
                     eps,
                 };
-                ops::rope::qk_norm_rope(k, s, &qkr)?;
                 let w = self.table_width;
-                kv_quant::kv_write_layer(
-                    k,
-                    s,
-                    &kv_cache::KvWrite {
-                        k: ws.attn_k,
-                        k_stride: kvd,
-                        v: ws.attn_v,
-                        v_stride: kvd,
-                        k_cache: l.k.data,
-                        v_cache: l.v.data,
-                        block_tables: self.block_tables.ptr,
-                        max_blocks: w,
-                        cu_seqlens: ws.cu_seqlens,
-                        positions: ws.positions,
-                        n_seqs: n,
-                        t,
-                        page: self.page_size,
-                        kv_heads: nkv,
-                        head_dim: hd,
-                    },
-                    &l,
-                )?;
+                let kvw = kv_cache::KvWrite {
+                    k: ws.attn_k,
+                    k_stride: kvd,
+                    v: ws.attn_v,
+                    v_stride: kvd,
+                    k_cache: l.k.data,
+                    v_cache: l.v.data,
+                    block_tables: self.block_tables.ptr,
+                    max_blocks: w,
+                    cu_seqlens: ws.cu_seqlens,
+                    positions: ws.positions,
+                    n_seqs: n,
+                    t,
+                    page: self.page_size,
+                    kv_heads: nkv,
+                    head_dim: hd,
+                };
+                // The q/k norms, RoPE and the K/V rows into the cache, one launch.
+                ops::rope::qk_norm_rope_kv(k, s, &qkr, &kvw, &l)?;
                 self.tick("attn norms + rope + kv write")?;
                 if kv_only {
                     return Ok(());

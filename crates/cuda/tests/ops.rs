@@ -86,6 +86,19 @@ enum Op {
         rot: usize,
         pos0: usize,
     },
+    /// qk_norm_rope_kv (q|gate, k heads normalised and rotated; K and V rows into a paged cache of
+    /// formats `fk` / `fv`), bitwise vs qk_norm_rope + kv_write_q. `seqs`: (cached, new) tokens per
+    /// sequence (positions from 70,000 on); `pad` adds a decode-graph padding row (position -1).
+    QkNormRopeKv {
+        fk: KvDtype,
+        fv: KvDtype,
+        seqs: Vec<(usize, usize)>,
+        nq: usize,
+        nkv: usize,
+        hd: usize,
+        page: usize,
+        pad: bool,
+    },
     ConvPrefill {
         lens: Vec<usize>,
         c: usize,
@@ -321,6 +334,21 @@ fn kvq(
     Op::KvQ { fk, fv, seqs: seqs.to_vec(), hq, hkv, page, n_split, special }
 }
 
+/// A [`Op::QkNormRopeKv`] case.
+#[allow(clippy::too_many_arguments)]
+fn qkv(
+    fk: KvDtype,
+    fv: KvDtype,
+    seqs: &[(usize, usize)],
+    nq: usize,
+    nkv: usize,
+    hd: usize,
+    page: usize,
+    pad: bool,
+) -> Op {
+    Op::QkNormRopeKv { fk, fv, seqs: seqs.to_vec(), nq, nkv, hd, page, pad }
+}
+
 fn cases() -> Vec<Case> {
     let q = KernelDims::QWEN35_27B;
     let c = |name, dims, op, tol| Case { name, dims, op, tol };
@@ -350,6 +378,11 @@ fn cases() -> Vec<Case> {
         c("rope", q, Op::Rope { t: 33, heads: 4, hd: 256, rot: 64, pos0: 100_000 }, SINGLE),
         c("qk_norm_rope", q, Op::QkNormRope { t: 1, nq: 24, nkv: 4, hd: 256, rot: 64, pos0: 70_000 }, EXACT),
         c("qk_norm_rope", q, Op::QkNormRope { t: 37, nq: 16, nkv: 2, hd: 256, rot: 64, pos0: 5 }, EXACT),
+        c("qk_norm_rope_kv", q, qkv(f8, f8, &[(1023, 1)], 24, 4, 256, 16, false), EXACT),
+        c("qk_norm_rope_kv", q, qkv(f8, i4, &[(40, 1), (3, 1)], 24, 4, 256, 16, true), EXACT),
+        c("qk_norm_rope_kv", q, qkv(i8, bf, &[(0, 37), (70_000, 5)], 16, 2, 256, 16, false), EXACT),
+        c("qk_norm_rope_kv", q, qkv(bf, bf, &[(5, 9)], 8, 1, 64, 8, true), EXACT),
+        c("qk_norm_rope_kv", q, qkv(i4, f8, &[(259_000, 1), (17, 2)], 8, 4, 128, 32, false), EXACT),
         c("qk_norm_rope", q, Op::QkNormRope { t: 5, nq: 8, nkv: 1, hd: 64, rot: 32, pos0: 260_000 }, EXACT),
         c("conv_prefill", q, Op::ConvPrefill { lens: vec![1], c: 10240 }, SINGLE),
         c("conv_prefill", q, Op::ConvPrefill { lens: vec![63, 64, 65], c: 10240 }, SINGLE),
@@ -955,6 +988,115 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
                 same_bits("q|gate vs the separate kernels", &bits(qa, q.len())?, &bits(qb, q.len())?),
                 same_bits("k vs the separate kernels", &bits(ka, kv.len())?, &bits(kb, kv.len())?),
             ]
+        }
+        Op::QkNormRopeKv { fk, fv, seqs, nq, nkv, hd, page, pad } => {
+            let (q_tok, kvd) = (2 * nq * hd, nkv * hd);
+            // The rows: each sequence's new tokens at their positions, then the padding row.
+            let mut pos: Vec<i32> = seqs.iter().flat_map(|&(c, n)| (c..c + n).map(|p| p as i32)).collect();
+            let mut lens: Vec<usize> = seqs.iter().map(|s| s.1).collect();
+            if pad {
+                pos.push(-1);
+                lens.push(1);
+            }
+            let t = pos.len();
+            let cu = cu_of(&lens);
+            // Block tables: the blocks of the new tokens get distinct pages in shuffled order (a few
+            // pages, however far the positions), the others page 0 (never written).
+            let max_blocks = seqs.iter().map(|&(c, n)| (c + n).div_ceil(page)).max().unwrap_or(1);
+            let used: Vec<(usize, usize)> = seqs
+                .iter()
+                .enumerate()
+                .flat_map(|(b, &(c, n))| (c / page..(c + n).div_ceil(page)).map(move |blk| (b, blk)))
+                .collect();
+            let num_blocks = used.len() + 3;
+            let mut pages: Vec<i32> = (0..num_blocks as i32).collect();
+            for i in (1..pages.len()).rev() {
+                let j = rng.random_range(0..=i);
+                pages.swap(i, j);
+            }
+            let mut bt = vec![0i32; lens.len() * max_blocks];
+            for (&(b, blk), &pg) in used.iter().zip(&pages) {
+                bt[b * max_blocks + blk] = pg;
+            }
+            let q = randv(rng, t * q_tok, 2.0);
+            let kx = randv(rng, t * kvd, 2.0);
+            let vx = randv(rng, t * kvd, 1.0);
+            let (wq, wk) = (randv(rng, hd, 0.5), randv(rng, hd, 0.5));
+            let (wqp, wkp, pp, cup, btp, vp) =
+                (d.bf16(&wq)?, d.bf16(&wk)?, d.i32s(&pos)?, d.i32s(&cu)?, d.i32s(&bt)?, d.bf16(&vx)?);
+            let rows = num_blocks * page * nkv;
+            let (krb, vrb) = (ops::kv_quant::row_bytes(fk, hd), ops::kv_quant::row_bytes(fv, hd));
+            let tensor = |data, scales, fmt| ops::kv_quant::KvTensor { data, scales, fmt };
+            let mut run = |fused: bool| -> R<Vec<Vec<u16>>> {
+                let (qp, kp) = (d.bf16(&q)?, d.bf16(&kx)?);
+                let (kc, vc, ksc, vsc) =
+                    (d.poison(rows * krb)?, d.poison(rows * vrb)?, d.poison(2 * rows)?, d.poison(2 * rows)?);
+                let layer = ops::kv_quant::LayerKv { k: tensor(kc, ksc, fk), v: tensor(vc, vsc, fv) };
+                let a = ops::rope::QkNormRope {
+                    q: qp,
+                    q_tok,
+                    q_head: 2 * hd,
+                    q_heads: nq,
+                    q_norm: wqp,
+                    k: kp,
+                    k_tok: kvd,
+                    kv_heads: nkv,
+                    k_norm: wkp,
+                    positions: pp,
+                    t,
+                    head_dim: hd,
+                    rotary_dim: hd / 4,
+                    theta: 1e7,
+                    eps: 1e-6,
+                };
+                let w = ops::kv_cache::KvWrite {
+                    k: kp,
+                    k_stride: kvd,
+                    v: vp,
+                    v_stride: kvd,
+                    k_cache: 0,
+                    v_cache: 0,
+                    block_tables: btp,
+                    max_blocks,
+                    cu_seqlens: cup,
+                    positions: pp,
+                    n_seqs: lens.len(),
+                    t,
+                    page,
+                    kv_heads: nkv,
+                    head_dim: hd,
+                };
+                if fused {
+                    ops::rope::qk_norm_rope_kv(k, &s, &a, &w, &layer)?;
+                } else {
+                    ops::rope::qk_norm_rope(k, &s, &a)?;
+                    ops::kv_quant::kv_write_q(k, &s, &w, &layer)?;
+                }
+                let words = |p: u64, bytes: usize| -> R<Vec<u16>> {
+                    let mut v = vec![0u16; bytes / 2];
+                    d.rt.download(&mut v, p)?;
+                    Ok(v)
+                };
+                Ok(vec![
+                    words(qp, 2 * q.len())?,
+                    words(kp, 2 * kx.len())?,
+                    words(kc, rows * krb)?,
+                    words(ksc, 2 * rows)?,
+                    words(vc, rows * vrb)?,
+                    words(vsc, 2 * rows)?,
+                ])
+            };
+            let (want, got) = (run(false)?, run(true)?);
+            let names = ["q|gate", "k", "K cache", "K scales", "V cache", "V scales"];
+            let mut out: Vec<Outcome> = names
+                .iter()
+                .zip(want.iter().zip(&got))
+                .map(|(n, (w, g))| same_bits(&format!("{n} vs the two kernels"), w, g))
+                .collect();
+            // The cache got the rows (not only poison in both).
+            let written = want[2].iter().filter(|&&x| x != 0xFFFF).count();
+            out.push(Outcome { ok: written > 0, detail: format!("K cache: {written} words written") });
+            out
         }
         Op::ConvPrefill { lens, c } => {
             let kw = k.dims.conv_kernel;

@@ -258,8 +258,11 @@ pub fn plan_workspace(cfg: &ModelConfig, s: &StepShape) -> Option<WorkspaceLayou
     b.op("gdn_gated_norm", &["gdn_core_out", "gdn_z"], &["gdn_normed"]);
     b.op("gdn_out_proj", &["gdn_normed", "residual"], &["mixer_out", "residual", "fold_x", "fold_sums"]);
     b.op("attn_in_proj", &["x_norm", "fold_x", "fold_sums"], &["attn_qg", "attn_k", "attn_v"]);
-    b.op("attn_qk_norm_rope", &["attn_qg", "attn_k", "positions"], &["attn_qg", "attn_k"]);
-    b.op("kv_append", &["attn_k", "attn_v", "positions", "cu_seqlens"], &[]);
+    b.op(
+        "attn_qk_norm_rope_kv_append",
+        &["attn_qg", "attn_k", "attn_v", "positions", "cu_seqlens"],
+        &["attn_qg", "attn_k"],
+    );
     b.op("attn_prefill", &["attn_qg", "cu_seqlens", "seq_lens"], &["attn_out"]);
     b.op("attn_decode", &["attn_qg", "seq_lens"], &["attn_decode_partials"]);
     b.op("attn_decode_reduce", &["attn_decode_partials"], &["attn_out"]);

@@ -43,16 +43,16 @@ fn check_tensor(what: &str, x: &KvTensor, head_dim: usize) -> Result<i32, CudaEr
     Ok(code)
 }
 
-/// Paged KV cache write of one layer into `layer`'s K and V tensors (any formats): the step's rows
-/// and addressing as for the bf16 writer (`a`; its `k_cache` / `v_cache` are not used).
-pub fn kv_write_q(k: &Kernels, s: &CudaStream, a: &super::kv_cache::KvWrite, layer: &LayerKv) -> Result<(), CudaError> {
-    if a.t == 0 {
-        return Ok(());
-    }
+/// The checks of a KV write `a` into `layer` (any formats; `a.t > 0`): the formats' kernel codes (K, V).
+pub(crate) fn check_write(
+    what: &'static str,
+    a: &super::kv_cache::KvWrite,
+    layer: &LayerKv,
+) -> Result<(i32, i32), CudaError> {
     let width = a.kv_heads * a.head_dim;
     if a.page == 0 || a.n_seqs == 0 || a.max_blocks == 0 || a.kv_heads == 0 || a.k_stride < width || a.v_stride < width
     {
-        return Err(invalid("kv_write_q", format!("{a:?}")));
+        return Err(invalid(what, format!("{a:?}")));
     }
     // Lanes move element pairs as 32-bit words.
     if !a.head_dim.is_multiple_of(2)
@@ -61,10 +61,20 @@ pub fn kv_write_q(k: &Kernels, s: &CudaStream, a: &super::kv_cache::KvWrite, lay
         || !a.k.is_multiple_of(4)
         || !a.v.is_multiple_of(4)
     {
-        return Err(invalid("kv_write_q", format!("{a:?}: head_dim and strides must be even, k/v 4-byte aligned")));
+        return Err(invalid(what, format!("{a:?}: head_dim and strides must be even, k/v 4-byte aligned")));
     }
-    let kf = check_tensor("K", &layer.k, a.head_dim)?;
-    let vf = check_tensor("V", &layer.v, a.head_dim)?;
+    Ok((check_tensor("K", &layer.k, a.head_dim)?, check_tensor("V", &layer.v, a.head_dim)?))
+}
+
+/// Paged KV cache write of one layer into `layer`'s K and V tensors (any formats): the step's rows
+/// and addressing as for the bf16 writer (`a`; its `k_cache` / `v_cache` are not used). The backend
+/// writes its K/V rows with [`super::rope::qk_norm_rope_kv`] (bitwise this, fused with the norms and
+/// RoPE); this kernel is its reference in tests/ops.rs.
+pub fn kv_write_q(k: &Kernels, s: &CudaStream, a: &super::kv_cache::KvWrite, layer: &LayerKv) -> Result<(), CudaError> {
+    if a.t == 0 {
+        return Ok(());
+    }
+    let (kf, vf) = check_write("kv_write_q", a, layer)?;
     let super::kv_cache::KvWrite { k: kp, v: vp, block_tables, cu_seqlens, positions, .. } = *a;
     let (kc, ksc, vc, vsc) = (layer.k.data, layer.k.scales, layer.v.data, layer.v.scales);
     let (ks, vs) = (a.k_stride as i64, a.v_stride as i64);
@@ -76,22 +86,6 @@ pub fn kv_write_q(k: &Kernels, s: &CudaStream, a: &super::kv_cache::KvWrite, lay
     let grid = (to_u32("kv_write_q", "t", a.t)?, 1, 1);
     launch_pdl!(k, s, "kv_write_q", grid, (128, 1, 1), 0;
         kp, ks, vp, vs, kc, ksc, vc, vsc, block_tables, mb, cu_seqlens, b, positions, page, hkv, hd, kf, vf)
-}
-
-/// The backend's entry point: writes the step's K/V rows (`a` as for the bf16 writer; its
-/// `k_cache` / `v_cache` are ignored) into `layer`, through the plain bf16 copy kernel when both
-/// formats are bf16 and through [`kv_write_q`] otherwise.
-pub fn kv_write_layer(
-    k: &Kernels,
-    s: &CudaStream,
-    a: &super::kv_cache::KvWrite,
-    layer: &LayerKv,
-) -> Result<(), CudaError> {
-    if layer.k.fmt == KvDtype::Bf16 && layer.v.fmt == KvDtype::Bf16 {
-        let w = super::kv_cache::KvWrite { k_cache: layer.k.data, v_cache: layer.v.data, ..*a };
-        return super::kv_cache::kv_write(k, s, &w);
-    }
-    kv_write_q(k, s, a, layer)
 }
 
 /// One attention layer's cache inside the plan's `kv_pages` region: K data, K scales, V data,

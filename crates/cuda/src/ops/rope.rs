@@ -88,12 +88,8 @@ pub struct QkNormRope {
     pub eps: f32,
 }
 
-/// One launch for what `rms_norm_1p` (q, k) and [`rope_partial`] (q, k) do, bitwise the same.
-pub fn qk_norm_rope(k: &Kernels, s: &CudaStream, a: &QkNormRope) -> Result<(), CudaError> {
-    const K: &str = "qk_norm_rope";
-    if a.t == 0 {
-        return Ok(());
-    }
+/// The checks of a [`QkNormRope`] launch named `what` (`a.t > 0`).
+fn check_qk(what: &'static str, a: &QkNormRope) -> Result<(), CudaError> {
     let hd = a.head_dim;
     if hd == 0
         || hd > 512
@@ -105,18 +101,77 @@ pub fn qk_norm_rope(k: &Kernels, s: &CudaStream, a: &QkNormRope) -> Result<(), C
         || a.k_tok < a.kv_heads * hd
     {
         return Err(invalid(
-            K,
+            what,
             format!(
                 "head_dim {hd} (<= 512), rotary_dim {}, q strides {}/{} for {} heads, k stride {} for {} heads",
                 a.rotary_dim, a.q_tok, a.q_head, a.q_heads, a.k_tok, a.kv_heads
             ),
         ));
     }
-    // One warp per (token, head) row, 8 rows per block.
-    let grid = (to_u32(K, "blocks", (a.t * (a.q_heads + a.kv_heads)).div_ceil(8))?, 1, 1);
+    Ok(())
+}
+
+/// One launch for what `rms_norm_1p` (q, k) and [`rope_partial`] (q, k) do, bitwise the same.
+pub fn qk_norm_rope(k: &Kernels, s: &CudaStream, a: &QkNormRope) -> Result<(), CudaError> {
+    if a.t == 0 {
+        return Ok(());
+    }
+    check_qk("qk_norm_rope", a)?;
+    launch_qk(k, s, a, None)
+}
+
+/// [`qk_norm_rope`], then the step's K rows (as it leaves them) and V rows into `layer`'s paged cache
+/// ([`super::kv_quant::kv_write_q`]), in one launch and bitwise the same as the two. `kv` addresses
+/// the write as for `kv_write_q` (its `k` / `k_stride` are `a`'s k rows; `k_cache` / `v_cache` unused).
+pub fn qk_norm_rope_kv(
+    k: &Kernels,
+    s: &CudaStream,
+    a: &QkNormRope,
+    kv: &super::kv_cache::KvWrite,
+    layer: &super::kv_quant::LayerKv,
+) -> Result<(), CudaError> {
+    const K: &str = "qk_norm_rope_kv";
+    if a.t == 0 {
+        return Ok(());
+    }
+    check_qk(K, a)?;
+    let formats = super::kv_quant::check_write(K, kv, layer)?;
+    let rows = (kv.t, kv.k, kv.k_stride, kv.kv_heads, kv.head_dim, kv.positions);
+    if rows != (a.t, a.k, a.k_tok, a.kv_heads, a.head_dim, a.positions) {
+        return Err(invalid(K, format!("the KV write {kv:?} is not of the rows of {a:?}")));
+    }
+    launch_qk(k, s, a, Some((kv, layer, formats)))
+}
+
+/// The `qk_norm_rope` kernel over `a`'s rows, and with `kv` the KV write (the formats' kernel codes).
+fn launch_qk(
+    k: &Kernels,
+    s: &CudaStream,
+    a: &QkNormRope,
+    kv: Option<(&super::kv_cache::KvWrite, &super::kv_quant::LayerKv, (i32, i32))>,
+) -> Result<(), CudaError> {
+    const K: &str = "qk_norm_rope";
+    let hd = a.head_dim;
+    let nv_rows = if kv.is_some() { a.kv_heads } else { 0 };
+    // One warp per (token, head) row of q, k (and v), 8 rows per block.
+    let grid = (to_u32(K, "blocks", (a.t * (a.q_heads + a.kv_heads + nv_rows)).div_ceil(8))?, 1, 1);
     let (q, qt, qh, wq, nq) = (a.q, a.q_tok as i64, a.q_head as i64, a.q_norm, to_i32(K, "q_heads", a.q_heads)?);
     let (kp, kt, kh, wk, nk) = (a.k, a.k_tok as i64, hd as i64, a.k_norm, to_i32(K, "kv_heads", a.kv_heads)?);
     let (pos, tt, d, r, theta, eps) =
         (a.positions, to_i32(K, "t", a.t)?, hd as i32, a.rotary_dim as i32, a.theta, a.eps);
-    launch_pdl!(k, s, K, grid, (256, 1, 1), 0; q, qt, qh, wq, nq, kp, kt, kh, wk, nk, pos, tt, d, r, theta, eps)
+    let nv = nv_rows as i32;
+    let (mut vp, mut vt, mut kc, mut ksc, mut vc, mut vsc, mut bt, mut cu) =
+        (0u64, 0i64, 0u64, 0u64, 0u64, 0u64, 0u64, 0u64);
+    let (mut mb, mut b, mut page, mut kf, mut vf) = (0i32, 0i32, 1i32, 0i32, 0i32);
+    if let Some((w, layer, (f_k, f_v))) = kv {
+        (vp, vt) = (w.v, w.v_stride as i64);
+        (kc, ksc, vc, vsc) = (layer.k.data, layer.k.scales, layer.v.data, layer.v.scales);
+        (bt, cu) = (w.block_tables, w.cu_seqlens);
+        (mb, b, page) =
+            (to_i32(K, "max_blocks", w.max_blocks)?, to_i32(K, "n_seqs", w.n_seqs)?, to_i32(K, "page", w.page)?);
+        (kf, vf) = (f_k, f_v);
+    }
+    launch_pdl!(k, s, K, grid, (256, 1, 1), 0;
+        q, qt, qh, wq, nq, kp, kt, kh, wk, nk, vp, vt, nv, pos, tt, d, r, theta, eps,
+        kc, ksc, vc, vsc, bt, mb, cu, b, page, kf, vf)
 }
