@@ -456,6 +456,8 @@ pub struct CheckLine {
     pub compile_ms: f64,
     /// ptxas resource lines (registers, smem, spills) or the compiler error.
     pub detail: String,
+    /// Instructions of each kernel ([`kernel_instructions`]).
+    pub code: Vec<(String, usize)>,
 }
 
 /// Result of [`kernels_check`].
@@ -487,6 +489,10 @@ impl std::fmt::Display for KernelsReport {
             )?;
             for d in l.detail.lines().filter(|d| !d.trim().is_empty()) {
                 writeln!(f, "    {}", d.trim())?;
+            }
+            if !l.code.is_empty() {
+                let sizes: Vec<String> = l.code.iter().map(|(k, n)| format!("{k} {n}")).collect();
+                writeln!(f, "    instructions: {}", sizes.join(", "))?;
             }
         }
         let bad = self.lines.iter().filter(|l| !l.ok).count();
@@ -525,6 +531,7 @@ pub fn kernels_check(archs: &[&str], dims: &KernelDims) -> Result<KernelsReport,
                             cubin_bytes: c.image.len(),
                             compile_ms: c.compile_ms,
                             detail: resource_lines(&c.log),
+                            code: kernel_instructions(&c.image),
                         },
                         Err(e) => CheckLine {
                             module: label,
@@ -533,6 +540,7 @@ pub fn kernels_check(archs: &[&str], dims: &KernelDims) -> Result<KernelsReport,
                             cubin_bytes: 0,
                             compile_ms: 0.0,
                             detail: e.to_string(),
+                            code: Vec::new(),
                         },
                     }
                 })
@@ -549,11 +557,44 @@ pub fn kernels_check(archs: &[&str], dims: &KernelDims) -> Result<KernelsReport,
                     cubin_bytes: 0,
                     compile_ms: 0.0,
                     detail: "compiler thread panicked".into(),
+                    code: Vec::new(),
                 })
             })
             .collect()
     });
     Ok(KernelsReport { nvrtc_version, lines })
+}
+
+/// Machine-code size of each kernel in a cubin: its `.text.<name>` section's bytes / 16 (every SASS
+/// instruction of sm_70 and later is 16 bytes), sorted by name. Read from the ELF section headers
+/// (64-bit little-endian, as NVRTC emits); anything malformed gives an empty list. The size matters
+/// for kernels that run once per layer on the decode path: their code is fetched cold each time
+/// (bench/results/session23-h200-2026-12-01.md: an unrolled `qk_norm_rope` of 9K instructions was
+/// 2.7x slower than the 3.2K one).
+pub fn kernel_instructions(cubin: &[u8]) -> Vec<(String, usize)> {
+    let u16_at = |o: usize| cubin.get(o..o + 2).map(|b| u16::from_le_bytes([b[0], b[1]]) as usize);
+    let u32_at = |o: usize| cubin.get(o..o + 4).map(|b| u32::from_le_bytes(b.try_into().unwrap_or([0; 4])) as usize);
+    let u64_at = |o: usize| cubin.get(o..o + 8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as usize);
+    let parse = || -> Option<Vec<(String, usize)>> {
+        if cubin.get(..5)? != b"\x7fELF\x02" {
+            return None;
+        }
+        let (shoff, shentsize, shnum, shstrndx) = (u64_at(0x28)?, u16_at(0x3a)?, u16_at(0x3c)?, u16_at(0x3e)?);
+        let sh = |i: usize| shoff.checked_add(i.checked_mul(shentsize)?);
+        let strtab = u64_at(sh(shstrndx)? + 24)?;
+        let mut out = Vec::new();
+        for i in 0..shnum {
+            let h = sh(i)?;
+            let name_at = strtab.checked_add(u32_at(h)?)?;
+            let name = cubin.get(name_at..)?.split(|&b| b == 0).next()?;
+            if let Some(kernel) = name.strip_prefix(b".text.") {
+                out.push((String::from_utf8_lossy(kernel).into_owned(), u64_at(h + 32)? / 16));
+            }
+        }
+        out.sort();
+        Some(out)
+    };
+    parse().unwrap_or_default()
 }
 
 /// Keeps ptxas's per-function summary lines ("Compiling entry", "Used N registers", spills).
@@ -567,4 +608,61 @@ fn resource_lines(log: &str) -> String {
         .map(|l| l.trim_start_matches("ptxas info    : ").to_string())
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::kernel_instructions;
+
+    /// A 64-bit ELF with a null section, `.shstrtab` and the given `.text.*` sections (name, bytes).
+    fn elf(texts: &[(&str, usize)]) -> Vec<u8> {
+        let mut names = b"\0.shstrtab\0".to_vec();
+        let text_names: Vec<usize> = texts
+            .iter()
+            .map(|(n, _)| {
+                let at = names.len();
+                names.extend_from_slice(format!(".text.{n}\0").as_bytes());
+                at
+            })
+            .collect();
+        let shoff = 64 + names.len();
+        let mut f = vec![0u8; 64];
+        f[..5].copy_from_slice(b"\x7fELF\x02");
+        f[0x28..0x30].copy_from_slice(&(shoff as u64).to_le_bytes());
+        f[0x3a..0x3c].copy_from_slice(&64u16.to_le_bytes());
+        f[0x3c..0x3e].copy_from_slice(&(2 + texts.len() as u16).to_le_bytes());
+        f[0x3e..0x40].copy_from_slice(&1u16.to_le_bytes());
+        f.extend_from_slice(&names);
+        let header = |name: usize, offset: usize, size: usize| {
+            let mut h = vec![0u8; 64];
+            h[..4].copy_from_slice(&(name as u32).to_le_bytes());
+            h[24..32].copy_from_slice(&(offset as u64).to_le_bytes());
+            h[32..40].copy_from_slice(&(size as u64).to_le_bytes());
+            h
+        };
+        f.extend(header(0, 0, 0));
+        f.extend(header(1, 64, names.len()));
+        for (&at, &(_, bytes)) in text_names.iter().zip(texts) {
+            f.extend(header(at, 0, bytes));
+        }
+        f
+    }
+
+    #[test]
+    fn kernel_sizes_come_from_the_text_sections() {
+        let got = kernel_instructions(&elf(&[("w4p_hsb", 16 * 4976), ("attn", 32)]));
+        assert_eq!(got, vec![("attn".to_string(), 2), ("w4p_hsb".to_string(), 4976)]);
+    }
+
+    #[test]
+    fn malformed_cubins_give_no_sizes() {
+        assert!(kernel_instructions(b"").is_empty());
+        assert!(kernel_instructions(b"\x7fELF\x01 32-bit").is_empty());
+        let mut cut = elf(&[("k", 64)]);
+        cut.truncate(cut.len() - 30); // the last section header cut inside its size field
+        assert!(kernel_instructions(&cut).is_empty());
+        let mut wild = elf(&[("k", 64)]);
+        wild[0x28..0x30].copy_from_slice(&u64::MAX.to_le_bytes()); // section headers past the end
+        assert!(kernel_instructions(&wild).is_empty());
+    }
 }

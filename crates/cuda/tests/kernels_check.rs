@@ -1,7 +1,28 @@
 //! Compiles every kernel for sm_80/86/89/90 with NVRTC (no GPU needed). Skips with a note when
 //! libnvrtc is not found (see scripts/ci_nvrtc.sh for the pinned wheel).
 
-use deltaserve_cuda::nvrtc::{CHECK_ARCHS, KernelDims, kernels_check, nvrtc_present};
+use deltaserve_cuda::nvrtc::{CHECK_ARCHS, KernelDims, KernelsReport, kernels_check, nvrtc_present};
+
+/// The small kernels a decode step launches once per layer (besides the int4 GEMVs, whose code is
+/// mostly their main loop): their code is fetched cold at every launch, so it must stay small. An
+/// unrolled `qk_norm_rope` of 9,104 instructions ran 2.7x slower than the 3,208-instruction one and
+/// made the 27B step slower (bench/results/session23-h200-2026-12-01.md).
+const PER_LAYER_DECODE_KERNELS: &[&str] =
+    &["qk_norm_rope", "attn_decode_mma", "attn_decode_combine", "gdn_conv_gate_decode", "gdn_decode_gated", "swiglu8"];
+/// Their budget: 64 KB of code.
+const MAX_INSTRUCTIONS: usize = 4096;
+
+fn oversized(report: &KernelsReport) -> Vec<String> {
+    let mut bad = Vec::new();
+    for l in &report.lines {
+        for (k, n) in &l.code {
+            if PER_LAYER_DECODE_KERNELS.contains(&k.as_str()) && *n > MAX_INSTRUCTIONS {
+                bad.push(format!("{} {} {k}: {n} instructions", l.module, l.arch));
+            }
+        }
+    }
+    bad
+}
 
 #[test]
 fn every_kernel_compiles_for_every_arch() {
@@ -15,5 +36,11 @@ fn every_kernel_compiles_for_every_arch() {
         let report = kernels_check(CHECK_ARCHS, &dims).expect("NVRTC present but unusable");
         println!("{dims:?}\n{report}");
         assert!(report.all_ok(), "{report}");
+        // Every per-layer kernel was measured (the size reading works), and none is over budget.
+        for k in PER_LAYER_DECODE_KERNELS {
+            assert!(report.lines.iter().any(|l| l.code.iter().any(|(n, _)| n == k)), "no code size for {k}");
+        }
+        let bad = oversized(&report);
+        assert!(bad.is_empty(), "per-layer decode kernels over {MAX_INSTRUCTIONS} instructions:\n{}", bad.join("\n"));
     }
 }

@@ -8,7 +8,8 @@ use deltaserve_model::synth::Preset;
 
 #[derive(clap::Subcommand)]
 pub enum Command {
-    /// Compile every kernel for every target architecture and report registers, spills and errors.
+    /// Compile every kernel for every target architecture and report registers, spills, instruction
+    /// counts and errors.
     Check(CheckArgs),
 }
 

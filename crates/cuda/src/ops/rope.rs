@@ -1,5 +1,6 @@
 //! Launchers for kernels/rope.cu: partial rotate-half RoPE, and an attention layer's q/k RMSNorm +
-//! RoPE in one launch ([`qk_norm_rope`]), in place.
+//! RoPE in one launch ([`qk_norm_rope`]), in place, with the step's K/V rows written into the paged
+//! cache by the same launch ([`qk_norm_rope_kv`], the backend's).
 
 use cudarc::driver::CudaStream;
 
