@@ -77,9 +77,7 @@ qk_norm_rope(bf16_t* q, long long q_tok, long long q_head, const bf16_t* __restr
         const long long row = (long long)block_tables[(long long)s * max_blocks + p / page] * page + p % page;
         idx = row * nk + (h < nq + nk ? h - nq : h - nq - nk);
     }
-    // The rotation of frequency j < R/2 (dims j and j + R/2) of a q or k head, qk_norm_rope's arithmetic.
-    // (Loops stay rolled: unrolled, sinf / cosf's rarely taken large-argument paths made this kernel
-    // ~9K instructions and 2.7x slower, fetching its code.)
+    // The rotation of frequency j < R/2 (dims j and j + R/2) of a q or k head (a rolled loop: see above).
     const int half = R / 2;
     float* rc = rot_all[warp][0];
     float* rs = rot_all[warp][1];
@@ -109,7 +107,8 @@ qk_norm_rope(bf16_t* q, long long q_tok, long long q_head, const bf16_t* __restr
             float vv = ys[i];
             if (i < R) {
                 const int j = i < half ? i : i - half;
-                vv = i < half ? rope_rot(ys[i], ys[i + half], rc[j], -rs[j]) : rope_rot(ys[i], ys[i - half], rc[j], rs[j]);
+                vv = i < half ? rope_rot(ys[i], ys[i + half], rc[j], -rs[j])
+                              : rope_rot(ys[i], ys[i - half], rc[j], rs[j]);
             }
             row[i] = f2bf(vv);
             kb[i] = f2bf(vv);
