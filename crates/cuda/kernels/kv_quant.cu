@@ -23,7 +23,7 @@
 // Arch: sm_80+ (plain loads/stores, shuffles; cvt.rn.f16.f32 for the scale).
 // Tested by: tests/ops.rs cases "kv_write_q" (codes and scales bit-equal to the CPU).
 
-// The KV codes (KVF_*, kq_row and its helpers) are prelude.cuh's (qk_norm_rope_kv in rope.cu writes the cache too).
+// The KV codes (KVF_*, kq_row and its helpers) are prelude.cuh's (rope.cu's qk_norm_rope writes the cache too).
 
 extern "C" __global__ void __launch_bounds__(128)
 kv_write_q(const bf16_t* k, long long k_stride, const bf16_t* v, long long v_stride,
