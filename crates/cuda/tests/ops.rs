@@ -88,7 +88,8 @@ enum Op {
     },
     /// qk_norm_rope_kv (q|gate, k heads normalised and rotated; K and V rows into a paged cache of
     /// formats `fk` / `fv`), bitwise vs qk_norm_rope + kv_write_q. `seqs`: (cached, new) tokens per
-    /// sequence (positions from 70,000 on); `pad` adds a decode-graph padding row (position -1).
+    /// sequence (the new tokens at positions cached, cached + 1, ...); `pad` adds a decode-graph
+    /// padding row (position -1).
     QkNormRopeKv {
         fk: KvDtype,
         fv: KvDtype,
@@ -378,12 +379,12 @@ fn cases() -> Vec<Case> {
         c("rope", q, Op::Rope { t: 33, heads: 4, hd: 256, rot: 64, pos0: 100_000 }, SINGLE),
         c("qk_norm_rope", q, Op::QkNormRope { t: 1, nq: 24, nkv: 4, hd: 256, rot: 64, pos0: 70_000 }, EXACT),
         c("qk_norm_rope", q, Op::QkNormRope { t: 37, nq: 16, nkv: 2, hd: 256, rot: 64, pos0: 5 }, EXACT),
+        c("qk_norm_rope", q, Op::QkNormRope { t: 5, nq: 8, nkv: 1, hd: 64, rot: 32, pos0: 260_000 }, EXACT),
         c("qk_norm_rope_kv", q, qkv(f8, f8, &[(1023, 1)], 24, 4, 256, 16, false), EXACT),
         c("qk_norm_rope_kv", q, qkv(f8, i4, &[(40, 1), (3, 1)], 24, 4, 256, 16, true), EXACT),
         c("qk_norm_rope_kv", q, qkv(i8, bf, &[(0, 37), (70_000, 5)], 16, 2, 256, 16, false), EXACT),
         c("qk_norm_rope_kv", q, qkv(bf, bf, &[(5, 9)], 8, 1, 64, 8, true), EXACT),
         c("qk_norm_rope_kv", q, qkv(i4, f8, &[(259_000, 1), (17, 2)], 8, 4, 128, 32, false), EXACT),
-        c("qk_norm_rope", q, Op::QkNormRope { t: 5, nq: 8, nkv: 1, hd: 64, rot: 32, pos0: 260_000 }, EXACT),
         c("conv_prefill", q, Op::ConvPrefill { lens: vec![1], c: 10240 }, SINGLE),
         c("conv_prefill", q, Op::ConvPrefill { lens: vec![63, 64, 65], c: 10240 }, SINGLE),
         c("conv_prefill", q, Op::ConvPrefill { lens: vec![2, 1, 129, 127], c: 10240 }, SINGLE),
