@@ -29,16 +29,17 @@ pub struct KvTensor {
     pub fmt: KvDtype,
 }
 
-fn check_tensor(what: &str, x: &KvTensor, head_dim: usize) -> Result<i32, CudaError> {
+/// The checks of the cache tensor `what` ("K" / "V") of a KV write by `kernel`: its format's kernel code.
+fn check_tensor(kernel: &'static str, what: &str, x: &KvTensor, head_dim: usize) -> Result<i32, CudaError> {
     let code = KvFormats::code(x.fmt).ok_or_else(|| {
-        invalid("kv_write_q", format!("{what}: the CUDA KV cache stores bf16, fp8, int8 or int4, not {}", x.fmt.name()))
+        invalid(kernel, format!("{what}: the CUDA KV cache stores bf16, fp8, int8 or int4, not {}", x.fmt.name()))
     })?;
     let align = row_bytes(x.fmt, head_dim).min(4) as u64;
     if x.data == 0 || !x.data.is_multiple_of(align) {
-        return Err(invalid("kv_write_q", format!("{what}: data pointer {:#x} not {align}-byte aligned", x.data)));
+        return Err(invalid(kernel, format!("{what}: data pointer {:#x} not {align}-byte aligned", x.data)));
     }
     if x.fmt.scale_bytes() > 0 && (x.scales == 0 || !x.scales.is_multiple_of(2)) {
-        return Err(invalid("kv_write_q", format!("{what}: {} needs a 2-byte aligned scales pointer", x.fmt.name())));
+        return Err(invalid(kernel, format!("{what}: {} needs a 2-byte aligned scales pointer", x.fmt.name())));
     }
     Ok(code)
 }
@@ -63,7 +64,7 @@ pub(crate) fn check_write(
     {
         return Err(invalid(what, format!("{a:?}: head_dim and strides must be even, k/v 4-byte aligned")));
     }
-    Ok((check_tensor("K", &layer.k, a.head_dim)?, check_tensor("V", &layer.v, a.head_dim)?))
+    Ok((check_tensor(what, "K", &layer.k, a.head_dim)?, check_tensor(what, "V", &layer.v, a.head_dim)?))
 }
 
 /// Paged KV cache write of one layer into `layer`'s K and V tensors (any formats): the step's rows

@@ -161,17 +161,17 @@ fn launch_qk(
     let (pos, tt, d, r, theta, eps) =
         (a.positions, to_i32(K, "t", a.t)?, hd as i32, a.rotary_dim as i32, a.theta, a.eps);
     let nv = nv_rows as i32;
-    let (mut vp, mut vt, mut kc, mut ksc, mut vc, mut vsc, mut bt, mut cu) =
-        (0u64, 0i64, 0u64, 0u64, 0u64, 0u64, 0u64, 0u64);
-    let (mut mb, mut b, mut page, mut kf, mut vf) = (0i32, 0i32, 1i32, 0i32, 0i32);
-    if let Some((w, layer, (f_k, f_v))) = kv {
-        (vp, vt) = (w.v, w.v_stride as i64);
-        (kc, ksc, vc, vsc) = (layer.k.data, layer.k.scales, layer.v.data, layer.v.scales);
-        (bt, cu) = (w.block_tables, w.cu_seqlens);
-        (mb, b, page) =
-            (to_i32(K, "max_blocks", w.max_blocks)?, to_i32(K, "n_seqs", w.n_seqs)?, to_i32(K, "page", w.page)?);
-        (kf, vf) = (f_k, f_v);
-    }
+    // The KV write's arguments (all zero without it: the kernel then stores nothing).
+    let ((vp, vt), (kc, ksc, vc, vsc), (bt, cu), (mb, b, page), (kf, vf)) = match kv {
+        Some((w, layer, formats)) => (
+            (w.v, w.v_stride as i64),
+            (layer.k.data, layer.k.scales, layer.v.data, layer.v.scales),
+            (w.block_tables, w.cu_seqlens),
+            (to_i32(K, "max_blocks", w.max_blocks)?, to_i32(K, "n_seqs", w.n_seqs)?, to_i32(K, "page", w.page)?),
+            formats,
+        ),
+        None => ((0u64, 0i64), (0u64, 0u64, 0u64, 0u64), (0u64, 0u64), (0i32, 0i32, 1i32), (0i32, 0i32)),
+    };
     launch_pdl!(k, s, K, grid, (256, 1, 1), 0;
         q, qt, qh, wq, nq, kp, kt, kh, wk, nk, vp, vt, nv, pos, tt, d, r, theta, eps,
         kc, ksc, vc, vsc, bt, mb, cu, b, page, kf, vf)
