@@ -10,6 +10,75 @@
 typedef unsigned short bf16_t;
 typedef unsigned int u32;
 
+// Kernel timeline (opt-in: src/trace.rs, DELTASERVE_TRACE). Without DS_TRACE_BUF nothing here is
+// compiled. With it, src/trace.rs puts DS_TRACE_SCOPE(); first in every kernel body: thread 0 notes
+// the block's start (%globaltimer, %clock64), pdl_wait() notes when the block's wait returned, and
+// the block's last thread to exit appends one 48-byte record to the ring at DS_TRACE_BUF (a u64
+// counter, then DS_TRACE_CAP records): the kernel's __func__ address (its name in device memory), the
+// block (linear index), the SM, the start, wait and end times (ns), and the wait and end offsets in SM
+// clocks. One barrier at the start and one shared atomic per thread at the end: a diagnostic build.
+#ifdef DS_TRACE_BUF
+struct DsTraceSh {
+    unsigned long long t0, tw, c0, cw;
+    const char* func;
+    unsigned int left;
+};
+__device__ __forceinline__ DsTraceSh* ds_trace_sh() {
+    __shared__ DsTraceSh s;
+    return &s;
+}
+__device__ __forceinline__ unsigned long long ds_gtime() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ unsigned int ds_tid() {
+    return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+}
+__device__ __forceinline__ void ds_trace_wait_done() {
+    DsTraceSh* s = ds_trace_sh();
+    if (ds_tid() == 0 && s->tw == 0) {
+        s->cw = clock64();
+        s->tw = ds_gtime();
+    }
+}
+struct DsTraceScope {
+    __device__ explicit DsTraceScope(const char* func) {
+        DsTraceSh* s = ds_trace_sh();
+        if (ds_tid() == 0) {
+            s->c0 = clock64();
+            s->t0 = ds_gtime();
+            s->tw = 0;
+            s->cw = 0;
+            s->func = func;
+            s->left = blockDim.x * blockDim.y * blockDim.z;
+        }
+        __syncthreads();
+    }
+    __device__ ~DsTraceScope() {
+        DsTraceSh* s = ds_trace_sh();
+        if (atomicSub(&s->left, 1u) != 1u) return;
+        const unsigned long long c1 = clock64(), t1 = ds_gtime();
+        unsigned int sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        unsigned long long* ring = (unsigned long long*)(DS_TRACE_BUF);
+        const unsigned long long i = atomicAdd(ring, 1ull) % (unsigned long long)(DS_TRACE_CAP);
+        unsigned long long* r = ring + 1 + 6 * i;
+        r[0] = (unsigned long long)s->func;
+        r[1] = (unsigned long long)(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)) |
+               ((unsigned long long)sm << 32);
+        r[2] = s->t0;
+        r[3] = s->tw;
+        r[4] = t1;
+        r[5] = (s->cw ? (s->cw - s->c0) : 0ull) | ((c1 - s->c0) << 32);
+    }
+};
+#define DS_TRACE_SCOPE() DsTraceScope ds_trace_scope_(__func__)
+#else
+#define DS_TRACE_SCOPE()
+__device__ __forceinline__ void ds_trace_wait_done() {}
+#endif
+
 // bf16 bits -> f32: the bf16 pattern is the top half of the f32 pattern.
 __device__ __forceinline__ float bf2f(bf16_t x) { return __uint_as_float(((u32)x) << 16); }
 
@@ -252,6 +321,7 @@ __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+    ds_trace_wait_done();
 }
 // pdl_enter(): the first statement of a kernel that its launcher may launch programmatically
 // (launch_pdl!) and that reads nothing before its predecessor is done: lets the next kernel launch,

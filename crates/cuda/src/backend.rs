@@ -3026,6 +3026,11 @@ impl Drop for CudaBackend {
         self.graphs.clear();
         if self.rt.context().bind_to_thread().is_ok() {
             let _ = self.rt.synchronize();
+            match crate::trace::dump(&self.rt) {
+                Ok(Some((path, n))) => tracing::warn!("kernel trace: {n} block records written to {}", path.display()),
+                Ok(None) => {}
+                Err(e) => tracing::warn!("kernel trace: not written: {e}"),
+            }
             if !self.host_pool.is_null() {
                 // SAFETY: allocated by malloc_host in new(), freed once.
                 let _ = unsafe { result::free_host(self.host_pool as *mut std::ffi::c_void) };

@@ -9,6 +9,7 @@
 //! - [`w4`]: the device format of 4-bit (W4A16) linears: GPTQ conversion, reference quantiser;
 //! - [`collective`]: NCCL communicators over local GPUs, in-place all-reduce (sum) and all-gather;
 //! - [`backend`]: [`CudaBackend`], the engine's `Backend` over the static plan's memory;
+//! - [`trace`]: an opt-in timeline of every kernel block (`DELTASERVE_TRACE`), for profiling;
 //! - [`gdn_bench`]: timing of the chunked DeltaNet prefill kernels at a model's shape (`bench`).
 //!
 //! Dtypes: activations bf16 in device memory, math in f32, DeltaNet state f32.
@@ -23,6 +24,7 @@ pub mod nvrtc;
 pub mod ops;
 pub mod runtime;
 pub mod tp;
+pub mod trace;
 pub mod w4;
 
 pub use arena::{Arena, DevSpan, RegionId};

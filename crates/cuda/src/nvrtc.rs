@@ -186,7 +186,10 @@ pub fn compile(
         return Ok(hit.clone());
     }
     let t0 = Instant::now();
-    let (image, log) = compile_uncached(source.module, &format!("{PRELUDE}\n{}", source.src), arch, &options)?;
+    // A traced build (crate::trace): every kernel body starts with the trace scope.
+    let traced = defines.iter().any(|(k, _)| *k == "DS_TRACE_BUF");
+    let body = if traced { std::borrow::Cow::Owned(crate::trace::instrument(source.src)) } else { source.src.into() };
+    let (image, log) = compile_uncached(source.module, &format!("{PRELUDE}\n{body}"), arch, &options)?;
     let cubin = Cubin {
         module: source.module,
         arch: arch.to_string(),

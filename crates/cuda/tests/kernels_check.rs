@@ -44,3 +44,25 @@ fn every_kernel_compiles_for_every_arch() {
         assert!(bad.is_empty(), "per-layer decode kernels over {MAX_INSTRUCTIONS} instructions:\n{}", bad.join("\n"));
     }
 }
+
+/// The traced build (`DELTASERVE_TRACE`, src/trace.rs) compiles too: every kernel with its trace scope,
+/// for the oldest and the newest arch. Its kernels carry the scope's record code.
+#[test]
+fn every_kernel_compiles_traced() {
+    use deltaserve_cuda::nvrtc::{SOURCES, compile};
+    if !nvrtc_present() {
+        eprintln!("SKIP kernels_check: libnvrtc not found (run scripts/ci_nvrtc.sh for LD_LIBRARY_PATH)");
+        return;
+    }
+    let dims = KernelDims::QWEN35_27B;
+    for arch in ["sm_80", "sm_90"] {
+        for src in SOURCES {
+            let mut defines = dims.defines(src.module);
+            defines.push(("DS_TRACE_BUF", "0x7f0000000000ull".to_string()));
+            defines.push(("DS_TRACE_CAP", "4096".to_string()));
+            let traced = compile(src, arch, &defines, false).unwrap_or_else(|e| panic!("{} {arch}: {e}", src.module));
+            let plain = compile(src, arch, &dims.defines(src.module), false).expect("plain build");
+            assert!(traced.image.len() > plain.image.len(), "{} {arch}: the traced cubin is not larger", src.module);
+        }
+    }
+}

@@ -82,6 +82,7 @@ impl Kernels {
         let attn = attention::resolve_tiling(&dims, &kv, attn, rt.max_smem_optin.max(0) as usize);
         let t0 = std::time::Instant::now();
         let arch = rt.arch();
+        let trace = crate::trace::defines(rt)?;
         let cubins: Vec<Result<nvrtc::Cubin, CudaError>> = std::thread::scope(|scope| {
             let hs: Vec<_> = SOURCES
                 .iter()
@@ -90,6 +91,7 @@ impl Kernels {
                     let mut defines = dims.defines(src.module);
                     defines.extend(kv.defines(src.module));
                     defines.extend(attn.defines(&dims, src.module));
+                    defines.extend(trace.iter().cloned());
                     scope.spawn(move || nvrtc::compile(src, arch, &defines, false))
                 })
                 .collect();
