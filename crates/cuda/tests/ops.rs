@@ -361,6 +361,10 @@ fn cases() -> Vec<Case> {
         c("argmax", q, Op::Argmax { rows: 9, vocab: 248_320, valid: 248_077, special: false }, EXACT),
         c("argmax", q, Op::Argmax { rows: 12, vocab: 1000, valid: 999, special: true }, EXACT),
         c("argmax", q, Op::Argmax { rows: 3, vocab: 7, valid: 7, special: true }, EXACT),
+        // The special rows through the four-loads-in-flight loop (more than 4 x 1024 vectors per row),
+        // and rows that are not 16-byte aligned (the one-by-one path).
+        c("argmax", q, Op::Argmax { rows: 6, vocab: 20_000, valid: 19_997, special: true }, EXACT),
+        c("argmax", q, Op::Argmax { rows: 6, vocab: 20_001, valid: 20_001, special: true }, EXACT),
         c("add_rms_norm_1p", q, Op::AddRmsNorm { rows: 1, d: 5120, residual: true }, SINGLE),
         c("add_rms_norm_1p", q, Op::AddRmsNorm { rows: 17, d: 5120, residual: true }, SINGLE),
         c("add_rms_norm_1p", q, Op::AddRmsNorm { rows: 5, d: 5120, residual: false }, SINGLE),
