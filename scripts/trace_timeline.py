@@ -110,7 +110,7 @@ def svg(step, summary, window, path):
     H = h_sum + h_gantt + 20
     span = max(l["end"] for l in rows) - rows[0]["start"] if rows else 1
     o = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="monospace" font-size="11">',
-         f'<text x="8" y="16" font-size="13">decode step {total / 1e3:.3f} ms: exposed time per kernel '
+         f'<text x="8" y="16" font-size="13">decode step {total / 1e6:.3f} ms: exposed time per kernel '
          f'(sums to the step); dark = after the hand-over, light = hand-over latency</text>']
     xmax = max(s[1] for s in summary) or 1
     for i, (name, exp, lat, n) in enumerate(summary):
@@ -120,7 +120,7 @@ def svg(step, summary, window, path):
         o.append(f'<text x="{left - 6}" y="{y + 11}" text-anchor="end">{name} x{n}</text>')
         o.append(f'<rect x="{left}" y="{y}" width="{we:.1f}" height="13" fill="#2b6cb0"/>')
         o.append(f'<rect x="{left}" y="{y}" width="{min(wl, we):.1f}" height="13" fill="#90cdf4"/>')
-        o.append(f'<text x="{left + we + 4:.1f}" y="{y + 11}">{exp / 1e3:.3f} ms ({100 * exp / total:.1f}%)</text>')
+        o.append(f'<text x="{left + we + 4:.1f}" y="{y + 11}">{exp / 1e6:.3f} ms ({100 * exp / total:.1f}%)</text>')
     y0 = h_sum + 10
     o.append(f'<text x="8" y="{y0}" font-size="13">first {len(rows)} launches of the step ({span / 1e3:.1f} us): '
              f'light = before the block\'s wait returns, dark = after</text>')
