@@ -187,8 +187,11 @@ pub fn compile(
     }
     let t0 = Instant::now();
     // A traced build (crate::trace): every kernel body starts with the trace scope.
-    let traced = defines.iter().any(|(k, _)| *k == "DS_TRACE_BUF");
-    let body = if traced { std::borrow::Cow::Owned(crate::trace::instrument(source.src)) } else { source.src.into() };
+    let body = if crate::trace::is_traced(defines) {
+        std::borrow::Cow::Owned(crate::trace::instrument(source.src))
+    } else {
+        source.src.into()
+    };
     let (image, log) = compile_uncached(source.module, &format!("{PRELUDE}\n{body}"), arch, &options)?;
     let cubin = Cubin {
         module: source.module,

@@ -73,7 +73,20 @@ pub fn defines(rt: &Runtime) -> Result<Vec<(&'static str, String)>, CudaError> {
         *guard = Some(Ring { ctx: rt.context().clone(), ptr, cap, path: PathBuf::from(path) });
     }
     let r = guard.as_ref().expect("set above");
-    Ok(vec![("DS_TRACE_BUF", format!("{:#x}ull", r.ptr)), ("DS_TRACE_CAP", r.cap.to_string())])
+    Ok(ring_defines(r.ptr, r.cap))
+}
+
+/// The defines that compile the trace scope for a ring at device address `ptr` of `cap` records.
+pub fn ring_defines(ptr: u64, cap: usize) -> Vec<(&'static str, String)> {
+    vec![(BUF_DEFINE, format!("{ptr:#x}ull")), ("DS_TRACE_CAP", cap.to_string())]
+}
+
+/// The define whose presence makes a build traced (kernels/prelude.cuh).
+const BUF_DEFINE: &str = "DS_TRACE_BUF";
+
+/// Whether a module compiled with `defines` is a traced build ([`instrument`] its source).
+pub fn is_traced(defines: &[(&str, String)]) -> bool {
+    defines.iter().any(|(k, _)| *k == BUF_DEFINE)
 }
 
 /// Whether `rt` runs on the ring's GPU (each Runtime holds its own handle on the device's primary

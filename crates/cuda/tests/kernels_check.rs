@@ -58,8 +58,7 @@ fn every_kernel_compiles_traced() {
     for arch in ["sm_80", "sm_90"] {
         for src in SOURCES {
             let mut defines = dims.defines(src.module);
-            defines.push(("DS_TRACE_BUF", "0x7f0000000000ull".to_string()));
-            defines.push(("DS_TRACE_CAP", "4096".to_string()));
+            defines.extend(deltaserve_cuda::trace::ring_defines(0x7f00_0000_0000, 4096));
             let traced = compile(src, arch, &defines, false).unwrap_or_else(|e| panic!("{} {arch}: {e}", src.module));
             let plain = compile(src, arch, &dims.defines(src.module), false).expect("plain build");
             assert!(traced.image.len() > plain.image.len(), "{} {arch}: the traced cubin is not larger", src.module);
