@@ -1245,10 +1245,11 @@ extern "C" __global__ void attn_decode_combine(const float* part_o, const float*
                                                bf16_t* __restrict__ o, int Hq, int n_split,
                                                const bf16_t* gate, long long g_tok,
                                                long long g_head) {
-    pdl_enter();  // launched programmatically on sm_90: the GEMV that follows may start streaming its weights
+    pdl_trigger();  // launched programmatically on sm_90: the GEMV that follows may start streaming its weights
     const int b = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
     const long long base = ((long long)b * Hq + h) * n_split;
-    const int parts = dec_parts(seq_lens[b], n_split);
+    const int parts = dec_parts(seq_lens[b], n_split);  // (a step input: before the wait)
+    pdl_wait();
     float M = NEG_INF;
     for (int sp = 0; sp < parts; sp++) M = fmaxf(M, part_ml[(base + sp) * 2]);
     float num = 0.0f, den = 0.0f;
@@ -1298,7 +1299,11 @@ extern "C" __global__ void attn_decode_combine(const float* part_o, const float*
 //    flight). (Two 1-byte tiles loaded at once instead of the double buffer measured ~4% slower, three
 //    spilled.) The loaded words are not touched until their tile is used (an int4 variant that
 //    flipped the codes' sign bits at load time stalled on the loads: b8 @ 32K +19% end to end).
-//  - The 8 warps' (max, sum, O) merge in shared memory in a fixed order, as attn_decode_split's.
+//  - The 8 warps' (max, sum, O) merge in shared memory in a fixed order, as attn_decode_split's, in rows
+//    laid out by dm_ridx (no bank conflicts).
+//  - Launched programmatically (sm_90): the row's length, partition and block-table row (step inputs) are
+//    read and the partition's first 128 keys' K/V lines prefetched into L2 before pdl_wait; the next
+//    kernel may launch once the first tile's loads are issued.
 // Arch: mma.sync, movmatrix (sm_75+), cvt e4m3x2 only under __CUDA_ARCH__ >= 890: sm_80+.
 // Tested by: tests/ops.rs cases "attn_decode" (bf16) and "kv_q+attn_decode" (K/V pairs of bf16 /
 // fp8 / int8 / int4), each also run on attn_decode_split, against the CPU attention over the
@@ -1354,6 +1359,14 @@ __device__ __forceinline__ int dm_vel(int g, int i, int hi) {
     if (KV_V_FMT == KVF_INT4) return 2 * (dm_vbyte(g, i >> 2) + (i & 3)) + hi;
     return DM_VB == HD ? dm_vbyte(g, i >> 1) + 2 * (i & 1) + hi : dm_vbyte(g, i) / 2 + hi;
 }
+
+// The merge's shared rows (attn_decode_mma's red[slot]): dim d of head h at h * DM_RS + d + d / 32. A warp's
+// lanes (g, t) store dims 16 g + const of heads 2t (+ 1) (dm_vel, 1-byte codes); in plain [h][HD] rows
+// those fall in 2 of the 32 banks (16-way conflicts, ~6 us of a 1K-context decode block). With one word
+// after every 32 dims and rows DM_RS = 2 (mod 32) words apart, lane (g, t) lands in bank 4t + g / 2 +
+// 16 (g % 2) + const: all different. The final pass reads 32 consecutive dims: conflict-free.
+#define DM_RS (((HD + HD / 32 - 2 + 31) / 32) * 32 + 2)
+__device__ __forceinline__ int dm_ridx(int h, int d) { return h * DM_RS + d + (d >> 5); }
 
 // U bytes (16, 8 or 4) at p into the words w[0 .. U/4) (dec_load_raw's vector load).
 template <int U>
@@ -1454,24 +1467,44 @@ attn_decode_mma(const bf16_t* q, const void* k_cache, const void* v_cache, const
                 float* __restrict__ part_o, float* __restrict__ part_ml, int Hq, int Hkv, int page, float scale,
                 int n_split, long long q_tok, long long q_head) {
 #if DM_OK(KV_K_FMT) && DM_OK(KV_V_FMT)
-    __shared__ float red[4][GQA_GROUP][HD];
+    __shared__ float red[4][GQA_GROUP * DM_RS];
     __shared__ float ms[8][GQA_GROUP], ls[8][GQA_GROUP];
     // Q fragments (B of S^T, the same for every warp: lane l's pair at qsm[st][l]).
     __shared__ uint2 qsm[DM_MT][32];
     __shared__ float kf_sm;
-    pdl_enter();  // launched programmatically on sm_90
+    // Launched programmatically on sm_90. It lets the next kernel (the combine, then the GEMV after it)
+    // launch only once its first K/V loads are issued (pdl_trigger below; a block without keys triggers
+    // by exiting): triggered at the start, the GEMV's first weights queued ahead of those loads
+    // (bench/results/session25-h200-2026-12-01.md).
     const int b = blockIdx.x, hkv = blockIdx.y, sp = blockIdx.z;
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int col = DM_PAIR ? w >> 1 : w;  // tile column (tiles col, col + DM_NP, ...)
     const int hh = DM_PAIR ? w & 1 : 0;     // half of the head dims (pairs)
+    // Step inputs (no kernel of the step writes them): read before the wait.
     const int len = seq_lens[b];
     const int parts = dec_parts(len, n_split);
-    if (sp >= parts) return;
     const int per = (((len + parts - 1) / parts) + 15) & ~15;
     const int k0 = min(len, sp * per), k1 = min(len, k0 + per);
     const int* bt = block_tables + (long long)(table_rows ? table_rows[b] : b) * max_blocks;
     const unsigned char* kc = (const unsigned char*)k_cache;
     const unsigned char* vc = (const unsigned char*)v_cache;
+    // While the previous kernel runs: the K and V rows (and scales) of the partition's first 8 tiles
+    // into L2 (prefetch.global.L2: coherent, so this step's rows, which the previous kernel writes, are
+    // safe to prefetch too). Thread i takes key k0 + i / 2, every other 128-byte line of its rows.
+    if (sp < parts) {
+        const int p = k0 + (threadIdx.x >> 1);
+        if (p < k1) {
+            const long long th = ((long long)bt[p / page] * page + p % page) * Hkv + hkv;
+            for (int off = (threadIdx.x & 1) * 128; off < DM_KB; off += 256) l2_prefetch(kc + th * DM_KB + off);
+            for (int off = (threadIdx.x & 1) * 128; off < DM_VB; off += 256) l2_prefetch(vc + th * DM_VB + off);
+            if (((p - k0) & 15) == 0 && (threadIdx.x & 1) == 0) {
+                if (KQ_K) l2_prefetch(k_scales + th);
+                if (KQ_V) l2_prefetch(v_scales + th);
+            }
+        }
+    }
+    pdl_wait();
+    if (sp >= parts) return;
 
     // Q: head g of the group (zeros past it), lane t's dims of each K step (bf16 K: as stored; codes:
     // times qs, in f16). Warp 0 loads it, stores the fragments and the factor; the others wait.
@@ -1584,6 +1617,7 @@ attn_decode_mma(const bf16_t* q, const void* k_cache, const void* v_cache, const
         load_v(k0 + 16 * col, rb, vcur);
     }
 #endif
+    pdl_trigger();
     for (int j = col; j < ntiles; j += DM_NP) {
         const int p0 = k0 + 16 * j;
 #if DM_PF
@@ -1738,17 +1772,21 @@ attn_decode_mma(const bf16_t* q, const void* k_cache, const void* v_cache, const
         part_ml[pi] = M;
         part_ml[pi + 1] = Lsum;
     }
-    // acc[i][c]: dim dm_vel(g, hh * DM_MTH + i, c >> 1), head 2t + (c & 1).
+    // acc[i][c]: dim d = dm_vel(g, hh * DM_MTH + i, c >> 1), head h = 2t + (c & 1), at red[slot][dm_ridx(h, d)].
+    // dm_ridx(h, dm_vel(g, i, hi)) splits into a lane part (t, g) and a compile-time part (i, c): dm_vel is
+    // a lane offset plus dims below it that never carry into bit 5 (every format's layout; ops tests).
+    const int i0 = hh * DM_MTH;
+    const int rlane = dm_ridx(2 * t, dm_vel(g, i0, 0)) - dm_ridx(0, dm_vel(0, i0, 0));
     auto put = [&](int slot, bool add) {
+        float* lr = red[slot] + rlane;
 #pragma unroll
         for (int i = 0; i < DM_MTH; i++) {
 #pragma unroll
             for (int c = 0; c < 4; c++) {
-                const int h = 2 * t + (c & 1);
-                if (h < GQA_GROUP) {
-                    const int d = dm_vel(g, hh * DM_MTH + i, c >> 1);
+                if (2 * t + (c & 1) < GQA_GROUP) {
+                    float* r = lr + dm_ridx(c & 1, dm_vel(0, i0 + i, c >> 1));
                     const float v = acc[i][c] * fw[c & 1];
-                    red[slot][h][d] = add ? red[slot][h][d] + v : v;
+                    *r = add ? *r + v : v;
                 }
             }
         }
@@ -1763,8 +1801,9 @@ attn_decode_mma(const bf16_t* q, const void* k_cache, const void* v_cache, const
     __syncthreads();
     for (int e = threadIdx.x; e < GQA_GROUP * HD; e += blockDim.x) {
         const int h = e / HD, d = e % HD;
+        const int r = dm_ridx(h, d);
         part_o[(((long long)b * Hq + hkv * GQA_GROUP + h) * n_split + sp) * HD + d] =
-            (red[0][h][d] + red[1][h][d]) + (red[2][h][d] + red[3][h][d]);
+            (red[0][r] + red[1][r]) + (red[2][r] + red[3][r]);
     }
 #endif
 }
