@@ -132,8 +132,6 @@ pub struct ScratchParts {
     pub w4_x: usize,
     /// bf16 slice of dequantised int4 weight rows (prefill GEMMs); 0 without int4 decoder linears.
     pub w4_slice: usize,
-    /// The greedy argmax's per-block candidates of `s_max` rows.
-    pub argmax: usize,
 }
 
 impl ScratchParts {
@@ -159,13 +157,12 @@ impl ScratchParts {
             tile_table: 8 * (t_max / attention::Q_TILE + s_max + 1),
             w4_x,
             w4_slice,
-            argmax: ops::argmax::scratch_bytes(s_max, d.vocab),
         }
     }
 
     /// Bytes of the region (each part 256-byte aligned).
     pub fn total(&self) -> usize {
-        al(self.gdn) + al(self.chunk_table) + al(self.tile_table) + al(self.w4_x) + al(self.w4_slice) + al(self.argmax)
+        al(self.gdn) + al(self.chunk_table) + al(self.tile_table) + al(self.w4_x) + al(self.w4_slice)
     }
 }
 
@@ -324,8 +321,6 @@ struct Ws {
     seq_lens: u64,
     slots: u64,
     last_idx: u64,
-    /// The greedy argmax's per-block candidates (scratch region).
-    argmax_scratch: DevSpan,
     residual: u64,
     x_norm: u64,
     mixer_out: u64,
@@ -1033,7 +1028,6 @@ impl CudaBackend {
         let tile_table = carve(parts.tile_table);
         let w4_x = carve(parts.w4_x);
         let w4_slice = carve(parts.w4_slice);
-        let argmax_scratch = carve(parts.argmax);
 
         // Activation buffers from the plan's workspace, each checked against what we put there.
         let (t, s) = (t_max, s_max);
@@ -1063,7 +1057,6 @@ impl CudaBackend {
             seq_lens: get("seq_lens", 4 * s)?,
             slots: get("state_slot_ids", 4 * s)?,
             last_idx: get("last_token_idx", 4 * s)?,
-            argmax_scratch,
             residual: get("residual", 2 * t * h)?,
             x_norm: get("x_norm", 2 * t * h)?,
             mixer_out: get("mixer_out", 2 * t * h)?,
@@ -1749,18 +1742,7 @@ impl CudaBackend {
     /// device into the i32 array at `ids` (4 bytes a row come back).
     fn logits_argmax(&self, rows: usize, valid: usize, ids: u64) -> Result<Vec<u32>, CudaError> {
         let v = self.d.vocab;
-        let sc = self.ws.argmax_scratch;
-        ops::argmax::argmax_rows(
-            &self.k,
-            self.rt.stream(),
-            self.logits.ptr,
-            v,
-            valid.min(v),
-            rows,
-            ids,
-            sc.ptr,
-            sc.bytes,
-        )?;
+        ops::argmax::argmax_rows(&self.k, self.rt.stream(), self.logits.ptr, v, valid.min(v), rows, ids)?;
         let mut got = vec![0i32; rows];
         self.rt.download(&mut got, ids)?;
         Ok(got.into_iter().map(|t| t as u32).collect())

@@ -28,11 +28,7 @@ pub struct KernelSource {
 /// Every kernel source of the crate.
 pub const SOURCES: &[KernelSource] = &[
     KernelSource { module: "embed", src: include_str!("../kernels/embed.cu"), functions: &["embed_gather"] },
-    KernelSource {
-        module: "argmax",
-        src: include_str!("../kernels/argmax.cu"),
-        functions: &["argmax_part", "argmax_final"],
-    },
+    KernelSource { module: "argmax", src: include_str!("../kernels/argmax.cu"), functions: &["argmax_rows"] },
     KernelSource { module: "init", src: include_str!("../kernels/init.cu"), functions: &["init_random"] },
     KernelSource {
         module: "norm",

@@ -875,9 +875,7 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
                 }
             }
             let (xp, ip) = (d.f32s(&x)?, d.poison(4 * rows)?);
-            let sb = ops::argmax::scratch_bytes(rows, valid);
-            let sp = d.poison(sb)?;
-            ops::argmax::argmax_rows(k, &s, xp, vocab, valid, rows, ip, sp, sb)?;
+            ops::argmax::argmax_rows(k, &s, xp, vocab, valid, rows, ip)?;
             let mut got = vec![0i32; rows];
             d.rt.download(&mut got, ip)?;
             let want: Vec<i32> =
