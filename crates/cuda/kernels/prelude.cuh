@@ -143,6 +143,22 @@ __device__ __forceinline__ float warp_as_block_sumsq(const bf16_t* row, int D, i
     }
     return warp_sum(tot);
 }
+// The same sum from the row's values in registers: x[m] = element lane + 32m (M * 32 >= D; entries at
+// or past D unused), so that every load of the row can be in flight at once.
+template <int NW, int M>
+__device__ __forceinline__ float warp_as_block_sumsq(const float (&x)[M], int D, int lane) {
+    float tot = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NW; j++) {
+        float ss = 0.0f;
+#pragma unroll
+        for (int m = j; m < M; m += NW)
+            if (lane + 32 * m < D) ss += x[m] * x[m];
+        ss = warp_sum(ss);
+        if (lane == j) tot = ss;
+    }
+    return warp_sum(tot);
+}
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float siluf_(float x) { return x / (1.0f + expf(-x)); }

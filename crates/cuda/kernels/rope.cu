@@ -47,8 +47,9 @@ extern "C" __global__ void rope_partial(bf16_t* x, long long tok_stride, const i
 //  - The KV write (nv > 0) is kv_quant.cu's kv_write_q, bit for bit (formats k_fmt / v_fmt: KVF_*;
 //    its addressing; tokens with pos < 0, decode-graph padding, store nothing).
 // What does not depend on the previous kernel is done before pdl_wait: the row's cache address (step
-// inputs), its rotation's cos / sin and its norm weights; after it, the row's values load all at once. One warp per row, 8 rows per block (a 256-thread block per row
-// spent most of a prefill step being scheduled: 115K blocks for 4,096 tokens). The loops stay rolled:
+// inputs), its rotation's cos / sin and its norm weights; after it, the row's values load all at once.
+// One warp per row, 8 rows per block (a 256-thread block per row spent most of a prefill step being
+// scheduled: 115K blocks for 4,096 tokens). The rotation's loops stay rolled:
 // unrolled, sinf / cosf's rarely taken large-argument paths made the kernel ~9K instructions and, with
 // its code fetched once per layer, 2.7x slower (bench/results/session23-h200-2026-12-01.md).
 // Launch: grid (ceil(T*(nq + nk + nv)/8)), block 256. Tested by: tests/ops.rs cases "qk_norm_rope"
@@ -106,26 +107,14 @@ qk_norm_rope(bf16_t* q, long long q_tok, long long q_head, const bf16_t* __restr
                           : k + (long long)t * k_tok + (long long)(h - nq) * k_head;
         float* ys = ys_all[warp];
         bf16_t* kb = kb_all[warp];
-        // The row's values at dims lane + 32m, all loads in flight at once; then warp_as_block_sumsq<8>'s
-        // sum from registers (lane plays threads lane + 32j, j < 8, each summing dims lane + 32j + 256k in
-        // k order; the 8 partial sums combined as there).
+        // The row's values at dims lane + 32m, all loads in flight at once.
         float xr[QKNR_MAX_D / 32];
 #pragma unroll
         for (int m = 0; m < QKNR_MAX_D / 32; m++) {
             const int i = lane + 32 * m;
             xr[m] = i < D ? bf2f(row[i]) : 0.0f;
         }
-        float tot = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            float ss = 0.0f;
-#pragma unroll
-            for (int m = j; m < QKNR_MAX_D / 32; m += 8)
-                if (lane + 32 * m < D) ss += xr[m] * xr[m];
-            ss = warp_sum(ss);
-            if (lane == j) tot = ss;
-        }
-        const float inv = rsqrtf(warp_sum(tot) / (float)D + eps);
+        const float inv = rsqrtf(warp_as_block_sumsq<8>(xr, D, lane) / (float)D + eps);
 #pragma unroll
         for (int m = 0; m < QKNR_MAX_D / 32; m++) {
             const int i = lane + 32 * m;
