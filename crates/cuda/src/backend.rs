@@ -42,7 +42,7 @@ use crate::ops::w4a16::{self, Fold, W4Weights};
 use crate::ops::{
     self, Kernels, attention, conv, elementwise, embed, gdn_chunk, gdn_decode, gdn_gate, kv_cache, mtp, norm,
 };
-use crate::runtime::Runtime;
+use crate::runtime::{PinnedHost, Runtime};
 
 mod spec;
 use crate::w4::{ScaleDtype, W4Bytes, W4Linear};
@@ -306,10 +306,8 @@ struct Weights {
 /// The embedding table in pinned host memory (`embed_on_host`) and the pinned `[t_max, hidden]`
 /// bf16 buffer a step's rows are gathered into before one upload.
 struct HostEmbed {
-    table: *mut u8,
-    table_bytes: usize,
-    staging: *mut u8,
-    staging_bytes: usize,
+    table: PinnedHost,
+    staging: PinnedHost,
 }
 
 /// Device addresses of the activation buffers (plan workspace offsets) and scratch.
@@ -382,6 +380,10 @@ enum GraphKey {
 /// The most CUDA graphs a backend keeps (decode buckets, verify, commit and draft shapes).
 const MAX_GRAPHS: usize = 48;
 
+/// Most bytes of the pinned buffer step outputs come back through (at most the logits region): 16 rows of a
+/// 248K vocabulary's f32 logits in one copy, larger steps in pieces.
+const HOST_OUT_BYTES: usize = 16 << 20;
+
 /// Per-op-group GPU time while profiling ([`CudaBackend::set_profiling`]): a timing event is recorded
 /// at the start of a step and after each group (no synchronisation in between), read back once at the
 /// end of the step and summed by group.
@@ -426,8 +428,7 @@ pub struct CudaBackend {
     rec_bytes: usize,
     conv_bytes: usize,
     /// Pinned host snapshot pool: [host_snapshot_slots, state bytes of every DeltaNet layer].
-    host_pool: *mut u8,
-    host_pool_bytes: usize,
+    host_pool: Option<PinnedHost>,
     host_snapshot_slots: usize,
     snapshot_len: usize,
     /// Bytes of weights the backend laid out (vs the plan's `weights` region).
@@ -441,6 +442,8 @@ pub struct CudaBackend {
     graphs: HashMap<GraphKey, CudaGraph>,
     graph_stats: GraphStats,
     host_embed: Option<HostEmbed>,
+    /// Pinned buffer the wanted logits rows (or greedy ids) come back through, a piece at a time.
+    host_out: PinnedHost,
     /// Linears quantised at load (`--quantize int4`) and converted from GPTQ.
     pub w4_quantized: usize,
     pub w4_converted: usize,
@@ -1226,31 +1229,17 @@ impl CudaBackend {
         let gemm = Gemm::new(&rt, gemm_ws)?;
         let snapshot_len = d.num_deltanet_layers * (rec_bytes + conv_bytes) + if spec.is_some() { h * 2 } else { 0 };
         let host_pool_bytes = host_snapshot_slots * snapshot_len;
-        let host_pool = if host_pool_bytes > 0 {
-            // SAFETY: plain pinned allocation, freed once in Drop.
-            (unsafe { result::malloc_host(host_pool_bytes, 0) }.map_err(CudaError::driver("cuMemHostAlloc"))?)
-                as *mut u8
-        } else {
-            std::ptr::null_mut()
-        };
+        let host_pool = (host_pool_bytes > 0).then(|| PinnedHost::new(&rt, host_pool_bytes)).transpose()?;
         let host_embed = if fmt.embed_on_host {
-            let table_bytes = d.vocab * h * 2;
-            let staging_bytes = t_max * h * 2;
-            // SAFETY: plain pinned allocations, freed once in Drop (also when a later step of new() fails:
-            // the HostEmbed is owned by the backend value from here on).
-            let table = unsafe { result::malloc_host(table_bytes, 0) }.map_err(CudaError::driver("cuMemHostAlloc"))?;
-            let staging = match unsafe { result::malloc_host(staging_bytes.max(1), 0) } {
-                Ok(p) => p,
-                Err(e) => {
-                    // SAFETY: allocated just above, freed once.
-                    let _ = unsafe { result::free_host(table) };
-                    return Err(CudaError::driver("cuMemHostAlloc")(e));
-                }
-            };
-            Some(HostEmbed { table: table as *mut u8, table_bytes, staging: staging as *mut u8, staging_bytes })
+            let table = PinnedHost::new(&rt, d.vocab * h * 2)?;
+            Some(HostEmbed { table, staging: PinnedHost::new(&rt, t_max * h * 2)? })
         } else {
             None
         };
+        // Zeroed once: copies land in it before it is read, and it never holds uninitialised values.
+        let host_out = PinnedHost::new(&rt, logits.bytes.min(HOST_OUT_BYTES))?;
+        // SAFETY: the allocation holds host_out.bytes() bytes.
+        unsafe { std::ptr::write_bytes(host_out.ptr(), 0, host_out.bytes()) };
 
         let mut be = CudaBackend {
             rt,
@@ -1278,7 +1267,6 @@ impl CudaBackend {
             rec_bytes,
             conv_bytes,
             host_pool,
-            host_pool_bytes,
             host_snapshot_slots,
             snapshot_len,
             weights_bytes,
@@ -1288,6 +1276,7 @@ impl CudaBackend {
             graphs: HashMap::new(),
             graph_stats: GraphStats::default(),
             host_embed,
+            host_out,
             w4_quantized: 0,
             w4_converted: 0,
             tp: shard.map(|spec| RankComm { spec, full_vocab: full_cfg.vocab_size, comms: None }),
@@ -1345,7 +1334,7 @@ impl CudaBackend {
         };
         let mut pending: Option<u64> = None;
         let mut tied_head: Option<Part> = None;
-        let host = self.host_embed.as_ref().map(|e| (e.table, e.table_bytes));
+        let host = self.host_embed.as_ref().map(|e| (e.table.ptr(), e.table.bytes()));
         let tied = cfg.tie_word_embeddings;
         let mut convert = |src: TensorSource<'_>| -> Result<Part, ModelError> {
             let dev = |e: CudaError| ModelError::config(format!("{}: {e}", src.name));
@@ -1513,7 +1502,7 @@ impl CudaBackend {
                         let m = chunk.min(n - e0);
                         init_random(&self.k, &s, staging.ptr, m, tseed ^ c as u64, Init::Normal(1.0), false)?;
                         // SAFETY: the table holds n bf16 elements (table_bytes = 2n); e0 + m <= n.
-                        let dst = unsafe { std::slice::from_raw_parts_mut(he.table.add(2 * e0), 2 * m) };
+                        let dst = unsafe { std::slice::from_raw_parts_mut(he.table.ptr().add(2 * e0), 2 * m) };
                         self.rt.download(dst, staging.ptr)?;
                     }
                     Part::Bf16 { w: 0, rows: 0 }
@@ -1743,9 +1732,34 @@ impl CudaBackend {
     fn logits_argmax(&self, rows: usize, valid: usize, ids: u64) -> Result<Vec<u32>, CudaError> {
         let v = self.d.vocab;
         ops::argmax::argmax_rows(&self.k, self.rt.stream(), self.logits.ptr, v, valid.min(v), rows, ids)?;
-        let mut got = vec![0i32; rows];
-        self.rt.download(&mut got, ids)?;
-        Ok(got.into_iter().map(|t| t as u32).collect())
+        let mut got = Vec::with_capacity(rows);
+        self.download_pinned(&mut got, ids, rows)?;
+        Ok(got.into_iter().map(|t: i32| t as u32).collect())
+    }
+
+    /// Appends the `n` values of device array `src` to `dst` through the pinned `host_out`, a piece
+    /// at a time (waits for the stream).
+    fn download_pinned<T: Copy>(&self, dst: &mut Vec<T>, src: u64, n: usize) -> Result<(), CudaError> {
+        let size = std::mem::size_of::<T>();
+        let per = self.host_out.bytes() / size;
+        if per == 0 && n > 0 {
+            return Err(CudaError::Plan("the pinned output buffer is smaller than one value".into()));
+        }
+        dst.reserve(n);
+        let mut done = 0;
+        while done < n {
+            let m = per.min(n - done);
+            // SAFETY: host_out holds at least m values of T (m·size <= bytes), page-aligned, zeroed at
+            // construction and written only by these copies; nothing else reads or writes it while this
+            // function runs, and it waits for the copy before reading.
+            let stage = unsafe { std::slice::from_raw_parts_mut(self.host_out.ptr() as *mut T, m) };
+            unsafe { result::memcpy_dtoh_async(stage, src + (done * size) as u64, self.rt.stream().cu_stream()) }
+                .map_err(CudaError::driver("cuMemcpyDtoHAsync"))?;
+            self.rt.synchronize()?;
+            dst.extend_from_slice(stage);
+            done += m;
+        }
+        Ok(())
     }
 
     /// Seconds the last speculative step spent drafting with the MTP head (0 without speculation).
@@ -1963,6 +1977,7 @@ impl CudaBackend {
 
     fn copy(&self, dst: Place, src: Place, bytes: usize) -> Result<(), CudaError> {
         let s = self.rt.stream().cu_stream();
+        let pool = self.host_pool.as_ref().map_or(std::ptr::null_mut(), |p| p.ptr());
         // SAFETY: every address comes from state_parts / the pinned pool bounds checked by the
         // callers (slot and snapshot indices are validated), and the pinned pool lives as long as
         // self; the step synchronises before returning.
@@ -1972,16 +1987,16 @@ impl CudaBackend {
                     result::memcpy_dtod_async(d, sr, bytes, s).map_err(CudaError::driver("cuMemcpyDtoDAsync"))
                 }
                 (Place::Host(o), Place::Dev(sr)) => {
-                    let dst = std::slice::from_raw_parts_mut(self.host_pool.add(o), bytes);
+                    let dst = std::slice::from_raw_parts_mut(pool.add(o), bytes);
                     result::memcpy_dtoh_async(dst, sr, s).map_err(CudaError::driver("cuMemcpyDtoHAsync"))
                 }
                 (Place::Dev(d), Place::Host(o)) => {
-                    let src = std::slice::from_raw_parts(self.host_pool.add(o), bytes);
+                    let src = std::slice::from_raw_parts(pool.add(o), bytes);
                     result::memcpy_htod_async(d, src, s).map_err(CudaError::driver("cuMemcpyHtoDAsync"))
                 }
                 (Place::Host(o), Place::Host(so)) => {
                     self.rt.synchronize()?;
-                    std::ptr::copy(self.host_pool.add(so), self.host_pool.add(o), bytes);
+                    std::ptr::copy(pool.add(so), pool.add(o), bytes);
                     Ok(())
                 }
             }
@@ -2050,7 +2065,7 @@ impl CudaBackend {
     fn upload_host_embedding(&self, he: &HostEmbed, ids: &[i32]) -> Result<(), CudaError> {
         let row = 2 * self.d.hidden;
         let n = ids.len() * row;
-        if n > he.staging_bytes {
+        if n > he.staging.bytes() {
             return Err(CudaError::Plan(format!("{} embedding rows exceed the host staging buffer", ids.len())));
         }
         for (r, &id) in ids.iter().enumerate() {
@@ -2058,16 +2073,16 @@ impl CudaBackend {
             unsafe {
                 if id < 0 {
                     // Outside a tensor-parallel rank's vocabulary shard.
-                    std::ptr::write_bytes(he.staging.add(r * row), 0, row);
+                    std::ptr::write_bytes(he.staging.ptr().add(r * row), 0, row);
                 } else {
                     let id = (id as usize).min(self.d.vocab - 1);
-                    std::ptr::copy_nonoverlapping(he.table.add(id * row), he.staging.add(r * row), row);
+                    std::ptr::copy_nonoverlapping(he.table.ptr().add(id * row), he.staging.ptr().add(r * row), row);
                 }
             }
         }
         // SAFETY: residual holds [t_max, hidden] bf16 (checked at construction); the pinned staging
         // lives as long as self and is not written again before the step synchronises.
-        let src = unsafe { std::slice::from_raw_parts(he.staging, n) };
+        let src = unsafe { std::slice::from_raw_parts(he.staging.ptr(), n) };
         unsafe { result::memcpy_htod_async(self.ws.residual, src, self.rt.stream().cu_stream()) }
             .map_err(CudaError::driver("cuMemcpyHtoDAsync"))
     }
@@ -2335,11 +2350,7 @@ impl CudaBackend {
         if n_want > 0 {
             let v = self.d.vocab;
             match out {
-                StepOut::Logits(logits) => {
-                    let at = logits.len();
-                    logits.resize(at + n_want * v, 0.0);
-                    self.rt.download(&mut logits[at..], self.logits.ptr).map_err(dev)?;
-                }
+                StepOut::Logits(logits) => self.download_pinned(logits, self.logits.ptr, n_want * v).map_err(dev)?,
                 StepOut::Argmax { valid, tokens } => {
                     // The ids land in `last_idx` (the step's gather indices, read by the forward only).
                     tokens.extend(self.logits_argmax(n_want, valid, self.ws.last_idx).map_err(dev)?);
@@ -3012,11 +3023,14 @@ impl Backend for CudaBackend {
 
     fn arena_stats(&self) -> ArenaStats {
         let capacity: usize = self.arena.regions().iter().map(|(_, s, _)| s).sum();
-        let (host_n, host_b) = self.host_embed.as_ref().map_or((0, 0), |e| (2, e.table_bytes + e.staging_bytes.max(1)));
+        let embed = self.host_embed.as_ref().map(|e| [&e.table, &e.staging]);
+        let pinned: Vec<&PinnedHost> =
+            self.host_pool.iter().chain(embed.into_iter().flatten()).chain([&self.host_out]).collect();
+        let host_b: usize = pinned.iter().map(|p| p.bytes()).sum();
         ArenaStats {
-            allocations: self.arena.driver_allocs() as u64 + u64::from(!self.host_pool.is_null()) + host_n,
-            high_water_bytes: (self.arena.high_water() + self.host_pool_bytes + host_b) as u64,
-            capacity_bytes: (capacity + self.host_pool_bytes + host_b) as u64,
+            allocations: (self.arena.driver_allocs() + pinned.len()) as u64,
+            high_water_bytes: (self.arena.high_water() + host_b) as u64,
+            capacity_bytes: (capacity + host_b) as u64,
         }
     }
 }
@@ -3031,17 +3045,7 @@ impl Drop for CudaBackend {
                 Ok(None) => {}
                 Err(e) => tracing::warn!("kernel trace: not written: {e}"),
             }
-            if !self.host_pool.is_null() {
-                // SAFETY: allocated by malloc_host in new(), freed once.
-                let _ = unsafe { result::free_host(self.host_pool as *mut std::ffi::c_void) };
-            }
-            if let Some(he) = self.host_embed.take() {
-                // SAFETY: allocated by malloc_host in new(), freed once.
-                unsafe {
-                    let _ = result::free_host(he.table as *mut std::ffi::c_void);
-                    let _ = result::free_host(he.staging as *mut std::ffi::c_void);
-                }
-            }
+            // The pinned buffers free themselves (PinnedHost) once the stream is idle.
         }
     }
 }

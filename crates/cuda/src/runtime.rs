@@ -1,7 +1,7 @@
 //! Opening the GPU: library presence checks (before any cudarc call, which would panic on a
 //! missing library), device 0 context with event tracking disabled (we synchronise by stream
-//! order; cudarc's per-slice events would add work to every launch), and host<->device copies
-//! for set-up and tests (not for the hot path).
+//! order; cudarc's per-slice events would add work to every launch), host<->device copies
+//! for set-up and tests (not for the hot path), and pinned host allocations.
 
 use std::sync::Arc;
 
@@ -166,5 +166,45 @@ impl Runtime {
         // SAFETY: the caller passes a device range of at least `bytes` bytes.
         unsafe { result::memset_d8_async(dst, value, bytes, self.stream.cu_stream()) }
             .map_err(CudaError::driver("cuMemsetD8Async"))
+    }
+}
+
+/// A pinned (page-locked) host allocation, freed when dropped. The GPU copies to and from it
+/// asynchronously at the bus's rate; a copy to pageable memory is staged by the driver piece by piece
+/// (~0.15 ms for the 1 MB of f32 logits of one 27B row on the H200, against ~0.03 ms pinned).
+/// The memory starts uninitialised: callers write it (or copy into it) before reading.
+pub struct PinnedHost {
+    ptr: *mut u8,
+    bytes: usize,
+    /// Keeps the context alive until the memory is freed.
+    ctx: Arc<CudaContext>,
+}
+
+impl PinnedHost {
+    /// Allocates `bytes` bytes (at least one) of pinned host memory in `rt`'s context.
+    pub fn new(rt: &Runtime, bytes: usize) -> Result<PinnedHost, CudaError> {
+        rt.ctx.bind_to_thread().map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        // SAFETY: a plain pinned allocation, freed once in Drop.
+        let ptr = unsafe { result::malloc_host(bytes.max(1), 0) }.map_err(CudaError::driver("cuMemHostAlloc"))?;
+        Ok(PinnedHost { ptr: ptr as *mut u8, bytes, ctx: rt.ctx.clone() })
+    }
+
+    pub fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Usable bytes (what was asked for).
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for PinnedHost {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by malloc_host in new(), freed once; no copy into or out of it is in
+            // flight (its owners synchronise their stream before dropping it).
+            let _ = unsafe { result::free_host(self.ptr as *mut std::ffi::c_void) };
+        }
     }
 }
