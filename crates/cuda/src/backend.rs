@@ -28,6 +28,7 @@ use deltaserve_backend::{ArenaStats, Backend, BackendError, CacheOp, DraftPicker
 use deltaserve_model::shard::{ShardSpec, Split};
 use deltaserve_model::weights::TensorSource;
 use deltaserve_model::{Checkpoint, DType, Dims, LayerKind, ModelConfig, ModelError, ModelWeights};
+use deltaserve_plan::workspace::STEP_INPUTS;
 use deltaserve_plan::{Plan, PlanOptions, WeightsDtype};
 
 use crate::arena::{Arena, DevSpan};
@@ -310,6 +311,16 @@ struct HostEmbed {
     staging: PinnedHost,
 }
 
+/// The step inputs' block of the workspace (the plan puts them back to back) and its pinned image: a step
+/// writes its inputs into the image and uploads them in one copy.
+struct StepInputs {
+    image: PinnedHost,
+    /// Each input's byte offset in the block and its capacity (`STEP_INPUTS` order).
+    at: [(usize, usize); 6],
+    /// Recorded after each upload: the image is rewritten only once the last copy out of it is done.
+    done: cudarc::driver::CudaEvent,
+}
+
 /// Device addresses of the activation buffers (plan workspace offsets) and scratch.
 #[derive(Clone, Copy)]
 struct Ws {
@@ -381,8 +392,11 @@ enum GraphKey {
 const MAX_GRAPHS: usize = 48;
 
 /// Most bytes of the pinned buffer step outputs come back through (at most the logits region): 16 rows of a
-/// 248K vocabulary's f32 logits in one copy, larger steps in pieces.
+/// 248K vocabulary's f32 logits at once, larger steps in rounds.
 const HOST_OUT_BYTES: usize = 16 << 20;
+/// The pieces a step's outputs cross the bus in (the host copies one out of the pinned buffer while the next
+/// crosses).
+const OUT_PIECE_BYTES: usize = 256 << 10;
 
 /// Per-op-group GPU time while profiling ([`CudaBackend::set_profiling`]): a timing event is recorded
 /// at the start of a step and after each group (no synchronisation in between), read back once at the
@@ -417,6 +431,9 @@ pub struct CudaBackend {
     logits: DevSpan,
     block_tables: DevSpan,
     table_width: usize,
+    /// What the device's block tables hold, row by row (the region starts zeroed): a step uploads only the
+    /// entries that change.
+    table_mirror: std::cell::RefCell<Vec<i32>>,
     page_size: usize,
     num_pages: usize,
     num_slots: usize,
@@ -442,8 +459,11 @@ pub struct CudaBackend {
     graphs: HashMap<GraphKey, CudaGraph>,
     graph_stats: GraphStats,
     host_embed: Option<HostEmbed>,
-    /// Pinned buffer the wanted logits rows (or greedy ids) come back through, a piece at a time.
+    /// Pinned buffer the wanted logits rows (or greedy ids) come back through, and one event per piece of it
+    /// (the host copies a piece out while the next one crosses the bus).
     host_out: PinnedHost,
+    inputs: StepInputs,
+    out_events: Vec<cudarc::driver::CudaEvent>,
     /// Linears quantised at load (`--quantize int4`) and converted from GPTQ.
     pub w4_quantized: usize,
     pub w4_converted: usize,
@@ -519,6 +539,35 @@ enum WSpec {
     W4 { out: usize, inp: usize, asym: bool },
     /// The embedding table in pinned host memory.
     Host { n: usize },
+}
+
+impl StepInputs {
+    /// The block of the plan's step inputs: each at its offset from the first, and no other buffer inside.
+    fn new(rt: &Runtime, plan: &Plan) -> Result<StepInputs, CudaError> {
+        let ws = &plan.workspace;
+        let bufs = STEP_INPUTS.map(|name| ws.get(name));
+        let Some(bufs) = bufs.into_iter().collect::<Option<Vec<_>>>() else {
+            return Err(CudaError::Plan("the workspace lacks a step input".into()));
+        };
+        // token_ids first: the upload goes to its address.
+        let lo = bufs[0].offset;
+        if bufs.iter().any(|b| b.offset < lo) {
+            return Err(CudaError::Plan("the step inputs' block does not start with token_ids".into()));
+        }
+        let hi = bufs.iter().map(|b| b.offset + b.bytes).max().unwrap_or(0);
+        if let Some(o) =
+            ws.buffers.iter().find(|b| !STEP_INPUTS.contains(&b.name) && b.offset < hi && lo < b.offset + b.bytes)
+        {
+            return Err(CudaError::Plan(format!("workspace buffer `{}` lies inside the step inputs' block", o.name)));
+        }
+        let mut at = [(0, 0); 6];
+        for (a, b) in at.iter_mut().zip(&bufs) {
+            *a = ((b.offset - lo) as usize, b.bytes as usize);
+        }
+        let image = PinnedHost::new(rt, (hi - lo) as usize)?;
+        let done = rt.context().new_event(None).map_err(CudaError::driver("cuEventCreate"))?;
+        Ok(StepInputs { image, at, done })
+    }
 }
 
 impl WSpec {
@@ -1005,6 +1054,8 @@ impl CudaBackend {
         let acts = whole(&mut arena, "activations", region("activations")?)?;
         let logits = whole(&mut arena, "logits", region("logits")?)?;
         let block_tables = whole(&mut arena, "block_tables", region("block_tables")?)?;
+        // Zeroed once (the host mirror starts so); steps upload only the entries that change.
+        rt.memset(block_tables.ptr, 0, block_tables.bytes)?;
         let gemm_ws = whole(&mut arena, "gemm_workspace", region("gemm_workspace")?)?;
 
         // The plan's backend scratch: chunked DeltaNet f32 workspace and the varlen tables.
@@ -1236,10 +1287,15 @@ impl CudaBackend {
         } else {
             None
         };
+        let inputs = StepInputs::new(&rt, plan)?;
         // Zeroed once: copies land in it before it is read, and it never holds uninitialised values.
         let host_out = PinnedHost::new(&rt, logits.bytes.min(HOST_OUT_BYTES))?;
         // SAFETY: the allocation holds host_out.bytes() bytes.
         unsafe { std::ptr::write_bytes(host_out.ptr(), 0, host_out.bytes()) };
+        let out_events = (0..host_out.bytes().div_ceil(OUT_PIECE_BYTES))
+            .map(|_| rt.context().new_event(None))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(CudaError::driver("cuEventCreate"))?;
 
         let mut be = CudaBackend {
             rt,
@@ -1257,6 +1313,7 @@ impl CudaBackend {
             logits,
             block_tables,
             table_width,
+            table_mirror: std::cell::RefCell::new(vec![0; block_tables.bytes / 4]),
             page_size: plan.page_size,
             num_pages: plan.num_kv_pages,
             num_slots: plan.num_state_slots,
@@ -1277,6 +1334,8 @@ impl CudaBackend {
             graph_stats: GraphStats::default(),
             host_embed,
             host_out,
+            inputs,
+            out_events,
             w4_quantized: 0,
             w4_converted: 0,
             tp: shard.map(|spec| RankComm { spec, full_vocab: full_cfg.vocab_size, comms: None }),
@@ -1737,26 +1796,37 @@ impl CudaBackend {
         Ok(got.into_iter().map(|t: i32| t as u32).collect())
     }
 
-    /// Appends the `n` values of device array `src` to `dst` through the pinned `host_out`, a piece
-    /// at a time (waits for the stream).
+    /// Appends the `n` values of device array `src` to `dst` through the pinned `host_out`: every piece's
+    /// copy is queued behind the stream's work, then each piece is copied out on the host as soon as its
+    /// event fires, while the next one crosses the bus (in rounds of `host_out`'s size).
     fn download_pinned<T: Copy>(&self, dst: &mut Vec<T>, src: u64, n: usize) -> Result<(), CudaError> {
         let size = std::mem::size_of::<T>();
-        let per = self.host_out.bytes() / size;
-        if per == 0 && n > 0 {
+        let (round, piece) = (self.host_out.bytes() / size, (OUT_PIECE_BYTES / size).max(1));
+        if round == 0 && n > 0 {
             return Err(CudaError::Plan("the pinned output buffer is smaller than one value".into()));
         }
+        let stream = self.rt.stream();
         dst.reserve(n);
         let mut done = 0;
         while done < n {
-            let m = per.min(n - done);
-            // SAFETY: host_out holds at least m values of T (m·size <= bytes), page-aligned, zeroed at
-            // construction and written only by these copies; nothing else reads or writes it while this
-            // function runs, and it waits for the copy before reading.
-            let stage = unsafe { std::slice::from_raw_parts_mut(self.host_out.ptr() as *mut T, m) };
-            unsafe { result::memcpy_dtoh_async(stage, src + (done * size) as u64, self.rt.stream().cu_stream()) }
-                .map_err(CudaError::driver("cuMemcpyDtoHAsync"))?;
-            self.rt.synchronize()?;
-            dst.extend_from_slice(stage);
+            let m = round.min(n - done);
+            let spans: Vec<(usize, usize)> = (0..m).step_by(piece).map(|a| (a, piece.min(m - a))).collect();
+            for (&(a, len), ev) in spans.iter().zip(&self.out_events) {
+                // SAFETY: host_out holds `round` values of T and a + len <= m <= round; it is zeroed at
+                // construction, written only by these copies and read below only after the piece's event.
+                let stage = unsafe { std::slice::from_raw_parts_mut((self.host_out.ptr() as *mut T).add(a), len) };
+                let from = src + ((done + a) * size) as u64;
+                unsafe { result::memcpy_dtoh_async(stage, from, stream.cu_stream()) }
+                    .map_err(CudaError::driver("cuMemcpyDtoHAsync"))?;
+                ev.record(stream).map_err(CudaError::driver("cuEventRecord"))?;
+            }
+            for (&(a, len), ev) in spans.iter().zip(&self.out_events) {
+                ev.synchronize().map_err(CudaError::driver("cuEventSynchronize"))?;
+                // SAFETY: as above; the piece's copy has completed.
+                dst.extend_from_slice(unsafe {
+                    std::slice::from_raw_parts((self.host_out.ptr() as *const T).add(a), len)
+                });
+            }
             done += m;
         }
         Ok(())
@@ -2087,6 +2157,50 @@ impl CudaBackend {
             .map_err(CudaError::driver("cuMemcpyHtoDAsync"))
     }
 
+    /// Makes block-table row `r` start with `pages` on the device, uploading only the span that differs from
+    /// the mirror: usually nothing in a decode step, one entry when a sequence enters a new page, a prompt's
+    /// pages once. Entries past `pages` keep what they held: kernels read a row's first ⌈len / page⌉
+    /// entries only, and every entry ever written is a valid page id (the region starts zeroed), so a
+    /// graph's padding row still reads a real page.
+    fn put_table_row(&self, r: usize, pages: &[u32]) -> Result<(), CudaError> {
+        let at = r * self.table_width;
+        let mut mirror = self.table_mirror.borrow_mut();
+        let row = &mut mirror[at..at + pages.len()];
+        let differs = |(a, &b): (&i32, &u32)| *a != b as i32;
+        let Some(lo) = row.iter().zip(pages).position(differs) else { return Ok(()) };
+        let hi = pages.len() - row.iter().zip(pages).rev().position(differs).unwrap_or(0);
+        for (a, &b) in row[lo..hi].iter_mut().zip(&pages[lo..hi]) {
+            *a = b as i32;
+        }
+        self.upload_i32(self.block_tables.ptr + 4 * (at + lo) as u64, &row[lo..hi])
+    }
+
+    /// Writes the step inputs (`STEP_INPUTS` order) into their pinned image and uploads the block up to the
+    /// last value written, in one copy.
+    fn upload_inputs(&self, parts: [&[i32]; 6]) -> Result<(), CudaError> {
+        let inp = &self.inputs;
+        let mut end = 0;
+        if let Some(((_, name), _)) =
+            parts.iter().zip(STEP_INPUTS).zip(inp.at).find(|((v, _), (_, cap))| 4 * v.len() > *cap)
+        {
+            return Err(CudaError::Plan(format!("the step's `{name}` exceeds its workspace buffer")));
+        }
+        inp.done.synchronize().map_err(CudaError::driver("cuEventSynchronize"))?;
+        for (v, (off, _)) in parts.iter().zip(inp.at) {
+            // SAFETY: off + 4·len <= off + capacity <= the image's bytes (checked above and at construction);
+            // the last copy out of the image has completed (the event above).
+            unsafe { std::ptr::copy_nonoverlapping(v.as_ptr() as *const u8, inp.image.ptr().add(off), 4 * v.len()) };
+            end = end.max(off + 4 * v.len());
+        }
+        let s = self.rt.stream();
+        // SAFETY: the block starts at token_ids and holds the image's bytes (construction); the image is not
+        // written again before `done` fires.
+        let src = unsafe { std::slice::from_raw_parts(inp.image.ptr() as *const u8, end) };
+        unsafe { result::memcpy_htod_async(self.ws.token_ids, src, s.cu_stream()) }
+            .map_err(CudaError::driver("cuMemcpyHtoDAsync"))?;
+        inp.done.record(s).map_err(CudaError::driver("cuEventRecord"))
+    }
+
     fn upload_i32(&self, dst: u64, v: &[i32]) -> Result<(), CudaError> {
         if v.is_empty() {
             return Ok(());
@@ -2196,10 +2310,9 @@ impl CudaBackend {
         // update), one key of page 0, logits computed and not returned.
         let graph = self.opts.cuda_graphs && n_pre == 0 && self.prof.borrow().is_none();
         let rows = if graph { self.graph_bucket(n) } else { n };
-        let w = self.table_width;
         let (mut ids, mut pos, mut cu, mut lens, mut slots) =
             (Vec::with_capacity(rows), Vec::with_capacity(rows), vec![0i32], Vec::new(), Vec::new());
-        let mut tables = vec![0i32; rows * w];
+        let mut table_rows: Vec<&[u32]> = Vec::with_capacity(n);
         let mut row_of = vec![0usize; batch.seqs.len()];
         for (r, &i) in order.iter().enumerate() {
             let c = &batch.seqs[i];
@@ -2210,9 +2323,7 @@ impl CudaBackend {
             lens.push(end as i32);
             slots.push(c.slot as i32);
             let need = if self.d.num_attention_layers > 0 { end.div_ceil(self.page_size) } else { 0 };
-            for (j, &p) in c.pages[..need].iter().enumerate() {
-                tables[r * w + j] = p as i32;
-            }
+            table_rows.push(&c.pages[..need]);
             row_of[i] = cu[r + 1] as usize - 1;
         }
         for _ in n..rows {
@@ -2276,13 +2387,10 @@ impl CudaBackend {
         }
         let ws = &self.ws;
         (|| -> Result<(), CudaError> {
-            self.upload_i32(ws.token_ids, &ids)?;
-            self.upload_i32(ws.positions, &pos)?;
-            self.upload_i32(ws.cu_seqlens, &cu)?;
-            self.upload_i32(ws.seq_lens, &lens)?;
-            self.upload_i32(ws.slots, &slots)?;
-            self.upload_i32(ws.last_idx, &last)?;
-            self.upload_i32(self.block_tables.ptr, &tables)?;
+            self.upload_inputs([&ids, &pos, &cu, &lens, &slots, &last])?;
+            for (r, pages) in table_rows.iter().enumerate() {
+                self.put_table_row(r, pages)?;
+            }
             self.upload_i32(ws.chunk_table.ptr, &chunk_table)?;
             self.upload_i32(ws.tile_table.ptr, &tile_table)?;
             if let Some(sp) = &self.spec {

@@ -4,9 +4,10 @@
 //! lm_head and sampling. The layer section holds the ops of a DeltaNet mixer, then those of an attention mixer
 //! (a layer runs one of the two), then the MLP. Each buffer lives from the first op that touches it to the last;
 //! a buffer that is live when the layer section starts (the residual stream, the step inputs) stays live to its
-//! end, because the section repeats for every layer. Buffers are then placed first-fit by lifetime (largest first,
-//! at the lowest 256-byte aligned offset that overlaps no placed buffer whose lifetime overlaps), as
-//! `ggml-alloc` does at run time, but once.
+//! end, because the section repeats for every layer. The step inputs go first, back to back from offset 0 (one
+//! upload fills them all). The other buffers are then placed first-fit by lifetime (largest first, at the lowest
+//! 256-byte aligned offset that overlaps no placed buffer whose lifetime overlaps), as `ggml-alloc` does at run
+//! time, but once.
 //!
 //! Sizes depend on tokens per step `T` and sequences per step `S` only — never on prompt length or context.
 //! Chunked DeltaNet prefill is bounded by `T` too: a step holds at most `⌊(T + 63·min(S,T)) / 64⌋` chunks of
@@ -22,6 +23,10 @@ pub const GDN_CHUNK: usize = 64;
 
 /// Tokens of the decode steps whose RMSNorms fold into the int4 projections (one GEMV launch).
 pub const FOLD_TOKENS: usize = 8;
+
+/// The step inputs, in their order at the start of the workspace (each 256-byte aligned).
+pub const STEP_INPUTS: [&str; 6] =
+    ["token_ids", "positions", "cu_seqlens", "seq_lens", "state_slot_ids", "last_token_idx"];
 
 /// One named buffer of the workspace.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -126,7 +131,7 @@ pub fn plan_workspace(cfg: &ModelConfig, s: &StepShape) -> Option<WorkspaceLayou
     let ss = format!("S={}", s.seqs);
     let mut b = Builder { bufs: Vec::new(), ops: Vec::new() };
 
-    // Step inputs (uploaded once per step).
+    // Step inputs (one upload per step): STEP_INPUTS.
     b.buf("token_ids", t * 4, format!("[{tt}] i32"));
     b.buf("positions", t * 4, format!("[{tt}] i32"));
     b.buf("cu_seqlens", (n + 1) * 4, format!("[{ss}+1] i32"));
@@ -218,8 +223,7 @@ pub fn plan_workspace(cfg: &ModelConfig, s: &StepShape) -> Option<WorkspaceLayou
         b.buf("mtp_mlp_out", t * hd * a, m(d.hidden));
     }
 
-    const INPUTS: [&str; 6] = ["token_ids", "positions", "cu_seqlens", "seq_lens", "state_slot_ids", "last_token_idx"];
-    b.op("upload_inputs", &[], &INPUTS);
+    b.op("upload_inputs", &[], &STEP_INPUTS);
     if s.host_embed_elem.is_some() {
         b.op("embed_upload", &["token_ids"], &["embed_rows"]);
         b.op("embed", &["embed_rows"], &["residual"]);
@@ -321,7 +325,17 @@ pub fn plan_workspace(cfg: &ModelConfig, s: &StepShape) -> Option<WorkspaceLayou
             shape,
         });
     }
-    let bytes = place_first_fit(&mut buffers);
+    // The inputs are declared first and all written by the first op; as one block they live as long as the
+    // longest-lived of them.
+    let k = STEP_INPUTS.len();
+    if !buffers.iter().take(k).map(|b| b.name).eq(STEP_INPUTS) {
+        return None;
+    }
+    let last = buffers[..k].iter().map(|b| b.last_op).max()?;
+    for b in &mut buffers[..k] {
+        b.last_op = last;
+    }
+    let bytes = place_packed_then_first_fit(&mut buffers, k);
     Some(WorkspaceLayout { buffers, bytes, ops: b.ops.into_iter().map(|(n, _, _)| n).collect() })
 }
 
@@ -329,13 +343,23 @@ pub fn plan_workspace(cfg: &ModelConfig, s: &StepShape) -> Option<WorkspaceLayou
 /// `ALIGN`-aligned offset where it overlaps no already placed buffer with an overlapping lifetime. Sets every
 /// `offset` and returns the aligned end of the highest buffer.
 pub fn place_first_fit(buffers: &mut [WorkspaceBuffer]) -> u64 {
-    let mut order: Vec<usize> = (0..buffers.len()).collect();
+    place_packed_then_first_fit(buffers, 0)
+}
+
+/// Places the first `packed` buffers back to back from offset 0, in their order, then the others as
+/// [`place_first_fit`] does around them. Returns the aligned end of the highest buffer.
+pub fn place_packed_then_first_fit(buffers: &mut [WorkspaceBuffer], packed: usize) -> u64 {
+    let mut end = 0u64;
+    for b in &mut buffers[..packed] {
+        b.offset = end;
+        end += b.bytes.next_multiple_of(ALIGN);
+    }
+    let mut order: Vec<usize> = (packed..buffers.len()).collect();
     order.sort_by(|&x, &y| {
         let (a, b) = (&buffers[x], &buffers[y]);
         b.bytes.cmp(&a.bytes).then(a.first_op.cmp(&b.first_op)).then(a.name.cmp(b.name))
     });
-    let mut placed: Vec<usize> = Vec::with_capacity(buffers.len());
-    let mut end = 0u64;
+    let mut placed: Vec<usize> = (0..packed).collect();
     for &i in &order {
         let size = buffers[i].bytes.next_multiple_of(ALIGN);
         let mut conflicts: Vec<(u64, u64)> = placed

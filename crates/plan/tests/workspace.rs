@@ -2,7 +2,7 @@
 
 use deltaserve_model::ModelConfig;
 use deltaserve_model::synth::Preset;
-use deltaserve_plan::workspace::{StepShape, WorkspaceBuffer, place_first_fit, plan_workspace};
+use deltaserve_plan::workspace::{STEP_INPUTS, StepShape, WorkspaceBuffer, place_first_fit, plan_workspace};
 use proptest::prelude::*;
 
 fn check(bufs: &[WorkspaceBuffer], bytes: u64) -> Result<(), TestCaseError> {
@@ -64,6 +64,14 @@ proptest! {
         prop_assert!(res.last_op > last_layer_op);
         for name in ["positions", "cu_seqlens", "seq_lens", "state_slot_ids"] {
             prop_assert!(ws.get(name).unwrap().last_op >= last_layer_op, "{}", name);
+        }
+        // The step inputs are one block from offset 0, in order, with one lifetime (one upload fills them).
+        let mut at = 0;
+        for name in STEP_INPUTS {
+            let b = ws.get(name).unwrap();
+            prop_assert_eq!(b.offset, at, "{}", name);
+            prop_assert_eq!((b.first_op, b.last_op), (0, ws.get("last_token_idx").unwrap().last_op));
+            at += b.bytes.next_multiple_of(256);
         }
         // With speculative decoding the MTP head reads the step's inputs and the final-normed rows after
         // the logits: they stay live until it does.

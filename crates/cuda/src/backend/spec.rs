@@ -97,20 +97,15 @@ impl CudaBackend {
         order.sort_by_key(|&i| std::cmp::Reverse(batch.seqs[i].draft));
         let mut out = vec![Vec::new(); batch.seqs.len()];
         let Some(&first) = order.first() else { return Ok(out) };
-        let (w, v, h, ps) = (self.table_width, self.d.vocab, self.d.hidden, self.page_size);
-        let mut tables = vec![0i32; order.len() * w];
-        let mut slots = Vec::with_capacity(order.len());
-        for (r, &i) in order.iter().enumerate() {
-            let c = &batch.seqs[i];
-            for (j, &p) in c.pages[..(c.start + c.draft).div_ceil(ps)].iter().enumerate() {
-                tables[r * w + j] = p as i32;
-            }
-            slots.push(c.slot as i32);
-        }
+        let (v, h, ps) = (self.d.vocab, self.d.hidden, self.page_size);
+        let slots: Vec<i32> = order.iter().map(|&i| batch.seqs[i].slot as i32).collect();
         let (ws_slots, ws_last) = (self.ws.slots, self.ws.last_idx);
         let all: Vec<i32> = (0..order.len() as i32).collect();
         (|| -> Result<(), CudaError> {
-            self.upload_i32(self.block_tables.ptr, &tables)?;
+            for (r, &i) in order.iter().enumerate() {
+                let c = &batch.seqs[i];
+                self.put_table_row(r, &c.pages[..(c.start + c.draft).div_ceil(ps)])?;
+            }
             self.upload_i32(ws_slots, &slots)?;
             self.upload_i32(ws_last, &all)
         })()
