@@ -28,7 +28,7 @@ use deltaserve_backend::{ArenaStats, Backend, BackendError, CacheOp, DraftPicker
 use deltaserve_model::shard::{ShardSpec, Split};
 use deltaserve_model::weights::TensorSource;
 use deltaserve_model::{Checkpoint, DType, Dims, LayerKind, ModelConfig, ModelError, ModelWeights};
-use deltaserve_plan::workspace::STEP_INPUTS;
+use deltaserve_plan::workspace::{STEP_INPUTS, WorkspaceBuffer, WorkspaceLayout};
 use deltaserve_plan::{Plan, PlanOptions, WeightsDtype};
 
 use crate::arena::{Arena, DevSpan};
@@ -542,31 +542,39 @@ enum WSpec {
 }
 
 impl StepInputs {
-    /// The block of the plan's step inputs: each at its offset from the first, and no other buffer inside.
     fn new(rt: &Runtime, plan: &Plan) -> Result<StepInputs, CudaError> {
-        let ws = &plan.workspace;
+        let (at, bytes) = Self::block(&plan.workspace)?;
+        let image = PinnedHost::new(rt, bytes)?;
+        let done = rt.context().new_event(None).map_err(CudaError::driver("cuEventCreate"))?;
+        Ok(StepInputs { image, at, done })
+    }
+
+    /// The block of the plan's step inputs: each input's offset from token_ids (the first) and capacity,
+    /// and the block's bytes. No other buffer live while they are may lie inside it (one copy writes it all).
+    fn block(ws: &WorkspaceLayout) -> Result<([(usize, usize); 6], usize), CudaError> {
         let bufs = STEP_INPUTS.map(|name| ws.get(name));
         let Some(bufs) = bufs.into_iter().collect::<Option<Vec<_>>>() else {
             return Err(CudaError::Plan("the workspace lacks a step input".into()));
         };
-        // token_ids first: the upload goes to its address.
         let lo = bufs[0].offset;
         if bufs.iter().any(|b| b.offset < lo) {
             return Err(CudaError::Plan("the step inputs' block does not start with token_ids".into()));
         }
-        let hi = bufs.iter().map(|b| b.offset + b.bytes).max().unwrap_or(0);
-        if let Some(o) =
-            ws.buffers.iter().find(|b| !STEP_INPUTS.contains(&b.name) && b.offset < hi && lo < b.offset + b.bytes)
-        {
+        let hi = bufs.iter().map(|b| b.offset + b.bytes).max().unwrap_or(lo);
+        let inside = |b: &&WorkspaceBuffer| {
+            !STEP_INPUTS.contains(&b.name)
+                && b.offset < hi
+                && lo < b.offset + b.bytes
+                && bufs.iter().any(|i| i.lifetime_overlaps(b))
+        };
+        if let Some(o) = ws.buffers.iter().find(inside) {
             return Err(CudaError::Plan(format!("workspace buffer `{}` lies inside the step inputs' block", o.name)));
         }
         let mut at = [(0, 0); 6];
         for (a, b) in at.iter_mut().zip(&bufs) {
             *a = ((b.offset - lo) as usize, b.bytes as usize);
         }
-        let image = PinnedHost::new(rt, (hi - lo) as usize)?;
-        let done = rt.context().new_event(None).map_err(CudaError::driver("cuEventCreate"))?;
-        Ok(StepInputs { image, at, done })
+        Ok((at, (hi - lo) as usize))
     }
 }
 
@@ -3213,6 +3221,37 @@ mod tests {
             let ours = weights_device_bytes(&cfg, WeightFormat::of(&o));
             assert!(ours <= plan + f32_extra(&cfg) && ours + 4096 * cfg.dims().num_layers >= plan);
         }
+    }
+
+    /// Every plan's step inputs form the block one upload writes: token_ids first, the others after it in
+    /// order within their capacities, nothing live beside them inside it.
+    #[test]
+    fn step_inputs_are_one_block() {
+        for (p, layers) in [(Preset::Qwen36_27b, None), (Preset::Tiny, Some(4))] {
+            let cfg = preset(p, layers);
+            for (spec, embed_on_host, memory) in [(0, false, 24u64 << 30), (2, true, 24 << 30), (0, true, 80 << 30)] {
+                let mut o = PlanOptions::gpu_defaults(memory);
+                o.weights_dtype = WeightsDtype::Int4;
+                o.speculative_tokens = spec;
+                o.embed_on_host = embed_on_host;
+                let plan = Plan::new(&cfg, &o).unwrap();
+                let (at, bytes) = StepInputs::block(&plan.workspace).unwrap();
+                assert_eq!(at[0].0, 0);
+                for (w, name) in at.windows(2).zip(&STEP_INPUTS[1..]) {
+                    assert!(w[0].0 + w[0].1 <= w[1].0, "{name}");
+                }
+                assert_eq!(bytes, at[5].0 + at[5].1);
+                let s = plan.max_seqs;
+                assert!(at[0].1 >= 4 * plan.max_batch_tokens && at[2].1 >= 4 * (s + 1) && at[5].1 >= 4 * s);
+            }
+        }
+        // A buffer live beside the inputs inside their block is refused.
+        let plan = Plan::new(&preset(Preset::Tiny, Some(4)), &PlanOptions::gpu_defaults(1 << 30)).unwrap();
+        let mut ws = plan.workspace.clone();
+        let pos = ws.get("positions").unwrap().clone();
+        let other = ws.buffers.iter_mut().find(|b| b.name == "residual").unwrap();
+        other.offset = pos.offset;
+        assert!(StepInputs::block(&ws).unwrap_err().to_string().contains("residual"));
     }
 
     /// The per-rank sizing of a checkpoint's weights (what a tensor-parallel rank places: every tensor
