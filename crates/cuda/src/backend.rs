@@ -2184,27 +2184,36 @@ impl CudaBackend {
     }
 
     /// Writes the step inputs (`STEP_INPUTS` order) into their pinned image and uploads the block up to the
-    /// last value written, in one copy.
+    /// last value written, in one copy. An input the backend keeps elsewhere (with speculative decoding the
+    /// gather indices of every verified row, in the speculation region) is uploaded on its own.
     fn upload_inputs(&self, parts: [&[i32]; 6]) -> Result<(), CudaError> {
-        let inp = &self.inputs;
-        let mut end = 0;
-        if let Some(((_, name), _)) =
-            parts.iter().zip(STEP_INPUTS).zip(inp.at).find(|((v, _), (_, cap))| 4 * v.len() > *cap)
-        {
-            return Err(CudaError::Plan(format!("the step's `{name}` exceeds its workspace buffer")));
+        let (inp, ws) = (&self.inputs, &self.ws);
+        let dsts = [ws.token_ids, ws.positions, ws.cu_seqlens, ws.seq_lens, ws.slots, ws.last_idx];
+        let in_block = |i: usize| dsts[i] == ws.token_ids + inp.at[i].0 as u64;
+        if let Some(i) = (0..6).find(|&i| in_block(i) && 4 * parts[i].len() > inp.at[i].1) {
+            return Err(CudaError::Plan(format!("the step's `{}` exceeds its workspace buffer", STEP_INPUTS[i])));
         }
         inp.done.synchronize().map_err(CudaError::driver("cuEventSynchronize"))?;
-        for (v, (off, _)) in parts.iter().zip(inp.at) {
+        let mut end = 0;
+        for (i, v) in parts.iter().enumerate() {
+            if !in_block(i) {
+                self.upload_i32(dsts[i], v)?;
+                continue;
+            }
+            let off = inp.at[i].0;
             // SAFETY: off + 4·len <= off + capacity <= the image's bytes (checked above and at construction);
             // the last copy out of the image has completed (the event above).
             unsafe { std::ptr::copy_nonoverlapping(v.as_ptr() as *const u8, inp.image.ptr().add(off), 4 * v.len()) };
             end = end.max(off + 4 * v.len());
         }
+        if end == 0 {
+            return Ok(());
+        }
         let s = self.rt.stream();
         // SAFETY: the block starts at token_ids and holds the image's bytes (construction); the image is not
         // written again before `done` fires.
         let src = unsafe { std::slice::from_raw_parts(inp.image.ptr() as *const u8, end) };
-        unsafe { result::memcpy_htod_async(self.ws.token_ids, src, s.cu_stream()) }
+        unsafe { result::memcpy_htod_async(ws.token_ids, src, s.cu_stream()) }
             .map_err(CudaError::driver("cuMemcpyHtoDAsync"))?;
         inp.done.record(s).map_err(CudaError::driver("cuEventRecord"))
     }
