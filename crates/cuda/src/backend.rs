@@ -476,7 +476,7 @@ struct RankComm {
 
 // SAFETY: the backend is driven by one thread at a time (the engine's step loop); every entry
 // point binds the CUDA context to the calling thread first. The raw pointers (cuBLASLt handle,
-// pinned host pool) are owned by this value and never shared.
+// pinned host allocations) are owned by this value and never shared.
 unsafe impl Send for CudaBackend {}
 
 fn is_f32_tensor(name: &str) -> bool {
@@ -2124,7 +2124,12 @@ impl CudaBackend {
         for (a, &b) in row[lo..hi].iter_mut().zip(&pages[lo..hi]) {
             *a = b as i32;
         }
-        self.upload_i32(self.block_tables.ptr + 4 * (at + lo) as u64, &row[lo..hi])
+        let r = self.upload_i32(self.block_tables.ptr + 4 * (at + lo) as u64, &row[lo..hi]);
+        if r.is_err() {
+            // Unknown on the device now: −1 is never a page, so the next step uploads the span again.
+            row[lo..hi].fill(-1);
+        }
+        r
     }
 
     /// Writes the step inputs (`STEP_INPUTS` order) into their pinned image and uploads the block up to the
@@ -2268,7 +2273,7 @@ impl CudaBackend {
         let n = order.len();
         // Decode steps replay the graph of their batch size. With graph_pad the
         // rows past n are padding: token 0 at position −1 (no KV write), state slot −1 (no state
-        // update), one key of page 0, logits computed and not returned.
+        // update), one key of the page its table row starts with (put_table_row), logits computed and not returned.
         let graph = self.opts.cuda_graphs && n_pre == 0 && self.prof.borrow().is_none();
         let rows = if graph { self.graph_bucket(n) } else { n };
         let (mut ids, mut pos, mut cu, mut lens, mut slots) =
