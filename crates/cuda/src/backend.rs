@@ -45,8 +45,11 @@ use crate::ops::{
 };
 use crate::runtime::{PinnedHost, Runtime};
 
+mod phases;
 mod spec;
 use crate::w4::{ScaleDtype, W4Bytes, W4Linear};
+pub use phases::StepPhases;
+use phases::{Mark, PhaseTimer};
 use spec::{MtpHead, Spec, Verified};
 
 /// Where the weights come from.
@@ -447,6 +450,8 @@ pub struct CudaBackend {
     pub scratch_bytes: usize,
     /// Per-op-group timing (synchronising after each group) when enabled: (group, seconds).
     prof: std::cell::RefCell<Option<Profile>>,
+    /// Where each step's wall time goes, when enabled ([`CudaBackend::set_step_phases`]).
+    phases: std::cell::RefCell<Option<PhaseTimer>>,
     opts: CudaOptions,
     /// Decode graphs by bucket size (captured lazily).
     graphs: HashMap<GraphKey, CudaGraph>,
@@ -1319,6 +1324,7 @@ impl CudaBackend {
             weights_bytes,
             scratch_bytes,
             prof: std::cell::RefCell::new(None),
+            phases: std::cell::RefCell::new(None),
             opts,
             graphs: HashMap::new(),
             graph_stats: GraphStats::default(),
@@ -1653,6 +1659,25 @@ impl CudaBackend {
         };
         *self.prof.borrow_mut() = prof;
         Ok(())
+    }
+
+    /// Times the parts of every step from now on (host work, uploads, forward, outputs), or stops.
+    pub fn set_step_phases(&mut self, on: bool) -> Result<(), CudaError> {
+        *self.phases.borrow_mut() = if on { Some(PhaseTimer::new(&self.rt)?) } else { None };
+        Ok(())
+    }
+
+    /// The median parts of the steps timed since phases were turned on or last taken.
+    pub fn take_step_phases(&self) -> Option<StepPhases> {
+        self.phases.borrow_mut().as_mut().and_then(|p| p.take())
+    }
+
+    /// Step phases: the step reached `m`.
+    fn phase(&self, m: Mark) -> Result<(), CudaError> {
+        match self.phases.borrow_mut().as_mut() {
+            Some(p) => p.mark(m, self.rt.stream()),
+            None => Ok(()),
+        }
     }
 
     /// (group, seconds of GPU time) accumulated since profiling was turned on or last taken.
@@ -2211,6 +2236,8 @@ impl CudaBackend {
 
     /// [`CudaBackend::run_chunks`] between the profiler's step marks.
     fn run_chunks_timed(&mut self, batch: &StepBatch, verify: &[bool], out: StepOut<'_>) -> Result<(), BackendError> {
+        let dev = |e: CudaError| BackendError::Device(e.to_string());
+        self.phase(Mark::Entry).map_err(dev)?;
         let is_ver = |i: usize| verify.get(i).copied().unwrap_or(false);
         let inv = |m: String| Err(BackendError::InvalidStep(m));
         let chunks: Vec<usize> = (0..batch.seqs.len()).filter(|&i| !batch.seqs[i].tokens.is_empty()).collect();
@@ -2347,10 +2374,10 @@ impl CudaBackend {
             ver_lens.extend((1..=c.tokens.len()).map(|j| (c.start + j) as i32));
             ver_tables.extend(std::iter::repeat_n(r as i32, c.tokens.len()));
         }
-        let dev = |e: CudaError| BackendError::Device(e.to_string());
         if chunk_table.len() * 4 > self.ws.chunk_table.bytes || tile_table.len() * 4 > self.ws.tile_table.bytes {
             return Err(BackendError::Device("varlen tables exceed the scratch region".into()));
         }
+        self.phase(Mark::Uploads).map_err(dev)?;
         let ws = &self.ws;
         (|| -> Result<(), CudaError> {
             self.upload_inputs([&ids, &pos, &cu, &lens, &slots, &last])?;
@@ -2403,10 +2430,12 @@ impl CudaBackend {
         } else {
             None
         };
+        self.phase(Mark::Forward).map_err(dev)?;
         match key {
             Some(key) => self.run_graphed(key, &|be: &Self| be.forward(&shape)).map_err(dev)?,
             None => self.forward(&shape).map_err(dev)?,
         }
+        self.phase(Mark::Forwarded).map_err(dev)?;
         if let Some(sp) = &mut self.spec {
             let base = cu[n_real];
             sp.verify_cu = cu[n_real..=n_pre].iter().map(|&x| x - base).collect();
@@ -2436,6 +2465,10 @@ impl CudaBackend {
                     tokens.extend(self.logits_argmax(n_want, valid, self.ws.last_idx).map_err(dev)?);
                 }
             }
+        }
+        self.phase(Mark::Outputs).map_err(dev)?;
+        if let Some(p) = self.phases.borrow_mut().as_mut() {
+            p.finish().map_err(dev)?;
         }
         Ok(())
     }

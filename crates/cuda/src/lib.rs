@@ -28,7 +28,7 @@ pub mod trace;
 pub mod w4;
 
 pub use arena::{Arena, DevSpan, RegionId};
-pub use backend::{CudaBackend, WeightSource};
+pub use backend::{CudaBackend, StepPhases, WeightSource};
 pub use error::CudaError;
 pub use nvrtc::{AttnTiling, KernelDims, KernelsReport, KvFormats, kernels_check};
 pub use ops::Kernels;

@@ -616,6 +616,50 @@ fn profiling_times_op_groups_without_changing_results() {
     assert!(timed.2.iter().all(|g| g.1 >= 0.0) && timed.2.iter().map(|g| g.1).sum::<f64>() > 0.0);
 }
 
+/// Step phases (the bench's `--phases`): graphed decode steps with logits and greedy outputs are timed part
+/// by part, the parts fit in the wall time, and timing changes no logits.
+#[test]
+fn step_phases_time_the_parts_of_a_step() {
+    if !gpu() {
+        return;
+    }
+    let (dir, cfg) = tiny_dir(8);
+    let plan = plan_for(&cfg);
+    let mut be = cuda(&dir, &cfg, &plan);
+    let vocab = be.vocab_size();
+    let ids = random_tokens(&mut StdRng::seed_from_u64(32), 30, vocab);
+    // The decode graph is captured here: both runs below replay it.
+    let pg = pages(200, 4);
+    run(&mut be, &one(chunk(2, &pg, 0, &ids[..5])));
+    run(&mut be, &one(chunk(2, &pg, 5, &ids[5..6])));
+    let mut runs = Vec::new();
+    for (slot, timed) in [(0u32, false), (1, true)] {
+        be.set_step_phases(timed).unwrap();
+        let pg = pages(60 * slot, 80);
+        let mut rows = run(&mut be, &one(chunk(slot, &pg, 0, &ids)));
+        for p in ids.len()..ids.len() + 4 {
+            let next = argmax(&rows[rows.len() - vocab..]) as u32;
+            rows.extend(run(&mut be, &one(chunk(slot, &pg, p, &[next]))));
+        }
+        let logits = be.take_step_phases();
+        let mut got = Vec::new();
+        be.step_argmax(&one(chunk(slot, &pg, ids.len() + 4, &[3])), vocab, &mut got).unwrap();
+        runs.push((rows, logits, be.take_step_phases()));
+    }
+    be.set_step_phases(false).unwrap();
+    let (plain, timed) = (&runs[0], &runs[1]);
+    assert!(plain.1.is_none() && plain.2.is_none(), "no phases unless turned on");
+    assert!(plain.0.iter().zip(&timed.0).all(|(a, b)| a.to_bits() == b.to_bits()), "timing changed the logits");
+    for (label, p, steps) in [("logits", timed.1.unwrap(), 5), ("greedy", timed.2.unwrap(), 1)] {
+        println!("{label}: {p:?}");
+        assert_eq!(p.steps, steps, "{label}");
+        let parts =
+            [p.host_prep_ms, p.host_upload_ms, p.host_launch_ms, p.gpu_inputs_ms, p.gpu_forward_ms, p.output_ms];
+        assert!(parts.iter().all(|&x| x >= 0.0) && p.gpu_forward_ms > 0.0, "{label}: {p:?}");
+        assert!(p.host_prep_ms + p.host_upload_ms + p.host_launch_ms <= p.wall_ms, "{label}: {p:?}");
+    }
+}
+
 /// The tiny preset with 4 DeltaNet value heads (value width 128), so every linear's `in` is a
 /// multiple of 128 (the int4 format's group), written once per process.
 fn tiny_int4_dir(layers: usize) -> (PathBuf, ModelConfig) {

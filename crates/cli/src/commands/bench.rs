@@ -101,6 +101,10 @@ pub struct Args {
     /// --tensor-parallel).
     #[arg(long)]
     profile: bool,
+    /// Also split each decode point's steps (logits to the host, and greedy) into host work, uploads,
+    /// the forward on the GPU and the outputs' return (timing events at four marks of a step; one GPU).
+    #[arg(long)]
+    phases: bool,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -161,6 +165,8 @@ struct Report {
     verify: Vec<(usize, usize, f64, f64)>,
     speculative: Vec<SpecRow>,
     profiles: Vec<ProfileRow>,
+    /// `--phases`: (batch, context, "logits" | "greedy", the step's parts).
+    phases: Vec<(usize, usize, &'static str, deltaserve_cuda::StepPhases)>,
     /// The chunked DeltaNet prefill kernels alone at the model's (per-card) shape.
     deltanet: Vec<deltaserve_cuda::gdn_bench::GdnTiming>,
 }
@@ -307,6 +313,7 @@ pub fn run(a: Args) -> Result<()> {
         verify: Vec::new(),
         speculative: Vec::new(),
         profiles: Vec::new(),
+        phases: Vec::new(),
         deltanet,
     };
 
@@ -377,6 +384,17 @@ pub fn run(a: Args) -> Result<()> {
                 let groups = cb.take_profile().into_iter().map(|(g, s)| (g, s * 1e3 / steps)).collect();
                 cb.set_profiling(false)?;
                 report.profiles.push(ProfileRow { context: ctx, eager_ms, groups });
+            }
+            if let (true, Under::One(cb)) = (a.phases, &mut be) {
+                tracing::info!("bench: decode step phases, batch {b} at context {}", fmt_count(ctx as u64));
+                cb.set_step_phases(true)?;
+                for (output, greedy) in [("logits", false), ("greedy", true)] {
+                    decode(cb.as_mut(), b, 1, ctx, per_seq, a.steps, vocab, greedy)?;
+                    if let Some(p) = cb.take_step_phases() {
+                        report.phases.push((b, ctx, output, p));
+                    }
+                }
+                cb.set_step_phases(false)?;
             }
             let driver_peak_bytes = peak(&sampler);
             let allreduce_share = be.all_reduce_s(b)?.map(|per| reduces * per * 1e3 / ms);
@@ -778,6 +796,12 @@ impl ToolReport for Report {
                 "gpu_ms_per_step": r3(p.groups.iter().map(|g| g.1).sum::<f64>()),
                 "groups_ms": p.groups.iter().map(|(g, ms)| json!([g, r3(*ms)])).collect::<Vec<_>>(),
             })).collect::<Vec<_>>(),
+            "phases": self.phases.iter().map(|(b, ctx, out, p)| json!({
+                "batch": b, "context": ctx, "output": out, "steps": p.steps, "wall_ms": r3(p.wall_ms),
+                "host_prep_ms": r3(p.host_prep_ms), "host_upload_ms": r3(p.host_upload_ms),
+                "host_launch_ms": r3(p.host_launch_ms), "gpu_inputs_ms": r3(p.gpu_inputs_ms),
+                "gpu_forward_ms": r3(p.gpu_forward_ms), "output_ms": r3(p.output_ms),
+            })).collect::<Vec<_>>(),
             "snapshots_ms": self.snapshots.iter().map(|(w, ms)| (w.replace(' ', "_"), json!(r3(*ms)))).collect::<serde_json::Map<_, _>>(),
             "skipped": self.skipped,
         })
@@ -878,6 +902,30 @@ impl ToolReport for Report {
             );
             for (g, ms) in &p.groups {
                 let _ = writeln!(s, "{g:>32} {ms:>8.3} ms {:>5.1}%", 100.0 * ms / gpu);
+            }
+        }
+        if !self.phases.is_empty() {
+            let _ = writeln!(
+                s,
+                "\ndecode step phases (medians, ms): host before the forward, GPU inputs and forward, outputs"
+            );
+            let _ = writeln!(
+                s,
+                "{:>6} {:>8} {:>7} {:>7} {:>7} {:>7} {:>7} {:>8} {:>7} {:>7}",
+                "batch", "context", "output", "wall", "prep", "upload", "launch", "forward", "inputs", "return"
+            );
+            for (b, ctx, out, p) in &self.phases {
+                let _ = writeln!(
+                    s,
+                    "{b:>6} {ctx:>8} {out:>7} {:>7.3} {:>7.3} {:>7.3} {:>7.3} {:>8.3} {:>7.3} {:>7.3}",
+                    p.wall_ms,
+                    p.host_prep_ms,
+                    p.host_upload_ms,
+                    p.host_launch_ms,
+                    p.gpu_forward_ms,
+                    p.gpu_inputs_ms,
+                    p.output_ms
+                );
             }
         }
         if !self.snapshots.is_empty() {
