@@ -2,8 +2,9 @@
 //!
 //! Memory: one `cuMemAlloc` per plan region (weights, kv_pages, state_slots, snapshots,
 //! activations, logits, block_tables, gemm_workspace) plus one `scratch` region for what the plan
-//! does not list (the chunked-DeltaNet f32 workspace, the varlen tile/chunk tables), and one pinned
-//! host pool for host snapshots. The arena is sealed when [`CudaBackend::new`] returns: a step
+//! does not list (the chunked-DeltaNet f32 workspace, the varlen tile/chunk tables), and pinned host
+//! allocations (the host snapshot pool, the embedding table with `embed_on_host`, the step inputs' image,
+//! uploaded in one copy a step). The arena is sealed when [`CudaBackend::new`] returns: a step
 //! allocates nothing (any allocation after the seal is an error), so [`Backend::arena_stats`]
 //! never moves while serving.
 //!
