@@ -328,9 +328,7 @@ pub fn plan_workspace(cfg: &ModelConfig, s: &StepShape) -> Option<WorkspaceLayou
     // The inputs are declared first and all written by the first op; as one block they live as long as the
     // longest-lived of them.
     let k = STEP_INPUTS.len();
-    if !buffers.iter().take(k).map(|b| b.name).eq(STEP_INPUTS) {
-        return None;
-    }
+    debug_assert!(buffers.iter().take(k).map(|b| b.name).eq(STEP_INPUTS));
     let last = buffers[..k].iter().map(|b| b.last_op).max()?;
     for b in &mut buffers[..k] {
         b.last_op = last;
