@@ -2468,9 +2468,6 @@ impl CudaBackend {
             }
         }
         self.phase(Mark::Outputs).map_err(dev)?;
-        if let Some(p) = self.phases.borrow_mut().as_mut() {
-            p.finish().map_err(dev)?;
-        }
         Ok(())
     }
 

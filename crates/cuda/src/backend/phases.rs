@@ -62,11 +62,14 @@ impl PhaseTimer {
             self.events[i - 1].record(stream).map_err(CudaError::driver("cuEventRecord"))?;
         }
         self.host[i] = Some(Instant::now());
+        if m == Mark::Outputs {
+            self.finish()?;
+        }
         Ok(())
     }
 
-    /// Ends a step whose every mark was passed (a step that failed or skipped a mark is not counted).
-    pub(super) fn finish(&mut self) -> Result<(), CudaError> {
+    /// Ends a step at its last mark, if it passed every one (a step that failed or skipped a mark is not counted).
+    fn finish(&mut self) -> Result<(), CudaError> {
         let end = Instant::now();
         let Some(h) = self.host.iter().copied().collect::<Option<Vec<Instant>>>() else { return Ok(()) };
         let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
