@@ -23,7 +23,9 @@
 //  w4p_*:        y[m, o] = sum_j x[m, j] * W[o, j], m < M <= 8, f32 accumulation, bf16 or f32 y, for
 //                up to four segments sharing x in one launch: linears, or row ranges of one run
 //                with their own warps per pair (the "pair" kernel, described above its code).
-//  w4pf_*:       w4p_* with the residual add + RMSNorm between two projections folded in (W4Fold, below).
+//                Every segment's out and os (its linear's rows) a multiple of 4; w4ps_*: any.
+//  w4pf_*:       w4p_* with the residual add + RMSNorm between two projections folded in (W4Fold, below);
+//                w4pfs_*: any out and os.
 //  w4_dequant:   dst[r - r0, perm[j]] = bf16(W[r, perm[j]]) for rows r0 <= r < r1 (prefill path:
 //                an N-slice of bf16 weights for cuBLASLt).
 //  w4_quantize:  rows r0..r1 of a bf16 W (staging buffer, row r at w + (r - r0)*ldw) -> the format,
@@ -462,17 +464,19 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
             qw = qw3; sc = sc3; z = z3; y = y3; ldy = ldy3; out = out3; os = os3; wpt = wpt3;                 \
         }                                                                                                     \
     }
-#define W4P_KERNEL(NAME, OUT_T, ASYM, SBF)                                                                    \
+// One instantiation of w4p_body per kernel: VEC (every segment's out and os multiples of 4: scales and
+// zeros of a lane's 4 rows in one load each) or not (w4ps_* / w4pfs_*, row by row), chosen by the
+// launcher. With both in one kernel (a branch per block, as before session 27) the 27B's decode step was
+// ~0.1 ms slower at batch 1 and 8, 1K and 32K (bench/results/session27-h200-2026-12-01.md): ptxas
+// schedules the loop differently with the two bodies side by side, and the kernel's code is twice as long.
+#define W4P_KERNEL(NAME, OUT_T, ASYM, SBF, VEC)                                                               \
     extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 2)                                              \
         NAME(const bf16_t* x, long long ldx, int M, int in, W4P_SEG_ARGS(0, OUT_T),                               \
              W4P_SEG_ARGS(1, OUT_T), W4P_SEG_ARGS(2, OUT_T), W4P_SEG_ARGS(3, OUT_T)) {                          \
         extern __shared__ uint4 w4_dyn[];                                                                        \
         pdl_trigger(); /* sm_90: the next kernel may launch; it waits for this one's completion */               \
         W4P_SELECT(OUT_T)                                                                                        \
-        if ((out & 3) == 0 && (os & 3) == 0)                                                                     \
-            w4p_body<OUT_T, ASYM, SBF, true, false>(qw, sc, z, x, ldx, y, ldy, M, out, os, in, wpt, b, w4_dyn, {}); \
-        else                                                                                                     \
-            w4p_body<OUT_T, ASYM, SBF, false, false>(qw, sc, z, x, ldx, y, ldy, M, out, os, in, wpt, b, w4_dyn, {}); \
+        w4p_body<OUT_T, ASYM, SBF, VEC, false>(qw, sc, z, x, ldx, y, ldy, M, out, os, in, wpt, b, w4_dyn, {});     \
     }
 // The folded kernels (bf16 outputs): fx, nw, fss, fmode, fnp, feps are W4Fold's (mode 1 launches one
 // linear, whose segments' offsets y_s - y0 locate their rows). A kernel of its own, so that the fold's
@@ -482,7 +486,9 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
 // session 22's new instantiations of w4p_body (the SwiGLU folded into gate/up) ran that loop 0.12-0.46 ms
 // per 27B step slower in the step, though as fast alone; an epilogue added to w4pf_* that left its loop
 // as it was (1 of 824 instructions moved) measured faster (bench/results/session22-h200-2026-11-30.md).
-#define W4P_FOLD_KERNEL(NAME, ASYM, SBF)                                                                      \
+// Session 27's split over K with an in-kernel merge moved 332 of its 824 instructions and made the step
+// 0.55 ms slower with the split off (w4-splitk-merge-s27-reverted.diff).
+#define W4P_FOLD_KERNEL(NAME, ASYM, SBF, VEC)                                                                 \
     extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 2)                                              \
         NAME(const bf16_t* x, long long ldx, int M, int in, W4P_SEG_ARGS(0, bf16_t), W4P_SEG_ARGS(1, bf16_t),     \
              W4P_SEG_ARGS(2, bf16_t), W4P_SEG_ARGS(3, bf16_t), bf16_t* fx, const bf16_t* __restrict__ nw,         \
@@ -491,26 +497,36 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
         pdl_trigger(); /* sm_90: the next kernel may launch; it waits for this one's completion */               \
         W4P_SELECT(bf16_t)                                                                                       \
         const W4Fold f{fx, nw, fss, y0, fmode, fnp, feps};                                                       \
-        if ((out & 3) == 0 && (os & 3) == 0)                                                                     \
-            w4p_body<bf16_t, ASYM, SBF, true, true>(qw, sc, z, x, ldx, y, ldy, M, out, os, in, wpt, b, w4_dyn, f); \
-        else                                                                                                     \
-            w4p_body<bf16_t, ASYM, SBF, false, true>(qw, sc, z, x, ldx, y, ldy, M, out, os, in, wpt, b, w4_dyn, f); \
+        w4p_body<bf16_t, ASYM, SBF, VEC, true>(qw, sc, z, x, ldx, y, ldy, M, out, os, in, wpt, b, w4_dyn, f);     \
         w4p_fold_epilogue(f, b, wpt, y, ldy, out, M, in, w4_dyn);                                                \
     }
-// w4p_<y: h bf16 | f f32><s symmetric | a zero points><h f16 | b bf16 scales>
-W4P_KERNEL(w4p_hsh, bf16_t, false, false)
-W4P_KERNEL(w4p_hsb, bf16_t, false, true)
-W4P_KERNEL(w4p_hah, bf16_t, true, false)
-W4P_KERNEL(w4p_hab, bf16_t, true, true)
-W4P_KERNEL(w4p_fsh, float, false, false)
-W4P_KERNEL(w4p_fsb, float, false, true)
-W4P_KERNEL(w4p_fah, float, true, false)
-W4P_KERNEL(w4p_fab, float, true, true)
-// w4pf_<s | a><h | b>: the folded ones.
-W4P_FOLD_KERNEL(w4pf_sh, false, false)
-W4P_FOLD_KERNEL(w4pf_sb, false, true)
-W4P_FOLD_KERNEL(w4pf_ah, true, false)
-W4P_FOLD_KERNEL(w4pf_ab, true, true)
+// w4p_<y: h bf16 | f f32><s symmetric | a zero points><h f16 | b bf16 scales>; w4ps_*: the same for
+// segments whose out or os is not a multiple of 4.
+W4P_KERNEL(w4p_hsh, bf16_t, false, false, true)
+W4P_KERNEL(w4p_hsb, bf16_t, false, true, true)
+W4P_KERNEL(w4p_hah, bf16_t, true, false, true)
+W4P_KERNEL(w4p_hab, bf16_t, true, true, true)
+W4P_KERNEL(w4p_fsh, float, false, false, true)
+W4P_KERNEL(w4p_fsb, float, false, true, true)
+W4P_KERNEL(w4p_fah, float, true, false, true)
+W4P_KERNEL(w4p_fab, float, true, true, true)
+W4P_KERNEL(w4ps_hsh, bf16_t, false, false, false)
+W4P_KERNEL(w4ps_hsb, bf16_t, false, true, false)
+W4P_KERNEL(w4ps_hah, bf16_t, true, false, false)
+W4P_KERNEL(w4ps_hab, bf16_t, true, true, false)
+W4P_KERNEL(w4ps_fsh, float, false, false, false)
+W4P_KERNEL(w4ps_fsb, float, false, true, false)
+W4P_KERNEL(w4ps_fah, float, true, false, false)
+W4P_KERNEL(w4ps_fab, float, true, true, false)
+// w4pf_<s | a><h | b>: the folded ones; w4pfs_*: row by row.
+W4P_FOLD_KERNEL(w4pf_sh, false, false, true)
+W4P_FOLD_KERNEL(w4pf_sb, false, true, true)
+W4P_FOLD_KERNEL(w4pf_ah, true, false, true)
+W4P_FOLD_KERNEL(w4pf_ab, true, true, true)
+W4P_FOLD_KERNEL(w4pfs_sh, false, false, false)
+W4P_FOLD_KERNEL(w4pfs_sb, false, true, false)
+W4P_FOLD_KERNEL(w4pfs_ah, true, false, false)
+W4P_FOLD_KERNEL(w4pfs_ab, true, true, false)
 
 // Eight columns of word w as bf16 (q - z) * s, packed in column order (columns (2p, 2p + 1) are
 // nibbles p, p + 4). zf = 2^23 + z: 2^23 + q is the f32 pattern 0x4b000000 | q, so (2^23 + q) - zf

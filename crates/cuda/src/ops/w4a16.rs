@@ -71,20 +71,27 @@ impl W4Weights {
     }
 }
 
-/// Every `w4p_*` kernel (output dtype x zero points x scale dtype).
-pub(crate) const PAIR_KERNELS: [&str; 8] =
-    ["w4p_hsh", "w4p_hsb", "w4p_hah", "w4p_hab", "w4p_fsh", "w4p_fsb", "w4p_fah", "w4p_fab"];
+/// Every pair kernel (row loads x output dtype x zero points x scale dtype): `w4p_*` for segments whose
+/// rows are multiples of 4 (one load for a lane's 4 scales and zeros), `w4ps_*` for any.
+pub(crate) const PAIR_KERNELS: [&str; 16] = [
+    "w4p_hsh", "w4p_hsb", "w4p_hah", "w4p_hab", "w4p_fsh", "w4p_fsb", "w4p_fah", "w4p_fab", "w4ps_hsh", "w4ps_hsb",
+    "w4ps_hah", "w4ps_hab", "w4ps_fsh", "w4ps_fsb", "w4ps_fah", "w4ps_fab",
+];
 
-/// Every `w4pf_*` kernel (the folded pair kernel, bf16 outputs: zero points x scale dtype).
-pub(crate) const FOLD_KERNELS: [&str; 4] = ["w4pf_sh", "w4pf_sb", "w4pf_ah", "w4pf_ab"];
+/// Every folded pair kernel (bf16 outputs; row loads x zero points x scale dtype): `w4pf_*`, `w4pfs_*`.
+pub(crate) const FOLD_KERNELS: [&str; 8] =
+    ["w4pf_sh", "w4pf_sb", "w4pf_ah", "w4pf_ab", "w4pfs_sh", "w4pfs_sb", "w4pfs_ah", "w4pfs_ab"];
 
-/// The `w4p_*` kernel for an output dtype, zero points and scale dtype (see kernels/w4a16.cu), or with
-/// `fold` the `w4pf_*` one (bf16 outputs).
-fn pair_kernel(f32_out: bool, asym: bool, bf16_scales: bool, fold: bool) -> &'static str {
+/// The pair kernel for an output dtype, zero points and scale dtype (see kernels/w4a16.cu), or with
+/// `fold` the folded one (bf16 outputs); `vec`: every segment's rows (and its linear's) are a multiple
+/// of 4. One body per kernel: the two side by side made the decode step slower
+/// (bench/results/session27-h200-2026-12-01.md).
+fn pair_kernel(f32_out: bool, asym: bool, bf16_scales: bool, fold: bool, vec: bool) -> &'static str {
+    let rows = usize::from(!vec);
     if fold {
-        return FOLD_KERNELS[2 * usize::from(asym) + usize::from(bf16_scales)];
+        return FOLD_KERNELS[4 * rows + 2 * usize::from(asym) + usize::from(bf16_scales)];
     }
-    PAIR_KERNELS[4 * usize::from(f32_out) + 2 * usize::from(asym) + usize::from(bf16_scales)]
+    PAIR_KERNELS[8 * rows + 4 * usize::from(f32_out) + 2 * usize::from(asym) + usize::from(bf16_scales)]
 }
 
 /// Dynamic shared memory of a pair-kernel block: 8 warps × 4 ring stages × 2 KB (one unit of the
@@ -441,7 +448,6 @@ fn launch_pair(
         // The kernel indexes qweight by 32-bit 16-byte chunks.
         to_i32(K, "qweight chunks", o.w.out * o.w.inp / 32)?;
     }
-    let name = pair_kernel(f32_out, first.zeros.is_some(), first.scale_dtype == ScaleDtype::Bf16, fold != Fold::None);
     let groups = first.inp / W4_GROUP;
     // Kernel segments: (qweight, scales, zeros, y, ldy, rows, scale row stride, wpt, blocks); unused
     // ones have 0 blocks. A segment from row r0 of its linear: its units start at pair r0/32
@@ -469,6 +475,10 @@ fn launch_pair(
             to_i32(K, "blocks", nb)?,
         );
     }
+    // The 16-byte-vector body when every used segment's rows and its linear's are multiples of 4.
+    let vec = seg.iter().filter(|sg| sg.8 > 0).all(|sg| sg.5 % 4 == 0 && sg.6 % 4 == 0);
+    let name =
+        pair_kernel(f32_out, first.zeros.is_some(), first.scale_dtype == ScaleDtype::Bf16, fold != Fold::None, vec);
     let grid = (to_u32(K, "blocks", blocks)?, 1, 1);
     let block = (BLOCK_THREADS, 1, 1);
     let smem = (if fold == Fold::None { PAIR_SMEM_BYTES } else { FOLD_KERNEL_SMEM_BYTES }) as u32;
