@@ -467,8 +467,9 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
 // One instantiation of w4p_body per kernel: VEC (every segment's out and os multiples of 4: scales and
 // zeros of a lane's 4 rows in one load each) or not (w4ps_* / w4pfs_*, row by row), chosen by the
 // launcher. With both in one kernel (a branch per block, as before session 27) the 27B's decode step was
-// ~0.1 ms slower at batch 1 and 8, 1K and 32K (bench/results/session27-h200-2026-12-01.md): ptxas
-// schedules the loop differently with the two bodies side by side, and the kernel's code is twice as long.
+// ~0.1 ms slower at batch 1 and 8, 1K and 32K (bench/results/session27-h200-2026-12-01.md). With the two
+// bodies side by side ptxas schedules the loop differently and the kernel's code is twice as long; which
+// of the two cost the time was not isolated.
 #define W4P_KERNEL(NAME, OUT_T, ASYM, SBF, VEC)                                                               \
     extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 2)                                              \
         NAME(const bf16_t* x, long long ldx, int M, int in, W4P_SEG_ARGS(0, OUT_T),                               \

@@ -475,7 +475,8 @@ fn launch_pair(
             to_i32(K, "blocks", nb)?,
         );
     }
-    // The 16-byte-vector body when every used segment's rows and its linear's are multiples of 4.
+    // The 16-byte-vector body when every used segment's (blocks .8 > 0) rows (.5) and its linear's rows (.6,
+    // the scales' row stride) are multiples of 4.
     let vec = seg.iter().filter(|sg| sg.8 > 0).all(|sg| sg.5 % 4 == 0 && sg.6 % 4 == 0);
     let name =
         pair_kernel(f32_out, first.zeros.is_some(), first.scale_dtype == ScaleDtype::Bf16, fold != Fold::None, vec);
@@ -635,6 +636,20 @@ mod tests {
         let act_order = w(1024, 5120, false, true, ScaleDtype::F16);
         for bad in [&other_in, &asym, &bf16, &act_order] {
             assert!(!multi_supported(&[o(&q), o(bad)]), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn one_kernel_per_body_and_format() {
+        assert_eq!(pair_kernel(false, false, true, false, true), "w4p_hsb");
+        assert_eq!(pair_kernel(false, false, true, false, false), "w4ps_hsb");
+        assert_eq!(pair_kernel(true, true, false, false, true), "w4p_fah");
+        assert_eq!(pair_kernel(false, false, true, true, true), "w4pf_sb");
+        assert_eq!(pair_kernel(false, true, false, true, false), "w4pfs_ah");
+        // Every one is compiled with the module (and gets its shared memory set at load).
+        let module = crate::nvrtc::SOURCES.iter().find(|s| s.module == "w4a16").expect("w4a16 module");
+        for name in PAIR_KERNELS.iter().chain(&FOLD_KERNELS) {
+            assert!(module.functions.contains(name), "{name}");
         }
     }
 
