@@ -12,6 +12,10 @@
 //! is the one before the verify: a rejected draft leaves no trace. Backends without a draft head keep
 //! the default methods, which report speculative decoding as unsupported.
 
+pub mod sampling;
+
+pub use sampling::{Penalty, RowSampling};
+
 /// One sequence's part of a step: `tokens` at positions `start..start + tokens.len()`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SeqChunk {
@@ -142,6 +146,18 @@ pub fn argmax(x: &[f32]) -> u32 {
     best as u32
 }
 
+/// Checks that `rows` holds one entry per wanted row of `batch` (for [`Backend::step_sample`]).
+pub fn check_sample_rows(batch: &StepBatch, rows: &[RowSampling]) -> Result<(), BackendError> {
+    let want = batch.seqs.iter().filter(|c| c.want_logits).count();
+    if rows.len() != want {
+        return Err(BackendError::InvalidStep(format!(
+            "{} sampling rows for {want} rows that want a token",
+            rows.len()
+        )));
+    }
+    Ok(())
+}
+
 /// A compute backend executing engine steps over the memory of the static plan.
 pub trait Backend: Send {
     /// Short name for logs (`cpu`, `cuda:0`).
@@ -164,6 +180,28 @@ pub trait Backend: Send {
         let vocab = self.vocab_size();
         if vocab > 0 {
             tokens.extend(logits.chunks_exact(vocab).map(|row| argmax(&row[..valid.min(vocab)])));
+        }
+        Ok(())
+    }
+
+    /// Runs `batch` like [`Backend::step`] and appends each wanted row's token, picked by the
+    /// matching entry of `rows` (one per wanted row, in batch order) over ids `< valid`, to `tokens`
+    /// instead of its logits. A device backend applies the penalties and draws on the device and
+    /// downloads 4 bytes a row; this default picks on the host ([`RowSampling::pick`]).
+    fn step_sample(
+        &mut self,
+        batch: &StepBatch,
+        valid: usize,
+        rows: &[RowSampling],
+        tokens: &mut Vec<u32>,
+    ) -> Result<(), BackendError> {
+        check_sample_rows(batch, rows)?;
+        let mut logits = Vec::new();
+        self.step(batch, &mut logits)?;
+        let vocab = self.vocab_size();
+        if vocab > 0 {
+            let n = valid.min(vocab);
+            tokens.extend(logits.chunks_exact_mut(vocab).zip(rows).map(|(row, s)| s.pick(&mut row[..n])));
         }
         Ok(())
     }

@@ -9,27 +9,6 @@
 // load per thread per iteration the block took ~96 us for a 248,320-token row.
 // Tested by: tests/ops.rs case "argmax"; tests/backend.rs `argmax_step_picks_the_logits_argmax`.
 
-__device__ __forceinline__ bool am_better(float v, int i, float bv, int bi) {
-    // v beats (bv, bi): larger value, or equal value at a lower index; NaN never beats, anything
-    // non-NaN beats a NaN best (a NaN best only survives at index 0, handled by the caller).
-    if (v != v) return false;
-    if (bv != bv) return true;
-    return v > bv || (v == bv && i < bi);
-}
-
-// The best of the warp's 32 candidates, in every lane.
-__device__ __forceinline__ void am_warp_best(float& bv, int& bi) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
-        if (am_better(ov, oi, bv, bi)) {
-            bv = ov;
-            bi = oi;
-        }
-    }
-}
-
 // Folds x[i] (index i) into the thread's best candidate.
 __device__ __forceinline__ void am_take(float v, int i, float& bv, int& bi) {
     if (am_better(v, i, bv, bi)) {

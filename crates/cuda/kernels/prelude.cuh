@@ -160,6 +160,28 @@ __device__ __forceinline__ float warp_as_block_sumsq(const float (&x)[M], int D,
     return warp_sum(tot);
 }
 
+// Greedy order of (value, index) candidates (argmax.cu, sample.cu): the host's sequential argmax rule.
+__device__ __forceinline__ bool am_better(float v, int i, float bv, int bi) {
+    // v beats (bv, bi): larger value, or equal value at a lower index; NaN never beats, anything
+    // non-NaN beats a NaN best (a NaN best only survives at index 0, handled by the caller).
+    if (v != v) return false;
+    if (bv != bv) return true;
+    return v > bv || (v == bv && i < bi);
+}
+
+// The best of the warp's 32 candidates, in every lane.
+__device__ __forceinline__ void am_warp_best(float& bv, int& bi) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
+        if (am_better(ov, oi, bv, bi)) {
+            bv = ov;
+            bi = oi;
+        }
+    }
+}
+
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float siluf_(float x) { return x / (1.0f + expf(-x)); }
 // PyTorch F.softplus (beta 1, threshold 20).

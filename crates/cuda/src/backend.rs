@@ -25,12 +25,14 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaStream, result};
-use deltaserve_backend::{ArenaStats, Backend, BackendError, CacheOp, DraftPicker, SnapshotLoc, SpecCommit, StepBatch};
+use deltaserve_backend::{
+    ArenaStats, Backend, BackendError, CacheOp, DraftPicker, RowSampling, SnapshotLoc, SpecCommit, StepBatch,
+};
 use deltaserve_model::shard::{ShardSpec, Split};
 use deltaserve_model::weights::TensorSource;
 use deltaserve_model::{Checkpoint, DType, Dims, LayerKind, ModelConfig, ModelError, ModelWeights};
 use deltaserve_plan::workspace::{STEP_INPUTS, WorkspaceBuffer, WorkspaceLayout};
-use deltaserve_plan::{Plan, PlanOptions, WeightsDtype};
+use deltaserve_plan::{Plan, PlanOptions, SamplingScratch, WeightsDtype};
 
 use crate::arena::{Arena, DevSpan};
 use crate::collective::{CollDtype, Communicators};
@@ -368,6 +370,9 @@ struct Ws {
     /// The folded norms' input `[min(t, 8), hidden]` and sums of squares ([`w4a16::Fold`]).
     fold_x: u64,
     fold_sums: u64,
+    /// Device sampling's scratch ([`ops::sample`]) and its layout.
+    sampling: u64,
+    sampling_layout: SamplingScratch,
 }
 
 /// Where layer `i`'s cache lives.
@@ -1143,6 +1148,8 @@ impl CudaBackend {
             fold_sums: get("fold_sums", w4a16::fold_sums_bytes(h))?,
             final_normed: get("final_normed", 2 * t * h)?,
             final_hidden: get("final_hidden", 2 * s * h)?,
+            sampling: get("sampling", SamplingScratch::new(s, d.vocab).bytes as usize)?,
+            sampling_layout: SamplingScratch::new(s, d.vocab),
             gdn_ws,
             chunk_table,
             tile_table,
@@ -1810,6 +1817,38 @@ impl CudaBackend {
         Ok(got.into_iter().map(|t| t as u32).collect())
     }
 
+    /// The token of each of the first `rows` rows of the logits region picked by its [`RowSampling`]
+    /// over ids `< valid` on the device: penalties applied in place, then greedy or the draw. Rows whose
+    /// cut needs more candidates than the scratch holds, and steps whose penalties do not fit it, are
+    /// picked on the host from their (penalised) logits.
+    fn logits_sample(&self, valid: usize, rows: &[RowSampling]) -> Result<Vec<u32>, CudaError> {
+        let (v, n) = (self.d.vocab, rows.len());
+        let valid = valid.min(v);
+        let (params, pens) = ops::sample::encode(rows, valid);
+        if !ops::sample::penalties_fit(pens.len(), n) {
+            let mut logits = vec![0f32; n * v];
+            self.rt.download(&mut logits, self.logits.ptr)?;
+            return Ok(logits.chunks_exact_mut(v).zip(rows).map(|(l, r)| r.pick(&mut l[..valid])).collect());
+        }
+        let (sc, base) = (&self.ws.sampling_layout, self.ws.sampling);
+        let s = self.rt.stream();
+        ops::sample::sample_rows(&self.k, s, sc, base, self.logits.ptr, v, valid, n, &params, &pens)?;
+        let mut got = vec![[0i32; 2]; n];
+        self.rt.download(&mut got, base + sc.out)?;
+        let mut tokens = Vec::with_capacity(n);
+        for (r, ([token, flag], row)) in got.into_iter().zip(rows).enumerate() {
+            if flag == 0 && token >= 0 && (token as usize) < valid {
+                tokens.push(token as u32);
+                continue;
+            }
+            // Too many candidates for the device's sort: the host's rule over the penalised row.
+            let mut logits = vec![0f32; valid];
+            self.rt.download(&mut logits, self.logits.ptr + (4 * r * v) as u64)?;
+            tokens.push(row.pick_adjusted(&logits));
+        }
+        Ok(tokens)
+    }
+
     /// Seconds the last speculative step spent drafting with the MTP head (0 without speculation).
     pub fn last_draft_s(&self) -> f64 {
         self.spec.as_ref().map_or(0.0, |sp| sp.draft_s)
@@ -2465,6 +2504,9 @@ impl CudaBackend {
                     // The ids land in `last_idx` (the step's gather indices, read by the forward only).
                     tokens.extend(self.logits_argmax(n_want, valid, self.ws.last_idx).map_err(dev)?);
                 }
+                StepOut::Sample { valid, rows, tokens } => {
+                    tokens.extend(self.logits_sample(valid, rows).map_err(dev)?);
+                }
             }
         }
         self.phase(Mark::Outputs).map_err(dev)?;
@@ -3024,10 +3066,12 @@ fn po(parts: &[Part], y: u64, m: usize) -> ProjOut<'_> {
     ProjOut { parts, y, m }
 }
 
-/// What a step hands back: every wanted row's logits, or its argmax over ids `< valid`.
+/// What a step hands back: every wanted row's logits, its argmax over ids `< valid`, or its token
+/// picked by its [`RowSampling`].
 enum StepOut<'a> {
     Logits(&'a mut Vec<f32>),
     Argmax { valid: usize, tokens: &'a mut Vec<u32> },
+    Sample { valid: usize, rows: &'a [RowSampling], tokens: &'a mut Vec<u32> },
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -3130,6 +3174,23 @@ impl Backend for CudaBackend {
             return Err(BackendError::Unsupported("argmax on one tensor-parallel rank's vocabulary shard".into()));
         }
         self.step_to(batch, StepOut::Argmax { valid, tokens })
+    }
+
+    /// Each wanted row's token picked on the GPU ([`ops::sample`]); 4 bytes a row come back instead of
+    /// the row (rows the device cannot cut come back whole). A tensor-parallel rank holds a vocabulary
+    /// shard: its group picks on the host.
+    fn step_sample(
+        &mut self,
+        batch: &StepBatch,
+        valid: usize,
+        rows: &[RowSampling],
+        tokens: &mut Vec<u32>,
+    ) -> Result<(), BackendError> {
+        if self.tp.is_some() {
+            return Err(BackendError::Unsupported("sampling on one tensor-parallel rank's vocabulary shard".into()));
+        }
+        deltaserve_backend::check_sample_rows(batch, rows)?;
+        self.step_to(batch, StepOut::Sample { valid, rows, tokens })
     }
 
     fn arena_stats(&self) -> ArenaStats {

@@ -29,6 +29,11 @@ pub struct KernelSource {
 pub const SOURCES: &[KernelSource] = &[
     KernelSource { module: "embed", src: include_str!("../kernels/embed.cu"), functions: &["embed_gather"] },
     KernelSource { module: "argmax", src: include_str!("../kernels/argmax.cu"), functions: &["argmax_rows"] },
+    KernelSource {
+        module: "sample",
+        src: include_str!("../kernels/sample.cu"),
+        functions: &["sample_penalize", "sample_stats", "sample_hist", "sample_gather", "sample_pick"],
+    },
     KernelSource { module: "init", src: include_str!("../kernels/init.cu"), functions: &["init_random"] },
     KernelSource {
         module: "norm",

@@ -14,14 +14,14 @@
 
 use std::path::{Path, PathBuf};
 
-use deltaserve_backend::{Backend, CacheOp, SnapshotLoc, StepBatch};
+use deltaserve_backend::{Backend, CacheOp, Penalty, RowSampling, SnapshotLoc, StepBatch};
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
 use deltaserve_cuda::backend::{CudaOptions, kernel_dims};
 use deltaserve_cuda::{CudaBackend, WeightSource};
 use deltaserve_model::synth::Preset;
 use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
-use rand::SeedableRng;
 use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
 
 mod common;
 use common::*;
@@ -185,6 +185,71 @@ fn argmax_step_picks_the_logits_argmax() {
         }
         println!("argmax on the GPU (valid {valid}): 6 steps × 3 rows equal to the host argmax of the logits");
     }
+}
+
+/// Sampling rows picked on the GPU (penalties, plain draws, top-k / top-p / min-p cuts) equal the host
+/// rule over the same step's logits, step after step (the tokens feed the next step).
+#[test]
+fn sample_step_matches_the_host_rule() {
+    if !gpu() {
+        return;
+    }
+    let (dir, cfg) = tiny_dir(8);
+    let plan = plan_for(&cfg);
+    let vocab = cfg.vocab_size;
+    let valid = vocab - 5;
+    let (mut logits_be, mut sample_be) = (cuda(&dir, &cfg, &plan), cuda(&dir, &cfg, &plan));
+    let mut rng = StdRng::seed_from_u64(5);
+    let prompts: Vec<Vec<u32>> = [30usize, 1, 64, 9].iter().map(|&n| random_tokens(&mut rng, n, vocab)).collect();
+    let pg: Vec<Vec<u32>> = (0..4).map(|i| pages(40 * i as u32, 200)).collect();
+    let mut batch = StepBatch::default();
+    for (i, p) in prompts.iter().enumerate() {
+        batch.seqs.push(chunk(i as u32, &pg[i], 0, p));
+    }
+    let mut pos: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    let (mut equal, mut total) = (0, 0);
+    for step in 0..8 {
+        let rows: Vec<RowSampling> = (0..4)
+            .map(|i| {
+                let mut r = RowSampling {
+                    temperature: [0.0, 1.0, 0.6, 0.8][i],
+                    top_k: [0, 0, 20, 0][i],
+                    top_p: [1.0, 1.0, 0.95, 0.9][i],
+                    min_p: [0.0, 0.0, 0.0, 0.05][i],
+                    uniform: rng.random::<f32>(),
+                    repetition_penalty: if i == 0 { 1.5 } else { 1.0 },
+                    ..RowSampling::greedy()
+                };
+                if i == 0 {
+                    r.penalties = (0..40).map(|id| Penalty { id, repeated: true, subtract: 0.25 }).collect();
+                }
+                r
+            })
+            .collect();
+        let logits = run(&mut logits_be, &batch);
+        let mut got = Vec::new();
+        sample_be.step_sample(&batch, valid, &rows, &mut got).unwrap();
+        for (i, (row, set)) in logits.chunks_exact(vocab).zip(&rows).enumerate() {
+            let mut adjusted = row[..valid].to_vec();
+            set.apply_penalties(&mut adjusted);
+            let want = set.pick_adjusted(&adjusted);
+            if set.is_greedy() {
+                assert_eq!(got[i], want, "step {step}, greedy row with penalties");
+            } else {
+                let (cand, probs) = set.candidates(&adjusted);
+                assert!(cand[..probs.len()].iter().any(|c| c.0 == got[i]), "step {step}, row {i}: outside the cut");
+            }
+            equal += usize::from(got[i] == want);
+            total += 1;
+        }
+        batch = StepBatch::default();
+        for (i, &t) in got.iter().enumerate() {
+            batch.seqs.push(chunk(i as u32, &pg[i], pos[i], &[t]));
+            pos[i] += 1;
+        }
+    }
+    assert!(equal + 1 >= total, "{equal} of {total} tokens equal to the host rule");
+    println!("sampling on the GPU: {equal} of {total} tokens equal to the host rule over 8 steps × 4 rows");
 }
 
 /// (3): a ragged batch (prefills from 0, continued prefill, decodes, a new 1-token sequence)

@@ -17,6 +17,7 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use deltaserve_backend::{Penalty, RowSampling};
 use deltaserve_cpu as cpu;
 use deltaserve_cuda::arena::{Arena, RegionId};
 use deltaserve_cuda::ops::w4a16;
@@ -44,6 +45,15 @@ enum Op {
         vocab: usize,
         valid: usize,
         special: bool,
+    },
+    /// Rows of `vocab` logits (peaked like a language model's, flat, on a coarse grid with ties), each
+    /// picked `rounds` times under a cycle of sampling parameters (greedy and penalised, plain draws,
+    /// top-k / top-p / min-p cuts) with fresh uniforms: the device's tokens against the host rule.
+    Sample {
+        rows: usize,
+        vocab: usize,
+        valid: usize,
+        rounds: usize,
     },
     AddRmsNorm {
         rows: usize,
@@ -365,6 +375,9 @@ fn cases() -> Vec<Case> {
         // and rows that are not 16-byte aligned (the one-by-one path).
         c("argmax", q, Op::Argmax { rows: 6, vocab: 20_000, valid: 19_997, special: true }, EXACT),
         c("argmax", q, Op::Argmax { rows: 6, vocab: 20_001, valid: 20_001, special: true }, EXACT),
+        c("sample", q, Op::Sample { rows: 8, vocab: 248_320, valid: 248_077, rounds: 12 }, EXACT),
+        c("sample", q, Op::Sample { rows: 11, vocab: 1000, valid: 999, rounds: 40 }, EXACT),
+        c("sample", q, Op::Sample { rows: 3, vocab: 7, valid: 7, rounds: 40 }, EXACT),
         c("add_rms_norm_1p", q, Op::AddRmsNorm { rows: 1, d: 5120, residual: true }, SINGLE),
         c("add_rms_norm_1p", q, Op::AddRmsNorm { rows: 17, d: 5120, residual: true }, SINGLE),
         c("add_rms_norm_1p", q, Op::AddRmsNorm { rows: 5, d: 5120, residual: false }, SINGLE),
@@ -818,6 +831,125 @@ fn rb(x: f32) -> f32 {
 }
 
 /// Uniform in [-a, a), rounded to bf16.
+/// The sampling parameters of draw `i` (cycled): greedy with penalties, plain draws, cuts.
+fn sample_params(i: usize, valid: usize, rng: &mut StdRng) -> RowSampling {
+    let row = |temperature: f32, top_k: usize, top_p: f32, min_p: f32| RowSampling {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        uniform: 0.0,
+        ..RowSampling::greedy()
+    };
+    let mut r = match i % 11 {
+        0 => row(0.0, 0, 1.0, 0.0),
+        1 => row(1.0, 0, 1.0, 0.0),
+        2 => row(0.7, 0, 1.0, 0.0),
+        3 => row(0.6, 20, 0.95, 0.0),
+        4 => row(1.0, 20, 0.95, 0.0),
+        5 => row(0.7, 0, 0.8, 0.0),
+        6 => row(1.0, 0, 1.0, 0.05),
+        7 => row(1.0, 1, 1.0, 0.0),
+        8 => row(1.3, 200, 1.0, 0.02),
+        9 => row(0.8, 0, 0.3, 0.0),
+        _ => row(1.5, 0, 0.999, 0.0),
+    };
+    r.uniform = rng.random::<f32>();
+    if matches!(i % 11, 0 | 4) {
+        // Penalties on 64 ids (the low ones, where the test rows put their peaks) and 8 generated ones.
+        r.repetition_penalty = 1.3;
+        r.penalties = (0..64u32.min(valid as u32))
+            .map(|id| Penalty { id, repeated: true, subtract: if id % 8 == 0 { 0.5 + 0.25 * id as f32 } else { 0.0 } })
+            .collect();
+    }
+    r
+}
+
+#[allow(clippy::too_many_arguments)]
+fn sample_case(
+    rt: &Runtime,
+    k: &Kernels,
+    d: &mut Dev,
+    rng: &mut StdRng,
+    rows: usize,
+    vocab: usize,
+    valid: usize,
+    rounds: usize,
+) -> R<Outcome> {
+    let s = rt.stream().clone();
+    // Row kinds: peaked (a body of width ~2.5 and a few ids at +6..+12, among the low ids), flat
+    // (width 0.5), a coarse grid (ties).
+    let mut x = vec![0f32; rows * vocab];
+    for (r, row) in x.chunks_exact_mut(vocab).enumerate() {
+        for v in row.iter_mut() {
+            let n: f32 = (0..4).map(|_| rng.random_range(-1.0f32..1.0)).sum();
+            *v = match r % 3 {
+                0 => 2.5 * n,
+                1 => 0.5 * n,
+                _ => (2.0 * n * 4.0).round() / 4.0,
+            };
+        }
+        if r % 3 == 0 {
+            for j in 0..6.min(vocab) {
+                row[j * 7 % vocab.min(64)] = 12.0 - j as f32;
+            }
+        }
+    }
+    let sc = deltaserve_plan::SamplingScratch::new(rows, vocab);
+    let (xp, base) = (d.f32s(&x)?, d.poison(sc.bytes as usize)?);
+    let (mut equal, mut host, mut outside, mut off, mut greedy_diff, mut draws) = (0, 0, 0, 0, 0, 0);
+    let mut modes = [0usize; 3];
+    for round in 0..rounds {
+        let sets: Vec<RowSampling> = (0..rows).map(|r| sample_params(r + round * rows, valid, rng)).collect();
+        rt.upload(xp, &x)?;
+        let (params, pens) = ops::sample::encode(&sets, valid);
+        ops::sample::sample_rows(k, &s, &sc, base, xp, vocab, valid, rows, &params, &pens)?;
+        let mut got = vec![[0i32; 2]; rows];
+        rt.download(&mut got, base + sc.out)?;
+        for ((row, set), [token, flag]) in x.chunks_exact(vocab).zip(&sets).zip(got) {
+            draws += 1;
+            modes[ops::sample::mode(set, valid) as usize] += 1;
+            if flag == 1 {
+                host += 1;
+                continue;
+            }
+            let mut adjusted = row[..valid].to_vec();
+            set.apply_penalties(&mut adjusted);
+            let want = set.pick_adjusted(&adjusted);
+            equal += usize::from(token as u32 == want);
+            if set.is_greedy() {
+                greedy_diff += usize::from(token as u32 != want);
+                continue;
+            }
+            // The device's token must be where the draw lands in the host's walk (its kept candidates in
+            // the host's order) up to the rounding of sums over up to 248K terms: u within 1e-4 of the
+            // token's share of the mass. (Equal tokens are counted; over a flat row of 248K ids a
+            // share is ~4e-6, so the f32 sums' order alone moves the token.)
+            let (cand, probs) = set.candidates(&adjusted);
+            let Some(j) = cand[..probs.len()].iter().position(|c| token >= 0 && c.0 == token as u32) else {
+                outside += 1;
+                continue;
+            };
+            let total: f64 = probs.iter().map(|&p| p as f64).sum();
+            let before = probs[..j].iter().map(|&p| p as f64).sum::<f64>() / total;
+            let after = before + probs[j] as f64 / total;
+            let u = set.uniform as f64;
+            if u < before - 1e-4 || u > after + 1e-4 {
+                off += 1;
+            }
+        }
+    }
+    let picked = draws - host;
+    Ok(Outcome {
+        ok: outside == 0 && off == 0 && greedy_diff == 0 && host < draws / 2,
+        detail: format!(
+            "{draws} draws (modes greedy/plain/cut {modes:?}): {equal} of {picked} picked on the device equal to the \
+             host rule, {off} away from the draw's place in the host's walk, {outside} outside the host's kept set, \
+             {greedy_diff} greedy differences, {host} left to the host"
+        ),
+    })
+}
+
 fn randv(rng: &mut StdRng, n: usize, a: f32) -> Vec<f32> {
     (0..n).map(|_| rb(rng.random_range(-a..a))).collect()
 }
@@ -882,6 +1014,7 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
                 x.chunks_exact(vocab).map(|row| deltaserve_backend::argmax(&row[..valid]) as i32).collect();
             vec![Outcome { ok: got == want, detail: format!("ids {got:?} (host argmax {want:?})") }]
         }
+        Op::Sample { rows, vocab, valid, rounds } => vec![sample_case(rt, k, d, rng, rows, vocab, valid, rounds)?],
         Op::AddRmsNorm { rows, d: dim, residual } => {
             let x = randv(rng, rows * dim, 2.0);
             let res = randv(rng, rows * dim, 2.0);

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use deltaserve_backend::{ArenaStats, Backend, SpecCommit};
+use deltaserve_backend::{ArenaStats, Backend, RowSampling, SpecCommit};
 use deltaserve_sched::{AdmitError, SchedConfig, SchedStats, Scheduler, SeqId, SeqOptions, check_request};
 use deltaserve_text::{IncrementalDecoder, StopMatcher, Tokenizer};
 use tokio::sync::mpsc as tmpsc;
@@ -540,10 +540,32 @@ impl Worker {
             && plan.batch.seqs.iter().filter(|c| c.want_logits).all(|c| {
                 self.reqs.get(&c.seq_id).is_some_and(|l| l.req.logprobs.is_none() && l.sampler.picks_argmax())
             });
+        // Other steps without speculation whose rows want no logprobs pick every row's token where the
+        // logits are too: the penalties and one uniform draw per row travel with the step.
+        let device_sampling = !greedy_step
+            && self.sched.speculative_tokens() == 0
+            && plan
+                .batch
+                .seqs
+                .iter()
+                .filter(|c| c.want_logits)
+                .all(|c| self.reqs.get(&c.seq_id).is_some_and(|l| l.req.logprobs.is_none()));
         let mut greedy_tokens: Vec<u32> = Vec::new();
         let started = Instant::now();
         let result = if greedy_step {
             self.backend.step_argmax(&plan.batch, self.valid_vocab, &mut greedy_tokens)
+        } else if device_sampling {
+            let rows: Vec<RowSampling> = plan
+                .batch
+                .seqs
+                .iter()
+                .filter(|c| c.want_logits)
+                .map(|c| {
+                    let context = self.sched.tokens(c.seq_id).unwrap_or(&[]);
+                    self.reqs.get_mut(&c.seq_id).map_or_else(RowSampling::greedy, |l| l.sampler.row(context))
+                })
+                .collect();
+            self.backend.step_sample(&plan.batch, self.valid_vocab, &rows, &mut greedy_tokens)
         } else if self.sched.speculative_tokens() > 0 {
             let reqs = &mut self.reqs;
             let mut pick = |seq: u64, _i: usize, row: &[f32]| -> u32 {
@@ -599,7 +621,7 @@ impl Worker {
                 verify_rows.push(rows.by_ref().take(c.draft + 1).collect());
             }
         }
-        let mut sampled = if greedy_step {
+        let mut sampled = if greedy_step || device_sampling {
             let wanted = plan.batch.seqs.iter().filter(|c| c.want_logits).map(|c| c.seq_id);
             wanted.zip(greedy_tokens).map(|(id, t)| (id, (t, None))).collect()
         } else {

@@ -1,7 +1,8 @@
 //! deltaserve-engine: turning requests into tokens.
 //!
 //! - [`engine`]: the engine thread (continuous batching over a [`deltaserve_backend::Backend`]) and its handle;
-//! - [`sampling`]: penalties and seeded sampling (greedy, temperature, top-k, top-p, min-p);
+//! - [`sampling`]: a request's sampler (parameters, seeded RNG, generated counts), turned each step into the
+//!   backend's `RowSampling` (the rule itself: `deltaserve_backend::sampling`);
 //! - [`generate`]: one request on the CPU reference model (prefill in pieces, decode, stop rules);
 //! - [`synth`]: complete synthetic model directories and the built-in demo model.
 

@@ -1,5 +1,7 @@
-//! Next-token selection from logits: penalties, then greedy (`temperature == 0`) or seeded sampling
-//! with temperature, top-k, top-p and min-p. Semantics follow vLLM's:
+//! A request's next-token selection: its parameters, its seeded RNG and its generated-token counts,
+//! turned each step into a [`RowSampling`] (the penalties as per-id entries, one uniform draw) that the
+//! backend applies where the logits are ([`deltaserve_backend::sampling`] holds the rule). Semantics
+//! follow vLLM's:
 //! - `repetition_penalty` p over prompt + generated tokens: a positive logit is divided by p, a negative one multiplied;
 //! - `presence_penalty` / `frequency_penalty` over generated tokens: `logit −= presence·[count>0] + frequency·count`;
 //! - top-k keeps the k most likely, top-p the smallest set whose mass reaches p, min-p drops tokens below `min_p · p_max`.
@@ -8,6 +10,7 @@
 
 use std::collections::HashMap;
 
+use deltaserve_backend::sampling::{Penalty, RowSampling};
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
 
@@ -104,21 +107,64 @@ impl Sampler {
     /// everything generated so far (for the repetition penalty).
     pub fn sample(&mut self, logits: &mut [f32], context: &[u32]) -> u32 {
         let n = self.valid_vocab.min(logits.len());
-        let logits = &mut logits[..n];
-        self.apply_penalties(logits, context);
-        if self.params.is_greedy() {
-            return argmax(logits);
+        self.row(context).pick(&mut logits[..n])
+    }
+
+    /// This step's [`RowSampling`]: the parameters, the penalties over `context` (prompt plus everything
+    /// generated so far) and the generated counts, and one uniform draw from the RNG (sampling requests).
+    pub fn row(&mut self, context: &[u32]) -> RowSampling {
+        let mut row = self.row_without_draw(context);
+        if !row.is_greedy() {
+            row.uniform = self.rng.random::<f32>();
         }
-        let (cand, probs) = self.candidates(logits);
-        let total: f32 = probs.iter().sum();
-        let mut r = self.rng.random::<f32>() * total;
-        for (i, p) in probs.iter().enumerate() {
-            if r < *p {
-                return cand[i].0;
+        row
+    }
+
+    fn row_without_draw(&self, context: &[u32]) -> RowSampling {
+        let p = &self.params;
+        RowSampling {
+            temperature: p.temperature,
+            top_k: p.top_k,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            uniform: 0.0,
+            repetition_penalty: p.repetition_penalty,
+            penalties: self.penalties(context),
+        }
+    }
+
+    /// One entry per id the penalties touch: the context's ids (with a repetition penalty), the
+    /// generated ones (with presence / frequency penalties).
+    fn penalties(&self, context: &[u32]) -> Vec<Penalty> {
+        let p = &self.params;
+        let subtracts = p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
+        let subtract = |id: u32| {
+            if !subtracts {
+                return 0.0;
             }
-            r -= p;
+            self.generated_counts.get(&id).map_or(0.0, |&c| p.presence_penalty + p.frequency_penalty * c as f32)
+        };
+        let mut out = Vec::new();
+        let mut seen = Vec::new();
+        if p.repetition_penalty != 1.0 {
+            seen = vec![false; self.valid_vocab];
+            for &id in context {
+                if let Some(s) = seen.get_mut(id as usize)
+                    && !*s
+                {
+                    *s = true;
+                    out.push(Penalty { id, repeated: true, subtract: subtract(id) });
+                }
+            }
         }
-        cand[probs.len() - 1].0
+        if subtracts {
+            for &id in self.generated_counts.keys() {
+                if (id as usize) < self.valid_vocab && !seen.get(id as usize).is_some_and(|&s| s) {
+                    out.push(Penalty { id, repeated: false, subtract: subtract(id) });
+                }
+            }
+        }
+        out
     }
 
     /// The distribution [`Sampler::sample`] draws from (non-greedy parameters), dense over the valid
@@ -126,13 +172,14 @@ impl Sampler {
     pub fn distribution(&self, logits: &mut [f32], context: &[u32]) -> Vec<f32> {
         let n = self.valid_vocab.min(logits.len());
         let logits = &mut logits[..n];
-        self.apply_penalties(logits, context);
+        let row = self.row_without_draw(context);
+        row.apply_penalties(logits);
         let mut dense = vec![0.0f32; n];
-        if self.params.is_greedy() {
+        if row.is_greedy() {
             dense[argmax(logits) as usize] = 1.0;
             return dense;
         }
-        let (cand, probs) = self.candidates(logits);
+        let (cand, probs) = row.candidates(logits);
         let total: f32 = probs.iter().sum();
         for (&(id, _), p) in cand.iter().zip(&probs) {
             dense[id as usize] = p / total;
@@ -165,19 +212,8 @@ impl Sampler {
 
     /// A draw from unnormalised non-negative `weights` (the last positive id on rounding leftovers).
     pub fn draw(&mut self, weights: &[f32]) -> u32 {
-        let total: f32 = weights.iter().sum();
-        let mut r = self.rng.random::<f32>() * total;
-        let mut last = 0;
-        for (i, &w) in weights.iter().enumerate() {
-            if w > 0.0 {
-                if r < w {
-                    return i as u32;
-                }
-                r -= w;
-                last = i;
-            }
-        }
-        last as u32
+        let u = self.rng.random::<f32>();
+        deltaserve_backend::sampling::draw(weights, u).unwrap_or(0) as u32
     }
 
     /// A uniform draw in [0, 1) from this request's RNG.
@@ -194,78 +230,6 @@ impl Sampler {
     pub fn picks_argmax(&self) -> bool {
         let p = &self.params;
         p.is_greedy() && p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
-    }
-
-    /// Candidates after temperature, top-k, top-p and min-p, with their (unnormalised after the cuts)
-    /// probabilities: softmax over the top-k candidates (every id without top-k, summed in id order),
-    /// then the top-p prefix, then the min-p floor. Sorted by logit (descending, ties by id), except
-    /// without any cut, where every id is a candidate in id order (the same distribution).
-    ///
-    /// Cost O(vocab) plus a sort of the candidates that can survive the cuts, not a sort of the whole
-    /// vocabulary (10–13 ms per draw at the 27B's 248K ids): top-k selects its k first; with top-p or
-    /// min-p the largest candidates are selected in growing batches until the cut falls inside one.
-    fn candidates(&self, logits: &[f32]) -> (Vec<(u32, f32)>, Vec<f32>) {
-        let inv_t = 1.0 / self.params.temperature;
-        let mut all: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l * inv_t)).collect();
-        let n = all.len();
-        let top_k = if self.params.top_k > 0 { self.params.top_k.min(n) } else { n };
-        let (top_p, min_p) = (self.params.top_p, self.params.min_p);
-        if top_k < n {
-            // The k largest under the order, sorted; the softmax over them.
-            largest_first(&mut all, top_k);
-            all.truncate(top_k);
-            let max = all[0].1;
-            let mut probs: Vec<f32> = all.iter().map(|&(_, l)| (l - max).exp()).collect();
-            let sum: f32 = probs.iter().sum();
-            probs.iter_mut().for_each(|p| *p /= sum);
-            let keep = cut(&probs, top_p, min_p);
-            probs.truncate(keep);
-            return (all, probs);
-        }
-        let max = all.iter().fold(f32::NEG_INFINITY, |m, c| m.max(c.1));
-        let sum: f32 = all.iter().map(|&(_, l)| (l - max).exp()).sum();
-        if top_p >= 1.0 && min_p <= 0.0 {
-            let probs = all.iter().map(|&(_, l)| (l - max).exp() / sum).collect();
-            return (all, probs);
-        }
-        // Grow the sorted prefix until the top-p / min-p cut falls strictly inside it.
-        let mut m = 256.min(n);
-        loop {
-            largest_first(&mut all, m);
-            let probs: Vec<f32> = all[..m].iter().map(|&(_, l)| (l - max).exp() / sum).collect();
-            let keep = cut(&probs, top_p, min_p);
-            if keep < m || m == n {
-                let mut probs = probs;
-                probs.truncate(keep);
-                all.truncate(m);
-                return (all, probs);
-            }
-            m = (m * 4).min(n);
-        }
-    }
-
-    fn apply_penalties(&self, logits: &mut [f32], context: &[u32]) {
-        let p = &self.params;
-        if p.repetition_penalty != 1.0 {
-            let mut seen = vec![false; logits.len()];
-            for &id in context {
-                if let Some(s) = seen.get_mut(id as usize) {
-                    *s = true;
-                }
-            }
-            for (l, s) in logits.iter_mut().zip(seen) {
-                if s {
-                    *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
-                }
-            }
-        }
-        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
-            for (&id, &count) in &self.generated_counts {
-                if let Some(l) = logits.get_mut(id as usize) {
-                    *l -= p.presence_penalty + p.frequency_penalty * count as f32;
-                }
-            }
-        }
     }
 }
 
@@ -284,48 +248,12 @@ pub fn speculative_pick(sampler: &mut Sampler, p: &[f32], q: &[f32], d: u32) -> 
     (t, false)
 }
 
-/// The candidate order: logit descending, ties by lower id.
-fn by_logit(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
-    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
-}
-
-/// Puts the `m` first candidates under [`by_logit`] at the front of `c`, sorted (the rest unordered).
-fn largest_first(c: &mut [(u32, f32)], m: usize) {
-    if m == 0 {
-        return;
-    }
-    if m < c.len() {
-        c.select_nth_unstable_by(m - 1, by_logit);
-    }
-    c[..m].sort_by(by_logit);
-}
-
-/// How many of the sorted normalised `probs` survive top-p (the shortest prefix whose mass reaches
-/// `top_p`) and then min-p (those at least `min_p` times the largest; at least one).
-fn cut(probs: &[f32], top_p: f32, min_p: f32) -> usize {
-    let mut keep = probs.len();
-    if top_p < 1.0 {
-        let mut acc = 0.0;
-        keep = probs
-            .iter()
-            .position(|&p| {
-                acc += p;
-                acc >= top_p
-            })
-            .map_or(probs.len(), |i| i + 1);
-    }
-    if min_p > 0.0 && keep > 0 {
-        let floor = min_p * probs[0];
-        keep = probs[..keep].iter().take_while(|&&p| p >= floor).count().max(1);
-    }
-    keep
-}
-
 pub use deltaserve_backend::argmax;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use deltaserve_backend::sampling::cut;
 
     fn sampler(p: SamplingParams) -> Sampler {
         Sampler::new(SamplingParams { seed: Some(7), ..p }, 8)
@@ -518,7 +446,7 @@ mod tests {
                 ..Default::default()
             };
             let s = Sampler::new(params.clone(), n);
-            let (cand, probs) = s.candidates(&logits);
+            let (cand, probs) = s.row_without_draw(&[]).candidates(&logits);
             let got: Vec<u32> = cand[..probs.len()].iter().map(|c| c.0).collect();
             let (want, want_p) = reference(&params, &logits);
             assert_eq!(got, want, "case {case}: {params:?}, n {n}");

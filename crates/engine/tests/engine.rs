@@ -108,10 +108,30 @@ fn cases(n: usize, seed: u64) -> Vec<Case> {
         .map(|i| {
             let len = 1 + next(150) as usize;
             let prompt = (0..len).map(|_| next(991) as u32).collect();
-            let sampling = if i % 3 == 2 {
-                SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.9, seed: Some(i as u64), ..Default::default() }
-            } else {
-                SamplingParams::greedy()
+            // Greedy, sampled, and each with penalties (those rows are picked by `step_sample`).
+            let sampling = match i % 6 {
+                2 => SamplingParams {
+                    temperature: 0.8,
+                    top_k: 40,
+                    top_p: 0.9,
+                    seed: Some(i as u64),
+                    ..Default::default()
+                },
+                4 => SamplingParams {
+                    temperature: 1.2,
+                    min_p: 0.05,
+                    repetition_penalty: 1.2,
+                    presence_penalty: 0.4,
+                    seed: Some(i as u64),
+                    ..Default::default()
+                },
+                1 => SamplingParams {
+                    repetition_penalty: 1.3,
+                    presence_penalty: 0.5,
+                    frequency_penalty: 0.2,
+                    ..SamplingParams::greedy()
+                },
+                _ => SamplingParams::greedy(),
             };
             Case { prompt, max_tokens: 1 + next(24) as usize, sampling }
         })

@@ -35,4 +35,4 @@ pub use options::{COLLECTIVE_RESERVE_BYTES, MAX_DECODE_PARTITIONS, PlanOptions};
 pub use plan::{ALIGN, Plan, Region, card_config};
 pub use size::{fmt_bytes, fmt_count, parse_size};
 pub use weights::WeightBytes;
-pub use workspace::{WorkspaceBuffer, WorkspaceLayout};
+pub use workspace::{SamplingScratch, WorkspaceBuffer, WorkspaceLayout};

@@ -28,6 +28,78 @@ pub const FOLD_TOKENS: usize = 8;
 pub const STEP_INPUTS: [&str; 6] =
     ["token_ids", "positions", "cu_seqlens", "seq_lens", "state_slot_ids", "last_token_idx"];
 
+/// Bins of device sampling's histogram of each row (by distance from the row's maximum logit).
+pub const SAMPLE_BINS: usize = 2048;
+/// Candidates device sampling sorts per row (rows whose cut needs more are picked on the host).
+pub const SAMPLE_CANDIDATES: usize = 4096;
+/// Penalty entries (ids a request's penalties touch) per sequence of a step; steps with more are
+/// sampled on the host.
+pub const SAMPLE_PENALTIES_PER_SEQ: usize = 8192;
+
+/// Device sampling's scratch for `seqs` rows of `vocab` logits: byte offsets of its parts inside the
+/// `sampling` workspace buffer (each 256-byte aligned). One layout for the plan and the backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SamplingScratch {
+    /// Blocks per row of the row-wide sampling kernels (about 4K ids each, at most 64).
+    pub blocks: usize,
+    /// Candidates per row: [`SAMPLE_CANDIDATES`], or the vocabulary when it is smaller.
+    pub candidates: usize,
+    /// `[S]` × 32 B parameters.
+    pub params: u64,
+    /// `[S, blocks]` × 16 B partial maxima and sums.
+    pub partials: u64,
+    /// `[S, bins]` u32 counts, then `[S, bins]` u64 masses, then `[S]` u32 candidate counts: one
+    /// zeroing covers them (`zeroed_bytes`).
+    pub hist_count: u64,
+    pub hist_mass: u64,
+    pub cand_count: u64,
+    pub zeroed_bytes: u64,
+    /// `[S, candidates]` u64 keys.
+    pub cand: u64,
+    /// `[S]` × 8 B (token, flag).
+    pub out: u64,
+    /// `[S · SAMPLE_PENALTIES_PER_SEQ]` × 16 B penalty entries.
+    pub penalties: u64,
+    pub bytes: u64,
+}
+
+impl SamplingScratch {
+    pub fn new(seqs: usize, vocab: usize) -> Self {
+        let blocks = vocab.div_ceil(4096).clamp(1, 64);
+        let candidates = SAMPLE_CANDIDATES.min(vocab.max(1)).next_power_of_two().min(SAMPLE_CANDIDATES);
+        let (s, bins) = (seqs as u64, SAMPLE_BINS as u64);
+        let mut at = 0u64;
+        let mut take = |bytes: u64| {
+            let o = at;
+            at += bytes.next_multiple_of(ALIGN);
+            o
+        };
+        let params = take(s * 32);
+        let partials = take(s * blocks as u64 * 16);
+        let hist_count = take(s * bins * 4);
+        let hist_mass = take(s * bins * 8);
+        let cand_count = take(s * 4);
+        let zeroed_bytes = cand_count + (s * 4).next_multiple_of(ALIGN) - hist_count;
+        let cand = take(s * candidates as u64 * 8);
+        let out = take(s * 8);
+        let penalties = take(s * SAMPLE_PENALTIES_PER_SEQ as u64 * 16);
+        Self {
+            blocks,
+            candidates,
+            params,
+            partials,
+            hist_count,
+            hist_mass,
+            cand_count,
+            zeroed_bytes,
+            cand,
+            out,
+            penalties,
+            bytes: at,
+        }
+    }
+}
+
 /// One named buffer of the workspace.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WorkspaceBuffer {
@@ -198,8 +270,17 @@ pub fn plan_workspace(cfg: &ModelConfig, s: &StepShape) -> Option<WorkspaceLayou
     // Final.
     b.buf("final_normed", t * hd * a, format!("[{tt}, {}] {act} (every row, final-normed)", d.hidden));
     b.buf("final_hidden", n * hd * a, format!("[{ss}, {}] {act} (last token, final-normed)", d.hidden));
-    b.buf("sample_probs", n * d.vocab as u128 * 4, format!("[{ss}, {}] f32", d.vocab));
-    b.buf("sampled_tokens", n * 4, format!("[{ss}] i32"));
+    let sampling = SamplingScratch::new(s.seqs, d.vocab);
+    b.buf(
+        "sampling",
+        sampling.bytes as u128,
+        format!(
+            "[{ss}] × (params, {} block partials, {SAMPLE_BINS}-bin histogram, {} candidates, {} penalties) (device sampling)",
+            sampling.blocks,
+            sampling.candidates,
+            SAMPLE_PENALTIES_PER_SEQ
+        ),
+    );
     if s.speculative {
         // The MTP head's own buffers: it runs after the layers, over the step's rows.
         let m = |x: usize| format!("[{tt}, {x}] {act}");
@@ -298,7 +379,7 @@ pub fn plan_workspace(cfg: &ModelConfig, s: &StepShape) -> Option<WorkspaceLayou
         b.op("mtp_down", &["mtp_act"], &["mtp_mlp_out"]);
         b.op("mtp_norm_logits", &["mtp_mlp_out", "mtp_residual", "last_token_idx"], &["mtp_norm", "final_hidden"]);
     }
-    b.op("sample", &[], &["sample_probs", "sampled_tokens"]);
+    b.op("sample", &[], &["sampling"]);
 
     let mut buffers = Vec::with_capacity(b.bufs.len());
     for (name, bytes, shape) in b.bufs {

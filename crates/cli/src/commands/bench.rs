@@ -14,8 +14,11 @@
 //! The decode steps run on whatever the KV pages and state slots hold (their content does not change the
 //! work), so no long prefill is needed to measure decode at 32K context.
 //!
-//! Each decode row is timed twice: steps that hand back the logits, and steps that hand back each row's
-//! argmax picked on the device (`argmax ms`: what greedy decoding costs).
+//! Each decode row is timed four ways: steps that hand back the logits; steps that hand back each row's
+//! argmax picked on the device (`argmax ms`: what greedy decoding costs); steps that hand back each row's
+//! token sampled on the device with Qwen's recommended parameters (temperature 0.6, top-k 20, top-p 0.95:
+//! `sampled ms`); and, as the baseline, the logits step followed by the host's pick of the same rule
+//! (`host-sampled ms`).
 //!
 //! Speculative decoding's verify step (issue #8) is costed the same way: one sequence stepping `--verify-tokens`
 //! (K + 1, default 3) tokens per step at each decode context, against the one-token step at that context (the
@@ -36,7 +39,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use deltaserve_backend::{Backend, CacheOp, SeqChunk, SnapshotLoc, StepBatch};
+use deltaserve_backend::{Backend, CacheOp, RowSampling, SeqChunk, SnapshotLoc, StepBatch};
 use deltaserve_cuda::ops::init::{Init, init_random};
 use deltaserve_cuda::{Arena, CudaBackend, Kernels, Runtime, TpBackend, WeightSource};
 use deltaserve_model::ModelConfig;
@@ -140,10 +143,15 @@ struct DecodeRow {
     ms_per_step: f64,
     /// The same steps with the tokens picked on the device (`Backend::step_argmax`, greedy decoding).
     ms_per_step_argmax: f64,
+    /// Sampled with [`qwen_sampling`]: on the device (`Backend::step_sample`), and the logits step
+    /// followed by the host's pick.
+    ms_per_step_sampled: f64,
+    ms_per_step_host_sampled: f64,
     bytes: f64,
-    /// The roofline over the step with the logits returned, and over the greedy step.
+    /// The roofline over the step with the logits returned, over the greedy step, over the sampled one.
     ratio: f64,
     ratio_argmax: f64,
+    ratio_sampled: f64,
     allreduce_share: Option<f64>,
     driver_peak_bytes: Option<u64>,
 }
@@ -376,12 +384,14 @@ pub fn run(a: Args) -> Result<()> {
             }
             tracing::info!("bench: decode batch {b} at context {}", fmt_count(ctx as u64));
             peak(&sampler);
-            let ms = decode(be.get(), b, 1, ctx, per_seq, a.steps, vocab, false)?;
-            let ms_argmax = decode(be.get(), b, 1, ctx, per_seq, a.steps, vocab, true)?;
+            let ms = decode(be.get(), b, 1, ctx, per_seq, a.steps, vocab, Pick::Logits)?;
+            let ms_argmax = decode(be.get(), b, 1, ctx, per_seq, a.steps, vocab, Pick::Argmax)?;
+            let ms_sampled = decode(be.get(), b, 1, ctx, per_seq, a.steps, vocab, Pick::Sample)?;
+            let ms_host_sampled = decode(be.get(), b, 1, ctx, per_seq, a.steps, vocab, Pick::HostSample)?;
             if let (true, 1, Under::One(cb)) = (a.profile, b, &mut be) {
                 tracing::info!("bench: decode step op groups at context {}", fmt_count(ctx as u64));
                 cb.set_profiling(true)?;
-                let eager_ms = decode(cb.as_mut(), 1, 1, ctx, per_seq, a.steps, vocab, false)?;
+                let eager_ms = decode(cb.as_mut(), 1, 1, ctx, per_seq, a.steps, vocab, Pick::Logits)?;
                 let steps = (a.steps + 3) as f64; // decode() runs 3 warm-up steps
                 let groups = cb.take_profile().into_iter().map(|(g, s)| (g, s * 1e3 / steps)).collect();
                 cb.set_profiling(false)?;
@@ -390,8 +400,8 @@ pub fn run(a: Args) -> Result<()> {
             if let (true, Under::One(cb)) = (a.phases, &mut be) {
                 tracing::info!("bench: decode step phases, batch {b} at context {}", fmt_count(ctx as u64));
                 cb.set_step_phases(true)?;
-                for (output, greedy) in [("logits", false), ("greedy", true)] {
-                    decode(cb.as_mut(), b, 1, ctx, per_seq, a.steps, vocab, greedy)?;
+                for (output, pick) in [("logits", Pick::Logits), ("greedy", Pick::Argmax), ("sampled", Pick::Sample)] {
+                    decode(cb.as_mut(), b, 1, ctx, per_seq, a.steps, vocab, pick)?;
                     if let Some(p) = cb.take_step_phases() {
                         report.phases.push((b, ctx, output, p));
                     }
@@ -413,9 +423,12 @@ pub fn run(a: Args) -> Result<()> {
                 context: ctx,
                 ms_per_step: ms,
                 ms_per_step_argmax: ms_argmax,
+                ms_per_step_sampled: ms_sampled,
+                ms_per_step_host_sampled: ms_host_sampled,
                 bytes,
                 ratio: floor_ms / ms,
                 ratio_argmax: floor_ms / ms_argmax,
+                ratio_sampled: floor_ms / ms_sampled,
                 allreduce_share,
                 driver_peak_bytes,
             });
@@ -427,7 +440,7 @@ pub fn run(a: Args) -> Result<()> {
             let per_seq = (ctx + (a.steps + 3) * n + 4).div_ceil(page);
             if per_seq <= plan.num_kv_pages && ctx + (a.steps + 3) * n + 4 <= plan.max_context {
                 tracing::info!("bench: verify-shaped steps of {n} tokens at context {}", fmt_count(ctx as u64));
-                let ms = decode(be.get(), 1, n, ctx, per_seq, a.steps, vocab, false)?;
+                let ms = decode(be.get(), 1, n, ctx, per_seq, a.steps, vocab, Pick::Logits)?;
                 report.verify.push((n, ctx, ms, one));
             }
         }
@@ -618,9 +631,26 @@ fn prefill(be: &mut dyn Backend, pages: &[u32], tokens: &[u32], chunk: usize) ->
     Ok(s)
 }
 
+/// What a timed decode step hands back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pick {
+    /// Every row's logits.
+    Logits,
+    /// Every row's argmax, picked on the device ([`Backend::step_argmax`], greedy decoding).
+    Argmax,
+    /// Every row's token sampled with [`qwen_sampling`] on the device ([`Backend::step_sample`]).
+    Sample,
+    /// The logits, then the host's pick of [`qwen_sampling`] (the engine's path without device sampling).
+    HostSample,
+}
+
+/// Qwen's recommended sampling (temperature 0.6, top-k 20, top-p 0.95) with draw `u`.
+fn qwen_sampling(u: f32) -> RowSampling {
+    RowSampling { temperature: 0.6, top_k: 20, top_p: 0.95, uniform: u, ..RowSampling::greedy() }
+}
+
 /// `b` sequences of `n` tokens each per step at positions `ctx..` (n = 1: decode): median ms per step over
-/// `steps` steps. `argmax`: the steps hand back each row's argmax ([`Backend::step_argmax`], what greedy
-/// decoding uses) instead of its logits.
+/// `steps` steps, each handing back what `pick` says.
 #[allow(clippy::too_many_arguments)]
 fn decode(
     be: &mut dyn Backend,
@@ -630,20 +660,27 @@ fn decode(
     per_seq: usize,
     steps: usize,
     vocab: usize,
-    argmax: bool,
+    pick: Pick,
 ) -> Result<f64> {
     let mut logits = Vec::new();
     let mut tokens = Vec::new();
     let mut times = Vec::new();
     for step in 0..steps + 3 {
         let batch = StepBatch { seqs: step_seqs(b, n, ctx + step * n, per_seq, step, vocab), ..Default::default() };
+        let rows: Vec<RowSampling> =
+            (0..b).map(|i| qwen_sampling(((i * 7919 + step * 104_729) % 1000) as f32 / 1000.0)).collect();
         logits.clear();
         tokens.clear();
         let t0 = Instant::now();
-        if argmax {
-            be.step_argmax(&batch, vocab, &mut tokens)?;
-        } else {
-            be.step(&batch, &mut logits)?;
+        match pick {
+            Pick::Logits => be.step(&batch, &mut logits)?,
+            Pick::Argmax => be.step_argmax(&batch, vocab, &mut tokens)?,
+            Pick::Sample => be.step_sample(&batch, vocab, &rows, &mut tokens)?,
+            Pick::HostSample => {
+                be.step(&batch, &mut logits)?;
+                let v = be.vocab_size();
+                tokens.extend(logits.chunks_exact_mut(v).zip(&rows).map(|(l, r)| r.pick(l)));
+            }
         }
         if step >= 3 {
             times.push(t0.elapsed().as_secs_f64() * 1e3);
@@ -770,6 +807,9 @@ impl ToolReport for Report {
             "decode": self.decode.iter().map(|r| json!({
                 "batch": r.batch, "context": r.context, "ms_per_step": r3(r.ms_per_step),
                 "ms_per_step_argmax": r3(r.ms_per_step_argmax),
+                "ms_per_step_sampled": r3(r.ms_per_step_sampled),
+                "ms_per_step_host_sampled": r3(r.ms_per_step_host_sampled),
+                "roofline_ratio_sampled": r3(r.ratio_sampled),
                 "tokens_per_s": r1(r.batch as f64 * 1e3 / r.ms_per_step), "bytes_per_step": r.bytes,
                 "roofline_ratio": r3(r.ratio), "roofline_ratio_argmax": r3(r.ratio_argmax),
                 "allreduce_share": r.allreduce_share.map(r3), "driver_peak_bytes": r.driver_peak_bytes,
@@ -842,34 +882,41 @@ impl ToolReport for Report {
         let _ = writeln!(
             s,
             "\ndecode (one token per sequence)    roofline = bytes / copy rate (the step with the logits returned; \
-             argmax: with the greedy token picked on the device)"
+             argmax: with the greedy token picked on the device; sampled: temperature 0.6, top-k 20, top-p 0.95 \
+             on the device; host-sampled: the logits step, then the host's pick)"
         );
         let _ = writeln!(
             s,
-            "{:>6} {:>8} {:>10} {:>12} {:>10} {:>10} {:>9} {:>9} {:>11} {:>11}",
+            "{:>6} {:>8} {:>10} {:>12} {:>12} {:>15} {:>10} {:>10} {:>9} {:>9} {:>9} {:>11} {:>11}",
             "batch",
             "context",
             "ms/step",
             "argmax ms",
+            "sampled ms",
+            "host-sampled ms",
             "tok/s",
             "GB/step",
             "roofline",
             "argmax",
+            "sampled",
             "driver",
             "all-reduce"
         );
         for r in &self.decode {
             let _ = writeln!(
                 s,
-                "{:>6} {:>8} {:>10.2} {:>12.2} {:>10.1} {:>10.2} {:>8.1}% {:>8.1}% {:>11} {:>11}",
+                "{:>6} {:>8} {:>10.2} {:>12.2} {:>12.2} {:>15.2} {:>10.1} {:>10.2} {:>8.1}% {:>8.1}% {:>8.1}% {:>11} {:>11}",
                 r.batch,
                 r.context,
                 r.ms_per_step,
                 r.ms_per_step_argmax,
+                r.ms_per_step_sampled,
+                r.ms_per_step_host_sampled,
                 r.batch as f64 * 1e3 / r.ms_per_step,
                 r.bytes / 1e9,
                 100.0 * r.ratio,
                 100.0 * r.ratio_argmax,
+                100.0 * r.ratio_sampled,
                 r.driver_peak_bytes.map_or("n/a".into(), fmt_bytes),
                 pct(r.allreduce_share)
             );

@@ -17,6 +17,7 @@ pub mod kv_quant;
 pub mod mtp;
 pub mod norm;
 pub mod rope;
+pub mod sample;
 pub mod w4a16;
 
 use std::collections::HashMap;
