@@ -11,7 +11,9 @@
 //!   min-p drops tokens below `min_p · p_max`.
 //!
 //! Candidates are ordered by logit, descending, ties by lower id; the draw walks them in that order,
-//! except without any cut, where every id is a candidate and the draw walks them in id order.
+//! except without any cut, where every id is a candidate and the draw walks them in id order. Sums over
+//! the vocabulary (the softmax's, the top-p prefix, the draw's walk) accumulate in f64: an f32 running
+//! sum over 248K ids drifts by ~1e-4, more than one id's share of a flat row.
 
 use crate::argmax;
 
@@ -113,14 +115,14 @@ impl RowSampling {
             all.truncate(top_k);
             let max = all[0].1;
             let mut probs: Vec<f32> = all.iter().map(|&(_, l)| (l - max).exp()).collect();
-            let sum: f32 = probs.iter().sum();
+            let sum = probs.iter().map(|&p| p as f64).sum::<f64>() as f32;
             probs.iter_mut().for_each(|p| *p /= sum);
             let keep = cut(&probs, top_p, min_p);
             probs.truncate(keep);
             return (all, probs);
         }
         let max = all.iter().fold(f32::NEG_INFINITY, |m, c| m.max(c.1));
-        let sum: f32 = all.iter().map(|&(_, l)| (l - max).exp()).sum();
+        let sum = all.iter().map(|&(_, l)| (l - max).exp() as f64).sum::<f64>() as f32;
         if top_p >= 1.0 && min_p <= 0.0 {
             let probs = all.iter().map(|&(_, l)| (l - max).exp() / sum).collect();
             return (all, probs);
@@ -145,10 +147,11 @@ impl RowSampling {
 /// The index a draw `u` in [0, 1) lands on in non-negative `weights` (walked in order, scaled to their
 /// sum); the last positive weight on rounding leftovers; None when no weight is positive.
 pub fn draw(weights: &[f32], u: f32) -> Option<usize> {
-    let total: f32 = weights.iter().sum();
-    let mut r = u * total;
+    let total: f64 = weights.iter().map(|&w| w as f64).sum();
+    let mut r = u as f64 * total;
     let mut last = None;
     for (i, &w) in weights.iter().enumerate() {
+        let w = w as f64;
         if w > 0.0 {
             if r < w {
                 return Some(i);
@@ -181,12 +184,12 @@ fn largest_first(c: &mut [(u32, f32)], m: usize) {
 pub fn cut(probs: &[f32], top_p: f32, min_p: f32) -> usize {
     let mut keep = probs.len();
     if top_p < 1.0 {
-        let mut acc = 0.0;
+        let mut acc = 0.0f64;
         keep = probs
             .iter()
             .position(|&p| {
-                acc += p;
-                acc >= top_p
+                acc += p as f64;
+                acc >= top_p as f64
             })
             .map_or(probs.len(), |i| i + 1);
     }

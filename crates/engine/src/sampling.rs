@@ -418,7 +418,8 @@ mod tests {
         if !whole {
             cand.truncate(p.top_k);
         }
-        let sum: f32 = if whole { scaled.iter() } else { cand.iter() }.map(|&(_, l)| (l - max).exp()).sum();
+        let sum =
+            if whole { scaled.iter() } else { cand.iter() }.map(|&(_, l)| (l - max).exp() as f64).sum::<f64>() as f32;
         if whole && p.top_p >= 1.0 && p.min_p <= 0.0 {
             return (
                 scaled.iter().map(|c| c.0).collect(),
