@@ -71,7 +71,7 @@ fn hf_fixtures_logits() {
                 at = end;
             }
         }
-        score.check(&format!("HF {}", dir.display()));
+        score.check_with(&format!("HF {}", dir.display()), HF_FIXTURE);
     }
 }
 

@@ -16,9 +16,9 @@
 //!
 //! Each decode row is timed four ways: steps that hand back the logits; steps that hand back each row's
 //! argmax picked on the device (`argmax ms`: what greedy decoding costs); steps that hand back each row's
-//! token sampled on the device with Qwen's recommended parameters (temperature 0.6, top-k 20, top-p 0.95:
-//! `sampled ms`); and, as the baseline, the logits step followed by the host's pick of the same rule
-//! (`host-sampled ms`).
+//! token sampled on the device (`sampled ms`; `--sample`, by default Qwen's recommended temperature 0.6,
+//! top-k 20, top-p 0.95); and, as the baseline, the logits step followed by the host's pick of the same
+//! rule (`host-sampled ms`).
 //!
 //! Speculative decoding's verify step (issue #8) is costed the same way: one sequence stepping `--verify-tokens`
 //! (K + 1, default 3) tokens per step at each decode context, against the one-token step at that context (the
@@ -108,6 +108,9 @@ pub struct Args {
     /// the forward on the GPU and the outputs' return (timing events at four marks of a step; one GPU).
     #[arg(long)]
     phases: bool,
+    /// The sampling of the sampled decode timings: `temperature,top_k,top_p,min_p` (top_k 0: none).
+    #[arg(long, default_value = "0.6,20,0.95,0", value_parser = parse_sampling)]
+    sample: RowSampling,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -167,6 +170,8 @@ struct Report {
     startup_s: f64,
     prefill: Vec<PrefillRow>,
     decode: Vec<DecodeRow>,
+    /// The rule of the sampled decode timings, in words.
+    sampling: String,
     skipped: Vec<String>,
     arena_allocations_moved: bool,
     /// (what, ms) of DeltaNet state snapshot copies: save/restore to/from the device and host tiers.
@@ -175,7 +180,7 @@ struct Report {
     verify: Vec<(usize, usize, f64, f64)>,
     speculative: Vec<SpecRow>,
     profiles: Vec<ProfileRow>,
-    /// `--phases`: (batch, context, "logits" | "greedy", the step's parts).
+    /// `--phases`: (batch, context, "logits" | "greedy" | "sampled", the step's parts).
     phases: Vec<(usize, usize, &'static str, deltaserve_cuda::StepPhases)>,
     /// The chunked DeltaNet prefill kernels alone at the model's (per-card) shape.
     deltanet: Vec<deltaserve_cuda::gdn_bench::GdnTiming>,
@@ -317,6 +322,7 @@ pub fn run(a: Args) -> Result<()> {
         startup_s,
         prefill: Vec::new(),
         decode: Vec::new(),
+        sampling: sampling_label(&a.sample),
         skipped,
         arena_allocations_moved: false,
         snapshots: Vec::new(),
@@ -386,8 +392,8 @@ pub fn run(a: Args) -> Result<()> {
             peak(&sampler);
             let ms = decode(be.get(), b, 1, ctx, per_seq, a.steps, vocab, Pick::Logits)?;
             let ms_argmax = decode(be.get(), b, 1, ctx, per_seq, a.steps, vocab, Pick::Argmax)?;
-            let ms_sampled = decode(be.get(), b, 1, ctx, per_seq, a.steps, vocab, Pick::Sample)?;
-            let ms_host_sampled = decode(be.get(), b, 1, ctx, per_seq, a.steps, vocab, Pick::HostSample)?;
+            let ms_sampled = decode(be.get(), b, 1, ctx, per_seq, a.steps, vocab, Pick::Sample(&a.sample))?;
+            let ms_host_sampled = decode(be.get(), b, 1, ctx, per_seq, a.steps, vocab, Pick::HostSample(&a.sample))?;
             if let (true, 1, Under::One(cb)) = (a.profile, b, &mut be) {
                 tracing::info!("bench: decode step op groups at context {}", fmt_count(ctx as u64));
                 cb.set_profiling(true)?;
@@ -400,7 +406,9 @@ pub fn run(a: Args) -> Result<()> {
             if let (true, Under::One(cb)) = (a.phases, &mut be) {
                 tracing::info!("bench: decode step phases, batch {b} at context {}", fmt_count(ctx as u64));
                 cb.set_step_phases(true)?;
-                for (output, pick) in [("logits", Pick::Logits), ("greedy", Pick::Argmax), ("sampled", Pick::Sample)] {
+                for (output, pick) in
+                    [("logits", Pick::Logits), ("greedy", Pick::Argmax), ("sampled", Pick::Sample(&a.sample))]
+                {
                     decode(cb.as_mut(), b, 1, ctx, per_seq, a.steps, vocab, pick)?;
                     if let Some(p) = cb.take_step_phases() {
                         report.phases.push((b, ctx, output, p));
@@ -632,21 +640,41 @@ fn prefill(be: &mut dyn Backend, pages: &[u32], tokens: &[u32], chunk: usize) ->
 }
 
 /// What a timed decode step hands back.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Pick {
+#[derive(Clone, Copy, Debug)]
+enum Pick<'a> {
     /// Every row's logits.
     Logits,
     /// Every row's argmax, picked on the device ([`Backend::step_argmax`], greedy decoding).
     Argmax,
-    /// Every row's token sampled with [`qwen_sampling`] on the device ([`Backend::step_sample`]).
-    Sample,
-    /// The logits, then the host's pick of [`qwen_sampling`] (the engine's path without device sampling).
-    HostSample,
+    /// Every row's token sampled by this rule on the device ([`Backend::step_sample`]).
+    Sample(&'a RowSampling),
+    /// The logits, then the host's pick by this rule (the engine's path without device sampling).
+    HostSample(&'a RowSampling),
 }
 
-/// Qwen's recommended sampling (temperature 0.6, top-k 20, top-p 0.95) with draw `u`.
-fn qwen_sampling(u: f32) -> RowSampling {
-    RowSampling { temperature: 0.6, top_k: 20, top_p: 0.95, uniform: u, ..RowSampling::greedy() }
+/// `--sample temperature,top_k,top_p,min_p`.
+fn parse_sampling(s: &str) -> Result<RowSampling, String> {
+    let v: Vec<&str> = s.split(',').map(str::trim).collect();
+    let bad = || format!("`{s}`: expected temperature,top_k,top_p,min_p (e.g. 0.6,20,0.95,0)");
+    let [t, k, p, m] = v[..] else { return Err(bad()) };
+    let f = |x: &str| x.parse::<f32>().map_err(|_| bad());
+    let row = RowSampling {
+        temperature: f(t)?,
+        top_k: k.parse().map_err(|_| bad())?,
+        top_p: f(p)?,
+        min_p: f(m)?,
+        ..RowSampling::greedy()
+    };
+    let ok = row.temperature > 0.0 && row.temperature.is_finite() && row.top_p > 0.0 && row.top_p <= 1.0;
+    if !ok || !(0.0..=1.0).contains(&row.min_p) {
+        return Err(format!("`{s}`: temperature > 0, top_p in (0, 1], min_p in [0, 1]"));
+    }
+    Ok(row)
+}
+
+/// `--sample`'s rule in words.
+fn sampling_label(r: &RowSampling) -> String {
+    format!("temperature {}, top-k {}, top-p {}, min-p {}", r.temperature, r.top_k, r.top_p, r.min_p)
 }
 
 /// `b` sequences of `n` tokens each per step at positions `ctx..` (n = 1: decode): median ms per step over
@@ -660,23 +688,28 @@ fn decode(
     per_seq: usize,
     steps: usize,
     vocab: usize,
-    pick: Pick,
+    pick: Pick<'_>,
 ) -> Result<f64> {
     let mut logits = Vec::new();
     let mut tokens = Vec::new();
     let mut times = Vec::new();
     for step in 0..steps + 3 {
         let batch = StepBatch { seqs: step_seqs(b, n, ctx + step * n, per_seq, step, vocab), ..Default::default() };
-        let rows: Vec<RowSampling> =
-            (0..b).map(|i| qwen_sampling(((i * 7919 + step * 104_729) % 1000) as f32 / 1000.0)).collect();
+        let rule = match pick {
+            Pick::Sample(r) | Pick::HostSample(r) => r.clone(),
+            _ => RowSampling::greedy(),
+        };
+        let rows: Vec<RowSampling> = (0..b)
+            .map(|i| RowSampling { uniform: ((i * 7919 + step * 104_729) % 1000) as f32 / 1000.0, ..rule.clone() })
+            .collect();
         logits.clear();
         tokens.clear();
         let t0 = Instant::now();
         match pick {
             Pick::Logits => be.step(&batch, &mut logits)?,
             Pick::Argmax => be.step_argmax(&batch, vocab, &mut tokens)?,
-            Pick::Sample => be.step_sample(&batch, vocab, &rows, &mut tokens)?,
-            Pick::HostSample => {
+            Pick::Sample(_) => be.step_sample(&batch, vocab, &rows, &mut tokens)?,
+            Pick::HostSample(_) => {
                 be.step(&batch, &mut logits)?;
                 let v = be.vocab_size();
                 tokens.extend(logits.chunks_exact_mut(v).zip(&rows).map(|(l, r)| r.pick(l)));
@@ -785,6 +818,66 @@ impl Report {
     }
 }
 
+impl Report {
+    /// Grouped bars: each decode row's ms per step with the logits, the greedy token, the token sampled on
+    /// the device and sampled on the host.
+    fn svg_picks(&self, s: &mut String, x0: f64, y0: f64, pw: f64, ph: f64) {
+        const SERIES: [(&str, &str); 4] =
+            [("logits", "#999999"), ("greedy", "#4a7bd0"), ("sampled (GPU)", "#2a9d5b"), ("sampled (host)", "#d0704a")];
+        let _ = writeln!(
+            s,
+            "<text x=\"{x0}\" y=\"{}\">decode ms per step by what the step hands back (sampled: {})</text>",
+            y0 - 8.0,
+            xml(&self.sampling)
+        );
+        let _ =
+            writeln!(s, "<rect x=\"{x0}\" y=\"{y0}\" width=\"{pw}\" height=\"{ph}\" fill=\"none\" stroke=\"#999\"/>");
+        let groups: Vec<(String, [f64; 4])> = self
+            .decode
+            .iter()
+            .map(|r| {
+                let ms = [r.ms_per_step, r.ms_per_step_argmax, r.ms_per_step_sampled, r.ms_per_step_host_sampled];
+                (format!("b{}@{}", r.batch, short(r.context)), ms)
+            })
+            .collect();
+        let max = groups.iter().flat_map(|g| g.1).fold(1e-9, f64::max);
+        let gw = pw / groups.len() as f64;
+        let bw = gw * 0.8 / 4.0;
+        for (j, (label, ms)) in groups.iter().enumerate() {
+            for (k, (&v, (name, color))) in ms.iter().zip(SERIES).enumerate() {
+                let bh = ph * v / max;
+                let x = x0 + j as f64 * gw + gw * 0.1 + k as f64 * bw;
+                let _ = writeln!(
+                    s,
+                    "<rect x=\"{x:.1}\" y=\"{:.1}\" width=\"{:.1}\" height=\"{bh:.1}\" fill=\"{color}\"><title>{label} {name}: \
+                     {v:.2} ms</title></rect>",
+                    y0 + ph - bh,
+                    bw * 0.9
+                );
+                let _ = writeln!(
+                    s,
+                    "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\" font-size=\"9\">{v:.2}</text>",
+                    x + bw * 0.45,
+                    y0 + ph - bh - 3.0
+                );
+            }
+            let _ = writeln!(
+                s,
+                "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{}</text>",
+                x0 + (j as f64 + 0.5) * gw,
+                y0 + ph + 14.0,
+                xml(label)
+            );
+        }
+        for (k, (name, color)) in SERIES.iter().enumerate() {
+            let x = x0 + k as f64 * 150.0;
+            let y = y0 + ph + 32.0;
+            let _ = writeln!(s, "<rect x=\"{x}\" y=\"{}\" width=\"10\" height=\"10\" fill=\"{color}\"/>", y - 9.0);
+            let _ = writeln!(s, "<text x=\"{}\" y=\"{y}\">{name}</text>", x + 14.0);
+        }
+    }
+}
+
 impl ToolReport for Report {
     fn to_json(&self) -> Value {
         json!({
@@ -804,6 +897,7 @@ impl ToolReport for Report {
                 "roofline_ratio": r3(r.ratio), "attention_flop_share": r3(r.attention_share),
                 "allreduce_share": r.allreduce_share.map(r3), "driver_peak_bytes": r.driver_peak_bytes,
             })).collect::<Vec<_>>(),
+            "sampling": self.sampling,
             "decode": self.decode.iter().map(|r| json!({
                 "batch": r.batch, "context": r.context, "ms_per_step": r3(r.ms_per_step),
                 "ms_per_step_argmax": r3(r.ms_per_step_argmax),
@@ -882,8 +976,9 @@ impl ToolReport for Report {
         let _ = writeln!(
             s,
             "\ndecode (one token per sequence)    roofline = bytes / copy rate (the step with the logits returned; \
-             argmax: with the greedy token picked on the device; sampled: temperature 0.6, top-k 20, top-p 0.95 \
-             on the device; host-sampled: the logits step, then the host's pick)"
+             argmax: with the greedy token picked on the device; sampled: {} on the device; host-sampled: the \
+             logits step, then the host's pick)",
+            self.sampling
         );
         let _ = writeln!(
             s,
@@ -1043,11 +1138,13 @@ impl ToolReport for Report {
         s
     }
 
-    /// Prefill tokens/s by prompt length and decode tokens/s by batch (one series per context).
+    /// Prefill tokens/s by prompt length and decode tokens/s by batch (one series per context); below,
+    /// each decode row's step time by what the step hands back.
     fn svg(&self) -> String {
         let (w, h, pad) = (820.0, 360.0, 56.0);
         let pw = (w - 3.0 * pad) / 2.0;
         let ph = h - 2.0 * pad;
+        let h = h + if self.decode.is_empty() { 0.0 } else { 300.0 };
         let mut s = format!(
             "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"11\">\n\
              <text x=\"{pad}\" y=\"22\" font-size=\"14\">deltaserve bench — {}</text>\n",
@@ -1102,6 +1199,9 @@ impl ToolReport for Report {
                     xml(label)
                 );
             }
+        }
+        if !self.decode.is_empty() {
+            self.svg_picks(&mut s, pad, 360.0 + 10.0, w - 2.0 * pad, 200.0);
         }
         s.push_str("</svg>\n");
         s
@@ -1164,6 +1264,16 @@ mod tests {
         }
         let (total, attn) = prefill_flops(&cfg, 24_350_556_160, 131072);
         assert!((attn / total - 0.34).abs() < 0.01, "§6: attention is 34% at 128K");
+    }
+
+    #[test]
+    fn sampling_flag_parses_and_checks() {
+        let r = parse_sampling("0.7, 0, 0.9, 0.05").unwrap();
+        assert_eq!((r.temperature, r.top_k, r.top_p, r.min_p), (0.7, 0, 0.9, 0.05));
+        assert_eq!(sampling_label(&r), "temperature 0.7, top-k 0, top-p 0.9, min-p 0.05");
+        for bad in ["0.7,20,0.9", "0,20,0.9,0", "0.7,20,1.5,0", "0.7,x,0.9,0", "0.7,20,0.9,2"] {
+            assert!(parse_sampling(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

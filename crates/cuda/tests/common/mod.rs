@@ -31,6 +31,12 @@ pub struct Bounds {
 
 /// bf16 weights and KV against the f32 oracle (the module docs).
 pub const BF16: Bounds = Bounds { median: TOL_MEDIAN, argmax_share: 0.9 };
+/// bf16 weights against a stored HF fixture: few rows (`fixtures/hf/qwen35_gva3_d32` gives 22, the ends of
+/// the prompts' pieces), so one near-tie flip moves the share by 4.5%. Measured on the H200 (2026-11-29,
+/// `bench/results/cuda-backend-2026-11-29.md`): 19/22 agree; the three flips are where HF's top-2 margin is
+/// below 4% of max|logit|, the 8-layer random model's bf16 error (median row L2 2.5e-2). Decisive flips stay
+/// forbidden and the L2 bounds are those of [`BF16`].
+pub const HF_FIXTURE: Bounds = Bounds { median: TOL_MEDIAN, argmax_share: 0.8 };
 /// int4 weights or a quantised KV cache against the oracle applying the same format. The oracle
 /// quantises f32 values, the GPU the bf16-rounded ones, so a value near a rounding boundary lands one
 /// code step apart (an fp8 step is 6.25% of the value, an int4 step 1/7 of the group's range); on the
