@@ -198,11 +198,7 @@ pub trait Backend: Send {
         check_sample_rows(batch, rows)?;
         let mut logits = Vec::new();
         self.step(batch, &mut logits)?;
-        let vocab = self.vocab_size();
-        if vocab > 0 {
-            let n = valid.min(vocab);
-            tokens.extend(logits.chunks_exact_mut(vocab).zip(rows).map(|(row, s)| s.pick(&mut row[..n])));
-        }
+        tokens.extend(sampling::pick_rows(&mut logits, self.vocab_size(), valid, rows, false));
         Ok(())
     }
 

@@ -144,6 +144,35 @@ impl RowSampling {
     }
 }
 
+/// Rows of a vocabulary at least this wide are picked on several threads ([`pick_rows`]).
+pub const PARALLEL_PICK_VOCAB: usize = 32_768;
+
+/// The token of each row of `logits` (`rows.len()` rows of `vocab`, ids `< valid` considered) by its
+/// [`RowSampling`]: [`RowSampling::pick`], or [`RowSampling::pick_adjusted`] when the penalties are
+/// already applied. Rows of a large vocabulary run on several threads (each row is independent).
+pub fn pick_rows(logits: &mut [f32], vocab: usize, valid: usize, rows: &[RowSampling], penalised: bool) -> Vec<u32> {
+    let n = valid.min(vocab);
+    let one = |(row, s): (&mut [f32], &RowSampling)| {
+        if penalised { s.pick_adjusted(&row[..n]) } else { s.pick(&mut row[..n]) }
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(rows.len());
+    if vocab == 0 {
+        return Vec::new();
+    }
+    if threads <= 1 || vocab < PARALLEL_PICK_VOCAB {
+        return logits.chunks_exact_mut(vocab).zip(rows).map(one).collect();
+    }
+    let per = rows.len().div_ceil(threads);
+    std::thread::scope(|sc| {
+        let handles: Vec<_> = logits
+            .chunks_mut(per * vocab)
+            .zip(rows.chunks(per))
+            .map(|(l, r)| sc.spawn(move || l.chunks_exact_mut(vocab).zip(r).map(one).collect::<Vec<u32>>()))
+            .collect();
+        handles.into_iter().flat_map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+    })
+}
+
 /// The index a draw `u` in [0, 1) lands on in non-negative `weights` (walked in order, scaled to their
 /// sum); the last positive weight on rounding leftovers; None when no weight is positive.
 pub fn draw(weights: &[f32], u: f32) -> Option<usize> {
@@ -239,6 +268,24 @@ mod tests {
         // Greedy after penalties: ids 0 and 3 tie at 2.0 → the lower id.
         let mut l = [4.0f32, -1.0, 1.0, 2.0];
         assert_eq!(s.pick(&mut l), 0);
+    }
+
+    #[test]
+    fn parallel_rows_pick_as_one_by_one() {
+        let vocab = PARALLEL_PICK_VOCAB + 3;
+        let mut x = 7u64;
+        let base: Vec<f32> = (0..vocab * 5)
+            .map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                (x >> 40) as f32 / (1u64 << 24) as f32 * 8.0
+            })
+            .collect();
+        let rows: Vec<RowSampling> =
+            (0..5).map(|i| row([0.0, 0.7, 1.0, 1.3, 0.9][i], [0, 20, 0, 0, 5][i], 0.9, 0.0, 0.1 * i as f32)).collect();
+        let one: Vec<u32> =
+            base.chunks_exact(vocab).zip(&rows).map(|(l, r)| r.pick(&mut l[..vocab - 2].to_vec())).collect();
+        assert_eq!(pick_rows(&mut base.clone(), vocab, vocab - 2, &rows, false), one);
+        assert_eq!(pick_rows(&mut base.clone(), vocab, vocab - 2, &rows, true), one, "no penalties to apply");
     }
 
     #[test]

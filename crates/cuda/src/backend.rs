@@ -25,6 +25,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaStream, result};
+use deltaserve_backend::sampling::pick_rows;
 use deltaserve_backend::{
     ArenaStats, Backend, BackendError, CacheOp, DraftPicker, RowSampling, SnapshotLoc, SpecCommit, StepBatch,
 };
@@ -1828,23 +1829,26 @@ impl CudaBackend {
         if !ops::sample::penalties_fit(pens.len(), n) {
             let mut logits = vec![0f32; n * v];
             self.rt.download(&mut logits, self.logits.ptr)?;
-            return Ok(logits.chunks_exact_mut(v).zip(rows).map(|(l, r)| r.pick(&mut l[..valid])).collect());
+            return Ok(pick_rows(&mut logits, v, valid, rows, false));
         }
         let (sc, base) = (&self.ws.sampling_layout, self.ws.sampling);
         let s = self.rt.stream();
         ops::sample::sample_rows(&self.k, s, sc, base, self.logits.ptr, v, valid, n, &params, &pens)?;
         let mut got = vec![[0i32; 2]; n];
         self.rt.download(&mut got, base + sc.out)?;
-        let mut tokens = Vec::with_capacity(n);
-        for (r, ([token, flag], row)) in got.into_iter().zip(rows).enumerate() {
-            if flag == 0 && token >= 0 && (token as usize) < valid {
-                tokens.push(token as u32);
-                continue;
+        let mut tokens: Vec<u32> = got.iter().map(|&[t, _]| t as u32).collect();
+        // Rows the device could not cut: the host's rule over their penalised logits.
+        let left: Vec<usize> =
+            (0..n).filter(|&r| got[r][1] != 0 || got[r][0] < 0 || got[r][0] as usize >= valid).collect();
+        if !left.is_empty() {
+            let mut logits = vec![0f32; left.len() * v];
+            for (row, &r) in logits.chunks_exact_mut(v).zip(&left) {
+                self.rt.download(row, self.logits.ptr + (4 * r * v) as u64)?;
             }
-            // Too many candidates for the device's sort: the host's rule over the penalised row.
-            let mut logits = vec![0f32; valid];
-            self.rt.download(&mut logits, self.logits.ptr + (4 * r * v) as u64)?;
-            tokens.push(row.pick_adjusted(&logits));
+            let picks: Vec<RowSampling> = left.iter().map(|&r| rows[r].clone()).collect();
+            for (&r, t) in left.iter().zip(pick_rows(&mut logits, v, valid, &picks, true)) {
+                tokens[r] = t;
+            }
         }
         Ok(tokens)
     }

@@ -324,9 +324,8 @@ enum Emit {
     Gone,
 }
 
-/// Per-request state on the engine thread.
-/// Vocabularies from which a step's rows are sampled on several threads.
-const PARALLEL_SAMPLING_VOCAB: usize = 32_768;
+/// Vocabularies from which a step's rows are sampled on several threads (as the backend's host picks).
+const PARALLEL_SAMPLING_VOCAB: usize = deltaserve_backend::sampling::PARALLEL_PICK_VOCAB;
 
 /// A sampled token and, when logprobs were asked, the raw logits row it came from.
 type Sampled = (u32, Option<Vec<f32>>);
