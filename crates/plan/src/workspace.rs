@@ -48,11 +48,12 @@ pub struct SamplingScratch {
     pub params: u64,
     /// `[S, blocks]` × 16 B partial maxima and sums.
     pub partials: u64,
-    /// `[S, bins]` u32 counts, then `[S, bins]` u64 masses, then `[S]` u32 candidate counts: one
-    /// zeroing covers them (`zeroed_bytes`).
+    /// `[S, bins]` u32 counts, then `[S, bins]` u64 masses, `[S]` u32 candidate counts and `[S]` × 32 B
+    /// row states: one zeroing covers them (`zeroed_bytes`).
     pub hist_count: u64,
     pub hist_mass: u64,
     pub cand_count: u64,
+    pub state: u64,
     pub zeroed_bytes: u64,
     /// `[S, candidates]` u64 keys.
     pub cand: u64,
@@ -79,7 +80,8 @@ impl SamplingScratch {
         let hist_count = take(s * bins * 4);
         let hist_mass = take(s * bins * 8);
         let cand_count = take(s * 4);
-        let zeroed_bytes = cand_count + (s * 4).next_multiple_of(ALIGN) - hist_count;
+        let state = take(s * 32);
+        let zeroed_bytes = state + (s * 32).next_multiple_of(ALIGN) - hist_count;
         let cand = take(s * candidates as u64 * 8);
         let out = take(s * 8);
         let penalties = take(s * SAMPLE_PENALTIES_PER_SEQ as u64 * 16);
@@ -91,6 +93,7 @@ impl SamplingScratch {
             hist_count,
             hist_mass,
             cand_count,
+            state,
             zeroed_bytes,
             cand,
             out,

@@ -112,12 +112,17 @@ pub fn sample_rows(
     launch!(k, s, "sample_hist", (b, r, 1), (256, 1, 1), hist_smem;
         x, ld_i, v, params_p, partials, bins, hist_count, hist_mass)?;
     let cap = to_i32("sample_rows", "candidates", sc.candidates)?;
-    launch!(k, s, "sample_gather", (b, r, 1), (256, 1, 1), 0;
-        x, ld_i, v, params_p, partials, bins, hist_count, hist_mass, cap, cand, cand_count)?;
-    let bi = sc.blocks as i32;
+    let (bi, state) = (sc.blocks as i32, base + sc.state);
     let pick_smem = (sc.candidates * 8) as u32;
-    launch!(k, s, "sample_pick", (r, 1, 1), (1024, 1, 1), pick_smem;
-        x, ld_i, v, params_p, partials, bi, cap, cand, cand_count, out)
+    // Rows cut without top-k may need a second round (the bin where their draw lands).
+    let rounds = if params.chunks_exact(8).any(|w| w[5] == 2 && w[1] == 0) { 2 } else { 1 };
+    for round in 1..=rounds {
+        launch!(k, s, "sample_gather", (b, r, 1), (256, 1, 1), 0;
+            x, ld_i, v, params_p, partials, bins, hist_count, hist_mass, cap, cand, cand_count, state, round)?;
+        launch!(k, s, "sample_pick", (r, 1, 1), (1024, 1, 1), pick_smem;
+            x, ld_i, v, params_p, partials, bi, bins, hist_count, hist_mass, cap, cand, cand_count, state, round, out)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
