@@ -64,8 +64,10 @@ __device__ __forceinline__ float sample_key_s(unsigned long long k) {
 
 __device__ __forceinline__ float sample_s(float x, const SampleParams& p) { return p.mode == 0 ? x : x * p.inv_t; }
 
+// w·2^40 (0 where w is not a positive number: an infinite logit makes s − max NaN).
 __device__ __forceinline__ unsigned long long sample_fixed(float s, float smax) {
-    return __float2ull_rz(expf(s - smax) * SAMPLE_FIXED);
+    const float w = expf(s - smax);
+    return w > 0.0f ? __float2ull_rz(w * SAMPLE_FIXED) : 0ull;
 }
 
 // The block's range of ids of block b of B over `valid` ids.
@@ -176,7 +178,8 @@ extern "C" __global__ void sample_stats(const float* x, long long ld, int valid,
     if (p.mode != 0 && m > -__int_as_float(0x7f800000))
         for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
             const float s = sample_s(row[i], p);
-            if (s == s) z += expf(s - m);
+            const float w = expf(s - m);
+            if (w > 0.0f) z += w;  // not NaN (an infinite logit)
         }
     __shared__ float red[32];
     z = block_sum(z, red);
@@ -641,17 +644,16 @@ extern "C" __global__ void sample_pick(const float* x, long long ld, int valid, 
         const int i0 = min(lo + (int)threadIdx.x * per, hi), i1 = min(i0 + per, hi);
         float mine = 0.0f;
         for (int i = i0; i < i1; ++i) {
-            const float s = row[i] * p.inv_t;
-            if (s == s) mine += expf(s - smax);
+            const float w = expf(row[i] * p.inv_t - smax);
+            if (w > 0.0f) mine += w;
         }
         const float incl = sample_block_scan(mine, sh);
         // Each thread walks its run from its exclusive prefix; the first crossing wins.
         float acc = incl - mine;
         const float rest = s_rest;
         for (int i = i0; i < i1; ++i) {
-            const float s = row[i] * p.inv_t;
-            const float w = (s == s) ? expf(s - smax) : 0.0f;
-            if (w <= 0.0f) continue;
+            const float w = expf(row[i] * p.inv_t - smax);
+            if (!(w > 0.0f)) continue;  // zero or NaN
             if (rest < acc + w) {
                 atomicMin(&s_tok, i);
                 break;

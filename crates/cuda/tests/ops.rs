@@ -877,8 +877,8 @@ fn sample_case(
     rounds: usize,
 ) -> R<Outcome> {
     let s = rt.stream().clone();
-    // Row kinds: peaked (a body of width ~2.5 and a few ids at +6..+12, among the low ids), flat
-    // (width 0.5), a coarse grid (ties).
+    // Row kinds: peaked (a body of width ~2.5, a few ids at +7..+12 among the low ids, every 97th id
+    // masked to −inf), flat (width 0.5), a coarse grid (ties).
     let mut x = vec![0f32; rows * vocab];
     for (r, row) in x.chunks_exact_mut(vocab).enumerate() {
         for v in row.iter_mut() {
@@ -892,6 +892,10 @@ fn sample_case(
         if r % 3 == 0 {
             for j in 0..6.min(vocab) {
                 row[j * 7 % vocab.min(64)] = 12.0 - j as f32;
+            }
+            // Masked ids (−inf): never drawn, at the bottom of every order.
+            for j in (5..vocab).step_by(97) {
+                row[j] = f32::NEG_INFINITY;
             }
         }
     }

@@ -365,6 +365,7 @@ fn run_all(tasks: &mut [SampleTask<'_>]) -> Vec<(SeqId, Sampled)> {
     })
 }
 
+/// Per-request state on the engine thread.
 struct Live {
     req: Request,
     tx: tmpsc::UnboundedSender<Event>,
@@ -549,10 +550,10 @@ impl Worker {
                 .iter()
                 .filter(|c| c.want_logits)
                 .all(|c| self.reqs.get(&c.seq_id).is_some_and(|l| l.req.logprobs.is_none()));
-        let mut greedy_tokens: Vec<u32> = Vec::new();
+        let mut picked_tokens: Vec<u32> = Vec::new();
         let started = Instant::now();
         let result = if greedy_step {
-            self.backend.step_argmax(&plan.batch, self.valid_vocab, &mut greedy_tokens)
+            self.backend.step_argmax(&plan.batch, self.valid_vocab, &mut picked_tokens)
         } else if device_sampling {
             let rows: Vec<RowSampling> = plan
                 .batch
@@ -564,7 +565,7 @@ impl Worker {
                     self.reqs.get_mut(&c.seq_id).map_or_else(RowSampling::greedy, |l| l.sampler.row(context))
                 })
                 .collect();
-            self.backend.step_sample(&plan.batch, self.valid_vocab, &rows, &mut greedy_tokens)
+            self.backend.step_sample(&plan.batch, self.valid_vocab, &rows, &mut picked_tokens)
         } else if self.sched.speculative_tokens() > 0 {
             let reqs = &mut self.reqs;
             let mut pick = |seq: u64, _i: usize, row: &[f32]| -> u32 {
@@ -622,7 +623,7 @@ impl Worker {
         }
         let mut sampled = if greedy_step || device_sampling {
             let wanted = plan.batch.seqs.iter().filter(|c| c.want_logits).map(|c| c.seq_id);
-            wanted.zip(greedy_tokens).map(|(id, t)| (id, (t, None))).collect()
+            wanted.zip(picked_tokens).map(|(id, t)| (id, (t, None))).collect()
         } else {
             self.sample_rows(plain)
         };
