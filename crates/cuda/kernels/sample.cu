@@ -400,18 +400,20 @@ extern "C" __global__ void sample_gather(const float* x, long long ld, int valid
     }
 }
 
-// The first i < n whose inclusive prefix sum of w[i·stride] reaches the target (> target when `strict`,
-// else >=), or −1; `total` gets the sum of all n. Warp-wide (every lane gets the same answer).
-__device__ int sample_first_reaching(const float* w, int stride, int n, float target, bool strict, float& total) {
+// The first i < n whose running sum of load(i) reaches `target` (> target when `strict`, else >=), or
+// −1; `total` gets the sum of all n. Warp-wide (one warp; every lane gets the same answer). T: float
+// (probabilities) or unsigned long long (fixed-point masses).
+template <typename T, typename Load>
+__device__ int sample_first_reaching(int n, Load load, T target, bool strict, T& total) {
     const int lane = threadIdx.x & 31;
-    float carry = 0.0f;
+    T carry = 0;
     int found = -1;
     for (int base = 0; base < n; base += 32) {
         const int i = base + lane;
-        float incl = i < n ? w[(long long)i * stride] : 0.0f;
+        T incl = i < n ? load(i) : T(0);
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
-            const float t = __shfl_up_sync(0xffffffffu, incl, o);
+            const T t = __shfl_up_sync(0xffffffffu, incl, o);
             if (lane >= o) incl += t;
         }
         incl += carry;
@@ -473,28 +475,11 @@ __device__ void sample_sort(const unsigned long long* src, int n, unsigned long 
     }
 }
 
-// The first i < n whose running fixed-point mass over the sorted keys reaches `target` (>= when !strict,
-// > when strict), or -1; `total` gets the mass of all n. Warp-wide (one warp, every lane the same).
+// sample_first_reaching over the fixed-point masses of sorted keys.
 __device__ int sample_first_fixed(const unsigned long long* keys, int n, float smax, unsigned long long target,
                                   bool strict, unsigned long long& total) {
-    const int lane = threadIdx.x & 31;
-    unsigned long long carry = 0;
-    int found = -1;
-    for (int base = 0; base < n; base += 32) {
-        const int i = base + lane;
-        unsigned long long incl = i < n ? sample_fixed(sample_key_s(keys[i]), smax) : 0ull;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const unsigned long long t = __shfl_up_sync(0xffffffffu, incl, o);
-            if (lane >= o) incl += t;
-        }
-        incl += carry;
-        const unsigned hit = __ballot_sync(0xffffffffu, i < n && (strict ? incl > target : incl >= target));
-        if (hit && found < 0) found = base + __ffs(hit) - 1;
-        carry = __shfl_sync(0xffffffffu, incl, 31);
-    }
-    total = carry;
-    return found;
+    return sample_first_reaching<unsigned long long>(
+        n, [&](int i) { return sample_fixed(sample_key_s(keys[i]), smax); }, target, strict, total);
 }
 
 // Warp 0: the sorted candidate where `rest` (fixed-point mass into these candidates) lands.
@@ -521,14 +506,15 @@ __device__ void sample_pick_top_k(const SampleParams& p, const SampleRow& R, uns
     }
     __syncthreads();
     if (threadIdx.x >= 32) return;
+    const auto prob = [&](int i) { return w[2 * i]; };
     float sum_k;
-    sample_first_reaching(w, 2, kk, __int_as_float(0x7f800000), false, sum_k);
+    sample_first_reaching<float>(kk, prob, __int_as_float(0x7f800000), false, sum_k);
     for (int i = threadIdx.x; i < kk; i += 32) w[2 * i] /= sum_k;
     __syncwarp();
     int keep = kk;
     float t;
     if (p.top_p < 1.0f) {
-        const int at = sample_first_reaching(w, 2, kk, p.top_p, false, t);
+        const int at = sample_first_reaching<float>(kk, prob, p.top_p, false, t);
         if (at >= 0) keep = at + 1;
     }
     if (p.min_p > 0.0f) {
@@ -546,8 +532,8 @@ __device__ void sample_pick_top_k(const SampleParams& p, const SampleRow& R, uns
         keep = max(below, 1);
     }
     float total;
-    sample_first_reaching(w, 2, keep, __int_as_float(0x7f800000), false, total);
-    int at = sample_first_reaching(w, 2, keep, p.uniform * total, true, t);
+    sample_first_reaching<float>(keep, prob, __int_as_float(0x7f800000), false, total);
+    int at = sample_first_reaching<float>(keep, prob, p.uniform * total, true, t);
     if (at < 0) {
         at = 0;  // rounding leftovers: the last positive candidate
         for (int i = keep - 1; i > 0; --i)
