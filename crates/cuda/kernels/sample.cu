@@ -366,8 +366,8 @@ extern "C" __global__ void sample_gather(const float* x, long long ld, int valid
         if (cnt[lo_bin] > (unsigned)cap) return;  // too many: pick flags the row for the host
     } else {
         const SampleCut c = sample_plan(p, R, cnt, mass, bins, cap);
-        lo_bin = c.fits ? c.lo : -1;
-        hi_bin = c.hi;
+        lo_bin = c.fits ? c.lo : -1;  // too many: gather nothing, pick flags the row for the host
+        hi_bin = c.fits ? c.hi : -1;
         floor_count = c.nucleus && p.min_p > 0.0f;
         if (lo_bin < 0 && !floor_count) return;
     }
@@ -546,9 +546,8 @@ __device__ void sample_pick_top_k(const SampleParams& p, const SampleRow& R, uns
 }
 
 // Round 2 of a row without top-k: sort the bin where the draw landed and walk into it.
-__device__ void sample_pick_rest(const float* row, int valid, const SampleParams& p, const float4* part, int B,
-                                 int bins, int cap, unsigned long long* cand, const unsigned* cand_count,
-                                 const SampleState* state, int2* out) {
+__device__ void sample_pick_rest(const float4* part, int B, int bins, int cap, const unsigned long long* cand,
+                                 const unsigned* cand_count, const SampleState* state, int2* out) {
     const int r = blockIdx.x;
     const SampleRow R = sample_block_row(part, B, bins);
     const unsigned n = cand_count[r];
@@ -570,7 +569,7 @@ extern "C" __global__ void sample_pick(const float* x, long long ld, int valid, 
     const float4* part = partials + (long long)r * B;
     const float* row = x + (long long)r * ld;
     if (round == 2) {
-        if (p.mode == 2 && state[r].need) sample_pick_rest(row, valid, p, part, B, bins, cap, cand, cand_count, state, out);
+        if (p.mode == 2 && state[r].need) sample_pick_rest(part, B, bins, cap, cand, cand_count, state, out);
         return;
     }
     __shared__ int s_tok, s_last;
