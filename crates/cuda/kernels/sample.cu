@@ -17,11 +17,12 @@
 // where the draw lands (round 2 of gather and pick when it is another bin); min-p's floor is a
 // threshold, counted while gathering. A row whose bin or candidates exceed the buffer gets token −1 and
 // flag 1: the host picks it from the (penalised) logits.
+// Penalties: sample_penalize_bits (the repetition penalty's ids as a bitmap), then sample_penalize (entries).
 // Shapes/dtypes: params [R] SampleParams; partials [R, B] float4 (max, sum, argmax id, min); hist_count
 // [R, bins] u32, hist_mass [R, bins] u64, cand_count [R] u32 and state [R] SampleState (zeroed before
 // sample_hist); cand [R, cap] u64; out [R] int2 (token, flag). Penalties: int4 (row, id, bits of the
 // repetition factor, bits of the subtrahend).
-// Launch: sample_penalize grid (⌈n/256⌉), block 256; stats / hist / gather grid (B, R), block 256
+// Launch: sample_penalize grid (⌈n/256⌉), block 256; sample_penalize_bits grid (⌈words/256⌉, R); stats / hist / gather grid (B, R), block 256
 // (hist: dynamic shared memory bins·12 B); pick grid (R), block 1024, dynamic shared memory cap·8 B.
 // Gather and pick run with round 1, then (rows without top-k) round 2.
 // Arch: plain loads, shuffles, shared and global 32/64-bit integer atomics: sm_80+.
@@ -34,7 +35,8 @@ struct SampleParams {
     float min_p;
     float uniform;
     int mode;
-    int pad0, pad1;
+    float rep;  // the repetition penalty of the ids in the row's bitmap (1: none)
+    int pad;
 };
 
 // Per row, zeroed each step: the min-p floor's count and mass (round 1's gather), and where round 2
@@ -122,6 +124,26 @@ extern "C" __global__ void sample_penalize(float* x, long long ld, const int4* _
     float v = *l;
     if (rp != 1.0f) v = v > 0.0f ? v / rp : v * rp;
     *l = v - sub;
+}
+
+// The repetition penalty of row r over the ids whose bit is set in its bitmap (bits [R, words] u32):
+// a positive logit is divided by the factor, a negative one multiplied. Grid (any, R), block 256.
+extern "C" __global__ void sample_penalize_bits(float* x, long long ld, int valid, const SampleParams* params,
+                                                const unsigned* __restrict__ bits, int words) {
+    const int r = blockIdx.y;
+    const float rp = params[r].rep;
+    if (rp == 1.0f) return;
+    float* row = x + (long long)r * ld;
+    for (int w = blockIdx.x * blockDim.x + threadIdx.x; w < words; w += gridDim.x * blockDim.x) {
+        unsigned m = bits[(long long)r * words + w];
+        while (m) {
+            const int id = w * 32 + __ffs(m) - 1;
+            m &= m - 1;
+            if (id >= valid) break;
+            const float v = row[id];
+            row[id] = v > 0.0f ? v / rp : v * rp;
+        }
+    }
 }
 
 // partials[r, b] = (max of s, Σ exp(s − that max), the greedy best id of the block, min of s).

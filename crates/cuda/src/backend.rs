@@ -1820,20 +1820,20 @@ impl CudaBackend {
 
     /// The token of each of the first `rows` rows of the logits region picked by its [`RowSampling`]
     /// over ids `< valid` on the device: penalties applied in place, then greedy or the draw. Rows whose
-    /// cut needs more candidates than the scratch holds, and steps whose penalties do not fit it, are
-    /// picked on the host from their (penalised) logits.
+    /// sorted bin holds more ids than the scratch's candidates, and steps with more presence / frequency
+    /// entries than the scratch holds, are picked on the host from their (penalised) logits.
     fn logits_sample(&self, valid: usize, rows: &[RowSampling]) -> Result<Vec<u32>, CudaError> {
         let (v, n) = (self.d.vocab, rows.len());
         let valid = valid.min(v);
-        let (params, pens) = ops::sample::encode(rows, valid);
-        if !ops::sample::penalties_fit(pens.len(), n) {
+        let (sc, base) = (&self.ws.sampling_layout, self.ws.sampling);
+        let e = ops::sample::encode(rows, valid, sc.penalty_words);
+        if !ops::sample::penalties_fit(e.pens.len(), n) {
             let mut logits = vec![0f32; n * v];
             self.rt.download(&mut logits, self.logits.ptr)?;
             return Ok(pick_rows(&mut logits, v, valid, rows, false));
         }
-        let (sc, base) = (&self.ws.sampling_layout, self.ws.sampling);
         let s = self.rt.stream();
-        ops::sample::sample_rows(&self.k, s, sc, base, self.logits.ptr, v, valid, n, &params, &pens)?;
+        ops::sample::sample_rows(&self.k, s, sc, base, self.logits.ptr, v, valid, n, &e)?;
         let mut got = vec![[0i32; 2]; n];
         self.rt.download(&mut got, base + sc.out)?;
         let mut tokens: Vec<u32> = got.iter().map(|&[t, _]| t as u32).collect();

@@ -32,7 +32,14 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         module: "sample",
         src: include_str!("../kernels/sample.cu"),
-        functions: &["sample_penalize", "sample_stats", "sample_hist", "sample_gather", "sample_pick"],
+        functions: &[
+            "sample_penalize",
+            "sample_penalize_bits",
+            "sample_stats",
+            "sample_hist",
+            "sample_gather",
+            "sample_pick",
+        ],
     },
     KernelSource { module: "init", src: include_str!("../kernels/init.cu"), functions: &["init_random"] },
     KernelSource {
@@ -635,7 +642,26 @@ fn resource_lines(log: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::kernel_instructions;
+    use super::{SOURCES, kernel_instructions};
+
+    /// Every kernel a source defines by name is in its module's list (the loader fetches only those).
+    #[test]
+    fn every_named_kernel_is_listed() {
+        for src in SOURCES {
+            for def in src.src.split("extern \"C\" __global__ void ").skip(1) {
+                // `__launch_bounds__(...)` may come before the name.
+                let def = match def.strip_prefix("__launch_bounds__(") {
+                    Some(rest) => rest.split_once(')').map_or(rest, |(_, r)| r).trim_start(),
+                    None => def,
+                };
+                let name: String = def.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+                // Names pasted by macros (`name##suffix`) are listed by their expansions.
+                if !name.is_empty() && def[name.len()..].starts_with('(') {
+                    assert!(src.functions.contains(&name.as_str()), "{}: kernel `{name}` is not listed", src.module);
+                }
+            }
+        }
+    }
 
     /// A 64-bit ELF with a null section, `.shstrtab` and the given `.text.*` sections (name, bytes).
     fn elf(texts: &[(&str, usize)]) -> Vec<u8> {

@@ -856,10 +856,16 @@ fn sample_params(i: usize, valid: usize, rng: &mut StdRng) -> RowSampling {
     };
     r.uniform = rng.random::<f32>();
     if matches!(i % 11, 0 | 4) {
-        // Penalties on 64 ids (the low ones, where the test rows put their peaks) and 8 generated ones.
+        // Penalties on the low ids (where the test rows put their peaks): repeated (a long context: the
+        // first 20,000 ids, more than the entries a row holds, or 64), every 8th also generated.
         r.repetition_penalty = 1.3;
-        r.penalties = (0..64u32.min(valid as u32))
-            .map(|id| Penalty { id, repeated: true, subtract: if id % 8 == 0 { 0.5 + 0.25 * id as f32 } else { 0.0 } })
+        let repeated = if i % 11 == 4 { 20_000u32 } else { 64 };
+        r.penalties = (0..repeated.min(valid as u32))
+            .map(|id| Penalty {
+                id,
+                repeated: true,
+                subtract: if id % 8 == 0 && id < 64 { 0.5 + 0.25 * id as f32 } else { 0.0 },
+            })
             .collect();
     }
     r
@@ -907,8 +913,8 @@ fn sample_case(
     for round in 0..rounds {
         let sets: Vec<RowSampling> = (0..rows).map(|r| sample_params(r + round * rows, valid, rng)).collect();
         rt.upload(xp, &x)?;
-        let (params, pens) = ops::sample::encode(&sets, valid);
-        ops::sample::sample_rows(k, &s, &sc, base, xp, vocab, valid, rows, &params, &pens)?;
+        let e = ops::sample::encode(&sets, valid, sc.penalty_words);
+        ops::sample::sample_rows(k, &s, &sc, base, xp, vocab, valid, rows, &e)?;
         let mut got = vec![[0i32; 2]; rows];
         rt.download(&mut got, base + sc.out)?;
         for ((row, set), [token, flag]) in x.chunks_exact(vocab).zip(&sets).zip(got) {

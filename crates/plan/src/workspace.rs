@@ -32,8 +32,8 @@ pub const STEP_INPUTS: [&str; 6] =
 pub const SAMPLE_BINS: usize = 2048;
 /// Candidates device sampling sorts per row (rows whose cut needs more are picked on the host).
 pub const SAMPLE_CANDIDATES: usize = 4096;
-/// Penalty entries (ids a request's penalties touch) per sequence of a step; steps with more are
-/// sampled on the host.
+/// Presence / frequency penalty entries (generated ids) per sequence of a step; steps with more are
+/// sampled on the host. The repetition penalty's ids travel as a bitmap (any context length).
 pub const SAMPLE_PENALTIES_PER_SEQ: usize = 8192;
 
 /// Device sampling's scratch for `seqs` rows of `vocab` logits: byte offsets of its parts inside the
@@ -59,8 +59,12 @@ pub struct SamplingScratch {
     pub cand: u64,
     /// `[S]` × 8 B (token, flag).
     pub out: u64,
-    /// `[S · SAMPLE_PENALTIES_PER_SEQ]` × 16 B penalty entries.
+    /// `[S · SAMPLE_PENALTIES_PER_SEQ]` × 16 B penalty entries (presence / frequency subtrahends).
     pub penalties: u64,
+    /// `[S, ⌈vocab / 32⌉]` u32: the ids the repetition penalty applies to, a bit each.
+    pub penalty_bits: u64,
+    /// Words of one row's bitmap.
+    pub penalty_words: usize,
     pub bytes: u64,
 }
 
@@ -85,6 +89,8 @@ impl SamplingScratch {
         let cand = take(s * candidates as u64 * 8);
         let out = take(s * 8);
         let penalties = take(s * SAMPLE_PENALTIES_PER_SEQ as u64 * 16);
+        let penalty_words = vocab.div_ceil(32).max(1);
+        let penalty_bits = take(s * penalty_words as u64 * 4);
         Self {
             blocks,
             candidates,
@@ -98,6 +104,8 @@ impl SamplingScratch {
             cand,
             out,
             penalties,
+            penalty_bits,
+            penalty_words,
             bytes: at,
         }
     }

@@ -21,33 +21,49 @@ pub fn mode(row: &RowSampling, valid: usize) -> i32 {
     }
 }
 
-/// The kernels' `SampleParams` of each row (8 words: 1/temperature, top-k (0: none), top-p, min-p,
-/// uniform, mode, 0, 0) and the penalty entries (row, id, repetition factor bits, subtrahend bits) of
-/// ids `< valid`.
-pub fn encode(rows: &[RowSampling], valid: usize) -> (Vec<u32>, Vec<[u32; 4]>) {
-    let mut params = Vec::with_capacity(rows.len() * 8);
-    let mut pens = Vec::new();
+/// A step's rows as the kernels take them.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Encoded {
+    /// `SampleParams` of each row, 8 words: 1/temperature, top-k (0: none), top-p, min-p, uniform, mode,
+    /// repetition factor (1: none), 0.
+    pub params: Vec<u32>,
+    /// Subtrahend entries (row, id, 1.0 bits, subtrahend bits) of ids `< valid`.
+    pub pens: Vec<[u32; 4]>,
+    /// `[rows, words]` bitmaps of the ids the repetition penalty applies to; empty when no row has one.
+    pub bits: Vec<u32>,
+}
+
+/// Encodes `rows` over ids `< valid`; `words`: the words of one row's bitmap (the scratch's).
+pub fn encode(rows: &[RowSampling], valid: usize, words: usize) -> Encoded {
+    let mut e = Encoded { params: Vec::with_capacity(rows.len() * 8), ..Default::default() };
+    let repeats = |row: &RowSampling| row.repetition_penalty != 1.0 && row.penalties.iter().any(|p| p.repeated);
+    if rows.iter().any(repeats) {
+        e.bits = vec![0; rows.len() * words];
+    }
     for (r, row) in rows.iter().enumerate() {
         let top_k = if row.top_k >= valid { 0 } else { row.top_k };
         let inv_t = if row.is_greedy() { 1.0 } else { 1.0 / row.temperature };
-        params.extend([
+        let rep = if repeats(row) { row.repetition_penalty } else { 1.0 };
+        e.params.extend([
             inv_t.to_bits(),
             top_k as u32,
             row.top_p.to_bits(),
             row.min_p.to_bits(),
             row.uniform.to_bits(),
             mode(row, valid) as u32,
-            0,
+            rep.to_bits(),
             0,
         ]);
         for p in row.penalties.iter().filter(|p| (p.id as usize) < valid) {
-            let rp = if p.repeated { row.repetition_penalty } else { 1.0 };
-            if rp != 1.0 || p.subtract != 0.0 {
-                pens.push([r as u32, p.id, rp.to_bits(), p.subtract.to_bits()]);
+            if p.repeated && rep != 1.0 {
+                e.bits[r * words + p.id as usize / 32] |= 1 << (p.id % 32);
+            }
+            if p.subtract != 0.0 {
+                e.pens.push([r as u32, p.id, 1.0f32.to_bits(), p.subtract.to_bits()]);
             }
         }
     }
-    (params, pens)
+    e
 }
 
 /// Whether a step's encoded penalties fit the scratch of `seqs` rows.
@@ -55,10 +71,10 @@ pub fn penalties_fit(pens: usize, seqs: usize) -> bool {
     pens <= seqs * SAMPLE_PENALTIES_PER_SEQ
 }
 
-/// Picks the tokens of `rows` rows of the logits at `x` (f32, stride `ld`, ids `< valid`): uploads
-/// `params` and `pens` (from [`encode`]) into the scratch at `base` (laid out by `sc` for at least
-/// `rows` rows), applies the penalties to the logits in place, and runs the kernels. The scratch's
-/// `out` then holds (token, flag) per row: flag 1 (token −1) where the host must pick.
+/// Picks the tokens of `rows` rows of the logits at `x` (f32, stride `ld`, ids `< valid`): uploads the
+/// rows `e` ([`encode`] with the scratch's `penalty_words`) into the scratch at `base` (laid out by `sc`
+/// for at least `rows` rows), applies the penalties to the logits in place, and runs the kernels. The
+/// scratch's `out` then holds (token, flag) per row: flag 1 (token −1) where the host must pick.
 #[allow(clippy::too_many_arguments)]
 pub fn sample_rows(
     k: &Kernels,
@@ -69,8 +85,7 @@ pub fn sample_rows(
     ld: usize,
     valid: usize,
     rows: usize,
-    params: &[u32],
-    pens: &[[u32; 4]],
+    e: &Encoded,
 ) -> Result<(), CudaError> {
     if rows == 0 {
         return Ok(());
@@ -78,19 +93,24 @@ pub fn sample_rows(
     if valid == 0 || valid > ld {
         return Err(invalid("sample_rows", format!("valid {valid} of rows of {ld}")));
     }
-    if params.len() != rows * 8 || !penalties_fit(pens.len(), rows) {
-        return Err(invalid(
-            "sample_rows",
-            format!("{} parameter words, {} penalties for {rows} rows", params.len(), pens.len()),
-        ));
+    let (params, pens, bits) = (&e.params, &e.pens, &e.bits);
+    let words = sc.penalty_words;
+    if params.len() != rows * 8 || !penalties_fit(pens.len(), rows) || !(bits.is_empty() || bits.len() == rows * words)
+    {
+        let what = format!("{} parameter words, {} penalties, {} bitmap words", params.len(), pens.len(), bits.len());
+        return Err(invalid("sample_rows", format!("{what} for {rows} rows")));
     }
     let cs = s.cu_stream();
+    let up = || CudaError::driver("cuMemcpyHtoDAsync");
     // SAFETY: the scratch holds `rows` rows' parts (the plan sized it for the step's maximum), and
     // pageable sources are staged before the calls return.
     unsafe {
-        result::memcpy_htod_async(base + sc.params, params, cs).map_err(CudaError::driver("cuMemcpyHtoDAsync"))?;
+        result::memcpy_htod_async(base + sc.params, params.as_slice(), cs).map_err(up())?;
         if !pens.is_empty() {
-            result::memcpy_htod_async(base + sc.penalties, pens, cs).map_err(CudaError::driver("cuMemcpyHtoDAsync"))?;
+            result::memcpy_htod_async(base + sc.penalties, pens.as_slice(), cs).map_err(up())?;
+        }
+        if !bits.is_empty() {
+            result::memcpy_htod_async(base + sc.penalty_bits, bits.as_slice(), cs).map_err(up())?;
         }
         result::memset_d8_async(base + sc.hist_count, 0, sc.zeroed_bytes as usize, cs)
             .map_err(CudaError::driver("cuMemsetD8Async"))?;
@@ -101,6 +121,11 @@ pub fn sample_rows(
     let (params_p, partials, cand, cand_count, out) =
         (base + sc.params, base + sc.partials, base + sc.cand, base + sc.cand_count, base + sc.out);
     let (hist_count, hist_mass) = (base + sc.hist_count, base + sc.hist_mass);
+    if !bits.is_empty() {
+        let (bp, w) = (base + sc.penalty_bits, to_i32("sample_penalize_bits", "words", words)?);
+        launch!(k, s, "sample_penalize_bits", ((words as u32).div_ceil(256), r, 1), (256, 1, 1), 0;
+            x, ld_i, v, params_p, bp, w)?;
+    }
     if !pens.is_empty() {
         let (pp, n) = (base + sc.penalties, to_i32("sample_penalize", "penalties", pens.len())?);
         launch!(k, s, "sample_penalize", ((pens.len() as u32).div_ceil(256), 1, 1), (256, 1, 1), 0; x, ld_i, pp, n)?;
@@ -146,7 +171,8 @@ mod tests {
             ..RowSampling::greedy()
         };
         let wide_k = RowSampling { temperature: 1.0, top_k: 50, ..RowSampling::greedy() };
-        let (params, pens) = encode(&[greedy, plain, cut, wide_k], 50);
+        let e = encode(&[greedy, plain, cut, wide_k], 50, 2);
+        let params = &e.params;
         assert_eq!(params.len(), 32);
         let modes: Vec<u32> = params.chunks(8).map(|p| p[5]).collect();
         assert_eq!(modes, [0, 1, 2, 1], "top-k at the vocabulary is no cut");
@@ -154,7 +180,12 @@ mod tests {
         assert_eq!(f32::from_bits(params[12]), 0.25);
         assert_eq!(params[17], 20);
         assert_eq!(params[25], 0);
-        assert_eq!(pens, vec![[2, 3, 1.5f32.to_bits(), 0], [2, 4, 1.0f32.to_bits(), 0.5f32.to_bits()]]);
+        let reps: Vec<f32> = params.chunks(8).map(|p| f32::from_bits(p[6])).collect();
+        assert_eq!(reps, [1.0, 1.0, 1.5, 1.0], "the repetition factor of rows with repeated ids");
+        // The repeated id 3 is a bit of row 2's bitmap (2 words a row); id 4 a subtrahend entry.
+        assert_eq!(e.bits, vec![0, 0, 0, 0, 1 << 3, 0, 0, 0]);
+        assert_eq!(e.pens, vec![[2, 4, 1.0f32.to_bits(), 0.5f32.to_bits()]]);
+        assert!(encode(&[RowSampling::greedy()], 50, 2).bits.is_empty(), "no bitmap without a repetition penalty");
         assert!(penalties_fit(SAMPLE_PENALTIES_PER_SEQ * 2, 2) && !penalties_fit(SAMPLE_PENALTIES_PER_SEQ + 1, 1));
     }
 }
