@@ -109,3 +109,50 @@ proptest! {
         prop_assert!(end <= total);
     }
 }
+
+/// Device sampling's scratch: aligned parts in order, one zeroing over the histogram, the candidate
+/// counts and the row states, candidates a power of two at most the vocabulary's, a bitmap word per 32 ids;
+/// the 27B workspace holds it for its step.
+#[test]
+fn sampling_scratch_layout() {
+    use deltaserve_plan::SamplingScratch;
+    use deltaserve_plan::workspace::{SAMPLE_BINS, SAMPLE_CANDIDATES};
+    for (seqs, vocab) in [(1usize, 7usize), (8, 1000), (64, 248_320)] {
+        let s = SamplingScratch::new(seqs, vocab);
+        let parts = [
+            s.params,
+            s.partials,
+            s.hist_count,
+            s.hist_mass,
+            s.cand_count,
+            s.state,
+            s.cand,
+            s.out,
+            s.penalties,
+            s.penalty_bits,
+        ];
+        assert!(parts.windows(2).all(|w| w[0] < w[1]), "{parts:?}");
+        assert!(parts.iter().all(|p| p % 256 == 0));
+        assert!(s.hist_mass - s.hist_count >= (seqs * SAMPLE_BINS * 4) as u64);
+        assert!(s.hist_count + s.zeroed_bytes >= s.state + 32 * seqs as u64 && s.hist_count + s.zeroed_bytes <= s.cand);
+        assert!(s.candidates.is_power_of_two() && s.candidates <= SAMPLE_CANDIDATES);
+        assert!(s.candidates >= vocab.min(SAMPLE_CANDIDATES));
+        assert_eq!(s.penalty_words, vocab.div_ceil(32));
+        assert!(s.bytes >= s.penalty_bits + (seqs * s.penalty_words * 4) as u64);
+        assert!((1..=64).contains(&s.blocks));
+    }
+    let preset = Preset::parse("qwen3.6-27b").unwrap();
+    let cfg = ModelConfig::from_json_str(&preset.config_json(None).to_string()).unwrap();
+    let shape = StepShape {
+        tokens: 2048,
+        seqs: 8,
+        act_bytes: 2,
+        host_embed_elem: None,
+        decode_partitions: 32,
+        speculative: false,
+    };
+    let ws = plan_workspace(&cfg, &shape).unwrap();
+    let buf = ws.get("sampling").unwrap();
+    assert_eq!(buf.bytes, SamplingScratch::new(8, cfg.vocab_size).bytes);
+    assert!(buf.offset + buf.bytes <= ws.bytes);
+}
