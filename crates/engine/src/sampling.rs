@@ -83,19 +83,63 @@ impl SamplingParams {
     }
 }
 
-/// A request's sampler: its parameters, its RNG and the counts of generated tokens.
+/// A request's sampler: its parameters, its RNG, the counts of generated tokens and, with a repetition
+/// penalty, the context's distinct ids (kept up to date as the context grows: a step does not rescan it).
 pub struct Sampler {
     params: SamplingParams,
     rng: Xoshiro256PlusPlus,
     valid_vocab: usize,
     generated_counts: HashMap<u32, u32>,
+    /// The repetition penalty's ids: those of the first `folded` context tokens, each once, in order of
+    /// first appearance (`seen` marks them).
+    repeated: Vec<u32>,
+    seen: Vec<bool>,
+    folded: usize,
+    /// The last folded token (a context that no longer ends the folded prefix with it is folded anew).
+    folded_last: Option<u32>,
 }
 
 impl Sampler {
     /// `valid_vocab`: ids >= this are padding and never sampled.
     pub fn new(params: SamplingParams, valid_vocab: usize) -> Self {
         let seed = params.seed.unwrap_or_else(rand::random);
-        Self { rng: Xoshiro256PlusPlus::seed_from_u64(seed), params, valid_vocab, generated_counts: HashMap::new() }
+        Self {
+            rng: Xoshiro256PlusPlus::seed_from_u64(seed),
+            params,
+            valid_vocab,
+            generated_counts: HashMap::new(),
+            repeated: Vec::new(),
+            seen: Vec::new(),
+            folded: 0,
+            folded_last: None,
+        }
+    }
+
+    /// Folds the context tokens not folded yet into the repetition penalty's ids (no-op without one).
+    fn fold(&mut self, context: &[u32]) {
+        if self.params.repetition_penalty == 1.0 {
+            return;
+        }
+        let same_prefix =
+            context.len() >= self.folded && self.folded.checked_sub(1).map(|i| context[i]) == self.folded_last;
+        if !same_prefix {
+            self.repeated.clear();
+            self.seen.clear();
+            self.folded = 0;
+        }
+        if self.seen.is_empty() {
+            self.seen = vec![false; self.valid_vocab];
+        }
+        for &id in &context[self.folded..] {
+            if let Some(s) = self.seen.get_mut(id as usize)
+                && !*s
+            {
+                *s = true;
+                self.repeated.push(id);
+            }
+        }
+        self.folded = context.len();
+        self.folded_last = context.last().copied();
     }
 
     /// Records a generated token (for presence/frequency penalties).
@@ -113,14 +157,16 @@ impl Sampler {
     /// This step's [`RowSampling`]: the parameters, the penalties over `context` (prompt plus everything
     /// generated so far) and the generated counts, and one uniform draw from the RNG (sampling requests).
     pub fn row(&mut self, context: &[u32]) -> RowSampling {
-        let mut row = self.row_without_draw(context);
+        self.fold(context);
+        let mut row = self.row_without_draw();
         if !row.is_greedy() {
             row.uniform = self.rng.random::<f32>();
         }
         row
     }
 
-    fn row_without_draw(&self, context: &[u32]) -> RowSampling {
+    /// The row over the folded context ([`Sampler::fold`]), without a draw.
+    fn row_without_draw(&self) -> RowSampling {
         let p = &self.params;
         RowSampling {
             temperature: p.temperature,
@@ -129,13 +175,13 @@ impl Sampler {
             min_p: p.min_p,
             uniform: 0.0,
             repetition_penalty: p.repetition_penalty,
-            penalties: self.penalties(context),
+            penalties: self.penalties(),
         }
     }
 
-    /// One entry per id the penalties touch: the context's ids (with a repetition penalty), the
+    /// One entry per id the penalties touch: the folded context's ids (with a repetition penalty), the
     /// generated ones (with presence / frequency penalties).
-    fn penalties(&self, context: &[u32]) -> Vec<Penalty> {
+    fn penalties(&self) -> Vec<Penalty> {
         let p = &self.params;
         let subtracts = p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
         let subtract = |id: u32| {
@@ -144,22 +190,16 @@ impl Sampler {
             }
             self.generated_counts.get(&id).map_or(0.0, |&c| p.presence_penalty + p.frequency_penalty * c as f32)
         };
-        let mut out = Vec::new();
-        let mut seen = Vec::new();
-        if p.repetition_penalty != 1.0 {
-            seen = vec![false; self.valid_vocab];
-            for &id in context {
-                if let Some(s) = seen.get_mut(id as usize)
-                    && !*s
-                {
-                    *s = true;
-                    out.push(Penalty { id, repeated: true, subtract: subtract(id) });
-                }
-            }
-        }
+        let repeats = p.repetition_penalty != 1.0;
+        let mut out: Vec<Penalty> = if repeats {
+            self.repeated.iter().map(|&id| Penalty { id, repeated: true, subtract: subtract(id) }).collect()
+        } else {
+            Vec::new()
+        };
         if subtracts {
             for &id in self.generated_counts.keys() {
-                if (id as usize) < self.valid_vocab && !seen.get(id as usize).is_some_and(|&s| s) {
+                let seen = repeats && self.seen.get(id as usize).is_some_and(|&s| s);
+                if (id as usize) < self.valid_vocab && !seen {
                     out.push(Penalty { id, repeated: false, subtract: subtract(id) });
                 }
             }
@@ -169,10 +209,11 @@ impl Sampler {
 
     /// The distribution [`Sampler::sample`] draws from (non-greedy parameters), dense over the valid
     /// ids: penalties, temperature, top-k, top-p and min-p applied, normalised. `logits` is modified.
-    pub fn distribution(&self, logits: &mut [f32], context: &[u32]) -> Vec<f32> {
+    pub fn distribution(&mut self, logits: &mut [f32], context: &[u32]) -> Vec<f32> {
         let n = self.valid_vocab.min(logits.len());
         let logits = &mut logits[..n];
-        let row = self.row_without_draw(context);
+        self.fold(context);
+        let row = self.row_without_draw();
         row.apply_penalties(logits);
         let mut dense = vec![0.0f32; n];
         if row.is_greedy() {
@@ -272,6 +313,20 @@ mod tests {
         let mut logits = vec![0.0, 3.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0];
         assert_eq!(s.sample(&mut logits, &[1]), 3);
         assert_eq!(logits[1], 0.75);
+    }
+
+    #[test]
+    fn repeated_ids_fold_as_the_context_grows_and_refold_when_it_changes() {
+        let params = SamplingParams { repetition_penalty: 1.5, ..SamplingParams::greedy() };
+        let ids = |r: &RowSampling| r.penalties.iter().filter(|p| p.repeated).map(|p| p.id).collect::<Vec<_>>();
+        let mut s = Sampler::new(params.clone(), 8);
+        assert_eq!(ids(&s.row(&[3, 1, 3])), [3, 1]);
+        assert_eq!(ids(&s.row(&[3, 1, 3, 5, 1])), [3, 1, 5], "only the new tokens are folded");
+        assert_eq!(ids(&s.row(&[2, 2])), [2], "a shorter context starts over");
+        assert_eq!(ids(&s.row(&[2, 4, 6])), [2, 4, 6], "a context whose folded prefix changed starts over");
+        // The same as a sampler that sees the last context first.
+        let mut fresh = Sampler::new(params, 8);
+        assert_eq!(ids(&fresh.row(&[2, 4, 6])), [2, 4, 6]);
     }
 
     #[test]
@@ -381,7 +436,7 @@ mod tests {
     fn distribution_is_what_sample_draws_from() {
         let params = SamplingParams { temperature: 0.7, top_k: 5, top_p: 0.9, seed: Some(3), ..Default::default() };
         let logits = [1.0f32, 0.5, 2.0, -1.0, 0.0, 1.5, 0.2, -0.3];
-        let s = Sampler::new(params.clone(), 8);
+        let mut s = Sampler::new(params.clone(), 8);
         let p = s.distribution(&mut logits.clone(), &[]);
         assert!((p.iter().sum::<f32>() - 1.0).abs() < 1e-5);
         let mut s = Sampler::new(params, 8);
@@ -447,7 +502,7 @@ mod tests {
                 ..Default::default()
             };
             let s = Sampler::new(params.clone(), n);
-            let (cand, probs) = s.row_without_draw(&[]).candidates(&logits);
+            let (cand, probs) = s.row_without_draw().candidates(&logits);
             let got: Vec<u32> = cand[..probs.len()].iter().map(|c| c.0).collect();
             let (want, want_p) = reference(&params, &logits);
             assert_eq!(got, want, "case {case}: {params:?}, n {n}");
