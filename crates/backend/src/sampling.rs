@@ -41,7 +41,8 @@ pub struct RowSampling {
     pub uniform: f32,
     /// Divides positive (multiplies negative) logits of the `repeated` ids; 1 → none.
     pub repetition_penalty: f32,
-    /// At most one entry per id.
+    /// Applied in order. An id is `repeated` in at most one entry, and that entry comes before any other
+    /// entry of the id (the repetition penalty applies first, then the subtrahends).
     pub penalties: Vec<Penalty>,
 }
 

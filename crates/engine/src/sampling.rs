@@ -89,7 +89,9 @@ pub struct Sampler {
     params: SamplingParams,
     rng: Xoshiro256PlusPlus,
     valid_vocab: usize,
-    generated_counts: HashMap<u32, u32>,
+    /// Generated ids with their counts, in order of first appearance (`generated_at`: id → position).
+    generated: Vec<(u32, u32)>,
+    generated_at: HashMap<u32, usize>,
     /// The repetition penalty's ids: those of the first `folded` context tokens, each once, in order of
     /// first appearance (`seen` marks them).
     repeated: Vec<u32>,
@@ -107,7 +109,8 @@ impl Sampler {
             rng: Xoshiro256PlusPlus::seed_from_u64(seed),
             params,
             valid_vocab,
-            generated_counts: HashMap::new(),
+            generated: Vec::new(),
+            generated_at: HashMap::new(),
             repeated: Vec::new(),
             seen: Vec::new(),
             folded: 0,
@@ -144,7 +147,11 @@ impl Sampler {
 
     /// Records a generated token (for presence/frequency penalties).
     pub fn observe(&mut self, id: u32) {
-        *self.generated_counts.entry(id).or_insert(0) += 1;
+        let at = *self.generated_at.entry(id).or_insert(self.generated.len());
+        match self.generated.get_mut(at) {
+            Some(g) => g.1 += 1,
+            None => self.generated.push((id, 1)),
+        }
     }
 
     /// Picks the next token from `logits` ([vocab], modified in place). `context` is the prompt plus
@@ -179,30 +186,24 @@ impl Sampler {
         }
     }
 
-    /// One entry per id the penalties touch: the folded context's ids (with a repetition penalty), the
-    /// generated ones (with presence / frequency penalties).
+    /// The penalties: the folded context's ids (with a repetition penalty), then the generated ones
+    /// (with presence / frequency penalties). An id may have one entry of each kind; the repeated ones
+    /// come first, as [`RowSampling::apply_penalties`] wants. No lookups: a step copies two lists.
     fn penalties(&self) -> Vec<Penalty> {
         let p = &self.params;
-        let subtracts = p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
-        let subtract = |id: u32| {
-            if !subtracts {
-                return 0.0;
-            }
-            self.generated_counts.get(&id).map_or(0.0, |&c| p.presence_penalty + p.frequency_penalty * c as f32)
-        };
-        let repeats = p.repetition_penalty != 1.0;
-        let mut out: Vec<Penalty> = if repeats {
-            self.repeated.iter().map(|&id| Penalty { id, repeated: true, subtract: subtract(id) }).collect()
-        } else {
-            Vec::new()
-        };
-        if subtracts {
-            for &id in self.generated_counts.keys() {
-                let seen = repeats && self.seen.get(id as usize).is_some_and(|&s| s);
-                if (id as usize) < self.valid_vocab && !seen {
-                    out.push(Penalty { id, repeated: false, subtract: subtract(id) });
-                }
-            }
+        let mut out = Vec::new();
+        if p.repetition_penalty != 1.0 {
+            out.extend(self.repeated.iter().map(|&id| Penalty { id, repeated: true, subtract: 0.0 }));
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            let sub = |c: u32| p.presence_penalty + p.frequency_penalty * c as f32;
+            out.extend(
+                self.generated.iter().filter(|&&(id, _)| (id as usize) < self.valid_vocab).map(|&(id, c)| Penalty {
+                    id,
+                    repeated: false,
+                    subtract: sub(c),
+                }),
+            );
         }
         out
     }
