@@ -269,6 +269,26 @@ mod tests {
         // Greedy after penalties: ids 0 and 3 tie at 2.0 → the lower id.
         let mut l = [4.0f32, -1.0, 1.0, 2.0];
         assert_eq!(s.pick(&mut l), 0);
+        // An id's repeated entry, then its subtrahend entry: as one entry with both.
+        let split = RowSampling {
+            penalties: vec![
+                Penalty { id: 1, repeated: true, subtract: 0.0 },
+                Penalty { id: 0, repeated: true, subtract: 0.0 },
+                Penalty { id: 1, repeated: false, subtract: 1.0 },
+            ],
+            ..s.clone()
+        };
+        let (mut a, mut b) = ([4.0f32, -1.0, 1.0, 2.0], [4.0f32, -1.0, 1.0, 2.0]);
+        split.apply_penalties(&mut a);
+        let one = RowSampling {
+            penalties: vec![
+                Penalty { id: 0, repeated: true, subtract: 0.0 },
+                Penalty { id: 1, repeated: true, subtract: 1.0 },
+            ],
+            ..s.clone()
+        };
+        one.apply_penalties(&mut b);
+        assert_eq!(a, b);
     }
 
     #[test]
