@@ -148,29 +148,33 @@ impl RowSampling {
 /// Rows of a vocabulary at least this wide are picked on several threads ([`pick_rows`]).
 pub const PARALLEL_PICK_VOCAB: usize = 32_768;
 
+/// `f` over every item, results in item order: on several threads (contiguous chunks, one per core)
+/// when `parallel` and there are several items and cores.
+pub fn map_rows<T: Send, R: Send>(items: &mut [T], parallel: bool, f: impl Fn(&mut T) -> R + Sync) -> Vec<R> {
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(items.len());
+    if !parallel || threads <= 1 {
+        return items.iter_mut().map(f).collect();
+    }
+    let per = items.len().div_ceil(threads);
+    let f = &f;
+    std::thread::scope(|sc| {
+        let handles: Vec<_> =
+            items.chunks_mut(per).map(|chunk| sc.spawn(move || chunk.iter_mut().map(f).collect::<Vec<R>>())).collect();
+        handles.into_iter().flat_map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+    })
+}
+
 /// The token of each row of `logits` (`rows.len()` rows of `vocab`, ids `< valid` considered) by its
 /// [`RowSampling`]: [`RowSampling::pick`], or [`RowSampling::pick_adjusted`] when the penalties are
 /// already applied. Rows of a large vocabulary run on several threads (each row is independent).
 pub fn pick_rows(logits: &mut [f32], vocab: usize, valid: usize, rows: &[RowSampling], penalised: bool) -> Vec<u32> {
-    let n = valid.min(vocab);
-    let one = |(row, s): (&mut [f32], &RowSampling)| {
-        if penalised { s.pick_adjusted(&row[..n]) } else { s.pick(&mut row[..n]) }
-    };
-    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(rows.len());
     if vocab == 0 {
         return Vec::new();
     }
-    if threads <= 1 || vocab < PARALLEL_PICK_VOCAB {
-        return logits.chunks_exact_mut(vocab).zip(rows).map(one).collect();
-    }
-    let per = rows.len().div_ceil(threads);
-    std::thread::scope(|sc| {
-        let handles: Vec<_> = logits
-            .chunks_mut(per * vocab)
-            .zip(rows.chunks(per))
-            .map(|(l, r)| sc.spawn(move || l.chunks_exact_mut(vocab).zip(r).map(one).collect::<Vec<u32>>()))
-            .collect();
-        handles.into_iter().flat_map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+    let n = valid.min(vocab);
+    let mut pairs: Vec<(&mut [f32], &RowSampling)> = logits.chunks_exact_mut(vocab).zip(rows).collect();
+    map_rows(&mut pairs, vocab >= PARALLEL_PICK_VOCAB, |(row, s)| {
+        if penalised { s.pick_adjusted(&row[..n]) } else { s.pick(&mut row[..n]) }
     })
 }
 

@@ -514,8 +514,7 @@ __device__ void sample_walk(const unsigned long long* keys, int n, float smax, u
 }
 
 // Mode 2 with top-k: the sorted candidates hold the whole top-k set; cut and draw in f32 as the host does.
-__device__ void sample_pick_top_k(const SampleParams& p, const SampleRow& R, unsigned long long* keys, int n, int r,
-                                  int2* out) {
+__device__ void sample_pick_top_k(const SampleParams& p, unsigned long long* keys, int n, int r, int2* out) {
     // Probabilities in candidate order, written over the keys' high words (ids stay in the low words):
     // softmax over the top-k (its own sum).
     const int kk = min(p.top_k, n);
@@ -684,7 +683,7 @@ extern "C" __global__ void sample_pick(const float* x, long long ld, int valid, 
     }
     if (c.lo >= 0) sample_sort(cand + (long long)r * cap, n, keys);
     if (!c.nucleus) {
-        sample_pick_top_k(p, R, keys, n, r, out);
+        sample_pick_top_k(p, keys, n, r, out);
         return;
     }
     // Without top-k: the kept set is the top-p prefix (its end found in the sorted bin c.lo) and the

@@ -1114,6 +1114,7 @@ impl CudaBackend {
         let opt = |present: bool, name: &str, need: usize| if present { get(name, need) } else { Ok(0) };
         let p = plan.options.decode_partitions;
         let partial_bytes = attention::decode_scratch_bytes(s, d.q_heads, p, d.head_dim);
+        let sampling_layout = SamplingScratch::new(s, d.vocab);
         let mut ws = Ws {
             token_ids: get("token_ids", 4 * t)?,
             positions: get("positions", 4 * t)?,
@@ -1149,8 +1150,8 @@ impl CudaBackend {
             fold_sums: get("fold_sums", w4a16::fold_sums_bytes(h))?,
             final_normed: get("final_normed", 2 * t * h)?,
             final_hidden: get("final_hidden", 2 * s * h)?,
-            sampling: get("sampling", SamplingScratch::new(s, d.vocab).bytes as usize)?,
-            sampling_layout: SamplingScratch::new(s, d.vocab),
+            sampling: get("sampling", sampling_layout.bytes as usize)?,
+            sampling_layout,
             gdn_ws,
             chunk_table,
             tile_table,

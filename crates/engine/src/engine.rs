@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use deltaserve_backend::sampling::{PARALLEL_PICK_VOCAB, map_rows};
 use deltaserve_backend::{ArenaStats, Backend, RowSampling, SpecCommit};
 use deltaserve_sched::{AdmitError, SchedConfig, SchedStats, Scheduler, SeqId, SeqOptions, check_request};
 use deltaserve_text::{IncrementalDecoder, StopMatcher, Tokenizer};
@@ -324,9 +325,6 @@ enum Emit {
     Gone,
 }
 
-/// Vocabularies from which a step's rows are sampled on several threads (as the backend's host picks).
-const PARALLEL_SAMPLING_VOCAB: usize = deltaserve_backend::sampling::PARALLEL_PICK_VOCAB;
-
 /// A sampled token and, when logprobs were asked, the raw logits row it came from.
 type Sampled = (u32, Option<Vec<f32>>);
 
@@ -350,19 +348,7 @@ impl SampleTask<'_> {
 /// owns its sampler and row, so the results are those of one pass in order).
 fn run_all(tasks: &mut [SampleTask<'_>]) -> Vec<(SeqId, Sampled)> {
     let vocab = tasks.first().map_or(0, |t| t.row.len());
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = cores.min(tasks.len());
-    if threads <= 1 || vocab < PARALLEL_SAMPLING_VOCAB {
-        return tasks.iter_mut().map(SampleTask::run).collect();
-    }
-    let per = tasks.len().div_ceil(threads);
-    std::thread::scope(|s| {
-        let handles: Vec<_> = tasks
-            .chunks_mut(per)
-            .map(|chunk| s.spawn(move || chunk.iter_mut().map(SampleTask::run).collect::<Vec<_>>()))
-            .collect();
-        handles.into_iter().flat_map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
-    })
+    map_rows(tasks, vocab >= PARALLEL_PICK_VOCAB, SampleTask::run)
 }
 
 /// Per-request state on the engine thread.
@@ -534,22 +520,15 @@ impl Worker {
         let mut drafts: Vec<Vec<u32>> = Vec::new();
         // Sampling requests' draft distributions (q), per sequence in draft order.
         let mut q_rows: HashMap<SeqId, Vec<Vec<f32>>> = HashMap::new();
-        // Steps whose every wanted row is a plain greedy pick (no penalties, no logprobs) let the
-        // backend take the argmax where the logits are (4 bytes a row instead of the row).
-        let greedy_step = self.sched.speculative_tokens() == 0
-            && plan.batch.seqs.iter().filter(|c| c.want_logits).all(|c| {
-                self.reqs.get(&c.seq_id).is_some_and(|l| l.req.logprobs.is_none() && l.sampler.picks_argmax())
-            });
-        // Other steps without speculation whose rows want no logprobs pick every row's token where the
-        // logits are too: the penalties and one uniform draw per row travel with the step.
-        let device_sampling = !greedy_step
-            && self.sched.speculative_tokens() == 0
-            && plan
-                .batch
-                .seqs
-                .iter()
-                .filter(|c| c.want_logits)
-                .all(|c| self.reqs.get(&c.seq_id).is_some_and(|l| l.req.logprobs.is_none()));
+        // Steps without speculation whose rows want no logprobs take every row's token where the logits
+        // are: the argmax when every row is a plain greedy pick (no penalties), else the sampling rule
+        // (the penalties and one uniform draw per row travel with the step); 4 bytes a row come back.
+        let wanted: Vec<Option<&Live>> =
+            plan.batch.seqs.iter().filter(|c| c.want_logits).map(|c| self.reqs.get(&c.seq_id)).collect();
+        let on_device =
+            self.sched.speculative_tokens() == 0 && wanted.iter().all(|l| l.is_some_and(|l| l.req.logprobs.is_none()));
+        let greedy_step = on_device && wanted.iter().all(|l| l.is_some_and(|l| l.sampler.picks_argmax()));
+        let device_sampling = on_device && !greedy_step;
         let mut picked_tokens: Vec<u32> = Vec::new();
         let started = Instant::now();
         let result = if greedy_step {
@@ -877,7 +856,7 @@ mod tests {
     /// rows) of one sequential pass with the same samplers.
     #[test]
     fn parallel_sampling_equals_sequential() {
-        let vocab = PARALLEL_SAMPLING_VOCAB + 5;
+        let vocab = PARALLEL_PICK_VOCAB + 5;
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(9);
         let rows: Vec<Vec<f32>> =
             (0..7).map(|_| (0..vocab).map(|_| rng.random::<f32>() * 10.0 - 5.0).collect()).collect();

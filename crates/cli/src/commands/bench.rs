@@ -695,13 +695,13 @@ fn decode(
     let mut times = Vec::new();
     for step in 0..steps + 3 {
         let batch = StepBatch { seqs: step_seqs(b, n, ctx + step * n, per_seq, step, vocab), ..Default::default() };
-        let rule = match pick {
-            Pick::Sample(r) | Pick::HostSample(r) => r.clone(),
-            _ => RowSampling::greedy(),
+        // Sampled steps: the rule with a fixed spread of draws.
+        let rows: Vec<RowSampling> = match pick {
+            Pick::Sample(r) | Pick::HostSample(r) => (0..b)
+                .map(|i| RowSampling { uniform: ((i * 7919 + step * 104_729) % 1000) as f32 / 1000.0, ..r.clone() })
+                .collect(),
+            _ => Vec::new(),
         };
-        let rows: Vec<RowSampling> = (0..b)
-            .map(|i| RowSampling { uniform: ((i * 7919 + step * 104_729) % 1000) as f32 / 1000.0, ..rule.clone() })
-            .collect();
         logits.clear();
         tokens.clear();
         let t0 = Instant::now();
