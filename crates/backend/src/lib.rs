@@ -12,8 +12,10 @@
 //! is the one before the verify: a rejected draft leaves no trace. Backends without a draft head keep
 //! the default methods, which report speculative decoding as unsupported.
 
+pub mod ahead;
 pub mod sampling;
 
+pub use ahead::{Feed, Pick, Picked};
 pub use sampling::{Penalty, RowSampling};
 
 /// One sequence's part of a step: `tokens` at positions `start..start + tokens.len()`.
@@ -200,6 +202,34 @@ pub trait Backend: Send {
         self.step(batch, &mut logits)?;
         tokens.extend(sampling::pick_rows(&mut logits, self.vocab_size(), valid, rows, false));
         Ok(())
+    }
+
+    /// Whether [`Backend::launch`] and [`Backend::collect`] work on this backend.
+    fn launches_ahead(&self) -> bool {
+        false
+    }
+
+    /// Starts `batch` and may return before it has run: like [`Backend::step_argmax`] (`Pick::Argmax`)
+    /// or [`Backend::step_sample`] (`Pick::Sample`), its picks come back from [`Backend::collect`], in
+    /// launch order. With a `feed` its chunks take their tokens from the picks of the step launched just
+    /// before it, which need not be collected yet (see [`Feed`]). At most two launched steps are
+    /// uncollected at once. After an error no launched step remains.
+    fn launch(
+        &mut self,
+        batch: &StepBatch,
+        valid: usize,
+        pick: Pick<'_>,
+        feed: Option<&Feed>,
+    ) -> Result<(), BackendError> {
+        let _ = (batch, valid, pick, feed);
+        Err(BackendError::Unsupported(format!("launching steps ahead (backend {})", self.name())))
+    }
+
+    /// Waits for the oldest launched step that is not collected yet and appends its picks to `out`.
+    /// After an error no launched step remains.
+    fn collect(&mut self, out: &mut Picked) -> Result<(), BackendError> {
+        let _ = out;
+        Err(BackendError::Unsupported(format!("launching steps ahead (backend {})", self.name())))
     }
 
     /// The most draft tokens one chunk may carry (0: no speculative decoding on this backend).

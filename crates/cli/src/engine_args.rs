@@ -8,7 +8,7 @@ use deltaserve_backend::Backend;
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, KvFormat};
 use deltaserve_cuda::backend::CudaOptions;
 use deltaserve_cuda::{CudaBackend, TpBackend, WeightSource};
-use deltaserve_engine::EngineHandle;
+use deltaserve_engine::{EngineHandle, EngineOptions};
 use deltaserve_model::ModelConfig;
 use deltaserve_model::quant::Quantization;
 use deltaserve_plan::{Free, KvDtype, Plan, PlanOptions, WeightsDtype, fit_context, parse_size};
@@ -64,6 +64,11 @@ pub struct EngineArgs {
     /// CUDA backend: launch decode steps eagerly instead of replaying CUDA graphs.
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// Step one at a time: do not launch a decode step before the previous step's tokens are read (by
+    /// default the next step is launched first and fed those tokens on the device, for requests without
+    /// penalties, stop strings or logprobs).
+    #[arg(long)]
+    pub no_lookahead: bool,
     /// CUDA backend: the most split-K partitions a decode row's attention uses (one per 128 keys of its
     /// context, up to this; 1..=128, default 32). More helps long contexts at small batches.
     #[arg(long)]
@@ -102,6 +107,10 @@ pub struct EngineArgs {
 }
 
 impl EngineArgs {
+    fn engine_options(&self, speculative_tokens: usize) -> EngineOptions {
+        EngineOptions { speculative_tokens, lookahead: !self.no_lookahead }
+    }
+
     /// `--tensor-parallel` on the CPU reference: only 1 (it simulates the sharded forward in its
     /// tests, it does not serve sharded).
     fn check_cpu_tensor_parallel(&self) -> Result<()> {
@@ -386,11 +395,8 @@ impl EngineArgs {
             Box::new(CudaBackend::with_options(&cfg, weights, &plan, host_slots, cuda_opts)?)
         };
         let tokenizer = text.tokenizer.map(Arc::new);
-        let engine = if spec > 0 {
-            EngineHandle::start_speculative(backend, sched, tokenizer.clone(), spec).context("--speculative-tokens")?
-        } else {
-            EngineHandle::start(backend, sched, tokenizer.clone())
-        };
+        let engine = EngineHandle::start_with(backend, sched, tokenizer.clone(), self.engine_options(spec))
+            .context("--speculative-tokens")?;
         let eos_ids = cfg.eos_token_ids.clone();
         Ok(Started { engine, plan, tokenizer, template: text.template.map(Arc::new), eos_ids })
     }
@@ -444,16 +450,14 @@ impl EngineArgs {
             host_snapshot_slots: sched.prefix_cache.host_slots,
         };
         let tokenizer = loaded.tokenizer.map(Arc::new);
-        let engine = if spec > 0 {
-            let backend = CpuBackend::with_speculation(loaded.model, cache, spec)
-                .context("--speculative-tokens")?
-                .with_kv_formats(k_format, v_format);
-            EngineHandle::start_speculative(Box::new(backend), sched, tokenizer.clone(), spec)
-                .context("--speculative-tokens")?
+        let backend = if spec > 0 {
+            CpuBackend::with_speculation(loaded.model, cache, spec).context("--speculative-tokens")?
         } else {
-            let backend = CpuBackend::new(loaded.model, cache).with_kv_formats(k_format, v_format);
-            EngineHandle::start(Box::new(backend), sched, tokenizer.clone())
+            CpuBackend::new(loaded.model, cache)
         };
+        let backend = Box::new(backend.with_kv_formats(k_format, v_format));
+        let engine = EngineHandle::start_with(backend, sched, tokenizer.clone(), self.engine_options(spec))
+            .context("--speculative-tokens")?;
         Ok(Started { engine, plan, tokenizer, template: loaded.template.map(Arc::new), eos_ids })
     }
 }

@@ -16,8 +16,10 @@
 //! [`Backend::commit_speculative`] replays those inputs for the accepted positions on the committed state,
 //! so the state is exactly what decoding the accepted tokens one by one gives.
 
+use deltaserve_backend::ahead::Emulated;
 use deltaserve_backend::{
-    ArenaStats, Backend, BackendError, CacheOp, DraftPicker, SeqChunk, SnapshotLoc, SpecCommit, StepBatch,
+    ArenaStats, Backend, BackendError, CacheOp, DraftPicker, Feed, Pick, Picked, SeqChunk, SnapshotLoc, SpecCommit,
+    StepBatch,
 };
 use deltaserve_model::LayerKind;
 
@@ -72,6 +74,8 @@ pub struct CpuBackend {
     max_draft: usize,
     /// Speculative chunks of the last step, awaiting their commit.
     verified: Vec<Verified>,
+    /// Launched steps (run at once) awaiting their collection.
+    ahead: Emulated,
 }
 
 /// What a speculative chunk's verify keeps for its commit.
@@ -115,6 +119,12 @@ struct Caches {
 pub const MAX_DRAFT_TOKENS: usize = 4;
 
 impl CpuBackend {
+    /// Makes every `k`-th launched pick count as made on the host (0: none), as a device's sampler
+    /// leaves some rows to the host: tests the engine's handling of fed rows that do not run.
+    pub fn emulate_host_picks(&mut self, k: usize) {
+        self.ahead.host_every = k;
+    }
+
     /// Allocates the arena for `cfg` (the only allocation this backend makes for caches).
     pub fn new(model: CpuModel, cfg: CpuCacheConfig) -> Self {
         Self::build(model, cfg, 0)
@@ -188,6 +198,7 @@ impl CpuBackend {
             },
             max_draft,
             verified: Vec::new(),
+            ahead: Emulated::default(),
         }
     }
 
@@ -463,6 +474,34 @@ impl Backend for CpuBackend {
 
     fn max_draft_tokens(&self) -> usize {
         self.max_draft
+    }
+
+    fn launches_ahead(&self) -> bool {
+        true
+    }
+
+    fn launch(
+        &mut self,
+        batch: &StepBatch,
+        valid: usize,
+        pick: Pick<'_>,
+        feed: Option<&Feed>,
+    ) -> Result<(), BackendError> {
+        let mut ahead = std::mem::take(&mut self.ahead);
+        let r = ahead.launch(self, batch, valid, pick, feed);
+        if r.is_err() {
+            ahead.reset();
+        }
+        self.ahead = ahead;
+        r
+    }
+
+    fn collect(&mut self, out: &mut Picked) -> Result<(), BackendError> {
+        let r = self.ahead.collect(out);
+        if r.is_err() {
+            self.ahead.reset();
+        }
+        r
     }
 
     fn step_speculative(

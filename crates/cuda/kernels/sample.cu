@@ -723,3 +723,17 @@ extern "C" __global__ void sample_pick(const float* x, long long ld, int valid, 
         out[r] = make_int2(-1, 2);
     }
 }
+
+// Rows left to the host (flag ≠ 0, or a token outside [0, valid)): their (penalised) logits rows copied
+// to `stash` (pinned host memory, device-mapped, [R, ld] f32), for a pick after a later step has
+// overwritten the logits (look-ahead decode). Other rows copy nothing.
+// Launch: grid (B, R), block 256.
+extern "C" __global__ void sample_stash(const float* x, long long ld, int valid, const int2* out, float* stash) {
+    int r = blockIdx.y;
+    int2 o = out[r];
+    if (o.y == 0 && o.x >= 0 && o.x < valid) return;
+    const float* src = x + (long long)r * ld;
+    float* dst = stash + (long long)r * ld;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < ld; i += (long long)gridDim.x * blockDim.x)
+        dst[i] = src[i];
+}

@@ -27,7 +27,8 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaStream, result};
 use deltaserve_backend::sampling::pick_rows;
 use deltaserve_backend::{
-    ArenaStats, Backend, BackendError, CacheOp, DraftPicker, RowSampling, SnapshotLoc, SpecCommit, StepBatch,
+    ArenaStats, Backend, BackendError, CacheOp, DraftPicker, Feed, Pick, Picked, RowSampling, SnapshotLoc, SpecCommit,
+    StepBatch,
 };
 use deltaserve_model::shard::{ShardSpec, Split};
 use deltaserve_model::weights::TensorSource;
@@ -49,9 +50,11 @@ use crate::ops::{
 };
 use crate::runtime::{PinnedHost, Runtime};
 
+mod ahead;
 mod phases;
 mod spec;
 use crate::w4::{ScaleDtype, W4Bytes, W4Linear};
+use ahead::{LaunchOut, Launches};
 pub use phases::StepPhases;
 use phases::{Mark, PhaseTimer};
 use spec::{MtpHead, Spec, Verified};
@@ -466,6 +469,8 @@ pub struct CudaBackend {
     host_embed: Option<HostEmbed>,
     /// The step inputs' pinned image (one upload a step).
     inputs: StepInputs,
+    /// Launched steps ([`Backend::launch`]) and their pinned slots.
+    launches: Launches,
     /// Linears quantised at load (`--quantize int4`) and converted from GPTQ.
     pub w4_quantized: usize,
     pub w4_converted: usize,
@@ -1301,6 +1306,7 @@ impl CudaBackend {
             None
         };
         let inputs = StepInputs::new(&rt, plan)?;
+        let launches = Launches::new(&rt, s_max, d.vocab)?;
 
         let mut be = CudaBackend {
             rt,
@@ -1340,6 +1346,7 @@ impl CudaBackend {
             graph_stats: GraphStats::default(),
             host_embed,
             inputs,
+            launches,
             w4_quantized: 0,
             w4_converted: 0,
             tp: shard.map(|spec| RankComm { spec, full_vocab: full_cfg.vocab_size, comms: None }),
@@ -2253,6 +2260,11 @@ impl CudaBackend {
         if batch.seqs.iter().any(|c| c.draft > 0) {
             return Err(BackendError::InvalidStep("speculative chunks need step_speculative".into()));
         }
+        if self.launches.busy() {
+            return Err(BackendError::InvalidStep("a launched step is not collected yet".into()));
+        }
+        // This step's picks (or its sampling) may overwrite the launched picks a feed would read.
+        self.launches.last = None;
         let dev = |e: CudaError| BackendError::Device(e.to_string());
         self.rt.context().bind_to_thread().map_err(|e| BackendError::Device(e.to_string()))?;
         for op in &batch.pre {
@@ -2437,8 +2449,13 @@ impl CudaBackend {
                 self.upload_i32(sp.idx_at(7), &ver_lens)?;
                 self.upload_i32(sp.idx_at(8), &ver_tables)?;
             }
-            if let Some(he) = &self.host_embed {
-                self.upload_host_embedding(he, &ids)?;
+            match (&out, &self.host_embed) {
+                // A fed step's rows come from the device (feed_rows, below).
+                (StepOut::Launch(LaunchOut { feed: Some(_), .. }), _) | (_, None) => {}
+                (_, Some(he)) => self.upload_host_embedding(he, &ids)?,
+            }
+            if let StepOut::Launch(LaunchOut { feed: Some(f), valid, .. }) = &out {
+                self.feed_inputs(f, *valid)?;
             }
             // A chunk starting at position 0 begins from a zeroed state.
             for &i in &order {
@@ -2495,7 +2512,9 @@ impl CudaBackend {
                 })
                 .collect();
         }
-        if n_want > 0 {
+        if let StepOut::Launch(o) = out {
+            self.launch_picks(n_want, o).map_err(dev)?;
+        } else if n_want > 0 {
             let v = self.d.vocab;
             match out {
                 StepOut::Logits(logits) => {
@@ -2512,6 +2531,7 @@ impl CudaBackend {
                 StepOut::Sample { valid, rows, tokens } => {
                     tokens.extend(self.logits_sample(valid, rows).map_err(dev)?);
                 }
+                StepOut::Launch(_) => {}
             }
         }
         self.phase(Mark::Outputs).map_err(dev)?;
@@ -3075,8 +3095,17 @@ fn po(parts: &[Part], y: u64, m: usize) -> ProjOut<'_> {
 /// picked by its [`RowSampling`].
 enum StepOut<'a> {
     Logits(&'a mut Vec<f32>),
-    Argmax { valid: usize, tokens: &'a mut Vec<u32> },
-    Sample { valid: usize, rows: &'a [RowSampling], tokens: &'a mut Vec<u32> },
+    /// A launched step: picked on the device, collected later.
+    Launch(LaunchOut<'a>),
+    Argmax {
+        valid: usize,
+        tokens: &'a mut Vec<u32>,
+    },
+    Sample {
+        valid: usize,
+        rows: &'a [RowSampling],
+        tokens: &'a mut Vec<u32>,
+    },
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -3121,6 +3150,75 @@ impl Backend for CudaBackend {
 
     fn max_draft_tokens(&self) -> usize {
         self.spec.as_ref().map_or(0, |sp| sp.max_draft)
+    }
+
+    /// Not under tensor parallelism (rows are picked on the host) nor with speculative decoding.
+    fn launches_ahead(&self) -> bool {
+        self.tp.is_none() && self.spec.is_none()
+    }
+
+    /// Uploads the step's inputs, replays its graph (fed rows first take their tokens with `feed_rows`),
+    /// picks on the device and starts the copy of the picks; returns without waiting.
+    fn launch(
+        &mut self,
+        batch: &StepBatch,
+        valid: usize,
+        pick: Pick<'_>,
+        feed: Option<&Feed>,
+    ) -> Result<(), BackendError> {
+        if !self.launches_ahead() {
+            return Err(BackendError::Unsupported(
+                "launching steps ahead with tensor parallelism or speculation".into(),
+            ));
+        }
+        if batch.seqs.iter().any(|c| c.draft > 0) {
+            return Err(BackendError::InvalidStep("speculative chunks need step_speculative".into()));
+        }
+        if self.launches.queue_len() >= 2 {
+            return Err(BackendError::InvalidStep("two launched steps are not collected yet".into()));
+        }
+        if let Pick::Sample(rows) = pick {
+            deltaserve_backend::check_sample_rows(batch, rows)?;
+        }
+        if let Some(f) = feed {
+            let prev = self
+                .launches
+                .last
+                .map(|(_, rows)| rows)
+                .ok_or_else(|| BackendError::InvalidStep("a fed step needs the step launched before it".into()))?;
+            f.check(batch, prev)?;
+        }
+        self.rt.context().bind_to_thread().map_err(|e| BackendError::Device(e.to_string()))?;
+        if feed.is_none() && self.host_embed.is_some() && self.launches.busy() {
+            // The host embedding's staging buffer may still be read by a pending launch's copy.
+            self.rt.synchronize().map_err(|e| BackendError::Device(e.to_string()))?;
+        }
+        let r = (|| {
+            for op in &batch.pre {
+                self.apply(op)?;
+            }
+            if let Some(sp) = &mut self.spec {
+                sp.verified.clear();
+            }
+            self.run_chunks(batch, &[], StepOut::Launch(LaunchOut { valid, pick, feed }))?;
+            for op in &batch.post {
+                self.apply(op)?;
+            }
+            Ok(())
+        })();
+        if r.is_err() {
+            self.abandon_launches();
+        }
+        r
+    }
+
+    fn collect(&mut self, out: &mut Picked) -> Result<(), BackendError> {
+        self.rt.context().bind_to_thread().map_err(|e| BackendError::Device(e.to_string()))?;
+        let r = self.collect_picks(out);
+        if r.is_err() {
+            self.abandon_launches();
+        }
+        r
     }
 
     /// Drafts with the MTP head (one head forward per draft position, its logits picked on the host),
@@ -3201,8 +3299,13 @@ impl Backend for CudaBackend {
     fn arena_stats(&self) -> ArenaStats {
         let capacity: usize = self.arena.regions().iter().map(|(_, s, _)| s).sum();
         let embed = self.host_embed.as_ref().map(|e| [&e.table, &e.staging]);
-        let pinned: Vec<&PinnedHost> =
-            self.host_pool.iter().chain(embed.into_iter().flatten()).chain([&self.inputs.image]).collect();
+        let pinned: Vec<&PinnedHost> = self
+            .host_pool
+            .iter()
+            .chain(embed.into_iter().flatten())
+            .chain([&self.inputs.image])
+            .chain(self.launches.pinned())
+            .collect();
         let host_b: usize = pinned.iter().map(|p| p.bytes()).sum();
         ArenaStats {
             allocations: (self.arena.driver_allocs() + pinned.len()) as u64,

@@ -39,8 +39,10 @@ pub const SOURCES: &[KernelSource] = &[
             "sample_hist",
             "sample_gather",
             "sample_pick",
+            "sample_stash",
         ],
     },
+    KernelSource { module: "feed", src: include_str!("../kernels/feed.cu"), functions: &["feed_rows"] },
     KernelSource { module: "init", src: include_str!("../kernels/init.cu"), functions: &["init_random"] },
     KernelSource {
         module: "norm",

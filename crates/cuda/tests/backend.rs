@@ -14,7 +14,7 @@
 
 use std::path::{Path, PathBuf};
 
-use deltaserve_backend::{Backend, CacheOp, Penalty, RowSampling, SnapshotLoc, StepBatch};
+use deltaserve_backend::{Backend, CacheOp, Feed, Penalty, Pick, Picked, RowSampling, SnapshotLoc, StepBatch};
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
 use deltaserve_cuda::backend::{CudaOptions, kernel_dims};
 use deltaserve_cuda::{CudaBackend, WeightSource};
@@ -250,6 +250,115 @@ fn sample_step_matches_the_host_rule() {
     }
     assert!(equal + 1 >= total, "{equal} of {total} tokens equal to the host rule");
     println!("sampling on the GPU: {equal} of {total} tokens equal to the host rule over 8 steps × 4 rows");
+}
+
+/// Launched steps (look-ahead decode) give the tokens of steps run one at a time: a prefill step, then
+/// decode steps each launched before the previous one is collected and fed its picks on the device;
+/// greedy and sampled, with the embedding table on the device and in pinned host memory. A fed row
+/// whose pick is one of its stop ids does not run: a synchronous step of its sequence afterwards picks
+/// what the reference picked there (its KV and state were left alone).
+#[test]
+fn launched_steps_feed_their_picks() {
+    if !gpu() {
+        return;
+    }
+    let (dir, cfg) = tiny_dir(8);
+    let vocab = cfg.vocab_size;
+    let valid = vocab - 5;
+    let (steps, stop_at) = (9, 6);
+    for embed_on_host in [false, true] {
+        let plan = plan_with(&cfg, |o| o.embed_on_host = embed_on_host);
+        for sampled in [false, true] {
+            let label = format!("embed_on_host {embed_on_host}, sampled {sampled}");
+            let (mut a, mut b) = (cuda(&dir, &cfg, &plan), cuda(&dir, &cfg, &plan));
+            assert!(b.launches_ahead());
+            let mut rng = StdRng::seed_from_u64(9);
+            let prompts: Vec<Vec<u32>> =
+                [30usize, 1, 64, 9].iter().map(|&n| random_tokens(&mut rng, n, vocab)).collect();
+            let pg: Vec<Vec<u32>> = (0..4).map(|i| pages(40 * i as u32, 200)).collect();
+            let rows_of = |step: usize| -> Vec<RowSampling> {
+                (0..4)
+                    .map(|i| RowSampling {
+                        temperature: [0.0, 1.0, 0.6, 0.8][i],
+                        top_k: [0, 0, 20, 0][i],
+                        top_p: [1.0, 1.0, 0.95, 0.9][i],
+                        min_p: [0.0, 0.0, 0.0, 0.05][i],
+                        uniform: ((i * 7919 + step * 104_729) % 1000) as f32 / 1000.0,
+                        ..RowSampling::greedy()
+                    })
+                    .collect()
+            };
+            let sync = |be: &mut dyn Backend, batch: &StepBatch, rows: &[RowSampling]| -> Vec<u32> {
+                let mut got = Vec::new();
+                if sampled {
+                    be.step_sample(batch, valid, rows, &mut got).unwrap();
+                } else {
+                    be.step_argmax(batch, valid, &mut got).unwrap();
+                }
+                got
+            };
+            // The reference: one step at a time, each fed the previous step's tokens on the host.
+            let mut batch = StepBatch::default();
+            for (i, p) in prompts.iter().enumerate() {
+                batch.seqs.push(chunk(i as u32, &pg[i], 0, p));
+            }
+            let mut pos: Vec<usize> = prompts.iter().map(Vec::len).collect();
+            let mut want: Vec<Vec<u32>> = Vec::new();
+            for step in 0..=steps {
+                let rows = rows_of(step);
+                if step > 0 {
+                    batch = StepBatch::default();
+                    for (i, &t) in want[step - 1].iter().enumerate() {
+                        batch.seqs.push(chunk(i as u32, &pg[i], pos[i], &[t]));
+                        pos[i] += 1;
+                    }
+                }
+                want.push(sync(&mut a, &batch, &rows));
+            }
+            // Launched ahead: step `stop_at` stops row 0 (its fed pick is a stop id) and is the last.
+            let mut batch = StepBatch::default();
+            for (i, p) in prompts.iter().enumerate() {
+                batch.seqs.push(chunk(i as u32, &pg[i], 0, p));
+            }
+            let mut pos: Vec<usize> = prompts.iter().map(Vec::len).collect();
+            let rows0 = rows_of(0);
+            fn pick_of(sampled: bool, rows: &[RowSampling]) -> Pick<'_> {
+                if sampled { Pick::Sample(rows) } else { Pick::Argmax }
+            }
+            b.launch(&batch, valid, pick_of(sampled, &rows0), None).unwrap();
+            let mut got: Vec<Picked> = Vec::new();
+            for step in 1..=stop_at {
+                let mut batch = StepBatch::default();
+                for (i, p) in pos.iter_mut().enumerate() {
+                    batch.seqs.push(chunk(i as u32, &pg[i], *p, &[0]));
+                    *p += 1;
+                }
+                let mut stops = vec![vec![]; 4];
+                if step == stop_at {
+                    stops[0] = vec![vocab as u32 + 7, want[step - 1][0]];
+                }
+                let feed = Feed { from: (0..4).collect(), stops };
+                let rows = rows_of(step);
+                b.launch(&batch, valid, pick_of(sampled, &rows), Some(&feed)).unwrap();
+                let mut p = Picked::default();
+                b.collect(&mut p).unwrap();
+                got.push(p);
+            }
+            let mut last = Picked::default();
+            b.collect(&mut last).unwrap();
+            assert!(b.collect(&mut Picked::default()).is_err(), "{label}: nothing left to collect");
+            for (step, p) in got.iter().enumerate() {
+                assert_eq!(p.tokens, want[step], "{label}: step {step}");
+            }
+            assert_eq!(&last.tokens[1..], &want[stop_at][1..], "{label}: the rows that ran at step {stop_at}");
+            // Row 0 did not run at `stop_at`: fed its token now, it picks the reference's.
+            let one =
+                StepBatch { seqs: vec![chunk(0, &pg[0], pos[0] - 1, &[want[stop_at - 1][0]])], ..Default::default() };
+            let again = sync(&mut b, &one, &rows_of(stop_at)[..1]);
+            assert_eq!(again[0], want[stop_at][0], "{label}: the stopped row's state and KV were left alone");
+            println!("{label}: {} launched steps equal the synchronous ones", stop_at + 1);
+        }
+    }
 }
 
 /// (3): a ragged batch (prefills from 0, continued prefill, decodes, a new 1-token sequence)

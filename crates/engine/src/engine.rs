@@ -20,13 +20,17 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use deltaserve_backend::sampling::{PARALLEL_PICK_VOCAB, map_rows};
-use deltaserve_backend::{ArenaStats, Backend, RowSampling, SpecCommit};
+use deltaserve_backend::{ArenaStats, Backend, Pick, RowSampling, SeqChunk, SpecCommit};
 use deltaserve_sched::{AdmitError, SchedConfig, SchedStats, Scheduler, SeqId, SeqOptions, check_request};
 use deltaserve_text::{IncrementalDecoder, StopMatcher, Tokenizer};
 use tokio::sync::mpsc as tmpsc;
 
 use crate::generate::FinishReason;
 use crate::sampling::{Sampler, SamplingParams, speculative_pick};
+
+mod ahead;
+
+use ahead::Launched;
 
 /// A validated generation request, in tokens.
 #[derive(Clone, Debug, Default)]
@@ -112,6 +116,8 @@ pub struct EngineStats {
     pub steps: u64,
     /// Wall time of the backend's step calls (each returns with its outputs on the host), in
     /// seconds: the engine's compute, against which a request's time to first token can be split.
+    /// A launched step counts from its launch, or from the previous collection when that is later,
+    /// to its collection (launched steps overlap).
     pub step_seconds: f64,
     pub requests_finished: u64,
     pub requests_failed: u64,
@@ -123,6 +129,8 @@ pub struct EngineStats {
     pub spec_drafted: u64,
     pub spec_accepted: u64,
     pub spec_emitted: u64,
+    /// Steps launched before the previous step's tokens were read (look-ahead).
+    pub steps_ahead: u64,
 }
 
 impl EngineStats {
@@ -200,10 +208,26 @@ impl Drop for RequestStream {
 /// The most draft tokens per step `--speculative-tokens` accepts.
 pub const MAX_SPECULATIVE_TOKENS: usize = 4;
 
+/// How the engine steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EngineOptions {
+    /// Drafts per decode step (0: no speculative decoding; else 1..=[`MAX_SPECULATIVE_TOKENS`]).
+    pub speculative_tokens: usize,
+    /// Launch each decode step before the previous one's tokens are read, where the backend can
+    /// ([`Backend::launches_ahead`]) and the requests allow it (see `engine/ahead.rs`).
+    pub lookahead: bool,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self { speculative_tokens: 0, lookahead: true }
+    }
+}
+
 impl EngineHandle {
     /// Starts the engine thread over `backend`.
     pub fn start(backend: Box<dyn Backend>, sched_cfg: SchedConfig, tokenizer: Option<Arc<Tokenizer>>) -> Self {
-        Self::spawn(backend, sched_cfg, tokenizer, 0)
+        Self::spawn(backend, sched_cfg, tokenizer, EngineOptions::default())
     }
 
     /// Starts the engine with speculative decoding: `k` (1..=4) drafts per decode step. Errors when `k`
@@ -214,6 +238,27 @@ impl EngineHandle {
         tokenizer: Option<Arc<Tokenizer>>,
         k: usize,
     ) -> Result<Self, EngineError> {
+        if k == 0 {
+            return Err(EngineError::Invalid(format!(
+                "speculative tokens must be 1..={MAX_SPECULATIVE_TOKENS}, got 0"
+            )));
+        }
+        let opts = EngineOptions { speculative_tokens: k, ..EngineOptions::default() };
+        Self::start_with(backend, sched_cfg, tokenizer, opts)
+    }
+
+    /// Starts the engine with `opts`. Errors when speculative decoding is asked for and the backend
+    /// cannot draft that many tokens (no MTP head, or no support), or the count is out of range.
+    pub fn start_with(
+        backend: Box<dyn Backend>,
+        sched_cfg: SchedConfig,
+        tokenizer: Option<Arc<Tokenizer>>,
+        opts: EngineOptions,
+    ) -> Result<Self, EngineError> {
+        let k = opts.speculative_tokens;
+        if k == 0 {
+            return Ok(Self::spawn(backend, sched_cfg, tokenizer, opts));
+        }
         if !(1..=MAX_SPECULATIVE_TOKENS).contains(&k) {
             return Err(EngineError::Invalid(format!(
                 "speculative tokens must be 1..={MAX_SPECULATIVE_TOKENS}, got {k}"
@@ -230,14 +275,14 @@ impl EngineHandle {
                 format!("backend {} drafts at most {most} tokens per step, {k} requested", backend.name())
             }));
         }
-        Ok(Self::spawn(backend, sched_cfg, tokenizer, k))
+        Ok(Self::spawn(backend, sched_cfg, tokenizer, opts))
     }
 
     fn spawn(
         backend: Box<dyn Backend>,
         sched_cfg: SchedConfig,
         tokenizer: Option<Arc<Tokenizer>>,
-        spec: usize,
+        opts: EngineOptions,
     ) -> Self {
         let (tx, rx) = mpsc::channel();
         let shared = Arc::new(Shared {
@@ -251,7 +296,10 @@ impl EngineHandle {
         }
         let valid_vocab = tokenizer.as_ref().map_or(vocab, |t| t.vocab_size().min(vocab));
         let worker = Worker {
-            sched: Scheduler::new(sched_cfg.clone()).with_speculation(spec),
+            sched: Scheduler::new(sched_cfg.clone()).with_speculation(opts.speculative_tokens),
+            lookahead: opts.lookahead && backend.launches_ahead(),
+            ahead: None,
+            collected: Instant::now(),
             backend,
             tokenizer,
             valid_vocab,
@@ -378,6 +426,13 @@ struct Worker {
     shared: Arc<Shared>,
     rx: mpsc::Receiver<Command>,
     logits: Vec<f32>,
+    /// Device-picked steps go through [`Backend::launch`]; the next is launched before one is collected.
+    lookahead: bool,
+    /// The step launched and not collected yet.
+    ahead: Option<Launched>,
+    /// When the last launched step was collected (launched steps overlap: a step's time starts at
+    /// its launch or at this, whichever is later).
+    collected: Instant,
 }
 
 impl Worker {
@@ -385,7 +440,7 @@ impl Worker {
         let mut draining = false;
         loop {
             // Wait for work when idle; otherwise take whatever arrived since the last step.
-            if self.sched.is_idle() {
+            if self.is_idle() {
                 if draining {
                     break;
                 }
@@ -398,7 +453,7 @@ impl Worker {
             while let Ok(cmd) = self.rx.try_recv() {
                 draining |= self.handle(cmd);
             }
-            if self.sched.is_idle() {
+            if self.is_idle() {
                 continue;
             }
             self.drop_disconnected();
@@ -491,7 +546,16 @@ impl Worker {
         }
     }
 
+    /// Nothing to run and nothing launched.
+    fn is_idle(&self) -> bool {
+        self.sched.is_idle() && self.ahead.is_none()
+    }
+
     fn step(&mut self) {
+        if let Some(cur) = self.ahead.take() {
+            self.follow(cur);
+            return;
+        }
         let entered = Instant::now();
         let mut plan = self.sched.schedule();
         let scheduled = entered.elapsed();
@@ -531,19 +595,19 @@ impl Worker {
         let device_sampling = on_device && !greedy_step;
         let mut picked_tokens: Vec<u32> = Vec::new();
         let started = Instant::now();
+        let rows: Vec<RowSampling> = if device_sampling { self.sampling_rows(&plan.batch.seqs, true) } else { vec![] };
+        if self.lookahead && (greedy_step || device_sampling) {
+            let pick = if greedy_step { Pick::Argmax } else { Pick::Sample(&rows) };
+            if let Err(e) = self.backend.launch(&plan.batch, self.valid_vocab, pick, None) {
+                self.step_failed(&e.to_string(), &plan.batch.seqs);
+                return;
+            }
+            self.follow(Launched::new(plan, rows, None, started));
+            return;
+        }
         let result = if greedy_step {
             self.backend.step_argmax(&plan.batch, self.valid_vocab, &mut picked_tokens)
         } else if device_sampling {
-            let rows: Vec<RowSampling> = plan
-                .batch
-                .seqs
-                .iter()
-                .filter(|c| c.want_logits)
-                .map(|c| {
-                    let context = self.sched.tokens(c.seq_id).unwrap_or(&[]);
-                    self.reqs.get_mut(&c.seq_id).map_or_else(RowSampling::greedy, |l| l.sampler.row(context))
-                })
-                .collect();
             self.backend.step_sample(&plan.batch, self.valid_vocab, &rows, &mut picked_tokens)
         } else if self.sched.speculative_tokens() > 0 {
             let reqs = &mut self.reqs;
@@ -560,11 +624,7 @@ impl Worker {
             self.backend.step(&plan.batch, &mut self.logits)
         };
         if let Err(e) = result {
-            tracing::error!(error = %e, "backend step failed; failing the requests in the step");
-            self.sched.clear_prefix_cache();
-            for c in &plan.batch.seqs {
-                self.fail(c.seq_id, EngineError::Backend(e.to_string()));
-            }
+            self.step_failed(&e.to_string(), &plan.batch.seqs);
             return;
         }
         let step_seconds = started.elapsed().as_secs_f64();
@@ -671,6 +731,29 @@ impl Worker {
                 "engine step spent time outside the backend"
             );
         }
+    }
+
+    /// Fails the requests of a step whose backend call failed (and drops the cached prefixes, whose
+    /// snapshots may not have been written).
+    fn step_failed(&mut self, error: &str, seqs: &[SeqChunk]) {
+        tracing::error!(error, "backend step failed; failing the requests in the step");
+        self.sched.clear_prefix_cache();
+        for c in seqs {
+            self.fail(c.seq_id, EngineError::Backend(error.to_string()));
+        }
+    }
+
+    /// The sampling rule of each wanted row of `seqs` (one uniform draw from each sampling request's
+    /// RNG). `context`: penalties over each sequence's tokens (false: the rows of context-free
+    /// requests, planned before their last pick is known).
+    fn sampling_rows(&mut self, seqs: &[SeqChunk], context: bool) -> Vec<RowSampling> {
+        seqs.iter()
+            .filter(|c| c.want_logits)
+            .map(|c| {
+                let tokens = if context { self.sched.tokens(c.seq_id).unwrap_or(&[]) } else { &[] };
+                self.reqs.get_mut(&c.seq_id).map_or_else(RowSampling::greedy, |l| l.sampler.row(tokens))
+            })
+            .collect()
     }
 
     /// Samples the next token of each sequence from its logits row: (token, raw row when logprobs were

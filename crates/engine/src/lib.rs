@@ -12,8 +12,8 @@ pub mod sampling;
 pub mod synth;
 
 pub use engine::{
-    EngineError, EngineHandle, EngineStats, Event, MAX_SPECULATIVE_TOKENS, Request, RequestStream, Timing,
-    TokenLogprob, Usage,
+    EngineError, EngineHandle, EngineOptions, EngineStats, Event, MAX_SPECULATIVE_TOKENS, Request, RequestStream,
+    Timing, TokenLogprob, Usage,
 };
 pub use generate::{FinishReason, GenerateError, GenerateOutput, GenerateRequest, generate};
 pub use sampling::{Sampler, SamplingParams};

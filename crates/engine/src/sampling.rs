@@ -99,6 +99,8 @@ pub struct Sampler {
     folded: usize,
     /// The last folded token (a context that no longer ends the folded prefix with it is folded anew).
     folded_last: Option<u32>,
+    /// A draw given back ([`Sampler::unread`]), taken by the next row.
+    unread: Option<f32>,
 }
 
 impl Sampler {
@@ -115,6 +117,7 @@ impl Sampler {
             seen: Vec::new(),
             folded: 0,
             folded_last: None,
+            unread: None,
         }
     }
 
@@ -145,6 +148,21 @@ impl Sampler {
         self.folded_last = context.last().copied();
     }
 
+    /// Whether a row's rule does not depend on the context (no penalties): the next step's row can be
+    /// made before this step's pick is known.
+    pub fn context_free(&self) -> bool {
+        let p = &self.params;
+        p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
+    }
+
+    /// Gives back the draw of a `row` that was not used (its step did not run): the next row draws it
+    /// again, so a request's draws follow its steps.
+    pub fn unread(&mut self, row: &RowSampling) {
+        if !row.is_greedy() {
+            self.unread = Some(row.uniform);
+        }
+    }
+
     /// Records a generated token (for presence/frequency penalties).
     pub fn observe(&mut self, id: u32) {
         let at = *self.generated_at.entry(id).or_insert(self.generated.len());
@@ -167,7 +185,7 @@ impl Sampler {
         self.fold(context);
         let mut row = self.row_without_draw();
         if !row.is_greedy() {
-            row.uniform = self.rng.random::<f32>();
+            row.uniform = self.unread.take().unwrap_or_else(|| self.rng.random::<f32>());
         }
         row
     }
@@ -270,8 +288,7 @@ impl Sampler {
 
     /// Whether [`Sampler::sample`] is the plain argmax of the row (greedy, no penalty to apply).
     pub fn picks_argmax(&self) -> bool {
-        let p = &self.params;
-        p.is_greedy() && p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
+        self.params.is_greedy() && self.context_free()
     }
 }
 

@@ -316,6 +316,59 @@ impl Scheduler {
         plan
     }
 
+    /// The step after `prev` (committed, its picks not appended yet), planned before those picks are
+    /// known: each sequence of `prev` decodes its pending pick at the next position (a placeholder
+    /// token; the backend feeds the pick). Sequences whose pick is their last by length are left out.
+    /// None, and nothing changed, unless that is the whole next step: a step with nothing to admit,
+    /// no speculation, every running sequence in `prev` waiting for its pick, and the pages at hand
+    /// (no eviction, no preemption). Queued cache work (end-of-request snapshots) runs before it.
+    pub fn schedule_ahead(&mut self, prev: &StepPlan) -> Option<StepPlan> {
+        let admissible = self.running.len() < self.cfg.max_seqs && self.slots.num_free() > 0;
+        if self.spec_tokens > 0 || (!self.waiting.is_empty() && admissible) {
+            return None;
+        }
+        let in_prev = |id: &SeqId| prev.batch.seqs.iter().any(|c| c.seq_id == *id && c.want_logits);
+        let waiting_pick = |s: &Sequence| s.cached == s.tokens.len();
+        if self.running.iter().any(|id| !in_prev(id) || !waiting_pick(&self.seqs[id])) {
+            return None;
+        }
+        let mut plan = StepPlan::default();
+        let mut taken: Vec<(SeqId, usize)> = Vec::new();
+        for c in prev.batch.seqs.iter().filter(|c| self.running.contains(&c.seq_id)) {
+            let s = &self.seqs[&c.seq_id];
+            if s.generated() + 1 >= s.max_tokens {
+                continue;
+            }
+            let need = self.pages.pages_for(s.cached + 1).saturating_sub(s.pages.len());
+            let Some(pages) = self.pages.take(need) else {
+                for (id, n) in taken {
+                    let s = self.seqs.get_mut(&id).expect("running");
+                    let back = s.pages.split_off(s.pages.len() - n);
+                    self.pages.give_back(back);
+                }
+                return None;
+            };
+            let s = self.seqs.get_mut(&c.seq_id).expect("running");
+            s.pages.extend(pages);
+            taken.push((c.seq_id, need));
+            plan.batch.seqs.push(SeqChunk {
+                seq_id: c.seq_id,
+                slot: s.slot.expect("running sequences hold a slot"),
+                pages: s.pages.clone(),
+                start: s.cached,
+                tokens: vec![0],
+                want_logits: true,
+                draft: 0,
+                greedy_draft_vocab: 0,
+            });
+        }
+        if plan.batch.seqs.is_empty() {
+            return None;
+        }
+        plan.batch.pre = std::mem::take(&mut self.pending_pre);
+        Some(plan)
+    }
+
     /// Drafts for `id`'s chunk this step: 0 unless it is decoding; at most K, what `spare` budget
     /// allows, and one less than the tokens it may still emit (a step emits up to `1 + drafts`).
     fn drafts(&self, id: SeqId, spare: usize) -> usize {

@@ -39,7 +39,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use deltaserve_backend::{Backend, CacheOp, RowSampling, SeqChunk, SnapshotLoc, StepBatch};
+use deltaserve_backend::{Backend, CacheOp, Feed, Picked, RowSampling, SeqChunk, SnapshotLoc, StepBatch};
 use deltaserve_cuda::ops::init::{Init, init_random};
 use deltaserve_cuda::{Arena, CudaBackend, Kernels, Runtime, TpBackend, WeightSource};
 use deltaserve_model::ModelConfig;
@@ -150,6 +150,11 @@ struct DecodeRow {
     /// followed by the host's pick.
     ms_per_step_sampled: f64,
     ms_per_step_host_sampled: f64,
+    /// Greedy and sampled steps launched ahead ([`Backend::launch`]: each step launched before the
+    /// previous one's tokens are read, fed its picks on the device), ms between consecutive tokens; None
+    /// where the backend steps one at a time.
+    ms_per_step_argmax_ahead: Option<f64>,
+    ms_per_step_sampled_ahead: Option<f64>,
     bytes: f64,
     /// The roofline over the step with the logits returned, over the greedy step, over the sampled one.
     ratio: f64,
@@ -394,6 +399,12 @@ pub fn run(a: Args) -> Result<()> {
             let ms_argmax = decode(be.get(), b, 1, ctx, per_seq, a.steps, vocab, Pick::Argmax)?;
             let ms_sampled = decode(be.get(), b, 1, ctx, per_seq, a.steps, vocab, Pick::Sample(&a.sample))?;
             let ms_host_sampled = decode(be.get(), b, 1, ctx, per_seq, a.steps, vocab, Pick::HostSample(&a.sample))?;
+            let (ms_argmax_ahead, ms_sampled_ahead) = if be.get().launches_ahead() {
+                let g = decode_ahead(be.get(), b, ctx, per_seq, a.steps, vocab, None)?;
+                (Some(g), Some(decode_ahead(be.get(), b, ctx, per_seq, a.steps, vocab, Some(&a.sample))?))
+            } else {
+                (None, None)
+            };
             if let (true, 1, Under::One(cb)) = (a.profile, b, &mut be) {
                 tracing::info!("bench: decode step op groups at context {}", fmt_count(ctx as u64));
                 cb.set_profiling(true)?;
@@ -433,6 +444,8 @@ pub fn run(a: Args) -> Result<()> {
                 ms_per_step_argmax: ms_argmax,
                 ms_per_step_sampled: ms_sampled,
                 ms_per_step_host_sampled: ms_host_sampled,
+                ms_per_step_argmax_ahead: ms_argmax_ahead,
+                ms_per_step_sampled_ahead: ms_sampled_ahead,
                 bytes,
                 ratio: floor_ms / ms,
                 ratio_argmax: floor_ms / ms_argmax,
@@ -722,6 +735,49 @@ fn decode(
     Ok(median(times))
 }
 
+/// [`decode`]'s greedy (`rule` None) or sampled steps launched ahead: each step is launched, fed the
+/// previous one's picks on the device, before the previous one is collected. Median ms between
+/// consecutive collections (the time per token the engine's look-ahead gives).
+fn decode_ahead(
+    be: &mut dyn Backend,
+    b: usize,
+    ctx: usize,
+    per_seq: usize,
+    steps: usize,
+    vocab: usize,
+    rule: Option<&RowSampling>,
+) -> Result<f64> {
+    let feed = Feed { from: (0..b).collect(), stops: vec![Vec::new(); b] };
+    let mut picked = Picked::default();
+    let mut times = Vec::new();
+    let mut last: Option<Instant> = None;
+    for step in 0..steps + 4 {
+        let batch = StepBatch { seqs: step_seqs(b, 1, ctx + step, per_seq, step, vocab), ..Default::default() };
+        let rows: Vec<RowSampling> = rule.map_or_else(Vec::new, |r| {
+            (0..b)
+                .map(|i| RowSampling { uniform: ((i * 7919 + step * 104_729) % 1000) as f32 / 1000.0, ..r.clone() })
+                .collect()
+        });
+        let pick =
+            if rule.is_some() { deltaserve_backend::Pick::Sample(&rows) } else { deltaserve_backend::Pick::Argmax };
+        be.launch(&batch, vocab, pick, (step > 0).then_some(&feed))?;
+        if step > 0 {
+            picked.tokens.clear();
+            picked.on_device.clear();
+            be.collect(&mut picked)?;
+            let now = Instant::now();
+            if let Some(t) = last
+                && step > 3
+            {
+                times.push((now - t).as_secs_f64() * 1e3);
+            }
+            last = Some(now);
+        }
+    }
+    be.collect(&mut picked)?;
+    Ok(median(times))
+}
+
 /// Step `step`'s chunks of `b` sequences (slot i, pages `i·per_seq..`), `n` tokens each from position
 /// `start`, each wanting its logits.
 fn step_seqs(b: usize, n: usize, start: usize, per_seq: usize, step: usize, vocab: usize) -> Vec<SeqChunk> {
@@ -822,8 +878,14 @@ impl Report {
     /// Grouped bars: each decode row's ms per step with the logits, the greedy token, the token sampled on
     /// the device and sampled on the host.
     fn svg_picks(&self, s: &mut String, x0: f64, y0: f64, pw: f64, ph: f64) {
-        const SERIES: [(&str, &str); 4] =
-            [("logits", "#999999"), ("greedy", "#4a7bd0"), ("sampled (GPU)", "#2a9d5b"), ("sampled (host)", "#d0704a")];
+        const SERIES: [(&str, &str); 6] = [
+            ("logits", "#999999"),
+            ("greedy", "#4a7bd0"),
+            ("sampled (GPU)", "#2a9d5b"),
+            ("sampled (host)", "#d0704a"),
+            ("greedy, ahead", "#1f3f8a"),
+            ("sampled, ahead", "#145a34"),
+        ];
         let _ = writeln!(
             s,
             "<text x=\"{x0}\" y=\"{}\">decode ms per step by what the step hands back (sampled: {})</text>",
@@ -832,19 +894,27 @@ impl Report {
         );
         let _ =
             writeln!(s, "<rect x=\"{x0}\" y=\"{y0}\" width=\"{pw}\" height=\"{ph}\" fill=\"none\" stroke=\"#999\"/>");
-        let groups: Vec<(String, [f64; 4])> = self
+        let groups: Vec<(String, [f64; 6])> = self
             .decode
             .iter()
             .map(|r| {
-                let ms = [r.ms_per_step, r.ms_per_step_argmax, r.ms_per_step_sampled, r.ms_per_step_host_sampled];
+                let ahead = |x: Option<f64>| x.unwrap_or(0.0);
+                let ms = [
+                    r.ms_per_step,
+                    r.ms_per_step_argmax,
+                    r.ms_per_step_sampled,
+                    r.ms_per_step_host_sampled,
+                    ahead(r.ms_per_step_argmax_ahead),
+                    ahead(r.ms_per_step_sampled_ahead),
+                ];
                 (format!("b{}@{}", r.batch, short(r.context)), ms)
             })
             .collect();
         let max = groups.iter().flat_map(|g| g.1).fold(1e-9, f64::max);
         let gw = pw / groups.len() as f64;
-        let bw = gw * 0.8 / 4.0;
+        let bw = gw * 0.8 / SERIES.len() as f64;
         for (j, (label, ms)) in groups.iter().enumerate() {
-            for (k, (&v, (name, color))) in ms.iter().zip(SERIES).enumerate() {
+            for (k, (&v, (name, color))) in ms.iter().zip(SERIES).enumerate().filter(|(_, (v, _))| **v > 0.0) {
                 let bh = ph * v / max;
                 let x = x0 + j as f64 * gw + gw * 0.1 + k as f64 * bw;
                 let _ = writeln!(
@@ -904,6 +974,10 @@ impl ToolReport for Report {
                 "ms_per_step_sampled": r3(r.ms_per_step_sampled),
                 "ms_per_step_host_sampled": r3(r.ms_per_step_host_sampled),
                 "roofline_ratio_sampled": r3(r.ratio_sampled),
+                "ms_per_step_argmax_ahead": r.ms_per_step_argmax_ahead.map(r3),
+                "ms_per_step_sampled_ahead": r.ms_per_step_sampled_ahead.map(r3),
+                "roofline_ratio_argmax_ahead": r.ms_per_step_argmax_ahead.map(|ms| r3(r.ratio * r.ms_per_step / ms)),
+                "roofline_ratio_sampled_ahead": r.ms_per_step_sampled_ahead.map(|ms| r3(r.ratio * r.ms_per_step / ms)),
                 "tokens_per_s": r1(r.batch as f64 * 1e3 / r.ms_per_step), "bytes_per_step": r.bytes,
                 "roofline_ratio": r3(r.ratio), "roofline_ratio_argmax": r3(r.ratio_argmax),
                 "allreduce_share": r.allreduce_share.map(r3), "driver_peak_bytes": r.driver_peak_bytes,
@@ -1015,6 +1089,31 @@ impl ToolReport for Report {
                 r.driver_peak_bytes.map_or("n/a".into(), fmt_bytes),
                 pct(r.allreduce_share)
             );
+        }
+        if self.decode.iter().any(|r| r.ms_per_step_argmax_ahead.is_some()) {
+            let _ = writeln!(
+                s,
+                "\ndecode launched ahead (each step launched before the previous one's tokens are read; ms between tokens)"
+            );
+            let _ = writeln!(
+                s,
+                "{:>6} {:>8} {:>10} {:>9} {:>11} {:>9}",
+                "batch", "context", "greedy ms", "roofline", "sampled ms", "roofline"
+            );
+            for r in &self.decode {
+                let (Some(g), Some(x)) = (r.ms_per_step_argmax_ahead, r.ms_per_step_sampled_ahead) else { continue };
+                let ratio = |ms: f64| 100.0 * r.ratio * r.ms_per_step / ms;
+                let _ = writeln!(
+                    s,
+                    "{:>6} {:>8} {:>10.3} {:>8.1}% {:>11.3} {:>8.1}%",
+                    r.batch,
+                    r.context,
+                    g,
+                    ratio(g),
+                    x,
+                    ratio(x)
+                );
+            }
         }
         let _ = writeln!(
             s,

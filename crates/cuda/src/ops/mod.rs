@@ -7,6 +7,7 @@ pub mod attention;
 pub mod conv;
 pub mod elementwise;
 pub mod embed;
+pub mod feed;
 pub mod gdn_chunk;
 pub mod gdn_decode;
 pub mod gdn_gate;

@@ -150,6 +150,29 @@ pub fn sample_rows(
     Ok(())
 }
 
+/// Copies the logits rows that [`sample_rows`] left to the host (its `out` flags) to `stash`: pinned host
+/// memory of `rows` rows of `ld` f32, device-mapped. Other rows copy nothing.
+#[allow(clippy::too_many_arguments)]
+pub fn stash_host_rows(
+    k: &Kernels,
+    s: &CudaStream,
+    sc: &SamplingScratch,
+    base: u64,
+    x: u64,
+    ld: usize,
+    valid: usize,
+    rows: usize,
+    stash: u64,
+) -> Result<(), CudaError> {
+    if rows == 0 {
+        return Ok(());
+    }
+    let (ld_i, v, out) = (ld as i64, to_i32("sample_stash", "valid", valid)?, base + sc.out);
+    let r = to_u32("sample_stash", "rows", rows)?;
+    let b = to_u32("sample_stash", "blocks", sc.blocks)?;
+    launch!(k, s, "sample_stash", (b, r, 1), (256, 1, 1), 0; x, ld_i, v, out, stash)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,160 @@
+//! Look-ahead stepping: while step N runs, the engine launches step N+1 (same sequences, one position
+//! further, each fed step N's pick on the device), then reads step N's tokens and streams them while
+//! N+1 runs. The GPU does not wait for the host between decode steps.
+//!
+//! The next step is launched only when it can be planned without N's tokens: every request in the
+//! step is context-free (no penalties: the rule does not depend on the pick), wants no logprobs and has
+//! no stop strings (a stop string is seen on the host, after its token was fed). A sequence whose pick
+//! is its last by length is left out; one whose pick is a stop id is fed a row that does not run on the
+//! device, so its state stays the one its end-of-request snapshot wants. A pick the device could not
+//! make (a sampled row picked on the host) leaves its row of N+1 unrun: that sequence is not committed
+//! by N+1, its pick there is dropped, and the next step runs once N+1 is collected.
+
+use std::time::Instant;
+
+use deltaserve_backend::ahead::FEED_STOPS;
+use deltaserve_backend::{Feed, Pick, Picked, RowSampling};
+use deltaserve_sched::StepPlan;
+
+use super::{Emit, Live, Worker};
+use crate::generate::FinishReason;
+
+/// A step launched and not collected yet.
+pub(super) struct Launched {
+    plan: StepPlan,
+    /// Its sampling rows (one per wanted row; empty for argmax steps): a row left unrun gives its draw back.
+    rows: Vec<RowSampling>,
+    feed: Option<Feed>,
+    /// Chunks that did not run while their sequence goes on: not committed, their picks dropped.
+    skip: Vec<bool>,
+    started: Instant,
+}
+
+impl Launched {
+    pub(super) fn new(plan: StepPlan, rows: Vec<RowSampling>, feed: Option<Feed>, started: Instant) -> Self {
+        let skip = vec![false; plan.batch.seqs.len()];
+        Self { plan, rows, feed, skip, started }
+    }
+}
+
+impl Live {
+    /// Whether this request's next step can be planned before its last pick is known.
+    fn runs_ahead(&self) -> bool {
+        self.req.logprobs.is_none()
+            && self.req.stop_strings.is_empty()
+            && self.req.stop_token_ids.len() <= FEED_STOPS
+            && self.sampler.context_free()
+    }
+}
+
+impl Worker {
+    /// `cur` is launched: records it as run, launches the step after it when that can be planned now,
+    /// then collects `cur` and hands out its tokens.
+    pub(super) fn follow(&mut self, mut cur: Launched) {
+        let mut ran = StepPlan::default();
+        ran.batch.seqs =
+            cur.plan.batch.seqs.iter().zip(&cur.skip).filter(|(_, s)| !**s).map(|(c, _)| c.clone()).collect();
+        self.sched.commit(&ran);
+        let mut next = match self.launch_next(&cur) {
+            Ok(n) => n,
+            Err(e) => {
+                // The backend keeps no launched step after an error: `cur` is lost too.
+                self.step_failed(&e, &cur.plan.batch.seqs);
+                return;
+            }
+        };
+        let mut picked = Picked::default();
+        let wanted = cur.plan.batch.num_logits();
+        let collected = self.backend.collect(&mut picked).map_err(|e| e.to_string()).and_then(|()| {
+            if picked.tokens.len() == wanted && picked.on_device.len() == wanted {
+                Ok(())
+            } else {
+                Err(format!("a launched step returned {} picks for {wanted} rows", picked.tokens.len()))
+            }
+        });
+        if let Err(e) = collected {
+            if next.is_some() && self.backend.collect(&mut Picked::default()).is_err() {
+                tracing::warn!("the step launched after a failed one did not complete either");
+            }
+            self.step_failed(&e, &cur.plan.batch.seqs);
+            return;
+        }
+        let now = Instant::now();
+        let step_seconds = now.duration_since(cur.started.max(self.collected)).as_secs_f64();
+        self.collected = now;
+        for c in &cur.plan.batch.seqs {
+            if let Some(live) = self.reqs.get_mut(&c.seq_id)
+                && live.first_token.is_none()
+            {
+                live.prefill_steps += 1;
+                live.prefill_step_s += step_seconds;
+            }
+        }
+        if let Ok(mut s) = self.shared.stats.lock() {
+            s.steps += 1;
+            s.step_seconds += step_seconds;
+        }
+        let mut finished = Vec::new();
+        let mut tokens = picked.tokens.iter();
+        for (c, skip) in cur.plan.batch.seqs.iter().zip(&cur.skip) {
+            if !c.want_logits {
+                continue;
+            }
+            let token = tokens.next().copied().unwrap_or(0);
+            if !*skip && let Emit::Finish(r) = self.emit(c.seq_id, token, None) {
+                finished.push((c.seq_id, r));
+            }
+        }
+        cur.rows.clear();
+        if let Some(n) = &mut next {
+            self.mark_unrun(n, &picked, &finished);
+        }
+        for (id, reason) in finished {
+            self.finish(id, reason);
+        }
+        self.ahead = next;
+    }
+
+    /// Plans and launches the step after `cur` (whose picks are not known yet) when the requests and
+    /// the scheduler allow it.
+    fn launch_next(&mut self, cur: &Launched) -> Result<Option<Launched>, String> {
+        let eligible = |id: &u64| self.reqs.get(id).is_none_or(Live::runs_ahead);
+        if !cur.plan.batch.seqs.iter().all(|c| eligible(&c.seq_id)) {
+            return Ok(None);
+        }
+        let Some(plan) = self.sched.schedule_ahead(&cur.plan) else { return Ok(None) };
+        let wanted: Vec<u64> = cur.plan.batch.seqs.iter().filter(|c| c.want_logits).map(|c| c.seq_id).collect();
+        let mut feed = Feed::default();
+        for c in &plan.batch.seqs {
+            let from = wanted.iter().position(|&w| w == c.seq_id);
+            feed.from.push(from.ok_or_else(|| format!("seq {}: planned ahead without a pick to feed", c.seq_id))?);
+            feed.stops.push(self.reqs.get(&c.seq_id).map_or_else(Vec::new, |l| l.req.stop_token_ids.clone()));
+        }
+        let greedy = plan.batch.seqs.iter().all(|c| self.reqs.get(&c.seq_id).is_none_or(|l| l.sampler.picks_argmax()));
+        let rows = if greedy { Vec::new() } else { self.sampling_rows(&plan.batch.seqs, false) };
+        let pick = if greedy { Pick::Argmax } else { Pick::Sample(&rows) };
+        let started = Instant::now();
+        self.backend.launch(&plan.batch, self.valid_vocab, pick, Some(&feed)).map_err(|e| e.to_string())?;
+        if let Ok(mut s) = self.shared.stats.lock() {
+            s.steps_ahead += 1;
+        }
+        Ok(Some(Launched::new(plan, rows, Some(feed), started)))
+    }
+
+    /// Marks the chunks of `next` that did not run although their sequence goes on (their fed pick was
+    /// made on the host), and gives their sampling draws back.
+    fn mark_unrun(&mut self, next: &mut Launched, picked: &Picked, finished: &[(u64, FinishReason)]) {
+        let Some(feed) = &next.feed else { return };
+        for (i, c) in next.plan.batch.seqs.iter().enumerate() {
+            let ends = finished.iter().any(|(id, _)| *id == c.seq_id);
+            if feed.runs(i, &picked.tokens, &picked.on_device) || ends {
+                continue;
+            }
+            let Some(live) = self.reqs.get_mut(&c.seq_id) else { continue };
+            next.skip[i] = true;
+            if let Some(row) = next.rows.get(i) {
+                live.sampler.unread(row);
+            }
+        }
+    }
+}

@@ -1,0 +1,202 @@
+//! Look-ahead stepping never changes an output: with the next decode step launched before the
+//! previous one's tokens are read (the CPU backend's emulation of a device that feeds its picks),
+//! greedy and seeded sampling requests, stopped by length and by stop ids, alone and batched, and
+//! second turns resumed from end-of-request snapshots give the tokens of one-step-at-a-time stepping;
+//! also when some picks are made on the host (their fed rows do not run). Requests the host must see
+//! first (penalties, stop strings, logprobs) step one at a time.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
+use deltaserve_engine::{EngineHandle, EngineOptions, EngineStats, Event, FinishReason, Request, SamplingParams};
+use deltaserve_model::synth::Preset;
+use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
+use deltaserve_sched::{PrefixCacheConfig, SchedConfig};
+
+fn model_dir() -> &'static PathBuf {
+    static D: OnceLock<PathBuf> = OnceLock::new();
+    D.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("ds-lookahead-test-{}", std::process::id()));
+        deltaserve_engine::synth::write_synthetic_model(&dir, Preset::Tiny, None, 47, |_, _| {}).unwrap();
+        dir
+    })
+}
+
+/// An engine on the CPU backend with the prefix cache on; `host_every`: every k-th launched pick is
+/// made on the host (0: none).
+fn engine(lookahead: bool, host_every: usize) -> EngineHandle {
+    let dir = model_dir();
+    let cfg = ModelConfig::from_dir(dir).unwrap();
+    let model = CpuModel::new(cfg.clone(), ModelWeights::load_f32(&Checkpoint::open(dir).unwrap(), &cfg).unwrap());
+    let d = cfg.dims();
+    let state_bytes = (d.num_deltanet_layers
+        * ((d.conv_kernel - 1) * d.conv_channels + d.gdn_v_heads * d.gdn_k_dim * d.gdn_v_dim)
+        * 4) as u64;
+    let prefix = PrefixCacheConfig {
+        device_slots: 4,
+        host_slots: 4,
+        page_size: 8,
+        snapshot_bytes: state_bytes,
+        page_bytes: 4096,
+    };
+    let (num_pages, seqs) = (200, 4);
+    let sched = SchedConfig {
+        max_batch_tokens: 64,
+        max_seqs: seqs,
+        page_size: 8,
+        num_pages,
+        max_context: 8 * 60,
+        max_waiting: 64,
+        prefix_cache: prefix,
+        snapshot_interval: 0,
+    };
+    let caches = CpuCacheConfig {
+        num_pages,
+        page_size: 8,
+        num_slots: seqs,
+        snapshot_slots: prefix.device_slots,
+        host_snapshot_slots: prefix.host_slots,
+    };
+    let mut backend = CpuBackend::new(model, caches);
+    backend.emulate_host_picks(host_every);
+    let opts = EngineOptions { lookahead, ..EngineOptions::default() };
+    EngineHandle::start_with(Box::new(backend), sched, None, opts).unwrap()
+}
+
+/// (token ids, finish reason, prompt tokens restored from the cache)
+type Out = (Vec<u32>, FinishReason, usize);
+
+fn run(e: &EngineHandle, r: Request) -> Out {
+    let mut s = e.submit(r).unwrap();
+    let mut ids = Vec::new();
+    loop {
+        match s.blocking_next() {
+            Some(Event::Token { id, .. }) => ids.push(id),
+            Some(Event::Finished { reason, usage, .. }) => return (ids, reason, usage.cached_tokens),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
+/// Runs `reqs` at once (staggered starts).
+fn run_all(e: &EngineHandle, reqs: &[Request]) -> Vec<Out> {
+    let handles: Vec<_> = reqs
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let (e, r) = (e.clone(), r.clone());
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis((i as u64 * 5) % 17));
+                run(&e, r)
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+fn idle(e: &EngineHandle) -> EngineStats {
+    let t0 = std::time::Instant::now();
+    loop {
+        let s = e.stats();
+        if s.sched.running + s.sched.waiting == 0 && s.sched.slots_in_use == 0 {
+            return s;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "engine did not go idle: {:?}", s.sched);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn prompt(seed: u64, n: usize) -> Vec<u32> {
+    let mut x = seed;
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((x >> 33) % 990) as u32
+        })
+        .collect()
+}
+
+fn sampling(i: usize) -> SamplingParams {
+    match i % 3 {
+        0 => SamplingParams::greedy(),
+        1 => SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.9, seed: Some(i as u64), ..Default::default() },
+        _ => SamplingParams { temperature: 1.1, min_p: 0.05, seed: Some(100 + i as u64), ..Default::default() },
+    }
+}
+
+fn base(i: usize) -> Request {
+    Request {
+        prompt: prompt(i as u64, 5 + 13 * i % 40),
+        max_tokens: 6 + 5 * i % 17,
+        sampling: sampling(i),
+        snapshot_on_finish: true,
+        ..Default::default()
+    }
+}
+
+/// The workload: batched requests, some stopped by a stop id taken from their free run, then second
+/// turns of some of them (prompt + output + a new message), which resume from the first turn's
+/// end-of-request snapshot. Returns every output in order.
+fn workload(e: &EngineHandle, stops: &[Option<u32>]) -> Vec<Out> {
+    let reqs: Vec<Request> =
+        (0..stops.len()).map(|i| Request { stop_token_ids: stops[i].into_iter().collect(), ..base(i) }).collect();
+    let mut outs = run_all(e, &reqs);
+    for (i, r) in reqs.iter().enumerate().filter(|(i, _)| i % 2 == 0) {
+        let mut p = r.prompt.clone();
+        p.extend(&outs[i].0);
+        p.extend(prompt(50 + i as u64, 7));
+        let second = run(e, Request { prompt: p, stop_token_ids: vec![], ..r.clone() });
+        outs.push(second);
+    }
+    outs
+}
+
+#[test]
+fn lookahead_gives_the_tokens_of_one_step_at_a_time() {
+    let n = 9;
+    // Free runs (no stops) pick the stop ids: a token in the middle of some outputs.
+    let plain = engine(false, 0);
+    let free = run_all(&plain, &(0..n).map(base).collect::<Vec<_>>());
+    plain.shutdown(true);
+    let stops: Vec<Option<u32>> =
+        free.iter().enumerate().map(|(i, o)| (i % 3 != 2 && o.0.len() > 3).then(|| o.0[o.0.len() / 2])).collect();
+
+    let reference = engine(false, 0);
+    let expected = workload(&reference, &stops);
+    assert_eq!(idle(&reference).steps_ahead, 0);
+    reference.shutdown(true);
+    assert!(expected.iter().any(|o| o.1 == FinishReason::Stop), "some requests stop at a stop id");
+    assert!(expected.iter().skip(n).any(|o| o.2 > 0), "second turns resume from the cache");
+
+    for host_every in [0, 3] {
+        let e = engine(true, host_every);
+        let got = workload(&e, &stops);
+        let stats = idle(&e);
+        e.shutdown(true);
+        for (i, (g, x)) in got.iter().zip(&expected).enumerate() {
+            assert_eq!(g, x, "request {i} (host picks every {host_every})");
+        }
+        assert!(stats.steps_ahead > stats.steps / 3, "{} of {} steps launched ahead", stats.steps_ahead, stats.steps);
+        assert_eq!(stats.sched.slots_in_use, 0);
+    }
+}
+
+#[test]
+fn requests_the_host_must_see_first_step_one_at_a_time() {
+    let e = engine(true, 0);
+    let penalised = SamplingParams { presence_penalty: 0.5, ..SamplingParams::greedy() };
+    let reqs = [
+        Request { sampling: penalised, ..base(1) },
+        Request { stop_strings: vec!["zzzz".into()], ..base(2) },
+        Request { logprobs: Some(2), ..base(3) },
+    ];
+    for r in reqs {
+        let before = e.stats().steps_ahead;
+        let (ids, _, _) = run(&e, r.clone());
+        assert_eq!(ids.len(), r.max_tokens);
+        assert_eq!(idle(&e).steps_ahead, before, "{r:?}");
+    }
+    e.shutdown(true);
+}
