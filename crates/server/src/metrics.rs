@@ -147,6 +147,12 @@ impl Metrics {
             p.demotions,
         );
         counter(&mut out, "deltaserve_engine_steps_total", "Engine steps run.", engine.steps);
+        counter(
+            &mut out,
+            "deltaserve_engine_steps_ahead_total",
+            "Engine steps launched before the previous step's tokens were read (look-ahead).",
+            engine.steps_ahead,
+        );
         let seconds = engine.step_seconds;
         sample(
             &mut out,
