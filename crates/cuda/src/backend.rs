@@ -2304,6 +2304,10 @@ impl CudaBackend {
             }
         }
         if chunks.is_empty() {
+            // A launched step of cache ops alone is collected too (no picks).
+            if let StepOut::Launch(o) = out {
+                self.launch_picks(0, o).map_err(dev)?;
+            }
             return Ok(());
         }
         let t: usize = chunks.iter().map(|&i| batch.seqs[i].tokens.len()).sum();

@@ -347,6 +347,15 @@ fn launched_steps_feed_their_picks() {
             let mut last = Picked::default();
             b.collect(&mut last).unwrap();
             assert!(b.collect(&mut Picked::default()).is_err(), "{label}: nothing left to collect");
+            // A launched step of cache ops alone (an end-of-request snapshot) is collected with no picks.
+            let save = StepBatch {
+                pre: vec![CacheOp::SaveState { slot: 1, to: SnapshotLoc::Device(0) }],
+                ..Default::default()
+            };
+            b.launch(&save, valid, pick_of(sampled, &[]), None).unwrap();
+            let mut none = Picked::default();
+            b.collect(&mut none).unwrap();
+            assert!(none.tokens.is_empty() && none.on_device.is_empty(), "{label}: picks of a step without rows");
             for (step, p) in got.iter().enumerate() {
                 assert_eq!(p.tokens, want[step], "{label}: step {step}");
             }
