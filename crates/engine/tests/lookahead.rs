@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use deltaserve_backend::{Backend as _, BackendError, Feed, Pick, Picked, StepBatch};
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
 use deltaserve_engine::{EngineHandle, EngineOptions, EngineStats, Event, FinishReason, Request, SamplingParams};
 use deltaserve_model::synth::Preset;
@@ -198,5 +199,84 @@ fn requests_the_host_must_see_first_step_one_at_a_time() {
         assert_eq!(ids.len(), r.max_tokens);
         assert_eq!(idle(&e).steps_ahead, before, "{r:?}");
     }
+    e.shutdown(true);
+}
+
+/// The CPU backend, whose `fail_at`-th collection fails (as a device fault would: no launched step
+/// remains).
+struct Flaky {
+    inner: CpuBackend,
+    collects: usize,
+    fail_at: usize,
+}
+
+impl deltaserve_backend::Backend for Flaky {
+    fn name(&self) -> String {
+        "flaky".into()
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn step(&mut self, batch: &StepBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
+        self.inner.step(batch, logits)
+    }
+    fn arena_stats(&self) -> deltaserve_backend::ArenaStats {
+        self.inner.arena_stats()
+    }
+    fn launches_ahead(&self) -> bool {
+        true
+    }
+    fn launch(
+        &mut self,
+        batch: &StepBatch,
+        valid: usize,
+        pick: Pick<'_>,
+        feed: Option<&Feed>,
+    ) -> Result<(), BackendError> {
+        self.inner.launch(batch, valid, pick, feed)
+    }
+    fn collect(&mut self, out: &mut Picked) -> Result<(), BackendError> {
+        self.collects += 1;
+        if self.collects == self.fail_at {
+            while self.inner.collect(&mut Picked::default()).is_ok() {}
+            return Err(BackendError::Device("injected fault".into()));
+        }
+        self.inner.collect(out)
+    }
+}
+
+#[test]
+fn a_failed_launched_step_fails_its_requests_and_the_engine_goes_on() {
+    let plain = engine(false, 0);
+    let want = run(&plain, Request { snapshot_on_finish: false, ..base(3) });
+    plain.shutdown(true);
+    let dir = model_dir();
+    let cfg = ModelConfig::from_dir(dir).unwrap();
+    let model = CpuModel::new(cfg.clone(), ModelWeights::load_f32(&Checkpoint::open(dir).unwrap(), &cfg).unwrap());
+    let sched = SchedConfig {
+        max_batch_tokens: 64,
+        max_seqs: 2,
+        page_size: 8,
+        num_pages: 100,
+        max_context: 8 * 60,
+        max_waiting: 8,
+        prefix_cache: PrefixCacheConfig::disabled(8),
+        snapshot_interval: 0,
+    };
+    let caches =
+        CpuCacheConfig { num_pages: 100, page_size: 8, num_slots: 2, snapshot_slots: 0, host_snapshot_slots: 0 };
+    let flaky = Flaky { inner: CpuBackend::new(model, caches), collects: 0, fail_at: 5 };
+    let e = EngineHandle::start_with(Box::new(flaky), sched, None, EngineOptions::default()).unwrap();
+    let mut s = e.submit(Request { snapshot_on_finish: false, ..base(3) }).unwrap();
+    let failed = loop {
+        match s.blocking_next() {
+            Some(Event::Token { .. }) => continue,
+            Some(Event::Error(err)) => break err.to_string(),
+            other => panic!("expected the injected fault, got {other:?}"),
+        }
+    };
+    assert!(failed.contains("injected fault"), "{failed}");
+    assert_eq!(run(&e, Request { snapshot_on_finish: false, ..base(3) }), want, "the next request runs as before");
+    assert_eq!(idle(&e).sched.slots_in_use, 0);
     e.shutdown(true);
 }

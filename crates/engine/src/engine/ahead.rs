@@ -64,18 +64,17 @@ impl Worker {
             }
         };
         let mut picked = Picked::default();
+        if let Err(e) = self.backend.collect(&mut picked) {
+            // No launched step remains after an error: `next` (of `cur`'s sequences) is lost too.
+            self.step_failed(&e.to_string(), &cur.plan.batch.seqs);
+            return;
+        }
         let wanted = cur.plan.batch.num_logits();
-        let collected = self.backend.collect(&mut picked).map_err(|e| e.to_string()).and_then(|()| {
-            if picked.tokens.len() == wanted && picked.on_device.len() == wanted {
-                Ok(())
-            } else {
-                Err(format!("a launched step returned {} picks for {wanted} rows", picked.tokens.len()))
+        if picked.tokens.len() != wanted || picked.on_device.len() != wanted {
+            if next.is_some() {
+                let _ = self.backend.collect(&mut Picked::default());
             }
-        });
-        if let Err(e) = collected {
-            if next.is_some() && self.backend.collect(&mut Picked::default()).is_err() {
-                tracing::warn!("the step launched after a failed one did not complete either");
-            }
+            let e = format!("a launched step returned {} picks for {wanted} rows", picked.tokens.len());
             self.step_failed(&e, &cur.plan.batch.seqs);
             return;
         }
