@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use deltaserve_backend::{Backend as _, BackendError, Feed, Pick, Picked, StepBatch};
+use deltaserve_backend::{Backend, BackendError, Feed, Pick, Picked, StepBatch};
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
 use deltaserve_engine::{EngineHandle, EngineOptions, EngineStats, Event, FinishReason, Request, SamplingParams};
 use deltaserve_model::synth::Preset;
@@ -210,7 +210,7 @@ struct Flaky {
     fail_at: usize,
 }
 
-impl deltaserve_backend::Backend for Flaky {
+impl Backend for Flaky {
     fn name(&self) -> String {
         "flaky".into()
     }
