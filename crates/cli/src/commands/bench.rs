@@ -940,7 +940,7 @@ impl Report {
             );
         }
         for (k, (name, color)) in SERIES.iter().enumerate() {
-            let x = x0 + k as f64 * 150.0;
+            let x = x0 + k as f64 * 120.0;
             let y = y0 + ph + 32.0;
             let _ = writeln!(s, "<rect x=\"{x}\" y=\"{}\" width=\"10\" height=\"10\" fill=\"{color}\"/>", y - 9.0);
             let _ = writeln!(s, "<text x=\"{}\" y=\"{y}\">{name}</text>", x + 14.0);
