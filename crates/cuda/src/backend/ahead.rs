@@ -111,7 +111,8 @@ impl CudaBackend {
         let mut pending = Pending { slot, rows, stride: 1, valid, sampling: Vec::new(), ready: None };
         match o.pick {
             Pick::Argmax => {
-                ops::argmax::argmax_rows(&self.k, &s, self.logits.ptr, v, valid, rows, base + sc.out)?;
+                let scratch = self.argmax_scratch();
+                ops::argmax::argmax_rows(&self.k, &s, self.logits.ptr, v, valid, rows, base + sc.out, scratch)?;
             }
             Pick::Sample(rs) => {
                 pending.stride = 2;
