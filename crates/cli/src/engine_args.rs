@@ -462,15 +462,9 @@ impl EngineArgs {
     }
 }
 
-/// The CUDA backend's options of the server and the benchmarks. A/B switches: `DELTASERVE_FOLD=0`: decode
-/// steps run the residual add + RMSNorm as its own kernel instead of folded into the int4 projections;
-/// `DELTASERVE_SPLIT_ARGMAX=0`: the greedy argmax reads a row with one block instead of one per 4,096 ids.
+/// The CUDA backend's options of the server and the benchmarks. `DELTASERVE_FOLD=0`: decode steps run
+/// the residual add + RMSNorm as its own kernel instead of folded into the int4 projections (an A/B switch).
 pub fn cuda_options(cuda_graphs: bool) -> CudaOptions {
-    let on = |var: &str| std::env::var(var).map_or(true, |v| v != "0");
-    CudaOptions {
-        cuda_graphs,
-        fold_norms: on("DELTASERVE_FOLD"),
-        split_argmax: on("DELTASERVE_SPLIT_ARGMAX"),
-        ..CudaOptions::default()
-    }
+    let fold_norms = std::env::var("DELTASERVE_FOLD").map_or(true, |v| v != "0");
+    CudaOptions { cuda_graphs, fold_norms, ..CudaOptions::default() }
 }

@@ -96,9 +96,6 @@ pub struct CudaOptions {
     /// when every layer's projections are int4 GEMVs and tensor parallelism is off. Off: the separate
     /// `add_rms_norm_1p` kernel (bitwise the reference's order of operations).
     pub fold_norms: bool,
-    /// The greedy argmax of a row splits over blocks of 4,096 ids (`argmax_part` + `argmax_merge`); off:
-    /// one block a row (`argmax_rows`). The same ids.
-    pub split_argmax: bool,
 }
 
 impl Default for CudaOptions {
@@ -109,7 +106,6 @@ impl Default for CudaOptions {
             graph_pad: false,
             verify_decode_attention_from: 4096,
             fold_norms: true,
-            split_argmax: true,
         }
     }
 }
@@ -1835,7 +1831,7 @@ impl CudaBackend {
     /// nothing; `max_seqs` rows of 16 B per block of 4,096 ids hold its 8 B per part).
     fn argmax_scratch(&self) -> Option<(u64, usize)> {
         let sc = &self.ws.sampling_layout;
-        self.opts.split_argmax.then(|| (self.ws.sampling + sc.partials, self.max_seqs * sc.blocks * 16))
+        Some((self.ws.sampling + sc.partials, self.max_seqs * sc.blocks * 16))
     }
 
     /// The token of each of the first `rows` rows of the logits region picked by its [`RowSampling`]
