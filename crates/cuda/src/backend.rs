@@ -1820,18 +1820,10 @@ impl CudaBackend {
     /// device into the i32 array at `ids` (4 bytes a row come back).
     fn logits_argmax(&self, rows: usize, valid: usize, ids: u64) -> Result<Vec<u32>, CudaError> {
         let v = self.d.vocab;
-        let scratch = self.argmax_scratch();
-        ops::argmax::argmax_rows(&self.k, self.rt.stream(), self.logits.ptr, v, valid.min(v), rows, ids, scratch)?;
+        ops::argmax::argmax_rows(&self.k, self.rt.stream(), self.logits.ptr, v, valid.min(v), rows, ids)?;
         let mut got = vec![0i32; rows];
         self.rt.download(&mut got, ids)?;
         Ok(got.into_iter().map(|t| t as u32).collect())
-    }
-
-    /// The split argmax's scratch: the sampling scratch's per-block partials (a greedy step samples
-    /// nothing; `max_seqs` rows of 16 B per block of 4,096 ids hold its 8 B per part).
-    fn argmax_scratch(&self) -> Option<(u64, usize)> {
-        let sc = &self.ws.sampling_layout;
-        Some((self.ws.sampling + sc.partials, self.max_seqs * sc.blocks * 16))
     }
 
     /// The token of each of the first `rows` rows of the logits region picked by its [`RowSampling`]

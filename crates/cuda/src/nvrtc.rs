@@ -28,11 +28,7 @@ pub struct KernelSource {
 /// Every kernel source of the crate.
 pub const SOURCES: &[KernelSource] = &[
     KernelSource { module: "embed", src: include_str!("../kernels/embed.cu"), functions: &["embed_gather"] },
-    KernelSource {
-        module: "argmax",
-        src: include_str!("../kernels/argmax.cu"),
-        functions: &["argmax_rows", "argmax_part", "argmax_merge"],
-    },
+    KernelSource { module: "argmax", src: include_str!("../kernels/argmax.cu"), functions: &["argmax_rows"] },
     KernelSource {
         module: "sample",
         src: include_str!("../kernels/sample.cu"),

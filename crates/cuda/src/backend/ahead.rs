@@ -111,8 +111,7 @@ impl CudaBackend {
         let mut pending = Pending { slot, rows, stride: 1, valid, sampling: Vec::new(), ready: None };
         match o.pick {
             Pick::Argmax => {
-                let scratch = self.argmax_scratch();
-                ops::argmax::argmax_rows(&self.k, &s, self.logits.ptr, v, valid, rows, base + sc.out, scratch)?;
+                ops::argmax::argmax_rows(&self.k, &s, self.logits.ptr, v, valid, rows, base + sc.out)?;
             }
             Pick::Sample(rs) => {
                 pending.stride = 2;
