@@ -4,6 +4,9 @@
 //! request and frees its pages and slot at the next step. Nothing the engine thread does blocks on a
 //! client: events go through unbounded channels, commands through a channel the thread drains.
 //!
+//! Look-ahead ([`EngineOptions::lookahead`], on by default): a decode step is launched before the
+//! previous one's tokens are read, fed them on the device (`engine/ahead.rs`).
+//!
 //! Speculative decoding ([`EngineHandle::start_speculative`]): a decoding sequence's step drafts up to
 //! K tokens with the model's MTP head, verifies them in one forward and emits 1..=K+1 tokens. Greedy
 //! requests keep the longest prefix of drafts equal to what the target picks (so their outputs are
