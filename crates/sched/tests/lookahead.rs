@@ -7,30 +7,11 @@
 
 use std::collections::HashMap;
 
-use deltaserve_sched::{PrefixCacheConfig, SchedConfig, Scheduler, SeqOptions, StepPlan};
+use deltaserve_sched::{Scheduler, SeqOptions, StepPlan};
 use proptest::prelude::*;
 
-fn cfg(num_pages: usize, max_seqs: usize, cache: bool) -> SchedConfig {
-    let prefix_cache = if cache {
-        PrefixCacheConfig { device_slots: 2, host_slots: 1, page_size: 4, snapshot_bytes: 100, page_bytes: 10 }
-    } else {
-        PrefixCacheConfig::disabled(4)
-    };
-    SchedConfig {
-        max_batch_tokens: 16,
-        max_seqs,
-        page_size: 4,
-        num_pages,
-        max_context: 64,
-        max_waiting: 1000,
-        prefix_cache,
-        snapshot_interval: 0,
-    }
-}
-
-fn truth(id: u64, pos: usize) -> u32 {
-    (id as u32 * 7919 + pos as u32 * 31) % 997
-}
+mod common;
+use common::{cfg, truth};
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
@@ -44,7 +25,7 @@ proptest! {
         max_seqs in 1usize..4,
         cache in any::<bool>(),
     ) {
-        let mut s = Scheduler::new(cfg(pages, max_seqs, cache));
+        let mut s = Scheduler::new(cfg(16, pages, max_seqs, cache));
         // Expected final lengths (a request may stop early: `stops` picks the position).
         let mut want: HashMap<u64, usize> = HashMap::new();
         let add = |s: &mut Scheduler, want: &mut HashMap<u64, usize>, i: usize| {

@@ -5,31 +5,11 @@
 
 use std::collections::HashMap;
 
-use deltaserve_sched::{PrefixCacheConfig, SchedConfig, Scheduler, SeqOptions};
+use deltaserve_sched::{Scheduler, SeqOptions};
 use proptest::prelude::*;
 
-fn cfg(max_batch_tokens: usize, num_pages: usize, max_seqs: usize, cache: bool) -> SchedConfig {
-    let prefix_cache = if cache {
-        PrefixCacheConfig { device_slots: 2, host_slots: 1, page_size: 4, snapshot_bytes: 100, page_bytes: 10 }
-    } else {
-        PrefixCacheConfig::disabled(4)
-    };
-    SchedConfig {
-        max_batch_tokens,
-        max_seqs,
-        page_size: 4,
-        num_pages,
-        max_context: 64,
-        max_waiting: 1000,
-        prefix_cache,
-        snapshot_interval: 0,
-    }
-}
-
-/// The token at position `pos` of sequence `id` (deterministic "model").
-fn truth(id: u64, pos: usize) -> u32 {
-    (id as u32 * 7919 + pos as u32 * 31) % 997
-}
+mod common;
+use common::{cfg, truth};
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
