@@ -253,7 +253,8 @@ fn sample_step_matches_the_host_rule() {
 }
 
 /// Launched steps (look-ahead decode) give the tokens of steps run one at a time: a prefill step, then
-/// decode steps each launched before the previous one is collected and fed its picks on the device;
+/// decode steps each launched before the previous one is collected and fed its picks on the device (one
+/// row leaves midway, so later steps are fed from other rows' places);
 /// greedy and sampled, with the embedding table on the device and in pinned host memory. A fed row
 /// whose pick is one of its stop ids does not run: a synchronous step of its sequence afterwards picks
 /// what the reference picked there (its KV and state were left alone).
@@ -265,7 +266,7 @@ fn launched_steps_feed_their_picks() {
     let (dir, cfg) = tiny_dir(8);
     let vocab = cfg.vocab_size;
     let valid = vocab - 5;
-    let (steps, stop_at) = (9, 6);
+    let (steps, drop_at, stop_at) = (9, 3, 6);
     for embed_on_host in [false, true] {
         let plan = plan_with(&cfg, |o| o.embed_on_host = embed_on_host);
         for sampled in [false, true] {
@@ -297,48 +298,57 @@ fn launched_steps_feed_their_picks() {
                 }
                 got
             };
+            // Rows of step s: all four, then (from `drop_at` on) row 1 has ended by length.
+            let alive = |s: usize| -> Vec<usize> { (0..4).filter(|&i| i != 1 || s < drop_at).collect() };
+            let rows_at = |s: usize| -> Vec<RowSampling> {
+                let all = rows_of(s);
+                alive(s).iter().map(|&i| all[i].clone()).collect()
+            };
             // The reference: one step at a time, each fed the previous step's tokens on the host.
             let mut batch = StepBatch::default();
             for (i, p) in prompts.iter().enumerate() {
                 batch.seqs.push(chunk(i as u32, &pg[i], 0, p));
             }
             let mut pos: Vec<usize> = prompts.iter().map(Vec::len).collect();
+            // want[s][j]: the pick of row alive(s)[j] at step s.
             let mut want: Vec<Vec<u32>> = Vec::new();
             for step in 0..=steps {
-                let rows = rows_of(step);
                 if step > 0 {
                     batch = StepBatch::default();
-                    for (i, &t) in want[step - 1].iter().enumerate() {
+                    let prev = alive(step - 1);
+                    for i in alive(step) {
+                        let t = want[step - 1][prev.iter().position(|&r| r == i).unwrap()];
                         batch.seqs.push(chunk(i as u32, &pg[i], pos[i], &[t]));
                         pos[i] += 1;
                     }
                 }
-                want.push(sync(&mut a, &batch, &rows));
+                want.push(sync(&mut a, &batch, &rows_at(step)));
             }
-            // Launched ahead: step `stop_at` stops row 0 (its fed pick is a stop id) and is the last.
+            // Launched ahead, fed from the previous step's rows (row 1 left out from `drop_at` on); step
+            // `stop_at` stops row 0 (its fed pick is a stop id) and is the last.
             let mut batch = StepBatch::default();
             for (i, p) in prompts.iter().enumerate() {
                 batch.seqs.push(chunk(i as u32, &pg[i], 0, p));
             }
             let mut pos: Vec<usize> = prompts.iter().map(Vec::len).collect();
-            let rows0 = rows_of(0);
+            let rows0 = rows_at(0);
             fn pick_of(sampled: bool, rows: &[RowSampling]) -> Pick<'_> {
                 if sampled { Pick::Sample(rows) } else { Pick::Argmax }
             }
             b.launch(&batch, valid, pick_of(sampled, &rows0), None).unwrap();
             let mut got: Vec<Picked> = Vec::new();
             for step in 1..=stop_at {
+                let (now, prev) = (alive(step), alive(step - 1));
                 let mut batch = StepBatch::default();
-                for (i, p) in pos.iter_mut().enumerate() {
-                    batch.seqs.push(chunk(i as u32, &pg[i], *p, &[0]));
-                    *p += 1;
+                let mut feed = Feed::default();
+                for &i in &now {
+                    batch.seqs.push(chunk(i as u32, &pg[i], pos[i], &[0]));
+                    pos[i] += 1;
+                    feed.from.push(prev.iter().position(|&r| r == i).unwrap());
+                    let stop = step == stop_at && i == 0;
+                    feed.stops.push(if stop { vec![vocab as u32 + 7, want[step - 1][0]] } else { vec![] });
                 }
-                let mut stops = vec![vec![]; 4];
-                if step == stop_at {
-                    stops[0] = vec![vocab as u32 + 7, want[step - 1][0]];
-                }
-                let feed = Feed { from: (0..4).collect(), stops };
-                let rows = rows_of(step);
+                let rows = rows_at(step);
                 b.launch(&batch, valid, pick_of(sampled, &rows), Some(&feed)).unwrap();
                 let mut p = Picked::default();
                 b.collect(&mut p).unwrap();
@@ -358,6 +368,7 @@ fn launched_steps_feed_their_picks() {
             assert!(none.tokens.is_empty() && none.on_device.is_empty(), "{label}: picks of a step without rows");
             for (step, p) in got.iter().enumerate() {
                 assert_eq!(p.tokens, want[step], "{label}: step {step}");
+                assert!(p.on_device.iter().all(|&d| d), "{label}: step {step} picked on the device");
             }
             assert_eq!(&last.tokens[1..], &want[stop_at][1..], "{label}: the rows that ran at step {stop_at}");
             // Row 0 did not run at `stop_at`: fed its token now, it picks the reference's.
