@@ -113,13 +113,7 @@ impl Emulated {
         match pick {
             Pick::Argmax => be.step_argmax(&run, valid, &mut got)?,
             Pick::Sample(rows) => {
-                if rows.len() != wanted.len() {
-                    return Err(BackendError::InvalidStep(format!(
-                        "{} sampling rows for {} rows that want a token",
-                        rows.len(),
-                        wanted.len()
-                    )));
-                }
+                crate::check_sample_rows(batch, rows)?;
                 let rows: Vec<RowSampling> =
                     rows.iter().zip(&wanted).filter(|(_, w)| **w).map(|(r, _)| r.clone()).collect();
                 be.step_sample(&run, valid, &rows, &mut got)?
