@@ -1836,9 +1836,7 @@ impl CudaBackend {
         let (sc, base) = (&self.ws.sampling_layout, self.ws.sampling);
         let e = ops::sample::encode(rows, valid, sc.penalty_words);
         if !ops::sample::penalties_fit(e.pens.len(), n) {
-            let mut logits = vec![0f32; n * v];
-            self.rt.download(&mut logits, self.logits.ptr)?;
-            return Ok(pick_rows(&mut logits, v, valid, rows, false));
+            return self.pick_on_host(valid, rows);
         }
         let s = self.rt.stream();
         ops::sample::sample_rows(&self.k, s, sc, base, self.logits.ptr, v, valid, n, &e)?;
@@ -1859,6 +1857,15 @@ impl CudaBackend {
             }
         }
         Ok(tokens)
+    }
+
+    /// The first `rows.len()` logits rows downloaded and picked on the host by their rules (penalties
+    /// included): for steps whose penalty entries exceed the sampling scratch.
+    fn pick_on_host(&self, valid: usize, rows: &[RowSampling]) -> Result<Vec<u32>, CudaError> {
+        let v = self.d.vocab;
+        let mut logits = vec![0f32; rows.len() * v];
+        self.rt.download(&mut logits, self.logits.ptr)?;
+        Ok(pick_rows(&mut logits, v, valid, rows, false))
     }
 
     /// Seconds the last speculative step spent drafting with the MTP head (0 without speculation).
@@ -2267,6 +2274,13 @@ impl CudaBackend {
         self.launches.last = None;
         let dev = |e: CudaError| BackendError::Device(e.to_string());
         self.rt.context().bind_to_thread().map_err(|e| BackendError::Device(e.to_string()))?;
+        self.enqueue_step(batch, out)?;
+        self.rt.synchronize().map_err(dev)
+    }
+
+    /// Enqueues a step of plain chunks: its `pre` ops, its chunks (their wanted rows into `out`), its
+    /// `post` ops. Returns without waiting.
+    fn enqueue_step(&mut self, batch: &StepBatch, out: StepOut<'_>) -> Result<(), BackendError> {
         for op in &batch.pre {
             self.apply(op)?;
         }
@@ -2277,7 +2291,7 @@ impl CudaBackend {
         for op in &batch.post {
             self.apply(op)?;
         }
-        self.rt.synchronize().map_err(dev)
+        Ok(())
     }
 
     /// `verify[i]`: chunk i is the verify pass of a speculative chunk (its token and drafts; missing
@@ -3197,19 +3211,7 @@ impl Backend for CudaBackend {
             // The host embedding's staging buffer may still be read by a pending launch's copy.
             self.rt.synchronize().map_err(|e| BackendError::Device(e.to_string()))?;
         }
-        let r = (|| {
-            for op in &batch.pre {
-                self.apply(op)?;
-            }
-            if let Some(sp) = &mut self.spec {
-                sp.verified.clear();
-            }
-            self.run_chunks(batch, &[], StepOut::Launch(LaunchOut { valid, pick, feed }))?;
-            for op in &batch.post {
-                self.apply(op)?;
-            }
-            Ok(())
-        })();
+        let r = self.enqueue_step(batch, StepOut::Launch(LaunchOut { valid, pick, feed }));
         if r.is_err() {
             self.abandon_launches();
         }

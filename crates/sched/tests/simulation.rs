@@ -5,19 +5,13 @@
 use std::collections::HashMap;
 
 use deltaserve_sched::{AdmitError, PrefixCacheConfig, SchedConfig, Scheduler};
+
+mod common;
 use proptest::prelude::*;
 
+/// The shared configuration without a prefix cache.
 fn cfg(max_batch_tokens: usize, num_pages: usize, max_seqs: usize) -> SchedConfig {
-    SchedConfig {
-        max_batch_tokens,
-        max_seqs,
-        page_size: 4,
-        num_pages,
-        max_context: 64,
-        max_waiting: 1000,
-        prefix_cache: PrefixCacheConfig::disabled(4),
-        snapshot_interval: 0,
-    }
+    common::cfg(max_batch_tokens, num_pages, max_seqs, false)
 }
 
 /// Runs a workload to completion; "sampling" appends a token derived from (id, position).

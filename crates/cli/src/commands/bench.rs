@@ -708,11 +708,8 @@ fn decode(
     let mut times = Vec::new();
     for step in 0..steps + 3 {
         let batch = StepBatch { seqs: step_seqs(b, n, ctx + step * n, per_seq, step, vocab), ..Default::default() };
-        // Sampled steps: the rule with a fixed spread of draws.
         let rows: Vec<RowSampling> = match pick {
-            Pick::Sample(r) | Pick::HostSample(r) => (0..b)
-                .map(|i| RowSampling { uniform: ((i * 7919 + step * 104_729) % 1000) as f32 / 1000.0, ..r.clone() })
-                .collect(),
+            Pick::Sample(r) | Pick::HostSample(r) => step_rows(r, b, step),
             _ => Vec::new(),
         };
         logits.clear();
@@ -735,6 +732,13 @@ fn decode(
     Ok(median(times))
 }
 
+/// Step `step`'s sampling rows of `b` sequences: `rule` with a fixed spread of draws.
+fn step_rows(rule: &RowSampling, b: usize, step: usize) -> Vec<RowSampling> {
+    (0..b)
+        .map(|i| RowSampling { uniform: ((i * 7919 + step * 104_729) % 1000) as f32 / 1000.0, ..rule.clone() })
+        .collect()
+}
+
 /// [`decode`]'s greedy (`rule` None) or sampled steps launched ahead: each step is launched, fed the
 /// previous one's picks on the device, before the previous one is collected. Median ms between
 /// consecutive collections (the time per token the engine's look-ahead gives).
@@ -753,11 +757,7 @@ fn decode_ahead(
     let mut last: Option<Instant> = None;
     for step in 0..steps + 4 {
         let batch = StepBatch { seqs: step_seqs(b, 1, ctx + step, per_seq, step, vocab), ..Default::default() };
-        let rows: Vec<RowSampling> = rule.map_or_else(Vec::new, |r| {
-            (0..b)
-                .map(|i| RowSampling { uniform: ((i * 7919 + step * 104_729) % 1000) as f32 / 1000.0, ..r.clone() })
-                .collect()
-        });
+        let rows: Vec<RowSampling> = rule.map_or_else(Vec::new, |r| step_rows(r, b, step));
         let pick =
             if rule.is_some() { deltaserve_backend::Pick::Sample(&rows) } else { deltaserve_backend::Pick::Argmax };
         be.launch(&batch, vocab, pick, (step > 0).then_some(&feed))?;

@@ -124,9 +124,7 @@ impl CudaBackend {
                 } else {
                     // Too many penalty entries for the scratch: picked on the host now; flagged in `out`
                     // so that a fed row does not run.
-                    let mut logits = vec![0f32; rows * v];
-                    self.rt.download(&mut logits, self.logits.ptr)?;
-                    let tokens = pick_rows(&mut logits, v, valid, rs, false);
+                    let tokens = self.pick_on_host(valid, rs)?;
                     let flagged: Vec<[i32; 2]> = tokens.iter().map(|&t| [t as i32, 1]).collect();
                     self.upload_i32(base + sc.out, flagged.as_flattened())?;
                     pending.ready = Some(Picked { tokens, on_device: vec![false; rows] });

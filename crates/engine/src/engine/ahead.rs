@@ -50,7 +50,7 @@ impl Live {
 impl Worker {
     /// `cur` is launched: records it as run, launches the step after it when that can be planned now,
     /// then collects `cur` and hands out its tokens.
-    pub(super) fn follow(&mut self, mut cur: Launched) {
+    pub(super) fn follow(&mut self, cur: Launched) {
         let mut ran = StepPlan::default();
         ran.batch.seqs =
             cur.plan.batch.seqs.iter().zip(&cur.skip).filter(|(_, s)| !**s).map(|(c, _)| c.clone()).collect();
@@ -104,7 +104,6 @@ impl Worker {
                 finished.push((c.seq_id, r));
             }
         }
-        cur.rows.clear();
         if let Some(n) = &mut next {
             self.mark_unrun(n, &picked, &finished);
         }

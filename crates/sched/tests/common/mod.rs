@@ -1,4 +1,6 @@
 //! Shared by the scheduler's property tests: a small configuration and a deterministic "model".
+// Each test binary uses part of it.
+#![allow(dead_code)]
 
 use deltaserve_sched::{PrefixCacheConfig, SchedConfig};
 
