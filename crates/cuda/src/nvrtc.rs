@@ -601,7 +601,7 @@ pub fn kernels_check(archs: &[&str], dims: &KernelDims) -> Result<KernelsReport,
 /// instruction of sm_70 and later is 16 bytes), sorted by name. Read from the ELF section headers
 /// (64-bit little-endian, as NVRTC emits); anything malformed gives an empty list. The size matters
 /// for kernels that run once per layer on the decode path: their code is fetched cold each time
-/// (bench/results/session23-h200-2026-12-01.md: an unrolled `qk_norm_rope` of 9K instructions was
+/// (bench/results/decode-small-kernels-h200-2026-12-01.md: an unrolled `qk_norm_rope` of 9K instructions was
 /// 2.7x slower than the 3.2K one).
 pub fn kernel_instructions(cubin: &[u8]) -> Vec<(String, usize)> {
     let u16_at = |o: usize| cubin.get(o..o + 2).map(|b| u16::from_le_bytes([b[0], b[1]]) as usize);
