@@ -7,7 +7,7 @@
 //! `DS_TRACE_SCOPE();` first in its body ([`instrument`]; `kernels/prelude.cuh` says what it
 //! records), and when the backend drops, [`dump`] writes the ring's records, oldest first, as CSV:
 //! `kernel,block,sm,start_ns,wait_ns,end_ns,wait_clk,end_clk` (times relative to the oldest record's
-//! start; wait 0: the block has no `pdl_wait()`). `scripts/trace_timeline.py` cuts the records into
+//! start; wait 0: the block has no `pdl_wait()`). `scripts/charts.py timeline` cuts the records into
 //! launches and steps and draws one step. Without the variable nothing changes: no ring, no scope.
 //! One ring per process, on the first GPU that asks (tensor-parallel ranks past the first are not
 //! traced).
