@@ -556,55 +556,40 @@ def timeline(a):
 # ---------------------------------------------------------------------------------------------------------
 
 
+def command(sub, name, run, help, *args, **kw):
+    """A subcommand `name` that calls `run`; each of `args` is a positional name or (name, options)."""
+    p = sub.add_parser(name, help=help, **kw)
+    for arg in args:
+        arg_name, opts = arg if isinstance(arg, tuple) else (arg, {})
+        p.add_argument(arg_name, **opts)
+    p.set_defaults(run=run)
+    return p
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="chart", required=True, metavar="CHART")
-    p = sub.add_parser("summary", help="print the figures of bench / soak / probe JSON files")
-    p.add_argument("files", nargs="+")
-    p.set_defaults(run=summary)
-    p = sub.add_parser("decode-ab", help="decode A/B of builds from bench JSON files")
-    p.add_argument("out")
-    p.add_argument("title")
-    p.add_argument("subtitle")
-    p.add_argument("target", type=float, help="target, % of the roofline")
-    p.add_argument("builds", nargs="+", metavar="LABEL=FILE[,FILE...]")
-    p.set_defaults(run=decode_ab)
-    p = sub.add_parser("decode-attn", help="decode attention kernels from bench_attention output")
-    p.add_argument("log")
-    p.add_argument("out")
-    p.add_argument("subtitle", nargs="?", default="")
-    p.set_defaults(run=decode_attn)
-    p = sub.add_parser("decode-variants", help="a bar per build variant from a TSV of step times")
-    p.add_argument("tsv")
-    p.add_argument("out")
-    p.add_argument("title")
-    p.add_argument("subtitle")
-    p.add_argument("roofline_ms", type=float)
-    p.add_argument("target", type=float, help="target, % of the roofline")
-    p.set_defaults(run=decode_variants)
-    p = sub.add_parser("spec", help="speculative step costs from bench --speculative-tokens JSON files")
-    p.add_argument("out")
-    p.add_argument("benches", nargs="+")
-    p.set_defaults(run=spec)
-    p = sub.add_parser("step-phases", help="where a decode step's wall time goes (bench --phases JSON)")
-    p.add_argument("bench")
-    p.add_argument("out")
-    p.add_argument("title")
-    p.set_defaults(run=step_phases)
-    p = sub.add_parser("tp", help="TP=1 vs TP=2 from two bench JSON files")
-    p.add_argument("tp1")
-    p.add_argument("tp2")
-    p.add_argument("out")
-    p.set_defaults(run=tp)
-    p = sub.add_parser("timeline", help="one decode step's kernel timeline from a DELTASERVE_TRACE file",
-                       description=TIMELINE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("trace")
+    many = {"nargs": "+"}
+    pct = ("target", {"type": float, "help": "target, % of the roofline"})
+    command(sub, "summary", summary, "print the figures of bench / soak / probe JSON files", ("files", many))
+    command(sub, "decode-ab", decode_ab, "decode A/B of builds from bench JSON files", "out", "title", "subtitle",
+            pct, ("builds", {"nargs": "+", "metavar": "LABEL=FILE[,FILE...]"}))
+    command(sub, "decode-attn", decode_attn, "decode attention kernels from bench_attention output", "log", "out",
+            ("subtitle", {"nargs": "?", "default": ""}))
+    command(sub, "decode-variants", decode_variants, "a bar per build variant from a TSV of step times", "tsv",
+            "out", "title", "subtitle", ("roofline_ms", {"type": float}), pct)
+    command(sub, "spec", spec, "speculative step costs from bench --speculative-tokens JSON files", "out",
+            ("benches", many))
+    command(sub, "step-phases", step_phases, "where a decode step's wall time goes (bench --phases JSON)", "bench",
+            "out", "title")
+    command(sub, "tp", tp, "TP=1 vs TP=2 from two bench JSON files", "tp1", "tp2", "out")
+    p = command(sub, "timeline", timeline, "one decode step's kernel timeline from a DELTASERVE_TRACE file",
+                "trace", description=TIMELINE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--last", help="the launch label (name[blocks]) that ends a step")
     p.add_argument("--svg")
     p.add_argument("--tsv")
     p.add_argument("--window", type=int, default=40, help="launches in the Gantt")
     p.add_argument("--quiet", action="store_true", help="only the summary")
-    p.set_defaults(run=timeline)
     a = ap.parse_args()
     a.run(a)
 

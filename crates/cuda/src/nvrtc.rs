@@ -202,9 +202,7 @@ pub fn compile(
     options.extend(defines.iter().map(|(k, v)| format!("-D{k}={v}")));
     // Experiments: extra options for every module (`-DNAME=VALUE` for a switch a kernel file reads
     // under #ifndef, to sweep it without rebuilding).
-    if let Ok(extra) = std::env::var("DELTASERVE_NVRTC_OPTIONS") {
-        options.extend(extra.split_whitespace().map(str::to_string));
-    }
+    options.extend(crate::switches::Switches::get().nvrtc_options.iter().cloned());
     let key = (source.module, arch.to_string(), options.clone());
     if let Ok(c) = cache().lock()
         && let Some(hit) = c.get(&key)
