@@ -9,12 +9,12 @@ then, per loop (a backward branch), the instruction count and the most frequent 
   scripts/sass.py w4a16 sm_90 --function w4p_hsb --against /tmp/base   # loops vs another checkout's build
   scripts/sass.py w4a16 sm_90 --function w4pf_sb --against /tmp/base --against-function w4p_hsb
 
-nvdisasm: from NVIDIA's `nvidia-cuda-nvdisasm` wheel or a CUDA toolkit (the device machines have one). The
--D defines are the ones `KernelDims::defines` / `AttnTiling::defines` pass (src/nvrtc.rs). Used in session 8
-to find a 32-bit division per tile in attn_prefill and to count the int4 GEMV's unpack instructions.
+nvdisasm: from NVIDIA's `nvidia-cuda-nvdisasm` wheel or a CUDA toolkit (a GPU machine with the CUDA toolkit has one). The
+-D defines are the ones `KernelDims::defines` / `AttnTiling::defines` pass (src/nvrtc.rs). It shows, e.g., a
+32-bit division per tile in a kernel's loop, or how many instructions the int4 GEMV spends unpacking weights.
 --against TREE compiles TREE's kernels too (without the -D defines) and, per loop of each kernel, counts the
 instructions a sequence diff of the opcodes (registers, predicates and constants normalised) finds placed
-differently: session 21 saw that code a kernel never runs changed ptxas's schedule of the int4 GEMV's main loop.
+differently: code a kernel never runs can still change ptxas's schedule of another kernel's main loop.
 """
 import argparse
 import ctypes

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""spec_e2e.py — speculative decoding end to end through the server (device script; stdlib only).
+"""spec_e2e.py — speculative decoding end to end through the server, on a GPU machine or the CPU (stdlib only).
 
 For each synthetic tiny model (a random MTP head: drafts rejected; agreeing heads: drafts accepted), serves
 it with `--speculative-tokens K` for K in 0 (off), 1, 3 and sends the same greedy completions (several at

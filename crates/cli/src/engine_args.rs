@@ -465,6 +465,6 @@ impl EngineArgs {
 /// The CUDA backend's options of the server and the benchmarks. `DELTASERVE_FOLD=0`: decode steps run
 /// the residual add + RMSNorm as its own kernel instead of folded into the int4 projections (an A/B switch).
 pub fn cuda_options(cuda_graphs: bool) -> CudaOptions {
-    let fold_norms = std::env::var("DELTASERVE_FOLD").map_or(true, |v| v != "0");
+    let fold_norms = deltaserve_cuda::Switches::get().fold_norms;
     CudaOptions { cuda_graphs, fold_norms, ..CudaOptions::default() }
 }

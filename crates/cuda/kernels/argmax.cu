@@ -5,7 +5,7 @@
 //           never a maximum, and a NaN at index 0 keeps index 0 (nothing compares greater than it).
 // Shapes/dtypes: x [R, ld] f32 (logits rows, ld >= valid); ids [R] i32.
 // Launch: grid (R), block 1024 (any multiple of 32 up to 1024). Arch: plain loads, warp shuffles, sm_80+.
-// Measured in the 27B decode step (H200, bench/results/session24-h200-2026-12-01.md): with one 4-byte
+// Measured in the 27B decode step (H200, bench/results/decode-timeline-and-argmax-h200-2026-12-01.md): with one 4-byte
 // load per thread per iteration the block took ~96 us for a 248,320-token row.
 // Tested by: tests/ops.rs case "argmax"; tests/backend.rs `argmax_step_picks_the_logits_argmax`.
 

@@ -90,7 +90,7 @@
 //   previous design: 154 split, 181-195 plain). ncu: ~9 instructions per mma, stalls mostly on fixed-
 //   latency dependencies ("wait"), 12 warps per SM changed little against 6. Without the per-tile
 //   page division (power-of-two pages): 205 TFLOP/s at 128K-262K keys; a third KV stage (one barrier
-//   per tile instead of two) changed nothing (bench/results/session8-h200-2026-11-29.md).
+//   per tile instead of two) changed nothing (bench/results/int4-tile-major-and-prefill-kernels-h200-2026-11-29.md).
 
 #ifndef HD
 #define HD 256
@@ -671,7 +671,7 @@ attn_prefill(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
 // Smem (HD 256, bf16 K/V): Q 64 KB + 2 stages x (K + V) x BK keys (66 / 132 KB) + the exchange 10 /
 // 18 KB = 140 KB at BK 32 (sm_80, sm_90; not sm_86/89's 99 KB: they use attn_prefill), 214 KB at BK
 // 64 (sm_90); fp8 K/V at BK 64: 212.5 KB.
-// Measured (H200, 27B shape, 4096 causal queries, bench/results/session9-h200-2026-11-30.md): 274
+// Measured (H200, 27B shape, 4096 causal queries, bench/results/attention-prefill-wide-h200-2026-11-30.md): 274
 // TFLOP/s at 128K keys at BK 64, 245 at BK 32 (attn_prefill: 205; a first wide version that split S by
 // head dims as attn_prefill does: 226).
 // Launch: grid (n_tiles, Hkv), block PW_NT, dynamic smem ops/attention.rs wide_smem_bytes;
@@ -1316,7 +1316,7 @@ extern "C" __global__ void attn_decode_combine(const float* part_o, const float*
 // Warp pairs (-DDM_PAIR=1, an experiment switch; 1-byte K and V, HD % 64 == 0): the two warps of a
 // pair take the same tiles, both compute S and the softmax (bitwise the same), and each accumulates
 // half of O's head dims from half of V, without the double buffer; at 124 registers two blocks fit an
-// SM. Measured on the H200 (fp8, 32 partitions; bench/results/session17-h200-2026-11-30.md): faster
+// SM. Measured on the H200 (fp8, 32 partitions; bench/results/decode-attention-tensor-cores-h200-2026-11-30.md): faster
 // where the grid has many blocks (b8 @ 4K 103 -> 68 us, b8 @ 32K 259 -> 231 us), slower at batch 1
 // (b1 @ 32K 44 -> 58 us, b1 @ 128K 107 -> 178 us: 128 blocks, one per SM, now 4 tile columns). Chosen
 // per launch it would make a row's bits depend on its batch, hence off.
@@ -1475,7 +1475,7 @@ attn_decode_mma(const bf16_t* q, const void* k_cache, const void* v_cache, const
     // Launched programmatically on sm_90. It lets the next kernel (the combine, then the GEMV after it)
     // launch only once its first K/V loads are issued (pdl_trigger below; a block without keys triggers
     // by exiting): triggered at the start, the GEMV's first weights queued ahead of those loads
-    // (bench/results/session25-h200-2026-12-01.md).
+    // (bench/results/decode-attention-layer-kernels-h200-2026-12-01.md).
     const int b = blockIdx.x, hkv = blockIdx.y, sp = blockIdx.z;
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int col = DM_PAIR ? w >> 1 : w;  // tile column (tiles col, col + DM_NP, ...)

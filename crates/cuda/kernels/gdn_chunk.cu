@@ -32,7 +32,7 @@
 //      constant offsets (unpredicated but for a sequence's last chunk); B fragments come in by
 //      ldmatrix (one instruction per two n-tiles). The walk is bound by its own instruction stream (one block per
 //      (sequence, head, 64 columns), one warp per scheduler), so every instruction per chunk counts:
-//      an L2 prefetch of the next chunks cost more than it saved (bench/results/session10-*.md).
+//      an L2 prefetch of the next chunks cost more than it saved (bench/results/deltanet-prefill-kernels-h200-2026-11-30.md).
 //      The state is read once and written once per (sequence, head) per launch.
 // Precision (gdn_chunk_state, and prep's precise != 0, the default): every operand that is not exactly bf16 (h, T*scale, w, P,
 //   v_new) is split into hi + lo bf16 and the products hi*hi + lo*hi + hi*lo are summed in f32

@@ -349,7 +349,7 @@ __device__ __forceinline__ bf16_t conv_decode_step(bf16_t x, const bf16_t* __res
 // be read through the non-coherent read-only path: no ld_nc / __ldg, and no `const T* __restrict__`
 // parameters for them, of the kernel or of a helper it calls (from which the compiler may emit
 // ld.global.nc). Measured on the H200
-// (bench/results/session19-h200-2026-11-30.md): a `const __restrict__` load of z (written by the
+// (bench/results/pdl-coherent-loads-h200-2026-11-30.md): a `const __restrict__` load of z (written by the
 // in-projection two kernels back) right after pdl_wait() read the previous layer's values; the same
 // load through L2, or placed later, read the right ones. tests/pdl_reads.rs checks the sources.
 __device__ __forceinline__ void pdl_trigger() {

@@ -51,7 +51,7 @@ extern "C" __global__ void rope_partial(bf16_t* x, long long tok_stride, const i
 // One warp per row, 8 rows per block (a 256-thread block per row spent most of a prefill step being
 // scheduled: 115K blocks for 4,096 tokens). The rotation's loops stay rolled:
 // unrolled, sinf / cosf's rarely taken large-argument paths made the kernel ~9K instructions and, with
-// its code fetched once per layer, 2.7x slower (bench/results/session23-h200-2026-12-01.md).
+// its code fetched once per layer, 2.7x slower (bench/results/decode-small-kernels-h200-2026-12-01.md).
 // Launch: grid (ceil(T*(nq + nk + nv)/8)), block 256. Tested by: tests/ops.rs cases "qk_norm_rope"
 // (vs rms_norm_1p + rope_partial) and "qk_norm_rope_kv" (vs the same launch without KV + kv_write_q).
 #define QKNR_MAX_D 512

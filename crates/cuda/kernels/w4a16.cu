@@ -467,7 +467,7 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
 // One instantiation of w4p_body per kernel: VEC (every segment's out and os multiples of 4: scales and
 // zeros of a lane's 4 rows in one load each) or not (w4ps_* / w4pfs_*, row by row), chosen by the
 // launcher. With both in one kernel (a branch per block, as before session 27) the 27B's decode step was
-// ~0.1 ms slower at batch 1 and 8, 1K and 32K (bench/results/session27-h200-2026-12-01.md). With the two
+// ~0.1 ms slower at batch 1 and 8, 1K and 32K (bench/results/int4-gemv-one-body-h200-2026-12-01.md). With the two
 // bodies side by side ptxas schedules the loop differently and the kernel's code is twice as long; which
 // of the two cost the time was not isolated.
 #define W4P_KERNEL(NAME, OUT_T, ASYM, SBF, VEC)                                                               \
@@ -481,12 +481,12 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
     }
 // The folded kernels (bf16 outputs): fx, nw, fss, fmode, fnp, feps are W4Fold's (mode 1 launches one
 // linear, whose segments' offsets y_s - y0 locate their rows). A kernel of its own, so that the fold's
-// code leaves w4p_*'s unchanged (bench/results/session21-h200-2026-11-30.md: with it inside, ptxas
+// code leaves w4p_*'s unchanged (bench/results/int4-gemv-folded-norm-h200-2026-11-30.md: with it inside, ptxas
 // scheduled the plain kernel's main loop differently and the decode step was ~0.4 ms slower).
 // Before adding a kernel or epilogue code here, compare the main loops' SASS (scripts/sass.py --against):
 // session 22's new instantiations of w4p_body (the SwiGLU folded into gate/up) ran that loop 0.12-0.46 ms
 // per 27B step slower in the step, though as fast alone; an epilogue added to w4pf_* that left its loop
-// as it was (1 of 824 instructions moved) measured faster (bench/results/session22-h200-2026-11-30.md).
+// as it was (1 of 824 instructions moved) measured faster (bench/results/int4-gemv-folded-swiglu-h200-2026-11-30.md).
 // Session 27's split over K with an in-kernel merge moved 332 of its 824 instructions and made the step
 // 0.55 ms slower with the split off (w4-splitk-merge-s27-reverted.diff).
 #define W4P_FOLD_KERNEL(NAME, ASYM, SBF, VEC)                                                                 \
@@ -553,7 +553,8 @@ __device__ __forceinline__ float w4_zf(u32 z) { return __uint_as_float(0x4b00000
 // memory so that each 16-byte store instruction writes 512 contiguous bytes (stored straight from
 // registers, every instruction wrote 32 half sectors and the kernel was bound by L2 write
 // transactions at ~1.3 TB/s). 32-bit slice indices (the launcher keeps rows * in / 32 below 2^31).
-// (Four items per thread with all loads first was slower: bench/results/session8-h200-2026-11-29.md.)
+// (Four items per thread with all loads first was slower:
+// bench/results/int4-tile-major-and-prefill-kernels-h200-2026-11-29.md.)
 // With perm: one thread per word, each column scattered to its input feature.
 extern "C" __global__ void __launch_bounds__(256)
 w4_dequant(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,

@@ -9,6 +9,7 @@
 //! - [`w4`]: the device format of 4-bit (W4A16) linears: GPTQ conversion, reference quantiser;
 //! - [`collective`]: NCCL communicators over local GPUs, in-place all-reduce (sum) and all-gather;
 //! - [`backend`]: [`CudaBackend`], the engine's `Backend` over the static plan's memory;
+//! - [`switches`]: the `DELTASERVE_*` environment switches, read once;
 //! - [`trace`]: an opt-in timeline of every kernel block (`DELTASERVE_TRACE`), for profiling;
 //! - [`gdn_bench`]: timing of the chunked DeltaNet prefill kernels at a model's shape (`bench`).
 //!
@@ -23,6 +24,7 @@ pub mod gemm;
 pub mod nvrtc;
 pub mod ops;
 pub mod runtime;
+pub mod switches;
 pub mod tp;
 pub mod trace;
 pub mod w4;
@@ -33,4 +35,5 @@ pub use error::CudaError;
 pub use nvrtc::{AttnTiling, KernelDims, KernelsReport, KvFormats, kernels_check};
 pub use ops::Kernels;
 pub use runtime::{LibStatus, Runtime, device_count};
+pub use switches::Switches;
 pub use tp::TpBackend;

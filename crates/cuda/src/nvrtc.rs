@@ -202,9 +202,7 @@ pub fn compile(
     options.extend(defines.iter().map(|(k, v)| format!("-D{k}={v}")));
     // Experiments: extra options for every module (`-DNAME=VALUE` for a switch a kernel file reads
     // under #ifndef, to sweep it without rebuilding).
-    if let Ok(extra) = std::env::var("DELTASERVE_NVRTC_OPTIONS") {
-        options.extend(extra.split_whitespace().map(str::to_string));
-    }
+    options.extend(crate::switches::Switches::get().nvrtc_options.iter().cloned());
     let key = (source.module, arch.to_string(), options.clone());
     if let Ok(c) = cache().lock()
         && let Some(hit) = c.get(&key)
@@ -601,7 +599,7 @@ pub fn kernels_check(archs: &[&str], dims: &KernelDims) -> Result<KernelsReport,
 /// instruction of sm_70 and later is 16 bytes), sorted by name. Read from the ELF section headers
 /// (64-bit little-endian, as NVRTC emits); anything malformed gives an empty list. The size matters
 /// for kernels that run once per layer on the decode path: their code is fetched cold each time
-/// (bench/results/session23-h200-2026-12-01.md: an unrolled `qk_norm_rope` of 9K instructions was
+/// (bench/results/decode-small-kernels-h200-2026-12-01.md: an unrolled `qk_norm_rope` of 9K instructions was
 /// 2.7x slower than the 3.2K one).
 pub fn kernel_instructions(cubin: &[u8]) -> Vec<(String, usize)> {
     let u16_at = |o: usize| cubin.get(o..o + 2).map(|b| u16::from_le_bytes([b[0], b[1]]) as usize);

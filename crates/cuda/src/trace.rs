@@ -7,7 +7,7 @@
 //! `DS_TRACE_SCOPE();` first in its body ([`instrument`]; `kernels/prelude.cuh` says what it
 //! records), and when the backend drops, [`dump`] writes the ring's records, oldest first, as CSV:
 //! `kernel,block,sm,start_ns,wait_ns,end_ns,wait_clk,end_clk` (times relative to the oldest record's
-//! start; wait 0: the block has no `pdl_wait()`). `scripts/trace_timeline.py` cuts the records into
+//! start; wait 0: the block has no `pdl_wait()`). `scripts/charts.py timeline` cuts the records into
 //! launches and steps and draws one step. Without the variable nothing changes: no ring, no scope.
 //! One ring per process, on the first GPU that asks (tensor-parallel ranks past the first are not
 //! traced).
@@ -21,6 +21,7 @@ use cudarc::driver::{CudaContext, result};
 
 use crate::error::CudaError;
 use crate::runtime::Runtime;
+use crate::switches::Switches;
 
 /// Records the ring holds unless `DELTASERVE_TRACE_CAP` says otherwise (~4 decode steps of the 27B).
 pub const DEFAULT_CAP: usize = 1 << 18;
@@ -42,15 +43,16 @@ fn ring() -> &'static Mutex<Option<Ring>> {
 /// The compile-time defines that turn tracing on for kernels compiled on `rt`'s GPU (empty without
 /// `DELTASERVE_TRACE`). Allocates and zeroes the ring on the first call.
 pub fn defines(rt: &Runtime) -> Result<Vec<(&'static str, String)>, CudaError> {
-    let Some(path) = std::env::var_os("DELTASERVE_TRACE").filter(|p| !p.is_empty()) else {
+    let switches = Switches::get();
+    let Some(path) = switches.trace.clone() else {
         return Ok(Vec::new());
     };
-    let cap = match std::env::var("DELTASERVE_TRACE_CAP") {
-        Ok(v) => v.parse::<usize>().ok().filter(|&c| c > 0).ok_or_else(|| CudaError::InvalidArgs {
+    let cap = match &switches.trace_cap {
+        Some(v) => v.parse::<usize>().ok().filter(|&c| c > 0).ok_or_else(|| CudaError::InvalidArgs {
             kernel: "trace",
             msg: format!("DELTASERVE_TRACE_CAP must be a positive number of records, not {v:?}"),
         })?,
-        Err(_) => DEFAULT_CAP,
+        None => DEFAULT_CAP,
     };
     let mut guard = ring().lock().map_err(|_| poisoned())?;
     if let Some(r) = guard.as_ref() {
@@ -68,9 +70,9 @@ pub fn defines(rt: &Runtime) -> Result<Vec<(&'static str, String)>, CudaError> {
         tracing::warn!(
             "kernel trace on: {cap} block records ({:.1} MiB outside the memory plan) to {}",
             bytes as f64 / (1u64 << 20) as f64,
-            PathBuf::from(&path).display()
+            path.display()
         );
-        *guard = Some(Ring { ctx: rt.context().clone(), ptr, cap, path: PathBuf::from(path) });
+        *guard = Some(Ring { ctx: rt.context().clone(), ptr, cap, path });
     }
     let r = guard.as_ref().expect("set above");
     Ok(ring_defines(r.ptr, r.cap))

@@ -12,7 +12,8 @@
 //!
 //! `DS_BENCH_W4=<substring>` runs only the decode shapes whose name contains it (for profilers);
 //! `DS_BENCH_W4_SWEEP=1` runs only the shape sweep (the GEMV's fixed cost per launch:
-//! bench/results/session11-h200-2026-11-30.md; its wave quantisation: session13), over the shapes
+//! bench/results/decode-gemv-pdl-h200-2026-11-30.md; its wave quantisation:
+//! bench/results/int4-gemv-waves-h200-2026-11-30.md), over the shapes
 //! `DS_BENCH_W4_SHAPES="out:in,..."` when set.
 
 use std::sync::Arc;
@@ -419,7 +420,7 @@ fn shape_sweep(rt: &Runtime, k: &Kernels, copy: f64) -> R<()> {
     println!("| out x in | wpt | blocks | waves (2/SM) | groups per warp | us | % of copy |");
     println!("|---|---|---|---|---|---|---|");
     // DS_BENCH_W4_SHAPES="out:in,out:in,...": these shapes instead of the default list (e.g. rows
-    // either side of a wave boundary: bench/results/session13-h200-2026-11-30.md).
+    // either side of a wave boundary: bench/results/int4-gemv-waves-h200-2026-11-30.md).
     let shapes: Vec<(usize, usize)> = match std::env::var("DS_BENCH_W4_SHAPES") {
         Ok(v) => v
             .split(',')

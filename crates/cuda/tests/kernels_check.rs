@@ -6,7 +6,7 @@ use deltaserve_cuda::nvrtc::{CHECK_ARCHS, KernelDims, KernelsReport, kernels_che
 /// The small kernels a decode step launches once per layer (besides the int4 GEMVs, whose code is
 /// mostly their main loop): their code is fetched cold at every launch, so it must stay small. An
 /// unrolled `qk_norm_rope` of 9,104 instructions ran 2.7x slower than the 3,208-instruction one and
-/// made the 27B step slower (bench/results/session23-h200-2026-12-01.md).
+/// made the 27B step slower (bench/results/decode-small-kernels-h200-2026-12-01.md).
 const PER_LAYER_DECODE_KERNELS: &[&str] =
     &["qk_norm_rope", "attn_decode_mma", "attn_decode_combine", "gdn_conv_gate_decode", "gdn_decode_gated", "swiglu8"];
 /// Their budget: 64 KB of code.

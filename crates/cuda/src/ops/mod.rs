@@ -30,6 +30,7 @@ use cudarc::nvrtc::Ptx;
 use crate::error::CudaError;
 use crate::nvrtc::{self, AttnTiling, KernelDims, KvFormats, SOURCES};
 use crate::runtime::Runtime;
+use crate::switches::Switches;
 
 /// Every kernel of the crate, compiled for one device and one set of [`KernelDims`].
 pub struct Kernels {
@@ -69,7 +70,7 @@ impl Kernels {
     /// tiling, or with `DELTASERVE_ATTN_PREFILL=pair` the warp-pair prefill kernel (`attn_prefill`,
     /// 32-key tiles) instead of the wide one: an A/B switch for comparing the two end to end.
     pub fn load_kv(rt: &Runtime, dims: KernelDims, kv: KvFormats) -> Result<Kernels, CudaError> {
-        let pair = std::env::var("DELTASERVE_ATTN_PREFILL").is_ok_and(|v| v == "pair");
+        let pair = Switches::get().attn_prefill_pair;
         let tiling =
             if pair { AttnTiling { keys: 32, wide: false, ..AttnTiling::DEFAULT } } else { AttnTiling::DEFAULT };
         Self::load_tiled(rt, dims, kv, tiling)
@@ -117,9 +118,9 @@ impl Kernels {
                 funcs.insert(name, f);
             }
         }
-        let pdl = pdl_enabled(rt.cc, std::env::var("DELTASERVE_PDL").ok().as_deref());
-        let decode_mma = attention::decode_mma_supported(&kv, dims.attn_head_dim)
-            && std::env::var("DELTASERVE_DECODE_ATTN").map_or(true, |v| v != "split");
+        let switches = Switches::get();
+        let pdl = pdl_enabled(rt.cc, switches.pdl.as_deref());
+        let decode_mma = attention::decode_mma_supported(&kv, dims.attn_head_dim) && !switches.decode_attn_split;
         let load_ms = t0.elapsed().as_secs_f64() * 1e3;
         let mut k = Kernels { funcs, dims, kv, attn, arch, load_ms, pdl, w4_slots: 0, decode_mma };
         for (name, bytes) in [

@@ -36,7 +36,7 @@ pub fn add_rms_norm_1p(
 /// Threads of an add_rms_norm_1p block for rows of `d`: one per 16-byte vector of the row (all its
 /// loads in one round trip), 256 to 640 (the kernel's 68 registers x 640 fit an SM). At the 27B's
 /// 5,120: 640, which took the H200's batch-1 decode step from 6.28 to 6.20 ms
-/// (bench/results/session19-h200-2026-11-30.md).
+/// (bench/results/pdl-coherent-loads-h200-2026-11-30.md).
 fn add_norm_threads(d: usize) -> u32 {
     (d.div_ceil(8).next_multiple_of(32)).clamp(256, 640) as u32
 }

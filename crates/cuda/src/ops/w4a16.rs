@@ -85,7 +85,7 @@ pub(crate) const FOLD_KERNELS: [&str; 8] =
 /// The pair kernel for an output dtype, zero points and scale dtype (see kernels/w4a16.cu), or with
 /// `fold` the folded one (bf16 outputs); `vec`: every segment's rows (and its linear's) are a multiple
 /// of 4. One body per kernel: the two side by side made the decode step slower
-/// (bench/results/session27-h200-2026-12-01.md).
+/// (bench/results/int4-gemv-one-body-h200-2026-12-01.md).
 fn pair_kernel(f32_out: bool, asym: bool, bf16_scales: bool, fold: bool, vec: bool) -> &'static str {
     let rows = usize::from(!vec);
     if fold {
@@ -115,7 +115,7 @@ pub struct GemvConfig {
 /// fill at least 60% of that wave (else 8), and no more than half as many warps as there are groups. Fewer warps
 /// per pair means fewer, longer blocks (fewer pipeline fills, no reduction); 60% of a wave keeps the
 /// SMs busy enough. On the H200 this picks the fastest of the four at every measured shape
-/// (bench/results/session13-h200-2026-11-30.md; gate+up 34,816 × 5,120: 2, which with the
+/// (bench/results/int4-gemv-waves-h200-2026-11-30.md; gate+up 34,816 × 5,120: 2, which with the
 /// thin-wave split of [`launch_segments`] runs in one wave and a short tail).
 pub fn gemv_config(out: usize, inp: usize, slots: usize) -> GemvConfig {
     let pairs = out.div_ceil(PAIR_ROWS);

@@ -1,0 +1,120 @@
+//! The CUDA backend's environment switches (A/B comparisons and diagnostics), read once per process
+//! into [`Switches`] and logged once when any is set. `docs/environment.md` lists every variable
+//! deltaserve reads.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+/// Every `DELTASERVE_*` switch of the CUDA backend, as read from the environment at the first
+/// [`Switches::get`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Switches {
+    /// `DELTASERVE_PDL`: `0` launches the decode kernels the ordinary way on sm_90+ instead of
+    /// programmatically ([`crate::ops::pdl_enabled`] applies it); unset: programmatic on sm_90+.
+    pub pdl: Option<String>,
+    /// `DELTASERVE_DECODE_ATTN=split`: decode attention runs `attn_decode_split` (CUDA cores)
+    /// instead of the tensor-core `attn_decode_mma`.
+    pub decode_attn_split: bool,
+    /// `DELTASERVE_ATTN_PREFILL=pair`: attention prefill runs the warp-pair kernel (`attn_prefill`,
+    /// 32-key tiles) instead of the wide one.
+    pub attn_prefill_pair: bool,
+    /// `DELTASERVE_NVRTC_OPTIONS`: extra NVRTC options (split at whitespace) for every kernel module,
+    /// e.g. `-DNAME=VALUE` for a switch a kernel file reads under `#ifndef`.
+    pub nvrtc_options: Vec<String>,
+    /// `DELTASERVE_TRACE=<file.csv>`: record a timeline of every kernel block to this file
+    /// ([`crate::trace`]); unset or empty: no trace.
+    pub trace: Option<PathBuf>,
+    /// `DELTASERVE_TRACE_CAP`: the trace ring's records, as given (checked by [`crate::trace`];
+    /// unset: [`crate::trace::DEFAULT_CAP`]).
+    pub trace_cap: Option<String>,
+    /// `DELTASERVE_FOLD`: `0` runs the residual add + RMSNorm of int4 decode steps as its own kernel
+    /// instead of folded into the projections around it (the default of
+    /// `CudaOptions::fold_norms` that the server and the benchmarks use).
+    pub fold_norms: bool,
+}
+
+impl Switches {
+    /// The switches in the current environment (values that are not valid Unicode count as unset).
+    pub fn from_env() -> Switches {
+        Switches {
+            // A path need not be Unicode.
+            trace: std::env::var_os("DELTASERVE_TRACE").filter(|p| !p.is_empty()).map(PathBuf::from),
+            ..Self::from_lookup(|name| std::env::var(name).ok())
+        }
+    }
+
+    /// The switches from `var`, which returns a variable's value (`None`: unset).
+    pub fn from_lookup(var: impl Fn(&str) -> Option<String>) -> Switches {
+        Switches {
+            pdl: var("DELTASERVE_PDL"),
+            decode_attn_split: var("DELTASERVE_DECODE_ATTN").is_some_and(|v| v == "split"),
+            attn_prefill_pair: var("DELTASERVE_ATTN_PREFILL").is_some_and(|v| v == "pair"),
+            nvrtc_options: var("DELTASERVE_NVRTC_OPTIONS")
+                .map(|v| v.split_whitespace().map(str::to_string).collect())
+                .unwrap_or_default(),
+            trace: var("DELTASERVE_TRACE").filter(|p| !p.is_empty()).map(PathBuf::from),
+            trace_cap: var("DELTASERVE_TRACE_CAP"),
+            fold_norms: var("DELTASERVE_FOLD").is_none_or(|v| v != "0"),
+        }
+    }
+
+    /// The process's switches: read from the environment on the first call (and logged if any is
+    /// set), the same value afterwards.
+    pub fn get() -> &'static Switches {
+        static SWITCHES: OnceLock<Switches> = OnceLock::new();
+        SWITCHES.get_or_init(|| {
+            let s = Switches::from_env();
+            if s.any_set() {
+                tracing::info!(switches = ?s, "CUDA environment switches set");
+            }
+            s
+        })
+    }
+
+    /// Whether any switch differs from its default.
+    pub fn any_set(&self) -> bool {
+        *self != Switches { fold_norms: true, ..Switches::default() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Switches;
+
+    fn from(pairs: &[(&str, &str)]) -> Switches {
+        Switches::from_lookup(|name| pairs.iter().find(|(k, _)| *k == name).map(|(_, v)| v.to_string()))
+    }
+
+    #[test]
+    fn defaults_without_variables() {
+        let s = from(&[]);
+        assert!(!s.any_set());
+        assert!(s.fold_norms && !s.decode_attn_split && !s.attn_prefill_pair);
+        assert!(s.pdl.is_none() && s.nvrtc_options.is_empty() && s.trace_cap.is_none());
+    }
+
+    #[test]
+    fn values_that_switch() {
+        let s = from(&[
+            ("DELTASERVE_PDL", "0"),
+            ("DELTASERVE_DECODE_ATTN", "split"),
+            ("DELTASERVE_ATTN_PREFILL", "pair"),
+            ("DELTASERVE_NVRTC_OPTIONS", " -DA=1  -DB=2 "),
+            ("DELTASERVE_TRACE_CAP", "1024"),
+            ("DELTASERVE_FOLD", "0"),
+        ]);
+        assert!(s.any_set());
+        assert_eq!(s.pdl.as_deref(), Some("0"));
+        assert!(s.decode_attn_split && s.attn_prefill_pair && !s.fold_norms);
+        assert_eq!(s.nvrtc_options, ["-DA=1", "-DB=2"]);
+        assert_eq!(s.trace_cap.as_deref(), Some("1024"));
+    }
+
+    #[test]
+    fn other_values_keep_the_defaults() {
+        let s =
+            from(&[("DELTASERVE_DECODE_ATTN", "mma"), ("DELTASERVE_ATTN_PREFILL", "wide"), ("DELTASERVE_FOLD", "1")]);
+        assert!(!s.decode_attn_split && !s.attn_prefill_pair && s.fold_norms);
+        assert!(!s.any_set());
+    }
+}

@@ -1,0 +1,302 @@
+#!/usr/bin/env bash
+# gpu.sh — check and measure deltaserve on a GPU machine: the CUDA kernels and the backend against the
+# CPU reference, `deltaserve bench` / `soak` / `probe`, decode A/B runs, Nsight Compute profiles and
+# tensor parallelism. Each step runs under its own timeout and writes its logs, JSON and SVG files to
+# the output folder; a step's failure is reported and the next step runs.
+#
+# Usage: scripts/gpu.sh [--out DIR] STEP [STEP...]
+#        scripts/gpu.sh --stage DIR     copy deltaserve and the CUDA test binaries into DIR, for a GPU
+#                                       machine without a Rust toolchain (then GPU_BIN_DIR=DIR there)
+#        scripts/gpu.sh --help
+#
+# Build first (any machine; CUDA is loaded at run time, the kernels are compiled by NVRTC on the GPU):
+#   cargo build --release -p deltaserve && cargo test -p deltaserve-cuda --release --no-run
+#
+# Environment:
+#   GPU_BIN_DIR   where `deltaserve` and the test binaries are (default: ${CARGO_TARGET_DIR:-target}/release;
+#                 test binaries are taken from its deps/ folder, the newest of each name, or from the
+#                 folder itself when staged)
+#   GPU_OUT       the output folder (default: gpu-results); --out DIR overrides it
+#   BENCH_ARGS    replaces the `deltaserve bench` arguments of bench-bf16, bench-int4 and tp
+#   SWEEP         decode: ";"-separated sets of space-separated VAR=VALUE, each an environment the int4
+#                 decode points run under (default: "" and DELTASERVE_PDL=0, i.e. PDL on against off)
+#   ROUNDS        decode: rounds over the sets (default 2)
+#   SOAK_TARGET   soak: tokens the agent session grows to (default 131072)
+#   PROBE_RUNGS, PROBE_TURNS   probe, probe-int4 and tp: the ladder's rungs and conversation turns
+#   PROFILE       profile: what to profile, of decode,decode-int4,gdn,attn,w4 (default decode,decode-int4)
+#   DS_OPS_FILTER ops: only the kernel cases whose name contains it
+#   BACKEND_ARGS  backend: extra test arguments (e.g. --skip hf_fixtures_logits without fixtures/hf)
+#
+# Steps:
+#   ops          kernels_check (every module built for sm_80/86/89/90) and every kernel against the CPU
+#                reference (random inputs, poisoned outputs, awkward sizes)
+#   gdn          the chunked DeltaNet prefill kernels at the 27B shape (M tokens/s per layer)
+#   w4           the int4 GEMV at the 27B shapes (GB/s against copy); w4-sweep: over shapes varying its
+#                waves and groups per warp
+#   attn         the attention kernels alone (tests/bench_attention.rs): decode, then prefill
+#   backend      CudaBackend against the CPU engine (logits, batching, snapshots, CUDA graphs, arena,
+#                int4, quantised KV, sampling, steps launched ahead)
+#   backend-bench  the backend's 27B step benchmark (tests/bench_backend.rs)
+#   spec         speculative decoding: tests/speculative.rs, scripts/spec_e2e.py through the server, and
+#                `bench --speculative-tokens 2/3` against plain decode (chart: spec-steps.svg)
+#   bench-bf16   `deltaserve bench` on the 27B shapes, bf16, all defaults: ceilings, DeltaNet kernels,
+#                prefill 1K..262K, decode b1/8/32 at 1K/32K, snapshots, memory
+#   bench-int4   `deltaserve bench` with int4 weights, fp8 KV, int4 lm_head, host embedding, 24 GiB
+#   decode       the int4 decode points (b1/b8 at 1K/32K, 48 steps) under each environment of SWEEP,
+#                alternating, ROUNDS rounds (chart: decode-ab.svg)
+#   steps        where an int4 decode step's wall time goes (`bench --phases`, chart: step-phases.svg)
+#   timeline     one traced int4 decode step (DELTASERVE_TRACE; table, TSV and timeline.svg)
+#   soak         a 12-turn agent session to SOAK_TARGET tokens on the 27B shapes (TTFT per new token)
+#   probe        the ceiling ladder at the full 262,144 context, 27B bf16
+#   probe-int4   the same with int4 weights and fp8 KV in 24 GiB
+#   smoke        the built-in demo model served on CUDA, a short soak
+#   tp           on 2 GPUs: NCCL and TP=2 tests, `bench` at TP=2 and TP=1 (chart: tp.svg), the TP=2 probe
+#                with int4 weights at 24 GiB per card
+#   profile      Nsight Compute (ncu): decode step kernels' durations (bf16, int4), the DeltaNet chunk
+#                kernels, attention prefill at 32K keys, the int4 pair GEMV
+#   all          ops backend bench-bf16 soak probe probe-int4 bench-int4
+set -uo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+BIN_DIR="${GPU_BIN_DIR:-${CARGO_TARGET_DIR:-$ROOT/target}/release}"
+OUT_DIR="${GPU_OUT:-gpu-results}"
+TESTS="ops kernels_check bench_w4 bench_attention bench_backend backend speculative nccl tp"
+INT4="--weights-dtype int4 --kv-cache-dtype fp8 --lm-head-int4 --embed-on-host --memory 24GiB"
+DECODE="--prompts 512 --batches 1,8 --contexts 1024,32768 --steps 48 --verify-tokens 0"
+Q27="--device cuda --preset qwen3.6-27b --random-weights"
+
+usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
+
+# The binary NAME: $BIN_DIR/NAME when present (deltaserve, or a staged test), else the newest
+# $BIN_DIR/deps/NAME-<hash> test binary.
+bin() {
+    if [[ -x "$BIN_DIR/$1" ]]; then echo "$BIN_DIR/$1"; return; fi
+    ls -t "$BIN_DIR"/deps/"$1"-* 2>/dev/null | grep -v '\.d$' | head -1
+}
+
+stage() {
+    local dir=$1 t b
+    mkdir -p "$dir"
+    cp "$BIN_DIR/deltaserve" "$dir/" || exit 1
+    for t in $TESTS; do
+        b=$(bin "$t")
+        if [[ -n "$b" ]]; then cp "$b" "$dir/$t"; else echo "no release test binary for $t" >&2; fi
+    done
+    ls -la "$dir"
+}
+
+t0=$(date +%s)
+section() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
+
+# run NAME SECONDS PATTERN CMD...: CMD under a timeout into $OUT_DIR/NAME.log; prints its exit status and
+# the lines matching PATTERN.
+run() {
+    local name=$1 secs=$2 pat=$3
+    shift 3
+    timeout "$secs" "$@" >"$OUT_DIR/$name.log" 2>&1
+    echo "rc=$?"
+    grep -E "$pat" "$OUT_DIR/$name.log" | head -40
+}
+
+# test NAME SECONDS PATTERN TEST ARGS...: one test binary's run.
+test_run() {
+    local name=$1 secs=$2 pat=$3 t=$4 b
+    shift 4
+    b=$(bin "$t")
+    [[ -n "$b" ]] || { echo "no test binary $t in $BIN_DIR (cargo test -p deltaserve-cuda --release --no-run)"; return; }
+    run "$name" "$secs" "$pat" "$b" "$@"
+}
+
+TESTS_PAT="^test |test result|panicked|FAIL"
+
+# ds NAME SECONDS ARGS...: `deltaserve ARGS --json` into $OUT_DIR/NAME.json (log: NAME.log), then its summary.
+ds() {
+    local name=$1 secs=$2
+    shift 2
+    timeout "$secs" "$DS" "$@" --json >"$OUT_DIR/$name.json" 2>"$OUT_DIR/$name.log"
+    echo "rc=$?"
+    tail -n 2 "$OUT_DIR/$name.log"
+    python3 "$ROOT/scripts/charts.py" summary "$OUT_DIR/$name.json" || true
+}
+
+# Sample the driver-reported memory of compute processes into FILE every 2 s until smi_stop.
+smi_start() { (while sleep 2; do nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader; done) >>"$1" 2>&1 & SMI=$!; }
+smi_stop() { kill "$SMI" 2>/dev/null; sort -t, -k2 -n "$1" | tail -n 1 | sed 's/^/peak driver-reported process memory: /'; }
+
+step_ops() {
+    test_run kernels_check 120 "NVRTC|module builds|FAIL|test result" kernels_check --nocapture
+    test_run ops 240 "FAIL|test result|panicked" ops --nocapture --test-threads=1 ops_match_cpu_reference
+}
+step_gdn() { test_run gdn 120 "^\||BENCH|panicked" ops --nocapture --ignored bench_gdn_prefill_27b; }
+step_w4() { test_run w4 200 "BENCH|pair|panicked|Best|units|rows" bench_w4 --nocapture --ignored bench_w4_27b; }
+step_w4-sweep() {
+    DS_BENCH_W4_SWEEP=1 test_run w4-sweep 120 "^\||panicked" bench_w4 --nocapture --ignored bench_w4_27b
+}
+step_attn() {
+    DS_BENCH_ATTN=decode test_run attn-decode 150 "attn_decode|split|panicked|^\|" bench_attention --nocapture --ignored
+    DS_BENCH_ATTN=prefill test_run attn-prefill 150 "attn_prefill|^ +[0-9]|panicked" bench_attention --nocapture --ignored
+    python3 "$ROOT/scripts/charts.py" decode-attn "$OUT_DIR/attn-decode.log" "$OUT_DIR/attn-decode.svg" || true
+}
+# shellcheck disable=SC2086 # BACKEND_ARGS: extra test arguments, e.g. --skip hf_fixtures_logits
+step_backend() { test_run backend 300 "$TESTS_PAT" backend --nocapture --test-threads=1 ${BACKEND_ARGS:-}; }
+step_backend-bench() { test_run backend-bench 200 "BENCH|test result|panicked|rror" bench_backend --nocapture --ignored bench_27b; }
+
+step_spec() {
+    local k base="--prompts 1024 --batches 1,8 --contexts 1024,32768 --steps 16"
+    test_run spec 200 "$TESTS_PAT|: [0-9]+ rows|median|drafts|k = " speculative --nocapture --test-threads=1
+    run spec-e2e 240 "." python3 "$ROOT/scripts/spec_e2e.py" "$DS" "$OUT_DIR/spec-e2e.json" --device cuda
+    for k in 2 3; do
+        # shellcheck disable=SC2086 # word lists of arguments
+        ds "bench-spec$k" 200 bench $base --speculative-tokens "$k" --verify-tokens $((k + 1))
+    done
+    # shellcheck disable=SC2086
+    ds bench-spec-base 150 bench $base
+    python3 "$ROOT/scripts/charts.py" spec "$OUT_DIR/spec-steps.svg" "$OUT_DIR/bench-spec2.json" "$OUT_DIR/bench-spec3.json" || true
+}
+
+step_bench-bf16() {
+    # shellcheck disable=SC2086
+    ds bench-bf16 330 bench ${BENCH_ARGS:-} --svg "$OUT_DIR/bench-bf16.svg"
+}
+step_bench-int4() {
+    # shellcheck disable=SC2086
+    ds bench-int4 240 bench ${BENCH_ARGS:---prompts 512,4096,32768 --batches 1,8 --contexts 1024,32768} $INT4 \
+        --svg "$OUT_DIR/bench-int4.svg"
+}
+
+step_decode() {
+    local sets i round o builds=()
+    IFS=';' read -ra sets <<<"${SWEEP:-;DELTASERVE_PDL=0}"
+    for ((round = 1; round <= ${ROUNDS:-2}; round++)); do
+        for i in "${!sets[@]}"; do
+            o="${sets[$i]}"
+            # shellcheck disable=SC2086 # a set is words VAR=VALUE
+            env $o timeout 150 "$DS" bench $DECODE $INT4 --json >"$OUT_DIR/decode$i-r$round.json" 2>"$OUT_DIR/decode$i-r$round.log"
+            python3 -c "import json; d=json.load(open('$OUT_DIR/decode$i-r$round.json')); print('[$o] round $round', ' '.join('b%d@%d %.3f' % (r['batch'], r['context'], r['ms_per_step']) for r in d['decode']))" \
+                || echo "[$o] round $round failed"
+        done
+    done
+    for i in "${!sets[@]}"; do
+        o="${sets[$i]:-default}"
+        builds+=("${o//=/:}=$(ls "$OUT_DIR"/decode"$i"-r*.json | paste -sd,)")
+    done
+    python3 "$ROOT/scripts/charts.py" decode-ab "$OUT_DIR/decode-ab.svg" "Decode A/B, 27B int4 + fp8 KV, 24 GiB" \
+        "mean of ${ROUNDS:-2} rounds" 60 "${builds[@]}" || true
+}
+
+step_steps() {
+    # shellcheck disable=SC2086
+    ds steps 200 bench $DECODE $INT4 --phases
+    python3 "$ROOT/scripts/charts.py" step-phases "$OUT_DIR/steps.json" "$OUT_DIR/step-phases.svg" \
+        "Where a decode step's wall time goes: 27B int4 + fp8 KV, 24 GiB" || true
+}
+
+step_timeline() {
+    # shellcheck disable=SC2086
+    DELTASERVE_TRACE="$OUT_DIR/trace.csv" timeout 200 "$DS" bench --prompts 512 --batches 1 --contexts 1024 --steps 8 \
+        --verify-tokens 0 $INT4 --json >"$OUT_DIR/timeline-bench.json" 2>"$OUT_DIR/timeline-bench.log"
+    echo "rc=$?"
+    python3 "$ROOT/scripts/charts.py" timeline "$OUT_DIR/trace.csv" --svg "$OUT_DIR/timeline.svg" --tsv "$OUT_DIR/timeline.tsv" \
+        --quiet || true
+    gzip -f "$OUT_DIR/trace.csv"
+}
+
+step_soak() {
+    smi_start "$OUT_DIR/soak-smi.csv"
+    # shellcheck disable=SC2086
+    ds soak 420 soak $Q27 --max-seqs 4 --turns 12 --target-context "${SOAK_TARGET:-131072}" --svg "$OUT_DIR/soak.svg"
+    smi_stop "$OUT_DIR/soak-smi.csv"
+}
+step_probe() {
+    # shellcheck disable=SC2086
+    ds probe 300 probe $Q27 --max-seqs 4 --rungs "${PROBE_RUNGS:-25,50,100}" --turns "${PROBE_TURNS:-3}" \
+        --svg "$OUT_DIR/probe.svg"
+}
+step_probe-int4() {
+    smi_start "$OUT_DIR/probe-int4-smi.csv"
+    # shellcheck disable=SC2086
+    ds probe-int4 420 probe $Q27 --weights-dtype int4 --kv-cache-dtype fp8 --memory 24GiB \
+        --rungs "${PROBE_RUNGS:-25,100}" --turns "${PROBE_TURNS:-2}" --svg "$OUT_DIR/probe-int4.svg"
+    smi_stop "$OUT_DIR/probe-int4-smi.csv"
+}
+step_smoke() { ds smoke 120 soak --device cuda --turns 4 --target-context 2000; }
+
+step_tp() {
+    local tp
+    # NVLink multicast stays off (the backend also sets NCCL_NVLS_ENABLE=0 before its first communicator).
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    { nvidia-smi topo -m; ls -l /usr/lib/x86_64-linux-gnu/libnccl* 2>/dev/null; } >"$OUT_DIR/tp-machine.txt" 2>&1
+    test_run nccl 90 "$TESTS_PAT|SKIP|version" nccl --nocapture --test-threads=1
+    test_run tp-tests 150 "$TESTS_PAT|SKIP|median|graphs|all-reduce|argmax" tp --nocapture --test-threads=1
+    for tp in 2 1; do
+        # shellcheck disable=SC2086
+        ds "bench-tp$tp" 240 bench --tensor-parallel "$tp" \
+            ${BENCH_ARGS:---prompts 4096,32768,131072 --batches 1,8 --contexts 1024,32768 --steps 16} --svg "$OUT_DIR/bench-tp$tp.svg"
+    done
+    python3 "$ROOT/scripts/charts.py" tp "$OUT_DIR/bench-tp1.json" "$OUT_DIR/bench-tp2.json" "$OUT_DIR/tp.svg" || true
+    smi_start "$OUT_DIR/probe-tp2-smi.csv"
+    # shellcheck disable=SC2086
+    ds probe-tp2 420 probe $Q27 --tensor-parallel 2 --memory 24GiB --weights-dtype int4 \
+        --rungs "${PROBE_RUNGS:-25,100}" --turns "${PROBE_TURNS:-0}" --svg "$OUT_DIR/probe-tp2.svg"
+    smi_stop "$OUT_DIR/probe-tp2-smi.csv"
+}
+
+step_profile() {
+    local ncu="ncu --clock-control none --cache-control none" p skip
+    local sect="--section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis"
+    local stalls="--metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio,smsp__inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed_pipe_tensor_op_hmma.sum"
+    local one="--prompts 1024 --batches 1 --contexts 1024 --steps 2 --verify-tokens 0"
+    local keep="Duration|Warp Cycles|Registers|Achieved Occ|stalled|inst_executed|hmma|Memory Throughput"
+    for p in ${PROFILE//,/ }; do
+        section "profile $p"
+        case $p in
+            # Every kernel's duration of the decode steps (graph nodes profiled one by one).
+            # shellcheck disable=SC2086
+            decode) run profile-decode 240 "==PROF==|rror" $ncu --metrics gpu__time_duration.sum --csv --print-units base \
+                "$DS" bench $one --memory 80GiB ;;
+            # shellcheck disable=SC2086
+            decode-int4) run profile-decode-int4 240 "==PROF==|rror" $ncu --metrics gpu__time_duration.sum --csv \
+                --print-units base "$DS" bench $one $INT4 ;;
+            # shellcheck disable=SC2086
+            gdn) run profile-gdn 200 "gdn_chunk|$keep" $ncu $sect $stalls --kernel-name regex:gdn_chunk --launch-skip 20 \
+                --launch-count 2 "$(bin ops)" --nocapture --ignored bench_gdn_prefill_27b ;;
+            # Launch 12 of bench_attention: the default tiling at 32K keys.
+            # shellcheck disable=SC2086
+            attn) run profile-attn 200 "attn_prefill \(|$keep" $ncu $sect $stalls --kernel-name regex:attn_prefill \
+                --launch-skip 12 --launch-count 1 "$(bin bench_attention)" --nocapture --ignored ;;
+            # One pair-kernel int4 GEMV launch (gate+up, M = 1, 4 warps per pair): skipping 110 w4p_hsh
+            # launches (53 per configuration: 1, 2 warps per pair) lands in the 4-warp timing loop.
+            # shellcheck disable=SC2086
+            w4) DS_BENCH_W4="gate+up" run profile-w4 120 "w4p_hsh|$keep" $ncu $sect --section SourceCounters \
+                --kernel-name w4p_hsh --launch-skip 110 --launch-count 1 "$(bin bench_w4)" --nocapture --ignored bench_w4_27b ;;
+            *) echo "unknown profile $p (decode, decode-int4, gdn, attn, w4)" ;;
+        esac
+    done
+}
+
+STEP_NAMES="ops gdn w4 w4-sweep attn backend backend-bench spec bench-bf16 bench-int4 decode steps timeline soak probe
+probe-int4 smoke tp profile"
+
+case "${1:-}" in
+    "" | -h | --help) usage; exit 0 ;;
+    --stage) [[ -n "${2:-}" ]] || { echo "usage: scripts/gpu.sh --stage DIR" >&2; exit 2; }; stage "$2"; exit ;;
+    --out) OUT_DIR=${2:?--out DIR}; shift 2 ;;
+esac
+[[ $# -gt 0 ]] || { usage; exit 2; }
+steps=()
+for s in "$@"; do
+    if [[ $s == all ]]; then steps+=(ops backend bench-bf16 soak probe probe-int4 bench-int4); continue; fi
+    [[ " ${STEP_NAMES//$'\n'/ } " == *" $s "* ]] || { echo "unknown step: $s (scripts/gpu.sh --help)" >&2; exit 2; }
+    steps+=("$s")
+done
+DS="$(bin deltaserve)"
+[[ -n "$DS" ]] || { echo "no deltaserve binary in $BIN_DIR (cargo build --release -p deltaserve)" >&2; exit 1; }
+PROFILE="${PROFILE:-decode,decode-int4}"
+mkdir -p "$OUT_DIR"
+export RUST_LOG="${RUST_LOG:-info}"
+nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT_DIR/gpu.txt"
+git -C "$ROOT" rev-parse --short HEAD >"$OUT_DIR/commit.txt" 2>/dev/null
+for s in "${steps[@]}"; do
+    section "$s"
+    "step_$s"
+done
+section done
