@@ -22,9 +22,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use cudarc::driver::{CudaGraph, result};
-use deltaserve_backend::sampling::pick_rows;
-use deltaserve_backend::{Backend, BackendError, DraftPicker, Feed, Pick, Picked, RowSampling, SpecCommit, StepBatch};
+use cudarc::driver::CudaGraph;
 use deltaserve_model::shard::ShardSpec;
 use deltaserve_model::{Dims, ModelConfig};
 use deltaserve_plan::Plan;
@@ -32,8 +30,7 @@ use deltaserve_plan::Plan;
 use crate::arena::{Arena, DevSpan};
 use crate::error::CudaError;
 use crate::gemm::Gemm;
-use crate::ops::kv_quant::LayerKv;
-use crate::ops::{self, Kernels, conv, embed, gdn_decode, gemv, mtp, norm};
+use crate::ops::{Kernels, gemv};
 use crate::runtime::{PinnedHost, Runtime};
 
 mod ahead;
@@ -65,17 +62,26 @@ pub use sizing::{
 };
 
 use ahead::Launches;
-use cache_ops::Place;
 use graphs::GraphKey;
 use inputs::StepInputs;
 use layout::{LayerCache, Ws};
-use linear::po;
 use phases::PhaseTimer;
 use profile::Profile;
 use rank::RankComm;
 use spec::Spec;
+use weights::{HostEmbed, Weights};
+
+// What `ahead` and `spec` take from here (`use super::*`).
+use cache_ops::Place;
+use cudarc::driver::result;
+use deltaserve_backend::sampling::pick_rows;
+use deltaserve_backend::{Backend, BackendError, DraftPicker, Feed, Pick, Picked, RowSampling, SpecCommit, StepBatch};
+use linear::po;
 use step::StepShape;
-use weights::{HostEmbed, Layer, Mixer, Proj, Weights};
+use weights::{Layer, Mixer, Proj};
+
+use crate::ops::kv_quant::LayerKv;
+use crate::ops::{self, conv, embed, gdn_decode, mtp, norm};
 
 /// Where the weights come from.
 #[derive(Clone, Debug)]
@@ -110,7 +116,7 @@ pub struct CudaOptions {
     /// is 2.4× slower at batch 1 (it has no split over the keys).
     pub verify_decode_attention_from: usize,
     /// Decode steps of at most 8 tokens fold each residual add + RMSNorm between two int4 projections
-    /// into them ([`w4a16::Fold`]: the norm kernel's launch and round trips leave the critical path),
+    /// into them ([`crate::ops::w4a16::Fold`]: the norm kernel's launch and round trips leave the critical path),
     /// when every layer's projections are int4 GEMVs and tensor parallelism is off. Off: the separate
     /// `add_rms_norm_1p` kernel (bitwise the reference's order of operations).
     pub fold_norms: bool,
@@ -186,7 +192,7 @@ pub struct CudaBackend {
     tp: Option<RankComm>,
     /// Speculative decoding (the plan's `speculative_tokens` > 0).
     spec: Option<Spec>,
-    /// Every layer's norms can fold into its projections ([`layers_fold`]; tensor parallelism off).
+    /// Every layer's norms can fold into its projections ([`linear::layers_fold`]; tensor parallelism off).
     fold: bool,
 }
 
