@@ -1,0 +1,172 @@
+//! The gated attention mixer of a layer: its q/k/v projections, the q/k norms and RoPE with the K/V
+//! cache write, paged prefill attention and split-K decode attention (long-context verify rows as
+//! decode queries), the output gate and the o projection.
+
+use crate::error::CudaError;
+use crate::ops::kv_quant::LayerKv;
+use crate::ops::w4a16::Fold;
+use crate::ops::{self, attention, elementwise, kv_cache};
+
+use super::CudaBackend;
+use super::forward::b2;
+use super::layout::Ws;
+use super::linear::po;
+use super::step::StepShape;
+use super::weights::AttnLayer;
+
+impl CudaBackend {
+    /// An attention layer's mixer over the step `sh`: its input `x` (the input norm's output, or
+    /// folded: [`Fold::Norm`]) into `mixer_out` (or with `out_fold` the residual stream and the next
+    /// norm's input). `kv_only`: stop once the K/V of the step's rows are in the cache `l`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention(
+        &self,
+        ws: &Ws,
+        aw: &AttnLayer,
+        l: LayerKv,
+        sh: &StepShape,
+        (x_in, in_fold): (u64, Fold),
+        kv_only: bool,
+        out_fold: Option<Fold>,
+    ) -> Result<(), CudaError> {
+        let (k, s, d) = (&self.k, self.rt.stream().as_ref(), &self.d);
+        let StepShape { t, n, tp, .. } = *sh;
+        let h = d.hidden;
+        let eps = self.eps;
+        let (nh, nkv, hd, ad, kvd) = (d.q_heads, d.kv_heads, d.head_dim, d.attn_dim, d.kv_dim);
+        let outs = [po(&aw.q, ws.attn_qg, 2 * ad), po(&aw.k, ws.attn_k, kvd), po(&aw.v, ws.attn_v, kvd)];
+        self.proj_fold(s, x_in, t, h, &outs, in_fold)?;
+        self.tick("attn q/k/v GEMMs")?;
+        let qkr = ops::rope::QkNormRope {
+            q: ws.attn_qg,
+            q_tok: 2 * ad,
+            q_head: 2 * hd,
+            q_heads: nh,
+            q_norm: aw.q_norm,
+            k: ws.attn_k,
+            k_tok: kvd,
+            kv_heads: nkv,
+            k_norm: aw.k_norm,
+            positions: ws.positions,
+            t,
+            head_dim: hd,
+            rotary_dim: d.rotary_dim,
+            theta: self.rope_theta,
+            eps,
+        };
+        let w = self.table_width;
+        let kvw = kv_cache::KvWrite {
+            k: ws.attn_k,
+            k_stride: kvd,
+            v: ws.attn_v,
+            v_stride: kvd,
+            k_cache: l.k.data,
+            v_cache: l.v.data,
+            block_tables: self.block_tables.ptr,
+            max_blocks: w,
+            cu_seqlens: ws.cu_seqlens,
+            positions: ws.positions,
+            n_seqs: n,
+            t,
+            page: self.page_size,
+            kv_heads: nkv,
+            head_dim: hd,
+        };
+        // The q/k norms, RoPE and the K/V rows into the cache, one launch.
+        ops::rope::qk_norm_rope_kv(k, s, &qkr, &kvw, &l)?;
+        self.tick("attn norms + rope + kv write")?;
+        if kv_only {
+            return Ok(());
+        }
+        self.attn_core(ws, &l, sh)?;
+        // The output gate of the rows the prefill kernel attended (decode-attended rows, the
+        // last tvd verify rows and the decode rows, were gated in the combine step).
+        let gated_rows = tp - sh.tvd;
+        elementwise::sigmoid_gate_mul(k, s, ws.attn_out, ws.attn_qg + b2(hd), gated_rows, nh, hd, 2 * ad, 2 * hd)?;
+        self.mixer_out_proj(s, ws, ws.attn_out, t, ad, &aw.o, out_fold)?;
+        self.tick("attn gate + o GEMM")?;
+        Ok(())
+    }
+
+    /// Attention of the step's queries over the paged K/V of `l`: the prefill kernel's tiles (prefill
+    /// chunks and short-context verify chunks), long-context verify rows and decode rows split-K.
+    fn attn_core(&self, ws: &Ws, l: &LayerKv, sh: &StepShape) -> Result<(), CudaError> {
+        let (k, s, d) = (&self.k, self.rt.stream().as_ref(), &self.d);
+        let StepShape { n, n_pre, tp, .. } = *sh;
+        let n_dec = n - n_pre;
+        let (nh, nkv, hd, ad) = (d.q_heads, d.kv_heads, d.head_dim, d.attn_dim);
+        let w = self.table_width;
+        let sc = l.scales();
+        let kv = attention::KvPages {
+            k_cache: l.k.data,
+            v_cache: l.v.data,
+            block_tables: self.block_tables.ptr,
+            max_blocks: w,
+            page: self.page_size,
+            kv_heads: nkv,
+        };
+        let scale = 1.0 / (hd as f32).sqrt();
+        // The prefill kernel's tiles: the prefill chunks and the short-context verify chunks.
+        if sh.n_tiles > 0 {
+            attention::attn_prefill_q(
+                k,
+                s,
+                &attention::AttnPrefill {
+                    q: ws.attn_qg,
+                    q_tok: 2 * ad,
+                    q_head: 2 * hd,
+                    o: ws.attn_out,
+                    kv,
+                    cu_seqlens: ws.cu_seqlens,
+                    seq_lens: ws.seq_lens,
+                    tile_table: ws.tile_table.ptr,
+                    n_tiles: sh.n_tiles,
+                    q_heads: nh,
+                    scale,
+                },
+                &sc,
+            )?;
+        }
+        let dec = attention::AttnDecode {
+            q: ws.attn_qg + b2(tp * 2 * ad),
+            q_tok: 2 * ad,
+            q_head: 2 * hd,
+            o: ws.attn_out + b2(tp * ad),
+            kv: attention::KvPages { block_tables: self.block_tables.ptr + (4 * n_pre * w) as u64, ..kv },
+            seq_lens: ws.seq_lens + 4 * n_pre as u64,
+            table_rows: 0,
+            n_seqs: n_dec,
+            q_heads: nh,
+            n_split: self.decode_partitions,
+            scratch: ws.attn_partials.ptr,
+            scratch_bytes: ws.attn_partials.bytes,
+            scale,
+            // The output gate (the q|gate layout's second half) rides on the combine step.
+            gate: ws.attn_qg + b2(tp * 2 * ad) + b2(hd),
+        };
+        if let (true, Some(sp)) = (sh.tvd > 0, &self.spec) {
+            // Long-context verify rows as decode queries (split-K over the keys: a few queries
+            // over a long context), each with its causal length and its chunk's block-table row.
+            let r0 = tp - sh.tvd;
+            let a = attention::AttnDecode {
+                q: ws.attn_qg + b2(r0 * 2 * ad),
+                gate: ws.attn_qg + b2(r0 * 2 * ad) + b2(hd),
+                o: ws.attn_out + b2(r0 * ad),
+                kv,
+                seq_lens: sp.idx_at(7),
+                table_rows: sp.idx_at(8),
+                n_seqs: sh.tvd,
+                n_split: sp.partitions,
+                scratch: sp.partials.ptr,
+                scratch_bytes: sp.partials.bytes,
+                ..dec
+            };
+            attention::attn_decode_q(k, s, &a, &sc)?;
+        }
+        if n_dec > 0 {
+            attention::attn_decode_q(k, s, &dec, &sc)?;
+        }
+        self.tick("attn core (prefill / decode)")?;
+        Ok(())
+    }
+}

@@ -1,0 +1,264 @@
+//! The gated DeltaNet mixer of a layer: its in-projections, the short conv (prefill rows, fused decode
+//! rows), the gates, the chunked / recurrent core (verify rows leave the state as it was), the gated
+//! norm and the out projection.
+
+use crate::error::CudaError;
+use crate::ops::w4a16::Fold;
+use crate::ops::{conv, gdn_chunk, gdn_decode, gdn_gate, norm};
+
+use super::CudaBackend;
+use super::cache_ops::Place;
+use super::forward::b2;
+use super::layout::Ws;
+use super::linear::po;
+use super::step::StepShape;
+use super::weights::GdnLayer;
+
+impl CudaBackend {
+    /// A DeltaNet layer's mixer over the step `sh`: its input `x` (the input norm's output, or folded:
+    /// [`Fold::Norm`]) into `mixer_out` (or with `out_fold` the residual stream and the next norm's
+    /// input). `rec` / `conv`: its state tensors' offsets in `state_slots`; `gdn_index`: its index
+    /// among the DeltaNet layers (its verify trace).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn deltanet(
+        &self,
+        ws: &Ws,
+        gw: &GdnLayer,
+        (rec, conv): (usize, usize),
+        sh: &StepShape,
+        gdn_index: Option<usize>,
+        (x_in, in_fold): (u64, Fold),
+        out_fold: Option<Fold>,
+    ) -> Result<(), CudaError> {
+        let (k, s, d) = (&self.k, self.rt.stream().as_ref(), &self.d);
+        let StepShape { t, tp, .. } = *sh;
+        let h = d.hidden;
+        let eps = self.eps;
+        let (cc, vw, hv, dv) = (d.conv_channels, d.gdn_value_width, d.gdn_v_heads, d.gdn_v_dim);
+        let rec_state = self.states.ptr + rec as u64;
+        let conv_state = self.states.ptr + conv as u64;
+        let outs = [po(&gw.qkv, ws.gdn_qkv, cc), po(&gw.z, ws.gdn_z, vw), po(&gw.ba, ws.gdn_ba, 2 * hv)];
+        self.proj_fold(s, x_in, t, h, &outs, in_fold)?;
+        self.tick("gdn in-proj GEMMs")?;
+        let fused_dec = self.gdn_conv(ws, gw, conv_state, sh, gdn_index)?;
+        let (q, kk) = self.gdn_gates(gw, ws.gdn_ba, t, if fused_dec { tp } else { t })?;
+        self.tick("gdn gates + l2norm")?;
+        self.gdn_core(ws, gw, rec_state, sh, (q, kk))?;
+        // The gated norm of the other rows (the chunked and verify rows).
+        norm::gated_rms_norm(k, s, ws.gdn_core_out, ws.gdn_z, vw, hv, gw.norm, ws.gdn_normed, tp, dv, eps)?;
+        self.mixer_out_proj(s, ws, ws.gdn_normed, t, vw, &gw.out, out_fold)?;
+        self.tick("gdn gated norm + out GEMM")?;
+        Ok(())
+    }
+
+    /// The conv of the step's rows (prefill rows: conv and the state update of the chunked rows; decode
+    /// rows: conv and gates in one launch where supported) and the verify trace. Returns whether the
+    /// decode rows' gates were fused into their conv.
+    fn gdn_conv(
+        &self,
+        ws: &Ws,
+        gw: &GdnLayer,
+        conv_state: u64,
+        sh: &StepShape,
+        gdn_index: Option<usize>,
+    ) -> Result<bool, CudaError> {
+        let (k, s, d) = (&self.k, self.rt.stream().as_ref(), &self.d);
+        let StepShape { t, n, n_pre, tp, tv, .. } = *sh;
+        let n_dec = n - n_pre;
+        let n_real = n_pre - sh.n_ver;
+        let (cc, kw, hv, hk) = (d.conv_channels, d.gdn_key_width, d.gdn_v_heads, d.gdn_k_heads);
+        if n_pre > 0 {
+            // Verify rows (the last n_ver sequences of the group) read the state, never write it.
+            let cp = conv::ConvPrefill {
+                x: ws.gdn_qkv,
+                x_stride: cc,
+                w: gw.conv,
+                y: ws.gdn_conv_out,
+                state: conv_state,
+                cu_seqlens: ws.cu_seqlens,
+                slots: ws.slots,
+                n_seqs: n_pre,
+                t: tp,
+                channels: cc,
+            };
+            conv::conv_prefill_only(k, s, &cp)?;
+            conv::conv_state_update(k, s, &cp, n_real, 0)?;
+        }
+        // Decode rows: the conv and the gates in one launch (the gates of the other rows below).
+        let fused_dec = n_dec > 0 && gdn_gate::conv_gate_decode_supported(&k.dims, cc, hk, hv);
+        if fused_dec {
+            let (q0, k0) = (ws.gdn_qk, ws.gdn_qk + b2(t * kw));
+            let ba_dec = ws.gdn_ba + b2(tp * 2 * hv);
+            let f = gdn_gate::GdnConvGateDecode {
+                x: ws.gdn_qkv + b2(tp * cc),
+                x_stride: cc,
+                w: gw.conv,
+                state: conv_state,
+                slots: ws.slots + 4 * n_pre as u64,
+                gate: gdn_gate::GdnGate {
+                    qk: ws.gdn_conv_out + b2(tp * cc),
+                    qk_stride: cc,
+                    b: ba_dec,
+                    b_stride: 2 * hv,
+                    a: ba_dec + b2(hv),
+                    a_stride: 2 * hv,
+                    a_log: gw.a_log,
+                    dt_bias: gw.dt_bias,
+                    q_out: q0 + b2(tp * kw),
+                    k_out: k0 + b2(tp * kw),
+                    g: ws.gdn_g + (4 * tp * hv) as u64,
+                    beta: ws.gdn_beta + (4 * tp * hv) as u64,
+                    t: n_dec,
+                    hk,
+                    hv,
+                },
+            };
+            gdn_gate::gdn_conv_gate_decode(k, s, &f)?;
+        } else if n_dec > 0 {
+            conv::conv_decode(
+                k,
+                s,
+                ws.gdn_qkv + b2(tp * cc),
+                cc,
+                gw.conv,
+                ws.gdn_conv_out + b2(tp * cc),
+                conv_state,
+                ws.slots + 4 * n_pre as u64,
+                n_dec,
+                cc,
+            )?;
+        }
+        if let (true, Some(sp), Some(gi)) = (sh.n_ver > 0, &self.spec, gdn_index) {
+            // The verify trace: this layer's in-projection rows of the verify group (qkv is dead
+            // after the conv and ba after the gates: the plan lets later buffers reuse them).
+            let r0 = tp - tv;
+            let x_at = sp.trace_x + b2(gi * sp.rows * cc);
+            let ba_at = sp.trace_ba + b2(gi * sp.rows * 2 * hv);
+            self.copy(Place::Dev(x_at), Place::Dev(ws.gdn_qkv + b2(r0 * cc)), 2 * tv * cc)?;
+            self.copy(Place::Dev(ba_at), Place::Dev(ws.gdn_ba + b2(r0 * 2 * hv)), 2 * tv * 2 * hv)?;
+        }
+        self.tick("gdn conv")?;
+        Ok(fused_dec)
+    }
+
+    /// The DeltaNet core: chunked rows, verify rows (outputs from the committed state, which stays as
+    /// it was) and decode rows (recurrence and gated norm in one launch).
+    fn gdn_core(
+        &self,
+        ws: &Ws,
+        gw: &GdnLayer,
+        rec_state: u64,
+        sh: &StepShape,
+        (q, kk): (u64, u64),
+    ) -> Result<(), CudaError> {
+        let (k, s, d) = (&self.k, self.rt.stream().as_ref(), &self.d);
+        let StepShape { n, n_pre, tp, tv, .. } = *sh;
+        let n_dec = n - n_pre;
+        let n_real = n_pre - sh.n_ver;
+        let eps = self.eps;
+        let (cc, vw, kw, hv, hk) = (d.conv_channels, d.gdn_value_width, d.gdn_key_width, d.gdn_v_heads, d.gdn_k_heads);
+        let v = ws.gdn_conv_out + b2(2 * kw);
+        if n_real > 0 {
+            gdn_chunk::gdn_chunk(
+                k,
+                s,
+                &gdn_chunk::GdnChunk {
+                    q,
+                    k: kk,
+                    v,
+                    v_stride: cc,
+                    g: ws.gdn_g,
+                    beta: ws.gdn_beta,
+                    state: rec_state,
+                    cu_seqlens: ws.cu_seqlens,
+                    slots: ws.slots,
+                    chunk_table: ws.chunk_table.ptr,
+                    n_chunks: sh.n_chunks,
+                    o: ws.gdn_core_out,
+                    workspace: ws.gdn_ws.ptr,
+                    workspace_bytes: ws.gdn_ws.bytes,
+                    n_seqs: n_real,
+                    t: tp - tv,
+                    hk,
+                    hv,
+                },
+            )?;
+        }
+        if sh.n_ver > 0 {
+            // Verify rows: outputs from the committed state, which stays as it was.
+            let dec = gdn_decode::GdnDecode {
+                q,
+                k: kk,
+                v,
+                v_stride: cc,
+                g: ws.gdn_g,
+                beta: ws.gdn_beta,
+                state: rec_state,
+                slots: ws.slots + 4 * n_real as u64,
+                o: ws.gdn_core_out,
+                n_seqs: sh.n_ver,
+                hk,
+                hv,
+            };
+            let starts = ws.cu_seqlens + 4 * n_real as u64;
+            let r = gdn_decode::GdnRecurrent { d: dec, starts, lens: 0, write_state: false };
+            gdn_decode::gdn_recurrent(k, s, &r)?;
+        }
+        if n_dec > 0 {
+            let dec = gdn_decode::GdnDecode {
+                q: q + b2(tp * kw),
+                k: kk + b2(tp * kw),
+                v: v + b2(tp * cc),
+                v_stride: cc,
+                g: ws.gdn_g + (4 * tp * hv) as u64,
+                beta: ws.gdn_beta + (4 * tp * hv) as u64,
+                state: rec_state,
+                slots: ws.slots + 4 * n_pre as u64,
+                o: ws.gdn_core_out + b2(tp * vw),
+                n_seqs: n_dec,
+                hk,
+                hv,
+            };
+            // Decode rows: the recurrence and the gated norm in one launch.
+            let gated = gdn_decode::GdnDecodeGated {
+                d: dec,
+                z: ws.gdn_z + b2(tp * vw),
+                z_tok_stride: vw,
+                norm_w: gw.norm,
+                out: ws.gdn_normed + b2(tp * vw),
+                eps,
+            };
+            gdn_decode::gdn_decode_gated(k, s, &gated)?;
+        }
+        self.tick("gdn core (chunked / decode)")?;
+        Ok(())
+    }
+
+    /// A DeltaNet layer's gates and normalised q, k of the first `rows` of the step's `t` rows: from the
+    /// conv output (`gdn_conv_out`) and the in-projection rows `ba` (`[t, 2·Hv]`: b then a); returns the
+    /// (q, k) buffers (`[t, Hk, Dk]` each). g and beta land in `gdn_g` / `gdn_beta`.
+    pub(super) fn gdn_gates(&self, gw: &GdnLayer, ba: u64, t: usize, rows: usize) -> Result<(u64, u64), CudaError> {
+        let (ws, d) = (&self.ws, &self.d);
+        let (hv, kw) = (d.gdn_v_heads, d.gdn_key_width);
+        let (q, kk) = (ws.gdn_qk, ws.gdn_qk + (2 * t * kw) as u64);
+        let gate = gdn_gate::GdnGate {
+            qk: ws.gdn_conv_out,
+            qk_stride: d.conv_channels,
+            b: ba,
+            b_stride: 2 * hv,
+            a: ba + (2 * hv) as u64,
+            a_stride: 2 * hv,
+            a_log: gw.a_log,
+            dt_bias: gw.dt_bias,
+            q_out: q,
+            k_out: kk,
+            g: ws.gdn_g,
+            beta: ws.gdn_beta,
+            t: rows,
+            hk: d.gdn_k_heads,
+            hv,
+        };
+        gdn_gate::gdn_gate(&self.k, self.rt.stream().as_ref(), &gate)?;
+        Ok((q, kk))
+    }
+}

@@ -1,0 +1,185 @@
+//! The forward of a step: the embedding, the decoder layers (input norm, mixer, MLP), the final norm and
+//! lm_head, and the MTP head's cache entries.
+
+use crate::error::CudaError;
+use crate::ops::w4a16::Fold;
+use crate::ops::{elementwise, embed, mtp, norm};
+
+use super::CudaBackend;
+use super::cache_ops::Place;
+use super::layout::{LayerCache, Ws};
+use super::linear::{LayerFold, po};
+use super::step::StepShape;
+use super::weights::{Layer, Mixer};
+
+impl CudaBackend {
+    pub(super) fn forward(&self, sh: &StepShape) -> Result<(), CudaError> {
+        let (k, s, ws, d) = (&self.k, self.rt.stream().as_ref(), &self.ws, &self.d);
+        let t = sh.t;
+        let h = d.hidden;
+        let eps = self.eps;
+        self.tick("step inputs")?;
+        if self.host_embed.is_none() {
+            embed::embed_gather(k, s, self.w.embed, ws.token_ids, ws.residual, t, h)?;
+        } // else: run_chunks uploaded the rows gathered on the host into `residual`.
+        self.tick("embed")?;
+        self.all_reduce(ws.residual, t * h)?;
+        let mut gdn_index = 0;
+        let fold = self.folds(t);
+        for (li, layer) in self.w.layers.iter().enumerate() {
+            let cache = self.caches[li];
+            let gi = matches!(cache, LayerCache::Gdn { .. }).then_some(gdn_index);
+            // The last layer's output stays in mlp_out: the final norm below adds it.
+            let lf =
+                fold.then(|| LayerFold { input: li > 0, next_norm: self.w.layers.get(li + 1).map(|l| l.input_norm) });
+            self.layer(ws, layer, cache, li == 0, sh, gi, false, lf)?;
+            gdn_index += usize::from(gi.is_some());
+        }
+        if sh.n_logits > 0 || self.spec.is_some() {
+            // Last residual add + final norm over every row (cheap), then gather the wanted rows.
+            norm::add_rms_norm_1p(
+                k,
+                s,
+                ws.mlp_out,
+                Some(ws.residual),
+                self.w.final_norm,
+                Some(ws.residual),
+                ws.final_normed,
+                t,
+                h,
+                eps,
+            )?;
+        }
+        if sh.n_logits > 0 {
+            embed::embed_gather(k, s, ws.final_normed, ws.last_idx, ws.final_hidden, sh.n_logits, h)?;
+            self.proj(s, ws.final_hidden, sh.n_logits, h, &[po(&self.w.lm_head, self.logits.ptr, d.vocab)], true)?;
+            self.tick("final norm + lm_head")?;
+        }
+        if let Some(sp) = &self.spec {
+            // The MTP head's cache entries of every row (row r: the hidden of row r − 1, or the slot's
+            // pending hidden for a chunk's first row), the verify rows' hidden for their commit, and
+            // each plain chunk's last hidden as its slot's new pending hidden.
+            let (pending, fin) = (self.states.ptr + sp.pending as u64, ws.final_normed);
+            mtp::shift_rows(k, s, fin, pending, ws.cu_seqlens, ws.slots, sh.n, sp.rows_in, t, h)?;
+            if sh.n_ver > 0 {
+                let r0 = sh.tp - sh.tv;
+                self.copy(Place::Dev(sp.verify_hidden), Place::Dev(fin + (2 * r0 * h) as u64), 2 * sh.tv * h)?;
+            }
+            mtp::scatter_rows(k, s, fin, sp.idx_at(0), pending, sp.idx_at(1), sh.n_pend, h)?;
+            self.mtp_forward(sh, sp.rows_in, true)?;
+            self.tick("MTP head cache")?;
+        }
+        Ok(())
+    }
+
+    /// One decoder layer over the step `sh`. Its input is `residual` (`first`), `mlp_out + residual`,
+    /// or with `fold.input` the previous layer's folded norm (`fold_x`, `fold_sums`, residual updated);
+    /// its output is left in `mlp_out` (residual updated), or with `fold.next_norm` folded into the next
+    /// norm. `fold`: the step folds its norms into the int4 projections ([`w4a16::Fold`]).
+    /// `gdn_index`: the layer's index among the DeltaNet layers (its verify trace). `kv_only`
+    /// (attention layers): stop once the K/V of the step's rows are in the cache (the MTP head's cache
+    /// entries).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn layer(
+        &self,
+        ws: &Ws,
+        layer: &Layer,
+        cache: LayerCache,
+        first: bool,
+        sh: &StepShape,
+        gdn_index: Option<usize>,
+        kv_only: bool,
+        fold: Option<LayerFold>,
+    ) -> Result<(), CudaError> {
+        let (k, s, d) = (&self.k, self.rt.stream().as_ref(), &self.d);
+        let t = sh.t;
+        let h = d.hidden;
+        let eps = self.eps;
+        // The input norm: its own kernel, or the previous layer's down projection and this layer's
+        // in-projection (folded).
+        let fold_in = fold.is_some_and(|f| f.input);
+        let (x_in, in_fold) =
+            if fold_in { (ws.fold_x, Fold::Norm { sums: ws.fold_sums, eps }) } else { (ws.x_norm, Fold::None) };
+        if first {
+            norm::add_rms_norm_1p(k, s, ws.residual, None, layer.input_norm, None, ws.x_norm, t, h, eps)?;
+        } else if !fold_in {
+            norm::add_rms_norm_1p(
+                k,
+                s,
+                ws.mlp_out,
+                Some(ws.residual),
+                layer.input_norm,
+                Some(ws.residual),
+                ws.x_norm,
+                t,
+                h,
+                eps,
+            )?;
+        }
+        self.tick("norms")?;
+        let out_fold = fold.map(|_| fold_out(ws, layer.post_norm));
+        match (&layer.mixer, cache) {
+            (Mixer::Gdn(gw), LayerCache::Gdn { rec, conv, .. }) => {
+                self.deltanet(ws, gw, (rec, conv), sh, gdn_index, (x_in, in_fold), out_fold)?;
+            }
+            (Mixer::Attn(aw), LayerCache::Attn(l)) => {
+                self.attention(ws, aw, l, sh, (x_in, in_fold), kv_only, out_fold)?;
+                if kv_only {
+                    return Ok(());
+                }
+            }
+            _ => return Err(CudaError::Plan("a layer's weights and cache kinds differ".into())),
+        }
+        self.mlp(ws, layer, t, fold)
+    }
+
+    /// A layer's MLP after its mixer: the post-attention norm (or folded: its sums), gate/up, SwiGLU and
+    /// down into `mlp_out`, or with `fold.next_norm` into the residual stream and the next norm's input.
+    fn mlp(&self, ws: &Ws, layer: &Layer, t: usize, fold: Option<LayerFold>) -> Result<(), CudaError> {
+        let (k, s, d) = (&self.k, self.rt.stream().as_ref(), &self.d);
+        let h = d.hidden;
+        let eps = self.eps;
+        let (mlp_x, mlp_fold) = if fold.is_some() {
+            (ws.fold_x, Fold::Norm { sums: ws.fold_sums, eps })
+        } else {
+            self.all_reduce(ws.mixer_out, t * h)?;
+            norm::add_rms_norm_1p(
+                k,
+                s,
+                ws.mixer_out,
+                Some(ws.residual),
+                layer.post_norm,
+                Some(ws.residual),
+                ws.mlp_in,
+                t,
+                h,
+                eps,
+            )?;
+            self.tick("norms")?;
+            (ws.mlp_in, Fold::None)
+        };
+        let i = d.intermediate;
+        self.proj_fold(s, mlp_x, t, h, &[po(&layer.gate_up, ws.mlp_gate_up, 2 * i)], mlp_fold)?;
+        elementwise::swiglu(k, s, ws.mlp_gate_up, 2 * i, ws.mlp_gate_up + b2(i), 2 * i, ws.mlp_act, t, i)?;
+        if let Some(next) = fold.and_then(|f| f.next_norm) {
+            self.proj_fold(s, ws.mlp_act, t, i, &[po(&layer.down, ws.residual, h)], fold_out(ws, next))?;
+            self.tick("MLP (GEMMs + SwiGLU)")?;
+            return Ok(());
+        }
+        self.proj(s, ws.mlp_act, t, i, &[po(&layer.down, ws.mlp_out, h)], false)?;
+        self.tick("MLP (GEMMs + SwiGLU)")?;
+        self.all_reduce(ws.mlp_out, t * h)?;
+        Ok(())
+    }
+}
+
+/// `x` bf16 elements in bytes (a device address offset).
+pub(super) fn b2(x: usize) -> u64 {
+    (2 * x) as u64
+}
+
+/// Folded: the projection that ends the mixer / the MLP writes the residual stream and the input of the
+/// norm of weight `norm_w`.
+fn fold_out(ws: &Ws, norm_w: u64) -> Fold {
+    Fold::Residual { x_out: ws.fold_x, norm_w, sums: ws.fold_sums }
+}

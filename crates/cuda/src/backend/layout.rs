@@ -1,0 +1,632 @@
+//! The arena carve at construction: the plan's regions, the scratch parts, the activation buffers of the
+//! workspace, the cache layouts and the speculation region; then the weights, and the seal.
+
+use std::collections::HashMap;
+
+use deltaserve_model::shard::ShardSpec;
+use deltaserve_model::{Dims, LayerKind, ModelConfig};
+use deltaserve_plan::{Plan, SamplingScratch, WeightsDtype};
+
+use crate::arena::{Arena, DevSpan, RegionId};
+use crate::error::CudaError;
+use crate::gemm::Gemm;
+use crate::nvrtc::KvFormats;
+use crate::ops::kv_quant::LayerKv;
+use crate::ops::{Kernels, attention, w4a16};
+use crate::runtime::{PinnedHost, Runtime};
+
+use super::ahead::Launches;
+use super::graphs::GraphStats;
+use super::inputs::StepInputs;
+use super::linear::layers_fold;
+use super::rank::RankComm;
+use super::sizing::{ScratchParts, WeightFormat, al, checkpoint_weights_bytes, kernel_dims, weights_device_bytes};
+use super::spec::Spec;
+use super::weights::{HostEmbed, Weights};
+use super::{CudaBackend, CudaOptions, WeightSource};
+
+/// Device addresses of the activation buffers (plan workspace offsets) and scratch.
+#[derive(Clone, Copy)]
+pub(super) struct Ws {
+    pub(super) token_ids: u64,
+    pub(super) positions: u64,
+    pub(super) cu_seqlens: u64,
+    pub(super) seq_lens: u64,
+    pub(super) slots: u64,
+    pub(super) last_idx: u64,
+    pub(super) residual: u64,
+    pub(super) x_norm: u64,
+    pub(super) mixer_out: u64,
+    pub(super) gdn_qkv: u64,
+    pub(super) gdn_z: u64,
+    pub(super) gdn_ba: u64,
+    pub(super) gdn_g: u64,
+    pub(super) gdn_beta: u64,
+    pub(super) gdn_conv_out: u64,
+    pub(super) gdn_qk: u64,
+    pub(super) gdn_core_out: u64,
+    pub(super) gdn_normed: u64,
+    pub(super) attn_qg: u64,
+    pub(super) attn_k: u64,
+    pub(super) attn_v: u64,
+    pub(super) attn_partials: DevSpan,
+    pub(super) attn_out: u64,
+    pub(super) mlp_in: u64,
+    pub(super) mlp_gate_up: u64,
+    pub(super) mlp_act: u64,
+    pub(super) mlp_out: u64,
+    /// Every row after the final norm.
+    pub(super) final_normed: u64,
+    pub(super) final_hidden: u64,
+    /// scratch region: chunked DeltaNet workspace, chunk table, tile table.
+    pub(super) gdn_ws: DevSpan,
+    pub(super) chunk_table: DevSpan,
+    pub(super) tile_table: DevSpan,
+    /// int4: act-order x scratch and the dequantised slice (0 bytes when unused).
+    pub(super) w4_x: DevSpan,
+    pub(super) w4_slice: DevSpan,
+    /// The folded norms' input `[min(t, 8), hidden]` and sums of squares ([`w4a16::Fold`]).
+    pub(super) fold_x: u64,
+    pub(super) fold_sums: u64,
+    /// Device sampling's scratch ([`ops::sample`]) and its layout.
+    pub(super) sampling: u64,
+    pub(super) sampling_layout: SamplingScratch,
+}
+
+/// Where layer `i`'s cache lives.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum LayerCache {
+    /// K and V data (and scales of a quantised format) in kv_pages.
+    Attn(LayerKv),
+    /// Byte offsets of the recurrent and conv tensors inside state_slots / snapshots.
+    Gdn { rec: usize, conv: usize, snap_rec: usize, snap_conv: usize },
+}
+
+/// The plan's regions as the backend allocates them (one allocation each) and the parts of its scratch.
+struct Regions {
+    wreg: RegionId,
+    weights_bytes: usize,
+    kv: DevSpan,
+    states: DevSpan,
+    snapshots: DevSpan,
+    acts: DevSpan,
+    logits: DevSpan,
+    block_tables: DevSpan,
+    gemm_ws: DevSpan,
+    scratch_bytes: usize,
+    gdn_ws: DevSpan,
+    chunk_table: DevSpan,
+    tile_table: DevSpan,
+    w4_x: DevSpan,
+    w4_slice: DevSpan,
+}
+
+/// Where the layers' caches and the pending hidden rows lie in the cache regions.
+struct CacheLayout {
+    caches: Vec<LayerCache>,
+    /// The MTP head's KV layer (speculative decoding).
+    spec_kv: Option<LayerKv>,
+    pending: usize,
+    snap_pending: usize,
+    rec_bytes: usize,
+    conv_bytes: usize,
+}
+
+/// The plan's workspace buffers in the activations region, each checked against what the backend puts
+/// there.
+struct Workspace<'a> {
+    plan: &'a Plan,
+    acts: DevSpan,
+}
+
+impl Workspace<'_> {
+    fn get(&self, name: &str, need: usize) -> Result<u64, CudaError> {
+        let b = self
+            .plan
+            .workspace
+            .get(name)
+            .ok_or_else(|| CudaError::Plan(format!("the workspace has no buffer `{name}`")))?;
+        if (b.bytes as usize) < need || b.offset as usize + b.bytes as usize > self.acts.bytes {
+            return Err(CudaError::Plan(format!(
+                "workspace buffer `{name}` holds {} B at offset {}; the backend needs {need} B",
+                b.bytes, b.offset
+            )));
+        }
+        Ok(self.acts.ptr + b.offset)
+    }
+
+    /// The buffer `name` when the model has what uses it (`present`), else 0.
+    fn opt(&self, present: bool, name: &str, need: usize) -> Result<u64, CudaError> {
+        if present { self.get(name, need) } else { Ok(0) }
+    }
+}
+
+/// The bytes of the plan's region `name`.
+fn plan_region(plan: &Plan, name: &str) -> Result<usize, CudaError> {
+    plan.region(name)
+        .map(|r| r.bytes as usize)
+        .ok_or_else(|| CudaError::Plan(format!("the plan has no `{name}` region")))
+}
+
+/// A fixed plan region: one allocation, carved whole.
+fn whole_region(arena: &mut Arena, name: &str, bytes: usize) -> Result<DevSpan, CudaError> {
+    let id = arena.add_region(name, bytes)?;
+    arena.alloc(id, bytes)
+}
+
+/// Checks that the CUDA backend can serve `plan` for the model `cfg` (the rank's shape under tensor
+/// parallelism): the weight format and K/V formats it stores, and the draft tokens per step.
+fn check_plan(
+    cfg: &ModelConfig,
+    d: Dims,
+    plan: &Plan,
+    shard: Option<&ShardSpec>,
+) -> Result<(KvFormats, WeightFormat, usize), CudaError> {
+    // Under tensor parallelism the plan is rank 0's (the largest shard); a last rank's vocabulary
+    // shard may be shorter.
+    let same_shape = match &shard {
+        None => plan.dims == d,
+        Some(_) => Dims { vocab: plan.dims.vocab, ..d } == plan.dims && d.vocab <= plan.dims.vocab,
+    };
+    if !same_shape {
+        return Err(CudaError::Plan("the plan was made for another model shape".into()));
+    }
+    if plan.options.activation_bytes_per_elem != 2 {
+        return Err(CudaError::Plan("the CUDA backend supports bf16 activations only (gpu_defaults)".into()));
+    }
+    // K/V stored as bf16, fp8, int8 or int4 (load_kv refuses fp16 / fp32).
+    let kvf = KvFormats { k: plan.options.k_dtype, v: plan.options.v_dtype };
+    kvf.validate().map_err(|e| CudaError::Plan(format!("{e}")))?;
+    if !matches!(plan.options.weights_dtype, WeightsDtype::Bf16 | WeightsDtype::Int4) {
+        return Err(CudaError::Plan(format!(
+            "the CUDA backend stores weights in bf16 or int4, not {}",
+            plan.options.weights_dtype.name()
+        )));
+    }
+    let fmt = WeightFormat::of(&plan.options);
+    let max_draft = plan.options.speculative_tokens;
+    if max_draft > 0 {
+        let refuse =
+            |what: &str| Err(CudaError::Plan(format!("speculative decoding on CUDA does not support {what} yet")));
+        if shard.is_some() {
+            return refuse("tensor parallelism");
+        }
+        if fmt.embed_on_host {
+            return refuse("the embedding table in host memory (--embed-on-host)");
+        }
+        if cfg.mtp_num_hidden_layers == 0 {
+            return Err(CudaError::Plan("speculative decoding: the model has no MTP head".into()));
+        }
+    }
+    Ok((kvf, fmt, max_draft))
+}
+
+/// Allocates the plan's regions (the weights region at least the plan's, for the backend's own layout)
+/// and carves the backend scratch into its parts.
+fn carve_regions(
+    arena: &mut Arena,
+    rt: &Runtime,
+    plan: &Plan,
+    (full_cfg, cfg): (&ModelConfig, &ModelConfig),
+    weights: &WeightSource,
+    fmt: WeightFormat,
+    shard: Option<&ShardSpec>,
+) -> Result<Regions, CudaError> {
+    let region = |name: &str| plan_region(plan, name);
+
+    // Weights: the backend's own layout (bf16 pairs fused, three small tensors in f32), at least
+    // the plan's region. What a GPTQ checkpoint needs beyond the plan (linears it leaves bf16,
+    // act-order permutations) comes out of spare backend scratch the caller reserved for it.
+    let weights_bytes = match weights {
+        WeightSource::Checkpoint(dir) if fmt.int4 && cfg.quantization.is_some() => {
+            checkpoint_weights_bytes(full_cfg, dir, fmt, shard)?
+        }
+        _ => weights_device_bytes(cfg, fmt),
+    };
+    let plan_weights = region("weights")?;
+    let wreg = arena.add_region("weights", weights_bytes.max(plan_weights))?;
+
+    // Fixed plan regions, each one allocation, each carved whole.
+    let whole = whole_region;
+    let kv = whole(arena, "kv_pages", region("kv_pages")?)?;
+    let states = whole(arena, "state_slots", region("state_slots")?)?;
+    let snapshots = whole(arena, "snapshots", region("snapshots")?)?;
+    let acts = whole(arena, "activations", region("activations")?)?;
+    let logits = whole(arena, "logits", region("logits")?)?;
+    let block_tables = whole(arena, "block_tables", region("block_tables")?)?;
+    // Zeroed once (the host mirror starts so); steps upload only the entries that change.
+    rt.memset(block_tables.ptr, 0, block_tables.bytes)?;
+    let gemm_ws = whole(arena, "gemm_workspace", region("gemm_workspace")?)?;
+
+    // The plan's backend scratch: chunked DeltaNet f32 workspace and the varlen tables.
+    let (t_max, s_max) = (plan.max_batch_tokens, plan.max_seqs);
+    let parts = ScratchParts::new(cfg, t_max, s_max, fmt.int4, fmt.lm_head_int4);
+    let scratch_bytes = parts.total();
+    let planned = plan.region("backend_scratch").map_or(0, |r| r.bytes as usize);
+    if planned < scratch_bytes {
+        return Err(CudaError::Plan(format!(
+            "the plan reserves {planned} B of backend scratch, the CUDA backend needs {scratch_bytes} B \
+             (set PlanOptions::backend_scratch_bytes from deltaserve_cuda::backend::scratch_bytes_for)"
+        )));
+    }
+    let over = weights_bytes.saturating_sub(plan_weights).min(planned - scratch_bytes);
+    let scratch = whole(arena, "backend_scratch", planned - over)?;
+    let mut at = scratch.ptr;
+    let mut carve = |bytes: usize| {
+        let span = DevSpan { ptr: at, bytes };
+        at += al(bytes) as u64;
+        span
+    };
+    let gdn_ws = carve(parts.gdn);
+    let chunk_table = carve(parts.chunk_table);
+    let tile_table = carve(parts.tile_table);
+    let w4_x = carve(parts.w4_x);
+    let w4_slice = carve(parts.w4_slice);
+    Ok(Regions {
+        wreg,
+        weights_bytes,
+        kv,
+        states,
+        snapshots,
+        acts,
+        logits,
+        block_tables,
+        gemm_ws,
+        scratch_bytes,
+        gdn_ws,
+        chunk_table,
+        tile_table,
+        w4_x,
+        w4_slice,
+    })
+}
+
+/// The activation buffers from the plan's workspace (steps of `t` tokens and `s` sequences), each
+/// checked against what the backend puts there, and the scratch parts.
+fn workspace_views(wsb: &Workspace<'_>, d: &Dims, r: &Regions, partial_bytes: usize) -> Result<Ws, CudaError> {
+    let (t, s) = (wsb.plan.max_batch_tokens, wsb.plan.max_seqs);
+    let h = d.hidden;
+    let get = |name: &str, need: usize| wsb.get(name, need);
+    let has_gdn = d.num_deltanet_layers > 0;
+    let has_attn = d.num_attention_layers > 0;
+    let opt = |present: bool, name: &str, need: usize| wsb.opt(present, name, need);
+    let sampling_layout = SamplingScratch::new(s, d.vocab);
+    Ok(Ws {
+        token_ids: get("token_ids", 4 * t)?,
+        positions: get("positions", 4 * t)?,
+        cu_seqlens: get("cu_seqlens", 4 * (s + 1))?,
+        seq_lens: get("seq_lens", 4 * s)?,
+        slots: get("state_slot_ids", 4 * s)?,
+        last_idx: get("last_token_idx", 4 * s)?,
+        residual: get("residual", 2 * t * h)?,
+        x_norm: get("x_norm", 2 * t * h)?,
+        mixer_out: get("mixer_out", 2 * t * h)?,
+        gdn_qkv: opt(has_gdn, "gdn_qkv", 2 * t * d.conv_channels)?,
+        gdn_z: opt(has_gdn, "gdn_z", 2 * t * d.gdn_value_width)?,
+        gdn_ba: opt(has_gdn, "gdn_b", 2 * t * 2 * d.gdn_v_heads)?,
+        gdn_g: opt(has_gdn, "gdn_g", 4 * t * d.gdn_v_heads)?,
+        gdn_beta: opt(has_gdn, "gdn_beta", 4 * t * d.gdn_v_heads)?,
+        gdn_conv_out: opt(has_gdn, "gdn_conv_out", 2 * t * d.conv_channels)?,
+        gdn_qk: opt(has_gdn, "gdn_qk", 2 * t * 2 * d.gdn_key_width)?,
+        gdn_core_out: opt(has_gdn, "gdn_core_out", 2 * t * d.gdn_value_width)?,
+        gdn_normed: opt(has_gdn, "gdn_normed", 2 * t * d.gdn_value_width)?,
+        attn_qg: opt(has_attn, "attn_qg", 2 * t * 2 * d.attn_dim)?,
+        attn_k: opt(has_attn, "attn_k", 2 * t * d.kv_dim)?,
+        attn_v: opt(has_attn, "attn_v", 2 * t * d.kv_dim)?,
+        attn_partials: DevSpan {
+            ptr: opt(has_attn, "attn_decode_partials", partial_bytes)?,
+            bytes: if has_attn { partial_bytes } else { 0 },
+        },
+        attn_out: opt(has_attn, "attn_out", 2 * t * d.attn_dim)?,
+        mlp_in: get("mlp_in", 2 * t * h)?,
+        mlp_gate_up: get("mlp_gate_up", 2 * t * 2 * d.intermediate)?,
+        mlp_act: get("mlp_act", 2 * t * d.intermediate)?,
+        mlp_out: get("mlp_out", 2 * t * h)?,
+        fold_x: get("fold_x", 2 * t.min(w4a16::GEMV_MAX_M) * h)?,
+        fold_sums: get("fold_sums", w4a16::fold_sums_bytes(h))?,
+        final_normed: get("final_normed", 2 * t * h)?,
+        final_hidden: get("final_hidden", 2 * s * h)?,
+        sampling: get("sampling", sampling_layout.bytes as usize)?,
+        sampling_layout,
+        gdn_ws: r.gdn_ws,
+        chunk_table: r.chunk_table,
+        tile_table: r.tile_table,
+        w4_x: r.w4_x,
+        w4_slice: r.w4_slice,
+    })
+}
+
+/// Cache layouts (Plan::kv_tensor_bytes / state_tensor_bytes): per attention layer its K/V in the KV
+/// pages, per DeltaNet layer its tensors in the state slots and the snapshots; with speculative
+/// decoding the MTP head's KV layer after the model's, and the pending hidden rows after the DeltaNet
+/// tensors of the slots and of the snapshots.
+fn cache_layouts(
+    plan: &Plan,
+    cfg: &ModelConfig,
+    d: &Dims,
+    r: &Regions,
+    kvf: KvFormats,
+    max_draft: usize,
+) -> Result<CacheLayout, CudaError> {
+    let (kv, states, snapshots) = (r.kv, r.states, r.snapshots);
+    let h = d.hidden;
+    let [kb, ks, vb, vs] = plan.kv_tensor_bytes().map(|x| x as usize);
+    let [rb, cb] = plan.state_tensor_bytes(plan.num_state_slots).map(|x| x as usize);
+    let [srb, scb] = plan.state_tensor_bytes(plan.options.snapshot_slots).map(|x| x as usize);
+    let rec_bytes = d.gdn_v_heads * d.gdn_k_dim * d.gdn_v_dim * 4;
+    let conv_bytes = d.conv_kernel.saturating_sub(1) * d.conv_channels * 2;
+    let (mut kv_at, mut st_at, mut sn_at) = (0usize, 0usize, 0usize);
+    let mut caches = Vec::with_capacity(d.num_layers);
+    for kind in &cfg.layer_types {
+        match kind {
+            LayerKind::Attention => {
+                let (l, n) = LayerKv::carve(kv.ptr + kv_at as u64, [kb, ks, vb, vs], kvf);
+                kv_at += n;
+                caches.push(LayerCache::Attn(l));
+            }
+            LayerKind::DeltaNet => {
+                caches.push(LayerCache::Gdn {
+                    rec: st_at,
+                    conv: st_at + al(rb),
+                    snap_rec: sn_at,
+                    snap_conv: sn_at + al(srb),
+                });
+                st_at += al(rb) + al(cb);
+                sn_at += al(srb) + al(scb);
+            }
+        }
+    }
+    // Speculative decoding: the MTP head's KV layer after the model's, and the pending hidden rows
+    // after the DeltaNet tensors of the slots and of the snapshots.
+    let spec_kv = (max_draft > 0).then(|| {
+        let (l, n) = LayerKv::carve(kv.ptr + kv_at as u64, [kb, ks, vb, vs], kvf);
+        kv_at += n;
+        l
+    });
+    let (pending, snap_pending) = (st_at, sn_at);
+    if max_draft > 0 {
+        st_at += al(plan.num_state_slots * h * 2);
+        sn_at += al(plan.options.snapshot_slots * h * 2);
+    }
+    if kv_at > kv.bytes || st_at > states.bytes || sn_at > snapshots.bytes {
+        return Err(CudaError::Plan(format!(
+            "cache layouts exceed their regions: kv {kv_at}/{}, states {st_at}/{}, snapshots {sn_at}/{}",
+            kv.bytes, states.bytes, snapshots.bytes
+        )));
+    }
+    Ok(CacheLayout { caches, spec_kv, pending, snap_pending, rec_bytes, conv_bytes })
+}
+
+/// Speculative decoding's buffers: the speculation region carved (verify and draft hidden rows, the
+/// verify trace, the index arrays, the gather rows of the lm_head, the verify rows' split-K partials),
+/// the MTP head's workspace views; every verified row may want logits, so `ws` gathers them there.
+fn speculation(
+    arena: &mut Arena,
+    wsb: &Workspace<'_>,
+    d: &Dims,
+    ws: &mut Ws,
+    kv: LayerKv,
+    (max_draft, pending, snap_pending): (usize, usize, usize),
+    partial_bytes: usize,
+) -> Result<Spec, CudaError> {
+    let plan = wsb.plan;
+    let (t, s) = (plan.max_batch_tokens, plan.max_seqs);
+    let h = d.hidden;
+    let get = |name: &str, need: usize| wsb.get(name, need);
+    let region = whole_region(arena, "speculation", plan_region(plan, "speculation")?)?;
+    let rows = s * (1 + max_draft);
+    let n_gdn = d.num_deltanet_layers;
+    let sizes = [
+        rows * h * 2,
+        s * h * 2,
+        n_gdn * rows * d.conv_channels * 2,
+        n_gdn * rows * 2 * d.gdn_v_heads * 2,
+        Spec::idx_bytes(rows),
+        rows * 4,
+        rows * h * 2,
+        attention::decode_scratch_bytes(rows, d.q_heads, plan.options.verify_partitions(), d.head_dim),
+    ];
+    let mut at = region.ptr;
+    let spans = sizes.map(|b| {
+        let p = at;
+        at += al(b) as u64;
+        DevSpan { ptr: p, bytes: b }
+    });
+    if at - region.ptr > region.bytes as u64 {
+        return Err(CudaError::Plan(format!(
+            "the speculation region holds {} B, the CUDA backend needs {} B",
+            region.bytes,
+            at - region.ptr
+        )));
+    }
+    // Every verified row may want logits: the gather indices and rows of the lm_head.
+    ws.last_idx = spans[5].ptr;
+    ws.final_hidden = spans[6].ptr;
+    let mws = Ws {
+        residual: get("mtp_residual", 2 * t * h)?,
+        x_norm: get("mtp_norm", 2 * t * h)?,
+        mixer_out: get("mtp_mixer_out", 2 * t * h)?,
+        attn_qg: get("mtp_qg", 2 * t * 2 * d.attn_dim)?,
+        attn_k: get("mtp_k", 2 * t * d.kv_dim)?,
+        attn_v: get("mtp_v", 2 * t * d.kv_dim)?,
+        attn_partials: DevSpan { ptr: get("mtp_partials", partial_bytes)?, bytes: partial_bytes },
+        attn_out: get("mtp_attn_out", 2 * t * d.attn_dim)?,
+        mlp_in: get("mtp_mlp_in", 2 * t * h)?,
+        mlp_gate_up: get("mtp_gate_up", 2 * t * 2 * d.intermediate)?,
+        mlp_act: get("mtp_act", 2 * t * d.intermediate)?,
+        mlp_out: get("mtp_mlp_out", 2 * t * h)?,
+        last_idx: spans[5].ptr,
+        final_hidden: spans[6].ptr,
+        ..*ws
+    };
+    Ok(Spec {
+        max_draft,
+        kv,
+        ws: mws,
+        rows_in: get("mtp_rows", 2 * t * h)?,
+        cat: get("mtp_cat", 2 * t * 2 * h)?,
+        pending,
+        snap_pending,
+        rows,
+        verify_hidden: spans[0].ptr,
+        draft_hidden: spans[1].ptr,
+        trace_x: spans[2].ptr,
+        trace_ba: spans[3].ptr,
+        idx: spans[4],
+        partials: spans[7],
+        partitions: plan.options.verify_partitions(),
+        verified: Vec::new(),
+        verify_cu: Vec::new(),
+        verify_slots: Vec::new(),
+        draft_s: 0.0,
+    })
+}
+
+impl CudaBackend {
+    pub(super) fn build(
+        full_cfg: &ModelConfig,
+        weights: WeightSource,
+        plan: &Plan,
+        host_snapshot_slots: usize,
+        opts: CudaOptions,
+        shard: Option<ShardSpec>,
+    ) -> Result<Self, CudaError> {
+        let rank_cfg = shard.as_ref().map(|s| s.rank_config(full_cfg));
+        let cfg = rank_cfg.as_ref().unwrap_or(full_cfg);
+        let rt = Runtime::open(shard.as_ref().map_or(0, |s| s.rank))?;
+        let d = cfg.dims();
+        let (kvf, fmt, max_draft) = check_plan(cfg, d, plan, shard.as_ref())?;
+        let k = Kernels::load_kv(&rt, kernel_dims(cfg), kvf)?;
+        tracing::info!(
+            "kernels for {} compiled and loaded in {:.0} ms; attention prefill: {}",
+            k.arch,
+            k.load_ms,
+            k.attn_prefill_kernel()
+        );
+        let mut arena = Arena::new(rt.context().clone());
+        let r = carve_regions(&mut arena, &rt, plan, (full_cfg, cfg), &weights, fmt, shard.as_ref())?;
+        let (kv, logits, block_tables) = (r.kv, r.logits, r.block_tables);
+
+        // Activation buffers from the plan's workspace, each checked against what we put there.
+        let (t_max, s_max) = (plan.max_batch_tokens, plan.max_seqs);
+        let s = s_max;
+        let h = d.hidden;
+        let wsb = Workspace { plan, acts: r.acts };
+        let p = plan.options.decode_partitions;
+        let partial_bytes = attention::decode_scratch_bytes(s, d.q_heads, p, d.head_dim);
+        let mut ws = workspace_views(&wsb, &d, &r, partial_bytes)?;
+        if logits.bytes < 4 * s * d.vocab {
+            return Err(CudaError::Plan(format!("logits region {} B < [{s}, {}] f32", logits.bytes, d.vocab)));
+        }
+        let table_width = plan.block_table_bytes as usize / (4 * s);
+
+        let cl = cache_layouts(plan, cfg, &d, &r, kvf, max_draft)?;
+        let (rec_bytes, conv_bytes) = (cl.rec_bytes, cl.conv_bytes);
+        let spec = cl
+            .spec_kv
+            .map(|kv| {
+                let at = (max_draft, cl.pending, cl.snap_pending);
+                speculation(&mut arena, &wsb, &d, &mut ws, kv, at, partial_bytes)
+            })
+            .transpose()?;
+        if logits.bytes < 4 * s * (1 + max_draft) * d.vocab {
+            return Err(CudaError::Plan(format!(
+                "logits region {} B < [{}, {}] f32",
+                logits.bytes,
+                s * (1 + max_draft),
+                d.vocab
+            )));
+        }
+
+        let gemm = Gemm::new(&rt, r.gemm_ws)?;
+        let snapshot_len = d.num_deltanet_layers * (rec_bytes + conv_bytes) + if spec.is_some() { h * 2 } else { 0 };
+        let host_pool_bytes = host_snapshot_slots * snapshot_len;
+        let host_pool = (host_pool_bytes > 0).then(|| PinnedHost::new(&rt, host_pool_bytes)).transpose()?;
+        let host_embed = if fmt.embed_on_host {
+            let table = PinnedHost::new(&rt, d.vocab * h * 2)?;
+            Some(HostEmbed { table, staging: PinnedHost::new(&rt, t_max * h * 2)? })
+        } else {
+            None
+        };
+        let inputs = StepInputs::new(&rt, plan)?;
+        let launches = Launches::new(&rt, s_max, d.vocab)?;
+
+        let be = CudaBackend {
+            rt,
+            k,
+            gemm,
+            arena,
+            d,
+            eps: cfg.rms_norm_eps,
+            rope_theta: cfg.rope_theta as f32,
+            w: Weights { embed: 0, lm_head: Vec::new(), final_norm: 0, layers: Vec::new(), mtp: None },
+            ws,
+            caches: cl.caches,
+            states: r.states,
+            snapshots: r.snapshots,
+            logits,
+            block_tables,
+            table_width,
+            table_mirror: std::cell::RefCell::new(vec![0; block_tables.bytes / 4]),
+            page_size: plan.page_size,
+            num_pages: plan.num_kv_pages,
+            num_slots: plan.num_state_slots,
+            snapshot_slots: plan.options.snapshot_slots,
+            max_tokens: t_max,
+            max_seqs: s_max,
+            decode_partitions: p,
+            rec_bytes,
+            conv_bytes,
+            host_pool,
+            host_snapshot_slots,
+            snapshot_len,
+            weights_bytes: r.weights_bytes,
+            scratch_bytes: r.scratch_bytes,
+            prof: std::cell::RefCell::new(None),
+            phases: std::cell::RefCell::new(None),
+            opts,
+            graphs: HashMap::new(),
+            graph_stats: GraphStats::default(),
+            host_embed,
+            inputs,
+            launches,
+            w4_quantized: 0,
+            w4_converted: 0,
+            tp: shard.map(|spec| RankComm { spec, full_vocab: full_cfg.vocab_size, comms: None }),
+            spec,
+            fold: false,
+        };
+        be.place_weights(weights, (full_cfg, cfg), r.wreg, fmt, kv)
+    }
+
+    /// Loads or generates the weights into the weights region (the KV pages region `kv`, empty until the
+    /// first step, stages them), zeroes the cache regions and seals the arena.
+    fn place_weights(
+        mut self,
+        weights: WeightSource,
+        (full_cfg, cfg): (&ModelConfig, &ModelConfig),
+        wreg: RegionId,
+        fmt: WeightFormat,
+        kv: DevSpan,
+    ) -> Result<Self, CudaError> {
+        let be = &mut self;
+        // The KV pages region is empty until the first step: staging for quantisation at load and
+        // for the host embedding's random init.
+        be.w = match weights {
+            WeightSource::Checkpoint(dir) => be.load_checkpoint(full_cfg, cfg, &dir, wreg, fmt, kv)?,
+            WeightSource::RandomWeights { seed } => {
+                // Each rank draws its own shard's values.
+                let seed = seed ^ be.tp.as_ref().map_or(0, |t| (t.spec.rank as u64) << 32);
+                be.random_weights(cfg, wreg, seed, fmt, kv)?
+            }
+        };
+        // Zero every cache region once (never read before written, but deterministic).
+        for span in [kv, be.states, be.snapshots] {
+            be.rt.memset(span.ptr, 0, span.bytes)?;
+        }
+        be.rt.synchronize()?;
+        be.fold = be.tp.is_none() && layers_fold(&be.w.layers, be.d.hidden);
+        be.arena.seal();
+        Ok(self)
+    }
+}

@@ -1,0 +1,224 @@
+//! The projections: the choice between a cuBLASLt GEMM, the bf16 decode GEMV and the int4 (W4A16) GEMV or
+//! dequantised slices, and the norms folded into int4 projections.
+
+use cudarc::driver::CudaStream;
+
+use crate::error::CudaError;
+use crate::ops::gemv::GemvOut;
+use crate::ops::w4a16::{Fold, W4Weights};
+use crate::ops::{gemv, w4a16};
+
+use super::CudaBackend;
+use super::layout::Ws;
+use super::sizing::w4_slice_rows;
+use super::weights::{Layer, Mixer, Part, Proj};
+
+impl CudaBackend {
+    /// y_s [t, m_s] = x [t, kdim] · W_sᵀ for each output: the decode GEMV (one launch for all
+    /// outputs) for steps of at most `gemv_max_tokens` tokens, else one cuBLASLt GEMM each.
+    /// Outputs made of int4 parts (or mixing int4 and bf16 parts) run part by part:
+    /// [`CudaBackend::w4_linear`] for int4, a cuBLASLt GEMM into the part's columns for bf16.
+    pub(super) fn proj(
+        &self,
+        s: &CudaStream,
+        x: u64,
+        t: usize,
+        kdim: usize,
+        outs: &[ProjOut<'_>],
+        f32_out: bool,
+    ) -> Result<(), CudaError> {
+        let bf16: Option<Vec<GemvOut>> = outs
+            .iter()
+            .map(|o| match o.parts {
+                [Part::Bf16 { w, .. }] => Some(GemvOut { w: *w, y: o.y, m: o.m }),
+                _ => None,
+            })
+            .collect();
+        if let Some(outs) = bf16 {
+            let aligned = x.is_multiple_of(16) && outs.iter().all(|o| o.w.is_multiple_of(16) && o.y.is_multiple_of(16));
+            if t <= self.opts.gemv_max_tokens && gemv::supported(t, kdim) && aligned {
+                return gemv::gemv(&self.k, s, x, t, kdim, &outs, f32_out);
+            }
+            for o in &outs {
+                self.gemm.linear_out(s, x, o.w, o.y, t, o.m, kdim, f32_out)?;
+            }
+            return Ok(());
+        }
+        if !f32_out && t <= self.opts.gemv_max_tokens && outs.iter().map(|o| o.parts.len()).sum::<usize>() > 1 {
+            // Several int4 linears sharing x (q/k/v, qkv/z/b/a, gate/up: outputs and the parts that
+            // write consecutive columns of one): one launch of the int4 GEMV.
+            if let Some(w4) = w4_outs(outs) {
+                let cfg = w4_multi_config(&w4, kdim, self.k.w4_slots);
+                return w4a16::w4_gemv_multi(&self.k, s, &w4, x, kdim, t, cfg, false);
+            }
+        }
+        let eb = if f32_out { 4 } else { 2 };
+        for o in outs {
+            let mut col = 0usize;
+            for p in o.parts {
+                let y = o.y + (eb * col) as u64;
+                match p {
+                    Part::Bf16 { w, rows } => self.gemm.linear_ld(s, x, *w, y, t, *rows, kdim, o.m, f32_out)?,
+                    Part::W4(w) => self.w4_linear(s, x, w, y, o.m, t, f32_out)?,
+                }
+                col += p.rows();
+            }
+            if col != o.m {
+                return Err(CudaError::Plan(format!("projection parts cover {col} of {} output columns", o.m)));
+            }
+        }
+        Ok(())
+    }
+
+    /// [`CudaBackend::proj`] (bf16 outputs) with the residual add + RMSNorm around it folded in (`fold`;
+    /// [`Fold::None`]: `proj`). A folded projection is one int4 GEMV launch (`self.fold` checked that
+    /// every layer's are).
+    pub(super) fn proj_fold(
+        &self,
+        s: &CudaStream,
+        x: u64,
+        t: usize,
+        kdim: usize,
+        outs: &[ProjOut<'_>],
+        fold: Fold,
+    ) -> Result<(), CudaError> {
+        if fold == Fold::None {
+            return self.proj(s, x, t, kdim, outs, false);
+        }
+        let w4 =
+            w4_outs(outs).ok_or_else(|| CudaError::Plan("a folded projection is not one int4 GEMV launch".into()))?;
+        let cfg = w4_multi_config(&w4, kdim, self.k.w4_slots);
+        w4a16::w4_gemv_fold(&self.k, s, &w4, x, kdim, t, cfg, fold)
+    }
+
+    /// Whether decode steps fold their RMSNorms into the int4 projections ([`CudaOptions::fold_norms`]
+    /// and every layer's projections allow it).
+    pub fn norms_fold(&self) -> bool {
+        self.fold && self.opts.fold_norms
+    }
+
+    /// Whether this step's norms fold into its projections ([`CudaOptions::fold_norms`]).
+    pub(super) fn folds(&self, t: usize) -> bool {
+        self.norms_fold() && t <= w4a16::GEMV_MAX_M && t <= self.opts.gemv_max_tokens
+    }
+
+    /// `y[t, w.out]` (row stride `ldy`) = `x[t, w.inp]` · Wᵀ for an int4 linear: the int4 GEMV for
+    /// steps of at most `gemv_max_tokens` tokens and for f32 outputs (lm_head logits; any `t`),
+    /// else row slices dequantised to bf16 in the scratch and a cuBLASLt GEMM per slice writing
+    /// its columns of `y`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn w4_linear(
+        &self,
+        s: &CudaStream,
+        x: u64,
+        w: &W4Weights,
+        y: u64,
+        ldy: usize,
+        t: usize,
+        f32_out: bool,
+    ) -> Result<(), CudaError> {
+        let xs = (self.ws.w4_x.bytes >= 2 * 8 * w.inp).then_some(self.ws.w4_x.ptr);
+        if f32_out || t <= self.opts.gemv_max_tokens {
+            let cfg = w4a16::gemv_config(w.out, w.inp, self.k.w4_slots);
+            return w4a16::w4_gemv_out(&self.k, s, w, x, w.inp, y, ldy, t, cfg, xs, f32_out);
+        }
+        let slice = self.ws.w4_slice;
+        let rows = w4_slice_rows(w.out, w.inp, slice.bytes);
+        if rows == 0 {
+            return Err(CudaError::Plan(format!(
+                "the int4 prefill slice ({} B) cannot hold 16 rows of a [{}, {}] linear",
+                slice.bytes, w.out, w.inp
+            )));
+        }
+        for r0 in (0..w.out).step_by(rows) {
+            let r1 = (r0 + rows).min(w.out);
+            w4a16::w4_dequant(&self.k, s, w, r0, r1, slice.ptr, w.inp)?;
+            self.gemm.linear_ld(s, x, slice.ptr, y + 2 * r0 as u64, t, r1 - r0, w.inp, ldy, false)?;
+        }
+        Ok(())
+    }
+
+    /// A mixer's output projection: into `mixer_out`, or folded (`fold`) into the residual stream and
+    /// the post-attention norm's input.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn mixer_out_proj(
+        &self,
+        s: &CudaStream,
+        ws: &Ws,
+        x: u64,
+        t: usize,
+        kdim: usize,
+        w: &Proj,
+        fold: Option<Fold>,
+    ) -> Result<(), CudaError> {
+        let h = self.d.hidden;
+        match fold {
+            Some(f) => self.proj_fold(s, x, t, kdim, &[po(w, ws.residual, h)], f),
+            None => self.proj(s, x, t, kdim, &[po(w, ws.mixer_out, h)], false),
+        }
+    }
+}
+
+/// How a layer's RMSNorms fold into its int4 projections ([`CudaBackend::layer`]; the post-attention
+/// norm always does when this is given).
+#[derive(Clone, Copy)]
+pub(super) struct LayerFold {
+    /// The input norm was folded into the previous layer's down projection.
+    pub(super) input: bool,
+    /// The weight of the norm after this layer (the next layer's input norm), which the down projection
+    /// folds into; None: the output goes to `mlp_out`.
+    pub(super) next_norm: Option<u64>,
+}
+
+/// One output of [`CudaBackend::proj`]: `y [t, m]`, its parts writing consecutive columns.
+pub(super) struct ProjOut<'a> {
+    pub(super) parts: &'a [Part],
+    pub(super) y: u64,
+    pub(super) m: usize,
+}
+
+/// The int4 GEMV outputs of `outs` when every part is int4 and one launch takes them all
+/// ([`w4a16::multi_supported`]).
+pub(super) fn w4_outs<'a>(outs: &[ProjOut<'a>]) -> Option<Vec<w4a16::W4Out<'a>>> {
+    let mut w4 = Vec::new();
+    for o in outs {
+        let mut col = 0usize;
+        for p in o.parts {
+            let Part::W4(w) = p else { return None };
+            w4.push(w4a16::W4Out { w, y: o.y + (2 * col) as u64, ldy: o.m });
+            col += w.out;
+        }
+        if col != o.m {
+            return None;
+        }
+    }
+    w4a16::multi_supported(&w4).then_some(w4)
+}
+
+/// The GEMV configuration of one launch over `w4` (their rows summed).
+pub(super) fn w4_multi_config(w4: &[w4a16::W4Out<'_>], kdim: usize, slots: usize) -> w4a16::GemvConfig {
+    w4a16::gemv_config(w4.iter().map(|o| o.w.out).sum(), kdim, slots)
+}
+
+/// Whether every layer's residual add + RMSNorm can fold into its projections: rows of `hidden` fold
+/// ([`w4a16::fold_supported`]), each projection that follows a norm is one int4 GEMV launch, and each
+/// that feeds the residual stream one int4 linear.
+pub(super) fn layers_fold(layers: &[Layer], hidden: usize) -> bool {
+    fn whole(p: &Proj) -> ProjOut<'_> {
+        po(p, 0, p.iter().map(Part::rows).sum())
+    }
+    let launch = |ps: &[&Proj]| w4_outs(&ps.iter().map(|p| whole(p)).collect::<Vec<_>>()).is_some();
+    let linear = |p: &Proj| w4_outs(&[whole(p)]).is_some_and(|w| w.len() == 1);
+    w4a16::fold_supported(hidden)
+        && layers.iter().all(|l| {
+            let (inp, out) = match &l.mixer {
+                Mixer::Gdn(g) => (launch(&[&g.qkv, &g.z, &g.ba]), &g.out),
+                Mixer::Attn(a) => (launch(&[&a.q, &a.k, &a.v]), &a.o),
+            };
+            inp && linear(out) && launch(&[&l.gate_up]) && linear(&l.down)
+        })
+}
+
+pub(super) fn po(parts: &[Part], y: u64, m: usize) -> ProjOut<'_> {
+    ProjOut { parts, y, m }
+}
