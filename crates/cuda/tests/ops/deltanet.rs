@@ -1,0 +1,398 @@
+//! The DeltaNet ops: the gate (q/k normalisation, g and beta), the fused conv + gate of decode, the
+//! core recurrence (chunked prefill, decode, speculative verify and commit) and the fused decode +
+//! gated norm.
+
+use cudarc::driver::CudaStream;
+use deltaserve_cpu as cpu;
+use deltaserve_cuda::Kernels;
+use deltaserve_cuda::ops::{self, conv, gdn_chunk, gdn_decode, gdn_gate};
+use rand::RngExt;
+use rand::rngs::StdRng;
+
+use crate::harness::{Dev, Outcome, R, compare, cu_of, randv, rb, same_bits};
+use crate::{Env, Op};
+
+/// Which DeltaNet core kernel [`gdn_case`] runs.
+enum GdnMode {
+    Chunked(gdn_chunk::Precision),
+    /// One token per sequence.
+    Decode,
+    /// gdn_recurrent: verify (None) or commit of the first `accept[b]` rows.
+    Recurrent(Option<Vec<usize>>),
+}
+
+/// [`Op::GdnGate`]: q and k L2-normalised (q scaled), g and beta, against the CPU.
+pub fn gate(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
+    let Env { k, s, tol, .. } = e;
+    let Op::GdnGate { t, hk, hv } = *op else { unreachable!() };
+    let dk = k.dims.gdn_k_dim;
+    let conv_dim = 2 * hk * dk + hv * k.dims.gdn_v_dim;
+    let qkv = randv(rng, t * conv_dim, 1.0);
+    let ba = randv(rng, t * 2 * hv, 4.0); // [b | a] per token, like a fused projection
+    let a_log: Vec<f32> = (0..hv).map(|_| rng.random_range(-2.0..1.5)).collect();
+    let dt_bias: Vec<f32> = (0..hv).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let (qp, bap, alp, dtp) = (d.bf16(&qkv)?, d.bf16(&ba)?, d.f32s(&a_log)?, d.f32s(&dt_bias)?);
+    let (qo, ko, go, bo) =
+        (d.poison(2 * t * hk * dk)?, d.poison(2 * t * hk * dk)?, d.poison(4 * t * hv)?, d.poison(4 * t * hv)?);
+    let a = gate_args(qp, conv_dim, bap, alp, dtp, [qo, ko, go, bo], t, hk, hv);
+    gdn_gate::gdn_gate(k, s, &a)?;
+    let (mut rq, mut rk, mut rg, mut rbeta) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for tt in 0..t {
+        let row = &qkv[tt * conv_dim..];
+        let mut qq = row[..hk * dk].to_vec();
+        let mut kk = row[hk * dk..2 * hk * dk].to_vec();
+        cpu::norm::l2_norm(&mut qq, dk, 1e-6);
+        cpu::norm::l2_norm(&mut kk, dk, 1e-6);
+        rq.extend(qq.iter().map(|v| v / (dk as f32).sqrt()));
+        rk.extend(kk);
+        for h in 0..hv {
+            let (bv, av) = (ba[tt * 2 * hv + h], ba[tt * 2 * hv + hv + h]);
+            rbeta.push(cpu::activation::sigmoid(bv));
+            rg.push(-a_log[h].exp() * cpu::activation::softplus(av + dt_bias[h]));
+        }
+    }
+    Ok(vec![
+        compare("q", &rq, &d.get_bf16(qo, rq.len())?, tol),
+        compare("k", &rk, &d.get_bf16(ko, rk.len())?, tol),
+        compare("g", &rg, &d.get_f32(go, rg.len())?, tol),
+        compare("beta", &rbeta, &d.get_f32(bo, rbeta.len())?, tol),
+    ])
+}
+
+/// [`Op::GdnConvGateDecode`]: the fused conv + gate bit for bit against conv_decode + gdn_gate.
+pub fn conv_gate_decode(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
+    let Env { k, s, .. } = e;
+    let Op::GdnConvGateDecode { ref slots, hk, hv } = *op else { unreachable!() };
+    let (dk, kw) = (k.dims.gdn_k_dim, k.dims.conv_kernel);
+    let c = (2 * hk + hv) * dk;
+    let (b, xs) = (slots.len(), c + 8);
+    let n_slots = 4;
+    let x = randv(rng, b * xs, 1.0);
+    let w = randv(rng, c * kw, 0.6);
+    let st0 = randv(rng, n_slots * (kw - 1) * c, 1.0);
+    let ba = randv(rng, b * 2 * hv, 4.0);
+    let a_log: Vec<f32> = (0..hv).map(|_| rng.random_range(-2.0..1.5)).collect();
+    let dt_bias: Vec<f32> = (0..hv).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let (xp, wp, bap, alp, dtp, sp) =
+        (d.bf16(&x)?, d.bf16(&w)?, d.bf16(&ba)?, d.f32s(&a_log)?, d.f32s(&dt_bias)?, d.i32s(slots)?);
+    // Path A: the separate kernels; path B: the fused one; each with its own state copy.
+    let mut outs = Vec::new();
+    for fused in [false, true] {
+        let st = d.bf16(&st0)?;
+        let y = d.poison(2 * b * c)?;
+        let (qo, ko, go, bo) =
+            (d.poison(2 * b * hk * dk)?, d.poison(2 * b * hk * dk)?, d.poison(4 * b * hv)?, d.poison(4 * b * hv)?);
+        let gate = gate_args(y, c, bap, alp, dtp, [qo, ko, go, bo], b, hk, hv);
+        if fused {
+            let f = gdn_gate::GdnConvGateDecode { x: xp, x_stride: xs, w: wp, state: st, slots: sp, gate };
+            gdn_gate::gdn_conv_gate_decode(k, s, &f)?;
+        } else {
+            conv::conv_decode(k, s, xp, xs, wp, y, st, sp, b, c)?;
+            gdn_gate::gdn_gate(k, s, &gate)?;
+        }
+        let bits16 = |p: u64, n: usize| -> R<Vec<u16>> {
+            let mut v = vec![0u16; n];
+            d.rt.download(&mut v, p)?;
+            Ok(v)
+        };
+        let bits32 = |p: u64, n: usize| -> R<Vec<u16>> {
+            let mut v = vec![0u16; 2 * n];
+            d.rt.download(&mut v, p)?;
+            Ok(v)
+        };
+        outs.push([
+            bits16(y, b * c)?,
+            bits16(st, st0.len())?,
+            bits16(qo, b * hk * dk)?,
+            bits16(ko, b * hk * dk)?,
+            bits32(go, b * hv)?,
+            bits32(bo, b * hv)?,
+        ]);
+    }
+    Ok(["y", "conv state", "q", "k", "g", "beta"]
+        .iter()
+        .enumerate()
+        .map(|(i, what)| same_bits(&format!("{what} vs conv_decode + gdn_gate"), &outs[0][i], &outs[1][i]))
+        .collect())
+}
+
+/// [`Op::GdnDecodeGated`]: the fused decode + gated norm bit for bit against gdn_decode +
+/// gated_rms_norm.
+pub fn decode_gated(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
+    let Env { k, s, .. } = e;
+    let Op::GdnDecodeGated { ref slots, hk, hv } = *op else { unreachable!() };
+    let (dk, dv) = (k.dims.gdn_k_dim, k.dims.gdn_v_dim);
+    let b = slots.len();
+    let n_slots = slots.iter().copied().max().unwrap_or(0).max(0) as usize + 1;
+    let (vs, zs) = (hv * dv + 8, hv * dv);
+    let qv = randv(rng, b * hk * dk, 0.3);
+    let kv = randv(rng, b * hk * dk, 0.3);
+    let v = randv(rng, b * vs, 1.0);
+    let g: Vec<f32> = (0..b * hv).map(|_| -rng.random_range(0.0..1.0f32)).collect();
+    let beta: Vec<f32> = (0..b * hv).map(|_| rng.random_range(0.0..1.0f32)).collect();
+    let st0 = randv(rng, n_slots * hv * dk * dv, 0.5);
+    let z = randv(rng, b * zs, 2.0);
+    let nw = randv(rng, dv, 1.0);
+    let (qp, kp, vp, gp, bp) = (d.bf16(&qv)?, d.bf16(&kv)?, d.bf16(&v)?, d.f32s(&g)?, d.f32s(&beta)?);
+    let (zp, nwp, sp) = (d.bf16(&z)?, d.f32s(&nw)?, d.i32s(slots)?);
+    let mut got = Vec::new();
+    for fused in [false, true] {
+        let st = d.f32s(&st0)?;
+        let (o, out) = (d.poison(2 * b * hv * dv)?, d.poison(2 * b * hv * dv)?);
+        let dec = gdn_decode::GdnDecode {
+            q: qp,
+            k: kp,
+            v: vp,
+            v_stride: vs,
+            g: gp,
+            beta: bp,
+            state: st,
+            slots: sp,
+            o,
+            n_seqs: b,
+            hk,
+            hv,
+        };
+        if fused {
+            let a = gdn_decode::GdnDecodeGated { d: dec, z: zp, z_tok_stride: zs, norm_w: nwp, out, eps: 1e-6 };
+            gdn_decode::gdn_decode_gated(k, s, &a)?;
+        } else {
+            gdn_decode::gdn_decode(k, s, &dec)?;
+            ops::norm::gated_rms_norm(k, s, o, zp, zs, hv, nwp, out, b, dv, 1e-6)?;
+        }
+        let mut ob = vec![0u16; b * hv * dv];
+        d.rt.download(&mut ob, out)?;
+        let mut sb = vec![0u16; 2 * st0.len()];
+        d.rt.download(&mut sb, st)?;
+        got.push((ob, sb));
+    }
+    Ok(vec![
+        same_bits("out vs gdn_decode + gated_rms_norm", &got[0].0, &got[1].0),
+        same_bits("state vs gdn_decode", &got[0].1, &got[1].1),
+    ])
+}
+
+/// [`Op::GdnChunk`]: the chunked prefill kernel at its precision.
+pub fn chunk(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
+    let Op::GdnChunk { ref lens, hk, hv, prec } = *op else { unreachable!() };
+    gdn_case(e, d, rng, lens, hk, hv, GdnMode::Chunked(prec))
+}
+
+/// [`Op::GdnDecode`]: one token per sequence.
+pub fn decode(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
+    let Op::GdnDecode { b, hk, hv } = *op else { unreachable!() };
+    gdn_case(e, d, rng, &vec![1; b], hk, hv, GdnMode::Decode)
+}
+
+/// [`Op::GdnRecurrent`]: the speculative verify or commit.
+pub fn recurrent(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
+    let Op::GdnRecurrent { ref lens, ref accept, hk, hv } = *op else { unreachable!() };
+    gdn_case(e, d, rng, lens, hk, hv, GdnMode::Recurrent(accept.clone()))
+}
+
+/// DeltaNet core: random normalised q/k (as gdn_gate writes them), v, g, beta and a random
+/// carried state in shuffled slots; the `mode`'s kernel vs cpu::gdn::gdn_recurrent.
+fn gdn_case(
+    e: Env,
+    d: &mut Dev,
+    rng: &mut StdRng,
+    lens: &[usize],
+    hk: usize,
+    hv: usize,
+    mode: GdnMode,
+) -> R<Vec<Outcome>> {
+    let Env { k, s, tol, .. } = e;
+    let (dk, dv) = (k.dims.gdn_k_dim, k.dims.gdn_v_dim);
+    let t: usize = lens.iter().sum();
+    let nb = lens.len();
+    let mut q = randv(rng, t * hk * dk, 1.0);
+    let mut kk = randv(rng, t * hk * dk, 1.0);
+    cpu::norm::l2_norm(&mut q, dk, 1e-6);
+    cpu::norm::l2_norm(&mut kk, dk, 1e-6);
+    let q: Vec<f32> = q.iter().map(|v| rb(v / (dk as f32).sqrt())).collect();
+    let kk: Vec<f32> = kk.iter().map(|&v| rb(v)).collect();
+    // v lives inside a wider conv-output row, like the real layout.
+    let v_stride = hv * dv + 64;
+    let vrow = randv(rng, t * v_stride, 1.0);
+    let g: Vec<f32> = (0..t * hv).map(|_| -rng.random_range(0.0f32..1.5).powi(2)).collect();
+    let beta: Vec<f32> = (0..t * hv).map(|_| rng.random_range(0.05..0.95)).collect();
+    let n_state = hv * dk * dv;
+    let st0: Vec<f32> = (0..nb * n_state).map(|_| rng.random_range(-0.5..0.5)).collect();
+    let n_slots = nb + 2;
+    // A permutation of 1..=nb (slot 0 and nb+1 unused), reversed against the batch order.
+    let slots: Vec<i32> = (0..nb).map(|b| (nb - b) as i32).collect();
+    let mut st_dev = vec![0f32; n_slots * n_state];
+    for (b, &sl) in slots.iter().enumerate() {
+        st_dev[sl as usize * n_state..][..n_state].copy_from_slice(&st0[b * n_state..][..n_state]);
+    }
+    let cu = cu_of(lens);
+    let (qp, kp, vp, gp, bp) = (d.bf16(&q)?, d.bf16(&kk)?, d.bf16(&vrow)?, d.f32s(&g)?, d.f32s(&beta)?);
+    let (sp, cup, slp, op) = (d.f32s(&st_dev)?, d.i32s(&cu)?, d.i32s(&slots)?, d.poison(2 * t * hv * dv)?);
+    let dec = gdn_decode::GdnDecode {
+        q: qp,
+        k: kp,
+        v: vp,
+        v_stride,
+        g: gp,
+        beta: bp,
+        state: sp,
+        slots: slp,
+        o: op,
+        n_seqs: nb,
+        hk,
+        hv,
+    };
+    let mut extra = Vec::new();
+    // Rows of each sequence the state advances by (and whose outputs are compared).
+    let used: Vec<usize> = match &mode {
+        GdnMode::Recurrent(Some(a)) => a.clone(),
+        _ => lens.to_vec(),
+    };
+    if let GdnMode::Chunked(prec) = mode {
+        let table = gdn_chunk::chunk_table(&cu);
+        let ws_bytes = gdn_chunk::workspace_bytes(t, hv, &k.dims);
+        let (tp, wsp) = (d.i32s(&table)?, d.poison(ws_bytes)?);
+        let a = gdn_chunk::GdnChunk {
+            q: qp,
+            k: kp,
+            v: vp,
+            v_stride,
+            g: gp,
+            beta: bp,
+            state: sp,
+            cu_seqlens: cup,
+            slots: slp,
+            chunk_table: tp,
+            n_chunks: table.len() / 2,
+            o: op,
+            workspace: wsp,
+            workspace_bytes: ws_bytes,
+            n_seqs: nb,
+            t,
+            hk,
+            hv,
+        };
+        gdn_chunk::gdn_chunk_with(k, s, &a, prec)?;
+    } else if let GdnMode::Recurrent(accept) = &mode {
+        // A verify takes its rows from cu_seqlens (lens 0), a commit from starts + lens.
+        let lens_i: Vec<i32> = used.iter().map(|&x| x as i32).collect();
+        let r = gdn_decode::GdnRecurrent {
+            d: dec,
+            starts: d.i32s(&cu)?,
+            lens: if accept.is_some() { d.i32s(&lens_i)? } else { 0 },
+            write_state: accept.is_some(),
+        };
+        gdn_decode::gdn_recurrent(k, s, &r)?;
+        if accept.is_some() {
+            // The same rows through gdn_decode, one token per launch, on a copy of the state: the
+            // commit must leave exactly (bit for bit) what decoding them one by one leaves.
+            let b = decoded_token_by_token(k, s, d, dec, &cu, &used, &st_dev)?;
+            let a = d.get_f32(sp, st_dev.len())?;
+            if a.iter().zip(&b).any(|(x, y)| x.to_bits() != y.to_bits()) {
+                extra.push(Outcome::error("commit state differs from gdn_decode token by token".into()));
+            }
+        } else if d.get_f32(sp, st_dev.len())?.iter().zip(&st_dev).any(|(x, y)| x.to_bits() != y.to_bits()) {
+            extra.push(Outcome::error("verify (write_state = 0) changed the state".into()));
+        }
+    } else {
+        gdn_decode::gdn_decode(k, s, &dec)?;
+    }
+    let dims = cpu::gdn::GdnDims { num_k_heads: hk, num_v_heads: hv, head_k_dim: dk, head_v_dim: dv };
+    let mut ro = Vec::with_capacity(t * hv * dv);
+    let mut rs = st_dev.clone();
+    let mut got_o = Vec::with_capacity(t * hv * dv);
+    let all_o = d.get_bf16(op, t * hv * dv)?;
+    for (b, &len) in used.iter().enumerate() {
+        let t0 = cu[b] as usize;
+        got_o.extend_from_slice(&all_o[t0 * hv * dv..][..len * hv * dv]);
+        let vseq: Vec<f32> = (0..len).flat_map(|i| vrow[(t0 + i) * v_stride..][..hv * dv].to_vec()).collect();
+        let inp = cpu::gdn::GdnInputs {
+            q: &q[t0 * hk * dk..][..len * hk * dk],
+            k: &kk[t0 * hk * dk..][..len * hk * dk],
+            v: &vseq,
+            g: &g[t0 * hv..][..len * hv],
+            beta: &beta[t0 * hv..][..len * hv],
+        };
+        let mut st = st0[b * n_state..][..n_state].to_vec();
+        let mut o = vec![0f32; len * hv * dv];
+        cpu::gdn::gdn_recurrent(dims, &inp, &mut st, &mut o)
+            .map_err(|e| deltaserve_cuda::CudaError::InvalidArgs { kernel: "cpu reference", msg: e.to_string() })?;
+        ro.extend(o);
+        // A verify leaves the committed state as it was.
+        if !matches!(mode, GdnMode::Recurrent(None)) {
+            rs[slots[b] as usize * n_state..][..n_state].copy_from_slice(&st);
+        }
+    }
+    let mut out = vec![compare("o", &ro, &got_o, tol), compare("state", &rs, &d.get_f32(sp, rs.len())?, tol)];
+    out.extend(extra);
+    Ok(out)
+}
+
+/// The state after each sequence's first `used[b]` rows (from row `cu[b]`) went through
+/// gdn_decode one token per launch, from a copy of `st_dev`: what a commit must leave, bit for bit.
+fn decoded_token_by_token(
+    k: &Kernels,
+    s: &CudaStream,
+    d: &mut Dev,
+    dec: gdn_decode::GdnDecode,
+    cu: &[i32],
+    used: &[usize],
+    st_dev: &[f32],
+) -> R<Vec<f32>> {
+    let (dk, dv) = (k.dims.gdn_k_dim, k.dims.gdn_v_dim);
+    let (hk, hv, v_stride) = (dec.hk, dec.hv, dec.v_stride);
+    let sp2 = d.f32s(st_dev)?;
+    let o2 = d.poison(2 * hv * dv)?;
+    for (b, &n) in used.iter().enumerate() {
+        for i in 0..n {
+            let row = cu[b] as usize + i;
+            let one = gdn_decode::GdnDecode {
+                q: dec.q + (2 * row * hk * dk) as u64,
+                k: dec.k + (2 * row * hk * dk) as u64,
+                v: dec.v + (2 * row * v_stride) as u64,
+                g: dec.g + (4 * row * hv) as u64,
+                beta: dec.beta + (4 * row * hv) as u64,
+                state: sp2,
+                slots: dec.slots + 4 * b as u64,
+                o: o2,
+                n_seqs: 1,
+                ..dec
+            };
+            gdn_decode::gdn_decode(k, s, &one)?;
+        }
+    }
+    d.get_f32(sp2, st_dev.len())
+}
+
+/// one `[t, 2·hv]` bf16 buffer `ba` ([b | a] per row, like the fused projection), outputs
+/// `[q, k, g, beta]`.
+#[allow(clippy::too_many_arguments)]
+fn gate_args(
+    qk: u64,
+    qk_stride: usize,
+    ba: u64,
+    a_log: u64,
+    dt_bias: u64,
+    [q_out, k_out, g, beta]: [u64; 4],
+    t: usize,
+    hk: usize,
+    hv: usize,
+) -> gdn_gate::GdnGate {
+    gdn_gate::GdnGate {
+        qk,
+        qk_stride,
+        b: ba,
+        b_stride: 2 * hv,
+        a: ba + 2 * hv as u64,
+        a_stride: 2 * hv,
+        a_log,
+        dt_bias,
+        q_out,
+        k_out,
+        g,
+        beta,
+        t,
+        hk,
+        hv,
+    }
+}
