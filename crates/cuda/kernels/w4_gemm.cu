@@ -37,19 +37,25 @@
 // Bytes of a stage's weights (4 warps x one 2 KB unit).
 #define W4G_WBYTES (W4G_WARPS * 2048)
 
-// bf16x2 a * b + c, round to nearest (sm_80).
-__device__ __forceinline__ u32 w4g_fma2(u32 a, u32 b, u32 c) {
+// The column pair in nibbles (p, p + 4) of w (after w >> 4p) as bf16 (q0 - z, q1 - z), exact: the LOP3
+// gives bf16 (128 + q0, 128 + q1), and a bf16x2 FMA (sm_80) adds nz = -(128 + z) in both halves.
+__device__ __forceinline__ u32 w4g_dq(u32 w, u32 nz) {
     u32 r;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    asm("{\n .reg .b32 q;\n lop3.b32 q, %1, %2, %3, 0xea;\n fma.rn.bf16x2 %0, q, %4, %5;\n}"
+        : "=r"(r)
+        : "r"(w), "r"(0x000f000fu), "r"(0x43004300u), "r"(0x3f803f80u), "r"(nz));
     return r;
 }
 
-// The column pair in nibbles (p, p + 4) of w (after w >> 4p) as bf16 (q0 - z, q1 - z): the LOP3 gives
-// 128 + q, nz = -(128 + z) in both halves, exact.
-__device__ __forceinline__ u32 w4g_dq(u32 w, u32 nz) {
-    u32 r;
-    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(w), "r"(0x000f000fu), "r"(0x43004300u));
-    return w4g_fma2(r, 0x3f803f80u, nz);
+// Zeroes a warp tile's accumulators (2 row tiles x NT n-tiles x 4).
+template <int NT>
+__device__ __forceinline__ void w4g_zero(float (&v)[2][NT][4]) {
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int b = 0; b < NT; ++b)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) v[a][b][c] = 0.f;
 }
 
 // Physical 16-byte chunk of chunk c (0..15) of x-tile row r: conflict-free 16-byte loads for the
@@ -103,12 +109,7 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
     };
 
     float acc[2][NT][4];
-#pragma unroll
-    for (int a = 0; a < 2; ++a)
-#pragma unroll
-        for (int b = 0; b < NT; ++b)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.f;
+    w4g_zero<NT>(acc);
     // The first S - 1 stages: weights before the wait (a programmatic launch overlaps the previous
     // kernel), x after it; commit group st holds stage st's x (and, in group 0, every early weight).
 #pragma unroll
@@ -137,17 +138,12 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
                 cp_async_commit();
                 const uint4* wst = w4g_smem + (u * STAGE + warp * 2048) / 16 + lane;
                 const uint4 q0 = wst[0], q1 = wst[32], q2 = wst[64], q3 = wst[96];
-                const u32 xs = smem_s + u * STAGE + W4G_WBYTES;
+                const uint4* xst = w4g_smem + (u * STAGE + W4G_WBYTES) / 16;
                 u32 nz[4];
 #pragma unroll
                 for (int j = 0; j < 4; ++j) nz[j] = 0x80008000u | ((0x4300u | ((zv[u] >> (4 * j)) & 15u)) * 0x10001u);
                 float tmp[2][NT][4];
-#pragma unroll
-                for (int a = 0; a < 2; ++a)
-#pragma unroll
-                    for (int b = 0; b < NT; ++b)
-#pragma unroll
-                        for (int c = 0; c < 4; ++c) tmp[a][b][c] = 0.f;
+                w4g_zero<NT>(tmp);
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const u32 w0 = u4_comp(q0, i), w1 = u4_comp(q1, i), w2 = u4_comp(q2, i), w3 = u4_comp(q3, i);
@@ -167,10 +163,7 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
                     for (int b = 0; b < NT; ++b) {
                         if (b < live) {
                             const int r = 8 * b + g;
-                            uint4 xv;
-                            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                                         : "=r"(xv.x), "=r"(xv.y), "=r"(xv.z), "=r"(xv.w)
-                                         : "r"(xs + r * 256 + w4g_swz(r, 4 * t + i) * 16));
+                            const uint4 xv = xst[r * 16 + w4g_swz(r, 4 * t + i)];
                             mma_bf16(tmp[0][b], a[0][0], xv.x, xv.y);
                             mma_bf16(tmp[1][b], a[1][0], xv.x, xv.y);
                             mma_bf16(tmp[0][b], a[0][1], xv.z, xv.w);

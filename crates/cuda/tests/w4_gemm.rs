@@ -229,8 +229,21 @@ fn run_case(rt: &Runtime, k: &Kernels, sms: usize, c: Case, rng: &mut StdRng) ->
     let rows = checked_rows(c.out);
     let reference = oracle(&l, &rows, &xs, c.m);
 
+    let auto = w4_gemm::w4_gemm_config(c.m, c.out, c.inp, sms);
+    let mut cfgs = vec![auto];
+    if c.out < SAMPLE_FROM {
+        let groups = c.inp / W4_GROUP;
+        for tokens in [16, 32] {
+            for splits in [1, 2, 3, groups.min(w4_gemm::MAX_SPLITS)] {
+                let cfg = W4GemmConfig { tokens, splits: splits.min(groups) };
+                if !cfgs.contains(&cfg) {
+                    cfgs.push(cfg);
+                }
+            }
+        }
+    }
     let b = l.bytes();
-    let ws_most = (1..=w4_gemm::MAX_SPLITS).map(|s| s * c.m * c.out * 4).max().unwrap_or(0);
+    let ws_most = cfgs.iter().map(|&cfg| w4_gemm::w4_gemm_workspace_bytes(c.m, c.out, cfg)).max().unwrap_or(0);
     let y_bytes = 4 * (c.m + 1) * ldy;
     let total = b.total() + 2 * c.m * ldx + w4_gemm::w4_gemm_x_scratch_bytes(c.m, c.inp) + y_bytes + ws_most;
     let mut arena = Arena::new(rt.context().clone());
@@ -257,19 +270,6 @@ fn run_case(rt: &Runtime, k: &Kernels, sms: usize, c: Case, rng: &mut StdRng) ->
     let ws = d.span(ws_most)?;
     let s = rt.stream().clone();
 
-    let auto = w4_gemm::w4_gemm_config(c.m, c.out, c.inp, sms);
-    let mut cfgs = vec![auto];
-    if c.out < SAMPLE_FROM {
-        let groups = c.inp / W4_GROUP;
-        for tokens in [16, 32] {
-            for splits in [1, 2, 3, groups.min(w4_gemm::MAX_SPLITS)] {
-                let cfg = W4GemmConfig { tokens, splits: splits.min(groups) };
-                if !cfgs.contains(&cfg) {
-                    cfgs.push(cfg);
-                }
-            }
-        }
-    }
     let mut lines = Vec::new();
     for cfg in cfgs {
         let run = |d: &Dev| -> R<Vec<u32>> {
