@@ -302,6 +302,16 @@ __device__ __forceinline__ uint4 ld_nc_stream(const uint4* p) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The int4 weight format (w4a16.cu's header, src/w4.rs): the uint4 holding device columns 32c .. 32c + 31
+// of row o of an [out, 128 * ng] linear in the tile-major order (w4a16.cu and w4_gemm.cu read it).
+__device__ __forceinline__ long long w4_u4(int o, int c, int out, int ng) {
+    const int p = o >> 5, rr = o & 31, R = min(32, out - (p << 5));
+    int before = 0;
+    for (int jj = 0; jj < (rr & 3); ++jj) before += (R + 3 - jj) >> 2;
+    return (long long)p * ng * 128 + (long long)(c >> 2) * R * 4 + (before + (rr >> 2)) * 4 + (c & 3);
+}
+
+// ---------------------------------------------------------------------------------------------
 // One causal depthwise conv1d decode step of channel c (KW taps; conv.cu's conv_decode and
 // gdn_gate.cu's fused decode kernel), in parts: conv_window_load reads the state's KW - 1 rows (row r
 // at st + r*C) into win and the channel's taps into wv; conv_window_out puts x last in the window and

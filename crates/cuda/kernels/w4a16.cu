@@ -11,7 +11,7 @@
 //           row 4g + j, chunk t for j = 0..3, i.e. four 512-byte contiguous runs per full unit.
 //           A uint4 holds 4 words of 8 columns; column 8i + c of a word is nibble (c & 1)*4 + (c >> 1)
 //           (the nibbles hold columns 0,2,4,6,1,3,5,7), so (word >> 4p) & 0x000f000f = columns
-//           (2p, 2p+1) in the two halves. w4_u4() below maps (row, 32-column chunk) to the uint4.
+//           (2p, 2p+1) in the two halves. w4_u4() (prelude.cuh) maps (row, 32-column chunk) to the uint4.
 //   scales  u16 [NG, out] (group-major): fp16 bits, or bf16 bits when scale_bf16 != 0.
 //   zeros   u8  [NG, ceil(out/2)]: zero of (g, o) = nibble (o & 1) of byte g*ceil(out/2) + o/2;
 //           NULL = symmetric, zero 8.
@@ -52,14 +52,6 @@
 // tests/backend.rs folded_norms_match_separate_kernels; bench in tests/bench_w4.rs.
 
 #define W4_WARPS 8
-
-// The uint4 holding device columns 32c .. 32c + 31 of row o (the tile-major order above).
-__device__ __forceinline__ long long w4_u4(int o, int c, int out, int ng) {
-    const int p = o >> 5, rr = o & 31, R = min(32, out - (p << 5));
-    int before = 0;
-    for (int jj = 0; jj < (rr & 3); ++jj) before += (R + 3 - jj) >> 2;
-    return (long long)p * ng * 128 + (long long)(c >> 2) * R * 4 + (before + (rr >> 2)) * 4 + (c & 3);
-}
 
 __device__ __forceinline__ float w4_scale(unsigned short s, int scale_bf16) {
     return scale_bf16 ? bf2f(s) : f16_to_f32(s);

@@ -118,6 +118,11 @@ pub const SOURCES: &[KernelSource] = &[
         ],
     },
     KernelSource {
+        module: "w4_gemm",
+        src: include_str!("../kernels/w4_gemm.cu"),
+        functions: &["w4g_16", "w4g_32", "w4g_reduce"],
+    },
+    KernelSource {
         module: "attention",
         src: include_str!("../kernels/attention.cu"),
         functions: &[

@@ -10,6 +10,12 @@
 //!   slice, TFLOP/s and its share of one bf16 cuBLASLt GEMM of the same shape;
 //! - `w4_quantize` throughput (bf16 bytes read per second), the `--quantize int4` load path.
 //!
+//! `bench_w4_rows` (its own test: `... --test bench_w4 -- --ignored --nocapture bench_w4_rows`): the
+//! projections of steps of 1 to 256 rows at the 27B shapes: `w4_gemm` (default configuration), the
+//! pair GEMV (M <= 8) and the dequantise + cuBLASLt path (64 MiB row slices), ms and the weight bytes'
+//! GB/s as a share of the copy bandwidth. `DS_BENCH_W4_ROWS_SWEEP=1` adds every token tile × K split
+//! of `w4_gemm` per (shape, M), the table to tune `w4_gemm_config` from.
+//!
 //! `DS_BENCH_W4=<substring>` runs only the decode shapes whose name contains it (for profilers);
 //! `DS_BENCH_W4_SWEEP=1` runs only the shape sweep (the GEMV's fixed cost per launch:
 //! bench/results/decode-gemv-pdl-h200-2026-11-30.md; its wave quantisation:
@@ -21,6 +27,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use deltaserve_cuda::arena::{Arena, RegionId};
 use deltaserve_cuda::ops::init::{Init, init_random};
+use deltaserve_cuda::ops::w4_gemm::{self, W4GemmConfig};
 use deltaserve_cuda::ops::w4a16::{self, GemvConfig, W4Weights};
 use deltaserve_cuda::w4::{ScaleDtype, W4Bytes};
 use deltaserve_cuda::{CudaError, DevSpan, KernelDims, Kernels, LibStatus, Runtime, gemm};
@@ -462,6 +469,117 @@ fn shape_sweep(rt: &Runtime, k: &Kernels, copy: f64) -> R<()> {
                 ms * 1e3,
                 100.0 * gbs / copy
             );
+        }
+        rt.synchronize()?;
+    }
+    Ok(())
+}
+
+/// The 27B's projections for steps of more than one row (name, out, in).
+const ROWS_SHAPES: &[(&str, usize, usize)] = &[
+    ("mlp gate or up", 17408, 5120),
+    ("mlp down", 5120, 17408),
+    ("gdn in_proj_qkv", 10240, 5120),
+    ("attn q (+gate)", 12288, 5120),
+    ("gdn out_proj", 5120, 6144),
+];
+const ROWS_M: &[usize] = &[1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256];
+/// The bf16 slice the dequantise + cuBLASLt path runs through (the backend's 64 MiB).
+const ROWS_SLICE_BYTES: usize = 64 << 20;
+
+#[test]
+#[ignore = "benchmark; needs a GPU"]
+fn bench_w4_rows() {
+    if !LibStatus::probe().driver {
+        eprintln!("SKIP bench: no CUDA driver");
+        return;
+    }
+    let rt = Runtime::open(0).expect("open device");
+    let k = Kernels::load(&rt, KernelDims::QWEN35_27B).expect("load kernels");
+    if let Err(e) = run_rows(&rt, &k) {
+        panic!("bench failed: {e}");
+    }
+}
+
+fn run_rows(rt: &Runtime, k: &Kernels) -> R<()> {
+    let s = rt.stream().clone();
+    let copy = copy_bandwidth(rt)?;
+    let sms = rt.sm_count as usize;
+    let sweep = std::env::var("DS_BENCH_W4_ROWS_SWEEP").is_ok();
+    println!("device {} ({}), {sms} SMs; copy bandwidth {copy:.0} GB/s (read + write)", rt.name, rt.arch());
+    println!();
+    println!(
+        "| linear | out x in | M | w4_gemm tokens/splits | w4_gemm us | GB/s | % of copy | GEMV us | dequant+cuBLASLt us | dequant / w4_gemm |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    let mmax = ROWS_M.iter().copied().max().unwrap_or(1);
+    for &(name, out, inp) in ROWS_SHAPES {
+        let slice = (ROWS_SLICE_BYTES / (2 * inp)).min(out) / 128 * 128;
+        let ws_bytes = gemm::recommended_workspace_bytes(rt);
+        let wsg = (1..=w4_gemm::MAX_SPLITS).map(|sp| sp * mmax * out * 4).max().unwrap_or(0);
+        let mut d =
+            Dev::new(rt, 4 * out * inp + ROWS_SLICE_BYTES + wsg + ws_bytes + 2 * mmax * (inp + 2 * out) + (1 << 30))?;
+        let stage = d.alloc(2 * out * inp)?;
+        init_random(k, &s, stage, out * inp, 7, Init::Normal(0.02), false)?;
+        let x = d.alloc(2 * mmax * inp)?;
+        init_random(k, &s, x, mmax * inp, 8, Init::Normal(1.0), false)?;
+        let (y, ytmp, ws) = (d.alloc(2 * mmax * out)?, d.alloc(2 * mmax * slice)?, d.alloc(wsg)?);
+        let scratch = d.alloc(ROWS_SLICE_BYTES)?;
+        let g = gemm::Gemm::new(rt, DevSpan { ptr: d.alloc(ws_bytes)?, bytes: ws_bytes })?;
+        let (w, _) = make_w4(k, &s, &mut d, stage, out, inp, false)?;
+        let wcopies = copies(&mut d, &w, 400 << 20)?;
+        let b = w.bytes();
+        let wbytes = (b.qweight + b.scales) as f64;
+        let n = 50.max(wcopies.len());
+        for &m in ROWS_M {
+            let gemm_us = |cfg: W4GemmConfig| -> R<f64> {
+                let t = time_ms(rt, n, |i| {
+                    let wi = &wcopies[i % wcopies.len()];
+                    w4_gemm::w4_gemm(k, &s, wi, x, inp, y, out, m, cfg, false, Some(ws), None)
+                })?;
+                Ok(t * 1e3)
+            };
+            let auto = w4_gemm::w4_gemm_config(m, out, inp, sms);
+            let us = gemm_us(auto)?;
+            let gemv = if m <= w4a16::GEMV_MAX_M {
+                let cfg = w4a16::gemv_config(out, inp, k.w4_slots);
+                let t = time_ms(rt, n, |i| {
+                    w4a16::w4_gemv(k, &s, &wcopies[i % wcopies.len()], x, inp, y, out, m, cfg, None)
+                })?;
+                format!("{:.1}", t * 1e3)
+            } else {
+                "-".to_string()
+            };
+            let rows: Vec<(usize, usize)> = (0..out).step_by(slice).map(|r| (r, (r + slice).min(out))).collect();
+            let dq = 1e3
+                * time_ms(rt, 10, |_| {
+                    for &(r0, r1) in &rows {
+                        w4a16::w4_dequant(k, &s, &w, r0, r1, scratch, inp)?;
+                        g.linear(&s, x, scratch, ytmp, m, r1 - r0, inp)?;
+                    }
+                    Ok(())
+                })?;
+            let gbs = wbytes / (us * 1e-6) / 1e9;
+            println!(
+                "| {name} | {out} x {inp} | {m} | {}/{} | {us:.1} | {gbs:.0} | {:.1}% | {gemv} | {dq:.1} | {:.2}x |",
+                auto.tokens,
+                auto.splits,
+                100.0 * gbs / copy,
+                dq / us
+            );
+            if sweep {
+                for tokens in [16, 32] {
+                    for splits in [1, 2, 3, 4, 6, 8, 12, 16].into_iter().filter(|&sp| sp <= inp / 512) {
+                        let cfg = W4GemmConfig { tokens, splits };
+                        let t = gemm_us(cfg)?;
+                        let gbs = wbytes / (t * 1e-6) / 1e9;
+                        println!(
+                            "|   sweep | {out} x {inp} | {m} | {tokens}/{splits} | {t:.1} | {gbs:.0} | {:.1}% | | | |",
+                            100.0 * gbs / copy
+                        );
+                    }
+                }
+            }
         }
         rt.synchronize()?;
     }

@@ -19,6 +19,7 @@ pub mod mtp;
 pub mod norm;
 pub mod rope;
 pub mod sample;
+pub mod w4_gemm;
 pub mod w4a16;
 
 use std::collections::HashMap;
@@ -141,6 +142,7 @@ impl Kernels {
         .chain(w4a16::PAIR_KERNELS.iter().map(|&n| (n, w4a16::PAIR_SMEM_BYTES)))
         .chain(w4a16::FOLD_KERNELS.iter().map(|&n| (n, w4a16::FOLD_KERNEL_SMEM_BYTES)))
         .chain(std::iter::once(("w4_read_probe", w4a16::PAIR_SMEM_BYTES)))
+        .chain(w4_gemm::KERNELS.iter().map(|&(n, tokens)| (n, w4_gemm::smem_bytes(tokens))))
         {
             if bytes as i64 > rt.max_smem_optin as i64 {
                 return Err(CudaError::InvalidArgs {

@@ -38,7 +38,7 @@ pub struct W4Weights {
 }
 
 impl W4Weights {
-    fn check(&self, kernel: &'static str) -> Result<(), CudaError> {
+    pub(crate) fn check(&self, kernel: &'static str) -> Result<(), CudaError> {
         W4Linear::check_shape(kernel, self.out, self.inp)?;
         if !self.qweight.is_multiple_of(16) {
             return Err(invalid(kernel, format!("qweight at {:#x} is not 16-byte aligned", self.qweight)));
@@ -66,7 +66,7 @@ impl W4Weights {
         W4Bytes::new(self.out, self.inp, self.zeros.is_some(), self.perm.is_some())
     }
 
-    fn scale_bf16(&self) -> i32 {
+    pub(crate) fn scale_bf16(&self) -> i32 {
         i32::from(self.scale_dtype == ScaleDtype::Bf16)
     }
 }
@@ -239,17 +239,13 @@ pub fn w4_gemv_out(
     if w.perm.is_some() && x_scratch.is_none_or(|p| !p.is_multiple_of(16)) {
         return Err(invalid(K, "act-order weights need a 16-byte aligned x scratch of [8, in] bf16"));
     }
-    let inp = to_i32(K, "in", w.inp)?;
     for m0 in (0..m).step_by(GEMV_MAX_M) {
         let mc = (m - m0).min(GEMV_MAX_M);
         let xc = x + 2 * (m0 * ldx) as u64;
         let yc = y + (if f32_out { 4 } else { 2 } * m0 * ldy) as u64;
         let (xg, ldxg) = match (w.perm, x_scratch) {
             (Some(perm), Some(scratch)) => {
-                let (ldx_l, mc_i) = (ldx as i64, mc as i32);
-                let n = mc * w.inp;
-                launch!(k, s, "w4_permute_x", (n.div_ceil(256).min(1 << 16) as u32, 1, 1), (256, 1, 1), 0;
-                    xc, ldx_l, perm, scratch, mc_i, inp)?;
+                permute_x(k, s, xc, ldx, perm, scratch, mc, w.inp)?;
                 (scratch, w.inp as i64)
             }
             _ => (xc, ldx as i64),
@@ -257,6 +253,25 @@ pub fn w4_gemv_out(
         launch_pair(k, s, &[W4Out { w, y: yc, ldy }], xg, ldxg, mc, cfg, f32_out, Fold::None)?;
     }
     Ok(())
+}
+
+/// `scratch[r, j] = x[r, perm[j]]` for `r < m` (bf16, `scratch` row stride `inp`): x gathered in the
+/// device column order of an act-order linear.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn permute_x(
+    k: &Kernels,
+    s: &CudaStream,
+    x: u64,
+    ldx: usize,
+    perm: u64,
+    scratch: u64,
+    m: usize,
+    inp: usize,
+) -> Result<(), CudaError> {
+    const K: &str = "w4_permute_x";
+    let (ldx_l, m_i, inp_i) = (ldx as i64, to_i32(K, "rows", m)?, to_i32(K, "in", inp)?);
+    let grid = ((m * inp).div_ceil(256).min(1 << 16) as u32, 1, 1);
+    launch!(k, s, K, grid, (256, 1, 1), 0; x, ldx_l, perm, scratch, m_i, inp_i)
 }
 
 /// One linear of [`w4_gemv_multi`]: its weights and `y[m, out]` (row stride `ldy`).

@@ -1,0 +1,279 @@
+// w4_gemm.cu — the int4-weight GEMM for steps of more rows than the decode GEMV takes (W4A16: 4-bit
+// weights in the device format of w4a16.cu / src/w4.rs, bf16 activations), reading that format directly.
+//
+// Computes y[m, o] = sum_j x[m, j] * W[o, j] for m < M, o < out, f32 accumulation:
+//   W[o, j] = (q[o, j] - zero[j/128, o]) * scale[j/128, o]   (j: device column; act-order weights take
+//   x already gathered in device-column order, w4a16.cu's w4_permute_x)
+// and writes y as bf16 or f32 (row stride ldy), or, split over K, f32 partial sums that w4g_reduce adds
+// in split order (deterministic).
+//
+// Tiling: a block of W4G_WARPS = 4 warps owns 128 output rows (4 "pairs" of the format, one per warp)
+// x 8*NT tokens (NT = 2: 16, NT = 4: 32), and the groups gb .. ge of its K split. Per group of 128
+// columns a stage of the cp.async ring (W4G_S stages) holds each warp's 2 KB weight unit (the lane
+// (g, t) copies, and alone reads back, chunk t of rows 4g + j, j = 0..3, as the decode GEMV does) and
+// the x tile [8*NT tokens][128 columns] bf16 shared by the warps (16-byte chunks swizzled so that the
+// fragment loads below are conflict-free; tokens at or past M are zero-filled). Scales and zeros ride
+// in registers W4G_S - 1 groups ahead (the group loop is unrolled by W4G_S).
+// Per group and 16-column step a lane unpacks its 4 rows' words with one LOP3 per column pair
+// (((w >> 4p) & 0x000f000f) | 0x43004300 = bf16 (128 + q0, 128 + q1)) and one bf16x2 FMA that
+// subtracts 128 + zero exactly, giving A fragments of the integers q - z (rows 4g, 4g + 1 in tile 0,
+// 4g + 2, 4g + 3 in tile 1; the K order inside a group is the format's, matched by the x fragment:
+// lane (g, t) reads x[token g][32t + 8i .. 32t + 8i + 7] for word i as one 16-byte load). mma.sync
+// m16n8k16 (bf16, f32 accumulation) sums the exact products per group into tmp, and the group adds
+// scale * tmp to acc in f32 (the GEMV's accuracy: no rounding of the weights).
+//
+// Launch: grid (ceil(M / (8*NT)), ceil(out / 128), splits), block 128, dynamic smem W4G_S * (8 KB +
+// 8*NT * 256 B); out % 4 == 0, in % 128 == 0, splits <= in / 128; x 16-byte aligned rows (ldx % 8 == 0);
+// scales 8-byte aligned, zeros 2-byte aligned; qweight 16-byte aligned, out * in / 32 < 2^31.
+// mode 0: bf16 y, mode 1: f32 y (vec != 0: y's rows 8-byte (bf16) / 16-byte (f32) aligned and ldy % 4
+// == 0, 4 rows per store); mode 2: f32 partials ws[split][M][out] (16-byte aligned).
+// w4g_reduce: grid (ceil(M * out / 4 / 256)), block 256.
+// PDL: the first stages' weights, scales and zeros are issued before pdl_wait(); x after it (x is
+// read through cp.async, L2-coherent). Arch: mma.sync bf16, cp.async, fma.rn.bf16x2: sm_80+.
+// Tested by tests/w4_gemm.rs (host oracle src/w4.rs); bench in tests/bench_w4.rs (bench_w4_rows).
+
+#define W4G_WARPS 4
+#define W4G_S 4
+// Bytes of a stage's weights (4 warps x one 2 KB unit).
+#define W4G_WBYTES (W4G_WARPS * 2048)
+
+// The column pair in nibbles (p, p + 4) of w (after w >> 4p) as bf16 (q0 - z, q1 - z), exact: the LOP3
+// gives bf16 (128 + q0, 128 + q1), and a bf16x2 FMA (sm_80) adds nz = -(128 + z) in both halves.
+__device__ __forceinline__ u32 w4g_dq(u32 w, u32 nz) {
+    u32 r;
+    asm("{\n .reg .b32 q;\n lop3.b32 q, %1, %2, %3, 0xea;\n fma.rn.bf16x2 %0, q, %4, %5;\n}"
+        : "=r"(r)
+        : "r"(w), "r"(0x000f000fu), "r"(0x43004300u), "r"(0x3f803f80u), "r"(nz));
+    return r;
+}
+
+// Zeroes a warp tile's accumulators (2 row tiles x NT n-tiles x 4).
+template <int NT>
+__device__ __forceinline__ void w4g_zero(float (&v)[2][NT][4]) {
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int b = 0; b < NT; ++b)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) v[a][b][c] = 0.f;
+}
+
+// Physical 16-byte chunk of chunk c (0..15) of x-tile row r: conflict-free 16-byte loads for the
+// lanes (g, t) of a quarter warp (rows 2q, 2q + 1; chunks 4t + i).
+__device__ __forceinline__ int w4g_swz(int r, int c) { return c ^ ((c >> 3) << 1) ^ (r & 1); }
+
+template <int NT>
+__device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,
+                                         const unsigned char* __restrict__ zeros, int scale_bf16, const bf16_t* x,
+                                         long long ldx, void* y, long long ldy, int M, int out, int in, int mode,
+                                         int vec) {
+    constexpr int S = W4G_S, BM = 8 * NT;
+    constexpr int XBYTES = BM * 256, STAGE = W4G_WBYTES + XBYTES;
+    extern __shared__ uint4 w4g_smem[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int m0 = blockIdx.x * BM;
+    const int ng = in >> 7, splits = gridDim.z, split = blockIdx.z;
+    const int gb = (int)((long long)split * ng / splits), ge = (int)((long long)(split + 1) * ng / splits);
+    const int n = ge - gb;
+    const int r0 = blockIdx.y * 128 + warp * 32 + 4 * g;  // the lane's rows r0 .. r0 + 3
+    const int rc = min(r0, out - 4);                       // rows whose scales / zeros are loaded
+    // The lane's 4 rows (clamped to out - 1: inside one pair) at group gb; gstep uint4 per group.
+    const int gstep = 4 * min(32, out - ((min(r0, out - 1) >> 5) << 5));
+    const uint4* qw4 = (const uint4*)qw;
+    u32 pw[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) pw[j] = (u32)w4_u4(min(r0 + j, out - 1), 4 * gb + t, out, ng);
+    const int zstride = out >> 1;
+    const u32 smem_s = smem_addr(w4g_smem);
+
+    uint2 sv[S];  // scale bits: x = rows 0 | 1 << 16, y = rows 2 | 3 << 16
+    u32 zv[S];    // zeros: nibble j = row j
+    auto issue_w = [&](int st, int rel, uint2& s_out, u32& z_out) {
+        const u32 base = smem_s + st * STAGE + warp * 2048 + lane * 16;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) cp_async16(base + j * 512, qw4 + (pw[j] + (u32)(gstep * rel)));
+        const long long grp = gb + rel;
+        s_out = __ldg((const uint2*)(scales + grp * out + rc));
+        z_out = zeros ? (u32)__ldg((const unsigned short*)(zeros + grp * zstride + (rc >> 1))) : 0x8888u;
+    };
+    auto issue_x = [&](int st, int rel) {
+        const u32 base = smem_s + st * STAGE + W4G_WBYTES;
+        const long long col = (long long)(gb + rel) * 128;
+#pragma unroll
+        for (int c = 0; c < BM * 16 / (W4G_WARPS * 32); ++c) {
+            const int id = tid + c * W4G_WARPS * 32, r = id >> 4, ch = id & 15;
+            const int m = min(m0 + r, M - 1);
+            cp_async16(base + r * 256 + w4g_swz(r, ch) * 16, x + m * ldx + col + ch * 8, m0 + r < M ? 16 : 0);
+        }
+    };
+
+    float acc[2][NT][4];
+    w4g_zero<NT>(acc);
+    // The first S - 1 stages: weights before the wait (a programmatic launch overlaps the previous
+    // kernel), x after it; commit group st holds stage st's x (and, in group 0, every early weight).
+#pragma unroll
+    for (int st = 0; st < S - 1; ++st)
+        if (st < n) issue_w(st, st, sv[st], zv[st]);
+    pdl_wait();
+#pragma unroll
+    for (int st = 0; st < S - 1; ++st) {
+        if (st < n) issue_x(st, st);
+        cp_async_commit();
+    }
+    // Live n-tiles (warp-uniform): tokens m0 + 8nt < M.
+    const int live = min(NT, (M - m0 + 7) >> 3);
+    for (int k0 = 0; k0 < n; k0 += S) {
+#pragma unroll
+        for (int u = 0; u < S; ++u) {
+            const int k = k0 + u;
+            if (k < n) {
+                cp_async_wait<S - 2>();
+                __syncthreads();  // stage u is complete for every thread; stage u - 1 is free
+                const int sn = (u + S - 1) % S;
+                if (k + S - 1 < n) {
+                    issue_w(sn, k + S - 1, sv[sn], zv[sn]);
+                    issue_x(sn, k + S - 1);
+                }
+                cp_async_commit();
+                const uint4* wst = w4g_smem + (u * STAGE + warp * 2048) / 16 + lane;
+                const uint4 q0 = wst[0], q1 = wst[32], q2 = wst[64], q3 = wst[96];
+                const uint4* xst = w4g_smem + (u * STAGE + W4G_WBYTES) / 16;
+                u32 nz[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) nz[j] = 0x80008000u | ((0x4300u | ((zv[u] >> (4 * j)) & 15u)) * 0x10001u);
+                float tmp[2][NT][4];
+                w4g_zero<NT>(tmp);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const u32 w0 = u4_comp(q0, i), w1 = u4_comp(q1, i), w2 = u4_comp(q2, i), w3 = u4_comp(q3, i);
+                    u32 a[2][2][4];  // [tile][half][fragment register]
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        a[0][h][0] = w4g_dq(w0 >> (8 * h), nz[0]);
+                        a[0][h][1] = w4g_dq(w1 >> (8 * h), nz[1]);
+                        a[0][h][2] = w4g_dq(w0 >> (8 * h + 4), nz[0]);
+                        a[0][h][3] = w4g_dq(w1 >> (8 * h + 4), nz[1]);
+                        a[1][h][0] = w4g_dq(w2 >> (8 * h), nz[2]);
+                        a[1][h][1] = w4g_dq(w3 >> (8 * h), nz[3]);
+                        a[1][h][2] = w4g_dq(w2 >> (8 * h + 4), nz[2]);
+                        a[1][h][3] = w4g_dq(w3 >> (8 * h + 4), nz[3]);
+                    }
+#pragma unroll
+                    for (int b = 0; b < NT; ++b) {
+                        if (b < live) {
+                            const int r = 8 * b + g;
+                            const uint4 xv = xst[r * 16 + w4g_swz(r, 4 * t + i)];
+                            mma_bf16(tmp[0][b], a[0][0], xv.x, xv.y);
+                            mma_bf16(tmp[1][b], a[1][0], xv.x, xv.y);
+                            mma_bf16(tmp[0][b], a[0][1], xv.z, xv.w);
+                            mma_bf16(tmp[1][b], a[1][1], xv.z, xv.w);
+                        }
+                    }
+                }
+                const uint2 sb = sv[u];
+                const u32 bits[4] = {sb.x & 0xffffu, sb.x >> 16, sb.y & 0xffffu, sb.y >> 16};
+                float s[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) s[j] = scale_bf16 ? __uint_as_float(bits[j] << 16) : f16_to_f32((unsigned short)bits[j]);
+#pragma unroll
+                for (int a = 0; a < 2; ++a)
+#pragma unroll
+                    for (int b = 0; b < NT; ++b)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) acc[a][b][c] = fmaf(s[2 * a + (c >> 1)], tmp[a][b][c], acc[a][b][c]);
+            }
+        }
+    }
+    cp_async_wait<0>();
+    if (r0 >= out) return;  // out % 4 == 0: the lane's 4 rows are all in or all out
+    // Fragment c of tile a, n-tile b: row r0 + 2a + (c >> 1), token m0 + 8b + 2t + (c & 1).
+#pragma unroll
+    for (int b = 0; b < NT; ++b) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int m = m0 + 8 * b + 2 * t + e;
+            if (m >= M) continue;
+            const float v0 = acc[0][b][e], v1 = acc[0][b][2 + e], v2 = acc[1][b][e], v3 = acc[1][b][2 + e];
+            if (mode == 2) {
+                float* ws = (float*)y + ((long long)split * M + m) * out + r0;
+                *(float4*)ws = make_float4(v0, v1, v2, v3);
+            } else if (mode == 1) {
+                float* p = (float*)y + m * ldy + r0;
+                if (vec) {
+                    *(float4*)p = make_float4(v0, v1, v2, v3);
+                } else {
+                    p[0] = v0;
+                    p[1] = v1;
+                    p[2] = v2;
+                    p[3] = v3;
+                }
+            } else {
+                bf16_t* p = (bf16_t*)y + m * ldy + r0;
+                if (vec) {
+                    *(uint2*)p = make_uint2(pack_bf16(v0, v1), pack_bf16(v2, v3));
+                } else {
+                    const u32 lo = pack_bf16(v0, v1), hi = pack_bf16(v2, v3);
+                    p[0] = (bf16_t)lo;
+                    p[1] = (bf16_t)(lo >> 16);
+                    p[2] = (bf16_t)hi;
+                    p[3] = (bf16_t)(hi >> 16);
+                }
+            }
+        }
+    }
+}
+
+// w4g_<tokens per block>.
+#define W4G_KERNEL(NAME, NT)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(W4G_WARPS * 32)                                                 \
+        NAME(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,                              \
+             const unsigned char* __restrict__ zeros, int scale_bf16, const bf16_t* x, long long ldx, void* y,    \
+             long long ldy, int M, int out, int in, int mode, int vec) {                                           \
+        pdl_trigger();                                                                                           \
+        w4g_body<NT>(qw, scales, zeros, scale_bf16, x, ldx, y, ldy, M, out, in, mode, vec);                        \
+    }
+W4G_KERNEL(w4g_16, 2)
+W4G_KERNEL(w4g_32, 4)
+
+// y[m, o] (bf16, or f32 when f32_out) = sum over s < splits, in order, of ws[s][m][o]; 4 outputs per
+// thread (out % 4 == 0; vec as for w4g_*).
+extern "C" __global__ void __launch_bounds__(256)
+w4g_reduce(const float* ws, int splits, int M, int out, void* y, long long ldy, int f32_out, int vec) {
+    pdl_enter();
+    const long long n4 = (long long)M * out / 4;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n4) return;
+    const long long e = 4 * i, m = e / out;
+    const int o = (int)(e - m * out);
+    float4 v = *(const float4*)(ws + e);
+    for (int s = 1; s < splits; ++s) {
+        const float4 p = *(const float4*)(ws + (long long)s * M * out + e);
+        v.x += p.x;
+        v.y += p.y;
+        v.z += p.z;
+        v.w += p.w;
+    }
+    if (f32_out) {
+        float* q = (float*)y + m * ldy + o;
+        if (vec) {
+            *(float4*)q = v;
+        } else {
+            q[0] = v.x;
+            q[1] = v.y;
+            q[2] = v.z;
+            q[3] = v.w;
+        }
+    } else {
+        bf16_t* q = (bf16_t*)y + m * ldy + o;
+        const u32 lo = pack_bf16(v.x, v.y), hi = pack_bf16(v.z, v.w);
+        if (vec) {
+            *(uint2*)q = make_uint2(lo, hi);
+        } else {
+            q[0] = (bf16_t)lo;
+            q[1] = (bf16_t)(lo >> 16);
+            q[2] = (bf16_t)hi;
+            q[3] = (bf16_t)(hi >> 16);
+        }
+    }
+}

@@ -1,0 +1,342 @@
+//! `w4_gemm` (int4 weights × bf16 x at any number of rows) against the host oracle: the weights
+//! dequantised by [`W4Linear::dequantize_row`] times the bf16-rounded x, summed in f64.
+//!
+//! Each case draws a random linear in the device format (random quant words, scales of both signs in
+//! fp16 or bf16 bits, random zero points when asymmetric, a random act-order permutation when `perm`),
+//! poisons y with NaN (0xFF bytes) including one row past `m` and the columns past `out` (ldy > out),
+//! launches, and checks every element of the checked rows (all rows, or at the 27B shapes the first and
+//! last 160 and every 29th) against |ref − y| ≤ 4e-3·rms(ref) + 1.6e-2·|ref| (the ops tests' ACCUM
+//! tolerance), and that the poison past `out` and past `m` is untouched. The default configuration of
+//! each case runs, and on the small shapes every token tile × a range of K splits; a split launch is
+//! run twice and must repeat bit for bit. One line per launch. Without a CUDA driver: SKIP.
+//! `DS_TEST_SEED=<u64>` changes the draws (printed).
+
+use deltaserve_cuda::arena::{Arena, RegionId};
+use deltaserve_cuda::ops::w4_gemm::{self, W4GemmConfig};
+use deltaserve_cuda::ops::w4a16::W4Weights;
+use deltaserve_cuda::w4::{ScaleDtype, W4_GROUP, W4Linear};
+use deltaserve_cuda::{CudaError, KernelDims, Kernels, LibStatus, Runtime};
+use half::{bf16, f16};
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+type R<T> = Result<T, CudaError>;
+
+/// One case: `m` rows of x through an `[out, inp]` linear of the given format; `f32_out`: f32 y.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    m: usize,
+    out: usize,
+    inp: usize,
+    asym: bool,
+    bf16_scales: bool,
+    perm: bool,
+    f32_out: bool,
+}
+
+/// Rows checked against the oracle at or above this many outputs: a sample.
+const SAMPLE_FROM: usize = 4096;
+
+fn cases() -> Vec<Case> {
+    let mut v = Vec::new();
+    // Format variant i of 8: asym, bf16 scales, perm from its bits.
+    let case = |m, out, inp, i: usize, f32_out| Case {
+        m,
+        out,
+        inp,
+        asym: i & 1 != 0,
+        bf16_scales: i & 2 != 0,
+        perm: i & 4 != 0,
+        f32_out,
+    };
+    let all_m = [1, 3, 4, 8, 9, 16, 17, 33, 64, 100, 256];
+    // Small shapes: every M, the eight formats in turn, some with f32 outputs; odd sizes (a partial
+    // pair and a partial block of rows) from the tiny model's kind of shapes.
+    for (n, &m) in all_m.iter().enumerate() {
+        v.push(case(m, 256, 256, n % 8, n % 3 == 2));
+        v.push(case(m, 384, 640, (n + 3) % 8, n % 4 == 1));
+        v.push(case(m, 44, 384, (n + 5) % 8, false));
+        v.push(case(m, 132, 128, (n + 6) % 8, n % 2 == 0));
+    }
+    // The 27B shapes: a covering subset (every format at least once, both token tiles, split and not).
+    for (i, &(m, out, inp)) in [
+        (1, 5120, 5120),
+        (9, 5120, 5120),
+        (16, 5120, 5120),
+        (17, 5120, 5120),
+        (64, 5120, 5120),
+        (100, 5120, 5120),
+        (256, 5120, 5120),
+        (8, 17408, 5120),
+        (33, 17408, 5120),
+        (256, 17408, 5120),
+        (4, 5120, 17408),
+        (16, 5120, 17408),
+        (100, 5120, 17408),
+        (256, 5120, 17408),
+    ]
+    .iter()
+    .enumerate()
+    {
+        v.push(case(m, out, inp, (i * 3) % 8, i == 5));
+    }
+    v
+}
+
+#[test]
+fn w4_gemm_matches_the_host_oracle() {
+    if !LibStatus::probe().driver {
+        println!("SKIP: no CUDA driver");
+        return;
+    }
+    let rt = Runtime::open(0).expect("open device 0");
+    let k = Kernels::load(&rt, KernelDims::QWEN35_27B).expect("load kernels");
+    let sms = rt.sm_count as usize;
+    let seed: u64 = std::env::var("DS_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5eed_0004);
+    println!("w4_gemm on {} ({} SMs), seed {seed}", rt.name, sms);
+    let mut failures = Vec::new();
+    let t0 = std::time::Instant::now();
+    for (i, c) in cases().into_iter().enumerate() {
+        let mut rng = StdRng::seed_from_u64(seed.wrapping_add(i as u64));
+        let lines = run_case(&rt, &k, sms, c, &mut rng).unwrap_or_else(|e| vec![(false, format!("error: {e}"))]);
+        for (ok, line) in lines {
+            println!(
+                "{:<4} m={:<3} [{:>5}, {:>5}] {} {line}",
+                if ok { "ok" } else { "FAIL" },
+                c.m,
+                c.out,
+                c.inp,
+                fmt(c)
+            );
+            if !ok {
+                failures.push(format!("{c:?}: {line}"));
+            }
+        }
+    }
+    println!("{:.1} s", t0.elapsed().as_secs_f64());
+    assert!(failures.is_empty(), "{} failing launches:\n{}", failures.len(), failures.join("\n"));
+}
+
+fn fmt(c: Case) -> String {
+    format!(
+        "{} {} {}{}",
+        if c.asym { "asym" } else { "sym " },
+        if c.bf16_scales { "bf16-s" } else { "f16-s " },
+        if c.perm { "perm" } else { "    " },
+        if c.f32_out { " f32-y" } else { "" }
+    )
+}
+
+/// A random linear in the device format: random quant words (any 32 bits are 8 valid quants), scales
+/// of magnitude 2e-3..2e-2 with a quarter negative, zero points 0..15 (asym), a shuffled `perm`.
+fn random_linear(rng: &mut StdRng, c: Case) -> W4Linear {
+    let groups = c.inp / W4_GROUP;
+    let scale_bits = |v: f32| if c.bf16_scales { bf16::from_f32(v).to_bits() } else { f16::from_f32(v).to_bits() };
+    let mut scales = Vec::with_capacity(groups * c.out);
+    for _ in 0..groups * c.out {
+        let mag = rng.random_range(2e-3f32..2e-2);
+        scales.push(scale_bits(if rng.random_range(0u8..4) == 0 { -mag } else { mag }));
+    }
+    let zeros = c.asym.then(|| (0..groups * c.out.div_ceil(2)).map(|_| rng.random::<u8>()).collect());
+    let perm = c.perm.then(|| {
+        let mut p: Vec<i32> = (0..c.inp as i32).collect();
+        for i in (1..p.len()).rev() {
+            let j = rng.random_range(0..=i);
+            p.swap(i, j);
+        }
+        p
+    });
+    W4Linear {
+        out_features: c.out,
+        in_features: c.inp,
+        qweight: (0..c.out * c.inp / 8).map(|_| rng.random::<u32>()).collect(),
+        scales,
+        scale_dtype: if c.bf16_scales { ScaleDtype::Bf16 } else { ScaleDtype::F16 },
+        zeros,
+        perm,
+    }
+}
+
+/// The rows the oracle checks: all, or for large `out` the first and last 160 and every 29th.
+fn checked_rows(out: usize) -> Vec<usize> {
+    if out < SAMPLE_FROM {
+        return (0..out).collect();
+    }
+    (0..out).filter(|&o| o < 160 || o >= out - 160 || o % 29 == 0).collect()
+}
+
+/// `reference[m][i]` = y[m, rows[i]] from the dequantised rows and x (bf16 values), f64 sums, on
+/// every core.
+fn oracle(l: &W4Linear, rows: &[usize], x: &[f32], m: usize) -> Vec<Vec<f32>> {
+    let inp = l.in_features;
+    let threads = std::thread::available_parallelism().map_or(4, |n| n.get()).min(32);
+    let per = rows.len().div_ceil(threads).max(1);
+    let cols: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+        let hs: Vec<_> = rows
+            .chunks(per)
+            .map(|chunk| {
+                s.spawn(move || {
+                    chunk
+                        .iter()
+                        .map(|&o| {
+                            let w = l.dequantize_row(o);
+                            (0..m)
+                                .map(|t| {
+                                    let xr = &x[t * inp..(t + 1) * inp];
+                                    xr.iter().zip(&w).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() as f32
+                                })
+                                .collect()
+                        })
+                        .collect()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("oracle thread")).collect()
+    });
+    // cols: per chunk, per row, per token -> per token, per row.
+    let by_row: Vec<&Vec<f32>> = cols.iter().flatten().collect();
+    (0..m).map(|t| by_row.iter().map(|r| r[t]).collect()).collect()
+}
+
+struct Dev<'a> {
+    rt: &'a Runtime,
+    arena: Arena,
+    region: RegionId,
+}
+
+impl Dev<'_> {
+    fn span(&mut self, bytes: usize) -> R<u64> {
+        Ok(self.arena.alloc(self.region, bytes.max(16))?.ptr)
+    }
+    fn put<T: Copy>(&mut self, v: &[T]) -> R<u64> {
+        let p = self.span(std::mem::size_of_val(v))?;
+        self.rt.upload(p, v)?;
+        Ok(p)
+    }
+}
+
+fn run_case(rt: &Runtime, k: &Kernels, sms: usize, c: Case, rng: &mut StdRng) -> R<Vec<(bool, String)>> {
+    let l = random_linear(rng, c);
+    let (ldx, ldy) = (c.inp + 8, c.out + 4);
+    // x: bf16 values (std ~1), rows of ldx with padding.
+    let xs: Vec<f32> = (0..c.m * c.inp).map(|_| bf16::from_f32(rng.random_range(-2.0f32..2.0)).to_f32()).collect();
+    let mut xpad = vec![bf16::ZERO; c.m * ldx];
+    for t in 0..c.m {
+        for j in 0..c.inp {
+            xpad[t * ldx + j] = bf16::from_f32(xs[t * c.inp + j]);
+        }
+    }
+    let rows = checked_rows(c.out);
+    let reference = oracle(&l, &rows, &xs, c.m);
+
+    let auto = w4_gemm::w4_gemm_config(c.m, c.out, c.inp, sms);
+    let mut cfgs = vec![auto];
+    if c.out < SAMPLE_FROM {
+        let groups = c.inp / W4_GROUP;
+        for tokens in [16, 32] {
+            for splits in [1, 2, 3, groups.min(w4_gemm::MAX_SPLITS)] {
+                let cfg = W4GemmConfig { tokens, splits: splits.min(groups) };
+                if !cfgs.contains(&cfg) {
+                    cfgs.push(cfg);
+                }
+            }
+        }
+    }
+    let b = l.bytes();
+    let ws_most = cfgs.iter().map(|&cfg| w4_gemm::w4_gemm_workspace_bytes(c.m, c.out, cfg)).max().unwrap_or(0);
+    let y_bytes = 4 * (c.m + 1) * ldy;
+    let total = b.total() + 2 * c.m * ldx + w4_gemm::w4_gemm_x_scratch_bytes(c.m, c.inp) + y_bytes + ws_most;
+    let mut arena = Arena::new(rt.context().clone());
+    let region = arena.add_region("w4_gemm test", total + 16 * 256)?;
+    let mut d = Dev { rt, arena, region };
+    let w = W4Weights {
+        qweight: d.put(&l.qweight)?,
+        scales: d.put(&l.scales)?,
+        scale_dtype: l.scale_dtype,
+        zeros: match &l.zeros {
+            Some(z) => Some(d.put(z)?),
+            None => None,
+        },
+        perm: match &l.perm {
+            Some(p) => Some(d.put(p)?),
+            None => None,
+        },
+        out: c.out,
+        inp: c.inp,
+    };
+    let x = d.put(&xpad)?;
+    let scratch = d.span(w4_gemm::w4_gemm_x_scratch_bytes(c.m, c.inp))?;
+    let y = d.span(y_bytes)?;
+    let ws = d.span(ws_most)?;
+    let s = rt.stream().clone();
+
+    let mut lines = Vec::new();
+    for cfg in cfgs {
+        let run = |d: &Dev| -> R<Vec<u32>> {
+            d.rt.memset(y, 0xFF, y_bytes)?;
+            w4_gemm::w4_gemm(k, &s, &w, x, ldx, y, ldy, c.m, cfg, c.f32_out, Some(ws), Some(scratch))?;
+            fetch(d.rt, y, (c.m + 1) * ldy, c.f32_out)
+        };
+        let got = run(&d)?;
+        let tag = format!("tokens={} splits={}{}", cfg.tokens, cfg.splits, if cfg == auto { " (default)" } else { "" });
+        let mut line = compare(&got, &reference, &rows, c, ldy);
+        if cfg.splits > 1 {
+            let again = run(&d)?;
+            if again != got {
+                line.0 = false;
+                line.1.push_str("; a second launch differs (split order not deterministic)");
+            }
+        }
+        lines.push((line.0, format!("{tag}: {}", line.1)));
+    }
+    Ok(lines)
+}
+
+/// y as raw bits (bf16 widened to the f32 pattern's top half, or f32), `n` elements.
+fn fetch(rt: &Runtime, y: u64, n: usize, f32_out: bool) -> R<Vec<u32>> {
+    if f32_out {
+        let mut h = vec![0u32; n];
+        rt.download(&mut h, y)?;
+        return Ok(h);
+    }
+    let mut h = vec![0u16; n];
+    rt.download(&mut h, y)?;
+    Ok(h.into_iter().map(|b| (b as u32) << 16).collect())
+}
+
+/// Checks the rows against the reference and the poison around y; (ok, detail).
+fn compare(got: &[u32], reference: &[Vec<f32>], rows: &[usize], c: Case, ldy: usize) -> (bool, String) {
+    let poison = |v: u32| if c.f32_out { v == u32::MAX } else { v == 0xFFFF_0000 };
+    let mut touched = 0usize;
+    for t in 0..=c.m {
+        let first = if t == c.m { 0 } else { c.out };
+        touched += (first..ldy).filter(|&o| !poison(got[t * ldy + o])).count();
+    }
+    let n = (c.m * rows.len()).max(1);
+    let rms = (reference.iter().flatten().map(|&v| (v as f64).powi(2)).sum::<f64>() / n as f64).sqrt() as f32;
+    let atol = 4e-3 * rms + 1e-6;
+    let (mut worst, mut at, mut bad) = (0f32, (0, 0), 0usize);
+    for (t, rr) in reference.iter().enumerate() {
+        for (&o, &r) in rows.iter().zip(rr) {
+            let v = f32::from_bits(got[t * ldy + o]);
+            let share = if v.is_finite() { (v - r).abs() / (atol + 1.6e-2 * r.abs()) } else { f32::INFINITY };
+            if share > 1.0 {
+                bad += 1;
+            }
+            if share > worst || share.is_nan() {
+                worst = share;
+                at = (t, o);
+            }
+        }
+    }
+    let (t, o) = at;
+    let ok = bad == 0 && touched == 0;
+    let detail = format!(
+        "{} rows checked, worst y[{t}, {o}] = {:.4e} vs {:.4e} ({:.0}% of tol, atol {atol:.2e}); {bad} over tol, {touched} poisoned outside y written",
+        rows.len(),
+        f32::from_bits(got[t * ldy + o]),
+        reference[t][rows.iter().position(|&r| r == o).unwrap_or(0)],
+        worst * 100.0
+    );
+    (ok, detail)
+}
