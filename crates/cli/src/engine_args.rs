@@ -271,7 +271,7 @@ impl EngineArgs {
         };
         if !random_weights {
             let wd = flag.map(|int4| if int4 { WeightsDtype::Int4 } else { WeightsDtype::Bf16 });
-            if let Some(asym) = crate::cuda_scratch::gptq_int4(cfg, wd, quantize)? {
+            if let Some(asym) = crate::model_source::gptq_int4(cfg, wd, quantize)? {
                 return Ok((true, asym || self.int4_asym));
             }
         }
@@ -284,14 +284,8 @@ impl EngineArgs {
     }
 
     /// The plan for the full context (or `--max-context`), logging what the planner traded for it.
-    fn fit(
-        &self,
-        cfg: &ModelConfig,
-        opts: &PlanOptions,
-        free: Free,
-        scratch: &dyn Fn(&PlanOptions) -> u64,
-    ) -> Result<Plan> {
-        let fitted = fit_context(cfg, opts, free, scratch).context("the memory plan does not fit")?;
+    fn fit(&self, cfg: &ModelConfig, opts: &PlanOptions, free: Free) -> Result<Plan> {
+        let fitted = fit_context(cfg, opts, free).context("the memory plan does not fit")?;
         if !fitted.adjustments.is_empty() {
             tracing::info!(
                 "memory plan: to fill the full context ({} tokens) the planner set {}",
@@ -367,16 +361,15 @@ impl EngineArgs {
         opts.int4_asym = asym;
         opts.lm_head_int4 = self.lm_head_int4;
         opts.embed_on_host = self.embed_on_host;
-        // A GPTQ checkpoint may keep some linears bf16 or need act-order permutations: the backend
-        // takes what its weights need beyond the plan's weights region from the backend scratch.
-        let checkpoint = (!random_weights).then(|| text.dir.clone());
-        let cuda_scratch = crate::cuda_scratch::CudaScratch::new(&cfg, checkpoint, tp)?;
-        let scratch = |o: &PlanOptions| cuda_scratch.bytes(o);
+        // A GPTQ checkpoint may keep some linears bf16 or need act-order permutations: the plan adds
+        // what its weights need beyond the weights region to the backend scratch (the backend takes it there).
+        let checkpoint = (!random_weights).then_some(text.dir.as_path());
+        opts.backend = crate::model_source::cuda_plan_backend(&cfg, checkpoint, &opts)?;
         // The fit may move the embedding to host memory, except under speculative decoding (the MTP head
         // embeds its tokens on the device).
         let free =
             Free { embed_on_host: !self.embed_on_host && spec == 0, lm_head_int4: !self.lm_head_int4, ..self.free() };
-        let plan = self.fit(&cfg, &opts, free, &scratch)?;
+        let plan = self.fit(&cfg, &opts, free)?;
         let sched = self.sched_config(&plan)?;
         let weights = if random_weights {
             tracing::warn!("--random-weights: initialising the weights at random on the GPU (benchmarks only)");
@@ -420,7 +413,7 @@ impl EngineArgs {
         let opts = self.plan_options(Device::Cpu)?;
         let budget = opts.budget_bytes;
         let cfg = loaded.model.config.clone();
-        let plan = self.fit(&cfg, &opts, self.free(), &|_| 0)?;
+        let plan = self.fit(&cfg, &opts, self.free())?;
         let sched = self.sched_config(&plan)?;
         let eos_ids = cfg.eos_token_ids.clone();
         let (k_format, v_format) = (plan.options.k_dtype, plan.options.v_dtype);

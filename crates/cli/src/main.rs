@@ -1,7 +1,6 @@
 //! `deltaserve`: the command-line entry point. Each subcommand lives in `commands/`.
 
 mod commands;
-mod cuda_scratch;
 mod engine_args;
 mod gpu_memory;
 mod http;

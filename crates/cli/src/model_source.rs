@@ -2,10 +2,14 @@
 //! runs it; loads config, weights and tokenizer.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use deltaserve_cpu::CpuModel;
+use deltaserve_model::quant::Quantization;
+use deltaserve_model::shard::ShardSpec;
 use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
+use deltaserve_plan::{CheckpointTensors, PlanBackend, PlanOptions, WeightsDtype};
 use deltaserve_text::{ChatTemplate, Tokenizer};
 
 /// Options every model-running command takes.
@@ -156,4 +160,33 @@ pub fn parse_token_list(arg: &str) -> Result<Vec<u32>> {
         .filter(|s| !s.is_empty())
         .map(|s| s.parse::<u32>().with_context(|| format!("`{s}` in --tokens is not a token id")))
         .collect()
+}
+
+/// The int4 storage a GPTQ checkpoint implies on CUDA: `Some(asymmetric)` for a GPTQ checkpoint (an
+/// error if the flags ask for other weights), `None` otherwise.
+pub fn gptq_int4(cfg: &ModelConfig, weights_dtype: Option<WeightsDtype>, quantize: bool) -> Result<Option<bool>> {
+    let Some(Quantization::Gptq(g)) = &cfg.quantization else {
+        return Ok(None);
+    };
+    if weights_dtype.is_some_and(|w| w != WeightsDtype::Int4) || quantize {
+        bail!("this checkpoint is GPTQ-quantised (int4 by itself): --weights-dtype / --quantize do not apply");
+    }
+    Ok(Some(!g.params.sym))
+}
+
+/// The CUDA backend a plan of `opts` is for. `checkpoint`: the model directory when the weights come
+/// from it (not random weights); a quantised one stored int4 is walked once for what its tensors
+/// need beyond the plan's weights region (under tensor parallelism rank 0's shard, the largest).
+pub fn cuda_plan_backend(cfg: &ModelConfig, checkpoint: Option<&Path>, opts: &PlanOptions) -> Result<PlanBackend> {
+    let tp = opts.tensor_parallel;
+    let rank0 = (tp > 1).then(|| ShardSpec::new(cfg, 0, tp)).transpose()?;
+    let quantized = checkpoint.filter(|_| cfg.quantization.is_some() && opts.weights_dtype == WeightsDtype::Int4);
+    let checkpoint = quantized.and_then(|dir| match CheckpointTensors::walk(cfg, dir, rank0.as_ref()) {
+        Ok(t) => Some(Arc::new(t)),
+        Err(e) => {
+            tracing::warn!("sizing the checkpoint's int4 weights: {e}");
+            None
+        }
+    });
+    Ok(PlanBackend::Cuda { checkpoint })
 }

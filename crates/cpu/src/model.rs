@@ -22,7 +22,7 @@ use crate::norm::{gated_rms_norm, l2_norm, rms_norm_1p};
 use crate::rope::apply_partial_rope;
 
 /// Chunk length of the WY-form DeltaNet prefill.
-pub const GDN_CHUNK: usize = 64;
+pub use deltaserve_plan::workspace::GDN_CHUNK;
 
 /// How the DeltaNet core runs over a call's tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

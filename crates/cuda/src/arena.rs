@@ -10,7 +10,7 @@ use cudarc::driver::{CudaContext, result};
 use crate::error::CudaError;
 
 /// Sub-allocation alignment (bytes): enough for 16-byte vector loads and cuBLASLt operands.
-pub const ALIGN: usize = 256;
+pub const ALIGN: usize = deltaserve_plan::ALIGN as usize;
 
 /// A device range: raw pointer + byte length.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -40,7 +40,7 @@ use half::{bf16, f16};
 use crate::error::CudaError;
 
 /// Input columns per scale / zero point.
-pub const W4_GROUP: usize = 128;
+pub const W4_GROUP: usize = deltaserve_plan::dtype::QUANT_GROUP;
 
 /// How the scales' 16-bit patterns are read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,45 +74,8 @@ pub struct W4Linear {
     pub perm: Option<Vec<i32>>,
 }
 
-/// Device bytes of the tensors of one int4 linear.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct W4Bytes {
-    pub qweight: usize,
-    pub scales: usize,
-    pub zeros: usize,
-    pub perm: usize,
-}
-
-impl W4Bytes {
-    /// The tensors of an `[out, in]` linear (`asym`: with zero points, `perm`: act-order).
-    pub fn new(out: usize, inp: usize, asym: bool, perm: bool) -> Self {
-        let groups = inp.div_ceil(W4_GROUP);
-        W4Bytes {
-            qweight: out * inp.div_ceil(8) * 4,
-            scales: groups * out * 2,
-            zeros: if asym { groups * out.div_ceil(2) } else { 0 },
-            perm: if perm { inp * 4 } else { 0 },
-        }
-    }
-    pub fn total(&self) -> usize {
-        self.qweight + self.scales + self.zeros + self.perm
-    }
-
-    /// Byte offsets of (qweight, scales, zeros, perm) when the tensors are placed one after another,
-    /// each starting `align`-byte aligned (the arena's 256), and the bytes that takes: for a linear
-    /// without `perm` exactly what the plan charges (`deltaserve_plan` weights, int4).
-    pub fn layout(&self, align: usize) -> ([usize; 4], usize) {
-        let mut at = 0usize;
-        let mut offs = [0usize; 4];
-        for (o, b) in offs.iter_mut().zip([self.qweight, self.scales, self.zeros, self.perm]) {
-            *o = at;
-            if b > 0 {
-                at += b.next_multiple_of(align.max(1));
-            }
-        }
-        (offs, at)
-    }
-}
+/// Device bytes of the tensors of one int4 linear (priced by the plan).
+pub use deltaserve_plan::cuda::W4Bytes;
 
 /// Index of the 16-byte chunk (4 words) holding device columns `32c .. 32c + 32` of row `o` of an
 /// `[out, inp]` linear in the tile-major order (module docs; `w4_u4` in kernels/w4a16.cu).

@@ -1084,19 +1084,8 @@ fn gptq_checkpoint_matches_cpu() {
         let cfg = ModelConfig::from_dir(&dir).unwrap();
         assert!(cfg.quantization.is_some(), "{tag}: quantization_config read");
         // What the checkpoint needs beyond an int4 plan's weights region (the linears it keeps
-        // bf16, act-order permutations) comes from backend scratch, as `serve` reserves it.
-        let extra = |o: &deltaserve_plan::PlanOptions| {
-            let need = deltaserve_cuda::backend::checkpoint_weights_bytes(
-                &cfg,
-                &dir,
-                deltaserve_cuda::backend::WeightFormat::of(o),
-                None,
-            )
-            .unwrap();
-            let planned = deltaserve_plan::WeightBytes::new(&cfg, o).map_or(0, |w| w.device()) as usize;
-            need.saturating_sub(planned)
-        };
-        let plan = plan_with_scratch(&cfg, extra, |o| {
+        // bf16, act-order permutations) comes from backend scratch, as `serve` plans it.
+        let plan = plan_with_checkpoint(&cfg, &dir, |o| {
             o.weights_dtype = deltaserve_plan::WeightsDtype::Int4;
             o.int4_asym = !v.sym;
         });

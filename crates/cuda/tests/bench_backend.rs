@@ -182,7 +182,6 @@ fn bench_27b() {
     o.max_context = Some(32768);
     o.max_seqs = 32;
     o.snapshot_slots = 1;
-    o.backend_scratch_bytes = deltaserve_cuda::backend::scratch_bytes(&cfg, o.max_batch_tokens, o.max_seqs) as u64;
     let plan = Plan::new(&cfg, &o).unwrap();
     let t0 = Instant::now();
     let mut be = CudaBackend::new(&cfg, WeightSource::RandomWeights { seed: 7 }, &plan, 1).unwrap();

@@ -51,22 +51,12 @@ pub struct Fitted {
     pub shortfall: Option<String>,
 }
 
-/// Plans for the target context (see the module docs). `backend_scratch` recomputes the backend's
-/// scratch for candidate options (it depends on the sequences per step); pass `|o| o.backend_scratch_bytes`
-/// when it does not.
-pub fn fit_context(
-    cfg: &ModelConfig,
-    base: &PlanOptions,
-    free: Free,
-    backend_scratch: &dyn Fn(&PlanOptions) -> u64,
-) -> Result<Fitted, PlanError> {
+/// Plans for the target context (see the module docs). Each candidate's plan prices its own backend
+/// scratch (it depends on the sequences per step and the lm_head's format).
+pub fn fit_context(cfg: &ModelConfig, base: &PlanOptions, free: Free) -> Result<Fitted, PlanError> {
     let target = base.max_context.unwrap_or(cfg.max_position_embeddings);
-    let with_scratch = |mut o: PlanOptions| {
-        o.backend_scratch_bytes = backend_scratch(&o);
-        o
-    };
     // The user's settings, planned for "as large as fits" so a shortfall is a plan, not an error.
-    let open = with_scratch(PlanOptions { max_context: None, ..base.clone() });
+    let open = PlanOptions { max_context: None, ..base.clone() };
     let first = Plan::new(cfg, &open);
     if let Ok(p) = &first
         && p.max_context >= target
@@ -87,7 +77,6 @@ pub fn fit_context(
         if o == before {
             continue;
         }
-        o = with_scratch(o);
         adjustments.push(rung.describe(&before, &o));
         if let Ok(p) = Plan::new(cfg, &o)
             && p.max_context >= target
@@ -104,7 +93,7 @@ pub fn fit_context(
     // Nothing reached the target: the user's settings decide (an explicit --max-context that does not
     // fit is the plan's own error, with its hints).
     if base.max_context.is_some() {
-        return Plan::new(cfg, &with_scratch(base.clone())).map(|plan| Fitted {
+        return Plan::new(cfg, base).map(|plan| Fitted {
             plan,
             adjustments: Vec::new(),
             target_context: target,

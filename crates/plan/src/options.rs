@@ -1,5 +1,8 @@
 //! [`PlanOptions`]: the limits a plan is computed for.
 
+use std::sync::Arc;
+
+use crate::checkpoint::CheckpointTensors;
 use crate::dtype::{KvDtype, WeightsDtype};
 use crate::size::MIB;
 
@@ -9,6 +12,21 @@ pub const VERIFY_PARTITIONS: usize = 16;
 
 /// Split-K partitions of a decode row's attention, at most ([`PlanOptions::decode_partitions`]).
 pub const MAX_DECODE_PARTITIONS: usize = 128;
+
+/// The backend a plan is for.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PlanBackend {
+    /// The generic regions only: the f32 reference (CPU) backend carves nothing else.
+    Generic,
+    /// The CUDA backend: its scratch (chunked DeltaNet workspace, varlen tables, int4 slice and x
+    /// scratch, bounded by the tokens and sequences per step) and, loading a quantised checkpoint
+    /// under int4 weights, what the checkpoint's tensors need beyond the `weights` region.
+    Cuda {
+        /// The quantised checkpoint the weights come from, walked once (`None`: random weights, a
+        /// bf16 checkpoint, or weights not stored int4).
+        checkpoint: Option<Arc<CheckpointTensors>>,
+    },
+}
 
 /// Everything besides the model shape that decides the plan.
 #[derive(Clone, Debug, PartialEq)]
@@ -43,9 +61,8 @@ pub struct PlanOptions {
     pub runtime_reserve_bytes: u64,
     /// cuBLASLt workspace.
     pub gemm_workspace_bytes: u64,
-    /// Backend-specific scratch the activation workspace does not describe (the CUDA backend's chunked
-    /// DeltaNet f32 workspace and varlen tables), bounded by the tokens and sequences per step.
-    pub backend_scratch_bytes: u64,
+    /// The backend the plan is for: what it carves beside the generic regions (its `backend_scratch`).
+    pub backend: PlanBackend,
     /// Split-K partitions of decode attention: the most a sequence uses (the CUDA kernel gives each
     /// row one partition per 128 keys of its context, up to this).
     pub decode_partitions: usize,
@@ -82,8 +99,8 @@ impl PlanOptions {
         self.runtime_reserve_bytes = if n > 1 && reserve > 0 { reserve + COLLECTIVE_RESERVE_BYTES } else { reserve };
     }
 
-    /// bf16 weights and KV, bf16 activations, 4096 tokens and 16 sequences per step, 32-token pages,
-    /// 8 snapshots, 600 MiB runtime reserve, 32 MiB GEMM workspace, 16 decode partitions.
+    /// The CUDA backend: bf16 weights and KV, bf16 activations, 4096 tokens and 16 sequences per step,
+    /// 32-token pages, 8 snapshots, 600 MiB runtime reserve, 32 MiB GEMM workspace, 16 decode partitions.
     pub fn gpu_defaults(budget: u64) -> Self {
         Self {
             budget_bytes: budget,
@@ -101,14 +118,14 @@ impl PlanOptions {
             snapshot_slots: 8,
             runtime_reserve_bytes: 600 * MIB,
             gemm_workspace_bytes: 32 * MIB,
-            backend_scratch_bytes: 0,
+            backend: PlanBackend::Cuda { checkpoint: None },
             decode_partitions: 32,
             speculative_tokens: 0,
             tensor_parallel: 1,
         }
     }
 
-    /// The f32 reference backend: f32 weights, KV and activations, 512 tokens and 4 sequences per step,
+    /// The f32 reference backend (no backend scratch): f32 weights, KV and activations, 512 tokens and 4 sequences per step,
     /// 32-token pages, 2 snapshots, no runtime reserve or GEMM workspace, 1 decode partition.
     pub fn cpu_defaults(budget: u64) -> Self {
         Self {
@@ -123,6 +140,7 @@ impl PlanOptions {
             runtime_reserve_bytes: 0,
             gemm_workspace_bytes: 0,
             decode_partitions: 1,
+            backend: PlanBackend::Generic,
             ..Self::gpu_defaults(budget)
         }
     }

@@ -2,6 +2,7 @@
 
 use deltaserve_model::{Dims, ModelConfig, ModelError, ShardSpec};
 
+use crate::cuda::backend_scratch_bytes;
 use crate::dtype::{KvDtype, WeightsDtype};
 use crate::error::PlanError;
 use crate::options::{MAX_DECODE_PARTITIONS, PlanOptions};
@@ -42,6 +43,9 @@ pub struct Plan {
     pub logits_bytes: u64,
     /// `[max_seqs, ceil(context cap / page_size)]` i32 page ids.
     pub block_table_bytes: u64,
+    /// What the backend carves beside the generic regions ([`crate::cuda::backend_scratch_bytes`]; 0 on
+    /// the CPU backend).
+    pub backend_scratch_bytes: u64,
     /// Everything counted against the budget: the arena (alignment included) + the runtime reserve.
     pub total_bytes: u64,
     pub budget_bytes: u64,
@@ -85,6 +89,7 @@ impl Plan {
         let to64 = |x: u128, what| u64::try_from(x).map_err(|_| overflow(what));
         let wb = WeightBytes::new(cfg, opts).ok_or(overflow("weight bytes"))?;
         let weights = wb.device();
+        let scratch_bytes = backend_scratch_bytes(cfg, opts, weights);
         let reserve = opts.runtime_reserve_bytes;
         let budget = opts.budget_bytes;
         let hints = Hints { cfg, opts, wb: &wb };
@@ -141,7 +146,7 @@ impl Plan {
             ("logits", logits_bytes),
             ("block tables", table_bytes),
             ("GEMM workspace", opts.gemm_workspace_bytes),
-            ("backend scratch", opts.backend_scratch_bytes),
+            ("backend scratch", scratch_bytes),
         ];
         let fixed = fixed_parts.iter().map(|(_, x)| x.next_multiple_of(ALIGN) as u128).sum::<u128>()
             + weights.next_multiple_of(ALIGN) as u128
@@ -323,7 +328,7 @@ impl Plan {
             ("gemm_workspace", opts.gemm_workspace_bytes, "cuBLASLt workspace".to_string()),
             (
                 "backend_scratch",
-                opts.backend_scratch_bytes,
+                scratch_bytes,
                 "backend scratch (chunked DeltaNet workspace, varlen tables)".to_string(),
             ),
         ];
@@ -360,6 +365,7 @@ impl Plan {
             snapshot_bytes,
             logits_bytes,
             block_table_bytes: table_bytes,
+            backend_scratch_bytes: scratch_bytes,
             total_bytes,
             budget_bytes: budget,
             page_size: opts.page_size,

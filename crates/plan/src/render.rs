@@ -55,7 +55,7 @@ impl Plan {
             "logits_bytes": self.logits_bytes,
             "block_table_bytes": self.block_table_bytes,
             "gemm_workspace_bytes": o.gemm_workspace_bytes,
-            "backend_scratch_bytes": o.backend_scratch_bytes,
+            "backend_scratch_bytes": self.backend_scratch_bytes,
             "runtime_reserve_bytes": o.runtime_reserve_bytes,
             "kv_pages_bytes": self.num_kv_pages as u64 * self.kv_page_bytes(),
             "arena_bytes": self.arena_bytes(),

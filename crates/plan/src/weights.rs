@@ -28,6 +28,29 @@ fn linear_aligned(wd: WeightsDtype, out: usize, inp: usize, asym: bool) -> u128 
     }
 }
 
+/// Every decoder linear's `[out, in]`, layer by layer (the MTP head's not included): the mixer's
+/// projections (DeltaNet: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj; attention:
+/// q_proj with its gate, k_proj, v_proj, o_proj), then the MLP's gate, up, down.
+pub fn decoder_linear_shapes(cfg: &ModelConfig) -> Vec<(usize, usize)> {
+    let d = cfg.dims();
+    let h = d.hidden;
+    let mut v = Vec::new();
+    for kind in &cfg.layer_types {
+        match kind {
+            LayerKind::DeltaNet => v.extend([
+                (d.conv_channels, h),
+                (d.gdn_value_width, h),
+                (d.gdn_v_heads, h),
+                (d.gdn_v_heads, h),
+                (h, d.gdn_value_width),
+            ]),
+            LayerKind::Attention => v.extend([(2 * d.attn_dim, h), (d.kv_dim, h), (d.kv_dim, h), (h, d.attn_dim)]),
+        }
+        v.extend([(d.intermediate, h), (d.intermediate, h), (h, d.intermediate)]);
+    }
+    v
+}
+
 /// Weight bytes by part.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WeightBytes {
@@ -52,30 +75,17 @@ impl WeightBytes {
         let h = d.hidden;
         let wd = opts.weights_dtype;
         let asym = opts.int4_asym;
-        let mut shapes: Vec<(usize, usize)> = Vec::new();
+        let shapes = decoder_linear_shapes(cfg);
         let elem = wd.dense_elem_bytes() as u128;
         let t = |n: usize| al(n as u128 * elem); // one small tensor of n elements
         let mut dense: u128 = t(h); // final norm
         for kind in &cfg.layer_types {
             dense += 2 * t(h); // input + post-attention layernorm
-            match kind {
-                LayerKind::DeltaNet => {
-                    shapes.extend([
-                        (d.conv_channels, h),   // in_proj_qkv
-                        (d.gdn_value_width, h), // in_proj_z
-                        (d.gdn_v_heads, h),     // in_proj_b
-                        (d.gdn_v_heads, h),     // in_proj_a
-                        (h, d.gdn_value_width), // out_proj
-                    ]);
-                    // conv taps, A_log, dt_bias, gated-norm weight
-                    dense += t(d.conv_channels * d.conv_kernel) + 2 * t(d.gdn_v_heads) + t(d.gdn_v_dim);
-                }
-                LayerKind::Attention => {
-                    shapes.extend([(2 * d.attn_dim, h), (d.kv_dim, h), (d.kv_dim, h), (h, d.attn_dim)]);
-                    dense += 2 * t(d.head_dim); // q_norm, k_norm
-                }
-            }
-            shapes.extend([(d.intermediate, h), (d.intermediate, h), (h, d.intermediate)]);
+            dense += match kind {
+                // conv taps, A_log, dt_bias, gated-norm weight
+                LayerKind::DeltaNet => t(d.conv_channels * d.conv_kernel) + 2 * t(d.gdn_v_heads) + t(d.gdn_v_dim),
+                LayerKind::Attention => 2 * t(d.head_dim), // q_norm, k_norm
+            };
         }
         let mtp = if opts.speculative_tokens > 0 && cfg.mtp_num_hidden_layers > 0 {
             let mtp_shapes = [

@@ -15,10 +15,6 @@ fn opts(weights: WeightsDtype, kv: KvDtype, budget: u64) -> PlanOptions {
     PlanOptions { weights_dtype: weights, k_dtype: kv, v_dtype: kv, ..PlanOptions::gpu_defaults(budget) }
 }
 
-fn no_scratch(o: &PlanOptions) -> u64 {
-    o.backend_scratch_bytes
-}
-
 /// The command: `plan --preset qwen3.6-27b --memory 24GiB --weights-dtype int4 --kv-cache-dtype fp8`.
 #[test]
 fn qwen36_27b_int4_fp8_24gib_fills_262144() {
@@ -27,7 +23,7 @@ fn qwen36_27b_int4_fp8_24gib_fills_262144() {
     // At the GPU defaults it does not: that is what the fit is for.
     assert!(Plan::new(&cfg, &base).unwrap().max_context < 262_144);
 
-    let f = fit_context(&cfg, &base, Free::all(), &no_scratch).unwrap();
+    let f = fit_context(&cfg, &base, Free::all()).unwrap();
     assert_eq!(f.target_context, 262_144);
     assert!(f.shortfall.is_none());
     assert_eq!(f.plan.max_context, 262_144);
@@ -45,7 +41,7 @@ fn qwen36_27b_int4_fp8_24gib_fills_262144() {
 fn a_plan_that_already_fills_is_left_alone() {
     let cfg = cfg("qwen3.6-27b");
     let base = opts(WeightsDtype::Bf16, KvDtype::Bf16, 139 * GIB);
-    let f = fit_context(&cfg, &base, Free::all(), &no_scratch).unwrap();
+    let f = fit_context(&cfg, &base, Free::all()).unwrap();
     assert!(f.adjustments.is_empty() && f.shortfall.is_none());
     assert_eq!(f.plan, Plan::new(&cfg, &base).unwrap());
 }
@@ -55,11 +51,11 @@ fn options_the_user_set_are_never_changed() {
     let cfg = cfg("qwen3.6-27b");
     let base = opts(WeightsDtype::Int4, KvDtype::Fp8, 24 * GIB);
     let free = Free { max_seqs: false, ..Free::all() };
-    let f = fit_context(&cfg, &base, free, &no_scratch).unwrap();
+    let f = fit_context(&cfg, &base, free).unwrap();
     assert_eq!(f.plan.options.max_seqs, 16);
     assert!(f.adjustments.iter().all(|a| !a.contains("max-seqs")));
     // Nothing open at all: exactly the plan of the settings given.
-    let f = fit_context(&cfg, &base, Free::default(), &no_scratch).unwrap();
+    let f = fit_context(&cfg, &base, Free::default()).unwrap();
     assert_eq!(f.plan, Plan::new(&cfg, &base).unwrap());
     assert!(f.adjustments.is_empty());
     assert!(f.shortfall.as_deref().unwrap().contains("262,144"), "{:?}", f.shortfall);
@@ -69,7 +65,7 @@ fn options_the_user_set_are_never_changed() {
 fn bf16_weights_never_get_an_int4_lm_head() {
     let cfg = cfg("qwen3.6-27b");
     let base = opts(WeightsDtype::Bf16, KvDtype::Bf16, 80 * GIB);
-    let f = fit_context(&cfg, &base, Free::all(), &no_scratch).unwrap();
+    let f = fit_context(&cfg, &base, Free::all()).unwrap();
     assert!(!f.plan.options.lm_head_int4);
 }
 
@@ -78,7 +74,7 @@ fn unreachable_target_keeps_the_users_plan_and_says_why() {
     let cfg = cfg("qwen3.6-27b");
     // bf16 weights (~54 GB) in 60 GiB: the full context cannot fit whatever is traded.
     let base = opts(WeightsDtype::Bf16, KvDtype::Bf16, 60 * GIB);
-    let f = fit_context(&cfg, &base, Free::all(), &no_scratch).unwrap();
+    let f = fit_context(&cfg, &base, Free::all()).unwrap();
     assert_eq!(f.plan, Plan::new(&cfg, &base).unwrap());
     assert!(f.plan.max_context < 262_144);
     let why = f.shortfall.unwrap();
@@ -90,19 +86,22 @@ fn explicit_max_context_is_reached_by_trading_open_options() {
     let cfg = cfg("qwen3.6-27b");
     let base = PlanOptions { max_context: Some(200_000), ..opts(WeightsDtype::Int4, KvDtype::Fp8, 24 * GIB) };
     assert!(Plan::new(&cfg, &base).is_err());
-    let f = fit_context(&cfg, &base, Free::all(), &no_scratch).unwrap();
+    let f = fit_context(&cfg, &base, Free::all()).unwrap();
     assert_eq!(f.plan.max_context, 200_000);
     assert!(!f.adjustments.is_empty());
     // With nothing open, the plan's own error (with its hints).
-    let err = fit_context(&cfg, &base, Free::default(), &no_scratch).unwrap_err();
+    let err = fit_context(&cfg, &base, Free::default()).unwrap_err();
     assert!(err.to_string().contains("200000") || err.to_string().contains("200,000"), "{err}");
 }
 
 #[test]
 fn backend_scratch_is_recomputed_for_each_candidate() {
     let cfg = cfg("qwen3.6-27b");
-    let base = opts(WeightsDtype::Int4, KvDtype::Fp8, 24 * GIB);
-    let per_seq = |o: &PlanOptions| 10_000_000 * o.max_seqs as u64;
-    let f = fit_context(&cfg, &base, Free::all(), &per_seq).unwrap();
-    assert_eq!(f.plan.options.backend_scratch_bytes, 10_000_000 * f.plan.options.max_seqs as u64);
+    let base = PlanOptions { max_batch_tokens: 512, max_seqs: 64, ..opts(WeightsDtype::Int4, KvDtype::Fp8, 24 * GIB) };
+    let f = fit_context(&cfg, &base, Free::all()).unwrap();
+    let o = &f.plan.options;
+    assert!(o.max_seqs < base.max_seqs, "{:?}", f.adjustments);
+    let scratch = deltaserve_plan::cuda::ScratchParts::of(&cfg, o).total() as u64;
+    assert_eq!(f.plan.backend_scratch_bytes, scratch);
+    assert!(scratch < deltaserve_plan::cuda::ScratchParts::of(&cfg, &base).total() as u64);
 }

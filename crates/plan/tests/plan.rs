@@ -2,7 +2,7 @@
 
 use deltaserve_model::ModelConfig;
 use deltaserve_model::synth::Preset;
-use deltaserve_plan::{KvDtype, Plan, PlanError, PlanOptions, WeightsDtype};
+use deltaserve_plan::{KvDtype, Plan, PlanBackend, PlanError, PlanOptions, WeightsDtype};
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
@@ -12,13 +12,14 @@ fn cfg(preset: &str, layers: Option<usize>) -> ModelConfig {
     ModelConfig::from_json_str(&json.to_string()).unwrap()
 }
 
+/// The GPU defaults priced for the generic regions alone (no CUDA backend scratch), as the design
+/// doc's arithmetic counts them.
+fn generic(budget: u64) -> PlanOptions {
+    PlanOptions { backend: PlanBackend::Generic, ..PlanOptions::gpu_defaults(budget) }
+}
+
 fn int4_fp8(budget: u64) -> PlanOptions {
-    PlanOptions {
-        weights_dtype: WeightsDtype::Int4,
-        k_dtype: KvDtype::Fp8,
-        v_dtype: KvDtype::Fp8,
-        ..PlanOptions::gpu_defaults(budget)
-    }
+    PlanOptions { weights_dtype: WeightsDtype::Int4, k_dtype: KvDtype::Fp8, v_dtype: KvDtype::Fp8, ..generic(budget) }
 }
 
 /// `deltaserve plan --preset qwen3.6-27b --memory 24GiB --weights-dtype int4 --kv-cache-dtype fp8`, by hand.

@@ -76,7 +76,7 @@ fn world_sizes_that_split_heads_are_refused() {
 fn qwen36_27b_bf16_in_24gib_per_card() {
     let cfg = cfg_27b();
     let budget = 24 * GIB;
-    let fit = |tp: usize| fit_context(&cfg, &opts(budget, tp), Free::all(), &|o| o.backend_scratch_bytes);
+    let fit = |tp: usize| fit_context(&cfg, &opts(budget, tp), Free::all());
     // TP=1 and TP=2: the bf16 weights alone do not fit one 24 GiB card (50.1 GiB, 25.05 GiB per card).
     for tp in [1, 2] {
         let e = fit(tp).unwrap_err();
@@ -103,7 +103,7 @@ fn qwen36_27b_bf16_in_24gib_per_card() {
     assert!(p.total_bytes <= budget);
     // The dual-card case: int4 weights, TP=2, 24 GiB per card: the full context fits too.
     let o = PlanOptions { weights_dtype: WeightsDtype::Int4, k_dtype: KvDtype::Bf16, ..opts(budget, 2) };
-    let f2 = fit_context(&cfg, &o, Free::all(), &|o| o.backend_scratch_bytes).unwrap();
+    let f2 = fit_context(&cfg, &o, Free::all()).unwrap();
     println!("TP=2 int4: max_context {} ({:?})", f2.plan.max_context, f2.adjustments);
     assert_eq!(f2.plan.max_context, 262_144);
 }

@@ -286,7 +286,6 @@ pub fn run(a: Args) -> Result<()> {
         }
         o.speculative_tokens = a.speculative_tokens;
     }
-    o.backend_scratch_bytes = deltaserve_cuda::backend::scratch_bytes_for(&cfg, &o) as u64;
     let plan = Plan::new(&cfg, &o).context("the bench's memory plan does not fit (lower --prompts or --batches)")?;
     tracing::info!("bench plan:\n{}", plan.table());
 

@@ -112,7 +112,7 @@ pub fn run(a: Args) -> Result<()> {
     // A GPTQ checkpoint is int4 by itself on CUDA (as `serve` loads it).
     if gpu
         && a.model.is_some()
-        && let Some(asym) = crate::cuda_scratch::gptq_int4(&cfg, a.weights_dtype, false)?
+        && let Some(asym) = crate::model_source::gptq_int4(&cfg, a.weights_dtype, false)?
     {
         o.weights_dtype = WeightsDtype::Int4;
         o.int4_asym = asym || a.int4_asym;
@@ -135,8 +135,9 @@ pub fn run(a: Args) -> Result<()> {
     card_config(&cfg, a.tensor_parallel)?;
     // What the CUDA backend carves beside the activation workspace (as `serve --device cuda` plans it,
     // one card's under tensor parallelism).
-    let cuda_scratch = crate::cuda_scratch::CudaScratch::new(&cfg, a.model.clone(), a.tensor_parallel)?;
-    let scratch = |o: &PlanOptions| if gpu { cuda_scratch.bytes(o) } else { 0 };
+    if gpu {
+        o.backend = crate::model_source::cuda_plan_backend(&cfg, a.model.as_deref(), &o)?;
+    }
     let free = if a.no_fit {
         Free::default()
     } else {
@@ -147,7 +148,7 @@ pub fn run(a: Args) -> Result<()> {
             lm_head_int4: gpu,
         }
     };
-    let fitted = fit_context(&cfg, &o, free, &scratch)?;
+    let fitted = fit_context(&cfg, &o, free)?;
     let plan = &fitted.plan;
     if let Some(path) = &a.svg {
         std::fs::write(path, plan.svg()).with_context(|| format!("writing {}", path.display()))?;

@@ -10,7 +10,7 @@ use crate::nvrtc::{AttnTiling, KernelDims, KvFormats};
 use deltaserve_plan::KvDtype;
 
 /// Queries per prefill tile (fixed in the kernel: one m16 mma row tile per query head).
-pub const Q_TILE: usize = 16;
+pub const Q_TILE: usize = deltaserve_plan::cuda::ATTN_Q_TILE;
 
 /// Dynamic shared memory of [`attn_prefill`] (PF_SMEM_BYTES in attention.cu): 2 stages of K and V
 /// tiles (bf16 rows padded by 8, or the raw codes of a quantised format), then for each quantised

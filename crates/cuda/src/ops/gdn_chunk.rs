@@ -8,15 +8,13 @@ use crate::error::CudaError;
 use crate::nvrtc::KernelDims;
 
 /// Chunk length (fixed in the kernel).
-pub const CHUNK: usize = 64;
+pub const CHUNK: usize = deltaserve_plan::workspace::GDN_CHUNK;
 
-/// Workspace bytes for `t` tokens (the one place that sizes it): w_hi, w_lo [hv,t,dk] bf16,
+/// Workspace bytes for `t` tokens (sized by the plan): w_hi, w_lo [hv,t,dk] bf16,
 /// u [hv,t,dv] f32, P_hi, P_lo [hv,t,64] bf16, the decays (exp(G), exp(G_last − G)) [hv,t,2] f32
 /// = 4 (dk + dv + 66) B per token and head (head-major: a chunk's rows of one head are contiguous).
 pub fn workspace_bytes(t: usize, hv: usize, dims: &KernelDims) -> usize {
-    let per_tok_head = dims.gdn_k_dim + dims.gdn_v_dim + CHUNK + 2;
-    // Each of the six parts starts 256-byte aligned.
-    4 * t * hv * per_tok_head + 6 * 256
+    deltaserve_plan::cuda::gdn_chunk_workspace_bytes(t, hv, dims.gdn_k_dim, dims.gdn_v_dim)
 }
 
 /// Largest key head dim the state kernel takes (h^T lives in registers).

@@ -78,18 +78,21 @@ pub fn test_plan(cfg: &ModelConfig, max_seqs: usize, tp: usize) -> Plan {
 }
 
 /// The tests' plan options (768 MiB, 2048 tokens and 8 sequences per step, 4096 context, 16-token pages,
-/// 4 snapshots, no runtime reserve) changed by `f`, with the backend scratch they need.
+/// 4 snapshots, no runtime reserve) changed by `f` (the plan prices the CUDA backend's scratch).
 pub fn plan_with(cfg: &ModelConfig, f: impl Fn(&mut PlanOptions)) -> Plan {
-    plan_with_scratch(cfg, |_| 0, f)
+    Plan::new(cfg, &test_options(f)).unwrap()
 }
 
-/// [`plan_with`], with `extra(options)` more bytes of backend scratch (what a GPTQ checkpoint needs
-/// beyond the plan's weights region, as `serve` reserves it).
-pub fn plan_with_scratch(
-    cfg: &ModelConfig,
-    extra: impl Fn(&PlanOptions) -> usize,
-    f: impl Fn(&mut PlanOptions),
-) -> Plan {
+/// [`plan_with`] for weights loaded from the quantised checkpoint `dir`: the plan's backend scratch
+/// also holds what its tensors need beyond the weights region, as `serve` plans it.
+pub fn plan_with_checkpoint(cfg: &ModelConfig, dir: &Path, f: impl Fn(&mut PlanOptions)) -> Plan {
+    let mut o = test_options(f);
+    let walked = deltaserve_plan::CheckpointTensors::walk(cfg, dir, None).unwrap();
+    o.backend = deltaserve_plan::PlanBackend::Cuda { checkpoint: Some(walked.into()) };
+    Plan::new(cfg, &o).unwrap()
+}
+
+fn test_options(f: impl Fn(&mut PlanOptions)) -> PlanOptions {
     let mut o = PlanOptions::gpu_defaults(768 << 20);
     o.max_batch_tokens = 2048;
     o.max_seqs = 8;
@@ -98,8 +101,7 @@ pub fn plan_with_scratch(
     o.snapshot_slots = 4;
     o.runtime_reserve_bytes = 0;
     f(&mut o);
-    o.backend_scratch_bytes = (deltaserve_cuda::backend::scratch_bytes_for(cfg, &o) + extra(&o)) as u64;
-    Plan::new(cfg, &o).unwrap()
+    o
 }
 
 /// Backend options of the tests: the defaults (decode graphs on), or graphs off with

@@ -1,0 +1,303 @@
+//! What the CUDA backend carves beside the generic regions, priced from the model shape and the
+//! options alone: its scratch ([`ScratchParts`]: chunked DeltaNet workspace, varlen tables, int4
+//! slice and x scratch) and the device layout of its weights ([`weight_tensors`]: bf16 pairs fused,
+//! three small DeltaNet tensors in f32, int4 linears as [`W4Bytes`] places them).
+
+use deltaserve_model::{LayerKind, ModelConfig};
+
+use crate::dtype::{QUANT_GROUP, WeightsDtype};
+use crate::options::{PlanBackend, PlanOptions};
+use crate::plan::{ALIGN, card_config};
+use crate::weights::decoder_linear_shapes;
+use crate::workspace::GDN_CHUNK;
+
+/// Bound of the bf16 slice an int4 linear is dequantised into for a prefill GEMM (the int4
+/// prefill path: `w4_dequant` of a row slice, then cuBLASLt on it, writing the slice's columns).
+pub const W4_SLICE_BYTES: usize = 64 << 20;
+
+/// Query rows per tile of the paged prefill attention (the varlen tile table has one entry a tile).
+pub const ATTN_Q_TILE: usize = 16;
+
+fn al(x: usize) -> usize {
+    x.next_multiple_of(ALIGN as usize)
+}
+
+/// Bytes of the chunked DeltaNet workspace for `t` tokens of `hv` value heads (key head dim `dk`,
+/// value head dim `dv`): w_hi, w_lo `[hv, t, dk]` bf16, u `[hv, t, dv]` f32, P_hi, P_lo `[hv, t, 64]`
+/// bf16, the decays `[hv, t, 2]` f32 = 4 (dk + dv + 66) B per token and head, each of the six parts
+/// starting 256-byte aligned.
+pub fn gdn_chunk_workspace_bytes(t: usize, hv: usize, dk: usize, dv: usize) -> usize {
+    let per_tok_head = dk + dv + GDN_CHUNK + 2;
+    4 * t * hv * per_tok_head + 6 * ALIGN as usize
+}
+
+/// The parts of the backend's scratch region, in order.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ScratchParts {
+    /// Chunked DeltaNet f32 workspace.
+    pub gdn: usize,
+    /// Varlen chunk and tile tables.
+    pub chunk_table: usize,
+    pub tile_table: usize,
+    /// bf16 `[8, max in]`: x gathered in device-column order for act-order int4 weights.
+    pub w4_x: usize,
+    /// bf16 slice of dequantised int4 weight rows (prefill GEMMs); 0 without int4 decoder linears.
+    pub w4_slice: usize,
+}
+
+impl ScratchParts {
+    /// For steps of `t_max` tokens and `s_max` sequences; `int4_linears` / `lm_head_int4` as the
+    /// plan's options say.
+    pub fn new(cfg: &ModelConfig, t_max: usize, s_max: usize, int4_linears: bool, lm_head_int4: bool) -> Self {
+        let d = cfg.dims();
+        let gdn = if d.num_deltanet_layers > 0 {
+            gdn_chunk_workspace_bytes(t_max, d.gdn_v_heads, d.gdn_k_dim, d.gdn_v_dim)
+        } else {
+            0
+        };
+        let lin = decoder_linear_shapes(cfg);
+        let max_in = lin.iter().map(|&(_, i)| i).max().unwrap_or(0).max(d.hidden);
+        let (w4_x, w4_slice) = if int4_linears {
+            let biggest = lin.iter().map(|&(o, i)| 2 * o * i).max().unwrap_or(0);
+            (2 * 8 * max_in, biggest.min(W4_SLICE_BYTES))
+        } else if lm_head_int4 {
+            (2 * 8 * d.hidden, 0)
+        } else {
+            (0, 0)
+        };
+        ScratchParts {
+            gdn,
+            chunk_table: 8 * (t_max / GDN_CHUNK + s_max + 1),
+            tile_table: 8 * (t_max / ATTN_Q_TILE + s_max + 1),
+            w4_x,
+            w4_slice,
+        }
+    }
+
+    /// The parts for a plan's options: one card's shapes under tensor parallelism.
+    pub fn of(cfg: &ModelConfig, opts: &PlanOptions) -> Self {
+        let int4 = opts.weights_dtype == WeightsDtype::Int4;
+        let card = card_config(cfg, opts.tensor_parallel).unwrap_or_else(|_| cfg.clone());
+        ScratchParts::new(&card, opts.max_batch_tokens, opts.max_seqs, int4, opts.lm_head_int4)
+    }
+
+    /// Bytes of the region (each part 256-byte aligned).
+    pub fn total(&self) -> usize {
+        al(self.gdn) + al(self.chunk_table) + al(self.tile_table) + al(self.w4_x) + al(self.w4_slice)
+    }
+}
+
+/// Bytes of the plan's `backend_scratch` region for `opts` on `card` (one card's model shape), whose
+/// `weights` region holds `planned_weights` bytes: the CUDA backend's [`ScratchParts`], plus what a
+/// quantised checkpoint's tensors need beyond the weights region under int4 weights (linears it keeps
+/// bf16, act-order permutations); 0 for the generic regions alone (the CPU backend).
+pub fn backend_scratch_bytes(card: &ModelConfig, opts: &PlanOptions, planned_weights: u64) -> u64 {
+    let PlanBackend::Cuda { checkpoint } = &opts.backend else {
+        return 0;
+    };
+    let int4 = opts.weights_dtype == WeightsDtype::Int4;
+    let parts = ScratchParts::new(card, opts.max_batch_tokens, opts.max_seqs, int4, opts.lm_head_int4);
+    let beyond = checkpoint
+        .as_ref()
+        .filter(|_| int4)
+        .map_or(0, |c| (c.device_bytes(WeightFormat::of(opts)) as u64).saturating_sub(planned_weights));
+    parts.total() as u64 + beyond
+}
+
+/// Rows per dequantised slice of an `[out, in]` int4 linear in a slice buffer of `slice_bytes`:
+/// all rows when they fit, else a multiple of 128 (at least 16 rows, or an error at the caller).
+pub fn w4_slice_rows(out: usize, inp: usize, slice_bytes: usize) -> usize {
+    let fit = slice_bytes / (2 * inp.max(1));
+    if fit >= out {
+        out
+    } else if fit >= 128 {
+        fit / 128 * 128
+    } else {
+        fit / 16 * 16
+    }
+}
+
+/// Device bytes of the tensors of one int4 linear (the format of the CUDA backend's int4 weights).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct W4Bytes {
+    pub qweight: usize,
+    pub scales: usize,
+    pub zeros: usize,
+    pub perm: usize,
+}
+
+impl W4Bytes {
+    /// The tensors of an `[out, in]` linear (`asym`: with zero points, `perm`: act-order).
+    pub fn new(out: usize, inp: usize, asym: bool, perm: bool) -> Self {
+        let groups = inp.div_ceil(QUANT_GROUP);
+        W4Bytes {
+            qweight: out * inp.div_ceil(8) * 4,
+            scales: groups * out * 2,
+            zeros: if asym { groups * out.div_ceil(2) } else { 0 },
+            perm: if perm { inp * 4 } else { 0 },
+        }
+    }
+    pub fn total(&self) -> usize {
+        self.qweight + self.scales + self.zeros + self.perm
+    }
+
+    /// Byte offsets of (qweight, scales, zeros, perm) when the tensors are placed one after another,
+    /// each starting `align`-byte aligned (the arena's 256), and the bytes that takes: for a linear
+    /// without `perm` exactly what the plan charges (`weights`, int4).
+    pub fn layout(&self, align: usize) -> ([usize; 4], usize) {
+        let mut at = 0usize;
+        let mut offs = [0usize; 4];
+        for (o, b) in offs.iter_mut().zip([self.qweight, self.scales, self.zeros, self.perm]) {
+            *o = at;
+            if b > 0 {
+                at += b.next_multiple_of(align.max(1));
+            }
+        }
+        (offs, at)
+    }
+
+    /// Bytes of the tensors placed at the arena's alignment.
+    pub fn aligned(&self) -> usize {
+        self.layout(ALIGN as usize).1
+    }
+}
+
+/// How the backend stores the weights (from the plan's options).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WeightFormat {
+    /// Decoder linears in int4 (one part per linear) instead of bf16 (pairs fused).
+    pub int4: bool,
+    /// The MTP head too (speculative decoding on, and the model declares one).
+    pub mtp: bool,
+    /// int4 with zero points.
+    pub asym: bool,
+    pub lm_head_int4: bool,
+    pub embed_on_host: bool,
+}
+
+impl WeightFormat {
+    pub fn of(opts: &PlanOptions) -> Self {
+        WeightFormat {
+            int4: opts.weights_dtype == WeightsDtype::Int4,
+            mtp: opts.speculative_tokens > 0,
+            asym: opts.int4_asym,
+            lm_head_int4: opts.lm_head_int4,
+            embed_on_host: opts.embed_on_host,
+        }
+    }
+
+    /// A device lm_head of its own (not the device embedding), for a model that ties them or not.
+    pub fn own_lm_head(&self, tie_word_embeddings: bool) -> bool {
+        !tie_word_embeddings || self.embed_on_host || self.lm_head_int4
+    }
+}
+
+/// What a dense tensor of the layout holds (what its random initialisation follows).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DenseRole {
+    /// The embedding table.
+    Embed,
+    /// A bf16 projection (or a fused pair of them) reading `fan_in` features; lm_head included.
+    Linear { fan_in: usize },
+    /// An RMSNorm weight (final, per layer, q/k, the MTP head's).
+    Norm,
+    /// A DeltaNet layer's conv taps.
+    ConvTaps,
+    /// A DeltaNet layer's `A_log` (f32).
+    ALog,
+    /// A DeltaNet layer's `dt_bias` (f32).
+    DtBias,
+    /// A DeltaNet layer's gated-norm weight (f32).
+    GatedNorm,
+}
+
+/// One tensor of the backend's weight layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightTensor {
+    /// `n` elements, bf16 or f32.
+    Dense { n: usize, f32: bool, role: DenseRole },
+    /// An int4 `[out, in]` linear.
+    W4 { out: usize, inp: usize, asym: bool },
+    /// The embedding table in pinned host memory.
+    Host { n: usize },
+}
+
+impl WeightTensor {
+    /// Bytes in the device weights region (256-byte aligned; 0 on the host).
+    pub fn device_bytes(&self) -> usize {
+        match *self {
+            WeightTensor::Dense { n, f32, .. } => al(n * if f32 { 4 } else { 2 }),
+            WeightTensor::W4 { out, inp, asym } => W4Bytes::new(out, inp, asym, false).aligned(),
+            WeightTensor::Host { .. } => 0,
+        }
+    }
+}
+
+/// Every tensor in load order: embedding, own lm_head, final norm, then per layer the norms and
+/// the mixer's and MLP's tensors, then the MTP head's (fc, its three norms, its layer). bf16 pairs
+/// (in_proj_b + in_proj_a, gate + up) are one entry of both halves; int4 pairs two entries.
+pub fn weight_tensors(cfg: &ModelConfig, f: WeightFormat) -> Vec<WeightTensor> {
+    use DenseRole::*;
+    let d = cfg.dims();
+    let h = d.hidden;
+    let dense = |n: usize, role: DenseRole| WeightTensor::Dense { n, f32: false, role };
+    let f32 = |n: usize, role: DenseRole| WeightTensor::Dense { n, f32: true, role };
+    let w4 = |out: usize, inp: usize| WeightTensor::W4 { out, inp, asym: f.asym };
+    let lin = |o: usize, i: usize| -> Vec<WeightTensor> {
+        if f.int4 { vec![w4(o, i)] } else { vec![dense(o * i, Linear { fan_in: i })] }
+    };
+    let pair = |o: usize, i: usize| -> Vec<WeightTensor> {
+        if f.int4 { vec![w4(o, i), w4(o, i)] } else { vec![dense(2 * o * i, Linear { fan_in: i })] }
+    };
+    let normw = |n: usize| dense(n, Norm);
+    let mut v = vec![if f.embed_on_host { WeightTensor::Host { n: d.vocab * h } } else { dense(d.vocab * h, Embed) }];
+    if f.own_lm_head(cfg.tie_word_embeddings) {
+        if f.lm_head_int4 {
+            v.push(WeightTensor::W4 { out: d.vocab, inp: h, asym: f.asym });
+        } else {
+            v.push(dense(d.vocab * h, Linear { fan_in: h }));
+        }
+    }
+    v.push(normw(h));
+    let mtp = f.mtp && cfg.mtp_num_hidden_layers > 0;
+    let kinds = cfg.layer_types.iter().map(|k| (false, *k));
+    for (is_mtp, kind) in kinds.chain(mtp.then_some((true, LayerKind::Attention))) {
+        if is_mtp {
+            v.extend(lin(h, 2 * h));
+            v.extend([normw(h), normw(h), normw(h)]);
+        }
+        v.push(normw(h));
+        v.push(normw(h));
+        match kind {
+            LayerKind::DeltaNet => {
+                v.extend(lin(d.conv_channels, h));
+                v.extend(lin(d.gdn_value_width, h));
+                v.extend(pair(d.gdn_v_heads, h));
+                v.push(dense(d.conv_channels * d.conv_kernel, ConvTaps));
+                v.push(f32(d.gdn_v_heads, ALog));
+                v.push(f32(d.gdn_v_heads, DtBias));
+                v.push(f32(d.gdn_v_dim, GatedNorm));
+                v.extend(lin(h, d.gdn_value_width));
+            }
+            LayerKind::Attention => {
+                v.extend(lin(2 * d.attn_dim, h));
+                v.extend(lin(d.kv_dim, h));
+                v.extend(lin(d.kv_dim, h));
+                v.extend(lin(h, d.attn_dim));
+                v.push(normw(d.head_dim));
+                v.push(normw(d.head_dim));
+            }
+        }
+        v.extend(pair(d.intermediate, h));
+        v.extend(lin(h, d.intermediate));
+    }
+    v
+}
+
+/// Device bytes of the weights as the backend places them for random weights and for a bf16
+/// checkpoint (quantised at load when `f.int4`). It differs from the plan's `weights` region only by
+/// the three small DeltaNet tensors the backend keeps in f32 (`A_log`, `dt_bias`, the gated-norm
+/// weight; the plan prices them 16-bit) and, for bf16, by the alignment padding the fused pairs save.
+pub fn weights_device_bytes(cfg: &ModelConfig, f: WeightFormat) -> usize {
+    weight_tensors(cfg, f).iter().map(WeightTensor::device_bytes).sum()
+}
