@@ -1,6 +1,8 @@
-//! Engine and memory-plan options shared by the commands that run the engine (`serve`), and the
-//! start-up that turns them into a plan, a backend and a running engine.
+//! Engine and memory-plan options shared by the commands that run a backend (`serve`, `generate`,
+//! `logits`, `eval kld`, the in-process server of `soak` and `probe`), and the start-up that turns them
+//! into a plan, a backend and a running engine.
 
+use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
@@ -163,6 +165,37 @@ impl EngineArgs {
     }
 }
 
+/// A backend built from the flags and the plan that sized it, before an engine drives it.
+pub struct Built {
+    pub backend: Box<dyn Backend>,
+    pub plan: Plan,
+    pub sched: SchedConfig,
+    pub tokenizer: Option<Arc<Tokenizer>>,
+    pub template: Option<Arc<ChatTemplate>>,
+    /// Token ids that end generation.
+    pub eos_ids: Vec<u32>,
+    /// Drafts per decode step (`--speculative-tokens`, 0: off).
+    speculative_tokens: usize,
+}
+
+impl Built {
+    /// Every position's logits of `tokens` run as one sequence (state slot 0, the first KV pages):
+    /// `each(i, row)` gets the row after position `i`.
+    pub fn logits_at_every_position(&mut self, tokens: &[u32], each: impl FnMut(usize, &[f32])) -> Result<()> {
+        let plan = &self.plan;
+        if tokens.len() > plan.max_context {
+            anyhow::bail!(
+                "{} tokens exceed the memory plan's context of {} (raise --memory or --max-context)",
+                tokens.len(),
+                plan.max_context
+            );
+        }
+        let pages: Vec<u32> = (0..tokens.len().div_ceil(plan.page_size) as u32).collect();
+        deltaserve_engine::logits_at_every_position(&mut *self.backend, 0, &pages, tokens, each)?;
+        Ok(())
+    }
+}
+
 /// A running engine and the plan it was built from.
 pub struct Started {
     pub engine: EngineHandle,
@@ -315,16 +348,52 @@ impl EngineArgs {
     /// Loads the model for the device `--device` selects, plans memory, allocates the backend's
     /// arena and starts the engine.
     pub fn start(&self, model: &ModelArgs) -> Result<Started> {
-        let dir = model.dir()?;
+        let built = self.build(model, &model.dir()?)?;
+        let engine = EngineHandle::start_with(
+            built.backend,
+            built.sched,
+            built.tokenizer.clone(),
+            self.engine_options(built.speculative_tokens),
+        )
+        .context("--speculative-tokens")?;
+        Ok(Started {
+            engine,
+            plan: built.plan,
+            tokenizer: built.tokenizer,
+            template: built.template,
+            eos_ids: built.eos_ids,
+        })
+    }
+
+    /// Loads the model in `dir` (from [`ModelArgs::dir`]) for the device `--device` selects, plans
+    /// memory and allocates the backend's arena: everything [`EngineArgs::start`] does but the engine.
+    pub fn build(&self, model: &ModelArgs, dir: &Path) -> Result<Built> {
+        self.build_for(model, dir, None)
+    }
+
+    /// [`EngineArgs::build`] for one sequence of `positions` tokens ([`Built::logits_at_every_position`]):
+    /// the CPU backend's arena then holds only the KV pages that sequence needs (its pages emulate every
+    /// KV format in f32, so the plan's pages can take several times `--memory`).
+    pub fn build_to_score(&self, model: &ModelArgs, dir: &Path, positions: usize) -> Result<Built> {
+        self.build_for(model, dir, Some(positions))
+    }
+
+    fn build_for(&self, model: &ModelArgs, dir: &Path, positions: Option<usize>) -> Result<Built> {
         match model.device()? {
-            Device::Cpu => self.start_cpu(model.load_dir(&dir)?),
-            Device::Cuda => self.start_cuda(model.load_text(&dir)?, model.random_weights),
+            Device::Cpu => self.build_cpu(model.load_dir(dir)?, positions),
+            Device::Cuda => self.build_cuda(model.load_text(dir)?, model.random_weights),
         }
+    }
+
+    /// A copy of these options storing K as `k` and V as `v` (what `--k-cache-dtype` / `--v-cache-dtype`
+    /// give).
+    pub fn with_kv_dtypes(&self, k: KvDtype, v: KvDtype) -> Self {
+        Self { k_cache_dtype: Some(k.to_string()), v_cache_dtype: Some(v.to_string()), ..self.clone() }
     }
 
     /// The CUDA backend: weights from the checkpoint (or random at the real shapes) straight into
     /// the plan's device regions.
-    pub fn start_cuda(&self, text: TextModel, random_weights: bool) -> Result<Started> {
+    fn build_cuda(&self, text: TextModel, random_weights: bool) -> Result<Built> {
         let tp = self.tensor_parallel;
         deltaserve_model::shard::check_world(&text.config, tp)
             .map_err(|e| anyhow::anyhow!("--tensor-parallel {tp}: {e}"))?;
@@ -387,15 +456,20 @@ impl EngineArgs {
         } else {
             Box::new(CudaBackend::with_options(&cfg, weights, &plan, host_slots, cuda_opts)?)
         };
-        let tokenizer = text.tokenizer.map(Arc::new);
-        let engine = EngineHandle::start_with(backend, sched, tokenizer.clone(), self.engine_options(spec))
-            .context("--speculative-tokens")?;
-        let eos_ids = cfg.eos_token_ids.clone();
-        Ok(Started { engine, plan, tokenizer, template: text.template.map(Arc::new), eos_ids })
+        Ok(Built {
+            backend,
+            plan,
+            sched,
+            tokenizer: text.tokenizer.map(Arc::new),
+            template: text.template.map(Arc::new),
+            eos_ids: cfg.eos_token_ids.clone(),
+            speculative_tokens: spec,
+        })
     }
 
-    /// Plans memory for `loaded` on the CPU backend, allocates the arena and starts the engine.
-    pub fn start_cpu(&self, loaded: LoadedModel) -> Result<Started> {
+    /// Plans memory for `loaded` on the CPU backend and allocates the arena (with the KV pages of
+    /// `positions` tokens only, when given).
+    fn build_cpu(&self, loaded: LoadedModel, positions: Option<usize>) -> Result<Built> {
         self.check_cpu_tensor_parallel()?;
         if self.weights_dtype.is_some() || self.quantize.is_some() || self.lm_head_int4 || self.embed_on_host {
             anyhow::bail!(
@@ -417,16 +491,15 @@ impl EngineArgs {
         let sched = self.sched_config(&plan)?;
         let eos_ids = cfg.eos_token_ids.clone();
         let (k_format, v_format) = (plan.options.k_dtype, plan.options.v_dtype);
+        let num_pages = positions.map_or(plan.num_kv_pages, |n| n.div_ceil(plan.page_size).clamp(1, plan.num_kv_pages));
         if (k_format, v_format) != (KvFormat::F32, KvFormat::F32) {
             let d = loaded.model.dims;
-            let host =
-                plan.num_kv_pages as u64 * plan.page_size as u64 * (d.num_attention_layers * 2 * d.kv_dim * 4) as u64;
+            let host = num_pages as u64 * plan.page_size as u64 * (d.num_attention_layers * 2 * d.kv_dim * 4) as u64;
             let msg = format!(
-                "the CPU reference backend emulates K {} / V {} in f32 pages: {} KV pages take {} of host memory \
-                 (the plan counts them at the format's size)",
+                "the CPU reference backend emulates K {} / V {} in f32 pages: {num_pages} KV pages take {} of host \
+                 memory (the plan counts them at the format's size)",
                 plan.options.k_dtype,
                 plan.options.v_dtype,
-                plan.num_kv_pages,
                 deltaserve_plan::fmt_bytes(host)
             );
             if host > budget {
@@ -436,22 +509,26 @@ impl EngineArgs {
             }
         }
         let cache = CpuCacheConfig {
-            num_pages: plan.num_kv_pages,
+            num_pages,
             page_size: plan.page_size,
             num_slots: plan.num_state_slots,
             snapshot_slots: sched.prefix_cache.device_slots,
             host_snapshot_slots: sched.prefix_cache.host_slots,
         };
-        let tokenizer = loaded.tokenizer.map(Arc::new);
         let backend = if spec > 0 {
             CpuBackend::with_speculation(loaded.model, cache, spec).context("--speculative-tokens")?
         } else {
             CpuBackend::new(loaded.model, cache)
         };
-        let backend = Box::new(backend.with_kv_formats(k_format, v_format));
-        let engine = EngineHandle::start_with(backend, sched, tokenizer.clone(), self.engine_options(spec))
-            .context("--speculative-tokens")?;
-        Ok(Started { engine, plan, tokenizer, template: loaded.template.map(Arc::new), eos_ids })
+        Ok(Built {
+            backend: Box::new(backend.with_kv_formats(k_format, v_format)),
+            plan,
+            sched,
+            tokenizer: loaded.tokenizer.map(Arc::new),
+            template: loaded.template.map(Arc::new),
+            eos_ids,
+            speculative_tokens: spec,
+        })
     }
 }
 

@@ -76,16 +76,16 @@ impl ModelArgs {
         if let Some(name) = &self.preset {
             let preset = deltaserve_model::synth::Preset::parse(name)?;
             let layers = self.preset_layers.map_or(String::new(), |l| format!("-{l}l"));
-            let dir = deltaserve_engine::synth::cache_dir().join(format!("preset-{name}{layers}-v1"));
+            let dir = deltaserve_text::synth_model::cache_dir().join(format!("preset-{name}{layers}-v1"));
             if !dir.join("config.json").exists() {
-                deltaserve_engine::synth::write_synthetic_config(&dir, preset, self.preset_layers)?;
+                deltaserve_text::synth_model::write_synthetic_config(&dir, preset, self.preset_layers)?;
             }
             return Ok(dir);
         }
         match &self.model {
             Some(d) => Ok(d.clone()),
             None => {
-                let dir = deltaserve_engine::synth::demo_model_dir().context("creating the built-in demo model")?;
+                let dir = deltaserve_text::synth_model::demo_model_dir().context("creating the built-in demo model")?;
                 tracing::warn!(
                     "no --model given: using the built-in demo model (tiny preset, RANDOM weights, its output is gibberish) at {}. \
                      To serve a real model pass --model /path/to/Qwen3.6-27B (a Hugging Face directory with config.json, \
@@ -97,15 +97,8 @@ impl ModelArgs {
         }
     }
 
-    pub fn load(&self) -> Result<LoadedModel> {
-        self.load_dir(&self.dir()?)
-    }
-
     /// Loads the model in `dir` (from [`ModelArgs::dir`]) with f32 weights for the CPU reference backend.
     pub fn load_dir(&self, dir: &Path) -> Result<LoadedModel> {
-        if self.device.as_str() == "cuda" {
-            bail!("this command runs the CPU reference model; --device cuda is for `serve` and `soak`");
-        }
         if self.random_weights {
             bail!("--random-weights initialises weights on the GPU: use it with --device cuda");
         }

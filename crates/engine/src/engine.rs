@@ -28,7 +28,6 @@ use deltaserve_sched::{AdmitError, SchedConfig, SchedStats, Scheduler, SeqId, Se
 use deltaserve_text::{IncrementalDecoder, StopMatcher, Tokenizer};
 use tokio::sync::mpsc as tmpsc;
 
-use crate::generate::FinishReason;
 use crate::sampling::{Sampler, SamplingParams, speculative_pick};
 
 mod ahead;
@@ -52,6 +51,18 @@ pub struct Request {
     pub snapshot_points: Vec<usize>,
     /// Snapshot the final state too (an agent loop's next request re-renders this turn).
     pub snapshot_on_finish: bool,
+}
+
+/// Why generation ended.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// A stop token id.
+    Stop,
+    /// A stop string (given).
+    StopString(String),
+    /// `max_tokens` reached.
+    Length,
 }
 
 /// Log-probabilities of a generated token (natural log, over the model's raw distribution).

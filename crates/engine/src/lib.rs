@@ -3,17 +3,15 @@
 //! - [`engine`]: the engine thread (continuous batching over a [`deltaserve_backend::Backend`]) and its handle;
 //! - [`sampling`]: a request's sampler (parameters, seeded RNG, generated counts), turned each step into the
 //!   backend's `RowSampling` (the rule itself: `deltaserve_backend::sampling`);
-//! - [`generate`]: one request on the CPU reference model (prefill in pieces, decode, stop rules);
-//! - [`synth`]: complete synthetic model directories and the built-in demo model.
+//! - [`score`]: every position's logits of one sequence through a backend (`logits`, `eval kld`).
 
 pub mod engine;
-pub mod generate;
 pub mod sampling;
-pub mod synth;
+pub mod score;
 
 pub use engine::{
-    EngineError, EngineHandle, EngineOptions, EngineStats, Event, MAX_SPECULATIVE_TOKENS, Request, RequestStream,
-    Timing, TokenLogprob, Usage,
+    EngineError, EngineHandle, EngineOptions, EngineStats, Event, FinishReason, MAX_SPECULATIVE_TOKENS, Request,
+    RequestStream, Timing, TokenLogprob, Usage,
 };
-pub use generate::{FinishReason, GenerateError, GenerateOutput, GenerateRequest, generate};
 pub use sampling::{Sampler, SamplingParams};
+pub use score::{ScoreError, logits_at_every_position};

@@ -7,20 +7,18 @@ use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
-use deltaserve_engine::{
-    EngineError, EngineHandle, Event, FinishReason, GenerateRequest, Request, SamplingParams, generate,
-};
+use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel, GdnMode, Logits};
+use deltaserve_engine::{EngineError, EngineHandle, Event, FinishReason, Request, Sampler, SamplingParams};
 use deltaserve_model::synth::Preset;
 use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
 use deltaserve_sched::{AdmitError, PrefixCacheConfig, SchedConfig};
-use deltaserve_text::Tokenizer;
+use deltaserve_text::{IncrementalDecoder, Tokenizer};
 
 fn model_dir() -> &'static PathBuf {
     static D: OnceLock<PathBuf> = OnceLock::new();
     D.get_or_init(|| {
         let dir = std::env::temp_dir().join(format!("ds-engine-test-{}", std::process::id()));
-        deltaserve_engine::synth::write_synthetic_model(&dir, Preset::Tiny, None, 21, |_, _| {}).unwrap();
+        deltaserve_text::synth_model::write_synthetic_model(&dir, Preset::Tiny, None, 21, |_, _| {}).unwrap();
         dir
     })
 }
@@ -138,17 +136,27 @@ fn cases(n: usize, seed: u64) -> Vec<Case> {
         .collect()
 }
 
+/// The request alone on the reference model: the prompt in one forward, then one forward per token.
 fn solo(model: &CpuModel, tok: &Tokenizer, c: &Case) -> (Vec<u32>, String) {
-    let req = GenerateRequest {
-        prompt: c.prompt.clone(),
-        max_tokens: c.max_tokens,
-        sampling: c.sampling.clone(),
-        stop_token_ids: vec![],
-        stop_strings: vec![],
-        prefill_chunk: 1 << 20,
-    };
-    let out = generate(model, Some(tok), &req, |_| {}).unwrap();
-    (out.token_ids, out.text)
+    let mut sampler = Sampler::new(c.sampling.clone(), tok.vocab_size().min(model.dims.vocab));
+    let mut state = model.new_sequence();
+    let mut logits = model.forward(&mut state, &c.prompt, GdnMode::Auto, Logits::Last).unwrap();
+    let mut context = c.prompt.clone();
+    let mut decoder = IncrementalDecoder::new(true);
+    let (mut ids, mut text) = (Vec::new(), String::new());
+    loop {
+        let id = sampler.sample(&mut logits, &context);
+        sampler.observe(id);
+        ids.push(id);
+        context.push(id);
+        text.push_str(&decoder.push(tok, id).unwrap());
+        if ids.len() == c.max_tokens {
+            break;
+        }
+        logits = model.forward(&mut state, &[id], GdnMode::Auto, Logits::Last).unwrap();
+    }
+    text.push_str(&decoder.finish(tok).unwrap());
+    (ids, text)
 }
 
 fn request(c: &Case) -> Request {

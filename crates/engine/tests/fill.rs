@@ -15,7 +15,7 @@ use deltaserve_text::Tokenizer;
 #[test]
 fn the_advertised_context_fills_to_exactly_100_percent() {
     let dir = std::env::temp_dir().join(format!("ds-fill-{}", std::process::id()));
-    deltaserve_engine::synth::write_synthetic_model(&dir, Preset::Tiny, None, 4, |_, _| {}).unwrap();
+    deltaserve_text::synth_model::write_synthetic_model(&dir, Preset::Tiny, None, 4, |_, _| {}).unwrap();
     let cfg = ModelConfig::from_dir(&dir).unwrap();
     // A budget with room for the fixed regions plus a few hundred tokens of KV.
     let probe = Plan::new(&cfg, &PlanOptions { max_seqs: 2, ..PlanOptions::cpu_defaults(1 << 30) }).unwrap();

@@ -20,7 +20,7 @@ fn model_dir() -> &'static PathBuf {
     static D: OnceLock<PathBuf> = OnceLock::new();
     D.get_or_init(|| {
         let dir = std::env::temp_dir().join(format!("ds-lookahead-test-{}", std::process::id()));
-        deltaserve_engine::synth::write_synthetic_model(&dir, Preset::Tiny, None, 47, |_, _| {}).unwrap();
+        deltaserve_text::synth_model::write_synthetic_model(&dir, Preset::Tiny, None, 47, |_, _| {}).unwrap();
         dir
     })
 }

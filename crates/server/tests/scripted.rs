@@ -49,7 +49,7 @@ impl Backend for ScriptedBackend {
 }
 
 fn app() -> axum::Router {
-    let dir = deltaserve_engine::synth::demo_model_dir().unwrap();
+    let dir = deltaserve_text::synth_model::demo_model_dir().unwrap();
     let tokenizer = Arc::new(Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap());
     let template = ChatTemplate::from_dir(&dir).unwrap().map(Arc::new);
     let eos = tokenizer.token_id("<|im_end|>").unwrap();

@@ -1,6 +1,8 @@
 //! deltaserve-text: everything between text and token ids for Qwen3.5/3.6 models — the HF
 //! tokenizer wrapper, HF-parity chat-template rendering, per-message prompt encoding with a cache,
-//! streaming detokenisation, stop strings, and a synthetic tokenizer for test models.
+//! streaming detokenisation, stop strings, a synthetic tokenizer for test models, and complete synthetic
+//! model directories ([`synth_model`]: weights from `deltaserve-model`, this crate's tokenizer; the
+//! built-in demo model).
 
 mod bytelevel;
 mod error;
@@ -11,6 +13,7 @@ mod reasoning;
 mod stop;
 mod strftime;
 mod synth;
+pub mod synth_model;
 mod template;
 mod tokenizer;
 mod toolcall;

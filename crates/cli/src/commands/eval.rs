@@ -1,21 +1,20 @@
 //! `deltaserve eval`: quality evaluations of serving configurations.
 //!
 //! `eval kld` measures what a KV-cache storage format does to the model's next-token distributions:
-//! the whole sequence runs once per configuration on the f32 reference model, with K and V stored
-//! through the configuration's formats ([`QuantizingCache`]: every token-head row is quantised on
-//! write, so every attention read, within a chunk and across chunks, sees the stored values as a
-//! device's paged attention does), and each position's distribution is compared with the baseline
-//! configuration's: KL(baseline ‖ config) mean, p99, p99.9 and max, and top-1 agreement. Needle tests
-//! do not reveal this damage; the divergence does.
+//! the whole sequence runs once per configuration on a backend built for it (the backend `--device`
+//! selects, with the engine flags of `serve` and K and V stored in the configuration's formats, so every
+//! attention read sees the stored values), one position per step, and each position's distribution is
+//! compared with the baseline configuration's: KL(baseline ‖ config) mean, p99, p99.9 and max, and top-1
+//! agreement. Needle tests do not reveal this damage; the divergence does.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use deltaserve_cpu::{CpuModel, GdnMode, Logits, QuantizingCache};
 use deltaserve_plan::KvDtype;
 
+use crate::engine_args::EngineArgs;
 use crate::model_source::ModelArgs;
 
 #[derive(clap::Subcommand)]
@@ -29,6 +28,8 @@ pub enum Command {
 pub struct KldArgs {
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    engine: EngineArgs,
     /// Text to evaluate on (tokenised with the model's tokenizer.json).
     #[arg(long)]
     text: Option<PathBuf>,
@@ -45,8 +46,8 @@ pub struct KldArgs {
     /// The configuration every other is compared with.
     #[arg(long, default_value = "bf16")]
     baseline: String,
-    /// Feed the sequence in pieces of this many tokens (state and quantised KV carried between pieces).
-    #[arg(long, default_value_t = 128)]
+    /// Ignored: the sequence runs one position per step, each returning its logits.
+    #[arg(long, hide = true, default_value_t = 128)]
     chunk: usize,
     /// Print one JSON object instead of a table.
     #[arg(long)]
@@ -156,40 +157,32 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i]
 }
 
-/// Runs `tokens` with K/V stored as `cfg`, calling `each` with every position's logits row.
+/// Runs `tokens` with K/V stored as `cfg` on a backend built for it from the flags, calling `each` with
+/// every position's logits row.
 fn run_config(
-    m: &CpuModel,
+    a: &KldArgs,
+    dir: &Path,
     cfg: &KvConfig,
     tokens: &[u32],
-    chunk: usize,
-    mut each: impl FnMut(usize, &[f32]),
+    each: &mut dyn FnMut(usize, &[f32]),
 ) -> Result<()> {
-    let mut cache = QuantizingCache { inner: m.new_sequence(), k: cfg.k, v: cfg.v, head_dim: m.dims.head_dim };
-    let vocab = m.dims.vocab;
-    let mut at = 0;
-    for piece in tokens.chunks(chunk.max(1)) {
-        let logits = m.forward_cached(&mut cache, at, piece, GdnMode::Auto, Logits::All)?;
-        for (i, row) in logits.chunks_exact(vocab).enumerate() {
-            each(at + i, row);
-        }
-        at += piece.len();
-    }
-    Ok(())
+    let mut built = a.engine.with_kv_dtypes(cfg.k, cfg.v).build_to_score(&a.model, dir, tokens.len())?;
+    built.logits_at_every_position(tokens, each).with_context(|| format!("configuration `{}`", cfg.name))
 }
 
-/// The divergence of every configuration from `baseline` over `tokens`.
+/// The divergence of every configuration from `baseline` over `tokens`; `run(cfg, tokens, each)` calls
+/// `each` with every position's logits row with K/V stored as `cfg`.
 pub fn kld(
-    m: &CpuModel,
     tokens: &[u32],
     baseline: &KvConfig,
     configs: &[KvConfig],
-    chunk: usize,
+    mut run: impl FnMut(&KvConfig, &[u32], &mut dyn FnMut(usize, &[f32])) -> Result<()>,
 ) -> Result<Vec<KldReport>> {
     let t0 = Instant::now();
-    let vocab = m.dims.vocab;
     // The baseline's logits of every position (N × vocab f32); configurations stream against them.
-    let mut base: Vec<f32> = Vec::with_capacity(tokens.len() * vocab);
-    run_config(m, baseline, tokens, chunk, |_, row| base.extend_from_slice(row))?;
+    let mut base: Vec<f32> = Vec::new();
+    run(baseline, tokens, &mut |_, row| base.extend_from_slice(row))?;
+    let vocab = base.len() / tokens.len();
     tracing::info!(config = %baseline.name, secs = t0.elapsed().as_secs_f64(), "baseline done");
     let base_row = |pos: usize| &base[pos * vocab..][..vocab];
     let base_top: Vec<usize> = (0..tokens.len()).map(|p| argmax(base_row(p))).collect();
@@ -205,7 +198,7 @@ pub fn kld(
             let t = Instant::now();
             let mut kls = vec![0.0; tokens.len()];
             let mut agree = 0;
-            run_config(m, cfg, tokens, chunk, |pos, row| {
+            run(cfg, tokens, &mut |pos, row| {
                 kls[pos] = kl(base_row(pos), row);
                 agree += usize::from(argmax(row) == base_top[pos]);
             })?;
@@ -253,27 +246,30 @@ fn run_kld(a: KldArgs) -> Result<()> {
     if configs.is_empty() {
         bail!("--configs is empty");
     }
-    if a.chunk == 0 {
-        bail!("--chunk must be at least 1");
+    if a.engine.kv_cache_dtype.is_some() || a.engine.k_cache_dtype.is_some() || a.engine.v_cache_dtype.is_some() {
+        bail!(
+            "--kv-cache-dtype / --k-cache-dtype / --v-cache-dtype: eval kld stores K and V as --configs and --baseline say"
+        );
     }
     let text = a.text.as_ref().map(|p| std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display())));
     let text = text.transpose()?;
-    let loaded = a.model.load()?;
-    let m = &loaded.model;
+    let dir = a.model.dir()?;
+    let model = a.model.load_text(&dir)?;
     let (tokens, source) = match (text, a.tokens) {
         (Some(text), _) => {
-            let tok = loaded.tokenizer.as_ref().context("--text needs a model directory with tokenizer.json")?;
+            let tok = model.tokenizer.as_ref().context("--text needs a model directory with tokenizer.json")?;
             (tok.encode(&text)?, format!("text {}", a.text.as_ref().unwrap().display()))
         }
-        (None, Some(n)) => {
-            (pseudo_random_tokens(n, m.dims.vocab, a.seed), format!("{n} pseudo-random tokens (seed {})", a.seed))
-        }
+        (None, Some(n)) => (
+            pseudo_random_tokens(n, model.config.vocab_size, a.seed),
+            format!("{n} pseudo-random tokens (seed {})", a.seed),
+        ),
         (None, None) => bail!("give --text FILE or --tokens N"),
     };
     if tokens.is_empty() {
         bail!("no tokens to evaluate");
     }
-    let reports = kld(m, &tokens, &baseline, &configs, a.chunk)?;
+    let reports = kld(&tokens, &baseline, &configs, |cfg, tokens, each| run_config(&a, &dir, cfg, tokens, each))?;
     if a.json {
         let out = serde_json::json!({
             "baseline": { "name": baseline.name, "k": baseline.k.to_string(), "v": baseline.v.to_string() },

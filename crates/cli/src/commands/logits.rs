@@ -1,25 +1,28 @@
-//! `deltaserve logits`: all-position logits of a token sequence, as one F32 tensor `logits` [T, vocab].
+//! `deltaserve logits`: all-position logits of a token sequence, as one F32 tensor `logits` [T, vocab], on
+//! the backend `--device` selects (built from the same engine flags as `serve`).
 
 use std::path::PathBuf;
 
 use anyhow::{Result, bail};
-use deltaserve_cpu::{GdnMode, Logits};
 
+use crate::engine_args::EngineArgs;
 use crate::model_source::{ModelArgs, parse_token_list};
 
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    engine: EngineArgs,
     /// Token ids: `1,2,3` or `@ids.json`.
     #[arg(long)]
     tokens: String,
     /// Output safetensors file.
     #[arg(long)]
     output: PathBuf,
-    /// Feed the sequence in pieces of this many tokens (state carried between pieces).
-    #[arg(long, default_value_t = 4096)]
-    chunk: usize,
+    /// Ignored: the sequence runs one position per step, each returning its logits.
+    #[arg(long, hide = true)]
+    chunk: Option<usize>,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -27,24 +30,17 @@ pub fn run(a: Args) -> Result<()> {
     if ids.is_empty() {
         bail!("--tokens is empty");
     }
-    let loaded = a.model.load()?;
-    let m = &loaded.model;
-    let mut state = m.new_sequence();
-    let mut logits = Vec::with_capacity(ids.len() * m.dims.vocab);
-    for piece in ids.chunks(a.chunk.max(1)) {
-        logits.extend(m.forward(&mut state, piece, GdnMode::Auto, Logits::All)?);
-    }
-    deltaserve_model::checkpoint::write_f32_safetensors(
-        &a.output,
-        &[("logits", vec![ids.len(), m.dims.vocab], &logits)],
-    )?;
+    let mut built = a.engine.build_to_score(&a.model, &a.model.dir()?, ids.len())?;
+    let mut logits = Vec::new();
+    built.logits_at_every_position(&ids, |_, row| logits.extend_from_slice(row))?;
+    let vocab = logits.len() / ids.len();
+    deltaserve_model::checkpoint::write_f32_safetensors(&a.output, &[("logits", vec![ids.len(), vocab], &logits)])?;
     let max_abs = logits.iter().fold(0.0f32, |acc, v| acc.max(v.abs()));
     let hash =
         logits.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| (h ^ v.to_bits() as u64).wrapping_mul(0x0100_0000_01b3));
     eprintln!(
-        "wrote logits [{}, {}] to {} (max |logit| {max_abs:.4}, hash {hash:016x})",
+        "wrote logits [{}, {vocab}] to {} (max |logit| {max_abs:.4}, hash {hash:016x})",
         ids.len(),
-        m.dims.vocab,
         a.output.display()
     );
     Ok(())

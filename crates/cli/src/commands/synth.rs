@@ -47,7 +47,7 @@ pub fn run(a: Args) -> Result<()> {
         Some(x) => anyhow::bail!("--mtp-agreeing {x}: a residual scale ≥ 0"),
         None => MtpVariant::Random,
     };
-    deltaserve_engine::synth::write_synthetic_model_with(&a.out, preset, a.layers, a.seed, mtp, |done, total| {
+    deltaserve_text::synth_model::write_synthetic_model_with(&a.out, preset, a.layers, a.seed, mtp, |done, total| {
         bar.set_length(total);
         bar.set_position(done);
     })?;

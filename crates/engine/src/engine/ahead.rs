@@ -16,8 +16,7 @@ use deltaserve_backend::ahead::FEED_STOPS;
 use deltaserve_backend::{Feed, Pick, Picked, RowSampling};
 use deltaserve_sched::StepPlan;
 
-use super::{Emit, Live, Worker};
-use crate::generate::FinishReason;
+use super::{Emit, FinishReason, Live, Worker};
 
 /// A step launched and not collected yet.
 pub(super) struct Launched {

@@ -1,5 +1,5 @@
 //! Complete synthetic model directories (weights + config from `deltaserve-model`, tokenizer and chat
-//! template from `deltaserve-text`), and the built-in demo model: the `tiny` preset with seed 0,
+//! template from this crate), and the built-in demo model: the `tiny` preset with seed 0,
 //! generated deterministically on first use. Its weights are random: it produces gibberish.
 
 use std::path::{Path, PathBuf};
@@ -31,11 +31,11 @@ pub fn write_synthetic_model_with(
     progress: impl FnMut(u64, u64),
 ) -> Result<(), ModelError> {
     write_model_with(dir, preset, layers, seed, mtp, progress)?;
-    let tokenizer = deltaserve_text::synthetic_tokenizer_json(preset.tokenizer_mergeable())
+    let tokenizer = crate::synthetic_tokenizer_json(preset.tokenizer_mergeable())
         .map_err(|e| ModelError::config(format!("synthetic tokenizer: {e}")))?;
     let files = [
         ("tokenizer.json", tokenizer),
-        ("tokenizer_config.json", deltaserve_text::synthetic_tokenizer_config_json_for(preset.tokenizer_mergeable())),
+        ("tokenizer_config.json", crate::synthetic_tokenizer_config_json_for(preset.tokenizer_mergeable())),
     ];
     for (name, text) in files {
         let path = dir.join(name);
@@ -54,10 +54,10 @@ pub fn write_synthetic_config(dir: &Path, preset: Preset, layers: Option<usize>)
         ("generation_config.json", serde_json::json!({ "eos_token_id": [mergeable + 2, mergeable] }).to_string()),
         (
             "tokenizer.json",
-            deltaserve_text::synthetic_tokenizer_json(mergeable)
+            crate::synthetic_tokenizer_json(mergeable)
                 .map_err(|e| ModelError::config(format!("synthetic tokenizer: {e}")))?,
         ),
-        ("tokenizer_config.json", deltaserve_text::synthetic_tokenizer_config_json_for(mergeable)),
+        ("tokenizer_config.json", crate::synthetic_tokenizer_config_json_for(mergeable)),
     ];
     for (name, text) in files {
         let path = dir.join(name);

@@ -1,0 +1,45 @@
+//! Every position's logits of one token sequence, through any [`Backend`]: the sequence runs alone in
+//! one state slot, one position per step, each step asking for its logits row. What `deltaserve logits`
+//! writes and what `deltaserve eval kld` compares.
+
+use deltaserve_backend::{Backend, BackendError, SeqChunk, StepBatch};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ScoreError {
+    #[error("token id {id} at position {index} is outside the vocabulary (size {vocab})")]
+    OutsideVocabulary { id: u32, index: usize, vocab: usize },
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}
+
+/// Runs `tokens` through `backend` as one new sequence in state `slot` over the KV `pages` (which cover
+/// `tokens.len()` positions) and calls `each(i, row)` with the logits row after position `i` (the
+/// distribution of token `i + 1`), in position order. Every id is checked against the vocabulary first.
+pub fn logits_at_every_position(
+    backend: &mut dyn Backend,
+    slot: u32,
+    pages: &[u32],
+    tokens: &[u32],
+    mut each: impl FnMut(usize, &[f32]),
+) -> Result<(), ScoreError> {
+    let vocab = backend.vocab_size();
+    if let Some((index, &id)) = tokens.iter().enumerate().find(|(_, id)| **id as usize >= vocab) {
+        return Err(ScoreError::OutsideVocabulary { id, index, vocab });
+    }
+    let chunk = SeqChunk { slot, pages: pages.to_vec(), want_logits: true, ..SeqChunk::default() };
+    let mut batch = StepBatch { seqs: vec![chunk], ..StepBatch::default() };
+    let mut row = Vec::with_capacity(vocab);
+    for (i, &id) in tokens.iter().enumerate() {
+        let chunk = &mut batch.seqs[0];
+        (chunk.start, chunk.tokens) = (i, vec![id]);
+        row.clear();
+        backend.step(&batch, &mut row)?;
+        if row.len() != vocab {
+            return Err(
+                BackendError::Device(format!("a step returned {} logits, not one row of {vocab}", row.len())).into()
+            );
+        }
+        each(i, &row);
+    }
+    Ok(())
+}
