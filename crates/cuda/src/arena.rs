@@ -12,6 +12,11 @@ use crate::error::CudaError;
 /// Sub-allocation alignment (bytes): enough for 16-byte vector loads and cuBLASLt operands.
 pub const ALIGN: usize = deltaserve_plan::ALIGN as usize;
 
+/// `bytes` rounded up to [`ALIGN`] (what a carve of `bytes` advances).
+pub fn aligned(bytes: usize) -> usize {
+    bytes.next_multiple_of(ALIGN)
+}
+
 /// A device range: raw pointer + byte length.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DevSpan {
@@ -80,7 +85,7 @@ impl Arena {
         if self.sealed {
             return Err(self.err(&r.name, format!("allocation of {bytes} B after seal()")));
         }
-        let start = r.used.div_ceil(ALIGN) * ALIGN;
+        let start = aligned(r.used);
         let end = start.checked_add(bytes).filter(|&e| e <= r.size).ok_or_else(|| {
             self.err(&r.name, format!("out of space: {bytes} B requested at offset {start}, region holds {} B", r.size))
         })?;

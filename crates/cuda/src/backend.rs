@@ -1,10 +1,10 @@
 //! [`CudaBackend`]: the engine's [`Backend`] on one GPU, over the memory of the static plan.
 //!
 //! Memory: one `cuMemAlloc` per plan region (weights, kv_pages, state_slots, snapshots,
-//! activations, logits, block_tables, gemm_workspace) plus one `scratch` region for what the plan
-//! does not list (the chunked-DeltaNet f32 workspace, the varlen tile/chunk tables), and pinned host
-//! allocations (the host snapshot pool, the embedding table with `embed_on_host`, the step inputs' image,
-//! uploaded in one copy a step). The arena is sealed when [`CudaBackend::new`] returns: a step
+//! activations, logits, block_tables, gemm_workspace, and backend_scratch: the chunked-DeltaNet f32
+//! workspace, the varlen tile/chunk tables and the int4 scratch, as `deltaserve_plan::cuda` sizes
+//! them), and pinned host allocations (the host snapshot pool, the embedding table with
+//! `embed_on_host`, the step inputs' image, uploaded in one copy a step). The arena is sealed when [`CudaBackend::new`] returns: a step
 //! allocates nothing (any allocation after the seal is an error), so [`Backend::arena_stats`]
 //! never moves while serving.
 //!
@@ -30,6 +30,7 @@ use deltaserve_plan::Plan;
 use crate::arena::{Arena, DevSpan};
 use crate::error::CudaError;
 use crate::gemm::Gemm;
+use crate::nvrtc::KernelDims;
 use crate::ops::{Kernels, gemv};
 use crate::runtime::{PinnedHost, Runtime};
 
@@ -47,7 +48,6 @@ mod loader;
 mod phases;
 mod profile;
 mod rank;
-mod sizing;
 mod spec;
 mod step;
 #[cfg(test)]
@@ -56,10 +56,6 @@ mod weights;
 
 pub use graphs::GraphStats;
 pub use phases::StepPhases;
-pub use sizing::{
-    ScratchParts, W4_SLICE_BYTES, WeightFormat, checkpoint_weights_bytes, kernel_dims, scratch_bytes,
-    scratch_bytes_for, w4_slice_rows, weights_device_bytes,
-};
 
 use ahead::Launches;
 use graphs::GraphKey;
@@ -92,6 +88,19 @@ pub enum WeightSource {
     /// Random weights at the real shapes, generated on the GPU (benchmarks): the distributions of
     /// `deltaserve_model::synth`.
     RandomWeights { seed: u64 },
+}
+
+/// Kernel specialisation for a model.
+pub fn kernel_dims(cfg: &ModelConfig) -> KernelDims {
+    let d = cfg.dims();
+    KernelDims {
+        gdn_k_dim: d.gdn_k_dim,
+        gdn_v_dim: d.gdn_v_dim,
+        conv_kernel: d.conv_kernel,
+        attn_head_dim: d.head_dim,
+        gqa_group: d.q_per_kv.max(1),
+        gdn_bv: if d.gdn_v_dim.is_multiple_of(32) { 32 } else { 16 },
+    }
 }
 
 /// Run-time choices of the backend (not part of the memory plan).

@@ -203,10 +203,10 @@ pub enum DenseRole {
     Norm,
     /// A DeltaNet layer's conv taps.
     ConvTaps,
-    /// A DeltaNet layer's `A_log` (f32).
-    ALog,
     /// A DeltaNet layer's `dt_bias` (f32).
     DtBias,
+    /// A DeltaNet layer's `A_log` (f32).
+    ALog,
     /// A DeltaNet layer's gated-norm weight (f32).
     GatedNorm,
 }
@@ -274,8 +274,8 @@ pub fn weight_tensors(cfg: &ModelConfig, f: WeightFormat) -> Vec<WeightTensor> {
                 v.extend(lin(d.gdn_value_width, h));
                 v.extend(pair(d.gdn_v_heads, h));
                 v.push(dense(d.conv_channels * d.conv_kernel, ConvTaps));
-                v.push(f32(d.gdn_v_heads, ALog));
                 v.push(f32(d.gdn_v_heads, DtBias));
+                v.push(f32(d.gdn_v_heads, ALog));
                 v.push(f32(d.gdn_v_dim, GatedNorm));
                 v.extend(lin(h, d.gdn_value_width));
             }

@@ -5,9 +5,10 @@ use std::collections::HashMap;
 
 use deltaserve_model::shard::ShardSpec;
 use deltaserve_model::{Dims, LayerKind, ModelConfig};
-use deltaserve_plan::{Plan, SamplingScratch, WeightsDtype};
+use deltaserve_plan::cuda::{ScratchParts, WeightFormat, weights_device_bytes};
+use deltaserve_plan::{CheckpointTensors, Plan, PlanBackend, SamplingScratch, WeightsDtype};
 
-use crate::arena::{Arena, DevSpan, RegionId};
+use crate::arena::{Arena, DevSpan, RegionId, aligned as al};
 use crate::error::CudaError;
 use crate::gemm::Gemm;
 use crate::nvrtc::KvFormats;
@@ -20,10 +21,9 @@ use super::graphs::GraphStats;
 use super::inputs::StepInputs;
 use super::linear::layers_fold;
 use super::rank::RankComm;
-use super::sizing::{ScratchParts, WeightFormat, al, checkpoint_weights_bytes, kernel_dims, weights_device_bytes};
 use super::spec::Spec;
 use super::weights::{HostEmbed, Weights};
-use super::{CudaBackend, CudaOptions, WeightSource};
+use super::{CudaBackend, CudaOptions, WeightSource, kernel_dims};
 
 /// Device addresses of the activation buffers (plan workspace offsets) and scratch.
 #[derive(Clone, Copy)]
@@ -156,7 +156,7 @@ fn whole_region(arena: &mut Arena, name: &str, bytes: usize) -> Result<DevSpan, 
 
 /// Checks that the CUDA backend can serve `plan` for the model `cfg` (the rank's shape under tensor
 /// parallelism): the weight format and K/V formats it stores, and the draft tokens per step.
-fn check_plan(
+pub(super) fn check_plan(
     cfg: &ModelConfig,
     d: Dims,
     plan: &Plan,
@@ -170,6 +170,13 @@ fn check_plan(
     };
     if !same_shape {
         return Err(CudaError::Plan("the plan was made for another model shape".into()));
+    }
+    if !matches!(plan.options.backend, PlanBackend::Cuda { .. }) {
+        return Err(CudaError::Plan(
+            "the plan was made without the CUDA backend's scratch (PlanBackend::Generic); plan with \
+             PlanOptions::gpu_defaults (PlanBackend::Cuda)"
+                .into(),
+        ));
     }
     if plan.options.activation_bytes_per_elem != 2 {
         return Err(CudaError::Plan("the CUDA backend supports bf16 activations only (gpu_defaults)".into()));
@@ -201,13 +208,64 @@ fn check_plan(
     Ok((kvf, fmt, max_draft))
 }
 
+/// How the backend splits the plan's `weights` and `backend_scratch` regions for a rank of model shape
+/// `cfg` whose weights take `weights_bytes` in format `fmt`: the weights region at least the plan's,
+/// what the weights need beyond it taken from the scratch's spare, the scratch's parts at its start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Carve {
+    pub(super) weights: usize,
+    pub(super) scratch: usize,
+    pub(super) parts: ScratchParts,
+}
+
+impl Carve {
+    pub(super) fn new(
+        plan: &Plan,
+        cfg: &ModelConfig,
+        weights_bytes: usize,
+        fmt: WeightFormat,
+    ) -> Result<Self, CudaError> {
+        let plan_weights = plan_region(plan, "weights")?;
+        let parts = ScratchParts::new(cfg, plan.max_batch_tokens, plan.max_seqs, fmt.int4, fmt.lm_head_int4);
+        let planned = plan.region("backend_scratch").map_or(0, |r| r.bytes as usize);
+        let spare = planned.checked_sub(parts.total()).ok_or_else(|| {
+            CudaError::Plan(format!(
+                "the plan reserves {planned} B of backend scratch, the CUDA backend needs {} B",
+                parts.total()
+            ))
+        })?;
+        let over = weights_bytes.saturating_sub(plan_weights).min(spare);
+        Ok(Carve { weights: weights_bytes.max(plan_weights), scratch: planned - over, parts })
+    }
+}
+
+/// Device bytes of the weights as the backend places them: a quantised checkpoint's under int4 weights
+/// as the plan walked it (walked here when the plan did not), else the layout of the rank's shape.
+pub(super) fn weights_bytes(
+    plan: &Plan,
+    (full_cfg, cfg): (&ModelConfig, &ModelConfig),
+    weights: &WeightSource,
+    fmt: WeightFormat,
+    shard: Option<&ShardSpec>,
+) -> Result<usize, CudaError> {
+    Ok(match weights {
+        WeightSource::Checkpoint(dir) if fmt.int4 && cfg.quantization.is_some() => match &plan.options.backend {
+            PlanBackend::Cuda { checkpoint: Some(c) } => c.device_bytes(fmt),
+            _ => CheckpointTensors::walk(full_cfg, dir, shard)
+                .map_err(|e| CudaError::Weights(e.to_string()))?
+                .device_bytes(fmt),
+        },
+        _ => weights_device_bytes(cfg, fmt),
+    })
+}
+
 /// Allocates the plan's regions (the weights region at least the plan's, for the backend's own layout)
 /// and carves the backend scratch into its parts.
 fn carve_regions(
     arena: &mut Arena,
     rt: &Runtime,
     plan: &Plan,
-    (full_cfg, cfg): (&ModelConfig, &ModelConfig),
+    cfgs: (&ModelConfig, &ModelConfig),
     weights: &WeightSource,
     fmt: WeightFormat,
     shard: Option<&ShardSpec>,
@@ -216,15 +274,10 @@ fn carve_regions(
 
     // Weights: the backend's own layout (bf16 pairs fused, three small tensors in f32), at least
     // the plan's region. What a GPTQ checkpoint needs beyond the plan (linears it leaves bf16,
-    // act-order permutations) comes out of spare backend scratch the caller reserved for it.
-    let weights_bytes = match weights {
-        WeightSource::Checkpoint(dir) if fmt.int4 && cfg.quantization.is_some() => {
-            checkpoint_weights_bytes(full_cfg, dir, fmt, shard)?
-        }
-        _ => weights_device_bytes(cfg, fmt),
-    };
-    let plan_weights = region("weights")?;
-    let wreg = arena.add_region("weights", weights_bytes.max(plan_weights))?;
+    // act-order permutations) comes out of spare backend scratch the plan reserved for it.
+    let weights_bytes = weights_bytes(plan, cfgs, weights, fmt, shard)?;
+    let carve_at = Carve::new(plan, cfgs.1, weights_bytes, fmt)?;
+    let wreg = arena.add_region("weights", carve_at.weights)?;
 
     // Fixed plan regions, each one allocation, each carved whole.
     let whole = whole_region;
@@ -238,19 +291,9 @@ fn carve_regions(
     rt.memset(block_tables.ptr, 0, block_tables.bytes)?;
     let gemm_ws = whole(arena, "gemm_workspace", region("gemm_workspace")?)?;
 
-    // The plan's backend scratch: chunked DeltaNet f32 workspace and the varlen tables.
-    let (t_max, s_max) = (plan.max_batch_tokens, plan.max_seqs);
-    let parts = ScratchParts::new(cfg, t_max, s_max, fmt.int4, fmt.lm_head_int4);
-    let scratch_bytes = parts.total();
-    let planned = plan.region("backend_scratch").map_or(0, |r| r.bytes as usize);
-    if planned < scratch_bytes {
-        return Err(CudaError::Plan(format!(
-            "the plan reserves {planned} B of backend scratch, the CUDA backend needs {scratch_bytes} B \
-             (set PlanOptions::backend_scratch_bytes from deltaserve_cuda::backend::scratch_bytes_for)"
-        )));
-    }
-    let over = weights_bytes.saturating_sub(plan_weights).min(planned - scratch_bytes);
-    let scratch = whole(arena, "backend_scratch", planned - over)?;
+    // The plan's backend scratch: chunked DeltaNet f32 workspace, the varlen tables, the int4 scratch.
+    let parts = carve_at.parts;
+    let scratch = whole(arena, "backend_scratch", carve_at.scratch)?;
     let mut at = scratch.ptr;
     let mut carve = |bytes: usize| {
         let span = DevSpan { ptr: at, bytes };
@@ -272,7 +315,7 @@ fn carve_regions(
         logits,
         block_tables,
         gemm_ws,
-        scratch_bytes,
+        scratch_bytes: parts.total(),
         gdn_ws,
         chunk_table,
         tile_table,

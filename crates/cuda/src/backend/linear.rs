@@ -2,6 +2,7 @@
 //! dequantised slices, and the norms folded into int4 projections.
 
 use cudarc::driver::CudaStream;
+use deltaserve_plan::cuda::w4_slice_rows;
 
 use crate::error::CudaError;
 use crate::ops::gemv::GemvOut;
@@ -10,7 +11,6 @@ use crate::ops::{gemv, w4a16};
 
 use super::CudaBackend;
 use super::layout::Ws;
-use super::sizing::w4_slice_rows;
 use super::weights::{Layer, Mixer, Part, Proj};
 
 impl CudaBackend {

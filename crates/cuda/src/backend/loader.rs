@@ -1,11 +1,13 @@
 //! Placing the weights in the weights region: a checkpoint's tensors (converted, cut to a rank's shard,
 //! quantised to int4 or converted from GPTQ on the way) or random weights at the real shapes.
 
-use deltaserve_model::shard::ShardSpec;
+use deltaserve_model::shard::{ShardSpec, Split};
 use deltaserve_model::weights::TensorSource;
 use deltaserve_model::{Checkpoint, DType, LayerKind, ModelConfig, ModelError, ModelWeights, MtpWeights};
+use deltaserve_plan::cuda::{DenseRole, WeightFormat, WeightTensor, weight_tensors};
+use deltaserve_plan::{is_f32_tensor, is_linear};
 
-use crate::arena::{Arena, DevSpan};
+use crate::arena::{ALIGN, Arena, DevSpan};
 use crate::error::CudaError;
 use crate::ops::init::{Init, init_random};
 use crate::ops::w4a16::W4Weights;
@@ -14,7 +16,6 @@ use crate::runtime::Runtime;
 use crate::w4::{ScaleDtype, W4Bytes, W4Linear};
 
 use super::CudaBackend;
-use super::sizing::{ALIGN, WSpec, WeightFormat, is_f32_tensor, is_linear, shard_bytes, weight_specs};
 use super::spec::MtpHead;
 use super::weights::{AttnLayer, GdnLayer, Layer, Mixer, Part, Proj, Weights};
 
@@ -25,6 +26,32 @@ pub(super) fn pair_first(name: &str) -> bool {
 
 pub(super) fn pair_second(name: &str) -> bool {
     name.contains("in_proj_a.weight") || name.contains("mlp.up_proj.weight")
+}
+
+/// The random initialisation of a dense tensor by what it holds (projections of std `1/sqrt(fan_in)`).
+pub(super) fn random_init(role: DenseRole) -> Init {
+    match role {
+        DenseRole::Embed => Init::Normal(1.0),
+        DenseRole::Linear { fan_in } => Init::Normal(1.0 / (fan_in as f32).sqrt()),
+        DenseRole::Norm => Init::Normal(0.1),
+        DenseRole::ConvTaps | DenseRole::DtBias => Init::Normal(0.5),
+        DenseRole::ALog => Init::LogUniform1To16,
+        DenseRole::GatedNorm => Init::OnePlusNormal(0.1),
+    }
+}
+
+/// A tensor's shard from its full little-endian bytes, `N` bytes per element (one copy: the shard).
+pub(super) fn shard_bytes<const N: usize>(
+    split: &Split,
+    name: &str,
+    shape: &[usize],
+    bytes: &[u8],
+) -> Result<Vec<u8>, ModelError> {
+    let (elems, rest) = bytes.as_chunks::<N>();
+    if !rest.is_empty() {
+        return Err(ModelError::weights(format!("`{name}`: {} bytes are not whole {N}-byte elements", bytes.len())));
+    }
+    Ok(split.extract(name, shape, elems)?.into_flattened())
 }
 
 /// Places weights in the weights region while a checkpoint loads.
@@ -208,7 +235,7 @@ impl CudaBackend {
         // A GPTQ checkpoint keeps the linears it left unquantised in bf16; a bf16 checkpoint under an
         // int4 plan is quantised at load (`--quantize int4`).
         let keep_dense = matches!(cfg.quantization, Some(deltaserve_model::quant::Quantization::Gptq(_)));
-        let total_w4 = weight_specs(cfg, fmt).iter().filter(|s| matches!(s, WSpec::W4 { .. })).count();
+        let total_w4 = weight_tensors(cfg, fmt).iter().filter(|s| matches!(s, WeightTensor::W4 { .. })).count();
         let mut ld = Loader {
             rt: &self.rt,
             k: &self.k,
@@ -229,7 +256,7 @@ impl CudaBackend {
             let name = src.name.clone();
             if name.ends_with("embed_tokens.weight") {
                 let (bytes, _) = ld.bytes(&src, false)?;
-                let own_head = tied && fmt.own_lm_head(cfg);
+                let own_head = tied && fmt.own_lm_head(tied);
                 if own_head {
                     tied_head = Some(if fmt.lm_head_int4 {
                         Part::W4(ld.quantize(&bytes, d.vocab, h, fmt.asym, &name).map_err(dev)?)
@@ -303,18 +330,18 @@ impl CudaBackend {
         fmt: WeightFormat,
         staging: DevSpan,
     ) -> Result<Weights, CudaError> {
-        let specs = weight_specs(cfg, fmt);
+        let specs = weight_tensors(cfg, fmt);
         let mut parts = Vec::with_capacity(specs.len());
         let s = self.rt.stream().clone();
         for (i, spec) in specs.iter().enumerate() {
             let tseed = seed ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
             let part = match *spec {
-                WSpec::Dense { n, f32, init } => {
+                WeightTensor::Dense { n, f32, role } => {
                     let span = self.arena.alloc(wreg, n * if f32 { 4 } else { 2 })?;
-                    init_random(&self.k, &s, span.ptr, n, tseed, init, f32)?;
+                    init_random(&self.k, &s, span.ptr, n, tseed, random_init(role), f32)?;
                     Part::Bf16 { w: span.ptr, rows: 0 }
                 }
-                WSpec::W4 { out, inp, asym } => {
+                WeightTensor::W4 { out, inp, asym } => {
                     let (_, bytes) = W4Bytes::new(out, inp, asym, false).layout(ALIGN);
                     let base = self.arena.alloc(wreg, bytes)?.ptr;
                     let w = W4Weights::at(base, out, inp, asym, false, ScaleDtype::Bf16);
@@ -328,7 +355,7 @@ impl CudaBackend {
                     }
                     Part::W4(w)
                 }
-                WSpec::Host { n } => {
+                WeightTensor::Host { n } => {
                     let Some(he) = &self.host_embed else {
                         return Err(CudaError::Plan("embed_on_host without a host table".into()));
                     };
@@ -357,7 +384,8 @@ impl CudaBackend {
         let d = self.d;
         let embed_part = next()?;
         let embed = embed_part.ptr();
-        let lm_head = if fmt.own_lm_head(cfg) { next()? } else { Part::Bf16 { w: embed, rows: d.vocab } };
+        let lm_head =
+            if fmt.own_lm_head(cfg.tie_word_embeddings) { next()? } else { Part::Bf16 { w: embed, rows: d.vocab } };
         let lm_head = match lm_head {
             Part::Bf16 { w, .. } => Part::Bf16 { w, rows: d.vocab },
             p => p,

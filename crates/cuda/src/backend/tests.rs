@@ -1,68 +1,23 @@
-//! Unit tests of the backend's sizing, weight layout and step inputs (no GPU needed).
+//! Unit tests of the backend's carve of the plan's regions, its step inputs and tensor shards (no GPU
+//! needed).
+
+use std::path::{Path, PathBuf};
 
 use deltaserve_model::ModelConfig;
 use deltaserve_model::shard::{ShardSpec, Split};
-use deltaserve_plan::workspace::STEP_INPUTS;
-use deltaserve_plan::{Plan, PlanOptions, WeightsDtype};
-
-use super::inputs::StepInputs;
-use super::sizing::{
-    ScratchParts, W4_SLICE_BYTES, WSpec, WeightFormat, al, checkpoint_weights_bytes, is_linear, scratch_bytes,
-    scratch_bytes_for, shard_bytes, w4_slice_rows, weight_specs, weights_device_bytes,
-};
-
 use deltaserve_model::synth::Preset;
-use deltaserve_plan::WeightBytes;
+use deltaserve_model::synth::gptq::{self, GptqVariant};
+use deltaserve_plan::cuda::{ScratchParts, WeightFormat};
+use deltaserve_plan::workspace::STEP_INPUTS;
+use deltaserve_plan::{CheckpointTensors, Plan, PlanBackend, PlanOptions, WeightsDtype};
+
+use super::WeightSource;
+use super::inputs::StepInputs;
+use super::layout::{Carve, check_plan, weights_bytes};
+use super::loader::shard_bytes;
 
 fn preset(p: Preset, layers: Option<usize>) -> ModelConfig {
     ModelConfig::from_json_str(&p.config_json(layers).to_string()).unwrap()
-}
-
-/// What the backend keeps in f32 beyond the plan's 16-bit pricing (A_log, dt_bias, gated norm).
-fn f32_extra(cfg: &ModelConfig) -> usize {
-    let d = cfg.dims();
-    d.num_deltanet_layers
-        * (2 * (al(4 * d.gdn_v_heads) - al(2 * d.gdn_v_heads)) + al(4 * d.gdn_v_dim) - al(2 * d.gdn_v_dim))
-}
-
-#[test]
-fn int4_weights_place_exactly_what_the_plan_charges() {
-    for cfg in [preset(Preset::Qwen36_27b, None), preset(Preset::Tiny, None)] {
-        for asym in [false, true] {
-            for (lm_head_int4, spec) in [(false, 0), (true, 0), (false, 2), (true, 3)] {
-                for embed_on_host in [false, true] {
-                    let mut o = PlanOptions::gpu_defaults(24 << 30);
-                    o.weights_dtype = WeightsDtype::Int4;
-                    o.int4_asym = asym;
-                    o.lm_head_int4 = lm_head_int4;
-                    o.embed_on_host = embed_on_host;
-                    // With speculative decoding the MTP head's linears are int4 too.
-                    o.speculative_tokens = spec;
-                    let plan = WeightBytes::new(&cfg, &o).unwrap();
-                    assert_eq!(plan.mtp > 0, spec > 0 && cfg.mtp_num_hidden_layers > 0);
-                    let ours = weights_device_bytes(&cfg, WeightFormat::of(&o));
-                    assert_eq!(
-                        ours,
-                        plan.device() as usize + f32_extra(&cfg),
-                        "hidden {} asym {asym} lm_head_int4 {lm_head_int4} embed_on_host {embed_on_host} \
-                         spec {spec}",
-                        cfg.dims().hidden
-                    );
-                    // The host table is the plan's host weights.
-                    let host: usize = weight_specs(&cfg, WeightFormat::of(&o))
-                        .iter()
-                        .map(|s| if let WSpec::Host { n } = s { 2 * n } else { 0 })
-                        .sum();
-                    assert_eq!(host as u64, plan.host());
-                }
-            }
-        }
-        // bf16: fused pairs only save alignment padding.
-        let o = PlanOptions::gpu_defaults(24 << 30);
-        let plan = WeightBytes::new(&cfg, &o).unwrap().device() as usize;
-        let ours = weights_device_bytes(&cfg, WeightFormat::of(&o));
-        assert!(ours <= plan + f32_extra(&cfg) && ours + 4096 * cfg.dims().num_layers >= plan);
-    }
 }
 
 /// Every plan's step inputs form the block one upload writes: token_ids first, the others after it in
@@ -96,38 +51,6 @@ fn step_inputs_are_one_block() {
     assert!(StepInputs::block(&ws).unwrap_err().to_string().contains("residual"));
 }
 
-/// The per-rank sizing of a checkpoint's weights (what a tensor-parallel rank places: every tensor
-/// cut to its shard) equals the layout of the rank's model shape, for each rank; unsharded, the
-/// whole model's.
-#[test]
-fn checkpoint_bytes_per_rank_are_the_rank_shapes() {
-    let dir = std::env::temp_dir().join(format!("ds-cuda-ckpt-bytes-{}", std::process::id()));
-    let cfg = deltaserve_model::synth::write_model(&dir, Preset::Tiny, Some(4), 3, |_, _| {}).unwrap();
-    for int4 in [true, false] {
-        let mut o = PlanOptions::gpu_defaults(1 << 30);
-        if int4 {
-            o.weights_dtype = WeightsDtype::Int4;
-        }
-        let fmt = WeightFormat::of(&o);
-        if int4 {
-            // int4: one entry per linear, as the checkpoint walk counts them.
-            assert_eq!(checkpoint_weights_bytes(&cfg, &dir, fmt, None).unwrap(), weights_device_bytes(&cfg, fmt));
-        }
-        for spec in ShardSpec::all(&cfg, 2).unwrap() {
-            let got = checkpoint_weights_bytes(&cfg, &dir, fmt, Some(&spec)).unwrap();
-            let rank = spec.rank_config(&cfg);
-            if int4 {
-                assert_eq!(got, weights_device_bytes(&rank, fmt), "rank {}", spec.rank);
-            } else {
-                // bf16 pairs are fused in the layout (one alignment instead of two).
-                let layout = weights_device_bytes(&rank, fmt);
-                assert!(got >= layout && got <= layout + 2 * 256 * rank.layer_types.len(), "rank {}", spec.rank);
-            }
-        }
-    }
-    let _ = std::fs::remove_dir_all(&dir);
-}
-
 #[test]
 fn shard_bytes_cut_whole_elements() {
     // A [4, 3] tensor of 2-byte elements 0..12.
@@ -141,40 +64,132 @@ fn shard_bytes_cut_whole_elements() {
     assert!(shard_bytes::<2>(&rows, "t", &[4, 3], &bytes[..23]).is_err());
 }
 
-#[test]
-fn int4_scratch_adds_the_slice_and_x_scratch() {
-    let cfg = preset(Preset::Qwen36_27b, None);
-    let mut o = PlanOptions::gpu_defaults(24 << 30);
-    let base = scratch_bytes(&cfg, o.max_batch_tokens, o.max_seqs);
-    assert_eq!(scratch_bytes_for(&cfg, &o), base);
-    o.weights_dtype = WeightsDtype::Int4;
-    assert_eq!(scratch_bytes_for(&cfg, &o), base + al(2 * 8 * 17408) + W4_SLICE_BYTES);
-    o.weights_dtype = WeightsDtype::Bf16;
-    o.lm_head_int4 = true;
-    assert_eq!(scratch_bytes_for(&cfg, &o), base + al(2 * 8 * 5120));
-    // The tiny model's largest linear fits whole.
-    let tiny = preset(Preset::Tiny, None);
-    let p = ScratchParts::new(&tiny, 512, 4, true, false);
-    let d = tiny.dims();
-    assert_eq!(p.w4_slice, 2 * d.hidden * d.intermediate.max(d.conv_channels));
-}
-
-#[test]
-fn slice_rows_at_the_27b_shapes() {
-    for (out, inp, rows) in [(17408, 5120, 6528), (5120, 17408, 1920), (10240, 5120, 6528), (1024, 5120, 1024)] {
-        let r = w4_slice_rows(out, inp, W4_SLICE_BYTES);
-        assert_eq!(r, rows, "[{out}, {inp}]");
-        assert!(2 * r * inp <= W4_SLICE_BYTES);
+/// Option sets over the knobs the carve reads: weights format, lm_head, embedding place, speculation,
+/// tokens and sequences per step, tensor parallelism.
+fn option_sets(cfg: &ModelConfig) -> Vec<PlanOptions> {
+    let mut v = Vec::new();
+    for int4 in [false, true] {
+        for asym in [false, true] {
+            for (lm_head_int4, embed_on_host) in [(false, false), (true, false), (false, true), (true, true)] {
+                for (tokens, seqs) in [(4096, 16), (512, 4), (700, 3), (8192, 64), (64, 1)] {
+                    for tp in [1, 2, 4] {
+                        for spec in [0, 2] {
+                            if ShardSpec::new(cfg, 0, tp).is_err() || (spec > 0 && cfg.mtp_num_hidden_layers == 0) {
+                                continue;
+                            }
+                            let mut o = PlanOptions::gpu_defaults(80 << 30);
+                            o.weights_dtype = if int4 { WeightsDtype::Int4 } else { WeightsDtype::Bf16 };
+                            o.int4_asym = asym;
+                            o.lm_head_int4 = lm_head_int4;
+                            o.embed_on_host = embed_on_host;
+                            (o.max_batch_tokens, o.max_seqs) = (tokens, seqs);
+                            o.speculative_tokens = spec;
+                            o.set_tensor_parallel(tp);
+                            v.push(o);
+                        }
+                    }
+                }
+            }
+        }
     }
-    assert_eq!(w4_slice_rows(100, 1 << 30, W4_SLICE_BYTES), 0);
-    assert_eq!(w4_slice_rows(48, 128, 1 << 20), 48);
+    v
+}
+
+/// Every rank's model shape and shard (one, unsharded, without tensor parallelism).
+fn ranks(cfg: &ModelConfig, tp: usize) -> Vec<(ModelConfig, Option<ShardSpec>)> {
+    if tp == 1 {
+        return vec![(cfg.clone(), None)];
+    }
+    ShardSpec::all(cfg, tp).unwrap().into_iter().map(|s| (s.rank_config(cfg), Some(s))).collect()
+}
+
+/// The plan's `weights` and `backend_scratch` bytes.
+fn planned(p: &Plan) -> (usize, usize) {
+    let r = |name| p.region(name).map_or(0, |r| r.bytes as usize);
+    (r("weights"), r("backend_scratch"))
+}
+
+/// For random weights every rank's carve fits the plan: the scratch's parts exactly fill rank 0's
+/// `backend_scratch` (a smaller shard's fit in it), the weights region holds the plan's and the layout's.
+#[test]
+fn the_carve_fits_the_plans_regions() {
+    let configs = [preset(Preset::Tiny, None), preset(Preset::Tiny, Some(4)), preset(Preset::Qwen36_27b, None)];
+    for cfg in configs {
+        for o in option_sets(&cfg) {
+            let Ok(plan) = Plan::new(&cfg, &o) else { continue };
+            let (plan_weights, plan_scratch) = planned(&plan);
+            let fmt = WeightFormat::of(&o);
+            for (rank, shard) in ranks(&cfg, o.tensor_parallel) {
+                let what = format!("hidden {} rank {:?} {o:?}", cfg.dims().hidden, shard.as_ref().map(|s| s.rank));
+                let served = check_plan(&rank, rank.dims(), &plan, shard.as_ref());
+                if o.speculative_tokens > 0 && (shard.is_some() || o.embed_on_host) {
+                    assert!(served.is_err(), "{what}");
+                    continue;
+                }
+                served.unwrap();
+                let random = WeightSource::RandomWeights { seed: 1 };
+                let w = weights_bytes(&plan, (&cfg, &rank), &random, fmt, shard.as_ref()).unwrap();
+                let c = Carve::new(&plan, &rank, w, fmt).unwrap();
+                let (t, s) = (plan.max_batch_tokens, plan.max_seqs);
+                assert_eq!(c.parts, ScratchParts::new(&rank, t, s, fmt.int4, fmt.lm_head_int4), "{what}");
+                assert!(c.parts.total() <= c.scratch && c.scratch <= plan_scratch, "{what}");
+                if shard.as_ref().is_none_or(|s| s.rank == 0) {
+                    assert_eq!((c.parts.total(), c.scratch), (plan_scratch, plan_scratch), "{what}");
+                }
+                assert!(c.weights >= w && c.weights >= plan_weights, "{what}");
+            }
+        }
+    }
 }
 
 #[test]
-fn linear_names() {
-    assert!(is_linear("model.language_model.layers.3.linear_attn.in_proj_qkv.weight"));
-    assert!(is_linear("model.layers.0.mlp.down_proj.weight"));
-    assert!(!is_linear("model.layers.0.linear_attn.conv1d.weight"));
-    assert!(!is_linear("model.layers.0.self_attn.q_norm.weight"));
-    assert!(!is_linear("lm_head.weight"));
+fn a_plan_without_the_cuda_scratch_is_refused() {
+    let cfg = preset(Preset::Tiny, None);
+    let o = PlanOptions { backend: PlanBackend::Generic, ..PlanOptions::gpu_defaults(1 << 30) };
+    let plan = Plan::new(&cfg, &o).unwrap();
+    let e = check_plan(&cfg, cfg.dims(), &plan, None).unwrap_err().to_string();
+    assert!(e.contains("PlanBackend::Cuda"), "{e}");
+}
+
+fn scratch_dir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ds-cuda-carve-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// A quantised checkpoint under int4 weights: every rank's weights region holds the tensors the rank
+/// places (its own walk, at most rank 0's that the plan priced), and the weights region plus the scratch
+/// are exactly the plan's two regions (what the weights need beyond the plan came from its scratch).
+fn check_checkpoint(cfg: &ModelConfig, dir: &Path) {
+    for o in option_sets(cfg).into_iter().filter(|o| o.weights_dtype == WeightsDtype::Int4) {
+        let tp = o.tensor_parallel;
+        let rank0 = (tp > 1).then(|| ShardSpec::new(cfg, 0, tp).unwrap());
+        let walked = CheckpointTensors::walk(cfg, dir, rank0.as_ref()).unwrap();
+        let with = PlanOptions { backend: PlanBackend::Cuda { checkpoint: Some(walked.into()) }, ..o.clone() };
+        let Ok(plan) = Plan::new(cfg, &with) else { continue };
+        let (plan_weights, plan_scratch) = planned(&plan);
+        let fmt = WeightFormat::of(&o);
+        let source = WeightSource::Checkpoint(dir.to_path_buf());
+        for (rank, shard) in ranks(cfg, tp) {
+            let w = weights_bytes(&plan, (cfg, &rank), &source, fmt, shard.as_ref()).unwrap();
+            let own = CheckpointTensors::walk(cfg, dir, shard.as_ref()).unwrap().device_bytes(fmt);
+            let c = Carve::new(&plan, &rank, w, fmt).unwrap();
+            assert!(own <= c.weights, "{o:?}");
+            assert_eq!(c.weights + c.scratch, plan_weights + plan_scratch, "{o:?}");
+            assert!(c.parts.total() <= c.scratch, "{o:?}");
+        }
+    }
+}
+
+#[test]
+fn a_quantised_checkpoint_fits_the_plans_regions() {
+    for (tag, v) in [("sym", GptqVariant::SYM), ("asym", GptqVariant::ASYM_ACT_ORDER)] {
+        let dir = scratch_dir(tag);
+        deltaserve_model::synth::write_model(&dir, Preset::Tiny, Some(4), 3, |_, _| {}).unwrap();
+        gptq::convert(&dir, v, &[], 3, |_| {}).unwrap();
+        let cfg = ModelConfig::from_dir(&dir).unwrap();
+        assert!(cfg.quantization.is_some());
+        check_checkpoint(&cfg, &dir);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
