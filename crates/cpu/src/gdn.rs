@@ -1,6 +1,6 @@
 //! Gated DeltaNet core: the f32 CPU reference (numerical oracle).
 //!
-//! Two computations of the same function (architecture doc §2.2 points 6–8 and §3.1):
+//! Two computations of the same function (docs/architecture.md §2.2 points 6–8 and §3.1):
 //!
 //! * [`gdn_recurrent`] — the token-by-token recurrence, per value head with state
 //!   `S ∈ R^{Dk×Dv}`:

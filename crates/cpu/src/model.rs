@@ -4,7 +4,7 @@
 //! so a prompt can be fed in pieces of any size and then decoded token by token.
 //!
 //! Speculative decoding pieces: [`CpuModel::forward_hidden`] returns the post-final-norm hidden rows
-//! (the MTP head's input), [`CpuModel::mtp_forward`] runs the MTP head (arch doc §2.5), and a cache
+//! (the MTP head's input), [`CpuModel::mtp_forward`] runs the MTP head (docs/architecture.md §2.5), and a cache
 //! that asks for it ([`SeqCache::wants_gdn_trace`]) receives each DeltaNet layer's recurrence inputs
 //! ([`GdnTrace`]), which [`CpuModel::replay_gdn`] applies to a committed state for an accepted prefix.
 
@@ -364,7 +364,7 @@ impl CpuModel {
         x
     }
 
-    /// Gated DeltaNet mixer (arch doc §2.2). hn: [t, hidden] → [t, hidden]; with `trace`, also the
+    /// Gated DeltaNet mixer (docs/architecture.md §2.2). hn: [t, hidden] → [t, hidden]; with `trace`, also the
     /// recurrence inputs.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn deltanet(
@@ -423,7 +423,7 @@ impl CpuModel {
         Ok((out, trace))
     }
 
-    /// Gated softmax attention (arch doc §2.3). hn: [t, hidden] → [t, hidden]; appends to the KV cache.
+    /// Gated softmax attention (docs/architecture.md §2.3). hn: [t, hidden] → [t, hidden]; appends to the KV cache.
     pub(crate) fn attention(
         &self,
         w: &AttentionWeights<HostTensor>,

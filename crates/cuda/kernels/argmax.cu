@@ -7,7 +7,7 @@
 // Launch: grid (R), block 1024 (any multiple of 32 up to 1024). Arch: plain loads, warp shuffles, sm_80+.
 // Measured in the 27B decode step (H200, bench/results/decode-timeline-and-argmax-h200-2026-12-01.md): with one 4-byte
 // load per thread per iteration the block took ~96 us for a 248,320-token row.
-// Tested by: tests/ops.rs case "argmax"; tests/backend.rs `argmax_step_picks_the_logits_argmax`.
+// Tested by: tests/ops/ case "argmax"; tests/backend.rs `argmax_step_picks_the_logits_argmax`.
 
 // Folds x[i] (index i) into the thread's best candidate.
 __device__ __forceinline__ void am_take(float v, int i, float& bv, int& bi) {

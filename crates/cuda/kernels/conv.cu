@@ -16,7 +16,7 @@
 // Launch: conv_prefill grid (ceil(C/128), ceil(T/16)), block 128 (one channel per thread, 16
 //   tokens per block, the window sliding in registers); conv_state_update / conv_decode grid (ceil(C/128), B), block 128.
 // Arch: plain loads, sm_80+.
-// Tested by: tests/ops.rs cases "conv_prefill" (ragged batches, with carried state) and "conv_decode".
+// Tested by: tests/ops/ cases "conv_prefill" (ragged batches, with carried state) and "conv_decode".
 
 #ifndef CONV_K
 #define CONV_K 4

@@ -11,7 +11,7 @@
 // min(T, 65535)) over rows and column chunks (no 64-bit division per element): they need hd or I a
 // multiple of 8, every stride a multiple of 8 and 16-byte aligned pointers (ops::elementwise picks
 // them; a 4096-token prefill's SwiGLU went from 0.78 ms to ~0.1 ms a layer). Arch: sm_80+.
-// Tested by: tests/ops.rs cases "sigmoid_gate_mul", "swiglu".
+// Tested by: tests/ops/ cases "sigmoid_gate_mul", "swiglu".
 
 extern "C" __global__ void sigmoid_gate_mul(bf16_t* x, const bf16_t* __restrict__ gate, int T, int H,
                                             int hd, long long g_tok, long long g_head) {

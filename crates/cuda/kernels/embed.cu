@@ -6,7 +6,7 @@
 //                out [T, D] bf16.
 // Launch: grid (T), block 256; 16-byte copies when D % 8 == 0, else 2-byte copies.
 // Arch: plain loads/stores, sm_80+.
-// Tested by: tests/ops.rs case "embed".
+// Tested by: tests/ops/ case "embed".
 
 extern "C" __global__ void embed_gather(const bf16_t* table, const int* __restrict__ ids,
                                         bf16_t* __restrict__ out, int D) {

@@ -1,4 +1,4 @@
-// gdn_chunk.cu — chunked (WY / UT-transform) Gated DeltaNet prefill, chunk C = 64 (arch doc §3.1),
+// gdn_chunk.cu — chunked (WY / UT-transform) Gated DeltaNet prefill, chunk C = 64 (docs/architecture.md §3.1),
 // on tensor cores (mma.sync m16n8k16 bf16 -> f32, ldmatrix, cp.async: sm_80/86/89/90, no wgmma).
 //
 // Computes, per sequence and value head (state h = S in [DK, DV], f32), chunk by chunk, with
@@ -44,7 +44,7 @@
 //   cu_seqlens [B+1] i32; slots [B] i32; chunk_table [n_chunks, 2] i32 = (seq, chunk index in seq),
 //   built on the host (ops::gdn_chunk::chunk_table). Value head v reads key head v / (Hv / Hk).
 // -D DK, DV: multiples of 32, DK <= 128 (h^T lives in DK/2 registers per thread). GDN_BV is ignored.
-// Tested by: tests/ops.rs case "gdn_chunk" (1 token, 63/64/65/127/129, ragged batches, Hv/Hk=3,
+// Tested by: tests/ops/ case "gdn_chunk" (1 token, 63/64/65/127/129, ragged batches, Hv/Hk=3,
 //   carried state, 1000 tokens) against deltaserve_cpu::gdn::gdn_recurrent, both precision modes.
 
 #ifndef DK

@@ -3,7 +3,7 @@
 // Computes, per sequence b, value head v and token t of the sequence (S = state[slots[b], v] in
 // [DK, DV], f32):
 //   S = exp(g_t) S;  kv = S^T k_t;  delta = beta_t (v_t - kv);  S += k_t (x) delta;  o_t = S^T q_t
-// (arch doc §2.2 step 8 with T = 1, applied per token).
+// (docs/architecture.md §2.2 step 8 with T = 1, applied per token).
 //  gdn_decode:     one token per sequence (row b); the state is read once and written once.
 //  gdn_recurrent:  lens[b] tokens of sequence b from row starts[b] (lens null: starts[b+1] - starts[b],
 //                  starts being cu_seqlens) (speculative decoding): the verify
@@ -20,7 +20,7 @@
 //   gdn_decode_gated (decode rows + the gated RMSNorm): grid (B, Hv), block 4 * DV.
 //   Each warp reads 128 contiguous bytes per state row. -D DK, DV (multiples of 32).
 // Arch: plain f32, sm_80+.
-// Tested by: tests/ops.rs cases "gdn_decode" and "gdn_recurrent" against deltaserve_cpu::gdn::gdn_recurrent.
+// Tested by: tests/ops/ cases "gdn_decode" and "gdn_recurrent" against deltaserve_cpu::gdn::gdn_recurrent.
 
 #ifndef DK
 #define DK 128

@@ -1,4 +1,4 @@
-// gdn_gate.cu — DeltaNet gates fused with the q/k L2 normalisation (arch doc §2.2 steps 5–7).
+// gdn_gate.cu — DeltaNet gates fused with the q/k L2 normalisation (docs/architecture.md §2.2 steps 5–7).
 //
 // Computes, per token t (f32 math):
 //   q_out[t, h, :] = bf16( q[t,h,:] / sqrt(sum q^2 + 1e-6) * DK^-0.5 )     h < Hk
@@ -11,7 +11,7 @@
 // Launch: grid (T), block 256 (8 warps; warp w normalises rows w, w+8, ... of the 2*Hk q/k rows;
 //   lanes own DK/32 elements each). -D DK (head_k_dim; multiple of 32, <= 256).
 // Arch: shuffles only, sm_80+.
-// Tested by: tests/ops.rs case "gdn_gate".
+// Tested by: tests/ops/ case "gdn_gate".
 
 #ifndef DK
 #define DK 128
@@ -71,7 +71,7 @@ extern "C" __global__ void gdn_gate(const bf16_t* __restrict__ qk, long long qk_
 // (b, C/DK) writes row b's beta and g. Padding rows (slot < 0): y = 0, no state, q/k from zeros.
 // x [B, *] bf16 (token stride x_stride), w [C, CONV_K], y [B, C], state [slots, CONV_K-1, C] bf16;
 // q_out, k_out [B, Hk, DK]; b, a [B, Hv] (strides b_stride, a_stride); g, beta [B, Hv] f32.
-// Launch: grid (B, C/DK + 1), block DK (C % DK == 0, DV == DK). Tested by: tests/ops.rs case
+// Launch: grid (B, C/DK + 1), block DK (C % DK == 0, DV == DK). Tested by: tests/ops/ case
 // "gdn_conv_gate_decode" (bitwise vs conv_decode + gdn_gate).
 extern "C" __global__ void gdn_conv_gate_decode(const bf16_t* x, long long x_stride, const bf16_t* __restrict__ w,
                                                 bf16_t* __restrict__ y, bf16_t* state, const int* __restrict__ slots,

@@ -20,7 +20,7 @@
 //   the 320 blocks of an M = 5120 projection run in one wave on 132 SMs), static smem 2 KB.
 // Arch: mma.sync bf16 + ld.global.nc, sm_80+ (no Hopper-only instructions; on sm_90 the launcher
 //   may launch it programmatically: the first weights load before pdl_wait()).
-// Tested by: tests/ops.rs case "gemv" against deltaserve_cpu::linear::linear.
+// Tested by: tests/ops/ case "gemv" against deltaserve_cpu::linear::linear.
 
 #define GEMV_WARPS 4
 #define GEMV_U 4

@@ -8,7 +8,7 @@
 //   k_cache, v_cache [num_blocks * page, Hkv*hd] bf16 (= [num_blocks, page, Hkv, hd]);
 //   block_tables [B, max_blocks] i32; cu_seqlens [B+1] i32; pos [T] i32.
 // Launch: grid (T), block 128. Arch: sm_80+.
-// Tested by: tests/ops.rs cases "kv_write+attn_prefill", "attn_decode".
+// Tested by: tests/ops/ cases "kv_write+attn_prefill", "attn_decode".
 
 extern "C" __global__ void kv_write(const bf16_t* k, long long k_stride, const bf16_t* v, long long v_stride,
                                     bf16_t* k_cache, bf16_t* v_cache,

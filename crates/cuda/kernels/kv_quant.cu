@@ -21,7 +21,7 @@
 // Formats are run-time arguments (uniform branches): the kernel is memory-bound and one cubin
 //   then serves every (K, V) pair, so kernels_check covers all of them at once.
 // Arch: sm_80+ (plain loads/stores, shuffles; cvt.rn.f16.f32 for the scale).
-// Tested by: tests/ops.rs cases "kv_write_q" (codes and scales bit-equal to the CPU).
+// Tested by: tests/ops/ cases "kv_write_q" (codes and scales bit-equal to the CPU).
 
 // The KV codes (KVF_*, kq_row and its helpers) are prelude.cuh's (rope.cu's qk_norm_rope writes the cache too).
 

@@ -1,4 +1,4 @@
-// mtp.cu — row moves of the MTP head (speculative decoding, arch doc §2.5).
+// mtp.cu — row moves of the MTP head (speculative decoding, docs/architecture.md §2.5).
 //
 // The head's cache entry p combines the main model's post-norm hidden of position p - 1 with token p.
 //  shift_rows:   y[r] = pending[slots[s]] when r is the first row of its sequence s (the hidden of the
@@ -10,7 +10,7 @@
 //   rows / dst_rows [N] i32. Bit-exact copies.
 // Launch: grid (T) or (N), block 256; 16-byte copies when D % 8 == 0, else 2-byte copies.
 // Arch: plain loads/stores, sm_80+.
-// Tested by: tests/ops.rs case "mtp_rows".
+// Tested by: tests/ops/ case "mtp_rows".
 
 __device__ __forceinline__ void copy_row(bf16_t* __restrict__ dst, const bf16_t* __restrict__ src, int D) {
     if ((D & 7) == 0) {

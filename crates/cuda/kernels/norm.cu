@@ -16,7 +16,7 @@
 // warp per row). Arch: shuffles only, sm_80+.
 // add_rms_norm_1p keeps a row in registers (16-byte loads, all issued before the sum) when D % 8 == 0,
 // D <= 8192 at 256 threads and the rows are 16-byte aligned; else a scalar loop.
-// Tested by: tests/ops.rs cases "add_rms_norm_1p", "rms_norm_1p_strided", "gated_rms_norm".
+// Tested by: tests/ops/ cases "add_rms_norm_1p", "rms_norm_1p_strided", "gated_rms_norm".
 
 // add_rms_norm_1p, vectorised: a thread's up to NORM_MAXV 16-byte vectors of x, res and w are all
 // loaded before any arithmetic and h stays in registers (the scalar loop waited a full memory latency

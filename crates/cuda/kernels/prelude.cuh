@@ -5,7 +5,7 @@
 // reductions, small math helpers, f16 conversions, and the sm_80 tensor-core / cp.async helpers.
 // Dtypes: bf16 is stored as `bf16_t` (= unsigned short, the upper 16 bits of an IEEE f32).
 // Arch features: plain sm_80 instructions only (shuffles); runs on sm_80/86/89/90.
-// Tested by: every op test in crates/cuda/tests/ops.rs (all kernels include it).
+// Tested by: every op test in crates/cuda/tests/ops/ (all kernels include it).
 
 typedef unsigned short bf16_t;
 typedef unsigned int u32;

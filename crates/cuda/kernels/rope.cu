@@ -8,7 +8,7 @@
 // Shapes/dtypes: x [T, H, head_dim] bf16 (row stride `tok_stride`, head stride `head_stride`
 //   elements: head_dim when contiguous, 2*head_dim on the q|gate layout); pos [T] i32.
 // Launch: grid (T), block 128; threads loop over H * R/2 pairs. Arch: sm_80+.
-// Tested by: tests/ops.rs case "rope".
+// Tested by: tests/ops/ case "rope".
 
 // x*c + y*s with both products rounded (no FMA contraction), so that rope_partial and qk_norm_rope,
 // compiled separately, round identically.
@@ -52,7 +52,7 @@ extern "C" __global__ void rope_partial(bf16_t* x, long long tok_stride, const i
 // scheduled: 115K blocks for 4,096 tokens). The rotation's loops stay rolled:
 // unrolled, sinf / cosf's rarely taken large-argument paths made the kernel ~9K instructions and, with
 // its code fetched once per layer, 2.7x slower (bench/results/decode-small-kernels-h200-2026-12-01.md).
-// Launch: grid (ceil(T*(nq + nk + nv)/8)), block 256. Tested by: tests/ops.rs cases "qk_norm_rope"
+// Launch: grid (ceil(T*(nq + nk + nv)/8)), block 256. Tested by: tests/ops/ cases "qk_norm_rope"
 // (vs rms_norm_1p + rope_partial) and "qk_norm_rope_kv" (vs the same launch without KV + kv_write_q).
 #define QKNR_MAX_D 512
 extern "C" __global__ void __launch_bounds__(256)

@@ -26,7 +26,7 @@
 // (hist: dynamic shared memory bins·12 B); pick grid (R), block 1024, dynamic shared memory cap·8 B.
 // Gather and pick run with round 1, then (rows without top-k) round 2.
 // Arch: plain loads, shuffles, shared and global 32/64-bit integer atomics: sm_80+.
-// Tested by: tests/ops.rs case "sample"; tests/backend.rs `sample_step_matches_the_host_rule`.
+// Tested by: tests/ops/ case "sample"; tests/backend.rs `sample_step_matches_the_host_rule`.
 
 struct SampleParams {
     float inv_t;

@@ -48,7 +48,7 @@
 // Arch: mma.sync bf16, cp.async, cvt f16, ld.global.nc: sm_80+ (nothing Hopper-only; on sm_90 the
 // launcher may launch w4p_* programmatically: the ring's first units load before pdl_wait(), and a
 // w4p_* block lets the next kernel launch as it starts: pdl_trigger(), a no-op below sm_90).
-// Tested by: tests/ops.rs cases "w4_gemv", "w4_gemv_multi", "w4_gemv_fold", "w4_dequant", "w4_quantize";
+// Tested by: tests/ops/ cases "w4_gemv", "w4_gemv_multi", "w4_gemv_fold", "w4_dequant", "w4_quantize";
 // tests/backend.rs folded_norms_match_separate_kernels; bench in tests/bench_w4.rs.
 
 #define W4_WARPS 8

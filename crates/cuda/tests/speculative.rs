@@ -230,7 +230,7 @@ fn verify_and_commit_track_plain_decode() {
     // sequence may flip where the margin is a few % of the logits). Its worst row depends on the token
     // trajectory (the GPU's own greedy tokens), not on the kernels' accuracy: on the H200
     // (bench/results/attention-prefill-wide-h200-2026-11-30.md) the worst row was 0.12 with
-    // attn_prefill and 0.27 with attn_prefill_wide (equally accurate in tests/ops.rs, incl. this
+    // attn_prefill and 0.27 with attn_prefill_wide (equally accurate in tests/ops/, incl. this
     // model's attention shape) on their own trajectories, 0.297 / 0.294 for the two on the oracle's
     // greedy trajectory, the medians 2.3e-2 .. 3.3e-2 throughout. A wrong state, conv window or
     // pending hidden gives errors of order 1, so the median bound stays TOL_MEDIAN and the worst row

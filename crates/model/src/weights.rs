@@ -3,7 +3,7 @@
 //! `lm_head.weight` or tied embeddings), checks every shape (errors name the tensor and both shapes),
 //! unpacks Qwen3-Next's `in_proj_qkvz` / `in_proj_ba` into the Qwen3.5 layout, skips `model.visual.*`,
 //! and hands each tensor to a backend converter as a [`TensorSource`]. The `mtp.*` tensors (the
-//! multi-token-prediction head used for speculative decoding, arch doc §2.5 / §5.2) are loaded
+//! multi-token-prediction head used for speculative decoding, docs/architecture.md §2.5 / §5.2) are loaded
 //! separately by [`ModelWeights::load_mtp`]; a checkpoint without them still loads.
 //!
 //! Linear weights of quantised checkpoints (GPTQ / AutoRound int4, block FP8; see [`crate::quant`])
@@ -148,7 +148,7 @@ pub struct ModelWeights<T> {
     pub mtp: Option<MtpWeights<T>>,
 }
 
-/// The multi-token-prediction head (arch doc §2.5): from the main model's post-final-norm hidden
+/// The multi-token-prediction head (docs/architecture.md §2.5): from the main model's post-final-norm hidden
 /// `h_t` and the embedding of the next token `e`, `x = fc([norm_e(e) | norm_h(h_t)])`, one gated
 /// full-attention decoder layer (its own KV cache), then `norm`; logits through the shared lm_head.
 /// It shares the embedding and lm_head with the main model.

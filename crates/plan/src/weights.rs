@@ -1,5 +1,5 @@
 //! Bytes of the text-model weights in a given storage format, split between the device arena and pinned host
-//! memory. Shapes are the canonical (unpacked) `[out, in]` ones of `architecture.md` §5.1; vision weights
+//! memory. Shapes are the canonical (unpacked) `[out, in]` ones of `docs/architecture.md` §5.1; vision weights
 //! are not loaded for text inference and are not counted; the MTP head (§5.2) is counted only with
 //! speculative decoding on. Every tensor (a quantised linear's data,
 //! scales and zero points are separate tensors) starts 256-byte aligned, and its padding is counted, so a

@@ -1,4 +1,4 @@
-//! The plan against hand arithmetic from `qwen35-architecture.md` §4 and §6, its invariants, and its errors.
+//! The plan against hand arithmetic from `docs/architecture.md` §4 and §6, its invariants, and its errors.
 
 use deltaserve_model::ModelConfig;
 use deltaserve_model::synth::Preset;

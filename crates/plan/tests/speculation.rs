@@ -1,4 +1,4 @@
-//! Speculative decoding in the plan: the MTP head's weights (§5.2), its KV in every page, the pending
+//! Speculative decoding in the plan: the MTP head's weights (`docs/architecture.md` §5.2), its KV in every page, the pending
 //! hidden per slot, K + 1 logit rows per sequence and the verify workspace; refused without a head.
 
 use deltaserve_model::ModelConfig;

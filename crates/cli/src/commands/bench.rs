@@ -5,7 +5,7 @@
 //! them), decode steps at several batch sizes and contexts, and the device memory the driver reports for
 //! this process against the plan.
 //!
-//! Rooflines (`qwen35-architecture.md` §6):
+//! Rooflines (`docs/architecture.md` §6):
 //! - prefill: FLOPs = T·(2·linear params + DeltaNet chunk core) + attention 4·head_dim·q_heads·layers per
 //!   (query, visible key) + one lm_head row; the roofline time is FLOPs / the measured GEMM rate;
 //! - decode: bytes = device weights (one embedding row) + KV read + DeltaNet state read and written; the
@@ -855,7 +855,7 @@ fn time_cache_op(be: &mut dyn Backend, op: CacheOp) -> Result<f64> {
     Ok(median(times))
 }
 
-/// (total FLOPs, attention FLOPs) of a `t`-token prompt from position 0 (§6 of the architecture doc).
+/// (total FLOPs, attention FLOPs) of a `t`-token prompt from position 0 (`docs/architecture.md` §6).
 fn prefill_flops(cfg: &ModelConfig, linear_params: u64, t: usize) -> (f64, f64) {
     let d = cfg.dims();
     let t = t as f64;

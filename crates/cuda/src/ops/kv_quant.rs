@@ -70,7 +70,7 @@ pub(crate) fn check_write(
 /// Paged KV cache write of one layer into `layer`'s K and V tensors (any formats): the step's rows
 /// and addressing as for the bf16 writer (`a`; its `k_cache` / `v_cache` are not used). The backend
 /// writes its K/V rows with [`super::rope::qk_norm_rope_kv`] (bitwise this, fused with the norms and
-/// RoPE); this kernel is its reference in tests/ops.rs.
+/// RoPE); this kernel is its reference in tests/ops/.
 pub fn kv_write_q(k: &Kernels, s: &CudaStream, a: &super::kv_cache::KvWrite, layer: &LayerKv) -> Result<(), CudaError> {
     if a.t == 0 {
         return Ok(());
