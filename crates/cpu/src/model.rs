@@ -1,5 +1,5 @@
 //! The f32 reference forward pass of the Qwen3.5/3.6 text model, one sequence at a time, written
-//! to be read next to the architecture doc (§2). [`CpuModel::forward`] runs any number of new tokens
+//! to be read next to `docs/architecture.md` (§2). [`CpuModel::forward`] runs any number of new tokens
 //! of one sequence against its [`SequenceState`] (DeltaNet conv + recurrent state, attention KV),
 //! so a prompt can be fed in pieces of any size and then decoded token by token.
 //!
