@@ -1958,7 +1958,7 @@ fn attn_case(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Quantised KV cache: kv_quant.cu writes, attention.cu reading codes + scales.
+// Quantised KV cache: kv_quant.cu writes, the attention kernels reading codes + scales.
 
 /// Host encoding of one token-head row with the CPU oracle's rules (deltaserve_cpu::kvquant):
 /// (cache bytes, f16 scale bits; 0 for bf16 and all-zero rows).
