@@ -383,7 +383,7 @@ __device__ __forceinline__ void pdl_enter() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// KV-cache codes (kv_quant.cu's kv_write_q, rope.cu's qk_norm_rope; attention.cu reads the formats): the
+// KV-cache codes (kv_quant.cu's kv_write_q, rope.cu's qk_norm_rope; attention_*.cu read the formats): the
 // formats (nvrtc::KvFormats::code) and one token-head row's encoding, as deltaserve_cpu::kvquant rounds it
 // (kv_quant.cu's header has the rules).
 #define KVF_BF16 0

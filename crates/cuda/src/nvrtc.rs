@@ -4,7 +4,9 @@
 //! supported arch without a GPU (NVRTC alone, e.g. from the `nvidia-cuda-nvrtc` wheel).
 //!
 //! Kernels include no toolkit header: `kernels/prelude.cuh` (bf16 on raw bit patterns, warp
-//! reductions) is prepended to each source as text.
+//! reductions) is prepended to each source as text. A module of several files is their text
+//! concatenated, its shared header first (attention: `attention_tile.cuh`, then the prefill and the
+//! decode kernels).
 
 use std::collections::HashMap;
 use std::ffi::{CStr, CString, c_char};
@@ -124,7 +126,12 @@ pub const SOURCES: &[KernelSource] = &[
     },
     KernelSource {
         module: "attention",
-        src: include_str!("../kernels/attention.cu"),
+        // The shared tile code, then the prefill and the decode kernels: one module.
+        src: concat!(
+            include_str!("../kernels/attention_tile.cuh"),
+            include_str!("../kernels/attention_prefill.cu"),
+            include_str!("../kernels/attention_decode.cu")
+        ),
         functions: &[
             "attn_prefill",
             "attn_prefill_wide",
@@ -364,8 +371,8 @@ pub struct KvFormats {
 impl KvFormats {
     pub const BF16: KvFormats = KvFormats { k: KvDtype::Bf16, v: KvDtype::Bf16 };
 
-    /// A format's code in the kernels (`KVF_*` in kernels/attention.cu and kv_quant.cu); None for
-    /// the formats the CUDA kernels do not store (fp16, fp32).
+    /// A format's code in the kernels (`KVF_*` in prelude.cuh, read by kernels/attention_*.cu and
+    /// kv_quant.cu); None for the formats the CUDA kernels do not store (fp16, fp32).
     pub fn code(x: KvDtype) -> Option<i32> {
         match x {
             KvDtype::Bf16 => Some(0),
@@ -410,7 +417,7 @@ impl KvFormats {
     }
 }
 
-/// How the attention prefill kernel tiles its work (`PF_*` in kernels/attention.cu): keys per KV
+/// How the attention prefill kernel tiles its work (`PF_*` in kernels/attention_prefill.cu): keys per KV
 /// tile, query heads per block and P's precision in the P·V product. A warp pair shares each query
 /// head of a block, splitting its head dims.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

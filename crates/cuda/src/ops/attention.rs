@@ -1,5 +1,6 @@
-//! Launchers for kernels/attention.cu: causal GQA attention over the paged KV cache, prefill
-//! (varlen, online softmax on tensor cores, no scratch) and decode (fixed split count + combine).
+//! Launchers for kernels/attention_prefill.cu and attention_decode.cu: causal GQA attention over
+//! the paged KV cache, prefill (varlen, online softmax on tensor cores, no scratch) and decode (fixed
+//! split count + combine).
 //! The cache is bf16, or quantised per [`Kernels::kv`] (the `_q` launchers take its scales).
 
 use cudarc::driver::CudaStream;
@@ -12,7 +13,7 @@ use deltaserve_plan::KvDtype;
 /// Queries per prefill tile (fixed in the kernel: one m16 mma row tile per query head).
 pub const Q_TILE: usize = deltaserve_plan::cuda::ATTN_Q_TILE;
 
-/// Dynamic shared memory of [`attn_prefill`] (PF_SMEM_BYTES in attention.cu): 2 stages of K and V
+/// Dynamic shared memory of [`attn_prefill`] (PF_SMEM_BYTES in attention_prefill.cu): 2 stages of K and V
 /// tiles (bf16 rows padded by 8, or the raw codes of a quantised format), then for each quantised
 /// matrix one converted bf16 tile and the tile's f32 scales, then the warp pairs' partial-S
 /// exchange (16 f32 per key and warp).
@@ -30,7 +31,7 @@ pub(crate) fn prefill_smem_bytes(d: &KernelDims, kv: &KvFormats, t: &AttnTiling)
 pub const WIDE_ROWS: usize = 128;
 
 /// Dynamic shared memory of `attn_prefill_wide` at `keys` per KV tile (the pw_* layout in
-/// attention.cu): the block's Q rows (unpadded, swizzled), 2 stages of K and V (bf16 tiles with rows
+/// attention_prefill.cu): the block's Q rows (unpadded, swizzled), 2 stages of K and V (bf16 tiles with rows
 /// padded by 8, or a quantised format's codes), for each quantised matrix its converted bf16 tile and
 /// f32 tile scales, the pairs' P exchange (bf16, 32 lanes x keys / 16 x 16 B per warp) and the rows'
 /// factors (a float2 per lane and warp).

@@ -1,4 +1,4 @@
-//! The quantised KV cache (kv_quant.cu writes, attention.cu reads codes + scales): the host codec
+//! The quantised KV cache (kv_quant.cu writes, the attention kernels read codes + scales): the host codec
 //! with the CPU oracle's rules, every written row bit for bit against it (special rows included),
 //! and attention over the cache against the CPU attention over the CPU-dequantised cache.
 
