@@ -10,7 +10,7 @@
 
 use std::collections::VecDeque;
 
-use crate::{Backend, BackendError, RowSampling, StepBatch};
+use crate::{Backend, BackendError, RowSampling, StepBatch, StepOut, Want};
 
 /// The most stop ids one fed row carries.
 pub const FEED_STOPS: usize = 8;
@@ -69,9 +69,9 @@ pub struct Picked {
 }
 
 /// [`Backend::launch`] / [`Backend::collect`] for a backend that steps synchronously (the CPU
-/// reference): a launch runs the step at once through the backend's `step_argmax` / `step_sample`,
-/// with the rows that a [`Feed`] stops left out, and queues its picks. The same contract as a device
-/// that feeds on the device, without the overlap; the engine's look-ahead is tested through it.
+/// reference): a launch runs the step at once through the backend's [`Backend::step`], with the rows
+/// that a [`Feed`] stops left out, and queues its picks. The same contract as a device that feeds on
+/// the device, without the overlap; the engine's look-ahead is tested through it.
 #[derive(Debug, Default)]
 pub struct Emulated {
     done: VecDeque<Picked>,
@@ -109,17 +109,17 @@ impl Emulated {
         let wanted: Vec<bool> = batch.seqs.iter().zip(&runs).filter(|(c, _)| c.want_logits).map(|(_, r)| *r).collect();
         let mut keep = runs.iter();
         run.seqs.retain(|_| *keep.next().unwrap_or(&true));
-        let mut got = Vec::new();
+        let mut out = StepOut::default();
         match pick {
-            Pick::Argmax => be.step_argmax(&run, valid, &mut got)?,
+            Pick::Argmax => be.step(&run, Want::Tokens { valid, pick }, &mut out)?,
             Pick::Sample(rows) => {
                 crate::check_sample_rows(batch, rows)?;
                 let rows: Vec<RowSampling> =
                     rows.iter().zip(&wanted).filter(|(_, w)| **w).map(|(r, _)| r.clone()).collect();
-                be.step_sample(&run, valid, &rows, &mut got)?
+                be.step(&run, Want::Tokens { valid, pick: Pick::Sample(&rows) }, &mut out)?
             }
         }
-        let mut got = got.into_iter();
+        let mut got = out.tokens.into_iter();
         let mut picked = Picked::default();
         for w in wanted {
             picked.tokens.push(if w { got.next().unwrap_or(0) } else { 0 });

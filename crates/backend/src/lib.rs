@@ -2,17 +2,30 @@
 //!
 //! A backend owns the device memory of the static plan (weights, KV pages, DeltaNet state slots,
 //! activation workspace) and executes one engine step at a time: a [`StepBatch`] of sequence chunks,
-//! each naming its state slot, its KV pages and its new tokens. Backends never see requests, text or
+//! each naming its state slot, its KV pages and its new tokens, between two lists of cache ops
+//! ([`CacheOp`]: prefix-cache page copies and state snapshots). Backends never see requests, text or
 //! HTTP; the scheduler never sees memory contents. Everything here is plain data.
 //!
-//! Speculative decoding (MTP) is an additive part of the contract: a chunk with `draft > 0` asks the
-//! backend to draft that many tokens with the model's MTP head and verify them in one forward
-//! ([`Backend::step_speculative`]); the engine then accepts a prefix and tells the backend how many
-//! positions to keep ([`Backend::commit_speculative`]). Until the commit the sequence's DeltaNet state
-//! is the one before the verify: a rejected draft leaves no trace. Backends without a draft head keep
-//! the default methods, which report speculative decoding as unsupported.
+//! The contract ([`Backend`]) is small:
+//! - [`Backend::capabilities`]: what the backend is and can do ([`Capabilities`]: its name, the width
+//!   of its logit rows, whether it launches steps ahead, how many tokens it drafts). The engine reads
+//!   them once at start and never asks for what they exclude.
+//! - [`Backend::step`]: runs a batch; a [`Want`] says what each wanted row returns into the caller's
+//!   [`StepOut`] (reused from step to step): its logits, its token picked where the logits are (the
+//!   argmax, or the draw of its [`RowSampling`]), or, for batches with speculative chunks, the drafts
+//!   and their verify logits. A backend whose rows come to the host serves every [`Want`] through
+//!   [`host::host_step`].
+//! - [`Backend::launch`] / [`Backend::collect`]: look-ahead (see [`ahead`]), a step started before the
+//!   previous step's tokens are read, fed them where they are.
+//! - [`Backend::commit_speculative`]: speculative decoding (MTP). A chunk with `draft > 0` asks the
+//!   backend to draft that many tokens with the model's MTP head and verify them in one forward
+//!   ([`Want::Drafts`]); the engine then accepts a prefix and tells the backend how many positions to
+//!   keep. Until the commit the sequence's DeltaNet state is the one before the verify: a rejected
+//!   draft leaves no trace.
+//! - [`Backend::arena_stats`]: the memory arena's counters.
 
 pub mod ahead;
+pub mod host;
 pub mod sampling;
 
 pub use ahead::{Feed, Pick, Picked};
@@ -34,7 +47,7 @@ pub struct SeqChunk {
     pub want_logits: bool,
     /// Speculative decoding: after `tokens` (exactly one, the sequence's next token), draft this many
     /// tokens with the MTP head and verify all `1 + draft` positions in one forward; the pages cover
-    /// `start + 1 + draft` positions. 0: a plain chunk. Only [`Backend::step_speculative`] takes such chunks.
+    /// `start + 1 + draft` positions. 0: a plain chunk. Only steps that want [`Want::Drafts`] take such chunks.
     pub draft: usize,
     /// Speculative chunks of greedy requests: n > 0 makes every draft the [`argmax`] of the draft head's
     /// logits over ids `< n`, which the backend may pick where the logits are instead of calling the
@@ -121,7 +134,8 @@ pub enum BackendError {
 }
 
 /// Picks draft token `index` (0-based) of sequence `seq_id` from the draft head's logits row
-/// (`vocab_size()` wide): the engine's greedy or sampling choice. Called in draft order per sequence.
+/// ([`Capabilities::vocab_size`] wide): the engine's greedy or sampling choice. Called in draft order
+/// per sequence.
 pub type DraftPicker<'a> = dyn FnMut(u64, usize, &[f32]) -> u32 + 'a;
 
 /// What the engine keeps of a verified chunk: `accepted` positions (1..=1 + draft) from its `start`,
@@ -136,6 +150,59 @@ pub struct SpecCommit {
     pub accepted: usize,
 }
 
+/// What a backend is and can do, stated once: the engine reads it at start and never asks for what it
+/// excludes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Capabilities {
+    /// Short name for logs (`cpu`, `cuda:0`).
+    pub name: String,
+    /// Logit rows are this wide.
+    pub vocab_size: usize,
+    /// Whether [`Backend::launch`] and [`Backend::collect`] work (look-ahead).
+    pub launches_ahead: bool,
+    /// The most draft tokens one chunk may carry (0: no speculative decoding: no step wants
+    /// [`Want::Drafts`] of a batch with drafts, and nothing is committed).
+    pub max_draft_tokens: usize,
+}
+
+/// What a step returns for each chunk that wants its logits (a wanted row), in batch order.
+pub enum Want<'a> {
+    /// Its logits row, appended to [`StepOut::logits`].
+    Logits,
+    /// Its token, picked over ids `< valid` where the logits are (the [`argmax`], or the draw of the
+    /// matching [`RowSampling`]: one per wanted row), appended to [`StepOut::tokens`]. A device
+    /// backend picks on the device and downloads 4 bytes a row instead of the row.
+    Tokens { valid: usize, pick: Pick<'a> },
+    /// As [`Want::Logits`], and chunks with `draft > 0` are speculative: the backend drafts `draft`
+    /// tokens with the MTP head (calling the picker for each, in order), runs the main model over the
+    /// chunk's token and the drafts, appends `1 + draft` logit rows for the chunk (row i predicts the
+    /// token after position `start + i`) and pushes its drafts to [`StepOut::drafts`] (one entry per
+    /// speculative chunk, in batch order). The chunk's DeltaNet state is left as it was before the step
+    /// until [`Backend::commit_speculative`]; KV written beyond the committed length is ignored later.
+    Drafts(&'a mut DraftPicker<'a>),
+}
+
+/// A step's outputs (see [`Want`]). A step appends to them; the caller keeps one and clears it before
+/// each step, so its buffers are reused (no allocation per step once they have grown).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepOut {
+    /// Rows of [`Capabilities::vocab_size`] logits.
+    pub logits: Vec<f32>,
+    /// Picked tokens, one per wanted row.
+    pub tokens: Vec<u32>,
+    /// The drafts of each speculative chunk.
+    pub drafts: Vec<Vec<u32>>,
+}
+
+impl StepOut {
+    /// Empties every output, keeping the buffers.
+    pub fn clear(&mut self) {
+        self.logits.clear();
+        self.tokens.clear();
+        self.drafts.clear();
+    }
+}
+
 /// Index of the largest value, the lowest index on ties; NaNs are never larger (a NaN at index 0
 /// keeps index 0). The greedy rule of the engine and of device argmax kernels.
 pub fn argmax(x: &[f32]) -> u32 {
@@ -148,7 +215,7 @@ pub fn argmax(x: &[f32]) -> u32 {
     best as u32
 }
 
-/// Checks that `rows` holds one entry per wanted row of `batch` (for [`Backend::step_sample`]).
+/// Checks that `rows` holds one entry per wanted row of `batch` (for [`Pick::Sample`]).
 pub fn check_sample_rows(batch: &StepBatch, rows: &[RowSampling]) -> Result<(), BackendError> {
     let want = batch.seqs.iter().filter(|c| c.want_logits).count();
     if rows.len() != want {
@@ -160,113 +227,56 @@ pub fn check_sample_rows(batch: &StepBatch, rows: &[RowSampling]) -> Result<(), 
     Ok(())
 }
 
+/// Runs `batch` on `be` for its wanted rows' logits alone, appended to `logits` (tools and tests that
+/// keep their rows in a plain buffer).
+pub fn step_logits<B: Backend + ?Sized>(
+    be: &mut B,
+    batch: &StepBatch,
+    logits: &mut Vec<f32>,
+) -> Result<(), BackendError> {
+    let mut out = StepOut { logits: std::mem::take(logits), ..StepOut::default() };
+    let r = be.step(batch, Want::Logits, &mut out);
+    *logits = out.logits;
+    r
+}
+
 /// A compute backend executing engine steps over the memory of the static plan.
 pub trait Backend: Send {
-    /// Short name for logs (`cpu`, `cuda:0`).
-    fn name(&self) -> String;
-    /// Logit rows are this wide.
-    fn vocab_size(&self) -> usize;
-    /// Runs `batch`: its `pre` ops, its chunks, its `post` ops. Appends one row of `vocab_size()`
-    /// logits to `logits` for each chunk with `want_logits`, in batch order. A chunk with
-    /// `start == 0` begins from a zeroed state slot.
-    fn step(&mut self, batch: &StepBatch, logits: &mut Vec<f32>) -> Result<(), BackendError>;
-    /// The arena's counters (tests assert they do not move while serving).
-    fn arena_stats(&self) -> ArenaStats;
+    /// What this backend is and can do.
+    fn capabilities(&self) -> Capabilities;
 
-    /// Runs `batch` like [`Backend::step`] for steps whose every wanted row decodes greedily, and
-    /// appends each wanted row's [`argmax`] over ids `< valid` to `tokens` instead of its logits (a
-    /// device backend picks them on the device and downloads 4 bytes a row instead of the row).
-    fn step_argmax(&mut self, batch: &StepBatch, valid: usize, tokens: &mut Vec<u32>) -> Result<(), BackendError> {
-        let mut logits = Vec::new();
-        self.step(batch, &mut logits)?;
-        let vocab = self.vocab_size();
-        if vocab > 0 {
-            tokens.extend(logits.chunks_exact(vocab).map(|row| argmax(&row[..valid.min(vocab)])));
-        }
-        Ok(())
-    }
+    /// Runs `batch`: its `pre` ops, its chunks, its `post` ops, and appends to `out` what `want` asks
+    /// of each wanted row, in batch order. A chunk with `start == 0` begins from a zeroed state slot.
+    /// Chunks with `draft > 0` only come with [`Want::Drafts`].
+    fn step(&mut self, batch: &StepBatch, want: Want<'_>, out: &mut StepOut) -> Result<(), BackendError>;
 
-    /// Runs `batch` like [`Backend::step`] and appends each wanted row's token, picked by the
-    /// matching entry of `rows` (one per wanted row, in batch order) over ids `< valid`, to `tokens`
-    /// instead of its logits. A device backend applies the penalties and draws on the device and
-    /// downloads 4 bytes a row; this default picks on the host ([`RowSampling::pick`]).
-    fn step_sample(
-        &mut self,
-        batch: &StepBatch,
-        valid: usize,
-        rows: &[RowSampling],
-        tokens: &mut Vec<u32>,
-    ) -> Result<(), BackendError> {
-        check_sample_rows(batch, rows)?;
-        let mut logits = Vec::new();
-        self.step(batch, &mut logits)?;
-        tokens.extend(sampling::pick_rows(&mut logits, self.vocab_size(), valid, rows, false));
-        Ok(())
-    }
-
-    /// Whether [`Backend::launch`] and [`Backend::collect`] work on this backend.
-    fn launches_ahead(&self) -> bool {
-        false
-    }
-
-    /// Starts `batch` and may return before it has run: like [`Backend::step_argmax`] (`Pick::Argmax`)
-    /// or [`Backend::step_sample`] (`Pick::Sample`), its picks come back from [`Backend::collect`], in
-    /// launch order. With a `feed` its chunks take their tokens from the picks of the step launched just
-    /// before it, which need not be collected yet (see [`Feed`]). At most two launched steps are
-    /// uncollected at once. After an error no launched step remains.
+    /// Starts `batch` and may return before it has run: like [`Backend::step`] with [`Want::Tokens`],
+    /// its picks come back from [`Backend::collect`], in launch order. With a `feed` its chunks take
+    /// their tokens from the picks of the step launched just before it, which need not be collected yet
+    /// (see [`Feed`]). At most two launched steps are uncollected at once. After an error no launched
+    /// step remains. Only where [`Capabilities::launches_ahead`].
     fn launch(
         &mut self,
         batch: &StepBatch,
         valid: usize,
         pick: Pick<'_>,
         feed: Option<&Feed>,
-    ) -> Result<(), BackendError> {
-        let _ = (batch, valid, pick, feed);
-        Err(BackendError::Unsupported(format!("launching steps ahead (backend {})", self.name())))
-    }
+    ) -> Result<(), BackendError>;
 
     /// Waits for the oldest launched step that is not collected yet and appends its picks to `out`.
-    /// After an error no launched step remains.
-    fn collect(&mut self, out: &mut Picked) -> Result<(), BackendError> {
-        let _ = out;
-        Err(BackendError::Unsupported(format!("launching steps ahead (backend {})", self.name())))
-    }
+    /// After an error no launched step remains. Only where [`Capabilities::launches_ahead`].
+    fn collect(&mut self, out: &mut Picked) -> Result<(), BackendError>;
 
-    /// The most draft tokens one chunk may carry (0: no speculative decoding on this backend).
-    fn max_draft_tokens(&self) -> usize {
-        0
-    }
+    /// Keeps the accepted positions of the speculative chunks of the last step ([`Want::Drafts`]): the
+    /// DeltaNet state advances by exactly those positions (as if they had been decoded one by one) and
+    /// the MTP head's cache catches up. Must be called after that step, before the next, for every
+    /// speculative chunk whose sequence continues (or is snapshotted). Only where
+    /// [`Capabilities::max_draft_tokens`] is positive; a commit without its verified chunk is an
+    /// invalid step.
+    fn commit_speculative(&mut self, commits: &[SpecCommit]) -> Result<(), BackendError>;
 
-    /// Runs `batch` like [`Backend::step`], except that chunks with `draft > 0` are speculative: the
-    /// backend drafts `draft` tokens with the MTP head (calling `pick` for each, in order), runs the main
-    /// model over the chunk's token and the drafts, appends `1 + draft` logit rows for the chunk (row i
-    /// predicts the token after position `start + i`) and pushes the drafts to `drafts` (one entry per
-    /// speculative chunk, in batch order). The chunk's DeltaNet state is left as it was before the step
-    /// until [`Backend::commit_speculative`]; KV written beyond the committed length is ignored later.
-    fn step_speculative(
-        &mut self,
-        batch: &StepBatch,
-        pick: &mut DraftPicker<'_>,
-        logits: &mut Vec<f32>,
-        drafts: &mut Vec<Vec<u32>>,
-    ) -> Result<(), BackendError> {
-        let _ = (pick, drafts);
-        if batch.seqs.iter().any(|c| c.draft > 0) {
-            return Err(BackendError::Unsupported(format!("speculative decoding (backend {})", self.name())));
-        }
-        self.step(batch, logits)
-    }
-
-    /// Keeps the accepted positions of the speculative chunks of the last
-    /// [`Backend::step_speculative`]: the DeltaNet state advances by exactly those positions (as if they
-    /// had been decoded one by one) and the MTP head's cache catches up. Must be called after that step,
-    /// before the next, for every speculative chunk whose sequence continues (or is snapshotted).
-    fn commit_speculative(&mut self, commits: &[SpecCommit]) -> Result<(), BackendError> {
-        if commits.is_empty() {
-            return Ok(());
-        }
-        Err(BackendError::Unsupported(format!("speculative decoding (backend {})", self.name())))
-    }
+    /// The arena's counters (tests assert they do not move while serving).
+    fn arena_stats(&self) -> ArenaStats;
 }
 
 #[cfg(test)]

@@ -17,9 +17,10 @@
 //! so the state is exactly what decoding the accepted tokens one by one gives.
 
 use deltaserve_backend::ahead::Emulated;
+use deltaserve_backend::host::host_step;
 use deltaserve_backend::{
-    ArenaStats, Backend, BackendError, CacheOp, DraftPicker, Feed, Pick, Picked, SeqChunk, SnapshotLoc, SpecCommit,
-    StepBatch,
+    ArenaStats, Backend, BackendError, CacheOp, Capabilities, DraftPicker, Feed, Pick, Picked, SeqChunk, SnapshotLoc,
+    SpecCommit, StepBatch, StepOut, Want,
 };
 use deltaserve_model::LayerKind;
 
@@ -227,6 +228,9 @@ impl CpuBackend {
         logits: &mut Vec<f32>,
         drafts: &mut Vec<Vec<u32>>,
     ) -> Result<(), BackendError> {
+        if pick.is_none() && batch.seqs.iter().any(|c| c.draft > 0) {
+            return Err(BackendError::InvalidStep("speculative chunks need a draft picker".into()));
+        }
         self.verified.clear();
         for op in &batch.pre {
             self.caches.apply(op)?;
@@ -249,10 +253,9 @@ impl CpuBackend {
                     view.pending_hidden().fill(0.0);
                 }
             }
-            if c.draft > 0 {
-                let Some(pick) = pick.as_deref_mut() else {
-                    return Err(BackendError::InvalidStep("speculative chunks need step_speculative".into()));
-                };
+            if c.draft > 0
+                && let Some(pick) = pick.as_deref_mut()
+            {
                 let (rows, tokens, traces) = Self::verify(&self.model, &mut view, c, pick).map_err(err)?;
                 logits.extend_from_slice(&self.model.logits(&rows));
                 drafts.push(tokens[1..].to_vec());
@@ -457,27 +460,18 @@ impl SeqCache for PagedSeq<'_> {
 }
 
 impl Backend for CpuBackend {
-    fn name(&self) -> String {
-        "cpu".into()
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.model.dims.vocab
-    }
-
-    fn step(&mut self, batch: &StepBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
-        if batch.seqs.iter().any(|c| c.draft > 0) {
-            return Err(BackendError::InvalidStep("speculative chunks need step_speculative".into()));
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            name: "cpu".into(),
+            vocab_size: self.model.dims.vocab,
+            launches_ahead: true,
+            max_draft_tokens: self.max_draft,
         }
-        self.run(batch, None, logits, &mut Vec::new())
     }
 
-    fn max_draft_tokens(&self) -> usize {
-        self.max_draft
-    }
-
-    fn launches_ahead(&self) -> bool {
-        true
+    fn step(&mut self, batch: &StepBatch, want: Want<'_>, out: &mut StepOut) -> Result<(), BackendError> {
+        let vocab = self.model.dims.vocab;
+        host_step(batch, vocab, want, out, |pick, logits, drafts| self.run(batch, pick, logits, drafts))
     }
 
     fn launch(
@@ -502,16 +496,6 @@ impl Backend for CpuBackend {
             self.ahead.reset();
         }
         r
-    }
-
-    fn step_speculative(
-        &mut self,
-        batch: &StepBatch,
-        pick: &mut DraftPicker<'_>,
-        logits: &mut Vec<f32>,
-        drafts: &mut Vec<Vec<u32>>,
-    ) -> Result<(), BackendError> {
-        self.run(batch, Some(pick), logits, drafts)
     }
 
     fn commit_speculative(&mut self, commits: &[SpecCommit]) -> Result<(), BackendError> {

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use deltaserve_backend::{Backend, SeqChunk, StepBatch};
+use deltaserve_backend::{SeqChunk, StepBatch, step_logits};
 use deltaserve_cpu::kvquant::{E4M3_MAX, e4m3_to_f32, round_bf16};
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel, GdnMode, KvFormat, KvQuant, Logits, QuantizingCache};
 use deltaserve_model::synth::{Preset, write_model};
@@ -252,7 +252,7 @@ fn paged_logits(k: KvFormat, v: KvFormat, tokens: &[u32], chunks: &[usize]) -> V
             }],
             ..StepBatch::default()
         };
-        b.step(&batch, &mut out).unwrap();
+        step_logits(&mut b, &batch, &mut out).unwrap();
         at += c;
     }
     out

@@ -2,7 +2,9 @@
 //! committing any accepted prefix gives exactly the logits (bit for bit) of decoding the same tokens
 //! one by one without speculation, whatever the drafts were; and a model without an MTP head refuses.
 
-use deltaserve_backend::{Backend, BackendError, CacheOp, SeqChunk, SnapshotLoc, SpecCommit, StepBatch};
+use deltaserve_backend::{
+    Backend, BackendError, CacheOp, SeqChunk, SnapshotLoc, SpecCommit, StepBatch, StepOut, Want, step_logits,
+};
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel, ForwardError};
 use deltaserve_model::synth::{MtpVariant, Preset, write_model_with};
 use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
@@ -56,12 +58,12 @@ fn reference(m: CpuModel, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f32>>)
     let mut rows = Vec::new();
     let mut out = Vec::new();
     let mut logits = Vec::new();
-    b.step(&batch(chunk(0, 0, prompt, 0)), &mut logits).unwrap();
+    step_logits(&mut b, &batch(chunk(0, 0, prompt, 0)), &mut logits).unwrap();
     for pos in prompt.len()..prompt.len() + n {
         let t = argmax(&logits);
         out.push(t);
         rows.push(std::mem::take(&mut logits));
-        b.step(&batch(chunk(0, pos, &[t], 0)), &mut logits).unwrap();
+        step_logits(&mut b, &batch(chunk(0, pos, &[t], 0)), &mut logits).unwrap();
     }
     (out, rows)
 }
@@ -72,9 +74,9 @@ fn speculative(m: CpuModel, prompt: &[u32], reference: &(Vec<u32>, Vec<Vec<f32>>
     let (want, ref_rows) = reference;
     let vocab = m.dims.vocab as u32;
     let mut b = CpuBackend::with_speculation(m, cache_cfg(), 4).unwrap();
-    assert_eq!(b.max_draft_tokens(), 4);
+    assert_eq!(b.capabilities().max_draft_tokens, 4);
     let mut logits = Vec::new();
-    b.step(&batch(chunk(0, 0, prompt, 0)), &mut logits).unwrap();
+    step_logits(&mut b, &batch(chunk(0, 0, prompt, 0)), &mut logits).unwrap();
     assert_eq!(logits, ref_rows[0], "prefill logits");
     let mut slot = 0u32;
     let mut g = 0; // tokens generated (and emitted) so far
@@ -88,10 +90,10 @@ fn speculative(m: CpuModel, prompt: &[u32], reference: &(Vec<u32>, Vec<Vec<f32>>
             let truth = want[g + 1 + i];
             if pattern(i) { truth } else { (truth + 1) % vocab }
         };
-        let mut rows = Vec::new();
-        let mut drafts = Vec::new();
+        let mut out = StepOut::default();
         let c = chunk(slot, prompt.len() + g, &[want[g]], kk);
-        b.step_speculative(&batch(c.clone()), &mut picker, &mut rows, &mut drafts).unwrap();
+        b.step(&batch(c.clone()), Want::Drafts(&mut picker), &mut out).unwrap();
+        let (rows, drafts) = (out.logits, out.drafts);
         assert_eq!(rows.len(), (kk + 1) * vocab as usize);
         assert_eq!(drafts.len(), 1);
         assert_eq!(drafts[0].len(), kk);
@@ -120,7 +122,7 @@ fn speculative(m: CpuModel, prompt: &[u32], reference: &(Vec<u32>, Vec<Vec<f32>>
                 CacheOp::SaveState { slot, to: SnapshotLoc::Device(0) },
                 CacheOp::RestoreState { from: SnapshotLoc::Device(0), slot: other },
             ];
-            b.step(&StepBatch { pre: ops, ..StepBatch::default() }, &mut Vec::new()).unwrap();
+            step_logits(&mut b, &StepBatch { pre: ops, ..StepBatch::default() }, &mut Vec::new()).unwrap();
             slot = other;
         }
     }
@@ -143,15 +145,15 @@ fn agreeing_head_drafts_what_the_model_predicts() {
     let mut b = CpuBackend::with_speculation(m, cache_cfg(), 4).unwrap();
     let prompt = [3u32, 99, 512];
     let mut logits = Vec::new();
-    b.step(&batch(chunk(0, 0, &prompt, 0)), &mut logits).unwrap();
+    step_logits(&mut b, &batch(chunk(0, 0, &prompt, 0)), &mut logits).unwrap();
     let mut next = argmax(&logits);
     let mut pos = prompt.len();
     for _ in 0..5 {
-        let mut rows = Vec::new();
-        let mut drafts = Vec::new();
+        let mut out = StepOut::default();
         let mut pick = |_: u64, _: usize, row: &[f32]| argmax(row);
         let c = chunk(0, pos, &[next], 4);
-        b.step_speculative(&batch(c.clone()), &mut pick, &mut rows, &mut drafts).unwrap();
+        b.step(&batch(c.clone()), Want::Drafts(&mut pick), &mut out).unwrap();
+        let (rows, drafts) = (out.logits, out.drafts);
         let verified: Vec<u32> = rows.chunks_exact(vocab).map(argmax).collect();
         assert_eq!(&verified[..4], &drafts[0][..], "every draft is what the main model predicts");
         b.commit_speculative(&[SpecCommit { seq_id: 7, slot: 0, pages: c.pages, start: pos, accepted: 5 }]).unwrap();
@@ -173,11 +175,11 @@ fn bad_speculation_requests_are_errors() {
     // A backend without speculation refuses speculative chunks; one with it refuses malformed ones.
     let mut plain = CpuBackend::new(model(MtpVariant::Random, "plain"), cache_cfg());
     let mut pick = |_: u64, _: usize, _: &[f32]| 0u32;
-    let e = plain.step_speculative(&batch(chunk(0, 3, &[1], 2)), &mut pick, &mut Vec::new(), &mut Vec::new());
+    let e = plain.step(&batch(chunk(0, 3, &[1], 2)), Want::Drafts(&mut pick), &mut StepOut::default());
     assert!(matches!(e, Err(BackendError::Unsupported(_))), "{e:?}");
     let mut spec = CpuBackend::with_speculation(model(MtpVariant::Random, "malformed"), cache_cfg(), 2).unwrap();
     for c in [chunk(0, 3, &[1], 3), chunk(0, 0, &[1], 1), chunk(0, 3, &[1, 2], 1)] {
-        let e = spec.step_speculative(&batch(c), &mut pick, &mut Vec::new(), &mut Vec::new());
+        let e = spec.step(&batch(c), Want::Drafts(&mut pick), &mut StepOut::default());
         assert!(matches!(e, Err(BackendError::InvalidStep(_))), "{e:?}");
     }
     let e = spec.commit_speculative(&[SpecCommit { seq_id: 1, slot: 0, pages: vec![0], start: 3, accepted: 1 }]);

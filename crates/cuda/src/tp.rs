@@ -16,7 +16,8 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use deltaserve_backend::{ArenaStats, Backend, BackendError, StepBatch};
+use deltaserve_backend::host::host_step;
+use deltaserve_backend::{ArenaStats, Backend, BackendError, Capabilities, StepBatch, StepOut, Want};
 use deltaserve_model::ModelConfig;
 use deltaserve_model::shard::ShardSpec;
 use deltaserve_plan::Plan;
@@ -155,23 +156,30 @@ pub fn assemble_logits(parts: &[Vec<f32>], vocab: &[Range<usize>], out: &mut Vec
 }
 
 impl Backend for TpBackend {
-    fn name(&self) -> String {
-        format!("cuda:0..{} (tensor parallel {})", self.ranks.len(), self.ranks.len())
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            name: format!("cuda:0..{} (tensor parallel {})", self.ranks.len(), self.ranks.len()),
+            vocab_size: self.full_vocab,
+            launches_ahead: false,
+            max_draft_tokens: 0,
+        }
     }
 
-    fn vocab_size(&self) -> usize {
-        self.full_vocab
+    /// Every rank's logits, placed side by side; tokens are picked from them on the host.
+    fn step(&mut self, batch: &StepBatch, want: Want<'_>, out: &mut StepOut) -> Result<(), BackendError> {
+        let (ranks, vocab) = (&mut self.ranks, &self.vocab);
+        host_step(batch, self.full_vocab, want, out, |_, logits, _| {
+            let step = |b: &mut CudaBackend| {
+                let mut o = StepOut::default();
+                b.step(batch, Want::Logits, &mut o).map(|_| o.logits)
+            };
+            let parts = on_every_rank(ranks, step, |r| BackendError::Device(format!("rank {r} panicked")));
+            let parts = parts.into_iter().collect::<Result<Vec<_>, _>>()?;
+            assemble_logits(&parts, vocab, logits)
+        })
     }
 
-    fn step(&mut self, batch: &StepBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
-        let step = |b: &mut CudaBackend| {
-            let mut v = Vec::new();
-            b.step(batch, &mut v).map(|_| v)
-        };
-        let parts = on_every_rank(&mut self.ranks, step, |r| BackendError::Device(format!("rank {r} panicked")));
-        let parts = parts.into_iter().collect::<Result<Vec<_>, _>>()?;
-        assemble_logits(&parts, &self.vocab, logits)
-    }
+    deltaserve_backend::without_lookahead_or_drafts!("tensor parallel");
 
     fn arena_stats(&self) -> ArenaStats {
         self.ranks.iter().map(|b| b.arena_stats()).fold(ArenaStats::default(), |a, s| ArenaStats {

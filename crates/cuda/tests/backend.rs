@@ -14,7 +14,9 @@
 
 use std::path::{Path, PathBuf};
 
-use deltaserve_backend::{Backend, CacheOp, Feed, Penalty, Pick, Picked, RowSampling, SnapshotLoc, StepBatch};
+use deltaserve_backend::{
+    Backend, CacheOp, Feed, Penalty, Pick, Picked, RowSampling, SnapshotLoc, StepBatch, step_logits,
+};
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
 use deltaserve_cuda::backend::{CudaOptions, kernel_dims};
 use deltaserve_cuda::{CudaBackend, WeightSource};
@@ -53,7 +55,7 @@ fn hf_fixtures_logits() {
         let refs = Checkpoint::open_file(&dir.join("reference.safetensors")).unwrap();
         let plan = plan_for(&cfg);
         let mut be = cuda(&dir, &cfg, &plan);
-        let vocab = be.vocab_size();
+        let vocab = be.capabilities().vocab_size;
         let mut score = Score::default();
         for (slot, p) in json["prompts"].as_array().unwrap().iter().enumerate() {
             let ids: Vec<u32> = p["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
@@ -87,7 +89,7 @@ fn matches_cpu_backend() {
     let mut c = cpu(&dir, &cfg);
     let stats = g.arena_stats();
     println!("arena: {stats:?}; regions {:?}", g.regions());
-    let vocab = g.vocab_size();
+    let vocab = g.capabilities().vocab_size;
     let mut rng = StdRng::seed_from_u64(5);
     let mut full = Score::default();
     let mut pieces = Score::default();
@@ -150,9 +152,9 @@ fn matches_cpu_backend() {
     assert!(failures.is_empty(), "{failures:?}");
 }
 
-/// `step_argmax` (the argmax of each wanted row taken on the GPU) picks the argmax of the logits that
-/// `step` returns for the same steps on a twin backend: a mixed prefill step, then greedy decodes fed
-/// back (batch 3, decode graphs), with the full vocabulary and with `valid` below it.
+/// A step that wants tokens (the argmax of each wanted row taken on the GPU) picks the argmax of the
+/// logits that a logits step returns for the same steps on a twin backend: a mixed prefill step, then
+/// greedy decodes fed back (batch 3, decode graphs), with the full vocabulary and with `valid` below it.
 #[test]
 fn argmax_step_picks_the_logits_argmax() {
     if !gpu() {
@@ -174,8 +176,7 @@ fn argmax_step_picks_the_logits_argmax() {
         for step in 0..6 {
             let rows = run(&mut logits_be, &batch);
             let want: Vec<u32> = rows.chunks_exact(vocab).map(|r| deltaserve_backend::argmax(&r[..valid])).collect();
-            let mut got = Vec::new();
-            argmax_be.step_argmax(&batch, valid, &mut got).unwrap();
+            let got = picks(&mut argmax_be, &batch, valid, Pick::Argmax);
             assert_eq!(got, want, "step {step}, valid {valid}");
             batch = StepBatch::default();
             for (i, &t) in got.iter().enumerate() {
@@ -227,8 +228,7 @@ fn sample_step_matches_the_host_rule() {
             })
             .collect();
         let logits = run(&mut logits_be, &batch);
-        let mut got = Vec::new();
-        sample_be.step_sample(&batch, valid, &rows, &mut got).unwrap();
+        let got = picks(&mut sample_be, &batch, valid, Pick::Sample(&rows));
         for (i, (row, set)) in logits.chunks_exact(vocab).zip(&rows).enumerate() {
             let mut adjusted = row[..valid].to_vec();
             set.apply_penalties(&mut adjusted);
@@ -272,7 +272,7 @@ fn launched_steps_feed_their_picks() {
         for sampled in [false, true] {
             let label = format!("embed_on_host {embed_on_host}, sampled {sampled}");
             let (mut a, mut b) = (cuda(&dir, &cfg, &plan), cuda(&dir, &cfg, &plan));
-            assert!(b.launches_ahead());
+            assert!(b.capabilities().launches_ahead);
             let mut rng = StdRng::seed_from_u64(9);
             let prompts: Vec<Vec<u32>> =
                 [30usize, 1, 64, 9].iter().map(|&n| random_tokens(&mut rng, n, vocab)).collect();
@@ -290,13 +290,7 @@ fn launched_steps_feed_their_picks() {
                     .collect()
             };
             let sync = |be: &mut dyn Backend, batch: &StepBatch, rows: &[RowSampling]| -> Vec<u32> {
-                let mut got = Vec::new();
-                if sampled {
-                    be.step_sample(batch, valid, rows, &mut got).unwrap();
-                } else {
-                    be.step_argmax(batch, valid, &mut got).unwrap();
-                }
-                got
+                picks(be, batch, valid, if sampled { Pick::Sample(rows) } else { Pick::Argmax })
             };
             // Rows of step s: all four, then (from `drop_at` on) row 1 has ended by length.
             let alive = |s: usize| -> Vec<usize> { (0..4).filter(|&i| i != 1 || s < drop_at).collect() };
@@ -393,7 +387,7 @@ fn ragged_batch_equals_alone() {
     let mut alone = cuda(&dir, &cfg, &plan);
     let mut batched = cuda(&dir, &cfg, &plan);
     let stats = batched.arena_stats();
-    let vocab = alone.vocab_size();
+    let vocab = alone.capabilities().vocab_size;
     let mut rng = StdRng::seed_from_u64(9);
     // (history, new tokens) per sequence.
     let shape = [(0usize, 300usize), (50, 1), (100, 37), (0, 1), (64, 1), (33, 70)];
@@ -452,7 +446,7 @@ fn snapshot_ops_round_trip() {
     let plan = plan_for(&cfg);
     let mut g = cuda(&dir, &cfg, &plan);
     let stats = g.arena_stats();
-    let vocab = g.vocab_size();
+    let vocab = g.capabilities().vocab_size;
     let mut rng = StdRng::seed_from_u64(3);
     let prefix = random_tokens(&mut rng, 40, vocab); // pages a, b full; c holds 8 tokens
     let cont = random_tokens(&mut rng, 20, vocab);
@@ -491,7 +485,7 @@ fn snapshot_ops_round_trip() {
     // Out-of-range ops are errors, not faults.
     let mut out = Vec::new();
     let bad = StepBatch { pre: vec![CacheOp::SaveState { slot: 0, to: SnapshotLoc::Host(9) }], ..Default::default() };
-    assert!(g.step(&bad, &mut out).is_err());
+    assert!(step_logits(&mut g, &bad, &mut out).is_err());
     assert_eq!(g.arena_stats(), stats);
 }
 
@@ -524,7 +518,7 @@ fn error_by_depth_and_length() {
         let plan = plan_for(&cfg);
         let mut g = cuda(&dir, &cfg, &plan);
         let mut c = cpu(&dir, &cfg);
-        let vocab = g.vocab_size();
+        let vocab = g.capabilities().vocab_size;
         let mut rng = StdRng::seed_from_u64(21);
         let mut line = Vec::new();
         for len in [1usize, 2, 37, 64, 65, 300, 1100] {
@@ -599,7 +593,7 @@ fn graphs_vs_eager(label: &str, graph_opts: CudaOptions, eager_opts: CudaOptions
     let mut eager = CudaBackend::with_options(&cfg, src(), &plan, 0, eager_opts).unwrap();
     let mut graphs = CudaBackend::with_options(&cfg, src(), &plan, 0, graph_opts).unwrap();
     let stats = graphs.arena_stats();
-    let vocab = eager.vocab_size();
+    let vocab = eager.capabilities().vocab_size;
     let mut rng = StdRng::seed_from_u64(17);
     let n_seqs = 16usize;
     // Prompt lengths; sequence 7 has none: its first token is a 1-token chunk at position 0.
@@ -723,7 +717,7 @@ fn graphs_match_eager_same_backend() {
         CudaOptions { cuda_graphs: true, ..CudaOptions::default() },
     )
     .unwrap();
-    let vocab = g.vocab_size();
+    let vocab = g.capabilities().vocab_size;
     let mut rng = StdRng::seed_from_u64(23);
     let pg: Vec<Vec<u32>> = (0..3).map(|i| pages(60 * i as u32, 300)).collect();
     let lens = [40usize, 64, 7];
@@ -786,7 +780,7 @@ fn profiling_times_op_groups_without_changing_results() {
     let plan = plan_for(&cfg);
     let opts = CudaOptions { cuda_graphs: false, ..CudaOptions::default() };
     let mut be = CudaBackend::with_options(&cfg, WeightSource::Checkpoint(dir), &plan, 0, opts).unwrap();
-    let vocab = be.vocab_size();
+    let vocab = be.capabilities().vocab_size;
     let ids = random_tokens(&mut StdRng::seed_from_u64(31), 70, vocab);
     let mut runs = Vec::new();
     for (slot, profile) in [(0u32, false), (1, true)] {
@@ -820,7 +814,7 @@ fn step_phases_time_the_parts_of_a_step() {
     let (dir, cfg) = tiny_dir(8);
     let plan = plan_for(&cfg);
     let mut be = cuda(&dir, &cfg, &plan);
-    let vocab = be.vocab_size();
+    let vocab = be.capabilities().vocab_size;
     let ids = random_tokens(&mut StdRng::seed_from_u64(32), 30, vocab);
     // The decode graph is captured here: both runs below replay it.
     let pg = pages(200, 4);
@@ -836,8 +830,7 @@ fn step_phases_time_the_parts_of_a_step() {
             rows.extend(run(&mut be, &one(chunk(slot, &pg, p, &[next]))));
         }
         let logits = be.take_step_phases();
-        let mut got = Vec::new();
-        be.step_argmax(&one(chunk(slot, &pg, ids.len() + 4, &[3])), vocab, &mut got).unwrap();
+        picks(&mut be, &one(chunk(slot, &pg, ids.len() + 4, &[3])), vocab, Pick::Argmax);
         runs.push((rows, logits, be.take_step_phases()));
     }
     be.set_step_phases(false).unwrap();
@@ -922,7 +915,7 @@ fn cpu_int4(dir: &Path, cfg: &ModelConfig, int4: bool, asym: bool, lm_head_int4:
 /// Prefill (1, 37, 300, 1100 tokens: GEMV and sliced-GEMM paths) and a 12-step greedy decode
 /// (graphs), CUDA vs the CPU reference on the same weights. Returns the failures.
 fn compare_int4(label: &str, g: &mut CudaBackend, c: &mut CpuBackend) -> Vec<String> {
-    let vocab = g.vocab_size();
+    let vocab = g.capabilities().vocab_size;
     let allocs = g.arena_stats().allocations;
     let mut rng = StdRng::seed_from_u64(21);
     let mut pre = Score::default();
@@ -1022,7 +1015,7 @@ fn folded_norms_match_separate_kernels() {
         assert!(on.norms_fold() && !off.norms_fold(), "int4 layers fold their norms unless turned off");
         let mut c = cpu_int4(&dir, &cfg, true, asym, false);
         let allocs = on.arena_stats().allocations;
-        let vocab = on.vocab_size();
+        let vocab = on.capabilities().vocab_size;
         let mut rng = StdRng::seed_from_u64(5);
         let lens = [1usize, 5, 37];
         let pg: Vec<Vec<u32>> = (0..lens.len()).map(|i| pages(100 * i as u32, 60)).collect();
@@ -1117,7 +1110,7 @@ fn embed_on_host_and_int4_lm_head() {
     let mut a = cuda(&dir, &cfg, &base);
     let mut b = cuda(&dir, &cfg, &host);
     let allocs = b.arena_stats().allocations;
-    let vocab = a.vocab_size();
+    let vocab = a.capabilities().vocab_size;
     let mut rng = StdRng::seed_from_u64(3);
     for (i, len) in [1usize, 40, 700].into_iter().enumerate() {
         let ids = random_tokens(&mut rng, len, vocab);
@@ -1154,7 +1147,7 @@ fn random_int4_weights_run() {
         let mut g =
             CudaBackend::with_options(&cfg, WeightSource::RandomWeights { seed: 1 }, &plan, 2, test_opts()).unwrap();
         let allocs = g.arena_stats().allocations;
-        let vocab = g.vocab_size();
+        let vocab = g.capabilities().vocab_size;
         let ids: Vec<u32> = (0..600).map(|i| (i * 7 % vocab) as u32).collect();
         let pg = pages(0, 610);
         let l = run(&mut g, &one(chunk(0, &pg, 0, &ids)));
@@ -1227,7 +1220,7 @@ fn fp8_kv_page_prefix_copy() {
     let mut g = cuda(&dir, &cfg, &plan);
     let mut c = cpu(&dir, &cfg).with_kv_formats(KvDtype::Fp8, KvDtype::Fp8);
     let stats = g.arena_stats();
-    let vocab = g.vocab_size();
+    let vocab = g.capabilities().vocab_size;
     let mut rng = StdRng::seed_from_u64(8);
     let prefix = random_tokens(&mut rng, 40, vocab); // pages 10, 11 full; 12 holds 8 tokens
     let cont = random_tokens(&mut rng, 20, vocab);
@@ -1269,6 +1262,6 @@ fn fp8_kv_page_prefix_copy() {
     // Out-of-range copies are errors, not faults.
     let mut out = Vec::new();
     let bad = StepBatch { pre: vec![CacheOp::CopyPagePrefix { src: 12, dst: 20, tokens: 17 }], ..Default::default() };
-    assert!(g.step(&bad, &mut out).is_err());
+    assert!(step_logits(&mut g, &bad, &mut out).is_err());
     assert_eq!(g.arena_stats(), stats);
 }

@@ -13,7 +13,7 @@
 use std::time::Instant;
 
 use cudarc::driver::result;
-use deltaserve_backend::{Backend, SeqChunk, StepBatch};
+use deltaserve_backend::{Backend, SeqChunk, StepBatch, step_logits};
 use deltaserve_cuda::backend::CudaOptions;
 use deltaserve_cuda::ops::gemv::{GemvOut, gemv};
 use deltaserve_cuda::ops::init::{Init, init_random};
@@ -218,7 +218,7 @@ fn bench_27b() {
     for i in 0..4 {
         logits.clear();
         let t0 = Instant::now();
-        be.step(&chunk(0, 0, &prompt), &mut logits).unwrap();
+        step_logits(&mut be, &chunk(0, 0, &prompt), &mut logits).unwrap();
         if i > 0 {
             pre.push(t0.elapsed().as_secs_f64());
         }
@@ -304,7 +304,7 @@ fn bench_27b() {
                         };
                         logits.clear();
                         let t0 = Instant::now();
-                        be.step(&b, &mut logits).unwrap();
+                        step_logits(&mut be, &b, &mut logits).unwrap();
                         times.push(t0.elapsed().as_secs_f64());
                         for (j, row) in logits.chunks_exact(d.vocab).enumerate() {
                             toks[j] = row
@@ -339,11 +339,11 @@ fn bench_27b() {
         let slot = 0;
         if start > 0 {
             logits.clear();
-            be.step(&chunk(slot, 0, &prompt), &mut logits).unwrap();
+            step_logits(&mut be, &chunk(slot, 0, &prompt), &mut logits).unwrap();
         }
         be.set_profiling(true).unwrap();
         logits.clear();
-        be.step(&chunk(slot, start, toks), &mut logits).unwrap();
+        step_logits(&mut be, &chunk(slot, start, toks), &mut logits).unwrap();
         let prof = be.take_profile();
         be.set_profiling(false).unwrap();
         let total: f64 = prof.iter().map(|(_, s)| s).sum();

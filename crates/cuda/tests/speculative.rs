@@ -16,7 +16,9 @@
 
 use std::path::PathBuf;
 
-use deltaserve_backend::{Backend, BackendError, CacheOp, SeqChunk, SnapshotLoc, SpecCommit, StepBatch};
+use deltaserve_backend::{
+    Backend, BackendError, CacheOp, SeqChunk, SnapshotLoc, SpecCommit, StepBatch, StepOut, Want, step_logits,
+};
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
 use deltaserve_cuda::backend::CudaOptions;
 use deltaserve_cuda::{CudaBackend, WeightSource};
@@ -65,13 +67,13 @@ fn batch(c: SeqChunk) -> StepBatch {
 fn reference(b: &mut dyn Backend, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
     let pg = pages(0, prompt.len() + n + 8);
     let mut logits = Vec::new();
-    b.step(&batch(chunk_at(0, &pg, 0, prompt, 0)), &mut logits).unwrap();
+    step_logits(b, &batch(chunk_at(0, &pg, 0, prompt, 0)), &mut logits).unwrap();
     let (mut out, mut rows) = (Vec::new(), Vec::new());
     for pos in prompt.len()..prompt.len() + n {
         let t = argmax(&logits) as u32;
         out.push(t);
         rows.push(std::mem::take(&mut logits));
-        b.step(&batch(chunk_at(0, &pg, pos, &[t], 0)), &mut logits).unwrap();
+        step_logits(b, &batch(chunk_at(0, &pg, pos, &[t], 0)), &mut logits).unwrap();
     }
     (out, rows)
 }
@@ -97,14 +99,14 @@ fn scripted(b: &mut dyn Backend, prompt: &[u32], want: &[u32], k: usize, vocab: 
     let (mut at5, mut at6, mut at7) = (0usize, 0usize, 0usize);
     if companions {
         for (slot, pg, len) in [(6u32, &pg6, 9usize), (7, &pg7, 11)] {
-            b.step(&batch(chunk_at(slot, pg, 0, &long[..len], 0)), &mut Vec::new()).unwrap();
+            step_logits(b, &batch(chunk_at(slot, pg, 0, &long[..len], 0)), &mut Vec::new()).unwrap();
         }
         (at6, at7) = (9, 11);
     }
     let mut seen = Seen::default();
     let mut slot = 1u32;
     let mut logits = Vec::new();
-    b.step(&batch(chunk_at(slot, &pg, 0, prompt, 0)), &mut logits).unwrap();
+    step_logits(b, &batch(chunk_at(slot, &pg, 0, prompt, 0)), &mut logits).unwrap();
     seen.verified.push((0, logits));
     let mut g = 0;
     while g + 2 < want.len() {
@@ -140,8 +142,9 @@ fn scripted(b: &mut dyn Backend, prompt: &[u32], want: &[u32], k: usize, vocab: 
             other = Some(o.clone());
             step_batch.seqs.push(o);
         }
-        let (mut rows, mut drafts) = (Vec::new(), Vec::new());
-        b.step_speculative(&step_batch, &mut picker, &mut rows, &mut drafts).unwrap();
+        let mut out = StepOut::default();
+        b.step(&step_batch, Want::Drafts(&mut picker), &mut out).unwrap();
+        let (mut rows, mut drafts) = (out.logits, out.drafts);
         if let Some(o) = other {
             // The companions' rows (decode 1, speculative 1 + draft) follow this chunk's in batch order.
             rows.truncate((kk + 1) * vocab);
@@ -174,7 +177,7 @@ fn scripted(b: &mut dyn Backend, prompt: &[u32], want: &[u32], k: usize, vocab: 
                 CacheOp::SaveState { slot, to: SnapshotLoc::Device(0) },
                 CacheOp::RestoreState { from: SnapshotLoc::Device(0), slot: other },
             ];
-            b.step(&StepBatch { pre: ops, ..StepBatch::default() }, &mut Vec::new()).unwrap();
+            step_logits(b, &StepBatch { pre: ops, ..StepBatch::default() }, &mut Vec::new()).unwrap();
             slot = other;
         }
     }
@@ -189,7 +192,7 @@ fn verify_and_commit_track_plain_decode() {
     let (dir, cfg) = model_dir(MtpVariant::Random, "random");
     let vocab = cfg.vocab_size;
     let mut g = cuda_spec(&dir, &cfg, MAX_DRAFT);
-    assert_eq!(g.max_draft_tokens(), MAX_DRAFT);
+    assert_eq!(g.capabilities().max_draft_tokens, MAX_DRAFT);
     let mut c = cpu_spec(&dir, &cfg);
     let prompt: Vec<u32> = (0..37).map(|i| ((i * 37 + 5) % vocab) as u32).collect();
     let (want, ref_rows) = reference(&mut g, &prompt, 40);
@@ -266,12 +269,12 @@ fn agreeing_head_drafts_what_the_model_predicts() {
     let prompt = [3u32, 99, 512];
     let pg = pages(0, 64);
     let mut logits = Vec::new();
-    b.step(&batch(chunk_at(0, &pg, 0, &prompt, 0)), &mut logits).unwrap();
+    step_logits(&mut b, &batch(chunk_at(0, &pg, 0, &prompt, 0)), &mut logits).unwrap();
     let mut next = argmax(&logits) as u32;
     let mut pos = prompt.len();
     let (mut same, mut total) = (0, 0);
     for step in 0..6 {
-        let (mut rows, mut drafts) = (Vec::new(), Vec::new());
+        let mut out = StepOut::default();
         let mut picked = 0;
         let mut pick = |_: u64, _: usize, row: &[f32]| {
             picked += 1;
@@ -283,7 +286,8 @@ fn agreeing_head_drafts_what_the_model_predicts() {
         if greedy {
             c.greedy_draft_vocab = vocab;
         }
-        b.step_speculative(&batch(c.clone()), &mut pick, &mut rows, &mut drafts).unwrap();
+        b.step(&batch(c.clone()), Want::Drafts(&mut pick), &mut out).unwrap();
+        let (rows, drafts) = (out.logits, out.drafts);
         assert_eq!(picked, if greedy { 0 } else { MAX_DRAFT }, "the picker runs only for non-greedy drafts");
         let verified: Vec<u32> = rows.chunks_exact(vocab).map(|r| argmax(r) as u32).collect();
         same += verified[..MAX_DRAFT].iter().zip(&drafts[0]).filter(|(a, b)| a == b).count();
@@ -307,27 +311,27 @@ fn bad_speculation_requests_are_errors() {
     let mut pick = |_: u64, _: usize, _: &[f32]| 0u32;
     // Without --speculative-tokens the backend refuses speculative chunks.
     let mut plain = cuda_spec(&dir, &cfg, 0);
-    assert_eq!(plain.max_draft_tokens(), 0);
+    assert_eq!(plain.capabilities().max_draft_tokens, 0);
     let pg = pages(0, 64);
-    let e = plain.step_speculative(&batch(chunk_at(0, &pg, 3, &[1], 2)), &mut pick, &mut Vec::new(), &mut Vec::new());
+    let e = plain.step(&batch(chunk_at(0, &pg, 3, &[1], 2)), Want::Drafts(&mut pick), &mut StepOut::default());
     assert!(matches!(e, Err(BackendError::Unsupported(_))), "{e:?}");
     drop(plain);
     let mut b = cuda_spec(&dir, &cfg, 2);
     run(&mut b, &batch(chunk_at(0, &pg, 0, &[5, 6, 7], 0)));
     for c in [chunk_at(0, &pg, 3, &[1], 3), chunk_at(0, &pg, 0, &[1], 1), chunk_at(0, &pg, 3, &[1, 2], 1)] {
-        let e = b.step_speculative(&batch(c), &mut pick, &mut Vec::new(), &mut Vec::new());
+        let e = b.step(&batch(c), Want::Drafts(&mut pick), &mut StepOut::default());
         assert!(matches!(e, Err(BackendError::InvalidStep(_))), "{e:?}");
     }
-    let e = b.step(&batch(chunk_at(0, &pg, 3, &[1], 1)), &mut Vec::new());
+    let e = step_logits(&mut b, &batch(chunk_at(0, &pg, 3, &[1], 1)), &mut Vec::new());
     assert!(matches!(e, Err(BackendError::InvalidStep(_))), "plain step with drafts: {e:?}");
     let e = b.commit_speculative(&[SpecCommit { seq_id: 7, slot: 0, pages: pg.clone(), start: 3, accepted: 1 }]);
     assert!(matches!(e, Err(BackendError::InvalidStep(_))), "commit without a verify: {e:?}");
     // A draft outside the vocabulary is refused; then a good step and a commit beyond the verified
     // length are checked.
     let mut bad_pick = |_: u64, _: usize, _: &[f32]| u32::MAX;
-    let e = b.step_speculative(&batch(chunk_at(0, &pg, 3, &[1], 1)), &mut bad_pick, &mut Vec::new(), &mut Vec::new());
+    let e = b.step(&batch(chunk_at(0, &pg, 3, &[1], 1)), Want::Drafts(&mut bad_pick), &mut StepOut::default());
     assert!(matches!(e, Err(BackendError::InvalidStep(_))), "{e:?}");
-    b.step_speculative(&batch(chunk_at(0, &pg, 3, &[1], 2)), &mut pick, &mut Vec::new(), &mut Vec::new()).unwrap();
+    b.step(&batch(chunk_at(0, &pg, 3, &[1], 2)), Want::Drafts(&mut pick), &mut StepOut::default()).unwrap();
     let e = b.commit_speculative(&[SpecCommit { seq_id: 7, slot: 0, pages: pg.clone(), start: 3, accepted: 4 }]);
     assert!(matches!(e, Err(BackendError::InvalidStep(_))), "commit beyond the verified rows: {e:?}");
     let _ = std::fs::remove_dir_all(&dir);
@@ -364,7 +368,7 @@ fn at_27b_shapes_prefill_and_verify_match_decode() {
     let mut last = Vec::new();
     for (p, &t) in prompt.iter().enumerate() {
         last.clear();
-        g.step(&batch(chunk_at(3, &pg3, p, &[t], 0)), &mut last).unwrap();
+        step_logits(&mut g, &batch(chunk_at(3, &pg3, p, &[t], 0)), &mut last).unwrap();
     }
     // The same prompt in four chunks of 30 (slot 4), each below the row where the old layout's conv
     // output ran into the gates' input rows.
@@ -372,13 +376,13 @@ fn at_27b_shapes_prefill_and_verify_match_decode() {
     let mut four = Vec::new();
     for c in 0..4 {
         four.clear();
-        g.step(&batch(chunk_at(4, &pg4, 30 * c, &prompt[30 * c..30 * (c + 1)], 0)), &mut four).unwrap();
+        step_logits(&mut g, &batch(chunk_at(4, &pg4, 30 * c, &prompt[30 * c..30 * (c + 1)], 0)), &mut four).unwrap();
     }
     let pg6 = pages(1536, 200);
     let mut two = Vec::new();
     for c in 0..2 {
         two.clear();
-        g.step(&batch(chunk_at(6, &pg6, 60 * c, &prompt[60 * c..60 * (c + 1)], 0)), &mut two).unwrap();
+        step_logits(&mut g, &batch(chunk_at(6, &pg6, 60 * c, &prompt[60 * c..60 * (c + 1)], 0)), &mut two).unwrap();
     }
     let (want, ref_rows) = reference(&mut g, &prompt, 14);
     // Random weights through 64 layers amplify bf16 rounding: every pair of these paths (different GEMM

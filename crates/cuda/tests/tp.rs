@@ -102,7 +102,7 @@ fn tp2_matches_one_gpu_and_the_oracle() {
     println!("per-card plan at TP=2:\n{}", plan2.table());
     let mut tp = TpBackend::new(&cfg, WeightSource::Checkpoint(dir.clone()), &plan2, 4, test_opts()).unwrap();
     assert_eq!(tp.world(), 2);
-    assert_eq!(tp.vocab_size(), vocab);
+    assert_eq!(tp.capabilities().vocab_size, vocab);
     let before = tp.arena_stats();
     let two = run_all(&mut tp);
     assert_eq!(tp.arena_stats().allocations, before.allocations, "the ranks' arenas allocated while serving");

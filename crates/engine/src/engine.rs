@@ -23,7 +23,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use deltaserve_backend::sampling::{PARALLEL_PICK_VOCAB, map_rows};
-use deltaserve_backend::{ArenaStats, Backend, Pick, RowSampling, SeqChunk, SpecCommit};
+use deltaserve_backend::{ArenaStats, Backend, Pick, RowSampling, SeqChunk, SpecCommit, StepOut, Want};
 use deltaserve_sched::{AdmitError, SchedConfig, SchedStats, Scheduler, SeqId, SeqOptions, check_request};
 use deltaserve_text::{IncrementalDecoder, StopMatcher, Tokenizer};
 use tokio::sync::mpsc as tmpsc;
@@ -228,7 +228,8 @@ pub struct EngineOptions {
     /// Drafts per decode step (0: no speculative decoding; else 1..=[`MAX_SPECULATIVE_TOKENS`]).
     pub speculative_tokens: usize,
     /// Launch each decode step before the previous one's tokens are read, where the backend can
-    /// ([`Backend::launches_ahead`]) and the requests allow it (see `engine/ahead.rs`).
+    /// ([`deltaserve_backend::Capabilities::launches_ahead`]) and the requests allow it (see
+    /// `engine/ahead.rs`).
     pub lookahead: bool,
 }
 
@@ -278,15 +279,13 @@ impl EngineHandle {
                 "speculative tokens must be 1..={MAX_SPECULATIVE_TOKENS}, got {k}"
             )));
         }
-        let most = backend.max_draft_tokens();
+        let caps = backend.capabilities();
+        let most = caps.max_draft_tokens;
         if most < k {
             return Err(EngineError::Invalid(if most == 0 {
-                format!(
-                    "backend {} cannot draft tokens (no MTP head, or speculative decoding unsupported)",
-                    backend.name()
-                )
+                format!("backend {} cannot draft tokens (no MTP head, or speculative decoding unsupported)", caps.name)
             } else {
-                format!("backend {} drafts at most {most} tokens per step, {k} requested", backend.name())
+                format!("backend {} drafts at most {most} tokens per step, {k} requested", caps.name)
             }));
         }
         Ok(Self::spawn(backend, sched_cfg, tokenizer, opts))
@@ -304,14 +303,15 @@ impl EngineHandle {
             queued: AtomicUsize::new(0),
             next_id: AtomicU64::new(1),
         });
-        let vocab = backend.vocab_size();
+        let caps = backend.capabilities();
+        let vocab = caps.vocab_size;
         if let Ok(mut st) = shared.stats.lock() {
             st.arena = backend.arena_stats();
         }
         let valid_vocab = tokenizer.as_ref().map_or(vocab, |t| t.vocab_size().min(vocab));
         let worker = Worker {
             sched: Scheduler::new(sched_cfg.clone()).with_speculation(opts.speculative_tokens),
-            lookahead: opts.lookahead && backend.launches_ahead(),
+            lookahead: opts.lookahead && caps.launches_ahead,
             ahead: None,
             collected: Instant::now(),
             backend,
@@ -320,7 +320,8 @@ impl EngineHandle {
             reqs: HashMap::new(),
             shared: shared.clone(),
             rx,
-            logits: Vec::new(),
+            vocab,
+            out: StepOut::default(),
         };
         let thread = std::thread::Builder::new()
             .name("deltaserve-engine".into())
@@ -439,7 +440,10 @@ struct Worker {
     reqs: HashMap<SeqId, Live>,
     shared: Arc<Shared>,
     rx: mpsc::Receiver<Command>,
-    logits: Vec<f32>,
+    /// Logit rows are this wide ([`deltaserve_backend::Capabilities::vocab_size`]).
+    vocab: usize,
+    /// The outputs of the last step (reused: a step allocates nothing for them once they have grown).
+    out: StepOut,
     /// Device-picked steps go through [`Backend::launch`]; the next is launched before one is collected.
     lookahead: bool,
     /// The step launched and not collected yet.
@@ -594,8 +598,7 @@ impl Worker {
         if plan.is_empty() {
             return;
         }
-        self.logits.clear();
-        let mut drafts: Vec<Vec<u32>> = Vec::new();
+        self.out.clear();
         // Sampling requests' draft distributions (q), per sequence in draft order.
         let mut q_rows: HashMap<SeqId, Vec<Vec<f32>>> = HashMap::new();
         // Steps without speculation whose rows want no logprobs take every row's token where the logits
@@ -607,11 +610,12 @@ impl Worker {
             self.sched.speculative_tokens() == 0 && wanted.iter().all(|l| l.is_some_and(|l| l.req.logprobs.is_none()));
         let greedy_step = on_device && wanted.iter().all(|l| l.is_some_and(|l| l.sampler.picks_argmax()));
         let device_sampling = on_device && !greedy_step;
-        let mut picked_tokens: Vec<u32> = Vec::new();
         let started = Instant::now();
         let rows: Vec<RowSampling> = if device_sampling { self.sampling_rows(&plan.batch.seqs, true) } else { vec![] };
-        if self.lookahead && (greedy_step || device_sampling) {
-            let pick = if greedy_step { Pick::Argmax } else { Pick::Sample(&rows) };
+        let pick = on_device.then_some(if greedy_step { Pick::Argmax } else { Pick::Sample(&rows) });
+        if self.lookahead
+            && let Some(pick) = pick
+        {
             if let Err(e) = self.backend.launch(&plan.batch, self.valid_vocab, pick, None) {
                 self.step_failed(&e.to_string(), &plan.batch.seqs);
                 return;
@@ -619,24 +623,21 @@ impl Worker {
             self.follow(Launched::new(plan, rows, None, started));
             return;
         }
-        let result = if greedy_step {
-            self.backend.step_argmax(&plan.batch, self.valid_vocab, &mut picked_tokens)
-        } else if device_sampling {
-            self.backend.step_sample(&plan.batch, self.valid_vocab, &rows, &mut picked_tokens)
-        } else if self.sched.speculative_tokens() > 0 {
-            let reqs = &mut self.reqs;
-            let mut pick = |seq: u64, _i: usize, row: &[f32]| -> u32 {
-                let Some(live) = reqs.get_mut(&seq) else { return 0 };
-                let (token, q) = live.sampler.draft(row);
-                if let Some(q) = q {
-                    q_rows.entry(seq).or_default().push(q);
-                }
-                token
-            };
-            self.backend.step_speculative(&plan.batch, &mut pick, &mut self.logits, &mut drafts)
-        } else {
-            self.backend.step(&plan.batch, &mut self.logits)
+        let reqs = &mut self.reqs;
+        let mut draft_pick = |seq: u64, _i: usize, row: &[f32]| -> u32 {
+            let Some(live) = reqs.get_mut(&seq) else { return 0 };
+            let (token, q) = live.sampler.draft(row);
+            if let Some(q) = q {
+                q_rows.entry(seq).or_default().push(q);
+            }
+            token
         };
+        let want = match pick {
+            Some(pick) => Want::Tokens { valid: self.valid_vocab, pick },
+            None if self.sched.speculative_tokens() > 0 => Want::Drafts(&mut draft_pick),
+            None => Want::Logits,
+        };
+        let result = self.backend.step(&plan.batch, want, &mut self.out);
         if let Err(e) = result {
             self.step_failed(&e.to_string(), &plan.batch.seqs);
             return;
@@ -657,9 +658,8 @@ impl Worker {
             s.steps += 1;
             s.step_seconds += step_seconds;
         }
-        let vocab = self.backend.vocab_size();
-        let mut logits = std::mem::take(&mut self.logits);
-        let mut rows = logits.chunks_exact_mut(vocab);
+        let mut out = std::mem::take(&mut self.out);
+        let mut rows = out.logits.chunks_exact_mut(self.vocab);
         // Rows of plain chunks are sampled first, all at once (in parallel across sequences); rows of
         // speculative chunks stay in batch order for the accept pass below.
         let mut plain: Vec<(SeqId, &mut [f32])> = Vec::new();
@@ -674,14 +674,14 @@ impl Worker {
                 verify_rows.push(rows.by_ref().take(c.draft + 1).collect());
             }
         }
-        let mut sampled = if greedy_step || device_sampling {
+        let mut sampled = if on_device {
             let wanted = plan.batch.seqs.iter().filter(|c| c.want_logits).map(|c| c.seq_id);
-            wanted.zip(picked_tokens).map(|(id, t)| (id, (t, None))).collect()
+            wanted.zip(out.tokens.iter().copied()).map(|(id, t)| (id, (t, None))).collect()
         } else {
             self.sample_rows(plain)
         };
         let mut verify_rows = verify_rows.into_iter();
-        let mut drafts = drafts.into_iter();
+        let mut drafts = out.drafts.drain(..);
         let mut commits = Vec::new();
         let mut finished = Vec::new();
         for c in &plan.batch.seqs {
@@ -721,8 +721,11 @@ impl Worker {
                 finished.push((c.seq_id, r));
             }
         }
-        self.logits = logits;
-        if let Err(e) = self.backend.commit_speculative(&commits) {
+        drop(drafts);
+        self.out = out;
+        if !commits.is_empty()
+            && let Err(e) = self.backend.commit_speculative(&commits)
+        {
             tracing::error!(error = %e, "speculative commit failed; failing its requests");
             self.sched.clear_prefix_cache();
             for c in &commits {

@@ -2,7 +2,7 @@
 //! one state slot, one position per step, each step asking for its logits row. What `deltaserve logits`
 //! writes and what `deltaserve eval kld` compares.
 
-use deltaserve_backend::{Backend, BackendError, SeqChunk, StepBatch};
+use deltaserve_backend::{Backend, BackendError, SeqChunk, StepBatch, step_logits};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ScoreError {
@@ -22,7 +22,7 @@ pub fn logits_at_every_position(
     tokens: &[u32],
     mut each: impl FnMut(usize, &[f32]),
 ) -> Result<(), ScoreError> {
-    let vocab = backend.vocab_size();
+    let vocab = backend.capabilities().vocab_size;
     if let Some((index, &id)) = tokens.iter().enumerate().find(|(_, id)| **id as usize >= vocab) {
         return Err(ScoreError::OutsideVocabulary { id, index, vocab });
     }
@@ -33,7 +33,7 @@ pub fn logits_at_every_position(
         let chunk = &mut batch.seqs[0];
         (chunk.start, chunk.tokens) = (i, vec![id]);
         row.clear();
-        backend.step(&batch, &mut row)?;
+        step_logits(backend, &batch, &mut row)?;
         if row.len() != vocab {
             return Err(
                 BackendError::Device(format!("a step returned {} logits, not one row of {vocab}", row.len())).into()

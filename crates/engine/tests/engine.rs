@@ -106,7 +106,7 @@ fn cases(n: usize, seed: u64) -> Vec<Case> {
         .map(|i| {
             let len = 1 + next(150) as usize;
             let prompt = (0..len).map(|_| next(991) as u32).collect();
-            // Greedy, sampled, and each with penalties (those rows are picked by `step_sample`).
+            // Greedy, sampled, and each with penalties (those rows are picked by the step, `Want::Tokens`).
             let sampling = match i % 6 {
                 2 => SamplingParams {
                     temperature: 0.8,

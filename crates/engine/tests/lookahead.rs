@@ -9,7 +9,9 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use deltaserve_backend::{Backend, BackendError, Feed, Pick, Picked, StepBatch};
+use deltaserve_backend::{
+    Backend, BackendError, Capabilities, Feed, Pick, Picked, SpecCommit, StepBatch, StepOut, Want,
+};
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
 use deltaserve_engine::{EngineHandle, EngineOptions, EngineStats, Event, FinishReason, Request, SamplingParams};
 use deltaserve_model::synth::Preset;
@@ -211,20 +213,17 @@ struct Flaky {
 }
 
 impl Backend for Flaky {
-    fn name(&self) -> String {
-        "flaky".into()
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { name: "flaky".into(), ..self.inner.capabilities() }
     }
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
+    fn step(&mut self, batch: &StepBatch, want: Want<'_>, out: &mut StepOut) -> Result<(), BackendError> {
+        self.inner.step(batch, want, out)
     }
-    fn step(&mut self, batch: &StepBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
-        self.inner.step(batch, logits)
+    fn commit_speculative(&mut self, commits: &[SpecCommit]) -> Result<(), BackendError> {
+        self.inner.commit_speculative(commits)
     }
     fn arena_stats(&self) -> deltaserve_backend::ArenaStats {
         self.inner.arena_stats()
-    }
-    fn launches_ahead(&self) -> bool {
-        true
     }
     fn launch(
         &mut self,

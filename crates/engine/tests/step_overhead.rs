@@ -2,39 +2,27 @@
 //! backend that answers at once: what the host adds to every decode step. A measurement, not a check:
 //! `cargo test --release -p deltaserve-engine --test step_overhead -- --ignored --nocapture`.
 
-use deltaserve_backend::{ArenaStats, Backend, BackendError, RowSampling, StepBatch};
+use deltaserve_backend::{ArenaStats, Backend, BackendError, Capabilities, StepBatch, StepOut, Want};
 use deltaserve_engine::{EngineHandle, Event, Request, SamplingParams};
 use deltaserve_sched::{PrefixCacheConfig, SchedConfig};
 
 /// A backend of the 27B's vocabulary whose steps take no time (tokens cycle through 5,000 ids).
 struct Null;
 impl Backend for Null {
-    fn name(&self) -> String {
-        "null".into()
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { name: "null".into(), vocab_size: 248_320, launches_ahead: false, max_draft_tokens: 0 }
     }
-    fn vocab_size(&self) -> usize {
-        248_320
-    }
-    fn step(&mut self, b: &StepBatch, l: &mut Vec<f32>) -> Result<(), BackendError> {
-        l.resize(l.len() + b.seqs.iter().filter(|c| c.want_logits).count() * 248_320, 0.0);
+    fn step(&mut self, b: &StepBatch, want: Want<'_>, out: &mut StepOut) -> Result<(), BackendError> {
+        let wanted = b.seqs.iter().filter(|c| c.want_logits);
+        match want {
+            Want::Tokens { .. } => out.tokens.extend(wanted.map(|c| 1000 + (c.start as u32 % 5000))),
+            Want::Logits | Want::Drafts(_) => out.logits.resize(out.logits.len() + wanted.count() * 248_320, 0.0),
+        }
         Ok(())
     }
+    deltaserve_backend::without_lookahead_or_drafts!("null");
     fn arena_stats(&self) -> ArenaStats {
         ArenaStats { allocations: 0, high_water_bytes: 0, capacity_bytes: 0 }
-    }
-    fn step_argmax(&mut self, b: &StepBatch, _v: usize, t: &mut Vec<u32>) -> Result<(), BackendError> {
-        t.extend(b.seqs.iter().filter(|c| c.want_logits).map(|c| 1000 + (c.start as u32 % 5000)));
-        Ok(())
-    }
-    fn step_sample(
-        &mut self,
-        b: &StepBatch,
-        _v: usize,
-        _r: &[RowSampling],
-        t: &mut Vec<u32>,
-    ) -> Result<(), BackendError> {
-        t.extend(b.seqs.iter().filter(|c| c.want_logits).map(|c| 1000 + (c.start as u32 % 5000)));
-        Ok(())
     }
 }
 

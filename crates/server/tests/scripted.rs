@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use deltaserve_backend::{ArenaStats, Backend, BackendError, StepBatch};
+use deltaserve_backend::host::host_step;
+use deltaserve_backend::{ArenaStats, Backend, BackendError, Capabilities, StepBatch, StepOut, Want};
 use deltaserve_engine::EngineHandle;
 use deltaserve_sched::SchedConfig;
 use deltaserve_server::{AppState, ServerConfig, routes};
@@ -26,23 +27,23 @@ struct ScriptedBackend {
 }
 
 impl Backend for ScriptedBackend {
-    fn name(&self) -> String {
-        "scripted".into()
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { name: "scripted".into(), vocab_size: self.vocab, launches_ahead: false, max_draft_tokens: 0 }
     }
-    fn vocab_size(&self) -> usize {
-        self.vocab
+    fn step(&mut self, batch: &StepBatch, want: Want<'_>, out: &mut StepOut) -> Result<(), BackendError> {
+        host_step(batch, self.vocab, want, out, |_, logits, _| {
+            for c in batch.seqs.iter().filter(|c| c.want_logits) {
+                let end = c.start + c.tokens.len();
+                let p = *self.prompt_len.entry(c.seq_id).or_insert(end);
+                let next = self.script.get(end - p).copied().unwrap_or(self.eos);
+                let mut row = vec![-10.0f32; self.vocab];
+                row[next as usize] = 10.0;
+                logits.extend(row);
+            }
+            Ok(())
+        })
     }
-    fn step(&mut self, batch: &StepBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
-        for c in batch.seqs.iter().filter(|c| c.want_logits) {
-            let end = c.start + c.tokens.len();
-            let p = *self.prompt_len.entry(c.seq_id).or_insert(end);
-            let next = self.script.get(end - p).copied().unwrap_or(self.eos);
-            let mut row = vec![-10.0f32; self.vocab];
-            row[next as usize] = 10.0;
-            logits.extend(row);
-        }
-        Ok(())
-    }
+    deltaserve_backend::without_lookahead_or_drafts!("scripted");
     fn arena_stats(&self) -> ArenaStats {
         ArenaStats::default()
     }

@@ -39,7 +39,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use deltaserve_backend::{Backend, CacheOp, Feed, Picked, RowSampling, SeqChunk, SnapshotLoc, StepBatch};
+use deltaserve_backend::{
+    Backend, CacheOp, Feed, Picked, RowSampling, SeqChunk, SnapshotLoc, StepBatch, StepOut, Want,
+};
 use deltaserve_cuda::ops::init::{Init, init_random};
 use deltaserve_cuda::{Arena, CudaBackend, Kernels, Runtime, TpBackend, WeightSource};
 use deltaserve_model::ModelConfig;
@@ -144,9 +146,9 @@ struct DecodeRow {
     batch: usize,
     context: usize,
     ms_per_step: f64,
-    /// The same steps with the tokens picked on the device (`Backend::step_argmax`, greedy decoding).
+    /// The same steps with the tokens picked on the device (`Want::Tokens` with the argmax, greedy decoding).
     ms_per_step_argmax: f64,
-    /// Sampled with [`qwen_sampling`]: on the device (`Backend::step_sample`), and the logits step
+    /// Sampled with [`qwen_sampling`]: on the device (`Want::Tokens` with the rule), and the logits step
     /// followed by the host's pick.
     ms_per_step_sampled: f64,
     ms_per_step_host_sampled: f64,
@@ -398,7 +400,7 @@ pub fn run(a: Args) -> Result<()> {
             let ms_argmax = decode(be.get(), b, 1, ctx, per_seq, a.steps, vocab, Pick::Argmax)?;
             let ms_sampled = decode(be.get(), b, 1, ctx, per_seq, a.steps, vocab, Pick::Sample(&a.sample))?;
             let ms_host_sampled = decode(be.get(), b, 1, ctx, per_seq, a.steps, vocab, Pick::HostSample(&a.sample))?;
-            let (ms_argmax_ahead, ms_sampled_ahead) = if be.get().launches_ahead() {
+            let (ms_argmax_ahead, ms_sampled_ahead) = if be.get().capabilities().launches_ahead {
                 let g = decode_ahead(be.get(), b, ctx, per_seq, a.steps, vocab, None)?;
                 (Some(g), Some(decode_ahead(be.get(), b, ctx, per_seq, a.steps, vocab, Some(&a.sample))?))
             } else {
@@ -624,7 +626,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// One prompt through the backend in chunks of `chunk` tokens (slot 0, state from zero); seconds.
 fn prefill(be: &mut dyn Backend, pages: &[u32], tokens: &[u32], chunk: usize) -> Result<f64> {
-    let mut logits = Vec::new();
+    let mut out = StepOut::default();
     let t0 = Instant::now();
     for (i, c) in tokens.chunks(chunk).enumerate() {
         let start = i * chunk;
@@ -641,11 +643,11 @@ fn prefill(be: &mut dyn Backend, pages: &[u32], tokens: &[u32], chunk: usize) ->
             }],
             ..Default::default()
         };
-        logits.clear();
-        be.step(&batch, &mut logits)?;
+        out.clear();
+        be.step(&batch, Want::Logits, &mut out)?;
     }
     let s = t0.elapsed().as_secs_f64();
-    if !logits.iter().all(|x| x.is_finite()) {
+    if !out.logits.iter().all(|x| x.is_finite()) {
         bail!("prefill of {} tokens produced non-finite logits", tokens.len());
     }
     Ok(s)
@@ -656,9 +658,9 @@ fn prefill(be: &mut dyn Backend, pages: &[u32], tokens: &[u32], chunk: usize) ->
 enum Pick<'a> {
     /// Every row's logits.
     Logits,
-    /// Every row's argmax, picked on the device ([`Backend::step_argmax`], greedy decoding).
+    /// Every row's argmax, picked on the device ([`Want::Tokens`], greedy decoding).
     Argmax,
-    /// Every row's token sampled by this rule on the device ([`Backend::step_sample`]).
+    /// Every row's token sampled by this rule on the device ([`Want::Tokens`]).
     Sample(&'a RowSampling),
     /// The logits, then the host's pick by this rule (the engine's path without device sampling).
     HostSample(&'a RowSampling),
@@ -702,8 +704,7 @@ fn decode(
     vocab: usize,
     pick: Pick<'_>,
 ) -> Result<f64> {
-    let mut logits = Vec::new();
-    let mut tokens = Vec::new();
+    let mut out = StepOut::default();
     let mut times = Vec::new();
     for step in 0..steps + 3 {
         let batch = StepBatch { seqs: step_seqs(b, n, ctx + step * n, per_seq, step, vocab), ..Default::default() };
@@ -711,17 +712,16 @@ fn decode(
             Pick::Sample(r) | Pick::HostSample(r) => step_rows(r, b, step),
             _ => Vec::new(),
         };
-        logits.clear();
-        tokens.clear();
+        out.clear();
         let t0 = Instant::now();
+        let tokens = |pick| Want::Tokens { valid: vocab, pick };
         match pick {
-            Pick::Logits => be.step(&batch, &mut logits)?,
-            Pick::Argmax => be.step_argmax(&batch, vocab, &mut tokens)?,
-            Pick::Sample(_) => be.step_sample(&batch, vocab, &rows, &mut tokens)?,
+            Pick::Logits => be.step(&batch, Want::Logits, &mut out)?,
+            Pick::Argmax => be.step(&batch, tokens(deltaserve_backend::Pick::Argmax), &mut out)?,
+            Pick::Sample(_) => be.step(&batch, tokens(deltaserve_backend::Pick::Sample(&rows)), &mut out)?,
             Pick::HostSample(_) => {
-                be.step(&batch, &mut logits)?;
-                let v = be.vocab_size();
-                tokens.extend(logits.chunks_exact_mut(v).zip(&rows).map(|(l, r)| r.pick(l)));
+                be.step(&batch, Want::Logits, &mut out)?;
+                out.tokens.extend(out.logits.chunks_exact_mut(vocab).zip(&rows).map(|(l, r)| r.pick(l)));
             }
         }
         if step >= 3 {
@@ -806,8 +806,7 @@ fn speculative(
 ) -> Result<(f64, f64, f64)> {
     let (mut draft, mut verify, mut commit) = (Vec::new(), Vec::new(), Vec::new());
     let mut pick = |_: u64, _: usize, row: &[f32]| deltaserve_backend::argmax(row);
-    let mut logits = Vec::new();
-    let mut drafts = Vec::new();
+    let mut out = StepOut::default();
     for step in 0..steps + 3 {
         let mut seqs = step_seqs(b, 1, ctx + step * (k + 1), per_seq, step, vocab);
         for c in &mut seqs {
@@ -824,10 +823,9 @@ fn speculative(
             })
             .collect();
         let batch = StepBatch { seqs, ..Default::default() };
-        logits.clear();
-        drafts.clear();
+        out.clear();
         let t0 = Instant::now();
-        be.step_speculative(&batch, &mut pick, &mut logits, &mut drafts)?;
+        be.step(&batch, Want::Drafts(&mut pick), &mut out)?;
         let t1 = Instant::now();
         be.commit_speculative(&commits)?;
         if step >= 3 {
@@ -843,11 +841,11 @@ fn speculative(
 /// Median ms of a step that only runs `op` (10 runs after 2 warm-ups), synchronised.
 fn time_cache_op(be: &mut dyn Backend, op: CacheOp) -> Result<f64> {
     let batch = StepBatch { pre: vec![op], ..Default::default() };
-    let mut logits = Vec::new();
+    let mut out = StepOut::default();
     let mut times = Vec::new();
     for i in 0..12 {
         let t0 = Instant::now();
-        be.step(&batch, &mut logits)?;
+        be.step(&batch, Want::Logits, &mut out)?;
         if i >= 2 {
             times.push(t0.elapsed().as_secs_f64() * 1e3);
         }

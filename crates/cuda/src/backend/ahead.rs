@@ -72,6 +72,12 @@ pub(super) struct LaunchOut<'a> {
 }
 
 impl CudaBackend {
+    /// Whether steps launch ahead: not under tensor parallelism (rows are picked on the host) nor with
+    /// speculative decoding.
+    pub(super) fn launches_ahead(&self) -> bool {
+        self.tp.is_none() && self.spec.is_none()
+    }
+
     /// Before the forward of a fed step (rows in batch order): uploads the feed and runs `feed_rows`.
     pub(super) fn feed_inputs(&self, feed: &Feed, valid: usize) -> Result<(), CudaError> {
         let Some((stride, _)) = self.launches.last else {

@@ -2,6 +2,7 @@
 //! steps, the checks of speculative chunks, the commit, and the head's forward. The verify itself is the
 //! backend's forward over chunks flagged as verify chunks (`run_chunks`, `layer`).
 
+use super::step::StepOut;
 use super::*;
 
 /// The MTP head (arch doc §2.5): `fc([norm_e(embed(x)) | norm_h(hidden)])`, one attention decoder
@@ -83,6 +84,49 @@ impl Spec {
 }
 
 impl CudaBackend {
+    /// A step that wants drafts ([`deltaserve_backend::Want::Drafts`]): drafts with the MTP head (one
+    /// head forward per draft position, its logits picked on the host), then one forward of the main
+    /// model over every chunk, speculative chunks as short prefills whose DeltaNet state stays committed
+    /// (see [`Spec`]).
+    pub(super) fn step_speculative(
+        &mut self,
+        batch: &StepBatch,
+        pick: &mut DraftPicker<'_>,
+        logits: &mut Vec<f32>,
+        drafts: &mut Vec<Vec<u32>>,
+    ) -> Result<(), BackendError> {
+        if !batch.seqs.iter().any(|c| c.draft > 0) {
+            return self.step_to(batch, StepOut::Logits(logits));
+        }
+        self.check_speculative(batch)?;
+        let dev = |e: CudaError| BackendError::Device(e.to_string());
+        self.rt.context().bind_to_thread().map_err(|e| BackendError::Device(e.to_string()))?;
+        if let Some(sp) = &mut self.spec {
+            sp.verified.clear();
+        }
+        for op in &batch.pre {
+            self.apply(op)?;
+        }
+        let t0 = std::time::Instant::now();
+        let mut dtoks = self.draft(batch, pick)?;
+        if let Some(sp) = &mut self.spec {
+            sp.draft_s = t0.elapsed().as_secs_f64();
+        }
+        let verify: Vec<bool> = batch.seqs.iter().map(|c| c.draft > 0).collect();
+        let mut ex = StepBatch { pre: Vec::new(), seqs: batch.seqs.clone(), post: Vec::new() };
+        for (c, d) in ex.seqs.iter_mut().zip(&dtoks) {
+            c.tokens.extend_from_slice(d);
+            c.draft = 0;
+        }
+        self.run_chunks(&ex, &verify, StepOut::Logits(logits))?;
+        for op in &batch.post {
+            self.apply(op)?;
+        }
+        self.rt.synchronize().map_err(dev)?;
+        drafts.extend(verify.iter().zip(dtoks.iter_mut()).filter(|(v, _)| **v).map(|(_, d)| std::mem::take(d)));
+        Ok(())
+    }
+
     /// Drafts with the MTP head for the speculative chunks of `batch` (draft step i runs every chunk
     /// with more than i drafts at position `start + i`): returns each chunk's drafts (empty for plain
     /// chunks), picked by `pick` from the head's logits.
@@ -193,7 +237,7 @@ impl CudaBackend {
             if max_draft == 0 {
                 return Err(BackendError::Unsupported(format!(
                     "speculative decoding (backend {} was started without --speculative-tokens)",
-                    self.name()
+                    self.capabilities().name
                 )));
             }
             if c.draft > max_draft || c.tokens.len() != 1 || c.start == 0 {
@@ -230,7 +274,10 @@ impl CudaBackend {
     pub(super) fn commit(&mut self, commits: &[SpecCommit]) -> Result<(), BackendError> {
         let inv = |m: String| BackendError::InvalidStep(m);
         let Some(sp) = self.spec.as_mut() else {
-            return Err(BackendError::Unsupported(format!("speculative decoding (backend {})", self.name())));
+            return Err(BackendError::Unsupported(format!(
+                "speculative decoding (backend {})",
+                self.capabilities().name
+            )));
         };
         let (mut starts, mut lens, mut slots, mut hid) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for c in commits {

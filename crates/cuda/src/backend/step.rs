@@ -93,7 +93,7 @@ impl CudaBackend {
     /// A step: its `pre` ops, its chunks (their wanted rows into `out`), its `post` ops.
     pub(super) fn step_to(&mut self, batch: &StepBatch, out: StepOut<'_>) -> Result<(), BackendError> {
         if batch.seqs.iter().any(|c| c.draft > 0) {
-            return Err(BackendError::InvalidStep("speculative chunks need step_speculative".into()));
+            return Err(BackendError::InvalidStep("speculative chunks need a draft picker".into()));
         }
         if self.launches.busy() {
             return Err(BackendError::InvalidStep("a launched step is not collected yet".into()));

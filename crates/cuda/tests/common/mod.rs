@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use deltaserve_backend::{Backend, SeqChunk, StepBatch};
+use deltaserve_backend::{Backend, Pick, SeqChunk, StepBatch, StepOut, Want, step_logits};
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
 use deltaserve_cuda::backend::CudaOptions;
 use deltaserve_cuda::{CudaBackend, Runtime, WeightSource};
@@ -255,8 +255,15 @@ pub fn one(c: SeqChunk) -> StepBatch {
 
 pub fn run(b: &mut dyn Backend, batch: &StepBatch) -> Vec<f32> {
     let mut out = Vec::new();
-    b.step(batch, &mut out).unwrap();
+    step_logits(b, batch, &mut out).unwrap();
     out
+}
+
+/// Each wanted row's token of `batch`, picked by `pick` over ids `< valid` where the logits are.
+pub fn picks(b: &mut dyn Backend, batch: &StepBatch, valid: usize, pick: Pick<'_>) -> Vec<u32> {
+    let mut out = StepOut::default();
+    b.step(batch, Want::Tokens { valid, pick }, &mut out).unwrap();
+    out.tokens
 }
 
 pub fn pages(first: u32, positions: usize) -> Vec<u32> {
