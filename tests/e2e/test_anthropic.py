@@ -266,3 +266,27 @@ def test_sdk_errors(base):
     with pytest.raises(anthropic.BadRequestError):
         good.messages.create(model=util.MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}],
                              extra_body={"temperature": -1})
+
+
+@pytest.mark.parametrize("thinking", [None, {"type": "enabled", "budget_tokens": 1024}], ids=["default", "enabled"])
+def test_sdk_stream_and_create_have_the_same_blocks(sdk, thinking):
+    """Cut by max_tokens (mid-thinking when thinking is on): streamed and whole replies hold the same blocks,
+    thinking blocks only when the request enabled thinking, and a text block at the end."""
+    kw = dict(model=util.MODEL, max_tokens=5, messages=[{"role": "user", "content": "hi"}],
+              extra_body={"temperature": 0, "ignore_eos": True})
+    if thinking is not None:
+        kw["thinking"] = thinking
+    ref = sdk.messages.create(**kw)
+    with sdk.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+
+    def blocks(m):
+        return [(b.type, b.thinking if b.type == "thinking" else b.text) for b in m.content]
+
+    assert blocks(final) == blocks(ref)
+    kinds = [b.type for b in ref.content]
+    assert kinds[-1] == "text", kinds
+    if thinking is None:
+        assert "thinking" not in kinds, kinds
+    else:
+        assert kinds in (["thinking", "text"], ["text"]), kinds

@@ -86,6 +86,14 @@ def test_models_with_sdk(oai):
     assert ids == [util.MODEL]
 
 
+def test_retrieve_model_with_sdk(oai, http):
+    m = oai.models.retrieve(util.MODEL)
+    assert (m.id, m.object, m.owned_by) == (util.MODEL, "model", "deltaserve")
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("gpt-9")
+    util.assert_openai_error(http.get("/v1/models/gpt-9"), 404)
+
+
 @pytest.mark.parametrize("headers", [
     {},
     {"Authorization": "Bearer wrong-key"},

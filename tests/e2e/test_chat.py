@@ -153,9 +153,15 @@ def test_stream_without_include_usage_has_no_usage_chunk(http):
     assert all(c["choices"] for c in chunks), "an empty-choices chunk without include_usage"
 
 
-def test_reasoning_split_default_thinking(http):
-    """Default thinking: the demo model starts inside <think>; fields are split consistently, per field."""
-    kw = dict(max_tokens=40, **util.greedy())
+def test_demo_model_answers_in_content_by_default(http):
+    """Thinking is off by default for the built-in demo model: the reply is content, not reasoning."""
+    msg = post_chat(http, max_tokens=12, **util.greedy())["choices"][0]["message"]
+    assert msg["content"] and not msg["reasoning_content"], msg
+
+
+def test_reasoning_split_thinking_on(http):
+    """Thinking on: the demo model starts inside <think>; fields are split consistently, per field."""
+    kw = dict(max_tokens=40, **util.greedy(), chat_template_kwargs={"enable_thinking": True})
     ref = post_chat(http, **kw)
     reasoning, content = text_of(ref)
     assert reasoning or content

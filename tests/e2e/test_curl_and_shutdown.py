@@ -47,6 +47,13 @@ def test_curl_anthropic_stream(base):
     assert names[-1] == "event: message_stop", names
 
 
+def long_stream(base: str, max_tokens: int):
+    """The lines of a streamed chat completion of `max_tokens` tokens (EOS ignored)."""
+    body = util.chat_body(stream=True, max_tokens=max_tokens, ignore_eos=True)
+    with util.client(base, timeout=30) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+        yield from r.iter_lines()
+
+
 def test_graceful_shutdown_with_streams_in_flight(tmp_path):
     """SIGINT while streams run: the process exits 0 within 15 s and every client sees its stream end."""
     from conftest import MAIN_ARGS
@@ -58,12 +65,9 @@ def test_graceful_shutdown_with_streams_in_flight(tmp_path):
 
     def stream():
         try:
-            with util.client(srv.base, timeout=30) as c, c.stream(
-                    "POST", "/v1/chat/completions",
-                    json=util.chat_body(stream=True, max_tokens=2000, ignore_eos=True)) as r:
-                for n, _ in enumerate(r.iter_lines()):
-                    if n == 2:
-                        started.set()
+            for n, _ in enumerate(long_stream(srv.base, 2000)):
+                if n == 2:
+                    started.set()
             ended.append("eof")
         except httpx.HTTPError as e:
             ended.append(type(e).__name__)
@@ -89,6 +93,68 @@ def test_graceful_shutdown_with_streams_in_flight(tmp_path):
         print(f"shutdown took {took:.2f} s; client endings: {ended}")
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{srv.base}/health", timeout=2)
+    finally:
+        srv.kill()
+
+
+def test_new_requests_during_the_shutdown_grace_get_503(tmp_path):
+    """SIGINT with a stream in flight: new connections get a 503 "shutting down" (each API's error body)
+    while the stream keeps going; the process exits 0 once the grace is over."""
+    import signal
+
+    import anthropic
+    import openai
+    from conftest import MAIN_ARGS
+
+    grace = 4
+    srv = util.Server(args=[*MAIN_ARGS, "--shutdown-grace-secs", str(grace)], log_path=tmp_path / "server.log").start()
+    lines_after_signal = []
+    signalled = threading.Event()
+    started = threading.Event()
+
+    def stream():
+        try:
+            for n, line in enumerate(long_stream(srv.base, 5000)):
+                if n == 2:
+                    started.set()
+                if signalled.is_set() and line.startswith("data: "):
+                    lines_after_signal.append(line)
+        except httpx.HTTPError:
+            pass  # cancelled at the end of the grace
+
+    t = threading.Thread(target=stream, daemon=True)
+    try:
+        t.start()
+        assert started.wait(30), "the stream did not start"
+        srv.proc.send_signal(signal.SIGINT)
+        signalled.set()
+        deadline = time.monotonic() + 3
+        while True:  # the signal is handled asynchronously
+            r = httpx.post(f"{srv.base}/v1/chat/completions", json=util.chat_body(), headers=util.OPENAI_HEADERS,
+                           timeout=10)
+            if r.status_code != 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["type"] == "service_unavailable" and "shutting down" in err["message"], err
+        assert r.headers.get("connection") == "close"
+
+        oai = openai.OpenAI(base_url=f"{srv.base}/v1", api_key=util.API_KEY, max_retries=0, timeout=10)
+        with pytest.raises(openai.APIStatusError) as e:
+            oai.models.list()
+        assert e.value.status_code == 503
+        ant = anthropic.Anthropic(base_url=srv.base, api_key=util.API_KEY, max_retries=0, timeout=10)
+        with pytest.raises(anthropic.APIStatusError) as e:
+            ant.messages.create(model=util.MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+        assert e.value.status_code == 503
+        assert e.value.body["error"]["type"] == "overloaded_error", e.value.body
+
+        code = srv.proc.wait(timeout=grace + util.SHUTDOWN_TIMEOUT)
+        assert code == 0, f"exit code {code}\n{srv.log_tail()}"
+        t.join(timeout=10)
+        assert not t.is_alive(), "the stream hung after the server exited"
+        assert len(lines_after_signal) > 5, f"the stream in flight stopped at the signal\n{srv.log_tail()}"
     finally:
         srv.kill()
 

@@ -82,6 +82,7 @@ impl InProcess {
             (None, None) => "demo".into(),
         };
         let model_dir = model.dir()?;
+        let chat_defaults = crate::commands::serve::chat_defaults(model);
         let (model, engine_args) = (model.clone(), engine.clone());
         let started = tokio::task::spawn_blocking(move || -> Result<_> { engine_args.start(&model) })
             .await
@@ -98,7 +99,7 @@ impl InProcess {
             async move {
                 let _ = stop_rx.await;
             },
-            Duration::from_secs(2),
+            deltaserve_server::ServeOptions { grace: Duration::from_secs(2), chat_defaults },
         ));
         Ok(Self { addr, name, plan: started.plan, engine: started.engine, stop_tx, join })
     }

@@ -1,10 +1,11 @@
 //! The Anthropic Messages API: `POST /v1/messages` (streaming and not; text, thinking and tool-use
 //! blocks) and `POST /v1/messages/count_tokens`, so agent clients that speak it work. Requests are
 //! converted to the chat messages our template renders; outputs come from the same parsed stream as
-//! the OpenAI endpoints.
+//! the OpenAI endpoints, turned into content blocks by one [`Blocks`] builder whether streamed or not.
 
 use std::convert::Infallible;
 
+use axum::Extension;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
@@ -14,13 +15,13 @@ use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 
-use deltaserve_engine::SamplingParams;
+use deltaserve_engine::{SamplingParams, Usage};
 
 use crate::error::{ApiError, Style};
 use crate::openai::{parse_body, sse};
-use crate::output::{Collected, Finish, OutEvent, OutputStream, Parsing};
+use crate::output::{Finish, OutEvent, OutputStream, Parsing};
 use crate::request::{Limits, build_request, new_id, normalize_messages, render_chat, snapshot_points, type_name};
-use crate::state::AppState;
+use crate::state::{AppState, ChatDefaults};
 
 #[derive(Debug, Deserialize)]
 pub struct MessagesRequest {
@@ -39,8 +40,16 @@ pub struct MessagesRequest {
     pub metadata: Option<Value>,
 }
 
-/// The chat messages, tools and template kwargs of an Anthropic request.
-fn convert(st: &AppState, req: &MessagesRequest) -> Result<(Vec<u32>, Parsing), ApiError> {
+impl MessagesRequest {
+    /// Whether the request asked for thinking (`thinking: {"type": "enabled"}`); as in Anthropic's API,
+    /// only then does the reply carry `thinking` blocks.
+    fn thinking_enabled(&self) -> bool {
+        self.thinking.as_ref().and_then(|t| t.get("type")).and_then(Value::as_str) == Some("enabled")
+    }
+}
+
+/// The prompt and output parsing of an Anthropic request.
+fn convert(st: &AppState, chat: &ChatDefaults, req: &MessagesRequest) -> Result<(Vec<u32>, Parsing), ApiError> {
     st.check_model(req.model.as_deref())?;
     let mut messages = Vec::new();
     match &req.system {
@@ -104,7 +113,7 @@ fn convert(st: &AppState, req: &MessagesRequest) -> Result<(Vec<u32>, Parsing), 
             ));
         }
     }
-    render_chat(st, normalize_messages(&messages)?, tools, kwargs)
+    render_chat(st, normalize_messages(&messages)?, tools, chat.merged(kwargs))
 }
 
 fn blocks_text(blocks: &[Value], field: &str) -> Result<String, ApiError> {
@@ -138,7 +147,8 @@ fn user_blocks(blocks: &[Value], i: usize, out: &mut Vec<Value>) -> Result<(), A
                 return Err(ApiError::bad_param(
                     "messages",
                     format!(
-                        "messages[{i}].content[{j}]: block type {other:?} is not supported in user turns (text, tool_result)"
+                        "messages[{i}].content[{j}]: {} is not supported in user turns (text, tool_result)",
+                        block_kind(other)
                     ),
                 ));
             }
@@ -165,7 +175,10 @@ fn assistant_blocks(blocks: &[Value], i: usize) -> Result<Value, ApiError> {
             other => {
                 return Err(ApiError::bad_param(
                     "messages",
-                    format!("messages[{i}].content[{j}]: block type {other:?} is not supported in assistant turns"),
+                    format!(
+                        "messages[{i}].content[{j}]: {} is not supported in assistant turns (text, thinking, tool_use)",
+                        block_kind(other)
+                    ),
                 ));
             }
         }
@@ -178,6 +191,11 @@ fn assistant_blocks(blocks: &[Value], i: usize) -> Result<Value, ApiError> {
         m["tool_calls"] = Value::Array(calls);
     }
     Ok(m)
+}
+
+/// A block's `type` for a message: "block type `image`", or "a block without a `type`".
+fn block_kind(kind: Option<&str>) -> String {
+    kind.map_or_else(|| "a block without a `type`".into(), |k| format!("block type `{k}`"))
 }
 
 fn to_openai_tool(t: &Value) -> Result<Value, ApiError> {
@@ -193,16 +211,24 @@ fn to_openai_tool(t: &Value) -> Result<Value, ApiError> {
     }}))
 }
 
-pub async fn messages(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
-    let resp = messages_inner(&st, body).await.unwrap_or_else(|e| e.into_response_styled(Style::Anthropic));
+pub async fn messages(
+    State(st): State<AppState>,
+    Extension(chat): Extension<ChatDefaults>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let resp = messages_inner(&st, &chat, body).await.unwrap_or_else(|e| e.into_response_styled(Style::Anthropic));
     st.metrics.request("messages", resp.status().as_u16());
     resp
 }
 
-async fn messages_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+async fn messages_inner(
+    st: &AppState,
+    chat: &ChatDefaults,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
     let req: MessagesRequest = parse_body(body)?;
     let max_tokens = req.max_tokens.ok_or_else(|| ApiError::bad_param("max_tokens", "`max_tokens` is required"))?;
-    let (prompt, parsing) = convert(st, &req)?;
+    let (prompt, parsing) = convert(st, chat, &req)?;
     let input_tokens = prompt.len();
     let d = &st.sampling_defaults;
     let sampling = SamplingParams {
@@ -225,29 +251,22 @@ async fn messages_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -> R
             state: st,
         },
     )?;
-    let out = st.generate(engine_req, parsing)?;
+    let mut out = st.generate(engine_req, parsing)?;
     let id = new_id("msg_");
     let model = st.cfg.served_model_name.clone();
+    let blocks = Blocks::new(req.thinking_enabled());
     if req.stream.unwrap_or(false) {
-        return Ok(sse(message_stream(out, id, model, input_tokens)));
+        return Ok(sse(message_stream(out, blocks, id, model, input_tokens)));
     }
-    let col = Collected::collect(out).await?;
-    let finish = col.finish.clone().unwrap_or(Finish::Length);
-    let mut content = Vec::new();
-    if !col.reasoning.is_empty() {
-        content.push(json!({"type": "thinking", "thinking": col.reasoning, "signature": ""}));
+    let mut reply = Reply::new(blocks);
+    while let Some(batch) = out.next().await {
+        reply.add(batch?);
     }
-    if !col.content.is_empty() || col.tool_calls.is_empty() {
-        content.push(json!({"type": "text", "text": col.content}));
-    }
-    for (id, name, args) in &col.tool_calls {
-        let input: Value = serde_json::from_str(args).unwrap_or_else(|_| json!({}));
-        content.push(json!({"type": "tool_use", "id": tool_use_id(id), "name": name, "input": input}));
-    }
+    let (finish, usage) = reply.end.unwrap_or((Finish::Length, Default::default()));
     Ok(axum::Json(json!({
-        "id": id, "type": "message", "role": "assistant", "model": model, "content": content,
+        "id": id, "type": "message", "role": "assistant", "model": model, "content": reply.content,
         "stop_reason": stop_reason(&finish), "stop_sequence": finish.stop_string(),
-        "usage": usage(&col.usage),
+        "usage": usage_json(&usage),
     }))
     .into_response())
 }
@@ -265,12 +284,12 @@ fn stop_reason(f: &Finish) -> &'static str {
     }
 }
 
-fn usage(u: &deltaserve_engine::Usage) -> Value {
+fn usage_json(u: &Usage) -> Value {
     json!({"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
            "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0})
 }
 
-/// Which content block is open in a stream.
+/// Which content block is open.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Block {
     Thinking,
@@ -278,108 +297,199 @@ enum Block {
     Tool(usize),
 }
 
+/// A step in building the reply's content: the `content_block_*` events of a stream.
+#[derive(Clone, Debug, PartialEq)]
+enum BlockEvent {
+    Start { index: usize, block: Value },
+    Delta { index: usize, delta: Value },
+    Stop { index: usize },
+}
+
+/// Output events → content blocks, the same for streamed and whole replies: `thinking` blocks only
+/// when the request enabled thinking (otherwise reasoning the model emits anyway is left out, as
+/// Anthropic's API shows none), and always at least one `text` or `tool_use` block (an empty `text`
+/// block when the model wrote neither, e.g. cut by `max_tokens` while thinking).
+struct Blocks {
+    thinking: bool,
+    open: Option<(Block, usize)>,
+    next_index: usize,
+    answered: bool,
+}
+
+impl Blocks {
+    fn new(thinking: bool) -> Self {
+        Self { thinking, open: None, next_index: 0, answered: false }
+    }
+
+    /// The block events of `events`, and the end of the output when it is among them.
+    fn push(&mut self, events: Vec<OutEvent>, out: &mut Vec<BlockEvent>) -> Option<(Finish, Usage)> {
+        let mut end = None;
+        for e in events {
+            let (block, delta) = match e {
+                OutEvent::Reasoning(s) if self.thinking => {
+                    (Block::Thinking, json!({"type": "thinking_delta", "thinking": s}))
+                }
+                OutEvent::Content(s) => (Block::Text, json!({"type": "text_delta", "text": s})),
+                OutEvent::ToolStart { index, id, name } => {
+                    let block = json!({"type": "tool_use", "id": tool_use_id(&id), "name": name, "input": {}});
+                    self.start(Block::Tool(index), block, out);
+                    continue;
+                }
+                OutEvent::ToolArgs { index, delta } => {
+                    (Block::Tool(index), json!({"type": "input_json_delta", "partial_json": delta}))
+                }
+                OutEvent::Done { finish, usage } => {
+                    self.close(out);
+                    if !self.answered {
+                        self.start(Block::Text, json!({"type": "text", "text": ""}), out);
+                        self.close(out);
+                    }
+                    end = Some((finish, usage));
+                    continue;
+                }
+                OutEvent::Reasoning(_) | OutEvent::ToolEnd { .. } | OutEvent::Token { .. } => continue,
+            };
+            if self.open.map(|(b, _)| b) != Some(block) {
+                let start = match block {
+                    Block::Thinking => json!({"type": "thinking", "thinking": "", "signature": ""}),
+                    Block::Text => json!({"type": "text", "text": ""}),
+                    Block::Tool(_) => continue, // arguments of a call that never started: nothing to attach them to
+                };
+                self.start(block, start, out);
+            }
+            let index = self.open.map_or(0, |(_, i)| i);
+            out.push(BlockEvent::Delta { index, delta });
+        }
+        end
+    }
+
+    fn start(&mut self, block: Block, start: Value, out: &mut Vec<BlockEvent>) {
+        self.close(out);
+        self.answered |= block != Block::Thinking;
+        out.push(BlockEvent::Start { index: self.next_index, block: start });
+        self.open = Some((block, self.next_index));
+        self.next_index += 1;
+    }
+
+    fn close(&mut self, out: &mut Vec<BlockEvent>) {
+        if let Some((_, index)) = self.open.take() {
+            out.push(BlockEvent::Stop { index });
+        }
+    }
+}
+
+/// A whole (non-streamed) reply: the block events folded into the `content` list.
+struct Reply {
+    blocks: Blocks,
+    content: Vec<Value>,
+    /// Each tool_use block's `input` JSON so far, by block index.
+    partial_json: Vec<String>,
+    end: Option<(Finish, Usage)>,
+}
+
+impl Reply {
+    fn new(blocks: Blocks) -> Self {
+        Self { blocks, content: Vec::new(), partial_json: Vec::new(), end: None }
+    }
+
+    fn add(&mut self, events: Vec<OutEvent>) {
+        let mut steps = Vec::new();
+        if let Some(end) = self.blocks.push(events, &mut steps) {
+            self.end = Some(end);
+        }
+        for step in steps {
+            match step {
+                BlockEvent::Start { block, .. } => {
+                    self.content.push(block);
+                    self.partial_json.push(String::new());
+                }
+                BlockEvent::Delta { index, delta } => {
+                    let field = match delta["type"].as_str() {
+                        Some("thinking_delta") => "thinking",
+                        Some("text_delta") => "text",
+                        _ => "partial_json",
+                    };
+                    let piece = delta[field].as_str().unwrap_or_default();
+                    match self.content[index].get_mut(field) {
+                        Some(Value::String(s)) => s.push_str(piece),
+                        _ => self.partial_json[index].push_str(piece),
+                    }
+                }
+                BlockEvent::Stop { index } => {
+                    if self.content[index]["type"] == "tool_use" {
+                        self.content[index]["input"] =
+                            serde_json::from_str(&self.partial_json[index]).unwrap_or_else(|_| json!({}));
+                    }
+                }
+            }
+        }
+    }
+}
+
 fn message_stream(
     mut out: OutputStream,
+    mut blocks: Blocks,
     id: String,
     model: String,
     input_tokens: usize,
 ) -> mpsc::Receiver<Result<SseEvent, Infallible>> {
     let (tx, rx) = mpsc::channel(64);
     tokio::spawn(async move {
-        let send = |tx: &mpsc::Sender<Result<SseEvent, Infallible>>, kind: &'static str, data: Value| {
+        let send = |kind: &'static str, data: Value| {
             let tx = tx.clone();
             async move { tx.send(Ok(SseEvent::default().event(kind).data(data.to_string()))).await.map_err(|_| ()) }
         };
         let start = json!({"type": "message_start", "message": {"id": id, "type": "message", "role": "assistant", "model": model,
             "content": [], "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": input_tokens, "output_tokens": 0}}});
-        if send(&tx, "message_start", start).await.is_err() {
+        if send("message_start", start).await.is_err() {
             return;
         }
-        let mut open: Option<(Block, usize)> = None;
-        let mut next_index = 0usize;
         while let Some(batch) = out.next().await {
             let events = match batch {
                 Ok(e) => e,
                 Err(e) => {
-                    let _ = send(&tx, "error", e.body(Style::Anthropic)).await;
+                    let _ = send("error", e.body(Style::Anthropic)).await;
                     return;
                 }
             };
-            for e in events {
-                let (block, delta) = match e {
-                    OutEvent::Reasoning(s) => (Block::Thinking, json!({"type": "thinking_delta", "thinking": s})),
-                    OutEvent::Content(s) => (Block::Text, json!({"type": "text_delta", "text": s})),
-                    OutEvent::ToolStart { index, id, name } => {
-                        if let Some((_, i)) = open.take() {
-                            let _ = send(&tx, "content_block_stop", json!({"type": "content_block_stop", "index": i}))
-                                .await;
-                        }
-                        let cb = json!({"type": "tool_use", "id": tool_use_id(&id), "name": name, "input": {}});
-                        let _ = send(
-                            &tx,
-                            "content_block_start",
-                            json!({"type": "content_block_start", "index": next_index, "content_block": cb}),
-                        )
-                        .await;
-                        open = Some((Block::Tool(index), next_index));
-                        next_index += 1;
-                        continue;
+            let mut steps = Vec::new();
+            let end = blocks.push(events, &mut steps);
+            for step in steps {
+                let (kind, data) = match step {
+                    BlockEvent::Start { index, block } => (
+                        "content_block_start",
+                        json!({"type": "content_block_start", "index": index, "content_block": block}),
+                    ),
+                    BlockEvent::Delta { index, delta } => {
+                        ("content_block_delta", json!({"type": "content_block_delta", "index": index, "delta": delta}))
                     }
-                    OutEvent::ToolArgs { index, delta } => {
-                        (Block::Tool(index), json!({"type": "input_json_delta", "partial_json": delta}))
-                    }
-                    OutEvent::ToolEnd { .. } | OutEvent::Token { .. } => continue,
-                    OutEvent::Done { finish, usage: u } => {
-                        if let Some((_, i)) = open.take() {
-                            let _ = send(&tx, "content_block_stop", json!({"type": "content_block_stop", "index": i}))
-                                .await;
-                        }
-                        let _ = send(
-                            &tx,
-                            "message_delta",
-                            json!({"type": "message_delta",
-                            "delta": {"stop_reason": stop_reason(&finish), "stop_sequence": finish.stop_string()},
-                            "usage": {"output_tokens": u.completion_tokens}}),
-                        )
-                        .await;
-                        let _ = send(&tx, "message_stop", json!({"type": "message_stop"})).await;
-                        continue;
+                    BlockEvent::Stop { index } => {
+                        ("content_block_stop", json!({"type": "content_block_stop", "index": index}))
                     }
                 };
-                if open.map(|(b, _)| b) != Some(block) {
-                    if let Some((_, i)) = open.take() {
-                        let _ =
-                            send(&tx, "content_block_stop", json!({"type": "content_block_stop", "index": i})).await;
-                    }
-                    let cb = match block {
-                        Block::Thinking => json!({"type": "thinking", "thinking": ""}),
-                        _ => json!({"type": "text", "text": ""}),
-                    };
-                    let _ = send(
-                        &tx,
-                        "content_block_start",
-                        json!({"type": "content_block_start", "index": next_index, "content_block": cb}),
-                    )
-                    .await;
-                    open = Some((block, next_index));
-                    next_index += 1;
-                }
-                let i = open.map_or(0, |(_, i)| i);
-                if send(&tx, "content_block_delta", json!({"type": "content_block_delta", "index": i, "delta": delta}))
-                    .await
-                    .is_err()
-                {
+                if send(kind, data).await.is_err() {
                     return; // client gone: dropping `out` cancels the request
                 }
+            }
+            if let Some((finish, u)) = end {
+                let delta = json!({"type": "message_delta",
+                    "delta": {"stop_reason": stop_reason(&finish), "stop_sequence": finish.stop_string()},
+                    "usage": {"output_tokens": u.completion_tokens}});
+                let _ = send("message_delta", delta).await;
+                let _ = send("message_stop", json!({"type": "message_stop"})).await;
             }
         }
     });
     rx
 }
 
-pub async fn count_tokens(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
+pub async fn count_tokens(
+    State(st): State<AppState>,
+    Extension(chat): Extension<ChatDefaults>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let resp = parse_body::<MessagesRequest>(body)
-        .and_then(|req| convert(&st, &req))
+        .and_then(|req| convert(&st, &chat, &req))
         .map(|(ids, _)| axum::Json(json!({"input_tokens": ids.len()})).into_response())
         .unwrap_or_else(|e| e.into_response_styled(Style::Anthropic));
     st.metrics.request("count_tokens", resp.status().as_u16());

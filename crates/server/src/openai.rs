@@ -1,12 +1,13 @@
 //! The OpenAI API: `/v1/chat/completions`, `/v1/completions` (both streaming over SSE and not) and
-//! `/v1/models`, with vLLM's extensions (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
+//! `/v1/models` (and `/v1/models/{id}`), with vLLM's extensions (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
 //! `chat_template_kwargs`) and Qwen reasoning/tool-call parsing.
 
 use std::convert::Infallible;
 
+use axum::Extension;
 use axum::body::Bytes;
-use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
@@ -20,7 +21,7 @@ use crate::request::snapshot_points;
 use crate::request::{
     CommonParams, Limits, build_request, new_id, normalize_messages, render_chat, unix_now, validate_tools,
 };
-use crate::state::AppState;
+use crate::state::{AppState, ChatDefaults};
 
 #[derive(Debug, Deserialize)]
 pub struct ChatCompletionRequest {
@@ -76,12 +77,20 @@ pub fn parse_body<T: serde::de::DeserializeOwned>(body: Result<Bytes, BytesRejec
     })
 }
 
-pub async fn chat_completions(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
-    let result = chat_inner(&st, body).await;
+pub async fn chat_completions(
+    State(st): State<AppState>,
+    Extension(chat): Extension<ChatDefaults>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let result = chat_inner(&st, &chat, body).await;
     finish_response(&st, "chat_completions", result)
 }
 
-async fn chat_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+async fn chat_inner(
+    st: &AppState,
+    chat: &ChatDefaults,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
     let received = std::time::Instant::now();
     let req: ChatCompletionRequest = parse_body(body)?;
     st.check_model(req.model.as_deref())?;
@@ -89,10 +98,16 @@ async fn chat_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -> Resul
     if let Some(rf) = &req.response_format {
         match rf.get("type").and_then(Value::as_str) {
             Some("text") => {}
-            other => {
+            Some(other) => {
                 return Err(ApiError::bad_param(
                     "response_format",
-                    format!("response_format type {other:?} is not supported yet (only \"text\")"),
+                    format!("response_format type `{other}` is not supported yet (only `text`)"),
+                ));
+            }
+            None => {
+                return Err(ApiError::bad_param(
+                    "response_format",
+                    "response_format needs a `type` (only `text` is supported yet)",
                 ));
             }
         }
@@ -117,7 +132,8 @@ async fn chat_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -> Resul
     }
     let logprobs = req.logprobs.unwrap_or(false).then_some(top_logprobs);
     let messages = normalize_messages(&req.messages)?;
-    let (prompt, parsing) = render_chat(st, messages, tools, req.chat_template_kwargs.clone().unwrap_or_default())?;
+    let (prompt, parsing) =
+        render_chat(st, messages, tools, chat.merged(req.chat_template_kwargs.clone().unwrap_or_default()))?;
     let c = &req.common;
     let points = snapshot_points(st, &prompt);
     let engine_req = build_request(
@@ -368,18 +384,24 @@ fn completion_prompt(st: &AppState, p: &Value) -> Result<Vec<u32>, ApiError> {
 
 pub async fn models(State(st): State<AppState>) -> Response {
     st.metrics.request("models", 200);
-    axum::Json(json!({
-        "object": "list",
-        "data": [{
-            "id": st.cfg.served_model_name,
-            "object": "model",
-            "created": unix_now(),
-            "owned_by": "deltaserve",
-            "root": st.cfg.served_model_name,
-            "max_model_len": st.engine.sched_config().max_context,
-        }]
-    }))
-    .into_response()
+    axum::Json(json!({ "object": "list", "data": [model_object(&st)] })).into_response()
+}
+
+/// `GET /v1/models/{id}`: the served model, or a 404 for any other id.
+pub async fn model(State(st): State<AppState>, Path(id): Path<String>) -> Response {
+    let result = st.check_model(Some(&id)).map(|()| axum::Json(model_object(&st)).into_response());
+    finish_response(&st, "model", result)
+}
+
+fn model_object(st: &AppState) -> Value {
+    json!({
+        "id": st.cfg.served_model_name,
+        "object": "model",
+        "created": unix_now(),
+        "owned_by": "deltaserve",
+        "root": st.cfg.served_model_name,
+        "max_model_len": st.engine.sched_config().max_context,
+    })
 }
 
 pub fn finish_reason(f: &Finish) -> &'static str {

@@ -1,21 +1,29 @@
-//! The router: routes, API-key check, body limit, health, metrics and the 404 fallback.
+//! The router: routes, API-key check, body limit, chat defaults, health, metrics and the 404 fallback.
 
-use axum::Router;
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::{Extension, Router};
 
 use crate::error::{ApiError, Style};
-use crate::state::AppState;
+use crate::state::{AppState, ChatDefaults};
 use crate::{anthropic, openai};
 
+/// The router with no chat defaults (each model's template decides).
 pub fn router(state: AppState) -> Router {
+    router_with(state, ChatDefaults::default())
+}
+
+/// The router whose chat requests start from `chat_defaults`.
+pub fn router_with(state: AppState, chat_defaults: ChatDefaults) -> Router {
     let api = Router::new()
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/models", get(openai::models))
+        // `{*id}`: served names may hold a `/` (`Qwen/Qwen3.6-27B`).
+        .route("/v1/models/{*id}", get(openai::model))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
@@ -25,10 +33,12 @@ pub fn router(state: AppState) -> Router {
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(state.cfg.max_body_bytes))
+        .layer(Extension(chat_defaults))
         .with_state(state)
 }
 
-fn style_for(path: &str) -> Style {
+/// Which error style a path's clients expect.
+pub fn style_for(path: &str) -> Style {
     if path.starts_with("/v1/messages") { Style::Anthropic } else { Style::OpenAi }
 }
 

@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use deltaserve_engine::{EngineHandle, SamplingParams};
 use deltaserve_text::{ChatTemplate, PromptEncoder, Tokenizer};
+use serde_json::{Map, Value, json};
 
 use crate::metrics::Metrics;
 
@@ -15,6 +16,29 @@ pub struct ServerConfig {
     pub api_key: Option<String>,
     /// Largest request body accepted (413 above).
     pub max_body_bytes: usize,
+}
+
+/// Chat-template variables every chat request starts from; a request's `chat_template_kwargs` (or
+/// Anthropic `thinking`) overrides them. Empty for a real model (its template's own defaults apply);
+/// `enable_thinking: false` for the built-in demo model, whose random weights never close `<think>`.
+/// The router carries it as a request extension ([`crate::routes::router_with`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ChatDefaults {
+    pub kwargs: Map<String, Value>,
+}
+
+impl ChatDefaults {
+    /// Thinking off unless a request turns it on.
+    pub fn thinking_off() -> Self {
+        Self { kwargs: Map::from_iter([("enable_thinking".to_string(), json!(false))]) }
+    }
+
+    /// These defaults with `request`'s values on top.
+    pub fn merged(&self, request: Map<String, Value>) -> Map<String, Value> {
+        let mut kwargs = self.kwargs.clone();
+        kwargs.extend(request);
+        kwargs
+    }
 }
 
 #[derive(Clone)]

@@ -1,9 +1,11 @@
 //! The whole HTTP stack on a scripted backend: a test backend whose logits always pick the next token
 //! of a script (reasoning, `</think>`, text, two Qwen XML tool calls, `<|im_end|>`), so reasoning
-//! splitting and tool-call parsing are exercised end to end, streamed and not, through both APIs.
+//! splitting and tool-call parsing are exercised end to end, streamed and not, through both APIs;
+//! also the chat defaults, the model routes and graceful shutdown over a real socket.
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
@@ -11,19 +13,20 @@ use deltaserve_backend::host::host_step;
 use deltaserve_backend::{ArenaStats, Backend, BackendError, Capabilities, StepBatch, StepOut, Want};
 use deltaserve_engine::EngineHandle;
 use deltaserve_sched::SchedConfig;
-use deltaserve_server::{AppState, ServerConfig, routes};
+use deltaserve_server::{AppState, ChatDefaults, ServerConfig, routes};
 use deltaserve_text::{ChatTemplate, Tokenizer};
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
 const SCRIPT: &str = "Let me check the weather.\n</think>\n\nSure, checking.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis \"Île\"\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=tz>\nCET\n</parameter>\n</function>\n</tool_call>";
 
-/// Emits `script` token by token after each prompt, then `eos`.
+/// Emits `script` token by token after each prompt, then `eos`; each step takes `step_delay`.
 struct ScriptedBackend {
     vocab: usize,
     script: Vec<u32>,
     eos: u32,
     prompt_len: HashMap<u64, usize>,
+    step_delay: Duration,
 }
 
 impl Backend for ScriptedBackend {
@@ -31,6 +34,7 @@ impl Backend for ScriptedBackend {
         Capabilities { name: "scripted".into(), vocab_size: self.vocab, launches_ahead: false, max_draft_tokens: 0 }
     }
     fn step(&mut self, batch: &StepBatch, want: Want<'_>, out: &mut StepOut) -> Result<(), BackendError> {
+        std::thread::sleep(self.step_delay);
         host_step(batch, self.vocab, want, out, |_, logits, _| {
             for c in batch.seqs.iter().filter(|c| c.want_logits) {
                 let end = c.start + c.tokens.len();
@@ -50,12 +54,17 @@ impl Backend for ScriptedBackend {
 }
 
 fn app() -> axum::Router {
+    routes::router(state(SCRIPT, Duration::ZERO))
+}
+
+/// The server state over a backend that writes `script`.
+fn state(script: &str, step_delay: Duration) -> AppState {
     let dir = deltaserve_text::synth_model::demo_model_dir().unwrap();
     let tokenizer = Arc::new(Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap());
     let template = ChatTemplate::from_dir(&dir).unwrap().map(Arc::new);
     let eos = tokenizer.token_id("<|im_end|>").unwrap();
-    let script = tokenizer.encode(SCRIPT).unwrap();
-    let backend = ScriptedBackend { vocab: 1024, script, eos, prompt_len: HashMap::new() };
+    let script = tokenizer.encode(script).unwrap();
+    let backend = ScriptedBackend { vocab: 1024, script, eos, prompt_len: HashMap::new(), step_delay };
     let sched = SchedConfig {
         max_batch_tokens: 64,
         max_seqs: 4,
@@ -67,7 +76,7 @@ fn app() -> axum::Router {
         snapshot_interval: 0,
     };
     let engine = EngineHandle::start(Box::new(backend), sched, Some(tokenizer.clone()));
-    let state = AppState {
+    AppState {
         engine,
         prompt_encoder: deltaserve_server::state::prompt_encoder(&tokenizer),
         tokenizer,
@@ -80,8 +89,7 @@ fn app() -> axum::Router {
         }),
         eos_ids: vec![eos],
         sampling_defaults: Default::default(),
-    };
-    routes::router(state)
+    }
 }
 
 fn tools() -> Value {
@@ -179,14 +187,19 @@ async fn openai_chat_with_reasoning_and_tool_calls() {
     assert!(usage.unwrap()["completion_tokens"].as_u64().unwrap() > 10);
 }
 
+/// The script's two tools, in Anthropic's shape.
+fn anthropic_tools() -> Value {
+    json!([
+        {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}},
+        {"name": "get_time", "input_schema": {"type": "object", "properties": {"tz": {"type": "string"}}}}
+    ])
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn anthropic_messages_with_thinking_and_tool_use() {
     let app = app();
-    let tools = json!([
-        {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}},
-        {"name": "get_time", "input_schema": {"type": "object", "properties": {"tz": {"type": "string"}}}}
-    ]);
-    let req = json!({"model": "demo", "max_tokens": 200, "messages": [{"role": "user", "content": "weather?"}], "tools": tools});
+    let req = json!({"model": "demo", "max_tokens": 200, "messages": [{"role": "user", "content": "weather?"}], "tools": anthropic_tools(),
+                     "thinking": {"type": "enabled", "budget_tokens": 1024}});
     let (status, body) = post(&app, "/v1/messages", req.clone()).await;
     assert_eq!(status, StatusCode::OK, "{body}");
     let v: Value = serde_json::from_str(&body).unwrap();
@@ -263,4 +276,258 @@ async fn errors_have_the_right_status_and_body() {
     assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["type"], "error");
     let (status, _) = post(&app, "/v1/nope", json!({})).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
+}
+
+async fn get(app: &axum::Router, path: &str) -> (StatusCode, Value) {
+    let req = Request::get(path).header("authorization", "Bearer k").body(Body::empty()).unwrap();
+    let resp = app.clone().oneshot(req).await.unwrap();
+    let status = resp.status();
+    let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20).await.unwrap();
+    (status, serde_json::from_slice(&bytes).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn messages_name_plain_values_not_rust_debug_values() {
+    let app = app();
+    let chat = |rf: Value| json!({"messages": [{"role": "user", "content": "hi"}], "response_format": rf});
+    let anthropic =
+        |block: Value, role: &str| json!({"max_tokens": 4, "messages": [{"role": role, "content": [block]}]});
+    let cases = [
+        ("/v1/chat/completions", chat(json!({"type": "json_object"})), "response_format type `json_object`"),
+        ("/v1/chat/completions", chat(json!({})), "response_format needs a `type`"),
+        ("/v1/messages", anthropic(json!({"type": "image"}), "user"), "block type `image` is not supported"),
+        ("/v1/messages", anthropic(json!({"type": "audio"}), "assistant"), "block type `audio` is not supported"),
+        ("/v1/messages", anthropic(json!({"text": "x"}), "user"), "a block without a `type` is not supported"),
+    ];
+    for (path, body, needle) in cases {
+        let (status, text) = post(&app, path, body.clone()).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body} → {text}");
+        let message = serde_json::from_str::<Value>(&text).unwrap()["error"]["message"].as_str().unwrap().to_string();
+        assert!(message.contains(needle), "{body} → {message}");
+        assert!(!message.contains("Some(") && !message.contains("None"), "{body} → {message}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn retrieve_model_by_id() {
+    let app = app();
+    let (status, list) = get(&app, "/v1/models").await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, model) = get(&app, "/v1/models/demo").await;
+    assert_eq!(status, StatusCode::OK, "{model}");
+    assert_eq!(model["id"], "demo");
+    assert_eq!(model["object"], "model");
+    assert_eq!(model["max_model_len"], list["data"][0]["max_model_len"]);
+    for unknown in ["/v1/models/gpt-9", "/v1/models/org/demo"] {
+        let (status, err) = get(&app, unknown).await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{unknown}: {err}");
+        assert_eq!(err["error"]["type"], "invalid_request_error");
+        assert!(err["error"]["message"].as_str().unwrap().contains("does not exist"), "{err}");
+    }
+}
+
+/// Prompt tokens and reasoning/content of a non-streamed chat reply.
+async fn chat_reply(app: &axum::Router, kwargs: Option<Value>) -> (u64, Value, Value) {
+    let mut req = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12});
+    if let Some(k) = kwargs {
+        req["chat_template_kwargs"] = k;
+    }
+    let (status, body) = post(app, "/v1/chat/completions", req).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let msg = &v["choices"][0]["message"];
+    (v["usage"]["prompt_tokens"].as_u64().unwrap(), msg["reasoning_content"].clone(), msg["content"].clone())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn chat_defaults_turn_thinking_off_unless_the_request_turns_it_on() {
+    let plain = app();
+    let demo = routes::router_with(state(SCRIPT, Duration::ZERO), ChatDefaults::thinking_off());
+    // A real model: its template's default (thinking on: the reply opens in reasoning).
+    let (on_tokens, reasoning, _) = chat_reply(&plain, None).await;
+    assert_eq!(reasoning, "Let me check the weather.");
+    // The demo defaults: thinking off, everything is content.
+    let (off_tokens, reasoning, content) = chat_reply(&demo, None).await;
+    assert_eq!(reasoning, Value::Null);
+    assert!(content.as_str().unwrap().starts_with("Let me check the weather."), "{content}");
+    assert_ne!(off_tokens, on_tokens, "the prompt holds an empty think block");
+    let (tokens, ..) = chat_reply(&plain, Some(json!({"enable_thinking": false}))).await;
+    assert_eq!(tokens, off_tokens);
+    // The request's kwargs win over the defaults.
+    let (tokens, reasoning, _) = chat_reply(&demo, Some(json!({"enable_thinking": true}))).await;
+    assert_eq!((tokens, reasoning), (on_tokens, json!("Let me check the weather.")));
+    // Anthropic `thinking` too; count_tokens renders the same prompt.
+    let msgs = json!({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]});
+    let mut enabled = msgs.clone();
+    enabled["thinking"] = json!({"type": "enabled", "budget_tokens": 1024});
+    let count = |body: String| serde_json::from_str::<Value>(&body).unwrap()["input_tokens"].as_u64().unwrap();
+    let demo_default = count(post(&demo, "/v1/messages/count_tokens", msgs).await.1);
+    let demo_enabled = count(post(&demo, "/v1/messages/count_tokens", enabled).await.1);
+    assert_eq!((demo_default, demo_enabled), (off_tokens, on_tokens));
+}
+
+/// An Anthropic reply's content blocks as (type, text / thinking / input JSON), non-streamed and
+/// rebuilt from the stream's events.
+async fn anthropic_blocks(app: &axum::Router, req: Value) -> (Vec<(String, String)>, Vec<(String, String)>) {
+    let (status, body) = post(app, "/v1/messages", req.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let whole: Value = serde_json::from_str(&body).unwrap();
+    let field = |b: &Value| match b["type"].as_str().unwrap() {
+        "thinking" => b["thinking"].as_str().unwrap().to_string(),
+        "text" => b["text"].as_str().unwrap().to_string(),
+        _ => b["input"].to_string(),
+    };
+    let whole =
+        whole["content"].as_array().unwrap().iter().map(|b| (b["type"].as_str().unwrap().into(), field(b))).collect();
+    let mut sreq = req;
+    sreq["stream"] = json!(true);
+    let (_, body) = post(app, "/v1/messages", sreq).await;
+    let mut streamed: Vec<(String, String)> = Vec::new();
+    for e in sse_data(&body).iter().map(|d| serde_json::from_str::<Value>(d).unwrap()) {
+        match e["type"].as_str().unwrap() {
+            "content_block_start" => {
+                assert_eq!(e["index"].as_u64().unwrap() as usize, streamed.len());
+                let b = &e["content_block"];
+                let start = if b["type"] == "tool_use" { String::new() } else { field(b) };
+                streamed.push((b["type"].as_str().unwrap().into(), start));
+            }
+            "content_block_delta" => {
+                let d = &e["delta"];
+                let piece = ["text", "thinking", "partial_json"].iter().find_map(|k| d[*k].as_str()).unwrap();
+                streamed[e["index"].as_u64().unwrap() as usize].1 += piece;
+            }
+            _ => {}
+        }
+    }
+    for b in streamed.iter_mut().filter(|b| b.0 == "tool_use") {
+        b.1 = serde_json::from_str::<Value>(&b.1).unwrap().to_string();
+    }
+    (whole, streamed)
+}
+
+fn blocks(list: &[(&str, &str)]) -> Vec<(String, String)> {
+    list.iter().map(|(k, t)| (k.to_string(), t.to_string())).collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn anthropic_thinking_blocks_follow_the_request() {
+    // The model opens `<think>` itself, whatever the prompt says.
+    let app = routes::router(state("<think>\nhidden plan\n</think>\n\nVisible answer.", Duration::ZERO));
+    let req = |thinking: Value| {
+        let mut r = json!({"max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]});
+        if !thinking.is_null() {
+            r["thinking"] = thinking;
+        }
+        r
+    };
+    let answer_only = blocks(&[("text", "Visible answer.")]);
+    for thinking in [Value::Null, json!({"type": "disabled"})] {
+        let (whole, streamed) = anthropic_blocks(&app, req(thinking.clone())).await;
+        assert_eq!(whole, answer_only, "thinking {thinking}");
+        assert_eq!(streamed, answer_only, "thinking {thinking}");
+    }
+    let (whole, streamed) = anthropic_blocks(&app, req(json!({"type": "enabled", "budget_tokens": 1024}))).await;
+    let with_thinking = blocks(&[("thinking", "hidden plan"), ("text", "Visible answer.")]);
+    assert_eq!((whole, streamed), (with_thinking.clone(), with_thinking));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn anthropic_streamed_and_whole_replies_have_the_same_blocks() {
+    let app = app();
+    let req = |max_tokens: u64, thinking: bool| {
+        let mut r = json!({"max_tokens": max_tokens, "messages": [{"role": "user", "content": "hi"}], "tools": anthropic_tools()});
+        if thinking {
+            r["thinking"] = json!({"type": "enabled", "budget_tokens": 1024});
+        }
+        r
+    };
+    for thinking in [false, true] {
+        // Cut by max_tokens while thinking: an empty text block, streamed or not.
+        let (whole, streamed) = anthropic_blocks(&app, req(3, thinking)).await;
+        assert_eq!(whole, streamed, "thinking {thinking}");
+        let kinds: Vec<&str> = whole.iter().map(|b| b.0.as_str()).collect();
+        assert_eq!(kinds, if thinking { vec!["thinking", "text"] } else { vec!["text"] }, "{whole:?}");
+        assert_eq!(whole.last().unwrap().1, "");
+        // The whole script: thinking, text, two tool calls.
+        let (whole, streamed) = anthropic_blocks(&app, req(200, thinking)).await;
+        assert_eq!(whole, streamed, "thinking {thinking}");
+        let kinds: Vec<&str> = whole.iter().map(|b| b.0.as_str()).collect();
+        let mut want = vec!["text", "tool_use", "tool_use"];
+        if thinking {
+            want.insert(0, "thinking");
+        }
+        assert_eq!(kinds, want, "{whole:?}");
+    }
+}
+
+/// Sends one HTTP/1.1 request with `Connection: close` on a new connection.
+async fn raw_request(addr: std::net::SocketAddr, method: &str, path: &str, body: &str) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nhost: test\r\nauthorization: Bearer k\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s
+}
+
+async fn read_to_end(s: &mut tokio::net::TcpStream) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut out)).await.unwrap().unwrap();
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn shutdown_answers_new_requests_with_503_while_in_flight_ones_finish() {
+    use tokio::io::AsyncReadExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let opts =
+        deltaserve_server::ServeOptions { grace: Duration::from_secs(60), chat_defaults: ChatDefaults::default() };
+    // About 80 tokens at 25 ms a step: the stream runs for ~2 s.
+    let state = state(SCRIPT, Duration::from_millis(25));
+    let server = tokio::spawn(deltaserve_server::serve(listener, state, async { stop_rx.await.unwrap_or(()) }, opts));
+
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "stream": true}).to_string();
+    let mut stream = raw_request(addr, "POST", "/v1/chat/completions", &chat).await;
+    let mut head = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut head)).await.unwrap().unwrap();
+    assert!(String::from_utf8_lossy(&head[..n]).starts_with("HTTP/1.1 200"));
+    stop_tx.send(()).unwrap();
+
+    // New connections are accepted and answered 503 in each API's error style.
+    let mut answers = Vec::new();
+    for (path, body) in [("/v1/models", ""), ("/v1/chat/completions", chat.as_str()), ("/v1/messages", "{}")] {
+        let method = if body.is_empty() { "GET" } else { "POST" };
+        let mut reply = read_to_end(&mut raw_request(addr, method, path, body).await).await;
+        for _ in 0..50 {
+            if !reply.starts_with("HTTP/1.1 200") {
+                break;
+            }
+            // The shutdown signal is handled asynchronously: ask again.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            reply = read_to_end(&mut raw_request(addr, method, path, body).await).await;
+        }
+        answers.push(reply);
+    }
+    for reply in &answers {
+        assert!(reply.starts_with("HTTP/1.1 503"), "{reply}");
+        assert!(reply.contains("the server is shutting down"), "{reply}");
+    }
+    assert!(answers[0].contains(r#""type":"service_unavailable""#), "{}", answers[0]);
+    assert!(answers[2].contains(r#""type":"overloaded_error""#), "{}", answers[2]);
+
+    // The stream in flight runs to its end.
+    let rest = read_to_end(&mut stream).await;
+    assert!(rest.contains("data: [DONE]"), "{rest}");
+    assert!(rest.contains(r#""finish_reason":"stop""#), "{rest}");
+    assert!(!rest.contains("error"), "{rest}");
+    // … and then the server stops, long before the grace is over.
+    let stopped = tokio::time::timeout(Duration::from_secs(10), server).await;
+    stopped.expect("the server did not stop once the stream ended").unwrap().unwrap();
+    assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "still accepting after shutdown");
 }

@@ -56,13 +56,25 @@ pub fn run(a: Args) -> Result<()> {
             "serving on http://{} (OpenAI: /v1/chat/completions, /v1/completions; Anthropic: /v1/messages)",
             listener.local_addr()?
         );
-        deltaserve_server::serve(listener, state, shutdown_signal(), Duration::from_secs(a.shutdown_grace_secs))
-            .await?;
+        let opts = deltaserve_server::ServeOptions {
+            grace: Duration::from_secs(a.shutdown_grace_secs),
+            chat_defaults: chat_defaults(&a.model),
+        };
+        deltaserve_server::serve(listener, state, shutdown_signal(), opts).await?;
         let engine = started.engine.clone();
         tokio::task::spawn_blocking(move || engine.shutdown(false)).await?;
         tracing::info!("stopped");
         anyhow::Ok(())
     })
+}
+
+/// Thinking is off by default for the built-in demo model (its random weights never close `<think>`,
+/// so its whole reply would be reasoning); a real model keeps its chat template's default.
+pub(crate) fn chat_defaults(model: &ModelArgs) -> deltaserve_server::ChatDefaults {
+    match (&model.model, &model.preset) {
+        (None, None) => deltaserve_server::ChatDefaults::thinking_off(),
+        _ => deltaserve_server::ChatDefaults::default(),
+    }
 }
 
 /// Resolves on SIGINT or SIGTERM.
