@@ -1,4 +1,4 @@
-//! `deltaserve plan` as issue #6 runs it (no GPU needed).
+//! `deltaserve plan` as a user with a 24 GB card runs it (no GPU needed).
 
 use std::process::Command;
 

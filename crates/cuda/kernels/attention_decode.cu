@@ -302,7 +302,7 @@ extern "C" __global__ void attn_decode_combine(const float* part_o, const float*
 // Warp pairs (-DDM_PAIR=1, an experiment switch; 1-byte K and V, HD % 64 == 0): the two warps of a
 // pair take the same tiles, both compute S and the softmax (bitwise the same), and each accumulates
 // half of O's head dims from half of V, without the double buffer; at 124 registers two blocks fit an
-// SM. Measured on the H200 (fp8, 32 partitions; bench/results/session17-h200-2026-11-30.md): faster
+// SM. Measured on the H200 (fp8, 32 partitions; bench/results/decode-attention-tensor-cores-h200-2026-11-30.md): faster
 // where the grid has many blocks (b8 @ 4K 103 -> 68 us, b8 @ 32K 259 -> 231 us), slower at batch 1
 // (b1 @ 32K 44 -> 58 us, b1 @ 128K 107 -> 178 us: 128 blocks, one per SM, now 4 tile columns). Chosen
 // per launch it would make a row's bits depend on its batch, hence off.
@@ -422,7 +422,7 @@ attn_decode_mma(const bf16_t* q, const void* k_cache, const void* v_cache, const
     // Launched programmatically on sm_90. It lets the next kernel (the combine, then the GEMV after it)
     // launch only once its first K/V loads are issued (pdl_trigger below; a block without keys triggers
     // by exiting): triggered at the start, the GEMV's first weights queued ahead of those loads
-    // (bench/results/session25-h200-2026-12-01.md).
+    // (bench/results/decode-attention-layer-kernels-h200-2026-12-01.md).
     const int b = blockIdx.x, hkv = blockIdx.y, sp = blockIdx.z;
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int col = DM_PAIR ? w >> 1 : w;  // tile column (tiles col, col + DM_NP, ...)

@@ -45,7 +45,7 @@
 //   previous design: 154 split, 181-195 plain). ncu: ~9 instructions per mma, stalls mostly on fixed-
 //   latency dependencies ("wait"), 12 warps per SM changed little against 6. Without the per-tile
 //   page division (power-of-two pages): 205 TFLOP/s at 128K-262K keys; a third KV stage (one barrier
-//   per tile instead of two) changed nothing (bench/results/session8-h200-2026-11-29.md).
+//   per tile instead of two) changed nothing (bench/results/int4-tile-major-and-prefill-kernels-h200-2026-11-29.md).
 
 // attn_prefill's tiling and shared-memory layout.
 #define PF_BQ 16                       // queries per block (Q_TILE in ops/attention.rs)
@@ -434,7 +434,7 @@ attn_prefill(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
 // Smem (HD 256, bf16 K/V): Q 64 KB + 2 stages x (K + V) x BK keys (66 / 132 KB) + the exchange 10 /
 // 18 KB = 140 KB at BK 32 (sm_80, sm_90; not sm_86/89's 99 KB: they use attn_prefill), 214 KB at BK
 // 64 (sm_90); fp8 K/V at BK 64: 212.5 KB.
-// Measured (H200, 27B shape, 4096 causal queries, bench/results/session9-h200-2026-11-30.md): 274
+// Measured (H200, 27B shape, 4096 causal queries, bench/results/attention-prefill-wide-h200-2026-11-30.md): 274
 // TFLOP/s at 128K keys at BK 64, 245 at BK 32 (attn_prefill: 205; a first wide version that split S by
 // head dims as attn_prefill does: 226).
 // Launch: grid (n_tiles, Hkv), block PW_NT, dynamic smem ops/attention.rs wide_smem_bytes;

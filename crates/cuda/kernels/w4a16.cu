@@ -458,7 +458,7 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
     }
 // One instantiation of w4p_body per kernel: VEC (every segment's out and os multiples of 4: scales and
 // zeros of a lane's 4 rows in one load each) or not (w4ps_* / w4pfs_*, row by row), chosen by the
-// launcher. With both in one kernel (a branch per block, as before session 27) the 27B's decode step was
+// launcher. With both in one kernel (a branch per block, as an earlier version did) the 27B's decode step was
 // ~0.1 ms slower at batch 1 and 8, 1K and 32K (bench/results/int4-gemv-one-body-h200-2026-12-01.md). With the two
 // bodies side by side ptxas schedules the loop differently and the kernel's code is twice as long; which
 // of the two cost the time was not isolated.
@@ -476,11 +476,11 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
 // code leaves w4p_*'s unchanged (bench/results/int4-gemv-folded-norm-h200-2026-11-30.md: with it inside, ptxas
 // scheduled the plain kernel's main loop differently and the decode step was ~0.4 ms slower).
 // Before adding a kernel or epilogue code here, compare the main loops' SASS (scripts/sass.py --against):
-// session 22's new instantiations of w4p_body (the SwiGLU folded into gate/up) ran that loop 0.12-0.46 ms
+// the added instantiations of w4p_body (the SwiGLU folded into gate/up) ran that loop 0.12-0.46 ms
 // per 27B step slower in the step, though as fast alone; an epilogue added to w4pf_* that left its loop
 // as it was (1 of 824 instructions moved) measured faster (bench/results/int4-gemv-folded-swiglu-h200-2026-11-30.md).
-// Session 27's split over K with an in-kernel merge moved 332 of its 824 instructions and made the step
-// 0.55 ms slower with the split off (w4-splitk-merge-s27-reverted.diff).
+// A split over K with an in-kernel merge moved 332 of its 824 instructions and made the step
+// 0.55 ms slower with the split off (an experiment kept in the git history, not in the tree).
 #define W4P_FOLD_KERNEL(NAME, ASYM, SBF, VEC)                                                                 \
     extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 2)                                              \
         NAME(const bf16_t* x, long long ldx, int M, int in, W4P_SEG_ARGS(0, bf16_t), W4P_SEG_ARGS(1, bf16_t),     \

@@ -1,6 +1,6 @@
 //! Timing of the chunked DeltaNet prefill kernels ([`crate::ops::gdn_chunk`]) at one model's shape,
 //! on random inputs made on the device: `deltaserve bench` and tests/ops/ report it in M tokens per
-//! second per layer (issue #5's target: ≥ 8 M at the 27B shape; flash-linear-attention's rate on an
+//! second per layer (the target: ≥ 8 M at the 27B shape; flash-linear-attention's rate on an
 //! H200 in [`FLA_H200_MTOK`]).
 
 use crate::ops::gdn_chunk::{self, GdnChunk, Precision};

@@ -3,7 +3,7 @@
 //! (`pdl_wait()` / `pdl_enter()`), and every helper it calls, runs while earlier kernels of the step
 //! still write its inputs, so its `const T* __restrict__` parameters, from which the compiler may emit
 //! the non-coherent `ld.global.nc`, may only be data that nothing writes during the step: weights and
-//! step inputs uploaded before it. Session 19 measured the failure this prevents: such a load of the
+//! step inputs uploaded before it. An H200 showed the failure this prevents: such a load of the
 //! in-projection's z read the previous layer's values (bench/results/pdl-coherent-loads-h200-2026-11-30.md).
 //! Every kernel launched with `launch_pdl!` must wait at all.
 

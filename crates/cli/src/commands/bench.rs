@@ -20,7 +20,7 @@
 //! top-k 20, top-p 0.95); and, as the baseline, the logits step followed by the host's pick of the same
 //! rule (`host-sampled ms`).
 //!
-//! Speculative decoding's verify step (issue #8) is costed the same way: one sequence stepping `--verify-tokens`
+//! Speculative decoding's verify step is costed the same way: one sequence stepping `--verify-tokens`
 //! (K + 1, default 3) tokens per step at each decode context, against the one-token step at that context (the
 //! main model's forward over K + 1 positions; the MTP head's draft steps are not included).
 //!
@@ -270,7 +270,7 @@ pub fn run(a: Args) -> Result<()> {
     let mut o = PlanOptions::gpu_defaults(budget);
     o.max_batch_tokens = a.max_batch_tokens;
     o.max_seqs = a.batches.iter().copied().max().unwrap_or(1).max(1);
-    // One device and one host snapshot slot: the restore timings of issue #7.
+    // One device and one host snapshot slot: the snapshot restore timings.
     o.snapshot_slots = 1;
     // Decode runs step from each context: `steps + 3` steps of one token, and of `verify_tokens` tokens.
     let span = (a.steps + 3) * a.verify_tokens.max(1).max(a.speculative_tokens + 1) + 8;
