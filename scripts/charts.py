@@ -25,6 +25,8 @@ import argparse
 import csv
 import gzip
 import json
+import math
+import os
 import re
 import statistics
 import sys
@@ -281,6 +283,61 @@ def spec(a):
     for t in range(0, int(scale_ms) + 1, 10):
         s.append(f'<line x1="{px(t):.1f}" y1="{y}" x2="{px(t):.1f}" y2="{y + 5}" stroke="#000"/><text x="{px(t) - 6:.1f}" y="{y + 18}">{t}</text>')
     s.append(f'<text x="{left + width / 2 - 20}" y="{y + 34}">ms per step</text>')
+    write_svg(a.out, s)
+    print("wrote", a.out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# batches: decode ms per step by batch size, one line per bench run (the cliff chart).
+
+BATCH_COLORS = ["#2f5fb3", "#c0504d", "#7a7a7a", "#e0a030"]
+
+
+def batches(a):
+    """Decode ms per step (greedy, launched ahead where measured) by batch at the first context, one line per
+    bench JSON file (labelled by its file name), on a log2 batch axis; prints each run's table and the ratio
+    of each batch's step to the previous batch's."""
+    runs = []
+    for p in a.benches:
+        d = load_json(p)
+        pts = {}
+        for r in d.get("decode", []):
+            ms = r.get("ms_per_step_argmax_ahead") or r.get("ms_per_step_argmax") or r["ms_per_step"]
+            pts.setdefault(r["batch"], ms)
+        if pts:
+            runs.append((os.path.basename(p).removesuffix(".json"), sorted(pts.items()), d["gpu"]))
+    if not runs:
+        sys.exit("no decode rows in " + ", ".join(a.benches))
+    for name, pts, _ in runs:
+        steps = " ".join(f"b{b} {ms:.2f}" + (f" (x{ms / pts[i - 1][1]:.2f})" if i else "") for i, (b, ms) in enumerate(pts))
+        print(f"{name}: {steps}")
+    pad, top, pw, ph = 60, 70, 560, 300
+    bs = sorted({b for _, pts, _ in runs for b, _ in pts})
+    ymax = max(ms for _, pts, _ in runs for _, ms in pts) * 1.1
+    lo, hi = math.log2(bs[0]), math.log2(bs[-1]) or 1
+
+    def px(b):
+        return pad + pw * (math.log2(b) - lo) / max(hi - lo, 1)
+
+    def py(ms):
+        return top + ph - ph * ms / ymax
+
+    s = frame(pw + 2 * pad + 120, top + ph + 60, pad, top, pw, ph,
+              f"Decode ms per step by batch — {runs[0][2]}", "27B shapes, random weights, context 1K, greedy")
+    for t in range(0, int(ymax) + 1, max(1, int(ymax) // 8)):
+        s.append(f'<line x1="{pad}" y1="{py(t):.1f}" x2="{pad + pw}" y2="{py(t):.1f}" stroke="#eee"/>')
+        s.append(f'<text x="{pad - 6}" y="{py(t) + 4:.1f}" text-anchor="end" fill="#777">{t}</text>')
+    for b in bs:
+        s.append(f'<text x="{px(b):.1f}" y="{top + ph + 16}" text-anchor="middle" fill="#777">{b}</text>')
+    s.append(f'<text x="{pad + pw / 2}" y="{top + ph + 34}" text-anchor="middle">sequences per step</text>')
+    s.append(f'<text x="14" y="{top + ph / 2}" transform="rotate(-90 14 {top + ph / 2})" text-anchor="middle">ms per step</text>')
+    for i, (name, pts, _) in enumerate(runs):
+        c = BATCH_COLORS[i % len(BATCH_COLORS)]
+        path = " ".join(f"{px(b):.1f},{py(ms):.1f}" for b, ms in pts)
+        s.append(f'<polyline points="{path}" fill="none" stroke="{c}" stroke-width="2"/>')
+        for b, ms in pts:
+            s.append(f'<circle cx="{px(b):.1f}" cy="{py(ms):.1f}" r="3" fill="{c}"><title>{name} b{b}: {ms:.2f} ms</title></circle>')
+        s.append(f'<text x="{pad + pw + 8}" y="{top + 14 + 16 * i}" fill="{c}">{name}</text>')
     write_svg(a.out, s)
     print("wrote", a.out)
 
@@ -580,6 +637,7 @@ def main():
             "out", "title", "subtitle", ("roofline_ms", {"type": float}), pct)
     command(sub, "spec", spec, "speculative step costs from bench --speculative-tokens JSON files", "out",
             ("benches", many))
+    command(sub, "batches", batches, "decode ms per step by batch from bench JSON files", "out", ("benches", many))
     command(sub, "step-phases", step_phases, "where a decode step's wall time goes (bench --phases JSON)", "bench",
             "out", "title")
     command(sub, "tp", tp, "TP=1 vs TP=2 from two bench JSON files", "tp1", "tp2", "out")

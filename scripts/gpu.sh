@@ -42,6 +42,12 @@
 #   bench-bf16   `deltaserve bench` on the 27B shapes, bf16, all defaults: ceilings, DeltaNet kernels,
 #                prefill 1K..262K, decode b1/8/32 at 1K/32K, snapshots, memory
 #   bench-int4   `deltaserve bench` with int4 weights, fp8 KV, int4 lm_head, host embedding, 24 GiB
+#   batches      decode ms per step at batches 1..64 (1K context), int4 and bf16 weights, and int4 with the
+#                int4 GEMM off (DELTASERVE_W4_GEMM=0): the step from each batch to the next
+#   memory       the driver-reported peak against the plan in every cell of weights (bf16, int4) x MTP
+#                (K = 0, 3) x budget (24 GiB, 80 GiB), each bench timing steps launched ahead and not
+#                (bf16 at 24 GiB: 16 of the 27B's 64 layers, the whole model does not fit); fails when
+#                any cell's peak is above its plan (memory.md: the table)
 #   decode       the int4 decode points (b1/b8 at 1K/32K, 48 steps) under each environment of SWEEP,
 #                alternating, ROUNDS rounds (chart: decode-ab.svg)
 #   steps        where an int4 decode step's wall time goes (`bench --phases`, chart: step-phases.svg)
@@ -59,7 +65,7 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 BIN_DIR="${GPU_BIN_DIR:-${CARGO_TARGET_DIR:-$ROOT/target}/release}"
 OUT_DIR="${GPU_OUT:-gpu-results}"
-TESTS="ops kernels_check bench_w4 bench_attention bench_backend backend speculative nccl tp"
+TESTS="ops kernels_check bench_w4 bench_attention bench_backend backend speculative w4_gemm nccl tp"
 INT4="--weights-dtype int4 --kv-cache-dtype fp8 --lm-head-int4 --embed-on-host --memory 24GiB"
 DECODE="--prompts 512 --batches 1,8 --contexts 1024,32768 --steps 48 --verify-tokens 0"
 Q27="--device cuda --preset qwen3.6-27b --random-weights"
@@ -161,6 +167,51 @@ step_bench-int4() {
     # shellcheck disable=SC2086
     ds bench-int4 240 bench ${BENCH_ARGS:---prompts 512,4096,32768 --batches 1,8 --contexts 1024,32768} $INT4 \
         --svg "$OUT_DIR/bench-int4.svg"
+}
+
+step_batches() {
+    local b="--prompts 512 --contexts 1024 --verify-tokens 0 --steps 16 --batches 1,2,4,8,12,16,24,32,48,64"
+    # shellcheck disable=SC2086 # word lists of arguments
+    ds batches-int4 200 bench $Q27 $b --weights-dtype int4 --kv-cache-dtype fp8 --lm-head-int4 --memory 40GiB
+    # shellcheck disable=SC2086
+    DELTASERVE_W4_GEMM=0 ds batches-int4-sliced 200 bench $Q27 $b --weights-dtype int4 --kv-cache-dtype fp8 \
+        --lm-head-int4 --memory 40GiB
+    # shellcheck disable=SC2086
+    ds batches-bf16 200 bench $Q27 $b --kv-cache-dtype fp8 --memory 90GiB
+    python3 "$ROOT/scripts/charts.py" batches "$OUT_DIR/batches.svg" "$OUT_DIR/batches-int4.json" \
+        "$OUT_DIR/batches-int4-sliced.json" "$OUT_DIR/batches-bf16.json" || true
+}
+
+step_memory() {
+    local w k mem extra name fail=0
+    local b="--prompts 512 --contexts 1024 --verify-tokens 0 --steps 6 --batches 1,8"
+    echo "| weights | MTP K | budget | plan | driver peak | peak / plan | bench |" >"$OUT_DIR/memory.md"
+    echo "|---|---|---|---|---|---|---|" >>"$OUT_DIR/memory.md"
+    for w in bf16 int4; do
+        for k in 0 3; do
+            for mem in 24GiB 80GiB; do
+                extra="--weights-dtype $w --kv-cache-dtype fp8"
+                [[ $w == int4 ]] && extra+=" --lm-head-int4"
+                [[ $w == int4 && $mem == 24GiB ]] && extra+=" --embed-on-host"
+                [[ $w == bf16 && $mem == 24GiB ]] && extra+=" --preset-layers 16"
+                [[ $k -gt 0 ]] && extra+=" --speculative-tokens $k"
+                name="memory-$w-k$k-$mem"
+                # shellcheck disable=SC2086
+                timeout 200 "$DS" bench $Q27 $b $extra --memory "$mem" --json >"$OUT_DIR/$name.json" 2>"$OUT_DIR/$name.log"
+                local rc=$?
+                [[ $rc -eq 0 ]] || fail=1
+                python3 - "$OUT_DIR/$name.json" "$w" "$k" "$mem" "$rc" >>"$OUT_DIR/memory.md" <<'PY' || echo "| $w | $k | $mem | - | - | - | rc=$rc |" >>"$OUT_DIR/memory.md"
+import json, sys
+d = json.load(open(sys.argv[1]))
+plan, peak = d["plan_bytes"], d.get("driver_peak_bytes") or 0
+gib = lambda x: f"{x / 2**30:.3f} GiB"
+print(f"| {sys.argv[2]} | {sys.argv[3]} | {sys.argv[4]} | {gib(plan)} | {gib(peak)} | {peak / plan:.4f} | rc={sys.argv[5]} |")
+PY
+            done
+        done
+    done
+    cat "$OUT_DIR/memory.md"
+    [[ $fail -eq 0 ]] && echo "memory: every cell's driver peak is within its plan" || echo "memory: FAILED (a bench failed its checks)"
 }
 
 step_decode() {
@@ -273,8 +324,8 @@ step_profile() {
     done
 }
 
-STEP_NAMES="ops gdn w4 w4-sweep attn backend backend-bench spec bench-bf16 bench-int4 decode steps timeline soak probe
-probe-int4 smoke tp profile"
+STEP_NAMES="ops gdn w4 w4-sweep attn backend backend-bench spec bench-bf16 bench-int4 batches memory decode steps timeline
+soak probe probe-int4 smoke tp profile"
 
 case "${1:-}" in
     "" | -h | --help) usage; exit 0 ;;

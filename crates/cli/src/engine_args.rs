@@ -408,9 +408,6 @@ impl EngineArgs {
             if tp > 1 {
                 anyhow::bail!("--speculative-tokens: not supported with --tensor-parallel yet");
             }
-            if self.embed_on_host {
-                anyhow::bail!("--speculative-tokens: not supported with --embed-on-host yet");
-            }
             if text.config.mtp_num_hidden_layers == 0 {
                 anyhow::bail!("--speculative-tokens {spec}: this model has no MTP head (`mtp_num_hidden_layers` is 0)");
             }
@@ -434,10 +431,8 @@ impl EngineArgs {
         // what its weights need beyond the weights region to the backend scratch (the backend takes it there).
         let checkpoint = (!random_weights).then_some(text.dir.as_path());
         opts.backend = crate::model_source::cuda_plan_backend(&cfg, checkpoint, &opts)?;
-        // The fit may move the embedding to host memory, except under speculative decoding (the MTP head
-        // embeds its tokens on the device).
-        let free =
-            Free { embed_on_host: !self.embed_on_host && spec == 0, lm_head_int4: !self.lm_head_int4, ..self.free() };
+        // The fit may move the embedding to host memory (the MTP head reads its rows from there too).
+        let free = Free { embed_on_host: !self.embed_on_host, lm_head_int4: !self.lm_head_int4, ..self.free() };
         let plan = self.fit(&cfg, &opts, free)?;
         let sched = self.sched_config(&plan)?;
         let weights = if random_weights {
@@ -532,9 +527,11 @@ impl EngineArgs {
     }
 }
 
-/// The CUDA backend's options of the server and the benchmarks. `DELTASERVE_FOLD=0`: decode steps run
-/// the residual add + RMSNorm as its own kernel instead of folded into the int4 projections (an A/B switch).
+/// The CUDA backend's options of the server and the benchmarks. A/B switches: `DELTASERVE_FOLD=0`: decode
+/// steps run the residual add + RMSNorm as its own kernel instead of folded into the int4 projections;
+/// `DELTASERVE_W4_GEMM=0`: int4 projections of more rows than the decode GEMV's dequantise for cuBLASLt.
 pub fn cuda_options(cuda_graphs: bool) -> CudaOptions {
-    let fold_norms = deltaserve_cuda::Switches::get().fold_norms;
-    CudaOptions { cuda_graphs, fold_norms, ..CudaOptions::default() }
+    let sw = deltaserve_cuda::Switches::get();
+    let w4_gemm_max_rows = if sw.w4_gemm { CudaOptions::default().w4_gemm_max_rows } else { 0 };
+    CudaOptions { cuda_graphs, fold_norms: sw.fold_norms, w4_gemm_max_rows, ..CudaOptions::default() }
 }

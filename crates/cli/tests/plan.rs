@@ -27,6 +27,24 @@ fn qwen36_27b_in_24gib_with_int4_and_fp8_fills_262144() {
     assert_eq!(j["fit"]["target_context"], 262_144);
 }
 
+/// The default configuration with MTP speculation (3 draft tokens) still fills the full context in 24 GiB:
+/// the head's weights, KV, verify workspace and draft logits are priced and traded like the rest.
+#[test]
+fn qwen36_27b_in_24gib_with_mtp_fills_262144() {
+    let base = ["--preset", "qwen3.6-27b", "--memory", "24GiB", "--weights-dtype", "int4", "--kv-cache-dtype", "fp8"];
+    let plain = plan_json(&[&base[..], &["--json"]].concat());
+    let j = plan_json(&[&base[..], &["--speculative-tokens", "3", "--json"]].concat());
+    assert_eq!(j["fit"]["reached"], true, "{j}");
+    assert!(j["max_context"].as_u64().unwrap() >= 262_144, "{j}");
+    assert!(j["total_bytes"].as_u64().unwrap() <= 24 << 30, "{j}");
+    let region = |j: &serde_json::Value, name: &str| {
+        j["regions"].as_array().unwrap().iter().find(|r| r["name"] == name).map_or(0, |r| r["bytes"].as_u64().unwrap())
+    };
+    // The head's weights and the wider logits rows are in the plan.
+    assert!(region(&j, "weights") > region(&plain, "weights"), "{j}");
+    assert!(region(&j, "logits") > region(&plain, "logits"), "{j}");
+}
+
 #[test]
 fn no_fit_plans_the_settings_as_given() {
     let j = plan_json(&[

@@ -129,6 +129,12 @@ pub struct CudaOptions {
     /// when every layer's projections are int4 GEMVs and tensor parallelism is off. Off: the separate
     /// `add_rms_norm_1p` kernel (bitwise the reference's order of operations).
     pub fold_norms: bool,
+    /// Steps of more tokens than the decode GEMV takes and at most this many run their int4
+    /// projections (and an int4 lm_head) through the int4 tensor-core GEMM (`kernels/w4_gemm.cu`,
+    /// reading the int4 weights in place); longer steps dequantise row slices for cuBLASLt. At most
+    /// the plan's `W4_GEMM_MAX_ROWS` (its scratch is sized for that, and the GEMM is the faster path
+    /// up to there at every 27B shape on the H200); 0 turns it off.
+    pub w4_gemm_max_rows: usize,
 }
 
 impl Default for CudaOptions {
@@ -139,6 +145,7 @@ impl Default for CudaOptions {
             graph_pad: false,
             verify_decode_attention_from: 4096,
             fold_norms: true,
+            w4_gemm_max_rows: deltaserve_plan::cuda::W4_GEMM_MAX_ROWS,
         }
     }
 }
@@ -189,6 +196,8 @@ pub struct CudaBackend {
     /// Decode graphs by bucket size (captured lazily).
     graphs: HashMap<GraphKey, CudaGraph>,
     graph_stats: GraphStats,
+    /// The plan's `graph_reserve_bytes`: the device memory the captured graphs may take.
+    graph_budget: u64,
     host_embed: Option<HostEmbed>,
     /// The step inputs' pinned image (one upload a step).
     inputs: StepInputs,
@@ -276,6 +285,13 @@ impl CudaBackend {
 
     /// Changes the options; captured graphs are dropped (they bake in the old choices).
     pub fn set_options(&mut self, opts: CudaOptions) -> Result<(), CudaError> {
+        let most = deltaserve_plan::cuda::W4_GEMM_MAX_ROWS;
+        if opts.w4_gemm_max_rows > most {
+            return Err(CudaError::Plan(format!(
+                "w4_gemm_max_rows {}: the plan's int4 GEMM scratch holds {most} rows",
+                opts.w4_gemm_max_rows
+            )));
+        }
         if opts != self.opts {
             self.rt.synchronize()?;
             self.graphs.clear();

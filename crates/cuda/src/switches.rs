@@ -31,6 +31,10 @@ pub struct Switches {
     /// instead of folded into the projections around it (the default of
     /// `CudaOptions::fold_norms` that the server and the benchmarks use).
     pub fold_norms: bool,
+    /// `DELTASERVE_W4_GEMM=0`: int4 projections of steps above the decode GEMV's rows dequantise row
+    /// slices for cuBLASLt instead of running the int4 tensor-core GEMM (`CudaOptions::w4_gemm_max_rows`
+    /// 0 instead of its default).
+    pub w4_gemm: bool,
 }
 
 impl Switches {
@@ -55,6 +59,7 @@ impl Switches {
             trace: var("DELTASERVE_TRACE").filter(|p| !p.is_empty()).map(PathBuf::from),
             trace_cap: var("DELTASERVE_TRACE_CAP"),
             fold_norms: var("DELTASERVE_FOLD").is_none_or(|v| v != "0"),
+            w4_gemm: var("DELTASERVE_W4_GEMM").is_none_or(|v| v != "0"),
         }
     }
 
@@ -73,7 +78,7 @@ impl Switches {
 
     /// Whether any switch differs from its default.
     pub fn any_set(&self) -> bool {
-        *self != Switches { fold_norms: true, ..Switches::default() }
+        *self != Switches { fold_norms: true, w4_gemm: true, ..Switches::default() }
     }
 }
 
@@ -89,7 +94,7 @@ mod tests {
     fn defaults_without_variables() {
         let s = from(&[]);
         assert!(!s.any_set());
-        assert!(s.fold_norms && !s.decode_attn_split && !s.attn_prefill_pair);
+        assert!(s.fold_norms && s.w4_gemm && !s.decode_attn_split && !s.attn_prefill_pair);
         assert!(s.pdl.is_none() && s.nvrtc_options.is_empty() && s.trace_cap.is_none());
     }
 
@@ -102,10 +107,11 @@ mod tests {
             ("DELTASERVE_NVRTC_OPTIONS", " -DA=1  -DB=2 "),
             ("DELTASERVE_TRACE_CAP", "1024"),
             ("DELTASERVE_FOLD", "0"),
+            ("DELTASERVE_W4_GEMM", "0"),
         ]);
         assert!(s.any_set());
         assert_eq!(s.pdl.as_deref(), Some("0"));
-        assert!(s.decode_attn_split && s.attn_prefill_pair && !s.fold_norms);
+        assert!(s.decode_attn_split && s.attn_prefill_pair && !s.fold_norms && !s.w4_gemm);
         assert_eq!(s.nvrtc_options, ["-DA=1", "-DB=2"]);
         assert_eq!(s.trace_cap.as_deref(), Some("1024"));
     }

@@ -912,7 +912,7 @@ fn cpu_int4(dir: &Path, cfg: &ModelConfig, int4: bool, asym: bool, lm_head_int4:
     )
 }
 
-/// Prefill (1, 37, 300, 1100 tokens: GEMV and sliced-GEMM paths) and a 12-step greedy decode
+/// Prefill (1, 5, 37, 300, 1100 tokens: GEMV, int4 GEMM and sliced-GEMM paths) and a 12-step greedy decode
 /// (graphs), CUDA vs the CPU reference on the same weights. Returns the failures.
 fn compare_int4(label: &str, g: &mut CudaBackend, c: &mut CpuBackend) -> Vec<String> {
     let vocab = g.capabilities().vocab_size;
@@ -1092,6 +1092,105 @@ fn gptq_checkpoint_matches_cpu() {
         assert!(!done.quantized.is_empty() && g.w4_converted > 0, "{tag}: nothing converted");
         let mut c = cpu(&dir, &cfg);
         failures.extend(compare_int4(&format!("gptq {tag}"), &mut g, &mut c));
+        // The same schedule with the dequantised slices for every step above the GEMV's rows (printed, for
+        // comparison, not asserted).
+        let mut g = cuda(&dir, &cfg, &plan);
+        g.set_options(CudaOptions { w4_gemm_max_rows: 0, ..g.options() }).unwrap();
+        let mut c = cpu(&dir, &cfg);
+        for f in compare_int4(&format!("gptq {tag} (sliced)"), &mut g, &mut c) {
+            println!("(not asserted here) {f}");
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The int4 tensor-core GEMM (steps of 9..=64 rows) against the dequantised slices and cuBLASLt that
+/// longer steps take: two backends of the same weights (GEMM on, off) and the CPU reference run prompts of
+/// 12, 20, 37 and 64 tokens, then verify-shaped steps of 3 sequences × 4 tokens (12 rows), teacher-forced
+/// by the reference, for weights quantised at load (sym, asym) and an asymmetric gptq_v2 checkpoint. The
+/// GEMM multiplies the exact integers (q − z) and scales in f32, the slices round the weights to bf16,
+/// so the paths differ by rounding, which 8 random layers amplify: on the H200 single rows of either
+/// path reach 0.2–0.6 relative L2 against the reference (the slices' worst), so rows are not bounded one
+/// by one. The GEMM must match the reference within the int4 median bound, with a median error at most
+/// 1.25× the slices' (+2e-3) and a worst row no worse than the slices' worst (or the row bound).
+#[test]
+fn int4_gemm_matches_the_dequantised_slices() {
+    use deltaserve_model::synth::gptq::{self, GptqVariant};
+    if !gpu() {
+        return;
+    }
+    let mut failures = Vec::new();
+    for tag in ["sym", "asym", "gptq-asym-v2"] {
+        let (dir, cfg, plan, mut c) = if tag == "gptq-asym-v2" {
+            let (dir, _) = tiny_int4_dir_named("gemm-gptq", 8);
+            let v2 = GptqVariant { v2: true, sym: false, ..GptqVariant::SYM };
+            gptq::convert(&dir, v2, &[], 5, |_| {}).unwrap();
+            let cfg = ModelConfig::from_dir(&dir).unwrap();
+            let plan = plan_with_checkpoint(&cfg, &dir, |o| {
+                o.weights_dtype = deltaserve_plan::WeightsDtype::Int4;
+                o.int4_asym = true;
+            });
+            let c = cpu(&dir, &cfg);
+            (dir, cfg, plan, c)
+        } else {
+            let asym = tag == "asym";
+            let (dir, cfg) = tiny_int4_dir(8);
+            let plan = plan_with(&cfg, |o| {
+                o.weights_dtype = deltaserve_plan::WeightsDtype::Int4;
+                o.int4_asym = asym;
+            });
+            let c = cpu_int4(&dir, &cfg, true, asym, false);
+            (dir, cfg, plan, c)
+        };
+        let mut on = cuda(&dir, &cfg, &plan);
+        let mut off = cuda(&dir, &cfg, &plan);
+        off.set_options(CudaOptions { w4_gemm_max_rows: 0, ..off.options() }).unwrap();
+        let vocab = on.capabilities().vocab_size;
+        let mut rng = StdRng::seed_from_u64(9);
+        let (mut s_on, mut s_off) = (Score::default(), Score::default());
+        let lens = [12usize, 20, 37, 64];
+        let pg: Vec<Vec<u32>> = (0..lens.len()).map(|i| pages(100 * i as u32, 100)).collect();
+        let mut next = Vec::new();
+        for (i, &len) in lens.iter().enumerate() {
+            let b = one(chunk(i as u32, &pg[i], 0, &random_tokens(&mut rng, len, vocab)));
+            let r = run(&mut c, &b);
+            s_on.add(&run(&mut on, &b), &r, vocab);
+            s_off.add(&run(&mut off, &b), &r, vocab);
+            next.push(argmax(&r) as u32);
+        }
+        let mut pos = lens.to_vec();
+        for _ in 0..4 {
+            let mut b = StepBatch::default();
+            for i in 0..3 {
+                let mut toks = vec![next[i]];
+                toks.extend(random_tokens(&mut rng, 3, vocab));
+                b.seqs.push(chunk(i as u32, &pg[i], pos[i], &toks));
+                pos[i] += 4;
+            }
+            let r = run(&mut c, &b);
+            s_on.add(&run(&mut on, &b), &r, vocab);
+            s_off.add(&run(&mut off, &b), &r, vocab);
+            for (i, row) in r.chunks_exact(vocab).enumerate() {
+                next[i] = argmax(row) as u32;
+            }
+        }
+        for (s, what) in [(&s_on, "int4 GEMM"), (&s_off, "dequantised slices")] {
+            if let Some(e) = s.soft_check_with(&format!("{what} vs CPU ({tag})"), QUANT) {
+                println!("(not asserted row by row) {e}");
+            }
+        }
+        let (m_on, m_off) = (s_on.median_l2(), s_off.median_l2());
+        println!("int4 GEMM {tag}: median L2 rel err vs CPU {m_on:.3e} with the GEMM, {m_off:.3e} with the slices");
+        if m_on > QUANT.median || m_on > 1.25 * m_off + 2e-3 {
+            failures.push(format!("{tag}: GEMM median L2 {m_on:.3e} vs {m_off:.3e} with the slices"));
+        }
+        if s_on.worst_l2 > s_off.worst_l2.max(TOL_ROW) {
+            failures
+                .push(format!("{tag}: GEMM worst row {:.3e} vs {:.3e} with the slices", s_on.worst_l2, s_off.worst_l2));
+        }
+        if tag.starts_with("gptq") {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }

@@ -535,11 +535,24 @@ fn run_rows(rt: &Runtime, k: &Kernels) -> R<()> {
             let gemm_us = |cfg: W4GemmConfig| -> R<f64> {
                 let t = time_ms(rt, n, |i| {
                     let wi = &wcopies[i % wcopies.len()];
-                    w4_gemm::w4_gemm(k, &s, wi, x, inp, y, out, m, cfg, false, Some(ws), None)
+                    w4_gemm::w4_gemm(
+                        k,
+                        &s,
+                        wi,
+                        x,
+                        inp,
+                        y,
+                        out,
+                        m,
+                        cfg,
+                        false,
+                        Some(DevSpan { ptr: ws, bytes: wsg }),
+                        None,
+                    )
                 })?;
                 Ok(t * 1e3)
             };
-            let auto = w4_gemm::w4_gemm_config(m, out, inp, sms);
+            let auto = w4_gemm::w4_gemm_config(m, out, inp, sms, wsg);
             let us = gemm_us(auto)?;
             let gemv = if m <= w4a16::GEMV_MAX_M {
                 let cfg = w4a16::gemv_config(out, inp, k.w4_slots);

@@ -416,3 +416,82 @@ fn at_27b_shapes_prefill_and_verify_match_decode() {
     );
     assert!(vs_plain.worst_l2 <= TOL_ROW, "27B: a verified row is {:.3e} from plain decode", vs_plain.worst_l2);
 }
+
+/// The embedding table in host memory (`embed_on_host`, which the 24 GiB plan picks for the 27B) drafts
+/// and verifies exactly as the device table: the MTP head gathers the same bf16 rows across the bus.
+/// With int4 weights and an int4 lm_head too, and three sequences a step, so that the verify's 12 rows
+/// run the int4 GEMM rather than the GEMV.
+#[test]
+fn host_embedding_drafts_like_the_device_table() {
+    if !gpu() {
+        return;
+    }
+    // Four DeltaNet value heads: every linear's input a multiple of 128, as the int4 format needs.
+    let dir = std::env::temp_dir().join(format!("ds-cuda-spec-host-embed-{}", std::process::id()));
+    let mut config = Preset::Tiny.config_json(Some(8));
+    config["text_config"]["linear_num_value_heads"] = serde_json::json!(4);
+    let variant = MtpVariant::Agreeing { residual_scale: 0.5 };
+    let cfg = deltaserve_model::synth::write_model_json(&dir, Preset::Tiny, config, 11, variant, |_, _| {}).unwrap();
+    let vocab = cfg.vocab_size;
+    let k = 3;
+    for int4 in [false, true] {
+        let backend = |on_host: bool| {
+            let plan = plan_with(&cfg, |o| {
+                o.speculative_tokens = k;
+                o.embed_on_host = on_host;
+                if int4 {
+                    o.weights_dtype = deltaserve_plan::WeightsDtype::Int4;
+                    o.lm_head_int4 = true;
+                }
+            });
+            let src = WeightSource::Checkpoint(dir.to_path_buf());
+            CudaBackend::with_options(&cfg, src, &plan, 2, test_opts()).unwrap()
+        };
+        let (mut dev, mut host) = (backend(false), backend(true));
+        let prompts: [&[u32]; 3] = [&[3, 99, 512], &[7, 8], &[1000, 2, 3, 4, 5]];
+        let pg = |i: usize| pages(100 * i as u32, 64);
+        let mut next = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            step_logits(&mut dev, &batch(chunk_at(i as u32, &pg(i), 0, p, 0)), &mut a).unwrap();
+            step_logits(&mut host, &batch(chunk_at(i as u32, &pg(i), 0, p, 0)), &mut b).unwrap();
+            assert_eq!(a, b, "int4 {int4}: prompt {i} logits");
+            next.push(argmax(&a) as u32);
+        }
+        let mut pos: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
+        for step in 0..4 {
+            let seqs: Vec<SeqChunk> = (0..3)
+                .map(|i| {
+                    let mut c = chunk_at(i as u32, &pg(i), pos[i], &[next[i]], k);
+                    c.seq_id = i as u64;
+                    c.greedy_draft_vocab = vocab;
+                    c
+                })
+                .collect();
+            let b = StepBatch { seqs, ..StepBatch::default() };
+            let run = |be: &mut CudaBackend| {
+                let mut out = StepOut::default();
+                let mut pick = |_: u64, _: usize, row: &[f32]| argmax(row) as u32;
+                be.step(&b, Want::Drafts(&mut pick), &mut out).unwrap();
+                out
+            };
+            let (a, h) = (run(&mut dev), run(&mut host));
+            assert_eq!(a.drafts, h.drafts, "int4 {int4} step {step}: drafts");
+            assert_eq!(a.logits, h.logits, "int4 {int4} step {step}: verified rows");
+            let rows: Vec<&[f32]> = a.logits.chunks_exact(vocab).collect();
+            let mut commits = Vec::new();
+            for i in 0..3 {
+                let verified: Vec<u32> =
+                    rows[i * (k + 1)..(i + 1) * (k + 1)].iter().map(|r| argmax(r) as u32).collect();
+                let agree = verified.iter().zip(&a.drafts[i]).take_while(|(v, d)| v == d).count();
+                let accepted = agree + 1;
+                commits.push(SpecCommit { seq_id: i as u64, slot: i as u32, pages: pg(i), start: pos[i], accepted });
+                pos[i] += accepted;
+                next[i] = verified[agree];
+            }
+            dev.commit_speculative(&commits).unwrap();
+            host.commit_speculative(&commits).unwrap();
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -11,7 +11,7 @@
 //! run twice and must repeat bit for bit. One line per launch. Without a CUDA driver: SKIP.
 //! `DS_TEST_SEED=<u64>` changes the draws (printed).
 
-use deltaserve_cuda::arena::{Arena, RegionId};
+use deltaserve_cuda::arena::{Arena, DevSpan, RegionId};
 use deltaserve_cuda::ops::w4_gemm::{self, W4GemmConfig};
 use deltaserve_cuda::ops::w4a16::W4Weights;
 use deltaserve_cuda::w4::{ScaleDtype, W4_GROUP, W4Linear};
@@ -229,7 +229,7 @@ fn run_case(rt: &Runtime, k: &Kernels, sms: usize, c: Case, rng: &mut StdRng) ->
     let rows = checked_rows(c.out);
     let reference = oracle(&l, &rows, &xs, c.m);
 
-    let auto = w4_gemm::w4_gemm_config(c.m, c.out, c.inp, sms);
+    let auto = w4_gemm::w4_gemm_config(c.m, c.out, c.inp, sms, usize::MAX);
     let mut cfgs = vec![auto];
     if c.out < SAMPLE_FROM {
         let groups = c.inp / W4_GROUP;
@@ -274,6 +274,8 @@ fn run_case(rt: &Runtime, k: &Kernels, sms: usize, c: Case, rng: &mut StdRng) ->
     for cfg in cfgs {
         let run = |d: &Dev| -> R<Vec<u32>> {
             d.rt.memset(y, 0xFF, y_bytes)?;
+            let ws = DevSpan { ptr: ws, bytes: ws_most };
+            let scratch = DevSpan { ptr: scratch, bytes: w4_gemm::w4_gemm_x_scratch_bytes(c.m, c.inp) };
             w4_gemm::w4_gemm(k, &s, &w, x, ldx, y, ldy, c.m, cfg, c.f32_out, Some(ws), Some(scratch))?;
             fetch(d.rt, y, (c.m + 1) * ldy, c.f32_out)
         };
@@ -281,6 +283,14 @@ fn run_case(rt: &Runtime, k: &Kernels, sms: usize, c: Case, rng: &mut StdRng) ->
         let tag = format!("tokens={} splits={}{}", cfg.tokens, cfg.splits, if cfg == auto { " (default)" } else { "" });
         let mut line = compare(&got, &reference, &rows, c, ldy);
         if cfg.splits > 1 {
+            // A workspace one float short of the launch is refused before anything runs.
+            let need = w4_gemm::w4_gemm_workspace_bytes(c.m, c.out, cfg);
+            let short = DevSpan { ptr: ws, bytes: need - 4 };
+            let scratch = DevSpan { ptr: scratch, bytes: w4_gemm::w4_gemm_x_scratch_bytes(c.m, c.inp) };
+            if w4_gemm::w4_gemm(k, &s, &w, x, ldx, y, ldy, c.m, cfg, c.f32_out, Some(short), Some(scratch)).is_ok() {
+                line.0 = false;
+                line.1.push_str("; a workspace too small was accepted");
+            }
             let again = run(&d)?;
             if again != got {
                 line.0 = false;

@@ -15,6 +15,62 @@ use crate::workspace::GDN_CHUNK;
 /// prefill path: `w4_dequant` of a row slice, then cuBLASLt on it, writing the slice's columns).
 pub const W4_SLICE_BYTES: usize = 64 << 20;
 
+/// Most rows of x an int4 projection runs through the int4 tensor-core GEMM (`w4_gemm`): steps of
+/// more tokens than the decode GEMV takes and at most this many; longer steps dequantise row slices
+/// for cuBLASLt. The act-order x scratch and the split-K workspace are sized for this many rows.
+pub const W4_GEMM_MAX_ROWS: usize = 64;
+
+/// Most splits over K of one int4 GEMM launch (its f32 partial sums go through the workspace).
+pub const W4_GEMM_MAX_SPLITS: usize = 16;
+
+/// Output rows of an int4 GEMM block (4 warps, one 32-row pair of the int4 format each).
+pub const W4_GEMM_BLOCK_ROWS: usize = 128;
+
+/// Fewest groups of 128 input columns per split (the cp.async ring holds 3 in flight).
+const W4_GEMM_MIN_GROUPS_PER_SPLIT: usize = 4;
+
+/// The most multiprocessors [`w4_gemm_workspace_bound`] sizes for (more splits on larger GPUs; a
+/// GPU with more takes the splits this workspace holds).
+const W4_GEMM_PLANNED_SMS: usize = 200;
+
+/// Tokens (rows of x) per int4 GEMM block for `m` rows: 16 up to 16 rows, else 32.
+pub fn w4_gemm_tokens(m: usize) -> usize {
+    if m <= 16 { 16 } else { 32 }
+}
+
+/// Splits over K of an int4 GEMM of `m` rows through an `[out, in]` linear on a GPU of `sms`
+/// multiprocessors: the fewest powers of two that give the launch 2.4 blocks per multiprocessor,
+/// at most [`W4_GEMM_MAX_SPLITS`] and at least 4 groups of 128 columns per split. Measured on the
+/// H200 at the 27B shapes (`bench_w4_rows` with its sweep): within 10% of the best split of each
+/// shape at 12–48 rows, where a rule aiming at 2 blocks per SM and partial sums of at most a quarter
+/// of the weight bytes was up to 1.7× slower (10240 × 5120 at 32 rows: 50.9 µs against 29.3).
+pub fn w4_gemm_splits(m: usize, out: usize, inp: usize, sms: usize) -> usize {
+    let tiles = out.div_ceil(W4_GEMM_BLOCK_ROWS) * m.max(1).div_ceil(w4_gemm_tokens(m));
+    let target = (12 * sms.max(1)).div_ceil(5);
+    let most = (inp / QUANT_GROUP / W4_GEMM_MIN_GROUPS_PER_SPLIT).clamp(1, W4_GEMM_MAX_SPLITS);
+    let mut splits = 1;
+    while tiles * splits < target && 2 * splits <= most {
+        splits *= 2;
+    }
+    splits
+}
+
+/// Bytes of the f32 partial sums of a launch of `m` rows through `out` outputs in `splits` splits (0
+/// unsplit).
+pub fn w4_gemm_partial_bytes(m: usize, out: usize, splits: usize) -> usize {
+    if splits > 1 { splits * m * out * 4 } else { 0 }
+}
+
+/// Bytes of the int4 GEMM's split-K workspace for an `[out, in]` linear at up to `rows` rows: the
+/// partial sums [`w4_gemm_splits`] asks for on GPUs of up to 200 multiprocessors. A launch takes no
+/// more splits than the workspace it is given holds.
+pub fn w4_gemm_workspace_bound(out: usize, inp: usize, rows: usize) -> usize {
+    (1..=rows)
+        .map(|m| w4_gemm_partial_bytes(m, out, w4_gemm_splits(m, out, inp, W4_GEMM_PLANNED_SMS)))
+        .max()
+        .unwrap_or(0)
+}
+
 /// Query rows per tile of the paged prefill attention (the varlen tile table has one entry a tile).
 pub const ATTN_Q_TILE: usize = 16;
 
@@ -39,8 +95,12 @@ pub struct ScratchParts {
     /// Varlen chunk and tile tables.
     pub chunk_table: usize,
     pub tile_table: usize,
-    /// bf16 `[8, max in]`: x gathered in device-column order for act-order int4 weights.
+    /// bf16 `[rows, max in]`: x gathered in device-column order for act-order int4 weights (rows: 8
+    /// for the GEMV, up to [`W4_GEMM_MAX_ROWS`] with int4 decoder linears).
     pub w4_x: usize,
+    /// f32 split-K partial sums of the int4 GEMM ([`w4_gemm_workspace_bound`] of the largest int4
+    /// decoder linear); 0 without int4 decoder linears.
+    pub w4_gemm: usize,
     /// bf16 slice of dequantised int4 weight rows (prefill GEMMs); 0 without int4 decoder linears.
     pub w4_slice: usize,
 }
@@ -57,13 +117,15 @@ impl ScratchParts {
         };
         let lin = decoder_linear_shapes(cfg);
         let max_in = lin.iter().map(|&(_, i)| i).max().unwrap_or(0).max(d.hidden);
-        let (w4_x, w4_slice) = if int4_linears {
+        let (w4_x, w4_slice, w4_gemm) = if int4_linears {
             let biggest = lin.iter().map(|&(o, i)| 2 * o * i).max().unwrap_or(0);
-            (2 * 8 * max_in, biggest.min(W4_SLICE_BYTES))
+            let rows = t_max.clamp(8, W4_GEMM_MAX_ROWS);
+            let ws = lin.iter().map(|&(o, i)| w4_gemm_workspace_bound(o, i, rows)).max().unwrap_or(0);
+            (2 * rows * max_in, biggest.min(W4_SLICE_BYTES), ws)
         } else if lm_head_int4 {
-            (2 * 8 * d.hidden, 0)
+            (2 * 8 * d.hidden, 0, 0)
         } else {
-            (0, 0)
+            (0, 0, 0)
         };
         ScratchParts {
             gdn,
@@ -71,6 +133,7 @@ impl ScratchParts {
             tile_table: 8 * (t_max / ATTN_Q_TILE + s_max + 1),
             w4_x,
             w4_slice,
+            w4_gemm,
         }
     }
 
@@ -83,7 +146,7 @@ impl ScratchParts {
 
     /// Bytes of the region (each part 256-byte aligned).
     pub fn total(&self) -> usize {
-        al(self.gdn) + al(self.chunk_table) + al(self.tile_table) + al(self.w4_x) + al(self.w4_slice)
+        al(self.gdn) + al(self.chunk_table) + al(self.tile_table) + al(self.w4_x) + al(self.w4_slice) + al(self.w4_gemm)
     }
 }
 

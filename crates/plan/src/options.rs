@@ -59,6 +59,10 @@ pub struct PlanOptions {
     pub snapshot_slots: usize,
     /// CUDA context, modules, cuBLAS handles: counted against the budget, not allocated by the arena.
     pub runtime_reserve_bytes: u64,
+    /// CUDA graphs of the step shapes (decode batches, speculative verify, commit and draft steps),
+    /// captured as they first occur: counted against the budget, not allocated by the arena; the
+    /// backend captures no graph that would take its graphs past this (later shapes run eagerly).
+    pub graph_reserve_bytes: u64,
     /// cuBLASLt workspace.
     pub gemm_workspace_bytes: u64,
     /// The backend the plan is for: what it carves beside the generic regions (its `backend_scratch`).
@@ -100,7 +104,8 @@ impl PlanOptions {
     }
 
     /// The CUDA backend: bf16 weights and KV, bf16 activations, 4096 tokens and 16 sequences per step,
-    /// 32-token pages, 8 snapshots, 600 MiB runtime reserve, 32 MiB GEMM workspace, 16 decode partitions.
+    /// 32-token pages, 8 snapshots, 600 MiB runtime reserve, 64 MiB of CUDA graphs, 32 MiB GEMM workspace,
+    /// 16 decode partitions.
     pub fn gpu_defaults(budget: u64) -> Self {
         Self {
             budget_bytes: budget,
@@ -117,6 +122,7 @@ impl PlanOptions {
             page_size: 32,
             snapshot_slots: 8,
             runtime_reserve_bytes: 600 * MIB,
+            graph_reserve_bytes: 64 * MIB,
             gemm_workspace_bytes: 32 * MIB,
             backend: PlanBackend::Cuda { checkpoint: None },
             decode_partitions: 32,
@@ -126,7 +132,7 @@ impl PlanOptions {
     }
 
     /// The f32 reference backend (no backend scratch): f32 weights, KV and activations, 512 tokens and 4 sequences per step,
-    /// 32-token pages, 2 snapshots, no runtime reserve or GEMM workspace, 1 decode partition.
+    /// 32-token pages, 2 snapshots, no runtime or graph reserve or GEMM workspace, 1 decode partition.
     pub fn cpu_defaults(budget: u64) -> Self {
         Self {
             budget_bytes: budget,
@@ -138,6 +144,7 @@ impl PlanOptions {
             max_seqs: 4,
             snapshot_slots: 2,
             runtime_reserve_bytes: 0,
+            graph_reserve_bytes: 0,
             gemm_workspace_bytes: 0,
             decode_partitions: 1,
             backend: PlanBackend::Generic,

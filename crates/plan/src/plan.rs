@@ -90,7 +90,8 @@ impl Plan {
         let wb = WeightBytes::new(cfg, opts).ok_or(overflow("weight bytes"))?;
         let weights = wb.device();
         let scratch_bytes = backend_scratch_bytes(cfg, opts, weights);
-        let reserve = opts.runtime_reserve_bytes;
+        // Counted against the budget beside the arena: the runtime's own memory and the CUDA graphs.
+        let reserve = opts.runtime_reserve_bytes + opts.graph_reserve_bytes;
         let budget = opts.budget_bytes;
         let hints = Hints { cfg, opts, wb: &wb };
 
@@ -177,7 +178,7 @@ impl Plan {
             let mut breakdown: Vec<String> =
                 fixed_parts.iter().filter(|(_, x)| *x > 0).map(|(n, x)| format!("{n} {}", fmt_bytes(*x))).collect();
             if reserve > 0 {
-                breakdown.push(format!("runtime reserve {}", fmt_bytes(reserve)));
+                breakdown.push(format!("runtime and graph reserve {}", fmt_bytes(reserve)));
             }
             let mut h = hints.fixed_savings(state_bytes_per_seq, activation_bytes);
             h.extend(hints.weight_savings());
@@ -391,7 +392,7 @@ impl Plan {
 
     /// Size of the arena (what the backend allocates once): every region, alignment included.
     pub fn arena_bytes(&self) -> u64 {
-        self.total_bytes - self.options.runtime_reserve_bytes
+        self.total_bytes - self.options.runtime_reserve_bytes - self.options.graph_reserve_bytes
     }
 
     /// Bytes of one KV page (all attention layers, K + V, scales), without alignment padding.

@@ -57,6 +57,7 @@ impl Plan {
             "gemm_workspace_bytes": o.gemm_workspace_bytes,
             "backend_scratch_bytes": self.backend_scratch_bytes,
             "runtime_reserve_bytes": o.runtime_reserve_bytes,
+            "graph_reserve_bytes": o.graph_reserve_bytes,
             "kv_pages_bytes": self.num_kv_pages as u64 * self.kv_page_bytes(),
             "arena_bytes": self.arena_bytes(),
             "total_bytes": self.total_bytes,
@@ -186,6 +187,18 @@ impl Plan {
                 reserve_note(o)
             );
         }
+        let graphs = o.graph_reserve_bytes;
+        if graphs > 0 {
+            let _ = writeln!(
+                s,
+                "{:<16} {:>11} {:>6.1}% {:>11}  {} (counted, not in the arena)",
+                "cuda_graphs",
+                fmt_bytes(graphs),
+                self.pct(graphs),
+                "-",
+                GRAPHS_NOTE
+            );
+        }
         let pad = self.arena_bytes() - self.regions.iter().map(|r| r.bytes).sum::<u64>();
         let _ = writeln!(
             s,
@@ -267,6 +280,9 @@ impl Plan {
             .map(|(i, r)| (r.name.to_string(), r.bytes, COLORS[i % COLORS.len()], r.note.clone()))
             .collect();
         segs.push(("runtime_reserve".into(), o.runtime_reserve_bytes, "#bab0ac", reserve_note(o)));
+        if o.graph_reserve_bytes > 0 {
+            segs.push(("cuda_graphs".into(), o.graph_reserve_bytes, "#d4a6c8", GRAPHS_NOTE.into()));
+        }
         segs.push(("free".into(), self.free_bytes(), "#eeeeee", "less than one KV page".into()));
         let legend_rows = segs.len().div_ceil(2);
         let ws_top = 130.0 + 22.0 * legend_rows as f64;
@@ -393,6 +409,9 @@ fn esc(t: &str) -> String {
 }
 
 /// What the runtime reserve holds.
+/// What the `cuda_graphs` line holds.
+const GRAPHS_NOTE: &str = "CUDA graphs of the step shapes (captured as they occur, up to this much)";
+
 fn reserve_note(o: &crate::PlanOptions) -> String {
     if o.tensor_parallel > 1 {
         format!(

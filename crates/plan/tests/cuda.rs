@@ -4,7 +4,9 @@
 use deltaserve_model::ModelConfig;
 use deltaserve_model::shard::ShardSpec;
 use deltaserve_model::synth::Preset;
-use deltaserve_plan::cuda::{ScratchParts, W4_SLICE_BYTES, WeightFormat, WeightTensor, w4_slice_rows};
+use deltaserve_plan::cuda::{
+    ScratchParts, W4_GEMM_MAX_ROWS, W4_SLICE_BYTES, WeightFormat, WeightTensor, w4_gemm_workspace_bound, w4_slice_rows,
+};
 use deltaserve_plan::cuda::{weight_tensors, weights_device_bytes};
 use deltaserve_plan::{ALIGN, CheckpointTensors, Plan, PlanBackend, PlanOptions, WeightBytes, WeightsDtype, is_linear};
 
@@ -97,13 +99,19 @@ fn checkpoint_bytes_per_rank_are_the_rank_shapes() {
 }
 
 #[test]
-fn int4_scratch_adds_the_slice_and_x_scratch() {
+fn int4_scratch_adds_the_slice_the_x_scratch_and_the_gemm_workspace() {
     let cfg = preset(Preset::Qwen36_27b, None);
     let mut o = PlanOptions::gpu_defaults(24 << 30);
     let base = ScratchParts::new(&cfg, o.max_batch_tokens, o.max_seqs, false, false).total();
     assert_eq!(ScratchParts::of(&cfg, &o).total(), base);
     o.weights_dtype = WeightsDtype::Int4;
-    assert_eq!(ScratchParts::of(&cfg, &o).total(), base + al(2 * 8 * 17408) + W4_SLICE_BYTES);
+    // x for up to 64 rows of the widest input (down: 17408); the split-K partial sums of the linear that
+    // needs most on a GPU of 200 SMs: attention q + gate (12288 outputs, 96 row tiles) in 8 splits at 32
+    // rows (down: 16 splits of 5120 outputs).
+    let ws = w4_gemm_workspace_bound(12288, 5120, W4_GEMM_MAX_ROWS);
+    assert_eq!(ws, 8 * 32 * 12288 * 4);
+    assert_eq!(w4_gemm_workspace_bound(5120, 17408, W4_GEMM_MAX_ROWS), 16 * 32 * 5120 * 4);
+    assert_eq!(ScratchParts::of(&cfg, &o).total(), base + al(2 * 64 * 17408) + W4_SLICE_BYTES + al(ws));
     o.weights_dtype = WeightsDtype::Bf16;
     o.lm_head_int4 = true;
     assert_eq!(ScratchParts::of(&cfg, &o).total(), base + al(2 * 8 * 5120));
@@ -112,6 +120,8 @@ fn int4_scratch_adds_the_slice_and_x_scratch() {
     let p = ScratchParts::new(&tiny, 512, 4, true, false);
     let d = tiny.dims();
     assert_eq!(p.w4_slice, 2 * d.hidden * d.intermediate.max(d.conv_channels));
+    // Steps of 4 tokens: the x scratch still holds the GEMV's 8 rows.
+    assert_eq!(ScratchParts::new(&tiny, 4, 4, true, false).w4_x, 2 * 8 * d.intermediate.max(d.hidden));
 }
 
 #[test]

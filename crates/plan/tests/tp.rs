@@ -130,6 +130,6 @@ fn tensor_parallel_reserves_nccl_memory_per_card_on_the_gpu() {
     o.weights_dtype = WeightsDtype::Int4;
     o.set_tensor_parallel(2);
     let p = Plan::new(&cfg, &o).unwrap();
-    assert_eq!(p.total_bytes - p.arena_bytes(), base + COLLECTIVE_RESERVE_BYTES);
+    assert_eq!(p.total_bytes - p.arena_bytes(), base + COLLECTIVE_RESERVE_BYTES + o.graph_reserve_bytes);
     assert!(p.table().contains("NCCL"), "{}", p.table());
 }

@@ -50,6 +50,10 @@ pub struct Args {
     /// V cache dtype (overrides --kv-cache-dtype for V).
     #[arg(long)]
     v_cache_dtype: Option<KvDtype>,
+    /// MTP speculation with K draft tokens a step (1..=4; 0: off), as `serve --speculative-tokens`:
+    /// prices the MTP head's weights and KV, the verify workspace and the draft logits.
+    #[arg(long, default_value_t = 0)]
+    speculative_tokens: usize,
     /// Tokens per engine step (chunked prefill + decodes). Default: 4096 on cuda, 512 on cpu.
     #[arg(long)]
     max_batch_tokens: Option<usize>,
@@ -127,6 +131,7 @@ pub fn run(a: Args) -> Result<()> {
     o.max_batch_tokens = a.max_batch_tokens.unwrap_or(o.max_batch_tokens);
     o.max_seqs = a.max_seqs.unwrap_or(o.max_seqs);
     o.max_context = a.max_context;
+    o.speculative_tokens = a.speculative_tokens;
     o.page_size = a.page_size.unwrap_or(o.page_size);
     o.snapshot_slots = a.snapshot_slots.unwrap_or(o.snapshot_slots);
     o.runtime_reserve_bytes = a.runtime_reserve.unwrap_or(o.runtime_reserve_bytes);

@@ -99,7 +99,7 @@ impl CudaBackend {
             positions: ws.positions,
             slots: ws.slots,
             seq_lens: ws.seq_lens,
-            table: self.host_embed.as_ref().map_or(0, |he| he.table.ptr() as u64),
+            table: self.host_embed.as_ref().map_or(0, |_| self.embed_table()),
             residual: ws.residual,
             hidden: self.d.hidden,
         };

@@ -13,6 +13,13 @@ use super::step::StepShape;
 use super::weights::{Layer, Mixer};
 
 impl CudaBackend {
+    /// The embedding table kernels gather rows from: on the device, or the pinned host table
+    /// (`embed_on_host`; device-mapped, so a kernel reads its rows across the bus: the MTP head's
+    /// few rows a draft step, the look-ahead feed's one row a sequence).
+    pub(super) fn embed_table(&self) -> u64 {
+        self.host_embed.as_ref().map_or(self.w.embed, |he| he.table.ptr() as u64)
+    }
+
     pub(super) fn forward(&self, sh: &StepShape) -> Result<(), CudaError> {
         let (k, s, ws, d) = (&self.k, self.rt.stream().as_ref(), &self.ws, &self.d);
         let t = sh.t;

@@ -15,7 +15,17 @@ pub struct GraphStats {
     pub replays: usize,
     /// Decode steps run eagerly (graphs off, profiling on, or a bucket's first step).
     pub eager_decode_steps: usize,
+    /// Device memory the captured graphs took, as the driver's free memory fell across each capture
+    /// and upload (bytes; the driver hands out memory in pages of 2 MiB).
+    pub device_bytes: u64,
+    /// The most one graph took.
+    pub largest_bytes: u64,
+    /// Steps run eagerly because another graph might take the graphs past the plan's reserve.
+    pub over_budget: usize,
 }
+
+/// What a graph is assumed to take before one has been measured (a 27B verify step's measured 4 MiB).
+const GRAPH_BYTES_GUESS: u64 = 4 << 20;
 
 /// What a captured CUDA graph replays: a decode step of a batch-size bucket, a step of speculative
 /// verify chunks (and decode rows) of one shape, or a commit of one shape.
@@ -61,15 +71,32 @@ impl CudaBackend {
             self.graph_stats.replays += 1;
             return Ok(());
         }
+        // Graphs live in driver memory outside the arena, within the plan's graph reserve: at most
+        // MAX_GRAPHS shapes are captured, and none that could take the graphs past the reserve (sized
+        // like the largest so far); later new shapes run eagerly.
+        let gs = self.graph_stats;
+        let fits = gs.device_bytes + gs.largest_bytes.max(GRAPH_BYTES_GUESS) <= self.graph_budget;
+        if graphed && self.graphs.len() < MAX_GRAPHS && !fits {
+            self.graph_stats.over_budget += 1;
+            if gs.over_budget == 0 {
+                tracing::info!(
+                    graphs = self.graphs.len(),
+                    bytes = gs.device_bytes,
+                    reserve = self.graph_budget,
+                    "the CUDA graph reserve is spent: new step shapes run without graphs"
+                );
+            }
+        }
+        let capture = graphed && self.graphs.len() < MAX_GRAPHS && fits;
+        let free_before = if capture { self.rt.free_memory()? } else { 0 };
         work(self)?;
         if matches!(key, GraphKey::Decode(_)) {
             self.graph_stats.eager_decode_steps += 1;
         }
-        // Graphs live in driver memory outside the plan (the runtime reserve covers them): at most
-        // MAX_GRAPHS shapes are captured, later new shapes run eagerly.
-        if !graphed || self.graphs.len() >= MAX_GRAPHS {
+        if !capture {
             return Ok(());
         }
+        let free_eager = self.rt.free_memory()?;
         let st = self.rt.stream().clone();
         st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(CudaError::driver("cuStreamBeginCapture"))?;
@@ -79,6 +106,23 @@ impl CudaBackend {
         recorded?;
         let graph = graph?.ok_or_else(|| CudaError::Plan("the graph capture recorded no work".into()))?;
         graph.upload().map_err(CudaError::driver("cuGraphUpload"))?;
+        let took = free_eager.saturating_sub(self.rt.free_memory()?);
+        self.graph_stats.device_bytes += took;
+        self.graph_stats.largest_bytes = self.graph_stats.largest_bytes.max(took);
+        tracing::debug!(
+            ?key,
+            graph_bytes = took,
+            first_run_bytes = free_before.saturating_sub(free_eager),
+            graphs_bytes = self.graph_stats.device_bytes,
+            "captured a CUDA graph"
+        );
+        if self.graph_stats.device_bytes > self.graph_budget {
+            // Larger than any before: dropped (its memory goes back to the driver), and no more captures.
+            drop(graph);
+            self.graph_stats.device_bytes -= took;
+            self.graph_budget = self.graph_stats.device_bytes;
+            return Ok(());
+        }
         self.graphs.insert(key, graph);
         self.graph_stats.captures += 1;
         Ok(())

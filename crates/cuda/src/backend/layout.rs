@@ -65,6 +65,7 @@ pub(super) struct Ws {
     /// int4: act-order x scratch and the dequantised slice (0 bytes when unused).
     pub(super) w4_x: DevSpan,
     pub(super) w4_slice: DevSpan,
+    pub(super) w4_gemm: DevSpan,
     /// The folded norms' input `[min(t, 8), hidden]` and sums of squares ([`w4a16::Fold`]).
     pub(super) fold_x: u64,
     pub(super) fold_sums: u64,
@@ -99,6 +100,7 @@ struct Regions {
     tile_table: DevSpan,
     w4_x: DevSpan,
     w4_slice: DevSpan,
+    w4_gemm: DevSpan,
 }
 
 /// Where the layers' caches and the pending hidden rows lie in the cache regions.
@@ -197,9 +199,6 @@ pub(super) fn check_plan(
             |what: &str| Err(CudaError::Plan(format!("speculative decoding on CUDA does not support {what} yet")));
         if shard.is_some() {
             return refuse("tensor parallelism");
-        }
-        if fmt.embed_on_host {
-            return refuse("the embedding table in host memory (--embed-on-host)");
         }
         if cfg.mtp_num_hidden_layers == 0 {
             return Err(CudaError::Plan("speculative decoding: the model has no MTP head".into()));
@@ -305,6 +304,7 @@ fn carve_regions(
     let tile_table = carve(parts.tile_table);
     let w4_x = carve(parts.w4_x);
     let w4_slice = carve(parts.w4_slice);
+    let w4_gemm = carve(parts.w4_gemm);
     Ok(Regions {
         wreg,
         weights_bytes,
@@ -321,6 +321,7 @@ fn carve_regions(
         tile_table,
         w4_x,
         w4_slice,
+        w4_gemm,
     })
 }
 
@@ -376,6 +377,7 @@ fn workspace_views(wsb: &Workspace<'_>, d: &Dims, r: &Regions, partial_bytes: us
         tile_table: r.tile_table,
         w4_x: r.w4_x,
         w4_slice: r.w4_slice,
+        w4_gemm: r.w4_gemm,
     })
 }
 
@@ -630,6 +632,7 @@ impl CudaBackend {
             opts,
             graphs: HashMap::new(),
             graph_stats: GraphStats::default(),
+            graph_budget: plan.options.graph_reserve_bytes,
             host_embed,
             inputs,
             launches,

@@ -7,7 +7,7 @@ use deltaserve_plan::cuda::w4_slice_rows;
 use crate::error::CudaError;
 use crate::ops::gemv::GemvOut;
 use crate::ops::w4a16::{Fold, W4Weights};
-use crate::ops::{gemv, w4a16};
+use crate::ops::{gemv, w4_gemm, w4a16};
 
 use super::CudaBackend;
 use super::layout::Ws;
@@ -102,10 +102,11 @@ impl CudaBackend {
         self.norms_fold() && t <= w4a16::GEMV_MAX_M && t <= self.opts.gemv_max_tokens
     }
 
-    /// `y[t, w.out]` (row stride `ldy`) = `x[t, w.inp]` · Wᵀ for an int4 linear: the int4 GEMV for
-    /// steps of at most `gemv_max_tokens` tokens and for f32 outputs (lm_head logits; any `t`),
-    /// else row slices dequantised to bf16 in the scratch and a cuBLASLt GEMM per slice writing
-    /// its columns of `y`.
+    /// `y[t, w.out]` (row stride `ldy`) = `x[t, w.inp]` · Wᵀ for an int4 linear, reading the int4
+    /// weights in place: the int4 GEMV for steps of at most `gemv_max_tokens` tokens, the int4
+    /// tensor-core GEMM up to `w4_gemm_max_rows`, the GEMV for longer f32 outputs (lm_head logits);
+    /// else row slices dequantised to bf16 in the scratch and a cuBLASLt GEMM per slice writing its
+    /// columns of `y`.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn w4_linear(
         &self,
@@ -117,8 +118,15 @@ impl CudaBackend {
         t: usize,
         f32_out: bool,
     ) -> Result<(), CudaError> {
+        let gemv_rows = t <= self.opts.gemv_max_tokens;
+        if !gemv_rows && t <= self.opts.w4_gemm_max_rows && w4_gemm::supported(w, x, w.inp) {
+            let ws = self.ws.w4_gemm;
+            let cfg = w4_gemm::w4_gemm_config(t, w.out, w.inp, self.rt.sm_count.max(1) as usize, ws.bytes);
+            let xs = Some(self.ws.w4_x);
+            return w4_gemm::w4_gemm(&self.k, s, w, x, w.inp, y, ldy, t, cfg, f32_out, Some(ws), xs);
+        }
         let xs = (self.ws.w4_x.bytes >= 2 * 8 * w.inp).then_some(self.ws.w4_x.ptr);
-        if f32_out || t <= self.opts.gemv_max_tokens {
+        if f32_out || gemv_rows {
             let cfg = w4a16::gemv_config(w.out, w.inp, self.k.w4_slots);
             return w4a16::w4_gemv_out(&self.k, s, w, x, w.inp, y, ldy, t, cfg, xs, f32_out);
         }

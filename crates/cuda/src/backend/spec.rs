@@ -378,7 +378,7 @@ impl CudaBackend {
         let ws = &sp.ws;
         // fc input rows: [normed embedding | normed hidden].
         let cat = sp.cat;
-        embed::embed_gather(k, s, self.w.embed, ws.token_ids, ws.residual, t, h)?;
+        embed::embed_gather(k, s, self.embed_table(), ws.token_ids, ws.residual, t, h)?;
         norm::rms_norm_1p(k, s, ws.residual, h, m.pre_fc_norm_embedding, cat, 2 * h, t, h, eps)?;
         norm::rms_norm_1p(k, s, hidden_in, h, m.pre_fc_norm_hidden, cat + (2 * h) as u64, 2 * h, t, h, eps)?;
         self.proj(s, cat, t, 2 * h, &[po(&m.fc, ws.residual, h)], false)?;

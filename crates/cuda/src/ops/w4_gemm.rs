@@ -6,27 +6,26 @@
 //! - [`w4_gemm_config`]: tokens per block and the split over K for a shape on a GPU of `sms` SMs;
 //! - [`w4_gemm`]: the launch (plus, split over K, the in-order reduction of the partial sums; with
 //!   act-order weights, the gather of x first);
-//! - [`w4_gemm_workspace_bytes`] / [`w4_gemm_max_workspace_bytes`] / [`w4_gemm_x_scratch_bytes`]: the
-//!   scratch it needs, for the memory plan.
+//! - [`w4_gemm_workspace_bytes`] / [`w4_gemm_x_scratch_bytes`]: the scratch a launch needs (the memory
+//!   plan bounds the workspace with `deltaserve_plan::cuda::w4_gemm_workspace_bound`, and a launch
+//!   takes no more splits than the workspace it is given holds).
 
 use cudarc::driver::CudaStream;
+pub use deltaserve_plan::cuda::W4_GEMM_BLOCK_ROWS as BLOCK_ROWS;
+pub use deltaserve_plan::cuda::W4_GEMM_MAX_SPLITS as MAX_SPLITS;
+use deltaserve_plan::cuda::{w4_gemm_partial_bytes, w4_gemm_splits, w4_gemm_tokens};
 
 use super::w4a16::{W4Weights, permute_x};
 use super::{Kernels, invalid, launch_pdl, to_i32, to_u32};
+use crate::arena::DevSpan;
 use crate::error::CudaError;
 use crate::w4::W4_GROUP;
 
-/// Output rows per block (4 warps, one 32-row pair of the format each).
-pub const BLOCK_ROWS: usize = 128;
 const THREADS: u32 = 128;
 /// cp.async ring stages (`W4G_S`).
 const STAGES: usize = 4;
 /// The kernels and their tokens per block.
 pub(crate) const KERNELS: [(&str, usize); 2] = [("w4g_16", 16), ("w4g_32", 32)];
-/// Most K splits of one launch.
-pub const MAX_SPLITS: usize = 16;
-/// Fewest groups of 128 columns per split (the ring holds 3 in flight).
-const MIN_GROUPS_PER_SPLIT: usize = 4;
 
 /// Dynamic shared memory of a block of `tokens` tokens: per stage 4 weight units of 2 KB and the x
 /// tile (`tokens` × 128 bf16).
@@ -43,31 +42,20 @@ pub struct W4GemmConfig {
     pub splits: usize,
 }
 
-/// The configuration for `m` rows of x through an `[out, inp]` linear on a GPU of `sms` SMs:
-/// 16 tokens per block up to 16 rows, else 32; and enough K splits that the blocks number at least
-/// two per SM, within three bounds: at least 4 groups per split, at most [`MAX_SPLITS`], and the
-/// partial sums (written and read, f32) at most a quarter of the weight bytes (`splits · m ≤ in / 64`),
-/// which also bounds the workspace by `out · in / 16` bytes.
-pub fn w4_gemm_config(m: usize, out: usize, inp: usize, sms: usize) -> W4GemmConfig {
-    let m = m.max(1);
-    let tokens = if m <= 16 { 16 } else { 32 };
-    let blocks = out.div_ceil(BLOCK_ROWS) * m.div_ceil(tokens);
-    let target = 2 * sms.max(1);
-    let groups = inp / W4_GROUP;
-    let want = if blocks >= target { 1 } else { target.div_ceil(blocks.max(1)) };
-    let cap = (groups / MIN_GROUPS_PER_SPLIT).min(inp / (64 * m)).min(MAX_SPLITS);
-    W4GemmConfig { tokens, splits: want.min(cap).max(1) }
+/// The configuration for `m` rows of x through an `[out, inp]` linear on a GPU of `sms` SMs with a
+/// split-K workspace of `workspace` bytes: the plan's tiling (`deltaserve_plan::cuda::w4_gemm_tokens`,
+/// `w4_gemm_splits`), with no more splits than the workspace holds.
+pub fn w4_gemm_config(m: usize, out: usize, inp: usize, sms: usize, workspace: usize) -> W4GemmConfig {
+    let mut splits = w4_gemm_splits(m, out, inp, sms);
+    while splits > 1 && w4_gemm_partial_bytes(m.max(1), out, splits) > workspace {
+        splits /= 2;
+    }
+    W4GemmConfig { tokens: w4_gemm_tokens(m), splits }
 }
 
 /// Bytes of f32 partial sums a launch of `m` rows through `out` outputs with `cfg` needs (0 unsplit).
 pub fn w4_gemm_workspace_bytes(m: usize, out: usize, cfg: W4GemmConfig) -> usize {
-    if cfg.splits > 1 { cfg.splits * m * out * 4 } else { 0 }
-}
-
-/// The most workspace any launch of up to `max_m` rows through an `[out, inp]` linear takes with the
-/// default configuration ([`w4_gemm_config`]) on `sms` SMs: at most `out · in / 16` bytes.
-pub fn w4_gemm_max_workspace_bytes(max_m: usize, out: usize, inp: usize, sms: usize) -> usize {
-    (1..=max_m).map(|m| w4_gemm_workspace_bytes(m, out, w4_gemm_config(m, out, inp, sms))).max().unwrap_or(0)
+    w4_gemm_partial_bytes(m, out, cfg.splits)
 }
 
 /// Bytes of the x scratch an act-order linear needs: x gathered in device column order, bf16 `[m, in]`.
@@ -75,11 +63,26 @@ pub fn w4_gemm_x_scratch_bytes(m: usize, inp: usize) -> usize {
     2 * m * inp
 }
 
+/// Whether [`w4_gemm`] takes `w` with x at `x` of row stride `ldx` (bf16 elements): rows a multiple
+/// of 4 and of at most 65535 tiles, 16-byte aligned x rows (act-order weights gather x into the
+/// scratch, which is), and the format's own limits.
+pub fn supported(w: &W4Weights, x: u64, ldx: usize) -> bool {
+    let x_ok = w.perm.is_some() || (x.is_multiple_of(16) && ldx.is_multiple_of(8));
+    w.check("w4_gemm").is_ok()
+        && w.out.is_multiple_of(4)
+        && w.out.div_ceil(BLOCK_ROWS) <= 65535
+        && w.out * w.inp / 32 < i32::MAX as usize
+        && w.scales.is_multiple_of(8)
+        && w.zeros.is_none_or(|z| z.is_multiple_of(2))
+        && x_ok
+}
+
 /// `y[m, out]` (bf16, or f32 with `f32_out`; row stride `ldy`) = `x[m, in]` (bf16, row stride `ldx`)
 /// · Wᵀ, f32 accumulation, for any `m`; `w.out` a multiple of 4, rows of y past `out` untouched.
 /// `cfg` from [`w4_gemm_config`]; with `cfg.splits > 1`, `workspace` holds
 /// [`w4_gemm_workspace_bytes`] (16-byte aligned) and a second kernel adds the splits in order
 /// (deterministic). Act-order weights (`perm`) need `x_scratch` of [`w4_gemm_x_scratch_bytes`].
+/// Scratch smaller than the launch needs is an error (nothing is written past a span).
 #[allow(clippy::too_many_arguments)]
 pub fn w4_gemm(
     k: &Kernels,
@@ -92,8 +95,8 @@ pub fn w4_gemm(
     m: usize,
     cfg: W4GemmConfig,
     f32_out: bool,
-    workspace: Option<u64>,
-    x_scratch: Option<u64>,
+    workspace: Option<DevSpan>,
+    x_scratch: Option<DevSpan>,
 ) -> Result<(), CudaError> {
     const K: &str = "w4_gemm";
     w.check(K)?;
@@ -114,8 +117,9 @@ pub fn w4_gemm(
     to_i32(K, "qweight chunks", w.out * w.inp / 32)?;
     let (xg, ldxg) = match w.perm {
         Some(perm) => {
-            let Some(scratch) = x_scratch.filter(|p| p.is_multiple_of(16)) else {
-                return Err(invalid(K, "act-order weights need a 16-byte aligned x scratch of [m, in] bf16"));
+            let need = w4_gemm_x_scratch_bytes(m, w.inp);
+            let Some(scratch) = x_scratch.filter(|p| p.ptr.is_multiple_of(16) && p.bytes >= need).map(|p| p.ptr) else {
+                return Err(invalid(K, format!("act-order weights need a 16-byte aligned x scratch of {need} B")));
             };
             permute_x(k, s, x, ldx, perm, scratch, m, w.inp)?;
             (scratch, w.inp)
@@ -129,8 +133,16 @@ pub fn w4_gemm(
     let vec = i32::from(y.is_multiple_of(2 * eb as u64) && ldy.is_multiple_of(4));
     let (mode, dst) = match (cfg.splits > 1, workspace) {
         (false, _) => (i32::from(f32_out), y),
-        (true, Some(ws)) if ws.is_multiple_of(16) => (2, ws),
-        (true, _) => return Err(invalid(K, "a split launch needs a 16-byte aligned workspace")),
+        (true, Some(ws)) if ws.ptr.is_multiple_of(16) && ws.bytes >= w4_gemm_workspace_bytes(m, w.out, cfg) => {
+            (2, ws.ptr)
+        }
+        (true, _) => {
+            let need = w4_gemm_workspace_bytes(m, w.out, cfg);
+            return Err(invalid(
+                K,
+                format!("a launch of {} splits needs a 16-byte aligned workspace of {need} B", cfg.splits),
+            ));
+        }
     };
     let grid = (
         to_u32(K, "token tiles", m.div_ceil(cfg.tokens))?,
@@ -162,22 +174,21 @@ mod tests {
     #[test]
     fn tokens_per_block_follow_the_rows() {
         for (m, tokens) in [(1, 16), (9, 16), (16, 16), (17, 32), (100, 32), (256, 32)] {
-            assert_eq!(w4_gemm_config(m, 17408, 5120, H200).tokens, tokens, "m = {m}");
+            assert_eq!(w4_gemm_config(m, 17408, 5120, H200, usize::MAX).tokens, tokens, "m = {m}");
         }
     }
 
     #[test]
     fn splits_fill_the_gpu_within_their_bounds() {
-        let c = |m, out, inp| w4_gemm_config(m, out, inp, H200).splits;
-        // 5120 x 5120 at 16 rows: 40 blocks; 7 splits would fill 264, the partial sums allow 5.
-        assert_eq!(c(16, 5120, 5120), 5);
-        // At 9 rows the partial sums allow 8; 7 give 280 blocks.
-        assert_eq!(c(9, 5120, 5120), 7);
-        // down (5120 x 17408) at 32 rows: 40 blocks, 7 splits (8 allowed).
-        assert_eq!(c(32, 5120, 17408), 7);
-        // gate / up (17408 x 5120): 136 row tiles; 2 splits at 16 rows, none from 33 rows (272 blocks).
-        assert_eq!(c(16, 17408, 5120), 2);
-        assert_eq!(c(64, 17408, 5120), 1);
+        let c = |m, out, inp| w4_gemm_config(m, out, inp, H200, usize::MAX).splits;
+        // 2.4 blocks per SM: 317 on the H200. 5120 x 5120 at 9..16 rows: 40 blocks, 8 splits (320).
+        assert_eq!(c(16, 5120, 5120), 8);
+        assert_eq!(c(9, 5120, 5120), 8);
+        // down (5120 x 17408) at 32 rows: 40 blocks, 8 splits.
+        assert_eq!(c(32, 5120, 17408), 8);
+        // gate / up (17408 x 5120): 136 row tiles; 4 splits at 16 rows, 2 at 64 (two token tiles).
+        assert_eq!(c(16, 17408, 5120), 4);
+        assert_eq!(c(64, 17408, 5120), 2);
         // Enough blocks: no split; 256 rows of the 5120 x 5120 shape: 320 blocks.
         assert_eq!(c(256, 5120, 5120), 1);
         // Few groups: at least 4 per split (the tiny model's 128 x 256: 2 groups, no split).
@@ -185,18 +196,25 @@ mod tests {
         assert_eq!(c(1, 256, 1024), 2);
         // Never more than MAX_SPLITS, never 0 (a GPU of 1 SM, an empty launch).
         assert_eq!(c(1, 128, 128 * 1024), MAX_SPLITS);
-        assert_eq!(w4_gemm_config(0, 5120, 5120, 0).splits, 1);
+        assert_eq!(w4_gemm_config(0, 5120, 5120, 0, usize::MAX).splits, 1);
     }
 
     #[test]
-    fn workspace_is_bounded_by_a_sixteenth_of_the_weights() {
+    fn workspace_stays_within_the_planned_bound_and_the_given_bytes() {
+        use deltaserve_plan::cuda::{W4_GEMM_MAX_ROWS, w4_gemm_workspace_bound};
         for (out, inp) in [(5120, 5120), (17408, 5120), (5120, 17408), (12288, 5120), (1024, 5120), (48, 5120)] {
-            let most = w4_gemm_max_workspace_bytes(256, out, inp, H200);
-            assert!(most <= out * inp / 16, "[{out}, {inp}]: {most}");
-            for m in 1..=256 {
-                let cfg = w4_gemm_config(m, out, inp, H200);
-                assert!(w4_gemm_workspace_bytes(m, out, cfg) <= most);
+            let bound = w4_gemm_workspace_bound(out, inp, W4_GEMM_MAX_ROWS);
+            assert!(bound <= MAX_SPLITS * W4_GEMM_MAX_ROWS * out * 4, "[{out}, {inp}]: {bound}");
+            for m in 1..=W4_GEMM_MAX_ROWS {
+                let cfg = w4_gemm_config(m, out, inp, H200, bound);
+                assert!(w4_gemm_workspace_bytes(m, out, cfg) <= bound, "[{out}, {inp}] m = {m}");
+                // Unbounded, the same split (the plan's bound never costs a split).
+                assert_eq!(cfg, w4_gemm_config(m, out, inp, H200, usize::MAX), "[{out}, {inp}] m = {m}");
+                // A smaller workspace: fewer splits, never more bytes than given.
+                let small = w4_gemm_config(m, out, inp, H200, 2 * m * out * 4);
+                assert!(small.splits <= 2);
             }
+            assert_eq!(w4_gemm_config(16, out, inp, H200, 0).splits, 1);
         }
         let cfg = W4GemmConfig { tokens: 16, splits: 3 };
         assert_eq!(w4_gemm_workspace_bytes(10, 5120, cfg), 3 * 10 * 5120 * 4);
