@@ -395,18 +395,22 @@ fn read_index(snapshot: &Path) -> Result<Option<String>> {
     }
 }
 
-/// One file's download progress: a bar on a terminal, else log lines when it starts (or resumes) and ends.
+/// One file's download progress: a bar on a terminal, else log lines when it starts (or resumes) and ends
+/// (for files of [`Progress::LOGGED`] bytes or more; the smaller ones are in the batch's line).
 struct Progress {
     label: String,
     bar: Option<indicatif::ProgressBar>,
     started: bool,
+    logged: bool,
     /// The next `update` carries the bytes already on disk (hf-hub reports them after each `init`).
     expect_offset: bool,
 }
 
 impl Progress {
+    const LOGGED: usize = 16 << 20;
+
     fn new(label: String) -> Self {
-        Self { label, bar: None, started: false, expect_offset: false }
+        Self { label, bar: None, started: false, logged: false, expect_offset: false }
     }
 }
 
@@ -422,7 +426,8 @@ impl hf_hub::api::Progress for Progress {
                     bar.set_style(style.progress_chars("=> "));
                 }
                 self.bar = Some(bar);
-            } else {
+            } else if size >= Self::LOGGED {
+                self.logged = true;
                 tracing::info!("downloading {} ({})", self.label, deltaserve_plan::fmt_bytes(size as u64));
             }
         }
@@ -433,7 +438,7 @@ impl hf_hub::api::Progress for Progress {
     }
 
     fn update(&mut self, size: usize) {
-        if std::mem::take(&mut self.expect_offset) && size > 0 && self.bar.is_none() {
+        if std::mem::take(&mut self.expect_offset) && size > 0 && self.logged {
             tracing::info!("resuming {} after {}", self.label, deltaserve_plan::fmt_bytes(size as u64));
         }
         if let Some(bar) = &self.bar {
@@ -444,7 +449,8 @@ impl hf_hub::api::Progress for Progress {
     fn finish(&mut self) {
         match &self.bar {
             Some(bar) => bar.finish(),
-            None => tracing::info!("downloaded {}", self.label),
+            None if self.logged => tracing::info!("downloaded {}", self.label),
+            None => {}
         }
     }
 }
