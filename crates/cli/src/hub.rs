@@ -183,13 +183,18 @@ impl Hub {
             .build()
             .map_err(|e| anyhow!("the Hugging Face Hub client: {e}"))?;
         let repo = api.repo(Repo::with_revision(id.repo.clone(), RepoType::Model, id.revision.clone()));
-        let listing: RepoFiles = repo
-            .info_request()
-            .query("blobs", "true")
-            .call()
-            .map_err(|e| self.request_error(id, e))?
-            .into_json()
-            .map_err(|e| anyhow!("`{id}`: unreadable file list from {}: {e}", self.endpoint))?;
+        let listing: RepoFiles = match repo.info_request().query("blobs", "true").call() {
+            Ok(response) => {
+                response.into_json().map_err(|e| anyhow!("`{id}`: unreadable file list from {}: {e}", self.endpoint))?
+            }
+            // No network: a complete cached copy of the revision serves, as with HF_HUB_OFFLINE.
+            Err(ureq::Error::Transport(t)) => {
+                let dir = self.cached(id, need).map_err(|_| self.request_error(id, ureq::Error::Transport(t)))?;
+                tracing::warn!("cannot reach the Hugging Face Hub at {}: using the cached copy of {id}", self.endpoint);
+                return Ok(dir);
+            }
+            Err(e) => return Err(self.request_error(id, e)),
+        };
         if listing.sha.is_empty() || !listing.sha.chars().all(|c| c.is_ascii_alphanumeric()) {
             bail!("`{id}`: the Hub at {} answered a malformed commit `{}`", self.endpoint, listing.sha);
         }
@@ -234,7 +239,8 @@ impl Hub {
         if need == Need::Config {
             return Ok(snapshot);
         }
-        let listed: Vec<String> = std::fs::read_dir(&snapshot)?
+        let listed: Vec<String> = std::fs::read_dir(&snapshot)
+            .map_err(|e| anyhow!("reading {}: {e}", snapshot.display()))?
             .flatten()
             .filter(|e| e.path().exists())
             .filter_map(|e| e.file_name().to_str().map(String::from))
@@ -257,9 +263,10 @@ impl Hub {
             ureq::Error::Transport(t) => {
                 let why = t.to_string().replace('\n', " ");
                 return anyhow!(
-                    "cannot reach the Hugging Face Hub at {} for `{id}` ({why}); set HF_HUB_OFFLINE=1 to use a model \
-                     already in the cache",
-                    self.endpoint
+                    "cannot reach the Hugging Face Hub at {} for `{id}` ({why}), and the Hugging Face cache ({}) has \
+                     no complete copy of it",
+                    self.endpoint,
+                    self.cache.display()
                 );
             }
         };

@@ -275,6 +275,9 @@ fn downloads_what_the_server_reads_then_runs_from_the_cache() {
     let mut plan = deltaserve(nowhere, &home, &["plan", "--model", "acme/tiny", "--device", "cpu", "--json"]);
     ok(plan.env("HF_HUB_OFFLINE", "1").output().unwrap());
     assert!(hub.requests().is_empty(), "{:?}", hub.requests());
+    // Online but with no network: the complete cached copy serves (with a warning).
+    let out = ok(deltaserve(nowhere, &home, &generate("acme/tiny")).output().unwrap());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("using the cached copy"));
 }
 
 #[test]
@@ -323,7 +326,7 @@ fn unknown_gated_and_unreachable_ids_are_one_line_errors() {
     one_line_error(out, &["acme/gated", "gated", "HF_TOKEN"]);
     let closed = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
     let out = deltaserve(&format!("http://{closed}"), &home, &generate("acme/tiny")).output().unwrap();
-    one_line_error(out, &["cannot reach the Hugging Face Hub", "HF_HUB_OFFLINE=1"]);
+    one_line_error(out, &["cannot reach the Hugging Face Hub", "no complete copy"]);
     // Not shaped like an id, and no such directory: the loader's error, no request.
     let out = deltaserve(&hub.url, &home, &generate("no/such/dir")).output().unwrap();
     one_line_error(out, &["no/such/dir", "does not exist"]);
