@@ -73,6 +73,7 @@ class Server:
     args: list[str]
     log_path: Path
     port: int = 0
+    env: dict[str, str | None] = field(default_factory=dict)  # set (str) or removed (None) for this server
     proc: subprocess.Popen | None = None
     _log: object = field(default=None, repr=False)
 
@@ -94,6 +95,11 @@ class Server:
         env.setdefault("RUST_LOG", "info")
         env.setdefault("NO_COLOR", "1")
         env.setdefault("RUST_BACKTRACE", "1")
+        for k, v in self.env.items():
+            if v is None:
+                env.pop(k, None)
+            else:
+                env[k] = v
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, cwd=REPO_ROOT)
         deadline = time.monotonic() + STARTUP_TIMEOUT

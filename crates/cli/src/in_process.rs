@@ -77,7 +77,7 @@ impl InProcess {
     /// Builds the server state the way `serve` does and serves it on 127.0.0.1:0.
     pub(crate) async fn start(model: &ModelArgs, engine: &EngineArgs, api_key: Option<String>) -> Result<Self> {
         let name = match (&model.model, &model.preset) {
-            (Some(dir), _) => dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned()),
+            (Some(model), _) => crate::hub::served_name(model),
             (None, Some(preset)) => preset.clone(),
             (None, None) => "demo".into(),
         };

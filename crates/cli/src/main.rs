@@ -4,6 +4,7 @@ mod commands;
 mod engine_args;
 mod gpu_memory;
 mod http;
+mod hub;
 mod in_process;
 mod model_source;
 mod report;

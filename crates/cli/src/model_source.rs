@@ -1,5 +1,5 @@
-//! Where a command's model comes from (`--model DIR`, or the built-in demo model) and which device
-//! runs it; loads config, weights and tokenizer.
+//! Where a command's model comes from (`--model DIR`, a Hugging Face id, or the built-in demo model)
+//! and which device runs it; loads config, weights and tokenizer.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -15,7 +15,9 @@ use deltaserve_text::{ChatTemplate, Tokenizer};
 /// Options every model-running command takes.
 #[derive(clap::Args, Clone, Debug)]
 pub struct ModelArgs {
-    /// HF model directory (config.json, *.safetensors, tokenizer.json). Default: the built-in demo model (random weights).
+    /// A Hugging Face model id (owner/name[@revision], downloaded into the Hugging Face cache on first
+    /// use) or a local model directory (config.json, *.safetensors, tokenizer.json). Default: the
+    /// built-in demo model (random weights).
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Backend: `cpu` (the f32 reference) or `cuda`. Default (`auto`): cuda when an NVIDIA driver,
@@ -83,13 +85,13 @@ impl ModelArgs {
             return Ok(dir);
         }
         match &self.model {
-            Some(d) => Ok(d.clone()),
+            Some(d) => crate::hub::resolve(d, crate::hub::Need::Model),
             None => {
                 let dir = deltaserve_text::synth_model::demo_model_dir().context("creating the built-in demo model")?;
                 tracing::warn!(
                     "no --model given: using the built-in demo model (tiny preset, RANDOM weights, its output is gibberish) at {}. \
-                     To serve a real model pass --model /path/to/Qwen3.6-27B (a Hugging Face directory with config.json, \
-                     *.safetensors and tokenizer.json).",
+                     To serve a real model pass --model Qwen/Qwen3.6-27B (a Hugging Face id, downloaded on first use) \
+                     or --model DIR (a local directory with config.json, *.safetensors and tokenizer.json).",
                     dir.display()
                 );
                 Ok(dir)

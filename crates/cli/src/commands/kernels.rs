@@ -18,7 +18,8 @@ pub struct CheckArgs {
     /// Comma-separated targets.
     #[arg(long, default_value = "sm_80,sm_86,sm_89,sm_90")]
     arch: String,
-    /// Specialise to this model directory's dims (default: the Qwen3.6-27B preset).
+    /// Specialise to this model's dims: a directory or a Hugging Face id (its config.json alone is
+    /// downloaded). Default: the Qwen3.6-27B preset.
     #[arg(long)]
     model: Option<std::path::PathBuf>,
 }
@@ -26,7 +27,7 @@ pub struct CheckArgs {
 pub fn run(c: Command) -> Result<()> {
     let Command::Check(a) = c;
     let cfg = match &a.model {
-        Some(dir) => ModelConfig::from_dir(dir)?,
+        Some(dir) => ModelConfig::from_dir(&crate::hub::resolve(dir, crate::hub::Need::Config)?)?,
         None => ModelConfig::from_json_str(&Preset::Qwen36_27b.config_json(None).to_string())?,
     };
     let d = cfg.dims();

@@ -1,6 +1,7 @@
-//! `deltaserve plan`: the static memory plan (what fits in a memory budget), from a model directory's
-//! `config.json` or a built-in preset shape. Touches no device; reads no weights (of a quantised
-//! checkpoint planned int4 it walks the tensor headers and act-order indices, as `serve` does).
+//! `deltaserve plan`: the static memory plan (what fits in a memory budget), from a model's
+//! `config.json` (a directory, or a Hugging Face id: only that file is downloaded) or a built-in preset
+//! shape. Touches no device; reads no weights (of a quantised checkpoint planned int4 it walks the tensor
+//! headers and act-order indices, as `serve` does, where the weights are on disk).
 
 use std::path::PathBuf;
 
@@ -11,7 +12,8 @@ use deltaserve_plan::{Fitted, Free, KvDtype, PlanOptions, WeightsDtype, card_con
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// HF model directory (config.json; a quantised checkpoint's tensor headers).
+    /// A Hugging Face model id (owner/name[@revision]: only its config.json is downloaded) or a model
+    /// directory (config.json; a quantised checkpoint's tensor headers).
     #[arg(long, conflicts_with = "preset")]
     model: Option<PathBuf>,
     /// Shape preset instead of a model directory: tiny or qwen3.6-27b.
@@ -92,7 +94,8 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let cfg = match (&a.model, &a.preset) {
+    let dir = a.model.as_deref().map(|m| crate::hub::resolve(m, crate::hub::Need::Config)).transpose()?;
+    let cfg = match (&dir, &a.preset) {
         (Some(dir), _) => ModelConfig::from_dir(dir).with_context(|| format!("reading {}", dir.display()))?,
         (None, Some(name)) => {
             if a.layers == Some(0) {
@@ -101,7 +104,9 @@ pub fn run(a: Args) -> Result<()> {
             let json = Preset::parse(name)?.config_json(a.layers);
             ModelConfig::from_json_str(&json.to_string())?
         }
-        (None, None) => bail!("pass --model DIR (a directory with config.json) or --preset NAME (tiny, qwen3.6-27b)"),
+        (None, None) => bail!(
+            "pass --model ID|DIR (a Hugging Face id or a directory with config.json) or --preset NAME (tiny, qwen3.6-27b)"
+        ),
     };
     let mut o = match a.device.as_str() {
         "cuda" | "gpu" => PlanOptions::gpu_defaults(a.memory),
@@ -141,7 +146,16 @@ pub fn run(a: Args) -> Result<()> {
     // What the CUDA backend carves beside the activation workspace (as `serve --device cuda` plans it,
     // one card's under tensor parallelism).
     if gpu {
-        o.backend = crate::model_source::cuda_plan_backend(&cfg, a.model.as_deref(), &o)?;
+        // A Hub model whose weights are not downloaded is planned from its config alone.
+        let checkpoint = dir.as_deref().filter(|d| a.model.as_deref() == Some(*d) || crate::hub::has_weights(d));
+        if dir.is_some() && checkpoint.is_none() && cfg.quantization.is_some() && o.weights_dtype == WeightsDtype::Int4
+        {
+            tracing::warn!(
+                "planned from config.json alone: the backend scratch this quantised checkpoint's tensors need beyond \
+                 the weights is counted once its weights are downloaded (`serve` counts it)"
+            );
+        }
+        o.backend = crate::model_source::cuda_plan_backend(&cfg, checkpoint, &o)?;
     }
     let free = if a.no_fit {
         Free::default()

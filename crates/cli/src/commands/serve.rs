@@ -21,7 +21,7 @@ pub struct Args {
     /// Require this key (`Authorization: Bearer KEY` or `x-api-key: KEY`) on /v1/*.
     #[arg(long, env = "DELTASERVE_API_KEY")]
     api_key: Option<String>,
-    /// The model name clients send (default: the model directory's name, or `demo`).
+    /// The model name clients send (default: the Hugging Face id, the model directory's name, or `demo`).
     #[arg(long)]
     served_model_name: Option<String>,
     /// Largest request body in MiB.
@@ -34,7 +34,7 @@ pub struct Args {
 
 pub fn run(a: Args) -> Result<()> {
     let name = a.served_model_name.clone().unwrap_or_else(|| match &a.model.model {
-        Some(dir) => dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned()),
+        Some(model) => crate::hub::served_name(model),
         None => "demo".into(),
     });
     let model_dir = a.model.dir()?;
