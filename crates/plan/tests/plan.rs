@@ -218,6 +218,15 @@ fn errors_name_sizes_and_fixes() {
     }
     let e = Plan::new(&c, &PlanOptions::gpu_defaults(24 * GIB)).unwrap_err();
     assert!(e.to_string().contains("--weights-dtype int4"), "{e}");
+    // The CPU reference (f32 weights) takes none of the CUDA weight flags: the hints name what it takes.
+    let tiny = cfg("tiny", None);
+    for budget in [MIB, 5 * MIB] {
+        let m = Plan::new(&tiny, &PlanOptions::cpu_defaults(budget)).unwrap_err().to_string();
+        for cuda_only in ["--weights-dtype", "--embed-on-host", "--lm-head-int4"] {
+            assert!(!m.contains(cuda_only), "`{cuda_only}` recommended on the CPU: {m}");
+        }
+        assert!(m.contains("raise --memory"), "{m}");
+    }
 
     // Weights fit but the state slots do not.
     let e = Plan::new(&c, &int4_fp8(18 * GIB)).unwrap_err();
