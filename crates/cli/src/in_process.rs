@@ -83,8 +83,8 @@ impl InProcess {
         };
         let model_dir = model.dir()?;
         let chat_defaults = crate::commands::serve::chat_defaults(model);
-        let (model, engine_args) = (model.clone(), engine.clone());
-        let started = tokio::task::spawn_blocking(move || -> Result<_> { engine_args.start(&model) })
+        let (model, engine_args, dir) = (model.clone(), engine.clone(), model_dir.clone());
+        let started = tokio::task::spawn_blocking(move || -> Result<_> { engine_args.start(&model, &dir) })
             .await
             .context("starting the engine")??;
         tracing::info!("{}", started.plan.table());
