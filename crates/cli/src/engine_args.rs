@@ -222,6 +222,8 @@ impl Prepared {
 /// A running engine and the plan it was built from.
 pub struct Started {
     pub engine: EngineHandle,
+    /// The backend it runs on.
+    pub device: Device,
     pub plan: Plan,
     pub tokenizer: Option<Arc<Tokenizer>>,
     pub template: Option<Arc<ChatTemplate>>,
@@ -385,6 +387,7 @@ impl EngineArgs {
 
     /// [`EngineArgs::start`] from a model [`EngineArgs::prepare`] has checked and planned.
     pub fn start_prepared(&self, model: &ModelArgs, prepared: Prepared) -> Result<Started> {
+        let device = prepared.device;
         let built = self.load(model, prepared)?;
         let engine = EngineHandle::start_with(
             built.backend,
@@ -395,6 +398,7 @@ impl EngineArgs {
         .context("--speculative-tokens")?;
         Ok(Started {
             engine,
+            device,
             plan: built.plan,
             tokenizer: built.tokenizer,
             template: built.template,

@@ -66,8 +66,9 @@ impl Connected {
 pub(crate) struct InProcess {
     pub(crate) addr: SocketAddr,
     pub(crate) name: String,
-    /// The memory plan the engine was started with.
+    /// The memory plan the engine was started with, and the backend it runs on.
     pub(crate) plan: deltaserve_plan::Plan,
+    pub(crate) device: crate::model_source::Device,
     pub(crate) engine: deltaserve_engine::EngineHandle,
     pub(crate) stop_tx: tokio::sync::oneshot::Sender<()>,
     pub(crate) join: tokio::task::JoinHandle<std::io::Result<()>>,
@@ -101,7 +102,7 @@ impl InProcess {
             },
             deltaserve_server::ServeOptions { grace: Duration::from_secs(2), chat_defaults },
         ));
-        Ok(Self { addr, name, plan: started.plan, engine: started.engine, stop_tx, join })
+        Ok(Self { addr, name, plan: started.plan, device: started.device, engine: started.engine, stop_tx, join })
     }
 
     pub(crate) async fn stop(self) -> Result<()> {

@@ -8,6 +8,7 @@ mod host_memory;
 mod http;
 mod in_process;
 mod model_source;
+mod progress;
 mod report;
 mod synthetic_text;
 
