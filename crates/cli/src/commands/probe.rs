@@ -600,44 +600,62 @@ impl ToolReport for Report {
         s
     }
 
-    /// Two panels: prefill tokens/s per rung and turn; driver-reported memory against the plan.
+    /// Two panels: prefill tokens/s per rung and turn; driver-reported memory against the plan. Each y
+    /// axis carries its values.
     fn svg(&self) -> String {
         let rows: Vec<&Row> = self.rows().collect();
-        let (w, h, pad) = (760.0, 520.0, 60.0);
-        let ph = (h - 3.0 * pad) / 2.0;
-        let bw = (w - 2.0 * pad) / rows.len().max(1) as f64;
+        let (w, h, left, right, top, gap) = (760.0, 540.0, 80.0, 20.0, 56.0, 70.0);
+        let (pw, ph) = (w - left - right, (h - top - gap - 40.0) / 2.0);
+        let bw = pw / rows.len().max(1) as f64;
         let mut s = format!(
-            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"11\">\n\
-             <text x=\"{pad}\" y=\"20\" font-size=\"14\">deltaserve probe: {} — context {} tokens</text>\n",
+            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\" font-family=\"sans-serif\" font-size=\"11\">\n\
+             <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+             <text x=\"{left}\" y=\"20\" font-size=\"14\">deltaserve probe: {} — {} of {} tokens</text>\n",
             xml(&self.model),
-            fmt_count(self.max_context)
+            fmt_count(self.max_context),
+            fmt_count(self.advertised_context)
         );
-        let max_rate = rows.iter().map(|r| r.prefill_tok_s()).fold(1.0, f64::max);
+        let max_rate = rows.iter().map(|r| r.prefill_tok_s()).fold(0.0, f64::max);
         let plan = self.plan_bytes.unwrap_or(0) as f64;
-        let max_mem = rows.iter().filter_map(|r| r.driver_peak_bytes).map(|b| b as f64).fold(plan, f64::max).max(1.0);
-        for (panel, title) in
-            [(0, "prefill tokens/s (new prompt tokens / TTFT)"), (1, "driver-reported device memory (line: plan)")]
-        {
-            let y0 = pad + panel as f64 * (ph + pad);
-            let _ = writeln!(s, "<text x=\"{pad}\" y=\"{}\">{title}</text>", y0 - 6.0);
-            let _ = writeln!(
-                s,
-                "<rect x=\"{pad}\" y=\"{y0}\" width=\"{}\" height=\"{ph}\" fill=\"none\" stroke=\"#999\"/>",
-                w - 2.0 * pad
-            );
+        let max_mem = rows.iter().filter_map(|r| r.driver_peak_bytes).map(|b| b as f64).fold(plan, f64::max);
+        // Memory in the largest binary unit it reaches.
+        let (unit, unit_name) = [(1u64 << 30, " GiB"), (1 << 20, " MiB"), (1, " B")]
+            .into_iter()
+            .find(|(u, _)| max_mem >= *u as f64)
+            .unwrap_or((1, " B"));
+        let unit = unit as f64;
+        for panel in 0..2 {
+            let y0 = top + panel as f64 * (ph + gap);
+            let axis_top = match panel {
+                0 => crate::report::panel(
+                    &mut s,
+                    left,
+                    y0,
+                    pw,
+                    ph,
+                    max_rate,
+                    "prefill tokens/s (new prompt tokens / TTFT)",
+                    "",
+                ),
+                _ => {
+                    let title = "driver-reported device memory (line: plan)";
+                    crate::report::panel(&mut s, left, y0, pw, ph, max_mem / unit, title, unit_name)
+                }
+            };
             for (i, r) in rows.iter().enumerate() {
-                let x = pad + i as f64 * bw + bw * 0.15;
-                let (v, max, color) = match panel {
-                    0 => (r.prefill_tok_s(), max_rate, "#4a7bd0"),
-                    _ => (r.driver_peak_bytes.unwrap_or(0) as f64, max_mem, "#d07b4a"),
+                let x = left + i as f64 * bw + bw * 0.15;
+                let (v, color) = match panel {
+                    0 => (r.prefill_tok_s(), "#4a7bd0"),
+                    _ => (r.driver_peak_bytes.unwrap_or(0) as f64 / unit, "#d07b4a"),
                 };
-                let bh = ph * v / max;
+                let bh = ph * v / axis_top;
                 let _ = writeln!(
                     s,
-                    "<rect x=\"{x:.1}\" y=\"{:.1}\" width=\"{:.1}\" height=\"{bh:.1}\" fill=\"{color}\"><title>{}: {v:.0}</title></rect>",
+                    "<rect x=\"{x:.1}\" y=\"{:.1}\" width=\"{:.1}\" height=\"{bh:.1}\" fill=\"{color}\"><title>{}: {}</title></rect>",
                     y0 + ph - bh,
                     bw * 0.7,
-                    xml(&r.label)
+                    xml(&r.label),
+                    crate::report::tick_label(v)
                 );
                 let _ = writeln!(
                     s,
@@ -648,16 +666,16 @@ impl ToolReport for Report {
                 );
             }
             if panel == 1 && plan > 0.0 {
-                let y = y0 + ph - ph * plan / max_mem;
+                let y = y0 + ph - ph * (plan / unit) / axis_top;
                 let _ = writeln!(
                     s,
-                    "<line x1=\"{pad}\" x2=\"{}\" y1=\"{y:.1}\" y2=\"{y:.1}\" stroke=\"#c00\" stroke-dasharray=\"4 3\"/>",
-                    w - pad
+                    "<line x1=\"{left}\" x2=\"{}\" y1=\"{y:.1}\" y2=\"{y:.1}\" stroke=\"#c00\" stroke-dasharray=\"4 3\"/>",
+                    left + pw
                 );
                 let _ = writeln!(
                     s,
                     "<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\" fill=\"#c00\">plan {}</text>",
-                    w - pad - 4.0,
+                    left + pw - 4.0,
                     y - 4.0,
                     fmt_bytes(plan as u64)
                 );
@@ -698,6 +716,34 @@ mod tests {
         assert_eq!(ladder_context(4096, None, Some(CPU_DEFAULT_CONTEXT)), 4096);
         assert_eq!(ladder_context(262_144, Some(32_768), Some(CPU_DEFAULT_CONTEXT)), 32_768);
         assert_eq!(ladder_context(4096, Some(32_768), None), 4096);
+    }
+
+    #[test]
+    fn the_chart_has_axis_values() {
+        let row = |label: &str, peak| Row {
+            label: label.into(),
+            prompt_tokens: 3000,
+            ttft_ms: 1000.0,
+            driver_peak_bytes: Some(peak),
+            ..Default::default()
+        };
+        let r = Report {
+            server: String::new(),
+            model: "m".into(),
+            max_context: 4096,
+            advertised_context: 4096,
+            plan_bytes: Some(2 << 30),
+            idle_driver_bytes: None,
+            arena_capacity_bytes: None,
+            needle: false,
+            rungs: vec![row("25%", 3 << 29)],
+            turns: vec![],
+            failures: vec![],
+        };
+        let svg = r.svg();
+        for tick in [">0<", ">1000<", ">3000<", ">0 GiB<", ">0.5 GiB<", ">2 GiB<"] {
+            assert!(svg.contains(tick), "no tick {tick}: {svg}");
+        }
     }
 
     #[test]
