@@ -89,6 +89,7 @@ pub struct EngineArgs {
     /// CUDA backend: tensor parallelism, one model split over GPUs 0..N (N = 1, 2, 4 or 8; it must
     /// divide the attention kv heads and the DeltaNet key heads). --memory is then per card (default:
     /// the smallest card's free memory); `deltaserve plan --tensor-parallel N` shows the per-card plan.
+    /// vLLM's `-tp N` is accepted too.
     #[arg(long, visible_alias = "tensor-parallel-size", default_value_t = 1)]
     pub tensor_parallel: usize,
     /// CUDA backend: storage of the decoder linears, bf16 or int4 (group 128). int4 with a bf16
