@@ -183,3 +183,37 @@ def test_sigterm_also_graceful(tmp_path):
         assert code == 0, f"exit code {code} after SIGTERM\n{srv.log_tail()}"
     finally:
         srv.kill()
+
+
+def test_second_sigint_during_the_grace_exits_at_once(tmp_path):
+    """SIGINT with a stream in flight starts a long grace; a second SIGINT ends the process at once with a
+    non-zero exit code and a log line saying why."""
+    import signal
+    from conftest import MAIN_ARGS
+
+    srv = util.Server(args=[*MAIN_ARGS, "--shutdown-grace-secs", "600"], log_path=tmp_path / "server.log").start()
+    started = threading.Event()
+
+    def stream():
+        try:
+            for n, _ in enumerate(long_stream(srv.base, 5000)):
+                if n == 2:
+                    started.set()
+        except httpx.HTTPError:
+            pass  # the process exits under it
+
+    t = threading.Thread(target=stream, daemon=True)
+    try:
+        t.start()
+        assert started.wait(30), "the stream did not start"
+        srv.proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 10
+        while "shutting down" not in srv.log_path.read_text(errors="replace") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "shutting down" in srv.log_path.read_text(errors="replace"), srv.log_tail()
+        srv.proc.send_signal(signal.SIGINT)
+        code = srv.proc.wait(timeout=util.SHUTDOWN_TIMEOUT)  # far inside the 600 s grace
+        assert code == 130, f"exit code {code}\n{srv.log_tail()}"
+        assert "second SIGINT during the shutdown grace: exiting now" in srv.log_path.read_text(errors="replace")
+    finally:
+        srv.kill()

@@ -13,18 +13,23 @@ use deltaserve_cuda::{CudaBackend, TpBackend, WeightSource};
 use deltaserve_engine::{EngineHandle, EngineOptions};
 use deltaserve_model::ModelConfig;
 use deltaserve_model::quant::Quantization;
-use deltaserve_plan::{Free, KvDtype, Plan, PlanOptions, WeightsDtype, fit_context, parse_size};
+use deltaserve_plan::{Free, KvDtype, Plan, PlanOptions, WeightsDtype, fit_context, fmt_bytes, parse_size};
 use deltaserve_sched::{PrefixCacheConfig, SchedConfig};
 use deltaserve_server::{AppState, ServerConfig};
 use deltaserve_text::{ChatTemplate, Tokenizer};
 
-use crate::model_source::{Device, LoadedModel, ModelArgs, TextModel};
+use crate::model_source::{Device, ModelArgs, TextModel};
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct EngineArgs {
-    /// Memory budget of the backend arena (e.g. 24GiB). CPU default: 2GiB of host memory.
+    /// Memory budget of the backend arena (e.g. 24GiB). CPU default: 2GiB of host memory; CUDA default:
+    /// 95% of the GPU's free memory.
     #[arg(long)]
     pub memory: Option<String>,
+    /// CUDA backend: the memory budget as a fraction F (0 < F <= 1) of the GPU's total memory (the
+    /// budget --memory gives in bytes).
+    #[arg(long, value_name = "F", conflicts_with = "memory", value_parser = parse_fraction)]
+    pub gpu_memory_utilization: Option<f64>,
     /// Tokens per engine step (prefill chunks + decode tokens).
     #[arg(long)]
     pub max_batch_tokens: Option<usize>,
@@ -32,7 +37,7 @@ pub struct EngineArgs {
     #[arg(long)]
     pub max_seqs: Option<usize>,
     /// Advertised context (default: the most that fits, capped by the model).
-    #[arg(long)]
+    #[arg(long, short = 'c', visible_aliases = ["max-model-len", "ctx-size"])]
     pub max_context: Option<usize>,
     /// Tokens per KV page.
     #[arg(long, default_value_t = 32)]
@@ -84,7 +89,8 @@ pub struct EngineArgs {
     /// CUDA backend: tensor parallelism, one model split over GPUs 0..N (N = 1, 2, 4 or 8; it must
     /// divide the attention kv heads and the DeltaNet key heads). --memory is then per card (default:
     /// the smallest card's free memory); `deltaserve plan --tensor-parallel N` shows the per-card plan.
-    #[arg(long, default_value_t = 1)]
+    /// vLLM's `-tp N` is accepted too.
+    #[arg(long, visible_alias = "tensor-parallel-size", default_value_t = 1)]
     pub tensor_parallel: usize,
     /// CUDA backend: storage of the decoder linears, bf16 or int4 (group 128). int4 with a bf16
     /// checkpoint quantises it at load (as --quantize int4); with --random-weights, random int4 codes
@@ -196,9 +202,29 @@ impl Built {
     }
 }
 
+/// A model checked and planned, its weights not read yet ([`EngineArgs::prepare`]).
+pub struct Prepared {
+    device: Device,
+    text: TextModel,
+    plan: Plan,
+    sched: SchedConfig,
+    speculative_tokens: usize,
+    /// The KV pages the CPU backend allocates (fewer than the plan's when scoring one sequence).
+    cpu_pages: usize,
+}
+
+impl Prepared {
+    /// The model's tokenizer (None: no tokenizer.json).
+    pub fn tokenizer(&self) -> Option<&Tokenizer> {
+        self.text.tokenizer.as_ref()
+    }
+}
+
 /// A running engine and the plan it was built from.
 pub struct Started {
     pub engine: EngineHandle,
+    /// The backend it runs on.
+    pub device: Device,
     pub plan: Plan,
     pub tokenizer: Option<Arc<Tokenizer>>,
     pub template: Option<Arc<ChatTemplate>>,
@@ -222,7 +248,11 @@ impl Started {
             tokenizer,
             template: self.template.clone(),
             metrics: Arc::new(Default::default()),
-            cfg: Arc::new(ServerConfig { served_model_name: name.to_string(), api_key, max_body_bytes }),
+            cfg: Arc::new(ServerConfig {
+                served_model_name: name.to_string(),
+                api_key: api_key_or_none(api_key),
+                max_body_bytes,
+            }),
             eos_ids: self.eos_ids.clone(),
             sampling_defaults: deltaserve_server::state::sampling_defaults(model_dir),
         })
@@ -232,21 +262,26 @@ impl Started {
 impl EngineArgs {
     /// The plan options: the backend's defaults with the command-line overrides.
     fn plan_options(&self, device: Device) -> Result<PlanOptions> {
-        let (default_memory, mut opts) = match device {
-            Device::Cpu => ("2GiB", PlanOptions::cpu_defaults(0)),
-            Device::Cuda => ("", PlanOptions::gpu_defaults(0)),
+        let mut opts = match device {
+            Device::Cpu => PlanOptions::cpu_defaults(0),
+            Device::Cuda => PlanOptions::gpu_defaults(0),
         };
-        opts.budget_bytes = match (self.memory.as_deref(), device) {
-            (Some(m), _) => parse_size(m).map_err(|e| anyhow::anyhow!("--memory: {e}"))?,
-            (None, Device::Cpu) => parse_size(default_memory).map_err(anyhow::Error::msg)?,
-            (None, Device::Cuda) => {
-                // The GPU's free memory now, less a margin for other processes and the driver; under
-                // tensor parallelism the smallest card's.
-                let mut free = u64::MAX;
+        opts.budget_bytes = match device {
+            Device::Cpu if self.gpu_memory_utilization.is_some() => anyhow::bail!(
+                "--gpu-memory-utilization: a fraction of a GPU's memory; the CPU backend takes --memory (default 2GiB)"
+            ),
+            Device::Cpu => {
+                parse_size(self.memory.as_deref().unwrap_or("2GiB")).map_err(|e| anyhow::anyhow!("--memory: {e}"))?
+            }
+            Device::Cuda => {
+                // Under tensor parallelism the smallest card's memory.
+                let (mut free, mut total) = (u64::MAX, u64::MAX);
                 for gpu in 0..self.tensor_parallel.max(1) {
-                    free = free.min(deltaserve_cuda::Runtime::open(gpu)?.free_memory()?);
+                    let (f, t) = deltaserve_cuda::Runtime::open(gpu)?.memory_info()?;
+                    (free, total) = (free.min(f), total.min(t));
                 }
-                free.saturating_sub(free / 20)
+                let card = GpuMemory { free, total, reserve: opts.runtime_reserve_bytes };
+                card.budget(self.memory.as_deref(), self.gpu_memory_utilization)?
             }
         };
         if let Some(v) = self.max_batch_tokens {
@@ -345,10 +380,16 @@ impl EngineArgs {
         })
     }
 
-    /// Loads the model for the device `--device` selects, plans memory, allocates the backend's
-    /// arena and starts the engine.
-    pub fn start(&self, model: &ModelArgs) -> Result<Started> {
-        let built = self.build(model, &model.dir()?)?;
+    /// Loads the model in `dir` (from [`ModelArgs::dir`]) for the device `--device` selects, plans
+    /// memory, allocates the backend's arena and starts the engine.
+    pub fn start(&self, model: &ModelArgs, dir: &Path) -> Result<Started> {
+        self.start_prepared(model, self.prepare(model, dir, None)?)
+    }
+
+    /// [`EngineArgs::start`] from a model [`EngineArgs::prepare`] has checked and planned.
+    pub fn start_prepared(&self, model: &ModelArgs, prepared: Prepared) -> Result<Started> {
+        let device = prepared.device;
+        let built = self.load(model, prepared)?;
         let engine = EngineHandle::start_with(
             built.backend,
             built.sched,
@@ -358,6 +399,7 @@ impl EngineArgs {
         .context("--speculative-tokens")?;
         Ok(Started {
             engine,
+            device,
             plan: built.plan,
             tokenizer: built.tokenizer,
             template: built.template,
@@ -365,24 +407,44 @@ impl EngineArgs {
         })
     }
 
-    /// Loads the model in `dir` (from [`ModelArgs::dir`]) for the device `--device` selects, plans
-    /// memory and allocates the backend's arena: everything [`EngineArgs::start`] does but the engine.
-    pub fn build(&self, model: &ModelArgs, dir: &Path) -> Result<Built> {
-        self.build_for(model, dir, None)
-    }
-
-    /// [`EngineArgs::build`] for one sequence of `positions` tokens ([`Built::logits_at_every_position`]):
-    /// the CPU backend's arena then holds only the KV pages that sequence needs (its pages emulate every
-    /// KV format in f32, so the plan's pages can take several times `--memory`).
+    /// Loads the model in `dir` (from [`ModelArgs::dir`]) for the device `--device` selects, plans memory
+    /// and allocates the backend's arena for one sequence of `positions` tokens
+    /// ([`Built::logits_at_every_position`]): everything [`EngineArgs::start`] does but the engine. The
+    /// CPU backend's arena then holds only the KV pages that sequence needs (its pages emulate every KV
+    /// format in f32, so the plan's pages can take several times `--memory`).
     pub fn build_to_score(&self, model: &ModelArgs, dir: &Path, positions: usize) -> Result<Built> {
-        self.build_for(model, dir, Some(positions))
+        self.load(model, self.prepare(model, dir, Some(positions))?)
     }
 
-    fn build_for(&self, model: &ModelArgs, dir: &Path, positions: Option<usize>) -> Result<Built> {
-        match model.device()? {
-            Device::Cpu => self.build_cpu(model.load_dir(dir)?, positions),
-            Device::Cuda => self.build_cuda(model.load_text(dir)?, model.random_weights),
+    /// Everything that can be checked before a weight is read: the device (and its libraries), the
+    /// config, tokenizer and chat template, the flags, and the memory plan against the memory there is
+    /// (the GPU's free memory; on the CPU the host's available memory). `positions`: as in
+    /// [`EngineArgs::build_to_score`].
+    pub fn prepare(&self, model: &ModelArgs, dir: &Path, positions: Option<usize>) -> Result<Prepared> {
+        let device = model.device()?;
+        let text = model.load_text(dir)?;
+        match device {
+            Device::Cpu => self.prepare_cpu(text, positions),
+            Device::Cuda => self.prepare_cuda(text, model.random_weights),
         }
+    }
+
+    /// Reads the weights of a prepared model and allocates its backend.
+    fn load(&self, model: &ModelArgs, p: Prepared) -> Result<Built> {
+        let backend: Box<dyn Backend> = match p.device {
+            Device::Cpu => Box::new(self.load_cpu(model, &p)?),
+            Device::Cuda => self.load_cuda(&p, model.random_weights)?,
+        };
+        let Prepared { text, plan, sched, speculative_tokens, .. } = p;
+        Ok(Built {
+            backend,
+            plan,
+            sched,
+            eos_ids: text.config.eos_token_ids.clone(),
+            tokenizer: text.tokenizer.map(Arc::new),
+            template: text.template.map(Arc::new),
+            speculative_tokens,
+        })
     }
 
     /// A copy of these options storing K as `k` and V as `v` (what `--k-cache-dtype` / `--v-cache-dtype`
@@ -391,9 +453,8 @@ impl EngineArgs {
         Self { k_cache_dtype: Some(k.to_string()), v_cache_dtype: Some(v.to_string()), ..self.clone() }
     }
 
-    /// The CUDA backend: weights from the checkpoint (or random at the real shapes) straight into
-    /// the plan's device regions.
-    fn build_cuda(&self, text: TextModel, random_weights: bool) -> Result<Built> {
+    /// The CUDA backend's checks and plan (against the GPU's free memory).
+    fn prepare_cuda(&self, text: TextModel, random_weights: bool) -> Result<Prepared> {
         let tp = self.tensor_parallel;
         deltaserve_model::shard::check_world(&text.config, tp)
             .map_err(|e| anyhow::anyhow!("--tensor-parallel {tp}: {e}"))?;
@@ -418,9 +479,9 @@ impl EngineArgs {
         deltaserve_cuda::KvFormats { k: opts.k_dtype, v: opts.v_dtype }
             .validate()
             .map_err(|e| anyhow::anyhow!("--kv-cache-dtype / --k-cache-dtype / --v-cache-dtype: {e}"))?;
-        let cfg = text.config;
+        let cfg = &text.config;
         opts.set_tensor_parallel(tp);
-        let (int4, asym) = self.cuda_weights(&cfg, random_weights)?;
+        let (int4, asym) = self.cuda_weights(cfg, random_weights)?;
         if int4 {
             opts.weights_dtype = WeightsDtype::Int4;
         }
@@ -430,11 +491,19 @@ impl EngineArgs {
         // A GPTQ checkpoint may keep some linears bf16 or need act-order permutations: the plan adds
         // what its weights need beyond the weights region to the backend scratch (the backend takes it there).
         let checkpoint = (!random_weights).then_some(text.dir.as_path());
-        opts.backend = crate::model_source::cuda_plan_backend(&cfg, checkpoint, &opts)?;
+        opts.backend = crate::model_source::cuda_plan_backend(cfg, checkpoint, &opts)?;
         // The fit may move the embedding to host memory (the MTP head reads its rows from there too).
         let free = Free { embed_on_host: !self.embed_on_host, lm_head_int4: !self.lm_head_int4, ..self.free() };
-        let plan = self.fit(&cfg, &opts, free)?;
+        let plan = self.fit(cfg, &opts, free)?;
         let sched = self.sched_config(&plan)?;
+        let cpu_pages = plan.num_kv_pages;
+        Ok(Prepared { device: Device::Cuda, text, plan, sched, speculative_tokens: spec, cpu_pages })
+    }
+
+    /// The CUDA backend: weights from the checkpoint (or random at the real shapes) straight into
+    /// the plan's device regions.
+    fn load_cuda(&self, p: &Prepared, random_weights: bool) -> Result<Box<dyn Backend>> {
+        let cfg = &p.text.config;
         let weights = if random_weights {
             tracing::warn!("--random-weights: initialising the weights at random on the GPU (benchmarks only)");
             WeightSource::RandomWeights { seed: 0 }
@@ -442,29 +511,19 @@ impl EngineArgs {
             if let Some(q) = &cfg.quantization {
                 tracing::info!(quantization = %q.describe(), "checkpoint quantisation (converted to the device format at load)");
             }
-            WeightSource::Checkpoint(text.dir.clone())
+            WeightSource::Checkpoint(p.text.dir.clone())
         };
         let cuda_opts = cuda_options(!self.no_cuda_graphs);
-        let host_slots = sched.prefix_cache.host_slots;
-        let backend: Box<dyn Backend> = if tp > 1 {
-            Box::new(TpBackend::new(&cfg, weights, &plan, host_slots, cuda_opts)?)
+        let host_slots = p.sched.prefix_cache.host_slots;
+        Ok(if self.tensor_parallel > 1 {
+            Box::new(TpBackend::new(cfg, weights, &p.plan, host_slots, cuda_opts)?)
         } else {
-            Box::new(CudaBackend::with_options(&cfg, weights, &plan, host_slots, cuda_opts)?)
-        };
-        Ok(Built {
-            backend,
-            plan,
-            sched,
-            tokenizer: text.tokenizer.map(Arc::new),
-            template: text.template.map(Arc::new),
-            eos_ids: cfg.eos_token_ids.clone(),
-            speculative_tokens: spec,
+            Box::new(CudaBackend::with_options(cfg, weights, &p.plan, host_slots, cuda_opts)?)
         })
     }
 
-    /// Plans memory for `loaded` on the CPU backend and allocates the arena (with the KV pages of
-    /// `positions` tokens only, when given).
-    fn build_cpu(&self, loaded: LoadedModel, positions: Option<usize>) -> Result<Built> {
+    /// The CPU backend's checks and plan, and the host memory its arena will take against what is available.
+    fn prepare_cpu(&self, text: TextModel, positions: Option<usize>) -> Result<Prepared> {
         self.check_cpu_tensor_parallel()?;
         if self.weights_dtype.is_some() || self.quantize.is_some() || self.lm_head_int4 || self.embed_on_host {
             anyhow::bail!(
@@ -473,57 +532,119 @@ impl EngineArgs {
             );
         }
         let spec = self.speculative_tokens()?;
-        if spec > 0 && !loaded.model.has_mtp() {
-            anyhow::bail!(
-                "--speculative-tokens {spec}: this model has no MTP head (no `mtp.*` tensors in the checkpoint, or \
-                 `mtp_num_hidden_layers` is 0)"
-            );
-        }
         let opts = self.plan_options(Device::Cpu)?;
-        let budget = opts.budget_bytes;
-        let cfg = loaded.model.config.clone();
-        let plan = self.fit(&cfg, &opts, self.free())?;
+        let plan = self.fit(&text.config, &opts, self.free())?;
         let sched = self.sched_config(&plan)?;
-        let eos_ids = cfg.eos_token_ids.clone();
-        let (k_format, v_format) = (plan.options.k_dtype, plan.options.v_dtype);
         let num_pages = positions.map_or(plan.num_kv_pages, |n| n.div_ceil(plan.page_size).clamp(1, plan.num_kv_pages));
-        if (k_format, v_format) != (KvFormat::F32, KvFormat::F32) {
-            let d = loaded.model.dims;
-            let host = num_pages as u64 * plan.page_size as u64 * (d.num_attention_layers * 2 * d.kv_dim * 4) as u64;
+        let need = self.cpu_host_bytes(&text.config, &plan, &sched, num_pages);
+        let lower = format!(
+            "lower --memory ({}) or --snapshot-host-memory ({})",
+            self.memory.as_deref().unwrap_or("default 2GiB"),
+            self.snapshot_host_memory
+        );
+        crate::host_memory::check("the CPU backend", need, crate::host_memory::Available::now(), &lower)?;
+        Ok(Prepared { device: Device::Cpu, text, plan, sched, speculative_tokens: spec, cpu_pages: num_pages })
+    }
+
+    /// Host bytes the CPU backend takes for `plan` with `num_pages` KV pages: the plan's regions with its KV
+    /// pages in f32 (the CPU reference emulates every KV format in f32 pages), and the host snapshot pool.
+    fn cpu_host_bytes(&self, cfg: &ModelConfig, plan: &Plan, sched: &SchedConfig, num_pages: usize) -> u64 {
+        let d = cfg.dims();
+        let f32_kv = num_pages as u64 * plan.page_size as u64 * (d.num_attention_layers * 2 * d.kv_dim * 4) as u64;
+        let plan_kv = plan.num_kv_pages as u64 * plan.kv_page_bytes();
+        let (k, v) = (plan.options.k_dtype, plan.options.v_dtype);
+        if (k, v) != (KvFormat::F32, KvFormat::F32) {
             let msg = format!(
-                "the CPU reference backend emulates K {} / V {} in f32 pages: {num_pages} KV pages take {} of host \
+                "the CPU reference backend emulates K {k} / V {v} in f32 pages: {num_pages} KV pages take {} of host \
                  memory (the plan counts them at the format's size)",
-                plan.options.k_dtype,
-                plan.options.v_dtype,
-                deltaserve_plan::fmt_bytes(host)
+                fmt_bytes(f32_kv)
             );
-            if host > budget {
+            if f32_kv > plan.budget_bytes {
                 tracing::warn!("{msg}; lower --memory to bound it");
             } else {
                 tracing::info!("{msg}");
             }
         }
+        let host_snapshots = sched.prefix_cache.host_slots as u64 * sched.prefix_cache.snapshot_bytes;
+        plan.total_bytes.saturating_sub(plan_kv) + f32_kv + host_snapshots
+    }
+
+    /// The CPU backend: the checkpoint's weights in f32, and its arena.
+    fn load_cpu(&self, model: &ModelArgs, p: &Prepared) -> Result<CpuBackend> {
+        let weights = model.load_weights(&p.text)?;
+        let spec = p.speculative_tokens;
+        if spec > 0 && !weights.has_mtp() {
+            anyhow::bail!(
+                "--speculative-tokens {spec}: this model has no MTP head (no `mtp.*` tensors in the checkpoint, or \
+                 `mtp_num_hidden_layers` is 0)"
+            );
+        }
+        let (plan, sched) = (&p.plan, &p.sched);
         let cache = CpuCacheConfig {
-            num_pages,
+            num_pages: p.cpu_pages,
             page_size: plan.page_size,
             num_slots: plan.num_state_slots,
             snapshot_slots: sched.prefix_cache.device_slots,
             host_snapshot_slots: sched.prefix_cache.host_slots,
         };
         let backend = if spec > 0 {
-            CpuBackend::with_speculation(loaded.model, cache, spec).context("--speculative-tokens")?
+            CpuBackend::with_speculation(weights, cache, spec).context("--speculative-tokens")?
         } else {
-            CpuBackend::new(loaded.model, cache)
+            CpuBackend::new(weights, cache)
         };
-        Ok(Built {
-            backend: Box::new(backend.with_kv_formats(k_format, v_format)),
-            plan,
-            sched,
-            tokenizer: loaded.tokenizer.map(Arc::new),
-            template: loaded.template.map(Arc::new),
-            eos_ids,
-            speculative_tokens: spec,
-        })
+        Ok(backend.with_kv_formats(plan.options.k_dtype, plan.options.v_dtype))
+    }
+}
+
+/// The API key the server requires: an empty `--api-key` / `DELTASERVE_API_KEY=` is no key (said in a
+/// warning), not a key no client can send.
+fn api_key_or_none(key: Option<String>) -> Option<String> {
+    match key {
+        Some(k) if k.trim().is_empty() => {
+            tracing::warn!("the API key (--api-key / DELTASERVE_API_KEY) is empty: requests need no key");
+            None
+        }
+        other => other,
+    }
+}
+
+/// `--gpu-memory-utilization`: a fraction in (0, 1].
+fn parse_fraction(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
+        _ => Err(format!("`{s}` is not a fraction in (0, 1] of the GPU's memory (e.g. 0.9)")),
+    }
+}
+
+/// One GPU's memory as the driver reports it once this process's context exists, and the runtime reserve
+/// the plan counts for that context, its modules and handles.
+struct GpuMemory {
+    free: u64,
+    total: u64,
+    reserve: u64,
+}
+
+impl GpuMemory {
+    /// The budget: `--memory`, or `--gpu-memory-utilization` × the card's total, or 95% of the free memory
+    /// (a margin for other processes and the driver). An explicit budget whose arena (the budget less the
+    /// runtime reserve) exceeds the free memory is refused before any weight is read.
+    fn budget(&self, memory: Option<&str>, utilization: Option<f64>) -> Result<u64> {
+        let (budget, flag) = match (memory, utilization) {
+            (Some(m), _) => (parse_size(m).map_err(|e| anyhow::anyhow!("--memory: {e}"))?, format!("--memory {m}")),
+            (None, Some(f)) => ((self.total as f64 * f) as u64, format!("--gpu-memory-utilization {f}")),
+            (None, None) => return Ok(self.free.saturating_sub(self.free / 20)),
+        };
+        if budget.saturating_sub(self.reserve) > self.free {
+            anyhow::bail!(
+                "{flag} asks for {} ({} for the arena after the {} runtime reserve), but only {} of the GPU's {} is                  free (other processes hold the rest): lower it",
+                fmt_bytes(budget),
+                fmt_bytes(budget.saturating_sub(self.reserve)),
+                fmt_bytes(self.reserve),
+                fmt_bytes(self.free),
+                fmt_bytes(self.total)
+            );
+        }
+        Ok(budget)
     }
 }
 
@@ -534,4 +655,37 @@ pub fn cuda_options(cuda_graphs: bool) -> CudaOptions {
     let sw = deltaserve_cuda::Switches::get();
     let w4_gemm_max_rows = if sw.w4_gemm { CudaOptions::default().w4_gemm_max_rows } else { 0 };
     CudaOptions { cuda_graphs, fold_norms: sw.fold_norms, w4_gemm_max_rows, ..CudaOptions::default() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn an_empty_api_key_is_no_key() {
+        assert_eq!(api_key_or_none(None), None);
+        assert_eq!(api_key_or_none(Some(String::new())), None);
+        assert_eq!(api_key_or_none(Some(" ".into())), None);
+        assert_eq!(api_key_or_none(Some("k".into())), Some("k".into()));
+    }
+
+    #[test]
+    fn gpu_budget_from_the_flags_and_the_free_memory() {
+        let card = GpuMemory { free: 100 * GIB, total: 140 * GIB, reserve: GIB };
+        assert_eq!(card.budget(None, None).unwrap(), 95 * GIB);
+        assert_eq!(card.budget(Some("24GiB"), None).unwrap(), 24 * GIB);
+        assert_eq!(card.budget(None, Some(0.5)).unwrap(), 70 * GIB);
+        // More than the free memory (the arena, less the reserve): refused, naming the flag.
+        let e = card.budget(None, Some(0.9)).unwrap_err().to_string();
+        assert!(
+            e.contains("--gpu-memory-utilization 0.9") && e.contains("126.00 GiB") && e.contains("100.00 GiB"),
+            "{e}"
+        );
+        let e = card.budget(Some("120GiB"), None).unwrap_err().to_string();
+        assert!(e.contains("--memory 120GiB") && e.contains("free"), "{e}");
+        assert!(card.budget(Some("101GiB"), None).is_ok(), "the runtime reserve is in use already");
+        assert!(card.budget(Some("lots"), None).unwrap_err().to_string().contains("--memory"));
+    }
 }

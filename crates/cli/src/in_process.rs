@@ -66,8 +66,9 @@ impl Connected {
 pub(crate) struct InProcess {
     pub(crate) addr: SocketAddr,
     pub(crate) name: String,
-    /// The memory plan the engine was started with.
+    /// The memory plan the engine was started with, and the backend it runs on.
     pub(crate) plan: deltaserve_plan::Plan,
+    pub(crate) device: crate::model_source::Device,
     pub(crate) engine: deltaserve_engine::EngineHandle,
     pub(crate) stop_tx: tokio::sync::oneshot::Sender<()>,
     pub(crate) join: tokio::task::JoinHandle<std::io::Result<()>>,
@@ -83,8 +84,8 @@ impl InProcess {
         };
         let model_dir = model.dir()?;
         let chat_defaults = crate::commands::serve::chat_defaults(model);
-        let (model, engine_args) = (model.clone(), engine.clone());
-        let started = tokio::task::spawn_blocking(move || -> Result<_> { engine_args.start(&model) })
+        let (model, engine_args, dir) = (model.clone(), engine.clone(), model_dir.clone());
+        let started = tokio::task::spawn_blocking(move || -> Result<_> { engine_args.start(&model, &dir) })
             .await
             .context("starting the engine")??;
         tracing::info!("{}", started.plan.table());
@@ -101,7 +102,7 @@ impl InProcess {
             },
             deltaserve_server::ServeOptions { grace: Duration::from_secs(2), chat_defaults },
         ));
-        Ok(Self { addr, name, plan: started.plan, engine: started.engine, stop_tx, join })
+        Ok(Self { addr, name, plan: started.plan, device: started.device, engine: started.engine, stop_tx, join })
     }
 
     pub(crate) async fn stop(self) -> Result<()> {

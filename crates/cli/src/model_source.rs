@@ -51,23 +51,16 @@ pub struct TextModel {
     pub template: Option<ChatTemplate>,
 }
 
-/// A loaded model with its optional tokenizer and chat template.
-pub struct LoadedModel {
-    pub model: CpuModel,
-    pub tokenizer: Option<Tokenizer>,
-    pub template: Option<ChatTemplate>,
-}
-
 impl ModelArgs {
     /// The backend `--device` selects (`auto`: cuda when its libraries are present).
     pub fn device(&self) -> Result<Device> {
         match self.device.as_str() {
             "cpu" => Ok(Device::Cpu),
-            "cuda" => Ok(Device::Cuda),
-            "auto" => {
-                let libs = deltaserve_cuda::LibStatus::probe();
-                Ok(if libs.require_all().is_ok() { Device::Cuda } else { Device::Cpu })
+            "cuda" => {
+                deltaserve_cuda::LibStatus::probe().require_all().context("--device cuda")?;
+                Ok(Device::Cuda)
             }
+            "auto" => Ok(crate::device::auto()),
             other => bail!("unknown --device `{other}` (expected cpu, cuda or auto)"),
         }
     }
@@ -99,12 +92,12 @@ impl ModelArgs {
         }
     }
 
-    /// Loads the model in `dir` (from [`ModelArgs::dir`]) with f32 weights for the CPU reference backend.
-    pub fn load_dir(&self, dir: &Path) -> Result<LoadedModel> {
+    /// Loads the weights of `text` (from [`ModelArgs::load_text`]) in f32 for the CPU reference backend.
+    pub fn load_weights(&self, text: &TextModel) -> Result<CpuModel> {
         if self.random_weights {
             bail!("--random-weights initialises weights on the GPU: use it with --device cuda");
         }
-        load_dir(dir)
+        load_weights(text)
     }
 
     /// Config, tokenizer and chat template of `dir`, without the weights (the CUDA backend loads
@@ -120,16 +113,10 @@ impl ModelArgs {
     }
 }
 
-fn load_dir(dir: &Path) -> Result<LoadedModel> {
-    if !dir.is_dir() {
-        bail!("model directory {} does not exist", dir.display());
-    }
-    let config = ModelConfig::from_dir(dir)?;
+fn load_weights(text: &TextModel) -> Result<CpuModel> {
+    let TextModel { dir, config, tokenizer, .. } = text;
     let ckpt = Checkpoint::open(dir)?;
-    let weights = ModelWeights::load_f32(&ckpt, &config)?;
-    let tok_path = dir.join("tokenizer.json");
-    let tokenizer = if tok_path.exists() { Some(Tokenizer::from_file(&tok_path)?) } else { None };
-    let template = ChatTemplate::from_dir(dir)?;
+    let weights = ModelWeights::load_f32(&ckpt, config)?;
     tracing::info!(
         model = %dir.display(),
         layers = config.layer_types.len(),
@@ -139,7 +126,7 @@ fn load_dir(dir: &Path) -> Result<LoadedModel> {
         quantization = config.quantization.as_ref().map_or("none".to_string(), |q| q.describe() + ", dequantised to f32"),
         "model loaded on the CPU reference backend"
     );
-    Ok(LoadedModel { model: CpuModel::new(config, weights), tokenizer, template })
+    Ok(CpuModel::new(config.clone(), weights))
 }
 
 /// Parses `1,2,3` or `@file.json` (a JSON array of ids).

@@ -163,3 +163,64 @@ fn token_outside_the_vocabulary_is_a_clean_error() {
     let out = run(&["generate", "--model", "/nonexistent/model", "--tokens", "1"]);
     assert_clean_error(&out, &["does not exist"]);
 }
+
+/// The one `error:` line of a failed run: non-zero exit, no panic, the error the last line of stderr.
+fn error_line(out: &Output) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && out.status.code() == Some(1), "want exit code 1: {:?}\n{stderr}", out.status);
+    assert!(!stderr.contains("panicked"), "panicked: {stderr}");
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(last.starts_with("error: "), "the error is not the last line: {stderr}");
+    assert_eq!(stderr.matches("error: ").count(), 1, "{stderr}");
+    last.to_string()
+}
+
+/// A model directory whose weights cannot be read (garbage safetensors): an error that names anything
+/// but the weights proves it was found before a weight was read.
+fn unreadable_weights(tag: &str) -> PathBuf {
+    let dir = synth_tiny(tag);
+    std::fs::write(dir.join("model.safetensors"), b"not a safetensors file").unwrap();
+    dir
+}
+
+#[test]
+fn serve_checks_everything_before_reading_weights() {
+    let dir = unreadable_weights("precheck");
+    let model = dir.to_str().unwrap();
+    let serve = |port: &str, extra: &[&str]| {
+        let mut args = vec!["serve", model, "--port", port];
+        args.extend_from_slice(extra);
+        error_line(&run(&args))
+    };
+    // The port in use.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let e = serve(&port, &[]);
+    assert!(e.contains(&format!("port {port} is in use")), "{e}");
+    // A host that is not this machine's.
+    let e = serve("0", &["--host", "192.0.2.1"]);
+    assert!(e.contains("192.0.2.1") && e.contains("not an address of this machine"), "{e}");
+    // More memory than the host has (the CPU backend's plan).
+    let e = serve("0", &["--memory", "100000GiB"]);
+    assert!(e.contains("host memory") && e.contains("available") && e.contains("lower --memory"), "{e}");
+    // Everything checked passes: only now are the weights read.
+    let e = serve("0", &[]);
+    assert!(e.contains("model.safetensors"), "{e}");
+    // No tokenizer.
+    std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
+    let e = serve("0", &[]);
+    assert!(e.contains("tokenizer.json") && !e.contains("safetensors"), "{e}");
+}
+
+#[test]
+fn os_errors_are_printed_once_and_logs_are_plain_text() {
+    let dir = tempdir("noconfig");
+    let out =
+        bin().env("RUST_LOG", "info").args(["generate", "--model", dir.to_str().unwrap(), "--tokens", "1"]).output();
+    let out = out.unwrap();
+    let e = error_line(&out);
+    assert!(e.contains("config.json") && e.matches("os error 2").count() == 1, "{e}");
+    // stderr is not a terminal here: no colour codes in the log lines.
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(" INFO ") && !stderr.contains('\u{1b}'), "{stderr}");
+}

@@ -91,7 +91,7 @@ fn kld_on_text_and_the_table() {
     std::fs::create_dir_all(&dir).unwrap();
     let text: PathBuf = dir.join("t.txt");
     std::fs::write(&text, "The quick brown fox jumps over the lazy dog. ".repeat(8)).unwrap();
-    let out = run(&["eval", "kld", "--text", text.to_str().unwrap(), "--configs", "bf16,int4", "--chunk", "7"]);
+    let out = run(&["eval", "kld", "--text-file", text.to_str().unwrap(), "--configs", "bf16,int4", "--chunk", "7"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("int4") && stdout.contains("p99.9") && stdout.contains("top-1"), "{stdout}");
@@ -117,5 +117,5 @@ fn unknown_dtypes_fail_cleanly() {
     let out = run(&["eval", "kld", "--tokens", "8", "--baseline", "fp9"]);
     assert_clean_error(&out, &["--baseline", "fp9"]);
     let out = run(&["eval", "kld", "--configs", "fp8"]);
-    assert_clean_error(&out, &["--text", "--tokens"]);
+    assert_clean_error(&out, &["--text-file", "--tokens"]);
 }

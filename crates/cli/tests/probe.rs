@@ -77,3 +77,15 @@ fn nothing_listening_is_a_clean_error() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("cannot connect") && !stderr.contains("panicked"), "{stderr}");
 }
+
+#[test]
+fn on_the_cpu_the_default_ladder_is_capped() {
+    let out = probe(&["--device", "cpu", "--rungs", "5", "--turns", "0", "--max-tokens", "1", "--json"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["max_context"], 8192, "{v:#}");
+    assert!(v["advertised_context"].as_u64().unwrap() > 8192, "{v:#}");
+    let prompt = v["rungs"][0]["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt <= 409 && prompt + 16 >= 409, "5% of 8192: {prompt}");
+}

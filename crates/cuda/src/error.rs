@@ -1,5 +1,6 @@
 //! The crate's error type: every failure names what was being done (library, kernel and launch
-//! dims, arena region, GEMM shape), so a log line is enough to find the cause.
+//! dims, arena region, GEMM shape), so a log line is enough to find the cause. A library's error is part
+//! of the message, not also a `source()` (an error chain would print it twice).
 
 use cudarc::cublaslt::result::CublasError;
 use cudarc::driver::DriverError;
@@ -11,12 +12,8 @@ pub enum CudaError {
     #[error("CUDA library `{lib}` not found by dlopen ({hint})")]
     LibraryMissing { lib: &'static str, hint: &'static str },
     /// A driver call outside a kernel launch failed.
-    #[error("CUDA driver call `{call}` failed: {source}")]
-    Driver {
-        call: &'static str,
-        #[source]
-        source: DriverError,
-    },
+    #[error("CUDA driver call `{call}` failed: {cause}")]
+    Driver { call: &'static str, cause: DriverError },
     /// The GPU is older than Ampere.
     #[error("GPU {ordinal} ({name}) is sm_{major}{minor}; deltaserve's CUDA backend needs sm_80 or newer")]
     UnsupportedArch { ordinal: usize, name: String, major: i32, minor: i32 },
@@ -27,23 +24,11 @@ pub enum CudaError {
     #[error("NVRTC could not compile `{module}` for {arch} with [{options}]:\n{log}")]
     Compile { module: String, arch: String, options: String, log: String },
     /// An NVRTC API call failed.
-    #[error("NVRTC call `{call}` for `{module}` failed: {source}")]
-    Nvrtc {
-        call: &'static str,
-        module: String,
-        #[source]
-        source: NvrtcError,
-    },
+    #[error("NVRTC call `{call}` for `{module}` failed: {cause}")]
+    Nvrtc { call: &'static str, module: String, cause: NvrtcError },
     /// A kernel launch failed.
-    #[error("launch of `{kernel}` (grid {grid:?}, block {block:?}, smem {smem} B) failed: {source}")]
-    Launch {
-        kernel: &'static str,
-        grid: (u32, u32, u32),
-        block: (u32, u32, u32),
-        smem: u32,
-        #[source]
-        source: DriverError,
-    },
+    #[error("launch of `{kernel}` (grid {grid:?}, block {block:?}, smem {smem} B) failed: {cause}")]
+    Launch { kernel: &'static str, grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32, cause: DriverError },
     /// A launcher's arguments do not describe a valid launch.
     #[error("`{kernel}`: invalid arguments: {msg}")]
     InvalidArgs { kernel: &'static str, msg: String },
@@ -60,20 +45,13 @@ pub enum CudaError {
     #[error("plan: {0}")]
     Plan(String),
     /// A cuBLASLt call failed.
-    #[error("cuBLASLt `{call}` failed for y[{n}x{m}] = x[{n}x{k}] * W[{m}x{k}]^T: {source}")]
-    Blas {
-        call: &'static str,
-        m: usize,
-        n: usize,
-        k: usize,
-        #[source]
-        source: CublasError,
-    },
+    #[error("cuBLASLt `{call}` failed for y[{n}x{m}] = x[{n}x{k}] * W[{m}x{k}]^T: {cause}")]
+    Blas { call: &'static str, m: usize, n: usize, k: usize, cause: CublasError },
 }
 
 impl CudaError {
     /// `map_err` adapter naming the driver call.
     pub fn driver(call: &'static str) -> impl FnOnce(DriverError) -> CudaError {
-        move |source| CudaError::Driver { call, source }
+        move |cause| CudaError::Driver { call, cause }
     }
 }

@@ -59,7 +59,7 @@ impl Gemm {
             m: 0,
             n: 0,
             k: 0,
-            source,
+            cause: source,
         })?;
         Ok(Gemm { handle, workspace, plans: RefCell::new(HashMap::new()), heuristic_calls: Cell::new(0) })
     }
@@ -90,7 +90,7 @@ impl Gemm {
 
     fn make_plan(&self, key: PlanKey) -> Result<Plan, CudaError> {
         let (m, n, k, f32_out, ldc, align_c) = key;
-        let err = |call| move |source| CudaError::Blas { call, m, n, k, source };
+        let err = |call| move |source| CudaError::Blas { call, m, n, k, cause: source };
         if m == 0 || n == 0 || k == 0 || ldc < m {
             return Err(CudaError::InvalidArgs {
                 kernel: "gemm",
@@ -232,7 +232,7 @@ impl Gemm {
                 stream.cu_stream() as sys::cudaStream_t,
             )
         }
-        .map_err(|source| CudaError::Blas { call: "cublasLtMatmul", m, n, k, source })
+        .map_err(|source| CudaError::Blas { call: "cublasLtMatmul", m, n, k, cause: source })
     }
 }
 

@@ -160,7 +160,7 @@ pub fn nvrtc_version() -> Result<(i32, i32), CudaError> {
     unsafe { sys::nvrtcVersion(&mut major, &mut minor) }.result().map_err(|source| CudaError::Nvrtc {
         call: "nvrtcVersion",
         module: String::new(),
-        source,
+        cause: source,
     })?;
     Ok((major, minor))
 }
@@ -248,7 +248,7 @@ fn compile_uncached(
     arch: &str,
     options: &[String],
 ) -> Result<(Vec<u8>, String), CudaError> {
-    let nv = |call: &'static str| move |source| CudaError::Nvrtc { call, module: module.to_string(), source };
+    let nv = |call: &'static str| move |source| CudaError::Nvrtc { call, module: module.to_string(), cause: source };
     let c_src = CString::new(src).map_err(|_| CudaError::Compile {
         module: module.into(),
         arch: arch.into(),

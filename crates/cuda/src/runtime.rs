@@ -111,9 +111,14 @@ impl Runtime {
 
     /// Device memory free right now, as the driver reports it (bytes).
     pub fn free_memory(&self) -> Result<u64, CudaError> {
+        Ok(self.memory_info()?.0)
+    }
+
+    /// The device's (free, total) memory in bytes.
+    pub fn memory_info(&self) -> Result<(u64, u64), CudaError> {
         self.ctx.bind_to_thread().map_err(CudaError::driver("cuCtxSetCurrent"))?;
-        let (free, _total) = self.ctx.mem_get_info().map_err(CudaError::driver("cuMemGetInfo"))?;
-        Ok(free as u64)
+        let (free, total) = self.ctx.mem_get_info().map_err(CudaError::driver("cuMemGetInfo"))?;
+        Ok((free as u64, total as u64))
     }
 
     /// `sm_XY` for NVRTC, e.g. `sm_90` (never `sm_90a`: no Hopper-only instructions).

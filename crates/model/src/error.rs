@@ -2,10 +2,12 @@
 
 use std::path::{Path, PathBuf};
 
+/// Each message carries its cause in full (an OS error is part of the message, not a `source()` that
+/// an error chain would print a second time).
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {cause}")]
+    Io { path: PathBuf, cause: std::io::Error },
     #[error("invalid model config: {0}")]
     Config(String),
     #[error("not supported: {0}")]
@@ -19,8 +21,8 @@ pub enum ModelError {
 }
 
 impl ModelError {
-    pub fn io(path: &Path, source: std::io::Error) -> Self {
-        Self::Io { path: path.to_path_buf(), source }
+    pub fn io(path: &Path, cause: std::io::Error) -> Self {
+        Self::Io { path: path.to_path_buf(), cause }
     }
     pub fn config(msg: impl Into<String>) -> Self {
         Self::Config(msg.into())

@@ -158,7 +158,7 @@ impl Plan {
 
         if weights.saturating_add(reserve) > budget {
             let mut h = Vec::new();
-            if opts.weights_dtype != WeightsDtype::Int4 {
+            if opts.weights_dtype != WeightsDtype::Int4 && hints.weight_flags_apply() {
                 let int4 = PlanOptions { weights_dtype: WeightsDtype::Int4, ..opts.clone() };
                 if let Some(w) = WeightBytes::new(cfg, &int4) {
                     h.push(format!("use --weights-dtype int4 ({} of weights)", fmt_bytes(w.device())));
@@ -574,8 +574,17 @@ struct Hints<'a> {
 }
 
 impl Hints<'_> {
+    /// Whether the weight-storage flags (--weights-dtype, --embed-on-host, --lm-head-int4) apply: not to
+    /// f32 weights, the CPU reference backend's (it keeps every weight in f32 and takes none of them).
+    fn weight_flags_apply(&self) -> bool {
+        self.opts.weights_dtype != WeightsDtype::F32
+    }
+
     fn weight_savings(&self) -> Vec<String> {
         let mut h = Vec::new();
+        if !self.weight_flags_apply() {
+            return h;
+        }
         if !self.opts.embed_on_host && self.wb.embed > 0 {
             let on_host = PlanOptions { embed_on_host: true, ..self.opts.clone() };
             if let Some(w) = WeightBytes::new(self.cfg, &on_host)

@@ -264,54 +264,102 @@ impl Plan {
         s
     }
 
-    /// A self-contained SVG: one bar of the budget split into regions, a legend, and the activation workspace
+    /// A self-contained SVG: one bar of the budget split into regions (each its own colour), the host
+    /// embedding beside it when the plan keeps it in host memory, a legend, and the activation workspace
     /// drawn by liveness (ops across, offset down).
     pub fn svg(&self) -> String {
-        const W: f64 = 1000.0;
-        const X0: f64 = 20.0;
-        const BAR_W: f64 = W - 2.0 * X0;
-        const COLORS: [&str; 8] =
-            ["#4e79a7", "#f28e2b", "#59a14f", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f"];
         let o = &self.options;
         let mut segs: Vec<(String, u64, &str, String)> = self
             .regions
             .iter()
             .enumerate()
-            .map(|(i, r)| (r.name.to_string(), r.bytes, COLORS[i % COLORS.len()], r.note.clone()))
+            .map(|(i, r)| (r.name.to_string(), r.bytes, REGION_COLORS[i % REGION_COLORS.len()], r.note.clone()))
             .collect();
-        segs.push(("runtime_reserve".into(), o.runtime_reserve_bytes, "#bab0ac", reserve_note(o)));
+        segs.push(("runtime_reserve".into(), o.runtime_reserve_bytes, RESERVE_COLOR, reserve_note(o)));
         if o.graph_reserve_bytes > 0 {
-            segs.push(("cuda_graphs".into(), o.graph_reserve_bytes, "#d4a6c8", GRAPHS_NOTE.into()));
+            segs.push(("cuda_graphs".into(), o.graph_reserve_bytes, GRAPHS_COLOR, GRAPHS_NOTE.into()));
         }
-        segs.push(("free".into(), self.free_bytes(), "#eeeeee", "less than one KV page".into()));
-        let legend_rows = segs.len().div_ceil(2);
-        let ws_top = 130.0 + 22.0 * legend_rows as f64;
-        let ws_h = 260.0;
-        let h = ws_top + ws_h + 60.0;
+        segs.push(("free".into(), self.free_bytes(), FREE_COLOR, "less than one KV page".into()));
+        let subtitle = wrap(&self.context_line(), SUBTITLE_CHARS);
+        let bar_y = 40.0 + 18.0 * subtitle.len() as f64;
+        let host_y = bar_y + BAR_H + 12.0;
+        let host = self.host_weights_bytes > 0;
+        let legend_y = if host { host_y + HOST_H + 28.0 } else { bar_y + BAR_H + 24.0 };
+        let legend_rows = (segs.len() + usize::from(host)).div_ceil(2);
+        let ws_top = legend_y + 22.0 * legend_rows as f64 + 12.0;
+        // The op names under the workspace run down at 40°: room for the longest (8 px text, ~4.8 px a character).
+        let longest = self.workspace.ops.iter().map(|op| op.len()).max().unwrap_or(0) as f64;
+        let h = ws_top + WS_H + 16.0 + longest * 4.8 * 0.65;
+        let w = X0 + BAR_W + longest * 4.8 * 0.77 + 8.0;
+
         let mut s = String::new();
         let _ = writeln!(
             s,
-            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{h}" viewBox="0 0 {W} {h}" font-family="sans-serif" font-size="12">"#
+            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w:.0}" height="{h:.0}" viewBox="0 0 {w:.0} {h:.0}" font-family="sans-serif" font-size="12">"#
         );
         let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
         let _ = writeln!(
             s,
-            r#"<text x="{X0}" y="24" font-size="16" font-weight="bold">deltaserve memory plan: {} of {} ({:.1}%)</text>"#,
+            r#"<text x="{X0}" y="24" font-size="16" font-weight="bold">deltaserve memory plan{}: {} of {} ({:.1}%)</text>"#,
+            esc(&self.per_card()),
             fmt_bytes(self.total_bytes),
             fmt_bytes(self.budget_bytes),
             self.pct(self.total_bytes)
         );
-        let _ = writeln!(s, r#"<text x="{X0}" y="44">{}</text>"#, esc(&self.context_line()));
+        for (i, line) in subtitle.iter().enumerate() {
+            let _ = writeln!(s, r#"<text x="{X0}" y="{}">{}</text>"#, 44.0 + 18.0 * i as f64, esc(line));
+        }
         let scale = BAR_W / self.budget_bytes.max(1) as f64;
+        self.svg_budget_bar(&mut s, &segs, bar_y, scale);
+        if host {
+            let hw = (self.host_weights_bytes as f64 * scale).max(2.0);
+            let _ = writeln!(
+                s,
+                r##"<rect x="{X0}" y="{host_y}" width="{hw:.2}" height="{HOST_H}" fill="{HOST_COLOR}" stroke="#555" stroke-dasharray="4 2"><title>embedding in pinned host memory: {}</title></rect>"##,
+                fmt_bytes(self.host_weights_bytes)
+            );
+            let _ = writeln!(
+                s,
+                r#"<text x="{:.2}" y="{:.1}">host memory, outside the budget: embedding {}</text>"#,
+                X0 + hw + 6.0,
+                host_y + HOST_H - 5.0,
+                fmt_bytes(self.host_weights_bytes)
+            );
+        }
+        let mut legend: Vec<(String, &str)> =
+            segs.iter().map(|(n, b, c, _)| (format!("{n}: {} ({:.1}%)", fmt_bytes(*b), self.pct(*b)), *c)).collect();
+        if host {
+            legend.push((
+                format!("host embedding: {} (pinned host memory)", fmt_bytes(self.host_weights_bytes)),
+                HOST_COLOR,
+            ));
+        }
+        for (i, (text, color)) in legend.iter().enumerate() {
+            let lx = X0 + (i % 2) as f64 * (BAR_W / 2.0);
+            let ly = legend_y + 22.0 * (i / 2) as f64;
+            let _ = writeln!(
+                s,
+                r##"<rect x="{lx}" y="{}" width="14" height="14" fill="{color}" stroke="#888"/>"##,
+                ly - 11.0
+            );
+            let _ = writeln!(s, r#"<text x="{}" y="{ly}">{}</text>"#, lx + 20.0, esc(text));
+        }
+        self.svg_workspace(&mut s, ws_top);
+        s.push_str("</svg>\n");
+        s
+    }
+
+    /// The budget bar: one segment per region, labelled where the label fits.
+    fn svg_budget_bar(&self, s: &mut String, segs: &[(String, u64, &str, String)], y: f64, scale: f64) {
         let mut x = X0;
-        for (name, bytes, color, note) in &segs {
+        for (name, bytes, color, note) in segs {
             let w = *bytes as f64 * scale;
             if w <= 0.0 {
                 continue;
             }
             let _ = writeln!(
                 s,
-                r#"<rect x="{x:.2}" y="60" width="{w:.2}" height="44" fill="{color}" stroke="white" stroke-width="0.5"><title>{}: {} ({:.1}%) {}</title></rect>"#,
+                r#"<rect x="{x:.2}" y="{y}" width="{w:.2}" height="{BAR_H}" fill="{color}" stroke="white" stroke-width="0.5"><title>{}: {} ({:.1}%) {}</title></rect>"#,
                 name,
                 fmt_bytes(*bytes),
                 self.pct(*bytes),
@@ -323,30 +371,18 @@ impl Plan {
             if let Some(label) = label {
                 let _ = writeln!(
                     s,
-                    r#"<text x="{:.2}" y="86" text-anchor="middle" fill="black">{label}</text>"#,
-                    x + w / 2.0
+                    r#"<text x="{:.2}" y="{:.1}" text-anchor="middle" fill="black">{label}</text>"#,
+                    x + w / 2.0,
+                    y + BAR_H / 2.0 + 4.0
                 );
             }
             x += w;
         }
-        let _ = writeln!(s, r#"<rect x="{X0}" y="60" width="{BAR_W}" height="44" fill="none" stroke="black"/>"#);
-        for (i, (name, bytes, color, _)) in segs.iter().enumerate() {
-            let lx = X0 + (i % 2) as f64 * (BAR_W / 2.0);
-            let ly = 124.0 + 22.0 * (i / 2) as f64;
-            let _ = writeln!(
-                s,
-                r##"<rect x="{lx}" y="{}" width="14" height="14" fill="{color}" stroke="#888"/>"##,
-                ly - 11.0
-            );
-            let _ = writeln!(
-                s,
-                r#"<text x="{}" y="{ly}">{name}: {} ({:.1}%)</text>"#,
-                lx + 20.0,
-                fmt_bytes(*bytes),
-                self.pct(*bytes)
-            );
-        }
-        // Workspace by liveness.
+        let _ = writeln!(s, r#"<rect x="{X0}" y="{y}" width="{BAR_W}" height="{BAR_H}" fill="none" stroke="black"/>"#);
+    }
+
+    /// The activation workspace by liveness, its op names underneath.
+    fn svg_workspace(&self, s: &mut String, ws_top: f64) {
         let ws = &self.workspace;
         let _ = writeln!(
             s,
@@ -358,10 +394,10 @@ impl Plan {
         );
         let n_ops = ws.ops.len().max(1) as f64;
         let ox = BAR_W / n_ops;
-        let oy = ws_h / ws.bytes.max(1) as f64;
+        let oy = WS_H / ws.bytes.max(1) as f64;
         let _ = writeln!(
             s,
-            r##"<rect x="{X0}" y="{ws_top}" width="{BAR_W}" height="{ws_h}" fill="#fafafa" stroke="black"/>"##
+            r##"<rect x="{X0}" y="{ws_top}" width="{BAR_W}" height="{WS_H}" fill="#fafafa" stroke="black"/>"##
         );
         for (i, b) in ws.buffers.iter().enumerate() {
             let bx = X0 + b.first_op as f64 * ox;
@@ -371,7 +407,7 @@ impl Plan {
             let _ = writeln!(
                 s,
                 r#"<rect x="{bx:.2}" y="{by:.2}" width="{bw:.2}" height="{bh:.2}" fill="{}" fill-opacity="0.8" stroke="white" stroke-width="0.5"><title>{}: {} at +{} ops {}..{} ({}→{}) {}</title></rect>"#,
-                COLORS[i % COLORS.len()],
+                REGION_COLORS[i % REGION_COLORS.len()],
                 b.name,
                 fmt_bytes(b.bytes),
                 fmt_bytes(b.offset),
@@ -393,15 +429,47 @@ impl Plan {
         }
         for (i, op) in ws.ops.iter().enumerate() {
             let tx = X0 + (i as f64 + 0.5) * ox;
-            let ty = ws_top + ws_h + 8.0;
+            let ty = ws_top + WS_H + 8.0;
             let _ = writeln!(
                 s,
                 r##"<text x="{tx:.2}" y="{ty:.2}" font-size="8" fill="#555" transform="rotate(40 {tx:.2} {ty:.2})">{op}</text>"##
             );
         }
-        s.push_str("</svg>\n");
-        s
     }
+}
+
+/// The plan chart's geometry: left margin, bar width and height, host bar height, workspace height.
+const X0: f64 = 20.0;
+const BAR_W: f64 = 960.0;
+const BAR_H: f64 = 44.0;
+const HOST_H: f64 = 22.0;
+const WS_H: f64 = 260.0;
+/// Characters of subtitle per line (12 px text across the bar).
+const SUBTITLE_CHARS: usize = 140;
+/// One colour per region (more than the plan has), none of them the reserve's, the graphs', the free space's or the
+/// host embedding's.
+const REGION_COLORS: [&str; 12] = [
+    "#4e79a7", "#f28e2b", "#59a14f", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#e15759", "#17becf",
+    "#8cd17d", "#d37295",
+];
+const RESERVE_COLOR: &str = "#bab0ac";
+const FREE_COLOR: &str = "#eeeeee";
+const GRAPHS_COLOR: &str = "#d4a6c8";
+const HOST_COLOR: &str = "#a0cbe8";
+
+/// `text` split at spaces into lines of at most `width` characters (a longer word keeps its own line).
+fn wrap(text: &str, width: usize) -> Vec<String> {
+    let mut lines: Vec<String> = Vec::new();
+    for word in text.split(' ') {
+        match lines.last_mut() {
+            Some(line) if line.len() + 1 + word.len() <= width => {
+                line.push(' ');
+                line.push_str(word);
+            }
+            _ => lines.push(word.to_string()),
+        }
+    }
+    lines
 }
 
 fn esc(t: &str) -> String {
@@ -420,5 +488,17 @@ fn reserve_note(o: &crate::PlanOptions) -> String {
         )
     } else {
         "CUDA context, modules, cuBLAS handles".into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wrapping() {
+        assert_eq!(wrap("aa bb cc", 5), ["aa bb", "cc"]);
+        assert_eq!(wrap("averylongword b", 4), ["averylongword", "b"]);
+        assert_eq!(wrap("one", 80), ["one"]);
     }
 }

@@ -219,6 +219,15 @@ fn errors_name_sizes_and_fixes() {
     }
     let e = Plan::new(&c, &PlanOptions::gpu_defaults(24 * GIB)).unwrap_err();
     assert!(e.to_string().contains("--weights-dtype int4"), "{e}");
+    // The CPU reference (f32 weights) takes none of the CUDA weight flags: the hints name what it takes.
+    let tiny = cfg("tiny", None);
+    for budget in [MIB, 5 * MIB] {
+        let m = Plan::new(&tiny, &PlanOptions::cpu_defaults(budget)).unwrap_err().to_string();
+        for cuda_only in ["--weights-dtype", "--embed-on-host", "--lm-head-int4"] {
+            assert!(!m.contains(cuda_only), "`{cuda_only}` recommended on the CPU: {m}");
+        }
+        assert!(m.contains("raise --memory"), "{m}");
+    }
 
     // Weights fit but the state slots do not.
     let e = Plan::new(&c, &int4_fp8(18 * GIB)).unwrap_err();
@@ -305,6 +314,24 @@ fn host_embedding_and_int4_lm_head() {
     assert_eq!(host.weights_bytes, base.weights_bytes - table);
     // The host gathers the step's rows and uploads [T, D] bf16.
     assert_eq!(host.workspace.get("embed_rows").unwrap().bytes, 4096 * 5120 * 2);
+    // The chart draws the host embedding, apart from the budget; each region has its own colour.
+    assert!(host.svg().contains("host memory, outside the budget: embedding 2.37 GiB"));
+    assert!(!base.svg().contains("host memory"));
+    let svg = host.svg();
+    let fills: Vec<&str> = host
+        .regions
+        .iter()
+        .filter(|r| r.bytes > 0)
+        .map(|r| {
+            let at = svg.find(&format!("<title>{}: ", r.name)).unwrap();
+            let rect = &svg[svg[..at].rfind("<rect").unwrap()..at];
+            rect.split("fill=\"").nth(1).unwrap().split('"').next().unwrap()
+        })
+        .collect();
+    let mut distinct = fills.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(distinct.len(), fills.len(), "regions share a colour: {fills:?}");
     assert!(base.workspace.get("embed_rows").is_none());
     let lm4 = Plan::new(&c, &PlanOptions { lm_head_int4: true, ..int4_fp8(24 * GIB) }).unwrap();
     assert_eq!(lm4.weights_bytes, base.weights_bytes - table + table / 4 + 248_320 * 40 * 2);

@@ -5,13 +5,10 @@ use std::path::PathBuf;
 /// Errors from tokenizer loading, encoding/decoding, chat templates and synthetic vocabularies.
 #[derive(Debug, thiserror::Error)]
 pub enum TextError {
-    /// A file could not be read.
-    #[error("cannot read {path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    /// A file could not be read. The OS error is part of the message (not a `source()`, which would
+    /// print it twice in a chain).
+    #[error("cannot read {path}: {cause}")]
+    Io { path: PathBuf, cause: std::io::Error },
     /// A tokenizer definition (tokenizer.json or JSON text) could not be loaded.
     #[error("cannot load tokenizer from {origin}: {message}")]
     TokenizerLoad { origin: String, message: String },
@@ -25,12 +22,8 @@ pub enum TextError {
     #[error("token id {id} is outside the vocabulary (size {vocab_size})")]
     UnknownId { id: u32, vocab_size: usize },
     /// A JSON file could not be parsed.
-    #[error("cannot parse {path} as JSON: {source}")]
-    Json {
-        path: PathBuf,
-        #[source]
-        source: serde_json::Error,
-    },
+    #[error("cannot parse {path} as JSON: {cause}")]
+    Json { path: PathBuf, cause: serde_json::Error },
     /// A field of a config file has an unexpected shape.
     #[error("{path}: field `{field}`: {message}")]
     ConfigField { path: PathBuf, field: String, message: String },

@@ -221,12 +221,12 @@ fn error_chain(err: &minijinja::Error) -> String {
 }
 
 fn read_text(path: &Path) -> Result<String, TextError> {
-    std::fs::read_to_string(path).map_err(|source| TextError::Io { path: path.to_path_buf(), source })
+    std::fs::read_to_string(path).map_err(|source| TextError::Io { path: path.to_path_buf(), cause: source })
 }
 
 fn read_json(path: &Path) -> Result<serde_json::Value, TextError> {
     let text = read_text(path)?;
-    serde_json::from_str(&text).map_err(|source| TextError::Json { path: path.to_path_buf(), source })
+    serde_json::from_str(&text).map_err(|source| TextError::Json { path: path.to_path_buf(), cause: source })
 }
 
 fn field_error(path: &Path, field: &str, message: &str) -> TextError {

@@ -24,8 +24,8 @@ impl std::fmt::Debug for Tokenizer {
 impl Tokenizer {
     /// Loads a `tokenizer.json` file.
     pub fn from_file(path: &Path) -> Result<Self, TextError> {
-        let text =
-            std::fs::read_to_string(path).map_err(|source| TextError::Io { path: path.to_path_buf(), source })?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| TextError::Io { path: path.to_path_buf(), cause: source })?;
         Self::load(&text, &path.display().to_string())
     }
 

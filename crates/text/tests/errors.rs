@@ -34,6 +34,8 @@ fn malformed_tokenizer_json() {
     let missing = dir.join("missing.json");
     let err = Tokenizer::from_file(&missing).unwrap_err();
     assert!(matches!(err, TextError::Io { .. }) && err.to_string().contains("missing.json"), "{err}");
+    // The OS error is in the message once: not also a source() that an error chain prints again.
+    assert!(err.to_string().contains("os error 2") && std::error::Error::source(&err).is_none(), "{err}");
 }
 
 #[test]

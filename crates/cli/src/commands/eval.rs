@@ -24,15 +24,15 @@ pub enum Command {
 }
 
 #[derive(clap::Args)]
-#[command(group(clap::ArgGroup::new("input").required(true).args(["text", "tokens"])))]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["text_file", "tokens"])))]
 pub struct KldArgs {
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
     engine: EngineArgs,
-    /// Text to evaluate on (tokenised with the model's tokenizer.json).
-    #[arg(long)]
-    text: Option<PathBuf>,
+    /// A text file to evaluate on (tokenised with the model's tokenizer.json); `--text` is an alias.
+    #[arg(long, value_name = "FILE", alias = "text")]
+    text_file: Option<PathBuf>,
     /// Evaluate on this many deterministic pseudo-random token ids instead (for random-weight models).
     #[arg(long)]
     tokens: Option<usize>,
@@ -251,20 +251,21 @@ fn run_kld(a: KldArgs) -> Result<()> {
             "--kv-cache-dtype / --k-cache-dtype / --v-cache-dtype: eval kld stores K and V as --configs and --baseline say"
         );
     }
-    let text = a.text.as_ref().map(|p| std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display())));
+    let text =
+        a.text_file.as_ref().map(|p| std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display())));
     let text = text.transpose()?;
     let dir = a.model.dir()?;
     let model = a.model.load_text(&dir)?;
     let (tokens, source) = match (text, a.tokens) {
         (Some(text), _) => {
-            let tok = model.tokenizer.as_ref().context("--text needs a model directory with tokenizer.json")?;
-            (tok.encode(&text)?, format!("text {}", a.text.as_ref().unwrap().display()))
+            let tok = model.tokenizer.as_ref().context("--text-file needs a model directory with tokenizer.json")?;
+            (tok.encode(&text)?, format!("text {}", a.text_file.as_ref().unwrap().display()))
         }
         (None, Some(n)) => (
             pseudo_random_tokens(n, model.config.vocab_size, a.seed),
             format!("{n} pseudo-random tokens (seed {})", a.seed),
         ),
-        (None, None) => bail!("give --text FILE or --tokens N"),
+        (None, None) => bail!("give --text-file FILE or --tokens N"),
     };
     if tokens.is_empty() {
         bail!("no tokens to evaluate");
@@ -310,6 +311,21 @@ fn run_kld(a: KldArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        command: Command,
+    }
+
+    #[test]
+    fn text_file_and_its_alias() {
+        for flag in ["--text-file", "--text"] {
+            let Command::Kld(a) = Cli::try_parse_from(["eval", "kld", flag, "/tmp/t.txt"]).unwrap().command;
+            assert_eq!(a.text_file.as_deref(), Some(Path::new("/tmp/t.txt")), "{flag}");
+        }
+    }
 
     #[test]
     fn configs_parse() {

@@ -64,7 +64,7 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let started = a.engine.start(&a.model)?;
+    let started = a.engine.start(&a.model, &a.model.dir()?)?;
     let result = generate(&a, &started);
     started.engine.shutdown(false);
     result

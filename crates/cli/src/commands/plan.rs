@@ -29,7 +29,7 @@ pub struct Args {
     /// Split the model over N cards (1, 2, 4 or 8; it must divide the attention kv heads and the DeltaNet
     /// key heads). The plan is then per card: the card's weight shards, KV of its kv heads, state of its
     /// DeltaNet value heads.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, visible_alias = "tensor-parallel-size", default_value_t = 1)]
     tensor_parallel: usize,
     /// Storage of the decoder linears: bf16, fp16, fp32, int4, fp8 (default: bf16 on cuda, fp32 on cpu).
     #[arg(long)]
@@ -63,7 +63,7 @@ pub struct Args {
     #[arg(long)]
     max_seqs: Option<usize>,
     /// Context every sequence must be able to fill; error if it does not fit. Default: as large as fits.
-    #[arg(long)]
+    #[arg(long, short = 'c', visible_aliases = ["max-model-len", "ctx-size"])]
     max_context: Option<usize>,
     /// Tokens per KV page.
     #[arg(long)]

@@ -24,6 +24,8 @@ use serde_json::{Value, json};
 use crate::gpu_memory::GpuSampler;
 use crate::http::{Client, Target};
 use crate::in_process::ServerArgs;
+use crate::model_source::Device;
+use crate::progress::Progress;
 use crate::report::{ToolReport, emit, round_to, xml};
 use crate::synthetic_text::{Rng, lines};
 
@@ -31,6 +33,9 @@ use crate::synthetic_text::{Rng, lines};
 const MIN_CACHED_FRACTION: f64 = 0.95;
 /// Allowed spread of the driver-reported peak across rungs, as a fraction of the plan (or of the first peak).
 const MAX_GROWTH: f64 = 0.01;
+/// The most tokens the ladder fills by default on the in-process CPU backend: the f32 reference prefills
+/// a few hundred tokens a second at best, so a ladder to a 262K-token context would run for hours.
+const CPU_DEFAULT_CONTEXT: u64 = 8192;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Needle {
@@ -47,6 +52,10 @@ pub struct Args {
     /// Rungs of the single-prompt ladder, in percent of the advertised context.
     #[arg(long, value_delimiter = ',', default_value = "25,50,75,92,100")]
     rungs: Vec<f64>,
+    /// Tokens the ladder fills (its 100%), at most the advertised context. Default: the advertised context;
+    /// in-process on the CPU backend at most 8192.
+    #[arg(long)]
+    context: Option<u64>,
     /// Turns of the multi-turn conversation grown to 100% of the context (0: skip it).
     #[arg(long, default_value_t = 8)]
     turns: usize,
@@ -96,6 +105,7 @@ pub fn run(a: Args) -> Result<()> {
                 plan_bytes: a.plan_bytes,
                 pid: a.gpu_pid,
                 needle: a.needle == Needle::On || a.needle == Needle::Auto,
+                default_context: None,
             },
             Some(local) => {
                 let m = &a.server.model;
@@ -106,6 +116,7 @@ pub fn run(a: Args) -> Result<()> {
                     plan_bytes: Some(local.plan.total_bytes),
                     pid: Some(std::process::id()),
                     needle: a.needle == Needle::On || (a.needle == Needle::Auto && !noise),
+                    default_context: (local.device == Device::Cpu).then_some(CPU_DEFAULT_CONTEXT),
                 }
             }
         };
@@ -123,6 +134,8 @@ struct Setup {
     plan_bytes: Option<u64>,
     pid: Option<u32>,
     needle: bool,
+    /// The most the ladder fills without --context (None: the advertised context).
+    default_context: Option<u64>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -243,7 +256,9 @@ impl Row {
 struct Report {
     server: String,
     model: String,
+    /// The context the ladder fills, and the one the server advertises.
     max_context: u64,
+    advertised_context: u64,
     plan_bytes: Option<u64>,
     idle_driver_bytes: Option<u64>,
     arena_capacity_bytes: Option<u64>,
@@ -258,6 +273,7 @@ async fn probe(a: &Args, target: Target, setup: Setup) -> Report {
         server: setup.server.clone(),
         model: String::new(),
         max_context: 0,
+        advertised_context: 0,
         plan_bytes: setup.plan_bytes,
         idle_driver_bytes: None,
         arena_capacity_bytes: None,
@@ -280,11 +296,13 @@ async fn run_probe(a: &Args, target: Target, setup: &Setup, report: &mut Report)
     let first = &models["data"][0];
     let model = setup.model.clone().or_else(|| first["id"].as_str().map(str::to_string));
     let model = model.ok_or_else(|| anyhow!("GET /v1/models lists no model"))?;
-    let max_context = first["max_model_len"]
+    let advertised = first["max_model_len"]
         .as_u64()
         .ok_or_else(|| anyhow!("GET /v1/models: no max_model_len (the advertised context) in {first}"))?;
+    let max_context = ladder_context(advertised, a.context, setup.default_context);
     report.model = model.clone();
     report.max_context = max_context;
+    report.advertised_context = advertised;
     let before = client.metrics().await?;
     report.arena_capacity_bytes = client_capacity(&client).await;
     let sampler = GpuSampler::start(setup.pid);
@@ -304,10 +322,13 @@ async fn run_probe(a: &Args, target: Target, setup: &Setup, report: &mut Report)
         chars_per_token,
     };
     tracing::info!(
-        "probe: {model}, advertised context {} tokens; filler {:.2} chars/token",
+        "probe: {model}, filling {} tokens of the advertised {}{}; filler {:.2} chars/token",
         fmt_count(max_context),
+        fmt_count(advertised),
+        if a.context.is_none() && max_context < advertised { " (the CPU default; --context sets it)" } else { "" },
         chars_per_token
     );
+    let mut progress = Progress::new(a.rungs.len() + a.turns);
 
     let question = if setup.needle {
         "\n\nQuestion: what is the secret passphrase stated in the text above? Reply with the passphrase only."
@@ -322,7 +343,7 @@ async fn run_probe(a: &Args, target: Target, setup: &Setup, report: &mut Report)
         let parts = Parts { nonce: &nonce, needle: setup.needle.then_some((needle_line.as_str(), depth)), question };
         let want = ((max_context as f64 * pct / 100.0) as u64).saturating_sub(a.max_tokens as u64) as usize;
         let (content, counted) = counter.fit(&filler, &[], &parts, want).await?;
-        tracing::info!("probe: rung {pct}% — prompt {} tokens", fmt_count(counted as u64));
+        progress.start(&format!("rung {pct}%: prompt {} tokens", fmt_count(counted as u64)));
         let messages = vec![json!({"role": "user", "content": content})];
         let mut row = request(&client, &model, &messages, a.max_tokens, sampler.as_ref(), setup.pid).await?;
         row.label = format!("{pct}%");
@@ -336,7 +357,7 @@ async fn run_probe(a: &Args, target: Target, setup: &Setup, report: &mut Report)
         if setup.needle {
             row.needle = Some(row.reply.contains(&secret));
         }
-        log_row(&row);
+        progress.finish_step(&row_line(&row));
         report.rungs.push(row);
     }
 
@@ -354,6 +375,7 @@ async fn run_probe(a: &Args, target: Target, setup: &Setup, report: &mut Report)
             let slice = Filler { text: filler.text[offset..].to_string(), chars_per_token };
             let (content, counted) = counter.fit(&slice, &messages, &parts, want).await?;
             messages.push(json!({"role": "user", "content": content}));
+            progress.start(&format!("turn {t}: prompt {} tokens", fmt_count(counted as u64)));
             let mut row = request(&client, &model, &messages, a.max_tokens, sampler.as_ref(), setup.pid).await?;
             row.label = format!("turn {t}");
             row.percent = 100.0 * (row.prompt_tokens + row.completion_tokens) as f64 / max_context as f64;
@@ -374,7 +396,7 @@ async fn run_probe(a: &Args, target: Target, setup: &Setup, report: &mut Report)
                     ));
                 }
             }
-            log_row(&row);
+            progress.finish_step(&row_line(&row));
             messages.push(json!({"role": "assistant", "content": row.reply.clone()}));
             report.turns.push(row);
         }
@@ -436,8 +458,21 @@ async fn request(
     Ok(row)
 }
 
-fn log_row(r: &Row) {
-    tracing::info!(
+/// The ladder's top: `--context` (at most the advertised context), else the advertised context capped by
+/// the backend's default.
+fn ladder_context(advertised: u64, context: Option<u64>, default: Option<u64>) -> u64 {
+    match context {
+        Some(c) if c > advertised => {
+            tracing::warn!("--context {c}: the server advertises {advertised} tokens; probing those");
+            advertised
+        }
+        Some(c) => c,
+        None => default.map_or(advertised, |d| d.min(advertised)),
+    }
+}
+
+fn row_line(r: &Row) -> String {
+    format!(
         "probe: {}: prompt {} (cached {}), TTFT {:.0} ms, prefill {:.0} tok/s, driver peak {}",
         r.label,
         r.prompt_tokens,
@@ -445,7 +480,7 @@ fn log_row(r: &Row) {
         r.ttft_ms,
         r.prefill_tok_s(),
         r.driver_peak_bytes.map_or("n/a".into(), fmt_bytes)
-    );
+    )
 }
 
 /// A short lowercase word for passphrases.
@@ -506,6 +541,7 @@ impl ToolReport for Report {
         };
         json!({
             "server": self.server, "model": self.model, "max_context": self.max_context,
+            "advertised_context": self.advertised_context,
             "plan_bytes": self.plan_bytes, "idle_driver_bytes": self.idle_driver_bytes,
             "arena_capacity_bytes": self.arena_capacity_bytes, "needle_checked": self.needle,
             "rungs": self.rungs.iter().map(row).collect::<Vec<_>>(),
@@ -518,10 +554,11 @@ impl ToolReport for Report {
         let mut s = String::new();
         let _ = writeln!(
             s,
-            "probe of {} ({}), advertised context {} tokens",
+            "probe of {} ({}), filling {} tokens of the advertised context {}",
             self.server,
             self.model,
-            fmt_count(self.max_context)
+            fmt_count(self.max_context),
+            fmt_count(self.advertised_context)
         );
         let _ = writeln!(
             s,
@@ -563,44 +600,62 @@ impl ToolReport for Report {
         s
     }
 
-    /// Two panels: prefill tokens/s per rung and turn; driver-reported memory against the plan.
+    /// Two panels: prefill tokens/s per rung and turn; driver-reported memory against the plan. Each y
+    /// axis carries its values.
     fn svg(&self) -> String {
         let rows: Vec<&Row> = self.rows().collect();
-        let (w, h, pad) = (760.0, 520.0, 60.0);
-        let ph = (h - 3.0 * pad) / 2.0;
-        let bw = (w - 2.0 * pad) / rows.len().max(1) as f64;
+        let (w, h, left, right, top, gap) = (760.0, 540.0, 80.0, 20.0, 56.0, 70.0);
+        let (pw, ph) = (w - left - right, (h - top - gap - 40.0) / 2.0);
+        let bw = pw / rows.len().max(1) as f64;
         let mut s = format!(
-            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"11\">\n\
-             <text x=\"{pad}\" y=\"20\" font-size=\"14\">deltaserve probe: {} — context {} tokens</text>\n",
+            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\" font-family=\"sans-serif\" font-size=\"11\">\n\
+             <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+             <text x=\"{left}\" y=\"20\" font-size=\"14\">deltaserve probe: {} — {} of {} tokens</text>\n",
             xml(&self.model),
-            fmt_count(self.max_context)
+            fmt_count(self.max_context),
+            fmt_count(self.advertised_context)
         );
-        let max_rate = rows.iter().map(|r| r.prefill_tok_s()).fold(1.0, f64::max);
+        let max_rate = rows.iter().map(|r| r.prefill_tok_s()).fold(0.0, f64::max);
         let plan = self.plan_bytes.unwrap_or(0) as f64;
-        let max_mem = rows.iter().filter_map(|r| r.driver_peak_bytes).map(|b| b as f64).fold(plan, f64::max).max(1.0);
-        for (panel, title) in
-            [(0, "prefill tokens/s (new prompt tokens / TTFT)"), (1, "driver-reported device memory (line: plan)")]
-        {
-            let y0 = pad + panel as f64 * (ph + pad);
-            let _ = writeln!(s, "<text x=\"{pad}\" y=\"{}\">{title}</text>", y0 - 6.0);
-            let _ = writeln!(
-                s,
-                "<rect x=\"{pad}\" y=\"{y0}\" width=\"{}\" height=\"{ph}\" fill=\"none\" stroke=\"#999\"/>",
-                w - 2.0 * pad
-            );
+        let max_mem = rows.iter().filter_map(|r| r.driver_peak_bytes).map(|b| b as f64).fold(plan, f64::max);
+        // Memory in the largest binary unit it reaches.
+        let (unit, unit_name) = [(1u64 << 30, " GiB"), (1 << 20, " MiB"), (1, " B")]
+            .into_iter()
+            .find(|(u, _)| max_mem >= *u as f64)
+            .unwrap_or((1, " B"));
+        let unit = unit as f64;
+        for panel in 0..2 {
+            let y0 = top + panel as f64 * (ph + gap);
+            let axis_top = match panel {
+                0 => crate::report::panel(
+                    &mut s,
+                    left,
+                    y0,
+                    pw,
+                    ph,
+                    max_rate,
+                    "prefill tokens/s (new prompt tokens / TTFT)",
+                    "",
+                ),
+                _ => {
+                    let title = "driver-reported device memory (line: plan)";
+                    crate::report::panel(&mut s, left, y0, pw, ph, max_mem / unit, title, unit_name)
+                }
+            };
             for (i, r) in rows.iter().enumerate() {
-                let x = pad + i as f64 * bw + bw * 0.15;
-                let (v, max, color) = match panel {
-                    0 => (r.prefill_tok_s(), max_rate, "#4a7bd0"),
-                    _ => (r.driver_peak_bytes.unwrap_or(0) as f64, max_mem, "#d07b4a"),
+                let x = left + i as f64 * bw + bw * 0.15;
+                let (v, color) = match panel {
+                    0 => (r.prefill_tok_s(), "#4a7bd0"),
+                    _ => (r.driver_peak_bytes.unwrap_or(0) as f64 / unit, "#d07b4a"),
                 };
-                let bh = ph * v / max;
+                let bh = ph * v / axis_top;
                 let _ = writeln!(
                     s,
-                    "<rect x=\"{x:.1}\" y=\"{:.1}\" width=\"{:.1}\" height=\"{bh:.1}\" fill=\"{color}\"><title>{}: {v:.0}</title></rect>",
+                    "<rect x=\"{x:.1}\" y=\"{:.1}\" width=\"{:.1}\" height=\"{bh:.1}\" fill=\"{color}\"><title>{}: {}</title></rect>",
                     y0 + ph - bh,
                     bw * 0.7,
-                    xml(&r.label)
+                    xml(&r.label),
+                    crate::report::tick_label(v)
                 );
                 let _ = writeln!(
                     s,
@@ -611,16 +666,16 @@ impl ToolReport for Report {
                 );
             }
             if panel == 1 && plan > 0.0 {
-                let y = y0 + ph - ph * plan / max_mem;
+                let y = y0 + ph - ph * (plan / unit) / axis_top;
                 let _ = writeln!(
                     s,
-                    "<line x1=\"{pad}\" x2=\"{}\" y1=\"{y:.1}\" y2=\"{y:.1}\" stroke=\"#c00\" stroke-dasharray=\"4 3\"/>",
-                    w - pad
+                    "<line x1=\"{left}\" x2=\"{}\" y1=\"{y:.1}\" y2=\"{y:.1}\" stroke=\"#c00\" stroke-dasharray=\"4 3\"/>",
+                    left + pw
                 );
                 let _ = writeln!(
                     s,
                     "<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\" fill=\"#c00\">plan {}</text>",
-                    w - pad - 4.0,
+                    left + pw - 4.0,
                     y - 4.0,
                     fmt_bytes(plan as u64)
                 );
@@ -655,12 +710,50 @@ mod tests {
     }
 
     #[test]
+    fn the_ladder_context() {
+        assert_eq!(ladder_context(262_144, None, None), 262_144);
+        assert_eq!(ladder_context(262_144, None, Some(CPU_DEFAULT_CONTEXT)), 8192);
+        assert_eq!(ladder_context(4096, None, Some(CPU_DEFAULT_CONTEXT)), 4096);
+        assert_eq!(ladder_context(262_144, Some(32_768), Some(CPU_DEFAULT_CONTEXT)), 32_768);
+        assert_eq!(ladder_context(4096, Some(32_768), None), 4096);
+    }
+
+    #[test]
+    fn the_chart_has_axis_values() {
+        let row = |label: &str, peak| Row {
+            label: label.into(),
+            prompt_tokens: 3000,
+            ttft_ms: 1000.0,
+            driver_peak_bytes: Some(peak),
+            ..Default::default()
+        };
+        let r = Report {
+            server: String::new(),
+            model: "m".into(),
+            max_context: 4096,
+            advertised_context: 4096,
+            plan_bytes: Some(2 << 30),
+            idle_driver_bytes: None,
+            arena_capacity_bytes: None,
+            needle: false,
+            rungs: vec![row("25%", 3 << 29)],
+            turns: vec![],
+            failures: vec![],
+        };
+        let svg = r.svg();
+        for tick in [">0<", ">1000<", ">3000<", ">0 GiB<", ">0.5 GiB<", ">2 GiB<"] {
+            assert!(svg.contains(tick), "no tick {tick}: {svg}");
+        }
+    }
+
+    #[test]
     fn growth_and_plan_checks() {
         let row = |label: &str, peak| Row { label: label.into(), driver_peak_bytes: Some(peak), ..Default::default() };
         let mut r = Report {
             server: String::new(),
             model: String::new(),
             max_context: 0,
+            advertised_context: 0,
             plan_bytes: Some(1000),
             idle_driver_bytes: None,
             arena_capacity_bytes: None,

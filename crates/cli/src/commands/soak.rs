@@ -458,7 +458,7 @@ impl ToolReport for Report {
 
     /// Two panels: TTFT per turn (bars, ms) and prompt tokens per turn split into cached and new.
     fn svg(&self) -> String {
-        let (w, h, left, right, top, panel, gap) = (760.0, 560.0, 70.0, 20.0, 40.0, 200.0, 70.0);
+        let (w, h, left, right, top, panel, gap) = (760.0, 580.0, 70.0, 20.0, 40.0, 200.0, 70.0);
         let plot_w = w - left - right;
         let n = self.turns.len().max(1) as f64;
         let slot = plot_w / n;
@@ -479,7 +479,7 @@ impl ToolReport for Report {
         // Panel 1: TTFT.
         let max_ttft = self.turns.iter().map(|t| t.ttft_ms).fold(0.0, f64::max).max(1e-3);
         let y0 = top + 20.0;
-        axes(&mut s, left, y0, plot_w, panel, max_ttft, "time to first token (ms)");
+        let max_ttft = crate::report::panel(&mut s, left, y0, plot_w, panel, max_ttft, "time to first token (ms)", "");
         for (i, t) in self.turns.iter().enumerate() {
             let x = left + slot * i as f64 + (slot - bar) / 2.0;
             let bh = panel * t.ttft_ms / max_ttft;
@@ -495,7 +495,8 @@ impl ToolReport for Report {
         // Panel 2: cached vs new prompt tokens.
         let max_tok = self.turns.iter().map(|t| t.prompt_tokens).max().unwrap_or(1).max(1) as f64;
         let y1 = y0 + panel + gap;
-        axes(&mut s, left, y1, plot_w, panel, max_tok, "prompt tokens per turn: cached / new");
+        let max_tok =
+            crate::report::panel(&mut s, left, y1, plot_w, panel, max_tok, "prompt tokens per turn: cached / new", "");
         for (i, t) in self.turns.iter().enumerate() {
             let x = left + slot * i as f64 + (slot - bar) / 2.0;
             let ch = panel * t.cached_tokens as f64 / max_tok;
@@ -544,24 +545,6 @@ impl ToolReport for Report {
 
     fn failures(&self) -> Vec<String> {
         self.failures.clone()
-    }
-}
-
-/// A panel's frame, title and three y-axis ticks.
-fn axes(s: &mut String, x: f64, y: f64, w: f64, h: f64, max: f64, title: &str) {
-    let _ = writeln!(s, r#"<text x="{x}" y="{:.1}" font-size="12">{}</text>"#, y - 8.0, xml(title));
-    let _ = writeln!(s, r##"<rect x="{x}" y="{y}" width="{w}" height="{h}" fill="none" stroke="#999"/>"##);
-    for k in 0..=2 {
-        let v = max * k as f64 / 2.0;
-        let ty = y + h - h * k as f64 / 2.0;
-        let label = if max >= 100.0 { format!("{v:.0}") } else { format!("{v:.2}") };
-        let _ = writeln!(
-            s,
-            r##"<line x1="{:.1}" y1="{ty:.1}" x2="{x}" y2="{ty:.1}" stroke="#999"/><text x="{:.1}" y="{:.1}" text-anchor="end">{label}</text>"##,
-            x - 4.0,
-            x - 6.0,
-            ty + 4.0
-        );
     }
 }
 

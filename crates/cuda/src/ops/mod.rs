@@ -198,7 +198,7 @@ macro_rules! launch {
             grid: cfg.grid_dim,
             block: cfg.block_dim,
             smem: cfg.shared_mem_bytes,
-            source,
+            cause: source,
         })
     }};
 }
@@ -250,7 +250,7 @@ pub(crate) unsafe fn launch_programmatic(
 ) -> Result<(), CudaError> {
     use cudarc::driver::sys;
     let f = k.func(name)?;
-    let err = |source| CudaError::Launch { kernel: name, grid, block, smem, source };
+    let err = |cause| CudaError::Launch { kernel: name, grid, block, smem, cause };
     s.context().bind_to_thread().map_err(err)?;
     // SAFETY: a zeroed attribute is valid; id and value are set below.
     let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };

@@ -237,7 +237,7 @@ pub fn write_tensors(path: &Path, tensors: &[OutTensor]) -> Result<(), ModelErro
 /// Writes `quantization_config` into the model directory's config.json (top level, as HF does).
 pub fn set_quant_config(dir: &Path, q: Value) -> Result<(), ModelError> {
     let path = dir.join("config.json");
-    let io = |source| ModelError::Io { path: path.clone(), source };
+    let io = |source| ModelError::Io { path: path.clone(), cause: source };
     let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&path).map_err(io)?)
         .map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))?;
     v["quantization_config"] = q;
