@@ -33,6 +33,9 @@ pub enum Need {
     Model,
     /// `config.json` alone (`plan`, `kernels check`).
     Config,
+    /// Everything but the weights: config, tokenizer, chat template (what `serve` checks before the
+    /// weights download).
+    Text,
 }
 
 /// A Hugging Face model id and the revision (branch, tag or commit) to fetch.
@@ -236,7 +239,7 @@ impl Hub {
                 self.cache.display()
             );
         }
-        if need == Need::Config {
+        if need != Need::Model {
             return Ok(snapshot);
         }
         let listed: Vec<String> = std::fs::read_dir(&snapshot)
@@ -357,7 +360,7 @@ impl Fetch<'_> {
 /// The non-weight files `need` reads, of those the repository lists.
 fn metadata_files(listed: &BTreeSet<&str>, need: Need) -> Vec<String> {
     let mut wanted = vec![CONFIG];
-    if need == Need::Model {
+    if need != Need::Config {
         wanted.push(INDEX);
         wanted.extend(OPTIONAL);
     }
@@ -529,6 +532,7 @@ mod tests {
         ]
         .into();
         assert_eq!(metadata_files(&listed, Need::Config), ["config.json"]);
+        assert_eq!(metadata_files(&listed, Need::Text), metadata_files(&listed, Need::Model));
         let meta = metadata_files(&listed, Need::Model);
         assert_eq!(
             meta,

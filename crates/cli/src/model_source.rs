@@ -162,7 +162,10 @@ pub fn gptq_int4(cfg: &ModelConfig, weights_dtype: Option<WeightsDtype>, quantiz
 pub fn cuda_plan_backend(cfg: &ModelConfig, checkpoint: Option<&Path>, opts: &PlanOptions) -> Result<PlanBackend> {
     let tp = opts.tensor_parallel;
     let rank0 = (tp > 1).then(|| ShardSpec::new(cfg, 0, tp)).transpose()?;
-    let quantized = checkpoint.filter(|_| cfg.quantization.is_some() && opts.weights_dtype == WeightsDtype::Int4);
+    // A Hub snapshot whose weights are not downloaded yet has no tensors to walk.
+    let quantized = checkpoint.filter(|dir| {
+        cfg.quantization.is_some() && opts.weights_dtype == WeightsDtype::Int4 && crate::hub::has_weights(dir)
+    });
     let checkpoint = quantized.and_then(|dir| match CheckpointTensors::walk(cfg, dir, rank0.as_ref()) {
         Ok(t) => Some(Arc::new(t)),
         Err(e) => {

@@ -346,3 +346,15 @@ fn an_existing_directory_wins_over_an_id() {
     ok(deltaserve(&hub.url, &cwd.join("hf"), &generate("acme/tiny")).current_dir(&cwd).output().unwrap());
     assert!(hub.requests().is_empty(), "{:?}", hub.requests());
 }
+
+/// `serve` checks what it can on the config and tokenizer (here: a memory budget the machine does not have)
+/// before the weights download: the error comes with no shard requested.
+#[test]
+fn serve_checks_before_the_weights_download() {
+    let (hub, home) = (FakeHub::start(), tempdir("serve-check"));
+    let args = ["serve", "--model", "acme/tiny", "--device", "cpu", "--port", "0", "--memory", "100000GiB"];
+    one_line_error(deltaserve(&hub.url, &home, &args).output().unwrap(), &["memory"]);
+    let resolved = hub.resolved();
+    assert!(resolved.contains("tokenizer.json"), "{:?}", hub.requests());
+    assert!(!resolved.contains(SHARD), "{:?}", hub.requests());
+}

@@ -49,6 +49,17 @@ pub fn run(mut a: Args) -> Result<()> {
     // Everything that can fail before the weights load is checked first: the address, then the model's
     // device, config, tokenizer and memory plan.
     let listener = bind(&a.host, a.port)?;
+    if let Some(model) = &a.model.model
+        && crate::hub::hub_id(model).is_some()
+    {
+        // A Hugging Face id: its config and tokenizer first, and every check on them, before the weights
+        // download (planned again below, with a quantised checkpoint's tensors then on disk).
+        let text_dir = crate::hub::resolve(model, crate::hub::Need::Text)?;
+        let checked = a.engine.prepare(&a.model, &text_dir, None)?;
+        if checked.tokenizer().is_none() {
+            bail!("serving needs a tokenizer.json in the model repository {}", model.display());
+        }
+    }
     let model_dir = a.model.dir()?;
     let prepared = a.engine.prepare(&a.model, &model_dir, None)?;
     if prepared.tokenizer().is_none() {
