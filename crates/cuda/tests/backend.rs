@@ -1023,9 +1023,7 @@ fn folded_norms_match_separate_kernels() {
         let mut next = Vec::new();
         for (i, &len) in lens.iter().enumerate() {
             let b = one(chunk(i as u32, &pg[i], 0, &random_tokens(&mut rng, len, vocab)));
-            let r = run(&mut c, &b);
-            s_on.add(&run(&mut on, &b), &r, vocab);
-            s_off.add(&run(&mut off, &b), &r, vocab);
+            let r = run_scored(&b, &mut c, [(&mut on, &mut s_on), (&mut off, &mut s_off)], vocab);
             next.push(argmax(&r) as u32);
         }
         let mut pos = lens.to_vec();
@@ -1036,9 +1034,7 @@ fn folded_norms_match_separate_kernels() {
                 b.seqs.push(chunk(i as u32, &pg[i], pos[i], &[next[i]]));
                 pos[i] += 1;
             }
-            let r = run(&mut c, &b);
-            s_on.add(&run(&mut on, &b), &r, vocab);
-            s_off.add(&run(&mut off, &b), &r, vocab);
+            let r = run_scored(&b, &mut c, [(&mut on, &mut s_on), (&mut off, &mut s_off)], vocab);
             for (i, row) in r.chunks_exact(vocab).enumerate() {
                 next[i] = argmax(row) as u32;
             }
@@ -1056,6 +1052,21 @@ fn folded_norms_match_separate_kernels() {
         assert_eq!(on.arena_stats().allocations, allocs, "the arena allocated while serving");
     }
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// Runs `b` on the reference `c` and on each backend, adding each backend's rows against the reference's
+/// to its score; returns the reference's logits.
+fn run_scored(
+    b: &StepBatch,
+    c: &mut CpuBackend,
+    backends: [(&mut CudaBackend, &mut Score); 2],
+    vocab: usize,
+) -> Vec<f32> {
+    let r = run(c, b);
+    for (g, score) in backends {
+        score.add(&run(g, b), &r, vocab);
+    }
+    r
 }
 
 /// (5c) GPTQ checkpoints written from the format's definition (deltaserve_model::synth::gptq:
@@ -1153,9 +1164,7 @@ fn int4_gemm_matches_the_dequantised_slices() {
         let mut next = Vec::new();
         for (i, &len) in lens.iter().enumerate() {
             let b = one(chunk(i as u32, &pg[i], 0, &random_tokens(&mut rng, len, vocab)));
-            let r = run(&mut c, &b);
-            s_on.add(&run(&mut on, &b), &r, vocab);
-            s_off.add(&run(&mut off, &b), &r, vocab);
+            let r = run_scored(&b, &mut c, [(&mut on, &mut s_on), (&mut off, &mut s_off)], vocab);
             next.push(argmax(&r) as u32);
         }
         let mut pos = lens.to_vec();
@@ -1167,9 +1176,7 @@ fn int4_gemm_matches_the_dequantised_slices() {
                 b.seqs.push(chunk(i as u32, &pg[i], pos[i], &toks));
                 pos[i] += 4;
             }
-            let r = run(&mut c, &b);
-            s_on.add(&run(&mut on, &b), &r, vocab);
-            s_off.add(&run(&mut off, &b), &r, vocab);
+            let r = run_scored(&b, &mut c, [(&mut on, &mut s_on), (&mut off, &mut s_off)], vocab);
             for (i, row) in r.chunks_exact(vocab).enumerate() {
                 next[i] = argmax(row) as u32;
             }

@@ -175,29 +175,16 @@ impl Plan {
                 r.note
             );
         }
-        let reserve = o.runtime_reserve_bytes;
-        if reserve > 0 {
-            let _ = writeln!(
-                s,
-                "{:<16} {:>11} {:>6.1}% {:>11}  {} (counted, not in the arena)",
-                "runtime_reserve",
-                fmt_bytes(reserve),
-                self.pct(reserve),
-                "-",
-                reserve_note(o)
-            );
-        }
-        let graphs = o.graph_reserve_bytes;
-        if graphs > 0 {
-            let _ = writeln!(
-                s,
-                "{:<16} {:>11} {:>6.1}% {:>11}  {} (counted, not in the arena)",
-                "cuda_graphs",
-                fmt_bytes(graphs),
-                self.pct(graphs),
-                "-",
-                GRAPHS_NOTE
-            );
+        // What the budget counts beside the arena.
+        for (name, bytes, note) in [
+            ("runtime_reserve", o.runtime_reserve_bytes, reserve_note(o)),
+            ("cuda_graphs", o.graph_reserve_bytes, GRAPHS_NOTE.to_string()),
+        ] {
+            if bytes > 0 {
+                let (size, pct) = (fmt_bytes(bytes), self.pct(bytes));
+                let _ =
+                    writeln!(s, "{name:<16} {size:>11} {pct:>6.1}% {:>11}  {note} (counted, not in the arena)", "-");
+            }
         }
         let pad = self.arena_bytes() - self.regions.iter().map(|r| r.bytes).sum::<u64>();
         let _ = writeln!(
