@@ -1161,11 +1161,14 @@ fn int4_gemm_matches_the_dequantised_slices() {
         let (mut s_on, mut s_off) = (Score::default(), Score::default());
         let lens = [12usize, 20, 37, 64];
         let pg: Vec<Vec<u32>> = (0..lens.len()).map(|i| pages(100 * i as u32, 100)).collect();
+        let prompts: Vec<StepBatch> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| one(chunk(i as u32, &pg[i], 0, &random_tokens(&mut rng, n, vocab))))
+            .collect();
         let mut next = Vec::new();
-        for (i, &len) in lens.iter().enumerate() {
-            let b = one(chunk(i as u32, &pg[i], 0, &random_tokens(&mut rng, len, vocab)));
-            let r = run_scored(&b, &mut c, [(&mut on, &mut s_on), (&mut off, &mut s_off)], vocab);
-            next.push(argmax(&r) as u32);
+        for b in &prompts {
+            next.push(argmax(&run_scored(b, &mut c, [(&mut on, &mut s_on), (&mut off, &mut s_off)], vocab)) as u32);
         }
         let mut pos = lens.to_vec();
         for _ in 0..4 {
