@@ -9,6 +9,7 @@ mod error;
 mod incremental;
 mod prompt_cache;
 mod pyjson;
+mod pyloads;
 mod reasoning;
 mod stop;
 mod strftime;
@@ -21,6 +22,7 @@ mod toolcall;
 pub use error::TextError;
 pub use incremental::IncrementalDecoder;
 pub use prompt_cache::{PromptCacheStats, PromptEncoder};
+pub use pyloads::check_json_object;
 pub use reasoning::{ReasoningDelta, ReasoningParser};
 pub use stop::{StopMatcher, StopOutput};
 pub use synth::{
