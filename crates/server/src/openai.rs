@@ -310,7 +310,7 @@ async fn completions_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -
     }
     let col = Collected::collect(out).await?;
     let finish = col.finish.clone().unwrap_or(Finish::Length);
-    let logprobs = top.map(|_| completion_logprobs(&col));
+    let logprobs = top.map(|_| completion_logprobs(&st.tokenizer, &col.tokens));
     Ok(axum::Json(json!({
         "id": id, "object": "text_completion", "created": unix_now(), "model": model,
         "choices": [{"index": 0, "text": col.content, "logprobs": logprobs, "finish_reason": finish_reason(&finish), "stop_reason": finish.stop_string()}],
@@ -437,18 +437,26 @@ fn chat_logprob(st: &AppState, text: &str, lp: &deltaserve_engine::TokenLogprob)
     logprob_entry(&st.tokenizer, text, lp)
 }
 
-fn completion_logprobs(col: &Collected) -> Value {
+/// The legacy completions `logprobs` object: `top_logprobs` maps each alternative's text to its
+/// logprob (as OpenAI and vLLM do); alternatives that decode to the same text keep the best one.
+fn completion_logprobs(
+    tok: &deltaserve_text::Tokenizer,
+    tokens: &[(u32, String, deltaserve_engine::TokenLogprob)],
+) -> Value {
     let mut offset = 0;
     let mut offsets = Vec::new();
-    for (_, t, _) in &col.tokens {
+    for (_, t, _) in tokens {
         offsets.push(offset);
         offset += t.len();
     }
     json!({
-        "tokens": col.tokens.iter().map(|(_, t, _)| t.clone()).collect::<Vec<_>>(),
-        "token_logprobs": col.tokens.iter().map(|(_, _, lp)| lp.logprob).collect::<Vec<_>>(),
-        "top_logprobs": col.tokens.iter().map(|(_, _, lp)| {
-            let m: Map<String, Value> = lp.top.iter().map(|(id, l)| (format!("{id}"), json!(l))).collect();
+        "tokens": tokens.iter().map(|(_, t, _)| t.clone()).collect::<Vec<_>>(),
+        "token_logprobs": tokens.iter().map(|(_, _, lp)| lp.logprob).collect::<Vec<_>>(),
+        "top_logprobs": tokens.iter().map(|(_, _, lp)| {
+            let mut m = Map::new();
+            for (id, l) in &lp.top {
+                m.entry(tok.decode(&[*id], false).unwrap_or_default()).or_insert(json!(l));
+            }
             Value::Object(m)
         }).collect::<Vec<_>>(),
         "text_offset": offsets,
@@ -482,4 +490,26 @@ pub fn finish_response(st: &AppState, endpoint: &str, r: Result<Response, ApiErr
     });
     st.metrics.request(endpoint, resp.status().as_u16());
     resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn completion_top_logprobs_are_keyed_by_token_text() {
+        let dir = deltaserve_text::synth_model::demo_model_dir().unwrap();
+        let tok = deltaserve_text::Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap();
+        let text_817 = tok.decode(&[817], false).unwrap();
+        let text_300 = tok.decode(&[300], false).unwrap();
+        assert_ne!(text_817, text_300);
+        let lp = deltaserve_engine::TokenLogprob { logprob: -0.5, top: vec![(300, -0.5), (817, -8.9)] };
+        let v = completion_logprobs(&tok, &[(300, text_300.clone(), lp)]);
+        assert_eq!(v["tokens"], json!([text_300]));
+        let top = v["top_logprobs"][0].as_object().unwrap();
+        assert_eq!(top.len(), 2, "{top:?}");
+        assert_eq!(top[&text_300], json!(-0.5));
+        assert!((top[&text_817].as_f64().unwrap() + 8.9).abs() < 1e-6, "{top:?}");
+        assert!(!top.contains_key("817"));
+    }
 }
