@@ -204,11 +204,15 @@ fn to_openai_tool(t: &Value) -> Result<Value, ApiError> {
         .and_then(Value::as_str)
         .filter(|n| !n.is_empty())
         .ok_or_else(|| ApiError::bad_param("tools", "every tool needs a `name`"))?;
-    Ok(json!({"type": "function", "function": {
-        "name": name,
-        "description": t.get("description").cloned().unwrap_or(Value::Null),
-        "parameters": t.get("input_schema").cloned().unwrap_or(json!({"type": "object", "properties": {}})),
-    }}))
+    // A tool without a description renders without the key (as transformers renders it), never as null.
+    let mut function = serde_json::Map::new();
+    function.insert("name".into(), json!(name));
+    if let Some(d) = t.get("description").filter(|d| !d.is_null()) {
+        function.insert("description".into(), d.clone());
+    }
+    let parameters = t.get("input_schema").cloned().unwrap_or(json!({"type": "object", "properties": {}}));
+    function.insert("parameters".into(), parameters);
+    Ok(json!({"type": "function", "function": function}))
 }
 
 pub async fn messages(
@@ -494,4 +498,24 @@ pub async fn count_tokens(
         .unwrap_or_else(|e| e.into_response_styled(Style::Anthropic));
     st.metrics.request("count_tokens", resp.status().as_u16());
     resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tool_without_description_has_no_description_key() {
+        let schema = json!({"type": "object", "properties": {"city": {"type": "string"}}});
+        let bare = to_openai_tool(&json!({"name": "get_weather", "input_schema": schema})).unwrap();
+        assert_eq!(bare, json!({"type": "function", "function": {"name": "get_weather", "parameters": schema}}));
+        assert!(!bare.to_string().contains("null"));
+        let described =
+            to_openai_tool(&json!({"name": "get_weather", "description": "Weather now.", "input_schema": schema}))
+                .unwrap();
+        assert_eq!(described["function"]["description"], "Weather now.");
+        // Key order as transformers renders it: name, description, parameters.
+        let keys: Vec<&String> = described["function"].as_object().unwrap().keys().collect();
+        assert_eq!(keys, ["name", "description", "parameters"]);
+    }
 }
