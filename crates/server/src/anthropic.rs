@@ -22,6 +22,8 @@ use crate::openai::{parse_body, sse};
 use crate::output::{Finish, OutEvent, OutputStream, Parsing};
 use crate::request::{Limits, build_request, new_id, normalize_messages, render_chat, snapshot_points, type_name};
 use crate::state::{AppState, ChatDefaults};
+use crate::structured;
+use deltaserve_text::Grammar;
 
 #[derive(Debug, Deserialize)]
 pub struct MessagesRequest {
@@ -49,7 +51,12 @@ impl MessagesRequest {
 }
 
 /// The prompt and output parsing of an Anthropic request.
-fn convert(st: &AppState, chat: &ChatDefaults, req: &MessagesRequest) -> Result<(Vec<u32>, Parsing), ApiError> {
+/// The prompt, how to parse the output, and the grammar a forced `tool_choice` puts on it.
+fn convert(
+    st: &AppState,
+    chat: &ChatDefaults,
+    req: &MessagesRequest,
+) -> Result<(Vec<u32>, Parsing, Option<Grammar>), ApiError> {
     st.check_model(req.model.as_deref())?;
     let mut messages = Vec::new();
     match &req.system {
@@ -85,15 +92,29 @@ fn convert(st: &AppState, chat: &ChatDefaults, req: &MessagesRequest) -> Result<
             }
         }
     }
-    let tools = match req.tool_choice.as_ref().and_then(|c| c.get("type")).and_then(Value::as_str) {
-        Some("none") => None,
-        None | Some("auto") => {
-            req.tools.as_ref().map(|t| t.iter().map(to_openai_tool).collect::<Result<Vec<_>, _>>()).transpose()?
+    let offered =
+        || req.tools.as_ref().map(|t| t.iter().map(to_openai_tool).collect::<Result<Vec<_>, _>>()).transpose();
+    let choice = req.tool_choice.as_ref();
+    let parallel = !choice.and_then(|c| c.get("disable_parallel_tool_use")).and_then(Value::as_bool).unwrap_or(false);
+    let (tools, forced) = match choice.and_then(|c| c.get("type")).and_then(Value::as_str) {
+        Some("none") => (None, None),
+        None | Some("auto") => (offered()?, None),
+        Some("any") => {
+            let tools = offered()?;
+            let g = structured::forced_tool_call(tools.as_deref(), None, parallel)?;
+            (tools, Some(g))
+        }
+        Some("tool") => {
+            let name = choice.and_then(|c| c.get("name")).and_then(Value::as_str);
+            let name = name.ok_or_else(|| ApiError::bad_param("tool_choice", "tool_choice.name is missing"))?;
+            let tools = offered()?;
+            let g = structured::forced_tool_call(tools.as_deref(), Some(name), parallel)?;
+            (tools, Some(g))
         }
         Some(other) => {
             return Err(ApiError::bad_param(
                 "tool_choice",
-                format!("tool_choice type `{other}` is not supported yet (auto, none)"),
+                format!("tool_choice type `{other}` is not supported (auto, none, any, tool)"),
             ));
         }
     };
@@ -113,7 +134,8 @@ fn convert(st: &AppState, chat: &ChatDefaults, req: &MessagesRequest) -> Result<
             ));
         }
     }
-    render_chat(st, normalize_messages(&messages)?, tools, chat.merged(kwargs))
+    let (prompt, parsing) = render_chat(st, normalize_messages(&messages)?, tools, chat.merged(kwargs))?;
+    Ok((prompt, parsing, forced))
 }
 
 fn blocks_text(blocks: &[Value], field: &str) -> Result<String, ApiError> {
@@ -232,7 +254,7 @@ async fn messages_inner(
 ) -> Result<Response, ApiError> {
     let req: MessagesRequest = parse_body(body)?;
     let max_tokens = req.max_tokens.ok_or_else(|| ApiError::bad_param("max_tokens", "`max_tokens` is required"))?;
-    let (prompt, parsing) = convert(st, chat, &req)?;
+    let (prompt, parsing, forced) = convert(st, chat, &req)?;
     let input_tokens = prompt.len();
     let d = &st.sampling_defaults;
     let sampling = SamplingParams {
@@ -242,7 +264,7 @@ async fn messages_inner(
         ..d.clone()
     };
     let points = snapshot_points(st, &prompt);
-    let engine_req = build_request(
+    let mut engine_req = build_request(
         prompt,
         Limits {
             snapshot_points: points,
@@ -255,6 +277,9 @@ async fn messages_inner(
             state: st,
         },
     )?;
+    if let Some(g) = &forced {
+        engine_req.constraint = Some(structured::constraint(st, g, "tool_choice", parsing.reasoning == Some(true))?);
+    }
     let mut out = st.generate(engine_req, parsing)?;
     let id = new_id("msg_");
     let model = st.cfg.served_model_name.clone();
@@ -494,7 +519,7 @@ pub async fn count_tokens(
 ) -> Response {
     let resp = parse_body::<MessagesRequest>(body)
         .and_then(|req| convert(&st, &chat, &req))
-        .map(|(ids, _)| axum::Json(json!({"input_tokens": ids.len()})).into_response())
+        .map(|(ids, _, _)| axum::Json(json!({"input_tokens": ids.len()})).into_response())
         .unwrap_or_else(|e| e.into_response_styled(Style::Anthropic));
     st.metrics.request("count_tokens", resp.status().as_u16());
     resp

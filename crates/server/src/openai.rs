@@ -22,6 +22,7 @@ use crate::request::{
     CommonParams, Limits, build_request, new_id, normalize_messages, render_chat, unix_now, validate_tools,
 };
 use crate::state::{AppState, ChatDefaults};
+use crate::structured;
 
 #[derive(Debug, Deserialize)]
 pub struct ChatCompletionRequest {
@@ -95,37 +96,50 @@ async fn chat_inner(
     let req: ChatCompletionRequest = parse_body(body)?;
     st.check_model(req.model.as_deref())?;
     req.common.validate()?;
-    if let Some(rf) = &req.response_format {
-        match rf.get("type").and_then(Value::as_str) {
-            Some("text") => {}
-            Some(other) => {
-                return Err(ApiError::bad_param(
-                    "response_format",
-                    format!("response_format type `{other}` is not supported yet (only `text`)"),
-                ));
-            }
-            None => {
-                return Err(ApiError::bad_param(
-                    "response_format",
-                    "response_format needs a `type` (only `text` is supported yet)",
-                ));
-            }
-        }
-    }
+    let format = structured::response_format(req.response_format.as_ref())?;
+    // `Some(name)`: a forced call (`None`: any tool, `required`).
+    let mut forced: Option<Option<String>> = None;
     let tools = match (&req.tools, &req.tool_choice) {
         (_, Some(Value::String(c))) if c == "none" => None,
         (_, Some(Value::String(c))) if c == "auto" => req.tools.clone(),
         (_, None) => req.tools.clone(),
+        (_, Some(Value::String(c))) if c == "required" => {
+            forced = Some(None);
+            req.tools.clone()
+        }
+        (_, Some(choice)) if choice.get("type").and_then(Value::as_str) == Some("function") => {
+            let name = choice.get("function").and_then(|f| f.get("name")).and_then(Value::as_str);
+            let name =
+                name.ok_or_else(|| ApiError::bad_param("tool_choice", "tool_choice.function.name is missing"))?;
+            forced = Some(Some(name.to_string()));
+            req.tools.clone()
+        }
         (_, Some(other)) => {
             return Err(ApiError::bad_param(
                 "tool_choice",
-                format!("tool_choice {other} is not supported yet (\"auto\" and \"none\" are)"),
+                format!(
+                    "tool_choice {other} is not supported (\"auto\", \"none\", \"required\" or a named function are)"
+                ),
             ));
         }
     };
     if let Some(t) = &tools {
         validate_tools(t)?;
     }
+    let grammar = match (format, forced) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::bad_param(
+                "response_format",
+                "response_format cannot be combined with a tool_choice that forces a tool call",
+            ));
+        }
+        (Some(g), None) => Some((g, "response_format")),
+        (None, Some(name)) => {
+            let parallel = req.parallel_tool_calls.unwrap_or(true);
+            Some((structured::forced_tool_call(tools.as_deref(), name.as_deref(), parallel)?, "tool_choice"))
+        }
+        (None, None) => None,
+    };
     let top_logprobs = req.top_logprobs.unwrap_or(0) as usize;
     if top_logprobs > 20 {
         return Err(ApiError::bad_param("top_logprobs", "`top_logprobs` must be between 0 and 20"));
@@ -136,7 +150,7 @@ async fn chat_inner(
         render_chat(st, messages, tools, chat.merged(req.chat_template_kwargs.clone().unwrap_or_default()))?;
     let c = &req.common;
     let points = snapshot_points(st, &prompt);
-    let engine_req = build_request(
+    let mut engine_req = build_request(
         prompt,
         Limits {
             snapshot_points: points,
@@ -149,6 +163,9 @@ async fn chat_inner(
             state: st,
         },
     )?;
+    if let Some((g, field)) = &grammar {
+        engine_req.constraint = Some(structured::constraint(st, g, field, parsing.reasoning == Some(true))?);
+    }
     tracing::debug!(
         prompt = engine_req.prompt.len(),
         prepare_ms = format!("{:.1}", received.elapsed().as_secs_f64() * 1e3),

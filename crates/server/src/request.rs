@@ -90,6 +90,7 @@ pub fn build_request(prompt: Vec<u32>, l: Limits) -> Result<Request, ApiError> {
         logprobs: l.logprobs,
         snapshot_points: l.snapshot_points,
         snapshot_on_finish: l.snapshot_on_finish,
+        constraint: None,
     })
 }
 

@@ -135,6 +135,11 @@ impl Tokenizer {
         self.byte_level
     }
 
+    /// True if `token` is an added token (special or not).
+    pub(crate) fn is_added(&self, token: &str) -> bool {
+        self.inner.get_added_vocabulary().get_vocab().contains_key(token)
+    }
+
     /// True if `id` is an added token flagged `special` (skipped by `decode(.., true)`).
     pub(crate) fn is_special(&self, token: &str) -> bool {
         self.inner.get_added_vocabulary().is_special_token(token)
