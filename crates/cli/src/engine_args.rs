@@ -243,6 +243,7 @@ impl Started {
     ) -> Result<AppState> {
         let tokenizer = self.tokenizer.clone().context("serving needs a tokenizer.json in the model directory")?;
         Ok(AppState {
+            grammars: Default::default(),
             engine: self.engine.clone(),
             prompt_encoder: deltaserve_server::state::prompt_encoder(&tokenizer),
             tokenizer,

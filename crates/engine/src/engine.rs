@@ -51,6 +51,41 @@ pub struct Request {
     pub snapshot_points: Vec<usize>,
     /// Snapshot the final state too (an agent loop's next request re-renders this turn).
     pub snapshot_on_finish: bool,
+    /// Limits the tokens it may produce (structured outputs). Its rows are sampled on the host,
+    /// after the mask, and it never drafts.
+    pub constraint: Option<SharedConstraint>,
+}
+
+/// Which tokens a request may produce next (structured outputs: a grammar). The engine masks each
+/// of the request's logits rows with it before sampling and tells it every token emitted. A
+/// constraint that admits nothing further allows only the end-of-turn tokens, so the reply ends
+/// with `stop`.
+pub trait TokenConstraint: Send {
+    /// Sets the logits of the tokens not allowed next to -inf.
+    fn mask(&mut self, row: &mut [f32]);
+    /// Follows an emitted token.
+    fn accept(&mut self, token: u32);
+}
+
+/// A request's [`TokenConstraint`], shared so that a [`Request`] stays cloneable.
+#[derive(Clone)]
+pub struct SharedConstraint(Arc<Mutex<dyn TokenConstraint>>);
+
+impl SharedConstraint {
+    pub fn new(c: impl TokenConstraint + 'static) -> Self {
+        Self(Arc::new(Mutex::new(c)))
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&mut dyn TokenConstraint) -> R) -> R {
+        let mut guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut *guard)
+    }
+}
+
+impl std::fmt::Debug for SharedConstraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SharedConstraint")
+    }
 }
 
 /// Why generation ended.
@@ -159,7 +194,7 @@ impl EngineStats {
 }
 
 enum Command {
-    Submit { id: SeqId, req: Request, tx: tmpsc::UnboundedSender<Event>, submitted: Instant },
+    Submit { id: SeqId, req: Box<Request>, tx: tmpsc::UnboundedSender<Event>, submitted: Instant },
     Cancel(SeqId),
     Shutdown { drain: bool },
 }
@@ -356,7 +391,7 @@ impl EngineHandle {
         let id = sh.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = tmpsc::unbounded_channel();
         let cmd = self.inner.cmd.lock().map_err(|_| EngineError::Stopped)?.clone();
-        cmd.send(Command::Submit { id, req, tx, submitted: Instant::now() }).map_err(|_| {
+        cmd.send(Command::Submit { id, req: Box::new(req), tx, submitted: Instant::now() }).map_err(|_| {
             sh.queued.fetch_sub(1, Ordering::SeqCst);
             EngineError::Stopped
         })?;
@@ -398,11 +433,15 @@ struct SampleTask<'a> {
     logprobs: bool,
     context: &'a [u32],
     row: &'a mut [f32],
+    constraint: Option<&'a SharedConstraint>,
 }
 
 impl SampleTask<'_> {
     fn run(&mut self) -> (SeqId, Sampled) {
         let raw = self.logprobs.then(|| self.row.to_vec());
+        if let Some(c) = self.constraint {
+            c.with(|c| c.mask(self.row));
+        }
         (self.id, (self.sampler.sample(self.row, self.context), raw))
     }
 }
@@ -491,6 +530,7 @@ impl Worker {
                 let opts = SeqOptions {
                     snapshot_points: req.snapshot_points.clone(),
                     snapshot_on_finish: req.snapshot_on_finish,
+                    no_drafts: req.constraint.is_some(),
                 };
                 match self.sched.add_with(id, req.prompt.clone(), req.max_tokens, opts) {
                     Ok(()) => {
@@ -499,7 +539,7 @@ impl Worker {
                         self.reqs.insert(
                             id,
                             Live {
-                                req,
+                                req: *req,
                                 tx,
                                 sampler,
                                 decoder: IncrementalDecoder::new(true),
@@ -606,8 +646,9 @@ impl Worker {
         // (the penalties and one uniform draw per row travel with the step); 4 bytes a row come back.
         let wanted: Vec<Option<&Live>> =
             plan.batch.seqs.iter().filter(|c| c.want_logits).map(|c| self.reqs.get(&c.seq_id)).collect();
-        let on_device =
-            self.sched.speculative_tokens() == 0 && wanted.iter().all(|l| l.is_some_and(|l| l.req.logprobs.is_none()));
+        // A constrained row is masked on the host, so its step brings the rows back.
+        let on_device = self.sched.speculative_tokens() == 0
+            && wanted.iter().all(|l| l.is_some_and(|l| l.req.logprobs.is_none() && l.req.constraint.is_none()));
         let greedy_step = on_device && wanted.iter().all(|l| l.is_some_and(|l| l.sampler.picks_argmax()));
         let device_sampling = on_device && !greedy_step;
         let started = Instant::now();
@@ -790,6 +831,7 @@ impl Worker {
                     logprobs,
                     context: sched.tokens(id).unwrap_or(&[]),
                     row,
+                    constraint: live.req.constraint.as_ref(),
                 });
             }
         }
@@ -839,6 +881,9 @@ impl Worker {
         let Some(live) = self.reqs.get_mut(&id) else { return Emit::Gone };
         let logprob = raw.zip(live.req.logprobs).map(|(raw, k)| token_logprob(&raw, self.valid_vocab, token, k));
         live.sampler.observe(token);
+        if let Some(c) = &live.req.constraint {
+            c.with(|c| c.accept(token));
+        }
         live.generated += 1;
         live.first_token.get_or_insert_with(Instant::now);
         let at_length = self.sched.append_token(id, token);
@@ -983,6 +1028,7 @@ mod tests {
                         logprobs: i == 1,
                         context: &context,
                         row,
+                        constraint: None,
                     })
                     .collect();
                 out.push(if parallel { run_all(&mut tasks) } else { tasks.iter_mut().map(SampleTask::run).collect() });
@@ -1011,7 +1057,14 @@ mod tests {
                 .iter_mut()
                 .zip(rows.iter_mut())
                 .enumerate()
-                .map(|(i, (sampler, row))| SampleTask { id: i as SeqId, sampler, logprobs: false, context: &[], row })
+                .map(|(i, (sampler, row))| SampleTask {
+                    id: i as SeqId,
+                    sampler,
+                    logprobs: false,
+                    context: &[],
+                    row,
+                    constraint: None,
+                })
                 .collect();
             let n = if parallel { run_all(&mut tasks).len() } else { tasks.iter_mut().map(SampleTask::run).count() };
             let cores = std::thread::available_parallelism().map_or(1, |c| c.get());

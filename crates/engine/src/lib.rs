@@ -11,7 +11,7 @@ pub mod score;
 
 pub use engine::{
     EngineError, EngineHandle, EngineOptions, EngineStats, Event, FinishReason, MAX_SPECULATIVE_TOKENS, Request,
-    RequestStream, Timing, TokenLogprob, Usage,
+    RequestStream, SharedConstraint, Timing, TokenConstraint, TokenLogprob, Usage,
 };
 pub use sampling::{Sampler, SamplingParams};
 pub use score::{ScoreError, logits_at_every_position};

@@ -357,3 +357,54 @@ fn timing_counts_the_prefill_steps_of_a_request() {
     );
     engine.shutdown(true);
 }
+
+/// Allows one scripted token per step, then only the end token.
+struct Script {
+    next: Vec<u32>,
+    end: u32,
+    seen: Arc<std::sync::Mutex<Vec<u32>>>,
+}
+
+impl deltaserve_engine::TokenConstraint for Script {
+    fn mask(&mut self, row: &mut [f32]) {
+        let allowed = self.next.first().copied().unwrap_or(self.end);
+        for (id, l) in row.iter_mut().enumerate() {
+            if id as u32 != allowed {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+    fn accept(&mut self, token: u32) {
+        self.seen.lock().unwrap().push(token);
+        if self.next.first() == Some(&token) {
+            self.next.remove(0);
+        }
+    }
+}
+
+#[test]
+fn a_constraint_masks_every_pick_and_follows_every_token() {
+    let engine = start(sched(16, 64, 4));
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    for sampling in [SamplingParams::greedy(), SamplingParams { temperature: 1.0, seed: Some(3), ..Default::default() }]
+    {
+        seen.lock().unwrap().clear();
+        let script = Script { next: vec![40, 41, 40, 7], end: 2, seen: seen.clone() };
+        let r = Request {
+            prompt: vec![3; 12],
+            max_tokens: 20,
+            sampling,
+            stop_token_ids: vec![2],
+            constraint: Some(deltaserve_engine::SharedConstraint::new(script)),
+            ..Default::default()
+        };
+        // An unconstrained neighbour in the same batch keeps its own picks.
+        let free = engine.submit(Request { constraint: None, stop_token_ids: vec![], ..r.clone() }).unwrap();
+        let (ids, _, reason) = collect(engine.submit(r).unwrap()).unwrap();
+        assert_eq!(ids, vec![40, 41, 40, 7, 2]);
+        assert_eq!(reason, FinishReason::Stop);
+        assert_eq!(*seen.lock().unwrap(), ids);
+        assert_eq!(collect(free).unwrap().0.len(), 20);
+    }
+    engine.shutdown(true);
+}

@@ -73,6 +73,8 @@ struct Sequence {
     /// Positions (ascending) where the state should be snapshotted for the prefix cache.
     snapshot_points: Vec<usize>,
     snapshot_on_finish: bool,
+    /// Never draft for it (its tokens are picked under a grammar, one at a time).
+    no_drafts: bool,
     /// Prompt tokens restored from the prefix cache at first admission.
     cached_prefix: Option<usize>,
 }
@@ -86,6 +88,8 @@ pub struct SeqOptions {
     /// Snapshot the state after the last fed token when the sequence finishes (the next request of
     /// an agent loop re-renders the whole turn).
     pub snapshot_on_finish: bool,
+    /// Never give it drafts under speculative decoding (a constrained reply picks one token a step).
+    pub no_drafts: bool,
 }
 
 impl Sequence {
@@ -252,6 +256,7 @@ impl Scheduler {
                 preemptions: 0,
                 snapshot_points: points,
                 snapshot_on_finish: opts.snapshot_on_finish,
+                no_drafts: opts.no_drafts,
                 cached_prefix: None,
             },
         );
@@ -373,7 +378,7 @@ impl Scheduler {
     /// allows, and one less than the tokens it may still emit (a step emits up to `1 + drafts`).
     fn drafts(&self, id: SeqId, spare: usize) -> usize {
         let s = &self.seqs[&id];
-        if self.spec_tokens == 0 || s.in_prefill() || s.tokens.len() == s.cached {
+        if self.spec_tokens == 0 || s.no_drafts || s.in_prefill() || s.tokens.len() == s.cached {
             return 0;
         }
         let remaining = s.max_tokens.saturating_sub(s.generated());

@@ -1,7 +1,8 @@
 //! Speculative decoding in the scheduler: random workloads with random acceptance under tight page
 //! budgets (preemption) and a prefix cache. After every step the pools are consistent, drafts never
-//! exceed K or what a sequence may still emit, pages cover every verified position, unused pages are
-//! given back after the accept, and every sequence ends with exactly its tokens.
+//! exceed K or what a sequence may still emit (and a sequence added without drafts gets none),
+//! pages cover every verified position, unused pages are given back after the accept, and every
+//! sequence ends with exactly its tokens.
 
 use std::collections::HashMap;
 
@@ -29,7 +30,8 @@ proptest! {
         for (i, &(p, m)) in reqs.iter().enumerate() {
             let id = i as u64;
             let prompt: Vec<u32> = (0..p).map(|pos| truth(id, pos)).collect();
-            let opts = SeqOptions { snapshot_points: vec![], snapshot_on_finish: cache };
+            // Every third sequence is constrained: it never drafts.
+            let opts = SeqOptions { snapshot_points: vec![], snapshot_on_finish: cache, no_drafts: id % 3 == 2 };
             s.add_with(id, prompt, m, opts).unwrap();
             want.insert(id, p + m);
         }
@@ -52,6 +54,7 @@ proptest! {
                 let generated = toks.len() - reqs[id as usize].0;
                 let remaining = reqs[id as usize].1 - generated;
                 prop_assert!(ch.draft <= k && ch.draft < remaining.max(1), "drafts {} with {remaining} left", ch.draft);
+                prop_assert!(id % 3 != 2 || ch.draft == 0, "a sequence without drafts drafted");
                 if ch.draft > 0 {
                     drafted += 1;
                     prop_assert_eq!(ch.tokens.len(), 1);

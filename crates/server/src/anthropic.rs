@@ -22,6 +22,8 @@ use crate::openai::{parse_body, sse};
 use crate::output::{Finish, OutEvent, OutputStream, Parsing};
 use crate::request::{Limits, build_request, new_id, normalize_messages, render_chat, snapshot_points, type_name};
 use crate::state::{AppState, ChatDefaults};
+use crate::structured;
+use deltaserve_text::Grammar;
 
 #[derive(Debug, Deserialize)]
 pub struct MessagesRequest {
@@ -49,7 +51,12 @@ impl MessagesRequest {
 }
 
 /// The prompt and output parsing of an Anthropic request.
-fn convert(st: &AppState, chat: &ChatDefaults, req: &MessagesRequest) -> Result<(Vec<u32>, Parsing), ApiError> {
+/// The prompt, how to parse the output, and the grammar a forced `tool_choice` puts on it.
+fn convert(
+    st: &AppState,
+    chat: &ChatDefaults,
+    req: &MessagesRequest,
+) -> Result<(Vec<u32>, Parsing, Option<Grammar>), ApiError> {
     st.check_model(req.model.as_deref())?;
     let mut messages = Vec::new();
     match &req.system {
@@ -85,15 +92,29 @@ fn convert(st: &AppState, chat: &ChatDefaults, req: &MessagesRequest) -> Result<
             }
         }
     }
-    let tools = match req.tool_choice.as_ref().and_then(|c| c.get("type")).and_then(Value::as_str) {
-        Some("none") => None,
-        None | Some("auto") => {
-            req.tools.as_ref().map(|t| t.iter().map(to_openai_tool).collect::<Result<Vec<_>, _>>()).transpose()?
+    let offered =
+        || req.tools.as_ref().map(|t| t.iter().map(to_openai_tool).collect::<Result<Vec<_>, _>>()).transpose();
+    let choice = req.tool_choice.as_ref();
+    let parallel = !choice.and_then(|c| c.get("disable_parallel_tool_use")).and_then(Value::as_bool).unwrap_or(false);
+    let (tools, forced) = match choice.and_then(|c| c.get("type")).and_then(Value::as_str) {
+        Some("none") => (None, None),
+        None | Some("auto") => (offered()?, None),
+        Some("any") => {
+            let tools = offered()?;
+            let g = structured::forced_tool_call(tools.as_deref(), None, parallel)?;
+            (tools, Some(g))
+        }
+        Some("tool") => {
+            let name = choice.and_then(|c| c.get("name")).and_then(Value::as_str);
+            let name = name.ok_or_else(|| ApiError::bad_param("tool_choice", "tool_choice.name is missing"))?;
+            let tools = offered()?;
+            let g = structured::forced_tool_call(tools.as_deref(), Some(name), parallel)?;
+            (tools, Some(g))
         }
         Some(other) => {
             return Err(ApiError::bad_param(
                 "tool_choice",
-                format!("tool_choice type `{other}` is not supported yet (auto, none)"),
+                format!("tool_choice type `{other}` is not supported (auto, none, any, tool)"),
             ));
         }
     };
@@ -113,7 +134,8 @@ fn convert(st: &AppState, chat: &ChatDefaults, req: &MessagesRequest) -> Result<
             ));
         }
     }
-    render_chat(st, normalize_messages(&messages)?, tools, chat.merged(kwargs))
+    let (prompt, parsing) = render_chat(st, normalize_messages(&messages)?, tools, chat.merged(kwargs))?;
+    Ok((prompt, parsing, forced))
 }
 
 fn blocks_text(blocks: &[Value], field: &str) -> Result<String, ApiError> {
@@ -204,11 +226,15 @@ fn to_openai_tool(t: &Value) -> Result<Value, ApiError> {
         .and_then(Value::as_str)
         .filter(|n| !n.is_empty())
         .ok_or_else(|| ApiError::bad_param("tools", "every tool needs a `name`"))?;
-    Ok(json!({"type": "function", "function": {
-        "name": name,
-        "description": t.get("description").cloned().unwrap_or(Value::Null),
-        "parameters": t.get("input_schema").cloned().unwrap_or(json!({"type": "object", "properties": {}})),
-    }}))
+    // A tool without a description renders without the key (as transformers renders it), never as null.
+    let mut function = serde_json::Map::new();
+    function.insert("name".into(), json!(name));
+    if let Some(d) = t.get("description").filter(|d| !d.is_null()) {
+        function.insert("description".into(), d.clone());
+    }
+    let parameters = t.get("input_schema").cloned().unwrap_or(json!({"type": "object", "properties": {}}));
+    function.insert("parameters".into(), parameters);
+    Ok(json!({"type": "function", "function": function}))
 }
 
 pub async fn messages(
@@ -228,7 +254,7 @@ async fn messages_inner(
 ) -> Result<Response, ApiError> {
     let req: MessagesRequest = parse_body(body)?;
     let max_tokens = req.max_tokens.ok_or_else(|| ApiError::bad_param("max_tokens", "`max_tokens` is required"))?;
-    let (prompt, parsing) = convert(st, chat, &req)?;
+    let (prompt, parsing, forced) = convert(st, chat, &req)?;
     let input_tokens = prompt.len();
     let d = &st.sampling_defaults;
     let sampling = SamplingParams {
@@ -238,7 +264,7 @@ async fn messages_inner(
         ..d.clone()
     };
     let points = snapshot_points(st, &prompt);
-    let engine_req = build_request(
+    let mut engine_req = build_request(
         prompt,
         Limits {
             snapshot_points: points,
@@ -251,6 +277,9 @@ async fn messages_inner(
             state: st,
         },
     )?;
+    if let Some(g) = &forced {
+        engine_req.constraint = Some(structured::constraint(st, g, "tool_choice", parsing.reasoning == Some(true))?);
+    }
     let mut out = st.generate(engine_req, parsing)?;
     let id = new_id("msg_");
     let model = st.cfg.served_model_name.clone();
@@ -490,8 +519,28 @@ pub async fn count_tokens(
 ) -> Response {
     let resp = parse_body::<MessagesRequest>(body)
         .and_then(|req| convert(&st, &chat, &req))
-        .map(|(ids, _)| axum::Json(json!({"input_tokens": ids.len()})).into_response())
+        .map(|(ids, _, _)| axum::Json(json!({"input_tokens": ids.len()})).into_response())
         .unwrap_or_else(|e| e.into_response_styled(Style::Anthropic));
     st.metrics.request("count_tokens", resp.status().as_u16());
     resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tool_without_description_has_no_description_key() {
+        let schema = json!({"type": "object", "properties": {"city": {"type": "string"}}});
+        let bare = to_openai_tool(&json!({"name": "get_weather", "input_schema": schema})).unwrap();
+        assert_eq!(bare, json!({"type": "function", "function": {"name": "get_weather", "parameters": schema}}));
+        assert!(!bare.to_string().contains("null"));
+        let described =
+            to_openai_tool(&json!({"name": "get_weather", "description": "Weather now.", "input_schema": schema}))
+                .unwrap();
+        assert_eq!(described["function"]["description"], "Weather now.");
+        // Key order as transformers renders it: name, description, parameters.
+        let keys: Vec<&String> = described["function"].as_object().unwrap().keys().collect();
+        assert_eq!(keys, ["name", "description", "parameters"]);
+    }
 }

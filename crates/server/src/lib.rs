@@ -16,6 +16,7 @@ pub mod output;
 pub mod request;
 pub mod routes;
 pub mod state;
+pub mod structured;
 
 use std::net::SocketAddr;
 use std::time::Duration;

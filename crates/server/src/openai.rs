@@ -22,6 +22,7 @@ use crate::request::{
     CommonParams, Limits, build_request, new_id, normalize_messages, render_chat, unix_now, validate_tools,
 };
 use crate::state::{AppState, ChatDefaults};
+use crate::structured;
 
 #[derive(Debug, Deserialize)]
 pub struct ChatCompletionRequest {
@@ -95,37 +96,50 @@ async fn chat_inner(
     let req: ChatCompletionRequest = parse_body(body)?;
     st.check_model(req.model.as_deref())?;
     req.common.validate()?;
-    if let Some(rf) = &req.response_format {
-        match rf.get("type").and_then(Value::as_str) {
-            Some("text") => {}
-            Some(other) => {
-                return Err(ApiError::bad_param(
-                    "response_format",
-                    format!("response_format type `{other}` is not supported yet (only `text`)"),
-                ));
-            }
-            None => {
-                return Err(ApiError::bad_param(
-                    "response_format",
-                    "response_format needs a `type` (only `text` is supported yet)",
-                ));
-            }
-        }
-    }
+    let format = structured::response_format(req.response_format.as_ref())?;
+    // `Some(name)`: a forced call (`None`: any tool, `required`).
+    let mut forced: Option<Option<String>> = None;
     let tools = match (&req.tools, &req.tool_choice) {
         (_, Some(Value::String(c))) if c == "none" => None,
         (_, Some(Value::String(c))) if c == "auto" => req.tools.clone(),
         (_, None) => req.tools.clone(),
+        (_, Some(Value::String(c))) if c == "required" => {
+            forced = Some(None);
+            req.tools.clone()
+        }
+        (_, Some(choice)) if choice.get("type").and_then(Value::as_str) == Some("function") => {
+            let name = choice.get("function").and_then(|f| f.get("name")).and_then(Value::as_str);
+            let name =
+                name.ok_or_else(|| ApiError::bad_param("tool_choice", "tool_choice.function.name is missing"))?;
+            forced = Some(Some(name.to_string()));
+            req.tools.clone()
+        }
         (_, Some(other)) => {
             return Err(ApiError::bad_param(
                 "tool_choice",
-                format!("tool_choice {other} is not supported yet (\"auto\" and \"none\" are)"),
+                format!(
+                    "tool_choice {other} is not supported (\"auto\", \"none\", \"required\" or a named function are)"
+                ),
             ));
         }
     };
     if let Some(t) = &tools {
         validate_tools(t)?;
     }
+    let grammar = match (format, forced) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::bad_param(
+                "response_format",
+                "response_format cannot be combined with a tool_choice that forces a tool call",
+            ));
+        }
+        (Some(g), None) => Some((g, "response_format")),
+        (None, Some(name)) => {
+            let parallel = req.parallel_tool_calls.unwrap_or(true);
+            Some((structured::forced_tool_call(tools.as_deref(), name.as_deref(), parallel)?, "tool_choice"))
+        }
+        (None, None) => None,
+    };
     let top_logprobs = req.top_logprobs.unwrap_or(0) as usize;
     if top_logprobs > 20 {
         return Err(ApiError::bad_param("top_logprobs", "`top_logprobs` must be between 0 and 20"));
@@ -136,7 +150,7 @@ async fn chat_inner(
         render_chat(st, messages, tools, chat.merged(req.chat_template_kwargs.clone().unwrap_or_default()))?;
     let c = &req.common;
     let points = snapshot_points(st, &prompt);
-    let engine_req = build_request(
+    let mut engine_req = build_request(
         prompt,
         Limits {
             snapshot_points: points,
@@ -149,6 +163,9 @@ async fn chat_inner(
             state: st,
         },
     )?;
+    if let Some((g, field)) = &grammar {
+        engine_req.constraint = Some(structured::constraint(st, g, field, parsing.reasoning == Some(true))?);
+    }
     tracing::debug!(
         prompt = engine_req.prompt.len(),
         prepare_ms = format!("{:.1}", received.elapsed().as_secs_f64() * 1e3),
@@ -310,7 +327,7 @@ async fn completions_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -
     }
     let col = Collected::collect(out).await?;
     let finish = col.finish.clone().unwrap_or(Finish::Length);
-    let logprobs = top.map(|_| completion_logprobs(&col));
+    let logprobs = top.map(|_| completion_logprobs(&st.tokenizer, &col.tokens));
     Ok(axum::Json(json!({
         "id": id, "object": "text_completion", "created": unix_now(), "model": model,
         "choices": [{"index": 0, "text": col.content, "logprobs": logprobs, "finish_reason": finish_reason(&finish), "stop_reason": finish.stop_string()}],
@@ -437,18 +454,26 @@ fn chat_logprob(st: &AppState, text: &str, lp: &deltaserve_engine::TokenLogprob)
     logprob_entry(&st.tokenizer, text, lp)
 }
 
-fn completion_logprobs(col: &Collected) -> Value {
+/// The legacy completions `logprobs` object: `top_logprobs` maps each alternative's text to its
+/// logprob (as OpenAI and vLLM do); alternatives that decode to the same text keep the best one.
+fn completion_logprobs(
+    tok: &deltaserve_text::Tokenizer,
+    tokens: &[(u32, String, deltaserve_engine::TokenLogprob)],
+) -> Value {
     let mut offset = 0;
     let mut offsets = Vec::new();
-    for (_, t, _) in &col.tokens {
+    for (_, t, _) in tokens {
         offsets.push(offset);
         offset += t.len();
     }
     json!({
-        "tokens": col.tokens.iter().map(|(_, t, _)| t.clone()).collect::<Vec<_>>(),
-        "token_logprobs": col.tokens.iter().map(|(_, _, lp)| lp.logprob).collect::<Vec<_>>(),
-        "top_logprobs": col.tokens.iter().map(|(_, _, lp)| {
-            let m: Map<String, Value> = lp.top.iter().map(|(id, l)| (format!("{id}"), json!(l))).collect();
+        "tokens": tokens.iter().map(|(_, t, _)| t.clone()).collect::<Vec<_>>(),
+        "token_logprobs": tokens.iter().map(|(_, _, lp)| lp.logprob).collect::<Vec<_>>(),
+        "top_logprobs": tokens.iter().map(|(_, _, lp)| {
+            let mut m = Map::new();
+            for (id, l) in &lp.top {
+                m.entry(tok.decode(&[*id], false).unwrap_or_default()).or_insert(json!(l));
+            }
             Value::Object(m)
         }).collect::<Vec<_>>(),
         "text_offset": offsets,
@@ -482,4 +507,26 @@ pub fn finish_response(st: &AppState, endpoint: &str, r: Result<Response, ApiErr
     });
     st.metrics.request(endpoint, resp.status().as_u16());
     resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn completion_top_logprobs_are_keyed_by_token_text() {
+        let dir = deltaserve_text::synth_model::demo_model_dir().unwrap();
+        let tok = deltaserve_text::Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap();
+        let text_817 = tok.decode(&[817], false).unwrap();
+        let text_300 = tok.decode(&[300], false).unwrap();
+        assert_ne!(text_817, text_300);
+        let lp = deltaserve_engine::TokenLogprob { logprob: -0.5, top: vec![(300, -0.5), (817, -8.9)] };
+        let v = completion_logprobs(&tok, &[(300, text_300.clone(), lp)]);
+        assert_eq!(v["tokens"], json!([text_300]));
+        let top = v["top_logprobs"][0].as_object().unwrap();
+        assert_eq!(top.len(), 2, "{top:?}");
+        assert_eq!(top[&text_300], json!(-0.5));
+        assert!((top[&text_817].as_f64().unwrap() + 8.9).abs() < 1e-6, "{top:?}");
+        assert!(!top.contains_key("817"));
+    }
 }

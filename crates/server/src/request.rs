@@ -90,6 +90,7 @@ pub fn build_request(prompt: Vec<u32>, l: Limits) -> Result<Request, ApiError> {
         logprobs: l.logprobs,
         snapshot_points: l.snapshot_points,
         snapshot_on_finish: l.snapshot_on_finish,
+        constraint: None,
     })
 }
 
@@ -209,13 +210,16 @@ fn normalize_tool_calls(calls: &Value, i: usize) -> Result<Vec<Value>, ApiError>
             let args = match f.get("arguments") {
                 None | Some(Value::Null) => json!({}),
                 Some(Value::String(s)) if s.trim().is_empty() => json!({}),
+                // Kept as the string: the template reads it as Python's `json.loads` does (big
+                // integers exact, `1e400` infinite), which serde_json's numbers cannot hold.
                 Some(Value::String(s)) => {
-                    serde_json::from_str::<Value>(s).ok().filter(Value::is_object).ok_or_else(|| {
-                        ApiError::bad_param(
+                    if deltaserve_text::check_json_object(s).is_err() {
+                        return Err(ApiError::bad_param(
                             "messages",
                             format!("messages[{i}].tool_calls[{j}].function.arguments is not a JSON object string"),
-                        )
-                    })?
+                        ));
+                    }
+                    Value::String(s.clone())
                 }
                 Some(v @ Value::Object(_)) => v.clone(),
                 Some(other) => {
@@ -300,5 +304,25 @@ pub fn snapshot_points(state: &AppState, prompt: &[u32]) -> Vec<usize> {
             prompt.iter().enumerate().filter(|(i, t)| *i > 0 && **t == im_start).map(|(i, _)| i).collect()
         }
         None => Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn string_arguments_python_reads_are_kept_not_refused() {
+        // Python's json reads these (a 97-bit integer, -0, an infinite float); the template renders
+        // them from the string, so they reach it unchanged.
+        let args = r#"{"id": 123456789012345678901234567890, "z": -0, "far": 1e400}"#;
+        let calls = json!([{"id": "c1", "type": "function", "function": {"name": "f", "arguments": args}}]);
+        let out = normalize_tool_calls(&calls, 1).unwrap();
+        assert_eq!(out[0]["function"]["arguments"], json!(args));
+        for bad in ["[1, 2]", "{\"a\": }", "nope"] {
+            let calls = json!([{"function": {"name": "f", "arguments": bad}}]);
+            let err = normalize_tool_calls(&calls, 1).unwrap_err();
+            assert!(err.message().contains("messages[1].tool_calls[0].function.arguments"), "{bad}");
+        }
     }
 }

@@ -54,6 +54,8 @@ pub struct AppState {
     pub eos_ids: Vec<u32>,
     /// Sampling used for fields a request leaves out (the model's generation_config.json, as vLLM does).
     pub sampling_defaults: SamplingParams,
+    /// Structured outputs' grammar compiler (built on first use).
+    pub grammars: crate::structured::Grammars,
 }
 
 /// The server's prompt encoder over `tokenizer`: split before every message opener (`<|im_start|>`),

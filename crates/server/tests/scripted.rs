@@ -77,6 +77,7 @@ fn state(script: &str, step_delay: Duration) -> AppState {
     };
     let engine = EngineHandle::start(Box::new(backend), sched, Some(tokenizer.clone()));
     AppState {
+        grammars: Default::default(),
         engine,
         prompt_encoder: deltaserve_server::state::prompt_encoder(&tokenizer),
         tokenizer,
@@ -249,14 +250,24 @@ async fn errors_have_the_right_status_and_body() {
     };
     let cases: Vec<(Value, StatusCode, &str)> = vec![
         (chat(json!({"n": 2})), StatusCode::BAD_REQUEST, "`n`"),
-        (chat(json!({"response_format": {"type": "json_object"}})), StatusCode::BAD_REQUEST, "response_format"),
+        (chat(json!({"response_format": {"type": "xml"}})), StatusCode::BAD_REQUEST, "response_format"),
+        (
+            chat(json!({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}})),
+            StatusCode::BAD_REQUEST,
+            "response_format",
+        ),
         (chat(json!({"model": "gpt-9"})), StatusCode::NOT_FOUND, "gpt-9"),
         (chat(json!({"temperature": -1})), StatusCode::BAD_REQUEST, "temperature"),
         (chat(json!({"temperature": "hot"})), StatusCode::BAD_REQUEST, "invalid"),
         (chat(json!({"max_tokens": 5000})), StatusCode::BAD_REQUEST, "1024"),
         (chat(json!({"messages": []})), StatusCode::BAD_REQUEST, "messages"),
         (chat(json!({"messages": [{"role": "wizard", "content": "x"}]})), StatusCode::BAD_REQUEST, "wizard"),
-        (chat(json!({"tool_choice": "required", "tools": tools()})), StatusCode::BAD_REQUEST, "tool_choice"),
+        (chat(json!({"tool_choice": "required"})), StatusCode::BAD_REQUEST, "tool_choice"),
+        (
+            chat(json!({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": tools()})),
+            StatusCode::BAD_REQUEST,
+            "`nope`",
+        ),
         (json!([1, 2, 3]), StatusCode::BAD_REQUEST, "object"),
     ];
     for (body, want, needle) in cases {
@@ -293,7 +304,7 @@ async fn messages_name_plain_values_not_rust_debug_values() {
     let anthropic =
         |block: Value, role: &str| json!({"max_tokens": 4, "messages": [{"role": role, "content": [block]}]});
     let cases = [
-        ("/v1/chat/completions", chat(json!({"type": "json_object"})), "response_format type `json_object`"),
+        ("/v1/chat/completions", chat(json!({"type": "xml"})), "response_format type `xml`"),
         ("/v1/chat/completions", chat(json!({})), "response_format needs a `type`"),
         ("/v1/messages", anthropic(json!({"type": "image"}), "user"), "block type `image` is not supported"),
         ("/v1/messages", anthropic(json!({"type": "audio"}), "assistant"), "block type `audio` is not supported"),

@@ -9,9 +9,11 @@ mod error;
 mod incremental;
 mod prompt_cache;
 mod pyjson;
+mod pyloads;
 mod reasoning;
 mod stop;
 mod strftime;
+mod structured;
 mod synth;
 pub mod synth_model;
 mod template;
@@ -21,8 +23,10 @@ mod toolcall;
 pub use error::TextError;
 pub use incremental::IncrementalDecoder;
 pub use prompt_cache::{PromptCacheStats, PromptEncoder};
+pub use pyloads::check_json_object;
 pub use reasoning::{ReasoningDelta, ReasoningParser};
 pub use stop::{StopMatcher, StopOutput};
+pub use structured::{Grammar, GrammarCompiler, GrammarMatcher};
 pub use synth::{
     QWEN35_SPLIT_REGEX, SPECIAL_TOKENS, is_special_token, synthetic_tokenizer_config_json,
     synthetic_tokenizer_config_json_for, synthetic_tokenizer_json,

@@ -10,6 +10,7 @@ use serde_json::Map;
 
 use crate::error::TextError;
 use crate::pyjson::{DumpOptions, dumps, py_str};
+use crate::pyloads::python_json_loads;
 use crate::strftime::DateTime;
 
 const TEMPLATE_NAME: &str = "chat_template";
@@ -108,19 +109,52 @@ impl ChatTemplate {
     /// Renders like HF `apply_chat_template(..., tokenize=False)`.
     pub fn render(&self, req: &ChatRequest) -> Result<String, TextError> {
         let mut ctx = self.special.clone();
-        ctx.insert("messages".into(), req.messages.clone().into());
         ctx.insert("tools".into(), req.tools.clone().map(serde_json::Value::Array).unwrap_or(serde_json::Value::Null));
         ctx.insert("documents".into(), serde_json::Value::Null);
         ctx.insert("add_generation_prompt".into(), req.add_generation_prompt.into());
         for (k, v) in &req.kwargs {
             ctx.insert(k.clone(), v.clone());
         }
+        let mut ctx: Vec<(String, Value)> =
+            ctx.into_iter().map(|(k, v)| (k, Value::from(minijinja::value::Serde(&v)))).collect();
+        ctx.push(("messages".into(), Value::from(req.messages.iter().map(message_value).collect::<Vec<_>>())));
         let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(|e| TextError::TemplateRender(error_chain(&e)))?;
-        tmpl.render(Value::from(minijinja::value::Serde(&ctx))).map_err(|e| match raised_message(&e) {
+        tmpl.render(Value::from_pairs(ctx)).map_err(|e| match raised_message(&e) {
             Some(msg) => TextError::TemplateRaised(msg),
             None => TextError::TemplateRender(error_chain(&e)),
         })
     }
+}
+
+/// A message as a template value. Tool-call `arguments` given as a JSON string (the OpenAI wire
+/// form) are read as Python's `json.loads` reads them, as the reference server does before it
+/// renders; a string that is not JSON stays a string (the template decides what to do with it).
+fn message_value(m: &serde_json::Value) -> Value {
+    fn with_key(v: &serde_json::Value, key: &str, f: &dyn Fn(&serde_json::Value) -> Value) -> Value {
+        match v.as_object() {
+            Some(o) if o.contains_key(key) => Value::from_pairs(
+                o.iter()
+                    .map(|(k, x)| (k.clone(), if k == key { f(x) } else { Value::from(minijinja::value::Serde(x)) })),
+            ),
+            _ => Value::from(minijinja::value::Serde(v)),
+        }
+    }
+    fn arguments(a: &serde_json::Value) -> Value {
+        match a.as_str() {
+            Some(s) => python_json_loads(s).unwrap_or_else(|_| Value::from(s)),
+            None => Value::from(minijinja::value::Serde(a)),
+        }
+    }
+    fn call(c: &serde_json::Value) -> Value {
+        match c.get("function") {
+            Some(_) => with_key(c, "function", &|f| with_key(f, "arguments", &arguments)),
+            None => with_key(c, "arguments", &arguments),
+        }
+    }
+    with_key(m, "tool_calls", &|calls| match calls.as_array() {
+        Some(list) => Value::from(list.iter().map(call).collect::<Vec<_>>()),
+        None => Value::from(minijinja::value::Serde(calls)),
+    })
 }
 
 /// The environment HF builds in `_compile_jinja_template`, in minijinja terms.
@@ -264,5 +298,39 @@ fn template_field(path: &Path, cfg: &serde_json::Value) -> Result<Option<String>
             Err(field_error(path, "chat_template", "list has no entry named \"default\""))
         }
         Some(_) => Err(field_error(path, "chat_template", "expected a string or a list of {name, template}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn string_tool_arguments_render_as_python_reads_them() {
+        let t = ChatTemplate::new(crate::QWEN35_CHAT_TEMPLATE, None, Some("<|im_end|>".into())).unwrap();
+        let args = r#"{"id": 123456789012345678901234567890, "z": -0, "far": 1e400, "neg": -0.0, "list": [1e400, -0, 18446744073709551616]}"#;
+        let req = ChatRequest {
+            messages: vec![
+                serde_json::json!({"role": "user", "content": "go"}),
+                serde_json::json!({"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": args}}]}),
+            ],
+            ..Default::default()
+        };
+        let out = t.render(&req).unwrap();
+        // What transformers renders after json.loads: str() for scalars, json.dumps for lists.
+        for want in [
+            "<parameter=id>\n123456789012345678901234567890\n</parameter>",
+            "<parameter=z>\n0\n</parameter>",
+            "<parameter=far>\ninf\n</parameter>",
+            "<parameter=neg>\n-0.0\n</parameter>",
+            "<parameter=list>\n[Infinity, 0, 18446744073709551616]\n</parameter>",
+        ] {
+            assert!(out.contains(want), "{want:?} not in {out}");
+        }
+        // A string that is not JSON still reaches the template, which refuses it.
+        let mut bad = req.clone();
+        bad.messages[1]["tool_calls"][0]["function"]["arguments"] = serde_json::json!("not json");
+        assert!(matches!(t.render(&bad), Err(TextError::TemplateRaised(_))));
     }
 }

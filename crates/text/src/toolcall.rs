@@ -49,6 +49,10 @@
 //! * Text inside `<function=…>` that is neither whitespace nor a parameter is dropped, except that
 //!   a function body with no parameters that is a JSON object (`<function=f>{"a":1}</function>`) is
 //!   used as the arguments.
+//! * The JSON form some Qwen fine-tunes write, `<tool_call>{"name": NAME, "arguments": {…}}</tool_call>`
+//!   (`parameters` for `arguments`, or the arguments as a JSON string, also accepted), is a call
+//!   too, sent whole once `</tool_call>` (or the end of the output) arrives; a body that is not
+//!   such an object is content.
 //! * Several calls per turn get indexes 0, 1, …; several `<function=…>` blocks inside one
 //!   `<tool_call>` are separate calls. A missing `</function>` before `</tool_call>` is tolerated.
 //! * At [`ToolCallParser::finish`] (output ended): a `<tool_call>` whose `<function=NAME>` was never
@@ -264,6 +268,21 @@ fn function_schemas(tools: &[Value]) -> Vec<(String, FunctionSchema)> {
         out.push((name.to_string(), FunctionSchema { properties }));
     }
     out
+}
+
+/// A call in the JSON form some Qwen fine-tunes write inside `<tool_call>`: `{"name": NAME,
+/// "arguments": OBJECT}` (`parameters` is accepted for `arguments`, and the arguments may be a
+/// JSON string holding the object). Returns the name and the arguments' JSON text.
+fn json_call(body: &str) -> Option<(String, String)> {
+    let Value::Object(call) = serde_json::from_str::<Value>(body.trim()).ok()? else { return None };
+    let name = call.get("name").and_then(Value::as_str).filter(|n| valid_function_name(n))?;
+    let args = match call.get("arguments").or_else(|| call.get("parameters")) {
+        None | Some(Value::Null) => Value::Object(Map::new()),
+        Some(v @ Value::Object(_)) => v.clone(),
+        Some(Value::String(s)) => serde_json::from_str::<Value>(s).ok().filter(Value::is_object)?,
+        Some(_) => return None,
+    };
+    Some((name.to_string(), serde_json::to_string(&args).ok()?))
 }
 
 fn valid_function_name(name: &str) -> bool {
@@ -656,6 +675,26 @@ impl ToolCallParser {
                                 return;
                             }
                             _ => self.revert_open(opener),
+                        }
+                    } else if opener > 0 && t.starts_with('{') {
+                        // The JSON form: `<tool_call>{"name": …, "arguments": …}</tool_call>`.
+                        let body_end = after.find(TOOL_CALL_CLOSE);
+                        if body_end.is_none() && !eof {
+                            return;
+                        }
+                        let body = &after[..body_end.unwrap_or(after.len())];
+                        match json_call(body) {
+                            Some((name, args)) => {
+                                let consumed = opener + body_end.map_or(after.len(), |k| k + TOOL_CALL_CLOSE.len());
+                                self.pending.drain(..consumed);
+                                self.held_ws.clear();
+                                self.start_call(&name);
+                                self.emit_args(&args);
+                                self.events.push(ToolEvent::End { index: self.next_index - 1 });
+                                self.call = None;
+                                self.state = State::Text { drop_ws: true };
+                            }
+                            None => self.revert_open(opener),
                         }
                     } else if !eof && FUNCTION_OPEN.starts_with(t) {
                         return;

@@ -70,9 +70,12 @@ fn raise_exception_and_render_errors() {
 #[test]
 fn qwen_template_rejects_string_arguments_and_bad_content() {
     let t = ChatTemplate::new(deltaserve_text::QWEN35_CHAT_TEMPLATE, None, None).unwrap();
+    // Arguments given as a JSON object string are read as JSON; any other string is refused.
     let mut req = user("hi");
     req.messages.push(serde_json::json!({"role": "assistant", "content": "",
         "tool_calls": [{"function": {"name": "f", "arguments": "{\"a\": 1}"}}]}));
+    assert!(t.render(&req).unwrap().contains("<parameter=a>\n1\n</parameter>"));
+    req.messages[1]["tool_calls"][0]["function"]["arguments"] = serde_json::json!("a=1");
     assert!(matches!(t.render(&req), Err(TextError::TemplateRaised(m)) if m.contains("arguments")));
     let mut req = user("hi");
     req.messages[0]["content"] = serde_json::json!({"oops": 1});

@@ -711,3 +711,31 @@ proptest! {
         prop_assert_eq!(args, Value::Object(expected));
     }
 }
+
+#[test]
+fn tool_json_form_is_a_call() {
+    let tools = tools();
+    // The JSON form some Qwen fine-tunes write.
+    let s = "Checking.\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"location\": \"Paris\", \"days\": 3}}\n</tool_call>\n<tool_call>{\"name\": \"add\", \"arguments\": \"{\\\"a\\\": 1}\"}</tool_call>";
+    let (content, calls) = tools_parse(s, &tools);
+    assert_eq!(content, "Checking.");
+    assert_eq!(
+        calls,
+        vec![
+            ("get_weather".to_string(), json!({"location": "Paris", "days": 3})),
+            ("add".to_string(), json!({"a": 1})),
+        ]
+    );
+    // `parameters` for `arguments`, no closing tag at the end of the output.
+    let (content, calls) = tools_parse("<tool_call>{\"name\": \"f\", \"parameters\": {\"x\": [1]}}", &tools);
+    assert_eq!((content.as_str(), calls), ("", vec![("f".to_string(), json!({"x": [1]}))]));
+    // Not a call object: the text stays content, verbatim.
+    for text in [
+        "<tool_call>{\"arguments\": {}}</tool_call>",
+        "<tool_call>{not json}</tool_call>",
+        "<tool_call>{\"name\": \"f\", \"arguments\": 3}</tool_call>",
+    ] {
+        let (content, calls) = tools_parse(text, &tools);
+        assert_eq!((content.as_str(), calls.len()), (text, 0), "{text}");
+    }
+}

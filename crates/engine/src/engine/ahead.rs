@@ -3,8 +3,8 @@
 //! N+1 runs. The GPU does not wait for the host between decode steps.
 //!
 //! The next step is launched only when it can be planned without N's tokens: every request in the
-//! step is context-free (no penalties: the rule does not depend on the pick), wants no logprobs and has
-//! no stop strings (a stop string is seen on the host, after its token was fed). A sequence whose pick
+//! step is context-free (no penalties: the rule does not depend on the pick), wants no logprobs, is not
+//! constrained by a grammar (its mask depends on the pick) and has no stop strings (a stop string is seen on the host, after its token was fed). A sequence whose pick
 //! is its last by length is left out; one whose pick is a stop id is fed a row that does not run on the
 //! device, so its state stays the one its end-of-request snapshot wants. A pick the device could not
 //! make (a sampled row picked on the host) leaves its row of N+1 unrun: that sequence is not committed
@@ -40,6 +40,7 @@ impl Live {
     /// Whether this request's next step can be planned before its last pick is known.
     fn runs_ahead(&self) -> bool {
         self.req.logprobs.is_none()
+            && self.req.constraint.is_none()
             && self.req.stop_strings.is_empty()
             && self.req.stop_token_ids.len() <= FEED_STOPS
             && self.sampler.context_free()

@@ -1,0 +1,154 @@
+//! Structured outputs for the HTTP APIs: `response_format` and forced `tool_choice` (OpenAI and
+//! Anthropic) read into a [`Grammar`], compiled before any work is queued (a 400 naming the field
+//! when it does not compile), and handed to the engine as a token constraint that starts after the
+//! reasoning block when thinking is on.
+
+use std::sync::{Arc, OnceLock};
+
+use deltaserve_engine::{SharedConstraint, TokenConstraint};
+use deltaserve_text::{Grammar, GrammarCompiler, GrammarMatcher};
+use serde_json::Value;
+
+use crate::error::ApiError;
+use crate::state::AppState;
+
+/// The model's grammar compiler, built on first use (it indexes the whole vocabulary once).
+#[derive(Clone, Default)]
+pub struct Grammars(Arc<OnceLock<Result<GrammarCompiler, String>>>);
+
+impl std::fmt::Debug for Grammars {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Grammars")
+    }
+}
+
+/// OpenAI `response_format`: `text` (none), `json_object`, `json_schema` (`strict` or not: the
+/// schema is always enforced).
+pub fn response_format(rf: Option<&Value>) -> Result<Option<Grammar>, ApiError> {
+    let Some(rf) = rf else { return Ok(None) };
+    let bad = |m: &str| ApiError::bad_param("response_format", m.to_string());
+    match rf.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Grammar::JsonObject)),
+        Some("json_schema") => {
+            let schema = rf
+                .get("json_schema")
+                .and_then(|j| j.get("schema"))
+                .ok_or_else(|| bad("response_format.json_schema.schema is missing"))?;
+            if !schema.is_object() && !schema.is_boolean() {
+                return Err(bad("response_format.json_schema.schema must be a JSON schema object"));
+            }
+            Ok(Some(Grammar::JsonSchema(schema.clone())))
+        }
+        Some(other) => {
+            Err(bad(&format!("response_format type `{other}` is not supported (text, json_object, json_schema)")))
+        }
+        None => Err(bad("response_format needs a `type` (text, json_object, json_schema)")),
+    }
+}
+
+/// The tool of `tools` named `name` (OpenAI `function` objects or Anthropic tools).
+fn named_tool(tools: &[Value], name: &str) -> Option<Value> {
+    tools.iter().find(|t| t.get("function").unwrap_or(t).get("name").and_then(Value::as_str) == Some(name)).cloned()
+}
+
+/// A forced tool call to any of `tools` (`name` None) or to the one named, which must be in
+/// `tools`; several calls when `parallel`.
+pub fn forced_tool_call(tools: Option<&[Value]>, name: Option<&str>, parallel: bool) -> Result<Grammar, ApiError> {
+    let tools = tools.filter(|t| !t.is_empty()).ok_or_else(|| {
+        ApiError::bad_param("tool_choice", "tool_choice forces a tool call, but the request has no `tools`")
+    })?;
+    match name {
+        None => Ok(Grammar::ToolCalls { tools: tools.to_vec(), at_most_one: !parallel }),
+        Some(n) => {
+            let tool = named_tool(tools, n).ok_or_else(|| {
+                ApiError::bad_param("tool_choice", format!("tool_choice names `{n}`, which is not in `tools`"))
+            })?;
+            Ok(Grammar::ToolCalls { tools: vec![tool], at_most_one: !parallel })
+        }
+    }
+}
+
+/// The engine constraint for `grammar` (a 400 naming `field` when it does not compile). With
+/// `thinking` (the prompt opened `<think>`), tokens are free until `</think>`.
+pub fn constraint(st: &AppState, grammar: &Grammar, field: &str, thinking: bool) -> Result<SharedConstraint, ApiError> {
+    let compiler = st
+        .grammars
+        .0
+        .get_or_init(|| GrammarCompiler::new(st.tokenizer.clone(), st.tokenizer.vocab_size(), &st.eos_ids))
+        .as_ref()
+        .map_err(|e| ApiError::bad_param(field, format!("structured outputs are not available: {e}")))?;
+    let matcher = compiler
+        .compile(grammar)
+        .map_err(|e| ApiError::bad_param(field, format!("`{field}` cannot be compiled into a grammar: {e}")))?;
+    let think_end = if thinking { st.tokenizer.token_id("</think>") } else { None };
+    Ok(SharedConstraint::new(GrammarConstraint { matcher, think_end, eos: st.eos_ids.clone() }))
+}
+
+/// A reply under a grammar: free while reasoning, then masked; when the grammar fails or admits
+/// nothing further, only the end-of-turn tokens are allowed (the reply ends with `stop`).
+struct GrammarConstraint {
+    matcher: GrammarMatcher,
+    /// While reasoning: the `</think>` id that starts the grammar.
+    think_end: Option<u32>,
+    eos: Vec<u32>,
+}
+
+impl TokenConstraint for GrammarConstraint {
+    fn mask(&mut self, row: &mut [f32]) {
+        if self.think_end.is_some() {
+            return;
+        }
+        if !self.matcher.mask(row) {
+            for (id, l) in row.iter_mut().enumerate() {
+                if !self.eos.contains(&(id as u32)) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
+    }
+
+    fn accept(&mut self, token: u32) {
+        match self.think_end {
+            Some(end) if token == end => self.think_end = None,
+            Some(_) => {}
+            None => {
+                if let Err(e) = self.matcher.accept(token) {
+                    tracing::debug!(error = %e, token, "a token outside the grammar; the reply ends");
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Style;
+    use serde_json::json;
+
+    fn param(e: &ApiError) -> Value {
+        e.body(Style::OpenAi)["error"]["param"].clone()
+    }
+
+    #[test]
+    fn response_format_and_tool_choice_fields() {
+        assert_eq!(response_format(None).unwrap(), None);
+        assert_eq!(response_format(Some(&json!({"type": "text"}))).unwrap(), None);
+        assert_eq!(response_format(Some(&json!({"type": "json_object"}))).unwrap(), Some(Grammar::JsonObject));
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        let rf = json!({"type": "json_schema", "json_schema": {"name": "x", "strict": true, "schema": schema}});
+        assert_eq!(response_format(Some(&rf)).unwrap(), Some(Grammar::JsonSchema(schema)));
+        for bad in [json!({"type": "json_schema"}), json!({"type": "xml"}), json!({})] {
+            assert_eq!(param(&response_format(Some(&bad)).unwrap_err()), "response_format");
+        }
+        let tools = vec![json!({"type": "function", "function": {"name": "get_weather"}})];
+        assert!(matches!(
+            forced_tool_call(Some(&tools), Some("get_weather"), false),
+            Ok(Grammar::ToolCalls { at_most_one: true, .. })
+        ));
+        let err = forced_tool_call(Some(&tools), Some("nope"), true).unwrap_err();
+        assert!(err.message().contains("`nope`") && param(&err) == "tool_choice");
+        assert!(forced_tool_call(None, None, true).is_err());
+    }
+}

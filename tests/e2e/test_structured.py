@@ -1,0 +1,111 @@
+"""Structured outputs on the demo model: `response_format` JSON schemas and forced tool calls (OpenAI and
+Anthropic). The demo model's weights are random, so every reply being valid is the grammar's doing."""
+
+import json
+
+import pytest
+
+import util
+
+CHAT = "/v1/chat/completions"
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "name": {"type": "string", "minLength": 1, "maxLength": 6},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 3},
+    },
+    "required": ["color", "count", "name", "tags"],
+    "additionalProperties": False,
+}
+
+TOOL = {"type": "function", "function": {
+    "name": "get_weather",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "unit": {"type": "string", "enum": ["c", "f"]},
+    }, "required": ["city", "days", "unit"]},
+}}
+OTHER = {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}}
+
+
+def check_schema(doc):
+    assert set(doc) == {"color", "count", "name", "tags"}, doc
+    assert doc["color"] in ("red", "green", "blue")
+    assert isinstance(doc["count"], int) and 0 <= doc["count"] <= 99
+    assert isinstance(doc["name"], str) and 1 <= len(doc["name"]) <= 6
+    assert isinstance(doc["tags"], list) and len(doc["tags"]) <= 3
+    assert all(isinstance(t, str) and len(t) <= 3 for t in doc["tags"])
+
+
+def schema_body(seed, **kw):
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "strict": True, "schema": SCHEMA}}
+    return util.chat_body(content="Describe a thing.", max_tokens=300, temperature=1.0, seed=seed,
+                          response_format=fmt, **kw)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_json_schema_reply_is_valid(http, seed):
+    r = http.post(CHAT, json=schema_body(seed))
+    assert r.status_code == 200, r.text[:800]
+    ch = r.json()["choices"][0]
+    assert ch["finish_reason"] == "stop", ch
+    check_schema(json.loads(ch["message"]["content"]))
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_json_schema_stream_is_valid(http, seed):
+    chunks, done = util.stream_openai(http, CHAT, schema_body(seed, stream=True))
+    assert done
+    j = util.join_chat_stream(chunks)
+    assert j["finish_reason"] == "stop", j
+    check_schema(json.loads(j["content"]))
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_call_has_valid_arguments(http, choice):
+    body = util.chat_body(content="Weather?", max_tokens=200, temperature=1.0, seed=3, tools=[TOOL, OTHER],
+                          tool_choice=choice, parallel_tool_calls=False)
+    r = http.post(CHAT, json=body)
+    assert r.status_code == 200, r.text[:800]
+    ch = r.json()["choices"][0]
+    calls = ch["message"]["tool_calls"]
+    assert ch["finish_reason"] == "tool_calls" and calls, ch
+    for c in calls:
+        assert c["function"]["name"] in ("get_weather", "noop")
+        args = json.loads(c["function"]["arguments"])
+        if c["function"]["name"] == "get_weather":
+            assert set(args) == {"city", "days", "unit"}, args
+            assert isinstance(args["days"], int) and 1 <= args["days"] <= 7 and args["unit"] in ("c", "f")
+    if isinstance(choice, dict):
+        assert [c["function"]["name"] for c in calls] == ["get_weather"]
+
+
+def test_anthropic_forced_tool_use(anthropic_http):
+    tools = [{"name": "get_weather", "input_schema": TOOL["function"]["parameters"]}]
+    one = {"disable_parallel_tool_use": True}
+    for choice in ({"type": "any", **one}, {"type": "tool", "name": "get_weather", **one}):
+        body = {"model": util.MODEL, "max_tokens": 200, "temperature": 1.0, "tools": tools, "tool_choice": choice,
+                "messages": [{"role": "user", "content": "Weather?"}]}
+        r = anthropic_http.post("/v1/messages", json=body)
+        assert r.status_code == 200, r.text[:800]
+        m = r.json()
+        uses = [b for b in m["content"] if b["type"] == "tool_use"]
+        assert m["stop_reason"] == "tool_use" and uses, m
+        assert [u["name"] for u in uses] == ["get_weather"]
+        assert set(uses[0]["input"]) == {"city", "days", "unit"}
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+])
+def test_bad_constraints_are_400_naming_the_field(http, body, param):
+    r = http.post(CHAT, json=util.chat_body(**body))
+    assert r.status_code == 400, r.text[:800]
+    assert r.json()["error"]["param"] == param, r.text
