@@ -63,18 +63,28 @@ pub fn w4_gemm_x_scratch_bytes(m: usize, inp: usize) -> usize {
     2 * m * inp
 }
 
-/// Whether [`w4_gemm`] takes `w` with x at `x` of row stride `ldx` (bf16 elements): rows a multiple
-/// of 4 and of at most 65535 tiles, 16-byte aligned x rows (act-order weights gather x into the
-/// scratch, which is), and the format's own limits.
+/// Why [`w4_gemm`] cannot take the weights `w` (None: it can): the format's own limits, rows a multiple
+/// of 4 and of at most 65535 tiles, 8-byte aligned scales and 2-byte aligned zeros, fewer than 2^31
+/// chunks of qweight.
+fn weights_error(w: &W4Weights) -> Option<CudaError> {
+    const K: &str = "w4_gemm";
+    if let Err(e) = w.check(K) {
+        return Some(e);
+    }
+    if !w.out.is_multiple_of(4) || w.out.div_ceil(BLOCK_ROWS) > 65535 {
+        return Some(invalid(K, format!("out {} (a multiple of 4, at most 65535 tiles of {BLOCK_ROWS})", w.out)));
+    }
+    if !w.scales.is_multiple_of(8) || w.zeros.is_some_and(|z| !z.is_multiple_of(2)) {
+        return Some(invalid(K, "scales must be 8-byte and zeros 2-byte aligned"));
+    }
+    to_i32(K, "qweight chunks", w.out * w.inp / 32).err()
+}
+
+/// Whether [`w4_gemm`] takes `w` with x at `x` of row stride `ldx` (bf16 elements): the weights' limits
+/// and 16-byte aligned x rows (act-order weights gather x into the scratch, which is).
 pub fn supported(w: &W4Weights, x: u64, ldx: usize) -> bool {
     let x_ok = w.perm.is_some() || (x.is_multiple_of(16) && ldx.is_multiple_of(8));
-    w.check("w4_gemm").is_ok()
-        && w.out.is_multiple_of(4)
-        && w.out.div_ceil(BLOCK_ROWS) <= 65535
-        && w.out * w.inp / 32 < i32::MAX as usize
-        && w.scales.is_multiple_of(8)
-        && w.zeros.is_none_or(|z| z.is_multiple_of(2))
-        && x_ok
+    x_ok && weights_error(w).is_none()
 }
 
 /// `y[m, out]` (bf16, or f32 with `f32_out`; row stride `ldy`) = `x[m, in]` (bf16, row stride `ldx`)
@@ -99,7 +109,9 @@ pub fn w4_gemm(
     x_scratch: Option<DevSpan>,
 ) -> Result<(), CudaError> {
     const K: &str = "w4_gemm";
-    w.check(K)?;
+    if let Some(e) = weights_error(w) {
+        return Err(e);
+    }
     if m == 0 {
         return Ok(());
     }
@@ -108,13 +120,9 @@ pub fn w4_gemm(
     let Some(name) = name.filter(|_| (1..=groups.min(MAX_SPLITS)).contains(&cfg.splits)) else {
         return Err(invalid(K, format!("{cfg:?}: 16 or 32 tokens and 1..={} splits", groups.min(MAX_SPLITS))));
     };
-    if !w.out.is_multiple_of(4) || ldy < w.out || ldx < w.inp {
-        return Err(invalid(K, format!("out {} (a multiple of 4), ldx {ldx} (>= in), ldy {ldy} (>= out)", w.out)));
+    if ldy < w.out || ldx < w.inp {
+        return Err(invalid(K, format!("ldx {ldx} (>= in {}), ldy {ldy} (>= out {})", w.inp, w.out)));
     }
-    if !w.scales.is_multiple_of(8) || w.zeros.is_some_and(|z| !z.is_multiple_of(2)) {
-        return Err(invalid(K, "scales must be 8-byte and zeros 2-byte aligned"));
-    }
-    to_i32(K, "qweight chunks", w.out * w.inp / 32)?;
     let (xg, ldxg) = match w.perm {
         Some(perm) => {
             let need = w4_gemm_x_scratch_bytes(m, w.inp);
@@ -149,9 +157,6 @@ pub fn w4_gemm(
         to_u32(K, "row tiles", w.out.div_ceil(BLOCK_ROWS))?,
         cfg.splits as u32,
     );
-    if grid.1 > 65535 {
-        return Err(invalid(K, format!("{} rows: more than 65535 row tiles", w.out)));
-    }
     let (qw, sc, zp, sbf) = (w.qweight, w.scales, w.zeros.unwrap_or(0), w.scale_bf16());
     let (ldx_l, ldy_l, m_i) = (ldxg as i64, ldy as i64, to_i32(K, "rows", m)?);
     let (out, inp) = (to_i32(K, "out", w.out)?, to_i32(K, "in", w.inp)?);
