@@ -61,6 +61,12 @@ pub fn w4_gemm_partial_bytes(m: usize, out: usize, splits: usize) -> usize {
     if splits > 1 { splits * m * out * 4 } else { 0 }
 }
 
+/// Bytes of the x scratch an act-order int4 linear needs for `m` rows of `in` columns: x gathered in
+/// device column order, bf16 `[m, in]`.
+pub fn w4_x_scratch_bytes(m: usize, inp: usize) -> usize {
+    2 * m * inp
+}
+
 /// Bytes of the int4 GEMM's split-K workspace for an `[out, in]` linear at up to `rows` rows: the
 /// partial sums [`w4_gemm_splits`] asks for on GPUs of up to 200 multiprocessors. A launch takes no
 /// more splits than the workspace it is given holds.
@@ -121,9 +127,9 @@ impl ScratchParts {
             let biggest = lin.iter().map(|&(o, i)| 2 * o * i).max().unwrap_or(0);
             let rows = t_max.clamp(8, W4_GEMM_MAX_ROWS);
             let ws = lin.iter().map(|&(o, i)| w4_gemm_workspace_bound(o, i, rows)).max().unwrap_or(0);
-            (2 * rows * max_in, biggest.min(W4_SLICE_BYTES), ws)
+            (w4_x_scratch_bytes(rows, max_in), biggest.min(W4_SLICE_BYTES), ws)
         } else if lm_head_int4 {
-            (2 * 8 * d.hidden, 0, 0)
+            (w4_x_scratch_bytes(8, d.hidden), 0, 0)
         } else {
             (0, 0, 0)
         };

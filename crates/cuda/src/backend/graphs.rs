@@ -88,7 +88,6 @@ impl CudaBackend {
             }
         }
         let capture = graphed && self.graphs.len() < MAX_GRAPHS && fits;
-        let free_before = if capture { self.rt.free_memory()? } else { 0 };
         work(self)?;
         if matches!(key, GraphKey::Decode(_)) {
             self.graph_stats.eager_decode_steps += 1;
@@ -112,7 +111,6 @@ impl CudaBackend {
         tracing::debug!(
             ?key,
             graph_bytes = took,
-            first_run_bytes = free_before.saturating_sub(free_eager),
             graphs_bytes = self.graph_stats.device_bytes,
             "captured a CUDA graph"
         );

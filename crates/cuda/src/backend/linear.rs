@@ -125,7 +125,8 @@ impl CudaBackend {
             let xs = Some(self.ws.w4_x);
             return w4_gemm::w4_gemm(&self.k, s, w, x, w.inp, y, ldy, t, cfg, f32_out, Some(ws), xs);
         }
-        let xs = (self.ws.w4_x.bytes >= 2 * 8 * w.inp).then_some(self.ws.w4_x.ptr);
+        let xs = (self.ws.w4_x.bytes >= w4_gemm::w4_gemm_x_scratch_bytes(w4a16::GEMV_MAX_M, w.inp))
+            .then_some(self.ws.w4_x.ptr);
         if f32_out || gemv_rows {
             let cfg = w4a16::gemv_config(w.out, w.inp, self.k.w4_slots);
             return w4a16::w4_gemv_out(&self.k, s, w, x, w.inp, y, ldy, t, cfg, xs, f32_out);

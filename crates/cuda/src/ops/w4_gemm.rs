@@ -59,9 +59,7 @@ pub fn w4_gemm_workspace_bytes(m: usize, out: usize, cfg: W4GemmConfig) -> usize
 }
 
 /// Bytes of the x scratch an act-order linear needs: x gathered in device column order, bf16 `[m, in]`.
-pub fn w4_gemm_x_scratch_bytes(m: usize, inp: usize) -> usize {
-    2 * m * inp
-}
+pub use deltaserve_plan::cuda::w4_x_scratch_bytes as w4_gemm_x_scratch_bytes;
 
 /// Why [`w4_gemm`] cannot take the weights `w` (None: it can): the format's own limits, rows a multiple
 /// of 4 and of at most 65535 tiles, 8-byte aligned scales and 2-byte aligned zeros, fewer than 2^31
