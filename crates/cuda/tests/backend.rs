@@ -856,12 +856,10 @@ fn tiny_int4_dir(layers: usize) -> (PathBuf, ModelConfig) {
 /// [`tiny_int4_dir`] in a directory of its own (`tag`), for tests that rewrite the checkpoint.
 fn tiny_int4_dir_named(tag: &str, layers: usize) -> (PathBuf, ModelConfig) {
     let dir = std::env::temp_dir().join(format!("ds-cuda-backend-{tag}-{}-{layers}", std::process::id()));
-    let mut config = Preset::Tiny.config_json(Some(layers));
-    config["text_config"]["linear_num_value_heads"] = serde_json::json!(4);
     let cfg = deltaserve_model::synth::write_model_json(
         &dir,
         Preset::Tiny,
-        config,
+        tiny_int4_config(layers),
         13,
         deltaserve_model::synth::MtpVariant::None,
         |_, _| {},

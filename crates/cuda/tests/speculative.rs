@@ -426,11 +426,9 @@ fn host_embedding_drafts_like_the_device_table() {
     if !gpu() {
         return;
     }
-    // Four DeltaNet value heads: every linear's input a multiple of 128, as the int4 format needs.
     let dir = std::env::temp_dir().join(format!("ds-cuda-spec-host-embed-{}", std::process::id()));
-    let mut config = Preset::Tiny.config_json(Some(8));
-    config["text_config"]["linear_num_value_heads"] = serde_json::json!(4);
     let variant = MtpVariant::Agreeing { residual_scale: 0.5 };
+    let config = tiny_int4_config(8);
     let cfg = deltaserve_model::synth::write_model_json(&dir, Preset::Tiny, config, 11, variant, |_, _| {}).unwrap();
     let vocab = cfg.vocab_size;
     let k = 3;

@@ -273,3 +273,11 @@ pub fn pages(first: u32, positions: usize) -> Vec<u32> {
 pub fn random_tokens(rng: &mut StdRng, n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
 }
+
+/// The tiny preset's config with four DeltaNet value heads: every linear's input a multiple of 128, as
+/// the int4 format needs.
+pub fn tiny_int4_config(layers: usize) -> serde_json::Value {
+    let mut config = deltaserve_model::synth::Preset::Tiny.config_json(Some(layers));
+    config["text_config"]["linear_num_value_heads"] = serde_json::json!(4);
+    config
+}
