@@ -258,6 +258,27 @@ __device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u
                  : "r"(addr));
 }
 
+// The int4 kernels' in-block split over K (w4a16.cu, w4_gemm.cu). Sums the wpt partial results (warp w writes its NT*128 partials at red + w * red_stride, a region
+// no other warp touches) into the part-0 warps' acc; false in the other warps. Contains
+// __syncthreads() when wpt > 1.
+template <int NT>
+__device__ __forceinline__ bool w4_sum_parts(float* acc, float* red, int red_stride, int wpt, int warp, int lane,
+                                             int part) {
+    if (wpt > 1) {
+#pragma unroll
+        for (int c = 0; c < 4 * NT; ++c) red[warp * red_stride + c * 32 + lane] = acc[c];
+        __syncthreads();
+        if (part != 0) return false;
+#pragma unroll
+        for (int c = 0; c < 4 * NT; ++c) {
+            float s = 0.f;
+            for (int w = 0; w < wpt; ++w) s += red[(warp + w) * red_stride + c * 32 + lane];
+            acc[c] = s;
+        }
+    }
+    return true;
+}
+
 // cp.async of 16 (cache-global) or 4 (cache-all) bytes to shared address `dst`; only `src_bytes` are
 // read, the rest of the destination is zero-filled (0: nothing is read).
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {

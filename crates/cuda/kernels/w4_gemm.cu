@@ -62,6 +62,48 @@ __device__ __forceinline__ void w4g_zero(float (&v)[2][NT][4]) {
 // lanes (g, t) of a quarter warp (rows 2q, 2q + 1; chunks 4t + i).
 __device__ __forceinline__ int w4g_swz(int r, int c) { return c ^ ((c >> 3) << 1) ^ (r & 1); }
 
+// Stores the fragments of a lane's 4 rows r0 .. r0 + 3 (all in: out % 4 == 0) for NT n-tiles of 8
+// tokens from m0: fragment c of tile a, n-tile b is row r0 + 2a + (c >> 1), token m0 + 8b + 2t + (c & 1).
+// mode 0: bf16 y, 1: f32 y, 2: f32 partials ws[split][M][out] (y = ws); vec: 4 rows per store.
+template <int NT>
+__device__ __forceinline__ void w4g_store(const float (&acc)[2][NT][4], int r0, int m0, int t, void* y, long long ldy,
+                                          int M, int out, int mode, int vec, int split) {
+#pragma unroll
+    for (int b = 0; b < NT; ++b) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int m = m0 + 8 * b + 2 * t + e;
+            if (m >= M) continue;
+            const float v0 = acc[0][b][e], v1 = acc[0][b][2 + e], v2 = acc[1][b][e], v3 = acc[1][b][2 + e];
+            if (mode == 2) {
+                float* ws = (float*)y + ((long long)split * M + m) * out + r0;
+                *(float4*)ws = make_float4(v0, v1, v2, v3);
+            } else if (mode == 1) {
+                float* p = (float*)y + m * ldy + r0;
+                if (vec) {
+                    *(float4*)p = make_float4(v0, v1, v2, v3);
+                } else {
+                    p[0] = v0;
+                    p[1] = v1;
+                    p[2] = v2;
+                    p[3] = v3;
+                }
+            } else {
+                bf16_t* p = (bf16_t*)y + m * ldy + r0;
+                if (vec) {
+                    *(uint2*)p = make_uint2(pack_bf16(v0, v1), pack_bf16(v2, v3));
+                } else {
+                    const u32 lo = pack_bf16(v0, v1), hi = pack_bf16(v2, v3);
+                    p[0] = (bf16_t)lo;
+                    p[1] = (bf16_t)(lo >> 16);
+                    p[2] = (bf16_t)hi;
+                    p[3] = (bf16_t)(hi >> 16);
+                }
+            }
+        }
+    }
+}
+
 template <int NT>
 __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,
                                          const unsigned char* __restrict__ zeros, int scale_bf16, const bf16_t* x,
@@ -187,42 +229,163 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
     }
     cp_async_wait<0>();
     if (r0 >= out) return;  // out % 4 == 0: the lane's 4 rows are all in or all out
-    // Fragment c of tile a, n-tile b: row r0 + 2a + (c >> 1), token m0 + 8b + 2t + (c & 1).
+    w4g_store<NT>(acc, r0, m0, t, y, ldy, M, out, mode, vec, split);
+}
+
+// The "pair" GEMM (w4t_*): the decode GEMV's pair structure (w4a16.cu, w4p_body) for NT n-tiles of 8
+// tokens. No block barrier in the main loop: every warp streams its own pair's 2 KB units (lane (g, t):
+// chunk t of rows 4g + j, j = 0..3) through its own W4T_S-stage cp.async ring and reads back only what
+// it copied; x comes from global memory (L1 / L2: every warp of the SM reads the same columns) into
+// registers one group ahead, each register reloaded right after its last use. Unpacking is one LOP3
+// per column pair into bf16 (128 + q0, 128 + q1), straight into the MMA; a third MMA with A = ones
+// gives each token's sum X of x over the group, and the group adds s * (T - (128 + z) * X) per row and
+// token (T: the MMA of 128 + q, exact integers times bf16 x, f32 accumulation).
+// Blocks of W4T_WARPS warps: W4T_WARPS / wpt pairs, each over the groups of the block's K split
+// (blockIdx.z of gridDim.z) in wpt parts (the warps' partial sums are added in part order in shared
+// memory, w4_sum_parts); blockIdx.x: pairs, blockIdx.y: tiles of 8 * NT tokens. Warps of pairs past
+// out (the last block) run on clamped rows and store nothing.
+// Launch: grid (ceil(pairs / (W4T_WARPS / wpt)), ceil(M / (8 * NT)), splits), block W4T_WARPS * 32,
+// dynamic smem W4T_WARPS * W4T_S * 2 KB; the limits of w4g_* (out % 4 == 0, in % 128 == 0, x rows
+// 16-byte aligned); ASYM: zeros given (else symmetric, zero 8).
+#define W4T_WARPS 4
+#define W4T_S 4
+#define W4T_RING_U4 (W4T_S * 128)
+
+// bf16 pair (128 + q0, 128 + q1) of the column pair in nibbles (p, p + 4) of w (after w >> 4p).
+__device__ __forceinline__ u32 w4t_unpack(u32 w) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(w), "r"(0x000f000fu), "r"(0x43004300u));
+    return r;
+}
+
+template <int NT, bool ASYM>
+__device__ __forceinline__ void w4t_body(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,
+                                         const unsigned char* __restrict__ zeros, int scale_bf16, const bf16_t* x,
+                                         long long ldx, void* y, long long ldy, int M, int out, int in, int mode,
+                                         int vec, int wpt, int block) {
+    constexpr int S = W4T_S;
+    extern __shared__ uint4 w4t_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int pair = block * (W4T_WARPS / wpt) + warp / wpt, part = warp % wpt;
+    const int m0 = blockIdx.y * 8 * NT;
+    const int ng = in >> 7, splits = gridDim.z, split = blockIdx.z;
+    const int sb = (int)((long long)split * ng / splits), se = (int)((long long)(split + 1) * ng / splits);
+    const int gb = sb + part * (se - sb) / wpt, n = sb + (part + 1) * (se - sb) / wpt - gb;
+    const int r0 = pair * 32 + 4 * g;        // the lane's rows r0 .. r0 + 3
+    const int rc = max(0, min(r0, out - 4));  // rows whose scales / zeros are loaded
+    const int gstep = 4 * min(32, out - ((min(r0, out - 1) >> 5) << 5));
+    const uint4* qw4 = (const uint4*)qw;
+    u32 pw[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) pw[j] = (u32)w4_u4(min(r0 + j, out - 1), 4 * gb + t, out, ng);
+    const unsigned short* ps = scales + (long long)gb * out + rc;
+    const unsigned char* pz = ASYM ? zeros + (long long)gb * (out >> 1) + (rc >> 1) : nullptr;
+    const u32 ring_s = smem_addr(w4t_smem + warp * W4T_RING_U4) + lane * 16;
+    const uint4* ring = w4t_smem + warp * W4T_RING_U4 + lane;
+
+    uint2 sv[S];  // scale bits: x = rows 0 | 1 << 16, y = rows 2 | 3 << 16
+    u32 zv[S];    // zeros: nibble j = row j
+    auto issue = [&](int st, int rel) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) cp_async16(ring_s + st * 2048 + j * 512, qw4 + (pw[j] + (u32)(gstep * rel)));
+        sv[st] = __ldg((const uint2*)(ps + (long long)rel * out));
+        if (ASYM) zv[st] = __ldg((const unsigned short*)(pz + (long long)rel * (out >> 1)));
+    };
+#pragma unroll
+    for (int st = 0; st < S - 1; ++st) {
+        if (st < n) issue(st, st);
+        cp_async_commit();
+    }
+    pdl_wait();  // x is the previous kernel's
+    // x of token m0 + 8b + g (clamped to M - 1: tokens past M are computed, not stored), columns
+    // 32t .. 32t + 31 of each group: 4 uint4 from px[b] + 16 * group.
+    const uint4* px[NT];
+    uint4 xb[NT][4];
 #pragma unroll
     for (int b = 0; b < NT; ++b) {
+        px[b] = (const uint4*)(x + (long long)min(m0 + 8 * b + g, M - 1) * ldx) + t * 4 + 16 * gb;
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int m = m0 + 8 * b + 2 * t + e;
-            if (m >= M) continue;
-            const float v0 = acc[0][b][e], v1 = acc[0][b][2 + e], v2 = acc[1][b][e], v3 = acc[1][b][2 + e];
-            if (mode == 2) {
-                float* ws = (float*)y + ((long long)split * M + m) * out + r0;
-                *(float4*)ws = make_float4(v0, v1, v2, v3);
-            } else if (mode == 1) {
-                float* p = (float*)y + m * ldy + r0;
-                if (vec) {
-                    *(float4*)p = make_float4(v0, v1, v2, v3);
-                } else {
-                    p[0] = v0;
-                    p[1] = v1;
-                    p[2] = v2;
-                    p[3] = v3;
+        for (int i = 0; i < 4; ++i) xb[b][i] = n > 0 ? px[b][i] : make_uint4(0u, 0u, 0u, 0u);
+    }
+    const u32 ones = 0x3f803f80u;
+    float acc[2][NT][4];
+    w4g_zero<NT>(acc);
+    for (int k0 = 0; k0 < n; k0 += S) {
+#pragma unroll
+        for (int u = 0; u < S; ++u) {
+            const int k = k0 + u;
+            if (k < n) {
+                const int sn = (u + S - 1) % S;
+                if (k + S - 1 < n) issue(sn, u + S - 1);
+                cp_async_commit();
+                cp_async_wait<S - 1>();
+                const uint4 w0 = ring[u * 128], w1 = ring[u * 128 + 32], w2 = ring[u * 128 + 64],
+                            w3 = ring[u * 128 + 96];
+                const bool more = k + 1 < n;
+                float tm[2][NT][4], xs[NT][4];
+                w4g_zero<NT>(tm);
+#pragma unroll
+                for (int b = 0; b < NT; ++b)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) xs[b][c] = 0.f;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {  // word i of each row: columns 8i .. 8i + 7 of the lane's 32
+                    const u32 a0 = u4_comp(w0, i), a1 = u4_comp(w1, i), a2 = u4_comp(w2, i), a3 = u4_comp(w3, i);
+                    const u32 lo0[4] = {w4t_unpack(a0), w4t_unpack(a1), w4t_unpack(a0 >> 4), w4t_unpack(a1 >> 4)};
+                    const u32 lo1[4] = {w4t_unpack(a2), w4t_unpack(a3), w4t_unpack(a2 >> 4), w4t_unpack(a3 >> 4)};
+                    const u32 hi0[4] = {w4t_unpack(a0 >> 8), w4t_unpack(a1 >> 8), w4t_unpack(a0 >> 12),
+                                        w4t_unpack(a1 >> 12)};
+                    const u32 hi1[4] = {w4t_unpack(a2 >> 8), w4t_unpack(a3 >> 8), w4t_unpack(a2 >> 12),
+                                        w4t_unpack(a3 >> 12)};
+                    const u32 one4[4] = {ones, ones, ones, ones};
+#pragma unroll
+                    for (int b = 0; b < NT; ++b) {
+                        const uint4 xv = xb[b][i];
+                        mma_bf16(tm[0][b], lo0, xv.x, xv.y);
+                        mma_bf16(tm[1][b], lo1, xv.x, xv.y);
+                        mma_bf16(xs[b], one4, xv.x, xv.y);
+                        mma_bf16(tm[0][b], hi0, xv.z, xv.w);
+                        mma_bf16(tm[1][b], hi1, xv.z, xv.w);
+                        mma_bf16(xs[b], one4, xv.z, xv.w);
+                        if (more) xb[b][i] = px[b][16 * (u + 1) + i];
+                    }
                 }
-            } else {
-                bf16_t* p = (bf16_t*)y + m * ldy + r0;
-                if (vec) {
-                    *(uint2*)p = make_uint2(pack_bf16(v0, v1), pack_bf16(v2, v3));
-                } else {
-                    const u32 lo = pack_bf16(v0, v1), hi = pack_bf16(v2, v3);
-                    p[0] = (bf16_t)lo;
-                    p[1] = (bf16_t)(lo >> 16);
-                    p[2] = (bf16_t)hi;
-                    p[3] = (bf16_t)(hi >> 16);
+                const uint2 sbits = sv[u];
+                const u32 bits[4] = {sbits.x & 0xffffu, sbits.x >> 16, sbits.y & 0xffffu, sbits.y >> 16};
+                float s[4], c[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    s[j] = scale_bf16 ? __uint_as_float(bits[j] << 16) : f16_to_f32((unsigned short)bits[j]);
+                    // -(128 + z) as f32: 128 = 0x43000000, one unit of the mantissa at bit 16.
+                    const float zf = ASYM ? __uint_as_float(0x43000000u | (((zv[u] >> (4 * j)) & 15u) << 16)) : 136.f;
+                    c[j] = -zf * s[j];
                 }
+#pragma unroll
+                for (int a = 0; a < 2; ++a)
+#pragma unroll
+                    for (int b = 0; b < NT; ++b)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int j = 2 * a + (e >> 1);
+                            acc[a][b][e] = fmaf(c[j], xs[b][e & 1], fmaf(s[j], tm[a][b][e], acc[a][b][e]));
+                        }
             }
         }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) pw[j] += gstep * S;
+        ps += (long long)S * out;
+        if (ASYM) pz += (long long)S * (out >> 1);
+#pragma unroll
+        for (int b = 0; b < NT; ++b) px[b] += 16 * S;
     }
+    cp_async_wait<0>();
+    // Each warp's partial sums go to its own ring slice (only it reads its ring): no barrier first.
+    if (!w4_sum_parts<2 * NT>(&acc[0][0][0], (float*)w4t_smem, W4T_RING_U4 * 4, wpt, warp, lane, part)) return;
+    if (r0 >= out) return;  // out % 4 == 0: the lane's 4 rows are all in or all out
+    w4g_store<NT>(acc, r0, m0, t, y, ldy, M, out, mode, vec, split);
 }
+
 
 // w4g_<tokens per block>.
 #define W4G_KERNEL(NAME, NT)                                                                                   \
@@ -235,6 +398,42 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
     }
 W4G_KERNEL(w4g_16, 2)
 W4G_KERNEL(w4g_32, 4)
+
+// The pair kernels take up to four linears sharing x (a layer's q/k/v, qkv/z/b/a, gate/up) as segments:
+// segment i's blocks follow segment i - 1's (nb_i blocks; unused: 0); its qweight, scales, zeros, y,
+// ldy and out. A split over K (gridDim.z > 1) runs one segment.
+#define W4T_SEG_ARGS(i)                                                                                        \
+    const u32 *__restrict__ qw##i, const unsigned short *__restrict__ sc##i, const unsigned char *__restrict__ z##i, \
+        void *y##i, long long ldy##i, int out##i, int nb##i
+// w4t_16<s symmetric | a zero points>.
+#define W4T_KERNEL(NAME, NT, ASYM)                                                                             \
+    extern "C" __global__ void __launch_bounds__(W4T_WARPS * 32)                                                 \
+        NAME(const bf16_t* x, long long ldx, int M, int in, int scale_bf16, int mode, int vec, int wpt,           \
+             W4T_SEG_ARGS(0), W4T_SEG_ARGS(1), W4T_SEG_ARGS(2), W4T_SEG_ARGS(3)) {                                 \
+        pdl_trigger();                                                                                           \
+        int b = blockIdx.x;                                                                                      \
+        const u32* qw = qw0;                                                                                     \
+        const unsigned short* sc = sc0;                                                                          \
+        const unsigned char* z = z0;                                                                             \
+        void* y = y0;                                                                                            \
+        long long ldy = ldy0;                                                                                    \
+        int out = out0;                                                                                          \
+        if (b >= nb0) {                                                                                          \
+            b -= nb0;                                                                                            \
+            if (b < nb1) {                                                                                       \
+                qw = qw1; sc = sc1; z = z1; y = y1; ldy = ldy1; out = out1;                                      \
+            } else if (b < nb1 + nb2) {                                                                          \
+                b -= nb1;                                                                                        \
+                qw = qw2; sc = sc2; z = z2; y = y2; ldy = ldy2; out = out2;                                      \
+            } else {                                                                                             \
+                b -= nb1 + nb2;                                                                                  \
+                qw = qw3; sc = sc3; z = z3; y = y3; ldy = ldy3; out = out3;                                      \
+            }                                                                                                    \
+        }                                                                                                        \
+        w4t_body<NT, ASYM>(qw, sc, z, scale_bf16, x, ldx, y, ldy, M, out, in, mode, vec, wpt, b);                 \
+    }
+W4T_KERNEL(w4t_16s, 2, false)
+W4T_KERNEL(w4t_16a, 2, true)
 
 // y[m, o] (bf16, or f32 when f32_out) = sum over s < splits, in order, of ws[s][m][o]; 4 outputs per
 // thread (out % 4 == 0; vec as for w4g_*).

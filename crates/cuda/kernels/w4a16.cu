@@ -72,27 +72,6 @@ extern "C" __global__ void w4_permute_x(const bf16_t* __restrict__ x, long long 
     }
 }
 
-// Sums the wpt partial results (warp w writes its NT*128 partials at red + w * red_stride, a region
-// no other warp touches) into the part-0 warps' acc; false in the other warps. Contains
-// __syncthreads() when wpt > 1.
-template <int NT>
-__device__ __forceinline__ bool w4_sum_parts(float* acc, float* red, int red_stride, int wpt, int warp, int lane,
-                                             int part) {
-    if (wpt > 1) {
-#pragma unroll
-        for (int c = 0; c < 4 * NT; ++c) red[warp * red_stride + c * 32 + lane] = acc[c];
-        __syncthreads();
-        if (part != 0) return false;
-#pragma unroll
-        for (int c = 0; c < 4 * NT; ++c) {
-            float s = 0.f;
-            for (int w = 0; w < wpt; ++w) s += red[(warp + w) * red_stride + c * 32 + lane];
-            acc[c] = s;
-        }
-    }
-    return true;
-}
-
 // w4_sum_parts, then stores the outputs of NT 16-row tiles: fragment value c (0..3) of tile i is output
 // row rows[2i + (c >> 1)] (rows[] per lane; < 0: not stored), token 2t + (c & 1).
 __device__ __forceinline__ void w4_put(bf16_t* p, float v) { *p = f2bf(v); }

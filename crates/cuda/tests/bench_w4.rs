@@ -13,7 +13,7 @@
 //! `bench_w4_rows` (its own test: `... --test bench_w4 -- --ignored --nocapture bench_w4_rows`): the
 //! projections of steps of 1 to 256 rows at the 27B shapes: `w4_gemm` (default configuration), the
 //! pair GEMV (M <= 8) and the dequantise + cuBLASLt path (64 MiB row slices), ms and the weight bytes'
-//! GB/s as a share of the copy bandwidth. `DS_BENCH_W4_ROWS_SWEEP=1` adds every token tile × K split
+//! GB/s as a share of the copy bandwidth. `DS_BENCH_W4_ROWS_SWEEP=1` adds every kernel × K split
 //! of `w4_gemm` per (shape, M), the table to tune `w4_gemm_config` from.
 //!
 //! `DS_BENCH_W4=<substring>` runs only the decode shapes whose name contains it (for profilers);
@@ -509,9 +509,9 @@ fn run_rows(rt: &Runtime, k: &Kernels) -> R<()> {
     println!("device {} ({}), {sms} SMs; copy bandwidth {copy:.0} GB/s (read + write)", rt.name, rt.arch());
     println!();
     println!(
-        "| linear | out x in | M | w4_gemm tokens/splits | w4_gemm us | GB/s | % of copy | GEMV us | dequant+cuBLASLt us | dequant / w4_gemm |"
+        "| linear | out x in | M | w4_gemm tokens/splits/wpt | w4_gemm us | GB/s | % of copy | tile kernels us | GEMV us | dequant+cuBLASLt us | dequant / w4_gemm |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     let mmax = ROWS_M.iter().copied().max().unwrap_or(1);
     for &(name, out, inp) in ROWS_SHAPES {
         let slice = (ROWS_SLICE_BYTES / (2 * inp)).min(out) / 128 * 128;
@@ -554,6 +554,7 @@ fn run_rows(rt: &Runtime, k: &Kernels) -> R<()> {
             };
             let auto = w4_gemm::w4_gemm_config(m, out, inp, sms, wsg);
             let us = gemm_us(auto)?;
+            let tile_us = gemm_us(w4_gemm::w4_tile_config(m, out, inp, sms, wsg))?;
             let gemv = if m <= w4a16::GEMV_MAX_M {
                 let cfg = w4a16::gemv_config(out, inp, k.w4_slots);
                 let t = time_ms(rt, n, |i| {
@@ -574,20 +575,23 @@ fn run_rows(rt: &Runtime, k: &Kernels) -> R<()> {
                 })?;
             let gbs = wbytes / (us * 1e-6) / 1e9;
             println!(
-                "| {name} | {out} x {inp} | {m} | {}/{} | {us:.1} | {gbs:.0} | {:.1}% | {gemv} | {dq:.1} | {:.2}x |",
+                "| {name} | {out} x {inp} | {m} | {}/{}/{} | {us:.1} | {gbs:.0} | {:.1}% | {tile_us:.1} | {gemv} | {dq:.1} | {:.2}x |",
                 auto.tokens,
                 auto.splits,
+                auto.wpt,
                 100.0 * gbs / copy,
                 dq / us
             );
-            if sweep {
-                for tokens in [16, 32] {
-                    for splits in [1, 2, 3, 4, 6, 8, 12, 16].into_iter().filter(|&sp| sp <= inp / 512) {
-                        let cfg = W4GemmConfig { tokens, splits };
+            if sweep && (9..=64).contains(&m) {
+                // The pair kernels (16 tokens, 1/2/4 warps per pair), then the tile kernels (wpt 0).
+                let kinds = [(16, 1), (16, 2), (16, 4), (16, 0), (32, 0)];
+                for splits in [1, 2, 4, 8].into_iter().filter(|&sp| sp <= inp / 512) {
+                    for (tokens, wpt) in kinds.into_iter().filter(|&(tk, wpt)| wpt == 0 || m <= tk) {
+                        let cfg = W4GemmConfig { tokens, splits, wpt };
                         let t = gemm_us(cfg)?;
                         let gbs = wbytes / (t * 1e-6) / 1e9;
                         println!(
-                            "|   sweep | {out} x {inp} | {m} | {tokens}/{splits} | {t:.1} | {gbs:.0} | {:.1}% | | | |",
+                            "|   sweep | {out} x {inp} | {m} | {tokens}/{splits}/{wpt} | {t:.1} | {gbs:.0} | {:.1}% | | | | |",
                             100.0 * gbs / copy
                         );
                     }

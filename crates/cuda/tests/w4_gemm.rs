@@ -13,7 +13,7 @@
 
 use deltaserve_cuda::arena::{Arena, DevSpan, RegionId};
 use deltaserve_cuda::ops::w4_gemm::{self, W4GemmConfig};
-use deltaserve_cuda::ops::w4a16::W4Weights;
+use deltaserve_cuda::ops::w4a16::{W4Out, W4Weights};
 use deltaserve_cuda::w4::{ScaleDtype, W4_GROUP, W4Linear};
 use deltaserve_cuda::{CudaError, KernelDims, Kernels, LibStatus, Runtime};
 use half::{bf16, f16};
@@ -235,9 +235,11 @@ fn run_case(rt: &Runtime, k: &Kernels, sms: usize, c: Case, rng: &mut StdRng) ->
         let groups = c.inp / W4_GROUP;
         for tokens in [16, 32] {
             for splits in [1, 2, 3, groups.min(w4_gemm::MAX_SPLITS)] {
-                let cfg = W4GemmConfig { tokens, splits: splits.min(groups) };
-                if !cfgs.contains(&cfg) {
-                    cfgs.push(cfg);
+                for wpt in [0, 1, 2, 4].into_iter().filter(|&w| w == 0 || tokens == 16) {
+                    let cfg = W4GemmConfig { tokens, splits: splits.min(groups), wpt };
+                    if !cfgs.contains(&cfg) {
+                        cfgs.push(cfg);
+                    }
                 }
             }
         }
@@ -280,7 +282,13 @@ fn run_case(rt: &Runtime, k: &Kernels, sms: usize, c: Case, rng: &mut StdRng) ->
             fetch(d.rt, y, (c.m + 1) * ldy, c.f32_out)
         };
         let got = run(&d)?;
-        let tag = format!("tokens={} splits={}{}", cfg.tokens, cfg.splits, if cfg == auto { " (default)" } else { "" });
+        let tag = format!(
+            "tokens={} splits={} wpt={}{}",
+            cfg.tokens,
+            cfg.splits,
+            cfg.wpt,
+            if cfg == auto { " (default)" } else { "" }
+        );
         let mut line = compare(&got, &reference, &rows, c, ldy);
         if cfg.splits > 1 {
             // A workspace one float short of the launch is refused before anything runs.
@@ -349,4 +357,68 @@ fn compare(got: &[u32], reference: &[Vec<f32>], rows: &[usize], c: Case, ldy: us
         worst * 100.0
     );
     (ok, detail)
+}
+
+/// One `w4_gemm_multi` launch over three linears writing consecutive columns of one output (as a
+/// layer's qkv / z / b projections do) equals three single launches with its warps per pair, bitwise.
+#[test]
+fn w4_gemm_multi_equals_single_launches() {
+    if !LibStatus::probe().driver {
+        println!("SKIP: no CUDA driver");
+        return;
+    }
+    let rt = Runtime::open(0).expect("open device 0");
+    let k = Kernels::load(&rt, KernelDims::QWEN35_27B).expect("load kernels");
+    let sms = rt.sm_count as usize;
+    for (i, (asym, m)) in [(false, 9), (true, 12), (false, 16), (true, 16)].into_iter().enumerate() {
+        let mut rng = StdRng::seed_from_u64(0x5eed_0100 + i as u64);
+        let outs = [640, 384, 44];
+        let inp = 512;
+        let cs: Vec<Case> = outs
+            .iter()
+            .map(|&out| Case { m, out, inp, asym, bf16_scales: i % 2 == 0, perm: false, f32_out: false })
+            .collect();
+        let lin: Vec<W4Linear> = cs.iter().map(|&c| random_linear(&mut rng, c)).collect();
+        let total: usize = outs.iter().sum();
+        let bytes: usize = lin.iter().map(|l| l.bytes().total()).sum::<usize>() + 2 * m * inp + 4 * 2 * m * total;
+        let mut arena = Arena::new(rt.context().clone());
+        let region = arena.add_region("w4_gemm_multi test", bytes + 64 * 256).expect("region");
+        let mut d = Dev { rt: &rt, arena, region };
+        let ws: Vec<W4Weights> = lin
+            .iter()
+            .zip(&cs)
+            .map(|(l, c)| W4Weights {
+                qweight: d.put(&l.qweight).expect("put"),
+                scales: d.put(&l.scales).expect("put"),
+                scale_dtype: l.scale_dtype,
+                zeros: l.zeros.as_ref().map(|z| d.put(z).expect("put")),
+                perm: None,
+                out: c.out,
+                inp: c.inp,
+            })
+            .collect();
+        let xv: Vec<bf16> = (0..m * inp).map(|_| bf16::from_f32(rng.random_range(-2.0f32..2.0))).collect();
+        let x = d.put(&xv).expect("put x");
+        let (y_multi, y_single) = (d.span(2 * m * total).expect("y"), d.span(2 * m * total).expect("y"));
+        let s = rt.stream().clone();
+        let mut col = 0;
+        let mut w4 = Vec::new();
+        for w in &ws {
+            w4.push(W4Out { w, y: y_multi + 2 * col as u64, ldy: total });
+            col += w.out;
+        }
+        assert!(w4_gemm::multi_supported(&w4, x, inp, m));
+        w4_gemm::w4_gemm_multi(&k, &s, &w4, x, inp, m, sms).expect("multi launch");
+        let wpt = w4_gemm::multi_wpt(&w4, sms);
+        let cfg = W4GemmConfig { tokens: 16, splits: 1, wpt };
+        for o in &w4 {
+            let y = y_single + (o.y - y_multi);
+            w4_gemm::w4_gemm(&k, &s, o.w, x, inp, y, total, m, cfg, false, None, None).expect("single launch");
+        }
+        let a = fetch(&rt, y_multi, m * total, false).expect("fetch");
+        let b = fetch(&rt, y_single, m * total, false).expect("fetch");
+        assert_eq!(a, b, "asym {asym}, m {m}, {wpt} warps per pair: the multi launch differs");
+        // Too many rows for one tile, and act-order weights, are refused.
+        assert!(!w4_gemm::multi_supported(&w4, x, inp, 17));
+    }
 }

@@ -44,12 +44,19 @@ impl CudaBackend {
             }
             return Ok(());
         }
-        if !f32_out && t <= self.opts.gemv_max_tokens && outs.iter().map(|o| o.parts.len()).sum::<usize>() > 1 {
+        if !f32_out && outs.iter().map(|o| o.parts.len()).sum::<usize>() > 1 {
             // Several int4 linears sharing x (q/k/v, qkv/z/b/a, gate/up: outputs and the parts that
-            // write consecutive columns of one): one launch of the int4 GEMV.
+            // write consecutive columns of one): one launch of the int4 GEMV, or of the int4 GEMM's
+            // pair kernel for a few more rows.
             if let Some(w4) = w4_outs(outs) {
-                let cfg = w4_multi_config(&w4, kdim, self.k.w4_slots);
-                return w4a16::w4_gemv_multi(&self.k, s, &w4, x, kdim, t, cfg, false);
+                if t <= self.opts.gemv_max_tokens {
+                    let cfg = w4_multi_config(&w4, kdim, self.k.w4_slots);
+                    return w4a16::w4_gemv_multi(&self.k, s, &w4, x, kdim, t, cfg, false);
+                }
+                if t <= self.opts.w4_gemm_max_rows && w4_gemm::multi_supported(&w4, x, kdim, t) {
+                    let sms = self.rt.sm_count.max(1) as usize;
+                    return w4_gemm::w4_gemm_multi(&self.k, s, &w4, x, kdim, t, sms);
+                }
             }
         }
         let eb = if f32_out { 4 } else { 2 };

@@ -15,42 +15,92 @@ pub use deltaserve_plan::cuda::W4_GEMM_BLOCK_ROWS as BLOCK_ROWS;
 pub use deltaserve_plan::cuda::W4_GEMM_MAX_SPLITS as MAX_SPLITS;
 use deltaserve_plan::cuda::{w4_gemm_partial_bytes, w4_gemm_splits, w4_gemm_tokens};
 
-use super::w4a16::{W4Weights, permute_x};
+use super::w4a16::{self, W4Out, W4Weights, permute_x};
 use super::{Kernels, invalid, launch_pdl, to_i32, to_u32};
 use crate::arena::DevSpan;
 use crate::error::CudaError;
 use crate::w4::W4_GROUP;
 
 const THREADS: u32 = 128;
-/// cp.async ring stages (`W4G_S`).
+/// cp.async ring stages (`W4G_S`, `W4T_S`).
 const STAGES: usize = 4;
-/// The kernels and their tokens per block.
+/// Warps of a pair-kernel block (`W4T_WARPS`): one 32-row pair each at `wpt` = 1.
+const PAIR_WARPS: usize = 4;
+/// Rows of a pair of the int4 format.
+const PAIR_ROWS: usize = 32;
+/// Blocks of the pair kernels a multiprocessor holds (~136 registers a thread, 32 KB of shared memory
+/// a block), by which [`w4_gemm_config`] sizes a wave.
+const PAIR_BLOCKS_PER_SM: usize = 3;
+/// Rows of x up to which the pair kernels run (one tile of 16 tokens; from 17 rows the tile kernels
+/// are faster at the 27B shapes: bench_w4's `bench_w4_rows`).
+pub const PAIR_MAX_ROWS: usize = 16;
+/// The tile kernels and their tokens per block.
 pub(crate) const KERNELS: [(&str, usize); 2] = [("w4g_16", 16), ("w4g_32", 32)];
+/// The pair kernels: symmetric, with zero points.
+pub(crate) const PAIR_KERNELS: [&str; 2] = ["w4t_16s", "w4t_16a"];
 
-/// Dynamic shared memory of a block of `tokens` tokens: per stage 4 weight units of 2 KB and the x
-/// tile (`tokens` × 128 bf16).
+/// Dynamic shared memory of a tile-kernel block of `tokens` tokens: per stage 4 weight units of 2 KB
+/// and the x tile (`tokens` × 128 bf16).
 pub fn smem_bytes(tokens: usize) -> usize {
     STAGES * (4 * 2048 + tokens * 2 * W4_GROUP)
 }
 
+/// Dynamic shared memory of a pair-kernel block: each warp's ring of 2 KB units.
+pub const PAIR_SMEM_BYTES: usize = PAIR_WARPS * STAGES * 2048;
+
 /// How one [`w4_gemm`] launch tiles its work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct W4GemmConfig {
-    /// Tokens (rows of x) per block: 16 or 32.
+    /// Tokens (rows of x) per block: 16 or 32 (the pair kernels: 16).
     pub tokens: usize,
     /// Splits over K (groups of 128 columns); above 1 the partial sums go through the workspace.
     pub splits: usize,
+    /// The pair kernels (`w4t_*`) with this many warps per pair (1, 2 or 4; a split's groups in that
+    /// many parts, added in the block); 0: the tile kernels (`w4g_*`).
+    pub wpt: usize,
 }
 
 /// The configuration for `m` rows of x through an `[out, inp]` linear on a GPU of `sms` SMs with a
 /// split-K workspace of `workspace` bytes: the plan's tiling (`deltaserve_plan::cuda::w4_gemm_tokens`,
 /// `w4_gemm_splits`), with no more splits than the workspace holds.
 pub fn w4_gemm_config(m: usize, out: usize, inp: usize, sms: usize, workspace: usize) -> W4GemmConfig {
+    if m > PAIR_MAX_ROWS {
+        return w4_tile_config(m, out, inp, sms, workspace);
+    }
+    let (wpt, mut splits) = pair_tiling(out.div_ceil(PAIR_ROWS), inp, sms, true);
+    while splits > 1 && w4_gemm_partial_bytes(m.max(1), out, splits) > workspace {
+        splits /= 2;
+    }
+    W4GemmConfig { tokens: PAIR_MAX_ROWS, splits, wpt }
+}
+
+/// Warps per pair and splits over K for a pair-kernel launch over `pairs` pairs of `inp` columns: the
+/// fewest warps per pair (1, 2, 4) whose blocks fill 60% of a wave (as the decode GEMV), then (when
+/// `split`) the fewest splits that do; at least 2 groups per warp and 4 per split.
+fn pair_tiling(pairs: usize, inp: usize, sms: usize, split: bool) -> (usize, usize) {
+    let slots = sms.max(1) * PAIR_BLOCKS_PER_SM;
+    let groups = (inp / W4_GROUP).max(1);
+    let blocks = |wpt: usize, splits: usize| pairs.div_ceil(PAIR_WARPS / wpt) * splits;
+    let enough = |b: usize| 5 * b >= 3 * slots;
+    let mut wpt = [1, 2, 4].into_iter().find(|&w| enough(blocks(w, 1))).unwrap_or(PAIR_WARPS);
+    while wpt > 1 && 2 * wpt > groups {
+        wpt /= 2;
+    }
+    let mut splits = 1;
+    while split && !enough(blocks(wpt, splits)) && 2 * splits <= MAX_SPLITS && groups >= 4 * splits * wpt {
+        splits *= 2;
+    }
+    (wpt, splits)
+}
+
+/// The tile kernels' configuration (the plan's tiling, `deltaserve_plan::cuda::w4_gemm_splits`),
+/// with no more splits than the workspace holds.
+pub fn w4_tile_config(m: usize, out: usize, inp: usize, sms: usize, workspace: usize) -> W4GemmConfig {
     let mut splits = w4_gemm_splits(m, out, inp, sms);
     while splits > 1 && w4_gemm_partial_bytes(m.max(1), out, splits) > workspace {
         splits /= 2;
     }
-    W4GemmConfig { tokens: w4_gemm_tokens(m), splits }
+    W4GemmConfig { tokens: w4_gemm_tokens(m), splits, wpt: 0 }
 }
 
 /// Bytes of f32 partial sums a launch of `m` rows through `out` outputs with `cfg` needs (0 unsplit).
@@ -114,9 +164,20 @@ pub fn w4_gemm(
         return Ok(());
     }
     let groups = w.inp / W4_GROUP;
-    let name = KERNELS.iter().find(|kn| kn.1 == cfg.tokens).map(|kn| kn.0);
+    let name = if cfg.wpt == 0 {
+        KERNELS.iter().find(|kn| kn.1 == cfg.tokens).map(|kn| kn.0)
+    } else {
+        let ok = cfg.tokens == PAIR_MAX_ROWS && [1, 2, 4].contains(&cfg.wpt);
+        ok.then(|| PAIR_KERNELS[usize::from(w.zeros.is_some())])
+    };
     let Some(name) = name.filter(|_| (1..=groups.min(MAX_SPLITS)).contains(&cfg.splits)) else {
-        return Err(invalid(K, format!("{cfg:?}: 16 or 32 tokens and 1..={} splits", groups.min(MAX_SPLITS))));
+        return Err(invalid(
+            K,
+            format!(
+                "{cfg:?}: 16 or 32 tokens (pairs: 16), 0, 1, 2 or 4 warps per pair, 1..={} splits",
+                groups.min(MAX_SPLITS)
+            ),
+        ));
     };
     if ldy < w.out || ldx < w.inp {
         return Err(invalid(K, format!("ldx {ldx} (>= in {}), ldy {ldy} (>= out {})", w.inp, w.out)));
@@ -150,22 +211,115 @@ pub fn w4_gemm(
             ));
         }
     };
-    let grid = (
-        to_u32(K, "token tiles", m.div_ceil(cfg.tokens))?,
-        to_u32(K, "row tiles", w.out.div_ceil(BLOCK_ROWS))?,
-        cfg.splits as u32,
-    );
     let (qw, sc, zp, sbf) = (w.qweight, w.scales, w.zeros.unwrap_or(0), w.scale_bf16());
     let (ldx_l, ldy_l, m_i) = (ldxg as i64, ldy as i64, to_i32(K, "rows", m)?);
     let (out, inp) = (to_i32(K, "out", w.out)?, to_i32(K, "in", w.inp)?);
-    let smem = smem_bytes(cfg.tokens) as u32;
-    launch_pdl!(k, s, name, grid, (THREADS, 1, 1), smem; qw, sc, zp, sbf, xg, ldx_l, dst, ldy_l, m_i, out, inp, mode, vec)?;
+    let tiles = to_u32(K, "token tiles", m.div_ceil(cfg.tokens))?;
+    if cfg.wpt == 0 {
+        let grid = (tiles, to_u32(K, "row tiles", w.out.div_ceil(BLOCK_ROWS))?, cfg.splits as u32);
+        let smem = smem_bytes(cfg.tokens) as u32;
+        launch_pdl!(k, s, name, grid, (THREADS, 1, 1), smem; qw, sc, zp, sbf, xg, ldx_l, dst, ldy_l, m_i, out, inp, mode, vec)?;
+    } else {
+        let seg = [Seg { w, y: dst, ldy }];
+        launch_pairs(k, s, name, &seg, xg, ldxg, m, cfg.wpt, cfg.splits, mode, vec)?;
+    }
     if mode != 2 {
         return Ok(());
     }
     let (splits, f32_i) = (cfg.splits as i32, i32::from(f32_out));
     let rgrid = (to_u32(K, "reduce blocks", (m * w.out / 4).div_ceil(256))?, 1, 1);
     launch_pdl!(k, s, "w4g_reduce", rgrid, (256, 1, 1), 0; dst, splits, m_i, out, y, ldy_l, f32_i, vec)
+}
+
+/// Whether [`w4_gemm_multi`] takes `outs` with x at `x` of row stride `ldx` for `m` rows.
+pub fn multi_supported(outs: &[W4Out<'_>], x: u64, ldx: usize, m: usize) -> bool {
+    m <= PAIR_MAX_ROWS
+        && w4a16::multi_supported(outs)
+        && outs.iter().all(|o| o.ldy >= o.w.out && supported(o.w, x, ldx) && o.y.is_multiple_of(8))
+}
+
+/// `y_i[m, out_i]` (bf16) = `x[m, in]` · W_iᵀ for up to four int4 linears sharing x (a layer's q/k/v,
+/// qkv/z/b/a, gate/up) in one launch of the pair kernel, `m` at most [`PAIR_MAX_ROWS`]; no split over K
+/// (no workspace), warps per pair from the linears' rows together on a GPU of `sms` SMs. Each linear's
+/// outputs equal [`w4_gemm`]'s unsplit ones with the same warps per pair, bitwise.
+#[allow(clippy::too_many_arguments)]
+pub fn w4_gemm_multi(
+    k: &Kernels,
+    s: &CudaStream,
+    outs: &[W4Out<'_>],
+    x: u64,
+    ldx: usize,
+    m: usize,
+    sms: usize,
+) -> Result<(), CudaError> {
+    const K: &str = "w4_gemm_multi";
+    if !multi_supported(outs, x, ldx, m) {
+        return Err(invalid(
+            K,
+            format!(
+                "1 to 4 linears of one input width and format, no act-order, 16-byte aligned x, at most {PAIR_MAX_ROWS} rows"
+            ),
+        ));
+    }
+    if m == 0 {
+        return Ok(());
+    }
+    let wpt = multi_wpt(outs, sms);
+    let segs: Vec<Seg<'_>> = outs.iter().map(|o| Seg { w: o.w, y: o.y, ldy: o.ldy }).collect();
+    let vec = i32::from(outs.iter().all(|o| o.ldy.is_multiple_of(4)));
+    launch_pairs(k, s, PAIR_KERNELS[usize::from(outs[0].w.zeros.is_some())], &segs, x, ldx, m, wpt, 1, 0, vec)
+}
+
+/// Warps per pair of a [`w4_gemm_multi`] launch over `outs` on a GPU of `sms` SMs.
+pub fn multi_wpt(outs: &[W4Out<'_>], sms: usize) -> usize {
+    let pairs: usize = outs.iter().map(|o| o.w.out.div_ceil(PAIR_ROWS)).sum();
+    pair_tiling(pairs, outs.first().map_or(W4_GROUP, |o| o.w.inp), sms, false).0
+}
+
+/// One segment of a pair-kernel launch: a linear, where its outputs go and their row stride.
+struct Seg<'a> {
+    w: &'a W4Weights,
+    y: u64,
+    ldy: usize,
+}
+
+/// Launches pair kernel `name` over `segs` (checked by the caller; more than one only unsplit).
+#[allow(clippy::too_many_arguments)]
+fn launch_pairs(
+    k: &Kernels,
+    s: &CudaStream,
+    name: &'static str,
+    segs: &[Seg<'_>],
+    x: u64,
+    ldx: usize,
+    m: usize,
+    wpt: usize,
+    splits: usize,
+    mode: i32,
+    vec: i32,
+) -> Result<(), CudaError> {
+    const K: &str = "w4_gemm";
+    let mut seg = [(0u64, 0u64, 0u64, 0u64, 0i64, 4i32, 0i32); w4a16::MULTI_MAX];
+    let mut blocks = 0usize;
+    for (n, sg) in segs.iter().enumerate() {
+        let nb = sg.w.out.div_ceil(PAIR_ROWS).div_ceil(PAIR_WARPS / wpt);
+        blocks += nb;
+        let (ldy, out) = (sg.ldy as i64, to_i32(K, "out", sg.w.out)?);
+        seg[n] = (sg.w.qweight, sg.w.scales, sg.w.zeros.unwrap_or(0), sg.y, ldy, out, to_i32(K, "blocks", nb)?);
+    }
+    let first = segs[0].w;
+    let grid = (to_u32(K, "pair blocks", blocks)?, to_u32(K, "token tiles", m.div_ceil(PAIR_MAX_ROWS))?, splits as u32);
+    let (ldx_l, m_i, inp) = (ldx as i64, to_i32(K, "rows", m)?, to_i32(K, "in", first.inp)?);
+    let (sbf, wpt_i, smem) = (first.scale_bf16(), wpt as i32, PAIR_SMEM_BYTES as u32);
+    let [
+        (q0, s0, z0, y0, l0, o0, n0),
+        (q1, s1, z1, y1, l1, o1, n1),
+        (q2, s2, z2, y2, l2, o2, n2),
+        (q3, s3, z3, y3, l3, o3, n3),
+    ] = seg;
+    launch_pdl!(k, s, name, grid, (THREADS, 1, 1), smem; x, ldx_l, m_i, inp, sbf, mode, vec, wpt_i,
+        q0, s0, z0, y0, l0, o0, n0, q1, s1, z1, y1, l1, o1, n1,
+        q2, s2, z2, y2, l2, o2, n2, q3, s3, z3, y3, l3, o3, n3)
 }
 
 #[cfg(test)]
@@ -177,13 +331,14 @@ mod tests {
     #[test]
     fn tokens_per_block_follow_the_rows() {
         for (m, tokens) in [(1, 16), (9, 16), (16, 16), (17, 32), (100, 32), (256, 32)] {
+            assert_eq!(w4_tile_config(m, 17408, 5120, H200, usize::MAX).tokens, tokens, "m = {m}");
             assert_eq!(w4_gemm_config(m, 17408, 5120, H200, usize::MAX).tokens, tokens, "m = {m}");
         }
     }
 
     #[test]
     fn splits_fill_the_gpu_within_their_bounds() {
-        let c = |m, out, inp| w4_gemm_config(m, out, inp, H200, usize::MAX).splits;
+        let c = |m, out, inp| w4_tile_config(m, out, inp, H200, usize::MAX).splits;
         // 2.4 blocks per SM: 317 on the H200. 5120 x 5120 at 9..16 rows: 40 blocks, 8 splits (320).
         assert_eq!(c(16, 5120, 5120), 8);
         assert_eq!(c(9, 5120, 5120), 8);
@@ -199,7 +354,31 @@ mod tests {
         assert_eq!(c(1, 256, 1024), 2);
         // Never more than MAX_SPLITS, never 0 (a GPU of 1 SM, an empty launch).
         assert_eq!(c(1, 128, 128 * 1024), MAX_SPLITS);
+        assert_eq!(w4_tile_config(0, 5120, 5120, 0, usize::MAX).splits, 1);
+    }
+
+    #[test]
+    fn pair_kernels_fill_a_wave_with_warps_per_pair_before_splits() {
+        let c = |m, out, inp| {
+            let cfg = w4_gemm_config(m, out, inp, H200, usize::MAX);
+            (cfg.tokens, cfg.wpt, cfg.splits)
+        };
+        // 396 blocks on the H200; 60% of them: 238.
+        // 5120 x 5120 at 12 rows: 160 pairs, 4 warps each = 160 blocks; 2 splits = 320.
+        assert_eq!(c(12, 5120, 5120), (16, 4, 2));
+        // gate / up at 12 rows: 544 pairs, 2 warps each = 272 blocks.
+        assert_eq!(c(12, 17408, 5120), (16, 2, 1));
+        // in_proj_qkv at 16 rows: 320 pairs, 4 warps each.
+        assert_eq!(c(16, 10240, 5120), (16, 4, 1));
+        // Few groups: at least 2 a warp (the tiny model's 128 x 256: 2 groups).
+        assert_eq!(c(12, 128, 256), (16, 1, 1));
+        // From 17 rows the tile kernels.
+        assert_eq!(c(17, 5120, 17408).2, w4_tile_config(17, 5120, 17408, H200, usize::MAX).splits);
+        assert_eq!(c(17, 5120, 17408).1, 0);
         assert_eq!(w4_gemm_config(0, 5120, 5120, 0, usize::MAX).splits, 1);
+        // One launch over several linears: the warps per pair of their pairs together, no split
+        // (qkv / z / b / a of the 27B: 320 + 192 + 2 + 2 pairs).
+        assert_eq!(pair_tiling(516, 5120, H200, false), (2, 1));
     }
 
     #[test]
@@ -213,13 +392,15 @@ mod tests {
                 assert!(w4_gemm_workspace_bytes(m, out, cfg) <= bound, "[{out}, {inp}] m = {m}");
                 // Unbounded, the same split (the plan's bound never costs a split).
                 assert_eq!(cfg, w4_gemm_config(m, out, inp, H200, usize::MAX), "[{out}, {inp}] m = {m}");
+                let tile = w4_tile_config(m, out, inp, H200, bound);
+                assert_eq!(tile, w4_tile_config(m, out, inp, H200, usize::MAX), "[{out}, {inp}] m = {m}");
                 // A smaller workspace: fewer splits, never more bytes than given.
                 let small = w4_gemm_config(m, out, inp, H200, 2 * m * out * 4);
                 assert!(small.splits <= 2);
             }
             assert_eq!(w4_gemm_config(16, out, inp, H200, 0).splits, 1);
         }
-        let cfg = W4GemmConfig { tokens: 16, splits: 3 };
+        let cfg = W4GemmConfig { tokens: 16, splits: 3, wpt: 1 };
         assert_eq!(w4_gemm_workspace_bytes(10, 5120, cfg), 3 * 10 * 5120 * 4);
         assert_eq!(w4_gemm_workspace_bytes(10, 5120, W4GemmConfig { splits: 1, ..cfg }), 0);
         assert_eq!(w4_gemm_x_scratch_bytes(3, 5120), 3 * 5120 * 2);
@@ -232,6 +413,10 @@ mod tests {
             assert!(module.functions.contains(&name), "{name}");
             assert!(smem_bytes(tokens) <= 99 * 1024, "{name}: fits sm_86's 99 KB per block");
         }
+        for name in PAIR_KERNELS {
+            assert!(module.functions.contains(&name), "{name}");
+        }
+        const { assert!(PAIR_SMEM_BYTES * PAIR_BLOCKS_PER_SM <= 99 * 1024, "fits sm_86 shared memory per SM") };
         assert!(module.functions.contains(&"w4g_reduce"));
     }
 }
