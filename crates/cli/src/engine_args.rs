@@ -655,7 +655,15 @@ impl GpuMemory {
 pub fn cuda_options(cuda_graphs: bool) -> CudaOptions {
     let sw = deltaserve_cuda::Switches::get();
     let w4_gemm_max_rows = if sw.w4_gemm { CudaOptions::default().w4_gemm_max_rows } else { 0 };
-    CudaOptions { cuda_graphs, fold_norms: sw.fold_norms, w4_gemm_max_rows, ..CudaOptions::default() }
+    let verify_decode_attention_from =
+        sw.verify_decode_from.unwrap_or(CudaOptions::default().verify_decode_attention_from);
+    CudaOptions {
+        cuda_graphs,
+        fold_norms: sw.fold_norms,
+        w4_gemm_max_rows,
+        verify_decode_attention_from,
+        ..CudaOptions::default()
+    }
 }
 
 #[cfg(test)]

@@ -120,9 +120,11 @@ pub struct CudaOptions {
     /// one graph per exact batch size.
     pub graph_pad: bool,
     /// Speculative verify chunks whose context reaches this many tokens attend as decode queries
-    /// (split-K over the keys), shorter ones with the prefill kernel. Measured on the H200 at the 27B
-    /// shapes: at 1K context the prefill kernel is as fast at batch 1 and faster at batch 8; at 32K it
-    /// is 2.4× slower at batch 1 (it has no split over the keys).
+    /// (split-K over the keys), shorter ones with the prefill kernel. Default 0: every verify chunk as
+    /// decode queries. Measured on the H200 at the 27B shapes, int4 + fp8 KV, K = 3: at 1K context the
+    /// verify step takes 7.21 ms against 8.78 with the prefill kernel at batch 1, 13.20 against 14.54
+    /// at batch 4, the same at batch 8 (bench/results/int4-pair-gemm-h200-2026-12-02.md); at 32K the
+    /// prefill kernel (no split over the keys) was 2.4× slower at batch 1.
     pub verify_decode_attention_from: usize,
     /// Decode steps of at most 8 tokens fold each residual add + RMSNorm between two int4 projections
     /// into them ([`crate::ops::w4a16::Fold`]: the norm kernel's launch and round trips leave the critical path),
@@ -143,7 +145,7 @@ impl Default for CudaOptions {
             cuda_graphs: true,
             gemv_max_tokens: gemv::MAX_TOKENS,
             graph_pad: false,
-            verify_decode_attention_from: 4096,
+            verify_decode_attention_from: 0,
             fold_norms: true,
             w4_gemm_max_rows: deltaserve_plan::cuda::W4_GEMM_MAX_ROWS,
         }

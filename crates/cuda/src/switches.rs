@@ -35,6 +35,10 @@ pub struct Switches {
     /// slices for cuBLASLt instead of running the int4 tensor-core GEMM (`CudaOptions::w4_gemm_max_rows`
     /// 0 instead of its default).
     pub w4_gemm: bool,
+    /// `DELTASERVE_VERIFY_DECODE_FROM=<tokens>`: speculative verify chunks whose context reaches this
+    /// many tokens attend as decode queries (`CudaOptions::verify_decode_attention_from` instead of its
+    /// default); not a number: unset.
+    pub verify_decode_from: Option<usize>,
 }
 
 impl Switches {
@@ -60,6 +64,7 @@ impl Switches {
             trace_cap: var("DELTASERVE_TRACE_CAP"),
             fold_norms: var("DELTASERVE_FOLD").is_none_or(|v| v != "0"),
             w4_gemm: var("DELTASERVE_W4_GEMM").is_none_or(|v| v != "0"),
+            verify_decode_from: var("DELTASERVE_VERIFY_DECODE_FROM").and_then(|v| v.trim().parse().ok()),
         }
     }
 
@@ -108,18 +113,24 @@ mod tests {
             ("DELTASERVE_TRACE_CAP", "1024"),
             ("DELTASERVE_FOLD", "0"),
             ("DELTASERVE_W4_GEMM", "0"),
+            ("DELTASERVE_VERIFY_DECODE_FROM", "0"),
         ]);
         assert!(s.any_set());
         assert_eq!(s.pdl.as_deref(), Some("0"));
         assert!(s.decode_attn_split && s.attn_prefill_pair && !s.fold_norms && !s.w4_gemm);
         assert_eq!(s.nvrtc_options, ["-DA=1", "-DB=2"]);
         assert_eq!(s.trace_cap.as_deref(), Some("1024"));
+        assert_eq!(s.verify_decode_from, Some(0));
     }
 
     #[test]
     fn other_values_keep_the_defaults() {
-        let s =
-            from(&[("DELTASERVE_DECODE_ATTN", "mma"), ("DELTASERVE_ATTN_PREFILL", "wide"), ("DELTASERVE_FOLD", "1")]);
+        let s = from(&[
+            ("DELTASERVE_DECODE_ATTN", "mma"),
+            ("DELTASERVE_ATTN_PREFILL", "wide"),
+            ("DELTASERVE_FOLD", "1"),
+            ("DELTASERVE_VERIFY_DECODE_FROM", "soon"),
+        ]);
         assert!(!s.decode_attn_split && !s.attn_prefill_pair && s.fold_norms);
         assert!(!s.any_set());
     }
