@@ -113,3 +113,56 @@ extern "C" __global__ void gdn_conv_gate_decode(const bf16_t* x, long long x_str
         gdn_l2norm_row(ys, dst, is_q ? rsqrtf((float)DK) : 1.0f, tid);
     }
 }
+
+// gdn_conv_gate_rows: the rows of speculative verify chunks (and of their commit): conv_prefill (conv.cu)
+// and gdn_gate in one launch, bitwise the same; the conv state is read, never written. Block
+// (s, j < C/DK) convolves channels j*DK .. j*DK + DK - 1 of sequence s's rows cu_seqlens[s] ..
+// cu_seqlens[s + 1] - 1 in order, its window sliding in registers from the state of slots[s]; a q or k
+// block normalises its head's row after each row (warp 0, as gdn_gate); block (s, C/DK) writes the
+// rows' beta and g. A sequence of slot < 0: y = 0, q/k from zeros.
+// x [T, *] bf16 (token stride x_stride), w [C, CONV_K], y [T, C], state [slots, CONV_K-1, C] bf16;
+// q_out, k_out [T, Hk, DK]; b, a [T, Hv] (strides b_stride, a_stride); g, beta [T, Hv] f32.
+// Launch: grid (n_seqs, C/DK + 1), block DK (C % DK == 0, DV == DK). Tested by: tests/ops/ case
+// "gdn_conv_gate_rows" (bitwise vs conv_prefill + gdn_gate).
+extern "C" __global__ void gdn_conv_gate_rows(const bf16_t* x, long long x_stride, const bf16_t* __restrict__ w,
+                                              bf16_t* __restrict__ y, const bf16_t* state,
+                                              const int* __restrict__ cu_seqlens, const int* __restrict__ slots,
+                                              int C, const bf16_t* b, long long b_stride, const bf16_t* a,
+                                              long long a_stride, const float* __restrict__ A_log,
+                                              const float* __restrict__ dt_bias, bf16_t* __restrict__ q_out,
+                                              bf16_t* __restrict__ k_out, float* __restrict__ g,
+                                              float* __restrict__ beta, int Hk, int Hv) {
+    __shared__ bf16_t ys[DK];
+    const int seq = blockIdx.x, j = blockIdx.y, tid = threadIdx.x;
+    const int r0 = cu_seqlens[seq], r1 = cu_seqlens[seq + 1];
+    if (j == C / DK) {
+        for (int row = r0; row < r1; ++row)
+            for (int h = tid; h < Hv; h += blockDim.x)
+                gdn_gate_values(bf2f(b[(long long)row * b_stride + h]), bf2f(a[(long long)row * a_stride + h]), A_log,
+                                dt_bias, h, &beta[(long long)row * Hv + h], &g[(long long)row * Hv + h]);
+        return;
+    }
+    const int c = j * DK + tid;
+    const int slot = slots[seq];
+    bf16_t win[CONV_K];
+    float wv[CONV_K];
+    if (slot >= 0) conv_window_load<CONV_K>(state + (long long)slot * (CONV_K - 1) * C, w, c, C, win, wv);
+    const bool is_q = j < Hk;
+    for (int row = r0; row < r1; ++row) {
+        bf16_t out = 0;
+        if (slot >= 0) {
+            out = conv_window_out<CONV_K>(x[(long long)row * x_stride + c], wv, win);
+#pragma unroll
+            for (int r = 0; r < CONV_K - 1; r++) win[r] = win[r + 1];
+        }
+        y[(long long)row * C + c] = out;
+        if (j >= 2 * Hk) continue;  // a v head: nothing to normalise (uniform over the block)
+        ys[tid] = out;
+        __syncthreads();
+        if (tid < 32) {
+            bf16_t* dst = is_q ? q_out + ((long long)row * Hk + j) * DK : k_out + ((long long)row * Hk + (j - Hk)) * DK;
+            gdn_l2norm_row(ys, dst, is_q ? rsqrtf((float)DK) : 1.0f, tid);
+        }
+        __syncthreads();
+    }
+}

@@ -40,8 +40,12 @@ impl CudaBackend {
         let outs = [po(&gw.qkv, ws.gdn_qkv, cc), po(&gw.z, ws.gdn_z, vw), po(&gw.ba, ws.gdn_ba, 2 * hv)];
         self.proj_fold(s, x_in, t, h, &outs, in_fold)?;
         self.tick("gdn in-proj GEMMs")?;
-        let fused_dec = self.gdn_conv(ws, gw, conv_state, sh, gdn_index)?;
-        let (q, kk) = self.gdn_gates(gw, ws.gdn_ba, t, if fused_dec { tp } else { t })?;
+        let (fused_dec, fused_pre) = self.gdn_conv(ws, gw, conv_state, sh, gdn_index)?;
+        let (q, kk) = if fused_pre {
+            (ws.gdn_qk, ws.gdn_qk + b2(t * d.gdn_key_width))
+        } else {
+            self.gdn_gates(gw, ws.gdn_ba, t, if fused_dec { tp } else { t })?
+        };
         self.tick("gdn gates + l2norm")?;
         self.gdn_core(ws, gw, rec_state, sh, (q, kk))?;
         // The gated norm of the other rows (the chunked and verify rows).
@@ -52,8 +56,9 @@ impl CudaBackend {
     }
 
     /// The conv of the step's rows (prefill rows: conv and the state update of the chunked rows; decode
-    /// rows: conv and gates in one launch where supported) and the verify trace. Returns whether the
-    /// decode rows' gates were fused into their conv.
+    /// rows: conv and gates in one launch where supported; a step of verify chunks and decode rows only:
+    /// the verify rows' conv and gates in one launch too) and the verify trace. Returns whether the
+    /// decode rows' gates, and the other rows' gates, were fused into their conv.
     fn gdn_conv(
         &self,
         ws: &Ws,
@@ -61,13 +66,29 @@ impl CudaBackend {
         conv_state: u64,
         sh: &StepShape,
         gdn_index: Option<usize>,
-    ) -> Result<bool, CudaError> {
+    ) -> Result<(bool, bool), CudaError> {
         let (k, s, d) = (&self.k, self.rt.stream().as_ref(), &self.d);
         let StepShape { t, n, n_pre, tp, tv, .. } = *sh;
         let n_dec = n - n_pre;
         let n_real = n_pre - sh.n_ver;
         let (cc, kw, hv, hk) = (d.conv_channels, d.gdn_key_width, d.gdn_v_heads, d.gdn_k_heads);
-        if n_pre > 0 {
+        let fusable = gdn_gate::conv_gate_decode_supported(&k.dims, cc, hk, hv);
+        // Verify chunks only (with decode rows or none): their conv and gates in one launch.
+        let fused_pre = n_pre > 0 && n_real == 0 && fusable;
+        if fused_pre {
+            let (q0, k0) = (ws.gdn_qk, ws.gdn_qk + b2(t * kw));
+            let f = gdn_gate::GdnConvGateRows {
+                x: ws.gdn_qkv,
+                x_stride: cc,
+                w: gw.conv,
+                state: conv_state,
+                cu_seqlens: ws.cu_seqlens,
+                slots: ws.slots,
+                n_seqs: n_pre,
+                gate: self.gate_args(gw, ws.gdn_conv_out, ws.gdn_ba, (q0, k0), tp),
+            };
+            gdn_gate::gdn_conv_gate_rows(k, s, &f)?;
+        } else if n_pre > 0 {
             // Verify rows (the last n_ver sequences of the group) read the state, never write it.
             let cp = conv::ConvPrefill {
                 x: ws.gdn_qkv,
@@ -85,7 +106,7 @@ impl CudaBackend {
             conv::conv_state_update(k, s, &cp, n_real, 0)?;
         }
         // Decode rows: the conv and the gates in one launch (the gates of the other rows below).
-        let fused_dec = n_dec > 0 && gdn_gate::conv_gate_decode_supported(&k.dims, cc, hk, hv);
+        let fused_dec = n_dec > 0 && fusable;
         if fused_dec {
             let (q0, k0) = (ws.gdn_qk, ws.gdn_qk + b2(t * kw));
             let ba_dec = ws.gdn_ba + b2(tp * 2 * hv);
@@ -138,7 +159,7 @@ impl CudaBackend {
             self.copy(Place::Dev(ba_at), Place::Dev(ws.gdn_ba + b2(r0 * 2 * hv)), 2 * tv * 2 * hv)?;
         }
         self.tick("gdn conv")?;
-        Ok(fused_dec)
+        Ok((fused_dec, fused_pre && (n_dec == 0 || fused_dec)))
     }
 
     /// The DeltaNet core: chunked rows, verify rows (outputs from the committed state, which stays as
@@ -238,11 +259,28 @@ impl CudaBackend {
     /// conv output (`gdn_conv_out`) and the in-projection rows `ba` (`[t, 2·Hv]`: b then a); returns the
     /// (q, k) buffers (`[t, Hk, Dk]` each). g and beta land in `gdn_g` / `gdn_beta`.
     pub(super) fn gdn_gates(&self, gw: &GdnLayer, ba: u64, t: usize, rows: usize) -> Result<(u64, u64), CudaError> {
+        let ws = &self.ws;
+        let (q, kk) = (ws.gdn_qk, ws.gdn_qk + (2 * t * self.d.gdn_key_width) as u64);
+        let gate = self.gate_args(gw, ws.gdn_conv_out, ba, (q, kk), rows);
+        gdn_gate::gdn_gate(&self.k, self.rt.stream().as_ref(), &gate)?;
+        Ok((q, kk))
+    }
+
+    /// The gate arguments of `rows` rows of a DeltaNet layer: the conv output at `qk` (`[rows,
+    /// channels]`), the in-projection rows `ba` (`[rows, 2·Hv]`: b then a), q and k out at `q_k`, g and
+    /// beta in `gdn_g` / `gdn_beta`.
+    pub(super) fn gate_args(
+        &self,
+        gw: &GdnLayer,
+        qk: u64,
+        ba: u64,
+        (q, kk): (u64, u64),
+        rows: usize,
+    ) -> gdn_gate::GdnGate {
         let (ws, d) = (&self.ws, &self.d);
-        let (hv, kw) = (d.gdn_v_heads, d.gdn_key_width);
-        let (q, kk) = (ws.gdn_qk, ws.gdn_qk + (2 * t * kw) as u64);
-        let gate = gdn_gate::GdnGate {
-            qk: ws.gdn_conv_out,
+        let hv = d.gdn_v_heads;
+        gdn_gate::GdnGate {
+            qk,
             qk_stride: d.conv_channels,
             b: ba,
             b_stride: 2 * hv,
@@ -257,8 +295,6 @@ impl CudaBackend {
             t: rows,
             hk: d.gdn_k_heads,
             hv,
-        };
-        gdn_gate::gdn_gate(&self.k, self.rt.stream().as_ref(), &gate)?;
-        Ok((q, kk))
+        }
     }
 }

@@ -4,6 +4,7 @@
 
 use super::step::StepOut;
 use super::*;
+use crate::ops::gdn_gate;
 
 /// The MTP head (arch doc §2.5): `fc([norm_e(embed(x)) | norm_h(hidden)])`, one attention decoder
 /// layer with its own KV, then `norm`; logits through the shared lm_head.
@@ -338,8 +339,26 @@ impl CudaBackend {
                 t: tv,
                 channels: cc,
             };
-            conv::conv_prefill_only(k, s, &cp)?;
-            let (q, kk) = self.gdn_gates(gw, sp.trace_ba + b2(gi * sp.rows * 2 * hv), tv, tv)?;
+            let ba = sp.trace_ba + b2(gi * sp.rows * 2 * hv);
+            let (q, kk) = if gdn_gate::conv_gate_decode_supported(&k.dims, cc, d.gdn_k_heads, hv) {
+                // Conv and gates of the verify rows in one launch.
+                let (q, kk) = (ws.gdn_qk, ws.gdn_qk + b2(tv * kw));
+                let f = gdn_gate::GdnConvGateRows {
+                    x: cp.x,
+                    x_stride: cc,
+                    w: gw.conv,
+                    state: cp.state,
+                    cu_seqlens: cp.cu_seqlens,
+                    slots: cp.slots,
+                    n_seqs: nv,
+                    gate: self.gate_args(gw, ws.gdn_conv_out, ba, (q, kk), tv),
+                };
+                gdn_gate::gdn_conv_gate_rows(k, s, &f)?;
+                (q, kk)
+            } else {
+                conv::conv_prefill_only(k, s, &cp)?;
+                self.gdn_gates(gw, ba, tv, tv)?
+            };
             let dec = gdn_decode::GdnDecode {
                 q,
                 k: kk,

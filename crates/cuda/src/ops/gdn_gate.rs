@@ -94,3 +94,47 @@ pub fn gdn_conv_gate_decode(k: &Kernels, s: &CudaStream, a: &GdnConvGateDecode) 
     launch_pdl!(k, s, K, grid, (dk as u32, 1, 1), 0;
         x, xs, w, y, state, slots, c, b, bs, ap, as_, a_log, dt_bias, q_out, k_out, gp, beta, hk, hv)
 }
+
+/// The rows of speculative verify chunks (or of their commit) through conv and gates in one launch
+/// (kernels/gdn_gate.cu `gdn_conv_gate_rows`): bitwise conv_prefill + gdn_gate, the conv state read and
+/// never written.
+#[derive(Clone, Copy, Debug)]
+pub struct GdnConvGateRows {
+    /// In-projection rows [gate.t, *] bf16 (q | k | v channels from column 0), token stride.
+    pub x: u64,
+    pub x_stride: usize,
+    /// Conv weights [channels, conv_kernel] bf16; conv state [slots, conv_kernel - 1, channels] bf16.
+    pub w: u64,
+    pub state: u64,
+    /// [n_seqs + 1] i32 row offsets and [n_seqs] i32 slots (< 0: rows of zeros) of the sequences.
+    pub cu_seqlens: u64,
+    pub slots: u64,
+    pub n_seqs: usize,
+    /// The gates of the same rows (`gate.t` rows in all); `gate.qk` is where the conv output goes.
+    pub gate: GdnGate,
+}
+
+pub fn gdn_conv_gate_rows(k: &Kernels, s: &CudaStream, a: &GdnConvGateRows) -> Result<(), CudaError> {
+    const K: &str = "gdn_conv_gate_rows";
+    let g = &a.gate;
+    if g.t == 0 || a.n_seqs == 0 {
+        return Ok(());
+    }
+    let dk = k.dims.gdn_k_dim;
+    let channels = g.qk_stride;
+    if !conv_gate_decode_supported(&k.dims, channels, g.hk, g.hv)
+        || a.x_stride < channels
+        || g.b_stride < g.hv
+        || g.a_stride < g.hv
+    {
+        return Err(invalid(K, format!("{a:?} (DK = {dk}: heads of one width, channels = (2 hk + hv) DK)")));
+    }
+    let GdnConvGateRows { x, w, state, cu_seqlens, slots, .. } = *a;
+    let GdnGate { qk: y, b, a: ap, a_log, dt_bias, q_out, k_out, g: gp, beta, .. } = *g;
+    let (xs, bs, as_) = (a.x_stride as i64, g.b_stride as i64, g.a_stride as i64);
+    let c = to_i32(K, "channels", channels)?;
+    let (hk, hv) = (to_i32(K, "hk", g.hk)?, to_i32(K, "hv", g.hv)?);
+    let grid = (to_u32(K, "n_seqs", a.n_seqs)?, to_u32(K, "heads", channels / dk + 1)?, 1);
+    launch!(k, s, K, grid, (dk as u32, 1, 1), 0;
+        x, xs, w, y, state, cu_seqlens, slots, c, b, bs, ap, as_, a_log, dt_bias, q_out, k_out, gp, beta, hk, hv)
+}

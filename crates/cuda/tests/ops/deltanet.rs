@@ -59,13 +59,18 @@ pub fn gate(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
     ])
 }
 
-/// [`Op::GdnConvGateDecode`]: the fused conv + gate bit for bit against conv_decode + gdn_gate.
+/// [`Op::GdnConvGateDecode`]: the fused conv + gate bit for bit against conv_decode + gdn_gate;
+/// [`Op::GdnConvGateRows`]: the fused rows kernel against conv_prefill + gdn_gate (the state untouched).
 pub fn conv_gate_decode(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
     let Env { k, s, .. } = e;
-    let Op::GdnConvGateDecode { ref slots, hk, hv } = *op else { unreachable!() };
+    let (lens, slots, hk, hv, rows) = match op {
+        Op::GdnConvGateDecode { slots, hk, hv } => (vec![1; slots.len()], slots.clone(), *hk, *hv, false),
+        Op::GdnConvGateRows { lens, slots, hk, hv } => (lens.clone(), slots.clone(), *hk, *hv, true),
+        _ => unreachable!(),
+    };
     let (dk, kw) = (k.dims.gdn_k_dim, k.dims.conv_kernel);
     let c = (2 * hk + hv) * dk;
-    let (b, xs) = (slots.len(), c + 8);
+    let (b, xs) = (lens.iter().sum::<usize>(), c + 8);
     let n_slots = 4;
     let x = randv(rng, b * xs, 1.0);
     let w = randv(rng, c * kw, 0.6);
@@ -74,7 +79,8 @@ pub fn conv_gate_decode(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec
     let a_log: Vec<f32> = (0..hv).map(|_| rng.random_range(-2.0..1.5)).collect();
     let dt_bias: Vec<f32> = (0..hv).map(|_| rng.random_range(-1.0..1.0)).collect();
     let (xp, wp, bap, alp, dtp, sp) =
-        (d.bf16(&x)?, d.bf16(&w)?, d.bf16(&ba)?, d.f32s(&a_log)?, d.f32s(&dt_bias)?, d.i32s(slots)?);
+        (d.bf16(&x)?, d.bf16(&w)?, d.bf16(&ba)?, d.f32s(&a_log)?, d.f32s(&dt_bias)?, d.i32s(&slots)?);
+    let cup = d.i32s(&cu_of(&lens))?;
     // Path A: the separate kernels; path B: the fused one; each with its own state copy.
     let mut outs = Vec::new();
     for fused in [false, true] {
@@ -83,11 +89,40 @@ pub fn conv_gate_decode(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec
         let (qo, ko, go, bo) =
             (d.poison(2 * b * hk * dk)?, d.poison(2 * b * hk * dk)?, d.poison(4 * b * hv)?, d.poison(4 * b * hv)?);
         let gate = gate_args(y, c, bap, alp, dtp, [qo, ko, go, bo], b, hk, hv);
-        if fused {
-            let f = gdn_gate::GdnConvGateDecode { x: xp, x_stride: xs, w: wp, state: st, slots: sp, gate };
-            gdn_gate::gdn_conv_gate_decode(k, s, &f)?;
-        } else {
-            conv::conv_decode(k, s, xp, xs, wp, y, st, sp, b, c)?;
+        let cp = conv::ConvPrefill {
+            x: xp,
+            x_stride: xs,
+            w: wp,
+            y,
+            state: st,
+            cu_seqlens: cup,
+            slots: sp,
+            n_seqs: lens.len(),
+            t: b,
+            channels: c,
+        };
+        match (rows, fused) {
+            (false, true) => {
+                let f = gdn_gate::GdnConvGateDecode { x: xp, x_stride: xs, w: wp, state: st, slots: sp, gate };
+                gdn_gate::gdn_conv_gate_decode(k, s, &f)?;
+            }
+            (false, false) => conv::conv_decode(k, s, xp, xs, wp, y, st, sp, b, c)?,
+            (true, true) => {
+                let f = gdn_gate::GdnConvGateRows {
+                    x: xp,
+                    x_stride: xs,
+                    w: wp,
+                    state: st,
+                    cu_seqlens: cup,
+                    slots: sp,
+                    n_seqs: lens.len(),
+                    gate,
+                };
+                gdn_gate::gdn_conv_gate_rows(k, s, &f)?;
+            }
+            (true, false) => conv::conv_prefill_only(k, s, &cp)?,
+        }
+        if !fused {
             gdn_gate::gdn_gate(k, s, &gate)?;
         }
         let bits16 = |p: u64, n: usize| -> R<Vec<u16>> {
@@ -109,10 +144,11 @@ pub fn conv_gate_decode(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec
             bits32(bo, b * hv)?,
         ]);
     }
+    let unfused = if rows { "conv_prefill + gdn_gate" } else { "conv_decode + gdn_gate" };
     Ok(["y", "conv state", "q", "k", "g", "beta"]
         .iter()
         .enumerate()
-        .map(|(i, what)| same_bits(&format!("{what} vs conv_decode + gdn_gate"), &outs[0][i], &outs[1][i]))
+        .map(|(i, what)| same_bits(&format!("{what} vs {unfused}"), &outs[0][i], &outs[1][i]))
         .collect())
 }
 

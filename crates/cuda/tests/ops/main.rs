@@ -127,6 +127,13 @@ enum Op {
         hk: usize,
         hv: usize,
     },
+    /// Verify chunks of `lens` rows: gdn_conv_gate_rows bitwise vs conv_prefill + gdn_gate.
+    GdnConvGateRows {
+        lens: Vec<usize>,
+        slots: Vec<i32>,
+        hk: usize,
+        hv: usize,
+    },
     GdnGate {
         t: usize,
         hk: usize,
@@ -422,6 +429,14 @@ fn row_cases() -> Vec<Case> {
         c("gdn_gate", q, Op::GdnGate { t: 70, hk: 16, hv: 48 }, SINGLE),
         c("gdn_conv_gate_decode", q, Op::GdnConvGateDecode { slots: vec![2, -1, 0], hk: 16, hv: 48 }, EXACT),
         c("gdn_conv_gate_decode", q, Op::GdnConvGateDecode { slots: vec![1], hk: 2, hv: 6 }, EXACT),
+        c("gdn_conv_gate_rows", q, Op::GdnConvGateRows { lens: vec![4], slots: vec![2], hk: 16, hv: 48 }, EXACT),
+        c(
+            "gdn_conv_gate_rows",
+            q,
+            Op::GdnConvGateRows { lens: vec![4, 1, 6], slots: vec![3, 0, 1], hk: 16, hv: 48 },
+            EXACT,
+        ),
+        c("gdn_conv_gate_rows", q, Op::GdnConvGateRows { lens: vec![2, 3], slots: vec![1, 2], hk: 2, hv: 6 }, EXACT),
         c("gdn_chunk", q, gdn_op(&[1], 16, 48, SPLIT), ACCUM),
         c("gdn_chunk", q, gdn_op(&[63], 16, 48, SPLIT), ACCUM),
         c("gdn_chunk", q, gdn_op(&[64], 16, 48, SPLIT), ACCUM),
@@ -789,7 +804,7 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
         Op::QkNormRopeKv { .. } => elementwise::qk_norm_rope_kv,
         Op::ConvPrefill { .. } => elementwise::conv_prefill,
         Op::ConvDecode { .. } => elementwise::conv_decode,
-        Op::GdnConvGateDecode { .. } => deltanet::conv_gate_decode,
+        Op::GdnConvGateDecode { .. } | Op::GdnConvGateRows { .. } => deltanet::conv_gate_decode,
         Op::GdnGate { .. } => deltanet::gate,
         Op::GdnChunk { .. } => deltanet::chunk,
         Op::GdnDecode { .. } => deltanet::decode,
