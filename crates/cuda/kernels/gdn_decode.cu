@@ -106,6 +106,25 @@ gdn_decode(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     gdn_tokens(q, k, v, v_stride, g, beta, st, o, Hk, Hv, hv, c, b, 1, true);
 }
 
+// norm.cu's gated_rms_norm of one (row, head) whose recurrence output o (column c = this thread's, in
+// the warps of row group 0) is spread over a block of 4 * DV threads: the block sum over the DV values
+// (its block of DV threads: warp = column group), then *dst = bf16(nwc * (o * inv) * silu(zv)) in row
+// group 0. Every thread calls it (one barrier); gred must be free on entry.
+__device__ __forceinline__ void gdn_gated_out(float o, float nwc, float zv, int warp, int lane, float* gred, float eps,
+                                              bf16_t* dst) {
+    const int w = warp & 3;
+    if (w == 0) {
+        const float ws = warp_sum(o * o);
+        if (lane == 0) gred[warp >> 2] = ws;
+    }
+    __syncthreads();
+    if (w == 0) {
+        const float tsum = warp_sum(lane < DV / 32 ? gred[lane] : 0.0f);
+        const float inv = rsqrtf(tsum / (float)DV + eps);
+        *dst = f2bf(nwc * (o * inv) * siluf_(zv));
+    }
+}
+
 // gdn_decode_gated: gdn_decode followed by norm.cu's gated_rms_norm of the row's head, in one launch
 // and bitwise the same: out[b, hv, :] = bf16(w * (o * rsqrt(mean(o^2) + eps)) * silu(z[b, hv, :]))
 // with o the bf16 recurrence output (not stored). z row b head hv at z + b*z_tok_stride + hv*DV;
@@ -148,17 +167,7 @@ gdn_decode_gated(const bf16_t* q, const bf16_t* k, const bf16_t* v, long long v_
 #pragma unroll
         for (int r = 0; r < RW; r++) st[(long long)(w * RW + r) * DV + c] = S[r];
     }
-    // gated_rms_norm's block sum over the DV values (its block of DV threads: warp = column group).
-    if (w == 0) {
-        const float ws = warp_sum(o * o);
-        if (lane == 0) gred[warp >> 2] = ws;
-    }
-    __syncthreads();
-    if (w == 0) {
-        const float tsum = warp_sum(lane < DV / 32 ? gred[lane] : 0.0f);
-        const float inv = rsqrtf(tsum / (float)DV + eps);
-        out[((long long)b * Hv + hv) * DV + c] = f2bf(nwc * (o * inv) * siluf_(zv));
-    }
+    gdn_gated_out(o, nwc, zv, warp, lane, gred, eps, out + ((long long)b * Hv + hv) * DV + c);
 }
 
 extern "C" __global__ void __launch_bounds__(128)
@@ -173,4 +182,43 @@ gdn_recurrent(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     if (slots[b] < 0 || n <= 0) return;  // uniform over the block
     float* st = state + ((long long)slots[b] * Hv + hv) * DK * DV;
     gdn_tokens(q, k, v, v_stride, g, beta, st, o, Hk, Hv, hv, c, starts[b], n, write_state != 0);
+}
+
+// gdn_recurrent_gated: the verify rows of speculative decoding (gdn_recurrent with write_state = 0)
+// followed by the gated RMSNorm of each row's head (norm.cu's gated_rms_norm), in one launch and
+// bitwise the same; the recurrence outputs are not stored and the state is not written. Sequence b's
+// rows starts[b] .. starts[b + 1] - 1 (cu_seqlens); z row t head hv at z + t*z_tok_stride + hv*DV;
+// out [rows, Hv, DV] bf16. Launch: grid (B, Hv), block 4 * DV, as gdn_decode_gated. Sequences of slot
+// < 0 normalise o = 0.
+extern "C" __global__ void __launch_bounds__(4 * DV, 2)
+gdn_recurrent_gated(const bf16_t* q, const bf16_t* k, const bf16_t* v, long long v_stride, const float* g,
+                    const float* beta, const float* __restrict__ state, const int* __restrict__ slots,
+                    const int* __restrict__ starts, const bf16_t* z, long long z_tok_stride,
+                    const float* __restrict__ nw, bf16_t* __restrict__ out, int Hk, int Hv, float eps) {
+    __shared__ float qs[DK], ks[DK], red[4][DV], gred[DV / 32];
+    const int b = blockIdx.x, hv = blockIdx.y, hk = hv / (Hv / Hk);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, w = warp & 3;
+    const int c = (warp >> 2) * 32 + lane;
+    const int slot = slots[b];  // uniform over the block
+    const float* st = state + ((long long)max(slot, 0) * Hv + hv) * DK * DV;
+    float S[RW];
+#pragma unroll
+    for (int r = 0; r < RW; r++) S[r] = slot >= 0 ? st[(long long)(w * RW + r) * DV + c] : 0.0f;
+    const float nwc = w == 0 ? nw[c] : 0.0f;
+    for (int t = starts[b]; t < starts[b + 1]; ++t) {
+        float o = 0.0f;
+        if (slot >= 0) {
+            for (int d = threadIdx.x; d < DK; d += blockDim.x) {
+                qs[d] = bf2f(q[((long long)t * Hk + hk) * DK + d]);
+                ks[d] = bf2f(k[((long long)t * Hk + hk) * DK + d]);
+            }
+            const float decay = expf(g[(long long)t * Hv + hv]), bt = beta[(long long)t * Hv + hv];
+            const float vv = bf2f(v[(long long)t * v_stride + (long long)hv * DV + c]);
+            __syncthreads();
+            o = bf2f(gdn_token(S, qs, ks, decay, bt, vv, w, c, red));
+        }
+        const float zv = w == 0 ? bf2f(z[(long long)t * z_tok_stride + (long long)hv * DV + c]) : 0.0f;
+        gdn_gated_out(o, nwc, zv, warp, lane, gred, eps, out + ((long long)t * Hv + hv) * DV + c);
+        __syncthreads();  // gred, qs and ks are free for the next row
+    }
 }

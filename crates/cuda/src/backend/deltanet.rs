@@ -47,9 +47,10 @@ impl CudaBackend {
             self.gdn_gates(gw, ws.gdn_ba, t, if fused_dec { tp } else { t })?
         };
         self.tick("gdn gates + l2norm")?;
-        self.gdn_core(ws, gw, rec_state, sh, (q, kk))?;
-        // The gated norm of the other rows (the chunked and verify rows).
-        norm::gated_rms_norm(k, s, ws.gdn_core_out, ws.gdn_z, vw, hv, gw.norm, ws.gdn_normed, tp, dv, eps)?;
+        if !self.gdn_core(ws, gw, rec_state, sh, (q, kk))? {
+            // The gated norm of the other rows (the chunked and verify rows).
+            norm::gated_rms_norm(k, s, ws.gdn_core_out, ws.gdn_z, vw, hv, gw.norm, ws.gdn_normed, tp, dv, eps)?;
+        }
         self.mixer_out_proj(s, ws, ws.gdn_normed, t, vw, &gw.out, out_fold)?;
         self.tick("gdn gated norm + out GEMM")?;
         Ok(())
@@ -163,7 +164,9 @@ impl CudaBackend {
     }
 
     /// The DeltaNet core: chunked rows, verify rows (outputs from the committed state, which stays as
-    /// it was) and decode rows (recurrence and gated norm in one launch).
+    /// it was) and decode rows (recurrence and gated norm in one launch). Returns whether the rows
+    /// before the decode rows were gated-normed too (a step of verify chunks and decode rows only: the
+    /// verify rows' recurrence and gated norm in one launch).
     fn gdn_core(
         &self,
         ws: &Ws,
@@ -171,7 +174,7 @@ impl CudaBackend {
         rec_state: u64,
         sh: &StepShape,
         (q, kk): (u64, u64),
-    ) -> Result<(), CudaError> {
+    ) -> Result<bool, CudaError> {
         let (k, s, d) = (&self.k, self.rt.stream().as_ref(), &self.d);
         let StepShape { n, n_pre, tp, tv, .. } = *sh;
         let n_dec = n - n_pre;
@@ -222,8 +225,21 @@ impl CudaBackend {
                 hv,
             };
             let starts = ws.cu_seqlens + 4 * n_real as u64;
-            let r = gdn_decode::GdnRecurrent { d: dec, starts, lens: 0, write_state: false };
-            gdn_decode::gdn_recurrent(k, s, &r)?;
+            if n_real == 0 {
+                let gated = gdn_decode::GdnRecurrentGated {
+                    d: dec,
+                    starts,
+                    z: ws.gdn_z,
+                    z_tok_stride: vw,
+                    norm_w: gw.norm,
+                    out: ws.gdn_normed,
+                    eps,
+                };
+                gdn_decode::gdn_recurrent_gated(k, s, &gated)?;
+            } else {
+                let r = gdn_decode::GdnRecurrent { d: dec, starts, lens: 0, write_state: false };
+                gdn_decode::gdn_recurrent(k, s, &r)?;
+            }
         }
         if n_dec > 0 {
             let dec = gdn_decode::GdnDecode {
@@ -252,7 +268,7 @@ impl CudaBackend {
             gdn_decode::gdn_decode_gated(k, s, &gated)?;
         }
         self.tick("gdn core (chunked / decode)")?;
-        Ok(())
+        Ok(n_real == 0 && sh.n_ver > 0)
     }
 
     /// A DeltaNet layer's gates and normalised q, k of the first `rows` of the step's `t` rows: from the

@@ -105,3 +105,40 @@ pub fn gdn_recurrent(k: &Kernels, s: &CudaStream, a: &GdnRecurrent) -> Result<()
     launch!(k, s, "gdn_recurrent", grid, (128, 1, 1), 0;
         q, kp, v, vs, g, beta, state, slots, starts, lens, o, hk, hv, write)
 }
+
+/// Speculative verify rows through the recurrence (the state read, not written) and then the gated
+/// RMSNorm of each row's head, in one launch (kernels/gdn_decode.cu `gdn_recurrent_gated`): bitwise
+/// [`gdn_recurrent`] without write-back followed by norm.rs's `gated_rms_norm`; the recurrence output
+/// `d.o` is not stored. Sequence b's rows are `starts[b] .. starts[b + 1]` (`starts`: cu_seqlens,
+/// `[d.n_seqs + 1]` i32).
+#[derive(Clone, Copy, Debug)]
+pub struct GdnRecurrentGated {
+    pub d: GdnDecode,
+    pub starts: u64,
+    /// z row t head h at `z + t*z_tok_stride + h*dv` (bf16); the norm weight [dv] f32.
+    pub z: u64,
+    pub z_tok_stride: usize,
+    pub norm_w: u64,
+    /// [rows, hv, dv] bf16.
+    pub out: u64,
+    pub eps: f32,
+}
+
+pub fn gdn_recurrent_gated(k: &Kernels, s: &CudaStream, a: &GdnRecurrentGated) -> Result<(), CudaError> {
+    const K: &str = "gdn_recurrent_gated";
+    let d = &a.d;
+    if d.n_seqs == 0 {
+        return Ok(());
+    }
+    let dv = k.dims.gdn_v_dim;
+    if d.hk == 0 || !d.hv.is_multiple_of(d.hk) || d.v_stride < d.hv * dv || a.z_tok_stride < d.hv * dv || dv > 256 {
+        return Err(invalid(K, format!("{a:?} (DV = {dv} <= 256)")));
+    }
+    let GdnDecode { q, k: kp, v, g, beta, state, slots, .. } = *d;
+    let (starts, z, nw, out, eps) = (a.starts, a.z, a.norm_w, a.out, a.eps);
+    let (vs, zs) = (d.v_stride as i64, a.z_tok_stride as i64);
+    let (hk, hv) = (to_i32(K, "hk", d.hk)?, to_i32(K, "hv", d.hv)?);
+    let grid = (to_u32(K, "n_seqs", d.n_seqs)?, to_u32(K, "hv", d.hv)?, 1);
+    launch!(k, s, K, grid, ((4 * dv) as u32, 1, 1), 0;
+        q, kp, v, vs, g, beta, state, slots, starts, z, zs, nw, out, hk, hv, eps)
+}

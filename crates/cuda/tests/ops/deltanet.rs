@@ -153,12 +153,17 @@ pub fn conv_gate_decode(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec
 }
 
 /// [`Op::GdnDecodeGated`]: the fused decode + gated norm bit for bit against gdn_decode +
-/// gated_rms_norm.
+/// gated_rms_norm; [`Op::GdnRecurrentGated`]: the fused verify rows against gdn_recurrent (no
+/// write-back) + gated_rms_norm, the state untouched.
 pub fn decode_gated(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
     let Env { k, s, .. } = e;
-    let Op::GdnDecodeGated { ref slots, hk, hv } = *op else { unreachable!() };
+    let (lens, slots, hk, hv, rows) = match op {
+        Op::GdnDecodeGated { slots, hk, hv } => (vec![1; slots.len()], slots.clone(), *hk, *hv, false),
+        Op::GdnRecurrentGated { lens, slots, hk, hv } => (lens.clone(), slots.clone(), *hk, *hv, true),
+        _ => unreachable!(),
+    };
     let (dk, dv) = (k.dims.gdn_k_dim, k.dims.gdn_v_dim);
-    let b = slots.len();
+    let (b, n) = (lens.iter().sum::<usize>(), lens.len());
     let n_slots = slots.iter().copied().max().unwrap_or(0).max(0) as usize + 1;
     let (vs, zs) = (hv * dv + 8, hv * dv);
     let qv = randv(rng, b * hk * dk, 0.3);
@@ -170,7 +175,7 @@ pub fn decode_gated(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Out
     let z = randv(rng, b * zs, 2.0);
     let nw = randv(rng, dv, 1.0);
     let (qp, kp, vp, gp, bp) = (d.bf16(&qv)?, d.bf16(&kv)?, d.bf16(&v)?, d.f32s(&g)?, d.f32s(&beta)?);
-    let (zp, nwp, sp) = (d.bf16(&z)?, d.f32s(&nw)?, d.i32s(slots)?);
+    let (zp, nwp, sp, cup) = (d.bf16(&z)?, d.f32s(&nw)?, d.i32s(&slots)?, d.i32s(&cu_of(&lens))?);
     let mut got = Vec::new();
     for fused in [false, true] {
         let st = d.f32s(&st0)?;
@@ -185,15 +190,34 @@ pub fn decode_gated(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Out
             state: st,
             slots: sp,
             o,
-            n_seqs: b,
+            n_seqs: n,
             hk,
             hv,
         };
-        if fused {
-            let a = gdn_decode::GdnDecodeGated { d: dec, z: zp, z_tok_stride: zs, norm_w: nwp, out, eps: 1e-6 };
-            gdn_decode::gdn_decode_gated(k, s, &a)?;
-        } else {
-            gdn_decode::gdn_decode(k, s, &dec)?;
+        match (rows, fused) {
+            (false, true) => {
+                let a = gdn_decode::GdnDecodeGated { d: dec, z: zp, z_tok_stride: zs, norm_w: nwp, out, eps: 1e-6 };
+                gdn_decode::gdn_decode_gated(k, s, &a)?;
+            }
+            (true, true) => {
+                let a = gdn_decode::GdnRecurrentGated {
+                    d: dec,
+                    starts: cup,
+                    z: zp,
+                    z_tok_stride: zs,
+                    norm_w: nwp,
+                    out,
+                    eps: 1e-6,
+                };
+                gdn_decode::gdn_recurrent_gated(k, s, &a)?;
+            }
+            (false, false) => gdn_decode::gdn_decode(k, s, &dec)?,
+            (true, false) => {
+                let r = gdn_decode::GdnRecurrent { d: dec, starts: cup, lens: 0, write_state: false };
+                gdn_decode::gdn_recurrent(k, s, &r)?;
+            }
+        }
+        if !fused {
             ops::norm::gated_rms_norm(k, s, o, zp, zs, hv, nwp, out, b, dv, 1e-6)?;
         }
         let mut ob = vec![0u16; b * hv * dv];
@@ -202,9 +226,10 @@ pub fn decode_gated(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Out
         d.rt.download(&mut sb, st)?;
         got.push((ob, sb));
     }
+    let unfused = if rows { "gdn_recurrent" } else { "gdn_decode" };
     Ok(vec![
-        same_bits("out vs gdn_decode + gated_rms_norm", &got[0].0, &got[1].0),
-        same_bits("state vs gdn_decode", &got[0].1, &got[1].1),
+        same_bits(&format!("out vs {unfused} + gated_rms_norm"), &got[0].0, &got[1].0),
+        same_bits(&format!("state vs {unfused}"), &got[0].1, &got[1].1),
     ])
 }
 

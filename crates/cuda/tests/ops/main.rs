@@ -159,6 +159,13 @@ enum Op {
     /// gdn_recurrent over `lens` rows per sequence: verify (`accept` None: outputs of every row, the
     /// state bit-untouched) or commit of the first `accept[b]` rows (the state against the oracle, and
     /// bit-equal to gdn_decode run token by token over those rows).
+    /// Verify chunks of `lens` rows: gdn_recurrent_gated bitwise vs gdn_recurrent + gated_rms_norm.
+    GdnRecurrentGated {
+        lens: Vec<usize>,
+        slots: Vec<i32>,
+        hk: usize,
+        hv: usize,
+    },
     GdnRecurrent {
         lens: Vec<usize>,
         accept: Option<Vec<usize>>,
@@ -453,6 +460,18 @@ fn row_cases() -> Vec<Case> {
         c("gdn_decode", q, Op::GdnDecode { b: 7, hk: 16, hv: 48 }, ACCUM),
         c("gdn_decode_gated", q, Op::GdnDecodeGated { slots: vec![3, -1, 0, 1], hk: 16, hv: 48 }, EXACT),
         c("gdn_decode_gated", GDN32, Op::GdnDecodeGated { slots: vec![0, 2], hk: 2, hv: 6 }, EXACT),
+        c(
+            "gdn_recurrent_gated",
+            q,
+            Op::GdnRecurrentGated { lens: vec![4, 1, 3], slots: vec![2, 0, 1], hk: 16, hv: 48 },
+            EXACT,
+        ),
+        c(
+            "gdn_recurrent_gated",
+            GDN32,
+            Op::GdnRecurrentGated { lens: vec![2, 4], slots: vec![1, 0], hk: 2, hv: 6 },
+            EXACT,
+        ),
         c("gdn_recurrent", q, Op::GdnRecurrent { lens: vec![3, 1, 5, 2], accept: None, hk: 16, hv: 48 }, ACCUM),
         c(
             "gdn_recurrent",
@@ -808,7 +827,7 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
         Op::GdnGate { .. } => deltanet::gate,
         Op::GdnChunk { .. } => deltanet::chunk,
         Op::GdnDecode { .. } => deltanet::decode,
-        Op::GdnDecodeGated { .. } => deltanet::decode_gated,
+        Op::GdnDecodeGated { .. } | Op::GdnRecurrentGated { .. } => deltanet::decode_gated,
         Op::GdnRecurrent { .. } => deltanet::recurrent,
         Op::ConvAccept { .. } => elementwise::conv_accept,
         Op::MtpRows { .. } => elementwise::mtp_rows,
