@@ -2,7 +2,7 @@
 //! fields read from `config.json` (which layers are sparse, how many experts, how many a token uses, how
 //! their weights are normalised), with every variant we do not implement refused by name.
 //!
-//! A sparse layer's MLP (docs/architecture.md §2.6): router logits `x·Wᵀ` `[E]`, softmax in f32, the
+//! A sparse layer's MLP (docs/architecture.md §2.4a): router logits `x·Wᵀ` `[E]`, softmax in f32, the
 //! `top_k` largest probabilities (renormalised to sum 1 when `norm_topk_prob`), each chosen expert's
 //! SwiGLU MLP (width `moe_intermediate_size`) weighted by its probability, plus the shared expert (a
 //! SwiGLU MLP of width `shared_expert_intermediate_size`) times `sigmoid(x·w_gate)`.
