@@ -1,6 +1,7 @@
 //! Mixture-of-experts checkpoints (the `qwen35_moe` / `qwen3next_moe` HF fixtures): experts load one tensor
 //! per expert or fused, and a checkpoint that disagrees with its config (a missing expert, a router of
-//! the wrong shape, more experts than `num_experts`) is an error naming the tensor and the field.
+//! the wrong shape, more experts than `num_experts`) is an error naming the tensor and the field. GPTQ
+//! experts load like any GPTQ linear (dequantised for the CPU backend).
 
 use std::path::{Path, PathBuf};
 
@@ -145,4 +146,21 @@ fn checkpoints_that_disagree_with_the_config_name_the_tensor() {
     let dir = edited("qwen3next_moe", "width", |_| {}, |c| c["moe_intermediate_size"] = 16.into());
     let e = load_err(dir);
     assert!(e.contains("experts.0.gate_proj.weight") && e.contains("[16, 64]"), "{e}");
+}
+
+#[test]
+fn gptq_experts_load_dequantised() {
+    use deltaserve_model::synth::{Preset, gptq, write_model};
+    let dir = std::env::temp_dir().join(format!("ds-moe-test-{}-gptq", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    write_model(&dir, Preset::TinyMoe, None, 3, |_, _| {}).unwrap();
+    let done = gptq::convert(&dir, gptq::GptqVariant::ASYM_ACT_ORDER, &[], 7, |_| {}).unwrap();
+    let w = load(&dir).unwrap();
+    let name = "model.language_model.layers.2.mlp.experts.5.down_proj.weight";
+    let close =
+        |got: &[f32], want: &[f32]| got.len() == want.len() && got.iter().zip(want).all(|(a, b)| (a - b).abs() <= 1e-6);
+    assert!(close(&w.layers[2].moe.as_ref().unwrap().experts[5].down_proj.data, &done.quantized[name].0), "{name}");
+    let router = "model.language_model.layers.1.mlp.gate.weight";
+    assert!(close(&w.layers[1].moe.as_ref().unwrap().router.data, &done.quantized[router].0), "{router}");
+    let _ = std::fs::remove_dir_all(dir);
 }
