@@ -4,7 +4,8 @@
 Usage:
     python3 scripts/hf_fixtures.py --out DIR [--device cpu|cuda] [--seed 1234] [--only NAME ...]
 
-For each model NAME in (qwen35_gva3, qwen35_gva3_d32, qwen35_gva1_tied, qwen3next_dense) writes DIR/NAME/:
+For each model NAME in (qwen35_gva3, qwen35_gva3_d32, qwen35_gva1_tied, qwen3next_dense, qwen35_moe,
+qwen3next_moe) writes DIR/NAME/:
     config.json, generation_config.json, model.safetensors   (bf16, real HF tensor names)
     reference.safetensors   logits_<T> [T,V] f32 (T in 1,37,300,1100), decode_logits [24,V] f32,
                             input_ids_<T> [T] i64, decode_ids [37+24] i64
@@ -37,16 +38,29 @@ import transformers  # noqa: E402
 from transformers import (  # noqa: E402
     Qwen3_5Config,
     Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForConditionalGeneration,
     Qwen3NextConfig,
     Qwen3NextForCausalLM,
 )
 
 PROMPT_LENS = [1, 37, 300, 1100]
+# Mixture-of-experts fixtures skip the 1100-token prompt (chunk carry-over is covered by the dense ones):
+# fewer routed tokens keep the smallest top-k margin large (see MIN_ROUTER_GAP).
+MOE_PROMPT_LENS = [1, 37, 300]
+# Every routed token's k-th and (k+1)-th router logits must be at least this far apart (f32 rounding
+# differences between implementations are ~1e-5); the router weights are redrawn until they are.
+MIN_ROUTER_GAP = 2e-3
+ROUTER_ATTEMPTS = 40
 DECODE_PROMPT_LEN = 37
 DECODE_STEPS = 24
 
 FULL = "full_attention"
 LIN = "linear_attention"
+
+# Router weights get this many times the usual 1/sqrt(fan_in) std, so the router logits spread widely and
+# the k-th and (k+1)-th expert of a token are far apart (no near-ties that rounding could flip).
+ROUTER_STD_SCALE = 6.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -70,7 +84,8 @@ def tiny_vision_config(out_hidden_size):
     )
 
 
-def qwen35_config(*, hidden, layer_types, heads, kv_heads, head_dim, prf, lk, lv, dk, dv, inter, vocab, tied):
+def qwen35_config(*, hidden, layer_types, heads, kv_heads, head_dim, prf, lk, lv, dk, dv, inter, vocab, tied, moe=None):
+    """A `Qwen3_5Config`; with `moe` (experts, top_k, expert width, shared width) a `Qwen3_5MoeConfig`."""
     rotary_dim = int(head_dim * prf)
     half = rotary_dim // 2
     # mrope_section sums to rotary_dim/2 (T gets the remainder, like [11,11,10] for 32)
@@ -106,11 +121,56 @@ def qwen35_config(*, hidden, layer_types, heads, kv_heads, head_dim, prf, lk, lv
         linear_num_value_heads=lv,
         layer_types=list(layer_types),
     )
+    if moe is not None:
+        experts, top_k, width, shared = moe
+        del text["intermediate_size"]  # every layer of a qwen3_5_moe model is sparse
+        text.update(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
+                    shared_expert_intermediate_size=shared)
+        return Qwen3_5MoeConfig(text_config=text, vision_config=tiny_vision_config(hidden), tie_word_embeddings=tied)
     return Qwen3_5Config(
         text_config=text,
         vision_config=tiny_vision_config(hidden),
         tie_word_embeddings=tied,
     )
+
+
+def qwen3next_config(**overrides):
+    """The tiny Qwen3-Next shape (D64, L L L F, attn 4/2 x 16, GDN k2/v4) with `overrides`."""
+    fields = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        hidden_act="silu",
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        partial_rotary_factor=0.25,
+        attention_bias=False,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        layer_types=[LIN, LIN, LIN, FULL],
+        decoder_sparse_step=1,
+    )
+    fields.update(overrides)
+    return Qwen3NextConfig(**fields)
+
+
+def sparse_layers(tcfg):
+    """Indices of the decoder layers with a mixture-of-experts MLP, as the HF decoder layers decide."""
+    experts = getattr(tcfg, "num_experts", 0) or 0
+    if tcfg.model_type == "qwen3_5_moe_text":
+        return list(range(tcfg.num_hidden_layers))
+    step = getattr(tcfg, "decoder_sparse_step", 1)
+    dense = getattr(tcfg, "mlp_only_layers", None) or []
+    return [i for i in range(tcfg.num_hidden_layers) if i not in dense and experts > 0 and (i + 1) % step == 0]
 
 
 def build_configs():
@@ -172,32 +232,41 @@ def build_configs():
         ),
         "qwen3next_dense": (
             Qwen3NextForCausalLM,
-            Qwen3NextConfig(
-                vocab_size=320,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=4,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=16,
-                hidden_act="silu",
-                max_position_embeddings=4096,
-                rms_norm_eps=1e-6,
-                tie_word_embeddings=False,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-                partial_rotary_factor=0.25,
-                attention_bias=False,
-                linear_conv_kernel_dim=4,
-                linear_key_head_dim=16,
-                linear_value_head_dim=16,
-                linear_num_key_heads=2,
-                linear_num_value_heads=4,
+            # Dense: a layer gets Qwen3NextMLP iff it is in mlp_only_layers OR num_experts == 0
+            # (Qwen3NextDecoderLayer.__init__). We set both.
+            qwen3next_config(num_experts=0, mlp_only_layers=[0, 1, 2, 3]),
+        ),
+        # Every layer sparse; 8 experts, top 2, a gated shared expert; top-k weights renormalised.
+        "qwen35_moe": (
+            Qwen3_5MoeForConditionalGeneration,
+            qwen35_config(
+                hidden=64,
                 layer_types=[LIN, LIN, LIN, FULL],
-                # Dense: a layer gets Qwen3NextMLP iff it is in mlp_only_layers OR num_experts == 0
-                # (Qwen3NextDecoderLayer.__init__). We set both.
-                num_experts=0,
-                mlp_only_layers=[0, 1, 2, 3],
-                decoder_sparse_step=1,
+                heads=4,
+                kv_heads=2,
+                head_dim=16,
+                prf=0.25,
+                lk=2,
+                lv=4,
+                dk=16,
+                dv=16,
+                inter=None,
+                vocab=256,
+                tied=False,
+                moe=(8, 2, 32, 48),
+            ),
+        ),
+        # Layers 0, 1, 3 sparse (6 experts, top 3, top-k weights NOT renormalised), layer 2 dense.
+        "qwen3next_moe": (
+            Qwen3NextForCausalLM,
+            qwen3next_config(
+                num_experts=6,
+                mlp_only_layers=[2],
+                num_experts_per_tok=3,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=48,
+                norm_topk_prob=False,
+                vocab_size=256,
             ),
         ),
     }
@@ -213,10 +282,13 @@ def _normal(gen, shape, std, mean=0.0):
 
 
 @torch.no_grad()
-def randomize_(model, seed, decay="mixed"):
-    """Overwrite every parameter (deterministically, CPU generator, sorted by name)."""
+def randomize_(model, seed, decay="mixed", router_attempt=0):
+    """Overwrite every parameter (deterministically, CPU generator, sorted by name). Router weights come
+    from their own generator, seeded by (`seed`, `router_attempt`), so redrawing them leaves the rest alone."""
     gen = torch.Generator(device="cpu")
     gen.manual_seed(seed)
+    router_gen = torch.Generator(device="cpu")
+    router_gen.manual_seed(seed * 1000 + 7 + router_attempt)
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())  # tied params appear once
     out_w = model.get_output_embeddings().weight
@@ -249,6 +321,12 @@ def randomize_(model, seed, decay="mixed"):
         elif isinstance(mod, torch.nn.Conv1d) and leaf == "weight":
             kind = "conv1d"
             val = _normal(gen, shape, 0.5)
+        elif cls.endswith("Experts") and leaf in ("gate_up_proj", "down_proj"):
+            kind = "experts"  # [E, out, in] stacked linears
+            val = _normal(gen, shape, 1.0 / math.sqrt(shape[-1]))
+        elif cls.endswith("TopKRouter") and leaf == "weight":
+            kind = "router"
+            val = _normal(router_gen, shape, ROUTER_STD_SCALE / math.sqrt(shape[-1]))
         elif isinstance(mod, torch.nn.Embedding):
             kind = "embedding"
             # normal(0,1); but when tied to lm_head that gives logits with std ~sqrt(hidden) and a
@@ -327,6 +405,29 @@ def gdn_decay_stats(model, ids, device):
 
 
 @torch.no_grad()
+def router_margin(model, prompts, device):
+    """Smallest gap, over every token of `prompts` and every sparse layer, between the router logits of
+    the k-th and (k+1)-th expert: how far the top-k choice is from a tie that rounding could flip."""
+    gaps, handles = [], []
+
+    def hook(mod, args, out):
+        logits = out[0].float()
+        top = logits.topk(mod.top_k + 1, dim=-1).values
+        gaps.append((top[:, -2] - top[:, -1]).min().item())
+
+    for mod in model.modules():
+        if type(mod).__name__.endswith("TopKRouter"):
+            handles.append(mod.register_forward_hook(hook))
+    try:
+        for ids in prompts:
+            full_forward_logits(model, ids, device)
+    finally:
+        for h in handles:
+            h.remove()
+    return min(gaps)
+
+
+@torch.no_grad()
 def full_forward_logits(model, ids, device):
     x = torch.tensor([ids], dtype=torch.long, device=device)
     out = model(input_ids=x, use_cache=False)
@@ -335,6 +436,17 @@ def full_forward_logits(model, ids, device):
 
 @torch.no_grad()
 def make_one(name, cls, config, out_root, device, seed, decay, log):
+    """Writes fixture `name`; a mixture-of-experts model is redrawn (router weights only) until every
+    routed token's top-k choice clears MIN_ROUTER_GAP."""
+    for attempt in range(ROUTER_ATTEMPTS):
+        size = make_attempt(name, cls, config, out_root, device, seed, decay, log, attempt)
+        if size is not None:
+            return size
+    raise RuntimeError(f"{name}: no router draw in {ROUTER_ATTEMPTS} attempts clears a top-k gap of {MIN_ROUTER_GAP}")
+
+
+@torch.no_grad()
+def make_attempt(name, cls, config, out_root, device, seed, decay, log, router_attempt):
     t0 = time.time()
     mdir = os.path.join(out_root, name)
     os.makedirs(mdir, exist_ok=True)
@@ -342,7 +454,7 @@ def make_one(name, cls, config, out_root, device, seed, decay, log):
     # 1. build fp32 on CPU, randomise, save bf16
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32)
-    counts = randomize_(model, seed, decay)
+    counts = randomize_(model, seed, decay, router_attempt)
     orig = {k: v.detach().clone() for k, v in model.state_dict().items()}
     model.to(torch.bfloat16).save_pretrained(mdir)
     del model
@@ -362,11 +474,13 @@ def make_one(name, cls, config, out_root, device, seed, decay, log):
     tied = model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     if tied != bool(tcfg.tie_word_embeddings):
         raise RuntimeError(f"{name}: tie mismatch (tied={tied}, config={tcfg.tie_word_embeddings})")
-    if type(model).__name__ == "Qwen3NextForCausalLM":
-        for i, layer in enumerate(model.model.layers):
-            if type(layer.mlp).__name__ != "Qwen3NextMLP":
-                raise RuntimeError(f"{name}: layer {i} mlp is {type(layer.mlp).__name__}, want dense")
-    rot = (model.model.language_model if hasattr(model.model, "language_model") else model.model).rotary_emb
+    sparse = sparse_layers(tcfg)
+    text_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    for i, layer in enumerate(text_model.layers):
+        got_sparse = type(layer.mlp).__name__.endswith("SparseMoeBlock")
+        if got_sparse != (i in sparse):
+            raise RuntimeError(f"{name}: layer {i} mlp is {type(layer.mlp).__name__}, want sparse={i in sparse}")
+    rot = text_model.rotary_emb
     prf = tcfg.rope_parameters["partial_rotary_factor"]
     rotary_dim = 2 * rot.inv_freq.numel()
     if rotary_dim != int(tcfg.head_dim * prf):
@@ -378,7 +492,8 @@ def make_one(name, cls, config, out_root, device, seed, decay, log):
     pgen = torch.Generator(device="cpu")
     pgen.manual_seed(seed + 1000)
     tensors, prompts, summary = {}, [], []
-    for T in PROMPT_LENS:
+    prompt_lens = MOE_PROMPT_LENS if sparse else PROMPT_LENS
+    for T in prompt_lens:
         ids = torch.randint(0, vocab, (T,), generator=pgen, dtype=torch.long)
         lg = full_forward_logits(model, ids.tolist(), device)
         assert lg.shape == (T, vocab), lg.shape
@@ -390,10 +505,10 @@ def make_one(name, cls, config, out_root, device, seed, decay, log):
         summary.append(f"logits_{T} {list(lg.shape)} max|.|={lg.abs().max().item():.3f} std={lg.std().item():.3f}")
 
     # per GDN layer, per-token decay exp(g) statistics on the 300-token prompt (informational)
-    checks_decay = gdn_decay_stats(model, prompts[PROMPT_LENS.index(300)]["ids"], device)
+    checks_decay = gdn_decay_stats(model, prompts[prompt_lens.index(300)]["ids"], device)
 
     # 4. greedy decode via generate (chunked prefill + recurrent one-token decode with caches)
-    prompt_ids = prompts[PROMPT_LENS.index(DECODE_PROMPT_LEN)]["ids"]
+    prompt_ids = prompts[prompt_lens.index(DECODE_PROMPT_LEN)]["ids"]
     inp = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     gcfg = model.generation_config
     gcfg.eos_token_id = None  # no eos in these configs anyway; make sure all 24 steps run
@@ -428,6 +543,13 @@ def make_one(name, cls, config, out_root, device, seed, decay, log):
         "max_abs_diff_decode0_vs_logits_37_last": (dec[0] - tensors["logits_37"][-1]).abs().max().item(),
         "gdn_decay_exp_g_on_prompt_300": checks_decay,
     }
+    if sparse:
+        margin = router_margin(model, [p["ids"] for p in prompts] + [seq.tolist()], device)
+        log(f"   router draw {router_attempt}: smallest top-k logit gap {margin:.2e}")
+        if margin < MIN_ROUTER_GAP:
+            return None
+        checks["min_router_logit_gap_topk"] = margin
+        checks["router_draw"] = router_attempt
 
     # 5. write
     save_file(tensors, os.path.join(mdir, "reference.safetensors"))
@@ -438,6 +560,7 @@ def make_one(name, cls, config, out_root, device, seed, decay, log):
         "text_model_type": tcfg.model_type,
         "vocab_size": vocab,
         "layer_types": list(tcfg.layer_types),
+        "sparse_layers": sparse,
         "tie_word_embeddings": bool(tied),
         "rotary_dim": rotary_dim,
         "prompts": prompts,
@@ -464,6 +587,8 @@ def make_one(name, cls, config, out_root, device, seed, decay, log):
                 "A_log": "log(uniform(1, 16))" if decay == "spec"
                 else "log(uniform(1, 16)) for even value heads, log(uniform(0.005, 0.1)) for odd value heads",
                 "dt_bias": "normal(0, 0.5)",
+                "experts gate_up_proj / down_proj [E, out, in]": "normal(0, 1/sqrt(in))",
+                "router (mlp.gate.weight)": f"normal(0, {ROUTER_STD_SCALE}/sqrt(hidden))",
                 "vision LayerNorm weight / biases": "1 + normal(0, 0.1) / normal(0, 0.1)",
             },
         },

@@ -332,3 +332,36 @@ def pick_stop(text: str, min_prefix: int = 2) -> str | None:
             if text.find(sub) >= min_prefix:
                 return sub
     return None
+
+
+def synth_cpu_server(tmp_path_factory, tag: str, synth_args: list[str], served_name: str):
+    """Generator for a module fixture: `deltaserve synth {synth_args}` into a fresh directory, then a
+    `serve --device cpu` of it served as `served_name`; yields (server, synth stderr) and stops it at teardown."""
+    d = tmp_path_factory.mktemp(tag)
+    model = d / "model"
+    r = subprocess.run([str(server_binary()), "synth", *synth_args, "--out", str(model)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    srv = Server(args=["--model", str(model), "--device", "cpu", "--api-key", API_KEY, "--served-model-name",
+                       served_name], log_path=d / "server.log")
+    srv.start()
+    yield srv, r.stderr
+    code = srv.interrupt(SHUTDOWN_TIMEOUT)
+    srv.kill()
+    assert code == 0, srv.log_tail()
+
+
+def greedy_chat_twice(srv: Server, served_name: str, content: str) -> dict:
+    """Posts one greedy 12-token chat request twice; asserts both succeed with the same text; returns the first."""
+    c = httpx.Client(base_url=srv.base, headers=OPENAI_HEADERS, timeout=REQUEST_TIMEOUT)
+    body = {"model": served_name, "messages": [{"role": "user", "content": content}], "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True}
+    a = c.post("/v1/chat/completions", json=body)
+    assert a.status_code == 200, a.text
+    b = c.post("/v1/chat/completions", json=body)
+    assert b.status_code == 200, b.text
+    ja, jb = a.json(), b.json()
+    assert ja["usage"]["completion_tokens"] == 12
+    msg = lambda j: (j["choices"][0]["message"].get("content") or "") + (j["choices"][0]["message"].get("reasoning_content") or "")
+    assert msg(ja) == msg(jb), "greedy output differs between two identical requests"
+    return ja

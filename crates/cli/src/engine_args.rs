@@ -456,6 +456,7 @@ impl EngineArgs {
 
     /// The CUDA backend's checks and plan (against the GPU's free memory).
     fn prepare_cuda(&self, text: TextModel, random_weights: bool) -> Result<Prepared> {
+        CudaBackend::check_model(&text.config)?;
         let tp = self.tensor_parallel;
         deltaserve_model::shard::check_world(&text.config, tp)
             .map_err(|e| anyhow::anyhow!("--tensor-parallel {tp}: {e}"))?;

@@ -24,7 +24,8 @@ pub struct ModelArgs {
     /// NVRTC and cuBLAS are found, else cpu.
     #[arg(long, default_value = "auto")]
     pub device: String,
-    /// Use a built-in shape instead of a model directory (tiny, qwen3.6-27b); needs --random-weights
+    /// Use a built-in shape instead of a model directory (tiny, tiny-moe, qwen3.6-27b, qwen3.6-35b-a3b,
+    /// qwen3-next-80b-a3b); needs --random-weights
     /// unless it is `tiny` (whose random weights are written to disk).
     #[arg(long, conflicts_with = "model")]
     pub preset: Option<String>,

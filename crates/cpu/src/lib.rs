@@ -2,7 +2,7 @@
 //! tested against. Plain loops, one file per op family, no speed tricks that need explaining.
 //!
 //! - [`linear`], [`norm`], [`activation`], [`conv`], [`rope`], [`attention`], [`gdn`]: the ops;
-//! - [`model`]: the forward pass of one sequence with its carried state;
+//! - [`model`]: the forward pass of one sequence with its carried state; [`moe`]: the sparse MLP;
 //! - [`tp`]: tensor parallelism simulated over in-memory ranks (sharded weights, explicit collectives);
 //! - [`paged`]: the paged-arena backend; [`kvquant`]: the KV-cache storage formats it can emulate.
 
@@ -13,6 +13,7 @@ pub mod gdn;
 pub mod kvquant;
 pub mod linear;
 pub mod model;
+pub mod moe;
 pub mod norm;
 pub mod paged;
 pub mod rope;

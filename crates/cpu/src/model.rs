@@ -246,7 +246,7 @@ impl CpuModel {
             add_in_place(&mut x, &mixed);
             let mut hn = x.clone();
             rms_norm_1p(&mut hn, &lw.post_norm.data, eps);
-            add_in_place(&mut x, &self.mlp(&lw.mlp, &hn, t));
+            add_in_place(&mut x, &self.ffn(&lw.mlp, lw.moe.as_ref(), &hn, t));
         }
         rms_norm_1p(&mut x, &self.weights.final_norm.data, eps);
         debug_assert_eq!(x.len(), t * d.hidden);
@@ -297,14 +297,14 @@ impl CpuModel {
             cat.extend_from_slice(hr);
         }
         let mut x = linear(&cat, t, &mtp.fc.data, h, 2 * h);
-        let LayerWeights { input_norm, post_norm, mixer, mlp } = &mtp.layer;
+        let LayerWeights { input_norm, post_norm, mixer, mlp, moe } = &mtp.layer;
         let MixerWeights::Attention(aw) = mixer else { unreachable!("the MTP layer is an attention layer") };
         let mut a = x.clone();
         rms_norm_1p(&mut a, &input_norm.data, eps);
         add_in_place(&mut x, &self.attention(aw, &a, t, start, kv_layer, cache));
         let mut a = x.clone();
         rms_norm_1p(&mut a, &post_norm.data, eps);
-        add_in_place(&mut x, &self.mlp(mlp, &a, t));
+        add_in_place(&mut x, &self.ffn(mlp, moe.as_ref(), &a, t));
         rms_norm_1p(&mut x, &mtp.norm.data, eps);
         Ok(x)
     }
@@ -460,15 +460,16 @@ impl CpuModel {
         linear(&attn, t, &w.o_proj.data, d.hidden, d.attn_dim)
     }
 
-    /// SwiGLU MLP: down(silu(gate·x) ⊙ up·x).
+    /// SwiGLU MLP: down(silu(gate·x) ⊙ up·x), at the width of its weights (a dense MLP, an expert).
     pub(crate) fn mlp(&self, w: &MlpWeights<HostTensor>, hn: &[f32], t: usize) -> Vec<f32> {
-        let d = &self.dims;
-        let mut gate = linear(hn, t, &w.gate_proj.data, d.intermediate, d.hidden);
-        let up = linear(hn, t, &w.up_proj.data, d.intermediate, d.hidden);
+        let h = self.dims.hidden;
+        let width = w.gate_proj.shape[0];
+        let mut gate = linear(hn, t, &w.gate_proj.data, width, h);
+        let up = linear(hn, t, &w.up_proj.data, width, h);
         for (g, u) in gate.iter_mut().zip(&up) {
             *g = silu(*g) * u;
         }
-        linear(&gate, t, &w.down_proj.data, d.hidden, d.intermediate)
+        linear(&gate, t, &w.down_proj.data, h, width)
     }
 }
 

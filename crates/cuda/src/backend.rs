@@ -234,6 +234,18 @@ impl CudaBackend {
         Self::with_options(cfg, weights, plan, host_snapshot_slots, CudaOptions::default())
     }
 
+    /// Whether this backend runs `cfg`; an error (before anything touches the GPU) for models it does not
+    /// implement yet: mixture-of-experts models run on the CPU backend only.
+    pub fn check_model(cfg: &ModelConfig) -> Result<(), CudaError> {
+        match &cfg.moe {
+            Some(m) => Err(CudaError::UnsupportedModel(format!(
+                "mixture-of-experts models ({} experts, top {}) run on the CPU backend only for now: use --device cpu",
+                m.num_experts, m.top_k
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// [`CudaBackend::new`] with explicit [`CudaOptions`].
     pub fn with_options(
         cfg: &ModelConfig,

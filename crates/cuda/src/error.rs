@@ -41,6 +41,9 @@ pub enum CudaError {
     /// Loading or converting the model's weights failed.
     #[error("weights: {0}")]
     Weights(String),
+    /// A model this backend does not run (yet).
+    #[error("{0}")]
+    UnsupportedModel(String),
     /// The memory plan does not fit what the backend needs (names the buffer and both sizes).
     #[error("plan: {0}")]
     Plan(String),

@@ -46,6 +46,10 @@ fn hf_fixtures_logits() {
     dirs.sort();
     for dir in dirs {
         let cfg = ModelConfig::from_dir(&dir).unwrap();
+        if cfg.moe.is_some() {
+            println!("SKIP {}: mixture-of-experts models run on the CPU backend only", dir.display());
+            continue;
+        }
         if let Err(e) = kernel_dims(&cfg).validate() {
             println!("SKIP {}: kernels not specialisable for these dims: {e}", dir.display());
             continue;
@@ -1371,4 +1375,15 @@ fn fp8_kv_page_prefix_copy() {
     let bad = StepBatch { pre: vec![CacheOp::CopyPagePrefix { src: 12, dst: 20, tokens: 17 }], ..Default::default() };
     assert!(step_logits(&mut g, &bad, &mut out).is_err());
     assert_eq!(g.arena_stats(), stats);
+}
+
+/// A mixture-of-experts model is refused with one clear line before anything touches the GPU.
+#[test]
+fn mixture_of_experts_models_are_refused_before_the_gpu() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/hf/qwen35_moe");
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let e = CudaBackend::check_model(&cfg).unwrap_err().to_string();
+    assert!(e.contains("mixture-of-experts") && e.contains("--device cpu") && !e.contains('\n'), "{e}");
+    let dense = ModelConfig::from_dir(&dir.with_file_name("qwen35_gva3")).unwrap();
+    assert!(CudaBackend::check_model(&dense).is_ok());
 }

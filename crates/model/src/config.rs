@@ -1,9 +1,11 @@
 //! `config.json` → [`ModelConfig`]: the validated text-model shape of a Qwen3.5/3.6 (`qwen3_5`,
-//! `qwen3_5_text`) or Qwen3-Next (`qwen3_next`) checkpoint, plus [`Dims`], the derived sizes.
+//! `qwen3_5_text`, and the mixture-of-experts `qwen3_5_moe`, `qwen3_5_moe_text`) or Qwen3-Next
+//! (`qwen3_next`, dense or with experts) checkpoint, plus [`Dims`], the derived sizes. The experts'
+//! fields are read by [`crate::moe`].
 //!
 //! Parsing is explicit: every field we use is read by name, and a missing, mistyped or inconsistent
 //! field is an error that names it. Fields that would change the math in ways we do not implement
-//! (MoE experts, YaRN, sliding windows, biases, unsupported quantisation methods) are refused by name;
+//! (other routing schemes, YaRN, sliding windows, biases, unsupported quantisation methods) are refused by name;
 //! other unknown fields are reported once through `tracing` and ignored, as vLLM and llama.cpp do.
 //! A supported `quantization_config` (GPTQ / AutoRound int4, block FP8) is parsed into
 //! [`ModelConfig::quantization`] (see [`crate::quant`]).
@@ -13,6 +15,7 @@ use std::path::Path;
 use serde_json::{Map, Value};
 
 use crate::error::ModelError;
+use crate::moe::MoeConfig;
 use crate::quant::Quantization;
 
 /// Which checkpoint family the config came from (changes only the DeltaNet projection packing).
@@ -38,6 +41,8 @@ pub enum LayerKind {
 pub struct ModelConfig {
     pub arch: Arch,
     pub hidden_size: usize,
+    /// Width of the dense MLP layers. A model whose every layer is sparse has none; its config may leave
+    /// the field out (`qwen3_5_moe` does), and it is then the shared expert's width.
     pub intermediate_size: usize,
     pub vocab_size: usize,
     pub rms_norm_eps: f32,
@@ -61,6 +66,8 @@ pub struct ModelConfig {
     pub mtp_num_hidden_layers: usize,
     /// The checkpoint's `quantization_config` (top level, or under `text_config`), if any.
     pub quantization: Option<Quantization>,
+    /// The experts of a mixture-of-experts model; `None` when every layer's MLP is dense.
+    pub moe: Option<MoeConfig>,
 }
 
 /// Sizes derived once from a [`ModelConfig`]; nothing else recomputes them.
@@ -128,13 +135,12 @@ impl ModelConfig {
             .and_then(Value::as_str)
             .ok_or_else(|| ModelError::config("missing field `model_type` (string)"))?;
         match model_type {
-            "qwen3_5" => {
-                let text_cfg = root
-                    .get("text_config")
-                    .and_then(Value::as_object)
-                    .ok_or_else(|| ModelError::config("`qwen3_5` config needs an object field `text_config`"))?;
+            "qwen3_5" | "qwen3_5_moe" => {
+                let text_cfg = root.get("text_config").and_then(Value::as_object).ok_or_else(|| {
+                    ModelError::config(format!("`{model_type}` config needs an object field `text_config`"))
+                })?;
                 let tie_top = root.get("tie_word_embeddings").and_then(Value::as_bool);
-                let mut cfg = parse_text(text_cfg, Arch::Qwen35, "text_config.")?;
+                let mut cfg = parse_text(text_cfg, Arch::Qwen35, model_type == "qwen3_5_moe", "text_config.")?;
                 // HF writes `quantization_config` at the top level of a multimodal config.
                 if let Some(q) = root.get("quantization_config").filter(|q| !q.is_null()) {
                     cfg.quantization = Some(Quantization::from_json(q, "quantization_config")?);
@@ -150,13 +156,15 @@ impl ModelConfig {
                 }
                 Ok(cfg)
             }
-            "qwen3_5_text" => parse_text(root, Arch::Qwen35, ""),
-            "qwen3_next" => parse_text(root, Arch::Qwen3Next, ""),
-            "qwen3_5_moe" | "qwen3_5_moe_text" | "qwen3_moe" => Err(ModelError::unsupported(format!(
-                "model_type `{model_type}`: mixture-of-experts models are not supported yet (dense MLP only)"
-            ))),
+            "qwen3_5_text" => parse_text(root, Arch::Qwen35, false, ""),
+            "qwen3_5_moe_text" => parse_text(root, Arch::Qwen35, true, ""),
+            "qwen3_next" => parse_text(root, Arch::Qwen3Next, false, ""),
+            "qwen3_moe" => Err(ModelError::unsupported(
+                "model_type `qwen3_moe`: only the hybrid DeltaNet + attention models are supported \
+                 (qwen3_5, qwen3_5_moe, qwen3_next)",
+            )),
             other => Err(ModelError::config(format!(
-                "unknown model_type `{other}` (supported: qwen3_5, qwen3_5_text, qwen3_next)"
+                "unknown model_type `{other}` (supported: qwen3_5, qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text, qwen3_next)"
             ))),
         }
     }
@@ -266,7 +274,8 @@ const KNOWN_FIELDS: &[&str] = &[
     "use_qk_norm",
 ];
 
-fn parse_text(obj: &Map<String, Value>, arch: Arch, prefix: &str) -> Result<ModelConfig, ModelError> {
+/// Parses a text config; `moe_model` is true for the `qwen3_5_moe` model types.
+fn parse_text(obj: &Map<String, Value>, arch: Arch, moe_model: bool, prefix: &str) -> Result<ModelConfig, ModelError> {
     let f = Fields { obj, prefix };
     let unknown: Vec<&str> = obj.keys().map(String::as_str).filter(|k| !KNOWN_FIELDS.contains(k)).collect();
     if !unknown.is_empty() {
@@ -335,22 +344,12 @@ fn parse_text(obj: &Map<String, Value>, arch: Arch, prefix: &str) -> Result<Mode
         }
     };
 
-    // Dense MLP only: any layer with experts is refused, naming the field.
-    let num_experts = f.opt_usize("num_experts")?.unwrap_or(0);
-    if num_experts > 0 {
-        let dense_layers: Vec<usize> = match obj.get("mlp_only_layers") {
-            Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|x| x as usize).collect(),
-            _ => Vec::new(),
-        };
-        let sparse_step = f.opt_usize("decoder_sparse_step")?.unwrap_or(1);
-        let has_moe =
-            (0..num_layers).any(|i| !dense_layers.contains(&i) && sparse_step > 0 && (i + 1) % sparse_step == 0);
-        if has_moe {
-            return Err(ModelError::unsupported(format!(
-                "`{prefix}num_experts` = {num_experts}: mixture-of-experts layers are not supported yet (dense MLP only)"
-            )));
-        }
-    }
+    let moe = MoeConfig::parse(obj, arch, moe_model, prefix, num_layers)?;
+    let intermediate_size = match (f.opt_usize("intermediate_size")?, &moe) {
+        (Some(i), _) => i,
+        (None, Some(m)) if m.sparse_layers.iter().all(|s| *s) => m.shared_expert_intermediate,
+        (None, _) => return Err(f.missing("intermediate_size")),
+    };
 
     let hidden_size = f.usize("hidden_size")?;
     let num_attention_heads = f.usize("num_attention_heads")?;
@@ -388,7 +387,7 @@ fn parse_text(obj: &Map<String, Value>, arch: Arch, prefix: &str) -> Result<Mode
     let cfg = ModelConfig {
         arch,
         hidden_size,
-        intermediate_size: f.usize("intermediate_size")?,
+        intermediate_size,
         vocab_size: f.usize("vocab_size")?,
         rms_norm_eps: f.f64("rms_norm_eps")? as f32,
         tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
@@ -410,6 +409,7 @@ fn parse_text(obj: &Map<String, Value>, arch: Arch, prefix: &str) -> Result<Mode
         },
         mtp_num_hidden_layers: f.opt_usize("mtp_num_hidden_layers")?.unwrap_or(0),
         quantization,
+        moe,
     };
     validate(&cfg, prefix)?;
     Ok(cfg)
@@ -486,19 +486,19 @@ fn token_ids(v: &Value, field: &str) -> Result<Vec<u32>, ModelError> {
 }
 
 /// Typed access to one JSON object's fields, with errors that name the field.
-struct Fields<'a> {
-    obj: &'a Map<String, Value>,
-    prefix: &'a str,
+pub(crate) struct Fields<'a> {
+    pub(crate) obj: &'a Map<String, Value>,
+    pub(crate) prefix: &'a str,
 }
 
 impl Fields<'_> {
-    fn missing(&self, name: &str) -> ModelError {
+    pub(crate) fn missing(&self, name: &str) -> ModelError {
         ModelError::config(format!("missing field `{}{name}`", self.prefix))
     }
-    fn wrong(&self, name: &str, want: &str, got: &Value) -> ModelError {
+    pub(crate) fn wrong(&self, name: &str, want: &str, got: &Value) -> ModelError {
         ModelError::config(format!("`{}{name}` must be {want}, got {got}", self.prefix))
     }
-    fn opt_usize(&self, name: &str) -> Result<Option<usize>, ModelError> {
+    pub(crate) fn opt_usize(&self, name: &str) -> Result<Option<usize>, ModelError> {
         match self.obj.get(name) {
             None | Some(Value::Null) => Ok(None),
             Some(v) => {
@@ -506,16 +506,16 @@ impl Fields<'_> {
             }
         }
     }
-    fn usize(&self, name: &str) -> Result<usize, ModelError> {
+    pub(crate) fn usize(&self, name: &str) -> Result<usize, ModelError> {
         self.opt_usize(name)?.ok_or_else(|| self.missing(name))
     }
-    fn f64(&self, name: &str) -> Result<f64, ModelError> {
+    pub(crate) fn f64(&self, name: &str) -> Result<f64, ModelError> {
         match self.obj.get(name) {
             None | Some(Value::Null) => Err(self.missing(name)),
             Some(v) => v.as_f64().ok_or_else(|| self.wrong(name, "a number", v)),
         }
     }
-    fn opt_bool(&self, name: &str) -> Result<Option<bool>, ModelError> {
+    pub(crate) fn opt_bool(&self, name: &str) -> Result<Option<bool>, ModelError> {
         match self.obj.get(name) {
             None | Some(Value::Null) => Ok(None),
             Some(v) => v.as_bool().map(Some).ok_or_else(|| self.wrong(name, "true or false", v)),

@@ -1,6 +1,7 @@
 //! deltaserve-model: what a model *is*, independent of any backend.
 //!
 //! - [`config`]: `config.json` → validated [`ModelConfig`] and derived [`Dims`];
+//! - [`moe`]: the mixture-of-experts fields ([`MoeConfig`]): which layers are sparse, experts, top-k;
 //! - [`checkpoint`]: memory-mapped safetensors (single file or sharded), dtype conversion;
 //! - [`weights`]: the canonical per-layer weight set, with HF names mapped and Qwen3-Next packing undone;
 //! - [`quant`]: `quantization_config` and the GPTQ / block-FP8 encodings of quantised linears;
@@ -10,6 +11,8 @@
 pub mod checkpoint;
 pub mod config;
 pub mod error;
+pub mod moe;
+mod moe_weights;
 pub mod quant;
 pub mod shard;
 pub mod synth;
@@ -18,8 +21,9 @@ pub mod weights;
 pub use checkpoint::{Checkpoint, DType, TensorRef};
 pub use config::{Arch, Dims, LayerKind, ModelConfig};
 pub use error::ModelError;
+pub use moe::MoeConfig;
 pub use quant::{Quantization, QuantizedSource};
 pub use shard::{ShardSpec, Split, TensorShard};
 pub use weights::{
-    AttentionWeights, DeltaNetWeights, LayerWeights, MixerWeights, MlpWeights, ModelWeights, MtpWeights,
+    AttentionWeights, DeltaNetWeights, LayerWeights, MixerWeights, MlpWeights, ModelWeights, MoeWeights, MtpWeights,
 };

@@ -187,6 +187,11 @@ pub fn check_world(cfg: &ModelConfig, world: usize) -> Result<(), ModelError> {
     if !WORLD_SIZES.contains(&world) {
         return Err(ModelError::unsupported(format!("tensor parallel size {world}: must be 1, 2, 4 or 8")));
     }
+    if world > 1 && cfg.moe.is_some() {
+        return Err(ModelError::unsupported(format!(
+            "tensor parallel size {world}: mixture-of-experts models run on one device for now"
+        )));
+    }
     let d = cfg.dims();
     let ok: Vec<String> = WORLD_SIZES
         .iter()
@@ -528,6 +533,7 @@ pub fn shape_skeleton(cfg: &ModelConfig) -> ModelWeights<Vec<usize>> {
                 LayerKind::Attention => MixerWeights::Attention(attention()),
             },
             mlp: mlp(),
+            moe: None,
         })
         .collect();
     let mtp = (cfg.mtp_num_hidden_layers > 0).then(|| MtpWeights {
@@ -540,6 +546,7 @@ pub fn shape_skeleton(cfg: &ModelConfig) -> ModelWeights<Vec<usize>> {
             post_norm: vec![h],
             mixer: MixerWeights::Attention(attention()),
             mlp: mlp(),
+            moe: None,
         },
     });
     ModelWeights {
@@ -620,7 +627,10 @@ fn map_layer<T, U>(
         up_proj: g("mlp.up_proj.weight", &l.mlp.up_proj)?,
         down_proj: g("mlp.down_proj.weight", &l.mlp.down_proj)?,
     };
-    Ok(LayerWeights { input_norm, post_norm, mixer, mlp })
+    if l.moe.is_some() {
+        return Err(ModelError::unsupported("tensor parallelism of mixture-of-experts layers is not supported yet"));
+    }
+    Ok(LayerWeights { input_norm, post_norm, mixer, mlp, moe: None })
 }
 
 /// Concatenates the shards of all ranks of one tensor back into the full tensor (the inverse of

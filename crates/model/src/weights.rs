@@ -6,6 +6,12 @@
 //! multi-token-prediction head used for speculative decoding, docs/architecture.md §2.5 / §5.2) are loaded
 //! separately by [`ModelWeights::load_mtp`]; a checkpoint without them still loads.
 //!
+//! A sparse (mixture-of-experts) layer's [`LayerWeights::mlp`] is its shared expert, and
+//! [`LayerWeights::moe`] holds the router, the routed experts and the shared expert's gate; experts are
+//! read one tensor per expert (`mlp.experts.{i}.{gate,up,down}_proj.weight`, what `save_pretrained`
+//! writes) or from the fused `[E, 2·I, D]` / `[E, D, I]` tensors (`mlp.experts.gate_up_proj` /
+//! `mlp.experts.down_proj`) when a checkpoint stores those (`moe_weights`).
+//!
 //! Linear weights of quantised checkpoints (GPTQ / AutoRound int4, block FP8; see [`crate::quant`])
 //! arrive as a [`TensorSource`] whose [`TensorSource::quantized`] holds the packed encoding;
 //! [`TensorSource::to_f32`] dequantises them, so f32 converters need no change.
@@ -15,6 +21,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use crate::checkpoint::{Checkpoint, DType, TensorRef};
 use crate::config::{Arch, LayerKind, ModelConfig};
 use crate::error::ModelError;
+use crate::moe_weights;
 use crate::quant::{self, QuantizedSource};
 
 /// The bytes of one canonical tensor.
@@ -133,7 +140,20 @@ pub struct LayerWeights<T> {
     /// [hidden], 1+w
     pub post_norm: T,
     pub mixer: MixerWeights<T>,
+    /// The dense MLP; in a sparse layer, the shared expert (`mlp.shared_expert.*`).
     pub mlp: MlpWeights<T>,
+    /// The routed experts of a sparse (mixture-of-experts) layer; `None` in a dense layer.
+    pub moe: Option<MoeWeights<T>>,
+}
+
+/// The routed part of a sparse layer's MLP (its shared expert is [`LayerWeights::mlp`]).
+pub struct MoeWeights<T> {
+    /// [num_experts, hidden]: the router (`mlp.gate.weight`).
+    pub router: T,
+    /// One SwiGLU MLP per expert: gate and up [expert_intermediate, hidden], down [hidden, expert_intermediate].
+    pub experts: Vec<MlpWeights<T>>,
+    /// [1, hidden]: the shared expert's sigmoid gate (`mlp.shared_expert_gate.weight`).
+    pub shared_expert_gate: T,
 }
 
 pub struct ModelWeights<T> {
@@ -191,7 +211,7 @@ impl<T> ModelWeights<T> {
     ) -> Result<Self, ModelError> {
         let names = Names::detect(ckpt, cfg)?;
         let stored: Vec<String> = names
-            .all_stored(cfg)
+            .all_stored(ckpt, cfg)
             .into_iter()
             .flat_map(|n| {
                 let companions = quant::companion_names(&n);
@@ -263,13 +283,22 @@ impl<T> ModelWeights<T> {
                     })
                 }
             };
-            let m = |s: &str| l(&format!("mlp.{s}"));
-            let mlp = MlpWeights {
-                gate_proj: load(lin(&m("gate_proj.weight"), [d.intermediate, h])?)?,
-                up_proj: load(lin(&m("up_proj.weight"), [d.intermediate, h])?)?,
-                down_proj: load(lin(&m("down_proj.weight"), [h, d.intermediate])?)?,
+            let sparse = cfg.moe.as_ref().filter(|m| m.is_sparse(i));
+            let (mlp_prefix, width) = match sparse {
+                Some(m) => ("mlp.shared_expert.", m.shared_expert_intermediate),
+                None => ("mlp.", d.intermediate),
             };
-            layers.push(LayerWeights { input_norm, post_norm, mixer, mlp });
+            let m = |s: &str| l(&format!("{mlp_prefix}{s}"));
+            let mlp = MlpWeights {
+                gate_proj: load(lin(&m("gate_proj.weight"), [width, h])?)?,
+                up_proj: load(lin(&m("up_proj.weight"), [width, h])?)?,
+                down_proj: load(lin(&m("down_proj.weight"), [h, width])?)?,
+            };
+            let moe = match sparse {
+                Some(mc) => Some(moe_weights::load(ckpt, q, mc, h, &l("mlp."), &mut load)?),
+                None => None,
+            };
+            layers.push(LayerWeights { input_norm, post_norm, mixer, mlp, moe });
         }
         bar.finish_and_clear();
         let used = stored;
@@ -295,6 +324,10 @@ impl<T> ModelWeights<T> {
         mut convert: impl FnMut(TensorSource<'_>) -> Result<T, ModelError>,
     ) -> Result<Option<MtpWeights<T>>, ModelError> {
         if cfg.mtp_num_hidden_layers == 0 || !ckpt.contains("mtp.fc.weight") {
+            return Ok(None);
+        }
+        if cfg.moe.is_some() {
+            tracing::warn!("the MTP head of a mixture-of-experts model is not loaded: speculative decoding is off");
             return Ok(None);
         }
         if cfg.mtp_num_hidden_layers > 1 {
@@ -331,6 +364,7 @@ impl<T> ModelWeights<T> {
                     k_norm: vec("mtp.layers.0.self_attn.k_norm.weight", d.head_dim)?,
                 }),
                 mlp: MlpWeights { gate_proj, up_proj, down_proj },
+                moe: None,
             },
         }))
     }
@@ -358,7 +392,7 @@ impl Names {
         format!("{}{s}", self.prefix)
     }
     /// Every stored tensor name the text model reads.
-    fn all_stored(&self, cfg: &ModelConfig) -> Vec<String> {
+    fn all_stored(&self, ckpt: &Checkpoint, cfg: &ModelConfig) -> Vec<String> {
         let mut v = vec![self.model("embed_tokens.weight"), self.model("norm.weight")];
         if !cfg.tie_word_embeddings {
             v.push("lm_head.weight".into());
@@ -367,8 +401,9 @@ impl Names {
             let l = |s: &str| self.model(&format!("layers.{i}.{s}"));
             v.push(l("input_layernorm.weight"));
             v.push(l("post_attention_layernorm.weight"));
-            for m in ["gate_proj", "up_proj", "down_proj"] {
-                v.push(l(&format!("mlp.{m}.weight")));
+            match cfg.moe.as_ref().filter(|m| m.is_sparse(i)) {
+                Some(m) => v.extend(moe_weights::stored_names(ckpt, m, &l("mlp."))),
+                None => v.extend(["gate_proj", "up_proj", "down_proj"].map(|m| l(&format!("mlp.{m}.weight")))),
             }
             let mixer: &[&str] = match (kind, cfg.arch) {
                 (LayerKind::Attention, _) => &[
@@ -407,7 +442,7 @@ impl Names {
 }
 
 /// A stored tensor used as is, after a shape check.
-fn direct<'a>(ckpt: &'a Checkpoint, name: &str, shape: &[usize]) -> Result<TensorSource<'a>, ModelError> {
+pub(crate) fn direct<'a>(ckpt: &'a Checkpoint, name: &str, shape: &[usize]) -> Result<TensorSource<'a>, ModelError> {
     let t = ckpt.get_shaped(name, shape)?;
     Ok(TensorSource {
         name: name.to_string(),
@@ -419,7 +454,7 @@ fn direct<'a>(ckpt: &'a Checkpoint, name: &str, shape: &[usize]) -> Result<Tenso
 }
 
 /// A linear weight `[out, in]`: its quantised encoding when the checkpoint stores one, else dense.
-fn linear<'a>(
+pub(crate) fn linear<'a>(
     ckpt: &'a Checkpoint,
     q: Option<&quant::Quantization>,
     name: &str,

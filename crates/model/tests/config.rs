@@ -1,4 +1,5 @@
-//! config.json parsing: the three model types, derived dims, and clear errors for bad input.
+//! config.json parsing: the model types (dense and mixture-of-experts), derived dims, and clear errors for
+//! bad input.
 
 use deltaserve_model::synth::Preset;
 use deltaserve_model::{Arch, LayerKind, ModelConfig, ModelError};
@@ -35,18 +36,100 @@ fn text_only_and_layer_types_from_interval() {
 }
 
 #[test]
-fn qwen3_next_dense_is_accepted_and_moe_is_refused_by_name() {
+fn qwen3_next_sparse_layers_follow_mlp_only_layers_and_the_sparse_step() {
     let mut c = Preset::Tiny.text_config(None);
     c["model_type"] = json!("qwen3_next");
     c["num_experts"] = json!(0);
-    assert_eq!(parse(&c).unwrap().arch, Arch::Qwen3Next);
+    let cfg = parse(&c).unwrap();
+    assert_eq!((cfg.arch, cfg.moe), (Arch::Qwen3Next, None));
     c["num_experts"] = json!(8);
-    let e = err(&c);
-    assert!(e.contains("num_experts") && e.contains("not supported yet"), "{e}");
+    c["num_experts_per_tok"] = json!(2);
+    c["moe_intermediate_size"] = json!(32);
+    c["shared_expert_intermediate_size"] = json!(48);
+    let m = parse(&c).unwrap().moe.unwrap();
+    assert_eq!((m.num_experts, m.top_k, m.expert_intermediate, m.shared_expert_intermediate), (8, 2, 32, 48));
+    assert!(m.norm_topk_prob, "HF's default");
+    assert_eq!(m.sparse_layers, [true; 4]);
+    c["mlp_only_layers"] = json!([1]);
+    c["decoder_sparse_step"] = json!(2);
+    c["norm_topk_prob"] = json!(false);
+    let m = parse(&c).unwrap().moe.unwrap();
+    assert_eq!(m.sparse_layers, [false, false, false, true]);
+    assert!(!m.norm_topk_prob);
     c["mlp_only_layers"] = json!([0, 1, 2, 3]);
-    assert!(parse(&c).is_ok(), "all layers dense via mlp_only_layers");
-    let e = err(&json!({"model_type": "qwen3_5_moe"}));
-    assert!(e.contains("not supported yet"), "{e}");
+    assert_eq!(parse(&c).unwrap().moe, None, "all layers dense via mlp_only_layers");
+}
+
+#[test]
+fn qwen3_5_moe_has_experts_in_every_layer() {
+    let mut c = Preset::Tiny.config_json(None);
+    c["model_type"] = json!("qwen3_5_moe");
+    let t = c["text_config"].as_object_mut().unwrap();
+    t.insert("model_type".into(), json!("qwen3_5_moe_text"));
+    t.remove("intermediate_size");
+    for (k, v) in [("num_experts", 16), ("num_experts_per_tok", 4), ("moe_intermediate_size", 64)] {
+        t.insert(k.into(), json!(v));
+    }
+    t.insert("shared_expert_intermediate_size".into(), json!(96));
+    let cfg = parse(&c).unwrap();
+    let m = cfg.moe.as_ref().unwrap();
+    assert_eq!((m.num_experts, m.top_k, m.num_sparse_layers()), (16, 4, 4));
+    assert!(m.norm_topk_prob);
+    assert_eq!(cfg.intermediate_size, 96, "no dense layer: the shared expert's width");
+    // Text-only form.
+    let mut text = c["text_config"].clone();
+    text["mlp_only_layers"] = json!([]);
+    assert_eq!(parse(&text).unwrap().moe, cfg.moe);
+    // Fields HF's qwen3_5_moe ignores are refused rather than silently dropped.
+    for (field, v) in
+        [("mlp_only_layers", json!([0])), ("decoder_sparse_step", json!(2)), ("norm_topk_prob", json!(false))]
+    {
+        let mut bad = text.clone();
+        bad[field] = v;
+        let e = err(&bad);
+        assert!(e.contains(field) && e.contains("every layer"), "{field}: {e}");
+    }
+}
+
+#[test]
+fn bad_and_unimplemented_experts_are_named() {
+    let mut c = Preset::Tiny.text_config(None);
+    c["model_type"] = json!("qwen3_5_moe_text");
+    for (k, v) in [("num_experts", 8), ("num_experts_per_tok", 2), ("moe_intermediate_size", 32)] {
+        c[k] = json!(v);
+    }
+    c["shared_expert_intermediate_size"] = json!(32);
+    assert!(parse(&c).is_ok());
+    let cases = [
+        ("num_experts_per_tok", json!(9), "between 1 and `num_experts` (8)"),
+        ("num_experts_per_tok", json!(0), "between 1"),
+        ("moe_intermediate_size", json!(0), "moe_intermediate_size"),
+        ("num_experts", json!(0), "must be > 0"),
+        ("scoring_func", json!("sigmoid"), "only softmax routing"),
+        ("routed_scaling_factor", json!(2.5), "scaled routed experts"),
+        ("n_group", json!(8), "grouped routing"),
+    ];
+    for (field, v, want) in cases {
+        let mut bad = c.clone();
+        bad[field] = v;
+        let e = err(&bad);
+        assert!(e.contains(field) && e.contains(want), "{field}: {e}");
+    }
+    let mut bad = c.clone();
+    bad.as_object_mut().unwrap().remove("num_experts_per_tok");
+    assert!(err(&bad).contains("missing field `num_experts_per_tok`"));
+    let mut next = c.clone();
+    next["model_type"] = json!("qwen3_next");
+    next["mlp_only_layers"] = json!([7]);
+    assert!(err(&next).contains("`mlp_only_layers` entry 7 is not a decoder layer"));
+    next["mlp_only_layers"] = json!([]);
+    next["decoder_sparse_step"] = json!(0);
+    assert!(err(&next).contains("decoder_sparse_step"));
+    let mut dense35 = c.clone();
+    dense35["model_type"] = json!("qwen3_5_text");
+    assert!(err(&dense35).contains("use model_type qwen3_5_moe"));
+    let e = err(&json!({"model_type": "qwen3_moe"}));
+    assert!(e.contains("qwen3_moe") && e.contains("hybrid"), "{e}");
 }
 
 #[test]

@@ -258,8 +258,9 @@ impl Plan {
         } else {
             dense_note
         };
+        let small = if cfg.moe.is_some() { "norms/conv/A_log/dt_bias/routers" } else { "norms/conv/A_log/dt_bias" };
         let mut weights_note = format!(
-            "decoder linears {} {}, lm_head {} {lm_note}, norms/conv/A_log/dt_bias {} {dense_note}",
+            "decoder linears {} {}, lm_head {} {lm_note}, {small} {} {dense_note}",
             fmt_bytes(w.linears),
             weights_desc(opts),
             fmt_bytes(w.lm_head),

@@ -104,6 +104,8 @@ impl Plan {
                 "embed_bytes": w.embed,
                 "lm_head_bytes": w.lm_head,
                 "embed_on_host": w.embed_on_host,
+                "experts_bytes": w.experts,
+                "experts_active_bytes_per_token": w.experts_active,
             },
             "regions": self.regions.iter().map(|r| json!({
                 "name": r.name, "bytes": r.bytes, "offset": r.offset, "note": r.note,
@@ -162,6 +164,15 @@ impl Plan {
             fmt_count(self.max_batch_tokens as u64),
             self.max_seqs
         );
+        if self.weight_parts.experts > 0 {
+            let w = &self.weight_parts;
+            let _ = writeln!(
+                s,
+                "mixture of experts: routed experts {} of the weights; one token reads {} of them",
+                fmt_bytes(w.experts),
+                fmt_bytes(w.experts_active)
+            );
+        }
         let _ = writeln!(s);
         let _ = writeln!(s, "{:<16} {:>11} {:>7} {:>11}  note", "region", "size", "budget", "offset");
         for r in &self.regions {

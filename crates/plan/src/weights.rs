@@ -1,7 +1,9 @@
 //! Bytes of the text-model weights in a given storage format, split between the device arena and pinned host
 //! memory. Shapes are the canonical (unpacked) `[out, in]` ones of `docs/architecture.md` §5.1; vision weights
 //! are not loaded for text inference and are not counted; the MTP head (§5.2) is counted only with
-//! speculative decoding on. Every tensor (a quantised linear's data,
+//! speculative decoding on. A sparse layer's routed experts and shared expert are decoder linears in
+//! `weights_dtype` (every expert priced, whether or not a token routes to it); its router and shared-expert
+//! gate stay 16-bit. Every tensor (a quantised linear's data,
 //! scales and zero points are separate tensors) starts 256-byte aligned, and its padding is counted, so a
 //! bump allocator that places the tensors one after another fits exactly.
 
@@ -30,12 +32,13 @@ fn linear_aligned(wd: WeightsDtype, out: usize, inp: usize, asym: bool) -> u128 
 
 /// Every decoder linear's `[out, in]`, layer by layer (the MTP head's not included): the mixer's
 /// projections (DeltaNet: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj; attention:
-/// q_proj with its gate, k_proj, v_proj, o_proj), then the MLP's gate, up, down.
+/// q_proj with its gate, k_proj, v_proj, o_proj), then the MLP's gate, up, down (a sparse layer: the shared
+/// expert's, then every routed expert's; its router and shared-expert gate are not counted here).
 pub fn decoder_linear_shapes(cfg: &ModelConfig) -> Vec<(usize, usize)> {
     let d = cfg.dims();
     let h = d.hidden;
     let mut v = Vec::new();
-    for kind in &cfg.layer_types {
+    for (layer, kind) in cfg.layer_types.iter().enumerate() {
         match kind {
             LayerKind::DeltaNet => v.extend([
                 (d.conv_channels, h),
@@ -46,7 +49,16 @@ pub fn decoder_linear_shapes(cfg: &ModelConfig) -> Vec<(usize, usize)> {
             ]),
             LayerKind::Attention => v.extend([(2 * d.attn_dim, h), (d.kv_dim, h), (d.kv_dim, h), (h, d.attn_dim)]),
         }
-        v.extend([(d.intermediate, h), (d.intermediate, h), (h, d.intermediate)]);
+        match cfg.moe.as_ref().filter(|m| m.is_sparse(layer)) {
+            Some(m) => {
+                let (s, e) = (m.shared_expert_intermediate, m.expert_intermediate);
+                v.extend([(s, h), (s, h), (h, s)]);
+                for _ in 0..m.num_experts {
+                    v.extend([(e, h), (e, h), (h, e)]);
+                }
+            }
+            None => v.extend([(d.intermediate, h), (d.intermediate, h), (h, d.intermediate)]),
+        }
     }
     v
 }
@@ -67,6 +79,10 @@ pub struct WeightBytes {
     pub embed_on_host: bool,
     /// The MTP head (its linears in `weights_dtype`, its norms dense) with speculative decoding on; else 0.
     pub mtp: u64,
+    /// The routed experts of every sparse layer (part of `linears`); 0 for a dense model.
+    pub experts: u64,
+    /// The routed experts one token reads (`top_k` per sparse layer; part of `experts`).
+    pub experts_active: u64,
 }
 
 impl WeightBytes {
@@ -86,6 +102,16 @@ impl WeightBytes {
                 LayerKind::DeltaNet => t(d.conv_channels * d.conv_kernel) + 2 * t(d.gdn_v_heads) + t(d.gdn_v_dim),
                 LayerKind::Attention => 2 * t(d.head_dim), // q_norm, k_norm
             };
+        }
+        // Sparse layers: the router and the shared expert's gate (16-bit); the routed experts.
+        let (mut experts, mut experts_active): (u128, u128) = (0, 0);
+        if let Some(m) = &cfg.moe {
+            let sparse = m.num_sparse_layers() as u128;
+            let (e, ew) = (m.num_experts as u128, m.expert_intermediate);
+            dense += sparse * (t(m.num_experts * h) + t(h));
+            let one = 2 * linear_aligned(wd, ew, h, asym) + linear_aligned(wd, h, ew, asym);
+            experts = sparse * e * one;
+            experts_active = sparse * m.top_k as u128 * one;
         }
         let mtp = if opts.speculative_tokens > 0 && cfg.mtp_num_hidden_layers > 0 {
             let mtp_shapes = [
@@ -121,6 +147,8 @@ impl WeightBytes {
             linear_params: u64::try_from(linear_params).ok()?,
             embed_on_host: opts.embed_on_host,
             mtp: u64::try_from(mtp).ok()?,
+            experts: u64::try_from(experts).ok()?,
+            experts_active: u64::try_from(experts_active).ok()?,
         })
     }
 

@@ -201,6 +201,32 @@ impl Builder {
     }
 }
 
+/// The routed experts' buffers of a sparse layer: bounded by the step's tokens × `top_k` (the rows the
+/// experts compute, however unevenly the tokens route) and the expert count, never by the prompt.
+fn moe_buffers(b: &mut Builder, m: &deltaserve_model::MoeConfig, s: &StepShape, hd: u128, a: u128, act: &str) {
+    let (t, k, e, w) = (s.tokens as u128, m.top_k as u128, m.num_experts as u128, m.expert_intermediate as u128);
+    let (tt, rows) = (format!("T={}", s.tokens), format!("T·k={}", s.tokens * m.top_k));
+    b.buf("moe_router_logits", t * e * 4, format!("[{tt}, {}] f32", m.num_experts));
+    b.buf("moe_topk", t * k * 8, format!("[{tt}, {}] (i32 expert, f32 weight)", m.top_k));
+    b.buf("moe_expert_offsets", (e + 1) * 4, format!("[{}+1] i32 (rows per expert, prefix sums)", m.num_experts));
+    b.buf("moe_rows_in", t * k * hd * a, format!("[{rows}, {hd}] {act} (tokens grouped by expert)"));
+    b.buf("moe_gate_up", t * k * 2 * w * a, format!("[{rows}, 2·{w}] {act}"));
+    b.buf("moe_act", t * k * w * a, format!("[{rows}, {w}] {act}"));
+    b.buf("moe_rows_out", t * k * hd * a, format!("[{rows}, {hd}] {act}"));
+    b.buf("moe_shared_gate", t * 4, format!("[{tt}] f32 (sigmoid gate of the shared expert)"));
+}
+
+/// The routed experts' ops, after the shared expert (which the dense MLP ops compute into `mlp_out`).
+fn moe_ops(b: &mut Builder) {
+    b.op("moe_router", &["mlp_in"], &["moe_router_logits", "moe_shared_gate"]);
+    b.op("moe_topk", &["moe_router_logits"], &["moe_topk", "moe_expert_offsets"]);
+    b.op("moe_permute", &["mlp_in", "moe_topk", "moe_expert_offsets"], &["moe_rows_in"]);
+    b.op("moe_gate_up", &["moe_rows_in", "moe_expert_offsets"], &["moe_gate_up"]);
+    b.op("moe_act", &["moe_gate_up"], &["moe_act"]);
+    b.op("moe_down", &["moe_act", "moe_expert_offsets"], &["moe_rows_out"]);
+    b.op("moe_unpermute", &["moe_rows_out", "moe_topk", "moe_shared_gate", "mlp_out"], &["mlp_out"]);
+}
+
 /// Plans the workspace of one step. None if a size overflows u64.
 pub fn plan_workspace(cfg: &ModelConfig, s: &StepShape) -> Option<WorkspaceLayout> {
     let d = cfg.dims();
@@ -272,12 +298,16 @@ pub fn plan_workspace(cfg: &ModelConfig, s: &StepShape) -> Option<WorkspaceLayou
         format!("[{ss}, P={}, {}, {}+2] f32 (split-K out, max, sum)", s.decode_partitions, d.q_heads, d.head_dim),
     );
     b.buf("attn_out", t * ad * a, format!("[{tt}, {}] {act}", d.attn_dim));
-    // MLP.
-    let i = d.intermediate as u128;
+    // MLP (a sparse layer's shared expert runs here too: the widest of the two).
+    let widest = cfg.moe.as_ref().map_or(d.intermediate, |m| m.shared_expert_intermediate.max(d.intermediate));
+    let i = widest as u128;
     b.buf("mlp_in", t * hd * a, format!("[{tt}, {}] {act}", d.hidden));
-    b.buf("mlp_gate_up", t * 2 * i * a, format!("[{tt}, 2·{}] {act}", d.intermediate));
-    b.buf("mlp_act", t * i * a, format!("[{tt}, {}] {act}", d.intermediate));
+    b.buf("mlp_gate_up", t * 2 * i * a, format!("[{tt}, 2·{widest}] {act}"));
+    b.buf("mlp_act", t * i * a, format!("[{tt}, {widest}] {act}"));
     b.buf("mlp_out", t * hd * a, format!("[{tt}, {}] {act}", d.hidden));
+    if let Some(m) = &cfg.moe {
+        moe_buffers(&mut b, m, s, hd, a, act);
+    }
     // Final.
     b.buf("final_normed", t * hd * a, format!("[{tt}, {}] {act} (every row, final-normed)", d.hidden));
     b.buf("final_hidden", n * hd * a, format!("[{ss}, {}] {act} (last token, final-normed)", d.hidden));
@@ -368,6 +398,9 @@ pub fn plan_workspace(cfg: &ModelConfig, s: &StepShape) -> Option<WorkspaceLayou
     b.op("mlp_gate_up", &["mlp_in", "fold_x", "fold_sums"], &["mlp_gate_up"]);
     b.op("mlp_act", &["mlp_gate_up"], &["mlp_act"]);
     b.op("mlp_down", &["mlp_act", "residual"], &["mlp_out", "residual", "fold_x", "fold_sums"]);
+    if cfg.moe.is_some() {
+        moe_ops(&mut b);
+    }
     b.op("mlp_residual", &["mlp_out", "residual"], &["residual"]);
     let section_end = b.ops.len() - 1;
     b.op("final_norm_gather", &["residual", "mlp_out", "last_token_idx"], &["final_normed", "final_hidden"]);

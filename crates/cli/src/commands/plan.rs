@@ -16,7 +16,8 @@ pub struct Args {
     /// directory (config.json; a quantised checkpoint's tensor headers).
     #[arg(long, conflicts_with = "preset")]
     model: Option<PathBuf>,
-    /// Shape preset instead of a model directory: tiny or qwen3.6-27b.
+    /// Shape preset instead of a model directory: tiny, tiny-moe, qwen3.6-27b, qwen3.6-35b-a3b or
+    /// qwen3-next-80b-a3b.
     #[arg(long)]
     preset: Option<String>,
     /// Number of decoder layers of the preset (default: the preset's).
@@ -105,7 +106,7 @@ pub fn run(a: Args) -> Result<()> {
             ModelConfig::from_json_str(&json.to_string())?
         }
         (None, None) => bail!(
-            "pass --model ID|DIR (a Hugging Face id or a directory with config.json) or --preset NAME (tiny, qwen3.6-27b)"
+            "pass --model ID|DIR (a Hugging Face id or a directory with config.json) or --preset NAME (tiny, tiny-moe, qwen3.6-27b, qwen3.6-35b-a3b, qwen3-next-80b-a3b)"
         ),
     };
     let mut o = match a.device.as_str() {

@@ -8,7 +8,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Shape preset: tiny or qwen3.6-27b.
+    /// Shape preset: tiny, tiny-moe, qwen3.6-27b, qwen3.6-35b-a3b or qwen3-next-80b-a3b.
     #[arg(long)]
     preset: String,
     /// Output directory.

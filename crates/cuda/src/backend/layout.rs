@@ -536,6 +536,7 @@ impl CudaBackend {
         opts: CudaOptions,
         shard: Option<ShardSpec>,
     ) -> Result<Self, CudaError> {
+        Self::check_model(full_cfg)?;
         let rank_cfg = shard.as_ref().map(|s| s.rank_config(full_cfg));
         let cfg = rank_cfg.as_ref().unwrap_or(full_cfg);
         let rt = Runtime::open(shard.as_ref().map_or(0, |s| s.rank))?;

@@ -1,5 +1,7 @@
 //! Synthetic (random-weight) model directories at any shape: `config.json` in the real multimodal
-//! `qwen3_5` layout, `generation_config.json`, and `model.safetensors` in bf16 with the real tensor names.
+//! `qwen3_5` / `qwen3_5_moe` layout (text-only `qwen3_next` for the Qwen3-Next preset),
+//! `generation_config.json`, and `model.safetensors` in bf16 with the real tensor names (one tensor per
+//! expert for mixture-of-experts presets, whose MTP head is not written).
 //! Weights are drawn deterministically from (seed, tensor name), so a preset + seed always gives the
 //! same bytes. Tokenizer files are written by the caller (the text crate owns tokenizers).
 
@@ -12,7 +14,7 @@ use rand::{RngExt, SeedableRng};
 use serde_json::{Value, json};
 
 use crate::checkpoint::{DType, TensorHeader, write_safetensors};
-use crate::config::{LayerKind, ModelConfig};
+use crate::config::{Arch, LayerKind, ModelConfig};
 use crate::error::ModelError;
 
 /// Built-in model shapes.
@@ -20,17 +22,45 @@ use crate::error::ModelError;
 pub enum Preset {
     /// A few MB, GVA ratio 3 and GQA like the 27B; for tests and the demo model.
     Tiny,
+    /// The tiny shapes with a mixture of experts in every layer (8 experts, top 2, a gated shared expert).
+    TinyMoe,
     /// The real Qwen3.6-27B text shapes (64 layers; cut with `layers`).
     Qwen36_27b,
+    /// The real Qwen3.6-35B-A3B text shapes (40 layers, 256 experts top 8 of width 512, a shared expert).
+    Qwen36_35bA3b,
+    /// The real Qwen3-Next-80B-A3B text shapes (48 layers, 512 experts top 10 of width 512, a shared expert).
+    Qwen3Next80bA3b,
+}
+
+/// The text shape of a preset.
+struct Shape {
+    hidden: usize,
+    layers: usize,
+    heads: usize,
+    kv: usize,
+    head_dim: usize,
+    gdn_k: usize,
+    gdn_v: usize,
+    dk: usize,
+    dv: usize,
+    /// Dense MLP width (`None`: every layer sparse, the field left out as `qwen3_5_moe` does).
+    inter: Option<usize>,
+    vocab: usize,
+    mtp: usize,
+    /// (experts, top-k, expert width, shared expert width).
+    moe: Option<(usize, usize, usize, usize)>,
 }
 
 impl Preset {
-    pub const NAMES: [&'static str; 2] = ["tiny", "qwen3.6-27b"];
+    pub const NAMES: [&'static str; 5] = ["tiny", "tiny-moe", "qwen3.6-27b", "qwen3.6-35b-a3b", "qwen3-next-80b-a3b"];
 
     pub fn parse(name: &str) -> Result<Self, ModelError> {
         match name {
             "tiny" => Ok(Self::Tiny),
+            "tiny-moe" => Ok(Self::TinyMoe),
             "qwen3.6-27b" | "qwen3.5-27b" => Ok(Self::Qwen36_27b),
+            "qwen3.6-35b-a3b" | "qwen3.5-35b-a3b" => Ok(Self::Qwen36_35bA3b),
+            "qwen3-next-80b-a3b" => Ok(Self::Qwen3Next80bA3b),
             other => Err(ModelError::config(format!("unknown preset `{other}` (known: {})", Self::NAMES.join(", ")))),
         }
     }
@@ -38,17 +68,44 @@ impl Preset {
     /// Number of mergeable (non-special) tokens the synthetic tokenizer should have for this preset.
     pub fn tokenizer_mergeable(self) -> usize {
         match self {
-            Self::Tiny => 991,
-            Self::Qwen36_27b => 4063,
+            Self::Tiny | Self::TinyMoe => 991,
+            Self::Qwen36_27b | Self::Qwen36_35bA3b | Self::Qwen3Next80bA3b => 4063,
+        }
+    }
+
+    fn shape(self) -> Shape {
+        let s = |hidden, layers, heads, kv, head_dim, gdn_k, gdn_v, dk, inter, vocab, mtp| Shape {
+            hidden,
+            layers,
+            heads,
+            kv,
+            head_dim,
+            gdn_k,
+            gdn_v,
+            dk,
+            dv: dk,
+            inter,
+            vocab,
+            mtp,
+            moe: None,
+        };
+        match self {
+            Self::Tiny => s(128, 4, 4, 2, 32, 2, 6, 32, Some(256), 1024, 1),
+            Self::TinyMoe => Shape { moe: Some((8, 2, 64, 128)), ..s(128, 4, 4, 2, 32, 2, 6, 32, None, 1024, 0) },
+            Self::Qwen36_27b => s(5120, 64, 24, 4, 256, 16, 48, 128, Some(17408), 248_320, 1),
+            Self::Qwen36_35bA3b => {
+                Shape { moe: Some((256, 8, 512, 512)), ..s(2048, 40, 16, 2, 256, 16, 32, 128, None, 248_320, 1) }
+            }
+            Self::Qwen3Next80bA3b => {
+                Shape { moe: Some((512, 10, 512, 512)), ..s(2048, 48, 16, 2, 256, 16, 32, 128, Some(5120), 151_936, 1) }
+            }
         }
     }
 
     /// The `text_config` object, with `layers` decoder layers (None: the preset's own count).
     pub fn text_config(self, layers: Option<usize>) -> Value {
-        let (hidden, n, heads, kv, hd, lk, lv, dk, dv, inter, vocab, mtp) = match self {
-            Self::Tiny => (128, 4, 4, 2, 32, 2, 6, 32, 32, 256, 1024, 1),
-            Self::Qwen36_27b => (5120, 64, 24, 4, 256, 16, 48, 128, 128, 17408, 248_320, 1),
-        };
+        let Shape { hidden, layers: n, heads, kv, head_dim: hd, gdn_k: lk, gdn_v: lv, dk, dv, inter, vocab, mtp, moe } =
+            self.shape();
         let n = layers.unwrap_or(n);
         let layer_types: Vec<&str> =
             (0..n).map(|i| if (i + 1) % 4 == 0 { "full_attention" } else { "linear_attention" }).collect();
@@ -56,10 +113,10 @@ impl Preset {
         let mrope = [rot_half - 2 * (rot_half / 3), rot_half / 3, rot_half / 3];
         // Stop tokens: <|im_end|> and <|endoftext|> in the synthetic tokenizer's id space.
         let mergeable = self.tokenizer_mergeable() as u64;
-        json!({
-            "model_type": "qwen3_5_text",
+        let next = self == Self::Qwen3Next80bA3b;
+        let mut v = json!({
+            "model_type": if next { "qwen3_next" } else if moe.is_some() { "qwen3_5_moe_text" } else { "qwen3_5_text" },
             "hidden_size": hidden,
-            "intermediate_size": inter,
             "num_hidden_layers": n,
             "layer_types": layer_types,
             "full_attention_interval": 4,
@@ -94,14 +151,40 @@ impl Preset {
             "bos_token_id": null,
             "eos_token_id": mergeable + 2,
             "pad_token_id": mergeable
-        })
+        });
+        if let Some(i) = inter {
+            v["intermediate_size"] = json!(i);
+        }
+        if let Some((experts, top_k, width, shared)) = moe {
+            v["num_experts"] = json!(experts);
+            v["num_experts_per_tok"] = json!(top_k);
+            v["moe_intermediate_size"] = json!(width);
+            v["shared_expert_intermediate_size"] = json!(shared);
+            v["router_aux_loss_coef"] = json!(0.001);
+            if next {
+                v["norm_topk_prob"] = json!(true);
+                v["decoder_sparse_step"] = json!(1);
+                v["mlp_only_layers"] = json!([]);
+            }
+        }
+        if next {
+            v["architectures"] = json!(["Qwen3NextForCausalLM"]);
+            v["rope_parameters"] =
+                json!({ "rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25 });
+        }
+        v
     }
 
-    /// The whole `config.json` in the multimodal layout that Qwen3.5/3.6 checkpoints use.
+    /// The whole `config.json` in the multimodal layout that Qwen3.5/3.6 checkpoints use (Qwen3-Next:
+    /// its text-only config).
     pub fn config_json(self, layers: Option<usize>) -> Value {
+        if self == Self::Qwen3Next80bA3b {
+            return self.text_config(layers);
+        }
+        let moe = self.shape().moe.is_some();
         json!({
-            "architectures": ["Qwen3_5ForConditionalGeneration"],
-            "model_type": "qwen3_5",
+            "architectures": [if moe { "Qwen3_5MoeForConditionalGeneration" } else { "Qwen3_5ForConditionalGeneration" }],
+            "model_type": if moe { "qwen3_5_moe" } else { "qwen3_5" },
             "text_config": self.text_config(layers),
             "vision_config": {
                 "model_type": "qwen3_5_vision", "depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
@@ -174,7 +257,8 @@ fn tensor_specs(cfg: &ModelConfig, variant: MtpVariant) -> Vec<Spec> {
             }
         }
     }
-    if cfg.mtp_num_hidden_layers == 0 || variant == MtpVariant::None {
+    // The MTP head of a mixture-of-experts model is itself sparse and not loaded: not written.
+    if cfg.mtp_num_hidden_layers == 0 || variant == MtpVariant::None || cfg.moe.is_some() {
         return specs;
     }
     let agree = matches!(variant, MtpVariant::Agreeing { .. });
@@ -215,7 +299,8 @@ fn text_tensor_specs(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, Init)> {
     let h = d.hidden;
     let lin = |out: usize, inp: usize| (vec![out, inp], Init::Normal(1.0 / (inp as f32).sqrt()));
     let norm = |n: usize| (vec![n], Init::Normal(0.1));
-    let p = "model.language_model.";
+    let next = cfg.arch == Arch::Qwen3Next;
+    let p = if next { "model." } else { "model.language_model." };
     let mut v: Vec<(String, (Vec<usize>, Init))> = vec![
         (format!("{p}embed_tokens.weight"), (vec![d.vocab, h], Init::Normal(1.0))),
         (format!("{p}norm.weight"), norm(h)),
@@ -228,6 +313,10 @@ fn text_tensor_specs(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, Init)> {
         v.push((l("input_layernorm.weight"), norm(h)));
         v.push((l("post_attention_layernorm.weight"), norm(h)));
         match kind {
+            LayerKind::DeltaNet if next => {
+                v.push((l("linear_attn.in_proj_qkvz.weight"), lin(d.conv_channels + d.gdn_value_width, h)));
+                v.push((l("linear_attn.in_proj_ba.weight"), lin(2 * d.gdn_v_heads, h)));
+            }
             LayerKind::DeltaNet => {
                 v.push((l("linear_attn.in_proj_qkv.weight"), lin(d.conv_channels, h)));
                 v.push((l("linear_attn.in_proj_z.weight"), lin(d.gdn_value_width, h)));
@@ -248,9 +337,28 @@ fn text_tensor_specs(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, Init)> {
                 v.push((l("self_attn.k_norm.weight"), norm(d.head_dim)));
             }
         }
-        v.push((l("mlp.gate_proj.weight"), lin(d.intermediate, h)));
-        v.push((l("mlp.up_proj.weight"), lin(d.intermediate, h)));
-        v.push((l("mlp.down_proj.weight"), lin(h, d.intermediate)));
+        match cfg.moe.as_ref().filter(|m| m.is_sparse(i)) {
+            Some(m) => {
+                let swiglu = |prefix: &str, width: usize| {
+                    [
+                        (l(&format!("{prefix}gate_proj.weight")), lin(width, h)),
+                        (l(&format!("{prefix}up_proj.weight")), lin(width, h)),
+                        (l(&format!("{prefix}down_proj.weight")), lin(h, width)),
+                    ]
+                };
+                v.push((l("mlp.gate.weight"), lin(m.num_experts, h)));
+                for e in 0..m.num_experts {
+                    v.extend(swiglu(&format!("mlp.experts.{e}."), m.expert_intermediate));
+                }
+                v.extend(swiglu("mlp.shared_expert.", m.shared_expert_intermediate));
+                v.push((l("mlp.shared_expert_gate.weight"), lin(1, h)));
+            }
+            None => {
+                v.push((l("mlp.gate_proj.weight"), lin(d.intermediate, h)));
+                v.push((l("mlp.up_proj.weight"), lin(d.intermediate, h)));
+                v.push((l("mlp.down_proj.weight"), lin(h, d.intermediate)));
+            }
+        }
     }
     v.into_iter().map(|(n, (s, i))| (n, s, i)).collect()
 }
@@ -278,7 +386,10 @@ pub fn write_model_with(
 ) -> Result<ModelConfig, ModelError> {
     let mut config = preset.config_json(layers);
     if variant == MtpVariant::None {
-        config["text_config"]["mtp_num_hidden_layers"] = json!(0);
+        match config.get_mut("text_config") {
+            Some(text) => text["mtp_num_hidden_layers"] = json!(0),
+            None => config["mtp_num_hidden_layers"] = json!(0),
+        }
     }
     write_model_json(dir, preset, config, seed, variant, progress)
 }

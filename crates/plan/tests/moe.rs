@@ -1,0 +1,93 @@
+//! Mixture-of-experts plans: every routed expert's bytes priced, activations bounded by the step's
+//! tokens × top-k, and the Qwen3.6-35B-A3B / Qwen3-Next-80B-A3B presets at their real shapes.
+
+use deltaserve_model::ModelConfig;
+use deltaserve_model::synth::Preset;
+use deltaserve_plan::{KvDtype, Plan, PlanBackend, PlanOptions, WeightsDtype};
+
+const GIB: u64 = 1 << 30;
+
+fn cfg(preset: &str) -> ModelConfig {
+    ModelConfig::from_json_str(&Preset::parse(preset).unwrap().config_json(None).to_string()).unwrap()
+}
+
+fn int4_fp8(budget: u64) -> PlanOptions {
+    PlanOptions {
+        backend: PlanBackend::Generic,
+        weights_dtype: WeightsDtype::Int4,
+        k_dtype: KvDtype::Fp8,
+        v_dtype: KvDtype::Fp8,
+        ..PlanOptions::gpu_defaults(budget)
+    }
+}
+
+#[test]
+fn presets_have_the_published_shapes() {
+    let c = cfg("qwen3.6-35b-a3b");
+    let (d, m) = (c.dims(), c.moe.clone().unwrap());
+    assert_eq!((d.hidden, d.num_layers, d.num_attention_layers, d.vocab), (2048, 40, 10, 248_320));
+    assert_eq!(
+        (d.q_heads, d.kv_heads, d.head_dim, d.gdn_k_heads, d.gdn_v_heads, d.gdn_k_dim),
+        (16, 2, 256, 16, 32, 128)
+    );
+    assert_eq!((m.num_experts, m.top_k, m.expert_intermediate, m.shared_expert_intermediate), (256, 8, 512, 512));
+    assert!(m.norm_topk_prob && m.num_sparse_layers() == 40);
+    assert_eq!(c.mtp_num_hidden_layers, 1);
+    let n = cfg("qwen3-next-80b-a3b");
+    let (d, m) = (n.dims(), n.moe.clone().unwrap());
+    assert_eq!(
+        (d.hidden, d.num_layers, d.num_attention_layers, d.vocab, d.intermediate),
+        (2048, 48, 12, 151_936, 5120)
+    );
+    assert_eq!((m.num_experts, m.top_k, m.expert_intermediate, m.num_sparse_layers()), (512, 10, 512, 48));
+}
+
+/// `deltaserve plan --preset qwen3.6-35b-a3b --memory 24GiB --weights-dtype int4 --kv-cache-dtype fp8`.
+#[test]
+fn qwen36_35b_a3b_int4_experts_fill_the_full_context_at_24gib() {
+    let plan = Plan::new(&cfg("qwen3.6-35b-a3b"), &int4_fp8(24 * GIB)).unwrap();
+    // One expert: gate and up [512, 2048], down [2048, 512]; int4 with an fp16 scale per 128 inputs.
+    let gate = 512 * 2048 / 2 + 512 * (2048 / 128) * 2;
+    let down = 2048 * 512 / 2 + 2048 * (512 / 128) * 2;
+    let expert = 2 * gate + down;
+    assert_eq!(expert, 1_622_016);
+    assert_eq!(plan.weight_parts.experts, 40 * 256 * expert);
+    assert_eq!(plan.weight_parts.experts_active, 40 * 8 * expert);
+    assert!(plan.weight_parts.linears > plan.weight_parts.experts);
+    // Router [256, 2048] and shared-expert gate [1, 2048] per layer stay 16-bit, among the dense tensors.
+    assert!(plan.weight_parts.dense >= 40 * (256 * 2048 * 2 + 2048 * 2));
+    // Attention KV in fp8: 10 layers × 2 kv heads × (K + V) × (256 values + a 2-byte scale).
+    assert_eq!(plan.kv_bytes_per_token, 10 * 2 * 2 * (256 + 2));
+    assert_eq!(plan.max_context, 262_144, "{}", plan.table());
+    assert!(plan.table().contains("mixture of experts: routed experts"), "{}", plan.table());
+}
+
+#[test]
+fn expert_activations_are_bounded_by_tokens_times_top_k() {
+    let c = cfg("qwen3.6-35b-a3b");
+    let at = |tokens: usize, context: Option<usize>| {
+        let o = PlanOptions { max_batch_tokens: tokens, max_context: context, ..int4_fp8(24 * GIB) };
+        Plan::new(&c, &o).unwrap()
+    };
+    let p = at(2048, None);
+    let rows = p.workspace.get("moe_rows_in").unwrap();
+    assert_eq!(rows.bytes, 2048 * 8 * 2048 * 2, "[T·k, hidden] bf16");
+    assert_eq!(p.workspace.get("moe_gate_up").unwrap().bytes, 2048 * 8 * 2 * 512 * 2);
+    assert_eq!(p.workspace.get("moe_router_logits").unwrap().bytes, 2048 * 256 * 4);
+    assert_eq!(p.workspace.get("moe_expert_offsets").unwrap().bytes, 257 * 4);
+    // The same at any context; halving the step's tokens halves them.
+    assert_eq!(at(2048, Some(4096)).workspace, p.workspace);
+    assert_eq!(at(1024, None).workspace.get("moe_rows_in").unwrap().bytes, rows.bytes / 2);
+    assert!(p.workspace.ops.contains(&"moe_unpermute"));
+}
+
+#[test]
+fn qwen3_next_80b_a3b_prices_every_expert() {
+    let c = cfg("qwen3-next-80b-a3b");
+    let plan = Plan::new(&c, &int4_fp8(64 * GIB)).unwrap();
+    assert_eq!(plan.weight_parts.experts, 48 * 512 * 1_622_016);
+    assert_eq!(plan.weight_parts.experts_active, 48 * 10 * 1_622_016);
+    // 37 GiB of int4 experts do not fit a 24 GiB card: the error says so.
+    let e = Plan::new(&c, &int4_fp8(24 * GIB)).unwrap_err().to_string();
+    assert!(e.contains("weights"), "{e}");
+}
