@@ -489,6 +489,40 @@ fn snapshot_ops_round_trip() {
     assert_eq!(g.arena_stats(), stats);
 }
 
+/// A fork (several choices of one prompt): the state slot copied and the partly filled last page
+/// copied, the full pages shared; the fork continues exactly like the original sequence.
+#[test]
+fn state_copy_forks_a_sequence() {
+    if !gpu() {
+        return;
+    }
+    let (dir, cfg) = tiny_dir(8);
+    let plan = plan_for(&cfg);
+    let mut g = cuda(&dir, &cfg, &plan);
+    let stats = g.arena_stats();
+    let vocab = g.capabilities().vocab_size;
+    let mut rng = StdRng::seed_from_u64(4);
+    let prefix = random_tokens(&mut rng, 40, vocab); // pages 10, 11 full; 12 holds 8 tokens
+    let cont = random_tokens(&mut rng, 20, vocab);
+    // Scribble on slot 3 and page 20 first so a missing copy would show.
+    run(&mut g, &one(chunk(3, &[20, 21], 0, &cont)));
+    run(&mut g, &one(chunk(0, &[10, 11, 12, 13], 0, &prefix)));
+    let fork = StepBatch {
+        pre: vec![CacheOp::CopyState { src: 0, dst: 3 }, CacheOp::CopyPagePrefix { src: 12, dst: 20, tokens: 8 }],
+        seqs: vec![chunk(3, &[10, 11, 20, 24], 40, &cont)],
+        post: vec![],
+    };
+    let got = run(&mut g, &fork);
+    let want = run(&mut g, &one(chunk(0, &[10, 11, 12, 13], 40, &cont)));
+    let e = rel_err(&got, &want);
+    println!("slot 0 forked into slot 3: rel diff {e:.3e}");
+    assert!(e < 1e-5, "the fork's continuation differs by {e:.3e}");
+    let mut out = Vec::new();
+    let bad = StepBatch { pre: vec![CacheOp::CopyState { src: 0, dst: 9999 }], ..Default::default() };
+    assert!(step_logits(&mut g, &bad, &mut out).is_err());
+    assert_eq!(g.arena_stats(), stats);
+}
+
 /// Random weights generated on the device give finite logits at the tiny shape.
 #[test]
 fn random_weights_run() {
