@@ -10,6 +10,7 @@ use deltaserve_text::{Grammar, GrammarCompiler, GrammarMatcher};
 use serde_json::Value;
 
 use crate::error::ApiError;
+use crate::output::Parsing;
 use crate::state::AppState;
 
 /// The model's grammar compiler, built on first use (it indexes the whole vocabulary once).
@@ -69,9 +70,16 @@ pub fn forced_tool_call(tools: Option<&[Value]>, name: Option<&str>, parallel: b
     }
 }
 
-/// The engine constraint for `grammar` (a 400 naming `field` when it does not compile). With
-/// `thinking` (the prompt opened `<think>`), tokens are free until `</think>`.
-pub fn constraint(st: &AppState, grammar: &Grammar, field: &str, thinking: bool) -> Result<SharedConstraint, ApiError> {
+/// The engine constraint for `grammar` (a 400 naming `field` when it does not compile). When the
+/// prompt opened `<think>` (`parsing.reasoning`), tokens are free until `</think>`. Under a
+/// tool-call grammar, `parsing` reads parameter values where the grammar ends them.
+pub fn constraint(
+    st: &AppState,
+    grammar: &Grammar,
+    field: &str,
+    parsing: &mut Parsing,
+) -> Result<SharedConstraint, ApiError> {
+    let thinking = parsing.reasoning == Some(true);
     let compiler = st
         .grammars
         .0
@@ -82,6 +90,7 @@ pub fn constraint(st: &AppState, grammar: &Grammar, field: &str, thinking: bool)
         .compile(grammar)
         .map_err(|e| ApiError::bad_param(field, format!("`{field}` cannot be compiled into a grammar: {e}")))?;
     let think_end = if thinking { st.tokenizer.token_id("</think>") } else { None };
+    parsing.grammar_values = matches!(grammar, Grammar::ToolCalls { .. });
     Ok(SharedConstraint::new(GrammarConstraint { matcher, think_end, eos: st.eos_ids.clone() }))
 }
 
