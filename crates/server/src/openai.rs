@@ -141,6 +141,15 @@ async fn chat_inner(
         }
         (None, None) => None,
     };
+    let grammar = match (grammar, structured::guided(&req.common)?) {
+        (Some(_), Some((_, field))) => {
+            return Err(ApiError::bad_param(
+                field,
+                format!("`{field}` cannot be combined with response_format or a tool_choice that forces a tool call"),
+            ));
+        }
+        (g, None) | (None, g) => g,
+    };
     let top_logprobs = req.top_logprobs.unwrap_or(0) as usize;
     if top_logprobs > 20 {
         return Err(ApiError::bad_param("top_logprobs", "`top_logprobs` must be between 0 and 20"));
@@ -323,7 +332,8 @@ async fn completions_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -
         return Err(ApiError::bad_param("logprobs", "`logprobs` must be between 0 and 20"));
     }
     let c = &req.common;
-    let engine_req = build_request(
+    let guided = structured::guided(c)?;
+    let mut engine_req = build_request(
         prompt,
         Limits {
             snapshot_points: Vec::new(),
@@ -336,7 +346,11 @@ async fn completions_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -
             state: st,
         },
     )?;
-    let outs = st.generate_n(engine_req, n, Parsing::default())?;
+    let mut parsing = Parsing::default();
+    if let Some((g, field)) = &guided {
+        engine_req.constraint = Some(structured::constraint(st, g, field, &mut parsing)?);
+    }
+    let outs = st.generate_n(engine_req, n, parsing)?;
     let id = new_id("cmpl-");
     let model = st.cfg.served_model_name.clone();
     if c.stream.unwrap_or(false) {
