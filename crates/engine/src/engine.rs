@@ -416,15 +416,7 @@ impl EngineHandle {
         }
         let id = sh.next_id.fetch_add(n as u64, Ordering::Relaxed);
         let cmd = self.inner.cmd.lock().map_err(|_| EngineError::Stopped)?.clone();
-        let (tx, rx) = tmpsc::unbounded_channel();
-        let mut streams = vec![RequestStream { id, rx, cancel: Some(cmd.clone()) }];
-        let mut forks = Vec::with_capacity(n - 1);
-        for (i, req) in choices.into_iter().enumerate() {
-            let (tx, rx) = tmpsc::unbounded_channel();
-            let cid = id + 1 + i as u64;
-            forks.push(Choice { id: cid, req: Box::new(req), tx });
-            streams.push(RequestStream { id: cid, rx, cancel: Some(cmd.clone()) });
-        }
+        let (streams, tx, forks) = choices::channels(id, choices, &cmd);
         cmd.send(Command::Submit { id, req: Box::new(req), tx, submitted: Instant::now(), forks }).map_err(|_| {
             sh.queued.fetch_sub(1, Ordering::SeqCst);
             EngineError::Stopped

@@ -7,7 +7,7 @@ use deltaserve_backend::SeqChunk;
 use deltaserve_sched::{SeqId, SeqOptions};
 use tokio::sync::mpsc as tmpsc;
 
-use super::{EngineError, Event, Live, Request, Worker};
+use super::{Command, EngineError, Event, Live, Request, RequestStream, Worker};
 
 /// A choice waiting for its prompt to run.
 pub(super) struct Choice {
@@ -33,6 +33,25 @@ pub(super) fn requests(req: &Request, n: usize) -> Result<Vec<Request>, EngineEr
             Ok(r)
         })
         .collect()
+}
+
+/// The streams of choice `id` and of choices `id + 1..` (`reqs`), in order; the first choice's
+/// sender; the other choices, to fork once the prompt has run.
+pub(super) fn channels(
+    id: SeqId,
+    reqs: Vec<Request>,
+    cmd: &std::sync::mpsc::Sender<Command>,
+) -> (Vec<RequestStream>, tmpsc::UnboundedSender<Event>, Vec<Choice>) {
+    let (tx, rx) = tmpsc::unbounded_channel();
+    let mut streams = vec![RequestStream { id, rx, cancel: Some(cmd.clone()) }];
+    let mut forks = Vec::with_capacity(reqs.len());
+    for (i, req) in reqs.into_iter().enumerate() {
+        let (tx, rx) = tmpsc::unbounded_channel();
+        let cid = id + 1 + i as u64;
+        forks.push(Choice { id: cid, req: Box::new(req), tx });
+        streams.push(RequestStream { id: cid, rx, cancel: Some(cmd.clone()) });
+    }
+    (streams, tx, forks)
 }
 
 impl Worker {
