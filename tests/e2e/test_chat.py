@@ -322,11 +322,38 @@ def test_tool_choice_unsupported(http, tool_choice):
     util.assert_openai_error(r, 400, "tool_choice")
 
 
-def test_n_greater_than_one_rejected(http):
-    r = http.post(CHAT, json=util.chat_body(n=2))
-    err = util.assert_openai_error(r, 400)
-    assert "n" == err.get("param") or "`n`" in err["message"] or "'n'" in err["message"] or " n " in \
-        f" {err['message']} ", err
+def test_n_choices_count_the_prompt_once_and_follow_their_seeds(http):
+    """`n` = 3: three choices of one prompt; choice i samples with seed + i, so each equals a single request
+    with that seed, and the usage counts the prompt once."""
+    kw = dict(max_tokens=12, temperature=1.0, ignore_eos=True)
+    resp = post_chat(http, n=3, seed=7, **kw)
+    chs = resp["choices"]
+    assert [c["index"] for c in chs] == [0, 1, 2]
+    contents = [c["message"]["content"] for c in chs]
+    singles = [post_chat(http, seed=7 + i, **kw) for i in range(3)]
+    assert contents == [s["choices"][0]["message"]["content"] for s in singles]
+    assert len(set(contents)) > 1, contents
+    u = resp["usage"]
+    assert u["prompt_tokens"] == singles[0]["usage"]["prompt_tokens"]
+    assert u["completion_tokens"] == 3 * 12
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    # Streamed: the same choices, each chunk tagged with its index; the usage once, after every choice.
+    body = util.chat_body(n=3, seed=7, stream=True, stream_options={"include_usage": True}, **kw)
+    chunks, done = util.stream_openai(http, CHAT, body)
+    assert done
+    by_index = {}
+    for c in chunks:
+        for ch in c["choices"]:
+            by_index.setdefault(ch["index"], []).append({**c, "choices": [ch]})
+    assert sorted(by_index) == [0, 1, 2]
+    assert [util.join_chat_stream(by_index[i])["content"] for i in range(3)] == contents
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == u
+
+
+@pytest.mark.parametrize("field,value", [("n", 0), ("n", 9), ("best_of", 2)])
+def test_n_out_of_range_and_best_of_rejected(http, field, value):
+    err = util.assert_openai_error(http.post(CHAT, json=util.chat_body(**{field: value})), 400, field)
+    assert err["param"] == field, err
 
 
 def test_n_one_ok(http):

@@ -120,8 +120,25 @@ def test_sdk(oai):
     assert "".join(c.choices[0].text for c in stream if c.choices) == resp.choices[0].text
 
 
-def test_n_rejected(http):
-    util.assert_openai_error(http.post(COMPL, json=body(n=3)), 400)
+def test_n_choices(http):
+    kw = dict(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)
+    resp = post(http, n=3, **kw)
+    texts = [c["text"] for c in resp["choices"]]
+    assert [c["index"] for c in resp["choices"]] == [0, 1, 2]
+    assert texts[0] == post(http, **kw)["choices"][0]["text"]
+    assert post(http, n=3, **kw)["choices"] == resp["choices"], "reproducible with a seed"
+    single = post(http, **kw)["usage"]
+    assert resp["usage"]["prompt_tokens"] == single["prompt_tokens"]
+    assert resp["usage"]["completion_tokens"] == 30
+    chunks, done = util.stream_openai(http, COMPL, body(n=3, stream=True, **kw))
+    assert done
+    streamed = ["".join(ch["text"] for c in chunks for ch in c["choices"] if ch["index"] == i) for i in range(3)]
+    assert streamed == texts
+
+
+def test_n_too_large_and_best_of_rejected(http):
+    util.assert_openai_error(http.post(COMPL, json=body(n=9)), 400, "n")
+    util.assert_openai_error(http.post(COMPL, json=body(n=2, best_of=3)), 400, "best_of")
 
 
 def test_missing_prompt(http):

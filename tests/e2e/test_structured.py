@@ -2,6 +2,7 @@
 Anthropic). The demo model's weights are random, so every reply being valid is the grammar's doing."""
 
 import json
+import re
 
 import pytest
 
@@ -109,3 +110,27 @@ def test_bad_constraints_are_400_naming_the_field(http, body, param):
     r = http.post(CHAT, json=util.chat_body(**body))
     assert r.status_code == 400, r.text[:800]
     assert r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_guided_extras_constrain_the_reply(http, seed):
+    kw = dict(max_tokens=60, temperature=1.0, seed=seed)
+    r = http.post(CHAT, json=util.chat_body(content="Pick.", guided_choice=["alpha", "beta gamma"], **kw))
+    assert r.status_code == 200, r.text[:800]
+    assert r.json()["choices"][0]["message"]["content"] in ("alpha", "beta gamma")
+    r = http.post("/v1/completions", json={"model": util.MODEL, "prompt": "Code:", "guided_regex": "[A-Z]{2}-[0-9]{3}",
+                                           **kw})
+    assert r.status_code == 200, r.text[:800]
+    ch = r.json()["choices"][0]
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", ch["text"]) and ch["finish_reason"] == "stop", ch
+    body = util.chat_body(content="Describe a thing.", structured_outputs={"json": SCHEMA}, **{**kw, "max_tokens": 300})
+    r = http.post(CHAT, json=body)
+    assert r.status_code == 200, r.text[:800]
+    check_schema(json.loads(r.json()["choices"][0]["message"]["content"]))
+
+
+@pytest.mark.parametrize("field,value", [("guided_grammar", 'root ::= "a"'), ("guided_regex", "(unclosed"),
+                                         ("structured_outputs", {"grammar": "x"})])
+def test_unsupported_or_bad_guided_extras_are_refused(http, field, value):
+    err = util.assert_openai_error(http.post(CHAT, json=util.chat_body(**{field: value})), 400, field)
+    assert err["param"] == field, err

@@ -91,6 +91,8 @@ pub enum CacheOp {
     /// Copy the first `tokens` positions of KV page `src` into page `dst` (every attention layer):
     /// a shared, partly filled page becomes a private page the sequence can append to.
     CopyPagePrefix { src: u32, dst: u32, tokens: u32 },
+    /// Copy state slot `src` into slot `dst`: a sequence forks (several choices of one prompt).
+    CopyState { src: u32, dst: u32 },
 }
 
 /// One engine step: `pre` ops, then chunks of distinct sequences (at most `max_batch_tokens`

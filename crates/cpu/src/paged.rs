@@ -629,6 +629,20 @@ impl Caches {
                 }
                 Ok(())
             }
+            CacheOp::CopyState { src, dst } => {
+                let n = self.cfg.num_slots;
+                if src as usize >= n || dst as usize >= n {
+                    return Err(BackendError::InvalidStep(format!("state copy {src} → {dst} out of range")));
+                }
+                if src != dst {
+                    for ((s0, len), (d0, _)) in
+                        self.slot_parts(src as usize).into_iter().zip(self.slot_parts(dst as usize))
+                    {
+                        self.arena.buf.copy_within(s0..s0 + len, d0);
+                    }
+                }
+                Ok(())
+            }
             CacheOp::CopyPagePrefix { src, dst, tokens } => {
                 let (ps, w) = (self.cfg.page_size, self.kv_dim);
                 if src as usize >= self.cfg.num_pages || dst as usize >= self.cfg.num_pages || tokens as usize > ps {

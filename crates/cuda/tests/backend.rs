@@ -439,8 +439,9 @@ fn ragged_batch_equals_alone() {
     assert_eq!(batched.arena_stats(), stats);
 }
 
-/// (5): SaveState / RestoreState / MoveSnapshot (device ↔ host) / CopyPagePrefix round trips:
-/// a continuation from a restored state + copied partial page equals the original continuation.
+/// (5): SaveState / RestoreState / MoveSnapshot (device ↔ host) / CopyPagePrefix / CopyState
+/// round trips: a continuation from a restored (or copied, as a fork does) state + copied partial
+/// page equals the original continuation.
 #[test]
 fn snapshot_ops_round_trip() {
     if !gpu() {
@@ -463,6 +464,8 @@ fn snapshot_ops_round_trip() {
         CacheOp::MoveSnapshot { from: SnapshotLoc::Host(0), to: SnapshotLoc::Host(2) },
         CacheOp::MoveSnapshot { from: SnapshotLoc::Host(2), to: SnapshotLoc::Device(2) },
         CacheOp::SaveState { slot: 0, to: SnapshotLoc::Host(1) },
+        // A fork (several choices of one prompt): slot 0's state copied into slot 2.
+        CacheOp::CopyState { src: 0, dst: 2 },
     ];
     run(&mut g, &b);
     let want = run(&mut g, &one(chunk(0, &base, 40, &cont)));
@@ -470,25 +473,30 @@ fn snapshot_ops_round_trip() {
     run(&mut g, &one(chunk(3, &[30, 31], 0, &cont)));
     run(&mut g, &one(chunk(4, &[32, 33], 0, &cont)));
     run(&mut g, &one(chunk(5, &[34, 35], 0, &cont)));
-    let cases = [(3u32, SnapshotLoc::Device(1), 20u32), (4, SnapshotLoc::Device(2), 21), (5, SnapshotLoc::Host(1), 22)];
+    let cases = [
+        (3u32, Some(SnapshotLoc::Device(1)), 20u32),
+        (4, Some(SnapshotLoc::Device(2)), 21),
+        (5, Some(SnapshotLoc::Host(1)), 22),
+        (2, None, 24),
+    ];
     for (slot, from, page_c) in cases {
         let pg = vec![10, 11, page_c, 23 + slot];
+        let restore = from.map(|from| CacheOp::RestoreState { from, slot });
         let b = StepBatch {
-            pre: vec![
-                CacheOp::RestoreState { from, slot },
-                CacheOp::CopyPagePrefix { src: 12, dst: page_c, tokens: 8 },
-            ],
+            pre: restore.into_iter().chain([CacheOp::CopyPagePrefix { src: 12, dst: page_c, tokens: 8 }]).collect(),
             seqs: vec![chunk(slot, &pg, 40, &cont)],
             post: vec![],
         };
         let got = run(&mut g, &b);
         let e = rel_err(&got, &want);
-        println!("restore from {from:?} into slot {slot}: rel diff {e:.3e}");
+        println!("restore from {from:?} (None: the forked slot) into slot {slot}: rel diff {e:.3e}");
         assert!(e < 1e-5, "restored continuation differs by {e:.3e}");
     }
     // Out-of-range ops are errors, not faults.
     let mut out = Vec::new();
     let bad = StepBatch { pre: vec![CacheOp::SaveState { slot: 0, to: SnapshotLoc::Host(9) }], ..Default::default() };
+    assert!(step_logits(&mut g, &bad, &mut out).is_err());
+    let bad = StepBatch { pre: vec![CacheOp::CopyState { src: 0, dst: 9999 }], ..Default::default() };
     assert!(step_logits(&mut g, &bad, &mut out).is_err());
     assert_eq!(g.arena_stats(), stats);
 }

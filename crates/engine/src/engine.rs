@@ -31,8 +31,10 @@ use tokio::sync::mpsc as tmpsc;
 use crate::sampling::{Sampler, SamplingParams, speculative_pick};
 
 mod ahead;
+mod choices;
 
 use ahead::Launched;
+use choices::Choice;
 
 /// A validated generation request, in tokens.
 #[derive(Clone, Debug, Default)]
@@ -65,6 +67,11 @@ pub trait TokenConstraint: Send {
     fn mask(&mut self, row: &mut [f32]);
     /// Follows an emitted token.
     fn accept(&mut self, token: u32);
+    /// A constraint of its own for another choice of the same prompt, in this one's place (None:
+    /// it cannot be copied, and a request for several choices is refused).
+    fn fork(&self) -> Option<SharedConstraint> {
+        None
+    }
 }
 
 /// A request's [`TokenConstraint`], shared so that a [`Request`] stays cloneable.
@@ -74,6 +81,11 @@ pub struct SharedConstraint(Arc<Mutex<dyn TokenConstraint>>);
 impl SharedConstraint {
     pub fn new(c: impl TokenConstraint + 'static) -> Self {
         Self(Arc::new(Mutex::new(c)))
+    }
+
+    /// See [`TokenConstraint::fork`].
+    pub fn fork(&self) -> Option<SharedConstraint> {
+        self.with(|c| c.fork())
     }
 
     fn with<R>(&self, f: impl FnOnce(&mut dyn TokenConstraint) -> R) -> R {
@@ -194,7 +206,7 @@ impl EngineStats {
 }
 
 enum Command {
-    Submit { id: SeqId, req: Box<Request>, tx: tmpsc::UnboundedSender<Event>, submitted: Instant },
+    Submit { id: SeqId, req: Box<Request>, tx: tmpsc::UnboundedSender<Event>, submitted: Instant, forks: Vec<Choice> },
     Cancel(SeqId),
     Shutdown { drain: bool },
 }
@@ -373,6 +385,20 @@ impl EngineHandle {
 
     /// Validates and queues a request.
     pub fn submit(&self, req: Request) -> Result<RequestStream, EngineError> {
+        let mut streams = self.submit_n(req, 1)?;
+        Ok(streams.remove(0))
+    }
+
+    /// Validates and queues a request for `n` choices (1..=`max_seqs`): one stream each. The prompt
+    /// runs once; when it has run, the sequence forks into `n` (the state slot copied, the KV pages
+    /// shared) and choice `i` samples with seed `seed + i` (each its own random seed without one)
+    /// and its own copy of the constraint. Dropping a stream cancels that choice.
+    pub fn submit_n(&self, req: Request, n: usize) -> Result<Vec<RequestStream>, EngineError> {
+        let max_seqs = self.inner.sched_cfg.max_seqs;
+        if n == 0 || n > max_seqs {
+            return Err(EngineError::Invalid(format!("n must be 1..={max_seqs} (the sequences run at once), got {n}")));
+        }
+        let choices = choices::requests(&req, n)?;
         req.sampling.validate().map_err(EngineError::Invalid)?;
         if let Some((i, id)) = req.prompt.iter().enumerate().find(|(_, id)| **id as usize >= self.inner.vocab) {
             return Err(EngineError::Invalid(format!(
@@ -388,14 +414,14 @@ impl EngineHandle {
             let waiting = sh.queued.fetch_sub(1, Ordering::SeqCst) - 1;
             return Err(AdmitError::Overloaded { waiting, limit }.into());
         }
-        let id = sh.next_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = tmpsc::unbounded_channel();
+        let id = sh.next_id.fetch_add(n as u64, Ordering::Relaxed);
         let cmd = self.inner.cmd.lock().map_err(|_| EngineError::Stopped)?.clone();
-        cmd.send(Command::Submit { id, req: Box::new(req), tx, submitted: Instant::now() }).map_err(|_| {
+        let (streams, tx, forks) = choices::channels(id, choices, &cmd);
+        cmd.send(Command::Submit { id, req: Box::new(req), tx, submitted: Instant::now(), forks }).map_err(|_| {
             sh.queued.fetch_sub(1, Ordering::SeqCst);
             EngineError::Stopped
         })?;
-        Ok(RequestStream { id, rx, cancel: Some(cmd) })
+        Ok(streams)
     }
 
     pub fn stats(&self) -> EngineStats {
@@ -468,6 +494,31 @@ struct Live {
     /// Steps (and their seconds) that ran this request before its first token.
     prefill_steps: u32,
     prefill_step_s: f64,
+    /// The other choices of its prompt, forked from it once the prompt has run.
+    forks: Vec<Choice>,
+    /// It is one of those (its prompt counts once, with the first choice).
+    forked: bool,
+}
+
+impl Live {
+    fn new(req: Request, tx: tmpsc::UnboundedSender<Event>, submitted: Instant, valid_vocab: usize) -> Self {
+        Self {
+            sampler: Sampler::new(req.sampling.clone(), valid_vocab),
+            stops: StopMatcher::new(req.stop_strings.clone()),
+            req,
+            tx,
+            decoder: IncrementalDecoder::new(true),
+            submitted,
+            admitted: None,
+            first_token: None,
+            generated: 0,
+            preemptions: 0,
+            prefill_steps: 0,
+            prefill_step_s: 0.0,
+            forks: Vec::new(),
+            forked: false,
+        }
+    }
 }
 
 /// The engine thread's state.
@@ -526,7 +577,7 @@ impl Worker {
     /// Applies a command; returns true when the engine should drain and stop.
     fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
-            Command::Submit { id, req, tx, submitted } => {
+            Command::Submit { id, req, tx, submitted, forks } => {
                 let opts = SeqOptions {
                     snapshot_points: req.snapshot_points.clone(),
                     snapshot_on_finish: req.snapshot_on_finish,
@@ -534,28 +585,15 @@ impl Worker {
                 };
                 match self.sched.add_with(id, req.prompt.clone(), req.max_tokens, opts) {
                     Ok(()) => {
-                        let sampler = Sampler::new(req.sampling.clone(), self.valid_vocab);
-                        let stops = StopMatcher::new(req.stop_strings.clone());
-                        self.reqs.insert(
-                            id,
-                            Live {
-                                req: *req,
-                                tx,
-                                sampler,
-                                decoder: IncrementalDecoder::new(true),
-                                stops,
-                                submitted,
-                                admitted: None,
-                                first_token: None,
-                                generated: 0,
-                                preemptions: 0,
-                                prefill_steps: 0,
-                                prefill_step_s: 0.0,
-                            },
-                        );
+                        let mut live = Live::new(*req, tx, submitted, self.valid_vocab);
+                        live.forks = forks;
+                        self.reqs.insert(id, live);
                     }
                     Err(e) => {
                         self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+                        for f in forks {
+                            let _ = f.tx.send(Event::Error(e.clone().into()));
+                        }
                         let _ = tx.send(Event::Error(e.into()));
                     }
                 }
@@ -578,6 +616,7 @@ impl Worker {
     }
 
     fn cancel(&mut self, id: SeqId) {
+        self.drop_pending_choice(id);
         if let Some(live) = self.reqs.remove(&id) {
             if live.admitted.is_none() {
                 self.shared.queued.fetch_sub(1, Ordering::SeqCst);
@@ -588,6 +627,9 @@ impl Worker {
 
     fn fail(&mut self, id: SeqId, e: EngineError) {
         if let Some(live) = self.reqs.get(&id) {
+            for c in &live.forks {
+                let _ = c.tx.send(Event::Error(e.clone()));
+            }
             let _ = live.tx.send(Event::Error(e));
         }
         self.cancel(id);
@@ -647,8 +689,11 @@ impl Worker {
         let wanted: Vec<Option<&Live>> =
             plan.batch.seqs.iter().filter(|c| c.want_logits).map(|c| self.reqs.get(&c.seq_id)).collect();
         // A constrained row is masked on the host, so its step brings the rows back.
+        // So is one whose choices fork from its row.
         let on_device = self.sched.speculative_tokens() == 0
-            && wanted.iter().all(|l| l.is_some_and(|l| l.req.logprobs.is_none() && l.req.constraint.is_none()));
+            && wanted.iter().all(|l| {
+                l.is_some_and(|l| l.req.logprobs.is_none() && l.req.constraint.is_none() && l.forks.is_empty())
+            });
         let greedy_step = on_device && wanted.iter().all(|l| l.is_some_and(|l| l.sampler.picks_argmax()));
         let device_sampling = on_device && !greedy_step;
         let started = Instant::now();
@@ -700,6 +745,9 @@ impl Worker {
             s.step_seconds += step_seconds;
         }
         let mut out = std::mem::take(&mut self.out);
+        // Choices forked from a row of this step, each with its own copy of the row.
+        let mut forked = if on_device { Vec::new() } else { self.fork_choices(&plan.batch.seqs, &out.logits) };
+        let forked_ids: Vec<SeqId> = forked.iter().map(|(id, _)| *id).collect();
         let mut rows = out.logits.chunks_exact_mut(self.vocab);
         // Rows of plain chunks are sampled first, all at once (in parallel across sequences); rows of
         // speculative chunks stay in batch order for the accept pass below.
@@ -715,16 +763,24 @@ impl Worker {
                 verify_rows.push(rows.by_ref().take(c.draft + 1).collect());
             }
         }
+        plain.extend(forked.iter_mut().map(|(id, row)| (*id, row.as_mut_slice())));
+        let mut finished = Vec::new();
         let mut sampled = if on_device {
             let wanted = plan.batch.seqs.iter().filter(|c| c.want_logits).map(|c| c.seq_id);
             wanted.zip(out.tokens.iter().copied()).map(|(id, t)| (id, (t, None))).collect()
         } else {
             self.sample_rows(plain)
         };
+        for id in forked_ids {
+            if let Some(token) = sampled.remove(&id)
+                && let Emit::Finish(r) = self.emit(id, token.0, token.1)
+            {
+                finished.push((id, r));
+            }
+        }
         let mut verify_rows = verify_rows.into_iter();
         let mut drafts = out.drafts.drain(..);
         let mut commits = Vec::new();
-        let mut finished = Vec::new();
         for c in &plan.batch.seqs {
             if c.draft == 0 {
                 if let Some(token) = sampled.remove(&c.seq_id)
@@ -962,7 +1018,7 @@ impl Worker {
         );
         if let Ok(mut s) = self.shared.stats.lock() {
             s.requests_finished += 1;
-            s.prompt_tokens += usage.prompt_tokens as u64;
+            s.prompt_tokens += if live.forked { 0 } else { usage.prompt_tokens as u64 };
             s.generated_tokens += usage.completion_tokens as u64;
         }
         let _ = live.tx.send(Event::Finished { reason, usage, timing });

@@ -408,3 +408,38 @@ fn a_constraint_masks_every_pick_and_follows_every_token() {
     }
     engine.shutdown(true);
 }
+
+/// `n` choices of one prompt: the prompt runs once and the sequence forks; choice `i` equals the
+/// request alone with seed `seed + i` (penalties included). With a slot taken by another request,
+/// the last choice waits and recomputes, with the same tokens.
+#[test]
+fn choices_fork_after_the_prompt_and_equal_their_solo_runs() {
+    let model = load_model();
+    let tok = tokenizer();
+    let prompt: Vec<u32> = (0..21).map(|i| (i * 37 + 11) % 900).collect(); // a partly filled last page
+    let sampling =
+        SamplingParams { temperature: 0.9, top_k: 30, presence_penalty: 0.3, seed: Some(5), ..Default::default() };
+    let case = |i: u64| Case {
+        prompt: prompt.clone(),
+        max_tokens: 10,
+        sampling: SamplingParams { seed: Some(5 + i), ..sampling.clone() },
+    };
+    let want: Vec<Vec<u32>> = (0..3).map(|i| solo(&model, &tok, &case(i)).0).collect();
+    assert_ne!(want[0], want[1], "the seeds give different choices");
+    for (busy, forks) in [(false, 2), (true, 1)] {
+        let engine = start(sched(8, 64, 3));
+        let other = busy.then(|| engine.submit(request(&Case { max_tokens: 40, ..case(9) })).unwrap());
+        let streams = engine.submit_n(request(&case(0)), 3).unwrap();
+        let got: Vec<Vec<u32>> = streams.into_iter().map(|s| collect(s).unwrap().0).collect();
+        assert_eq!(got, want, "busy: {busy}");
+        if let Some(o) = other {
+            collect(o).unwrap();
+        }
+        let st = wait_idle(&engine);
+        assert_eq!(st.sched.forks, forks, "busy: {busy}");
+        let prompts = if busy { 2 * prompt.len() as u64 } else { prompt.len() as u64 };
+        assert_eq!(st.prompt_tokens, prompts, "the prompt counts once");
+        assert!(matches!(engine.submit_n(request(&case(0)), 4), Err(EngineError::Invalid(m)) if m.contains("1..=3")));
+        engine.shutdown(true);
+    }
+}

@@ -54,6 +54,8 @@ pub enum AdmitError {
     Overloaded { waiting: usize, limit: usize },
     #[error("sequence id {0} is already in use")]
     DuplicateId(SeqId),
+    #[error("sequence id {0} is not running with its whole prompt cached")]
+    NotForkable(SeqId),
 }
 
 /// A sequence's bookkeeping.
@@ -128,6 +130,8 @@ pub struct SchedStats {
     pub slots_in_use: usize,
     pub slots_total: usize,
     pub preemptions: u64,
+    /// Sequences forked from another's cache (several choices of one prompt).
+    pub forks: u64,
     pub prefix: PrefixStats,
 }
 
@@ -161,6 +165,7 @@ pub struct Scheduler {
     running: Vec<SeqId>,
     next_arrival: u64,
     preemptions: u64,
+    forks: u64,
     prefix: PrefixCache,
     /// Cache ops queued by [`Scheduler::finish`], run at the start of the next step.
     pending_pre: Vec<CacheOp>,
@@ -189,6 +194,7 @@ impl Scheduler {
             running: Vec::new(),
             next_arrival: 0,
             preemptions: 0,
+            forks: 0,
             pending_pre: Vec::new(),
             spec_tokens: 0,
         }
@@ -262,6 +268,79 @@ impl Scheduler {
         );
         self.waiting.push_back(id);
         Ok(())
+    }
+
+    /// Adds `child`, a copy of `parent` (running, every token of it cached: its prompt just ran and
+    /// its first pick is not appended yet), for another choice of the same prompt. The child shares
+    /// the parent's full KV pages (a reference each) and gets copies of its partly filled last page
+    /// and of its state slot (cache ops run at the start of the next step, before any chunk). When
+    /// no slot or page is free it waits at the front of the queue instead and recomputes its tokens
+    /// when admitted, as a preempted sequence does. Returns true when it forked.
+    pub fn fork(&mut self, parent: SeqId, child: SeqId, opts: SeqOptions) -> Result<bool, AdmitError> {
+        if self.seqs.contains_key(&child) {
+            return Err(AdmitError::DuplicateId(child));
+        }
+        let p = self.seqs.get(&parent).filter(|p| p.slot.is_some() && p.cached == p.tokens.len());
+        let p = p.ok_or(AdmitError::NotForkable(parent))?;
+        let mut seq = Sequence {
+            cached: 0,
+            slot: None,
+            pages: Vec::new(),
+            arrival: self.next_arrival,
+            preemptions: 0,
+            snapshot_points: Vec::new(),
+            snapshot_on_finish: opts.snapshot_on_finish,
+            no_drafts: opts.no_drafts,
+            ..p.clone()
+        };
+        self.next_arrival += 1;
+        let (ps, cached) = (self.cfg.page_size, p.cached);
+        let (src_slot, shared, partial) = (p.slot, p.pages[..cached / ps].to_vec(), p.pages.get(cached / ps).copied());
+        let partial = partial.filter(|_| cached % ps != 0);
+        let slot = if self.running.len() < self.cfg.max_seqs { self.slots.take() } else { None };
+        let own = match (slot, partial) {
+            (None, _) => None,
+            (Some(_), None) => Some(None),
+            (Some(_), Some(_)) => self.take_page().map(Some),
+        };
+        match (slot, src_slot, own) {
+            (Some(slot), Some(src), Some(own)) => {
+                for &page in &shared {
+                    self.pages.retain(page);
+                }
+                seq.pages = shared;
+                self.pending_pre.push(CacheOp::CopyState { src, dst: slot });
+                if let (Some(own), Some(src)) = (own, partial) {
+                    let tokens = (cached % ps) as u32;
+                    self.pending_pre.push(CacheOp::CopyPagePrefix { src, dst: own, tokens });
+                    seq.pages.push(own);
+                }
+                seq.slot = Some(slot);
+                seq.cached = cached;
+                self.seqs.insert(child, seq);
+                self.running.push(child);
+                self.forks += 1;
+                Ok(true)
+            }
+            _ => {
+                if let Some(slot) = slot {
+                    self.slots.give_back(slot);
+                }
+                self.seqs.insert(child, seq);
+                self.waiting.push_front(child);
+                Ok(false)
+            }
+        }
+    }
+
+    /// One free page, evicting cached prefixes when none is free.
+    fn take_page(&mut self) -> Option<u32> {
+        loop {
+            if let Some(p) = self.pages.take(1) {
+                return Some(p[0]);
+            }
+            self.pages.give_back(self.prefix.evict_one()?);
+        }
     }
 
     /// Plans the next step. The caller runs `plan.batch`, then calls [`Scheduler::commit`].
@@ -622,6 +701,7 @@ impl Scheduler {
             slots_in_use: self.slots.capacity() - self.slots.num_free(),
             slots_total: self.slots.capacity(),
             preemptions: self.preemptions,
+            forks: self.forks,
             prefix: self.prefix.stats(),
         }
     }

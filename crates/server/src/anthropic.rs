@@ -254,7 +254,7 @@ async fn messages_inner(
 ) -> Result<Response, ApiError> {
     let req: MessagesRequest = parse_body(body)?;
     let max_tokens = req.max_tokens.ok_or_else(|| ApiError::bad_param("max_tokens", "`max_tokens` is required"))?;
-    let (prompt, parsing, forced) = convert(st, chat, &req)?;
+    let (prompt, mut parsing, forced) = convert(st, chat, &req)?;
     let input_tokens = prompt.len();
     let d = &st.sampling_defaults;
     let sampling = SamplingParams {
@@ -278,7 +278,7 @@ async fn messages_inner(
         },
     )?;
     if let Some(g) = &forced {
-        engine_req.constraint = Some(structured::constraint(st, g, "tool_choice", parsing.reasoning == Some(true))?);
+        engine_req.constraint = Some(structured::constraint(st, g, "tool_choice", &mut parsing)?);
     }
     let mut out = st.generate(engine_req, parsing)?;
     let id = new_id("msg_");

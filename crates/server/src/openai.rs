@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::error::{ApiError, Style};
-use crate::output::{Collected, Finish, OutEvent, OutputStream, Parsing};
+use crate::output::{Collected, Finish, OutEvent, OutputStream, Parsing, combined_usage, merged};
 use crate::request::snapshot_points;
 use crate::request::{
     CommonParams, Limits, build_request, new_id, normalize_messages, render_chat, unix_now, validate_tools,
@@ -96,6 +96,7 @@ async fn chat_inner(
     let req: ChatCompletionRequest = parse_body(body)?;
     st.check_model(req.model.as_deref())?;
     req.common.validate()?;
+    let n = req.common.choices(st.engine.sched_config().max_seqs)?;
     let format = structured::response_format(req.response_format.as_ref())?;
     // `Some(name)`: a forced call (`None`: any tool, `required`).
     let mut forced: Option<Option<String>> = None;
@@ -140,13 +141,22 @@ async fn chat_inner(
         }
         (None, None) => None,
     };
+    let grammar = match (grammar, structured::guided(&req.common)?) {
+        (Some(_), Some((_, field))) => {
+            return Err(ApiError::bad_param(
+                field,
+                format!("`{field}` cannot be combined with response_format or a tool_choice that forces a tool call"),
+            ));
+        }
+        (g, None) | (None, g) => g,
+    };
     let top_logprobs = req.top_logprobs.unwrap_or(0) as usize;
     if top_logprobs > 20 {
         return Err(ApiError::bad_param("top_logprobs", "`top_logprobs` must be between 0 and 20"));
     }
     let logprobs = req.logprobs.unwrap_or(false).then_some(top_logprobs);
     let messages = normalize_messages(&req.messages)?;
-    let (prompt, parsing) =
+    let (prompt, mut parsing) =
         render_chat(st, messages, tools, chat.merged(req.chat_template_kwargs.clone().unwrap_or_default()))?;
     let c = &req.common;
     let points = snapshot_points(st, &prompt);
@@ -164,21 +174,36 @@ async fn chat_inner(
         },
     )?;
     if let Some((g, field)) = &grammar {
-        engine_req.constraint = Some(structured::constraint(st, g, field, parsing.reasoning == Some(true))?);
+        engine_req.constraint = Some(structured::constraint(st, g, field, &mut parsing)?);
     }
     tracing::debug!(
         prompt = engine_req.prompt.len(),
         prepare_ms = format!("{:.1}", received.elapsed().as_secs_f64() * 1e3),
         "chat request parsed, rendered and tokenised"
     );
-    let out = st.generate(engine_req, parsing)?;
+    let outs = st.generate_n(engine_req, n, parsing)?;
     let id = new_id("chatcmpl-");
     let model = st.cfg.served_model_name.clone();
     if c.stream.unwrap_or(false) {
         let include_usage = c.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
-        return Ok(sse(chat_stream(out, id, model, include_usage, logprobs.is_some())));
+        return Ok(sse(chat_stream(outs, id, model, include_usage, logprobs.is_some())));
     }
-    let col = Collected::collect(out).await?;
+    let cols = Collected::collect_all(outs).await?;
+    let choices: Vec<Value> =
+        cols.iter().enumerate().map(|(i, col)| chat_choice(st, i, col, logprobs.is_some())).collect();
+    Ok(axum::Json(json!({
+        "id": id,
+        "object": "chat.completion",
+        "created": unix_now(),
+        "model": model,
+        "choices": choices,
+        "usage": usage_json(&combined_usage(cols.iter().map(|c| &c.usage))),
+    }))
+    .into_response())
+}
+
+/// Choice `index` of a chat completion.
+fn chat_choice(st: &AppState, index: usize, col: &Collected, logprobs: bool) -> Value {
     let finish = col.finish.clone().unwrap_or(Finish::Length);
     let mut message = json!({
         "role": "assistant",
@@ -194,21 +219,14 @@ async fn chat_inner(
         );
     }
     let logprobs_json = logprobs
-        .map(|_| json!({ "content": col.tokens.iter().map(|(_, t, lp)| chat_logprob(st, t, lp)).collect::<Vec<_>>() }));
-    Ok(axum::Json(json!({
-        "id": id,
-        "object": "chat.completion",
-        "created": unix_now(),
-        "model": model,
-        "choices": [{ "index": 0, "message": message, "logprobs": logprobs_json, "finish_reason": finish_reason(&finish), "stop_reason": finish.stop_string() }],
-        "usage": usage_json(&col.usage),
-    }))
-    .into_response())
+        .then(|| json!({ "content": col.tokens.iter().map(|(_, t, lp)| chat_logprob(st, t, lp)).collect::<Vec<_>>() }));
+    json!({ "index": index, "message": message, "logprobs": logprobs_json, "finish_reason": finish_reason(&finish), "stop_reason": finish.stop_string() })
 }
 
-/// The SSE events of a streamed chat completion.
+/// The SSE events of a streamed chat completion (of each choice, tagged with its index; the usage,
+/// when asked for, once every choice is done).
 fn chat_stream(
-    mut out: OutputStream,
+    outs: Vec<OutputStream>,
     id: String,
     model: String,
     include_usage: bool,
@@ -216,16 +234,22 @@ fn chat_stream(
 ) -> mpsc::Receiver<Result<SseEvent, Infallible>> {
     let (tx, rx) = mpsc::channel(64);
     let created = unix_now();
-    let tokenizer_for_lp = out.tokenizer();
+    let n = outs.len();
+    let tokenizer_for_lp = outs[0].tokenizer();
+    let mut outs = merged(outs);
     tokio::spawn(async move {
-        let chunk = |delta: Value, finish: Value, logprobs: Value| {
+        let chunk = |index: usize, delta: Value, finish: Value, logprobs: Value| {
             json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-                   "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
+                   "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
         };
-        if send_json(&tx, chunk(json!({"role": "assistant", "content": ""}), Value::Null, Value::Null)).await.is_err() {
-            return;
+        for i in 0..n {
+            let role = chunk(i, json!({"role": "assistant", "content": ""}), Value::Null, Value::Null);
+            if send_json(&tx, role).await.is_err() {
+                return;
+            }
         }
-        while let Some(batch) = out.next().await {
+        let mut usages = Vec::with_capacity(n);
+        while let Some((index, batch)) = outs.recv().await {
             let events = match batch {
                 Ok(e) => e,
                 Err(e) => {
@@ -261,23 +285,25 @@ fn chat_stream(
             }
             if !delta.is_empty() || !lps.is_empty() {
                 let lp = if lps.is_empty() { Value::Null } else { json!({ "content": lps }) };
-                if send_json(&tx, chunk(Value::Object(delta), Value::Null, lp)).await.is_err() {
-                    return; // client gone: dropping `out` cancels the request
+                if send_json(&tx, chunk(index, Value::Object(delta), Value::Null, lp)).await.is_err() {
+                    return; // client gone: dropping `outs` cancels the request
                 }
             }
             if let Some((finish, usage)) = done {
-                let mut last = chunk(json!({}), json!(finish_reason(&finish)), Value::Null);
+                let mut last = chunk(index, json!({}), json!(finish_reason(&finish)), Value::Null);
                 last["choices"][0]["stop_reason"] = finish.stop_string();
                 let _ = send_json(&tx, last).await;
-                if include_usage {
-                    let _ = send_json(
-                        &tx,
-                        json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-                               "choices": [], "usage": usage_json(&usage)}),
-                    )
-                    .await;
-                }
+                usages.push(usage);
             }
+        }
+        if include_usage && usages.len() == n {
+            let usage = usage_json(&combined_usage(&usages));
+            let _ = send_json(
+                &tx,
+                json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+                       "choices": [], "usage": usage}),
+            )
+            .await;
         }
         let _ = tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
     });
@@ -293,6 +319,7 @@ async fn completions_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -
     let req: CompletionRequest = parse_body(body)?;
     st.check_model(req.model.as_deref())?;
     req.common.validate()?;
+    let n = req.common.choices(st.engine.sched_config().max_seqs)?;
     if req.echo.unwrap_or(false) {
         return Err(ApiError::bad_param("echo", "`echo` is not supported yet"));
     }
@@ -305,7 +332,8 @@ async fn completions_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -
         return Err(ApiError::bad_param("logprobs", "`logprobs` must be between 0 and 20"));
     }
     let c = &req.common;
-    let engine_req = build_request(
+    let guided = structured::guided(c)?;
+    let mut engine_req = build_request(
         prompt,
         Limits {
             snapshot_points: Vec::new(),
@@ -318,38 +346,52 @@ async fn completions_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -
             state: st,
         },
     )?;
-    let out = st.generate(engine_req, Parsing::default())?;
+    let mut parsing = Parsing::default();
+    if let Some((g, field)) = &guided {
+        engine_req.constraint = Some(structured::constraint(st, g, field, &mut parsing)?);
+    }
+    let outs = st.generate_n(engine_req, n, parsing)?;
     let id = new_id("cmpl-");
     let model = st.cfg.served_model_name.clone();
     if c.stream.unwrap_or(false) {
         let include_usage = c.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
-        return Ok(sse(completion_stream(out, id, model, include_usage)));
+        return Ok(sse(completion_stream(outs, id, model, include_usage)));
     }
-    let col = Collected::collect(out).await?;
-    let finish = col.finish.clone().unwrap_or(Finish::Length);
-    let logprobs = top.map(|_| completion_logprobs(&st.tokenizer, &col.tokens));
+    let cols = Collected::collect_all(outs).await?;
+    let choices: Vec<Value> = cols
+        .iter()
+        .enumerate()
+        .map(|(i, col)| {
+            let finish = col.finish.clone().unwrap_or(Finish::Length);
+            let logprobs = top.map(|_| completion_logprobs(&st.tokenizer, &col.tokens));
+            json!({"index": i, "text": col.content, "logprobs": logprobs, "finish_reason": finish_reason(&finish), "stop_reason": finish.stop_string()})
+        })
+        .collect();
     Ok(axum::Json(json!({
         "id": id, "object": "text_completion", "created": unix_now(), "model": model,
-        "choices": [{"index": 0, "text": col.content, "logprobs": logprobs, "finish_reason": finish_reason(&finish), "stop_reason": finish.stop_string()}],
-        "usage": usage_json(&col.usage),
+        "choices": choices,
+        "usage": usage_json(&combined_usage(cols.iter().map(|c| &c.usage))),
     }))
     .into_response())
 }
 
 fn completion_stream(
-    mut out: OutputStream,
+    outs: Vec<OutputStream>,
     id: String,
     model: String,
     include_usage: bool,
 ) -> mpsc::Receiver<Result<SseEvent, Infallible>> {
     let (tx, rx) = mpsc::channel(64);
     let created = unix_now();
+    let n = outs.len();
+    let mut outs = merged(outs);
     tokio::spawn(async move {
-        let chunk = |text: &str, finish: Value| {
+        let chunk = |index: usize, text: &str, finish: Value| {
             json!({"id": id, "object": "text_completion", "created": created, "model": model,
-                   "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}]})
+                   "choices": [{"index": index, "text": text, "logprobs": null, "finish_reason": finish}]})
         };
-        while let Some(batch) = out.next().await {
+        let mut usages = Vec::with_capacity(n);
+        while let Some((index, batch)) = outs.recv().await {
             let events = match batch {
                 Ok(e) => e,
                 Err(e) => {
@@ -366,15 +408,17 @@ fn completion_stream(
                     _ => {}
                 }
             }
-            if !text.is_empty() && send_json(&tx, chunk(&text, Value::Null)).await.is_err() {
+            if !text.is_empty() && send_json(&tx, chunk(index, &text, Value::Null)).await.is_err() {
                 return;
             }
             if let Some((finish, usage)) = done {
-                let _ = send_json(&tx, chunk("", json!(finish_reason(&finish)))).await;
-                if include_usage {
-                    let _ = send_json(&tx, json!({"id": id, "object": "text_completion", "created": created, "model": model, "choices": [], "usage": usage_json(&usage)})).await;
-                }
+                let _ = send_json(&tx, chunk(index, "", json!(finish_reason(&finish)))).await;
+                usages.push(usage);
             }
+        }
+        if include_usage && usages.len() == n {
+            let usage = usage_json(&combined_usage(&usages));
+            let _ = send_json(&tx, json!({"id": id, "object": "text_completion", "created": created, "model": model, "choices": [], "usage": usage})).await;
         }
         let _ = tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
     });

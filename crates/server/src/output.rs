@@ -19,6 +19,9 @@ pub struct Parsing {
     pub reasoning: Option<bool>,
     /// Tools offered to the model (OpenAI `tools` or Anthropic tools converted to that shape).
     pub tools: Option<Vec<serde_json::Value>>,
+    /// Tool calls are written under the tool-call grammar: a parameter value ends where the
+    /// grammar ends it ([`ToolCallParser::grammar_values`]).
+    pub grammar_values: bool,
 }
 
 /// Why the output ended, in API-neutral terms.
@@ -82,6 +85,8 @@ pub struct OutputStream {
     last_token: Option<Instant>,
     calls: usize,
     done: bool,
+    /// Count the prompt's tokens in the metrics (all but the first of several choices do not).
+    count_prompt: bool,
 }
 
 impl OutputStream {
@@ -89,14 +94,24 @@ impl OutputStream {
         Self {
             inner,
             reasoning: parsing.reasoning.map(ReasoningParser::new),
-            tools: parsing.tools.as_deref().map(ToolCallParser::new),
+            tools: parsing.tools.as_deref().map(|t| {
+                let p = ToolCallParser::new(t);
+                if parsing.grammar_values { p.grammar_values() } else { p }
+            }),
             tokenizer,
             metrics,
             started: Instant::now(),
             last_token: None,
             calls: 0,
             done: false,
+            count_prompt: true,
         }
+    }
+
+    /// The same, not counting the prompt's tokens in the metrics (another choice of a prompt).
+    pub fn without_prompt(mut self) -> Self {
+        self.count_prompt = false;
+        self
     }
 
     pub fn tokenizer(&self) -> Arc<Tokenizer> {
@@ -133,7 +148,9 @@ impl OutputStream {
                 let delta = self.split_reasoning("", true);
                 self.route(delta, &mut out, true);
                 self.metrics.e2e(timing.total_ms / 1e3);
-                self.metrics.tokens(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens);
+                let (prompt, cached) =
+                    if self.count_prompt { (usage.prompt_tokens, usage.cached_tokens) } else { (0, 0) };
+                self.metrics.tokens(prompt, usage.completion_tokens, cached);
                 let finish = match reason {
                     FinishReason::Stop if self.calls > 0 => Finish::ToolCalls,
                     FinishReason::Stop => Finish::Stop,
@@ -199,6 +216,36 @@ impl OutputStream {
     }
 }
 
+/// The usage of several choices of one prompt: the prompt counted once, the completions summed.
+pub fn combined_usage<'a>(usages: impl IntoIterator<Item = &'a Usage>) -> Usage {
+    let mut total: Option<Usage> = None;
+    for u in usages {
+        match &mut total {
+            None => total = Some(u.clone()),
+            Some(t) => t.completion_tokens += u.completion_tokens,
+        }
+    }
+    total.unwrap_or_default()
+}
+
+/// The output batches of several choices as they come, each with its choice's index; a choice's
+/// last batch is its `Done` or its error. Dropping the receiver cancels every choice (each choice's
+/// task ends, dropping its stream, at its next batch).
+pub fn merged(outs: Vec<OutputStream>) -> tokio::sync::mpsc::Receiver<(usize, Result<Vec<OutEvent>, ApiError>)> {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    for (i, mut out) in outs.into_iter().enumerate() {
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            while let Some(batch) = out.next().await {
+                if tx.send((i, batch)).await.is_err() {
+                    return;
+                }
+            }
+        });
+    }
+    rx
+}
+
 /// A whole output, for non-streaming responses.
 #[derive(Clone, Debug, Default)]
 pub struct Collected {
@@ -240,5 +287,15 @@ impl Collected {
             }
         }
         Ok(c)
+    }
+
+    /// Runs the streams of several choices to their ends (the engine runs them together; each
+    /// buffers its events until read).
+    pub async fn collect_all(streams: Vec<OutputStream>) -> Result<Vec<Self>, ApiError> {
+        let mut all = Vec::with_capacity(streams.len());
+        for s in streams {
+            all.push(Self::collect(s).await?);
+        }
+        Ok(all)
     }
 }

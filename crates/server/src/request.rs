@@ -27,6 +27,15 @@ pub struct CommonParams {
     pub seed: Option<u64>,
     pub stop: Option<StopSpec>,
     pub n: Option<u32>,
+    pub best_of: Option<u32>,
+    /// vLLM's structured-output extras (see [`crate::structured::guided`]).
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<Value>,
+    pub guided_choice: Option<Value>,
+    pub guided_grammar: Option<Value>,
+    pub guided_whitespace_pattern: Option<Value>,
+    pub guided_decoding_backend: Option<Value>,
+    pub structured_outputs: Option<Value>,
     pub ignore_eos: Option<bool>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
@@ -109,11 +118,20 @@ impl CommonParams {
         }
     }
 
-    /// Checks what the engine's own validation does not: `n` (only 1) and `top_k` (-1 or 0 to
-    /// disable, else at least 1, as in vLLM).
+    /// The number of choices, `n`: 1..=`max_seqs` (the sequences that run at once).
+    pub fn choices(&self, max_seqs: usize) -> Result<usize, ApiError> {
+        let n = self.n.unwrap_or(1) as usize;
+        if n == 0 || n > max_seqs {
+            return Err(ApiError::bad_param("n", format!("`n` must be between 1 and {max_seqs}, got {n}")));
+        }
+        Ok(n)
+    }
+
+    /// Checks what the engine's own validation does not: `best_of` (refused) and `top_k` (-1 or 0
+    /// to disable, else at least 1, as in vLLM).
     pub fn validate(&self) -> Result<(), ApiError> {
-        if let Some(n) = self.n.filter(|n| *n != 1) {
-            return Err(ApiError::bad_param("n", format!("`n` = {n} is not supported: only n = 1")));
+        if let Some(b) = self.best_of.filter(|b| *b != 1) {
+            return Err(ApiError::bad_param("best_of", format!("`best_of` = {b} is not supported (use `n`)")));
         }
         if let Some(k) = self.top_k.filter(|k| *k < -1) {
             return Err(ApiError::bad_param("top_k", format!("`top_k` must be -1, 0 or at least 1, got {k}")));
@@ -269,7 +287,7 @@ pub fn render_chat(
     let ids = state.prompt_encoder.encode(&text).map_err(|e| ApiError::bad(format!("tokenising the prompt: {e}")))?;
     // The generation prompt of Qwen3.5/3.6 opens `<think>` when thinking is on.
     let opened = text.trim_end().ends_with("<think>");
-    Ok((ids, Parsing { reasoning: Some(opened), tools: tools.filter(|t| !t.is_empty()) }))
+    Ok((ids, Parsing { reasoning: Some(opened), tools: tools.filter(|t| !t.is_empty()), grammar_values: false }))
 }
 
 pub fn type_name(v: &Value) -> &'static str {

@@ -71,8 +71,23 @@ impl AppState {
         req: deltaserve_engine::Request,
         parsing: crate::output::Parsing,
     ) -> Result<crate::output::OutputStream, crate::error::ApiError> {
-        let stream = self.engine.submit(req)?;
-        Ok(crate::output::OutputStream::new(stream, parsing, self.tokenizer.clone(), self.metrics.clone()))
+        Ok(self.generate_n(req, 1, parsing)?.remove(0))
+    }
+
+    /// Submits `req` for `n` choices (the prompt runs once): one output stream each.
+    pub fn generate_n(
+        &self,
+        req: deltaserve_engine::Request,
+        n: usize,
+        parsing: crate::output::Parsing,
+    ) -> Result<Vec<crate::output::OutputStream>, crate::error::ApiError> {
+        let streams = self.engine.submit_n(req, n)?;
+        let out = streams.into_iter().enumerate().map(|(i, s)| {
+            let o = crate::output::OutputStream::new(s, parsing.clone(), self.tokenizer.clone(), self.metrics.clone());
+            // The prompt counts once in the metrics, with the first choice.
+            if i == 0 { o } else { o.without_prompt() }
+        });
+        Ok(out.collect())
     }
 
     /// Checks the request's `model` field: absent or the served name.

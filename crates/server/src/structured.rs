@@ -10,6 +10,8 @@ use deltaserve_text::{Grammar, GrammarCompiler, GrammarMatcher};
 use serde_json::Value;
 
 use crate::error::ApiError;
+use crate::output::Parsing;
+use crate::request::CommonParams;
 use crate::state::AppState;
 
 /// The model's grammar compiler, built on first use (it indexes the whole vocabulary once).
@@ -47,6 +49,78 @@ pub fn response_format(rf: Option<&Value>) -> Result<Option<Grammar>, ApiError> 
     }
 }
 
+/// vLLM's structured-output extras: `guided_json` (a schema, as an object or JSON text),
+/// `guided_regex`, `guided_choice`, and `structured_outputs` with one of `json`, `regex`, `choice`,
+/// `json_object`; each read into a [`Grammar`], with the field that set it. `guided_grammar`,
+/// `guided_whitespace_pattern` and other `structured_outputs` keys are refused with a 400 naming
+/// them; `guided_decoding_backend` is ignored (llguidance is the one backend).
+pub fn guided(c: &CommonParams) -> Result<Option<(Grammar, &'static str)>, ApiError> {
+    let given = |v: &Option<Value>| v.clone().filter(|v| !v.is_null());
+    for (field, v) in
+        [("guided_grammar", &c.guided_grammar), ("guided_whitespace_pattern", &c.guided_whitespace_pattern)]
+    {
+        if given(v).is_some() {
+            return Err(ApiError::bad_param(
+                field,
+                format!(
+                    "`{field}` is not supported (guided_json, guided_regex, guided_choice and structured_outputs \
+                     json / regex / choice / json_object are)"
+                ),
+            ));
+        }
+    }
+    let mut found = Vec::new();
+    for (field, v) in
+        [("guided_json", &c.guided_json), ("guided_regex", &c.guided_regex), ("guided_choice", &c.guided_choice)]
+    {
+        if let Some(v) = given(v) {
+            found.push((guided_grammar(field.trim_start_matches("guided_"), v, field)?, field));
+        }
+    }
+    if let Some(so) = given(&c.structured_outputs) {
+        const FIELD: &str = "structured_outputs";
+        let obj = so.as_object().ok_or_else(|| ApiError::bad_param(FIELD, "`structured_outputs` must be an object"))?;
+        let set: Vec<(&String, &Value)> =
+            obj.iter().filter(|(_, v)| !v.is_null() && **v != Value::Bool(false)).collect();
+        let [(key, v)] = set[..] else {
+            return Err(ApiError::bad_param(
+                FIELD,
+                "`structured_outputs` needs exactly one of json, regex, choice, json_object",
+            ));
+        };
+        found.push((guided_grammar(key, v.clone(), FIELD)?, FIELD));
+    }
+    if found.len() > 1 {
+        return Err(ApiError::bad_param(found[1].1, "only one structured-output field may be given"));
+    }
+    Ok(found.pop())
+}
+
+/// One structured-output request: `kind` (`json`, `regex`, `choice`, `json_object`) with `value`.
+fn guided_grammar(kind: &str, value: Value, field: &str) -> Result<Grammar, ApiError> {
+    let bad = |m: String| ApiError::bad_param(field, m);
+    match (kind, value) {
+        ("json", Value::String(text)) => {
+            let schema: Value =
+                serde_json::from_str(&text).map_err(|e| bad(format!("`{field}` is not a JSON schema: {e}")))?;
+            guided_grammar("json", schema, field)
+        }
+        ("json", schema @ (Value::Object(_) | Value::Bool(_))) => Ok(Grammar::JsonSchema(schema)),
+        ("regex", Value::String(rx)) => Ok(Grammar::Regex(rx)),
+        ("choice", Value::Array(items)) => items
+            .into_iter()
+            .map(|v| match v {
+                Value::String(s) => Ok(s),
+                other => Err(bad(format!("`{field}` must list strings, got {other}"))),
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(Grammar::Choice),
+        ("json_object", Value::Bool(true)) => Ok(Grammar::JsonObject),
+        ("json" | "regex" | "choice" | "json_object", v) => Err(bad(format!("`{field}`: {kind} cannot be {v}"))),
+        (other, _) => Err(bad(format!("`{field}.{other}` is not supported (json, regex, choice and json_object are)"))),
+    }
+}
+
 /// The tool of `tools` named `name` (OpenAI `function` objects or Anthropic tools).
 fn named_tool(tools: &[Value], name: &str) -> Option<Value> {
     tools.iter().find(|t| t.get("function").unwrap_or(t).get("name").and_then(Value::as_str) == Some(name)).cloned()
@@ -69,9 +143,16 @@ pub fn forced_tool_call(tools: Option<&[Value]>, name: Option<&str>, parallel: b
     }
 }
 
-/// The engine constraint for `grammar` (a 400 naming `field` when it does not compile). With
-/// `thinking` (the prompt opened `<think>`), tokens are free until `</think>`.
-pub fn constraint(st: &AppState, grammar: &Grammar, field: &str, thinking: bool) -> Result<SharedConstraint, ApiError> {
+/// The engine constraint for `grammar` (a 400 naming `field` when it does not compile). When the
+/// prompt opened `<think>` (`parsing.reasoning`), tokens are free until `</think>`. Under a
+/// tool-call grammar, `parsing` reads parameter values where the grammar ends them.
+pub fn constraint(
+    st: &AppState,
+    grammar: &Grammar,
+    field: &str,
+    parsing: &mut Parsing,
+) -> Result<SharedConstraint, ApiError> {
+    let thinking = parsing.reasoning == Some(true);
     let compiler = st
         .grammars
         .0
@@ -82,6 +163,7 @@ pub fn constraint(st: &AppState, grammar: &Grammar, field: &str, thinking: bool)
         .compile(grammar)
         .map_err(|e| ApiError::bad_param(field, format!("`{field}` cannot be compiled into a grammar: {e}")))?;
     let think_end = if thinking { st.tokenizer.token_id("</think>") } else { None };
+    parsing.grammar_values = matches!(grammar, Grammar::ToolCalls { .. });
     Ok(SharedConstraint::new(GrammarConstraint { matcher, think_end, eos: st.eos_ids.clone() }))
 }
 
@@ -150,5 +232,39 @@ mod tests {
         let err = forced_tool_call(Some(&tools), Some("nope"), true).unwrap_err();
         assert!(err.message().contains("`nope`") && param(&err) == "tool_choice");
         assert!(forced_tool_call(None, None, true).is_err());
+    }
+
+    #[test]
+    fn guided_fields() {
+        let parse = |v: Value| guided(&serde_json::from_value::<CommonParams>(v).unwrap());
+        assert_eq!(parse(json!({"guided_decoding_backend": "xgrammar"})).unwrap(), None);
+        let schema = json!({"type": "object"});
+        assert_eq!(
+            parse(json!({"guided_json": schema.to_string()})).unwrap(),
+            Some((Grammar::JsonSchema(schema.clone()), "guided_json"))
+        );
+        assert_eq!(
+            parse(json!({"guided_choice": ["a", "b"]})).unwrap(),
+            Some((Grammar::Choice(vec!["a".into(), "b".into()]), "guided_choice"))
+        );
+        assert_eq!(
+            parse(json!({"structured_outputs": {"regex": "[0-9]+"}})).unwrap(),
+            Some((Grammar::Regex("[0-9]+".into()), "structured_outputs"))
+        );
+        assert_eq!(
+            parse(json!({"structured_outputs": {"json_object": true}})).unwrap(),
+            Some((Grammar::JsonObject, "structured_outputs"))
+        );
+        for (body, field) in [
+            (json!({"guided_grammar": "root ::= \"a\""}), "guided_grammar"),
+            (json!({"guided_whitespace_pattern": " "}), "guided_whitespace_pattern"),
+            (json!({"guided_choice": [1]}), "guided_choice"),
+            (json!({"guided_json": "{"}), "guided_json"),
+            (json!({"structured_outputs": {"grammar": "x"}}), "structured_outputs"),
+            (json!({"structured_outputs": {"regex": "a", "choice": ["a"]}}), "structured_outputs"),
+            (json!({"guided_regex": "a", "guided_choice": ["a"]}), "guided_choice"),
+        ] {
+            assert_eq!(param(&parse(body.clone()).unwrap_err()), field, "{body}");
+        }
     }
 }

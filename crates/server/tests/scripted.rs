@@ -249,7 +249,8 @@ async fn errors_have_the_right_status_and_body() {
         v
     };
     let cases: Vec<(Value, StatusCode, &str)> = vec![
-        (chat(json!({"n": 2})), StatusCode::BAD_REQUEST, "`n`"),
+        (chat(json!({"n": 5})), StatusCode::BAD_REQUEST, "`n`"),
+        (chat(json!({"best_of": 2})), StatusCode::BAD_REQUEST, "best_of"),
         (chat(json!({"response_format": {"type": "xml"}})), StatusCode::BAD_REQUEST, "response_format"),
         (
             chat(json!({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}})),

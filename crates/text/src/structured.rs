@@ -24,6 +24,10 @@ pub enum Grammar {
     /// `<parameter=NAME>`), each to one of these tools (OpenAI `function` objects or Anthropic
     /// tools: `name` plus `parameters` / `input_schema`), with values valid for its schema.
     ToolCalls { tools: Vec<Value>, at_most_one: bool },
+    /// Text matching this regular expression (Rust `regex` syntax, anchored at both ends).
+    Regex(String),
+    /// Exactly one of these strings.
+    Choice(Vec<String>),
 }
 
 /// Compiles grammars for one tokenizer (built once per model: it indexes the vocabulary).
@@ -93,6 +97,12 @@ impl GrammarCompiler {
             Grammar::ToolCalls { tools, at_most_one } => {
                 TopLevelGrammar::from_lark(tool_call_lark(tools, *at_most_one)?)
             }
+            Grammar::Regex(rx) => TopLevelGrammar::from_regex(rx),
+            Grammar::Choice(choices) if choices.is_empty() => return Err("no choices to pick from".into()),
+            Grammar::Choice(choices) => {
+                let alts: Vec<String> = choices.iter().map(|c| lark_str(c)).collect();
+                TopLevelGrammar::from_lark(format!("start: {}\n", alts.join(" | ")))
+            }
         };
         let parser = self.factory.create_parser(top).map_err(|e| e.to_string())?;
         let matcher = Matcher::new(Ok(parser));
@@ -154,6 +164,26 @@ fn compact(schema: &Value) -> Value {
     schema
 }
 
+/// A JSON-schema `pattern` as the body of a Lark `/regex/`: its anchors dropped (the value is
+/// matched whole) and its slashes escaped.
+fn lark_regex(pattern: &str) -> String {
+    let p = pattern.strip_prefix('^').unwrap_or(pattern);
+    let p = match p.strip_suffix('$') {
+        Some(q) if !q.ends_with('\\') => q,
+        _ => p,
+    };
+    let mut out = String::with_capacity(p.len());
+    let mut escaped = false;
+    for c in p.chars() {
+        if c == '/' && !escaped {
+            out.push('\\');
+        }
+        escaped = c == '\\' && !escaped;
+        out.push(c);
+    }
+    out
+}
+
 /// A Lark string literal.
 fn lark_str(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
@@ -199,8 +229,9 @@ fn tool_call_lark(tools: &[Value], at_most_one: bool) -> Result<String, String> 
 }
 
 /// The grammar of one parameter's value followed by its closing `\n</parameter>\n`: the enum's
-/// strings, a string (at most `maxLength` characters when given) that ends at the first closing
-/// tag, or JSON valid for the schema for other types. A string terminal named `name` is added to
+/// strings, a string (at most `maxLength` characters when given, matching `pattern` when given:
+/// the whole value, as llguidance reads JSON-schema patterns) that ends at the first closing tag,
+/// or JSON valid for the schema for other types. A string terminal named `name` is added to
 /// `terminals`.
 fn param_value(schema: &Value, name: &str, terminals: &mut Vec<String>) -> String {
     let close = "\n</parameter>\n";
@@ -219,7 +250,11 @@ fn param_value(schema: &Value, name: &str, terminals: &mut Vec<String>) -> Strin
             None if min > 0 => format!("{{{min},}}"),
             None => "*".into(),
         };
-        terminals.push(format!(r#"{name}: /(?s:.){count}\n<\/parameter>\n/ & ~/(?s:.*)\n<\/parameter>\n(?s:.+)/"#));
+        let mut lexeme = format!(r#"/(?s:.){count}\n<\/parameter>\n/"#);
+        if let Some(p) = schema.get("pattern").and_then(Value::as_str) {
+            lexeme.push_str(&format!(r#" & /(?:{})\n<\/parameter>\n/"#, lark_regex(p)));
+        }
+        terminals.push(format!(r#"{name}: {lexeme} & ~/(?s:.*)\n<\/parameter>\n(?s:.+)/"#));
         return name.to_string();
     }
     format!("%json {} {}", compact(schema), lark_str(close))

@@ -59,6 +59,9 @@
 //!   completed is emitted as content, verbatim (text is never lost); a started call is closed —
 //!   the open parameter ends with the text received so far and the arguments object is closed,
 //!   so the arguments are always valid JSON.
+//! * Under a grammar ([`ToolCallParser::grammar_values`]: forced tool calls, whose values end at
+//!   the first `\n</parameter>\n`, as the grammar ends them), a value ends exactly there: text such
+//!   as `</function>` + `</tool_call>` inside a string value stays in the value.
 //! * Tool-call ids are `call_` + 24 ASCII alphanumerics, from a per-parser seed
 //!   ([`ToolCallParser::new_with_seed`] makes them reproducible).
 
@@ -380,6 +383,8 @@ pub struct ToolCallParser {
     next_index: usize,
     rng: u64,
     events: Vec<ToolEvent>,
+    /// Values end at the first `\n</parameter>\n` ([`ToolCallParser::grammar_values`]).
+    grammar_values: bool,
 }
 
 static PARSER_COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -416,7 +421,16 @@ impl ToolCallParser {
             next_index: 0,
             rng: seed,
             events: Vec::new(),
+            grammar_values: false,
         }
+    }
+
+    /// For output written under the tool-call grammar (forced tool calls): a parameter value ends
+    /// at the first `\n</parameter>\n`, where the grammar ends it, whatever closing tags of the
+    /// call it contains before that.
+    pub fn grammar_values(mut self) -> Self {
+        self.grammar_values = true;
+        self
     }
 
     /// Number of tool calls started so far.
@@ -577,6 +591,15 @@ impl ToolCallParser {
     /// `</function>` in structural position).
     fn scan_value(&self, eof: bool) -> ValueEnd {
         let s = self.pending.as_str();
+        if self.grammar_values {
+            const END: &str = "\n</parameter>\n";
+            return match s.find(END) {
+                // The `\n` before the tag is the format's, removed with the value's last byte.
+                Some(i) => ValueEnd::At { end: i + 1, consume: PARAM_CLOSE.len() },
+                None if !eof && partial_tag_start(s, END) < s.len() => ValueEnd::Undecided(partial_tag_start(s, END)),
+                None => ValueEnd::None,
+            };
+        }
         let mut pos = 0;
         while let Some(off) = s[pos..].find('<') {
             let i = pos + off;

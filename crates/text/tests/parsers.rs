@@ -739,3 +739,30 @@ fn tool_json_form_is_a_call() {
         assert_eq!((content.as_str(), calls.len()), (text, 0), "{text}");
     }
 }
+
+/// A string value holding the text `</function>` + `</tool_call>`: read by the format's rules the
+/// call ends there and the rest leaks into content; under the tool-call grammar (forced tool
+/// calls) the value ends where the grammar ends it, at the first `\n</parameter>\n`.
+#[test]
+fn tool_grammar_values_keep_closing_tags_inside_a_value() {
+    let t = tools();
+    let value = "Close it with </function>\n</tool_call> and go on.";
+    let out = call("write_file", &[("path", "notes.md"), ("content", value)]);
+    let (leaked, _) = tools_parse(&out, &t);
+    assert!(leaked.contains("and go on."), "{leaked:?}");
+    let grammar_stream = |parts: &[&str]| {
+        let mut p = ToolCallParser::new_with_seed(&t, 42).grammar_values();
+        let mut events: Vec<ToolEvent> = parts.iter().flat_map(|part| p.push(part)).collect();
+        events.extend(p.finish());
+        check_events(&events)
+    };
+    let (content, calls) = assert_split_invariant(&out, grammar_stream);
+    assert_eq!(content, "");
+    assert_eq!(calls.len(), 1);
+    let args: Value = serde_json::from_str(&calls[0].arguments).unwrap();
+    assert_eq!(args, json!({"path": "notes.md", "content": value}));
+    // A value cut off by the end of the output keeps what arrived.
+    let (_, cut) = grammar_stream(&[&out[..out.find(" and go on").unwrap()]]);
+    let args: Value = serde_json::from_str(&cut[0].arguments).unwrap();
+    assert_eq!(args["content"], "Close it with </function>\n</tool_call>");
+}

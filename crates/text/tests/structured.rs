@@ -102,3 +102,36 @@ fn a_schema_that_does_not_compile_is_an_error() {
     }
     assert!(c.compile(&Grammar::ToolCalls { tools: vec![], at_most_one: true }).is_err());
 }
+
+#[test]
+fn a_string_parameter_pattern_is_enforced() {
+    let (tok, c, eos) = compiler();
+    let tools = vec![json!({"type": "function", "function": {"name": "call", "parameters": {"type": "object",
+        "properties": {"phone": {"type": "string", "pattern": "^[0-9]{3}-[0-9]{2}/x$", "maxLength": 12}},
+        "required": ["phone"]}}})];
+    let re = regex::Regex::new("^[0-9]{3}-[0-9]{2}/x$").unwrap();
+    for seed in 1..5 {
+        let text = walk(&tok, &c, &Grammar::ToolCalls { tools: tools.clone(), at_most_one: true }, eos, seed);
+        let (_, calls) = parse_complete(&text, &tools);
+        let args: Value = serde_json::from_str(&calls[0].arguments).unwrap();
+        assert!(re.is_match(args["phone"].as_str().unwrap()), "{text:?}");
+    }
+    let bad = vec![json!({"name": "f", "input_schema": {"type": "object",
+        "properties": {"a": {"type": "string", "pattern": "(unclosed"}}}})];
+    assert!(c.compile(&Grammar::ToolCalls { tools: bad, at_most_one: true }).is_err());
+}
+
+#[test]
+fn regex_and_choice_grammars() {
+    let (tok, c, eos) = compiler();
+    let re = regex::Regex::new("^(yes|no)-[a-c]{2,4}$").unwrap();
+    for seed in 1..5 {
+        let text = walk(&tok, &c, &Grammar::Regex("(yes|no)-[a-c]{2,4}".into()), eos, seed);
+        assert!(re.is_match(&text), "{text:?}");
+        let choices = vec!["red".to_string(), "green light".to_string(), "a \"quoted\" one".to_string()];
+        let text = walk(&tok, &c, &Grammar::Choice(choices.clone()), eos, seed);
+        assert!(choices.contains(&text), "{text:?}");
+    }
+    assert!(c.compile(&Grammar::Regex("(unclosed".into())).is_err());
+    assert!(c.compile(&Grammar::Choice(vec![])).is_err());
+}

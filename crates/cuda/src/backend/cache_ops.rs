@@ -1,4 +1,5 @@
-//! Cache ops between steps: state snapshots (device or pinned host) and page prefix copies.
+//! Cache ops between steps: state snapshots (device or pinned host), state slot copies and page
+//! prefix copies.
 
 use cudarc::driver::result;
 use deltaserve_backend::{BackendError, CacheOp, SnapshotLoc};
@@ -110,6 +111,20 @@ impl CudaBackend {
                 let dst = self.state_parts(None, to);
                 for ((_, s, len), (_, d, _)) in src.into_iter().zip(dst) {
                     self.copy(place(to, d), place(from, s), len).map_err(dev)?;
+                }
+            }
+            CacheOp::CopyState { src, dst } => {
+                if src as usize >= self.num_slots || dst as usize >= self.num_slots {
+                    return Err(BackendError::InvalidStep(format!("state copy {src} → {dst} out of range")));
+                }
+                if src == dst {
+                    return Ok(());
+                }
+                // The snapshot half of each part is not used here.
+                let from = self.state_parts(Some(src), SnapshotLoc::Device(0));
+                let to = self.state_parts(Some(dst), SnapshotLoc::Device(0));
+                for ((s, _, len), (d, _, _)) in from.into_iter().zip(to) {
+                    self.copy(Place::Dev(d), Place::Dev(s), len).map_err(dev)?;
                 }
             }
             CacheOp::CopyPagePrefix { src, dst, tokens } => {
