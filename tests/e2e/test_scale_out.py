@@ -154,6 +154,9 @@ def test_sessions_stay_where_their_cache_is(fleet):
     print(f"{SESSIONS} sessions x {TURNS} turns, round_robin: {figures(rr)}")
 
     assert report["summary"]["ok"], json.dumps(report["summary"], indent=1)
+    completions = sum(t["completion_tokens"] for t in report["turns"])
+    assert report["summary"]["generated_tokens"] == completions > 0, report["summary"]
+    assert report["summary"]["generated_tokens_per_s"] > 0, report["summary"]
     assert len(report["sessions"]) == SESSIONS
     for s in report["sessions"]:
         assert s["turns"] == TURNS, s
