@@ -235,3 +235,29 @@ def test_a_killed_replica_is_routed_around(fleet):
     with util.client(launcher.base) as c:
         healthy = [w["url"] for w in c.get("/workers").json().get("workers", []) if w.get("is_healthy")]
     assert len(healthy) == REPLICAS - 1, healthy
+
+
+def test_replicas_on_gpus_split_a_shared_card(monkeypatch):
+    """One replica per listed GPU; replicas sharing a card split it unless the memory is given."""
+    import importlib.util
+    from importlib.machinery import SourceFileLoader
+    loader = SourceFileLoader("scale_out", str(SCRIPT))
+    launcher = importlib.util.module_from_spec(importlib.util.spec_from_loader("scale_out", loader))
+    loader.exec_module(launcher)
+    monkeypatch.setenv("DELTASERVE_BIN", "/opt/deltaserve")
+
+    def plan(*argv: str) -> list[tuple[str, str, list[str]]]:
+        a, serve_args = launcher.parse_args(list(argv))
+        return [(url, env.get("CUDA_VISIBLE_DEVICES"), cmd) for url, cmd, env in
+                launcher.replica_commands(a, serve_args)]
+
+    one_each = plan("--gpus", "0,1", "--replica-port", "9001", "--", "--model", "/m")
+    assert [(u, g) for u, g, _ in one_each] == [("http://127.0.0.1:9001", "0"), ("http://127.0.0.1:9002", "1")]
+    assert all("--gpu-memory-utilization" not in c and c[-2:] == ["--model", "/m"] for _, _, c in one_each)
+    shared = plan("--gpus", "0", "--replicas", "2", "--", "--model", "/m")
+    assert [g for _, g, _ in shared] == ["0", "0"]
+    assert all(c[-2:] == ["--gpu-memory-utilization", "0.460"] for _, _, c in shared)
+    sized = plan("--gpus", "0", "--replicas", "2", "--", "--memory", "40GiB")
+    assert all("--gpu-memory-utilization" not in c for _, _, c in sized)
+    with pytest.raises(SystemExit):
+        plan("--replicas", "0")  # neither replicas nor --worker-url
