@@ -133,6 +133,8 @@ struct Report {
     sessions: Vec<Session>,
     /// The --metrics-url replicas' counters before and after the run.
     replicas: Vec<Replica>,
+    /// Seconds from the first session's start to the last one's end.
+    wall_s: f64,
     failures: Vec<String>,
 }
 
@@ -153,6 +155,7 @@ async fn soak(a: &Args, target: &Target, replicas: &[Target], model: Option<Stri
         target_context: a.target_context,
         sessions: Vec::new(),
         replicas: Vec::new(),
+        wall_s: 0.0,
         failures: Vec::new(),
     };
     let client = |session: Option<String>, target: &Target| Client {
@@ -179,6 +182,7 @@ async fn soak(a: &Args, target: &Target, replicas: &[Target], model: Option<Stri
     };
     // Between turns /metrics describes this session's server only when it serves nothing else.
     let per_turn_metrics = a.sessions == 1 && replicas.is_empty();
+    let start = std::time::Instant::now();
     let shape = Shape { turns: a.turns, target_context: a.target_context, max_tokens: a.max_tokens };
     let runs: Vec<_> = (0..a.sessions as u64)
         .map(|i| {
@@ -201,6 +205,7 @@ async fn soak(a: &Args, target: &Target, replicas: &[Target], model: Option<Stri
             Err(e) => report.failures.push(format!("a session's task failed: {e}")),
         }
     }
+    report.wall_s = start.elapsed().as_secs_f64();
     for s in &report.sessions {
         let prefix = if a.sessions > 1 { format!("session {}: ", s.key) } else { String::new() };
         report.failures.extend(s.failures.iter().map(|f| format!("{prefix}{f}")));
@@ -423,6 +428,11 @@ fn assistant_message(r: &Reply) -> Value {
 // Output: JSON, table, SVG
 
 impl Report {
+    /// Completion tokens of every session's turns.
+    fn generated_tokens(&self) -> u64 {
+        self.sessions.iter().flat_map(|s| &s.turns).map(|t| t.completion_tokens).sum()
+    }
+
     /// The first session's turns (the only session's, without --sessions).
     fn turns(&self) -> &[Turn] {
         self.sessions.first().map_or(&[], |s| &s.turns)
@@ -473,6 +483,7 @@ impl ToolReport for Report {
             })
             .collect();
         let n_turns = turns.len();
+        let generated = self.generated_tokens();
         let first = self.sessions.first();
         let baseline = first.and_then(|s| s.baseline);
         let min_cached = self.sessions.iter().filter_map(Session::min_cached_fraction).min_by(f64::total_cmp);
@@ -488,6 +499,9 @@ impl ToolReport for Report {
                 "final_context": self.sessions.iter().filter_map(|s| s.turns.last()).map(|t| t.prompt_tokens).max(),
                 "ttft_ratio_last_vs_turn2_per_new_token": first.and_then(Session::ttft_ratio).map(round3),
                 "min_cached_fraction_of_previous_context": min_cached.map(round3),
+                "wall_s": round3(self.wall_s),
+                "generated_tokens": generated,
+                "generated_tokens_per_s": round3(generated as f64 / self.wall_s.max(1e-9)),
                 "baseline_arena_allocations": baseline.map(|b| b.0),
                 "baseline_arena_high_water_bytes": baseline.map(|b| b.1),
                 "ok": self.failures.is_empty(),
@@ -500,6 +514,13 @@ impl ToolReport for Report {
         let mut s = String::new();
         if self.sessions.len() > 1 || !self.replicas.is_empty() {
             sessions_table(&mut s, &self.server, self.target_context, &self.sessions, &self.replicas);
+            let _ = writeln!(
+                s,
+                "{} tokens generated in {:.1} s: {:.1} tokens/s over all sessions",
+                self.generated_tokens(),
+                self.wall_s,
+                self.generated_tokens() as f64 / self.wall_s.max(1e-9)
+            );
         } else {
             self.turns_table(&mut s);
         }
