@@ -78,12 +78,17 @@ pub(crate) struct MetricsSample {
     /// Engine steps run and their wall time (s) so far (absent on servers that do not report them).
     pub(crate) steps: Option<u64>,
     pub(crate) step_seconds: Option<f64>,
+    /// Prompt tokens of finished requests, and those of them served from the prefix cache.
+    pub(crate) prompt_tokens: Option<u64>,
+    pub(crate) cached_tokens: Option<u64>,
 }
 
 pub(crate) struct Client {
     pub(crate) target: Target,
     pub(crate) api_key: Option<String>,
     pub(crate) timeout: Duration,
+    /// Sent as `X-Session-Id` (a gateway can route a session's requests by it).
+    pub(crate) session: Option<String>,
 }
 
 impl Client {
@@ -125,6 +130,8 @@ impl Client {
             kv_pages_used: get("deltaserve_kv_pages_used"),
             steps: get("deltaserve_engine_steps_total"),
             step_seconds: getf("deltaserve_engine_step_seconds_total"),
+            prompt_tokens: get("deltaserve_prompt_tokens_total"),
+            cached_tokens: get("deltaserve_prefix_cache_hit_tokens_total"),
         })
     }
 
@@ -195,6 +202,9 @@ impl Client {
         );
         if let Some(key) = &self.api_key {
             let _ = write!(head, "Authorization: Bearer {key}\r\n");
+        }
+        if let Some(id) = &self.session {
+            let _ = write!(head, "X-Session-Id: {id}\r\n");
         }
         if let Some(b) = body {
             let _ = write!(head, "Content-Type: application/json\r\nContent-Length: {}\r\n", b.len());

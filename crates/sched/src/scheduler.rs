@@ -124,11 +124,15 @@ impl StepPlan {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SchedStats {
     pub waiting: usize,
+    /// Tokens the waiting requests still have to compute (their prompts, less any restored state).
+    pub waiting_tokens: usize,
     pub running: usize,
     pub pages_in_use: usize,
     pub pages_total: usize,
     pub slots_in_use: usize,
     pub slots_total: usize,
+    /// Tokens per KV page.
+    pub page_size: usize,
     pub preemptions: u64,
     /// Sequences forked from another's cache (several choices of one prompt).
     pub forks: u64,
@@ -695,11 +699,18 @@ impl Scheduler {
     pub fn stats(&self) -> SchedStats {
         SchedStats {
             waiting: self.waiting.len(),
+            waiting_tokens: self
+                .waiting
+                .iter()
+                .filter_map(|id| self.seqs.get(id))
+                .map(|s| s.tokens.len() - s.cached)
+                .sum(),
             running: self.running.len(),
             pages_in_use: self.pages.capacity() - self.pages.num_free(),
             pages_total: self.pages.capacity(),
             slots_in_use: self.slots.capacity() - self.slots.num_free(),
             slots_total: self.slots.capacity(),
+            page_size: self.cfg.page_size,
             preemptions: self.preemptions,
             forks: self.forks,
             prefix: self.prefix.stats(),

@@ -142,6 +142,20 @@ fn admission_limits_are_clear_errors() {
 }
 
 #[test]
+fn stats_count_the_waiting_prompt_tokens_and_the_page_size() {
+    let mut s = Scheduler::new(cfg(16, 16, 1));
+    s.add(1, vec![1; 10], 4).unwrap();
+    s.add(2, vec![2; 7], 4).unwrap();
+    let st = s.stats();
+    assert_eq!((st.waiting, st.waiting_tokens, st.page_size), (2, 17, 4));
+    let p = s.schedule();
+    s.commit(&p);
+    // One sequence fits (max_seqs 1): only the other's prompt is still waiting.
+    let st = s.stats();
+    assert_eq!((st.running, st.waiting, st.waiting_tokens), (1, 1, 7));
+}
+
+#[test]
 fn long_prompt_is_split_across_steps_and_decodes_keep_flowing() {
     let mut s = Scheduler::new(cfg(8, 100, 4));
     s.add(1, vec![1; 3], 10).unwrap();

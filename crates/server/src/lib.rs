@@ -5,11 +5,13 @@
 //! - [`request`]: API requests → engine requests (sampling, stops, chat rendering);
 //! - [`output`]: engine events → reasoning / content / tool-call events;
 //! - [`error`]: every client-visible error and its status; [`metrics`]: Prometheus; [`routes`]: the router;
-//! - [`drain`]: graceful shutdown (a 503 for new requests while in-flight ones finish).
+//! - [`drain`]: graceful shutdown (a 503 for new requests while in-flight ones finish);
+//! - [`loads`]: `/v1/loads`, the load report a gateway's load-aware routing polls.
 
 pub mod anthropic;
 pub mod drain;
 pub mod error;
+pub mod loads;
 pub mod metrics;
 pub mod openai;
 pub mod output;

@@ -1,4 +1,5 @@
-//! The router: routes, API-key check, body limit, chat defaults, health, metrics and the 404 fallback.
+//! The router: routes, API-key check, body limit, chat defaults, health, metrics, load report and the
+//! 404 fallback.
 
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -26,6 +27,7 @@ pub fn router_with(state: AppState, chat_defaults: ChatDefaults) -> Router {
         .route("/v1/models/{*id}", get(openai::model))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/v1/loads", get(crate::loads::loads))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
     Router::new()
         .merge(api)

@@ -338,6 +338,31 @@ async fn retrieve_model_by_id() {
     }
 }
 
+/// The load report a gateway polls: behind the API key, SGLang's shape, the static plan's capacity.
+#[tokio::test(flavor = "multi_thread")]
+async fn load_report_for_gateways() {
+    let app = app();
+    let (status, _) =
+        post(&app, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}]})).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, r) = get(&app, "/v1/loads?include=core,disagg,queues,memory").await;
+    assert_eq!(status, StatusCode::OK, "{r}");
+    assert_eq!(r["dp_rank_count"], 1);
+    let l = &r["loads"][0];
+    // The finished request may still hold its slot for a moment: counts, within the plan's limits.
+    assert!(l["num_running_reqs"].as_u64().is_some_and(|n| n <= 4), "{l}");
+    assert_eq!(
+        l["num_total_reqs"].as_u64(),
+        Some(l["num_running_reqs"].as_u64().unwrap() + l["num_waiting_reqs"].as_u64().unwrap())
+    );
+    // 64 pages of 16 tokens; 4 sequences.
+    assert_eq!(l["max_total_num_tokens"], 1024);
+    assert_eq!(l["max_running_requests"], 4);
+    assert!((0.0..=1.0).contains(&l["token_usage"].as_f64().unwrap()), "{l}");
+    let unauthorized = app.clone().oneshot(Request::get("/v1/loads").body(Body::empty()).unwrap()).await.unwrap();
+    assert_eq!(unauthorized.status(), StatusCode::UNAUTHORIZED);
+}
+
 /// Prompt tokens and reasoning/content of a non-streamed chat reply.
 async fn chat_reply(app: &axum::Router, kwargs: Option<Value>) -> (u64, Value, Value) {
     let mut req = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12});

@@ -9,4 +9,5 @@ pub mod plan;
 pub mod probe;
 pub mod serve;
 pub mod soak;
+mod soak_sessions;
 pub mod synth;

@@ -290,8 +290,12 @@ async fn probe(a: &Args, target: Target, setup: Setup) -> Report {
 }
 
 async fn run_probe(a: &Args, target: Target, setup: &Setup, report: &mut Report) -> Result<()> {
-    let client =
-        Client { target, api_key: a.server.api_key.clone(), timeout: Duration::from_secs(a.request_timeout_secs) };
+    let client = Client {
+        target,
+        api_key: a.server.api_key.clone(),
+        timeout: Duration::from_secs(a.request_timeout_secs),
+        session: None,
+    };
     let models = client.get_json("/v1/models").await?;
     let first = &models["data"][0];
     let model = setup.model.clone().or_else(|| first["id"].as_str().map(str::to_string));

@@ -3,6 +3,12 @@
 //! server's memory counters. Fails on HTTP errors, malformed responses, prefix-cache misses (a
 //! turn must restore ≥ 95% of the previous turn's prompt) and any arena growth between turns.
 //!
+//! `--sessions N` runs N such sessions at once (seeds `--seed`..`--seed + N - 1`, each naming itself in
+//! an `X-Session-Id` header), e.g. through a gateway in front of several replicas, and reports each
+//! session's cached fraction and TTFT. A gateway does not proxy `/metrics`: then the per-turn server
+//! counters are left out, and `--metrics-url` (repeatable) names the replicas whose `/metrics` are read
+//! before and after the run (arena growth fails the run; their prefix-cache hits are reported).
+//!
 //! Without `--url` it starts the server in-process on 127.0.0.1 (an ephemeral port) with the
 //! `--model` / engine flags, exactly as `deltaserve serve` builds it (the few lines that assemble
 //! the server state are duplicated from `serve.rs`), and stops it at the end. With `--url`, `--model`
@@ -19,6 +25,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow, bail};
 use serde_json::{Map, Value, json};
 
+use super::soak_sessions::{Replica, read_replicas, sessions_table};
 use crate::http::{Client, Reply, Target};
 use crate::in_process::{ServerArgs, host_rss_bytes};
 use crate::report::{ToolReport, emit, round_to, xml};
@@ -54,6 +61,13 @@ pub struct Args {
     /// Seconds one request may take before the soak fails.
     #[arg(long, default_value_t = 600)]
     request_timeout_secs: u64,
+    /// Agent sessions run at once (session i uses seed --seed + i and sends `X-Session-Id: soak-SEED`).
+    #[arg(long, default_value_t = 1)]
+    sessions: usize,
+    /// A replica's base URL whose /metrics is read before and after the run (repeatable), when --url is a
+    /// gateway; with it, or with several sessions, /metrics is not read from --url between turns.
+    #[arg(long = "metrics-url", value_name = "URL")]
+    metrics_urls: Vec<String>,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -63,10 +77,14 @@ pub fn run(a: Args) -> Result<()> {
     if a.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
+    if a.sessions == 0 {
+        bail!("--sessions must be at least 1");
+    }
+    let replicas = a.metrics_urls.iter().map(|u| Target::parse(u)).collect::<Result<Vec<_>>>()?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let report = rt.block_on(async {
         let server = a.server.connect().await?;
-        let report = soak(&a, &server.target, server.model.clone(), server.local.is_some()).await;
+        let report = soak(&a, &server.target, &replicas, server.model.clone(), server.local.is_some()).await;
         server.stop().await?;
         anyhow::Ok(report)
     });
@@ -79,23 +97,23 @@ pub fn run(a: Args) -> Result<()> {
 
 /// One turn's measurements.
 #[derive(Clone, Debug, Default)]
-struct Turn {
-    turn: usize,
+pub(super) struct Turn {
+    pub(super) turn: usize,
     /// What the turn appended: `task` (turn 1), `tool` or `user`.
-    kind: &'static str,
-    prompt_tokens: u64,
-    cached_tokens: u64,
-    completion_tokens: u64,
-    ttft_ms: f64,
-    total_ms: f64,
-    arena_high_water_bytes: Option<u64>,
-    arena_allocations: Option<u64>,
-    kv_pages_used: Option<u64>,
-    host_rss_bytes: Option<u64>,
+    pub(super) kind: &'static str,
+    pub(super) prompt_tokens: u64,
+    pub(super) cached_tokens: u64,
+    pub(super) completion_tokens: u64,
+    pub(super) ttft_ms: f64,
+    pub(super) total_ms: f64,
+    pub(super) arena_high_water_bytes: Option<u64>,
+    pub(super) arena_allocations: Option<u64>,
+    pub(super) kv_pages_used: Option<u64>,
+    pub(super) host_rss_bytes: Option<u64>,
     /// Engine steps during the turn and their wall time (from the server's /metrics before and
     /// after it): how much of the turn was compute, and in how many steps its prompt ran.
-    steps: Option<u64>,
-    step_ms: Option<f64>,
+    pub(super) steps: Option<u64>,
+    pub(super) step_ms: Option<f64>,
 }
 
 impl Turn {
@@ -111,53 +129,131 @@ struct Report {
     server: String,
     in_process: bool,
     target_context: usize,
-    turns: Vec<Turn>,
-    /// Arena counters before the first turn.
-    baseline: Option<(u64, u64)>,
+    /// One per session, in session order.
+    sessions: Vec<Session>,
+    /// The --metrics-url replicas' counters before and after the run.
+    replicas: Vec<Replica>,
+    /// Seconds from the first session's start to the last one's end.
+    wall_s: f64,
     failures: Vec<String>,
 }
 
-async fn soak(a: &Args, target: &Target, model: Option<String>, in_process: bool) -> Report {
+/// One agent session's turns.
+#[derive(Default)]
+pub(super) struct Session {
+    pub(super) key: String,
+    pub(super) turns: Vec<Turn>,
+    /// Arena counters before the first turn (when /metrics is read from the target between turns).
+    pub(super) baseline: Option<(u64, u64)>,
+    pub(super) failures: Vec<String>,
+}
+
+async fn soak(a: &Args, target: &Target, replicas: &[Target], model: Option<String>, in_process: bool) -> Report {
     let mut report = Report {
         server: if in_process { format!("in-process {}", target.origin()) } else { target.origin() },
         in_process,
         target_context: a.target_context,
-        turns: Vec::new(),
-        baseline: None,
+        sessions: Vec::new(),
+        replicas: Vec::new(),
+        wall_s: 0.0,
         failures: Vec::new(),
     };
-    if let Err(e) = run_session(a, target, model, in_process, &mut report).await {
-        report.failures.push(format!("{e:#}"));
+    let client = |session: Option<String>, target: &Target| Client {
+        target: target.clone(),
+        api_key: a.server.api_key.clone(),
+        timeout: Duration::from_secs(a.request_timeout_secs),
+        session,
+    };
+    let replica_clients: Vec<Client> = replicas.iter().map(|r| client(None, r)).collect();
+    let before = match read_replicas(&replica_clients).await {
+        Ok(m) => m,
+        Err(e) => {
+            report.failures.push(format!("{e:#}"));
+            return report;
+        }
+    };
+    // Reachability first, and the model name when none was given.
+    let model = match resolve_model(&client(None, target), model).await {
+        Ok(m) => m,
+        Err(e) => {
+            report.failures.push(format!("{e:#}"));
+            return report;
+        }
+    };
+    // Between turns /metrics describes this session's server only when it serves nothing else.
+    let per_turn_metrics = a.sessions == 1 && replicas.is_empty();
+    let start = std::time::Instant::now();
+    let shape = Shape { turns: a.turns, target_context: a.target_context, max_tokens: a.max_tokens };
+    let runs: Vec<_> = (0..a.sessions as u64)
+        .map(|i| {
+            let seed = a.seed + i;
+            let key = format!("soak-{seed}");
+            let c = client(Some(key.clone()), target);
+            let model = model.clone();
+            tokio::spawn(async move {
+                let mut session = Session { key, ..Default::default() };
+                if let Err(e) = run_session(shape, &c, &model, seed, per_turn_metrics, in_process, &mut session).await {
+                    session.failures.push(format!("{e:#}"));
+                }
+                session
+            })
+        })
+        .collect();
+    for run in runs {
+        match run.await {
+            Ok(session) => report.sessions.push(session),
+            Err(e) => report.failures.push(format!("a session's task failed: {e}")),
+        }
+    }
+    report.wall_s = start.elapsed().as_secs_f64();
+    for s in &report.sessions {
+        let prefix = if a.sessions > 1 { format!("session {}: ", s.key) } else { String::new() };
+        report.failures.extend(s.failures.iter().map(|f| format!("{prefix}{f}")));
+    }
+    match read_replicas(&replica_clients).await {
+        Ok(after) => report.replicas = Replica::compare(replicas, before, after, &mut report.failures),
+        Err(e) => report.failures.push(format!("{e:#}")),
     }
     report
 }
 
-async fn run_session(
-    a: &Args,
-    target: &Target,
-    model: Option<String>,
-    in_process: bool,
-    report: &mut Report,
-) -> Result<()> {
-    let client = Client {
-        target: target.clone(),
-        api_key: a.server.api_key.clone(),
-        timeout: Duration::from_secs(a.request_timeout_secs),
-    };
-    // Reachability first, and the model name when none was given.
+/// `model`, or the first id of the target's /v1/models.
+async fn resolve_model(client: &Client, model: Option<String>) -> Result<String> {
     let models = client.get_json("/v1/models").await?;
-    let model = match model {
-        Some(m) => m,
+    match model {
+        Some(m) => Ok(m),
         None => models["data"][0]["id"]
             .as_str()
             .map(str::to_string)
-            .ok_or_else(|| anyhow!("GET /v1/models: no model id in {models}"))?,
-    };
-    let m0 = client.metrics().await?;
-    report.baseline = Some((m0.allocations, m0.high_water));
-    let mut last_steps = (m0.steps, m0.step_seconds);
+            .ok_or_else(|| anyhow!("GET /v1/models: no model id in {models}")),
+    }
+}
 
-    let mut rng = Rng::new(a.seed);
+/// What every session's turns are sized by.
+#[derive(Clone, Copy)]
+struct Shape {
+    turns: usize,
+    target_context: usize,
+    max_tokens: u32,
+}
+
+async fn run_session(
+    a: Shape,
+    client: &Client,
+    model: &str,
+    seed: u64,
+    per_turn_metrics: bool,
+    in_process: bool,
+    report: &mut Session,
+) -> Result<()> {
+    let mut last_steps = (None, None);
+    if per_turn_metrics {
+        let m0 = client.metrics().await?;
+        report.baseline = Some((m0.allocations, m0.high_water));
+        last_steps = (m0.steps, m0.step_seconds);
+    }
+
+    let mut rng = Rng::new(seed);
     let n = a.turns;
     // Relative payload sizes of turns 2..=n: geometric growth with seeded jitter.
     let weights: Vec<f64> = (0..n).map(|i| 1.3f64.powi(i as i32) * (0.75 + 0.5 * rng.unit())).collect();
@@ -236,19 +332,22 @@ async fn run_session(
             total_ms,
             ..Default::default()
         };
-        let m = client.metrics().await.with_context(|| format!("turn {t}"))?;
-        turn.steps = m.steps.zip(last_steps.0).map(|(a, b)| a.saturating_sub(b));
-        turn.step_ms = m.step_seconds.zip(last_steps.1).map(|(a, b)| (a - b).max(0.0) * 1e3);
-        last_steps = (m.steps, m.step_seconds);
-        turn.arena_allocations = Some(m.allocations);
-        turn.arena_high_water_bytes = Some(m.high_water);
-        turn.kv_pages_used = m.kv_pages_used;
+        if per_turn_metrics {
+            let m = client.metrics().await.with_context(|| format!("turn {t}"))?;
+            turn.steps = m.steps.zip(last_steps.0).map(|(a, b)| a.saturating_sub(b));
+            turn.step_ms = m.step_seconds.zip(last_steps.1).map(|(a, b)| (a - b).max(0.0) * 1e3);
+            last_steps = (m.steps, m.step_seconds);
+            turn.arena_allocations = Some(m.allocations);
+            turn.arena_high_water_bytes = Some(m.high_water);
+            turn.kv_pages_used = m.kv_pages_used;
+        }
         turn.host_rss_bytes = if in_process { host_rss_bytes() } else { None };
         if t == 1 && turn.prompt_tokens > 0 {
             chars_per_token = initial_chars as f64 / turn.prompt_tokens as f64;
         }
         check_turn(&turn, report.turns.last(), report.baseline, &mut report.failures);
         tracing::info!(
+            session = %report.key,
             turn = t,
             kind,
             prompt = turn.prompt_tokens,
@@ -329,13 +428,26 @@ fn assistant_message(r: &Reply) -> Value {
 // Output: JSON, table, SVG
 
 impl Report {
+    /// Completion tokens of every session's turns.
+    fn generated_tokens(&self) -> u64 {
+        self.sessions.iter().flat_map(|s| &s.turns).map(|t| t.completion_tokens).sum()
+    }
+
+    /// The first session's turns (the only session's, without --sessions).
+    fn turns(&self) -> &[Turn] {
+        self.sessions.first().map_or(&[], |s| &s.turns)
+    }
+}
+
+impl Session {
     fn ttft_ratio(&self) -> Option<f64> {
         let (t2, last) = (self.turns.get(1)?, self.turns.last()?);
         (self.turns.len() >= 2 && t2.ttft_per_new_token_ms() > 0.0)
             .then(|| last.ttft_per_new_token_ms() / t2.ttft_per_new_token_ms())
     }
 
-    fn min_cached_fraction(&self) -> Option<f64> {
+    /// The smallest share of the previous turn's prompt a turn found cached.
+    pub(super) fn min_cached_fraction(&self) -> Option<f64> {
         self.turns
             .windows(2)
             .map(|w| w[1].cached_tokens as f64 / w[0].prompt_tokens.max(1) as f64)
@@ -346,10 +458,12 @@ impl Report {
 impl ToolReport for Report {
     fn to_json(&self) -> Value {
         let turns: Vec<Value> = self
-            .turns
+            .sessions
             .iter()
-            .map(|t| {
+            .flat_map(|s| s.turns.iter().map(move |t| (s, t)))
+            .map(|(session, t)| {
                 json!({
+                    "session": session.key,
                     "turn": t.turn,
                     "kind": t.kind,
                     "prompt_tokens": t.prompt_tokens,
@@ -368,17 +482,28 @@ impl ToolReport for Report {
                 })
             })
             .collect();
+        let n_turns = turns.len();
+        let generated = self.generated_tokens();
+        let first = self.sessions.first();
+        let baseline = first.and_then(|s| s.baseline);
+        let min_cached = self.sessions.iter().filter_map(Session::min_cached_fraction).min_by(f64::total_cmp);
         json!({
             "turns": turns,
+            "sessions": self.sessions.iter().map(Session::summary).collect::<Vec<_>>(),
+            "replicas": self.replicas.iter().map(Replica::to_json).collect::<Vec<_>>(),
             "summary": {
                 "server": self.server,
-                "turns": self.turns.len(),
+                "sessions": self.sessions.len(),
+                "turns": n_turns,
                 "target_context": self.target_context,
-                "final_context": self.turns.last().map_or(0, |t| t.prompt_tokens),
-                "ttft_ratio_last_vs_turn2_per_new_token": self.ttft_ratio().map(round3),
-                "min_cached_fraction_of_previous_context": self.min_cached_fraction().map(round3),
-                "baseline_arena_allocations": self.baseline.map(|b| b.0),
-                "baseline_arena_high_water_bytes": self.baseline.map(|b| b.1),
+                "final_context": self.sessions.iter().filter_map(|s| s.turns.last()).map(|t| t.prompt_tokens).max(),
+                "ttft_ratio_last_vs_turn2_per_new_token": first.and_then(Session::ttft_ratio).map(round3),
+                "min_cached_fraction_of_previous_context": min_cached.map(round3),
+                "wall_s": round3(self.wall_s),
+                "generated_tokens": generated,
+                "generated_tokens_per_s": round3(generated as f64 / self.wall_s.max(1e-9)),
+                "baseline_arena_allocations": baseline.map(|b| b.0),
+                "baseline_arena_high_water_bytes": baseline.map(|b| b.1),
                 "ok": self.failures.is_empty(),
                 "failures": self.failures,
             }
@@ -387,10 +512,47 @@ impl ToolReport for Report {
 
     fn table(&self) -> String {
         let mut s = String::new();
+        if self.sessions.len() > 1 || !self.replicas.is_empty() {
+            sessions_table(&mut s, &self.server, self.target_context, &self.sessions, &self.replicas);
+            let _ = writeln!(
+                s,
+                "{} tokens generated in {:.1} s: {:.1} tokens/s over all sessions",
+                self.generated_tokens(),
+                self.wall_s,
+                self.generated_tokens() as f64 / self.wall_s.max(1e-9)
+            );
+        } else {
+            self.turns_table(&mut s);
+        }
+        if self.failures.is_empty() {
+            let _ = writeln!(s, "ok");
+        } else {
+            let _ = writeln!(s, "FAILED:");
+            for f in &self.failures {
+                let _ = writeln!(s, "  - {f}");
+            }
+        }
+        s
+    }
+
+    /// Two panels: TTFT per turn (bars, ms) and prompt tokens per turn split into cached and new (the
+    /// first session's).
+    fn svg(&self) -> String {
+        self.turns_svg()
+    }
+
+    fn failures(&self) -> Vec<String> {
+        self.failures.clone()
+    }
+}
+
+impl Report {
+    /// One row per turn of the only session.
+    fn turns_table(&self, s: &mut String) {
         let _ = writeln!(
             s,
             "soak: {} turns against {} (target context {})",
-            self.turns.len(),
+            self.turns().len(),
             self.server,
             self.target_context
         );
@@ -411,7 +573,7 @@ impl ToolReport for Report {
             "arena hw",
             "allocs"
         );
-        for t in &self.turns {
+        for t in self.turns() {
             let _ = write!(
                 s,
                 "{:>4} {:>4} {:>8} {:>8} {:>7} {:>9.1} {:>12.4} {:>9.1} {:>6} {:>9} {:>14} {:>7}",
@@ -438,29 +600,20 @@ impl ToolReport for Report {
             s.push('\n');
         }
         let fmt = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.3}"));
+        let first = self.sessions.first();
         let _ = writeln!(
             s,
             "final context {} tokens; min cached fraction of the previous context {}; TTFT per new token, last vs turn 2: {}",
-            self.turns.last().map_or(0, |t| t.prompt_tokens),
-            fmt(self.min_cached_fraction()),
-            fmt(self.ttft_ratio())
+            self.turns().last().map_or(0, |t| t.prompt_tokens),
+            fmt(first.and_then(Session::min_cached_fraction)),
+            fmt(first.and_then(Session::ttft_ratio))
         );
-        if self.failures.is_empty() {
-            let _ = writeln!(s, "ok");
-        } else {
-            let _ = writeln!(s, "FAILED:");
-            for f in &self.failures {
-                let _ = writeln!(s, "  - {f}");
-            }
-        }
-        s
     }
 
-    /// Two panels: TTFT per turn (bars, ms) and prompt tokens per turn split into cached and new.
-    fn svg(&self) -> String {
+    fn turns_svg(&self) -> String {
         let (w, h, left, right, top, panel, gap) = (760.0, 580.0, 70.0, 20.0, 40.0, 200.0, 70.0);
         let plot_w = w - left - right;
-        let n = self.turns.len().max(1) as f64;
+        let n = self.turns().len().max(1) as f64;
         let slot = plot_w / n;
         let bar = (slot * 0.7).max(1.0);
         let mut s = String::new();
@@ -472,15 +625,15 @@ impl ToolReport for Report {
         let _ = writeln!(
             s,
             r#"<text x="{left}" y="20" font-size="14">deltaserve soak: {} turns, {} ({})</text>"#,
-            self.turns.len(),
+            self.turns().len(),
             xml(&self.server),
             if self.failures.is_empty() { "ok" } else { "FAILED" }
         );
         // Panel 1: TTFT.
-        let max_ttft = self.turns.iter().map(|t| t.ttft_ms).fold(0.0, f64::max).max(1e-3);
+        let max_ttft = self.turns().iter().map(|t| t.ttft_ms).fold(0.0, f64::max).max(1e-3);
         let y0 = top + 20.0;
         let max_ttft = crate::report::panel(&mut s, left, y0, plot_w, panel, max_ttft, "time to first token (ms)", "");
-        for (i, t) in self.turns.iter().enumerate() {
+        for (i, t) in self.turns().iter().enumerate() {
             let x = left + slot * i as f64 + (slot - bar) / 2.0;
             let bh = panel * t.ttft_ms / max_ttft;
             let _ = writeln!(
@@ -493,11 +646,11 @@ impl ToolReport for Report {
             );
         }
         // Panel 2: cached vs new prompt tokens.
-        let max_tok = self.turns.iter().map(|t| t.prompt_tokens).max().unwrap_or(1).max(1) as f64;
+        let max_tok = self.turns().iter().map(|t| t.prompt_tokens).max().unwrap_or(1).max(1) as f64;
         let y1 = y0 + panel + gap;
         let max_tok =
             crate::report::panel(&mut s, left, y1, plot_w, panel, max_tok, "prompt tokens per turn: cached / new", "");
-        for (i, t) in self.turns.iter().enumerate() {
+        for (i, t) in self.turns().iter().enumerate() {
             let x = left + slot * i as f64 + (slot - bar) / 2.0;
             let ch = panel * t.cached_tokens as f64 / max_tok;
             let nh = panel * t.new_tokens() as f64 / max_tok;
@@ -515,7 +668,7 @@ impl ToolReport for Report {
                 t.turn,
                 t.new_tokens()
             );
-            if self.turns.len() <= 40 || i % (self.turns.len() / 20).max(1) == 0 {
+            if self.turns().len() <= 40 || i % (self.turns().len() / 20).max(1) == 0 {
                 let _ = writeln!(
                     s,
                     r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
@@ -541,10 +694,6 @@ impl ToolReport for Report {
         );
         s.push_str("</svg>\n");
         s
-    }
-
-    fn failures(&self) -> Vec<String> {
-        self.failures.clone()
     }
 }
 
