@@ -62,10 +62,7 @@ pub fn gdn_decode_gated(k: &Kernels, s: &CudaStream, a: &GdnDecodeGated) -> Resu
     if d.n_seqs == 0 {
         return Ok(());
     }
-    let dv = k.dims.gdn_v_dim;
-    if d.hk == 0 || !d.hv.is_multiple_of(d.hk) || d.v_stride < d.hv * dv || a.z_tok_stride < d.hv * dv || dv > 256 {
-        return Err(invalid(K, format!("{a:?} (DV = {dv} <= 256)")));
-    }
+    let dv = check_gated(K, k, d, a.z_tok_stride, a)?;
     let GdnDecode { q, k: kp, v, g, beta, state, slots, .. } = *d;
     let (z, nw, out, eps) = (a.z, a.norm_w, a.out, a.eps);
     let (vs, zs) = (d.v_stride as i64, a.z_tok_stride as i64);
@@ -130,10 +127,7 @@ pub fn gdn_recurrent_gated(k: &Kernels, s: &CudaStream, a: &GdnRecurrentGated) -
     if d.n_seqs == 0 {
         return Ok(());
     }
-    let dv = k.dims.gdn_v_dim;
-    if d.hk == 0 || !d.hv.is_multiple_of(d.hk) || d.v_stride < d.hv * dv || a.z_tok_stride < d.hv * dv || dv > 256 {
-        return Err(invalid(K, format!("{a:?} (DV = {dv} <= 256)")));
-    }
+    let dv = check_gated(K, k, d, a.z_tok_stride, a)?;
     let GdnDecode { q, k: kp, v, g, beta, state, slots, .. } = *d;
     let (starts, z, nw, out, eps) = (a.starts, a.z, a.norm_w, a.out, a.eps);
     let (vs, zs) = (d.v_stride as i64, a.z_tok_stride as i64);
@@ -141,4 +135,21 @@ pub fn gdn_recurrent_gated(k: &Kernels, s: &CudaStream, a: &GdnRecurrentGated) -
     let grid = (to_u32(K, "n_seqs", d.n_seqs)?, to_u32(K, "hv", d.hv)?, 1);
     launch!(k, s, K, grid, ((4 * dv) as u32, 1, 1), 0;
         q, kp, v, vs, g, beta, state, slots, starts, z, zs, nw, out, hk, hv, eps)
+}
+
+/// What the gated kernels (`gdn_decode_gated`, `gdn_recurrent_gated`) require of their arguments `a`:
+/// heads that group evenly, v and z rows wide enough, DV at most 256 (a block of 4 DV threads).
+/// Returns DV.
+fn check_gated(
+    kernel: &'static str,
+    k: &Kernels,
+    d: &GdnDecode,
+    z_tok_stride: usize,
+    a: &impl std::fmt::Debug,
+) -> Result<usize, CudaError> {
+    let dv = k.dims.gdn_v_dim;
+    if d.hk == 0 || !d.hv.is_multiple_of(d.hk) || d.v_stride < d.hv * dv || z_tok_stride < d.hv * dv || dv > 256 {
+        return Err(invalid(kernel, format!("{a:?} (DV = {dv} <= 256)")));
+    }
+    Ok(dv)
 }
