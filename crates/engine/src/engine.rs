@@ -22,188 +22,25 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use deltaserve_backend::sampling::{PARALLEL_PICK_VOCAB, map_rows};
-use deltaserve_backend::{ArenaStats, Backend, Pick, RowSampling, SeqChunk, SpecCommit, StepOut, Want};
-use deltaserve_sched::{AdmitError, SchedConfig, SchedStats, Scheduler, SeqId, SeqOptions, check_request};
+use deltaserve_backend::{Backend, Pick, RowSampling, SeqChunk, SpecCommit, StepOut, Want};
+use deltaserve_sched::{AdmitError, SchedConfig, Scheduler, SeqId, SeqOptions, check_request};
 use deltaserve_text::{IncrementalDecoder, StopMatcher, Tokenizer};
 use tokio::sync::mpsc as tmpsc;
 
-use crate::sampling::{Sampler, SamplingParams, speculative_pick};
+use crate::sampling::{Sampler, speculative_pick};
 
 mod ahead;
 mod choices;
+mod rows;
+mod types;
 
 use ahead::Launched;
 use choices::Choice;
-
-/// A validated generation request, in tokens.
-#[derive(Clone, Debug, Default)]
-pub struct Request {
-    pub prompt: Vec<u32>,
-    pub max_tokens: usize,
-    pub sampling: SamplingParams,
-    /// Generation ends after one of these ids (it is included in the output ids, not in the text).
-    pub stop_token_ids: Vec<u32>,
-    /// Generation ends when the text contains one of these; the text is cut before it.
-    pub stop_strings: Vec<String>,
-    /// Return the sampled token's log-probability and this many top alternatives.
-    pub logprobs: Option<usize>,
-    /// Prompt positions where the DeltaNet state is worth snapshotting for later requests (message
-    /// starts, the end of the prompt before the generation prompt).
-    pub snapshot_points: Vec<usize>,
-    /// Snapshot the final state too (an agent loop's next request re-renders this turn).
-    pub snapshot_on_finish: bool,
-    /// Limits the tokens it may produce (structured outputs). Its rows are sampled on the host,
-    /// after the mask, and it never drafts.
-    pub constraint: Option<SharedConstraint>,
-}
-
-/// Which tokens a request may produce next (structured outputs: a grammar). The engine masks each
-/// of the request's logits rows with it before sampling and tells it every token emitted. A
-/// constraint that admits nothing further allows only the end-of-turn tokens, so the reply ends
-/// with `stop`.
-pub trait TokenConstraint: Send {
-    /// Sets the logits of the tokens not allowed next to -inf.
-    fn mask(&mut self, row: &mut [f32]);
-    /// Follows an emitted token.
-    fn accept(&mut self, token: u32);
-    /// A constraint of its own for another choice of the same prompt, in this one's place (None:
-    /// it cannot be copied, and a request for several choices is refused).
-    fn fork(&self) -> Option<SharedConstraint> {
-        None
-    }
-}
-
-/// A request's [`TokenConstraint`], shared so that a [`Request`] stays cloneable.
-#[derive(Clone)]
-pub struct SharedConstraint(Arc<Mutex<dyn TokenConstraint>>);
-
-impl SharedConstraint {
-    pub fn new(c: impl TokenConstraint + 'static) -> Self {
-        Self(Arc::new(Mutex::new(c)))
-    }
-
-    /// See [`TokenConstraint::fork`].
-    pub fn fork(&self) -> Option<SharedConstraint> {
-        self.with(|c| c.fork())
-    }
-
-    fn with<R>(&self, f: impl FnOnce(&mut dyn TokenConstraint) -> R) -> R {
-        let mut guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        f(&mut *guard)
-    }
-}
-
-impl std::fmt::Debug for SharedConstraint {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("SharedConstraint")
-    }
-}
-
-/// Why generation ended.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum FinishReason {
-    /// A stop token id.
-    Stop,
-    /// A stop string (given).
-    StopString(String),
-    /// `max_tokens` reached.
-    Length,
-}
-
-/// Log-probabilities of a generated token (natural log, over the model's raw distribution).
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
-pub struct TokenLogprob {
-    pub logprob: f32,
-    /// The most likely tokens at this position, best first.
-    pub top: Vec<(u32, f32)>,
-}
-
-#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
-pub struct Usage {
-    pub prompt_tokens: usize,
-    pub completion_tokens: usize,
-    /// Prompt tokens restored from the prefix cache (KV pages + DeltaNet state snapshot).
-    pub cached_tokens: usize,
-}
-
-#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
-pub struct Timing {
-    /// Submission → first admission.
-    pub queue_ms: f64,
-    /// Submission → first generated token.
-    pub ttft_ms: f64,
-    /// Submission → finish.
-    pub total_ms: f64,
-    /// Generated tokens per second after the first.
-    pub decode_tokens_per_s: f64,
-    pub preemptions: u32,
-    /// Engine steps that ran this request's prompt (admission → first token) and their wall time:
-    /// the rest of `ttft_ms - queue_ms` is spent outside the backend (scheduling, the engine loop).
-    pub prefill_steps: u32,
-    pub prefill_step_ms: f64,
-}
-
-/// What a request's stream carries.
-#[derive(Clone, Debug)]
-pub enum Event {
-    /// A generated token and the text that became final with it (possibly empty: text is held back
-    /// while it could still be the start of a stop string or an incomplete UTF-8 character).
-    Token { id: u32, text: String, logprob: Option<TokenLogprob> },
-    /// The last event of a successful request.
-    Finished { reason: FinishReason, usage: Usage, timing: Timing },
-    /// The last event of a failed request.
-    Error(EngineError),
-}
-
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
-pub enum EngineError {
-    #[error(transparent)]
-    Admit(#[from] AdmitError),
-    #[error("invalid request: {0}")]
-    Invalid(String),
-    #[error("backend error: {0}")]
-    Backend(String),
-    #[error("the engine has stopped")]
-    Stopped,
-}
-
-/// Snapshot of the engine's state for metrics and tests.
-#[derive(Clone, Debug, Default)]
-pub struct EngineStats {
-    pub sched: SchedStats,
-    pub arena: ArenaStats,
-    pub steps: u64,
-    /// Wall time of the backend's step calls (each returns with its outputs on the host), in
-    /// seconds: the engine's compute, against which a request's time to first token can be split.
-    /// A launched step counts from its launch, or from the previous collection when that is later,
-    /// to its collection (launched steps overlap).
-    pub step_seconds: f64,
-    pub requests_finished: u64,
-    pub requests_failed: u64,
-    pub prompt_tokens: u64,
-    pub generated_tokens: u64,
-    /// Speculative decoding: sequence-steps that verified drafts, drafts made, drafts accepted (and
-    /// emitted), tokens emitted by those steps.
-    pub spec_steps: u64,
-    pub spec_drafted: u64,
-    pub spec_accepted: u64,
-    pub spec_emitted: u64,
-    /// Steps launched before the previous step's tokens were read (look-ahead).
-    pub steps_ahead: u64,
-}
-
-impl EngineStats {
-    /// Accepted drafts / drafts made (0 without speculation).
-    pub fn acceptance_rate(&self) -> f64 {
-        if self.spec_drafted == 0 { 0.0 } else { self.spec_accepted as f64 / self.spec_drafted as f64 }
-    }
-    /// Tokens emitted per speculative sequence-step (0 without speculation).
-    pub fn tokens_per_spec_step(&self) -> f64 {
-        if self.spec_steps == 0 { 0.0 } else { self.spec_emitted as f64 / self.spec_steps as f64 }
-    }
-}
+use rows::{SampleTask, Sampled, run_all, token_logprob};
+pub use types::{
+    EngineError, EngineStats, Event, FinishReason, Request, SharedConstraint, Timing, TokenConstraint, TokenLogprob,
+    Usage,
+};
 
 enum Command {
     Submit { id: SeqId, req: Box<Request>, tx: tmpsc::UnboundedSender<Event>, submitted: Instant, forks: Vec<Choice> },
@@ -447,36 +284,6 @@ enum Emit {
     Finish(FinishReason),
     /// Its client went away (cancelled).
     Gone,
-}
-
-/// A sampled token and, when logprobs were asked, the raw logits row it came from.
-type Sampled = (u32, Option<Vec<f32>>);
-
-/// One row to sample: its sequence's sampler and context.
-struct SampleTask<'a> {
-    id: SeqId,
-    sampler: &'a mut Sampler,
-    logprobs: bool,
-    context: &'a [u32],
-    row: &'a mut [f32],
-    constraint: Option<&'a SharedConstraint>,
-}
-
-impl SampleTask<'_> {
-    fn run(&mut self) -> (SeqId, Sampled) {
-        let raw = self.logprobs.then(|| self.row.to_vec());
-        if let Some(c) = self.constraint {
-            c.with(|c| c.mask(self.row));
-        }
-        (self.id, (self.sampler.sample(self.row, self.context), raw))
-    }
-}
-
-/// Runs every task: on several threads when there are several rows of a large vocabulary (each task
-/// owns its sampler and row, so the results are those of one pass in order).
-fn run_all(tasks: &mut [SampleTask<'_>]) -> Vec<(SeqId, Sampled)> {
-    let vocab = tasks.first().map_or(0, |t| t.row.len());
-    map_rows(tasks, vocab >= PARALLEL_PICK_VOCAB, SampleTask::run)
 }
 
 /// Per-request state on the engine thread.
@@ -1028,107 +835,6 @@ impl Worker {
         if let Ok(mut s) = self.shared.stats.lock() {
             s.sched = self.sched.stats();
             s.arena = self.backend.arena_stats();
-        }
-    }
-}
-
-/// Log-probabilities of `token` and of the `k` most likely ids, from a raw logits row (ids below `valid`).
-fn token_logprob(raw: &[f32], valid: usize, token: u32, k: usize) -> TokenLogprob {
-    let row = &raw[..valid.min(raw.len())];
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = max + row.iter().map(|x| (x - max).exp()).sum::<f32>().ln();
-    let k = k.min(row.len());
-    let mut idx: Vec<u32> = (0..row.len() as u32).collect();
-    if k > 0 && k < idx.len() {
-        idx.select_nth_unstable_by(k - 1, |a, b| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b)));
-    }
-    let mut top: Vec<(u32, f32)> = idx[..k].iter().map(|&i| (i, row[i as usize] - lse)).collect();
-    top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-    TokenLogprob { logprob: raw.get(token as usize).map_or(f32::NEG_INFINITY, |l| l - lse), top }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use rand::rngs::Xoshiro256PlusPlus;
-    use rand::{RngExt, SeedableRng};
-
-    /// Rows of a large vocabulary sampled on several threads give each sequence the tokens (and raw
-    /// rows) of one sequential pass with the same samplers.
-    #[test]
-    fn parallel_sampling_equals_sequential() {
-        let vocab = PARALLEL_PICK_VOCAB + 5;
-        let mut rng = Xoshiro256PlusPlus::seed_from_u64(9);
-        let rows: Vec<Vec<f32>> =
-            (0..7).map(|_| (0..vocab).map(|_| rng.random::<f32>() * 10.0 - 5.0).collect()).collect();
-        let params = |i: usize| SamplingParams {
-            temperature: if i == 3 { 0.0 } else { 0.8 },
-            top_k: [0, 20, 50][i % 3],
-            top_p: 0.9,
-            seed: Some(i as u64),
-            ..Default::default()
-        };
-        let run = |parallel: bool| {
-            let mut samplers: Vec<Sampler> = (0..rows.len()).map(|i| Sampler::new(params(i), vocab)).collect();
-            let mut rows = rows.clone();
-            let context = [1u32, 2, 3];
-            let mut out = Vec::new();
-            for _step in 0..3 {
-                let mut tasks: Vec<SampleTask<'_>> = samplers
-                    .iter_mut()
-                    .zip(rows.iter_mut())
-                    .enumerate()
-                    .map(|(i, (sampler, row))| SampleTask {
-                        id: i as SeqId,
-                        sampler,
-                        logprobs: i == 1,
-                        context: &context,
-                        row,
-                        constraint: None,
-                    })
-                    .collect();
-                out.push(if parallel { run_all(&mut tasks) } else { tasks.iter_mut().map(SampleTask::run).collect() });
-            }
-            out
-        };
-        let (par, seq) = (run(true), run(false));
-        assert_eq!(par, seq);
-        assert!(par[0].iter().any(|(id, (_, raw))| *id == 1 && raw.as_ref().is_some_and(|r| r.len() == vocab)));
-    }
-
-    /// `cargo test --release -p deltaserve-engine --lib parallel_sampling_cost -- --ignored --nocapture`:
-    /// 32 rows of the 27B's 248,320 ids (Qwen's top_k 20 / top_p 0.95), sequential vs `run_all`.
-    #[test]
-    #[ignore]
-    fn parallel_sampling_cost() {
-        let vocab = 248_320;
-        let mut rng = Xoshiro256PlusPlus::seed_from_u64(2);
-        let base: Vec<f32> = (0..vocab).map(|_| rng.random::<f32>() * 12.0 - 6.0).collect();
-        let p = SamplingParams { temperature: 0.6, top_k: 20, top_p: 0.95, seed: Some(1), ..Default::default() };
-        let mut samplers: Vec<Sampler> = (0..32).map(|_| Sampler::new(p.clone(), vocab)).collect();
-        for parallel in [false, true] {
-            let mut rows: Vec<Vec<f32>> = vec![base.clone(); 32];
-            let t0 = std::time::Instant::now();
-            let mut tasks: Vec<SampleTask<'_>> = samplers
-                .iter_mut()
-                .zip(rows.iter_mut())
-                .enumerate()
-                .map(|(i, (sampler, row))| SampleTask {
-                    id: i as SeqId,
-                    sampler,
-                    logprobs: false,
-                    context: &[],
-                    row,
-                    constraint: None,
-                })
-                .collect();
-            let n = if parallel { run_all(&mut tasks).len() } else { tasks.iter_mut().map(SampleTask::run).count() };
-            let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-            println!(
-                "{n} rows, {}: {:.1} ms ({cores} cores)",
-                if parallel { "run_all" } else { "sequential" },
-                t0.elapsed().as_secs_f64() * 1e3
-            );
         }
     }
 }

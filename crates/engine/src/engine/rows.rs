@@ -1,0 +1,140 @@
+//! Sampling a step's rows on the engine thread: each row with its sequence's sampler, context and
+//! constraint (on several threads for a large vocabulary), and the log-probabilities a request asked for.
+
+use deltaserve_backend::sampling::{PARALLEL_PICK_VOCAB, map_rows};
+use deltaserve_sched::SeqId;
+
+use super::{SharedConstraint, TokenLogprob};
+use crate::sampling::Sampler;
+
+/// A sampled token and, when logprobs were asked, the raw logits row it came from.
+pub(super) type Sampled = (u32, Option<Vec<f32>>);
+
+/// One row to sample: its sequence's sampler and context.
+pub(super) struct SampleTask<'a> {
+    pub(super) id: SeqId,
+    pub(super) sampler: &'a mut Sampler,
+    pub(super) logprobs: bool,
+    pub(super) context: &'a [u32],
+    pub(super) row: &'a mut [f32],
+    pub(super) constraint: Option<&'a SharedConstraint>,
+}
+
+impl SampleTask<'_> {
+    fn run(&mut self) -> (SeqId, Sampled) {
+        let raw = self.logprobs.then(|| self.row.to_vec());
+        if let Some(c) = self.constraint {
+            c.with(|c| c.mask(self.row));
+        }
+        (self.id, (self.sampler.sample(self.row, self.context), raw))
+    }
+}
+
+/// Runs every task: on several threads when there are several rows of a large vocabulary (each task
+/// owns its sampler and row, so the results are those of one pass in order).
+pub(super) fn run_all(tasks: &mut [SampleTask<'_>]) -> Vec<(SeqId, Sampled)> {
+    let vocab = tasks.first().map_or(0, |t| t.row.len());
+    map_rows(tasks, vocab >= PARALLEL_PICK_VOCAB, SampleTask::run)
+}
+
+/// Log-probabilities of `token` and of the `k` most likely ids, from a raw logits row (ids below `valid`).
+pub(super) fn token_logprob(raw: &[f32], valid: usize, token: u32, k: usize) -> TokenLogprob {
+    let row = &raw[..valid.min(raw.len())];
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = max + row.iter().map(|x| (x - max).exp()).sum::<f32>().ln();
+    let k = k.min(row.len());
+    let mut idx: Vec<u32> = (0..row.len() as u32).collect();
+    if k > 0 && k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, |a, b| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b)));
+    }
+    let mut top: Vec<(u32, f32)> = idx[..k].iter().map(|&i| (i, row[i as usize] - lse)).collect();
+    top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    TokenLogprob { logprob: raw.get(token as usize).map_or(f32::NEG_INFINITY, |l| l - lse), top }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampling::SamplingParams;
+    use rand::rngs::Xoshiro256PlusPlus;
+    use rand::{RngExt, SeedableRng};
+
+    /// Rows of a large vocabulary sampled on several threads give each sequence the tokens (and raw
+    /// rows) of one sequential pass with the same samplers.
+    #[test]
+    fn parallel_sampling_equals_sequential() {
+        let vocab = PARALLEL_PICK_VOCAB + 5;
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(9);
+        let rows: Vec<Vec<f32>> =
+            (0..7).map(|_| (0..vocab).map(|_| rng.random::<f32>() * 10.0 - 5.0).collect()).collect();
+        let params = |i: usize| SamplingParams {
+            temperature: if i == 3 { 0.0 } else { 0.8 },
+            top_k: [0, 20, 50][i % 3],
+            top_p: 0.9,
+            seed: Some(i as u64),
+            ..Default::default()
+        };
+        let run = |parallel: bool| {
+            let mut samplers: Vec<Sampler> = (0..rows.len()).map(|i| Sampler::new(params(i), vocab)).collect();
+            let mut rows = rows.clone();
+            let context = [1u32, 2, 3];
+            let mut out = Vec::new();
+            for _step in 0..3 {
+                let mut tasks: Vec<SampleTask<'_>> = samplers
+                    .iter_mut()
+                    .zip(rows.iter_mut())
+                    .enumerate()
+                    .map(|(i, (sampler, row))| SampleTask {
+                        id: i as SeqId,
+                        sampler,
+                        logprobs: i == 1,
+                        context: &context,
+                        row,
+                        constraint: None,
+                    })
+                    .collect();
+                out.push(if parallel { run_all(&mut tasks) } else { tasks.iter_mut().map(SampleTask::run).collect() });
+            }
+            out
+        };
+        let (par, seq) = (run(true), run(false));
+        assert_eq!(par, seq);
+        assert!(par[0].iter().any(|(id, (_, raw))| *id == 1 && raw.as_ref().is_some_and(|r| r.len() == vocab)));
+    }
+
+    /// `cargo test --release -p deltaserve-engine --lib parallel_sampling_cost -- --ignored --nocapture`:
+    /// 32 rows of the 27B's 248,320 ids (Qwen's top_k 20 / top_p 0.95), sequential vs `run_all`.
+    #[test]
+    #[ignore]
+    fn parallel_sampling_cost() {
+        let vocab = 248_320;
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(2);
+        let base: Vec<f32> = (0..vocab).map(|_| rng.random::<f32>() * 12.0 - 6.0).collect();
+        let p = SamplingParams { temperature: 0.6, top_k: 20, top_p: 0.95, seed: Some(1), ..Default::default() };
+        let mut samplers: Vec<Sampler> = (0..32).map(|_| Sampler::new(p.clone(), vocab)).collect();
+        for parallel in [false, true] {
+            let mut rows: Vec<Vec<f32>> = vec![base.clone(); 32];
+            let t0 = std::time::Instant::now();
+            let mut tasks: Vec<SampleTask<'_>> = samplers
+                .iter_mut()
+                .zip(rows.iter_mut())
+                .enumerate()
+                .map(|(i, (sampler, row))| SampleTask {
+                    id: i as SeqId,
+                    sampler,
+                    logprobs: false,
+                    context: &[],
+                    row,
+                    constraint: None,
+                })
+                .collect();
+            let n = if parallel { run_all(&mut tasks).len() } else { tasks.iter_mut().map(SampleTask::run).count() };
+            let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+            println!(
+                "{n} rows, {}: {:.1} ms ({cores} cores)",
+                if parallel { "run_all" } else { "sequential" },
+                t0.elapsed().as_secs_f64() * 1e3
+            );
+        }
+    }
+}
