@@ -258,6 +258,14 @@ __device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u
                  : "r"(addr));
 }
 
+// The int4 kernels' unpacking (w4a16.cu's GEMV, w4_gemm.cu's pair kernel): the bf16 pair (128 + q0,
+// 128 + q1) of the column pair in nibbles (p, p + 4) of w (after w >> 4p).
+__device__ __forceinline__ u32 w4p_unpack(u32 w) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(w), "r"(0x000f000fu), "r"(0x43004300u));
+    return r;
+}
+
 // The int4 kernels' in-block split over K (w4a16.cu, w4_gemm.cu). Sums the wpt partial results (warp w writes its NT*128 partials at red + w * red_stride, a region
 // no other warp touches) into the part-0 warps' acc; false in the other warps. Contains
 // __syncthreads() when wpt > 1.

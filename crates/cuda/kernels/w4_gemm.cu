@@ -251,13 +251,6 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
 #define W4T_S 4
 #define W4T_RING_U4 (W4T_S * 128)
 
-// bf16 pair (128 + q0, 128 + q1) of the column pair in nibbles (p, p + 4) of w (after w >> 4p).
-__device__ __forceinline__ u32 w4t_unpack(u32 w) {
-    u32 r;
-    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(w), "r"(0x000f000fu), "r"(0x43004300u));
-    return r;
-}
-
 template <int NT, bool ASYM>
 __device__ __forceinline__ void w4t_body(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,
                                          const unsigned char* __restrict__ zeros, int scale_bf16, const bf16_t* x,
@@ -332,12 +325,12 @@ __device__ __forceinline__ void w4t_body(const u32* __restrict__ qw, const unsig
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {  // word i of each row: columns 8i .. 8i + 7 of the lane's 32
                     const u32 a0 = u4_comp(w0, i), a1 = u4_comp(w1, i), a2 = u4_comp(w2, i), a3 = u4_comp(w3, i);
-                    const u32 lo0[4] = {w4t_unpack(a0), w4t_unpack(a1), w4t_unpack(a0 >> 4), w4t_unpack(a1 >> 4)};
-                    const u32 lo1[4] = {w4t_unpack(a2), w4t_unpack(a3), w4t_unpack(a2 >> 4), w4t_unpack(a3 >> 4)};
-                    const u32 hi0[4] = {w4t_unpack(a0 >> 8), w4t_unpack(a1 >> 8), w4t_unpack(a0 >> 12),
-                                        w4t_unpack(a1 >> 12)};
-                    const u32 hi1[4] = {w4t_unpack(a2 >> 8), w4t_unpack(a3 >> 8), w4t_unpack(a2 >> 12),
-                                        w4t_unpack(a3 >> 12)};
+                    const u32 lo0[4] = {w4p_unpack(a0), w4p_unpack(a1), w4p_unpack(a0 >> 4), w4p_unpack(a1 >> 4)};
+                    const u32 lo1[4] = {w4p_unpack(a2), w4p_unpack(a3), w4p_unpack(a2 >> 4), w4p_unpack(a3 >> 4)};
+                    const u32 hi0[4] = {w4p_unpack(a0 >> 8), w4p_unpack(a1 >> 8), w4p_unpack(a0 >> 12),
+                                        w4p_unpack(a1 >> 12)};
+                    const u32 hi1[4] = {w4p_unpack(a2 >> 8), w4p_unpack(a3 >> 8), w4p_unpack(a2 >> 12),
+                                        w4p_unpack(a3 >> 12)};
                     const u32 one4[4] = {ones, ones, ones, ones};
 #pragma unroll
                     for (int b = 0; b < NT; ++b) {

@@ -224,12 +224,6 @@ __device__ __forceinline__ float w4p_scale(u32 bits) {
     return SBF ? __uint_as_float(bits << 16) : f16_to_f32((unsigned short)bits);
 }
 
-// bf16 pair (128 + q0, 128 + q1) of the column pair in nibbles (p, p + 4) of w (after w >> 4p).
-__device__ __forceinline__ u32 w4p_unpack(u32 w) {
-    u32 r;
-    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(w), "r"(0x000f000fu), "r"(0x43004300u));
-    return r;
-}
 
 // FOLD (the w4pf_* kernels): the fold's staging and, instead of storing, acc left for w4p_fold_epilogue.
 template <typename OutT, bool ASYM, bool SBF, bool VEC, bool FOLD>
