@@ -83,14 +83,22 @@ fn cases() -> Vec<Case> {
     v
 }
 
-#[test]
-fn w4_gemm_matches_the_host_oracle() {
+/// The GPU and the kernels at the 27B dims (None without a CUDA driver).
+fn device() -> Option<(Runtime, Kernels)> {
     if !LibStatus::probe().driver {
-        println!("SKIP: no CUDA driver");
-        return;
+        return None;
     }
     let rt = Runtime::open(0).expect("open device 0");
     let k = Kernels::load(&rt, KernelDims::QWEN35_27B).expect("load kernels");
+    Some((rt, k))
+}
+
+#[test]
+fn w4_gemm_matches_the_host_oracle() {
+    let Some((rt, k)) = device() else {
+        println!("SKIP: no CUDA driver");
+        return;
+    };
     let sms = rt.sm_count as usize;
     let seed: u64 = std::env::var("DS_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5eed_0004);
     println!("w4_gemm on {} ({} SMs), seed {seed}", rt.name, sms);
@@ -363,12 +371,10 @@ fn compare(got: &[u32], reference: &[Vec<f32>], rows: &[usize], c: Case, ldy: us
 /// layer's qkv / z / b projections do) equals three single launches with its warps per pair, bitwise.
 #[test]
 fn w4_gemm_multi_equals_single_launches() {
-    if !LibStatus::probe().driver {
+    let Some((rt, k)) = device() else {
         println!("SKIP: no CUDA driver");
         return;
-    }
-    let rt = Runtime::open(0).expect("open device 0");
-    let k = Kernels::load(&rt, KernelDims::QWEN35_27B).expect("load kernels");
+    };
     let sms = rt.sm_count as usize;
     for (i, (asym, m)) in [(false, 9), (true, 12), (false, 16), (true, 16)].into_iter().enumerate() {
         let mut rng = StdRng::seed_from_u64(0x5eed_0100 + i as u64);

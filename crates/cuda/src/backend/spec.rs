@@ -343,16 +343,7 @@ impl CudaBackend {
             let (q, kk) = if gdn_gate::conv_gate_decode_supported(&k.dims, cc, d.gdn_k_heads, hv) {
                 // Conv and gates of the verify rows in one launch.
                 let (q, kk) = (ws.gdn_qk, ws.gdn_qk + b2(tv * kw));
-                let f = gdn_gate::GdnConvGateRows {
-                    x: cp.x,
-                    x_stride: cc,
-                    w: gw.conv,
-                    state: cp.state,
-                    cu_seqlens: cp.cu_seqlens,
-                    slots: cp.slots,
-                    n_seqs: nv,
-                    gate: self.gate_args(gw, ws.gdn_conv_out, ba, (q, kk), tv),
-                };
+                let f = gdn_gate::GdnConvGateRows::of_conv(&cp, self.gate_args(gw, ws.gdn_conv_out, ba, (q, kk), tv));
                 gdn_gate::gdn_conv_gate_rows(k, s, &f)?;
                 (q, kk)
             } else {

@@ -3,6 +3,7 @@
 
 use cudarc::driver::CudaStream;
 
+use super::conv::ConvPrefill;
 use super::{Kernels, invalid, launch, launch_pdl, to_i32, to_u32};
 use crate::KernelDims;
 use crate::error::CudaError;
@@ -76,15 +77,8 @@ pub fn gdn_conv_gate_decode(k: &Kernels, s: &CudaStream, a: &GdnConvGateDecode) 
     if g.t == 0 {
         return Ok(());
     }
-    let (dk, dv) = (k.dims.gdn_k_dim, k.dims.gdn_v_dim);
-    let channels = g.qk_stride;
-    if !conv_gate_decode_supported(&k.dims, channels, g.hk, g.hv)
-        || a.x_stride < channels
-        || g.b_stride < g.hv
-        || g.a_stride < g.hv
-    {
-        return Err(invalid(K, format!("{a:?} (DK = {dk}, DV = {dv}: heads of one width, channels = (2 hk + hv) DK)")));
-    }
+    let dk = k.dims.gdn_k_dim;
+    let channels = check_conv_gate(K, k, a.x_stride, g, a)?;
     let GdnConvGateDecode { x, w, state, slots, .. } = *a;
     let GdnGate { qk: y, b, a: ap, a_log, dt_bias, q_out, k_out, g: gp, beta, .. } = *g;
     let (xs, bs, as_) = (a.x_stride as i64, g.b_stride as i64, g.a_stride as i64);
@@ -93,6 +87,30 @@ pub fn gdn_conv_gate_decode(k: &Kernels, s: &CudaStream, a: &GdnConvGateDecode) 
     let grid = (to_u32(K, "n_seqs", g.t)?, to_u32(K, "heads", channels / dk + 1)?, 1);
     launch_pdl!(k, s, K, grid, (dk as u32, 1, 1), 0;
         x, xs, w, y, state, slots, c, b, bs, ap, as_, a_log, dt_bias, q_out, k_out, gp, beta, hk, hv)
+}
+
+/// What the fused conv + gate kernels require of their arguments `a` (x token stride `x_stride`, gates
+/// `g`): [`conv_gate_decode_supported`] and rows wide enough. Returns the conv channels.
+fn check_conv_gate(
+    kernel: &'static str,
+    k: &Kernels,
+    x_stride: usize,
+    g: &GdnGate,
+    a: &impl std::fmt::Debug,
+) -> Result<usize, CudaError> {
+    let channels = g.qk_stride;
+    if !conv_gate_decode_supported(&k.dims, channels, g.hk, g.hv)
+        || x_stride < channels
+        || g.b_stride < g.hv
+        || g.a_stride < g.hv
+    {
+        let (dk, dv) = (k.dims.gdn_k_dim, k.dims.gdn_v_dim);
+        return Err(invalid(
+            kernel,
+            format!("{a:?} (DK = {dk}, DV = {dv}: heads of one width, channels = (2 hk + hv) DK)"),
+        ));
+    }
+    Ok(channels)
 }
 
 /// The rows of speculative verify chunks (or of their commit) through conv and gates in one launch
@@ -114,6 +132,15 @@ pub struct GdnConvGateRows {
     pub gate: GdnGate,
 }
 
+impl GdnConvGateRows {
+    /// The fused launch over the rows, state, slots and sequences of a conv launch `cp` (its `y` is
+    /// `gate.qk`'s), with the gates `gate`.
+    pub fn of_conv(cp: &ConvPrefill, gate: GdnGate) -> Self {
+        let ConvPrefill { x, x_stride, w, state, cu_seqlens, slots, n_seqs, .. } = *cp;
+        GdnConvGateRows { x, x_stride, w, state, cu_seqlens, slots, n_seqs, gate }
+    }
+}
+
 pub fn gdn_conv_gate_rows(k: &Kernels, s: &CudaStream, a: &GdnConvGateRows) -> Result<(), CudaError> {
     const K: &str = "gdn_conv_gate_rows";
     let g = &a.gate;
@@ -121,14 +148,7 @@ pub fn gdn_conv_gate_rows(k: &Kernels, s: &CudaStream, a: &GdnConvGateRows) -> R
         return Ok(());
     }
     let dk = k.dims.gdn_k_dim;
-    let channels = g.qk_stride;
-    if !conv_gate_decode_supported(&k.dims, channels, g.hk, g.hv)
-        || a.x_stride < channels
-        || g.b_stride < g.hv
-        || g.a_stride < g.hv
-    {
-        return Err(invalid(K, format!("{a:?} (DK = {dk}: heads of one width, channels = (2 hk + hv) DK)")));
-    }
+    let channels = check_conv_gate(K, k, a.x_stride, g, a)?;
     let GdnConvGateRows { x, w, state, cu_seqlens, slots, .. } = *a;
     let GdnGate { qk: y, b, a: ap, a_log, dt_bias, q_out, k_out, g: gp, beta, .. } = *g;
     let (xs, bs, as_) = (a.x_stride as i64, g.b_stride as i64, g.a_stride as i64);

@@ -107,19 +107,7 @@ pub fn conv_gate_decode(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec
                 gdn_gate::gdn_conv_gate_decode(k, s, &f)?;
             }
             (false, false) => conv::conv_decode(k, s, xp, xs, wp, y, st, sp, b, c)?,
-            (true, true) => {
-                let f = gdn_gate::GdnConvGateRows {
-                    x: xp,
-                    x_stride: xs,
-                    w: wp,
-                    state: st,
-                    cu_seqlens: cup,
-                    slots: sp,
-                    n_seqs: lens.len(),
-                    gate,
-                };
-                gdn_gate::gdn_conv_gate_rows(k, s, &f)?;
-            }
+            (true, true) => gdn_gate::gdn_conv_gate_rows(k, s, &gdn_gate::GdnConvGateRows::of_conv(&cp, gate))?,
             (true, false) => conv::conv_prefill_only(k, s, &cp)?,
         }
         if !fused {
