@@ -67,11 +67,16 @@ pub fn w4_gemm_config(m: usize, out: usize, inp: usize, sms: usize, workspace: u
     if m > PAIR_MAX_ROWS {
         return w4_tile_config(m, out, inp, sms, workspace);
     }
-    let (wpt, mut splits) = pair_tiling(out.div_ceil(PAIR_ROWS), inp, sms, true);
+    let (wpt, splits) = pair_tiling(out.div_ceil(PAIR_ROWS), inp, sms, true);
+    W4GemmConfig { tokens: PAIR_MAX_ROWS, splits: fit_splits(splits, m, out, workspace), wpt }
+}
+
+/// `splits` halved until the partial sums of `m` rows through `out` outputs fit `workspace` bytes.
+fn fit_splits(mut splits: usize, m: usize, out: usize, workspace: usize) -> usize {
     while splits > 1 && w4_gemm_partial_bytes(m.max(1), out, splits) > workspace {
         splits /= 2;
     }
-    W4GemmConfig { tokens: PAIR_MAX_ROWS, splits, wpt }
+    splits
 }
 
 /// Warps per pair and splits over K for a pair-kernel launch over `pairs` pairs of `inp` columns: the
@@ -96,10 +101,7 @@ fn pair_tiling(pairs: usize, inp: usize, sms: usize, split: bool) -> (usize, usi
 /// The tile kernels' configuration (the plan's tiling, `deltaserve_plan::cuda::w4_gemm_splits`),
 /// with no more splits than the workspace holds.
 pub fn w4_tile_config(m: usize, out: usize, inp: usize, sms: usize, workspace: usize) -> W4GemmConfig {
-    let mut splits = w4_gemm_splits(m, out, inp, sms);
-    while splits > 1 && w4_gemm_partial_bytes(m.max(1), out, splits) > workspace {
-        splits /= 2;
-    }
+    let splits = fit_splits(w4_gemm_splits(m, out, inp, sms), m, out, workspace);
     W4GemmConfig { tokens: w4_gemm_tokens(m), splits, wpt: 0 }
 }
 
