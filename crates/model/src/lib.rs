@@ -2,6 +2,7 @@
 //!
 //! - [`config`]: `config.json` → validated [`ModelConfig`] and derived [`Dims`];
 //! - [`moe`]: the mixture-of-experts fields ([`MoeConfig`]): which layers are sparse, experts, top-k;
+//! - [`image`]: a preprocessed image ([`ImagePatches`]), what the vision tower consumes;
 //! - [`checkpoint`]: memory-mapped safetensors (single file or sharded), dtype conversion;
 //! - [`weights`]: the canonical per-layer weight set, with HF names mapped and Qwen3-Next packing undone;
 //! - [`quant`]: `quantization_config` and the GPTQ / block-FP8 encodings of quantised linears;
@@ -11,6 +12,7 @@
 pub mod checkpoint;
 pub mod config;
 pub mod error;
+pub mod image;
 pub mod moe;
 mod moe_weights;
 pub mod quant;
@@ -21,6 +23,7 @@ pub mod weights;
 pub use checkpoint::{Checkpoint, DType, TensorRef};
 pub use config::{Arch, Dims, LayerKind, ModelConfig};
 pub use error::ModelError;
+pub use image::ImagePatches;
 pub use moe::MoeConfig;
 pub use quant::{Quantization, QuantizedSource};
 pub use shard::{ShardSpec, Split, TensorShard};
