@@ -13,7 +13,7 @@ Writes DIR/qwen35_vision/:
                                     decode_ids [T+8] i64, decode_logits [8,V] f32 (greedy, cached decode)
     reference.json                  the prompt layout, grids, rope deltas, versions, processor class
 and DIR/image_preprocess/: images of several sizes and formats with the processor settings each used and HF's
-pixel_values and grids (preprocess.safetensors, cases.json), to check decoding and smart-resize alone.
+pixel_values and grids (preprocess.safetensors: NAME.pixel_values, NAME.image_grid_thw; cases.json), to check decoding and smart-resize alone.
 
 The model runs in fp32 (bf16-rounded weights reloaded) with eager attention, as scripts/hf_fixtures.py does.
 """
@@ -145,12 +145,17 @@ def preprocess_fixture(out_root):
             dec = rgb
         entry = {"name": name, "file": fname, "height": h, "width": w, "min_pixels": min_px, "max_pixels": max_px,
                  "processors": {}}
+        first = None
         for pname, proc in processors(min_px, max_px).items():
             pv, grid = run_processor(proc, dec)
-            key = f"{name}.{pname}"
-            tensors[f"{key}.pixel_values"] = pv
-            tensors[f"{key}.image_grid_thw"] = grid
-            entry["processors"][pname] = {"grid_thw": grid[0].tolist(), "patches": pv.shape[0]}
+            if first is None:  # the reference: the class AutoImageProcessor picks
+                first = pv
+                tensors[f"{name}.pixel_values"] = pv
+                tensors[f"{name}.image_grid_thw"] = grid
+                entry["reference"] = pname
+            diff = (pv - first).abs().max().item() if pv.shape == first.shape else None
+            entry["processors"][pname] = {"grid_thw": grid[0].tolist(), "patches": pv.shape[0],
+                                          "max_abs_diff_to_reference": diff}
         meta.append(entry)
         print(f"   preprocess {name}: {h}x{w} -> {entry['processors']}")
     save_file(tensors, os.path.join(d, "preprocess.safetensors"))
@@ -206,7 +211,7 @@ def model_fixture(out_root, device, seed):
     pname = next(iter(procs))
     proc = procs[pname]
     proc.save_pretrained(mdir)
-    images = {"image_a.png": test_image(96, 160, 7), "image_b.png": test_image(75, 50, 8)}
+    images = {"image_a.png": test_image(128, 192, 7), "image_b.png": test_image(75, 50, 8)}
     pvs, grids = [], []
     for fname, rgb in images.items():
         data = png_bytes(rgb)
@@ -224,6 +229,7 @@ def model_fixture(out_root, device, seed):
     ids = (text[0] + [VISION_START] + [IMAGE_TOKEN] * n_tokens[0] + [VISION_END] + text[1]
            + [VISION_START] + [IMAGE_TOKEN] * n_tokens[1] + [VISION_END] + text[2])
     x = torch.tensor([ids], device=device)
+    mm = (x == IMAGE_TOKEN).int()  # the processor's mm_token_type_ids: 1 for image tokens
     pv_dev, grid_dev = pixel_values.to(device), grid_thw.to(device)
 
     cap = Capture()
@@ -232,13 +238,13 @@ def model_fixture(out_root, device, seed):
     cap.output("block0", visual.blocks[0])
     cap.output("image_embeds", visual.merger)
     cap.position_ids(model.model.language_model.rotary_emb)
-    out = model(input_ids=x, pixel_values=pv_dev, image_grid_thw=grid_dev, use_cache=False)
+    out = model(input_ids=x, pixel_values=pv_dev, image_grid_thw=grid_dev, mm_token_type_ids=mm, use_cache=False)
     cap.remove()
     logits = out.logits[0].float().cpu().contiguous()
 
     rope = {}
     try:
-        pos, deltas = model.model.get_rope_index(x, grid_dev, None, attention_mask=torch.ones_like(x))
+        pos, deltas = model.model.get_rope_index(x, mm, grid_dev, None, attention_mask=torch.ones_like(x))
         rope = {"get_rope_index": pos[:, 0].cpu().tolist() == cap.out["position_ids"][:, 0].tolist()
                 if "position_ids" in cap.out and cap.out["position_ids"].dim() == 3 else None,
                 "rope_deltas": deltas.cpu().flatten().tolist()}
@@ -249,7 +255,8 @@ def model_fixture(out_root, device, seed):
     if position_ids.dim() == 3:  # [3 or 4, B, T]: keep the (t, h, w) rows
         position_ids = position_ids[-3:, 0]
 
-    g = model.generate(input_ids=x, pixel_values=pv_dev, image_grid_thw=grid_dev, max_new_tokens=DECODE_STEPS,
+    g = model.generate(input_ids=x, pixel_values=pv_dev, image_grid_thw=grid_dev, mm_token_type_ids=mm,
+                       max_new_tokens=DECODE_STEPS,
                        do_sample=False, output_logits=True, return_dict_in_generate=True)
     decode_ids = g.sequences[0].cpu()
     decode_logits = torch.stack([lg[0].float().cpu() for lg in g.logits])
