@@ -61,29 +61,44 @@ __device__ __forceinline__ bf16_t gdn_token(float (&S)[RW], const float* qs, con
 
 // Runs rows t0 .. t0 + n - 1 of one (sequence, value head) through the recurrence for value column c
 // of this thread (gdn_decode / gdn_recurrent: blocks of 4 warps, one 32-column group): warp w holds
-// state rows [w * RW, +RW) of column c in registers (gdn_token); stores o unless it is null.
+// state rows [w * RW, +RW) of column c in registers (gdn_token); stores o unless it is null. Rows are
+// loaded GDN_ROWS at a time.
 __device__ __forceinline__ void gdn_tokens(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                                            const bf16_t* __restrict__ v, long long v_stride,
                                            const float* __restrict__ g, const float* __restrict__ beta,
                                            float* __restrict__ st, bf16_t* __restrict__ o, int Hk, int Hv, int hv,
                                            int c, long long t0, int n, bool write_state) {
-    __shared__ float qs[DK], ks[DK], red[4][DV];
+    __shared__ float qs[GDN_ROWS][DK], ks[GDN_ROWS][DK], red[4][DV];
     const int w = (threadIdx.x >> 5) & 3;
     const int hk = hv / (Hv / Hk);
     float S[RW];
 #pragma unroll
     for (int r = 0; r < RW; r++) S[r] = st[(long long)(w * RW + r) * DV + c];
-    for (int i = 0; i < n; i++) {
-        const long long t = t0 + i;
-        __syncthreads();  // the previous token's reads of qs, ks and red are done
-        for (int d = threadIdx.x; d < DK; d += blockDim.x) {
-            qs[d] = bf2f(q[(t * Hk + hk) * DK + d]);
-            ks[d] = bf2f(k[(t * Hk + hk) * DK + d]);
+    for (int i0 = 0; i0 < n; i0 += GDN_ROWS) {
+        const int m = min(GDN_ROWS, n - i0);
+        __syncthreads();  // the previous rows' reads of qs and ks are done
+        for (int e = threadIdx.x; e < m * DK; e += blockDim.x) {
+            const long long t = t0 + i0 + e / DK;
+            const int d = e % DK;
+            qs[e / DK][d] = bf2f(q[(t * Hk + hk) * DK + d]);
+            ks[e / DK][d] = bf2f(k[(t * Hk + hk) * DK + d]);
+        }
+        float dec[GDN_ROWS], bt[GDN_ROWS], vv[GDN_ROWS];
+#pragma unroll
+        for (int i = 0; i < GDN_ROWS; i++) {
+            const long long t = t0 + i0 + min(i, m - 1);
+            dec[i] = expf(g[t * Hv + hv]);
+            bt[i] = beta[t * Hv + hv];
+            vv[i] = bf2f(v[t * v_stride + (long long)hv * DV + c]);
         }
         __syncthreads();
-        const bf16_t ob = gdn_token(S, qs, ks, expf(g[t * Hv + hv]), beta[t * Hv + hv],
-                                    bf2f(v[t * v_stride + (long long)hv * DV + c]), w, c, red);
-        if (w == 0 && o) o[(t * Hv + hv) * DV + c] = ob;
+#pragma unroll
+        for (int i = 0; i < GDN_ROWS; i++) {
+            if (i < m) {  // uniform over the block
+                const bf16_t ob = gdn_token(S, qs[i], ks[i], dec[i], bt[i], vv[i], w, c, red);
+                if (w == 0 && o) o[((t0 + i0 + i) * Hv + hv) * DV + c] = ob;
+            }
+        }
     }
     if (write_state) {
 #pragma unroll
@@ -195,7 +210,8 @@ gdn_recurrent_gated(const bf16_t* q, const bf16_t* k, const bf16_t* v, long long
                     const float* beta, const float* __restrict__ state, const int* __restrict__ slots,
                     const int* __restrict__ starts, const bf16_t* z, long long z_tok_stride,
                     const float* __restrict__ nw, bf16_t* __restrict__ out, int Hk, int Hv, float eps) {
-    __shared__ float qs[DK], ks[DK], red[4][DV], gred[DV / 32];
+    __shared__ float qs[GDN_ROWS][DK], ks[GDN_ROWS][DK], vs[GDN_ROWS][DV], zs[GDN_ROWS][DV];
+    __shared__ float red[4][DV], gred[DV / 32], dec[GDN_ROWS], bt[GDN_ROWS];
     const int b = blockIdx.x, hv = blockIdx.y, hk = hv / (Hv / Hk);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, w = warp & 3;
     const int c = (warp >> 2) * 32 + lane;
@@ -205,20 +221,33 @@ gdn_recurrent_gated(const bf16_t* q, const bf16_t* k, const bf16_t* v, long long
 #pragma unroll
     for (int r = 0; r < RW; r++) S[r] = slot >= 0 ? st[(long long)(w * RW + r) * DV + c] : 0.0f;
     const float nwc = w == 0 ? nw[c] : 0.0f;
-    for (int t = starts[b]; t < starts[b + 1]; ++t) {
-        float o = 0.0f;
-        if (slot >= 0) {
-            for (int d = threadIdx.x; d < DK; d += blockDim.x) {
-                qs[d] = bf2f(q[((long long)t * Hk + hk) * DK + d]);
-                ks[d] = bf2f(k[((long long)t * Hk + hk) * DK + d]);
-            }
-            const float decay = expf(g[(long long)t * Hv + hv]), bt = beta[(long long)t * Hv + hv];
-            const float vv = bf2f(v[(long long)t * v_stride + (long long)hv * DV + c]);
-            __syncthreads();
-            o = bf2f(gdn_token(S, qs, ks, decay, bt, vv, w, c, red));
+    for (int t0 = starts[b]; t0 < starts[b + 1]; t0 += GDN_ROWS) {
+        const int m = min(GDN_ROWS, starts[b + 1] - t0);
+        // Every input of rows t0 .. t0 + m - 1 loaded at once into shared memory (the previous rows'
+        // reads of it are done: the barrier at the end of the loop).
+        for (int e = threadIdx.x; e < m * DK; e += blockDim.x) {
+            const long long t = t0 + e / DK;
+            const int d = e % DK;
+            qs[e / DK][d] = slot >= 0 ? bf2f(q[(t * Hk + hk) * DK + d]) : 0.0f;
+            ks[e / DK][d] = slot >= 0 ? bf2f(k[(t * Hk + hk) * DK + d]) : 0.0f;
         }
-        const float zv = w == 0 ? bf2f(z[(long long)t * z_tok_stride + (long long)hv * DV + c]) : 0.0f;
-        gdn_gated_out(o, nwc, zv, warp, lane, gred, eps, out + ((long long)t * Hv + hv) * DV + c);
-        __syncthreads();  // gred, qs and ks are free for the next row
+        for (int e = threadIdx.x; e < m * DV; e += blockDim.x) {
+            const long long t = t0 + e / DV;
+            const int d = e % DV;
+            vs[e / DV][d] = slot >= 0 ? bf2f(v[t * v_stride + (long long)hv * DV + d]) : 0.0f;
+            zs[e / DV][d] = bf2f(z[t * z_tok_stride + (long long)hv * DV + d]);
+        }
+        if (slot >= 0 && threadIdx.x < m) {
+            dec[threadIdx.x] = expf(g[(long long)(t0 + threadIdx.x) * Hv + hv]);
+            bt[threadIdx.x] = beta[(long long)(t0 + threadIdx.x) * Hv + hv];
+        }
+        __syncthreads();
+        for (int i = 0; i < m; i++) {
+            float o = 0.0f;
+            if (slot >= 0) o = bf2f(gdn_token(S, qs[i], ks[i], dec[i], bt[i], vs[i][c], w, c, red));
+            gdn_gated_out(o, nwc, w == 0 ? zs[i][c] : 0.0f, warp, lane, gred, eps,
+                          out + ((long long)(t0 + i) * Hv + hv) * DV + c);
+        }
+        __syncthreads();  // the shared inputs and gred are free for the next rows
     }
 }

@@ -132,7 +132,7 @@ extern "C" __global__ void gdn_conv_gate_rows(const bf16_t* x, long long x_strid
                                               const float* __restrict__ dt_bias, bf16_t* __restrict__ q_out,
                                               bf16_t* __restrict__ k_out, float* __restrict__ g,
                                               float* __restrict__ beta, int Hk, int Hv) {
-    __shared__ bf16_t ys[DK];
+    __shared__ bf16_t ys[GDN_ROWS][DK];
     const int seq = blockIdx.x, j = blockIdx.y, tid = threadIdx.x;
     const int r0 = cu_seqlens[seq], r1 = cu_seqlens[seq + 1];
     if (j == C / DK) {
@@ -148,21 +148,33 @@ extern "C" __global__ void gdn_conv_gate_rows(const bf16_t* x, long long x_strid
     float wv[CONV_K];
     if (slot >= 0) conv_window_load<CONV_K>(state + (long long)slot * (CONV_K - 1) * C, w, c, C, win, wv);
     const bool is_q = j < Hk;
-    for (int row = r0; row < r1; ++row) {
-        bf16_t out = 0;
-        if (slot >= 0) {
-            out = conv_window_out<CONV_K>(x[(long long)row * x_stride + c], wv, win);
+    // GDN_ROWS rows at a time: their x loaded ahead, convolved in order, then each q / k row normalised
+    // by its own warp.
+    for (int t0 = r0; t0 < r1; t0 += GDN_ROWS) {
+        const int m = min(GDN_ROWS, r1 - t0);
+        bf16_t xr[GDN_ROWS];
 #pragma unroll
-            for (int r = 0; r < CONV_K - 1; r++) win[r] = win[r + 1];
+        for (int i = 0; i < GDN_ROWS; i++) xr[i] = slot >= 0 ? x[(long long)(t0 + min(i, m - 1)) * x_stride + c] : (bf16_t)0;
+#pragma unroll
+        for (int i = 0; i < GDN_ROWS; i++) {
+            if (i < m) {
+                bf16_t out = 0;
+                if (slot >= 0) {
+                    out = conv_window_out<CONV_K>(xr[i], wv, win);
+#pragma unroll
+                    for (int r = 0; r < CONV_K - 1; r++) win[r] = win[r + 1];
+                }
+                y[(long long)(t0 + i) * C + c] = out;
+                ys[i][tid] = out;
+            }
         }
-        y[(long long)row * C + c] = out;
         if (j >= 2 * Hk) continue;  // a v head: nothing to normalise (uniform over the block)
-        ys[tid] = out;
         __syncthreads();
-        if (tid < 32) {
-            bf16_t* dst = is_q ? q_out + ((long long)row * Hk + j) * DK : k_out + ((long long)row * Hk + (j - Hk)) * DK;
-            gdn_l2norm_row(ys, dst, is_q ? rsqrtf((float)DK) : 1.0f, tid);
+        for (int i = tid >> 5; i < m; i += DK / 32) {
+            const long long row = t0 + i;
+            bf16_t* dst = is_q ? q_out + (row * Hk + j) * DK : k_out + (row * Hk + (j - Hk)) * DK;
+            gdn_l2norm_row(ys[i], dst, is_q ? rsqrtf((float)DK) : 1.0f, tid & 31);
         }
-        __syncthreads();
+        __syncthreads();  // ys is free for the next rows
     }
 }

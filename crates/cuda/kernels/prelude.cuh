@@ -331,14 +331,28 @@ __device__ __forceinline__ uint4 ld_nc_stream(const uint4* p) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The int4 weight format (w4a16.cu's header, src/w4.rs): the uint4 holding device columns 32c .. 32c + 31
-// of row o of an [out, 128 * ng] linear in the tile-major order (w4a16.cu and w4_gemm.cu read it).
+// The int4 weight format (w4a16.cu's header, src/w4.rs): the uint4 c of row o of an [out, 128 * ng]
+// linear in the tile-major order: chunk c & 3 of group c >> 2, whose word i holds the group's columns
+// 32i + 8(c & 3) .. + 7 (w4a16.cu and w4_gemm.cu read it).
 __device__ __forceinline__ long long w4_u4(int o, int c, int out, int ng) {
     const int p = o >> 5, rr = o & 31, R = min(32, out - (p << 5));
     int before = 0;
     for (int jj = 0; jj < (rr & 3); ++jj) before += (R + 3 - jj) >> 2;
     return (long long)p * ng * 128 + (long long)(c >> 2) * R * 4 + (before + (rr >> 2)) * 4 + (c & 3);
 }
+
+// The word holding 8-column piece j (device columns 8j .. 8j + 7) of row o: piece q = j & 15 of group
+// j >> 4 is word q >> 2 of chunk q & 3.
+__device__ __forceinline__ long long w4_word(int o, int j, int out, int ng) {
+    return w4_u4(o, (j & ~15) >> 2 | (j & 3), out, ng) * 4 + ((j >> 2) & 3);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rows the DeltaNet kernels of several rows per sequence (gdn_decode.cu's gdn_tokens and
+// gdn_recurrent_gated, gdn_gate.cu's gdn_conv_gate_rows) load ahead at a time, so that only their own
+// barriers, not a global load per row, stand between one row and the next (a speculative step's verify
+// and commit rows: K + 1 = 4 per sequence at K = 3).
+#define GDN_ROWS 4
 
 // ---------------------------------------------------------------------------------------------
 // One causal depthwise conv1d decode step of channel c (KW taps; conv.cu's conv_decode and

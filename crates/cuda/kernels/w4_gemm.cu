@@ -18,7 +18,7 @@
 // (((w >> 4p) & 0x000f000f) | 0x43004300 = bf16 (128 + q0, 128 + q1)) and one bf16x2 FMA that
 // subtracts 128 + zero exactly, giving A fragments of the integers q - z (rows 4g, 4g + 1 in tile 0,
 // 4g + 2, 4g + 3 in tile 1; the K order inside a group is the format's, matched by the x fragment:
-// lane (g, t) reads x[token g][32t + 8i .. 32t + 8i + 7] for word i as one 16-byte load). mma.sync
+// lane (g, t) reads x[token g][32i + 8t .. 32i + 8t + 7] for word i as one 16-byte load). mma.sync
 // m16n8k16 (bf16, f32 accumulation) sums the exact products per group into tmp, and the group adds
 // scale * tmp to acc in f32 (the GEMV's accuracy: no rounding of the weights).
 //
@@ -59,8 +59,9 @@ __device__ __forceinline__ void w4g_zero(float (&v)[2][NT][4]) {
 }
 
 // Physical 16-byte chunk of chunk c (0..15) of x-tile row r: conflict-free 16-byte loads for the
-// lanes (g, t) of a quarter warp (rows 2q, 2q + 1; chunks 4t + i).
-__device__ __forceinline__ int w4g_swz(int r, int c) { return c ^ ((c >> 3) << 1) ^ (r & 1); }
+// lanes (g, t) of a quarter warp (rows 2q, 2q + 1; chunks 4i + t: one row's in one half of the 128
+// bytes, the other row's in the other half).
+__device__ __forceinline__ int w4g_swz(int r, int c) { return c ^ ((r & 1) << 2); }
 
 // Stores the fragments of a lane's 4 rows r0 .. r0 + 3 (all in: out % 4 == 0) for NT n-tiles of 8
 // tokens from m0: fragment c of tile a, n-tile b is row r0 + 2a + (c >> 1), token m0 + 8b + 2t + (c & 1).
@@ -205,7 +206,7 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
                     for (int b = 0; b < NT; ++b) {
                         if (b < live) {
                             const int r = 8 * b + g;
-                            const uint4 xv = xst[r * 16 + w4g_swz(r, 4 * t + i)];
+                            const uint4 xv = xst[r * 16 + w4g_swz(r, 4 * i + t)];
                             mma_bf16(tmp[0][b], a[0][0], xv.x, xv.y);
                             mma_bf16(tmp[1][b], a[1][0], xv.x, xv.y);
                             mma_bf16(tmp[0][b], a[0][1], xv.z, xv.w);
@@ -292,14 +293,14 @@ __device__ __forceinline__ void w4t_body(const u32* __restrict__ qw, const unsig
     }
     pdl_wait();  // x is the previous kernel's
     // x of token m0 + 8b + g (clamped to M - 1: tokens past M are computed, not stored), columns
-    // 32t .. 32t + 31 of each group: 4 uint4 from px[b] + 16 * group.
+    // 32i + 8t .. + 7 of each group for word i: uint4 4i from px[b] + 16 * group.
     const uint4* px[NT];
     uint4 xb[NT][4];
 #pragma unroll
     for (int b = 0; b < NT; ++b) {
-        px[b] = (const uint4*)(x + (long long)min(m0 + 8 * b + g, M - 1) * ldx) + t * 4 + 16 * gb;
+        px[b] = (const uint4*)(x + (long long)min(m0 + 8 * b + g, M - 1) * ldx) + t + 16 * gb;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) xb[b][i] = n > 0 ? px[b][i] : make_uint4(0u, 0u, 0u, 0u);
+        for (int i = 0; i < 4; ++i) xb[b][i] = n > 0 ? px[b][4 * i] : make_uint4(0u, 0u, 0u, 0u);
     }
     const u32 ones = 0x3f803f80u;
     float acc[2][NT][4];
@@ -341,7 +342,7 @@ __device__ __forceinline__ void w4t_body(const u32* __restrict__ qw, const unsig
                         mma_bf16(tm[0][b], hi0, xv.z, xv.w);
                         mma_bf16(tm[1][b], hi1, xv.z, xv.w);
                         mma_bf16(xs[b], one4, xv.z, xv.w);
-                        if (more) xb[b][i] = px[b][16 * (u + 1) + i];
+                        if (more) xb[b][i] = px[b][16 * (u + 1) + 4 * i];
                     }
                 }
                 const uint2 sbits = sv[u];

@@ -9,9 +9,12 @@
 //           4 uint4 at (before(j) + g)*4 + t, t = 0..3 its 32-column chunks, where before(j) counts
 //           the unit's rows whose rr % 4 < j (8j when R = 32): a GEMV warp's lane (g, t) copies
 //           row 4g + j, chunk t for j = 0..3, i.e. four 512-byte contiguous runs per full unit.
-//           A uint4 holds 4 words of 8 columns; column 8i + c of a word is nibble (c & 1)*4 + (c >> 1)
+//           A uint4 holds 4 words of 8 columns, interleaved over the group's 4 chunks: word i of chunk
+//           t holds the group's columns 32i + 8t .. + 7 (so lanes t = 0..3 reading the activations of
+//           word i read 64 contiguous bytes); column c of a word is nibble (c & 1)*4 + (c >> 1)
 //           (the nibbles hold columns 0,2,4,6,1,3,5,7), so (word >> 4p) & 0x000f000f = columns
-//           (2p, 2p+1) in the two halves. w4_u4() (prelude.cuh) maps (row, 32-column chunk) to the uint4.
+//           (2p, 2p+1) in the two halves. w4_u4() (prelude.cuh) maps (row, chunk) to the uint4,
+//           w4_word() (row, 8-column piece) to the word.
 //   scales  u16 [NG, out] (group-major): fp16 bits, or bf16 bits when scale_bf16 != 0.
 //   zeros   u8  [NG, ceil(out/2)]: zero of (g, o) = nibble (o & 1) of byte g*ceil(out/2) + o/2;
 //           NULL = symmetric, zero 8.
@@ -254,7 +257,8 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
     const unsigned short* ps = scales + (long long)gb * os;
     const unsigned char* pz = ASYM ? zeros + (long long)gb * zstride : nullptr;
     const bool has_x = g < M;
-    const uint4* px = (const uint4*)(x + (long long)(has_x ? g : 0) * ldx) + t * 4 + 16 * gb;
+    // x of word i of the lane's chunk t of a group: uint4 4i + t of the group's 16.
+    const uint4* px = (const uint4*)(x + (long long)(has_x ? g : 0) * ldx) + t + 16 * gb;
     const u32 ring_s = smem_addr(smem + warp * (S * W4P_STAGE_U4));
     const uint4* ring = smem + warp * (S * W4P_STAGE_U4);
 
@@ -324,7 +328,7 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
     uint4 xb[2][4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-        xb[0][q] = (has_x && n > 0) ? ld_act(px + q) : make_uint4(0u, 0u, 0u, 0u);
+        xb[0][q] = (has_x && n > 0) ? ld_act(px + 4 * q) : make_uint4(0u, 0u, 0u, 0u);
         xb[1][q] = make_uint4(0u, 0u, 0u, 0u);
     }
     const u32 ones = 0x3f803f80u;
@@ -338,7 +342,7 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
                 cp_async_commit();
                 if (has_x && k + 1 < n) {
 #pragma unroll
-                    for (int q = 0; q < 4; ++q) xb[(u + 1) & 1][q] = ld_act(px + 16 * (u + 1) + q);
+                    for (int q = 0; q < 4; ++q) xb[(u + 1) & 1][q] = ld_act(px + 16 * (u + 1) + 4 * q);
                 }
                 cp_async_wait<S - 1>();
                 const uint4* st = ring + u * W4P_STAGE_U4 + lane;
@@ -346,7 +350,7 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
                 const uint4* xv = xb[u & 1];
                 float t0[4] = {0.f, 0.f, 0.f, 0.f}, t1[4] = {0.f, 0.f, 0.f, 0.f}, xs[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {  // word i of each row: columns 8i .. 8i + 7 of the lane's 32
+                for (int i = 0; i < 4; ++i) {  // word i of each row: the group's columns 32i + 8t .. + 7
                     const u32 a0 = u4_comp(w0, i), a1 = u4_comp(w1, i), a2 = u4_comp(w2, i), a3 = u4_comp(w3, i);
                     const u32 b0 = u4_comp(xv[i], 0), b1 = u4_comp(xv[i], 1), b2 = u4_comp(xv[i], 2),
                               b3 = u4_comp(xv[i], 3);
@@ -555,7 +559,9 @@ w4_dequant(const u32* __restrict__ qw, const unsigned short* __restrict__ scales
                 const int it = base + (e >> 2);
                 if (it < n) {
                     const int rr = it / qpr, j4 = it - rr * qpr;
-                    *(uint4*)(dst + (long long)rr * ldd + 32 * j4 + 8 * (e & 3)) = stage[warp][(e & 3) * 33 + (e >> 2)];
+                    // word e & 3 of chunk j4: columns 128 (j4 >> 2) + 32 (e & 3) + 8 (j4 & 3)
+                    *(uint4*)(dst + (long long)rr * ldd + 128 * (j4 >> 2) + 32 * (e & 3) + 8 * (j4 & 3)) =
+                        stage[warp][(e & 3) * 33 + (e >> 2)];
                 }
             }
             __syncwarp();
@@ -567,7 +573,7 @@ w4_dequant(const u32* __restrict__ qw, const unsigned short* __restrict__ scales
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
         const int rr = i / wpr, j = i - rr * wpr;
         const int o = r0 + rr, gi = j >> 4;
-        const u32 w = qw[w4_u4(o, j >> 2, out, in >> 7) * 4 + (j & 3)];
+        const u32 w = qw[w4_word(o, j, out, in >> 7)];
         const float s = w4_scale(scales[(long long)gi * out + o], scale_bf16);
         const uint4 v = w4_dequant_word(w, s, w4_zf(w4_zero(zeros, zstride, gi, o)));
         const u32 pk[4] = {v.x, v.y, v.z, v.w};
@@ -633,8 +639,8 @@ w4_quantize(const bf16_t* __restrict__ w, long long ldw, int out, int in, int r0
             part |= q << (4 * ((cw & 1) * 4 + (cw >> 1)));
         }
         const u32 other = __shfl_down_sync(0xffffffffu, part, 1);
-        const int wj = gi * 16 + (lane >> 1);  // word column
-        if ((lane & 1) == 0) qw[w4_u4(o, wj >> 2, out, ng) * 4 + (wj & 3)] = part | other;
+        const int wj = gi * 16 + (lane >> 1);  // 8-column piece
+        if ((lane & 1) == 0) qw[w4_word(o, wj, out, ng)] = part | other;
         if (lane == 0) scales[(long long)gi * out + o] = s16;
         zbyte |= z << (4 * h);
     }

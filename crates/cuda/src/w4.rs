@@ -15,8 +15,10 @@
 //!   (`j = rr % 4`) holds the chunks `(before(j) + g)·4 + t`, `t = 0..4` its 32-column quarters,
 //!   where `before(j)` counts the unit's rows with `rr % 4 < j` (`8j` when `R = 32`): the GEMV
 //!   lane `(g, t)` copies chunk `t` of rows `4g + j` for `j = 0..4`, four contiguous 512-byte runs of
-//!   a 2 KB unit ([`u4_index`]). A chunk is 4 words of 8 columns; column `8i + c` of a word is in
-//!   nibble `(c & 1)·4 + (c >> 1)` (the nibbles hold columns `0,2,4,6,1,3,5,7`, so
+//!   a 2 KB unit ([`u4_index`]). A chunk is 4 words of 8 columns, interleaved across the group's
+//!   four chunks: word `i` of chunk `t` holds the group's columns `32i + 8t .. 32i + 8t + 8`, so the
+//!   lanes `t = 0..4` reading word `i`'s activations read 64 contiguous bytes ([`word_index`]); column
+//!   `c` of a word is in nibble `(c & 1)·4 + (c >> 1)` (the nibbles hold columns `0,2,4,6,1,3,5,7`, so
 //!   `(word >> 4p) & 0x000f000f` is the pair of columns `(2p, 2p+1)` in the two 16-bit halves, which
 //!   is what the tensor-core GEMV feeds to `mma` as is).
 //! - `scales` u16 `[NG, out]`, group-major (one group's scales of 16 consecutive rows are one
@@ -77,8 +79,9 @@ pub struct W4Linear {
 /// Device bytes of the tensors of one int4 linear (priced by the plan).
 pub use deltaserve_plan::cuda::W4Bytes;
 
-/// Index of the 16-byte chunk (4 words) holding device columns `32c .. 32c + 32` of row `o` of an
-/// `[out, inp]` linear in the tile-major order (module docs; `w4_u4` in kernels/w4a16.cu).
+/// Index of the 16-byte chunk `c` (chunk `c % 4` of group `c / 4`: its words hold the group's columns
+/// `32i + 8(c % 4) ..`, `i = 0..4`) of row `o` of an `[out, inp]` linear in the tile-major order (module
+/// docs; `w4_u4` in kernels/prelude.cuh).
 pub fn u4_index(out: usize, inp: usize, o: usize, c: usize) -> usize {
     let ng = inp / W4_GROUP;
     let (p, rr) = (o / 32, o % 32);
@@ -87,9 +90,12 @@ pub fn u4_index(out: usize, inp: usize, o: usize, c: usize) -> usize {
     p * ng * 128 + (c / 4) * r * 4 + (before + rr / 4) * 4 + c % 4
 }
 
-/// Index of the word holding device column `j` of row `o` (the column's nibble: [`nibble_of`]).
+/// Index of the word holding device column `j` of row `o` (the column's nibble: [`nibble_of`]): the
+/// group's 8-column piece `q = (j % 128) / 8` is word `q / 4` of chunk `q % 4` (`w4_word` in
+/// kernels/prelude.cuh).
 pub fn word_index(out: usize, inp: usize, o: usize, j: usize) -> usize {
-    4 * u4_index(out, inp, o, j / 32) + (j % 32) / 8
+    let q = (j % W4_GROUP) / 8;
+    4 * u4_index(out, inp, o, 4 * (j / W4_GROUP) + q % 4) + q / 4
 }
 
 /// Nibble (0..8) of device column `c` (mod 8) inside its word.
@@ -808,6 +814,15 @@ mod tests {
             perm: None,
         };
         assert!((0..out * inp).all(|i| l.q(i / inp, i % inp) == q[i] as u32));
+        // Word i of a chunk t holds the group's columns 32i + 8t .. + 8: the four chunks of a row's
+        // group, word by word, are its columns in order.
+        for j in (0..inp).step_by(8) {
+            let (k, q) = (j / 128, (j % 128) / 8);
+            assert_eq!(word_index(out, inp, 5, j), 4 * u4_index(out, inp, 5, 4 * k + q % 4) + q / 4);
+            assert_eq!(word_index(out, inp, 5, j + 7), word_index(out, inp, 5, j));
+        }
+        assert_eq!(word_index(out, inp, 0, 8), 4 * u4_index(out, inp, 0, 1));
+        assert_eq!(word_index(out, inp, 0, 32), 4 * u4_index(out, inp, 0, 0) + 1);
     }
 
     #[test]
