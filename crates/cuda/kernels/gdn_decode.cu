@@ -18,7 +18,8 @@
 // Launch: grid (B, Hv, DV / 32), block 128: lane = value column, warp w owns state rows
 //   [w*DK/4, (w+1)*DK/4) in registers; the two column sums reduce across the 4 warps in smem.
 //   gdn_decode_gated (decode rows + the gated RMSNorm): grid (B, Hv), block 4 * DV.
-//   Each warp reads 128 contiguous bytes per state row. -D DK, DV (multiples of 32).
+//   gdn_rows (a speculative step's verify or commit rows with their conv and gates): described above it.
+//   Each warp reads 128 contiguous bytes per state row. -D DK, DV (multiples of 32), CONV_K.
 // Arch: plain f32, sm_80+.
 // Tested by: tests/ops/ cases "gdn_decode" and "gdn_recurrent" against deltaserve_cpu::gdn::gdn_recurrent.
 
@@ -27,6 +28,9 @@
 #endif
 #ifndef DV
 #define DV 128
+#endif
+#ifndef CONV_K
+#define CONV_K 4
 #endif
 #define RW (DK / 4)
 
@@ -95,6 +99,7 @@ __device__ __forceinline__ void gdn_tokens(const bf16_t* __restrict__ q, const b
 #pragma unroll
         for (int i = 0; i < GDN_ROWS; i++) {
             if (i < m) {  // uniform over the block
+                if (i > 0) __syncthreads();  // the previous row's reads of red are done
                 const bf16_t ob = gdn_token(S, qs[i], ks[i], dec[i], bt[i], vv[i], w, c, red);
                 if (w == 0 && o) o[((t0 + i0 + i) * Hv + hv) * DV + c] = ob;
             }
@@ -249,5 +254,108 @@ gdn_recurrent_gated(const bf16_t* q, const bf16_t* k, const bf16_t* v, long long
                           out + ((long long)(t0 + i) * Hv + hv) * DV + c);
         }
         __syncthreads();  // the shared inputs and gred are free for the next rows
+    }
+}
+
+// gdn_rows: a speculative step's DeltaNet rows of one layer in one launch, per (sequence, value head):
+// gdn_gate.cu's gdn_conv_gate_rows over the head's channels (the q and k channels of its key head, its
+// v channels: each block of a key head computes the same q / k), then
+//   commit == 0 (the verify): gdn_recurrent_gated — the recurrence from the committed state and the
+//     gated RMSNorm of each row into out; neither state is written;
+//   commit != 0: gdn_recurrent with write-back, and the conv state advanced over the rows (conv.cu's
+//     conv_state_update: the last CONV_K - 1 inputs; a key head's q / k channels by its first value
+//     head's block); out is not written;
+// bitwise the same as those kernels. Sequence b's rows: starts[b] .. starts[b] + n - 1, n = lens[b] (lens
+// non-null) or starts[b + 1] - starts[b], of x [*, x_stride] (the in-projection's qkv rows: q channels
+// [0, Hk DK), k [Hk DK, 2 Hk DK), v from 2 Hk DK; C = 2 Hk DK + Hv DV) and ba [*, ba_stride] (b, then a
+// at column Hv); conv weights cw [C, CONV_K], conv state [slots, CONV_K - 1, C] bf16, state as
+// gdn_recurrent's; z, nw, out as gdn_recurrent_gated's. A sequence of slot < 0 normalises o = 0 and
+// writes no state. Launch: grid (B, Hv), block 4 * DV (2 DK + DV <= 4 DV). -D DK, DV, CONV_K.
+// Tested by: tests/ops/ case "gdn_rows" (bitwise vs the kernels it replaces).
+extern "C" __global__ void __launch_bounds__(4 * DV, 2)
+gdn_rows(const bf16_t* x, long long x_stride, const bf16_t* __restrict__ cw, bf16_t* conv_state, const bf16_t* ba,
+         long long ba_stride, const float* __restrict__ A_log, const float* __restrict__ dt_bias, float* state,
+         const int* __restrict__ slots, const int* __restrict__ starts, const int* __restrict__ lens, const bf16_t* z,
+         long long z_tok_stride, const float* __restrict__ nw, bf16_t* __restrict__ out, int Hk, int Hv, float eps,
+         int commit) {
+    constexpr int NCH = 2 * DK + DV;  // the block's conv channels: q, k of its key head, then its v
+    __shared__ bf16_t ys[GDN_ROWS][NCH], qn[GDN_ROWS][DK], kn[GDN_ROWS][DK];
+    __shared__ float qs[GDN_ROWS][DK], ks[GDN_ROWS][DK], red[4][DV], gred[DV / 32], gv[GDN_ROWS], bv[GDN_ROWS];
+    const int b = blockIdx.x, hv = blockIdx.y, hk = hv / (Hv / Hk);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, w = warp & 3;
+    const int c = (warp >> 2) * 32 + lane;
+    const int slot = slots[b];  // uniform over the block
+    const long long C = 2LL * Hk * DK + (long long)Hv * DV;
+    const int r0 = starts[b], n = lens ? lens[b] : starts[b + 1] - r0;
+    const bool has_ch = tid < NCH;
+    const long long ch = tid < DK ? hk * DK + tid
+                         : tid < 2 * DK ? (long long)Hk * DK + hk * DK + (tid - DK)
+                                        : 2LL * Hk * DK + (long long)hv * DV + (tid - 2 * DK);
+    bf16_t* cst = conv_state + (long long)max(slot, 0) * (CONV_K - 1) * C;
+    bf16_t win[CONV_K];
+    float wv[CONV_K];
+    if (slot >= 0 && has_ch) conv_window_load<CONV_K>(cst, cw, (int)ch, C, win, wv);
+    float* st = state + ((long long)max(slot, 0) * Hv + hv) * DK * DV;
+    float S[RW];
+#pragma unroll
+    for (int r = 0; r < RW; r++) S[r] = slot >= 0 ? st[(long long)(w * RW + r) * DV + c] : 0.0f;
+    const float nwc = !commit && w == 0 ? nw[c] : 0.0f;
+    for (int i0 = 0; i0 < n; i0 += GDN_ROWS) {
+        const int m = min(GDN_ROWS, n - i0);
+        const long long t0 = r0 + i0;
+        if (has_ch) {  // the conv of the rows, their inputs loaded ahead
+            bf16_t xr[GDN_ROWS];
+#pragma unroll
+            for (int i = 0; i < GDN_ROWS; i++) xr[i] = slot >= 0 ? x[(t0 + min(i, m - 1)) * x_stride + ch] : (bf16_t)0;
+#pragma unroll
+            for (int i = 0; i < GDN_ROWS; i++) {
+                if (i < m) {
+                    bf16_t y = 0;
+                    if (slot >= 0) {
+                        y = conv_window_out<CONV_K>(xr[i], wv, win);
+#pragma unroll
+                        for (int r = 0; r < CONV_K - 1; r++) win[r] = win[r + 1];
+                    }
+                    ys[i][tid] = y;
+                }
+            }
+        }
+        if (tid < m)
+            gdn_gate_values(bf2f(ba[(t0 + tid) * ba_stride + hv]), bf2f(ba[(t0 + tid) * ba_stride + Hv + hv]), A_log,
+                            dt_bias, hv, &bv[tid], &gv[tid]);
+        __syncthreads();
+        for (int e = warp; e < 2 * m; e += blockDim.x / 32) {  // q (even) and k (odd) of row e / 2
+            const int i = e >> 1;
+            if (e & 1) {
+                gdn_l2norm_row<DK>(&ys[i][DK], kn[i], 1.0f, lane);
+            } else {
+                gdn_l2norm_row<DK>(&ys[i][0], qn[i], rsqrtf((float)DK), lane);
+            }
+        }
+        __syncthreads();
+        for (int e = tid; e < m * DK; e += blockDim.x) {
+            qs[e / DK][e % DK] = bf2f(qn[e / DK][e % DK]);
+            ks[e / DK][e % DK] = bf2f(kn[e / DK][e % DK]);
+        }
+        __syncthreads();
+        for (int i = 0; i < m; i++) {
+            // A commit's rows: the previous row's reads of red are done (a verify's gated norm has a barrier).
+            if (commit && i > 0) __syncthreads();
+            float o = 0.0f;
+            if (slot >= 0) o = bf2f(gdn_token(S, qs[i], ks[i], expf(gv[i]), bv[i], bf2f(ys[i][2 * DK + c]), w, c, red));
+            if (!commit) {
+                const float zv = w == 0 ? bf2f(z[(t0 + i) * z_tok_stride + (long long)hv * DV + c]) : 0.0f;
+                gdn_gated_out(o, nwc, zv, warp, lane, gred, eps, out + ((t0 + i) * Hv + hv) * DV + c);
+            }
+        }
+        __syncthreads();  // ys, qn, kn, qs, ks, gv, bv, red and gred are free for the next rows
+    }
+    if (commit && slot >= 0 && n > 0) {
+#pragma unroll
+        for (int r = 0; r < RW; r++) st[(long long)(w * RW + r) * DV + c] = S[r];
+        if (has_ch && (tid >= 2 * DK || hv % (Hv / Hk) == 0)) {
+#pragma unroll
+            for (int r = 0; r < CONV_K - 1; r++) cst[(long long)r * C + ch] = win[r];
+        }
     }
 }

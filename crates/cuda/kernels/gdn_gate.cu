@@ -21,27 +21,6 @@
 #define CONV_K 4
 #endif
 
-// One q or k row: out = bf16(v / sqrt(sum v^2 + 1e-6) * scale), v = the DK bf16 values at src; one warp.
-__device__ __forceinline__ void gdn_l2norm_row(const bf16_t* src, bf16_t* __restrict__ dst, float scale, int lane) {
-    float v[DK / 32];
-    float ss = 0.0f;
-#pragma unroll
-    for (int i = 0; i < DK / 32; i++) {
-        v[i] = bf2f(src[lane + 32 * i]);
-        ss += v[i] * v[i];
-    }
-    const float inv = 1.0f / sqrtf(warp_sum(ss) + 1e-6f) * scale;
-#pragma unroll
-    for (int i = 0; i < DK / 32; i++) dst[lane + 32 * i] = f2bf(v[i] * inv);
-}
-
-// beta and g of value head h from its b and a (f32).
-__device__ __forceinline__ void gdn_gate_values(float bv, float av, const float* __restrict__ A_log,
-                                                const float* __restrict__ dt_bias, int h, float* beta, float* g) {
-    *beta = sigmoidf_(bv);
-    *g = -expf(A_log[h]) * softplusf_(av + dt_bias[h]);
-}
-
 extern "C" __global__ void gdn_gate(const bf16_t* __restrict__ qk, long long qk_stride,
                                     const bf16_t* __restrict__ b, long long b_stride,
                                     const bf16_t* __restrict__ a, long long a_stride,
@@ -57,7 +36,7 @@ extern "C" __global__ void gdn_gate(const bf16_t* __restrict__ qk, long long qk_
         const bool is_q = r < Hk;
         bf16_t* dst = (is_q ? q_out + ((long long)t * Hk + r) * DK
                             : k_out + ((long long)t * Hk + (r - Hk)) * DK);
-        gdn_l2norm_row(row + (long long)r * DK, dst, is_q ? qscale : 1.0f, lane);
+        gdn_l2norm_row<DK>(row + (long long)r * DK, dst, is_q ? qscale : 1.0f, lane);
     }
     for (int h = threadIdx.x; h < Hv; h += blockDim.x)
         gdn_gate_values(bf2f(b[(long long)t * b_stride + h]), bf2f(a[(long long)t * a_stride + h]), A_log, dt_bias, h,
@@ -110,7 +89,7 @@ extern "C" __global__ void gdn_conv_gate_decode(const bf16_t* x, long long x_str
     if (tid < 32) {
         const bool is_q = j < Hk;
         bf16_t* dst = is_q ? q_out + ((long long)row * Hk + j) * DK : k_out + ((long long)row * Hk + (j - Hk)) * DK;
-        gdn_l2norm_row(ys, dst, is_q ? rsqrtf((float)DK) : 1.0f, tid);
+        gdn_l2norm_row<DK>(ys, dst, is_q ? rsqrtf((float)DK) : 1.0f, tid);
     }
 }
 
@@ -173,7 +152,7 @@ extern "C" __global__ void gdn_conv_gate_rows(const bf16_t* x, long long x_strid
         for (int i = tid >> 5; i < m; i += DK / 32) {
             const long long row = t0 + i;
             bf16_t* dst = is_q ? q_out + (row * Hk + j) * DK : k_out + (row * Hk + (j - Hk)) * DK;
-            gdn_l2norm_row(ys[i], dst, is_q ? rsqrtf((float)DK) : 1.0f, tid & 31);
+            gdn_l2norm_row<DK>(ys[i], dst, is_q ? rsqrtf((float)DK) : 1.0f, tid & 31);
         }
         __syncthreads();  // ys is free for the next rows
     }

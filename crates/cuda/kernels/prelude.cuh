@@ -348,6 +348,30 @@ __device__ __forceinline__ long long w4_word(int o, int j, int out, int ng) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// DeltaNet gates (gdn_gate.cu, gdn_decode.cu's gdn_rows). One q or k row of D values at src:
+// dst = bf16(v / sqrt(sum v^2 + 1e-6) * scale); one warp.
+template <int D>
+__device__ __forceinline__ void gdn_l2norm_row(const bf16_t* src, bf16_t* __restrict__ dst, float scale, int lane) {
+    float v[D / 32];
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < D / 32; i++) {
+        v[i] = bf2f(src[lane + 32 * i]);
+        ss += v[i] * v[i];
+    }
+    const float inv = 1.0f / sqrtf(warp_sum(ss) + 1e-6f) * scale;
+#pragma unroll
+    for (int i = 0; i < D / 32; i++) dst[lane + 32 * i] = f2bf(v[i] * inv);
+}
+
+// beta and g of value head h from its b and a (f32).
+__device__ __forceinline__ void gdn_gate_values(float bv, float av, const float* __restrict__ A_log,
+                                                const float* __restrict__ dt_bias, int h, float* beta, float* g) {
+    *beta = sigmoidf_(bv);
+    *g = -expf(A_log[h]) * softplusf_(av + dt_bias[h]);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Rows the DeltaNet kernels of several rows per sequence (gdn_decode.cu's gdn_tokens and
 // gdn_recurrent_gated, gdn_gate.cu's gdn_conv_gate_rows) load ahead at a time, so that only their own
 // barriers, not a global load per row, stand between one row and the next (a speculative step's verify

@@ -81,7 +81,7 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         module: "gdn_decode",
         src: include_str!("../kernels/gdn_decode.cu"),
-        functions: &["gdn_decode", "gdn_recurrent", "gdn_decode_gated", "gdn_recurrent_gated"],
+        functions: &["gdn_decode", "gdn_recurrent", "gdn_decode_gated", "gdn_recurrent_gated", "gdn_rows"],
     },
     KernelSource { module: "mtp", src: include_str!("../kernels/mtp.cu"), functions: &["shift_rows", "scatter_rows"] },
     KernelSource { module: "gemv", src: include_str!("../kernels/gemv.cu"), functions: &["gemv_bf16"] },
@@ -321,7 +321,11 @@ impl KernelDims {
         match module {
             "conv" => vec![("CONV_K", self.conv_kernel.to_string())],
             "gdn_gate" => vec![("DK", self.gdn_k_dim.to_string()), ("CONV_K", self.conv_kernel.to_string())],
-            "gdn_decode" => vec![("DK", self.gdn_k_dim.to_string()), ("DV", self.gdn_v_dim.to_string())],
+            "gdn_decode" => vec![
+                ("DK", self.gdn_k_dim.to_string()),
+                ("DV", self.gdn_v_dim.to_string()),
+                ("CONV_K", self.conv_kernel.to_string()),
+            ],
             "gdn_chunk" => vec![
                 ("DK", self.gdn_k_dim.to_string()),
                 ("DV", self.gdn_v_dim.to_string()),

@@ -47,7 +47,7 @@ impl CudaBackend {
             self.gdn_gates(gw, ws.gdn_ba, t, if fused_dec { tp } else { t })?
         };
         self.tick("gdn gates + l2norm")?;
-        if !self.gdn_core(ws, gw, rec_state, sh, (q, kk))? {
+        if !self.gdn_core(ws, gw, (rec_state, conv_state), sh, (q, kk))? {
             // The gated norm of the other rows (the chunked and verify rows).
             norm::gated_rms_norm(k, s, ws.gdn_core_out, ws.gdn_z, vw, hv, gw.norm, ws.gdn_normed, tp, dv, eps)?;
         }
@@ -76,7 +76,9 @@ impl CudaBackend {
         let fusable = gdn_gate::conv_gate_decode_supported(&k.dims, cc, hk, hv);
         // Verify chunks only (with decode rows or none): their conv and gates in one launch.
         let fused_pre = n_pre > 0 && n_real == 0 && fusable;
-        if fused_pre {
+        if fused_pre && self.verify_rows_fused(sh) {
+            // The verify rows' conv and gates run with their recurrence (gdn_core).
+        } else if fused_pre {
             let (q0, k0) = (ws.gdn_qk, ws.gdn_qk + b2(t * kw));
             let f = gdn_gate::GdnConvGateRows {
                 x: ws.gdn_qkv,
@@ -171,7 +173,7 @@ impl CudaBackend {
         &self,
         ws: &Ws,
         gw: &GdnLayer,
-        rec_state: u64,
+        (rec_state, conv_state): (u64, u64),
         sh: &StepShape,
         (q, kk): (u64, u64),
     ) -> Result<bool, CudaError> {
@@ -225,7 +227,32 @@ impl CudaBackend {
                 hv,
             };
             let starts = ws.cu_seqlens + 4 * n_real as u64;
-            if n_real == 0 {
+            if self.verify_rows_fused(sh) {
+                let rows = gdn_decode::GdnRows {
+                    x: ws.gdn_qkv,
+                    x_stride: cc,
+                    ba: ws.gdn_ba,
+                    ba_stride: 2 * hv,
+                    conv_w: gw.conv,
+                    conv_state,
+                    a_log: gw.a_log,
+                    dt_bias: gw.dt_bias,
+                    state: rec_state,
+                    slots: ws.slots,
+                    starts,
+                    lens: 0,
+                    z: ws.gdn_z,
+                    z_tok_stride: vw,
+                    norm_w: gw.norm,
+                    out: ws.gdn_normed,
+                    eps,
+                    n_seqs: sh.n_ver,
+                    hk,
+                    hv,
+                    commit: false,
+                };
+                gdn_decode::gdn_rows(k, s, &rows)?;
+            } else if n_real == 0 {
                 let gated = gdn_decode::GdnRecurrentGated {
                     d: dec,
                     starts,
@@ -269,6 +296,15 @@ impl CudaBackend {
         }
         self.tick("gdn core (chunked / decode)")?;
         Ok(n_real == 0 && sh.n_ver > 0)
+    }
+
+    /// Whether the step's rows before its decode rows are all verify rows and their conv, gates,
+    /// recurrence and gated norm run in one launch per layer (`gdn_rows`).
+    pub(super) fn verify_rows_fused(&self, sh: &StepShape) -> bool {
+        let d = &self.d;
+        sh.n_pre > 0
+            && sh.n_pre == sh.n_ver
+            && gdn_decode::rows_supported(&self.k.dims, d.conv_channels, d.gdn_k_heads, d.gdn_v_heads)
     }
 
     /// A DeltaNet layer's gates and normalised q, k of the first `rows` of the step's `t` rows: from the

@@ -315,8 +315,9 @@ impl CudaBackend {
     }
 
     /// The commit's work (inputs uploaded by [`CudaBackend::commit`]): per DeltaNet layer, conv and gates
-    /// of the `tv` verify rows of `nv` chunks from the trace, the recurrence with write-back over the
-    /// accepted rows of the `n` commits and the conv window's shift; then the pending hidden rows.
+    /// of the accepted rows of the `n` commits from the trace, the recurrence with write-back and the
+    /// conv window's shift (one `gdn_rows` launch where the layer's dims allow; else conv and gates of
+    /// the `tv` verify rows of `nv` chunks, then the other two); then the pending hidden rows.
     pub(super) fn commit_kernels(&self, n: usize, tv: usize, nv: usize) -> Result<(), CudaError> {
         let sp = self.spec.as_ref().ok_or_else(|| CudaError::Plan("no speculation".into()))?;
         let (k, s, ws, d) = (&self.k, self.rt.stream().as_ref(), &self.ws, &self.d);
@@ -326,7 +327,36 @@ impl CudaBackend {
             (Mixer::Gdn(gw), LayerCache::Gdn { rec, conv, .. }) => Some((gw, rec, conv)),
             _ => None,
         });
+        let fused = gdn_decode::rows_supported(&k.dims, cc, d.gdn_k_heads, hv);
         for (gi, (gw, rec, conv)) in gdn.enumerate() {
+            if fused {
+                // Conv, gates and recurrence of the accepted rows, both states advanced, in one launch.
+                let rows = gdn_decode::GdnRows {
+                    x: sp.trace_x + b2(gi * sp.rows * cc),
+                    x_stride: cc,
+                    ba: sp.trace_ba + b2(gi * sp.rows * 2 * hv),
+                    ba_stride: 2 * hv,
+                    conv_w: gw.conv,
+                    conv_state: self.states.ptr + conv as u64,
+                    a_log: gw.a_log,
+                    dt_bias: gw.dt_bias,
+                    state: self.states.ptr + rec as u64,
+                    slots: sp.idx_at(4),
+                    starts: sp.idx_at(2),
+                    lens: sp.idx_at(3),
+                    z: 0,
+                    z_tok_stride: 0,
+                    norm_w: 0,
+                    out: 0,
+                    eps: self.eps,
+                    n_seqs: n,
+                    hk: d.gdn_k_heads,
+                    hv,
+                    commit: true,
+                };
+                gdn_decode::gdn_rows(k, s, &rows)?;
+                continue;
+            }
             let mut cp = conv::ConvPrefill {
                 x: sp.trace_x + b2(gi * sp.rows * cc),
                 x_stride: cc,

@@ -153,3 +153,71 @@ fn check_gated(
     }
     Ok(dv)
 }
+
+/// A speculative step's DeltaNet rows of one layer with their conv and gates, in one launch
+/// (kernels/gdn_decode.cu `gdn_rows`): the verify (`commit` false: [`GdnRecurrentGated`]'s outputs, no
+/// state written) or the commit (`commit` true: the recurrence with write-back and the conv state
+/// advanced over the rows, nothing else written), bitwise the kernels they replace.
+#[derive(Clone, Copy, Debug)]
+pub struct GdnRows {
+    /// The in-projection's qkv rows `[*, x_stride]` bf16 (q, k, v channels: `(2·hk + hv)·dk`) and its
+    /// b / a rows `[*, ba_stride]` (b, then a at column hv).
+    pub x: u64,
+    pub x_stride: usize,
+    pub ba: u64,
+    pub ba_stride: usize,
+    /// Conv weights `[channels, conv_kernel]` bf16 and states `[slots, conv_kernel − 1, channels]` bf16.
+    pub conv_w: u64,
+    pub conv_state: u64,
+    /// `[hv]` f32.
+    pub a_log: u64,
+    pub dt_bias: u64,
+    /// `[slots, hv, dk, dv]` f32, slot ids `[n_seqs]` i32.
+    pub state: u64,
+    pub slots: u64,
+    /// Sequence b's rows from `starts[b]`: `lens[b]` of them, or (`lens` 0) up to `starts[b + 1]`.
+    pub starts: u64,
+    pub lens: u64,
+    /// The verify's gated norm: z row t head h at `z + t·z_tok_stride + h·dv`, the norm weight `[dv]`
+    /// f32, out `[rows, hv, dv]` bf16 (unused by a commit).
+    pub z: u64,
+    pub z_tok_stride: usize,
+    pub norm_w: u64,
+    pub out: u64,
+    pub eps: f32,
+    pub n_seqs: usize,
+    pub hk: usize,
+    pub hv: usize,
+    pub commit: bool,
+}
+
+/// Whether [`gdn_rows`] takes a layer of these dims: equal key and value head dims (as the fused conv
+/// kernels) and the head's `2·dk + dv` channels within the block's `4·dv` threads.
+pub fn rows_supported(dims: &crate::nvrtc::KernelDims, channels: usize, hk: usize, hv: usize) -> bool {
+    super::gdn_gate::conv_gate_decode_supported(dims, channels, hk, hv) && dims.gdn_v_dim <= 256
+}
+
+pub fn gdn_rows(k: &Kernels, s: &CudaStream, a: &GdnRows) -> Result<(), CudaError> {
+    const K: &str = "gdn_rows";
+    if a.n_seqs == 0 {
+        return Ok(());
+    }
+    let dv = k.dims.gdn_v_dim;
+    let channels = (2 * a.hk + a.hv) * k.dims.gdn_k_dim;
+    let zs_ok = a.commit || a.z_tok_stride >= a.hv * dv;
+    if !rows_supported(&k.dims, channels, a.hk, a.hv)
+        || !a.hv.is_multiple_of(a.hk)
+        || a.x_stride < channels
+        || a.ba_stride < 2 * a.hv
+        || !zs_ok
+    {
+        return Err(invalid(K, format!("{a:?}")));
+    }
+    let GdnRows { x, ba, conv_w, conv_state, a_log, dt_bias, state, slots, starts, lens, z, norm_w, out, eps, .. } = *a;
+    let (xs, bs, zs) = (a.x_stride as i64, a.ba_stride as i64, a.z_tok_stride as i64);
+    let (hk, hv, commit) = (to_i32(K, "hk", a.hk)?, to_i32(K, "hv", a.hv)?, i32::from(a.commit));
+    let grid = (to_u32(K, "n_seqs", a.n_seqs)?, to_u32(K, "hv", a.hv)?, 1);
+    launch!(k, s, K, grid, ((4 * dv) as u32, 1, 1), 0;
+        x, xs, conv_w, conv_state, ba, bs, a_log, dt_bias, state, slots, starts, lens, z, zs, norm_w, out, hk, hv, eps,
+        commit)
+}

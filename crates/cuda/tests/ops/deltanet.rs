@@ -416,7 +416,7 @@ fn decoded_token_by_token(
 /// one `[t, 2·hv]` bf16 buffer `ba` ([b | a] per row, like the fused projection), outputs
 /// `[q, k, g, beta]`.
 #[allow(clippy::too_many_arguments)]
-fn gate_args(
+pub fn gate_args(
     qk: u64,
     qk_stride: usize,
     ba: u64,

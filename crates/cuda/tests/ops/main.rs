@@ -19,6 +19,7 @@ mod attention;
 mod bench_gdn;
 mod deltanet;
 mod elementwise;
+mod gdn_rows;
 mod harness;
 mod kv_quant;
 mod sampling;
@@ -163,6 +164,15 @@ enum Op {
     GdnRecurrentGated {
         lens: Vec<usize>,
         slots: Vec<i32>,
+        hk: usize,
+        hv: usize,
+    },
+    /// A speculative step's rows, `lens` per sequence: gdn_rows bitwise vs the kernels it replaces —
+    /// the verify (`accept` None) or the commit of the first `accept[b]` rows.
+    GdnRows {
+        lens: Vec<usize>,
+        slots: Vec<i32>,
+        accept: Option<Vec<usize>>,
         hk: usize,
         hv: usize,
     },
@@ -332,6 +342,10 @@ fn gdn_op(lens: &[usize], hk: usize, hv: usize, prec: gdn_chunk::Precision) -> O
     Op::GdnChunk { lens: lens.to_vec(), hk, hv, prec }
 }
 
+fn gdn_rows(lens: &[usize], slots: &[i32], accept: Option<&[usize]>, hk: usize, hv: usize) -> Op {
+    Op::GdnRows { lens: lens.to_vec(), slots: slots.to_vec(), accept: accept.map(<[usize]>::to_vec), hk, hv }
+}
+
 /// A 27B-shape prefill case (24 q heads, 4 kv heads) on `attn_prefill` (the warp-pair kernel, not
 /// the wide one) tiled `keys` per KV tile. (The `Op::AttnPrefill` cases run the default tiling: the
 /// wide kernel on devices whose shared memory holds it, as the H200's does.)
@@ -472,6 +486,10 @@ fn row_cases() -> Vec<Case> {
             Op::GdnRecurrentGated { lens: vec![2, 4], slots: vec![1, 0], hk: 2, hv: 6 },
             EXACT,
         ),
+        c("gdn_rows", q, gdn_rows(&[4, 1, 6], &[3, -1, 1], None, 16, 48), EXACT),
+        c("gdn_rows", GDN32, gdn_rows(&[2, 4], &[1, 0], None, 2, 6), EXACT),
+        c("gdn_rows", q, gdn_rows(&[4, 3, 6, 2], &[3, 0, 1, -1], Some(&[2, 3, 5, 1]), 16, 48), EXACT),
+        c("gdn_rows", GDN32, gdn_rows(&[4], &[2], Some(&[4]), 2, 6), EXACT),
         c("gdn_recurrent", q, Op::GdnRecurrent { lens: vec![3, 1, 5, 2], accept: None, hk: 16, hv: 48 }, ACCUM),
         c(
             "gdn_recurrent",
@@ -828,6 +846,7 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
         Op::GdnChunk { .. } => deltanet::chunk,
         Op::GdnDecode { .. } => deltanet::decode,
         Op::GdnDecodeGated { .. } | Op::GdnRecurrentGated { .. } => deltanet::decode_gated,
+        Op::GdnRows { .. } => gdn_rows::rows,
         Op::GdnRecurrent { .. } => deltanet::recurrent,
         Op::ConvAccept { .. } => elementwise::conv_accept,
         Op::MtpRows { .. } => elementwise::mtp_rows,

@@ -1,0 +1,131 @@
+//! A speculative step's DeltaNet rows in one launch per layer (`gdn_rows`) bit for bit against the
+//! kernels it replaces: the verify against gdn_conv_gate_rows + gdn_recurrent_gated, the commit
+//! against gdn_conv_gate_rows + gdn_recurrent with write-back + conv_state_update.
+
+use deltaserve_cuda::ops::{conv, gdn_decode, gdn_gate};
+use rand::RngExt;
+use rand::rngs::StdRng;
+
+use crate::deltanet::gate_args;
+use crate::harness::{Dev, Outcome, R, cu_of, randv, same_bits};
+use crate::{Env, Op};
+
+/// [`Op::GdnRows`].
+pub fn rows(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
+    let Env { k, s, .. } = e;
+    let Op::GdnRows { ref lens, ref slots, ref accept, hk, hv } = *op else { unreachable!() };
+    let (dk, dv, kw) = (k.dims.gdn_k_dim, k.dims.gdn_v_dim, k.dims.conv_kernel);
+    let c = (2 * hk + hv) * dk;
+    let (b, n, xs) = (lens.iter().sum::<usize>(), lens.len(), c + 8);
+    let n_slots = slots.iter().copied().max().unwrap_or(0).max(0) as usize + 1;
+    let x = randv(rng, b * xs, 1.0);
+    let w = randv(rng, c * kw, 0.6);
+    let conv0 = randv(rng, n_slots * (kw - 1) * c, 1.0);
+    let rec0 = randv(rng, n_slots * hv * dk * dv, 0.5);
+    let ba = randv(rng, b * 2 * hv, 4.0);
+    let a_log: Vec<f32> = (0..hv).map(|_| rng.random_range(-2.0..1.5)).collect();
+    let dt_bias: Vec<f32> = (0..hv).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let z = randv(rng, b * hv * dv, 2.0);
+    let nw = randv(rng, dv, 1.0);
+    let (xp, wp, bap, alp, dtp) = (d.bf16(&x)?, d.bf16(&w)?, d.bf16(&ba)?, d.f32s(&a_log)?, d.f32s(&dt_bias)?);
+    let (zp, nwp, sp, cup) = (d.bf16(&z)?, d.f32s(&nw)?, d.i32s(slots)?, d.i32s(&cu_of(lens))?);
+    let acc: Vec<i32> = accept.as_ref().map_or(Vec::new(), |a| a.iter().map(|&v| v as i32).collect());
+    let accp = if accept.is_some() { d.i32s(&acc)? } else { 0 };
+    let commit = accept.is_some();
+    let mut got = Vec::new();
+    for fused in [false, true] {
+        let (conv_st, rec_st) = (d.bf16(&conv0)?, d.f32s(&rec0)?);
+        let out = d.poison(2 * b * hv * dv)?;
+        if fused {
+            let a = gdn_decode::GdnRows {
+                x: xp,
+                x_stride: xs,
+                ba: bap,
+                ba_stride: 2 * hv,
+                conv_w: wp,
+                conv_state: conv_st,
+                a_log: alp,
+                dt_bias: dtp,
+                state: rec_st,
+                slots: sp,
+                starts: cup,
+                lens: accp,
+                z: zp,
+                z_tok_stride: hv * dv,
+                norm_w: nwp,
+                out,
+                eps: 1e-6,
+                n_seqs: n,
+                hk,
+                hv,
+                commit,
+            };
+            gdn_decode::gdn_rows(k, s, &a)?;
+        } else {
+            let y = d.poison(2 * b * c)?;
+            let (qo, ko, go, bo) =
+                (d.poison(2 * b * hk * dk)?, d.poison(2 * b * hk * dk)?, d.poison(4 * b * hv)?, d.poison(4 * b * hv)?);
+            let gate = gate_args(y, c, bap, alp, dtp, [qo, ko, go, bo], b, hk, hv);
+            let cp = conv::ConvPrefill {
+                x: xp,
+                x_stride: xs,
+                w: wp,
+                y,
+                state: conv_st,
+                cu_seqlens: cup,
+                slots: sp,
+                n_seqs: n,
+                t: b,
+                channels: c,
+            };
+            gdn_gate::gdn_conv_gate_rows(k, s, &gdn_gate::GdnConvGateRows::of_conv(&cp, gate))?;
+            let dec = gdn_decode::GdnDecode {
+                q: qo,
+                k: ko,
+                v: y + (4 * hk * dk) as u64,
+                v_stride: c,
+                g: go,
+                beta: bo,
+                state: rec_st,
+                slots: sp,
+                o: d.poison(2 * b * hv * dv)?,
+                n_seqs: n,
+                hk,
+                hv,
+            };
+            if commit {
+                let r = gdn_decode::GdnRecurrent { d: dec, starts: cup, lens: accp, write_state: true };
+                gdn_decode::gdn_recurrent(k, s, &r)?;
+                conv::conv_state_update(k, s, &cp, n, accp)?;
+            } else {
+                let a = gdn_decode::GdnRecurrentGated {
+                    d: dec,
+                    starts: cup,
+                    z: zp,
+                    z_tok_stride: hv * dv,
+                    norm_w: nwp,
+                    out,
+                    eps: 1e-6,
+                };
+                gdn_decode::gdn_recurrent_gated(k, s, &a)?;
+            }
+        }
+        let mut ob = vec![0u16; if commit { 0 } else { b * hv * dv }];
+        d.rt.download(&mut ob, out)?;
+        let mut rb = vec![0u16; 2 * rec0.len()];
+        d.rt.download(&mut rb, rec_st)?;
+        let mut cb = vec![0u16; conv0.len()];
+        d.rt.download(&mut cb, conv_st)?;
+        got.push([ob, rb, cb]);
+    }
+    let what = if commit { "the commit's kernels" } else { "the verify's kernels" };
+    let mut v: Vec<Outcome> = ["recurrent state", "conv state"]
+        .iter()
+        .enumerate()
+        .map(|(i, name)| same_bits(&format!("{name} vs {what}"), &got[0][i + 1], &got[1][i + 1]))
+        .collect();
+    if !commit {
+        v.push(same_bits(&format!("out vs {what}"), &got[0][0], &got[1][0]));
+    }
+    Ok(v)
+}
