@@ -18,7 +18,7 @@ SMALL_ARGS = ["--api-key", util.API_KEY, "--served-model-name", util.MODEL, "--m
               "--max-seqs", "1", "--max-waiting", "1", "--max-batch-tokens", "256"]
 
 
-def _run_server(tmp_path_factory, name: str, args: list[str]):
+def run_server(tmp_path_factory, name: str, args: list[str]):
     log = tmp_path_factory.mktemp(name) / "server.log"
     srv = util.Server(args=args, log_path=log)
     try:
@@ -37,12 +37,12 @@ def _run_server(tmp_path_factory, name: str, args: list[str]):
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    yield from _run_server(tmp_path_factory, "main", MAIN_ARGS)
+    yield from run_server(tmp_path_factory, "main", MAIN_ARGS)
 
 
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory):
-    yield from _run_server(tmp_path_factory, "small", SMALL_ARGS)
+    yield from run_server(tmp_path_factory, "small", SMALL_ARGS)
 
 
 @pytest.fixture(scope="session")

@@ -247,6 +247,12 @@ pub trait Backend: Send {
     /// What this backend is and can do.
     fn capabilities(&self) -> Capabilities;
 
+    /// Whether the loaded model runs images (a vision tower). Requests that carry images are refused
+    /// otherwise.
+    fn runs_images(&self) -> bool {
+        false
+    }
+
     /// Runs `batch`: its `pre` ops, its chunks, its `post` ops, and appends to `out` what `want` asks
     /// of each wanted row, in batch order. A chunk with `start == 0` begins from a zeroed state slot.
     /// Chunks with `draft > 0` only come with [`Want::Drafts`].

@@ -256,6 +256,7 @@ impl Started {
             }),
             eos_ids: self.eos_ids.clone(),
             sampling_defaults: deltaserve_server::state::sampling_defaults(model_dir),
+            media: Arc::new(deltaserve_server::media::MediaConfig::for_model_dir(model_dir)?),
         })
     }
 }

@@ -61,6 +61,8 @@ struct Inner {
     thread: Mutex<Option<JoinHandle<()>>>,
     sched_cfg: SchedConfig,
     vocab: usize,
+    /// The backend runs images ([`Backend::runs_images`]).
+    runs_images: bool,
 }
 
 /// Cheap-to-clone handle to a running engine.
@@ -105,6 +107,9 @@ impl Drop for RequestStream {
 
 /// The most draft tokens per step `--speculative-tokens` accepts.
 pub const MAX_SPECULATIVE_TOKENS: usize = 4;
+
+/// Why a request with images is refused by a model without a vision tower.
+pub const NO_VISION_TOWER: &str = "the loaded model has no vision tower: requests with images cannot run";
 
 /// How the engine steps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -189,6 +194,7 @@ impl EngineHandle {
         });
         let caps = backend.capabilities();
         let vocab = caps.vocab_size;
+        let runs_images = backend.runs_images();
         if let Ok(mut st) = shared.stats.lock() {
             st.arena = backend.arena_stats();
         }
@@ -212,12 +218,24 @@ impl EngineHandle {
             .spawn(move || worker.run())
             .expect("spawning the engine thread");
         Self {
-            inner: Arc::new(Inner { cmd: Mutex::new(tx), shared, thread: Mutex::new(Some(thread)), sched_cfg, vocab }),
+            inner: Arc::new(Inner {
+                cmd: Mutex::new(tx),
+                shared,
+                thread: Mutex::new(Some(thread)),
+                sched_cfg,
+                vocab,
+                runs_images,
+            }),
         }
     }
 
     pub fn sched_config(&self) -> &SchedConfig {
         &self.inner.sched_cfg
+    }
+
+    /// Whether requests may carry images (the loaded model has a vision tower the backend runs).
+    pub fn runs_images(&self) -> bool {
+        self.inner.runs_images
     }
 
     /// Validates and queues a request.
@@ -237,6 +255,9 @@ impl EngineHandle {
         }
         let choices = choices::requests(&req, n)?;
         req.sampling.validate().map_err(EngineError::Invalid)?;
+        if !req.images.is_empty() && !self.inner.runs_images {
+            return Err(EngineError::Invalid(NO_VISION_TOWER.into()));
+        }
         if let Some((i, id)) = req.prompt.iter().enumerate().find(|(_, id)| **id as usize >= self.inner.vocab) {
             return Err(EngineError::Invalid(format!(
                 "prompt token {i} has id {id}, outside the vocabulary of {} ids",

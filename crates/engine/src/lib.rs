@@ -10,8 +10,8 @@ pub mod sampling;
 pub mod score;
 
 pub use engine::{
-    EngineError, EngineHandle, EngineOptions, EngineStats, Event, FinishReason, MAX_SPECULATIVE_TOKENS, Request,
-    RequestStream, SharedConstraint, Timing, TokenConstraint, TokenLogprob, Usage,
+    EngineError, EngineHandle, EngineOptions, EngineStats, Event, FinishReason, MAX_SPECULATIVE_TOKENS,
+    NO_VISION_TOWER, Request, RequestStream, SharedConstraint, Timing, TokenConstraint, TokenLogprob, Usage,
 };
 pub use sampling::{Sampler, SamplingParams};
 pub use score::{ScoreError, logits_at_every_position};

@@ -234,6 +234,11 @@ fn over_long_prompts_are_rejected_before_any_work_and_the_engine_stays_fine() {
         .err()
         .unwrap();
     assert!(err.to_string().contains("top_p"));
+    // A backend without a vision tower refuses requests that carry images.
+    assert!(!engine.runs_images());
+    let image = deltaserve_model::ImagePatches { grid_thw: [1, 2, 2], pixels: vec![0.0; 4], hash: [0; 32] };
+    let err = engine.submit(Request { images: vec![Arc::new(image)], ..fill.clone() }).err().expect("rejected");
+    assert_eq!(err.to_string(), format!("invalid request: {}", deltaserve_engine::NO_VISION_TOWER));
     // still serving
     assert!(collect(engine.submit(Request { prompt: vec![7; 30], max_tokens: 5, ..fill }).unwrap()).is_ok());
     engine.shutdown(true);

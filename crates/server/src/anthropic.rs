@@ -4,6 +4,7 @@
 //! the OpenAI endpoints, turned into content blocks by one [`Blocks`] builder whether streamed or not.
 
 use std::convert::Infallible;
+use std::sync::Arc;
 
 use axum::Extension;
 use axum::body::Bytes;
@@ -16,8 +17,10 @@ use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 
 use deltaserve_engine::{SamplingParams, Usage};
+use deltaserve_model::ImagePatches;
 
 use crate::error::{ApiError, Style};
+use crate::media::load_images;
 use crate::openai::{parse_body, sse};
 use crate::output::{Finish, OutEvent, OutputStream, Parsing};
 use crate::request::{Limits, build_request, new_id, normalize_messages, render_chat, snapshot_points, type_name};
@@ -52,11 +55,11 @@ impl MessagesRequest {
 
 /// The prompt and output parsing of an Anthropic request.
 /// The prompt, how to parse the output, and the grammar a forced `tool_choice` puts on it.
-fn convert(
+async fn convert(
     st: &AppState,
     chat: &ChatDefaults,
     req: &MessagesRequest,
-) -> Result<(Vec<u32>, Parsing, Option<Grammar>), ApiError> {
+) -> Result<(Vec<u32>, Parsing, Option<Grammar>, Vec<Arc<ImagePatches>>), ApiError> {
     st.check_model(req.model.as_deref())?;
     let mut messages = Vec::new();
     match &req.system {
@@ -134,8 +137,10 @@ fn convert(
             ));
         }
     }
-    let (prompt, parsing) = render_chat(st, normalize_messages(&messages)?, tools, chat.merged(kwargs))?;
-    Ok((prompt, parsing, forced))
+    let (messages, image_parts) = normalize_messages(&messages)?;
+    let images = load_images(st, image_parts).await?;
+    let (prompt, parsing) = render_chat(st, messages, tools, chat.merged(kwargs), &images)?;
+    Ok((prompt, parsing, forced, images))
 }
 
 fn blocks_text(blocks: &[Value], field: &str) -> Result<String, ApiError> {
@@ -149,12 +154,19 @@ fn blocks_text(blocks: &[Value], field: &str) -> Result<String, ApiError> {
     Ok(s)
 }
 
-/// User blocks: text accumulates into one user message; tool results become tool messages (first).
+/// User blocks: text and images make one user message; tool results become tool messages (first).
 fn user_blocks(blocks: &[Value], i: usize, out: &mut Vec<Value>) -> Result<(), ApiError> {
-    let mut text = String::new();
+    let mut parts = Vec::new();
     for (j, b) in blocks.iter().enumerate() {
         match b.get("type").and_then(Value::as_str) {
-            Some("text") => text.push_str(b.get("text").and_then(Value::as_str).unwrap_or_default()),
+            Some("text") => {
+                parts.push(json!({"type": "text", "text": b.get("text").and_then(Value::as_str).unwrap_or_default()}))
+            }
+            Some("image") => parts.push(json!({
+                "type": "image_url",
+                "image_url": {"url": image_source_url(b, i, j)?},
+                "location": format!("messages[{i}].content[{j}]"),
+            })),
             Some("tool_result") => {
                 let content = match b.get("content") {
                     None | Some(Value::Null) => String::new(),
@@ -169,17 +181,41 @@ fn user_blocks(blocks: &[Value], i: usize, out: &mut Vec<Value>) -> Result<(), A
                 return Err(ApiError::bad_param(
                     "messages",
                     format!(
-                        "messages[{i}].content[{j}]: {} is not supported in user turns (text, tool_result)",
+                        "messages[{i}].content[{j}]: {} is not supported in user turns (text, image, tool_result)",
                         block_kind(other)
                     ),
                 ));
             }
         }
     }
-    if !text.is_empty() {
-        out.push(json!({"role": "user", "content": text}));
+    let empty = parts.iter().all(|p| p.get("text").and_then(Value::as_str) == Some(""));
+    if !empty {
+        out.push(json!({"role": "user", "content": parts}));
     }
     Ok(())
+}
+
+/// The URL of an `image` block's source: a data URL for `base64`, the URL for `url`.
+fn image_source_url(b: &Value, i: usize, j: usize) -> Result<String, ApiError> {
+    let src = b.get("source");
+    let field = |k: &str| src.and_then(|s| s.get(k)).and_then(Value::as_str);
+    let missing = |k: &str| {
+        ApiError::bad_param("messages", format!("messages[{i}].content[{j}].source.{k} is missing or not a string"))
+    };
+    match field("type") {
+        Some("base64") => {
+            let media_type = field("media_type").ok_or_else(|| missing("media_type"))?;
+            Ok(format!("data:{media_type};base64,{}", field("data").ok_or_else(|| missing("data"))?))
+        }
+        Some("url") => Ok(field("url").ok_or_else(|| missing("url"))?.to_string()),
+        other => Err(ApiError::bad_param(
+            "messages",
+            format!(
+                "messages[{i}].content[{j}].source: image sources of type {} are not supported (base64, url)",
+                other.map_or_else(|| "(none)".to_string(), |t| format!("`{t}`"))
+            ),
+        )),
+    }
 }
 
 fn assistant_blocks(blocks: &[Value], i: usize) -> Result<Value, ApiError> {
@@ -254,7 +290,7 @@ async fn messages_inner(
 ) -> Result<Response, ApiError> {
     let req: MessagesRequest = parse_body(body)?;
     let max_tokens = req.max_tokens.ok_or_else(|| ApiError::bad_param("max_tokens", "`max_tokens` is required"))?;
-    let (prompt, mut parsing, forced) = convert(st, chat, &req)?;
+    let (prompt, mut parsing, forced, images) = convert(st, chat, &req).await?;
     let input_tokens = prompt.len();
     let d = &st.sampling_defaults;
     let sampling = SamplingParams {
@@ -274,6 +310,7 @@ async fn messages_inner(
             stop: req.stop_sequences.clone().unwrap_or_default(),
             ignore_eos: false,
             logprobs: None,
+            images,
             state: st,
         },
     )?;
@@ -517,9 +554,12 @@ pub async fn count_tokens(
     Extension(chat): Extension<ChatDefaults>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let resp = parse_body::<MessagesRequest>(body)
-        .and_then(|req| convert(&st, &chat, &req))
-        .map(|(ids, _, _)| axum::Json(json!({"input_tokens": ids.len()})).into_response())
+    let counted = match parse_body::<MessagesRequest>(body) {
+        Ok(req) => convert(&st, &chat, &req).await,
+        Err(e) => Err(e),
+    };
+    let resp = counted
+        .map(|(ids, ..)| axum::Json(json!({"input_tokens": ids.len()})).into_response())
         .unwrap_or_else(|e| e.into_response_styled(Style::Anthropic));
     st.metrics.request("count_tokens", resp.status().as_u16());
     resp

@@ -6,12 +6,14 @@
 //! - [`output`]: engine events → reasoning / content / tool-call events;
 //! - [`error`]: every client-visible error and its status; [`metrics`]: Prometheus; [`routes`]: the router;
 //! - [`drain`]: graceful shutdown (a 503 for new requests while in-flight ones finish);
-//! - [`loads`]: `/v1/loads`, the load report a gateway's load-aware routing polls.
+//! - [`loads`]: `/v1/loads`, the load report a gateway's load-aware routing polls;
+//! - [`media`]: images in chat requests (loading off the runtime, placeholders expanded to image tokens).
 
 pub mod anthropic;
 pub mod drain;
 pub mod error;
 pub mod loads;
+pub mod media;
 pub mod metrics;
 pub mod openai;
 pub mod output;

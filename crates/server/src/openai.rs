@@ -16,6 +16,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::error::{ApiError, Style};
+use crate::media::load_images;
 use crate::output::{Collected, Finish, OutEvent, OutputStream, Parsing, combined_usage, merged};
 use crate::request::snapshot_points;
 use crate::request::{
@@ -155,9 +156,10 @@ async fn chat_inner(
         return Err(ApiError::bad_param("top_logprobs", "`top_logprobs` must be between 0 and 20"));
     }
     let logprobs = req.logprobs.unwrap_or(false).then_some(top_logprobs);
-    let messages = normalize_messages(&req.messages)?;
-    let (prompt, mut parsing) =
-        render_chat(st, messages, tools, chat.merged(req.chat_template_kwargs.clone().unwrap_or_default()))?;
+    let (messages, image_parts) = normalize_messages(&req.messages)?;
+    let images = load_images(st, image_parts).await?;
+    let kwargs = chat.merged(req.chat_template_kwargs.clone().unwrap_or_default());
+    let (prompt, mut parsing) = render_chat(st, messages, tools, kwargs, &images)?;
     let c = &req.common;
     let points = snapshot_points(st, &prompt);
     let mut engine_req = build_request(
@@ -170,6 +172,7 @@ async fn chat_inner(
             stop: c.stops(),
             ignore_eos: c.ignore_eos.unwrap_or(false),
             logprobs,
+            images,
             state: st,
         },
     )?;
@@ -343,6 +346,7 @@ async fn completions_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -
             stop: c.stops(),
             ignore_eos: c.ignore_eos.unwrap_or(false),
             logprobs: top,
+            images: Vec::new(),
             state: st,
         },
     )?;

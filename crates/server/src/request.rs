@@ -2,13 +2,17 @@
 //! parameters, stop rules and length defaults; chat messages normalised for the model's template and
 //! rendered to token ids; the parsing the output needs.
 
+use std::sync::Arc;
+
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use deltaserve_engine::{Request, SamplingParams};
+use deltaserve_model::ImagePatches;
 use deltaserve_text::ChatRequest;
 
 use crate::error::ApiError;
+use crate::media::{ImagePart, check_context, expand_placeholders, image_url};
 use crate::output::Parsing;
 use crate::state::AppState;
 
@@ -75,6 +79,8 @@ pub struct Limits<'a> {
     /// Prefix-cache hints (chat: message starts; see [`snapshot_points`]).
     pub snapshot_points: Vec<usize>,
     pub snapshot_on_finish: bool,
+    /// The prompt's images, in order ([`crate::media::load_images`]).
+    pub images: Vec<Arc<ImagePatches>>,
     pub state: &'a AppState,
 }
 
@@ -84,6 +90,7 @@ pub fn build_request(prompt: Vec<u32>, l: Limits) -> Result<Request, ApiError> {
         return Err(ApiError::bad_param("stop", "at most 16 stop strings of at most 1024 bytes each"));
     }
     let max_context = l.state.engine.sched_config().max_context;
+    check_context(prompt.len(), &l.images, l.state.media.processor.merge_size, max_context)?;
     let max_tokens = match l.max_tokens {
         Some(0) => return Err(ApiError::bad_param("max_tokens", "`max_tokens` must be at least 1")),
         Some(m) => usize::try_from(m).unwrap_or(usize::MAX),
@@ -100,6 +107,7 @@ pub fn build_request(prompt: Vec<u32>, l: Limits) -> Result<Request, ApiError> {
         snapshot_points: l.snapshot_points,
         snapshot_on_finish: l.snapshot_on_finish,
         constraint: None,
+        images: l.images,
     })
 }
 
@@ -140,13 +148,16 @@ impl CommonParams {
     }
 }
 
-/// Normalises chat messages for the Qwen templates: content parts joined to text, `developer` as
-/// `system`, OpenAI tool-call argument strings parsed into objects.
-pub fn normalize_messages(messages: &[Value]) -> Result<Vec<Value>, ApiError> {
+/// Normalises chat messages for the Qwen templates: text parts joined, `developer` as `system`, OpenAI
+/// tool-call argument strings parsed into objects. A user message with images keeps its content as a list of
+/// text and `{"type": "image"}` parts (the template renders each image's placeholder); the images' URLs
+/// come back separately, in prompt order.
+pub fn normalize_messages(messages: &[Value]) -> Result<(Vec<Value>, Vec<ImagePart>), ApiError> {
     if messages.is_empty() {
         return Err(ApiError::bad_param("messages", "`messages` must not be empty"));
     }
-    messages
+    let mut images = Vec::new();
+    let normalized = messages
         .iter()
         .enumerate()
         .map(|(i, m)| {
@@ -168,48 +179,64 @@ pub fn normalize_messages(messages: &[Value]) -> Result<Vec<Value>, ApiError> {
             };
             let mut out = obj.clone();
             out.insert("role".into(), json!(role));
-            out.insert("content".into(), json!(content_text(obj.get("content"), i)?));
+            out.insert("content".into(), content(obj.get("content"), i, role, &mut images)?);
             if let Some(calls) = obj.get("tool_calls").filter(|c| !c.is_null()) {
                 out.insert("tool_calls".into(), Value::Array(normalize_tool_calls(calls, i)?));
             }
             Ok(Value::Object(out))
         })
-        .collect()
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((normalized, images))
 }
 
-/// Message content as text: a string, null, or a list of `{type: text, text}` parts.
-fn content_text(content: Option<&Value>, i: usize) -> Result<String, ApiError> {
-    match content {
-        None | Some(Value::Null) => Ok(String::new()),
-        Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Array(parts)) => {
-            let mut text = String::new();
-            for (j, p) in parts.iter().enumerate() {
-                match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
-                    (Some("text"), Some(t)) => text.push_str(t),
-                    (Some(kind), _) if kind != "text" => {
-                        return Err(ApiError::bad_param(
-                            "messages",
-                            format!(
-                                "messages[{i}].content[{j}]: content parts of type `{kind}` are not supported (text only)"
-                            ),
-                        ));
-                    }
-                    _ => {
-                        return Err(ApiError::bad_param(
-                            "messages",
-                            format!("messages[{i}].content[{j}] must be {{\"type\": \"text\", \"text\": \"...\"}}"),
-                        ));
-                    }
-                }
-            }
-            Ok(text)
+/// Message content: a string, null, or a list of `text` and (in user messages) `image_url` parts. Text
+/// only: one string; with images: text and image parts in order, the images appended to `images`.
+fn content(content: Option<&Value>, i: usize, role: &str, images: &mut Vec<ImagePart>) -> Result<Value, ApiError> {
+    let parts = match content {
+        None | Some(Value::Null) => return Ok(json!("")),
+        Some(Value::String(s)) => return Ok(json!(s)),
+        Some(Value::Array(parts)) => parts,
+        Some(other) => {
+            return Err(ApiError::bad_param(
+                "messages",
+                format!("messages[{i}].content must be a string or a list of parts, got {}", type_name(other)),
+            ));
         }
-        Some(other) => Err(ApiError::bad_param(
-            "messages",
-            format!("messages[{i}].content must be a string or a list of parts, got {}", type_name(other)),
-        )),
+    };
+    let (mut out, mut text, first_image) = (Vec::new(), String::new(), images.len());
+    for (j, p) in parts.iter().enumerate() {
+        let bad = |message: String| ApiError::bad_param("messages", format!("messages[{i}].content[{j}]{message}"));
+        match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+            (Some("text"), Some(t)) => text.push_str(t),
+            (Some("image_url"), _) => {
+                if role != "user" {
+                    return Err(bad(format!(": images are accepted in user messages only, not in `{role}` ones")));
+                }
+                let url = image_url(p).ok_or_else(|| bad(".image_url must be {\"url\": \"...\"}".into()))?;
+                // Anthropic image blocks come converted, with the location of the original block.
+                let location = p.get("location").and_then(Value::as_str);
+                images.push(ImagePart {
+                    location: location.map_or_else(|| format!("messages[{i}].content[{j}]"), str::to_string),
+                    url: url.to_string(),
+                });
+                out.push(json!({"type": "text", "text": std::mem::take(&mut text)}));
+                out.push(json!({"type": "image"}));
+            }
+            (Some(kind @ ("video_url" | "video" | "input_video")), _) => {
+                return Err(bad(format!(": content parts of type `{kind}` are not supported yet (text, image_url)")));
+            }
+            (Some(kind), _) if kind != "text" => {
+                return Err(bad(format!(": content parts of type `{kind}` are not supported (text, image_url)")));
+            }
+            _ => return Err(bad(" must be {\"type\": \"text\", \"text\": \"...\"}".into())),
+        }
     }
+    if images.len() == first_image {
+        return Ok(json!(text));
+    }
+    out.push(json!({"type": "text", "text": text}));
+    out.retain(|p| p.get("text").and_then(Value::as_str) != Some(""));
+    Ok(Value::Array(out))
 }
 
 fn normalize_tool_calls(calls: &Value, i: usize) -> Result<Vec<Value>, ApiError> {
@@ -272,19 +299,26 @@ pub fn validate_tools(tools: &[Value]) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Renders the chat template and tokenises: (prompt ids, output parsing).
+/// Renders the chat template and tokenises: (prompt ids, output parsing). Each image's placeholder is
+/// expanded to the tokens the image takes.
 pub fn render_chat(
     state: &AppState,
     messages: Vec<Value>,
     tools: Option<Vec<Value>>,
     kwargs: Map<String, Value>,
+    images: &[Arc<ImagePatches>],
 ) -> Result<(Vec<u32>, Parsing), ApiError> {
     let template =
         state.template.as_ref().ok_or_else(|| ApiError::bad("this model has no chat template; use /v1/completions"))?;
     let text = template
         .render(&ChatRequest { messages, tools: tools.clone(), add_generation_prompt: true, kwargs })
         .map_err(|e| ApiError::bad_param("messages", format!("chat template: {e}")))?;
-    let ids = state.prompt_encoder.encode(&text).map_err(|e| ApiError::bad(format!("tokenising the prompt: {e}")))?;
+    let mut ids =
+        state.prompt_encoder.encode(&text).map_err(|e| ApiError::bad(format!("tokenising the prompt: {e}")))?;
+    if !images.is_empty() {
+        let pad = state.tokenizer.token_id(crate::media::IMAGE_PAD).unwrap_or(u32::MAX);
+        ids = expand_placeholders(ids, pad, images, state.media.processor.merge_size)?;
+    }
     // The generation prompt of Qwen3.5/3.6 opens `<think>` when thinking is on.
     let opened = text.trim_end().ends_with("<think>");
     Ok((ids, Parsing { reasoning: Some(opened), tools: tools.filter(|t| !t.is_empty()), grammar_values: false }))

@@ -56,6 +56,8 @@ pub struct AppState {
     pub sampling_defaults: SamplingParams,
     /// Structured outputs' grammar compiler (built on first use).
     pub grammars: crate::structured::Grammars,
+    /// How images in requests are fetched, limited and preprocessed.
+    pub media: Arc<crate::media::MediaConfig>,
 }
 
 /// The server's prompt encoder over `tokenizer`: split before every message opener (`<|im_start|>`),

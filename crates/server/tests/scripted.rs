@@ -90,6 +90,7 @@ fn state(script: &str, step_delay: Duration) -> AppState {
         }),
         eos_ids: vec![eos],
         sampling_defaults: Default::default(),
+        media: Default::default(),
     }
 }
 
@@ -307,7 +308,8 @@ async fn messages_name_plain_values_not_rust_debug_values() {
     let cases = [
         ("/v1/chat/completions", chat(json!({"type": "xml"})), "response_format type `xml`"),
         ("/v1/chat/completions", chat(json!({})), "response_format needs a `type`"),
-        ("/v1/messages", anthropic(json!({"type": "image"}), "user"), "block type `image` is not supported"),
+        ("/v1/messages", anthropic(json!({"type": "image"}), "user"), "image sources of type (none) are not supported"),
+        ("/v1/messages", anthropic(json!({"type": "document"}), "user"), "block type `document` is not supported"),
         ("/v1/messages", anthropic(json!({"type": "audio"}), "assistant"), "block type `audio` is not supported"),
         ("/v1/messages", anthropic(json!({"text": "x"}), "user"), "a block without a `type` is not supported"),
     ];
@@ -318,6 +320,30 @@ async fn messages_name_plain_values_not_rust_debug_values() {
         assert!(message.contains(needle), "{body} → {message}");
         assert!(!message.contains("Some(") && !message.contains("None"), "{body} → {message}");
     }
+}
+
+/// A 1 × 1 RGBA PNG: resized to Qwen3.5's minimum of 256 × 256 pixels, 64 image tokens.
+const PIXEL_PNG: &str = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg==";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn images_are_counted_then_refused_without_a_vision_tower() {
+    let app = app();
+    let count = |blocks: Value| json!({"messages": [{"role": "user", "content": blocks}]});
+    let text = json!({"type": "text", "text": "What is this?"});
+    let (status, plain) = post(&app, "/v1/messages/count_tokens", count(json!([text]))).await;
+    assert_eq!(status, StatusCode::OK, "{plain}");
+    let (media_type, data) = PIXEL_PNG["data:".len()..].split_once(";base64,").unwrap();
+    let image = json!({"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}});
+    let (status, with_image) = post(&app, "/v1/messages/count_tokens", count(json!([text, image]))).await;
+    assert_eq!(status, StatusCode::OK, "{with_image}");
+    let tokens = |body: &str| serde_json::from_str::<Value>(body).unwrap()["input_tokens"].as_u64().unwrap();
+    // <|vision_start|>, 64 image tokens, <|vision_end|>.
+    assert_eq!(tokens(&with_image), tokens(&plain) + 66);
+    let chat = json!({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": PIXEL_PNG}}]}]});
+    let (status, body) = post(&app, "/v1/chat/completions", chat).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(body.contains(deltaserve_engine::NO_VISION_TOWER), "{body}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -36,6 +36,13 @@ pub struct Args {
     /// signal exits at once).
     #[arg(long, default_value_t = 10)]
     shutdown_grace_secs: u64,
+    /// Hosts whose http(s) image URLs the server fetches, comma-separated (a host also allows its
+    /// subdomains; `*`: any host). Default: none, only data: URLs.
+    #[arg(long, value_delimiter = ',', value_name = "HOSTS")]
+    allowed_media_domains: Vec<String>,
+    /// The most images one request may carry.
+    #[arg(long, default_value_t = deltaserve_server::media::DEFAULT_MAX_IMAGES)]
+    limit_images_per_request: usize,
 }
 
 pub fn run(mut a: Args) -> Result<()> {
@@ -67,7 +74,12 @@ pub fn run(mut a: Args) -> Result<()> {
     }
     let started = a.engine.start_prepared(&a.model, prepared)?;
     eprintln!("{}", started.plan.table());
-    let state = started.app_state(&name, a.api_key.clone(), a.max_body_mib << 20, &model_dir)?;
+    let mut state = started.app_state(&name, a.api_key.clone(), a.max_body_mib << 20, &model_dir)?;
+    let mut media = (*state.media).clone();
+    media.fetch.allowed_domains =
+        a.allowed_media_domains.iter().map(|d| d.trim().to_string()).filter(|d| !d.is_empty()).collect();
+    media.max_images = a.limit_images_per_request;
+    state.media = std::sync::Arc::new(media);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::from_std(listener).context("the listening socket")?;

@@ -5,6 +5,7 @@
 use std::sync::{Arc, Mutex};
 
 use deltaserve_backend::ArenaStats;
+use deltaserve_model::ImagePatches;
 use deltaserve_sched::{AdmitError, SchedStats};
 
 use crate::sampling::SamplingParams;
@@ -29,6 +30,9 @@ pub struct Request {
     /// Limits the tokens it may produce (structured outputs). Its rows are sampled on the host,
     /// after the mask, and it never drafts.
     pub constraint: Option<SharedConstraint>,
+    /// The prompt's images in the order of their placeholder runs (each `tokens(merge)` image-pad ids).
+    /// Only a backend that runs images accepts a request with any.
+    pub images: Vec<Arc<ImagePatches>>,
 }
 
 /// Which tokens a request may produce next (structured outputs: a grammar). The engine masks each
