@@ -30,31 +30,6 @@
 #define MOE_MAX_K 32
 #define MOE_NEG_INF __int_as_float(0xff800000u)
 
-// Exclusive prefix sum of one int per thread over the block; `red` >= 32 ints of shared memory.
-__device__ __forceinline__ int moe_block_exclusive_scan(int v, int* red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    int x = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, x, o);
-        if (lane >= o) x += y;
-    }
-    __syncthreads();
-    if (lane == 31) red[warp] = x;
-    __syncthreads();
-    if (warp == 0) {
-        int w = lane < nw ? red[lane] : 0;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int y = __shfl_up_sync(0xffffffffu, w, o);
-            if (lane >= o) w += y;
-        }
-        red[lane] = w;  // inclusive sums of the warps
-    }
-    __syncthreads();
-    return x - v + (warp > 0 ? red[warp - 1] : 0);
-}
-
 extern "C" __global__ void __launch_bounds__(256)
 moe_route(const float* __restrict__ logits, int E, int K, int norm, const bf16_t* __restrict__ x,
           const bf16_t* __restrict__ wg, int H, int* __restrict__ topk, float* __restrict__ shared_gate) {
@@ -130,8 +105,8 @@ moe_offsets(const int* __restrict__ topk, int P, int E, int* __restrict__ offs, 
         rs += cnt[e];
         ts += (cnt[e] + MOE_BM - 1) / MOE_BM;
     }
-    int rp = moe_block_exclusive_scan(rs, red);
-    int tp = moe_block_exclusive_scan(ts, red);
+    int rp = block_inclusive_scan(rs, red) - rs;  // exclusive: the experts before this thread's
+    int tp = block_inclusive_scan(ts, red) - ts;
     for (int e = e0; e < e1; e++) {
         offs[e] = rp;
         offs[E + 1 + e] = tp;
