@@ -11,7 +11,7 @@
 use std::path::PathBuf;
 
 use deltaserve_backend::{Backend, StepBatch};
-use deltaserve_cuda::backend::CudaOptions;
+use deltaserve_cuda::backend::{CudaOptions, kernel_dims};
 use deltaserve_cuda::{CudaBackend, WeightSource};
 use deltaserve_model::ModelConfig;
 use deltaserve_model::synth::{MtpVariant, Preset, write_model, write_model_json};
@@ -29,8 +29,7 @@ fn qwen35_moe_dir() -> (PathBuf, ModelConfig) {
 }
 
 /// Qwen3-Next at the tiny shapes: 6 experts top 3 (probabilities not renormalised), layer 0 dense.
-fn qwen3_next_moe_dir() -> (PathBuf, ModelConfig) {
-    let dir = std::env::temp_dir().join(format!("ds-cuda-moe-next-{}", std::process::id()));
+fn qwen3_next_moe_config() -> serde_json::Value {
     let mut c = Preset::Qwen3Next80bA3b.config_json(Some(4));
     for (k, v) in [
         ("hidden_size", 128),
@@ -51,9 +50,28 @@ fn qwen3_next_moe_dir() -> (PathBuf, ModelConfig) {
     }
     c["norm_topk_prob"] = serde_json::json!(false);
     c["mlp_only_layers"] = serde_json::json!([0]);
+    c
+}
+
+fn qwen3_next_moe_dir() -> (PathBuf, ModelConfig) {
+    let dir = std::env::temp_dir().join(format!("ds-cuda-moe-next-{}", std::process::id()));
+    let c = qwen3_next_moe_config();
     let cfg = write_model_json(&dir, Preset::Qwen3Next80bA3b, c, 29, MtpVariant::Random, |_, _| {}).unwrap();
-    assert!(cfg.moe.as_ref().is_some_and(|m| !m.is_sparse(0) && m.is_sparse(1) && !m.norm_topk_prob));
     (dir, cfg)
+}
+
+/// The test models are what the GPU tests say (no GPU needed): kernels specialise for them, the
+/// Qwen3-Next one has a dense first layer and plain top-k probabilities.
+#[test]
+fn test_models_have_the_shapes_the_kernels_take() {
+    let next = ModelConfig::from_json_str(&qwen3_next_moe_config().to_string()).unwrap();
+    let m = next.moe.as_ref().unwrap();
+    assert!(!m.is_sparse(0) && m.is_sparse(1) && !m.norm_topk_prob && m.top_k == 3);
+    let tiny = ModelConfig::from_json_str(&Preset::TinyMoe.config_json(Some(4)).to_string()).unwrap();
+    for cfg in [next, tiny] {
+        kernel_dims(&cfg).validate().unwrap();
+        CudaBackend::check_model(&cfg).unwrap();
+    }
 }
 
 /// CUDA (`opts`) vs CPU: whole prompts of 1, 3, 37 and 300 tokens, then 12 greedy decode steps

@@ -229,7 +229,8 @@ fn moe_ops(b: &mut Builder) {
     b.op("moe_router", &["mlp_in"], &["moe_router_logits", "moe_shared_gate"]);
     b.op("moe_topk", &["moe_router_logits"], &["moe_topk", "moe_expert_offsets", "moe_rows"]);
     b.op("moe_permute", &["mlp_in", "moe_topk", "moe_rows"], &["moe_rows_in"]);
-    b.op("moe_gate_up", &["moe_rows_in", "moe_expert_offsets", "moe_topk"], &["moe_gate_up"]);
+    // Grouped GEMMs read the grouped rows; decode's per-pair GEMVs read each token's row of `mlp_in`.
+    b.op("moe_gate_up", &["moe_rows_in", "moe_expert_offsets", "moe_topk", "mlp_in"], &["moe_gate_up"]);
     b.op("moe_act", &["moe_gate_up"], &["moe_act"]);
     b.op("moe_down", &["moe_act", "moe_expert_offsets", "moe_topk"], &["moe_rows_out"]);
     b.op("moe_unpermute", &["moe_rows_out", "moe_topk", "moe_rows", "moe_shared_gate", "mlp_out"], &["mlp_out"]);

@@ -80,6 +80,9 @@ fn expert_activations_are_bounded_by_tokens_times_top_k() {
     assert_eq!(at(2048, Some(4096)).workspace, p.workspace);
     assert_eq!(at(1024, None).workspace.get("moe_rows_in").unwrap().bytes, rows.bytes / 2);
     assert!(p.workspace.ops.contains(&"moe_unpermute"));
+    // Decode's per-pair expert GEMVs read `mlp_in` while writing `moe_gate_up`: never the same bytes.
+    let (x, gu) = (p.workspace.get("mlp_in").unwrap(), p.workspace.get("moe_gate_up").unwrap());
+    assert!(x.lifetime_overlaps(gu) && !x.address_overlaps(gu));
 }
 
 #[test]

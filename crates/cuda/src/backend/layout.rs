@@ -202,7 +202,7 @@ pub(super) fn check_plan(
                 "mixture-of-experts models on CUDA do not support {what} yet (their experts run in bf16)"
             )))
         };
-        if fmt.int4 || fmt.lm_head_int4 {
+        if fmt.int4 {
             return refuse("int4 weights (--quantize int4)");
         }
         if shard.is_some() {
