@@ -125,6 +125,33 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     return warp_sum(t);
 }
 
+// Inclusive scan of one value per thread over the block (≤ 1024 threads); `sh` holds 32 values of
+// shared memory. Contains __syncthreads() (also at the end: `sh` may be reused right after).
+template <typename T>
+__device__ __forceinline__ T block_inclusive_scan(T v, T* sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const T t = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += t;
+    }
+    if (lane == 31) sh[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        T w = lane < nw ? sh[lane] : T(0);
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const T t = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += t;
+        }
+        if (lane < nw) sh[lane] = w;
+    }
+    __syncthreads();
+    const T before = warp > 0 ? sh[warp - 1] : T(0);
+    __syncthreads();
+    return v + before;
+}
+
 // mean-square building block: the sum of row[i]^2 over i < D exactly as a block of NW warps computes it
 // with block_sum (thread v sums elements v, v + 32*NW, ... in order; the NW warp sums combined by one
 // warp_sum) — computed by one warp, lane l playing threads l + 32j. Every lane gets the sum.

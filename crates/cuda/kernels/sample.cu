@@ -447,31 +447,6 @@ __device__ int sample_first_reaching(int n, Load load, T target, bool strict, T&
     return found;
 }
 
-// Inclusive scan of one float per thread over the block (≤ 1024 threads); `sh` holds 33 floats.
-__device__ float sample_block_scan(float v, float* sh) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const float t = __shfl_up_sync(0xffffffffu, v, o);
-        if (lane >= o) v += t;
-    }
-    if (lane == 31) sh[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        float w = lane < nw ? sh[lane] : 0.0f;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const float t = __shfl_up_sync(0xffffffffu, w, o);
-            if (lane >= o) w += t;
-        }
-        if (lane < nw) sh[lane] = w;
-    }
-    __syncthreads();
-    const float before = warp > 0 ? sh[warp - 1] : 0.0f;
-    __syncthreads();
-    return v + before;
-}
-
 // Loads n candidates into shared memory and sorts them ascending (the candidate order), bitonic over the
 // next power of two (padding sorts last). Block-wide.
 __device__ void sample_sort(const unsigned long long* src, int n, unsigned long long* keys) {
@@ -653,7 +628,7 @@ extern "C" __global__ void sample_pick(const float* x, long long ld, int valid, 
             const float w = expf(row[i] * p.inv_t - smax);
             if (w > 0.0f) mine += w;
         }
-        const float incl = sample_block_scan(mine, sh);
+        const float incl = block_inclusive_scan(mine, sh);
         // Each thread walks its run from its exclusive prefix; the first crossing wins.
         float acc = incl - mine;
         const float rest = s_rest;

@@ -45,6 +45,7 @@ mod inputs;
 mod layout;
 mod linear;
 mod loader;
+mod moe;
 mod phases;
 mod profile;
 mod rank;
@@ -235,14 +236,18 @@ impl CudaBackend {
     }
 
     /// Whether this backend runs `cfg`; an error (before anything touches the GPU) for models it does not
-    /// implement yet: mixture-of-experts models run on the CPU backend only.
+    /// implement yet: mixture-of-experts models with quantised (int4 / fp8) weights run on the CPU backend
+    /// only (bf16, f16 and f32 checkpoints of them run here, their experts in bf16).
     pub fn check_model(cfg: &ModelConfig) -> Result<(), CudaError> {
-        match &cfg.moe {
-            Some(m) => Err(CudaError::UnsupportedModel(format!(
-                "mixture-of-experts models ({} experts, top {}) run on the CPU backend only for now: use --device cpu",
-                m.num_experts, m.top_k
+        match (&cfg.moe, &cfg.quantization) {
+            (Some(m), Some(q)) => Err(CudaError::UnsupportedModel(format!(
+                "mixture-of-experts models ({} experts, top {}) with {} weights run on the CPU backend only for \
+                 now (the CUDA backend runs their experts in bf16): use --device cpu or a bf16 checkpoint",
+                m.num_experts,
+                m.top_k,
+                q.describe()
             ))),
-            None => Ok(()),
+            _ => Ok(()),
         }
     }
 

@@ -86,6 +86,11 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource { module: "mtp", src: include_str!("../kernels/mtp.cu"), functions: &["shift_rows", "scatter_rows"] },
     KernelSource { module: "gemv", src: include_str!("../kernels/gemv.cu"), functions: &["gemv_bf16"] },
     KernelSource {
+        module: "moe",
+        src: include_str!("../kernels/moe.cu"),
+        functions: &["moe_route", "moe_offsets", "moe_permute", "moe_gemm", "moe_gemv", "moe_unpermute"],
+    },
+    KernelSource {
         module: "w4a16",
         src: include_str!("../kernels/w4a16.cu"),
         functions: &[

@@ -47,10 +47,6 @@ fn hf_fixtures_logits() {
     dirs.sort();
     for dir in dirs {
         let cfg = ModelConfig::from_dir(&dir).unwrap();
-        if cfg.moe.is_some() {
-            println!("SKIP {}: mixture-of-experts models run on the CPU backend only", dir.display());
-            continue;
-        }
         if let Err(e) = kernel_dims(&cfg).validate() {
             println!("SKIP {}: kernels not specialisable for these dims: {e}", dir.display());
             continue;
@@ -1386,12 +1382,20 @@ fn fp8_kv_page_prefix_copy() {
     assert_eq!(g.arena_stats(), stats);
 }
 
-/// A mixture-of-experts model is refused with one clear line before anything touches the GPU.
+/// A mixture-of-experts model with quantised weights is refused with one clear line before anything
+/// touches the GPU; its bf16 checkpoints (and dense models) are taken.
 #[test]
-fn mixture_of_experts_models_are_refused_before_the_gpu() {
+fn quantised_mixture_of_experts_models_are_refused_before_the_gpu() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/hf/qwen35_moe");
     let cfg = ModelConfig::from_dir(&dir).unwrap();
-    let e = CudaBackend::check_model(&cfg).unwrap_err().to_string();
+    assert!(CudaBackend::check_model(&cfg).is_ok());
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    json["quantization_config"] = serde_json::json!({
+        "quant_method": "gptq", "bits": 4, "group_size": 128, "sym": true, "desc_act": false
+    });
+    let gptq = ModelConfig::from_json_str(&json.to_string()).unwrap();
+    let e = CudaBackend::check_model(&gptq).unwrap_err().to_string();
     assert!(e.contains("mixture-of-experts") && e.contains("--device cpu") && !e.contains('\n'), "{e}");
     let dense = ModelConfig::from_dir(&dir.with_file_name("qwen35_gva3")).unwrap();
     assert!(CudaBackend::check_model(&dense).is_ok());

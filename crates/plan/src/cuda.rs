@@ -329,8 +329,9 @@ pub fn weight_tensors(cfg: &ModelConfig, f: WeightFormat) -> Vec<WeightTensor> {
     }
     v.push(normw(h));
     let mtp = f.mtp && cfg.mtp_num_hidden_layers > 0;
-    let kinds = cfg.layer_types.iter().map(|k| (false, *k));
-    for (is_mtp, kind) in kinds.chain(mtp.then_some((true, LayerKind::Attention))) {
+    let kinds =
+        cfg.layer_types.iter().enumerate().map(|(i, k)| (false, *k, cfg.moe.as_ref().filter(|m| m.is_sparse(i))));
+    for (is_mtp, kind, sparse) in kinds.chain(mtp.then_some((true, LayerKind::Attention, None))) {
         if is_mtp {
             v.extend(lin(h, 2 * h));
             v.extend([normw(h), normw(h), normw(h)]);
@@ -357,8 +358,21 @@ pub fn weight_tensors(cfg: &ModelConfig, f: WeightFormat) -> Vec<WeightTensor> {
                 v.push(normw(d.head_dim));
             }
         }
-        v.extend(pair(d.intermediate, h));
-        v.extend(lin(h, d.intermediate));
+        // A sparse layer's dense MLP is its shared expert; then the router, the experts (bf16: one block,
+        // expert e's gate, up and down rows at e·3·I·hidden) and the shared expert's gate.
+        let width = sparse.map_or(d.intermediate, |m| m.shared_expert_intermediate);
+        v.extend(pair(width, h));
+        v.extend(lin(h, width));
+        if let Some(m) = sparse {
+            let (e, i) = (m.num_experts, m.expert_intermediate);
+            v.push(dense(e * h, Linear { fan_in: h }));
+            if f.int4 {
+                v.extend((0..e).flat_map(|_| [w4(i, h), w4(i, h), w4(h, i)]));
+            } else {
+                v.push(dense(e * 3 * i * h, Linear { fan_in: h }));
+            }
+            v.push(dense(h, Linear { fan_in: h }));
+        }
     }
     v
 }

@@ -201,6 +201,9 @@ impl Builder {
     }
 }
 
+/// Rows of one tile of the CUDA backend's grouped expert GEMM (its per-expert tile counts are planned).
+pub const MOE_TILE_ROWS: usize = 64;
+
 /// The routed experts' buffers of a sparse layer: bounded by the step's tokens × `top_k` (the rows the
 /// experts compute, however unevenly the tokens route) and the expert count, never by the prompt.
 fn moe_buffers(b: &mut Builder, m: &deltaserve_model::MoeConfig, s: &StepShape, hd: u128, a: u128, act: &str) {
@@ -208,7 +211,12 @@ fn moe_buffers(b: &mut Builder, m: &deltaserve_model::MoeConfig, s: &StepShape, 
     let (tt, rows) = (format!("T={}", s.tokens), format!("T·k={}", s.tokens * m.top_k));
     b.buf("moe_router_logits", t * e * 4, format!("[{tt}, {}] f32", m.num_experts));
     b.buf("moe_topk", t * k * 8, format!("[{tt}, {}] (i32 expert, f32 weight)", m.top_k));
-    b.buf("moe_expert_offsets", (e + 1) * 4, format!("[{}+1] i32 (rows per expert, prefix sums)", m.num_experts));
+    b.buf(
+        "moe_expert_offsets",
+        2 * (e + 1) * 4,
+        format!("2·[{}+1] i32 (prefix sums of rows, then of {MOE_TILE_ROWS}-row tiles, per expert)", m.num_experts),
+    );
+    b.buf("moe_rows", t * k * 4, format!("[{rows}] i32 (each (token, k)'s row in the grouped order)"));
     b.buf("moe_rows_in", t * k * hd * a, format!("[{rows}, {hd}] {act} (tokens grouped by expert)"));
     b.buf("moe_gate_up", t * k * 2 * w * a, format!("[{rows}, 2·{w}] {act}"));
     b.buf("moe_act", t * k * w * a, format!("[{rows}, {w}] {act}"));
@@ -219,12 +227,13 @@ fn moe_buffers(b: &mut Builder, m: &deltaserve_model::MoeConfig, s: &StepShape, 
 /// The routed experts' ops, after the shared expert (which the dense MLP ops compute into `mlp_out`).
 fn moe_ops(b: &mut Builder) {
     b.op("moe_router", &["mlp_in"], &["moe_router_logits", "moe_shared_gate"]);
-    b.op("moe_topk", &["moe_router_logits"], &["moe_topk", "moe_expert_offsets"]);
-    b.op("moe_permute", &["mlp_in", "moe_topk", "moe_expert_offsets"], &["moe_rows_in"]);
-    b.op("moe_gate_up", &["moe_rows_in", "moe_expert_offsets"], &["moe_gate_up"]);
+    b.op("moe_topk", &["moe_router_logits"], &["moe_topk", "moe_expert_offsets", "moe_rows"]);
+    b.op("moe_permute", &["mlp_in", "moe_topk", "moe_rows"], &["moe_rows_in"]);
+    // Grouped GEMMs read the grouped rows; decode's per-pair GEMVs read each token's row of `mlp_in`.
+    b.op("moe_gate_up", &["moe_rows_in", "moe_expert_offsets", "moe_topk", "mlp_in"], &["moe_gate_up"]);
     b.op("moe_act", &["moe_gate_up"], &["moe_act"]);
-    b.op("moe_down", &["moe_act", "moe_expert_offsets"], &["moe_rows_out"]);
-    b.op("moe_unpermute", &["moe_rows_out", "moe_topk", "moe_shared_gate", "mlp_out"], &["mlp_out"]);
+    b.op("moe_down", &["moe_act", "moe_expert_offsets", "moe_topk"], &["moe_rows_out"]);
+    b.op("moe_unpermute", &["moe_rows_out", "moe_topk", "moe_rows", "moe_shared_gate", "mlp_out"], &["mlp_out"]);
 }
 
 /// Plans the workspace of one step. None if a size overflows u64.

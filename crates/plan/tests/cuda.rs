@@ -152,3 +152,16 @@ fn the_cpu_backend_has_no_scratch() {
     let gpu = PlanOptions { backend: PlanBackend::Generic, ..PlanOptions::gpu_defaults(1 << 30) };
     assert_eq!(Plan::new(&cfg, &gpu).unwrap().backend_scratch_bytes, 0);
 }
+
+/// A mixture-of-experts model's bf16 layout places every expert (one block per layer), the router and
+/// the shared expert at its own width: what the plan charges, up to alignment padding.
+#[test]
+fn bf16_experts_place_what_the_plan_charges() {
+    for p in [Preset::TinyMoe, Preset::Qwen36_35bA3b] {
+        let cfg = preset(p, None);
+        let o = PlanOptions::gpu_defaults(80 << 30);
+        let plan = WeightBytes::new(&cfg, &o).unwrap().device() as usize;
+        let ours = weights_device_bytes(&cfg, WeightFormat::of(&o));
+        assert!(ours <= plan + f32_extra(&cfg) && ours + 4096 * cfg.dims().num_layers >= plan, "{ours} vs {plan}");
+    }
+}

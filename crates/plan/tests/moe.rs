@@ -74,11 +74,15 @@ fn expert_activations_are_bounded_by_tokens_times_top_k() {
     assert_eq!(rows.bytes, 2048 * 8 * 2048 * 2, "[T·k, hidden] bf16");
     assert_eq!(p.workspace.get("moe_gate_up").unwrap().bytes, 2048 * 8 * 2 * 512 * 2);
     assert_eq!(p.workspace.get("moe_router_logits").unwrap().bytes, 2048 * 256 * 4);
-    assert_eq!(p.workspace.get("moe_expert_offsets").unwrap().bytes, 257 * 4);
+    assert_eq!(p.workspace.get("moe_expert_offsets").unwrap().bytes, 2 * 257 * 4, "row and tile prefix sums");
+    assert_eq!(p.workspace.get("moe_rows").unwrap().bytes, 2048 * 8 * 4);
     // The same at any context; halving the step's tokens halves them.
     assert_eq!(at(2048, Some(4096)).workspace, p.workspace);
     assert_eq!(at(1024, None).workspace.get("moe_rows_in").unwrap().bytes, rows.bytes / 2);
     assert!(p.workspace.ops.contains(&"moe_unpermute"));
+    // Decode's per-pair expert GEMVs read `mlp_in` while writing `moe_gate_up`: never the same bytes.
+    let (x, gu) = (p.workspace.get("mlp_in").unwrap(), p.workspace.get("moe_gate_up").unwrap());
+    assert!(x.lifetime_overlaps(gu) && !x.address_overlaps(gu));
 }
 
 #[test]

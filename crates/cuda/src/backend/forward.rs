@@ -165,7 +165,10 @@ impl CudaBackend {
             self.tick("norms")?;
             (ws.mlp_in, Fold::None)
         };
-        let i = d.intermediate;
+        let i = layer.moe.as_ref().map_or(d.intermediate, |m| m.shared_width);
+        if layer.moe.is_some() && fold.is_some() {
+            return Err(CudaError::Plan("a sparse layer's norms do not fold into its projections".into()));
+        }
         self.proj_fold(s, mlp_x, t, h, &[po(&layer.gate_up, ws.mlp_gate_up, 2 * i)], mlp_fold)?;
         elementwise::swiglu(k, s, ws.mlp_gate_up, 2 * i, ws.mlp_gate_up + b2(i), 2 * i, ws.mlp_act, t, i)?;
         if let Some(next) = fold.and_then(|f| f.next_norm) {
@@ -175,6 +178,9 @@ impl CudaBackend {
         }
         self.proj(s, ws.mlp_act, t, i, &[po(&layer.down, ws.mlp_out, h)], false)?;
         self.tick("MLP (GEMMs + SwiGLU)")?;
+        if let Some(m) = &layer.moe {
+            self.moe(ws, m, t)?;
+        }
         self.all_reduce(ws.mlp_out, t * h)?;
         Ok(())
     }

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use deltaserve_model::shard::ShardSpec;
-use deltaserve_model::{Dims, LayerKind, ModelConfig};
+use deltaserve_model::{Dims, LayerKind, ModelConfig, MoeConfig};
 use deltaserve_plan::cuda::{ScratchParts, WeightFormat, weights_device_bytes};
 use deltaserve_plan::{CheckpointTensors, Plan, PlanBackend, SamplingScratch, WeightsDtype};
 
@@ -20,6 +20,7 @@ use super::ahead::Launches;
 use super::graphs::GraphStats;
 use super::inputs::StepInputs;
 use super::linear::layers_fold;
+use super::moe::{MoeWs, moe_views};
 use super::rank::RankComm;
 use super::spec::Spec;
 use super::weights::{HostEmbed, Weights};
@@ -72,6 +73,8 @@ pub(super) struct Ws {
     /// Device sampling's scratch ([`ops::sample`]) and its layout.
     pub(super) sampling: u64,
     pub(super) sampling_layout: SamplingScratch,
+    /// The routed experts' buffers (a mixture-of-experts model).
+    pub(super) moe: Option<MoeWs>,
 }
 
 /// Where layer `i`'s cache lives.
@@ -116,13 +119,13 @@ struct CacheLayout {
 
 /// The plan's workspace buffers in the activations region, each checked against what the backend puts
 /// there.
-struct Workspace<'a> {
+pub(super) struct Workspace<'a> {
     plan: &'a Plan,
     acts: DevSpan,
 }
 
 impl Workspace<'_> {
-    fn get(&self, name: &str, need: usize) -> Result<u64, CudaError> {
+    pub(super) fn get(&self, name: &str, need: usize) -> Result<u64, CudaError> {
         let b = self
             .plan
             .workspace
@@ -193,6 +196,19 @@ pub(super) fn check_plan(
         )));
     }
     let fmt = WeightFormat::of(&plan.options);
+    if cfg.moe.is_some() {
+        let refuse = |what: &str| {
+            Err(CudaError::UnsupportedModel(format!(
+                "mixture-of-experts models on CUDA do not support {what} yet (their experts run in bf16)"
+            )))
+        };
+        if fmt.int4 {
+            return refuse("int4 weights (--quantize int4)");
+        }
+        if shard.is_some() {
+            return refuse("tensor parallelism");
+        }
+    }
     let max_draft = plan.options.speculative_tokens;
     if max_draft > 0 {
         let refuse =
@@ -327,7 +343,13 @@ fn carve_regions(
 
 /// The activation buffers from the plan's workspace (steps of `t` tokens and `s` sequences), each
 /// checked against what the backend puts there, and the scratch parts.
-fn workspace_views(wsb: &Workspace<'_>, d: &Dims, r: &Regions, partial_bytes: usize) -> Result<Ws, CudaError> {
+fn workspace_views(
+    wsb: &Workspace<'_>,
+    d: &Dims,
+    moe: Option<&MoeConfig>,
+    r: &Regions,
+    partial_bytes: usize,
+) -> Result<Ws, CudaError> {
     let (t, s) = (wsb.plan.max_batch_tokens, wsb.plan.max_seqs);
     let h = d.hidden;
     let get = |name: &str, need: usize| wsb.get(name, need);
@@ -378,6 +400,7 @@ fn workspace_views(wsb: &Workspace<'_>, d: &Dims, r: &Regions, partial_bytes: us
         w4_x: r.w4_x,
         w4_slice: r.w4_slice,
         w4_gemm: r.w4_gemm,
+        moe: moe.map(|m| moe_views(wsb, m, t, h)).transpose()?,
     })
 }
 
@@ -560,7 +583,7 @@ impl CudaBackend {
         let wsb = Workspace { plan, acts: r.acts };
         let p = plan.options.decode_partitions;
         let partial_bytes = attention::decode_scratch_bytes(s, d.q_heads, p, d.head_dim);
-        let mut ws = workspace_views(&wsb, &d, &r, partial_bytes)?;
+        let mut ws = workspace_views(&wsb, &d, cfg.moe.as_ref(), &r, partial_bytes)?;
         if logits.bytes < 4 * s * d.vocab {
             return Err(CudaError::Plan(format!("logits region {} B < [{s}, {}] f32", logits.bytes, d.vocab)));
         }

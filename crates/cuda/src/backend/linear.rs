@@ -231,7 +231,7 @@ pub(super) fn layers_fold(layers: &[Layer], hidden: usize) -> bool {
                 Mixer::Gdn(g) => (launch(&[&g.qkv, &g.z, &g.ba]), &g.out),
                 Mixer::Attn(a) => (launch(&[&a.q, &a.k, &a.v]), &a.o),
             };
-            inp && linear(out) && launch(&[&l.gate_up]) && linear(&l.down)
+            inp && linear(out) && launch(&[&l.gate_up]) && linear(&l.down) && l.moe.is_none()
         })
 }
 

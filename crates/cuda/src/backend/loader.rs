@@ -3,7 +3,7 @@
 
 use deltaserve_model::shard::{ShardSpec, Split};
 use deltaserve_model::weights::TensorSource;
-use deltaserve_model::{Checkpoint, DType, LayerKind, ModelConfig, ModelError, ModelWeights, MtpWeights};
+use deltaserve_model::{Checkpoint, DType, LayerKind, ModelConfig, ModelError, ModelWeights, MoeConfig, MtpWeights};
 use deltaserve_plan::cuda::{DenseRole, WeightFormat, WeightTensor, weight_tensors};
 use deltaserve_plan::{is_f32_tensor, is_linear};
 
@@ -16,16 +16,21 @@ use crate::runtime::Runtime;
 use crate::w4::{ScaleDtype, W4Bytes, W4Linear};
 
 use super::CudaBackend;
+use super::moe::{ExpertBlock, MoeLayer, check_expert_block, expert_proj};
 use super::spec::MtpHead;
 use super::weights::{AttnLayer, GdnLayer, Layer, Mixer, Part, Proj, Weights};
 
 /// The first of a pair stored as one [2·rows, cols] tensor (the second follows it).
 pub(super) fn pair_first(name: &str) -> bool {
-    name.contains("in_proj_b.weight") || name.contains("mlp.gate_proj.weight")
+    name.contains("in_proj_b.weight")
+        || name.contains("mlp.gate_proj.weight")
+        || name.contains("mlp.shared_expert.gate_proj.weight")
 }
 
 pub(super) fn pair_second(name: &str) -> bool {
-    name.contains("in_proj_a.weight") || name.contains("mlp.up_proj.weight")
+    name.contains("in_proj_a.weight")
+        || name.contains("mlp.up_proj.weight")
+        || name.contains("mlp.shared_expert.up_proj.weight")
 }
 
 /// The random initialisation of a dense tensor by what it holds (projections of std `1/sqrt(fan_in)`).
@@ -251,9 +256,20 @@ impl CudaBackend {
         let mut tied_head: Option<Part> = None;
         let host = self.host_embed.as_ref().map(|e| (e.table.ptr(), e.table.bytes()));
         let tied = cfg.tie_word_embeddings;
+        let num_experts = full.moe.as_ref().map_or(0, |m| m.num_experts);
+        let mut experts = ExpertBlock::default();
         let mut convert = |src: TensorSource<'_>| -> Result<Part, ModelError> {
             let dev = |e: CudaError| ModelError::config(format!("{}: {e}", src.name));
             let name = src.name.clone();
+            if let Some(at) = expert_proj(&name) {
+                // Every expert of the layer in one block (bf16; int4 experts are refused before loading).
+                let (bytes, shape) = ld.bytes(&src, false)?;
+                let (arena, wreg) = (&mut *ld.arena, ld.wreg);
+                let mut alloc = |n: usize| Ok(arena.alloc(wreg, n)?.ptr);
+                let ptr = experts.place(&name, at, bytes.len(), num_experts, &mut alloc).map_err(dev)?;
+                ld.rt.upload(ptr, &bytes).map_err(dev)?;
+                return Ok(Part::Bf16 { w: ptr, rows: shape[0] });
+            }
             if name.ends_with("embed_tokens.weight") {
                 let (bytes, _) = ld.bytes(&src, false)?;
                 let own_head = tied && fmt.own_lm_head(tied);
@@ -319,7 +335,8 @@ impl CudaBackend {
         }
         self.w4_quantized = quantized;
         self.w4_converted = converted;
-        Ok(checkpoint_weights(&mw, mtp_w, tied_head, fmt.int4, self.host_embed.is_some()))
+        let moe = full.moe.as_ref().map(|m| (m, h));
+        checkpoint_weights(&mw, mtp_w, tied_head, fmt.int4, self.host_embed.is_some(), moe)
     }
 
     pub(super) fn random_weights(
@@ -399,7 +416,10 @@ impl CudaBackend {
             }
             p
         };
-        let layer = |next: &mut dyn FnMut() -> Result<Part, CudaError>, kind: LayerKind| -> Result<Layer, CudaError> {
+        let layer = |next: &mut dyn FnMut() -> Result<Part, CudaError>,
+                     kind: LayerKind,
+                     sparse: Option<&MoeConfig>|
+         -> Result<Layer, CudaError> {
             let input_norm = next()?.ptr();
             let post_norm = next()?.ptr();
             let mixer = match kind {
@@ -422,17 +442,26 @@ impl CudaBackend {
                     k_norm: next()?.ptr(),
                 }),
             };
-            let gate_up = rows(proj(next, true)?, 2 * d.intermediate);
+            let width = sparse.map_or(d.intermediate, |m| m.shared_expert_intermediate);
+            let gate_up = rows(proj(next, true)?, 2 * width);
             let down = rows(proj(next, false)?, d.hidden);
-            Ok(Layer { input_norm, post_norm, mixer, gate_up, down })
+            // weight_tensors' order: router, the experts' block, the shared expert's gate.
+            let moe = match sparse {
+                Some(m) => {
+                    let (router, block, gate) = (next()?.ptr(), next()?.ptr(), next()?.ptr());
+                    Some(MoeLayer::new(m, d.hidden, router, gate, block))
+                }
+                None => None,
+            };
+            Ok(Layer { input_norm, post_norm, mixer, gate_up, down, moe })
         };
-        for kind in &cfg.layer_types {
-            layers.push(layer(&mut next, *kind)?);
+        for (i, kind) in cfg.layer_types.iter().enumerate() {
+            layers.push(layer(&mut next, *kind, cfg.moe.as_ref().filter(|m| m.is_sparse(i)))?);
         }
         let mtp = if fmt.mtp && cfg.mtp_num_hidden_layers > 0 {
             let fc = rows(proj(&mut next, false)?, d.hidden);
             let (pre_fc_norm_embedding, pre_fc_norm_hidden, norm) = (next()?.ptr(), next()?.ptr(), next()?.ptr());
-            let layer = layer(&mut next, LayerKind::Attention)?;
+            let layer = layer(&mut next, LayerKind::Attention, None)?;
             Some(MtpHead { fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm, layer })
         } else {
             None
@@ -451,17 +480,26 @@ impl CudaBackend {
 /// The backend's weights from a checkpoint's placed parts `mw` (and the MTP head's): int4 pairs are two
 /// parts, a bf16 pair the one fused part of its first half; the lm_head is the checkpoint's, else the one
 /// placed for a tied head, else the embedding. `host_embed`: the embedding table is in host memory.
+/// `moe`: the experts' config and the hidden size of a mixture-of-experts model.
 fn checkpoint_weights(
     mw: &ModelWeights<Part>,
     mtp_w: Option<MtpWeights<Part>>,
     tied_head: Option<Part>,
     int4: bool,
     host_embed: bool,
-) -> Weights {
+    moe: Option<(&MoeConfig, usize)>,
+) -> Result<Weights, CudaError> {
     let one = |p: &Part| vec![*p];
     // int4: pairs are two parts; bf16: the first half is the fused pair.
     let two = |a: &Part, b: &Part| if matches!(a, Part::Bf16 { .. }) && !int4 { vec![*a] } else { vec![*a, *b] };
-    let layer = |l: &deltaserve_model::LayerWeights<Part>| Layer {
+    let sparse = |l: &deltaserve_model::LayerWeights<Part>| match (&l.moe, moe) {
+        (Some(w), Some((m, h))) => {
+            let ml = MoeLayer::new(m, h, w.router.ptr(), w.shared_expert_gate.ptr(), w.experts[0].gate_proj.ptr());
+            check_expert_block(w, &ml).map(|()| Some(ml))
+        }
+        _ => Ok(None),
+    };
+    let layer = |l: &deltaserve_model::LayerWeights<Part>, moe: Option<MoeLayer>| Layer {
         input_norm: l.input_norm.ptr(),
         post_norm: l.post_norm.ptr(),
         mixer: match &l.mixer {
@@ -486,25 +524,26 @@ fn checkpoint_weights(
         },
         gate_up: two(&l.mlp.gate_proj, &l.mlp.up_proj),
         down: one(&l.mlp.down_proj),
+        moe,
     };
-    let layers = mw.layers.iter().map(layer).collect();
+    let layers = mw.layers.iter().map(|l| Ok(layer(l, sparse(l)?))).collect::<Result<_, CudaError>>()?;
     let mtp = mtp_w.map(|m| MtpHead {
         fc: one(&m.fc),
         pre_fc_norm_embedding: m.pre_fc_norm_embedding.ptr(),
         pre_fc_norm_hidden: m.pre_fc_norm_hidden.ptr(),
         norm: m.norm.ptr(),
-        layer: layer(&m.layer),
+        layer: layer(&m.layer, None),
     });
     let lm_head = match (&mw.lm_head, tied_head) {
         (Some(p), _) => *p,
         (None, Some(p)) => p,
         (None, None) => mw.embed,
     };
-    Weights {
+    Ok(Weights {
         embed: if host_embed { 0 } else { mw.embed.ptr() },
         lm_head: vec![lm_head],
         final_norm: mw.final_norm.ptr(),
         layers,
         mtp,
-    }
+    })
 }

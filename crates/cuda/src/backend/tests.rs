@@ -193,3 +193,15 @@ fn a_quantised_checkpoint_fits_the_plans_regions() {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// A mixture-of-experts model runs its experts in bf16: a bf16 plan is taken, an int4 plan refused in
+/// one line naming `--quantize int4`.
+#[test]
+fn moe_plans_take_bf16_and_refuse_int4() {
+    let cfg = preset(Preset::TinyMoe, Some(4));
+    let o = PlanOptions::gpu_defaults(1 << 30);
+    assert!(check_plan(&cfg, cfg.dims(), &Plan::new(&cfg, &o).unwrap(), None).is_ok());
+    let o4 = PlanOptions { weights_dtype: WeightsDtype::Int4, ..o };
+    let e = check_plan(&cfg, cfg.dims(), &Plan::new(&cfg, &o4).unwrap(), None).unwrap_err().to_string();
+    assert!(e.contains("mixture-of-experts") && e.contains("--quantize int4") && !e.contains('\n'), "{e}");
+}

@@ -4,6 +4,7 @@
 use crate::ops::w4a16::W4Weights;
 use crate::runtime::PinnedHost;
 
+use super::moe::MoeLayer;
 use super::spec::MtpHead;
 
 /// One stored linear (or a fused pair of bf16 linears): `rows` output rows.
@@ -66,9 +67,11 @@ pub(super) struct Layer {
     pub(super) input_norm: u64,
     pub(super) post_norm: u64,
     pub(super) mixer: Mixer,
-    /// [2·I, hidden]: gate rows then up rows.
+    /// [2·I, hidden]: gate rows then up rows (a sparse layer's shared expert).
     pub(super) gate_up: Proj,
     pub(super) down: Proj,
+    /// A sparse layer's router and routed experts.
+    pub(super) moe: Option<MoeLayer>,
 }
 
 pub(super) struct Weights {

@@ -15,6 +15,7 @@ pub mod gemv;
 pub mod init;
 pub mod kv_cache;
 pub mod kv_quant;
+pub mod moe;
 pub mod mtp;
 pub mod norm;
 pub mod rope;

@@ -22,6 +22,7 @@ mod elementwise;
 mod gdn_rows;
 mod harness;
 mod kv_quant;
+mod moe;
 mod sampling;
 mod w4;
 
@@ -289,6 +290,17 @@ enum Op {
         n_split: Option<usize>,
         special: bool,
     },
+    /// A sparse layer's routed experts: `t` tokens of width `h`, top `top_k` of `experts` experts of
+    /// width `i` (see tests/ops/moe.rs).
+    Moe {
+        t: usize,
+        experts: usize,
+        top_k: usize,
+        h: usize,
+        i: usize,
+        norm: bool,
+        routing: moe::Routing,
+    },
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -394,7 +406,7 @@ fn qkv(
 /// The table, in the order that gives each case its seed: the pickers, the row-wise ops and
 /// DeltaNet, attention, the linears (bf16 and 4-bit), the quantised KV cache.
 fn cases() -> Vec<Case> {
-    [row_cases(), attention_cases(), linear_cases(), kv_quant_cases()].into_iter().flatten().collect()
+    [row_cases(), attention_cases(), linear_cases(), kv_quant_cases(), moe_cases()].into_iter().flatten().collect()
 }
 
 /// One row of the table.
@@ -755,6 +767,23 @@ fn kv_quant_cases() -> Vec<Case> {
     ]
 }
 
+fn moe_cases() -> Vec<Case> {
+    use moe::Routing::{Few, OneHot, Spread};
+    let q = KernelDims::QWEN35_27B;
+    let m = |t, experts, top_k, h, i, norm, routing| Op::Moe { t, experts, top_k, h, i, norm, routing };
+    vec![
+        c("moe", q, m(1, 64, 8, 256, 128, true, Spread), ACCUM),
+        c("moe", q, m(3, 64, 8, 256, 128, true, OneHot), ACCUM),
+        c("moe", q, m(64, 64, 8, 256, 128, false, Few), ACCUM),
+        c("moe", q, m(300, 64, 8, 256, 136, true, Spread), ACCUM),
+        c("moe", q, m(300, 6, 3, 64, 32, false, OneHot), ACCUM),
+        c("moe", q, m(65, 8, 2, 64, 32, true, Few), ACCUM),
+        // The 35B-A3B's shapes (256 experts of width 512 over 2048, top 8) and Qwen3-Next's 512 top 10.
+        c("moe", q, m(64, 256, 8, 2048, 512, true, Spread), ACCUM),
+        c("moe", q, m(5, 512, 10, 512, 64, false, Spread), ACCUM),
+    ]
+}
+
 #[test]
 fn ops_match_cpu_reference() {
     if !LibStatus::probe().driver {
@@ -861,6 +890,7 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
         Op::W4Dequant { .. } => w4::dequant,
         Op::W4Quantize { .. } => w4::quantize,
         Op::KvQ { .. } => kv_quant::kvq_case,
+        Op::Moe { .. } => moe::moe_case,
     };
     let e = Env { rt, k, s: rt.stream(), tol: case.tol };
     let mut dev = Dev::new(rt, 1 << 30)?;
