@@ -313,15 +313,17 @@ fn text_tensor_specs(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, Init)> {
         v.push((l("input_layernorm.weight"), norm(h)));
         v.push((l("post_attention_layernorm.weight"), norm(h)));
         match kind {
-            LayerKind::DeltaNet if next => {
-                v.push((l("linear_attn.in_proj_qkvz.weight"), lin(d.conv_channels + d.gdn_value_width, h)));
-                v.push((l("linear_attn.in_proj_ba.weight"), lin(2 * d.gdn_v_heads, h)));
-            }
             LayerKind::DeltaNet => {
-                v.push((l("linear_attn.in_proj_qkv.weight"), lin(d.conv_channels, h)));
-                v.push((l("linear_attn.in_proj_z.weight"), lin(d.gdn_value_width, h)));
-                v.push((l("linear_attn.in_proj_b.weight"), lin(d.gdn_v_heads, h)));
-                v.push((l("linear_attn.in_proj_a.weight"), lin(d.gdn_v_heads, h)));
+                if next {
+                    // Qwen3-Next packs the in-projections per key head.
+                    v.push((l("linear_attn.in_proj_qkvz.weight"), lin(d.conv_channels + d.gdn_value_width, h)));
+                    v.push((l("linear_attn.in_proj_ba.weight"), lin(2 * d.gdn_v_heads, h)));
+                } else {
+                    v.push((l("linear_attn.in_proj_qkv.weight"), lin(d.conv_channels, h)));
+                    v.push((l("linear_attn.in_proj_z.weight"), lin(d.gdn_value_width, h)));
+                    v.push((l("linear_attn.in_proj_b.weight"), lin(d.gdn_v_heads, h)));
+                    v.push((l("linear_attn.in_proj_a.weight"), lin(d.gdn_v_heads, h)));
+                }
                 v.push((l("linear_attn.conv1d.weight"), (vec![d.conv_channels, 1, d.conv_kernel], Init::Normal(0.5))));
                 v.push((l("linear_attn.dt_bias"), (vec![d.gdn_v_heads], Init::Normal(0.5))));
                 v.push((l("linear_attn.A_log"), (vec![d.gdn_v_heads], Init::LogUniform1To16)));
