@@ -115,15 +115,10 @@ impl VisionConfig {
             })?,
         };
         let top = Fields { obj: root, prefix: "" };
-        let token = |name: &str| -> Result<u32, ModelError> {
-            let id = top.usize(name)?;
-            if id >= text.vocab_size {
-                return Err(ModelError::config(format!(
-                    "`{name}` {id} is outside the vocabulary ({})",
-                    text.vocab_size
-                )));
-            }
-            Ok(id as u32)
+        // Missing ids take HF's defaults (the Qwen3.5/3.6 tokenizer's).
+        let token = |name: &str, default: usize| -> Result<u32, ModelError> {
+            let id = top.opt_usize(name)?.unwrap_or(default);
+            u32::try_from(id).map_err(|_| ModelError::config(format!("`{name}` {id} is not a token id")))
         };
         let cfg = Self {
             depth: f.usize("depth")?,
@@ -138,16 +133,42 @@ impl VisionConfig {
             num_position_embeddings: f.usize("num_position_embeddings")?,
             hidden_act,
             rope_theta,
-            image_token_id: token("image_token_id")?,
-            video_token_id: token("video_token_id")?,
-            vision_start_token_id: token("vision_start_token_id")?,
-            vision_end_token_id: token("vision_end_token_id")?,
+            image_token_id: token("image_token_id", 248_056)?,
+            video_token_id: token("video_token_id", 248_057)?,
+            vision_start_token_id: token("vision_start_token_id", 248_053)?,
+            vision_end_token_id: token("vision_end_token_id", 248_054)?,
         };
-        cfg.validate(text)?;
+        cfg.validate()?;
+        // Text-only exports often keep a stale `vision_config` (and no `model.visual.*`): such a checkpoint
+        // serves text, without a tower.
+        if let Err(reason) = cfg.fits(text) {
+            tracing::warn!("config.json: the vision tower is ignored (images are refused): {reason}");
+            return Ok(None);
+        }
         Ok(Some(cfg))
     }
 
-    fn validate(&self, text: &ModelConfig) -> Result<(), ModelError> {
+    /// Whether the tower can feed this text model: its output width and its token ids.
+    fn fits(&self, text: &ModelConfig) -> Result<(), String> {
+        if self.out_hidden_size != text.hidden_size {
+            return Err(format!(
+                "`vision_config.out_hidden_size` ({}) differs from the text model's hidden_size ({})",
+                self.out_hidden_size, text.hidden_size
+            ));
+        }
+        let ids = [
+            ("image_token_id", self.image_token_id),
+            ("video_token_id", self.video_token_id),
+            ("vision_start_token_id", self.vision_start_token_id),
+            ("vision_end_token_id", self.vision_end_token_id),
+        ];
+        match ids.iter().find(|(_, id)| *id as usize >= text.vocab_size) {
+            Some((name, id)) => Err(format!("`{name}` {id} is outside the vocabulary ({})", text.vocab_size)),
+            None => Ok(()),
+        }
+    }
+
+    fn validate(&self) -> Result<(), ModelError> {
         let positive = [
             ("depth", self.depth),
             ("hidden_size", self.hidden_size),
@@ -176,12 +197,6 @@ impl VisionConfig {
             return Err(ModelError::config(format!(
                 "`vision_config.num_position_embeddings` ({}) must be a square",
                 self.num_position_embeddings
-            )));
-        }
-        if self.out_hidden_size != text.hidden_size {
-            return Err(ModelError::config(format!(
-                "`vision_config.out_hidden_size` ({}) must equal the text model's hidden_size ({})",
-                self.out_hidden_size, text.hidden_size
             )));
         }
         Ok(())

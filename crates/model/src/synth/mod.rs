@@ -190,8 +190,13 @@ impl Preset {
                 "model_type": "qwen3_5_vision", "depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
                 "num_heads": 16, "patch_size": 16, "temporal_patch_size": 2, "spatial_merge_size": 2,
                 "out_hidden_size": self.text_config(layers)["hidden_size"], "num_position_embeddings": 2304,
-                "deepstack_visual_indexes": []
+                "in_channels": 3, "hidden_act": "gelu_pytorch_tanh", "deepstack_visual_indexes": []
             },
+            // The synthetic tokenizer's added tokens follow its mergeable ones in Qwen's order.
+            "vision_start_token_id": self.tokenizer_mergeable() + 9,
+            "vision_end_token_id": self.tokenizer_mergeable() + 10,
+            "image_token_id": self.tokenizer_mergeable() + 12,
+            "video_token_id": self.tokenizer_mergeable() + 13,
             "tie_word_embeddings": false,
             "transformers_version": "5.17.0"
         })
