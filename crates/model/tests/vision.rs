@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use deltaserve_model::synth::Preset;
+use deltaserve_model::synth::{Preset, write_model};
 use deltaserve_model::{Checkpoint, ModelConfig, VisionAct, VisionWeights};
 use serde_json::{Value, json};
 
@@ -51,12 +51,30 @@ fn text_only_checkpoints_have_no_tower() {
 
 #[test]
 fn synthetic_presets_carry_a_tower_config_with_in_vocabulary_token_ids() {
-    for preset in [Preset::Tiny, Preset::Qwen36_27b] {
+    for (preset, depth, side) in [(Preset::Tiny, 2, 8), (Preset::Qwen36_27b, 27, 48)] {
         let cfg = ModelConfig::from_json_str(&preset.config_json(None).to_string()).unwrap();
         let v = cfg.vision.unwrap();
-        assert_eq!((v.head_dim(), v.position_grid_side()), (72, 48));
+        assert_eq!((v.depth, v.head_dim(), v.position_grid_side()), (depth, 72, side));
         assert_eq!(v.image_token_id as usize, preset.tokenizer_mergeable() + 12);
     }
+}
+
+#[test]
+fn synthetic_models_have_a_loadable_tower_and_the_image_processor_config() {
+    let dir = std::env::temp_dir().join(format!("ds-vision-synth-{}", std::process::id()));
+    let cfg = write_model(&dir, Preset::Tiny, None, 7, |_, _| {}).unwrap();
+    let w = VisionWeights::load_f32(&Checkpoint::open(&dir).unwrap(), &cfg).unwrap().expect("a tower");
+    assert_eq!(w.blocks.len(), 2);
+    assert_eq!(w.merger_fc2.weight.shape, [128, 576]);
+    let pre: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("preprocessor_config.json")).unwrap()).unwrap();
+    assert_eq!(
+        (pre["patch_size"].as_u64(), pre["merge_size"].as_u64(), pre["temporal_patch_size"].as_u64()),
+        (Some(16), Some(2), Some(2))
+    );
+    assert_eq!(pre["size"], json!({"shortest_edge": 65536, "longest_edge": 16777216}));
+    assert_eq!(pre["image_mean"], json!([0.5, 0.5, 0.5]));
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
