@@ -15,22 +15,19 @@ pub fn causal_gqa_attention(
 ) -> Vec<f32> {
     let t = q.len() / (q_heads * hd);
     let total = k_cache.len() / (kv_heads * hd);
-    gqa_attention(q, k_cache, v_cache, q_heads, kv_heads, hd, |ti| total - t + ti + 1)
+    gqa_attention([q, k_cache, v_cache], (q_heads, kv_heads), hd, |ti| total - t + ti + 1)
 }
 
 /// Non-causal multi-head attention: q, k, v: [n, heads, hd], every row attends to all n. Returns [n, heads, hd].
 pub fn full_attention(q: &[f32], k: &[f32], v: &[f32], heads: usize, hd: usize) -> Vec<f32> {
     let n = k.len() / (heads * hd);
-    gqa_attention(q, k, v, heads, heads, hd, |_| n)
+    gqa_attention([q, k, v], (heads, heads), hd, |_| n)
 }
 
-/// Query row `ti` attends to key rows `0..visible(ti)`.
+/// Query row `ti` attends to key rows `0..visible(ti)`; `heads` = (query heads, kv heads).
 fn gqa_attention(
-    q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
-    q_heads: usize,
-    kv_heads: usize,
+    [q, k_cache, v_cache]: [&[f32]; 3],
+    (q_heads, kv_heads): (usize, usize),
     hd: usize,
     visible: impl Fn(usize) -> usize,
 ) -> Vec<f32> {

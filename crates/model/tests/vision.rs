@@ -60,6 +60,14 @@ fn synthetic_presets_carry_a_tower_config_with_in_vocabulary_token_ids() {
 }
 
 #[test]
+fn the_real_tower_has_the_documented_parameter_count() {
+    let cfg = ModelConfig::from_json_str(&Preset::Qwen36_27b.config_json(None).to_string()).unwrap();
+    let shapes = deltaserve_model::vision::tensor_shapes(cfg.vision.as_ref().unwrap());
+    let params: usize = shapes.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+    assert_eq!(params, 460_730_096, "docs/architecture.md §5");
+}
+
+#[test]
 fn synthetic_models_have_a_loadable_tower_and_the_image_processor_config() {
     let dir = std::env::temp_dir().join(format!("ds-vision-synth-{}", std::process::id()));
     let cfg = write_model(&dir, Preset::Tiny, None, 7, |_, _| {}).unwrap();
