@@ -241,6 +241,7 @@ fn wanted() -> BTreeSet<String> {
         "model.safetensors.index.json",
         "tokenizer.json",
         "tokenizer_config.json",
+        "preprocessor_config.json",
         SHARD,
     ]
     .map(String::from)

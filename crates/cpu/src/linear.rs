@@ -1,4 +1,4 @@
-//! Dense projections: `y[T, out] = x[T, in] · W[out, in]ᵀ` (PyTorch `Linear` without bias), f32.
+//! Dense projections: `y[T, out] = x[T, in] · W[out, in]ᵀ (+ b)` (PyTorch `Linear`), f32.
 
 /// `y = x · wᵀ`; x: [t, inp], w: [out, inp], returns [t, out].
 pub fn linear(x: &[f32], t: usize, w: &[f32], out: usize, inp: usize) -> Vec<f32> {
@@ -27,6 +27,17 @@ pub fn linear(x: &[f32], t: usize, w: &[f32], out: usize, inp: usize) -> Vec<f32
             out as isize,
             1,
         );
+    }
+    y
+}
+
+/// `y = x · wᵀ + b` (b: [out], or none); x: [t, inp], w: [out, inp], returns [t, out].
+pub fn linear_bias(x: &[f32], t: usize, w: &[f32], b: Option<&[f32]>, out: usize, inp: usize) -> Vec<f32> {
+    let mut y = linear(x, t, w, out, inp);
+    if let Some(b) = b {
+        for row in y.chunks_exact_mut(out) {
+            row.iter_mut().zip(b).for_each(|(v, c)| *v += c);
+        }
     }
     y
 }

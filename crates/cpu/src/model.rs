@@ -7,11 +7,15 @@
 //! (the MTP head's input), [`CpuModel::mtp_forward`] runs the MTP head (docs/architecture.md §2.5), and a cache
 //! that asks for it ([`SeqCache::wants_gdn_trace`]) receives each DeltaNet layer's recurrence inputs
 //! ([`GdnTrace`]), which [`CpuModel::replay_gdn`] applies to a committed state for an accepted prefix.
+//!
+//! Attention rotates q and k by each token's [`Positions`]: text tokens at `first + i`, a prompt with
+//! images at its (t, h, w) M-RoPE positions (see [`crate::multimodal`]); a sequence that has seen images
+//! keeps its rope delta ([`SequenceState::rope_delta`]) so that later tokens continue from them.
 
 use deltaserve_model::weights::{
     AttentionWeights, DeltaNetWeights, HostTensor, LayerWeights, MixerWeights, MlpWeights,
 };
-use deltaserve_model::{Dims, LayerKind, ModelConfig, ModelWeights};
+use deltaserve_model::{Dims, LayerKind, ModelConfig, ModelWeights, VisionWeights};
 
 use crate::activation::{sigmoid, silu, softplus};
 use crate::attention::causal_gqa_attention;
@@ -19,7 +23,7 @@ use crate::conv::causal_conv1d_silu;
 use crate::gdn::{GdnDims, GdnInputs, gdn_chunked, gdn_recurrent};
 use crate::linear::linear;
 use crate::norm::{gated_rms_norm, l2_norm, rms_norm_1p};
-use crate::rope::apply_partial_rope;
+use crate::rope::{apply_mrope, apply_partial_rope};
 
 /// Chunk length of the WY-form DeltaNet prefill.
 pub use deltaserve_plan::workspace::GDN_CHUNK;
@@ -42,6 +46,15 @@ pub enum Logits {
     Last,
 }
 
+/// The rotary positions of a forward call's tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Positions<'a> {
+    /// Token i at `first + i` in every stream (text).
+    Sequential(usize),
+    /// Token i at the (t, h, w) position `[i]` (M-RoPE: a prompt with images).
+    Mrope(&'a [[usize; 3]]),
+}
+
 /// Per-layer carried state of one sequence.
 #[derive(Clone, Debug)]
 pub enum LayerState {
@@ -62,9 +75,19 @@ pub enum LayerState {
 /// Everything a sequence carries between forward calls.
 #[derive(Clone, Debug)]
 pub struct SequenceState {
-    /// Tokens processed so far (the position of the next token).
+    /// Tokens processed so far (the index of the next token).
     pub len: usize,
+    /// Rotary position of token index `i` minus `i` once images have been seen (HF's rope delta, ≤ 0);
+    /// 0 for text.
+    pub rope_delta: i64,
     pub layers: Vec<LayerState>,
+}
+
+impl SequenceState {
+    /// The rotary position of the next token.
+    pub fn next_position(&self) -> usize {
+        (self.len as i64 + self.rope_delta).max(0) as usize
+    }
 }
 
 /// Where one sequence's carried state lives: a [`SequenceState`] of its own, or pages and a slot of
@@ -129,11 +152,13 @@ impl SeqCache for SequenceState {
     }
 }
 
-/// The reference model: config, derived dims and f32 weights.
+/// The reference model: config, derived dims and f32 weights (the vision tower's when loaded).
 pub struct CpuModel {
     pub config: ModelConfig,
     pub dims: Dims,
     pub weights: ModelWeights<HostTensor>,
+    /// The vision tower; `None` for a text-only model or when it was not loaded.
+    pub vision: Option<VisionWeights<HostTensor>>,
 }
 
 /// Errors of a forward call (bad input, never a panic).
@@ -151,11 +176,23 @@ pub enum ForwardError {
     Speculation(String),
     #[error("MTP input mismatch: {tokens} tokens but {rows} hidden rows")]
     MtpInput { tokens: usize, rows: usize },
+    #[error("this model has no vision tower loaded: images are not accepted")]
+    NoVisionTower,
+    #[error(transparent)]
+    Image(#[from] crate::vision::ImageError),
+    #[error("images: {0}")]
+    Multimodal(String),
 }
 
 impl CpuModel {
     pub fn new(config: ModelConfig, weights: ModelWeights<HostTensor>) -> Self {
-        Self { dims: config.dims(), config, weights }
+        Self { dims: config.dims(), config, weights, vision: None }
+    }
+
+    /// The model with its vision tower (`None`: images are refused).
+    pub fn with_vision(mut self, vision: Option<VisionWeights<HostTensor>>) -> Self {
+        self.vision = vision;
+        self
     }
 
     /// A fresh (empty) sequence.
@@ -173,7 +210,7 @@ impl CpuModel {
                 LayerKind::Attention => LayerState::Attention { k: Vec::new(), v: Vec::new() },
             })
             .collect();
-        SequenceState { len: 0, layers }
+        SequenceState { len: 0, rope_delta: 0, layers }
     }
 
     /// Runs `tokens` (the next tokens of the sequence) and returns logits, row-major.
@@ -187,10 +224,10 @@ impl CpuModel {
         if state.layers.len() != self.dims.num_layers {
             return Err(ForwardError::StateMismatch);
         }
-        let start = state.len;
-        let logits = self.forward_cached(state, start, tokens, mode, want)?;
+        let (start, first) = (state.len, state.next_position());
+        let rows = self.run_layers(state, start, self.embed_checked(tokens)?, Positions::Sequential(first), mode)?;
         state.len += tokens.len();
-        Ok(logits)
+        Ok(self.logits_of(&rows, want))
     }
 
     /// Runs `tokens` at positions `start..` of a sequence whose state lives in `cache`.
@@ -203,12 +240,17 @@ impl CpuModel {
         want: Logits,
     ) -> Result<Vec<f32>, ForwardError> {
         let rows = self.forward_hidden(cache, start, tokens, mode)?;
+        Ok(self.logits_of(&rows, want))
+    }
+
+    /// The logits `want` asks for of hidden rows `[t, hidden]`.
+    pub(crate) fn logits_of(&self, rows: &[f32], want: Logits) -> Vec<f32> {
         let h = self.dims.hidden;
-        Ok(match want {
-            Logits::All => self.logits(&rows),
+        match want {
+            Logits::All => self.logits(rows),
             Logits::Last if rows.is_empty() => Vec::new(),
             Logits::Last => self.logits(&rows[rows.len() - h..]),
-        })
+        }
     }
 
     /// Runs `tokens` at positions `start..` and returns the post-final-norm hidden rows `[t, hidden]`
@@ -220,14 +262,25 @@ impl CpuModel {
         tokens: &[u32],
         mode: GdnMode,
     ) -> Result<Vec<f32>, ForwardError> {
+        self.run_layers(cache, start, self.embed_checked(tokens)?, Positions::Sequential(start), mode)
+    }
+
+    /// The decoder over input rows `x` `[t, hidden]` (token embeddings, image rows in place of image
+    /// tokens) at KV indices `start..` and rotary positions `pos`; returns the post-final-norm rows.
+    pub(crate) fn run_layers(
+        &self,
+        cache: &mut dyn SeqCache,
+        start: usize,
+        mut x: Vec<f32>,
+        pos: Positions<'_>,
+        mode: GdnMode,
+    ) -> Result<Vec<f32>, ForwardError> {
         let d = &self.dims;
-        self.check_tokens(tokens)?;
-        let t = tokens.len();
+        let t = x.len() / d.hidden;
         if t == 0 {
             return Ok(Vec::new());
         }
         let eps = self.config.rms_norm_eps;
-        let mut x = self.embed(tokens);
         for (i, lw) in self.weights.layers.iter().enumerate() {
             let mut hn = x.clone();
             rms_norm_1p(&mut hn, &lw.input_norm.data, eps);
@@ -241,7 +294,7 @@ impl CpuModel {
                     }
                     out
                 }
-                MixerWeights::Attention(w) => self.attention(w, &hn, t, start, i, cache),
+                MixerWeights::Attention(w) => self.attention(w, &hn, t, start, pos, i, cache),
             };
             add_in_place(&mut x, &mixed);
             let mut hn = x.clone();
@@ -301,7 +354,7 @@ impl CpuModel {
         let MixerWeights::Attention(aw) = mixer else { unreachable!("the MTP layer is an attention layer") };
         let mut a = x.clone();
         rms_norm_1p(&mut a, &input_norm.data, eps);
-        add_in_place(&mut x, &self.attention(aw, &a, t, start, kv_layer, cache));
+        add_in_place(&mut x, &self.attention(aw, &a, t, start, Positions::Sequential(start), kv_layer, cache));
         let mut a = x.clone();
         rms_norm_1p(&mut a, &post_norm.data, eps);
         add_in_place(&mut x, &self.ffn(mlp, moe.as_ref(), &a, t));
@@ -352,6 +405,12 @@ impl CpuModel {
             Some((index, &id)) => Err(ForwardError::TokenOutOfRange { id, index, vocab }),
             None => Ok(()),
         }
+    }
+
+    /// Embedding rows `[t, hidden]` of checked token ids.
+    pub(crate) fn embed_checked(&self, tokens: &[u32]) -> Result<Vec<f32>, ForwardError> {
+        self.check_tokens(tokens)?;
+        Ok(self.embed(tokens))
     }
 
     /// Embedding rows `[t, hidden]`.
@@ -423,13 +482,16 @@ impl CpuModel {
         Ok((out, trace))
     }
 
-    /// Gated softmax attention (docs/architecture.md §2.3). hn: [t, hidden] → [t, hidden]; appends to the KV cache.
+    /// Gated softmax attention (docs/architecture.md §2.3). hn: [t, hidden] → [t, hidden]; appends to the KV
+    /// cache at rows `past..`, q and k rotated by `pos`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn attention(
         &self,
         w: &AttentionWeights<HostTensor>,
         hn: &[f32],
         t: usize,
         past: usize,
+        pos: Positions<'_>,
         layer: usize,
         cache: &mut dyn SeqCache,
     ) -> Vec<f32> {
@@ -448,9 +510,18 @@ impl CpuModel {
         let v = linear(hn, t, &w.v_proj.data, d.kv_dim, d.hidden);
         rms_norm_1p(&mut q, &w.q_norm.data, eps);
         rms_norm_1p(&mut k, &w.k_norm.data, eps);
-        let theta = self.config.rope_theta;
-        apply_partial_rope(&mut q, nh, hd, d.rotary_dim, theta, past);
-        apply_partial_rope(&mut k, nkv, hd, d.rotary_dim, theta, past);
+        let (theta, rot) = (self.config.rope_theta, d.rotary_dim);
+        match pos {
+            Positions::Sequential(first) => {
+                apply_partial_rope(&mut q, nh, hd, rot, theta, first);
+                apply_partial_rope(&mut k, nkv, hd, rot, theta, first);
+            }
+            Positions::Mrope(p) => {
+                let section = self.config.mrope_section;
+                apply_mrope(&mut q, nh, hd, rot, theta, section, p);
+                apply_mrope(&mut k, nkv, hd, rot, theta, section, p);
+            }
+        }
         cache.write_kv(layer, past, &k, &v);
         let (k_all, v_all) = cache.read_kv(layer, past + t);
         let mut attn = causal_gqa_attention(&q, &k_all, &v_all, nh, nkv, hd);

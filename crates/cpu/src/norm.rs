@@ -1,5 +1,6 @@
 //! Normalisations: zero-centred RMSNorm `x·rsqrt(mean x²+eps)·(1+w)`, the DeltaNet output's gated
-//! RMSNorm `w·norm(o)·silu(z)` (plain weight), and the L2 normalisation of DeltaNet q/k.
+//! RMSNorm `w·norm(o)·silu(z)` (plain weight), the L2 normalisation of DeltaNet q/k, and the vision
+//! tower's LayerNorm `(x − mean)·rsqrt(var + eps)·w + b`.
 
 use crate::activation::silu;
 
@@ -31,7 +32,36 @@ pub fn l2_norm(x: &mut [f32], dim: usize, eps: f32) {
     }
 }
 
+/// In place over rows of `w.len()`: `x ← (x − mean) · rsqrt(var + eps) · w + b` (biased variance).
+pub fn layer_norm(x: &mut [f32], w: &[f32], b: &[f32], eps: f32) {
+    let n = w.len() as f32;
+    for row in x.chunks_exact_mut(w.len()) {
+        let mean = row.iter().sum::<f32>() / n;
+        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+        let inv = 1.0 / (var + eps).sqrt();
+        for ((v, &g), &c) in row.iter_mut().zip(w).zip(b) {
+            *v = (*v - mean) * inv * g + c;
+        }
+    }
+}
+
 fn inv_rms(row: &[f32], eps: f32) -> f32 {
     let mean_sq = row.iter().map(|v| v * v).sum::<f32>() / row.len() as f32;
     1.0 / (mean_sq + eps).sqrt()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layer_norm_centres_scales_and_shifts() {
+        let mut x = vec![1.0, 2.0, 3.0, 4.0];
+        layer_norm(&mut x, &[1.0, 1.0, 2.0, 2.0], &[0.0, 0.0, 0.0, 1.0], 0.0);
+        let s = 1.0 / 1.25f32.sqrt();
+        let want = [-1.5 * s, -0.5 * s, 1.0 * s, 3.0 * s + 1.0];
+        for (a, b) in x.iter().zip(want) {
+            assert!((a - b).abs() < 1e-6, "{x:?}");
+        }
+    }
 }

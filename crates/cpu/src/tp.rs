@@ -19,7 +19,7 @@ use deltaserve_model::weights::{HostTensor, MixerWeights};
 use deltaserve_model::{ModelConfig, ModelError, ModelWeights};
 
 use crate::linear::linear;
-use crate::model::{CpuModel, ForwardError, GdnMode, LayerState, Logits, SequenceState};
+use crate::model::{CpuModel, ForwardError, GdnMode, LayerState, Logits, Positions, SequenceState};
 use crate::norm::rms_norm_1p;
 
 /// One rank: its shard ranges and its model (the rank's shape, the rank's weights).
@@ -150,7 +150,7 @@ impl TpModel {
                         r.model.deltanet(w, &hn, t, conv, recurrent, mode, false)?.0
                     }
                     (MixerWeights::Attention(w), LayerState::Attention { .. }) => {
-                        r.model.attention(w, &hn, t, start, i, st)
+                        r.model.attention(w, &hn, t, start, Positions::Sequential(start), i, st)
                     }
                     _ => return Err(ForwardError::StateMismatch),
                 };

@@ -18,12 +18,17 @@ fn fixture_dirs() -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
         .unwrap_or_else(|e| panic!("{}: {e}", root.display()))
         .map(|e| e.unwrap().path())
-        // Text fixtures: the image ones (with a `preprocessor_config.json`) have their own tests.
-        .filter(|p| p.join("reference.json").exists() && !p.join("preprocessor_config.json").exists())
+        .filter(|p| has_prompts(&p.join("reference.json")))
         .collect();
     dirs.sort();
     assert!(dirs.len() >= 6, "expected the six HF fixture models in {}", root.display());
     dirs
+}
+
+/// Text fixtures list their prompts (the image fixture is checked by `hf_vision.rs`).
+fn has_prompts(reference: &Path) -> bool {
+    let Ok(text) = std::fs::read_to_string(reference) else { return false };
+    serde_json::from_str::<serde_json::Value>(&text).is_ok_and(|v| v.get("prompts").is_some())
 }
 
 fn load(dir: &Path) -> CpuModel {

@@ -17,6 +17,7 @@ use serde_json::{Map, Value};
 use crate::error::ModelError;
 use crate::moe::MoeConfig;
 use crate::quant::Quantization;
+use crate::vision::VisionConfig;
 
 /// Which checkpoint family the config came from (changes only the DeltaNet projection packing).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -55,6 +56,10 @@ pub struct ModelConfig {
     /// Rotated leading dims of each attention head (`head_dim * partial_rotary_factor`), even.
     pub rotary_dim: usize,
     pub rope_theta: f64,
+    /// How the rotary frequencies split between the (t, h, w) M-RoPE streams, interleaved
+    /// (`rope_parameters.mrope_section`; HF's default [11, 11, 10] when absent). Text positions are equal
+    /// in all streams, so it matters only for images.
+    pub mrope_section: [usize; 3],
     pub linear_num_key_heads: usize,
     pub linear_num_value_heads: usize,
     pub linear_key_head_dim: usize,
@@ -68,6 +73,8 @@ pub struct ModelConfig {
     pub quantization: Option<Quantization>,
     /// The experts of a mixture-of-experts model; `None` when every layer's MLP is dense.
     pub moe: Option<MoeConfig>,
+    /// The vision tower and image token ids of a multimodal checkpoint; `None` for text-only ones.
+    pub vision: Option<VisionConfig>,
 }
 
 /// Sizes derived once from a [`ModelConfig`]; nothing else recomputes them.
@@ -141,6 +148,7 @@ impl ModelConfig {
                 })?;
                 let tie_top = root.get("tie_word_embeddings").and_then(Value::as_bool);
                 let mut cfg = parse_text(text_cfg, Arch::Qwen35, model_type == "qwen3_5_moe", "text_config.")?;
+                cfg.vision = VisionConfig::parse(root, &cfg)?;
                 // HF writes `quantization_config` at the top level of a multimodal config.
                 if let Some(q) = root.get("quantization_config").filter(|q| !q.is_null()) {
                     cfg.quantization = Some(Quantization::from_json(q, "quantization_config")?);
@@ -383,6 +391,10 @@ fn parse_text(obj: &Map<String, Value>, arch: Arch, moe_model: bool, prefix: &st
         }
     };
     let rotary_dim = (head_dim as f64 * partial) as usize; // truncated, as HF does
+    let mrope_section = match rope.and_then(|r| r.get("mrope_section")) {
+        None | Some(Value::Null) => [11, 11, 10],
+        Some(v) => mrope_section(v, prefix)?,
+    };
 
     let cfg = ModelConfig {
         arch,
@@ -397,6 +409,7 @@ fn parse_text(obj: &Map<String, Value>, arch: Arch, moe_model: bool, prefix: &st
         head_dim,
         rotary_dim,
         rope_theta,
+        mrope_section,
         linear_num_key_heads: f.usize("linear_num_key_heads")?,
         linear_num_value_heads: f.usize("linear_num_value_heads")?,
         linear_key_head_dim: f.usize("linear_key_head_dim")?,
@@ -410,6 +423,7 @@ fn parse_text(obj: &Map<String, Value>, arch: Arch, moe_model: bool, prefix: &st
         mtp_num_hidden_layers: f.opt_usize("mtp_num_hidden_layers")?.unwrap_or(0),
         quantization,
         moe,
+        vision: None,
     };
     validate(&cfg, prefix)?;
     Ok(cfg)
@@ -470,6 +484,18 @@ fn validate(c: &ModelConfig, p: &str) -> Result<(), ModelError> {
         return Err(ModelError::config(format!("`{p}eos_token_id` {id} is outside the vocabulary ({})", c.vocab_size)));
     }
     Ok(())
+}
+
+/// `rope_parameters.mrope_section`: three counts of rotary frequency pairs (HF slices, never checks, them).
+fn mrope_section(v: &Value, prefix: &str) -> Result<[usize; 3], ModelError> {
+    let parsed: Option<Vec<usize>> =
+        v.as_array().and_then(|a| a.iter().map(|x| x.as_u64().map(|n| n as usize)).collect());
+    match parsed.as_deref() {
+        Some(&[t, h, w]) => Ok([t, h, w]),
+        _ => Err(ModelError::config(format!(
+            "`{prefix}rope_parameters.mrope_section` must be three non-negative integers, got {v}"
+        ))),
+    }
 }
 
 fn token_ids(v: &Value, field: &str) -> Result<Vec<u32>, ModelError> {

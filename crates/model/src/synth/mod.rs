@@ -1,7 +1,8 @@
 //! Synthetic (random-weight) model directories at any shape: `config.json` in the real multimodal
 //! `qwen3_5` / `qwen3_5_moe` layout (text-only `qwen3_next` for the Qwen3-Next preset),
 //! `generation_config.json`, and `model.safetensors` in bf16 with the real tensor names (one tensor per
-//! expert for mixture-of-experts presets, whose MTP head is not written).
+//! expert for mixture-of-experts presets, whose MTP head is not written), the vision tower's included
+//! (with the image processor's `preprocessor_config.json`) for the multimodal presets.
 //! Weights are drawn deterministically from (seed, tensor name), so a preset + seed always gives the
 //! same bytes. Tokenizer files are written by the caller (the text crate owns tokenizers).
 
@@ -16,6 +17,7 @@ use serde_json::{Value, json};
 use crate::checkpoint::{DType, TensorHeader, write_safetensors};
 use crate::config::{Arch, LayerKind, ModelConfig};
 use crate::error::ModelError;
+use crate::vision::VisionConfig;
 
 /// Built-in model shapes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -175,6 +177,21 @@ impl Preset {
         v
     }
 
+    /// The `vision_config` object: the real Qwen3.5/3.6 tower (27 blocks of width 1152), or for the tiny
+    /// presets a 2-block tower of width 144 with the real head dim (72).
+    pub fn vision_config(self) -> Value {
+        let (depth, hidden, heads, inter, positions) = match self {
+            Self::Tiny | Self::TinyMoe => (2, 144, 2, 288, 64),
+            _ => (27, 1152, 16, 4304, 2304),
+        };
+        json!({
+            "model_type": "qwen3_5_vision", "depth": depth, "hidden_size": hidden, "intermediate_size": inter,
+            "num_heads": heads, "patch_size": 16, "temporal_patch_size": 2, "spatial_merge_size": 2,
+            "out_hidden_size": self.shape().hidden, "num_position_embeddings": positions,
+            "in_channels": 3, "hidden_act": "gelu_pytorch_tanh", "deepstack_visual_indexes": []
+        })
+    }
+
     /// The whole `config.json` in the multimodal layout that Qwen3.5/3.6 checkpoints use (Qwen3-Next:
     /// its text-only config).
     pub fn config_json(self, layers: Option<usize>) -> Value {
@@ -186,12 +203,12 @@ impl Preset {
             "architectures": [if moe { "Qwen3_5MoeForConditionalGeneration" } else { "Qwen3_5ForConditionalGeneration" }],
             "model_type": if moe { "qwen3_5_moe" } else { "qwen3_5" },
             "text_config": self.text_config(layers),
-            "vision_config": {
-                "model_type": "qwen3_5_vision", "depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
-                "num_heads": 16, "patch_size": 16, "temporal_patch_size": 2, "spatial_merge_size": 2,
-                "out_hidden_size": self.text_config(layers)["hidden_size"], "num_position_embeddings": 2304,
-                "deepstack_visual_indexes": []
-            },
+            "vision_config": self.vision_config(),
+            // The synthetic tokenizer's added tokens follow its mergeable ones in Qwen's order.
+            "vision_start_token_id": self.tokenizer_mergeable() + 9,
+            "vision_end_token_id": self.tokenizer_mergeable() + 10,
+            "image_token_id": self.tokenizer_mergeable() + 12,
+            "video_token_id": self.tokenizer_mergeable() + 13,
             "tie_word_embeddings": false,
             "transformers_version": "5.17.0"
         })
@@ -247,6 +264,14 @@ fn tensor_specs(cfg: &ModelConfig, variant: MtpVariant) -> Vec<Spec> {
         .into_iter()
         .map(|(name, shape, init)| Spec { seed_name: name.clone(), name, shape, init })
         .collect();
+    if let Some(v) = &cfg.vision {
+        specs.extend(vision_tensor_specs(v).into_iter().map(|(name, shape, init)| Spec {
+            seed_name: name.clone(),
+            name,
+            shape,
+            init,
+        }));
+    }
     if let MtpVariant::Agreeing { residual_scale } = variant {
         for s in &mut specs {
             let residual = ["linear_attn.out_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight"];
@@ -365,6 +390,37 @@ fn text_tensor_specs(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, Init)> {
     v.into_iter().map(|(n, (s, i))| (n, s, i)).collect()
 }
 
+/// (stored name, shape, init) of every tensor of the vision tower.
+fn vision_tensor_specs(v: &VisionConfig) -> Vec<(String, Vec<usize>, Init)> {
+    crate::vision::tensor_shapes(v)
+        .into_iter()
+        .map(|(name, shape)| {
+            let init = if name.ends_with(".bias") {
+                Init::Normal(0.02)
+            } else if shape.len() == 1 {
+                Init::OnePlusNormal(0.1) // LayerNorm weights
+            } else if name.ends_with("pos_embed.weight") {
+                Init::Normal(0.5)
+            } else {
+                Init::Normal(1.0 / (shape[1..].iter().product::<usize>() as f32).sqrt())
+            };
+            (name, shape, init)
+        })
+        .collect()
+}
+
+/// The `preprocessor_config.json` of Qwen3.5/3.6 (their image processor's settings).
+pub fn preprocessor_config_json(v: &VisionConfig) -> Value {
+    json!({
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        "do_convert_rgb": true, "do_resize": true, "do_rescale": true, "do_normalize": true,
+        "resample": 3, "rescale_factor": 1.0 / 255.0,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size, "merge_size": v.spatial_merge_size,
+        "size": { "shortest_edge": 65_536, "longest_edge": 16_777_216 }
+    })
+}
+
 /// Writes config.json, generation_config.json and model.safetensors (bf16) for `preset` into `dir`,
 /// with a random MTP head when the preset has one. `progress` is called with (bytes written, total bytes).
 pub fn write_model(
@@ -413,6 +469,11 @@ pub fn write_model_json(
     let mergeable = preset.tokenizer_mergeable() as u64;
     let gen_cfg = json!({ "eos_token_id": [mergeable + 2, mergeable], "do_sample": false });
     write_file(&dir.join("generation_config.json"), gen_cfg.to_string().as_bytes())?;
+    if let Some(v) = &cfg.vision {
+        let pre = serde_json::to_string_pretty(&preprocessor_config_json(v))
+            .map_err(|e| ModelError::config(e.to_string()))?;
+        write_file(&dir.join("preprocessor_config.json"), pre.as_bytes())?;
+    }
 
     let specs = tensor_specs(&cfg, variant);
     let headers: Vec<TensorHeader> = specs
