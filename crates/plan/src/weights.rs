@@ -86,6 +86,17 @@ pub struct WeightBytes {
 }
 
 impl WeightBytes {
+    /// Routed-expert bytes a step of `tokens` tokens reads: per sparse layer the distinct experts its
+    /// tokens pick, `E·(1 − (1 − k/E)^tokens)` of its `E` under uniform routing (what random weights
+    /// give; a trained router's skew reads fewer). One token: [`WeightBytes::experts_active`].
+    pub fn experts_read(&self, num_experts: usize, top_k: usize, tokens: usize) -> f64 {
+        if self.experts == 0 || num_experts == 0 {
+            return 0.0;
+        }
+        let picked = (top_k as f64 / num_experts as f64).min(1.0);
+        self.experts as f64 * (1.0 - (1.0 - picked).powi(tokens.min(i32::MAX as usize) as i32))
+    }
+
     pub fn new(cfg: &ModelConfig, opts: &PlanOptions) -> Option<Self> {
         let d = cfg.dims();
         let h = d.hidden;

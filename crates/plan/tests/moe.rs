@@ -95,3 +95,18 @@ fn qwen3_next_80b_a3b_prices_every_expert() {
     let e = Plan::new(&c, &int4_fp8(24 * GIB)).unwrap_err().to_string();
     assert!(e.contains("weights"), "{e}");
 }
+
+/// The routed-expert bytes a decode step reads (bench's roofline): one token reads its top-k per sparse
+/// layer, more tokens more distinct experts, never more than all of them.
+#[test]
+fn a_step_reads_the_experts_its_tokens_pick() {
+    let c = cfg("qwen3.6-35b-a3b");
+    let plan = Plan::new(&c, &int4_fp8(64 * GIB)).unwrap();
+    let (w, m) = (&plan.weight_parts, c.moe.as_ref().unwrap());
+    let read = |t| w.experts_read(m.num_experts, m.top_k, t);
+    assert!((read(1) - w.experts_active as f64).abs() < 1.0);
+    assert!(read(1) < read(8) && read(8) < read(64) && read(64) < w.experts as f64);
+    // 8 tokens, top 8 of 256 experts: 57.4 distinct experts per layer (7.18 tokens' worth), not 64.
+    assert!((read(8) / w.experts_active as f64 - 7.18).abs() < 0.01, "{}", read(8) / w.experts_active as f64);
+    assert_eq!(plan.weight_parts.experts_read(m.num_experts, m.top_k, 0), 0.0);
+}

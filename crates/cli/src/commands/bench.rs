@@ -6,9 +6,11 @@
 //! this process against the plan.
 //!
 //! Rooflines (`docs/architecture.md` §6):
-//! - prefill: FLOPs = T·(2·linear params + DeltaNet chunk core) + attention 4·head_dim·q_heads·layers per
-//!   (query, visible key) + one lm_head row; the roofline time is FLOPs / the measured GEMM rate;
-//! - decode: bytes = device weights (one embedding row) + KV read + DeltaNet state read and written; the
+//! - prefill: FLOPs = T·(2·linear params (of a mixture of experts: the top-k routed ones) + DeltaNet chunk
+//!   core) + attention 4·head_dim·q_heads·layers per (query, visible key) + one lm_head row; the
+//!   roofline time is FLOPs / the measured GEMM rate;
+//! - decode: bytes = device weights (one embedding row; of a mixture of experts' routed experts, those the
+//!   step's tokens pick under uniform routing) + KV read + DeltaNet state read and written; the
 //!   roofline time is bytes / the measured copy rate (read + write bytes per second).
 //!
 //! The decode steps run on whatever the KV pages and state slots hold (their content does not change the
@@ -432,8 +434,11 @@ pub fn run(a: Args) -> Result<()> {
             let allreduce_share = be.all_reduce_s(b)?.map(|per| reduces * per * 1e3 / ms);
             // One card's device weights (less the embedding table, of which a step reads only its rows),
             // KV and state.
+            // A mixture of experts: only the experts the step's tokens pick.
             let embed_on_device = if plan.options.embed_on_host { 0 } else { plan.weight_parts.embed };
-            let weight_bytes = (plan.weights_bytes - embed_on_device) as f64;
+            let parts = &plan.weight_parts;
+            let experts_read = cfg.moe.as_ref().map_or(0.0, |m| parts.experts_read(m.num_experts, m.top_k, b));
+            let weight_bytes = (plan.weights_bytes - embed_on_device - parts.experts) as f64 + experts_read;
             let bytes = weight_bytes
                 + (b * ctx) as f64 * plan.kv_bytes_per_token as f64
                 + 2.0 * b as f64 * plan.state_bytes_per_seq as f64;
@@ -853,11 +858,16 @@ fn time_cache_op(be: &mut dyn Backend, op: CacheOp) -> Result<f64> {
     Ok(median(times))
 }
 
-/// (total FLOPs, attention FLOPs) of a `t`-token prompt from position 0 (`docs/architecture.md` §6).
+/// (total FLOPs, attention FLOPs) of a `t`-token prompt from position 0 (`docs/architecture.md` §6). A
+/// mixture of experts' token runs its `top_k` routed experts, not all of them.
 fn prefill_flops(cfg: &ModelConfig, linear_params: u64, t: usize) -> (f64, f64) {
     let d = cfg.dims();
     let t = t as f64;
-    let linears = 2.0 * linear_params as f64 * t;
+    let unrouted = cfg.moe.as_ref().map_or(0.0, |m| {
+        let per_expert = 3.0 * (m.expert_intermediate * d.hidden) as f64;
+        (m.num_sparse_layers() * m.num_experts.saturating_sub(m.top_k)) as f64 * per_expert
+    });
+    let linears = 2.0 * (linear_params as f64 - unrouted) * t;
     let gdn = 180e3 * (d.gdn_k_dim * d.gdn_v_dim) as f64 / 16384.0 * (d.gdn_v_heads * d.num_deltanet_layers) as f64 * t;
     let attn = 4.0 * (d.head_dim * d.q_heads * d.num_attention_layers) as f64 * t * (t + 1.0) / 2.0;
     let lm_head = 2.0 * (d.vocab * d.hidden) as f64;
