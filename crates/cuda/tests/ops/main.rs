@@ -779,8 +779,11 @@ fn moe_cases() -> Vec<Case> {
         c("moe", q, m(300, 6, 3, 64, 32, false, OneHot), ACCUM),
         c("moe", q, m(65, 8, 2, 64, 32, true, Few), ACCUM),
         // The 35B-A3B's expert shape (width 512 over 2048, top 8; 64 of its 256 experts, what the test
-        // arena holds) and Qwen3-Next's 512 experts, top 10.
-        c("moe", q, m(64, 64, 8, 2048, 512, true, Spread), ACCUM),
+        // arena holds) and Qwen3-Next's 512 experts, top 10. At K = 2048 the grouped GEMM's f32 sums
+        // round the bf16 intermediates one step off the reference's now and then, and the down
+        // projection carries that (one element at 1.16× ACCUM on the H200): FOLD_X's bound, as for a
+        // GEMV of bf16-rounded x.
+        c("moe", q, m(64, 64, 8, 2048, 512, true, Spread), FOLD_X),
         c("moe", q, m(5, 512, 10, 512, 64, false, Spread), ACCUM),
     ]
 }
