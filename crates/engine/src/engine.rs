@@ -108,8 +108,8 @@ impl Drop for RequestStream {
 /// The most draft tokens per step `--speculative-tokens` accepts.
 pub const MAX_SPECULATIVE_TOKENS: usize = 4;
 
-/// Why a request with images is refused by a model without a vision tower.
-pub const NO_VISION_TOWER: &str = "the loaded model has no vision tower: requests with images cannot run";
+/// Why a request with images is refused when the backend runs no vision tower (none does yet).
+pub const NO_VISION_TOWER: &str = "requests with images cannot run yet: the backend runs no vision tower";
 
 /// How the engine steps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
