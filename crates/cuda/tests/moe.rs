@@ -29,33 +29,9 @@ fn qwen35_moe_dir() -> (PathBuf, ModelConfig) {
 }
 
 /// Qwen3-Next at the tiny shapes: 6 experts top 3 (probabilities not renormalised), layer 0 dense.
-fn qwen3_next_moe_config() -> serde_json::Value {
-    let mut c = Preset::Qwen3Next80bA3b.config_json(Some(4));
-    for (k, v) in [
-        ("hidden_size", 128),
-        ("intermediate_size", 256),
-        ("moe_intermediate_size", 64),
-        ("shared_expert_intermediate_size", 96),
-        ("num_experts", 6),
-        ("num_experts_per_tok", 3),
-        ("num_attention_heads", 4),
-        ("num_key_value_heads", 2),
-        ("head_dim", 32),
-        ("linear_num_key_heads", 2),
-        ("linear_num_value_heads", 4),
-        ("linear_key_head_dim", 32),
-        ("linear_value_head_dim", 32),
-    ] {
-        c[k] = serde_json::json!(v);
-    }
-    c["norm_topk_prob"] = serde_json::json!(false);
-    c["mlp_only_layers"] = serde_json::json!([0]);
-    c
-}
-
 fn qwen3_next_moe_dir() -> (PathBuf, ModelConfig) {
     let dir = std::env::temp_dir().join(format!("ds-cuda-moe-next-{}", std::process::id()));
-    let c = qwen3_next_moe_config();
+    let c = Preset::small_qwen3_next_moe();
     let cfg = write_model_json(&dir, Preset::Qwen3Next80bA3b, c, 29, MtpVariant::Random, |_, _| {}).unwrap();
     (dir, cfg)
 }
@@ -64,7 +40,7 @@ fn qwen3_next_moe_dir() -> (PathBuf, ModelConfig) {
 /// Qwen3-Next one has a dense first layer and plain top-k probabilities.
 #[test]
 fn test_models_have_the_shapes_the_kernels_take() {
-    let next = ModelConfig::from_json_str(&qwen3_next_moe_config().to_string()).unwrap();
+    let next = ModelConfig::from_json_str(&Preset::small_qwen3_next_moe().to_string()).unwrap();
     let m = next.moe.as_ref().unwrap();
     assert!(!m.is_sparse(0) && m.is_sparse(1) && !m.norm_topk_prob && m.top_k == 3);
     let tiny = ModelConfig::from_json_str(&Preset::TinyMoe.config_json(Some(4)).to_string()).unwrap();

@@ -62,24 +62,7 @@ fn synthetic_model_loads_with_expected_shapes() {
 #[test]
 fn synthetic_qwen3_next_layout_loads() {
     let dir = tempdir("next");
-    let mut c = Preset::Qwen3Next80bA3b.config_json(Some(4));
-    for (k, v) in [
-        ("hidden_size", 64),
-        ("intermediate_size", 128),
-        ("moe_intermediate_size", 32),
-        ("shared_expert_intermediate_size", 48),
-        ("num_experts", 4),
-        ("num_experts_per_tok", 2),
-        ("num_attention_heads", 4),
-        ("num_key_value_heads", 2),
-        ("head_dim", 16),
-        ("linear_num_key_heads", 2),
-        ("linear_num_value_heads", 4),
-        ("linear_key_head_dim", 16),
-        ("linear_value_head_dim", 16),
-    ] {
-        c[k] = serde_json::json!(v);
-    }
+    let c = Preset::small_qwen3_next_moe();
     write_model_json(&dir, Preset::Qwen3Next80bA3b, c, 5, MtpVariant::None, |_, _| {}).unwrap();
     let w = load(&dir).expect("loads");
     assert_eq!(w.layers.len(), 4);

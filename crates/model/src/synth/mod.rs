@@ -192,6 +192,33 @@ impl Preset {
         })
     }
 
+    /// A Qwen3-Next mixture-of-experts config at a few MB, for tests: 4 layers (a dense first one), hidden 128,
+    /// head dims 32 (what the CUDA kernels take), 6 experts of width 64 with top 3 and plain (not
+    /// renormalised) top-k probabilities, a shared expert of width 96.
+    pub fn small_qwen3_next_moe() -> Value {
+        let mut c = Self::Qwen3Next80bA3b.config_json(Some(4));
+        for (k, v) in [
+            ("hidden_size", 128),
+            ("intermediate_size", 256),
+            ("moe_intermediate_size", 64),
+            ("shared_expert_intermediate_size", 96),
+            ("num_experts", 6),
+            ("num_experts_per_tok", 3),
+            ("num_attention_heads", 4),
+            ("num_key_value_heads", 2),
+            ("head_dim", 32),
+            ("linear_num_key_heads", 2),
+            ("linear_num_value_heads", 4),
+            ("linear_key_head_dim", 32),
+            ("linear_value_head_dim", 32),
+        ] {
+            c[k] = json!(v);
+        }
+        c["norm_topk_prob"] = json!(false);
+        c["mlp_only_layers"] = json!([0]);
+        c
+    }
+
     /// The whole `config.json` in the multimodal layout that Qwen3.5/3.6 checkpoints use (Qwen3-Next:
     /// its text-only config).
     pub fn config_json(self, layers: Option<usize>) -> Value {
