@@ -115,7 +115,7 @@ pub struct CudaOptions {
     /// (`kernels/gemv.cu`, at most [`gemv::MAX_TOKENS`]) instead of cuBLASLt; 0 turns it off.
     pub gemv_max_tokens: usize,
     /// Pads decode batches to power-of-two buckets (token 0, position −1, slot −1 rows; one graph
-    /// per bucket). Bitwise equal to eager launches on the H200 (tests/backend.rs
+    /// per bucket). Bitwise equal to eager launches on the H200 (tests/backend/graphs.rs
     /// `decode_graphs_match_eager`) since the workspace plan follows the backend's op order — before,
     /// aliased buffers gave O(1) differences on some rows. Off by default (not yet measured for speed):
     /// one graph per exact batch size.
