@@ -1,6 +1,6 @@
-//! Helpers shared by the CUDA backend tests (`backend/`, `tp.rs`, `moe.rs`, `speculative.rs`): the tiny model on disk, its plan,
-//! the CPU oracle, step builders and the logits comparison with its bf16 bounds (the bounds are
-//! explained in `backend/main.rs`'s module docs).
+//! Helpers shared by the CUDA backend tests (`backend/`, `tp.rs`, `moe.rs`, `speculative.rs`): the tiny
+//! model on disk, its plan, the CPU oracle, step builders and the logits comparison with its bf16 bounds
+//! (the bounds are explained in `backend/main.rs`'s module docs).
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
