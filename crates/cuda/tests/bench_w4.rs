@@ -14,7 +14,8 @@
 //! projections of steps of 1 to 256 rows at the 27B shapes: `w4_gemm` (default configuration), the
 //! pair GEMV (M <= 8) and the dequantise + cuBLASLt path (64 MiB row slices), ms and the weight bytes'
 //! GB/s as a share of the copy bandwidth. `DS_BENCH_W4_ROWS_SWEEP=1` adds every kernel × K split
-//! of `w4_gemm` per (shape, M), the table to tune `w4_gemm_config` from.
+//! of `w4_gemm` per (shape, M), the table to tune `w4_gemm_config` from; `DS_BENCH_W4_ROWS_M="24,32"` and
+//! `DS_BENCH_W4=<substring of the linear's name>` narrow it (for profilers).
 //!
 //! `DS_BENCH_W4=<substring>` runs only the decode shapes whose name contains it (for profilers);
 //! `DS_BENCH_W4_SWEEP=1` runs only the shape sweep (the GEMV's fixed cost per launch:
@@ -512,8 +513,14 @@ fn run_rows(rt: &Runtime, k: &Kernels) -> R<()> {
         "| linear | out x in | M | w4_gemm tokens/splits/wpt | w4_gemm us | GB/s | % of copy | tile kernels us | GEMV us | dequant+cuBLASLt us | dequant / w4_gemm |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    // DS_BENCH_W4_ROWS_M="24,32" and DS_BENCH_W4=<substring of the linear's name> narrow the table (profilers).
+    let ms: Vec<usize> = match std::env::var("DS_BENCH_W4_ROWS_M") {
+        Ok(v) => v.split(',').filter_map(|m| m.trim().parse().ok()).collect(),
+        Err(_) => ROWS_M.to_vec(),
+    };
+    let only = std::env::var("DS_BENCH_W4").ok();
     let mmax = ROWS_M.iter().copied().max().unwrap_or(1);
-    for &(name, out, inp) in ROWS_SHAPES {
+    for &(name, out, inp) in ROWS_SHAPES.iter().filter(|s| only.as_deref().is_none_or(|o| s.0.contains(o))) {
         let slice = (ROWS_SLICE_BYTES / (2 * inp)).min(out) / 128 * 128;
         let ws_bytes = gemm::recommended_workspace_bytes(rt);
         let wsg = (1..=w4_gemm::MAX_SPLITS).map(|sp| sp * mmax * out * 4).max().unwrap_or(0);
@@ -531,7 +538,7 @@ fn run_rows(rt: &Runtime, k: &Kernels) -> R<()> {
         let b = w.bytes();
         let wbytes = (b.qweight + b.scales) as f64;
         let n = 50.max(wcopies.len());
-        for &m in ROWS_M {
+        for &m in &ms {
             let gemm_us = |cfg: W4GemmConfig| -> R<f64> {
                 let t = time_ms(rt, n, |i| {
                     let wi = &wcopies[i % wcopies.len()];
