@@ -59,8 +59,9 @@ pub struct EngineArgs {
     /// DeltaNet state snapshots kept in the backend's memory plan (the prefix cache's first tier).
     #[arg(long)]
     pub snapshot_slots: Option<usize>,
-    /// Host memory for more snapshots (the second tier; restoring from it is a copy).
-    #[arg(long, default_value = "512MiB")]
+    /// Host memory for more snapshots (the second tier; restoring from it is a copy): a size, or `auto`
+    /// (4 snapshots per sequence the plan serves, from 512 MiB up to a quarter of the available host memory and 16 GiB).
+    #[arg(long, default_value = "auto")]
     pub snapshot_host_memory: String,
     /// During long prefills, also snapshot every this many tokens (0: never).
     #[arg(long, default_value_t = 4096)]
@@ -159,11 +160,36 @@ impl EngineArgs {
         if self.no_prefix_cache || plan.options.snapshot_slots == 0 {
             return Ok(PrefixCacheConfig::disabled(plan.page_size));
         }
-        let host =
-            parse_size(&self.snapshot_host_memory).map_err(|e| anyhow::anyhow!("--snapshot-host-memory: {e}"))?;
+        let snapshot = plan.state_bytes_per_seq.max(1);
+        let host = match self.snapshot_host_memory.trim() {
+            "auto" => {
+                let avail = crate::host_memory::Available::now();
+                let bytes = crate::host_memory::auto_snapshot_bytes(snapshot, plan.max_seqs, avail);
+                tracing::info!(
+                    pool = %fmt_bytes(bytes),
+                    snapshots = bytes / snapshot,
+                    sequences = plan.max_seqs,
+                    "host snapshot pool (--snapshot-host-memory auto)"
+                );
+                bytes
+            }
+            s => {
+                let bytes = parse_size(s).map_err(|e| anyhow::anyhow!("--snapshot-host-memory: {e}"))?;
+                if bytes / snapshot < plan.max_seqs as u64 {
+                    tracing::warn!(
+                        "--snapshot-host-memory {s} holds {} snapshots of {} for {} sequences: sessions beyond that \
+                         re-prefill their context on their next turn (auto sizes it for the sequences)",
+                        bytes / snapshot,
+                        fmt_bytes(snapshot),
+                        plan.max_seqs
+                    );
+                }
+                bytes
+            }
+        };
         Ok(PrefixCacheConfig {
             device_slots: plan.options.snapshot_slots,
-            host_slots: (host / plan.state_bytes_per_seq.max(1)) as usize,
+            host_slots: (host / snapshot) as usize,
             page_size: plan.page_size,
             snapshot_bytes: plan.state_bytes_per_seq,
             page_bytes: plan.kv_page_bytes(),
