@@ -382,7 +382,7 @@ impl EngineArgs {
     /// The plan for the full context (or `--max-context`), logging what the planner traded for it.
     fn fit(&self, cfg: &ModelConfig, opts: &PlanOptions, free: Free) -> Result<Plan> {
         let fitted = fit_context(cfg, opts, free).context("the memory plan does not fit")?;
-        if !fitted.adjustments.is_empty() {
+        if !fitted.adjustments.is_empty() && fitted.shortfall.is_none() {
             tracing::info!(
                 "memory plan: to fill the full context ({} tokens) the planner set {}",
                 fitted.target_context,

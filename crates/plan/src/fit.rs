@@ -10,8 +10,11 @@
 //! 4. lm_head in int4, only when the decoder linears are int4 already;
 //! 5. sequences per step 4, then 2, then 1, with 2, then 1 device snapshot.
 //!
-//! A knob the user set explicitly is never touched. If no rung reaches the target, the plan at the
-//! user's settings is returned (its `max_context` says what fits) with a note naming what it would take.
+//! A knob the user set explicitly is never touched. If no rung reaches the target (a budget a little
+//! short of the model's full context, e.g. a 24 GB card with a display attached), the plan takes the
+//! fewest rungs whose context is within [`NEAR_BEST`] of the most any rung gives (every knob traded
+//! buys the last few percent at the cost of concurrency), with a note saying what fits and what was
+//! traded. An explicit `--max-context` that no rung reaches is the plan's own error.
 
 use deltaserve_model::ModelConfig;
 
@@ -71,6 +74,8 @@ pub fn fit_context(cfg: &ModelConfig, base: &PlanOptions, free: Free) -> Result<
 
     let mut o = open.clone();
     let mut adjustments = Vec::new();
+    // Each rung prefix's plan (the number of adjustments it took), for when none reaches the target.
+    let mut tried: Vec<(usize, Plan)> = first.iter().map(|p| (0, p.clone())).collect();
     for rung in ladder(base, free) {
         let before = o.clone();
         rung.apply(&mut o);
@@ -78,15 +83,16 @@ pub fn fit_context(cfg: &ModelConfig, base: &PlanOptions, free: Free) -> Result<
             continue;
         }
         adjustments.push(rung.describe(&before, &o));
-        if let Ok(p) = Plan::new(cfg, &o)
-            && p.max_context >= target
-        {
-            return Ok(Fitted {
-                plan: finish(cfg, &p, base, &o)?,
-                adjustments,
-                target_context: target,
-                shortfall: None,
-            });
+        if let Ok(p) = Plan::new(cfg, &o) {
+            if p.max_context >= target {
+                return Ok(Fitted {
+                    plan: finish(cfg, &p, base, &o)?,
+                    adjustments,
+                    target_context: target,
+                    shortfall: None,
+                });
+            }
+            tried.push((adjustments.len(), p));
         }
     }
 
@@ -100,16 +106,33 @@ pub fn fit_context(cfg: &ModelConfig, base: &PlanOptions, free: Free) -> Result<
             shortfall: None,
         });
     }
-    let plan = first?;
+    let best = tried.iter().map(|(_, p)| p.max_context).max().unwrap_or(0);
+    let Some((taken, plan)) = tried.into_iter().find(|(_, p)| p.max_context as f64 >= NEAR_BEST * best as f64) else {
+        // No candidate planned at all: the error of the user's settings.
+        return first.map(|plan| Fitted { plan, adjustments: Vec::new(), target_context: target, shortfall: None });
+    };
+    adjustments.truncate(taken);
     let shortfall = Some(format!(
-        "the full context ({} tokens) does not fit in {} even with {}; {} tokens fit",
+        "the full context ({} tokens) does not fit in {}: {} tokens fit{}",
         fmt_count(target as u64),
         fmt_bytes(base.budget_bytes),
-        if adjustments.is_empty() { "the settings given".to_string() } else { adjustments.join(", ") },
         fmt_count(plan.max_context as u64),
+        match taken {
+            0 => " with the settings given".to_string(),
+            _ if best > plan.max_context => format!(
+                " with {} ({} with every open option traded, at the cost of concurrency)",
+                adjustments.join(", "),
+                fmt_count(best as u64)
+            ),
+            _ => format!(" with {}", adjustments.join(", ")),
+        },
     ));
-    Ok(Fitted { plan, adjustments: Vec::new(), target_context: target, shortfall })
+    Ok(Fitted { plan, adjustments, target_context: target, shortfall })
 }
+
+/// When the target is out of reach: the fewest rungs whose context is at least this share of the most
+/// any rung gives.
+pub const NEAR_BEST: f64 = 0.9;
 
 /// With an explicit `--max-context`, plan exactly that (KV pages still take all memory left).
 fn finish(cfg: &ModelConfig, p: &Plan, base: &PlanOptions, o: &PlanOptions) -> Result<Plan, PlanError> {

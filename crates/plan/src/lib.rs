@@ -35,7 +35,7 @@ pub mod workspace;
 pub use checkpoint::{CheckpointTensors, act_order, is_f32_tensor, is_linear};
 pub use dtype::{KvDtype, WeightsDtype};
 pub use error::PlanError;
-pub use fit::{Fitted, Free, fit_context};
+pub use fit::{Fitted, Free, NEAR_BEST, fit_context};
 pub use options::{COLLECTIVE_RESERVE_BYTES, MAX_DECODE_PARTITIONS, PlanBackend, PlanOptions};
 pub use plan::{ALIGN, Plan, Region, card_config};
 pub use size::{fmt_bytes, fmt_count, parse_size};

@@ -204,16 +204,18 @@ fn fit_json(f: &Fitted) -> serde_json::Value {
 /// The lines under the plan table saying what the planner changed (nothing when it changed nothing).
 fn fit_text(f: &Fitted) -> String {
     let mut s = String::new();
-    if !f.adjustments.is_empty() {
-        s += &format!(
-            "fit: to fill the full context ({} tokens) the planner set {} (set these options to override; --no-fit \
-             plans the settings as given)\n",
-            deltaserve_plan::fmt_count(f.target_context as u64),
-            f.adjustments.join(", ")
-        );
-    }
-    if let Some(why) = &f.shortfall {
-        s += &format!("fit: {why}\n");
+    const OVERRIDE: &str = "set these options to override; --no-fit plans the settings as given";
+    match &f.shortfall {
+        None if !f.adjustments.is_empty() => {
+            s += &format!(
+                "fit: to fill the full context ({} tokens) the planner set {} ({OVERRIDE})\n",
+                deltaserve_plan::fmt_count(f.target_context as u64),
+                f.adjustments.join(", ")
+            );
+        }
+        None => {}
+        Some(why) if !f.adjustments.is_empty() => s += &format!("fit: {why} ({OVERRIDE})\n"),
+        Some(why) => s += &format!("fit: {why}\n"),
     }
     s
 }
