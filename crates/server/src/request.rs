@@ -348,20 +348,49 @@ pub fn unix_now() -> u64 {
 /// The token that opens every message of a Qwen3.5/3.6 chat prompt.
 pub const MESSAGE_OPENER: &str = "<|im_start|>";
 
-/// Where a chat prompt's DeltaNet state is worth snapshotting: the start of every message (each
-/// [`MESSAGE_OPENER`]), which includes the end of the prompt before the generation prompt.
+/// The role whose message starts are snapshot points (see [`snapshot_points`]).
+const ASSISTANT_ROLE: &str = "assistant";
+
+/// Where a chat prompt's DeltaNet state is worth snapshotting: the start of every assistant message
+/// (`<|im_start|>assistant`), the generation prompt's included. A conversation's next request appends
+/// to this one, and where it renders an earlier turn differently it does so from an assistant message's
+/// start: the template drops the reasoning of assistant turns before the latest user message, and a
+/// reply re-rendered from parsed tool calls may differ from the generated text. User and tool messages
+/// are re-rendered as sent, so a snapshot at their starts would only cut the prompt into more steps
+/// (an agent turn's new tokens — the tool result and the generation prompt — run in two chunks, not
+/// three). Where the vocabulary has no single `assistant` token, every message start.
 pub fn snapshot_points(state: &AppState, prompt: &[u32]) -> Vec<usize> {
     match state.tokenizer.token_id(MESSAGE_OPENER) {
-        Some(im_start) => {
-            prompt.iter().enumerate().filter(|(i, t)| *i > 0 && **t == im_start).map(|(i, _)| i).collect()
-        }
+        Some(im_start) => message_starts(prompt, im_start, state.tokenizer.token_id(ASSISTANT_ROLE)),
         None => Vec::new(),
     }
+}
+
+/// Positions (after the first) of `im_start` followed by `role`, or of every `im_start` when `role` is
+/// None.
+fn message_starts(prompt: &[u32], im_start: u32, role: Option<u32>) -> Vec<usize> {
+    prompt
+        .iter()
+        .enumerate()
+        .filter(|&(i, &t)| i > 0 && t == im_start && role.is_none_or(|r| prompt.get(i + 1) == Some(&r)))
+        .map(|(i, _)| i)
+        .collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn snapshot_points_are_assistant_message_starts() {
+        // <|im_start|>=1, assistant=2, user=3, text=9: system, user, assistant, tool result (a user
+        // turn), generation prompt.
+        let p = [1, 4, 9, 1, 3, 9, 9, 1, 2, 9, 9, 1, 3, 9, 1, 2, 9];
+        assert_eq!(message_starts(&p, 1, Some(2)), vec![7, 14]);
+        assert_eq!(message_starts(&p, 1, None), vec![3, 7, 11, 14]);
+        // A trailing opener (no role token after it) is not an assistant start.
+        assert_eq!(message_starts(&[1, 9, 1], 1, Some(2)), Vec::<usize>::new());
+    }
 
     #[test]
     fn string_arguments_python_reads_are_kept_not_refused() {
