@@ -6,7 +6,7 @@
 //! acceptance is reported: near zero for a random head, every draft for an agreeing one, in between
 //! for a mostly agreeing one.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
 use deltaserve_engine::{EngineHandle, EngineStats, Event, FinishReason, Request, SamplingParams};
@@ -37,7 +37,7 @@ fn write(form: Form, variant: MtpVariant) -> PathBuf {
     dir
 }
 
-fn model(dir: &PathBuf) -> CpuModel {
+fn model(dir: &Path) -> CpuModel {
     let cfg = ModelConfig::from_dir(dir).unwrap();
     let w = ModelWeights::load_f32(&Checkpoint::open(dir).unwrap(), &cfg).unwrap();
     assert!(w.mtp.as_ref().is_some_and(|m| m.layer.moe.is_some()), "a sparse MTP head");
@@ -58,7 +58,7 @@ fn sched() -> SchedConfig {
 }
 
 /// An engine over the model in `dir`: plain (`k == 0`) or speculative with `k` drafts.
-fn engine(dir: &PathBuf, k: usize) -> EngineHandle {
+fn engine(dir: &Path, k: usize) -> EngineHandle {
     let c = sched();
     let cache = CpuCacheConfig {
         num_pages: c.num_pages,
