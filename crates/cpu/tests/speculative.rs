@@ -1,19 +1,46 @@
 //! Speculative decoding on the CPU backend never corrupts state: drafting, verifying K+1 positions and
 //! committing any accepted prefix gives exactly the logits (bit for bit) of decoding the same tokens
-//! one by one without speculation, whatever the drafts were; and a model without an MTP head refuses.
+//! one by one without speculation, whatever the drafts were (on a dense model and on mixture-of-experts
+//! models whose MTP head is itself sparse, in the `qwen3_5_moe` and Qwen3-Next forms); and a model
+//! without an MTP head refuses.
 
 use deltaserve_backend::{
     Backend, BackendError, CacheOp, SeqChunk, SnapshotLoc, SpecCommit, StepBatch, StepOut, Want, step_logits,
 };
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel, ForwardError};
-use deltaserve_model::synth::{MtpVariant, Preset, write_model_with};
+use deltaserve_model::synth::{MtpVariant, Preset, write_model_json, write_model_with};
 use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
 
 const PAGE: usize = 8;
 
+/// The model shapes the tests run on.
+#[derive(Clone, Copy, Debug)]
+enum Form {
+    /// The `tiny` preset (dense).
+    Dense,
+    /// The `tiny-moe` preset (`qwen3_5_moe`: experts in every layer and in the MTP head).
+    Qwen35Moe,
+    /// The small Qwen3-Next mixture of experts with layer 2 dense (layer 0, and so the MTP head, sparse;
+    /// top-k probabilities not renormalised).
+    Qwen3NextMoe,
+}
+
 fn model(variant: MtpVariant, tag: &str) -> CpuModel {
-    let dir = std::env::temp_dir().join(format!("ds-spec-cpu-{tag}-{}", std::process::id()));
-    write_model_with(&dir, Preset::Tiny, None, 5, variant, |_, _| {}).unwrap();
+    model_of(Form::Dense, variant, tag)
+}
+
+fn model_of(form: Form, variant: MtpVariant, tag: &str) -> CpuModel {
+    let dir = std::env::temp_dir().join(format!("ds-spec-cpu-{tag}-{form:?}-{}", std::process::id()));
+    match form {
+        Form::Dense => write_model_with(&dir, Preset::Tiny, None, 5, variant, |_, _| {}),
+        Form::Qwen35Moe => write_model_with(&dir, Preset::TinyMoe, None, 5, variant, |_, _| {}),
+        Form::Qwen3NextMoe => {
+            let mut c = Preset::small_qwen3_next_moe();
+            c["mlp_only_layers"] = vec![2u64].into();
+            write_model_json(&dir, Preset::Qwen3Next80bA3b, c, 5, variant, |_, _| {})
+        }
+    }
+    .unwrap();
     let cfg = ModelConfig::from_dir(&dir).unwrap();
     let w = ModelWeights::load_f32(&Checkpoint::open(&dir).unwrap(), &cfg).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
@@ -139,8 +166,28 @@ fn verify_and_commit_match_plain_decode_bit_for_bit() {
 }
 
 #[test]
+fn moe_verify_and_commit_match_plain_decode_bit_for_bit() {
+    let prompt: Vec<u32> = (0..11).map(|i| (i * 53 + 2) % 900).collect();
+    for form in [Form::Qwen35Moe, Form::Qwen3NextMoe] {
+        let m = model_of(form, MtpVariant::Random, "moe-ref");
+        let mtp = m.weights.mtp.as_ref().expect("the MTP head is loaded");
+        assert!(mtp.layer.moe.is_some(), "{form:?}: the MTP head's MLP is a mixture of experts");
+        let r = reference(m, &prompt, 16);
+        for k in [1, 3] {
+            speculative(model_of(form, MtpVariant::Random, "moe-k"), &prompt, &r, k, k == 3);
+        }
+    }
+}
+
+#[test]
 fn agreeing_head_drafts_what_the_model_predicts() {
-    let m = model(MtpVariant::Agreeing { residual_scale: 0.0 }, "agree");
+    for form in [Form::Dense, Form::Qwen35Moe, Form::Qwen3NextMoe] {
+        agreeing_head_drafts(form);
+    }
+}
+
+fn agreeing_head_drafts(form: Form) {
+    let m = model_of(form, MtpVariant::Agreeing { residual_scale: 0.0 }, "agree");
     let vocab = m.dims.vocab;
     let mut b = CpuBackend::with_speculation(m, cache_cfg(), 4).unwrap();
     let prompt = [3u32, 99, 512];
@@ -155,7 +202,7 @@ fn agreeing_head_drafts_what_the_model_predicts() {
         b.step(&batch(c.clone()), Want::Drafts(&mut pick), &mut out).unwrap();
         let (rows, drafts) = (out.logits, out.drafts);
         let verified: Vec<u32> = rows.chunks_exact(vocab).map(argmax).collect();
-        assert_eq!(&verified[..4], &drafts[0][..], "every draft is what the main model predicts");
+        assert_eq!(&verified[..4], &drafts[0][..], "{form:?}: every draft is what the main model predicts");
         b.commit_speculative(&[SpecCommit { seq_id: 7, slot: 0, pages: c.pages, start: pos, accepted: 5 }]).unwrap();
         pos += 5;
         next = verified[4];

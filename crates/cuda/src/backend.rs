@@ -251,6 +251,20 @@ impl CudaBackend {
         }
     }
 
+    /// Whether this backend runs speculative decoding (`--speculative-tokens`) of `cfg`; an error (before
+    /// anything touches the GPU) for a mixture-of-experts model: its MTP head's MLP is a mixture of experts
+    /// too, which the CUDA MTP path does not run yet (the CPU backend does).
+    pub fn check_speculation(cfg: &ModelConfig) -> Result<(), CudaError> {
+        match &cfg.moe {
+            Some(_) => Err(CudaError::UnsupportedModel(
+                "speculative decoding of mixture-of-experts models runs on the CPU backend only for now: use \
+                 --device cpu, or leave out --speculative-tokens"
+                    .into(),
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// [`CudaBackend::new`] with explicit [`CudaOptions`].
     pub fn with_options(
         cfg: &ModelConfig,

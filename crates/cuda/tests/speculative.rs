@@ -12,7 +12,8 @@
 //! A wrong commit (one position too many or too few in the DeltaNet state, the conv window, the pending
 //! hidden or the head's cache) gives errors of order 1 at the next steps. Every third step the sequence
 //! moves to the other slot through a state snapshot (the pending hidden row travels with it).
-//! Skips cleanly (passes, printing SKIP) without a usable GPU.
+//! Mixture-of-experts models refuse speculation here (the CPU backend runs it). Skips cleanly (passes,
+//! printing SKIP) without a usable GPU.
 
 use std::path::PathBuf;
 
@@ -336,6 +337,27 @@ fn bad_speculation_requests_are_errors() {
     let e = b.commit_speculative(&[SpecCommit { seq_id: 7, slot: 0, pages: pg.clone(), start: 3, accepted: 4 }]);
     assert!(matches!(e, Err(BackendError::InvalidStep(_))), "commit beyond the verified rows: {e:?}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A mixture-of-experts model (whose MTP head is sparse too) refuses speculative decoding with one clear
+/// line, before the GPU is touched and again when a backend is built with a speculative plan.
+#[test]
+fn moe_models_refuse_speculation() {
+    let cfg = ModelConfig::from_json_str(&Preset::TinyMoe.config_json(Some(4)).to_string()).unwrap();
+    assert!(cfg.mtp_num_hidden_layers > 0);
+    let e = CudaBackend::check_speculation(&cfg).unwrap_err().to_string();
+    assert!(e.contains("mixture-of-experts models runs on the CPU backend only"), "{e}");
+    let dense = ModelConfig::from_json_str(&Preset::Tiny.config_json(Some(4)).to_string()).unwrap();
+    CudaBackend::check_speculation(&dense).unwrap();
+    if !gpu() {
+        return;
+    }
+    let plan = plan_with(&cfg, |o| o.speculative_tokens = 2);
+    let e = CudaBackend::with_options(&cfg, WeightSource::RandomWeights { seed: 0 }, &plan, 2, test_opts())
+        .err()
+        .expect("a speculative MoE backend is refused")
+        .to_string();
+    assert!(e.contains("mixture-of-experts models runs on the CPU backend only"), "{e}");
 }
 
 /// At the 27B shapes (random weights, ~56 GB; skipped on smaller GPUs): a prompt prefilled in one chunk

@@ -35,6 +35,13 @@ impl MoeConfig {
         self.sparse_layers.get(layer).copied().unwrap_or(false)
     }
 
+    /// True when the MTP head's decoder layer has the mixture of experts. The reference implementations
+    /// build it as decoder layer 0 (its index in `mtp.layers`), so it follows layer 0's rule: always
+    /// for `qwen3_5_moe`; for Qwen3-Next unless `mlp_only_layers` holds 0 or `decoder_sparse_step` > 1.
+    pub fn mtp_is_sparse(&self) -> bool {
+        self.is_sparse(0)
+    }
+
     /// Number of sparse layers.
     pub fn num_sparse_layers(&self) -> usize {
         self.sparse_layers.iter().filter(|s| **s).count()

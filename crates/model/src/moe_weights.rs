@@ -1,5 +1,6 @@
-//! The routed part of a sparse layer's weights ([`MoeWeights`]): the router, every expert's SwiGLU MLP and
-//! the shared expert's gate, checked against the [`MoeConfig`]. Experts are stored one tensor per expert
+//! A decoder layer's MLP weights, one loader for the main layers and the MTP head ([`load_mlp`]): a dense
+//! SwiGLU MLP, or a sparse layer's shared expert and routed part ([`MoeWeights`]: the router, every
+//! expert's SwiGLU MLP and the shared expert's gate, checked against the [`MoeConfig`]). Experts are stored one tensor per expert
 //! (`mlp.experts.{i}.{gate,up,down}_proj.weight`, dense or quantised like any linear) or fused, as
 //! transformers holds them in memory (`mlp.experts.gate_up_proj` `[E, 2·I, D]` with each expert's gate
 //! rows before its up rows, `mlp.experts.down_proj` `[E, D, I]`); a fused expert is a row range of those.
@@ -11,6 +12,43 @@ use crate::moe::MoeConfig;
 use crate::quant::{self, Quantization};
 use crate::weights::{MlpWeights, MoeWeights, TensorSource, linear};
 
+/// The MLP under `prefix` (`….layers.{i}.mlp.` or `mtp.layers.0.mlp.`), each tensor through `load`: with
+/// `sparse`, its shared expert (`shared_expert.{gate,up,down}_proj`) and routed part ([`load`]); else the
+/// dense SwiGLU MLP (`{gate,up,down}_proj`) of width `dense_width`.
+pub(crate) fn load_mlp<'a, T>(
+    ckpt: &'a Checkpoint,
+    q: Option<&Quantization>,
+    sparse: Option<&MoeConfig>,
+    hidden: usize,
+    dense_width: usize,
+    prefix: &str,
+    load: &mut dyn FnMut(TensorSource<'a>) -> Result<T, ModelError>,
+) -> Result<(MlpWeights<T>, Option<MoeWeights<T>>), ModelError> {
+    let (swiglu, width) = match sparse {
+        Some(m) => (format!("{prefix}shared_expert."), m.shared_expert_intermediate),
+        None => (prefix.to_string(), dense_width),
+    };
+    let n = |p: &str| format!("{swiglu}{p}.weight");
+    let mlp = MlpWeights {
+        gate_proj: load(linear(ckpt, q, &n("gate_proj"), [width, hidden])?)?,
+        up_proj: load(linear(ckpt, q, &n("up_proj"), [width, hidden])?)?,
+        down_proj: load(linear(ckpt, q, &n("down_proj"), [hidden, width])?)?,
+    };
+    let moe = match sparse {
+        Some(m) => Some(self::load(ckpt, q, m, hidden, prefix, load)?),
+        None => None,
+    };
+    Ok((mlp, moe))
+}
+
+/// Every stored tensor name of the MLP under `prefix` that [`load_mlp`] reads.
+pub(crate) fn mlp_stored_names(ckpt: &Checkpoint, sparse: Option<&MoeConfig>, prefix: &str) -> Vec<String> {
+    match sparse {
+        Some(m) => stored_names(ckpt, m, prefix),
+        None => PROJ.map(|p| format!("{prefix}{p}.weight")).to_vec(),
+    }
+}
+
 const PROJ: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
 
 /// True when the sparse MLP under `prefix` (`….layers.{i}.mlp.`) stores its experts fused.
@@ -19,7 +57,7 @@ fn fused(ckpt: &Checkpoint, prefix: &str) -> bool {
 }
 
 /// Every stored tensor name of the sparse MLP under `prefix`: router, shared expert and its gate, experts.
-pub(crate) fn stored_names(ckpt: &Checkpoint, m: &MoeConfig, prefix: &str) -> Vec<String> {
+fn stored_names(ckpt: &Checkpoint, m: &MoeConfig, prefix: &str) -> Vec<String> {
     let mut v = vec![format!("{prefix}gate.weight"), format!("{prefix}shared_expert_gate.weight")];
     v.extend(PROJ.map(|p| format!("{prefix}shared_expert.{p}.weight")));
     if fused(ckpt, prefix) {
@@ -31,7 +69,7 @@ pub(crate) fn stored_names(ckpt: &Checkpoint, m: &MoeConfig, prefix: &str) -> Ve
 }
 
 /// Loads the router, experts and shared-expert gate of the sparse MLP under `prefix`, each through `load`.
-pub(crate) fn load<'a, T>(
+fn load<'a, T>(
     ckpt: &'a Checkpoint,
     q: Option<&Quantization>,
     m: &MoeConfig,

@@ -4,7 +4,8 @@
 //! unpacks Qwen3-Next's `in_proj_qkvz` / `in_proj_ba` into the Qwen3.5 layout, skips `model.visual.*`,
 //! and hands each tensor to a backend converter as a [`TensorSource`]. The `mtp.*` tensors (the
 //! multi-token-prediction head used for speculative decoding, docs/architecture.md §2.5 / §5.2) are loaded
-//! separately by [`ModelWeights::load_mtp`]; a checkpoint without them still loads.
+//! separately by [`ModelWeights::load_mtp`]; a checkpoint without them still loads. The head's MLP is
+//! loaded as a main layer's is: sparse in a mixture-of-experts model.
 //!
 //! A sparse (mixture-of-experts) layer's [`LayerWeights::mlp`] is its shared expert, and
 //! [`LayerWeights::moe`] holds the router, the routed experts and the shared expert's gate; experts are
@@ -284,20 +285,7 @@ impl<T> ModelWeights<T> {
                 }
             };
             let sparse = cfg.moe.as_ref().filter(|m| m.is_sparse(i));
-            let (mlp_prefix, width) = match sparse {
-                Some(m) => ("mlp.shared_expert.", m.shared_expert_intermediate),
-                None => ("mlp.", d.intermediate),
-            };
-            let m = |s: &str| l(&format!("{mlp_prefix}{s}"));
-            let mlp = MlpWeights {
-                gate_proj: load(lin(&m("gate_proj.weight"), [width, h])?)?,
-                up_proj: load(lin(&m("up_proj.weight"), [width, h])?)?,
-                down_proj: load(lin(&m("down_proj.weight"), [h, width])?)?,
-            };
-            let moe = match sparse {
-                Some(mc) => Some(moe_weights::load(ckpt, q, mc, h, &l("mlp."), &mut load)?),
-                None => None,
-            };
+            let (mlp, moe) = moe_weights::load_mlp(ckpt, q, sparse, h, d.intermediate, &l("mlp."), &mut load)?;
             layers.push(LayerWeights { input_norm, post_norm, mixer, mlp, moe });
         }
         bar.finish_and_clear();
@@ -318,6 +306,12 @@ impl<T> ModelWeights<T> {
     /// (`mtp_num_hidden_layers: 0`) or the checkpoint has no `mtp.fc.weight` (MTP tensors are often
     /// stripped from quantised exports). A partial head (some `mtp.*` tensors missing) is an error that
     /// names the missing tensor. Only the first MTP layer is used (Qwen3.5/3.6 ship one).
+    ///
+    /// The head's layer is a gated-attention decoder layer; its MLP is a mixture of experts in a
+    /// mixture-of-experts model ([`crate::MoeConfig::mtp_is_sparse`]), named as a main layer's
+    /// (`mtp.layers.0.mlp.gate.weight`, `mlp.shared_expert.*`, `mlp.shared_expert_gate.weight`, and the
+    /// experts one tensor per expert or fused `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`) and
+    /// read by the same code.
     pub fn load_mtp(
         ckpt: &Checkpoint,
         cfg: &ModelConfig,
@@ -326,46 +320,37 @@ impl<T> ModelWeights<T> {
         if cfg.mtp_num_hidden_layers == 0 || !ckpt.contains("mtp.fc.weight") {
             return Ok(None);
         }
-        if cfg.moe.is_some() {
-            tracing::warn!("the MTP head of a mixture-of-experts model is not loaded: speculative decoding is off");
-            return Ok(None);
-        }
         if cfg.mtp_num_hidden_layers > 1 {
             tracing::warn!(layers = cfg.mtp_num_hidden_layers, "only the first MTP layer is used for drafting");
         }
         let d = cfg.dims();
         let h = d.hidden;
         let q = cfg.quantization.as_ref();
-        let mut lin =
-            |name: &str, shape: [usize; 2]| -> Result<T, ModelError> { convert(linear(ckpt, q, name, shape)?) };
-        let fc = lin("mtp.fc.weight", [h, 2 * h])?;
-        let q_proj = lin("mtp.layers.0.self_attn.q_proj.weight", [2 * d.attn_dim, h])?;
-        let k_proj = lin("mtp.layers.0.self_attn.k_proj.weight", [d.kv_dim, h])?;
-        let v_proj = lin("mtp.layers.0.self_attn.v_proj.weight", [d.kv_dim, h])?;
-        let o_proj = lin("mtp.layers.0.self_attn.o_proj.weight", [h, d.attn_dim])?;
-        let gate_proj = lin("mtp.layers.0.mlp.gate_proj.weight", [d.intermediate, h])?;
-        let up_proj = lin("mtp.layers.0.mlp.up_proj.weight", [d.intermediate, h])?;
-        let down_proj = lin("mtp.layers.0.mlp.down_proj.weight", [h, d.intermediate])?;
-        let mut vec = |name: &str, n: usize| -> Result<T, ModelError> { convert(direct(ckpt, name, &[n])?) };
+        let lin = |name: &str, shape: [usize; 2]| linear(ckpt, q, name, shape);
+        let vec = |name: &str, n: usize| direct(ckpt, name, &[n]);
+        let l = |s: &str| format!("mtp.layers.0.{s}");
+        // Linears first, then the norms (the order backends place them in).
+        let fc = convert(lin("mtp.fc.weight", [h, 2 * h])?)?;
+        let q_proj = convert(lin(&l("self_attn.q_proj.weight"), [2 * d.attn_dim, h])?)?;
+        let k_proj = convert(lin(&l("self_attn.k_proj.weight"), [d.kv_dim, h])?)?;
+        let v_proj = convert(lin(&l("self_attn.v_proj.weight"), [d.kv_dim, h])?)?;
+        let o_proj = convert(lin(&l("self_attn.o_proj.weight"), [h, d.attn_dim])?)?;
+        let sparse = cfg.moe.as_ref().filter(|m| m.mtp_is_sparse());
+        let (mlp, moe) = moe_weights::load_mlp(ckpt, q, sparse, h, d.intermediate, &l("mlp."), &mut convert)?;
+        let pre_fc_norm_embedding = convert(vec("mtp.pre_fc_norm_embedding.weight", h)?)?;
+        let pre_fc_norm_hidden = convert(vec("mtp.pre_fc_norm_hidden.weight", h)?)?;
+        let norm = convert(vec("mtp.norm.weight", h)?)?;
+        let input_norm = convert(vec(&l("input_layernorm.weight"), h)?)?;
+        let post_norm = convert(vec(&l("post_attention_layernorm.weight"), h)?)?;
+        let q_norm = convert(vec(&l("self_attn.q_norm.weight"), d.head_dim)?)?;
+        let k_norm = convert(vec(&l("self_attn.k_norm.weight"), d.head_dim)?)?;
+        let mixer = MixerWeights::Attention(AttentionWeights { q_proj, k_proj, v_proj, o_proj, q_norm, k_norm });
         Ok(Some(MtpWeights {
             fc,
-            pre_fc_norm_embedding: vec("mtp.pre_fc_norm_embedding.weight", h)?,
-            pre_fc_norm_hidden: vec("mtp.pre_fc_norm_hidden.weight", h)?,
-            norm: vec("mtp.norm.weight", h)?,
-            layer: LayerWeights {
-                input_norm: vec("mtp.layers.0.input_layernorm.weight", h)?,
-                post_norm: vec("mtp.layers.0.post_attention_layernorm.weight", h)?,
-                mixer: MixerWeights::Attention(AttentionWeights {
-                    q_proj,
-                    k_proj,
-                    v_proj,
-                    o_proj,
-                    q_norm: vec("mtp.layers.0.self_attn.q_norm.weight", d.head_dim)?,
-                    k_norm: vec("mtp.layers.0.self_attn.k_norm.weight", d.head_dim)?,
-                }),
-                mlp: MlpWeights { gate_proj, up_proj, down_proj },
-                moe: None,
-            },
+            pre_fc_norm_embedding,
+            pre_fc_norm_hidden,
+            norm,
+            layer: LayerWeights { input_norm, post_norm, mixer, mlp, moe },
         }))
     }
 }
@@ -401,10 +386,7 @@ impl Names {
             let l = |s: &str| self.model(&format!("layers.{i}.{s}"));
             v.push(l("input_layernorm.weight"));
             v.push(l("post_attention_layernorm.weight"));
-            match cfg.moe.as_ref().filter(|m| m.is_sparse(i)) {
-                Some(m) => v.extend(moe_weights::stored_names(ckpt, m, &l("mlp."))),
-                None => v.extend(["gate_proj", "up_proj", "down_proj"].map(|m| l(&format!("mlp.{m}.weight")))),
-            }
+            v.extend(moe_weights::mlp_stored_names(ckpt, cfg.moe.as_ref().filter(|m| m.is_sparse(i)), &l("mlp.")));
             let mixer: &[&str] = match (kind, cfg.arch) {
                 (LayerKind::Attention, _) => &[
                     "self_attn.q_proj.weight",

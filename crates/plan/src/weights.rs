@@ -1,7 +1,7 @@
 //! Bytes of the text-model weights in a given storage format, split between the device arena and pinned host
 //! memory. Shapes are the canonical (unpacked) `[out, in]` ones of `docs/architecture.md` §5.1; vision weights
 //! are not loaded for text inference and are not counted; the MTP head (§5.2) is counted only with
-//! speculative decoding on. A sparse layer's routed experts and shared expert are decoder linears in
+//! speculative decoding on (a mixture-of-experts model's head with all its experts). A sparse layer's routed experts and shared expert are decoder linears in
 //! `weights_dtype` (every expert priced, whether or not a token routes to it); its router and shared-expert
 //! gate stay 16-bit. Every tensor (a quantised linear's data,
 //! scales and zero points are separate tensors) starts 256-byte aligned, and its padding is counted, so a
@@ -77,7 +77,8 @@ pub struct WeightBytes {
     /// Parameters of the decoder linears (for the table).
     pub linear_params: u64,
     pub embed_on_host: bool,
-    /// The MTP head (its linears in `weights_dtype`, its norms dense) with speculative decoding on; else 0.
+    /// The MTP head (its linears in `weights_dtype`, its norms dense; a mixture-of-experts model's head with
+    /// every routed expert, its router and shared-expert gate) with speculative decoding on; else 0.
     pub mtp: u64,
     /// The routed experts of every sparse layer (part of `linears`); 0 for a dense model.
     pub experts: u64,
@@ -125,18 +126,20 @@ impl WeightBytes {
             experts_active = sparse * m.top_k as u128 * one;
         }
         let mtp = if opts.speculative_tokens > 0 && cfg.mtp_num_hidden_layers > 0 {
-            let mtp_shapes = [
-                (h, 2 * h),
-                (2 * d.attn_dim, h),
-                (d.kv_dim, h),
-                (d.kv_dim, h),
-                (h, d.attn_dim),
-                (d.intermediate, h),
-                (d.intermediate, h),
-                (h, d.intermediate),
-            ];
-            // fc, q/k/v/o, gate/up/down; norms: 2 pre-fc, final, input, post-attention, q_norm, k_norm.
-            mtp_shapes.iter().map(|&(o, i)| linear_aligned(wd, o, i, asym)).sum::<u128>() + 5 * t(h) + 2 * t(d.head_dim)
+            // fc, q/k/v/o, then the MLP's gate/up/down (a mixture-of-experts head: its shared expert's, then
+            // every routed expert's); norms: 2 pre-fc, final, input, post-attention, q_norm, k_norm.
+            let sparse = cfg.moe.as_ref().filter(|m| m.mtp_is_sparse());
+            let width = sparse.map_or(d.intermediate, |m| m.shared_expert_intermediate);
+            let mut mtp_shapes = vec![(h, 2 * h), (2 * d.attn_dim, h), (d.kv_dim, h), (d.kv_dim, h), (h, d.attn_dim)];
+            mtp_shapes.extend([(width, h), (width, h), (h, width)]);
+            // A sparse head's router and shared-expert gate stay 16-bit, as a main layer's.
+            let mut small = 5 * t(h) + 2 * t(d.head_dim);
+            if let Some(m) = sparse {
+                let e = m.expert_intermediate;
+                mtp_shapes.extend((0..m.num_experts).flat_map(|_| [(e, h), (e, h), (h, e)]));
+                small += t(m.num_experts * h) + t(h);
+            }
+            mtp_shapes.iter().map(|&(o, i)| linear_aligned(wd, o, i, asym)).sum::<u128>() + small
         } else {
             0
         };

@@ -110,3 +110,47 @@ fn a_step_reads_the_experts_its_tokens_pick() {
     assert!((read(8) / w.experts_active as f64 - 7.18).abs() < 0.01, "{}", read(8) / w.experts_active as f64);
     assert_eq!(plan.weight_parts.experts_read(m.num_experts, m.top_k, 0), 0.0);
 }
+
+/// With speculative decoding the MTP head is priced with its mixture of experts: fc, attention, the shared
+/// expert and every routed expert in bf16, the router, shared-expert gate and norms 16-bit.
+#[test]
+fn speculation_prices_the_mtp_heads_experts() {
+    let c = cfg("qwen3.6-35b-a3b");
+    let bf16 = |spec: usize| PlanOptions {
+        backend: PlanBackend::Generic,
+        speculative_tokens: spec,
+        ..PlanOptions::gpu_defaults(200 * GIB)
+    };
+    let (off, on) = (Plan::new(&c, &bf16(0)).unwrap(), Plan::new(&c, &bf16(3)).unwrap());
+    let mtp = on.weight_parts.mtp;
+    assert_eq!(on.weights_bytes - off.weights_bytes, mtp);
+    // fc [2048, 4096]; q [8192, 2048], k and v [512, 2048], o [2048, 4096]; shared expert 3 × 512 × 2048;
+    // 256 experts × 3 × 512 × 2048; router [256, 2048]; shared-expert gate; 7 norms.
+    let params: u64 = 8_388_608
+        + 16_777_216
+        + 2 * 1_048_576
+        + 8_388_608
+        + 3 * 1_048_576
+        + 256 * 3 * 1_048_576
+        + 524_288
+        + 2048
+        + 5 * 2048
+        + 2 * 256;
+    assert_eq!(params, 844_640_768);
+    let tensors = 5 + 3 + 256 * 3 + 2 + 7;
+    assert!((2 * params..2 * params + tensors * 256).contains(&mtp), "{mtp} vs {}", 2 * params);
+    // A Qwen3-Next head is sparse as its decoder layer 0 is: dense (priced at `intermediate_size`) when
+    // `mlp_only_layers` holds 0.
+    let next = |dense: u64| {
+        let mut j = Preset::small_qwen3_next_moe();
+        j["mlp_only_layers"] = vec![dense].into();
+        let c = ModelConfig::from_json_str(&j.to_string()).unwrap();
+        Plan::new(&c, &PlanOptions { speculative_tokens: 2, ..PlanOptions::cpu_defaults(GIB) }).unwrap()
+    };
+    let (sparse, dense) = (next(2).weight_parts.mtp, next(0).weight_parts.mtp);
+    // 6 experts of width 64 and a shared expert of 96 against a dense MLP of 256 (f32 weights on the CPU).
+    let mlp_params = |w: u64| 3 * 128 * w;
+    let diff = 4 * (mlp_params(6 * 64 + 96) - mlp_params(256) + 6 * 128 + 128) as i64;
+    let got = sparse as i64 - dense as i64;
+    assert!((diff - 40 * 256..=diff + 40 * 256).contains(&got), "{got} vs {diff}");
+}

@@ -219,6 +219,7 @@ pub(super) fn check_plan(
         if cfg.mtp_num_hidden_layers == 0 {
             return Err(CudaError::Plan("speculative decoding: the model has no MTP head".into()));
         }
+        super::CudaBackend::check_speculation(cfg)?;
     }
     Ok((kvf, fmt, max_draft))
 }

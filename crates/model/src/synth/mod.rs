@@ -1,7 +1,7 @@
 //! Synthetic (random-weight) model directories at any shape: `config.json` in the real multimodal
 //! `qwen3_5` / `qwen3_5_moe` layout (text-only `qwen3_next` for the Qwen3-Next preset),
 //! `generation_config.json`, and `model.safetensors` in bf16 with the real tensor names (one tensor per
-//! expert for mixture-of-experts presets, whose MTP head is not written), the vision tower's included
+//! expert for mixture-of-experts presets, their MTP head's included), the vision tower's included
 //! (with the image processor's `preprocessor_config.json`) for the multimodal presets.
 //! Weights are drawn deterministically from (seed, tensor name), so a preset + seed always gives the
 //! same bytes. Tokenizer files are written by the caller (the text crate owns tokenizers).
@@ -17,6 +17,7 @@ use serde_json::{Value, json};
 use crate::checkpoint::{DType, TensorHeader, write_safetensors};
 use crate::config::{Arch, LayerKind, ModelConfig};
 use crate::error::ModelError;
+use crate::moe::MoeConfig;
 use crate::vision::VisionConfig;
 
 /// Built-in model shapes.
@@ -93,7 +94,7 @@ impl Preset {
         };
         match self {
             Self::Tiny => s(128, 4, 4, 2, 32, 2, 6, 32, Some(256), 1024, 1),
-            Self::TinyMoe => Shape { moe: Some((8, 2, 64, 128)), ..s(128, 4, 4, 2, 32, 2, 6, 32, None, 1024, 0) },
+            Self::TinyMoe => Shape { moe: Some((8, 2, 64, 128)), ..s(128, 4, 4, 2, 32, 2, 6, 32, None, 1024, 1) },
             Self::Qwen36_27b => s(5120, 64, 24, 4, 256, 16, 48, 128, Some(17408), 248_320, 1),
             Self::Qwen36_35bA3b => {
                 Shape { moe: Some((256, 8, 512, 512)), ..s(2048, 40, 16, 2, 256, 16, 32, 128, None, 248_320, 1) }
@@ -251,9 +252,9 @@ pub enum MtpVariant {
     /// No MTP head: `mtp_num_hidden_layers: 0` and no `mtp.*` tensors.
     None,
     /// A head built to agree with the main model. The main layers' residual contributions (`out_proj`,
-    /// `o_proj`, `down_proj`) are scaled by `residual_scale`; with 0 they vanish, so the main model's
+    /// `o_proj`, `down_proj`, every expert's and the shared expert's included) are scaled by `residual_scale`; with 0 they vanish, so the main model's
     /// next-token logits depend only on the current token (`lm_head(norm(embed(x)))`). The head's `fc`
-    /// picks the (normed, unit-weight) embedding half, its block adds zero (`o_proj`, `down_proj` = 0)
+    /// picks the (normed, unit-weight) embedding half, its block adds zero (`o_proj` and every `down_proj` = 0)
     /// and `mtp.norm` equals the final norm, so it predicts from `x_{t+1}` what the main model will
     /// predict at `t+1`: every draft is accepted (up to rounding of a common positive scale). A small
     /// non-zero `residual_scale` gives partial acceptance on a model whose state matters.
@@ -286,7 +287,7 @@ struct Spec {
 fn tensor_specs(cfg: &ModelConfig, variant: MtpVariant) -> Vec<Spec> {
     let d = cfg.dims();
     let h = d.hidden;
-    let p = "model.language_model.";
+    let p = if cfg.arch == Arch::Qwen3Next { "model." } else { "model.language_model." };
     let mut specs: Vec<Spec> = text_tensor_specs(cfg)
         .into_iter()
         .map(|(name, shape, init)| Spec { seed_name: name.clone(), name, shape, init })
@@ -301,20 +302,17 @@ fn tensor_specs(cfg: &ModelConfig, variant: MtpVariant) -> Vec<Spec> {
     }
     if let MtpVariant::Agreeing { residual_scale } = variant {
         for s in &mut specs {
-            let residual = ["linear_attn.out_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight"];
-            if residual.iter().any(|r| s.name.ends_with(r))
+            if is_residual(&s.name)
                 && let Init::Normal(std) = s.init
             {
                 s.init = if residual_scale == 0.0 { Init::Zero } else { Init::Normal(std * residual_scale) };
             }
         }
     }
-    // The MTP head of a mixture-of-experts model is itself sparse and not loaded: not written.
-    if cfg.mtp_num_hidden_layers == 0 || variant == MtpVariant::None || cfg.moe.is_some() {
+    if cfg.mtp_num_hidden_layers == 0 || variant == MtpVariant::None {
         return specs;
     }
     let agree = matches!(variant, MtpVariant::Agreeing { .. });
-    let lin = |out: usize, inp: usize| (vec![out, inp], Init::Normal(1.0 / (inp as f32).sqrt()));
     let norm = |n: usize| (vec![n], Init::Normal(0.1));
     let zero = |out: usize, inp: usize| (vec![out, inp], Init::Zero);
     let mut mtp: Vec<(String, (Vec<usize>, Init))> = vec![
@@ -333,10 +331,13 @@ fn tensor_specs(cfg: &ModelConfig, variant: MtpVariant) -> Vec<Spec> {
         (l("self_attn.o_proj.weight"), if agree { zero(h, d.attn_dim) } else { lin(h, d.attn_dim) }),
         (l("self_attn.q_norm.weight"), norm(d.head_dim)),
         (l("self_attn.k_norm.weight"), norm(d.head_dim)),
-        (l("mlp.gate_proj.weight"), lin(d.intermediate, h)),
-        (l("mlp.up_proj.weight"), lin(d.intermediate, h)),
-        (l("mlp.down_proj.weight"), if agree { zero(h, d.intermediate) } else { lin(h, d.intermediate) }),
     ]);
+    // The MLP: a mixture of experts in a mixture-of-experts model, as the main layers write it.
+    let sparse = cfg.moe.as_ref().filter(|m| m.mtp_is_sparse());
+    for (name, (shape, init)) in mlp_specs(&l("mlp."), sparse, h, d.intermediate) {
+        let init = if agree && name.ends_with("down_proj.weight") { Init::Zero } else { init };
+        mtp.push((name, (shape, init)));
+    }
     for (name, (shape, init)) in mtp {
         // The agreeing head's final norm is the main model's (same random stream, same bytes).
         let seed_name = if agree && name == "mtp.norm.weight" { format!("{p}norm.weight") } else { name.clone() };
@@ -349,7 +350,6 @@ fn tensor_specs(cfg: &ModelConfig, variant: MtpVariant) -> Vec<Spec> {
 fn text_tensor_specs(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, Init)> {
     let d = cfg.dims();
     let h = d.hidden;
-    let lin = |out: usize, inp: usize| (vec![out, inp], Init::Normal(1.0 / (inp as f32).sqrt()));
     let norm = |n: usize| (vec![n], Init::Normal(0.1));
     let next = cfg.arch == Arch::Qwen3Next;
     let p = if next { "model." } else { "model.language_model." };
@@ -391,30 +391,47 @@ fn text_tensor_specs(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, Init)> {
                 v.push((l("self_attn.k_norm.weight"), norm(d.head_dim)));
             }
         }
-        match cfg.moe.as_ref().filter(|m| m.is_sparse(i)) {
-            Some(m) => {
-                let swiglu = |prefix: &str, width: usize| {
-                    [
-                        (l(&format!("{prefix}gate_proj.weight")), lin(width, h)),
-                        (l(&format!("{prefix}up_proj.weight")), lin(width, h)),
-                        (l(&format!("{prefix}down_proj.weight")), lin(h, width)),
-                    ]
-                };
-                v.push((l("mlp.gate.weight"), lin(m.num_experts, h)));
-                for e in 0..m.num_experts {
-                    v.extend(swiglu(&format!("mlp.experts.{e}."), m.expert_intermediate));
-                }
-                v.extend(swiglu("mlp.shared_expert.", m.shared_expert_intermediate));
-                v.push((l("mlp.shared_expert_gate.weight"), lin(1, h)));
-            }
-            None => {
-                v.push((l("mlp.gate_proj.weight"), lin(d.intermediate, h)));
-                v.push((l("mlp.up_proj.weight"), lin(d.intermediate, h)));
-                v.push((l("mlp.down_proj.weight"), lin(h, d.intermediate)));
-            }
-        }
+        v.extend(mlp_specs(&l("mlp."), cfg.moe.as_ref().filter(|m| m.is_sparse(i)), h, d.intermediate));
     }
     v.into_iter().map(|(n, (s, i))| (n, s, i)).collect()
+}
+
+/// A main layer's residual contribution (scaled by [`MtpVariant::Agreeing`]): a mixer's output projection
+/// or an MLP's `down_proj` (a dense MLP's, an expert's or the shared expert's).
+fn is_residual(name: &str) -> bool {
+    name.ends_with("linear_attn.out_proj.weight")
+        || name.ends_with("self_attn.o_proj.weight")
+        || (name.contains(".mlp.") && name.ends_with("down_proj.weight"))
+}
+
+/// A linear `[out, inp]` drawn with std `1/√inp`.
+fn lin(out: usize, inp: usize) -> (Vec<usize>, Init) {
+    (vec![out, inp], Init::Normal(1.0 / (inp as f32).sqrt()))
+}
+
+/// (stored name, (shape, init)) of the MLP under `prefix` (`….mlp.`): with `sparse`, the router, every
+/// expert (one tensor per expert), the shared expert and its gate; else the dense SwiGLU of width `dense_width`.
+fn mlp_specs(
+    prefix: &str,
+    sparse: Option<&MoeConfig>,
+    h: usize,
+    dense_width: usize,
+) -> Vec<(String, (Vec<usize>, Init))> {
+    let swiglu = |p: &str, width: usize| {
+        [
+            (format!("{prefix}{p}gate_proj.weight"), lin(width, h)),
+            (format!("{prefix}{p}up_proj.weight"), lin(width, h)),
+            (format!("{prefix}{p}down_proj.weight"), lin(h, width)),
+        ]
+    };
+    let Some(m) = sparse else { return swiglu("", dense_width).to_vec() };
+    let mut v = vec![(format!("{prefix}gate.weight"), lin(m.num_experts, h))];
+    for e in 0..m.num_experts {
+        v.extend(swiglu(&format!("experts.{e}."), m.expert_intermediate));
+    }
+    v.extend(swiglu("shared_expert.", m.shared_expert_intermediate));
+    v.push((format!("{prefix}shared_expert_gate.weight"), lin(1, h)));
+    v
 }
 
 /// (stored name, shape, init) of every tensor of the vision tower.
