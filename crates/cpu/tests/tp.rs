@@ -34,7 +34,10 @@ fn fixture(name: &str) -> CpuModel {
 }
 
 fn tiny() -> CpuModel {
-    let dir: PathBuf = std::env::temp_dir().join(format!("ds-tp-tiny-{}", std::process::id()));
+    // One directory per call: the tests run in parallel threads of one process.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir: PathBuf = std::env::temp_dir().join(format!("ds-tp-tiny-{}-{n}", std::process::id()));
     write_model(&dir, Preset::Tiny, None, 17, |_, _| {}).unwrap();
     let m = load(&dir);
     let _ = std::fs::remove_dir_all(&dir);
