@@ -145,6 +145,25 @@ impl RowSampling {
     }
 }
 
+/// The words of a token bitmask over `ids` ids ([`RowSampling::allowed`]).
+pub fn mask_words(ids: usize) -> usize {
+    ids.div_ceil(32)
+}
+
+/// Whether `id` is allowed by the token bitmask `bits` (ids past it are not).
+pub fn is_allowed(bits: &[u32], id: u32) -> bool {
+    bits.get(id as usize / 32).is_some_and(|w| w >> (id % 32) & 1 == 1)
+}
+
+/// Writes the bitmask of the finite entries of `row` into `bits` (every word; ids past the row are
+/// refused).
+pub fn bits_of_row(row: &[f32], bits: &mut [u32]) {
+    for (w, word) in bits.iter_mut().enumerate() {
+        let ids = row.get(w * 32..).unwrap_or(&[]);
+        *word = ids.iter().take(32).enumerate().filter(|(_, l)| l.is_finite()).fold(0, |m, (b, _)| m | 1 << b);
+    }
+}
+
 /// Rows of a vocabulary at least this wide are picked on several threads ([`pick_rows`]).
 pub const PARALLEL_PICK_VOCAB: usize = 32_768;
 

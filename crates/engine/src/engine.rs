@@ -298,6 +298,12 @@ impl EngineHandle {
     }
 }
 
+/// Whether a request under `constraint` drafts: unconstrained ones do, constrained ones when their
+/// constraint checks drafts ([`TokenConstraint::allows_prefix`]).
+fn drafts_under(constraint: Option<&SharedConstraint>) -> bool {
+    constraint.is_none_or(|c| c.with(|c| c.allows_prefix(&[])).is_some())
+}
+
 /// What happened to a request when a token was emitted.
 enum Emit {
     Continue,
@@ -409,7 +415,7 @@ impl Worker {
                 let opts = SeqOptions {
                     snapshot_points: req.snapshot_points.clone(),
                     snapshot_on_finish: req.snapshot_on_finish,
-                    no_drafts: req.constraint.is_some(),
+                    no_drafts: !drafts_under(req.constraint.as_ref()),
                 };
                 match self.sched.add_with(id, req.prompt.clone(), req.max_tokens, opts) {
                     Ok(()) => {
@@ -724,6 +730,13 @@ impl Worker {
 
     /// Emits the verified tokens of a speculative chunk of `id`: row i of `rows` is the target's logits
     /// after the chunk's token and drafts `..i`. Returns (tokens emitted, drafts among them, finish).
+    ///
+    /// Under a constraint, the drafts are checked against it in order from where the reply stands; the
+    /// first it refuses ends acceptance there. Each row is masked by the constraint (which has followed
+    /// every token emitted before it) before its token is picked, so the target's token at the first
+    /// refused draft is drawn under the mask and no token the constraint refuses is emitted. Greedy
+    /// requests get the tokens of plain decoding; sampling requests keep the masked distribution (a
+    /// refused draft has probability 0 under it: rejection sampling rejects it).
     fn accept(
         &mut self,
         id: SeqId,
@@ -732,9 +745,14 @@ impl Worker {
         q: Option<Vec<Vec<f32>>>,
     ) -> (usize, usize, Option<FinishReason>) {
         let (mut emitted, mut accepted) = (0, 0);
+        let constraint = self.reqs.get(&id).and_then(|l| l.req.constraint.clone());
+        let allowed = constraint.as_ref().map_or(drafts.len(), |c| c.with(|c| c.allows_prefix(drafts)).unwrap_or(0));
         for (i, row) in rows.into_iter().enumerate() {
             let Some(live) = self.reqs.get_mut(&id) else { break };
             let raw = live.req.logprobs.map(|_| row.to_vec());
+            if let Some(c) = &constraint {
+                c.with(|c| c.mask(row));
+            }
             let context = self.sched.tokens(id).unwrap_or(&[]);
             let draft = drafts.get(i).copied();
             let (token, is_draft) = match (draft, q.as_ref().and_then(|q| q.get(i))) {
@@ -749,6 +767,7 @@ impl Worker {
                     (t, draft == Some(t))
                 }
             };
+            let is_draft = is_draft && i < allowed;
             emitted += 1;
             accepted += usize::from(is_draft);
             match self.emit(id, token, raw) {
