@@ -15,6 +15,14 @@
 //! distribution `p` (the sampler's, penalties and cuts included); `q` is the head's softmax at the
 //! request's temperature. Emission stops at a stop token, stop string or `max_tokens` like plain
 //! decoding, and only the emitted positions are committed to the sequence's state.
+//!
+//! Constrained requests (a [`TokenConstraint`]: structured outputs): without speculation their rows
+//! carry the constraint's token bitmask in their [`RowSampling`] and the backend picks them where the
+//! logits are, with the other rows of the step ([`deltaserve_backend::Capabilities::masks_tokens`];
+//! otherwise their steps sample on the host). With speculation they draft like any request when the
+//! constraint checks drafts ([`TokenConstraint::allows_prefix`]): at verify the drafts are checked in
+//! order, the first one refused ends acceptance, and every verified row is masked before its pick, so
+//! no refused token is emitted and greedy outputs are those of plain decoding.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -22,6 +30,7 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use deltaserve_backend::sampling::mask_words;
 use deltaserve_backend::{Backend, Pick, RowSampling, SeqChunk, SpecCommit, StepOut, Want};
 use deltaserve_sched::{AdmitError, SchedConfig, Scheduler, SeqId, SeqOptions, check_request};
 use deltaserve_text::{IncrementalDecoder, StopMatcher, Tokenizer};
@@ -202,6 +211,7 @@ impl EngineHandle {
         let worker = Worker {
             sched: Scheduler::new(sched_cfg.clone()).with_speculation(opts.speculative_tokens),
             lookahead: opts.lookahead && caps.launches_ahead,
+            masks_tokens: caps.masks_tokens,
             ahead: None,
             collected: Instant::now(),
             backend,
@@ -372,6 +382,8 @@ struct Worker {
     lookahead: bool,
     /// The step launched and not collected yet.
     ahead: Option<Launched>,
+    /// The backend applies token masks ([`deltaserve_backend::Capabilities::masks_tokens`]).
+    masks_tokens: bool,
     /// When the last launched step was collected (launched steps overlap: a step's time starts at
     /// its launch or at this, whichever is later).
     collected: Instant,
@@ -522,13 +534,18 @@ impl Worker {
         // (the penalties and one uniform draw per row travel with the step); 4 bytes a row come back.
         let wanted: Vec<Option<&Live>> =
             plan.batch.seqs.iter().filter(|c| c.want_logits).map(|c| self.reqs.get(&c.seq_id)).collect();
-        // A constrained row is masked on the host, so its step brings the rows back.
-        // So is one whose choices fork from its row.
+        // A constrained row's token mask travels with its sampling rule where the backend applies one
+        // (else the row is masked on the host, and its step brings the rows back). A row whose choices
+        // fork from it comes back too.
+        let masks = self.masks_tokens;
         let on_device = self.sched.speculative_tokens() == 0
             && wanted.iter().all(|l| {
-                l.is_some_and(|l| l.req.logprobs.is_none() && l.req.constraint.is_none() && l.forks.is_empty())
+                l.is_some_and(|l| {
+                    l.req.logprobs.is_none() && (masks || l.req.constraint.is_none()) && l.forks.is_empty()
+                })
             });
-        let greedy_step = on_device && wanted.iter().all(|l| l.is_some_and(|l| l.sampler.picks_argmax()));
+        let greedy_step = on_device
+            && wanted.iter().all(|l| l.is_some_and(|l| l.sampler.picks_argmax() && l.req.constraint.is_none()));
         let device_sampling = on_device && !greedy_step;
         let started = Instant::now();
         let rows: Vec<RowSampling> = if device_sampling { self.sampling_rows(&plan.batch.seqs, true) } else { vec![] };
@@ -692,14 +709,24 @@ impl Worker {
     }
 
     /// The sampling rule of each wanted row of `seqs` (one uniform draw from each sampling request's
-    /// RNG). `context`: penalties over each sequence's tokens (false: the rows of context-free
-    /// requests, planned before their last pick is known).
+    /// RNG; a constrained request's token mask from where its reply stands). `context`: penalties over
+    /// each sequence's tokens (false: the rows of context-free requests, planned before their last pick
+    /// is known).
     fn sampling_rows(&mut self, seqs: &[SeqChunk], context: bool) -> Vec<RowSampling> {
+        let words = mask_words(self.vocab);
         seqs.iter()
             .filter(|c| c.want_logits)
             .map(|c| {
                 let tokens = if context { self.sched.tokens(c.seq_id).unwrap_or(&[]) } else { &[] };
-                self.reqs.get_mut(&c.seq_id).map_or_else(RowSampling::greedy, |l| l.sampler.row(tokens))
+                self.reqs.get_mut(&c.seq_id).map_or_else(RowSampling::greedy, |l| {
+                    let mut row = l.sampler.row(tokens);
+                    row.allowed = l.req.constraint.as_ref().map(|k| {
+                        let mut bits = vec![0u32; words];
+                        k.with(|k| k.allowed(&mut bits));
+                        bits
+                    });
+                    row
+                })
             })
             .collect()
     }

@@ -3,13 +3,18 @@
 //! at verify and never emitted. For K = 0..4, greedy constrained requests give the same tokens, and
 //! every token they emit is one the grammar allowed at its position; unconstrained neighbours in the
 //! same steps keep their own tokens; sampling requests under a grammar stay inside it; a constraint
-//! that cannot check drafts makes its request decode without them.
+//! that cannot check drafts makes its request decode without them. Without speculation, constrained
+//! rows are picked by the backend with their token bitmask, with the tokens of host sampling (a backend
+//! that applies no masks).
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use deltaserve_backend::sampling::{is_allowed, mask_words};
+use deltaserve_backend::{
+    ArenaStats, Backend, BackendError, Capabilities, Feed, Pick, Picked, SpecCommit, StepBatch, StepOut, Want,
+};
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
 use deltaserve_engine::{
     EngineHandle, EngineStats, Event, FinishReason, Request, SamplingParams, SharedConstraint, TokenConstraint,
@@ -52,8 +57,7 @@ fn sched() -> SchedConfig {
     }
 }
 
-/// An engine over `variant`'s model: plain (`k == 0`) or speculative with `k` drafts.
-fn engine(variant: MtpVariant, k: usize) -> EngineHandle {
+fn backend(variant: MtpVariant, k: usize) -> CpuBackend {
     let dir = model_dir(variant);
     let cfg = ModelConfig::from_dir(&dir).unwrap();
     let w = ModelWeights::load_f32(&Checkpoint::open(&dir).unwrap(), &cfg).unwrap();
@@ -66,12 +70,67 @@ fn engine(variant: MtpVariant, k: usize) -> EngineHandle {
         host_snapshot_slots: 0,
     };
     let model = CpuModel::new(cfg, w);
+    if k == 0 { CpuBackend::new(model, cache) } else { CpuBackend::with_speculation(model, cache, k).unwrap() }
+}
+
+/// An engine over `variant`'s model: plain (`k == 0`) or speculative with `k` drafts.
+fn engine(variant: MtpVariant, k: usize) -> EngineHandle {
     let tok = Some(tokenizer(variant));
     if k == 0 {
-        EngineHandle::start(Box::new(CpuBackend::new(model, cache)), c, tok)
+        EngineHandle::start(Box::new(backend(variant, 0)), sched(), tok)
     } else {
-        let b = CpuBackend::with_speculation(model, cache, k).unwrap();
-        EngineHandle::start_speculative(Box::new(b), c, tok, k).unwrap()
+        EngineHandle::start_speculative(Box::new(backend(variant, k)), sched(), tok, k).unwrap()
+    }
+}
+
+/// What the engine asked of a [`Masking`] backend.
+#[derive(Default)]
+struct Asked {
+    /// Rows picked with a token mask.
+    masked_rows: usize,
+    /// Steps whose rows came back as logits.
+    logits_steps: usize,
+}
+
+/// The CPU backend, applying token masks or not (then the engine samples constrained rows on the
+/// host), counting what it is asked.
+struct Masking {
+    inner: CpuBackend,
+    masks: bool,
+    asked: Arc<Mutex<Asked>>,
+}
+
+impl Masking {
+    fn count(&self, pick: &Pick<'_>) {
+        if let Pick::Sample(rows) = pick {
+            self.asked.lock().unwrap().masked_rows += rows.iter().filter(|r| r.allowed.is_some()).count();
+        }
+    }
+}
+
+impl Backend for Masking {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { masks_tokens: self.masks, ..self.inner.capabilities() }
+    }
+    fn step(&mut self, batch: &StepBatch, want: Want<'_>, out: &mut StepOut) -> Result<(), BackendError> {
+        match &want {
+            Want::Tokens { pick, .. } => self.count(pick),
+            _ => self.asked.lock().unwrap().logits_steps += 1,
+        }
+        self.inner.step(batch, want, out)
+    }
+    fn launch(&mut self, b: &StepBatch, valid: usize, pick: Pick<'_>, feed: Option<&Feed>) -> Result<(), BackendError> {
+        self.count(&pick);
+        self.inner.launch(b, valid, pick, feed)
+    }
+    fn collect(&mut self, out: &mut Picked) -> Result<(), BackendError> {
+        self.inner.collect(out)
+    }
+    fn commit_speculative(&mut self, commits: &[SpecCommit]) -> Result<(), BackendError> {
+        self.inner.commit_speculative(commits)
+    }
+    fn arena_stats(&self) -> ArenaStats {
+        self.inner.arena_stats()
     }
 }
 
@@ -268,5 +327,45 @@ fn a_constraint_that_cannot_check_drafts_decodes_without_them() {
     assert_eq!(got, want);
     assert_eq!(stats.spec_drafted, 0, "{stats:?}");
     gs.assert_valid(g, &got, "no drafts");
+    assert_eq!(refused.load(Ordering::SeqCst), 0);
+}
+
+/// Without speculation, a step with constrained rows is picked by the backend, each constrained row
+/// with its token bitmask (no row comes back as logits), and gives the tokens of host sampling, greedy
+/// and seeded sampling alike, for the constrained requests and their unconstrained neighbours.
+#[test]
+fn token_masks_picked_by_the_backend_equal_host_sampling() {
+    let variant = MtpVariant::Random;
+    let gs = Grammars::new(variant);
+    let refused = Arc::new(AtomicUsize::new(0));
+    let samplings = [
+        SamplingParams::greedy(),
+        SamplingParams { temperature: 0.8, top_k: 30, top_p: 0.9, seed: Some(11), ..Default::default() },
+        SamplingParams { temperature: 1.2, seed: Some(12), ..Default::default() },
+    ];
+    let mut outs = Vec::new();
+    for masks in [false, true] {
+        let asked = Arc::new(Mutex::new(Asked::default()));
+        let b = Masking { inner: backend(variant, 0), masks, asked: asked.clone() };
+        let e = EngineHandle::start(Box::new(b), sched(), Some(tokenizer(variant)));
+        let got: Vec<Vec<Vec<u32>>> = samplings.iter().map(|s| run(&e, &gs, s, &refused)).collect();
+        wait_idle(&e);
+        e.shutdown(true);
+        for (s, out) in samplings.iter().zip(&got) {
+            for (g, ids) in grammars().iter().zip(out.iter().step_by(2)) {
+                gs.assert_valid(g, ids, &format!("masks {masks}, {s:?}"));
+            }
+        }
+        let asked = asked.lock().unwrap();
+        if masks {
+            assert!(asked.masked_rows > 0, "constrained rows carry their masks");
+            assert_eq!(asked.logits_steps, 0, "no step brings its rows back");
+        } else {
+            assert_eq!(asked.masked_rows, 0);
+            assert!(asked.logits_steps > 0, "constrained rows are sampled on the host");
+        }
+        outs.push(got);
+    }
+    assert_eq!(outs[0], outs[1]);
     assert_eq!(refused.load(Ordering::SeqCst), 0);
 }
