@@ -22,7 +22,8 @@
 //! otherwise their steps sample on the host). With speculation they draft like any request when the
 //! constraint checks drafts ([`TokenConstraint::allows_prefix`]): at verify the drafts are checked in
 //! order, the first one refused ends acceptance, and every verified row is masked before its pick, so
-//! no refused token is emitted and greedy outputs are those of plain decoding.
+//! no refused token is emitted and greedy outputs are those of plain decoding. Where the step allows
+//! it, their masks are computed on CPU threads while the backend runs (`engine/masks.rs`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -30,7 +31,7 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use deltaserve_backend::sampling::mask_words;
+use deltaserve_backend::sampling::{apply_mask, mask_words};
 use deltaserve_backend::{Backend, Pick, RowSampling, SeqChunk, SpecCommit, StepOut, Want};
 use deltaserve_sched::{AdmitError, SchedConfig, Scheduler, SeqId, SeqOptions, check_request};
 use deltaserve_text::{IncrementalDecoder, StopMatcher, Tokenizer};
@@ -40,6 +41,7 @@ use crate::sampling::{Sampler, speculative_pick};
 
 mod ahead;
 mod choices;
+mod masks;
 mod rows;
 mod types;
 
@@ -560,6 +562,15 @@ impl Worker {
             self.follow(Launched::new(plan, rows, None, started));
             return;
         }
+        // The constrained rows' first masks, computed on a CPU thread while the backend runs the step
+        // (rows picked by the backend carry theirs already).
+        let constrained: Vec<(SeqId, SharedConstraint)> = plan
+            .batch
+            .seqs
+            .iter()
+            .filter(|c| c.want_logits && !on_device)
+            .filter_map(|c| Some((c.seq_id, self.reqs.get(&c.seq_id)?.req.constraint.clone()?)))
+            .collect();
         let reqs = &mut self.reqs;
         let mut draft_pick = |seq: u64, _i: usize, row: &[f32]| -> u32 {
             let Some(live) = reqs.get_mut(&seq) else { return 0 };
@@ -574,7 +585,9 @@ impl Worker {
             None if self.sched.speculative_tokens() > 0 => Want::Drafts(&mut draft_pick),
             None => Want::Logits,
         };
-        let result = self.backend.step(&plan.batch, want, &mut self.out);
+        let (backend, out) = (&mut self.backend, &mut self.out);
+        let (result, mut first_masks) =
+            masks::while_running(constrained, mask_words(self.vocab), || backend.step(&plan.batch, want, out));
         if let Err(e) = result {
             self.step_failed(&e.to_string(), &plan.batch.seqs);
             return;
@@ -620,7 +633,7 @@ impl Worker {
             let wanted = plan.batch.seqs.iter().filter(|c| c.want_logits).map(|c| c.seq_id);
             wanted.zip(out.tokens.iter().copied()).map(|(id, t)| (id, (t, None))).collect()
         } else {
-            self.sample_rows(plain)
+            self.sample_rows(plain, &mut first_masks)
         };
         for id in forked_ids {
             if let Some(token) = sampled.remove(&id)
@@ -648,7 +661,8 @@ impl Worker {
                 continue;
             }
             let q = q_rows.remove(&c.seq_id);
-            let (emitted, accepted, end) = self.accept(c.seq_id, &draft, verified, q);
+            let first = first_masks.remove(&c.seq_id);
+            let (emitted, accepted, end) = self.accept(c.seq_id, &draft, verified, q, first);
             if let Ok(mut s) = self.shared.stats.lock() {
                 s.spec_steps += 1;
                 s.spec_drafted += c.draft as u64;
@@ -713,29 +727,39 @@ impl Worker {
     /// each sequence's tokens (false: the rows of context-free requests, planned before their last pick
     /// is known).
     fn sampling_rows(&mut self, seqs: &[SeqChunk], context: bool) -> Vec<RowSampling> {
-        let words = mask_words(self.vocab);
-        seqs.iter()
+        let mut rows: Vec<RowSampling> = seqs
+            .iter()
             .filter(|c| c.want_logits)
             .map(|c| {
                 let tokens = if context { self.sched.tokens(c.seq_id).unwrap_or(&[]) } else { &[] };
-                self.reqs.get_mut(&c.seq_id).map_or_else(RowSampling::greedy, |l| {
-                    let mut row = l.sampler.row(tokens);
-                    row.allowed = l.req.constraint.as_ref().map(|k| {
-                        let mut bits = vec![0u32; words];
-                        k.with(|k| k.allowed(&mut bits));
-                        bits
-                    });
-                    row
-                })
+                self.reqs.get_mut(&c.seq_id).map_or_else(RowSampling::greedy, |l| l.sampler.row(tokens))
             })
-            .collect()
+            .collect();
+        // The constrained rows' bitmasks (on several threads when there are several).
+        let wanted = seqs.iter().filter(|c| c.want_logits);
+        let (mut at, mut constraints) = (Vec::new(), Vec::new());
+        for (i, c) in wanted.enumerate() {
+            if let Some(k) = self.reqs.get(&c.seq_id).and_then(|l| l.req.constraint.as_ref()) {
+                at.push(i);
+                constraints.push(k);
+            }
+        }
+        for (i, bits) in at.into_iter().zip(masks::bitmasks(&mut constraints, mask_words(self.vocab))) {
+            rows[i].allowed = Some(bits);
+        }
+        rows
     }
 
     /// Samples the next token of each sequence from its logits row: (token, raw row when logprobs were
     /// asked) by sequence. Every sequence has its own sampler and RNG, so the rows are independent: with
     /// several rows of a large vocabulary they are sampled on several threads (the same tokens as one by
-    /// one; a draw over 248K ids costs ~1 ms).
-    fn sample_rows(&mut self, rows: Vec<(SeqId, &mut [f32])>) -> HashMap<SeqId, Sampled> {
+    /// one; a draw over 248K ids costs ~1 ms). A constrained row takes its bitmask from `masks` when it
+    /// is there (computed while the step ran), else its constraint masks it.
+    fn sample_rows(
+        &mut self,
+        rows: Vec<(SeqId, &mut [f32])>,
+        masks: &mut HashMap<SeqId, Vec<u32>>,
+    ) -> HashMap<SeqId, Sampled> {
         let sched = &self.sched;
         let mut lives: HashMap<SeqId, &mut Live> = self.reqs.iter_mut().map(|(id, l)| (*id, l)).collect();
         let mut tasks: Vec<SampleTask<'_>> = Vec::with_capacity(rows.len());
@@ -749,6 +773,7 @@ impl Worker {
                     context: sched.tokens(id).unwrap_or(&[]),
                     row,
                     constraint: live.req.constraint.as_ref(),
+                    mask: masks.remove(&id),
                 });
             }
         }
@@ -763,13 +788,15 @@ impl Worker {
     /// every token emitted before it) before its token is picked, so the target's token at the first
     /// refused draft is drawn under the mask and no token the constraint refuses is emitted. Greedy
     /// requests get the tokens of plain decoding; sampling requests keep the masked distribution (a
-    /// refused draft has probability 0 under it: rejection sampling rejects it).
+    /// refused draft has probability 0 under it: rejection sampling rejects it). `first`: the first
+    /// row's bitmask when it was computed while the step ran.
     fn accept(
         &mut self,
         id: SeqId,
         drafts: &[u32],
         rows: Vec<&mut [f32]>,
         q: Option<Vec<Vec<f32>>>,
+        mut first: Option<Vec<u32>>,
     ) -> (usize, usize, Option<FinishReason>) {
         let (mut emitted, mut accepted) = (0, 0);
         let constraint = self.reqs.get(&id).and_then(|l| l.req.constraint.clone());
@@ -777,8 +804,10 @@ impl Worker {
         for (i, row) in rows.into_iter().enumerate() {
             let Some(live) = self.reqs.get_mut(&id) else { break };
             let raw = live.req.logprobs.map(|_| row.to_vec());
-            if let Some(c) = &constraint {
-                c.with(|c| c.mask(row));
+            match (first.take(), &constraint) {
+                (Some(bits), Some(_)) => apply_mask(&bits, row),
+                (_, Some(c)) => c.with(|c| c.mask(row)),
+                _ => {}
             }
             let context = self.sched.tokens(id).unwrap_or(&[]);
             let draft = drafts.get(i).copied();

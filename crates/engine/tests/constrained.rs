@@ -5,7 +5,8 @@
 //! same steps keep their own tokens; sampling requests under a grammar stay inside it; a constraint
 //! that cannot check drafts makes its request decode without them. Without speculation, constrained
 //! rows are picked by the backend with their token bitmask, with the tokens of host sampling (a backend
-//! that applies no masks).
+//! that applies no masks). Rows that come back to the host are masked with bitmasks computed while the
+//! step ran.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -134,12 +135,20 @@ impl Backend for Masking {
     }
 }
 
-/// A grammar as a request's constraint (only the end token once it allows nothing further), counting
-/// the tokens it was told of that it refused.
+/// What the constraints of a test were asked.
+#[derive(Default)]
+struct Counts {
+    /// Tokens they were told of that they refused.
+    refused: AtomicUsize,
+    /// Bitmasks they gave (rows masked by the backend, or with a mask computed while the step ran).
+    bitmasks: AtomicUsize,
+}
+
+/// A grammar as a request's constraint (only the end token once it allows nothing further).
 struct Checked {
     matcher: GrammarMatcher,
     eos: u32,
-    refused: Arc<AtomicUsize>,
+    counts: Arc<Counts>,
     /// Whether it checks drafts (else its request decodes without them).
     checks_drafts: bool,
 }
@@ -154,9 +163,15 @@ impl TokenConstraint for Checked {
             }
         }
     }
+    fn allowed(&mut self, bits: &mut [u32]) {
+        self.counts.bitmasks.fetch_add(1, Ordering::SeqCst);
+        if !self.matcher.allowed(bits) {
+            bits[self.eos as usize / 32] |= 1 << (self.eos % 32);
+        }
+    }
     fn accept(&mut self, token: u32) {
         if self.matcher.accept(token).is_err() && token != self.eos {
-            self.refused.fetch_add(1, Ordering::SeqCst);
+            self.counts.refused.fetch_add(1, Ordering::SeqCst);
         }
     }
     fn allows_prefix(&mut self, tokens: &[u32]) -> Option<usize> {
@@ -178,9 +193,9 @@ impl Grammars {
         Self { compiler, eos, tok }
     }
 
-    fn constraint(&self, g: &Grammar, refused: &Arc<AtomicUsize>, checks_drafts: bool) -> SharedConstraint {
+    fn constraint(&self, g: &Grammar, counts: &Arc<Counts>, checks_drafts: bool) -> SharedConstraint {
         let matcher = self.compiler.compile(g).unwrap();
-        SharedConstraint::new(Checked { matcher, eos: self.eos, refused: refused.clone(), checks_drafts })
+        SharedConstraint::new(Checked { matcher, eos: self.eos, counts: counts.clone(), checks_drafts })
     }
 
     /// Asserts that the grammar allowed each of `ids` at its position (the end token when it allows
@@ -237,7 +252,7 @@ fn wait_idle(e: &EngineHandle) -> EngineStats {
 
 /// Each grammar's greedy constrained request next to an unconstrained one, all submitted at once:
 /// their tokens, and the drafting counters.
-fn run(e: &EngineHandle, gs: &Grammars, sampling: &SamplingParams, refused: &Arc<AtomicUsize>) -> Vec<Vec<u32>> {
+fn run(e: &EngineHandle, gs: &Grammars, sampling: &SamplingParams, counts: &Arc<Counts>) -> Vec<Vec<u32>> {
     let mut streams = Vec::new();
     for (i, g) in grammars().iter().enumerate() {
         let base = Request {
@@ -248,7 +263,7 @@ fn run(e: &EngineHandle, gs: &Grammars, sampling: &SamplingParams, refused: &Arc
             ..Request::default()
         };
         let free = Request { prompt: vec![7, 8, 9, 10 + i as u32], max_tokens: 12, ..base.clone() };
-        streams.push(e.submit(Request { constraint: Some(gs.constraint(g, refused, true)), ..base }).unwrap());
+        streams.push(e.submit(Request { constraint: Some(gs.constraint(g, counts, true)), ..base }).unwrap());
         streams.push(e.submit(free).unwrap());
     }
     streams.into_iter().map(|s| collect(s).0).collect()
@@ -259,18 +274,21 @@ fn drafts_under_a_grammar_never_break_it_and_greedy_tokens_equal_plain_decoding(
     let greedy = SamplingParams::greedy();
     for variant in [MtpVariant::Random, MtpVariant::Agreeing { residual_scale: 0.0 }] {
         let gs = Grammars::new(variant);
-        let refused = Arc::new(AtomicUsize::new(0));
+        let counts = Arc::new(Counts::default());
         let plain = engine(variant, 0);
-        let want = run(&plain, &gs, &greedy, &refused);
+        let want = run(&plain, &gs, &greedy, &counts);
         plain.shutdown(true);
         for (g, ids) in grammars().iter().zip(want.iter().step_by(2)) {
             gs.assert_valid(g, ids, &format!("{variant:?} plain"));
         }
         for k in 1..=4 {
             let e = engine(variant, k);
-            let got = run(&e, &gs, &greedy, &refused);
+            let before = counts.bitmasks.load(Ordering::SeqCst);
+            let got = run(&e, &gs, &greedy, &counts);
             let stats = wait_idle(&e);
             e.shutdown(true);
+            // Verify steps mask their first rows with bitmasks computed while the step ran.
+            assert!(counts.bitmasks.load(Ordering::SeqCst) > before, "{variant:?} K={k}");
             assert_eq!(got, want, "{variant:?} K={k}: the tokens of plain decoding");
             assert!(stats.spec_steps > 0 && stats.spec_drafted > 0, "{variant:?} K={k}: {stats:?}");
             if variant != MtpVariant::Random {
@@ -280,7 +298,7 @@ fn drafts_under_a_grammar_never_break_it_and_greedy_tokens_equal_plain_decoding(
                 assert!(stats.spec_accepted < stats.spec_drafted, "{variant:?} K={k}: {stats:?}");
             }
         }
-        assert_eq!(refused.load(Ordering::SeqCst), 0, "{variant:?}: no token outside a grammar was emitted");
+        assert_eq!(counts.refused.load(Ordering::SeqCst), 0, "{variant:?}: no token outside a grammar was emitted");
     }
 }
 
@@ -288,11 +306,11 @@ fn drafts_under_a_grammar_never_break_it_and_greedy_tokens_equal_plain_decoding(
 fn sampling_under_a_grammar_with_drafts_stays_inside_it() {
     let variant = MtpVariant::Agreeing { residual_scale: 0.05 };
     let gs = Grammars::new(variant);
-    let refused = Arc::new(AtomicUsize::new(0));
+    let counts = Arc::new(Counts::default());
     let e = engine(variant, 3);
     for seed in 0..4 {
         let sampling = SamplingParams { temperature: 0.9, top_k: 40, seed: Some(seed), ..Default::default() };
-        let got = run(&e, &gs, &sampling, &refused);
+        let got = run(&e, &gs, &sampling, &counts);
         for (g, ids) in grammars().iter().zip(got.iter().step_by(2)) {
             gs.assert_valid(g, ids, &format!("seed {seed}"));
         }
@@ -300,21 +318,21 @@ fn sampling_under_a_grammar_with_drafts_stays_inside_it() {
     let stats = wait_idle(&e);
     e.shutdown(true);
     assert!(stats.spec_drafted > 0 && stats.spec_accepted > 0, "{stats:?}");
-    assert_eq!(refused.load(Ordering::SeqCst), 0);
+    assert_eq!(counts.refused.load(Ordering::SeqCst), 0);
 }
 
 #[test]
 fn a_constraint_that_cannot_check_drafts_decodes_without_them() {
     let variant = MtpVariant::Agreeing { residual_scale: 0.0 };
     let gs = Grammars::new(variant);
-    let refused = Arc::new(AtomicUsize::new(0));
+    let counts = Arc::new(Counts::default());
     let g = &grammars()[1];
     let req = |checks| Request {
         prompt: vec![5, 6, 7],
         max_tokens: 30,
         sampling: SamplingParams::greedy(),
         stop_token_ids: vec![gs.eos],
-        constraint: Some(gs.constraint(g, &refused, checks)),
+        constraint: Some(gs.constraint(g, &counts, checks)),
         ..Request::default()
     };
     let plain = engine(variant, 0);
@@ -327,7 +345,7 @@ fn a_constraint_that_cannot_check_drafts_decodes_without_them() {
     assert_eq!(got, want);
     assert_eq!(stats.spec_drafted, 0, "{stats:?}");
     gs.assert_valid(g, &got, "no drafts");
-    assert_eq!(refused.load(Ordering::SeqCst), 0);
+    assert_eq!(counts.refused.load(Ordering::SeqCst), 0);
 }
 
 /// Without speculation, a step with constrained rows is picked by the backend, each constrained row
@@ -337,7 +355,7 @@ fn a_constraint_that_cannot_check_drafts_decodes_without_them() {
 fn token_masks_picked_by_the_backend_equal_host_sampling() {
     let variant = MtpVariant::Random;
     let gs = Grammars::new(variant);
-    let refused = Arc::new(AtomicUsize::new(0));
+    let counts = Arc::new(Counts::default());
     let samplings = [
         SamplingParams::greedy(),
         SamplingParams { temperature: 0.8, top_k: 30, top_p: 0.9, seed: Some(11), ..Default::default() },
@@ -348,7 +366,7 @@ fn token_masks_picked_by_the_backend_equal_host_sampling() {
         let asked = Arc::new(Mutex::new(Asked::default()));
         let b = Masking { inner: backend(variant, 0), masks, asked: asked.clone() };
         let e = EngineHandle::start(Box::new(b), sched(), Some(tokenizer(variant)));
-        let got: Vec<Vec<Vec<u32>>> = samplings.iter().map(|s| run(&e, &gs, s, &refused)).collect();
+        let got: Vec<Vec<Vec<u32>>> = samplings.iter().map(|s| run(&e, &gs, s, &counts)).collect();
         wait_idle(&e);
         e.shutdown(true);
         for (s, out) in samplings.iter().zip(&got) {
@@ -367,5 +385,5 @@ fn token_masks_picked_by_the_backend_equal_host_sampling() {
         outs.push(got);
     }
     assert_eq!(outs[0], outs[1]);
-    assert_eq!(refused.load(Ordering::SeqCst), 0);
+    assert_eq!(counts.refused.load(Ordering::SeqCst), 0);
 }

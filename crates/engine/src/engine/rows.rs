@@ -1,7 +1,7 @@
 //! Sampling a step's rows on the engine thread: each row with its sequence's sampler, context and
 //! constraint (on several threads for a large vocabulary), and the log-probabilities a request asked for.
 
-use deltaserve_backend::sampling::{PARALLEL_PICK_VOCAB, map_rows};
+use deltaserve_backend::sampling::{PARALLEL_PICK_VOCAB, apply_mask, map_rows};
 use deltaserve_sched::SeqId;
 
 use super::{SharedConstraint, TokenLogprob};
@@ -18,13 +18,17 @@ pub(super) struct SampleTask<'a> {
     pub(super) context: &'a [u32],
     pub(super) row: &'a mut [f32],
     pub(super) constraint: Option<&'a SharedConstraint>,
+    /// The constraint's bitmask for this row, when it was computed already.
+    pub(super) mask: Option<Vec<u32>>,
 }
 
 impl SampleTask<'_> {
     fn run(&mut self) -> (SeqId, Sampled) {
         let raw = self.logprobs.then(|| self.row.to_vec());
-        if let Some(c) = self.constraint {
-            c.with(|c| c.mask(self.row));
+        match (self.mask.take(), self.constraint) {
+            (Some(bits), Some(_)) => apply_mask(&bits, self.row),
+            (_, Some(c)) => c.with(|c| c.mask(self.row)),
+            _ => {}
         }
         (self.id, (self.sampler.sample(self.row, self.context), raw))
     }
@@ -91,6 +95,7 @@ mod tests {
                         context: &context,
                         row,
                         constraint: None,
+                        mask: None,
                     })
                     .collect();
                 out.push(if parallel { run_all(&mut tasks) } else { tasks.iter_mut().map(SampleTask::run).collect() });
@@ -126,6 +131,7 @@ mod tests {
                     context: &[],
                     row,
                     constraint: None,
+                    mask: None,
                 })
                 .collect();
             let n = if parallel { run_all(&mut tasks).len() } else { tasks.iter_mut().map(SampleTask::run).count() };
