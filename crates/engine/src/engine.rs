@@ -31,23 +31,24 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use deltaserve_backend::sampling::{apply_mask, mask_words};
+use deltaserve_backend::sampling::mask_words;
 use deltaserve_backend::{Backend, Pick, RowSampling, SeqChunk, SpecCommit, StepOut, Want};
 use deltaserve_sched::{AdmitError, SchedConfig, Scheduler, SeqId, SeqOptions, check_request};
 use deltaserve_text::{IncrementalDecoder, StopMatcher, Tokenizer};
 use tokio::sync::mpsc as tmpsc;
 
-use crate::sampling::{Sampler, speculative_pick};
+use crate::sampling::Sampler;
 
 mod ahead;
 mod choices;
 mod masks;
 mod rows;
 mod types;
+mod verify;
 
 use ahead::Launched;
 use choices::Choice;
-use rows::{SampleTask, Sampled, run_all, token_logprob};
+use rows::token_logprob;
 pub use types::{
     EngineError, EngineStats, Event, FinishReason, Request, SharedConstraint, Timing, TokenConstraint, TokenLogprob,
     Usage,
@@ -720,119 +721,6 @@ impl Worker {
         for c in seqs {
             self.fail(c.seq_id, EngineError::Backend(error.to_string()));
         }
-    }
-
-    /// The sampling rule of each wanted row of `seqs` (one uniform draw from each sampling request's
-    /// RNG; a constrained request's token mask from where its reply stands). `context`: penalties over
-    /// each sequence's tokens (false: the rows of context-free requests, planned before their last pick
-    /// is known).
-    fn sampling_rows(&mut self, seqs: &[SeqChunk], context: bool) -> Vec<RowSampling> {
-        let mut rows: Vec<RowSampling> = seqs
-            .iter()
-            .filter(|c| c.want_logits)
-            .map(|c| {
-                let tokens = if context { self.sched.tokens(c.seq_id).unwrap_or(&[]) } else { &[] };
-                self.reqs.get_mut(&c.seq_id).map_or_else(RowSampling::greedy, |l| l.sampler.row(tokens))
-            })
-            .collect();
-        // The constrained rows' bitmasks (on several threads when there are several).
-        let wanted = seqs.iter().filter(|c| c.want_logits);
-        let (mut at, mut constraints) = (Vec::new(), Vec::new());
-        for (i, c) in wanted.enumerate() {
-            if let Some(k) = self.reqs.get(&c.seq_id).and_then(|l| l.req.constraint.as_ref()) {
-                at.push(i);
-                constraints.push(k);
-            }
-        }
-        for (i, bits) in at.into_iter().zip(masks::bitmasks(&mut constraints, mask_words(self.vocab))) {
-            rows[i].allowed = Some(bits);
-        }
-        rows
-    }
-
-    /// Samples the next token of each sequence from its logits row: (token, raw row when logprobs were
-    /// asked) by sequence. Every sequence has its own sampler and RNG, so the rows are independent: with
-    /// several rows of a large vocabulary they are sampled on several threads (the same tokens as one by
-    /// one; a draw over 248K ids costs ~1 ms). A constrained row takes its bitmask from `masks` when it
-    /// is there (computed while the step ran), else its constraint masks it.
-    fn sample_rows(
-        &mut self,
-        rows: Vec<(SeqId, &mut [f32])>,
-        masks: &mut HashMap<SeqId, Vec<u32>>,
-    ) -> HashMap<SeqId, Sampled> {
-        let sched = &self.sched;
-        let mut lives: HashMap<SeqId, &mut Live> = self.reqs.iter_mut().map(|(id, l)| (*id, l)).collect();
-        let mut tasks: Vec<SampleTask<'_>> = Vec::with_capacity(rows.len());
-        for (id, row) in rows {
-            if let Some(live) = lives.remove(&id) {
-                let logprobs = live.req.logprobs.is_some();
-                tasks.push(SampleTask {
-                    id,
-                    sampler: &mut live.sampler,
-                    logprobs,
-                    context: sched.tokens(id).unwrap_or(&[]),
-                    row,
-                    constraint: live.req.constraint.as_ref(),
-                    mask: masks.remove(&id),
-                });
-            }
-        }
-        run_all(&mut tasks).into_iter().collect()
-    }
-
-    /// Emits the verified tokens of a speculative chunk of `id`: row i of `rows` is the target's logits
-    /// after the chunk's token and drafts `..i`. Returns (tokens emitted, drafts among them, finish).
-    ///
-    /// Under a constraint, the drafts are checked against it in order from where the reply stands; the
-    /// first it refuses ends acceptance there. Each row is masked by the constraint (which has followed
-    /// every token emitted before it) before its token is picked, so the target's token at the first
-    /// refused draft is drawn under the mask and no token the constraint refuses is emitted. Greedy
-    /// requests get the tokens of plain decoding; sampling requests keep the masked distribution (a
-    /// refused draft has probability 0 under it: rejection sampling rejects it). `first`: the first
-    /// row's bitmask when it was computed while the step ran.
-    fn accept(
-        &mut self,
-        id: SeqId,
-        drafts: &[u32],
-        rows: Vec<&mut [f32]>,
-        q: Option<Vec<Vec<f32>>>,
-        mut first: Option<Vec<u32>>,
-    ) -> (usize, usize, Option<FinishReason>) {
-        let (mut emitted, mut accepted) = (0, 0);
-        let constraint = self.reqs.get(&id).and_then(|l| l.req.constraint.clone());
-        let allowed = constraint.as_ref().map_or(drafts.len(), |c| c.with(|c| c.allows_prefix(drafts)).unwrap_or(0));
-        for (i, row) in rows.into_iter().enumerate() {
-            let Some(live) = self.reqs.get_mut(&id) else { break };
-            let raw = live.req.logprobs.map(|_| row.to_vec());
-            match (first.take(), &constraint) {
-                (Some(bits), Some(_)) => apply_mask(&bits, row),
-                (_, Some(c)) => c.with(|c| c.mask(row)),
-                _ => {}
-            }
-            let context = self.sched.tokens(id).unwrap_or(&[]);
-            let draft = drafts.get(i).copied();
-            let (token, is_draft) = match (draft, q.as_ref().and_then(|q| q.get(i))) {
-                // Sampling: rejection sampling against the draft distribution q.
-                (Some(d), Some(qi)) if !live.sampler.is_greedy() => {
-                    let p = live.sampler.distribution(row, context);
-                    speculative_pick(&mut live.sampler, &p, qi, d)
-                }
-                // Greedy (or the bonus row): the target's own pick; a draft survives if it is that pick.
-                _ => {
-                    let t = live.sampler.sample(row, context);
-                    (t, draft == Some(t))
-                }
-            };
-            let is_draft = is_draft && i < allowed;
-            emitted += 1;
-            accepted += usize::from(is_draft);
-            match self.emit(id, token, raw) {
-                Emit::Continue if is_draft => {}
-                Emit::Continue | Emit::Gone => return (emitted, accepted, None),
-                Emit::Finish(r) => return (emitted, accepted, Some(r)),
-            }
-        }
-        (emitted, accepted, None)
     }
 
     /// Streams a chosen token of `id` (with its logprobs from the `raw` row) and applies the stop rules.
