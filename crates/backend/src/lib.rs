@@ -165,6 +165,9 @@ pub struct Capabilities {
     /// The most draft tokens one chunk may carry (0: no speculative decoding: no step wants
     /// [`Want::Drafts`] of a batch with drafts, and nothing is committed).
     pub max_draft_tokens: usize,
+    /// Whether picks ([`Want::Tokens`], [`Backend::launch`]) apply a row's token mask
+    /// ([`RowSampling::allowed`]). Without it, the engine samples constrained rows on the host.
+    pub masks_tokens: bool,
 }
 
 /// What a step returns for each chunk that wants its logits (a wanted row), in batch order.

@@ -1,4 +1,5 @@
-//! The sampling rule of a step's rows, as every backend applies it: a row's penalties, then greedy
+//! The sampling rule of a step's rows, as every backend applies it: a row's penalties and token mask
+//! (structured outputs: the ids a grammar allows, a bitmask per row), then greedy
 //! (`temperature == 0`: the [`argmax`]) or a draw with temperature, top-k, top-p and min-p from one
 //! uniform number the engine drew from the request's RNG. This is the host reference; a device backend
 //! picks the same candidates and draws with the same uniform (its sums run in another order, so a draw
@@ -44,6 +45,10 @@ pub struct RowSampling {
     /// Applied in order. An id is `repeated` in at most one entry, and that entry comes before any other
     /// entry of the id (the repetition penalty applies first, then the subtrahends).
     pub penalties: Vec<Penalty>,
+    /// The ids this row may pick, as a bitmask: bit `id % 32` of word `id / 32` set when `id` is
+    /// allowed ([`mask_words`] of the logits row wide; ids past it are refused). The others' logits
+    /// become -inf with the penalties. None: every id.
+    pub allowed: Option<Vec<u32>>,
 }
 
 impl RowSampling {
@@ -57,6 +62,7 @@ impl RowSampling {
             uniform: 0.0,
             repetition_penalty: 1.0,
             penalties: Vec::new(),
+            allowed: None,
         }
     }
 
@@ -69,7 +75,8 @@ impl RowSampling {
         !self.is_greedy() && (self.top_k == 0 || self.top_k >= valid) && self.top_p >= 1.0 && self.min_p <= 0.0
     }
 
-    /// Applies the penalties to `logits` (the row over the valid ids) in place.
+    /// Applies the penalties, then the token mask ([`RowSampling::allowed`]), to `logits` (the row over
+    /// the valid ids) in place.
     pub fn apply_penalties(&self, logits: &mut [f32]) {
         for p in &self.penalties {
             let Some(l) = logits.get_mut(p.id as usize) else { continue };
@@ -77,6 +84,9 @@ impl RowSampling {
                 *l = if *l > 0.0 { *l / self.repetition_penalty } else { *l * self.repetition_penalty };
             }
             *l -= p.subtract;
+        }
+        if let Some(bits) = &self.allowed {
+            apply_mask(bits, logits);
         }
     }
 
@@ -142,6 +152,44 @@ impl RowSampling {
             }
             m = (m * 4).min(n);
         }
+    }
+}
+
+/// The words of a token bitmask over `ids` ids ([`RowSampling::allowed`]).
+pub fn mask_words(ids: usize) -> usize {
+    ids.div_ceil(32)
+}
+
+/// Whether `id` is allowed by the token bitmask `bits` (ids past it are not).
+pub fn is_allowed(bits: &[u32], id: u32) -> bool {
+    bits.get(id as usize / 32).is_some_and(|w| w >> (id % 32) & 1 == 1)
+}
+
+/// Sets the logits of the ids `bits` does not allow to -inf.
+pub fn apply_mask(bits: &[u32], logits: &mut [f32]) {
+    for (id, l) in logits.iter_mut().enumerate() {
+        if !is_allowed(bits, id as u32) {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// How many ids below `valid` the bitmask `bits` allows.
+pub fn allowed_count(bits: &[u32], valid: usize) -> usize {
+    let full = (valid / 32).min(bits.len());
+    let mut n: usize = bits[..full].iter().map(|w| w.count_ones() as usize).sum();
+    if let Some(w) = bits.get(full).filter(|_| !valid.is_multiple_of(32)) {
+        n += (w & ((1u32 << (valid % 32)) - 1)).count_ones() as usize;
+    }
+    n
+}
+
+/// Writes the bitmask of the finite entries of `row` into `bits` (every word; ids past the row are
+/// refused).
+pub fn bits_of_row(row: &[f32], bits: &mut [u32]) {
+    for (w, word) in bits.iter_mut().enumerate() {
+        let ids = row.get(w * 32..).unwrap_or(&[]);
+        *word = ids.iter().take(32).enumerate().filter(|(_, l)| l.is_finite()).fold(0, |m, (b, _)| m | 1 << b);
     }
 }
 
@@ -311,6 +359,31 @@ mod tests {
             base.chunks_exact(vocab).zip(&rows).map(|(l, r)| r.pick(&mut l[..vocab - 2].to_vec())).collect();
         assert_eq!(pick_rows(&mut base.clone(), vocab, vocab - 2, &rows, false), one);
         assert_eq!(pick_rows(&mut base.clone(), vocab, vocab - 2, &rows, true), one, "no penalties to apply");
+    }
+
+    /// A masked row picks among its allowed ids only, greedy or drawn, and the bitmask helpers agree.
+    #[test]
+    fn the_token_mask_limits_every_pick() {
+        let logits = [5.0f32, 1.0, 4.0, 0.5, 3.0, 2.0, 9.0, 0.0, 1.5, 2.5];
+        let mut bits = vec![0u32; mask_words(logits.len())];
+        let allowed = |l: &[f32]| l.iter().enumerate().map(|(i, _)| [1, 3, 5, 8].contains(&i)).collect::<Vec<_>>();
+        let masked: Vec<f32> =
+            logits.iter().zip(allowed(&logits)).map(|(&l, a)| if a { l } else { f32::NEG_INFINITY }).collect();
+        bits_of_row(&masked, &mut bits);
+        assert_eq!(bits, vec![(1 << 1) | (1 << 3) | (1 << 5) | (1 << 8)]);
+        assert!(is_allowed(&bits, 5) && !is_allowed(&bits, 6) && !is_allowed(&bits, 40));
+        assert_eq!((allowed_count(&bits, 10), allowed_count(&bits, 6), allowed_count(&bits, 64)), (4, 3, 4));
+        let greedy = RowSampling { allowed: Some(bits.clone()), ..RowSampling::greedy() };
+        assert_eq!(greedy.pick(&mut logits.to_vec()), 5, "the best allowed id, not 6");
+        for (k, p) in [(0, 1.0), (3, 1.0), (0, 0.9), (20, 0.5)] {
+            for u in [0.0, 0.2, 0.5, 0.8, 0.999] {
+                let r = RowSampling { allowed: Some(bits.clone()), ..row(1.0, k, p, 0.0, u) };
+                let t = r.pick(&mut logits.to_vec());
+                assert!([1, 3, 5, 8].contains(&t), "top-k {k}, top-p {p}, u {u}: {t}");
+                // The same as the row whose disallowed logits are -inf.
+                assert_eq!(t, row(1.0, k, p, 0.0, u).pick(&mut masked.clone()));
+            }
+        }
     }
 
     #[test]

@@ -466,6 +466,7 @@ impl Backend for CpuBackend {
             vocab_size: self.model.dims.vocab,
             launches_ahead: true,
             max_draft_tokens: self.max_draft,
+            masks_tokens: true,
         }
     }
 

@@ -18,11 +18,14 @@
 // threshold, counted while gathering. A row whose bin or candidates exceed the buffer gets token −1 and
 // flag 1: the host picks it from the (penalised) logits.
 // Penalties: sample_penalize_bits (the repetition penalty's ids as a bitmap), then sample_penalize (entries).
+// Token masks (structured outputs): sample_mask_bits, before the penalties, sets the logits of the ids a
+// masked row's bitmap does not allow (bit clear) to −inf; such ids get no mass and sort last.
 // Shapes/dtypes: params [R] SampleParams; partials [R, B] float4 (max, sum, argmax id, min); hist_count
 // [R, bins] u32, hist_mass [R, bins] u64, cand_count [R] u32 and state [R] SampleState (zeroed before
 // sample_hist); cand [R, cap] u64; out [R] int2 (token, flag). Penalties: int4 (row, id, bits of the
 // repetition factor, bits of the subtrahend).
-// Launch: sample_penalize grid (⌈n/256⌉), block 256; sample_penalize_bits grid (⌈words/256⌉, R); stats / hist / gather grid (B, R), block 256
+// Launch: sample_penalize grid (⌈n/256⌉), block 256; sample_penalize_bits grid (⌈words/256⌉, R);
+// sample_mask_bits grid (⌈valid/256⌉, R), block 256; stats / hist / gather grid (B, R), block 256
 // (hist: dynamic shared memory bins·12 B); pick grid (R), block 1024, dynamic shared memory cap·8 B.
 // Gather and pick run with round 1, then (rows without top-k) round 2.
 // Arch: plain loads, shuffles, shared and global 32/64-bit integer atomics: sm_80+.
@@ -36,7 +39,7 @@ struct SampleParams {
     float uniform;
     int mode;
     float rep;  // the repetition penalty of the ids in the row's bitmap (1: none)
-    int pad;
+    int masked;  // 1: the row's token bitmap (sample_mask_bits) says which ids it may pick
 };
 
 // Per row, zeroed each step: the min-p floor's count and mass (round 1's gather), and where round 2
@@ -143,6 +146,22 @@ extern "C" __global__ void sample_penalize_bits(float* x, long long ld, int vali
             const float v = row[id];
             row[id] = v > 0.0f ? v / rp : v * rp;
         }
+    }
+}
+
+// The token mask of row r when it is masked: every id < valid whose bit is clear in the row's bitmap
+// (bits [R, words] u32, bit id % 32 of word id / 32 set = allowed) gets logit −inf. One thread an id
+// (coalesced writes). Grid (any, R), block 256.
+extern "C" __global__ void sample_mask_bits(float* x, long long ld, int valid, const SampleParams* params,
+                                            const unsigned* __restrict__ bits, int words) {
+    const int r = blockIdx.y;
+    if (params[r].masked == 0) return;
+    float* row = x + (long long)r * ld;
+    const unsigned* mask = bits + (long long)r * words;
+    const int n = min(valid, words * 32);
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < valid; i += gridDim.x * blockDim.x) {
+        const bool allowed = i < n && ((mask[i >> 5] >> (i & 31)) & 1u);
+        if (!allowed) row[i] = -__int_as_float(0x7f800000);
     }
 }
 

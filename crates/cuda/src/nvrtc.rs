@@ -37,6 +37,7 @@ pub const SOURCES: &[KernelSource] = &[
         functions: &[
             "sample_penalize",
             "sample_penalize_bits",
+            "sample_mask_bits",
             "sample_stats",
             "sample_hist",
             "sample_gather",

@@ -162,6 +162,7 @@ impl Backend for TpBackend {
             vocab_size: self.full_vocab,
             launches_ahead: false,
             max_draft_tokens: 0,
+            masks_tokens: true,
         }
     }
 

@@ -15,6 +15,15 @@
 //! distribution `p` (the sampler's, penalties and cuts included); `q` is the head's softmax at the
 //! request's temperature. Emission stops at a stop token, stop string or `max_tokens` like plain
 //! decoding, and only the emitted positions are committed to the sequence's state.
+//!
+//! Constrained requests (a [`TokenConstraint`]: structured outputs): without speculation their rows
+//! carry the constraint's token bitmask in their [`RowSampling`] and the backend picks them where the
+//! logits are, with the other rows of the step ([`deltaserve_backend::Capabilities::masks_tokens`];
+//! otherwise their steps sample on the host). With speculation they draft like any request when the
+//! constraint checks drafts ([`TokenConstraint::allows_prefix`]): at verify the drafts are checked in
+//! order, the first one refused ends acceptance, and every verified row is masked before its pick, so
+//! no refused token is emitted and greedy outputs are those of plain decoding. Where the step allows
+//! it, their masks are computed on CPU threads while the backend runs (`engine/masks.rs`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -22,21 +31,24 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use deltaserve_backend::sampling::mask_words;
 use deltaserve_backend::{Backend, Pick, RowSampling, SeqChunk, SpecCommit, StepOut, Want};
 use deltaserve_sched::{AdmitError, SchedConfig, Scheduler, SeqId, SeqOptions, check_request};
 use deltaserve_text::{IncrementalDecoder, StopMatcher, Tokenizer};
 use tokio::sync::mpsc as tmpsc;
 
-use crate::sampling::{Sampler, speculative_pick};
+use crate::sampling::Sampler;
 
 mod ahead;
 mod choices;
+mod masks;
 mod rows;
 mod types;
+mod verify;
 
 use ahead::Launched;
 use choices::Choice;
-use rows::{SampleTask, Sampled, run_all, token_logprob};
+use rows::token_logprob;
 pub use types::{
     EngineError, EngineStats, Event, FinishReason, Request, SharedConstraint, Timing, TokenConstraint, TokenLogprob,
     Usage,
@@ -202,6 +214,7 @@ impl EngineHandle {
         let worker = Worker {
             sched: Scheduler::new(sched_cfg.clone()).with_speculation(opts.speculative_tokens),
             lookahead: opts.lookahead && caps.launches_ahead,
+            masks_tokens: caps.masks_tokens,
             ahead: None,
             collected: Instant::now(),
             backend,
@@ -298,6 +311,12 @@ impl EngineHandle {
     }
 }
 
+/// Whether a request under `constraint` drafts: unconstrained ones do, constrained ones when their
+/// constraint checks drafts ([`TokenConstraint::allows_prefix`]).
+fn drafts_under(constraint: Option<&SharedConstraint>) -> bool {
+    constraint.is_none_or(|c| c.with(|c| c.allows_prefix(&[])).is_some())
+}
+
 /// What happened to a request when a token was emitted.
 enum Emit {
     Continue,
@@ -366,6 +385,8 @@ struct Worker {
     lookahead: bool,
     /// The step launched and not collected yet.
     ahead: Option<Launched>,
+    /// The backend applies token masks ([`deltaserve_backend::Capabilities::masks_tokens`]).
+    masks_tokens: bool,
     /// When the last launched step was collected (launched steps overlap: a step's time starts at
     /// its launch or at this, whichever is later).
     collected: Instant,
@@ -409,7 +430,7 @@ impl Worker {
                 let opts = SeqOptions {
                     snapshot_points: req.snapshot_points.clone(),
                     snapshot_on_finish: req.snapshot_on_finish,
-                    no_drafts: req.constraint.is_some(),
+                    no_drafts: !drafts_under(req.constraint.as_ref()),
                 };
                 match self.sched.add_with(id, req.prompt.clone(), req.max_tokens, opts) {
                     Ok(()) => {
@@ -516,13 +537,18 @@ impl Worker {
         // (the penalties and one uniform draw per row travel with the step); 4 bytes a row come back.
         let wanted: Vec<Option<&Live>> =
             plan.batch.seqs.iter().filter(|c| c.want_logits).map(|c| self.reqs.get(&c.seq_id)).collect();
-        // A constrained row is masked on the host, so its step brings the rows back.
-        // So is one whose choices fork from its row.
+        // A constrained row's token mask travels with its sampling rule where the backend applies one
+        // (else the row is masked on the host, and its step brings the rows back). A row whose choices
+        // fork from it comes back too.
+        let masks = self.masks_tokens;
         let on_device = self.sched.speculative_tokens() == 0
             && wanted.iter().all(|l| {
-                l.is_some_and(|l| l.req.logprobs.is_none() && l.req.constraint.is_none() && l.forks.is_empty())
+                l.is_some_and(|l| {
+                    l.req.logprobs.is_none() && (masks || l.req.constraint.is_none()) && l.forks.is_empty()
+                })
             });
-        let greedy_step = on_device && wanted.iter().all(|l| l.is_some_and(|l| l.sampler.picks_argmax()));
+        let greedy_step = on_device
+            && wanted.iter().all(|l| l.is_some_and(|l| l.sampler.picks_argmax() && l.req.constraint.is_none()));
         let device_sampling = on_device && !greedy_step;
         let started = Instant::now();
         let rows: Vec<RowSampling> = if device_sampling { self.sampling_rows(&plan.batch.seqs, true) } else { vec![] };
@@ -537,6 +563,15 @@ impl Worker {
             self.follow(Launched::new(plan, rows, None, started));
             return;
         }
+        // The constrained rows' first masks, computed on a CPU thread while the backend runs the step
+        // (rows picked by the backend carry theirs already).
+        let constrained: Vec<(SeqId, SharedConstraint)> = plan
+            .batch
+            .seqs
+            .iter()
+            .filter(|c| c.want_logits && !on_device)
+            .filter_map(|c| Some((c.seq_id, self.reqs.get(&c.seq_id)?.req.constraint.clone()?)))
+            .collect();
         let reqs = &mut self.reqs;
         let mut draft_pick = |seq: u64, _i: usize, row: &[f32]| -> u32 {
             let Some(live) = reqs.get_mut(&seq) else { return 0 };
@@ -551,7 +586,9 @@ impl Worker {
             None if self.sched.speculative_tokens() > 0 => Want::Drafts(&mut draft_pick),
             None => Want::Logits,
         };
-        let result = self.backend.step(&plan.batch, want, &mut self.out);
+        let (backend, out) = (&mut self.backend, &mut self.out);
+        let (result, mut first_masks) =
+            masks::while_running(constrained, mask_words(self.vocab), || backend.step(&plan.batch, want, out));
         if let Err(e) = result {
             self.step_failed(&e.to_string(), &plan.batch.seqs);
             return;
@@ -597,7 +634,7 @@ impl Worker {
             let wanted = plan.batch.seqs.iter().filter(|c| c.want_logits).map(|c| c.seq_id);
             wanted.zip(out.tokens.iter().copied()).map(|(id, t)| (id, (t, None))).collect()
         } else {
-            self.sample_rows(plain)
+            self.sample_rows(plain, &mut first_masks)
         };
         for id in forked_ids {
             if let Some(token) = sampled.remove(&id)
@@ -625,7 +662,8 @@ impl Worker {
                 continue;
             }
             let q = q_rows.remove(&c.seq_id);
-            let (emitted, accepted, end) = self.accept(c.seq_id, &draft, verified, q);
+            let first = first_masks.remove(&c.seq_id);
+            let (emitted, accepted, end) = self.accept(c.seq_id, &draft, verified, q, first);
             if let Ok(mut s) = self.shared.stats.lock() {
                 s.spec_steps += 1;
                 s.spec_drafted += c.draft as u64;
@@ -683,81 +721,6 @@ impl Worker {
         for c in seqs {
             self.fail(c.seq_id, EngineError::Backend(error.to_string()));
         }
-    }
-
-    /// The sampling rule of each wanted row of `seqs` (one uniform draw from each sampling request's
-    /// RNG). `context`: penalties over each sequence's tokens (false: the rows of context-free
-    /// requests, planned before their last pick is known).
-    fn sampling_rows(&mut self, seqs: &[SeqChunk], context: bool) -> Vec<RowSampling> {
-        seqs.iter()
-            .filter(|c| c.want_logits)
-            .map(|c| {
-                let tokens = if context { self.sched.tokens(c.seq_id).unwrap_or(&[]) } else { &[] };
-                self.reqs.get_mut(&c.seq_id).map_or_else(RowSampling::greedy, |l| l.sampler.row(tokens))
-            })
-            .collect()
-    }
-
-    /// Samples the next token of each sequence from its logits row: (token, raw row when logprobs were
-    /// asked) by sequence. Every sequence has its own sampler and RNG, so the rows are independent: with
-    /// several rows of a large vocabulary they are sampled on several threads (the same tokens as one by
-    /// one; a draw over 248K ids costs ~1 ms).
-    fn sample_rows(&mut self, rows: Vec<(SeqId, &mut [f32])>) -> HashMap<SeqId, Sampled> {
-        let sched = &self.sched;
-        let mut lives: HashMap<SeqId, &mut Live> = self.reqs.iter_mut().map(|(id, l)| (*id, l)).collect();
-        let mut tasks: Vec<SampleTask<'_>> = Vec::with_capacity(rows.len());
-        for (id, row) in rows {
-            if let Some(live) = lives.remove(&id) {
-                let logprobs = live.req.logprobs.is_some();
-                tasks.push(SampleTask {
-                    id,
-                    sampler: &mut live.sampler,
-                    logprobs,
-                    context: sched.tokens(id).unwrap_or(&[]),
-                    row,
-                    constraint: live.req.constraint.as_ref(),
-                });
-            }
-        }
-        run_all(&mut tasks).into_iter().collect()
-    }
-
-    /// Emits the verified tokens of a speculative chunk of `id`: row i of `rows` is the target's logits
-    /// after the chunk's token and drafts `..i`. Returns (tokens emitted, drafts among them, finish).
-    fn accept(
-        &mut self,
-        id: SeqId,
-        drafts: &[u32],
-        rows: Vec<&mut [f32]>,
-        q: Option<Vec<Vec<f32>>>,
-    ) -> (usize, usize, Option<FinishReason>) {
-        let (mut emitted, mut accepted) = (0, 0);
-        for (i, row) in rows.into_iter().enumerate() {
-            let Some(live) = self.reqs.get_mut(&id) else { break };
-            let raw = live.req.logprobs.map(|_| row.to_vec());
-            let context = self.sched.tokens(id).unwrap_or(&[]);
-            let draft = drafts.get(i).copied();
-            let (token, is_draft) = match (draft, q.as_ref().and_then(|q| q.get(i))) {
-                // Sampling: rejection sampling against the draft distribution q.
-                (Some(d), Some(qi)) if !live.sampler.is_greedy() => {
-                    let p = live.sampler.distribution(row, context);
-                    speculative_pick(&mut live.sampler, &p, qi, d)
-                }
-                // Greedy (or the bonus row): the target's own pick; a draft survives if it is that pick.
-                _ => {
-                    let t = live.sampler.sample(row, context);
-                    (t, draft == Some(t))
-                }
-            };
-            emitted += 1;
-            accepted += usize::from(is_draft);
-            match self.emit(id, token, raw) {
-                Emit::Continue if is_draft => {}
-                Emit::Continue | Emit::Gone => return (emitted, accepted, None),
-                Emit::Finish(r) => return (emitted, accepted, Some(r)),
-            }
-        }
-        (emitted, accepted, None)
     }
 
     /// Streams a chosen token of `id` (with its logprobs from the `raw` row) and applies the stop rules.

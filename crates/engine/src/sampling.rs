@@ -201,6 +201,7 @@ impl Sampler {
             uniform: 0.0,
             repetition_penalty: p.repetition_penalty,
             penalties: self.penalties(),
+            allowed: None,
         }
     }
 

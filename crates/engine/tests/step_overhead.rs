@@ -10,7 +10,13 @@ use deltaserve_sched::{PrefixCacheConfig, SchedConfig};
 struct Null;
 impl Backend for Null {
     fn capabilities(&self) -> Capabilities {
-        Capabilities { name: "null".into(), vocab_size: 248_320, launches_ahead: false, max_draft_tokens: 0 }
+        Capabilities {
+            name: "null".into(),
+            vocab_size: 248_320,
+            launches_ahead: false,
+            max_draft_tokens: 0,
+            masks_tokens: false,
+        }
     }
     fn step(&mut self, b: &StepBatch, want: Want<'_>, out: &mut StepOut) -> Result<(), BackendError> {
         let wanted = b.seqs.iter().filter(|c| c.want_logits);

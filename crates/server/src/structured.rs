@@ -190,6 +190,33 @@ impl TokenConstraint for GrammarConstraint {
         }
     }
 
+    fn allowed(&mut self, bits: &mut [u32]) {
+        if self.think_end.is_some() {
+            bits.fill(u32::MAX);
+            return;
+        }
+        if !self.matcher.allowed(bits) {
+            bits.fill(0);
+            for &id in &self.eos {
+                if let Some(w) = bits.get_mut(id as usize / 32) {
+                    *w |= 1 << (id % 32);
+                }
+            }
+        }
+    }
+
+    fn allows_prefix(&mut self, tokens: &[u32]) -> Option<usize> {
+        // While reasoning every token is free, up to and including `</think>`.
+        let start = match self.think_end {
+            None => 0,
+            Some(end) => match tokens.iter().position(|&t| t == end) {
+                None => return Some(tokens.len()),
+                Some(i) => i + 1,
+            },
+        };
+        Some(start + self.matcher.allows_prefix(&tokens[start..]))
+    }
+
     fn accept(&mut self, token: u32) {
         match self.think_end {
             Some(end) if token == end => self.think_end = None,

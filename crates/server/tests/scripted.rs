@@ -31,7 +31,13 @@ struct ScriptedBackend {
 
 impl Backend for ScriptedBackend {
     fn capabilities(&self) -> Capabilities {
-        Capabilities { name: "scripted".into(), vocab_size: self.vocab, launches_ahead: false, max_draft_tokens: 0 }
+        Capabilities {
+            name: "scripted".into(),
+            vocab_size: self.vocab,
+            launches_ahead: false,
+            max_draft_tokens: 0,
+            masks_tokens: false,
+        }
     }
     fn step(&mut self, batch: &StepBatch, want: Want<'_>, out: &mut StepOut) -> Result<(), BackendError> {
         std::thread::sleep(self.step_delay);

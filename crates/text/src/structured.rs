@@ -109,13 +109,16 @@ impl GrammarCompiler {
         if let Some(e) = matcher.get_error() {
             return Err(e);
         }
-        Ok(GrammarMatcher { matcher })
+        let vocab = self.factory.tok_env().tok_trie().vocab_size();
+        Ok(GrammarMatcher { matcher, vocab })
     }
 }
 
 /// One reply's place in its grammar.
 pub struct GrammarMatcher {
     matcher: Matcher,
+    /// The ids the grammar knows (the vocabulary it was compiled against).
+    vocab: usize,
 }
 
 impl std::fmt::Debug for GrammarMatcher {
@@ -139,6 +142,36 @@ impl GrammarMatcher {
             }
         }
         true
+    }
+
+    /// The tokens the grammar allows next as a bitmask: bit `id % 32` of word `id / 32` set when `id`
+    /// is allowed; every word of `bits` is written (ids past the grammar's vocabulary are refused).
+    /// False (and no bit set) when it allows nothing, as [`GrammarMatcher::mask`].
+    pub fn allowed(&mut self, bits: &mut [u32]) -> bool {
+        bits.fill(0);
+        let Ok(allowed) = self.matcher.compute_mask_or_eos() else { return false };
+        if allowed.is_zero() {
+            return false;
+        }
+        let n = allowed.len();
+        for (w, (out, &word)) in bits.iter_mut().zip(allowed.as_slice()).enumerate() {
+            let lo = w * 32;
+            if lo >= n {
+                break;
+            }
+            *out = if n - lo >= 32 { word } else { word & ((1u32 << (n - lo)) - 1) };
+        }
+        true
+    }
+
+    /// How many of `tokens`, in order, the grammar allows from where it stands, without following
+    /// them (0 once it allows nothing further, or for an id past its vocabulary).
+    pub fn allows_prefix(&mut self, tokens: &[u32]) -> usize {
+        let known = tokens.iter().position(|&t| t as usize >= self.vocab).unwrap_or(tokens.len());
+        if known == 0 {
+            return 0;
+        }
+        self.matcher.validate_tokens(&tokens[..known]).unwrap_or(0).min(known)
     }
 
     /// Follows an emitted token. An error means the token broke the grammar.

@@ -135,3 +135,38 @@ fn regex_and_choice_grammars() {
     assert!(c.compile(&Grammar::Regex("(unclosed".into())).is_err());
     assert!(c.compile(&Grammar::Choice(vec![])).is_err());
 }
+
+/// The bitmask of a matcher is its mask (ids past the vocabulary refused), and a walk's tokens checked
+/// ahead from the start are all allowed, up to the first refused one; checking follows nothing.
+#[test]
+fn bitmasks_and_tokens_checked_ahead_agree_with_the_mask() {
+    let (tok, c, eos) = compiler();
+    let g = Grammar::JsonSchema(json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}));
+    let width = tok.vocab_size() + 16;
+    let mut m = c.compile(&g).unwrap();
+    let mut rng = Rng(5);
+    let mut ids = Vec::new();
+    for _ in 0..12 {
+        let mut row = vec![0.0f32; width];
+        let mut bits = vec![0u32; width.div_ceil(32)];
+        assert!(m.mask(&mut row) && m.allowed(&mut bits));
+        for (id, l) in row.iter().enumerate() {
+            assert_eq!(bits[id / 32] >> (id % 32) & 1 == 1, l.is_finite(), "id {id}");
+        }
+        let allowed: Vec<u32> = (0..width as u32).filter(|&i| row[i as usize].is_finite() && i != eos).collect();
+        if allowed.is_empty() {
+            break;
+        }
+        let t = allowed[rng.below(allowed.len())];
+        m.accept(t).unwrap();
+        ids.push(t);
+    }
+    let mut fresh = c.compile(&g).unwrap();
+    assert_eq!(fresh.allows_prefix(&ids), ids.len());
+    let refused = tok.token_id("<|im_end|>").unwrap();
+    let mut broken = ids[..3].to_vec();
+    broken.extend([refused, ids[3]]);
+    assert_eq!(fresh.allows_prefix(&broken), 3, "the first refused token ends the prefix");
+    assert_eq!(fresh.allows_prefix(&[width as u32 + 1]), 0, "an id past the vocabulary is refused");
+    assert_eq!(fresh.allows_prefix(&ids), ids.len(), "checking followed nothing");
+}

@@ -478,7 +478,8 @@ impl CudaBackend {
     }
 
     /// The token of each of the first `rows` rows of the logits region picked by its [`RowSampling`]
-    /// over ids `< valid` on the device: penalties applied in place, then greedy or the draw. Rows whose
+    /// over ids `< valid` on the device: token masks and penalties applied in place, then greedy or the
+    /// draw. Rows whose
     /// sorted bin holds more ids than the scratch's candidates, and steps with more presence / frequency
     /// entries than the scratch holds, are picked on the host from their (penalised) logits.
     pub(super) fn logits_sample(&self, valid: usize, rows: &[RowSampling]) -> Result<Vec<u32>, CudaError> {

@@ -1,9 +1,11 @@
 //! Launcher for kernels/sample.cu (token selection for sampling rows on the device): the rows'
-//! parameters and penalties go up, the penalties are applied to the logits in place, then the stats /
-//! histogram / gather / pick kernels leave one (token, flag) pair per row in the scratch's `out`.
+//! parameters, token masks and penalties go up, the masks and penalties are applied to the logits in
+//! place, then the stats / histogram / gather / pick kernels leave one (token, flag) pair per row in the
+//! scratch's `out`.
 
 use cudarc::driver::{CudaStream, result};
 use deltaserve_backend::RowSampling;
+use deltaserve_backend::sampling::allowed_count;
 use deltaserve_plan::SamplingScratch;
 use deltaserve_plan::workspace::{SAMPLE_BINS, SAMPLE_PENALTIES_PER_SEQ};
 
@@ -25,23 +27,39 @@ pub fn mode(row: &RowSampling, valid: usize) -> i32 {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Encoded {
     /// `SampleParams` of each row, 8 words: 1/temperature, top-k (0: none), top-p, min-p, uniform, mode,
-    /// repetition factor (1: none), 0.
+    /// repetition factor (1: none), masked (1: the row's token bitmap applies).
     pub params: Vec<u32>,
     /// Subtrahend entries (row, id, 1.0 bits, subtrahend bits) of ids `< valid`.
     pub pens: Vec<[u32; 4]>,
     /// `[rows, words]` bitmaps of the ids the repetition penalty applies to; empty when no row has one.
     pub bits: Vec<u32>,
+    /// `[rows, words]` bitmaps of the ids each masked row may pick ([`RowSampling::allowed`]; other
+    /// rows' words are unused); empty when no row has a mask.
+    pub allowed: Vec<u32>,
 }
 
-/// Encodes `rows` over ids `< valid`; `words`: the words of one row's bitmap (the scratch's).
+/// Encodes `rows` over ids `< valid`; `words`: the words of one row's bitmap (the scratch's). A masked
+/// row's top-k is at most the ids its mask allows (the others have no mass and sort last: the same
+/// candidates, and fewer for the kernels to gather).
 pub fn encode(rows: &[RowSampling], valid: usize, words: usize) -> Encoded {
     let mut e = Encoded { params: Vec::with_capacity(rows.len() * 8), ..Default::default() };
     let repeats = |row: &RowSampling| row.repetition_penalty != 1.0 && row.penalties.iter().any(|p| p.repeated);
     if rows.iter().any(repeats) {
         e.bits = vec![0; rows.len() * words];
     }
+    if rows.iter().any(|r| r.allowed.is_some()) {
+        e.allowed = vec![0; rows.len() * words];
+    }
     for (r, row) in rows.iter().enumerate() {
-        let top_k = if row.top_k >= valid { 0 } else { row.top_k };
+        let mut top_k = if row.top_k >= valid { 0 } else { row.top_k };
+        if let Some(mask) = &row.allowed {
+            let n = mask.len().min(words);
+            e.allowed[r * words..r * words + n].copy_from_slice(&mask[..n]);
+            let allowed = allowed_count(mask, valid).max(1);
+            if top_k > allowed {
+                top_k = allowed;
+            }
+        }
         let inv_t = if row.is_greedy() { 1.0 } else { 1.0 / row.temperature };
         let rep = if repeats(row) { row.repetition_penalty } else { 1.0 };
         e.params.extend([
@@ -52,7 +70,7 @@ pub fn encode(rows: &[RowSampling], valid: usize, words: usize) -> Encoded {
             row.uniform.to_bits(),
             mode(row, valid) as u32,
             rep.to_bits(),
-            0,
+            u32::from(row.allowed.is_some()),
         ]);
         for p in row.penalties.iter().filter(|p| (p.id as usize) < valid) {
             if p.repeated && rep != 1.0 {
@@ -93,11 +111,17 @@ pub fn sample_rows(
     if valid == 0 || valid > ld {
         return Err(invalid("sample_rows", format!("valid {valid} of rows of {ld}")));
     }
-    let (params, pens, bits) = (&e.params, &e.pens, &e.bits);
+    let (params, pens, bits, allowed) = (&e.params, &e.pens, &e.bits, &e.allowed);
     let words = sc.penalty_words;
-    if params.len() != rows * 8 || !penalties_fit(pens.len(), rows) || !(bits.is_empty() || bits.len() == rows * words)
-    {
-        let what = format!("{} parameter words, {} penalties, {} bitmap words", params.len(), pens.len(), bits.len());
+    let bitmap = |b: &Vec<u32>| b.is_empty() || b.len() == rows * words;
+    if params.len() != rows * 8 || !penalties_fit(pens.len(), rows) || !bitmap(bits) || !bitmap(allowed) {
+        let what = format!(
+            "{} parameter words, {} penalties, {} + {} bitmap words",
+            params.len(),
+            pens.len(),
+            bits.len(),
+            allowed.len()
+        );
         return Err(invalid("sample_rows", format!("{what} for {rows} rows")));
     }
     let cs = s.cu_stream();
@@ -106,6 +130,23 @@ pub fn sample_rows(
     // pageable sources are staged before the calls return.
     unsafe {
         result::memcpy_htod_async(base + sc.params, params.as_slice(), cs).map_err(up())?;
+        if !allowed.is_empty() {
+            result::memcpy_htod_async(base + sc.penalty_bits, allowed.as_slice(), cs).map_err(up())?;
+        }
+    }
+    let ld_i = ld as i64;
+    let v = to_i32("sample_rows", "valid", valid)?;
+    let r = to_u32("sample_rows", "rows", rows)?;
+    let params_p = base + sc.params;
+    if !allowed.is_empty() {
+        // The token masks borrow the repetition bitmaps' region: stream order puts the masks' kernel
+        // before the repetition bitmaps' upload below.
+        let (bp, w) = (base + sc.penalty_bits, to_i32("sample_mask_bits", "words", words)?);
+        launch!(k, s, "sample_mask_bits", ((valid as u32).div_ceil(256), r, 1), (256, 1, 1), 0;
+            x, ld_i, v, params_p, bp, w)?;
+    }
+    // SAFETY: as above.
+    unsafe {
         if !pens.is_empty() {
             result::memcpy_htod_async(base + sc.penalties, pens.as_slice(), cs).map_err(up())?;
         }
@@ -115,11 +156,7 @@ pub fn sample_rows(
         result::memset_d8_async(base + sc.hist_count, 0, sc.zeroed_bytes as usize, cs)
             .map_err(CudaError::driver("cuMemsetD8Async"))?;
     }
-    let ld_i = ld as i64;
-    let v = to_i32("sample_rows", "valid", valid)?;
-    let r = to_u32("sample_rows", "rows", rows)?;
-    let (params_p, partials, cand, cand_count, out) =
-        (base + sc.params, base + sc.partials, base + sc.cand, base + sc.cand_count, base + sc.out);
+    let (partials, cand, cand_count, out) = (base + sc.partials, base + sc.cand, base + sc.cand_count, base + sc.out);
     let (hist_count, hist_mass) = (base + sc.hist_count, base + sc.hist_mass);
     if !bits.is_empty() {
         let (bp, w) = (base + sc.penalty_bits, to_i32("sample_penalize_bits", "words", words)?);
@@ -210,5 +247,23 @@ mod tests {
         assert_eq!(e.pens, vec![[2, 4, 1.0f32.to_bits(), 0.5f32.to_bits()]]);
         assert!(encode(&[RowSampling::greedy()], 50, 2).bits.is_empty(), "no bitmap without a repetition penalty");
         assert!(penalties_fit(SAMPLE_PENALTIES_PER_SEQ * 2, 2) && !penalties_fit(SAMPLE_PENALTIES_PER_SEQ + 1, 1));
+        assert!(e.allowed.is_empty(), "no token bitmaps without a mask");
+    }
+
+    #[test]
+    fn masked_rows_encode_their_bitmap_and_a_top_k_within_it() {
+        // Row 0 allows ids 1, 4 and 40 (and 63, past `valid`); row 1 has no mask.
+        let mask = vec![(1 << 1) | (1 << 4), (1 << 8) | (1 << 31)];
+        let masked = RowSampling { temperature: 1.0, top_k: 20, allowed: Some(mask.clone()), ..RowSampling::greedy() };
+        let free = RowSampling { temperature: 1.0, top_k: 20, ..RowSampling::greedy() };
+        let greedy = RowSampling { allowed: Some(vec![1 << 3]), ..RowSampling::greedy() };
+        let e = encode(&[masked, free, greedy], 50, 2);
+        assert_eq!(e.allowed, vec![mask[0], mask[1], 0, 0, 1 << 3, 0]);
+        let flags: Vec<u32> = e.params.chunks(8).map(|p| p[7]).collect();
+        assert_eq!(flags, [1, 0, 1]);
+        let top_k: Vec<u32> = e.params.chunks(8).map(|p| p[1]).collect();
+        assert_eq!(top_k, [3, 20, 0], "the masked row's top-k is its allowed ids below `valid`");
+        let modes: Vec<u32> = e.params.chunks(8).map(|p| p[5]).collect();
+        assert_eq!(modes, [2, 2, 0]);
     }
 }

@@ -28,6 +28,7 @@ use rand::{RngExt, SeedableRng};
 mod common;
 mod graphs;
 mod int4;
+mod masked;
 
 use common::*;
 use int4::compare_int4;

@@ -1,6 +1,7 @@
 //! The token pickers: argmax over rows of logits (ties, NaNs, infinities, unaligned rows) and the
-//! sampler under a cycle of sampling parameters, against the host's rule.
+//! sampler under a cycle of sampling parameters and token masks, against the host's rule.
 
+use deltaserve_backend::sampling::{is_allowed, mask_words};
 use deltaserve_backend::{Penalty, RowSampling};
 use deltaserve_cuda::ops;
 use rand::RngExt;
@@ -79,6 +80,20 @@ fn sample_params(i: usize, valid: usize, rng: &mut StdRng) -> RowSampling {
             })
             .collect();
     }
+    // Token masks (structured outputs) on every 7th draw and the 5th after it: half the ids, or 5
+    // random ids (a top-k above them is cut to them), never the peaks' on purpose.
+    if matches!(i % 7, 2 | 5) {
+        let mut bits = vec![0u32; mask_words(valid)];
+        let allowed: Vec<u32> = if i % 7 == 2 {
+            (0..valid as u32).filter(|_| rng.random::<bool>()).collect()
+        } else {
+            (0..5).map(|_| rng.random_range(0..valid as u32)).collect()
+        };
+        for id in allowed {
+            bits[id as usize / 32] |= 1 << (id % 32);
+        }
+        r.allowed = Some(bits);
+    }
     r
 }
 
@@ -113,6 +128,7 @@ pub fn sample(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>>
     let sc = deltaserve_plan::SamplingScratch::new(rows, vocab);
     let (xp, base) = (d.f32s(&x)?, d.poison(sc.bytes as usize)?);
     let (mut equal, mut host, mut outside, mut off, mut greedy_diff, mut draws) = (0, 0, 0, 0, 0, 0);
+    let (mut masked, mut refused) = (0, 0);
     let mut offs = Vec::new();
     let mut modes = [0usize; 3];
     for round in 0..rounds {
@@ -128,6 +144,10 @@ pub fn sample(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>>
             if flag == 1 {
                 host += 1;
                 continue;
+            }
+            if let Some(bits) = &set.allowed {
+                masked += 1;
+                refused += usize::from(token < 0 || !is_allowed(bits, token as u32));
             }
             let mut adjusted = row[..valid].to_vec();
             set.apply_penalties(&mut adjusted);
@@ -171,11 +191,12 @@ pub fn sample(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>>
     // A top-p prefix whose mass lands within rounding of p (the device sums in f32, the host in f64) may
     // end one candidate apart, which moves the draw's scale: allow 1 in 100 such draws.
     Ok(vec![Outcome {
-        ok: outside == 0 && off <= 1 + picked / 100 && greedy_diff == 0 && host < draws / 2,
+        ok: outside == 0 && off <= 1 + picked / 100 && greedy_diff == 0 && host < draws / 2 && refused == 0,
         detail: format!(
             "{draws} draws (modes greedy/plain/cut {modes:?}): {equal} of {picked} picked on the device equal to the \
              host rule, {off} away from the draw's place in the host's walk, {outside} outside the host's kept set, \
-             {greedy_diff} greedy differences, {host} left to the host {}",
+             {greedy_diff} greedy differences, {host} left to the host; {masked} masked, {refused} outside their \
+             mask {}",
             offs.join(" ")
         ),
     }])

@@ -71,7 +71,8 @@ impl Worker {
                 (parent.submitted, parent.admitted, parent.prefill_steps, parent.prefill_step_s);
             let Some(parent_row) = logits.get(at * self.vocab..(at + 1) * self.vocab) else { continue };
             for f in forks {
-                let opts = SeqOptions { no_drafts: f.req.constraint.is_some(), ..SeqOptions::default() };
+                let opts =
+                    SeqOptions { no_drafts: !super::drafts_under(f.req.constraint.as_ref()), ..SeqOptions::default() };
                 if let Err(e) = self.sched.fork(c.seq_id, f.id, opts) {
                     let _ = f.tx.send(Event::Error(e.into()));
                     continue;

@@ -1,10 +1,14 @@
-//! Sampling a step's rows on the engine thread: each row with its sequence's sampler, context and
-//! constraint (on several threads for a large vocabulary), and the log-probabilities a request asked for.
+//! A step's rows: their sampling rules as the backend takes them, sampling the rows that come back on
+//! the engine thread (each with its sequence's sampler, context and constraint, on several threads for
+//! a large vocabulary), and the log-probabilities a request asked for.
 
-use deltaserve_backend::sampling::{PARALLEL_PICK_VOCAB, map_rows};
+use std::collections::HashMap;
+
+use deltaserve_backend::sampling::{PARALLEL_PICK_VOCAB, apply_mask, map_rows, mask_words};
+use deltaserve_backend::{RowSampling, SeqChunk};
 use deltaserve_sched::SeqId;
 
-use super::{SharedConstraint, TokenLogprob};
+use super::{Live, SharedConstraint, TokenLogprob, Worker, masks};
 use crate::sampling::Sampler;
 
 /// A sampled token and, when logprobs were asked, the raw logits row it came from.
@@ -18,13 +22,17 @@ pub(super) struct SampleTask<'a> {
     pub(super) context: &'a [u32],
     pub(super) row: &'a mut [f32],
     pub(super) constraint: Option<&'a SharedConstraint>,
+    /// The constraint's bitmask for this row, when it was computed already.
+    pub(super) mask: Option<Vec<u32>>,
 }
 
 impl SampleTask<'_> {
     fn run(&mut self) -> (SeqId, Sampled) {
         let raw = self.logprobs.then(|| self.row.to_vec());
-        if let Some(c) = self.constraint {
-            c.with(|c| c.mask(self.row));
+        match (self.mask.take(), self.constraint) {
+            (Some(bits), Some(_)) => apply_mask(&bits, self.row),
+            (_, Some(c)) => c.with(|c| c.mask(self.row)),
+            _ => {}
         }
         (self.id, (self.sampler.sample(self.row, self.context), raw))
     }
@@ -35,6 +43,66 @@ impl SampleTask<'_> {
 pub(super) fn run_all(tasks: &mut [SampleTask<'_>]) -> Vec<(SeqId, Sampled)> {
     let vocab = tasks.first().map_or(0, |t| t.row.len());
     map_rows(tasks, vocab >= PARALLEL_PICK_VOCAB, SampleTask::run)
+}
+
+impl Worker {
+    /// The sampling rule of each wanted row of `seqs` (one uniform draw from each sampling request's
+    /// RNG; a constrained request's token mask from where its reply stands). `context`: penalties over
+    /// each sequence's tokens (false: the rows of context-free requests, planned before their last pick
+    /// is known).
+    pub(super) fn sampling_rows(&mut self, seqs: &[SeqChunk], context: bool) -> Vec<RowSampling> {
+        let mut rows: Vec<RowSampling> = seqs
+            .iter()
+            .filter(|c| c.want_logits)
+            .map(|c| {
+                let tokens = if context { self.sched.tokens(c.seq_id).unwrap_or(&[]) } else { &[] };
+                self.reqs.get_mut(&c.seq_id).map_or_else(RowSampling::greedy, |l| l.sampler.row(tokens))
+            })
+            .collect();
+        // The constrained rows' bitmasks (on several threads when there are several).
+        let wanted = seqs.iter().filter(|c| c.want_logits);
+        let (mut at, mut constraints) = (Vec::new(), Vec::new());
+        for (i, c) in wanted.enumerate() {
+            if let Some(k) = self.reqs.get(&c.seq_id).and_then(|l| l.req.constraint.as_ref()) {
+                at.push(i);
+                constraints.push(k);
+            }
+        }
+        for (i, bits) in at.into_iter().zip(masks::bitmasks(&mut constraints, mask_words(self.vocab))) {
+            rows[i].allowed = Some(bits);
+        }
+        rows
+    }
+
+    /// Samples the next token of each sequence from its logits row: (token, raw row when logprobs were
+    /// asked) by sequence. Every sequence has its own sampler and RNG, so the rows are independent: with
+    /// several rows of a large vocabulary they are sampled on several threads (the same tokens as one by
+    /// one; a draw over 248K ids costs ~1 ms). A constrained row takes its bitmask from `masks` when it
+    /// is there (computed while the step ran), else its constraint masks it.
+    pub(super) fn sample_rows(
+        &mut self,
+        rows: Vec<(SeqId, &mut [f32])>,
+        masks: &mut HashMap<SeqId, Vec<u32>>,
+    ) -> HashMap<SeqId, Sampled> {
+        let sched = &self.sched;
+        let mut lives: HashMap<SeqId, &mut Live> = self.reqs.iter_mut().map(|(id, l)| (*id, l)).collect();
+        let mut tasks: Vec<SampleTask<'_>> = Vec::with_capacity(rows.len());
+        for (id, row) in rows {
+            if let Some(live) = lives.remove(&id) {
+                let logprobs = live.req.logprobs.is_some();
+                tasks.push(SampleTask {
+                    id,
+                    sampler: &mut live.sampler,
+                    logprobs,
+                    context: sched.tokens(id).unwrap_or(&[]),
+                    row,
+                    constraint: live.req.constraint.as_ref(),
+                    mask: masks.remove(&id),
+                });
+            }
+        }
+        run_all(&mut tasks).into_iter().collect()
+    }
 }
 
 /// Log-probabilities of `token` and of the `k` most likely ids, from a raw logits row (ids below `valid`).
@@ -91,6 +159,7 @@ mod tests {
                         context: &context,
                         row,
                         constraint: None,
+                        mask: None,
                     })
                     .collect();
                 out.push(if parallel { run_all(&mut tasks) } else { tasks.iter_mut().map(SampleTask::run).collect() });
@@ -126,6 +195,7 @@ mod tests {
                     context: &[],
                     row,
                     constraint: None,
+                    mask: None,
                 })
                 .collect();
             let n = if parallel { run_all(&mut tasks).len() } else { tasks.iter_mut().map(SampleTask::run).count() };

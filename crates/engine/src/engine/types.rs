@@ -27,8 +27,10 @@ pub struct Request {
     pub snapshot_points: Vec<usize>,
     /// Snapshot the final state too (an agent loop's next request re-renders this turn).
     pub snapshot_on_finish: bool,
-    /// Limits the tokens it may produce (structured outputs). Its rows are sampled on the host,
-    /// after the mask, and it never drafts.
+    /// Limits the tokens it may produce (structured outputs). Its rows are masked before they are
+    /// sampled (on the device as a token bitmask where the backend takes one, else on the host); it
+    /// drafts when the constraint checks drafts ([`TokenConstraint::allows_prefix`]), and no token the
+    /// constraint refuses is ever emitted.
     pub constraint: Option<SharedConstraint>,
     /// The prompt's images in the order of their placeholder runs (each `tokens(merge)` image-pad ids).
     /// Only a backend that runs images accepts a request with any.
@@ -44,6 +46,21 @@ pub trait TokenConstraint: Send {
     fn mask(&mut self, row: &mut [f32]);
     /// Follows an emitted token.
     fn accept(&mut self, token: u32);
+    /// The tokens allowed next as a bitmask over `bits.len() * 32` ids: bit `id % 32` of word
+    /// `id / 32` set when `id` is allowed (every bit is written). The default reads [`Self::mask`]
+    /// over a row of zeros.
+    fn allowed(&mut self, bits: &mut [u32]) {
+        let mut row = vec![0.0f32; bits.len() * 32];
+        self.mask(&mut row);
+        deltaserve_backend::sampling::bits_of_row(&row, bits);
+    }
+    /// How many of `tokens`, in order, the constraint allows from where it stands, without following
+    /// them: speculative drafts are checked with it, and the first it refuses ends their acceptance.
+    /// None (the default): it cannot check tokens ahead, and its request does not draft.
+    fn allows_prefix(&mut self, tokens: &[u32]) -> Option<usize> {
+        let _ = tokens;
+        None
+    }
     /// A constraint of its own for another choice of the same prompt, in this one's place (None:
     /// it cannot be copied, and a request for several choices is refused).
     fn fork(&self) -> Option<SharedConstraint> {
