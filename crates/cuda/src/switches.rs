@@ -39,6 +39,10 @@ pub struct Switches {
     /// many tokens attend as decode queries (`CudaOptions::verify_decode_attention_from` instead of its
     /// default); not a number: unset.
     pub verify_decode_from: Option<usize>,
+    /// `DELTASERVE_DEVICE_MASKS=1`: structured-output rows are masked and picked on the device
+    /// (`sample_mask_bits`) instead of on the host (the default until the kernel's GPU tests,
+    /// `tests/backend/masked.rs` and the ops table's masked sample cases, have run on each GPU kind).
+    pub device_masks: bool,
 }
 
 impl Switches {
@@ -65,6 +69,7 @@ impl Switches {
             fold_norms: var("DELTASERVE_FOLD").is_none_or(|v| v != "0"),
             w4_gemm: var("DELTASERVE_W4_GEMM").is_none_or(|v| v != "0"),
             verify_decode_from: var("DELTASERVE_VERIFY_DECODE_FROM").and_then(|v| v.trim().parse().ok()),
+            device_masks: var("DELTASERVE_DEVICE_MASKS").is_some_and(|v| v == "1"),
         }
     }
 
@@ -114,7 +119,9 @@ mod tests {
             ("DELTASERVE_FOLD", "0"),
             ("DELTASERVE_W4_GEMM", "0"),
             ("DELTASERVE_VERIFY_DECODE_FROM", "0"),
+            ("DELTASERVE_DEVICE_MASKS", "1"),
         ]);
+        assert!(s.device_masks);
         assert!(s.any_set());
         assert_eq!(s.pdl.as_deref(), Some("0"));
         assert!(s.decode_attn_split && s.attn_prefill_pair && !s.fold_norms && !s.w4_gemm);

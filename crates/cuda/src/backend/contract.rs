@@ -18,7 +18,7 @@ impl Backend for CudaBackend {
             vocab_size: self.d.vocab,
             launches_ahead: self.launches_ahead(),
             max_draft_tokens: self.spec.as_ref().map_or(0, |sp| sp.max_draft),
-            masks_tokens: true,
+            masks_tokens: crate::switches::Switches::get().device_masks,
         }
     }
 
