@@ -98,7 +98,7 @@ impl ImageRows {
     }
 
     /// Images whose rows are kept.
-    pub fn len(&self) -> usize {
+    pub fn kept(&self) -> usize {
         self.rows.len()
     }
 }

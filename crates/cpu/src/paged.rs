@@ -233,7 +233,7 @@ impl CpuBackend {
 
     /// Images whose merged rows are kept for a later chunk (an image split across chunks).
     pub fn images_in_flight(&self) -> usize {
-        self.image_rows.len()
+        self.image_rows.kept()
     }
 
     /// Runs a step; speculative chunks need `pick` (and speculation on).

@@ -31,7 +31,7 @@ use crate::sampling::{Sampler, speculative_pick};
 
 mod ahead;
 mod choices;
-mod images;
+pub(crate) mod images;
 mod rows;
 mod types;
 

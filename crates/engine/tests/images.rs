@@ -14,7 +14,7 @@ use deltaserve_backend::{
     Want,
 };
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
-use deltaserve_engine::{EngineHandle, Event, Request, SamplingParams, Usage};
+use deltaserve_engine::{EngineHandle, Event, Request, SamplingParams, Usage, logits_with_images};
 use deltaserve_model::synth::{MtpVariant, Preset, write_model_with};
 use deltaserve_model::{Checkpoint, DType, ImagePatches, ModelConfig, ModelWeights, VisionWeights};
 use deltaserve_sched::{PrefixCacheConfig, SchedConfig};
@@ -244,6 +244,25 @@ fn fixture_prompt_through_the_engine_matches_hf() {
     // Image A's rows are kept between the two steps (its tower ran once), then dropped.
     assert_eq!(log.lock().unwrap().kept[..3], [1, 0, 0]);
     e.shutdown(false);
+}
+
+/// Every position's logits of the prompt (one position a step, as `deltaserve logits` runs it) equal HF's.
+#[test]
+fn scoring_every_position_matches_hf() {
+    let r = Reference::open();
+    let (ids, images) = (r.ids("input_ids"), r.images());
+    let c = sched(&Setup { max_batch_tokens: 64, num_pages: 8, max_seqs: 1, prefix_cache: false });
+    let mut backend = CpuBackend::new(load(&fixture()), cache_cfg(&c));
+    let pages: Vec<u32> = (0..8).collect();
+    let mut logits = Vec::new();
+    logits_with_images(&mut backend, 0, &pages, &ids, &images, |_, row| logits.extend_from_slice(row)).unwrap();
+    let err = rel_err(&logits, &r.f32("logits"));
+    println!("all {} positions: max rel err {err:.2e}", ids.len());
+    assert!(err < TOL, "{err:.3e}");
+    assert_eq!(backend.images_in_flight(), 0);
+    // Without the images the prompt is refused, naming the mismatch.
+    let e = logits_with_images(&mut backend, 0, &pages, &ids, &images[..1], |_, _| {}).unwrap_err();
+    assert!(e.to_string().contains("has no image"), "{e}");
 }
 
 /// The fixture's prompt and images, its greedy tokens and logits rows on an engine with no cache and

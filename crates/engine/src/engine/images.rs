@@ -15,10 +15,10 @@ use deltaserve_sched::MediaSpan;
 use super::{EngineError, Live, NO_VISION_TOWER, Worker};
 
 /// A request's images where its prompt holds them.
-pub(super) type Placed = Vec<(PlacedImage, Arc<ImagePatches>)>;
+pub(crate) type Placed = Vec<(PlacedImage, Arc<ImagePatches>)>;
 
 /// Places `images` on `prompt` (empty without images); errors say why the request cannot run.
-pub(super) fn place(
+pub(crate) fn place(
     prompt: &[u32],
     images: &[Arc<ImagePatches>],
     tokens: Option<ImageTokens>,
@@ -50,7 +50,7 @@ pub(super) fn media_spans(placed: &Placed) -> Vec<MediaSpan> {
 }
 
 /// Sets `c`'s rope delta and images from its sequence's placement.
-fn place_chunk(c: &mut SeqChunk, placed: &Placed) {
+pub(crate) fn place_chunk(c: &mut SeqChunk, placed: &Placed) {
     let end = c.start + c.positions();
     c.rope_delta = placed.iter().take_while(|(p, _)| p.end() <= c.start).last().map_or(0, |(p, _)| p.delta_after());
     c.images = placed
