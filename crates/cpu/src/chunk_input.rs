@@ -8,6 +8,7 @@
 //! runs the tower again when it continues.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 
 use deltaserve_backend::{SeqChunk, StepBatch};
 
@@ -69,16 +70,18 @@ impl ImageRows {
                 )));
             }
             let key = (c.seq_id, placed.seq_start);
-            if !self.rows.contains_key(&key) {
-                tower.check(n, &ci.image)?;
-                if ci.image.tokens(merge) != placed.tokens() {
-                    let reason =
-                        format!("{} tokens placed for {} merged patches", placed.tokens(), ci.image.tokens(merge));
-                    return Err(ImageError { index: n, reason }.into());
+            let rows = match self.rows.entry(key) {
+                Entry::Occupied(e) => e.into_mut(),
+                Entry::Vacant(e) => {
+                    tower.check(n, &ci.image)?;
+                    if ci.image.tokens(merge) != placed.tokens() {
+                        let reason =
+                            format!("{} tokens placed for {} merged patches", placed.tokens(), ci.image.tokens(merge));
+                        return Err(ImageError { index: n, reason }.into());
+                    }
+                    e.insert(tower.encode(&ci.image))
                 }
-                self.rows.insert(key, tower.encode(&ci.image));
-            }
-            let rows = &self.rows[&key];
+            };
             let (lo, hi) = (placed.seq_start.max(c.start), placed.end().min(end));
             let dst = &mut x[(lo - c.start) * h..(hi - c.start) * h];
             dst.copy_from_slice(&rows[(lo - placed.seq_start) * h..(hi - placed.seq_start) * h]);

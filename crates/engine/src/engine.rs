@@ -432,9 +432,9 @@ impl Worker {
                     Err(e) => {
                         self.shared.queued.fetch_sub(1, Ordering::SeqCst);
                         for f in forks {
-                            let _ = f.tx.send(Event::Error(e.clone().into()));
+                            let _ = f.tx.send(Event::Error(e.clone()));
                         }
-                        let _ = tx.send(Event::Error(e.into()));
+                        let _ = tx.send(Event::Error(e));
                     }
                 }
                 false

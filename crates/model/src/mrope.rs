@@ -204,7 +204,7 @@ mod tests {
             for n in 0..=ids.len() - start {
                 let mine: Vec<PlacedImage> =
                     placed.iter().filter(|im| im.end() > start && im.seq_start < start + n).copied().collect();
-                let before = placed.iter().filter(|im| im.end() <= start).last().map_or(0, PlacedImage::delta_after);
+                let before = placed.iter().rfind(|im| im.end() <= start).map_or(0, PlacedImage::delta_after);
                 assert_eq!(positions(start, n, before, &mine), whole.positions[start..start + n], "{start}+{n}");
             }
         }

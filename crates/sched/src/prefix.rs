@@ -292,14 +292,15 @@ mod tests {
         let a = MediaSpan { start: 2, len: 3, hash: [7; 32] };
         let b = MediaSpan { hash: [8; 32], ..a.clone() };
         assert_eq!(cache_key(&tokens, &[]), &tokens[..]);
-        let (ka, kb) = (cache_key(&tokens, &[a.clone()]), cache_key(&tokens, std::slice::from_ref(&b)));
+        let one = |m: &MediaSpan| vec![m.clone()];
+        let (ka, kb) = (cache_key(&tokens, &one(&a)), cache_key(&tokens, &one(&b)));
         assert_eq!(ka[..2], tokens[..2]);
         assert_eq!(ka[5], 3);
         assert!(ka[2..5].iter().all(|k| *k >= 0x8000_0000));
         assert_ne!(ka, kb, "another image of the same size is another key");
-        assert_eq!(ka, cache_key(&tokens, &[a.clone()]), "the same image is the same key");
+        assert_eq!(ka, cache_key(&tokens, &one(&a)), "the same image is the same key");
         // A prefix that ends inside the image keys the rows it holds.
-        assert_eq!(cache_key(&tokens[..3], &[a.clone()])[..], ka[..3]);
+        assert_eq!(cache_key(&tokens[..3], &one(&a))[..], ka[..3]);
         assert_eq!(cache_key(&tokens[..2], &[a]), &tokens[..2]);
     }
 
