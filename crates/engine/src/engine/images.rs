@@ -97,7 +97,7 @@ mod tests {
         };
         // A chunk boundary inside the first image: both halves carry it.
         assert_eq!(chunk(0, 5).images.len(), 1);
-        let c = chunk(5, 5);
+        let c = chunk(5, 6);
         assert_eq!((c.images.len(), c.rope_delta), (2, 0));
         // After the first image: its delta (text at 5 = 2 + 3, index 8).
         let c = chunk(8, 2);
