@@ -1,5 +1,7 @@
-"""Images in chat requests: counted (image tokens included), fetched from allowed hosts only, and every refusal a
-400 that names the part. No backend runs a vision tower yet, so a valid image request ends in that refusal."""
+"""Images in chat requests on the built-in demo model (its tiny vision tower runs on the CPU backend): answered
+through the OpenAI and Anthropic clients, counted (image tokens included), fetched from allowed hosts only, every
+refusal a 400 that names the part; in the prefix cache the same image in the next turn is a hit and a different
+image of the same size is not."""
 
 from __future__ import annotations
 
@@ -21,9 +23,9 @@ ARGS = ["--api-key", util.API_KEY, "--served-model-name", util.MODEL, "--max-con
         "--allowed-media-domains", "127.0.0.1", "--limit-images-per-request", str(LIMIT)]
 
 
-def png(width: int, height: int) -> bytes:
-    """An RGB PNG of a gradient."""
-    row = lambda y: b"\x00" + bytes((x * 7 + y * 3) & 255 for x in range(width * 3))  # noqa: E731
+def png(width: int, height: int, shift: int = 0) -> bytes:
+    """An RGB PNG of a gradient (`shift` moves its values)."""
+    row = lambda y: b"\x00" + bytes((x * 7 + y * 3 + shift) & 255 for x in range(width * 3))  # noqa: E731
     raw = b"".join(row(y) for y in range(height))
 
     def chunk(kind: bytes, data: bytes) -> bytes:
@@ -121,12 +123,47 @@ def image_part(url: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-def test_a_valid_image_is_refused_by_a_model_without_a_vision_tower(gpt, claude):
-    assert "runs no vision tower" in chat_refusal(gpt, image_part(data_url(SMALL)))
-    with pytest.raises(anthropic.BadRequestError) as e:
-        claude.messages.create(model=util.MODEL, max_tokens=4,
-                               messages=[{"role": "user", "content": [b64_block(SMALL)]}])
-    assert "runs no vision tower" in str(e.value)
+def test_an_image_chat_is_answered(gpt, claude):
+    content = [{"type": "text", "text": "Describe it."}, image_part(data_url(SMALL))]
+    resp = gpt.chat.completions.create(model=util.MODEL, max_tokens=4, temperature=0,
+                                       messages=[{"role": "user", "content": content}],
+                                       extra_body={"ignore_eos": True})
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 4
+    assert resp.usage.prompt_tokens > 64, "the image's 64 tokens are in the prompt"
+
+    msg = claude.messages.create(model=util.MODEL, max_tokens=4,
+                                 messages=[{"role": "user", "content": [b64_block(SMALL)]}])
+    assert msg.stop_reason in ("max_tokens", "end_turn")
+    assert msg.usage.output_tokens >= 1
+    assert msg.usage.input_tokens > 64
+
+
+# Turn 1 ends right after its prompt (one generated token, which is never fed) and its state is kept; with the
+# thinking block kept in the history, turn 2's prompt begins with the whole of turn 1's.
+NEXT_TURN = {"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False, "preserve_thinking": True}}
+
+
+def chat_turns(gpt, image: bytes, first: bool) -> tuple[int, int]:
+    """(prompt tokens, cached prompt tokens) of a turn with `image` in the first user message."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Look at this picture."},
+                                             image_part(data_url(image))]}]
+    if not first:
+        messages += [{"role": "assistant", "content": ""}, {"role": "user", "content": "And now?"}]
+    resp = gpt.chat.completions.create(model=util.MODEL, max_tokens=1, temperature=0, messages=messages,
+                                       extra_body=NEXT_TURN)
+    return resp.usage.prompt_tokens, resp.usage.prompt_tokens_details.cached_tokens
+
+
+def test_the_same_image_next_turn_is_cached_and_another_is_not(gpt):
+    image, other = png(256, 256, shift=1), png(256, 256, shift=90)  # same size, other pixels
+    first, _ = chat_turns(gpt, image, first=True)
+    prompt, cached = chat_turns(gpt, image, first=False)
+    assert prompt > first and cached >= first, (first, prompt, cached)
+    # Another image of the same size: the same tokens, but its rows are not the cached image's.
+    prompt_other, cached_other = chat_turns(gpt, other, first=False)
+    assert prompt_other == prompt
+    assert cached_other < 8, cached_other
 
 
 @pytest.mark.parametrize("part,mentions", [

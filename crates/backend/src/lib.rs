@@ -23,13 +23,49 @@
 //!   keep. Until the commit the sequence's DeltaNet state is the one before the verify: a rejected
 //!   draft leaves no trace.
 //! - [`Backend::arena_stats`]: the memory arena's counters.
+//! - [`Backend::image_tokens`]: whether the model runs images. A chunk of a sequence with images carries
+//!   the images whose placeholder rows it holds ([`ChunkImage`]) and the sequence's rope delta; the
+//!   backend runs the vision tower for an image in the step that first needs its rows and puts the merged
+//!   rows in place of the placeholders' embeddings, every position rotated at its M-RoPE (t, h, w)
+//!   position ([`SeqChunk::mrope_positions`]).
 
 pub mod ahead;
 pub mod host;
 pub mod sampling;
 
+use std::sync::Arc;
+
 pub use ahead::{Feed, Pick, Picked};
+pub use deltaserve_model::ImagePatches;
+pub use deltaserve_model::mrope::PlacedImage;
 pub use sampling::{Penalty, RowSampling};
+
+/// How a model's prompts hold images: each image fills a run of `image_token_id` placeholders, one per
+/// `merge × merge` window of its patches, and its patch rows are `patch_len` values wide.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ImageTokens {
+    pub image_token_id: u32,
+    pub merge: usize,
+    pub patch_len: usize,
+}
+
+/// An image some of whose placeholder rows fall in a chunk.
+#[derive(Clone, Debug)]
+pub struct ChunkImage {
+    pub image: Arc<ImagePatches>,
+    /// Where it sits in the sequence (its first placeholder's index, its rotary origin, its merged grid).
+    pub placed: PlacedImage,
+}
+
+impl PartialEq for ChunkImage {
+    fn eq(&self, other: &Self) -> bool {
+        self.placed == other.placed
+            && (Arc::ptr_eq(&self.image, &other.image)
+                || (self.image.hash == other.image.hash && self.image.grid_thw == other.image.grid_thw))
+    }
+}
+
+impl Eq for ChunkImage {}
 
 /// One sequence's part of a step: `tokens` at positions `start..start + tokens.len()`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -53,12 +89,35 @@ pub struct SeqChunk {
     /// logits over ids `< n`, which the backend may pick where the logits are instead of calling the
     /// [`DraftPicker`] (0: the picker picks).
     pub greedy_draft_vocab: usize,
+    /// M-RoPE of a sequence with images: a text position `p` before the chunk's first image (and every
+    /// position of a chunk without images, drafts included) rotates at `p + rope_delta` in all three
+    /// streams (HF's rope delta, ≤ 0; 0 for text-only sequences).
+    pub rope_delta: i64,
+    /// The images whose placeholder rows fall in this chunk, in order (the first may have begun in an
+    /// earlier chunk, the last may end in a later one). Text after one continues from its
+    /// [`PlacedImage::delta_after`].
+    pub images: Vec<ChunkImage>,
 }
 
 impl SeqChunk {
     /// Positions this chunk runs through the model (its tokens plus its drafts).
     pub fn positions(&self) -> usize {
         self.tokens.len() + self.draft
+    }
+
+    /// The (t, h, w) positions of this chunk's positions when it holds image rows (None: position `p`
+    /// rotates at `p + rope_delta` in every stream).
+    pub fn mrope_positions(&self) -> Option<Vec<[usize; 3]>> {
+        if self.images.is_empty() {
+            return None;
+        }
+        let placed: Vec<PlacedImage> = self.images.iter().map(|i| i.placed).collect();
+        Some(deltaserve_model::mrope::positions(self.start, self.positions(), self.rope_delta, &placed))
+    }
+
+    /// The rotary position of the chunk's first position when it holds no image rows.
+    pub fn first_position(&self) -> usize {
+        (self.start as i64 + self.rope_delta).max(0) as usize
     }
 
     /// Draft `i` of this chunk from the draft head's logits `row`: the greedy pick, or `pick`'s.
@@ -250,10 +309,15 @@ pub trait Backend: Send {
     /// What this backend is and can do.
     fn capabilities(&self) -> Capabilities;
 
-    /// Whether the loaded model runs images (a vision tower). Requests that carry images are refused
-    /// otherwise.
+    /// How prompts hold images when the loaded model runs them (a vision tower the backend runs); None:
+    /// requests that carry images are refused.
+    fn image_tokens(&self) -> Option<ImageTokens> {
+        None
+    }
+
+    /// Whether the loaded model runs images ([`Backend::image_tokens`]).
     fn runs_images(&self) -> bool {
-        false
+        self.image_tokens().is_some()
     }
 
     /// Runs `batch`: its `pre` ops, its chunks, its `post` ops, and appends to `out` what `want` asks

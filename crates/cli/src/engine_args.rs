@@ -214,6 +214,16 @@ impl Built {
     /// Every position's logits of `tokens` run as one sequence (state slot 0, the first KV pages):
     /// `each(i, row)` gets the row after position `i`.
     pub fn logits_at_every_position(&mut self, tokens: &[u32], each: impl FnMut(usize, &[f32])) -> Result<()> {
+        self.logits_with_images(tokens, &[], each)
+    }
+
+    /// [`Built::logits_at_every_position`] of a prompt whose image placeholder runs hold `images`.
+    pub fn logits_with_images(
+        &mut self,
+        tokens: &[u32],
+        images: &[Arc<deltaserve_model::ImagePatches>],
+        each: impl FnMut(usize, &[f32]),
+    ) -> Result<()> {
         let plan = &self.plan;
         if tokens.len() > plan.max_context {
             anyhow::bail!(
@@ -223,7 +233,7 @@ impl Built {
             );
         }
         let pages: Vec<u32> = (0..tokens.len().div_ceil(plan.page_size) as u32).collect();
-        deltaserve_engine::logits_at_every_position(&mut *self.backend, 0, &pages, tokens, each)?;
+        deltaserve_engine::logits_with_images(&mut *self.backend, 0, &pages, tokens, images, each)?;
         Ok(())
     }
 }

@@ -8,7 +8,7 @@ use anyhow::{Context, Result, bail};
 use deltaserve_cpu::CpuModel;
 use deltaserve_model::quant::Quantization;
 use deltaserve_model::shard::ShardSpec;
-use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
+use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights, VisionWeights};
 use deltaserve_plan::{CheckpointTensors, PlanBackend, PlanOptions, WeightsDtype};
 use deltaserve_text::{ChatTemplate, Tokenizer};
 
@@ -35,6 +35,9 @@ pub struct ModelArgs {
     /// Initialise the weights at random directly on the GPU (benchmarks at real shapes, no files).
     #[arg(long)]
     pub random_weights: bool,
+    /// Load no vision tower, even where the checkpoint has one: requests with images are refused.
+    #[arg(long)]
+    pub no_vision: bool,
 }
 
 /// Where the model runs.
@@ -98,7 +101,7 @@ impl ModelArgs {
         if self.random_weights {
             bail!("--random-weights initialises weights on the GPU: use it with --device cuda");
         }
-        load_weights(text)
+        load_weights(text, !self.no_vision)
     }
 
     /// Config, tokenizer and chat template of `dir`, without the weights (the CUDA backend loads
@@ -114,20 +117,22 @@ impl ModelArgs {
     }
 }
 
-fn load_weights(text: &TextModel) -> Result<CpuModel> {
+fn load_weights(text: &TextModel, vision: bool) -> Result<CpuModel> {
     let TextModel { dir, config, tokenizer, .. } = text;
     let ckpt = Checkpoint::open(dir)?;
     let weights = ModelWeights::load_f32(&ckpt, config)?;
+    let vision = if vision { VisionWeights::load_f32(&ckpt, config)? } else { None };
     tracing::info!(
         model = %dir.display(),
         layers = config.layer_types.len(),
         hidden = config.hidden_size,
         vocab = config.vocab_size,
         tokenizer = tokenizer.is_some(),
+        vision_tower = vision.is_some(),
         quantization = config.quantization.as_ref().map_or("none".to_string(), |q| q.describe() + ", dequantised to f32"),
         "model loaded on the CPU reference backend"
     );
-    Ok(CpuModel::new(config.clone(), weights))
+    Ok(CpuModel::new(config.clone(), weights).with_vision(vision))
 }
 
 /// Parses `1,2,3` or `@file.json` (a JSON array of ids).

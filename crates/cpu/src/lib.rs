@@ -10,6 +10,7 @@
 
 pub mod activation;
 pub mod attention;
+mod chunk_input;
 pub mod conv;
 pub mod gdn;
 pub mod kvquant;

@@ -329,6 +329,20 @@ impl CpuModel {
         hidden: &[f32],
         tokens: &[u32],
     ) -> Result<Vec<f32>, ForwardError> {
+        self.mtp_forward_at(cache, kv_layer, start, Positions::Sequential(start), hidden, tokens)
+    }
+
+    /// [`CpuModel::mtp_forward`] with q and k rotated at `pos` (a sequence with images: its M-RoPE
+    /// positions, or its text positions offset by the rope delta).
+    pub fn mtp_forward_at(
+        &self,
+        cache: &mut dyn SeqCache,
+        kv_layer: usize,
+        start: usize,
+        pos: Positions<'_>,
+        hidden: &[f32],
+        tokens: &[u32],
+    ) -> Result<Vec<f32>, ForwardError> {
         let mtp = self.weights.mtp.as_ref().ok_or(ForwardError::NoMtpHead)?;
         self.check_tokens(tokens)?;
         let (h, t) = (self.dims.hidden, tokens.len());
@@ -354,7 +368,7 @@ impl CpuModel {
         let MixerWeights::Attention(aw) = mixer else { unreachable!("the MTP layer is an attention layer") };
         let mut a = x.clone();
         rms_norm_1p(&mut a, &input_norm.data, eps);
-        add_in_place(&mut x, &self.attention(aw, &a, t, start, Positions::Sequential(start), kv_layer, cache));
+        add_in_place(&mut x, &self.attention(aw, &a, t, start, pos, kv_layer, cache));
         let mut a = x.clone();
         rms_norm_1p(&mut a, &post_norm.data, eps);
         add_in_place(&mut x, &self.ffn(mlp, moe.as_ref(), &a, t));

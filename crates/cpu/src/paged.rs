@@ -15,17 +15,23 @@
 //! (token-by-token recurrence, as decode does) while keeping each DeltaNet layer's recurrence inputs;
 //! [`Backend::commit_speculative`] replays those inputs for the accepted positions on the committed state,
 //! so the state is exactly what decoding the accepted tokens one by one gives.
+//!
+//! Images ([`Backend::image_tokens`], when the model has a vision tower): a chunk's image rows replace
+//! its placeholders' embeddings and its positions rotate at their M-RoPE positions
+//! ([`crate::chunk_input`]); the MTP head takes the same positions (and the placeholders' token
+//! embeddings).
 
 use deltaserve_backend::ahead::Emulated;
 use deltaserve_backend::host::host_step;
 use deltaserve_backend::{
-    ArenaStats, Backend, BackendError, CacheOp, Capabilities, DraftPicker, Feed, Pick, Picked, SeqChunk, SnapshotLoc,
-    SpecCommit, StepBatch, StepOut, Want,
+    ArenaStats, Backend, BackendError, CacheOp, Capabilities, DraftPicker, Feed, ImageTokens, Pick, Picked, SeqChunk,
+    SnapshotLoc, SpecCommit, StepBatch, StepOut, Want,
 };
 use deltaserve_model::LayerKind;
 
+use crate::chunk_input::{ChunkInput, ImageRows};
 use crate::kvquant::{KvFormat, KvQuant};
-use crate::model::{CpuModel, ForwardError, GdnMode, GdnTrace, Logits, SeqCache};
+use crate::model::{CpuModel, ForwardError, GdnMode, GdnTrace, Logits, Positions, SeqCache};
 
 /// Capacities of the arena, from the plan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,6 +83,8 @@ pub struct CpuBackend {
     verified: Vec<Verified>,
     /// Launched steps (run at once) awaiting their collection.
     ahead: Emulated,
+    /// Merged rows of images split across chunks.
+    image_rows: ImageRows,
 }
 
 /// What a speculative chunk's verify keeps for its commit.
@@ -84,6 +92,8 @@ struct Verified {
     seq_id: u64,
     slot: u32,
     start: usize,
+    /// The sequence's rope delta (the chunk's positions are `start + i + rope_delta`).
+    rope_delta: i64,
     /// The chunk's token followed by its drafts.
     tokens: Vec<u32>,
     /// Post-norm hidden rows of those positions `[1 + draft, hidden]`.
@@ -200,6 +210,7 @@ impl CpuBackend {
             max_draft,
             verified: Vec::new(),
             ahead: Emulated::default(),
+            image_rows: ImageRows::default(),
         }
     }
 
@@ -218,6 +229,11 @@ impl CpuBackend {
 
     pub fn model(&self) -> &CpuModel {
         &self.model
+    }
+
+    /// Images whose merged rows are kept for a later chunk (an image split across chunks).
+    pub fn images_in_flight(&self) -> usize {
+        self.image_rows.kept()
     }
 
     /// Runs a step; speculative chunks need `pick` (and speculation on).
@@ -259,30 +275,31 @@ impl CpuBackend {
                 let (rows, tokens, traces) = Self::verify(&self.model, &mut view, c, pick).map_err(err)?;
                 logits.extend_from_slice(&self.model.logits(&rows));
                 drafts.push(tokens[1..].to_vec());
-                self.verified.push(Verified { seq_id: c.seq_id, slot: c.slot, start: c.start, tokens, rows, traces });
-            } else if spec {
-                let rows = self.model.forward_hidden(&mut view, c.start, &c.tokens, GdnMode::Auto).map_err(err)?;
+                let (seq_id, slot, start, rope_delta) = (c.seq_id, c.slot, c.start, c.rope_delta);
+                self.verified.push(Verified { seq_id, slot, start, rope_delta, tokens, rows, traces });
+                continue;
+            }
+            let ChunkInput { x, pos } = self.image_rows.input(&self.model, c).map_err(err)?;
+            let rows = self.model.run_layers(&mut view, c.start, x, pos.get(), GdnMode::Auto).map_err(err)?;
+            if spec {
                 // The head's cache for these positions: entry p = (hidden of p − 1, token p).
                 let h = self.model.dims.hidden;
                 let t = c.tokens.len();
-                let mut input = view.pending_hidden().to_vec();
-                input.extend_from_slice(&rows[..(t - 1) * h]);
+                let mut hidden_in = view.pending_hidden().to_vec();
+                hidden_in.extend_from_slice(&rows[..(t - 1) * h]);
                 let mtp_layer = self.model.dims.num_layers;
-                self.model.mtp_forward(&mut view, mtp_layer, c.start, &input, &c.tokens).map_err(err)?;
+                self.model
+                    .mtp_forward_at(&mut view, mtp_layer, c.start, pos.get(), &hidden_in, &c.tokens)
+                    .map_err(err)?;
                 view.pending_hidden().copy_from_slice(&rows[(t - 1) * h..]);
                 if c.want_logits {
                     logits.extend_from_slice(&self.model.logits(&rows[(t - 1) * h..]));
                 }
-            } else {
-                let row = self
-                    .model
-                    .forward_cached(&mut view, c.start, &c.tokens, GdnMode::Auto, Logits::Last)
-                    .map_err(err)?;
-                if c.want_logits {
-                    logits.extend_from_slice(&row);
-                }
+            } else if c.want_logits {
+                logits.extend_from_slice(&self.model.logits_of(&rows, Logits::Last));
             }
         }
+        self.image_rows.retain_batch(batch);
         for op in &batch.post {
             self.caches.apply(op)?;
         }
@@ -338,8 +355,9 @@ impl CpuBackend {
         // from the main model's hidden rows at the commit.
         let mut g = view.pending_hidden().to_vec();
         for i in 0..c.draft {
-            let pos = c.start + i;
-            g = model.mtp_forward(view, mtp_layer, pos, &g, &tokens[i..=i])?;
+            let at = c.start + i;
+            let pos = Positions::Sequential(c.first_position() + i);
+            g = model.mtp_forward_at(view, mtp_layer, at, pos, &g, &tokens[i..=i])?;
             let row = model.logits(&g);
             tokens.push(c.pick_draft(pick, i, &row));
         }
@@ -357,7 +375,9 @@ impl CpuBackend {
             .collect();
         let inner = PagedSeq { backend: &mut *view.backend, slot: view.slot, pages: view.pages };
         let mut vv = VerifyView { inner, scratch, traces: Vec::new() };
-        let rows = model.forward_hidden(&mut vv, c.start, &tokens, GdnMode::Recurrent)?;
+        let x = model.embed_checked(&tokens)?;
+        let pos = Positions::Sequential(c.first_position());
+        let rows = model.run_layers(&mut vv, c.start, x, pos, GdnMode::Recurrent)?;
         Ok((rows, tokens, vv.traces))
     }
 }
@@ -470,6 +490,11 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn image_tokens(&self) -> Option<ImageTokens> {
+        let v = self.model.config.vision.as_ref().filter(|_| self.model.vision.is_some())?;
+        Some(ImageTokens { image_token_id: v.image_token_id, merge: v.spatial_merge_size, patch_len: v.patch_dim() })
+    }
+
     fn step(&mut self, batch: &StepBatch, want: Want<'_>, out: &mut StepOut) -> Result<(), BackendError> {
         let vocab = self.model.dims.vocab;
         host_step(batch, vocab, want, out, |pick, logits, drafts| self.run(batch, pick, logits, drafts))
@@ -528,8 +553,9 @@ impl Backend for CpuBackend {
             // The head's cache entries of the accepted drafts, from the main model's hidden rows.
             let h = self.model.dims.hidden;
             let mtp_layer = self.model.dims.num_layers;
+            let pos = Positions::Sequential((v.start as i64 + 1 + v.rope_delta).max(0) as usize);
             self.model
-                .mtp_forward(&mut view, mtp_layer, v.start + 1, &v.rows[..(e - 1) * h], &v.tokens[1..e])
+                .mtp_forward_at(&mut view, mtp_layer, v.start + 1, pos, &v.rows[..(e - 1) * h], &v.tokens[1..e])
                 .map_err(err)?;
             view.pending_hidden().copy_from_slice(&v.rows[(e - 1) * h..e * h]);
         }

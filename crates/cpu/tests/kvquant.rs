@@ -249,6 +249,8 @@ fn paged_logits(k: KvFormat, v: KvFormat, tokens: &[u32], chunks: &[usize]) -> V
                 want_logits: true,
                 draft: 0,
                 greedy_draft_vocab: 0,
+                rope_delta: 0,
+                images: Vec::new(),
             }],
             ..StepBatch::default()
         };

@@ -210,6 +210,8 @@ fn bench_27b() {
             want_logits: true,
             draft: 0,
             greedy_draft_vocab: 0,
+            rope_delta: 0,
+            images: Vec::new(),
         }],
         post: vec![],
     };
@@ -298,6 +300,8 @@ fn bench_27b() {
                                     want_logits: true,
                                     draft: 0,
                                     greedy_draft_vocab: 0,
+                                    rope_delta: 0,
+                                    images: Vec::new(),
                                 })
                                 .collect(),
                             post: vec![],

@@ -32,7 +32,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use deltaserve_backend::sampling::mask_words;
-use deltaserve_backend::{Backend, Pick, RowSampling, SeqChunk, SpecCommit, StepOut, Want};
+use deltaserve_backend::{Backend, ImageTokens, Pick, RowSampling, SeqChunk, SpecCommit, StepOut, Want};
 use deltaserve_sched::{AdmitError, SchedConfig, Scheduler, SeqId, SeqOptions, check_request};
 use deltaserve_text::{IncrementalDecoder, StopMatcher, Tokenizer};
 use tokio::sync::mpsc as tmpsc;
@@ -41,6 +41,7 @@ use crate::sampling::Sampler;
 
 mod ahead;
 mod choices;
+pub(crate) mod images;
 mod masks;
 mod rows;
 mod types;
@@ -73,8 +74,8 @@ struct Inner {
     thread: Mutex<Option<JoinHandle<()>>>,
     sched_cfg: SchedConfig,
     vocab: usize,
-    /// The backend runs images ([`Backend::runs_images`]).
-    runs_images: bool,
+    /// How prompts hold images, when the backend runs them ([`Backend::image_tokens`]).
+    image_tokens: Option<ImageTokens>,
 }
 
 /// Cheap-to-clone handle to a running engine.
@@ -120,8 +121,8 @@ impl Drop for RequestStream {
 /// The most draft tokens per step `--speculative-tokens` accepts.
 pub const MAX_SPECULATIVE_TOKENS: usize = 4;
 
-/// Why a request with images is refused when the backend runs no vision tower (none does yet).
-pub const NO_VISION_TOWER: &str = "requests with images cannot run yet: the backend runs no vision tower";
+/// Why a request with images is refused when the backend runs no vision tower.
+pub const NO_VISION_TOWER: &str = "requests with images cannot run: the backend runs no vision tower for this model";
 
 /// How the engine steps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -206,7 +207,7 @@ impl EngineHandle {
         });
         let caps = backend.capabilities();
         let vocab = caps.vocab_size;
-        let runs_images = backend.runs_images();
+        let image_tokens = backend.image_tokens();
         if let Ok(mut st) = shared.stats.lock() {
             st.arena = backend.arena_stats();
         }
@@ -225,6 +226,7 @@ impl EngineHandle {
             rx,
             vocab,
             out: StepOut::default(),
+            image_tokens,
         };
         let thread = std::thread::Builder::new()
             .name("deltaserve-engine".into())
@@ -237,7 +239,7 @@ impl EngineHandle {
                 thread: Mutex::new(Some(thread)),
                 sched_cfg,
                 vocab,
-                runs_images,
+                image_tokens,
             }),
         }
     }
@@ -248,7 +250,7 @@ impl EngineHandle {
 
     /// Whether requests may carry images (the loaded model has a vision tower the backend runs).
     pub fn runs_images(&self) -> bool {
-        self.inner.runs_images
+        self.inner.image_tokens.is_some()
     }
 
     /// Validates and queues a request.
@@ -268,9 +270,7 @@ impl EngineHandle {
         }
         let choices = choices::requests(&req, n)?;
         req.sampling.validate().map_err(EngineError::Invalid)?;
-        if !req.images.is_empty() && !self.inner.runs_images {
-            return Err(EngineError::Invalid(NO_VISION_TOWER.into()));
-        }
+        images::place(&req.prompt, &req.images, self.inner.image_tokens)?;
         if let Some((i, id)) = req.prompt.iter().enumerate().find(|(_, id)| **id as usize >= self.inner.vocab) {
             return Err(EngineError::Invalid(format!(
                 "prompt token {i} has id {id}, outside the vocabulary of {} ids",
@@ -345,6 +345,8 @@ struct Live {
     forks: Vec<Choice>,
     /// It is one of those (its prompt counts once, with the first choice).
     forked: bool,
+    /// Its images where its prompt holds them (empty for text).
+    images: images::Placed,
 }
 
 impl Live {
@@ -364,6 +366,7 @@ impl Live {
             prefill_step_s: 0.0,
             forks: Vec::new(),
             forked: false,
+            images: Vec::new(),
         }
     }
 }
@@ -390,6 +393,8 @@ struct Worker {
     /// When the last launched step was collected (launched steps overlap: a step's time starts at
     /// its launch or at this, whichever is later).
     collected: Instant,
+    /// How prompts hold images ([`Backend::image_tokens`]).
+    image_tokens: Option<ImageTokens>,
 }
 
 impl Worker {
@@ -427,23 +432,30 @@ impl Worker {
     fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
             Command::Submit { id, req, tx, submitted, forks } => {
+                let placed = images::place(&req.prompt, &req.images, self.image_tokens);
                 let opts = SeqOptions {
                     snapshot_points: req.snapshot_points.clone(),
                     snapshot_on_finish: req.snapshot_on_finish,
                     no_drafts: !drafts_under(req.constraint.as_ref()),
+                    media: placed.as_ref().map(images::media_spans).unwrap_or_default(),
                 };
-                match self.sched.add_with(id, req.prompt.clone(), req.max_tokens, opts) {
-                    Ok(()) => {
+                let added = placed.and_then(|p| {
+                    self.sched.add_with(id, req.prompt.clone(), req.max_tokens, opts).map_err(EngineError::from)?;
+                    Ok(p)
+                });
+                match added {
+                    Ok(placed) => {
                         let mut live = Live::new(*req, tx, submitted, self.valid_vocab);
                         live.forks = forks;
+                        live.images = placed;
                         self.reqs.insert(id, live);
                     }
                     Err(e) => {
                         self.shared.queued.fetch_sub(1, Ordering::SeqCst);
                         for f in forks {
-                            let _ = f.tx.send(Event::Error(e.clone().into()));
+                            let _ = f.tx.send(Event::Error(e.clone()));
                         }
-                        let _ = tx.send(Event::Error(e.into()));
+                        let _ = tx.send(Event::Error(e));
                     }
                 }
                 false
@@ -507,6 +519,7 @@ impl Worker {
         }
         let entered = Instant::now();
         let mut plan = self.sched.schedule();
+        self.place_chunks(&mut plan.batch.seqs);
         let scheduled = entered.elapsed();
         // Greedy requests' drafts are argmaxes: the backend picks them where the logits are.
         for c in plan.batch.seqs.iter_mut().filter(|c| c.draft > 0) {

@@ -14,4 +14,4 @@ pub use engine::{
     NO_VISION_TOWER, Request, RequestStream, SharedConstraint, Timing, TokenConstraint, TokenLogprob, Usage,
 };
 pub use sampling::{Sampler, SamplingParams};
-pub use score::{ScoreError, logits_at_every_position};
+pub use score::{ScoreError, logits_at_every_position, logits_with_images};

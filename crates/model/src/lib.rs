@@ -29,7 +29,7 @@ pub use config::{Arch, Dims, LayerKind, ModelConfig};
 pub use error::ModelError;
 pub use image::ImagePatches;
 pub use moe::MoeConfig;
-pub use mrope::{MropePositions, rope_index};
+pub use mrope::{MropePositions, PlacedImage, place_images, rope_index};
 pub use quant::{Quantization, QuantizedSource};
 pub use shard::{ShardSpec, Split, TensorShard};
 pub use vision::{VisionAct, VisionConfig, VisionWeights};

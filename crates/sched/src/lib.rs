@@ -8,5 +8,5 @@ pub mod prefix;
 pub mod scheduler;
 
 pub use pools::{PagePool, SlotPool};
-pub use prefix::{Hit, PrefixCache, PrefixCacheConfig, PrefixStats};
+pub use prefix::{Hit, MediaSpan, PrefixCache, PrefixCacheConfig, PrefixStats, cache_key};
 pub use scheduler::{AdmitError, SchedConfig, SchedStats, Scheduler, SeqId, SeqOptions, StepPlan, check_request};

@@ -9,11 +9,46 @@
 //! saved per byte held: tokens beyond the entry's longest cached ancestor, times (1 + hits), over the
 //! snapshot bytes plus the pages it adds — not plain LRU (ties go to the least recently used).
 //!
+//! Entries are keyed by token ids, except where a prompt holds media: an image's placeholder tokens
+//! (all the same id) are keyed by the image's pixel hash ([`MediaSpan`], [`cache_key`]), so the same
+//! image sent again hits and a different image of the same size never does.
+//!
 //! Pure bookkeeping: page references are taken and released by the caller (the scheduler).
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 use deltaserve_backend::{CacheOp, SnapshotLoc};
+
+/// Tokens `start..start + len` of a prompt stand for a piece of media (an image's placeholders) whose
+/// content hash is `hash`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MediaSpan {
+    pub start: usize,
+    pub len: usize,
+    pub hash: [u8; 32],
+}
+
+/// The key ids of `tokens` (a sequence's first tokens) in the prefix cache: the tokens, with each
+/// media span's placeholders replaced by ids drawn from its hash (bit 31 set, which no vocabulary
+/// reaches, so they never equal a token; successive placeholders take successive 31-bit words of the
+/// hash, mixed with their index).
+pub fn cache_key<'a>(tokens: &'a [u32], media: &[MediaSpan]) -> Cow<'a, [u32]> {
+    let inside = |m: &&MediaSpan| m.start < tokens.len();
+    if !media.iter().any(|m| inside(&m)) {
+        return Cow::Borrowed(tokens);
+    }
+    let mut key = tokens.to_vec();
+    for m in media.iter().filter(inside) {
+        let end = (m.start + m.len).min(key.len());
+        for (i, k) in key[m.start..end].iter_mut().enumerate() {
+            let w = (i % 8) * 4;
+            let word = u32::from_le_bytes([m.hash[w], m.hash[w + 1], m.hash[w + 2], m.hash[w + 3]]);
+            *k = 0x8000_0000 | ((word ^ ((i / 8) as u32).wrapping_mul(0x9E37_79B9)) & 0x7FFF_FFFF);
+        }
+    }
+    Cow::Owned(key)
+}
 
 /// Capacities and sizes, from the plan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -250,6 +285,24 @@ impl PrefixCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn media_keys_follow_the_hash_not_the_placeholder() {
+        let tokens = [1, 2, 9, 9, 9, 3];
+        let a = MediaSpan { start: 2, len: 3, hash: [7; 32] };
+        let b = MediaSpan { hash: [8; 32], ..a.clone() };
+        assert_eq!(cache_key(&tokens, &[]), &tokens[..]);
+        let one = |m: &MediaSpan| vec![m.clone()];
+        let (ka, kb) = (cache_key(&tokens, &one(&a)), cache_key(&tokens, &one(&b)));
+        assert_eq!(ka[..2], tokens[..2]);
+        assert_eq!(ka[5], 3);
+        assert!(ka[2..5].iter().all(|k| *k >= 0x8000_0000));
+        assert_ne!(ka, kb, "another image of the same size is another key");
+        assert_eq!(ka, cache_key(&tokens, &one(&a)), "the same image is the same key");
+        // A prefix that ends inside the image keys the rows it holds.
+        assert_eq!(cache_key(&tokens[..3], &one(&a))[..], ka[..3]);
+        assert_eq!(cache_key(&tokens[..2], &[a]), &tokens[..2]);
+    }
 
     const PS: usize = 16;
 

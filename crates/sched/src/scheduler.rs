@@ -17,7 +17,7 @@ use std::collections::{HashMap, VecDeque};
 use deltaserve_backend::{CacheOp, SeqChunk, StepBatch};
 
 use crate::pools::{PagePool, SlotPool};
-use crate::prefix::{PrefixCache, PrefixCacheConfig, PrefixStats};
+use crate::prefix::{MediaSpan, PrefixCache, PrefixCacheConfig, PrefixStats, cache_key};
 
 pub type SeqId = u64;
 
@@ -79,6 +79,8 @@ struct Sequence {
     no_drafts: bool,
     /// Prompt tokens restored from the prefix cache at first admission.
     cached_prefix: Option<usize>,
+    /// The prompt's media spans (keyed by content in the prefix cache).
+    media: Vec<MediaSpan>,
 }
 
 /// Per-sequence options of [`Scheduler::add_with`].
@@ -92,6 +94,8 @@ pub struct SeqOptions {
     pub snapshot_on_finish: bool,
     /// Never give it drafts under speculative decoding (a constrained reply picks one token a step).
     pub no_drafts: bool,
+    /// The prompt's media (images): their placeholder tokens are keyed by content in the prefix cache.
+    pub media: Vec<MediaSpan>,
 }
 
 impl Sequence {
@@ -268,6 +272,7 @@ impl Scheduler {
                 snapshot_on_finish: opts.snapshot_on_finish,
                 no_drafts: opts.no_drafts,
                 cached_prefix: None,
+                media: opts.media,
             },
         );
         self.waiting.push_back(id);
@@ -448,6 +453,8 @@ impl Scheduler {
                 want_logits: true,
                 draft: 0,
                 greedy_draft_vocab: 0,
+                rope_delta: 0,
+                images: Vec::new(),
             });
         }
         if plan.batch.seqs.is_empty() {
@@ -481,7 +488,12 @@ impl Scheduler {
     fn admit(&mut self, id: SeqId, budget: usize, plan: &mut StepPlan) -> bool {
         let ps = self.cfg.page_size;
         let max_prefix = self.seqs[&id].tokens.len() - 1; // the last token must run to give logits
-        let hit = if self.prefix.enabled() { self.prefix.lookup(&self.seqs[&id].tokens, max_prefix) } else { None };
+        let hit = if self.prefix.enabled() {
+            let s = &self.seqs[&id];
+            self.prefix.lookup(&cache_key(&s.tokens, &s.media), max_prefix)
+        } else {
+            None
+        };
         let start = hit.as_ref().map_or(0, |h| h.len);
         // Hold the hit's pages first, so that evictions below cannot free them.
         let held: Vec<u32> = hit.as_ref().map_or(Vec::new(), |h| h.pages.clone());
@@ -524,7 +536,8 @@ impl Scheduler {
 
     /// Snapshots `id`'s state at `end` (its cached length once the step ran) into the prefix cache.
     fn snapshot(&mut self, id: SeqId, end: usize, ops: &mut Vec<CacheOp>) {
-        let tokens = self.seqs[&id].tokens[..end].to_vec();
+        let s = &self.seqs[&id];
+        let tokens = cache_key(&s.tokens[..end], &s.media).into_owned();
         if !self.prefix.enabled() || self.prefix.contains(&tokens) {
             return;
         }
@@ -607,6 +620,8 @@ impl Scheduler {
             want_logits: s.cached + n == s.tokens.len(),
             draft: 0,
             greedy_draft_vocab: 0,
+            rope_delta: 0,
+            images: Vec::new(),
         }
     }
 

@@ -32,7 +32,7 @@ proptest! {
             let (p, m, _) = reqs[i];
             let id = i as u64;
             let prompt: Vec<u32> = (0..p).map(|pos| truth(id, pos)).collect();
-            let opts = SeqOptions { snapshot_points: vec![], snapshot_on_finish: cache, no_drafts: false };
+            let opts = SeqOptions { snapshot_points: vec![], snapshot_on_finish: cache, no_drafts: false, ..SeqOptions::default() };
             s.add_with(id, prompt, m, opts).unwrap();
             want.insert(id, p + m);
         };

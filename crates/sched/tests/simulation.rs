@@ -41,6 +41,7 @@ fn simulate_with(c: SchedConfig, reqs: &[(usize, usize, usize)], shared: bool) -
                 snapshot_points: if shared { vec![5, 12, 17] } else { vec![] },
                 snapshot_on_finish: shared,
                 no_drafts: false,
+                ..Default::default()
             };
             s.add_with(id, prompt, max, opts).unwrap();
         }

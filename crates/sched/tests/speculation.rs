@@ -31,7 +31,7 @@ proptest! {
             let id = i as u64;
             let prompt: Vec<u32> = (0..p).map(|pos| truth(id, pos)).collect();
             // Every third sequence is constrained: it never drafts.
-            let opts = SeqOptions { snapshot_points: vec![], snapshot_on_finish: cache, no_drafts: id % 3 == 2 };
+            let opts = SeqOptions { snapshot_points: vec![], snapshot_on_finish: cache, no_drafts: id % 3 == 2, ..SeqOptions::default() };
             s.add_with(id, prompt, m, opts).unwrap();
             want.insert(id, p + m);
         }

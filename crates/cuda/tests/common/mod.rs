@@ -251,6 +251,8 @@ pub fn chunk(slot: u32, pages: &[u32], start: usize, tokens: &[u32]) -> SeqChunk
         want_logits: true,
         draft: 0,
         greedy_draft_vocab: 0,
+        rope_delta: 0,
+        images: Vec::new(),
     }
 }
 

@@ -120,7 +120,8 @@ impl Worker {
         if !cur.plan.batch.seqs.iter().all(|c| eligible(&c.seq_id)) {
             return Ok(None);
         }
-        let Some(plan) = self.sched.schedule_ahead(&cur.plan) else { return Ok(None) };
+        let Some(mut plan) = self.sched.schedule_ahead(&cur.plan) else { return Ok(None) };
+        self.place_chunks(&mut plan.batch.seqs);
         let wanted: Vec<u64> = cur.plan.batch.seqs.iter().filter(|c| c.want_logits).map(|c| c.seq_id).collect();
         let mut feed = Feed::default();
         for c in &plan.batch.seqs {

@@ -69,6 +69,7 @@ impl Worker {
             let forks = std::mem::take(&mut parent.forks);
             let (submitted, admitted, steps, step_s) =
                 (parent.submitted, parent.admitted, parent.prefill_steps, parent.prefill_step_s);
+            let images = parent.images.clone();
             let Some(parent_row) = logits.get(at * self.vocab..(at + 1) * self.vocab) else { continue };
             for f in forks {
                 let opts =
@@ -79,6 +80,7 @@ impl Worker {
                 }
                 let mut live = Live::new(*f.req, f.tx, submitted, self.valid_vocab);
                 (live.admitted, live.prefill_steps, live.prefill_step_s, live.forked) = (admitted, steps, step_s, true);
+                live.images = images.clone();
                 self.reqs.insert(f.id, live);
                 out.push((f.id, parent_row.to_vec()));
             }
