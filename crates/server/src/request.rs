@@ -358,21 +358,22 @@ const ASSISTANT_ROLE: &str = "assistant";
 /// reply re-rendered from parsed tool calls may differ from the generated text. User and tool messages
 /// are re-rendered as sent, so a snapshot at their starts would only cut the prompt into more steps
 /// (an agent turn's new tokens — the tool result and the generation prompt — run in two chunks, not
-/// three). Where the vocabulary has no single `assistant` token, every message start.
+/// three). Where the role does not tokenise, every message start.
 pub fn snapshot_points(state: &AppState, prompt: &[u32]) -> Vec<usize> {
+    let role = state.tokenizer.encode(ASSISTANT_ROLE).ok().filter(|r| !r.is_empty());
     match state.tokenizer.token_id(MESSAGE_OPENER) {
-        Some(im_start) => message_starts(prompt, im_start, state.tokenizer.token_id(ASSISTANT_ROLE)),
+        Some(im_start) => message_starts(prompt, im_start, role.as_deref()),
         None => Vec::new(),
     }
 }
 
-/// Positions (after the first) of `im_start` followed by `role`, or of every `im_start` when `role` is
-/// None.
-fn message_starts(prompt: &[u32], im_start: u32, role: Option<u32>) -> Vec<usize> {
+/// Positions (after the first) of `im_start` followed by the ids of `role`, or of every `im_start` when
+/// `role` is None.
+fn message_starts(prompt: &[u32], im_start: u32, role: Option<&[u32]>) -> Vec<usize> {
     prompt
         .iter()
         .enumerate()
-        .filter(|&(i, &t)| i > 0 && t == im_start && role.is_none_or(|r| prompt.get(i + 1) == Some(&r)))
+        .filter(|&(i, &t)| i > 0 && t == im_start && role.is_none_or(|r| prompt[i + 1..].starts_with(r)))
         .map(|(i, _)| i)
         .collect()
 }
@@ -386,10 +387,12 @@ mod tests {
         // <|im_start|>=1, assistant=2, user=3, text=9: system, user, assistant, tool result (a user
         // turn), generation prompt.
         let p = [1, 4, 9, 1, 3, 9, 9, 1, 2, 9, 9, 1, 3, 9, 1, 2, 9];
-        assert_eq!(message_starts(&p, 1, Some(2)), vec![7, 14]);
+        assert_eq!(message_starts(&p, 1, Some(&[2])), vec![7, 14]);
         assert_eq!(message_starts(&p, 1, None), vec![3, 7, 11, 14]);
-        // A trailing opener (no role token after it) is not an assistant start.
-        assert_eq!(message_starts(&[1, 9, 1], 1, Some(2)), Vec::<usize>::new());
+        // A role of several tokens (a small vocabulary), and a trailing opener: no role after it.
+        let p = [1, 4, 1, 5, 6, 9, 1, 5, 7, 1, 5];
+        assert_eq!(message_starts(&p, 1, Some(&[5, 6])), vec![2]);
+        assert_eq!(message_starts(&[1, 9, 1], 1, Some(&[2])), Vec::<usize>::new());
     }
 
     #[test]
