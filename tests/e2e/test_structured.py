@@ -7,6 +7,7 @@ import re
 import pytest
 
 import util
+from conftest import MAIN_ARGS, run_server
 
 CHAT = "/v1/chat/completions"
 
@@ -134,3 +135,44 @@ def test_guided_extras_constrain_the_reply(http, seed):
 def test_unsupported_or_bad_guided_extras_are_refused(http, field, value):
     err = util.assert_openai_error(http.post(CHAT, json=util.chat_body(**{field: value})), 400, field)
     assert err["param"] == field, err
+
+
+# ------------------------------------------------------------------------------- with MTP speculation
+
+@pytest.fixture(scope="module")
+def spec_http(tmp_path_factory):
+    """A server drafting 3 tokens a step with the demo model's MTP head."""
+    for srv in run_server(tmp_path_factory, "spec", MAIN_ARGS + ["--speculative-tokens", "3"]):
+        with util.client(srv.base) as c:
+            yield c
+
+
+def drafted(c) -> int:
+    m = re.search(r"^deltaserve_spec_decode_draft_tokens_total (\d+)", c.get("/metrics").text, re.M)
+    return int(m.group(1)) if m else 0
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_constrained_replies_draft_and_stay_valid(spec_http, seed):
+    # Drafts the grammar refuses end acceptance at verify: the replies stay valid, streamed or not.
+    before = drafted(spec_http)
+    r = spec_http.post(CHAT, json=schema_body(seed))
+    assert r.status_code == 200, r.text[:800]
+    ch = r.json()["choices"][0]
+    assert ch["finish_reason"] == "stop", ch
+    check_schema(json.loads(ch["message"]["content"]))
+    chunks, done = util.stream_openai(spec_http, CHAT, schema_body(seed, stream=True))
+    assert done
+    j = util.join_chat_stream(chunks)
+    assert j["finish_reason"] == "stop", j
+    check_schema(json.loads(j["content"]))
+    body = util.chat_body(content="Weather?", max_tokens=200, temperature=1.0, seed=seed, tools=[TOOL, OTHER],
+                          tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                          parallel_tool_calls=False)
+    r = spec_http.post(CHAT, json=body)
+    assert r.status_code == 200, r.text[:800]
+    calls = r.json()["choices"][0]["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    args = json.loads(calls[0]["function"]["arguments"])
+    assert set(args) == {"city", "days", "unit"} and 1 <= args["days"] <= 7 and args["unit"] in ("c", "f"), args
+    assert drafted(spec_http) > before, "constrained requests drafted no tokens"
