@@ -8,6 +8,8 @@
 //! that applies no masks). Rows that come back to the host are masked with bitmasks computed while the
 //! step ran.
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -16,17 +18,17 @@ use deltaserve_backend::sampling::{is_allowed, mask_words};
 use deltaserve_backend::{
     ArenaStats, Backend, BackendError, Capabilities, Feed, Pick, Picked, SpecCommit, StepBatch, StepOut, Want,
 };
-use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
+use deltaserve_cpu::{CpuBackend, CpuModel};
 use deltaserve_engine::{
-    EngineHandle, EngineStats, Event, FinishReason, Request, SamplingParams, SharedConstraint, TokenConstraint,
+    EngineHandle, Event, FinishReason, Request, SamplingParams, SharedConstraint, TokenConstraint,
 };
 use deltaserve_model::synth::{MtpVariant, Preset};
 use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
-use deltaserve_sched::{PrefixCacheConfig, SchedConfig};
+use deltaserve_sched::SchedConfig;
 use deltaserve_text::{Grammar, GrammarCompiler, GrammarMatcher, Tokenizer};
 use serde_json::json;
 
-const PAGE: usize = 8;
+use common::{Setup, cache_cfg, wait_idle};
 
 fn model_dir(variant: MtpVariant) -> PathBuf {
     static DIRS: Mutex<Vec<(String, PathBuf)>> = Mutex::new(Vec::new());
@@ -46,16 +48,7 @@ fn tokenizer(variant: MtpVariant) -> Arc<Tokenizer> {
 }
 
 fn sched() -> SchedConfig {
-    SchedConfig {
-        max_batch_tokens: 24,
-        max_seqs: 4,
-        page_size: PAGE,
-        num_pages: 64,
-        max_context: 64 * PAGE,
-        max_waiting: 64,
-        prefix_cache: PrefixCacheConfig::disabled(PAGE),
-        snapshot_interval: 0,
-    }
+    Setup { max_batch_tokens: 24, num_pages: 64, max_seqs: 4, prefix_cache: false }.sched(0)
 }
 
 fn backend(variant: MtpVariant, k: usize) -> CpuBackend {
@@ -63,13 +56,7 @@ fn backend(variant: MtpVariant, k: usize) -> CpuBackend {
     let cfg = ModelConfig::from_dir(&dir).unwrap();
     let w = ModelWeights::load_f32(&Checkpoint::open(&dir).unwrap(), &cfg).unwrap();
     let c = sched();
-    let cache = CpuCacheConfig {
-        num_pages: c.num_pages,
-        page_size: c.page_size,
-        num_slots: c.max_seqs,
-        snapshot_slots: 0,
-        host_snapshot_slots: 0,
-    };
+    let cache = cache_cfg(&c);
     let model = CpuModel::new(cfg, w);
     if k == 0 { CpuBackend::new(model, cache) } else { CpuBackend::with_speculation(model, cache, k).unwrap() }
 }
@@ -237,17 +224,6 @@ fn collect(mut s: deltaserve_engine::RequestStream) -> (Vec<u32>, FinishReason) 
             None => panic!("stream ended early"),
         }
     }
-}
-
-fn wait_idle(e: &EngineHandle) -> EngineStats {
-    for _ in 0..2000 {
-        let s = e.stats();
-        if s.sched.running + s.sched.waiting == 0 {
-            return s;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-    panic!("engine did not go idle");
 }
 
 /// Each grammar's greedy constrained request next to an unconstrained one, all submitted at once:

@@ -6,6 +6,8 @@
 //! tokens and logits of an uninterrupted run. In the prefix cache an image is its pixel hash: the same
 //! image hits, a different one of the same size does not.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -13,14 +15,14 @@ use deltaserve_backend::{
     ArenaStats, Backend, BackendError, Capabilities, Feed, ImageTokens, Pick, Picked, SpecCommit, StepBatch, StepOut,
     Want,
 };
-use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
+use deltaserve_cpu::{CpuBackend, CpuModel};
 use deltaserve_engine::{EngineHandle, Event, Request, SamplingParams, Usage, logits_with_images};
 use deltaserve_model::synth::{MtpVariant, Preset, write_model_with};
 use deltaserve_model::{Checkpoint, DType, ImagePatches, ModelConfig, ModelWeights, VisionWeights};
-use deltaserve_sched::{PrefixCacheConfig, SchedConfig};
+
+use common::{Setup, cache_cfg};
 
 const TOL: f32 = 1e-3;
-const PAGE: usize = 8;
 
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/hf/qwen35_vision")
@@ -128,44 +130,9 @@ impl Backend for Recorder {
     }
 }
 
-struct Setup {
-    max_batch_tokens: usize,
-    num_pages: usize,
-    max_seqs: usize,
-    prefix_cache: bool,
-}
-
-fn sched(s: &Setup) -> SchedConfig {
-    let prefix_cache = if s.prefix_cache {
-        PrefixCacheConfig { device_slots: 4, host_slots: 2, page_size: PAGE, snapshot_bytes: 1 << 16, page_bytes: 4096 }
-    } else {
-        PrefixCacheConfig::disabled(PAGE)
-    };
-    SchedConfig {
-        max_batch_tokens: s.max_batch_tokens,
-        max_seqs: s.max_seqs,
-        page_size: PAGE,
-        num_pages: s.num_pages,
-        max_context: s.num_pages * PAGE,
-        max_waiting: 64,
-        prefix_cache,
-        snapshot_interval: 0,
-    }
-}
-
-fn cache_cfg(c: &SchedConfig) -> CpuCacheConfig {
-    CpuCacheConfig {
-        num_pages: c.num_pages,
-        page_size: c.page_size,
-        num_slots: c.max_seqs,
-        snapshot_slots: c.prefix_cache.device_slots,
-        host_snapshot_slots: c.prefix_cache.host_slots,
-    }
-}
-
 /// An engine over the fixture's model, recording into the returned log.
 fn engine(s: &Setup) -> (EngineHandle, Arc<Mutex<Log>>) {
-    let c = sched(s);
+    let c = s.sched(4);
     let log = Arc::new(Mutex::new(Log::default()));
     let inner = CpuBackend::new(load(&fixture()), cache_cfg(&c));
     let backend = Recorder { inner, log: log.clone() };
@@ -251,7 +218,7 @@ fn fixture_prompt_through_the_engine_matches_hf() {
 fn scoring_every_position_matches_hf() {
     let r = Reference::open();
     let (ids, images) = (r.ids("input_ids"), r.images());
-    let c = sched(&Setup { max_batch_tokens: 64, num_pages: 8, max_seqs: 1, prefix_cache: false });
+    let c = Setup { max_batch_tokens: 64, num_pages: 8, max_seqs: 1, prefix_cache: false }.sched(4);
     let mut backend = CpuBackend::new(load(&fixture()), cache_cfg(&c));
     let pages: Vec<u32> = (0..8).collect();
     let mut logits = Vec::new();
@@ -343,7 +310,7 @@ fn speculative_decoding_after_images_keeps_the_tokens() {
     let dir = std::env::temp_dir().join(format!("ds-engine-images-{}", std::process::id()));
     write_model_with(&dir, Preset::Tiny, None, 21, MtpVariant::Agreeing { residual_scale: 0.05 }, |_, _| {}).unwrap();
     let model = || load(&dir);
-    let it = CpuBackend::new(model(), cache_cfg(&sched(&setup_small()))).image_tokens().unwrap();
+    let it = CpuBackend::new(model(), cache_cfg(&setup_small().sched(4))).image_tokens().unwrap();
     // Two images of 2×3 and 1×1 merged tokens between text.
     let image = |grid_thw: [usize; 3], seed: u8| {
         let n = grid_thw.iter().product::<usize>() * it.patch_len;
@@ -357,7 +324,7 @@ fn speculative_decoding_after_images_keeps_the_tokens() {
     prompt.extend([it.image_token_id; 1]);
     prompt.extend([35, 89, 79]);
     let run = |k: usize| {
-        let c = sched(&setup_small());
+        let c = setup_small().sched(4);
         let backend = if k == 0 {
             CpuBackend::new(model(), cache_cfg(&c))
         } else {

@@ -7,17 +7,18 @@
 //! keep the target distribution (two-sample chi-square against plain decoding);
 //! bad settings are refused.
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
-use deltaserve_engine::{EngineHandle, EngineStats, Event, FinishReason, Request, SamplingParams, Usage};
+use deltaserve_cpu::{CpuBackend, CpuModel};
+use deltaserve_engine::{EngineHandle, Event, FinishReason, Request, SamplingParams, Usage};
 use deltaserve_model::synth::{MtpVariant, Preset, write_model_with};
 use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
-use deltaserve_sched::{PrefixCacheConfig, SchedConfig};
 
-const PAGE: usize = 8;
+use common::{Setup, cache_cfg, wait_idle};
 
 fn model(variant: MtpVariant) -> CpuModel {
     static DIRS: Mutex<Vec<(String, PathBuf)>> = Mutex::new(Vec::new());
@@ -40,44 +41,9 @@ fn model(variant: MtpVariant) -> CpuModel {
     CpuModel::new(cfg, w)
 }
 
-struct Setup {
-    max_batch_tokens: usize,
-    num_pages: usize,
-    max_seqs: usize,
-    prefix_cache: bool,
-}
-
-fn sched(s: &Setup) -> SchedConfig {
-    let prefix_cache = if s.prefix_cache {
-        PrefixCacheConfig { device_slots: 2, host_slots: 2, page_size: PAGE, snapshot_bytes: 1 << 16, page_bytes: 4096 }
-    } else {
-        PrefixCacheConfig::disabled(PAGE)
-    };
-    SchedConfig {
-        max_batch_tokens: s.max_batch_tokens,
-        max_seqs: s.max_seqs,
-        page_size: PAGE,
-        num_pages: s.num_pages,
-        max_context: s.num_pages * PAGE,
-        max_waiting: 64,
-        prefix_cache,
-        snapshot_interval: 0,
-    }
-}
-
-fn cache_cfg(c: &SchedConfig) -> CpuCacheConfig {
-    CpuCacheConfig {
-        num_pages: c.num_pages,
-        page_size: c.page_size,
-        num_slots: c.max_seqs,
-        snapshot_slots: c.prefix_cache.device_slots,
-        host_snapshot_slots: c.prefix_cache.host_slots,
-    }
-}
-
 /// An engine over `variant`'s model: plain (`k == 0`) or speculative with `k` drafts.
 fn engine(variant: MtpVariant, k: usize, s: &Setup) -> EngineHandle {
-    let c = sched(s);
+    let c = s.sched(2);
     if k == 0 {
         EngineHandle::start(Box::new(CpuBackend::new(model(variant), cache_cfg(&c))), c, None)
     } else {
@@ -153,17 +119,6 @@ fn assert_same(plain: &[Out], spec: &[Out], what: &str) {
             assert!((x - y).abs() <= 1e-5 * x.abs().max(1.0), "{what}: request {i} token {j} logprob {x} vs {y}");
         }
     }
-}
-
-fn wait_idle(e: &EngineHandle) -> EngineStats {
-    for _ in 0..2000 {
-        let s = e.stats();
-        if s.sched.running + s.sched.waiting == 0 {
-            return s;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-    panic!("engine did not go idle");
 }
 
 #[test]
@@ -258,7 +213,7 @@ fn sampling_with_speculation_runs_and_respects_limits() {
 #[test]
 fn bad_speculation_settings_are_refused() {
     let setup = Setup { max_batch_tokens: 32, num_pages: 32, max_seqs: 2, prefix_cache: false };
-    let c = sched(&setup);
+    let c = setup.sched(2);
     for k in [0, 5] {
         let b = CpuBackend::with_speculation(model(MtpVariant::Random), cache_cfg(&c), 4).unwrap();
         let e = EngineHandle::start_speculative(Box::new(b), c.clone(), None, k).err().unwrap();

@@ -6,15 +6,17 @@
 //! acceptance is reported: near zero for a random head, every draft for an agreeing one, in between
 //! for a mostly agreeing one.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
-use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
-use deltaserve_engine::{EngineHandle, EngineStats, Event, FinishReason, Request, SamplingParams};
+use deltaserve_cpu::{CpuBackend, CpuModel};
+use deltaserve_engine::{EngineHandle, Event, FinishReason, Request, SamplingParams};
 use deltaserve_model::synth::{MtpVariant, Preset, write_model_json, write_model_with};
 use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
-use deltaserve_sched::{PrefixCacheConfig, SchedConfig};
+use deltaserve_sched::SchedConfig;
 
-const PAGE: usize = 8;
+use common::{Setup, cache_cfg, wait_idle};
 
 #[derive(Clone, Copy, Debug)]
 enum Form {
@@ -45,28 +47,13 @@ fn model(dir: &Path) -> CpuModel {
 }
 
 fn sched() -> SchedConfig {
-    SchedConfig {
-        max_batch_tokens: 24,
-        max_seqs: 4,
-        page_size: PAGE,
-        num_pages: 64,
-        max_context: 64 * PAGE,
-        max_waiting: 64,
-        prefix_cache: PrefixCacheConfig::disabled(PAGE),
-        snapshot_interval: 0,
-    }
+    Setup { max_batch_tokens: 24, num_pages: 64, max_seqs: 4, prefix_cache: false }.sched(0)
 }
 
 /// An engine over the model in `dir`: plain (`k == 0`) or speculative with `k` drafts.
 fn engine(dir: &Path, k: usize) -> EngineHandle {
     let c = sched();
-    let cache = CpuCacheConfig {
-        num_pages: c.num_pages,
-        page_size: c.page_size,
-        num_slots: c.max_seqs,
-        snapshot_slots: 0,
-        host_snapshot_slots: 0,
-    };
+    let cache = cache_cfg(&c);
     if k == 0 {
         EngineHandle::start(Box::new(CpuBackend::new(model(dir), cache)), c, None)
     } else {
@@ -119,17 +106,6 @@ fn requests(stop: Option<u32>) -> Vec<Request> {
 fn run(e: &EngineHandle, reqs: &[Request]) -> Vec<Out> {
     let streams: Vec<_> = reqs.iter().map(|r| e.submit(r.clone()).unwrap()).collect();
     streams.into_iter().map(collect).collect()
-}
-
-fn wait_idle(e: &EngineHandle) -> EngineStats {
-    for _ in 0..2000 {
-        let s = e.stats();
-        if s.sched.running + s.sched.waiting == 0 {
-            return s;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-    panic!("engine did not go idle");
 }
 
 #[test]
