@@ -48,7 +48,6 @@ fn masked_sampling_matches_the_cpu_backend() {
     // The CUDA backend applies a row's mask whenever it is given one; `masks_tokens` (what the engine
     // asks for) stays off on CUDA unless DELTASERVE_DEVICE_MASKS=1.
     assert!(c_picks.capabilities().masks_tokens);
-    let _ = g.capabilities();
     let mut rng = StdRng::seed_from_u64(17);
     let prompts: Vec<Vec<u32>> = [12usize, 1, 40, 7].iter().map(|&n| random_tokens(&mut rng, n, vocab)).collect();
     let pg: Vec<Vec<u32>> = (0..4).map(|i| pages(40 * i as u32, 200)).collect();
