@@ -312,12 +312,16 @@ pub fn write_safetensors(
     })
 }
 
-/// Writes `path` by `write` into a file beside it (`path` + `.partial`), then renames that over it: a
+/// Writes `path` by `write` into a file beside it (`path` + `.partial-PID-N`), then renames that over it: a
 /// reader never maps a half-written or truncated file (a process that has the old one mapped keeps
 /// reading the old bytes). On an error the partial file is removed and `path` is left as it was.
 pub(crate) fn replace_file(path: &Path, write: impl FnOnce(&Path) -> Result<(), ModelError>) -> Result<(), ModelError> {
+    // A name of its own per write (process and counter): two writers of one file (tests of one process
+    // writing the same model) never share a partial file, and the last rename wins whole.
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut partial = path.as_os_str().to_owned();
-    partial.push(".partial");
+    partial.push(format!(".partial-{}-{n}", std::process::id()));
     let partial = PathBuf::from(partial);
     if let Err(e) = write(&partial) {
         let _ = std::fs::remove_file(&partial);
