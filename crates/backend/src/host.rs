@@ -9,8 +9,9 @@ use crate::{
 
 /// [`crate::Backend::step`] from `run(picker, logits, drafts)`, which runs `batch` and appends each
 /// wanted row's logits (`vocab` wide) to `logits`; given the picker ([`Want::Drafts`]) it drafts and
-/// verifies the speculative chunks into `logits` and `drafts`. For [`Want::Tokens`] the rows pass
-/// through the end of `out.logits` (left as it was) and their tokens go to `out.tokens`.
+/// verifies the speculative chunks into `logits` and `drafts`. For [`Want::Tokens`] and
+/// [`Want::DraftsArgmax`] the rows pass through the end of `out.logits` (left as it was) and their
+/// tokens go to `out.tokens`.
 pub fn host_step(
     batch: &StepBatch,
     vocab: usize,
@@ -21,6 +22,15 @@ pub fn host_step(
     match want {
         Want::Logits => run(None, &mut out.logits, &mut out.drafts),
         Want::Drafts(pick) => run(Some(pick), &mut out.logits, &mut out.drafts),
+        Want::DraftsArgmax { valid, pick } => {
+            let at = out.logits.len();
+            let r = run(Some(pick), &mut out.logits, &mut out.drafts);
+            if r.is_ok() {
+                pick_tokens(&mut out.logits[at..], vocab, valid, Pick::Argmax, &mut out.tokens);
+            }
+            out.logits.truncate(at);
+            r
+        }
         Want::Tokens { valid, pick } => {
             if let Pick::Sample(rows) = pick {
                 check_sample_rows(batch, rows)?;
@@ -113,6 +123,16 @@ mod tests {
         assert_eq!(out.tokens, vec![2, 2]);
         let e = host_step(&batch, 4, Want::Tokens { valid: 4, pick: Pick::Sample(&rows[..1]) }, &mut out, run);
         assert!(matches!(e, Err(BackendError::InvalidStep(_))), "{e:?}");
+        // Drafts with every row's argmax: the picker reaches the run, the rows become tokens.
+        let mut out = StepOut::default();
+        let mut picker = |_: u64, _: usize, _: &[f32]| 0u32;
+        let drafting = |p: Option<&mut DraftPicker<'_>>, l: &mut Vec<f32>, d: &mut Vec<Vec<u32>>| {
+            assert!(p.is_some());
+            d.push(vec![5]);
+            run(None, l, d)
+        };
+        host_step(&batch, 4, Want::DraftsArgmax { valid: 3, pick: &mut picker }, &mut out, drafting).unwrap();
+        assert_eq!((out.tokens, out.logits, out.drafts), (vec![2, 2], vec![], vec![vec![5]]));
         let mut out = StepOut::default();
         host_step(&batch, 4, Want::Logits, &mut out, run).unwrap();
         assert_eq!((out.logits.len(), out.tokens.len()), (8, 0));

@@ -244,6 +244,11 @@ pub enum Want<'a> {
     /// speculative chunk, in batch order). The chunk's DeltaNet state is left as it was before the step
     /// until [`Backend::commit_speculative`]; KV written beyond the committed length is ignored later.
     Drafts(&'a mut DraftPicker<'a>),
+    /// As [`Want::Drafts`] for a step whose every wanted row is a plain greedy pick: instead of the
+    /// logits rows, the backend appends each row's [`argmax`] over ids `< valid` to
+    /// [`StepOut::tokens`] (`1 + draft` per speculative chunk, one per other wanted row, in batch order).
+    /// A device backend picks on the device and downloads 4 bytes a row instead of the row.
+    DraftsArgmax { valid: usize, pick: &'a mut DraftPicker<'a> },
 }
 
 /// A step's outputs (see [`Want`]). A step appends to them; the caller keeps one and clears it before

@@ -8,7 +8,7 @@
 // in split order (deterministic).
 //
 // Tiling: a block of W4G_WARPS = 4 warps owns 128 output rows (4 "pairs" of the format, one per warp)
-// x 8*NT tokens (NT = 2: 16, NT = 4: 32), and the groups gb .. ge of its K split. Per group of 128
+// x 8*NT tokens (NT = 2, 3, 4, 8: 16, 24, 32, 64), and the groups gb .. ge of its K split. Per group of 128
 // columns a stage of the cp.async ring (W4G_S stages) holds each warp's 2 KB weight unit (the lane
 // (g, t) copies, and alone reads back, chunk t of rows 4g + j, j = 0..3, as the decode GEMV does) and
 // the x tile [8*NT tokens][128 columns] bf16 shared by the warps (16-byte chunks swizzled so that the
@@ -140,15 +140,22 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
         s_out = __ldg((const uint2*)(scales + grp * out + rc));
         z_out = zeros ? (u32)__ldg((const unsigned short*)(zeros + grp * zstride + (rc >> 1))) : 0x8888u;
     };
-    auto issue_x = [&](int st, int rel) {
-        const u32 base = smem_s + st * STAGE + W4G_WBYTES;
-        const long long col = (long long)(gb + rel) * 128;
+    // The thread's 16-byte pieces of each stage's x tile: piece c is chunk ch of token row r (clamped to
+    // M - 1 and zero-filled past M), at group gb in xp[c] (one group on: + 128 columns).
+    constexpr int XC = BM * 16 / (W4G_WARPS * 32);
+    const bf16_t* xp[XC];
+    u32 xd[XC];
+    int xn[XC];
 #pragma unroll
-        for (int c = 0; c < BM * 16 / (W4G_WARPS * 32); ++c) {
-            const int id = tid + c * W4G_WARPS * 32, r = id >> 4, ch = id & 15;
-            const int m = min(m0 + r, M - 1);
-            cp_async16(base + r * 256 + w4g_swz(r, ch) * 16, x + m * ldx + col + ch * 8, m0 + r < M ? 16 : 0);
-        }
+    for (int c = 0; c < XC; ++c) {
+        const int id = tid + c * W4G_WARPS * 32, r = id >> 4, ch = id & 15;
+        xp[c] = x + (long long)min(m0 + r, M - 1) * ldx + (long long)gb * 128 + ch * 8;
+        xd[c] = W4G_WBYTES + r * 256 + w4g_swz(r, ch) * 16;
+        xn[c] = m0 + r < M ? 16 : 0;
+    }
+    auto issue_x = [&](int st, int rel) {
+#pragma unroll
+        for (int c = 0; c < XC; ++c) cp_async16(smem_s + st * STAGE + xd[c], xp[c] + rel * 128, xn[c]);
     };
 
     float acc[2][NT][4];
@@ -164,8 +171,13 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
         if (st < n) issue_x(st, st);
         cp_async_commit();
     }
-    // Live n-tiles (warp-uniform): tokens m0 + 8nt < M.
-    const int live = min(NT, (M - m0 + 7) >> 3);
+    // The lane's x-fragment offsets in shared memory: token row r = 8b + g (r & 1 = g & 1), chunk 4i + t of the
+    // stage's x tile: byte g * 256 + w4g_swz(g, 4i + t) * 16 (+ b * 2048 + the stage's offset, constants
+    // once the loops are unrolled). Every n-tile is computed (tokens at or past M are zero-filled and not
+    // stored): no branch between the fragment loads and the MMAs.
+    u32 xoff[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) xoff[i] = W4G_WBYTES + g * 256 + w4g_swz(g, 4 * i + t) * 16;
     for (int k0 = 0; k0 < n; k0 += S) {
 #pragma unroll
         for (int u = 0; u < S; ++u) {
@@ -181,7 +193,6 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
                 cp_async_commit();
                 const uint4* wst = w4g_smem + (u * STAGE + warp * 2048) / 16 + lane;
                 const uint4 q0 = wst[0], q1 = wst[32], q2 = wst[64], q3 = wst[96];
-                const uint4* xst = w4g_smem + (u * STAGE + W4G_WBYTES) / 16;
                 u32 nz[4];
 #pragma unroll
                 for (int j = 0; j < 4; ++j) nz[j] = 0x80008000u | ((0x4300u | ((zv[u] >> (4 * j)) & 15u)) * 0x10001u);
@@ -189,6 +200,9 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
                 w4g_zero<NT>(tmp);
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
+                    uint4 xv[NT];
+#pragma unroll
+                    for (int b = 0; b < NT; ++b) xv[b] = *(const uint4*)((const char*)w4g_smem + xoff[i] + u * STAGE + b * 2048);
                     const u32 w0 = u4_comp(q0, i), w1 = u4_comp(q1, i), w2 = u4_comp(q2, i), w3 = u4_comp(q3, i);
                     u32 a[2][2][4];  // [tile][half][fragment register]
 #pragma unroll
@@ -204,14 +218,10 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
                     }
 #pragma unroll
                     for (int b = 0; b < NT; ++b) {
-                        if (b < live) {
-                            const int r = 8 * b + g;
-                            const uint4 xv = xst[r * 16 + w4g_swz(r, 4 * i + t)];
-                            mma_bf16(tmp[0][b], a[0][0], xv.x, xv.y);
-                            mma_bf16(tmp[1][b], a[1][0], xv.x, xv.y);
-                            mma_bf16(tmp[0][b], a[0][1], xv.z, xv.w);
-                            mma_bf16(tmp[1][b], a[1][1], xv.z, xv.w);
-                        }
+                        mma_bf16(tmp[0][b], a[0][0], xv[b].x, xv[b].y);
+                        mma_bf16(tmp[1][b], a[1][0], xv[b].x, xv[b].y);
+                        mma_bf16(tmp[0][b], a[0][1], xv[b].z, xv[b].w);
+                        mma_bf16(tmp[1][b], a[1][1], xv[b].z, xv[b].w);
                     }
                 }
                 const uint2 sb = sv[u];
@@ -381,17 +391,20 @@ __device__ __forceinline__ void w4t_body(const u32* __restrict__ qw, const unsig
 }
 
 
-// w4g_<tokens per block>.
-#define W4G_KERNEL(NAME, NT)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(W4G_WARPS * 32)                                                 \
+// w4g_<tokens per block>, at least MINB blocks a multiprocessor (registers capped to fit them: 168 at 3,
+// 255 at 2; shared memory allows 3 blocks of up to 32 tokens, 2 of 64).
+#define W4G_KERNEL(NAME, NT, MINB)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(W4G_WARPS * 32, MINB)                                           \
         NAME(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,                              \
              const unsigned char* __restrict__ zeros, int scale_bf16, const bf16_t* x, long long ldx, void* y,    \
              long long ldy, int M, int out, int in, int mode, int vec) {                                           \
         pdl_trigger();                                                                                           \
         w4g_body<NT>(qw, scales, zeros, scale_bf16, x, ldx, y, ldy, M, out, in, mode, vec);                        \
     }
-W4G_KERNEL(w4g_16, 2)
-W4G_KERNEL(w4g_32, 4)
+W4G_KERNEL(w4g_16, 2, 3)
+W4G_KERNEL(w4g_24, 3, 3)
+W4G_KERNEL(w4g_32, 4, 3)
+W4G_KERNEL(w4g_64, 8, 2)
 
 // The pair kernels take up to four linears sharing x (a layer's q/k/v, qkv/z/b/a, gate/up) as segments:
 // segment i's blocks follow segment i - 1's (nb_i blocks; unused: 0); its qweight, scales, zeros, y,

@@ -39,9 +39,8 @@ pub struct Switches {
     /// many tokens attend as decode queries (`CudaOptions::verify_decode_attention_from` instead of its
     /// default); not a number: unset.
     pub verify_decode_from: Option<usize>,
-    /// `DELTASERVE_DEVICE_MASKS=1`: structured-output rows are masked and picked on the device
-    /// (`sample_mask_bits`) instead of on the host (the default until the kernel's GPU tests,
-    /// `tests/backend/masked.rs` and the ops table's masked sample cases, have run on each GPU kind).
+    /// Structured-output rows are masked and picked on the device (`sample_mask_bits`) with the
+    /// step's other rows; `DELTASERVE_DEVICE_MASKS=0` picks them on the host instead.
     pub device_masks: bool,
 }
 
@@ -69,7 +68,7 @@ impl Switches {
             fold_norms: var("DELTASERVE_FOLD").is_none_or(|v| v != "0"),
             w4_gemm: var("DELTASERVE_W4_GEMM").is_none_or(|v| v != "0"),
             verify_decode_from: var("DELTASERVE_VERIFY_DECODE_FROM").and_then(|v| v.trim().parse().ok()),
-            device_masks: var("DELTASERVE_DEVICE_MASKS").is_some_and(|v| v == "1"),
+            device_masks: var("DELTASERVE_DEVICE_MASKS").is_none_or(|v| v != "0"),
         }
     }
 
@@ -88,7 +87,7 @@ impl Switches {
 
     /// Whether any switch differs from its default.
     pub fn any_set(&self) -> bool {
-        *self != Switches { fold_norms: true, w4_gemm: true, ..Switches::default() }
+        *self != Switches { fold_norms: true, w4_gemm: true, device_masks: true, ..Switches::default() }
     }
 }
 
@@ -104,7 +103,7 @@ mod tests {
     fn defaults_without_variables() {
         let s = from(&[]);
         assert!(!s.any_set());
-        assert!(s.fold_norms && s.w4_gemm && !s.decode_attn_split && !s.attn_prefill_pair);
+        assert!(s.fold_norms && s.w4_gemm && s.device_masks && !s.decode_attn_split && !s.attn_prefill_pair);
         assert!(s.pdl.is_none() && s.nvrtc_options.is_empty() && s.trace_cap.is_none());
     }
 
@@ -119,9 +118,9 @@ mod tests {
             ("DELTASERVE_FOLD", "0"),
             ("DELTASERVE_W4_GEMM", "0"),
             ("DELTASERVE_VERIFY_DECODE_FROM", "0"),
-            ("DELTASERVE_DEVICE_MASKS", "1"),
+            ("DELTASERVE_DEVICE_MASKS", "0"),
         ]);
-        assert!(s.device_masks);
+        assert!(!s.device_masks);
         assert!(s.any_set());
         assert_eq!(s.pdl.as_deref(), Some("0"));
         assert!(s.decode_attn_split && s.attn_prefill_pair && !s.fold_norms && !s.w4_gemm);
@@ -136,9 +135,10 @@ mod tests {
             ("DELTASERVE_DECODE_ATTN", "mma"),
             ("DELTASERVE_ATTN_PREFILL", "wide"),
             ("DELTASERVE_FOLD", "1"),
+            ("DELTASERVE_DEVICE_MASKS", "1"),
             ("DELTASERVE_VERIFY_DECODE_FROM", "soon"),
         ]);
-        assert!(!s.decode_attn_split && !s.attn_prefill_pair && s.fold_norms);
+        assert!(!s.decode_attn_split && !s.attn_prefill_pair && s.fold_norms && s.device_masks);
         assert!(!s.any_set());
     }
 }

@@ -292,6 +292,16 @@ fn agreeing_head_drafts_what_the_model_predicts() {
         let (rows, drafts) = (out.logits, out.drafts);
         assert_eq!(picked, if greedy { 0 } else { MAX_DRAFT }, "the picker runs only for non-greedy drafts");
         let verified: Vec<u32> = rows.chunks_exact(vocab).map(|r| argmax(r) as u32).collect();
+        if greedy {
+            // The same step again (nothing is committed in between), its verified rows picked on the
+            // device: the same drafts, each row's argmax, no logits back.
+            let mut again = StepOut::default();
+            let mut no_pick = |_: u64, _: usize, row: &[f32]| argmax(row) as u32;
+            b.step(&batch(c.clone()), Want::DraftsArgmax { valid: vocab, pick: &mut no_pick }, &mut again).unwrap();
+            assert_eq!(again.drafts, drafts, "step {step}: drafts");
+            assert_eq!(again.tokens, verified, "step {step}: the verified rows' argmax picked on the device");
+            assert!(again.logits.is_empty());
+        }
         same += verified[..MAX_DRAFT].iter().zip(&drafts[0]).filter(|(a, b)| a == b).count();
         total += MAX_DRAFT;
         b.commit_speculative(&[SpecCommit { seq_id: 7, slot: 0, pages: pg.clone(), start: pos, accepted: 5 }]).unwrap();

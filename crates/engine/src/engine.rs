@@ -41,6 +41,7 @@ use crate::sampling::Sampler;
 
 mod ahead;
 mod choices;
+mod emit;
 pub(crate) mod images;
 mod masks;
 mod rows;
@@ -563,6 +564,17 @@ impl Worker {
         let greedy_step = on_device
             && wanted.iter().all(|l| l.is_some_and(|l| l.sampler.picks_argmax() && l.req.constraint.is_none()));
         let device_sampling = on_device && !greedy_step;
+        // Speculative steps whose every wanted row is a plain greedy pick take each row's argmax where the
+        // logits are (the verify rows' included): 4 bytes a row come back instead of the row.
+        let greedy_spec = self.sched.speculative_tokens() > 0
+            && wanted.iter().all(|l| {
+                l.is_some_and(|l| {
+                    l.req.logprobs.is_none()
+                        && l.req.constraint.is_none()
+                        && l.forks.is_empty()
+                        && l.sampler.picks_argmax()
+                })
+            });
         let started = Instant::now();
         let rows: Vec<RowSampling> = if device_sampling { self.sampling_rows(&plan.batch.seqs, true) } else { vec![] };
         let pick = on_device.then_some(if greedy_step { Pick::Argmax } else { Pick::Sample(&rows) });
@@ -596,6 +608,7 @@ impl Worker {
         };
         let want = match pick {
             Some(pick) => Want::Tokens { valid: self.valid_vocab, pick },
+            None if greedy_spec => Want::DraftsArgmax { valid: self.valid_vocab, pick: &mut draft_pick },
             None if self.sched.speculative_tokens() > 0 => Want::Drafts(&mut draft_pick),
             None => Want::Logits,
         };
@@ -643,9 +656,24 @@ impl Worker {
         }
         plain.extend(forked.iter_mut().map(|(id, row)| (*id, row.as_mut_slice())));
         let mut finished = Vec::new();
+        // The tokens of a greedy speculative step's verify rows, per speculative chunk in batch order.
+        let mut verify_tokens: Vec<Vec<u32>> = Vec::new();
         let mut sampled = if on_device {
             let wanted = plan.batch.seqs.iter().filter(|c| c.want_logits).map(|c| c.seq_id);
             wanted.zip(out.tokens.iter().copied()).map(|(id, t)| (id, (t, None))).collect()
+        } else if greedy_spec {
+            let mut tokens = out.tokens.iter().copied();
+            let mut plain_tokens = HashMap::new();
+            for c in &plan.batch.seqs {
+                if c.draft > 0 {
+                    verify_tokens.push(tokens.by_ref().take(c.draft + 1).collect());
+                } else if c.want_logits
+                    && let Some(t) = tokens.next()
+                {
+                    plain_tokens.insert(c.seq_id, (t, None));
+                }
+            }
+            plain_tokens
         } else {
             self.sample_rows(plain, &mut first_masks)
         };
@@ -657,6 +685,7 @@ impl Worker {
             }
         }
         let mut verify_rows = verify_rows.into_iter();
+        let mut verify_tokens = verify_tokens.into_iter();
         let mut drafts = out.drafts.drain(..);
         let mut commits = Vec::new();
         for c in &plan.batch.seqs {
@@ -668,15 +697,30 @@ impl Worker {
                 }
                 continue;
             }
-            let verified: Vec<&mut [f32]> = verify_rows.next().unwrap_or_default();
             let draft = drafts.next().unwrap_or_default();
-            if verified.len() != c.draft + 1 || draft.len() != c.draft {
-                self.fail(c.seq_id, EngineError::Backend("speculative step returned too few rows or drafts".into()));
-                continue;
-            }
-            let q = q_rows.remove(&c.seq_id);
-            let first = first_masks.remove(&c.seq_id);
-            let (emitted, accepted, end) = self.accept(c.seq_id, &draft, verified, q, first);
+            let (emitted, accepted, end) = if greedy_spec {
+                let tokens = verify_tokens.next().unwrap_or_default();
+                if tokens.len() != c.draft + 1 || draft.len() != c.draft {
+                    self.fail(
+                        c.seq_id,
+                        EngineError::Backend("speculative step returned too few rows or drafts".into()),
+                    );
+                    continue;
+                }
+                self.accept_tokens(c.seq_id, &draft, &tokens)
+            } else {
+                let verified: Vec<&mut [f32]> = verify_rows.next().unwrap_or_default();
+                if verified.len() != c.draft + 1 || draft.len() != c.draft {
+                    self.fail(
+                        c.seq_id,
+                        EngineError::Backend("speculative step returned too few rows or drafts".into()),
+                    );
+                    continue;
+                }
+                let q = q_rows.remove(&c.seq_id);
+                let first = first_masks.remove(&c.seq_id);
+                self.accept(c.seq_id, &draft, verified, q, first)
+            };
             if let Ok(mut s) = self.shared.stats.lock() {
                 s.spec_steps += 1;
                 s.spec_drafted += c.draft as u64;
@@ -734,98 +778,6 @@ impl Worker {
         for c in seqs {
             self.fail(c.seq_id, EngineError::Backend(error.to_string()));
         }
-    }
-
-    /// Streams a chosen token of `id` (with its logprobs from the `raw` row) and applies the stop rules.
-    fn emit(&mut self, id: SeqId, token: u32, raw: Option<Vec<f32>>) -> Emit {
-        let Some(live) = self.reqs.get_mut(&id) else { return Emit::Gone };
-        let logprob = raw.zip(live.req.logprobs).map(|(raw, k)| token_logprob(&raw, self.valid_vocab, token, k));
-        live.sampler.observe(token);
-        if let Some(c) = &live.req.constraint {
-            c.with(|c| c.accept(token));
-        }
-        live.generated += 1;
-        live.first_token.get_or_insert_with(Instant::now);
-        let at_length = self.sched.append_token(id, token);
-        let mut text = String::new();
-        let mut reason = None;
-        if let Some(tok) = &self.tokenizer {
-            match live.decoder.push(tok, token) {
-                Ok(piece) => {
-                    let out = live.stops.push(&piece);
-                    text = out.emit;
-                    if let Some(s) = out.stopped {
-                        reason = Some(FinishReason::StopString(s));
-                    }
-                }
-                Err(e) => tracing::warn!(error = %e, "detokenisation failed"),
-            }
-        }
-        if reason.is_none() && live.req.stop_token_ids.contains(&token) {
-            reason = Some(FinishReason::Stop);
-        }
-        if reason.is_none() && at_length {
-            reason = Some(FinishReason::Length);
-        }
-        if let Some(r) = &reason
-            && !matches!(r, FinishReason::StopString(_))
-            && let Some(tok) = &self.tokenizer
-        {
-            // Flush what the decoder and the stop matcher held back.
-            let tail = live.decoder.finish(tok).unwrap_or_default();
-            let out = live.stops.push(&tail);
-            text.push_str(&out.emit);
-            match out.stopped {
-                Some(s) => reason = Some(FinishReason::StopString(s)),
-                None => text.push_str(&live.stops.flush()),
-            }
-        }
-        if live.tx.send(Event::Token { id: token, text, logprob }).is_err() {
-            self.cancel(id);
-            return Emit::Gone;
-        }
-        match reason {
-            Some(r) => Emit::Finish(r),
-            None => Emit::Continue,
-        }
-    }
-
-    fn finish(&mut self, id: SeqId, reason: FinishReason) {
-        let Some(live) = self.reqs.remove(&id) else { return };
-        let cached_tokens = self.sched.cached_prefix(id);
-        self.sched.finish(id);
-        let now = Instant::now();
-        let ms = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64() * 1e3;
-        let first = live.first_token.unwrap_or(now);
-        let decode_s = now.duration_since(first).as_secs_f64();
-        let timing = Timing {
-            queue_ms: live.admitted.map_or(0.0, |a| ms(live.submitted, a)),
-            ttft_ms: ms(live.submitted, first),
-            total_ms: ms(live.submitted, now),
-            decode_tokens_per_s: if decode_s > 0.0 { (live.generated - 1) as f64 / decode_s } else { 0.0 },
-            preemptions: live.preemptions,
-            prefill_steps: live.prefill_steps,
-            prefill_step_ms: live.prefill_step_s * 1e3,
-        };
-        let usage = Usage { prompt_tokens: live.req.prompt.len(), completion_tokens: live.generated, cached_tokens };
-        tracing::debug!(
-            id,
-            prompt = usage.prompt_tokens,
-            cached = cached_tokens,
-            generated = usage.completion_tokens,
-            queue_ms = format!("{:.1}", timing.queue_ms),
-            ttft_ms = format!("{:.1}", timing.ttft_ms),
-            prefill_steps = timing.prefill_steps,
-            prefill_step_ms = format!("{:.1}", timing.prefill_step_ms),
-            total_ms = format!("{:.1}", timing.total_ms),
-            "request finished"
-        );
-        if let Ok(mut s) = self.shared.stats.lock() {
-            s.requests_finished += 1;
-            s.prompt_tokens += if live.forked { 0 } else { usage.prompt_tokens as u64 };
-            s.generated_tokens += usage.completion_tokens as u64;
-        }
-        let _ = live.tx.send(Event::Finished { reason, usage, timing });
     }
 
     fn publish_stats(&self) {

@@ -21,7 +21,9 @@ impl Backend for Null {
     fn step(&mut self, b: &StepBatch, want: Want<'_>, out: &mut StepOut) -> Result<(), BackendError> {
         let wanted = b.seqs.iter().filter(|c| c.want_logits);
         match want {
-            Want::Tokens { .. } => out.tokens.extend(wanted.map(|c| 1000 + (c.start as u32 % 5000))),
+            Want::Tokens { .. } | Want::DraftsArgmax { .. } => {
+                out.tokens.extend(wanted.map(|c| 1000 + (c.start as u32 % 5000)))
+            }
             Want::Logits | Want::Drafts(_) => out.logits.resize(out.logits.len() + wanted.count() * 248_320, 0.0),
         }
         Ok(())

@@ -33,9 +33,14 @@ const W4_GEMM_MIN_GROUPS_PER_SPLIT: usize = 4;
 /// GPU with more takes the splits this workspace holds).
 const W4_GEMM_PLANNED_SMS: usize = 200;
 
-/// Tokens (rows of x) per int4 GEMM block for `m` rows: 16 up to 16 rows, else 32.
+/// Tokens (rows of x) per int4 GEMM block for `m` rows: 16 up to 16 rows, else 24 or 32, whichever
+/// pads `m` less (32 on a tie: fewer blocks). Every token of a block is computed (rows past `m` are
+/// zeros), so padding is work.
 pub fn w4_gemm_tokens(m: usize) -> usize {
-    if m <= 16 { 16 } else { 32 }
+    if m <= 16 {
+        return 16;
+    }
+    if m.div_ceil(24) * 24 < m.div_ceil(32) * 32 { 24 } else { 32 }
 }
 
 /// Splits over K of an int4 GEMM of `m` rows through an `[out, in]` linear on a GPU of `sms`

@@ -36,7 +36,7 @@ impl Backend for CudaBackend {
         let tokens = &mut out.tokens;
         match want {
             Want::Logits => self.step_to(batch, StepOut::Logits(&mut out.logits)),
-            Want::Tokens { .. } if self.tp.is_some() => {
+            Want::Tokens { .. } | Want::DraftsArgmax { .. } if self.tp.is_some() => {
                 Err(BackendError::Unsupported("picking tokens on one tensor-parallel rank's vocabulary shard".into()))
             }
             Want::Tokens { valid, pick: Pick::Argmax } => self.step_to(batch, StepOut::Argmax { valid, tokens }),
@@ -44,7 +44,10 @@ impl Backend for CudaBackend {
                 deltaserve_backend::check_sample_rows(batch, rows)?;
                 self.step_to(batch, StepOut::Sample { valid, rows, tokens })
             }
-            Want::Drafts(pick) => self.step_speculative(batch, pick, &mut out.logits, &mut out.drafts),
+            Want::Drafts(pick) => self.step_speculative(batch, pick, StepOut::Logits(&mut out.logits), &mut out.drafts),
+            Want::DraftsArgmax { valid, pick } => {
+                self.step_speculative(batch, pick, StepOut::Argmax { valid, tokens }, &mut out.drafts)
+            }
         }
     }
 

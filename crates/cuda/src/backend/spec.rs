@@ -88,16 +88,17 @@ impl CudaBackend {
     /// A step that wants drafts ([`deltaserve_backend::Want::Drafts`]): drafts with the MTP head (one
     /// head forward per draft position, its logits picked on the host), then one forward of the main
     /// model over every chunk, speculative chunks as short prefills whose DeltaNet state stays committed
-    /// (see [`Spec`]).
+    /// (see [`Spec`]); every wanted row handed back as `out` asks (its logits, or its argmax picked on the
+    /// device).
     pub(super) fn step_speculative(
         &mut self,
         batch: &StepBatch,
         pick: &mut DraftPicker<'_>,
-        logits: &mut Vec<f32>,
+        out: StepOut<'_>,
         drafts: &mut Vec<Vec<u32>>,
     ) -> Result<(), BackendError> {
         if !batch.seqs.iter().any(|c| c.draft > 0) {
-            return self.step_to(batch, StepOut::Logits(logits));
+            return self.step_to(batch, out);
         }
         self.check_speculative(batch)?;
         let dev = |e: CudaError| BackendError::Device(e.to_string());
@@ -119,7 +120,7 @@ impl CudaBackend {
             c.tokens.extend_from_slice(d);
             c.draft = 0;
         }
-        self.run_chunks(&ex, &verify, StepOut::Logits(logits))?;
+        self.run_chunks(&ex, &verify, out)?;
         for op in &batch.post {
             self.apply(op)?;
         }

@@ -46,7 +46,7 @@ fn masked_sampling_matches_the_cpu_backend() {
     let (mut logits_be, mut g) = (cuda(&dir, &cfg, &plan), cuda(&dir, &cfg, &plan));
     let (mut c, mut c_picks) = (cpu(&dir, &cfg), cpu(&dir, &cfg));
     // The CUDA backend applies a row's mask whenever it is given one; `masks_tokens` (what the engine
-    // asks for) stays off on CUDA unless DELTASERVE_DEVICE_MASKS=1.
+    // asks for) is on unless DELTASERVE_DEVICE_MASKS=0.
     assert!(c_picks.capabilities().masks_tokens);
     let mut rng = StdRng::seed_from_u64(17);
     let prompts: Vec<Vec<u32>> = [12usize, 1, 40, 7].iter().map(|&n| random_tokens(&mut rng, n, vocab)).collect();

@@ -62,4 +62,27 @@ impl Worker {
         }
         (emitted, accepted, None)
     }
+
+    /// [`Self::accept`] for a greedy request whose verified rows were picked where the logits are:
+    /// `tokens[i]` is the target's argmax after the chunk's token and drafts `..i`. A draft survives
+    /// while it is that pick.
+    pub(super) fn accept_tokens(
+        &mut self,
+        id: SeqId,
+        drafts: &[u32],
+        tokens: &[u32],
+    ) -> (usize, usize, Option<FinishReason>) {
+        let (mut emitted, mut accepted) = (0, 0);
+        for (i, &token) in tokens.iter().enumerate() {
+            let is_draft = drafts.get(i) == Some(&token);
+            emitted += 1;
+            accepted += usize::from(is_draft);
+            match self.emit(id, token, None) {
+                Emit::Continue if is_draft => {}
+                Emit::Continue | Emit::Gone => return (emitted, accepted, None),
+                Emit::Finish(r) => return (emitted, accepted, Some(r)),
+            }
+        }
+        (emitted, accepted, None)
+    }
 }

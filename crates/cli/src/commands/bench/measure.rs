@@ -281,7 +281,8 @@ pub(super) fn speculative(
         let batch = StepBatch { seqs, ..Default::default() };
         out.clear();
         let t0 = Instant::now();
-        be.step(&batch, Want::Drafts(&mut pick), &mut out)?;
+        // Greedy rows, as the engine runs them: every verified row's argmax picked on the GPU.
+        be.step(&batch, Want::DraftsArgmax { valid: vocab, pick: &mut pick }, &mut out)?;
         let t1 = Instant::now();
         be.commit_speculative(&commits)?;
         if step >= 3 {
