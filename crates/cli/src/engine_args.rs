@@ -113,11 +113,22 @@ pub struct EngineArgs {
     /// Default: the planner may choose it when the full context does not fit otherwise.
     #[arg(long)]
     pub embed_on_host: bool,
+    /// The most patches (vision-tower tokens; 4 make one prompt image token) of one image: the plan sizes
+    /// the tower's activation workspace for this many, and a request with a larger image gets a 400.
+    /// Default: the larger of 4096 and one image at the pixel budget of preprocessor_config.json (65,536
+    /// for Qwen3.5/3.6). Only where the backend runs the tower (CPU; not with --no-vision).
+    #[arg(long, value_name = "N")]
+    pub max_image_tokens_per_step: Option<usize>,
 }
 
 impl EngineArgs {
-    fn engine_options(&self, speculative_tokens: usize) -> EngineOptions {
-        EngineOptions { speculative_tokens, lookahead: !self.no_lookahead }
+    fn engine_options(&self, speculative_tokens: usize, plan: &Plan) -> EngineOptions {
+        EngineOptions {
+            speculative_tokens,
+            lookahead: !self.no_lookahead,
+            // No tower priced: none is loaded either, and images are refused whatever their size.
+            max_image_tokens_per_step: plan.options.max_image_tokens_per_step.unwrap_or(usize::MAX),
+        }
     }
 
     /// `--tensor-parallel` on the CPU reference: only 1 (it simulates the sharded forward in its
@@ -432,7 +443,7 @@ impl EngineArgs {
             built.backend,
             built.sched,
             built.tokenizer.clone(),
-            self.engine_options(built.speculative_tokens),
+            self.engine_options(built.speculative_tokens, &built.plan),
         )
         .context("--speculative-tokens")?;
         Ok(Started {
@@ -462,7 +473,7 @@ impl EngineArgs {
         let device = model.device()?;
         let text = model.load_text(dir)?;
         match device {
-            Device::Cpu => self.prepare_cpu(text, positions),
+            Device::Cpu => self.prepare_cpu(text, positions, model.no_vision),
             Device::Cuda => self.prepare_cuda(text, model.random_weights),
         }
     }
@@ -494,6 +505,11 @@ impl EngineArgs {
     /// The CUDA backend's checks and plan (against the GPU's free memory).
     fn prepare_cuda(&self, text: TextModel, random_weights: bool) -> Result<Prepared> {
         CudaBackend::check_model(&text.config)?;
+        if self.max_image_tokens_per_step.is_some() {
+            tracing::warn!(
+                "--max-image-tokens-per-step: ignored, the CUDA backend runs no vision tower (images are refused)"
+            );
+        }
         let tp = self.tensor_parallel;
         deltaserve_model::shard::check_world(&text.config, tp)
             .map_err(|e| anyhow::anyhow!("--tensor-parallel {tp}: {e}"))?;
@@ -563,7 +579,7 @@ impl EngineArgs {
     }
 
     /// The CPU backend's checks and plan, and the host memory its arena will take against what is available.
-    fn prepare_cpu(&self, text: TextModel, positions: Option<usize>) -> Result<Prepared> {
+    fn prepare_cpu(&self, text: TextModel, positions: Option<usize>, no_vision: bool) -> Result<Prepared> {
         self.check_cpu_tensor_parallel()?;
         if self.weights_dtype.is_some() || self.quantize.is_some() || self.lm_head_int4 || self.embed_on_host {
             anyhow::bail!(
@@ -572,7 +588,11 @@ impl EngineArgs {
             );
         }
         let spec = self.speculative_tokens()?;
-        let opts = self.plan_options(Device::Cpu)?;
+        let mut opts = self.plan_options(Device::Cpu)?;
+        // The CPU backend loads the model's tower (f32) unless --no-vision: its weights and workspace are
+        // priced, never traded away by the fit.
+        opts.max_image_tokens_per_step = (!no_vision && text.config.vision.is_some())
+            .then(|| crate::model_source::max_image_tokens_per_step(self.max_image_tokens_per_step, Some(&text.dir)));
         let plan = self.fit(&text.config, &opts, self.free())?;
         let sched = self.sched_config(&plan)?;
         let num_pages = positions.map_or(plan.num_kv_pages, |n| n.div_ceil(plan.page_size).clamp(1, plan.num_kv_pages));

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use deltaserve_cpu::CpuModel;
+use deltaserve_media::ImageProcessorConfig;
 use deltaserve_model::quant::Quantization;
 use deltaserve_model::shard::ShardSpec;
 use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights, VisionWeights};
@@ -160,6 +161,24 @@ pub fn gptq_int4(cfg: &ModelConfig, weights_dtype: Option<WeightsDtype>, quantiz
         bail!("this checkpoint is GPTQ-quantised (int4 by itself): --weights-dtype / --quantize do not apply");
     }
     Ok(Some(!g.params.sym))
+}
+
+/// The most patches the vision tower runs at once (what the plan sizes its workspace for; a larger image is
+/// refused): `--max-image-tokens-per-step`, else the larger of 4096 and the patches of one image at the
+/// pixel budget of `dir`'s `preprocessor_config.json` (Qwen3.5's when missing or unreadable: 65,536).
+pub fn max_image_tokens_per_step(flag: Option<usize>, dir: Option<&Path>) -> usize {
+    if let Some(n) = flag {
+        return n;
+    }
+    let processor = match dir.map(ImageProcessorConfig::for_model_dir) {
+        Some(Ok(p)) => p,
+        Some(Err(e)) => {
+            tracing::warn!("{e}: the vision tower's bound assumes Qwen3.5's image processor");
+            ImageProcessorConfig::qwen35()
+        }
+        None => ImageProcessorConfig::qwen35(),
+    };
+    deltaserve_plan::default_max_image_tokens(processor.max_pixels, processor.patch_size)
 }
 
 /// The CUDA backend a plan of `opts` is for. `checkpoint`: the model directory when the weights come

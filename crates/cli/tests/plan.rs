@@ -99,3 +99,34 @@ fn gptq_checkpoint_plans_int4_like_serve() {
     assert!(err.contains("GPTQ-quantised"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The vision tower where the backend runs it (`--device cpu`): its weights and its workspace for
+/// `--max-image-tokens-per-step` patches (default: one image at the preprocessor's pixel budget, 65,536
+/// patches for Qwen3.5's), both shown; `--no-vision` prices none; on CUDA (no tower) the table says so.
+#[test]
+fn cpu_plan_prices_the_vision_tower() {
+    let base = ["--preset", "tiny", "--device", "cpu", "--memory", "2GiB"];
+    let j = plan_json(&[&base[..], &["--json"]].concat());
+    let vision = j["weights"]["vision_bytes"].as_u64().unwrap();
+    let workspace = j["vision_workspace_bytes"].as_u64().unwrap();
+    assert!(vision > 0 && workspace > 0, "{j}");
+    assert_eq!(j["options"]["max_image_tokens_per_step"], 65_536);
+    let small = plan_json(&[&base[..], &["--max-image-tokens-per-step", "1024", "--json"]].concat());
+    // Linear in the patches: 1,024 take a 64th of 65,536's.
+    assert_eq!(small["vision_workspace_bytes"].as_u64().unwrap() * 64, workspace);
+    let none = plan_json(&[&base[..], &["--no-vision", "--json"]].concat());
+    assert_eq!((none["weights"]["vision_bytes"].as_u64(), none["vision_workspace_bytes"].as_u64()), (Some(0), Some(0)));
+    assert_eq!(j["weights_bytes"].as_u64().unwrap() - none["weights_bytes"].as_u64().unwrap(), vision);
+    assert!(none["regions"].as_array().unwrap().iter().all(|r| r["name"] != "vision"));
+
+    let table = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_deltaserve")).arg("plan").args(args).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let t = table(&base);
+    assert!(t.contains("vision tower: weights") && t.contains("65,536 patches"), "{t}");
+    assert!(t.lines().any(|l| l.starts_with("vision ")), "{t}");
+    let t = table(&["--preset", "tiny"]);
+    assert!(t.contains("vision tower: not loaded"), "{t}");
+}

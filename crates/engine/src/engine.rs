@@ -32,7 +32,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use deltaserve_backend::sampling::mask_words;
-use deltaserve_backend::{Backend, ImageTokens, Pick, RowSampling, SeqChunk, SpecCommit, StepOut, Want};
+use deltaserve_backend::{Backend, Pick, RowSampling, SeqChunk, SpecCommit, StepOut, Want};
 use deltaserve_sched::{AdmitError, SchedConfig, Scheduler, SeqId, SeqOptions, check_request};
 use deltaserve_text::{IncrementalDecoder, StopMatcher, Tokenizer};
 use tokio::sync::mpsc as tmpsc;
@@ -50,6 +50,7 @@ mod verify;
 
 use ahead::Launched;
 use choices::Choice;
+use images::ImageRules;
 use rows::token_logprob;
 pub use types::{
     EngineError, EngineStats, Event, FinishReason, Request, SharedConstraint, Timing, TokenConstraint, TokenLogprob,
@@ -75,8 +76,8 @@ struct Inner {
     thread: Mutex<Option<JoinHandle<()>>>,
     sched_cfg: SchedConfig,
     vocab: usize,
-    /// How prompts hold images, when the backend runs them ([`Backend::image_tokens`]).
-    image_tokens: Option<ImageTokens>,
+    /// What images the engine takes (how prompts hold them, when the backend runs them; their bound).
+    images: ImageRules,
 }
 
 /// Cheap-to-clone handle to a running engine.
@@ -134,11 +135,15 @@ pub struct EngineOptions {
     /// ([`deltaserve_backend::Capabilities::launches_ahead`]) and the requests allow it (see
     /// `engine/ahead.rs`).
     pub lookahead: bool,
+    /// The most patches (vision-tower tokens) of one image: the bound the plan sized the tower's
+    /// workspace for (`--max-image-tokens-per-step`); a request with a larger image is refused at
+    /// submission. The tower runs one image at a time, so this bounds its activations in any step.
+    pub max_image_tokens_per_step: usize,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        Self { speculative_tokens: 0, lookahead: true }
+        Self { speculative_tokens: 0, lookahead: true, max_image_tokens_per_step: usize::MAX }
     }
 }
 
@@ -208,7 +213,7 @@ impl EngineHandle {
         });
         let caps = backend.capabilities();
         let vocab = caps.vocab_size;
-        let image_tokens = backend.image_tokens();
+        let images = ImageRules { tokens: backend.image_tokens(), max_patches: opts.max_image_tokens_per_step };
         if let Ok(mut st) = shared.stats.lock() {
             st.arena = backend.arena_stats();
         }
@@ -227,7 +232,7 @@ impl EngineHandle {
             rx,
             vocab,
             out: StepOut::default(),
-            image_tokens,
+            images,
         };
         let thread = std::thread::Builder::new()
             .name("deltaserve-engine".into())
@@ -240,7 +245,7 @@ impl EngineHandle {
                 thread: Mutex::new(Some(thread)),
                 sched_cfg,
                 vocab,
-                image_tokens,
+                images,
             }),
         }
     }
@@ -251,7 +256,7 @@ impl EngineHandle {
 
     /// Whether requests may carry images (the loaded model has a vision tower the backend runs).
     pub fn runs_images(&self) -> bool {
-        self.inner.image_tokens.is_some()
+        self.inner.images.tokens.is_some()
     }
 
     /// Validates and queues a request.
@@ -271,7 +276,7 @@ impl EngineHandle {
         }
         let choices = choices::requests(&req, n)?;
         req.sampling.validate().map_err(EngineError::Invalid)?;
-        images::place(&req.prompt, &req.images, self.inner.image_tokens)?;
+        images::place(&req.prompt, &req.images, self.inner.images)?;
         if let Some((i, id)) = req.prompt.iter().enumerate().find(|(_, id)| **id as usize >= self.inner.vocab) {
             return Err(EngineError::Invalid(format!(
                 "prompt token {i} has id {id}, outside the vocabulary of {} ids",
@@ -394,8 +399,8 @@ struct Worker {
     /// When the last launched step was collected (launched steps overlap: a step's time starts at
     /// its launch or at this, whichever is later).
     collected: Instant,
-    /// How prompts hold images ([`Backend::image_tokens`]).
-    image_tokens: Option<ImageTokens>,
+    /// What images the engine takes.
+    images: ImageRules,
 }
 
 impl Worker {
@@ -433,7 +438,7 @@ impl Worker {
     fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
             Command::Submit { id, req, tx, submitted, forks } => {
-                let placed = images::place(&req.prompt, &req.images, self.image_tokens);
+                let placed = images::place(&req.prompt, &req.images, self.images);
                 let opts = SeqOptions {
                     snapshot_points: req.snapshot_points.clone(),
                     snapshot_on_finish: req.snapshot_on_finish,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use deltaserve_backend::{Backend, BackendError, ImagePatches, SeqChunk, StepBatch, step_logits};
 
-use crate::engine::images;
+use crate::engine::images::{self, ImageRules};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ScoreError {
@@ -33,7 +33,7 @@ pub fn logits_at_every_position(
 }
 
 /// [`logits_at_every_position`] of a prompt whose image placeholder runs hold `images`, in order (the
-/// backend must run images: [`Backend::image_tokens`]).
+/// backend must run images: [`Backend::image_tokens`]; one sequence scored, its images unbounded).
 pub fn logits_with_images(
     backend: &mut dyn Backend,
     slot: u32,
@@ -46,8 +46,8 @@ pub fn logits_with_images(
     if let Some((index, &id)) = tokens.iter().enumerate().find(|(_, id)| **id as usize >= vocab) {
         return Err(ScoreError::OutsideVocabulary { id, index, vocab });
     }
-    let placed =
-        images::place(tokens, images, backend.image_tokens()).map_err(|e| ScoreError::Images(e.to_string()))?;
+    let placed = images::place(tokens, images, ImageRules { tokens: backend.image_tokens(), max_patches: usize::MAX })
+        .map_err(|e| ScoreError::Images(e.to_string()))?;
     let chunk = SeqChunk { slot, pages: pages.to_vec(), want_logits: true, ..SeqChunk::default() };
     let mut batch = StepBatch { seqs: vec![chunk], ..StepBatch::default() };
     let mut row = Vec::with_capacity(vocab);

@@ -16,7 +16,9 @@ use deltaserve_backend::{
     Want,
 };
 use deltaserve_cpu::{CpuBackend, CpuModel};
-use deltaserve_engine::{EngineHandle, Event, Request, SamplingParams, Usage, logits_with_images};
+use deltaserve_engine::{
+    EngineError, EngineHandle, EngineOptions, Event, Request, SamplingParams, Usage, logits_with_images,
+};
 use deltaserve_model::synth::{MtpVariant, Preset, write_model_with};
 use deltaserve_model::{Checkpoint, DType, ImagePatches, ModelConfig, ModelWeights, VisionWeights};
 
@@ -210,6 +212,37 @@ fn fixture_prompt_through_the_engine_matches_hf() {
     assert_eq!(chunks[1], (id, 16, 16, vec![6]), "the second step holds the rest of image A");
     // Image A's rows are kept between the two steps (its tower ran once), then dropped.
     assert_eq!(log.lock().unwrap().kept[..3], [1, 0, 0]);
+    e.shutdown(false);
+}
+
+/// An image with more patches than `max_image_tokens_per_step` (the bound the plan sized the tower's
+/// workspace for) is refused at submission, naming the limit, before anything is queued or encoded; at
+/// the bound the same request runs.
+#[test]
+fn images_over_the_patch_bound_are_refused_at_submission() {
+    let r = Reference::open();
+    let (ids, images) = (r.ids("input_ids"), r.images());
+    let largest = images.iter().map(|i| i.patches()).max().unwrap();
+    let start = |bound: usize| {
+        let c = Setup { max_batch_tokens: 16, num_pages: 16, max_seqs: 2, prefix_cache: false }.sched(4);
+        let log = Arc::new(Mutex::new(Log::default()));
+        let backend = Recorder { inner: CpuBackend::new(load(&fixture()), cache_cfg(&c)), log: log.clone() };
+        let opts = EngineOptions { max_image_tokens_per_step: bound, ..EngineOptions::default() };
+        (EngineHandle::start_with(Box::new(backend), c, None, opts).unwrap(), log)
+    };
+    let (e, log) = start(largest - 1);
+    let err = e.submit(request(&ids, &images, 2, vec![])).err().expect("refused");
+    let m = err.to_string();
+    assert!(matches!(err, EngineError::Invalid(_)), "{m}");
+    assert!(m.contains(&format!("{largest} patches")) && m.contains(&format!("limit of {}", largest - 1)), "{m}");
+    assert!(m.contains("--max-image-tokens-per-step"), "{m}");
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert_eq!(e.stats().steps, 0, "nothing was queued");
+    assert!(log.lock().unwrap().chunks.is_empty());
+    e.shutdown(false);
+    let (e, _) = start(largest);
+    let (tokens, _, _) = finish(e.submit(request(&ids, &images, 2, vec![])).unwrap());
+    assert_eq!(tokens.len(), 2);
     e.shutdown(false);
 }
 

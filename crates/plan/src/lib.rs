@@ -6,7 +6,9 @@
 //! and hands ALL memory left over to KV pages, so the context it reports can be filled to 100%.
 //!
 //! - [`dtype`]: storage formats of weights and KV, with their exact byte costs;
-//! - [`weights`]: bytes of the text-model weights per format, split device / pinned host;
+//! - [`weights`]: bytes of the model's weights per format, split device / pinned host;
+//! - [`vision`]: the vision tower's weights and its activation workspace, bounded by the patches it runs
+//!   at once (`--max-image-tokens-per-step`);
 //! - [`workspace`]: the activation workspace of one engine step, planned by liveness (first-fit by lifetime);
 //!   bounded by tokens per step and sequences per step, never by prompt length or context;
 //! - [`cuda`]: what the CUDA backend carves beside the generic regions (its scratch, its weights' device
@@ -29,6 +31,7 @@ mod options;
 mod plan;
 mod render;
 pub mod size;
+pub mod vision;
 pub mod weights;
 pub mod workspace;
 
@@ -39,5 +42,6 @@ pub use fit::{Fitted, Free, NEAR_BEST, fit_context};
 pub use options::{COLLECTIVE_RESERVE_BYTES, MAX_DECODE_PARTITIONS, PlanBackend, PlanOptions};
 pub use plan::{ALIGN, Plan, Region, card_config};
 pub use size::{fmt_bytes, fmt_count, parse_size};
+pub use vision::{MIN_DEFAULT_IMAGE_TOKENS, default_max_image_tokens};
 pub use weights::WeightBytes;
 pub use workspace::{SamplingScratch, WorkspaceBuffer, WorkspaceLayout};

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use crate::checkpoint::CheckpointTensors;
 use crate::dtype::{KvDtype, WeightsDtype};
 use crate::size::MIB;
+use crate::vision::MIN_DEFAULT_IMAGE_TOKENS;
 
 /// Split-K partitions of the decode attention of speculative verify rows, at most (the speculation
 /// region holds their partials for every verified position): [`PlanOptions::verify_partitions`].
@@ -80,6 +81,12 @@ pub struct PlanOptions {
     /// activations at the card's shapes, the gathered logits. `budget_bytes` is then one card's budget
     /// (the smallest card's, with mixed cards: it decides the context every card can hold).
     pub tensor_parallel: usize,
+    /// The vision tower, where the backend loads the model's: the most patches it runs at once
+    /// (`--max-image-tokens-per-step`; an image of more patches is refused), which bounds its activation
+    /// workspace (the `vision` region); its weights are in the `weights` region, at the dense format
+    /// (f32 for f32 weights, else 16-bit). `None`: no tower loaded (`--no-vision`, or a backend that runs
+    /// none), nothing priced. A text-only model prices nothing either way.
+    pub max_image_tokens_per_step: Option<usize>,
 }
 
 /// Device memory NCCL takes per card beyond the CUDA runtime (communicator buffers for every channel
@@ -105,7 +112,7 @@ impl PlanOptions {
 
     /// The CUDA backend: bf16 weights and KV, bf16 activations, 4096 tokens and 16 sequences per step,
     /// 32-token pages, 8 snapshots, 600 MiB runtime reserve, 64 MiB of CUDA graphs, 32 MiB GEMM workspace,
-    /// 16 decode partitions.
+    /// 32 decode partitions; no vision tower (the CUDA backend runs none: images are refused).
     pub fn gpu_defaults(budget: u64) -> Self {
         Self {
             budget_bytes: budget,
@@ -128,11 +135,13 @@ impl PlanOptions {
             decode_partitions: 32,
             speculative_tokens: 0,
             tensor_parallel: 1,
+            max_image_tokens_per_step: None,
         }
     }
 
     /// The f32 reference backend (no backend scratch): f32 weights, KV and activations, 512 tokens and 4 sequences per step,
-    /// 32-token pages, 2 snapshots, no runtime or graph reserve or GEMM workspace, 1 decode partition.
+    /// 32-token pages, 2 snapshots, no runtime or graph reserve or GEMM workspace, 1 decode partition; the
+    /// model's vision tower (f32) with [`MIN_DEFAULT_IMAGE_TOKENS`] patches per step.
     pub fn cpu_defaults(budget: u64) -> Self {
         Self {
             budget_bytes: budget,
@@ -148,6 +157,7 @@ impl PlanOptions {
             gemm_workspace_bytes: 0,
             decode_partitions: 1,
             backend: PlanBackend::Generic,
+            max_image_tokens_per_step: Some(MIN_DEFAULT_IMAGE_TOKENS),
             ..Self::gpu_defaults(budget)
         }
     }

@@ -7,6 +7,7 @@ use crate::dtype::{KvDtype, WeightsDtype};
 use crate::error::PlanError;
 use crate::options::{MAX_DECODE_PARTITIONS, PlanOptions};
 use crate::size::fmt_bytes;
+use crate::vision::tower_workspace_bytes;
 use crate::weights::WeightBytes;
 use crate::workspace::{StepShape, WorkspaceLayout, plan_workspace};
 
@@ -27,7 +28,7 @@ pub struct Region {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Plan {
     /// In arena order: weights, kv_pages, state_slots, snapshots, activations, logits, block_tables,
-    /// gemm_workspace. Offsets are 256-byte aligned; each region starts where the previous one ends, rounded up.
+    /// gemm_workspace, backend_scratch, then (when priced) speculation and vision. Offsets are 256-byte aligned; each region starts where the previous one ends, rounded up.
     pub regions: Vec<Region>,
     /// Weights in the device arena.
     pub weights_bytes: u64,
@@ -46,6 +47,11 @@ pub struct Plan {
     /// What the backend carves beside the generic regions ([`crate::cuda::backend_scratch_bytes`]; 0 on
     /// the CPU backend).
     pub backend_scratch_bytes: u64,
+    /// The vision tower's activation workspace ([`crate::vision::tower_workspace_bytes`] for
+    /// `max_image_tokens_per_step` patches); 0 when no tower is priced.
+    pub vision_workspace_bytes: u64,
+    /// The model has a vision tower (priced or not: see [`PlanOptions::max_image_tokens_per_step`]).
+    pub model_has_vision: bool,
     /// Everything counted against the budget: the arena (alignment included) + the runtime reserve.
     pub total_bytes: u64,
     pub budget_bytes: u64,
@@ -136,11 +142,18 @@ impl Plan {
             decode_partitions: opts.decode_partitions,
             speculative: spec > 0,
         };
+        let vision_bytes = match (&cfg.vision, opts.max_image_tokens_per_step) {
+            (Some(v), Some(n)) => {
+                to64(tower_workspace_bytes(v, n, opts.activation_bytes_per_elem), "vision workspace")?
+            }
+            _ => 0,
+        };
         let ws_cfg = ModelConfig { vocab_size: full_vocab, ..cfg.clone() };
         let workspace = plan_workspace(&ws_cfg, &shape).ok_or(overflow("activation workspace"))?;
         let activation_bytes = workspace.bytes;
-        let fixed_parts: [(&str, u64); 8] = [
+        let fixed_parts: [(&str, u64); 9] = [
             ("speculation", spec_bytes),
+            ("vision workspace", vision_bytes),
             ("state slots", state_bytes),
             ("snapshots", snapshot_bytes),
             ("activations", activation_bytes),
@@ -165,6 +178,7 @@ impl Plan {
                 }
             }
             h.extend(hints.weight_savings());
+            h.extend(hints.vision_savings(vision_bytes));
             h.push(format!("raise --memory to at least {} (the whole plan at these settings)", fmt_bytes(minimum)));
             return Err(PlanError::WeightsDoNotFit {
                 weights,
@@ -181,6 +195,7 @@ impl Plan {
                 breakdown.push(format!("runtime and graph reserve {}", fmt_bytes(reserve)));
             }
             let mut h = hints.fixed_savings(state_bytes_per_seq, activation_bytes);
+            h.extend(hints.vision_savings(vision_bytes));
             h.extend(hints.weight_savings());
             h.push(format!("raise --memory to at least {}", fmt_bytes(minimum)));
             return Err(PlanError::FixedRegionsDoNotFit {
@@ -205,6 +220,7 @@ impl Plan {
             let fits = pages.saturating_mul(opts.page_size).min(max_pos);
             if pages == 0 {
                 let mut h = hints.fixed_savings(state_bytes_per_seq, activation_bytes);
+                h.extend(hints.vision_savings(vision_bytes));
                 h.extend(hints.weight_savings());
                 h.push(format!("raise --memory to at least {}", fmt_bytes(minimum)));
                 return Err(PlanError::NoKvPage {
@@ -226,6 +242,7 @@ impl Plan {
                         h.extend(hints.kv_smaller());
                         h.extend(hints.weight_savings());
                         h.extend(hints.fixed_savings(state_bytes_per_seq, activation_bytes));
+                        h.extend(hints.vision_savings(vision_bytes));
                         h.push(format!("raise --memory to at least {}", fmt_bytes(fixed.saturating_add(needed))));
                         return Err(PlanError::ContextDoesNotFit {
                             requested: mc,
@@ -270,6 +287,9 @@ impl Plan {
             weights_note += &format!("; embed {} in pinned host memory", fmt_bytes(w.embed));
         } else {
             weights_note += &format!(", embed {} {dense_note}", fmt_bytes(w.embed));
+        }
+        if w.vision > 0 {
+            weights_note += &format!("; vision tower {} {dense_note}", fmt_bytes(w.vision));
         }
         let specs: Vec<(&'static str, u64, String)> = vec![
             ("weights", weights, weights_note),
@@ -348,6 +368,17 @@ impl Plan {
                 ),
             ));
         }
+        if let (Some(v), Some(n)) = (&cfg.vision, opts.max_image_tokens_per_step) {
+            specs.push((
+                "vision",
+                vision_bytes,
+                format!(
+                    "vision tower activations for {n} patches (--max-image-tokens-per-step; {} blocks of width {}, \
+                     MLP {}), one image at a time",
+                    v.depth, v.hidden_size, v.intermediate_size
+                ),
+            ));
+        }
         let mut regions = Vec::with_capacity(specs.len());
         let mut offset = 0u64;
         for (name, bytes, note) in specs {
@@ -368,6 +399,8 @@ impl Plan {
             logits_bytes,
             block_table_bytes: table_bytes,
             backend_scratch_bytes: scratch_bytes,
+            vision_workspace_bytes: vision_bytes,
+            model_has_vision: cfg.vision.is_some(),
             total_bytes,
             budget_bytes: budget,
             page_size: opts.page_size,
@@ -519,6 +552,13 @@ fn validate(cfg: &ModelConfig, o: &PlanOptions) -> Result<(), PlanError> {
             "must be 2 (bf16, GPU) or 4 (f32, CPU)",
         );
     }
+    if o.max_image_tokens_per_step == Some(0) {
+        return bad(
+            "--max-image-tokens-per-step",
+            "0".into(),
+            "an image has at least one patch (--no-vision: no tower)",
+        );
+    }
     if !(1..=MAX_DECODE_PARTITIONS).contains(&o.decode_partitions) {
         return bad(
             "--decode-partitions",
@@ -603,6 +643,17 @@ impl Hints<'_> {
             }
         }
         h
+    }
+
+    /// Lowering the vision tower's bound, or loading no tower, when its workspace is priced.
+    fn vision_savings(&self, workspace: u64) -> Vec<String> {
+        match self.opts.max_image_tokens_per_step {
+            Some(n) if workspace > 0 => vec![
+                format!("lower --max-image-tokens-per-step {n} (vision workspace {})", fmt_bytes(workspace)),
+                format!("use --no-vision (frees {} of tower weights and the workspace)", fmt_bytes(self.wb.vision)),
+            ],
+            _ => Vec::new(),
+        }
     }
 
     fn kv_smaller(&self) -> Vec<String> {

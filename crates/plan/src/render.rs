@@ -56,6 +56,7 @@ impl Plan {
             "block_table_bytes": self.block_table_bytes,
             "gemm_workspace_bytes": o.gemm_workspace_bytes,
             "backend_scratch_bytes": self.backend_scratch_bytes,
+            "vision_workspace_bytes": self.vision_workspace_bytes,
             "runtime_reserve_bytes": o.runtime_reserve_bytes,
             "graph_reserve_bytes": o.graph_reserve_bytes,
             "kv_pages_bytes": self.num_kv_pages as u64 * self.kv_page_bytes(),
@@ -84,6 +85,7 @@ impl Plan {
                 "decode_partitions": o.decode_partitions,
                 "max_context": o.max_context,
                 "tensor_parallel": o.tensor_parallel,
+                "max_image_tokens_per_step": o.max_image_tokens_per_step,
             },
             "model": {
                 "layers": d.num_layers,
@@ -96,6 +98,7 @@ impl Plan {
                 "card_kv_heads": d.kv_heads,
                 "card_deltanet_v_heads": d.gdn_v_heads,
                 "card_intermediate": d.intermediate,
+                "vision_tower": self.model_has_vision,
             },
             "weights": {
                 "linears_bytes": w.linears,
@@ -106,6 +109,8 @@ impl Plan {
                 "embed_on_host": w.embed_on_host,
                 "experts_bytes": w.experts,
                 "experts_active_bytes_per_token": w.experts_active,
+                "vision_bytes": w.vision,
+                "vision_params": w.vision_params,
             },
             "regions": self.regions.iter().map(|r| json!({
                 "name": r.name, "bytes": r.bytes, "offset": r.offset, "note": r.note,
@@ -173,6 +178,9 @@ impl Plan {
                 fmt_bytes(w.experts_active)
             );
         }
+        if let Some(line) = self.vision_line() {
+            let _ = writeln!(s, "{line}");
+        }
         let _ = writeln!(s);
         let _ = writeln!(s, "{:<16} {:>11} {:>7} {:>11}  note", "region", "size", "budget", "offset");
         for r in &self.regions {
@@ -230,6 +238,29 @@ impl Plan {
         );
         let _ = writeln!(s, "{}", self.context_line());
         s
+    }
+
+    /// What the plan holds of the model's vision tower (None: the model has none).
+    fn vision_line(&self) -> Option<String> {
+        if !self.model_has_vision {
+            return None;
+        }
+        let o = &self.options;
+        let w = &self.weight_parts;
+        Some(match o.max_image_tokens_per_step {
+            Some(n) => format!(
+                "vision tower: weights {} ({} params, {}) · workspace {} for {} patches a step \
+                 (--max-image-tokens-per-step; an image of more patches is refused)",
+                fmt_bytes(w.vision),
+                fmt_count(w.vision_params),
+                if o.weights_dtype.dense_elem_bytes() == 4 { "f32" } else { "bf16" },
+                fmt_bytes(self.vision_workspace_bytes),
+                fmt_count(n as u64)
+            ),
+            None => "vision tower: not loaded, nothing priced (--no-vision, or a backend that runs no tower: \
+                     the CUDA backend refuses images; --device cpu runs them)"
+                .to_string(),
+        })
     }
 
     /// The activation workspace: every buffer with its offset, size, lifetime and shape.

@@ -1,6 +1,6 @@
 //! Bytes of the text-model weights in a given storage format, split between the device arena and pinned host
-//! memory. Shapes are the canonical (unpacked) `[out, in]` ones of `docs/architecture.md` §5.1; vision weights
-//! are not loaded for text inference and are not counted; the MTP head (§5.2) is counted only with
+//! memory. Shapes are the canonical (unpacked) `[out, in]` ones of `docs/architecture.md` §5.1; the vision
+//! tower is counted where the backend loads it ([`crate::vision`]); the MTP head (§5.2) is counted only with
 //! speculative decoding on (a mixture-of-experts model's head with all its experts). A sparse layer's routed experts and shared expert are decoder linears in
 //! `weights_dtype` (every expert priced, whether or not a token routes to it); its router and shared-expert
 //! gate stay 16-bit. Every tensor (a quantised linear's data,
@@ -12,6 +12,7 @@ use deltaserve_model::{LayerKind, ModelConfig};
 use crate::dtype::{QUANT_GROUP, WeightsDtype};
 use crate::options::PlanOptions;
 use crate::plan::ALIGN;
+use crate::vision::{tower_params, tower_weight_bytes};
 
 fn al(x: u128) -> u128 {
     x.next_multiple_of(ALIGN as u128)
@@ -84,6 +85,11 @@ pub struct WeightBytes {
     pub experts: u64,
     /// The routed experts one token reads (`top_k` per sparse layer; part of `experts`).
     pub experts_active: u64,
+    /// The vision tower (every `model.visual.*` tensor, in the dense format: f32 for f32 weights, else
+    /// 16-bit) where the backend loads it ([`PlanOptions::max_image_tokens_per_step`]); else 0.
+    pub vision: u64,
+    /// Parameters of the vision tower (0 when not counted).
+    pub vision_params: u64,
 }
 
 impl WeightBytes {
@@ -143,6 +149,10 @@ impl WeightBytes {
         } else {
             0
         };
+        let (vision, vision_params) = match (&cfg.vision, opts.max_image_tokens_per_step) {
+            (Some(v), Some(_)) => (tower_weight_bytes(v, elem as usize), tower_params(v)),
+            _ => (0, 0),
+        };
         let linears: u128 = shapes.iter().map(|&(o, i)| linear_aligned(wd, o, i, asym)).sum();
         let linear_params: u128 = shapes.iter().map(|&(o, i)| o as u128 * i as u128).sum();
         let table = al(d.vocab as u128 * h as u128 * elem);
@@ -163,12 +173,19 @@ impl WeightBytes {
             mtp: u64::try_from(mtp).ok()?,
             experts: u64::try_from(experts).ok()?,
             experts_active: u64::try_from(experts_active).ok()?,
+            vision: u64::try_from(vision).ok()?,
+            vision_params: u64::try_from(vision_params).ok()?,
         })
     }
 
     /// Bytes in the device arena.
     pub fn device(&self) -> u64 {
-        self.linears + self.dense + self.lm_head + self.mtp + if self.embed_on_host { 0 } else { self.embed }
+        self.linears
+            + self.dense
+            + self.lm_head
+            + self.mtp
+            + self.vision
+            + if self.embed_on_host { 0 } else { self.embed }
     }
 
     /// Bytes in pinned host memory.

@@ -10,8 +10,8 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use deltaserve_backend::host::host_step;
-use deltaserve_backend::{ArenaStats, Backend, BackendError, Capabilities, StepBatch, StepOut, Want};
-use deltaserve_engine::EngineHandle;
+use deltaserve_backend::{ArenaStats, Backend, BackendError, Capabilities, ImageTokens, StepBatch, StepOut, Want};
+use deltaserve_engine::{EngineHandle, EngineOptions};
 use deltaserve_sched::SchedConfig;
 use deltaserve_server::{AppState, ChatDefaults, ServerConfig, routes};
 use deltaserve_text::{ChatTemplate, Tokenizer};
@@ -27,6 +27,8 @@ struct ScriptedBackend {
     eos: u32,
     prompt_len: HashMap<u64, usize>,
     step_delay: Duration,
+    /// Claims to run images (their rows are ignored): the engine's checks of image requests apply.
+    images: Option<ImageTokens>,
 }
 
 impl Backend for ScriptedBackend {
@@ -38,6 +40,9 @@ impl Backend for ScriptedBackend {
             max_draft_tokens: 0,
             masks_tokens: false,
         }
+    }
+    fn image_tokens(&self) -> Option<ImageTokens> {
+        self.images
     }
     fn step(&mut self, batch: &StepBatch, want: Want<'_>, out: &mut StepOut) -> Result<(), BackendError> {
         std::thread::sleep(self.step_delay);
@@ -65,12 +70,17 @@ fn app() -> axum::Router {
 
 /// The server state over a backend that writes `script`.
 fn state(script: &str, step_delay: Duration) -> AppState {
+    state_with(script, step_delay, None, EngineOptions::default())
+}
+
+/// [`state`] over a backend that claims `images`, the engine started with `opts`.
+fn state_with(script: &str, step_delay: Duration, images: Option<ImageTokens>, opts: EngineOptions) -> AppState {
     let dir = deltaserve_text::synth_model::demo_model_dir().unwrap();
     let tokenizer = Arc::new(Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap());
     let template = ChatTemplate::from_dir(&dir).unwrap().map(Arc::new);
     let eos = tokenizer.token_id("<|im_end|>").unwrap();
     let script = tokenizer.encode(script).unwrap();
-    let backend = ScriptedBackend { vocab: 1024, script, eos, prompt_len: HashMap::new(), step_delay };
+    let backend = ScriptedBackend { vocab: 1024, script, eos, prompt_len: HashMap::new(), step_delay, images };
     let sched = SchedConfig {
         max_batch_tokens: 64,
         max_seqs: 4,
@@ -81,7 +91,7 @@ fn state(script: &str, step_delay: Duration) -> AppState {
         prefix_cache: deltaserve_sched::PrefixCacheConfig::disabled(16),
         snapshot_interval: 0,
     };
-    let engine = EngineHandle::start(Box::new(backend), sched, Some(tokenizer.clone()));
+    let engine = EngineHandle::start_with(Box::new(backend), sched, Some(tokenizer.clone()), opts).unwrap();
     AppState {
         grammars: Default::default(),
         engine,
@@ -350,6 +360,31 @@ async fn images_are_counted_then_refused_without_a_vision_tower() {
     let (status, body) = post(&app, "/v1/chat/completions", chat).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
     assert!(body.contains(deltaserve_engine::NO_VISION_TOWER), "{body}");
+}
+
+/// An image with more patches than the engine's `max_image_tokens_per_step` (the bound the plan sized the
+/// vision tower's workspace for) gets a 400 naming the limit; at the bound it runs.
+#[tokio::test(flavor = "multi_thread")]
+async fn images_over_the_patch_bound_get_a_400_naming_the_limit() {
+    let pad = Tokenizer::from_file(&deltaserve_text::synth_model::demo_model_dir().unwrap().join("tokenizer.json"))
+        .unwrap()
+        .token_id("<|image_pad|>")
+        .unwrap();
+    let tower = Some(ImageTokens { image_token_id: pad, merge: 2, patch_len: 3 * 2 * 16 * 16 });
+    let app = |bound: usize| {
+        let opts = EngineOptions { max_image_tokens_per_step: bound, ..EngineOptions::default() };
+        routes::router(state_with(SCRIPT, Duration::ZERO, tower, opts))
+    };
+    // PIXEL_PNG becomes 256 × 256 pixels: 16 × 16 = 256 patches.
+    let chat = json!({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": PIXEL_PNG}}]}]});
+    let (status, body) = post(&app(255), "/v1/chat/completions", chat.clone()).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    let message = serde_json::from_str::<Value>(&body).unwrap()["error"]["message"].as_str().unwrap().to_string();
+    assert!(message.contains("256 patches") && message.contains("limit of 255 patches"), "{message}");
+    assert!(message.contains("--max-image-tokens-per-step"), "{message}");
+    let (status, body) = post(&app(256), "/v1/chat/completions", chat).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -57,6 +57,15 @@ pub struct Args {
     /// prices the MTP head's weights and KV, the verify workspace and the draft logits.
     #[arg(long, default_value_t = 0)]
     speculative_tokens: usize,
+    /// The most patches of one image the vision tower runs (as `serve`): prices the tower's activation
+    /// workspace for this many. Default: the larger of 4096 and one image at the pixel budget of the
+    /// model's preprocessor_config.json (65,536 for Qwen3.5/3.6). The tower (weights and workspace) is
+    /// priced where the backend runs it: --device cpu.
+    #[arg(long, value_name = "N")]
+    max_image_tokens_per_step: Option<usize>,
+    /// Price no vision tower (as `serve --no-vision`, which loads none).
+    #[arg(long)]
+    no_vision: bool,
     /// Tokens per engine step (chunked prefill + decodes). Default: 4096 on cuda, 512 on cpu.
     #[arg(long)]
     max_batch_tokens: Option<usize>,
@@ -141,6 +150,9 @@ pub fn run(a: Args) -> Result<()> {
     o.page_size = a.page_size.unwrap_or(o.page_size);
     o.snapshot_slots = a.snapshot_slots.unwrap_or(o.snapshot_slots);
     o.runtime_reserve_bytes = a.runtime_reserve.unwrap_or(o.runtime_reserve_bytes);
+    // The CPU backend loads the model's vision tower (unless --no-vision); the CUDA backend runs none.
+    o.max_image_tokens_per_step = (!gpu && !a.no_vision && cfg.vision.is_some())
+        .then(|| crate::model_source::max_image_tokens_per_step(a.max_image_tokens_per_step, dir.as_deref()));
     o.set_tensor_parallel(a.tensor_parallel);
     // A size that splits a head group is refused here, naming the heads.
     card_config(&cfg, a.tensor_parallel)?;

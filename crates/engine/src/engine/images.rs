@@ -1,6 +1,7 @@
 //! Requests with images on the engine thread. At submission a request's images are placed on its prompt
 //! (HF's `get_rope_index`: each fills its run of placeholders; text after it continues from its origin +
-//! its longer merged side) and checked against the backend's [`ImageTokens`]. The placement lives with the
+//! its longer merged side) and checked against the backend's [`ImageTokens`] and the tower's bound on
+//! patches ([`ImageRules::max_patches`]: an image of more is refused before anything is queued). The placement lives with the
 //! sequence ([`Live::images`]): every chunk the scheduler plans for it, whatever its start (a prompt
 //! piece, decode, a recompute after preemption, the rest of a prompt after a prefix-cache hit, a
 //! speculative chunk), gets the rope delta of the images before it and the images whose rows it holds.
@@ -17,17 +18,31 @@ use super::{EngineError, Live, NO_VISION_TOWER, Worker};
 /// A request's images where its prompt holds them.
 pub(crate) type Placed = Vec<(PlacedImage, Arc<ImagePatches>)>;
 
+/// What images the engine takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ImageRules {
+    /// How prompts hold images ([`deltaserve_backend::Backend::image_tokens`]); None: images are refused.
+    pub tokens: Option<ImageTokens>,
+    /// The most patches one image may have ([`super::EngineOptions::max_image_tokens_per_step`]).
+    pub max_patches: usize,
+}
+
 /// Places `images` on `prompt` (empty without images); errors say why the request cannot run.
-pub(crate) fn place(
-    prompt: &[u32],
-    images: &[Arc<ImagePatches>],
-    tokens: Option<ImageTokens>,
-) -> Result<Placed, EngineError> {
+pub(crate) fn place(prompt: &[u32], images: &[Arc<ImagePatches>], rules: ImageRules) -> Result<Placed, EngineError> {
     if images.is_empty() {
         return Ok(Vec::new());
     }
-    let Some(it) = tokens else { return Err(EngineError::Invalid(NO_VISION_TOWER.into())) };
+    let Some(it) = rules.tokens else { return Err(EngineError::Invalid(NO_VISION_TOWER.into())) };
     for (n, img) in images.iter().enumerate() {
+        if img.patches() > rules.max_patches {
+            let [t, h, w] = img.grid_thw;
+            return Err(EngineError::Invalid(format!(
+                "image {n}: {} patches ({t}×{h}×{w}) exceed the vision tower's limit of {} patches a step \
+                 (--max-image-tokens-per-step): send a smaller image",
+                img.patches(),
+                rules.max_patches
+            )));
+        }
         let want = img.patches() * it.patch_len;
         if img.pixels.len() != want {
             return Err(EngineError::Invalid(format!(
@@ -76,7 +91,9 @@ mod tests {
     use super::*;
 
     const IMG: u32 = 9;
-    const TOKENS: ImageTokens = ImageTokens { image_token_id: IMG, merge: 2, patch_len: 3 };
+    const TOKENS: ImageRules =
+        ImageRules { tokens: Some(ImageTokens { image_token_id: IMG, merge: 2, patch_len: 3 }), max_patches: 24 };
+    const NO_TOWER: ImageRules = ImageRules { tokens: None, max_patches: usize::MAX };
 
     fn image(grid_thw: [usize; 3], hash: u8) -> Arc<ImagePatches> {
         let n: usize = grid_thw.iter().product();
@@ -89,7 +106,7 @@ mod tests {
         let mut prompt = vec![1, 2];
         prompt.extend([IMG; 6]);
         prompt.extend([3, 4, IMG, IMG, 5]);
-        let placed = place(&prompt, &[image([1, 4, 6], 1), image([1, 2, 4], 2)], Some(TOKENS)).unwrap();
+        let placed = place(&prompt, &[image([1, 4, 6], 1), image([1, 2, 4], 2)], TOKENS).unwrap();
         let chunk = |start: usize, n: usize| {
             let mut c = SeqChunk { start, tokens: vec![0; n], ..SeqChunk::default() };
             place_chunk(&mut c, &placed);
@@ -113,14 +130,22 @@ mod tests {
     #[test]
     fn bad_images_are_refused() {
         let prompt = [1, IMG, IMG, 2];
-        let e = place(&prompt, &[image([1, 2, 4], 1)], None).unwrap_err().to_string();
+        let e = place(&prompt, &[image([1, 2, 4], 1)], NO_TOWER).unwrap_err().to_string();
         assert!(e.contains(NO_VISION_TOWER), "{e}");
-        let e = place(&prompt, &[image([1, 4, 4], 1)], Some(TOKENS)).unwrap_err().to_string();
+        let e = place(&prompt, &[image([1, 4, 4], 1)], TOKENS).unwrap_err().to_string();
         assert!(e.contains("needs 4 image tokens"), "{e}");
         let mut short = (*image([1, 2, 4], 1)).clone();
         short.pixels.pop();
-        let e = place(&prompt, &[Arc::new(short)], Some(TOKENS)).unwrap_err().to_string();
+        let e = place(&prompt, &[Arc::new(short)], TOKENS).unwrap_err().to_string();
         assert!(e.contains("23 pixel values for 8 patches"), "{e}");
-        assert!(place(&prompt, &[], None).unwrap().is_empty());
+        assert!(place(&prompt, &[], NO_TOWER).unwrap().is_empty());
+        // More patches than the tower's bound (24): refused whatever the prompt, naming the limit.
+        let e = place(&prompt, &[image([1, 2, 4], 1), image([1, 6, 6], 2)], TOKENS).unwrap_err().to_string();
+        assert!(e.contains("image 1: 36 patches (1×6×6)") && e.contains("limit of 24 patches"), "{e}");
+        assert!(e.contains("--max-image-tokens-per-step"), "{e}");
+        // At the bound: placed.
+        let mut p24 = vec![1];
+        p24.extend([IMG; 6]);
+        assert_eq!(place(&p24, &[image([1, 4, 6], 1)], TOKENS).unwrap().len(), 1);
     }
 }
