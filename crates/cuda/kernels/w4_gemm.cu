@@ -8,7 +8,7 @@
 // in split order (deterministic).
 //
 // Tiling: a block of W4G_WARPS = 4 warps owns 128 output rows (4 "pairs" of the format, one per warp)
-// x 8*NT tokens (NT = 2, 3, 4, 8: 16, 24, 32, 64), and the groups gb .. ge of its K split. Per group of 128
+// x 8*NT tokens (NT = 2, 3, 4: 16, 24, 32), and the groups gb .. ge of its K split. Per group of 128
 // columns a stage of the cp.async ring (W4G_S stages) holds each warp's 2 KB weight unit (the lane
 // (g, t) copies, and alone reads back, chunk t of rows 4g + j, j = 0..3, as the decode GEMV does) and
 // the x tile [8*NT tokens][128 columns] bf16 shared by the warps (16-byte chunks swizzled so that the
@@ -392,7 +392,8 @@ __device__ __forceinline__ void w4t_body(const u32* __restrict__ qw, const unsig
 
 
 // w4g_<tokens per block>, at least MINB blocks a multiprocessor (registers capped to fit them: 168 at 3,
-// 255 at 2; shared memory allows 3 blocks of up to 32 tokens, 2 of 64).
+// as many as shared memory allows). A 64-token tile (255 registers, 2 blocks) measured 5-15% slower than
+// two 32-token or 24-token tiles at 40-64 rows on the H200.
 #define W4G_KERNEL(NAME, NT, MINB)                                                                                 \
     extern "C" __global__ void __launch_bounds__(W4G_WARPS * 32, MINB)                                           \
         NAME(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,                              \
@@ -404,7 +405,6 @@ __device__ __forceinline__ void w4t_body(const u32* __restrict__ qw, const unsig
 W4G_KERNEL(w4g_16, 2, 3)
 W4G_KERNEL(w4g_24, 3, 3)
 W4G_KERNEL(w4g_32, 4, 3)
-W4G_KERNEL(w4g_64, 8, 2)
 
 // The pair kernels take up to four linears sharing x (a layer's q/k/v, qkv/z/b/a, gate/up) as segments:
 // segment i's blocks follow segment i - 1's (nb_i blocks; unused: 0); its qweight, scales, zeros, y,

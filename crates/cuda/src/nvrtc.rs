@@ -128,7 +128,7 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         module: "w4_gemm",
         src: include_str!("../kernels/w4_gemm.cu"),
-        functions: &["w4g_16", "w4g_24", "w4g_32", "w4g_64", "w4t_16s", "w4t_16a", "w4g_reduce"],
+        functions: &["w4g_16", "w4g_24", "w4g_32", "w4t_16s", "w4t_16a", "w4g_reduce"],
     },
     KernelSource {
         module: "attention",

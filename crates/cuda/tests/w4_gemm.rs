@@ -241,7 +241,7 @@ fn run_case(rt: &Runtime, k: &Kernels, sms: usize, c: Case, rng: &mut StdRng) ->
     let mut cfgs = vec![auto];
     if c.out < SAMPLE_FROM {
         let groups = c.inp / W4_GROUP;
-        for tokens in [16, 24, 32, 64] {
+        for tokens in [16, 24, 32] {
             for splits in [1, 2, 3, groups.min(w4_gemm::MAX_SPLITS)] {
                 for wpt in [0, 1, 2, 4].into_iter().filter(|&w| w == 0 || tokens == 16) {
                     let cfg = W4GemmConfig { tokens, splits: splits.min(groups), wpt };

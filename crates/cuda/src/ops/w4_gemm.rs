@@ -35,7 +35,7 @@ const PAIR_BLOCKS_PER_SM: usize = 3;
 /// are faster at the 27B shapes: bench_w4's `bench_w4_rows`).
 pub const PAIR_MAX_ROWS: usize = 16;
 /// The tile kernels and their tokens per block.
-pub(crate) const KERNELS: [(&str, usize); 4] = [("w4g_16", 16), ("w4g_24", 24), ("w4g_32", 32), ("w4g_64", 64)];
+pub(crate) const KERNELS: [(&str, usize); 3] = [("w4g_16", 16), ("w4g_24", 24), ("w4g_32", 32)];
 /// The pair kernels: symmetric, with zero points.
 pub(crate) const PAIR_KERNELS: [&str; 2] = ["w4t_16s", "w4t_16a"];
 
@@ -51,7 +51,7 @@ pub const PAIR_SMEM_BYTES: usize = PAIR_WARPS * STAGES * 2048;
 /// How one [`w4_gemm`] launch tiles its work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct W4GemmConfig {
-    /// Tokens (rows of x) per block: 16, 24, 32 or 64 (the pair kernels: 16).
+    /// Tokens (rows of x) per block: 16, 24 or 32 (the pair kernels: 16).
     pub tokens: usize,
     /// Splits over K (groups of 128 columns); above 1 the partial sums go through the workspace.
     pub splits: usize,
@@ -176,7 +176,7 @@ pub fn w4_gemm(
         return Err(invalid(
             K,
             format!(
-                "{cfg:?}: 16, 24, 32 or 64 tokens (pairs: 16), 0, 1, 2 or 4 warps per pair, 1..={} splits",
+                "{cfg:?}: 16, 24 or 32 tokens (pairs: 16), 0, 1, 2 or 4 warps per pair, 1..={} splits",
                 groups.min(MAX_SPLITS)
             ),
         ));
