@@ -391,20 +391,20 @@ __device__ __forceinline__ void w4t_body(const u32* __restrict__ qw, const unsig
 }
 
 
-// w4g_<tokens per block>, at least MINB blocks a multiprocessor (registers capped to fit them: 168 at 3,
-// as many as shared memory allows). A 64-token tile (255 registers, 2 blocks) measured 5-15% slower than
-// two 32-token or 24-token tiles at 40-64 rows on the H200.
-#define W4G_KERNEL(NAME, NT, MINB)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(W4G_WARPS * 32, MINB)                                           \
+// w4g_<tokens per block>, registers capped for 3 blocks a multiprocessor (168; shared memory holds 3 at
+// W4G_S = 4). A 64-token tile (255 registers, 2 blocks) measured 5-15% slower than two 32-token or
+// 24-token tiles at 40-64 rows on the H200.
+#define W4G_KERNEL(NAME, NT)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(W4G_WARPS * 32, 3)                                              \
         NAME(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,                              \
              const unsigned char* __restrict__ zeros, int scale_bf16, const bf16_t* x, long long ldx, void* y,    \
              long long ldy, int M, int out, int in, int mode, int vec) {                                           \
         pdl_trigger();                                                                                           \
         w4g_body<NT>(qw, scales, zeros, scale_bf16, x, ldx, y, ldy, M, out, in, mode, vec);                        \
     }
-W4G_KERNEL(w4g_16, 2, 3)
-W4G_KERNEL(w4g_24, 3, 3)
-W4G_KERNEL(w4g_32, 4, 3)
+W4G_KERNEL(w4g_16, 2)
+W4G_KERNEL(w4g_24, 3)
+W4G_KERNEL(w4g_32, 4)
 
 // The pair kernels take up to four linears sharing x (a layer's q/k/v, qkv/z/b/a, gate/up) as segments:
 // segment i's blocks follow segment i - 1's (nb_i blocks; unused: 0); its qweight, scales, zeros, y,

@@ -566,20 +566,16 @@ impl Worker {
                     l.req.logprobs.is_none() && (masks || l.req.constraint.is_none()) && l.forks.is_empty()
                 })
             });
-        let greedy_step = on_device
-            && wanted.iter().all(|l| l.is_some_and(|l| l.sampler.picks_argmax() && l.req.constraint.is_none()));
+        // Every wanted row a plain greedy pick (no penalties, constraint, logprobs or forks): the step takes
+        // each row's argmax where the logits are, a speculative step's verify rows included.
+        let all_greedy = wanted.iter().all(|l| {
+            l.is_some_and(|l| {
+                l.req.logprobs.is_none() && l.req.constraint.is_none() && l.forks.is_empty() && l.sampler.picks_argmax()
+            })
+        });
+        let greedy_step = on_device && all_greedy;
         let device_sampling = on_device && !greedy_step;
-        // Speculative steps whose every wanted row is a plain greedy pick take each row's argmax where the
-        // logits are (the verify rows' included): 4 bytes a row come back instead of the row.
-        let greedy_spec = self.sched.speculative_tokens() > 0
-            && wanted.iter().all(|l| {
-                l.is_some_and(|l| {
-                    l.req.logprobs.is_none()
-                        && l.req.constraint.is_none()
-                        && l.forks.is_empty()
-                        && l.sampler.picks_argmax()
-                })
-            });
+        let greedy_spec = self.sched.speculative_tokens() > 0 && all_greedy;
         let started = Instant::now();
         let rows: Vec<RowSampling> = if device_sampling { self.sampling_rows(&plan.batch.seqs, true) } else { vec![] };
         let pick = on_device.then_some(if greedy_step { Pick::Argmax } else { Pick::Sample(&rows) });
@@ -703,28 +699,21 @@ impl Worker {
                 continue;
             }
             let draft = drafts.next().unwrap_or_default();
-            let (emitted, accepted, end) = if greedy_spec {
-                let tokens = verify_tokens.next().unwrap_or_default();
-                if tokens.len() != c.draft + 1 || draft.len() != c.draft {
-                    self.fail(
-                        c.seq_id,
-                        EngineError::Backend("speculative step returned too few rows or drafts".into()),
-                    );
-                    continue;
+            // A greedy step's verified rows came back as tokens, any other's as logits rows.
+            let tokens = if greedy_spec { verify_tokens.next() } else { None };
+            let verified: Vec<&mut [f32]> =
+                if greedy_spec { Vec::new() } else { verify_rows.next().unwrap_or_default() };
+            if tokens.as_ref().map_or(verified.len(), Vec::len) != c.draft + 1 || draft.len() != c.draft {
+                self.fail(c.seq_id, EngineError::Backend("speculative step returned too few rows or drafts".into()));
+                continue;
+            }
+            let (emitted, accepted, end) = match tokens {
+                Some(tokens) => self.accept_tokens(c.seq_id, &draft, &tokens),
+                None => {
+                    let q = q_rows.remove(&c.seq_id);
+                    let first = first_masks.remove(&c.seq_id);
+                    self.accept(c.seq_id, &draft, verified, q, first)
                 }
-                self.accept_tokens(c.seq_id, &draft, &tokens)
-            } else {
-                let verified: Vec<&mut [f32]> = verify_rows.next().unwrap_or_default();
-                if verified.len() != c.draft + 1 || draft.len() != c.draft {
-                    self.fail(
-                        c.seq_id,
-                        EngineError::Backend("speculative step returned too few rows or drafts".into()),
-                    );
-                    continue;
-                }
-                let q = q_rows.remove(&c.seq_id);
-                let first = first_masks.remove(&c.seq_id);
-                self.accept(c.seq_id, &draft, verified, q, first)
             };
             if let Ok(mut s) = self.shared.stats.lock() {
                 s.spec_steps += 1;
