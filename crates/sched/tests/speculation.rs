@@ -83,6 +83,8 @@ proptest! {
         }
         let st = s.stats();
         prop_assert_eq!(st.pages_in_use, if cache { st.pages_in_use } else { 0 });
-        prop_assert!(drafted > 0 || reqs.iter().all(|r| r.1 <= 2) || budget < 8);
+        // Some sequence drafted unless none could: every one that may draft wants at most two tokens.
+        let could_draft = reqs.iter().enumerate().any(|(i, r)| i % 3 != 2 && r.1 > 2);
+        prop_assert!(drafted > 0 || !could_draft || budget < 8);
     }
 }
