@@ -97,9 +97,65 @@ pub struct SeqChunk {
     /// earlier chunk, the last may end in a later one). Text after one continues from its
     /// [`PlacedImage::delta_after`].
     pub images: Vec<ChunkImage>,
+    /// Snapshots taken inside the chunk (backends with [`Capabilities::snapshots_within_chunks`]):
+    /// `(p, loc)` with `start < p < start + tokens.len()`, increasing — the slot's state after
+    /// position `p - 1` is copied to `loc`, as a [`CacheOp::SaveState`] after a chunk ending at `p`
+    /// would. A plain chunk only (no drafts).
+    pub save_within: Vec<(usize, SnapshotLoc)>,
 }
 
 impl SeqChunk {
+    /// Why the chunk's [`SeqChunk::save_within`] points are not strictly inside it and increasing, on a
+    /// plain chunk (None: they are).
+    pub fn bad_saves(&self) -> Option<String> {
+        let end = self.start + self.tokens.len();
+        let mut last = self.start;
+        for &(p, _) in &self.save_within {
+            if self.draft > 0 {
+                return Some(format!("seq {}: a speculative chunk takes no snapshots inside it", self.seq_id));
+            }
+            if p <= last || p >= end {
+                return Some(format!(
+                    "seq {}: snapshot points {:?} must increase strictly inside the chunk {}..{end}",
+                    self.seq_id,
+                    self.save_within.iter().map(|s| s.0).collect::<Vec<_>>(),
+                    self.start
+                ));
+            }
+            last = p;
+        }
+        None
+    }
+
+    /// The chunk cut at its [`SeqChunk::save_within`] points: consecutive pieces, each with the
+    /// snapshot to take after it (the last: none), each carrying the images whose rows it holds and the
+    /// rope delta of its first text position. Running the pieces in order, saving after each, is the
+    /// chunk with its snapshots; only the last piece wants logits (if the chunk does).
+    pub fn pieces(&self) -> Vec<(SeqChunk, Option<SnapshotLoc>)> {
+        let end = self.start + self.tokens.len();
+        let mut cuts: Vec<(usize, Option<SnapshotLoc>)> = self.save_within.iter().map(|&(p, l)| (p, Some(l))).collect();
+        cuts.push((end, None));
+        let mut from = self.start;
+        let mut out = Vec::with_capacity(cuts.len());
+        for (to, loc) in cuts {
+            let images: Vec<ChunkImage> =
+                self.images.iter().filter(|i| i.placed.seq_start < to && i.placed.end() > from).cloned().collect();
+            let before = self.images.iter().rfind(|i| i.placed.end() <= from);
+            let piece = SeqChunk {
+                start: from,
+                tokens: self.tokens[from - self.start..to - self.start].to_vec(),
+                want_logits: self.want_logits && to == end,
+                rope_delta: before.map_or(self.rope_delta, |i| i.placed.delta_after()),
+                images,
+                save_within: Vec::new(),
+                ..self.clone()
+            };
+            out.push((piece, loc));
+            from = to;
+        }
+        out
+    }
+
     /// Positions this chunk runs through the model (its tokens plus its drafts).
     pub fn positions(&self) -> usize {
         self.tokens.len() + self.draft
@@ -227,6 +283,9 @@ pub struct Capabilities {
     /// Whether picks ([`Want::Tokens`], [`Backend::launch`]) apply a row's token mask
     /// ([`RowSampling::allowed`]). Without it, the engine samples constrained rows on the host.
     pub masks_tokens: bool,
+    /// Whether chunks may carry [`SeqChunk::save_within`] (snapshots at points inside a chunk).
+    /// Without it, the scheduler ends chunks at snapshot points.
+    pub snapshots_within_chunks: bool,
 }
 
 /// What a step returns for each chunk that wants its logits (a wanted row), in batch order.
@@ -362,6 +421,57 @@ pub trait Backend: Send {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pieces_cut_a_chunk_at_its_snapshots_with_their_images_and_positions() {
+        // Tokens 10..30; an image of 6 rows at 12..18 (merged grid 1 × 2 × 3); snapshots after 15 and 22.
+        let placed = PlacedImage::new(12, 12, [1, 4, 6], 2).unwrap();
+        let image = Arc::new(ImagePatches { grid_thw: [1, 4, 6], pixels: Vec::new(), hash: [7; 32] });
+        let c = SeqChunk {
+            seq_id: 3,
+            start: 10,
+            tokens: (10..30).collect(),
+            want_logits: true,
+            rope_delta: 0,
+            images: vec![ChunkImage { image, placed }],
+            save_within: vec![(15, SnapshotLoc::Device(1)), (22, SnapshotLoc::Device(0))],
+            ..SeqChunk::default()
+        };
+        assert_eq!(c.bad_saves(), None);
+        let pieces = c.pieces();
+        let spans: Vec<(usize, usize, usize, bool, Option<SnapshotLoc>)> =
+            pieces.iter().map(|(p, l)| (p.start, p.tokens.len(), p.images.len(), p.want_logits, *l)).collect();
+        assert_eq!(
+            spans,
+            [
+                (10, 5, 1, false, Some(SnapshotLoc::Device(1))),
+                (15, 7, 1, false, Some(SnapshotLoc::Device(0))),
+                (22, 8, 0, true, None)
+            ]
+        );
+        assert_eq!(pieces[2].0.rope_delta, placed.delta_after(), "text after the image continues from it");
+        // The pieces' positions are the chunk's.
+        let whole = c.mrope_positions().unwrap();
+        let mut cut = Vec::new();
+        for (p, _) in &pieces {
+            cut.extend(
+                p.mrope_positions()
+                    .unwrap_or_else(|| (0..p.tokens.len()).map(|i| [p.first_position() + i; 3]).collect()),
+            );
+        }
+        assert_eq!(cut, whole);
+        assert!(pieces.iter().flat_map(|p| &p.0.tokens).copied().eq(10..30));
+        // Points outside the chunk, out of order, or on a speculative chunk are refused.
+        for bad in [
+            vec![(10, SnapshotLoc::Device(0))],
+            vec![(30, SnapshotLoc::Device(0))],
+            vec![(20, SnapshotLoc::Device(0)), (18, SnapshotLoc::Device(1))],
+        ] {
+            assert!(SeqChunk { save_within: bad, ..c.clone() }.bad_saves().is_some());
+        }
+        let spec = SeqChunk { tokens: vec![5], draft: 2, save_within: vec![(11, SnapshotLoc::Device(0))], ..c.clone() };
+        assert!(spec.bad_saves().is_some());
+    }
 
     #[test]
     fn greedy_drafts_skip_the_picker() {

@@ -716,11 +716,14 @@ pub fn cuda_options(cuda_graphs: bool) -> CudaOptions {
     let w4_gemm_max_rows = if sw.w4_gemm { CudaOptions::default().w4_gemm_max_rows } else { 0 };
     let verify_decode_attention_from =
         sw.verify_decode_from.unwrap_or(CudaOptions::default().verify_decode_attention_from);
+    let short_chunk_decode_attention_from =
+        sw.short_chunk_decode_from.unwrap_or(CudaOptions::default().short_chunk_decode_attention_from);
     CudaOptions {
         cuda_graphs,
         fold_norms: sw.fold_norms,
         w4_gemm_max_rows,
         verify_decode_attention_from,
+        short_chunk_decode_attention_from,
         ..CudaOptions::default()
     }
 }

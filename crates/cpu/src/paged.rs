@@ -279,29 +279,47 @@ impl CpuBackend {
                 self.verified.push(Verified { seq_id, slot, start, rope_delta, tokens, rows, traces });
                 continue;
             }
-            let ChunkInput { x, pos } = self.image_rows.input(&self.model, c).map_err(err)?;
-            let rows = self.model.run_layers(&mut view, c.start, x, pos.get(), GdnMode::Auto).map_err(err)?;
-            if spec {
-                // The head's cache for these positions: entry p = (hidden of p − 1, token p).
-                let h = self.model.dims.hidden;
-                let t = c.tokens.len();
-                let mut hidden_in = view.pending_hidden().to_vec();
-                hidden_in.extend_from_slice(&rows[..(t - 1) * h]);
-                let mtp_layer = self.model.dims.num_layers;
-                self.model
-                    .mtp_forward_at(&mut view, mtp_layer, c.start, pos.get(), &hidden_in, &c.tokens)
-                    .map_err(err)?;
-                view.pending_hidden().copy_from_slice(&rows[(t - 1) * h..]);
-                if c.want_logits {
-                    logits.extend_from_slice(&self.model.logits(&rows[(t - 1) * h..]));
+            // A chunk with snapshots inside runs piece by piece, the state saved after each piece.
+            for (piece, save) in c.pieces() {
+                let mut view = PagedSeq { backend: &mut self.caches, slot: c.slot as usize, pages: &c.pages };
+                Self::run_plain(&self.model, &mut self.image_rows, &mut view, &piece, spec, logits).map_err(err)?;
+                if let Some(to) = save {
+                    self.caches.apply(&CacheOp::SaveState { slot: c.slot, to })?;
                 }
-            } else if c.want_logits {
-                logits.extend_from_slice(&self.model.logits_of(&rows, Logits::Last));
             }
         }
         self.image_rows.retain_batch(batch);
         for op in &batch.post {
             self.caches.apply(op)?;
+        }
+        Ok(())
+    }
+
+    /// Runs plain chunk `c` (no drafts) over `view`; appends its last row's logits if it wants them.
+    fn run_plain(
+        model: &CpuModel,
+        image_rows: &mut ImageRows,
+        view: &mut PagedSeq<'_>,
+        c: &SeqChunk,
+        spec: bool,
+        logits: &mut Vec<f32>,
+    ) -> Result<(), ForwardError> {
+        let ChunkInput { x, pos } = image_rows.input(model, c)?;
+        let rows = model.run_layers(view, c.start, x, pos.get(), GdnMode::Auto)?;
+        if spec {
+            // The head's cache for these positions: entry p = (hidden of p − 1, token p).
+            let h = model.dims.hidden;
+            let t = c.tokens.len();
+            let mut hidden_in = view.pending_hidden().to_vec();
+            hidden_in.extend_from_slice(&rows[..(t - 1) * h]);
+            let mtp_layer = model.dims.num_layers;
+            model.mtp_forward_at(view, mtp_layer, c.start, pos.get(), &hidden_in, &c.tokens)?;
+            view.pending_hidden().copy_from_slice(&rows[(t - 1) * h..]);
+            if c.want_logits {
+                logits.extend_from_slice(&model.logits(&rows[(t - 1) * h..]));
+            }
+        } else if c.want_logits {
+            logits.extend_from_slice(&model.logits_of(&rows, Logits::Last));
         }
         Ok(())
     }
@@ -318,6 +336,12 @@ impl CpuBackend {
         let end = c.start + c.positions();
         if c.pages.len() * cfg.page_size < end || c.pages.iter().any(|&p| p as usize >= cfg.num_pages) {
             return Err(BackendError::InvalidStep(format!("seq {}: pages do not cover {end} positions", c.seq_id)));
+        }
+        if let Some(e) = c.bad_saves() {
+            return Err(BackendError::InvalidStep(e));
+        }
+        for &(_, loc) in &c.save_within {
+            self.caches.check_snapshot(loc)?;
         }
         if c.draft > 0 {
             if self.max_draft == 0 {
@@ -487,6 +511,7 @@ impl Backend for CpuBackend {
             launches_ahead: true,
             max_draft_tokens: self.max_draft,
             masks_tokens: true,
+            snapshots_within_chunks: true,
         }
     }
 

@@ -251,6 +251,7 @@ fn paged_logits(k: KvFormat, v: KvFormat, tokens: &[u32], chunks: &[usize]) -> V
                 greedy_draft_vocab: 0,
                 rope_delta: 0,
                 images: Vec::new(),
+                save_within: Vec::new(),
             }],
             ..StepBatch::default()
         };

@@ -58,6 +58,10 @@ mod weights;
 pub use graphs::GraphStats;
 pub use phases::StepPhases;
 
+/// The most tokens of a prefill chunk that may attend as decode queries
+/// ([`CudaOptions::short_chunk_decode_attention_from`]).
+pub const SHORT_CHUNK_TOKENS: usize = 64;
+
 use ahead::Launches;
 use graphs::GraphKey;
 use inputs::StepInputs;
@@ -127,6 +131,13 @@ pub struct CudaOptions {
     /// at batch 4, the same at batch 8 (bench/results/int4-pair-gemm-h200-2026-12-02.md); at 32K the
     /// prefill kernel (no split over the keys) was 2.4× slower at batch 1.
     pub verify_decode_attention_from: usize,
+    /// Prefill chunks of at most [`SHORT_CHUNK_TOKENS`] tokens whose context reaches this many tokens
+    /// attend as decode queries, each row split-K over its causal keys (as long-context verify rows
+    /// do; at most the plan's `SHORT_CHUNK_DECODE_ROWS` rows a step), instead of the prefill kernel's
+    /// query tiles: a chunk of a few tokens over a long context is one query tile per head there, a
+    /// handful of blocks streaming the whole context (an agent's tool result after a long
+    /// conversation). Default `usize::MAX`: off.
+    pub short_chunk_decode_attention_from: usize,
     /// Decode steps of at most 8 tokens fold each residual add + RMSNorm between two int4 projections
     /// into them ([`crate::ops::w4a16::Fold`]: the norm kernel's launch and round trips leave the critical path),
     /// when every layer's projections are int4 GEMVs and tensor parallelism is off. Off: the separate
@@ -147,6 +158,7 @@ impl Default for CudaOptions {
             gemv_max_tokens: gemv::MAX_TOKENS,
             graph_pad: false,
             verify_decode_attention_from: 0,
+            short_chunk_decode_attention_from: usize::MAX,
             fold_norms: true,
             w4_gemm_max_rows: deltaserve_plan::cuda::W4_GEMM_MAX_ROWS,
         }

@@ -39,6 +39,10 @@ pub struct Switches {
     /// many tokens attend as decode queries (`CudaOptions::verify_decode_attention_from` instead of its
     /// default); not a number: unset.
     pub verify_decode_from: Option<usize>,
+    /// `DELTASERVE_SHORT_CHUNK_DECODE_FROM=<tokens>`: prefill chunks of a few tokens whose context
+    /// reaches this many tokens attend as decode queries (`CudaOptions::short_chunk_decode_attention_from`
+    /// instead of its default, off); not a number: unset.
+    pub short_chunk_decode_from: Option<usize>,
     /// Structured-output rows are masked and picked on the device (`sample_mask_bits`) with the
     /// step's other rows; `DELTASERVE_DEVICE_MASKS=0` picks them on the host instead.
     pub device_masks: bool,
@@ -68,6 +72,7 @@ impl Switches {
             fold_norms: var("DELTASERVE_FOLD").is_none_or(|v| v != "0"),
             w4_gemm: var("DELTASERVE_W4_GEMM").is_none_or(|v| v != "0"),
             verify_decode_from: var("DELTASERVE_VERIFY_DECODE_FROM").and_then(|v| v.trim().parse().ok()),
+            short_chunk_decode_from: var("DELTASERVE_SHORT_CHUNK_DECODE_FROM").and_then(|v| v.trim().parse().ok()),
             device_masks: var("DELTASERVE_DEVICE_MASKS").is_none_or(|v| v != "0"),
         }
     }
@@ -118,6 +123,7 @@ mod tests {
             ("DELTASERVE_FOLD", "0"),
             ("DELTASERVE_W4_GEMM", "0"),
             ("DELTASERVE_VERIFY_DECODE_FROM", "0"),
+            ("DELTASERVE_SHORT_CHUNK_DECODE_FROM", "8192"),
             ("DELTASERVE_DEVICE_MASKS", "0"),
         ]);
         assert!(!s.device_masks);
@@ -127,6 +133,7 @@ mod tests {
         assert_eq!(s.nvrtc_options, ["-DA=1", "-DB=2"]);
         assert_eq!(s.trace_cap.as_deref(), Some("1024"));
         assert_eq!(s.verify_decode_from, Some(0));
+        assert_eq!(s.short_chunk_decode_from, Some(8192));
     }
 
     #[test]

@@ -163,6 +163,7 @@ impl Backend for TpBackend {
             launches_ahead: false,
             max_draft_tokens: 0,
             masks_tokens: true,
+            snapshots_within_chunks: false,
         }
     }
 

@@ -212,6 +212,7 @@ fn bench_27b() {
             greedy_draft_vocab: 0,
             rope_delta: 0,
             images: Vec::new(),
+            save_within: Vec::new(),
         }],
         post: vec![],
     };
@@ -302,6 +303,7 @@ fn bench_27b() {
                                     greedy_draft_vocab: 0,
                                     rope_delta: 0,
                                     images: Vec::new(),
+                                    save_within: Vec::new(),
                                 })
                                 .collect(),
                             post: vec![],

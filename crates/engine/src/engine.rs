@@ -219,7 +219,9 @@ impl EngineHandle {
         }
         let valid_vocab = tokenizer.as_ref().map_or(vocab, |t| t.vocab_size().min(vocab));
         let worker = Worker {
-            sched: Scheduler::new(sched_cfg.clone()).with_speculation(opts.speculative_tokens),
+            sched: Scheduler::new(sched_cfg.clone())
+                .with_speculation(opts.speculative_tokens)
+                .with_snapshots_within_chunks(caps.snapshots_within_chunks),
             lookahead: opts.lookahead && caps.launches_ahead,
             masks_tokens: caps.masks_tokens,
             ahead: None,

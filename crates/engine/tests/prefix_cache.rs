@@ -2,11 +2,18 @@
 //! growth, branching from earlier turns, edits of earlier messages, concurrent sessions sharing a
 //! system prompt) give token-identical greedy outputs and log-probabilities within f32 rounding
 //! with the cache on (tiny snapshot pools, so entries are demoted and evicted) and off; and
-//! multi-turn requests actually reuse the previous turn's context.
+//! multi-turn requests actually reuse the previous turn's context. Both ways of taking snapshots at
+//! message starts: inside a chunk (the CPU backend's) and by ending chunks there (a backend without
+//! `snapshots_within_chunks`); inside chunks a turn runs in fewer steps with the same cache hits.
 
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 
+use deltaserve_backend::{
+    ArenaStats, Backend, BackendError, Capabilities, Feed, ImageTokens, Pick, Picked, SpecCommit, StepBatch, StepOut,
+    Want,
+};
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
 use deltaserve_engine::{EngineHandle, Event, Request, SamplingParams, Usage};
 use deltaserve_model::synth::Preset;
@@ -24,7 +31,71 @@ fn model_dir() -> &'static PathBuf {
     })
 }
 
+/// How snapshots at points inside a prompt are taken.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Points {
+    /// Inside chunks (the CPU backend's way).
+    Within,
+    /// Chunks end at them (what the backend says when it cannot take them inside a chunk).
+    ChunkEnds,
+}
+
+/// Counts of what the engine asked of the backend.
+#[derive(Default)]
+struct Counts {
+    steps: AtomicUsize,
+    saves_within: AtomicUsize,
+}
+
+/// The CPU backend, counting steps and snapshots inside chunks; with [`Points::ChunkEnds`] it says it
+/// cannot take them.
+struct Counted {
+    inner: CpuBackend,
+    points: Points,
+    counts: Arc<Counts>,
+}
+
+impl Backend for Counted {
+    fn capabilities(&self) -> Capabilities {
+        let within = self.points == Points::Within;
+        Capabilities { snapshots_within_chunks: within, ..self.inner.capabilities() }
+    }
+    fn image_tokens(&self) -> Option<ImageTokens> {
+        self.inner.image_tokens()
+    }
+    fn step(&mut self, batch: &StepBatch, want: Want<'_>, out: &mut StepOut) -> Result<(), BackendError> {
+        self.count(batch);
+        self.inner.step(batch, want, out)
+    }
+    fn launch(&mut self, b: &StepBatch, valid: usize, pick: Pick<'_>, feed: Option<&Feed>) -> Result<(), BackendError> {
+        self.count(b);
+        self.inner.launch(b, valid, pick, feed)
+    }
+    fn collect(&mut self, out: &mut Picked) -> Result<(), BackendError> {
+        self.inner.collect(out)
+    }
+    fn commit_speculative(&mut self, commits: &[SpecCommit]) -> Result<(), BackendError> {
+        self.inner.commit_speculative(commits)
+    }
+    fn arena_stats(&self) -> ArenaStats {
+        self.inner.arena_stats()
+    }
+}
+
+impl Counted {
+    fn count(&self, batch: &StepBatch) {
+        let saves: usize = batch.seqs.iter().map(|c| c.save_within.len()).sum();
+        assert!(self.points == Points::Within || saves == 0, "snapshots inside a chunk the backend cannot take");
+        self.counts.saves_within.fetch_add(saves, Ordering::Relaxed);
+        self.counts.steps.fetch_add(!batch.seqs.is_empty() as usize, Ordering::Relaxed);
+    }
+}
+
 fn engine(cache: bool, num_pages: usize) -> EngineHandle {
+    engine_with(cache, num_pages, Points::Within).0
+}
+
+fn engine_with(cache: bool, num_pages: usize, points: Points) -> (EngineHandle, Arc<Counts>) {
     let dir = model_dir();
     let cfg = ModelConfig::from_dir(dir).unwrap();
     let model = CpuModel::new(cfg.clone(), ModelWeights::load_f32(&Checkpoint::open(dir).unwrap(), &cfg).unwrap());
@@ -63,7 +134,9 @@ fn engine(cache: bool, num_pages: usize) -> EngineHandle {
             host_snapshot_slots: prefix.host_slots,
         },
     );
-    EngineHandle::start(Box::new(backend), sched, None)
+    let counts = Arc::new(Counts::default());
+    let backend = Counted { inner: backend, points, counts: counts.clone() };
+    (EngineHandle::start(Box::new(backend), sched, None), counts)
 }
 
 /// A chat-like prompt: messages each starting with IM_START; returns (tokens, message starts).
@@ -176,11 +249,18 @@ fn simulate(e: &EngineHandle, seed: u64) -> Vec<(Vec<u32>, Vec<f32>, Usage, usiz
 
 #[test]
 fn outputs_with_and_without_the_prefix_cache_are_identical() {
-    for (seed, pages) in [(1u64, 400usize), (2, 70), (3, 60)] {
+    for (seed, pages, points) in [
+        (1u64, 400usize, Points::Within),
+        (2, 70, Points::Within),
+        (3, 60, Points::Within),
+        (1, 400, Points::ChunkEnds),
+    ] {
         let off = engine(false, pages);
-        let on = engine(true, pages);
+        let (on, counts) = engine_with(true, pages, points);
         let a = simulate(&off, seed);
         let b = simulate(&on, seed);
+        let within = counts.saves_within.load(Ordering::Relaxed);
+        assert_eq!(within > 0, points == Points::Within, "seed {seed} {points:?}: {within} snapshots inside chunks");
         let mut hits = 0;
         for (i, (x, y)) in a.iter().zip(&b).enumerate() {
             assert_eq!(x.0, y.0, "seed {seed} request {i}: tokens differ with the cache");
@@ -203,21 +283,25 @@ fn outputs_with_and_without_the_prefix_cache_are_identical() {
     }
 }
 
-#[test]
-fn multi_turn_requests_reuse_the_previous_turn() {
-    let e = engine(true, 400);
+/// Six turns of one conversation: (generated ids, cached tokens, prefill steps) per turn.
+fn conversation(points: Points) -> Vec<(Vec<u32>, usize, usize)> {
+    let (e, counts) = engine_with(true, 400, points);
     let mut rng = Rng(9);
     let mut messages = vec![(0..40).collect::<Vec<u32>>(), rng.message()];
     let mut prev_len = 0;
+    let mut turns = Vec::new();
     for turn in 0..6 {
         let (prompt, starts) = render(&messages);
         let plen = prompt.len();
+        let before = counts.steps.load(Ordering::Relaxed);
         let (ids, _, usage) = run(&e, prompt, starts);
+        // Steps of the turn less its decode steps (one a generated token after the first).
+        let prefill_steps = counts.steps.load(Ordering::Relaxed) - before - (ids.len() - 1);
         if turn > 0 {
             // Everything up to the end of the previous prompt + its output is reused.
             assert!(
                 usage.cached_tokens >= prev_len,
-                "turn {turn}: cached {} < previous context {prev_len}",
+                "{points:?} turn {turn}: cached {} < previous context {prev_len}",
                 usage.cached_tokens
             );
         }
@@ -226,6 +310,24 @@ fn multi_turn_requests_reuse_the_previous_turn() {
         prev_len = plen + ids.len() - 1;
         messages.push(out);
         messages.push(rng.message());
+        turns.push((ids, usage.cached_tokens, prefill_steps));
     }
     e.shutdown(true);
+    turns
+}
+
+#[test]
+fn multi_turn_requests_reuse_the_previous_turn() {
+    let within = conversation(Points::Within);
+    let ends = conversation(Points::ChunkEnds);
+    for (turn, (w, e)) in within.iter().zip(&ends).enumerate() {
+        assert_eq!((&w.0, w.1), (&e.0, e.1), "turn {turn}: the same tokens and cache hits either way");
+        assert!(w.2 <= e.2, "turn {turn}: {} prefill steps with snapshots inside chunks, {} without", w.2, e.2);
+    }
+    // A follow-up turn's new tokens (the previous reply's end, a user message, the generation prompt:
+    // two snapshot points inside) fit the 48-token budget: one step instead of several.
+    let steps = |turns: &[(Vec<u32>, usize, usize)]| turns.iter().map(|t| t.2).collect::<Vec<_>>();
+    println!("prefill steps per turn: inside chunks {:?}, at chunk ends {:?}", steps(&within), steps(&ends));
+    let (w, e): (usize, usize) = (within[1..].iter().map(|t| t.2).sum(), ends[1..].iter().map(|t| t.2).sum());
+    assert!(w < e, "follow-up turns: {w} prefill steps with snapshots inside chunks, {e} without");
 }

@@ -16,6 +16,7 @@ impl Backend for Null {
             launches_ahead: false,
             max_draft_tokens: 0,
             masks_tokens: false,
+            snapshots_within_chunks: false,
         }
     }
     fn step(&mut self, b: &StepBatch, want: Want<'_>, out: &mut StepOut) -> Result<(), BackendError> {

@@ -85,6 +85,11 @@ pub fn w4_gemm_workspace_bound(out: usize, inp: usize, rows: usize) -> usize {
 /// Query rows per tile of the paged prefill attention (the varlen tile table has one entry a tile).
 pub const ATTN_Q_TILE: usize = 16;
 
+/// Most rows of a step's short prefill chunks that attend as decode queries (split-K over their long
+/// context, as verify rows do) instead of the prefill kernel's query tiles; their per-row attention
+/// lengths and block-table rows sit in the scratch's `decode_rows` part.
+pub const SHORT_CHUNK_DECODE_ROWS: usize = 256;
+
 fn al(x: usize) -> usize {
     x.next_multiple_of(ALIGN as usize)
 }
@@ -106,6 +111,9 @@ pub struct ScratchParts {
     /// Varlen chunk and tile tables.
     pub chunk_table: usize,
     pub tile_table: usize,
+    /// Short prefill chunks attending as decode queries: each row's attention length and block-table
+    /// row (i32 each, [`SHORT_CHUNK_DECODE_ROWS`] rows at most).
+    pub decode_rows: usize,
     /// bf16 `[rows, max in]`: x gathered in device-column order for act-order int4 weights (rows: 8
     /// for the GEMV, up to [`W4_GEMM_MAX_ROWS`] with int4 decoder linears).
     pub w4_x: usize,
@@ -142,6 +150,7 @@ impl ScratchParts {
             gdn,
             chunk_table: 8 * (t_max / GDN_CHUNK + s_max + 1),
             tile_table: 8 * (t_max / ATTN_Q_TILE + s_max + 1),
+            decode_rows: 8 * t_max.min(SHORT_CHUNK_DECODE_ROWS),
             w4_x,
             w4_slice,
             w4_gemm,
@@ -157,7 +166,13 @@ impl ScratchParts {
 
     /// Bytes of the region (each part 256-byte aligned).
     pub fn total(&self) -> usize {
-        al(self.gdn) + al(self.chunk_table) + al(self.tile_table) + al(self.w4_x) + al(self.w4_slice) + al(self.w4_gemm)
+        al(self.gdn)
+            + al(self.chunk_table)
+            + al(self.tile_table)
+            + al(self.decode_rows)
+            + al(self.w4_x)
+            + al(self.w4_slice)
+            + al(self.w4_gemm)
     }
 }
 

@@ -179,13 +179,24 @@ impl PrefixCache {
     /// device entry to the host (ops appended to `ops`) or dropping it (its pages appended to
     /// `released`). None when the cache is disabled.
     pub fn alloc_device(&mut self, ops: &mut Vec<CacheOp>, released: &mut Vec<u32>) -> Option<SnapshotLoc> {
+        self.alloc_device_sparing(ops, released, &[])
+    }
+
+    /// [`PrefixCache::alloc_device`] that never frees one of the device slots `spare` (snapshots a
+    /// coming step writes: their entries must stay where they are until it ran).
+    pub fn alloc_device_sparing(
+        &mut self,
+        ops: &mut Vec<CacheOp>,
+        released: &mut Vec<u32>,
+        spare: &[u32],
+    ) -> Option<SnapshotLoc> {
         if !self.enabled() {
             return None;
         }
         if let Some(d) = self.device_free.pop() {
             return Some(SnapshotLoc::Device(d));
         }
-        let victim = self.least_valuable(|loc| matches!(loc, SnapshotLoc::Device(_)))?;
+        let victim = self.least_valuable(|loc| matches!(loc, SnapshotLoc::Device(d) if !spare.contains(&d)))?;
         let SnapshotLoc::Device(slot) = self.entries[&victim].loc else { unreachable!() };
         if self.cfg.host_slots > 0 {
             if self.host_free.is_empty()

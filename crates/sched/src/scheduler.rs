@@ -14,7 +14,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use deltaserve_backend::{CacheOp, SeqChunk, StepBatch};
+use deltaserve_backend::{CacheOp, SeqChunk, SnapshotLoc, StepBatch};
 
 use crate::pools::{PagePool, SlotPool};
 use crate::prefix::{MediaSpan, PrefixCache, PrefixCacheConfig, PrefixStats, cache_key};
@@ -179,6 +179,9 @@ pub struct Scheduler {
     pending_pre: Vec<CacheOp>,
     /// Most drafts per decode chunk (0: no speculative decoding).
     spec_tokens: usize,
+    /// The backend takes snapshots inside a chunk ([`SeqChunk::save_within`]): chunks run past snapshot
+    /// points instead of ending there.
+    within_chunks: bool,
 }
 
 impl Scheduler {
@@ -205,12 +208,21 @@ impl Scheduler {
             forks: 0,
             pending_pre: Vec::new(),
             spec_tokens: 0,
+            within_chunks: false,
         }
     }
 
     /// Speculative decoding: decode chunks carry up to `k` drafts.
     pub fn with_speculation(mut self, k: usize) -> Self {
         self.spec_tokens = k;
+        self
+    }
+
+    /// Snapshots inside chunks (a backend with `Capabilities::snapshots_within_chunks`): a prompt's
+    /// chunk runs past its snapshot points and takes their snapshots inside it, so a turn's new tokens
+    /// run in as few steps as the token budget allows.
+    pub fn with_snapshots_within_chunks(mut self, on: bool) -> Self {
+        self.within_chunks = on;
         self
     }
 
@@ -395,15 +407,29 @@ impl Scheduler {
             plan.admitted.push(id);
             plan.batch.seqs.push(self.chunk(id, n));
         }
-        // Chunks that end at a snapshot point save the state after they run (prompt positions only:
-        // speculative chunks never end at one).
-        let ends: Vec<(SeqId, usize)> =
-            plan.batch.seqs.iter().filter(|c| c.draft == 0).map(|c| (c.seq_id, c.start + c.tokens.len())).collect();
-        for (id, end) in ends {
-            if self.seqs[&id].snapshot_points.binary_search(&end).is_ok() {
+        // Snapshot points a chunk reaches (prompt positions only: speculative chunks never hold one):
+        // at its end the state is saved after the step; inside it (backends that take them), during
+        // the step, into device slots made free before it — never one another of this step's.
+        let spans: Vec<(usize, SeqId, usize, usize)> = (plan.batch.seqs.iter().enumerate())
+            .filter(|(_, c)| c.draft == 0)
+            .map(|(i, c)| (i, c.seq_id, c.start, c.start + c.tokens.len()))
+            .collect();
+        let mut written: Vec<u32> = Vec::new();
+        for (i, id, start, end) in spans {
+            let s = &self.seqs[&id];
+            let points: Vec<usize> = s.snapshot_points.iter().copied().filter(|&p| p > start && p <= end).collect();
+            for p in points {
                 let mut ops = Vec::new();
-                self.snapshot(id, end, &mut ops);
-                plan.batch.post.extend(ops);
+                if p == end {
+                    self.snapshot(id, end, &mut ops);
+                    plan.batch.post.extend(ops);
+                } else if let Some(loc) = self.cache_prefix(id, p, &written, &mut ops) {
+                    if let SnapshotLoc::Device(d) = loc {
+                        written.push(d);
+                    }
+                    plan.batch.pre.extend(ops);
+                    plan.batch.seqs[i].save_within.push((p, loc));
+                }
             }
         }
         plan
@@ -455,6 +481,7 @@ impl Scheduler {
                 greedy_draft_vocab: 0,
                 rope_delta: 0,
                 images: Vec::new(),
+                save_within: Vec::new(),
             });
         }
         if plan.batch.seqs.is_empty() {
@@ -475,10 +502,14 @@ impl Scheduler {
         self.spec_tokens.min(remaining.saturating_sub(1)).min(spare)
     }
 
-    /// Tokens of `id` to run now: up to the budget and the next snapshot point.
+    /// Tokens of `id` to run now: up to the budget and (unless the backend snapshots inside chunks)
+    /// the next snapshot point.
     fn chunk_len(&self, id: SeqId, budget: usize) -> usize {
         let s = &self.seqs[&id];
-        let next_point = s.snapshot_points.iter().find(|&&p| p > s.cached).copied().unwrap_or(usize::MAX);
+        let next_point = match self.within_chunks {
+            true => usize::MAX,
+            false => s.snapshot_points.iter().find(|&&p| p > s.cached).copied().unwrap_or(usize::MAX),
+        };
         (s.tokens.len() - s.cached).min(budget).min(next_point - s.cached)
     }
 
@@ -536,21 +567,31 @@ impl Scheduler {
 
     /// Snapshots `id`'s state at `end` (its cached length once the step ran) into the prefix cache.
     fn snapshot(&mut self, id: SeqId, end: usize, ops: &mut Vec<CacheOp>) {
+        if let Some(loc) = self.cache_prefix(id, end, &[], ops) {
+            let slot = self.seqs[&id].slot.expect("running");
+            ops.push(CacheOp::SaveState { slot, to: loc });
+        }
+    }
+
+    /// Registers `id`'s first `end` tokens in the prefix cache with a device snapshot slot for its state
+    /// at `end` (none of `spare`), which the caller fills; `ops` makes the slot free. None: the cache is
+    /// off, the prefix is cached already, or no slot could be had.
+    fn cache_prefix(&mut self, id: SeqId, end: usize, spare: &[u32], ops: &mut Vec<CacheOp>) -> Option<SnapshotLoc> {
         let s = &self.seqs[&id];
         let tokens = cache_key(&s.tokens[..end], &s.media).into_owned();
         if !self.prefix.enabled() || self.prefix.contains(&tokens) {
-            return;
+            return None;
         }
         let mut released = Vec::new();
-        let Some(loc) = self.prefix.alloc_device(ops, &mut released) else { return };
+        let loc = self.prefix.alloc_device_sparing(ops, &mut released, spare);
         self.pages.give_back(released);
-        let slot = self.seqs[&id].slot.expect("running");
+        let loc = loc?;
         let pages: Vec<u32> = self.seqs[&id].pages[..self.pages.pages_for(end)].to_vec();
         for &p in &pages {
             self.pages.retain(p);
         }
-        ops.push(CacheOp::SaveState { slot, to: loc });
         self.prefix.insert(tokens, pages, loc);
+        Some(loc)
     }
 
     /// Makes `id` hold pages for `positions`, preempting newer sequences if needed. Returns false
@@ -622,6 +663,7 @@ impl Scheduler {
             greedy_draft_vocab: 0,
             rope_delta: 0,
             images: Vec::new(),
+            save_within: Vec::new(),
         }
     }
 

@@ -1,9 +1,12 @@
 //! Scheduler simulations: random workloads under tight budgets. After every step the pools are
 //! consistent, the token budget and sequence limit hold, chunks continue exactly where the cache
-//! ends, every sequence finishes with exactly its tokens, and preemption only delays.
+//! ends, every sequence finishes with exactly its tokens, and preemption only delays. With a prefix
+//! cache, every snapshot's contents are followed through the steps' cache ops (snapshots inside chunks
+//! or at their ends): a sequence resumes only from the state of exactly its prefix.
 
 use std::collections::HashMap;
 
+use deltaserve_backend::{CacheOp, SnapshotLoc, StepBatch};
 use deltaserve_sched::{AdmitError, PrefixCacheConfig, SchedConfig, Scheduler};
 
 mod common;
@@ -16,13 +19,74 @@ fn cfg(max_batch_tokens: usize, num_pages: usize, max_seqs: usize) -> SchedConfi
 
 /// Runs a workload to completion; "sampling" appends a token derived from (id, position).
 fn simulate(c: SchedConfig, reqs: &[(usize, usize, usize)]) -> (HashMap<u64, Vec<u32>>, u64) {
-    simulate_with(c, reqs, false)
+    simulate_with(c, reqs, false, false)
+}
+
+/// What the state slots and snapshots hold: the tokens whose state each is (None: unknown).
+#[derive(Default)]
+struct States {
+    slots: HashMap<u32, Vec<u32>>,
+    snapshots: HashMap<SnapshotLoc, Vec<u32>>,
+}
+
+impl States {
+    /// Applies cache ops; a restore must find exactly the prefix its sequence's chunk continues from.
+    fn apply(&mut self, ops: &[CacheOp], batch: &StepBatch, tokens: &dyn Fn(u64) -> Vec<u32>) {
+        for op in ops {
+            match *op {
+                CacheOp::SaveState { slot, to } => {
+                    let held = self.slots.get(&slot).cloned().expect("a saved slot holds a known state");
+                    self.snapshots.insert(to, held);
+                }
+                CacheOp::MoveSnapshot { from, to } => {
+                    let held = self.snapshots.remove(&from).expect("a moved snapshot holds a known state");
+                    self.snapshots.insert(to, held);
+                }
+                CacheOp::RestoreState { from, slot } => {
+                    let held = self.snapshots.get(&from).cloned().expect("a restored snapshot holds a known state");
+                    // (A sequence admitted and then preempted in the same step has no chunk left.)
+                    if let Some(c) = batch.seqs.iter().find(|c| c.slot == slot) {
+                        assert_eq!(held.len(), c.start, "restored state length vs the chunk's start");
+                        assert_eq!(held, tokens(c.seq_id)[..c.start], "a sequence resumed from another prefix's state");
+                    }
+                    self.slots.insert(slot, held);
+                }
+                CacheOp::CopyState { src, dst } => {
+                    let held = self.slots.get(&src).cloned().expect("a copied slot holds a known state");
+                    self.slots.insert(dst, held);
+                }
+                CacheOp::CopyPagePrefix { .. } => {}
+            }
+        }
+    }
+
+    /// The step's chunks ran: snapshots inside them, then each slot's state at its chunk's end.
+    fn run(&mut self, batch: &StepBatch, tokens: &dyn Fn(u64) -> Vec<u32>) {
+        let mut written = Vec::new();
+        for c in &batch.seqs {
+            let toks = tokens(c.seq_id);
+            for &(p, loc) in &c.save_within {
+                assert!(p > c.start && p < c.start + c.tokens.len(), "a snapshot point inside its chunk");
+                assert!(!written.contains(&loc), "two snapshots of one step in {loc:?}");
+                written.push(loc);
+                self.snapshots.insert(loc, toks[..p].to_vec());
+            }
+            self.slots.insert(c.slot, toks[..c.start + c.tokens.len()].to_vec());
+        }
+    }
 }
 
 /// `shared`: prompts share prefixes (a common "system prompt" and each other's tokens) and ask for
 /// snapshots at fixed points, so the prefix cache is exercised.
-fn simulate_with(c: SchedConfig, reqs: &[(usize, usize, usize)], shared: bool) -> (HashMap<u64, Vec<u32>>, u64) {
-    let mut s = Scheduler::new(c.clone());
+/// `within`: the backend takes snapshots inside chunks.
+fn simulate_with(
+    c: SchedConfig,
+    reqs: &[(usize, usize, usize)],
+    shared: bool,
+    within: bool,
+) -> (HashMap<u64, Vec<u32>>, u64) {
+    let mut s = Scheduler::new(c.clone()).with_snapshots_within_chunks(within);
+    let mut states = States::default();
     let mut done = HashMap::new();
     let mut step = 0;
     let mut pending: Vec<(usize, u64, Vec<u32>, usize)> = reqs
@@ -58,7 +122,12 @@ fn simulate_with(c: SchedConfig, reqs: &[(usize, usize, usize)], shared: bool) -
             let toks = s.tokens(ch.seq_id).unwrap();
             assert_eq!(&toks[ch.start..ch.start + ch.tokens.len()], &ch.tokens[..]);
             assert!(ch.pages.len() * c.page_size >= ch.start + ch.tokens.len());
+            assert!(within || ch.save_within.is_empty(), "snapshots inside a chunk the backend cannot take");
         }
+        let tokens = |id: u64| s.tokens(id).unwrap().to_vec();
+        states.apply(&plan.batch.pre, &plan.batch, &tokens);
+        states.run(&plan.batch, &tokens);
+        states.apply(&plan.batch.post, &plan.batch, &tokens);
         s.commit(&plan);
         for ch in plan.batch.seqs.iter().filter(|c| c.want_logits) {
             let pos = ch.start + ch.tokens.len();
@@ -101,15 +170,16 @@ proptest! {
         seqs in 1usize..6,
         device in 1usize..3,
         host in 0usize..3,
+        within in any::<bool>(),
     ) {
         let reqs: Vec<_> = reqs.into_iter().map(|(a, p, m)| (a, p, m.min(64 + 1 - p))).collect();
-        let (plain, _) = simulate_with(cfg(256, 1000, 16), &reqs, true);
+        let (plain, _) = simulate_with(cfg(256, 1000, 16), &reqs, true, false);
         let cached = SchedConfig {
             prefix_cache: PrefixCacheConfig { device_slots: device, host_slots: host, page_size: 4, snapshot_bytes: 100, page_bytes: 10 },
             snapshot_interval: 7,
             ..cfg(budget, pages, seqs)
         };
-        let (with_cache, _) = simulate_with(cached, &reqs, true);
+        let (with_cache, _) = simulate_with(cached, &reqs, true, within);
         prop_assert_eq!(plain, with_cache);
     }
 }

@@ -88,6 +88,16 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Rows of short prefill chunks a step may attend as decode queries: what the scratch holds (the
+    /// index arrays, and one partition a row of the decode rows' partials); 0 when the option is off
+    /// or the model has no attention layer.
+    pub(super) fn short_chunk_rows_cap(&self) -> usize {
+        if self.opts.short_chunk_decode_attention_from == usize::MAX || self.d.num_attention_layers == 0 {
+            return 0;
+        }
+        (self.ws.decode_rows.bytes / 8).min(self.max_seqs * self.decode_partitions)
+    }
+
     /// Attention of the step's queries over the paged K/V of `l`: the prefill kernel's tiles (prefill
     /// chunks and short-context verify chunks), long-context verify rows and decode rows split-K.
     fn attn_core(&self, ws: &Ws, l: &LayerKv, sh: &StepShape) -> Result<(), CudaError> {
@@ -163,10 +173,55 @@ impl CudaBackend {
             };
             attention::attn_decode_q(k, s, &a, &sc)?;
         }
+        if sh.short_rows > 0 {
+            // Short prefill chunks over a long context as decode queries, each row with its causal
+            // length and its chunk's block-table row; ungated (the gate kernel after this covers
+            // them with the prefill rows). Their partials use the decode rows' scratch, split so
+            // that they fit it: the decode launch below runs after this one's combine.
+            let (r0, rows) = (sh.short_row0, sh.short_rows);
+            let a = attention::AttnDecode {
+                q: ws.attn_qg + b2(r0 * 2 * ad),
+                gate: 0,
+                o: ws.attn_out + b2(r0 * ad),
+                kv,
+                seq_lens: ws.decode_rows.ptr,
+                table_rows: ws.decode_rows.ptr + 4 * rows as u64,
+                n_seqs: rows,
+                n_split: short_chunk_splits(self.max_seqs, self.decode_partitions, rows),
+                ..dec
+            };
+            attention::attn_decode_q(k, s, &a, &sc)?;
+        }
         if n_dec > 0 {
             attention::attn_decode_q(k, s, &dec, &sc)?;
         }
         self.tick("attn core (prefill / decode)")?;
         Ok(())
+    }
+}
+
+/// Split-K partitions of `rows` short-chunk rows attending as decode queries: as many as the decode
+/// rows' partials (`max_seqs` rows of `partitions`) hold for them, at least 1 and at most `partitions`.
+fn short_chunk_splits(max_seqs: usize, partitions: usize, rows: usize) -> usize {
+    (max_seqs * partitions / rows.max(1)).clamp(1, partitions.max(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::short_chunk_splits;
+    use crate::ops::attention::decode_scratch_bytes;
+
+    #[test]
+    fn short_chunk_partials_fit_the_decode_scratch() {
+        for (seqs, parts) in [(1, 32), (4, 32), (64, 32), (2, 128)] {
+            let have = decode_scratch_bytes(seqs, 24, parts, 256);
+            for rows in 1..=(seqs * parts).min(256) {
+                let n = short_chunk_splits(seqs, parts, rows);
+                assert!((1..=parts).contains(&n), "{seqs} seqs, {parts} parts, {rows} rows: {n}");
+                assert!(decode_scratch_bytes(rows, 24, n, 256) <= have, "{seqs} seqs, {parts} parts, {rows} rows");
+            }
+        }
+        assert_eq!(short_chunk_splits(4, 32, 38), 3);
+        assert_eq!(short_chunk_splits(4, 32, 1), 32);
     }
 }

@@ -19,6 +19,7 @@ impl Backend for CudaBackend {
             launches_ahead: self.launches_ahead(),
             max_draft_tokens: self.spec.as_ref().map_or(0, |sp| sp.max_draft),
             masks_tokens: crate::switches::Switches::get().device_masks,
+            snapshots_within_chunks: false,
         }
     }
 

@@ -63,6 +63,9 @@ pub(super) struct Ws {
     pub(super) gdn_ws: DevSpan,
     pub(super) chunk_table: DevSpan,
     pub(super) tile_table: DevSpan,
+    /// Short prefill chunks attending as decode queries: their rows' attention lengths, then their
+    /// block-table rows (i32).
+    pub(super) decode_rows: DevSpan,
     /// int4: act-order x scratch and the dequantised slice (0 bytes when unused).
     pub(super) w4_x: DevSpan,
     pub(super) w4_slice: DevSpan,
@@ -101,6 +104,7 @@ struct Regions {
     gdn_ws: DevSpan,
     chunk_table: DevSpan,
     tile_table: DevSpan,
+    decode_rows: DevSpan,
     w4_x: DevSpan,
     w4_slice: DevSpan,
     w4_gemm: DevSpan,
@@ -319,6 +323,7 @@ fn carve_regions(
     let gdn_ws = carve(parts.gdn);
     let chunk_table = carve(parts.chunk_table);
     let tile_table = carve(parts.tile_table);
+    let decode_rows = carve(parts.decode_rows);
     let w4_x = carve(parts.w4_x);
     let w4_slice = carve(parts.w4_slice);
     let w4_gemm = carve(parts.w4_gemm);
@@ -336,6 +341,7 @@ fn carve_regions(
         gdn_ws,
         chunk_table,
         tile_table,
+        decode_rows,
         w4_x,
         w4_slice,
         w4_gemm,
@@ -398,6 +404,7 @@ fn workspace_views(
         gdn_ws: r.gdn_ws,
         chunk_table: r.chunk_table,
         tile_table: r.tile_table,
+        decode_rows: r.decode_rows,
         w4_x: r.w4_x,
         w4_slice: r.w4_slice,
         w4_gemm: r.w4_gemm,

@@ -175,6 +175,8 @@ impl CudaBackend {
                 n_ver: 0,
                 tv: 0,
                 tvd: 0,
+                short_row0: 0,
+                short_rows: 0,
                 n_chunks: 0,
                 n_tiles: 0,
                 n_logits: m,

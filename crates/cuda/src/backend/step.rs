@@ -7,11 +7,11 @@ use deltaserve_backend::{BackendError, RowSampling, SnapshotLoc, StepBatch};
 use crate::error::CudaError;
 use crate::ops::{self, attention, gdn_chunk};
 
-use super::CudaBackend;
 use super::ahead::LaunchOut;
 use super::graphs::GraphKey;
 use super::phases::Mark;
 use super::spec::Verified;
+use super::{CudaBackend, SHORT_CHUNK_TOKENS};
 
 /// What a step hands back: every wanted row's logits, its argmax over ids `< valid`, or its token
 /// picked by its [`RowSampling`].
@@ -43,6 +43,10 @@ pub(super) struct StepShape {
     pub(super) tv: usize,
     /// The last `tvd` verify rows attend as decode queries (long contexts).
     pub(super) tvd: usize,
+    /// Rows `short_row0..short_row0 + short_rows` (the last prefill chunks': short chunks over a long
+    /// context) attend as decode queries.
+    pub(super) short_row0: usize,
+    pub(super) short_rows: usize,
     pub(super) n_chunks: usize,
     pub(super) n_tiles: usize,
     pub(super) n_logits: usize,
@@ -50,13 +54,15 @@ pub(super) struct StepShape {
     pub(super) n_pend: usize,
 }
 
-/// The order a step's chunks run in: prefill chunks, verify chunks (short contexts, then long ones),
-/// decode chunks, each group in batch order.
+/// The order a step's chunks run in: prefill chunks (those attending as decode queries last), verify
+/// chunks (short contexts, then long ones), decode chunks, each group in batch order.
 struct StepOrder {
     order: Vec<usize>,
-    /// Prefill chunks (the first `n_real`), short-context verify chunks (`n_ver_pf`), multi-token chunks
-    /// in all (`n_pre`: prefill and verify) and verify chunks (`n_ver`).
+    /// Prefill chunks (the first `n_real`, of which the last `n_short` attend as decode queries),
+    /// short-context verify chunks (`n_ver_pf`), multi-token chunks in all (`n_pre`: prefill and
+    /// verify) and verify chunks (`n_ver`).
     n_real: usize,
+    n_short: usize,
     n_ver_pf: usize,
     n_pre: usize,
     n_ver: usize,
@@ -82,6 +88,10 @@ struct HostInputs<'b> {
     /// Long-context verify rows: attention lengths and block-table rows.
     ver_lens: Vec<i32>,
     ver_tables: Vec<i32>,
+    /// Short prefill chunks attending as decode queries: their rows' attention lengths, then their
+    /// block-table rows (one upload); the first such row.
+    short_rows: Vec<i32>,
+    short_row0: usize,
     /// Rows of the multi-token group, of its verify chunks, of its long-context verify chunks.
     tp: usize,
     tv: usize,
@@ -177,6 +187,8 @@ impl CudaBackend {
             n_ver,
             tv,
             tvd,
+            short_row0: inp.short_row0,
+            short_rows: inp.short_rows.len() / 2,
             n_chunks: inp.chunk_table.len() / 2,
             n_tiles: inp.tile_table.len() / 2,
             n_logits: inp.last.len(),
@@ -217,6 +229,12 @@ impl CudaBackend {
                 self.max_seqs
             ));
         }
+        if let Some(c) = batch.seqs.iter().find(|c| !c.save_within.is_empty()) {
+            return Err(BackendError::Unsupported(format!(
+                "seq {}: snapshots inside a chunk (this backend ends chunks at snapshot points)",
+                c.seq_id
+            )));
+        }
         let mut used_slots = std::collections::HashSet::new();
         for &i in chunks {
             let c = &batch.seqs[i];
@@ -250,7 +268,23 @@ impl CudaBackend {
         // Prefill chunks (> 1 token) first, then verify chunks, then decode chunks, each group in batch
         // order.
         let multi = |i: &usize| batch.seqs[*i].tokens.len() > 1;
-        let mut order: Vec<usize> = chunks.iter().copied().filter(|i| multi(i) && !is_ver(*i)).collect();
+        let prefill = chunks.iter().copied().filter(|i| multi(i) && !is_ver(*i));
+        // Short prefill chunks over a long context attend as decode queries: after the other prefill
+        // chunks, as many rows as the scratch holds.
+        let from = self.opts.short_chunk_decode_attention_from;
+        let mut room = self.short_chunk_rows_cap();
+        let (mut order, mut short) = (Vec::new(), Vec::new());
+        for i in prefill {
+            let c = &batch.seqs[i];
+            if c.tokens.len() <= SHORT_CHUNK_TOKENS && c.start >= from && c.tokens.len() <= room {
+                room -= c.tokens.len();
+                short.push(i);
+            } else {
+                order.push(i);
+            }
+        }
+        let n_short = short.len();
+        order.extend(short);
         let n_real = order.len();
         // Verify chunks: those over a short context attend with the prefill kernel, the others (last)
         // as decode queries, split-K over their long context.
@@ -262,7 +296,7 @@ impl CudaBackend {
         let n_pre = order.len();
         let n_ver = n_pre - n_real;
         order.extend(chunks.iter().copied().filter(|i| !multi(i) && !is_ver(*i)));
-        StepOrder { order, n_real, n_ver_pf, n_pre, n_ver }
+        StepOrder { order, n_real, n_short, n_ver_pf, n_pre, n_ver }
     }
 
     /// The step's inputs on the host, in the order `ord` (with graph padding rows), its wanted rows,
@@ -274,7 +308,7 @@ impl CudaBackend {
         ord: &StepOrder,
     ) -> Result<HostInputs<'b>, BackendError> {
         let is_ver = |i: usize| verify.get(i).copied().unwrap_or(false);
-        let StepOrder { ref order, n_real, n_ver_pf, n_pre, .. } = *ord;
+        let StepOrder { ref order, n_real, n_short, n_ver_pf, n_pre, .. } = *ord;
         let n = order.len();
         // Decode steps replay the graph of their batch size. With graph_pad the
         // rows past n are padding: token 0 at position −1 (no KV write), state slot −1 (no state
@@ -344,7 +378,14 @@ impl CudaBackend {
         let chunk_table = gdn_chunk::chunk_table(&cu[..=n_real]);
         // Prefill attention covers the prefill chunks and the short-context verify chunks; the other
         // verify rows run as decode queries.
-        let tile_table = attention::tile_table(&self.k, &cu[..=n_real + n_ver_pf]);
+        // (Short chunks attending as decode queries have no tiles.)
+        let short_seqs = (n_real - n_short) as i32..n_real as i32;
+        let tile_table: Vec<i32> = attention::tile_table(&self.k, &cu[..=n_real + n_ver_pf])
+            .chunks_exact(2)
+            .filter(|e| !short_seqs.contains(&e[0]))
+            .flatten()
+            .copied()
+            .collect();
         let tvd = tp - cu[n_real + n_ver_pf] as usize;
         let (mut ver_lens, mut ver_tables) = (Vec::new(), Vec::new());
         for (r, &i) in order.iter().enumerate().take(n_pre).skip(n_real + n_ver_pf) {
@@ -352,7 +393,19 @@ impl CudaBackend {
             ver_lens.extend((1..=c.tokens.len()).map(|j| (c.start + j) as i32));
             ver_tables.extend(std::iter::repeat_n(r as i32, c.tokens.len()));
         }
-        if chunk_table.len() * 4 > self.ws.chunk_table.bytes || tile_table.len() * 4 > self.ws.tile_table.bytes {
+        let (mut short_lens, mut short_tables) = (Vec::new(), Vec::new());
+        for (r, &i) in order.iter().enumerate().take(n_real).skip(n_real - n_short) {
+            let c = &batch.seqs[i];
+            short_lens.extend((1..=c.tokens.len()).map(|j| (c.start + j) as i32));
+            short_tables.extend(std::iter::repeat_n(r as i32, c.tokens.len()));
+        }
+        let short_row0 = cu[n_real - n_short] as usize;
+        short_lens.extend(short_tables);
+        let short_rows = short_lens;
+        if chunk_table.len() * 4 > self.ws.chunk_table.bytes
+            || tile_table.len() * 4 > self.ws.tile_table.bytes
+            || short_rows.len() * 4 > self.ws.decode_rows.bytes
+        {
             return Err(BackendError::Device("varlen tables exceed the scratch region".into()));
         }
         Ok(HostInputs {
@@ -370,6 +423,8 @@ impl CudaBackend {
             tile_table,
             ver_lens,
             ver_tables,
+            short_rows,
+            short_row0,
             tp,
             tv,
             tvd,
@@ -393,6 +448,7 @@ impl CudaBackend {
         }
         self.upload_i32(ws.chunk_table.ptr, &inp.chunk_table)?;
         self.upload_i32(ws.tile_table.ptr, &inp.tile_table)?;
+        self.upload_i32(ws.decode_rows.ptr, &inp.short_rows)?;
         if let Some(sp) = &self.spec {
             self.upload_i32(sp.idx_at(0), &inp.pend.0)?;
             self.upload_i32(sp.idx_at(1), &inp.pend.1)?;

@@ -29,6 +29,7 @@ mod common;
 mod graphs;
 mod int4;
 mod masked;
+mod short_chunks;
 
 use common::*;
 use int4::compare_int4;

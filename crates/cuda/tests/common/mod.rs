@@ -253,6 +253,7 @@ pub fn chunk(slot: u32, pages: &[u32], start: usize, tokens: &[u32]) -> SeqChunk
         greedy_draft_vocab: 0,
         rope_delta: 0,
         images: Vec::new(),
+        save_within: Vec::new(),
     }
 }
 

@@ -310,18 +310,35 @@ pub(super) fn time_cache_op(be: &mut dyn Backend, op: CacheOp) -> Result<f64> {
     Ok(median(times))
 }
 
+/// Bytes a step of `b` sequences at context `ctx` reads at least: one card's device weights (less the
+/// embedding table, of which a step reads only its rows; of a mixture of experts only the experts
+/// `b` tokens pick), the sequences' KV and their DeltaNet state (read and written).
+pub(super) fn step_bytes(plan: &Plan, cfg: &ModelConfig, b: usize, ctx: usize) -> f64 {
+    let embed_on_device = if plan.options.embed_on_host { 0 } else { plan.weight_parts.embed };
+    let parts = &plan.weight_parts;
+    let experts_read = cfg.moe.as_ref().map_or(0.0, |m| parts.experts_read(m.num_experts, m.top_k, b));
+    let weight_bytes = (plan.weights_bytes - embed_on_device - parts.experts) as f64 + experts_read;
+    weight_bytes + (b * ctx) as f64 * plan.kv_bytes_per_token as f64 + 2.0 * b as f64 * plan.state_bytes_per_seq as f64
+}
+
 /// (total FLOPs, attention FLOPs) of a `t`-token prompt from position 0 (`docs/architecture.md` §6). A
 /// mixture of experts' token runs its `top_k` routed experts, not all of them.
 pub(super) fn prefill_flops(cfg: &ModelConfig, linear_params: u64, t: usize) -> (f64, f64) {
+    chunk_flops(cfg, linear_params, t, 0)
+}
+
+/// [`prefill_flops`] of a chunk of `t` tokens after `ctx` tokens already in the cache (its rows
+/// attend to `ctx + 1 … ctx + t` keys).
+pub(super) fn chunk_flops(cfg: &ModelConfig, linear_params: u64, t: usize, ctx: usize) -> (f64, f64) {
     let d = cfg.dims();
-    let t = t as f64;
+    let (t, ctx) = (t as f64, ctx as f64);
     let unrouted = cfg.moe.as_ref().map_or(0.0, |m| {
         let per_expert = 3.0 * (m.expert_intermediate * d.hidden) as f64;
         (m.num_sparse_layers() * m.num_experts.saturating_sub(m.top_k)) as f64 * per_expert
     });
     let linears = 2.0 * (linear_params as f64 - unrouted) * t;
     let gdn = 180e3 * (d.gdn_k_dim * d.gdn_v_dim) as f64 / 16384.0 * (d.gdn_v_heads * d.num_deltanet_layers) as f64 * t;
-    let attn = 4.0 * (d.head_dim * d.q_heads * d.num_attention_layers) as f64 * t * (t + 1.0) / 2.0;
+    let attn = 4.0 * (d.head_dim * d.q_heads * d.num_attention_layers) as f64 * (t * ctx + t * (t + 1.0) / 2.0);
     let lm_head = 2.0 * (d.vocab * d.hidden) as f64;
     (linears + gdn + attn + lm_head, attn)
 }

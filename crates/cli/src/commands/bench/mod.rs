@@ -44,6 +44,7 @@ use anyhow::{Context, Result, bail};
 use deltaserve_backend::{
     Backend, CacheOp, Feed, Picked, RowSampling, SeqChunk, SnapshotLoc, StepBatch, StepOut, Want,
 };
+use deltaserve_cuda::backend::{CudaOptions, SHORT_CHUNK_TOKENS};
 use deltaserve_cuda::ops::init::{Init, init_random};
 use deltaserve_cuda::{Arena, CudaBackend, Kernels, Runtime, TpBackend, WeightSource};
 use deltaserve_model::ModelConfig;
@@ -100,6 +101,11 @@ pub struct Args {
     /// Tokens per step of the verify-shaped runs (K + 1 of speculative decoding; 0 or 1: none).
     #[arg(long, default_value_t = 3)]
     verify_tokens: usize,
+    /// New tokens of the short-chunk runs: one sequence prefilling this many tokens a step after each
+    /// decode context (a tool result after a long conversation), on one GPU with the prefill kernel's
+    /// query tiles and with the rows as decode queries (empty: none).
+    #[arg(long, value_delimiter = ',', default_value = "16,64,256")]
+    short_chunks: Vec<usize>,
     /// Tensor parallelism over GPUs 0..N (--memory is per card).
     #[arg(long, default_value_t = 1)]
     tensor_parallel: usize,
@@ -238,6 +244,7 @@ pub fn run(a: Args) -> Result<()> {
         arena_allocations_moved: false,
         snapshots: Vec::new(),
         verify: Vec::new(),
+        short_chunks: Vec::new(),
         speculative: Vec::new(),
         profiles: Vec::new(),
         phases: Vec::new(),
@@ -335,16 +342,7 @@ pub fn run(a: Args) -> Result<()> {
             }
             let driver_peak_bytes = peak(&sampler);
             let allreduce_share = be.all_reduce_s(b)?.map(|per| reduces * per * 1e3 / ms);
-            // One card's device weights (less the embedding table, of which a step reads only its rows),
-            // KV and state.
-            // A mixture of experts: only the experts the step's tokens pick.
-            let embed_on_device = if plan.options.embed_on_host { 0 } else { plan.weight_parts.embed };
-            let parts = &plan.weight_parts;
-            let experts_read = cfg.moe.as_ref().map_or(0.0, |m| parts.experts_read(m.num_experts, m.top_k, b));
-            let weight_bytes = (plan.weights_bytes - embed_on_device - parts.experts) as f64 + experts_read;
-            let bytes = weight_bytes
-                + (b * ctx) as f64 * plan.kv_bytes_per_token as f64
-                + 2.0 * b as f64 * plan.state_bytes_per_seq as f64;
+            let bytes = step_bytes(&plan, &cfg, b, ctx);
             let floor_ms = bytes / (report.ceilings.copy_gbs * 1e9) * 1e3;
             report.decode.push(DecodeRow {
                 batch: b,
@@ -373,6 +371,38 @@ pub fn run(a: Args) -> Result<()> {
                 let ms = decode(be.get(), 1, n, ctx, per_seq, a.steps, vocab, Pick::Logits)?;
                 report.verify.push((n, ctx, ms, one));
             }
+        }
+        for &n in &a.short_chunks {
+            let end = ctx + (a.steps + 3) * n + 4;
+            if n < 2 || n > a.max_batch_tokens || end.div_ceil(page) > plan.num_kv_pages || end > plan.max_context {
+                report.skipped.push(format!("short chunk of {n} tokens at {ctx}: beyond the plan's step or context"));
+                continue;
+            }
+            tracing::info!("bench: short chunks of {n} tokens at context {}", fmt_count(ctx as u64));
+            let per_seq = end.div_ceil(page);
+            let mut row =
+                ShortChunkRow { tokens: n, context: ctx, ms: 0.0, ms_tiles: None, ms_rows: None, floor_ms: 0.0 };
+            match &mut be {
+                Under::One(cb) => {
+                    // Both attentions of the chunk's rows, then the configured one back.
+                    let opts = cb.options();
+                    for from in [usize::MAX, 0] {
+                        cb.set_options(CudaOptions { short_chunk_decode_attention_from: from, ..opts })?;
+                        let ms = decode(cb.as_mut(), 1, n, ctx, per_seq, a.steps, vocab, Pick::Logits)?;
+                        *(if from == 0 { &mut row.ms_rows } else { &mut row.ms_tiles }) = Some(ms);
+                    }
+                    cb.set_options(opts)?;
+                    let rows_on = ctx >= opts.short_chunk_decode_attention_from && n <= SHORT_CHUNK_TOKENS;
+                    row.ms = if rows_on { row.ms_rows } else { row.ms_tiles }.unwrap_or_default();
+                }
+                Under::Tp(b) => row.ms = decode(b, 1, n, ctx, per_seq, a.steps, vocab, Pick::Logits)?,
+            }
+            // The floor: the step's bytes at the copy rate or its FLOPs at the GEMM rate (one card's).
+            let (flop, _) = chunk_flops(&card, plan.weight_parts.linear_params, n, ctx);
+            let bytes = step_bytes(&plan, &cfg, 1, ctx);
+            row.floor_ms =
+                (bytes / (report.ceilings.copy_gbs * 1e9)).max(flop / (report.ceilings.gemm_tflops * 1e12)) * 1e3;
+            report.short_chunks.push(row);
         }
         let k = a.speculative_tokens;
         if let (true, Under::One(cb)) = (k > 0, &mut be) {

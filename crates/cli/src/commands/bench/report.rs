@@ -66,12 +66,27 @@ pub(super) struct Report {
     pub(super) snapshots: Vec<(&'static str, f64)>,
     /// Verify-shaped steps: (tokens per step, context, ms per step, ms of the one-token step there).
     pub(super) verify: Vec<(usize, usize, f64, f64)>,
+    pub(super) short_chunks: Vec<ShortChunkRow>,
     pub(super) speculative: Vec<SpecRow>,
     pub(super) profiles: Vec<ProfileRow>,
     /// `--phases`: (batch, context, "logits" | "greedy" | "sampled", the step's parts).
     pub(super) phases: Vec<(usize, usize, &'static str, deltaserve_cuda::StepPhases)>,
     /// The chunked DeltaNet prefill kernels alone at the model's (per-card) shape.
     pub(super) deltanet: Vec<deltaserve_cuda::gdn_bench::GdnTiming>,
+}
+
+/// One sequence prefilling `tokens` new tokens a step after `context` tokens.
+#[derive(Debug)]
+pub(super) struct ShortChunkRow {
+    pub(super) tokens: usize,
+    pub(super) context: usize,
+    /// ms per step as the backend is configured; on one GPU also with the prefill kernel's query tiles
+    /// and with the rows as decode queries.
+    pub(super) ms: f64,
+    pub(super) ms_tiles: Option<f64>,
+    pub(super) ms_rows: Option<f64>,
+    /// The step's bytes at the copy rate or its FLOPs at the GEMM rate, whichever takes longer.
+    pub(super) floor_ms: f64,
 }
 
 /// `--profile`: one batch-1 decode step at `context`, op group by op group.
@@ -223,6 +238,12 @@ impl ToolReport for Report {
             "verify": self.verify.iter().map(|&(n, ctx, ms, one)| json!({
                 "tokens_per_step": n, "context": ctx, "ms_per_step": r3(ms), "decode_ms_per_step": r3(one),
                 "ratio_to_decode": r3(ms / one),
+            })).collect::<Vec<_>>(),
+            "short_chunks": self.short_chunks.iter().map(|r| json!({
+                "tokens": r.tokens, "context": r.context, "ms_per_step": r3(r.ms),
+                "ms_prefill_kernel": r.ms_tiles.map(r3), "ms_decode_queries": r.ms_rows.map(r3),
+                "floor_ms": r3(r.floor_ms), "roofline_ratio": r3(r.floor_ms / r.ms),
+                "tokens_per_s": r1(r.tokens as f64 * 1e3 / r.ms),
             })).collect::<Vec<_>>(),
             "speculative": self.speculative.iter().map(|r| json!({
                 "draft_tokens": r.k, "batch": r.batch, "context": r.context, "draft_ms": r3(r.draft_ms),
@@ -433,6 +454,22 @@ impl ToolReport for Report {
                 s,
                 "verify-shaped step ({n} tokens, batch 1) at {ctx}: {ms:.2} ms = {:.2}× the one-token step ({one:.2} ms)",
                 ms / one
+            );
+        }
+        for r in &self.short_chunks {
+            let both = match (r.ms_tiles, r.ms_rows) {
+                (Some(t), Some(q)) => {
+                    format!(" (prefill kernel {t:.2} ms, as decode queries {q:.2} ms: {:.2}×)", t / q)
+                }
+                _ => String::new(),
+            };
+            let _ = writeln!(
+                s,
+                "short chunk ({} tokens, batch 1) at {}: {:.2} ms, {:.2} of the roofline{both}",
+                r.tokens,
+                r.context,
+                r.ms,
+                r.floor_ms / r.ms
             );
         }
         if !self.speculative.is_empty() {

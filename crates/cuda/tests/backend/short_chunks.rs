@@ -1,0 +1,90 @@
+//! Short prefill chunks over a long context attending as decode queries
+//! (`CudaOptions::short_chunk_decode_attention_from`): every row split-K over its causal keys, as
+//! long-context verify rows are, instead of the prefill kernel's query tiles. The same logits as the
+//! prefill kernel and as the CPU reference — beside a long prefill chunk, a chunk below the
+//! threshold and decode rows in one step, in a step of short chunks alone (no tiles at all), and in
+//! the steps after them (the chunks' every row, not only the last, feeds the later layers' K/V).
+
+use deltaserve_backend::{Backend, StepBatch};
+use deltaserve_cuda::backend::{CudaOptions, SHORT_CHUNK_TOKENS};
+use deltaserve_plan::KvDtype;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+use super::common::*;
+
+/// One step of `(slot, start, tokens)` chunks on every backend; the wanted rows' logits of each.
+fn step_all(backends: &mut [&mut dyn Backend], pg: &[Vec<u32>], chunks: &[(usize, usize, Vec<u32>)]) -> Vec<Vec<f32>> {
+    let mut batch = StepBatch::default();
+    for (slot, start, tokens) in chunks {
+        batch.seqs.push(chunk(*slot as u32, &pg[*slot], *start, tokens));
+    }
+    backends.iter_mut().map(|b| run(&mut **b, &batch)).collect()
+}
+
+#[test]
+fn short_chunks_as_decode_queries_match_the_prefill_kernel_and_the_cpu() {
+    if !gpu() {
+        return;
+    }
+    let (dir, cfg) = tiny_dir(8);
+    let mut failures = Vec::new();
+    for kv in [KvDtype::Bf16, KvDtype::Fp8] {
+        let plan = plan_with(&cfg, |o| {
+            o.k_dtype = kv;
+            o.v_dtype = kv;
+        });
+        let mut tiles = cuda(&dir, &cfg, &plan);
+        let mut rows = cuda(&dir, &cfg, &plan);
+        rows.set_options(CudaOptions { short_chunk_decode_attention_from: 256, ..rows.options() }).unwrap();
+        let mut cpu = cpu(&dir, &cfg);
+        if kv != KvDtype::Bf16 {
+            cpu = cpu.with_kv_formats(kv, kv);
+        }
+        let vocab = rows.capabilities().vocab_size;
+        let mut rng = StdRng::seed_from_u64(31);
+        // Histories, then one step: two short chunks over long contexts (37 tokens after 300, the
+        // longest short chunk after 700), one below the threshold (5 after 40), a long prefill from 0,
+        // and a decode row.
+        let hist = [300usize, 700, 40, 0, 120];
+        let new = [37usize, SHORT_CHUNK_TOKENS, 5, 200, 1];
+        let pg: Vec<Vec<u32>> = (0..hist.len()).map(|i| pages(64 * i as u32, 1000)).collect();
+        let toks: Vec<Vec<u32>> =
+            (0..hist.len()).map(|i| random_tokens(&mut rng, hist[i] + new[i] + 8, vocab)).collect();
+        let mut bs: [&mut dyn Backend; 3] = [&mut tiles, &mut rows, &mut cpu];
+        for (i, &h) in hist.iter().enumerate().filter(|(_, h)| **h > 0) {
+            step_all(&mut bs, &pg, &[(i, 0, toks[i][..h].to_vec())]);
+        }
+        let label = format!("KV {}", kv.name());
+        let mut compare = |what: &str, got: &[Vec<f32>]| {
+            let (mut vs_tiles, mut vs_cpu) = (Score::default(), Score::default());
+            vs_tiles.add(&got[1], &got[0], vocab);
+            vs_cpu.add(&got[1], &got[2], vocab);
+            println!(
+                "{label} {what}: worst row vs the prefill kernel {:.3e}, median vs CPU {:.3e}",
+                vs_tiles.worst,
+                vs_cpu.median_l2()
+            );
+            failures.extend(vs_cpu.soft_check(&format!("{label} {what} vs CPU")));
+            if vs_tiles.worst >= 2e-2 {
+                failures.push(format!("{label} {what}: {:.3e} from the prefill kernel's logits", vs_tiles.worst));
+            }
+        };
+        let mixed: Vec<(usize, usize, Vec<u32>)> =
+            (0..hist.len()).map(|i| (i, hist[i], toks[i][hist[i]..hist[i] + new[i]].to_vec())).collect();
+        compare("mixed step", &step_all(&mut bs, &pg, &mixed));
+        // Short chunks alone (the prefill kernel has no tile to run), then a decode step of everyone.
+        let at: Vec<usize> = (0..hist.len()).map(|i| hist[i] + new[i]).collect();
+        let alone =
+            vec![(0, at[0], toks[0][at[0]..at[0] + 3].to_vec()), (1, at[1], toks[1][at[1]..at[1] + 2].to_vec())];
+        compare("short chunks alone", &step_all(&mut bs, &pg, &alone));
+        let next: Vec<(usize, usize, Vec<u32>)> = (0..hist.len())
+            .map(|i| {
+                let p = at[i] + [3, 2, 0, 0, 0][i];
+                (i, p, vec![toks[i][p]])
+            })
+            .collect();
+        compare("decode step after them", &step_all(&mut bs, &pg, &next));
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
