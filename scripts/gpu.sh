@@ -50,6 +50,8 @@
 #                any cell's peak is above its plan (memory.md: the table)
 #   decode       the int4 decode points (b1/b8 at 1K/32K, 48 steps) under each environment of SWEEP,
 #                alternating, ROUNDS rounds (chart: decode-ab.svg)
+#   short        short prefill chunks (16, 64, 256 new tokens) after 32K and 128K tokens, int4 + fp8 KV at
+#                24 GiB: the prefill kernel's query tiles against the rows as decode queries
 #   steps        where an int4 decode step's wall time goes (`bench --phases`, chart: step-phases.svg)
 #   timeline     one traced int4 decode step (DELTASERVE_TRACE; table, TSV and timeline.svg)
 #   soak         a 12-turn agent session to SOAK_TARGET tokens on the 27B shapes (TTFT per new token)
@@ -67,7 +69,7 @@ BIN_DIR="${GPU_BIN_DIR:-${CARGO_TARGET_DIR:-$ROOT/target}/release}"
 OUT_DIR="${GPU_OUT:-gpu-results}"
 TESTS="ops kernels_check bench_w4 bench_attention bench_backend backend speculative w4_gemm nccl tp"
 INT4="--weights-dtype int4 --kv-cache-dtype fp8 --lm-head-int4 --embed-on-host --memory 24GiB"
-DECODE="--prompts 512 --batches 1,8 --contexts 1024,32768 --steps 48 --verify-tokens 0"
+DECODE="--prompts 512 --batches 1,8 --contexts 1024,32768 --steps 48 --verify-tokens 0 --short-chunks 0"
 Q27="--device cuda --preset qwen3.6-27b --random-weights"
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
@@ -170,7 +172,7 @@ step_bench-int4() {
 }
 
 step_batches() {
-    local b="--prompts 512 --contexts 1024 --verify-tokens 0 --steps 16 --batches 1,2,4,8,12,16,24,32,48,64"
+    local b="--prompts 512 --contexts 1024 --verify-tokens 0 --short-chunks 0 --steps 16 --batches 1,2,4,8,12,16,24,32,48,64"
     # shellcheck disable=SC2086 # word lists of arguments
     ds batches-int4 200 bench $Q27 $b --weights-dtype int4 --kv-cache-dtype fp8 --lm-head-int4 --memory 40GiB
     # shellcheck disable=SC2086
@@ -184,7 +186,7 @@ step_batches() {
 
 step_memory() {
     local w k mem extra name fail=0
-    local b="--prompts 512 --contexts 1024 --verify-tokens 0 --steps 6 --batches 1,8"
+    local b="--prompts 512 --contexts 1024 --verify-tokens 0 --short-chunks 0 --steps 6 --batches 1,8"
     echo "| weights | MTP K | budget | plan | driver peak | peak / plan | bench |" >"$OUT_DIR/memory.md"
     echo "|---|---|---|---|---|---|---|" >>"$OUT_DIR/memory.md"
     for w in bf16 int4; do
@@ -234,6 +236,12 @@ step_decode() {
         "mean of ${ROUNDS:-2} rounds" 60 "${builds[@]}" || true
 }
 
+step_short() {
+    # shellcheck disable=SC2086 # word lists of arguments
+    ds bench-short 240 bench --prompts 512 --batches 1 --contexts 32768,131072 --verify-tokens 0 --steps 8 \
+        --short-chunks 16,64,256 $INT4
+}
+
 step_steps() {
     # shellcheck disable=SC2086
     ds steps 200 bench $DECODE $INT4 --phases
@@ -244,7 +252,7 @@ step_steps() {
 step_timeline() {
     # shellcheck disable=SC2086
     DELTASERVE_TRACE="$OUT_DIR/trace.csv" timeout 200 "$DS" bench --prompts 512 --batches 1 --contexts 1024 --steps 8 \
-        --verify-tokens 0 $INT4 --json >"$OUT_DIR/timeline-bench.json" 2>"$OUT_DIR/timeline-bench.log"
+        --verify-tokens 0 --short-chunks 0 $INT4 --json >"$OUT_DIR/timeline-bench.json" 2>"$OUT_DIR/timeline-bench.log"
     echo "rc=$?"
     python3 "$ROOT/scripts/charts.py" timeline "$OUT_DIR/trace.csv" --svg "$OUT_DIR/timeline.svg" --tsv "$OUT_DIR/timeline.tsv" \
         --quiet || true
@@ -295,7 +303,7 @@ step_profile() {
     local ncu="ncu --clock-control none --cache-control none" p skip
     local sect="--section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis"
     local stalls="--metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio,smsp__inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed_pipe_tensor_op_hmma.sum"
-    local one="--prompts 1024 --batches 1 --contexts 1024 --steps 2 --verify-tokens 0"
+    local one="--prompts 1024 --batches 1 --contexts 1024 --steps 2 --verify-tokens 0 --short-chunks 0"
     local keep="Duration|Warp Cycles|Registers|Achieved Occ|stalled|inst_executed|hmma|Memory Throughput"
     for p in ${PROFILE//,/ }; do
         section "profile $p"

@@ -103,7 +103,7 @@ pub struct Args {
     verify_tokens: usize,
     /// New tokens of the short-chunk runs: one sequence prefilling this many tokens a step after each
     /// decode context (a tool result after a long conversation), on one GPU with the prefill kernel's
-    /// query tiles and with the rows as decode queries (empty: none).
+    /// query tiles and with the rows as decode queries (0: none).
     #[arg(long, value_delimiter = ',', default_value = "16,64,256")]
     short_chunks: Vec<usize>,
     /// Tensor parallelism over GPUs 0..N (--memory is per card).
@@ -372,9 +372,9 @@ pub fn run(a: Args) -> Result<()> {
                 report.verify.push((n, ctx, ms, one));
             }
         }
-        for &n in &a.short_chunks {
+        for &n in a.short_chunks.iter().filter(|&&n| n > 1) {
             let end = ctx + (a.steps + 3) * n + 4;
-            if n < 2 || n > a.max_batch_tokens || end.div_ceil(page) > plan.num_kv_pages || end > plan.max_context {
+            if n > a.max_batch_tokens || end.div_ceil(page) > plan.num_kv_pages || end > plan.max_context {
                 report.skipped.push(format!("short chunk of {n} tokens at {ctx}: beyond the plan's step or context"));
                 continue;
             }
@@ -384,9 +384,11 @@ pub fn run(a: Args) -> Result<()> {
                 ShortChunkRow { tokens: n, context: ctx, ms: 0.0, ms_tiles: None, ms_rows: None, floor_ms: 0.0 };
             match &mut be {
                 Under::One(cb) => {
-                    // Both attentions of the chunk's rows, then the configured one back.
+                    // Both attentions of the chunk's rows (decode queries only up to SHORT_CHUNK_TOKENS),
+                    // then the configured one back.
                     let opts = cb.options();
-                    for from in [usize::MAX, 0] {
+                    let ways: &[usize] = if n <= SHORT_CHUNK_TOKENS { &[usize::MAX, 0] } else { &[usize::MAX] };
+                    for &from in ways {
                         cb.set_options(CudaOptions { short_chunk_decode_attention_from: from, ..opts })?;
                         let ms = decode(cb.as_mut(), 1, n, ctx, per_seq, a.steps, vocab, Pick::Logits)?;
                         *(if from == 0 { &mut row.ms_rows } else { &mut row.ms_tiles }) = Some(ms);
