@@ -44,7 +44,12 @@ impl CudaBackend {
     /// The image fills of a step whose chunks run in `order` (chunk `order[r]`'s rows from `cu[r]`),
     /// checked: images only where the tower is loaded, never in speculative chunks, inside their chunk,
     /// each one the tower takes.
-    pub(super) fn image_fills(&self, batch: &StepBatch, order: &[usize], cu: &[i32]) -> Result<Vec<Fill>, BackendError> {
+    pub(super) fn image_fills(
+        &self,
+        batch: &StepBatch,
+        order: &[usize],
+        cu: &[i32],
+    ) -> Result<Vec<Fill>, BackendError> {
         let mut fills = Vec::new();
         for (r, &i) in order.iter().enumerate() {
             let c = &batch.seqs[i];

@@ -167,7 +167,8 @@ fn launch_qk(
         (a.positions, to_i32(K, "t", a.t)?, hd as i32, a.rotary_dim as i32, a.theta, a.eps);
     let nv = nv_rows as i32;
     let rp = a.rope_pos;
-    let (sec_h, sec_w) = (to_i32(K, "mrope_section", a.mrope_section[1])?, to_i32(K, "mrope_section", a.mrope_section[2])?);
+    let (sec_h, sec_w) =
+        (to_i32(K, "mrope_section", a.mrope_section[1])?, to_i32(K, "mrope_section", a.mrope_section[2])?);
     // The KV write's arguments (all zero without it: the kernel then stores nothing).
     let ((vp, vt), (kc, ksc, vc, vsc), (bt, cu), (mb, b, page), (kf, vf)) = match kv {
         Some((w, layer, formats)) => (

@@ -137,7 +137,8 @@ pub fn attention(
     let n = grid.patches();
     let tiles = frame.div_ceil(32);
     let blocks = (to_u32(K, "blocks", grid.t * tiles)?, to_u32(K, "heads", heads)?, 1);
-    let (nn, nh, d, l) = (to_i32(K, "n", n)?, to_i32(K, "heads", heads)?, to_i32(K, "hd", hd)?, to_i32(K, "frame", frame)?);
+    let (nn, nh, d, l) =
+        (to_i32(K, "n", n)?, to_i32(K, "heads", heads)?, to_i32(K, "hd", hd)?, to_i32(K, "frame", frame)?);
     let scale = 1.0 / (hd as f32).sqrt();
     launch!(k, s, K, blocks, (128, 1, 1), 0; qkv, o, nn, nh, d, l, scale)
 }

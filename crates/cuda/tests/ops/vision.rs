@@ -111,7 +111,8 @@ pub fn attention(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcom
         let frame = g[1] * g[2];
         let mut r = Vec::with_capacity(n * dim);
         for rows in qkv.chunks(frame * 3 * dim) {
-            let part = |p: usize| -> Vec<f32> { rows.chunks(3 * dim).flat_map(|x| x[p * dim..][..dim].to_vec()).collect() };
+            let part =
+                |p: usize| -> Vec<f32> { rows.chunks(3 * dim).flat_map(|x| x[p * dim..][..dim].to_vec()).collect() };
             r.extend(cpu::attention::full_attention(&part(0), &part(1), &part(2), heads, hd));
         }
         out.push(compare(&format!("image {i} {g:?}"), &r, &d.get_bf16(op, n * dim)?, tol));
@@ -131,7 +132,10 @@ pub fn bias_act(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
     let xp = d.f32s(&x)?;
     vk::residual(k, s, xp, yp, bp, rows, dim)?;
     let rx: Vec<f32> = x.iter().enumerate().map(|(i, v)| v + (y[i] + bias[i % dim])).collect();
-    Ok(vec![compare("act", &r, &d.get_bf16(op, rows * dim)?, tol), compare("residual", &rx, &d.get_f32(xp, rows * dim)?, tol)])
+    Ok(vec![
+        compare("act", &r, &d.get_bf16(op, rows * dim)?, tol),
+        compare("residual", &rx, &d.get_f32(xp, rows * dim)?, tol),
+    ])
 }
 
 /// [`Op::QkNormRopeMrope`]: the fused q/k norm + RoPE at (t, h, w) positions against rms_norm_1p +
@@ -144,9 +148,8 @@ pub fn qk_norm_rope_mrope(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<V
     let kv = randv(rng, t * k_tok, 2.0);
     let (wq, wk) = (randv(rng, hd, 0.5), randv(rng, hd, 0.5));
     // Image-like rows: h and w streams off the t stream, then text rows at equal streams.
-    let pos3: Vec<[usize; 3]> = (0..t)
-        .map(|i| if i < t / 2 { [7, 7 + i / 3, 7 + i % 3] } else { [20 + i; 3] })
-        .collect();
+    let pos3: Vec<[usize; 3]> =
+        (0..t).map(|i| if i < t / 2 { [7, 7 + i / 3, 7 + i % 3] } else { [20 + i; 3] }).collect();
     let kv_pos: Vec<i32> = (0..t).map(|i| (100 + i) as i32).collect();
     let flat: Vec<i32> = pos3.iter().flat_map(|p| p.map(|x| x as i32)).collect();
     let (wqp, wkp, pp, rp) = (d.bf16(&wq)?, d.bf16(&wk)?, d.i32s(&kv_pos)?, d.i32s(&flat)?);
@@ -177,7 +180,8 @@ pub fn qk_norm_rope_mrope(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<V
     launch(qa, ka, pp, rp)?;
     // The reference: RMSNorm(1 + w) rounded to bf16 (as the kernel), then M-RoPE.
     let norm = |x: &[f32], w: &[f32], stride: usize, heads: usize| -> Vec<f32> {
-        let mut v: Vec<f32> = x.chunks(stride).flat_map(|tok| tok.chunks(stride / heads).flat_map(|h| h[..hd].to_vec())).collect();
+        let mut v: Vec<f32> =
+            x.chunks(stride).flat_map(|tok| tok.chunks(stride / heads).flat_map(|h| h[..hd].to_vec())).collect();
         cpu::norm::rms_norm_1p(&mut v, w, eps);
         v.iter().map(|&x| rb(x)).collect()
     };
