@@ -77,7 +77,7 @@ impl CudaBackend {
                 }
                 let key = (c.seq_id, p.seq_start);
                 let (lo, hi) = (p.seq_start.max(c.start) - p.seq_start, p.end().min(end) - p.seq_start);
-                let encode = !kept.get(&key).is_some_and(|k| k.first <= lo);
+                let encode = kept.get(&key).is_none_or(|k| k.first > lo);
                 if encode {
                     v.check(n, &ci.image).map_err(inv)?;
                     let merge = v.cfg.spatial_merge_size;
