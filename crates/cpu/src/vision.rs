@@ -44,22 +44,7 @@ impl VisionTower<'_> {
     /// Checks that `img` fits the tower: a grid that folds into merge windows and a pixel buffer of
     /// `patches × patch_dim` values.
     pub fn check(&self, index: usize, img: &ImagePatches) -> Result<(), ImageError> {
-        let c = self.config;
-        let [t, h, w] = img.grid_thw;
-        let m = c.spatial_merge_size;
-        let err = |reason: String| Err(ImageError { index, reason });
-        if t == 0 || h == 0 || w == 0 || !h.is_multiple_of(m) || !w.is_multiple_of(m) {
-            return err(format!("grid {t}×{h}×{w} must be non-empty and fold into {m}×{m} windows"));
-        }
-        if img.pixels.len() != img.patches() * c.patch_dim() {
-            return err(format!(
-                "{} pixel values for {} patches of {} values",
-                img.pixels.len(),
-                img.patches(),
-                c.patch_dim()
-            ));
-        }
-        Ok(())
+        self.config.check_image(img).map_err(|reason| ImageError { index, reason })
     }
 
     /// The embeddings of every image, concatenated in order: `[Σ tokens, out_hidden]`.

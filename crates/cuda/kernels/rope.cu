@@ -57,7 +57,8 @@ extern "C" __global__ void rope_partial(bf16_t* x, long long tok_stride, const i
 // unrolled, sinf / cosf's rarely taken large-argument paths made the kernel ~9K instructions and, with
 // its code fetched once per layer, 2.7x slower (bench/results/decode-small-kernels-h200-2026-12-01.md).
 // Launch: grid (ceil(T*(nq + nk + nv)/8)), block 256. Tested by: tests/ops/ cases "qk_norm_rope"
-// (vs rms_norm_1p + rope_partial) and "qk_norm_rope_kv" (vs the same launch without KV + kv_write_q).
+// (vs rms_norm_1p + rope_partial), "qk_norm_rope_kv" (vs the same launch without KV + kv_write_q) and
+// "qk_norm_rope_mrope" (M-RoPE vs rms_norm_1p + apply_mrope; equal streams bitwise the pos-based launch).
 #define QKNR_MAX_D 512
 extern "C" __global__ void __launch_bounds__(256)
 qk_norm_rope(bf16_t* q, long long q_tok, long long q_head, const bf16_t* __restrict__ wq, int nq, bf16_t* k,

@@ -178,25 +178,12 @@ fn bias(l: &VisionLinear<u64>) -> u64 {
 impl Vision {
     /// Checks that `img` fits the tower (grid, pixels, at most `max_patches` patches); `index` names it.
     pub(super) fn check(&self, index: usize, img: &ImagePatches) -> Result<(), String> {
-        let c = &self.cfg;
-        let [t, h, w] = img.grid_thw;
-        let m = c.spatial_merge_size;
-        if t == 0 || h == 0 || w == 0 || !h.is_multiple_of(m) || !w.is_multiple_of(m) {
-            return Err(format!("image {index}: grid {t}×{h}×{w} must be non-empty and fold into {m}×{m} windows"));
-        }
+        self.cfg.check_image(img).map_err(|reason| format!("image {index}: {reason}"))?;
         if img.patches() > self.max_patches {
             return Err(format!(
                 "image {index}: {} patches exceed the tower's {} (--max-image-tokens-per-step)",
                 img.patches(),
                 self.max_patches
-            ));
-        }
-        if img.pixels.len() != img.patches() * c.patch_dim() {
-            return Err(format!(
-                "image {index}: {} pixel values for {} patches of {} values",
-                img.pixels.len(),
-                img.patches(),
-                c.patch_dim()
             ));
         }
         Ok(())
