@@ -184,3 +184,42 @@ fn chunk_rope(c: &SeqChunk) -> Vec<i32> {
 pub(super) fn draft_rope(c: &SeqChunk, i: usize) -> [i32; 3] {
     [(c.first_position() + i) as i32; 3]
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use deltaserve_backend::{ChunkImage, ImagePatches, SeqChunk};
+    use deltaserve_model::mrope::{PlacedImage, place_images};
+
+    use super::{chunk_rope, draft_rope};
+
+    const IMG: u32 = 9;
+
+    fn image(grid_thw: [usize; 3]) -> Arc<ImagePatches> {
+        Arc::new(ImagePatches { grid_thw, pixels: Vec::new(), hash: [0; 32] })
+    }
+
+    /// Rows of a chunk holding image rows take their (t, h, w) grid positions and the text after the image
+    /// continues from it; text chunks after it rotate at p + delta in all three streams, drafts too.
+    #[test]
+    fn rows_rotate_at_their_mrope_positions() {
+        // 2 text, an image of 4×6 patches (2×3 tokens), 2 text.
+        let ids = [1, 2, IMG, IMG, IMG, IMG, IMG, IMG, 3, 4];
+        let placed: PlacedImage = place_images(&ids, IMG, &[[1, 4, 6]], 2).unwrap()[0];
+        let img = ChunkImage { image: image([1, 4, 6]), placed };
+        // A chunk from token 4 (inside the image) to 9.
+        let c = SeqChunk { start: 4, tokens: ids[4..9].to_vec(), images: vec![img], ..SeqChunk::default() };
+        let got: Vec<[i32; 3]> = chunk_rope(&c).chunks(3).map(|p| [p[0], p[1], p[2]]).collect();
+        assert_eq!(got, [[2, 2, 4], [2, 3, 2], [2, 3, 3], [2, 3, 4], [5, 5, 5]]);
+        // Decode after the prompt: index + delta, every stream; a draft i rows later.
+        let delta = placed.delta_after();
+        assert_eq!(delta, -3);
+        let d = SeqChunk { start: 10, tokens: vec![7], rope_delta: delta, ..SeqChunk::default() };
+        assert_eq!(chunk_rope(&d), [7, 7, 7]);
+        assert_eq!(draft_rope(&d, 2), [9, 9, 9]);
+        // A text-only sequence: its KV index.
+        let t = SeqChunk { start: 3, tokens: vec![1, 2], ..SeqChunk::default() };
+        assert_eq!(chunk_rope(&t), [3, 3, 3, 4, 4, 4]);
+    }
+}
