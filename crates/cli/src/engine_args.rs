@@ -116,7 +116,8 @@ pub struct EngineArgs {
     /// The most patches (vision-tower tokens; 4 make one prompt image token) of one image: the plan sizes
     /// the tower's activation workspace for this many, and a request with a larger image gets a 400.
     /// Default: the larger of 4096 and one image at the pixel budget of preprocessor_config.json (65,536
-    /// for Qwen3.5/3.6). Only where the backend runs the tower (CPU; not with --no-vision).
+    /// for Qwen3.5/3.6). Only where the backend runs the tower (CPU, or CUDA with DELTASERVE_CUDA_VISION=1;
+    /// not with --no-vision).
     #[arg(long, value_name = "N")]
     pub max_image_tokens_per_step: Option<usize>,
 }
@@ -474,7 +475,7 @@ impl EngineArgs {
         let text = model.load_text(dir)?;
         match device {
             Device::Cpu => self.prepare_cpu(text, positions, model.no_vision),
-            Device::Cuda => self.prepare_cuda(text, model.random_weights),
+            Device::Cuda => self.prepare_cuda(text, model.random_weights, model.no_vision),
         }
     }
 
@@ -503,14 +504,20 @@ impl EngineArgs {
     }
 
     /// The CUDA backend's checks and plan (against the GPU's free memory).
-    fn prepare_cuda(&self, text: TextModel, random_weights: bool) -> Result<Prepared> {
+    fn prepare_cuda(&self, text: TextModel, random_weights: bool, no_vision: bool) -> Result<Prepared> {
         CudaBackend::check_model(&text.config)?;
-        if self.max_image_tokens_per_step.is_some() {
+        let tp = self.tensor_parallel;
+        // The GPU vision tower (DELTASERVE_CUDA_VISION=1): priced in the plan, loaded by the backend.
+        let vision = deltaserve_cuda::Switches::get().cuda_vision && !no_vision && text.config.vision.is_some();
+        if vision && tp > 1 {
+            anyhow::bail!("DELTASERVE_CUDA_VISION=1: the GPU vision tower does not run with --tensor-parallel {tp}");
+        }
+        if !vision && self.max_image_tokens_per_step.is_some() {
             tracing::warn!(
-                "--max-image-tokens-per-step: ignored, the CUDA backend runs no vision tower (images are refused)"
+                "--max-image-tokens-per-step: ignored, the CUDA backend loads no vision tower (images are refused; \
+                 DELTASERVE_CUDA_VISION=1 loads it)"
             );
         }
-        let tp = self.tensor_parallel;
         deltaserve_model::shard::check_world(&text.config, tp)
             .map_err(|e| anyhow::anyhow!("--tensor-parallel {tp}: {e}"))?;
         if tp > 1 {
@@ -544,6 +551,8 @@ impl EngineArgs {
         opts.int4_asym = asym;
         opts.lm_head_int4 = self.lm_head_int4;
         opts.embed_on_host = self.embed_on_host;
+        opts.max_image_tokens_per_step = vision
+            .then(|| crate::model_source::max_image_tokens_per_step(self.max_image_tokens_per_step, Some(&text.dir)));
         // A GPTQ checkpoint may keep some linears bf16 or need act-order permutations: the plan adds
         // what its weights need beyond the weights region to the backend scratch (the backend takes it there).
         let checkpoint = (!random_weights).then_some(text.dir.as_path());

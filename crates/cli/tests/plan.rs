@@ -130,3 +130,32 @@ fn cpu_plan_prices_the_vision_tower() {
     let t = table(&["--preset", "tiny"]);
     assert!(t.contains("vision tower: not loaded"), "{t}");
 }
+
+/// On CUDA the GPU vision tower is priced only with `DELTASERVE_CUDA_VISION=1`: its bf16 weights (Qwen3.6's
+/// 460,730,096 parameters, each tensor 256-byte aligned) and its `vision` region for the patches of one
+/// image; `--no-vision` still prices none.
+#[test]
+fn cuda_plan_prices_the_gpu_tower_with_the_switch() {
+    let run = |switch: bool, extra: &[&str]| -> serde_json::Value {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_deltaserve"));
+        cmd.arg("plan").args(["--preset", "qwen3.6-27b", "--memory", "80GiB", "--json"]).args(extra);
+        if switch {
+            cmd.env("DELTASERVE_CUDA_VISION", "1");
+        } else {
+            cmd.env_remove("DELTASERVE_CUDA_VISION");
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let on = run(true, &[]);
+    assert_eq!(on["weights"]["vision_bytes"], 2 * 460_730_096 + 27 * 96, "{on}");
+    assert!(on["vision_workspace_bytes"].as_u64().unwrap() > 0, "{on}");
+    assert!(on["regions"].as_array().unwrap().iter().any(|r| r["name"] == "vision"), "{on}");
+    for off in [run(false, &[]), run(true, &["--no-vision"])] {
+        assert_eq!(
+            (off["weights"]["vision_bytes"].as_u64(), off["vision_workspace_bytes"].as_u64()),
+            (Some(0), Some(0))
+        );
+    }
+}

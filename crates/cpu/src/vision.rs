@@ -44,22 +44,7 @@ impl VisionTower<'_> {
     /// Checks that `img` fits the tower: a grid that folds into merge windows and a pixel buffer of
     /// `patches × patch_dim` values.
     pub fn check(&self, index: usize, img: &ImagePatches) -> Result<(), ImageError> {
-        let c = self.config;
-        let [t, h, w] = img.grid_thw;
-        let m = c.spatial_merge_size;
-        let err = |reason: String| Err(ImageError { index, reason });
-        if t == 0 || h == 0 || w == 0 || !h.is_multiple_of(m) || !w.is_multiple_of(m) {
-            return err(format!("grid {t}×{h}×{w} must be non-empty and fold into {m}×{m} windows"));
-        }
-        if img.pixels.len() != img.patches() * c.patch_dim() {
-            return err(format!(
-                "{} pixel values for {} patches of {} values",
-                img.pixels.len(),
-                img.patches(),
-                c.patch_dim()
-            ));
-        }
-        Ok(())
+        self.config.check_image(img).map_err(|reason| ImageError { index, reason })
     }
 
     /// The embeddings of every image, concatenated in order: `[Σ tokens, out_hidden]`.
@@ -91,19 +76,9 @@ impl VisionTower<'_> {
     /// Adds the interpolated learned position embeddings to `x` `[patches, hidden]`.
     pub fn add_position_embeddings(&self, x: &mut [f32], grid_thw: [usize; 3]) {
         let (hid, side) = (self.config.hidden_size, self.config.position_grid_side());
-        let [_, h, w] = grid_thw;
         let table = &self.weights.pos_embed.data;
-        for (row, &[r, c]) in x.chunks_exact_mut(hid).zip(&patch_positions(grid_thw, self.config.spatial_merge_size)) {
-            let (rt, ct) = (interpolation_taps(r, h, side), interpolation_taps(c, w, side));
-            let taps = rt.iter().flat_map(|&(ri, rw)| ct.iter().map(move |&(ci, cw)| (ri * side + ci, rw * cw)));
-            let mut pos = vec![0.0f32; hid];
-            for (k, wt) in taps {
-                for (p, e) in pos.iter_mut().zip(&table[k * hid..][..hid]) {
-                    *p += e * wt;
-                }
-            }
-            row.iter_mut().zip(&pos).for_each(|(v, p)| *v += p);
-        }
+        let pos = position_embeddings(table, hid, side, grid_thw, self.config.spatial_merge_size);
+        x.iter_mut().zip(&pos).for_each(|(v, p)| *v += p);
     }
 
     /// Block `i` over `x` `[patches, hidden]`, in place.
@@ -169,6 +144,25 @@ pub fn patch_positions(grid_thw: [usize; 3], merge: usize) -> Vec<[usize; 2]> {
                         out.push([br * merge + ir, bc * merge + ic]);
                     }
                 }
+            }
+        }
+    }
+    out
+}
+
+/// The learned position embeddings `[patches, hid]` of an image of `grid_thw` patches (merge windows of
+/// `merge`): the `side × side` table `[side², hid]` resampled to the grid, each patch the weighted sum of
+/// its four nearest table rows.
+pub fn position_embeddings(table: &[f32], hid: usize, side: usize, grid_thw: [usize; 3], merge: usize) -> Vec<f32> {
+    let [_, h, w] = grid_thw;
+    let positions = patch_positions(grid_thw, merge);
+    let mut out = vec![0.0f32; positions.len() * hid];
+    for (pos, &[r, c]) in out.chunks_exact_mut(hid).zip(&positions) {
+        let (rt, ct) = (interpolation_taps(r, h, side), interpolation_taps(c, w, side));
+        let taps = rt.iter().flat_map(|&(ri, rw)| ct.iter().map(move |&(ci, cw)| (ri * side + ci, rw * cw)));
+        for (k, wt) in taps {
+            for (p, e) in pos.iter_mut().zip(&table[k * hid..][..hid]) {
+                *p += e * wt;
             }
         }
     }

@@ -44,6 +44,10 @@ extern "C" __global__ void rope_partial(bf16_t* x, long long tok_stride, const i
 //    256-thread block (lane l plays its threads l + 32j, j < 8, each summing elements l + 32j + 256k in
 //    k order; the 8 warp sums combined as block_sum does), the normalised value rounded to bf16 before
 //    the rotation, the same rotation arithmetic.
+//  - Rotary positions: pos[t] (the row's KV index), or with rope_pos ([T, 3] i32 (t, h, w), a model that
+//    runs images) Qwen3.5's interleaved M-RoPE: frequency j at stream h when j % 3 == 1 and j < 3*sec_h,
+//    w when j % 3 == 2 and j < 3*sec_w, else t (crates/cpu/src/rope.rs apply_mrope); equal streams give
+//    pos-based RoPE's values exactly.
 //  - The KV write (nv > 0) is kv_quant.cu's kv_write_q, bit for bit (formats k_fmt / v_fmt: KVF_*;
 //    its addressing; tokens with pos < 0, decode-graph padding, store nothing).
 // What does not depend on the previous kernel is done before pdl_wait: the row's cache address (step
@@ -53,7 +57,8 @@ extern "C" __global__ void rope_partial(bf16_t* x, long long tok_stride, const i
 // unrolled, sinf / cosf's rarely taken large-argument paths made the kernel ~9K instructions and, with
 // its code fetched once per layer, 2.7x slower (bench/results/decode-small-kernels-h200-2026-12-01.md).
 // Launch: grid (ceil(T*(nq + nk + nv)/8)), block 256. Tested by: tests/ops/ cases "qk_norm_rope"
-// (vs rms_norm_1p + rope_partial) and "qk_norm_rope_kv" (vs the same launch without KV + kv_write_q).
+// (vs rms_norm_1p + rope_partial), "qk_norm_rope_kv" (vs the same launch without KV + kv_write_q) and
+// "qk_norm_rope_mrope" (M-RoPE vs rms_norm_1p + apply_mrope; equal streams bitwise the pos-based launch).
 #define QKNR_MAX_D 512
 extern "C" __global__ void __launch_bounds__(256)
 qk_norm_rope(bf16_t* q, long long q_tok, long long q_head, const bf16_t* __restrict__ wq, int nq, bf16_t* k,
@@ -61,7 +66,7 @@ qk_norm_rope(bf16_t* q, long long q_tok, long long q_head, const bf16_t* __restr
              long long v_tok, int nv, const int* __restrict__ pos, int T, int D, int R, float theta_base, float eps,
              unsigned char* k_cache, unsigned short* k_scales, unsigned char* v_cache, unsigned short* v_scales,
              const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ cu_seqlens, int B,
-             int page, int k_fmt, int v_fmt) {
+             int page, int k_fmt, int v_fmt, const int* __restrict__ rope_pos, int sec_h, int sec_w) {
     __shared__ float ys_all[8][QKNR_MAX_D];
     __shared__ float rot_all[8][2][QKNR_MAX_D / 2];  // cos, sin of the row's rotation frequencies
     __shared__ __align__(16) bf16_t kb_all[8][QKNR_MAX_D];  // a k row's final values (kq_row reads words)
@@ -83,8 +88,10 @@ qk_norm_rope(bf16_t* q, long long q_tok, long long q_head, const bf16_t* __restr
     float* rc = rot_all[warp][0];
     float* rs = rot_all[warp][1];
     if (live && h < nq + nk) {
-        const float pf = (float)p;
         for (int j = lane; j < half; j += 32) {
+            // M-RoPE (rope_pos given): frequency j takes its position from the t, h or w stream.
+            const int st = !rope_pos ? -1 : (j % 3 == 1 && j < 3 * sec_h) ? 1 : (j % 3 == 2 && j < 3 * sec_w) ? 2 : 0;
+            const float pf = st < 0 ? (float)p : (float)rope_pos[3LL * t + st];
             const float inv_freq = 1.0f / powf(theta_base, (float)(2 * j) / (float)R);
             const float ang = pf * inv_freq;
             rc[j] = cosf(ang);

@@ -41,6 +41,7 @@ mod contract;
 mod deltanet;
 mod forward;
 mod graphs;
+mod images;
 mod inputs;
 mod layout;
 mod linear;
@@ -53,6 +54,7 @@ mod spec;
 mod step;
 #[cfg(test)]
 mod tests;
+mod vision;
 mod weights;
 
 pub use graphs::GraphStats;
@@ -227,6 +229,10 @@ pub struct CudaBackend {
     spec: Option<Spec>,
     /// Every layer's norms can fold into its projections ([`linear::layers_fold`]; tensor parallelism off).
     fold: bool,
+    /// The vision tower, when the plan prices it (images accepted).
+    vision: Option<vision::Vision>,
+    /// The (t, h, w) frequency split of M-RoPE (rows rotate at (t, h, w) positions with the tower).
+    mrope_section: [usize; 3],
 }
 
 // SAFETY: the backend is driven by one thread at a time (the engine's step loop); every entry

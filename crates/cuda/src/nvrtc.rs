@@ -46,6 +46,18 @@ pub const SOURCES: &[KernelSource] = &[
         ],
     },
     KernelSource { module: "feed", src: include_str!("../kernels/feed.cu"), functions: &["feed_rows"] },
+    KernelSource {
+        module: "vision",
+        src: include_str!("../kernels/vision.cu"),
+        functions: &[
+            "vision_embed_pos",
+            "vision_layer_norm",
+            "vision_qkv_rope",
+            "vision_attention",
+            "vision_residual",
+            "vision_bias_act",
+        ],
+    },
     KernelSource { module: "init", src: include_str!("../kernels/init.cu"), functions: &["init_random"] },
     KernelSource {
         module: "norm",

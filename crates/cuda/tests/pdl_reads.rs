@@ -26,6 +26,7 @@ const READ_ONLY: &[&str] = &[
     "slots",
     "ids",
     "pos",
+    "rope_pos",
     "block_tables",
     "table_rows",
     "seq_lens",

@@ -526,3 +526,75 @@ fn host_embedding_drafts_like_the_device_table() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// After a prompt holding an image (the GPU vision tower loaded, the plan pricing it), speculative steps
+/// of text: the MTP head's draft logits and the verified rows match the CPU oracle's, the drafts and the
+/// verify rows rotating at their position plus the sequence's rope delta. Both backends draft a fixed
+/// script (so their inputs stay equal) and keep every verified position.
+#[test]
+fn speculation_after_an_image_matches_cpu() {
+    use std::sync::Arc;
+
+    use deltaserve_backend::{ChunkImage, ImagePatches};
+    use deltaserve_model::VisionWeights;
+    use deltaserve_model::mrope::place_images;
+
+    if !gpu() {
+        return;
+    }
+    let (dir, cfg) = model_dir(MtpVariant::Agreeing { residual_scale: 0.05 }, "image");
+    let vocab = cfg.vocab_size;
+    let plan = plan_with(&cfg, |o| {
+        o.speculative_tokens = MAX_DRAFT;
+        o.max_image_tokens_per_step = Some(256);
+    });
+    let mut g = CudaBackend::with_options(&cfg, WeightSource::Checkpoint(dir.clone()), &plan, 2, test_opts()).unwrap();
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let model = CpuModel::new(cfg.clone(), ModelWeights::load_f32(&ckpt, &cfg).unwrap())
+        .with_vision(VisionWeights::load_f32(&ckpt, &cfg).unwrap());
+    let cache =
+        CpuCacheConfig { num_pages: 1024, page_size: PAGE, num_slots: 8, snapshot_slots: 4, host_snapshot_slots: 2 };
+    let mut c = CpuBackend::with_speculation(model, cache, MAX_DRAFT).unwrap();
+    let it = g.image_tokens().expect("the plan prices the tower");
+    let grid_thw = [1, 4, 6];
+    let pixels = (0..24 * it.patch_len).map(|i| ((i * 5) % 23) as f32 / 11.5 - 1.0).collect();
+    let img = Arc::new(ImagePatches { grid_thw, pixels, hash: [5; 32] });
+    let mut prompt = vec![3u32, 99, 512];
+    prompt.extend([it.image_token_id; 6]);
+    prompt.extend([7, 8]);
+    let placed = place_images(&prompt, it.image_token_id, &[grid_thw], it.merge).unwrap()[0];
+    let delta = placed.delta_after();
+    assert!(delta < 0, "text after the image continues from its grid");
+    let pg = pages(0, 96);
+    let first = SeqChunk { images: vec![ChunkImage { image: img, placed }], ..chunk_at(0, &pg, 0, &prompt, 0) };
+    let (mut verify, mut heads) = (Score::default(), Score::default());
+    let (lg, lc) = (run(&mut g, &batch(first.clone())), run(&mut c, &batch(first)));
+    verify.add(&lg, &lc, vocab);
+    let mut next = argmax(&lc) as u32;
+    let mut pos = prompt.len();
+    for step in 0..5 {
+        let script: Vec<u32> = (0..MAX_DRAFT).map(|i| ((step * 31 + i * 7) % 200 + 10) as u32).collect();
+        let chunk = SeqChunk { rope_delta: delta, ..chunk_at(0, &pg, pos, &[next], MAX_DRAFT) };
+        let mut rows: Vec<(Vec<f32>, Vec<f32>)> = Vec::new();
+        for b in [&mut g as &mut dyn Backend, &mut c] {
+            let mut head_rows = Vec::new();
+            let mut pick = |_: u64, i: usize, row: &[f32]| {
+                head_rows.extend_from_slice(row);
+                script[i]
+            };
+            let mut out = StepOut::default();
+            b.step(&batch(chunk.clone()), Want::Drafts(&mut pick), &mut out).unwrap();
+            assert_eq!(out.drafts, vec![script.clone()], "step {step}: the scripted drafts");
+            b.commit_speculative(&[SpecCommit { seq_id: 7, slot: 0, pages: pg.clone(), start: pos, accepted: 5 }])
+                .unwrap();
+            rows.push((out.logits, head_rows));
+        }
+        verify.add(&rows[0].0, &rows[1].0, vocab);
+        heads.add(&rows[0].1, &rows[1].1, vocab);
+        next = argmax(&rows[1].0[MAX_DRAFT * vocab..]) as u32;
+        pos += MAX_DRAFT + 1;
+    }
+    verify.check("verified rows after an image");
+    heads.check("draft logits after an image");
+    let _ = std::fs::remove_dir_all(&dir);
+}

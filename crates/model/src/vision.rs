@@ -221,6 +221,25 @@ impl VisionConfig {
     pub fn position_grid_side(&self) -> usize {
         (self.num_position_embeddings as f64).sqrt().round() as usize
     }
+
+    /// Why `img` does not fit the tower, if it does not: a grid that does not fold into merge windows, or a
+    /// pixel buffer that is not `patches × patch_dim` values.
+    pub fn check_image(&self, img: &crate::ImagePatches) -> Result<(), String> {
+        let [t, h, w] = img.grid_thw;
+        let m = self.spatial_merge_size;
+        if t == 0 || h == 0 || w == 0 || !h.is_multiple_of(m) || !w.is_multiple_of(m) {
+            return Err(format!("grid {t}×{h}×{w} must be non-empty and fold into {m}×{m} windows"));
+        }
+        if img.pixels.len() != img.patches() * self.patch_dim() {
+            return Err(format!(
+                "{} pixel values for {} patches of {} values",
+                img.pixels.len(),
+                img.patches(),
+                self.patch_dim()
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// A linear layer of the tower: weight `[out, in]` and bias `[out]`.

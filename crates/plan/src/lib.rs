@@ -42,6 +42,6 @@ pub use fit::{Fitted, Free, NEAR_BEST, fit_context};
 pub use options::{COLLECTIVE_RESERVE_BYTES, MAX_DECODE_PARTITIONS, PlanBackend, PlanOptions};
 pub use plan::{ALIGN, Plan, Region, card_config};
 pub use size::{fmt_bytes, fmt_count, parse_size};
-pub use vision::{MIN_DEFAULT_IMAGE_TOKENS, default_max_image_tokens};
+pub use vision::{CudaTowerLayout, MIN_DEFAULT_IMAGE_TOKENS, default_max_image_tokens};
 pub use weights::WeightBytes;
 pub use workspace::{SamplingScratch, WorkspaceBuffer, WorkspaceLayout};

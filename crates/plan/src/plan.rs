@@ -5,9 +5,9 @@ use deltaserve_model::{Dims, ModelConfig, ModelError, ShardSpec};
 use crate::cuda::backend_scratch_bytes;
 use crate::dtype::{KvDtype, WeightsDtype};
 use crate::error::PlanError;
-use crate::options::{MAX_DECODE_PARTITIONS, PlanOptions};
+use crate::options::{MAX_DECODE_PARTITIONS, PlanBackend, PlanOptions};
 use crate::size::fmt_bytes;
-use crate::vision::tower_workspace_bytes;
+use crate::vision::{CudaTowerLayout, tower_workspace_bytes};
 use crate::weights::WeightBytes;
 use crate::workspace::{StepShape, WorkspaceLayout, plan_workspace};
 
@@ -142,8 +142,11 @@ impl Plan {
             decode_partitions: opts.decode_partitions,
             speculative: spec > 0,
         };
-        let vision_bytes = match (&cfg.vision, opts.max_image_tokens_per_step) {
-            (Some(v), Some(n)) => {
+        let vision_bytes = match (&cfg.vision, opts.max_image_tokens_per_step, &opts.backend) {
+            (Some(v), Some(n), PlanBackend::Cuda { .. }) => {
+                to64(CudaTowerLayout::new(v, n, opts.max_batch_tokens).bytes as u128, "vision workspace")?
+            }
+            (Some(v), Some(n), PlanBackend::Generic) => {
                 to64(tower_workspace_bytes(v, n, opts.activation_bytes_per_elem), "vision workspace")?
             }
             _ => 0,

@@ -258,7 +258,7 @@ impl Plan {
                 fmt_count(n as u64)
             ),
             None => "vision tower: not loaded, nothing priced (--no-vision, or a backend that runs no tower: \
-                     the CUDA backend refuses images; --device cpu runs them)"
+                     the CUDA backend refuses images unless DELTASERVE_CUDA_VISION=1; --device cpu runs them)"
                 .to_string(),
         })
     }

@@ -3,9 +3,10 @@
 //! tower runs at once (`--max-image-tokens-per-step`), never by the prompt or the number of images.
 //!
 //! The tower is priced only where the backend loads it ([`crate::PlanOptions::max_image_tokens_per_step`]
-//! is `Some`): the CPU reference keeps it in f32 (`VisionWeights::load_f32`); the CUDA backend runs no
-//! tower (images are refused there) and `--no-vision` loads none, so both price 0. A text-only model has
-//! no tower and prices 0 whatever the options.
+//! is `Some`): the CPU reference keeps it in f32 (`VisionWeights::load_f32`), its workspace
+//! [`tower_workspace_bytes`]; the CUDA backend keeps it in bf16 (when its GPU tower is on:
+//! `DELTASERVE_CUDA_VISION=1`), its workspace laid out by [`CudaTowerLayout`]; `--no-vision` loads none
+//! and prices 0. A text-only model has no tower and prices 0 whatever the options.
 
 use deltaserve_model::VisionConfig;
 use deltaserve_model::vision::tensor_shapes;
@@ -63,6 +64,46 @@ pub fn tower_workspace_bytes(v: &VisionConfig, patches: usize, act_bytes: usize)
     al(patches as u128 * per_patch * act_bytes as u128)
 }
 
+/// The CUDA backend's `vision` region: the tower's buffers for `patches` patches (one image at a time)
+/// and the step's M-RoPE positions, byte offsets from the region's start, each 256-byte aligned:
+/// - `x`: the residual stream `[patches, hidden]` f32;
+/// - `xn`: a LayerNorm's output, the attention output `[patches, hidden]` bf16;
+/// - `wide`: f32 GEMM outputs (the pixels `[patches, patch_dim]` bf16 before the patch embedding; qkv
+///   `[patches, 3·hidden]`; fc1 `[patches, intermediate]`; a projection, fc2 or merger output);
+/// - `narrow`: the bf16 inputs made from them (rotated qkv, the MLP activation, the merger's activation);
+/// - `merged`: the image's merged rows `[patches / merge², out_hidden]` bf16;
+/// - `rope_pos`: `[max_batch_tokens, 3]` i32, every row's (t, h, w) rotary position of a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CudaTowerLayout {
+    pub x: usize,
+    pub xn: usize,
+    pub wide: usize,
+    pub narrow: usize,
+    pub merged: usize,
+    pub rope_pos: usize,
+    /// Bytes of the region.
+    pub bytes: usize,
+}
+
+impl CudaTowerLayout {
+    /// The layout for images of at most `patches` patches and steps of at most `max_batch_tokens` rows.
+    pub fn new(v: &VisionConfig, patches: usize, max_batch_tokens: usize) -> Self {
+        let (h, i, n) = (v.hidden_size, v.intermediate_size, patches);
+        let windows = n.div_ceil(v.merge_unit().max(1));
+        let wide = (4 * n * (3 * h).max(i)).max(4 * windows * v.out_hidden_size).max(2 * n * v.patch_dim());
+        let narrow = 2 * n * (3 * h).max(i);
+        let sizes = [4 * n * h, 2 * n * h, wide, narrow, 2 * windows * v.out_hidden_size, 12 * max_batch_tokens];
+        let mut at = [0usize; 6];
+        let mut end = 0;
+        for (a, s) in at.iter_mut().zip(sizes) {
+            *a = end;
+            end += s.next_multiple_of(ALIGN as usize);
+        }
+        let [x, xn, wide, narrow, merged, rope_pos] = at;
+        CudaTowerLayout { x, xn, wide, narrow, merged, rope_pos, bytes: end }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -94,6 +135,19 @@ mod tests {
         assert_eq!(tower_workspace_bytes(&v, 8192, 2), 8192 * per_patch / 2);
         assert_eq!(tower_workspace_bytes(&v, 1, 4), per_patch.next_multiple_of(256));
         assert_eq!(tower_workspace_bytes(&v, 0, 4), 0);
+    }
+
+    #[test]
+    fn cuda_layout_holds_every_phase_of_the_tower() {
+        let v = tower(Preset::Qwen36_27b);
+        let l = CudaTowerLayout::new(&v, 4096, 2048);
+        // x f32, xn bf16; wide: the MLP's fc1 f32 (4304 > 3 · 1152); narrow: its bf16 activation.
+        assert_eq!(l.xn - l.x, 4096 * 1152 * 4);
+        assert_eq!(l.wide - l.xn, 4096 * 1152 * 2);
+        assert_eq!(l.narrow - l.wide, 4096 * 4304 * 4);
+        assert_eq!(l.merged - l.narrow, 4096 * 4304 * 2);
+        assert_eq!(l.rope_pos - l.merged, 1024 * 5120 * 2);
+        assert_eq!(l.bytes - l.rope_pos, 2048 * 12);
     }
 
     #[test]

@@ -4,7 +4,7 @@
 
 use deltaserve_model::synth::{Preset, write_model};
 use deltaserve_model::{Checkpoint, ModelConfig};
-use deltaserve_plan::vision::{tower_params, tower_workspace_bytes};
+use deltaserve_plan::vision::{CudaTowerLayout, tower_params, tower_workspace_bytes};
 use deltaserve_plan::{Free, KvDtype, Plan, PlanError, PlanOptions, WeightBytes, WeightsDtype, fit_context};
 
 const GIB: u64 = 1 << 30;
@@ -98,7 +98,7 @@ fn zero_patches_is_refused_and_a_large_workspace_names_its_flags() {
     assert!(m.contains("--no-vision"), "{m}");
 }
 
-/// Qwen3.6-27B int4 weights and fp8 KV in 24 GiB, with a tower a backend runs in bf16: the fit prices
+/// Qwen3.6-27B int4 weights and fp8 KV in 24 GiB, with the CUDA backend's bf16 tower: the fit prices
 /// its weights and workspace, keeps it (no rung drops it), and still fills the full context.
 #[test]
 fn the_24gib_fit_keeps_and_prices_the_tower() {
@@ -114,7 +114,9 @@ fn the_24gib_fit_keeps_and_prices_the_tower() {
     assert_eq!(f.plan.options.max_image_tokens_per_step, Some(4096));
     let v = c.vision.as_ref().unwrap();
     assert_eq!(f.plan.weight_parts.vision, 2 * 460_730_096 + 27 * 96);
-    assert_eq!(f.plan.vision_workspace_bytes, tower_workspace_bytes(v, 4096, 2) as u64);
+    // The CUDA backend's layout of the tower's buffers (and the step's M-RoPE positions).
+    let layout = CudaTowerLayout::new(v, 4096, f.plan.options.max_batch_tokens);
+    assert_eq!(f.plan.vision_workspace_bytes, layout.bytes as u64);
     assert!(f.plan.total_bytes <= 24 * GIB && f.plan.max_context >= 262_144, "{}", f.plan.table());
     // The tower's bytes come out of what the plan without it leaves free or gives KV.
     let kv = |p: &Plan| p.num_kv_pages as u64 * p.kv_page_bytes();

@@ -48,6 +48,8 @@ impl CudaBackend {
             kv_heads: nkv,
             k_norm: aw.k_norm,
             positions: ws.positions,
+            rope_pos: ws.rope_pos,
+            mrope_section: self.mrope_section,
             t,
             head_dim: hd,
             rotary_dim: d.rotary_dim,

@@ -1,7 +1,7 @@
 //! The engine's [`Backend`] contract on [`CudaBackend`]: steps, launched steps, speculative steps, sampling,
 //! arena stats.
 
-use deltaserve_backend::{ArenaStats, Backend, BackendError, Feed, Pick, Picked, SpecCommit, StepBatch};
+use deltaserve_backend::{ArenaStats, Backend, BackendError, Feed, ImageTokens, Pick, Picked, SpecCommit, StepBatch};
 
 use crate::runtime::PinnedHost;
 
@@ -21,6 +21,12 @@ impl Backend for CudaBackend {
             masks_tokens: crate::switches::Switches::get().device_masks,
             snapshots_within_chunks: false,
         }
+    }
+
+    /// Images run where the vision tower is loaded (the plan prices it: `DELTASERVE_CUDA_VISION=1`).
+    fn image_tokens(&self) -> Option<ImageTokens> {
+        let v = &self.vision.as_ref()?.cfg;
+        Some(ImageTokens { image_token_id: v.image_token_id, merge: v.spatial_merge_size, patch_len: v.patch_dim() })
     }
 
     /// Logits are downloaded whole. Tokens are picked on the GPU: the argmax of each row, or its token

@@ -29,6 +29,8 @@ impl CudaBackend {
         if self.host_embed.is_none() {
             embed::embed_gather(k, s, self.w.embed, ws.token_ids, ws.residual, t, h)?;
         } // else: run_chunks uploaded the rows gathered on the host into `residual`.
+        // Image rows in place of their placeholders' embeddings (the tower runs here for new images).
+        self.put_image_rows()?;
         self.tick("embed")?;
         self.all_reduce(ws.residual, t * h)?;
         let mut gdn_index = 0;

@@ -4,9 +4,9 @@
 use std::collections::HashMap;
 
 use deltaserve_model::shard::ShardSpec;
-use deltaserve_model::{Dims, LayerKind, ModelConfig, MoeConfig};
+use deltaserve_model::{Checkpoint, Dims, LayerKind, ModelConfig, MoeConfig, VisionConfig};
 use deltaserve_plan::cuda::{ScratchParts, WeightFormat, weights_device_bytes};
-use deltaserve_plan::{CheckpointTensors, Plan, PlanBackend, SamplingScratch, WeightsDtype};
+use deltaserve_plan::{CheckpointTensors, CudaTowerLayout, Plan, PlanBackend, SamplingScratch, WeightsDtype};
 
 use crate::arena::{Arena, DevSpan, RegionId, aligned as al};
 use crate::error::CudaError;
@@ -23,6 +23,7 @@ use super::linear::layers_fold;
 use super::moe::{MoeWs, moe_views};
 use super::rank::RankComm;
 use super::spec::Spec;
+use super::vision;
 use super::weights::{HostEmbed, Weights};
 use super::{CudaBackend, CudaOptions, WeightSource, kernel_dims};
 
@@ -31,6 +32,8 @@ use super::{CudaBackend, CudaOptions, WeightSource, kernel_dims};
 pub(super) struct Ws {
     pub(super) token_ids: u64,
     pub(super) positions: u64,
+    /// `[t, 3]` i32 M-RoPE positions (the vision region's; 0 without the tower: rows rotate at `positions`).
+    pub(super) rope_pos: u64,
     pub(super) cu_seqlens: u64,
     pub(super) seq_lens: u64,
     pub(super) slots: u64,
@@ -295,7 +298,10 @@ fn carve_regions(
     // Weights: the backend's own layout (bf16 pairs fused, three small tensors in f32), at least
     // the plan's region. What a GPTQ checkpoint needs beyond the plan (linears it leaves bf16,
     // act-order permutations) comes out of spare backend scratch the plan reserved for it.
-    let weights_bytes = weights_bytes(plan, cfgs, weights, fmt, shard)?;
+    // The vision tower's bf16 weights follow the model's (when the plan prices the tower).
+    let tower = super::vision::tower_of(cfgs.0, plan, shard.is_some())?;
+    let weights_bytes =
+        weights_bytes(plan, cfgs, weights, fmt, shard)? + tower.map_or(0, |(v, _)| super::vision::weight_bytes(v));
     let carve_at = Carve::new(plan, cfgs.1, weights_bytes, fmt)?;
     let wreg = arena.add_region("weights", carve_at.weights)?;
 
@@ -367,6 +373,7 @@ fn workspace_views(
     Ok(Ws {
         token_ids: get("token_ids", 4 * t)?,
         positions: get("positions", 4 * t)?,
+        rope_pos: 0,
         cu_seqlens: get("cu_seqlens", 4 * (s + 1))?,
         seq_lens: get("seq_lens", 4 * s)?,
         slots: get("state_slot_ids", 4 * s)?,
@@ -599,6 +606,16 @@ impl CudaBackend {
 
         let cl = cache_layouts(plan, cfg, &d, &r, kvf, max_draft)?;
         let (rec_bytes, conv_bytes) = (cl.rec_bytes, cl.conv_bytes);
+        // The vision region (the tower's buffers and every step's M-RoPE positions), before the MTP head's
+        // views copy `ws`.
+        let tower = match vision::tower_of(full_cfg, plan, shard.is_some())? {
+            Some((v, n)) => {
+                let (region, layout) = vision::carve_region(&mut arena, plan, v, n)?;
+                ws.rope_pos = region.ptr + layout.rope_pos as u64;
+                Some((v.clone(), n, region, layout))
+            }
+            None => None,
+        };
         let spec = cl
             .spec_kv
             .map(|kv| {
@@ -673,8 +690,10 @@ impl CudaBackend {
             tp: shard.map(|spec| RankComm { spec, full_vocab: full_cfg.vocab_size, comms: None }),
             spec,
             fold: false,
+            vision: None,
+            mrope_section: cfg.mrope_section,
         };
-        be.place_weights(weights, (full_cfg, cfg), r.wreg, fmt, kv)
+        be.place_weights(weights, (full_cfg, cfg), r.wreg, fmt, kv, tower)
     }
 
     /// Loads or generates the weights into the weights region (the KV pages region `kv`, empty until the
@@ -686,18 +705,32 @@ impl CudaBackend {
         wreg: RegionId,
         fmt: WeightFormat,
         kv: DevSpan,
+        tower: Option<(VisionConfig, usize, DevSpan, CudaTowerLayout)>,
     ) -> Result<Self, CudaError> {
         let be = &mut self;
         // The KV pages region is empty until the first step: staging for quantisation at load and
         // for the host embedding's random init.
-        be.w = match weights {
-            WeightSource::Checkpoint(dir) => be.load_checkpoint(full_cfg, cfg, &dir, wreg, fmt, kv)?,
+        be.w = match &weights {
+            WeightSource::Checkpoint(dir) => be.load_checkpoint(full_cfg, cfg, dir, wreg, fmt, kv)?,
             WeightSource::RandomWeights { seed } => {
                 // Each rank draws its own shard's values.
                 let seed = seed ^ be.tp.as_ref().map_or(0, |t| (t.spec.rank as u64) << 32);
                 be.random_weights(cfg, wreg, seed, fmt, kv)?
             }
         };
+        if let Some((v, max_patches, region, layout)) = tower {
+            let w = match &weights {
+                WeightSource::Checkpoint(dir) => {
+                    let ckpt = Checkpoint::open(dir).map_err(|e| CudaError::Weights(e.to_string()))?;
+                    vision::load_checkpoint(&be.rt, &mut be.arena, wreg, &ckpt, full_cfg)?
+                }
+                WeightSource::RandomWeights { seed } => {
+                    vision::random_weights(&be.k, &be.rt, &mut be.arena, wreg, &v, *seed)?
+                }
+            };
+            let (kept, fills) = Default::default();
+            be.vision = Some(vision::Vision { cfg: v, w, max_patches, region, layout, kept, fills });
+        }
         // Zero every cache region once (never read before written, but deterministic).
         for span in [kv, be.states, be.snapshots] {
             be.rt.memset(span.ptr, 0, span.bytes)?;

@@ -160,11 +160,13 @@ impl CudaBackend {
         for i in 0..batch.seqs[first].draft {
             let m = order.iter().take_while(|&&j| batch.seqs[j].draft > i).count();
             let (mut ids, mut pos, mut lens) = (Vec::with_capacity(m), Vec::with_capacity(m), Vec::with_capacity(m));
+            let mut rope = Vec::new();
             for &j in &order[..m] {
                 let c = &batch.seqs[j];
                 ids.push(if i == 0 { c.tokens[0] } else { out[j][i - 1] } as i32);
                 pos.push((c.start + i) as i32);
                 lens.push((c.start + i + 1) as i32);
+                rope.extend(super::images::draft_rope(c, i));
             }
             let cu: Vec<i32> = (0..=m as i32).collect();
             let shape = StepShape {
@@ -200,6 +202,10 @@ impl CudaBackend {
             (|| -> Result<(), CudaError> {
                 self.upload_i32(ws.token_ids, &ids)?;
                 self.upload_i32(ws.positions, &pos)?;
+                if ws.rope_pos != 0 {
+                    // Drafts rotate at their position plus the sequence's rope delta.
+                    self.upload_i32(ws.rope_pos, &rope)?;
+                }
                 self.upload_i32(ws.cu_seqlens, &cu)?;
                 self.upload_i32(ws.seq_lens, &lens)
             })()

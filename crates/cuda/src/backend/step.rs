@@ -92,6 +92,8 @@ struct HostInputs<'b> {
     /// block-table rows (one upload); the first such row.
     short_rows: Vec<i32>,
     short_row0: usize,
+    /// Each row's (t, h, w) rotary position `[rows, 3]` (with the vision tower; else empty).
+    rope: Vec<i32>,
     /// Rows of the multi-token group, of its verify chunks, of its long-context verify chunks.
     tp: usize,
     tv: usize,
@@ -174,6 +176,8 @@ impl CudaBackend {
         let t = self.check_chunks(batch, &chunks)?;
         let ord = self.order_chunks(batch, verify, &chunks);
         let inp = self.host_inputs(batch, verify, &ord)?;
+        let fills = self.image_fills(batch, &ord.order, &inp.cu)?;
+        let images = !fills.is_empty();
         self.phase(Mark::Uploads).map_err(dev)?;
         self.upload_step(batch, &ord, &inp, &out).map_err(dev)?;
         let StepOrder { ref order, n_real, n_pre, n_ver, .. } = ord;
@@ -196,7 +200,10 @@ impl CudaBackend {
         };
         // Decode steps replay the graph of their bucket; steps of verify chunks (and decode rows) the
         // graph of their shape; steps with a prefill chunk run eagerly.
-        let key = if n_pre == 0 {
+        // Steps with image rows (the tower runs in them) run eagerly.
+        let key = if images {
+            None
+        } else if n_pre == 0 {
             Some(GraphKey::Decode(rows))
         } else if n_real == 0 {
             let lens = order[..n_pre].iter().map(|&i| batch.seqs[i].tokens.len()).collect();
@@ -205,11 +212,13 @@ impl CudaBackend {
             None
         };
         self.phase(Mark::Forward).map_err(dev)?;
+        self.set_image_fills(fills);
         match key {
             Some(key) => self.run_graphed(key, &|be: &Self| be.forward(&shape)).map_err(dev)?,
             None => self.forward(&shape).map_err(dev)?,
         }
         self.phase(Mark::Forwarded).map_err(dev)?;
+        self.retain_images(batch);
         self.record_verified(batch, &ord, &inp.cu, &inp.slots);
         self.step_outputs(inp.n_want, out)?;
         self.phase(Mark::Outputs).map_err(dev)?;
@@ -313,7 +322,9 @@ impl CudaBackend {
         // Decode steps replay the graph of their batch size. With graph_pad the
         // rows past n are padding: token 0 at position −1 (no KV write), state slot −1 (no state
         // update), one key of the page its table row starts with (put_table_row), logits computed and not returned.
-        let graph = self.opts.cuda_graphs && n_pre == 0 && self.prof.borrow().is_none();
+        // Steps with image rows run eagerly (the tower runs in them).
+        let images = batch.seqs.iter().any(|c| !c.images.is_empty());
+        let graph = self.opts.cuda_graphs && n_pre == 0 && self.prof.borrow().is_none() && !images;
         let rows = if graph { self.graph_bucket(n) } else { n };
         let (mut ids, mut pos, mut cu, mut lens, mut slots) =
             (Vec::with_capacity(rows), Vec::with_capacity(rows), vec![0i32], Vec::new(), Vec::new());
@@ -393,6 +404,7 @@ impl CudaBackend {
             ver_lens.extend((1..=c.tokens.len()).map(|j| (c.start + j) as i32));
             ver_tables.extend(std::iter::repeat_n(r as i32, c.tokens.len()));
         }
+        let rope = self.rope_rows(batch, order, rows);
         let (mut short_lens, mut short_tables) = (Vec::new(), Vec::new());
         for (r, &i) in order.iter().enumerate().take(n_real).skip(n_real - n_short) {
             let c = &batch.seqs[i];
@@ -425,6 +437,7 @@ impl CudaBackend {
             ver_tables,
             short_rows,
             short_row0,
+            rope,
             tp,
             tv,
             tvd,
@@ -445,6 +458,9 @@ impl CudaBackend {
         self.upload_inputs([&inp.ids, &inp.pos, &inp.cu, &inp.lens, &inp.slots, &inp.last])?;
         for (r, pages) in inp.table_rows.iter().enumerate() {
             self.put_table_row(r, pages)?;
+        }
+        if ws.rope_pos != 0 {
+            self.upload_i32(ws.rope_pos, &inp.rope)?;
         }
         self.upload_i32(ws.chunk_table.ptr, &inp.chunk_table)?;
         self.upload_i32(ws.tile_table.ptr, &inp.tile_table)?;

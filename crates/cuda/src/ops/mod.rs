@@ -20,6 +20,7 @@ pub mod mtp;
 pub mod norm;
 pub mod rope;
 pub mod sample;
+pub mod vision;
 pub mod w4_gemm;
 pub mod w4a16;
 

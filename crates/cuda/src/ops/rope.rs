@@ -80,8 +80,13 @@ pub struct QkNormRope {
     pub k_tok: usize,
     pub kv_heads: usize,
     pub k_norm: u64,
-    /// [t] i32.
+    /// [t] i32: each row's KV index, and its rotary position when `rope_pos` is 0.
     pub positions: u64,
+    /// [t, 3] i32: each row's (t, h, w) M-RoPE position, rotated as `mrope_section` splits the
+    /// frequencies (a model that runs images); 0: rows rotate at `positions`.
+    pub rope_pos: u64,
+    /// (t, h, w) frequencies of M-RoPE (`rope_parameters.mrope_section`); read only with `rope_pos`.
+    pub mrope_section: [usize; 3],
     pub t: usize,
     pub head_dim: usize,
     pub rotary_dim: usize,
@@ -161,6 +166,9 @@ fn launch_qk(
     let (pos, tt, d, r, theta, eps) =
         (a.positions, to_i32(K, "t", a.t)?, hd as i32, a.rotary_dim as i32, a.theta, a.eps);
     let nv = nv_rows as i32;
+    let rp = a.rope_pos;
+    let (sec_h, sec_w) =
+        (to_i32(K, "mrope_section", a.mrope_section[1])?, to_i32(K, "mrope_section", a.mrope_section[2])?);
     // The KV write's arguments (all zero without it: the kernel then stores nothing).
     let ((vp, vt), (kc, ksc, vc, vsc), (bt, cu), (mb, b, page), (kf, vf)) = match kv {
         Some((w, layer, formats)) => (
@@ -174,5 +182,5 @@ fn launch_qk(
     };
     launch_pdl!(k, s, K, grid, (256, 1, 1), 0;
         q, qt, qh, wq, nq, kp, kt, kh, wk, nk, vp, vt, nv, pos, tt, d, r, theta, eps,
-        kc, ksc, vc, vsc, bt, mb, cu, b, page, kf, vf)
+        kc, ksc, vc, vsc, bt, mb, cu, b, page, kf, vf, rp, sec_h, sec_w)
 }

@@ -27,6 +27,7 @@ use rand::{RngExt, SeedableRng};
 #[path = "../common/mod.rs"]
 mod common;
 mod graphs;
+mod images;
 mod int4;
 mod masked;
 mod short_chunks;

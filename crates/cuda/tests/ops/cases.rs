@@ -111,7 +111,10 @@ pub(crate) fn qkv(
 /// The table, in the order that gives each case its seed: the pickers, the row-wise ops and
 /// DeltaNet, attention, the linears (bf16 and 4-bit), the quantised KV cache.
 pub(crate) fn cases() -> Vec<Case> {
-    [row_cases(), attention_cases(), linear_cases(), kv_quant_cases(), moe_cases()].into_iter().flatten().collect()
+    [row_cases(), attention_cases(), linear_cases(), kv_quant_cases(), moe_cases(), vision_cases()]
+        .into_iter()
+        .flatten()
+        .collect()
 }
 
 /// One row of the table.
@@ -490,5 +493,40 @@ pub(crate) fn moe_cases() -> Vec<Case> {
         // GEMV of bf16-rounded x.
         c("moe", q, m(64, 64, 8, 2048, 512, true, Spread), FOLD_X),
         c("moe", q, m(5, 512, 10, 512, 64, false, Spread), ACCUM),
+    ]
+}
+
+/// The vision tower's kernels (none specialised on the model's dims) at the real tower's width (1152,
+/// 16 heads of 72, MLP 4304, a 48² position table) and the tiny preset's (144, 2 heads of 72), and M-RoPE
+/// in the fused q/k norm + RoPE kernel (the 27B's rotary dims and the tiny model's).
+pub(crate) fn vision_cases() -> Vec<Case> {
+    use crate::vision::VisionAct::{Gelu, GeluTanh, None as Plain, Silu};
+    let q = KernelDims::QWEN35_27B;
+    let attn = |grids: &[[usize; 3]], heads, hd| Op::VisionAttention { grids: grids.to_vec(), heads, hd };
+    let mrope = |t, nq, nkv, hd, rot| Op::QkNormRopeMrope { t, nq, nkv, hd, rot, section: [11, 11, 10] };
+    vec![
+        c("qk_norm_rope_mrope", q, mrope(12, 24, 4, 256, 64), SINGLE),
+        c("qk_norm_rope_mrope", q, mrope(9, 4, 2, 32, 8), SINGLE),
+        c("vision_layer_norm", q, Op::VisionLayerNorm { rows: 7, d: 1152 }, SINGLE),
+        c("vision_layer_norm", q, Op::VisionLayerNorm { rows: 3, d: 144 }, SINGLE),
+        c("vision_embed_pos", q, Op::VisionEmbedPos { grid: [1, 4, 6], d: 144, side: 8 }, SINGLE),
+        c("vision_embed_pos", q, Op::VisionEmbedPos { grid: [2, 14, 10], d: 1152, side: 48 }, SINGLE),
+        c("vision_embed_pos", q, Op::VisionEmbedPos { grid: [1, 64, 96], d: 144, side: 48 }, SINGLE),
+        c("vision_qkv_rope", q, Op::VisionQkvRope { grid: [1, 4, 6], heads: 2, hd: 72 }, SINGLE),
+        c("vision_qkv_rope", q, Op::VisionQkvRope { grid: [1, 32, 24], heads: 16, hd: 72 }, SINGLE),
+        c("vision_qkv_rope", q, Op::VisionQkvRope { grid: [2, 6, 8], heads: 3, hd: 64 }, SINGLE),
+        // One image, a partial query tile and a partial key tile (120 patches).
+        c("vision_attention", q, attn(&[[1, 10, 12]], 2, 72), ACCUM),
+        // Two images of different sizes, one after the other.
+        c("vision_attention", q, attn(&[[1, 10, 12], [1, 6, 4]], 2, 72), ACCUM),
+        c("vision_attention", q, attn(&[[1, 16, 32], [1, 8, 6]], 16, 72), ACCUM),
+        c("vision_attention", q, attn(&[[1, 16, 20]], 3, 64), ACCUM),
+        c("vision_attention", q, attn(&[[1, 14, 18], [1, 4, 4]], 4, 64), ACCUM),
+        // Two frames attend each on their own.
+        c("vision_attention", q, attn(&[[2, 6, 8]], 2, 72), ACCUM),
+        c("vision_bias_act", q, Op::VisionBiasAct { rows: 5, d: 4304, act: GeluTanh }, SINGLE),
+        c("vision_bias_act", q, Op::VisionBiasAct { rows: 9, d: 576, act: Gelu }, SINGLE),
+        c("vision_bias_act", q, Op::VisionBiasAct { rows: 4, d: 288, act: Silu }, SINGLE),
+        c("vision_bias_act", q, Op::VisionBiasAct { rows: 3, d: 5120, act: Plain }, SINGLE),
     ]
 }

@@ -25,6 +25,7 @@ mod harness;
 mod kv_quant;
 mod moe;
 mod sampling;
+mod vision;
 mod w4;
 
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -117,6 +118,45 @@ enum Op {
         hd: usize,
         page: usize,
         pad: bool,
+    },
+    /// qk_norm_rope at (t, h, w) M-RoPE positions (`rope_pos`) against rms_norm_1p + apply_mrope, and at
+    /// equal streams bitwise the launch rotating at the KV positions.
+    QkNormRopeMrope {
+        t: usize,
+        nq: usize,
+        nkv: usize,
+        hd: usize,
+        rot: usize,
+        section: [usize; 3],
+    },
+    /// The vision tower's LayerNorm: f32 rows in, bf16 out.
+    VisionLayerNorm {
+        rows: usize,
+        d: usize,
+    },
+    /// The tower's position embeddings: an image of `grid` (t, h, w) patches, the `side²` table.
+    VisionEmbedPos {
+        grid: [usize; 3],
+        d: usize,
+        side: usize,
+    },
+    /// The qkv bias and the 2-D axial rotary of q and k.
+    VisionQkvRope {
+        grid: [usize; 3],
+        heads: usize,
+        hd: usize,
+    },
+    /// Non-causal attention within each frame of each image (one launch per image).
+    VisionAttention {
+        grids: Vec<[usize; 3]>,
+        heads: usize,
+        hd: usize,
+    },
+    /// The biased activation (and the residual add) of the tower's GEMM outputs.
+    VisionBiasAct {
+        rows: usize,
+        d: usize,
+        act: vision::VisionAct,
     },
     ConvPrefill {
         lens: Vec<usize>,
@@ -390,6 +430,12 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
         Op::Rope { .. } => elementwise::rope,
         Op::QkNormRope { .. } => elementwise::qk_norm_rope,
         Op::QkNormRopeKv { .. } => elementwise::qk_norm_rope_kv,
+        Op::QkNormRopeMrope { .. } => vision::qk_norm_rope_mrope,
+        Op::VisionLayerNorm { .. } => vision::layer_norm,
+        Op::VisionEmbedPos { .. } => vision::embed_pos,
+        Op::VisionQkvRope { .. } => vision::qkv_rope,
+        Op::VisionAttention { .. } => vision::attention,
+        Op::VisionBiasAct { .. } => vision::bias_act,
         Op::ConvPrefill { .. } => elementwise::conv_prefill,
         Op::ConvDecode { .. } => elementwise::conv_decode,
         Op::GdnConvGateDecode { .. } | Op::GdnConvGateRows { .. } => deltanet::conv_gate_decode,

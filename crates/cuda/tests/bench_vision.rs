@@ -1,0 +1,107 @@
+//! Benchmark of the GPU vision tower at the Qwen3.6-27B tower's shapes (27 blocks of width 1152, 16 heads
+//! of 72, MLP 4304, merger to 5120) with random weights generated on the GPU
+//! (`cargo test -p deltaserve-cuda --release --test bench_vision -- --ignored --nocapture`).
+//!
+//! Encodes one 1024×1024 image (64×64 patches of 16 px: 4,096 patches, 1,024 prompt tokens) in a prefill
+//! step of a 4-layer text model and times the step against the same step with text tokens in place of the
+//! image: the difference is the tower. Reported against the bf16 dense roofline of the H200 (989 TFLOP/s):
+//! the tower's GEMM FLOPs plus its attention's (scores and values, every patch over its image).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use deltaserve_backend::{Backend, ChunkImage, ImagePatches, SeqChunk, StepBatch, step_logits};
+use deltaserve_cuda::{CudaBackend, Runtime, WeightSource};
+use deltaserve_model::ModelConfig;
+use deltaserve_model::mrope::place_images;
+use deltaserve_model::synth::Preset;
+use deltaserve_plan::{Plan, PlanOptions};
+
+/// bf16 dense tensor-core peak of the H200 (FLOP/s).
+const H200_BF16: f64 = 989e12;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+#[test]
+#[ignore]
+fn bench_vision_tower_27b() {
+    if let Err(e) = Runtime::open(0) {
+        println!("SKIP: {e}");
+        return;
+    }
+    let cfg = ModelConfig::from_json_str(&Preset::Qwen36_27b.config_json(Some(4)).to_string()).unwrap();
+    let v = cfg.vision.clone().unwrap();
+    let side = 1024 / v.patch_size;
+    let patches = side * side;
+    let mut o = PlanOptions::gpu_defaults(40 << 30);
+    o.max_context = Some(8192);
+    o.max_seqs = 2;
+    o.snapshot_slots = 1;
+    o.max_image_tokens_per_step = Some(patches);
+    let plan = Plan::new(&cfg, &o).unwrap();
+    let mut be = CudaBackend::new(&cfg, WeightSource::RandomWeights { seed: 3 }, &plan, 1).unwrap();
+    let it = be.image_tokens().expect("the plan prices the tower");
+    let pixels = (0..patches * it.patch_len).map(|i| ((i * 31) % 97) as f32 / 48.5 - 1.0).collect();
+    let img = Arc::new(ImagePatches { grid_thw: [1, side, side], pixels, hash: [1; 32] });
+    let tokens = img.tokens(it.merge);
+    let mut ids: Vec<u32> = vec![11, 12];
+    ids.extend(std::iter::repeat_n(it.image_token_id, tokens));
+    ids.extend([13, 14]);
+    let placed = place_images(&ids, it.image_token_id, &[img.grid_thw], it.merge).unwrap();
+    let pages: Vec<u32> = (0..(8192 / plan.page_size) as u32).collect();
+    let step = |with_image: bool| {
+        let images = if with_image { vec![ChunkImage { image: img.clone(), placed: placed[0] }] } else { Vec::new() };
+        let tokens = if with_image { ids.clone() } else { ids.iter().map(|&t| t % 1000).collect() };
+        StepBatch {
+            pre: vec![],
+            seqs: vec![SeqChunk {
+                seq_id: 0,
+                slot: 0,
+                pages: pages.clone(),
+                start: 0,
+                tokens,
+                want_logits: true,
+                draft: 0,
+                greedy_draft_vocab: 0,
+                rope_delta: 0,
+                images,
+                save_within: Vec::new(),
+            }],
+            post: vec![],
+        }
+    };
+    let mut time = |with_image: bool| {
+        let mut t = Vec::new();
+        let mut logits = Vec::new();
+        for i in 0..6 {
+            logits.clear();
+            let t0 = Instant::now();
+            step_logits(&mut be, &step(with_image), &mut logits).unwrap();
+            if i > 0 {
+                t.push(t0.elapsed().as_secs_f64());
+            }
+        }
+        assert!(logits.iter().all(|x| x.is_finite()));
+        median(t)
+    };
+    let (with, without) = (time(true), time(false));
+    let tower_s = (with - without).max(1e-9);
+    let (n, h, i, m) = (patches as f64, v.hidden_size as f64, v.intermediate_size as f64, v.merge_unit() as f64);
+    let blocks = v.depth as f64 * n * (2.0 * (4.0 * h * h + 2.0 * h * i) + 4.0 * n * h);
+    let merger = 2.0 * (n / m) * (m * h * m * h + m * h * v.out_hidden_size as f64);
+    let flops = 2.0 * n * h * v.patch_dim() as f64 + blocks + merger;
+    println!(
+        "BENCH vision tower, 1024x1024 image ({patches} patches, {tokens} tokens): {:.2} ms (step {:.2} ms with the \
+         image, {:.2} ms with text); {:.1} TFLOP ({:.0} TFLOP/s) = {:.1}% of the bf16 roofline ({:.2} ms at 989 TFLOP/s)",
+        tower_s * 1e3,
+        with * 1e3,
+        without * 1e3,
+        flops / 1e12,
+        flops / tower_s / 1e12,
+        100.0 * flops / tower_s / H200_BF16,
+        flops / H200_BF16 * 1e3
+    );
+}
