@@ -46,7 +46,7 @@ fn every_kernel_compiles_for_every_arch() {
 }
 
 /// The traced build (`DELTASERVE_TRACE`, src/trace.rs) compiles too: every kernel with its trace scope,
-/// for the oldest and the newest arch. Its kernels carry the scope's record code.
+/// for the oldest and the newest arch. Its kernels carry the scope's record code (the cubin differs).
 #[test]
 fn every_kernel_compiles_traced() {
     use deltaserve_cuda::nvrtc::{SOURCES, compile};
@@ -61,7 +61,8 @@ fn every_kernel_compiles_traced() {
             defines.extend(deltaserve_cuda::trace::ring_defines(0x7f00_0000_0000, 4096));
             let traced = compile(src, arch, &defines, false).unwrap_or_else(|e| panic!("{} {arch}: {e}", src.module));
             let plain = compile(src, arch, &dims.defines(src.module), false).expect("plain build");
-            assert!(traced.image.len() > plain.image.len(), "{} {arch}: the traced cubin is not larger", src.module);
+            // (Not always larger: the vision module's traced sm_80 cubin is smaller than its plain one.)
+            assert!(traced.image != plain.image, "{} {arch}: the traced cubin is the plain one", src.module);
         }
     }
 }
