@@ -398,22 +398,11 @@ impl CudaBackend {
             .copied()
             .collect();
         let tvd = tp - cu[n_real + n_ver_pf] as usize;
-        let (mut ver_lens, mut ver_tables) = (Vec::new(), Vec::new());
-        for (r, &i) in order.iter().enumerate().take(n_pre).skip(n_real + n_ver_pf) {
-            let c = &batch.seqs[i];
-            ver_lens.extend((1..=c.tokens.len()).map(|j| (c.start + j) as i32));
-            ver_tables.extend(std::iter::repeat_n(r as i32, c.tokens.len()));
-        }
+        let (ver_lens, ver_tables) = decode_query_rows(batch, order, n_real + n_ver_pf..n_pre);
         let rope = self.rope_rows(batch, order, rows);
-        let (mut short_lens, mut short_tables) = (Vec::new(), Vec::new());
-        for (r, &i) in order.iter().enumerate().take(n_real).skip(n_real - n_short) {
-            let c = &batch.seqs[i];
-            short_lens.extend((1..=c.tokens.len()).map(|j| (c.start + j) as i32));
-            short_tables.extend(std::iter::repeat_n(r as i32, c.tokens.len()));
-        }
         let short_row0 = cu[n_real - n_short] as usize;
-        short_lens.extend(short_tables);
-        let short_rows = short_lens;
+        let (mut short_rows, short_tables) = decode_query_rows(batch, order, n_real - n_short..n_real);
+        short_rows.extend(short_tables);
         if chunk_table.len() * 4 > self.ws.chunk_table.bytes
             || tile_table.len() * 4 > self.ws.tile_table.bytes
             || short_rows.len() * 4 > self.ws.decode_rows.bytes
@@ -591,4 +580,16 @@ impl CudaBackend {
         self.rt.download(&mut logits, self.logits.ptr)?;
         Ok(pick_rows(&mut logits, v, valid, rows, false))
     }
+}
+
+/// Rows of the chunks `order[range]` attending as decode queries: each row's causal attention length and
+/// its chunk's block-table row (the chunk's place in `order`).
+fn decode_query_rows(batch: &StepBatch, order: &[usize], range: std::ops::Range<usize>) -> (Vec<i32>, Vec<i32>) {
+    let (mut lens, mut tables) = (Vec::new(), Vec::new());
+    for r in range {
+        let c = &batch.seqs[order[r]];
+        lens.extend((1..=c.tokens.len()).map(|j| (c.start + j) as i32));
+        tables.extend(std::iter::repeat_n(r as i32, c.tokens.len()));
+    }
+    (lens, tables)
 }
