@@ -567,12 +567,32 @@ impl std::fmt::Display for KernelsReport {
 /// Compiles every kernel module for every arch in `archs` (default [`CHECK_ARCHS`]) with `dims`;
 /// needs NVRTC only, no GPU. Compile failures are reported per line, not returned as `Err`.
 pub fn kernels_check(archs: &[&str], dims: &KernelDims) -> Result<KernelsReport, CudaError> {
+    kernels_check_where(archs, dims, |_| true)
+}
+
+/// The compile-time defines of `module` in [`kernels_check`]'s builds at `dims` (the model's dims and
+/// the attention tiling that runs where the wide prefill kernels do not fit: 32-key tiles); two dims
+/// whose defines are equal build the same module.
+pub fn check_defines(dims: &KernelDims, module: &str) -> Vec<(&'static str, String)> {
+    let mut defines = dims.defines(module);
+    let tiling = AttnTiling { keys: 32, wide: false, ..AttnTiling::DEFAULT };
+    defines.extend(tiling.defines(dims, module));
+    defines
+}
+
+/// [`kernels_check`] over the modules for which `keep(module)` holds.
+pub fn kernels_check_where(
+    archs: &[&str],
+    dims: &KernelDims,
+    keep: impl Fn(&str) -> bool,
+) -> Result<KernelsReport, CudaError> {
     let nvrtc_version = nvrtc_version()?;
     dims.validate()?;
+    let sources: Vec<&KernelSource> = SOURCES.iter().filter(|s| keep(s.module)).collect();
     // (source, arch, KV formats, report label)
     let mut jobs: Vec<(&KernelSource, &str, KvFormats, &'static str)> =
-        archs.iter().flat_map(|a| SOURCES.iter().map(move |s| (s, *a, KvFormats::BF16, s.module))).collect();
-    if let Some(attn) = SOURCES.iter().find(|s| s.module == "attention") {
+        archs.iter().flat_map(|a| sources.iter().map(move |s| (*s, *a, KvFormats::BF16, s.module))).collect();
+    if let Some(&attn) = sources.iter().find(|s| s.module == "attention") {
         jobs.extend(archs.iter().flat_map(|a| CHECK_KV.iter().map(move |&(kv, label)| (attn, *a, kv, label))));
     }
     let lines = std::thread::scope(|scope| {
@@ -580,12 +600,10 @@ pub fn kernels_check(archs: &[&str], dims: &KernelDims) -> Result<KernelsReport,
             .iter()
             .map(|&(src, arch, kv, label)| {
                 scope.spawn(move || {
-                    let mut defines = dims.defines(src.module);
-                    defines.extend(kv.defines(src.module));
                     // attn_prefill as it runs where the wide kernels do not fit (sm_86/89: 32-key
                     // tiles); the wide kernels do not depend on the tiling's defines.
-                    let tiling = AttnTiling { keys: 32, wide: false, ..AttnTiling::DEFAULT };
-                    defines.extend(tiling.defines(dims, src.module));
+                    let mut defines = check_defines(dims, src.module);
+                    defines.extend(kv.defines(src.module));
                     let r = compile(src, arch, &defines, true);
                     match r {
                         Ok(c) => CheckLine {
