@@ -332,8 +332,8 @@ step_profile() {
     done
 }
 
-STEP_NAMES="ops gdn w4 w4-sweep attn backend backend-bench spec bench-bf16 bench-int4 batches memory decode steps timeline
-soak probe probe-int4 smoke tp profile"
+# The steps: every step_NAME function above.
+STEP_NAMES=$(declare -F | sed -n 's/^declare -f step_//p')
 
 case "${1:-}" in
     "" | -h | --help) usage; exit 0 ;;

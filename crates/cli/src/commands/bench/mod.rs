@@ -183,8 +183,10 @@ pub fn run(a: Args) -> Result<()> {
     o.max_seqs = a.batches.iter().copied().max().unwrap_or(1).max(1);
     // One device and one host snapshot slot: the snapshot restore timings.
     o.snapshot_slots = 1;
-    // Decode runs step from each context: `steps + 3` steps of one token, and of `verify_tokens` tokens.
-    let span = (a.steps + 3) * a.verify_tokens.max(1).max(a.speculative_tokens + 1) + 8;
+    // Decode runs step from each context: `steps + 3` steps of one token, of `verify_tokens` tokens, of
+    // `speculative_tokens + 1` and of each short chunk's tokens.
+    let widest = a.short_chunks.iter().copied().filter(|&n| n <= a.max_batch_tokens).max().unwrap_or(1);
+    let span = (a.steps + 3) * a.verify_tokens.max(widest).max(a.speculative_tokens + 1).max(1) + 8;
     o.max_context = Some(max_prompt.max(a.contexts.iter().copied().max().unwrap_or(0) + span));
     o.weights_dtype = a.weights_dtype;
     o.int4_asym = a.int4_asym;
@@ -318,14 +320,14 @@ pub fn run(a: Args) -> Result<()> {
             } else {
                 (None, None)
             };
-            if let (true, 1, Under::One(cb)) = (a.profile, b, &mut be) {
-                tracing::info!("bench: decode step op groups at context {}", fmt_count(ctx as u64));
+            if let (true, Under::One(cb)) = (a.profile, &mut be) {
+                tracing::info!("bench: decode step op groups, batch {b} at context {}", fmt_count(ctx as u64));
                 cb.set_profiling(true)?;
-                let eager_ms = decode(cb.as_mut(), 1, 1, ctx, per_seq, a.steps, vocab, Pick::Logits)?;
+                let eager_ms = decode(cb.as_mut(), b, 1, ctx, per_seq, a.steps, vocab, Pick::Logits)?;
                 let steps = (a.steps + 3) as f64; // decode() runs 3 warm-up steps
                 let groups = cb.take_profile().into_iter().map(|(g, s)| (g, s * 1e3 / steps)).collect();
                 cb.set_profiling(false)?;
-                report.profiles.push(ProfileRow { context: ctx, eager_ms, groups });
+                report.profiles.push(ProfileRow { batch: b, context: ctx, eager_ms, groups });
             }
             if let (true, Under::One(cb)) = (a.phases, &mut be) {
                 tracing::info!("bench: decode step phases, batch {b} at context {}", fmt_count(ctx as u64));

@@ -89,8 +89,9 @@ pub(super) struct ShortChunkRow {
     pub(super) floor_ms: f64,
 }
 
-/// `--profile`: one batch-1 decode step at `context`, op group by op group.
+/// `--profile`: one decode step of `batch` rows at `context`, op group by op group.
 pub(super) struct ProfileRow {
+    pub(super) batch: usize,
     pub(super) context: usize,
     /// Eager (profiled) ms per step.
     pub(super) eager_ms: f64,
@@ -262,7 +263,7 @@ impl ToolReport for Report {
                 })
             }).collect::<Vec<_>>(),
             "profile": self.profiles.iter().map(|p| json!({
-                "batch": 1, "context": p.context, "eager_ms_per_step": r3(p.eager_ms),
+                "batch": p.batch, "context": p.context, "eager_ms_per_step": r3(p.eager_ms),
                 "gpu_ms_per_step": r3(p.groups.iter().map(|g| g.1).sum::<f64>()),
                 "groups_ms": p.groups.iter().map(|(g, ms)| json!([g, r3(*ms)])).collect::<Vec<_>>(),
             })).collect::<Vec<_>>(),
@@ -414,8 +415,8 @@ impl ToolReport for Report {
             let gpu: f64 = p.groups.iter().map(|g| g.1).sum();
             let _ = writeln!(
                 s,
-                "\ndecode step at batch 1, context {}, op group by op group (eager: {:.2} ms/step, GPU {gpu:.2} ms)",
-                p.context, p.eager_ms
+                "\ndecode step at batch {}, context {}, op group by op group (eager: {:.2} ms/step, GPU {gpu:.2} ms)",
+                p.batch, p.context, p.eager_ms
             );
             for (g, ms) in &p.groups {
                 let _ = writeln!(s, "{g:>32} {ms:>8.3} ms {:>5.1}%", 100.0 * ms / gpu);
