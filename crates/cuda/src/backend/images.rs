@@ -148,6 +148,18 @@ impl CudaBackend {
         }
     }
 
+    /// The tower's merged rows of one image (`[tokens, hidden]`, bf16 values as f32), run alone on the
+    /// stream: what a step writes in place of the image's placeholders. Fails where no tower is loaded
+    /// or the image does not fit it.
+    pub fn encode_image(&self, img: &ImagePatches) -> Result<Vec<f32>, CudaError> {
+        let v = self.vision.as_ref().ok_or_else(|| CudaError::Plan("no vision tower is loaded".into()))?;
+        v.check(0, img).map_err(|m| CudaError::InvalidArgs { kernel: "vision tower", msg: m })?;
+        v.encode(&self.k, &self.gemm, &self.rt, img)?;
+        let mut rows = vec![0u16; img.tokens(v.cfg.spatial_merge_size) * self.d.hidden];
+        self.rt.download(&mut rows, v.merged())?;
+        Ok(rows.into_iter().map(|b| half::bf16::from_bits(b).to_f32()).collect())
+    }
+
     /// Images whose rows are kept for a later chunk.
     pub fn images_in_flight(&self) -> usize {
         self.vision.as_ref().map_or(0, |v| v.kept.borrow().len())

@@ -111,6 +111,16 @@ fn images_match_the_cpu_backend() {
     let b = Seq::new(1, b_ids, vec![image([1, 10, 6], it.patch_len, 3)], img, merge);
     assert_eq!(v.spatial_merge_size, merge);
 
+    // The tower alone: each image's merged rows against the CPU tower's.
+    let tower = c.model().vision_tower().unwrap();
+    for im in a.images.iter().chain(&b.images) {
+        let (got, want) = (g.encode_image(im).unwrap(), tower.encode(im));
+        assert_eq!(got.len(), want.len());
+        let (e, l2) = (rel_err(&got, &want), rel_l2(&got, &want));
+        println!("tower, grid {:?}: max-rel {e:.2e} L2-rel {l2:.2e}", im.grid_thw);
+        assert!(got.iter().all(|x| x.is_finite()) && l2 < 2e-2, "tower, grid {:?}: L2-rel {l2:.2e}", im.grid_thw);
+    }
+
     let allocations = g.arena_stats().allocations;
     let mut score = Score::default();
     // Step boundaries of sequence 0: 15 falls inside the first image (tokens 4..28), 31 between the

@@ -1,7 +1,7 @@
 //! Short prefill chunks over a long context attending as decode queries
 //! (`CudaOptions::short_chunk_decode_attention_from`): every row split-K over its causal keys, as
 //! long-context verify rows are, instead of the prefill kernel's query tiles. The same logits as the
-//! prefill kernel and as the CPU reference — beside a long prefill chunk, a chunk below the
+//! prefill kernel, and as close to the CPU reference as the prefill kernel's — beside a long prefill chunk, a chunk below the
 //! threshold and decode rows in one step, in a step of short chunks alone (no tiles at all), and in
 //! the steps after them (the chunks' every row, not only the last, feeds the later layers' K/V).
 
@@ -56,18 +56,29 @@ fn short_chunks_as_decode_queries_match_the_prefill_kernel_and_the_cpu() {
             step_all(&mut bs, &pg, &[(i, 0, toks[i][..h].to_vec())]);
         }
         let label = format!("KV {}", kv.name());
+        // The rows path is held to the prefill kernel (both read the same KV cache; bf16 rounding apart)
+        // and to the CPU reference no worse than the prefill kernel is (long contexts of a random tiny
+        // model drift from the f32 reference by a few percent on either path).
+        let vs_tiles_bound = if kv == KvDtype::Bf16 { 2e-2 } else { 4e-2 };
         let mut compare = |what: &str, got: &[Vec<f32>]| {
-            let (mut vs_tiles, mut vs_cpu) = (Score::default(), Score::default());
+            let (mut vs_tiles, mut rows_cpu, mut tiles_cpu) = (Score::default(), Score::default(), Score::default());
             vs_tiles.add(&got[1], &got[0], vocab);
-            vs_cpu.add(&got[1], &got[2], vocab);
+            rows_cpu.add(&got[1], &got[2], vocab);
+            tiles_cpu.add(&got[0], &got[2], vocab);
+            let (r, t) = (rows_cpu.median_l2(), tiles_cpu.median_l2());
             println!(
-                "{label} {what}: worst row vs the prefill kernel {:.3e}, median vs CPU {:.3e}",
-                vs_tiles.worst,
-                vs_cpu.median_l2()
+                "{label} {what}: worst row vs the prefill kernel {:.3e}; median L2 vs CPU {r:.3e} (prefill kernel {t:.3e}); \
+                 argmax as CPU {}/{} (prefill kernel {}/{})",
+                vs_tiles.worst, rows_cpu.argmax_same, rows_cpu.rows, tiles_cpu.argmax_same, tiles_cpu.rows
             );
-            failures.extend(vs_cpu.soft_check(&format!("{label} {what} vs CPU")));
-            if vs_tiles.worst >= 2e-2 {
+            if vs_tiles.worst >= vs_tiles_bound {
                 failures.push(format!("{label} {what}: {:.3e} from the prefill kernel's logits", vs_tiles.worst));
+            }
+            if r > 1.25 * t + 5e-3 {
+                failures.push(format!("{label} {what}: median L2 vs CPU {r:.3e}, the prefill kernel's {t:.3e}"));
+            }
+            if rows_cpu.decisive_flips > tiles_cpu.decisive_flips {
+                failures.push(format!("{label} {what}: an argmax flip where the CPU's margin is decisive"));
             }
         };
         let mixed: Vec<(usize, usize, Vec<u32>)> =
