@@ -15,7 +15,8 @@
 //  attn_decode_mma:     attn_decode_split's work on tensor cores (same grid, arguments and partials;
 //                       K and V of bf16 / fp8 / int8, int4 at head dims % 64 == 0; the default where
 //                       the formats allow; design above its code at the end of this file).
-//  attn_decode_combine: merges the n_split partials (log-sum-exp) into bf16 o; with a gate pointer
+//  attn_decode_combine: merges the n_split partials (log-sum-exp) into bf16 o (also those of a split
+//                       prefill launch, attention_prefill.cu's wide kernels: no seq_lens); with a gate pointer
 //                       also applies the attention output gate, o *= sigmoid(gate) (as
 //                       elementwise.cu's sigmoid_gate_mul after it would).
 // Launch: attn_decode_split grid (B, Hkv, n_split), block 256 (8 warps, 2*DEC_KC keys per warp in
@@ -234,7 +235,9 @@ extern "C" __global__ void attn_decode_combine(const float* part_o, const float*
     pdl_trigger();  // launched programmatically on sm_90: the GEMV that follows may start streaming its weights
     const int b = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
     const long long base = ((long long)b * Hq + h) * n_split;
-    const int parts = dec_parts(seq_lens[b], n_split);  // (a step input: before the wait)
+    // (a step input: before the wait; no lengths: every row has n_split partials, as a split prefill
+    // launch writes them)
+    const int parts = seq_lens ? dec_parts(seq_lens[b], n_split) : n_split;
     pdl_wait();
     float M = NEG_INF;
     for (int sp = 0; sp < parts; sp++) M = fmaxf(M, part_ml[(base + sp) * 2]);

@@ -437,7 +437,12 @@ attn_prefill(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
 // Measured (H200, 27B shape, 4096 causal queries, bench/results/attention-prefill-wide-h200-2026-11-30.md): 274
 // TFLOP/s at 128K keys at BK 64, 245 at BK 32 (attn_prefill: 205; a first wide version that split S by
 // head dims as attn_prefill does: 226).
-// Launch: grid (n_tiles, Hkv), block PW_NT, dynamic smem ops/attention.rs wide_smem_bytes;
+// Split over the keys (part_o not null; short chunks over a long context, where the tiles alone are a
+// handful of blocks each streaming the whole context): grid.z = n_split, block z takes the z-th of
+// n_split equal runs of its tile's KV tiles and writes its rows' unnormalised O and (max in the log2
+// domain, sum) in f32 at partial (query - row0, head, z) — attn_decode_combine's layout, which it then
+// merges (no seq_lens: n_split partials a row; a split past a tile's last KV tile marks its rows empty).
+// Launch: grid (n_tiles, Hkv, n_split), block PW_NT, dynamic smem ops/attention.rs wide_smem_bytes;
 // tile_table [n_tiles, 2] = (seq, 128-row tile) over the packed rows (q_len * GQA_GROUP per sequence).
 // q 16-byte aligned with q_tok, q_head multiples of 8.
 #define PW_ROWS 128                        // packed (query, head) rows per block
@@ -468,7 +473,8 @@ __device__ __forceinline__ void wide_body(const bf16_t* __restrict__ q, const vo
                                           int max_blocks, const int* __restrict__ cu_seqlens,
                                           const int* __restrict__ seq_lens, const int* __restrict__ tile_table,
                                           bf16_t* __restrict__ o, int Hq, int Hkv, int page, float scale,
-                                          long long q_tok, long long q_head) {
+                                          long long q_tok, long long q_head, int n_split, int row0,
+                                          float* __restrict__ part_o, float* __restrict__ part_ml) {
     constexpr int MAT = pw_mat(BK), STAGE = pw_stage(BK);
     constexpr bool SPLIT_S = BK == 32;  // two accumulator sets for S (registers allow it at 32 keys)
     extern __shared__ __align__(16) unsigned char pw_smem[];
@@ -486,6 +492,19 @@ __device__ __forceinline__ void wide_body(const bf16_t* __restrict__ q, const vo
     const int first_q = past + r0 / GQA_GROUP;
     const int kend = past + (r0 + nrows - 1) / GQA_GROUP + 1;
     const int n_kt = (kend + BK - 1) / BK;
+    // Split over the keys (part_o given): this block's KV tiles jb .. je of the n_kt, its unnormalised
+    // partials to part_o / part_ml. A split past the block's last tile only marks its rows empty.
+    const int per = (n_kt + n_split - 1) / n_split;
+    const int jb = part_o ? blockIdx.z * per : 0, je = part_o ? min(n_kt, jb + per) : n_kt;
+    if (jb >= je) {
+        for (int r = tid; r < nrows; r += PW_NT) {
+            const int pr = r0 + r, i = pr / GQA_GROUP, hh = pr - i * GQA_GROUP;
+            const long long prow = ((long long)(qstart + i - row0) * Hq + hkv * GQA_GROUP + hh) * n_split + blockIdx.z;
+            part_ml[2 * prow] = NEG_INF;
+            part_ml[2 * prow + 1] = 0.0f;
+        }
+        return;
+    }
     const long long width = (long long)Hkv * HD;
     const int* bt = block_tables + (long long)s * max_blocks;
 #if !KQ_ANY
@@ -529,7 +548,7 @@ __device__ __forceinline__ void wide_body(const bf16_t* __restrict__ q, const vo
 #endif
         cp_async_commit();
     };
-    load_tile(0, kv0);
+    load_tile(jb * BK, kv0 + (jb & 1) * STAGE);
 
     // Own rows: m tile `half` of the pair, rows g and g + 8.
     int qpos[2];
@@ -561,7 +580,7 @@ __device__ __forceinline__ void wide_body(const bf16_t* __restrict__ q, const vo
     float2* xa_me = (float2*)(pw_smem + pw_xa(BK)) + warp * 32 + lane;
     const float2* xa_pa = (const float2*)(pw_smem + pw_xa(BK)) + (warp ^ 1) * 32 + lane;
 
-    for (int j = 0; j < n_kt; j++) {
+    for (int j = jb; j < je; j++) {
 #if KQ_ANY
         // Tile j's scales (loaded with its codes) to smem before load_tile(j + 1) reuses the
         // registers; the previous iteration's last barrier freed the buffers.
@@ -570,7 +589,7 @@ __device__ __forceinline__ void wide_body(const bf16_t* __restrict__ q, const vo
             if (KQ_V) ((float*)(pw_smem + pw_scv(BK)))[tid] = f16_to_f32((unsigned short)pend_v);
         }
 #endif
-        if (j + 1 < n_kt) {
+        if (j + 1 < je) {
             load_tile((j + 1) * BK, kv0 + ((j + 1) & 1) * STAGE);
             cp_async_wait<1>();
         } else {
@@ -736,6 +755,29 @@ __device__ __forceinline__ void wide_body(const bf16_t* __restrict__ q, const vo
     *xa_me = make_float2(l0, l1);
     pair_sync<PW_NW / 2>(pair);
     const float2 lp = *xa_pa;
+    if (part_o) {
+        // Split: the rows' unnormalised O (this warp's half of the dims, both m tiles) and, for the
+        // own m tile, the row max (log2 domain, as attn_decode_combine reads it) and sum.
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                const int r = 32 * pair + 16 * mt + 8 * hf + g;
+                if (r >= nrows) continue;
+                const int pr = r0 + r, i = pr / GQA_GROUP, hh = pr - i * GQA_GROUP;
+                const long long prow =
+                    ((long long)(qstart + i - row0) * Hq + hkv * GQA_GROUP + hh) * n_split + blockIdx.z;
+                float* po = part_o + prow * HD + d0 + 2 * tg;
+#pragma unroll
+                for (int n = 0; n < PF_HALF / 8; n++)
+                    *(float2*)(po + n * 8) = make_float2(oacc[mt][n][2 * hf], oacc[mt][n][2 * hf + 1]);
+                if (mt == half && tg == 0) {
+                    part_ml[2 * prow] = mrow[hf];
+                    part_ml[2 * prow + 1] = hf ? l1 : l0;
+                }
+            }
+        return;
+    }
 #pragma unroll
     for (int mt = 0; mt < 2; mt++)
 #pragma unroll
@@ -759,9 +801,10 @@ attn_prefill_wide(const bf16_t* __restrict__ q, const void* __restrict__ k_cache
                   const unsigned short* __restrict__ v_scales, const int* __restrict__ block_tables, int max_blocks,
                   const int* __restrict__ cu_seqlens, const int* __restrict__ seq_lens,
                   const int* __restrict__ tile_table, bf16_t* __restrict__ o, int Hq, int Hkv, int page,
-                  float scale, long long q_tok, long long q_head) {
+                  float scale, long long q_tok, long long q_head, int n_split, int row0,
+                  float* __restrict__ part_o, float* __restrict__ part_ml) {
     wide_body<32>(q, k_cache, v_cache, k_scales, v_scales, block_tables, max_blocks, cu_seqlens, seq_lens, tile_table, o, Hq, Hkv, page,
-                  scale, q_tok, q_head);
+                  scale, q_tok, q_head, n_split, row0, part_o, part_ml);
 }
 
 extern "C" __global__ void __launch_bounds__(PW_NT, 1)
@@ -770,7 +813,8 @@ attn_prefill_wide64(const bf16_t* __restrict__ q, const void* __restrict__ k_cac
                     const unsigned short* __restrict__ v_scales, const int* __restrict__ block_tables, int max_blocks,
                     const int* __restrict__ cu_seqlens, const int* __restrict__ seq_lens,
                     const int* __restrict__ tile_table, bf16_t* __restrict__ o, int Hq, int Hkv, int page,
-                    float scale, long long q_tok, long long q_head) {
+                    float scale, long long q_tok, long long q_head, int n_split, int row0,
+                    float* __restrict__ part_o, float* __restrict__ part_ml) {
     wide_body<64>(q, k_cache, v_cache, k_scales, v_scales, block_tables, max_blocks, cu_seqlens, seq_lens, tile_table, o, Hq, Hkv,
-                  page, scale, q_tok, q_head);
+                  page, scale, q_tok, q_head, n_split, row0, part_o, part_ml);
 }

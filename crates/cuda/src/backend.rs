@@ -60,7 +60,7 @@ mod weights;
 pub use graphs::GraphStats;
 pub use phases::StepPhases;
 
-/// The most tokens of a prefill chunk that may attend as decode queries
+/// The most tokens of a prefill chunk that takes the short-chunk attention
 /// ([`CudaOptions::short_chunk_decode_attention_from`]).
 pub const SHORT_CHUNK_TOKENS: usize = 64;
 
@@ -134,12 +134,21 @@ pub struct CudaOptions {
     /// prefill kernel (no split over the keys) was 2.4× slower at batch 1.
     pub verify_decode_attention_from: usize,
     /// Prefill chunks of at most [`SHORT_CHUNK_TOKENS`] tokens whose context reaches this many tokens
-    /// attend as decode queries, each row split-K over its causal keys (as long-context verify rows
-    /// do; at most the plan's `SHORT_CHUNK_DECODE_ROWS` rows a step), instead of the prefill kernel's
-    /// query tiles: a chunk of a few tokens over a long context is one query tile per head there, a
-    /// handful of blocks streaming the whole context (an agent's tool result after a long
-    /// conversation). Default `usize::MAX`: off.
+    /// (at most the plan's `SHORT_CHUNK_DECODE_ROWS` rows a step) do not attend with the prefill
+    /// kernel's tiles alone: a chunk of a few tokens over a long context is one tile per kv head
+    /// there, a handful of blocks each streaming the whole context (an agent's tool result after a
+    /// long conversation). They run the prefill kernel with each tile's keys split over more blocks
+    /// ([`CudaOptions::short_chunk_split_keys`]), or their rows as decode queries, split-K over their
+    /// causal keys as long-context verify rows are. Default 2,048; `usize::MAX`: off. Measured on the
+    /// H200 at the 27B shapes, int4 + fp8 KV at 24 GiB (bench/results/short-chunks-h200-2026-12-03.md):
+    /// 16 new tokens after 131,072 take 17.6 ms split (29.0 as decode queries) against 217 ms; after
+    /// 2,048, 11.3 against 14.2.
     pub short_chunk_decode_attention_from: usize,
+    /// Those short chunks run the prefill kernel with each tile's keys split over more blocks (merged
+    /// as decode partials are) where the wide prefill kernels run (sm_80, sm_90), instead of their rows
+    /// as decode queries (each row reading the whole context). Default on; the rows path everywhere
+    /// else.
+    pub short_chunk_split_keys: bool,
     /// Decode steps of at most 8 tokens fold each residual add + RMSNorm between two int4 projections
     /// into them ([`crate::ops::w4a16::Fold`]: the norm kernel's launch and round trips leave the critical path),
     /// when every layer's projections are int4 GEMVs and tensor parallelism is off. Off: the separate
@@ -160,7 +169,8 @@ impl Default for CudaOptions {
             gemv_max_tokens: gemv::MAX_TOKENS,
             graph_pad: false,
             verify_decode_attention_from: 0,
-            short_chunk_decode_attention_from: usize::MAX,
+            short_chunk_decode_attention_from: 2048,
+            short_chunk_split_keys: true,
             fold_norms: true,
             w4_gemm_max_rows: deltaserve_plan::cuda::W4_GEMM_MAX_ROWS,
         }
@@ -328,6 +338,12 @@ impl CudaBackend {
     /// cuBLASLt heuristic calls so far (one per new GEMM shape).
     pub fn gemm_heuristic_calls(&self) -> usize {
         self.gemm.heuristic_calls()
+    }
+
+    /// Whether short chunks over a long context may run the prefill kernel split over the keys here
+    /// (the wide prefill kernels: [`CudaOptions::short_chunk_split_keys`]).
+    pub fn short_chunks_split_keys(&self) -> bool {
+        crate::ops::attention::prefill_split_supported(&self.k)
     }
 
     pub fn options(&self) -> CudaOptions {

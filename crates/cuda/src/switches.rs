@@ -40,8 +40,9 @@ pub struct Switches {
     /// default); not a number: unset.
     pub verify_decode_from: Option<usize>,
     /// `DELTASERVE_SHORT_CHUNK_DECODE_FROM=<tokens>`: prefill chunks of a few tokens whose context
-    /// reaches this many tokens attend as decode queries (`CudaOptions::short_chunk_decode_attention_from`
-    /// instead of its default, off); not a number: unset.
+    /// reaches this many tokens take the short-chunk attention (keys split, or rows as decode queries:
+    /// `CudaOptions::short_chunk_decode_attention_from` instead of its default, 2,048; a number above
+    /// the context turns it off); not a number: unset.
     pub short_chunk_decode_from: Option<usize>,
     /// Structured-output rows are masked and picked on the device (`sample_mask_bits`) with the
     /// step's other rows; `DELTASERVE_DEVICE_MASKS=0` picks them on the host instead.

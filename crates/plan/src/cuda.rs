@@ -90,6 +90,12 @@ pub const ATTN_Q_TILE: usize = 16;
 /// lengths and block-table rows sit in the scratch's `decode_rows` part.
 pub const SHORT_CHUNK_DECODE_ROWS: usize = 256;
 
+/// Rows the decode attention's split-K partials hold at least (`attn_decode_partials`: the step's
+/// sequences, or this many when fewer): a step's short prefill chunks split their keys into them
+/// (the prefill kernel split over the keys, or the rows as decode queries), so a plan of one or two
+/// sequences still splits a 16-token chunk over a long context 32 ways.
+pub const SHORT_CHUNK_PARTIAL_ROWS: usize = 16;
+
 fn al(x: usize) -> usize {
     x.next_multiple_of(ALIGN as usize)
 }

@@ -301,10 +301,11 @@ pub fn plan_workspace(cfg: &ModelConfig, s: &StepShape) -> Option<WorkspaceLayou
     b.buf("attn_qg", t * 2 * ad * a, format!("[{tt}, {}, 2·{}] {act} (q | gate per head)", d.q_heads, d.head_dim));
     b.buf("attn_k", t * kvd * a, format!("[{tt}, {}] {act}", d.kv_dim));
     b.buf("attn_v", t * kvd * a, format!("[{tt}, {}] {act}", d.kv_dim));
+    let pr = n.max(crate::cuda::SHORT_CHUNK_PARTIAL_ROWS as u128);
     b.buf(
         "attn_decode_partials",
-        n * s.decode_partitions as u128 * d.q_heads as u128 * (d.head_dim as u128 + 2) * 4,
-        format!("[{ss}, P={}, {}, {}+2] f32 (split-K out, max, sum)", s.decode_partitions, d.q_heads, d.head_dim),
+        pr * s.decode_partitions as u128 * d.q_heads as u128 * (d.head_dim as u128 + 2) * 4,
+        format!("[{pr} rows, P={}, {}, {}+2] f32 (split-K out, max, sum)", s.decode_partitions, d.q_heads, d.head_dim),
     );
     b.buf("attn_out", t * ad * a, format!("[{tt}, {}] {act}", d.attn_dim));
     // MLP (a sparse layer's shared expert runs here too: the widest of the two).

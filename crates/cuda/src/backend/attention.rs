@@ -97,7 +97,23 @@ impl CudaBackend {
         if self.opts.short_chunk_decode_attention_from == usize::MAX || self.d.num_attention_layers == 0 {
             return 0;
         }
-        (self.ws.decode_rows.bytes / 8).min(self.max_seqs * self.decode_partitions)
+        (self.ws.decode_rows.bytes / 8).min(self.partial_rows() * self.decode_partitions)
+    }
+
+    /// Rows of the decode attention's split-K partials (`plan::cuda::SHORT_CHUNK_PARTIAL_ROWS` at least).
+    fn partial_rows(&self) -> usize {
+        self.max_seqs.max(deltaserve_plan::cuda::SHORT_CHUNK_PARTIAL_ROWS)
+    }
+
+    /// Key splits of the prefill kernel over `tiles` tiles of short chunks (`rows` rows, contexts up
+    /// to `max_end` keys): about two waves of blocks, each split at least 4 KV tiles, as many as the
+    /// decode partials hold for the rows.
+    pub(super) fn short_prefill_splits(&self, tiles: usize, rows: usize, max_end: usize) -> usize {
+        let blocks = (tiles * self.d.kv_heads).max(1);
+        let want = (2 * self.rt.sm_count.max(1) as usize).div_ceil(blocks);
+        let kv_tiles = max_end.div_ceil(self.k.attn.keys.max(1));
+        let fit = self.partial_rows() * self.decode_partitions / rows.max(1);
+        want.min(kv_tiles / 4).min(fit).clamp(1, 65535)
     }
 
     /// Attention of the step's queries over the paged K/V of `l`: the prefill kernel's tiles (prefill
@@ -175,7 +191,34 @@ impl CudaBackend {
             };
             attention::attn_decode_q(k, s, &a, &sc)?;
         }
-        if sh.short_rows > 0 {
+        if sh.short_tiles > 0 {
+            // Short prefill chunks over a long context: the prefill kernel over their tiles with the
+            // keys split (a few tiles alone would leave most SMs idle, each streaming the whole
+            // context), the splits merged into their rows (ungated: the gate kernel after this covers
+            // them with the prefill rows). Their partials use the decode rows' scratch: the decode
+            // launch below runs after this one's combine.
+            let a = attention::AttnPrefill {
+                q: ws.attn_qg,
+                q_tok: 2 * ad,
+                q_head: 2 * hd,
+                o: ws.attn_out,
+                kv,
+                cu_seqlens: ws.cu_seqlens,
+                seq_lens: ws.seq_lens,
+                tile_table: ws.tile_table.ptr + (8 * sh.n_tiles) as u64,
+                n_tiles: sh.short_tiles,
+                q_heads: nh,
+                scale,
+            };
+            let sp = attention::PrefillSplit {
+                n_split: sh.short_splits,
+                row0: sh.short_row0,
+                rows: sh.short_rows,
+                scratch: ws.attn_partials.ptr,
+                scratch_bytes: ws.attn_partials.bytes,
+            };
+            attention::attn_prefill_split(k, s, &a, &sc, &sp)?;
+        } else if sh.short_rows > 0 {
             // Short prefill chunks over a long context as decode queries, each row with its causal
             // length and its chunk's block-table row; ungated (the gate kernel after this covers
             // them with the prefill rows). Their partials use the decode rows' scratch, split so
@@ -189,7 +232,7 @@ impl CudaBackend {
                 seq_lens: ws.decode_rows.ptr,
                 table_rows: ws.decode_rows.ptr + 4 * rows as u64,
                 n_seqs: rows,
-                n_split: short_chunk_splits(self.max_seqs, self.decode_partitions, rows),
+                n_split: short_chunk_splits(self.partial_rows(), self.decode_partitions, rows),
                 ..dec
             };
             attention::attn_decode_q(k, s, &a, &sc)?;
@@ -203,9 +246,9 @@ impl CudaBackend {
 }
 
 /// Split-K partitions of `rows` short-chunk rows attending as decode queries: as many as the decode
-/// rows' partials (`max_seqs` rows of `partitions`) hold for them, at least 1 and at most `partitions`.
-fn short_chunk_splits(max_seqs: usize, partitions: usize, rows: usize) -> usize {
-    (max_seqs * partitions / rows.max(1)).clamp(1, partitions.max(1))
+/// rows' partials (`partial_rows` rows of `partitions`) hold for them, at least 1 and at most `partitions`.
+fn short_chunk_splits(partial_rows: usize, partitions: usize, rows: usize) -> usize {
+    (partial_rows * partitions / rows.max(1)).clamp(1, partitions.max(1))
 }
 
 #[cfg(test)]

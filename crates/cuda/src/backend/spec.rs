@@ -179,6 +179,8 @@ impl CudaBackend {
                 tvd: 0,
                 short_row0: 0,
                 short_rows: 0,
+                short_tiles: 0,
+                short_splits: 0,
                 n_chunks: 0,
                 n_tiles: 0,
                 n_logits: m,

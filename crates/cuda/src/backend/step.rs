@@ -47,6 +47,10 @@ pub(super) struct StepShape {
     /// context) attend as decode queries.
     pub(super) short_row0: usize,
     pub(super) short_rows: usize,
+    /// With the prefill kernel split over the keys (the wide kernels): the short chunks' tiles (after
+    /// the `n_tiles` others in the tile table) and the key splits of each.
+    pub(super) short_tiles: usize,
+    pub(super) short_splits: usize,
     pub(super) n_chunks: usize,
     pub(super) n_tiles: usize,
     pub(super) n_logits: usize,
@@ -92,6 +96,10 @@ struct HostInputs<'b> {
     /// block-table rows (one upload); the first such row.
     short_rows: Vec<i32>,
     short_row0: usize,
+    /// Tile-table entries of the short chunks (last in `tile_table`) and their key splits: 0 and 0 where
+    /// they attend as decode queries.
+    short_tiles: usize,
+    short_splits: usize,
     /// Each row's (t, h, w) rotary position `[rows, 3]` (with the vision tower; else empty).
     rope: Vec<i32>,
     /// Rows of the multi-token group, of its verify chunks, of its long-context verify chunks.
@@ -193,8 +201,10 @@ impl CudaBackend {
             tvd,
             short_row0: inp.short_row0,
             short_rows: inp.short_rows.len() / 2,
+            short_tiles: inp.short_tiles,
+            short_splits: inp.short_splits,
             n_chunks: inp.chunk_table.len() / 2,
-            n_tiles: inp.tile_table.len() / 2,
+            n_tiles: inp.tile_table.len() / 2 - inp.short_tiles,
             n_logits: inp.last.len(),
             n_pend: inp.pend.0.len(),
         };
@@ -389,14 +399,22 @@ impl CudaBackend {
         let chunk_table = gdn_chunk::chunk_table(&cu[..=n_real]);
         // Prefill attention covers the prefill chunks and the short-context verify chunks; the other
         // verify rows run as decode queries.
-        // (Short chunks attending as decode queries have no tiles.)
+        // Short chunks over a long context: their tiles last, for the prefill kernel split over the keys
+        // (the wide kernels), else none (their rows attend as decode queries).
         let short_seqs = (n_real - n_short) as i32..n_real as i32;
-        let tile_table: Vec<i32> = attention::tile_table(&self.k, &cu[..=n_real + n_ver_pf])
-            .chunks_exact(2)
-            .filter(|e| !short_seqs.contains(&e[0]))
-            .flatten()
-            .copied()
-            .collect();
+        let all_tiles = attention::tile_table(&self.k, &cu[..=n_real + n_ver_pf]);
+        let is_short = |e: &&[i32]| short_seqs.contains(&e[0]);
+        let mut tile_table: Vec<i32> = all_tiles.chunks_exact(2).filter(|e| !is_short(e)).flatten().copied().collect();
+        let (mut short_tiles, mut short_splits) = (0, 0);
+        if n_short > 0 && self.opts.short_chunk_split_keys && attention::prefill_split_supported(&self.k) {
+            let before = tile_table.len();
+            tile_table.extend(all_tiles.chunks_exact(2).filter(is_short).flatten().copied());
+            short_tiles = (tile_table.len() - before) / 2;
+            let ends =
+                order[n_real - n_short..n_real].iter().map(|&i| batch.seqs[i].start + batch.seqs[i].tokens.len());
+            let rows = (cu[n_real] - cu[n_real - n_short]) as usize;
+            short_splits = self.short_prefill_splits(short_tiles, rows, ends.max().unwrap_or(0));
+        }
         let tvd = tp - cu[n_real + n_ver_pf] as usize;
         let (ver_lens, ver_tables) = decode_query_rows(batch, order, n_real + n_ver_pf..n_pre);
         let rope = self.rope_rows(batch, order, rows);
@@ -426,6 +444,8 @@ impl CudaBackend {
             ver_tables,
             short_rows,
             short_row0,
+            short_tiles,
+            short_splits,
             rope,
             tp,
             tv,

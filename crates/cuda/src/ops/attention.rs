@@ -150,6 +150,72 @@ pub fn attn_prefill(k: &Kernels, s: &CudaStream, a: &AttnPrefill) -> Result<(), 
 /// [`attn_prefill`] over a cache stored in the formats the kernels were loaded for ([`Kernels::kv`]):
 /// `kv.k_cache` / `kv.v_cache` hold the codes, `sc` their scales.
 pub fn attn_prefill_q(k: &Kernels, s: &CudaStream, a: &AttnPrefill, sc: &KvScales) -> Result<(), CudaError> {
+    prefill_launch(k, s, a, sc, None)
+}
+
+/// A prefill launch split over the keys ([`attn_prefill_split`]).
+#[derive(Clone, Copy, Debug)]
+pub struct PrefillSplit {
+    /// Key splits per tile (grid.z).
+    pub n_split: usize,
+    /// The launch's queries are the step's rows `row0 .. row0 + rows` (its tiles' sequences hold
+    /// exactly those); their outputs are written at `o + row` as without the split.
+    pub row0: usize,
+    pub rows: usize,
+    /// At least [`decode_scratch_bytes`]`(rows, q_heads, n_split, head_dim)` bytes, 256-aligned: the
+    /// partials, in the decode launch's layout.
+    pub scratch: u64,
+    pub scratch_bytes: usize,
+}
+
+/// Whether [`attn_prefill_split`] runs with these kernels: the wide prefill kernels only (sm_80 and
+/// sm_90 at the 27B head dim; sm_86 / sm_89 run `attn_prefill`, unsplit).
+pub fn prefill_split_supported(k: &Kernels) -> bool {
+    k.attn_wide()
+}
+
+/// [`attn_prefill_q`] with each tile's keys split `sp.n_split` ways, for a few queries over a long
+/// context (one tile per kv head would leave most SMs idle): the wide kernel writes each split's
+/// unnormalised partials, `attn_decode_combine` merges them into `a.o` (ungated).
+pub fn attn_prefill_split(
+    k: &Kernels,
+    s: &CudaStream,
+    a: &AttnPrefill,
+    sc: &KvScales,
+    sp: &PrefillSplit,
+) -> Result<(), CudaError> {
+    const K: &str = "attn_prefill_split";
+    if a.n_tiles == 0 || sp.rows == 0 {
+        return Ok(());
+    }
+    if !prefill_split_supported(k) {
+        return Err(invalid(K, "the split runs in the wide prefill kernels, not loaded here"));
+    }
+    let hd = k.dims.attn_head_dim;
+    let need = decode_scratch_bytes(sp.rows, a.q_heads, sp.n_split, hd);
+    if sp.n_split == 0 || sp.scratch_bytes < need || !sp.scratch.is_multiple_of(256) {
+        return Err(invalid(K, format!("{sp:?}: need {need} B of 256-aligned scratch and n_split >= 1")));
+    }
+    let part_o = sp.scratch;
+    let part_ml = part_o + (4 * sp.rows * a.q_heads * sp.n_split * hd).div_ceil(256) as u64 * 256;
+    let ns = to_i32(K, "n_split", sp.n_split)?;
+    prefill_launch(k, s, a, sc, Some((ns, to_i32(K, "row0", sp.row0)?, part_o, part_ml)))?;
+    let (o, hq, gate, null) =
+        (a.o + 2 * (sp.row0 * a.q_heads * hd) as u64, to_i32(K, "q_heads", a.q_heads)?, 0u64, 0u64);
+    let (qt, qh) = (0i64, 0i64);
+    let grid = (to_u32(K, "rows", sp.rows)?, to_u32(K, "q_heads", a.q_heads)?, 1);
+    launch_pdl!(k, s, "attn_decode_combine", grid, (hd as u32, 1, 1), 0; part_o, part_ml, null, o, hq, ns, gate, qt, qh)
+}
+
+/// The prefill kernel's launch; `split`: (n_split, row0, part_o, part_ml) of a split launch (wide
+/// kernels only).
+fn prefill_launch(
+    k: &Kernels,
+    s: &CudaStream,
+    a: &AttnPrefill,
+    sc: &KvScales,
+    split: Option<(i32, i32, u64, u64)>,
+) -> Result<(), CudaError> {
     if a.n_tiles == 0 {
         return Ok(());
     }
@@ -181,13 +247,20 @@ pub fn attn_prefill_q(k: &Kernels, s: &CudaStream, a: &AttnPrefill, sc: &KvScale
         if !q.is_multiple_of(16) || !a.q_tok.is_multiple_of(8) || !a.q_head.is_multiple_of(8) {
             return Err(invalid("attn_prefill", format!("{a:?}: q must be 16-byte aligned with strides of 8")));
         }
-        // One block per (tile of 128 packed rows, kv head); a warp pair per 32 rows.
-        let grid =
-            (to_u32("attn_prefill", "n_tiles", a.n_tiles)?, to_u32("attn_prefill", "kv_heads", a.kv.kv_heads)?, 1);
+        // One block per (tile of 128 packed rows, kv head, key split); a warp pair per 32 rows.
+        let (n_split, row0, part_o, part_ml) = split.unwrap_or((1, 0, 0, 0));
+        let grid = (
+            to_u32("attn_prefill", "n_tiles", a.n_tiles)?,
+            to_u32("attn_prefill", "kv_heads", a.kv.kv_heads)?,
+            n_split as u32,
+        );
         let smem = wide_smem_bytes(&d, &k.kv, k.attn.keys) as u32;
         return launch!(k, s, k.attn_prefill_kernel(), grid, (256, 1, 1), smem;
             q, k_cache, v_cache, k_scales, v_scales, block_tables, mb, cu_seqlens, seq_lens, tile_table, o, hq, hkv,
-            page, scale, qt, qh);
+            page, scale, qt, qh, n_split, row0, part_o, part_ml);
+    }
+    if split.is_some() {
+        return Err(invalid("attn_prefill", "a key split needs the wide prefill kernels"));
     }
     // One block per (16-query tile, kv head, group of heads_per_block query heads); a warp pair per
     // query head.

@@ -1,9 +1,10 @@
-//! Short prefill chunks over a long context attending as decode queries
-//! (`CudaOptions::short_chunk_decode_attention_from`): every row split-K over its causal keys, as
-//! long-context verify rows are, instead of the prefill kernel's query tiles. The same logits as the
-//! prefill kernel, and as close to the CPU reference as the prefill kernel's — beside a long prefill chunk, a chunk below the
-//! threshold and decode rows in one step, in a step of short chunks alone (no tiles at all), and in
-//! the steps after them (the chunks' every row, not only the last, feeds the later layers' K/V).
+//! Short prefill chunks over a long context (`CudaOptions::short_chunk_decode_attention_from`): the
+//! prefill kernel with each tile's keys split over more blocks (the wide kernels), and every row as a
+//! decode query split-K over its causal keys (as long-context verify rows are), instead of the prefill
+//! kernel's query tiles alone. The same logits as the prefill kernel, and as close to the CPU
+//! reference as the prefill kernel's — beside a long prefill chunk, a chunk below the threshold and
+//! decode rows in one step, in a step of short chunks alone (no other tiles), and in the steps after
+//! them (the chunks' every row, not only the last, feeds the later layers' K/V).
 
 use deltaserve_backend::{Backend, StepBatch};
 use deltaserve_cuda::backend::{CudaOptions, SHORT_CHUNK_TOKENS};
@@ -23,7 +24,7 @@ fn step_all(backends: &mut [&mut dyn Backend], pg: &[Vec<u32>], chunks: &[(usize
 }
 
 #[test]
-fn short_chunks_as_decode_queries_match_the_prefill_kernel_and_the_cpu() {
+fn short_chunks_over_long_contexts_match_the_prefill_kernel_and_the_cpu() {
     if !gpu() {
         return;
     }
@@ -35,8 +36,18 @@ fn short_chunks_as_decode_queries_match_the_prefill_kernel_and_the_cpu() {
             o.v_dtype = kv;
         });
         let mut tiles = cuda(&dir, &cfg, &plan);
+        // The short chunks' paths: the prefill kernel with its keys split (where the wide kernels run),
+        // and the rows as decode queries.
+        let mut split = cuda(&dir, &cfg, &plan);
+        split.set_options(CudaOptions { short_chunk_decode_attention_from: 256, ..split.options() }).unwrap();
         let mut rows = cuda(&dir, &cfg, &plan);
-        rows.set_options(CudaOptions { short_chunk_decode_attention_from: 256, ..rows.options() }).unwrap();
+        let o = CudaOptions { short_chunk_decode_attention_from: 256, short_chunk_split_keys: false, ..rows.options() };
+        rows.set_options(o).unwrap();
+        let paths: &[(usize, &str)] = if split.short_chunks_split_keys() {
+            &[(1, "keys split"), (2, "decode queries")]
+        } else {
+            &[(2, "decode queries")]
+        };
         let mut cpu = cpu(&dir, &cfg);
         if kv != KvDtype::Bf16 {
             cpu = cpu.with_kv_formats(kv, kv);
@@ -51,34 +62,40 @@ fn short_chunks_as_decode_queries_match_the_prefill_kernel_and_the_cpu() {
         let pg: Vec<Vec<u32>> = (0..hist.len()).map(|i| pages(64 * i as u32, 1000)).collect();
         let toks: Vec<Vec<u32>> =
             (0..hist.len()).map(|i| random_tokens(&mut rng, hist[i] + new[i] + 8, vocab)).collect();
-        let mut bs: [&mut dyn Backend; 3] = [&mut tiles, &mut rows, &mut cpu];
+        let mut bs: [&mut dyn Backend; 4] = [&mut tiles, &mut split, &mut rows, &mut cpu];
         for (i, &h) in hist.iter().enumerate().filter(|(_, h)| **h > 0) {
             step_all(&mut bs, &pg, &[(i, 0, toks[i][..h].to_vec())]);
         }
         let label = format!("KV {}", kv.name());
-        // The rows path is held to the prefill kernel (both read the same KV cache; bf16 rounding apart)
-        // and to the CPU reference no worse than the prefill kernel is (long contexts of a random tiny
-        // model drift from the f32 reference by a few percent on either path).
+        // Each short-chunk path is held to the prefill kernel (all read the same KV cache; bf16 rounding
+        // apart) and to the CPU reference no worse than the prefill kernel is (long contexts of a random
+        // tiny model drift from the f32 reference by a few percent on every path).
         let vs_tiles_bound = if kv == KvDtype::Bf16 { 2e-2 } else { 4e-2 };
         let mut compare = |what: &str, got: &[Vec<f32>]| {
-            let (mut vs_tiles, mut rows_cpu, mut tiles_cpu) = (Score::default(), Score::default(), Score::default());
-            vs_tiles.add(&got[1], &got[0], vocab);
-            rows_cpu.add(&got[1], &got[2], vocab);
-            tiles_cpu.add(&got[0], &got[2], vocab);
-            let (r, t) = (rows_cpu.median_l2(), tiles_cpu.median_l2());
-            println!(
-                "{label} {what}: worst row vs the prefill kernel {:.3e}; median L2 vs CPU {r:.3e} (prefill kernel {t:.3e}); \
-                 argmax as CPU {}/{} (prefill kernel {}/{})",
-                vs_tiles.worst, rows_cpu.argmax_same, rows_cpu.rows, tiles_cpu.argmax_same, tiles_cpu.rows
-            );
-            if vs_tiles.worst >= vs_tiles_bound {
-                failures.push(format!("{label} {what}: {:.3e} from the prefill kernel's logits", vs_tiles.worst));
-            }
-            if r > 1.25 * t + 5e-3 {
-                failures.push(format!("{label} {what}: median L2 vs CPU {r:.3e}, the prefill kernel's {t:.3e}"));
-            }
-            if rows_cpu.decisive_flips > tiles_cpu.decisive_flips {
-                failures.push(format!("{label} {what}: an argmax flip where the CPU's margin is decisive"));
+            let mut tiles_cpu = Score::default();
+            tiles_cpu.add(&got[0], &got[3], vocab);
+            let t = tiles_cpu.median_l2();
+            for &(i, path) in paths {
+                let (mut vs_tiles, mut path_cpu) = (Score::default(), Score::default());
+                vs_tiles.add(&got[i], &got[0], vocab);
+                path_cpu.add(&got[i], &got[3], vocab);
+                let r = path_cpu.median_l2();
+                println!(
+                    "{label} {what}, {path}: worst row vs the prefill kernel {:.3e}; median L2 vs CPU {r:.3e} \
+                     (prefill kernel {t:.3e}); argmax as CPU {}/{} (prefill kernel {}/{})",
+                    vs_tiles.worst, path_cpu.argmax_same, path_cpu.rows, tiles_cpu.argmax_same, tiles_cpu.rows
+                );
+                if vs_tiles.worst >= vs_tiles_bound {
+                    failures.push(format!("{label} {what}, {path}: {:.3e} from the prefill kernel", vs_tiles.worst));
+                }
+                if r > 1.25 * t + 5e-3 {
+                    failures.push(format!(
+                        "{label} {what}, {path}: median L2 vs CPU {r:.3e}, the prefill kernel's {t:.3e}"
+                    ));
+                }
+                if path_cpu.decisive_flips > tiles_cpu.decisive_flips {
+                    failures.push(format!("{label} {what}, {path}: an argmax flip where the CPU's margin is decisive"));
+                }
             }
         };
         let mixed: Vec<(usize, usize, Vec<u32>)> =

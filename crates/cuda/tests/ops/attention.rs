@@ -240,10 +240,23 @@ fn attn_case(
     let kv = pages(&w, (kc, vc));
     let mut indirect = None;
     let mut gated: Option<(u64, Vec<f32>)> = None;
+    let mut split_outs: Vec<(usize, u64)> = Vec::new();
     match n_split {
         None => {
             let a = prefill_args(d, k, &q, q.o, kv)?;
             attention::attn_prefill(k, s, &a)?;
+            // The same launch split over the keys (wide kernels): 3 splits, and 64 (more than most
+            // tiles have KV tiles: empty splits), merged by the decode combine.
+            if attention::prefill_split_supported(k) {
+                let rows = *q.cu.last().unwrap() as usize;
+                for n_split in [3, 64] {
+                    let bytes = attention::decode_scratch_bytes(rows, hq, n_split, k.dims.attn_head_dim);
+                    let (scratch, o) = (d.poison(bytes)?, d.poison(2 * n)?);
+                    let sp = attention::PrefillSplit { n_split, row0: 0, rows, scratch, scratch_bytes: bytes };
+                    attention::attn_prefill_split(k, s, &attention::AttnPrefill { o, ..a }, &Default::default(), &sp)?;
+                    split_outs.push((n_split, o));
+                }
+            }
         }
         Some(n_split) => {
             let a = decode_args(d, &q, kv, n_split)?;
@@ -273,6 +286,9 @@ fn attn_case(
     let mut out = vec![compare("o", &r, &d.get_bf16(q.o, n)?, tol)];
     if let Some(op2) = indirect {
         out.push(compare("o via table_rows", &r, &d.get_bf16(op2, n)?, tol));
+    }
+    for (n_split, o) in split_outs {
+        out.push(compare(&format!("o split {n_split} ways over the keys"), &r, &d.get_bf16(o, n)?, tol));
     }
     if let Some((op3, g)) = gated {
         let want: Vec<f32> = r

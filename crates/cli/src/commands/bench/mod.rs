@@ -103,7 +103,7 @@ pub struct Args {
     verify_tokens: usize,
     /// New tokens of the short-chunk runs: one sequence prefilling this many tokens a step after each
     /// decode context (a tool result after a long conversation), on one GPU with the prefill kernel's
-    /// query tiles and with the rows as decode queries (0: none).
+    /// query tiles, with its keys split and with the rows as decode queries (0: none).
     #[arg(long, value_delimiter = ',', default_value = "16,64,256")]
     short_chunks: Vec<usize>,
     /// Tensor parallelism over GPUs 0..N (--memory is per card).
@@ -382,22 +382,49 @@ pub fn run(a: Args) -> Result<()> {
             }
             tracing::info!("bench: short chunks of {n} tokens at context {}", fmt_count(ctx as u64));
             let per_seq = end.div_ceil(page);
-            let mut row =
-                ShortChunkRow { tokens: n, context: ctx, ms: 0.0, ms_tiles: None, ms_rows: None, floor_ms: 0.0 };
+            let mut row = ShortChunkRow {
+                tokens: n,
+                context: ctx,
+                ms: 0.0,
+                ms_tiles: None,
+                ms_split: None,
+                ms_rows: None,
+                floor_ms: 0.0,
+            };
             match &mut be {
                 Under::One(cb) => {
-                    // Both attentions of the chunk's rows (decode queries only up to SHORT_CHUNK_TOKENS),
-                    // then the configured one back.
+                    // Each attention of the chunk's rows (the short-chunk paths only up to
+                    // SHORT_CHUNK_TOKENS; the split where the wide kernels run), then the configured one back.
                     let opts = cb.options();
-                    let ways: &[usize] = if n <= SHORT_CHUNK_TOKENS { &[usize::MAX, 0] } else { &[usize::MAX] };
-                    for &from in ways {
-                        cb.set_options(CudaOptions { short_chunk_decode_attention_from: from, ..opts })?;
+                    let mut ways: Vec<(usize, bool)> = vec![(usize::MAX, true)];
+                    if n <= SHORT_CHUNK_TOKENS {
+                        ways.extend([(0, true), (0, false)]);
+                    }
+                    for (from, split) in ways {
+                        let o = CudaOptions {
+                            short_chunk_decode_attention_from: from,
+                            short_chunk_split_keys: split,
+                            ..opts
+                        };
+                        cb.set_options(o)?;
                         let ms = decode(cb.as_mut(), 1, n, ctx, per_seq, a.steps, vocab, Pick::Logits)?;
-                        *(if from == 0 { &mut row.ms_rows } else { &mut row.ms_tiles }) = Some(ms);
+                        let slot = match (from, split) {
+                            (usize::MAX, _) => &mut row.ms_tiles,
+                            (_, true) if cb.short_chunks_split_keys() => &mut row.ms_split,
+                            (_, true) => continue,
+                            _ => &mut row.ms_rows,
+                        };
+                        *slot = Some(ms);
                     }
                     cb.set_options(opts)?;
-                    let rows_on = ctx >= opts.short_chunk_decode_attention_from && n <= SHORT_CHUNK_TOKENS;
-                    row.ms = if rows_on { row.ms_rows } else { row.ms_tiles }.unwrap_or_default();
+                    let on = ctx >= opts.short_chunk_decode_attention_from && n <= SHORT_CHUNK_TOKENS;
+                    let split = opts.short_chunk_split_keys && cb.short_chunks_split_keys();
+                    row.ms = match (on, split) {
+                        (false, _) => row.ms_tiles,
+                        (true, true) => row.ms_split,
+                        (true, false) => row.ms_rows,
+                    }
+                    .unwrap_or_default();
                 }
                 Under::Tp(b) => row.ms = decode(b, 1, n, ctx, per_seq, a.steps, vocab, Pick::Logits)?,
             }

@@ -80,10 +80,11 @@ pub(super) struct Report {
 pub(super) struct ShortChunkRow {
     pub(super) tokens: usize,
     pub(super) context: usize,
-    /// ms per step as the backend is configured; on one GPU also with the prefill kernel's query tiles
-    /// and with the rows as decode queries.
+    /// ms per step as the backend is configured; on one GPU also with the prefill kernel's query tiles,
+    /// with its keys split (where the wide prefill kernels run) and with the rows as decode queries.
     pub(super) ms: f64,
     pub(super) ms_tiles: Option<f64>,
+    pub(super) ms_split: Option<f64>,
     pub(super) ms_rows: Option<f64>,
     /// The step's bytes at the copy rate or its FLOPs at the GEMM rate, whichever takes longer.
     pub(super) floor_ms: f64,
@@ -242,7 +243,8 @@ impl ToolReport for Report {
             })).collect::<Vec<_>>(),
             "short_chunks": self.short_chunks.iter().map(|r| json!({
                 "tokens": r.tokens, "context": r.context, "ms_per_step": r3(r.ms),
-                "ms_prefill_kernel": r.ms_tiles.map(r3), "ms_decode_queries": r.ms_rows.map(r3),
+                "ms_prefill_kernel": r.ms_tiles.map(r3), "ms_keys_split": r.ms_split.map(r3),
+                "ms_decode_queries": r.ms_rows.map(r3),
                 "floor_ms": r3(r.floor_ms), "roofline_ratio": r3(r.floor_ms / r.ms),
                 "tokens_per_s": r1(r.tokens as f64 * 1e3 / r.ms),
             })).collect::<Vec<_>>(),
@@ -458,12 +460,12 @@ impl ToolReport for Report {
             );
         }
         for r in &self.short_chunks {
-            let both = match (r.ms_tiles, r.ms_rows) {
-                (Some(t), Some(q)) => {
-                    format!(" (prefill kernel {t:.2} ms, as decode queries {q:.2} ms: {:.2}×)", t / q)
-                }
-                _ => String::new(),
-            };
+            let ways: Vec<String> =
+                [("prefill kernel", r.ms_tiles), ("keys split", r.ms_split), ("as decode queries", r.ms_rows)]
+                    .into_iter()
+                    .filter_map(|(w, ms)| Some(format!("{w} {:.2} ms", ms?)))
+                    .collect();
+            let both = if ways.is_empty() { String::new() } else { format!(" ({})", ways.join(", ")) };
             let _ = writeln!(
                 s,
                 "short chunk ({} tokens, batch 1) at {}: {:.2} ms, {:.2} of the roofline{both}",
