@@ -622,7 +622,9 @@ impl CudaBackend {
             .spec_kv
             .map(|kv| {
                 let at = (max_draft, cl.pending, cl.snap_pending);
-                speculation(&mut arena, &wsb, &d, &mut ws, kv, at, partial_bytes)
+                // The draft head's attention: decode rows of the step's sequences only.
+                let mtp_partial_bytes = attention::decode_scratch_bytes(s, d.q_heads, p, d.head_dim);
+                speculation(&mut arena, &wsb, &d, &mut ws, kv, at, mtp_partial_bytes)
             })
             .transpose()?;
         if logits.bytes < 4 * s * (1 + max_draft) * d.vocab {
