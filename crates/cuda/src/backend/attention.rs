@@ -109,11 +109,10 @@ impl CudaBackend {
     /// to `max_end` keys): about two waves of blocks, each split at least 4 KV tiles, as many as the
     /// decode partials hold for the rows.
     pub(super) fn short_prefill_splits(&self, tiles: usize, rows: usize, max_end: usize) -> usize {
-        let blocks = (tiles * self.d.kv_heads).max(1);
-        let want = (2 * self.rt.sm_count.max(1) as usize).div_ceil(blocks);
+        let blocks = tiles * self.d.kv_heads;
         let kv_tiles = max_end.div_ceil(self.k.attn.keys.max(1));
-        let fit = self.partial_rows() * self.decode_partitions / rows.max(1);
-        want.min(kv_tiles / 4).min(fit).clamp(1, 65535)
+        let units = self.partial_rows() * self.decode_partitions;
+        prefill_key_splits(self.rt.sm_count.max(1) as usize, blocks, kv_tiles, units, rows)
     }
 
     /// Attention of the step's queries over the paged K/V of `l`: the prefill kernel's tiles (prefill
@@ -245,6 +244,14 @@ impl CudaBackend {
     }
 }
 
+/// Key splits of a prefill launch of `blocks` blocks (tiles × kv heads) whose longest tile has
+/// `kv_tiles` KV tiles, its `rows` rows' partials in `units` (rows × splits) of scratch: about two
+/// waves on `sms` SMs, at least 4 KV tiles a split, no more than the scratch holds; at least 1.
+fn prefill_key_splits(sms: usize, blocks: usize, kv_tiles: usize, units: usize, rows: usize) -> usize {
+    let want = (2 * sms).div_ceil(blocks.max(1));
+    want.min(kv_tiles / 4).min(units / rows.max(1)).clamp(1, 65535)
+}
+
 /// Split-K partitions of `rows` short-chunk rows attending as decode queries: as many as the decode
 /// rows' partials (`partial_rows` rows of `partitions`) hold for them, at least 1 and at most `partitions`.
 fn short_chunk_splits(partial_rows: usize, partitions: usize, rows: usize) -> usize {
@@ -253,7 +260,7 @@ fn short_chunk_splits(partial_rows: usize, partitions: usize, rows: usize) -> us
 
 #[cfg(test)]
 mod tests {
-    use super::short_chunk_splits;
+    use super::{prefill_key_splits, short_chunk_splits};
     use crate::ops::attention::decode_scratch_bytes;
 
     #[test]
@@ -268,5 +275,23 @@ mod tests {
         }
         assert_eq!(short_chunk_splits(4, 32, 38), 3);
         assert_eq!(short_chunk_splits(4, 32, 1), 32);
+    }
+
+    /// The 27B's short chunks on the H200 (132 SMs, 4 kv heads, 64-key tiles, partials of 16 rows x 32
+    /// partitions): 16 tokens after 128K fill two waves; a short context or a full scratch limits the
+    /// splits; a split never goes below 1.
+    #[test]
+    fn prefill_key_splits_fill_two_waves_within_the_scratch() {
+        let units = 16 * 32;
+        // 16 tokens (96 packed rows: one tile per kv head) after 131,072 keys: 2048 KV tiles.
+        assert_eq!(prefill_key_splits(132, 4, 2048, units, 16), 32);
+        // The scratch: 64 rows hold 8 splits.
+        assert_eq!(prefill_key_splits(132, 12, 2048, units, 64), 8);
+        // A short context: 2,048 keys are 32 KV tiles, 8 splits of 4.
+        assert_eq!(prefill_key_splits(132, 4, 32, units, 16), 8);
+        // Enough blocks already, a context shorter than 4 tiles, more rows than the scratch has units.
+        assert_eq!(prefill_key_splits(132, 300, 2048, units, 16), 1);
+        assert_eq!(prefill_key_splits(132, 4, 3, units, 16), 1);
+        assert_eq!(prefill_key_splits(132, 4, 2048, units, 1000), 1);
     }
 }
