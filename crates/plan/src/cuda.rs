@@ -96,6 +96,11 @@ pub const SHORT_CHUNK_DECODE_ROWS: usize = 256;
 /// sequences still splits a 16-token chunk over a long context 32 ways.
 pub const SHORT_CHUNK_PARTIAL_ROWS: usize = 16;
 
+/// Rows of `attn_decode_partials` for a plan of `max_seqs` sequences a step.
+pub fn decode_partial_rows(max_seqs: usize) -> usize {
+    max_seqs.max(SHORT_CHUNK_PARTIAL_ROWS)
+}
+
 fn al(x: usize) -> usize {
     x.next_multiple_of(ALIGN as usize)
 }

@@ -301,7 +301,7 @@ pub fn plan_workspace(cfg: &ModelConfig, s: &StepShape) -> Option<WorkspaceLayou
     b.buf("attn_qg", t * 2 * ad * a, format!("[{tt}, {}, 2·{}] {act} (q | gate per head)", d.q_heads, d.head_dim));
     b.buf("attn_k", t * kvd * a, format!("[{tt}, {}] {act}", d.kv_dim));
     b.buf("attn_v", t * kvd * a, format!("[{tt}, {}] {act}", d.kv_dim));
-    let pr = n.max(crate::cuda::SHORT_CHUNK_PARTIAL_ROWS as u128);
+    let pr = crate::cuda::decode_partial_rows(s.seqs) as u128;
     b.buf(
         "attn_decode_partials",
         pr * s.decode_partitions as u128 * d.q_heads as u128 * (d.head_dim as u128 + 2) * 4,

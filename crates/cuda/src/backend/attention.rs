@@ -102,7 +102,7 @@ impl CudaBackend {
 
     /// Rows of the decode attention's split-K partials (`plan::cuda::SHORT_CHUNK_PARTIAL_ROWS` at least).
     fn partial_rows(&self) -> usize {
-        self.max_seqs.max(deltaserve_plan::cuda::SHORT_CHUNK_PARTIAL_ROWS)
+        deltaserve_plan::cuda::decode_partial_rows(self.max_seqs)
     }
 
     /// Key splits of the prefill kernel over `tiles` tiles of short chunks (`rows` rows, contexts up
@@ -134,26 +134,20 @@ impl CudaBackend {
         };
         let scale = 1.0 / (hd as f32).sqrt();
         // The prefill kernel's tiles: the prefill chunks and the short-context verify chunks.
-        if sh.n_tiles > 0 {
-            attention::attn_prefill_q(
-                k,
-                s,
-                &attention::AttnPrefill {
-                    q: ws.attn_qg,
-                    q_tok: 2 * ad,
-                    q_head: 2 * hd,
-                    o: ws.attn_out,
-                    kv,
-                    cu_seqlens: ws.cu_seqlens,
-                    seq_lens: ws.seq_lens,
-                    tile_table: ws.tile_table.ptr,
-                    n_tiles: sh.n_tiles,
-                    q_heads: nh,
-                    scale,
-                },
-                &sc,
-            )?;
-        }
+        let pf = attention::AttnPrefill {
+            q: ws.attn_qg,
+            q_tok: 2 * ad,
+            q_head: 2 * hd,
+            o: ws.attn_out,
+            kv,
+            cu_seqlens: ws.cu_seqlens,
+            seq_lens: ws.seq_lens,
+            tile_table: ws.tile_table.ptr,
+            n_tiles: sh.n_tiles,
+            q_heads: nh,
+            scale,
+        };
+        attention::attn_prefill_q(k, s, &pf, &sc)?;
         let dec = attention::AttnDecode {
             q: ws.attn_qg + b2(tp * 2 * ad),
             q_tok: 2 * ad,
@@ -197,17 +191,9 @@ impl CudaBackend {
             // them with the prefill rows). Their partials use the decode rows' scratch: the decode
             // launch below runs after this one's combine.
             let a = attention::AttnPrefill {
-                q: ws.attn_qg,
-                q_tok: 2 * ad,
-                q_head: 2 * hd,
-                o: ws.attn_out,
-                kv,
-                cu_seqlens: ws.cu_seqlens,
-                seq_lens: ws.seq_lens,
                 tile_table: ws.tile_table.ptr + (8 * sh.n_tiles) as u64,
                 n_tiles: sh.short_tiles,
-                q_heads: nh,
-                scale,
+                ..pf
             };
             let sp = attention::PrefillSplit {
                 n_split: sh.short_splits,

@@ -598,7 +598,7 @@ impl CudaBackend {
         let wsb = Workspace { plan, acts: r.acts };
         let p = plan.options.decode_partitions;
         // (at least SHORT_CHUNK_PARTIAL_ROWS rows: short prefill chunks split their keys into them)
-        let partial_rows = s.max(deltaserve_plan::cuda::SHORT_CHUNK_PARTIAL_ROWS);
+        let partial_rows = deltaserve_plan::cuda::decode_partial_rows(s);
         let partial_bytes = attention::decode_scratch_bytes(partial_rows, d.q_heads, p, d.head_dim);
         let mut ws = workspace_views(&wsb, &d, cfg.moe.as_ref(), &r, partial_bytes)?;
         if logits.bytes < 4 * s * d.vocab {

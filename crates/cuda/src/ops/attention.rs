@@ -196,15 +196,35 @@ pub fn attn_prefill_split(
     if sp.n_split == 0 || sp.scratch_bytes < need || !sp.scratch.is_multiple_of(256) {
         return Err(invalid(K, format!("{sp:?}: need {need} B of 256-aligned scratch and n_split >= 1")));
     }
-    let part_o = sp.scratch;
-    let part_ml = part_o + (4 * sp.rows * a.q_heads * sp.n_split * hd).div_ceil(256) as u64 * 256;
+    let (part_o, part_ml) = partials(sp.scratch, sp.rows, a.q_heads, sp.n_split, hd);
     let ns = to_i32(K, "n_split", sp.n_split)?;
     prefill_launch(k, s, a, sc, Some((ns, to_i32(K, "row0", sp.row0)?, part_o, part_ml)))?;
-    let (o, hq, gate, null) =
-        (a.o + 2 * (sp.row0 * a.q_heads * hd) as u64, to_i32(K, "q_heads", a.q_heads)?, 0u64, 0u64);
-    let (qt, qh) = (0i64, 0i64);
-    let grid = (to_u32(K, "rows", sp.rows)?, to_u32(K, "q_heads", a.q_heads)?, 1);
-    launch_pdl!(k, s, "attn_decode_combine", grid, (hd as u32, 1, 1), 0; part_o, part_ml, null, o, hq, ns, gate, qt, qh)
+    let o = a.o + 2 * (sp.row0 * a.q_heads * hd) as u64;
+    combine(k, s, (part_o, part_ml), 0, o, (sp.rows, a.q_heads, sp.n_split), (0, 0, 0))
+}
+
+/// The partial outputs and the (max, sum) pairs in a scratch of [`decode_scratch_bytes`] for `rows`
+/// rows of `q_heads` heads split `n_split` ways.
+fn partials(scratch: u64, rows: usize, q_heads: usize, n_split: usize, head_dim: usize) -> (u64, u64) {
+    (scratch, scratch + (4 * rows * q_heads * n_split * head_dim).div_ceil(256) as u64 * 256)
+}
+
+/// `attn_decode_combine` over `rows` rows of `q_heads` heads and `n_split` partials each: `seq_lens`
+/// (0: every row has all `n_split`), o at `o`, `gate` (0: none) with its token and head strides.
+fn combine(
+    k: &Kernels,
+    s: &CudaStream,
+    (part_o, part_ml): (u64, u64),
+    seq_lens: u64,
+    o: u64,
+    (rows, q_heads, n_split): (usize, usize, usize),
+    (gate, qt, qh): (u64, i64, i64),
+) -> Result<(), CudaError> {
+    const K: &str = "attn_decode_combine";
+    let (hq, ns) = (to_i32(K, "q_heads", q_heads)?, to_i32(K, "n_split", n_split)?);
+    let grid = (to_u32(K, "rows", rows)?, to_u32(K, "q_heads", q_heads)?, 1);
+    let block = (k.dims.attn_head_dim as u32, 1, 1);
+    launch_pdl!(k, s, K, grid, block, 0; part_o, part_ml, seq_lens, o, hq, ns, gate, qt, qh)
 }
 
 /// The prefill kernel's launch; `split`: (n_split, row0, part_o, part_ml) of a split launch (wide
@@ -332,8 +352,7 @@ pub fn attn_decode_q(k: &Kernels, s: &CudaStream, a: &AttnDecode, sc: &KvScales)
     if a.scratch_bytes < need || !a.scratch.is_multiple_of(256) {
         return Err(invalid("attn_decode_split", format!("scratch {} B; need {need} B, 256-aligned", a.scratch_bytes)));
     }
-    let part_o = a.scratch;
-    let part_ml = part_o + (4 * a.n_seqs * a.q_heads * a.n_split * d.attn_head_dim).div_ceil(256) as u64 * 256;
+    let (part_o, part_ml) = partials(a.scratch, a.n_seqs, a.q_heads, a.n_split, d.attn_head_dim);
     if a.q_head < d.attn_head_dim || a.q_tok < a.q_heads * a.q_head {
         return Err(invalid("attn_decode_split", format!("{a:?}: q strides too small")));
     }
@@ -359,9 +378,7 @@ pub fn attn_decode_q(k: &Kernels, s: &CudaStream, a: &AttnDecode, sc: &KvScales)
     launch_pdl!(k, s, name, grid, (256, 1, 1), 0;
         q, k_cache, v_cache, k_scales, v_scales, block_tables, table_rows, mb, seq_lens, part_o, part_ml, hq, hkv,
         page, scale, ns, qt, qh)?;
-    let grid = (grid.0, to_u32("attn_decode_combine", "q_heads", a.q_heads)?, 1);
-    let block = (d.attn_head_dim as u32, 1, 1);
-    launch_pdl!(k, s, "attn_decode_combine", grid, block, 0; part_o, part_ml, seq_lens, o, hq, ns, gate, qt, qh)
+    combine(k, s, (part_o, part_ml), seq_lens, o, (a.n_seqs, a.q_heads, a.n_split), (gate, qt, qh))
 }
 
 #[cfg(test)]

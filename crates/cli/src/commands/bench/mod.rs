@@ -398,7 +398,10 @@ pub fn run(a: Args) -> Result<()> {
                     let opts = cb.options();
                     let mut ways: Vec<(usize, bool)> = vec![(usize::MAX, true)];
                     if n <= SHORT_CHUNK_TOKENS {
-                        ways.extend([(0, true), (0, false)]);
+                        if cb.short_chunks_split_keys() {
+                            ways.push((0, true));
+                        }
+                        ways.push((0, false));
                     }
                     for (from, split) in ways {
                         let o = CudaOptions {
@@ -408,13 +411,11 @@ pub fn run(a: Args) -> Result<()> {
                         };
                         cb.set_options(o)?;
                         let ms = decode(cb.as_mut(), 1, n, ctx, per_seq, a.steps, vocab, Pick::Logits)?;
-                        let slot = match (from, split) {
+                        *(match (from, split) {
                             (usize::MAX, _) => &mut row.ms_tiles,
-                            (_, true) if cb.short_chunks_split_keys() => &mut row.ms_split,
-                            (_, true) => continue,
+                            (_, true) => &mut row.ms_split,
                             _ => &mut row.ms_rows,
-                        };
-                        *slot = Some(ms);
+                        }) = Some(ms);
                     }
                     cb.set_options(opts)?;
                     let on = ctx >= opts.short_chunk_decode_attention_from && n <= SHORT_CHUNK_TOKENS;
