@@ -116,8 +116,8 @@ pub struct EngineArgs {
     /// The most patches (vision-tower tokens; 4 make one prompt image token) of one image: the plan sizes
     /// the tower's activation workspace for this many, and a request with a larger image gets a 400.
     /// Default: the larger of 4096 and one image at the pixel budget of preprocessor_config.json (65,536
-    /// for Qwen3.5/3.6). Only where the backend runs the tower (CPU, or CUDA with DELTASERVE_CUDA_VISION=1;
-    /// not with --no-vision).
+    /// for Qwen3.5/3.6). Only where the backend runs the tower (CPU, or CUDA on one card; not with
+    /// --no-vision). Given, the CUDA plan keeps the tower even where the full context would trade it away.
     #[arg(long, value_name = "N")]
     pub max_image_tokens_per_step: Option<usize>,
 }
@@ -365,6 +365,7 @@ impl EngineArgs {
             snapshot_slots: self.snapshot_slots.is_none() && !self.no_prefix_cache,
             embed_on_host: false,
             lm_head_int4: false,
+            vision: false,
         }
     }
 
@@ -507,16 +508,23 @@ impl EngineArgs {
     fn prepare_cuda(&self, text: TextModel, random_weights: bool, no_vision: bool) -> Result<Prepared> {
         CudaBackend::check_model(&text.config)?;
         let tp = self.tensor_parallel;
-        // The GPU vision tower (DELTASERVE_CUDA_VISION=1): priced in the plan, loaded by the backend.
-        let vision = deltaserve_cuda::Switches::get().cuda_vision && !no_vision && text.config.vision.is_some();
+        // The model's vision tower on the GPU: priced in the plan, loaded by the backend; one card only.
+        // The fit may leave it out for context unless the user asked for images (--max-image-tokens-per-step).
+        let asked = self.max_image_tokens_per_step.is_some();
+        let mut vision = !no_vision && text.config.vision.is_some();
         if vision && tp > 1 {
-            anyhow::bail!("DELTASERVE_CUDA_VISION=1: the GPU vision tower does not run with --tensor-parallel {tp}");
-        }
-        if !vision && self.max_image_tokens_per_step.is_some() {
+            if asked {
+                anyhow::bail!(
+                    "--max-image-tokens-per-step: the GPU vision tower does not run with --tensor-parallel {tp}"
+                );
+            }
             tracing::warn!(
-                "--max-image-tokens-per-step: ignored, the CUDA backend loads no vision tower (images are refused; \
-                 DELTASERVE_CUDA_VISION=1 loads it)"
+                "--tensor-parallel {tp}: the GPU vision tower runs on one card only; requests with images are refused"
             );
+            vision = false;
+        }
+        if !vision && asked {
+            tracing::warn!("--max-image-tokens-per-step: ignored, no vision tower is loaded (images are refused)");
         }
         deltaserve_model::shard::check_world(&text.config, tp)
             .map_err(|e| anyhow::anyhow!("--tensor-parallel {tp}: {e}"))?;
@@ -558,7 +566,12 @@ impl EngineArgs {
         let checkpoint = (!random_weights).then_some(text.dir.as_path());
         opts.backend = crate::model_source::cuda_plan_backend(cfg, checkpoint, &opts)?;
         // The fit may move the embedding to host memory (the MTP head reads its rows from there too).
-        let free = Free { embed_on_host: !self.embed_on_host, lm_head_int4: !self.lm_head_int4, ..self.free() };
+        let free = Free {
+            embed_on_host: !self.embed_on_host,
+            lm_head_int4: !self.lm_head_int4,
+            vision: !asked,
+            ..self.free()
+        };
         let plan = self.fit(cfg, &opts, free)?;
         let sched = self.sched_config(&plan)?;
         let cpu_pages = plan.num_kv_pages;

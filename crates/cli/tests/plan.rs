@@ -57,6 +57,8 @@ fn no_fit_plans_the_settings_as_given() {
         "--kv-cache-dtype",
         "fp8",
         "--no-fit",
+        // (the vision tower alone would not leave room for a context: --no-fit does not trade it either)
+        "--no-vision",
         "--json",
     ]);
     let mc = j["max_context"].as_u64().unwrap();
@@ -81,12 +83,13 @@ fn gptq_checkpoint_plans_int4_like_serve() {
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let d = dir.to_str().unwrap();
-    let j = plan_json(&["--model", d, "--json"]);
+    // (without the vision tower, whose own scratch needs would hide the difference checked below)
+    let j = plan_json(&["--model", d, "--no-vision", "--json"]);
     assert_eq!(j["options"]["weights_dtype"], "int4", "{}", j["options"]);
     assert_eq!(j["options"]["int4_asym"], true);
     // A bf16 checkpoint of the same shape, planned int4, has no linears kept bf16: the GPTQ one's scratch is
     // larger by what it keeps dense (the tiny model's in_proj_a/b have 6 rows: left bf16, as real exports do).
-    let plain = plan_json(&["--preset", "tiny", "--weights-dtype", "int4", "--int4-asym", "--json"]);
+    let plain = plan_json(&["--preset", "tiny", "--weights-dtype", "int4", "--int4-asym", "--no-vision", "--json"]);
     assert!(
         j["backend_scratch_bytes"].as_u64().unwrap() > plain["backend_scratch_bytes"].as_u64().unwrap(),
         "{} vs {}",
@@ -102,7 +105,7 @@ fn gptq_checkpoint_plans_int4_like_serve() {
 
 /// The vision tower where the backend runs it (`--device cpu`): its weights and its workspace for
 /// `--max-image-tokens-per-step` patches (default: one image at the preprocessor's pixel budget, 65,536
-/// patches for Qwen3.5's), both shown; `--no-vision` prices none; on CUDA (no tower) the table says so.
+/// patches for Qwen3.5's), both shown; `--no-vision` prices none, and the table says so.
 #[test]
 fn cpu_plan_prices_the_vision_tower() {
     let base = ["--preset", "tiny", "--device", "cpu", "--memory", "2GiB"];
@@ -127,35 +130,43 @@ fn cpu_plan_prices_the_vision_tower() {
     let t = table(&base);
     assert!(t.contains("vision tower: weights") && t.contains("65,536 patches"), "{t}");
     assert!(t.lines().any(|l| l.starts_with("vision ")), "{t}");
-    let t = table(&["--preset", "tiny"]);
+    let t = table(&[&base[..], &["--no-vision"]].concat());
     assert!(t.contains("vision tower: not loaded"), "{t}");
 }
 
-/// On CUDA the GPU vision tower is priced only with `DELTASERVE_CUDA_VISION=1`: its bf16 weights (Qwen3.6's
-/// 460,730,096 parameters, each tensor 256-byte aligned) and its `vision` region for the patches of one
-/// image; `--no-vision` still prices none.
+/// On CUDA (one card) the GPU vision tower is priced where it fits beside the full context: its bf16
+/// weights (Qwen3.6's 460,730,096 parameters, each tensor 256-byte aligned) and its `vision` region for the
+/// patches of one image. `--no-vision` prices none; a budget whose full context needs the tower's memory
+/// trades it (`--no-vision` among the fit's changes) unless `--max-image-tokens-per-step` asks for images.
 #[test]
-fn cuda_plan_prices_the_gpu_tower_with_the_switch() {
-    let run = |switch: bool, extra: &[&str]| -> serde_json::Value {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_deltaserve"));
-        cmd.arg("plan").args(["--preset", "qwen3.6-27b", "--memory", "80GiB", "--json"]).args(extra);
-        if switch {
-            cmd.env("DELTASERVE_CUDA_VISION", "1");
-        } else {
-            cmd.env_remove("DELTASERVE_CUDA_VISION");
-        }
-        let out = cmd.output().unwrap();
+fn cuda_plan_prices_the_gpu_tower_where_it_fits() {
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let out = Command::new(env!("CARGO_BIN_EXE_deltaserve"))
+            .arg("plan")
+            .args(["--preset", "qwen3.6-27b", "--json"])
+            .args(extra)
+            .output()
+            .unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         serde_json::from_slice(&out.stdout).unwrap()
     };
-    let on = run(true, &[]);
+    let priced = |j: &serde_json::Value| {
+        (j["weights"]["vision_bytes"].as_u64().unwrap(), j["vision_workspace_bytes"].as_u64().unwrap())
+    };
+    let on = run(&["--memory", "80GiB"]);
     assert_eq!(on["weights"]["vision_bytes"], 2 * 460_730_096 + 27 * 96, "{on}");
     assert!(on["vision_workspace_bytes"].as_u64().unwrap() > 0, "{on}");
     assert!(on["regions"].as_array().unwrap().iter().any(|r| r["name"] == "vision"), "{on}");
-    for off in [run(false, &[]), run(true, &["--no-vision"])] {
-        assert_eq!(
-            (off["weights"]["vision_bytes"].as_u64(), off["vision_workspace_bytes"].as_u64()),
-            (Some(0), Some(0))
-        );
-    }
+    assert_eq!(priced(&run(&["--memory", "80GiB", "--no-vision"])), (0, 0));
+    assert_eq!(priced(&run(&["--memory", "80GiB", "--tensor-parallel", "2"])), (0, 0));
+    // 24 GiB, int4 + fp8 KV: the full context takes the tower's memory...
+    let small = ["--memory", "24GiB", "--weights-dtype", "int4", "--kv-cache-dtype", "fp8"];
+    let traded = run(&small);
+    assert_eq!(priced(&traded), (0, 0), "{traded}");
+    assert!(traded["fit"].to_string().contains("--no-vision"), "{}", traded["fit"]);
+    assert_eq!(traded["max_context"], 262_144, "{}", traded["fit"]);
+    // ...unless the user asks for images: the tower stays, the context is what fits beside it.
+    let kept = run(&[&small[..], &["--max-image-tokens-per-step", "4096"]].concat());
+    assert!(priced(&kept).0 > 0 && priced(&kept).1 > 0, "{kept}");
+    assert!(!kept["fit"].to_string().contains("--no-vision"), "{}", kept["fit"]);
 }

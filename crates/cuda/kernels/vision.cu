@@ -181,9 +181,12 @@ vision_attention(const bf16_t* __restrict__ qkv, bf16_t* __restrict__ o, int n, 
             l *= corr;
 #pragma unroll
             for (int m = 0; m < M; m++) acc[m] *= corr;
+            // Only the tile's nk keys: the rows of vs past them hold whatever an earlier kernel left in
+            // shared memory (a NaN there would survive a zero weight).
 #pragma unroll
             for (int jj = 0; jj < 16; jj++) {
-                const float p = j0 + jj < nk ? expf(sc[jj] - nmx) : 0.0f;
+                if (j0 + jj >= nk) break;
+                const float p = expf(sc[jj] - nmx);
                 l += p;
 #pragma unroll
                 for (int m = 0; m < M; m++) {

@@ -47,9 +47,6 @@ pub struct Switches {
     /// Structured-output rows are masked and picked on the device (`sample_mask_bits`) with the
     /// step's other rows; `DELTASERVE_DEVICE_MASKS=0` picks them on the host instead.
     pub device_masks: bool,
-    /// `DELTASERVE_CUDA_VISION=1`: the CLI loads the model's vision tower on the GPU (priced in the plan)
-    /// and the backend accepts images; unset or anything else: no tower, images are refused.
-    pub cuda_vision: bool,
 }
 
 impl Switches {
@@ -78,7 +75,6 @@ impl Switches {
             verify_decode_from: var("DELTASERVE_VERIFY_DECODE_FROM").and_then(|v| v.trim().parse().ok()),
             short_chunk_decode_from: var("DELTASERVE_SHORT_CHUNK_DECODE_FROM").and_then(|v| v.trim().parse().ok()),
             device_masks: var("DELTASERVE_DEVICE_MASKS").is_none_or(|v| v != "0"),
-            cuda_vision: var("DELTASERVE_CUDA_VISION").is_some_and(|v| v == "1"),
         }
     }
 
@@ -114,7 +110,7 @@ mod tests {
         let s = from(&[]);
         assert!(!s.any_set());
         assert!(s.fold_norms && s.w4_gemm && s.device_masks && !s.decode_attn_split && !s.attn_prefill_pair);
-        assert!(s.pdl.is_none() && s.nvrtc_options.is_empty() && s.trace_cap.is_none() && !s.cuda_vision);
+        assert!(s.pdl.is_none() && s.nvrtc_options.is_empty() && s.trace_cap.is_none());
     }
 
     #[test]
@@ -130,9 +126,8 @@ mod tests {
             ("DELTASERVE_VERIFY_DECODE_FROM", "0"),
             ("DELTASERVE_SHORT_CHUNK_DECODE_FROM", "8192"),
             ("DELTASERVE_DEVICE_MASKS", "0"),
-            ("DELTASERVE_CUDA_VISION", "1"),
         ]);
-        assert!(!s.device_masks && s.cuda_vision);
+        assert!(!s.device_masks);
         assert!(s.any_set());
         assert_eq!(s.pdl.as_deref(), Some("0"));
         assert!(s.decode_attn_split && s.attn_prefill_pair && !s.fold_norms && !s.w4_gemm);
@@ -150,7 +145,6 @@ mod tests {
             ("DELTASERVE_FOLD", "1"),
             ("DELTASERVE_DEVICE_MASKS", "1"),
             ("DELTASERVE_VERIFY_DECODE_FROM", "soon"),
-            ("DELTASERVE_CUDA_VISION", "yes"),
         ]);
         assert!(!s.decode_attn_split && !s.attn_prefill_pair && s.fold_norms && s.device_masks);
         assert!(!s.any_set());

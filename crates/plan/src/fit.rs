@@ -1,14 +1,16 @@
 //! [`fit_context`]: "boots = fills" by default — when the user names no context, the plan aims at the
 //! model's full context (`max_position_embeddings`) and, if that does not fit, trades the knobs the
-//! user left open (device snapshots, sequences per step, the embedding's place, lm_head precision) in
-//! a fixed order, cheapest first, until it does.
+//! user left open (device snapshots, sequences per step, the embedding's place, lm_head precision, the
+//! vision tower) in a fixed order, cheapest first, until it does.
 //!
 //! Order of the ladder (each rung keeps the earlier ones):
 //! 1. device snapshot slots down to 4 (the host tier still holds snapshots);
 //! 2. sequences per step down to 8;
 //! 3. the embedding table in pinned host memory (a step copies only its `[T, D]` rows);
 //! 4. lm_head in int4, only when the decoder linears are int4 already;
-//! 5. sequences per step 4, then 2, then 1, with 2, then 1 device snapshot.
+//! 5. no vision tower (its weights and workspace), only when the user did not ask for images
+//!    (`--max-image-tokens-per-step`): requests with images are then refused;
+//! 6. sequences per step 4, then 2, then 1, with 2, then 1 device snapshot.
 //!
 //! A knob the user set explicitly is never touched. If no rung reaches the target (a budget a little
 //! short of the model's full context, e.g. a 24 GB card with a display attached), the plan takes the
@@ -33,12 +35,14 @@ pub struct Free {
     pub embed_on_host: bool,
     /// Only where the backend can run an int4 lm_head.
     pub lm_head_int4: bool,
+    /// The vision tower may be left out (the user did not ask for images).
+    pub vision: bool,
 }
 
 impl Free {
     /// Every knob open.
     pub fn all() -> Self {
-        Self { max_seqs: true, snapshot_slots: true, embed_on_host: true, lm_head_int4: true }
+        Self { max_seqs: true, snapshot_slots: true, embed_on_host: true, lm_head_int4: true, vision: true }
     }
 }
 
@@ -148,6 +152,7 @@ enum Rung {
     Seqs(usize),
     EmbedOnHost,
     LmHeadInt4,
+    NoVision,
 }
 
 fn ladder(base: &PlanOptions, free: Free) -> Vec<Rung> {
@@ -161,6 +166,7 @@ fn ladder(base: &PlanOptions, free: Free) -> Vec<Rung> {
     push(free.max_seqs, Rung::Seqs(8));
     push(free.embed_on_host, Rung::EmbedOnHost);
     push(free.lm_head_int4 && base.weights_dtype == WeightsDtype::Int4, Rung::LmHeadInt4);
+    push(free.vision, Rung::NoVision);
     for (seqs, snaps) in [(4, 2), (2, 1), (1, 1)] {
         push(free.max_seqs, Rung::Seqs(seqs));
         push(free.snapshot_slots, Rung::Snapshots(snaps));
@@ -176,6 +182,7 @@ impl Rung {
             Rung::Seqs(n) => o.max_seqs = o.max_seqs.min(n),
             Rung::EmbedOnHost => o.embed_on_host = true,
             Rung::LmHeadInt4 => o.lm_head_int4 = true,
+            Rung::NoVision => o.max_image_tokens_per_step = None,
         }
     }
 
@@ -185,6 +192,7 @@ impl Rung {
             Rung::Seqs(_) => format!("--max-seqs {} -> {}", before.max_seqs, after.max_seqs),
             Rung::EmbedOnHost => "--embed-on-host".to_string(),
             Rung::LmHeadInt4 => "--lm-head-int4".to_string(),
+            Rung::NoVision => "--no-vision".to_string(),
         }
     }
 }

@@ -112,7 +112,7 @@ impl PlanOptions {
 
     /// The CUDA backend: bf16 weights and KV, bf16 activations, 4096 tokens and 16 sequences per step,
     /// 32-token pages, 8 snapshots, 600 MiB runtime reserve, 64 MiB of CUDA graphs, 32 MiB GEMM workspace,
-    /// 32 decode partitions; no vision tower (the CLI prices the GPU tower when `DELTASERVE_CUDA_VISION=1`).
+    /// 32 decode partitions; no vision tower (the CLI sets `max_image_tokens_per_step` for a model that has one).
     pub fn gpu_defaults(budget: u64) -> Self {
         Self {
             budget_bytes: budget,

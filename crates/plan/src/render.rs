@@ -257,8 +257,8 @@ impl Plan {
                 fmt_bytes(self.vision_workspace_bytes),
                 fmt_count(n as u64)
             ),
-            None => "vision tower: not loaded, nothing priced (--no-vision, or a backend that runs no tower: \
-                     the CUDA backend refuses images unless DELTASERVE_CUDA_VISION=1; --device cpu runs them)"
+            None => "vision tower: not loaded, nothing priced (--no-vision, traded for the full context: \
+                     --max-image-tokens-per-step keeps it, or --tensor-parallel above 1); images are refused"
                 .to_string(),
         })
     }

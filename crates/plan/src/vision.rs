@@ -4,9 +4,9 @@
 //!
 //! The tower is priced only where the backend loads it ([`crate::PlanOptions::max_image_tokens_per_step`]
 //! is `Some`): the CPU reference keeps it in f32 (`VisionWeights::load_f32`), its workspace
-//! [`tower_workspace_bytes`]; the CUDA backend keeps it in bf16 (when its GPU tower is on:
-//! `DELTASERVE_CUDA_VISION=1`), its workspace laid out by [`CudaTowerLayout`]; `--no-vision` loads none
-//! and prices 0. A text-only model has no tower and prices 0 whatever the options.
+//! [`tower_workspace_bytes`]; the CUDA backend keeps it in bf16 (one card; the fit may trade it for the
+//! full context unless the user asked for images), its workspace laid out by [`CudaTowerLayout`];
+//! `--no-vision` loads none and prices 0. A text-only model has no tower and prices 0 whatever the options.
 
 use deltaserve_model::VisionConfig;
 use deltaserve_model::vision::tensor_shapes;

@@ -98,10 +98,12 @@ fn zero_patches_is_refused_and_a_large_workspace_names_its_flags() {
     assert!(m.contains("--no-vision"), "{m}");
 }
 
-/// Qwen3.6-27B int4 weights and fp8 KV in 24 GiB, with the CUDA backend's bf16 tower: the fit prices
-/// its weights and workspace, keeps it (no rung drops it), and still fills the full context.
+/// Qwen3.6-27B int4 weights and fp8 KV in 24 GiB, with the CUDA backend's bf16 tower: where the user asked
+/// for images (the tower is not open to the fit) it prices its weights and workspace, keeps it and still
+/// fills the full context; where the user did not, the fit leaves the tower out (a rung after the int4
+/// lm_head) when the full context needs its memory.
 #[test]
-fn the_24gib_fit_keeps_and_prices_the_tower() {
+fn the_24gib_fit_keeps_the_tower_asked_for_and_trades_it_otherwise() {
     let c = cfg(Preset::Qwen36_27b);
     let text = PlanOptions {
         weights_dtype: WeightsDtype::Int4,
@@ -109,8 +111,9 @@ fn the_24gib_fit_keeps_and_prices_the_tower() {
         v_dtype: KvDtype::Fp8,
         ..PlanOptions::gpu_defaults(24 * GIB)
     };
+    let asked = Free { vision: false, ..Free::all() };
     let with = PlanOptions { max_image_tokens_per_step: Some(4096), ..text.clone() };
-    let (f, plain) = (fit_context(&c, &with, Free::all()).unwrap(), fit_context(&c, &text, Free::all()).unwrap());
+    let (f, plain) = (fit_context(&c, &with, asked).unwrap(), fit_context(&c, &text, Free::all()).unwrap());
     assert_eq!(f.plan.options.max_image_tokens_per_step, Some(4096));
     let v = c.vision.as_ref().unwrap();
     assert_eq!(f.plan.weight_parts.vision, 2 * 460_730_096 + 27 * 96);
@@ -118,7 +121,21 @@ fn the_24gib_fit_keeps_and_prices_the_tower() {
     let layout = CudaTowerLayout::new(v, 4096, f.plan.options.max_batch_tokens);
     assert_eq!(f.plan.vision_workspace_bytes, layout.bytes as u64);
     assert!(f.plan.total_bytes <= 24 * GIB && f.plan.max_context >= 262_144, "{}", f.plan.table());
+    assert!(!f.adjustments.iter().any(|a| a == "--no-vision"), "{:?}", f.adjustments);
     // The tower's bytes come out of what the plan without it leaves free or gives KV.
     let kv = |p: &Plan| p.num_kv_pages as u64 * p.kv_page_bytes();
     assert!(kv(&f.plan) < kv(&plain.plan) || f.adjustments.len() > plain.adjustments.len());
+
+    // Not asked for, at the default bound (65,536 patches: a 2 GiB workspace): traded, after the int4 lm_head.
+    let open = PlanOptions { max_image_tokens_per_step: Some(65_536), ..text.clone() };
+    let t = fit_context(&c, &open, Free::all()).unwrap();
+    assert_eq!(t.plan.options.max_image_tokens_per_step, None);
+    assert_eq!((t.plan.weight_parts.vision, t.plan.vision_workspace_bytes), (0, 0));
+    assert!(t.plan.max_context >= 262_144 && t.shortfall.is_none(), "{:?}", t.shortfall);
+    let at = |name: &str| t.adjustments.iter().position(|a| a == name);
+    assert!(at("--lm-head-int4") < at("--no-vision") && at("--no-vision").is_some(), "{:?}", t.adjustments);
+    // Where the context fits beside it (a large budget), the tower stays.
+    let big = fit_context(&c, &PlanOptions { budget_bytes: 80 * GIB, ..open }, Free::all()).unwrap();
+    assert_eq!(big.plan.options.max_image_tokens_per_step, Some(65_536));
+    assert!(big.adjustments.is_empty(), "{:?}", big.adjustments);
 }

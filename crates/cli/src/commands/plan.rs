@@ -60,7 +60,8 @@ pub struct Args {
     /// The most patches of one image the vision tower runs (as `serve`): prices the tower's activation
     /// workspace for this many. Default: the larger of 4096 and one image at the pixel budget of the
     /// model's preprocessor_config.json (65,536 for Qwen3.5/3.6). The tower (weights and workspace) is
-    /// priced where the backend runs it: --device cpu, or CUDA with DELTASERVE_CUDA_VISION=1.
+    /// priced where the backend runs it: --device cpu, or CUDA on one card. Given, it also keeps the GPU
+    /// tower in a plan that the full context would otherwise trade it for.
     #[arg(long, value_name = "N")]
     max_image_tokens_per_step: Option<usize>,
     /// Price no vision tower (as `serve --no-vision`, which loads none).
@@ -150,9 +151,8 @@ pub fn run(a: Args) -> Result<()> {
     o.page_size = a.page_size.unwrap_or(o.page_size);
     o.snapshot_slots = a.snapshot_slots.unwrap_or(o.snapshot_slots);
     o.runtime_reserve_bytes = a.runtime_reserve.unwrap_or(o.runtime_reserve_bytes);
-    // The CPU backend loads the model's vision tower (unless --no-vision); the CUDA backend with
-    // DELTASERVE_CUDA_VISION=1 (and one card).
-    let tower_here = !gpu || (deltaserve_cuda::Switches::get().cuda_vision && a.tensor_parallel <= 1);
+    // The model's vision tower (unless --no-vision): the CPU backend's, or the CUDA backend's on one card.
+    let tower_here = !gpu || a.tensor_parallel <= 1;
     o.max_image_tokens_per_step = (tower_here && !a.no_vision && cfg.vision.is_some())
         .then(|| crate::model_source::max_image_tokens_per_step(a.max_image_tokens_per_step, dir.as_deref()));
     o.set_tensor_parallel(a.tensor_parallel);
@@ -180,6 +180,8 @@ pub fn run(a: Args) -> Result<()> {
             snapshot_slots: a.snapshot_slots.is_none(),
             embed_on_host: gpu,
             lm_head_int4: gpu,
+            // As `serve` plans: the GPU tower may be left out unless the user asked for images.
+            vision: gpu && a.max_image_tokens_per_step.is_none(),
         }
     };
     let fitted = fit_context(&cfg, &o, free)?;

@@ -23,7 +23,7 @@ impl Backend for CudaBackend {
         }
     }
 
-    /// Images run where the vision tower is loaded (the plan prices it: `DELTASERVE_CUDA_VISION=1`).
+    /// Images run where the vision tower is loaded (the plan prices it).
     fn image_tokens(&self) -> Option<ImageTokens> {
         let v = &self.vision.as_ref()?.cfg;
         Some(ImageTokens { image_token_id: v.image_token_id, merge: v.spatial_merge_size, patch_len: v.patch_dim() })

@@ -6,8 +6,9 @@
 //! → merger (LayerNorm, `merge²` consecutive rows as one, fc1, exact GELU, fc2) → the image's merged rows
 //! `[tokens, out_hidden]` bf16, the text model's embedding rows.
 //!
-//! The tower is loaded when the plan prices it (`max_image_tokens_per_step`: the CLI sets it with
-//! `DELTASERVE_CUDA_VISION=1`); it does not run under tensor parallelism.
+//! The tower is loaded when the plan prices it (`max_image_tokens_per_step`: the CLI sets it for a model
+//! that has one, unless `--no-vision` or the fit traded it for context); it does not run under tensor
+//! parallelism.
 
 use std::cell::RefCell;
 use std::collections::HashMap;

@@ -86,7 +86,7 @@ fn images_match_the_cpu_backend() {
     }
     let (dir, cfg) = tiny_dir(8);
     let v = cfg.vision.clone().expect("the tiny preset has a vision tower");
-    // The plan prices the GPU tower (what DELTASERVE_CUDA_VISION=1 makes the CLI do).
+    // The plan prices the GPU tower (as the CLI plans a model that has one).
     let plan = plan_with(&cfg, |o| o.max_image_tokens_per_step = Some(1024));
     assert!(plan.region("vision").is_some());
     let mut g = CudaBackend::with_options(&cfg, WeightSource::Checkpoint(dir.clone()), &plan, 4, test_opts()).unwrap();
