@@ -60,9 +60,12 @@ mod weights;
 pub use graphs::GraphStats;
 pub use phases::StepPhases;
 
-/// The most tokens of a prefill chunk that takes the short-chunk attention
-/// ([`CudaOptions::short_chunk_decode_attention_from`]).
+/// The most tokens of a prefill chunk whose rows attend as decode queries
+/// ([`CudaOptions::short_chunk_decode_attention_from`] without the keys split).
 pub const SHORT_CHUNK_TOKENS: usize = 64;
+
+/// The default [`CudaOptions::short_chunk_split_max_tokens`].
+pub const SHORT_CHUNK_SPLIT_TOKENS: usize = 1024;
 
 use ahead::Launches;
 use graphs::GraphKey;
@@ -133,22 +136,28 @@ pub struct CudaOptions {
     /// at batch 4, the same at batch 8 (bench/results/int4-pair-gemm-h200-2026-12-02.md); at 32K the
     /// prefill kernel (no split over the keys) was 2.4× slower at batch 1.
     pub verify_decode_attention_from: usize,
-    /// Prefill chunks of at most [`SHORT_CHUNK_TOKENS`] tokens whose context reaches this many tokens
-    /// (at most the plan's `SHORT_CHUNK_DECODE_ROWS` rows a step) do not attend with the prefill
-    /// kernel's tiles alone: a chunk of a few tokens over a long context is one tile per kv head
+    /// Prefill chunks of at most [`CudaOptions::short_chunk_split_max_tokens`] tokens (split over the
+    /// keys; [`SHORT_CHUNK_TOKENS`] as decode queries, at most the plan's `SHORT_CHUNK_DECODE_ROWS`
+    /// rows a step) whose context reaches this many tokens do not attend with the prefill kernel's
+    /// tiles alone: a chunk of a few tokens over a long context is one tile per kv head
     /// there, a handful of blocks each streaming the whole context (an agent's tool result after a
     /// long conversation). They run the prefill kernel with each tile's keys split over more blocks
     /// ([`CudaOptions::short_chunk_split_keys`]), or their rows as decode queries, split-K over their
     /// causal keys as long-context verify rows are. Default 2,048; `usize::MAX`: off. Measured on the
     /// H200 at the 27B shapes, int4 + fp8 KV at 24 GiB (bench/results/short-chunks-h200-2026-12-03.md):
     /// 16 new tokens after 131,072 take 17.6 ms split (29.0 as decode queries) against 217 ms; after
-    /// 2,048, 11.3 against 14.2.
+    /// 2,048, 11.3 against 14.2; 256 after 131,072 130.5 against 261.1
+    /// (bench/results/short-chunks-to-1024-h200-2026-12-03.md).
     pub short_chunk_decode_attention_from: usize,
     /// Those short chunks run the prefill kernel with each tile's keys split over more blocks (merged
     /// as decode partials are) where the wide prefill kernels run (sm_80, sm_90), instead of their rows
     /// as decode queries (each row reading the whole context). Default on; the rows path everywhere
     /// else.
     pub short_chunk_split_keys: bool,
+    /// The most tokens of a short chunk that runs the prefill kernel split over the keys (the rows path
+    /// takes at most [`SHORT_CHUNK_TOKENS`]). Default [`SHORT_CHUNK_SPLIT_TOKENS`]: on the H200 the split
+    /// is faster at every length measured up to 1,024 (4–20% at 1,024 tokens).
+    pub short_chunk_split_max_tokens: usize,
     /// Decode steps of at most 8 tokens fold each residual add + RMSNorm between two int4 projections
     /// into them ([`crate::ops::w4a16::Fold`]: the norm kernel's launch and round trips leave the critical path),
     /// when every layer's projections are int4 GEMVs and tensor parallelism is off. Off: the separate
@@ -171,6 +180,7 @@ impl Default for CudaOptions {
             verify_decode_attention_from: 0,
             short_chunk_decode_attention_from: 2048,
             short_chunk_split_keys: true,
+            short_chunk_split_max_tokens: SHORT_CHUNK_SPLIT_TOKENS,
             fold_norms: true,
             w4_gemm_max_rows: deltaserve_plan::cuda::W4_GEMM_MAX_ROWS,
         }

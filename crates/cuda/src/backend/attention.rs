@@ -2,6 +2,7 @@
 //! cache write, paged prefill attention and split-K decode attention (long-context verify rows as
 //! decode queries), the output gate and the o projection.
 
+use crate::arena::DevSpan;
 use crate::error::CudaError;
 use crate::ops::kv_quant::LayerKv;
 use crate::ops::w4a16::Fold;
@@ -90,14 +91,40 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Rows of short prefill chunks a step may attend as decode queries: what the scratch holds (the
-    /// index arrays, and one partition a row of the decode rows' partials); 0 when the option is off
-    /// or the model has no attention layer.
-    pub(super) fn short_chunk_rows_cap(&self) -> usize {
+    /// Whether the step's short chunks run the prefill kernel split over the keys (else their rows
+    /// attend as decode queries): [`crate::CudaOptions::short_chunk_split_keys`] where the wide
+    /// kernels run.
+    pub(super) fn short_chunks_split(&self) -> bool {
+        self.opts.short_chunk_split_keys && attention::prefill_split_supported(&self.k)
+    }
+
+    /// The most tokens of one short chunk and the most rows of a step's short chunks: split over the
+    /// keys, [`crate::CudaOptions::short_chunk_split_max_tokens`] and half the split scratch's units
+    /// (at least two splits a row); as decode queries, [`super::SHORT_CHUNK_TOKENS`] and what the
+    /// index arrays and the decode rows' partials hold (one partition a row). (0, 0) when the option
+    /// is off or the model has no attention layer.
+    pub(super) fn short_chunk_bounds(&self) -> (usize, usize) {
         if self.opts.short_chunk_decode_attention_from == usize::MAX || self.d.num_attention_layers == 0 {
-            return 0;
+            return (0, 0);
         }
-        (self.ws.decode_rows.bytes / 8).min(self.partial_rows() * self.decode_partitions)
+        if self.short_chunks_split() {
+            return (self.opts.short_chunk_split_max_tokens, self.split_units() / 2);
+        }
+        let rows = (self.ws.decode_rows.bytes / 8).min(self.partial_rows() * self.decode_partitions);
+        (super::SHORT_CHUNK_TOKENS, rows)
+    }
+
+    /// The split prefill's partials: the larger of the decode rows' partials and the chunked DeltaNet
+    /// workspace, which no kernel of an attention layer uses (the DeltaNet layers' chunk kernels fill
+    /// it afresh).
+    fn split_scratch(&self) -> DevSpan {
+        let (a, g) = (self.ws.attn_partials, self.ws.gdn_ws);
+        if g.bytes > a.bytes { g } else { a }
+    }
+
+    /// Rows × splits of partials [`Self::split_scratch`] holds.
+    fn split_units(&self) -> usize {
+        partial_units(self.split_scratch().bytes, self.d.q_heads, self.d.head_dim)
     }
 
     /// Rows of the decode attention's split-K partials (`plan::cuda::SHORT_CHUNK_PARTIAL_ROWS` at least).
@@ -111,7 +138,7 @@ impl CudaBackend {
     pub(super) fn short_prefill_splits(&self, tiles: usize, rows: usize, max_end: usize) -> usize {
         let blocks = tiles * self.d.kv_heads;
         let kv_tiles = max_end.div_ceil(self.k.attn.keys.max(1));
-        let units = self.partial_rows() * self.decode_partitions;
+        let units = self.split_units();
         prefill_key_splits(self.rt.sm_count.max(1) as usize, blocks, kv_tiles, units, rows)
     }
 
@@ -199,8 +226,8 @@ impl CudaBackend {
                 n_split: sh.short_splits,
                 row0: sh.short_row0,
                 rows: sh.short_rows,
-                scratch: ws.attn_partials.ptr,
-                scratch_bytes: ws.attn_partials.bytes,
+                scratch: self.split_scratch().ptr,
+                scratch_bytes: self.split_scratch().bytes,
             };
             attention::attn_prefill_split(k, s, &a, &sc, &sp)?;
         } else if sh.short_rows > 0 {
@@ -231,11 +258,22 @@ impl CudaBackend {
 }
 
 /// Key splits of a prefill launch of `blocks` blocks (tiles × kv heads) whose longest tile has
-/// `kv_tiles` KV tiles, its `rows` rows' partials in `units` (rows × splits) of scratch: about two
-/// waves on `sms` SMs, at least 4 KV tiles a split, no more than the scratch holds; at least 1.
+/// `kv_tiles` KV tiles, its `rows` rows' partials in `units` (rows × splits) of scratch, on `sms` SMs
+/// holding one block each (the wide kernel's shared memory at the 27B's head dim): the fewest splits
+/// whose waves of blocks take within 5% of the least time any split count up to the cap gives (time ∝
+/// waves / splits: 96 blocks split 3 ways are 3 waves of a third, no faster than 1 wave), at most 64,
+/// at least 4 KV tiles a split, no more than the scratch holds; at least 1.
 fn prefill_key_splits(sms: usize, blocks: usize, kv_tiles: usize, units: usize, rows: usize) -> usize {
-    let want = (2 * sms).div_ceil(blocks.max(1));
-    want.min(kv_tiles / 4).min(units / rows.max(1)).clamp(1, 65535)
+    let cap = (kv_tiles / 4).min(units / rows.max(1)).clamp(1, 64);
+    let time = |n: usize| (blocks.max(1) * n).div_ceil(sms.max(1)) as f64 / n as f64;
+    let best = (1..=cap).map(time).fold(f64::INFINITY, f64::min);
+    (1..=cap).find(|&n| time(n) <= 1.05 * best).unwrap_or(1)
+}
+
+/// Rows × splits of decode-layout partials (`q_heads` heads of `head_dim`) that `bytes` of scratch hold
+/// ([`attention::decode_scratch_bytes`] of them fits).
+fn partial_units(bytes: usize, q_heads: usize, head_dim: usize) -> usize {
+    bytes.saturating_sub(256) / (q_heads * (4 * head_dim + 8)).max(1)
 }
 
 /// Split-K partitions of `rows` short-chunk rows attending as decode queries: as many as the decode
@@ -246,8 +284,20 @@ fn short_chunk_splits(partial_rows: usize, partitions: usize, rows: usize) -> us
 
 #[cfg(test)]
 mod tests {
-    use super::{prefill_key_splits, short_chunk_splits};
+    use super::{partial_units, prefill_key_splits, short_chunk_splits};
     use crate::ops::attention::decode_scratch_bytes;
+
+    #[test]
+    fn partial_units_fit_their_scratch() {
+        for bytes in [0, 255, 256, 25_000, 12_582_912, 253_000_000] {
+            let u = partial_units(bytes, 24, 256);
+            assert!(u == 0 || decode_scratch_bytes(u, 24, 1, 256) <= bytes, "{bytes}");
+            assert!(decode_scratch_bytes(u + 1, 24, 1, 256) > bytes - bytes.min(256), "{bytes}: {u} is not the most");
+        }
+        // The 27B's chunked DeltaNet workspace at 4,096 tokens a step (48 value heads): ~10K units.
+        let gdn = deltaserve_plan::cuda::gdn_chunk_workspace_bytes(4096, 48, 128, 128);
+        assert_eq!(partial_units(gdn, 24, 256), gdn.saturating_sub(256) / (24 * 1032));
+    }
 
     #[test]
     fn short_chunk_partials_fit_the_decode_scratch() {
@@ -263,20 +313,27 @@ mod tests {
         assert_eq!(short_chunk_splits(4, 32, 1), 32);
     }
 
-    /// The 27B's short chunks on the H200 (132 SMs, 4 kv heads, 64-key tiles, partials of 16 rows x 32
-    /// partitions): 16 tokens after 128K fill two waves; a short context or a full scratch limits the
-    /// splits; a split never goes below 1.
+    /// The 27B's short chunks on the H200 (132 SMs, 4 kv heads, 64-key tiles, 128 packed rows a tile:
+    /// 21 tokens): the fewest splits within 5% of the best waves; a short context or a full scratch
+    /// limits them; a split never goes below 1.
     #[test]
-    fn prefill_key_splits_fill_two_waves_within_the_scratch() {
+    fn prefill_key_splits_fill_whole_waves_within_the_scratch() {
         let units = 16 * 32;
-        // 16 tokens (96 packed rows: one tile per kv head) after 131,072 keys: 2048 KV tiles.
-        assert_eq!(prefill_key_splits(132, 4, 2048, units, 16), 32);
+        // 16 tokens (96 packed rows: one tile per kv head) after 131,072 keys (2048 KV tiles): 31 × 4
+        // blocks, one wave; the scratch holds 32.
+        assert_eq!(prefill_key_splits(132, 4, 2048, units, 16), 31);
         // The scratch: 64 rows hold 8 splits.
         assert_eq!(prefill_key_splits(132, 12, 2048, units, 64), 8);
         // A short context: 2,048 keys are 32 KV tiles, 8 splits of 4.
         assert_eq!(prefill_key_splits(132, 4, 32, units, 16), 8);
-        // Enough blocks already, a context shorter than 4 tiles, more rows than the scratch has units.
-        assert_eq!(prefill_key_splits(132, 300, 2048, units, 16), 1);
+        // 256 tokens (48 blocks): 8 splits are 3 waves (0.375 of the unsplit wave; 6 would be 3 waves
+        // too, 0.5); 512 tokens (96 blocks: one wave at 73%): 4 splits, 3 waves (2 or 3 splits are 2 or 3
+        // waves: no faster); 300 blocks (2.3 waves): 3 splits, 7 waves.
+        assert_eq!(prefill_key_splits(132, 48, 2048, 10_000, 256), 8);
+        assert_eq!(prefill_key_splits(132, 96, 2048, 10_000, 512), 4);
+        assert_eq!(prefill_key_splits(132, 300, 2048, 10_000, 16), 3);
+        // Whole waves already, a context shorter than 4 tiles, more rows than the scratch has units.
+        assert_eq!(prefill_key_splits(132, 528, 2048, units, 16), 1);
         assert_eq!(prefill_key_splits(132, 4, 3, units, 16), 1);
         assert_eq!(prefill_key_splits(132, 4, 2048, units, 1000), 1);
     }

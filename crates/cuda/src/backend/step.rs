@@ -7,11 +7,11 @@ use deltaserve_backend::{BackendError, RowSampling, SnapshotLoc, StepBatch};
 use crate::error::CudaError;
 use crate::ops::{self, attention, gdn_chunk};
 
+use super::CudaBackend;
 use super::ahead::LaunchOut;
 use super::graphs::GraphKey;
 use super::phases::Mark;
 use super::spec::Verified;
-use super::{CudaBackend, SHORT_CHUNK_TOKENS};
 
 /// What a step hands back: every wanted row's logits, its argmax over ids `< valid`, or its token
 /// picked by its [`RowSampling`].
@@ -96,6 +96,8 @@ struct HostInputs<'b> {
     /// block-table rows (one upload); the first such row.
     short_rows: Vec<i32>,
     short_row0: usize,
+    /// Rows of the short chunks (either way).
+    short_count: usize,
     /// Tile-table entries of the short chunks (last in `tile_table`) and their key splits: 0 and 0 where
     /// they attend as decode queries.
     short_tiles: usize,
@@ -200,7 +202,7 @@ impl CudaBackend {
             tv,
             tvd,
             short_row0: inp.short_row0,
-            short_rows: inp.short_rows.len() / 2,
+            short_rows: inp.short_count,
             short_tiles: inp.short_tiles,
             short_splits: inp.short_splits,
             n_chunks: inp.chunk_table.len() / 2,
@@ -288,14 +290,15 @@ impl CudaBackend {
         // order.
         let multi = |i: &usize| batch.seqs[*i].tokens.len() > 1;
         let prefill = chunks.iter().copied().filter(|i| multi(i) && !is_ver(*i));
-        // Short prefill chunks over a long context attend as decode queries: after the other prefill
-        // chunks, as many rows as the scratch holds.
+        // Short prefill chunks over a long context take the short-chunk attention (the prefill kernel
+        // split over the keys, or their rows as decode queries): after the other prefill chunks, as
+        // many rows as the scratch holds.
         let from = self.opts.short_chunk_decode_attention_from;
-        let mut room = self.short_chunk_rows_cap();
+        let (limit, mut room) = self.short_chunk_bounds();
         let (mut order, mut short) = (Vec::new(), Vec::new());
         for i in prefill {
             let c = &batch.seqs[i];
-            if c.tokens.len() <= SHORT_CHUNK_TOKENS && c.start >= from && c.tokens.len() <= room {
+            if c.tokens.len() <= limit && c.start >= from && c.tokens.len() <= room {
                 room -= c.tokens.len();
                 short.push(i);
             } else {
@@ -406,7 +409,8 @@ impl CudaBackend {
         let is_short = |e: &&[i32]| short_seqs.contains(&e[0]);
         let mut tile_table: Vec<i32> = all_tiles.chunks_exact(2).filter(|e| !is_short(e)).flatten().copied().collect();
         let (mut short_tiles, mut short_splits) = (0, 0);
-        if n_short > 0 && self.opts.short_chunk_split_keys && attention::prefill_split_supported(&self.k) {
+        let split = self.short_chunks_split();
+        if n_short > 0 && split {
             let before = tile_table.len();
             tile_table.extend(all_tiles.chunks_exact(2).filter(is_short).flatten().copied());
             short_tiles = (tile_table.len() - before) / 2;
@@ -419,8 +423,13 @@ impl CudaBackend {
         let (ver_lens, ver_tables) = decode_query_rows(batch, order, n_real + n_ver_pf..n_pre);
         let rope = self.rope_rows(batch, order, rows);
         let short_row0 = cu[n_real - n_short] as usize;
-        let (mut short_rows, short_tables) = decode_query_rows(batch, order, n_real - n_short..n_real);
-        short_rows.extend(short_tables);
+        let short_count = (cu[n_real] - cu[n_real - n_short]) as usize;
+        // Rows attending as decode queries: their lengths and block-table rows.
+        let mut short_rows = Vec::new();
+        if !split {
+            let (lens, tables) = decode_query_rows(batch, order, n_real - n_short..n_real);
+            short_rows.extend(lens.into_iter().chain(tables));
+        }
         if chunk_table.len() * 4 > self.ws.chunk_table.bytes
             || tile_table.len() * 4 > self.ws.tile_table.bytes
             || short_rows.len() * 4 > self.ws.decode_rows.bytes
@@ -444,6 +453,7 @@ impl CudaBackend {
             ver_tables,
             short_rows,
             short_row0,
+            short_count,
             short_tiles,
             short_splits,
             rope,

@@ -4,7 +4,8 @@
 //! kernel's query tiles alone. The same logits as the prefill kernel, and as close to the CPU
 //! reference as the prefill kernel's — beside a long prefill chunk, a chunk below the threshold and
 //! decode rows in one step, in a step of short chunks alone (no other tiles), and in the steps after
-//! them (the chunks' every row, not only the last, feeds the later layers' K/V).
+//! them (the chunks' every row, not only the last, feeds the later layers' K/V). Chunks longer than the
+//! rows path takes split their keys too (into the chunked DeltaNet workspace, idle in attention layers).
 
 use deltaserve_backend::{Backend, StepBatch};
 use deltaserve_cuda::backend::{CudaOptions, SHORT_CHUNK_TOKENS};
@@ -54,11 +55,11 @@ fn short_chunks_over_long_contexts_match_the_prefill_kernel_and_the_cpu() {
         }
         let vocab = rows.capabilities().vocab_size;
         let mut rng = StdRng::seed_from_u64(31);
-        // Histories, then one step: two short chunks over long contexts (37 tokens after 300, the
-        // longest short chunk after 700), one below the threshold (5 after 40), a long prefill from 0,
-        // and a decode row.
-        let hist = [300usize, 700, 40, 0, 120];
-        let new = [37usize, SHORT_CHUNK_TOKENS, 5, 200, 1];
+        // Histories, then one step: three short chunks over long contexts (37 tokens after 300, the
+        // longest rows path's after 700, and 150 after 500: the keys split only, the rows path's tiles),
+        // one below the threshold (5 after 40), a long prefill from 0, and a decode row.
+        let hist = [300usize, 700, 40, 0, 120, 500];
+        let new = [37usize, SHORT_CHUNK_TOKENS, 5, 200, 1, 150];
         let pg: Vec<Vec<u32>> = (0..hist.len()).map(|i| pages(64 * i as u32, 1000)).collect();
         let toks: Vec<Vec<u32>> =
             (0..hist.len()).map(|i| random_tokens(&mut rng, hist[i] + new[i] + 8, vocab)).collect();
@@ -108,7 +109,7 @@ fn short_chunks_over_long_contexts_match_the_prefill_kernel_and_the_cpu() {
         compare("short chunks alone", &step_all(&mut bs, &pg, &alone));
         let next: Vec<(usize, usize, Vec<u32>)> = (0..hist.len())
             .map(|i| {
-                let p = at[i] + [3, 2, 0, 0, 0][i];
+                let p = at[i] + [3, 2, 0, 0, 0, 0][i];
                 (i, p, vec![toks[i][p]])
             })
             .collect();

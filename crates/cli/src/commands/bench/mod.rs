@@ -393,20 +393,22 @@ pub fn run(a: Args) -> Result<()> {
             };
             match &mut be {
                 Under::One(cb) => {
-                    // Each attention of the chunk's rows (the short-chunk paths only up to
-                    // SHORT_CHUNK_TOKENS; the split where the wide kernels run), then the configured one back.
+                    // Each attention of the chunk's rows (the keys split where the wide kernels run,
+                    // at any length; the rows as decode queries up to SHORT_CHUNK_TOKENS), then the
+                    // configured one back.
                     let opts = cb.options();
                     let mut ways: Vec<(usize, bool)> = vec![(usize::MAX, true)];
+                    if cb.short_chunks_split_keys() {
+                        ways.push((0, true));
+                    }
                     if n <= SHORT_CHUNK_TOKENS {
-                        if cb.short_chunks_split_keys() {
-                            ways.push((0, true));
-                        }
                         ways.push((0, false));
                     }
                     for (from, split) in ways {
                         let o = CudaOptions {
                             short_chunk_decode_attention_from: from,
                             short_chunk_split_keys: split,
+                            short_chunk_split_max_tokens: opts.short_chunk_split_max_tokens.max(n),
                             ..opts
                         };
                         cb.set_options(o)?;
@@ -418,8 +420,9 @@ pub fn run(a: Args) -> Result<()> {
                         }) = Some(ms);
                     }
                     cb.set_options(opts)?;
-                    let on = ctx >= opts.short_chunk_decode_attention_from && n <= SHORT_CHUNK_TOKENS;
                     let split = opts.short_chunk_split_keys && cb.short_chunks_split_keys();
+                    let limit = if split { opts.short_chunk_split_max_tokens } else { SHORT_CHUNK_TOKENS };
+                    let on = ctx >= opts.short_chunk_decode_attention_from && n <= limit;
                     row.ms = match (on, split) {
                         (false, _) => row.ms_tiles,
                         (true, true) => row.ms_split,
