@@ -91,11 +91,17 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Whether the step's short chunks run the prefill kernel split over the keys (else their rows
-    /// attend as decode queries): [`crate::CudaOptions::short_chunk_split_keys`] where the wide
-    /// kernels run.
-    pub(super) fn short_chunks_split(&self) -> bool {
+    /// Whether short chunks run the prefill kernel split over the keys (else their rows attend as
+    /// decode queries): [`crate::CudaOptions::short_chunk_split_keys`] where the wide kernels run.
+    pub fn short_chunks_split(&self) -> bool {
         self.opts.short_chunk_split_keys && attention::prefill_split_supported(&self.k)
+    }
+
+    /// The most tokens of one short chunk, the way [`Self::short_chunks_split`] says they run:
+    /// [`crate::CudaOptions::short_chunk_split_max_tokens`] split over the keys, else
+    /// [`super::SHORT_CHUNK_TOKENS`].
+    pub fn short_chunk_max_tokens(&self) -> usize {
+        if self.short_chunks_split() { self.opts.short_chunk_split_max_tokens } else { super::SHORT_CHUNK_TOKENS }
     }
 
     /// The most tokens of one short chunk and the most rows of a step's short chunks: split over the
@@ -107,11 +113,12 @@ impl CudaBackend {
         if self.opts.short_chunk_decode_attention_from == usize::MAX || self.d.num_attention_layers == 0 {
             return (0, 0);
         }
-        if self.short_chunks_split() {
-            return (self.opts.short_chunk_split_max_tokens, self.split_units() / 2);
-        }
-        let rows = (self.ws.decode_rows.bytes / 8).min(self.partial_rows() * self.decode_partitions);
-        (super::SHORT_CHUNK_TOKENS, rows)
+        let rows = if self.short_chunks_split() {
+            self.split_units() / 2
+        } else {
+            (self.ws.decode_rows.bytes / 8).min(self.partial_rows() * self.decode_partitions)
+        };
+        (self.short_chunk_max_tokens(), rows)
     }
 
     /// The split prefill's partials: the larger of the decode rows' partials and the chunked DeltaNet
@@ -222,12 +229,13 @@ impl CudaBackend {
                 n_tiles: sh.short_tiles,
                 ..pf
             };
+            let scratch = self.split_scratch();
             let sp = attention::PrefillSplit {
                 n_split: sh.short_splits,
                 row0: sh.short_row0,
                 rows: sh.short_rows,
-                scratch: self.split_scratch().ptr,
-                scratch_bytes: self.split_scratch().bytes,
+                scratch: scratch.ptr,
+                scratch_bytes: scratch.bytes,
             };
             attention::attn_prefill_split(k, s, &a, &sc, &sp)?;
         } else if sh.short_rows > 0 {

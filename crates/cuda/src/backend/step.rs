@@ -410,20 +410,19 @@ impl CudaBackend {
         let mut tile_table: Vec<i32> = all_tiles.chunks_exact(2).filter(|e| !is_short(e)).flatten().copied().collect();
         let (mut short_tiles, mut short_splits) = (0, 0);
         let split = self.short_chunks_split();
+        let short_row0 = cu[n_real - n_short] as usize;
+        let short_count = (cu[n_real] - cu[n_real - n_short]) as usize;
         if n_short > 0 && split {
             let before = tile_table.len();
             tile_table.extend(all_tiles.chunks_exact(2).filter(is_short).flatten().copied());
             short_tiles = (tile_table.len() - before) / 2;
             let ends =
                 order[n_real - n_short..n_real].iter().map(|&i| batch.seqs[i].start + batch.seqs[i].tokens.len());
-            let rows = (cu[n_real] - cu[n_real - n_short]) as usize;
-            short_splits = self.short_prefill_splits(short_tiles, rows, ends.max().unwrap_or(0));
+            short_splits = self.short_prefill_splits(short_tiles, short_count, ends.max().unwrap_or(0));
         }
         let tvd = tp - cu[n_real + n_ver_pf] as usize;
         let (ver_lens, ver_tables) = decode_query_rows(batch, order, n_real + n_ver_pf..n_pre);
         let rope = self.rope_rows(batch, order, rows);
-        let short_row0 = cu[n_real - n_short] as usize;
-        let short_count = (cu[n_real] - cu[n_real - n_short]) as usize;
         // Rows attending as decode queries: their lengths and block-table rows.
         let mut short_rows = Vec::new();
         if !split {

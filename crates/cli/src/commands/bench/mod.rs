@@ -420,9 +420,8 @@ pub fn run(a: Args) -> Result<()> {
                         }) = Some(ms);
                     }
                     cb.set_options(opts)?;
-                    let split = opts.short_chunk_split_keys && cb.short_chunks_split_keys();
-                    let limit = if split { opts.short_chunk_split_max_tokens } else { SHORT_CHUNK_TOKENS };
-                    let on = ctx >= opts.short_chunk_decode_attention_from && n <= limit;
+                    let split = cb.short_chunks_split();
+                    let on = ctx >= opts.short_chunk_decode_attention_from && n <= cb.short_chunk_max_tokens();
                     row.ms = match (on, split) {
                         (false, _) => row.ms_tiles,
                         (true, true) => row.ms_split,
