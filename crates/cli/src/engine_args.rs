@@ -83,8 +83,7 @@ pub struct EngineArgs {
     pub decode_partitions: Option<usize>,
     /// Speculative decoding with the model's MTP head: draft K (1..4) tokens per decode step and verify
     /// them in one forward (greedy outputs are unchanged up to bf16 ties on CUDA; sampling keeps its
-    /// distribution). Needs a checkpoint with `mtp.*` tensors; on CUDA not yet with --tensor-parallel,
-    /// --embed-on-host or a mixture-of-experts model (those run it on the CPU backend).
+    /// distribution). Needs a checkpoint with `mtp.*` tensors; on CUDA not yet with --tensor-parallel.
     #[arg(long)]
     pub speculative_tokens: Option<usize>,
     /// CUDA backend: tensor parallelism, one model split over GPUs 0..N (N = 1, 2, 4 or 8; it must
@@ -542,7 +541,6 @@ impl EngineArgs {
             if text.config.mtp_num_hidden_layers == 0 {
                 anyhow::bail!("--speculative-tokens {spec}: this model has no MTP head (`mtp_num_hidden_layers` is 0)");
             }
-            CudaBackend::check_speculation(&text.config).context("--speculative-tokens")?;
         }
         let mut opts = self.plan_options(Device::Cuda)?;
         // The CUDA KV cache stores bf16, fp8, int8 or int4 (K and V independently); refuse the

@@ -6,7 +6,7 @@
 //   moe_route:      softmax of each row's logits (f32), the K largest (equal: the lower expert first),
 //                   renormalised to sum 1 when `norm`; topk[t, j] = (expert i32, weight f32); and the
 //                   shared expert's gate sigmoid(x[t]·wg) (f32).
-//   moe_offsets:    rows per expert as prefix sums offs[0..E] (offs[E] = T·K) and tiles of MOE_BM rows
+//   moe_offsets:    rows per expert as prefix sums offs[0..E] (offs[E] = T·K) and tiles of bm rows
 //                   per expert as prefix sums offs[E+1..2E+1]; rows[p] = the row of pair p = t·K + j in
 //                   the grouped order (within an expert the order is arbitrary: rows are independent).
 //   moe_permute:    grouped[rows[p]] = x[p / K].
@@ -89,7 +89,7 @@ moe_route(const float* __restrict__ logits, int E, int K, int norm, const bf16_t
 }
 
 extern "C" __global__ void __launch_bounds__(1024)
-moe_offsets(const int* __restrict__ topk, int P, int E, int* __restrict__ offs, int* __restrict__ rows) {
+moe_offsets(const int* __restrict__ topk, int P, int E, int bm, int* __restrict__ offs, int* __restrict__ rows) {
     extern __shared__ int moe_sm[];
     __shared__ int red[32];
     int* cnt = moe_sm;
@@ -103,7 +103,7 @@ moe_offsets(const int* __restrict__ topk, int P, int E, int* __restrict__ offs, 
     int rs = 0, ts = 0;
     for (int e = e0; e < e1; e++) {
         rs += cnt[e];
-        ts += (cnt[e] + MOE_BM - 1) / MOE_BM;
+        ts += (cnt[e] + bm - 1) / bm;
     }
     int rp = block_inclusive_scan(rs, red) - rs;  // exclusive: the experts before this thread's
     int tp = block_inclusive_scan(ts, red) - ts;
@@ -112,7 +112,7 @@ moe_offsets(const int* __restrict__ topk, int P, int E, int* __restrict__ offs, 
         offs[E + 1 + e] = tp;
         cur[e] = rp;
         rp += cnt[e];
-        tp += (cnt[e] + MOE_BM - 1) / MOE_BM;
+        tp += (cnt[e] + bm - 1) / bm;
     }
     if (threadIdx.x == blockDim.x - 1) {  // its prefix now covers every expert
         offs[E] = rp;

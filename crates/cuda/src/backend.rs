@@ -274,32 +274,20 @@ impl CudaBackend {
     }
 
     /// Whether this backend runs `cfg`; an error (before anything touches the GPU) for models it does not
-    /// implement yet: mixture-of-experts models with quantised (int4 / fp8) weights run on the CPU backend
-    /// only (bf16, f16 and f32 checkpoints of them run here, their experts in bf16).
+    /// implement yet: mixture-of-experts models with block-FP8 weights run on the CPU backend only (bf16,
+    /// f16 and f32 checkpoints of them run here with bf16 or int4 experts, GPTQ / AutoRound ones with
+    /// int4 experts).
     pub fn check_model(cfg: &ModelConfig) -> Result<(), CudaError> {
+        use deltaserve_model::quant::Quantization;
         match (&cfg.moe, &cfg.quantization) {
-            (Some(m), Some(q)) => Err(CudaError::UnsupportedModel(format!(
+            (Some(m), Some(q @ Quantization::Fp8Block(_))) => Err(CudaError::UnsupportedModel(format!(
                 "mixture-of-experts models ({} experts, top {}) with {} weights run on the CPU backend only for \
-                 now (the CUDA backend runs their experts in bf16): use --device cpu or a bf16 checkpoint",
+                 now: use --device cpu, or a bf16 or GPTQ int4 checkpoint",
                 m.num_experts,
                 m.top_k,
                 q.describe()
             ))),
             _ => Ok(()),
-        }
-    }
-
-    /// Whether this backend runs speculative decoding (`--speculative-tokens`) of `cfg`; an error (before
-    /// anything touches the GPU) for a mixture-of-experts model: its MTP head's MLP is a mixture of experts
-    /// too, which the CUDA MTP path does not run yet (the CPU backend does).
-    pub fn check_speculation(cfg: &ModelConfig) -> Result<(), CudaError> {
-        match &cfg.moe {
-            Some(_) => Err(CudaError::UnsupportedModel(
-                "speculative decoding of mixture-of-experts models runs on the CPU backend only for now: use \
-                 --device cpu, or leave out --speculative-tokens"
-                    .into(),
-            )),
-            None => Ok(()),
         }
     }
 

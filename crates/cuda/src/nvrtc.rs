@@ -105,7 +105,8 @@ pub const SOURCES: &[KernelSource] = &[
     },
     KernelSource {
         module: "w4a16",
-        src: include_str!("../kernels/w4a16.cu"),
+        // The pair GEMV's device code, then its kernels.
+        src: concat!(include_str!("../kernels/w4_pair.cuh"), include_str!("../kernels/w4a16.cu")),
         functions: &[
             "w4_permute_x",
             "w4p_hsh",
@@ -139,8 +140,19 @@ pub const SOURCES: &[KernelSource] = &[
     },
     KernelSource {
         module: "w4_gemm",
-        src: include_str!("../kernels/w4_gemm.cu"),
+        // The tile GEMM's device code, then its kernels.
+        src: concat!(include_str!("../kernels/w4_tile.cuh"), include_str!("../kernels/w4_gemm.cu")),
         functions: &["w4g_16", "w4g_24", "w4g_32", "w4t_16s", "w4t_16a", "w4g_reduce"],
+    },
+    KernelSource {
+        module: "moe_w4",
+        // The int4 experts run the pair GEMV's and the tile GEMM's device code.
+        src: concat!(
+            include_str!("../kernels/w4_pair.cuh"),
+            include_str!("../kernels/w4_tile.cuh"),
+            include_str!("../kernels/moe_w4.cu")
+        ),
+        functions: &["moe_w4p_sh", "moe_w4p_sb", "moe_w4p_ah", "moe_w4p_ab", "moe_w4g"],
     },
     KernelSource {
         module: "attention",

@@ -1,8 +1,10 @@
 //! The CUDA backend on mixture-of-experts models against the CPU backend (the oracle that matches HF's
 //! fixtures): a `qwen3_5_moe` model (every layer sparse, renormalised top-k) and a Qwen3-Next one (a
 //! dense first layer, plain top-k probabilities), whole prompts and greedy decode, with the experts run
-//! as per-pair GEMVs for decode steps and as grouped GEMMs (also forced for every step); and decode
-//! steps replayed from a CUDA graph while the tokens route differently, equal to eager launches.
+//! as per-pair GEMVs for decode steps and as grouped GEMMs (also forced for every step); the same with
+//! GPTQ int4 experts (symmetric, and v2 zero points) against the CPU's dequantised weights; bf16 experts
+//! quantised at load against the CPU on the host quantiser's values; and decode steps replayed from a CUDA graph while the tokens route differently,
+//! equal to eager launches.
 //!
 //! The stored HF MoE fixtures (`fixtures/hf/qwen35_moe`, `qwen3next_moe`) have head dims of 16, which
 //! the CUDA kernels do not take (see `backend.rs`'s `hf_fixtures_logits`); these models have the same
@@ -11,10 +13,13 @@
 use std::path::PathBuf;
 
 use deltaserve_backend::{Backend, StepBatch};
+use deltaserve_cpu::CpuBackend;
 use deltaserve_cuda::backend::{CudaOptions, kernel_dims};
 use deltaserve_cuda::{CudaBackend, WeightSource};
 use deltaserve_model::ModelConfig;
+use deltaserve_model::synth::gptq::{self, GptqVariant};
 use deltaserve_model::synth::{MtpVariant, Preset, write_model, write_model_json};
+use deltaserve_plan::WeightsDtype;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
@@ -54,9 +59,12 @@ fn test_models_have_the_shapes_the_kernels_take() {
 /// (teacher-forced logits; the free-running sequences may part only where the CPU's margin is not
 /// decisive). The failures, if any.
 fn against_cpu(label: &str, dir: &std::path::Path, cfg: &ModelConfig, opts: CudaOptions) -> Vec<String> {
-    let plan = plan_for(cfg);
-    let mut g = CudaBackend::with_options(cfg, WeightSource::Checkpoint(dir.to_path_buf()), &plan, 0, opts).unwrap();
-    let mut c = cpu(dir, cfg);
+    let g = CudaBackend::with_options(cfg, WeightSource::Checkpoint(dir.to_path_buf()), &plan_for(cfg), 0, opts);
+    compare(label, g.unwrap(), cpu(dir, cfg), BF16)
+}
+
+/// [`against_cpu`]'s comparison of the backends `g` and `c`, within `bounds`.
+fn compare(label: &str, mut g: CudaBackend, mut c: CpuBackend, bounds: Bounds) -> Vec<String> {
     let vocab = g.capabilities().vocab_size;
     let mut rng = StdRng::seed_from_u64(7);
     let mut full = Score::default();
@@ -65,7 +73,7 @@ fn against_cpu(label: &str, dir: &std::path::Path, cfg: &ModelConfig, opts: Cuda
         let b = one(chunk(0, &pages(40 * i as u32, len), 0, &ids));
         full.add(&run(&mut g, &b), &run(&mut c, &b), vocab);
     }
-    let mut failures: Vec<String> = full.soft_check(&format!("{label}: prompts")).into_iter().collect();
+    let mut failures: Vec<String> = full.soft_check_with(&format!("{label}: prompts"), bounds).into_iter().collect();
     let prompt = random_tokens(&mut rng, 37, vocab);
     let pg = pages(500, 37 + 12);
     let b = one(chunk(1, &pg, 0, &prompt));
@@ -82,7 +90,7 @@ fn against_cpu(label: &str, dir: &std::path::Path, cfg: &ModelConfig, opts: Cuda
         lc = run(&mut c, &one(chunk(1, &pg, 37 + step, &tok)));
     }
     println!("{label}: greedy CUDA {ids_g:?}\n{label}: greedy CPU  {ids_c:?}");
-    failures.extend(forced.soft_check(&format!("{label}: decode (teacher-forced)")));
+    failures.extend(forced.soft_check_with(&format!("{label}: decode (teacher-forced)"), bounds));
     for (k, ((a, b), dec)) in ids_g.iter().zip(&ids_c).zip(&decisive_at).enumerate() {
         if a != b && *dec {
             failures.push(format!("{label}: greedy token {k} differs where the CPU's margin is decisive"));
@@ -111,6 +119,73 @@ fn qwen3_next_moe_matches_cpu() {
     }
     let (dir, cfg) = qwen3_next_moe_dir();
     let failures = against_cpu("qwen3_next moe", &dir, &cfg, test_opts());
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The `tiny-moe` shapes at widths the int4 format takes ([`tiny_moe_int4_config`]), seed 13.
+fn wide_experts_dir(tag: &str) -> (PathBuf, ModelConfig) {
+    let dir = std::env::temp_dir().join(format!("ds-cuda-moe-w4-{tag}-{}", std::process::id()));
+    let cfg =
+        write_model_json(&dir, Preset::TinyMoe, tiny_moe_int4_config(), 13, MtpVariant::Random, |_, _| {}).unwrap();
+    (dir, cfg)
+}
+
+/// GPTQ int4 experts (every decoder linear packed but the routers, as real exports leave them), symmetric
+/// v1 and v2 with zero points, against the CPU on the checkpoint's dequantised weights: per-pair GEMVs
+/// for decode steps, and grouped GEMMs for every step. Within the int4 bounds of the dense int4 tests
+/// (`QUANT`: 4 prompt rows, so one flip where the CPU's margin is not decisive is 25% of them).
+#[test]
+fn gptq_int4_experts_match_cpu() {
+    if !gpu() {
+        return;
+    }
+    let mut failures = Vec::new();
+    let v2 = GptqVariant { v2: true, sym: false, ..GptqVariant::SYM };
+    for (tag, v) in [("sym", GptqVariant::SYM), ("asym-v2", v2)] {
+        let (dir, cfg0) = wide_experts_dir(tag);
+        let routers: Vec<String> =
+            (0..cfg0.layer_types.len()).map(|l| format!("model.language_model.layers.{l}.mlp.gate")).collect();
+        let kept: Vec<&str> = routers.iter().map(String::as_str).collect();
+        let done = gptq::convert(&dir, v, &kept, 5, |_| {}).unwrap();
+        assert!(done.quantized.keys().any(|n| n.contains("experts.7.down_proj")), "{tag}: experts packed");
+        let cfg = ModelConfig::from_dir(&dir).unwrap();
+        let plan = plan_with_checkpoint(&cfg, &dir, |o| {
+            o.weights_dtype = WeightsDtype::Int4;
+            o.int4_asym = !v.sym;
+        });
+        let d = test_opts();
+        for (what, opts) in [("", d), (" grouped", CudaOptions { gemv_max_tokens: 0, ..d })] {
+            let g = CudaBackend::with_options(&cfg, WeightSource::Checkpoint(dir.clone()), &plan, 0, opts).unwrap();
+            failures.extend(compare(&format!("gptq {tag}{what}"), g, cpu(&dir, &cfg), QUANT));
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// bf16 experts quantised at load (`--weights-dtype int4`: round to nearest, each expert's gate and up
+/// rows into one linear) against the CPU on the host quantiser's values of every linear, per-pair GEMVs
+/// and grouped GEMMs.
+#[test]
+fn experts_quantised_at_load_match_cpu() {
+    if !gpu() {
+        return;
+    }
+    let (dir, cfg) = wide_experts_dir("quantize");
+    let plan = plan_with(&cfg, |o| o.weights_dtype = WeightsDtype::Int4);
+    let d = test_opts();
+    let mut failures = Vec::new();
+    for (what, opts) in [("", d), (" grouped", CudaOptions { gemv_max_tokens: 0, ..d })] {
+        let g = CudaBackend::with_options(&cfg, WeightSource::Checkpoint(dir.clone()), &plan, 0, opts).unwrap();
+        assert!(g.w4_quantized > 0);
+        failures.extend(compare(
+            &format!("quantised at load{what}"),
+            g,
+            cpu_int4(&dir, &cfg, true, false, false),
+            QUANT,
+        ));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
@@ -172,21 +247,25 @@ fn moe_decode_graph_replays_follow_the_routing() {
     assert!(vs_cpu.argmax_same * 10 >= vs_cpu.rows * 8, "MoE decode replays vs CPU: argmax agreement below 80%");
 }
 
-/// Random weights at the `tiny-moe` shapes (every expert of a layer in one block) give finite logits,
-/// through the grouped path (a prompt) and the per-pair path (a decode step).
+/// Random weights at the `tiny-moe` shapes (bf16: every expert of a layer in one block; int4 at the
+/// widths of [`tiny_moe_int4_config`]: every expert laid out alike) give finite logits, through the grouped path (a prompt) and
+/// the per-pair path (a decode step).
 #[test]
 fn random_moe_weights_run() {
     if !gpu() {
         return;
     }
     let cfg = ModelConfig::from_json_str(&Preset::TinyMoe.config_json(Some(4)).to_string()).unwrap();
-    let plan = plan_for(&cfg);
-    let mut g = CudaBackend::new(&cfg, WeightSource::RandomWeights { seed: 5 }, &plan, 0).unwrap();
-    let ids: Vec<u32> = (0..100).collect();
-    let pg = pages(0, 101);
-    let out = run(&mut g, &one(chunk(0, &pg, 0, &ids)));
-    let next = run(&mut g, &one(chunk(0, &pg, 100, &[7])));
-    for o in [&out, &next] {
-        assert!(o.iter().all(|x| x.is_finite()) && o.iter().any(|x| *x != 0.0));
+    let wide = ModelConfig::from_json_str(&tiny_moe_int4_config().to_string()).unwrap();
+    let int4 = |c: &ModelConfig| plan_with(c, |o| o.weights_dtype = WeightsDtype::Int4);
+    for (cfg, plan) in [(&cfg, plan_for(&cfg)), (&wide, int4(&wide))] {
+        let mut g = CudaBackend::new(cfg, WeightSource::RandomWeights { seed: 5 }, &plan, 0).unwrap();
+        let ids: Vec<u32> = (0..100).collect();
+        let pg = pages(0, 101);
+        let out = run(&mut g, &one(chunk(0, &pg, 0, &ids)));
+        let next = run(&mut g, &one(chunk(0, &pg, 100, &[7])));
+        for o in [&out, &next] {
+            assert!(o.iter().all(|x| x.is_finite()) && o.iter().any(|x| *x != 0.0));
+        }
     }
 }

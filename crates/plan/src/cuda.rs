@@ -362,7 +362,9 @@ pub fn weight_tensors(cfg: &ModelConfig, f: WeightFormat) -> Vec<WeightTensor> {
     let mtp = f.mtp && cfg.mtp_num_hidden_layers > 0;
     let kinds =
         cfg.layer_types.iter().enumerate().map(|(i, k)| (false, *k, cfg.moe.as_ref().filter(|m| m.is_sparse(i))));
-    for (is_mtp, kind, sparse) in kinds.chain(mtp.then_some((true, LayerKind::Attention, None))) {
+    // The MTP head's layer is sparse as decoder layer 0 is (`MoeConfig::mtp_is_sparse`).
+    let head_sparse = cfg.moe.as_ref().filter(|m| m.mtp_is_sparse());
+    for (is_mtp, kind, sparse) in kinds.chain(mtp.then_some((true, LayerKind::Attention, head_sparse))) {
         if is_mtp {
             v.extend(lin(h, 2 * h));
             v.extend([normw(h), normw(h), normw(h)]);
@@ -390,7 +392,8 @@ pub fn weight_tensors(cfg: &ModelConfig, f: WeightFormat) -> Vec<WeightTensor> {
             }
         }
         // A sparse layer's dense MLP is its shared expert; then the router, the experts (bf16: one block,
-        // expert e's gate, up and down rows at e·3·I·hidden) and the shared expert's gate.
+        // expert e's gate, up and down rows at e·3·I·hidden; int4: per expert its gate and up rows as one
+        // [2·I, hidden] linear, then down, every expert laid out alike) and the shared expert's gate.
         let width = sparse.map_or(d.intermediate, |m| m.shared_expert_intermediate);
         v.extend(pair(width, h));
         v.extend(lin(h, width));
@@ -398,7 +401,7 @@ pub fn weight_tensors(cfg: &ModelConfig, f: WeightFormat) -> Vec<WeightTensor> {
             let (e, i) = (m.num_experts, m.expert_intermediate);
             v.push(dense(e * h, Linear { fan_in: h }));
             if f.int4 {
-                v.extend((0..e).flat_map(|_| [w4(i, h), w4(i, h), w4(h, i)]));
+                v.extend((0..e).flat_map(|_| [w4(2 * i, h), w4(h, i)]));
             } else {
                 v.push(dense(e * 3 * i * h, Linear { fan_in: h }));
             }

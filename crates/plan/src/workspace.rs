@@ -225,15 +225,17 @@ fn moe_buffers(b: &mut Builder, m: &deltaserve_model::MoeConfig, s: &StepShape, 
 }
 
 /// The routed experts' ops, after the shared expert (which the dense MLP ops compute into `mlp_out`).
-fn moe_ops(b: &mut Builder) {
-    b.op("moe_router", &["mlp_in"], &["moe_router_logits", "moe_shared_gate"]);
+/// The routed experts of a sparse layer over the rows of `mlp_in`, added to `mlp_out` (the main layers'
+/// buffers, or the MTP head's when its layer is sparse: the `moe_*` buffers then live through the head too).
+fn moe_ops(b: &mut Builder, mlp_in: &'static str, mlp_out: &'static str) {
+    b.op("moe_router", &[mlp_in], &["moe_router_logits", "moe_shared_gate"]);
     b.op("moe_topk", &["moe_router_logits"], &["moe_topk", "moe_expert_offsets", "moe_rows"]);
-    b.op("moe_permute", &["mlp_in", "moe_topk", "moe_rows"], &["moe_rows_in"]);
+    b.op("moe_permute", &[mlp_in, "moe_topk", "moe_rows"], &["moe_rows_in"]);
     // Grouped GEMMs read the grouped rows; decode's per-pair GEMVs read each token's row of `mlp_in`.
-    b.op("moe_gate_up", &["moe_rows_in", "moe_expert_offsets", "moe_topk", "mlp_in"], &["moe_gate_up"]);
+    b.op("moe_gate_up", &["moe_rows_in", "moe_expert_offsets", "moe_topk", mlp_in], &["moe_gate_up"]);
     b.op("moe_act", &["moe_gate_up"], &["moe_act"]);
     b.op("moe_down", &["moe_act", "moe_expert_offsets", "moe_topk"], &["moe_rows_out"]);
-    b.op("moe_unpermute", &["moe_rows_out", "moe_topk", "moe_rows", "moe_shared_gate", "mlp_out"], &["mlp_out"]);
+    b.op("moe_unpermute", &["moe_rows_out", "moe_topk", "moe_rows", "moe_shared_gate", mlp_out], &[mlp_out]);
 }
 
 /// Plans the workspace of one step. None if a size overflows u64.
@@ -409,7 +411,7 @@ pub fn plan_workspace(cfg: &ModelConfig, s: &StepShape) -> Option<WorkspaceLayou
     b.op("mlp_act", &["mlp_gate_up"], &["mlp_act"]);
     b.op("mlp_down", &["mlp_act", "residual"], &["mlp_out", "residual", "fold_x", "fold_sums"]);
     if cfg.moe.is_some() {
-        moe_ops(&mut b);
+        moe_ops(&mut b, "mlp_in", "mlp_out");
     }
     b.op("mlp_residual", &["mlp_out", "residual"], &["residual"]);
     let section_end = b.ops.len() - 1;
@@ -431,6 +433,9 @@ pub fn plan_workspace(cfg: &ModelConfig, s: &StepShape) -> Option<WorkspaceLayou
         b.op("mtp_gate_up", &["mtp_mlp_in"], &["mtp_gate_up"]);
         b.op("mtp_act", &["mtp_gate_up"], &["mtp_act"]);
         b.op("mtp_down", &["mtp_act"], &["mtp_mlp_out"]);
+        if cfg.moe.as_ref().is_some_and(|m| m.mtp_is_sparse()) {
+            moe_ops(&mut b, "mtp_mlp_in", "mtp_mlp_out");
+        }
         b.op("mtp_norm_logits", &["mtp_mlp_out", "mtp_residual", "last_token_idx"], &["mtp_norm", "final_hidden"]);
     }
     b.op("sample", &[], &["sampling"]);

@@ -85,6 +85,26 @@ fn expert_activations_are_bounded_by_tokens_times_top_k() {
     assert!(x.lifetime_overlaps(gu) && !x.address_overlaps(gu));
 }
 
+/// With speculation the MTP head's sparse layer runs the experts over its own rows, after the main layers:
+/// the `moe_*` buffers stay live through the head, so none shares bytes with the head's buffers.
+#[test]
+fn the_sparse_mtp_head_keeps_its_expert_buffers() {
+    let c = cfg("qwen3.6-35b-a3b");
+    let o = PlanOptions { speculative_tokens: 3, ..int4_fp8(40 * GIB) };
+    let ws = Plan::new(&c, &o).unwrap().workspace;
+    let (moe, mtp): (Vec<_>, Vec<_>) = ws
+        .buffers
+        .iter()
+        .filter(|b| b.name.starts_with("moe_") || b.name.starts_with("mtp_"))
+        .partition(|b| b.name.starts_with("moe_"));
+    assert!(!moe.is_empty() && !mtp.is_empty());
+    for m in &moe {
+        for x in &mtp {
+            assert!(m.lifetime_overlaps(x) && !m.address_overlaps(x), "{} and {}", m.name, x.name);
+        }
+    }
+}
+
 #[test]
 fn qwen3_next_80b_a3b_prices_every_expert() {
     let c = cfg("qwen3-next-80b-a3b");

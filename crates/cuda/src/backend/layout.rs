@@ -203,18 +203,10 @@ pub(super) fn check_plan(
         )));
     }
     let fmt = WeightFormat::of(&plan.options);
-    if cfg.moe.is_some() {
-        let refuse = |what: &str| {
-            Err(CudaError::UnsupportedModel(format!(
-                "mixture-of-experts models on CUDA do not support {what} yet (their experts run in bf16)"
-            )))
-        };
-        if fmt.int4 {
-            return refuse("int4 weights (--quantize int4)");
-        }
-        if shard.is_some() {
-            return refuse("tensor parallelism");
-        }
+    if cfg.moe.is_some() && shard.is_some() {
+        return Err(CudaError::UnsupportedModel(
+            "mixture-of-experts models on CUDA do not support tensor parallelism yet".into(),
+        ));
     }
     let max_draft = plan.options.speculative_tokens;
     if max_draft > 0 {
@@ -226,7 +218,6 @@ pub(super) fn check_plan(
         if cfg.mtp_num_hidden_layers == 0 {
             return Err(CudaError::Plan("speculative decoding: the model has no MTP head".into()));
         }
-        super::CudaBackend::check_speculation(cfg)?;
     }
     Ok((kvf, fmt, max_draft))
 }

@@ -16,7 +16,7 @@ use crate::runtime::Runtime;
 use crate::w4::{ScaleDtype, W4Bytes, W4Linear};
 
 use super::CudaBackend;
-use super::moe::{ExpertBlock, MoeLayer, check_expert_block, expert_proj};
+use super::moe::{ExpertBlock, MoeLayer, W4ExpertLayout, expert_proj, loaded_experts};
 use super::spec::MtpHead;
 use super::weights::{AttnLayer, GdnLayer, Layer, Mixer, Part, Proj, Weights};
 
@@ -110,27 +110,46 @@ impl Loader<'_> {
         name: &str,
     ) -> Result<W4Weights, CudaError> {
         W4Linear::check_shape(name, out, inp)?;
-        if bf16.len() != 2 * out * inp {
-            return Err(CudaError::Weights(format!("`{name}`: {} B, expected [{out}, {inp}] bf16", bf16.len())));
+        let (_, bytes) = W4Bytes::new(out, inp, asym, false).layout(ALIGN);
+        let base = self.arena.alloc(self.wreg, bytes)?.ptr;
+        let w = W4Weights::at(base, out, inp, asym, false, ScaleDtype::F16);
+        self.quantize_rows(bf16, out, &w, 0, name)?;
+        Ok(w)
+    }
+
+    /// `rows` rows of bf16 bytes quantised on the GPU into rows `row0 .. row0 + rows` of the placed
+    /// int4 linear `w` (f16 scales; rows staged through `staging`).
+    pub(super) fn quantize_rows(
+        &mut self,
+        bf16: &[u8],
+        rows: usize,
+        w: &W4Weights,
+        row0: usize,
+        name: &str,
+    ) -> Result<(), CudaError> {
+        let inp = w.inp;
+        if bf16.len() != 2 * rows * inp || row0 + rows > w.out || !row0.is_multiple_of(2) {
+            return Err(CudaError::Weights(format!(
+                "`{name}`: {} B, expected [{rows}, {inp}] bf16 for rows {row0}.. of a [{}, {inp}] int4 linear",
+                bf16.len(),
+                w.out
+            )));
         }
-        let rows = (self.staging.bytes / (2 * inp)).min(out.next_multiple_of(2)) & !1;
-        if rows < 2 {
+        let step = (self.staging.bytes / (2 * inp)).min(rows.next_multiple_of(2)) & !1;
+        if step < 2 {
             return Err(CudaError::Plan(format!(
                 "--quantize int4 stages each linear's rows in the KV pages region: {} B cannot hold 2 rows of \
-                 `{name}` [{out}, {inp}] ({} B); plan for more context (or a larger --memory)",
+                 `{name}` [{rows}, {inp}] ({} B); plan for more context (or a larger --memory)",
                 self.staging.bytes,
                 4 * inp
             )));
         }
-        let (_, bytes) = W4Bytes::new(out, inp, asym, false).layout(ALIGN);
-        let base = self.arena.alloc(self.wreg, bytes)?.ptr;
-        let w = W4Weights::at(base, out, inp, asym, false, ScaleDtype::F16);
         let s = self.rt.stream().clone();
-        for r0 in (0..out).step_by(rows) {
-            let r1 = (r0 + rows).min(out);
+        for r in (0..rows).step_by(step) {
+            let r1 = (r + step).min(rows);
             // upload() waits for the stream, so the previous chunk's quantisation has read the staging.
-            self.rt.upload(self.staging.ptr, &bf16[2 * r0 * inp..2 * r1 * inp])?;
-            w4a16::w4_quantize(self.k, &s, self.staging.ptr, inp, r0, r1, &w)?;
+            self.rt.upload(self.staging.ptr, &bf16[2 * r * inp..2 * r1 * inp])?;
+            w4a16::w4_quantize(self.k, &s, self.staging.ptr, inp, row0 + r, row0 + r1, w)?;
         }
         self.rt.synchronize()?;
         self.quantized += 1;
@@ -138,14 +157,11 @@ impl Loader<'_> {
         if n.is_multiple_of(32) || n == self.total_w4 {
             tracing::info!("int4 weights: {n}/{} linears", self.total_w4);
         }
-        Ok(w)
+        Ok(())
     }
 
-    pub(super) fn gptq(
-        &mut self,
-        g: &deltaserve_model::quant::GptqSource<'_>,
-        name: &str,
-    ) -> Result<W4Weights, CudaError> {
+    /// One GPTQ-packed linear converted to the device format on the host (warning where it had to round).
+    fn convert_gptq(&mut self, g: &deltaserve_model::quant::GptqSource<'_>, name: &str) -> Result<W4Linear, CudaError> {
         let c = W4Linear::from_gptq(g, name)?;
         if c.zero16_clamped > 0 || c.scales_rounded > 0 {
             tracing::warn!(
@@ -154,11 +170,12 @@ impl Loader<'_> {
                 c.scales_rounded
             );
         }
-        let l = c.linear;
-        let (asym, perm) = (l.zeros.is_some(), l.perm.is_some());
-        let (_, bytes) = l.bytes().layout(ALIGN);
-        let base = self.arena.alloc(self.wreg, bytes)?.ptr;
-        let w = W4Weights::at(base, l.out_features, l.in_features, asym, perm, l.scale_dtype);
+        self.converted += 1;
+        Ok(c.linear)
+    }
+
+    /// Copies a host int4 linear into the placed `w` (same shape and format).
+    fn upload_w4(&self, l: &W4Linear, w: &W4Weights) -> Result<(), CudaError> {
         self.rt.upload(w.qweight, &l.qweight)?;
         self.rt.upload(w.scales, &l.scales)?;
         if let (Some(p), Some(z)) = (w.zeros, &l.zeros) {
@@ -167,7 +184,20 @@ impl Loader<'_> {
         if let (Some(p), Some(v)) = (w.perm, &l.perm) {
             self.rt.upload(p, v)?;
         }
-        self.converted += 1;
+        Ok(())
+    }
+
+    pub(super) fn gptq(
+        &mut self,
+        g: &deltaserve_model::quant::GptqSource<'_>,
+        name: &str,
+    ) -> Result<W4Weights, CudaError> {
+        let l = self.convert_gptq(g, name)?;
+        let (asym, perm) = (l.zeros.is_some(), l.perm.is_some());
+        let (_, bytes) = l.bytes().layout(ALIGN);
+        let base = self.arena.alloc(self.wreg, bytes)?.ptr;
+        let w = W4Weights::at(base, l.out_features, l.in_features, asym, perm, l.scale_dtype);
+        self.upload_w4(&l, &w)?;
         Ok(w)
     }
 
@@ -258,11 +288,15 @@ impl CudaBackend {
         let tied = cfg.tie_word_embeddings;
         let num_experts = full.moe.as_ref().map_or(0, |m| m.num_experts);
         let mut experts = ExpertBlock::default();
+        let mut w4_experts = W4ExpertBlock::default();
         let mut convert = |src: TensorSource<'_>| -> Result<Part, ModelError> {
             let dev = |e: CudaError| ModelError::config(format!("{}: {e}", src.name));
             let name = src.name.clone();
             if let Some(at) = expert_proj(&name) {
-                // Every expert of the layer in one block (bf16; int4 experts are refused before loading).
+                if fmt.int4 {
+                    return w4_experts.place(&mut ld, &src, at, num_experts, fmt.asym).map_err(dev);
+                }
+                // Every expert of the layer in one bf16 block.
                 let (bytes, shape) = ld.bytes(&src, false)?;
                 let (arena, wreg) = (&mut *ld.arena, ld.wreg);
                 let mut alloc = |n: usize| Ok(arena.alloc(wreg, n)?.ptr);
@@ -447,6 +481,11 @@ impl CudaBackend {
             let down = rows(proj(next, false)?, d.hidden);
             // weight_tensors' order: router, the experts' block, the shared expert's gate.
             let moe = match sparse {
+                Some(m) if fmt.int4 => {
+                    let router = next()?.ptr();
+                    let parts = (0..2 * m.num_experts).map(|_| next()).collect::<Result<Vec<_>, _>>()?;
+                    Some(MoeLayer::new_w4(m, d.hidden, router, next()?.ptr(), &parts)?)
+                }
                 Some(m) => {
                     let (router, block, gate) = (next()?.ptr(), next()?.ptr(), next()?.ptr());
                     Some(MoeLayer::new(m, d.hidden, router, gate, block))
@@ -461,7 +500,8 @@ impl CudaBackend {
         let mtp = if fmt.mtp && cfg.mtp_num_hidden_layers > 0 {
             let fc = rows(proj(&mut next, false)?, d.hidden);
             let (pre_fc_norm_embedding, pre_fc_norm_hidden, norm) = (next()?.ptr(), next()?.ptr(), next()?.ptr());
-            let layer = layer(&mut next, LayerKind::Attention, None)?;
+            let sparse = cfg.moe.as_ref().filter(|m| m.mtp_is_sparse());
+            let layer = layer(&mut next, LayerKind::Attention, sparse)?;
             Some(MtpHead { fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm, layer })
         } else {
             None
@@ -493,10 +533,7 @@ fn checkpoint_weights(
     // int4: pairs are two parts; bf16: the first half is the fused pair.
     let two = |a: &Part, b: &Part| if matches!(a, Part::Bf16 { .. }) && !int4 { vec![*a] } else { vec![*a, *b] };
     let sparse = |l: &deltaserve_model::LayerWeights<Part>| match (&l.moe, moe) {
-        (Some(w), Some((m, h))) => {
-            let ml = MoeLayer::new(m, h, w.router.ptr(), w.shared_expert_gate.ptr(), w.experts[0].gate_proj.ptr());
-            check_expert_block(w, &ml).map(|()| Some(ml))
-        }
+        (Some(w), Some((m, h))) => loaded_experts(w, m, h).map(Some),
         _ => Ok(None),
     };
     let layer = |l: &deltaserve_model::LayerWeights<Part>, moe: Option<MoeLayer>| Layer {
@@ -527,13 +564,16 @@ fn checkpoint_weights(
         moe,
     };
     let layers = mw.layers.iter().map(|l| Ok(layer(l, sparse(l)?))).collect::<Result<_, CudaError>>()?;
-    let mtp = mtp_w.map(|m| MtpHead {
-        fc: one(&m.fc),
-        pre_fc_norm_embedding: m.pre_fc_norm_embedding.ptr(),
-        pre_fc_norm_hidden: m.pre_fc_norm_hidden.ptr(),
-        norm: m.norm.ptr(),
-        layer: layer(&m.layer, None),
-    });
+    let mtp = match mtp_w {
+        Some(m) => Some(MtpHead {
+            fc: one(&m.fc),
+            pre_fc_norm_embedding: m.pre_fc_norm_embedding.ptr(),
+            pre_fc_norm_hidden: m.pre_fc_norm_hidden.ptr(),
+            norm: m.norm.ptr(),
+            layer: layer(&m.layer, sparse(&m.layer)?),
+        }),
+        None => None,
+    };
     let lm_head = match (&mw.lm_head, tied_head) {
         (Some(p), _) => *p,
         (None, Some(p)) => p,
@@ -546,4 +586,85 @@ fn checkpoint_weights(
         layers,
         mtp,
     })
+}
+
+/// Where a layer's int4 experts go as a checkpoint loads ([`W4ExpertLayout`]): the block is allocated
+/// when expert 0's gate arrives (experts load in order, gate / up / down); bf16 experts are quantised
+/// into place, GPTQ ones converted on the host, a GPTQ gate kept until its up rows arrive (the two are
+/// one linear on the device). Every expert of a layer must come in one format.
+#[derive(Default)]
+pub(super) struct W4ExpertBlock {
+    base: u64,
+    layout: Option<W4ExpertLayout>,
+    gate: Option<W4Linear>,
+}
+
+impl W4ExpertBlock {
+    /// Places expert tensor `(e, proj)` (projection 0 gate, 1 up, 2 down); the part the model's weights
+    /// record for it (gate and up: the expert's gate/up linear).
+    pub(super) fn place(
+        &mut self,
+        ld: &mut Loader<'_>,
+        src: &TensorSource<'_>,
+        (e, proj): (usize, usize),
+        num_experts: usize,
+        asym: bool,
+    ) -> Result<Part, CudaError> {
+        let name = src.name.as_str();
+        let werr = |msg: String| CudaError::Weights(format!("`{name}` (int4 expert): {msg}"));
+        if e >= num_experts {
+            return Err(werr(format!("expert {e} of a layer of {num_experts}")));
+        }
+        let gptq = match &src.quantized {
+            Some(deltaserve_model::QuantizedSource::Gptq(g)) => Some(ld.convert_gptq(g, name)?),
+            _ => None,
+        };
+        let (lin, bytes, (out, inp)) = match gptq {
+            Some(l) => {
+                let shape = (l.out_features, l.in_features);
+                (Some(l), Vec::new(), shape)
+            }
+            None => {
+                let (b, shape) = ld.bytes(src, false).map_err(|e| CudaError::Weights(e.to_string()))?;
+                match shape.as_slice() {
+                    [o, i] => (None, b, (*o, *i)),
+                    s => return Err(werr(format!("shape {s:?} is not a linear"))),
+                }
+            }
+        };
+        let (width, hidden) = if proj == 2 { (inp, out) } else { (out, inp) };
+        if (e, proj) == (0, 0) {
+            W4Linear::check_shape(name, 2 * width, hidden)?;
+            W4Linear::check_shape(name, hidden, width)?;
+            let (a, sd) = lin.as_ref().map_or((asym, ScaleDtype::F16), |l| (l.zeros.is_some(), l.scale_dtype));
+            let layout = W4ExpertLayout::new(width, hidden, a, sd);
+            self.base = ld.arena.alloc(ld.wreg, num_experts * layout.stride)?.ptr;
+            self.layout = Some(layout);
+            self.gate = None;
+        }
+        let layout = self.layout.ok_or_else(|| werr("expert 0's gate was not loaded first".into()))?;
+        let (gu, down) = layout.expert(self.base, e);
+        if (width, hidden) != (down.inp, down.out) {
+            return Err(werr(format!("[{out}, {inp}]: the layer's experts are {} wide over {}", down.inp, down.out)));
+        }
+        let target = if proj == 2 { down } else { gu };
+        let Some(l) = lin else {
+            ld.quantize_rows(&bytes, out, &target, if proj == 1 { width } else { 0 }, name)?;
+            return Ok(Part::W4(if proj == 2 { down } else { gu }));
+        };
+        if l.perm.is_some() || l.zeros.is_some() != gu.zeros.is_some() || l.scale_dtype != gu.scale_dtype {
+            return Err(werr(
+                "the layer's int4 experts must share one format (zero points, scale dtype) without act-order".into(),
+            ));
+        }
+        match proj {
+            0 => self.gate = Some(l),
+            1 => {
+                let g = self.gate.take().ok_or_else(|| werr("its gate was not loaded before it".into()))?;
+                ld.upload_w4(&g.stack_rows(&l, name)?, &gu)?;
+            }
+            _ => ld.upload_w4(&l, &down)?,
+        }
+        Ok(Part::W4(if proj == 2 { down } else { gu }))
+    }
 }

@@ -1,6 +1,7 @@
-//! The routed experts of a sparse layer on the GPU: their weights (every expert of a layer in one
-//! block, so a kernel finds expert e's rows at `base + e·stride`), their workspace buffers, and the
-//! forward that runs after the shared expert has written `mlp_out`: router logits, top-k, the
+//! The routed experts of a sparse layer on the GPU: their weights (bf16: every expert of a layer in one
+//! block, so a kernel finds expert e's rows at `base + e·stride`; int4: per expert its gate and up rows
+//! as one linear, then down, every expert laid out alike at one stride), their workspace buffers, and
+//! the forward that runs after the shared expert has written `mlp_out`: router logits, top-k, the
 //! experts' SwiGLU MLPs (per-pair GEMVs for decode-sized steps, grouped GEMMs otherwise) and the
 //! weighted un-permute onto the shared expert's gated output.
 
@@ -9,13 +10,24 @@ use deltaserve_model::weights::MoeWeights;
 
 use crate::error::CudaError;
 use crate::ops::moe::{self, ExpertWeights};
+use crate::ops::moe_w4::{self, W4Experts};
+use crate::ops::w4a16::W4Weights;
 use crate::ops::{elementwise, gemv};
+use crate::w4::{ScaleDtype, W4Bytes};
 
 use super::CudaBackend;
 use super::forward::b2;
 use super::layout::{Workspace, Ws};
 use super::linear::po;
 use super::weights::Part;
+
+/// A sparse layer's routed experts: each expert's gate and up rows (`[2·I, hidden]`, gate first) and
+/// its down projection (`[hidden, I]`).
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Experts {
+    Bf16 { gate_up: ExpertWeights, down: ExpertWeights },
+    Int4 { gate_up: W4Experts, down: W4Experts },
+}
 
 /// A sparse layer's router, experts and shared-expert gate (bf16), with the routing it follows.
 #[derive(Clone, Copy, Debug)]
@@ -24,31 +36,104 @@ pub(super) struct MoeLayer {
     pub(super) router: u64,
     /// `[hidden]`: the shared expert's gate.
     pub(super) shared_gate: u64,
-    /// Expert e's `[2·I, hidden]` gate rows then up rows.
-    pub(super) gate_up: ExpertWeights,
-    /// Expert e's `[hidden, I]`.
-    pub(super) down: ExpertWeights,
+    pub(super) experts: Experts,
     pub(super) num_experts: usize,
     pub(super) top_k: usize,
     pub(super) norm_topk_prob: bool,
+    /// A routed expert's width `I`.
+    pub(super) expert_width: usize,
     /// The shared expert's width (the layer's dense MLP).
     pub(super) shared_width: usize,
 }
 
 impl MoeLayer {
-    /// The layer's experts from the block at `base` ([`ExpertBlock`]'s layout).
-    pub(super) fn new(m: &MoeConfig, hidden: usize, router: u64, shared_gate: u64, base: u64) -> Self {
-        let (i, stride) = (m.expert_intermediate, 3 * m.expert_intermediate * hidden);
+    fn with(m: &MoeConfig, router: u64, shared_gate: u64, experts: Experts) -> Self {
         MoeLayer {
             router,
             shared_gate,
-            gate_up: ExpertWeights { base, stride, n: 2 * i, kdim: hidden },
-            down: ExpertWeights { base: base + b2(2 * i * hidden), stride, n: hidden, kdim: i },
+            experts,
             num_experts: m.num_experts,
             top_k: m.top_k,
             norm_topk_prob: m.norm_topk_prob,
+            expert_width: m.expert_intermediate,
             shared_width: m.shared_expert_intermediate,
         }
+    }
+
+    /// The layer's bf16 experts from the block at `base` ([`ExpertBlock`]'s layout).
+    pub(super) fn new(m: &MoeConfig, hidden: usize, router: u64, shared_gate: u64, base: u64) -> Self {
+        let (i, stride) = (m.expert_intermediate, 3 * m.expert_intermediate * hidden);
+        let experts = Experts::Bf16 {
+            gate_up: ExpertWeights { base, stride, n: 2 * i, kdim: hidden },
+            down: ExpertWeights { base: base + b2(2 * i * hidden), stride, n: hidden, kdim: i },
+        };
+        Self::with(m, router, shared_gate, experts)
+    }
+
+    /// The layer's int4 experts: expert e's `[2·I, hidden]` gate/up and `[hidden, I]` down linears,
+    /// `parts[2e]` and `parts[2e + 1]`, each checked to sit where [`W4ExpertLayout`] puts it from
+    /// expert 0's.
+    pub(super) fn new_w4(
+        m: &MoeConfig,
+        hidden: usize,
+        router: u64,
+        shared_gate: u64,
+        parts: &[Part],
+    ) -> Result<Self, CudaError> {
+        let (e, i) = (m.num_experts, m.expert_intermediate);
+        let w4 = |p: &Part| match p {
+            Part::W4(w) => Some(*w),
+            Part::Bf16 { .. } => None,
+        };
+        let (Some(gu), Some(_)) = (parts.first().and_then(w4), parts.get(1).and_then(w4)) else {
+            return Err(CudaError::Weights("the int4 experts' first linears are missing or not int4".into()));
+        };
+        let lay = W4ExpertLayout::new(i, hidden, gu.zeros.is_some(), gu.scale_dtype);
+        if parts.len() != 2 * e {
+            return Err(CudaError::Weights(format!("{} int4 expert linears, expected {}", parts.len(), 2 * e)));
+        }
+        for (x, pair) in parts.chunks(2).enumerate() {
+            let want = lay.expert(gu.qweight, x);
+            let got = (pair[0].ptr(), pair[1].ptr(), pair.iter().filter_map(w4).count());
+            if got != (want.0.qweight, want.1.qweight, 2) {
+                return Err(CudaError::Weights(format!("expert {x} is not in its layer's int4 expert block")));
+            }
+        }
+        let (g, d) = lay.expert(gu.qweight, 0);
+        let experts = Experts::Int4 {
+            gate_up: W4Experts { first: g, stride: lay.stride as u64, count: e },
+            down: W4Experts { first: d, stride: lay.stride as u64, count: e },
+        };
+        Ok(Self::with(m, router, shared_gate, experts))
+    }
+}
+
+/// Where the int4 experts of a layer sit: expert e's gate/up `[2·I, hidden]` linear at `base + e·stride`
+/// and its down `[hidden, I]` right after it, each placed as the arena places one int4 linear (what the
+/// plan's `weight_tensors` lists for them).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct W4ExpertLayout {
+    width: usize,
+    hidden: usize,
+    asym: bool,
+    scale_dtype: ScaleDtype,
+    gate_up_bytes: usize,
+    /// Bytes from one expert to the next.
+    pub(super) stride: usize,
+}
+
+impl W4ExpertLayout {
+    pub(super) fn new(width: usize, hidden: usize, asym: bool, scale_dtype: ScaleDtype) -> Self {
+        let gate_up_bytes = W4Bytes::new(2 * width, hidden, asym, false).aligned();
+        let stride = gate_up_bytes + W4Bytes::new(hidden, width, asym, false).aligned();
+        W4ExpertLayout { width, hidden, asym, scale_dtype, gate_up_bytes, stride }
+    }
+
+    /// Expert `e`'s (gate/up, down) linears in the block at `base`.
+    pub(super) fn expert(&self, base: u64, e: usize) -> (W4Weights, W4Weights) {
+        let at = base + (e * self.stride) as u64;
+        let (h, i, a, sd) = (self.hidden, self.width, self.asym, self.scale_dtype);
+        (W4Weights::at(at, 2 * i, h, a, false, sd), W4Weights::at(at + self.gate_up_bytes as u64, h, i, a, false, sd))
     }
 }
 
@@ -95,18 +180,31 @@ impl ExpertBlock {
     }
 }
 
-/// Checks that a layer's loaded experts `w` sit where `ml` reads them (expert e at `base + e·stride`).
-pub(super) fn check_expert_block(w: &MoeWeights<Part>, ml: &MoeLayer) -> Result<(), CudaError> {
-    let half = b2(ml.gate_up.n / 2 * ml.gate_up.kdim);
+/// A layer's loaded experts `w` as the forward reads them: int4 ones (gate and up one linear) checked
+/// by [`MoeLayer::new_w4`], bf16 ones checked to sit where the layer reads them (expert e at
+/// `base + e·stride`).
+pub(super) fn loaded_experts(w: &MoeWeights<Part>, m: &MoeConfig, hidden: usize) -> Result<MoeLayer, CudaError> {
+    let (router, gate) = (w.router.ptr(), w.shared_expert_gate.ptr());
+    if matches!(w.experts.first().map(|x| x.gate_proj), Some(Part::W4(_))) {
+        let parts: Vec<Part> = w.experts.iter().flat_map(|x| [x.gate_proj, x.down_proj]).collect();
+        if w.experts.iter().any(|x| x.up_proj.ptr() != x.gate_proj.ptr()) {
+            return Err(CudaError::Weights("an int4 expert's up rows are not in its gate/up linear".into()));
+        }
+        return MoeLayer::new_w4(m, hidden, router, gate, &parts);
+    }
+    let base = w.experts.first().map_or(0, |x| x.gate_proj.ptr());
+    let ml = MoeLayer::new(m, hidden, router, gate, base);
+    let Experts::Bf16 { gate_up, down } = ml.experts else { unreachable!("MoeLayer::new gives bf16 experts") };
+    let half = b2(gate_up.n / 2 * gate_up.kdim);
     for (e, x) in w.experts.iter().enumerate() {
-        let at = b2(e * ml.gate_up.stride);
-        let want = [ml.gate_up.base + at, ml.gate_up.base + at + half, ml.down.base + at];
+        let at = b2(e * gate_up.stride);
+        let want = [gate_up.base + at, gate_up.base + at + half, down.base + at];
         let got = [x.gate_proj.ptr(), x.up_proj.ptr(), x.down_proj.ptr()];
         if want != got || !matches!(x.gate_proj, Part::Bf16 { .. }) {
             return Err(CudaError::Weights(format!("expert {e} is not in its layer's bf16 expert block")));
         }
     }
-    Ok(())
+    Ok(ml)
 }
 
 /// The routed experts' workspace buffers (the plan's `moe_*`).
@@ -164,22 +262,38 @@ impl CudaBackend {
             mw.topk,
             mw.shared_gate,
         )?;
-        let i = m.gate_up.n / 2;
+        let i = m.expert_width;
         let swiglu = || elementwise::swiglu(k, s, mw.gate_up, 2 * i, mw.gate_up + b2(i), 2 * i, mw.act, pairs, i);
-        if self.moe_gemv(t) {
+        let gemv = self.moe_gemv(t);
+        match &m.experts {
             // Decode: each (token, k) pair reads its expert's rows only; the rows stay in pair order.
-            moe::gemv(k, s, ws.mlp_in, top_k, mw.topk, pairs, &m.gate_up, mw.gate_up)?;
-            swiglu()?;
-            moe::gemv(k, s, mw.act, 1, mw.topk, pairs, &m.down, mw.rows_out)?;
-            moe::unpermute(k, s, mw.rows_out, None, mw.topk, t, top_k, mw.shared_gate, h, ws.mlp_out)?;
-        } else {
-            moe::offsets(k, s, mw.topk, pairs, e, mw.offsets, mw.rows)?;
-            moe::permute(k, s, ws.mlp_in, mw.rows, t, top_k, h, mw.rows_in)?;
-            moe::gemm(k, s, mw.rows_in, mw.offsets, e, pairs, &m.gate_up, mw.gate_up)?;
-            swiglu()?;
-            moe::gemm(k, s, mw.act, mw.offsets, e, pairs, &m.down, mw.rows_out)?;
-            moe::unpermute(k, s, mw.rows_out, Some(mw.rows), mw.topk, t, top_k, mw.shared_gate, h, ws.mlp_out)?;
+            Experts::Bf16 { gate_up, down } if gemv => {
+                moe::gemv(k, s, ws.mlp_in, top_k, mw.topk, pairs, gate_up, mw.gate_up)?;
+                swiglu()?;
+                moe::gemv(k, s, mw.act, 1, mw.topk, pairs, down, mw.rows_out)?;
+            }
+            Experts::Int4 { gate_up, down } if gemv => {
+                moe_w4::gemv(k, s, ws.mlp_in, h, top_k, mw.topk, pairs, gate_up, mw.gate_up)?;
+                swiglu()?;
+                moe_w4::gemv(k, s, mw.act, i, 1, mw.topk, pairs, down, mw.rows_out)?;
+            }
+            Experts::Bf16 { gate_up, down } => {
+                moe::offsets(k, s, mw.topk, pairs, e, moe::TILE_ROWS, mw.offsets, mw.rows)?;
+                moe::permute(k, s, ws.mlp_in, mw.rows, t, top_k, h, mw.rows_in)?;
+                moe::gemm(k, s, mw.rows_in, mw.offsets, e, pairs, gate_up, mw.gate_up)?;
+                swiglu()?;
+                moe::gemm(k, s, mw.act, mw.offsets, e, pairs, down, mw.rows_out)?;
+            }
+            Experts::Int4 { gate_up, down } => {
+                moe::offsets(k, s, mw.topk, pairs, e, moe_w4::TILE_ROWS, mw.offsets, mw.rows)?;
+                moe::permute(k, s, ws.mlp_in, mw.rows, t, top_k, h, mw.rows_in)?;
+                moe_w4::gemm(k, s, mw.rows_in, mw.offsets, pairs, gate_up, mw.gate_up)?;
+                swiglu()?;
+                moe_w4::gemm(k, s, mw.act, mw.offsets, pairs, down, mw.rows_out)?;
+            }
         }
+        let rows = (!gemv).then_some(mw.rows);
+        moe::unpermute(k, s, mw.rows_out, rows, mw.topk, t, top_k, mw.shared_gate, h, ws.mlp_out)?;
         self.tick("MoE experts")
     }
 
@@ -230,8 +344,8 @@ mod tests {
             norm_topk_prob: true,
             sparse_layers: vec![true],
         };
-        let l = MoeLayer::new(&m, 32, 1, 2, 4096);
-        assert_eq!((l.gate_up.base, l.gate_up.stride, l.gate_up.n, l.gate_up.kdim), (4096, 768, 16, 32));
-        assert_eq!((l.down.base, l.down.stride, l.down.n, l.down.kdim), (4096 + 2 * 16 * 32, 768, 32, 8));
+        let Experts::Bf16 { gate_up, down } = MoeLayer::new(&m, 32, 1, 2, 4096).experts else { panic!("bf16") };
+        assert_eq!((gate_up.base, gate_up.stride, gate_up.n, gate_up.kdim), (4096, 768, 16, 32));
+        assert_eq!((down.base, down.stride, down.n, down.kdim), (4096 + 2 * 16 * 32, 768, 32, 8));
     }
 }

@@ -194,14 +194,36 @@ fn a_quantised_checkpoint_fits_the_plans_regions() {
     }
 }
 
-/// A mixture-of-experts model runs its experts in bf16: a bf16 plan is taken, an int4 plan refused in
-/// one line naming `--quantize int4`.
+/// A mixture-of-experts model takes bf16 and int4 plans (its experts in the plan's format), on one GPU.
 #[test]
-fn moe_plans_take_bf16_and_refuse_int4() {
+fn moe_plans_take_bf16_and_int4() {
     let cfg = preset(Preset::TinyMoe, Some(4));
     let o = PlanOptions::gpu_defaults(1 << 30);
     assert!(check_plan(&cfg, cfg.dims(), &Plan::new(&cfg, &o).unwrap(), None).is_ok());
     let o4 = PlanOptions { weights_dtype: WeightsDtype::Int4, ..o };
-    let e = check_plan(&cfg, cfg.dims(), &Plan::new(&cfg, &o4).unwrap(), None).unwrap_err().to_string();
-    assert!(e.contains("mixture-of-experts") && e.contains("--quantize int4") && !e.contains('\n'), "{e}");
+    assert!(check_plan(&cfg, cfg.dims(), &Plan::new(&cfg, &o4).unwrap(), None).is_ok());
+}
+
+/// The int4 experts' layout is the plan's: expert e at `e · stride` from expert 0, each linear where
+/// the arena places the plan's next int4 tensor.
+#[test]
+fn int4_expert_layout_is_the_plans() {
+    use super::moe::W4ExpertLayout;
+    use deltaserve_plan::cuda::{WeightTensor, weight_tensors};
+    let cfg = preset(Preset::Qwen36_35bA3b, Some(1));
+    let m = cfg.moe.clone().unwrap();
+    let fmt =
+        WeightFormat::of(&PlanOptions { weights_dtype: WeightsDtype::Int4, ..PlanOptions::gpu_defaults(1 << 30) });
+    // The layer's tensors from the first expert's gate/up (the shared expert's come before the router).
+    let ts = weight_tensors(&cfg, fmt);
+    let first =
+        ts.iter().position(|t| matches!(t, WeightTensor::W4 { out, .. } if *out == 2 * m.expert_intermediate)).unwrap();
+    let w4: Vec<usize> = ts[first..first + 2 * m.num_experts].iter().map(WeightTensor::device_bytes).collect();
+    assert!(ts[first..first + 2 * m.num_experts].iter().all(|t| matches!(t, WeightTensor::W4 { .. })));
+    let lay = W4ExpertLayout::new(m.expert_intermediate, 2048, fmt.asym, crate::w4::ScaleDtype::Bf16);
+    assert_eq!(lay.stride, w4[0] + w4[1]);
+    let (g, d) = lay.expert(1 << 20, 3);
+    assert_eq!(g.qweight, (1 << 20) + 3 * lay.stride as u64);
+    assert_eq!(d.qweight, g.qweight + w4[0] as u64);
+    assert_eq!((g.out, g.inp, d.out, d.inp), (1024, 2048, 2048, 512));
 }

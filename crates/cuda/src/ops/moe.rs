@@ -29,10 +29,11 @@ pub fn offsets_bytes(num_experts: usize) -> usize {
     8 * (num_experts + 1)
 }
 
-/// Grid rows of [`moe_gemm`]: an upper bound on the tiles of `pairs` rows over `num_experts` experts
-/// (each non-empty expert adds at most one partial tile).
-pub fn gemm_tiles(pairs: usize, num_experts: usize) -> usize {
-    pairs.div_ceil(TILE_ROWS) + num_experts.min(pairs)
+/// Grid rows of a grouped GEMM over tiles of `tile_rows` ([`TILE_ROWS`] for `moe_gemm`): an upper bound
+/// on the tiles of `pairs` rows over `num_experts` experts (each non-empty expert adds at most one
+/// partial tile).
+pub fn gemm_tiles(pairs: usize, num_experts: usize, tile_rows: usize) -> usize {
+    pairs.div_ceil(tile_rows) + num_experts.min(pairs)
 }
 
 fn check_k(name: &'static str, num_experts: usize, top_k: usize) -> Result<(), CudaError> {
@@ -81,21 +82,27 @@ pub fn route(
 }
 
 /// The grouping of the step's `pairs` = t·top_k (token, k) rows by expert: `offsets` (see
-/// [`offsets_bytes`]) and `rows[pairs]` i32, each pair's row in the grouped order.
+/// [`offsets_bytes`]; tiles of `tile_rows`, the grouped GEMM's: [`TILE_ROWS`] for bf16 experts,
+/// [`super::moe_w4::TILE_ROWS`] for int4) and `rows[pairs]` i32, each pair's row in the grouped order.
+#[allow(clippy::too_many_arguments)]
 pub fn offsets(
     k: &Kernels,
     s: &CudaStream,
     topk: u64,
     pairs: usize,
     num_experts: usize,
+    tile_rows: usize,
     offsets: u64,
     rows: u64,
 ) -> Result<(), CudaError> {
     const NAME: &str = "moe_offsets";
     check_k(NAME, num_experts, 1)?;
-    let (p, e) = (to_i32(NAME, "pairs", pairs)?, to_i32(NAME, "E", num_experts)?);
+    let (p, e, bm) = (to_i32(NAME, "pairs", pairs)?, to_i32(NAME, "E", num_experts)?, to_i32(NAME, "bm", tile_rows)?);
+    if bm == 0 {
+        return Err(invalid(NAME, "tiles of 0 rows"));
+    }
     let smem = (8 * num_experts) as u32;
-    launch!(k, s, NAME, (1, 1, 1), (1024, 1, 1), smem; topk, p, e, offsets, rows)
+    launch!(k, s, NAME, (1, 1, 1), (1024, 1, 1), smem; topk, p, e, bm, offsets, rows)
 }
 
 /// `out[rows[p]] = x[p / top_k]` for every pair: `x` `[t, hidden]`, `out` `[t·top_k, hidden]` bf16.
@@ -157,7 +164,7 @@ pub fn gemm(
     }
     let grid = (
         to_u32(NAME, "column tiles", w.n.div_ceil(TILE_COLS))?,
-        to_u32(NAME, "tiles", gemm_tiles(pairs, num_experts))?,
+        to_u32(NAME, "tiles", gemm_tiles(pairs, num_experts, TILE_ROWS))?,
         1,
     );
     if grid.1 > 65535 {
@@ -227,10 +234,11 @@ mod tests {
         let mut counts = vec![1usize; e];
         counts[0] = pairs - (e - 1);
         let tiles: usize = counts.iter().map(|c| c.div_ceil(TILE_ROWS)).sum();
-        assert!(tiles <= gemm_tiles(pairs, e));
+        assert!(tiles <= gemm_tiles(pairs, e, TILE_ROWS));
         // One expert takes every row.
-        assert!(pairs.div_ceil(TILE_ROWS) <= gemm_tiles(pairs, e));
-        assert_eq!(gemm_tiles(1, 512), 2);
+        assert!(pairs.div_ceil(TILE_ROWS) <= gemm_tiles(pairs, e, TILE_ROWS));
+        assert_eq!(gemm_tiles(1, 512, TILE_ROWS), 2);
+        assert_eq!(gemm_tiles(300, 64, 32), 10 + 64);
         assert_eq!(offsets_bytes(4), 40);
         assert_eq!(topk_bytes(3, 8), 192);
     }

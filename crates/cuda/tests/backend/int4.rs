@@ -1,14 +1,14 @@
 //! 4-bit weights against the CPU on the dequantised weights: quantised at load, GPTQ checkpoints, the int4
 //! GEMM, folded norms, the embedding in host memory and the int4 lm_head.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use deltaserve_backend::{Backend, StepBatch};
-use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
+use deltaserve_cpu::CpuBackend;
 use deltaserve_cuda::backend::CudaOptions;
 use deltaserve_cuda::{CudaBackend, WeightSource};
+use deltaserve_model::ModelConfig;
 use deltaserve_model::synth::Preset;
-use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
@@ -33,48 +33,6 @@ pub(crate) fn tiny_int4_dir_named(tag: &str, layers: usize) -> (PathBuf, ModelCo
     )
     .unwrap();
     (dir, cfg)
-}
-
-/// The CPU reference over the weights the CUDA backend quantises at load: every decoder linear
-/// (and lm_head with `lm_head_int4`) replaced by the host quantiser's dequantised values (bit-equal
-/// to `w4_quantize`).
-pub(crate) fn cpu_int4(dir: &Path, cfg: &ModelConfig, int4: bool, asym: bool, lm_head_int4: bool) -> CpuBackend {
-    use deltaserve_cuda::w4::W4Linear;
-    let ckpt = Checkpoint::open(dir).unwrap();
-    let mut w = ModelWeights::load_f32(&ckpt, cfg).unwrap();
-    let q = |t: &mut deltaserve_model::weights::HostTensor| {
-        let (o, i) = (t.shape[0], t.shape[1]);
-        t.data = W4Linear::quantize(&t.data, o, i, asym).unwrap().dequantize();
-    };
-    if int4 {
-        for l in &mut w.layers {
-            match &mut l.mixer {
-                deltaserve_model::MixerWeights::DeltaNet(g) => {
-                    for t in [&mut g.in_proj_qkv, &mut g.in_proj_z, &mut g.in_proj_b, &mut g.in_proj_a, &mut g.out_proj]
-                    {
-                        q(t);
-                    }
-                }
-                deltaserve_model::MixerWeights::Attention(a) => {
-                    for t in [&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj] {
-                        q(t);
-                    }
-                }
-            }
-            for t in [&mut l.mlp.gate_proj, &mut l.mlp.up_proj, &mut l.mlp.down_proj] {
-                q(t);
-            }
-        }
-    }
-    if lm_head_int4 {
-        let mut head = w.lm_head().clone();
-        q(&mut head);
-        w.lm_head = Some(head);
-    }
-    CpuBackend::new(
-        CpuModel::new(cfg.clone(), w),
-        CpuCacheConfig { num_pages: 1024, page_size: PAGE, num_slots: 8, snapshot_slots: 4, host_snapshot_slots: 4 },
-    )
 }
 
 /// Prefill (1, 5, 37, 300, 1100 tokens: GEMV, int4 GEMM and sliced-GEMM paths) and a 12-step greedy decode

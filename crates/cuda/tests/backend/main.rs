@@ -657,20 +657,28 @@ fn fp8_kv_page_prefix_copy() {
     assert_eq!(g.arena_stats(), stats);
 }
 
-/// A mixture-of-experts model with quantised weights is refused with one clear line before anything
-/// touches the GPU; its bf16 checkpoints (and dense models) are taken.
+/// A mixture-of-experts model with block-FP8 weights is refused with one clear line before anything
+/// touches the GPU; its bf16 and GPTQ int4 checkpoints (and dense models) are taken.
 #[test]
-fn quantised_mixture_of_experts_models_are_refused_before_the_gpu() {
+fn fp8_mixture_of_experts_models_are_refused_before_the_gpu() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/hf/qwen35_moe");
     let cfg = ModelConfig::from_dir(&dir).unwrap();
     assert!(CudaBackend::check_model(&cfg).is_ok());
-    let mut json: serde_json::Value =
+    let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
-    json["quantization_config"] = serde_json::json!({
+    let with = |q: serde_json::Value| {
+        let mut j = json.clone();
+        j["quantization_config"] = q;
+        ModelConfig::from_json_str(&j.to_string()).unwrap()
+    };
+    let gptq = with(serde_json::json!({
         "quant_method": "gptq", "bits": 4, "group_size": 128, "sym": true, "desc_act": false
-    });
-    let gptq = ModelConfig::from_json_str(&json.to_string()).unwrap();
-    let e = CudaBackend::check_model(&gptq).unwrap_err().to_string();
+    }));
+    assert!(CudaBackend::check_model(&gptq).is_ok());
+    let fp8 = with(serde_json::json!({
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]
+    }));
+    let e = CudaBackend::check_model(&fp8).unwrap_err().to_string();
     assert!(e.contains("mixture-of-experts") && e.contains("--device cpu") && !e.contains('\n'), "{e}");
     let dense = ModelConfig::from_dir(&dir.with_file_name("qwen35_gva3")).unwrap();
     assert!(CudaBackend::check_model(&dense).is_ok());

@@ -69,6 +69,60 @@ pub fn tiny_dir(layers: usize) -> (PathBuf, ModelConfig) {
     (dir, cfg)
 }
 
+/// The CPU reference over the weights the CUDA backend quantises at load: every decoder linear, a
+/// sparse layer's experts included (and lm_head with `lm_head_int4`), replaced by the host quantiser's
+/// dequantised values (bit-equal to `w4_quantize`).
+pub fn cpu_int4(dir: &Path, cfg: &ModelConfig, int4: bool, asym: bool, lm_head_int4: bool) -> CpuBackend {
+    use deltaserve_cuda::w4::W4Linear;
+    let ckpt = Checkpoint::open(dir).unwrap();
+    let mut w = ModelWeights::load_f32(&ckpt, cfg).unwrap();
+    let q = |t: &mut deltaserve_model::weights::HostTensor| {
+        let (o, i) = (t.shape[0], t.shape[1]);
+        t.data = W4Linear::quantize(&t.data, o, i, asym).unwrap().dequantize();
+    };
+    if int4 {
+        for l in &mut w.layers {
+            match &mut l.mixer {
+                deltaserve_model::MixerWeights::DeltaNet(g) => {
+                    for t in [&mut g.in_proj_qkv, &mut g.in_proj_z, &mut g.in_proj_b, &mut g.in_proj_a, &mut g.out_proj]
+                    {
+                        q(t);
+                    }
+                }
+                deltaserve_model::MixerWeights::Attention(a) => {
+                    for t in [&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj] {
+                        q(t);
+                    }
+                }
+            }
+            let experts = l.moe.iter_mut().flat_map(|m| m.experts.iter_mut());
+            for mlp in std::iter::once(&mut l.mlp).chain(experts) {
+                for t in [&mut mlp.gate_proj, &mut mlp.up_proj, &mut mlp.down_proj] {
+                    q(t);
+                }
+            }
+        }
+    }
+    if lm_head_int4 {
+        let mut head = w.lm_head().clone();
+        q(&mut head);
+        w.lm_head = Some(head);
+    }
+    CpuBackend::new(
+        CpuModel::new(cfg.clone(), w),
+        CpuCacheConfig { num_pages: 1024, page_size: PAGE, num_slots: 8, snapshot_slots: 4, host_snapshot_slots: 4 },
+    )
+}
+
+/// The `tiny-moe` preset's `config.json` (4 layers) with every linear's input a multiple of 128, as the
+/// int4 format needs: experts 128 wide, 4 DeltaNet value heads (a 128-wide `out_proj` input).
+pub fn tiny_moe_int4_config() -> serde_json::Value {
+    let mut c = Preset::TinyMoe.config_json(Some(4));
+    c["text_config"]["moe_intermediate_size"] = serde_json::json!(128);
+    c["text_config"]["linear_num_value_heads"] = serde_json::json!(4);
+    c
+}
+
 pub fn plan_for(cfg: &ModelConfig) -> Plan {
     test_plan(cfg, 8, 1)
 }

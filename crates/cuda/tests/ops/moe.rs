@@ -2,11 +2,17 @@
 //! the shared expert's gate), the grouping (rows per expert, every pair placed once), and the whole
 //! expert MLP + un-permute through both paths — per-pair GEMVs and grouped GEMMs — against the CPU
 //! with the GPU's bf16 roundings (after gate/up, SwiGLU and down), under routings where every token
-//! picks at random, where one expert gets every token, and where most experts get none.
+//! picks at random, where one expert gets every token, and where most experts get none; at widths the
+//! int4 format takes, the same with int4 experts (symmetric with fp16 scales, zero points with bf16
+//! scales) against their host dequantisation.
 
 use deltaserve_cpu as cpu;
 use deltaserve_cuda::ops::elementwise;
 use deltaserve_cuda::ops::moe::{self, ExpertWeights};
+use deltaserve_cuda::ops::moe_w4::{self, W4Experts};
+use deltaserve_cuda::ops::w4a16::W4Weights;
+use deltaserve_cuda::w4::{ScaleDtype, W4Bytes, W4Linear};
+use half::bf16;
 use rand::RngExt;
 use rand::rngs::StdRng;
 
@@ -99,7 +105,7 @@ pub fn moe_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
 
     // Grouping: rows per expert as prefix sums, every pair at its own row.
     let (offs, rows) = (d.poison(moe::offsets_bytes(ne))?, d.poison(4 * pairs)?);
-    moe::offsets(k, s, topk, pairs, ne, offs, rows)?;
+    moe::offsets(k, s, topk, pairs, ne, moe::TILE_ROWS, offs, rows)?;
     let (mut o, mut r) = (vec![0i32; 2 * (ne + 1)], vec![0i32; pairs]);
     d.rt.download(&mut o, offs)?;
     d.rt.download(&mut r, rows)?;
@@ -142,5 +148,85 @@ pub fn moe_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
         let what = if grouped { "grouped GEMM out" } else { "per-pair GEMV out" };
         v.push(compare(what, &want, &d.get_bf16(out, t * h)?, tol));
     }
+    if h.is_multiple_of(128) && i.is_multiple_of(128) {
+        let offs32 = d.poison(moe::offsets_bytes(ne))?;
+        moe::offsets(k, s, topk, pairs, ne, moe_w4::TILE_ROWS, offs32, rows)?;
+        let mut o32 = vec![0i32; 2 * (ne + 1)];
+        d.rt.download(&mut o32, offs32)?;
+        let tiles = (0..ne).all(|e| o32[ne + 2 + e] - o32[ne + 1 + e] == (count[e] as usize).div_ceil(32) as i32);
+        v.push(Outcome { ok: tiles && o32[..=ne] == o[..=ne], detail: format!("tiles of 32 rows: {tiles}") });
+        for asym in [false, true] {
+            let (wq, gu, dn) = w4_experts(d, &w, ne, h, i, asym)?;
+            let want = reference(&x, t, h, i, &wq, &routes, &gate, &shared);
+            for grouped in [false, true] {
+                let (g, a, y) = (d.poison(4 * pairs * i)?, d.poison(2 * pairs * i)?, d.poison(2 * pairs * h)?);
+                let out = d.bf16(&shared)?;
+                let up = g + (2 * i) as u64;
+                if grouped {
+                    let xin = d.poison(2 * pairs * h)?;
+                    moe::permute(k, s, xp, rows, t, top_k, h, xin)?;
+                    moe_w4::gemm(k, s, xin, offs32, pairs, &gu, g)?;
+                    elementwise::swiglu(k, s, g, 2 * i, up, 2 * i, a, pairs, i)?;
+                    moe_w4::gemm(k, s, a, offs32, pairs, &dn, y)?;
+                    moe::unpermute(k, s, y, Some(rows), topk, t, top_k, sg, h, out)?;
+                } else {
+                    moe_w4::gemv(k, s, xp, h, top_k, topk, pairs, &gu, g)?;
+                    elementwise::swiglu(k, s, g, 2 * i, up, 2 * i, a, pairs, i)?;
+                    moe_w4::gemv(k, s, a, i, 1, topk, pairs, &dn, y)?;
+                    moe::unpermute(k, s, y, None, topk, t, top_k, sg, h, out)?;
+                }
+                let fmt = if asym { "zero points, bf16 scales" } else { "symmetric, fp16 scales" };
+                let what = if grouped { "grouped GEMM" } else { "per-pair GEMV" };
+                v.push(compare(&format!("int4 ({fmt}) {what} out"), &want, &d.get_bf16(out, t * h)?, tol));
+            }
+        }
+    }
     Ok(v)
+}
+
+/// The experts of `w` (the bf16 block's layout) quantised to int4 and placed as the backend places
+/// them (per expert its `[2i, h]` gate/up then its `[h, i]` down linear, each 256-byte aligned, every
+/// expert alike): the dequantised block (the reference's weights) and the two projections. `asym`:
+/// zero points and bf16 scales; else symmetric with fp16 scales.
+fn w4_experts(
+    d: &mut Dev,
+    w: &[f32],
+    ne: usize,
+    h: usize,
+    i: usize,
+    asym: bool,
+) -> R<(Vec<f32>, W4Experts, W4Experts)> {
+    let al = |b: W4Bytes| b.aligned();
+    let (gu_bytes, dn_bytes) = (al(W4Bytes::new(2 * i, h, asym, false)), al(W4Bytes::new(h, i, asym, false)));
+    let stride = gu_bytes + dn_bytes;
+    let base = d.alloc(ne * stride)?;
+    let sd = if asym { ScaleDtype::Bf16 } else { ScaleDtype::F16 };
+    let mut deq = Vec::with_capacity(w.len());
+    let mut place = |l: W4Linear, at: u64| -> R<W4Weights> {
+        let l = if asym {
+            let scales = l.scales.iter().map(|&b| bf16::from_f32(half::f16::from_bits(b).to_f32()).to_bits()).collect();
+            W4Linear { scales, scale_dtype: ScaleDtype::Bf16, ..l }
+        } else {
+            l
+        };
+        let p = W4Weights::at(at, l.out_features, l.in_features, asym, false, sd);
+        d.rt.upload(p.qweight, &l.qweight)?;
+        d.rt.upload(p.scales, &l.scales)?;
+        if let (Some(zp), Some(z)) = (p.zeros, &l.zeros) {
+            d.rt.upload(zp, z)?;
+        }
+        deq.extend(l.dequantize());
+        Ok(p)
+    };
+    let mut first = None;
+    for e in 0..ne {
+        let blk = &w[e * 3 * i * h..(e + 1) * 3 * i * h];
+        let at = base + (e * stride) as u64;
+        let g = place(W4Linear::quantize(&blk[..2 * i * h], 2 * i, h, asym)?, at)?;
+        let dn = place(W4Linear::quantize(&blk[2 * i * h..], h, i, asym)?, at + gu_bytes as u64)?;
+        first.get_or_insert((g, dn));
+    }
+    let (g, dn) = first.expect("at least one expert");
+    let ex = |f| W4Experts { first: f, stride: stride as u64, count: ne };
+    Ok((deq, ex(g), ex(dn)))
 }

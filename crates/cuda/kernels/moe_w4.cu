@@ -1,0 +1,70 @@
+// moe_w4.cu — the routed experts of a mixture-of-experts layer with 4-bit weights (W4A16): every
+// expert's linear in the int4 device format of w4a16.cu / src/w4.rs, expert e's tensors `estride`
+// bytes after expert e - 1's (qweight, scales and zeros alike: one layout per expert, so expert 0's
+// pointers and the stride locate every expert). The routing, grouping and un-permute are moe.cu's.
+//
+// Computes, for an expert projection W_e [out, in] (in % 128 == 0, out % 4 == 0):
+//   moe_w4p_*: Y[p, :out] = X[p / x_div, :in] · W_eᵀ, e = topk[p]'s expert (decode: one pair per
+//              blockIdx.y, reading only the selected experts' weights; no grouping). The pair GEMV
+//              (w4_pair.cuh's w4p_body, one token): grid.x = ceil(ceil(out/32) / (8/wpt)) blocks of 8
+//              warps, wpt warps per 32 output rows.
+//   moe_w4g:   Y[r, :out] = X[r, :in] · W_eᵀ for the grouped rows r of every expert e (offs from
+//              moe_offsets with tiles of MOE_W4_TILE rows): the tile GEMM (w4_tile.cuh's w4g_body,
+//              32 tokens) over one expert tile per blockIdx.y, 128 output rows per blockIdx.x.
+// Y bf16, f32 accumulation; the weights exactly as the dense int4 kernels compute them.
+// Launch: moe_w4p_*: grid (blocks, pairs), block 256, dynamic smem 64 KB (the pair ring); moe_w4g: grid
+//   (ceil(out/128), moe.rs's gemm_tiles(pairs, E, MOE_W4_TILE)), block 128, dynamic smem
+//   w4_gemm::smem_bytes(32); blocks past the last tile exit. Launch shapes depend only on the step's
+//   tokens, top-k and the expert count, never on the routing (CUDA graphs replay them). An expert index
+//   outside 0..E (a routing of NaN logits) reads expert E - 1 rather than past the weights.
+// Launched without programmatic overlap (the expert is read before the body's pdl_wait, a no-op here).
+// Arch: what w4p_body and w4g_body use (mma.sync bf16, cp.async): sm_80+.
+// Tested by: tests/ops/ cases "moe_w4_*" against the host dequantisation (src/w4.rs).
+
+#define MOE_W4_TILE 32
+
+// Expert e's tensor from expert 0's.
+template <typename T>
+__device__ __forceinline__ const T* moe_w4_at(const T* p0, long long estride, int e) {
+    return p0 ? (const T*)((const char*)p0 + (long long)e * estride) : nullptr;
+}
+
+#define MOE_W4P_KERNEL(NAME, ASYM, SBF)                                                                        \
+    extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 2)                                              \
+        NAME(const bf16_t* x, long long ldx, int x_div, const int* __restrict__ topk, int E,                    \
+             const u32* __restrict__ qw0, const unsigned short* __restrict__ sc0,                               \
+             const unsigned char* __restrict__ z0, long long estride, bf16_t* __restrict__ y, int out, int in,  \
+             int wpt) {                                                                                          \
+        extern __shared__ uint4 w4_dyn[];                                                                        \
+        const int p = blockIdx.y;                                                                                \
+        const int e = min(max(topk[2 * p], 0), E - 1);                                                           \
+        w4p_body<bf16_t, ASYM, SBF, true, false>(moe_w4_at(qw0, estride, e), moe_w4_at(sc0, estride, e),         \
+                                                 moe_w4_at(z0, estride, e), x + (long long)(p / x_div) * ldx, ldx, \
+                                                 y + (long long)p * out, out, 1, out, out, in, wpt, blockIdx.x,   \
+                                                 w4_dyn, {});                                                    \
+    }
+// moe_w4p_<s symmetric | a zero points><h f16 | b bf16 scales>.
+MOE_W4P_KERNEL(moe_w4p_sh, false, false)
+MOE_W4P_KERNEL(moe_w4p_sb, false, true)
+MOE_W4P_KERNEL(moe_w4p_ah, true, false)
+MOE_W4P_KERNEL(moe_w4p_ab, true, true)
+
+extern "C" __global__ void __launch_bounds__(W4G_WARPS * 32, 3)
+moe_w4g(const bf16_t* x, const int* __restrict__ offs, int E, const u32* __restrict__ qw0,
+        const unsigned short* __restrict__ sc0, const unsigned char* __restrict__ z0, long long estride,
+        int scale_bf16, bf16_t* y, int out, int in) {
+    const int* toff = offs + E + 1;
+    const int j = blockIdx.y;
+    if (j >= toff[E]) return;  // past the step's last tile (block-uniform)
+    int lo = 0, hi = E - 1;    // the last expert whose first tile is <= j: it owns tile j
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (toff[mid] <= j) lo = mid;
+        else hi = mid - 1;
+    }
+    const int e = lo;
+    const int row0 = offs[e] + (j - toff[e]) * MOE_W4_TILE, rows = min(MOE_W4_TILE, offs[e + 1] - row0);
+    w4g_body<MOE_W4_TILE / 8>(moe_w4_at(qw0, estride, e), moe_w4_at(sc0, estride, e), moe_w4_at(z0, estride, e),
+                              scale_bf16, x + (long long)row0 * in, in, y + (long long)row0 * out, out, rows, out, in,
+                              0, 1, 0, blockIdx.x, 0, 1);
+}
