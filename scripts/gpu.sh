@@ -58,6 +58,8 @@
 #   probe        the ceiling ladder at the full 262,144 context, 27B bf16
 #   probe-int4   the same with int4 weights and fp8 KV in 24 GiB
 #   smoke        the built-in demo model served on CUDA, a short soak
+#   moe          the 35B-A3B mixture of experts, int4 experts + fp8 KV in 24 GiB: the MoE tests, bench
+#                without and with MTP (K = 3), the full-context probe
 #   tp           on 2 GPUs: NCCL and TP=2 tests, `bench` at TP=2 and TP=1 (chart: tp.svg), the TP=2 probe
 #                with int4 weights at 24 GiB per card
 #   profile      Nsight Compute (ncu): decode step kernels' durations (bf16, int4), the DeltaNet chunk
@@ -67,7 +69,7 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 BIN_DIR="${GPU_BIN_DIR:-${CARGO_TARGET_DIR:-$ROOT/target}/release}"
 OUT_DIR="${GPU_OUT:-gpu-results}"
-TESTS="ops kernels_check bench_w4 bench_attention bench_backend backend speculative w4_gemm nccl tp"
+TESTS="ops kernels_check bench_w4 bench_attention bench_backend backend speculative moe w4_gemm nccl tp"
 INT4="--weights-dtype int4 --kv-cache-dtype fp8 --lm-head-int4 --embed-on-host --memory 24GiB"
 DECODE="--prompts 512 --batches 1,8 --contexts 1024,32768 --steps 48 --verify-tokens 0 --short-chunks 0"
 Q27="--device cuda --preset qwen3.6-27b --random-weights"
@@ -278,6 +280,20 @@ step_probe-int4() {
     smi_stop "$OUT_DIR/probe-int4-smi.csv"
 }
 step_smoke() { ds smoke 120 soak --device cuda --turns 4 --target-context 2000; }
+# The 35B-A3B mixture of experts with int4 experts and fp8 KV in 24 GiB: its tests (bf16 and int4 experts
+# against the CPU, speculation), bench without and with MTP (K = 3), and the full context.
+step_moe() {
+    local q="--device cuda --preset qwen3.6-35b-a3b --random-weights --weights-dtype int4 --kv-cache-dtype fp8 --memory 24GiB"
+    local b="--prompts 512,4096 --contexts 1024 --steps 16"
+    test_run moe-tests 300 "$TESTS_PAT|median" moe --nocapture --test-threads=1
+    test_run moe-spec 200 "$TESTS_PAT|median" speculative --nocapture --test-threads=1 moe_speculation
+    # shellcheck disable=SC2086 # word lists of arguments
+    ds bench-moe 300 bench $q $b --batches 1,8,32 --verify-tokens 0
+    # shellcheck disable=SC2086
+    ds bench-moe-spec 300 bench $q $b --batches 1,8 --speculative-tokens 3
+    # shellcheck disable=SC2086
+    ds probe-moe 420 probe $q --rungs "${PROBE_RUNGS:-100}" --turns "${PROBE_TURNS:-2}" --svg "$OUT_DIR/probe-moe.svg"
+}
 
 step_tp() {
     local tp
