@@ -20,7 +20,9 @@
 //   moe_gemv grid (ceil(N/16), T·K) block 128; moe_unpermute grid T block 256.
 // Dtypes: bf16 activations and weights, f32 accumulate. Kd % 8 == 0, H % 8 == 0, 16-byte aligned
 //   rows (the launchers check).
-// Arch: mma.sync m16n8k16 bf16 (sm_80+), nothing Hopper-only; launched without programmatic overlap.
+// Arch: mma.sync m16n8k16 bf16 (sm_80+), nothing Hopper-only. moe_route, moe_gemv and moe_unpermute (a
+// decode step's chain) may be launched programmatically (sm_90): they wait for their predecessor first
+// (pdl_enter) and read the step's data through coherent loads; the grouping and grouped GEMMs are not.
 // Tested by: tests/ops/ cases "moe_*" against deltaserve_cpu::moe.
 
 #define MOE_BM 64
@@ -31,13 +33,14 @@
 #define MOE_NEG_INF __int_as_float(0xff800000u)
 
 extern "C" __global__ void __launch_bounds__(256)
-moe_route(const float* __restrict__ logits, int E, int K, int norm, const bf16_t* __restrict__ x,
-          const bf16_t* __restrict__ wg, int H, int* __restrict__ topk, float* __restrict__ shared_gate) {
+moe_route(const float* logits, int E, int K, int norm, const bf16_t* x, const bf16_t* __restrict__ wg, int H,
+          int* topk, float* shared_gate) {
     __shared__ float red[32];
     __shared__ float wv[32];
     __shared__ int wi[32];
     __shared__ int chosen[MOE_MAX_K];
     __shared__ float chosen_v[MOE_MAX_K];
+    pdl_enter();
     const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const float* l = logits + (long long)t * E;
     float g = 0.0f;
@@ -211,8 +214,9 @@ moe_gemm(const bf16_t* __restrict__ X, const int* __restrict__ offs, int E, cons
 #define MOE_GEMV_ROWS 4  // output rows per warp (4 warps: 16 per block)
 
 extern "C" __global__ void __launch_bounds__(128)
-moe_gemv(const bf16_t* __restrict__ X, int x_div, const int* __restrict__ topk, const bf16_t* __restrict__ W,
-         long long wstride, int N, int Kd, bf16_t* __restrict__ Y) {
+moe_gemv(const bf16_t* X, int x_div, const int* topk, const bf16_t* __restrict__ W, long long wstride, int N, int Kd,
+         bf16_t* Y) {
+    pdl_enter();
     const int p = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int e = topk[2 * p];
     const uint4* xr = (const uint4*)(X + (long long)(p / x_div) * Kd);
@@ -244,8 +248,9 @@ moe_gemv(const bf16_t* __restrict__ X, int x_div, const int* __restrict__ topk, 
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-moe_unpermute(const bf16_t* __restrict__ ys, const int* __restrict__ rows, const int* __restrict__ topk, int K,
-              const float* __restrict__ shared_gate, int H, bf16_t* __restrict__ out) {
+moe_unpermute(const bf16_t* ys, const int* rows, const int* topk, int K, const float* shared_gate, int H,
+              bf16_t* out) {
+    pdl_enter();
     const int t = blockIdx.x;
     const float g = shared_gate[t];
     for (int c = threadIdx.x; c < H; c += blockDim.x) {

@@ -17,7 +17,8 @@
 //   w4_gemm::smem_bytes(32); blocks past the last tile exit. Launch shapes depend only on the step's
 //   tokens, top-k and the expert count, never on the routing (CUDA graphs replay them). An expert index
 //   outside 0..E (a routing of NaN logits) reads expert E - 1 rather than past the weights.
-// Launched without programmatic overlap (the expert is read before the body's pdl_wait, a no-op here).
+// moe_w4p_* may be launched programmatically (sm_90): each block waits for its predecessor (pdl_enter)
+// before it reads the routing, so its weights stream after the wait; moe_w4g is launched plainly.
 // Arch: what w4p_body and w4g_body use (mma.sync bf16, cp.async): sm_80+.
 // Tested by: tests/ops/ cases "moe_w4_*" against the host dequantisation (src/w4.rs).
 
@@ -31,11 +32,12 @@ __device__ __forceinline__ const T* moe_w4_at(const T* p0, long long estride, in
 
 #define MOE_W4P_KERNEL(NAME, ASYM, SBF)                                                                        \
     extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 2)                                              \
-        NAME(const bf16_t* x, long long ldx, int x_div, const int* __restrict__ topk, int E,                    \
+        NAME(const bf16_t* x, long long ldx, int x_div, const int* topk, int E,                                 \
              const u32* __restrict__ qw0, const unsigned short* __restrict__ sc0,                               \
              const unsigned char* __restrict__ z0, long long estride, bf16_t* __restrict__ y, int out, int in,  \
              int wpt) {                                                                                          \
         extern __shared__ uint4 w4_dyn[];                                                                        \
+        pdl_enter(); /* the expert is the routing's: its weights are read after the wait */                     \
         const int p = blockIdx.y;                                                                                \
         const int e = min(max(topk[2 * p], 0), E - 1);                                                           \
         w4p_body<bf16_t, ASYM, SBF, true, false>(moe_w4_at(qw0, estride, e), moe_w4_at(sc0, estride, e),         \

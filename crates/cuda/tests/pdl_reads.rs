@@ -32,11 +32,17 @@ const READ_ONLY: &[&str] = &[
     "seq_lens",
     "cu_seqlens",
     "perm",
+    // mixture-of-experts weights: the shared expert's gate, expert 0's int4 tensors, the bf16 experts
+    "wg",
+    "qw0",
+    "sc0",
+    "z0",
+    "W",
 ];
 
 /// Local pointers into weights that the functions that wait read with `ld_nc` / `__ldg` (the bf16
-/// GEMV's rows, the int4 GEMV's scales and zeros).
-const READ_ONLY_LOCALS: &[&str] = &["wp0", "wp1", "ps", "pz"];
+/// GEMV's rows, the int4 GEMV's scales and zeros, a bf16 expert's rows).
+const READ_ONLY_LOCALS: &[&str] = &["wp0", "wp1", "ps", "pz", "We"];
 
 /// A function definition of a kernel source: its name, parameter list and body.
 struct Function<'a> {

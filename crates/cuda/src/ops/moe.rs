@@ -2,10 +2,12 @@
 //! the rows grouped by expert, the experts' grouped GEMM (prefill) and per-pair GEMV (decode), and the
 //! weighted un-permute onto the shared expert's output. Every launch shape depends on the step's token
 //! count, `top_k` and the expert count only, never on how the tokens route (CUDA graphs replay them).
+//! The decode chain (routing, per-pair GEMV, un-permute) launches programmatically where the kernels do
+//! ([`Kernels::pdl`]).
 
 use cudarc::driver::CudaStream;
 
-use super::{Kernels, invalid, launch, to_i32, to_u32};
+use super::{Kernels, invalid, launch, launch_pdl, to_i32, to_u32};
 use crate::error::CudaError;
 
 /// Rows of one grouped-GEMM tile (`MOE_BM`): the tile counts of [`moe_offsets`] are in these.
@@ -78,7 +80,7 @@ pub fn route(
     }
     let (e, kk, n, h) =
         (to_i32(NAME, "E", num_experts)?, to_i32(NAME, "top_k", top_k)?, i32::from(norm), to_i32(NAME, "H", hidden)?);
-    launch!(k, s, NAME, (to_u32(NAME, "t", t)?, 1, 1), (256, 1, 1), 0; logits, e, kk, n, x, wg, h, topk, shared_gate)
+    launch_pdl!(k, s, NAME, (to_u32(NAME, "t", t)?, 1, 1), (256, 1, 1), 0; logits, e, kk, n, x, wg, h, topk, shared_gate)
 }
 
 /// The grouping of the step's `pairs` = t·top_k (token, k) rows by expert: `offsets` (see
@@ -197,7 +199,7 @@ pub fn gemv(
     }
     let grid = (to_u32(NAME, "row blocks", w.n.div_ceil(GEMV_ROWS))?, pairs as u32, 1);
     let (xd, wb) = (to_i32(NAME, "x_div", x_div)?, w.base);
-    launch!(k, s, NAME, grid, (128, 1, 1), 0; x, xd, topk, wb, ws, n, kd, y)
+    launch_pdl!(k, s, NAME, grid, (128, 1, 1), 0; x, xd, topk, wb, ws, n, kd, y)
 }
 
 /// `out[t] = Σ_k w_k · ys[row(t, k)] + shared_gate[t] · out[t]` (bf16 `[t, hidden]`; `out` holds the
@@ -220,7 +222,7 @@ pub fn unpermute(
         return Ok(());
     }
     let (kk, h, rows) = (to_i32(NAME, "top_k", top_k)?, to_i32(NAME, "H", hidden)?, rows.unwrap_or(0));
-    launch!(k, s, NAME, (to_u32(NAME, "t", t)?, 1, 1), (256, 1, 1), 0; ys, rows, topk, kk, shared_gate, h, out)
+    launch_pdl!(k, s, NAME, (to_u32(NAME, "t", t)?, 1, 1), (256, 1, 1), 0; ys, rows, topk, kk, shared_gate, h, out)
 }
 
 #[cfg(test)]

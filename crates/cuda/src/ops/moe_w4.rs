@@ -8,7 +8,7 @@ use cudarc::driver::CudaStream;
 
 use super::moe::{MAX_EXPERTS, gemm_tiles};
 use super::w4a16::{BLOCK_THREADS, PAIR_SMEM_BYTES, W4Weights};
-use super::{Kernels, invalid, launch, to_i32, to_u32};
+use super::{Kernels, invalid, launch, launch_pdl, to_i32, to_u32};
 use crate::error::CudaError;
 use crate::w4::{ScaleDtype, W4_GROUP};
 
@@ -120,7 +120,7 @@ pub fn gemv(
     let (ldx, xd, e) = (ldx as i64, to_i32(name, "x_div", x_div)?, to_i32(name, "E", w.count)?);
     let (qw, sc, z, es) = (f.qweight, f.scales, f.zeros.unwrap_or(0), w.stride_i64(name)?);
     let (out, inp, wpt) = (to_i32(name, "out", f.out)?, to_i32(name, "in", f.inp)?, wpt as i32);
-    launch!(k, s, name, grid, (BLOCK_THREADS, 1, 1), PAIR_SMEM_BYTES as u32;
+    launch_pdl!(k, s, name, grid, (BLOCK_THREADS, 1, 1), PAIR_SMEM_BYTES as u32;
         x, ldx, xd, topk, e, qw, sc, z, es, y, out, inp, wpt)
 }
 
