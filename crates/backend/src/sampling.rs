@@ -196,11 +196,17 @@ pub fn bits_of_row(row: &[f32], bits: &mut [u32]) {
 /// Rows of a vocabulary at least this wide are picked on several threads ([`pick_rows`]).
 pub const PARALLEL_PICK_VOCAB: usize = 32_768;
 
+/// The machine's cores, asked once (the query reads cgroup files; the engine maps rows every step).
+fn cores() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |t| t.get()))
+}
+
 /// `f` over every item, results in item order: on several threads (contiguous chunks, one per core)
 /// when `parallel` and there are several items and cores.
 pub fn map_rows<T: Send, R: Send>(items: &mut [T], parallel: bool, f: impl Fn(&mut T) -> R + Sync) -> Vec<R> {
-    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(items.len());
-    if !parallel || threads <= 1 {
+    let threads = if parallel { cores().min(items.len()) } else { 1 };
+    if threads <= 1 {
         return items.iter_mut().map(f).collect();
     }
     let per = items.len().div_ceil(threads);

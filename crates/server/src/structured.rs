@@ -164,16 +164,24 @@ pub fn constraint(
         .map_err(|e| ApiError::bad_param(field, format!("`{field}` cannot be compiled into a grammar: {e}")))?;
     let think_end = if thinking { st.tokenizer.token_id("</think>") } else { None };
     parsing.grammar_values = matches!(grammar, Grammar::ToolCalls { .. });
-    Ok(SharedConstraint::new(GrammarConstraint { matcher, think_end, eos: st.eos_ids.clone() }))
+    Ok(SharedConstraint::new(GrammarConstraint::new(matcher, think_end, st.eos_ids.clone())))
 }
 
 /// A reply under a grammar: free while reasoning, then masked; when the grammar fails or admits
 /// nothing further, only the end-of-turn tokens are allowed (the reply ends with `stop`).
-struct GrammarConstraint {
+pub struct GrammarConstraint {
     matcher: GrammarMatcher,
     /// While reasoning: the `</think>` id that starts the grammar.
     think_end: Option<u32>,
     eos: Vec<u32>,
+}
+
+impl GrammarConstraint {
+    /// The constraint of one reply under `matcher`'s grammar; with `think_end`, tokens are free until
+    /// that id (the end of the reasoning block); `eos`: the end-of-turn ids.
+    pub fn new(matcher: GrammarMatcher, think_end: Option<u32>, eos: Vec<u32>) -> Self {
+        Self { matcher, think_end, eos }
+    }
 }
 
 impl TokenConstraint for GrammarConstraint {

@@ -31,6 +31,11 @@
 //! size, against the one-token step there (with random weights the head's drafts are rejected; the cost
 //! of a step does not depend on its acceptance, except the commit's replay, timed here at its maximum).
 //!
+//! `--constrained` times decode steps of replies under a JSON schema (structured outputs) against
+//! unconstrained replies at each batch and context, both driven by the engine over this backend (its
+//! host masks, look-ahead and masked device picks: `constrained.rs`); with `--device cpu` it is the
+//! only measurement, on the CPU reference backend (by default the built-in demo model).
+//!
 //! `--tensor-parallel N` runs the model over GPUs 0..N: the plan, the bytes and the FLOPs are one card's
 //! (its shard), the rooflines are one card's against the ceilings measured on GPU 0, and each row adds
 //! the all-reduce share of the step time: (2·layers + 1) all-reduces of the step's `[tokens, hidden]`
@@ -55,6 +60,7 @@ use crate::gpu_memory::GpuSampler;
 use crate::model_source::ModelArgs;
 use crate::report::{ToolReport, emit, round_to, xml};
 
+mod constrained;
 mod measure;
 mod report;
 
@@ -127,6 +133,11 @@ pub struct Args {
     /// The sampling of the sampled decode timings: `temperature,top_k,top_p,min_p` (top_k 0: none).
     #[arg(long, default_value = "0.6,20,0.95,0", value_parser = parse_sampling)]
     sample: RowSampling,
+    /// Also time decode steps of replies under a JSON schema (structured outputs) against unconstrained
+    /// replies at each batch and context, both run by the engine (its host masks, look-ahead and
+    /// device picks; sampled by --sample). The only measurement with --device cpu.
+    #[arg(long)]
+    constrained: bool,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -146,6 +157,9 @@ pub fn run(a: Args) -> Result<()> {
     }
     if a.steps == 0 || a.batches.contains(&0) || a.prompts.contains(&0) || a.contexts.contains(&0) {
         bail!("--steps, --batches, --prompts and --contexts take positive numbers");
+    }
+    if a.model.device == "cpu" {
+        return constrained::run_cpu(&a);
     }
     deltaserve_cuda::LibStatus::probe().require_all().context("bench runs on the CUDA backend")?;
     let dir = model.dir()?;
@@ -187,6 +201,8 @@ pub fn run(a: Args) -> Result<()> {
     // `speculative_tokens + 1` and of each short chunk's tokens.
     let widest = a.short_chunks.iter().copied().filter(|&n| n <= a.max_batch_tokens).max().unwrap_or(1);
     let span = (a.steps + 3) * a.verify_tokens.max(widest).max(a.speculative_tokens + 1).max(1) + 8;
+    // `--constrained`: each reply's tokens.
+    let span = if a.constrained { span.max(constrained::reply_tokens(a.steps) + 8) } else { span };
     o.max_context = Some(max_prompt.max(a.contexts.iter().copied().max().unwrap_or(0) + span));
     o.weights_dtype = a.weights_dtype;
     o.int4_asym = a.int4_asym;
@@ -234,7 +250,7 @@ pub fn run(a: Args) -> Result<()> {
             if plan.options.embed_on_host { " + host embedding" } else { "" },
             plan.options.k_dtype.name()
         ),
-        ceilings,
+        ceilings: Some(ceilings),
         plan_bytes: plan.total_bytes,
         arena_bytes: plan.arena_bytes(),
         idle_driver_bytes,
@@ -251,6 +267,7 @@ pub fn run(a: Args) -> Result<()> {
         profiles: Vec::new(),
         phases: Vec::new(),
         deltanet,
+        constrained: Vec::new(),
     };
 
     let d = cfg.dims();
@@ -275,7 +292,7 @@ pub fn run(a: Args) -> Result<()> {
         let driver_peak_bytes = peak(&sampler);
         // One card's FLOPs (its shard) against one card's GEMM rate; `flop` counts every card's.
         let (flop, attn) = prefill_flops(&card, plan.weight_parts.linear_params, t);
-        let roofline = flop / (report.ceilings.gemm_tflops * 1e12);
+        let roofline = flop / (ceilings.gemm_tflops * 1e12);
         let (flop, attn) = (flop * tp as f64, attn * tp as f64);
         let (full, rest) = (t / a.max_batch_tokens, t % a.max_batch_tokens);
         let allreduce_share = match be.all_reduce_s(a.max_batch_tokens)? {
@@ -345,7 +362,7 @@ pub fn run(a: Args) -> Result<()> {
             let driver_peak_bytes = peak(&sampler);
             let allreduce_share = be.all_reduce_s(b)?.map(|per| reduces * per * 1e3 / ms);
             let bytes = step_bytes(&plan, &cfg, b, ctx);
-            let floor_ms = bytes / (report.ceilings.copy_gbs * 1e9) * 1e3;
+            let floor_ms = bytes / (ceilings.copy_gbs * 1e9) * 1e3;
             report.decode.push(DecodeRow {
                 batch: b,
                 context: ctx,
@@ -434,8 +451,7 @@ pub fn run(a: Args) -> Result<()> {
             // The floor: the step's bytes at the copy rate or its FLOPs at the GEMM rate (one card's).
             let (flop, _) = chunk_flops(&card, plan.weight_parts.linear_params, n, ctx);
             let bytes = step_bytes(&plan, &cfg, 1, ctx);
-            row.floor_ms =
-                (bytes / (report.ceilings.copy_gbs * 1e9)).max(flop / (report.ceilings.gemm_tflops * 1e12)) * 1e3;
+            row.floor_ms = (bytes / (ceilings.copy_gbs * 1e9)).max(flop / (ceilings.gemm_tflops * 1e12)) * 1e3;
             report.short_chunks.push(row);
         }
         let k = a.speculative_tokens;
@@ -462,6 +478,23 @@ pub fn run(a: Args) -> Result<()> {
                 });
             }
         }
+    }
+    if a.constrained {
+        let tokenizer = text.tokenizer.context("--constrained needs the model's tokenizer.json")?;
+        let setup = constrained::Setup {
+            tokenizer: std::sync::Arc::new(tokenizer),
+            eos: cfg.eos_token_ids.clone(),
+            sample: a.sample.clone(),
+            steps: a.steps,
+            page_size: page,
+            num_pages: plan.num_kv_pages,
+            max_context: plan.max_context,
+            max_seqs: plan.max_seqs,
+        };
+        let points = constrained::fitting_points(&a, &plan, &mut report.skipped);
+        let (back, rows) = constrained::measure(be, &setup, &points)?;
+        be = back;
+        report.constrained = rows;
     }
     if d.num_deltanet_layers > 0 {
         tracing::info!("bench: DeltaNet state snapshots ({} per sequence)", fmt_bytes(plan.state_bytes_per_seq));

@@ -2,7 +2,7 @@
 
 use super::*;
 
-#[derive(Debug, Default)]
+#[derive(Clone, Copy, Debug, Default)]
 pub(super) struct Ceilings {
     pub(super) gemm_tflops: f64,
     pub(super) copy_gbs: f64,
@@ -47,11 +47,14 @@ pub(super) struct DecodeRow {
     pub(super) driver_peak_bytes: Option<u64>,
 }
 
+#[derive(Default)]
 pub(super) struct Report {
+    /// The device in words (a GPU's name, or the CPU).
     pub(super) gpu: String,
     pub(super) tensor_parallel: usize,
     pub(super) model: String,
-    pub(super) ceilings: Ceilings,
+    /// The GPU's ceilings (None on the CPU).
+    pub(super) ceilings: Option<Ceilings>,
     pub(super) plan_bytes: u64,
     pub(super) arena_bytes: u64,
     pub(super) idle_driver_bytes: Option<u64>,
@@ -73,6 +76,8 @@ pub(super) struct Report {
     pub(super) phases: Vec<(usize, usize, &'static str, deltaserve_cuda::StepPhases)>,
     /// The chunked DeltaNet prefill kernels alone at the model's (per-card) shape.
     pub(super) deltanet: Vec<deltaserve_cuda::gdn_bench::GdnTiming>,
+    /// `--constrained`: decode steps under a JSON schema against unconstrained ones.
+    pub(super) constrained: Vec<constrained::ConstrainedRow>,
 }
 
 /// One sequence prefilling `tokens` new tokens a step after `context` tokens.
@@ -203,92 +208,10 @@ impl Report {
     }
 }
 
-impl ToolReport for Report {
-    fn to_json(&self) -> Value {
-        json!({
-            "gpu": self.gpu,
-            "tensor_parallel": self.tensor_parallel,
-            "model": self.model,
-            "ceilings": {"gemm_bf16_tflops": r1(self.ceilings.gemm_tflops), "copy_gb_s": r1(self.ceilings.copy_gbs)},
-            "plan_bytes": self.plan_bytes,
-            "arena_bytes": self.arena_bytes,
-            "startup_s": r1(self.startup_s),
-            "driver_idle_bytes": self.idle_driver_bytes,
-            "driver_peak_bytes": self.peak_driver_bytes(),
-            "arena_allocated_after_start": self.arena_allocations_moved,
-            "prefill": self.prefill.iter().map(|r| json!({
-                "tokens": r.tokens, "seconds": r3(r.seconds), "ttft_ms": r1(r.seconds * 1e3),
-                "tokens_per_s": r1(r.tokens as f64 / r.seconds), "tflops": r1(r.tflop / r.seconds),
-                "roofline_ratio": r3(r.ratio), "attention_flop_share": r3(r.attention_share),
-                "allreduce_share": r.allreduce_share.map(r3), "driver_peak_bytes": r.driver_peak_bytes,
-            })).collect::<Vec<_>>(),
-            "sampling": self.sampling,
-            "decode": self.decode.iter().map(|r| json!({
-                "batch": r.batch, "context": r.context, "ms_per_step": r3(r.ms_per_step),
-                "ms_per_step_argmax": r3(r.ms_per_step_argmax),
-                "ms_per_step_sampled": r3(r.ms_per_step_sampled),
-                "ms_per_step_host_sampled": r3(r.ms_per_step_host_sampled),
-                "roofline_ratio_sampled": r3(r.ratio_sampled),
-                "ms_per_step_argmax_ahead": r.ms_per_step_argmax_ahead.map(r3),
-                "ms_per_step_sampled_ahead": r.ms_per_step_sampled_ahead.map(r3),
-                "roofline_ratio_argmax_ahead": r.ms_per_step_argmax_ahead.map(|ms| r3(r.ratio * r.ms_per_step / ms)),
-                "roofline_ratio_sampled_ahead": r.ms_per_step_sampled_ahead.map(|ms| r3(r.ratio * r.ms_per_step / ms)),
-                "tokens_per_s": r1(r.batch as f64 * 1e3 / r.ms_per_step), "bytes_per_step": r.bytes,
-                "roofline_ratio": r3(r.ratio), "roofline_ratio_argmax": r3(r.ratio_argmax),
-                "allreduce_share": r.allreduce_share.map(r3), "driver_peak_bytes": r.driver_peak_bytes,
-            })).collect::<Vec<_>>(),
-            "verify": self.verify.iter().map(|&(n, ctx, ms, one)| json!({
-                "tokens_per_step": n, "context": ctx, "ms_per_step": r3(ms), "decode_ms_per_step": r3(one),
-                "ratio_to_decode": r3(ms / one),
-            })).collect::<Vec<_>>(),
-            "short_chunks": self.short_chunks.iter().map(|r| json!({
-                "tokens": r.tokens, "context": r.context, "ms_per_step": r3(r.ms),
-                "ms_prefill_kernel": r.ms_tiles.map(r3), "ms_keys_split": r.ms_split.map(r3),
-                "ms_decode_queries": r.ms_rows.map(r3),
-                "floor_ms": r3(r.floor_ms), "roofline_ratio": r3(r.floor_ms / r.ms),
-                "tokens_per_s": r1(r.tokens as f64 * 1e3 / r.ms),
-            })).collect::<Vec<_>>(),
-            "speculative": self.speculative.iter().map(|r| json!({
-                "draft_tokens": r.k, "batch": r.batch, "context": r.context, "draft_ms": r3(r.draft_ms),
-                "verify_ms": r3(r.verify_ms), "commit_ms": r3(r.commit_ms), "step_ms": r3(r.total_ms()),
-                "decode_ms_per_step": r3(r.decode_ms), "verify_ratio_to_decode": r3(r.verify_ms / r.decode_ms),
-                "step_ratio_to_decode": r3(r.total_ms() / r.decode_ms),
-                "speedup_at_2_5_tokens": r3(r.speedup(2.5)), "speedup_at_3_tokens": r3(r.speedup(3.0)),
-            })).collect::<Vec<_>>(),
-            "deltanet_prefill": self.deltanet.iter().map(|r| {
-                let (fla_t, fla) = deltaserve_cuda::gdn_bench::fla_h200_nearest(r.tokens / r.seqs);
-                json!({
-                    "tokens": r.tokens, "sequences": r.seqs, "ms": r3(r.ms), "prep_ms": r3(r.prep_ms),
-                    "walk_ms": r3(r.state_ms), "mtok_per_s_per_layer": r3(r.mtok_per_s()),
-                    "fla_h200_mtok_per_s": fla, "fla_h200_tokens": fla_t, "ratio_to_fla_h200": r3(r.mtok_per_s() / fla),
-                    "workspace_bytes": r.workspace_bytes, "nonfinite_outputs": r.nonfinite,
-                })
-            }).collect::<Vec<_>>(),
-            "profile": self.profiles.iter().map(|p| json!({
-                "batch": p.batch, "context": p.context, "eager_ms_per_step": r3(p.eager_ms),
-                "gpu_ms_per_step": r3(p.groups.iter().map(|g| g.1).sum::<f64>()),
-                "groups_ms": p.groups.iter().map(|(g, ms)| json!([g, r3(*ms)])).collect::<Vec<_>>(),
-            })).collect::<Vec<_>>(),
-            "phases": self.phases.iter().map(|(b, ctx, out, p)| json!({
-                "batch": b, "context": ctx, "output": out, "steps": p.steps, "wall_ms": r3(p.wall_ms),
-                "host_prep_ms": r3(p.host_prep_ms), "host_upload_ms": r3(p.host_upload_ms),
-                "host_launch_ms": r3(p.host_launch_ms), "gpu_inputs_ms": r3(p.gpu_inputs_ms),
-                "gpu_forward_ms": r3(p.gpu_forward_ms), "output_ms": r3(p.output_ms),
-            })).collect::<Vec<_>>(),
-            "snapshots_ms": self.snapshots.iter().map(|(w, ms)| (w.replace(' ', "_"), json!(r3(*ms)))).collect::<serde_json::Map<_, _>>(),
-            "skipped": self.skipped,
-        })
-    }
-
-    fn table(&self) -> String {
-        let mut s = String::new();
-        let c = &self.ceilings;
-        let _ = writeln!(s, "deltaserve bench on {}: {}", self.gpu, self.model);
-        let _ = writeln!(
-            s,
-            "ceilings: bf16 GEMM {:.0} TFLOP/s · device copy {:.0} GB/s (read + write) · backend up in {:.1} s",
-            c.gemm_tflops, c.copy_gbs, self.startup_s
-        );
+impl Report {
+    /// The GPU's tables: prefill, decode, memory, DeltaNet kernels, profiles, phases, snapshots,
+    /// verify-shaped steps, short chunks and speculative steps.
+    fn gpu_tables(&self, s: &mut String) {
         let _ = writeln!(s, "\nprefill (one prompt, chunked)    roofline = FLOPs / GEMM rate");
         let _ = writeln!(
             s,
@@ -509,6 +432,137 @@ impl ToolReport for Report {
                 );
             }
         }
+    }
+
+    /// `--constrained`: one line per (batch, context).
+    fn constrained_lines(&self, s: &mut String) {
+        if self.constrained.is_empty() {
+            return;
+        }
+        let _ = writeln!(
+            s,
+            "\nconstrained decode (replies under a JSON schema, {}; both run by the engine, ms between steps)",
+            self.sampling
+        );
+        for r in &self.constrained {
+            let _ = writeln!(
+                s,
+                "constrained decode batch {} at {}: {:.3} ms/step against {:.3} ms unconstrained = {:.3}× (host mask \
+                 {:.3} ms a row; launched ahead: {:.0}% of steps, unconstrained {:.0}%; JSON objects completed: {}, \
+                 tokens outside the schema: {})",
+                r.batch,
+                r.context,
+                r.ms_constrained,
+                r.ms_unconstrained,
+                r.ratio(),
+                r.mask_ms,
+                100.0 * r.ahead_constrained,
+                100.0 * r.ahead_unconstrained,
+                r.objects,
+                r.outside
+            );
+        }
+    }
+}
+
+impl ToolReport for Report {
+    fn to_json(&self) -> Value {
+        json!({
+            "gpu": self.gpu,
+            "tensor_parallel": self.tensor_parallel,
+            "model": self.model,
+            "ceilings": self.ceilings.map(|c| json!({"gemm_bf16_tflops": r1(c.gemm_tflops), "copy_gb_s": r1(c.copy_gbs)})),
+            "plan_bytes": self.plan_bytes,
+            "arena_bytes": self.arena_bytes,
+            "startup_s": r1(self.startup_s),
+            "driver_idle_bytes": self.idle_driver_bytes,
+            "driver_peak_bytes": self.peak_driver_bytes(),
+            "arena_allocated_after_start": self.arena_allocations_moved,
+            "prefill": self.prefill.iter().map(|r| json!({
+                "tokens": r.tokens, "seconds": r3(r.seconds), "ttft_ms": r1(r.seconds * 1e3),
+                "tokens_per_s": r1(r.tokens as f64 / r.seconds), "tflops": r1(r.tflop / r.seconds),
+                "roofline_ratio": r3(r.ratio), "attention_flop_share": r3(r.attention_share),
+                "allreduce_share": r.allreduce_share.map(r3), "driver_peak_bytes": r.driver_peak_bytes,
+            })).collect::<Vec<_>>(),
+            "sampling": self.sampling,
+            "decode": self.decode.iter().map(|r| json!({
+                "batch": r.batch, "context": r.context, "ms_per_step": r3(r.ms_per_step),
+                "ms_per_step_argmax": r3(r.ms_per_step_argmax),
+                "ms_per_step_sampled": r3(r.ms_per_step_sampled),
+                "ms_per_step_host_sampled": r3(r.ms_per_step_host_sampled),
+                "roofline_ratio_sampled": r3(r.ratio_sampled),
+                "ms_per_step_argmax_ahead": r.ms_per_step_argmax_ahead.map(r3),
+                "ms_per_step_sampled_ahead": r.ms_per_step_sampled_ahead.map(r3),
+                "roofline_ratio_argmax_ahead": r.ms_per_step_argmax_ahead.map(|ms| r3(r.ratio * r.ms_per_step / ms)),
+                "roofline_ratio_sampled_ahead": r.ms_per_step_sampled_ahead.map(|ms| r3(r.ratio * r.ms_per_step / ms)),
+                "tokens_per_s": r1(r.batch as f64 * 1e3 / r.ms_per_step), "bytes_per_step": r.bytes,
+                "roofline_ratio": r3(r.ratio), "roofline_ratio_argmax": r3(r.ratio_argmax),
+                "allreduce_share": r.allreduce_share.map(r3), "driver_peak_bytes": r.driver_peak_bytes,
+            })).collect::<Vec<_>>(),
+            "verify": self.verify.iter().map(|&(n, ctx, ms, one)| json!({
+                "tokens_per_step": n, "context": ctx, "ms_per_step": r3(ms), "decode_ms_per_step": r3(one),
+                "ratio_to_decode": r3(ms / one),
+            })).collect::<Vec<_>>(),
+            "short_chunks": self.short_chunks.iter().map(|r| json!({
+                "tokens": r.tokens, "context": r.context, "ms_per_step": r3(r.ms),
+                "ms_prefill_kernel": r.ms_tiles.map(r3), "ms_keys_split": r.ms_split.map(r3),
+                "ms_decode_queries": r.ms_rows.map(r3),
+                "floor_ms": r3(r.floor_ms), "roofline_ratio": r3(r.floor_ms / r.ms),
+                "tokens_per_s": r1(r.tokens as f64 * 1e3 / r.ms),
+            })).collect::<Vec<_>>(),
+            "speculative": self.speculative.iter().map(|r| json!({
+                "draft_tokens": r.k, "batch": r.batch, "context": r.context, "draft_ms": r3(r.draft_ms),
+                "verify_ms": r3(r.verify_ms), "commit_ms": r3(r.commit_ms), "step_ms": r3(r.total_ms()),
+                "decode_ms_per_step": r3(r.decode_ms), "verify_ratio_to_decode": r3(r.verify_ms / r.decode_ms),
+                "step_ratio_to_decode": r3(r.total_ms() / r.decode_ms),
+                "speedup_at_2_5_tokens": r3(r.speedup(2.5)), "speedup_at_3_tokens": r3(r.speedup(3.0)),
+            })).collect::<Vec<_>>(),
+            "deltanet_prefill": self.deltanet.iter().map(|r| {
+                let (fla_t, fla) = deltaserve_cuda::gdn_bench::fla_h200_nearest(r.tokens / r.seqs);
+                json!({
+                    "tokens": r.tokens, "sequences": r.seqs, "ms": r3(r.ms), "prep_ms": r3(r.prep_ms),
+                    "walk_ms": r3(r.state_ms), "mtok_per_s_per_layer": r3(r.mtok_per_s()),
+                    "fla_h200_mtok_per_s": fla, "fla_h200_tokens": fla_t, "ratio_to_fla_h200": r3(r.mtok_per_s() / fla),
+                    "workspace_bytes": r.workspace_bytes, "nonfinite_outputs": r.nonfinite,
+                })
+            }).collect::<Vec<_>>(),
+            "profile": self.profiles.iter().map(|p| json!({
+                "batch": p.batch, "context": p.context, "eager_ms_per_step": r3(p.eager_ms),
+                "gpu_ms_per_step": r3(p.groups.iter().map(|g| g.1).sum::<f64>()),
+                "groups_ms": p.groups.iter().map(|(g, ms)| json!([g, r3(*ms)])).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>(),
+            "phases": self.phases.iter().map(|(b, ctx, out, p)| json!({
+                "batch": b, "context": ctx, "output": out, "steps": p.steps, "wall_ms": r3(p.wall_ms),
+                "host_prep_ms": r3(p.host_prep_ms), "host_upload_ms": r3(p.host_upload_ms),
+                "host_launch_ms": r3(p.host_launch_ms), "gpu_inputs_ms": r3(p.gpu_inputs_ms),
+                "gpu_forward_ms": r3(p.gpu_forward_ms), "output_ms": r3(p.output_ms),
+            })).collect::<Vec<_>>(),
+            "constrained": self.constrained.iter().map(|r| json!({
+                "batch": r.batch, "context": r.context,
+                "ms_per_step_constrained": r3(r.ms_constrained), "ms_per_step_unconstrained": r3(r.ms_unconstrained),
+                "ratio_to_unconstrained": r3(r.ratio()), "host_mask_ms_per_row": round_to(r.mask_ms, 4),
+                "steps_ahead_share_constrained": r3(r.ahead_constrained),
+                "steps_ahead_share_unconstrained": r3(r.ahead_unconstrained),
+                "json_objects": r.objects, "tokens_outside_schema": r.outside,
+            })).collect::<Vec<_>>(),
+            "constrained_schema": (!self.constrained.is_empty()).then(constrained::reply_schema),
+            "snapshots_ms": self.snapshots.iter().map(|(w, ms)| (w.replace(' ', "_"), json!(r3(*ms)))).collect::<serde_json::Map<_, _>>(),
+            "skipped": self.skipped,
+        })
+    }
+
+    fn table(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(s, "deltaserve bench on {}: {}", self.gpu, self.model);
+        if let Some(c) = &self.ceilings {
+            let _ = writeln!(
+                s,
+                "ceilings: bf16 GEMM {:.0} TFLOP/s · device copy {:.0} GB/s (read + write) · backend up in {:.1} s",
+                c.gemm_tflops, c.copy_gbs, self.startup_s
+            );
+            self.gpu_tables(&mut s);
+        }
+        self.constrained_lines(&mut s);
         for k in &self.skipped {
             let _ = writeln!(s, "skipped: {k}");
         }
@@ -592,6 +646,12 @@ impl ToolReport for Report {
         if self.arena_allocations_moved {
             f.push("the arena allocated after start".to_string());
         }
+        for r in self.constrained.iter().filter(|r| r.outside > 0) {
+            f.push(format!(
+                "constrained decode batch {} at {}: {} tokens outside the schema",
+                r.batch, r.context, r.outside
+            ));
+        }
         if let Some(p) = self.peak_driver_bytes()
             && p > self.plan_bytes
         {
@@ -632,5 +692,41 @@ mod tests {
     fn labels() {
         assert_eq!(short(32768), "32K");
         assert_eq!(short(1000), "1000");
+    }
+
+    #[test]
+    fn constrained_rows_print_their_line_fields_and_failures() {
+        let row = |outside| constrained::ConstrainedRow {
+            batch: 8,
+            context: 1024,
+            ms_constrained: 6.6,
+            ms_unconstrained: 6.0,
+            mask_ms: 0.12,
+            ahead_constrained: 0.0,
+            ahead_unconstrained: 0.99,
+            objects: 3,
+            outside,
+        };
+        let r = Report { sampling: "greedy".into(), constrained: vec![row(0)], ..Report::default() };
+        let table = r.table();
+        assert!(
+            table.contains(
+                "constrained decode batch 8 at 1024: 6.600 ms/step against 6.000 ms unconstrained = 1.100× (host mask \
+                 0.120 ms a row; launched ahead: 0% of steps, unconstrained 99%; JSON objects completed: 3, tokens \
+                 outside the schema: 0)"
+            ),
+            "{table}"
+        );
+        assert!(!table.contains("ceilings"), "no GPU tables without ceilings: {table}");
+        let j = r.to_json();
+        let c = &j["constrained"][0];
+        assert_eq!(
+            (c["ms_per_step_constrained"].as_f64(), c["ratio_to_unconstrained"].as_f64()),
+            (Some(6.6), Some(1.1))
+        );
+        assert_eq!(j["constrained_schema"]["required"].as_array().map(Vec::len), Some(4));
+        assert!(r.failures().is_empty());
+        let bad = Report { constrained: vec![row(2)], ..Report::default() };
+        assert_eq!(bad.failures(), ["constrained decode batch 8 at 1024: 2 tokens outside the schema"]);
     }
 }
