@@ -138,17 +138,9 @@ moe_gemm(const bf16_t* __restrict__ X, const int* __restrict__ offs, int E, cons
          long long wstride, int N, int Kd, bf16_t* __restrict__ Y) {
     __shared__ __align__(16) bf16_t As[MOE_BM][MOE_BK + MOE_PAD];
     __shared__ __align__(16) bf16_t Bs[MOE_BN][MOE_BK + MOE_PAD];
-    const int* toff = offs + E + 1;
-    const int j = blockIdx.y;
-    if (j >= toff[E]) return;  // past the step's last tile (block-uniform)
-    int lo = 0, hi = E - 1;    // the last expert whose first tile is <= j: it owns tile j
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (toff[mid] <= j) lo = mid;
-        else hi = mid - 1;
-    }
-    const int e = lo;
-    const int row0 = offs[e] + (j - toff[e]) * MOE_BM, row_end = offs[e + 1];
+    int e, row0;
+    if (!moe_tile(offs, E, blockIdx.y, MOE_BM, e, row0)) return;
+    const int row_end = offs[e + 1];
     const bf16_t* We = W + (long long)e * wstride;
     const int n0 = blockIdx.x * MOE_BN;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

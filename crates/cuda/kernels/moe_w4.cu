@@ -55,17 +55,9 @@ extern "C" __global__ void __launch_bounds__(W4G_WARPS * 32, 3)
 moe_w4g(const bf16_t* x, const int* __restrict__ offs, int E, const u32* __restrict__ qw0,
         const unsigned short* __restrict__ sc0, const unsigned char* __restrict__ z0, long long estride,
         int scale_bf16, bf16_t* y, int out, int in) {
-    const int* toff = offs + E + 1;
-    const int j = blockIdx.y;
-    if (j >= toff[E]) return;  // past the step's last tile (block-uniform)
-    int lo = 0, hi = E - 1;    // the last expert whose first tile is <= j: it owns tile j
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (toff[mid] <= j) lo = mid;
-        else hi = mid - 1;
-    }
-    const int e = lo;
-    const int row0 = offs[e] + (j - toff[e]) * MOE_W4_TILE, rows = min(MOE_W4_TILE, offs[e + 1] - row0);
+    int e, row0;
+    if (!moe_tile(offs, E, blockIdx.y, MOE_W4_TILE, e, row0)) return;
+    const int rows = min(MOE_W4_TILE, offs[e + 1] - row0);
     w4g_body<MOE_W4_TILE / 8>(moe_w4_at(qw0, estride, e), moe_w4_at(sc0, estride, e), moe_w4_at(z0, estride, e),
                               scale_bf16, x + (long long)row0 * in, in, y + (long long)row0 * out, out, rows, out, in,
                               0, 1, 0, blockIdx.x, 0, 1);

@@ -209,6 +209,23 @@ __device__ __forceinline__ void am_warp_best(float& bv, int& bi) {
     }
 }
 
+// A grouped expert GEMM's tile j (moe.cu's moe_offsets: offs[0..E] row prefix sums, then offs[E+1..2E+1]
+// tile prefix sums, tiles of bm rows): its expert e and first grouped row; false past the step's last tile
+// (block-uniform: the block exits). The expert is the last one whose first tile is <= j.
+__device__ __forceinline__ bool moe_tile(const int* offs, int E, int j, int bm, int& e, int& row0) {
+    const int* toff = offs + E + 1;
+    if (j >= toff[E]) return false;
+    int lo = 0, hi = E - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (toff[mid] <= j) lo = mid;
+        else hi = mid - 1;
+    }
+    e = lo;
+    row0 = offs[e] + (j - toff[e]) * bm;
+    return true;
+}
+
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float siluf_(float x) { return x / (1.0f + expf(-x)); }
 // PyTorch F.softplus (beta 1, threshold 20).

@@ -650,7 +650,7 @@ impl W4ExpertBlock {
         let target = if proj == 2 { down } else { gu };
         let Some(l) = lin else {
             ld.quantize_rows(&bytes, out, &target, if proj == 1 { width } else { 0 }, name)?;
-            return Ok(Part::W4(if proj == 2 { down } else { gu }));
+            return Ok(Part::W4(target));
         };
         if l.perm.is_some() || l.zeros.is_some() != gu.zeros.is_some() || l.scale_dtype != gu.scale_dtype {
             return Err(werr(
@@ -665,6 +665,6 @@ impl W4ExpertBlock {
             }
             _ => ld.upload_w4(&l, &down)?,
         }
-        Ok(Part::W4(if proj == 2 { down } else { gu }))
+        Ok(Part::W4(target))
     }
 }

@@ -128,25 +128,18 @@ pub fn moe_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
     let want = reference(&x, t, h, i, &w, &routes, &gate, &shared);
     let gu = ExpertWeights { base: wp, stride: 3 * i * h, n: 2 * i, kdim: h };
     let dn = ExpertWeights { base: wp + (2 * 2 * i * h) as u64, stride: 3 * i * h, n: h, kdim: i };
+    let path = Path { xp, rows, topk, sg, t, top_k, h, i, shared: &shared };
     for grouped in [false, true] {
-        let (g, a, y) = (d.poison(4 * pairs * i)?, d.poison(2 * pairs * i)?, d.poison(2 * pairs * h)?);
-        let out = d.bf16(&shared)?;
-        let up = g + (2 * i) as u64;
-        if grouped {
-            let xin = d.poison(2 * pairs * h)?;
-            moe::permute(k, s, xp, rows, t, top_k, h, xin)?;
-            moe::gemm(k, s, xin, offs, ne, pairs, &gu, g)?;
-            elementwise::swiglu(k, s, g, 2 * i, up, 2 * i, a, pairs, i)?;
-            moe::gemm(k, s, a, offs, ne, pairs, &dn, y)?;
-            moe::unpermute(k, s, y, Some(rows), topk, t, top_k, sg, h, out)?;
-        } else {
-            moe::gemv(k, s, xp, top_k, topk, pairs, &gu, g)?;
-            elementwise::swiglu(k, s, g, 2 * i, up, 2 * i, a, pairs, i)?;
-            moe::gemv(k, s, a, 1, topk, pairs, &dn, y)?;
-            moe::unpermute(k, s, y, None, topk, t, top_k, sg, h, out)?;
-        }
+        let out = path.run(e, d, grouped, &|down, x, y| {
+            let (w, x_div) = if down { (&dn, 1) } else { (&gu, top_k) };
+            if grouped {
+                moe::gemm(k, s, x, offs, ne, pairs, w, y)
+            } else {
+                moe::gemv(k, s, x, x_div, topk, pairs, w, y)
+            }
+        })?;
         let what = if grouped { "grouped GEMM out" } else { "per-pair GEMV out" };
-        v.push(compare(what, &want, &d.get_bf16(out, t * h)?, tol));
+        v.push(compare(what, &want, &out, tol));
     }
     if h.is_multiple_of(128) && i.is_multiple_of(128) {
         let offs32 = d.poison(moe::offsets_bytes(ne))?;
@@ -159,29 +152,59 @@ pub fn moe_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
             let (wq, gu, dn) = w4_experts(d, &w, ne, h, i, asym)?;
             let want = reference(&x, t, h, i, &wq, &routes, &gate, &shared);
             for grouped in [false, true] {
-                let (g, a, y) = (d.poison(4 * pairs * i)?, d.poison(2 * pairs * i)?, d.poison(2 * pairs * h)?);
-                let out = d.bf16(&shared)?;
-                let up = g + (2 * i) as u64;
-                if grouped {
-                    let xin = d.poison(2 * pairs * h)?;
-                    moe::permute(k, s, xp, rows, t, top_k, h, xin)?;
-                    moe_w4::gemm(k, s, xin, offs32, pairs, &gu, g)?;
-                    elementwise::swiglu(k, s, g, 2 * i, up, 2 * i, a, pairs, i)?;
-                    moe_w4::gemm(k, s, a, offs32, pairs, &dn, y)?;
-                    moe::unpermute(k, s, y, Some(rows), topk, t, top_k, sg, h, out)?;
-                } else {
-                    moe_w4::gemv(k, s, xp, h, top_k, topk, pairs, &gu, g)?;
-                    elementwise::swiglu(k, s, g, 2 * i, up, 2 * i, a, pairs, i)?;
-                    moe_w4::gemv(k, s, a, i, 1, topk, pairs, &dn, y)?;
-                    moe::unpermute(k, s, y, None, topk, t, top_k, sg, h, out)?;
-                }
+                let out = path.run(e, d, grouped, &|down, x, y| {
+                    let (w, x_div, ldx) = if down { (&dn, 1, i) } else { (&gu, top_k, h) };
+                    if grouped {
+                        moe_w4::gemm(k, s, x, offs32, pairs, w, y)
+                    } else {
+                        moe_w4::gemv(k, s, x, ldx, x_div, topk, pairs, w, y)
+                    }
+                })?;
                 let fmt = if asym { "zero points, bf16 scales" } else { "symmetric, fp16 scales" };
                 let what = if grouped { "grouped GEMM" } else { "per-pair GEMV" };
-                v.push(compare(&format!("int4 ({fmt}) {what} out"), &want, &d.get_bf16(out, t * h)?, tol));
+                v.push(compare(&format!("int4 ({fmt}) {what} out"), &want, &out, tol));
             }
         }
     }
     Ok(v)
+}
+
+/// A case's routed step: its x, grouping, routing and shared expert's gate and output on the device.
+struct Path<'a> {
+    xp: u64,
+    rows: u64,
+    topk: u64,
+    sg: u64,
+    t: usize,
+    top_k: usize,
+    h: usize,
+    i: usize,
+    shared: &'a [f32],
+}
+
+impl Path<'_> {
+    /// One expert path onto a copy of the shared expert's output, returned: `proj(down, x, y)` runs the
+    /// gate/up (`down` false: over x, or its copy grouped by expert) or the down projection (over the
+    /// SwiGLU output) into `y`; grouped, the rows go through `rows`' order and back.
+    fn run(&self, e: Env, d: &mut Dev, grouped: bool, proj: &dyn Fn(bool, u64, u64) -> R<()>) -> R<Vec<f32>> {
+        let Env { k, s, .. } = e;
+        let Path { xp, rows, topk, sg, t, top_k, h, i, shared } = *self;
+        let pairs = t * top_k;
+        let (g, a, y) = (d.poison(4 * pairs * i)?, d.poison(2 * pairs * i)?, d.poison(2 * pairs * h)?);
+        let out = d.bf16(shared)?;
+        let x = if grouped {
+            let xin = d.poison(2 * pairs * h)?;
+            moe::permute(k, s, xp, rows, t, top_k, h, xin)?;
+            xin
+        } else {
+            xp
+        };
+        proj(false, x, g)?;
+        elementwise::swiglu(k, s, g, 2 * i, g + (2 * i) as u64, 2 * i, a, pairs, i)?;
+        proj(true, a, y)?;
+        moe::unpermute(k, s, y, grouped.then_some(rows), topk, t, top_k, sg, h, out)?;
+        d.get_bf16(out, t * h)
+    }
 }
 
 /// The experts of `w` (the bf16 block's layout) quantised to int4 and placed as the backend places
