@@ -347,7 +347,9 @@ def test_n_choices_count_the_prompt_once_and_follow_their_seeds(http):
             by_index.setdefault(ch["index"], []).append({**c, "choices": [ch]})
     assert sorted(by_index) == [0, 1, 2]
     assert [util.join_chat_stream(by_index[i])["content"] for i in range(3)] == contents
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == u
+    # The usage once, after every choice (its cached tokens depend on what ran before: not compared).
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert chunks[-1]["choices"] == [] and all(chunks[-1]["usage"][k] == u[k] for k in counts), chunks[-1]
 
 
 @pytest.mark.parametrize("field,value", [("n", 0), ("n", 9), ("best_of", 2)])

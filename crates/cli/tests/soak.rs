@@ -50,11 +50,12 @@ fn in_process_demo_session_restores_the_context_and_does_not_allocate() {
         assert_eq!(t["arena_high_water_bytes"], turns[0]["arena_high_water_bytes"], "{t}");
         assert!(u(t, "arena_allocations") > 0 && u(t, "arena_high_water_bytes") > 0, "{t}");
         assert!(u(t, "host_rss_bytes") > 0, "in-process: the host RSS is reported: {t}");
-        // The engine's steps during the turn: at least one to prefill and one per further token, and
-        // their time within the turn's (the soak reads /metrics between turns, nothing else runs).
+        // The engine's steps during the turn: at least one to prefill and one per further token (the
+        // soak reads /metrics between turns, nothing else runs). Their time is not compared with the
+        // turn's: the last step finishes its bookkeeping after the client has read the final token.
         let (steps, step_ms) = (u(t, "steps"), f(t, "step_ms"));
         assert!(steps >= u(t, "completion_tokens").max(1), "{t}");
-        assert!(step_ms > 0.0 && step_ms <= total + 1e-6, "{t}");
+        assert!(step_ms > 0.0, "{t}");
         if i > 0 {
             let prev = u(&turns[i - 1], "prompt_tokens");
             assert!(prompt > prev, "the context grows every turn: {t}");
