@@ -58,6 +58,24 @@ def test_json_schema_reply_is_valid(http, seed):
     check_schema(json.loads(ch["message"]["content"]))
 
 
+def test_n_choices_each_follow_the_schema(http):
+    """`n` = 3 under a JSON schema: the prompt runs once, each choice walks the grammar on its own."""
+    r = http.post(CHAT, json=schema_body(4, n=3))
+    assert r.status_code == 200, r.text[:800]
+    resp = r.json()
+    chs = resp["choices"]
+    assert [c["index"] for c in chs] == [0, 1, 2]
+    docs = []
+    for ch in chs:
+        assert ch["finish_reason"] == "stop", ch
+        docs.append(json.loads(ch["message"]["content"]))
+        check_schema(docs[-1])
+    assert len({json.dumps(d, sort_keys=True) for d in docs}) > 1, docs
+    single = http.post(CHAT, json=schema_body(4)).json()
+    assert single["choices"][0]["message"]["content"] == chs[0]["message"]["content"], "choice 0 is the n = 1 reply"
+    assert resp["usage"]["prompt_tokens"] == single["usage"]["prompt_tokens"]
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_json_schema_stream_is_valid(http, seed):
     chunks, done = util.stream_openai(http, CHAT, schema_body(seed, stream=True))

@@ -225,6 +225,14 @@ impl TokenConstraint for GrammarConstraint {
         Some(start + self.matcher.allows_prefix(&tokens[start..]))
     }
 
+    fn fork(&self) -> Option<SharedConstraint> {
+        Some(SharedConstraint::new(GrammarConstraint {
+            matcher: self.matcher.fork(),
+            think_end: self.think_end,
+            eos: self.eos.clone(),
+        }))
+    }
+
     fn accept(&mut self, token: u32) {
         match self.think_end {
             Some(end) if token == end => self.think_end = None,

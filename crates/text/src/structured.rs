@@ -179,6 +179,12 @@ impl GrammarMatcher {
         self.matcher.consume_token(token).map_err(|e| e.to_string())
     }
 
+    /// An independent matcher at the same place in the grammar (its parser and lexer caches copied),
+    /// for another reply to the same request.
+    pub fn fork(&self) -> GrammarMatcher {
+        GrammarMatcher { matcher: self.matcher.deep_clone(), vocab: self.vocab }
+    }
+
     /// True when the grammar admits nothing further.
     pub fn is_done(&self) -> bool {
         self.matcher.is_stopped()

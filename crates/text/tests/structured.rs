@@ -170,3 +170,37 @@ fn bitmasks_and_tokens_checked_ahead_agree_with_the_mask() {
     assert_eq!(fresh.allows_prefix(&[width as u32 + 1]), 0, "an id past the vocabulary is refused");
     assert_eq!(fresh.allows_prefix(&ids), ids.len(), "checking followed nothing");
 }
+
+#[test]
+fn a_forked_matcher_goes_its_own_way() {
+    let (tok, c, eos) = compiler();
+    let g = Grammar::JsonSchema(json!({"type": "object", "properties": {
+        "a": {"enum": ["xy", "zw"]}, "b": {"type": "integer"}}, "required": ["a", "b"]}));
+    let width = tok.vocab_size() + 16;
+    let allowed = |m: &mut deltaserve_text::GrammarMatcher| {
+        let mut row = vec![0.0f32; width];
+        assert!(m.mask(&mut row));
+        (0..width as u32).filter(|&i| row[i as usize].is_finite() && i != eos).collect::<Vec<u32>>()
+    };
+    let mut m = c.compile(&g).unwrap();
+    let first = allowed(&mut m)[0];
+    m.accept(first).unwrap();
+    // The fork stands where its parent stands, then each follows its own tokens.
+    let mut f = m.fork();
+    assert_eq!(allowed(&mut f), allowed(&mut m));
+    let mut rng = Rng(11);
+    let (mut a, mut b) = (vec![first], vec![first]);
+    for _ in 0..6 {
+        for (m, ids) in [(&mut m, &mut a), (&mut f, &mut b)] {
+            let next = allowed(m);
+            if let Some(&t) = next.get(rng.below(next.len().max(1))) {
+                m.accept(t).unwrap();
+                ids.push(t);
+            }
+        }
+    }
+    assert_ne!(a, b, "the two walks diverged (seeded)");
+    // Each is still a valid prefix of the grammar, checked from a fresh matcher.
+    assert_eq!(c.compile(&g).unwrap().allows_prefix(&a), a.len());
+    assert_eq!(c.compile(&g).unwrap().allows_prefix(&b), b.len());
+}
