@@ -22,6 +22,10 @@ pub enum Pick<'a> {
     Argmax,
     /// The rule of the matching [`RowSampling`] (one per wanted row, in batch order).
     Sample(&'a [RowSampling]),
+    /// Only in [`Backend::launch`]: the forward starts now and the picks wait for
+    /// [`Backend::pick_launched`], so that what they need can be learnt while it runs (a constrained
+    /// row's token mask depends on the pick of the step launched before it, collected meanwhile).
+    Later,
 }
 
 /// Where a launched step's input tokens come from: chunk `i` (every chunk one token that wants its
@@ -75,6 +79,8 @@ pub struct Picked {
 #[derive(Debug, Default)]
 pub struct Emulated {
     done: VecDeque<Picked>,
+    /// A step launched with [`Pick::Later`]: its logits rows, the wanted rows that ran, `valid`.
+    unpicked: Option<(Vec<f32>, Vec<bool>, usize)>,
     /// The picks of the last launched step.
     last: Picked,
     /// Every this many picks (0: none) counts as made on the host, as a device's rows that its
@@ -96,6 +102,9 @@ impl Emulated {
         if self.done.len() >= 2 {
             return Err(BackendError::InvalidStep("two launched steps are not collected yet".into()));
         }
+        if self.unpicked.is_some() {
+            return Err(BackendError::InvalidStep("the launched step's picks are not made yet".into()));
+        }
         let mut run = batch.clone();
         let mut runs = vec![true; batch.seqs.len()];
         if let Some(f) = feed {
@@ -114,12 +123,49 @@ impl Emulated {
             Pick::Argmax => be.step(&run, Want::Tokens { valid, pick }, &mut out)?,
             Pick::Sample(rows) => {
                 crate::check_sample_rows(batch, rows)?;
-                let rows: Vec<RowSampling> =
-                    rows.iter().zip(&wanted).filter(|(_, w)| **w).map(|(r, _)| r.clone()).collect();
+                let rows: Vec<RowSampling> = ran(rows, &wanted);
                 be.step(&run, Want::Tokens { valid, pick: Pick::Sample(&rows) }, &mut out)?
             }
+            Pick::Later => {
+                be.step(&run, Want::Logits, &mut out)?;
+                self.unpicked = Some((out.logits, wanted, valid));
+                return Ok(());
+            }
         }
-        let mut got = out.tokens.into_iter();
+        self.queue(out.tokens, wanted);
+        Ok(())
+    }
+
+    /// Picks the rows of the step launched with [`Pick::Later`] (see [`Backend::pick_launched`]).
+    pub fn pick_launched(&mut self, pick: Pick<'_>) -> Result<(), BackendError> {
+        let Some((mut logits, wanted, valid)) = self.unpicked.take() else {
+            return Err(BackendError::InvalidStep("no launched step waits for its picks".into()));
+        };
+        let rows = wanted.iter().filter(|w| **w).count();
+        let vocab = logits.len().checked_div(rows).unwrap_or(0);
+        let mut tokens = Vec::with_capacity(rows);
+        match pick {
+            Pick::Argmax => crate::host::pick_tokens(&mut logits, vocab, valid, pick, &mut tokens)?,
+            Pick::Sample(all) => {
+                if all.len() != wanted.len() {
+                    return Err(BackendError::InvalidStep(format!(
+                        "{} sampling rows for {} rows that want a token",
+                        all.len(),
+                        wanted.len()
+                    )));
+                }
+                let rows = ran(all, &wanted);
+                crate::host::pick_tokens(&mut logits, vocab, valid, Pick::Sample(&rows), &mut tokens)?
+            }
+            Pick::Later => return Err(BackendError::InvalidStep("a launched step's picks cannot wait twice".into())),
+        }
+        self.queue(tokens, wanted);
+        Ok(())
+    }
+
+    /// Queues the picks `got` of the wanted rows that ran (`wanted`; the others pick 0).
+    fn queue(&mut self, got: Vec<u32>, wanted: Vec<bool>) {
+        let mut got = got.into_iter();
         let mut picked = Picked::default();
         for w in wanted {
             picked.tokens.push(if w { got.next().unwrap_or(0) } else { 0 });
@@ -128,7 +174,6 @@ impl Emulated {
         }
         self.last = picked.clone();
         self.done.push_back(picked);
-        Ok(())
     }
 
     /// The oldest launched step's picks (see [`Backend::collect`]).
@@ -142,6 +187,102 @@ impl Emulated {
     /// Forgets launched steps (after a failure).
     pub fn reset(&mut self) {
         self.done.clear();
+        self.unpicked = None;
         self.last = Picked::default();
+    }
+}
+
+/// The rules of the wanted rows that ran (`wanted`), in order.
+fn ran(rows: &[RowSampling], wanted: &[bool]) -> Vec<RowSampling> {
+    rows.iter().zip(wanted).filter(|(_, w)| **w).map(|(r, _)| r.clone()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ArenaStats, Capabilities, SeqChunk, SpecCommit, host};
+
+    /// Logits rows of 4 ids falling from id `(token + 1) % 4` (`token`: what the row's chunk ran) on.
+    struct Next {
+        ahead: Emulated,
+    }
+
+    impl Backend for Next {
+        fn capabilities(&self) -> Capabilities {
+            Capabilities {
+                name: "next".into(),
+                vocab_size: 4,
+                launches_ahead: true,
+                max_draft_tokens: 0,
+                masks_tokens: true,
+                picks_after_launch: true,
+                snapshots_within_chunks: false,
+            }
+        }
+        fn step(&mut self, batch: &StepBatch, want: Want<'_>, out: &mut StepOut) -> Result<(), BackendError> {
+            host::host_step(batch, 4, want, out, |_, logits, _| {
+                for c in batch.seqs.iter().filter(|c| c.want_logits) {
+                    let next = (c.tokens[0] as usize + 1) % 4;
+                    logits.extend((0..4).map(|i| -(((i + 4 - next) % 4) as f32)));
+                }
+                Ok(())
+            })
+        }
+        fn launch(
+            &mut self,
+            b: &StepBatch,
+            valid: usize,
+            pick: Pick<'_>,
+            f: Option<&Feed>,
+        ) -> Result<(), BackendError> {
+            let mut ahead = std::mem::take(&mut self.ahead);
+            let r = ahead.launch(self, b, valid, pick, f);
+            self.ahead = ahead;
+            r
+        }
+        fn pick_launched(&mut self, pick: Pick<'_>) -> Result<(), BackendError> {
+            self.ahead.pick_launched(pick)
+        }
+        fn collect(&mut self, out: &mut Picked) -> Result<(), BackendError> {
+            self.ahead.collect(out)
+        }
+        fn commit_speculative(&mut self, commits: &[SpecCommit]) -> Result<(), BackendError> {
+            host::no_verified_chunks(commits)
+        }
+        fn arena_stats(&self) -> ArenaStats {
+            ArenaStats::default()
+        }
+    }
+
+    /// A step launched with its picks left for later: the step before it is collected meanwhile, the
+    /// next waits for the picks, and a step fed from them runs on them.
+    #[test]
+    fn picks_left_for_later_feed_the_next_step() {
+        let one = |t: u32| SeqChunk { seq_id: 1, tokens: vec![t], want_logits: true, ..SeqChunk::default() };
+        let batch = |t: u32| StepBatch { seqs: vec![one(t)], ..StepBatch::default() };
+        let feed = Feed { from: vec![0], stops: vec![vec![]] };
+        let mut be = Next { ahead: Emulated::default() };
+        be.launch(&batch(0), 4, Pick::Argmax, None).unwrap();
+        be.launch(&batch(0), 4, Pick::Later, Some(&feed)).unwrap();
+        let e = be.launch(&batch(0), 4, Pick::Argmax, Some(&feed));
+        assert!(matches!(e, Err(BackendError::InvalidStep(_))), "no launch before the picks: {e:?}");
+        let mut first = Picked::default();
+        be.collect(&mut first).unwrap();
+        assert_eq!(first.tokens, [1]);
+        assert!(be.collect(&mut Picked::default()).is_err(), "the later step is not collected before its picks");
+        // Its mask allows ids 0 and 3 only: the pick is 3, not the argmax 2 (it ran the first pick, 1).
+        let rows = [RowSampling { allowed: Some(vec![0b1001]), ..RowSampling::greedy() }];
+        be.pick_launched(Pick::Sample(&rows)).unwrap();
+        assert!(be.pick_launched(Pick::Argmax).is_err(), "nothing waits for picks now");
+        be.launch(&batch(0), 4, Pick::Argmax, Some(&feed)).unwrap();
+        let mut got = Picked::default();
+        be.collect(&mut got).unwrap();
+        be.collect(&mut got).unwrap();
+        assert_eq!(got.tokens, [3, 0], "the step fed 3 picks (3 + 1) % 4");
+        assert_eq!(got.on_device, [true, true]);
+        // Picks cannot wait twice; the step is dropped with the error.
+        be.launch(&batch(0), 4, Pick::Later, None).unwrap();
+        assert!(matches!(be.pick_launched(Pick::Later), Err(BackendError::InvalidStep(_))));
+        assert!(be.pick_launched(Pick::Argmax).is_err());
     }
 }

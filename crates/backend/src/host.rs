@@ -24,22 +24,20 @@ pub fn host_step(
         Want::Drafts(pick) => run(Some(pick), &mut out.logits, &mut out.drafts),
         Want::DraftsArgmax { valid, pick } => {
             let at = out.logits.len();
-            let r = run(Some(pick), &mut out.logits, &mut out.drafts);
-            if r.is_ok() {
-                pick_tokens(&mut out.logits[at..], vocab, valid, Pick::Argmax, &mut out.tokens);
-            }
+            let r = run(Some(pick), &mut out.logits, &mut out.drafts)
+                .and_then(|()| pick_tokens(&mut out.logits[at..], vocab, valid, Pick::Argmax, &mut out.tokens));
             out.logits.truncate(at);
             r
         }
         Want::Tokens { valid, pick } => {
-            if let Pick::Sample(rows) = pick {
-                check_sample_rows(batch, rows)?;
+            match pick {
+                Pick::Sample(rows) => check_sample_rows(batch, rows)?,
+                Pick::Later => return Err(later_in_a_step()),
+                Pick::Argmax => {}
             }
             let at = out.logits.len();
-            let r = run(None, &mut out.logits, &mut out.drafts);
-            if r.is_ok() {
-                pick_tokens(&mut out.logits[at..], vocab, valid, pick, &mut out.tokens);
-            }
+            let r = run(None, &mut out.logits, &mut out.drafts)
+                .and_then(|()| pick_tokens(&mut out.logits[at..], vocab, valid, pick, &mut out.tokens));
             out.logits.truncate(at);
             r
         }
@@ -48,14 +46,26 @@ pub fn host_step(
 
 /// Appends the token of each row of `logits` (rows of `vocab`) picked by `pick` over ids `< valid`:
 /// the argmax, or the row's [`crate::RowSampling`] (its penalties are applied to `logits`).
-pub fn pick_tokens(logits: &mut [f32], vocab: usize, valid: usize, pick: Pick<'_>, tokens: &mut Vec<u32>) {
-    if vocab == 0 {
-        return;
-    }
+/// [`Pick::Later`] is for launched steps only: an invalid step here.
+pub fn pick_tokens(
+    logits: &mut [f32],
+    vocab: usize,
+    valid: usize,
+    pick: Pick<'_>,
+    tokens: &mut Vec<u32>,
+) -> Result<(), BackendError> {
     match pick {
+        _ if vocab == 0 => {}
         Pick::Argmax => tokens.extend(logits.chunks_exact(vocab).map(|row| argmax(&row[..valid.min(vocab)]))),
         Pick::Sample(rows) => tokens.extend(sampling::pick_rows(logits, vocab, valid, rows, false)),
+        Pick::Later => return Err(later_in_a_step()),
     }
+    Ok(())
+}
+
+/// The error of [`Pick::Later`] outside [`crate::Backend::launch`].
+pub fn later_in_a_step() -> BackendError {
+    BackendError::InvalidStep("picks left for later belong to launched steps".into())
 }
 
 /// The answer to [`crate::Backend::launch`] / [`crate::Backend::collect`] of a backend that does not
@@ -85,6 +95,10 @@ macro_rules! without_lookahead_or_drafts {
             _: $crate::Pick<'_>,
             _: Option<&$crate::Feed>,
         ) -> Result<(), $crate::BackendError> {
+            Err($crate::host::no_launches($name))
+        }
+
+        fn pick_launched(&mut self, _: $crate::Pick<'_>) -> Result<(), $crate::BackendError> {
             Err($crate::host::no_launches($name))
         }
 

@@ -283,6 +283,9 @@ pub struct Capabilities {
     /// Whether picks ([`Want::Tokens`], [`Backend::launch`]) apply a row's token mask
     /// ([`RowSampling::allowed`]). Without it, the engine samples constrained rows on the host.
     pub masks_tokens: bool,
+    /// Whether the engine may launch steps with their picks left for later ([`Pick::Later`],
+    /// [`Backend::pick_launched`]): with token masks, constrained requests then run ahead.
+    pub picks_after_launch: bool,
     /// Whether chunks may carry [`SeqChunk::save_within`] (snapshots at points inside a chunk).
     /// Without it, the scheduler ends chunks at snapshot points.
     pub snapshots_within_chunks: bool,
@@ -401,6 +404,12 @@ pub trait Backend: Send {
         pick: Pick<'_>,
         feed: Option<&Feed>,
     ) -> Result<(), BackendError>;
+
+    /// Makes the picks of the step launched last with [`Pick::Later`] (`pick` as [`Backend::launch`]
+    /// takes it, never `Later` again). Until then no further step is launched (the steps launched
+    /// before it may be collected) and that step is not collected; the step after it may be fed from
+    /// these picks. After an error no launched step remains. Only where [`Capabilities::launches_ahead`].
+    fn pick_launched(&mut self, pick: Pick<'_>) -> Result<(), BackendError>;
 
     /// Waits for the oldest launched step that is not collected yet and appends its picks to `out`.
     /// After an error no launched step remains. Only where [`Capabilities::launches_ahead`].

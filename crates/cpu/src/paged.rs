@@ -511,6 +511,7 @@ impl Backend for CpuBackend {
             launches_ahead: true,
             max_draft_tokens: self.max_draft,
             masks_tokens: true,
+            picks_after_launch: true,
             snapshots_within_chunks: true,
         }
     }
@@ -538,6 +539,14 @@ impl Backend for CpuBackend {
             ahead.reset();
         }
         self.ahead = ahead;
+        r
+    }
+
+    fn pick_launched(&mut self, pick: Pick<'_>) -> Result<(), BackendError> {
+        let r = self.ahead.pick_launched(pick);
+        if r.is_err() {
+            self.ahead.reset();
+        }
         r
     }
 

@@ -163,6 +163,7 @@ impl Backend for TpBackend {
             launches_ahead: false,
             max_draft_tokens: 0,
             masks_tokens: true,
+            picks_after_launch: false,
             snapshots_within_chunks: false,
         }
     }

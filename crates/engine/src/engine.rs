@@ -23,7 +23,8 @@
 //! constraint checks drafts ([`TokenConstraint::allows_prefix`]): at verify the drafts are checked in
 //! order, the first one refused ends acceptance, and every verified row is masked before its pick, so
 //! no refused token is emitted and greedy outputs are those of plain decoding. Where the step allows
-//! it, their masks are computed on CPU threads while the backend runs (`engine/masks.rs`).
+//! it, their masks are computed on CPU threads while the backend runs (`engine/masks.rs`); their
+//! decode steps run ahead with their picks left until the masks are known (`engine/ahead.rs`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -224,6 +225,7 @@ impl EngineHandle {
                 .with_snapshots_within_chunks(caps.snapshots_within_chunks),
             lookahead: opts.lookahead && caps.launches_ahead,
             masks_tokens: caps.masks_tokens,
+            picks_after_launch: caps.picks_after_launch,
             ahead: None,
             collected: Instant::now(),
             backend,
@@ -398,6 +400,9 @@ struct Worker {
     ahead: Option<Launched>,
     /// The backend applies token masks ([`deltaserve_backend::Capabilities::masks_tokens`]).
     masks_tokens: bool,
+    /// Steps may launch with their picks left for later
+    /// ([`deltaserve_backend::Capabilities::picks_after_launch`]).
+    picks_after_launch: bool,
     /// When the last launched step was collected (launched steps overlap: a step's time starts at
     /// its launch or at this, whichever is later).
     collected: Instant,

@@ -78,6 +78,8 @@ struct Asked {
     masked_rows: usize,
     /// Steps whose rows came back as logits.
     logits_steps: usize,
+    /// Steps launched ahead with their picks left for later.
+    later_picks: usize,
 }
 
 /// The CPU backend, applying token masks or not (then the engine samples constrained rows on the
@@ -109,7 +111,14 @@ impl Backend for Masking {
     }
     fn launch(&mut self, b: &StepBatch, valid: usize, pick: Pick<'_>, feed: Option<&Feed>) -> Result<(), BackendError> {
         self.count(&pick);
+        if let Pick::Later = pick {
+            self.asked.lock().unwrap().later_picks += 1;
+        }
         self.inner.launch(b, valid, pick, feed)
+    }
+    fn pick_launched(&mut self, pick: Pick<'_>) -> Result<(), BackendError> {
+        self.count(&pick);
+        self.inner.pick_launched(pick)
     }
     fn collect(&mut self, out: &mut Picked) -> Result<(), BackendError> {
         self.inner.collect(out)
@@ -326,7 +335,9 @@ fn a_constraint_that_cannot_check_drafts_decodes_without_them() {
 
 /// Without speculation, a step with constrained rows is picked by the backend, each constrained row
 /// with its token bitmask (no row comes back as logits), and gives the tokens of host sampling, greedy
-/// and seeded sampling alike, for the constrained requests and their unconstrained neighbours.
+/// and seeded sampling alike, for the constrained requests and their unconstrained neighbours. Their
+/// decode steps run ahead: launched before the previous step's picks are read, picked once the masks
+/// that those picks lead to are known.
 #[test]
 fn token_masks_picked_by_the_backend_equal_host_sampling() {
     let variant = MtpVariant::Random;
@@ -354,6 +365,7 @@ fn token_masks_picked_by_the_backend_equal_host_sampling() {
         if masks {
             assert!(asked.masked_rows > 0, "constrained rows carry their masks");
             assert_eq!(asked.logits_steps, 0, "no step brings its rows back");
+            assert!(asked.later_picks > 0, "constrained decode steps run ahead");
         } else {
             assert_eq!(asked.masked_rows, 0);
             assert!(asked.logits_steps > 0, "constrained rows are sampled on the host");

@@ -121,6 +121,9 @@ impl Backend for Recorder {
     fn launch(&mut self, _: &StepBatch, _: usize, _: Pick<'_>, _: Option<&Feed>) -> Result<(), BackendError> {
         Err(BackendError::Unsupported("launch".into()))
     }
+    fn pick_launched(&mut self, _: Pick<'_>) -> Result<(), BackendError> {
+        Err(BackendError::Unsupported("pick_launched".into()))
+    }
     fn collect(&mut self, _: &mut Picked) -> Result<(), BackendError> {
         Err(BackendError::Unsupported("collect".into()))
     }

@@ -234,6 +234,9 @@ impl Backend for Flaky {
     ) -> Result<(), BackendError> {
         self.inner.launch(batch, valid, pick, feed)
     }
+    fn pick_launched(&mut self, pick: Pick<'_>) -> Result<(), BackendError> {
+        self.inner.pick_launched(pick)
+    }
     fn collect(&mut self, out: &mut Picked) -> Result<(), BackendError> {
         self.collects += 1;
         if self.collects == self.fail_at {

@@ -71,6 +71,9 @@ impl Backend for Counted {
         self.count(b);
         self.inner.launch(b, valid, pick, feed)
     }
+    fn pick_launched(&mut self, pick: Pick<'_>) -> Result<(), BackendError> {
+        self.inner.pick_launched(pick)
+    }
     fn collect(&mut self, out: &mut Picked) -> Result<(), BackendError> {
         self.inner.collect(out)
     }

@@ -16,6 +16,7 @@ impl Backend for Null {
             launches_ahead: false,
             max_draft_tokens: 0,
             masks_tokens: false,
+            picks_after_launch: false,
             snapshots_within_chunks: false,
         }
     }

@@ -39,6 +39,7 @@ impl Backend for ScriptedBackend {
             launches_ahead: false,
             max_draft_tokens: 0,
             masks_tokens: false,
+            picks_after_launch: false,
             snapshots_within_chunks: false,
         }
     }

@@ -23,6 +23,8 @@ pub(super) struct Launches {
     /// The last launched step's picks in the scratch's `out`: (stride, rows). None when a step run since
     /// (or an error) may have overwritten them.
     pub(super) last: Option<(usize, usize)>,
+    /// A step launched with [`Pick::Later`] whose picks are not made yet: (wanted rows, valid).
+    pub(super) unpicked: Option<(usize, usize)>,
 }
 
 /// A launched step not collected yet.
@@ -48,6 +50,7 @@ impl Launches {
             queue: VecDeque::new(),
             next: 0,
             last: None,
+            unpicked: None,
         })
     }
 
@@ -136,6 +139,12 @@ impl CudaBackend {
                     pending.ready = Some(Picked { tokens, on_device: vec![false; rows] });
                 }
             }
+            Pick::Later => {
+                // The forward is queued; its logits wait in the logits region for `pick_launched`.
+                self.launches.unpicked = Some((rows, o.valid));
+                self.launches.last = None;
+                return Ok(());
+            }
         }
         let bytes = rows * 4 * pending.stride;
         if bytes > 0 {
@@ -207,5 +216,6 @@ impl CudaBackend {
         let _ = self.rt.synchronize();
         self.launches.queue.clear();
         self.launches.last = None;
+        self.launches.unpicked = None;
     }
 }

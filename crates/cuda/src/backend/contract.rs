@@ -19,6 +19,7 @@ impl Backend for CudaBackend {
             launches_ahead: self.launches_ahead(),
             max_draft_tokens: self.spec.as_ref().map_or(0, |sp| sp.max_draft),
             masks_tokens: crate::switches::Switches::get().device_masks,
+            picks_after_launch: crate::switches::Switches::get().later_picks,
             snapshots_within_chunks: false,
         }
     }
@@ -51,6 +52,7 @@ impl Backend for CudaBackend {
                 deltaserve_backend::check_sample_rows(batch, rows)?;
                 self.step_to(batch, StepOut::Sample { valid, rows, tokens })
             }
+            Want::Tokens { pick: Pick::Later, .. } => Err(deltaserve_backend::host::later_in_a_step()),
             Want::Drafts(pick) => self.step_speculative(batch, pick, StepOut::Logits(&mut out.logits), &mut out.drafts),
             Want::DraftsArgmax { valid, pick } => {
                 self.step_speculative(batch, pick, StepOut::Argmax { valid, tokens }, &mut out.drafts)
@@ -78,6 +80,9 @@ impl Backend for CudaBackend {
         if self.launches.queue_len() >= 2 {
             return Err(BackendError::InvalidStep("two launched steps are not collected yet".into()));
         }
+        if self.launches.unpicked.is_some() {
+            return Err(BackendError::InvalidStep("the launched step's picks are not made yet".into()));
+        }
         if let Pick::Sample(rows) = pick {
             deltaserve_backend::check_sample_rows(batch, rows)?;
         }
@@ -95,6 +100,28 @@ impl Backend for CudaBackend {
             self.rt.synchronize().map_err(|e| BackendError::Device(e.to_string()))?;
         }
         let r = self.enqueue_step(batch, StepOut::Launch(LaunchOut { valid, pick, feed }));
+        if r.is_err() {
+            self.abandon_launches();
+        }
+        r
+    }
+
+    /// Picks the rows of the step launched with [`Pick::Later`] (its logits stay in the logits region
+    /// until then: the next step is not launched before these picks), as `launch` would have.
+    fn pick_launched(&mut self, pick: Pick<'_>) -> Result<(), BackendError> {
+        let Some((rows, valid)) = self.launches.unpicked.take() else {
+            return Err(BackendError::InvalidStep("no launched step waits for its picks".into()));
+        };
+        let r = match pick {
+            Pick::Later => Err(BackendError::InvalidStep("a launched step's picks cannot wait twice".into())),
+            Pick::Sample(rs) if rs.len() != rows => {
+                Err(BackendError::InvalidStep(format!("{} sampling rows for {rows} rows that want a token", rs.len())))
+            }
+            _ => self.rt.context().bind_to_thread().map_err(|e| BackendError::Device(e.to_string())).and_then(|()| {
+                let o = LaunchOut { valid, pick, feed: None };
+                self.launch_picks(rows, o).map_err(|e| BackendError::Device(e.to_string()))
+            }),
+        };
         if r.is_err() {
             self.abandon_launches();
         }

@@ -331,7 +331,9 @@ fn launched_steps_feed_their_picks() {
                 want.push(sync(&mut a, &batch, &rows_at(step)));
             }
             // Launched ahead, fed from the previous step's rows (row 1 left out from `drop_at` on); step
-            // `stop_at` stops row 0 (its fed pick is a stop id) and is the last.
+            // `stop_at` stops row 0 (its fed pick is a stop id) and is the last. Odd steps leave their
+            // picks for later: made after the step before them is collected (as a constrained row's mask
+            // waits for it), and the step after them is fed from those picks.
             let mut batch = StepBatch::default();
             for (i, p) in prompts.iter().enumerate() {
                 batch.seqs.push(chunk(i as u32, &pg[i], 0, p));
@@ -355,9 +357,14 @@ fn launched_steps_feed_their_picks() {
                     feed.stops.push(if stop { vec![vocab as u32 + 7, want[step - 1][0]] } else { vec![] });
                 }
                 let rows = rows_at(step);
-                b.launch(&batch, valid, pick_of(sampled, &rows), Some(&feed)).unwrap();
+                let later = step % 2 == 1;
+                b.launch(&batch, valid, if later { Pick::Later } else { pick_of(sampled, &rows) }, Some(&feed))
+                    .unwrap();
                 let mut p = Picked::default();
                 b.collect(&mut p).unwrap();
+                if later {
+                    b.pick_launched(pick_of(sampled, &rows)).unwrap();
+                }
                 got.push(p);
             }
             let mut last = Picked::default();

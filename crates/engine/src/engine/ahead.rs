@@ -3,12 +3,18 @@
 //! N+1 runs. The GPU does not wait for the host between decode steps.
 //!
 //! The next step is launched only when it can be planned without N's tokens: every request in the
-//! step is context-free (no penalties: the rule does not depend on the pick), wants no logprobs, is not
-//! constrained by a grammar (its mask depends on the pick) and has no stop strings (a stop string is seen on the host, after its token was fed). A sequence whose pick
-//! is its last by length is left out; one whose pick is a stop id is fed a row that does not run on the
-//! device, so its state stays the one its end-of-request snapshot wants. A pick the device could not
-//! make (a sampled row picked on the host) leaves its row of N+1 unrun: that sequence is not committed
-//! by N+1, its pick there is dropped, and the next step runs once N+1 is collected.
+//! step is context-free (no penalties: the rule does not depend on the pick), wants no logprobs and
+//! has no stop strings (a stop string is seen on the host, after its token was fed). A sequence whose
+//! pick is its last by length is left out; one whose pick is a stop id is fed a row that does not run
+//! on the device, so its state stays the one its end-of-request snapshot wants. A pick the device could
+//! not make (a sampled row picked on the host) leaves its row of N+1 unrun: that sequence is not
+//! committed by N+1, its pick there is dropped, and the next step runs once N+1 is collected.
+//!
+//! A request constrained by a grammar runs ahead where the backend applies token masks and takes
+//! picks after the launch ([`deltaserve_backend::Capabilities::picks_after_launch`]): its mask for
+//! N+1 depends on its pick of N, so N+1 is launched with its picks left for later
+//! ([`Pick::Later`]); once N is collected and its tokens followed, the masks are computed (while
+//! N+1's forward runs) and N+1's picks are made with them.
 
 use std::time::Instant;
 
@@ -26,21 +32,24 @@ pub(super) struct Launched {
     feed: Option<Feed>,
     /// Chunks that did not run while their sequence goes on: not committed, their picks dropped.
     skip: Vec<bool>,
+    /// Launched with [`Pick::Later`]: its picks are made once the step before it is collected.
+    later: bool,
     started: Instant,
 }
 
 impl Launched {
     pub(super) fn new(plan: StepPlan, rows: Vec<RowSampling>, feed: Option<Feed>, started: Instant) -> Self {
         let skip = vec![false; plan.batch.seqs.len()];
-        Self { plan, rows, feed, skip, started }
+        Self { plan, rows, feed, skip, later: false, started }
     }
 }
 
 impl Live {
-    /// Whether this request's next step can be planned before its last pick is known.
-    fn runs_ahead(&self) -> bool {
+    /// Whether this request's next step can be planned before its last pick is known (`masks`: the
+    /// backend applies token masks, so a constrained request's picks can wait for its mask).
+    fn runs_ahead(&self, masks: bool) -> bool {
         self.req.logprobs.is_none()
-            && self.req.constraint.is_none()
+            && (masks || self.req.constraint.is_none())
             && self.req.stop_strings.is_empty()
             && self.req.stop_token_ids.len() <= FEED_STOPS
             && self.sampler.context_free()
@@ -110,13 +119,37 @@ impl Worker {
         for (id, reason) in finished {
             self.finish(id, reason);
         }
+        if let Some(n) = next.as_mut().filter(|n| n.later)
+            && let Err(e) = self.pick_later(n)
+        {
+            self.step_failed(&e, &n.plan.batch.seqs);
+            next = None;
+        }
         self.ahead = next;
+    }
+
+    /// Makes the picks of `next`, launched with [`Pick::Later`] while the step before it ran: its rows'
+    /// rules now that every request has followed that step's token (a constrained row's mask from
+    /// there), none drawn for a row that does not run.
+    fn pick_later(&mut self, next: &mut Launched) -> Result<(), String> {
+        let runs: Vec<bool> = next
+            .plan
+            .batch
+            .seqs
+            .iter()
+            .zip(&next.skip)
+            .map(|(c, skip)| !skip && self.reqs.contains_key(&c.seq_id))
+            .collect();
+        next.rows = self.sampling_rows_where(&next.plan.batch.seqs, false, &runs);
+        next.later = false;
+        self.backend.pick_launched(Pick::Sample(&next.rows)).map_err(|e| e.to_string())
     }
 
     /// Plans and launches the step after `cur` (whose picks are not known yet) when the requests and
     /// the scheduler allow it.
     fn launch_next(&mut self, cur: &Launched) -> Result<Option<Launched>, String> {
-        let eligible = |id: &u64| self.reqs.get(id).is_none_or(Live::runs_ahead);
+        let masks = self.masks_tokens && self.picks_after_launch;
+        let eligible = |id: &u64| self.reqs.get(id).is_none_or(|l| l.runs_ahead(masks));
         if !cur.plan.batch.seqs.iter().all(|c| eligible(&c.seq_id)) {
             return Ok(None);
         }
@@ -129,15 +162,23 @@ impl Worker {
             feed.from.push(from.ok_or_else(|| format!("seq {}: planned ahead without a pick to feed", c.seq_id))?);
             feed.stops.push(self.reqs.get(&c.seq_id).map_or_else(Vec::new, |l| l.req.stop_token_ids.clone()));
         }
-        let greedy = plan.batch.seqs.iter().all(|c| self.reqs.get(&c.seq_id).is_none_or(|l| l.sampler.picks_argmax()));
-        let rows = if greedy { Vec::new() } else { self.sampling_rows(&plan.batch.seqs, false) };
-        let pick = if greedy { Pick::Argmax } else { Pick::Sample(&rows) };
+        let live = |c: &deltaserve_backend::SeqChunk| self.reqs.get(&c.seq_id);
+        let later = plan.batch.seqs.iter().any(|c| live(c).is_some_and(|l| l.req.constraint.is_some()));
+        let greedy = !later && plan.batch.seqs.iter().all(|c| live(c).is_none_or(|l| l.sampler.picks_argmax()));
+        let rows = if greedy || later { Vec::new() } else { self.sampling_rows(&plan.batch.seqs, false) };
+        let pick = match (later, greedy) {
+            (true, _) => Pick::Later,
+            (false, true) => Pick::Argmax,
+            (false, false) => Pick::Sample(&rows),
+        };
         let started = Instant::now();
         self.backend.launch(&plan.batch, self.valid_vocab, pick, Some(&feed)).map_err(|e| e.to_string())?;
         if let Ok(mut s) = self.shared.stats.lock() {
             s.steps_ahead += 1;
         }
-        Ok(Some(Launched::new(plan, rows, Some(feed), started)))
+        let mut launched = Launched::new(plan, rows, Some(feed), started);
+        launched.later = later;
+        Ok(Some(launched))
     }
 
     /// Marks the chunks of `next` that did not run although their sequence goes on (their fed pick was

@@ -6,12 +6,11 @@
 //!   while the engine thread waits for the backend's forward, and the rows are masked with them
 //!   afterwards (the later verify rows of a speculative chunk depend on its drafts, known once the
 //!   step returns: they are masked then, one after the other, as each draft is accepted).
-//! - A step whose rows the backend picks with their bitmasks needs them before it launches: the
+//! - A step whose rows the backend picks with their bitmasks needs them before its picks: the
 //!   bitmasks of several constrained rows are computed on several threads at once ([`bitmasks`]).
-//!
-//! With look-ahead, step N+1 is launched before step N's picks are read; a constrained row's mask for
-//! N+1 depends on N's pick, so constrained requests do not run ahead (`engine/ahead.rs`): overlapping
-//! that mask with N+1's forward would need the backend to take a row's mask after the launch.
+//!   With look-ahead, step N+1 is launched before step N's picks are read and its picks wait
+//!   (`engine/ahead.rs`): once N is collected and its tokens followed, the masks are computed while
+//!   N+1's forward runs, then N+1 is picked with them.
 
 use std::collections::HashMap;
 

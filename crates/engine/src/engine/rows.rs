@@ -51,18 +51,23 @@ impl Worker {
     /// each sequence's tokens (false: the rows of context-free requests, planned before their last pick
     /// is known).
     pub(super) fn sampling_rows(&mut self, seqs: &[SeqChunk], context: bool) -> Vec<RowSampling> {
-        let mut rows: Vec<RowSampling> = seqs
-            .iter()
-            .filter(|c| c.want_logits)
-            .map(|c| {
+        self.sampling_rows_where(seqs, context, &vec![true; seqs.len()])
+    }
+
+    /// [`Worker::sampling_rows`] where only the chunks `runs` marks run: the others' rows are plain
+    /// greedy rows (no draw, no mask).
+    pub(super) fn sampling_rows_where(&mut self, seqs: &[SeqChunk], context: bool, runs: &[bool]) -> Vec<RowSampling> {
+        let wanted = || seqs.iter().zip(runs).filter(|(c, _)| c.want_logits);
+        let mut rows: Vec<RowSampling> = wanted()
+            .map(|(c, &runs)| {
                 let tokens = if context { self.sched.tokens(c.seq_id).unwrap_or(&[]) } else { &[] };
-                self.reqs.get_mut(&c.seq_id).map_or_else(RowSampling::greedy, |l| l.sampler.row(tokens))
+                let live = self.reqs.get_mut(&c.seq_id).filter(|_| runs);
+                live.map_or_else(RowSampling::greedy, |l| l.sampler.row(tokens))
             })
             .collect();
         // The constrained rows' bitmasks (on several threads when there are several).
-        let wanted = seqs.iter().filter(|c| c.want_logits);
         let (mut at, mut constraints) = (Vec::new(), Vec::new());
-        for (i, c) in wanted.enumerate() {
+        for (i, (c, _)) in wanted().enumerate().filter(|(_, (_, r))| **r) {
             if let Some(k) = self.reqs.get(&c.seq_id).and_then(|l| l.req.constraint.as_ref()) {
                 at.push(i);
                 constraints.push(k);

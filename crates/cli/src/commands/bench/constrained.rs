@@ -152,6 +152,9 @@ impl<T: Lend> Backend for Lent<T> {
         let cut = cut_prompts(batch);
         self.with(|b| b.launch(cut.as_ref().unwrap_or(batch), valid, pick, feed))
     }
+    fn pick_launched(&mut self, pick: deltaserve_backend::Pick<'_>) -> Result<(), BackendError> {
+        self.with(|b| b.pick_launched(pick))
+    }
     fn collect(&mut self, out: &mut Picked) -> Result<(), BackendError> {
         self.with(|b| b.collect(out))
     }
