@@ -28,6 +28,25 @@ pub enum Pick<'a> {
     Later,
 }
 
+/// Checks `pick` for [`Backend::pick_launched`] of a step whose `rows` wanted rows wait for it.
+pub fn check_later_pick(pick: Pick<'_>, rows: usize) -> Result<(), BackendError> {
+    match pick {
+        Pick::Later => Err(BackendError::InvalidStep("a launched step's picks cannot wait twice".into())),
+        Pick::Sample(rs) => crate::check_row_count(rs.len(), rows),
+        Pick::Argmax => Ok(()),
+    }
+}
+
+/// [`Backend::pick_launched`] with no step launched with [`Pick::Later`] waiting.
+pub fn no_step_waits() -> BackendError {
+    BackendError::InvalidStep("no launched step waits for its picks".into())
+}
+
+/// [`Backend::launch`] while a step launched with [`Pick::Later`] waits for its picks.
+pub fn picks_not_made() -> BackendError {
+    BackendError::InvalidStep("the launched step's picks are not made yet".into())
+}
+
 /// Where a launched step's input tokens come from: chunk `i` (every chunk one token that wants its
 /// logits) takes the pick of wanted row `from[i]` of the step launched just before it. When that pick
 /// is one of `stops[i]` (at most [`FEED_STOPS`]), or was not made on the device, chunk `i` does not run:
@@ -103,7 +122,7 @@ impl Emulated {
             return Err(BackendError::InvalidStep("two launched steps are not collected yet".into()));
         }
         if self.unpicked.is_some() {
-            return Err(BackendError::InvalidStep("the launched step's picks are not made yet".into()));
+            return Err(picks_not_made());
         }
         let mut run = batch.clone();
         let mut runs = vec![true; batch.seqs.len()];
@@ -139,26 +158,21 @@ impl Emulated {
     /// Picks the rows of the step launched with [`Pick::Later`] (see [`Backend::pick_launched`]).
     pub fn pick_launched(&mut self, pick: Pick<'_>) -> Result<(), BackendError> {
         let Some((mut logits, wanted, valid)) = self.unpicked.take() else {
-            return Err(BackendError::InvalidStep("no launched step waits for its picks".into()));
+            return Err(no_step_waits());
         };
+        check_later_pick(pick, wanted.len())?;
         let rows = wanted.iter().filter(|w| **w).count();
         let vocab = logits.len().checked_div(rows).unwrap_or(0);
         let mut tokens = Vec::with_capacity(rows);
-        match pick {
-            Pick::Argmax => crate::host::pick_tokens(&mut logits, vocab, valid, pick, &mut tokens)?,
+        let ran_rows;
+        let pick = match pick {
             Pick::Sample(all) => {
-                if all.len() != wanted.len() {
-                    return Err(BackendError::InvalidStep(format!(
-                        "{} sampling rows for {} rows that want a token",
-                        all.len(),
-                        wanted.len()
-                    )));
-                }
-                let rows = ran(all, &wanted);
-                crate::host::pick_tokens(&mut logits, vocab, valid, Pick::Sample(&rows), &mut tokens)?
+                ran_rows = ran(all, &wanted);
+                Pick::Sample(&ran_rows)
             }
-            Pick::Later => return Err(BackendError::InvalidStep("a launched step's picks cannot wait twice".into())),
-        }
+            other => other,
+        };
+        crate::host::pick_tokens(&mut logits, vocab, valid, pick, &mut tokens)?;
         self.queue(tokens, wanted);
         Ok(())
     }

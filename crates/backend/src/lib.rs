@@ -348,12 +348,13 @@ pub fn argmax(x: &[f32]) -> u32 {
 
 /// Checks that `rows` holds one entry per wanted row of `batch` (for [`Pick::Sample`]).
 pub fn check_sample_rows(batch: &StepBatch, rows: &[RowSampling]) -> Result<(), BackendError> {
-    let want = batch.seqs.iter().filter(|c| c.want_logits).count();
-    if rows.len() != want {
-        return Err(BackendError::InvalidStep(format!(
-            "{} sampling rows for {want} rows that want a token",
-            rows.len()
-        )));
+    check_row_count(rows.len(), batch.seqs.iter().filter(|c| c.want_logits).count())
+}
+
+/// `given` sampling rows for `want` wanted rows: one each.
+pub(crate) fn check_row_count(given: usize, want: usize) -> Result<(), BackendError> {
+    if given != want {
+        return Err(BackendError::InvalidStep(format!("{given} sampling rows for {want} rows that want a token")));
     }
     Ok(())
 }

@@ -81,7 +81,7 @@ impl Backend for CudaBackend {
             return Err(BackendError::InvalidStep("two launched steps are not collected yet".into()));
         }
         if self.launches.unpicked.is_some() {
-            return Err(BackendError::InvalidStep("the launched step's picks are not made yet".into()));
+            return Err(deltaserve_backend::ahead::picks_not_made());
         }
         if let Pick::Sample(rows) = pick {
             deltaserve_backend::check_sample_rows(batch, rows)?;
@@ -110,18 +110,13 @@ impl Backend for CudaBackend {
     /// until then: the next step is not launched before these picks), as `launch` would have.
     fn pick_launched(&mut self, pick: Pick<'_>) -> Result<(), BackendError> {
         let Some((rows, valid)) = self.launches.unpicked.take() else {
-            return Err(BackendError::InvalidStep("no launched step waits for its picks".into()));
+            return Err(deltaserve_backend::ahead::no_step_waits());
         };
-        let r = match pick {
-            Pick::Later => Err(BackendError::InvalidStep("a launched step's picks cannot wait twice".into())),
-            Pick::Sample(rs) if rs.len() != rows => {
-                Err(BackendError::InvalidStep(format!("{} sampling rows for {rows} rows that want a token", rs.len())))
-            }
-            _ => self.rt.context().bind_to_thread().map_err(|e| BackendError::Device(e.to_string())).and_then(|()| {
-                let o = LaunchOut { valid, pick, feed: None };
-                self.launch_picks(rows, o).map_err(|e| BackendError::Device(e.to_string()))
-            }),
-        };
+        let dev = |e: &dyn std::fmt::Display| BackendError::Device(e.to_string());
+        let r = deltaserve_backend::ahead::check_later_pick(pick, rows).and_then(|()| {
+            self.rt.context().bind_to_thread().map_err(|e| dev(&e))?;
+            self.launch_picks(rows, LaunchOut { valid, pick, feed: None }).map_err(|e| dev(&e))
+        });
         if r.is_err() {
             self.abandon_launches();
         }

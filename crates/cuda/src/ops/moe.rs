@@ -38,6 +38,20 @@ pub fn gemm_tiles(pairs: usize, num_experts: usize, tile_rows: usize) -> usize {
     pairs.div_ceil(tile_rows) + num_experts.min(pairs)
 }
 
+/// A grouped GEMM's grid rows ([`gemm_tiles`]), at most 65,535 (the grid's y limit).
+pub(super) fn tile_grid_rows(
+    name: &'static str,
+    pairs: usize,
+    num_experts: usize,
+    tile_rows: usize,
+) -> Result<u32, CudaError> {
+    let tiles = to_u32(name, "tiles", gemm_tiles(pairs, num_experts, tile_rows))?;
+    if tiles > 65535 {
+        return Err(invalid(name, format!("{tiles} row tiles (at most 65535)")));
+    }
+    Ok(tiles)
+}
+
 fn check_k(name: &'static str, num_experts: usize, top_k: usize) -> Result<(), CudaError> {
     if num_experts == 0 || num_experts > MAX_EXPERTS || top_k == 0 || top_k > MAX_TOP_K.min(num_experts) {
         return Err(invalid(
@@ -166,12 +180,9 @@ pub fn gemm(
     }
     let grid = (
         to_u32(NAME, "column tiles", w.n.div_ceil(TILE_COLS))?,
-        to_u32(NAME, "tiles", gemm_tiles(pairs, num_experts, TILE_ROWS))?,
+        tile_grid_rows(NAME, pairs, num_experts, TILE_ROWS)?,
         1,
     );
-    if grid.1 > 65535 {
-        return Err(invalid(NAME, format!("{} row tiles (at most 65535)", grid.1)));
-    }
     let (e, wb) = (to_i32(NAME, "E", num_experts)?, w.base);
     launch!(k, s, NAME, grid, (128, 1, 1), 0; x, offsets, e, wb, ws, n, kd, y)
 }

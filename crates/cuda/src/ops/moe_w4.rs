@@ -6,7 +6,7 @@
 
 use cudarc::driver::CudaStream;
 
-use super::moe::{MAX_EXPERTS, gemm_tiles};
+use super::moe::{MAX_EXPERTS, tile_grid_rows};
 use super::w4a16::{BLOCK_THREADS, PAIR_SMEM_BYTES, W4Weights};
 use super::{Kernels, invalid, launch, launch_pdl, to_i32, to_u32};
 use crate::error::CudaError;
@@ -144,12 +144,9 @@ pub fn gemm(
     }
     let grid = (
         to_u32(NAME, "row blocks", f.out.div_ceil(GEMM_BLOCK_ROWS))?,
-        to_u32(NAME, "tiles", gemm_tiles(pairs, w.count, TILE_ROWS))?,
+        tile_grid_rows(NAME, pairs, w.count, TILE_ROWS)?,
         1,
     );
-    if grid.1 > 65535 {
-        return Err(invalid(NAME, format!("{} row tiles (at most 65535)", grid.1)));
-    }
     let (e, qw, sc, z, es) =
         (to_i32(NAME, "E", w.count)?, f.qweight, f.scales, f.zeros.unwrap_or(0), w.stride_i64(NAME)?);
     let (sbf, out, inp) = (f.scale_bf16(), to_i32(NAME, "out", f.out)?, to_i32(NAME, "in", f.inp)?);
