@@ -47,8 +47,9 @@ pub struct Switches {
     /// Structured-output rows are masked and picked on the device (`sample_mask_bits`) with the
     /// step's other rows; `DELTASERVE_DEVICE_MASKS=0` picks them on the host instead.
     pub device_masks: bool,
-    /// `DELTASERVE_LATER_PICKS=1` (experimental): decode steps holding structured-output rows are
-    /// launched ahead, their picks made once the rows' masks are known (`Capabilities::picks_after_launch`).
+    /// Decode steps holding structured-output rows are launched ahead, their picks made once the rows'
+    /// masks are known (`Capabilities::picks_after_launch`); `DELTASERVE_LATER_PICKS=0` makes such a
+    /// step wait for its masks before it launches.
     pub later_picks: bool,
 }
 
@@ -78,7 +79,7 @@ impl Switches {
             verify_decode_from: var("DELTASERVE_VERIFY_DECODE_FROM").and_then(|v| v.trim().parse().ok()),
             short_chunk_decode_from: var("DELTASERVE_SHORT_CHUNK_DECODE_FROM").and_then(|v| v.trim().parse().ok()),
             device_masks: var("DELTASERVE_DEVICE_MASKS").is_none_or(|v| v != "0"),
-            later_picks: var("DELTASERVE_LATER_PICKS").is_some_and(|v| v == "1"),
+            later_picks: var("DELTASERVE_LATER_PICKS").is_none_or(|v| v != "0"),
         }
     }
 
@@ -97,7 +98,7 @@ impl Switches {
 
     /// Whether any switch differs from its default.
     pub fn any_set(&self) -> bool {
-        *self != Switches { fold_norms: true, w4_gemm: true, device_masks: true, ..Switches::default() }
+        *self != Switches { fold_norms: true, w4_gemm: true, device_masks: true, later_picks: true, ..Switches::default() }
     }
 }
 
@@ -114,7 +115,7 @@ mod tests {
         let s = from(&[]);
         assert!(!s.any_set());
         assert!(s.fold_norms && s.w4_gemm && s.device_masks && !s.decode_attn_split && !s.attn_prefill_pair);
-        assert!(!s.later_picks);
+        assert!(s.later_picks);
         assert!(s.pdl.is_none() && s.nvrtc_options.is_empty() && s.trace_cap.is_none());
     }
 
@@ -131,9 +132,9 @@ mod tests {
             ("DELTASERVE_VERIFY_DECODE_FROM", "0"),
             ("DELTASERVE_SHORT_CHUNK_DECODE_FROM", "8192"),
             ("DELTASERVE_DEVICE_MASKS", "0"),
-            ("DELTASERVE_LATER_PICKS", "1"),
+            ("DELTASERVE_LATER_PICKS", "0"),
         ]);
-        assert!(!s.device_masks && s.later_picks);
+        assert!(!s.device_masks && !s.later_picks);
         assert!(s.any_set());
         assert_eq!(s.pdl.as_deref(), Some("0"));
         assert!(s.decode_attn_split && s.attn_prefill_pair && !s.fold_norms && !s.w4_gemm);
