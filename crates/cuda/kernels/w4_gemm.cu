@@ -198,162 +198,6 @@ W4G_KERNEL(w4g_16, 2)
 W4G_KERNEL(w4g_24, 3)
 W4G_KERNEL(w4g_32, 4)
 
-// The stream-K tile GEMM (w4gk_*): the tile kernels' block and group step (w4g_group) over an even share of
-// the launch's work instead of one (row tile, K split) each. A token tile's units, (row tile of 128 rows,
-// group of 128 columns) in row-tile-major order, U = ceil(out / 128) * (in / 128) of them, go to the B
-// blocks of that token tile (gridDim.y) in runs of W4G_S units ("chunks", C = U / W4G_S; in / 128 is a
-// multiple of W4G_S, so a run never crosses a row tile): block b takes chunks [b*C/B, (b+1)*C/B), one
-// cp.async ring through them whatever row tiles they cross, so every block streams the same amount (no
-// thin last wave) and fills its pipeline once. Where a block's units end a row tile, or its share ends
-// inside one, its sums for that row tile (a "piece") go out: straight to y when one block covers the row
-// tile alone, else as f32 partial sums to ws[piece][M][out], piece = b - (the block holding the row
-// tile's first chunk); w4gk_reduce then adds a row tile's pieces in piece order (deterministic for a
-// given B). Pieces end only at a run's end, after the unrolled group loop: the stores are not repeated
-// per stage.
-// Launch: grid (ceil(M / (8*NT)), B), block 128, dynamic smem as w4g_*; in % (128 * W4G_S) == 0, B <= C;
-// the limits of w4g_*; mode 0 / 1 (bf16 / f32 y) and vec as w4g_*; ws (16-byte aligned) holds the most
-// pieces a row tile has times M * out floats (null when every row tile has one).
-// The block holding chunk c of C: the largest b with b*C/B <= c.
-__device__ __forceinline__ int w4gk_owner(long long c, long long C, int B) {
-    return (int)(((c + 1) * B + C - 1) / C) - 1;
-}
-
-template <int NT>
-__device__ __forceinline__ void w4gk_body(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,
-                                          const unsigned char* __restrict__ zeros, int scale_bf16, const bf16_t* x,
-                                          long long ldx, void* y, long long ldy, float* ws, int M, int out, int in,
-                                          int mode, int vec, int m0, int b, int B) {
-    constexpr int S = W4G_S, BM = 8 * NT;
-    constexpr int XBYTES = BM * 256, STAGE = W4G_WBYTES + XBYTES;
-    extern __shared__ uint4 w4g_smem[];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int ng = in >> 7, cpt = ng / S;  // groups and chunks per row tile
-    const long long C = (long long)((out + 127) >> 7) * cpt;
-    const long long cb = (long long)b * C / B;
-    const int n = S * (int)((long long)(b + 1) * C / B - cb);
-    const long long ub = S * cb;
-    const int zstride = out >> 1;
-    const uint4* qw4 = (const uint4*)qw;
-    const u32 smem_s = smem_addr(w4g_smem);
-
-    // The issue cursor: row tile ri and group gi of the next unit to issue, the lane's 4 rows' uint4 at
-    // it (pw), the rows whose scales / zeros are loaded (rci) and the uint4 per group of the lane's pair.
-    int ri = (int)(ub / ng), gi = (int)(ub - (long long)ri * ng);
-    u32 pw[4];
-    int rci = 0, gstep = 0;
-    auto seek = [&]() {
-        const int r0 = ri * 128 + warp * 32 + 4 * g;
-        rci = min(r0, out - 4);
-        gstep = 4 * min(32, out - ((min(r0, out - 1) >> 5) << 5));
-#pragma unroll
-        for (int j = 0; j < 4; ++j) pw[j] = (u32)w4_u4(min(r0 + j, out - 1), 4 * gi + t, out, ng);
-    };
-    seek();
-    uint2 sv[S];  // scale bits: x = rows 0 | 1 << 16, y = rows 2 | 3 << 16
-    u32 zv[S];    // zeros: nibble j = row j
-    // Issues the next unit into stage st; only the last unit of a run can end a row tile (WRAP).
-    auto issue_w = [&](int st, bool wrap) {
-        const u32 base = smem_s + st * STAGE + warp * 2048 + lane * 16;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) cp_async16(base + j * 512, qw4 + pw[j]);
-        sv[st] = __ldg((const uint2*)(scales + (long long)gi * out + rci));
-        zv[st] = zeros ? (u32)__ldg((const unsigned short*)(zeros + (long long)gi * zstride + (rci >> 1))) : 0x8888u;
-        ++gi;
-        if (wrap && gi == ng) {
-            gi = 0;
-            ++ri;
-            seek();
-        } else {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) pw[j] += gstep;
-        }
-    };
-    // x: the thread's 16-byte pieces of a stage's x tile as in w4g_body, from group 0 (+ 128 columns a
-    // group); gx: the group of the next x tile to issue.
-    constexpr int XC = BM * 16 / (W4G_WARPS * 32);
-    const bf16_t* xp[XC];
-    u32 xd[XC];
-    int xn[XC];
-#pragma unroll
-    for (int c = 0; c < XC; ++c) {
-        const int id = tid + c * W4G_WARPS * 32, r = id >> 4, ch = id & 15;
-        xp[c] = x + (long long)min(m0 + r, M - 1) * ldx + ch * 8;
-        xd[c] = W4G_WBYTES + r * 256 + w4g_swz(r, ch) * 16;
-        xn[c] = m0 + r < M ? 16 : 0;
-    }
-    int gx = gi;
-    auto issue_x = [&](int st) {
-#pragma unroll
-        for (int c = 0; c < XC; ++c) cp_async16(smem_s + st * STAGE + xd[c], xp[c] + gx * 128, xn[c]);
-        gx = gx + 1 == ng ? 0 : gx + 1;
-    };
-
-    float acc[2][NT][4];
-    w4g_zero<NT>(acc);
-    // The first S - 1 units of the block's first run (none ends a row tile).
-#pragma unroll
-    for (int st = 0; st < S - 1; ++st)
-        if (st < n) issue_w(st, false);
-    pdl_wait();
-#pragma unroll
-    for (int st = 0; st < S - 1; ++st) {
-        if (st < n) issue_x(st);
-        cp_async_commit();
-    }
-    u32 xoff[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) xoff[i] = W4G_WBYTES + g * 256 + w4g_swz(g, 4 * i + t) * 16;
-    // The compute cursor: row tile rc and group gc of the run computed.
-    int rc = (int)(ub / ng), gc = (int)(ub - (long long)rc * ng);
-    for (int k0 = 0; k0 < n; k0 += S) {
-#pragma unroll
-        for (int u = 0; u < S; ++u) {
-            cp_async_wait<S - 2>();
-            __syncthreads();  // stage u is complete for every thread; stage u - 1 is free
-            const int sn = (u + S - 1) % S;
-            if (k0 + u + S - 1 < n) {  // unit k0 + u + S - 1 is the last of its run when u == 0
-                issue_w(sn, u == 0);
-                issue_x(sn);
-            }
-            cp_async_commit();
-            w4g_group<NT>(w4g_smem + (u * STAGE + warp * 2048) / 16 + lane, u * STAGE, xoff, sv[u], zv[u], scale_bf16,
-                          acc);
-        }
-        gc += S;
-        if (gc == ng || k0 + S == n) {  // the block's piece of row tile rc is complete
-            const int r0 = rc * 128 + warp * 32 + 4 * g;
-            const long long c0 = (long long)rc * cpt;
-            const int first = w4gk_owner(c0, C, B);
-            if (r0 < out) {
-                if (w4gk_owner(c0 + cpt - 1, C, B) == first)
-                    w4g_store<NT>(acc, r0, m0, t, y, ldy, M, out, mode, vec, 0);
-                else
-                    w4g_store<NT>(acc, r0, m0, t, ws, 0, M, out, 2, 1, b - first);
-            }
-            w4g_zero<NT>(acc);
-        }
-        if (gc == ng) {
-            gc = 0;
-            ++rc;
-        }
-    }
-    cp_async_wait<0>();
-}
-
-// w4gk_<tokens per block>: registers as w4g_*.
-#define W4GK_KERNEL(NAME, NT)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(W4G_WARPS * 32, 3)                                              \
-        NAME(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,                              \
-             const unsigned char* __restrict__ zeros, int scale_bf16, const bf16_t* x, long long ldx, void* y,    \
-             long long ldy, float* ws, int M, int out, int in, int mode, int vec) {                               \
-        pdl_trigger();                                                                                           \
-        w4gk_body<NT>(qw, scales, zeros, scale_bf16, x, ldx, y, ldy, ws, M, out, in, mode, vec,                   \
-                      blockIdx.x * 8 * NT, blockIdx.y, gridDim.y);                                              \
-    }
-W4GK_KERNEL(w4gk_24, 3)
-W4GK_KERNEL(w4gk_32, 4)
-
 // The pair kernels take up to four linears sharing x (a layer's q/k/v, qkv/z/b/a, gate/up) as segments:
 // segment i's blocks follow segment i - 1's (nb_i blocks; unused: 0); its qweight, scales, zeros, y,
 // ldy and out. A split over K (gridDim.z > 1) runs one segment.
@@ -390,8 +234,24 @@ W4GK_KERNEL(w4gk_32, 4)
 W4T_KERNEL(w4t_16s, 2, false)
 W4T_KERNEL(w4t_16a, 2, true)
 
-// Stores 4 sums at y[m, o .. o + 3] (bf16, or f32 when f32_out; vec as for w4g_*).
-__device__ __forceinline__ void w4g_put4(float4 v, void* y, long long ldy, long long m, int o, int f32_out, int vec) {
+// y[m, o] (bf16, or f32 when f32_out) = sum over s < splits, in order, of ws[s][m][o]; 4 outputs per
+// thread (out % 4 == 0; vec as for w4g_*).
+extern "C" __global__ void __launch_bounds__(256)
+w4g_reduce(const float* ws, int splits, int M, int out, void* y, long long ldy, int f32_out, int vec) {
+    pdl_enter();
+    const long long n4 = (long long)M * out / 4;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n4) return;
+    const long long e = 4 * i, m = e / out;
+    const int o = (int)(e - m * out);
+    float4 v = *(const float4*)(ws + e);
+    for (int s = 1; s < splits; ++s) {
+        const float4 p = *(const float4*)(ws + (long long)s * M * out + e);
+        v.x += p.x;
+        v.y += p.y;
+        v.z += p.z;
+        v.w += p.w;
+    }
     if (f32_out) {
         float* q = (float*)y + m * ldy + o;
         if (vec) {
@@ -414,46 +274,4 @@ __device__ __forceinline__ void w4g_put4(float4 v, void* y, long long ldy, long 
             q[3] = (bf16_t)(hi >> 16);
         }
     }
-}
-
-// Adds ws[0 .. P)[e .. e + 3] in order (P parts of M * out floats).
-__device__ __forceinline__ float4 w4g_sum4(const float* ws, int P, long long part, long long e) {
-    float4 v = *(const float4*)(ws + e);
-    for (int s = 1; s < P; ++s) {
-        const float4 p = *(const float4*)(ws + s * part + e);
-        v.x += p.x;
-        v.y += p.y;
-        v.z += p.z;
-        v.w += p.w;
-    }
-    return v;
-}
-
-// y[m, o] (bf16, or f32 when f32_out) = sum over s < splits, in order, of ws[s][m][o]; 4 outputs per
-// thread (out % 4 == 0; vec as for w4g_*).
-extern "C" __global__ void __launch_bounds__(256)
-w4g_reduce(const float* ws, int splits, int M, int out, void* y, long long ldy, int f32_out, int vec) {
-    pdl_enter();
-    const long long n4 = (long long)M * out / 4;
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n4) return;
-    const long long e = 4 * i, m = e / out;
-    w4g_put4(w4g_sum4(ws, splits, (long long)M * out, e), y, ldy, m, (int)(e - m * out), f32_out, vec);
-}
-
-// After w4gk_* with B blocks a token tile over `in` columns: y[m, o] = the sum of the pieces of o's row
-// tile in piece order, for the row tiles that more than one block covered (the others w4gk_* stored).
-// Grid (ceil(M * out / 4 / 256)), block 256.
-extern "C" __global__ void __launch_bounds__(256)
-w4gk_reduce(const float* ws, int B, int in, int M, int out, void* y, long long ldy, int f32_out, int vec) {
-    pdl_enter();
-    const long long n4 = (long long)M * out / 4;
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n4) return;
-    const long long e = 4 * i, m = e / out;
-    const int o = (int)(e - m * out), cpt = (in >> 7) / W4G_S;
-    const long long C = (long long)((out + 127) >> 7) * cpt, c0 = (long long)(o >> 7) * cpt;
-    const int first = w4gk_owner(c0, C, B), P = w4gk_owner(c0 + cpt - 1, C, B) - first + 1;
-    if (P == 1) return;
-    w4g_put4(w4g_sum4(ws, P, (long long)M * out, e), y, ldy, m, o, f32_out, vec);
 }

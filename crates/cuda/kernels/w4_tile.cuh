@@ -75,59 +75,6 @@ __device__ __forceinline__ void w4g_store(const float (&acc)[2][NT][4], int r0, 
     }
 }
 
-// One group of the warp's tile (w4g_body's and w4gk_body's step): its 2 KB weight unit at wst (the lane's
-// first uint4 in the stage), the stage's x tile at byte offset stage + xoff[i] (+ 2 KB per 8-token n-tile)
-// of the block's shared memory, the group's scale bits sb and zeros zb of the lane's 4 rows; acc += the
-// group's exact integer products times the scales.
-template <int NT>
-__device__ __forceinline__ void w4g_group(const uint4* wst, int stage, const u32 (&xoff)[4], uint2 sb, u32 zb,
-                                          int scale_bf16, float (&acc)[2][NT][4]) {
-    extern __shared__ uint4 w4g_smem[];
-    const uint4* smem = w4g_smem;
-    const uint4 q0 = wst[0], q1 = wst[32], q2 = wst[64], q3 = wst[96];
-    u32 nz[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) nz[j] = 0x80008000u | ((0x4300u | ((zb >> (4 * j)) & 15u)) * 0x10001u);
-    float tmp[2][NT][4];
-    w4g_zero<NT>(tmp);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        uint4 xv[NT];
-#pragma unroll
-        for (int b = 0; b < NT; ++b) xv[b] = *(const uint4*)((const char*)smem + xoff[i] + stage + b * 2048);
-        const u32 w0 = u4_comp(q0, i), w1 = u4_comp(q1, i), w2 = u4_comp(q2, i), w3 = u4_comp(q3, i);
-        u32 a[2][2][4];  // [tile][half][fragment register]
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            a[0][h][0] = w4g_dq(w0 >> (8 * h), nz[0]);
-            a[0][h][1] = w4g_dq(w1 >> (8 * h), nz[1]);
-            a[0][h][2] = w4g_dq(w0 >> (8 * h + 4), nz[0]);
-            a[0][h][3] = w4g_dq(w1 >> (8 * h + 4), nz[1]);
-            a[1][h][0] = w4g_dq(w2 >> (8 * h), nz[2]);
-            a[1][h][1] = w4g_dq(w3 >> (8 * h), nz[3]);
-            a[1][h][2] = w4g_dq(w2 >> (8 * h + 4), nz[2]);
-            a[1][h][3] = w4g_dq(w3 >> (8 * h + 4), nz[3]);
-        }
-#pragma unroll
-        for (int b = 0; b < NT; ++b) {
-            mma_bf16(tmp[0][b], a[0][0], xv[b].x, xv[b].y);
-            mma_bf16(tmp[1][b], a[1][0], xv[b].x, xv[b].y);
-            mma_bf16(tmp[0][b], a[0][1], xv[b].z, xv[b].w);
-            mma_bf16(tmp[1][b], a[1][1], xv[b].z, xv[b].w);
-        }
-    }
-    const u32 bits[4] = {sb.x & 0xffffu, sb.x >> 16, sb.y & 0xffffu, sb.y >> 16};
-    float s[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) s[j] = scale_bf16 ? __uint_as_float(bits[j] << 16) : f16_to_f32((unsigned short)bits[j]);
-#pragma unroll
-    for (int a = 0; a < 2; ++a)
-#pragma unroll
-        for (int b = 0; b < NT; ++b)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[a][b][c] = fmaf(s[2 * a + (c >> 1)], tmp[a][b][c], acc[a][b][c]);
-}
-
 // One block's tile: tokens m0 .. m0 + 8*NT of x (rows past M zero-filled, not stored), output rows
 // 128*rb .. + 127, the groups of K split `split` of `splits` (w4g_*: blockIdx.x * 8*NT, blockIdx.y,
 // blockIdx.z of gridDim.z; moe_w4g: one expert's tile).
@@ -216,8 +163,50 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
                     issue_x(sn, k + S - 1);
                 }
                 cp_async_commit();
-                w4g_group<NT>(w4g_smem + (u * STAGE + warp * 2048) / 16 + lane, u * STAGE, xoff, sv[u], zv[u], scale_bf16,
-                              acc);
+                const uint4* wst = w4g_smem + (u * STAGE + warp * 2048) / 16 + lane;
+                const uint4 q0 = wst[0], q1 = wst[32], q2 = wst[64], q3 = wst[96];
+                u32 nz[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) nz[j] = 0x80008000u | ((0x4300u | ((zv[u] >> (4 * j)) & 15u)) * 0x10001u);
+                float tmp[2][NT][4];
+                w4g_zero<NT>(tmp);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    uint4 xv[NT];
+#pragma unroll
+                    for (int b = 0; b < NT; ++b) xv[b] = *(const uint4*)((const char*)w4g_smem + xoff[i] + u * STAGE + b * 2048);
+                    const u32 w0 = u4_comp(q0, i), w1 = u4_comp(q1, i), w2 = u4_comp(q2, i), w3 = u4_comp(q3, i);
+                    u32 a[2][2][4];  // [tile][half][fragment register]
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        a[0][h][0] = w4g_dq(w0 >> (8 * h), nz[0]);
+                        a[0][h][1] = w4g_dq(w1 >> (8 * h), nz[1]);
+                        a[0][h][2] = w4g_dq(w0 >> (8 * h + 4), nz[0]);
+                        a[0][h][3] = w4g_dq(w1 >> (8 * h + 4), nz[1]);
+                        a[1][h][0] = w4g_dq(w2 >> (8 * h), nz[2]);
+                        a[1][h][1] = w4g_dq(w3 >> (8 * h), nz[3]);
+                        a[1][h][2] = w4g_dq(w2 >> (8 * h + 4), nz[2]);
+                        a[1][h][3] = w4g_dq(w3 >> (8 * h + 4), nz[3]);
+                    }
+#pragma unroll
+                    for (int b = 0; b < NT; ++b) {
+                        mma_bf16(tmp[0][b], a[0][0], xv[b].x, xv[b].y);
+                        mma_bf16(tmp[1][b], a[1][0], xv[b].x, xv[b].y);
+                        mma_bf16(tmp[0][b], a[0][1], xv[b].z, xv[b].w);
+                        mma_bf16(tmp[1][b], a[1][1], xv[b].z, xv[b].w);
+                    }
+                }
+                const uint2 sb = sv[u];
+                const u32 bits[4] = {sb.x & 0xffffu, sb.x >> 16, sb.y & 0xffffu, sb.y >> 16};
+                float s[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) s[j] = scale_bf16 ? __uint_as_float(bits[j] << 16) : f16_to_f32((unsigned short)bits[j]);
+#pragma unroll
+                for (int a = 0; a < 2; ++a)
+#pragma unroll
+                    for (int b = 0; b < NT; ++b)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) acc[a][b][c] = fmaf(s[2 * a + (c >> 1)], tmp[a][b][c], acc[a][b][c]);
             }
         }
     }

@@ -51,9 +51,6 @@ pub struct Switches {
     /// masks are known (`Capabilities::picks_after_launch`); `DELTASERVE_LATER_PICKS=0` makes such a
     /// step wait for its masks before it launches.
     pub later_picks: bool,
-    /// The int4 tile GEMM (17–64 rows) splits its (row tile, group) units evenly over one wave of
-    /// blocks (stream-K, `w4gk_*`); `DELTASERVE_W4_STREAMK=0` runs a grid of row tiles × K splits.
-    pub w4_streamk: bool,
 }
 
 impl Switches {
@@ -83,7 +80,6 @@ impl Switches {
             short_chunk_decode_from: var("DELTASERVE_SHORT_CHUNK_DECODE_FROM").and_then(|v| v.trim().parse().ok()),
             device_masks: var("DELTASERVE_DEVICE_MASKS").is_none_or(|v| v != "0"),
             later_picks: var("DELTASERVE_LATER_PICKS").is_none_or(|v| v != "0"),
-            w4_streamk: var("DELTASERVE_W4_STREAMK").is_none_or(|v| v != "0"),
         }
     }
 
@@ -102,15 +98,7 @@ impl Switches {
 
     /// Whether any switch differs from its default.
     pub fn any_set(&self) -> bool {
-        *self
-            != Switches {
-                fold_norms: true,
-                w4_gemm: true,
-                device_masks: true,
-                later_picks: true,
-                w4_streamk: true,
-                ..Switches::default()
-            }
+        *self != Switches { fold_norms: true, w4_gemm: true, device_masks: true, later_picks: true, ..Switches::default() }
     }
 }
 
@@ -127,7 +115,7 @@ mod tests {
         let s = from(&[]);
         assert!(!s.any_set());
         assert!(s.fold_norms && s.w4_gemm && s.device_masks && !s.decode_attn_split && !s.attn_prefill_pair);
-        assert!(s.later_picks && s.w4_streamk);
+        assert!(s.later_picks);
         assert!(s.pdl.is_none() && s.nvrtc_options.is_empty() && s.trace_cap.is_none());
     }
 
@@ -145,9 +133,8 @@ mod tests {
             ("DELTASERVE_SHORT_CHUNK_DECODE_FROM", "8192"),
             ("DELTASERVE_DEVICE_MASKS", "0"),
             ("DELTASERVE_LATER_PICKS", "0"),
-            ("DELTASERVE_W4_STREAMK", "0"),
         ]);
-        assert!(!s.device_masks && !s.later_picks && !s.w4_streamk);
+        assert!(!s.device_masks && !s.later_picks);
         assert!(s.any_set());
         assert_eq!(s.pdl.as_deref(), Some("0"));
         assert!(s.decode_attn_split && s.attn_prefill_pair && !s.fold_norms && !s.w4_gemm);

@@ -594,7 +594,7 @@ fn run_rows(rt: &Runtime, k: &Kernels) -> R<()> {
                 let kinds = [(16, 1), (16, 2), (16, 4), (16, 0), (24, 0), (32, 0)];
                 for splits in [1, 2, 4, 8].into_iter().filter(|&sp| sp <= inp / 512) {
                     for (tokens, wpt) in kinds.into_iter().filter(|&(tk, wpt)| wpt == 0 || m <= tk) {
-                        let cfg = W4GemmConfig { tokens, splits, wpt, blocks: 0 };
+                        let cfg = W4GemmConfig { tokens, splits, wpt };
                         let t = gemm_us(cfg)?;
                         let gbs = wbytes / (t * 1e-6) / 1e9;
                         println!(

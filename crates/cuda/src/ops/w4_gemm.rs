@@ -3,8 +3,7 @@
 //! projections of steps with more rows than the decode GEMV takes (batches above 8 sequences,
 //! speculative verification, short prefill chunks).
 //!
-//! - [`w4_gemm_config`]: tokens per block and the split over K (or, from 17 rows, the stream-K blocks)
-//!   for a shape on a GPU of `sms` SMs;
+//! - [`w4_gemm_config`]: tokens per block and the split over K for a shape on a GPU of `sms` SMs;
 //! - [`w4_gemm`]: the launch (plus, split over K, the in-order reduction of the partial sums; with
 //!   act-order weights, the gather of x first);
 //! - [`w4_gemm_workspace_bytes`] / [`w4_gemm_x_scratch_bytes`]: the scratch a launch needs (the memory
@@ -37,14 +36,6 @@ const PAIR_BLOCKS_PER_SM: usize = 3;
 pub const PAIR_MAX_ROWS: usize = 16;
 /// The tile kernels and their tokens per block.
 pub(crate) const KERNELS: [(&str, usize); 3] = [("w4g_16", 16), ("w4g_24", 24), ("w4g_32", 32)];
-/// The stream-K tile kernels and their tokens per block.
-pub(crate) const STREAMK_KERNELS: [(&str, usize); 2] = [("w4gk_24", 24), ("w4gk_32", 32)];
-/// Blocks of the tile kernels a multiprocessor holds (`__launch_bounds__(128, 3)`; shared memory holds
-/// 3 at 32 tokens), by which [`w4_streamk_config`] sizes its wave.
-const TILE_BLOCKS_PER_SM: usize = 3;
-/// Groups of 128 columns a stream-K block takes at a time (`W4G_S`, the ring's stages): a block's share
-/// is whole runs, and a row tile of `in / 128` groups whole runs.
-pub const STREAMK_RUN: usize = STAGES;
 /// The pair kernels: symmetric, with zero points.
 pub(crate) const PAIR_KERNELS: [&str; 2] = ["w4t_16s", "w4t_16a"];
 
@@ -67,24 +58,17 @@ pub struct W4GemmConfig {
     /// The pair kernels (`w4t_*`) with this many warps per pair (1, 2 or 4; a split's groups in that
     /// many parts, added in the block); 0: the tile kernels (`w4g_*`).
     pub wpt: usize,
-    /// Stream-K tile kernels (`w4gk_*`, `wpt` 0) with this many blocks per token tile, `splits` then
-    /// being the most pieces a row tile has ([`streamk_pieces`]); 0: a grid of row tiles × splits.
-    pub blocks: usize,
 }
 
 /// The configuration for `m` rows of x through an `[out, inp]` linear on a GPU of `sms` SMs with a
 /// split-K workspace of `workspace` bytes: the plan's tiling (`deltaserve_plan::cuda::w4_gemm_tokens`,
 /// `w4_gemm_splits`), with no more splits than the workspace holds.
-/// From 17 rows the stream-K tile kernels unless `DELTASERVE_W4_STREAMK=0`.
 pub fn w4_gemm_config(m: usize, out: usize, inp: usize, sms: usize, workspace: usize) -> W4GemmConfig {
     if m > PAIR_MAX_ROWS {
-        if crate::switches::Switches::get().w4_streamk {
-            return w4_streamk_config(m, out, inp, sms, workspace);
-        }
         return w4_tile_config(m, out, inp, sms, workspace);
     }
     let (wpt, splits) = pair_tiling(out.div_ceil(PAIR_ROWS), inp, sms, true);
-    W4GemmConfig { tokens: PAIR_MAX_ROWS, splits: fit_splits(splits, m, out, workspace), wpt, blocks: 0 }
+    W4GemmConfig { tokens: PAIR_MAX_ROWS, splits: fit_splits(splits, m, out, workspace), wpt }
 }
 
 /// `splits` halved until the partial sums of `m` rows through `out` outputs fit `workspace` bytes.
@@ -118,40 +102,7 @@ fn pair_tiling(pairs: usize, inp: usize, sms: usize, split: bool) -> (usize, usi
 /// with no more splits than the workspace holds.
 pub fn w4_tile_config(m: usize, out: usize, inp: usize, sms: usize, workspace: usize) -> W4GemmConfig {
     let splits = fit_splits(w4_gemm_splits(m, out, inp, sms), m, out, workspace);
-    W4GemmConfig { tokens: w4_gemm_tokens(m), splits, wpt: 0, blocks: 0 }
-}
-
-/// The stream-K tile kernels' configuration for `m` rows (24 or 32 tokens a block, as the plan's tiling
-/// pads least), or the tile kernels' ([`w4_tile_config`]) where `inp / 128` is not a multiple of the
-/// stream-K run ([`STREAMK_RUN`] groups): one wave of blocks ([`TILE_BLOCKS_PER_SM`] a multiprocessor)
-/// shared by the token tiles, at least one run a block, and fewer blocks while the pieces' partial sums
-/// do not fit `workspace` (one block a row tile needs none).
-pub fn w4_streamk_config(m: usize, out: usize, inp: usize, sms: usize, workspace: usize) -> W4GemmConfig {
-    let groups = inp / W4_GROUP;
-    if groups == 0 || !groups.is_multiple_of(STREAMK_RUN) {
-        return w4_tile_config(m, out, inp, sms, workspace);
-    }
-    let tokens = w4_gemm_tokens(m).max(24);
-    let (tiles, rows) = (m.max(1).div_ceil(tokens), out.div_ceil(BLOCK_ROWS));
-    let runs = rows * groups / STREAMK_RUN;
-    let mut blocks = (TILE_BLOCKS_PER_SM * sms.max(1) / tiles).clamp(1, runs);
-    loop {
-        let pieces = streamk_pieces(out, inp, blocks);
-        if w4_gemm_partial_bytes(m.max(1), out, pieces) <= workspace {
-            return W4GemmConfig { tokens, splits: pieces, wpt: 0, blocks };
-        }
-        // One block a row tile has one piece each: no partial sums.
-        blocks = if blocks <= rows { rows } else { (blocks * 7 / 8).max(rows) };
-    }
-}
-
-/// The most pieces a row tile of an `[out, inp]` linear has when `blocks` stream-K blocks share its
-/// runs: how many blocks hold one of its runs (the device's `w4gk_owner`).
-pub fn streamk_pieces(out: usize, inp: usize, blocks: usize) -> usize {
-    let (per_row, rows) = ((inp / W4_GROUP / STREAMK_RUN).max(1), out.div_ceil(BLOCK_ROWS));
-    let runs = rows * per_row;
-    let owner = |run: usize| ((run + 1) * blocks).div_ceil(runs) - 1;
-    (0..rows).map(|r| owner(r * per_row + per_row - 1) - owner(r * per_row) + 1).max().unwrap_or(1)
+    W4GemmConfig { tokens: w4_gemm_tokens(m), splits, wpt: 0 }
 }
 
 /// Bytes of f32 partial sums a launch of `m` rows through `out` outputs with `cfg` needs (0 unsplit).
@@ -215,25 +166,17 @@ pub fn w4_gemm(
         return Ok(());
     }
     let groups = w.inp / W4_GROUP;
-    let name = if cfg.blocks > 0 {
-        let ok = cfg.wpt == 0
-            && groups.is_multiple_of(STREAMK_RUN)
-            && cfg.splits == streamk_pieces(w.out, w.inp, cfg.blocks);
-        STREAMK_KERNELS.iter().find(|kn| kn.1 == cfg.tokens && ok).map(|kn| kn.0)
-    } else if cfg.wpt == 0 {
+    let name = if cfg.wpt == 0 {
         KERNELS.iter().find(|kn| kn.1 == cfg.tokens).map(|kn| kn.0)
     } else {
         let ok = cfg.tokens == PAIR_MAX_ROWS && [1, 2, 4].contains(&cfg.wpt);
         ok.then(|| PAIR_KERNELS[usize::from(w.zeros.is_some())])
     };
-    let splits_ok = cfg.blocks > 0 || (1..=groups.min(MAX_SPLITS)).contains(&cfg.splits);
-    let runs = w.out.div_ceil(BLOCK_ROWS) * groups / STREAMK_RUN;
-    let Some(name) = name.filter(|_| splits_ok && cfg.blocks <= runs) else {
+    let Some(name) = name.filter(|_| (1..=groups.min(MAX_SPLITS)).contains(&cfg.splits)) else {
         return Err(invalid(
             K,
             format!(
-                "{cfg:?}: 16, 24 or 32 tokens (pairs: 16; stream-K: 24 or 32, in / 128 a multiple of {STREAMK_RUN}, at \
-                 most {runs} blocks, splits = its pieces), 0, 1, 2 or 4 warps per pair, 1..={} splits",
+                "{cfg:?}: 16, 24 or 32 tokens (pairs: 16), 0, 1, 2 or 4 warps per pair, 1..={} splits",
                 groups.min(MAX_SPLITS)
             ),
         ));
@@ -274,18 +217,6 @@ pub fn w4_gemm(
     let (ldx_l, ldy_l, m_i) = (ldxg as i64, ldy as i64, to_i32(K, "rows", m)?);
     let (out, inp) = (to_i32(K, "out", w.out)?, to_i32(K, "in", w.inp)?);
     let tiles = to_u32(K, "token tiles", m.div_ceil(cfg.tokens))?;
-    if cfg.blocks > 0 {
-        // Row tiles one block covers are stored by the kernel; the others' pieces are added after it.
-        let (ws, f32_i) = (if mode == 2 { dst } else { 0 }, i32::from(f32_out));
-        let grid = (tiles, to_u32(K, "blocks", cfg.blocks)?, 1);
-        let smem = smem_bytes(cfg.tokens) as u32;
-        launch_pdl!(k, s, name, grid, (THREADS, 1, 1), smem; qw, sc, zp, sbf, xg, ldx_l, y, ldy_l, ws, m_i, out, inp, f32_i, vec)?;
-        if mode != 2 {
-            return Ok(());
-        }
-        let (b_i, rgrid) = (cfg.blocks as i32, (to_u32(K, "reduce blocks", (m * w.out / 4).div_ceil(256))?, 1, 1));
-        return launch_pdl!(k, s, "w4gk_reduce", rgrid, (256, 1, 1), 0; dst, b_i, inp, m_i, out, y, ldy_l, f32_i, vec);
-    }
     if cfg.wpt == 0 {
         let grid = (tiles, to_u32(K, "row tiles", w.out.div_ceil(BLOCK_ROWS))?, cfg.splits as u32);
         let smem = smem_bytes(cfg.tokens) as u32;
@@ -455,7 +386,8 @@ mod tests {
         assert_eq!(c(16, 10240, 5120), (16, 4, 1));
         // Few groups: at least 2 a warp (the tiny model's 128 x 256: 2 groups).
         assert_eq!(c(12, 128, 256), (16, 1, 1));
-        // From 17 rows the (stream-K) tile kernels.
+        // From 17 rows the tile kernels.
+        assert_eq!(c(17, 5120, 17408).2, w4_tile_config(17, 5120, 17408, H200, usize::MAX).splits);
         assert_eq!(c(17, 5120, 17408).1, 0);
         assert_eq!(w4_gemm_config(0, 5120, 5120, 0, usize::MAX).splits, 1);
         // One launch over several linears: the warps per pair of their pairs together, no split
@@ -472,12 +404,8 @@ mod tests {
             for m in 1..=W4_GEMM_MAX_ROWS {
                 let cfg = w4_gemm_config(m, out, inp, H200, bound);
                 assert!(w4_gemm_workspace_bytes(m, out, cfg) <= bound, "[{out}, {inp}] m = {m}");
-                let streamk = w4_streamk_config(m, out, inp, H200, bound);
-                assert!(w4_gemm_workspace_bytes(m, out, streamk) <= bound, "[{out}, {inp}] m = {m}");
                 // Unbounded, the same split (the plan's bound never costs a split).
-                if m <= PAIR_MAX_ROWS {
-                    assert_eq!(cfg, w4_gemm_config(m, out, inp, H200, usize::MAX), "[{out}, {inp}] m = {m}");
-                }
+                assert_eq!(cfg, w4_gemm_config(m, out, inp, H200, usize::MAX), "[{out}, {inp}] m = {m}");
                 let tile = w4_tile_config(m, out, inp, H200, bound);
                 assert_eq!(tile, w4_tile_config(m, out, inp, H200, usize::MAX), "[{out}, {inp}] m = {m}");
                 // A smaller workspace: fewer splits, never more bytes than given.
@@ -486,55 +414,16 @@ mod tests {
             }
             assert_eq!(w4_gemm_config(16, out, inp, H200, 0).splits, 1);
         }
-        let cfg = W4GemmConfig { tokens: 16, splits: 3, wpt: 1, blocks: 0 };
+        let cfg = W4GemmConfig { tokens: 16, splits: 3, wpt: 1 };
         assert_eq!(w4_gemm_workspace_bytes(10, 5120, cfg), 3 * 10 * 5120 * 4);
         assert_eq!(w4_gemm_workspace_bytes(10, 5120, W4GemmConfig { splits: 1, ..cfg }), 0);
         assert_eq!(w4_gemm_x_scratch_bytes(3, 5120), 3 * 5120 * 2);
     }
 
     #[test]
-    fn streamk_blocks_fill_one_wave_and_count_their_pieces() {
-        // gate / up at 32 rows: one token tile, 396 blocks over 136 row tiles x 10 runs of 4 groups (3-4
-        // runs a block): a row tile is held by at most 4 blocks.
-        let c = w4_streamk_config(32, 17408, 5120, H200, usize::MAX);
-        assert_eq!((c.tokens, c.blocks, c.splits, c.wpt), (32, 396, 4, 0));
-        // 48 rows: two tiles of 24 tokens share the wave.
-        let c = w4_streamk_config(48, 17408, 5120, H200, usize::MAX);
-        assert_eq!((c.tokens, c.blocks), (24, 198));
-        // One block a row tile: one piece (no partial sums); fewer blocks than row tiles: at most two.
-        assert_eq!(streamk_pieces(17408, 5120, 136), 1);
-        assert_eq!(streamk_pieces(17408, 5120, 100), 2);
-        // The pieces against a brute-force walk of the blocks' run ranges.
-        for (out, inp, blocks) in
-            [(5120usize, 17408usize, 396usize), (1024, 5120, 80), (256, 1024, 2), (12288, 5120, 131)]
-        {
-            let (per_row, rows) = (inp / W4_GROUP / STREAMK_RUN, out.div_ceil(BLOCK_ROWS));
-            let runs = rows * per_row;
-            let most = (0..rows)
-                .map(|r| {
-                    let held =
-                        |b: usize| b * runs / blocks < (r + 1) * per_row && (b + 1) * runs / blocks > r * per_row;
-                    (0..blocks).filter(|&b| held(b)).count()
-                })
-                .max()
-                .unwrap();
-            assert_eq!(streamk_pieces(out, inp, blocks), most, "[{out}, {inp}] {blocks} blocks");
-        }
-        // A workspace too small for the pieces: fewer blocks, down to one a row tile.
-        let c = w4_streamk_config(64, 17408, 5120, H200, 2 * 64 * 17408 * 4);
-        assert!(c.splits <= 2 && c.blocks >= 136, "{c:?}");
-        let c = w4_streamk_config(64, 17408, 5120, H200, 0);
-        assert_eq!((c.blocks, c.splits), (136, 1));
-        // Few runs: one a block at most (the tiny model's 128 x 512: one run, one block); groups not a
-        // multiple of the run: the tile kernels.
-        assert_eq!(w4_streamk_config(20, 128, 512, H200, usize::MAX).blocks, 1);
-        assert_eq!(w4_streamk_config(20, 256, 640, H200, usize::MAX), w4_tile_config(20, 256, 640, H200, usize::MAX));
-    }
-
-    #[test]
     fn every_kernel_is_compiled_with_the_module() {
         let module = crate::nvrtc::SOURCES.iter().find(|s| s.module == "w4_gemm").expect("w4_gemm module");
-        for (name, tokens) in KERNELS.into_iter().chain(STREAMK_KERNELS) {
+        for (name, tokens) in KERNELS {
             assert!(module.functions.contains(&name), "{name}");
             assert!(smem_bytes(tokens) <= 99 * 1024, "{name}: fits sm_86's 99 KB per block");
         }
@@ -542,6 +431,6 @@ mod tests {
             assert!(module.functions.contains(&name), "{name}");
         }
         const { assert!(PAIR_SMEM_BYTES * PAIR_BLOCKS_PER_SM <= 99 * 1024, "fits sm_86 shared memory per SM") };
-        assert!(module.functions.contains(&"w4g_reduce") && module.functions.contains(&"w4gk_reduce"));
+        assert!(module.functions.contains(&"w4g_reduce"));
     }
 }
