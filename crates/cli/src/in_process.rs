@@ -69,6 +69,8 @@ pub(crate) struct InProcess {
     /// The memory plan the engine was started with, and the backend it runs on.
     pub(crate) plan: deltaserve_plan::Plan,
     pub(crate) device: crate::model_source::Device,
+    /// What the server takes in images: its tower, the request limit and the image processor.
+    pub(crate) images: crate::synthetic_images::LocalImages,
     pub(crate) engine: deltaserve_engine::EngineHandle,
     pub(crate) stop_tx: tokio::sync::oneshot::Sender<()>,
     pub(crate) join: tokio::task::JoinHandle<std::io::Result<()>>,
@@ -90,6 +92,12 @@ impl InProcess {
             .context("starting the engine")??;
         tracing::info!("{}", started.plan.table());
         let state = started.app_state(&name, api_key, 64 << 20, &model_dir)?;
+        let images = crate::synthetic_images::LocalImages {
+            model_has_vision: started.plan.model_has_vision,
+            max_patches: started.plan.options.max_image_tokens_per_step,
+            max_images: state.media.max_images,
+            processor: state.media.processor.clone(),
+        };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.context("binding 127.0.0.1:0")?;
         let addr = listener.local_addr()?;
         tracing::info!(model = %name, "in-process server on http://{addr}");
@@ -102,7 +110,16 @@ impl InProcess {
             },
             deltaserve_server::ServeOptions { grace: Duration::from_secs(2), chat_defaults },
         ));
-        Ok(Self { addr, name, plan: started.plan, device: started.device, engine: started.engine, stop_tx, join })
+        Ok(Self {
+            addr,
+            name,
+            plan: started.plan,
+            device: started.device,
+            images,
+            engine: started.engine,
+            stop_tx,
+            join,
+        })
     }
 
     pub(crate) async fn stop(self) -> Result<()> {

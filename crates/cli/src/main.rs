@@ -11,6 +11,7 @@ mod in_process;
 mod model_source;
 mod progress;
 mod report;
+mod synthetic_images;
 mod synthetic_text;
 
 use std::io::IsTerminal;

@@ -89,3 +89,74 @@ fn on_the_cpu_the_default_ladder_is_capped() {
     let prompt = v["rungs"][0]["prompt_tokens"].as_u64().unwrap();
     assert!(prompt <= 409 && prompt + 16 >= 409, "5% of 8192: {prompt}");
 }
+
+#[test]
+fn prompts_with_images_still_fill_their_rungs_and_turns() {
+    let svg = std::env::temp_dir().join(format!("ds-probe-images-{}.svg", std::process::id()));
+    let out = probe(&[
+        "--max-context",
+        "2048",
+        "--rungs",
+        "50,100",
+        "--turns",
+        "3",
+        "--max-tokens",
+        "4",
+        "--images",
+        "2",
+        "--image-size",
+        "320x200",
+        "--json",
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let v: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {}", String::from_utf8_lossy(&out.stdout)));
+    assert!(out.status.success(), "probe failed: {stderr}\n{v:#}");
+    assert_eq!(v["passed"], true, "{v:#}");
+    // 320x200 resizes to 352x224 (multiples of 32, at least 65,536 pixels): 22 × 14 patches, 77 tokens.
+    assert_eq!((v["images_per_prompt"].as_u64(), v["image_size"].as_str()), (Some(2), Some("320x200")), "{v:#}");
+    assert_eq!(v["tokens_per_image"], 77, "{v:#}");
+
+    let u = |t: &Value, k: &str| t[k].as_u64().unwrap_or_else(|| panic!("{k} is not a count: {t}"));
+    for (r, pct) in v["rungs"].as_array().unwrap().iter().zip([50.0, 100.0]) {
+        let want = (2048.0 * pct / 100.0) as u64 - 4;
+        let prompt = u(r, "prompt_tokens");
+        // Text + image tokens fitted to the rung's target as text alone is.
+        assert!(prompt <= want && prompt + 16 >= want, "rung {pct}: {prompt} tokens for {want}: {r}");
+        assert_eq!((u(r, "images"), u(r, "image_tokens")), (2, 154), "{r}");
+        assert_eq!(u(r, "cached_tokens"), 0, "each rung's images are its own: {r}");
+    }
+    let turns = v["turns"].as_array().unwrap();
+    assert_eq!(turns.len(), 3);
+    for (t, turn) in turns.iter().enumerate() {
+        let n = 2 * (t as u64 + 1);
+        assert_eq!((u(turn, "images"), u(turn, "image_tokens")), (n, 77 * n), "earlier turns' images stay: {turn}");
+    }
+    let last = turns.last().unwrap();
+    assert!(u(last, "prompt_tokens") + 4 + 16 >= 2048 && u(last, "prompt_tokens") + 4 <= 2048, "{last}");
+    for w in turns.windows(2) {
+        assert!(u(&w[1], "cached_tokens") as f64 >= 0.95 * u(&w[0], "prompt_tokens") as f64, "{w:?}");
+    }
+    let chart = std::fs::read_to_string(&svg).unwrap();
+    let _ = std::fs::remove_file(&svg);
+    assert!(chart.contains("2 images of 320x200") && chart.contains(">462 img<"), "{chart}");
+}
+
+#[test]
+fn images_the_server_cannot_take_are_a_clean_error() {
+    for (args, needle) in [
+        (&["--no-vision"][..], "loads no vision tower"),
+        (&["--max-image-tokens-per-step", "256"][..], "308 patches"),
+        (&["--turns", "17"][..], "34 images"),
+    ] {
+        let mut all = vec!["--max-context", "2048", "--rungs", "50", "--images", "2", "--image-size", "320x200"];
+        all.extend(args);
+        let out = probe(&all);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && !stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(stderr.contains("--images: ") && stderr.contains(needle), "{args:?}: {stderr}");
+    }
+}

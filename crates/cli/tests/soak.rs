@@ -101,3 +101,47 @@ fn bad_arguments_are_clean_errors() {
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
     }
 }
+
+#[test]
+fn screenshots_in_the_history_are_restored_from_the_prefix_cache() {
+    let out = soak(&["--turns", "6", "--target-context", "2000", "--screenshot", "256x256", "--json"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let v: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {}", String::from_utf8_lossy(&out.stdout)));
+    assert!(out.status.success(), "soak failed: {stderr}\n{v:#}");
+    let s = &v["summary"];
+    assert_eq!(s["ok"], true, "{v:#}");
+    // 256x256 is the smallest image the processor takes as it is: 16 × 16 patches, 64 tokens.
+    assert_eq!((s["screenshot"].as_str(), s["tokens_per_screenshot"].as_u64()), (Some("256x256"), Some(64)), "{s:#}");
+    let turns = v["turns"].as_array().unwrap();
+    assert_eq!(turns.len(), 6);
+    let u = |t: &Value, k: &str| t[k].as_u64().unwrap_or_else(|| panic!("turn field {k} is not a count: {t}"));
+    for (i, t) in turns.iter().enumerate() {
+        let n = i as u64 + 1;
+        assert_eq!((u(t, "images"), u(t, "image_tokens")), (n, 64 * n), "one screenshot more every turn: {t}");
+        if i == 0 {
+            assert!(t["cached_fraction_of_previous_context"].is_null(), "{t}");
+            continue;
+        }
+        let prev = u(&turns[i - 1], "prompt_tokens");
+        let fraction = t["cached_fraction_of_previous_context"].as_f64().unwrap();
+        assert!(u(t, "prompt_tokens") > prev + 64, "the context grows by the screenshot and more: {t}");
+        assert!(fraction >= 0.95, "turn {n} restored {} of {prev}: {t}", u(t, "cached_tokens"));
+        assert!((fraction - u(t, "cached_tokens") as f64 / prev as f64).abs() < 1e-3, "{t}");
+    }
+}
+
+#[test]
+fn screenshots_the_server_cannot_take_are_a_clean_error() {
+    for (args, needle) in
+        [(&["--turns", "2", "--no-vision"][..], "loads no vision tower"), (&["--turns", "33"][..], "33 images")]
+    {
+        let mut all = vec!["--target-context", "1500", "--screenshot", "256x256"];
+        all.extend(args);
+        let out = soak(&all);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && !stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(stderr.contains("--screenshot: ") && stderr.contains(needle), "{args:?}: {stderr}");
+    }
+}

@@ -9,6 +9,13 @@
 //! (more than 1% of the plan), on arena allocations after start, and — with a real model (`--needle`) — on a
 //! needle (a passphrase placed at a varying depth) that the reply does not repeat.
 //!
+//! `--images N` puts N synthetic screenshots (`--image-size`, PNG data URLs in `image_url` parts) among the text
+//! of every rung's prompt (distinct per rung) and of every turn's new message (earlier turns' images stay in
+//! the history, so the next turn restores them from the prefix cache); the text is fitted so that text and
+//! image tokens together make each target, and the report gives the image tokens of every prompt. A server
+//! that cannot take them (no vision tower, an image over `--max-image-tokens-per-step`, more images in one
+//! request than it accepts) is refused before the ladder starts.
+//!
 //! Without `--url` the server runs in-process with the `--model` / engine flags (as `soak` does) and the
 //! plan is the one it started with; with `--url`, pass the plan's total as `--plan-bytes` to hold the
 //! driver's numbers to it (memory growth and errors are checked either way).
@@ -17,7 +24,7 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{Result, anyhow, bail};
+use anyhow::{Context, Result, anyhow, bail};
 use deltaserve_plan::{fmt_bytes, fmt_count, parse_size};
 use serde_json::{Value, json};
 
@@ -27,6 +34,9 @@ use crate::in_process::ServerArgs;
 use crate::model_source::Device;
 use crate::progress::Progress;
 use crate::report::{ToolReport, emit, round_to, xml};
+use crate::synthetic_images::{
+    ImageCheck, ImageSize, LocalImages, anthropic_messages, image_part, image_seed, interleave,
+};
 use crate::synthetic_text::{Rng, lines};
 
 /// Share of the previous turn's prompt a turn must restore from the prefix cache.
@@ -62,6 +72,14 @@ pub struct Args {
     /// Tokens generated per request (with ignore_eos, so prompt + completion fill the rung exactly).
     #[arg(long, default_value_t = 4)]
     max_tokens: u32,
+    /// Synthetic screenshots in every prompt: N among each rung's text (distinct per rung) and N in each
+    /// turn's new message (the earlier turns' stay in the history); text + image tokens still make each target.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    images: usize,
+    /// Size of the --images screenshots, WIDTHxHEIGHT in pixels (the server resizes to multiples of its
+    /// patch × merge size: 1280x720 takes 1280×704, 3,520 patches, 880 prompt tokens on Qwen3.5/3.6).
+    #[arg(long, default_value = "1280x720", value_name = "WxH")]
+    image_size: ImageSize,
     /// Check needle retrieval at every rung.
     #[arg(long, value_enum, default_value_t = Needle::Auto)]
     needle: Needle,
@@ -106,6 +124,7 @@ pub fn run(a: Args) -> Result<()> {
                 pid: a.gpu_pid,
                 needle: a.needle == Needle::On || a.needle == Needle::Auto,
                 default_context: None,
+                images: None,
             },
             Some(local) => {
                 let m = &a.server.model;
@@ -117,6 +136,7 @@ pub fn run(a: Args) -> Result<()> {
                     pid: Some(std::process::id()),
                     needle: a.needle == Needle::On || (a.needle == Needle::Auto && !noise),
                     default_context: (local.device == Device::Cpu).then_some(CPU_DEFAULT_CONTEXT),
+                    images: Some(local.images.clone()),
                 }
             }
         };
@@ -136,6 +156,8 @@ struct Setup {
     needle: bool,
     /// The most the ladder fills without --context (None: the advertised context).
     default_context: Option<u64>,
+    /// What the in-process server takes in images (None: `--url`).
+    images: Option<LocalImages>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -186,24 +208,35 @@ struct Counter<'a> {
 impl Counter<'_> {
     /// Prompt tokens of `messages` as the server renders them (`/v1/messages/count_tokens`).
     async fn count(&self, messages: &[Value]) -> Result<usize> {
-        let v = self
-            .client
-            .post_json("/v1/messages/count_tokens", &json!({"model": self.model, "messages": messages}))
-            .await?;
+        let body = json!({"model": self.model, "messages": anthropic_messages(messages)});
+        let v = self.client.post_json("/v1/messages/count_tokens", &body).await?;
         v["input_tokens"].as_u64().map(|n| n as usize).ok_or_else(|| anyhow!("count_tokens: no input_tokens in {v}"))
     }
 
-    /// A user message such that `history` + it renders to at most `target` tokens and at least
-    /// `target - slack`: grows or trims the filler prefix by the measured characters per token.
-    async fn fit(&self, f: &Filler, history: &[Value], parts: &Parts<'_>, target: usize) -> Result<(String, usize)> {
-        let with = |content: String| {
+    /// The content of a user message (its text with `images` among it) such that `history` + it renders to
+    /// at most `target` tokens and at least `target - slack`: grows or trims the filler prefix by the
+    /// measured characters per token.
+    async fn fit(
+        &self,
+        f: &Filler,
+        history: &[Value],
+        parts: &Parts<'_>,
+        images: &[Value],
+        target: usize,
+    ) -> Result<(Value, usize)> {
+        let with = |content: &Value| {
             let mut m = history.to_vec();
             m.push(json!({"role": "user", "content": content}));
             m
         };
-        let empty = self.count(&with(compose("", parts))).await?;
+        let empty = self.count(&with(&interleave(compose("", parts), images))).await?;
         if empty > target {
-            bail!("the conversation already has {empty} tokens, more than the {target} this prompt may have");
+            let what = if images.is_empty() {
+                String::new()
+            } else {
+                format!(" with this prompt's {} images and no filler", images.len())
+            };
+            bail!("the conversation already has {empty} tokens{what}, more than the {target} this prompt may have");
         }
         let slack = 16.max(target / 2000);
         let mut chars = (((target - empty) as f64) * f.chars_per_token) as usize;
@@ -212,8 +245,8 @@ impl Counter<'_> {
             while !f.text.is_char_boundary(chars) {
                 chars -= 1;
             }
-            let content = compose(&f.text[..chars], parts);
-            let n = self.count(&with(content.clone())).await?;
+            let content = interleave(compose(&f.text[..chars], parts), images);
+            let n = self.count(&with(&content)).await?;
             if n <= target && (n + slack >= target || chars == f.text.len()) {
                 return Ok((content, n));
             }
@@ -240,6 +273,9 @@ struct Row {
     total_ms: f64,
     driver_peak_bytes: Option<u64>,
     needle: Option<bool>,
+    /// Images in the prompt and the prompt tokens they take (their placeholders).
+    images: usize,
+    image_tokens: u64,
     /// The generated text.
     reply: String,
 }
@@ -263,6 +299,10 @@ struct Report {
     idle_driver_bytes: Option<u64>,
     arena_capacity_bytes: Option<u64>,
     needle: bool,
+    /// `--images` per prompt, their size, and the prompt tokens one takes (0 without images).
+    images_per_prompt: usize,
+    image_size: ImageSize,
+    tokens_per_image: usize,
     rungs: Vec<Row>,
     turns: Vec<Row>,
     failures: Vec<String>,
@@ -278,6 +318,9 @@ async fn probe(a: &Args, target: Target, setup: Setup) -> Report {
         idle_driver_bytes: None,
         arena_capacity_bytes: None,
         needle: setup.needle,
+        images_per_prompt: a.images,
+        image_size: a.image_size,
+        tokens_per_image: 0,
         rungs: Vec::new(),
         turns: Vec::new(),
         failures: Vec::new(),
@@ -315,6 +358,17 @@ async fn run_probe(a: &Args, target: Target, setup: &Setup, report: &mut Report)
     }
     report.idle_driver_bytes = sampler.as_ref().map(|s| s.take_peak(setup.pid));
     let counter = Counter { client: &client, model: &model };
+    if a.images > 0 {
+        let per_request = a.images * a.turns.max(1);
+        let why = if a.turns > 0 {
+            format!("the last turn carries {} × {}: --turns × --images", a.turns, a.images)
+        } else {
+            "each prompt carries --images".into()
+        };
+        let check = ImageCheck { flag: "--images", size: a.image_size, per_request, why, local: setup.images.as_ref() };
+        report.tokens_per_image = check.run(&client, &model).await?;
+    }
+    let tpi = report.tokens_per_image as u64;
 
     // Filler long enough for the whole context, and its characters per token.
     let mut rng = Rng::new(a.seed);
@@ -346,12 +400,17 @@ async fn run_probe(a: &Args, target: Target, setup: &Setup, report: &mut Report)
         let depth = (0.15 + 0.37 * i as f64) % 0.9;
         let parts = Parts { nonce: &nonce, needle: setup.needle.then_some((needle_line.as_str(), depth)), question };
         let want = ((max_context as f64 * pct / 100.0) as u64).saturating_sub(a.max_tokens as u64) as usize;
-        let (content, counted) = counter.fit(&filler, &[], &parts, want).await?;
+        let images: Vec<Value> =
+            (0..a.images as u64).map(|k| image_part(a.image_size, image_seed(a.seed, i as u64, k))).collect();
+        let (content, counted) =
+            counter.fit(&filler, &[], &parts, &images, want).await.with_context(|| format!("rung {pct}%"))?;
         progress.start(&format!("rung {pct}%: prompt {} tokens", fmt_count(counted as u64)));
         let messages = vec![json!({"role": "user", "content": content})];
         let mut row = request(&client, &model, &messages, a.max_tokens, sampler.as_ref(), setup.pid).await?;
         row.label = format!("{pct}%");
         row.percent = pct;
+        row.images = a.images;
+        row.image_tokens = a.images as u64 * tpi;
         if row.prompt_tokens != counted as u64 {
             report.failures.push(format!(
                 "rung {pct}%: usage.prompt_tokens {} differs from count_tokens {counted}",
@@ -377,12 +436,19 @@ async fn run_probe(a: &Args, target: Target, setup: &Setup, report: &mut Report)
             let offset = (filler.text.len() / (a.turns + 1)) * (t - 1) / 2;
             let offset = (0..=offset).rev().find(|&o| filler.text.is_char_boundary(o)).unwrap_or(0);
             let slice = Filler { text: filler.text[offset..].to_string(), chars_per_token };
-            let (content, counted) = counter.fit(&slice, &messages, &parts, want).await?;
+            // N new images a turn, none of them a rung's.
+            let images: Vec<Value> = (0..a.images as u64)
+                .map(|k| image_part(a.image_size, image_seed(a.seed, (1 << 32) + t as u64, k)))
+                .collect();
+            let (content, counted) =
+                counter.fit(&slice, &messages, &parts, &images, want).await.with_context(|| format!("turn {t}"))?;
             messages.push(json!({"role": "user", "content": content}));
             progress.start(&format!("turn {t}: prompt {} tokens", fmt_count(counted as u64)));
             let mut row = request(&client, &model, &messages, a.max_tokens, sampler.as_ref(), setup.pid).await?;
             row.label = format!("turn {t}");
             row.percent = 100.0 * (row.prompt_tokens + row.completion_tokens) as f64 / max_context as f64;
+            row.images = a.images * t;
+            row.image_tokens = row.images as u64 * tpi;
             if row.prompt_tokens != counted as u64 {
                 report.failures.push(format!(
                     "turn {t}: usage.prompt_tokens {} differs from count_tokens {counted}",
@@ -476,8 +542,9 @@ fn ladder_context(advertised: u64, context: Option<u64>, default: Option<u64>) -
 }
 
 fn row_line(r: &Row) -> String {
+    let images = if r.images > 0 { format!(", {} images: {} tokens", r.images, r.image_tokens) } else { String::new() };
     format!(
-        "probe: {}: prompt {} (cached {}), TTFT {:.0} ms, prefill {:.0} tok/s, driver peak {}",
+        "probe: {}: prompt {} (cached {}{images}), TTFT {:.0} ms, prefill {:.0} tok/s, driver peak {}",
         r.label,
         r.prompt_tokens,
         r.cached_tokens,
@@ -541,6 +608,7 @@ impl ToolReport for Report {
                 "cached_tokens": r.cached_tokens, "new_tokens": r.new_tokens(),
                 "completion_tokens": r.completion_tokens, "ttft_ms": round1(r.ttft_ms), "total_ms": round1(r.total_ms),
                 "prefill_tok_s": round1(r.prefill_tok_s()), "driver_peak_bytes": r.driver_peak_bytes, "needle": r.needle,
+                "images": r.images, "image_tokens": r.image_tokens,
             })
         };
         json!({
@@ -548,6 +616,9 @@ impl ToolReport for Report {
             "advertised_context": self.advertised_context,
             "plan_bytes": self.plan_bytes, "idle_driver_bytes": self.idle_driver_bytes,
             "arena_capacity_bytes": self.arena_capacity_bytes, "needle_checked": self.needle,
+            "images_per_prompt": self.images_per_prompt,
+            "image_size": (self.images_per_prompt > 0).then(|| self.image_size.to_string()),
+            "tokens_per_image": self.tokens_per_image,
             "rungs": self.rungs.iter().map(row).collect::<Vec<_>>(),
             "turns": self.turns.iter().map(row).collect::<Vec<_>>(),
             "passed": self.failures.is_empty(), "failures": self.failures,
@@ -571,17 +642,26 @@ impl ToolReport for Report {
             self.idle_driver_bytes.map_or("n/a".into(), fmt_bytes),
             self.arena_capacity_bytes.map_or("n/a".into(), fmt_bytes)
         );
-        let _ = writeln!(
+        let images = self.images_per_prompt > 0;
+        if images {
+            let _ = writeln!(
+                s,
+                "images: {} of {} in each rung's prompt and each turn's new message, {} prompt tokens each",
+                self.images_per_prompt, self.image_size, self.tokens_per_image
+            );
+        }
+        let _ = write!(
             s,
             "\n{:<9} {:>6} {:>9} {:>9} {:>9} {:>10} {:>11} {:>11} {:>7} {:>6}",
             "rung", "fill", "prompt", "cached", "new", "TTFT ms", "prefill/s", "driver", "/plan", "needle"
         );
+        let _ = writeln!(s, "{}", if images { format!(" {:>6} {:>8}", "images", "img tok") } else { String::new() });
         for r in self.rows() {
             let ratio = match (r.driver_peak_bytes, self.plan_bytes) {
                 (Some(p), Some(plan)) => format!("{:.3}", p as f64 / plan as f64),
                 _ => "-".into(),
             };
-            let _ = writeln!(
+            let _ = write!(
                 s,
                 "{:<9} {:>5.1}% {:>9} {:>9} {:>9} {:>10.0} {:>11.0} {:>11} {:>7} {:>6}",
                 r.label,
@@ -594,6 +674,11 @@ impl ToolReport for Report {
                 r.driver_peak_bytes.map_or("n/a".into(), fmt_bytes),
                 ratio,
                 r.needle.map_or("-", |ok| if ok { "ok" } else { "MISS" })
+            );
+            let _ = writeln!(
+                s,
+                "{}",
+                if images { format!(" {:>6} {:>8}", r.images, r.image_tokens) } else { String::new() }
             );
         }
         let _ = writeln!(
@@ -614,10 +699,18 @@ impl ToolReport for Report {
         let mut s = format!(
             "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\" font-family=\"sans-serif\" font-size=\"11\">\n\
              <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
-             <text x=\"{left}\" y=\"20\" font-size=\"14\">deltaserve probe: {} — {} of {} tokens</text>\n",
+             <text x=\"{left}\" y=\"20\" font-size=\"14\">deltaserve probe: {} — {} of {} tokens{}</text>\n",
             xml(&self.model),
             fmt_count(self.max_context),
-            fmt_count(self.advertised_context)
+            fmt_count(self.advertised_context),
+            if self.images_per_prompt > 0 {
+                format!(
+                    " · {} images of {} a prompt (under each bar: its image tokens)",
+                    self.images_per_prompt, self.image_size
+                )
+            } else {
+                String::new()
+            }
         );
         let max_rate = rows.iter().map(|r| r.prefill_tok_s()).fold(0.0, f64::max);
         let plan = self.plan_bytes.unwrap_or(0) as f64;
@@ -668,6 +761,17 @@ impl ToolReport for Report {
                     y0 + ph + 14.0,
                     xml(&r.label)
                 );
+                if r.images > 0 {
+                    let _ = writeln!(
+                        s,
+                        "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\" fill=\"#666\"><title>{} images, {} of the prompt's tokens</title>{} img</text>",
+                        x + bw * 0.35,
+                        y0 + ph + 27.0,
+                        r.images,
+                        r.image_tokens,
+                        fmt_count(r.image_tokens)
+                    );
+                }
             }
             if panel == 1 && plan > 0.0 {
                 let y = y0 + ph - ph * (plan / unit) / axis_top;
@@ -740,6 +844,9 @@ mod tests {
             idle_driver_bytes: None,
             arena_capacity_bytes: None,
             needle: false,
+            images_per_prompt: 0,
+            image_size: ImageSize { width: 64, height: 64 },
+            tokens_per_image: 0,
             rungs: vec![row("25%", 3 << 29)],
             turns: vec![],
             failures: vec![],
@@ -762,6 +869,9 @@ mod tests {
             idle_driver_bytes: None,
             arena_capacity_bytes: None,
             needle: false,
+            images_per_prompt: 0,
+            image_size: ImageSize { width: 64, height: 64 },
+            tokens_per_image: 0,
             rungs: vec![row("25%", 900), row("50%", 905)],
             turns: vec![],
             failures: vec![],

@@ -9,6 +9,12 @@
 //! counters are left out, and `--metrics-url` (repeatable) names the replicas whose `/metrics` are read
 //! before and after the run (arena growth fails the run; their prefix-cache hits are reported).
 //!
+//! `--screenshot WxH` makes the sessions carry images: every turn adds one synthetic screenshot (distinct per
+//! turn and session) in a user message, and the history keeps the earlier ones unchanged, so each turn
+//! restores them from the prefix cache (which keys an image by the hash of its decoded pixels) like the
+//! text around them. The report gives the image tokens of every turn's prompt; a server that cannot take
+//! the screenshots is refused before the first turn.
+//!
 //! Without `--url` it starts the server in-process on 127.0.0.1 (an ephemeral port) with the
 //! `--model` / engine flags, exactly as `deltaserve serve` builds it (the few lines that assemble
 //! the server state are duplicated from `serve.rs`), and stops it at the end. With `--url`, `--model`
@@ -29,6 +35,7 @@ use super::soak_sessions::{Replica, read_replicas, sessions_table};
 use crate::http::{Client, Reply, Target};
 use crate::in_process::{ServerArgs, host_rss_bytes};
 use crate::report::{ToolReport, emit, round_to, xml};
+use crate::synthetic_images::{ImageCheck, ImageSize, LocalImages, image_part, image_seed};
 use crate::synthetic_text::{Rng, follow_up, system_prompt, task, tool_output, tools};
 
 /// Required fraction of the previous turn's prompt that the next turn must restore from the cache.
@@ -68,6 +75,11 @@ pub struct Args {
     /// gateway; with it, or with several sessions, /metrics is not read from --url between turns.
     #[arg(long = "metrics-url", value_name = "URL")]
     metrics_urls: Vec<String>,
+    /// Every turn adds one synthetic screenshot of WIDTHxHEIGHT pixels (distinct per turn and session) in a
+    /// user message; the earlier ones stay in the history unchanged. A request then carries up to --turns
+    /// images (the server's limit: 32 by default).
+    #[arg(long, value_name = "WxH")]
+    screenshot: Option<ImageSize>,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -84,7 +96,8 @@ pub fn run(a: Args) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let report = rt.block_on(async {
         let server = a.server.connect().await?;
-        let report = soak(&a, &server.target, &replicas, server.model.clone(), server.local.is_some()).await;
+        let local_images = server.local.as_ref().map(|l| &l.images);
+        let report = soak(&a, &server.target, &replicas, server.model.clone(), local_images).await;
         server.stop().await?;
         anyhow::Ok(report)
     });
@@ -114,6 +127,9 @@ pub(super) struct Turn {
     /// after it): how much of the turn was compute, and in how many steps its prompt ran.
     pub(super) steps: Option<u64>,
     pub(super) step_ms: Option<f64>,
+    /// Screenshots in the prompt and the prompt tokens they take (their placeholders).
+    pub(super) images: usize,
+    pub(super) image_tokens: u64,
 }
 
 impl Turn {
@@ -125,10 +141,20 @@ impl Turn {
     }
 }
 
+/// Cached tokens of each turn over the previous turn's prompt (None for the first).
+fn cached_fractions(turns: &[Turn]) -> impl Iterator<Item = Option<f64>> + '_ {
+    turns.iter().enumerate().map(|(i, t)| {
+        let prev = i.checked_sub(1).map(|j| &turns[j])?;
+        Some(t.cached_tokens as f64 / prev.prompt_tokens.max(1) as f64)
+    })
+}
+
 struct Report {
     server: String,
     in_process: bool,
     target_context: usize,
+    /// `--screenshot` and the prompt tokens one takes.
+    screenshot: Option<(ImageSize, usize)>,
     /// One per session, in session order.
     sessions: Vec<Session>,
     /// The --metrics-url replicas' counters before and after the run.
@@ -148,11 +174,19 @@ pub(super) struct Session {
     pub(super) failures: Vec<String>,
 }
 
-async fn soak(a: &Args, target: &Target, replicas: &[Target], model: Option<String>, in_process: bool) -> Report {
+async fn soak(
+    a: &Args,
+    target: &Target,
+    replicas: &[Target],
+    model: Option<String>,
+    local_images: Option<&LocalImages>,
+) -> Report {
+    let in_process = local_images.is_some();
     let mut report = Report {
         server: if in_process { format!("in-process {}", target.origin()) } else { target.origin() },
         in_process,
         target_context: a.target_context,
+        screenshot: None,
         sessions: Vec::new(),
         replicas: Vec::new(),
         wall_s: 0.0,
@@ -180,10 +214,26 @@ async fn soak(a: &Args, target: &Target, replicas: &[Target], model: Option<Stri
             return report;
         }
     };
+    if let Some(size) = a.screenshot {
+        let why = format!("the last turn carries one screenshot per turn: --turns {}", a.turns);
+        let check = ImageCheck { flag: "--screenshot", size, per_request: a.turns, why, local: local_images };
+        match check.run(&client(None, target), &model).await {
+            Ok(tokens) => report.screenshot = Some((size, tokens)),
+            Err(e) => {
+                report.failures.push(format!("{e:#}"));
+                return report;
+            }
+        }
+    }
     // Between turns /metrics describes this session's server only when it serves nothing else.
     let per_turn_metrics = a.sessions == 1 && replicas.is_empty();
     let start = std::time::Instant::now();
-    let shape = Shape { turns: a.turns, target_context: a.target_context, max_tokens: a.max_tokens };
+    let shape = Shape {
+        turns: a.turns,
+        target_context: a.target_context,
+        max_tokens: a.max_tokens,
+        screenshot: report.screenshot,
+    };
     let runs: Vec<_> = (0..a.sessions as u64)
         .map(|i| {
             let seed = a.seed + i;
@@ -235,6 +285,17 @@ struct Shape {
     turns: usize,
     target_context: usize,
     max_tokens: u32,
+    /// A screenshot each turn, and the prompt tokens it takes.
+    screenshot: Option<(ImageSize, usize)>,
+}
+
+/// Prompt tokens a screenshot's message adds beyond the image's placeholders (its vision markers, the
+/// caption and the user turn's wrapping), about.
+const SCREENSHOT_OVERHEAD: u64 = 16;
+
+/// The screenshot of turn `turn` of the session seeded `seed` as a user message's content, after `text`.
+fn with_screenshot(text: String, size: ImageSize, seed: u64, turn: usize) -> Value {
+    json!([{"type": "text", "text": text}, image_part(size, image_seed(seed, turn as u64, 0))])
 }
 
 async fn run_session(
@@ -257,12 +318,17 @@ async fn run_session(
     let n = a.turns;
     // Relative payload sizes of turns 2..=n: geometric growth with seeded jitter.
     let weights: Vec<f64> = (0..n).map(|i| 1.3f64.powi(i as i32) * (0.75 + 0.5 * rng.unit())).collect();
-    let mut messages =
-        vec![json!({"role": "system", "content": system_prompt()}), json!({"role": "user", "content": task(&mut rng)})];
+    let (system, task) = (system_prompt(), task(&mut rng));
     let tools = tools();
     // Characters per prompt token, refined from what the server reports.
-    let initial_chars: usize =
-        messages.iter().map(|m| m["content"].as_str().map_or(0, str::len)).sum::<usize>() + tools.to_string().len();
+    let initial_chars = system.len() + task.len() + tools.to_string().len();
+    // Prompt tokens of one turn's screenshot message beyond its text.
+    let shot = a.screenshot.map_or(0, |(_, tokens)| tokens as u64 + SCREENSHOT_OVERHEAD);
+    let task = match a.screenshot {
+        Some((size, _)) => with_screenshot(task, size, seed, 1),
+        None => json!(task),
+    };
+    let mut messages = vec![json!({"role": "system", "content": system}), json!({"role": "user", "content": task})];
     let mut chars_per_token = 3.0; // replaced by what turn 1 measures
     let mut prev: Option<(Turn, Reply, usize)> = None; // (turn, reply, payload chars)
     for t in 1..=n {
@@ -273,7 +339,7 @@ async fn run_session(
             if t > 2 && *prev_payload > 0 {
                 let before = report.turns[report.turns.len() - 2].prompt_tokens
                     + report.turns[report.turns.len() - 2].completion_tokens;
-                let grew = pt.prompt_tokens.saturating_sub(before + 12) as f64;
+                let grew = pt.prompt_tokens.saturating_sub(before + 12 + shot) as f64;
                 if grew > 8.0 {
                     chars_per_token = 0.5 * chars_per_token + 0.5 * (*prev_payload as f64 / grew);
                 }
@@ -282,14 +348,19 @@ async fn run_session(
             let context_now = pt.prompt_tokens + pt.completion_tokens + 12;
             let remaining_turns = (n - t + 1) as u64;
             let budget = (a.target_context as u64)
-                .saturating_sub(context_now + (remaining_turns - 1) * reply_overhead + remaining_turns * 12);
+                .saturating_sub(context_now + (remaining_turns - 1) * reply_overhead + remaining_turns * (12 + shot));
             let w: f64 = weights[t - 1..].iter().sum();
             let tokens = (budget as f64 * weights[t - 1] / w).max(8.0);
             payload_chars = (tokens * chars_per_token).round() as usize;
             messages.push(assistant_message(reply));
             if t % USER_EVERY == 0 {
                 kind = "user";
-                messages.push(json!({"role": "user", "content": follow_up(&mut rng, payload_chars)}));
+                let text = follow_up(&mut rng, payload_chars);
+                let content = match a.screenshot {
+                    Some((size, _)) => with_screenshot(text, size, seed, t),
+                    None => json!(text),
+                };
+                messages.push(json!({"role": "user", "content": content}));
             } else {
                 kind = "tool";
                 let text = tool_output(&mut rng, t, payload_chars);
@@ -301,6 +372,11 @@ async fn run_session(
                         let content = if i == 0 { text.clone() } else { format!("{name}: ok") };
                         messages.push(json!({"role": "tool", "tool_call_id": id, "content": content}));
                     }
+                }
+                // Tool messages carry no images: the screenshot follows in a user message.
+                if let Some((size, _)) = a.screenshot {
+                    let caption = format!("Screenshot after step {}:", t - 1);
+                    messages.push(json!({"role": "user", "content": with_screenshot(caption, size, seed, t)}));
                 }
             }
         }
@@ -330,6 +406,8 @@ async fn run_session(
             completion_tokens: num(&usage["completion_tokens"], "completion_tokens")?,
             ttft_ms,
             total_ms,
+            images: if a.screenshot.is_some() { t } else { 0 },
+            image_tokens: a.screenshot.map_or(0, |(_, tokens)| (t * tokens) as u64),
             ..Default::default()
         };
         if per_turn_metrics {
@@ -342,8 +420,8 @@ async fn run_session(
             turn.kv_pages_used = m.kv_pages_used;
         }
         turn.host_rss_bytes = if in_process { host_rss_bytes() } else { None };
-        if t == 1 && turn.prompt_tokens > 0 {
-            chars_per_token = initial_chars as f64 / turn.prompt_tokens as f64;
+        if t == 1 && turn.prompt_tokens > shot {
+            chars_per_token = initial_chars as f64 / (turn.prompt_tokens - shot) as f64;
         }
         check_turn(&turn, report.turns.last(), report.baseline, &mut report.failures);
         tracing::info!(
@@ -460,8 +538,8 @@ impl ToolReport for Report {
         let turns: Vec<Value> = self
             .sessions
             .iter()
-            .flat_map(|s| s.turns.iter().map(move |t| (s, t)))
-            .map(|(session, t)| {
+            .flat_map(|s| s.turns.iter().zip(cached_fractions(&s.turns)).map(move |(t, f)| (s, t, f)))
+            .map(|(session, t, cached_fraction)| {
                 json!({
                     "session": session.key,
                     "turn": t.turn,
@@ -469,6 +547,9 @@ impl ToolReport for Report {
                     "prompt_tokens": t.prompt_tokens,
                     "cached_tokens": t.cached_tokens,
                     "new_tokens": t.new_tokens(),
+                    "cached_fraction_of_previous_context": cached_fraction.map(|v| round_to(v, 4)),
+                    "images": t.images,
+                    "image_tokens": t.image_tokens,
                     "completion_tokens": t.completion_tokens,
                     "ttft_ms": round3(t.ttft_ms),
                     "ttft_per_new_token_ms": round3(t.ttft_per_new_token_ms()),
@@ -496,6 +577,8 @@ impl ToolReport for Report {
                 "sessions": self.sessions.len(),
                 "turns": n_turns,
                 "target_context": self.target_context,
+                "screenshot": self.screenshot.map(|(size, _)| size.to_string()),
+                "tokens_per_screenshot": self.screenshot.map(|(_, tokens)| tokens),
                 "final_context": self.sessions.iter().filter_map(|s| s.turns.last()).map(|t| t.prompt_tokens).max(),
                 "ttft_ratio_last_vs_turn2_per_new_token": first.and_then(Session::ttft_ratio).map(round3),
                 "min_cached_fraction_of_previous_context": min_cached.map(round3),
@@ -556,14 +639,19 @@ impl Report {
             self.server,
             self.target_context
         );
+        if let Some((size, tokens)) = self.screenshot {
+            let _ = writeln!(s, "every turn adds a {size} screenshot ({tokens} prompt tokens each)");
+        }
         let rss = if self.in_process { "  host RSS" } else { "" };
+        let img = if self.screenshot.is_some() { format!(" {:>8}", "img tok") } else { String::new() };
         let _ = writeln!(
             s,
-            "{:>4} {:>4} {:>8} {:>8} {:>7} {:>9} {:>12} {:>9} {:>6} {:>9} {:>14} {:>7}{rss}",
+            "{:>4} {:>4} {:>8} {:>8} {:>7} {:>7}{img} {:>9} {:>12} {:>9} {:>6} {:>9} {:>14} {:>7}{rss}",
             "turn",
             "msg",
             "prompt",
             "cached",
+            "of prev",
             "new",
             "ttft ms",
             "ttft/new ms",
@@ -573,14 +661,16 @@ impl Report {
             "arena hw",
             "allocs"
         );
-        for t in self.turns() {
+        for (t, cached) in self.turns().iter().zip(cached_fractions(self.turns())) {
+            let img = if self.screenshot.is_some() { format!(" {:>8}", t.image_tokens) } else { String::new() };
             let _ = write!(
                 s,
-                "{:>4} {:>4} {:>8} {:>8} {:>7} {:>9.1} {:>12.4} {:>9.1} {:>6} {:>9} {:>14} {:>7}",
+                "{:>4} {:>4} {:>8} {:>8} {:>7} {:>7}{img} {:>9.1} {:>12.4} {:>9.1} {:>6} {:>9} {:>14} {:>7}",
                 t.turn,
                 t.kind,
                 t.prompt_tokens,
                 t.cached_tokens,
+                cached.map_or("-".into(), |f| format!("{:.1}%", 100.0 * f)),
                 t.new_tokens(),
                 t.ttft_ms,
                 t.ttft_per_new_token_ms(),
@@ -648,8 +738,13 @@ impl Report {
         // Panel 2: cached vs new prompt tokens.
         let max_tok = self.turns().iter().map(|t| t.prompt_tokens).max().unwrap_or(1).max(1) as f64;
         let y1 = y0 + panel + gap;
-        let max_tok =
-            crate::report::panel(&mut s, left, y1, plot_w, panel, max_tok, "prompt tokens per turn: cached / new", "");
+        let title = match self.screenshot {
+            Some((size, tokens)) => {
+                format!("prompt tokens per turn: cached / new (a {size} screenshot a turn, {tokens} tokens each)")
+            }
+            None => "prompt tokens per turn: cached / new".into(),
+        };
+        let max_tok = crate::report::panel(&mut s, left, y1, plot_w, panel, max_tok, &title, "");
         for (i, t) in self.turns().iter().enumerate() {
             let x = left + slot * i as f64 + (slot - bar) / 2.0;
             let ch = panel * t.cached_tokens as f64 / max_tok;
