@@ -289,6 +289,13 @@ __device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a
     const u32 a[4] = {a0, a1, a2, a3};
     mma_bf16(*reinterpret_cast<float(*)[4]>(c), a, b0, b1);
 }
+// c = A * B (mma_bf16 on a zero accumulator, no zeroing of c first).
+__device__ __forceinline__ void mma_bf16_0(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};\n"
+        : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+}
 // c += A (16x8 bf16, row) * B (8x8 bf16, col) (mma.sync m16n8k8): a0, a1 and b0 of the k16 layout
 // above (its first 8 columns of A / rows of B), C the same.
 __device__ __forceinline__ void mma_bf16_k8(float (&c)[4], u32 a0, u32 a1, u32 b0) {

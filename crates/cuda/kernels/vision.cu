@@ -177,40 +177,46 @@ struct VaTile {
 // Copies R rows of one (TWO: two) matrices of a head into shared-memory rows VaTile<HDK>::STR bf16 apart
 // at dst: row r from src + r * stride (its hd dims; the second matrix `second` elements further, landing
 // MAT bytes further). Dims hd..HDK and rows at or past `rows` (>= 1) are zero-filled (nothing is read for
-// them). vec: 16-byte copies, else 4-byte ones. All VA_NT threads call it; the caller commits.
+// them: their source address is src's). vec: 16-byte copies, else 4-byte ones. All VA_NT threads call
+// it; the caller commits. Thread tid copies row tid / TPR, chunks tid % TPR + k TPR (TPR = VA_NT / R
+// threads per row: the warp's copies of one k are whole 16 TPR-byte pieces of 32 / TPR rows), so its
+// addresses step by constants (one row offset per copy call, no division).
 template <int HDK, int R, bool TWO>
 __device__ __forceinline__ void vat_copy(u32 dst, const bf16_t* src, long long stride, long long second, int rows,
                                          int hd, bool vec, int tid) {
     using T = VaTile<HDK>;
+    constexpr int TPR = VA_NT / R;                 // threads per row (R: 32, 64 or 128)
+    constexpr int CPT = (T::CH + TPR - 1) / TPR;   // chunks per thread
+    static_assert(VA_NT % R == 0, "rows per copy divide the block");
+    const int r = tid / TPR, part = tid % TPR;
+    const bool live = r < rows;
+    // 32-bit offsets: r * stride < 128 * 3 * 65,535 * 128 < 2^32 (the launcher's bounds).
+    const bf16_t* row = src + (live ? (u32)r * (u32)stride : 0u);
+    const u32 d = dst + (u32)(r * T::STR + part * 8) * 2;
     if (vec) {
-        // Chunk c = tid + i VA_NT of the R x CH (row-major: a warp's copies cover ~3 whole rows), a fixed
-        // number of steps (unrolled; constant divisions).
-        // 32-bit offsets: r * stride < 128 * 3 * 65,535 * 128 < 2^32 (the launcher's bounds).
-        constexpr int N = R * T::CH;
-        const int nch = hd >> 3;
-        const u32 st = (u32)stride;
+        const int nch = live ? hd >> 3 : 0;  // chunks to read in this row
 #pragma unroll
-        for (int i = 0; i < (N + VA_NT - 1) / VA_NT; i++) {
-            const int c = tid + i * VA_NT;
-            if (N % VA_NT == 0 || c < N) {
-                const int r = c / T::CH, ch = c - r * T::CH;
-                const bool ok = r < rows && ch < nch;
-                const bf16_t* p = src + (ok ? (u32)r * st + (u32)(ch * 8) : 0u);
-                const u32 d = dst + (u32)(r * T::STR + ch * 8) * 2;
-                cp_async16(d, p, ok ? 16 : 0);
-                if (TWO) cp_async16(d + T::MAT, p + second, ok ? 16 : 0);
+        for (int k = 0; k < CPT; k++) {
+            const int ch = part + k * TPR;
+            if (T::CH % TPR == 0 || ch < T::CH) {
+                const bool ok = ch < nch;
+                const bf16_t* p = ok ? row + ch * 8 : src;
+                cp_async16(d + k * TPR * 16, p, ok ? 16 : 0);
+                if (TWO) cp_async16(d + k * TPR * 16 + T::MAT, p + second, ok ? 16 : 0);
             }
         }
     } else {
-        const int nw = hd >> 1;
+        const int nw = live ? hd >> 1 : 0;  // 4-byte words to read in this row
 #pragma unroll 1
-        for (int c = tid; c < R * T::CH * 4; c += VA_NT) {
-            const int r = c / (T::CH * 4), w = c - r * (T::CH * 4);
-            const bool ok = r < rows && w < nw;
-            const bf16_t* p = src + (ok ? r * stride + 2 * w : 0);
-            const u32 d = dst + (u32)(r * T::STR * 2 + w * 4);
-            cp_async4(d, p, ok ? 4 : 0);
-            if (TWO) cp_async4(d + T::MAT, p + second, ok ? 4 : 0);
+        for (int k = 0; k < 4 * CPT; k++) {
+            const int w = 4 * part + (k >> 2) * 4 * TPR + (k & 3);  // word k & 3 of chunk part + (k >> 2) TPR
+            if (w < 4 * T::CH) {
+                const bool ok = w < nw;
+                const bf16_t* p = ok ? row + 2 * w : src;
+                const u32 dw = dst + (u32)(r * T::STR * 2 + w * 4);
+                cp_async4(dw, p, ok ? 4 : 0);
+                if (TWO) cp_async4(dw + T::MAT, p + second, ok ? 4 : 0);
+            }
         }
     }
 }
@@ -296,10 +302,6 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
 
         float s[MT][BK / 8][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-            for (int nn = 0; nn < BK / 8; nn++) s[mt][nn][0] = s[mt][nn][1] = s[mt][nn][2] = s[mt][nn][3] = 0.0f;
-#pragma unroll
         for (int ks = 0; ks < KS; ks++)
 #pragma unroll
             for (int np = 0; np < BK / 16; np++) {
@@ -307,8 +309,13 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
                 ldsm_x4(kt + k_lane + (u32)(np * 16 * STR + ks * 16) * 2, b0, b1, b2, b3);
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++) {
-                    mma_bf16(s[mt][2 * np], qf[mt][ks], b0, b1);
-                    mma_bf16(s[mt][2 * np + 1], qf[mt][ks], b2, b3);
+                    if (ks == 0) {  // the first k step starts from zero (no zeroing of S)
+                        mma_bf16_0(s[mt][2 * np], qf[mt][ks], b0, b1);
+                        mma_bf16_0(s[mt][2 * np + 1], qf[mt][ks], b2, b3);
+                    } else {
+                        mma_bf16(s[mt][2 * np], qf[mt][ks], b0, b1);
+                        mma_bf16(s[mt][2 * np + 1], qf[mt][ks], b2, b3);
+                    }
                 }
             }
         if (TAIL) {
