@@ -29,9 +29,10 @@
 // CPU-dequantised cache (same tolerance as bf16).
 //
 // Provides: the specialisation defines and the KV formats; the exact widening of codes (to f32, to
-// bf16 pairs, to f16 pairs for the tensor cores); the online softmax's 2^x and row max / sum; the prefill kernels' K/V
+// bf16 pairs, to f16 pairs for the tensor cores); the prefill kernels' K/V
 // tiles (cp.async copies into padded bf16 rows, the widening of a tile of codes); the decode
-// kernels' vector read of a lane's piece of a row.
+// kernels' vector read of a lane's piece of a row. (The online softmax's 2^x and row max / sum,
+// pf_exp2 / quad_max / quad_sum, are prelude.cuh's: the vision tower's attention shares them.)
 
 #ifndef HD
 #define HD 256
@@ -75,25 +76,6 @@ __device__ __forceinline__ float kv_code_f32(u32 c) {
 template <int FMT>
 __device__ __forceinline__ u32 kv_codes_bf16x2(u32 c0, u32 c1) {
     return (__float_as_uint(kv_code_f32<FMT>(c0)) >> 16) | (__float_as_uint(kv_code_f32<FMT>(c1)) & 0xffff0000u);
-}
-
-// 2^x in one MUFU op (inputs <= 0 here; results below 2^-126 flush to 0, -inf gives 0).
-__device__ __forceinline__ float pf_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// The max / sum of x over the 4 lanes that hold one row of an mma C fragment (lanes 4g .. 4g + 3).
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-    return x;
-}
-__device__ __forceinline__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    x += __shfl_xor_sync(0xffffffffu, x, 2);
-    return x;
 }
 
 // ---------------------------------------------------------------------------------------------

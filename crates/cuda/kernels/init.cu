@@ -8,6 +8,13 @@
 // the distributions of crates/model/src/synth.rs (not its exact bytes: that uses a CPU RNG).
 // Shapes/dtypes: out [n] bf16 (is_f32 == 0) or f32. Launch: any grid (grid-stride), block 256.
 // Arch: plain, sm_80+. Tested by: tests/backend.rs (random-weight backend runs finite logits).
+//
+// init_smem: each block stores the 32-bit `pattern` over its `words` words of dynamic shared memory and
+// exits. Tests launch it (a few blocks per SM, the whole shared memory each) before a kernel that must
+// not read shared memory it did not write: that kernel's blocks then find the pattern (0xffffffff: bf16
+// and f32 NaN) where they find anything at all (shared memory is not cleared between kernels).
+// Launch: grid any, block any, dynamic smem 4 * words B (ops/init.rs fill_smem). Tested by: tests/ops/
+// vision cases (NaN left in shared memory before the attention).
 
 __device__ __forceinline__ unsigned long long splitmix64(unsigned long long x) {
     x += 0x9e3779b97f4a7c15ull;
@@ -34,4 +41,12 @@ extern "C" __global__ void init_random(void* out, long long n, unsigned long lon
         if (is_f32) ((float*)out)[i] = v;
         else ((bf16_t*)out)[i] = f2bf(v);
     }
+}
+
+extern "C" __global__ void init_smem(unsigned int pattern, int words) {
+    extern __shared__ __align__(16) unsigned int init_smem_words[];
+    const u32 base = smem_addr(init_smem_words);
+    // Volatile stores: nothing in this kernel reads them.
+    for (int i = threadIdx.x; i < words; i += blockDim.x)
+        asm volatile("st.shared.u32 [%0], %1;" ::"r"(base + 4u * (u32)i), "r"(pattern) : "memory");
 }

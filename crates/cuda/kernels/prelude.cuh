@@ -258,8 +258,9 @@ __device__ __forceinline__ unsigned short f32_to_f16_rn(float f) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// sm_80 tensor-core and asynchronous-copy helpers (mma.sync, cp.async, non-coherent loads), shared
-// by the attention, DeltaNet-chunk, GEMV and int4 kernels. Nothing Hopper-only.
+// sm_80 tensor-core and asynchronous-copy helpers (mma.sync, ldmatrix, cp.async, non-coherent loads,
+// the online softmax's pieces), shared by the attention, vision-attention, DeltaNet-chunk, GEMV and
+// int4 kernels. Nothing Hopper-only.
 
 // Component i (0..3, unrolled to a constant) of a uint4: x, y, z, w.
 __device__ __forceinline__ u32 u4_comp(const uint4& v, int i) {
@@ -288,6 +289,20 @@ __device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a
     const u32 a[4] = {a0, a1, a2, a3};
     mma_bf16(*reinterpret_cast<float(*)[4]>(c), a, b0, b1);
 }
+// c = A * B (mma_bf16 on a zero accumulator, no zeroing of c first).
+__device__ __forceinline__ void mma_bf16_0(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};\n"
+        : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+}
+// c += A (16x8 bf16, row) * B (8x8 bf16, col) (mma.sync m16n8k8): a0, a1 and b0 of the k16 layout
+// above (its first 8 columns of A / rows of B), C the same.
+__device__ __forceinline__ void mma_bf16_k8(float (&c)[4], u32 a0, u32 a1, u32 b0) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+}
 
 // Four 8x8 b16 matrices from shared memory (ldmatrix .x4): lanes 8m..8m+7 give the row addresses of
 // matrix m, which lands in r_m as (row lane/4, columns 2(lane%4), +1); _t transposes each matrix.
@@ -300,6 +315,33 @@ __device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                  : "r"(addr));
+}
+// Two matrices (.x2): lanes 0..15 give the row addresses (the other lanes' are ignored).
+__device__ __forceinline__ void ldsm_x2(u32 addr, u32& r0, u32& r1) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x2_t(u32 addr, u32& r0, u32& r1) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(addr));
+}
+
+// Online softmax on mma C fragments (the attention kernels, the vision tower's attention).
+// 2^x in one MUFU op (inputs <= 0 here; results below 2^-126 flush to 0, -inf gives 0).
+__device__ __forceinline__ float pf_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// The max / sum of x over the 4 lanes that hold one row of an mma C fragment (lanes 4g .. 4g + 3).
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+    return x;
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    x += __shfl_xor_sync(0xffffffffu, x, 2);
+    return x;
 }
 
 // The int4 kernels' unpacking (w4a16.cu's GEMV, w4_gemm.cu's pair kernel): the bf16 pair (128 + q0,

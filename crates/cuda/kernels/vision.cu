@@ -13,20 +13,16 @@
 //  vision_qkv_rope:   qkv[r] = bf16(y[r] + bias); q and k heads rotated by the 2-D axial rotary: pair j of
 //                     hd/2 pairs (dims j, j + hd/2) at angle row * inv[j] for j < hd/4, col * inv[j - hd/4]
 //                     after, inv[i] = 1 / theta^(2i / (hd/2))
-//  vision_attention:  o = softmax(q kᵀ / sqrt(hd)) v per head, each query over the keys of its frame
-//                     (non-causal), flash style: 64-key tiles in shared memory, online f32 softmax
+//  vision_attn_d64 / _d72 / _d128: o = softmax(q kᵀ / sqrt(hd)) v per head, each query over the keys of
+//                     its frame (non-causal), FlashAttention-2 style on tensor cores (design above its code)
 //  vision_residual:   x += y + bias                                    (x, y f32 [n, D])
 //  vision_bias_act:   out = bf16(act(y + bias))   act: 0 gelu tanh, 1 gelu (erf), 2 silu, 3 none
 // Shapes/dtypes: x, y f32 [n, D]; qkv bf16 [n, 3D] (q | k | v, head h at h*hd); o bf16 [n, D]; weights,
-// biases, the table bf16. hd ≤ VIS_MAX_HD and even (the tower's is 72, a multiple of 4 by its config).
-// Launch: embed_pos, layer_norm, qkv_rope: grid (n), block 256; attention: grid (frames * ceil(L / 32),
-// heads), block 128; residual, bias_act: grid (ceil(n*D / 256)), block 256. Arch: plain f32 math, sm_80+.
+// biases, the table bf16. hd ≤ 128 and even (the tower's is 72, a multiple of 4 by its config).
+// Launch: embed_pos, layer_norm, qkv_rope: grid (n), block 256; attention: see its design; residual,
+// bias_act: grid (ceil(n*D / 256)), block 256. Arch: plain f32 math, sm_80+ (the attention: mma.sync,
+// ldmatrix, cp.async, sm_80+).
 // Tested by: tests/ops/ cases "vision_*" (against the CPU reference's functions).
-
-#define VIS_MAX_HD 128
-#define VIS_QT 32   // queries per attention block (4 threads each)
-#define VIS_KT 64   // keys per shared-memory tile
-#define VIS_NEG_INF __int_as_float(0xff800000)
 
 __device__ __forceinline__ void vis_patch_pos(int r, int gh, int gw, int merge, int& row, int& col) {
     const int frame = gh * gw;
@@ -122,88 +118,335 @@ extern "C" __global__ void vision_qkv_rope(const float* __restrict__ y, const bf
     }
 }
 
-// Non-causal attention within frames of L patches. Block (frame tile, head): VIS_QT queries, 4 threads
-// each (thread s of a query holds dims s, s + 4, ...), over 64-key tiles of the frame in shared memory.
-extern "C" __global__ void __launch_bounds__(128)
-vision_attention(const bf16_t* __restrict__ qkv, bf16_t* __restrict__ o, int n, int heads, int hd, int L,
-                 float scale) {
-    __shared__ __align__(16) bf16_t ks[VIS_KT][VIS_MAX_HD];
-    __shared__ __align__(16) bf16_t vs[VIS_KT][VIS_MAX_HD];
+// ---------------------------------------------------------------------------------------------
+// Attention within frames on tensor cores: vision_attn_d64 / vision_attn_d72 / vision_attn_d128, the
+// same kernel computing HDK = 64 / 72 / 128 head dims (the launcher, ops/vision.rs attention_frames,
+// takes the smallest HDK >= hd; dims hd..HDK are zeros and contribute nothing).
+// Computes, for each frame [fs, fe) (cu_frames null: frame z = [z L, min(z L + L, n)), an image's frames
+// of L patches; else frame z = [cu_frames[z], cu_frames[z + 1])), head h and query row i of the frame:
+//   o[i, h] = sum_{j in [fs, fe)} softmax_j(scale * q[i, h] . k[j, h]) v[j, h]      (non-causal, f32 softmax)
+// Shapes/dtypes: qkv bf16 [n, 3 D] (q | k | v, D = heads * hd, head h at h * hd), o bf16 [n, D]; hd even,
+// <= HDK; qkv and o 4-byte aligned; vec = 1 where hd % 8 == 0 and qkv is 16-byte aligned (16-byte copies),
+// else 0 (4-byte copies).
+// Design: FlashAttention-2 on mma.sync (m16n8k16 bf16 -> f32, ldmatrix, cp.async), attn_prefill's
+// (attention_prefill.cu) without paging, GQA or the causal mask:
+//  - One block = QROWS queries of one (frame, head), 4 warps of MT m16 row tiles each (VaTile): 32 rows at
+//    HDK <= 80, so every K / V fragment read from shared memory feeds two mma; 16 at HDK 128, where Q
+//    and O of 32 rows would not fit the registers. Q stays in registers (mma A fragments) for the block.
+//  - K/V tiles of BK keys, double-buffered (cp.async). Every copy writes all HDK columns of all BK
+//    rows: dims past hd and keys past the frame's end are zero-filled, so the tensor cores never read a
+//    byte no copy of this block wrote (whatever an earlier kernel left in shared memory, e.g. a NaN,
+//    cannot reach p·v, where NaN · 0 would be NaN). Rows are an odd number of 16-byte chunks apart, so
+//    the 8 rows of an ldmatrix hit distinct banks (72 dims: no padding).
+//  - The head dims in k16 steps and, where HDK % 16 == 8, a k8 tail (mma m16n8k8) for S; O in HDK / 8
+//    n8 tiles: 72 dims cost 72, not 80.
+//  - S = Q Kᵀ in f32; keys past the frame's end (in its last tile only) masked to -inf; online softmax
+//    in the log2 domain (scale · log2 e applied in the exp's FFMA, ex2.approx) against a base that
+//    moves only when a row's max passes it by more than VA_SLACK (P <= 2^8: bf16 rounds it with the
+//    same relative error, the f32 sums are far from overflow), so O is rescaled (when any row's base
+//    moved: warp vote) on the first tiles only, in practice; P rounded to bf16 for P V (as
+//    FlashAttention; the row sums use it unrounded); V fragments by ldmatrix.trans. Query rows past
+//    the frame's end read zeros and are not stored.
+//  - Static shared memory: 2 stages of K + V tiles (36,864 B at HDK 64 and 72, 34,816 B at 128); the Q
+//    tile (the bytes of one stage) lands in stage 1 before the key loop. Two blocks per SM (8 warps; up
+//    to 255 registers a thread, no spills).
+// Launch: grid (ceil(longest frame / QROWS), heads, frames), block VA_NT = 128, no dynamic shared
+//   memory; QROWS = 128 (HDK 64, 72) or 64 (HDK 128) = ops/vision.rs ATTENTION_KERNELS.
+// Arch: sm_80+ (mma.sync, ldmatrix, cp.async; nothing Hopper-only).
+// Tested by: tests/ops/ cases "vision_attention" (images' frames; packed frames of 1 to 4,096 rows,
+//   not multiples of the tiles, several per launch, with shared memory filled with NaN beforehand; head
+//   dims 2 to 128) against deltaserve_cpu::attention::full_attention per frame; timed by
+//   tests/bench_vision.rs.
+#define VA_NW 4  // warps per attention block
+#define VA_NT (32 * VA_NW)
+#define VA_NEG_INF (-__int_as_float(0x7f800000))
+#define VA_SLACK 8.0f  // log2 of the largest P: a row's softmax base lags its max by at most this
+
+// The tiling at HDK computed head dims.
+template <int HDK>
+struct VaTile {
+    static constexpr int MT = HDK <= 80 ? 2 : 1;  // m16 row tiles per warp
+    static constexpr int QROWS = 16 * MT * VA_NW;  // queries per block
+    static constexpr int BK = 32 * MT;             // keys per K/V tile
+    static constexpr int CH = HDK / 8;             // 16-byte chunks of a row
+    static constexpr int STR = (CH | 1) * 8;       // shared-memory row stride (bf16): odd in 16-byte chunks
+    static constexpr int MAT = BK * STR * 2;       // bytes of a K or a V tile
+    static constexpr int STAGE = 2 * MAT;          // K + V; = the Q tile's QROWS * STR * 2 bytes
+};
+
+// Copies R rows of one (TWO: two) matrices of a head into shared-memory rows VaTile<HDK>::STR bf16 apart
+// at dst: row r from src + r * stride (its hd dims; the second matrix `second` elements further, landing
+// MAT bytes further). Dims hd..HDK and rows at or past `rows` (>= 1) are zero-filled (nothing is read for
+// them: their source address is src's). vec: 16-byte copies, else 4-byte ones. All VA_NT threads call
+// it; the caller commits. Thread tid copies row tid / TPR, chunks tid % TPR + k TPR (TPR = VA_NT / R
+// threads per row: the warp's copies of one k are whole 16 TPR-byte pieces of 32 / TPR rows), so its
+// addresses step by constants (one row offset per copy call, no division).
+template <int HDK, int R, bool TWO>
+__device__ __forceinline__ void vat_copy(u32 dst, const bf16_t* src, long long stride, long long second, int rows,
+                                         int hd, bool vec, int tid) {
+    using T = VaTile<HDK>;
+    constexpr int TPR = VA_NT / R;                 // threads per row (R: 32, 64 or 128)
+    constexpr int CPT = (T::CH + TPR - 1) / TPR;   // chunks per thread
+    static_assert(VA_NT % R == 0, "rows per copy divide the block");
+    const int r = tid / TPR, part = tid % TPR;
+    const bool live = r < rows;
+    // 32-bit offsets: r * stride < 128 * 3 * 65,535 * 128 < 2^32 (the launcher's bounds).
+    const bf16_t* row = src + (live ? (u32)r * (u32)stride : 0u);
+    const u32 d = dst + (u32)(r * T::STR + part * 8) * 2;
+    if (vec) {
+        const int nch = live ? hd >> 3 : 0;  // chunks to read in this row
+#pragma unroll
+        for (int k = 0; k < CPT; k++) {
+            const int ch = part + k * TPR;
+            if (T::CH % TPR == 0 || ch < T::CH) {
+                const bool ok = ch < nch;
+                const bf16_t* p = ok ? row + ch * 8 : src;
+                cp_async16(d + k * TPR * 16, p, ok ? 16 : 0);
+                if (TWO) cp_async16(d + k * TPR * 16 + T::MAT, p + second, ok ? 16 : 0);
+            }
+        }
+    } else {
+        const int nw = live ? hd >> 1 : 0;  // 4-byte words to read in this row
+#pragma unroll 1
+        for (int k = 0; k < 4 * CPT; k++) {
+            const int w = 4 * part + (k >> 2) * 4 * TPR + (k & 3);  // word k & 3 of chunk part + (k >> 2) TPR
+            if (w < 4 * T::CH) {
+                const bool ok = w < nw;
+                const bf16_t* p = ok ? row + 2 * w : src;
+                const u32 dw = dst + (u32)(r * T::STR * 2 + w * 4);
+                cp_async4(dw, p, ok ? 4 : 0);
+                if (TWO) cp_async4(dw + T::MAT, p + second, ok ? 4 : 0);
+            }
+        }
+    }
+}
+
+template <int HDK>
+__device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t* __restrict__ o,
+                                         const int* __restrict__ cu_frames, int n, int heads, int hd, int L,
+                                         float scale, int vec) {
+    using T = VaTile<HDK>;
+    constexpr int MT = T::MT, BK = T::BK, STR = T::STR;
+    constexpr int KS = HDK / 16;          // k16 steps over the head dims
+    constexpr bool TAIL = HDK % 16 != 0;  // and a k8 step (S) / the last n8 tile (O) for dims 16 KS..HDK
+    constexpr int NO = HDK / 8;           // n8 tiles of O
+    __shared__ __align__(16) unsigned char vat_smem[2 * T::STAGE];
+    const int z = blockIdx.z, h = blockIdx.y;
+    int fs, fe;
+    if (cu_frames) {
+        fs = cu_frames[z];
+        fe = cu_frames[z + 1];
+    } else {
+        fs = z * L;
+        fe = min(fs + L, n);
+    }
+    const int q0 = fs + blockIdx.x * T::QROWS;
+    if (q0 >= fe) return;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, tg = lane & 3;  // mma fragment row group / thread in group
     const int D = heads * hd;
     const long long stride = 3LL * D;
-    const int tiles = (L + VIS_QT - 1) / VIS_QT;
-    const int frame = blockIdx.x / tiles, tile = blockIdx.x % tiles;
-    const int h = blockIdx.y;
-    const int k0 = frame * L, k1 = min(k0 + L, n);
-    const int qi = tile * VIS_QT + threadIdx.x / 4, sub = threadIdx.x & 3;
-    const int qr = k0 + qi;
-    const bool live = qi < L && qr < n;
-    constexpr int M = VIS_MAX_HD / 4;
-    float q[M], acc[M];
+    const bf16_t* head = qkv + (long long)h * hd;
+    const u32 st0 = smem_addr(vat_smem), st1 = st0 + T::STAGE;
+    const int n_kt = (fe - fs + BK - 1) / BK;
+
+    // The block's queries to stage 1, key tile 0 to stage 0; Q into registers, then stage 1 is free.
+    vat_copy<HDK, T::QROWS, false>(st1, head + (long long)q0 * stride, stride, 0, fe - q0, hd, vec, tid);
+    vat_copy<HDK, BK, true>(st0, head + (long long)fs * stride + D, stride, D, fe - fs, hd, vec, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    u32 qf[MT][KS][4], qt[MT][2];
 #pragma unroll
-    for (int m = 0; m < M; m++) {
-        const int d = sub + 4 * m;
-        q[m] = live && d < hd ? bf2f(qkv[qr * stride + h * hd + d]) * scale : 0.0f;
-        acc[m] = 0.0f;
+    for (int mt = 0; mt < MT; mt++) {
+        const u32 row = st1 + (u32)(((warp * MT + mt) * 16 + (lane & 15)) * STR) * 2;
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++)
+            ldsm_x4(row + (u32)(ks * 16 + (lane >> 4) * 8) * 2, qf[mt][ks][0], qf[mt][ks][1], qf[mt][ks][2],
+                    qf[mt][ks][3]);
+        qt[mt][0] = qt[mt][1] = 0u;
+        if (TAIL) ldsm_x2(row + (u32)(KS * 16) * 2, qt[mt][0], qt[mt][1]);
     }
-    float mx = VIS_NEG_INF, l = 0.0f;
-    const int words = hd / 2;  // u32 pairs of a head row
-    for (int kb = k0; kb < k1; kb += VIS_KT) {
-        const int nk = min(VIS_KT, k1 - kb);
-        __syncthreads();
-        for (int e = threadIdx.x; e < nk * words; e += blockDim.x) {
-            const int j = e / words, wd = e % words;
-            const long long at = (long long)(kb + j) * stride + h * hd + 2 * wd;
-            ((u32*)ks[j])[wd] = *(const u32*)(qkv + at + D);
-            ((u32*)vs[j])[wd] = *(const u32*)(qkv + at + 2 * D);
+    __syncthreads();
+
+    float oacc[MT][NO][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nn = 0; nn < NO; nn++) oacc[mt][nn][0] = oacc[mt][nn][1] = oacc[mt][nn][2] = oacc[mt][nn][3] = 0.0f;
+    float mrow[MT][2], lrow[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        mrow[mt][0] = mrow[mt][1] = VA_NEG_INF;
+        lrow[mt][0] = lrow[mt][1] = 0.0f;
+    }
+    const float sl2 = scale * 1.4426950408889634f;  // log2 domain
+    // Lane addresses in a tile: K (B of S, keys 16 np.., dims 16 ks..), V (B of P V, transposed: keys
+    // 16 kk.., dims 16 np..) and the tail's (rows 0..15, dims 16 KS..: K and V alike).
+    const u32 k_lane = (u32)(((lane & 7) + ((lane >> 4) << 3)) * STR + ((lane >> 3) & 1) * 8) * 2;
+    const u32 v_lane = (u32)(((lane & 7) + (((lane >> 3) & 1) << 3)) * STR + (lane >> 4) * 8) * 2;
+    const u32 t_lane = (u32)((lane & 15) * STR + KS * 16) * 2;
+
+    for (int j = 0; j < n_kt; j++) {
+        const int kb = fs + j * BK;
+        if (j + 1 < n_kt) {
+            vat_copy<HDK, BK, true>((j & 1) ? st0 : st1, head + (long long)(kb + BK) * stride + D, stride, D,
+                                    fe - kb - BK, hd, vec, tid);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
         }
         __syncthreads();
-        for (int j0 = 0; j0 < nk; j0 += 16) {
-            float sc[16];
-            float cmax = VIS_NEG_INF;
+        const u32 kt = (j & 1) ? st1 : st0, vt = kt + T::MAT;
+
+        float s[MT][BK / 8][4];
 #pragma unroll
-            for (int jj = 0; jj < 16; jj++) {
-                float dot = 0.0f;
-                if (j0 + jj < nk) {
+        for (int ks = 0; ks < KS; ks++)
 #pragma unroll
-                    for (int m = 0; m < M; m++) {
-                        const int d = sub + 4 * m;
-                        if (d < hd) dot += q[m] * bf2f(ks[j0 + jj][d]);
+            for (int np = 0; np < BK / 16; np++) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4(kt + k_lane + (u32)(np * 16 * STR + ks * 16) * 2, b0, b1, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    if (ks == 0) {  // the first k step starts from zero (no zeroing of S)
+                        mma_bf16_0(s[mt][2 * np], qf[mt][ks], b0, b1);
+                        mma_bf16_0(s[mt][2 * np + 1], qf[mt][ks], b2, b3);
+                    } else {
+                        mma_bf16(s[mt][2 * np], qf[mt][ks], b0, b1);
+                        mma_bf16(s[mt][2 * np + 1], qf[mt][ks], b2, b3);
                     }
                 }
-                dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-                dot += __shfl_xor_sync(0xffffffffu, dot, 2);
-                sc[jj] = j0 + jj < nk ? dot : VIS_NEG_INF;
-                cmax = fmaxf(cmax, sc[jj]);
             }
-            const float nmx = fmaxf(mx, cmax);
-            const float corr = mx == VIS_NEG_INF ? 0.0f : expf(mx - nmx);
-            l *= corr;
+        if (TAIL) {
 #pragma unroll
-            for (int m = 0; m < M; m++) acc[m] *= corr;
-            // Only the tile's nk keys: the rows of vs past them hold whatever an earlier kernel left in
-            // shared memory (a NaN there would survive a zero weight).
+            for (int np = 0; np < BK / 16; np++) {
+                u32 b0, b1;
+                ldsm_x2(kt + t_lane + (u32)(np * 16 * STR) * 2, b0, b1);
 #pragma unroll
-            for (int jj = 0; jj < 16; jj++) {
-                if (j0 + jj >= nk) break;
-                const float p = expf(sc[jj] - nmx);
-                l += p;
-#pragma unroll
-                for (int m = 0; m < M; m++) {
-                    const int d = sub + 4 * m;
-                    if (d < hd) acc[m] += p * bf2f(vs[j0 + jj][d]);
+                for (int mt = 0; mt < MT; mt++) {
+                    mma_bf16_k8(s[mt][2 * np], qt[mt][0], qt[mt][1], b0);
+                    mma_bf16_k8(s[mt][2 * np + 1], qt[mt][0], qt[mt][1], b1);
                 }
             }
-            mx = nmx;
         }
-    }
-    if (!live) return;
-    const float inv = 1.0f / l;
+        if (kb + BK > fe) {  // the frame's last tile: no key at or past fe
 #pragma unroll
-    for (int m = 0; m < M; m++) {
-        const int d = sub + 4 * m;
-        if (d < hd) o[(long long)qr * D + h * hd + d] = f2bf(acc[m] * inv);
+            for (int nn = 0; nn < BK / 8; nn++) {
+                const int key = kb + nn * 8 + 2 * tg;
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    if (key >= fe) s[mt][nn][0] = s[mt][nn][2] = VA_NEG_INF;
+                    if (key + 1 >= fe) s[mt][nn][1] = s[mt][nn][3] = VA_NEG_INF;
+                }
+            }
+        }
+
+        // Online softmax of rows g and g + 8 of each row tile (4 lanes per row).
+        float al[MT][2];
+        bool moved = false;
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                float mx = VA_NEG_INF;
+#pragma unroll
+                for (int nn = 0; nn < BK / 8; nn++) mx = fmaxf(mx, fmaxf(s[mt][nn][2 * hf], s[mt][nn][2 * hf + 1]));
+                mx = quad_max(mx) * sl2;  // sl2 > 0: -inf stays -inf
+                // The row's base moves only when the max passes it by more than VA_SLACK (the first tile
+                // always): P stays below 2^VA_SLACK, and O is rarely rescaled after the first tiles.
+                al[mt][hf] = 1.0f;
+                if (mx > mrow[mt][hf] + VA_SLACK) {
+                    al[mt][hf] = pf_exp2(mrow[mt][hf] - mx);  // 0 on the first tile (-inf)
+                    mrow[mt][hf] = mx;
+                    moved = true;
+                }
+                const float base = mrow[mt][hf] == VA_NEG_INF ? 0.0f : mrow[mt][hf];
+                float rs = 0.0f;
+#pragma unroll
+                for (int nn = 0; nn < BK / 8; nn++) {
+                    s[mt][nn][2 * hf] = pf_exp2(fmaf(s[mt][nn][2 * hf], sl2, -base));
+                    s[mt][nn][2 * hf + 1] = pf_exp2(fmaf(s[mt][nn][2 * hf + 1], sl2, -base));
+                    rs += s[mt][nn][2 * hf] + s[mt][nn][2 * hf + 1];
+                }
+                lrow[mt][hf] = lrow[mt][hf] * al[mt][hf] + rs;
+            }
+        if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int nn = 0; nn < NO; nn++) {
+                    oacc[mt][nn][0] *= al[mt][0];
+                    oacc[mt][nn][1] *= al[mt][0];
+                    oacc[mt][nn][2] *= al[mt][1];
+                    oacc[mt][nn][3] *= al[mt][1];
+                }
+        }
+
+        // O += P V, 16 keys per k step; P as bf16 A fragments straight from the S accumulators.
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; kk++) {
+            u32 pa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                pa[mt][0] = pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][1] = pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][2] = pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][3] = pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int np = 0; np < KS; np++) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4_t(vt + v_lane + (u32)(kk * 16 * STR + np * 16) * 2, b0, b1, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    mma_bf16(oacc[mt][2 * np], pa[mt], b0, b1);
+                    mma_bf16(oacc[mt][2 * np + 1], pa[mt], b2, b3);
+                }
+            }
+            if (TAIL) {
+                u32 b0, b1;
+                ldsm_x2_t(vt + t_lane + (u32)(kk * 16 * STR) * 2, b0, b1);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) mma_bf16(oacc[mt][NO - 1], pa[mt], b0, b1);
+            }
+        }
+        __syncthreads();  // this stage is rewritten by the copy of tile j + 2
     }
+
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const float l = quad_sum(lrow[mt][hf]);
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            const int row = q0 + (warp * MT + mt) * 16 + 8 * hf + g;
+            if (row < fe) {
+                bf16_t* orow = o + (long long)row * D + (long long)h * hd + 2 * tg;
+#pragma unroll
+                for (int nn = 0; nn < NO; nn++)
+                    if (nn * 8 + 2 * tg < hd)
+                        *(u32*)(orow + nn * 8) = pack_bf16(oacc[mt][nn][2 * hf] * inv, oacc[mt][nn][2 * hf + 1] * inv);
+            }
+        }
+}
+
+extern "C" __global__ void __launch_bounds__(VA_NT, 2)
+vision_attn_d64(const bf16_t* __restrict__ qkv, bf16_t* __restrict__ o, const int* __restrict__ cu_frames, int n,
+                int heads, int hd, int L, float scale, int vec) {
+    vat_body<64>(qkv, o, cu_frames, n, heads, hd, L, scale, vec);
+}
+
+extern "C" __global__ void __launch_bounds__(VA_NT, 2)
+vision_attn_d72(const bf16_t* __restrict__ qkv, bf16_t* __restrict__ o, const int* __restrict__ cu_frames, int n,
+                int heads, int hd, int L, float scale, int vec) {
+    vat_body<72>(qkv, o, cu_frames, n, heads, hd, L, scale, vec);
+}
+
+extern "C" __global__ void __launch_bounds__(VA_NT, 2)
+vision_attn_d128(const bf16_t* __restrict__ qkv, bf16_t* __restrict__ o, const int* __restrict__ cu_frames, int n,
+                 int heads, int hd, int L, float scale, int vec) {
+    vat_body<128>(qkv, o, cu_frames, n, heads, hd, L, scale, vec);
 }
 
 extern "C" __global__ void vision_residual(float* __restrict__ x, const float* __restrict__ y,

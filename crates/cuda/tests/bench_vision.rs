@@ -5,13 +5,18 @@
 //! Encodes one 1024×1024 image (64×64 patches of 16 px: 4,096 patches, 1,024 prompt tokens) in a prefill
 //! step of a 4-layer text model and times the step against the same step with text tokens in place of the
 //! image: the difference is the tower. Reported against the bf16 dense roofline of the H200 (989 TFLOP/s):
-//! the tower's GEMM FLOPs plus its attention's (scores and values, every patch over its image).
+//! the tower's GEMM FLOPs plus its attention's (scores and values, every patch over its image). Then the
+//! tower's attention alone (`ops::vision::attention` at the image's shape on random q, k, v; CUDA events
+//! around each launch, median), its share of the tower and its rate.
 
 use std::sync::Arc;
 use std::time::Instant;
 
+use cudarc::driver::sys::CUevent_flags;
 use deltaserve_backend::{Backend, ChunkImage, ImagePatches, SeqChunk, StepBatch, step_logits};
-use deltaserve_cuda::{CudaBackend, Runtime, WeightSource};
+use deltaserve_cuda::ops::init::{Init, init_random};
+use deltaserve_cuda::ops::vision::{self as vk, Grid};
+use deltaserve_cuda::{Arena, CudaBackend, KernelDims, Kernels, Runtime, WeightSource};
 use deltaserve_model::ModelConfig;
 use deltaserve_model::mrope::place_images;
 use deltaserve_model::synth::Preset;
@@ -23,6 +28,37 @@ const H200_BF16: f64 = 989e12;
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
+}
+
+/// Median milliseconds of one attention launch of the tower at an image of `side`² patches (`heads` of
+/// `hd`, one frame) on random q, k, v: CUDA events around each of 20 launches after 2 warm-up ones.
+fn attention_ms(side: usize, heads: usize, hd: usize) -> f64 {
+    let rt = Runtime::open(0).unwrap();
+    let k = Kernels::load(&rt, KernelDims::QWEN35_27B).unwrap();
+    let n = side * side;
+    let (qkv_elems, o_elems) = (3 * n * heads * hd, n * heads * hd);
+    let mut arena = Arena::new(rt.context().clone());
+    let reg = arena.add_region("bench", 2 * (qkv_elems + o_elems) + (1 << 20)).unwrap();
+    let qkv = arena.alloc(reg, 2 * qkv_elems).unwrap().ptr;
+    let o = arena.alloc(reg, 2 * o_elems).unwrap().ptr;
+    let s = rt.stream();
+    init_random(&k, s, qkv, qkv_elems, 5, Init::Normal(1.0), false).unwrap();
+    let grid = Grid { t: 1, h: side, w: side, merge: 2 };
+    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let (e0, e1) = (rt.context().new_event(flags).unwrap(), rt.context().new_event(flags).unwrap());
+    for _ in 0..2 {
+        vk::attention(&k, s, qkv, o, heads, hd, grid).unwrap();
+    }
+    rt.synchronize().unwrap();
+    let times = (0..20)
+        .map(|_| {
+            e0.record(s).unwrap();
+            vk::attention(&k, s, qkv, o, heads, hd, grid).unwrap();
+            e1.record(s).unwrap();
+            e0.elapsed_ms(&e1).unwrap() as f64
+        })
+        .collect();
+    median(times)
 }
 
 #[test]
@@ -103,5 +139,17 @@ fn bench_vision_tower_27b() {
         flops / tower_s / 1e12,
         100.0 * flops / tower_s / H200_BF16,
         flops / H200_BF16 * 1e3
+    );
+    let (heads, hd) = (v.num_heads, v.head_dim());
+    let attn_ms = attention_ms(side, heads, hd);
+    let layers_ms = attn_ms * v.depth as f64;
+    let attn_flops = 4.0 * n * n * (heads * hd) as f64;
+    println!(
+        "BENCH vision attention, {patches} patches x {heads} heads of {hd} (one frame): {attn_ms:.3} ms per block, \
+         {layers_ms:.2} ms for the {} blocks = {:.0}% of the tower ({:.0} TFLOP/s); the tower without it: {:.2} ms",
+        v.depth,
+        100.0 * layers_ms / (tower_s * 1e3),
+        attn_flops / (attn_ms * 1e-3) / 1e12,
+        tower_s * 1e3 - layers_ms
     );
 }

@@ -1,4 +1,5 @@
-//! Launcher for kernels/init.cu (deterministic random weights on the device).
+//! Launchers for kernels/init.cu (deterministic random weights on the device; shared memory filled
+//! with a pattern, for tests).
 
 use cudarc::driver::CudaStream;
 
@@ -45,4 +46,17 @@ pub fn init_random(
     let is_f32 = f32_out as i32;
     let grid = (n.div_ceil(256).clamp(1, 16384) as u32, 1, 1);
     launch!(k, s, "init_random", grid, (256, 1, 1), 0; out, nn, seed, std_, mode, is_f32)
+}
+
+/// Fills the dynamic shared memory of `blocks` blocks of 256 threads, `bytes` each (at most the
+/// device's opt-in limit, `Runtime::max_smem_optin`), with the 32-bit `pattern`: what the blocks of the
+/// kernels launched after it find in shared memory they have not written (tests; `init_smem`).
+pub fn fill_smem(k: &Kernels, s: &CudaStream, pattern: u32, blocks: usize, bytes: usize) -> Result<(), CudaError> {
+    const K: &str = "init_smem";
+    if blocks == 0 || bytes < 4 {
+        return Ok(());
+    }
+    let words = super::to_i32(K, "words", bytes / 4)?;
+    let smem = super::to_u32(K, "bytes", bytes)?;
+    launch!(k, s, K, (super::to_u32(K, "blocks", blocks)?, 1, 1), (256, 1, 1), smem; pattern, words)
 }

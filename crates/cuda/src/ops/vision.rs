@@ -7,7 +7,7 @@ use cudarc::driver::CudaStream;
 use super::{Kernels, invalid, launch, to_i32, to_u32};
 use crate::error::CudaError;
 
-/// Head dims the attention kernel takes (even, at most this).
+/// Head dims the attention kernels take (even, at most this).
 pub const MAX_HEAD_DIM: usize = 128;
 
 /// An image's patch grid: `t` frames of `h × w` patches, folded by `merge × merge` windows (the rows come
@@ -119,6 +119,7 @@ pub fn qkv_rope(
 
 /// o `[patches, heads·hd]` bf16 = softmax(q kᵀ / √hd) v per head, each patch attending to every patch of
 /// its frame (`grid.h · grid.w` patches); q, k, v the thirds of qkv `[patches, 3·heads·hd]` bf16.
+/// [`attention_frames`] over the image's `grid.t` frames.
 pub fn attention(
     k: &Kernels,
     s: &CudaStream,
@@ -128,19 +129,85 @@ pub fn attention(
     hd: usize,
     grid: Grid,
 ) -> Result<(), CudaError> {
-    const K: &str = "vision_attention";
-    grid.ints(K)?;
-    if heads == 0 || hd == 0 || hd > MAX_HEAD_DIM || !hd.is_multiple_of(2) {
-        return Err(invalid(K, format!("{heads} heads of dim {hd} (even, at most {MAX_HEAD_DIM})")));
+    grid.ints(ATTENTION)?;
+    let frames = Frames::Uniform { len: grid.h * grid.w, count: grid.t };
+    attention_frames(k, s, qkv, o, grid.patches(), heads, hd, frames)
+}
+
+/// Where the frames of an [`attention_frames`] launch lie among its rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Frames {
+    /// `count` frames of `len` rows, one after the other (an image's `t` frames of `h·w` patches).
+    Uniform { len: usize, count: usize },
+    /// `count` frames of any lengths: frame z is rows `cu[z]..cu[z + 1]` of the device i32 offsets at
+    /// `cu` (`count + 1` of them, non-decreasing, within the rows), the longest `max_len` rows.
+    Packed { cu: u64, count: usize, max_len: usize },
+}
+
+/// The name the attention launchers' errors carry.
+const ATTENTION: &str = "vision_attention";
+
+/// The attention kernels (kernels/vision.cu `vision_attn_d*`): name, the head dims it computes (a
+/// head dim runs on the first kernel that has at least as many; its dims past hd are zeros) and its
+/// queries per block (`VaTile::QROWS`).
+const ATTENTION_KERNELS: [(&str, usize, usize); 3] =
+    [("vision_attn_d64", 64, 128), ("vision_attn_d72", 72, 128), ("vision_attn_d128", 128, 64)];
+
+/// The attention kernel for head dim `hd` and its queries per block; an error unless `hd` is even and
+/// at most [`MAX_HEAD_DIM`].
+pub fn attention_kernel(hd: usize) -> Result<(&'static str, usize), CudaError> {
+    match ATTENTION_KERNELS.iter().find(|&&(_, dims, _)| hd <= dims) {
+        Some(&(name, _, rows)) if hd > 0 && hd.is_multiple_of(2) => Ok((name, rows)),
+        _ => Err(invalid(ATTENTION, format!("head dim {hd}: the kernels take even head dims up to {MAX_HEAD_DIM}"))),
     }
-    let frame = grid.h * grid.w;
-    let n = grid.patches();
-    let tiles = frame.div_ceil(32);
-    let blocks = (to_u32(K, "blocks", grid.t * tiles)?, to_u32(K, "heads", heads)?, 1);
+}
+
+/// o `[n, heads·hd]` bf16 = softmax(q kᵀ / √hd) v per head, each row attending to every row of its
+/// frame (non-causal; rows outside every frame are left as they are); q, k, v the thirds of qkv
+/// `[n, 3·heads·hd]` bf16. Tensor cores (kernels/vision.cu `vision_attn_d*`): hd even, at most
+/// [`MAX_HEAD_DIM`], qkv and o 4-byte aligned.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_frames(
+    k: &Kernels,
+    s: &CudaStream,
+    qkv: u64,
+    o: u64,
+    n: usize,
+    heads: usize,
+    hd: usize,
+    frames: Frames,
+) -> Result<(), CudaError> {
+    const K: &str = ATTENTION;
+    let (name, rows) = attention_kernel(hd)?;
+    if heads == 0 {
+        return Err(invalid(K, "no heads"));
+    }
+    if !qkv.is_multiple_of(4) || !o.is_multiple_of(4) {
+        return Err(invalid(K, format!("qkv {qkv:#x} and o {o:#x} must be 4-byte aligned")));
+    }
+    let (cu, count, max_len, len) = match frames {
+        Frames::Uniform { len, count } => {
+            if count.checked_mul(len) != Some(n) {
+                return Err(invalid(K, format!("{count} frames of {len} rows are not the {n} rows")));
+            }
+            (0u64, count, len, len)
+        }
+        Frames::Packed { cu, count, max_len } => (cu, count, max_len.min(n), 0),
+    };
+    if count == 0 || max_len == 0 {
+        return Ok(());
+    }
+    let blocks =
+        (to_u32(K, "query tiles", max_len.div_ceil(rows))?, to_u32(K, "heads", heads)?, to_u32(K, "frames", count)?);
+    if blocks.1 > 65_535 || blocks.2 > 65_535 {
+        return Err(invalid(K, format!("{heads} heads and {count} frames: at most 65,535 each")));
+    }
     let (nn, nh, d, l) =
-        (to_i32(K, "n", n)?, to_i32(K, "heads", heads)?, to_i32(K, "hd", hd)?, to_i32(K, "frame", frame)?);
+        (to_i32(K, "n", n)?, to_i32(K, "heads", heads)?, to_i32(K, "hd", hd)?, to_i32(K, "frame", len)?);
     let scale = 1.0 / (hd as f32).sqrt();
-    launch!(k, s, K, blocks, (128, 1, 1), 0; qkv, o, nn, nh, d, l, scale)
+    // 16-byte copies where every head row is 16-byte aligned.
+    let vec = (hd.is_multiple_of(8) && qkv.is_multiple_of(16)) as i32;
+    launch!(k, s, name, blocks, (128, 1, 1), 0; qkv, o, cu, nn, nh, d, l, scale, vec)
 }
 
 /// x += y + bias: x, y `[rows, d]` f32, bias `[d]` bf16 (0: none).
@@ -192,4 +259,25 @@ fn elementwise(kernel: &'static str, rows: usize, d: usize) -> Option<Result<Ele
         Err(e) => return Some(Err(e)),
     };
     Some(to_i32(kernel, "d", d).map(|dd| ((blocks, 1, 1), total as i64, dd)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::attention_kernel;
+
+    /// Each even head dim up to 128 runs on the smallest kernel that computes at least as many dims;
+    /// the others are refused.
+    #[test]
+    fn attention_kernel_by_head_dim() {
+        for (hd, name) in
+            [(2, "vision_attn_d64"), (64, "vision_attn_d64"), (66, "vision_attn_d72"), (72, "vision_attn_d72")]
+                .into_iter()
+                .chain([(74, "vision_attn_d128"), (80, "vision_attn_d128"), (128, "vision_attn_d128")])
+        {
+            assert_eq!(attention_kernel(hd).map(|k| k.0).ok(), Some(name), "head dim {hd}");
+        }
+        for hd in [0, 1, 71, 129, 130, 256] {
+            assert!(attention_kernel(hd).is_err(), "head dim {hd}");
+        }
+    }
 }

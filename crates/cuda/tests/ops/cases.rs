@@ -503,6 +503,8 @@ pub(crate) fn vision_cases() -> Vec<Case> {
     use crate::vision::VisionAct::{Gelu, GeluTanh, None as Plain, Silu};
     let q = KernelDims::QWEN35_27B;
     let attn = |grids: &[[usize; 3]], heads, hd| Op::VisionAttention { grids: grids.to_vec(), heads, hd };
+    let frames =
+        |lens: &[usize], heads, hd, nan_smem| Op::VisionAttentionFrames { lens: lens.to_vec(), heads, hd, nan_smem };
     let mrope = |t, nq, nkv, hd, rot| Op::QkNormRopeMrope { t, nq, nkv, hd, rot, section: [11, 11, 10] };
     vec![
         c("qk_norm_rope_mrope", q, mrope(12, 24, 4, 256, 64), SINGLE),
@@ -515,15 +517,31 @@ pub(crate) fn vision_cases() -> Vec<Case> {
         c("vision_qkv_rope", q, Op::VisionQkvRope { grid: [1, 4, 6], heads: 2, hd: 72 }, SINGLE),
         c("vision_qkv_rope", q, Op::VisionQkvRope { grid: [1, 32, 24], heads: 16, hd: 72 }, SINGLE),
         c("vision_qkv_rope", q, Op::VisionQkvRope { grid: [2, 6, 8], heads: 3, hd: 64 }, SINGLE),
-        // One image, a partial query tile and a partial key tile (120 patches).
-        c("vision_attention", q, attn(&[[1, 10, 12]], 2, 72), ACCUM),
+        // The attention (tensor cores, bf16 P: the other bf16 attention cases' bound). One image, a
+        // partial query tile and a partial key tile (120 patches).
+        c("vision_attention", q, attn(&[[1, 10, 12]], 2, 72), ATTN_PLAIN_P),
         // Two images of different sizes, one after the other.
-        c("vision_attention", q, attn(&[[1, 10, 12], [1, 6, 4]], 2, 72), ACCUM),
-        c("vision_attention", q, attn(&[[1, 16, 32], [1, 8, 6]], 16, 72), ACCUM),
-        c("vision_attention", q, attn(&[[1, 16, 20]], 3, 64), ACCUM),
-        c("vision_attention", q, attn(&[[1, 14, 18], [1, 4, 4]], 4, 64), ACCUM),
+        c("vision_attention", q, attn(&[[1, 10, 12], [1, 6, 4]], 2, 72), ATTN_PLAIN_P),
+        c("vision_attention", q, attn(&[[1, 16, 32], [1, 8, 6]], 16, 72), ATTN_PLAIN_P),
+        c("vision_attention", q, attn(&[[1, 16, 20]], 3, 64), ATTN_PLAIN_P),
+        c("vision_attention", q, attn(&[[1, 14, 18], [1, 4, 4]], 4, 64), ATTN_PLAIN_P),
         // Two frames attend each on their own.
-        c("vision_attention", q, attn(&[[2, 6, 8]], 2, 72), ACCUM),
+        c("vision_attention", q, attn(&[[2, 6, 8]], 2, 72), ATTN_PLAIN_P),
+        // Whole tiles only (128 queries, 64 keys per tile at 72 dims) at the real tower's width.
+        c("vision_attention", q, attn(&[[1, 32, 32]], 16, 72), ATTN_PLAIN_P),
+        // Packed frames of any lengths in one launch, NaN left in shared memory before it: the tiny
+        // tower's shape (2 heads of 72) up to a 1024² image's frame; the real width (16 heads).
+        c("vision_attention", q, frames(&[1, 24, 100, 333, 4096], 2, 72, true), ATTN_PLAIN_P),
+        c("vision_attention", q, frames(&[63, 64, 65, 127, 128, 129, 1], 16, 72, true), ATTN_PLAIN_P),
+        c("vision_attention", q, frames(&[300, 0, 17], 16, 72, false), ATTN_PLAIN_P),
+        // The other head dims: 64 and 128 (16-byte copies), 36 and 2 (4-byte copies, zero-filled dims
+        // up to the kernel's 64), 80 and 104 (on the 128-dim kernel).
+        c("vision_attention", q, frames(&[333, 1, 64, 129], 3, 64, true), ATTN_PLAIN_P),
+        c("vision_attention", q, frames(&[200, 65, 1, 31], 2, 128, true), ATTN_PLAIN_P),
+        c("vision_attention", q, frames(&[77, 5, 130], 3, 36, true), ATTN_PLAIN_P),
+        c("vision_attention", q, frames(&[40, 3], 2, 2, true), ATTN_PLAIN_P),
+        c("vision_attention", q, frames(&[150, 33], 2, 80, true), ATTN_PLAIN_P),
+        c("vision_attention", q, frames(&[97, 2], 4, 104, false), ATTN_PLAIN_P),
         c("vision_bias_act", q, Op::VisionBiasAct { rows: 5, d: 4304, act: GeluTanh }, SINGLE),
         c("vision_bias_act", q, Op::VisionBiasAct { rows: 9, d: 576, act: Gelu }, SINGLE),
         c("vision_bias_act", q, Op::VisionBiasAct { rows: 4, d: 288, act: Silu }, SINGLE),

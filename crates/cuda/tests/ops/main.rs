@@ -152,6 +152,14 @@ enum Op {
         heads: usize,
         hd: usize,
     },
+    /// The same over packed frames of any lengths `lens` in one launch (frame offsets on the device);
+    /// `nan_smem`: every SM's shared memory filled with NaN just before the launch.
+    VisionAttentionFrames {
+        lens: Vec<usize>,
+        heads: usize,
+        hd: usize,
+        nan_smem: bool,
+    },
     /// The biased activation (and the residual add) of the tower's GEMM outputs.
     VisionBiasAct {
         rows: usize,
@@ -435,6 +443,7 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
         Op::VisionEmbedPos { .. } => vision::embed_pos,
         Op::VisionQkvRope { .. } => vision::qkv_rope,
         Op::VisionAttention { .. } => vision::attention,
+        Op::VisionAttentionFrames { .. } => vision::attention_frames,
         Op::VisionBiasAct { .. } => vision::bias_act,
         Op::ConvPrefill { .. } => elementwise::conv_prefill,
         Op::ConvDecode { .. } => elementwise::conv_decode,

@@ -7,7 +7,7 @@ use deltaserve_cuda::ops::{self, vision as vk};
 use rand::RngExt;
 use rand::rngs::StdRng;
 
-use crate::harness::{Dev, Outcome, R, compare, randv, rb, same_bits};
+use crate::harness::{Dev, Outcome, R, compare, cu_of, randv, rb, same_bits};
 use crate::{Env, Op};
 
 /// The activations a case runs (`ops::vision::Act` and the reference's function).
@@ -108,15 +108,53 @@ pub fn attention(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcom
         let qkv = randv(rng, n * 3 * dim, 2.0);
         let (qp, op) = (d.bf16(&qkv)?, d.poison(2 * n * dim)?);
         vk::attention(k, s, qp, op, heads, hd, grid_of(g))?;
-        let frame = g[1] * g[2];
-        let mut r = Vec::with_capacity(n * dim);
-        for rows in qkv.chunks(frame * 3 * dim) {
-            let part =
-                |p: usize| -> Vec<f32> { rows.chunks(3 * dim).flat_map(|x| x[p * dim..][..dim].to_vec()).collect() };
-            r.extend(cpu::attention::full_attention(&part(0), &part(1), &part(2), heads, hd));
-        }
+        let r = frames_reference(&qkv, &vec![g[1] * g[2]; g[0]], heads, hd);
         out.push(compare(&format!("image {i} {g:?}"), &r, &d.get_bf16(op, n * dim)?, tol));
     }
+    Ok(out)
+}
+
+/// The reference of the attention over frames of `lens` rows of qkv `[n, 3·dim]` (one after the other):
+/// each frame's rows through `full_attention` on their own.
+fn frames_reference(qkv: &[f32], lens: &[usize], heads: usize, hd: usize) -> Vec<f32> {
+    let dim = heads * hd;
+    let mut r = Vec::with_capacity(qkv.len() / 3);
+    let mut at = 0;
+    for &len in lens {
+        let rows = &qkv[at * 3 * dim..(at + len) * 3 * dim];
+        let part = |p: usize| -> Vec<f32> { rows.chunks(3 * dim).flat_map(|x| x[p * dim..][..dim].to_vec()).collect() };
+        r.extend(cpu::attention::full_attention(&part(0), &part(1), &part(2), heads, hd));
+        at += len;
+    }
+    r
+}
+
+/// [`Op::VisionAttentionFrames`]: packed frames of any lengths in one launch (device offsets), after a
+/// kernel that leaves NaN in every SM's shared memory where asked; and the launcher refuses the head
+/// dims the kernels do not take.
+pub fn attention_frames(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
+    let Env { rt, k, s, tol } = e;
+    let Op::VisionAttentionFrames { ref lens, heads, hd, nan_smem } = *op else { unreachable!() };
+    let (dim, n) = (heads * hd, lens.iter().sum::<usize>());
+    let qkv = randv(rng, n * 3 * dim, 2.0);
+    let (qp, op, cu) = (d.bf16(&qkv)?, d.poison(2 * n * dim)?, d.i32s(&cu_of(lens))?);
+    let frames = vk::Frames::Packed { cu, count: lens.len(), max_len: lens.iter().copied().max().unwrap_or(0) };
+    if nan_smem {
+        // A few blocks per SM, each over all the shared memory a block may have.
+        let blocks = 4 * rt.sm_count.max(1) as usize;
+        ops::init::fill_smem(k, s, 0xffff_ffff, blocks, rt.max_smem_optin.max(0) as usize)?;
+    }
+    vk::attention_frames(k, s, qp, op, n, heads, hd, frames)?;
+    let r = frames_reference(&qkv, lens, heads, hd);
+    let mut out = vec![compare(&format!("frames {lens:?}"), &r, &d.get_bf16(op, n * dim)?, tol)];
+    let refused: Vec<usize> = [0, 1, 71, 129, 130, 256]
+        .into_iter()
+        .filter(|&bad| vk::attention_frames(k, s, qp, op, n, heads, bad, frames).is_ok())
+        .collect();
+    out.push(Outcome {
+        ok: refused.is_empty(),
+        detail: format!("head dims 0, 1, 71, 129, 130, 256 refused (accepted: {refused:?})"),
+    });
     Ok(out)
 }
 
