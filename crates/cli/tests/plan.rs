@@ -67,6 +67,29 @@ fn no_fit_plans_the_settings_as_given() {
     assert_eq!(j["fit"]["adjustments"].as_array().unwrap().len(), 0);
 }
 
+/// `synth --no-weights` writes a preset's config, generation config and tokenizer files and no weights: a
+/// directory that `plan --model` plans as the preset itself.
+#[test]
+fn synth_no_weights_plans_as_the_preset() {
+    let dir = std::env::temp_dir().join(format!("ds-plan-no-weights-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = Command::new(env!("CARGO_BIN_EXE_deltaserve"))
+        .args(["synth", "--preset", "qwen3.6-27b", "--no-weights", "--out"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for f in ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"] {
+        assert!(dir.join(f).is_file(), "{f} missing");
+    }
+    let files: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert_eq!(files.len(), 4, "{files:?}");
+    let opts = ["--memory", "24GiB", "--weights-dtype", "int4", "--kv-cache-dtype", "fp8", "--json"];
+    let from_dir = plan_json(&[&["--model", dir.to_str().unwrap()][..], &opts].concat());
+    assert_eq!(from_dir, plan_json(&[&["--preset", "qwen3.6-27b"][..], &opts].concat()));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A GPTQ checkpoint is planned as `serve --device cuda` loads it: int4 (asymmetric when the checkpoint
 /// has zero points), with the linears it keeps bf16 priced in the backend scratch; asking for bf16
 /// weights is a clear error.

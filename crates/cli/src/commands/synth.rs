@@ -29,12 +29,21 @@ pub struct Args {
     /// and a permuted column order). For testing GPTQ loading without a real export.
     #[arg(long, value_parser = ["sym", "asym-act-order"])]
     gptq: Option<String>,
+    /// Write no weights: config.json, generation_config.json and the tokenizer files only, for
+    /// `--model DIR --random-weights` (the preset's shapes, no weight files).
+    #[arg(long, conflicts_with_all = ["mtp_agreeing", "gptq"])]
+    no_weights: bool,
 }
 
 pub fn run(a: Args) -> Result<()> {
     let preset = Preset::parse(&a.preset)?;
     if a.layers == Some(0) {
         anyhow::bail!("--layers must be at least 1");
+    }
+    if a.no_weights {
+        deltaserve_text::synth_model::write_synthetic_config(&a.out, preset, a.layers)?;
+        eprintln!("wrote the config and tokenizer of a {} model (no weights) to {}", a.preset, a.out.display());
+        return Ok(());
     }
     let bar = ProgressBar::new(0).with_message("writing weights");
     bar.set_style(
