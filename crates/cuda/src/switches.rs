@@ -98,7 +98,14 @@ impl Switches {
 
     /// Whether any switch differs from its default.
     pub fn any_set(&self) -> bool {
-        *self != Switches { fold_norms: true, w4_gemm: true, device_masks: true, later_picks: true, ..Switches::default() }
+        *self
+            != Switches {
+                fold_norms: true,
+                w4_gemm: true,
+                device_masks: true,
+                later_picks: true,
+                ..Switches::default()
+            }
     }
 }
 
