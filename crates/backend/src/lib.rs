@@ -31,6 +31,7 @@
 
 pub mod ahead;
 pub mod host;
+pub mod host_memory;
 pub mod sampling;
 
 use std::sync::Arc;

@@ -112,6 +112,11 @@ pub struct EngineArgs {
     /// Default: the planner may choose it when the full context does not fit otherwise.
     #[arg(long)]
     pub embed_on_host: bool,
+    /// CUDA backend, mixture-of-experts models: keep the routed experts in pinned host memory, mapped for
+    /// the GPU, which reads the experts each token picks across PCIe (slower decode, far less GPU
+    /// memory). Default: the planner chooses it when nothing else comes near the full context.
+    #[arg(long)]
+    pub experts_on_host: bool,
     /// The most patches (vision-tower tokens; 4 make one prompt image token) of one image: the plan sizes
     /// the tower's activation workspace for this many, and a request with a larger image gets a 400.
     /// Default: the larger of 4096 and one image at the pixel budget of preprocessor_config.json (65,536
@@ -174,7 +179,10 @@ impl EngineArgs {
         let snapshot = plan.state_bytes_per_seq.max(1);
         let host = match self.snapshot_host_memory.trim() {
             "auto" => {
-                let avail = crate::host_memory::Available::now();
+                // What the plan pins for its host weights (embedding, routed experts) is not the pool's.
+                let pinned = plan.host_weights_bytes;
+                let avail = crate::host_memory::Available::now()
+                    .map(|a| crate::host_memory::Available { bytes: a.bytes.saturating_sub(pinned), ..a });
                 let bytes = crate::host_memory::auto_snapshot_bytes(snapshot, plan.max_seqs, avail);
                 tracing::info!(
                     pool = %fmt_bytes(bytes),
@@ -329,7 +337,7 @@ impl EngineArgs {
                     let (f, t) = deltaserve_cuda::Runtime::open(gpu)?.memory_info()?;
                     (free, total) = (free.min(f), total.min(t));
                 }
-                let card = GpuMemory { free, total, reserve: opts.runtime_reserve_bytes };
+                let card = crate::gpu_budget::GpuMemory { free, total, reserve: opts.runtime_reserve_bytes };
                 card.budget(self.memory.as_deref(), self.gpu_memory_utilization)?
             }
         };
@@ -365,6 +373,7 @@ impl EngineArgs {
             embed_on_host: false,
             lm_head_int4: false,
             vision: false,
+            experts_on_host: false,
         }
     }
 
@@ -557,6 +566,10 @@ impl EngineArgs {
         opts.int4_asym = asym;
         opts.lm_head_int4 = self.lm_head_int4;
         opts.embed_on_host = self.embed_on_host;
+        opts.experts_on_host = self.experts_on_host;
+        if self.experts_on_host && text.config.moe.is_none() {
+            anyhow::bail!("--experts-on-host: this model has no routed experts (its MLPs are dense)");
+        }
         opts.max_image_tokens_per_step = vision
             .then(|| crate::model_source::max_image_tokens_per_step(self.max_image_tokens_per_step, Some(&text.dir)));
         // A GPTQ checkpoint may keep some linears bf16 or need act-order permutations: the plan adds
@@ -568,9 +581,22 @@ impl EngineArgs {
             embed_on_host: !self.embed_on_host,
             lm_head_int4: !self.lm_head_int4,
             vision: !asked,
+            experts_on_host: !self.experts_on_host && tp == 1,
             ..self.free()
         };
         let plan = self.fit(cfg, &opts, free)?;
+        // The pinned experts, against the host memory the process may still take (before any is read).
+        let host_experts = plan.weight_parts.host_experts();
+        if host_experts > 0 {
+            let avail = crate::host_memory::Available::now();
+            let lower = "free host memory, or store the experts in fewer bytes (--weights-dtype int4)";
+            crate::host_memory::check("--experts-on-host", host_experts, avail, lower)?;
+            tracing::info!(
+                "routed experts in pinned host memory: {} (each token reads {} of them across the bus)",
+                fmt_bytes(host_experts),
+                fmt_bytes(plan.weight_parts.experts_active)
+            );
+        }
         let sched = self.sched_config(&plan)?;
         let cpu_pages = plan.num_kv_pages;
         Ok(Prepared { device: Device::Cuda, text, plan, sched, speculative_tokens: spec, cpu_pages })
@@ -601,10 +627,15 @@ impl EngineArgs {
     /// The CPU backend's checks and plan, and the host memory its arena will take against what is available.
     fn prepare_cpu(&self, text: TextModel, positions: Option<usize>, no_vision: bool) -> Result<Prepared> {
         self.check_cpu_tensor_parallel()?;
-        if self.weights_dtype.is_some() || self.quantize.is_some() || self.lm_head_int4 || self.embed_on_host {
+        if self.weights_dtype.is_some()
+            || self.quantize.is_some()
+            || self.lm_head_int4
+            || self.embed_on_host
+            || self.experts_on_host
+        {
             anyhow::bail!(
-                "--weights-dtype / --quantize / --lm-head-int4 / --embed-on-host: CUDA backend options (the CPU \
-                 reference keeps f32 weights)"
+                "--weights-dtype / --quantize / --lm-head-int4 / --embed-on-host / --experts-on-host: CUDA backend \
+                 options (the CPU reference keeps f32 weights in host memory)"
             );
         }
         let spec = self.speculative_tokens()?;
@@ -696,38 +727,6 @@ fn parse_fraction(s: &str) -> Result<f64, String> {
     }
 }
 
-/// One GPU's memory as the driver reports it once this process's context exists, and the runtime reserve
-/// the plan counts for that context, its modules and handles.
-struct GpuMemory {
-    free: u64,
-    total: u64,
-    reserve: u64,
-}
-
-impl GpuMemory {
-    /// The budget: `--memory`, or `--gpu-memory-utilization` × the card's total, or 95% of the free memory
-    /// (a margin for other processes and the driver). An explicit budget whose arena (the budget less the
-    /// runtime reserve) exceeds the free memory is refused before any weight is read.
-    fn budget(&self, memory: Option<&str>, utilization: Option<f64>) -> Result<u64> {
-        let (budget, flag) = match (memory, utilization) {
-            (Some(m), _) => (parse_size(m).map_err(|e| anyhow::anyhow!("--memory: {e}"))?, format!("--memory {m}")),
-            (None, Some(f)) => ((self.total as f64 * f) as u64, format!("--gpu-memory-utilization {f}")),
-            (None, None) => return Ok(self.free.saturating_sub(self.free / 20)),
-        };
-        if budget.saturating_sub(self.reserve) > self.free {
-            anyhow::bail!(
-                "{flag} asks for {} ({} for the arena after the {} runtime reserve), but only {} of the GPU's {} is                  free (other processes hold the rest): lower it",
-                fmt_bytes(budget),
-                fmt_bytes(budget.saturating_sub(self.reserve)),
-                fmt_bytes(self.reserve),
-                fmt_bytes(self.free),
-                fmt_bytes(self.total)
-            );
-        }
-        Ok(budget)
-    }
-}
-
 /// The CUDA backend's options of the server and the benchmarks. A/B switches: `DELTASERVE_FOLD=0`: decode
 /// steps run the residual add + RMSNorm as its own kernel instead of folded into the int4 projections;
 /// `DELTASERVE_W4_GEMM=0`: int4 projections of more rows than the decode GEMV's dequantise for cuBLASLt.
@@ -752,31 +751,11 @@ pub fn cuda_options(cuda_graphs: bool) -> CudaOptions {
 mod tests {
     use super::*;
 
-    const GIB: u64 = 1 << 30;
-
     #[test]
     fn an_empty_api_key_is_no_key() {
         assert_eq!(api_key_or_none(None), None);
         assert_eq!(api_key_or_none(Some(String::new())), None);
         assert_eq!(api_key_or_none(Some(" ".into())), None);
         assert_eq!(api_key_or_none(Some("k".into())), Some("k".into()));
-    }
-
-    #[test]
-    fn gpu_budget_from_the_flags_and_the_free_memory() {
-        let card = GpuMemory { free: 100 * GIB, total: 140 * GIB, reserve: GIB };
-        assert_eq!(card.budget(None, None).unwrap(), 95 * GIB);
-        assert_eq!(card.budget(Some("24GiB"), None).unwrap(), 24 * GIB);
-        assert_eq!(card.budget(None, Some(0.5)).unwrap(), 70 * GIB);
-        // More than the free memory (the arena, less the reserve): refused, naming the flag.
-        let e = card.budget(None, Some(0.9)).unwrap_err().to_string();
-        assert!(
-            e.contains("--gpu-memory-utilization 0.9") && e.contains("126.00 GiB") && e.contains("100.00 GiB"),
-            "{e}"
-        );
-        let e = card.budget(Some("120GiB"), None).unwrap_err().to_string();
-        assert!(e.contains("--memory 120GiB") && e.contains("free"), "{e}");
-        assert!(card.budget(Some("101GiB"), None).is_ok(), "the runtime reserve is in use already");
-        assert!(card.budget(Some("lots"), None).unwrap_err().to_string().contains("--memory"));
     }
 }

@@ -3,6 +3,7 @@
 mod commands;
 mod device;
 mod engine_args;
+mod gpu_budget;
 mod gpu_memory;
 mod host_memory;
 mod http;

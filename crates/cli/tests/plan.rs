@@ -193,3 +193,49 @@ fn cuda_plan_prices_the_gpu_tower_where_it_fits() {
     assert!(priced(&kept).0 > 0 && priced(&kept).1 > 0, "{kept}");
     assert!(!kept["fit"].to_string().contains("--no-vision"), "{}", kept["fit"]);
 }
+
+/// `deltaserve plan --preset qwen3-next-80b-a3b --memory 24GiB --weights-dtype int4 --kv-cache-dtype fp8`:
+/// its 37 GiB of int4 experts do not fit the card, so the fit keeps them in pinned host memory and serves
+/// the full context; `--experts-on-host` plans that as given, `--no-fit` without it is the weights error
+/// that names it, and the CPU backend and dense models refuse it.
+#[test]
+fn qwen3_next_80b_in_24gib_keeps_its_experts_on_the_host() {
+    let base =
+        ["--preset", "qwen3-next-80b-a3b", "--memory", "24GiB", "--weights-dtype", "int4", "--kv-cache-dtype", "fp8"];
+    let j = plan_json(&[&base[..], &["--json"]].concat());
+    assert_eq!(j["fit"]["reached"], true, "{j}");
+    assert_eq!(j["fit"]["adjustments"], serde_json::json!(["--experts-on-host"]), "{j}");
+    assert_eq!(j["max_context"], 262_144, "{j}");
+    assert!(j["total_bytes"].as_u64().unwrap() <= 24 << 30, "{j}");
+    assert_eq!(j["options"]["experts_on_host"], true);
+    let experts = j["weights"]["experts_bytes"].as_u64().unwrap();
+    assert_eq!(experts, 48 * 512 * 1_622_016);
+    assert_eq!(j["host_weights_bytes"].as_u64().unwrap(), experts);
+    assert!(j["weights_bytes"].as_u64().unwrap() < 3 << 30, "{j}");
+    // Asked for: the same plan, nothing traded.
+    let asked = plan_json(&[&base[..], &["--experts-on-host", "--json"]].concat());
+    assert_eq!(asked["fit"]["adjustments"].as_array().unwrap().len(), 0);
+    assert_eq!(
+        (asked["max_context"].clone(), asked["weights_bytes"].clone()),
+        (j["max_context"].clone(), j["weights_bytes"].clone())
+    );
+    // The table says where the experts are.
+    let bin = env!("CARGO_BIN_EXE_deltaserve");
+    let out = Command::new(bin).arg("plan").args(base).output().unwrap();
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && table.contains("host experts") && table.contains("routed experts"), "{table}");
+    assert!(table.contains("the planner set --experts-on-host"), "{table}");
+    // Without the fit the weights do not fit, and the error says what would.
+    let out = Command::new(bin).arg("plan").args(base).arg("--no-fit").output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--experts-on-host"), "{err}");
+    // Refused where it cannot work: the CPU backend, a dense model.
+    for args in [
+        &["--preset", "qwen3-next-80b-a3b", "--device", "cpu", "--experts-on-host"][..],
+        &["--preset", "qwen3.6-27b", "--experts-on-host"][..],
+    ] {
+        let out = Command::new(bin).arg("plan").args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("--experts-on-host"), "{args:?}: {err}");
+    }
+}

@@ -1,7 +1,8 @@
 // init.cu — deterministic random weights generated on the GPU (benchmarks at real shapes without
 // a checkpoint): each element is a pure function of (seed, index), so any layout is reproducible.
 //
-// Computes, for i < n, with r = splitmix64(seed ^ splitmix64(i)), u1 in (0, 1], u2 in [0, 1):
+// Computes, for i < n, with r = splitmix64(seed ^ splitmix64(first + i)), u1 in (0, 1], u2 in [0, 1)
+// (`first`: where a slice of a tensor made in pieces starts, 0 for a whole tensor):
 //   z = sqrt(-2 ln u1) cos(2 pi u2)                       (Box–Muller standard normal)
 //   mode 0: std * z      mode 1: 1 + std * z      mode 2: ln(1 + 15 u2)   (A_log = ln U(1, 16))
 //   mode 3: raw 32-bit words (random int4 codes; out is u32 [n])   mode 4: std * (1 + 0.1 z) (int4 scales)
@@ -23,11 +24,11 @@ __device__ __forceinline__ unsigned long long splitmix64(unsigned long long x) {
     return x ^ (x >> 31);
 }
 
-extern "C" __global__ void init_random(void* out, long long n, unsigned long long seed, float std_,
-                                       int mode, int is_f32) {
+extern "C" __global__ void init_random(void* out, long long n, long long first, unsigned long long seed,
+                                       float std_, int mode, int is_f32) {
     long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        unsigned long long r = splitmix64(seed ^ splitmix64((unsigned long long)i));
+        unsigned long long r = splitmix64(seed ^ splitmix64((unsigned long long)(first + i)));
         float u1 = (float)((r >> 40) + 1ull) * (1.0f / 16777216.0f);
         float u2 = (float)((r >> 16) & 0xffffffull) * (1.0f / 16777216.0f);
         float z = sqrtf(-2.0f * logf(u1)) * cosf(6.28318530718f * u2);

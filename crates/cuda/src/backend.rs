@@ -4,7 +4,8 @@
 //! activations, logits, block_tables, gemm_workspace, and backend_scratch: the chunked-DeltaNet f32
 //! workspace, the varlen tile/chunk tables and the int4 scratch, as `deltaserve_plan::cuda` sizes
 //! them), and pinned host allocations (the host snapshot pool, the embedding table with
-//! `embed_on_host`, the step inputs' image, uploaded in one copy a step). The arena is sealed when [`CudaBackend::new`] returns: a step
+//! `embed_on_host`, the routed experts with `experts_on_host` (mapped for the expert kernels, which
+//! read the experts a step picks across the bus), the step inputs' image, uploaded in one copy a step). The arena is sealed when [`CudaBackend::new`] returns: a step
 //! allocates nothing (any allocation after the seal is an error), so [`Backend::arena_stats`]
 //! never moves while serving.
 //!
@@ -39,8 +40,10 @@ mod attention;
 mod cache_ops;
 mod contract;
 mod deltanet;
+mod expert_load;
 mod forward;
 mod graphs;
+mod host_experts;
 mod images;
 mod inputs;
 mod layout;
@@ -236,6 +239,8 @@ pub struct CudaBackend {
     /// The plan's `graph_reserve_bytes`: the device memory the captured graphs may take.
     graph_budget: u64,
     host_embed: Option<HostEmbed>,
+    /// The routed experts in pinned, device-mapped host memory (the plan's `experts_on_host`).
+    host_experts: Option<host_experts::HostExperts>,
     /// The step inputs' pinned image (one upload a step).
     inputs: StepInputs,
     /// Launched steps ([`Backend::launch`]) and their pinned slots.

@@ -47,6 +47,9 @@ pub enum CudaError {
     /// The memory plan does not fit what the backend needs (names the buffer and both sizes).
     #[error("plan: {0}")]
     Plan(String),
+    /// Pinned host memory the backend needs is not there (names the bytes and what is available).
+    #[error("host memory: {0}")]
+    HostMemory(String),
     /// A cuBLASLt call failed.
     #[error("cuBLASLt `{call}` failed for y[{n}x{m}] = x[{n}x{k}] * W[{m}x{k}]^T: {cause}")]
     Blas { call: &'static str, m: usize, n: usize, k: usize, cause: CublasError },

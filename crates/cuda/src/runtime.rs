@@ -180,6 +180,8 @@ impl Runtime {
 pub struct PinnedHost {
     ptr: *mut u8,
     bytes: usize,
+    /// The address kernels read it at (the host address under unified addressing).
+    dev: u64,
     /// Keeps the context alive until the memory is freed.
     ctx: Arc<CudaContext>,
 }
@@ -190,11 +192,37 @@ impl PinnedHost {
         rt.ctx.bind_to_thread().map_err(CudaError::driver("cuCtxSetCurrent"))?;
         // SAFETY: a plain pinned allocation, freed once in Drop.
         let ptr = unsafe { result::malloc_host(bytes.max(1), 0) }.map_err(CudaError::driver("cuMemHostAlloc"))?;
-        Ok(PinnedHost { ptr: ptr as *mut u8, bytes, ctx: rt.ctx.clone() })
+        Ok(PinnedHost { ptr: ptr as *mut u8, bytes, dev: ptr as u64, ctx: rt.ctx.clone() })
+    }
+
+    /// Allocates `bytes` bytes (at least one) of pinned host memory mapped into the device's address
+    /// space (`CU_MEMHOSTALLOC_DEVICEMAP`, `PORTABLE`: every context's), for kernels to read across the
+    /// bus at [`PinnedHost::device_ptr`] (`cuMemHostGetDevicePointer`; the host address itself under
+    /// the unified addressing of every 64-bit Linux system the backend runs on).
+    pub fn mapped(rt: &Runtime, bytes: usize) -> Result<PinnedHost, CudaError> {
+        use cudarc::driver::sys;
+        rt.ctx.bind_to_thread().map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: a pinned allocation, freed once in Drop (owned by the value below from here on).
+        let ptr = unsafe { result::malloc_host(bytes.max(1), flags) }.map_err(CudaError::driver("cuMemHostAlloc"))?;
+        let mut host = PinnedHost { ptr: ptr as *mut u8, bytes, dev: 0, ctx: rt.ctx.clone() };
+        let mut dev: sys::CUdeviceptr = 0;
+        // SAFETY: `ptr` was allocated just above with CU_MEMHOSTALLOC_DEVICEMAP; flags must be 0.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, ptr, 0) }
+            .result()
+            .map_err(CudaError::driver("cuMemHostGetDevicePointer"))?;
+        host.dev = dev;
+        Ok(host)
     }
 
     pub fn ptr(&self) -> *mut u8 {
         self.ptr
+    }
+
+    /// The address kernels read the memory at: [`PinnedHost::mapped`]'s device pointer, else the host
+    /// address (what unified addressing maps it to).
+    pub fn device_ptr(&self) -> u64 {
+        self.dev
     }
 
     /// Usable bytes (what was asked for).

@@ -4,7 +4,8 @@
 //! as per-pair GEMVs for decode steps and as grouped GEMMs (also forced for every step); the same with
 //! GPTQ int4 experts (symmetric, and v2 zero points) against the CPU's dequantised weights; bf16 experts
 //! quantised at load against the CPU on the host quantiser's values; and decode steps replayed from a CUDA graph while the tokens route differently,
-//! equal to eager launches.
+//! equal to eager launches; and with the routed experts in pinned host memory (`experts_on_host`) the logits of
+//! the experts on the device, bit for bit.
 //!
 //! The stored HF MoE fixtures (`fixtures/hf/qwen35_moe`, `qwen3next_moe`) have head dims of 16, which
 //! the CUDA kernels do not take (see `backend.rs`'s `hf_fixtures_logits`); these models have the same
@@ -19,7 +20,7 @@ use deltaserve_cuda::{CudaBackend, WeightSource};
 use deltaserve_model::ModelConfig;
 use deltaserve_model::synth::gptq::{self, GptqVariant};
 use deltaserve_model::synth::{MtpVariant, Preset, write_model, write_model_json};
-use deltaserve_plan::WeightsDtype;
+use deltaserve_plan::{Plan, WeightsDtype};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
@@ -268,4 +269,213 @@ fn random_moe_weights_run() {
             assert!(o.iter().all(|x| x.is_finite()) && o.iter().any(|x| *x != 0.0));
         }
     }
+}
+
+/// The logits of backends `a` (experts on the device) and `b` (`experts_on_host`), bitwise: whole prompts
+/// of 1, 37 and 300 tokens (the per-pair GEMVs, then the grouped GEMMs), 10 greedy decode steps of one
+/// sequence and 4 of three at once. The same kernels over the same bytes, so the same bits; the failures.
+fn same_logits(label: &str, a: &mut CudaBackend, b: &mut CudaBackend) -> Vec<String> {
+    let vocab = a.capabilities().vocab_size;
+    let mut failures = Vec::new();
+    let mut check = |what: String, x: &[f32], y: &[f32]| {
+        let differ = x.len() != y.len() || x.iter().zip(y).any(|(p, q)| p.to_bits() != q.to_bits());
+        if differ || x.iter().any(|v| !v.is_finite()) {
+            failures.push(format!("{label}: {what}: the logits differ (or are not finite)"));
+        }
+    };
+    let mut rng = StdRng::seed_from_u64(11);
+    for (i, len) in [1usize, 37, 300].into_iter().enumerate() {
+        let ids = random_tokens(&mut rng, len, vocab);
+        let batch = one(chunk(i as u32, &pages(40 * i as u32, len + 20), 0, &ids));
+        check(format!("prompt of {len}"), &run(a, &batch), &run(b, &batch));
+    }
+    // Greedy decode after the 37-token prompt (slot 1), then three sequences a step.
+    let mut last = run(a, &one(chunk(1, &pages(40, 57), 37, &[3])));
+    check("decode step 0".into(), &last, &run(b, &one(chunk(1, &pages(40, 57), 37, &[3]))));
+    for step in 1..10 {
+        let tok = [argmax(&last) as u32];
+        let batch = one(chunk(1, &pages(40, 57), 37 + step, &tok));
+        last = run(a, &batch);
+        check(format!("decode step {step}"), &last, &run(b, &batch));
+    }
+    for step in 0..4 {
+        let mut batch = StepBatch::default();
+        for (slot, len) in [(0u32, 1usize), (1, 47), (2, 300)] {
+            let first = 40 * slot;
+            batch.seqs.push(chunk(slot, &pages(first, len + 20), len + step, &[(7 * step + slot as usize) as u32]));
+        }
+        check(format!("batch decode step {step}"), &run(a, &batch), &run(b, &batch));
+    }
+    failures
+}
+
+/// A plan of the tests' settings with the routed experts on the host.
+fn on_host(o: &mut deltaserve_plan::PlanOptions) {
+    o.experts_on_host = true;
+}
+
+/// `--experts-on-host`: the routed experts in pinned host memory, read by the same kernels across the bus,
+/// give the logits of the experts on the device bit for bit: bf16 experts from a checkpoint (the tiny-moe
+/// model, and Qwen3-Next's dense first layer), GPTQ int4 experts (symmetric, and v2 with zero points),
+/// bf16 experts quantised at load (`--weights-dtype int4`: in a device stage, copied down), random bf16
+/// and int4 experts (made on the GPU, copied down); per-pair GEMVs for decode steps, and grouped GEMMs for
+/// every step. The device weights lose the experts' bytes.
+#[test]
+fn experts_on_host_give_the_logits_of_experts_on_the_device() {
+    if !gpu() {
+        return;
+    }
+    use deltaserve_plan::cuda::{WeightFormat, host_experts_bytes};
+    let d = test_opts();
+    let grouped = CudaOptions { gemv_max_tokens: 0, ..d };
+    let mut failures = Vec::new();
+    let mut pair = |label: &str, cfg: &ModelConfig, src: &dyn Fn() -> WeightSource, dev: &Plan, host: &Plan| {
+        for (what, opts) in [("", d), (" grouped", grouped)] {
+            let free0 = deltaserve_cuda::Runtime::open(0).and_then(|r| r.free_memory()).unwrap();
+            let mut a = CudaBackend::with_options(cfg, src(), dev, 0, opts).unwrap();
+            let free1 = deltaserve_cuda::Runtime::open(0).and_then(|r| r.free_memory()).unwrap();
+            let mut b = CudaBackend::with_options(cfg, src(), host, 0, opts).unwrap();
+            let free2 = deltaserve_cuda::Runtime::open(0).and_then(|r| r.free_memory()).unwrap();
+            let moved = host_experts_bytes(cfg, WeightFormat::of(&host.options));
+            println!(
+                "{label}{what}: weights on the device {} B vs {} B; host experts {moved} B; the driver's free \
+                 memory fell {} B building the device-experts backend, {} B the host-experts one (arenas {} B, {} B)",
+                a.weights_bytes,
+                b.weights_bytes,
+                free0 as i64 - free1 as i64,
+                free1 as i64 - free2 as i64,
+                dev.arena_bytes(),
+                host.arena_bytes()
+            );
+            assert!(moved > 0 && b.weights_bytes < a.weights_bytes, "{label}");
+            failures.extend(same_logits(&format!("{label}{what}"), &mut a, &mut b));
+        }
+    };
+    // bf16 checkpoints: the tiny-moe model (every layer sparse) and Qwen3-Next (a dense first layer).
+    for (label, (dir, cfg)) in [("bf16 experts", qwen35_moe_dir()), ("qwen3-next bf16 experts", qwen3_next_moe_dir())] {
+        let src = || WeightSource::Checkpoint(dir.clone());
+        pair(label, &cfg, &src, &plan_for(&cfg), &plan_with(&cfg, on_host));
+    }
+    // GPTQ int4 experts, converted on the host and copied into the host block.
+    let v2 = GptqVariant { v2: true, sym: false, ..GptqVariant::SYM };
+    for (tag, v) in [("sym", GptqVariant::SYM), ("asym-v2", v2)] {
+        let (dir, cfg0) = wide_experts_dir(&format!("host-{tag}"));
+        let routers: Vec<String> =
+            (0..cfg0.layer_types.len()).map(|l| format!("model.language_model.layers.{l}.mlp.gate")).collect();
+        let kept: Vec<&str> = routers.iter().map(String::as_str).collect();
+        gptq::convert(&dir, v, &kept, 5, |_| {}).unwrap();
+        let cfg = ModelConfig::from_dir(&dir).unwrap();
+        let int4 = |host: bool| {
+            plan_with_checkpoint(&cfg, &dir, |o| {
+                o.weights_dtype = WeightsDtype::Int4;
+                o.int4_asym = !v.sym;
+                o.experts_on_host = host;
+            })
+        };
+        let src = || WeightSource::Checkpoint(dir.clone());
+        pair(&format!("gptq {tag} experts"), &cfg, &src, &int4(false), &int4(true));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    // bf16 experts quantised at load (symmetric and with zero points).
+    let (dir, cfg) = wide_experts_dir("host-quantize");
+    for asym in [false, true] {
+        let int4 = |host: bool| {
+            plan_with(&cfg, |o| {
+                o.weights_dtype = WeightsDtype::Int4;
+                o.int4_asym = asym;
+                o.experts_on_host = host;
+            })
+        };
+        let src = || WeightSource::Checkpoint(dir.clone());
+        pair(&format!("quantised at load (asym {asym})"), &cfg, &src, &int4(false), &int4(true));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    // Random weights: bf16 experts (one block a layer) and int4 (every expert laid out alike).
+    let tiny = ModelConfig::from_json_str(&Preset::TinyMoe.config_json(Some(4)).to_string()).unwrap();
+    let wide = ModelConfig::from_json_str(&tiny_moe_int4_config().to_string()).unwrap();
+    let src = || WeightSource::RandomWeights { seed: 5 };
+    pair("random bf16 experts", &tiny, &src, &plan_for(&tiny), &plan_with(&tiny, on_host));
+    let int4 = |host: bool| {
+        plan_with(&wide, |o| {
+            o.weights_dtype = WeightsDtype::Int4;
+            o.experts_on_host = host;
+        })
+    };
+    pair("random int4 experts", &wide, &src, &int4(false), &int4(true));
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The tiny-moe model with its sparse MTP head (its experts in the host block too): a prompt, plain
+/// decode steps and speculative steps (the head drafting 2 tokens, the verify over 3 positions, the
+/// commit) give the logits and drafts of the experts on the device bit for bit, bf16 and quantised at load.
+#[test]
+fn decode_and_mtp_steps_with_experts_on_host() {
+    if !gpu() {
+        return;
+    }
+    use deltaserve_backend::{SpecCommit, StepOut, Want};
+    let dir = std::env::temp_dir().join(format!("ds-cuda-moe-host-mtp-{}", std::process::id()));
+    let cfg =
+        write_model_json(&dir, Preset::TinyMoe, tiny_moe_int4_config(), 17, MtpVariant::Random, |_, _| {}).unwrap();
+    assert!(cfg.moe.as_ref().is_some_and(|m| m.mtp_is_sparse()) && cfg.mtp_num_hidden_layers > 0);
+    let vocab = cfg.vocab_size;
+    let prompt: Vec<u32> = (0..29).map(|i| ((i * 53 + 3) % vocab) as u32).collect();
+    let pg = pages(0, 80);
+    let mut failures = Vec::new();
+    for int4 in [false, true] {
+        let plan = |host: bool| {
+            plan_with(&cfg, |o| {
+                o.speculative_tokens = 2;
+                o.experts_on_host = host;
+                if int4 {
+                    o.weights_dtype = WeightsDtype::Int4;
+                }
+            })
+        };
+        let (dev, host) = (plan(false), plan(true));
+        assert!(host.weight_parts.mtp_experts > 0 && host.host_weights_bytes > host.weight_parts.experts);
+        let mut seen: Vec<Vec<Vec<f32>>> = Vec::new();
+        for p in [&dev, &host] {
+            let mut g =
+                CudaBackend::with_options(&cfg, WeightSource::Checkpoint(dir.clone()), p, 2, test_opts()).unwrap();
+            let mut rows = vec![run(&mut g, &one(chunk(0, &pg, 0, &prompt)))];
+            let mut pos = prompt.len();
+            // Plain decode steps.
+            for _ in 0..4 {
+                let tok = [argmax(rows.last().unwrap()) as u32];
+                rows.push(run(&mut g, &one(chunk(0, &pg, pos, &tok))));
+                pos += 1;
+            }
+            // Speculative steps: the head drafts 2 (its rows recorded), the main model verifies 3 positions;
+            // one position is committed.
+            for _ in 0..4 {
+                let tok = argmax(rows.last().unwrap()) as u32;
+                let mut c = chunk(0, &pg, pos, &[tok]);
+                c.draft = 2;
+                let mut drafted = Vec::new();
+                let mut picker = |_: u64, _: usize, row: &[f32]| {
+                    drafted.push(row.to_vec());
+                    argmax(row) as u32
+                };
+                let mut out = StepOut::default();
+                g.step(&one(c), Want::Drafts(&mut picker), &mut out).unwrap();
+                assert_eq!(out.logits.len(), 3 * vocab);
+                rows.extend(drafted);
+                rows.push(out.drafts.concat().iter().map(|&t| t as f32).collect());
+                rows.push(out.logits[..vocab].to_vec());
+                let commit = SpecCommit { seq_id: 0, slot: 0, pages: pg.clone(), start: pos, accepted: 1 };
+                g.commit_speculative(&[commit]).unwrap();
+                pos += 1;
+            }
+            seen.push(rows);
+        }
+        let same = seen[0].len() == seen[1].len()
+            && seen[0].iter().zip(&seen[1]).all(|(x, y)| x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()));
+        println!("int4 {int4}: {} rows (logits, draft logits, drafts), bitwise equal: {same}", seen[0].len());
+        if !same {
+            failures.push(format!("int4 {int4}: experts on the host changed the decode or MTP steps"));
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(failures.is_empty(), "{failures:#?}");
 }

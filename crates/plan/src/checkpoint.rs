@@ -53,6 +53,9 @@ enum Kind {
     Embed,
     LmHead,
     Linear,
+    /// A routed expert's linear (quantised at load under int4 whatever the checkpoint keeps dense, as the
+    /// backend places experts; on the host with `experts_on_host`).
+    Expert,
     F32,
     Dense,
 }
@@ -97,6 +100,8 @@ impl CheckpointTensors {
                 Kind::Embed
             } else if name.ends_with("lm_head.weight") {
                 Kind::LmHead
+            } else if name.contains(".mlp.experts.") {
+                Kind::Expert
             } else if is_linear(name) {
                 Kind::Linear
             } else if is_f32_tensor(name) {
@@ -119,7 +124,7 @@ impl CheckpointTensors {
     }
 
     /// Device bytes the backend places for these weights in format `f` (an upper bound: act-order
-    /// GPTQ linears are counted with their permutation).
+    /// GPTQ linears are counted with their permutation; no routed expert with `experts_on_host`).
     pub fn device_bytes(&self, f: WeightFormat) -> usize {
         let w4 = |s: &[usize], asym: bool, perm: bool| W4Bytes::new(s[0], s[1], asym, perm).aligned();
         let al = |x: usize| x.next_multiple_of(ALIGN as usize);
@@ -144,6 +149,8 @@ impl CheckpointTensors {
                         head + if f.embed_on_host { 0 } else { dense2 }
                     }
                     Kind::LmHead => lin(f.lm_head_int4, false),
+                    Kind::Expert if f.experts_on_host => 0,
+                    Kind::Expert => lin(f.int4, false),
                     Kind::Linear if f.int4 => lin(true, self.keep_dense),
                     Kind::F32 => al(4 * numel),
                     Kind::Linear | Kind::Dense => dense2,

@@ -1,7 +1,8 @@
 //! What the CUDA backend carves beside the generic regions, priced from the model shape and the
 //! options alone: its scratch ([`ScratchParts`]: chunked DeltaNet workspace, varlen tables, int4
 //! slice and x scratch) and the device layout of its weights ([`weight_tensors`]: bf16 pairs fused,
-//! three small DeltaNet tensors in f32, int4 linears as [`W4Bytes`] places them).
+//! three small DeltaNet tensors in f32, int4 linears as [`W4Bytes`] places them; the routed experts in a
+//! pinned host block with `experts_on_host`, laid out alike).
 
 use deltaserve_model::{LayerKind, ModelConfig};
 
@@ -273,6 +274,8 @@ pub struct WeightFormat {
     pub asym: bool,
     pub lm_head_int4: bool,
     pub embed_on_host: bool,
+    /// The routed experts (the main layers' and the MTP head's) in pinned host memory.
+    pub experts_on_host: bool,
 }
 
 impl WeightFormat {
@@ -283,6 +286,7 @@ impl WeightFormat {
             asym: opts.int4_asym,
             lm_head_int4: opts.lm_head_int4,
             embed_on_host: opts.embed_on_host,
+            experts_on_host: opts.experts_on_host,
         }
     }
 
@@ -320,6 +324,10 @@ pub enum WeightTensor {
     W4 { out: usize, inp: usize, asym: bool },
     /// The embedding table in pinned host memory.
     Host { n: usize },
+    /// A layer's bf16 routed experts (one block of `n` elements) in pinned host memory.
+    HostDense { n: usize, role: DenseRole },
+    /// An int4 routed expert's `[out, in]` linear in pinned host memory.
+    HostW4 { out: usize, inp: usize, asym: bool },
 }
 
 impl WeightTensor {
@@ -328,7 +336,17 @@ impl WeightTensor {
         match *self {
             WeightTensor::Dense { n, f32, .. } => al(n * if f32 { 4 } else { 2 }),
             WeightTensor::W4 { out, inp, asym } => W4Bytes::new(out, inp, asym, false).aligned(),
-            WeightTensor::Host { .. } => 0,
+            WeightTensor::Host { .. } | WeightTensor::HostDense { .. } | WeightTensor::HostW4 { .. } => 0,
+        }
+    }
+
+    /// Bytes of a routed-expert tensor in the pinned host block, placed as the device region places
+    /// the same tensor (256-byte aligned); 0 for every other tensor.
+    pub fn host_expert_bytes(&self) -> usize {
+        match *self {
+            WeightTensor::HostDense { n, .. } => al(2 * n),
+            WeightTensor::HostW4 { out, inp, asym } => W4Bytes::new(out, inp, asym, false).aligned(),
+            _ => 0,
         }
     }
 }
@@ -343,6 +361,14 @@ pub fn weight_tensors(cfg: &ModelConfig, f: WeightFormat) -> Vec<WeightTensor> {
     let dense = |n: usize, role: DenseRole| WeightTensor::Dense { n, f32: false, role };
     let f32 = |n: usize, role: DenseRole| WeightTensor::Dense { n, f32: true, role };
     let w4 = |out: usize, inp: usize| WeightTensor::W4 { out, inp, asym: f.asym };
+    // A routed expert's tensors: on the host with `experts_on_host`, laid out as on the device.
+    let expert_w4 = |out: usize, inp: usize| {
+        if f.experts_on_host { WeightTensor::HostW4 { out, inp, asym: f.asym } } else { w4(out, inp) }
+    };
+    let expert_block = |n: usize| {
+        let role = Linear { fan_in: h };
+        if f.experts_on_host { WeightTensor::HostDense { n, role } } else { dense(n, role) }
+    };
     let lin = |o: usize, i: usize| -> Vec<WeightTensor> {
         if f.int4 { vec![w4(o, i)] } else { vec![dense(o * i, Linear { fan_in: i })] }
     };
@@ -401,14 +427,21 @@ pub fn weight_tensors(cfg: &ModelConfig, f: WeightFormat) -> Vec<WeightTensor> {
             let (e, i) = (m.num_experts, m.expert_intermediate);
             v.push(dense(e * h, Linear { fan_in: h }));
             if f.int4 {
-                v.extend((0..e).flat_map(|_| [w4(2 * i, h), w4(h, i)]));
+                v.extend((0..e).flat_map(|_| [expert_w4(2 * i, h), expert_w4(h, i)]));
             } else {
-                v.push(dense(e * 3 * i * h, Linear { fan_in: h }));
+                v.push(expert_block(e * 3 * i * h));
             }
             v.push(dense(h, Linear { fan_in: h }));
         }
     }
     v
+}
+
+/// Bytes of the pinned host block of the routed experts (`experts_on_host`: every sparse layer's and the
+/// MTP head's, each tensor 256-byte aligned as in [`weight_tensors`]); 0 when they are on the device. A
+/// GPTQ checkpoint's experts take at most this (the format's zero points are those of `f.asym`, or none).
+pub fn host_experts_bytes(cfg: &ModelConfig, f: WeightFormat) -> usize {
+    weight_tensors(cfg, f).iter().map(WeightTensor::host_expert_bytes).sum()
 }
 
 /// Device bytes of the weights as the backend places them for random weights and for a bf16

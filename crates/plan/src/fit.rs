@@ -12,6 +12,13 @@
 //!    (`--max-image-tokens-per-step`): requests with images are then refused;
 //! 6. sequences per step 4, then 2, then 1, with 2, then 1 device snapshot.
 //!
+//! A mixture-of-experts model has one more trade, the costliest: its routed experts in pinned host memory
+//! (`--experts-on-host`: every token then reads its experts across the bus). It is taken only when no
+//! rung of the ladder comes within [`NEAR_BEST`] of the target without it, and then from the user's
+//! settings: the experts move first and the ladder climbs again from its first rung, as far as it still
+//! needs to (a model whose experts alone do not fit, as the 80B-A3B's on a 24 GB card, usually needs
+//! nothing else). Never for a dense model, nor where the backend cannot ([`Free::experts_on_host`]).
+//!
 //! A knob the user set explicitly is never touched. If no rung reaches the target (a budget a little
 //! short of the model's full context, e.g. a 24 GB card with a display attached), the plan takes the
 //! fewest rungs whose context is within [`NEAR_BEST`] of the most any rung gives (every knob traded
@@ -37,12 +44,22 @@ pub struct Free {
     pub lm_head_int4: bool,
     /// The vision tower may be left out (the user did not ask for images).
     pub vision: bool,
+    /// Only where the backend can read routed experts from host memory (CUDA, one card); only a
+    /// mixture-of-experts model takes it.
+    pub experts_on_host: bool,
 }
 
 impl Free {
     /// Every knob open.
     pub fn all() -> Self {
-        Self { max_seqs: true, snapshot_slots: true, embed_on_host: true, lm_head_int4: true, vision: true }
+        Self {
+            max_seqs: true,
+            snapshot_slots: true,
+            embed_on_host: true,
+            lm_head_int4: true,
+            vision: true,
+            experts_on_host: true,
+        }
     }
 }
 
@@ -76,27 +93,19 @@ pub fn fit_context(cfg: &ModelConfig, base: &PlanOptions, free: Free) -> Result<
         });
     }
 
-    let mut o = open.clone();
-    let mut adjustments = Vec::new();
-    // Each rung prefix's plan (the number of adjustments it took), for when none reaches the target.
-    let mut tried: Vec<(usize, Plan)> = first.iter().map(|p| (0, p.clone())).collect();
-    for rung in ladder(base, free) {
-        let before = o.clone();
-        rung.apply(&mut o);
-        if o == before {
-            continue;
-        }
-        adjustments.push(rung.describe(&before, &o));
-        if let Ok(p) = Plan::new(cfg, &o) {
-            if p.max_context >= target {
-                return Ok(Fitted {
-                    plan: finish(cfg, &p, base, &o)?,
-                    adjustments,
-                    target_context: target,
-                    shortfall: None,
-                });
-            }
-            tried.push((adjustments.len(), p));
+    // Each rung prefix's plan (with the adjustments it took), for when none reaches the target: the
+    // ladder's first, then (a mixture of experts) the ladder's with the experts on the host.
+    let mut tried: Vec<(Vec<String>, Plan)> = first.iter().map(|p| (Vec::new(), p.clone())).collect();
+    if let Some(fitted) = climb(cfg, &open, base, free, Vec::new(), target, &mut tried)? {
+        return Ok(fitted);
+    }
+    // The experts move only when the ladder alone stays short of NEAR_BEST of the target (reading the
+    // experts across the bus costs far more than the last few percent of context).
+    let near = tried.iter().any(|(_, p)| p.max_context as f64 >= NEAR_BEST * target as f64);
+    if free.experts_on_host && cfg.moe.is_some() && !open.experts_on_host && open.tensor_parallel == 1 && !near {
+        let hosted = PlanOptions { experts_on_host: true, ..open.clone() };
+        if let Some(fitted) = climb(cfg, &hosted, base, free, vec![EXPERTS_ON_HOST.into()], target, &mut tried)? {
+            return Ok(fitted);
         }
     }
 
@@ -111,11 +120,12 @@ pub fn fit_context(cfg: &ModelConfig, base: &PlanOptions, free: Free) -> Result<
         });
     }
     let best = tried.iter().map(|(_, p)| p.max_context).max().unwrap_or(0);
-    let Some((taken, plan)) = tried.into_iter().find(|(_, p)| p.max_context as f64 >= NEAR_BEST * best as f64) else {
+    let Some((adjustments, plan)) = tried.into_iter().find(|(_, p)| p.max_context as f64 >= NEAR_BEST * best as f64)
+    else {
         // No candidate planned at all: the error of the user's settings.
         return first.map(|plan| Fitted { plan, adjustments: Vec::new(), target_context: target, shortfall: None });
     };
-    adjustments.truncate(taken);
+    let taken = adjustments.len();
     let shortfall = Some(format!(
         "the full context ({} tokens) does not fit in {}: {} tokens fit{}",
         fmt_count(target as u64),
@@ -137,6 +147,49 @@ pub fn fit_context(cfg: &ModelConfig, base: &PlanOptions, free: Free) -> Result<
 /// When the target is out of reach: the fewest rungs whose context is at least this share of the most
 /// any rung gives.
 pub const NEAR_BEST: f64 = 0.9;
+
+/// How the fit names the experts' move to the host.
+const EXPERTS_ON_HOST: &str = "--experts-on-host";
+
+/// Climbs the ladder from `start` (whose own plan the caller has tried; `adjustments` say how it
+/// differs from the user's settings): the first rung prefix that reaches `target`, else None with each
+/// prefix's plan pushed onto `tried`.
+fn climb(
+    cfg: &ModelConfig,
+    start: &PlanOptions,
+    base: &PlanOptions,
+    free: Free,
+    mut adjustments: Vec<String>,
+    target: usize,
+    tried: &mut Vec<(Vec<String>, Plan)>,
+) -> Result<Option<Fitted>, PlanError> {
+    let mut o = start.clone();
+    let mut rungs = vec![None];
+    rungs.extend(ladder(base, free).into_iter().map(Some));
+    for rung in rungs {
+        let before = o.clone();
+        match rung {
+            // The start itself: planned by the caller unless it moved the experts.
+            None if adjustments.is_empty() => continue,
+            None => {}
+            Some(rung) => {
+                rung.apply(&mut o);
+                if o == before {
+                    continue;
+                }
+                adjustments.push(rung.describe(&before, &o));
+            }
+        }
+        if let Ok(p) = Plan::new(cfg, &o) {
+            if p.max_context >= target {
+                let plan = finish(cfg, &p, base, &o)?;
+                return Ok(Some(Fitted { plan, adjustments, target_context: target, shortfall: None }));
+            }
+            tried.push((adjustments.clone(), p));
+        }
+    }
+    Ok(None)
+}
 
 /// With an explicit `--max-context`, plan exactly that (KV pages still take all memory left).
 fn finish(cfg: &ModelConfig, p: &Plan, base: &PlanOptions, o: &PlanOptions) -> Result<Plan, PlanError> {

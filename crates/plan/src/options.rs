@@ -44,6 +44,10 @@ pub struct PlanOptions {
     /// Keep the embedding table in pinned host memory (outside the device budget); a step gathers its rows on
     /// the host and copies `[T, D]` to the device.
     pub embed_on_host: bool,
+    /// Keep the routed experts of every sparse layer (and of the MTP head) in pinned host memory, outside
+    /// the device budget, mapped into the device's address space: the expert kernels read the experts a
+    /// step picks across the bus (PCIe). Only for a mixture-of-experts model on the CUDA backend, one card.
+    pub experts_on_host: bool,
     pub k_dtype: KvDtype,
     pub v_dtype: KvDtype,
     /// 2 on GPU (bf16), 4 on the CPU reference backend.
@@ -120,6 +124,7 @@ impl PlanOptions {
             int4_asym: false,
             lm_head_int4: false,
             embed_on_host: false,
+            experts_on_host: false,
             k_dtype: KvDtype::Bf16,
             v_dtype: KvDtype::Bf16,
             activation_bytes_per_elem: 2,

@@ -32,7 +32,8 @@ pub struct Plan {
     pub regions: Vec<Region>,
     /// Weights in the device arena.
     pub weights_bytes: u64,
-    /// Weights in pinned host memory (the embedding with `embed_on_host`), outside the budget.
+    /// Weights in pinned host memory (the embedding with `embed_on_host`, the routed experts with
+    /// `experts_on_host`), outside the budget.
     pub host_weights_bytes: u64,
     /// All attention layers, K + V, scales included.
     pub kv_bytes_per_token: u64,
@@ -279,9 +280,10 @@ impl Plan {
             dense_note
         };
         let small = if cfg.moe.is_some() { "norms/conv/A_log/dt_bias/routers" } else { "norms/conv/A_log/dt_bias" };
+        let device_linears = w.linears - if w.experts_on_host { w.experts } else { 0 };
         let mut weights_note = format!(
             "decoder linears {} {}, lm_head {} {lm_note}, {small} {} {dense_note}",
-            fmt_bytes(w.linears),
+            fmt_bytes(device_linears),
             weights_desc(opts),
             fmt_bytes(w.lm_head),
             fmt_bytes(w.dense),
@@ -293,6 +295,13 @@ impl Plan {
         }
         if w.vision > 0 {
             weights_note += &format!("; vision tower {} {dense_note}", fmt_bytes(w.vision));
+        }
+        if w.experts_on_host {
+            weights_note += &format!(
+                "; routed experts {} {} in pinned host memory, read across the bus",
+                fmt_bytes(w.host_experts()),
+                weights_desc(opts)
+            );
         }
         let specs: Vec<(&'static str, u64, String)> = vec![
             ("weights", weights, weights_note),
@@ -367,7 +376,7 @@ impl Plan {
                      MTP head {} in weights, its KV in every page, a pending hidden per state slot",
                     opts.max_seqs,
                     1 + spec,
-                    fmt_bytes(wb.mtp)
+                    fmt_bytes(wb.mtp - if wb.experts_on_host { wb.mtp_experts } else { 0 })
                 ),
             ));
         }
@@ -569,6 +578,16 @@ fn validate(cfg: &ModelConfig, o: &PlanOptions) -> Result<(), PlanError> {
             &format!("decode attention uses 1 to {MAX_DECODE_PARTITIONS} partitions"),
         );
     }
+    if o.experts_on_host && cfg.moe.is_none() {
+        return bad("--experts-on-host", "on".into(), "the model has no routed experts (its MLPs are dense)");
+    }
+    if o.experts_on_host && o.tensor_parallel > 1 {
+        return bad(
+            "--experts-on-host",
+            "on".into(),
+            &format!("not with --tensor-parallel {} (mixture-of-experts models run on one card)", o.tensor_parallel),
+        );
+    }
     match o.max_context {
         Some(0) => bad("--max-context", "0".into(), "a context holds at least one token"),
         Some(mc) if mc > cfg.max_position_embeddings => {
@@ -618,7 +637,7 @@ struct Hints<'a> {
 }
 
 impl Hints<'_> {
-    /// Whether the weight-storage flags (--weights-dtype, --embed-on-host, --lm-head-int4) apply: not to
+    /// Whether the weight-storage flags (--weights-dtype, --embed-on-host, --experts-on-host, --lm-head-int4) apply: not to
     /// f32 weights, the CPU reference backend's (it keeps every weight in f32 and takes none of them).
     fn weight_flags_apply(&self) -> bool {
         self.opts.weights_dtype != WeightsDtype::F32
@@ -635,6 +654,18 @@ impl Hints<'_> {
                 && w.device() < self.wb.device()
             {
                 h.push(format!("use --embed-on-host (frees {})", fmt_bytes(self.wb.device() - w.device())));
+            }
+        }
+        if !self.opts.experts_on_host && self.wb.experts > 0 && self.opts.tensor_parallel == 1 {
+            let on_host = PlanOptions { experts_on_host: true, ..self.opts.clone() };
+            if let Some(w) = WeightBytes::new(self.cfg, &on_host)
+                && w.device() < self.wb.device()
+            {
+                h.push(format!(
+                    "use --experts-on-host (frees {}: the routed experts in pinned host memory, each token reading \
+                     its experts across the bus)",
+                    fmt_bytes(self.wb.device() - w.device())
+                ));
             }
         }
         if !self.opts.lm_head_int4 {

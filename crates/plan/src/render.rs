@@ -79,6 +79,7 @@ impl Plan {
                 "int4_asym": o.int4_asym,
                 "lm_head_int4": o.lm_head_int4,
                 "embed_on_host": o.embed_on_host,
+                "experts_on_host": o.experts_on_host,
                 "k_dtype": o.k_dtype.name(),
                 "v_dtype": o.v_dtype.name(),
                 "activation_bytes_per_elem": o.activation_bytes_per_elem,
@@ -109,6 +110,9 @@ impl Plan {
                 "embed_on_host": w.embed_on_host,
                 "experts_bytes": w.experts,
                 "experts_active_bytes_per_token": w.experts_active,
+                "mtp_experts_bytes": w.mtp_experts,
+                "experts_on_host": w.experts_on_host,
+                "host_experts_bytes": w.host_experts(),
                 "vision_bytes": w.vision,
                 "vision_params": w.vision_params,
             },
@@ -159,24 +163,35 @@ impl Plan {
         }
         let _ = writeln!(
             s,
-            "budget {}{} · weights {}{}{} · KV {kv} · activations {} · {} tokens / {} seqs per step",
+            "budget {}{} · weights {}{}{}{} · KV {kv} · activations {} · {} tokens / {} seqs per step",
             fmt_bytes(self.budget_bytes),
             if o.tensor_parallel > 1 { " per card" } else { "" },
             o.weights_dtype,
             if o.lm_head_int4 { " + int4 lm_head" } else { "" },
             if o.embed_on_host { " + host embedding" } else { "" },
+            if self.weight_parts.experts_on_host { " + host experts" } else { "" },
             if o.activation_bytes_per_elem == 4 { "f32" } else { "bf16" },
             fmt_count(self.max_batch_tokens as u64),
             self.max_seqs
         );
         if self.weight_parts.experts > 0 {
             let w = &self.weight_parts;
-            let _ = writeln!(
-                s,
-                "mixture of experts: routed experts {} of the weights; one token reads {} of them",
-                fmt_bytes(w.experts),
-                fmt_bytes(w.experts_active)
-            );
+            let _ = if w.experts_on_host {
+                writeln!(
+                    s,
+                    "mixture of experts: routed experts {} in pinned host memory (--experts-on-host, outside the \
+                     budget); one token reads {} of them across the bus (PCIe)",
+                    fmt_bytes(w.host_experts()),
+                    fmt_bytes(w.experts_active)
+                )
+            } else {
+                writeln!(
+                    s,
+                    "mixture of experts: routed experts {} of the weights; one token reads {} of them",
+                    fmt_bytes(w.experts),
+                    fmt_bytes(w.experts_active)
+                )
+            };
         }
         if let Some(line) = self.vision_line() {
             let _ = writeln!(s, "{line}");
@@ -220,11 +235,12 @@ impl Plan {
         if self.host_weights_bytes > 0 {
             let _ = writeln!(
                 s,
-                "{:<16} {:>11} {:>7} {:>11}  embedding table in pinned host memory (outside the budget)",
+                "{:<16} {:>11} {:>7} {:>11}  {} in pinned host memory (outside the budget)",
                 "host",
                 fmt_bytes(self.host_weights_bytes),
                 "",
-                ""
+                "",
+                self.host_parts()
             );
         }
         let _ = writeln!(s);
@@ -238,6 +254,19 @@ impl Plan {
         );
         let _ = writeln!(s, "{}", self.context_line());
         s
+    }
+
+    /// What the pinned host memory holds: `embedding 2.37 GiB`, `routed experts 37.12 GiB`, or both.
+    fn host_parts(&self) -> String {
+        let w = &self.weight_parts;
+        let mut parts = Vec::new();
+        if w.embed_on_host {
+            parts.push(format!("embedding {}", fmt_bytes(w.embed)));
+        }
+        if w.experts_on_host {
+            parts.push(format!("routed experts {}", fmt_bytes(w.host_experts())));
+        }
+        parts.join(" + ")
     }
 
     /// What the plan holds of the model's vision tower (None: the model has none).
@@ -294,7 +323,7 @@ impl Plan {
     }
 
     /// A self-contained SVG: one bar of the budget split into regions (each its own colour), the host
-    /// embedding beside it when the plan keeps it in host memory, a legend, and the activation workspace
+    /// weights (embedding, routed experts) under it when the plan keeps them in host memory, a legend, and the activation workspace
     /// drawn by liveness (ops across, offset down).
     pub fn svg(&self) -> String {
         let o = &self.options;
@@ -341,27 +370,26 @@ impl Plan {
         let scale = BAR_W / self.budget_bytes.max(1) as f64;
         self.svg_budget_bar(&mut s, &segs, bar_y, scale);
         if host {
-            let hw = (self.host_weights_bytes as f64 * scale).max(2.0);
+            // At the budget's scale, cut at the bar's width (routed experts can outweigh the budget).
+            let hw = (self.host_weights_bytes as f64 * scale).clamp(2.0, BAR_W);
             let _ = writeln!(
                 s,
-                r##"<rect x="{X0}" y="{host_y}" width="{hw:.2}" height="{HOST_H}" fill="{HOST_COLOR}" stroke="#555" stroke-dasharray="4 2"><title>embedding in pinned host memory: {}</title></rect>"##,
-                fmt_bytes(self.host_weights_bytes)
+                r##"<rect x="{X0}" y="{host_y}" width="{hw:.2}" height="{HOST_H}" fill="{HOST_COLOR}" stroke="#555" stroke-dasharray="4 2"><title>pinned host memory: {}</title></rect>"##,
+                esc(&self.host_parts())
             );
+            // A wide host bar takes its label inside.
+            let tx = if hw + 300.0 > BAR_W { X0 + 6.0 } else { X0 + hw + 6.0 };
             let _ = writeln!(
                 s,
-                r#"<text x="{:.2}" y="{:.1}">host memory, outside the budget: embedding {}</text>"#,
-                X0 + hw + 6.0,
+                r#"<text x="{tx:.2}" y="{:.1}">host memory, outside the budget: {}</text>"#,
                 host_y + HOST_H - 5.0,
-                fmt_bytes(self.host_weights_bytes)
+                esc(&self.host_parts())
             );
         }
         let mut legend: Vec<(String, &str)> =
             segs.iter().map(|(n, b, c, _)| (format!("{n}: {} ({:.1}%)", fmt_bytes(*b), self.pct(*b)), *c)).collect();
         if host {
-            legend.push((
-                format!("host embedding: {} (pinned host memory)", fmt_bytes(self.host_weights_bytes)),
-                HOST_COLOR,
-            ));
+            legend.push((format!("host: {} (pinned host memory)", self.host_parts()), HOST_COLOR));
         }
         for (i, (text, color)) in legend.iter().enumerate() {
             let lx = X0 + (i % 2) as f64 * (BAR_W / 2.0);

@@ -1,5 +1,5 @@
 //! Bytes of the text-model weights in a given storage format, split between the device arena and pinned host
-//! memory. Shapes are the canonical (unpacked) `[out, in]` ones of `docs/architecture.md` §5.1; the vision
+//! memory (the embedding with `embed_on_host`, the routed experts with `experts_on_host`). Shapes are the canonical (unpacked) `[out, in]` ones of `docs/architecture.md` §5.1; the vision
 //! tower is counted where the backend loads it ([`crate::vision`]); the MTP head (§5.2) is counted only with
 //! speculative decoding on (a mixture-of-experts model's head with all its experts). A sparse layer's routed experts and shared expert are decoder linears in
 //! `weights_dtype` (every expert priced, whether or not a token routes to it); its router and shared-expert
@@ -85,6 +85,10 @@ pub struct WeightBytes {
     pub experts: u64,
     /// The routed experts one token reads (`top_k` per sparse layer; part of `experts`).
     pub experts_active: u64,
+    /// The MTP head's routed experts (part of `mtp`; 0 without speculative decoding or a sparse head).
+    pub mtp_experts: u64,
+    /// The routed experts (`experts` and `mtp_experts`) are in pinned host memory, not on the device.
+    pub experts_on_host: bool,
     /// The vision tower (every `model.visual.*` tensor, in the dense format: f32 for f32 weights, else
     /// 16-bit) where the backend loads it ([`PlanOptions::max_image_tokens_per_step`]); else 0.
     pub vision: u64,
@@ -131,7 +135,7 @@ impl WeightBytes {
             experts = sparse * e * one;
             experts_active = sparse * m.top_k as u128 * one;
         }
-        let mtp = if opts.speculative_tokens > 0 && cfg.mtp_num_hidden_layers > 0 {
+        let (mtp, mtp_experts) = if opts.speculative_tokens > 0 && cfg.mtp_num_hidden_layers > 0 {
             // fc, q/k/v/o, then the MLP's gate/up/down (a mixture-of-experts head: its shared expert's, then
             // every routed expert's); norms: 2 pre-fc, final, input, post-attention, q_norm, k_norm.
             let sparse = cfg.moe.as_ref().filter(|m| m.mtp_is_sparse());
@@ -140,14 +144,15 @@ impl WeightBytes {
             mtp_shapes.extend([(width, h), (width, h), (h, width)]);
             // A sparse head's router and shared-expert gate stay 16-bit, as a main layer's.
             let mut small = 5 * t(h) + 2 * t(d.head_dim);
+            let mut routed = 0;
             if let Some(m) = sparse {
                 let e = m.expert_intermediate;
-                mtp_shapes.extend((0..m.num_experts).flat_map(|_| [(e, h), (e, h), (h, e)]));
+                routed = m.num_experts as u128 * (2 * linear_aligned(wd, e, h, asym) + linear_aligned(wd, h, e, asym));
                 small += t(m.num_experts * h) + t(h);
             }
-            mtp_shapes.iter().map(|&(o, i)| linear_aligned(wd, o, i, asym)).sum::<u128>() + small
+            (mtp_shapes.iter().map(|&(o, i)| linear_aligned(wd, o, i, asym)).sum::<u128>() + routed + small, routed)
         } else {
-            0
+            (0, 0)
         };
         let (vision, vision_params) = match (&cfg.vision, opts.max_image_tokens_per_step) {
             (Some(v), Some(_)) => (tower_weight_bytes(v, elem as usize), tower_params(v)),
@@ -173,6 +178,8 @@ impl WeightBytes {
             mtp: u64::try_from(mtp).ok()?,
             experts: u64::try_from(experts).ok()?,
             experts_active: u64::try_from(experts_active).ok()?,
+            mtp_experts: u64::try_from(mtp_experts).ok()?,
+            experts_on_host: opts.experts_on_host && cfg.moe.is_some(),
             vision: u64::try_from(vision).ok()?,
             vision_params: u64::try_from(vision_params).ok()?,
         })
@@ -186,10 +193,18 @@ impl WeightBytes {
             + self.mtp
             + self.vision
             + if self.embed_on_host { 0 } else { self.embed }
+            - self.host_experts()
     }
 
-    /// Bytes in pinned host memory.
+    /// Routed-expert bytes in pinned host memory (the main layers' and the MTP head's; 0 unless
+    /// `experts_on_host`).
+    pub fn host_experts(&self) -> u64 {
+        if self.experts_on_host { self.experts + self.mtp_experts } else { 0 }
+    }
+
+    /// Bytes in pinned host memory: the embedding table with `embed_on_host`, the routed experts with
+    /// `experts_on_host`.
     pub fn host(&self) -> u64 {
-        if self.embed_on_host { self.embed } else { 0 }
+        self.host_experts() + if self.embed_on_host { self.embed } else { 0 }
     }
 }

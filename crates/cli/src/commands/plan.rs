@@ -44,6 +44,11 @@ pub struct Args {
     /// Keep the embedding table in pinned host memory, outside --memory.
     #[arg(long)]
     embed_on_host: bool,
+    /// A mixture-of-experts model: keep its routed experts in pinned host memory, outside --memory (the
+    /// GPU reads the experts each token picks across PCIe). Default: the fit chooses it on CUDA when nothing
+    /// else comes near the full context.
+    #[arg(long)]
+    experts_on_host: bool,
     /// KV cache dtype for K and V: bf16, fp16, fp32, fp8, int8, int4 (default: bf16 on cuda, fp32 on cpu).
     #[arg(long)]
     kv_cache_dtype: Option<KvDtype>,
@@ -87,7 +92,7 @@ pub struct Args {
     runtime_reserve: Option<u64>,
     /// Plan exactly the settings given (the largest context that fits them) instead of aiming at the model's
     /// full context by trading the options left unset (snapshot slots, sequences per step, embedding on
-    /// the host, int4 lm_head with int4 weights).
+    /// the host, int4 lm_head with int4 weights, a mixture of experts' routed experts on the host).
     #[arg(long)]
     no_fit: bool,
     /// Device the plan is for: cuda or cpu.
@@ -139,6 +144,10 @@ pub fn run(a: Args) -> Result<()> {
     }
     o.lm_head_int4 = a.lm_head_int4;
     o.embed_on_host = a.embed_on_host;
+    if a.experts_on_host && !gpu {
+        bail!("--experts-on-host: a CUDA backend option (the CPU reference keeps every weight in host memory)");
+    }
+    o.experts_on_host = a.experts_on_host;
     if let Some(kv) = a.kv_cache_dtype {
         (o.k_dtype, o.v_dtype) = (kv, kv);
     }
@@ -182,6 +191,8 @@ pub fn run(a: Args) -> Result<()> {
             lm_head_int4: gpu,
             // As `serve` plans: the GPU tower may be left out unless the user asked for images.
             vision: gpu && a.max_image_tokens_per_step.is_none(),
+            // A mixture of experts' routed experts may go to the host (one card).
+            experts_on_host: gpu && a.tensor_parallel <= 1,
         }
     };
     let fitted = fit_context(&cfg, &o, free)?;

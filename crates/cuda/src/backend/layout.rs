@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use deltaserve_model::shard::ShardSpec;
 use deltaserve_model::{Checkpoint, Dims, LayerKind, ModelConfig, MoeConfig, VisionConfig};
-use deltaserve_plan::cuda::{ScratchParts, WeightFormat, weights_device_bytes};
+use deltaserve_plan::cuda::{ScratchParts, WeightFormat, host_experts_bytes, weights_device_bytes};
 use deltaserve_plan::{CheckpointTensors, CudaTowerLayout, Plan, PlanBackend, SamplingScratch, WeightsDtype};
 
 use crate::arena::{Arena, DevSpan, RegionId, aligned as al};
@@ -18,6 +18,7 @@ use crate::runtime::{PinnedHost, Runtime};
 
 use super::ahead::Launches;
 use super::graphs::GraphStats;
+use super::host_experts::HostExperts;
 use super::inputs::StepInputs;
 use super::linear::layers_fold;
 use super::moe::{MoeWs, moe_views};
@@ -203,6 +204,9 @@ pub(super) fn check_plan(
         )));
     }
     let fmt = WeightFormat::of(&plan.options);
+    if fmt.experts_on_host && (cfg.moe.is_none() || shard.is_some()) {
+        return Err(CudaError::Plan("routed experts on the host need a mixture-of-experts model on one GPU".into()));
+    }
     if cfg.moe.is_some() && shard.is_some() {
         return Err(CudaError::UnsupportedModel(
             "mixture-of-experts models on CUDA do not support tensor parallelism yet".into(),
@@ -637,6 +641,9 @@ impl CudaBackend {
         } else {
             None
         };
+        // The routed experts' pinned block (every sparse layer's and the MTP head's), outside the arena.
+        let host_experts =
+            fmt.experts_on_host.then(|| HostExperts::new(&rt, host_experts_bytes(cfg, fmt))).transpose()?;
         let inputs = StepInputs::new(&rt, plan)?;
         let launches = Launches::new(&rt, s_max, d.vocab)?;
 
@@ -678,6 +685,7 @@ impl CudaBackend {
             graph_stats: GraphStats::default(),
             graph_budget: plan.options.graph_reserve_bytes,
             host_embed,
+            host_experts,
             inputs,
             launches,
             w4_quantized: 0,
@@ -732,6 +740,10 @@ impl CudaBackend {
         }
         be.rt.synchronize()?;
         be.fold = be.tp.is_none() && layers_fold(&be.w.layers, be.d.hidden);
+        if let Some(he) = &be.host_experts {
+            let (used, bytes) = he.usage();
+            tracing::info!("routed experts: {used} B of the {bytes} B host block placed");
+        }
         be.arena.seal();
         Ok(self)
     }

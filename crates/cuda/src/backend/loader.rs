@@ -1,5 +1,7 @@
 //! Placing the weights in the weights region: a checkpoint's tensors (converted, cut to a rank's shard,
-//! quantised to int4 or converted from GPTQ on the way) or random weights at the real shapes.
+//! quantised to int4 or converted from GPTQ on the way) or random weights at the real shapes; with
+//! `experts_on_host` the routed experts in the pinned host block instead (`expert_load.rs`,
+//! `host_experts.rs`).
 
 use deltaserve_model::shard::{ShardSpec, Split};
 use deltaserve_model::weights::TensorSource;
@@ -16,7 +18,9 @@ use crate::runtime::Runtime;
 use crate::w4::{ScaleDtype, W4Bytes, W4Linear};
 
 use super::CudaBackend;
-use super::moe::{ExpertBlock, MoeLayer, W4ExpertLayout, expert_proj, loaded_experts};
+use super::expert_load::W4ExpertBlock;
+use super::host_experts::{ExpertStage, HostExperts, HostFill};
+use super::moe::{ExpertBlock, MoeLayer, expert_proj, loaded_experts};
 use super::spec::MtpHead;
 use super::weights::{AttnLayer, GdnLayer, Layer, Mixer, Part, Proj, Weights};
 
@@ -65,8 +69,13 @@ pub(super) struct Loader<'a> {
     pub(super) k: &'a Kernels,
     pub(super) arena: &'a mut Arena,
     pub(super) wreg: crate::arena::RegionId,
-    /// Device staging for quantisation at load (the empty KV pages region).
+    /// Device staging for quantisation at load (the empty KV pages region; after the expert stage with
+    /// routed experts on the host).
     pub(super) staging: DevSpan,
+    /// The pinned block of the routed experts (`experts_on_host`).
+    pub(super) host: Option<&'a mut HostExperts>,
+    /// Where experts quantised at load for the host block are quantised first.
+    pub(super) stage: Option<ExpertStage>,
     pub(super) quantized: usize,
     pub(super) converted: usize,
     pub(super) total_w4: usize,
@@ -161,7 +170,11 @@ impl Loader<'_> {
     }
 
     /// One GPTQ-packed linear converted to the device format on the host (warning where it had to round).
-    fn convert_gptq(&mut self, g: &deltaserve_model::quant::GptqSource<'_>, name: &str) -> Result<W4Linear, CudaError> {
+    pub(super) fn convert_gptq(
+        &mut self,
+        g: &deltaserve_model::quant::GptqSource<'_>,
+        name: &str,
+    ) -> Result<W4Linear, CudaError> {
         let c = W4Linear::from_gptq(g, name)?;
         if c.zero16_clamped > 0 || c.scales_rounded > 0 {
             tracing::warn!(
@@ -175,7 +188,7 @@ impl Loader<'_> {
     }
 
     /// Copies a host int4 linear into the placed `w` (same shape and format).
-    fn upload_w4(&self, l: &W4Linear, w: &W4Weights) -> Result<(), CudaError> {
+    pub(super) fn upload_w4(&self, l: &W4Linear, w: &W4Weights) -> Result<(), CudaError> {
         self.rt.upload(w.qweight, &l.qweight)?;
         self.rt.upload(w.scales, &l.scales)?;
         if let (Some(p), Some(z)) = (w.zeros, &l.zeros) {
@@ -252,6 +265,29 @@ pub(super) fn convert(src: &TensorSource<'_>, f32_out: bool) -> Result<Vec<u8>, 
     Ok(out)
 }
 
+/// A random int4 `[out, in]` linear placed at `base`: uniform codes, bf16 group scales of weights of std
+/// `1/sqrt(in)`, zero points 8 (asymmetric).
+pub(super) fn random_w4(
+    k: &Kernels,
+    rt: &Runtime,
+    base: u64,
+    out: usize,
+    inp: usize,
+    asym: bool,
+    seed: u64,
+) -> Result<W4Weights, CudaError> {
+    let w = W4Weights::at(base, out, inp, asym, false, ScaleDtype::Bf16);
+    let (b, s) = (w.bytes(), rt.stream());
+    init_random(k, s, w.qweight, b.qweight / 4, seed, Init::Bits, false)?;
+    // Uniform codes with zero 8 have a std of ~4.6 steps: weights of std 1/sqrt(in).
+    let std = 1.0 / (inp as f32).sqrt() / 4.6;
+    init_random(k, s, w.scales, b.scales / 2, seed ^ 1, Init::Scale(std), false)?;
+    if let Some(z) = w.zeros {
+        rt.memset(z, 0x88, b.zeros)?;
+    }
+    Ok(w)
+}
+
 impl CudaBackend {
     /// Loads the checkpoint of the model `full` into this backend's layout for `cfg` (the rank's
     /// shape under tensor parallelism, where every tensor is cut to the rank's shard as it loads).
@@ -270,13 +306,26 @@ impl CudaBackend {
         // A GPTQ checkpoint keeps the linears it left unquantised in bf16; a bf16 checkpoint under an
         // int4 plan is quantised at load (`--quantize int4`).
         let keep_dense = matches!(cfg.quantization, Some(deltaserve_model::quant::Quantization::Gptq(_)));
-        let total_w4 = weight_tensors(cfg, fmt).iter().filter(|s| matches!(s, WeightTensor::W4 { .. })).count();
+        let total_w4 = weight_tensors(cfg, fmt)
+            .iter()
+            .filter(|s| matches!(s, WeightTensor::W4 { .. } | WeightTensor::HostW4 { .. }))
+            .count();
+        // int4 experts for the host block are quantised in a device stage at the start of the staging.
+        let (stage, staging) = match (&self.host_experts, &cfg.moe) {
+            (Some(_), Some(m)) if fmt.int4 => {
+                let (st, rest) = ExpertStage::carve(staging, m.expert_intermediate, h, fmt.asym)?;
+                (Some(st), rest)
+            }
+            _ => (None, staging),
+        };
         let mut ld = Loader {
             rt: &self.rt,
             k: &self.k,
             arena: &mut self.arena,
             wreg,
             staging,
+            host: self.host_experts.as_mut(),
+            stage,
             quantized: 0,
             converted: 0,
             total_w4,
@@ -296,12 +345,11 @@ impl CudaBackend {
                 if fmt.int4 {
                     return w4_experts.place(&mut ld, &src, at, num_experts, fmt.asym).map_err(dev);
                 }
-                // Every expert of the layer in one bf16 block.
+                // Every expert of the layer in one bf16 block (on the device, or in the host block).
                 let (bytes, shape) = ld.bytes(&src, false)?;
-                let (arena, wreg) = (&mut *ld.arena, ld.wreg);
-                let mut alloc = |n: usize| Ok(arena.alloc(wreg, n)?.ptr);
+                let mut alloc = |n: usize| ld.alloc_experts(n);
                 let ptr = experts.place(&name, at, bytes.len(), num_experts, &mut alloc).map_err(dev)?;
-                ld.rt.upload(ptr, &bytes).map_err(dev)?;
+                ld.put_experts(ptr, &bytes).map_err(dev)?;
                 return Ok(Part::Bf16 { w: ptr, rows: shape[0] });
             }
             if name.ends_with("embed_tokens.weight") {
@@ -384,6 +432,9 @@ impl CudaBackend {
         let specs = weight_tensors(cfg, fmt);
         let mut parts = Vec::with_capacity(specs.len());
         let s = self.rt.stream().clone();
+        // Routed experts for the host block: made in the staging, copied down.
+        let mut fill = HostFill::new(staging);
+        let no_host = || CudaError::Plan("routed experts on the host without a host block".into());
         for (i, spec) in specs.iter().enumerate() {
             let tseed = seed ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
             let part = match *spec {
@@ -395,18 +446,24 @@ impl CudaBackend {
                 WeightTensor::W4 { out, inp, asym } => {
                     let (_, bytes) = W4Bytes::new(out, inp, asym, false).layout(ALIGN);
                     let base = self.arena.alloc(wreg, bytes)?.ptr;
-                    let w = W4Weights::at(base, out, inp, asym, false, ScaleDtype::Bf16);
-                    let b = w.bytes();
-                    init_random(&self.k, &s, w.qweight, b.qweight / 4, tseed, Init::Bits, false)?;
-                    // Uniform codes with zero 8 have a std of ~4.6 steps: weights of std 1/sqrt(in).
-                    let std = 1.0 / (inp as f32).sqrt() / 4.6;
-                    init_random(&self.k, &s, w.scales, b.scales / 2, tseed ^ 1, Init::Scale(std), false)?;
-                    if let Some(z) = w.zeros {
-                        self.rt.memset(z, 0x88, b.zeros)?;
-                    }
-                    Part::W4(w)
+                    Part::W4(random_w4(&self.k, &self.rt, base, out, inp, asym, tseed)?)
+                }
+                WeightTensor::HostDense { n, role } => {
+                    let he = self.host_experts.as_mut().ok_or_else(no_host)?;
+                    let at = he.alloc(2 * n)?;
+                    fill.dense((he, &self.rt, &self.k), at, n, tseed, random_init(role))?;
+                    Part::Bf16 { w: at, rows: 0 }
+                }
+                WeightTensor::HostW4 { out, inp, asym } => {
+                    let he = self.host_experts.as_mut().ok_or_else(no_host)?;
+                    let at = he.alloc(W4Bytes::new(out, inp, asym, false).aligned())?;
+                    Part::W4(fill.w4((he, &self.rt, &self.k), at, out, inp, asym, tseed)?)
                 }
                 WeightTensor::Host { n } => {
+                    // The staging is the host embedding's now.
+                    if let Some(he) = self.host_experts.as_mut() {
+                        fill.flush(he, &self.rt)?;
+                    }
                     let Some(he) = &self.host_embed else {
                         return Err(CudaError::Plan("embed_on_host without a host table".into()));
                     };
@@ -426,6 +483,9 @@ impl CudaBackend {
                 }
             };
             parts.push(part);
+        }
+        if let Some(he) = self.host_experts.as_mut() {
+            fill.flush(he, &self.rt)?;
         }
         let mut it = parts.into_iter();
         let mut next = || it.next().ok_or_else(|| CudaError::Weights("weight spec list too short".into()));
@@ -586,85 +646,4 @@ fn checkpoint_weights(
         layers,
         mtp,
     })
-}
-
-/// Where a layer's int4 experts go as a checkpoint loads ([`W4ExpertLayout`]): the block is allocated
-/// when expert 0's gate arrives (experts load in order, gate / up / down); bf16 experts are quantised
-/// into place, GPTQ ones converted on the host, a GPTQ gate kept until its up rows arrive (the two are
-/// one linear on the device). Every expert of a layer must come in one format.
-#[derive(Default)]
-pub(super) struct W4ExpertBlock {
-    base: u64,
-    layout: Option<W4ExpertLayout>,
-    gate: Option<W4Linear>,
-}
-
-impl W4ExpertBlock {
-    /// Places expert tensor `(e, proj)` (projection 0 gate, 1 up, 2 down); the part the model's weights
-    /// record for it (gate and up: the expert's gate/up linear).
-    pub(super) fn place(
-        &mut self,
-        ld: &mut Loader<'_>,
-        src: &TensorSource<'_>,
-        (e, proj): (usize, usize),
-        num_experts: usize,
-        asym: bool,
-    ) -> Result<Part, CudaError> {
-        let name = src.name.as_str();
-        let werr = |msg: String| CudaError::Weights(format!("`{name}` (int4 expert): {msg}"));
-        if e >= num_experts {
-            return Err(werr(format!("expert {e} of a layer of {num_experts}")));
-        }
-        let gptq = match &src.quantized {
-            Some(deltaserve_model::QuantizedSource::Gptq(g)) => Some(ld.convert_gptq(g, name)?),
-            _ => None,
-        };
-        let (lin, bytes, (out, inp)) = match gptq {
-            Some(l) => {
-                let shape = (l.out_features, l.in_features);
-                (Some(l), Vec::new(), shape)
-            }
-            None => {
-                let (b, shape) = ld.bytes(src, false).map_err(|e| CudaError::Weights(e.to_string()))?;
-                match shape.as_slice() {
-                    [o, i] => (None, b, (*o, *i)),
-                    s => return Err(werr(format!("shape {s:?} is not a linear"))),
-                }
-            }
-        };
-        let (width, hidden) = if proj == 2 { (inp, out) } else { (out, inp) };
-        if (e, proj) == (0, 0) {
-            W4Linear::check_shape(name, 2 * width, hidden)?;
-            W4Linear::check_shape(name, hidden, width)?;
-            let (a, sd) = lin.as_ref().map_or((asym, ScaleDtype::F16), |l| (l.zeros.is_some(), l.scale_dtype));
-            let layout = W4ExpertLayout::new(width, hidden, a, sd);
-            self.base = ld.arena.alloc(ld.wreg, num_experts * layout.stride)?.ptr;
-            self.layout = Some(layout);
-            self.gate = None;
-        }
-        let layout = self.layout.ok_or_else(|| werr("expert 0's gate was not loaded first".into()))?;
-        let (gu, down) = layout.expert(self.base, e);
-        if (width, hidden) != (down.inp, down.out) {
-            return Err(werr(format!("[{out}, {inp}]: the layer's experts are {} wide over {}", down.inp, down.out)));
-        }
-        let target = if proj == 2 { down } else { gu };
-        let Some(l) = lin else {
-            ld.quantize_rows(&bytes, out, &target, if proj == 1 { width } else { 0 }, name)?;
-            return Ok(Part::W4(target));
-        };
-        if l.perm.is_some() || l.zeros.is_some() != gu.zeros.is_some() || l.scale_dtype != gu.scale_dtype {
-            return Err(werr(
-                "the layer's int4 experts must share one format (zero points, scale dtype) without act-order".into(),
-            ));
-        }
-        match proj {
-            0 => self.gate = Some(l),
-            1 => {
-                let g = self.gate.take().ok_or_else(|| werr("its gate was not loaded before it".into()))?;
-                ld.upload_w4(&g.stack_rows(&l, name)?, &gu)?;
-            }
-            _ => ld.upload_w4(&l, &down)?,
-        }
-        Ok(Part::W4(target))
-    }
 }

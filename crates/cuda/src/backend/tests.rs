@@ -227,3 +227,69 @@ fn int4_expert_layout_is_the_plans() {
     assert_eq!(d.qweight, g.qweight + w4[0] as u64);
     assert_eq!((g.out, g.inp, d.out, d.inp), (1024, 2048, 2048, 512));
 }
+
+/// With the routed experts on the host the backend's weights region is the plan's without them: random
+/// weights and a GPTQ checkpoint's (its walk prices no expert on the device) fit the plan's regions, and
+/// the host block holds what leaves the device. Dense models and tensor parallelism are refused.
+#[test]
+fn host_experts_leave_the_weights_region() {
+    use deltaserve_plan::cuda::host_experts_bytes;
+    let cfg = preset(Preset::TinyMoe, Some(4));
+    for int4 in [false, true] {
+        for spec in [0, 2] {
+            let mut o = PlanOptions::gpu_defaults(1 << 30);
+            if int4 {
+                o.weights_dtype = WeightsDtype::Int4;
+            }
+            o.speculative_tokens = spec;
+            let dev = Plan::new(&cfg, &o).unwrap();
+            o.experts_on_host = true;
+            let host = Plan::new(&cfg, &o).unwrap();
+            let fmt = WeightFormat::of(&o);
+            check_plan(&cfg, cfg.dims(), &host, None).unwrap();
+            let random = WeightSource::RandomWeights { seed: 1 };
+            let w = weights_bytes(&host, (&cfg, &cfg), &random, fmt, None).unwrap();
+            let w_dev = weights_bytes(&dev, (&cfg, &cfg), &random, WeightFormat::of(&dev.options), None).unwrap();
+            assert_eq!(w + host_experts_bytes(&cfg, fmt), w_dev, "int4 {int4} spec {spec}");
+            let c = Carve::new(&host, &cfg, w, fmt).unwrap();
+            assert!(c.weights >= w && c.weights as u64 == host.weights_bytes.max(w as u64), "int4 {int4} spec {spec}");
+            assert_eq!(host.weights_bytes + host.host_weights_bytes, dev.weights_bytes);
+        }
+    }
+    // A GPTQ checkpoint of int4 experts: none of them on the device.
+    let dir = scratch_dir("host-experts");
+    let mut c = Preset::TinyMoe.config_json(Some(4));
+    c["text_config"]["moe_intermediate_size"] = serde_json::json!(128);
+    c["text_config"]["linear_num_value_heads"] = serde_json::json!(4);
+    let written = deltaserve_model::synth::write_model_json(
+        &dir,
+        Preset::TinyMoe,
+        c,
+        3,
+        deltaserve_model::synth::MtpVariant::Random,
+        |_, _| {},
+    )
+    .unwrap();
+    gptq::convert(&dir, GptqVariant::SYM, &[], 3, |_| {}).unwrap();
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    assert_eq!(cfg.dims(), written.dims());
+    let walked = CheckpointTensors::walk(&cfg, &dir, None).unwrap();
+    let mut o = PlanOptions { weights_dtype: WeightsDtype::Int4, ..PlanOptions::gpu_defaults(1 << 30) };
+    let on_device = walked.device_bytes(WeightFormat::of(&o));
+    o.experts_on_host = true;
+    let fmt = WeightFormat::of(&o);
+    assert_eq!(walked.device_bytes(fmt) + host_experts_bytes(&cfg, fmt), on_device);
+    let with = PlanOptions { backend: PlanBackend::Cuda { checkpoint: Some(walked.into()) }, ..o.clone() };
+    let plan = Plan::new(&cfg, &with).unwrap();
+    let source = WeightSource::Checkpoint(dir.clone());
+    let w = weights_bytes(&plan, (&cfg, &cfg), &source, fmt, None).unwrap();
+    let (plan_weights, plan_scratch) = planned(&plan);
+    let c = Carve::new(&plan, &cfg, w, fmt).unwrap();
+    assert_eq!(c.weights + c.scratch, plan_weights + plan_scratch);
+    let _ = std::fs::remove_dir_all(&dir);
+    // Refused where it cannot work.
+    let dense = preset(Preset::Tiny, Some(4));
+    let mut plan = Plan::new(&dense, &PlanOptions::gpu_defaults(1 << 30)).unwrap();
+    plan.options.experts_on_host = true;
+    assert!(check_plan(&dense, dense.dims(), &plan, None).is_err());
+}

@@ -32,6 +32,22 @@ pub fn init_random(
     init: Init,
     f32_out: bool,
 ) -> Result<(), CudaError> {
+    init_random_at(k, s, out, n, 0, seed, init, f32_out)
+}
+
+/// Elements `first .. first + n` of the tensor [`init_random`] fills from `seed`, at `out` (a slice of
+/// a tensor made in pieces: the same values as made whole).
+#[allow(clippy::too_many_arguments)]
+pub fn init_random_at(
+    k: &Kernels,
+    s: &CudaStream,
+    out: u64,
+    n: usize,
+    first: usize,
+    seed: u64,
+    init: Init,
+    f32_out: bool,
+) -> Result<(), CudaError> {
     if n == 0 {
         return Ok(());
     }
@@ -42,10 +58,10 @@ pub fn init_random(
         Init::Bits => (0.0f32, 3),
         Init::Scale(x) => (x, 4),
     };
-    let nn = n as i64;
+    let (nn, first) = (n as i64, first as i64);
     let is_f32 = f32_out as i32;
     let grid = (n.div_ceil(256).clamp(1, 16384) as u32, 1, 1);
-    launch!(k, s, "init_random", grid, (256, 1, 1), 0; out, nn, seed, std_, mode, is_f32)
+    launch!(k, s, "init_random", grid, (256, 1, 1), 0; out, nn, first, seed, std_, mode, is_f32)
 }
 
 /// Fills the dynamic shared memory of `blocks` blocks of 256 threads, `bytes` each (at most the

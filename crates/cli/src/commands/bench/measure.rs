@@ -32,8 +32,9 @@ pub(super) fn measure_deltanet(
     Ok(out)
 }
 
-/// bf16 GEMM rate (8192³, median of 10) and device copy rate (1 GiB, read + write bytes per second).
-pub(super) fn measure_ceilings(rt: &Runtime, k: &Kernels) -> Result<Ceilings> {
+/// bf16 GEMM rate (8192³, median of 10) and device copy rate (1 GiB, read + write bytes per second);
+/// with `host`, the rate of copies from pinned host memory to the device (128 MiB, median of 10).
+pub(super) fn measure_ceilings(rt: &Runtime, k: &Kernels, host: bool) -> Result<Ceilings> {
     let n = 8192usize;
     let mut arena = Arena::new(rt.context().clone());
     let r = arena.add_region("bench ceilings", 3 * n * n * 2 + (32 << 20))?;
@@ -51,9 +52,25 @@ pub(super) fn measure_ceilings(rt: &Runtime, k: &Kernels) -> Result<Ceilings> {
         }
         Ok(())
     })? / 8.0;
+    let host_read_gbs = if host {
+        let pinned = deltaserve_cuda::runtime::PinnedHost::new(rt, bytes)?;
+        // SAFETY: the pinned block holds `bytes` bytes; written before it is read as a slice.
+        let src = unsafe {
+            std::ptr::write_bytes(pinned.ptr(), 0x5a, bytes);
+            std::slice::from_raw_parts(pinned.ptr() as *const u8, bytes)
+        };
+        let s = time_median(rt, 10, || rt.upload(x.ptr, src))?;
+        Some(bytes as f64 / s / 1e9)
+    } else {
+        None
+    };
     drop(g);
     drop(arena);
-    Ok(Ceilings { gemm_tflops: 2.0 * (n as f64).powi(3) / gemm_s / 1e12, copy_gbs: 2.0 * bytes as f64 / copy_s / 1e9 })
+    Ok(Ceilings {
+        gemm_tflops: 2.0 * (n as f64).powi(3) / gemm_s / 1e12,
+        copy_gbs: 2.0 * bytes as f64 / copy_s / 1e9,
+        host_read_gbs,
+    })
 }
 
 /// Median wall time of `f` (synchronised), after 2 warm-up runs.
@@ -310,15 +327,24 @@ pub(super) fn time_cache_op(be: &mut dyn Backend, op: CacheOp) -> Result<f64> {
     Ok(median(times))
 }
 
-/// Bytes a step of `b` sequences at context `ctx` reads at least: one card's device weights (less the
-/// embedding table, of which a step reads only its rows; of a mixture of experts only the experts
-/// `b` tokens pick), the sequences' KV and their DeltaNet state (read and written).
-pub(super) fn step_bytes(plan: &Plan, cfg: &ModelConfig, b: usize, ctx: usize) -> f64 {
-    let embed_on_device = if plan.options.embed_on_host { 0 } else { plan.weight_parts.embed };
+/// Bytes a step of `b` sequences at context `ctx` reads at least, (in device memory, in pinned host
+/// memory): one card's device weights (less the embedding table, of which a step reads only its rows; of
+/// a mixture of experts only the experts `b` tokens pick, read from the host with `--experts-on-host`),
+/// the sequences' KV and their DeltaNet state (read and written).
+pub(super) fn step_bytes(plan: &Plan, cfg: &ModelConfig, b: usize, ctx: usize) -> (f64, f64) {
     let parts = &plan.weight_parts;
+    let embed_on_device = if plan.options.embed_on_host { 0 } else { parts.embed };
+    let experts_on_device = if parts.experts_on_host { 0 } else { parts.experts };
     let experts_read = cfg.moe.as_ref().map_or(0.0, |m| parts.experts_read(m.num_experts, m.top_k, b));
-    let weight_bytes = (plan.weights_bytes - embed_on_device - parts.experts) as f64 + experts_read;
-    weight_bytes + (b * ctx) as f64 * plan.kv_bytes_per_token as f64 + 2.0 * b as f64 * plan.state_bytes_per_seq as f64
+    let rest = (plan.weights_bytes - embed_on_device - experts_on_device) as f64;
+    let cache = (b * ctx) as f64 * plan.kv_bytes_per_token as f64 + 2.0 * b as f64 * plan.state_bytes_per_seq as f64;
+    if parts.experts_on_host { (rest + cache, experts_read) } else { (rest + experts_read + cache, 0.0) }
+}
+
+/// The least time (s) a step reading `(device, host)` bytes takes: the device bytes at the copy rate, the
+/// host bytes at the host-to-device rate.
+pub(super) fn bytes_floor_s((device, host): (f64, f64), c: &Ceilings) -> f64 {
+    device / (c.copy_gbs * 1e9) + c.host_read_gbs.map_or(0.0, |r| host / (r * 1e9))
 }
 
 /// (total FLOPs, attention FLOPs) of a `t`-token prompt from position 0 (`docs/architecture.md` §6). A

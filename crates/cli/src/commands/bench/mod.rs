@@ -11,7 +11,8 @@
 //!   roofline time is FLOPs / the measured GEMM rate;
 //! - decode: bytes = device weights (one embedding row; of a mixture of experts' routed experts, those the
 //!   step's tokens pick under uniform routing) + KV read + DeltaNet state read and written; the
-//!   roofline time is bytes / the measured copy rate (read + write bytes per second).
+//!   roofline time is bytes / the measured copy rate (read + write bytes per second); with
+//!   `--experts-on-host` the experts' bytes count at the host-to-device copy rate measured then.
 //!
 //! The decode steps run on whatever the KV pages and state slots hold (their content does not change the
 //! work), so no long prefill is needed to measure decode at 32K context.
@@ -98,6 +99,10 @@ pub struct Args {
     /// Keep the embedding table in pinned host memory.
     #[arg(long)]
     embed_on_host: bool,
+    /// A mixture-of-experts model: keep the routed experts in pinned host memory (read across PCIe; the
+    /// decode rooflines count them at the host-to-device rate measured in the same run).
+    #[arg(long)]
+    experts_on_host: bool,
     /// KV cache dtype for K and V: bf16, fp8, int8, int4.
     #[arg(long, default_value = "bf16")]
     kv_cache_dtype: KvDtype,
@@ -173,7 +178,7 @@ pub fn run(a: Args) -> Result<()> {
     tracing::info!("bench: measuring the device's ceilings on {gpu}");
     // One set of kernels, specialised to the model, for the ceilings and the DeltaNet timings.
     let kernels = Kernels::load(&rt, deltaserve_cuda::backend::kernel_dims(&card))?;
-    let ceilings = measure_ceilings(&rt, &kernels)?;
+    let ceilings = measure_ceilings(&rt, &kernels, a.experts_on_host)?;
     tracing::info!(
         "bench: bf16 GEMM {:.0} TFLOP/s, device copy {:.0} GB/s (read + write)",
         ceilings.gemm_tflops,
@@ -208,6 +213,7 @@ pub fn run(a: Args) -> Result<()> {
     o.int4_asym = a.int4_asym;
     o.lm_head_int4 = a.lm_head_int4;
     o.embed_on_host = a.embed_on_host;
+    o.experts_on_host = a.experts_on_host;
     (o.k_dtype, o.v_dtype) = (a.kv_cache_dtype, a.kv_cache_dtype);
     o.decode_partitions = a.decode_partitions; // the plan checks the range
     o.set_tensor_parallel(tp);
@@ -242,12 +248,13 @@ pub fn run(a: Args) -> Result<()> {
         gpu: if tp > 1 { format!("{tp}× {gpu}") } else { gpu },
         tensor_parallel: tp,
         model: format!(
-            "{}{} · weights {}{}{} · KV {}",
+            "{}{} · weights {}{}{}{} · KV {}",
             model_name(&model, &cfg),
             if tp > 1 { format!(" · tensor parallel {tp} (per card below)") } else { String::new() },
             plan.options.weights_dtype.name(),
             if plan.options.lm_head_int4 { " + int4 lm_head" } else { "" },
             if plan.options.embed_on_host { " + host embedding" } else { "" },
+            if plan.options.experts_on_host { " + host experts" } else { "" },
             plan.options.k_dtype.name()
         ),
         ceilings: Some(ceilings),
@@ -361,8 +368,8 @@ pub fn run(a: Args) -> Result<()> {
             }
             let driver_peak_bytes = peak(&sampler);
             let allreduce_share = be.all_reduce_s(b)?.map(|per| reduces * per * 1e3 / ms);
-            let bytes = step_bytes(&plan, &cfg, b, ctx);
-            let floor_ms = bytes / (ceilings.copy_gbs * 1e9) * 1e3;
+            let split = step_bytes(&plan, &cfg, b, ctx);
+            let (bytes, floor_ms) = (split.0 + split.1, bytes_floor_s(split, &ceilings) * 1e3);
             report.decode.push(DecodeRow {
                 batch: b,
                 context: ctx,
@@ -451,7 +458,7 @@ pub fn run(a: Args) -> Result<()> {
             // The floor: the step's bytes at the copy rate or its FLOPs at the GEMM rate (one card's).
             let (flop, _) = chunk_flops(&card, plan.weight_parts.linear_params, n, ctx);
             let bytes = step_bytes(&plan, &cfg, 1, ctx);
-            row.floor_ms = (bytes / (ceilings.copy_gbs * 1e9)).max(flop / (ceilings.gemm_tflops * 1e12)) * 1e3;
+            row.floor_ms = bytes_floor_s(bytes, &ceilings).max(flop / (ceilings.gemm_tflops * 1e12)) * 1e3;
             report.short_chunks.push(row);
         }
         let k = a.speculative_tokens;

@@ -6,6 +6,9 @@ use super::*;
 pub(super) struct Ceilings {
     pub(super) gemm_tflops: f64,
     pub(super) copy_gbs: f64,
+    /// Pinned host memory to the device (GB/s): what the routed experts are read at with
+    /// `--experts-on-host` (measured only then).
+    pub(super) host_read_gbs: Option<f64>,
 }
 
 #[derive(Debug)]
@@ -471,7 +474,11 @@ impl ToolReport for Report {
             "gpu": self.gpu,
             "tensor_parallel": self.tensor_parallel,
             "model": self.model,
-            "ceilings": self.ceilings.map(|c| json!({"gemm_bf16_tflops": r1(c.gemm_tflops), "copy_gb_s": r1(c.copy_gbs)})),
+            "ceilings": self.ceilings.map(|c| json!({
+                "gemm_bf16_tflops": r1(c.gemm_tflops),
+                "copy_gb_s": r1(c.copy_gbs),
+                "host_read_gb_s": c.host_read_gbs.map(r1),
+            })),
             "plan_bytes": self.plan_bytes,
             "arena_bytes": self.arena_bytes,
             "startup_s": r1(self.startup_s),
@@ -555,9 +562,10 @@ impl ToolReport for Report {
         let mut s = String::new();
         let _ = writeln!(s, "deltaserve bench on {}: {}", self.gpu, self.model);
         if let Some(c) = &self.ceilings {
+            let host = c.host_read_gbs.map_or(String::new(), |r| format!(" · host to device {r:.1} GB/s"));
             let _ = writeln!(
                 s,
-                "ceilings: bf16 GEMM {:.0} TFLOP/s · device copy {:.0} GB/s (read + write) · backend up in {:.1} s",
+                "ceilings: bf16 GEMM {:.0} TFLOP/s · device copy {:.0} GB/s (read + write){host} · backend up in {:.1} s",
                 c.gemm_tflops, c.copy_gbs, self.startup_s
             );
             self.gpu_tables(&mut s);
