@@ -14,10 +14,22 @@ fn probe(args: &[&str]) -> Output {
         .expect("run deltaserve probe")
 }
 
+/// Runs `deltaserve probe` with `args` (which ask for `--json`) and returns its JSON report, after
+/// checking that it succeeded without a panic.
+fn probe_json(args: &[&str]) -> Value {
+    let out = probe(args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let v: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {}", String::from_utf8_lossy(&out.stdout)));
+    assert!(out.status.success(), "probe failed: {stderr}\n{v:#}");
+    v
+}
+
 #[test]
 fn fills_the_demo_context_in_one_prompt_and_over_turns() {
     let svg = std::env::temp_dir().join(format!("ds-probe-{}.svg", std::process::id()));
-    let out = probe(&[
+    let v = probe_json(&[
         "--max-context",
         "2048",
         "--rungs",
@@ -30,11 +42,6 @@ fn fills_the_demo_context_in_one_prompt_and_over_turns() {
         "--svg",
         svg.to_str().unwrap(),
     ]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    let v: Value = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {}", String::from_utf8_lossy(&out.stdout)));
-    assert!(out.status.success(), "probe failed: {stderr}\n{v:#}");
     assert_eq!(v["passed"], true, "{v:#}");
     assert_eq!(v["max_context"], 2048);
     // The demo model has random weights: no needle check unless asked.
@@ -93,7 +100,7 @@ fn on_the_cpu_the_default_ladder_is_capped() {
 #[test]
 fn prompts_with_images_still_fill_their_rungs_and_turns() {
     let svg = std::env::temp_dir().join(format!("ds-probe-images-{}.svg", std::process::id()));
-    let out = probe(&[
+    let v = probe_json(&[
         "--max-context",
         "2048",
         "--rungs",
@@ -110,11 +117,6 @@ fn prompts_with_images_still_fill_their_rungs_and_turns() {
         "--svg",
         svg.to_str().unwrap(),
     ]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    let v: Value = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {}", String::from_utf8_lossy(&out.stdout)));
-    assert!(out.status.success(), "probe failed: {stderr}\n{v:#}");
     assert_eq!(v["passed"], true, "{v:#}");
     // 320x200 resizes to 352x224 (multiples of 32, at least 65,536 pixels): 22 × 14 patches, 77 tokens.
     assert_eq!((v["images_per_prompt"].as_u64(), v["image_size"].as_str()), (Some(2), Some("320x200")), "{v:#}");

@@ -14,15 +14,22 @@ fn soak(args: &[&str]) -> Output {
         .expect("run deltaserve soak")
 }
 
-#[test]
-fn in_process_demo_session_restores_the_context_and_does_not_allocate() {
-    let svg = std::env::temp_dir().join(format!("ds-soak-{}.svg", std::process::id()));
-    let out = soak(&["--turns", "6", "--target-context", "1500", "--json", "--svg", svg.to_str().unwrap()]);
+/// Runs `deltaserve soak` with `args` (which ask for `--json`) and returns its JSON report, after
+/// checking that it succeeded without a panic.
+fn soak_json(args: &[&str]) -> Value {
+    let out = soak(args);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("panicked"), "{stderr}");
     let v: Value = serde_json::from_slice(&out.stdout)
         .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {}", String::from_utf8_lossy(&out.stdout)));
     assert!(out.status.success(), "soak failed: {stderr}\n{v:#}");
+    v
+}
+
+#[test]
+fn in_process_demo_session_restores_the_context_and_does_not_allocate() {
+    let svg = std::env::temp_dir().join(format!("ds-soak-{}.svg", std::process::id()));
+    let v = soak_json(&["--turns", "6", "--target-context", "1500", "--json", "--svg", svg.to_str().unwrap()]);
 
     let s = &v["summary"];
     assert_eq!(s["ok"], true, "{v:#}");
@@ -104,12 +111,7 @@ fn bad_arguments_are_clean_errors() {
 
 #[test]
 fn screenshots_in_the_history_are_restored_from_the_prefix_cache() {
-    let out = soak(&["--turns", "6", "--target-context", "2000", "--screenshot", "256x256", "--json"]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    let v: Value = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {}", String::from_utf8_lossy(&out.stdout)));
-    assert!(out.status.success(), "soak failed: {stderr}\n{v:#}");
+    let v = soak_json(&["--turns", "6", "--target-context", "2000", "--screenshot", "256x256", "--json"]);
     let s = &v["summary"];
     assert_eq!(s["ok"], true, "{v:#}");
     // 256x256 is the smallest image the processor takes as it is: 16 × 16 patches, 64 tokens.
