@@ -315,9 +315,24 @@ fn e4m3_encoder_round_trips_every_code() {
         assert_eq!(deltaserve_model::quant::fp8_e4m3_to_f32(b).to_bits(), x.to_bits(), "code {b:#04x}");
         if x != 0.0 {
             assert_eq!(e4m3_encode(x), b, "{x}");
+            assert_eq!(deltaserve_model::quant::fp8_e4m3_from_f32(x), b, "{x}");
         }
     }
     assert_eq!(e4m3_decode(0x7e), 448.0);
+    // The library encoder against this one between the codes: exact midpoints (ties to even), just
+    // either side of them, and beyond the largest finite code (saturating).
+    let enc = deltaserve_model::quant::fp8_e4m3_from_f32;
+    for b in 0..0x7eu8 {
+        let (lo, hi) = (e4m3_decode(b), e4m3_decode(b + 1));
+        let mid = (lo + hi) / 2.0;
+        for x in [mid, f32::from_bits(mid.to_bits() - 1), f32::from_bits(mid.to_bits() + 1)] {
+            assert_eq!(enc(x), e4m3_encode(x), "{x}");
+            assert_eq!(enc(-x), e4m3_encode(-x), "{}", -x);
+        }
+    }
+    assert_eq!(enc(1e9), 0x7e);
+    assert_eq!(enc(-500.0), 0xfe);
+    assert_eq!(enc(f32::NAN) & 0x7f, 0x7f);
 }
 
 fn make_fp8(dir: &Path, block: [usize; 2], not_converted: &[&str], scale_rows_cut: Option<&str>) -> Expect {
