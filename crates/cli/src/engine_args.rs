@@ -92,14 +92,17 @@ pub struct EngineArgs {
     /// vLLM's `-tp N` is accepted too.
     #[arg(long, visible_alias = "tensor-parallel-size", default_value_t = 1)]
     pub tensor_parallel: usize,
-    /// CUDA backend: storage of the decoder linears, bf16 or int4 (group 128). int4 with a bf16
-    /// checkpoint quantises it at load (as --quantize int4); with --random-weights, random int4 codes
-    /// at the real shapes. A GPTQ / AutoRound checkpoint is int4 by itself.
+    /// CUDA backend: storage of the decoder linears, bf16, int4 (group 128) or fp8 (e4m3 in 128×128
+    /// scale blocks, as the official `-FP8` checkpoints; Ada / Hopper GPUs). int4 or fp8 with a bf16
+    /// checkpoint quantises it at load (as --quantize); with --random-weights, random codes at the real
+    /// shapes. A GPTQ / AutoRound checkpoint is int4 by itself; a block-FP8 checkpoint stays fp8 where
+    /// the GPU has FP8 tensor cores (`bf16` dequantises it).
     #[arg(long)]
     pub weights_dtype: Option<String>,
     /// CUDA backend: quantise a bf16 checkpoint's decoder linears at load, on the GPU (int4: round to
-    /// nearest, group 128, fp16 scales; symmetric unless --int4-asym).
-    #[arg(long, value_name = "int4")]
+    /// nearest, group 128, fp16 scales, symmetric unless --int4-asym; fp8: e4m3, one f32 scale per
+    /// 128×128 block, sm_89 or later).
+    #[arg(long, value_name = "int4|fp8")]
     pub quantize: Option<String>,
     /// int4 weights with zero points (asymmetric) when quantising at load or for random weights.
     #[arg(long)]
@@ -377,37 +380,94 @@ impl EngineArgs {
         }
     }
 
-    /// The CUDA weight storage: (int4 decoder linears, asymmetric) from --weights-dtype / --quantize
-    /// and the checkpoint's GPTQ quantization_config.
-    fn cuda_weights(&self, cfg: &ModelConfig, random_weights: bool) -> Result<(bool, bool)> {
+    /// The CUDA weight storage of the decoder linears (and int4's asymmetry) from --weights-dtype /
+    /// --quantize, the checkpoint's quantization_config and the GPU: a block-FP8 checkpoint stays FP8
+    /// on sm_89 and later (FP8 tensor cores), and is dequantised to bf16 before that.
+    fn cuda_weights(&self, cfg: &ModelConfig, random_weights: bool, tp: usize) -> Result<(WeightsDtype, bool)> {
         let flag = match self.weights_dtype.as_deref() {
             None => None,
             Some(w) => match w.parse::<WeightsDtype>().map_err(|e| anyhow::anyhow!("--weights-dtype: {e}"))? {
-                WeightsDtype::Bf16 => Some(false),
-                WeightsDtype::Int4 => Some(true),
-                other => anyhow::bail!("--weights-dtype {other}: the CUDA backend stores weights in bf16 or int4"),
+                w @ (WeightsDtype::Bf16 | WeightsDtype::Int4 | WeightsDtype::Fp8Block) => Some(w),
+                other => anyhow::bail!("--weights-dtype {other}: the CUDA backend stores weights in bf16, int4 or fp8"),
             },
         };
         let quantize = match self.quantize.as_deref() {
-            None => false,
-            Some("int4") if random_weights => {
-                anyhow::bail!("--quantize int4 quantises a checkpoint; with --random-weights use --weights-dtype int4")
+            None => None,
+            Some(q @ ("int4" | "fp8")) if random_weights => {
+                anyhow::bail!("--quantize {q} quantises a checkpoint; with --random-weights use --weights-dtype {q}")
             }
-            Some("int4") => true,
-            Some(other) => anyhow::bail!("--quantize {other}: only int4 is supported"),
+            Some("int4") => Some(WeightsDtype::Int4),
+            Some("fp8") => Some(WeightsDtype::Fp8Block),
+            Some(other) => anyhow::bail!("--quantize {other}: int4 or fp8"),
         };
+        if let (Some(f), Some(q)) = (flag, quantize)
+            && f != q
+        {
+            anyhow::bail!("--weights-dtype {f} and --quantize {q} disagree");
+        }
         if !random_weights {
-            let wd = flag.map(|int4| if int4 { WeightsDtype::Int4 } else { WeightsDtype::Bf16 });
-            if let Some(asym) = crate::model_source::gptq_int4(cfg, wd, quantize)? {
-                return Ok((true, asym || self.int4_asym));
+            let int4 = (flag == Some(WeightsDtype::Int4) || quantize == Some(WeightsDtype::Int4)).then_some(WeightsDtype::Int4);
+            let wd = flag.filter(|w| *w != WeightsDtype::Int4).or(int4);
+            if let Some(asym) = crate::model_source::gptq_int4(cfg, wd, quantize.is_some())? {
+                return Ok((WeightsDtype::Int4, asym || self.int4_asym));
             }
         }
-        if matches!(&cfg.quantization, Some(Quantization::Fp8Block(_))) && !random_weights && !quantize {
-            tracing::warn!(
-                "block-FP8 checkpoint: the CUDA backend dequantises it to bf16 (or int4 with --quantize int4)"
-            );
-        }
-        Ok((flag.unwrap_or(false) || quantize, self.int4_asym))
+        let fp8_block = match &cfg.quantization {
+            Some(Quantization::Fp8Block(c)) if !random_weights => Some(c.block),
+            _ => None,
+        };
+        let cc = || -> Result<(i32, i32)> { Ok(deltaserve_cuda::Runtime::open(0)?.cc) };
+        let wanted = quantize.or(flag);
+        let dtype = match (wanted, fp8_block) {
+            (Some(WeightsDtype::Fp8Block), _) => {
+                let (major, minor) = cc()?;
+                if (major, minor) < (8, 9) {
+                    anyhow::bail!(
+                        "fp8 weights: FP8 tensor cores need an Ada or Hopper GPU (sm_89 or later); this one is \
+                         sm_{major}{minor}: use --weights-dtype bf16 or int4"
+                    );
+                }
+                if let Some(b) = fp8_block.filter(|b| *b != [128, 128]) {
+                    anyhow::bail!(
+                        "fp8 weights: this checkpoint's FP8 scale blocks are {}x{}; the CUDA backend reads 128x128 \
+                         blocks (--weights-dtype bf16 dequantises it)",
+                        b[0],
+                        b[1]
+                    );
+                }
+                if tp > 1 {
+                    anyhow::bail!("fp8 weights: not supported with --tensor-parallel yet (use bf16 or int4)");
+                }
+                WeightsDtype::Fp8Block
+            }
+            (Some(w), _) => w,
+            (None, Some(block)) => {
+                let (major, minor) = cc()?;
+                let why = if (major, minor) < (8, 9) {
+                    Some(format!("this GPU (sm_{major}{minor}) has no FP8 tensor cores"))
+                } else if block != [128, 128] {
+                    Some(format!("its {}x{} scale blocks are not the 128x128 the kernels read", block[0], block[1]))
+                } else if tp > 1 {
+                    Some("tensor parallelism takes bf16 or int4 weights".to_string())
+                } else if cfg.moe.is_some() {
+                    Some("mixture-of-experts models take bf16 or int4 weights on CUDA".to_string())
+                } else {
+                    None
+                };
+                match why {
+                    Some(why) => {
+                        tracing::warn!("block-FP8 checkpoint dequantised to bf16: {why} (--quantize int4 for int4)");
+                        WeightsDtype::Bf16
+                    }
+                    None => {
+                        tracing::info!("block-FP8 checkpoint kept in FP8 (e4m3 weights, FP8 tensor cores)");
+                        WeightsDtype::Fp8Block
+                    }
+                }
+            }
+            (None, None) => WeightsDtype::Bf16,
+        };
+        Ok((dtype, self.int4_asym))
     }
 
     /// The plan for the full context (or `--max-context`), logging what the planner traded for it.
@@ -559,10 +619,8 @@ impl EngineArgs {
             .map_err(|e| anyhow::anyhow!("--kv-cache-dtype / --k-cache-dtype / --v-cache-dtype: {e}"))?;
         let cfg = &text.config;
         opts.set_tensor_parallel(tp);
-        let (int4, asym) = self.cuda_weights(cfg, random_weights)?;
-        if int4 {
-            opts.weights_dtype = WeightsDtype::Int4;
-        }
+        let (weights_dtype, asym) = self.cuda_weights(cfg, random_weights, tp)?;
+        opts.weights_dtype = weights_dtype;
         opts.int4_asym = asym;
         opts.lm_head_int4 = self.lm_head_int4;
         opts.embed_on_host = self.embed_on_host;

@@ -189,12 +189,14 @@ pub fn cuda_plan_backend(cfg: &ModelConfig, checkpoint: Option<&Path>, opts: &Pl
     let rank0 = (tp > 1).then(|| ShardSpec::new(cfg, 0, tp)).transpose()?;
     // A Hub snapshot whose weights are not downloaded yet has no tensors to walk.
     let quantized = checkpoint.filter(|dir| {
-        cfg.quantization.is_some() && opts.weights_dtype == WeightsDtype::Int4 && crate::hub::has_weights(dir)
+        cfg.quantization.is_some()
+            && matches!(opts.weights_dtype, WeightsDtype::Int4 | WeightsDtype::Fp8Block)
+            && crate::hub::has_weights(dir)
     });
     let checkpoint = quantized.and_then(|dir| match CheckpointTensors::walk(cfg, dir, rank0.as_ref()) {
         Ok(t) => Some(Arc::new(t)),
         Err(e) => {
-            tracing::warn!("sizing the checkpoint's int4 weights: {e}");
+            tracing::warn!("sizing the checkpoint's quantised weights: {e}");
             None
         }
     });

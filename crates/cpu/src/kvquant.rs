@@ -167,35 +167,12 @@ pub fn f16_bits_to_f32(h: u16) -> f32 {
 /// The e4m3 (OCP FN) code nearest to `x` (ties to even), saturating at ±448; ±inf saturates, NaN maps
 /// to 0 (the format's NaN code is never produced).
 pub fn f32_to_e4m3(x: f32) -> u8 {
-    if x.is_nan() {
-        return 0;
-    }
-    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
-    let a = x.abs().min(E4M3_MAX);
-    if a < 0.015625 {
-        // Below 2^-6: subnormal, a multiple of 2^-9; 8 (= 2^-6) is the smallest normal's code.
-        return sign | (a * 512.0).round_ties_even() as u8;
-    }
-    let mut e = ((a.to_bits() >> 23) as i32) - 127; // floor(log2 a), in [-6, 8]
-    let mut r = (a / 2f32.powi(e - 3)).round_ties_even(); // in [8, 16]
-    if r >= 16.0 {
-        e += 1;
-        r = 8.0;
-    }
-    // a ≤ 448 = 1.75·2^8, so e = 8 only with r ≤ 14: the NaN code 0x7f is unreachable.
-    sign | (((e + 7) as u8) << 3) | (r as u8 - 8)
+    if x.is_nan() { 0 } else { deltaserve_model::quant::fp8_e4m3_from_f32(x) }
 }
 
 /// The value of an e4m3 (OCP FN) code (0x7f/0xff are NaN).
 pub fn e4m3_to_f32(c: u8) -> f32 {
-    let sign = if c & 0x80 != 0 { -1.0f32 } else { 1.0 };
-    let e = i32::from((c >> 3) & 0xf);
-    let m = f32::from(c & 7);
-    match e {
-        0 => sign * m / 512.0,
-        15 if m == 7.0 => f32::NAN,
-        _ => sign * (1.0 + m / 8.0) * 2f32.powi(e - 7),
-    }
+    deltaserve_model::quant::fp8_e4m3_to_f32(c)
 }
 
 /// A [`SeqCache`](crate::SeqCache) that stores K and V through formats: rows are quantised on write

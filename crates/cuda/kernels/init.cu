@@ -6,6 +6,7 @@
 //   z = sqrt(-2 ln u1) cos(2 pi u2)                       (Box–Muller standard normal)
 //   mode 0: std * z      mode 1: 1 + std * z      mode 2: ln(1 + 15 u2)   (A_log = ln U(1, 16))
 //   mode 3: raw 32-bit words (random int4 codes; out is u32 [n])   mode 4: std * (1 + 0.1 z) (int4 scales)
+//   mode 5: e4m3 codes of std * z (random fp8 weights; out is u8 [n])
 // the distributions of crates/model/src/synth.rs (not its exact bytes: that uses a CPU RNG).
 // Shapes/dtypes: out [n] bf16 (is_f32 == 0) or f32. Launch: any grid (grid-stride), block 256.
 // Arch: plain, sm_80+. Tested by: tests/backend.rs (random-weight backend runs finite logits).
@@ -34,6 +35,10 @@ extern "C" __global__ void init_random(void* out, long long n, long long first, 
         float z = sqrtf(-2.0f * logf(u1)) * cosf(6.28318530718f * u2);
         if (mode == 3) {  // raw random 32-bit words (packed int4 codes); n counts words
             ((unsigned int*)out)[i] = (unsigned int)(r ^ (r >> 32));
+            continue;
+        }
+        if (mode == 5) {  // e4m3 codes of std * z (fp8 weights; n counts bytes)
+            ((unsigned char*)out)[i] = (unsigned char)kq_e4m3(std_ * z);
             continue;
         }
         float v = mode == 0 ? std_ * z

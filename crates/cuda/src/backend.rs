@@ -42,6 +42,7 @@ mod contract;
 mod deltanet;
 mod expert_load;
 mod forward;
+mod fp8_load;
 mod graphs;
 mod host_experts;
 mod images;

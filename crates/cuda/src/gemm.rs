@@ -8,7 +8,7 @@
 //! col-major [k, m] matrix, transposed (op T), and B = x viewed as col-major [k, n] (op N).
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
 
 use cudarc::cublaslt::result;
@@ -27,8 +27,8 @@ struct Plan {
     algo: sys::cublasLtMatmulAlgo_t,
 }
 
-/// (m, n, k, f32 y, y's leading dimension, y's alignment in bytes).
-type PlanKey = (usize, usize, usize, bool, usize, u32);
+/// (m, n, k, f32 y, y's leading dimension, y's alignment in bytes, FP8 with block scales).
+type PlanKey = (usize, usize, usize, bool, usize, u32, bool);
 
 /// The largest power of two (at most 256) dividing a device address: what cuBLASLt may assume of it.
 fn alignment(ptr: u64) -> u32 {
@@ -41,6 +41,8 @@ pub struct Gemm {
     handle: sys::cublasLtHandle_t,
     workspace: DevSpan,
     plans: RefCell<HashMap<PlanKey, Plan>>,
+    /// FP8 shapes cuBLASLt refused (asked once each).
+    refused: RefCell<HashSet<PlanKey>>,
     heuristic_calls: Cell<usize>,
 }
 
@@ -61,7 +63,13 @@ impl Gemm {
             k: 0,
             cause: source,
         })?;
-        Ok(Gemm { handle, workspace, plans: RefCell::new(HashMap::new()), heuristic_calls: Cell::new(0) })
+        Ok(Gemm {
+            handle,
+            workspace,
+            plans: RefCell::new(HashMap::new()),
+            refused: RefCell::new(HashSet::new()),
+            heuristic_calls: Cell::new(0),
+        })
     }
 
     /// Number of algorithm heuristics run so far (one per distinct shape).
@@ -76,7 +84,7 @@ impl Gemm {
 
     /// [`Gemm::prepare`] with y in f32 (`f32_out`) or bf16.
     pub fn prepare_out(&self, m: usize, n: usize, k: usize, f32_out: bool) -> Result<(), CudaError> {
-        self.prepare_key((m, n, k, f32_out, m, 256))
+        self.prepare_key((m, n, k, f32_out, m, 256, false))
     }
 
     fn prepare_key(&self, key: PlanKey) -> Result<(), CudaError> {
@@ -89,7 +97,7 @@ impl Gemm {
     }
 
     fn make_plan(&self, key: PlanKey) -> Result<Plan, CudaError> {
-        let (m, n, k, f32_out, ldc, align_c) = key;
+        let (m, n, k, f32_out, ldc, align_c, fp8) = key;
         let err = |call| move |source| CudaError::Blas { call, m, n, k, cause: source };
         if m == 0 || n == 0 || k == 0 || ldc < m {
             return Err(CudaError::InvalidArgs {
@@ -112,9 +120,23 @@ impl Gemm {
             )
         }
         .map_err(err("cublasLtMatmulDescSetAttribute(TRANSA)"))?;
+        if fp8 {
+            // A = the weights in 128×128 blocks, B = the activations in 1×128 blocks (f32 scales each).
+            for (attr, mode) in [
+                (sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, SCALE_BLK128X128_32F),
+                (sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, SCALE_VEC128_32F),
+            ] {
+                // SAFETY: desc is live; the attribute is a 4-byte cublasLtMatmulMatrixScale_t.
+                unsafe { result::set_matmul_desc_attribute(desc, attr, &mode as *const i32 as *const c_void, 4) }
+                    .map_err(err("cublasLtMatmulDescSetAttribute(scale mode)"))?;
+            }
+            // The heuristic wants scale pointers set: any non-null address (each call sets the real ones).
+            set_scale_pointers(desc, 256, 256).map_err(err("cublasLtMatmulDescSetAttribute(scale pointer)"))?;
+        }
         let (m64, n64, k64) = (m as u64, n as u64, k as u64);
-        let a = result::create_matrix_layout(bf16, k64, m64, k as i64).map_err(err("cublasLtMatrixLayoutCreate(A)"))?;
-        let b = result::create_matrix_layout(bf16, k64, n64, k as i64).map_err(err("cublasLtMatrixLayoutCreate(B)"))?;
+        let ab = if fp8 { sys::cudaDataType::CUDA_R_8F_E4M3 } else { bf16 };
+        let a = result::create_matrix_layout(ab, k64, m64, k as i64).map_err(err("cublasLtMatrixLayoutCreate(A)"))?;
+        let b = result::create_matrix_layout(ab, k64, n64, k as i64).map_err(err("cublasLtMatrixLayoutCreate(B)"))?;
         let c_type = if f32_out { sys::cudaDataType::CUDA_R_32F } else { bf16 };
         let c =
             result::create_matrix_layout(c_type, m64, n64, ldc as i64).map_err(err("cublasLtMatrixLayoutCreate(C)"))?;
@@ -203,7 +225,7 @@ impl Gemm {
         if n == 0 {
             return Ok(());
         }
-        let key = (m, n, k, f32_out, ldc, alignment(y));
+        let key = (m, n, k, f32_out, ldc, alignment(y), false);
         self.prepare_key(key)?;
         let plans = self.plans.borrow();
         let p = plans
@@ -221,6 +243,96 @@ impl Gemm {
                 w as *const c_void,
                 p.a,
                 x as *const c_void,
+                p.b,
+                y as *const c_void,
+                p.c,
+                y as *mut c_void,
+                p.c,
+                &p.algo,
+                self.workspace.ptr as *mut c_void,
+                self.workspace.bytes,
+                stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(|source| CudaError::Blas { call: "cublasLtMatmul", m, n, k, cause: source })
+    }
+}
+
+/// `cublasLtMatmulMatrixScale_t`: one f32 scale per 128 consecutive k of a row or column.
+const SCALE_VEC128_32F: i32 = 4;
+/// `cublasLtMatmulMatrixScale_t`: one f32 scale per 128×128 block.
+const SCALE_BLK128X128_32F: i32 = 5;
+
+/// Sets the A and B scale pointers of an FP8 plan's descriptor.
+fn set_scale_pointers(desc: sys::cublasLtMatmulDesc_t, a: u64, b: u64) -> Result<(), cudarc::cublaslt::result::CublasError> {
+    for (attr, p) in [
+        (sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, a),
+        (sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, b),
+    ] {
+        // SAFETY: desc is live; the attribute is a device pointer (8 bytes).
+        unsafe { result::set_matmul_desc_attribute(desc, attr, &p as *const u64 as *const c_void, 8) }?;
+    }
+    Ok(())
+}
+
+impl Gemm {
+    /// Whether cuBLASLt runs the block-scaled FP8 GEMM of [`Gemm::linear_fp8`] for this shape (Hopper:
+    /// `sm_90`; plans it now, once per shape). False where it refuses: the caller dequantises instead.
+    pub fn fp8_supported(&self, m: usize, n: usize, k: usize, ldc: usize, y: u64) -> bool {
+        let key = (m, n, k, false, ldc, alignment(y), true);
+        if m == 0 || n == 0 || !k.is_multiple_of(128) || self.refused.borrow().contains(&key) {
+            return false;
+        }
+        match self.prepare_key(key) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::debug!("cuBLASLt has no block-scaled FP8 GEMM for m={m} n={n} k={k}: {e}");
+                self.refused.borrow_mut().insert(key);
+                false
+            }
+        }
+    }
+
+    /// y [n, m] bf16 (row `i` at `y + i·ldc` elements) = x · Wᵀ with FP8 tensor cores: `xq` the
+    /// activations' e4m3 codes `[n, k]` and `xs` their scales `[k/128, n]` (token-major;
+    /// [`crate::ops::fp8::act_quant`]), `w` the weights' codes `[m, k]` and `ws` their scales
+    /// `[ceil(m/128), k/128]`. The shape must pass [`Gemm::fp8_supported`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_fp8(
+        &self,
+        stream: &CudaStream,
+        xq: u64,
+        xs: u64,
+        w: u64,
+        ws: u64,
+        y: u64,
+        n: usize,
+        m: usize,
+        k: usize,
+        ldc: usize,
+    ) -> Result<(), CudaError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let key = (m, n, k, false, ldc, alignment(y), true);
+        self.prepare_key(key)?;
+        let plans = self.plans.borrow();
+        let p = plans
+            .get(&key)
+            .ok_or(CudaError::InvalidArgs { kernel: "gemm", msg: format!("no FP8 plan for m={m} n={n} k={k}") })?;
+        set_scale_pointers(p.desc, ws, xs)
+            .map_err(|source| CudaError::Blas { call: "cublasLtMatmulDescSetAttribute", m, n, k, cause: source })?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: as in `linear_ld`; the descriptor's scale pointers were just set to this call's.
+        unsafe {
+            result::matmul(
+                self.handle,
+                p.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                w as *const c_void,
+                p.a,
+                xq as *const c_void,
                 p.b,
                 y as *const c_void,
                 p.c,

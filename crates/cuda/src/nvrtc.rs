@@ -101,6 +101,11 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource { module: "mtp", src: include_str!("../kernels/mtp.cu"), functions: &["shift_rows", "scatter_rows"] },
     KernelSource { module: "gemv", src: include_str!("../kernels/gemv.cu"), functions: &["gemv_bf16"] },
     KernelSource {
+        module: "fp8",
+        src: include_str!("../kernels/fp8.cu"),
+        functions: &["gemv_fp8_n8", "gemv_fp8_n16", "fp8_act_quant", "fp8_dequant", "fp8_quantize"],
+    },
+    KernelSource {
         module: "moe",
         src: include_str!("../kernels/moe.cu"),
         functions: &["moe_route", "moe_offsets", "moe_permute", "moe_gemm", "moe_gemv", "moe_unpermute"],

@@ -680,6 +680,16 @@ pub fn fp8_block_quantize(w: &[f32], out: usize, inp: usize, block: [usize; 2]) 
 }
 
 impl Fp8BlockSource<'_> {
+    /// The block scales as f32 `[ceil(out/rows), ceil(in/cols)]` (checked against that shape).
+    pub fn scales_f32(&self, name: &str) -> Result<Vec<f32>, ModelError> {
+        let s = floats(name, self.scale_dtype, self.scale_inv)?;
+        let want = self.out_features.div_ceil(self.block[0]) * self.in_features.div_ceil(self.block[1]);
+        if s.len() != want {
+            return Err(ModelError::weights(format!("`{name}`: {} block scales, expected {want}", s.len())));
+        }
+        Ok(s)
+    }
+
     fn dequantize(&self, name: &str) -> Result<Vec<f32>, ModelError> {
         let (out_f, in_f) = (self.out_features, self.in_features);
         let [bo, bi] = self.block;

@@ -9,7 +9,7 @@ use std::path::Path;
 use deltaserve_model::quant::{GptqSource, Quantization};
 use deltaserve_model::{Checkpoint, ModelConfig, ModelError, ModelWeights, QuantizedSource, ShardSpec};
 
-use crate::cuda::{W4Bytes, WeightFormat};
+use crate::cuda::{Fp8Bytes, W4Bytes, WeightFormat};
 use crate::plan::ALIGN;
 
 /// A decoder linear (stored `[out, in]` projection) by its tensor name.
@@ -67,6 +67,8 @@ struct Tensor {
     shape: Vec<usize>,
     /// A GPTQ-packed linear: (asymmetric, act-order).
     gptq: Option<(bool, bool)>,
+    /// A block-FP8 linear in 128×128 blocks (what the CUDA backend keeps as stored under fp8).
+    fp8: bool,
 }
 
 /// The tensors of a checkpoint as one card loads them (see the module docs).
@@ -76,6 +78,8 @@ pub struct CheckpointTensors {
     tie_word_embeddings: bool,
     /// A GPTQ checkpoint: linears it stores unquantised stay bf16 (not quantised at load).
     keep_dense: bool,
+    /// A block-FP8 checkpoint: under fp8 the linears it stores unquantised stay bf16.
+    fp8_checkpoint: bool,
 }
 
 impl fmt::Debug for CheckpointTensors {
@@ -113,13 +117,15 @@ impl CheckpointTensors {
                 Some(QuantizedSource::Gptq(g)) => Some((!g.params.sym, act_order(g))),
                 _ => None,
             };
-            tensors.push(Tensor { kind, shape, gptq });
+            let fp8 = matches!(&src.quantized, Some(QuantizedSource::Fp8Block(f)) if f.block == [128, 128]);
+            tensors.push(Tensor { kind, shape, gptq, fp8 });
             Ok(())
         })?;
         Ok(Self {
             tensors,
             tie_word_embeddings: cfg.tie_word_embeddings,
             keep_dense: matches!(cfg.quantization, Some(Quantization::Gptq(_))),
+            fp8_checkpoint: matches!(cfg.quantization, Some(Quantization::Fp8Block(_))),
         })
     }
 
@@ -134,9 +140,12 @@ impl CheckpointTensors {
                 let s = &t.shape;
                 let numel: usize = s.iter().product();
                 let dense2 = al(2 * numel);
-                let lin = |int4: bool, keep: bool| match t.gptq {
+                let fp8 = Fp8Bytes::new(s[0], *s.get(1).unwrap_or(&1)).aligned();
+                // `fp8`: a decoder linear under fp8 (stored so, or quantised at load from a bf16 checkpoint).
+                let lin = |int4: bool, keep: bool, fp8_linear: bool| match t.gptq {
                     Some((asym, perm)) if int4 => w4(s, asym, perm),
                     _ if int4 && !keep => w4(s, f.asym, false),
+                    _ if fp8_linear && (t.fp8 || !self.fp8_checkpoint) => fp8,
                     _ => dense2,
                 };
                 match t.kind {
@@ -148,10 +157,11 @@ impl CheckpointTensors {
                         };
                         head + if f.embed_on_host { 0 } else { dense2 }
                     }
-                    Kind::LmHead => lin(f.lm_head_int4, false),
+                    Kind::LmHead => lin(f.lm_head_int4, false, false),
                     Kind::Expert if f.experts_on_host => 0,
-                    Kind::Expert => lin(f.int4, false),
-                    Kind::Linear if f.int4 => lin(true, self.keep_dense),
+                    Kind::Expert => lin(f.int4, false, false),
+                    Kind::Linear if f.int4 => lin(true, self.keep_dense, false),
+                    Kind::Linear if f.fp8 => lin(false, false, true),
                     Kind::F32 => al(4 * numel),
                     Kind::Linear | Kind::Dense => dense2,
                 }

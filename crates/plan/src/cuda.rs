@@ -73,6 +73,12 @@ pub fn w4_x_scratch_bytes(m: usize, inp: usize) -> usize {
     2 * m * inp
 }
 
+/// Bytes of the FP8 GEMM's activation scratch for steps of `t` tokens and linears of at most `inp`
+/// inputs: the e4m3 codes `[t, inp]`, then (256-byte aligned) one f32 scale per token and 128 inputs.
+pub fn fp8_x_scratch_bytes(t: usize, inp: usize) -> usize {
+    al(t * inp) + 4 * t * inp.div_ceil(QUANT_GROUP)
+}
+
 /// Bytes of the int4 GEMM's split-K workspace for an `[out, in]` linear at up to `rows` rows: the
 /// partial sums [`w4_gemm_splits`] asks for on GPUs of up to 200 multiprocessors. A launch takes no
 /// more splits than the workspace it is given holds.
@@ -132,14 +138,19 @@ pub struct ScratchParts {
     /// f32 split-K partial sums of the int4 GEMM ([`w4_gemm_workspace_bound`] of the largest int4
     /// decoder linear); 0 without int4 decoder linears.
     pub w4_gemm: usize,
-    /// bf16 slice of dequantised int4 weight rows (prefill GEMMs); 0 without int4 decoder linears.
+    /// bf16 slice of dequantised int4 or fp8 weight rows (prefill GEMMs); 0 without quantised decoder
+    /// linears.
     pub w4_slice: usize,
+    /// fp8 decoder linears: the step's activations as e4m3 codes `[t_max, max in]` and their scales
+    /// (f32 per token and 128 features), what the FP8 tensor-core GEMM reads; 0 without.
+    pub fp8_x: usize,
 }
 
 impl ScratchParts {
     /// For steps of `t_max` tokens and `s_max` sequences; `int4_linears` / `lm_head_int4` as the
     /// plan's options say.
-    pub fn new(cfg: &ModelConfig, t_max: usize, s_max: usize, int4_linears: bool, lm_head_int4: bool) -> Self {
+    pub fn new(cfg: &ModelConfig, t_max: usize, s_max: usize, linears: WeightsDtype, lm_head_int4: bool) -> Self {
+        let int4_linears = linears == WeightsDtype::Int4;
         let d = cfg.dims();
         let gdn = if d.num_deltanet_layers > 0 {
             gdn_chunk_workspace_bytes(t_max, d.gdn_v_heads, d.gdn_k_dim, d.gdn_v_dim)
@@ -153,11 +164,16 @@ impl ScratchParts {
             let rows = t_max.clamp(8, W4_GEMM_MAX_ROWS);
             let ws = lin.iter().map(|&(o, i)| w4_gemm_workspace_bound(o, i, rows)).max().unwrap_or(0);
             (w4_x_scratch_bytes(rows, max_in), biggest.min(W4_SLICE_BYTES), ws)
+        } else if linears == WeightsDtype::Fp8Block {
+            let biggest = lin.iter().map(|&(o, i)| 2 * o * i).max().unwrap_or(0);
+            let x = if lm_head_int4 { w4_x_scratch_bytes(8, d.hidden) } else { 0 };
+            (x, biggest.min(W4_SLICE_BYTES), 0)
         } else if lm_head_int4 {
             (w4_x_scratch_bytes(8, d.hidden), 0, 0)
         } else {
             (0, 0, 0)
         };
+        let fp8_x = if linears == WeightsDtype::Fp8Block { fp8_x_scratch_bytes(t_max, max_in) } else { 0 };
         ScratchParts {
             gdn,
             chunk_table: 8 * (t_max / GDN_CHUNK + s_max + 1),
@@ -166,14 +182,14 @@ impl ScratchParts {
             w4_x,
             w4_slice,
             w4_gemm,
+            fp8_x,
         }
     }
 
     /// The parts for a plan's options: one card's shapes under tensor parallelism.
     pub fn of(cfg: &ModelConfig, opts: &PlanOptions) -> Self {
-        let int4 = opts.weights_dtype == WeightsDtype::Int4;
         let card = card_config(cfg, opts.tensor_parallel).unwrap_or_else(|_| cfg.clone());
-        ScratchParts::new(&card, opts.max_batch_tokens, opts.max_seqs, int4, opts.lm_head_int4)
+        ScratchParts::new(&card, opts.max_batch_tokens, opts.max_seqs, opts.weights_dtype, opts.lm_head_int4)
     }
 
     /// Bytes of the region (each part 256-byte aligned).
@@ -185,6 +201,7 @@ impl ScratchParts {
             + al(self.w4_x)
             + al(self.w4_slice)
             + al(self.w4_gemm)
+            + al(self.fp8_x)
     }
 }
 
@@ -197,10 +214,10 @@ pub fn backend_scratch_bytes(card: &ModelConfig, opts: &PlanOptions, planned_wei
         return 0;
     };
     let int4 = opts.weights_dtype == WeightsDtype::Int4;
-    let parts = ScratchParts::new(card, opts.max_batch_tokens, opts.max_seqs, int4, opts.lm_head_int4);
+    let parts = ScratchParts::new(card, opts.max_batch_tokens, opts.max_seqs, opts.weights_dtype, opts.lm_head_int4);
     let beyond = checkpoint
         .as_ref()
-        .filter(|_| int4)
+        .filter(|_| int4 || opts.weights_dtype == WeightsDtype::Fp8Block)
         .map_or(0, |c| (c.device_bytes(WeightFormat::of(opts)) as u64).saturating_sub(planned_weights));
     parts.total() as u64 + beyond
 }
@@ -263,11 +280,37 @@ impl W4Bytes {
     }
 }
 
+/// Device bytes of the tensors of one block-FP8 linear: e4m3 codes `[out, in]` and f32 scales
+/// `[ceil(out/128), ceil(in/128)]` (the official `-FP8` checkpoints' `weight` and `weight_scale_inv`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fp8Bytes {
+    pub codes: usize,
+    pub scales: usize,
+}
+
+impl Fp8Bytes {
+    pub fn new(out: usize, inp: usize) -> Self {
+        Fp8Bytes { codes: out * inp, scales: 4 * out.div_ceil(QUANT_GROUP) * inp.div_ceil(QUANT_GROUP) }
+    }
+
+    /// Offset of the scales after the codes (each 256-byte aligned) and the bytes both take.
+    pub fn layout(&self) -> (usize, usize) {
+        (al(self.codes), al(self.codes) + al(self.scales))
+    }
+
+    /// Bytes of the tensors placed at the arena's alignment.
+    pub fn aligned(&self) -> usize {
+        self.layout().1
+    }
+}
+
 /// How the backend stores the weights (from the plan's options).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WeightFormat {
     /// Decoder linears in int4 (one part per linear) instead of bf16 (pairs fused).
     pub int4: bool,
+    /// Decoder linears in block FP8 (one part per linear).
+    pub fp8: bool,
     /// The MTP head too (speculative decoding on, and the model declares one).
     pub mtp: bool,
     /// int4 with zero points.
@@ -282,11 +325,23 @@ impl WeightFormat {
     pub fn of(opts: &PlanOptions) -> Self {
         WeightFormat {
             int4: opts.weights_dtype == WeightsDtype::Int4,
+            fp8: opts.weights_dtype == WeightsDtype::Fp8Block,
             mtp: opts.speculative_tokens > 0,
             asym: opts.int4_asym,
             lm_head_int4: opts.lm_head_int4,
             embed_on_host: opts.embed_on_host,
             experts_on_host: opts.experts_on_host,
+        }
+    }
+
+    /// How the decoder linears are stored.
+    pub fn linears(&self) -> WeightsDtype {
+        if self.int4 {
+            WeightsDtype::Int4
+        } else if self.fp8 {
+            WeightsDtype::Fp8Block
+        } else {
+            WeightsDtype::Bf16
         }
     }
 
@@ -322,6 +377,8 @@ pub enum WeightTensor {
     Dense { n: usize, f32: bool, role: DenseRole },
     /// An int4 `[out, in]` linear.
     W4 { out: usize, inp: usize, asym: bool },
+    /// A block-FP8 `[out, in]` linear.
+    Fp8 { out: usize, inp: usize },
     /// The embedding table in pinned host memory.
     Host { n: usize },
     /// A layer's bf16 routed experts (one block of `n` elements) in pinned host memory.
@@ -336,6 +393,7 @@ impl WeightTensor {
         match *self {
             WeightTensor::Dense { n, f32, .. } => al(n * if f32 { 4 } else { 2 }),
             WeightTensor::W4 { out, inp, asym } => W4Bytes::new(out, inp, asym, false).aligned(),
+            WeightTensor::Fp8 { out, inp } => Fp8Bytes::new(out, inp).aligned(),
             WeightTensor::Host { .. } | WeightTensor::HostDense { .. } | WeightTensor::HostW4 { .. } => 0,
         }
     }
@@ -370,10 +428,16 @@ pub fn weight_tensors(cfg: &ModelConfig, f: WeightFormat) -> Vec<WeightTensor> {
         if f.experts_on_host { WeightTensor::HostDense { n, role } } else { dense(n, role) }
     };
     let lin = |o: usize, i: usize| -> Vec<WeightTensor> {
-        if f.int4 { vec![w4(o, i)] } else { vec![dense(o * i, Linear { fan_in: i })] }
+        if f.int4 {
+            vec![w4(o, i)]
+        } else if f.fp8 {
+            vec![WeightTensor::Fp8 { out: o, inp: i }]
+        } else {
+            vec![dense(o * i, Linear { fan_in: i })]
+        }
     };
     let pair = |o: usize, i: usize| -> Vec<WeightTensor> {
-        if f.int4 { vec![w4(o, i), w4(o, i)] } else { vec![dense(2 * o * i, Linear { fan_in: i })] }
+        if f.int4 || f.fp8 { [lin(o, i), lin(o, i)].concat() } else { vec![dense(2 * o * i, Linear { fan_in: i })] }
     };
     let normw = |n: usize| dense(n, Norm);
     let mut v = vec![if f.embed_on_host { WeightTensor::Host { n: d.vocab * h } } else { dense(d.vocab * h, Embed) }];

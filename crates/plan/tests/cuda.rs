@@ -102,7 +102,7 @@ fn checkpoint_bytes_per_rank_are_the_rank_shapes() {
 fn int4_scratch_adds_the_slice_the_x_scratch_and_the_gemm_workspace() {
     let cfg = preset(Preset::Qwen36_27b, None);
     let mut o = PlanOptions::gpu_defaults(24 << 30);
-    let base = ScratchParts::new(&cfg, o.max_batch_tokens, o.max_seqs, false, false).total();
+    let base = ScratchParts::new(&cfg, o.max_batch_tokens, o.max_seqs, WeightsDtype::Bf16, false).total();
     assert_eq!(ScratchParts::of(&cfg, &o).total(), base);
     o.weights_dtype = WeightsDtype::Int4;
     // x for up to 64 rows of the widest input (down: 17408); the split-K partial sums of the linear that
@@ -117,11 +117,30 @@ fn int4_scratch_adds_the_slice_the_x_scratch_and_the_gemm_workspace() {
     assert_eq!(ScratchParts::of(&cfg, &o).total(), base + al(2 * 8 * 5120));
     // The tiny model's largest linear fits whole.
     let tiny = preset(Preset::Tiny, None);
-    let p = ScratchParts::new(&tiny, 512, 4, true, false);
+    let p = ScratchParts::new(&tiny, 512, 4, WeightsDtype::Int4, false);
     let d = tiny.dims();
     assert_eq!(p.w4_slice, 2 * d.hidden * d.intermediate.max(d.conv_channels));
     // Steps of 4 tokens: the x scratch still holds the GEMV's 8 rows.
-    assert_eq!(ScratchParts::new(&tiny, 4, 4, true, false).w4_x, 2 * 8 * d.intermediate.max(d.hidden));
+    assert_eq!(ScratchParts::new(&tiny, 4, 4, WeightsDtype::Int4, false).w4_x, 2 * 8 * d.intermediate.max(d.hidden));
+}
+
+#[test]
+fn fp8_scratch_adds_the_activation_codes_and_scales_and_the_slice() {
+    let cfg = preset(Preset::Qwen36_27b, None);
+    let mut o = PlanOptions::gpu_defaults(24 << 30);
+    let base = ScratchParts::of(&cfg, &o).total();
+    o.weights_dtype = WeightsDtype::Fp8Block;
+    let t = o.max_batch_tokens;
+    // e4m3 codes of t tokens of the widest input (down: 17408), then one f32 scale per token and 128 inputs.
+    let x = al(t * 17408) + 4 * t * 136;
+    assert_eq!(deltaserve_plan::cuda::fp8_x_scratch_bytes(t, 17408), x);
+    assert_eq!(ScratchParts::of(&cfg, &o).total(), base + al(x) + W4_SLICE_BYTES);
+    // Every decoder linear one fp8 tensor: codes plus the scales of its 128×128 blocks, each 256-aligned.
+    let f = WeightFormat::of(&o);
+    let ts = weight_tensors(&cfg, f);
+    let down = ts.iter().find(|t| matches!(t, WeightTensor::Fp8 { out: 5120, inp: 17408 })).unwrap();
+    assert_eq!(down.device_bytes(), al(5120 * 17408) + al(4 * 40 * 136));
+    assert!(!ts.iter().any(|t| matches!(t, WeightTensor::W4 { .. })));
 }
 
 #[test]

@@ -70,10 +70,12 @@ pub(super) struct Ws {
     /// Short prefill chunks attending as decode queries: their rows' attention lengths, then their
     /// block-table rows (i32).
     pub(super) decode_rows: DevSpan,
-    /// int4: act-order x scratch and the dequantised slice (0 bytes when unused).
+    /// int4: act-order x scratch; int4 or fp8: the dequantised slice (0 bytes when unused).
     pub(super) w4_x: DevSpan,
     pub(super) w4_slice: DevSpan,
     pub(super) w4_gemm: DevSpan,
+    /// fp8: the step's activations as e4m3 codes and their scales (0 bytes when unused).
+    pub(super) fp8_x: DevSpan,
     /// The folded norms' input `[min(t, 8), hidden]` and sums of squares ([`w4a16::Fold`]).
     pub(super) fold_x: u64,
     pub(super) fold_sums: u64,
@@ -112,6 +114,7 @@ struct Regions {
     w4_x: DevSpan,
     w4_slice: DevSpan,
     w4_gemm: DevSpan,
+    fp8_x: DevSpan,
 }
 
 /// Where the layers' caches and the pending hidden rows lie in the cache regions.
@@ -197,13 +200,20 @@ pub(super) fn check_plan(
     // K/V stored as bf16, fp8, int8 or int4 (load_kv refuses fp16 / fp32).
     let kvf = KvFormats { k: plan.options.k_dtype, v: plan.options.v_dtype };
     kvf.validate().map_err(|e| CudaError::Plan(format!("{e}")))?;
-    if !matches!(plan.options.weights_dtype, WeightsDtype::Bf16 | WeightsDtype::Int4) {
+    if !matches!(plan.options.weights_dtype, WeightsDtype::Bf16 | WeightsDtype::Int4 | WeightsDtype::Fp8Block) {
         return Err(CudaError::Plan(format!(
-            "the CUDA backend stores weights in bf16 or int4, not {}",
+            "the CUDA backend stores weights in bf16, int4 or fp8, not {}",
             plan.options.weights_dtype.name()
         )));
     }
     let fmt = WeightFormat::of(&plan.options);
+    if fmt.fp8 && (cfg.moe.is_some() || shard.is_some()) {
+        return Err(CudaError::UnsupportedModel(
+            "fp8 weights on CUDA: dense models on one GPU only for now (mixture-of-experts models and tensor \
+             parallelism take bf16 or int4)"
+                .into(),
+        ));
+    }
     if fmt.experts_on_host && (cfg.moe.is_none() || shard.is_some()) {
         return Err(CudaError::Plan("routed experts on the host need a mixture-of-experts model on one GPU".into()));
     }
@@ -244,7 +254,7 @@ impl Carve {
         fmt: WeightFormat,
     ) -> Result<Self, CudaError> {
         let plan_weights = plan_region(plan, "weights")?;
-        let parts = ScratchParts::new(cfg, plan.max_batch_tokens, plan.max_seqs, fmt.int4, fmt.lm_head_int4);
+        let parts = ScratchParts::new(cfg, plan.max_batch_tokens, plan.max_seqs, fmt.linears(), fmt.lm_head_int4);
         let planned = plan.region("backend_scratch").map_or(0, |r| r.bytes as usize);
         let spare = planned.checked_sub(parts.total()).ok_or_else(|| {
             CudaError::Plan(format!(
@@ -267,7 +277,7 @@ pub(super) fn weights_bytes(
     shard: Option<&ShardSpec>,
 ) -> Result<usize, CudaError> {
     Ok(match weights {
-        WeightSource::Checkpoint(dir) if fmt.int4 && cfg.quantization.is_some() => match &plan.options.backend {
+        WeightSource::Checkpoint(dir) if (fmt.int4 || fmt.fp8) && cfg.quantization.is_some() => match &plan.options.backend {
             PlanBackend::Cuda { checkpoint: Some(c) } => c.device_bytes(fmt),
             _ => CheckpointTensors::walk(full_cfg, dir, shard)
                 .map_err(|e| CudaError::Weights(e.to_string()))?
@@ -328,6 +338,7 @@ fn carve_regions(
     let w4_x = carve(parts.w4_x);
     let w4_slice = carve(parts.w4_slice);
     let w4_gemm = carve(parts.w4_gemm);
+    let fp8_x = carve(parts.fp8_x);
     Ok(Regions {
         wreg,
         weights_bytes,
@@ -346,6 +357,7 @@ fn carve_regions(
         w4_x,
         w4_slice,
         w4_gemm,
+        fp8_x,
     })
 }
 
@@ -410,6 +422,7 @@ fn workspace_views(
         w4_x: r.w4_x,
         w4_slice: r.w4_slice,
         w4_gemm: r.w4_gemm,
+        fp8_x: r.fp8_x,
         moe: moe.map(|m| moe_views(wsb, m, t, h)).transpose()?,
     })
 }

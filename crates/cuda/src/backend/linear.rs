@@ -7,6 +7,7 @@ use deltaserve_plan::cuda::w4_slice_rows;
 use crate::error::CudaError;
 use crate::ops::gemv::GemvOut;
 use crate::ops::w4a16::{Fold, W4Weights};
+use crate::ops::fp8::{self, Fp8Out};
 use crate::ops::{gemv, w4_gemm, w4a16};
 
 use super::CudaBackend;
@@ -44,6 +45,9 @@ impl CudaBackend {
             }
             return Ok(());
         }
+        if let Some(fp8) = fp8_outs(outs) {
+            return self.fp8_proj(s, x, t, kdim, &fp8, f32_out);
+        }
         if !f32_out && outs.iter().map(|o| o.parts.len()).sum::<usize>() > 1 {
             // Several int4 linears sharing x (q/k/v, qkv/z/b/a, gate/up: outputs and the parts that
             // write consecutive columns of one): one launch of the int4 GEMV, or of the int4 GEMM's
@@ -67,6 +71,7 @@ impl CudaBackend {
                 match p {
                     Part::Bf16 { w, rows } => self.gemm.linear_ld(s, x, *w, y, t, *rows, kdim, o.m, f32_out)?,
                     Part::W4(w) => self.w4_linear(s, x, w, y, o.m, t, f32_out)?,
+                    Part::Fp8(w) => self.fp8_proj(s, x, t, kdim, &[Fp8Out { w, y, ldy: o.m }], f32_out)?,
                 }
                 col += p.rows();
             }
@@ -154,6 +159,67 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// `y_s = x · W_sᵀ` for block-FP8 linears sharing `x [t, kdim]`: the FP8 GEMV (three linears a launch)
+    /// for steps of up to 16 tokens; longer ones through cuBLASLt's block-scaled FP8 GEMM where it runs
+    /// (Hopper; x quantised once per 128 features and token, the last `t % 4` tokens by the GEMV), else
+    /// row slices dequantised to bf16 and a bf16 GEMM per slice (and for f32 outputs).
+    pub(super) fn fp8_proj(
+        &self,
+        s: &CudaStream,
+        x: u64,
+        t: usize,
+        kdim: usize,
+        outs: &[Fp8Out<'_>],
+        f32_out: bool,
+    ) -> Result<(), CudaError> {
+        if t <= fp8::GEMV_MAX_TOKENS {
+            for group in outs.chunks(fp8::MAX_OUTS) {
+                fp8::gemv_fp8(&self.k, s, x, t, kdim, group, f32_out)?;
+            }
+            return Ok(());
+        }
+        let t4 = t & !3;
+        let xs_at = fp8::act_scales_offset(t4, kdim) as u64;
+        let scratch = self.ws.fp8_x;
+        let tensor_cores = !f32_out
+            && self.rt.cc.0 >= 9
+            && scratch.bytes >= fp8::act_scratch_bytes(t4, kdim)
+            && outs.iter().all(|o| self.gemm.fp8_supported(o.w.out, t4, kdim, o.ldy, o.y));
+        if tensor_cores {
+            fp8::act_quant(&self.k, s, x, t4, kdim, scratch.ptr, scratch.ptr + xs_at)?;
+            for o in outs {
+                self.gemm.linear_fp8(s, scratch.ptr, scratch.ptr + xs_at, o.w.codes, o.w.scales, o.y, t4, o.w.out, kdim, o.ldy)?;
+            }
+            if t4 < t {
+                let rest: Vec<Fp8Out<'_>> =
+                    outs.iter().map(|o| Fp8Out { y: o.y + (2 * t4 * o.ldy) as u64, ..*o }).collect();
+                let xr = x + (2 * t4 * kdim) as u64;
+                for group in rest.chunks(fp8::MAX_OUTS) {
+                    fp8::gemv_fp8(&self.k, s, xr, t - t4, kdim, group, false)?;
+                }
+            }
+            return Ok(());
+        }
+        let slice = self.ws.w4_slice;
+        for o in outs {
+            let w = o.w;
+            let rows = w4_slice_rows(w.out, w.inp, slice.bytes);
+            if rows == 0 {
+                return Err(CudaError::Plan(format!(
+                    "the fp8 prefill slice ({} B) cannot hold 16 rows of a [{}, {}] linear",
+                    slice.bytes, w.out, w.inp
+                )));
+            }
+            let eb = if f32_out { 4 } else { 2 };
+            for r0 in (0..w.out).step_by(rows) {
+                let r1 = (r0 + rows).min(w.out);
+                fp8::dequant(&self.k, s, w, r0, r1, slice.ptr)?;
+                self.gemm.linear_ld(s, x, slice.ptr, o.y + (eb * r0) as u64, t, r1 - r0, w.inp, o.ldy, f32_out)?;
+            }
+        }
+        Ok(())
+    }
+
     /// A mixer's output projection: into `mixer_out`, or folded (`fold`) into the residual stream and
     /// the post-attention norm's input.
     #[allow(clippy::too_many_arguments)]
@@ -209,6 +275,24 @@ pub(super) fn w4_outs<'a>(outs: &[ProjOut<'a>]) -> Option<Vec<w4a16::W4Out<'a>>>
         }
     }
     w4a16::multi_supported(&w4).then_some(w4)
+}
+
+/// The FP8 outputs of `outs` when every part is block-FP8 (each part writing its columns of its output).
+fn fp8_outs<'a>(outs: &[ProjOut<'a>]) -> Option<Vec<Fp8Out<'a>>> {
+    let mut v = Vec::new();
+    for o in outs {
+        let mut col = 0usize;
+        for p in o.parts {
+            let Part::Fp8(w) = p else { return None };
+            v.push(Fp8Out { w, y: o.y, ldy: o.m });
+            v.last_mut()?.y = o.y + (2 * col) as u64;
+            col += w.out;
+        }
+        if col != o.m {
+            return None;
+        }
+    }
+    Some(v)
 }
 
 /// The GEMV configuration of one launch over `w4` (their rows summed).

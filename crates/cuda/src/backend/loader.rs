@@ -6,7 +6,7 @@
 use deltaserve_model::shard::{ShardSpec, Split};
 use deltaserve_model::weights::TensorSource;
 use deltaserve_model::{Checkpoint, DType, LayerKind, ModelConfig, ModelError, ModelWeights, MoeConfig, MtpWeights};
-use deltaserve_plan::cuda::{DenseRole, WeightFormat, WeightTensor, weight_tensors};
+use deltaserve_plan::cuda::{DenseRole, Fp8Bytes, WeightFormat, WeightTensor, weight_tensors};
 use deltaserve_plan::{is_f32_tensor, is_linear};
 
 use crate::arena::{ALIGN, Arena, DevSpan};
@@ -306,6 +306,9 @@ impl CudaBackend {
         // A GPTQ checkpoint keeps the linears it left unquantised in bf16; a bf16 checkpoint under an
         // int4 plan is quantised at load (`--quantize int4`).
         let keep_dense = matches!(cfg.quantization, Some(deltaserve_model::quant::Quantization::Gptq(_)));
+        // Under fp8, a block-FP8 checkpoint keeps the linears it left unquantised in bf16; a bf16 checkpoint
+        // is quantised at load (`--quantize fp8`).
+        let fp8_checkpoint = matches!(cfg.quantization, Some(deltaserve_model::quant::Quantization::Fp8Block(_)));
         let total_w4 = weight_tensors(cfg, fmt)
             .iter()
             .filter(|s| matches!(s, WeightTensor::W4 { .. } | WeightTensor::HostW4 { .. }))
@@ -383,6 +386,9 @@ impl CudaBackend {
             if fmt.int4 && is_linear(&name) {
                 return ld.linear(&src, true, fmt.asym, keep_dense).map_err(dev);
             }
+            if fmt.fp8 && is_linear(&name) {
+                return ld.fp8_linear(&src, fp8_checkpoint).map_err(dev);
+            }
             // bf16 linears (pairs fused) and the small tensors.
             let f32_out = is_f32_tensor(&name);
             let (bytes, shape) = ld.bytes(&src, f32_out)?;
@@ -412,13 +418,15 @@ impl CudaBackend {
             None
         };
         let (quantized, converted) = (ld.quantized, ld.converted);
-        if quantized > 0 {
+        if quantized > 0 && fmt.fp8 {
+            tracing::info!("quantised {quantized} linears to block FP8 on the GPU (e4m3, 128×128 scale blocks)");
+        } else if quantized > 0 {
             tracing::info!("quantised {quantized} linears to int4 on the GPU (round to nearest, group 128)");
         }
         self.w4_quantized = quantized;
         self.w4_converted = converted;
         let moe = full.moe.as_ref().map(|m| (m, h));
-        checkpoint_weights(&mw, mtp_w, tied_head, fmt.int4, self.host_embed.is_some(), moe)
+        checkpoint_weights(&mw, mtp_w, tied_head, fmt.int4 || fmt.fp8, self.host_embed.is_some(), moe)
     }
 
     pub(super) fn random_weights(
@@ -442,6 +450,10 @@ impl CudaBackend {
                     let span = self.arena.alloc(wreg, n * if f32 { 4 } else { 2 })?;
                     init_random(&self.k, &s, span.ptr, n, tseed, random_init(role), f32)?;
                     Part::Bf16 { w: span.ptr, rows: 0 }
+                }
+                WeightTensor::Fp8 { out, inp } => {
+                    let base = self.arena.alloc(wreg, Fp8Bytes::new(out, inp).aligned())?.ptr;
+                    Part::Fp8(super::fp8_load::random_fp8(&self.k, &self.rt, base, out, inp, tseed)?)
                 }
                 WeightTensor::W4 { out, inp, asym } => {
                     let (_, bytes) = W4Bytes::new(out, inp, asym, false).layout(ALIGN);
@@ -585,13 +597,15 @@ fn checkpoint_weights(
     mw: &ModelWeights<Part>,
     mtp_w: Option<MtpWeights<Part>>,
     tied_head: Option<Part>,
-    int4: bool,
+    // Quantised decoder linears (int4 or fp8): pairs are two parts, bf16 ones included.
+    quantised: bool,
     host_embed: bool,
     moe: Option<(&MoeConfig, usize)>,
 ) -> Result<Weights, CudaError> {
     let one = |p: &Part| vec![*p];
-    // int4: pairs are two parts; bf16: the first half is the fused pair.
-    let two = |a: &Part, b: &Part| if matches!(a, Part::Bf16 { .. }) && !int4 { vec![*a] } else { vec![*a, *b] };
+    // int4 / fp8: pairs are two parts; bf16: the first half is the fused pair.
+    let two =
+        |a: &Part, b: &Part| if matches!(a, Part::Bf16 { .. }) && !quantised { vec![*a] } else { vec![*a, *b] };
     let sparse = |l: &deltaserve_model::LayerWeights<Part>| match (&l.moe, moe) {
         (Some(w), Some((m, h))) => loaded_experts(w, m, h).map(Some),
         _ => Ok(None),

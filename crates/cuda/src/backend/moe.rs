@@ -83,7 +83,7 @@ impl MoeLayer {
         let (e, i) = (m.num_experts, m.expert_intermediate);
         let w4 = |p: &Part| match p {
             Part::W4(w) => Some(*w),
-            Part::Bf16 { .. } => None,
+            Part::Bf16 { .. } | Part::Fp8(_) => None,
         };
         let (Some(gu), Some(_)) = (parts.first().and_then(w4), parts.get(1).and_then(w4)) else {
             return Err(CudaError::Weights("the int4 experts' first linears are missing or not int4".into()));

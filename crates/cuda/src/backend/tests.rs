@@ -131,7 +131,7 @@ fn the_carve_fits_the_plans_regions() {
                 let w = weights_bytes(&plan, (&cfg, &rank), &random, fmt, shard.as_ref()).unwrap();
                 let c = Carve::new(&plan, &rank, w, fmt).unwrap();
                 let (t, s) = (plan.max_batch_tokens, plan.max_seqs);
-                assert_eq!(c.parts, ScratchParts::new(&rank, t, s, fmt.int4, fmt.lm_head_int4), "{what}");
+                assert_eq!(c.parts, ScratchParts::new(&rank, t, s, fmt.linears(), fmt.lm_head_int4), "{what}");
                 assert!(c.parts.total() <= c.scratch && c.scratch <= plan_scratch, "{what}");
                 if shard.as_ref().is_none_or(|s| s.rank == 0) {
                     assert_eq!((c.parts.total(), c.scratch), (plan_scratch, plan_scratch), "{what}");

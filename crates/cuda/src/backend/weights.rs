@@ -1,6 +1,7 @@
 //! The weights as the forward reads them: device addresses of every layer's linears (bf16 or int4 parts),
 //! norms and small tensors, and the host embedding table.
 
+use crate::ops::fp8::Fp8Weights;
 use crate::ops::w4a16::W4Weights;
 use crate::runtime::PinnedHost;
 
@@ -16,6 +17,7 @@ pub(super) enum Part {
         rows: usize,
     },
     W4(W4Weights),
+    Fp8(Fp8Weights),
 }
 
 impl Part {
@@ -23,12 +25,14 @@ impl Part {
         match self {
             Part::Bf16 { rows, .. } => *rows,
             Part::W4(w) => w.out,
+            Part::Fp8(w) => w.out,
         }
     }
     pub(super) fn ptr(&self) -> u64 {
         match self {
             Part::Bf16 { w, .. } => *w,
             Part::W4(w) => w.qweight,
+            Part::Fp8(w) => w.codes,
         }
     }
 }

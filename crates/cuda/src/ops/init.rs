@@ -17,8 +17,10 @@ pub enum Init {
     LogUniform1To16,
     /// Uniformly random 32-bit words (packed int4 codes): `n` counts words, `f32_out` is ignored.
     Bits,
-    /// std · (1 + 0.1 · N(0, 1)): positive, plausible int4 group scales.
+    /// std · (1 + 0.1 · N(0, 1)): positive, plausible int4 group scales (and fp8 block scales).
     Scale(f32),
+    /// e4m3 codes of std · N(0, 1) (fp8 weights): `n` counts bytes, `f32_out` is ignored.
+    Fp8Codes(f32),
 }
 
 /// Fills `n` elements at `out` (bf16, or f32 with `f32_out`; u32 words for [`Init::Bits`]) from
@@ -57,6 +59,7 @@ pub fn init_random_at(
         Init::LogUniform1To16 => (0.0f32, 2),
         Init::Bits => (0.0f32, 3),
         Init::Scale(x) => (x, 4),
+        Init::Fp8Codes(x) => (x, 5),
     };
     let (nn, first) = (n as i64, first as i64);
     let is_f32 = f32_out as i32;

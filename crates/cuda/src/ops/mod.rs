@@ -8,6 +8,7 @@ pub mod conv;
 pub mod elementwise;
 pub mod embed;
 pub mod feed;
+pub mod fp8;
 pub mod gdn_chunk;
 pub mod gdn_decode;
 pub mod gdn_gate;

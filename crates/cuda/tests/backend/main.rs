@@ -26,6 +26,7 @@ use rand::{RngExt, SeedableRng};
 
 #[path = "../common/mod.rs"]
 mod common;
+mod fp8;
 mod graphs;
 mod images;
 mod int4;

@@ -74,13 +74,38 @@ pub fn tiny_dir(layers: usize) -> (PathBuf, ModelConfig) {
 /// dequantised values (bit-equal to `w4_quantize`).
 pub fn cpu_int4(dir: &Path, cfg: &ModelConfig, int4: bool, asym: bool, lm_head_int4: bool) -> CpuBackend {
     use deltaserve_cuda::w4::W4Linear;
-    let ckpt = Checkpoint::open(dir).unwrap();
-    let mut w = ModelWeights::load_f32(&ckpt, cfg).unwrap();
     let q = |t: &mut deltaserve_model::weights::HostTensor| {
         let (o, i) = (t.shape[0], t.shape[1]);
         t.data = W4Linear::quantize(&t.data, o, i, asym).unwrap().dequantize();
     };
-    if int4 {
+    cpu_requantized(dir, cfg, int4, lm_head_int4, q)
+}
+
+/// The CPU reference over block-FP8 decoder linears quantised as `--quantize fp8` does on the GPU
+/// (`fp8_block_quantize`, bit for bit), dequantised.
+pub fn cpu_fp8(dir: &Path, cfg: &ModelConfig) -> CpuBackend {
+    use deltaserve_model::quant::{fp8_block_quantize, fp8_e4m3_to_f32};
+    let q = |t: &mut deltaserve_model::weights::HostTensor| {
+        let (o, i) = (t.shape[0], t.shape[1]);
+        let (codes, scales) = fp8_block_quantize(&t.data, o, i, [128, 128]);
+        let kb = i.div_ceil(128);
+        t.data = (0..o * i).map(|x| fp8_e4m3_to_f32(codes[x]) * scales[(x / i / 128) * kb + (x % i) / 128]).collect();
+    };
+    cpu_requantized(dir, cfg, true, false, q)
+}
+
+/// The CPU backend on `dir`'s weights with `q` applied to every decoder linear (`linears`; a sparse
+/// layer's experts included) and to lm_head (`lm_head`).
+fn cpu_requantized(
+    dir: &Path,
+    cfg: &ModelConfig,
+    linears: bool,
+    lm_head: bool,
+    q: impl Fn(&mut deltaserve_model::weights::HostTensor),
+) -> CpuBackend {
+    let ckpt = Checkpoint::open(dir).unwrap();
+    let mut w = ModelWeights::load_f32(&ckpt, cfg).unwrap();
+    if linears {
         for l in &mut w.layers {
             match &mut l.mixer {
                 deltaserve_model::MixerWeights::DeltaNet(g) => {
@@ -103,7 +128,7 @@ pub fn cpu_int4(dir: &Path, cfg: &ModelConfig, int4: bool, asym: bool, lm_head_i
             }
         }
     }
-    if lm_head_int4 {
+    if lm_head {
         let mut head = w.lm_head().clone();
         q(&mut head);
         w.lm_head = Some(head);

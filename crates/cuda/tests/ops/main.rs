@@ -20,6 +20,7 @@ mod bench_gdn;
 mod cases;
 mod deltanet;
 mod elementwise;
+mod fp8;
 mod gdn_rows;
 mod harness;
 mod kv_quant;
@@ -280,6 +281,25 @@ enum Op {
         k: usize,
         f32_out: bool,
     },
+    /// Block-FP8 GEMV: n tokens (1..=16), up to three linears [out, k] sharing x.
+    Fp8Gemv {
+        n: usize,
+        outs: Vec<usize>,
+        k: usize,
+        f32_out: bool,
+    },
+    /// Block-FP8 prefill: the activations' quantisation, cuBLASLt's block-scaled FP8 GEMM (Hopper) and
+    /// the dequantised-rows route, n tokens, W [out, k].
+    Fp8Gemm {
+        n: usize,
+        out: usize,
+        k: usize,
+    },
+    /// bf16 weights [out, k] quantised to block FP8 on the GPU.
+    Fp8Quantize {
+        out: usize,
+        k: usize,
+    },
     /// 4-bit GEMV (every warps-per-tile choice): m tokens, W [out, inp]; asym = zero points,
     /// perm = act-order permutation, bf16 = bf16 scales.
     W4Gemv {
@@ -461,6 +481,9 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
         Op::AttnDecode { .. } => attention::decode,
         Op::Gemm { .. } => elementwise::gemm,
         Op::Gemv { .. } => elementwise::gemv,
+        Op::Fp8Gemv { .. } => fp8::gemv,
+        Op::Fp8Gemm { .. } => fp8::gemm,
+        Op::Fp8Quantize { .. } => fp8::quantize,
         Op::W4Gemv { .. } => w4::gemv,
         Op::W4GemvMulti { .. } => w4::gemv_multi,
         Op::W4Fold { .. } => w4::fold,

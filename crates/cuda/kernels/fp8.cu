@@ -1,0 +1,253 @@
+// fp8.cu — block-FP8 weights (the official `-FP8` checkpoints' e4m3 codes with one f32 scale per 128x128
+// block) read in place: the decode GEMV, the activations' quantisation for the FP8 tensor-core GEMM,
+// dequantisation to bf16 row slices, and the quantiser and random initialiser that make the format.
+//
+// Format (src/fp8.rs): W [M, K] e4m3 codes row-major (the checkpoint's `weight`, bytes as stored),
+//   S [ceil(M/128), ceil(K/128)] f32 row-major (its `weight_scale_inv`): w[r, k] = e4m3(W[r, k]) *
+//   S[r/128, k/128]. K % 16 == 0.
+//
+// e4m3 -> bf16 in two integer ops per pair (f8_bf16x2): the code's sign, exponent and mantissa bits moved
+//   into a bf16's places give e4m3(c) * 2^-120 exactly (normals and subnormals alike: both formats' exponent
+//   fields count from the same zero); the 2^120 is folded into the block scale. NaN codes (never in a
+//   checkpoint) become finite.
+//
+// gemv_fp8_n{8,16}: y_s[t, r] = sum_k x[t, k] * w_s[r, k] for t < N (1..8 / 9..16 tokens), up to three
+//   (W, S, y, M, ldy) segments sharing x and K (q/k/v, qkv/z/b/a, gate/up). x [N, K] bf16, y [N, M_s] (row
+//   stride ldy_s) bf16 or f32 (f32_out). Tensor cores (mma.sync m16n8k16 bf16 -> f32), the tokens as n (8 per tile, NT tiles).
+//   Lane (r = lane/4, c = lane%4) loads 16 codes (one 16-byte vector v) of rows r and r+8 of the block's 16
+//   rows and the same 16 k of its token(s)' x; those 16 k feed four MMAs under a fixed permutation of k
+//   (A and B permuted alike): MMA j takes codes 4j..4j+3 of the vector as its k-slots (2c, 2c+1, 2c+8,
+//   2c+9). The quad's four vectors are 64 aligned k, inside one 128-k scale block: each vector's four MMAs
+//   accumulate into a zeroed tile that is added scaled (S * 2^120) to the accumulator. Each warp of the
+//   block takes its own k-slices (split-K in the block, F8_U vectors in flight per lane per row, register
+//   double-buffered); the partial tiles are summed in shared memory in a fixed order (a token's output
+//   does not depend on N).
+// Launch: grid (sum_s ceil(M_s / 16)), block 128, static smem 2 KB (n8) / 4 KB (n16).
+//
+// fp8_act_quant: x [T, K] bf16 -> q [T, K] e4m3 codes and scales xs [K/128, T] f32 (token-major, what
+//   cuBLASLt's VEC128_32F scaling reads): per token and 128-k block, s = amax / 448 (1 for an all-zero
+//   block), q = e4m3(x / s) rounded to nearest even (kq_e4m3). K % 128 == 0. Launch: grid (K/128,
+//   ceil(T/4)), block 128 (a warp per token and block).
+// fp8_dequant: rows [r0, r1) of W, S -> bf16 [r1 - r0, K] (row stride K), f2bf(e4m3(c) * s) (f32 math).
+//   Launch: grid-stride, block 256.
+// fp8_quantize: bf16 W [M, K] -> codes and S as deltaserve_model::quant::fp8_block_quantize does (s = amax /
+//   448, 1 for an all-zero block; c = e4m3(w / s)). Launch: grid (ceil(K/128), ceil(M/128)), block 256.
+// fp8_random: random codes of 32 * N(0, 1) (init.cu's hash, per (seed, index)) and every scale = std / 32.
+//   Launch: grid-stride, block 256.
+// Arch: mma.sync bf16 + integer ops, sm_80+ (the CUDA backend keeps FP8 weights on sm_89 and later).
+// Tested by: tests/ops/ case "fp8" against the CPU oracle (deltaserve_cuda::fp8).
+
+#define F8_WARPS 4
+#define F8_U 2
+#define F8_ROWS 16
+#define F8_TWO120 1.329227995784916e36f  // 2^120
+
+// Codes (byte p, byte p+1) of w -> bf16x2 of their values * 2^-120 (p = 0 or 2).
+__device__ __forceinline__ u32 f8_bf16x2(u32 w, int p) {
+    const u32 t = __byte_perm(w, 0u, p == 0 ? 0x1404u : 0x3424u);  // bytes p, p+1 in each half's high byte
+    return (t & 0x80008000u) | ((t >> 4) & 0x07f007f0u);
+}
+
+// The value of one e4m3 code (f32, exact).
+__device__ __forceinline__ float f8_value(u32 code) {
+    const u32 b = ((code & 0x80u) << 24) | ((code & 0x7fu) << 20);
+    return __uint_as_float(b) * F8_TWO120;
+}
+
+template <int NT>
+__device__ __forceinline__ void gemv_fp8_body(const bf16_t* x, int N, int K, const unsigned char* __restrict__ W,
+                                              const float* __restrict__ S, void* Y, int M, int ldy, int b,
+                                              int f32_out,
+                                              float (*red)[F8_ROWS][8 * NT]) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int r = lane >> 2, c = lane & 3;
+    const int row0 = b * F8_ROWS + r, row1 = row0 + 8;
+    const bool ok0 = row0 < M, ok1 = row1 < M;
+    const uint4* wp0 = (const uint4*)(W + (long long)(ok0 ? row0 : 0) * K);
+    const uint4* wp1 = (const uint4*)(W + (long long)(ok1 ? row1 : 0) * K);
+    const int KV = K >> 4;  // 16-byte code vectors per row
+    const int KB = (K + 127) >> 7;
+    const float* srow = S + (long long)(b >> 3) * KB;
+    const uint4* xp[NT];
+    bool okx[NT];
+#pragma unroll
+    for (int n = 0; n < NT; n++) {
+        okx[n] = r + 8 * n < N;
+        xp[n] = (const uint4*)(x + (long long)(okx[n] ? r + 8 * n : 0) * K);
+    }
+    float acc[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    const int step = F8_WARPS * F8_U * 4;
+    uint4 a[F8_U], a8[F8_U], xv[F8_U][NT][2];
+    int vb = warp * F8_U * 4;
+    if (vb < KV) {
+#pragma unroll
+        for (int u = 0; u < F8_U; u++) {
+            const int v = vb + u * 4 + c, vc = v < KV ? v : 0;
+            a[u] = ld_nc_stream(wp0 + vc);
+            a8[u] = ld_nc_stream(wp1 + vc);
+        }
+    }
+    // Launched to overlap the previous kernel (sm_90): the first codes are in flight; x and y are its.
+    pdl_wait();
+    if (vb < KV) {
+#pragma unroll
+        for (int u = 0; u < F8_U; u++) {
+            const int v = vb + u * 4 + c, vc = v < KV ? v : 0;
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                xv[u][n][0] = ld_act(xp[n] + 2 * vc);
+                xv[u][n][1] = ld_act(xp[n] + 2 * vc + 1);
+            }
+        }
+    }
+    for (; vb < KV; vb += step) {
+        uint4 na[F8_U], na8[F8_U], nxv[F8_U][NT][2];
+        const int nb = vb + step;
+        if (nb < KV) {
+#pragma unroll
+            for (int u = 0; u < F8_U; u++) {
+                const int v = nb + u * 4 + c, vc = v < KV ? v : 0;
+                na[u] = ld_nc_stream(wp0 + vc);
+                na8[u] = ld_nc_stream(wp1 + vc);
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+                    nxv[u][n][0] = ld_act(xp[n] + 2 * vc);
+                    nxv[u][n][1] = ld_act(xp[n] + 2 * vc + 1);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < F8_U; u++) {
+            const int vq = vb + u * 4;  // the quad's first vector: 64 aligned k in one scale block
+            const bool in = vq + c < KV;
+            if (!(ok0 && in)) a[u] = zero;
+            if (!(ok1 && in)) a8[u] = zero;
+            const float sc = vq < KV ? __ldg(srow + (vq >> 3)) * F8_TWO120 : 0.0f;
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                if (!(okx[n] && in)) xv[u][n][0] = xv[u][n][1] = zero;
+                float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const u32 w0 = u4_comp(a[u], j), w1 = u4_comp(a8[u], j);
+                    const uint4& xx = xv[u][n][j >> 1];
+                    const u32 b0 = (j & 1) ? xx.z : xx.x, b1 = (j & 1) ? xx.w : xx.y;
+                    mma_bf16(t, f8_bf16x2(w0, 0), f8_bf16x2(w1, 0), f8_bf16x2(w0, 2), f8_bf16x2(w1, 2), b0, b1);
+                }
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[n][i] = fmaf(sc, t[i], acc[n][i]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < F8_U; u++) {
+            a[u] = na[u];
+            a8[u] = na8[u];
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                xv[u][n][0] = nxv[u][n][0];
+                xv[u][n][1] = nxv[u][n][1];
+            }
+        }
+    }
+    // Accumulators: (row r, token 2c), (row r, token 2c+1), (row r+8, token 2c), (row r+8, token 2c+1).
+#pragma unroll
+    for (int n = 0; n < NT; n++) {
+        red[warp][r][8 * n + 2 * c] = acc[n][0];
+        red[warp][r][8 * n + 2 * c + 1] = acc[n][1];
+        red[warp][r + 8][8 * n + 2 * c] = acc[n][2];
+        red[warp][r + 8][8 * n + 2 * c + 1] = acc[n][3];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < F8_ROWS * 8 * NT; i += blockDim.x) {
+        const int row = i / (8 * NT), t = i % (8 * NT);
+        const int gr = b * F8_ROWS + row;
+        if (t < N && gr < M) {
+            float s = 0.0f;
+#pragma unroll
+            for (int w = 0; w < F8_WARPS; w++) s += red[w][row][t];
+            const long long at = (long long)t * ldy + gr;
+            if (f32_out) ((float*)Y)[at] = s;
+            else ((bf16_t*)Y)[at] = f2bf(s);
+        }
+    }
+}
+
+#define GEMV_FP8(NAME, NT)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(128, 4)                                                       \
+    NAME(const bf16_t* x, int N, int K, const unsigned char* __restrict__ w0, const float* __restrict__ s0,     \
+         void* __restrict__ y0, int m0, int ld0, int nb0, const unsigned char* __restrict__ w1,                \
+         const float* __restrict__ s1, void* __restrict__ y1, int m1, int ld1, int nb1,                         \
+         const unsigned char* __restrict__ w2, const float* __restrict__ s2, void* __restrict__ y2, int m2,    \
+         int ld2, int f32_out) {                                                                                \
+        __shared__ float red[F8_WARPS][F8_ROWS][8 * NT];                                                       \
+        int b = blockIdx.x;                                                                                     \
+        if (b < nb0) {                                                                                          \
+            gemv_fp8_body<NT>(x, N, K, w0, s0, y0, m0, ld0, b, f32_out, red);                                   \
+        } else if (b < nb0 + nb1) {                                                                             \
+            gemv_fp8_body<NT>(x, N, K, w1, s1, y1, m1, ld1, b - nb0, f32_out, red);                             \
+        } else {                                                                                                \
+            gemv_fp8_body<NT>(x, N, K, w2, s2, y2, m2, ld2, b - nb0 - nb1, f32_out, red);                       \
+        }                                                                                                       \
+    }
+
+GEMV_FP8(gemv_fp8_n8, 1)
+GEMV_FP8(gemv_fp8_n16, 2)
+
+extern "C" __global__ void fp8_act_quant(const bf16_t* x, int T, int K, unsigned char* __restrict__ q,
+                                         float* __restrict__ xs) {
+    pdl_enter();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int t = blockIdx.y * 4 + warp, kb = blockIdx.x;
+    if (t >= T) return;
+    const long long at = (long long)t * K + kb * 128 + lane * 4;
+    const uint2 v = *(const uint2*)(x + at);
+    float f[4] = {__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
+                  __uint_as_float(v.y & 0xffff0000u)};
+    float amax = fmaxf(fmaxf(fabsf(f[0]), fabsf(f[1])), fmaxf(fabsf(f[2]), fabsf(f[3])));
+    amax = warp_max(amax);
+    const float s = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
+    u32 out = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) out |= kq_e4m3(__fdiv_rn(f[i], s)) << (8 * i);
+    *(u32*)(q + at) = out;
+    if (lane == 0) xs[(long long)kb * T + t] = s;
+}
+
+extern "C" __global__ void fp8_dequant(const unsigned char* __restrict__ W, const float* __restrict__ S, int K,
+                                       int r0, int r1, bf16_t* __restrict__ out) {
+    const int KB = (K + 127) >> 7;
+    const long long n = (long long)(r1 - r0) * K;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const int row = r0 + (int)(i / K), k = (int)(i % K);
+        const float s = S[(long long)(row >> 7) * KB + (k >> 7)];
+        out[i] = f2bf(f8_value(W[(long long)row * K + k]) * s);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) fp8_quantize(const bf16_t* __restrict__ w, int M, int K,
+                                                               unsigned char* __restrict__ W,
+                                                               float* __restrict__ S) {
+    __shared__ float red[8];
+    const int kb = blockIdx.x, rb = blockIdx.y;
+    const int KB = gridDim.x;
+    // Thread i: row rb*128 + i/2, columns kb*128 + (i%2)*64 .. + 63.
+    const int row = rb * 128 + (threadIdx.x >> 1), k0 = kb * 128 + (threadIdx.x & 1) * 64;
+    float amax = 0.0f;
+    if (row < M)
+        for (int k = k0; k < min(k0 + 64, K); k++) amax = fmaxf(amax, fabsf(bf2f(w[(long long)row * K + k])));
+    amax = warp_max(amax);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
+    __syncthreads();
+    amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) amax = fmaxf(amax, red[i]);
+    const float s = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
+    if (threadIdx.x == 0) S[(long long)rb * KB + kb] = s;
+    if (row < M)
+        for (int k = k0; k < min(k0 + 64, K); k++)
+            W[(long long)row * K + k] = (unsigned char)kq_e4m3(__fdiv_rn(bf2f(w[(long long)row * K + k]), s));
+}

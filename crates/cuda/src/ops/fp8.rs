@@ -1,0 +1,163 @@
+//! Launchers for kernels/fp8.cu: block-FP8 linears read in place (the decode GEMV), the activations'
+//! quantisation for the FP8 tensor-core GEMM ([`crate::gemm::Gemm::linear_fp8`]), dequantised row
+//! slices, and the quantiser that makes the format from bf16 weights.
+
+use cudarc::driver::CudaStream;
+use deltaserve_plan::cuda::Fp8Bytes;
+
+use super::{Kernels, invalid, launch, launch_pdl, to_i32, to_u32};
+use crate::error::CudaError;
+
+/// Edge of a scale block (rows and inputs).
+pub const FP8_BLOCK: usize = deltaserve_plan::dtype::QUANT_GROUP;
+/// Most tokens one GEMV launch takes (two MMA n-tiles).
+pub const GEMV_MAX_TOKENS: usize = 16;
+/// Output rows per GEMV block.
+const ROWS: usize = 16;
+/// Most weight matrices per GEMV launch.
+pub const MAX_OUTS: usize = 3;
+
+/// One block-FP8 linear in device memory: e4m3 codes `[out, in]` row-major and f32 scales
+/// `[ceil(out/128), ceil(in/128)]` (`w = code · scale`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fp8Weights {
+    pub codes: u64,
+    pub scales: u64,
+    pub out: usize,
+    pub inp: usize,
+}
+
+impl Fp8Weights {
+    /// The tensors of an `[out, in]` linear placed from `base` as [`Fp8Bytes::layout`] places them.
+    pub fn at(base: u64, out: usize, inp: usize) -> Fp8Weights {
+        let (scales, _) = Fp8Bytes::new(out, inp).layout();
+        Fp8Weights { codes: base, scales: base + scales as u64, out, inp }
+    }
+
+    pub fn bytes(&self) -> Fp8Bytes {
+        Fp8Bytes::new(self.out, self.inp)
+    }
+
+    /// Whether the kernels take this linear: `in` a multiple of 16, codes and scales 16-byte aligned.
+    pub fn check(&self, kernel: &'static str) -> Result<(), CudaError> {
+        if self.out == 0 || self.inp == 0 || !self.inp.is_multiple_of(16) {
+            return Err(invalid(kernel, format!("[{}, {}]: in must be a positive multiple of 16", self.out, self.inp)));
+        }
+        if !self.codes.is_multiple_of(16) || !self.scales.is_multiple_of(16) {
+            return Err(invalid(kernel, "codes and scales must be 16-byte aligned"));
+        }
+        Ok(())
+    }
+}
+
+/// One output of a GEMV launch: `y [n, w.out]` with row stride `ldy` (≥ `w.out`) elements.
+#[derive(Clone, Copy, Debug)]
+pub struct Fp8Out<'a> {
+    pub w: &'a Fp8Weights,
+    pub y: u64,
+    pub ldy: usize,
+}
+
+/// `y_s = x · W_sᵀ` for each of `outs` (1..=3 linears sharing `x [n, kdim]` bf16), n in 1..=16 tokens;
+/// y bf16, or f32 with `f32_out`. x and y 16-byte aligned.
+pub fn gemv_fp8(
+    k: &Kernels,
+    s: &CudaStream,
+    x: u64,
+    n: usize,
+    kdim: usize,
+    outs: &[Fp8Out<'_>],
+    f32_out: bool,
+) -> Result<(), CudaError> {
+    const NAME: &str = "gemv_fp8";
+    if !(1..=GEMV_MAX_TOKENS).contains(&n) {
+        return Err(invalid(NAME, format!("n = {n} tokens (1..={GEMV_MAX_TOKENS})")));
+    }
+    if outs.is_empty() || outs.len() > MAX_OUTS {
+        return Err(invalid(NAME, format!("{} outputs (1..={MAX_OUTS})", outs.len())));
+    }
+    for o in outs {
+        o.w.check(NAME)?;
+        if o.w.inp != kdim {
+            return Err(invalid(NAME, format!("a [{}, {}] linear on {kdim} inputs", o.w.out, o.w.inp)));
+        }
+        if o.ldy < o.w.out || !o.y.is_multiple_of(2) {
+            return Err(invalid(NAME, format!("y: row stride {} < {} rows, or misaligned", o.ldy, o.w.out)));
+        }
+    }
+    if !x.is_multiple_of(16) {
+        return Err(invalid(NAME, "x must be 16-byte aligned"));
+    }
+    let seg = |i: usize| {
+        outs.get(i).map_or((0u64, 0u64, 0u64, 0usize, 0usize), |o| (o.w.codes, o.w.scales, o.y, o.w.out, o.ldy))
+    };
+    let nb: Vec<usize> = (0..MAX_OUTS).map(|i| seg(i).3.div_ceil(ROWS)).collect();
+    let blocks: usize = nb.iter().sum();
+    let grid = (to_u32(NAME, "blocks", blocks)?, 1, 1);
+    let (nn, kk) = (to_i32(NAME, "n", n)?, to_i32(NAME, "k", kdim)?);
+    let (w0, s0, y0, m0, ld0) = seg(0);
+    let (w1, s1, y1, m1, ld1) = seg(1);
+    let (w2, s2, y2, m2, ld2) = seg(2);
+    let (m0, ld0, nb0) = (to_i32(NAME, "m", m0)?, to_i32(NAME, "ldy", ld0)?, to_i32(NAME, "blocks", nb[0])?);
+    let (m1, ld1, nb1) = (to_i32(NAME, "m", m1)?, to_i32(NAME, "ldy", ld1)?, to_i32(NAME, "blocks", nb[1])?);
+    let (m2, ld2) = (to_i32(NAME, "m", m2)?, to_i32(NAME, "ldy", ld2)?);
+    let f32o = i32::from(f32_out);
+    let name = if n <= 8 { "gemv_fp8_n8" } else { "gemv_fp8_n16" };
+    launch_pdl!(k, s, name, grid, (128, 1, 1), 0;
+        x, nn, kk, w0, s0, y0, m0, ld0, nb0, w1, s1, y1, m1, ld1, nb1, w2, s2, y2, m2, ld2, f32o)
+}
+
+/// Bytes of the scratch [`act_quant`] writes for `t` tokens of `kdim` features: codes `[t, kdim]`, then
+/// (256-byte aligned) the scales.
+pub fn act_scratch_bytes(t: usize, kdim: usize) -> usize {
+    deltaserve_plan::cuda::fp8_x_scratch_bytes(t, kdim)
+}
+
+/// Offset of the scales in the [`act_quant`] scratch.
+pub fn act_scales_offset(t: usize, kdim: usize) -> usize {
+    (t * kdim).next_multiple_of(crate::arena::ALIGN)
+}
+
+/// x `[t, kdim]` bf16 → e4m3 codes `[t, kdim]` at `q` and f32 scales `[kdim/128, t]` (token-major) at
+/// `xs`: per token and 128 features `s = amax / 448` (1 when all are zero), `code = e4m3(x / s)`.
+pub fn act_quant(k: &Kernels, s: &CudaStream, x: u64, t: usize, kdim: usize, q: u64, xs: u64) -> Result<(), CudaError> {
+    const NAME: &str = "fp8_act_quant";
+    if t == 0 {
+        return Ok(());
+    }
+    if !kdim.is_multiple_of(FP8_BLOCK) || !x.is_multiple_of(8) || !q.is_multiple_of(4) || !xs.is_multiple_of(4) {
+        return Err(invalid(NAME, format!("k = {kdim} must be a multiple of 128, x 8-byte and q, xs 4-byte aligned")));
+    }
+    let grid = (to_u32(NAME, "k blocks", kdim / FP8_BLOCK)?, to_u32(NAME, "token groups", t.div_ceil(4))?, 1);
+    let (tt, kk) = (to_i32(NAME, "t", t)?, to_i32(NAME, "k", kdim)?);
+    launch_pdl!(k, s, NAME, grid, (128, 1, 1), 0; x, tt, kk, q, xs)
+}
+
+/// Rows `r0..r1` of `w` dequantised to bf16 `[r1 - r0, in]` at `out` (`f2bf(e4m3(code) · scale)`).
+pub fn dequant(k: &Kernels, s: &CudaStream, w: &Fp8Weights, r0: usize, r1: usize, out: u64) -> Result<(), CudaError> {
+    const NAME: &str = "fp8_dequant";
+    if r0 > r1 || r1 > w.out {
+        return Err(invalid(NAME, format!("rows {r0}..{r1} of {}", w.out)));
+    }
+    if r0 == r1 {
+        return Ok(());
+    }
+    let n = (r1 - r0) * w.inp;
+    let grid = (n.div_ceil(256).clamp(1, 65_535) as u32, 1, 1);
+    let (codes, scales) = (w.codes, w.scales);
+    let (kk, a, b) = (to_i32(NAME, "k", w.inp)?, to_i32(NAME, "r0", r0)?, to_i32(NAME, "r1", r1)?);
+    launch!(k, s, NAME, grid, (256, 1, 1), 0; codes, scales, kk, a, b, out)
+}
+
+/// Quantises bf16 `w [out, in]` at `src` into `dst` (codes and scales as
+/// `deltaserve_model::quant::fp8_block_quantize` makes them, bit for bit).
+pub fn quantize(k: &Kernels, s: &CudaStream, src: u64, dst: &Fp8Weights) -> Result<(), CudaError> {
+    const NAME: &str = "fp8_quantize";
+    if dst.out == 0 || dst.inp == 0 {
+        return Ok(());
+    }
+    let grid = (to_u32(NAME, "k blocks", dst.inp.div_ceil(FP8_BLOCK))?, to_u32(NAME, "row blocks", dst.out.div_ceil(FP8_BLOCK))?, 1);
+    let (m, kk) = (to_i32(NAME, "m", dst.out)?, to_i32(NAME, "k", dst.inp)?);
+    let (codes, scales) = (dst.codes, dst.scales);
+    launch!(k, s, NAME, grid, (256, 1, 1), 0; src, m, kk, codes, scales)
+}
