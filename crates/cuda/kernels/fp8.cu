@@ -2,8 +2,9 @@
 // block) read in place: the decode GEMV, the activations' quantisation for the FP8 tensor-core GEMM,
 // dequantisation to bf16 row slices, and the quantiser and random initialiser that make the format.
 //
-// Format (src/fp8.rs): W [M, K] e4m3 codes row-major (the checkpoint's `weight`, bytes as stored),
-//   S [ceil(M/128), ceil(K/128)] f32 row-major (its `weight_scale_inv`): w[r, k] = e4m3(W[r, k]) *
+// Format (ops/fp8.rs): W [M, K] e4m3 codes row-major (the checkpoint's `weight`, bytes as stored),
+//   S [ceil(M/128), KBP] f32 row-major (its `weight_scale_inv`, each row padded to KBP = ceil(K/128) rounded
+//   up to a multiple of 4, the 16-byte rows cuBLASLt's block-scaled GEMM reads): w[r, k] = e4m3(W[r, k]) *
 //   S[r/128, k/128]. K % 16 == 0.
 //
 // e4m3 -> bf16 in two integer ops per pair (f8_bf16x2): the code's sign, exponent and mantissa bits moved
@@ -19,7 +20,7 @@
 //   (A and B permuted alike): MMA j takes codes 4j..4j+3 of the vector as its k-slots (2c, 2c+1, 2c+8,
 //   2c+9). The quad's four vectors are 64 aligned k, inside one 128-k scale block: each vector's four MMAs
 //   accumulate into a zeroed tile that is added scaled (S * 2^120) to the accumulator. Each warp of the
-//   block takes its own k-slices (split-K in the block, F8_U vectors in flight per lane per row, register
+//   block takes its own k-slices (split-K in the block, U = 4 / 2 vectors in flight per lane per row, register
 //   double-buffered); the partial tiles are summed in shared memory in a fixed order (a token's output
 //   does not depend on N).
 // Launch: grid (sum_s ceil(M_s / 16)), block 128, static smem 2 KB (n8) / 4 KB (n16).
@@ -38,7 +39,6 @@
 // Tested by: tests/ops/ case "fp8" against the CPU oracle (deltaserve_cuda::fp8).
 
 #define F8_WARPS 4
-#define F8_U 2
 #define F8_ROWS 16
 #define F8_TWO120 1.329227995784916e36f  // 2^120
 
@@ -54,11 +54,10 @@ __device__ __forceinline__ float f8_value(u32 code) {
     return __uint_as_float(b) * F8_TWO120;
 }
 
-template <int NT>
+template <int NT, int U>
 __device__ __forceinline__ void gemv_fp8_body(const bf16_t* x, int N, int K, const unsigned char* __restrict__ W,
                                               const float* __restrict__ S, void* Y, int M, int ldy, int b,
-                                              int f32_out,
-                                              float (*red)[F8_ROWS][8 * NT]) {
+                                              int f32_out, float (*red)[F8_ROWS][8 * NT]) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int r = lane >> 2, c = lane & 3;
     const int row0 = b * F8_ROWS + r, row1 = row0 + 8;
@@ -66,8 +65,8 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* x, int N, int K, con
     const uint4* wp0 = (const uint4*)(W + (long long)(ok0 ? row0 : 0) * K);
     const uint4* wp1 = (const uint4*)(W + (long long)(ok1 ? row1 : 0) * K);
     const int KV = K >> 4;  // 16-byte code vectors per row
-    const int KB = (K + 127) >> 7;
-    const float* srow = S + (long long)(b >> 3) * KB;
+    const int KBP = (((K + 127) >> 7) + 3) & ~3;
+    const float* srow = S + (long long)(b >> 3) * KBP;
     const uint4* xp[NT];
     bool okx[NT];
 #pragma unroll
@@ -79,12 +78,15 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* x, int N, int K, con
 #pragma unroll
     for (int n = 0; n < NT; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-    const int step = F8_WARPS * F8_U * 4;
-    uint4 a[F8_U], a8[F8_U], xv[F8_U][NT][2];
-    int vb = warp * F8_U * 4;
+    const int step = F8_WARPS * U * 4;
+    // The codes are register double-buffered (the next slice's loads issued before this one's MMAs, U x 2
+    // x 16 B in flight per lane); x (L2-resident, shared by every block) is loaded as each vector's MMAs
+    // need it.
+    uint4 a[U], a8[U];
+    int vb = warp * U * 4;
     if (vb < KV) {
 #pragma unroll
-        for (int u = 0; u < F8_U; u++) {
+        for (int u = 0; u < U; u++) {
             const int v = vb + u * 4 + c, vc = v < KV ? v : 0;
             a[u] = ld_nc_stream(wp0 + vc);
             a8[u] = ld_nc_stream(wp1 + vc);
@@ -92,48 +94,36 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* x, int N, int K, con
     }
     // Launched to overlap the previous kernel (sm_90): the first codes are in flight; x and y are its.
     pdl_wait();
-    if (vb < KV) {
-#pragma unroll
-        for (int u = 0; u < F8_U; u++) {
-            const int v = vb + u * 4 + c, vc = v < KV ? v : 0;
-#pragma unroll
-            for (int n = 0; n < NT; n++) {
-                xv[u][n][0] = ld_act(xp[n] + 2 * vc);
-                xv[u][n][1] = ld_act(xp[n] + 2 * vc + 1);
-            }
-        }
-    }
     for (; vb < KV; vb += step) {
-        uint4 na[F8_U], na8[F8_U], nxv[F8_U][NT][2];
+        uint4 na[U], na8[U];
         const int nb = vb + step;
         if (nb < KV) {
 #pragma unroll
-            for (int u = 0; u < F8_U; u++) {
+            for (int u = 0; u < U; u++) {
                 const int v = nb + u * 4 + c, vc = v < KV ? v : 0;
                 na[u] = ld_nc_stream(wp0 + vc);
                 na8[u] = ld_nc_stream(wp1 + vc);
-#pragma unroll
-                for (int n = 0; n < NT; n++) {
-                    nxv[u][n][0] = ld_act(xp[n] + 2 * vc);
-                    nxv[u][n][1] = ld_act(xp[n] + 2 * vc + 1);
-                }
             }
         }
 #pragma unroll
-        for (int u = 0; u < F8_U; u++) {
+        for (int u = 0; u < U; u++) {
             const int vq = vb + u * 4;  // the quad's first vector: 64 aligned k in one scale block
             const bool in = vq + c < KV;
+            const int vc = in ? vq + c : 0;
             if (!(ok0 && in)) a[u] = zero;
             if (!(ok1 && in)) a8[u] = zero;
             const float sc = vq < KV ? __ldg(srow + (vq >> 3)) * F8_TWO120 : 0.0f;
 #pragma unroll
             for (int n = 0; n < NT; n++) {
-                if (!(okx[n] && in)) xv[u][n][0] = xv[u][n][1] = zero;
+                uint4 xv[2];
+                xv[0] = ld_act(xp[n] + 2 * vc);
+                xv[1] = ld_act(xp[n] + 2 * vc + 1);
+                if (!(okx[n] && in)) xv[0] = xv[1] = zero;
                 float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
                     const u32 w0 = u4_comp(a[u], j), w1 = u4_comp(a8[u], j);
-                    const uint4& xx = xv[u][n][j >> 1];
+                    const uint4& xx = xv[j >> 1];
                     const u32 b0 = (j & 1) ? xx.z : xx.x, b1 = (j & 1) ? xx.w : xx.y;
                     mma_bf16(t, f8_bf16x2(w0, 0), f8_bf16x2(w1, 0), f8_bf16x2(w0, 2), f8_bf16x2(w1, 2), b0, b1);
                 }
@@ -142,14 +132,9 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* x, int N, int K, con
             }
         }
 #pragma unroll
-        for (int u = 0; u < F8_U; u++) {
+        for (int u = 0; u < U; u++) {
             a[u] = na[u];
             a8[u] = na8[u];
-#pragma unroll
-            for (int n = 0; n < NT; n++) {
-                xv[u][n][0] = nxv[u][n][0];
-                xv[u][n][1] = nxv[u][n][1];
-            }
         }
     }
     // Accumulators: (row r, token 2c), (row r, token 2c+1), (row r+8, token 2c), (row r+8, token 2c+1).
@@ -175,7 +160,7 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* x, int N, int K, con
     }
 }
 
-#define GEMV_FP8(NAME, NT)                                                                                      \
+#define GEMV_FP8(NAME, NT, U)                                                                                   \
     extern "C" __global__ void __launch_bounds__(128, 4)                                                       \
     NAME(const bf16_t* x, int N, int K, const unsigned char* __restrict__ w0, const float* __restrict__ s0,     \
          void* __restrict__ y0, int m0, int ld0, int nb0, const unsigned char* __restrict__ w1,                \
@@ -185,16 +170,16 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* x, int N, int K, con
         __shared__ float red[F8_WARPS][F8_ROWS][8 * NT];                                                       \
         int b = blockIdx.x;                                                                                     \
         if (b < nb0) {                                                                                          \
-            gemv_fp8_body<NT>(x, N, K, w0, s0, y0, m0, ld0, b, f32_out, red);                                   \
+            gemv_fp8_body<NT, U>(x, N, K, w0, s0, y0, m0, ld0, b, f32_out, red);                                   \
         } else if (b < nb0 + nb1) {                                                                             \
-            gemv_fp8_body<NT>(x, N, K, w1, s1, y1, m1, ld1, b - nb0, f32_out, red);                             \
+            gemv_fp8_body<NT, U>(x, N, K, w1, s1, y1, m1, ld1, b - nb0, f32_out, red);                             \
         } else {                                                                                                \
-            gemv_fp8_body<NT>(x, N, K, w2, s2, y2, m2, ld2, b - nb0 - nb1, f32_out, red);                       \
+            gemv_fp8_body<NT, U>(x, N, K, w2, s2, y2, m2, ld2, b - nb0 - nb1, f32_out, red);                       \
         }                                                                                                       \
     }
 
-GEMV_FP8(gemv_fp8_n8, 1)
-GEMV_FP8(gemv_fp8_n16, 2)
+GEMV_FP8(gemv_fp8_n8, 1, 4)
+GEMV_FP8(gemv_fp8_n16, 2, 2)
 
 extern "C" __global__ void fp8_act_quant(const bf16_t* x, int T, int K, unsigned char* __restrict__ q,
                                          float* __restrict__ xs) {
@@ -218,12 +203,12 @@ extern "C" __global__ void fp8_act_quant(const bf16_t* x, int T, int K, unsigned
 
 extern "C" __global__ void fp8_dequant(const unsigned char* __restrict__ W, const float* __restrict__ S, int K,
                                        int r0, int r1, bf16_t* __restrict__ out) {
-    const int KB = (K + 127) >> 7;
+    const int KBP = (((K + 127) >> 7) + 3) & ~3;
     const long long n = (long long)(r1 - r0) * K;
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         const int row = r0 + (int)(i / K), k = (int)(i % K);
-        const float s = S[(long long)(row >> 7) * KB + (k >> 7)];
+        const float s = S[(long long)(row >> 7) * KBP + (k >> 7)];
         out[i] = f2bf(f8_value(W[(long long)row * K + k]) * s);
     }
 }
@@ -233,7 +218,7 @@ extern "C" __global__ void __launch_bounds__(256) fp8_quantize(const bf16_t* __r
                                                                float* __restrict__ S) {
     __shared__ float red[8];
     const int kb = blockIdx.x, rb = blockIdx.y;
-    const int KB = gridDim.x;
+    const int KBP = (gridDim.x + 3) & ~3;
     // Thread i: row rb*128 + i/2, columns kb*128 + (i%2)*64 .. + 63.
     const int row = rb * 128 + (threadIdx.x >> 1), k0 = kb * 128 + (threadIdx.x & 1) * 64;
     float amax = 0.0f;
@@ -246,7 +231,7 @@ extern "C" __global__ void __launch_bounds__(256) fp8_quantize(const bf16_t* __r
 #pragma unroll
     for (int i = 0; i < 8; i++) amax = fmaxf(amax, red[i]);
     const float s = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
-    if (threadIdx.x == 0) S[(long long)rb * KB + kb] = s;
+    if (threadIdx.x == 0) S[(long long)rb * KBP + kb] = s;
     if (row < M)
         for (int k = k0; k < min(k0 + 64, K); k++)
             W[(long long)row * K + k] = (unsigned char)kq_e4m3(__fdiv_rn(bf2f(w[(long long)row * K + k]), s));

@@ -6,7 +6,7 @@
 
 use deltaserve_model::{LayerKind, ModelConfig};
 
-use crate::dtype::{QUANT_GROUP, WeightsDtype};
+use crate::dtype::{QUANT_GROUP, WeightsDtype, fp8_scale_cols};
 use crate::options::{PlanBackend, PlanOptions};
 use crate::plan::{ALIGN, card_config};
 use crate::weights::decoder_linear_shapes;
@@ -281,7 +281,8 @@ impl W4Bytes {
 }
 
 /// Device bytes of the tensors of one block-FP8 linear: e4m3 codes `[out, in]` and f32 scales
-/// `[ceil(out/128), ceil(in/128)]` (the official `-FP8` checkpoints' `weight` and `weight_scale_inv`).
+/// `[ceil(out/128), ceil(in/128)]` (the official `-FP8` checkpoints' `weight` and `weight_scale_inv`), each
+/// row of scales padded to [`fp8_scale_cols`] (a multiple of 4).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Fp8Bytes {
     pub codes: usize,
@@ -290,7 +291,7 @@ pub struct Fp8Bytes {
 
 impl Fp8Bytes {
     pub fn new(out: usize, inp: usize) -> Self {
-        Fp8Bytes { codes: out * inp, scales: 4 * out.div_ceil(QUANT_GROUP) * inp.div_ceil(QUANT_GROUP) }
+        Fp8Bytes { codes: out * inp, scales: 4 * out.div_ceil(QUANT_GROUP) * fp8_scale_cols(inp) }
     }
 
     /// Offset of the scales after the codes (each 256-byte aligned) and the bytes both take.

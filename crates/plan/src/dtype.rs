@@ -7,6 +7,12 @@ use std::str::FromStr;
 /// Group size of int4 weights (along `in`) and block edge of fp8 weights.
 pub const QUANT_GROUP: usize = 128;
 
+/// f32 scales per row of 128×128 blocks of an fp8 linear with `inp` inputs: its `ceil(inp/128)` blocks,
+/// padded to a multiple of 4 (16 bytes, the row alignment cuBLASLt's block-scaled FP8 GEMM reads).
+pub fn fp8_scale_cols(inp: usize) -> usize {
+    inp.div_ceil(QUANT_GROUP).next_multiple_of(4)
+}
+
 /// How the decoder linears are stored. Norms, conv, `A_log` and `dt_bias` stay at 16 bit (32 bit for `F32`);
 /// the embedding and lm_head stay at 16 bit (32 bit for `F32`) unless `lm_head_int4` is set.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -52,7 +58,7 @@ impl WeightsDtype {
                 let zeros = if asym { groups * o.div_ceil(2) } else { 0 }; // [groups, ceil(out/2)] nibbles
                 data + scales + zeros
             }
-            Self::Fp8Block => o * i + o.div_ceil(g) * i.div_ceil(g) * 4,
+            Self::Fp8Block => o * i + o.div_ceil(g) * fp8_scale_cols(inp) as u128 * 4,
         }
     }
 }
@@ -182,7 +188,8 @@ mod tests {
         // int4 sym: 4.125 bit; asym adds 0.5 B per group.
         assert_eq!(WeightsDtype::Int4.linear_bytes(2, 256, false), 2 * 128 + 2 * 2 * 2);
         assert_eq!(WeightsDtype::Int4.linear_bytes(2, 256, true), 2 * 128 + 2 * 2 * 2 + 2);
-        assert_eq!(WeightsDtype::Fp8Block.linear_bytes(129, 128, false), 129 * 128 + 2 * 4);
+        // Two rows of scale blocks, each padded from 1 to 4 scales.
+        assert_eq!(WeightsDtype::Fp8Block.linear_bytes(129, 128, false), 129 * 128 + 2 * 4 * 4);
         assert_eq!(KvDtype::Int4.bytes_per_head(256), 130);
     }
 }

@@ -26,7 +26,7 @@ fn linear_aligned(wd: WeightsDtype, out: usize, inp: usize, asym: bool) -> u128 
             let groups = i.div_ceil(g);
             al(o * i.div_ceil(2)) + al(o * groups * 2) + if asym { al(groups * o.div_ceil(2)) } else { 0 }
         }
-        WeightsDtype::Fp8Block => al(o * i) + al(o.div_ceil(g) * i.div_ceil(g) * 4),
+        WeightsDtype::Fp8Block => al(o * i) + al(o.div_ceil(g) * crate::dtype::fp8_scale_cols(inp) as u128 * 4),
         _ => al(wd.linear_bytes(out, inp, asym)),
     }
 }

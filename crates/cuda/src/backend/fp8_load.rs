@@ -25,7 +25,7 @@ impl Loader<'_> {
             && f.block == [FP8_BLOCK, FP8_BLOCK]
         {
             let (out, inp) = (f.out_features, f.in_features);
-            let scales = f.scales_f32(&src.name).map_err(werr)?;
+            let scales = fp8::pad_scales(&f.scales_f32(&src.name).map_err(werr)?, out, inp);
             let w = self.alloc_fp8(out, inp)?;
             w.check("fp8 weights").map_err(|e| CudaError::Weights(format!("`{}`: {e}", src.name)))?;
             self.rt.upload(w.codes, f.weight)?;

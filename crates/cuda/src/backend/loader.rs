@@ -502,7 +502,7 @@ impl CudaBackend {
         let mut it = parts.into_iter();
         let mut next = || it.next().ok_or_else(|| CudaError::Weights("weight spec list too short".into()));
         let proj = |next: &mut dyn FnMut() -> Result<Part, CudaError>, pair: bool| -> Result<Proj, CudaError> {
-            Ok(if pair && fmt.int4 { vec![next()?, next()?] } else { vec![next()?] })
+            Ok(if pair && (fmt.int4 || fmt.fp8) { vec![next()?, next()?] } else { vec![next()?] })
         };
         let d = self.d;
         let embed_part = next()?;

@@ -50,6 +50,17 @@ impl Fp8Weights {
     }
 }
 
+/// Block scales `[ceil(out/128), ceil(in/128)]` (a checkpoint's `weight_scale_inv`, row-major) in the
+/// device layout: each row padded to `fp8_scale_cols(in)` with 1.0.
+pub fn pad_scales(scales: &[f32], out: usize, inp: usize) -> Vec<f32> {
+    let (kb, kbp) = (inp.div_ceil(FP8_BLOCK), deltaserve_plan::dtype::fp8_scale_cols(inp));
+    let mut v = vec![1.0f32; out.div_ceil(FP8_BLOCK) * kbp];
+    for (dst, src) in v.chunks_exact_mut(kbp).zip(scales.chunks_exact(kb)) {
+        dst[..kb].copy_from_slice(src);
+    }
+    v
+}
+
 /// One output of a GEMV launch: `y [n, w.out]` with row stride `ldy` (≥ `w.out`) elements.
 #[derive(Clone, Copy, Debug)]
 pub struct Fp8Out<'a> {
