@@ -3,14 +3,15 @@
 //! dequantised weight must equal the packer's own dequantisation exactly and stay within the
 //! format's error of the original, and unquantised tensors must load unchanged.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
-use deltaserve_model::quant::{ModuleQuant, Quantization, ZeroFormat};
+use deltaserve_model::quant::{ModuleQuant, Quantization, ZeroFormat, fp8_block_quantize};
+use deltaserve_model::synth::fp8;
 use deltaserve_model::synth::gptq::{self, GptqVariant, OutTensor};
 use deltaserve_model::synth::{Preset, write_model};
 use deltaserve_model::weights::HostTensor;
-use deltaserve_model::{Checkpoint, DType, MixerWeights, ModelConfig, ModelWeights};
+use deltaserve_model::{Checkpoint, DType, LayerWeights, MixerWeights, ModelConfig, ModelWeights, TensorRef};
 use serde_json::{Value, json};
 
 const P: &str = "model.language_model.";
@@ -28,7 +29,7 @@ fn load(dir: &Path) -> Result<ModelWeights<HostTensor>, String> {
     ModelWeights::load_f32(&ckpt, &cfg).map_err(|e| e.to_string())
 }
 
-/// Every loaded tensor under its stored checkpoint name.
+/// Every loaded tensor under its stored checkpoint name (the MTP head's too, when loaded).
 fn flatten(w: &ModelWeights<HostTensor>) -> HashMap<String, &HostTensor> {
     let mut m = HashMap::new();
     m.insert(format!("{P}embed_tokens.weight"), &w.embed);
@@ -37,37 +38,59 @@ fn flatten(w: &ModelWeights<HostTensor>) -> HashMap<String, &HostTensor> {
         m.insert("lm_head.weight".into(), l);
     }
     for (i, l) in w.layers.iter().enumerate() {
-        let n = |s: &str| format!("{P}layers.{i}.{s}");
-        m.insert(n("input_layernorm.weight"), &l.input_norm);
-        m.insert(n("post_attention_layernorm.weight"), &l.post_norm);
-        m.insert(n("mlp.gate_proj.weight"), &l.mlp.gate_proj);
-        m.insert(n("mlp.up_proj.weight"), &l.mlp.up_proj);
-        m.insert(n("mlp.down_proj.weight"), &l.mlp.down_proj);
-        match &l.mixer {
-            MixerWeights::DeltaNet(d) => {
-                let n = |s: &str| format!("{P}layers.{i}.linear_attn.{s}");
-                m.insert(n("in_proj_qkv.weight"), &d.in_proj_qkv);
-                m.insert(n("in_proj_z.weight"), &d.in_proj_z);
-                m.insert(n("in_proj_b.weight"), &d.in_proj_b);
-                m.insert(n("in_proj_a.weight"), &d.in_proj_a);
-                m.insert(n("conv1d.weight"), &d.conv1d);
-                m.insert(n("dt_bias"), &d.dt_bias);
-                m.insert(n("A_log"), &d.a_log);
-                m.insert(n("norm.weight"), &d.norm);
-                m.insert(n("out_proj.weight"), &d.out_proj);
-            }
-            MixerWeights::Attention(a) => {
-                let n = |s: &str| format!("{P}layers.{i}.self_attn.{s}");
-                m.insert(n("q_proj.weight"), &a.q_proj);
-                m.insert(n("k_proj.weight"), &a.k_proj);
-                m.insert(n("v_proj.weight"), &a.v_proj);
-                m.insert(n("o_proj.weight"), &a.o_proj);
-                m.insert(n("q_norm.weight"), &a.q_norm);
-                m.insert(n("k_norm.weight"), &a.k_norm);
-            }
-        }
+        flatten_layer(&format!("{P}layers.{i}."), l, &mut m);
+    }
+    if let Some(mtp) = &w.mtp {
+        m.insert("mtp.fc.weight".into(), &mtp.fc);
+        m.insert("mtp.pre_fc_norm_embedding.weight".into(), &mtp.pre_fc_norm_embedding);
+        m.insert("mtp.pre_fc_norm_hidden.weight".into(), &mtp.pre_fc_norm_hidden);
+        m.insert("mtp.norm.weight".into(), &mtp.norm);
+        flatten_layer("mtp.layers.0.", &mtp.layer, &mut m);
     }
     m
+}
+
+/// One decoder layer's tensors under `prefix` (`….layers.{i}.`), its experts' included.
+fn flatten_layer<'a>(prefix: &str, l: &'a LayerWeights<HostTensor>, m: &mut HashMap<String, &'a HostTensor>) {
+    let n = |s: &str| format!("{prefix}{s}");
+    m.insert(n("input_layernorm.weight"), &l.input_norm);
+    m.insert(n("post_attention_layernorm.weight"), &l.post_norm);
+    let mlp = if l.moe.is_some() { "mlp.shared_expert." } else { "mlp." };
+    m.insert(n(&format!("{mlp}gate_proj.weight")), &l.mlp.gate_proj);
+    m.insert(n(&format!("{mlp}up_proj.weight")), &l.mlp.up_proj);
+    m.insert(n(&format!("{mlp}down_proj.weight")), &l.mlp.down_proj);
+    if let Some(moe) = &l.moe {
+        m.insert(n("mlp.gate.weight"), &moe.router);
+        m.insert(n("mlp.shared_expert_gate.weight"), &moe.shared_expert_gate);
+        for (e, x) in moe.experts.iter().enumerate() {
+            m.insert(n(&format!("mlp.experts.{e}.gate_proj.weight")), &x.gate_proj);
+            m.insert(n(&format!("mlp.experts.{e}.up_proj.weight")), &x.up_proj);
+            m.insert(n(&format!("mlp.experts.{e}.down_proj.weight")), &x.down_proj);
+        }
+    }
+    match &l.mixer {
+        MixerWeights::DeltaNet(d) => {
+            let n = |s: &str| format!("{prefix}linear_attn.{s}");
+            m.insert(n("in_proj_qkv.weight"), &d.in_proj_qkv);
+            m.insert(n("in_proj_z.weight"), &d.in_proj_z);
+            m.insert(n("in_proj_b.weight"), &d.in_proj_b);
+            m.insert(n("in_proj_a.weight"), &d.in_proj_a);
+            m.insert(n("conv1d.weight"), &d.conv1d);
+            m.insert(n("dt_bias"), &d.dt_bias);
+            m.insert(n("A_log"), &d.a_log);
+            m.insert(n("norm.weight"), &d.norm);
+            m.insert(n("out_proj.weight"), &d.out_proj);
+        }
+        MixerWeights::Attention(a) => {
+            let n = |s: &str| format!("{prefix}self_attn.{s}");
+            m.insert(n("q_proj.weight"), &a.q_proj);
+            m.insert(n("k_proj.weight"), &a.k_proj);
+            m.insert(n("v_proj.weight"), &a.v_proj);
+            m.insert(n("o_proj.weight"), &a.o_proj);
+            m.insert(n("q_norm.weight"), &a.q_norm);
+            m.insert(n("k_norm.weight"), &a.k_norm);
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -429,6 +452,170 @@ fn block_fp8_wrong_scale_shape_is_named() {
         e.contains("layers.3.self_attn.q_proj.weight_scale_inv") && e.contains("[1, 1]") && e.contains("[2, 1]"),
         "{e}"
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block FP8 as `deltaserve synth --fp8` writes it (deltaserve_model::synth::fp8)
+// ---------------------------------------------------------------------------------------------
+
+/// A stored tensor: dtype, shape, bytes.
+type Stored = (DType, Vec<usize>, Vec<u8>);
+
+fn stored_tensors(dir: &Path) -> HashMap<String, Stored> {
+    let ckpt = Checkpoint::open(dir).unwrap();
+    ckpt.names()
+        .into_iter()
+        .map(|n| {
+            let t = ckpt.get(n).unwrap();
+            (n.to_string(), (t.dtype, t.shape.to_vec(), t.bytes.to_vec()))
+        })
+        .collect()
+}
+
+/// Writes `preset`, converts it with the FP8 rewrite and checks the result against the bf16 original:
+/// the config, which linears are quantised, the stored codes and scales, the loaded (dequantised)
+/// weights, and every other tensor byte for byte. Returns the number of quantised linears.
+fn check_synth_fp8(tag: &str, preset: Preset) -> usize {
+    let dir = tempdir(tag);
+    write_model(&dir, preset, None, 29, |_, _| {}).unwrap();
+    let before = stored_tensors(&dir);
+    let mut last = (0, 0);
+    let done = fp8::convert(&dir, |d, t| last = (d, t)).unwrap();
+    assert!(last.0 == last.1 && last.1 > 0, "{tag}: progress ends at the total ({last:?})");
+
+    // config.json: the official quantization_config, parsed as block FP8 with 128 × 128 blocks.
+    let json: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let q = &json["quantization_config"];
+    assert_eq!(q["quant_method"], "fp8");
+    assert_eq!(q["fmt"], "e4m3");
+    assert_eq!(q["activation_scheme"], "dynamic");
+    assert_eq!(q["weight_block_size"], json!([128, 128]));
+    assert_eq!(q["modules_to_not_convert"], json!(done.modules_to_not_convert));
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let Some(Quantization::Fp8Block(c)) = &cfg.quantization else { panic!("{tag}: {:?}", cfg.quantization) };
+    assert_eq!(c.block, [128, 128]);
+    assert_eq!(c.modules_to_not_convert, done.modules_to_not_convert);
+    let quant = cfg.quantization.as_ref().unwrap();
+    for m in &done.modules_to_not_convert {
+        assert_eq!(quant.module(m), ModuleQuant::Excluded, "{m}");
+    }
+    // (the MoE list names the embedding `model.embed_tokens`, as its release does: the same module)
+    for m in ["lm_head", "model.language_model.embed_tokens", "mtp.fc"] {
+        assert_eq!(quant.module(m), ModuleQuant::Excluded, "{tag}: {m} not listed");
+    }
+
+    // Which linears are quantised: the decoder's and the MTP layer's, never the small DeltaNet
+    // projections, routers, shared-expert gates, mtp.fc, lm_head, embeddings or the vision tower.
+    let quantized: HashSet<&str> = done.quantized.iter().map(String::as_str).collect();
+    for (name, (_, shape, _)) in &before {
+        let linear = shape.len() == 2 && name.ends_with(".weight");
+        let decoder = name.starts_with("model.language_model.layers.") || name.starts_with("mtp.layers.");
+        let kept = ["in_proj_a.weight", "in_proj_b.weight", "mlp.gate.weight", "shared_expert_gate.weight"]
+            .iter()
+            .any(|s| name.ends_with(s));
+        assert_eq!(quantized.contains(name.as_str()), linear && decoder && !kept, "{tag}: {name}");
+    }
+
+    let after = stored_tensors(&dir);
+    let w = load(&dir).expect("the FP8 checkpoint loads");
+    let flat = flatten(&w);
+    let mut n_loaded = 0;
+    for (name, (dtype, shape, bytes)) in &before {
+        if !quantized.contains(name.as_str()) {
+            assert_eq!(after.get(name), Some(&(*dtype, shape.clone(), bytes.clone())), "{tag}: {name} unchanged");
+            continue;
+        }
+        let module = name.trim_end_matches(".weight");
+        assert_eq!(quant.module(module), ModuleQuant::Fp8([128, 128]), "{module}");
+        let (out, inp) = (shape[0], shape[1]);
+        let (cd, cs, codes) = &after[name];
+        assert_eq!((*cd, cs.clone()), (DType::F8E4M3, vec![out, inp]), "{name}");
+        let (sd, ss, scale_bytes) = &after[&format!("{module}.weight_scale_inv")];
+        let (br, bc) = (out.div_ceil(128), inp.div_ceil(128));
+        assert_eq!((*sd, ss.clone()), (DType::F32, vec![br, bc]), "{name}");
+        let scales: Vec<f32> =
+            scale_bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        let orig = TensorRef { name, dtype: *dtype, shape, bytes }.to_f32().unwrap();
+        // The library quantiser's codes and scales, as written.
+        let (want_codes, want_scales) = fp8_block_quantize(&orig, out, inp, [128, 128]);
+        assert!(codes == &want_codes && scales == want_scales, "{name}: not the library quantiser's output");
+        // Loaded: exactly code · scale (decoded here), within half an e4m3 step of the original.
+        let got = &flat.get(name).unwrap_or_else(|| panic!("{name} not loaded")).data;
+        assert_eq!(got.len(), out * inp);
+        for (k, (&g, &x)) in got.iter().zip(&orig).enumerate() {
+            let s = scales[(k / inp / 128) * bc + (k % inp) / 128];
+            let deq = e4m3_decode(codes[k]) * s;
+            assert!(g.to_bits() == deq.to_bits(), "{name}[{k}]: loaded {g}, code · scale = {deq}");
+            let bound = x.abs() / 16.0 + s * 2f32.powi(-10);
+            assert!((g - x).abs() <= bound * 1.0001, "{name}[{k}]: {g} vs {x} (bound {bound})");
+        }
+        let zero = orig.iter().all(|&x| x == 0.0);
+        let num: f64 = got.iter().zip(&orig).map(|(a, b)| f64::from(a - b).powi(2)).sum();
+        let den: f64 = orig.iter().map(|b| f64::from(*b).powi(2)).sum();
+        let rel = if zero { 0.0 } else { (num / den).sqrt() };
+        // e4m3 keeps 3 mantissa bits: about 2.5 % relative RMS error on these weights, never 0.
+        assert!(zero || (0.005..0.04).contains(&rel), "{name}: relative RMS error {rel}");
+        n_loaded += 1;
+    }
+    assert_eq!(n_loaded, done.quantized.len());
+    done.quantized.len()
+}
+
+#[test]
+fn synth_fp8_is_the_official_layout_and_loads_exactly() {
+    // Tiny: 3 DeltaNet layers × (qkv, z, out) + 1 attention layer × 4 + 4 MLPs × 3, and the MTP
+    // layer's q, k, v, o and MLP.
+    assert_eq!(check_synth_fp8("synth-fp8-tiny", Preset::Tiny), 3 * 3 + 4 + 4 * 3 + 4 + 3);
+    // Tiny MoE: every layer and the MTP layer with 8 experts and a shared expert, all quantised.
+    assert_eq!(check_synth_fp8("synth-fp8-tiny-moe", Preset::TinyMoe), 3 * 3 + 4 + 4 * (8 + 1) * 3 + 4 + (8 + 1) * 3);
+}
+
+/// The lists of not-converted modules have the official releases' shapes: the dense one names only
+/// the linears, conv and embedding kept (sorted), the MoE one every module that is not quantised;
+/// Qwen3-Next's keeps its packed `in_proj_ba` and leaves the embedding out.
+#[test]
+fn fp8_modules_to_not_convert_follow_the_official_lists() {
+    let cfg = |v: Value| ModelConfig::from_json_str(&v.to_string()).unwrap();
+    let dense = fp8::modules_to_not_convert(&cfg(Preset::Qwen36_27b.config_json(None)));
+    // lm_head, the embedding, 48 DeltaNet layers × 3, 27 vision blocks × 4 + 4, mtp.fc.
+    assert_eq!(dense.len(), 259);
+    let mut sorted = dense.clone();
+    sorted.sort();
+    assert_eq!(dense, sorted);
+    assert_eq!(dense[..2], ["lm_head", "model.language_model.embed_tokens"]);
+    assert_eq!(dense.last().map(String::as_str), Some("mtp.fc"));
+    for m in ["model.language_model.layers.62.linear_attn.in_proj_b", "model.visual.blocks.26.mlp.linear_fc2"] {
+        assert!(dense.iter().any(|x| x == m), "{m}");
+    }
+
+    let moe = fp8::modules_to_not_convert(&cfg(Preset::Qwen36_35bA3b.config_json(None)));
+    let l0 = "model.language_model.layers.0.";
+    for m in [
+        "lm_head".to_string(),
+        "model.embed_tokens".into(),
+        format!("{l0}linear_attn.in_proj_ba"),
+        format!("{l0}linear_attn.A_log"),
+        format!("{l0}mlp.gate"),
+        format!("{l0}mlp.shared_expert_gate"),
+        "model.language_model.layers.3.self_attn.q_norm".into(),
+        "mtp.layers.0.mlp.shared_expert_gate".into(),
+        "mtp.pre_fc_norm_hidden".into(),
+    ] {
+        assert!(moe.contains(&m), "{m}");
+    }
+    // 40 layers: 30 DeltaNet (2 norms + 2 gates + 7) and 10 attention (2 norms + 2 gates + 2); 27 × 4 + 4
+    // vision; 4 + 6 MTP; lm_head and the embedding.
+    assert_eq!(moe.len(), 30 * 11 + 10 * 6 + 112 + 10 + 2);
+
+    let next = fp8::modules_to_not_convert(&cfg(Preset::Qwen3Next80bA3b.config_json(None)));
+    assert_eq!(next[..2], ["lm_head", "model.layers.0.input_layernorm"]);
+    assert!(next.iter().all(|m| !m.contains("embed_tokens") && !m.contains("in_proj_a") && !m.contains("visual")));
+    assert_eq!(next.len(), 36 * 9 + 12 * 6 + 10 + 1);
+    assert!(fp8::is_quantized_linear(
+        "model.layers.0.linear_attn.in_proj_qkvz.weight",
+        &[12288, 2048],
+        &next.iter().map(String::as_str).collect()
+    ));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -29,9 +29,17 @@ pub struct Args {
     /// and a permuted column order). For testing GPTQ loading without a real export.
     #[arg(long, value_parser = ["sym", "asym-act-order"])]
     gptq: Option<String>,
+    /// Then rewrite the decoder linears (the MTP layer's included, every expert's too) as block-FP8 in
+    /// the layout of the official Qwen `-FP8` checkpoints: F8_E4M3 `weight` codes and F32
+    /// `weight_scale_inv` per 128×128 block, with their `quantization_config`. What those keep in
+    /// bf16 stays bf16: embeddings, lm_head, norms, conv, DeltaNet's in_proj_a/b, MoE routers and
+    /// shared-expert gates, the MTP head's fc, the vision tower. (Qwen3-Next's packed in_proj_qkvz is
+    /// quantised as in its official release, which deltaserve does not load yet.)
+    #[arg(long, conflicts_with = "gptq")]
+    fp8: bool,
     /// Write no weights: config.json, generation_config.json and the tokenizer files only, for
     /// `--model DIR --random-weights` (the preset's shapes, no weight files).
-    #[arg(long, conflicts_with_all = ["mtp_agreeing", "gptq"])]
+    #[arg(long, conflicts_with_all = ["mtp_agreeing", "gptq", "fp8"])]
     no_weights: bool,
 }
 
@@ -66,6 +74,22 @@ pub fn run(a: Args) -> Result<()> {
         let v = if kind == "sym" { GptqVariant::SYM } else { GptqVariant::ASYM_ACT_ORDER };
         let done = gptq::convert(&a.out, v, &[], a.seed, |_| {})?;
         eprintln!("packed {} decoder linears as GPTQ int4 ({kind}, group 128)", done.quantized.len());
+    }
+    if a.fp8 {
+        let bar = ProgressBar::new(0).with_message("writing FP8 weights");
+        bar.set_style(
+            ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} ({eta})")?.progress_chars("=> "),
+        );
+        let done = deltaserve_model::synth::fp8::convert(&a.out, |done, total| {
+            bar.set_length(total);
+            bar.set_position(done);
+        })?;
+        bar.finish_and_clear();
+        eprintln!(
+            "quantised {} linears to block FP8 e4m3 (128x128 scale blocks; {} modules listed as not converted)",
+            done.quantized.len(),
+            done.modules_to_not_convert.len()
+        );
     }
     eprintln!("wrote a {} model with RANDOM weights to {}", a.preset, a.out.display());
     Ok(())

@@ -6,6 +6,7 @@
 //! Weights are drawn deterministically from (seed, tensor name), so a preset + seed always gives the
 //! same bytes. Tokenizer files are written by the caller (the text crate owns tokenizers).
 
+pub mod fp8;
 pub mod gptq;
 
 use std::path::Path;
