@@ -27,8 +27,8 @@
 //
 // fp8_act_quant: x [T, K] bf16 -> q [T, K] e4m3 codes and scales xs [K/128, T] f32 (token-major, what
 //   cuBLASLt's VEC128_32F scaling reads): per token and 128-k block, s = amax / 448 (1 for an all-zero
-//   block), q = e4m3(x / s) rounded to nearest even (kq_e4m3). K % 128 == 0. Launch: grid (K/128,
-//   ceil(T/4)), block 128 (a warp per token and block).
+//   block), q = e4m3(x * (1 / s)) rounded to nearest even, saturating (f8_pack2). K % 128 == 0. Launch:
+//   grid-stride, block 256 (a lane per 8 features).
 // fp8_dequant: rows [r0, r1) of W, S -> bf16 [r1 - r0, K] (row stride K), f2bf(e4m3(c) * s) (f32 math).
 //   Launch: grid-stride, block 256.
 // fp8_quantize: bf16 W [M, K] -> codes and S as deltaserve_model::quant::fp8_block_quantize does (s = amax /
@@ -181,24 +181,56 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* x, int N, int K, con
 GEMV_FP8(gemv_fp8_n8, 1, 4)
 GEMV_FP8(gemv_fp8_n16, 2, 2)
 
+// Two f32 -> e4m3 codes (lo in bits 0..7), round to nearest even, saturating at +-448: the hardware
+// conversion on sm_89 and later, kq_e4m3 (the same rounding) before.
+__device__ __forceinline__ u32 f8_pack2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return (u32)r;
+#else
+    return kq_e4m3(lo) | (kq_e4m3(hi) << 8);
+#endif
+}
+
 extern "C" __global__ void fp8_act_quant(const bf16_t* x, int T, int K, unsigned char* __restrict__ q,
                                          float* __restrict__ xs) {
     pdl_enter();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int t = blockIdx.y * 4 + warp, kb = blockIdx.x;
-    if (t >= T) return;
-    const long long at = (long long)t * K + kb * 128 + lane * 4;
-    const uint2 v = *(const uint2*)(x + at);
-    float f[4] = {__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
-                  __uint_as_float(v.y & 0xffff0000u)};
-    float amax = fmaxf(fmaxf(fabsf(f[0]), fabsf(f[1])), fmaxf(fabsf(f[2]), fabsf(f[3])));
-    amax = warp_max(amax);
-    const float s = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
-    u32 out = 0;
+    // A lane per 8 features, a half-warp per 128-feature block (K % 128 == 0: blocks never straddle
+    // half-warps or rows); the loop is warp-uniform (the shuffles need every lane).
+    const int lane = threadIdx.x & 31;
+    const long long groups = (long long)T * (K >> 3);
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long base = (long long)blockIdx.x * blockDim.x + (threadIdx.x & ~31); base < groups; base += stride) {
+        const long long g = base + lane;
+        const bool ok = g < groups;
+        const uint4 v = ok ? ld_act((const uint4*)x + g) : make_uint4(0u, 0u, 0u, 0u);
+        float f[8];
 #pragma unroll
-    for (int i = 0; i < 4; i++) out |= kq_e4m3(__fdiv_rn(f[i], s)) << (8 * i);
-    *(u32*)(q + at) = out;
-    if (lane == 0) xs[(long long)kb * T + t] = s;
+        for (int i = 0; i < 4; i++) {
+            const u32 w = u4_comp(v, i);
+            f[2 * i] = __uint_as_float(w << 16);
+            f[2 * i + 1] = __uint_as_float(w & 0xffff0000u);
+        }
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        const float s = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
+        const float inv = __frcp_rn(s);
+        uint2 out;
+        out.x = f8_pack2(f[0] * inv, f[1] * inv) | (f8_pack2(f[2] * inv, f[3] * inv) << 16);
+        out.y = f8_pack2(f[4] * inv, f[5] * inv) | (f8_pack2(f[6] * inv, f[7] * inv) << 16);
+        if (ok) {
+            *(uint2*)(q + 8 * g) = out;
+            if ((lane & 15) == 0) {
+                const long long row = g / (K >> 3);
+                const int kb = (int)((g - row * (K >> 3)) >> 4);
+                xs[(long long)kb * T + row] = s;
+            }
+        }
+    }
 }
 
 extern "C" __global__ void fp8_dequant(const unsigned char* __restrict__ W, const float* __restrict__ S, int K,

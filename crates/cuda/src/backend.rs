@@ -173,6 +173,11 @@ pub struct CudaOptions {
     /// the plan's `W4_GEMM_MAX_ROWS` (its scratch is sized for that, and the GEMM is the faster path
     /// up to there at every 27B shape on the H200); 0 turns it off.
     pub w4_gemm_max_rows: usize,
+    /// Block-FP8 projections of steps of more than 16 tokens run on the FP8 tensor cores (cuBLASLt's
+    /// block-scaled GEMM, Hopper; the activations quantised to e4m3 per token and 128 features, as the
+    /// checkpoints' `activation_scheme: dynamic` says). Off (and where cuBLASLt has no such GEMM): row
+    /// slices dequantised to bf16 and a bf16 GEMM, activations unquantised.
+    pub fp8_tensor_cores: bool,
 }
 
 impl Default for CudaOptions {
@@ -187,6 +192,7 @@ impl Default for CudaOptions {
             short_chunk_split_max_tokens: SHORT_CHUNK_SPLIT_TOKENS,
             fold_norms: true,
             w4_gemm_max_rows: deltaserve_plan::cuda::W4_GEMM_MAX_ROWS,
+            fp8_tensor_cores: true,
         }
     }
 }

@@ -182,6 +182,7 @@ impl CudaBackend {
         let xs_at = fp8::act_scales_offset(t4, kdim) as u64;
         let scratch = self.ws.fp8_x;
         let tensor_cores = !f32_out
+            && self.opts.fp8_tensor_cores
             && self.rt.cc.0 >= 9
             && scratch.bytes >= fp8::act_scratch_bytes(t4, kdim)
             && outs.iter().all(|o| self.gemm.fp8_supported(o.w.out, t4, kdim, o.ldy, o.y));

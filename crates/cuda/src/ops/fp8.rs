@@ -130,18 +130,18 @@ pub fn act_scales_offset(t: usize, kdim: usize) -> usize {
 }
 
 /// x `[t, kdim]` bf16 → e4m3 codes `[t, kdim]` at `q` and f32 scales `[kdim/128, t]` (token-major) at
-/// `xs`: per token and 128 features `s = amax / 448` (1 when all are zero), `code = e4m3(x / s)`.
+/// `xs`: per token and 128 features `s = amax / 448` (1 when all are zero), `code = e4m3(x · (1 / s))`.
 pub fn act_quant(k: &Kernels, s: &CudaStream, x: u64, t: usize, kdim: usize, q: u64, xs: u64) -> Result<(), CudaError> {
     const NAME: &str = "fp8_act_quant";
     if t == 0 {
         return Ok(());
     }
-    if !kdim.is_multiple_of(FP8_BLOCK) || !x.is_multiple_of(8) || !q.is_multiple_of(4) || !xs.is_multiple_of(4) {
-        return Err(invalid(NAME, format!("k = {kdim} must be a multiple of 128, x 8-byte and q, xs 4-byte aligned")));
+    if !kdim.is_multiple_of(FP8_BLOCK) || !x.is_multiple_of(16) || !q.is_multiple_of(8) || !xs.is_multiple_of(4) {
+        return Err(invalid(NAME, format!("k = {kdim} must be a multiple of 128, x 16-, q 8- and xs 4-byte aligned")));
     }
-    let grid = (to_u32(NAME, "k blocks", kdim / FP8_BLOCK)?, to_u32(NAME, "token groups", t.div_ceil(4))?, 1);
+    let grid = (to_u32(NAME, "blocks", (t * kdim / 8).div_ceil(256))?, 1, 1);
     let (tt, kk) = (to_i32(NAME, "t", t)?, to_i32(NAME, "k", kdim)?);
-    launch_pdl!(k, s, NAME, grid, (128, 1, 1), 0; x, tt, kk, q, xs)
+    launch_pdl!(k, s, NAME, grid, (256, 1, 1), 0; x, tt, kk, q, xs)
 }
 
 /// Rows `r0..r1` of `w` dequantised to bf16 `[r1 - r0, in]` at `out` (`f2bf(e4m3(code) · scale)`).

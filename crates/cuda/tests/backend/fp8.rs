@@ -9,6 +9,7 @@
 //! the H200). No decisive argmax may flip; decode (the GEMV, activations in bf16) keeps the int4 bound.
 
 use deltaserve_backend::Backend;
+use deltaserve_cuda::backend::CudaOptions;
 use deltaserve_cuda::{CudaBackend, WeightSource};
 use deltaserve_plan::WeightsDtype;
 
@@ -67,7 +68,13 @@ fn fp8_checkpoint_matches_cpu() {
     let decoder = done.quantized.iter().filter(|n| !n.starts_with("mtp.")).count();
     assert!(g.w4_converted == decoder && g.w4_quantized == 0, "every fp8 linear kept as stored");
     let mut c = cpu(&dir, &cfg);
-    let failures = compare_quantised("fp8 checkpoint", &mut g, &mut c, FP8_PREFILL);
+    let mut failures = compare_quantised("fp8 checkpoint", &mut g, &mut c, FP8_PREFILL);
+    // The same with the prefill's FP8 projections through dequantised rows and bf16 GEMMs (activations not
+    // quantised): every path but the FP8 tensor cores', held to the int4 bound.
+    let mut g = cuda(&dir, &cfg, &plan);
+    g.set_options(CudaOptions { fp8_tensor_cores: false, ..g.options() }).unwrap();
+    let mut c = cpu(&dir, &cfg);
+    failures.extend(compare_quantised("fp8 checkpoint (dequantised rows)", &mut g, &mut c, QUANT));
     assert!(failures.is_empty(), "{failures:#?}");
 }
 

@@ -351,6 +351,10 @@ pub(crate) fn linear_cases() -> Vec<Case> {
         c("fp8_gemm", q, Op::Fp8Gemm { n: 64, out: 5120, k: 17408 }, ACCUM),
         c("fp8_gemm", q, Op::Fp8Gemm { n: 512, out: 6144, k: 5120 }, ACCUM),
         c("fp8_gemm", q, Op::Fp8Gemm { n: 4096, out: 384, k: 1024 }, ACCUM),
+        // One and five scale blocks along k (rows of scales padded to 4): the tiny models' widths.
+        c("fp8_gemm", q, Op::Fp8Gemm { n: 36, out: 256, k: 128 }, ACCUM),
+        c("fp8_gemm", q, Op::Fp8Gemm { n: 300, out: 136, k: 128 }, ACCUM),
+        c("fp8_gemm", q, Op::Fp8Gemm { n: 40, out: 1000, k: 640 }, ACCUM),
         c("fp8_quantize", q, Op::Fp8Quantize { out: 300, k: 1040 }, EXACT),
         c("fp8_quantize", q, Op::Fp8Quantize { out: 5120, k: 640 }, EXACT),
         c("w4_gemv", q, Op::W4Gemv { m: 1, out: 200, inp: 1024, asym: false, perm: false, bf16: false }, ACCUM),

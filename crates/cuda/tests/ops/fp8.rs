@@ -54,7 +54,7 @@ fn upload(d: &mut Dev, l: &Fp8Host) -> R<Fp8Weights> {
 }
 
 /// The activations' quantisation the GEMM reads, on the CPU: per token and 128 features s = amax / 448
-/// (1 for zeros), codes e4m3(x / s); scales token-major `[k/128, t]`.
+/// (1 for zeros), codes e4m3(x · (1 / s)); scales token-major `[k/128, t]`.
 fn act_quant(x: &[f32], t: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
     let kb = k / 128;
     let mut q = vec![0u8; t * k];
@@ -65,8 +65,9 @@ fn act_quant(x: &[f32], t: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
             let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
             let sc = if amax > 0.0 { amax / 448.0 } else { 1.0 };
             s[b * t + tok] = sc;
+            let inv = 1.0 / sc;
             for (i, v) in row.iter().enumerate() {
-                q[tok * k + b * 128 + i] = fp8_e4m3_from_f32(v / sc);
+                q[tok * k + b * 128 + i] = fp8_e4m3_from_f32(v * inv);
             }
         }
     }
