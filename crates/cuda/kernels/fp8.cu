@@ -23,7 +23,8 @@
 //   block takes its own k-slices (split-K in the block, U = 4 / 2 vectors in flight per lane per row, register
 //   double-buffered); the partial tiles are summed in shared memory in a fixed order (a token's output
 //   does not depend on N).
-// Launch: grid (sum_s ceil(M_s / 16)), block 128, static smem 2 KB (n8) / 4 KB (n16).
+// Launch: grid (sum_s ceil(M_s / 16)), block 128 (4 warps) or 256 (`_w8`: 8 warps splitting K, for grids
+//   too small to fill the GPU with 4), static smem 2 / 4 KB (n8 / n16; twice that with 8 warps).
 //
 // fp8_act_quant: x [T, K] bf16 -> q [T, K] e4m3 codes and scales xs [K/128, T] f32 (token-major, what
 //   cuBLASLt's VEC128_32F scaling reads): per token and 128-k block, s = amax / 448 (1 for an all-zero
@@ -38,7 +39,6 @@
 // Arch: mma.sync bf16 + integer ops, sm_80+ (the CUDA backend keeps FP8 weights on sm_89 and later).
 // Tested by: tests/ops/ case "fp8" against the CPU oracle (deltaserve_cuda::fp8).
 
-#define F8_WARPS 4
 #define F8_ROWS 16
 #define F8_TWO120 1.329227995784916e36f  // 2^120
 
@@ -54,7 +54,7 @@ __device__ __forceinline__ float f8_value(u32 code) {
     return __uint_as_float(b) * F8_TWO120;
 }
 
-template <int NT, int U>
+template <int NT, int U, int WARPS>
 __device__ __forceinline__ void gemv_fp8_body(const bf16_t* x, int N, int K, const unsigned char* __restrict__ W,
                                               const float* __restrict__ S, void* Y, int M, int ldy, int b,
                                               int f32_out, float (*red)[F8_ROWS][8 * NT]) {
@@ -78,7 +78,7 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* x, int N, int K, con
 #pragma unroll
     for (int n = 0; n < NT; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-    const int step = F8_WARPS * U * 4;
+    const int step = WARPS * U * 4;
     // The codes are register double-buffered (the next slice's loads issued before this one's MMAs, U x 2
     // x 16 B in flight per lane); x (L2-resident, shared by every block) is loaded as each vector's MMAs
     // need it.
@@ -152,7 +152,7 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* x, int N, int K, con
         if (t < N && gr < M) {
             float s = 0.0f;
 #pragma unroll
-            for (int w = 0; w < F8_WARPS; w++) s += red[w][row][t];
+            for (int w = 0; w < WARPS; w++) s += red[w][row][t];
             const long long at = (long long)t * ldy + gr;
             if (f32_out) ((float*)Y)[at] = s;
             else ((bf16_t*)Y)[at] = f2bf(s);
@@ -160,26 +160,28 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* x, int N, int K, con
     }
 }
 
-#define GEMV_FP8(NAME, NT, U)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(128, 4)                                                       \
+#define GEMV_FP8(NAME, NT, U, WARPS)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)                                       \
     NAME(const bf16_t* x, int N, int K, const unsigned char* __restrict__ w0, const float* __restrict__ s0,     \
          void* __restrict__ y0, int m0, int ld0, int nb0, const unsigned char* __restrict__ w1,                \
          const float* __restrict__ s1, void* __restrict__ y1, int m1, int ld1, int nb1,                         \
          const unsigned char* __restrict__ w2, const float* __restrict__ s2, void* __restrict__ y2, int m2,    \
          int ld2, int f32_out) {                                                                                \
-        __shared__ float red[F8_WARPS][F8_ROWS][8 * NT];                                                       \
+        __shared__ float red[WARPS][F8_ROWS][8 * NT];                                                          \
         int b = blockIdx.x;                                                                                     \
         if (b < nb0) {                                                                                          \
-            gemv_fp8_body<NT, U>(x, N, K, w0, s0, y0, m0, ld0, b, f32_out, red);                                   \
+            gemv_fp8_body<NT, U, WARPS>(x, N, K, w0, s0, y0, m0, ld0, b, f32_out, red);                                   \
         } else if (b < nb0 + nb1) {                                                                             \
-            gemv_fp8_body<NT, U>(x, N, K, w1, s1, y1, m1, ld1, b - nb0, f32_out, red);                             \
+            gemv_fp8_body<NT, U, WARPS>(x, N, K, w1, s1, y1, m1, ld1, b - nb0, f32_out, red);                             \
         } else {                                                                                                \
-            gemv_fp8_body<NT, U>(x, N, K, w2, s2, y2, m2, ld2, b - nb0 - nb1, f32_out, red);                       \
+            gemv_fp8_body<NT, U, WARPS>(x, N, K, w2, s2, y2, m2, ld2, b - nb0 - nb1, f32_out, red);                       \
         }                                                                                                       \
     }
 
-GEMV_FP8(gemv_fp8_n8, 1, 4)
-GEMV_FP8(gemv_fp8_n16, 2, 2)
+GEMV_FP8(gemv_fp8_n8, 1, 4, 4)
+GEMV_FP8(gemv_fp8_n16, 2, 2, 4)
+GEMV_FP8(gemv_fp8_n8_w8, 1, 2, 8)
+GEMV_FP8(gemv_fp8_n16_w8, 2, 2, 8)
 
 // Two f32 -> e4m3 codes (lo in bits 0..7), round to nearest even, saturating at +-448: the hardware
 // conversion on sm_89 and later, kq_e4m3 (the same rounding) before.

@@ -123,7 +123,7 @@ fn tp2_matches_one_gpu_and_the_oracle() {
     // The restored slot continues exactly as the original (same rank states, same pages).
     let n = two.len();
     assert_eq!(two[n - 2], two[n - 1], "TP=2: a snapshot restored into another slot diverged");
-    let b = Bounds { median: TOL_MEDIAN, row: TOL_ROW, argmax_share: 0.7 };
+    let b = Bounds { median: TOL_MEDIAN, row: TOL_ROW, argmax_share: 0.7, decisive_flips: 0 };
     let failed: Vec<String> = [
         one_vs_oracle.soft_check_with("1 GPU vs oracle", b),
         vs_oracle.soft_check_with("TP=2 vs oracle", b),

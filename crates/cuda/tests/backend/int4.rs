@@ -38,11 +38,17 @@ pub(crate) fn tiny_int4_dir_named(tag: &str, layers: usize) -> (PathBuf, ModelCo
 /// Prefill (1, 5, 37, 300, 1100 tokens: GEMV, int4 GEMM and sliced-GEMM paths) and a 12-step greedy decode
 /// (graphs), CUDA vs the CPU reference on the same weights. Returns the failures.
 pub(crate) fn compare_int4(label: &str, g: &mut CudaBackend, c: &mut CpuBackend) -> Vec<String> {
-    compare_quantised(label, g, c, QUANT)
+    compare_quantised(label, g, c, QUANT, QUANT)
 }
 
-/// [`compare_int4`] with the prefill held to `prefill` (the decode to [`QUANT`]).
-pub(crate) fn compare_quantised(label: &str, g: &mut CudaBackend, c: &mut CpuBackend, prefill: Bounds) -> Vec<String> {
+/// [`compare_int4`] with the prefill held to `prefill` and the decode to `decode`.
+pub(crate) fn compare_quantised(
+    label: &str,
+    g: &mut CudaBackend,
+    c: &mut CpuBackend,
+    prefill: Bounds,
+    decode: Bounds,
+) -> Vec<String> {
     let vocab = g.capabilities().vocab_size;
     let allocs = g.arena_stats().allocations;
     let mut rng = StdRng::seed_from_u64(21);
@@ -66,7 +72,7 @@ pub(crate) fn compare_quantised(label: &str, g: &mut CudaBackend, c: &mut CpuBac
     println!("{label}: graph stats {:?}", g.graph_stats());
     let mut failures: Vec<String> = Vec::new();
     failures.extend(pre.soft_check_with(&format!("{label} prefill"), prefill));
-    failures.extend(dec.soft_check_with(&format!("{label} decode (teacher-forced)"), QUANT));
+    failures.extend(dec.soft_check_with(&format!("{label} decode (teacher-forced)"), decode));
     if g.arena_stats().allocations != allocs {
         failures.push(format!("{label}: the arena allocated while serving"));
     }

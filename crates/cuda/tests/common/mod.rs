@@ -29,16 +29,18 @@ pub struct Bounds {
     pub median: f32,
     pub row: f32,
     pub argmax_share: f32,
+    /// Rows whose argmax may differ where the reference's margin is decisive.
+    pub decisive_flips: usize,
 }
 
 /// bf16 weights and KV against the f32 oracle (the module docs).
-pub const BF16: Bounds = Bounds { median: TOL_MEDIAN, row: TOL_ROW, argmax_share: 0.9 };
+pub const BF16: Bounds = Bounds { median: TOL_MEDIAN, row: TOL_ROW, argmax_share: 0.9, decisive_flips: 0 };
 /// bf16 weights against a stored HF fixture: few rows (`fixtures/hf/qwen35_gva3_d32` gives 22, the ends of
 /// the prompts' pieces), so one near-tie flip moves the share by 4.5%. Measured on the H200 (2026-11-29,
 /// `bench/results/cuda-backend-2026-11-29.md`): 19/22 agree; the three flips are where HF's top-2 margin is
 /// below 4% of max|logit|, the 8-layer random model's bf16 error (median row L2 2.5e-2). Decisive flips stay
 /// forbidden and the L2 bounds are those of [`BF16`].
-pub const HF_FIXTURE: Bounds = Bounds { median: TOL_MEDIAN, row: TOL_ROW, argmax_share: 0.8 };
+pub const HF_FIXTURE: Bounds = Bounds { median: TOL_MEDIAN, row: TOL_ROW, argmax_share: 0.8, decisive_flips: 0 };
 /// int4 weights or a quantised KV cache against the oracle applying the same format. The oracle
 /// quantises f32 values, the GPU the bf16-rounded ones, so a value near a rounding boundary lands one
 /// code step apart (an fp8 step is 6.25% of the value, an int4 step 1/7 of the group's range); on the
@@ -48,7 +50,7 @@ pub const HF_FIXTURE: Bounds = Bounds { median: TOL_MEDIAN, row: TOL_ROW, argmax
 /// further off: on this model a teacher-forced decode row amplifies bf16 rounding, so the same int4
 /// weights with the norms folded into the projections or not land 0.27 and 0.11 from the oracle in one
 /// row (H200, 2026-12-02; each int4 kernel matches the oracle in the ops table).
-pub const QUANT: Bounds = Bounds { median: 6e-2, row: 3.5e-1, argmax_share: 0.7 };
+pub const QUANT: Bounds = Bounds { median: 6e-2, row: 3.5e-1, argmax_share: 0.7, decisive_flips: 0 };
 pub const PAGE: usize = 16;
 
 pub fn gpu() -> bool {
@@ -299,7 +301,11 @@ impl Score {
         println!("{what}: median L2 rel err {median:.3e}");
         assert!(median <= b.median, "{what}: median L2 rel err {median:.3e} > {:.0e}", b.median);
         assert!(self.worst_l2 <= b.row, "{what}: a row's L2 rel err {:.3e} > {:.2e}", self.worst_l2, b.row);
-        assert_eq!(self.decisive_flips, 0, "{what}: argmax flipped where the reference margin is decisive");
+        assert!(
+            self.decisive_flips <= b.decisive_flips,
+            "{what}: argmax flipped in {} rows where the reference margin is decisive",
+            self.decisive_flips
+        );
         assert!(
             self.argmax_same as f32 >= b.argmax_share * self.rows as f32,
             "{what}: argmax agreement below {:.0}%",
