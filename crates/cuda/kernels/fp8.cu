@@ -20,11 +20,12 @@
 //   (A and B permuted alike): MMA j takes codes 4j..4j+3 of the vector as its k-slots (2c, 2c+1, 2c+8,
 //   2c+9). The quad's four vectors are 64 aligned k, inside one 128-k scale block: each vector's four MMAs
 //   accumulate into a zeroed tile that is added scaled (S * 2^120) to the accumulator. Each warp of the
-//   block takes its own k-slices (split-K in the block, U = 4 / 2 vectors in flight per lane per row, register
+//   block takes its own k-slices (split-K in the block, U = 2 vectors in flight per lane per row, register
 //   double-buffered); the partial tiles are summed in shared memory in a fixed order (a token's output
 //   does not depend on N).
-// Launch: grid (sum_s ceil(M_s / 16)), block 128 (4 warps) or 256 (`_w8`: 8 warps splitting K, for grids
-//   too small to fill the GPU with 4), static smem 2 / 4 KB (n8 / n16; twice that with 8 warps).
+// Launch: grid (sum_s ceil(M_s / 16)), block 256 (8 warps splitting K: the 320 blocks of a 5120-row
+//   projection fill one wave, 3 blocks an SM for n8), static smem 4 / 8 KB (n8 / n16). Both take the same
+//   k-slices in the same order (U = 2): a token's output is bitwise the same at every N.
 //
 // fp8_act_quant: x [T, K] bf16 -> q [T, K] e4m3 codes and scales xs [K/128, T] f32 (token-major, what
 //   cuBLASLt's VEC128_32F scaling reads): per token and 128-k block, s = amax / 448 (1 for an all-zero
@@ -160,8 +161,8 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* x, int N, int K, con
     }
 }
 
-#define GEMV_FP8(NAME, NT, U, WARPS)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)                                       \
+#define GEMV_FP8(NAME, NT, U, WARPS, BLOCKS)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS, BLOCKS)                                           \
     NAME(const bf16_t* x, int N, int K, const unsigned char* __restrict__ w0, const float* __restrict__ s0,     \
          void* __restrict__ y0, int m0, int ld0, int nb0, const unsigned char* __restrict__ w1,                \
          const float* __restrict__ s1, void* __restrict__ y1, int m1, int ld1, int nb1,                         \
@@ -178,10 +179,8 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* x, int N, int K, con
         }                                                                                                       \
     }
 
-GEMV_FP8(gemv_fp8_n8, 1, 4, 4)
-GEMV_FP8(gemv_fp8_n16, 2, 2, 4)
-GEMV_FP8(gemv_fp8_n8_w8, 1, 2, 8)
-GEMV_FP8(gemv_fp8_n16_w8, 2, 2, 8)
+GEMV_FP8(gemv_fp8_n8, 1, 2, 8, 3)
+GEMV_FP8(gemv_fp8_n16, 2, 2, 8, 2)
 
 // Two f32 -> e4m3 codes (lo in bits 0..7), round to nearest even, saturating at +-448: the hardware
 // conversion on sm_89 and later, kq_e4m3 (the same rounding) before.

@@ -106,8 +106,6 @@ pub const SOURCES: &[KernelSource] = &[
         functions: &[
             "gemv_fp8_n8",
             "gemv_fp8_n16",
-            "gemv_fp8_n8_w8",
-            "gemv_fp8_n16_w8",
             "fp8_act_quant",
             "fp8_dequant",
             "fp8_quantize",

@@ -114,7 +114,6 @@ fn run(rt: &Runtime, k: &Kernels) -> R<()> {
     let y = d.alloc(2 * tmax * 17408)?;
     let scratch = d.alloc(fp8::act_scratch_bytes(tmax, kmax))?;
     println!("BENCH fp8 decode: ms per call, GB/s of the weights read, share of the copy bandwidth");
-    let sms = rt.sm_count.max(1) as usize;
     for &(name, out, inp) in SHAPES {
         // Copies of the weights over ~1 GiB (past L2) per format.
         let fb = Fp8Bytes::new(out, inp);
@@ -136,7 +135,7 @@ fn run(rt: &Runtime, k: &Kernels) -> R<()> {
             .collect::<R<_>>()?;
         for t in [1usize, 8, 16] {
             let ms8 = time_ms(rt, 50, |i| {
-                fp8::gemv_fp8(k, &s, x, t, inp, &[Fp8Out { w: &f8[i % n], y, ldy: out }], false, sms)
+                fp8::gemv_fp8(k, &s, x, t, inp, &[Fp8Out { w: &f8[i % n], y, ldy: out }], false)
             })?;
             let gb8 = (fb.codes + fb.scales) as f64 / (ms8 * 1e-3) / 1e9;
             let ms16 = if t <= gemv::MAX_TOKENS {

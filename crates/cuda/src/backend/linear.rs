@@ -172,10 +172,9 @@ impl CudaBackend {
         outs: &[Fp8Out<'_>],
         f32_out: bool,
     ) -> Result<(), CudaError> {
-        let sms = self.rt.sm_count.max(1) as usize;
         if t <= fp8::GEMV_MAX_TOKENS {
             for group in outs.chunks(fp8::MAX_OUTS) {
-                fp8::gemv_fp8(&self.k, s, x, t, kdim, group, f32_out, sms)?;
+                fp8::gemv_fp8(&self.k, s, x, t, kdim, group, f32_out)?;
             }
             return Ok(());
         }
@@ -197,7 +196,7 @@ impl CudaBackend {
                     outs.iter().map(|o| Fp8Out { y: o.y + (2 * t4 * o.ldy) as u64, ..*o }).collect();
                 let xr = x + (2 * t4 * kdim) as u64;
                 for group in rest.chunks(fp8::MAX_OUTS) {
-                    fp8::gemv_fp8(&self.k, s, xr, t - t4, kdim, group, false, sms)?;
+                    fp8::gemv_fp8(&self.k, s, xr, t - t4, kdim, group, false)?;
                 }
             }
             return Ok(());

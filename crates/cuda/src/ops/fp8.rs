@@ -70,9 +70,7 @@ pub struct Fp8Out<'a> {
 }
 
 /// `y_s = x · W_sᵀ` for each of `outs` (1..=3 linears sharing `x [n, kdim]` bf16), n in 1..=16 tokens;
-/// y bf16, or f32 with `f32_out`. x 16-byte aligned. `sms`: the GPU's multiprocessors (a launch of fewer
-/// 16-row blocks than 8 per multiprocessor splits K over 8 warps a block instead of 4).
-#[allow(clippy::too_many_arguments)]
+/// y bf16, or f32 with `f32_out`. x 16-byte aligned.
 pub fn gemv_fp8(
     k: &Kernels,
     s: &CudaStream,
@@ -81,7 +79,6 @@ pub fn gemv_fp8(
     kdim: usize,
     outs: &[Fp8Out<'_>],
     f32_out: bool,
-    sms: usize,
 ) -> Result<(), CudaError> {
     const NAME: &str = "gemv_fp8";
     if !(1..=GEMV_MAX_TOKENS).contains(&n) {
@@ -116,15 +113,8 @@ pub fn gemv_fp8(
     let (m1, ld1, nb1) = (to_i32(NAME, "m", m1)?, to_i32(NAME, "ldy", ld1)?, to_i32(NAME, "blocks", nb[1])?);
     let (m2, ld2) = (to_i32(NAME, "m", m2)?, to_i32(NAME, "ldy", ld2)?);
     let f32o = i32::from(f32_out);
-    let wide = blocks < 8 * sms;
-    let name = match (n <= 8, wide) {
-        (true, false) => "gemv_fp8_n8",
-        (false, false) => "gemv_fp8_n16",
-        (true, true) => "gemv_fp8_n8_w8",
-        (false, true) => "gemv_fp8_n16_w8",
-    };
-    let threads = if wide { 256 } else { 128 };
-    launch_pdl!(k, s, name, grid, (threads, 1, 1), 0;
+    let name = if n <= 8 { "gemv_fp8_n8" } else { "gemv_fp8_n16" };
+    launch_pdl!(k, s, name, grid, (256, 1, 1), 0;
         x, nn, kk, w0, s0, y0, m0, ld0, nb0, w1, s1, y1, m1, ld1, nb1, w2, s2, y2, m2, ld2, f32o)
 }
 
