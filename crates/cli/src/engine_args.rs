@@ -406,7 +406,8 @@ impl EngineArgs {
             anyhow::bail!("--weights-dtype {f} and --quantize {q} disagree");
         }
         if !random_weights {
-            let int4 = (flag == Some(WeightsDtype::Int4) || quantize == Some(WeightsDtype::Int4)).then_some(WeightsDtype::Int4);
+            let int4 = (flag == Some(WeightsDtype::Int4) || quantize == Some(WeightsDtype::Int4))
+                .then_some(WeightsDtype::Int4);
             let wd = flag.filter(|w| *w != WeightsDtype::Int4).or(int4);
             if let Some(asym) = crate::model_source::gptq_int4(cfg, wd, quantize.is_some())? {
                 return Ok((WeightsDtype::Int4, asym || self.int4_asym));
@@ -570,6 +571,23 @@ impl EngineArgs {
     /// give).
     pub fn with_kv_dtypes(&self, k: KvDtype, v: KvDtype) -> Self {
         Self { k_cache_dtype: Some(k.to_string()), v_cache_dtype: Some(v.to_string()), ..self.clone() }
+    }
+
+    /// A copy of these options storing the decoder linears as `w` (what `--weights-dtype` gives: `int4` or
+    /// `fp8` with a bf16 checkpoint quantises it at load, `bf16` with a block-FP8 checkpoint dequantises it);
+    /// `None` keeps the command line's choice.
+    pub fn with_weights_dtype(&self, w: Option<WeightsDtype>) -> Self {
+        match w {
+            Some(w) => Self { weights_dtype: Some(w.to_string()), ..self.clone() },
+            None => self.clone(),
+        }
+    }
+
+    /// Builds the backend of a model [`EngineArgs::prepare`] has checked and planned (the plan's `positions`
+    /// as given there): [`EngineArgs::build_to_score`] in two halves, so that every configuration can be
+    /// checked before any weight is read.
+    pub fn build_prepared(&self, model: &ModelArgs, prepared: Prepared) -> Result<Built> {
+        self.load(model, prepared)
     }
 
     /// The CUDA backend's checks and plan (against the GPU's free memory).

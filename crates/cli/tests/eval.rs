@@ -1,6 +1,6 @@
 //! `deltaserve eval kld` end to end on the built-in demo model (random weights): the divergence of the
-//! KV-cache formats from the baseline comes out in the expected order, and bad configurations fail
-//! cleanly.
+//! KV-cache formats from the baseline comes out in the expected order, and bad configurations (weight
+//! formats on the CPU backend among them) fail cleanly.
 //!
 //! Measured on the demo model, 400 pseudo-random tokens (seeds 0–3), mean KL vs a bf16 baseline:
 //! bf16 0, int8 ≈ 9e-8, fp8 ≈ 1.7e-6, int4 ≈ 2.8e-5 — fp8 is 16–23× int8 (e4m3 keeps 4 significant bits
@@ -112,10 +112,29 @@ fn assert_clean_error(out: &Output, needles: &[&str]) {
 fn unknown_dtypes_fail_cleanly() {
     let out = run(&["eval", "kld", "--tokens", "8", "--configs", "bf16,int3"]);
     assert_clean_error(&out, &["--configs", "int3", "choices", "fp8, int8, int4"]);
-    let out = run(&["eval", "kld", "--tokens", "8", "--configs", "k=fp8:w=int4"]);
-    assert_clean_error(&out, &["unknown key `w`"]);
+    let out = run(&["eval", "kld", "--tokens", "8", "--configs", "k=fp8:q=int4"]);
+    assert_clean_error(&out, &["--configs", "unknown key `q`", "k, v, kv or w"]);
+    let out = run(&["eval", "kld", "--tokens", "8", "--configs", "w=fp8:w=int4"]);
+    assert_clean_error(&out, &["--configs", "`w` given twice"]);
+    let out = run(&["eval", "kld", "--tokens", "8", "--configs", "bf16,w=int8"]);
+    assert_clean_error(&out, &["--configs", "unknown weights dtype `int8`", "bf16, int4, fp8"]);
     let out = run(&["eval", "kld", "--tokens", "8", "--baseline", "fp9"]);
     assert_clean_error(&out, &["--baseline", "fp9"]);
     let out = run(&["eval", "kld", "--configs", "fp8"]);
     assert_clean_error(&out, &["--text-file", "--tokens"]);
+}
+
+/// Weight formats are the CUDA backend's: on the CPU reference (f32 weights) a `w=` configuration is refused
+/// before the model is read, as is `w=` together with the command line's weights.
+#[test]
+fn weights_configs_need_the_gpu_and_no_weights_flag() {
+    let out = run(&["eval", "kld", "--device", "cpu", "--tokens", "8", "--configs", "bf16,w=int4:kv=fp8"]);
+    assert_clean_error(&out, &["`w=int4:kv=fp8`", "CPU reference backend", "f32 weights", "--device cuda"]);
+    let out = run(&["eval", "kld", "--device", "cpu", "--tokens", "8", "--configs", "fp8", "--baseline", "w=bf16"]);
+    assert_clean_error(&out, &["`w=bf16`", "CPU reference backend"]);
+    for (flag, value) in [("--weights-dtype", "int4"), ("--quantize", "int4")] {
+        let out =
+            run(&["eval", "kld", "--tokens", "8", flag, value, "--configs", "w=bf16,w=int4", "--baseline", "w=bf16"]);
+        assert_clean_error(&out, &[flag, "`w=bf16`", "w=int4", "not both"]);
+    }
 }
