@@ -275,7 +275,11 @@ const SCALE_VEC128_32F: i32 = 4;
 const SCALE_BLK128X128_32F: i32 = 5;
 
 /// Sets the A and B scale pointers of an FP8 plan's descriptor.
-fn set_scale_pointers(desc: sys::cublasLtMatmulDesc_t, a: u64, b: u64) -> Result<(), cudarc::cublaslt::result::CublasError> {
+fn set_scale_pointers(
+    desc: sys::cublasLtMatmulDesc_t,
+    a: u64,
+    b: u64,
+) -> Result<(), cudarc::cublaslt::result::CublasError> {
     for (attr, p) in [
         (sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, a),
         (sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, b),
@@ -331,8 +335,13 @@ impl Gemm {
         let p = plans
             .get(&key)
             .ok_or(CudaError::InvalidArgs { kernel: "gemm", msg: format!("no FP8 plan for m={m} n={n} k={k}") })?;
-        set_scale_pointers(p.desc, ws, xs)
-            .map_err(|source| CudaError::Blas { call: "cublasLtMatmulDescSetAttribute", m, n, k, cause: source })?;
+        set_scale_pointers(p.desc, ws, xs).map_err(|source| CudaError::Blas {
+            call: "cublasLtMatmulDescSetAttribute",
+            m,
+            n,
+            k,
+            cause: source,
+        })?;
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: as in `linear_ld`; the descriptor's scale pointers were just set to this call's.
         unsafe {

@@ -103,13 +103,7 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         module: "fp8",
         src: include_str!("../kernels/fp8.cu"),
-        functions: &[
-            "gemv_fp8_n8",
-            "gemv_fp8_n16",
-            "fp8_act_quant",
-            "fp8_dequant",
-            "fp8_quantize",
-        ],
+        functions: &["gemv_fp8_n8", "gemv_fp8_n16", "fp8_act_quant", "fp8_dequant", "fp8_quantize"],
     },
     KernelSource {
         module: "moe",

@@ -134,9 +134,8 @@ fn run(rt: &Runtime, k: &Kernels) -> R<()> {
             })
             .collect::<R<_>>()?;
         for t in [1usize, 8, 16] {
-            let ms8 = time_ms(rt, 50, |i| {
-                fp8::gemv_fp8(k, &s, x, t, inp, &[Fp8Out { w: &f8[i % n], y, ldy: out }], false)
-            })?;
+            let ms8 =
+                time_ms(rt, 50, |i| fp8::gemv_fp8(k, &s, x, t, inp, &[Fp8Out { w: &f8[i % n], y, ldy: out }], false))?;
             let gb8 = (fb.codes + fb.scales) as f64 / (ms8 * 1e-3) / 1e9;
             let ms16 = if t <= gemv::MAX_TOKENS {
                 time_ms(rt, 50, |i| gemv::gemv(k, &s, x, t, inp, &[GemvOut { w: bf[i % n], y, m: out }], false))?

@@ -228,8 +228,10 @@ fn verify_and_commit_track_plain_decode() {
     // FlashAttention does (decode keeps P in f32): measured median 8.0e-3, worst 4.0e-2 on the H200
     // (with P split hi/lo: 6e-8). A state one position off, a stale conv window or pending hidden
     // gives errors of order 1.
-    vs_plain
-        .check_with("verified rows vs plain decode (CUDA)", Bounds { median: 2e-2, row: TOL_ROW, argmax_share: 0.98, decisive_flips: 0 });
+    vs_plain.check_with(
+        "verified rows vs plain decode (CUDA)",
+        Bounds { median: 2e-2, row: TOL_ROW, argmax_share: 0.98, decisive_flips: 0 },
+    );
     assert!(vs_plain.worst_l2 <= 8e-2, "a verified row is {:.1e} from plain decode", vs_plain.worst_l2);
     // Against the f32 oracle: the bf16 drift of `backend.rs` over a 40-token decode (rows late in the
     // sequence may flip where the margin is a few % of the logits). Its worst row depends on the token

@@ -7,9 +7,9 @@ use deltaserve_model::weights::TensorSource;
 use deltaserve_plan::cuda::Fp8Bytes;
 
 use crate::error::CudaError;
+use crate::ops::Kernels;
 use crate::ops::fp8::{self, FP8_BLOCK, Fp8Weights};
 use crate::ops::init::{Init, init_random};
-use crate::ops::Kernels;
 use crate::runtime::Runtime;
 
 use super::loader::Loader;

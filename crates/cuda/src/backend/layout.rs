@@ -277,12 +277,14 @@ pub(super) fn weights_bytes(
     shard: Option<&ShardSpec>,
 ) -> Result<usize, CudaError> {
     Ok(match weights {
-        WeightSource::Checkpoint(dir) if (fmt.int4 || fmt.fp8) && cfg.quantization.is_some() => match &plan.options.backend {
-            PlanBackend::Cuda { checkpoint: Some(c) } => c.device_bytes(fmt),
-            _ => CheckpointTensors::walk(full_cfg, dir, shard)
-                .map_err(|e| CudaError::Weights(e.to_string()))?
-                .device_bytes(fmt),
-        },
+        WeightSource::Checkpoint(dir) if (fmt.int4 || fmt.fp8) && cfg.quantization.is_some() => {
+            match &plan.options.backend {
+                PlanBackend::Cuda { checkpoint: Some(c) } => c.device_bytes(fmt),
+                _ => CheckpointTensors::walk(full_cfg, dir, shard)
+                    .map_err(|e| CudaError::Weights(e.to_string()))?
+                    .device_bytes(fmt),
+            }
+        }
         _ => weights_device_bytes(cfg, fmt),
     })
 }

@@ -5,9 +5,9 @@ use cudarc::driver::CudaStream;
 use deltaserve_plan::cuda::w4_slice_rows;
 
 use crate::error::CudaError;
+use crate::ops::fp8::{self, Fp8Out};
 use crate::ops::gemv::GemvOut;
 use crate::ops::w4a16::{Fold, W4Weights};
-use crate::ops::fp8::{self, Fp8Out};
 use crate::ops::{gemv, w4_gemm, w4a16};
 
 use super::CudaBackend;
@@ -189,7 +189,18 @@ impl CudaBackend {
         if tensor_cores {
             fp8::act_quant(&self.k, s, x, t4, kdim, scratch.ptr, scratch.ptr + xs_at)?;
             for o in outs {
-                self.gemm.linear_fp8(s, scratch.ptr, scratch.ptr + xs_at, o.w.codes, o.w.scales, o.y, t4, o.w.out, kdim, o.ldy)?;
+                self.gemm.linear_fp8(
+                    s,
+                    scratch.ptr,
+                    scratch.ptr + xs_at,
+                    o.w.codes,
+                    o.w.scales,
+                    o.y,
+                    t4,
+                    o.w.out,
+                    kdim,
+                    o.ldy,
+                )?;
             }
             if t4 < t {
                 let rest: Vec<Fp8Out<'_>> =

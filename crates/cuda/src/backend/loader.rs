@@ -604,8 +604,7 @@ fn checkpoint_weights(
 ) -> Result<Weights, CudaError> {
     let one = |p: &Part| vec![*p];
     // int4 / fp8: pairs are two parts; bf16: the first half is the fused pair.
-    let two =
-        |a: &Part, b: &Part| if matches!(a, Part::Bf16 { .. }) && !quantised { vec![*a] } else { vec![*a, *b] };
+    let two = |a: &Part, b: &Part| if matches!(a, Part::Bf16 { .. }) && !quantised { vec![*a] } else { vec![*a, *b] };
     let sparse = |l: &deltaserve_model::LayerWeights<Part>| match (&l.moe, moe) {
         (Some(w), Some((m, h))) => loaded_experts(w, m, h).map(Some),
         _ => Ok(None),

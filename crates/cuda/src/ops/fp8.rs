@@ -167,7 +167,11 @@ pub fn quantize(k: &Kernels, s: &CudaStream, src: u64, dst: &Fp8Weights) -> Resu
     if dst.out == 0 || dst.inp == 0 {
         return Ok(());
     }
-    let grid = (to_u32(NAME, "k blocks", dst.inp.div_ceil(FP8_BLOCK))?, to_u32(NAME, "row blocks", dst.out.div_ceil(FP8_BLOCK))?, 1);
+    let grid = (
+        to_u32(NAME, "k blocks", dst.inp.div_ceil(FP8_BLOCK))?,
+        to_u32(NAME, "row blocks", dst.out.div_ceil(FP8_BLOCK))?,
+        1,
+    );
     let (m, kk) = (to_i32(NAME, "m", dst.out)?, to_i32(NAME, "k", dst.inp)?);
     let (codes, scales) = (dst.codes, dst.scales);
     launch!(k, s, NAME, grid, (256, 1, 1), 0; src, m, kk, codes, scales)

@@ -91,7 +91,8 @@ fn random_fp8_weights_run() {
     }
     let (_, cfg) = tiny_int4_dir(4);
     let plan = plan_with(&cfg, |o| o.weights_dtype = WeightsDtype::Fp8Block);
-    let mut g = CudaBackend::with_options(&cfg, WeightSource::RandomWeights { seed: 1 }, &plan, 2, test_opts()).unwrap();
+    let mut g =
+        CudaBackend::with_options(&cfg, WeightSource::RandomWeights { seed: 1 }, &plan, 2, test_opts()).unwrap();
     let allocs = g.arena_stats().allocations;
     let vocab = g.capabilities().vocab_size;
     let ids: Vec<u32> = (0..600).map(|i| (i * 7 % vocab) as u32).collect();

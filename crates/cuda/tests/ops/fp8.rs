@@ -146,7 +146,10 @@ pub fn gemm(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
         let r = cpu::linear::linear(&xdq, n, &l.w, out, kk);
         v.push(compare(&format!("cuBLASLt FP8 y [{n}, {out}] (columns 8.. of {ldy})"), &r, &got, ACCUM));
     } else {
-        v.push(Outcome { ok: true, detail: format!("cuBLASLt block-scaled FP8: not on sm_{}{} (skipped)", rt.cc.0, rt.cc.1) });
+        v.push(Outcome {
+            ok: true,
+            detail: format!("cuBLASLt block-scaled FP8: not on sm_{}{} (skipped)", rt.cc.0, rt.cc.1),
+        });
     }
     // Dequantised rows (a slice from an offset) bit for bit, then the bf16 GEMM on them.
     let (r0, r1) = (out / 3, out);
