@@ -42,6 +42,9 @@
 #   bench-bf16   `deltaserve bench` on the 27B shapes, bf16, all defaults: ceilings, DeltaNet kernels,
 #                prefill 1K..262K, decode b1/8/32 at 1K/32K, snapshots, memory
 #   bench-int4   `deltaserve bench` with int4 weights, fp8 KV, int4 lm_head, host embedding, 24 GiB
+#   fp8          block-FP8 weights (sm_89+): the FP8 kernels against the CPU (ops fp8 cases), the backend's
+#                fp8 tests, the FP8 linears against bf16 at the 27B shapes (tests/bench_fp8.rs), and
+#                `deltaserve bench` with fp8 then bf16 weights on the 27B shapes (prefill 4K, decode b1..b32)
 #   batches      decode ms per step at batches 1..64 (1K context), int4 and bf16 weights, and int4 with the
 #                int4 GEMM off (DELTASERVE_W4_GEMM=0): the step from each batch to the next
 #   memory       the driver-reported peak against the plan in every cell of weights (bf16, int4) x MTP
@@ -69,7 +72,7 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 BIN_DIR="${GPU_BIN_DIR:-${CARGO_TARGET_DIR:-$ROOT/target}/release}"
 OUT_DIR="${GPU_OUT:-gpu-results}"
-TESTS="ops kernels_check bench_w4 bench_attention bench_backend backend speculative moe w4_gemm nccl tp"
+TESTS="ops kernels_check bench_w4 bench_fp8 bench_attention bench_backend backend speculative moe w4_gemm nccl tp"
 INT4="--weights-dtype int4 --kv-cache-dtype fp8 --lm-head-int4 --embed-on-host --memory 24GiB"
 DECODE="--prompts 512 --batches 1,8 --contexts 1024,32768 --steps 48 --verify-tokens 0 --short-chunks 0"
 Q27="--device cuda --preset qwen3.6-27b --random-weights"
@@ -171,6 +174,17 @@ step_bench-int4() {
     # shellcheck disable=SC2086
     ds bench-int4 240 bench ${BENCH_ARGS:---prompts 512,4096,32768 --batches 1,8 --contexts 1024,32768} $INT4 \
         --svg "$OUT_DIR/bench-int4.svg"
+}
+
+step_fp8() {
+    DS_OPS_FILTER=fp8 test_run ops-fp8 300 "FAIL|false|test result|panicked" ops ops_match_cpu_reference --nocapture --test-threads=1
+    test_run backend-fp8 300 "median|flips|test result|panicked" backend fp8 --nocapture --test-threads=1
+    test_run bench-fp8 300 "BENCH|panicked" bench_fp8 --nocapture --ignored bench_fp8_27b
+    local b="--prompts 4096 --batches 1,8,16,32 --contexts 1024 --steps 16 --verify-tokens 0 --short-chunks 0 --memory 100GiB"
+    # shellcheck disable=SC2086 # word lists of arguments
+    ds bench-27b-fp8 400 bench $Q27 $b --weights-dtype fp8
+    # shellcheck disable=SC2086
+    ds bench-27b-bf16-beside-fp8 400 bench $Q27 $b
 }
 
 step_batches() {
