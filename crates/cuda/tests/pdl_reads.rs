@@ -38,11 +38,16 @@ const READ_ONLY: &[&str] = &[
     "sc0",
     "z0",
     "W",
+    // block-FP8 weights' scales (the FP8 GEMV's segments)
+    "S",
+    "s0",
+    "s1",
+    "s2",
 ];
 
 /// Local pointers into weights that the functions that wait read with `ld_nc` / `__ldg` (the bf16
 /// GEMV's rows, the int4 GEMV's scales and zeros, a bf16 expert's rows).
-const READ_ONLY_LOCALS: &[&str] = &["wp0", "wp1", "ps", "pz", "We"];
+const READ_ONLY_LOCALS: &[&str] = &["wp0", "wp1", "ps", "pz", "We", "srow"];
 
 /// A function definition of a kernel source: its name, parameter list and body.
 struct Function<'a> {
@@ -228,6 +233,8 @@ fn functions_that_wait_read_earlier_kernels_outputs_coherently() {
         "attn_decode_split",
         "qk_norm_rope",
         "w4_gemv_store",
+        "gemv_fp8_body",
+        "fp8_act_quant",
     ] {
         assert!(checked.iter().any(|c| c == must), "{must} not found among the functions that wait: {checked:?}");
     }
