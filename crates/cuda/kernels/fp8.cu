@@ -83,29 +83,24 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* x, int N, int K, con
     // The codes are register double-buffered (the next slice's loads issued before this one's MMAs, U x 2
     // x 16 B in flight per lane); x (L2-resident, shared by every block) is loaded as each vector's MMAs
     // need it.
-    uint4 a[U], a8[U];
-    int vb = warp * U * 4;
-    if (vb < KV) {
+    // The codes of the U vectors of the slice from vector `from` (addresses clamped; the loop zeroes what is
+    // out of range).
+    auto load_codes = [&](uint4 (&r0)[U], uint4 (&r1)[U], int from) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            const int v = vb + u * 4 + c, vc = v < KV ? v : 0;
-            a[u] = ld_nc_stream(wp0 + vc);
-            a8[u] = ld_nc_stream(wp1 + vc);
+            const int v = from + u * 4 + c, vc = v < KV ? v : 0;
+            r0[u] = ld_nc_stream(wp0 + vc);
+            r1[u] = ld_nc_stream(wp1 + vc);
         }
-    }
+    };
+    uint4 a[U], a8[U];
+    int vb = warp * U * 4;
+    if (vb < KV) load_codes(a, a8, vb);
     // Launched to overlap the previous kernel (sm_90): the first codes are in flight; x and y are its.
     pdl_wait();
     for (; vb < KV; vb += step) {
         uint4 na[U], na8[U];
-        const int nb = vb + step;
-        if (nb < KV) {
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                const int v = nb + u * 4 + c, vc = v < KV ? v : 0;
-                na[u] = ld_nc_stream(wp0 + vc);
-                na8[u] = ld_nc_stream(wp1 + vc);
-            }
-        }
+        if (vb + step < KV) load_codes(na, na8, vb + step);
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int vq = vb + u * 4;  // the quad's first vector: 64 aligned k in one scale block

@@ -236,15 +236,38 @@ impl Gemm {
         if n == 0 {
             return Ok(());
         }
-        let key = (m, n, k, f32_out, ldc, alignment(y), false);
+        self.matmul(stream, (m, n, k, f32_out, ldc, alignment(y), false), w, x, y, None)
+    }
+
+    /// `cublasLtMatmul` of the plan for `key` (planned now if it never was) on `stream`: y = x · wᵀ, with
+    /// the FP8 plan's scale pointers (weights', activations') set to `scales` first.
+    fn matmul(
+        &self,
+        stream: &CudaStream,
+        key: PlanKey,
+        w: u64,
+        x: u64,
+        y: u64,
+        scales: Option<(u64, u64)>,
+    ) -> Result<(), CudaError> {
+        let (m, n, k, ..) = key;
         self.prepare_key(key)?;
         let plans = self.plans.borrow();
         let p = plans
             .get(&key)
             .ok_or(CudaError::InvalidArgs { kernel: "gemm", msg: format!("no plan for m={m} n={n} k={k}") })?;
+        if let Some((ws, xs)) = scales {
+            set_scale_pointers(p.desc, ws, xs).map_err(|source| CudaError::Blas {
+                call: "cublasLtMatmulDescSetAttribute",
+                m,
+                n,
+                k,
+                cause: source,
+            })?;
+        }
         let (alpha, beta) = (1.0f32, 0.0f32);
-        // SAFETY: descriptors are live and describe the row-major buffers the caller passes; the
-        // workspace span belongs to this Gemm.
+        // SAFETY: descriptors are live and describe the row-major buffers the caller passes (an FP8 plan's
+        // scale pointers were just set to this call's); the workspace span belongs to this Gemm.
         unsafe {
             result::matmul(
                 self.handle,
@@ -329,42 +352,7 @@ impl Gemm {
         if n == 0 {
             return Ok(());
         }
-        let key = (m, n, k, false, ldc, alignment(y), true);
-        self.prepare_key(key)?;
-        let plans = self.plans.borrow();
-        let p = plans
-            .get(&key)
-            .ok_or(CudaError::InvalidArgs { kernel: "gemm", msg: format!("no FP8 plan for m={m} n={n} k={k}") })?;
-        set_scale_pointers(p.desc, ws, xs).map_err(|source| CudaError::Blas {
-            call: "cublasLtMatmulDescSetAttribute",
-            m,
-            n,
-            k,
-            cause: source,
-        })?;
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        // SAFETY: as in `linear_ld`; the descriptor's scale pointers were just set to this call's.
-        unsafe {
-            result::matmul(
-                self.handle,
-                p.desc,
-                &alpha as *const f32 as *const c_void,
-                &beta as *const f32 as *const c_void,
-                w as *const c_void,
-                p.a,
-                xq as *const c_void,
-                p.b,
-                y as *const c_void,
-                p.c,
-                y as *mut c_void,
-                p.c,
-                &p.algo,
-                self.workspace.ptr as *mut c_void,
-                self.workspace.bytes,
-                stream.cu_stream() as sys::cudaStream_t,
-            )
-        }
-        .map_err(|source| CudaError::Blas { call: "cublasLtMatmul", m, n, k, cause: source })
+        self.matmul(stream, (m, n, k, false, ldc, alignment(y), true), w, xq, y, Some((ws, xs)))
     }
 }
 

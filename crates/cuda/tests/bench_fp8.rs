@@ -9,14 +9,15 @@
 //! - prefill: 32 .. 4096 tokens through the activations' quantisation + cuBLASLt's block-scaled FP8 GEMM
 //!   against one bf16 cuBLASLt GEMM of the same shape: TFLOP/s, the quantisation's share, the speed-up.
 
-use deltaserve_cuda::arena::{Arena, RegionId};
 use deltaserve_cuda::ops::fp8::{self, Fp8Out, Fp8Weights};
 use deltaserve_cuda::ops::gemv::{self, GemvOut};
 use deltaserve_cuda::ops::init::{Init, init_random};
-use deltaserve_cuda::{CudaError, DevSpan, KernelDims, Kernels, LibStatus, Runtime, gemm};
+use deltaserve_cuda::{DevSpan, KernelDims, Kernels, LibStatus, Runtime, gemm};
 use deltaserve_plan::cuda::Fp8Bytes;
 
-type R<T> = Result<T, CudaError>;
+mod bench_util;
+
+use bench_util::{Dev, R, copy_bandwidth, time_ms};
 
 /// The 27B's linears (name, out, in): qkv + z + b/a of a DeltaNet layer, its out, attention q(+gate), k/v,
 /// o, the MLP's gate (= up) and down.
@@ -30,57 +31,6 @@ const SHAPES: &[(&str, usize, usize)] = &[
     ("mlp gate", 17408, 5120),
     ("mlp down", 5120, 17408),
 ];
-
-struct Dev {
-    arena: Arena,
-    reg: RegionId,
-}
-
-impl Dev {
-    fn new(rt: &Runtime, bytes: usize) -> R<Self> {
-        let mut arena = Arena::new(rt.context().clone());
-        let reg = arena.add_region("bench_fp8", bytes)?;
-        Ok(Dev { arena, reg })
-    }
-    fn alloc(&mut self, bytes: usize) -> R<u64> {
-        Ok(self.arena.alloc(self.reg, bytes.max(16))?.ptr)
-    }
-}
-
-/// Mean milliseconds per call of `f` over `iters` calls (after 3 warm-up calls), by events.
-fn time_ms(rt: &Runtime, iters: usize, mut f: impl FnMut(usize) -> R<()>) -> R<f64> {
-    let s = rt.stream();
-    let de = CudaError::driver;
-    for i in 0..3 {
-        f(i)?;
-    }
-    let ev = || {
-        rt.context()
-            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(CudaError::driver("cuEventCreate"))
-    };
-    let (e0, e1) = (ev()?, ev()?);
-    e0.record(s).map_err(de("cuEventRecord"))?;
-    for i in 0..iters {
-        f(i)?;
-    }
-    e1.record(s).map_err(de("cuEventRecord"))?;
-    e1.synchronize().map_err(de("cuEventSynchronize"))?;
-    Ok(e0.elapsed_ms(&e1).map_err(de("cuEventElapsedTime"))? as f64 / iters as f64)
-}
-
-fn copy_bandwidth(rt: &Runtime, d: &mut Dev) -> R<f64> {
-    let bytes = 1usize << 30;
-    let (a, b) = (d.alloc(bytes)?, d.alloc(bytes)?);
-    rt.memset(a, 0x3c, bytes)?;
-    let s = rt.stream().cu_stream();
-    let ms = time_ms(rt, 10, |_| {
-        // SAFETY: both spans are `bytes` long and do not overlap.
-        unsafe { cudarc::driver::result::memcpy_dtod_async(b, a, bytes, s) }
-            .map_err(CudaError::driver("cuMemcpyDtoDAsync"))
-    })?;
-    Ok(2.0 * bytes as f64 / (ms * 1e-3) / 1e9)
-}
 
 #[test]
 #[ignore = "benchmark; needs a GPU with FP8 tensor cores"]
@@ -103,7 +53,7 @@ fn bench_fp8_27b() {
 fn run(rt: &Runtime, k: &Kernels) -> R<()> {
     let s = rt.stream().clone();
     let mut d = Dev::new(rt, 40 << 30)?;
-    let copy = copy_bandwidth(rt, &mut d)?;
+    let copy = copy_bandwidth(rt)?;
     println!("BENCH fp8 copy bandwidth {copy:.0} GB/s");
     let ws_bytes = gemm::recommended_workspace_bytes(rt);
     let g = gemm::Gemm::new(rt, DevSpan { ptr: d.alloc(ws_bytes)?, bytes: ws_bytes })?;

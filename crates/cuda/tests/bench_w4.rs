@@ -26,53 +26,15 @@
 use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
-use deltaserve_cuda::arena::{Arena, RegionId};
 use deltaserve_cuda::ops::init::{Init, init_random};
 use deltaserve_cuda::ops::w4_gemm::{self, W4GemmConfig};
 use deltaserve_cuda::ops::w4a16::{self, GemvConfig, W4Weights};
 use deltaserve_cuda::w4::{ScaleDtype, W4Bytes};
 use deltaserve_cuda::{CudaError, DevSpan, KernelDims, Kernels, LibStatus, Runtime, gemm};
 
-type R<T> = Result<T, CudaError>;
+mod bench_util;
 
-struct Dev<'a> {
-    rt: &'a Runtime,
-    arena: Arena,
-    reg: RegionId,
-}
-
-impl<'a> Dev<'a> {
-    fn new(rt: &'a Runtime, bytes: usize) -> R<Self> {
-        let mut arena = Arena::new(rt.context().clone());
-        let reg = arena.add_region("bench_w4", bytes)?;
-        Ok(Dev { rt, arena, reg })
-    }
-    fn alloc(&mut self, bytes: usize) -> R<u64> {
-        Ok(self.arena.alloc(self.reg, bytes.max(16))?.ptr)
-    }
-}
-
-/// Mean milliseconds per call of `f` over `iters` calls (after 3 warm-up calls), by events.
-fn time_ms(rt: &Runtime, iters: usize, mut f: impl FnMut(usize) -> R<()>) -> R<f64> {
-    let s = rt.stream();
-    let de = CudaError::driver;
-    for i in 0..3 {
-        f(i)?;
-    }
-    let ev = || {
-        rt.context()
-            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(CudaError::driver("cuEventCreate"))
-    };
-    let (e0, e1) = (ev()?, ev()?);
-    e0.record(s).map_err(de("cuEventRecord"))?;
-    for i in 0..iters {
-        f(i)?;
-    }
-    e1.record(s).map_err(de("cuEventRecord"))?;
-    e1.synchronize().map_err(de("cuEventSynchronize"))?;
-    Ok(e0.elapsed_ms(&e1).map_err(de("cuEventElapsedTime"))? as f64 / iters as f64)
-}
+use bench_util::{Dev, R, copy_bandwidth, time_ms};
 
 /// A decode shape's buffers from `d`: random bf16 weights `[out, in]` to quantise (std 0.02), x
 /// `[8, in]` (std 1) and y `[8, out]`.
@@ -82,20 +44,6 @@ fn decode_buffers(k: &Kernels, s: &Arc<CudaStream>, d: &mut Dev, out: usize, inp
     let x = d.alloc(2 * 8 * inp)?;
     init_random(k, s, x, 8 * inp, 8, Init::Normal(1.0), false)?;
     Ok((stage, x, d.alloc(2 * 8 * out)?))
-}
-
-fn copy_bandwidth(rt: &Runtime) -> R<f64> {
-    let bytes = 1usize << 30;
-    let mut d = Dev::new(rt, 2 * bytes + 4096)?;
-    let (a, b) = (d.alloc(bytes)?, d.alloc(bytes)?);
-    rt.memset(a, 0x3c, bytes)?;
-    let s = rt.stream().cu_stream();
-    let ms = time_ms(rt, 10, |_| {
-        // SAFETY: both spans are `bytes` long and do not overlap.
-        unsafe { cudarc::driver::result::memcpy_dtod_async(b, a, bytes, s) }
-            .map_err(CudaError::driver("cuMemcpyDtoDAsync"))
-    })?;
-    Ok(2.0 * bytes as f64 / (ms * 1e-3) / 1e9)
 }
 
 /// A random bf16 [out, in] (std 0.02) quantised on the GPU; returns the device weights and the

@@ -26,8 +26,7 @@ impl Loader<'_> {
         {
             let (out, inp) = (f.out_features, f.in_features);
             let scales = fp8::pad_scales(&f.scales_f32(&src.name).map_err(werr)?, out, inp);
-            let w = self.alloc_fp8(out, inp)?;
-            w.check("fp8 weights").map_err(|e| CudaError::Weights(format!("`{}`: {e}", src.name)))?;
+            let w = self.alloc_fp8(out, inp, &src.name)?;
             self.rt.upload(w.codes, f.weight)?;
             self.rt.upload(w.scales, &scales)?;
             self.converted += 1;
@@ -40,15 +39,17 @@ impl Loader<'_> {
         if keep_dense {
             return Ok(Part::Bf16 { w: self.dense(&bytes)?, rows: out });
         }
-        let w = self.alloc_fp8(out, inp)?;
-        w.check("fp8 weights").map_err(|e| CudaError::Weights(format!("`{}`: {e}", src.name)))?;
+        let w = self.alloc_fp8(out, inp, &src.name)?;
         self.quantize_fp8(&bytes, &w, &src.name)?;
         Ok(Part::Fp8(w))
     }
 
-    fn alloc_fp8(&mut self, out: usize, inp: usize) -> Result<Fp8Weights, CudaError> {
+    /// Places linear `name` `[out, in]` in the weights region, checked for the kernels.
+    fn alloc_fp8(&mut self, out: usize, inp: usize, name: &str) -> Result<Fp8Weights, CudaError> {
         let base = self.arena.alloc(self.wreg, Fp8Bytes::new(out, inp).aligned())?.ptr;
-        Ok(Fp8Weights::at(base, out, inp))
+        let w = Fp8Weights::at(base, out, inp);
+        w.check("fp8 weights").map_err(|e| CudaError::Weights(format!("`{name}`: {e}")))?;
+        Ok(w)
     }
 
     /// `[out, in]` bf16 bytes quantised on the GPU into `w`, 128-row blocks at a time through the staging.

@@ -12,13 +12,11 @@
 //! and scales bit for bit, the GEMM against the CPU on them). Every other path (the GEMV, dequantised rows
 //! and bf16 GEMMs) is held to the int4 bound.
 
-use deltaserve_backend::Backend;
 use deltaserve_cuda::backend::CudaOptions;
-use deltaserve_cuda::{CudaBackend, WeightSource};
 use deltaserve_plan::WeightsDtype;
 
 use crate::common::*;
-use crate::int4::{compare_quantised, tiny_int4_dir, tiny_int4_dir_named};
+use crate::int4::{compare_quantised, random_weights_run, tiny_int4_dir, tiny_int4_dir_named};
 
 /// Steps through the FP8 tensor cores against the CPU's unquantised activations (module docs).
 const FP8_TENSOR_CORES: Bounds = Bounds { median: 0.25, row: 0.6, argmax_share: 0.5, decisive_flips: 4 };
@@ -91,18 +89,5 @@ fn random_fp8_weights_run() {
     }
     let (_, cfg) = tiny_int4_dir(4);
     let plan = plan_with(&cfg, |o| o.weights_dtype = WeightsDtype::Fp8Block);
-    let mut g =
-        CudaBackend::with_options(&cfg, WeightSource::RandomWeights { seed: 1 }, &plan, 2, test_opts()).unwrap();
-    let allocs = g.arena_stats().allocations;
-    let vocab = g.capabilities().vocab_size;
-    let ids: Vec<u32> = (0..600).map(|i| (i * 7 % vocab) as u32).collect();
-    let pg = pages(0, 610);
-    let l = run(&mut g, &one(chunk(0, &pg, 0, &ids)));
-    assert!(l.iter().all(|x| x.is_finite()), "prefill logits not finite");
-    for k in 0..5 {
-        let l = run(&mut g, &one(chunk(0, &pg, 600 + k, &[3])));
-        assert!(l.iter().all(|x| x.is_finite()), "decode logits not finite");
-    }
-    assert_eq!(g.arena_stats().allocations, allocs);
-    println!("random fp8: weights {} B, logits finite", g.weights_bytes);
+    random_weights_run("random fp8", &cfg, &plan);
 }

@@ -387,19 +387,24 @@ fn random_int4_weights_run() {
             o.int4_asym = asym;
             o.lm_head_int4 = true;
         });
-        let mut g =
-            CudaBackend::with_options(&cfg, WeightSource::RandomWeights { seed: 1 }, &plan, 2, test_opts()).unwrap();
-        let allocs = g.arena_stats().allocations;
-        let vocab = g.capabilities().vocab_size;
-        let ids: Vec<u32> = (0..600).map(|i| (i * 7 % vocab) as u32).collect();
-        let pg = pages(0, 610);
-        let l = run(&mut g, &one(chunk(0, &pg, 0, &ids)));
-        assert!(l.iter().all(|x| x.is_finite()), "prefill logits not finite");
-        for k in 0..5 {
-            let l = run(&mut g, &one(chunk(0, &pg, 600 + k, &[3])));
-            assert!(l.iter().all(|x| x.is_finite()), "decode logits not finite");
-        }
-        assert_eq!(g.arena_stats().allocations, allocs);
-        println!("random int4 asym {asym}: weights {} B, logits finite", g.weights_bytes);
+        random_weights_run(&format!("random int4 asym {asym}"), &cfg, &plan);
     }
+}
+
+/// A backend of random weights at `cfg`'s shapes under `plan`: a 600-token prefill and 5 decode steps give
+/// finite logits, and nothing is allocated after start.
+pub(crate) fn random_weights_run(label: &str, cfg: &ModelConfig, plan: &deltaserve_plan::Plan) {
+    let mut g = CudaBackend::with_options(cfg, WeightSource::RandomWeights { seed: 1 }, plan, 2, test_opts()).unwrap();
+    let allocs = g.arena_stats().allocations;
+    let vocab = g.capabilities().vocab_size;
+    let ids: Vec<u32> = (0..600).map(|i| (i * 7 % vocab) as u32).collect();
+    let pg = pages(0, 610);
+    let l = run(&mut g, &one(chunk(0, &pg, 0, &ids)));
+    assert!(l.iter().all(|x| x.is_finite()), "{label}: prefill logits not finite");
+    for k in 0..5 {
+        let l = run(&mut g, &one(chunk(0, &pg, 600 + k, &[3])));
+        assert!(l.iter().all(|x| x.is_finite()), "{label}: decode logits not finite");
+    }
+    assert_eq!(g.arena_stats().allocations, allocs);
+    println!("{label}: weights {} B, logits finite", g.weights_bytes);
 }
