@@ -19,6 +19,7 @@
 //   [w*DK/4, (w+1)*DK/4) in registers; the two column sums reduce across the 4 warps in smem.
 //   gdn_decode_gated (decode rows + the gated RMSNorm): grid (B, Hv), block 4 * DV.
 //   gdn_rows (a speculative step's verify or commit rows with their conv and gates): described above it.
+//   gdn_commit_layers (the commit of gdn_rows for many layers in one launch): described above it.
 //   Each warp reads 128 contiguous bytes per state row. -D DK, DV (multiples of 32), CONV_K.
 // Arch: plain f32, sm_80+.
 // Tested by: tests/ops/ cases "gdn_decode" and "gdn_recurrent" against deltaserve_cpu::gdn::gdn_recurrent.
@@ -272,16 +273,19 @@ gdn_recurrent_gated(const bf16_t* q, const bf16_t* k, const bf16_t* v, long long
 // gdn_recurrent's; z, nw, out as gdn_recurrent_gated's. A sequence of slot < 0 normalises o = 0 and
 // writes no state. Launch: grid (B, Hv), block 4 * DV (2 DK + DV <= 4 DV). -D DK, DV, CONV_K.
 // Tested by: tests/ops/ case "gdn_rows" (bitwise vs the kernels it replaces).
-extern "C" __global__ void __launch_bounds__(4 * DV, 2)
-gdn_rows(const bf16_t* x, long long x_stride, const bf16_t* __restrict__ cw, bf16_t* conv_state, const bf16_t* ba,
-         long long ba_stride, const float* __restrict__ A_log, const float* __restrict__ dt_bias, float* state,
-         const int* __restrict__ slots, const int* __restrict__ starts, const int* __restrict__ lens, const bf16_t* z,
-         long long z_tok_stride, const float* __restrict__ nw, bf16_t* __restrict__ out, int Hk, int Hv, float eps,
-         int commit) {
+// gdn_rows_body: the block (sequence b, value head hv) of gdn_rows, shared with gdn_commit_layers.
+__device__ __forceinline__ void gdn_rows_body(const bf16_t* x, long long x_stride, const bf16_t* __restrict__ cw,
+                                              bf16_t* conv_state, const bf16_t* ba, long long ba_stride,
+                                              const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+                                              float* state, const int* __restrict__ slots,
+                                              const int* __restrict__ starts, const int* __restrict__ lens,
+                                              const bf16_t* z, long long z_tok_stride, const float* __restrict__ nw,
+                                              bf16_t* __restrict__ out, int Hk, int Hv, float eps, int commit, int b,
+                                              int hv) {
     constexpr int NCH = 2 * DK + DV;  // the block's conv channels: q, k of its key head, then its v
     __shared__ bf16_t ys[GDN_ROWS][NCH], qn[GDN_ROWS][DK], kn[GDN_ROWS][DK];
     __shared__ float qs[GDN_ROWS][DK], ks[GDN_ROWS][DK], red[4][DV], gred[DV / 32], gv[GDN_ROWS], bv[GDN_ROWS];
-    const int b = blockIdx.x, hv = blockIdx.y, hk = hv / (Hv / Hk);
+    const int hk = hv / (Hv / Hk);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, w = warp & 3;
     const int c = (warp >> 2) * 32 + lane;
     const int slot = slots[b];  // uniform over the block
@@ -358,4 +362,40 @@ gdn_rows(const bf16_t* x, long long x_stride, const bf16_t* __restrict__ cw, bf1
             for (int r = 0; r < CONV_K - 1; r++) cst[(long long)r * C + ch] = win[r];
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(4 * DV, 2)
+gdn_rows(const bf16_t* x, long long x_stride, const bf16_t* __restrict__ cw, bf16_t* conv_state, const bf16_t* ba,
+         long long ba_stride, const float* __restrict__ A_log, const float* __restrict__ dt_bias, float* state,
+         const int* __restrict__ slots, const int* __restrict__ starts, const int* __restrict__ lens, const bf16_t* z,
+         long long z_tok_stride, const float* __restrict__ nw, bf16_t* __restrict__ out, int Hk, int Hv, float eps,
+         int commit) {
+    gdn_rows_body(x, x_stride, cw, conv_state, ba, ba_stride, A_log, dt_bias, state, slots, starts, lens, z,
+                  z_tok_stride, nw, out, Hk, Hv, eps, commit, blockIdx.x, blockIdx.y);
+}
+
+// The per-layer pointers of gdn_commit_layers, passed by value (GDN_LAYER_TABLE * 5 * 8 bytes of
+// kernel parameters, within the 4 KB every architecture takes).
+#define GDN_LAYER_TABLE 48
+struct GdnLayerTable {
+    const bf16_t* cw[GDN_LAYER_TABLE];
+    bf16_t* conv_state[GDN_LAYER_TABLE];
+    const float* a_log[GDN_LAYER_TABLE];
+    const float* dt_bias[GDN_LAYER_TABLE];
+    float* state[GDN_LAYER_TABLE];
+};
+
+// gdn_commit_layers: the commit of gdn_rows (commit != 0) for up to GDN_LAYER_TABLE DeltaNet layers in
+// one launch, layer l = blockIdx.z: its rows x + l * x_layer and ba + l * ba_layer (the speculative
+// trace's per-layer blocks), its weights and states from the table. Each layer's blocks compute exactly
+// what its own gdn_rows commit would (bitwise). Launch: grid (B, Hv, layers), block 4 * DV.
+// Tested by: tests/ops/ case "gdn_commit_layers" (bitwise vs gdn_rows per layer).
+extern "C" __global__ void __launch_bounds__(4 * DV, 2)
+gdn_commit_layers(const bf16_t* x, long long x_layer, long long x_stride, const bf16_t* ba, long long ba_layer,
+                  long long ba_stride, GdnLayerTable lt, const int* __restrict__ slots, const int* __restrict__ starts,
+                  const int* __restrict__ lens, int Hk, int Hv) {
+    const int l = blockIdx.z;
+    gdn_rows_body(x + l * x_layer, x_stride, lt.cw[l], lt.conv_state[l], ba + l * ba_layer, ba_stride, lt.a_log[l],
+                  lt.dt_bias[l], lt.state[l], slots, starts, lens, nullptr, 0, nullptr, nullptr, Hk, Hv, 0.0f, 1,
+                  blockIdx.x, blockIdx.y);
 }

@@ -96,7 +96,14 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         module: "gdn_decode",
         src: include_str!("../kernels/gdn_decode.cu"),
-        functions: &["gdn_decode", "gdn_recurrent", "gdn_decode_gated", "gdn_recurrent_gated", "gdn_rows"],
+        functions: &[
+            "gdn_decode",
+            "gdn_recurrent",
+            "gdn_decode_gated",
+            "gdn_recurrent_gated",
+            "gdn_rows",
+            "gdn_commit_layers",
+        ],
     },
     KernelSource { module: "mtp", src: include_str!("../kernels/mtp.cu"), functions: &["shift_rows", "scatter_rows"] },
     KernelSource { module: "gemv", src: include_str!("../kernels/gemv.cu"), functions: &["gemv_bf16"] },

@@ -312,13 +312,18 @@ impl CudaBackend {
         let sp = self.spec.as_ref().ok_or_else(|| inv("no speculation".into()))?;
         let (tv, nv) = (*sp.verify_cu.last().unwrap_or(&0) as usize, sp.verify_slots.len());
         let dev = |e: CudaError| BackendError::Device(e.to_string());
+        // Index arrays 0 ..= 6 in one copy (7 and 8, the verify rows' own, are kept).
+        let stride = sp.rows + 1;
+        let mut idx = vec![0i32; 7 * stride];
+        for (at, v) in [&hid, &slots, &starts, &lens, &slots, &sp.verify_cu, &sp.verify_slots].into_iter().enumerate() {
+            if v.len() > stride {
+                return Err(inv(format!("{} index entries for {stride} rows", v.len())));
+            }
+            idx[at * stride..at * stride + v.len()].copy_from_slice(v);
+        }
         let upload = || -> Result<(), CudaError> {
             self.rt.context().bind_to_thread().map_err(CudaError::driver("cuCtxSetCurrent"))?;
-            for (at, v) in [(0, &hid), (1, &slots), (2, &starts), (3, &lens), (4, &slots)] {
-                self.upload_i32(sp.idx_at(at), v)?;
-            }
-            self.upload_i32(sp.idx_at(5), &sp.verify_cu)?;
-            self.upload_i32(sp.idx_at(6), &sp.verify_slots)
+            self.upload_i32(sp.idx_at(0), &idx)
         };
         upload().map_err(dev)?;
         self.run_graphed(GraphKey::Commit(n, tv, nv), &|be: &Self| be.commit_kernels(n, tv, nv)).map_err(dev)?;
@@ -327,8 +332,9 @@ impl CudaBackend {
 
     /// The commit's work (inputs uploaded by [`CudaBackend::commit`]): per DeltaNet layer, conv and gates
     /// of the accepted rows of the `n` commits from the trace, the recurrence with write-back and the
-    /// conv window's shift (one `gdn_rows` launch where the layer's dims allow; else conv and gates of
-    /// the `tv` verify rows of `nv` chunks, then the other two); then the pending hidden rows.
+    /// conv window's shift (every layer in one `gdn_commit_layers` launch where the layers' dims allow;
+    /// else per layer conv and gates of the `tv` verify rows of `nv` chunks, then the other two); then
+    /// the pending hidden rows.
     pub(super) fn commit_kernels(&self, n: usize, tv: usize, nv: usize) -> Result<(), CudaError> {
         let sp = self.spec.as_ref().ok_or_else(|| CudaError::Plan("no speculation".into()))?;
         let (k, s, ws, d) = (&self.k, self.rt.stream().as_ref(), &self.ws, &self.d);
@@ -338,36 +344,38 @@ impl CudaBackend {
             (Mixer::Gdn(gw), LayerCache::Gdn { rec, conv, .. }) => Some((gw, rec, conv)),
             _ => None,
         });
-        let fused = gdn_decode::rows_supported(&k.dims, cc, d.gdn_k_heads, hv);
-        for (gi, (gw, rec, conv)) in gdn.enumerate() {
-            if fused {
-                // Conv, gates and recurrence of the accepted rows, both states advanced, in one launch.
-                let rows = gdn_decode::GdnRows {
-                    x: sp.trace_x + b2(gi * sp.rows * cc),
-                    x_stride: cc,
-                    ba: sp.trace_ba + b2(gi * sp.rows * 2 * hv),
-                    ba_stride: 2 * hv,
+        if gdn_decode::rows_supported(&k.dims, cc, d.gdn_k_heads, hv) {
+            // Conv, gates and recurrence of the accepted rows, both states advanced, every layer in one
+            // launch (the layers' commits are independent: each reads its own trace rows and states).
+            let layers: Vec<gdn_decode::GdnLayerPtrs> = gdn
+                .map(|(gw, rec, conv)| gdn_decode::GdnLayerPtrs {
                     conv_w: gw.conv,
                     conv_state: self.states.ptr + conv as u64,
                     a_log: gw.a_log,
                     dt_bias: gw.dt_bias,
                     state: self.states.ptr + rec as u64,
-                    slots: sp.idx_at(4),
-                    starts: sp.idx_at(2),
-                    lens: sp.idx_at(3),
-                    z: 0,
-                    z_tok_stride: 0,
-                    norm_w: 0,
-                    out: 0,
-                    eps: self.eps,
-                    n_seqs: n,
-                    hk: d.gdn_k_heads,
-                    hv,
-                    commit: true,
-                };
-                gdn_decode::gdn_rows(k, s, &rows)?;
-                continue;
-            }
+                })
+                .collect();
+            let all = gdn_decode::GdnCommitLayers {
+                layers: &layers,
+                x: sp.trace_x,
+                x_layer: sp.rows * cc,
+                x_stride: cc,
+                ba: sp.trace_ba,
+                ba_layer: sp.rows * 2 * hv,
+                ba_stride: 2 * hv,
+                slots: sp.idx_at(4),
+                starts: sp.idx_at(2),
+                lens: sp.idx_at(3),
+                n_seqs: n,
+                hk: d.gdn_k_heads,
+                hv,
+            };
+            gdn_decode::gdn_commit_layers(k, s, &all)?;
+            let pending = self.states.ptr + sp.pending as u64;
+            return mtp::scatter_rows(k, s, sp.verify_hidden, sp.idx_at(0), pending, sp.idx_at(1), n, d.hidden);
+        }
+        for (gi, (gw, rec, conv)) in gdn.enumerate() {
             let mut cp = conv::ConvPrefill {
                 x: sp.trace_x + b2(gi * sp.rows * cc),
                 x_stride: cc,

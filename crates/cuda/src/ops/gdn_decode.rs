@@ -221,3 +221,92 @@ pub fn gdn_rows(k: &Kernels, s: &CudaStream, a: &GdnRows) -> Result<(), CudaErro
         x, xs, conv_w, conv_state, ba, bs, a_log, dt_bias, state, slots, starts, lens, z, zs, norm_w, out, hk, hv, eps,
         commit)
 }
+
+/// Layers per [`gdn_commit_layers`] launch: the kernel's pointer table (`GDN_LAYER_TABLE` in
+/// kernels/gdn_decode.cu), passed by value within the 4 KB of kernel parameters every architecture takes.
+pub const GDN_LAYER_TABLE: usize = 48;
+
+/// One DeltaNet layer's weights and states for [`gdn_commit_layers`] (as [`GdnRows`] names them).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GdnLayerPtrs {
+    pub conv_w: u64,
+    pub conv_state: u64,
+    pub a_log: u64,
+    pub dt_bias: u64,
+    pub state: u64,
+}
+
+/// The commit of [`gdn_rows`] for every layer of `layers` (kernels/gdn_decode.cu `gdn_commit_layers`,
+/// one launch per [`GDN_LAYER_TABLE`] layers): layer l's rows are `x + l·x_layer` and `ba + l·ba_layer`
+/// (elements: the speculative trace's per-layer blocks); slots, starts and lens as [`GdnRows`]'. Each
+/// layer ends exactly as its own [`gdn_rows`] commit leaves it.
+#[derive(Clone, Copy, Debug)]
+pub struct GdnCommitLayers<'a> {
+    pub layers: &'a [GdnLayerPtrs],
+    pub x: u64,
+    pub x_layer: usize,
+    pub x_stride: usize,
+    pub ba: u64,
+    pub ba_layer: usize,
+    pub ba_stride: usize,
+    pub slots: u64,
+    pub starts: u64,
+    pub lens: u64,
+    pub n_seqs: usize,
+    pub hk: usize,
+    pub hv: usize,
+}
+
+/// The kernel's `GdnLayerTable`: five arrays of [`GDN_LAYER_TABLE`] device pointers.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct LayerTable {
+    conv_w: [u64; GDN_LAYER_TABLE],
+    conv_state: [u64; GDN_LAYER_TABLE],
+    a_log: [u64; GDN_LAYER_TABLE],
+    dt_bias: [u64; GDN_LAYER_TABLE],
+    state: [u64; GDN_LAYER_TABLE],
+}
+
+// SAFETY: plain old data laid out as the kernel's struct (repr(C), 8-byte device pointers).
+unsafe impl cudarc::driver::DeviceRepr for LayerTable {}
+
+pub fn gdn_commit_layers(k: &Kernels, s: &CudaStream, a: &GdnCommitLayers<'_>) -> Result<(), CudaError> {
+    const K: &str = "gdn_commit_layers";
+    if a.n_seqs == 0 || a.layers.is_empty() {
+        return Ok(());
+    }
+    let dv = k.dims.gdn_v_dim;
+    let channels = (2 * a.hk + a.hv) * k.dims.gdn_k_dim;
+    if !rows_supported(&k.dims, channels, a.hk, a.hv)
+        || !a.hv.is_multiple_of(a.hk)
+        || a.x_stride < channels
+        || a.ba_stride < 2 * a.hv
+        || a.lens == 0
+    {
+        return Err(invalid(K, format!("{a:?}")));
+    }
+    let (slots, starts, lens) = (a.slots, a.starts, a.lens);
+    let (xs, bs) = (a.x_stride as i64, a.ba_stride as i64);
+    let (xl, bl) = (a.x_layer as i64, a.ba_layer as i64);
+    let (hk, hv) = (to_i32(K, "hk", a.hk)?, to_i32(K, "hv", a.hv)?);
+    for (ci, chunk) in a.layers.chunks(GDN_LAYER_TABLE).enumerate() {
+        let first = (ci * GDN_LAYER_TABLE) as u64;
+        let x = a.x + 2 * first * a.x_layer as u64;
+        let ba = a.ba + 2 * first * a.ba_layer as u64;
+        let mut lt = LayerTable {
+            conv_w: [0; GDN_LAYER_TABLE],
+            conv_state: [0; GDN_LAYER_TABLE],
+            a_log: [0; GDN_LAYER_TABLE],
+            dt_bias: [0; GDN_LAYER_TABLE],
+            state: [0; GDN_LAYER_TABLE],
+        };
+        for (i, l) in chunk.iter().enumerate() {
+            (lt.conv_w[i], lt.conv_state[i], lt.a_log[i]) = (l.conv_w, l.conv_state, l.a_log);
+            (lt.dt_bias[i], lt.state[i]) = (l.dt_bias, l.state);
+        }
+        let grid = (to_u32(K, "n_seqs", a.n_seqs)?, to_u32(K, "hv", a.hv)?, chunk.len() as u32);
+        launch!(k, s, K, grid, ((4 * dv) as u32, 1, 1), 0; x, xl, xs, ba, bl, bs, lt, slots, starts, lens, hk, hv)?;
+    }
+    Ok(())
+}

@@ -63,6 +63,17 @@ pub(crate) fn gdn_rows(lens: &[usize], slots: &[i32], accept: Option<&[usize]>, 
     Op::GdnRows { lens: lens.to_vec(), slots: slots.to_vec(), accept: accept.map(<[usize]>::to_vec), hk, hv }
 }
 
+pub(crate) fn commit_layers(
+    lens: &[usize],
+    slots: &[i32],
+    accept: &[usize],
+    hk: usize,
+    hv: usize,
+    layers: usize,
+) -> Op {
+    Op::GdnCommitLayers { lens: lens.to_vec(), slots: slots.to_vec(), accept: accept.to_vec(), hk, hv, layers }
+}
+
 /// A 27B-shape prefill case (24 q heads, 4 kv heads) on `attn_prefill` (the warp-pair kernel, not
 /// the wide one) tiled `keys` per KV tile. (The `Op::AttnPrefill` cases run the default tiling: the
 /// wide kernel on devices whose shared memory holds it, as the H200's does.)
@@ -210,6 +221,8 @@ pub(crate) fn row_cases() -> Vec<Case> {
         c("gdn_rows", GDN32, gdn_rows(&[2, 4], &[1, 0], None, 2, 6), EXACT),
         c("gdn_rows", q, gdn_rows(&[4, 3, 6, 2], &[3, 0, 1, -1], Some(&[2, 3, 5, 1]), 16, 48), EXACT),
         c("gdn_rows", GDN32, gdn_rows(&[4], &[2], Some(&[4]), 2, 6), EXACT),
+        c("gdn_commit_layers", q, commit_layers(&[4, 3, 2], &[3, -1, 0], &[2, 3, 1], 16, 48, 3), EXACT),
+        c("gdn_commit_layers", GDN32, commit_layers(&[4, 2], &[1, 0], &[4, 1], 2, 6, 50), EXACT),
         c("gdn_recurrent", q, Op::GdnRecurrent { lens: vec![3, 1, 5, 2], accept: None, hk: 16, hv: 48 }, ACCUM),
         c(
             "gdn_recurrent",

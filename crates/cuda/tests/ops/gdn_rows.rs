@@ -129,3 +129,105 @@ pub fn rows(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
     }
     Ok(v)
 }
+
+/// [`Op::GdnCommitLayers`]: every layer's states after one `gdn_commit_layers` call, bit for bit as
+/// after that layer's own `gdn_rows` commit. The layers' trace rows share one buffer at a layer stride,
+/// as the speculative trace's do; more layers than a launch's table take several launches.
+pub fn commit_layers(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
+    let Env { k, s, .. } = e;
+    let Op::GdnCommitLayers { ref lens, ref slots, ref accept, hk, hv, layers } = *op else { unreachable!() };
+    let (dk, dv, kw) = (k.dims.gdn_k_dim, k.dims.gdn_v_dim, k.dims.conv_kernel);
+    let c = (2 * hk + hv) * dk;
+    let (b, n, xs) = (lens.iter().sum::<usize>(), lens.len(), c + 8);
+    let n_slots = slots.iter().copied().max().unwrap_or(0).max(0) as usize + 1;
+    // The layers' trace blocks: rows b .. b + 2 of each block are padding no commit reads.
+    let (x_layer, ba_layer) = ((b + 2) * xs, (b + 2) * 2 * hv);
+    let x = randv(rng, layers * x_layer, 1.0);
+    let ba = randv(rng, layers * ba_layer, 4.0);
+    let (xp, bap) = (d.bf16(&x)?, d.bf16(&ba)?);
+    let (sp, cup) = (d.i32s(slots)?, d.i32s(&cu_of(lens))?);
+    let accp = d.i32s(&accept.iter().map(|&v| v as i32).collect::<Vec<_>>())?;
+    let (mut ptrs, mut inits) = (Vec::new(), Vec::new());
+    for _ in 0..layers {
+        let w = d.bf16(&randv(rng, c * kw, 0.6))?;
+        let a_log: Vec<f32> = (0..hv).map(|_| rng.random_range(-2.0..1.5)).collect();
+        let dt_bias: Vec<f32> = (0..hv).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let (conv0, rec0) = (randv(rng, n_slots * (kw - 1) * c, 1.0), randv(rng, n_slots * hv * dk * dv, 0.5));
+        let l = gdn_decode::GdnLayerPtrs {
+            conv_w: w,
+            a_log: d.f32s(&a_log)?,
+            dt_bias: d.f32s(&dt_bias)?,
+            ..Default::default()
+        };
+        ptrs.push(l);
+        inits.push((conv0, rec0));
+    }
+    let states = |d: &mut Dev, ptrs: &mut [gdn_decode::GdnLayerPtrs]| -> R<()> {
+        for (l, (conv0, rec0)) in ptrs.iter_mut().zip(&inits) {
+            (l.conv_state, l.state) = (d.bf16(conv0)?, d.f32s(rec0)?);
+        }
+        Ok(())
+    };
+    let mut got = Vec::new();
+    for together in [false, true] {
+        states(d, &mut ptrs)?;
+        if together {
+            let a = gdn_decode::GdnCommitLayers {
+                layers: &ptrs,
+                x: xp,
+                x_layer,
+                x_stride: xs,
+                ba: bap,
+                ba_layer,
+                ba_stride: 2 * hv,
+                slots: sp,
+                starts: cup,
+                lens: accp,
+                n_seqs: n,
+                hk,
+                hv,
+            };
+            gdn_decode::gdn_commit_layers(k, s, &a)?;
+        } else {
+            for (li, l) in ptrs.iter().enumerate() {
+                let a = gdn_decode::GdnRows {
+                    x: xp + (2 * li * x_layer) as u64,
+                    x_stride: xs,
+                    ba: bap + (2 * li * ba_layer) as u64,
+                    ba_stride: 2 * hv,
+                    conv_w: l.conv_w,
+                    conv_state: l.conv_state,
+                    a_log: l.a_log,
+                    dt_bias: l.dt_bias,
+                    state: l.state,
+                    slots: sp,
+                    starts: cup,
+                    lens: accp,
+                    z: 0,
+                    z_tok_stride: 0,
+                    norm_w: 0,
+                    out: 0,
+                    eps: 1e-6,
+                    n_seqs: n,
+                    hk,
+                    hv,
+                    commit: true,
+                };
+                gdn_decode::gdn_rows(k, s, &a)?;
+            }
+        }
+        let (mut rb, mut cb) = (Vec::new(), Vec::new());
+        for (l, (conv0, rec0)) in ptrs.iter().zip(&inits) {
+            let (mut r, mut cv) = (vec![0u16; 2 * rec0.len()], vec![0u16; conv0.len()]);
+            d.rt.download(&mut r, l.state)?;
+            d.rt.download(&mut cv, l.conv_state)?;
+            rb.extend(r);
+            cb.extend(cv);
+        }
+        got.push([rb, cb]);
+    }
+    Ok(vec![
+        same_bits(&format!("recurrent states of {layers} layers vs gdn_rows per layer"), &got[0][0], &got[1][0]),
+        same_bits(&format!("conv states of {layers} layers vs gdn_rows per layer"), &got[0][1], &got[1][1]),
+    ])
+}

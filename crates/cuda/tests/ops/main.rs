@@ -229,6 +229,16 @@ enum Op {
         hk: usize,
         hv: usize,
     },
+    /// The commit of `layers` DeltaNet layers in one launch per table of layers (gdn_commit_layers)
+    /// bitwise vs each layer's own gdn_rows commit (`accept[b]` of `lens[b]` rows).
+    GdnCommitLayers {
+        lens: Vec<usize>,
+        slots: Vec<i32>,
+        accept: Vec<usize>,
+        hk: usize,
+        hv: usize,
+        layers: usize,
+    },
     GdnRecurrent {
         lens: Vec<usize>,
         accept: Option<Vec<usize>>,
@@ -473,6 +483,7 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
         Op::GdnDecode { .. } => deltanet::decode,
         Op::GdnDecodeGated { .. } | Op::GdnRecurrentGated { .. } => deltanet::decode_gated,
         Op::GdnRows { .. } => gdn_rows::rows,
+        Op::GdnCommitLayers { .. } => gdn_rows::commit_layers,
         Op::GdnRecurrent { .. } => deltanet::recurrent,
         Op::ConvAccept { .. } => elementwise::conv_accept,
         Op::MtpRows { .. } => elementwise::mtp_rows,
