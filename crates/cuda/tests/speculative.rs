@@ -303,6 +303,14 @@ fn agreeing_head_drafts_what_the_model_predicts() {
             assert_eq!(again.drafts, drafts, "step {step}: drafts");
             assert_eq!(again.tokens, verified, "step {step}: the verified rows' argmax picked on the device");
             assert!(again.logits.is_empty());
+            // And once more with each draft picked on the host from its logits: the argmax kernel's drafts
+            // are the same tokens.
+            let mut host = c.clone();
+            host.greedy_draft_vocab = 0;
+            let mut by_host = StepOut::default();
+            let mut host_pick = |_: u64, _: usize, row: &[f32]| argmax(row) as u32;
+            b.step(&batch(host), Want::Drafts(&mut host_pick), &mut by_host).unwrap();
+            assert_eq!(by_host.drafts, drafts, "step {step}: drafts picked on the host");
         }
         same += verified[..MAX_DRAFT].iter().zip(&drafts[0]).filter(|(a, b)| a == b).count();
         total += MAX_DRAFT;
