@@ -5,8 +5,9 @@ Usage:
     python3 scripts/hf_fixtures.py --out DIR [--device cpu|cuda] [--seed 1234] [--only NAME ...]
 
 For each model NAME in (qwen35_gva3, qwen35_gva3_d32, qwen35_gva1_tied, qwen3next_dense, qwen35_moe,
-qwen3next_moe) writes DIR/NAME/:
-    config.json, generation_config.json, model.safetensors   (bf16, real HF tensor names)
+qwen3next_moe, qwen35_fp8) writes DIR/NAME/:
+    config.json, generation_config.json, model.safetensors   (bf16, real HF tensor names; qwen35_fp8: the
+                            block-FP8 checkpoint transformers' FineGrainedFP8Config writes, made on a CUDA GPU)
     reference.safetensors   logits_<T> [T,V] f32 (T in 1,37,300,1100), decode_logits [24,V] f32,
                             input_ids_<T> [T] i64, decode_ids [37+24] i64
     reference.json          prompts, greedy decode trace, metadata, self-checks
@@ -45,6 +46,21 @@ from transformers import (  # noqa: E402
 )
 
 PROMPT_LENS = [1, 37, 300, 1100]
+# Fixtures saved as block-FP8 checkpoints: the bf16 model quantised by transformers' FineGrainedFP8Config
+# (e4m3 codes + `weight_scale_inv` per 128 x 128 block, on a GPU of compute capability >= 8.9) and saved with
+# save_pretrained; the reference reloads that checkpoint dequantised to float32 by transformers itself.
+# Left in bf16, as the official Qwen -FP8 releases leave them: lm_head, the embedding (not a linear), the
+# DeltaNet conv1d and in_proj_a / in_proj_b, and the vision tower.
+FP8_FIXTURES = {"qwen35_fp8"}
+# (transformers matches these against a module's whole name or its last parts: the vision tower's linears are
+# named in full, for the one block of tiny_vision_config.)
+FP8_NOT_CONVERTED = ["lm_head", "in_proj_a", "in_proj_b", "conv1d"] + [
+    f"model.visual.{m}"
+    for m in ["blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.linear_fc1", "blocks.0.mlp.linear_fc2",
+              "merger.linear_fc1", "merger.linear_fc2"]
+]
+# Fixtures made after the first six: their seeds follow the six (seed + 100 * index) without moving theirs.
+LATER_FIXTURES = ["qwen35_fp8"]
 # Mixture-of-experts fixtures skip the 1100-token prompt (chunk carry-over is covered by the dense ones):
 # fewer routed tokens keep the smallest top-k margin large (see MIN_ROUTER_GAP).
 MOE_PROMPT_LENS = [1, 37, 300]
@@ -256,6 +272,25 @@ def build_configs():
                 moe=(8, 2, 32, 48),
             ),
         ),
+        # Block-FP8 (see FP8_FIXTURES): every quantised linear's dims are multiples of the 128 x 128 scale blocks.
+        "qwen35_fp8": (
+            Qwen3_5ForConditionalGeneration,
+            qwen35_config(
+                hidden=128,
+                layer_types=[LIN, LIN, FULL, LIN],
+                heads=4,
+                kv_heads=2,
+                head_dim=128,
+                prf=0.25,
+                lk=2,
+                lv=4,
+                dk=64,
+                dv=64,
+                inter=256,
+                vocab=512,
+                tied=False,
+            ),
+        ),
         # Layers 0, 1, 3 sparse (6 experts, top 3, top-k weights NOT renormalised), layer 2 dense.
         "qwen3next_moe": (
             Qwen3NextForCausalLM,
@@ -435,6 +470,51 @@ def full_forward_logits(model, ids, device):
 
 
 @torch.no_grad()
+def quantize_fp8(cls, mdir):
+    """Rewrites the bf16 checkpoint in `mdir` as transformers' block-FP8 checkpoint: loaded with
+    FineGrainedFP8Config (weights quantised on a CUDA GPU) and saved with save_pretrained."""
+    from transformers import FineGrainedFP8Config
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("FP8 fixtures are quantised by transformers on a CUDA GPU (compute capability >= 8.9)")
+    qcfg = FineGrainedFP8Config(weight_block_size=[128, 128], modules_to_not_convert=FP8_NOT_CONVERTED)
+    q = cls.from_pretrained(mdir, dtype=torch.bfloat16, quantization_config=qcfg, device_map="cuda")
+    tmp = mdir + ".fp8"
+    q.save_pretrained(tmp)
+    del q
+    for f in os.listdir(tmp):
+        os.replace(os.path.join(tmp, f), os.path.join(mdir, f))
+    os.rmdir(tmp)
+
+
+def check_fp8_weights(mdir, sd, orig):
+    """Each saved FP8 linear's reloaded float32 weight against code * its block's scale_inv, computed here,
+    and its distance from the bf16 original; raises where transformers' dequantisation differs."""
+    saved = load_file(os.path.join(mdir, "model.safetensors"))
+    quantized, worst_rel, worst = [], 0.0, ""
+    for k, v in saved.items():
+        if v.dtype != torch.float8_e4m3fn:
+            continue
+        scale = saved[k + "_scale_inv"].float()
+        rows, cols = v.shape
+        full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
+        want = v.float() * full
+        if k not in sd:
+            raise RuntimeError(f"{k}: FP8 linear missing from the reloaded model")
+        if not torch.equal(sd[k].cpu(), want):
+            raise RuntimeError(f"{k}: dequantised by transformers != code * scale_inv (max diff "
+                               f"{(sd[k].cpu() - want).abs().max().item():.3g})")
+        ref = orig[k].to(torch.bfloat16).float()
+        rel = ((want - ref).norm() / ref.norm()).item()
+        if rel > worst_rel:
+            worst_rel, worst = rel, k
+        quantized.append(k)
+    if not quantized:
+        raise RuntimeError(f"{mdir}: no FP8 linear saved")
+    return {"quantized": quantized, "max_l2_rel_err_vs_bf16_weights": worst_rel, "worst_weight": worst,
+            "dequantised_equals_code_times_scale": True}
+
+
 def make_one(name, cls, config, out_root, device, seed, decay, log):
     """Writes fixture `name`; a mixture-of-experts model is redrawn (router weights only) until every
     routed token's top-k choice clears MIN_ROUTER_GAP."""
@@ -458,14 +538,27 @@ def make_attempt(name, cls, config, out_root, device, seed, decay, log, router_a
     orig = {k: v.detach().clone() for k, v in model.state_dict().items()}
     model.to(torch.bfloat16).save_pretrained(mdir)
     del model
+    fp8 = name in FP8_FIXTURES
+    if fp8:
+        quantize_fp8(cls, mdir)
 
-    # 2. reload fp32 / eager on device
-    model = cls.from_pretrained(mdir, dtype=torch.float32, attn_implementation="eager").to(device).eval()
-    # checks: reloaded weights == bf16(rounded) originals
+    # 2. reload fp32 / eager on device (FP8: dequantised to float32 by transformers)
+    load_kw = {}
+    if fp8:
+        from transformers import FineGrainedFP8Config
+
+        load_kw["quantization_config"] = FineGrainedFP8Config(
+            dequantize=True, weight_block_size=[128, 128], modules_to_not_convert=FP8_NOT_CONVERTED
+        )
+    model = cls.from_pretrained(mdir, dtype=torch.float32, attn_implementation="eager", **load_kw).to(device).eval()
+    # checks: reloaded weights == bf16(rounded) originals; FP8 linears == code * block scale
     sd = model.state_dict()
+    fp8_checks = check_fp8_weights(mdir, sd, orig) if fp8 else {}
     for k, v in orig.items():
         if k not in sd:
             raise RuntimeError(f"{name}: {k} missing after reload")
+        if k in fp8_checks.get("quantized", []):
+            continue
         exp = v.to(torch.bfloat16).to(torch.float32)
         if sd[k].dtype != torch.float32 or not torch.equal(sd[k].cpu(), exp):
             raise RuntimeError(f"{name}: {k} not equal to bf16-rounded original after reload")
@@ -543,6 +636,9 @@ def make_attempt(name, cls, config, out_root, device, seed, decay, log, router_a
         "max_abs_diff_decode0_vs_logits_37_last": (dec[0] - tensors["logits_37"][-1]).abs().max().item(),
         "gdn_decay_exp_g_on_prompt_300": checks_decay,
     }
+    if fp8:
+        checks["fp8"] = {k: v for k, v in fp8_checks.items() if k != "quantized"}
+        checks["fp8"]["quantized_linears"] = len(fp8_checks["quantized"])
     if sparse:
         margin = router_margin(model, [p["ids"] for p in prompts] + [seq.tolist()], device)
         log(f"   router draw {router_attempt}: smallest top-k logit gap {margin:.2e}")
@@ -599,7 +695,9 @@ def make_attempt(name, cls, config, out_root, device, seed, decay, log, router_a
             "device": str(device),
             "device_name": torch.cuda.get_device_name(0) if str(device).startswith("cuda") else "cpu",
             "compute_dtype": "float32",
-            "weights_dtype": "bfloat16 (saved), upcast to float32 for the reference",
+            "weights_dtype": "float8_e4m3fn with 128x128 block scales (FineGrainedFP8Config) for the decoder linears, "
+            "bfloat16 for the rest (saved); dequantised / upcast to float32 by transformers for the reference"
+            if fp8 else "bfloat16 (saved), upcast to float32 for the reference",
             "attn_implementation": model.config._attn_implementation,
             "optional_fast_path_modules_importable": fast_path_modules(),
             "tf32": {
@@ -655,7 +753,8 @@ def main():
     names = args.only or list(configs)
     os.makedirs(args.out, exist_ok=True)
     total = 0
-    for i, name in enumerate(configs):
+    order = [n for n in configs if n not in LATER_FIXTURES] + LATER_FIXTURES
+    for i, name in enumerate(order):
         if name not in names:
             continue
         cls, cfg = configs[name]

@@ -4,7 +4,8 @@
 //! (full passes, and the longest prompt fed in uneven pieces), and the greedy decode trace
 //! reproduced token for token with per-step logits. The fixtures include mixture-of-experts models
 //! (`qwen35_moe`: every layer sparse, renormalised top-k; `qwen3next_moe`: a dense layer among sparse
-//! ones, plain top-k probabilities), with prompts of up to 300 tokens.
+//! ones, plain top-k probabilities), with prompts of up to 300 tokens, and a block-FP8 checkpoint written
+//! by transformers' `FineGrainedFP8Config` (`qwen35_fp8`, against HF's own dequantisation).
 
 use std::path::{Path, PathBuf};
 

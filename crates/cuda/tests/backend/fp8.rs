@@ -22,7 +22,7 @@ use crate::int4::{compare_quantised, random_weights_run, tiny_int4_dir, tiny_int
 const FP8_TENSOR_CORES: Bounds = Bounds { median: 0.25, row: 0.6, argmax_share: 0.5, decisive_flips: 4 };
 
 /// FP8 tensor cores: Ada (sm_89) and later; the CUDA backend keeps FP8 weights only there.
-fn fp8_gpu() -> bool {
+pub(crate) fn fp8_gpu() -> bool {
     gpu() && deltaserve_cuda::Runtime::open(0).is_ok_and(|rt| rt.cc >= (8, 9))
 }
 
