@@ -271,7 +271,10 @@ gdn_recurrent_gated(const bf16_t* q, const bf16_t* k, const bf16_t* v, long long
 // [0, Hk DK), k [Hk DK, 2 Hk DK), v from 2 Hk DK; C = 2 Hk DK + Hv DV) and ba [*, ba_stride] (b, then a
 // at column Hv); conv weights cw [C, CONV_K], conv state [slots, CONV_K - 1, C] bf16, state as
 // gdn_recurrent's; z, nw, out as gdn_recurrent_gated's. A sequence of slot < 0 normalises o = 0 and
-// writes no state. Launch: grid (B, Hv), block 4 * DV (2 DK + DV <= 4 DV). -D DK, DV, CONV_K.
+// writes no state. trace_x / trace_ba (verify, when not null): the rows of x and ba the block reads, copied
+// to the same columns of row t - starts[0] (the speculative trace the commit replays; x's q / k channels by the
+// key head's first value head), at x's and ba's row strides. Launch: grid (B, Hv), block 4 * DV
+// (2 DK + DV <= 4 DV). -D DK, DV, CONV_K.
 // Tested by: tests/ops/ case "gdn_rows" (bitwise vs the kernels it replaces).
 // gdn_rows_body: the block (sequence b, value head hv) of gdn_rows, shared with gdn_commit_layers.
 __device__ __forceinline__ void gdn_rows_body(const bf16_t* x, long long x_stride, const bf16_t* __restrict__ cw,
@@ -280,8 +283,9 @@ __device__ __forceinline__ void gdn_rows_body(const bf16_t* x, long long x_strid
                                               float* state, const int* __restrict__ slots,
                                               const int* __restrict__ starts, const int* __restrict__ lens,
                                               const bf16_t* z, long long z_tok_stride, const float* __restrict__ nw,
-                                              bf16_t* __restrict__ out, int Hk, int Hv, float eps, int commit, int b,
-                                              int hv) {
+                                              bf16_t* __restrict__ out, bf16_t* __restrict__ trace_x,
+                                              bf16_t* __restrict__ trace_ba, int Hk, int Hv, float eps, int commit,
+                                              int b, int hv) {
     constexpr int NCH = 2 * DK + DV;  // the block's conv channels: q, k of its key head, then its v
     __shared__ bf16_t ys[GDN_ROWS][NCH], qn[GDN_ROWS][DK], kn[GDN_ROWS][DK];
     __shared__ float qs[GDN_ROWS][DK], ks[GDN_ROWS][DK], red[4][DV], gred[DV / 32], gv[GDN_ROWS], bv[GDN_ROWS];
@@ -311,6 +315,12 @@ __device__ __forceinline__ void gdn_rows_body(const bf16_t* x, long long x_strid
             bf16_t xr[GDN_ROWS];
 #pragma unroll
             for (int i = 0; i < GDN_ROWS; i++) xr[i] = slot >= 0 ? x[(t0 + min(i, m - 1)) * x_stride + ch] : (bf16_t)0;
+            // The verify's trace: the rows as read (q / k channels by the key head's first value head).
+            if (trace_x && slot >= 0 && (tid >= 2 * DK || hv % (Hv / Hk) == 0)) {
+#pragma unroll
+                for (int i = 0; i < GDN_ROWS; i++)
+                    if (i < m) trace_x[(t0 + i - starts[0]) * x_stride + ch] = xr[i];
+            }
 #pragma unroll
             for (int i = 0; i < GDN_ROWS; i++) {
                 if (i < m) {
@@ -324,9 +334,14 @@ __device__ __forceinline__ void gdn_rows_body(const bf16_t* x, long long x_strid
                 }
             }
         }
-        if (tid < m)
-            gdn_gate_values(bf2f(ba[(t0 + tid) * ba_stride + hv]), bf2f(ba[(t0 + tid) * ba_stride + Hv + hv]), A_log,
-                            dt_bias, hv, &bv[tid], &gv[tid]);
+        if (tid < m) {
+            const bf16_t bb = ba[(t0 + tid) * ba_stride + hv], aa = ba[(t0 + tid) * ba_stride + Hv + hv];
+            if (trace_ba && slot >= 0) {
+                trace_ba[(t0 + tid - starts[0]) * ba_stride + hv] = bb;
+                trace_ba[(t0 + tid - starts[0]) * ba_stride + Hv + hv] = aa;
+            }
+            gdn_gate_values(bf2f(bb), bf2f(aa), A_log, dt_bias, hv, &bv[tid], &gv[tid]);
+        }
         __syncthreads();
         for (int e = warp; e < 2 * m; e += blockDim.x / 32) {  // q (even) and k (odd) of row e / 2
             const int i = e >> 1;
@@ -368,10 +383,10 @@ extern "C" __global__ void __launch_bounds__(4 * DV, 2)
 gdn_rows(const bf16_t* x, long long x_stride, const bf16_t* __restrict__ cw, bf16_t* conv_state, const bf16_t* ba,
          long long ba_stride, const float* __restrict__ A_log, const float* __restrict__ dt_bias, float* state,
          const int* __restrict__ slots, const int* __restrict__ starts, const int* __restrict__ lens, const bf16_t* z,
-         long long z_tok_stride, const float* __restrict__ nw, bf16_t* __restrict__ out, int Hk, int Hv, float eps,
-         int commit) {
+         long long z_tok_stride, const float* __restrict__ nw, bf16_t* __restrict__ out, bf16_t* __restrict__ trace_x,
+         bf16_t* __restrict__ trace_ba, int Hk, int Hv, float eps, int commit) {
     gdn_rows_body(x, x_stride, cw, conv_state, ba, ba_stride, A_log, dt_bias, state, slots, starts, lens, z,
-                  z_tok_stride, nw, out, Hk, Hv, eps, commit, blockIdx.x, blockIdx.y);
+                  z_tok_stride, nw, out, trace_x, trace_ba, Hk, Hv, eps, commit, blockIdx.x, blockIdx.y);
 }
 
 // The per-layer pointers of gdn_commit_layers, passed by value (GDN_LAYER_TABLE * 5 * 8 bytes of
@@ -396,6 +411,6 @@ gdn_commit_layers(const bf16_t* x, long long x_layer, long long x_stride, const 
                   const int* __restrict__ lens, int Hk, int Hv) {
     const int l = blockIdx.z;
     gdn_rows_body(x + l * x_layer, x_stride, lt.cw[l], lt.conv_state[l], ba + l * ba_layer, ba_stride, lt.a_log[l],
-                  lt.dt_bias[l], lt.state[l], slots, starts, lens, nullptr, 0, nullptr, nullptr, Hk, Hv, 0.0f, 1,
-                  blockIdx.x, blockIdx.y);
+                  lt.dt_bias[l], lt.state[l], slots, starts, lens, nullptr, 0, nullptr, nullptr, nullptr, nullptr, Hk,
+                  Hv, 0.0f, 1, blockIdx.x, blockIdx.y);
 }

@@ -47,7 +47,7 @@ impl CudaBackend {
             self.gdn_gates(gw, ws.gdn_ba, t, if fused_dec { tp } else { t })?
         };
         self.tick("gdn gates + l2norm")?;
-        if !self.gdn_core(ws, gw, (rec_state, conv_state), sh, (q, kk))? {
+        if !self.gdn_core(ws, gw, (rec_state, conv_state), sh, (q, kk), gdn_index)? {
             // The gated norm of the other rows (the chunked and verify rows).
             norm::gated_rms_norm(k, s, ws.gdn_core_out, ws.gdn_z, vw, hv, gw.norm, ws.gdn_normed, tp, dv, eps)?;
         }
@@ -152,9 +152,10 @@ impl CudaBackend {
                 cc,
             )?;
         }
-        if let (true, Some(sp), Some(gi)) = (sh.n_ver > 0, &self.spec, gdn_index) {
+        if let (true, false, Some(sp), Some(gi)) = (sh.n_ver > 0, self.verify_rows_fused(sh), &self.spec, gdn_index) {
             // The verify trace: this layer's in-projection rows of the verify group (qkv is dead
-            // after the conv and ba after the gates: the plan lets later buffers reuse them).
+            // after the conv and ba after the gates: the plan lets later buffers reuse them). Fused
+            // verify rows write it from the kernel that reads them (gdn_core).
             let r0 = tp - tv;
             let x_at = sp.trace_x + b2(gi * sp.rows * cc);
             let ba_at = sp.trace_ba + b2(gi * sp.rows * 2 * hv);
@@ -176,6 +177,7 @@ impl CudaBackend {
         (rec_state, conv_state): (u64, u64),
         sh: &StepShape,
         (q, kk): (u64, u64),
+        gdn_index: Option<usize>,
     ) -> Result<bool, CudaError> {
         let (k, s, d) = (&self.k, self.rt.stream().as_ref(), &self.d);
         let StepShape { n, n_pre, tp, tv, .. } = *sh;
@@ -228,6 +230,13 @@ impl CudaBackend {
             };
             let starts = ws.cu_seqlens + 4 * n_real as u64;
             if self.verify_rows_fused(sh) {
+                // The verify trace (this layer's rows of x and ba, replayed by the commit), written as read.
+                let (trace_x, trace_ba) = match (&self.spec, gdn_index) {
+                    (Some(sp), Some(gi)) => {
+                        (sp.trace_x + b2(gi * sp.rows * cc), sp.trace_ba + b2(gi * sp.rows * 2 * hv))
+                    }
+                    _ => (0, 0),
+                };
                 let rows = gdn_decode::GdnRows {
                     x: ws.gdn_qkv,
                     x_stride: cc,
@@ -245,6 +254,8 @@ impl CudaBackend {
                     z_tok_stride: vw,
                     norm_w: gw.norm,
                     out: ws.gdn_normed,
+                    trace_x,
+                    trace_ba,
                     eps,
                     n_seqs: sh.n_ver,
                     hk,

@@ -184,6 +184,10 @@ pub struct GdnRows {
     pub z_tok_stride: usize,
     pub norm_w: u64,
     pub out: u64,
+    /// The verify's trace (0: not written): the x and ba rows it reads, row t at row `t − starts[0]`, at x's
+    /// and ba's row strides (what the commit replays).
+    pub trace_x: u64,
+    pub trace_ba: u64,
     pub eps: f32,
     pub n_seqs: usize,
     pub hk: usize,
@@ -205,21 +209,41 @@ pub fn gdn_rows(k: &Kernels, s: &CudaStream, a: &GdnRows) -> Result<(), CudaErro
     let dv = k.dims.gdn_v_dim;
     let channels = (2 * a.hk + a.hv) * k.dims.gdn_k_dim;
     let zs_ok = a.commit || a.z_tok_stride >= a.hv * dv;
+    let trace_ok = !a.commit || (a.trace_x == 0 && a.trace_ba == 0);
     if !rows_supported(&k.dims, channels, a.hk, a.hv)
         || !a.hv.is_multiple_of(a.hk)
         || a.x_stride < channels
         || a.ba_stride < 2 * a.hv
         || !zs_ok
+        || !trace_ok
     {
         return Err(invalid(K, format!("{a:?}")));
     }
-    let GdnRows { x, ba, conv_w, conv_state, a_log, dt_bias, state, slots, starts, lens, z, norm_w, out, eps, .. } = *a;
+    let GdnRows {
+        x,
+        ba,
+        conv_w,
+        conv_state,
+        a_log,
+        dt_bias,
+        state,
+        slots,
+        starts,
+        lens,
+        z,
+        norm_w,
+        out,
+        trace_x,
+        trace_ba,
+        eps,
+        ..
+    } = *a;
     let (xs, bs, zs) = (a.x_stride as i64, a.ba_stride as i64, a.z_tok_stride as i64);
     let (hk, hv, commit) = (to_i32(K, "hk", a.hk)?, to_i32(K, "hv", a.hv)?, i32::from(a.commit));
     let grid = (to_u32(K, "n_seqs", a.n_seqs)?, to_u32(K, "hv", a.hv)?, 1);
     launch!(k, s, K, grid, ((4 * dv) as u32, 1, 1), 0;
-        x, xs, conv_w, conv_state, ba, bs, a_log, dt_bias, state, slots, starts, lens, z, zs, norm_w, out, hk, hv, eps,
-        commit)
+        x, xs, conv_w, conv_state, ba, bs, a_log, dt_bias, state, slots, starts, lens, z, zs, norm_w, out, trace_x,
+        trace_ba, hk, hv, eps, commit)
 }
 
 /// Layers per [`gdn_commit_layers`] launch: the kernel's pointer table (`GDN_LAYER_TABLE` in

@@ -32,6 +32,8 @@ pub fn rows(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
     let acc: Vec<i32> = accept.as_ref().map_or(Vec::new(), |a| a.iter().map(|&v| v as i32).collect());
     let accp = if accept.is_some() { d.i32s(&acc)? } else { 0 };
     let commit = accept.is_some();
+    // The verify's trace, written by the fused kernel as it reads the rows (the commit writes none).
+    let (trace_x, trace_ba) = if commit { (0, 0) } else { (d.poison(2 * b * xs)?, d.poison(2 * b * 2 * hv)?) };
     let mut got = Vec::new();
     for fused in [false, true] {
         let (conv_st, rec_st) = (d.bf16(&conv0)?, d.f32s(&rec0)?);
@@ -54,6 +56,8 @@ pub fn rows(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
                 z_tok_stride: hv * dv,
                 norm_w: nwp,
                 out,
+                trace_x,
+                trace_ba,
                 eps: 1e-6,
                 n_seqs: n,
                 hk,
@@ -126,8 +130,26 @@ pub fn rows(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
         .collect();
     if !commit {
         v.push(same_bits(&format!("out vs {what}"), &got[0][0], &got[1][0]));
+        // The trace holds the rows of the sequences with a slot, x's channels and both of ba's halves, as stored.
+        let (mut tx, mut tb) = (vec![0u16; b * xs], vec![0u16; b * 2 * hv]);
+        d.rt.download(&mut tx, trace_x)?;
+        d.rt.download(&mut tb, trace_ba)?;
+        let (xb, bab) = (bf16_bits(&x), bf16_bits(&ba));
+        let cu = cu_of(lens);
+        let rows: Vec<usize> =
+            (0..n).filter(|&i| slots[i] >= 0).flat_map(|i| cu[i] as usize..cu[i + 1] as usize).collect();
+        let pick = |v: &[u16], stride: usize, width: usize| -> Vec<u16> {
+            rows.iter().flat_map(|&r| v[r * stride..r * stride + width].to_vec()).collect()
+        };
+        v.push(same_bits("the trace's x rows vs x", &pick(&xb, xs, c), &pick(&tx, xs, c)));
+        v.push(same_bits("the trace's ba rows vs ba", &pick(&bab, 2 * hv, 2 * hv), &pick(&tb, 2 * hv, 2 * hv)));
     }
     Ok(v)
+}
+
+/// bf16 bits of `v` as [`Dev::bf16`] stores them (round to nearest even).
+fn bf16_bits(v: &[f32]) -> Vec<u16> {
+    v.iter().map(|&f| half::bf16::from_f32(f).to_bits()).collect()
 }
 
 /// [`Op::GdnCommitLayers`]: every layer's states after one `gdn_commit_layers` call, bit for bit as
@@ -207,6 +229,8 @@ pub fn commit_layers(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Ou
                     z_tok_stride: 0,
                     norm_w: 0,
                     out: 0,
+                    trace_x: 0,
+                    trace_ba: 0,
                     eps: 1e-6,
                     n_seqs: n,
                     hk,
