@@ -464,7 +464,11 @@ pub fn run(a: Args) -> Result<()> {
         let k = a.speculative_tokens;
         if let (true, Under::One(cb)) = (k > 0, &mut be) {
             for &b in &a.batches {
-                let Some(one) = report.decode.iter().find(|r| r.batch == b && r.context == ctx).map(|r| r.ms_per_step)
+                let Some((one, greedy)) = report
+                    .decode
+                    .iter()
+                    .find(|r| r.batch == b && r.context == ctx)
+                    .map(|r| (r.ms_per_step, r.ms_per_step_argmax_ahead.unwrap_or(r.ms_per_step_argmax)))
                 else {
                     continue;
                 };
@@ -482,6 +486,7 @@ pub fn run(a: Args) -> Result<()> {
                     verify_ms,
                     commit_ms,
                     decode_ms: one,
+                    decode_greedy_ms: greedy,
                 });
             }
         }
