@@ -59,8 +59,6 @@ FP8_NOT_CONVERTED = ["lm_head", "in_proj_a", "in_proj_b", "conv1d"] + [
     for m in ["blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.linear_fc1", "blocks.0.mlp.linear_fc2",
               "merger.linear_fc1", "merger.linear_fc2"]
 ]
-# Fixtures made after the first six: their seeds follow the six (seed + 100 * index) without moving theirs.
-LATER_FIXTURES = ["qwen35_fp8"]
 # Mixture-of-experts fixtures skip the 1100-token prompt (chunk carry-over is covered by the dense ones):
 # fewer routed tokens keep the smallest top-k margin large (see MIN_ROUTER_GAP).
 MOE_PROMPT_LENS = [1, 37, 300]
@@ -272,6 +270,19 @@ def build_configs():
                 moe=(8, 2, 32, 48),
             ),
         ),
+        # Layers 0, 1, 3 sparse (6 experts, top 3, top-k weights NOT renormalised), layer 2 dense.
+        "qwen3next_moe": (
+            Qwen3NextForCausalLM,
+            qwen3next_config(
+                num_experts=6,
+                mlp_only_layers=[2],
+                num_experts_per_tok=3,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=48,
+                norm_topk_prob=False,
+                vocab_size=256,
+            ),
+        ),
         # Block-FP8 (see FP8_FIXTURES): every quantised linear's dims are multiples of the 128 x 128 scale blocks.
         "qwen35_fp8": (
             Qwen3_5ForConditionalGeneration,
@@ -289,19 +300,6 @@ def build_configs():
                 inter=256,
                 vocab=512,
                 tied=False,
-            ),
-        ),
-        # Layers 0, 1, 3 sparse (6 experts, top 3, top-k weights NOT renormalised), layer 2 dense.
-        "qwen3next_moe": (
-            Qwen3NextForCausalLM,
-            qwen3next_config(
-                num_experts=6,
-                mlp_only_layers=[2],
-                num_experts_per_tok=3,
-                moe_intermediate_size=32,
-                shared_expert_intermediate_size=48,
-                norm_topk_prob=False,
-                vocab_size=256,
             ),
         ),
     }
@@ -753,8 +751,8 @@ def main():
     names = args.only or list(configs)
     os.makedirs(args.out, exist_ok=True)
     total = 0
-    order = [n for n in configs if n not in LATER_FIXTURES] + LATER_FIXTURES
-    for i, name in enumerate(order):
+    # (Each fixture's seed is seed + 100 * its index here: new fixtures go last, so the others keep theirs.)
+    for i, name in enumerate(configs):
         if name not in names:
             continue
         cls, cfg = configs[name]

@@ -201,22 +201,22 @@ pub fn rows_supported(dims: &crate::nvrtc::KernelDims, channels: usize, hk: usiz
     super::gdn_gate::conv_gate_decode_supported(dims, channels, hk, hv) && dims.gdn_v_dim <= 256
 }
 
+/// The heads and row strides [`gdn_rows`] and [`gdn_commit_layers`] take: dims [`rows_supported`], whole
+/// key-head groups, x rows holding the `(2·hk + hv)·dk` channels and ba rows the `2·hv` gates.
+fn rows_layout_ok(k: &Kernels, hk: usize, hv: usize, x_stride: usize, ba_stride: usize) -> bool {
+    let channels = (2 * hk + hv) * k.dims.gdn_k_dim;
+    rows_supported(&k.dims, channels, hk, hv) && hv.is_multiple_of(hk) && x_stride >= channels && ba_stride >= 2 * hv
+}
+
 pub fn gdn_rows(k: &Kernels, s: &CudaStream, a: &GdnRows) -> Result<(), CudaError> {
     const K: &str = "gdn_rows";
     if a.n_seqs == 0 {
         return Ok(());
     }
     let dv = k.dims.gdn_v_dim;
-    let channels = (2 * a.hk + a.hv) * k.dims.gdn_k_dim;
     let zs_ok = a.commit || a.z_tok_stride >= a.hv * dv;
     let trace_ok = !a.commit || (a.trace_x == 0 && a.trace_ba == 0);
-    if !rows_supported(&k.dims, channels, a.hk, a.hv)
-        || !a.hv.is_multiple_of(a.hk)
-        || a.x_stride < channels
-        || a.ba_stride < 2 * a.hv
-        || !zs_ok
-        || !trace_ok
-    {
+    if !rows_layout_ok(k, a.hk, a.hv, a.x_stride, a.ba_stride) || !zs_ok || !trace_ok {
         return Err(invalid(K, format!("{a:?}")));
     }
     let GdnRows {
@@ -301,13 +301,7 @@ pub fn gdn_commit_layers(k: &Kernels, s: &CudaStream, a: &GdnCommitLayers<'_>) -
         return Ok(());
     }
     let dv = k.dims.gdn_v_dim;
-    let channels = (2 * a.hk + a.hv) * k.dims.gdn_k_dim;
-    if !rows_supported(&k.dims, channels, a.hk, a.hv)
-        || !a.hv.is_multiple_of(a.hk)
-        || a.x_stride < channels
-        || a.ba_stride < 2 * a.hv
-        || a.lens == 0
-    {
+    if !rows_layout_ok(k, a.hk, a.hv, a.x_stride, a.ba_stride) || a.lens == 0 {
         return Err(invalid(K, format!("{a:?}")));
     }
     let (slots, starts, lens) = (a.slots, a.starts, a.lens);
