@@ -227,27 +227,39 @@ attn_decode_split(const bf16_t* q, const void* k_cache, const void* v_cache, con
     }
 }
 
+#define COMB_MAX 128  // partials of a row, at most (the launcher checks)
 extern "C" __global__ void attn_decode_combine(const float* part_o, const float* part_ml,
                                                const int* __restrict__ seq_lens,
                                                bf16_t* __restrict__ o, int Hq, int n_split,
                                                const bf16_t* gate, long long g_tok,
                                                long long g_head) {
+    // The partials' (max, sum) pairs, loaded in parallel: the sums over them below then wait for one
+    // load of o per partial with a key, those loads independent (predicated, no branch).
+    __shared__ float pm[COMB_MAX], pl[COMB_MAX];
     pdl_trigger();  // launched programmatically on sm_90: the GEMV that follows may start streaming its weights
     const int b = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
     const long long base = ((long long)b * Hq + h) * n_split;
     // (a step input: before the wait; no lengths: every row has n_split partials, as a split prefill
-    // launch writes them)
+    // launch or a grouped verify launch writes them, those without keys max = -inf)
     const int parts = seq_lens ? dec_parts(seq_lens[b], n_split) : n_split;
     pdl_wait();
-    float M = NEG_INF;
-    for (int sp = 0; sp < parts; sp++) M = fmaxf(M, part_ml[(base + sp) * 2]);
+    for (int sp = threadIdx.x; sp < parts; sp += blockDim.x) {
+        pm[sp] = part_ml[(base + sp) * 2];
+        pl[sp] = part_ml[(base + sp) * 2 + 1];
+    }
+    __syncthreads();
+    float M = NEG_INF;  // (each warp reduces all of them: no second barrier)
+    for (int sp = threadIdx.x & 31; sp < parts; sp += 32) M = fmaxf(M, pm[sp]);
+    M = warp_max(M);
     float num = 0.0f, den = 0.0f;
+#pragma unroll 8
     for (int sp = 0; sp < parts; sp++) {
-        float ms = part_ml[(base + sp) * 2];
-        if (ms == NEG_INF) continue;
-        float f = pf_exp2(ms - M);  // partial maxima are in the log2 domain
-        num += f * part_o[(base + sp) * HD + d];
-        den += f * part_ml[(base + sp) * 2 + 1];
+        const float ms = pm[sp];
+        const bool has = ms != NEG_INF;
+        const float po = has ? part_o[(base + sp) * HD + d] : 0.0f;
+        const float f = has ? pf_exp2(ms - M) : 0.0f;  // partial maxima are in the log2 domain
+        num += f * po;
+        den += f * pl[sp];
     }
     float v = num / den;
     if (gate) v = round_bf(v) * sigmoidf_(bf2f(gate[(long long)b * g_tok + (long long)h * g_head + d]));
@@ -410,6 +422,111 @@ __device__ __forceinline__ u32 dm_movt(u32 x) {
     return r;
 }
 
+// While the previous kernel runs (before pdl_wait): the K and V rows (and scales) of keys k0 ..
+// min(k1, k0 + blockDim.x / 2) of kv head hkv into L2 (prefetch.global.L2: coherent, so this step's rows, which
+// the previous kernel writes, are safe to prefetch too). Thread i takes key k0 + i / 2, every other
+// 128-byte line of its rows (blockDim.x / 2 keys).
+__device__ __forceinline__ void dm_prefetch_keys(const unsigned char* kc, const unsigned char* vc,
+                                                 const unsigned short* k_scales, const unsigned short* v_scales,
+                                                 const int* bt, int page, int Hkv, int hkv, int k0, int k1) {
+    const int p = k0 + (threadIdx.x >> 1);
+    if (p < k1) {
+        const long long th = ((long long)bt[p / page] * page + p % page) * Hkv + hkv;
+        for (int off = (threadIdx.x & 1) * 128; off < DM_KB; off += 256) l2_prefetch(kc + th * DM_KB + off);
+        for (int off = (threadIdx.x & 1) * 128; off < DM_VB; off += 256) l2_prefetch(vc + th * DM_VB + off);
+        if (((p - k0) & 15) == 0 && (threadIdx.x & 1) == 0) {
+            if (KQ_K) l2_prefetch(k_scales + th);
+            if (KQ_V) l2_prefetch(v_scales + th);
+        }
+    }
+}
+
+// One query column's B fragments of S^T (every lane of the warp calls it; lane (g, t) holds column
+// g, whose head row is qh, zeros where !ok): f[st] the pair of K step st in dm_kel's dim order; bf16 K:
+// as stored, codes: times a power of two qs that puts the warp's largest |q| in [2^14, 2^15) (bf16
+// values are exact in f16 there). Returns qs (1 for bf16 K).
+__device__ __forceinline__ float dm_q_frags(const bf16_t* qh, bool ok, int t, uint2 (&f)[DM_MT]) {
+    u32 qw[DM_MT][2];
+    float qmax = 0.0f;
+#pragma unroll
+    for (int st = 0; st < DM_MT; st++) {
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            if (KV_K_FMT == KVF_INT4) {  // (dm_kel's pairs are not adjacent dims)
+                const u32 lo = ok ? qh[dm_kel(t, st, 2 * r)] : 0u;
+                const u32 hi = ok ? qh[dm_kel(t, st, 2 * r + 1)] : 0u;
+                qw[st][r] = lo | (hi << 16);
+            } else {
+                qw[st][r] = ok ? *(const u32*)(qh + dm_kel(t, st, 2 * r)) : 0u;
+            }
+            qmax = fmaxf(qmax, fmaxf(fabsf(__uint_as_float(qw[st][r] << 16)),
+                                     fabsf(__uint_as_float(qw[st][r] & 0xffff0000u))));
+        }
+    }
+    float qs = 1.0f;
+    if (KV_K_FMT != KVF_BF16) {
+        qmax = warp_max(qmax);  // the warp's lanes hold all of its columns
+        const int ex = qmax > 0.0f ? max((int)((__float_as_uint(qmax) >> 23) & 0xffu) - 127, -100) : 0;
+        qs = __uint_as_float((u32)(127 + 14 - ex) << 23);
+    }
+#pragma unroll
+    for (int st = 0; st < DM_MT; st++) {
+        u32 h[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            h[r] = KV_K_FMT == KVF_BF16 ? qw[st][r]
+                                        : dm_pack_h2(__uint_as_float(qw[st][r] << 16) * qs,
+                                                     __uint_as_float(qw[st][r] & 0xffff0000u) * qs);
+        }
+        f[st] = make_uint2(h[0], h[1]);
+    }
+    return qs;
+}
+
+// The A fragment of S^T's K step st (keys g, g + 8 x the step's dims, dm_kel) from a lane's raw K
+// words k[key][word] (keys g, g + 8).
+__device__ __forceinline__ void dm_k_frag(const u32 (&k)[2][DM_KW], int st, u32 (&a)[4]) {
+#pragma unroll
+    for (int kk = 0; kk < 2; kk++) {
+        if (KV_K_FMT == KVF_INT4) {  // (dm_kel's nibbles: low, then high, of bytes st & 1 and + 2)
+            const u32 x = k[kk][st >> 1] >> (8 * (st & 1));
+            a[kk] = dm_i4(x);
+            a[2 + kk] = dm_i4(x >> 4);
+        } else if (DM_KB == HD) {
+            a[kk] = dm_h2<KV_K_FMT>(k[kk][st], 0);
+            a[2 + kk] = dm_h2<KV_K_FMT>(k[kk][st], 1);
+        } else {
+            a[kk] = k[kk][2 * st];
+            a[2 + kk] = k[kk][2 * st + 1];
+        }
+    }
+}
+
+// The A fragment of O^T's m-tile i of a lane's V words v[key][word] (keys 2t, 2t + 1, 2t + 8, 2t + 9;
+// VW words a key, from the lane's first m-tile on): rows g, g + 8 x keys (2t, 2t + 1), then (2t + 8,
+// 2t + 9).
+template <int VW>
+__device__ __forceinline__ void dm_v_frag(const u32 (&v)[4][VW], int i, u32 (&va)[4]) {
+#pragma unroll
+    for (int kp = 0; kp < 2; kp++) {
+        if (KV_V_FMT == KVF_INT4) {
+            // Byte i & 3 of word i / 4 of keys 2t (+8), 2t + 1 (+9) into bytes 0, 2: the low
+            // nibbles are row g's dim, the high ones row g + 8's.
+            const int j = i & 3;
+            const u32 y = dm_prmt(v[2 * kp][i >> 2], v[2 * kp + 1][i >> 2], (u32)(j | (4 + j) << 8));
+            va[2 * kp] = dm_i4(y);
+            va[2 * kp + 1] = dm_i4(y >> 4);
+        } else if (DM_VB == HD) {
+            const u32 y = dm_prmt(v[2 * kp][i >> 1], v[2 * kp + 1][i >> 1], (i & 1) ? 0x7362u : 0x5140u);
+            va[2 * kp] = dm_h2<KV_V_FMT>(y, 0);
+            va[2 * kp + 1] = dm_h2<KV_V_FMT>(y, 1);
+        } else {
+            va[2 * kp] = dm_prmt(v[2 * kp][i], v[2 * kp + 1][i], 0x5410u);
+            va[2 * kp + 1] = dm_prmt(v[2 * kp][i], v[2 * kp + 1][i], 0x7632u);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256, DM_PAIR ? 2 : 1)
 attn_decode_mma(const bf16_t* q, const void* k_cache, const void* v_cache, const unsigned short* k_scales,
                 const unsigned short* v_scales, const int* __restrict__ block_tables,
@@ -438,21 +555,8 @@ attn_decode_mma(const bf16_t* q, const void* k_cache, const void* v_cache, const
     const int* bt = block_tables + (long long)(table_rows ? table_rows[b] : b) * max_blocks;
     const unsigned char* kc = (const unsigned char*)k_cache;
     const unsigned char* vc = (const unsigned char*)v_cache;
-    // While the previous kernel runs: the K and V rows (and scales) of the partition's first 8 tiles
-    // into L2 (prefetch.global.L2: coherent, so this step's rows, which the previous kernel writes, are
-    // safe to prefetch too). Thread i takes key k0 + i / 2, every other 128-byte line of its rows.
-    if (sp < parts) {
-        const int p = k0 + (threadIdx.x >> 1);
-        if (p < k1) {
-            const long long th = ((long long)bt[p / page] * page + p % page) * Hkv + hkv;
-            for (int off = (threadIdx.x & 1) * 128; off < DM_KB; off += 256) l2_prefetch(kc + th * DM_KB + off);
-            for (int off = (threadIdx.x & 1) * 128; off < DM_VB; off += 256) l2_prefetch(vc + th * DM_VB + off);
-            if (((p - k0) & 15) == 0 && (threadIdx.x & 1) == 0) {
-                if (KQ_K) l2_prefetch(k_scales + th);
-                if (KQ_V) l2_prefetch(v_scales + th);
-            }
-        }
-    }
+    // While the previous kernel runs: the partition's first 8 tiles into L2.
+    if (sp < parts) dm_prefetch_keys(kc, vc, k_scales, v_scales, bt, page, Hkv, hkv, k0, k1);
     pdl_wait();
     if (sp >= parts) return;
 
@@ -460,40 +564,10 @@ attn_decode_mma(const bf16_t* q, const void* k_cache, const void* v_cache, const
     // times qs, in f16). Warp 0 loads it, stores the fragments and the factor; the others wait.
     if (w == 0) {
         const bf16_t* qh = q + (long long)b * q_tok + (long long)(hkv * GQA_GROUP + g) * q_head;
-        u32 qw[DM_MT][2];
-        float qmax = 0.0f;
+        uint2 f[DM_MT];
+        const float qs = dm_q_frags(qh, g < GQA_GROUP, t, f);
 #pragma unroll
-        for (int st = 0; st < DM_MT; st++) {
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                if (KV_K_FMT == KVF_INT4) {  // (dm_kel's pairs are not adjacent dims)
-                    const u32 lo = g < GQA_GROUP ? qh[dm_kel(t, st, 2 * r)] : 0u;
-                    const u32 hi = g < GQA_GROUP ? qh[dm_kel(t, st, 2 * r + 1)] : 0u;
-                    qw[st][r] = lo | (hi << 16);
-                } else {
-                    qw[st][r] = g < GQA_GROUP ? *(const u32*)(qh + dm_kel(t, st, 2 * r)) : 0u;
-                }
-                qmax = fmaxf(qmax, fmaxf(fabsf(__uint_as_float(qw[st][r] << 16)),
-                                         fabsf(__uint_as_float(qw[st][r] & 0xffff0000u))));
-            }
-        }
-        float qs = 1.0f;
-        if (KV_K_FMT != KVF_BF16) {
-            qmax = warp_max(qmax);  // the warp's lanes hold all of the group's Q
-            const int ex = qmax > 0.0f ? max((int)((__float_as_uint(qmax) >> 23) & 0xffu) - 127, -100) : 0;
-            qs = __uint_as_float((u32)(127 + 14 - ex) << 23);
-        }
-#pragma unroll
-        for (int st = 0; st < DM_MT; st++) {
-            u32 f[2];
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                f[r] = KV_K_FMT == KVF_BF16 ? qw[st][r]
-                                            : dm_pack_h2(__uint_as_float(qw[st][r] << 16) * qs,
-                                                         __uint_as_float(qw[st][r] & 0xffff0000u) * qs);
-            }
-            qsm[st][lane] = make_uint2(f[0], f[1]);
-        }
+        for (int st = 0; st < DM_MT; st++) qsm[st][lane] = f[st];
         if (lane == 0) kf_sm = scale * 1.4426950408889634f / qs;
     }
     __syncthreads();
@@ -588,20 +662,7 @@ attn_decode_mma(const bf16_t* q, const void* k_cache, const void* v_cache, const
         for (int st = 0; st < DM_MT; st++) {
             const uint2 qb = qsm[st][lane];
             u32 a[4];  // keys g, g + 8 x dims (r = 0, 1), then (r = 2, 3)
-#pragma unroll
-            for (int kk = 0; kk < 2; kk++) {
-                if (KV_K_FMT == KVF_INT4) {  // (dm_kel's nibbles: low, then high, of bytes st & 1 and + 2)
-                    const u32 x = kcur.k[kk][st >> 1] >> (8 * (st & 1));
-                    a[kk] = dm_i4(x);
-                    a[2 + kk] = dm_i4(x >> 4);
-                } else if (DM_KB == HD) {
-                    a[kk] = dm_h2<KV_K_FMT>(kcur.k[kk][st], 0);
-                    a[2 + kk] = dm_h2<KV_K_FMT>(kcur.k[kk][st], 1);
-                } else {
-                    a[kk] = kcur.k[kk][2 * st];
-                    a[2 + kk] = kcur.k[kk][2 * st + 1];
-                }
-            }
+            dm_k_frag(kcur.k, st, a);
             dm_mma<KV_K_FMT>((st & 1) ? s2 : s, a[0], a[1], a[2], a[3], qb.x, qb.y);
         }
 #pragma unroll
@@ -655,24 +716,7 @@ attn_decode_mma(const bf16_t* q, const void* k_cache, const void* v_cache, const
 #pragma unroll
         for (int i = 0; i < DM_MTH; i++) {  // (independent across m-tiles: the scheduler interleaves them)
             u32 va[4];  // rows g, g + 8 x keys (2t, 2t + 1), then keys (2t + 8, 2t + 9)
-#pragma unroll
-            for (int kp = 0; kp < 2; kp++) {
-                if (KV_V_FMT == KVF_INT4) {
-                    // Byte i & 3 of word i / 4 of keys 2t (+8), 2t + 1 (+9) into bytes 0, 2: the low
-                    // nibbles are row g's dim, the high ones row g + 8's.
-                    const int j = i & 3;
-                    const u32 y = dm_prmt(vcur.v[2 * kp][i >> 2], vcur.v[2 * kp + 1][i >> 2], (u32)(j | (4 + j) << 8));
-                    va[2 * kp] = dm_i4(y);
-                    va[2 * kp + 1] = dm_i4(y >> 4);
-                } else if (DM_VB == HD) {
-                    const u32 y = dm_prmt(vcur.v[2 * kp][i >> 1], vcur.v[2 * kp + 1][i >> 1], (i & 1) ? 0x7362u : 0x5140u);
-                    va[2 * kp] = dm_h2<KV_V_FMT>(y, 0);
-                    va[2 * kp + 1] = dm_h2<KV_V_FMT>(y, 1);
-                } else {
-                    va[2 * kp] = dm_prmt(vcur.v[2 * kp][i], vcur.v[2 * kp + 1][i], 0x5410u);
-                    va[2 * kp + 1] = dm_prmt(vcur.v[2 * kp][i], vcur.v[2 * kp + 1][i], 0x7632u);
-                }
-            }
+            dm_v_frag(vcur.v, i, va);
             dm_mma<KV_V_FMT>(acc[i], va[0], va[1], va[2], va[3], bh0, bh1);
             dm_mma<KV_V_FMT>(acc[i], va[0], va[1], va[2], va[3], bl0, bl1);
         }

@@ -5,8 +5,8 @@
 //!
 //! Kernels include no toolkit header: `kernels/prelude.cuh` (bf16 on raw bit patterns, warp
 //! reductions) is prepended to each source as text. A module of several files is their text
-//! concatenated, its shared header first (attention: `attention_tile.cuh`, then the prefill and the
-//! decode kernels).
+//! concatenated, its shared header first (attention: `attention_tile.cuh`, then the prefill, the
+//! decode and the verify kernels).
 
 use std::collections::HashMap;
 use std::ffi::{CStr, CString, c_char};
@@ -174,7 +174,8 @@ pub const SOURCES: &[KernelSource] = &[
         src: concat!(
             include_str!("../kernels/attention_tile.cuh"),
             include_str!("../kernels/attention_prefill.cu"),
-            include_str!("../kernels/attention_decode.cu")
+            include_str!("../kernels/attention_decode.cu"),
+            include_str!("../kernels/attention_verify.cu")
         ),
         functions: &[
             "attn_prefill",
@@ -183,6 +184,7 @@ pub const SOURCES: &[KernelSource] = &[
             "attn_decode_split",
             "attn_decode_combine",
             "attn_decode_mma",
+            "attn_verify_mma",
         ],
     },
 ];

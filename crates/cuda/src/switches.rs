@@ -15,6 +15,9 @@ pub struct Switches {
     /// `DELTASERVE_DECODE_ATTN=split`: decode attention runs `attn_decode_split` (CUDA cores)
     /// instead of the tensor-core `attn_decode_mma`.
     pub decode_attn_split: bool,
+    /// `DELTASERVE_VERIFY_ATTN=rows`: a speculative verify chunk's rows attend one by one as decode
+    /// queries instead of together (`attn_verify_mma`).
+    pub verify_attn_rows: bool,
     /// `DELTASERVE_ATTN_PREFILL=pair`: attention prefill runs the warp-pair kernel (`attn_prefill`,
     /// 32-key tiles) instead of the wide one.
     pub attn_prefill_pair: bool,
@@ -68,6 +71,7 @@ impl Switches {
         Switches {
             pdl: var("DELTASERVE_PDL"),
             decode_attn_split: var("DELTASERVE_DECODE_ATTN").is_some_and(|v| v == "split"),
+            verify_attn_rows: var("DELTASERVE_VERIFY_ATTN").is_some_and(|v| v == "rows"),
             attn_prefill_pair: var("DELTASERVE_ATTN_PREFILL").is_some_and(|v| v == "pair"),
             nvrtc_options: var("DELTASERVE_NVRTC_OPTIONS")
                 .map(|v| v.split_whitespace().map(str::to_string).collect())
@@ -131,6 +135,7 @@ mod tests {
         let s = from(&[
             ("DELTASERVE_PDL", "0"),
             ("DELTASERVE_DECODE_ATTN", "split"),
+            ("DELTASERVE_VERIFY_ATTN", "rows"),
             ("DELTASERVE_ATTN_PREFILL", "pair"),
             ("DELTASERVE_NVRTC_OPTIONS", " -DA=1  -DB=2 "),
             ("DELTASERVE_TRACE_CAP", "1024"),
@@ -144,7 +149,7 @@ mod tests {
         assert!(!s.device_masks && !s.later_picks);
         assert!(s.any_set());
         assert_eq!(s.pdl.as_deref(), Some("0"));
-        assert!(s.decode_attn_split && s.attn_prefill_pair && !s.fold_norms && !s.w4_gemm);
+        assert!(s.decode_attn_split && s.verify_attn_rows && s.attn_prefill_pair && !s.fold_norms && !s.w4_gemm);
         assert_eq!(s.nvrtc_options, ["-DA=1", "-DB=2"]);
         assert_eq!(s.trace_cap.as_deref(), Some("1024"));
         assert_eq!(s.verify_decode_from, Some(0));
@@ -155,12 +160,13 @@ mod tests {
     fn other_values_keep_the_defaults() {
         let s = from(&[
             ("DELTASERVE_DECODE_ATTN", "mma"),
+            ("DELTASERVE_VERIFY_ATTN", "together"),
             ("DELTASERVE_ATTN_PREFILL", "wide"),
             ("DELTASERVE_FOLD", "1"),
             ("DELTASERVE_DEVICE_MASKS", "1"),
             ("DELTASERVE_VERIFY_DECODE_FROM", "soon"),
         ]);
-        assert!(!s.decode_attn_split && !s.attn_prefill_pair && s.fold_norms && s.device_masks);
+        assert!(!s.decode_attn_split && !s.verify_attn_rows && !s.attn_prefill_pair && s.fold_norms && s.device_masks);
         assert!(!s.any_set());
     }
 }

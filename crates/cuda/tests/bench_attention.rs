@@ -11,6 +11,10 @@
 //! attn_decode: 1 query per sequence at 32K context, batch 1 and 8, 16 / 32 / 64 partitions, each
 //! on attn_decode_split and attn_decode_mma: K/V bytes read per second against the 4.26 TB/s device
 //! copy rate of the same anchors file. Then over fp8 and int4 caches at 4K / 32K / 128K context.
+//!
+//! DS_BENCH_ATTN=verify: speculative verify chunks of 4 rows (fp8 K/V) at 1K–128K context, 1 / 4 / 8
+//! chunks, each row a decode query on attn_decode_mma (16 partitions, the backend's) against each chunk's
+//! rows together on attn_verify_mma (splits for whole waves, as the backend picks them).
 
 use std::sync::Arc;
 
@@ -120,10 +124,10 @@ fn bench_attn_prefill_27b() {
     let scale = 1.0 / (HD as f32).sqrt();
 
     // Every tiling the device's shared memory allows: the shipped default first (none with
-    // DS_BENCH_ATTN=decode: the decode kernel only; with DS_BENCH_ATTN=prefill: the default and the
+    // DS_BENCH_ATTN=decode / verify: the decode / verify kernels only; with DS_BENCH_ATTN=prefill: the default and the
     // warp-pair kernel's default tiling, no decode).
     let mode = std::env::var("DS_BENCH_ATTN").unwrap_or_default();
-    let decode_only = mode == "decode";
+    let decode_only = mode == "decode" || mode == "verify";
     let mut tilings = if decode_only { Vec::new() } else { vec![AttnTiling::DEFAULT] };
     for keys in [32, 64].into_iter().filter(|_| !decode_only) {
         let t = AttnTiling { keys, ..AttnTiling::DEFAULT };
@@ -194,6 +198,10 @@ fn bench_attn_prefill_27b() {
     if mode == "prefill" {
         return;
     }
+    if mode == "verify" {
+        bench_verify(&rt, KvPages { max_blocks: n_pages, ..kv }, (ksc, vsc), (q, o), small, &mut arena, copy_tbps);
+        return;
+    }
     // Decode: one query per sequence at 32K context, each sequence on its own pages.
     let ctx = 32_768usize;
     let scratch_bytes = attention::decode_scratch_bytes(8, HQ, 64, HD);
@@ -258,6 +266,79 @@ fn bench_attn_prefill_27b() {
                     let ms = time_ms(&rt, 21, |s| attention::attn_decode_q(&kq, s, &a, &scales).unwrap());
                     row(mma, ctx, b, ms, b * ctx * (row_bytes + 2 * HKV) * 2);
                 }
+            }
+        }
+    }
+}
+
+/// Verify chunks of 4 rows (lengths ctx − 3 … ctx, each chunk on its own pages of `kv`'s scrambled
+/// table) over an fp8 cache: row by row against grouped, µs and K/V bytes (one read of each chunk's
+/// context) per second.
+fn bench_verify(
+    rt: &Runtime,
+    kv: KvPages,
+    (ksc, vsc): (u64, u64),
+    (q, o): (u64, u64),
+    small: u64,
+    arena: &mut Arena,
+    copy_tbps: f64,
+) {
+    const ROWS: usize = 4;
+    let mut kq = Kernels::load_kv(rt, KernelDims::QWEN35_27B, KvFormats { k: KvDtype::Fp8, v: KvDtype::Fp8 }).unwrap();
+    let s = rt.stream();
+    let cache_elems = MAX_CTX * HKV * HD;
+    init_random(&kq, s, kv.k_cache, cache_elems / 4, 21, Init::Bits, false).unwrap();
+    init_random(&kq, s, kv.v_cache, cache_elems / 4, 22, Init::Bits, false).unwrap();
+    rt.upload(ksc, &vec![0x3c00u16; MAX_CTX * HKV]).unwrap();
+    rt.upload(vsc, &vec![0x3c00u16; MAX_CTX * HKV]).unwrap();
+    let scales = KvScales { k: ksc, v: vsc };
+    let scratch_bytes = attention::decode_scratch_bytes(8 * ROWS, HQ, 64, HD);
+    let reg = arena.add_region("verify scratch", scratch_bytes + 256).unwrap();
+    let scratch = arena.alloc(reg, scratch_bytes).unwrap().ptr;
+    let (lens_p, rows_p, groups_p) = (small + 4096, small + 12288, small + 16384);
+    let sms = attention::VERIFY_BLOCKS_PER_SM * rt.sm_count.max(1) as usize;
+    println!("verify chunks of {ROWS} rows, fp8 K/V (bytes: each chunk's context read once):");
+    println!(
+        "{:>18} {:>8} {:>7} {:>7} {:>10} {:>10} {:>8}",
+        "kernel", "context", "chunks", "splits", "us", "GB/s", "/copy"
+    );
+    for ctx in [1024usize, 4096, 32_768, 131_072] {
+        for chunks in [1usize, 4, 8].into_iter().filter(|c| c * ctx <= MAX_CTX) {
+            let lens: Vec<i32> = (0..chunks * ROWS).map(|r| (ctx - ROWS + 1 + r % ROWS) as i32).collect();
+            let tables: Vec<i32> = (0..chunks * ROWS).map(|r| (r / ROWS) as i32).collect();
+            let starts: Vec<i32> = (0..=chunks).map(|c| (c * ROWS) as i32).collect();
+            rt.upload(lens_p, &lens).unwrap();
+            rt.upload(rows_p, &tables).unwrap();
+            rt.upload(groups_p, &starts).unwrap();
+            let g = attention::RowGroups { starts: groups_p, n: chunks, max_rows: ROWS };
+            let bytes = chunks * ctx * (HKV * HD + 2 * HKV) * 2;
+            for grouped in [false, true] {
+                kq.verify_mma = grouped;
+                let n_split = if grouped { attention::wave_splits(sms, chunks * HKV, 64) } else { 16 };
+                let a = AttnDecode {
+                    q,
+                    q_tok: 2 * HQ * HD,
+                    q_head: 2 * HD,
+                    o,
+                    kv: KvPages { max_blocks: ctx / PAGE, ..kv },
+                    seq_lens: lens_p,
+                    table_rows: rows_p,
+                    n_seqs: chunks * ROWS,
+                    q_heads: HQ,
+                    n_split,
+                    scratch,
+                    scratch_bytes,
+                    scale: 1.0 / (HD as f32).sqrt(),
+                    gate: 0,
+                };
+                let ms = time_ms(rt, 21, |s| attention::attn_verify_q(&kq, s, &a, &scales, &g).unwrap());
+                let gbs = bytes as f64 / (ms * 1e-3) / 1e9;
+                let name = if grouped { "attn_verify_mma" } else { "attn_decode_mma" };
+                println!(
+                    "{name:>18} {ctx:>8} {chunks:>7} {n_split:>7} {:>10.1} {gbs:>10.0} {:>7.0}%",
+                    ms * 1e3,
+                    100.0 * gbs / (copy_tbps * 1e3)
+                );
             }
         }
     }

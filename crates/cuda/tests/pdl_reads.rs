@@ -30,6 +30,7 @@ const READ_ONLY: &[&str] = &[
     "block_tables",
     "table_rows",
     "seq_lens",
+    "groups",
     "cu_seqlens",
     "perm",
     // mixture-of-experts weights: the shared expert's gate, expert 0's int4 tensors, the bf16 experts
@@ -231,6 +232,7 @@ fn functions_that_wait_read_earlier_kernels_outputs_coherently() {
         "gdn_conv_gate_decode",
         "attn_decode_mma",
         "attn_decode_split",
+        "attn_verify_mma",
         "qk_norm_rope",
         "w4_gemv_store",
         "gemv_fp8_body",

@@ -201,7 +201,19 @@ impl CudaBackend {
         };
         if let (true, Some(sp)) = (sh.tvd > 0, &self.spec) {
             // Long-context verify rows as decode queries (split-K over the keys: a few queries
-            // over a long context), each with its causal length and its chunk's block-table row.
+            // over a long context), each with its causal length and its chunk's block-table row;
+            // each chunk's rows in groups that read every K/V tile once (or row by row where the
+            // kernels cannot: attn_verify_q falls back). Groups split their keys for whole waves of
+            // blocks, as many ways as the rows' partials hold (a function of the step's shape, so a
+            // graph replays it at any context).
+            let g = attention::RowGroups { starts: sp.idx_at(9), n: sh.tvd_groups, max_rows: sh.tvd_group_rows };
+            let n_split = if attention::verify_groups_run(k, &g) {
+                let units = partial_units(sp.partials.bytes, d.q_heads, d.head_dim);
+                let sms = attention::VERIFY_BLOCKS_PER_SM * self.rt.sm_count.max(1) as usize;
+                attention::wave_splits(sms, sh.tvd_groups * nkv, (units / sh.tvd).clamp(1, 64))
+            } else {
+                sp.partitions
+            };
             let r0 = tp - sh.tvd;
             let a = attention::AttnDecode {
                 q: ws.attn_qg + b2(r0 * 2 * ad),
@@ -211,12 +223,12 @@ impl CudaBackend {
                 seq_lens: sp.idx_at(7),
                 table_rows: sp.idx_at(8),
                 n_seqs: sh.tvd,
-                n_split: sp.partitions,
+                n_split,
                 scratch: sp.partials.ptr,
                 scratch_bytes: sp.partials.bytes,
                 ..dec
             };
-            attention::attn_decode_q(k, s, &a, &sc)?;
+            attention::attn_verify_q(k, s, &a, &sc, &g)?;
         }
         if sh.short_tiles > 0 {
             // Short prefill chunks over a long context: the prefill kernel over their tiles with the
@@ -272,10 +284,7 @@ impl CudaBackend {
 /// waves / splits: 96 blocks split 3 ways are 3 waves of a third, no faster than 1 wave), at most 64,
 /// at least 4 KV tiles a split, no more than the scratch holds; at least 1.
 fn prefill_key_splits(sms: usize, blocks: usize, kv_tiles: usize, units: usize, rows: usize) -> usize {
-    let cap = (kv_tiles / 4).min(units / rows.max(1)).clamp(1, 64);
-    let time = |n: usize| (blocks.max(1) * n).div_ceil(sms.max(1)) as f64 / n as f64;
-    let best = (1..=cap).map(time).fold(f64::INFINITY, f64::min);
-    (1..=cap).find(|&n| time(n) <= 1.05 * best).unwrap_or(1)
+    attention::wave_splits(sms, blocks, (kv_tiles / 4).min(units / rows.max(1)).clamp(1, 64))
 }
 
 /// Rows × splits of decode-layout partials (`q_heads` heads of `head_dim`) that `bytes` of scratch hold

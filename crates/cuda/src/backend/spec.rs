@@ -48,8 +48,8 @@ pub(super) struct Spec {
     pub(super) trace_x: u64,
     pub(super) trace_ba: u64,
     /// i32 index arrays, `rows + 1` entries each: pending stores (rows, slots), commit (starts, lens,
-    /// slots), the verify group's cu_seqlens and slots, and its rows' attention lengths and block-table
-    /// rows.
+    /// slots), the verify group's cu_seqlens and slots, and its rows' attention lengths, block-table
+    /// rows and groups.
     pub(super) idx: DevSpan,
     /// Split-K partials of the verify rows' decode attention (`rows` queries), `partitions` per row.
     pub(super) partials: DevSpan,
@@ -75,12 +75,12 @@ pub(super) struct Verified {
 impl Spec {
     /// Index array `which` inside `idx`: 0 pending rows, 1 pending slots, 2 commit starts, 3 commit
     /// lens, 4 commit slots, 5 verify cu_seqlens, 6 verify slots, 7 verify rows' attention lengths,
-    /// 8 verify rows' block-table rows.
+    /// 8 verify rows' block-table rows, 9 their groups' row offsets (attention::attn_verify_q).
     pub(super) fn idx_at(&self, which: usize) -> u64 {
         self.idx.ptr + 4 * (which * (self.rows + 1)) as u64
     }
     pub(super) fn idx_bytes(rows: usize) -> usize {
-        4 * 9 * (rows + 1)
+        4 * 10 * (rows + 1)
     }
 }
 
@@ -177,6 +177,8 @@ impl CudaBackend {
                 n_ver: 0,
                 tv: 0,
                 tvd: 0,
+                tvd_groups: 0,
+                tvd_group_rows: 0,
                 short_row0: 0,
                 short_rows: 0,
                 short_tiles: 0,

@@ -41,8 +41,11 @@ pub(super) struct StepShape {
     pub(super) tp: usize,
     pub(super) n_ver: usize,
     pub(super) tv: usize,
-    /// The last `tvd` verify rows attend as decode queries (long contexts).
+    /// The last `tvd` verify rows attend as decode queries (long contexts), in `tvd_groups` groups of
+    /// at most `tvd_group_rows` consecutive rows of one chunk (attention::attn_verify_q).
     pub(super) tvd: usize,
+    pub(super) tvd_groups: usize,
+    pub(super) tvd_group_rows: usize,
     /// Rows `short_row0..short_row0 + short_rows` (the last prefill chunks': short chunks over a long
     /// context) attend as decode queries.
     pub(super) short_row0: usize,
@@ -89,9 +92,10 @@ struct HostInputs<'b> {
     pend: (Vec<i32>, Vec<i32>),
     chunk_table: Vec<i32>,
     tile_table: Vec<i32>,
-    /// Long-context verify rows: attention lengths and block-table rows.
+    /// Long-context verify rows: attention lengths and block-table rows, and their groups' row offsets.
     ver_lens: Vec<i32>,
     ver_tables: Vec<i32>,
+    ver_groups: Vec<i32>,
     /// Short prefill chunks attending as decode queries: their rows' attention lengths, then their
     /// block-table rows (one upload); the first such row.
     short_rows: Vec<i32>,
@@ -192,6 +196,7 @@ impl CudaBackend {
         self.upload_step(batch, &ord, &inp, &out).map_err(dev)?;
         let StepOrder { ref order, n_real, n_pre, n_ver, .. } = ord;
         let HostInputs { rows, tp, tv, tvd, .. } = inp;
+        let (tvd_groups, tvd_group_rows) = group_shape(&inp.ver_groups);
         let n = order.len();
         let shape = StepShape {
             t: t + (rows - n),
@@ -201,6 +206,8 @@ impl CudaBackend {
             n_ver,
             tv,
             tvd,
+            tvd_groups,
+            tvd_group_rows,
             short_row0: inp.short_row0,
             short_rows: inp.short_count,
             short_tiles: inp.short_tiles,
@@ -422,6 +429,8 @@ impl CudaBackend {
         }
         let tvd = tp - cu[n_real + n_ver_pf] as usize;
         let (ver_lens, ver_tables) = decode_query_rows(batch, order, n_real + n_ver_pf..n_pre);
+        let group_rows = attention::verify_group_rows(self.k.dims.gqa_group).max(1);
+        let ver_groups = row_groups(batch, order, n_real + n_ver_pf..n_pre, group_rows);
         let rope = self.rope_rows(batch, order, rows);
         // Rows attending as decode queries: their lengths and block-table rows.
         let mut short_rows = Vec::new();
@@ -450,6 +459,7 @@ impl CudaBackend {
             tile_table,
             ver_lens,
             ver_tables,
+            ver_groups,
             short_rows,
             short_row0,
             short_count,
@@ -488,6 +498,7 @@ impl CudaBackend {
             self.upload_i32(sp.idx_at(1), &inp.pend.1)?;
             self.upload_i32(sp.idx_at(7), &inp.ver_lens)?;
             self.upload_i32(sp.idx_at(8), &inp.ver_tables)?;
+            self.upload_i32(sp.idx_at(9), &inp.ver_groups)?;
         }
         match (out, &self.host_embed) {
             // A fed step's rows come from the device (feed_rows, below).
@@ -613,6 +624,27 @@ impl CudaBackend {
 
 /// Rows of the chunks `order[range]` attending as decode queries: each row's causal attention length and
 /// its chunk's block-table row (the chunk's place in `order`).
+/// Row offsets of groups of at most `max_rows` consecutive rows of one chunk over the chunks `range` of
+/// `order` (rows counted from the range's first): `[groups + 1]`.
+fn row_groups(batch: &StepBatch, order: &[usize], range: std::ops::Range<usize>, max_rows: usize) -> Vec<i32> {
+    let mut starts = vec![0i32];
+    let mut at = 0;
+    for r in range {
+        let n = batch.seqs[order[r]].tokens.len();
+        for k in (0..n).step_by(max_rows.max(1)) {
+            at += (n - k).min(max_rows.max(1)) as i32;
+            starts.push(at);
+        }
+    }
+    starts
+}
+
+/// (groups, the most rows of one) of the row offsets `starts` ([`row_groups`]).
+fn group_shape(starts: &[i32]) -> (usize, usize) {
+    let rows = starts.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0);
+    (starts.len().saturating_sub(1), rows)
+}
+
 fn decode_query_rows(batch: &StepBatch, order: &[usize], range: std::ops::Range<usize>) -> (Vec<i32>, Vec<i32>) {
     let (mut lens, mut tables) = (Vec::new(), Vec::new());
     for r in range {

@@ -1,6 +1,6 @@
-//! Launchers for kernels/attention_prefill.cu and attention_decode.cu: causal GQA attention over
-//! the paged KV cache, prefill (varlen, online softmax on tensor cores, no scratch) and decode (fixed
-//! split count + combine).
+//! Launchers for kernels/attention_prefill.cu, attention_decode.cu and attention_verify.cu: causal GQA
+//! attention over the paged KV cache, prefill (varlen, online softmax on tensor cores, no scratch),
+//! decode (fixed split count + combine) and groups of a sequence's rows (a verify chunk) read together.
 //! The cache is bf16, or quantised per [`Kernels::kv`] (the `_q` launchers take its scales).
 
 use cudarc::driver::CudaStream;
@@ -209,6 +209,12 @@ fn partials(scratch: u64, rows: usize, q_heads: usize, n_split: usize, head_dim:
     (scratch, scratch + (4 * rows * q_heads * n_split * head_dim).div_ceil(256) as u64 * 256)
 }
 
+/// Partials of a row `attn_decode_combine` merges, at most (COMB_MAX in attention_decode.cu; the plan's
+/// decode partitions are at most as many).
+pub const COMBINE_MAX_SPLITS: usize = 128;
+// Every decode partition count the plan allows, and the split prefill's and grouped verify's (<= 64).
+const _: () = assert!(COMBINE_MAX_SPLITS >= deltaserve_plan::MAX_DECODE_PARTITIONS && COMBINE_MAX_SPLITS >= 64);
+
 /// `attn_decode_combine` over `rows` rows of `q_heads` heads and `n_split` partials each: `seq_lens`
 /// (0: every row has all `n_split`), o at `o`, `gate` (0: none) with its token and head strides.
 fn combine(
@@ -221,6 +227,9 @@ fn combine(
     (gate, qt, qh): (u64, i64, i64),
 ) -> Result<(), CudaError> {
     const K: &str = "attn_decode_combine";
+    if n_split > COMBINE_MAX_SPLITS {
+        return Err(invalid(K, format!("{n_split} partials a row; the combine takes {COMBINE_MAX_SPLITS}")));
+    }
     let (hq, ns) = (to_i32(K, "q_heads", q_heads)?, to_i32(K, "n_split", n_split)?);
     let grid = (to_u32(K, "rows", rows)?, to_u32(K, "q_heads", q_heads)?, 1);
     let block = (k.dims.attn_head_dim as u32, 1, 1);
@@ -339,46 +348,157 @@ pub fn attn_decode_q(k: &Kernels, s: &CudaStream, a: &AttnDecode, sc: &KvScales)
     if a.n_seqs == 0 {
         return Ok(());
     }
-    check_scales("attn_decode_split", k, sc)?;
-    if k.kv != KvFormats::BF16 && (!a.kv.k_cache.is_multiple_of(4) || !a.kv.v_cache.is_multiple_of(4)) {
-        return Err(invalid("attn_decode_split", format!("{a:?}: the K/V caches must be 4-byte aligned")));
-    }
-    let (k_scales, v_scales) = (sc.k, sc.v);
-    let d = k.dims;
-    let need = decode_scratch_bytes(a.n_seqs, a.q_heads, a.n_split, d.attn_head_dim);
-    if a.kv.kv_heads == 0 || a.q_heads != a.kv.kv_heads * d.gqa_group || a.n_split == 0 || a.kv.page == 0 {
-        return Err(invalid("attn_decode_split", format!("{a:?}")));
-    }
-    if a.scratch_bytes < need || !a.scratch.is_multiple_of(256) {
-        return Err(invalid("attn_decode_split", format!("scratch {} B; need {need} B, 256-aligned", a.scratch_bytes)));
-    }
-    let (part_o, part_ml) = partials(a.scratch, a.n_seqs, a.q_heads, a.n_split, d.attn_head_dim);
-    if a.q_head < d.attn_head_dim || a.q_tok < a.q_heads * a.q_head {
-        return Err(invalid("attn_decode_split", format!("{a:?}: q strides too small")));
-    }
-    let AttnDecode { q, o, seq_lens, table_rows, scale, gate, .. } = *a;
-    let (qt, qh) = (a.q_tok as i64, a.q_head as i64);
-    let KvPages { k_cache, v_cache, block_tables, .. } = a.kv;
-    let mb = to_i32("attn_decode_split", "max_blocks", a.kv.max_blocks)?;
-    let hq = to_i32("attn_decode_split", "q_heads", a.q_heads)?;
-    let hkv = to_i32("attn_decode_split", "kv_heads", a.kv.kv_heads)?;
-    let page = to_i32("attn_decode_split", "page", a.kv.page)?;
-    let ns = to_i32("attn_decode_split", "n_split", a.n_split)?;
+    let c = decode_checks("attn_decode_split", k, a, sc)?;
     let grid = (
         to_u32("attn_decode_split", "n_seqs", a.n_seqs)?,
         to_u32("attn_decode_split", "kv_heads", a.kv.kv_heads)?,
         to_u32("attn_decode_split", "n_split", a.n_split)?,
     );
     // The tensor-core kernel: same arguments and partials (16-byte aligned caches: its vector loads).
-    let mma = k.decode_mma
-        && decode_mma_supported(&k.kv, d.attn_head_dim)
-        && k_cache.is_multiple_of(16)
-        && v_cache.is_multiple_of(16);
+    let mma = k.decode_mma && decode_mma_supported(&k.kv, k.dims.attn_head_dim) && c.aligned16;
     let name = if mma { "attn_decode_mma" } else { "attn_decode_split" };
+    let DecodeArgs { k_scales, v_scales, mb, hq, hkv, page, ns, qt, qh, part_o, part_ml, .. } = c;
+    let AttnDecode { q, o, seq_lens, table_rows, scale, gate, .. } = *a;
+    let KvPages { k_cache, v_cache, block_tables, .. } = a.kv;
     launch_pdl!(k, s, name, grid, (256, 1, 1), 0;
         q, k_cache, v_cache, k_scales, v_scales, block_tables, table_rows, mb, seq_lens, part_o, part_ml, hq, hkv,
         page, scale, ns, qt, qh)?;
     combine(k, s, (part_o, part_ml), seq_lens, o, (a.n_seqs, a.q_heads, a.n_split), (gate, qt, qh))
+}
+
+/// Query columns of one [`attn_verify_q`] block (VQ_COLS in attention_verify.cu): a group holds up to
+/// this many / the GQA group rows.
+pub const VERIFY_COLS: usize = 24;
+
+/// Blocks of `attn_verify_mma` an SM holds (128 threads of ~250 registers each).
+pub const VERIFY_BLOCKS_PER_SM: usize = 2;
+
+/// Rows of one group [`attn_verify_q`] takes at a GQA group of `gqa` query heads per kv head (0: none).
+pub fn verify_group_rows(gqa: usize) -> usize {
+    VERIFY_COLS / gqa.max(1)
+}
+
+/// Whether `attn_verify_mma` reads caches of these formats at this head dim: K and V each of codes
+/// (fp8, int8, int4), a lane's share of a V row whole 32-bit words (head dims % 64, int4 V % 128).
+pub fn verify_mma_supported(kv: &KvFormats, head_dim: usize) -> bool {
+    let v_words = head_dim * kv.v.bits() as usize / 8 / 32;
+    kv.k != KvDtype::Bf16
+        && kv.v != KvDtype::Bf16
+        && decode_mma_supported(kv, head_dim)
+        && head_dim.is_multiple_of(32)
+        && v_words > 0
+        && v_words.is_multiple_of(2)
+}
+
+/// Key splits of a launch of `blocks` blocks (one an SM; `sms` SMs) up to `cap`: the fewest whose waves of
+/// blocks take within 5% of the least time any split count up to the cap gives (time ∝ waves / splits);
+/// at least 1. (The split prefill launches and the grouped verify rows' launches choose theirs so.)
+pub fn wave_splits(sms: usize, blocks: usize, cap: usize) -> usize {
+    let cap = cap.max(1);
+    let time = |n: usize| (blocks.max(1) * n).div_ceil(sms.max(1)) as f64 / n as f64;
+    let best = (1..=cap).map(time).fold(f64::INFINITY, f64::min);
+    (1..=cap).find(|&n| time(n) <= 1.05 * best).unwrap_or(1)
+}
+
+/// Whether [`attn_verify_q`] runs `attn_verify_mma` for the groups `g` with these kernels (else the
+/// rows attend one by one).
+pub fn verify_groups_run(k: &Kernels, g: &RowGroups) -> bool {
+    k.verify_mma && g.n > 0 && g.max_rows >= 1 && g.max_rows <= verify_group_rows(k.dims.gqa_group)
+}
+
+/// Groups of consecutive query rows of [`attn_verify_q`], each of one sequence (a verify chunk's rows,
+/// lengths increasing by one).
+#[derive(Clone, Copy, Debug)]
+pub struct RowGroups {
+    /// `[n + 1]` i32: group i is rows `starts[i] .. starts[i + 1]` of the launch.
+    pub starts: u64,
+    pub n: usize,
+    /// The most rows any group has.
+    pub max_rows: usize,
+}
+
+/// [`attn_decode_q`] for rows that come in groups `g` of one sequence each (a speculative verify chunk's
+/// rows): `attn_verify_mma` reads each K/V tile once for all of a group's rows, where the kernels, the
+/// formats and the group sizes allow it (`a.table_rows` given); otherwise the rows attend one by one as
+/// decode queries. Same arguments, partials and output.
+pub fn attn_verify_q(
+    k: &Kernels,
+    s: &CudaStream,
+    a: &AttnDecode,
+    sc: &KvScales,
+    g: &RowGroups,
+) -> Result<(), CudaError> {
+    const K: &str = "attn_verify_mma";
+    if a.n_seqs == 0 || !verify_groups_run(k, g) || a.table_rows == 0 {
+        return attn_decode_q(k, s, a, sc);
+    }
+    let c = decode_checks(K, k, a, sc)?;
+    if !c.aligned16 {
+        return attn_decode_q(k, s, a, sc);
+    }
+    if g.n > a.n_seqs {
+        return Err(invalid(K, format!("{g:?}: more groups than the launch's {} rows", a.n_seqs)));
+    }
+    let grid = (to_u32(K, "groups", g.n)?, to_u32(K, "kv_heads", a.kv.kv_heads)?, to_u32(K, "n_split", a.n_split)?);
+    let DecodeArgs { k_scales, v_scales, mb, hq, hkv, page, ns, qt, qh, part_o, part_ml, .. } = c;
+    let AttnDecode { q, o, seq_lens, table_rows, scale, gate, .. } = *a;
+    let KvPages { k_cache, v_cache, block_tables, .. } = a.kv;
+    let starts = g.starts;
+    launch_pdl!(k, s, K, grid, (128, 1, 1), 0;
+        q, k_cache, v_cache, k_scales, v_scales, block_tables, table_rows, mb, seq_lens, starts, part_o, part_ml, hq,
+        hkv, page, scale, ns, qt, qh)?;
+    // Every row has n_split partials (those without keys hold max = -inf).
+    combine(k, s, (part_o, part_ml), 0, o, (a.n_seqs, a.q_heads, a.n_split), (gate, qt, qh))
+}
+
+/// The checked scalar arguments of a decode-shaped launch.
+struct DecodeArgs {
+    k_scales: u64,
+    v_scales: u64,
+    mb: i32,
+    hq: i32,
+    hkv: i32,
+    page: i32,
+    ns: i32,
+    qt: i64,
+    qh: i64,
+    part_o: u64,
+    part_ml: u64,
+    /// Both caches 16-byte aligned (the tensor-core kernels' vector loads).
+    aligned16: bool,
+}
+
+fn decode_checks(kernel: &'static str, k: &Kernels, a: &AttnDecode, sc: &KvScales) -> Result<DecodeArgs, CudaError> {
+    check_scales(kernel, k, sc)?;
+    if k.kv != KvFormats::BF16 && (!a.kv.k_cache.is_multiple_of(4) || !a.kv.v_cache.is_multiple_of(4)) {
+        return Err(invalid(kernel, format!("{a:?}: the K/V caches must be 4-byte aligned")));
+    }
+    let d = k.dims;
+    let need = decode_scratch_bytes(a.n_seqs, a.q_heads, a.n_split, d.attn_head_dim);
+    if a.kv.kv_heads == 0 || a.q_heads != a.kv.kv_heads * d.gqa_group || a.n_split == 0 || a.kv.page == 0 {
+        return Err(invalid(kernel, format!("{a:?}")));
+    }
+    if a.scratch_bytes < need || !a.scratch.is_multiple_of(256) {
+        return Err(invalid(kernel, format!("scratch {} B; need {need} B, 256-aligned", a.scratch_bytes)));
+    }
+    if a.q_head < d.attn_head_dim || a.q_tok < a.q_heads * a.q_head {
+        return Err(invalid(kernel, format!("{a:?}: q strides too small")));
+    }
+    let (part_o, part_ml) = partials(a.scratch, a.n_seqs, a.q_heads, a.n_split, d.attn_head_dim);
+    Ok(DecodeArgs {
+        k_scales: sc.k,
+        v_scales: sc.v,
+        mb: to_i32(kernel, "max_blocks", a.kv.max_blocks)?,
+        hq: to_i32(kernel, "q_heads", a.q_heads)?,
+        hkv: to_i32(kernel, "kv_heads", a.kv.kv_heads)?,
+        page: to_i32(kernel, "page", a.kv.page)?,
+        ns: to_i32(kernel, "n_split", a.n_split)?,
+        qt: a.q_tok as i64,
+        qh: a.q_head as i64,
+        part_o,
+        part_ml,
+        aligned16: a.kv.k_cache.is_multiple_of(16) && a.kv.v_cache.is_multiple_of(16),
+    })
 }
 
 #[cfg(test)]
@@ -431,6 +551,17 @@ mod tests {
         assert!(!split.wide && split.keys == 32 && split.p_split);
         let pair = AttnTiling { keys: 64, p_split: false, heads: 3, wide: false };
         assert_eq!(resolve_tiling(&D, &KvFormats::BF16, pair, H100), pair);
+    }
+
+    #[test]
+    fn verify_groups_split_for_whole_waves() {
+        // One verify chunk (a group a kv head: 4 blocks) over 132 SMs: 32 splits, one wave of 128; four
+        // chunks: 8 (one wave of 128); eight: 4; a scratch of 16 splits a row caps it.
+        assert_eq!(wave_splits(132, 4, 64), 32);
+        assert_eq!(wave_splits(132, 16, 64), 8);
+        assert_eq!(wave_splits(132, 32, 64), 4);
+        assert_eq!(wave_splits(132, 4, 16), 16);
+        assert_eq!(wave_splits(132, 4, 0), 1);
     }
 
     #[test]

@@ -62,6 +62,11 @@ pub struct Kernels {
     /// `DELTASERVE_DECODE_ATTN=split` at load (or false here) keeps `attn_decode_split`, the A/B switch
     /// of the benchmarks.
     pub decode_mma: bool,
+    /// A speculative verify chunk's rows attend together (`attn_verify_mma`, each K/V tile read once for
+    /// all of them) where the cache formats allow it ([`attention::verify_mma_supported`]: codes in K and
+    /// V) and the tensor-core decode kernel runs; `DELTASERVE_VERIFY_ATTN=rows` at load (or false here)
+    /// runs them one by one as decode queries, the A/B switch of the benchmarks.
+    pub verify_mma: bool,
 }
 
 impl Kernels {
@@ -127,7 +132,9 @@ impl Kernels {
         let pdl = pdl_enabled(rt.cc, switches.pdl.as_deref());
         let decode_mma = attention::decode_mma_supported(&kv, dims.attn_head_dim) && !switches.decode_attn_split;
         let load_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let mut k = Kernels { funcs, dims, kv, attn, arch, load_ms, pdl, w4_slots: 0, decode_mma };
+        let verify_mma =
+            decode_mma && attention::verify_mma_supported(&kv, dims.attn_head_dim) && !switches.verify_attn_rows;
+        let mut k = Kernels { funcs, dims, kv, attn, arch, load_ms, pdl, w4_slots: 0, decode_mma, verify_mma };
         for (name, bytes) in [
             ("gdn_chunk_prep", gdn_chunk::prep_smem_bytes(&dims)),
             ("gdn_chunk_state", gdn_chunk::state_smem_bytes(&dims)),

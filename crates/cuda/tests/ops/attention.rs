@@ -187,6 +187,48 @@ pub fn decode_args(d: &mut Dev, q: &Queries, kv: attention::KvPages, n_split: us
     })
 }
 
+/// Decode launch arguments for speculative-verify-shaped queries: every new token of `q` a decode
+/// query row with its own causal length and its sequence's block-table row, and the sequences' rows in
+/// groups of at most `group_rows` (attention::attn_verify_q).
+pub fn verify_args(
+    d: &mut Dev,
+    q: &Queries,
+    seqs: &[(usize, usize)],
+    kv: attention::KvPages,
+    n_split: usize,
+    group_rows: usize,
+) -> R<(attention::AttnDecode, attention::RowGroups)> {
+    let (mut lens, mut tables, mut starts) = (Vec::new(), Vec::new(), vec![0i32]);
+    for (b, &(p, n)) in seqs.iter().enumerate() {
+        lens.extend((1..=n).map(|j| (p + j) as i32));
+        tables.extend(std::iter::repeat_n(b as i32, n));
+        for k in (0..n).step_by(group_rows) {
+            starts.push(starts[starts.len() - 1] + (n - k).min(group_rows) as i32);
+        }
+    }
+    let rows = lens.len();
+    let bytes = attention::decode_scratch_bytes(rows, q.hq, n_split, q.hd);
+    let a = attention::AttnDecode {
+        q: q.qp,
+        q_tok: q.hq * q.hd,
+        q_head: q.hd,
+        o: q.o,
+        kv,
+        seq_lens: d.i32s(&lens)?,
+        table_rows: d.i32s(&tables)?,
+        n_seqs: rows,
+        q_heads: q.hq,
+        n_split,
+        scratch: d.poison(bytes)?,
+        scratch_bytes: bytes,
+        scale: 1.0 / (q.hd as f32).sqrt(),
+        gate: 0,
+    };
+    let max_rows = starts.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0);
+    let g = attention::RowGroups { starts: d.i32s(&starts)?, n: starts.len() - 1, max_rows };
+    Ok((a, g))
+}
+
 /// [`Op::AttnPrefill`]: on the kernels of the case's dims.
 pub fn prefill(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
     let Op::AttnPrefill { ref seqs, hq, hkv, page } = *op else { unreachable!() };

@@ -493,6 +493,24 @@ pub(crate) fn kv_quant_cases() -> Vec<Case> {
         // attn_decode_mma (tensor cores) and attn_decode_split both, each against the oracle: several
         // tiles per warp (4000 keys over 16 partitions, 3000 over 4), partitions past a row's end, 16-key
         // tiles inside a page (page 16, 32) or across pages (page 8), GQA 1, 2, 6, 8.
+        // Verify rows (several new tokens a sequence, each a decode query at its own causal length):
+        // attn_verify_mma over each chunk's rows in groups (4 rows of the 27B's 6 heads; chunks of 1-5 rows:
+        // groups split, partitions past a short row's keys, tiles across pages), and row by row on
+        // attn_decode_mma, both against the oracle.
+        c(
+            "kv_q+attn_verify",
+            q,
+            kvq(f8, f8, &[(3000, 4), (0, 4), (126, 3), (17, 1)], 24, 4, 16, Some(16), false),
+            ACCUM,
+        ),
+        c("kv_q+attn_verify", q, kvq(f8, f8, &[(700, 5), (4090, 2)], 24, 4, 8, Some(32), false), ACCUM),
+        c("kv_q+attn_verify", q, kvq(i4, i4, &[(2000, 4), (33, 4)], 24, 4, 32, Some(16), false), ACCUM),
+        c("kv_q+attn_verify", q, kvq(i8, f8, &[(500, 4), (1, 2)], 24, 4, 16, Some(8), false), ACCUM),
+        c("kv_q+attn_verify", q, kvq(f8, i4, &[(1500, 4)], 24, 4, 32, Some(4), false), ACCUM),
+        // GQA 8 (Qwen3-Next: 3 rows a group), 2 at head dim 128 (12), 1 at head dim 64 (24).
+        c("kv_q+attn_verify", NEXT_ATTN, kvq(f8, f8, &[(900, 4), (9, 3)], 16, 2, 16, Some(16), false), ACCUM),
+        c("kv_q+attn_verify", SMALL, kvq(f8, i8, &[(300, 4), (9, 3)], 8, 4, 8, Some(4), false), ACCUM),
+        c("kv_q+attn_verify", HD64_G1, kvq(i8, i8, &[(1000, 13), (40, 4)], 2, 2, 16, Some(8), false), ACCUM),
         c("kv_q+attn_decode", q, kvq(i8, i8, &[(4000, 1), (127, 1), (128, 1)], 24, 4, 32, Some(16), false), ACCUM),
         c("kv_q+attn_decode", q, kvq(f8, i8, &[(3000, 1), (15, 1)], 24, 4, 16, Some(4), false), ACCUM),
         c("kv_q+attn_decode", q, kvq(i8, f8, &[(700, 1), (1, 1)], 24, 4, 8, Some(32), false), ACCUM),

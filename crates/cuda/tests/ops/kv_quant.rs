@@ -11,7 +11,7 @@ use half::bf16;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
-use crate::attention::{PagedRows, decode_args, pages, prefill_args};
+use crate::attention::{PagedRows, decode_args, pages, prefill_args, verify_args};
 use crate::harness::{Dev, Outcome, R, compare, randv, rb};
 use crate::{Env, Op};
 
@@ -77,7 +77,8 @@ pub fn host_codec_matches_kvquant() {
 
 /// [`Op::KvQ`]: kv_write_q of every position of `seqs` into a cache of formats `kv` checked
 /// row by row, then (unless `special`) attention of the new tokens over it: prefill on the default
-/// and the warp-pair kernels, or decode with `n_split` on the tensor-core and the split kernels.
+/// and the warp-pair kernels, or decode with `n_split` on the tensor-core and the split kernels (with
+/// several new tokens a sequence: as verify rows, grouped on attn_verify_mma and row by row).
 pub fn kvq_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
     let Env { rt, k, s, tol } = e;
     let Op::KvQ { fk, fv, ref seqs, hq, hkv, page, n_split, special } = *op else { unreachable!() };
@@ -126,6 +127,21 @@ pub fn kvq_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
             }
             op2 = Some(o2);
         }
+        Some(n_split) if seqs.iter().any(|&(_, n)| n > 1) => {
+            // Verify-shaped rows: attn_verify_mma over each sequence's rows in groups, then the same rows
+            // one by one on attn_decode_mma (its A/B switch) into op2.
+            let rows = attention::verify_group_rows(kq.dims.gqa_group);
+            let (a, g) = verify_args(d, &q, seqs, kvp, n_split, rows)?;
+            if !kq.verify_mma {
+                let msg = format!("does not take {kv:?} at head dim {hd} (a case for attn_decode_mma)");
+                return Err(deltaserve_cuda::CudaError::InvalidArgs { kernel: "attn_verify_mma", msg });
+            }
+            attention::attn_verify_q(&kq, s, &a, &scales, &g)?;
+            kq.verify_mma = false;
+            let o2 = d.poison(2 * n)?;
+            attention::attn_verify_q(&kq, s, &attention::AttnDecode { o: o2, ..a }, &scales, &g)?;
+            op2 = Some(o2);
+        }
         Some(n_split) => {
             let a = decode_args(d, &q, kvp, n_split)?;
             attention::attn_decode_q(&kq, s, &a, &scales)?;
@@ -144,7 +160,11 @@ pub fn kvq_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
     let r = paged.attention(&q);
     out.push(compare("o", &r, &d.get_bf16(q.o, n)?, tol));
     if let Some(op2) = op2 {
-        let what = if n_split.is_some() { "o (attn_decode_split)" } else { "o (attn_prefill)" };
+        let what = match n_split {
+            Some(_) if seqs.iter().any(|&(_, n)| n > 1) => "o (attn_decode_mma row by row)",
+            Some(_) => "o (attn_decode_split)",
+            None => "o (attn_prefill)",
+        };
         out.push(compare(what, &r, &d.get_bf16(op2, n)?, tol));
     }
     Ok(out)
