@@ -25,6 +25,7 @@ use deltaserve_cuda::backend::CudaOptions;
 use deltaserve_cuda::{CudaBackend, WeightSource};
 use deltaserve_model::synth::{MtpVariant, Preset, write_model_json, write_model_with};
 use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
+use deltaserve_plan::KvDtype;
 
 mod common;
 use common::*;
@@ -441,15 +442,25 @@ fn at_27b_shapes_prefill_and_verify_match_decode() {
         return;
     }
     let cfg = ModelConfig::from_json_str(&Preset::parse("qwen3.6-27b").unwrap().config_json(None).to_string()).unwrap();
+    // bf16 KV, and fp8 KV, whose verify chunks' rows attend together (attn_verify_mma; the tiny model's
+    // head dim 32 keeps them row by row).
+    for kv in [KvDtype::Bf16, KvDtype::Fp8] {
+        println!("27B, KV {}:", kv.name());
+        at_27b_shapes(&cfg, kv);
+    }
+}
+
+fn at_27b_shapes(cfg: &ModelConfig, kv: KvDtype) {
     // The 27B layout of the workspace: 4096 tokens per step.
-    let plan = plan_with(&cfg, |o| {
+    let plan = plan_with(cfg, |o| {
         o.budget_bytes = 72 << 30;
         o.max_batch_tokens = 4096;
         o.max_context = Some(8192);
         o.speculative_tokens = 2;
+        o.k_dtype = kv;
+        o.v_dtype = kv;
     });
-    let mut g =
-        CudaBackend::with_options(&cfg, WeightSource::RandomWeights { seed: 3 }, &plan, 2, test_opts()).unwrap();
+    let mut g = CudaBackend::with_options(cfg, WeightSource::RandomWeights { seed: 3 }, &plan, 2, test_opts()).unwrap();
     let vocab = cfg.vocab_size;
     let prompt: Vec<u32> = (0..120).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
     // Token by token in slot 3 (decode steps) vs the one-chunk prefill the reference starts with.

@@ -116,7 +116,8 @@ impl CudaBackend {
         let rows = if self.short_chunks_split() {
             self.split_units() / 2
         } else {
-            (self.ws.decode_rows.bytes / 8).min(self.partial_rows() * self.decode_partitions)
+            // (a row's length and table row, a group's offset, and the last offset)
+            ((self.ws.decode_rows.bytes / 4).saturating_sub(1) / 3).min(self.partial_rows() * self.decode_partitions)
         };
         (self.short_chunk_max_tokens(), rows)
     }
@@ -255,7 +256,20 @@ impl CudaBackend {
             // length and its chunk's block-table row; ungated (the gate kernel after this covers
             // them with the prefill rows). Their partials use the decode rows' scratch, split so
             // that they fit it: the decode launch below runs after this one's combine.
+            // A chunk's rows in groups that read each K/V tile once, as verify chunks' (or row by row).
             let (r0, rows) = (sh.short_row0, sh.short_rows);
+            let g = attention::RowGroups {
+                starts: ws.decode_rows.ptr + 8 * rows as u64,
+                n: sh.short_groups,
+                max_rows: sh.short_group_rows,
+            };
+            let n_split = if attention::verify_groups_run(k, &g) {
+                let units = partial_units(ws.attn_partials.bytes, d.q_heads, d.head_dim);
+                let sms = attention::VERIFY_BLOCKS_PER_SM * self.rt.sm_count.max(1) as usize;
+                attention::wave_splits(sms, sh.short_groups * nkv, (units / rows.max(1)).clamp(1, 64))
+            } else {
+                short_chunk_splits(self.partial_rows(), self.decode_partitions, rows)
+            };
             let a = attention::AttnDecode {
                 q: ws.attn_qg + b2(r0 * 2 * ad),
                 gate: 0,
@@ -264,10 +278,10 @@ impl CudaBackend {
                 seq_lens: ws.decode_rows.ptr,
                 table_rows: ws.decode_rows.ptr + 4 * rows as u64,
                 n_seqs: rows,
-                n_split: short_chunk_splits(self.partial_rows(), self.decode_partitions, rows),
+                n_split,
                 ..dec
             };
-            attention::attn_decode_q(k, s, &a, &sc)?;
+            attention::attn_verify_q(k, s, &a, &sc, &g)?;
         }
         if n_dec > 0 {
             attention::attn_decode_q(k, s, &dec, &sc)?;

@@ -179,6 +179,8 @@ impl CudaBackend {
                 tvd: 0,
                 tvd_groups: 0,
                 tvd_group_rows: 0,
+                short_groups: 0,
+                short_group_rows: 0,
                 short_row0: 0,
                 short_rows: 0,
                 short_tiles: 0,

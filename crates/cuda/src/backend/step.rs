@@ -50,6 +50,10 @@ pub(super) struct StepShape {
     /// context) attend as decode queries.
     pub(super) short_row0: usize,
     pub(super) short_rows: usize,
+    /// As decode queries: those rows in `short_groups` groups of at most `short_group_rows` rows of one
+    /// chunk (attention::attn_verify_q).
+    pub(super) short_groups: usize,
+    pub(super) short_group_rows: usize,
     /// With the prefill kernel split over the keys (the wide kernels): the short chunks' tiles (after
     /// the `n_tiles` others in the tile table) and the key splits of each.
     pub(super) short_tiles: usize,
@@ -97,7 +101,7 @@ struct HostInputs<'b> {
     ver_tables: Vec<i32>,
     ver_groups: Vec<i32>,
     /// Short prefill chunks attending as decode queries: their rows' attention lengths, then their
-    /// block-table rows (one upload); the first such row.
+    /// block-table rows, then their groups' row offsets (one upload); the first such row.
     short_rows: Vec<i32>,
     short_row0: usize,
     /// Rows of the short chunks (either way).
@@ -197,6 +201,10 @@ impl CudaBackend {
         let StepOrder { ref order, n_real, n_pre, n_ver, .. } = ord;
         let HostInputs { rows, tp, tv, tvd, .. } = inp;
         let (tvd_groups, tvd_group_rows) = group_shape(&inp.ver_groups);
+        let (short_groups, short_group_rows) = match inp.short_rows.len() {
+            0 => (0, 0),
+            n => group_shape(&inp.short_rows[2 * inp.short_count..n]),
+        };
         let n = order.len();
         let shape = StepShape {
             t: t + (rows - n),
@@ -210,6 +218,8 @@ impl CudaBackend {
             tvd_group_rows,
             short_row0: inp.short_row0,
             short_rows: inp.short_count,
+            short_groups,
+            short_group_rows,
             short_tiles: inp.short_tiles,
             short_splits: inp.short_splits,
             n_chunks: inp.chunk_table.len() / 2,
@@ -436,7 +446,8 @@ impl CudaBackend {
         let mut short_rows = Vec::new();
         if !split {
             let (lens, tables) = decode_query_rows(batch, order, n_real - n_short..n_real);
-            short_rows.extend(lens.into_iter().chain(tables));
+            let groups = row_groups(batch, order, n_real - n_short..n_real, group_rows);
+            short_rows.extend(lens.into_iter().chain(tables).chain(groups));
         }
         if chunk_table.len() * 4 > self.ws.chunk_table.bytes
             || tile_table.len() * 4 > self.ws.tile_table.bytes

@@ -117,3 +117,65 @@ fn short_chunks_over_long_contexts_match_the_prefill_kernel_and_the_cpu() {
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }
+
+/// At the 27B's attention heads (head dim 256, 24 q / 4 kv heads; 8 layers, two of them attention) with an
+/// fp8 cache, short chunks' rows as decode queries attend in groups of a chunk's rows (attn_verify_mma,
+/// which the tiny model's head dim 32 does not take): the same logits as the prefill kernel's tiles, in
+/// the step and in the decode step after it. Random weights; GPU only (the CPU oracle at these widths is
+/// slow, and the kernel itself is held to it in the ops table).
+#[test]
+fn short_chunks_in_row_groups_match_the_prefill_kernel_at_27b_heads() {
+    use deltaserve_cuda::{CudaBackend, WeightSource};
+    use deltaserve_model::ModelConfig;
+    use deltaserve_model::synth::Preset;
+    if !gpu() {
+        return;
+    }
+    let free = deltaserve_cuda::Runtime::open(0).and_then(|rt| rt.free_memory()).unwrap_or(0);
+    if free < 40 << 30 {
+        println!("SKIP: two 27B-width backends need 40 GiB free ({} GiB here)", free >> 30);
+        return;
+    }
+    let preset = Preset::parse("qwen3.6-27b").unwrap();
+    let cfg = ModelConfig::from_json_str(&preset.config_json(Some(8)).to_string()).unwrap();
+    let plan = plan_with(&cfg, |o| {
+        o.budget_bytes = 18 << 30;
+        o.max_batch_tokens = 2048;
+        o.max_context = Some(8192);
+        o.k_dtype = KvDtype::Fp8;
+        o.v_dtype = KvDtype::Fp8;
+    });
+    let new_backend = |groups: bool| {
+        let mut b =
+            CudaBackend::with_options(&cfg, WeightSource::RandomWeights { seed: 5 }, &plan, 2, test_opts()).unwrap();
+        let from = if groups { 256 } else { usize::MAX };
+        let o = CudaOptions { short_chunk_decode_attention_from: from, short_chunk_split_keys: false, ..b.options() };
+        b.set_options(o).unwrap();
+        b
+    };
+    let (mut tiles, mut groups) = (new_backend(false), new_backend(true));
+    let vocab = cfg.vocab_size;
+    let mut rng = StdRng::seed_from_u64(41);
+    // Two sequences: 37 and 5 new tokens after 1,500 and 600 cached ones (groups of 4 rows and a last
+    // group of 1), then a decode step of both.
+    let (hist, new) = ([1500usize, 600], [37usize, 5]);
+    let pg: Vec<Vec<u32>> = (0..2).map(|i| pages(512 * i as u32, 1600)).collect();
+    let toks: Vec<Vec<u32>> = (0..2).map(|i| random_tokens(&mut rng, hist[i] + new[i] + 1, vocab)).collect();
+    let mut bs: [&mut dyn Backend; 2] = [&mut tiles, &mut groups];
+    for i in 0..2 {
+        step_all(&mut bs, &pg, &[(i, 0, toks[i][..hist[i]].to_vec())]);
+    }
+    let short: Vec<(usize, usize, Vec<u32>)> =
+        (0..2).map(|i| (i, hist[i], toks[i][hist[i]..hist[i] + new[i]].to_vec())).collect();
+    let next: Vec<(usize, usize, Vec<u32>)> =
+        (0..2).map(|i| (i, hist[i] + new[i], vec![toks[i][hist[i] + new[i]]])).collect();
+    for (what, step) in [("short chunks", &short), ("decode step after them", &next)] {
+        let got = step_all(&mut bs, &pg, step);
+        for (s, (a, b)) in got[0].chunks(vocab).zip(got[1].chunks(vocab)).enumerate() {
+            let l2 = rel_l2(b, a);
+            println!("27B heads, fp8 KV, {what}, sequence {s}: row groups vs the prefill kernel, L2 rel err {l2:.3e}");
+            // bf16 rounding through 8 random layers: ~1e-2; a wrong row, length or table row: order 1.
+            assert!(l2 < 6e-2, "{what}, sequence {s}: L2 rel err {l2:.3e}");
+        }
+    }
+}
