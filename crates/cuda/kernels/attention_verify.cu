@@ -1,9 +1,9 @@
 // attention_verify.cu — causal GQA attention of groups of consecutive rows of one sequence (the rows of
 // a speculative verify chunk: the last accepted token and its drafts) over the paged KV cache, each
-// K/V tile read and widened once for every row of the group. attn_decode_mma's design (attention_decode.cu,
-// whose dm_* pieces this uses) with the group's query columns — row r, head h of the GQA group: column
-// r * GQA_GROUP + h — as VQ_NT n-tiles of S^T = K Q^T and of O^T = V^T P^T, each column masked at its
-// row's own causal length.
+// K/V tile read and widened once for every row of the group. attn_decode_mma's design (attention_decode.cu;
+// the dm_* pieces both use are attention_mma.cuh's) with the group's query columns — row r, head h of the
+// GQA group: column r * GQA_GROUP + h — as VQ_NT n-tiles of S^T = K Q^T and of O^T = V^T P^T, each column
+// masked at its row's own causal length.
 //  attn_verify_mma: grid (group, kv head, partition), block 128 (two blocks an SM). Group c is rows groups[c] ..
 //    groups[c + 1] of the launch (at most VQ_COLS / GQA_GROUP), their lengths seq_lens[row] (the last
 //    the longest), block-table row table_rows[first row]. Its keys (the last row's length L) are split

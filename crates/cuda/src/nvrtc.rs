@@ -5,8 +5,8 @@
 //!
 //! Kernels include no toolkit header: `kernels/prelude.cuh` (bf16 on raw bit patterns, warp
 //! reductions) is prepended to each source as text. A module of several files is their text
-//! concatenated, its shared header first (attention: `attention_tile.cuh`, then the prefill, the
-//! decode and the verify kernels).
+//! concatenated, its shared header first (attention: `attention_tile.cuh`, the prefill kernels,
+//! `attention_mma.cuh`, then the decode and the verify kernels).
 
 use std::collections::HashMap;
 use std::ffi::{CStr, CString, c_char};
@@ -170,10 +170,12 @@ pub const SOURCES: &[KernelSource] = &[
     },
     KernelSource {
         module: "attention",
-        // The shared tile code, then the prefill and the decode kernels: one module.
+        // The shared tile code, the prefill kernels, the decode kernels' shared tensor-core pieces, then the
+        // decode and the verify kernels: one module.
         src: concat!(
             include_str!("../kernels/attention_tile.cuh"),
             include_str!("../kernels/attention_prefill.cu"),
+            include_str!("../kernels/attention_mma.cuh"),
             include_str!("../kernels/attention_decode.cu"),
             include_str!("../kernels/attention_verify.cu")
         ),
