@@ -147,6 +147,7 @@ step_w4-sweep() {
 step_attn() {
     DS_BENCH_ATTN=decode test_run attn-decode 150 "attn_decode|split|panicked|^\|" bench_attention --nocapture --ignored
     DS_BENCH_ATTN=prefill test_run attn-prefill 150 "attn_prefill|^ +[0-9]|panicked" bench_attention --nocapture --ignored
+    DS_BENCH_ATTN=verify test_run attn-verify 150 "attn_verify|attn_decode|panicked" bench_attention --nocapture --ignored
     python3 "$ROOT/scripts/charts.py" decode-attn "$OUT_DIR/attn-decode.log" "$OUT_DIR/attn-decode.svg" || true
 }
 # shellcheck disable=SC2086 # BACKEND_ARGS: extra test arguments, e.g. --skip hf_fixtures_logits
