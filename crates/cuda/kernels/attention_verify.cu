@@ -13,8 +13,9 @@
 //    n_split partials), skips it.
 //  - 4 warps in 2 pairs: the pair of tile column c takes the 16-key tiles c, c + 2, ...; both of its
 //    warps compute S and the softmax of every column (bitwise the same), each accumulates half of
-//    O^T's m-tiles for every column (8 x VQ_NT x 4 accumulators a lane at head dim 256). The next
-//    tile's lines are prefetched into L2 while this one is computed (no registers held).
+//    O^T's m-tiles for every column (8 x VQ_NT x 4 accumulators a lane at head dim 256; 208 registers
+//    at VQ_NT = 3, no spills). The next tile's lines are prefetched into L2 while this one is computed
+//    (no registers held).
 //  - K and V of codes (fp8, int8; int4 at head dims % 64 == 0): a bf16 cache runs attn_decode_mma
 //    row by row (its K rows would not fit a lane's registers here).
 //  - Q's fragments (f16, a power-of-two scale per n-tile) live in shared memory that the pairs'
@@ -22,7 +23,7 @@
 // Arch: mma.sync, movmatrix: sm_80+. Tested by: tests/ops/ cases "kv_q+attn_verify" against the CPU
 // attention over the dequantised cache (and attn_decode_mma row by row).
 #ifndef VQ_NT
-#define VQ_NT 3  // n-tiles: 24 columns, the 27B's 4 verify rows of 6 heads
+#define VQ_NT 3  // n-tiles of 8 columns (KernelDims::verify_ntiles: 4 verify rows, e.g. 3 at the 27B's 6 heads)
 #endif
 #define VQ_COLS (8 * VQ_NT)
 #ifndef VQ_PART_KEYS

@@ -364,6 +364,13 @@ impl KernelDims {
     pub const QWEN35_27B: KernelDims =
         KernelDims { gdn_k_dim: 128, gdn_v_dim: 128, conv_kernel: 4, attn_head_dim: 256, gqa_group: 6, gdn_bv: 32 };
 
+    /// n-tiles of 8 query columns in `attn_verify_mma` (VQ_NT): room for the 4 rows of a verify chunk at
+    /// 3 draft tokens (4 × the GQA group columns), at most 3 (ops::attention::verify_group_rows says which
+    /// GQA groups take the kernel).
+    pub fn verify_ntiles(&self) -> usize {
+        (4 * self.gqa_group).div_ceil(8).clamp(1, 3)
+    }
+
     /// The `-D` list for one module.
     pub fn defines(&self, module: &str) -> Vec<(&'static str, String)> {
         match module {
@@ -379,7 +386,11 @@ impl KernelDims {
                 ("DV", self.gdn_v_dim.to_string()),
                 ("GDN_BV", self.gdn_bv.to_string()),
             ],
-            "attention" => vec![("HD", self.attn_head_dim.to_string()), ("GQA_GROUP", self.gqa_group.to_string())],
+            "attention" => vec![
+                ("HD", self.attn_head_dim.to_string()),
+                ("GQA_GROUP", self.gqa_group.to_string()),
+                ("VQ_NT", self.verify_ntiles().to_string()),
+            ],
             _ => Vec::new(),
         }
     }

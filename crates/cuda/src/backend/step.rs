@@ -439,7 +439,7 @@ impl CudaBackend {
         }
         let tvd = tp - cu[n_real + n_ver_pf] as usize;
         let (ver_lens, ver_tables) = decode_query_rows(batch, order, n_real + n_ver_pf..n_pre);
-        let group_rows = attention::verify_group_rows(self.k.dims.gqa_group).max(1);
+        let group_rows = attention::verify_group_rows(&self.k.dims).max(1);
         let ver_groups = row_groups(batch, order, n_real + n_ver_pf..n_pre, group_rows);
         let rope = self.rope_rows(batch, order, rows);
         // Rows attending as decode queries: their lengths and block-table rows.

@@ -366,16 +366,16 @@ pub fn attn_decode_q(k: &Kernels, s: &CudaStream, a: &AttnDecode, sc: &KvScales)
     combine(k, s, (part_o, part_ml), seq_lens, o, (a.n_seqs, a.q_heads, a.n_split), (gate, qt, qh))
 }
 
-/// Query columns of one [`attn_verify_q`] block (VQ_COLS in attention_verify.cu): a group holds up to
-/// this many / the GQA group rows.
-pub const VERIFY_COLS: usize = 24;
-
 /// Blocks of `attn_verify_mma` an SM holds (128 threads of ~250 registers each).
 pub const VERIFY_BLOCKS_PER_SM: usize = 2;
 
-/// Rows of one group [`attn_verify_q`] takes at a GQA group of `gqa` query heads per kv head (0: none).
-pub fn verify_group_rows(gqa: usize) -> usize {
-    VERIFY_COLS / gqa.max(1)
+/// Rows of one group [`attn_verify_q`] takes with kernels of these dims (0: none): its query columns
+/// (VQ_COLS in attention_verify.cu, 8 × [`KernelDims::verify_ntiles`]) over the GQA group. Groups of more
+/// than 6 query heads a kv head attend row by row: both warps of a pair compute a group's S, so 4 rows of
+/// 8 heads (32 columns) cost more tensor-core work than the rows' own launches (one 8-column n-tile each)
+/// save in loads (measured on the H200 with the 35B-A3B: verify 4.63 ms grouped, 4.40 row by row @ 32K).
+pub fn verify_group_rows(d: &KernelDims) -> usize {
+    if d.gqa_group > 6 { 0 } else { 8 * d.verify_ntiles() / d.gqa_group.max(1) }
 }
 
 /// Whether `attn_verify_mma` reads caches of these formats at this head dim: K and V each of codes
@@ -403,7 +403,7 @@ pub fn wave_splits(sms: usize, blocks: usize, cap: usize) -> usize {
 /// Whether [`attn_verify_q`] runs `attn_verify_mma` for the groups `g` with these kernels (else the
 /// rows attend one by one).
 pub fn verify_groups_run(k: &Kernels, g: &RowGroups) -> bool {
-    k.verify_mma && g.n > 0 && g.max_rows >= 1 && g.max_rows <= verify_group_rows(k.dims.gqa_group)
+    k.verify_mma && g.n > 0 && g.max_rows >= 1 && g.max_rows <= verify_group_rows(&k.dims)
 }
 
 /// Groups of consecutive query rows of [`attn_verify_q`], each of one sequence (a verify chunk's rows,
@@ -551,6 +551,20 @@ mod tests {
         assert!(!split.wide && split.keys == 32 && split.p_split);
         let pair = AttnTiling { keys: 64, p_split: false, heads: 3, wide: false };
         assert_eq!(resolve_tiling(&D, &KvFormats::BF16, pair, H100), pair);
+    }
+
+    #[test]
+    fn a_verify_group_holds_four_rows_up_to_gqa_6() {
+        let rows = |g: usize| {
+            let d = KernelDims { gqa_group: g, ..D };
+            (d.verify_ntiles(), verify_group_rows(&d))
+        };
+        assert_eq!(rows(6), (3, 4)); // the 27B: 24 columns
+        assert_eq!(rows(4), (2, 4));
+        assert_eq!(rows(2), (1, 4));
+        assert_eq!(rows(1), (1, 8));
+        assert_eq!(rows(8), (3, 0)); // Qwen3-Next, the 35B-A3B: the rows attend one by one
+        assert_eq!(rows(64), (3, 0));
     }
 
     #[test]

@@ -202,8 +202,8 @@ pub fn verify_args(
     for (b, &(p, n)) in seqs.iter().enumerate() {
         lens.extend((1..=n).map(|j| (p + j) as i32));
         tables.extend(std::iter::repeat_n(b as i32, n));
-        for k in (0..n).step_by(group_rows) {
-            starts.push(starts[starts.len() - 1] + (n - k).min(group_rows) as i32);
+        for k in (0..n).step_by(group_rows.max(1)) {
+            starts.push(starts[starts.len() - 1] + (n - k).min(group_rows.max(1)) as i32);
         }
     }
     let rows = lens.len();

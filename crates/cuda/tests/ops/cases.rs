@@ -38,6 +38,8 @@ pub(crate) const HD32_G8: KernelDims = KernelDims { attn_head_dim: 32, gqa_group
 /// Qwen3-Next's attention (head dim 256, 16 q heads over 2 kv heads): two prefill blocks per kv head.
 /// The Tiny preset's attention (head dim 32, 4 q heads over 2 kv heads; the speculative tests' model).
 pub(crate) const TINY_ATTN: KernelDims = KernelDims { attn_head_dim: 32, gqa_group: 2, ..KernelDims::QWEN35_27B };
+/// GQA 4 at head dim 256 (the verify groups' 2-n-tile kernel).
+pub(crate) const GQA4: KernelDims = KernelDims { gqa_group: 4, ..KernelDims::QWEN35_27B };
 pub(crate) const NEXT_ATTN: KernelDims = KernelDims { attn_head_dim: 256, gqa_group: 8, ..KernelDims::QWEN35_27B };
 /// Attention prefill with plain bf16 P (the default AttnTiling, FlashAttention's choice): P's
 /// rounding (2^-9 relative) moves o by up to 2^-9 · Σ p |v| — the scale of V, not of o, which cancels
@@ -507,8 +509,8 @@ pub(crate) fn kv_quant_cases() -> Vec<Case> {
         c("kv_q+attn_verify", q, kvq(i4, i4, &[(2000, 4), (33, 4)], 24, 4, 32, Some(16), false), ACCUM),
         c("kv_q+attn_verify", q, kvq(i8, f8, &[(500, 4), (1, 2)], 24, 4, 16, Some(8), false), ACCUM),
         c("kv_q+attn_verify", q, kvq(f8, i4, &[(1500, 4)], 24, 4, 32, Some(4), false), ACCUM),
-        // GQA 8 (Qwen3-Next: 3 rows a group), 2 at head dim 128 (12), 1 at head dim 64 (24).
-        c("kv_q+attn_verify", NEXT_ATTN, kvq(f8, f8, &[(900, 4), (9, 3)], 16, 2, 16, Some(16), false), ACCUM),
+        // GQA 4 (2 n-tiles), 2 at head dim 128 (1 n-tile, 4 rows a group), 1 at head dim 64 (8 rows).
+        c("kv_q+attn_verify", GQA4, kvq(f8, f8, &[(900, 4), (9, 3)], 16, 4, 16, Some(16), false), ACCUM),
         c("kv_q+attn_verify", SMALL, kvq(f8, i8, &[(300, 4), (9, 3)], 8, 4, 8, Some(4), false), ACCUM),
         c("kv_q+attn_verify", HD64_G1, kvq(i8, i8, &[(1000, 13), (40, 4)], 2, 2, 16, Some(8), false), ACCUM),
         c("kv_q+attn_decode", q, kvq(i8, i8, &[(4000, 1), (127, 1), (128, 1)], 24, 4, 32, Some(16), false), ACCUM),

@@ -130,7 +130,7 @@ pub fn kvq_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
         Some(n_split) if seqs.iter().any(|&(_, n)| n > 1) => {
             // Verify-shaped rows: attn_verify_mma over each sequence's rows in groups, then the same rows
             // one by one on attn_decode_mma (its A/B switch) into op2.
-            let rows = attention::verify_group_rows(kq.dims.gqa_group);
+            let rows = attention::verify_group_rows(&kq.dims);
             let (a, g) = verify_args(d, &q, seqs, kvp, n_split, rows)?;
             if !kq.verify_mma {
                 let msg = format!("does not take {kv:?} at head dim {hd} (a case for attn_decode_mma)");
