@@ -150,6 +150,15 @@ impl CudaBackend {
         prefill_key_splits(self.rt.sm_count.max(1) as usize, blocks, kv_tiles, units, rows)
     }
 
+    /// Key splits of a grouped launch (attention::attn_verify_q) of the groups `g` over `rows` rows whose
+    /// partials get `bytes` of scratch: whole waves of its blocks (two an SM), as many as the partials
+    /// hold, at most 64. A function of the step's shape: a graph replays it at any context.
+    fn group_splits(&self, g: &attention::RowGroups, rows: usize, bytes: usize) -> usize {
+        let units = partial_units(bytes, self.d.q_heads, self.d.head_dim);
+        let sms = attention::VERIFY_BLOCKS_PER_SM * self.rt.sm_count.max(1) as usize;
+        attention::wave_splits(sms, g.n * self.d.kv_heads, (units / rows.max(1)).clamp(1, 64))
+    }
+
     /// Attention of the step's queries over the paged K/V of `l`: the prefill kernel's tiles (prefill
     /// chunks and short-context verify chunks), long-context verify rows and decode rows split-K.
     fn attn_core(&self, ws: &Ws, l: &LayerKv, sh: &StepShape) -> Result<(), CudaError> {
@@ -204,14 +213,10 @@ impl CudaBackend {
             // Long-context verify rows as decode queries (split-K over the keys: a few queries
             // over a long context), each with its causal length and its chunk's block-table row;
             // each chunk's rows in groups that read every K/V tile once (or row by row where the
-            // kernels cannot: attn_verify_q falls back). Groups split their keys for whole waves of
-            // blocks, as many ways as the rows' partials hold (a function of the step's shape, so a
-            // graph replays it at any context).
+            // kernels cannot: attn_verify_q falls back).
             let g = attention::RowGroups { starts: sp.idx_at(9), n: sh.tvd_groups, max_rows: sh.tvd_group_rows };
             let n_split = if attention::verify_groups_run(k, &g) {
-                let units = partial_units(sp.partials.bytes, d.q_heads, d.head_dim);
-                let sms = attention::VERIFY_BLOCKS_PER_SM * self.rt.sm_count.max(1) as usize;
-                attention::wave_splits(sms, sh.tvd_groups * nkv, (units / sh.tvd).clamp(1, 64))
+                self.group_splits(&g, sh.tvd, sp.partials.bytes)
             } else {
                 sp.partitions
             };
@@ -264,9 +269,7 @@ impl CudaBackend {
                 max_rows: sh.short_group_rows,
             };
             let n_split = if attention::verify_groups_run(k, &g) {
-                let units = partial_units(ws.attn_partials.bytes, d.q_heads, d.head_dim);
-                let sms = attention::VERIFY_BLOCKS_PER_SM * self.rt.sm_count.max(1) as usize;
-                attention::wave_splits(sms, sh.short_groups * nkv, (units / rows.max(1)).clamp(1, 64))
+                self.group_splits(&g, rows, ws.attn_partials.bytes)
             } else {
                 short_chunk_splits(self.partial_rows(), self.decode_partitions, rows)
             };
