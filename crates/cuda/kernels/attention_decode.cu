@@ -375,66 +375,22 @@ attn_decode_mma(const bf16_t* q, const void* k_cache, const void* v_cache, const
     __syncthreads();
     const float kf = kf_sm;  // S^T's factor besides the key's scale: scale * log2(e) (/ qs)
 
-    // A tile's raw values: K of keys g, g + 8 (lane t's piece), V of keys 2t, 2t+1, 2t+8, 2t+9 (lane
-    // g's piece), the scales of keys g, g + 8 (1 for bf16). Keys at or past k1: zeros (their rows
-    // are never read).
-    struct KPart {
-        u32 k[2][DM_KW];
-        float ks[2], vs[2];
-    };
-    struct VPart {
-        u32 v[4][DM_VWH];  // this warp's words hh * DM_VWH ...
-    };
-    const bool one_page = page % 16 == 0;  // a 16-key tile (16-aligned) lies inside one page
-    auto row_of = [&](int p0, long long rb, int p) -> long long {
-        return one_page ? rb + (p - p0) : (long long)bt[p / page] * page + p % page;
-    };
-    auto tile_base = [&](int p0) -> long long { return one_page ? (long long)bt[p0 / page] * page + p0 % page : 0; };
-    auto load_k = [&](int p0, long long rb, KPart& r) {
-#pragma unroll
-        for (int kk = 0; kk < 2; kk++) {
-            const int p = p0 + g + 8 * kk;
-            if (p < k1) {
-                const long long th = row_of(p0, rb, p) * Hkv + hkv;
-                const unsigned char* src = kc + th * DM_KB;
-#pragma unroll
-                for (int j = 0; j < DM_KW / (DM_KU / 4); j++)
-                    dm_load<DM_KU>(src + DM_KU * (4 * j + t), &r.k[kk][j * (DM_KU / 4)]);
-                r.ks[kk] = KQ_K ? f16_to_f32(k_scales[th]) : 1.0f;
-                r.vs[kk] = KQ_V ? f16_to_f32(v_scales[th]) : 1.0f;
-            } else {
-#pragma unroll
-                for (int i = 0; i < DM_KW; i++) r.k[kk][i] = 0u;
-                r.ks[kk] = 0.0f;
-                r.vs[kk] = 0.0f;
-            }
-        }
-    };
-    auto load_v = [&](int p0, long long rb, VPart& r) {
-#pragma unroll
-        for (int vv = 0; vv < 4; vv++) {
-            const int p = p0 + 2 * t + (vv & 1) + 8 * (vv >> 1);
-            if (p < k1) {
-                const unsigned char* src = vc + (row_of(p0, rb, p) * Hkv + hkv) * DM_VB;
-#pragma unroll
-                for (int j = 0; j < DM_VWH / (DM_VC / 4); j++)
-                    dm_load<DM_VC>(src + dm_vbyte(g, hh * DM_VWH + j * (DM_VC / 4)), &r.v[vv][j * (DM_VC / 4)]);
-            } else {
-#pragma unroll
-                for (int i = 0; i < DM_VWH; i++) r.v[vv][i] = 0u;
-            }
-        }
-    };
+    // A tile's raw values (DmKPart, DmVPart: this warp's words hh * DM_VWH ...).
+    using VPart = DmVPart<DM_VWH>;
+    const DmPages pg{kc, vc, k_scales, v_scales, bt, page, Hkv, hkv, k1, page % 16 == 0};
+    auto load_k = [&](int p0, long long rb, DmKPart& r) { pg.load_k(p0, rb, g, t, r); };
+    auto load_v = [&](int p0, long long rb, VPart& r) { pg.load_v<DM_VWH, DM_VC>(p0, rb, g, t, hh, r); };
+    auto tile_base = [&](int p0) -> long long { return pg.tile_base(p0); };
 
     float acc[DM_MTH][4];  // m-tiles hh * DM_MTH ...
 #pragma unroll
     for (int i = 0; i < DM_MTH; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f, unit = 1.0f;
     const int ntiles = (k1 - k0 + 15) >> 4;
-    KPart kcur;
+    DmKPart kcur;
     VPart vcur;
 #if DM_PF
-    KPart knxt;
+    DmKPart knxt;
     VPart vnxt;
     long long rb_nxt = 0;
     if (col < ntiles) {

@@ -1,8 +1,8 @@
 // attention_mma.cuh — the tensor-core decode pieces that attn_decode_mma (attention_decode.cu) and
 // attn_verify_mma (attention_verify.cu) share: the lane layout of a K / V row's codes in mma fragments
 // (dm_kel, dm_vel: the design above attn_decode_mma), the shared-memory rows of the partial-O merge
-// (dm_ridx), the f16 / bf16 packing and mma helpers, the L2 prefetch of a partition's first keys, and the
-// fragments of Q, K and V. The module puts this file after attention_tile.cuh (dec_load_raw, dm_h2,
+// (dm_ridx), the f16 / bf16 packing and mma helpers, the L2 prefetch of a partition's first keys, the
+// paged tile loaders (DmPages) and the fragments of Q, K and V. The module puts this file after attention_tile.cuh (dec_load_raw, dm_h2,
 // dm_i4) and before the decode kernels.
 
 #define DM_OK(f) ((f) != KVF_INT4 || HD % 64 == 0)  // int4: a lane's V piece is >= 4 bytes
@@ -203,3 +203,72 @@ __device__ __forceinline__ void dm_v_frag(const u32 (&v)[4][VW], int i, u32 (&va
         }
     }
 }
+
+// A 16-key tile's raw values for lane (g, t): K of keys g, g + 8 (lane t's piece, DM_KW words each), the
+// scales of keys g, g + 8 (1 for bf16), and V of keys 2t, 2t + 1, 2t + 8, 2t + 9 (lane g's piece, VW words
+// each from word hh * VW: a warp of a pair takes half of the dims). Keys at or past k1: zeros (their rows
+// are never read).
+struct DmKPart {
+    u32 k[2][DM_KW];
+    float ks[2], vs[2];
+};
+template <int VW>
+struct DmVPart {
+    u32 v[4][VW];
+};
+
+// The paged K/V rows of kv head hkv whose keys end at k1, as the tile loaders see them.
+struct DmPages {
+    const unsigned char* kc;
+    const unsigned char* vc;
+    const unsigned short* k_scales;
+    const unsigned short* v_scales;
+    const int* bt;  // the sequence's block-table row
+    int page, Hkv, hkv, k1;
+    bool one_page;  // page % 16 == 0: a 16-key tile (16-aligned) lies inside one page
+
+    // The cache row of tile p0's first key (one_page; else 0), and of its key p.
+    __device__ __forceinline__ long long tile_base(int p0) const {
+        return one_page ? (long long)bt[p0 / page] * page + p0 % page : 0;
+    }
+    __device__ __forceinline__ long long row_of(int p0, long long rb, int p) const {
+        return one_page ? rb + (p - p0) : (long long)bt[p / page] * page + p % page;
+    }
+    __device__ __forceinline__ void load_k(int p0, long long rb, int g, int t, DmKPart& r) const {
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+            const int p = p0 + g + 8 * kk;
+            if (p < k1) {
+                const long long th = row_of(p0, rb, p) * Hkv + hkv;
+                const unsigned char* src = kc + th * DM_KB;
+#pragma unroll
+                for (int j = 0; j < DM_KW / (DM_KU / 4); j++)
+                    dm_load<DM_KU>(src + DM_KU * (4 * j + t), &r.k[kk][j * (DM_KU / 4)]);
+                r.ks[kk] = KQ_K ? f16_to_f32(k_scales[th]) : 1.0f;
+                r.vs[kk] = KQ_V ? f16_to_f32(v_scales[th]) : 1.0f;
+            } else {
+#pragma unroll
+                for (int i = 0; i < DM_KW; i++) r.k[kk][i] = 0u;
+                r.ks[kk] = 0.0f;
+                r.vs[kk] = 0.0f;
+            }
+        }
+    }
+    // VC: the load chunk (bytes) of a lane's VW words.
+    template <int VW, int VC>
+    __device__ __forceinline__ void load_v(int p0, long long rb, int g, int t, int hh, DmVPart<VW>& r) const {
+#pragma unroll
+        for (int vv = 0; vv < 4; vv++) {
+            const int p = p0 + 2 * t + (vv & 1) + 8 * (vv >> 1);
+            if (p < k1) {
+                const unsigned char* src = vc + (row_of(p0, rb, p) * Hkv + hkv) * DM_VB;
+#pragma unroll
+                for (int j = 0; j < VW / (VC / 4); j++)
+                    dm_load<VC>(src + dm_vbyte(g, hh * VW + j * (VC / 4)), &r.v[vv][j * (VC / 4)]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < VW; i++) r.v[vv][i] = 0u;
+            }
+        }
+    }
+};

@@ -102,17 +102,8 @@ attn_verify_mma(const bf16_t* q, const void* k_cache, const void* v_cache, const
 #pragma unroll
     for (int nt = 0; nt < VQ_NT; nt++) kf[nt] = kf_sm[nt];
 
-    struct KPart {
-        u32 k[2][DM_KW];
-        float ks[2], vs[2];
-    };
-    struct VPart {
-        u32 v[4][VQ_VWH];  // this warp's words hh * VQ_VWH ...
-    };
-    const bool one_page = page % 16 == 0;  // a 16-key tile (16-aligned) lies inside one page
-    auto row_of = [&](long long rb, int p0, int p) -> long long {
-        return one_page ? rb + (p - p0) : (long long)bt[p / page] * page + p % page;
-    };
+    // A tile's raw values (DmKPart, DmVPart: this warp's V words hh * VQ_VWH ...).
+    const DmPages pg{kc, vc, k_scales, v_scales, bt, page, Hkv, hkv, k1, page % 16 == 0};
     // The L2 lines of tile p0's K (warp hh = 0) or V (hh = 1) rows: lane i takes key i / 2, every
     // other line.
     auto prefetch_tile = [&](int p0) {
@@ -137,40 +128,11 @@ attn_verify_mma(const bf16_t* q, const void* k_cache, const void* v_cache, const
     pdl_trigger();
     for (int j = col; j < ntiles; j += VQ_PAIRS) {
         const int p0 = k0 + 16 * j;
-        const long long rb = one_page ? (long long)bt[p0 / page] * page + p0 % page : 0;
-        KPart kt;
-#pragma unroll
-        for (int kk = 0; kk < 2; kk++) {
-            const int p = p0 + g + 8 * kk;
-            if (p < k1) {
-                const long long th = row_of(rb, p0, p) * Hkv + hkv;
-                const unsigned char* src = kc + th * DM_KB;
-#pragma unroll
-                for (int u = 0; u < DM_KW / (DM_KU / 4); u++)
-                    dm_load<DM_KU>(src + DM_KU * (4 * u + t), &kt.k[kk][u * (DM_KU / 4)]);
-                kt.ks[kk] = KQ_K ? f16_to_f32(k_scales[th]) : 1.0f;
-                kt.vs[kk] = KQ_V ? f16_to_f32(v_scales[th]) : 1.0f;
-            } else {
-#pragma unroll
-                for (int u = 0; u < DM_KW; u++) kt.k[kk][u] = 0u;
-                kt.ks[kk] = 0.0f;
-                kt.vs[kk] = 0.0f;
-            }
-        }
-        VPart vt_;
-#pragma unroll
-        for (int vv = 0; vv < 4; vv++) {
-            const int p = p0 + 2 * t + (vv & 1) + 8 * (vv >> 1);
-            if (p < k1) {
-                const unsigned char* src = vc + (row_of(rb, p0, p) * Hkv + hkv) * DM_VB;
-#pragma unroll
-                for (int u = 0; u < VQ_VWH / (VQ_VC / 4); u++)
-                    dm_load<VQ_VC>(src + dm_vbyte(g, hh * VQ_VWH + u * (VQ_VC / 4)), &vt_.v[vv][u * (VQ_VC / 4)]);
-            } else {
-#pragma unroll
-                for (int u = 0; u < VQ_VWH; u++) vt_.v[vv][u] = 0u;
-            }
-        }
+        const long long rb = pg.tile_base(p0);
+        DmKPart kt;
+        pg.load_k(p0, rb, g, t, kt);
+        DmVPart<VQ_VWH> vt_;
+        pg.load_v<VQ_VWH, VQ_VC>(p0, rb, g, t, hh, vt_);
         if (j + VQ_PAIRS < ntiles) prefetch_tile(p0 + 16 * VQ_PAIRS);
         // S^T of every n-tile: c0 (key g, column 2t), c1 (key g, 2t + 1), c2 (key g + 8, 2t), c3.
         float s[VQ_NT][4];

@@ -116,8 +116,10 @@ impl CudaBackend {
         let rows = if self.short_chunks_split() {
             self.split_units() / 2
         } else {
-            // (a row's length and table row, a group's offset, and the last offset)
-            ((self.ws.decode_rows.bytes / 4).saturating_sub(1) / 3).min(self.partial_rows() * self.decode_partitions)
+            // (a row's length and table row, with row groups also a group's offset and the last offset)
+            let (per_row, last) = if self.row_group_rows() > 0 { (3, 1) } else { (2, 0) };
+            ((self.ws.decode_rows.bytes / 4).saturating_sub(last) / per_row)
+                .min(self.partial_rows() * self.decode_partitions)
         };
         (self.short_chunk_max_tokens(), rows)
     }
@@ -148,6 +150,12 @@ impl CudaBackend {
         let kv_tiles = max_end.div_ceil(self.k.attn.keys.max(1));
         let units = self.split_units();
         prefill_key_splits(self.rt.sm_count.max(1) as usize, blocks, kv_tiles, units, rows)
+    }
+
+    /// Rows of a group of one chunk's rows that attend together (attention::attn_verify_q); 0 where the
+    /// kernels take none (the rows attend one by one and no group offsets are built).
+    pub(super) fn row_group_rows(&self) -> usize {
+        if self.k.verify_mma { attention::verify_group_rows(&self.k.dims) } else { 0 }
     }
 
     /// Key splits of a grouped launch (attention::attn_verify_q) of the groups `g` over `rows` rows whose

@@ -201,10 +201,8 @@ impl CudaBackend {
         let StepOrder { ref order, n_real, n_pre, n_ver, .. } = ord;
         let HostInputs { rows, tp, tv, tvd, .. } = inp;
         let (tvd_groups, tvd_group_rows) = group_shape(&inp.ver_groups);
-        let (short_groups, short_group_rows) = match inp.short_rows.len() {
-            0 => (0, 0),
-            n => group_shape(&inp.short_rows[2 * inp.short_count..n]),
-        };
+        // (the short rows' lengths and table rows, then their groups' offsets, if any)
+        let (short_groups, short_group_rows) = group_shape(inp.short_rows.get(2 * inp.short_count..).unwrap_or(&[]));
         let n = order.len();
         let shape = StepShape {
             t: t + (rows - n),
@@ -439,7 +437,7 @@ impl CudaBackend {
         }
         let tvd = tp - cu[n_real + n_ver_pf] as usize;
         let (ver_lens, ver_tables) = decode_query_rows(batch, order, n_real + n_ver_pf..n_pre);
-        let group_rows = attention::verify_group_rows(&self.k.dims).max(1);
+        let group_rows = self.row_group_rows();
         let ver_groups = row_groups(batch, order, n_real + n_ver_pf..n_pre, group_rows);
         let rope = self.rope_rows(batch, order, rows);
         // Rows attending as decode queries: their lengths and block-table rows.
@@ -636,14 +634,17 @@ impl CudaBackend {
 /// Rows of the chunks `order[range]` attending as decode queries: each row's causal attention length and
 /// its chunk's block-table row (the chunk's place in `order`).
 /// Row offsets of groups of at most `max_rows` consecutive rows of one chunk over the chunks `range` of
-/// `order` (rows counted from the range's first): `[groups + 1]`.
+/// `order` (rows counted from the range's first): `[groups + 1]`; none with `max_rows` 0 (no groups).
 fn row_groups(batch: &StepBatch, order: &[usize], range: std::ops::Range<usize>, max_rows: usize) -> Vec<i32> {
+    if max_rows == 0 {
+        return Vec::new();
+    }
     let mut starts = vec![0i32];
     let mut at = 0;
     for r in range {
         let n = batch.seqs[order[r]].tokens.len();
-        for k in (0..n).step_by(max_rows.max(1)) {
-            at += (n - k).min(max_rows.max(1)) as i32;
+        for k in (0..n).step_by(max_rows) {
+            at += (n - k).min(max_rows) as i32;
             starts.push(at);
         }
     }
