@@ -230,7 +230,7 @@ mod tests {
                 max_draft_tokens: 0,
                 masks_tokens: true,
                 picks_after_launch: true,
-                snapshots_within_chunks: false,
+                snapshots_within_chunks: 0,
             }
         }
         fn step(&mut self, batch: &StepBatch, want: Want<'_>, out: &mut StepOut) -> Result<(), BackendError> {

@@ -98,7 +98,7 @@ pub struct SeqChunk {
     /// earlier chunk, the last may end in a later one). Text after one continues from its
     /// [`PlacedImage::delta_after`].
     pub images: Vec<ChunkImage>,
-    /// Snapshots taken inside the chunk (backends with [`Capabilities::snapshots_within_chunks`]):
+    /// Snapshots taken inside the chunk (backends with [`Capabilities::snapshots_within_chunks`] > 0):
     /// `(p, loc)` with `start < p < start + tokens.len()`, increasing — the slot's state after
     /// position `p - 1` is copied to `loc`, as a [`CacheOp::SaveState`] after a chunk ending at `p`
     /// would. A plain chunk only (no drafts).
@@ -287,9 +287,9 @@ pub struct Capabilities {
     /// Whether the engine may launch steps with their picks left for later ([`Pick::Later`],
     /// [`Backend::pick_launched`]): with token masks, constrained requests then run ahead.
     pub picks_after_launch: bool,
-    /// Whether chunks may carry [`SeqChunk::save_within`] (snapshots at points inside a chunk).
-    /// Without it, the scheduler ends chunks at snapshot points.
-    pub snapshots_within_chunks: bool,
+    /// How many snapshots one step may take inside its chunks ([`SeqChunk::save_within`], all
+    /// chunks together). 0: none; the scheduler ends chunks at snapshot points.
+    pub snapshots_within_chunks: usize,
 }
 
 /// What a step returns for each chunk that wants its logits (a wanted row), in batch order.

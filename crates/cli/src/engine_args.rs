@@ -805,7 +805,8 @@ fn parse_fraction(s: &str) -> Result<f64, String> {
 
 /// The CUDA backend's options of the server and the benchmarks. A/B switches: `DELTASERVE_FOLD=0`: decode
 /// steps run the residual add + RMSNorm as its own kernel instead of folded into the int4 projections;
-/// `DELTASERVE_W4_GEMM=0`: int4 projections of more rows than the decode GEMV's dequantise for cuBLASLt.
+/// `DELTASERVE_W4_GEMM=0`: int4 projections of more rows than the decode GEMV's dequantise for cuBLASLt;
+/// `DELTASERVE_SNAPSHOTS_IN_STEP=1`: snapshots inside a step's chunks.
 pub fn cuda_options(cuda_graphs: bool) -> CudaOptions {
     let sw = deltaserve_cuda::Switches::get();
     let w4_gemm_max_rows = if sw.w4_gemm { CudaOptions::default().w4_gemm_max_rows } else { 0 };
@@ -819,6 +820,7 @@ pub fn cuda_options(cuda_graphs: bool) -> CudaOptions {
         w4_gemm_max_rows,
         verify_decode_attention_from,
         short_chunk_decode_attention_from,
+        snapshots_in_step: sw.snapshots_in_step,
         ..CudaOptions::default()
     }
 }

@@ -512,7 +512,7 @@ impl Backend for CpuBackend {
             max_draft_tokens: self.max_draft,
             masks_tokens: true,
             picks_after_launch: true,
-            snapshots_within_chunks: true,
+            snapshots_within_chunks: usize::MAX,
         }
     }
 

@@ -43,6 +43,9 @@
 //   g, beta [T, Hv] f32; state [slots, Hv, DK, DV] f32; o [T, Hv, DV] bf16;
 //   cu_seqlens [B+1] i32; slots [B] i32; chunk_table [n_chunks, 2] i32 = (seq, chunk index in seq),
 //   built on the host (ops::gdn_chunk::chunk_table). Value head v reads key head v / (Hv / Hk).
+//   gdn_chunk_state skips sequences of slot < 0: a sequence cut into segments (a snapshot inside a
+//   step's chunk) has each segment as its own varlen entry, walked by one launch a segment in order,
+//   the other entries of that launch at slot -1 (ops::gdn_chunk::Segments).
 // -D DK, DV: multiples of 32, DK <= 128 (h^T lives in DK/2 registers per thread). GDN_BV is ignored.
 // Tested by: tests/ops/ case "gdn_chunk" (1 token, 63/64/65/127/129, ragged batches, Hv/Hk=3,
 //   carried state, 1000 tokens) against deltaserve_cpu::gdn::gdn_recurrent, both precision modes.
@@ -372,7 +375,7 @@ __device__ __forceinline__ void state_walk(const bf16_t* __restrict__ q, const b
     const int s = blockIdx.x, hv = blockIdx.y, hk = hv / (Hv / Hk);
     const int vw = blockIdx.z * SBV + warp * 16;
     const int start = cu_seqlens[s], len = cu_seqlens[s + 1] - start;
-    if (len <= 0) return;  // uniform over the block
+    if (len <= 0 || slots[s] < 0) return;  // uniform over the block (slot < 0: a segment another launch walks)
     const int nch = (len + CH - 1) / CH;
     float* st = state + ((long long)slots[s] * Hv + hv) * DK * DV;
     // Row of (this head, the sequence's first token) in the head-major workspace parts: a chunk's

@@ -54,6 +54,7 @@ mod moe;
 mod phases;
 mod profile;
 mod rank;
+mod saves;
 mod spec;
 mod step;
 #[cfg(test)]
@@ -178,6 +179,12 @@ pub struct CudaOptions {
     /// checkpoints' `activation_scheme: dynamic` says). Off (and where cuBLASLt has no such GEMM): row
     /// slices dequantised to bf16 and a bf16 GEMM, activations unquantised.
     pub fp8_tensor_cores: bool,
+    /// Snapshots at points inside a step's chunks (`Capabilities::snapshots_within_chunks`): a prompt's
+    /// chunk runs past its message starts, its sequence cut there inside the chunked DeltaNet walk, so
+    /// a turn's new tokens run in the fewest steps the token budget allows. Off (the default until it
+    /// is measured on a GPU): chunks end at snapshot points. `DELTASERVE_SNAPSHOTS_IN_STEP=1` turns it
+    /// on for the server and the benchmarks.
+    pub snapshots_in_step: bool,
 }
 
 impl Default for CudaOptions {
@@ -193,6 +200,7 @@ impl Default for CudaOptions {
             fold_norms: true,
             w4_gemm_max_rows: deltaserve_plan::cuda::W4_GEMM_MAX_ROWS,
             fp8_tensor_cores: true,
+            snapshots_in_step: false,
         }
     }
 }
@@ -265,6 +273,8 @@ pub struct CudaBackend {
     vision: Option<vision::Vision>,
     /// The (t, h, w) frequency split of M-RoPE (rows rotate at (t, h, w) positions with the tower).
     mrope_section: [usize; 3],
+    /// The running step's snapshots inside its chunks.
+    saves: std::cell::RefCell<saves::StepSaves>,
 }
 
 // SAFETY: the backend is driven by one thread at a time (the engine's step loop); every entry

@@ -54,6 +54,9 @@ pub struct Switches {
     /// masks are known (`Capabilities::picks_after_launch`); `DELTASERVE_LATER_PICKS=0` makes such a
     /// step wait for its masks before it launches.
     pub later_picks: bool,
+    /// `DELTASERVE_SNAPSHOTS_IN_STEP=1`: snapshots at points inside a step's chunks
+    /// (`CudaOptions::snapshots_in_step`); unset or anything else: chunks end at snapshot points.
+    pub snapshots_in_step: bool,
 }
 
 impl Switches {
@@ -84,6 +87,7 @@ impl Switches {
             short_chunk_decode_from: var("DELTASERVE_SHORT_CHUNK_DECODE_FROM").and_then(|v| v.trim().parse().ok()),
             device_masks: var("DELTASERVE_DEVICE_MASKS").is_none_or(|v| v != "0"),
             later_picks: var("DELTASERVE_LATER_PICKS").is_none_or(|v| v != "0"),
+            snapshots_in_step: var("DELTASERVE_SNAPSHOTS_IN_STEP").is_some_and(|v| v == "1"),
         }
     }
 
@@ -126,7 +130,7 @@ mod tests {
         let s = from(&[]);
         assert!(!s.any_set());
         assert!(s.fold_norms && s.w4_gemm && s.device_masks && !s.decode_attn_split && !s.attn_prefill_pair);
-        assert!(s.later_picks);
+        assert!(s.later_picks && !s.snapshots_in_step);
         assert!(s.pdl.is_none() && s.nvrtc_options.is_empty() && s.trace_cap.is_none());
     }
 
@@ -145,8 +149,9 @@ mod tests {
             ("DELTASERVE_SHORT_CHUNK_DECODE_FROM", "8192"),
             ("DELTASERVE_DEVICE_MASKS", "0"),
             ("DELTASERVE_LATER_PICKS", "0"),
+            ("DELTASERVE_SNAPSHOTS_IN_STEP", "1"),
         ]);
-        assert!(!s.device_masks && !s.later_picks);
+        assert!(!s.device_masks && !s.later_picks && s.snapshots_in_step);
         assert!(s.any_set());
         assert_eq!(s.pdl.as_deref(), Some("0"));
         assert!(s.decode_attn_split && s.verify_attn_rows && s.attn_prefill_pair && !s.fold_norms && !s.w4_gemm);

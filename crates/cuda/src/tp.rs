@@ -164,7 +164,7 @@ impl Backend for TpBackend {
             max_draft_tokens: 0,
             masks_tokens: true,
             picks_after_launch: false,
-            snapshots_within_chunks: false,
+            snapshots_within_chunks: 0,
         }
     }
 

@@ -325,6 +325,55 @@ fn agreeing_head_drafts_what_the_model_predicts() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A snapshot taken inside a prompt's chunk carries the hidden row the head drafts from (the row
+/// before the snapshot point), as a snapshot after a step ending there does: the speculative steps
+/// restored from either draft the same logits, and match the CPU backend's from its own snapshot.
+#[test]
+fn snapshot_inside_a_chunk_drafts_like_one_between_steps() {
+    if !gpu() {
+        return;
+    }
+    let (dir, cfg) = model_dir(MtpVariant::Random, "cut");
+    let vocab = cfg.vocab_size;
+    let mut b = cuda_spec(&dir, &cfg, MAX_DRAFT);
+    let mut c = cpu_spec(&dir, &cfg);
+    let prompt: Vec<u32> = (0..90).map(|i| ((i * 37 + 11) % vocab) as u32).collect();
+    let point = 70;
+    let (pg1, pg2) = (pages(0, 128), pages(64, 128));
+    let mut inside = chunk_at(1, &pg1, 0, &prompt, 0);
+    inside.save_within = vec![(point, SnapshotLoc::Device(0))];
+    step_logits(&mut b, &batch(inside.clone()), &mut Vec::new()).unwrap();
+    step_logits(&mut c, &batch(inside), &mut Vec::new()).unwrap();
+    let mut between = batch(chunk_at(2, &pg2, 0, &prompt[..point], 0));
+    between.post = vec![CacheOp::SaveState { slot: 2, to: SnapshotLoc::Device(1) }];
+    step_logits(&mut b, &between, &mut Vec::new()).unwrap();
+    // From each snapshot: one speculative step at the point (its token and drafts), drafts picked as
+    // the prompt goes on, the draft rows kept.
+    let drafts = |be: &mut dyn Backend, slot: u32, from: u32, pg: &[u32]| {
+        let restore = vec![CacheOp::RestoreState { from: SnapshotLoc::Device(from), slot }];
+        step_logits(be, &StepBatch { pre: restore, ..StepBatch::default() }, &mut Vec::new()).unwrap();
+        let mut rows = Vec::new();
+        let mut pick = |_: u64, i: usize, row: &[f32]| {
+            rows.extend_from_slice(row);
+            prompt[point + 1 + i]
+        };
+        let mut out = StepOut::default();
+        let ch = chunk_at(slot, pg, point, &[prompt[point]], MAX_DRAFT);
+        be.step(&batch(ch), Want::Drafts(&mut pick), &mut out).unwrap();
+        (rows, out.logits)
+    };
+    let (d_inside, v_inside) = drafts(&mut b, 3, 0, &pg1);
+    let (d_between, v_between) = drafts(&mut b, 4, 1, &pg2);
+    let (d_cpu, _) = drafts(&mut c, 3, 0, &pg1);
+    let (e_d, e_v) = (rel_err(&d_inside, &d_between), rel_err(&v_inside, &v_between));
+    println!("from a snapshot inside a chunk vs between steps: drafts {e_d:.3e}, verified rows {e_v:.3e}");
+    assert!(e_d < 2e-2 && e_v < 2e-2, "drafts {e_d:.3e}, verified rows {e_v:.3e}");
+    let mut score = Score::default();
+    score.add(&d_inside, &d_cpu, vocab);
+    score.check("drafts from a snapshot inside a chunk vs the CPU backend");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn bad_speculation_requests_are_errors() {
     if !gpu() {

@@ -58,7 +58,8 @@ struct Counted {
 impl Backend for Counted {
     fn capabilities(&self) -> Capabilities {
         let within = self.points == Points::Within;
-        Capabilities { snapshots_within_chunks: within, ..self.inner.capabilities() }
+        let cap = if within { usize::MAX } else { 0 };
+        Capabilities { snapshots_within_chunks: cap, ..self.inner.capabilities() }
     }
     fn image_tokens(&self) -> Option<ImageTokens> {
         self.inner.image_tokens()

@@ -17,7 +17,7 @@ impl Backend for Null {
             max_draft_tokens: 0,
             masks_tokens: false,
             picks_after_launch: false,
-            snapshots_within_chunks: false,
+            snapshots_within_chunks: 0,
         }
     }
     fn step(&mut self, b: &StepBatch, want: Want<'_>, out: &mut StepOut) -> Result<(), BackendError> {

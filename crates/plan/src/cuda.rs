@@ -108,6 +108,19 @@ pub fn decode_partial_rows(max_seqs: usize) -> usize {
     max_seqs.max(SHORT_CHUNK_PARTIAL_ROWS)
 }
 
+/// The most snapshots one step takes inside its chunks (the CUDA backend cuts its sequences there:
+/// [`ScratchParts::segments`]; fewer when the plan has fewer device snapshot slots).
+pub const MAX_SNAPSHOTS_WITHIN_STEP: usize = 8;
+
+/// Bytes of the segment tables of a step of `s_max` sequences cut at up to
+/// [`MAX_SNAPSHOTS_WITHIN_STEP`] snapshots (i32 each): the segments' boundaries, each walk round's
+/// slots, and the snapshots' (sequence, rows, snapshot) triples.
+pub fn segment_table_bytes(s_max: usize) -> usize {
+    let n = MAX_SNAPSHOTS_WITHIN_STEP;
+    let segs = s_max + n;
+    4 * ((segs + 1) + (n + 1) * segs + 3 * n)
+}
+
 fn al(x: usize) -> usize {
     x.next_multiple_of(ALIGN as usize)
 }
@@ -126,9 +139,11 @@ pub fn gdn_chunk_workspace_bytes(t: usize, hv: usize, dk: usize, dv: usize) -> u
 pub struct ScratchParts {
     /// Chunked DeltaNet f32 workspace.
     pub gdn: usize,
-    /// Varlen chunk and tile tables.
+    /// Varlen chunk and tile tables (the chunk table of the step's segments).
     pub chunk_table: usize,
     pub tile_table: usize,
+    /// The step's sequences cut at the snapshots inside them ([`segment_table_bytes`]).
+    pub segments: usize,
     /// Short prefill chunks attending as decode queries: each row's attention length and block-table
     /// row (i32 each, [`SHORT_CHUNK_DECODE_ROWS`] rows at most).
     pub decode_rows: usize,
@@ -176,8 +191,9 @@ impl ScratchParts {
         let fp8_x = if linears == WeightsDtype::Fp8Block { fp8_x_scratch_bytes(t_max, max_in) } else { 0 };
         ScratchParts {
             gdn,
-            chunk_table: 8 * (t_max / GDN_CHUNK + s_max + 1),
+            chunk_table: 8 * (t_max / GDN_CHUNK + s_max + MAX_SNAPSHOTS_WITHIN_STEP + 1),
             tile_table: 8 * (t_max / ATTN_Q_TILE + s_max + 1),
+            segments: segment_table_bytes(s_max),
             decode_rows: 8 * t_max.min(SHORT_CHUNK_DECODE_ROWS),
             w4_x,
             w4_slice,
@@ -197,6 +213,7 @@ impl ScratchParts {
         al(self.gdn)
             + al(self.chunk_table)
             + al(self.tile_table)
+            + al(self.segments)
             + al(self.decode_rows)
             + al(self.w4_x)
             + al(self.w4_slice)

@@ -14,10 +14,12 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use deltaserve_backend::{CacheOp, SeqChunk, SnapshotLoc, StepBatch};
+use deltaserve_backend::{CacheOp, SeqChunk, StepBatch};
 
 use crate::pools::{PagePool, SlotPool};
 use crate::prefix::{MediaSpan, PrefixCache, PrefixCacheConfig, PrefixStats, cache_key};
+
+mod snapshots;
 
 pub type SeqId = u64;
 
@@ -179,9 +181,11 @@ pub struct Scheduler {
     pending_pre: Vec<CacheOp>,
     /// Most drafts per decode chunk (0: no speculative decoding).
     spec_tokens: usize,
-    /// The backend takes snapshots inside a chunk ([`SeqChunk::save_within`]): chunks run past snapshot
-    /// points instead of ending there.
-    within_chunks: bool,
+    /// How many snapshots the backend takes inside the chunks of one step ([`SeqChunk::save_within`]):
+    /// chunks run past that many snapshot points instead of ending there (0: they end at each).
+    within_limit: usize,
+    /// What is left of `within_limit` in the step being planned.
+    within_room: usize,
 }
 
 impl Scheduler {
@@ -208,7 +212,8 @@ impl Scheduler {
             forks: 0,
             pending_pre: Vec::new(),
             spec_tokens: 0,
-            within_chunks: false,
+            within_limit: 0,
+            within_room: 0,
         }
     }
 
@@ -218,11 +223,11 @@ impl Scheduler {
         self
     }
 
-    /// Snapshots inside chunks (a backend with `Capabilities::snapshots_within_chunks`): a prompt's
-    /// chunk runs past its snapshot points and takes their snapshots inside it, so a turn's new tokens
-    /// run in as few steps as the token budget allows.
-    pub fn with_snapshots_within_chunks(mut self, on: bool) -> Self {
-        self.within_chunks = on;
+    /// Snapshots inside chunks (a backend with `Capabilities::snapshots_within_chunks`, up to `limit`
+    /// a step): a prompt's chunk runs past its snapshot points and takes their snapshots inside it, so
+    /// a turn's new tokens run in as few steps as the token budget allows.
+    pub fn with_snapshots_within_chunks(mut self, limit: usize) -> Self {
+        self.within_limit = limit;
         self
     }
 
@@ -369,6 +374,7 @@ impl Scheduler {
         let mut plan = StepPlan::default();
         plan.batch.pre = std::mem::take(&mut self.pending_pre);
         let mut budget = self.cfg.max_batch_tokens;
+        self.within_room = self.within_limit;
         // Decodes first (one token each, lowest latency), then prompts, each group oldest first.
         let mut order: Vec<SeqId> = self.running.clone();
         order.sort_by_key(|id| {
@@ -389,6 +395,7 @@ impl Scheduler {
                 budget -= n + draft;
                 let mut c = self.chunk(id, n);
                 c.draft = draft;
+                self.take_within_room(&c);
                 plan.batch.seqs.push(c);
             }
         }
@@ -405,33 +412,11 @@ impl Scheduler {
             }
             budget -= n;
             plan.admitted.push(id);
-            plan.batch.seqs.push(self.chunk(id, n));
+            let c = self.chunk(id, n);
+            self.take_within_room(&c);
+            plan.batch.seqs.push(c);
         }
-        // Snapshot points a chunk reaches (prompt positions only: speculative chunks never hold one):
-        // at its end the state is saved after the step; inside it (backends that take them), during
-        // the step, into device slots made free before it — never one another of this step's.
-        let spans: Vec<(usize, SeqId, usize, usize)> = (plan.batch.seqs.iter().enumerate())
-            .filter(|(_, c)| c.draft == 0)
-            .map(|(i, c)| (i, c.seq_id, c.start, c.start + c.tokens.len()))
-            .collect();
-        let mut written: Vec<u32> = Vec::new();
-        for (i, id, start, end) in spans {
-            let s = &self.seqs[&id];
-            let points: Vec<usize> = s.snapshot_points.iter().copied().filter(|&p| p > start && p <= end).collect();
-            for p in points {
-                let mut ops = Vec::new();
-                if p == end {
-                    self.snapshot(id, end, &mut ops);
-                    plan.batch.post.extend(ops);
-                } else if let Some(loc) = self.cache_prefix(id, p, &written, &mut ops) {
-                    if let SnapshotLoc::Device(d) = loc {
-                        written.push(d);
-                    }
-                    plan.batch.pre.extend(ops);
-                    plan.batch.seqs[i].save_within.push((p, loc));
-                }
-            }
-        }
+        self.place_snapshots(&mut plan);
         plan
     }
 
@@ -502,14 +487,12 @@ impl Scheduler {
         self.spec_tokens.min(remaining.saturating_sub(1)).min(spare)
     }
 
-    /// Tokens of `id` to run now: up to the budget and (unless the backend snapshots inside chunks)
-    /// the next snapshot point.
+    /// Tokens of `id` to run now: up to the budget and the first snapshot point past those the step
+    /// may still take inside its chunks.
     fn chunk_len(&self, id: SeqId, budget: usize) -> usize {
         let s = &self.seqs[&id];
-        let next_point = match self.within_chunks {
-            true => usize::MAX,
-            false => s.snapshot_points.iter().find(|&&p| p > s.cached).copied().unwrap_or(usize::MAX),
-        };
+        let mut ahead = s.snapshot_points.iter().filter(|&&p| p > s.cached);
+        let next_point = ahead.nth(self.within_room).copied().unwrap_or(usize::MAX);
         (s.tokens.len() - s.cached).min(budget).min(next_point - s.cached)
     }
 
@@ -563,35 +546,6 @@ impl Scheduler {
         s.cached_prefix.get_or_insert(start);
         self.running.push(id);
         true
-    }
-
-    /// Snapshots `id`'s state at `end` (its cached length once the step ran) into the prefix cache.
-    fn snapshot(&mut self, id: SeqId, end: usize, ops: &mut Vec<CacheOp>) {
-        if let Some(loc) = self.cache_prefix(id, end, &[], ops) {
-            let slot = self.seqs[&id].slot.expect("running");
-            ops.push(CacheOp::SaveState { slot, to: loc });
-        }
-    }
-
-    /// Registers `id`'s first `end` tokens in the prefix cache with a device snapshot slot for its state
-    /// at `end` (none of `spare`), which the caller fills; `ops` makes the slot free. None: the cache is
-    /// off, the prefix is cached already, or no slot could be had.
-    fn cache_prefix(&mut self, id: SeqId, end: usize, spare: &[u32], ops: &mut Vec<CacheOp>) -> Option<SnapshotLoc> {
-        let s = &self.seqs[&id];
-        let tokens = cache_key(&s.tokens[..end], &s.media).into_owned();
-        if !self.prefix.enabled() || self.prefix.contains(&tokens) {
-            return None;
-        }
-        let mut released = Vec::new();
-        let loc = self.prefix.alloc_device_sparing(ops, &mut released, spare);
-        self.pages.give_back(released);
-        let loc = loc?;
-        let pages: Vec<u32> = self.seqs[&id].pages[..self.pages.pages_for(end)].to_vec();
-        for &p in &pages {
-            self.pages.retain(p);
-        }
-        self.prefix.insert(tokens, pages, loc);
-        Some(loc)
     }
 
     /// Makes `id` hold pages for `positions`, preempting newer sequences if needed. Returns false

@@ -19,7 +19,7 @@ fn cfg(max_batch_tokens: usize, num_pages: usize, max_seqs: usize) -> SchedConfi
 
 /// Runs a workload to completion; "sampling" appends a token derived from (id, position).
 fn simulate(c: SchedConfig, reqs: &[(usize, usize, usize)]) -> (HashMap<u64, Vec<u32>>, u64) {
-    simulate_with(c, reqs, false, false)
+    simulate_with(c, reqs, false, 0)
 }
 
 /// What the state slots and snapshots hold: the tokens whose state each is (None: unknown).
@@ -78,12 +78,12 @@ impl States {
 
 /// `shared`: prompts share prefixes (a common "system prompt" and each other's tokens) and ask for
 /// snapshots at fixed points, so the prefix cache is exercised.
-/// `within`: the backend takes snapshots inside chunks.
+/// `within`: how many snapshots the backend takes inside the chunks of one step.
 fn simulate_with(
     c: SchedConfig,
     reqs: &[(usize, usize, usize)],
     shared: bool,
-    within: bool,
+    within: usize,
 ) -> (HashMap<u64, Vec<u32>>, u64) {
     let mut s = Scheduler::new(c.clone()).with_snapshots_within_chunks(within);
     let mut states = States::default();
@@ -122,8 +122,9 @@ fn simulate_with(
             let toks = s.tokens(ch.seq_id).unwrap();
             assert_eq!(&toks[ch.start..ch.start + ch.tokens.len()], &ch.tokens[..]);
             assert!(ch.pages.len() * c.page_size >= ch.start + ch.tokens.len());
-            assert!(within || ch.save_within.is_empty(), "snapshots inside a chunk the backend cannot take");
         }
+        let inside: usize = plan.batch.seqs.iter().map(|ch| ch.save_within.len()).sum();
+        assert!(inside <= within, "{inside} snapshots inside the chunks of a step that takes {within}");
         let tokens = |id: u64| s.tokens(id).unwrap().to_vec();
         states.apply(&plan.batch.pre, &plan.batch, &tokens);
         states.run(&plan.batch, &tokens);
@@ -170,10 +171,10 @@ proptest! {
         seqs in 1usize..6,
         device in 1usize..3,
         host in 0usize..3,
-        within in any::<bool>(),
+        within in prop::sample::select(vec![0usize, 1, 2, usize::MAX]),
     ) {
         let reqs: Vec<_> = reqs.into_iter().map(|(a, p, m)| (a, p, m.min(64 + 1 - p))).collect();
-        let (plain, _) = simulate_with(cfg(256, 1000, 16), &reqs, true, false);
+        let (plain, _) = simulate_with(cfg(256, 1000, 16), &reqs, true, 0);
         let cached = SchedConfig {
             prefix_cache: PrefixCacheConfig { device_slots: device, host_slots: host, page_size: 4, snapshot_bytes: 100, page_bytes: 10 },
             snapshot_interval: 7,
@@ -263,4 +264,30 @@ fn cancellation_frees_everything_at_once() {
     assert_eq!((st.pages_in_use, st.slots_in_use, st.running, st.waiting), (0, 0, 0, 0));
     assert!(!s.remove(1));
     s.assert_consistent();
+}
+
+#[test]
+fn a_step_takes_as_many_snapshots_inside_its_chunks_as_the_backend_does() {
+    // A 30-token prompt with snapshot points 5, 12 and 17: the first chunk runs past as many points as
+    // the backend takes a step and ends at the next.
+    for (limit, first_chunk, inside) in [(0, 5, 0), (1, 12, 1), (2, 17, 2), (usize::MAX, 30, 3)] {
+        let c = SchedConfig {
+            prefix_cache: PrefixCacheConfig {
+                device_slots: 4,
+                host_slots: 0,
+                page_size: 4,
+                snapshot_bytes: 100,
+                page_bytes: 10,
+            },
+            ..cfg(64, 100, 4)
+        };
+        let mut s = Scheduler::new(c).with_snapshots_within_chunks(limit);
+        let opts = deltaserve_sched::SeqOptions { snapshot_points: vec![5, 12, 17], ..Default::default() };
+        s.add_with(1, (100..130).collect(), 1, opts).unwrap();
+        let plan = s.schedule();
+        let ch = &plan.batch.seqs[0];
+        assert_eq!((ch.tokens.len(), ch.save_within.len()), (first_chunk, inside), "limit {limit}");
+        let points: Vec<usize> = ch.save_within.iter().map(|s| s.0).collect();
+        assert_eq!(points, [5, 12, 17][..inside], "limit {limit}");
+    }
 }

@@ -40,7 +40,7 @@ impl Backend for ScriptedBackend {
             max_draft_tokens: 0,
             masks_tokens: false,
             picks_after_launch: false,
-            snapshots_within_chunks: false,
+            snapshots_within_chunks: 0,
         }
     }
     fn image_tokens(&self) -> Option<ImageTokens> {

@@ -20,7 +20,7 @@ impl Backend for CudaBackend {
             max_draft_tokens: self.spec.as_ref().map_or(0, |sp| sp.max_draft),
             masks_tokens: crate::switches::Switches::get().device_masks,
             picks_after_launch: crate::switches::Switches::get().later_picks,
-            snapshots_within_chunks: false,
+            snapshots_within_chunks: self.snapshots_within_step(),
         }
     }
 

@@ -14,17 +14,27 @@ use super::linear::po;
 use super::step::StepShape;
 use super::weights::GdnLayer;
 
+/// A DeltaNet layer's state tensors: byte offsets of its recurrent and conv tensors in `state_slots`
+/// and in `snapshots`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct GdnOffsets {
+    pub(super) rec: usize,
+    pub(super) conv: usize,
+    pub(super) snap_rec: usize,
+    pub(super) snap_conv: usize,
+}
+
 impl CudaBackend {
     /// A DeltaNet layer's mixer over the step `sh`: its input `x` (the input norm's output, or folded:
     /// [`Fold::Norm`]) into `mixer_out` (or with `out_fold` the residual stream and the next norm's
-    /// input). `rec` / `conv`: its state tensors' offsets in `state_slots`; `gdn_index`: its index
-    /// among the DeltaNet layers (its verify trace).
+    /// input). `st`: its state tensors; `gdn_index`: its index among the DeltaNet layers (its verify
+    /// trace).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn deltanet(
         &self,
         ws: &Ws,
         gw: &GdnLayer,
-        (rec, conv): (usize, usize),
+        st: GdnOffsets,
         sh: &StepShape,
         gdn_index: Option<usize>,
         (x_in, in_fold): (u64, Fold),
@@ -35,19 +45,19 @@ impl CudaBackend {
         let h = d.hidden;
         let eps = self.eps;
         let (cc, vw, hv, dv) = (d.conv_channels, d.gdn_value_width, d.gdn_v_heads, d.gdn_v_dim);
-        let rec_state = self.states.ptr + rec as u64;
-        let conv_state = self.states.ptr + conv as u64;
+        let rec_state = self.states.ptr + st.rec as u64;
+        let conv_state = self.states.ptr + st.conv as u64;
         let outs = [po(&gw.qkv, ws.gdn_qkv, cc), po(&gw.z, ws.gdn_z, vw), po(&gw.ba, ws.gdn_ba, 2 * hv)];
         self.proj_fold(s, x_in, t, h, &outs, in_fold)?;
         self.tick("gdn in-proj GEMMs")?;
-        let (fused_dec, fused_pre) = self.gdn_conv(ws, gw, conv_state, sh, gdn_index)?;
+        let (fused_dec, fused_pre) = self.gdn_conv(ws, gw, (conv_state, st.snap_conv), sh, gdn_index)?;
         let (q, kk) = if fused_pre {
             (ws.gdn_qk, ws.gdn_qk + b2(t * d.gdn_key_width))
         } else {
             self.gdn_gates(gw, ws.gdn_ba, t, if fused_dec { tp } else { t })?
         };
         self.tick("gdn gates + l2norm")?;
-        if !self.gdn_core(ws, gw, (rec_state, conv_state), sh, (q, kk), gdn_index)? {
+        if !self.gdn_core(ws, gw, (rec_state, conv_state, st.snap_rec), sh, (q, kk), gdn_index)? {
             // The gated norm of the other rows (the chunked and verify rows).
             norm::gated_rms_norm(k, s, ws.gdn_core_out, ws.gdn_z, vw, hv, gw.norm, ws.gdn_normed, tp, dv, eps)?;
         }
@@ -56,15 +66,16 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// The conv of the step's rows (prefill rows: conv and the state update of the chunked rows; decode
-    /// rows: conv and gates in one launch where supported; a step of verify chunks and decode rows only:
-    /// the verify rows' conv and gates in one launch too) and the verify trace. Returns whether the
-    /// decode rows' gates, and the other rows' gates, were fused into their conv.
+    /// The conv of the step's rows (prefill rows: conv, the conv state of the snapshots inside them
+    /// (`snap_conv`: the layer's conv tensor in `snapshots`) and the state update of the chunked rows;
+    /// decode rows: conv and gates in one launch where supported; a step of verify chunks and decode
+    /// rows only: the verify rows' conv and gates in one launch too) and the verify trace. Returns
+    /// whether the decode rows' gates, and the other rows' gates, were fused into their conv.
     fn gdn_conv(
         &self,
         ws: &Ws,
         gw: &GdnLayer,
-        conv_state: u64,
+        (conv_state, snap_conv): (u64, usize),
         sh: &StepShape,
         gdn_index: Option<usize>,
     ) -> Result<(bool, bool), CudaError> {
@@ -106,6 +117,7 @@ impl CudaBackend {
                 channels: cc,
             };
             conv::conv_prefill_only(k, s, &cp)?;
+            self.conv_saves(&cp, snap_conv)?;
             conv::conv_state_update(k, s, &cp, n_real, 0)?;
         }
         // Decode rows: the conv and the gates in one launch (the gates of the other rows below).
@@ -166,7 +178,8 @@ impl CudaBackend {
         Ok((fused_dec, fused_pre && (n_dec == 0 || fused_dec)))
     }
 
-    /// The DeltaNet core: chunked rows, verify rows (outputs from the committed state, which stays as
+    /// The DeltaNet core: chunked rows (cut at the snapshots inside them: `snap_rec`, the layer's
+    /// recurrent tensor in `snapshots`), verify rows (outputs from the committed state, which stays as
     /// it was) and decode rows (recurrence and gated norm in one launch). Returns whether the rows
     /// before the decode rows were gated-normed too (a step of verify chunks and decode rows only: the
     /// verify rows' recurrence and gated norm in one launch).
@@ -174,7 +187,7 @@ impl CudaBackend {
         &self,
         ws: &Ws,
         gw: &GdnLayer,
-        (rec_state, conv_state): (u64, u64),
+        (rec_state, conv_state, snap_rec): (u64, u64, usize),
         sh: &StepShape,
         (q, kk): (u64, u64),
         gdn_index: Option<usize>,
@@ -187,9 +200,7 @@ impl CudaBackend {
         let (cc, vw, kw, hv, hk) = (d.conv_channels, d.gdn_value_width, d.gdn_key_width, d.gdn_v_heads, d.gdn_k_heads);
         let v = ws.gdn_conv_out + b2(2 * kw);
         if n_real > 0 {
-            gdn_chunk::gdn_chunk(
-                k,
-                s,
+            self.gdn_chunk_saving(
                 &gdn_chunk::GdnChunk {
                     q,
                     k: kk,
@@ -210,6 +221,7 @@ impl CudaBackend {
                     hk,
                     hv,
                 },
+                snap_rec,
             )?;
         }
         if sh.n_ver > 0 {

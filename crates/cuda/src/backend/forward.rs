@@ -7,6 +7,7 @@ use crate::ops::{elementwise, embed, mtp, norm};
 
 use super::CudaBackend;
 use super::cache_ops::Place;
+use super::deltanet::GdnOffsets;
 use super::layout::{LayerCache, Ws};
 use super::linear::{LayerFold, po};
 use super::step::StepShape;
@@ -75,6 +76,7 @@ impl CudaBackend {
                 self.copy(Place::Dev(sp.verify_hidden), Place::Dev(fin + (2 * r0 * h) as u64), 2 * sh.tv * h)?;
             }
             mtp::scatter_rows(k, s, fin, sp.idx_at(0), pending, sp.idx_at(1), sh.n_pend, h)?;
+            self.pending_saves(fin, sp.snap_pending)?;
             self.mtp_forward(sh, sp.rows_in, true)?;
             self.tick("MTP head cache")?;
         }
@@ -128,8 +130,9 @@ impl CudaBackend {
         self.tick("norms")?;
         let out_fold = fold.map(|_| fold_out(ws, layer.post_norm));
         match (&layer.mixer, cache) {
-            (Mixer::Gdn(gw), LayerCache::Gdn { rec, conv, .. }) => {
-                self.deltanet(ws, gw, (rec, conv), sh, gdn_index, (x_in, in_fold), out_fold)?;
+            (Mixer::Gdn(gw), LayerCache::Gdn { rec, conv, snap_rec, snap_conv }) => {
+                let st = GdnOffsets { rec, conv, snap_rec, snap_conv };
+                self.deltanet(ws, gw, st, sh, gdn_index, (x_in, in_fold), out_fold)?;
             }
             (Mixer::Attn(aw), LayerCache::Attn(l)) => {
                 self.attention(ws, aw, l, sh, (x_in, in_fold), kv_only, out_fold)?;

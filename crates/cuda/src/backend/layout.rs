@@ -67,6 +67,9 @@ pub(super) struct Ws {
     pub(super) gdn_ws: DevSpan,
     pub(super) chunk_table: DevSpan,
     pub(super) tile_table: DevSpan,
+    /// A step with snapshots inside its chunks: its segments' boundaries, their walk rounds' slots,
+    /// and the conv state's saves (i32; `plan::cuda::segment_table_bytes`).
+    pub(super) segments: DevSpan,
     /// Short prefill chunks attending as decode queries: their rows' attention lengths, then their
     /// block-table rows (i32).
     pub(super) decode_rows: DevSpan,
@@ -110,6 +113,7 @@ struct Regions {
     gdn_ws: DevSpan,
     chunk_table: DevSpan,
     tile_table: DevSpan,
+    segments: DevSpan,
     decode_rows: DevSpan,
     w4_x: DevSpan,
     w4_slice: DevSpan,
@@ -336,6 +340,7 @@ fn carve_regions(
     let gdn_ws = carve(parts.gdn);
     let chunk_table = carve(parts.chunk_table);
     let tile_table = carve(parts.tile_table);
+    let segments = carve(parts.segments);
     let decode_rows = carve(parts.decode_rows);
     let w4_x = carve(parts.w4_x);
     let w4_slice = carve(parts.w4_slice);
@@ -355,6 +360,7 @@ fn carve_regions(
         gdn_ws,
         chunk_table,
         tile_table,
+        segments,
         decode_rows,
         w4_x,
         w4_slice,
@@ -420,6 +426,7 @@ fn workspace_views(
         gdn_ws: r.gdn_ws,
         chunk_table: r.chunk_table,
         tile_table: r.tile_table,
+        segments: r.segments,
         decode_rows: r.decode_rows,
         w4_x: r.w4_x,
         w4_slice: r.w4_slice,
@@ -710,6 +717,7 @@ impl CudaBackend {
             fold: false,
             vision: None,
             mrope_section: cfg.mrope_section,
+            saves: Default::default(),
         };
         be.place_weights(weights, (full_cfg, cfg), r.wreg, fmt, kv, tower)
     }

@@ -11,6 +11,7 @@ use super::CudaBackend;
 use super::ahead::LaunchOut;
 use super::graphs::GraphKey;
 use super::phases::Mark;
+use super::saves::HostSaves;
 use super::spec::Verified;
 
 /// What a step hands back: every wanted row's logits, its argmax over ids `< valid`, or its token
@@ -96,6 +97,8 @@ struct HostInputs<'b> {
     pend: (Vec<i32>, Vec<i32>),
     chunk_table: Vec<i32>,
     tile_table: Vec<i32>,
+    /// Snapshots inside the prefill chunks: the chunks cut there (the chunk table is of their segments).
+    saves: Option<HostSaves>,
     /// Long-context verify rows: attention lengths and block-table rows, and their groups' row offsets.
     ver_lens: Vec<i32>,
     ver_tables: Vec<i32>,
@@ -245,6 +248,7 @@ impl CudaBackend {
             None => self.forward(&shape).map_err(dev)?,
         }
         self.phase(Mark::Forwarded).map_err(dev)?;
+        self.set_saves(None).map_err(dev)?;
         self.retain_images(batch);
         self.record_verified(batch, &ord, &inp.cu, &inp.slots);
         self.step_outputs(inp.n_want, out)?;
@@ -265,12 +269,7 @@ impl CudaBackend {
                 self.max_seqs
             ));
         }
-        if let Some(c) = batch.seqs.iter().find(|c| !c.save_within.is_empty()) {
-            return Err(BackendError::Unsupported(format!(
-                "seq {}: snapshots inside a chunk (this backend ends chunks at snapshot points)",
-                c.seq_id
-            )));
-        }
+        self.check_saves(batch)?;
         let mut used_slots = std::collections::HashSet::new();
         for &i in chunks {
             let c = &batch.seqs[i];
@@ -414,7 +413,8 @@ impl CudaBackend {
             pend.0.resize(pend.0.len() + rows - n, -1);
             pend.1.resize(pend.1.len() + rows - n, -1);
         }
-        let chunk_table = gdn_chunk::chunk_table(&cu[..=n_real]);
+        let saves = HostSaves::new(batch, order, n_real, &cu, &slots);
+        let chunk_table = gdn_chunk::chunk_table(saves.as_ref().map_or(&cu[..=n_real], |s| &s.segments.cu));
         // Prefill attention covers the prefill chunks and the short-context verify chunks; the other
         // verify rows run as decode queries.
         // Short chunks over a long context: their tiles last, for the prefill kernel split over the keys
@@ -466,6 +466,7 @@ impl CudaBackend {
             pend,
             chunk_table,
             tile_table,
+            saves,
             ver_lens,
             ver_tables,
             ver_groups,
@@ -502,6 +503,7 @@ impl CudaBackend {
         self.upload_i32(ws.chunk_table.ptr, &inp.chunk_table)?;
         self.upload_i32(ws.tile_table.ptr, &inp.tile_table)?;
         self.upload_i32(ws.decode_rows.ptr, &inp.short_rows)?;
+        self.set_saves(inp.saves.as_ref())?;
         if let Some(sp) = &self.spec {
             self.upload_i32(sp.idx_at(0), &inp.pend.0)?;
             self.upload_i32(sp.idx_at(1), &inp.pend.1)?;

@@ -79,6 +79,32 @@ pub fn conv_state_update(
     launch!(k, s, "conv_state_update", (gx, gy, 1), (128, 1, 1), 0; x, xs, state, cu_seqlens, slots, lens, c)
 }
 
+/// Snapshots inside the sequences of `a`, before [`conv_state_update`] (it reads the carried state):
+/// `saves` is an `[n_saves, 3]` i32 array of (sequence index, rows r, snapshot d), and snapshot d of
+/// `dst` (`[snapshots, kernel-1, channels]` bf16, as the state) becomes the last kernel-1 rows of
+/// (state ++ the sequence's first r rows).
+pub fn conv_state_save(
+    k: &Kernels,
+    s: &CudaStream,
+    a: &ConvPrefill,
+    saves: u64,
+    n_saves: usize,
+    dst: u64,
+) -> Result<(), CudaError> {
+    if n_saves == 0 {
+        return Ok(());
+    }
+    if a.channels == 0 || a.x_stride < a.channels {
+        return Err(invalid("conv_state_save", format!("{n_saves} saves of {a:?}")));
+    }
+    let ConvPrefill { x, state, cu_seqlens, slots, .. } = *a;
+    let xs = a.x_stride as i64;
+    let c = to_i32("conv_state_save", "channels", a.channels)?;
+    let gx = to_u32("conv_state_save", "channel blocks", a.channels.div_ceil(128))?;
+    let gy = to_u32("conv_state_save", "n_saves", n_saves)?;
+    launch!(k, s, "conv_state_save", (gx, gy, 1), (128, 1, 1), 0; x, xs, state, cu_seqlens, slots, saves, dst, c)
+}
+
 /// One token per sequence: x [n_seqs, channels] (stride x_stride), y [n_seqs, channels],
 /// state[slots[b]] shifted in place.
 #[allow(clippy::too_many_arguments)]

@@ -45,6 +45,59 @@ pub fn chunk_table(cu_seqlens: &[i32]) -> Vec<i32> {
     super::tile_table(cu_seqlens, CHUNK)
 }
 
+/// A varlen batch cut at snapshots inside its sequences: each piece between two cuts (a segment) is
+/// its own varlen entry, so chunks start at segment starts exactly as when each piece runs in a step
+/// of its own. [`gdn_chunk_prep`] takes all segments at once (`cu`, and the chunk table of `cu`);
+/// [`gdn_chunk_state`] walks them in rounds, one launch a round: round r walks the r-th segment of
+/// every sequence (`round_slots(r)`: its slot there, −1 at every other entry), so between rounds the
+/// slot holds the state at that round's cuts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Segments {
+    /// `[n_segs + 1]` boundaries (flattened rows).
+    pub cu: Vec<i32>,
+    /// `[rounds, n_segs]` slots.
+    pub slots: Vec<i32>,
+}
+
+impl Segments {
+    /// `cu` `[n + 1]` and `slots` `[n]` of a varlen batch; `cuts[s]`: rows after sequence s's start at
+    /// which to cut it, increasing and strictly inside it (missing entries: none).
+    pub fn new(cu: &[i32], slots: &[i32], cuts: &[Vec<usize>]) -> Self {
+        let n = slots.len();
+        let mut seg_cu = vec![cu[0]];
+        let mut owner = Vec::new(); // (slot, round) of each segment
+        for s in 0..n {
+            let c = cuts.get(s).map_or(&[][..], |c| &c[..]);
+            for (r, &row) in c.iter().enumerate() {
+                seg_cu.push(cu[s] + row as i32);
+                owner.push((slots[s], r));
+            }
+            seg_cu.push(cu[s + 1]);
+            owner.push((slots[s], c.len()));
+        }
+        let rounds = cuts.iter().map(Vec::len).max().unwrap_or(0) + 1;
+        let mut seg_slots = vec![-1; rounds * owner.len()];
+        for (j, &(slot, r)) in owner.iter().enumerate() {
+            seg_slots[r * owner.len() + j] = slot;
+        }
+        Segments { cu: seg_cu, slots: seg_slots }
+    }
+
+    pub fn n_segs(&self) -> usize {
+        self.cu.len() - 1
+    }
+
+    pub fn rounds(&self) -> usize {
+        self.slots.len() / self.n_segs().max(1)
+    }
+
+    /// The slots of round `r`.
+    pub fn round_slots(&self, r: usize) -> &[i32] {
+        let n = self.n_segs();
+        &self.slots[r * n..(r + 1) * n]
+    }
+}
+
 #[derive(Clone, Copy, Debug)]
 pub struct GdnChunk {
     /// q, k [t, hk, dk] bf16 (from gdn_gate); v head h of token i at `v + i*v_stride + h*dv`.
@@ -91,6 +144,35 @@ pub fn gdn_chunk(k: &Kernels, s: &CudaStream, a: &GdnChunk) -> Result<(), CudaEr
 pub fn gdn_chunk_with(k: &Kernels, s: &CudaStream, a: &GdnChunk, p: Precision) -> Result<(), CudaError> {
     gdn_chunk_prep_with(k, s, a, p)?;
     gdn_chunk_state_with(k, s, a, p)
+}
+
+/// [`Segments`] on the device: `cu` `[n_segs + 1]` and `slots` `[rounds, n_segs]` i32.
+#[derive(Clone, Copy, Debug)]
+pub struct SegmentsOnDevice {
+    pub cu: u64,
+    pub slots: u64,
+    pub n_segs: usize,
+    pub rounds: usize,
+}
+
+/// [`gdn_chunk`] over the batch of `a` cut into segments `seg` (`a.chunk_table` / `a.n_chunks`: the
+/// chunk table of the segments; `a.cu_seqlens`, `a.slots`, `a.n_seqs` are not read): one prep over
+/// every segment, then one walk a round; `after_round(r)` runs (stream ordered) once round r's states
+/// are in the slots, i.e. each cut sequence's state at its r-th cut.
+pub fn gdn_chunk_segments(
+    k: &Kernels,
+    s: &CudaStream,
+    a: &GdnChunk,
+    seg: SegmentsOnDevice,
+    mut after_round: impl FnMut(usize) -> Result<(), CudaError>,
+) -> Result<(), CudaError> {
+    let all = GdnChunk { cu_seqlens: seg.cu, slots: seg.slots, n_seqs: seg.n_segs, ..*a };
+    gdn_chunk_prep(k, s, &all)?;
+    for r in 0..seg.rounds {
+        gdn_chunk_state(k, s, &GdnChunk { slots: seg.slots + 4 * (r * seg.n_segs) as u64, ..all })?;
+        after_round(r)?;
+    }
+    Ok(())
 }
 
 /// Workspace parts (w_hi, w_lo, u, P_hi, P_lo, G), each 256-aligned.
@@ -195,4 +277,24 @@ pub fn gdn_chunk_state_with(k: &Kernels, s: &CudaStream, a: &GdnChunk, p: Precis
     let smem = state_smem_bytes(&d) as u32;
     launch!(k, s, name, grid, (2 * cols as u32, 1, 1), smem;
         q, kp, wh, wl, u, ph, pl, ws_g, state, o, cu_seqlens, slots, t, hk, hv)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Segments;
+
+    #[test]
+    fn segments_cut_sequences_and_walk_them_in_rounds() {
+        // Three sequences of 100, 5 and 70 rows, slots 4, 0 and 9; the first cut at 64 and 90, the
+        // last at 3.
+        let s = Segments::new(&[0, 100, 105, 175], &[4, 0, 9], &[vec![64, 90], vec![], vec![3]]);
+        assert_eq!(s.cu, vec![0, 64, 90, 100, 105, 108, 175]);
+        assert_eq!((s.n_segs(), s.rounds()), (6, 3));
+        assert_eq!(s.round_slots(0), &[4, -1, -1, 0, 9, -1]);
+        assert_eq!(s.round_slots(1), &[-1, 4, -1, -1, -1, 9]);
+        assert_eq!(s.round_slots(2), &[-1, -1, 4, -1, -1, -1]);
+        // No cuts: the batch as it is, one round.
+        let plain = Segments::new(&[0, 7, 9], &[1, 2], &[]);
+        assert_eq!((plain.cu, plain.slots), (vec![0, 7, 9], vec![1, 2]));
+    }
 }

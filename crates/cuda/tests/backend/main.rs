@@ -31,6 +31,7 @@ mod graphs;
 mod images;
 mod int4;
 mod masked;
+mod saves;
 mod short_chunks;
 
 use common::*;

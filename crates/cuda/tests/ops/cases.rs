@@ -58,7 +58,13 @@ pub(crate) const SPLIT: gdn_chunk::Precision = gdn_chunk::Precision::Split;
 pub(crate) const BF16: gdn_chunk::Precision = gdn_chunk::Precision::Bf16;
 
 pub(crate) fn gdn_op(lens: &[usize], hk: usize, hv: usize, prec: gdn_chunk::Precision) -> Op {
-    Op::GdnChunk { lens: lens.to_vec(), hk, hv, prec }
+    Op::GdnChunk { lens: lens.to_vec(), hk, hv, prec, cuts: Vec::new() }
+}
+
+/// A chunked prefill case with each sequence cut at `cuts` (snapshots inside the chunk).
+pub(crate) fn gdn_cut_op(lens: &[usize], cuts: &[&[usize]], hk: usize, hv: usize) -> Op {
+    let cuts = cuts.iter().map(|c| c.to_vec()).collect();
+    Op::GdnChunk { lens: lens.to_vec(), hk, hv, prec: gdn_chunk::Precision::Split, cuts }
 }
 
 pub(crate) fn gdn_rows(lens: &[usize], slots: &[i32], accept: Option<&[usize]>, hk: usize, hv: usize) -> Op {
@@ -176,9 +182,16 @@ pub(crate) fn row_cases() -> Vec<Case> {
         c("qk_norm_rope_kv", q, qkv(i8, bf, &[(0, 37), (70_000, 5)], 16, 2, 256, 16, false), EXACT),
         c("qk_norm_rope_kv", q, qkv(bf, bf, &[(5, 9)], 8, 1, 64, 8, true), EXACT),
         c("qk_norm_rope_kv", q, qkv(i4, f8, &[(259_000, 1), (17, 2)], 8, 4, 128, 32, false), EXACT),
-        c("conv_prefill", q, Op::ConvPrefill { lens: vec![1], c: 10240 }, SINGLE),
-        c("conv_prefill", q, Op::ConvPrefill { lens: vec![63, 64, 65], c: 10240 }, SINGLE),
-        c("conv_prefill", q, Op::ConvPrefill { lens: vec![2, 1, 129, 127], c: 10240 }, SINGLE),
+        c("conv_prefill", q, Op::ConvPrefill { lens: vec![1], c: 10240, saves: vec![] }, SINGLE),
+        c("conv_prefill", q, Op::ConvPrefill { lens: vec![63, 64, 65], c: 10240, saves: vec![] }, SINGLE),
+        c("conv_prefill", q, Op::ConvPrefill { lens: vec![2, 1, 129, 127], c: 10240, saves: vec![] }, SINGLE),
+        // Snapshots inside: a cut after 1 and 2 rows (part of the carried state kept), 3, and deep.
+        c(
+            "conv_prefill",
+            q,
+            Op::ConvPrefill { lens: vec![2, 40, 129], c: 10240, saves: vec![(1, 1), (2, 2), (1, 3), (2, 100)] },
+            SINGLE,
+        ),
         c("conv_decode", q, Op::ConvDecode { b: 5, c: 10240 }, SINGLE),
         c("gdn_gate", q, Op::GdnGate { t: 70, hk: 16, hv: 48 }, SINGLE),
         c("gdn_conv_gate_decode", q, Op::GdnConvGateDecode { slots: vec![2, -1, 0], hk: 16, hv: 48 }, EXACT),
@@ -201,6 +214,10 @@ pub(crate) fn row_cases() -> Vec<Case> {
         c("gdn_chunk", SMALL, gdn_op(&[100, 3], 4, 4, SPLIT), ACCUM),
         c("gdn_chunk", q, gdn_op(&[1000], 16, 48, SPLIT), ACCUM),
         c("gdn_chunk", GDN32, gdn_op(&[70, 1, 130], 2, 6, SPLIT), ACCUM),
+        // Snapshots inside chunks: cuts on and off the 64-row grid, two in one sequence, a 1-row segment.
+        c("gdn_chunk", q, gdn_cut_op(&[200, 5, 130], &[&[64, 150], &[], &[1]], 16, 48), ACCUM),
+        c("gdn_chunk", q, gdn_cut_op(&[65, 300], &[&[37], &[128, 129, 299]], 16, 48), ACCUM),
+        c("gdn_chunk", GDN32, gdn_cut_op(&[70, 9], &[&[3], &[8]], 2, 6), ACCUM),
         // Plain bf16 operands (FLA-like): looser bound, the line reports the actual error.
         c("gdn_chunk", q, gdn_op(&[129, 1, 64, 200], 16, 48, BF16), GDN_BF16),
         c("gdn_chunk", q, gdn_op(&[1000], 16, 48, BF16), GDN_BF16),

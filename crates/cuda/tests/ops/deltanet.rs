@@ -15,6 +15,9 @@ use crate::{Env, Op};
 /// Which DeltaNet core kernel [`gdn_case`] runs.
 enum GdnMode {
     Chunked(gdn_chunk::Precision),
+    /// Chunked, each sequence cut at these rows (its segments walked round by round; the states at
+    /// the cuts checked too).
+    ChunkedCut(Vec<Vec<usize>>),
     /// One token per sequence.
     Decode,
     /// gdn_recurrent: verify (None) or commit of the first `accept[b]` rows.
@@ -223,8 +226,12 @@ pub fn decode_gated(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Out
 
 /// [`Op::GdnChunk`]: the chunked prefill kernel at its precision.
 pub fn chunk(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
-    let Op::GdnChunk { ref lens, hk, hv, prec } = *op else { unreachable!() };
-    gdn_case(e, d, rng, lens, hk, hv, GdnMode::Chunked(prec))
+    let Op::GdnChunk { ref lens, hk, hv, prec, ref cuts } = *op else { unreachable!() };
+    let mode = match cuts.is_empty() {
+        true => GdnMode::Chunked(prec),
+        false => GdnMode::ChunkedCut(cuts.clone()),
+    };
+    gdn_case(e, d, rng, lens, hk, hv, mode)
 }
 
 /// [`Op::GdnDecode`]: one token per sequence.
@@ -297,8 +304,17 @@ fn gdn_case(
         GdnMode::Recurrent(Some(a)) => a.clone(),
         _ => lens.to_vec(),
     };
-    if let GdnMode::Chunked(prec) = mode {
-        let table = gdn_chunk::chunk_table(&cu);
+    // (the states at the cuts: sequence, rows, state)
+    let mut at_cuts: Vec<(usize, usize, Vec<f32>)> = Vec::new();
+    let chunked = match &mode {
+        GdnMode::Chunked(prec) => Some((*prec, None)),
+        GdnMode::ChunkedCut(cuts) => {
+            Some((gdn_chunk::Precision::Split, Some(gdn_chunk::Segments::new(&cu, &slots, cuts))))
+        }
+        _ => None,
+    };
+    if let Some((prec, segments)) = chunked {
+        let table = gdn_chunk::chunk_table(segments.as_ref().map_or(&cu, |s| &s.cu));
         let ws_bytes = gdn_chunk::workspace_bytes(t, hv, &k.dims);
         let (tp, wsp) = (d.i32s(&table)?, d.poison(ws_bytes)?);
         let a = gdn_chunk::GdnChunk {
@@ -321,7 +337,23 @@ fn gdn_case(
             hk,
             hv,
         };
-        gdn_chunk::gdn_chunk_with(k, s, &a, prec)?;
+        if let (Some(seg), GdnMode::ChunkedCut(cuts)) = (&segments, &mode) {
+            let (n_segs, rounds) = (seg.n_segs(), seg.rounds());
+            let on_dev =
+                gdn_chunk::SegmentsOnDevice { cu: d.i32s(&seg.cu)?, slots: d.i32s(&seg.slots)?, n_segs, rounds };
+            let dev = &*d;
+            gdn_chunk::gdn_chunk_segments(k, s, &a, on_dev, |r| {
+                let now = dev.get_f32(sp, st_dev.len())?;
+                for (b, c) in cuts.iter().enumerate() {
+                    if let Some(&row) = c.get(r) {
+                        at_cuts.push((b, row, now[slots[b] as usize * n_state..][..n_state].to_vec()));
+                    }
+                }
+                Ok(())
+            })?;
+        } else {
+            gdn_chunk::gdn_chunk_with(k, s, &a, prec)?;
+        }
     } else if let GdnMode::Recurrent(accept) = &mode {
         // A verify takes its rows from cu_seqlens (lens 0), a commit from starts + lens.
         let lens_i: Vec<i32> = used.iter().map(|&x| x as i32).collect();
@@ -373,6 +405,28 @@ fn gdn_case(
         }
     }
     let mut out = vec![compare("o", &ro, &got_o, tol), compare("state", &rs, &d.get_f32(sp, rs.len())?, tol)];
+    // Each state at a cut against the reference over the sequence's rows up to it.
+    let (mut want_cut, mut got_cut) = (Vec::new(), Vec::new());
+    for (b, row, got) in at_cuts {
+        let t0 = cu[b] as usize;
+        let vseq: Vec<f32> = (0..row).flat_map(|i| vrow[(t0 + i) * v_stride..][..hv * dv].to_vec()).collect();
+        let inp = cpu::gdn::GdnInputs {
+            q: &q[t0 * hk * dk..][..row * hk * dk],
+            k: &kk[t0 * hk * dk..][..row * hk * dk],
+            v: &vseq,
+            g: &g[t0 * hv..][..row * hv],
+            beta: &beta[t0 * hv..][..row * hv],
+        };
+        let mut st = st0[b * n_state..][..n_state].to_vec();
+        let mut o = vec![0f32; row * hv * dv];
+        cpu::gdn::gdn_recurrent(dims, &inp, &mut st, &mut o)
+            .map_err(|e| deltaserve_cuda::CudaError::InvalidArgs { kernel: "cpu reference", msg: e.to_string() })?;
+        want_cut.extend(st);
+        got_cut.extend(got);
+    }
+    if !want_cut.is_empty() {
+        out.push(compare("states at the cuts", &want_cut, &got_cut, tol));
+    }
     out.extend(extra);
     Ok(out)
 }

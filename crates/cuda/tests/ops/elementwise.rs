@@ -285,10 +285,11 @@ pub fn qk_norm_rope_kv(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<
 }
 
 /// [`Op::ConvPrefill`]: the causal conv + SiLU over ragged sequences from their carried
-/// states (slots in reverse order), the outputs and the updated states.
+/// states (slots in reverse order), the outputs and the updated states; with saves, the states of
+/// the snapshots inside the sequences (into snapshots in reverse order).
 pub fn conv_prefill(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
     let Env { k, s, tol, .. } = e;
-    let Op::ConvPrefill { ref lens, c } = *op else { unreachable!() };
+    let Op::ConvPrefill { ref lens, c, ref saves } = *op else { unreachable!() };
     let kw = k.dims.conv_kernel;
     let t: usize = lens.iter().sum();
     let nb = lens.len();
@@ -317,16 +318,33 @@ pub fn conv_prefill(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Out
         t,
         channels: c,
     };
-    conv::conv_prefill(k, s, &a)?;
+    let n = (kw - 1) * c;
+    let table: Vec<i32> =
+        saves.iter().enumerate().flat_map(|(i, &(b, r))| [b as i32, r as i32, (saves.len() - 1 - i) as i32]).collect();
+    let (savp, dstp) = (d.i32s(&table)?, d.poison(2 * saves.len() * n)?);
+    conv::conv_prefill_only(k, s, &a)?;
+    conv::conv_state_save(k, s, &a, savp, saves.len(), dstp)?;
+    conv::conv_state_update(k, s, &a, nb, 0)?;
     let (mut ry, mut rs) = (Vec::new(), vec![0f32; st0.len()]);
     for (b, &len) in lens.iter().enumerate() {
-        let n = (kw - 1) * c;
         let mut st = st0[b * n..][..n].to_vec();
         let xs = &x[cu[b] as usize * c..][..len * c];
         ry.extend(cpu::conv::causal_conv1d_silu(xs, c, &w, kw, &mut st));
         rs[slots[b] as usize * n..][..n].copy_from_slice(&st);
     }
-    Ok(vec![compare("y", &ry, &d.get_bf16(yp, t * c)?, tol), compare("state", &rs, &d.get_bf16(sp, rs.len())?, EXACT)])
+    // A snapshot after r rows: the state the conv of those rows alone leaves.
+    let mut rsave = vec![0f32; saves.len() * n];
+    for (i, &(b, r)) in saves.iter().enumerate() {
+        let mut st = st0[b * n..][..n].to_vec();
+        cpu::conv::causal_conv1d_silu(&x[cu[b] as usize * c..][..r * c], c, &w, kw, &mut st);
+        rsave[(saves.len() - 1 - i) * n..][..n].copy_from_slice(&st);
+    }
+    let mut out =
+        vec![compare("y", &ry, &d.get_bf16(yp, t * c)?, tol), compare("state", &rs, &d.get_bf16(sp, rs.len())?, EXACT)];
+    if !saves.is_empty() {
+        out.push(compare("snapshots", &rsave, &d.get_bf16(dstp, rsave.len())?, EXACT));
+    }
+    Ok(out)
 }
 
 /// [`Op::ConvDecode`]: one token per sequence.

@@ -167,9 +167,11 @@ enum Op {
         d: usize,
         act: vision::VisionAct,
     },
+    /// With `saves` (sequence, rows): snapshots inside the sequences (conv_state_save).
     ConvPrefill {
         lens: Vec<usize>,
         c: usize,
+        saves: Vec<(usize, usize)>,
     },
     ConvDecode {
         b: usize,
@@ -193,11 +195,14 @@ enum Op {
         hk: usize,
         hv: usize,
     },
+    /// With `cuts`: each sequence cut at those rows (snapshots inside a chunk: the segments walked
+    /// round by round, the states at the cuts read between rounds).
     GdnChunk {
         lens: Vec<usize>,
         hk: usize,
         hv: usize,
         prec: gdn_chunk::Precision,
+        cuts: Vec<Vec<usize>>,
     },
     GdnDecode {
         b: usize,

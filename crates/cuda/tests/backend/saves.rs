@@ -1,0 +1,132 @@
+//! Snapshots inside a step's chunks (`SeqChunk::save_within`): the chunked DeltaNet walks each cut
+//! sequence segment by segment, the states at the cuts go to device snapshots, and the conv state of
+//! each cut comes from the step's rows. A chunk cut at its snapshot points must leave the snapshots,
+//! the logits and the state that the same pieces run as steps of their own (with `SaveState` after
+//! each) leave, and continuations restored from either must agree, with the CPU backend too.
+
+use deltaserve_backend::{Backend, CacheOp, SnapshotLoc, StepBatch, step_logits};
+use deltaserve_cuda::backend::CudaOptions;
+use deltaserve_cuda::{CudaBackend, WeightSource};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+use super::common::*;
+
+/// A chunk of `tokens` from `start` in `slot` with snapshots at `cuts` (absolute positions) into
+/// device snapshots `snaps`.
+fn cut_chunk(
+    slot: u32,
+    pages: &[u32],
+    start: usize,
+    tokens: &[u32],
+    cuts: &[(usize, u32)],
+) -> deltaserve_backend::SeqChunk {
+    let mut c = chunk(slot, pages, start, tokens);
+    c.save_within = cuts.iter().map(|&(p, d)| (p, SnapshotLoc::Device(d))).collect();
+    c
+}
+
+#[test]
+fn snapshots_inside_a_chunk_equal_snapshots_between_steps() {
+    if !gpu() {
+        return;
+    }
+    let (dir, cfg) = tiny_dir(8);
+    let plan = plan_with(&cfg, |o| o.snapshot_slots = 8);
+    let opts = CudaOptions { snapshots_in_step: true, ..test_opts() };
+    let mut g = CudaBackend::with_options(&cfg, WeightSource::Checkpoint(dir.clone()), &plan, 4, opts).unwrap();
+    assert_eq!(g.capabilities().snapshots_within_chunks, 8, "as many a step as the device snapshots");
+    let mut c = cpu(&dir, &cfg);
+    let stats = g.arena_stats();
+    let vocab = g.capabilities().vocab_size;
+    let mut rng = StdRng::seed_from_u64(17);
+    // Three prompts in one step: one cut off and on the 64-row grid, one not cut, one cut after 5
+    // rows (the conv state then holds rows of the carried state: none, it starts at 0, so zeros).
+    let (a, b, s) =
+        (random_tokens(&mut rng, 300, vocab), random_tokens(&mut rng, 70, vocab), random_tokens(&mut rng, 40, vocab));
+    let cont = random_tokens(&mut rng, 20, vocab);
+    let pg: Vec<Vec<u32>> = (0..8).map(|i| pages(40 * i, 400)).collect();
+    let whole = StepBatch {
+        seqs: vec![
+            cut_chunk(0, &pg[0], 0, &a, &[(100, 0), (192, 1)]),
+            chunk(1, &pg[1], 0, &b),
+            cut_chunk(2, &pg[2], 0, &s, &[(5, 2)]),
+        ],
+        ..Default::default()
+    };
+    let got = run(&mut g, &whole);
+    // (the CPU backend takes snapshots inside chunks too: the same batch, slots and snapshots)
+    let want_cpu = run(&mut c, &whole);
+    // The same pieces as steps of their own, into slots 3 and 4 and snapshots 3, 4 and 5.
+    let mut pieces = Vec::new();
+    for (slot, toks, cuts) in [(3u32, &a, vec![(100usize, 3u32), (192, 4)]), (4, &s, vec![(5, 5)])] {
+        let mut from = 0;
+        for (p, d) in cuts.into_iter().map(|(p, d)| (p, Some(d))).chain([(toks.len(), None)]) {
+            let mut step = one(chunk(slot, &pg[slot as usize], from, &toks[from..p]));
+            step.post = d.map(|d| CacheOp::SaveState { slot, to: SnapshotLoc::Device(d) }).into_iter().collect();
+            let l = run(&mut g, &step);
+            if d.is_none() {
+                pieces.push(l);
+            }
+            from = p;
+        }
+    }
+    let row = |i: usize| &got[i * vocab..(i + 1) * vocab];
+    let (e_a, e_s) = (rel_err(row(0), &pieces[0]), rel_err(row(2), &pieces[1]));
+    println!("last rows, one step with snapshots inside vs the pieces as steps: {e_a:.3e}, {e_s:.3e}");
+    assert!(e_a < 2e-2 && e_s < 2e-2, "a cut chunk's last logits differ from its pieces' ({e_a:.3e}, {e_s:.3e})");
+    let mut score = Score::default();
+    score.add(&got, &want_cpu, vocab);
+    score.check("one step with snapshots inside vs the CPU backend");
+    // Continuations from each snapshot taken inside (slot 5) and between steps (slot 6), and on the
+    // CPU backend from its own snapshot: the 20 tokens after the point, over the pages the prompt
+    // wrote. A continuation writes over the rows after its point, so the later point goes first.
+    let checks = [(192usize, 1u32, 4u32, 0usize, 3usize), (100, 0, 3, 0, 3), (5, 2, 5, 2, 4)];
+    for (p, inside, between, pg_inside, pg_between) in checks {
+        let restored = |slot: u32, from: u32, pgs: &[u32]| {
+            let mut step = one(chunk(slot, pgs, p, &cont));
+            step.pre = vec![CacheOp::RestoreState { from: SnapshotLoc::Device(from), slot }];
+            step
+        };
+        let from_inside = run(&mut g, &restored(5, inside, &pg[pg_inside]));
+        let from_between = run(&mut g, &restored(6, between, &pg[pg_between]));
+        let cpu_cont = run(&mut c, &restored(5, inside, &pg[pg_inside]));
+        let e = rel_err(&from_inside, &from_between);
+        println!("continuation after {p}: restored from inside a step vs between steps {e:.3e}");
+        assert!(e < 2e-2, "continuation after {p} differs by {e:.3e}");
+        let mut score = Score::default();
+        score.add(&from_inside, &cpu_cont, vocab);
+        score.check(&format!("continuation after {p} from a snapshot inside a step vs the CPU backend"));
+    }
+    assert_eq!(g.arena_stats(), stats);
+}
+
+#[test]
+fn bad_snapshots_inside_chunks_are_refused() {
+    if !gpu() {
+        return;
+    }
+    let (dir, cfg) = tiny_dir(2);
+    let plan = plan_for(&cfg);
+    let mut g = cuda(&dir, &cfg, &plan);
+    assert_eq!(g.capabilities().snapshots_within_chunks, 0, "off unless the options turn it on");
+    let toks: Vec<u32> = (0..50).collect();
+    let pg = pages(0, 64);
+    let mut out = Vec::new();
+    let cases: [(&str, Vec<(usize, SnapshotLoc)>); 5] = [
+        ("to host memory", vec![(10, SnapshotLoc::Host(0))]),
+        ("one snapshot twice", vec![(10, SnapshotLoc::Device(1)), (20, SnapshotLoc::Device(1))]),
+        ("out of range", vec![(10, SnapshotLoc::Device(99))]),
+        ("at the chunk's end", vec![(50, SnapshotLoc::Device(0))]),
+        ("decreasing", vec![(20, SnapshotLoc::Device(0)), (10, SnapshotLoc::Device(1))]),
+    ];
+    for (what, saves) in cases {
+        let mut c = chunk(0, &pg, 0, &toks);
+        c.save_within = saves;
+        let e = step_logits(&mut g, &one(c), &mut out);
+        println!("{what}: {e:?}");
+        assert!(e.is_err(), "{what}: accepted");
+    }
+    // Still serves.
+    assert_eq!(run(&mut g, &one(chunk(0, &pg, 0, &toks))).len(), g.capabilities().vocab_size);
+}
