@@ -185,3 +185,46 @@ impl CudaBackend {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use deltaserve_backend::{SeqChunk, SnapshotLoc, StepBatch};
+    use deltaserve_plan::cuda::segment_table_bytes;
+
+    use super::HostSaves;
+
+    fn chunk(slot: u32, start: usize, len: usize, saves: &[(usize, u32)]) -> SeqChunk {
+        SeqChunk {
+            slot,
+            start,
+            tokens: vec![1; len],
+            save_within: saves.iter().map(|&(p, d)| (p, SnapshotLoc::Device(d))).collect(),
+            ..Default::default()
+        }
+    }
+
+    /// The step's order puts chunk 2 first: its cuts are the first sequence's; a chunk resuming at 40
+    /// cuts at rows from its start; the tables are the segments, the rounds' slots and the conv saves.
+    #[test]
+    fn a_steps_cuts_become_segments_rounds_and_conv_saves() {
+        let batch = StepBatch {
+            seqs: vec![chunk(5, 40, 30, &[(50, 1), (64, 0)]), chunk(6, 0, 1, &[]), chunk(7, 0, 10, &[(3, 2)])],
+            ..Default::default()
+        };
+        // Order: chunk 2 (10 rows), chunk 0 (30 rows); the decode row last, not a prefill chunk.
+        let (cu, slots) = ([0, 10, 40, 41], [7, 5, 6]);
+        let h = HostSaves::new(&batch, &[2, 0, 1], 2, &cu, &slots).unwrap();
+        assert_eq!(h.segments.cu, [0, 3, 10, 20, 34, 40]);
+        assert_eq!(h.segments.slots, [7, -1, 5, -1, -1, -1, 7, -1, 5, -1, -1, -1, -1, -1, 5]);
+        let rows: Vec<(usize, usize, usize, usize, u32)> =
+            h.saves.iter().map(|s| (s.seq, s.rows, s.row, s.round, s.snap)).collect();
+        assert_eq!(rows, [(0, 3, 2, 0, 2), (1, 10, 19, 0, 1), (1, 24, 33, 1, 0)]);
+        let tail = [0, 3, 2, 1, 10, 1, 1, 24, 0];
+        assert_eq!(h.table.len(), 6 + 15 + 9);
+        assert_eq!(&h.table[21..], tail);
+        assert!(4 * h.table.len() <= segment_table_bytes(3));
+        // No snapshots inside: nothing to cut.
+        let plain = StepBatch { seqs: vec![chunk(5, 0, 30, &[])], ..Default::default() };
+        assert!(HostSaves::new(&plain, &[0], 1, &[0, 30], &[5]).is_none());
+    }
+}
