@@ -2,23 +2,20 @@
 //! `logits`, `eval kld`, the in-process server of `soak` and `probe`), and the start-up that turns them
 //! into a plan, a backend and a running engine.
 
-use std::path::Path;
-use std::sync::Arc;
-
 use anyhow::{Context, Result};
-use deltaserve_backend::Backend;
-use deltaserve_cpu::{CpuBackend, CpuCacheConfig, KvFormat};
 use deltaserve_cuda::backend::CudaOptions;
-use deltaserve_cuda::{CudaBackend, TpBackend, WeightSource};
-use deltaserve_engine::{EngineHandle, EngineOptions};
+use deltaserve_engine::EngineOptions;
 use deltaserve_model::ModelConfig;
-use deltaserve_model::quant::Quantization;
 use deltaserve_plan::{Free, KvDtype, Plan, PlanOptions, WeightsDtype, fit_context, fmt_bytes, parse_size};
 use deltaserve_sched::{PrefixCacheConfig, SchedConfig};
-use deltaserve_server::{AppState, ServerConfig};
-use deltaserve_text::{ChatTemplate, Tokenizer};
 
-use crate::model_source::{Device, ModelArgs, TextModel};
+use crate::model_source::Device;
+
+mod cpu;
+mod cuda;
+mod start;
+
+pub use start::{Prepared, Started};
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct EngineArgs {
@@ -139,18 +136,6 @@ impl EngineArgs {
         }
     }
 
-    /// `--tensor-parallel` on the CPU reference: only 1 (it simulates the sharded forward in its
-    /// tests, it does not serve sharded).
-    fn check_cpu_tensor_parallel(&self) -> Result<()> {
-        match self.tensor_parallel {
-            1 => Ok(()),
-            n => anyhow::bail!(
-                "--tensor-parallel {n}: the CPU reference backend does not shard the model (tensor parallelism \
-                 runs on the CUDA backend: --device cuda)"
-            ),
-        }
-    }
-
     /// Drafts per decode step (0: off); `--speculative-tokens` must be 1..=4.
     fn speculative_tokens(&self) -> Result<usize> {
         match self.speculative_tokens {
@@ -219,106 +204,6 @@ impl EngineArgs {
     }
 }
 
-/// A backend built from the flags and the plan that sized it, before an engine drives it.
-pub struct Built {
-    pub backend: Box<dyn Backend>,
-    pub plan: Plan,
-    pub sched: SchedConfig,
-    pub tokenizer: Option<Arc<Tokenizer>>,
-    pub template: Option<Arc<ChatTemplate>>,
-    /// Token ids that end generation.
-    pub eos_ids: Vec<u32>,
-    /// Drafts per decode step (`--speculative-tokens`, 0: off).
-    speculative_tokens: usize,
-}
-
-impl Built {
-    /// Every position's logits of `tokens` run as one sequence (state slot 0, the first KV pages):
-    /// `each(i, row)` gets the row after position `i`.
-    pub fn logits_at_every_position(&mut self, tokens: &[u32], each: impl FnMut(usize, &[f32])) -> Result<()> {
-        self.logits_with_images(tokens, &[], each)
-    }
-
-    /// [`Built::logits_at_every_position`] of a prompt whose image placeholder runs hold `images`.
-    pub fn logits_with_images(
-        &mut self,
-        tokens: &[u32],
-        images: &[Arc<deltaserve_model::ImagePatches>],
-        each: impl FnMut(usize, &[f32]),
-    ) -> Result<()> {
-        let plan = &self.plan;
-        if tokens.len() > plan.max_context {
-            anyhow::bail!(
-                "{} tokens exceed the memory plan's context of {} (raise --memory or --max-context)",
-                tokens.len(),
-                plan.max_context
-            );
-        }
-        let pages: Vec<u32> = (0..tokens.len().div_ceil(plan.page_size) as u32).collect();
-        deltaserve_engine::logits_with_images(&mut *self.backend, 0, &pages, tokens, images, each)?;
-        Ok(())
-    }
-}
-
-/// A model checked and planned, its weights not read yet ([`EngineArgs::prepare`]).
-pub struct Prepared {
-    device: Device,
-    text: TextModel,
-    plan: Plan,
-    sched: SchedConfig,
-    speculative_tokens: usize,
-    /// The KV pages the CPU backend allocates (fewer than the plan's when scoring one sequence).
-    cpu_pages: usize,
-}
-
-impl Prepared {
-    /// The model's tokenizer (None: no tokenizer.json).
-    pub fn tokenizer(&self) -> Option<&Tokenizer> {
-        self.text.tokenizer.as_ref()
-    }
-}
-
-/// A running engine and the plan it was built from.
-pub struct Started {
-    pub engine: EngineHandle,
-    /// The backend it runs on.
-    pub device: Device,
-    pub plan: Plan,
-    pub tokenizer: Option<Arc<Tokenizer>>,
-    pub template: Option<Arc<ChatTemplate>>,
-    /// Token ids that end generation.
-    pub eos_ids: Vec<u32>,
-}
-
-impl Started {
-    /// The HTTP server's state over this engine.
-    pub fn app_state(
-        &self,
-        name: &str,
-        api_key: Option<String>,
-        max_body_bytes: usize,
-        model_dir: &std::path::Path,
-    ) -> Result<AppState> {
-        let tokenizer = self.tokenizer.clone().context("serving needs a tokenizer.json in the model directory")?;
-        Ok(AppState {
-            grammars: Default::default(),
-            engine: self.engine.clone(),
-            prompt_encoder: deltaserve_server::state::prompt_encoder(&tokenizer),
-            tokenizer,
-            template: self.template.clone(),
-            metrics: Arc::new(Default::default()),
-            cfg: Arc::new(ServerConfig {
-                served_model_name: name.to_string(),
-                api_key: api_key_or_none(api_key),
-                max_body_bytes,
-            }),
-            eos_ids: self.eos_ids.clone(),
-            sampling_defaults: deltaserve_server::state::sampling_defaults(model_dir),
-            media: Arc::new(deltaserve_server::media::MediaConfig::for_model_dir(model_dir)?),
-        })
-    }
-}
-
 impl EngineArgs {
     /// The plan options: the backend's defaults with the command-line overrides.
     fn plan_options(&self, device: Device) -> Result<PlanOptions> {
@@ -380,97 +265,6 @@ impl EngineArgs {
         }
     }
 
-    /// The CUDA weight storage of the decoder linears (and int4's asymmetry) from --weights-dtype /
-    /// --quantize, the checkpoint's quantization_config and the GPU: a block-FP8 checkpoint stays FP8
-    /// on sm_89 and later (FP8 tensor cores), and is dequantised to bf16 before that.
-    fn cuda_weights(&self, cfg: &ModelConfig, random_weights: bool, tp: usize) -> Result<(WeightsDtype, bool)> {
-        let flag = match self.weights_dtype.as_deref() {
-            None => None,
-            Some(w) => match w.parse::<WeightsDtype>().map_err(|e| anyhow::anyhow!("--weights-dtype: {e}"))? {
-                w @ (WeightsDtype::Bf16 | WeightsDtype::Int4 | WeightsDtype::Fp8Block) => Some(w),
-                other => anyhow::bail!("--weights-dtype {other}: the CUDA backend stores weights in bf16, int4 or fp8"),
-            },
-        };
-        let quantize = match self.quantize.as_deref() {
-            None => None,
-            Some(q @ ("int4" | "fp8")) if random_weights => {
-                anyhow::bail!("--quantize {q} quantises a checkpoint; with --random-weights use --weights-dtype {q}")
-            }
-            Some("int4") => Some(WeightsDtype::Int4),
-            Some("fp8") => Some(WeightsDtype::Fp8Block),
-            Some(other) => anyhow::bail!("--quantize {other}: int4 or fp8"),
-        };
-        if let (Some(f), Some(q)) = (flag, quantize)
-            && f != q
-        {
-            anyhow::bail!("--weights-dtype {f} and --quantize {q} disagree");
-        }
-        if !random_weights {
-            let int4 = (flag == Some(WeightsDtype::Int4) || quantize == Some(WeightsDtype::Int4))
-                .then_some(WeightsDtype::Int4);
-            let wd = flag.filter(|w| *w != WeightsDtype::Int4).or(int4);
-            if let Some(asym) = crate::model_source::gptq_int4(cfg, wd, quantize.is_some())? {
-                return Ok((WeightsDtype::Int4, asym || self.int4_asym));
-            }
-        }
-        let fp8_block = match &cfg.quantization {
-            Some(Quantization::Fp8Block(c)) if !random_weights => Some(c.block),
-            _ => None,
-        };
-        let cc = || -> Result<(i32, i32)> { Ok(deltaserve_cuda::Runtime::open(0)?.cc) };
-        let wanted = quantize.or(flag);
-        let dtype = match (wanted, fp8_block) {
-            (Some(WeightsDtype::Fp8Block), _) => {
-                let (major, minor) = cc()?;
-                if (major, minor) < (8, 9) {
-                    anyhow::bail!(
-                        "fp8 weights: FP8 tensor cores need an Ada or Hopper GPU (sm_89 or later); this one is \
-                         sm_{major}{minor}: use --weights-dtype bf16 or int4"
-                    );
-                }
-                if let Some(b) = fp8_block.filter(|b| *b != [128, 128]) {
-                    anyhow::bail!(
-                        "fp8 weights: this checkpoint's FP8 scale blocks are {}x{}; the CUDA backend reads 128x128 \
-                         blocks (--weights-dtype bf16 dequantises it)",
-                        b[0],
-                        b[1]
-                    );
-                }
-                if tp > 1 {
-                    anyhow::bail!("fp8 weights: not supported with --tensor-parallel yet (use bf16 or int4)");
-                }
-                WeightsDtype::Fp8Block
-            }
-            (Some(w), _) => w,
-            (None, Some(block)) => {
-                let (major, minor) = cc()?;
-                let why = if (major, minor) < (8, 9) {
-                    Some(format!("this GPU (sm_{major}{minor}) has no FP8 tensor cores"))
-                } else if block != [128, 128] {
-                    Some(format!("its {}x{} scale blocks are not the 128x128 the kernels read", block[0], block[1]))
-                } else if tp > 1 {
-                    Some("tensor parallelism takes bf16 or int4 weights".to_string())
-                } else if cfg.moe.is_some() {
-                    Some("mixture-of-experts models take bf16 or int4 weights on CUDA".to_string())
-                } else {
-                    None
-                };
-                match why {
-                    Some(why) => {
-                        tracing::warn!("block-FP8 checkpoint dequantised to bf16: {why} (--quantize int4 for int4)");
-                        WeightsDtype::Bf16
-                    }
-                    None => {
-                        tracing::info!("block-FP8 checkpoint kept in FP8 (e4m3 weights, FP8 tensor cores)");
-                        WeightsDtype::Fp8Block
-                    }
-                }
-            }
-            (None, None) => WeightsDtype::Bf16,
-        };
-        Ok((dtype, self.int4_asym))
-    }
-
     /// The plan for the full context (or `--max-context`), logging what the planner traded for it.
     fn fit(&self, cfg: &ModelConfig, opts: &PlanOptions, free: Free) -> Result<Plan> {
         let fitted = fit_context(cfg, opts, free).context("the memory plan does not fit")?;
@@ -500,73 +294,6 @@ impl EngineArgs {
         })
     }
 
-    /// Loads the model in `dir` (from [`ModelArgs::dir`]) for the device `--device` selects, plans
-    /// memory, allocates the backend's arena and starts the engine.
-    pub fn start(&self, model: &ModelArgs, dir: &Path) -> Result<Started> {
-        self.start_prepared(model, self.prepare(model, dir, None)?)
-    }
-
-    /// [`EngineArgs::start`] from a model [`EngineArgs::prepare`] has checked and planned.
-    pub fn start_prepared(&self, model: &ModelArgs, prepared: Prepared) -> Result<Started> {
-        let device = prepared.device;
-        let built = self.load(model, prepared)?;
-        let engine = EngineHandle::start_with(
-            built.backend,
-            built.sched,
-            built.tokenizer.clone(),
-            self.engine_options(built.speculative_tokens, &built.plan),
-        )
-        .context("--speculative-tokens")?;
-        Ok(Started {
-            engine,
-            device,
-            plan: built.plan,
-            tokenizer: built.tokenizer,
-            template: built.template,
-            eos_ids: built.eos_ids,
-        })
-    }
-
-    /// Loads the model in `dir` (from [`ModelArgs::dir`]) for the device `--device` selects, plans memory
-    /// and allocates the backend's arena for one sequence of `positions` tokens
-    /// ([`Built::logits_at_every_position`]): everything [`EngineArgs::start`] does but the engine. The
-    /// CPU backend's arena then holds only the KV pages that sequence needs (its pages emulate every KV
-    /// format in f32, so the plan's pages can take several times `--memory`).
-    pub fn build_to_score(&self, model: &ModelArgs, dir: &Path, positions: usize) -> Result<Built> {
-        self.load(model, self.prepare(model, dir, Some(positions))?)
-    }
-
-    /// Everything that can be checked before a weight is read: the device (and its libraries), the
-    /// config, tokenizer and chat template, the flags, and the memory plan against the memory there is
-    /// (the GPU's free memory; on the CPU the host's available memory). `positions`: as in
-    /// [`EngineArgs::build_to_score`].
-    pub fn prepare(&self, model: &ModelArgs, dir: &Path, positions: Option<usize>) -> Result<Prepared> {
-        let device = model.device()?;
-        let text = model.load_text(dir)?;
-        match device {
-            Device::Cpu => self.prepare_cpu(text, positions, model.no_vision),
-            Device::Cuda => self.prepare_cuda(text, model.random_weights, model.no_vision),
-        }
-    }
-
-    /// Reads the weights of a prepared model and allocates its backend.
-    fn load(&self, model: &ModelArgs, p: Prepared) -> Result<Built> {
-        let backend: Box<dyn Backend> = match p.device {
-            Device::Cpu => Box::new(self.load_cpu(model, &p)?),
-            Device::Cuda => self.load_cuda(&p, model.random_weights)?,
-        };
-        let Prepared { text, plan, sched, speculative_tokens, .. } = p;
-        Ok(Built {
-            backend,
-            plan,
-            sched,
-            eos_ids: text.config.eos_token_ids.clone(),
-            tokenizer: text.tokenizer.map(Arc::new),
-            template: text.template.map(Arc::new),
-            speculative_tokens,
-        })
-    }
-
     /// A copy of these options storing K as `k` and V as `v` (what `--k-cache-dtype` / `--v-cache-dtype`
     /// give).
     pub fn with_kv_dtypes(&self, k: KvDtype, v: KvDtype) -> Self {
@@ -581,217 +308,6 @@ impl EngineArgs {
             Some(w) => Self { weights_dtype: Some(w.to_string()), ..self.clone() },
             None => self.clone(),
         }
-    }
-
-    /// Builds the backend of a model [`EngineArgs::prepare`] has checked and planned (the plan's `positions`
-    /// as given there): [`EngineArgs::build_to_score`] in two halves, so that every configuration can be
-    /// checked before any weight is read.
-    pub fn build_prepared(&self, model: &ModelArgs, prepared: Prepared) -> Result<Built> {
-        self.load(model, prepared)
-    }
-
-    /// The CUDA backend's checks and plan (against the GPU's free memory).
-    fn prepare_cuda(&self, text: TextModel, random_weights: bool, no_vision: bool) -> Result<Prepared> {
-        CudaBackend::check_model(&text.config)?;
-        let tp = self.tensor_parallel;
-        // The model's vision tower on the GPU: priced in the plan, loaded by the backend; one card only.
-        // The fit may leave it out for context unless the user asked for images (--max-image-tokens-per-step).
-        let asked = self.max_image_tokens_per_step.is_some();
-        let mut vision = !no_vision && text.config.vision.is_some();
-        if vision && tp > 1 {
-            if asked {
-                anyhow::bail!(
-                    "--max-image-tokens-per-step: the GPU vision tower does not run with --tensor-parallel {tp}"
-                );
-            }
-            tracing::warn!(
-                "--tensor-parallel {tp}: the GPU vision tower runs on one card only; requests with images are refused"
-            );
-            vision = false;
-        }
-        if !vision && asked {
-            tracing::warn!("--max-image-tokens-per-step: ignored, no vision tower is loaded (images are refused)");
-        }
-        deltaserve_model::shard::check_world(&text.config, tp)
-            .map_err(|e| anyhow::anyhow!("--tensor-parallel {tp}: {e}"))?;
-        if tp > 1 {
-            let n = deltaserve_cuda::device_count()?;
-            if n < tp {
-                anyhow::bail!("--tensor-parallel {tp} needs {tp} GPUs; the driver reports {n} (CUDA_VISIBLE_DEVICES?)");
-            }
-        }
-        let spec = self.speculative_tokens()?;
-        if spec > 0 {
-            if tp > 1 {
-                anyhow::bail!("--speculative-tokens: not supported with --tensor-parallel yet");
-            }
-            if text.config.mtp_num_hidden_layers == 0 {
-                anyhow::bail!("--speculative-tokens {spec}: this model has no MTP head (`mtp_num_hidden_layers` is 0)");
-            }
-        }
-        let mut opts = self.plan_options(Device::Cuda)?;
-        // The CUDA KV cache stores bf16, fp8, int8 or int4 (K and V independently); refuse the
-        // others before planning and loading.
-        deltaserve_cuda::KvFormats { k: opts.k_dtype, v: opts.v_dtype }
-            .validate()
-            .map_err(|e| anyhow::anyhow!("--kv-cache-dtype / --k-cache-dtype / --v-cache-dtype: {e}"))?;
-        let cfg = &text.config;
-        opts.set_tensor_parallel(tp);
-        let (weights_dtype, asym) = self.cuda_weights(cfg, random_weights, tp)?;
-        opts.weights_dtype = weights_dtype;
-        opts.int4_asym = asym;
-        opts.lm_head_int4 = self.lm_head_int4;
-        opts.embed_on_host = self.embed_on_host;
-        opts.experts_on_host = self.experts_on_host;
-        if self.experts_on_host && text.config.moe.is_none() {
-            anyhow::bail!("--experts-on-host: this model has no routed experts (its MLPs are dense)");
-        }
-        opts.max_image_tokens_per_step = vision
-            .then(|| crate::model_source::max_image_tokens_per_step(self.max_image_tokens_per_step, Some(&text.dir)));
-        // A GPTQ checkpoint may keep some linears bf16 or need act-order permutations: the plan adds
-        // what its weights need beyond the weights region to the backend scratch (the backend takes it there).
-        let checkpoint = (!random_weights).then_some(text.dir.as_path());
-        opts.backend = crate::model_source::cuda_plan_backend(cfg, checkpoint, &opts)?;
-        // The fit may move the embedding to host memory (the MTP head reads its rows from there too).
-        let free = Free {
-            embed_on_host: !self.embed_on_host,
-            lm_head_int4: !self.lm_head_int4,
-            vision: !asked,
-            experts_on_host: !self.experts_on_host && tp == 1,
-            ..self.free()
-        };
-        let plan = self.fit(cfg, &opts, free)?;
-        // The pinned experts, against the host memory the process may still take (before any is read).
-        let host_experts = plan.weight_parts.host_experts();
-        if host_experts > 0 {
-            let avail = crate::host_memory::Available::now();
-            let lower = "free host memory, or store the experts in fewer bytes (--weights-dtype int4)";
-            crate::host_memory::check("--experts-on-host", host_experts, avail, lower)?;
-            tracing::info!(
-                "routed experts in pinned host memory: {} (each token reads {} of them across the bus)",
-                fmt_bytes(host_experts),
-                fmt_bytes(plan.weight_parts.experts_active)
-            );
-        }
-        let sched = self.sched_config(&plan)?;
-        let cpu_pages = plan.num_kv_pages;
-        Ok(Prepared { device: Device::Cuda, text, plan, sched, speculative_tokens: spec, cpu_pages })
-    }
-
-    /// The CUDA backend: weights from the checkpoint (or random at the real shapes) straight into
-    /// the plan's device regions.
-    fn load_cuda(&self, p: &Prepared, random_weights: bool) -> Result<Box<dyn Backend>> {
-        let cfg = &p.text.config;
-        let weights = if random_weights {
-            tracing::warn!("--random-weights: initialising the weights at random on the GPU (benchmarks only)");
-            WeightSource::RandomWeights { seed: 0 }
-        } else {
-            if let Some(q) = &cfg.quantization {
-                tracing::info!(quantization = %q.describe(), "checkpoint quantisation (converted to the device format at load)");
-            }
-            WeightSource::Checkpoint(p.text.dir.clone())
-        };
-        let cuda_opts = cuda_options(!self.no_cuda_graphs);
-        let host_slots = p.sched.prefix_cache.host_slots;
-        Ok(if self.tensor_parallel > 1 {
-            Box::new(TpBackend::new(cfg, weights, &p.plan, host_slots, cuda_opts)?)
-        } else {
-            Box::new(CudaBackend::with_options(cfg, weights, &p.plan, host_slots, cuda_opts)?)
-        })
-    }
-
-    /// The CPU backend's checks and plan, and the host memory its arena will take against what is available.
-    fn prepare_cpu(&self, text: TextModel, positions: Option<usize>, no_vision: bool) -> Result<Prepared> {
-        self.check_cpu_tensor_parallel()?;
-        if self.weights_dtype.is_some()
-            || self.quantize.is_some()
-            || self.lm_head_int4
-            || self.embed_on_host
-            || self.experts_on_host
-        {
-            anyhow::bail!(
-                "--weights-dtype / --quantize / --lm-head-int4 / --embed-on-host / --experts-on-host: CUDA backend \
-                 options (the CPU reference keeps f32 weights in host memory)"
-            );
-        }
-        let spec = self.speculative_tokens()?;
-        let mut opts = self.plan_options(Device::Cpu)?;
-        // The CPU backend loads the model's tower (f32) unless --no-vision: its weights and workspace are
-        // priced, never traded away by the fit.
-        opts.max_image_tokens_per_step = (!no_vision && text.config.vision.is_some())
-            .then(|| crate::model_source::max_image_tokens_per_step(self.max_image_tokens_per_step, Some(&text.dir)));
-        let plan = self.fit(&text.config, &opts, self.free())?;
-        let sched = self.sched_config(&plan)?;
-        let num_pages = positions.map_or(plan.num_kv_pages, |n| n.div_ceil(plan.page_size).clamp(1, plan.num_kv_pages));
-        let need = self.cpu_host_bytes(&text.config, &plan, &sched, num_pages);
-        let lower = format!(
-            "lower --memory ({}) or --snapshot-host-memory ({})",
-            self.memory.as_deref().unwrap_or("default 2GiB"),
-            self.snapshot_host_memory
-        );
-        crate::host_memory::check("the CPU backend", need, crate::host_memory::Available::now(), &lower)?;
-        Ok(Prepared { device: Device::Cpu, text, plan, sched, speculative_tokens: spec, cpu_pages: num_pages })
-    }
-
-    /// Host bytes the CPU backend takes for `plan` with `num_pages` KV pages: the plan's regions with its KV
-    /// pages in f32 (the CPU reference emulates every KV format in f32 pages), and the host snapshot pool.
-    fn cpu_host_bytes(&self, cfg: &ModelConfig, plan: &Plan, sched: &SchedConfig, num_pages: usize) -> u64 {
-        let d = cfg.dims();
-        let f32_kv = num_pages as u64 * plan.page_size as u64 * (d.num_attention_layers * 2 * d.kv_dim * 4) as u64;
-        let plan_kv = plan.num_kv_pages as u64 * plan.kv_page_bytes();
-        let (k, v) = (plan.options.k_dtype, plan.options.v_dtype);
-        if (k, v) != (KvFormat::F32, KvFormat::F32) {
-            let msg = format!(
-                "the CPU reference backend emulates K {k} / V {v} in f32 pages: {num_pages} KV pages take {} of host \
-                 memory (the plan counts them at the format's size)",
-                fmt_bytes(f32_kv)
-            );
-            if f32_kv > plan.budget_bytes {
-                tracing::warn!("{msg}; lower --memory to bound it");
-            } else {
-                tracing::info!("{msg}");
-            }
-        }
-        let host_snapshots = sched.prefix_cache.host_slots as u64 * sched.prefix_cache.snapshot_bytes;
-        plan.total_bytes.saturating_sub(plan_kv) + f32_kv + host_snapshots
-    }
-
-    /// The CPU backend: the checkpoint's weights in f32, and its arena.
-    fn load_cpu(&self, model: &ModelArgs, p: &Prepared) -> Result<CpuBackend> {
-        let weights = model.load_weights(&p.text)?;
-        let spec = p.speculative_tokens;
-        if spec > 0 && !weights.has_mtp() {
-            anyhow::bail!(
-                "--speculative-tokens {spec}: this model has no MTP head (no `mtp.*` tensors in the checkpoint, or \
-                 `mtp_num_hidden_layers` is 0)"
-            );
-        }
-        let (plan, sched) = (&p.plan, &p.sched);
-        let cache = CpuCacheConfig {
-            num_pages: p.cpu_pages,
-            page_size: plan.page_size,
-            num_slots: plan.num_state_slots,
-            snapshot_slots: sched.prefix_cache.device_slots,
-            host_snapshot_slots: sched.prefix_cache.host_slots,
-        };
-        let backend = if spec > 0 {
-            CpuBackend::with_speculation(weights, cache, spec).context("--speculative-tokens")?
-        } else {
-            CpuBackend::new(weights, cache)
-        };
-        Ok(backend.with_kv_formats(plan.options.k_dtype, plan.options.v_dtype))
-    }
-}
-
-/// The API key the server requires: an empty `--api-key` / `DELTASERVE_API_KEY=` is no key (said in a
-/// warning), not a key no client can send.
-fn api_key_or_none(key: Option<String>) -> Option<String> {
-    match key {
-        Some(k) if k.trim().is_empty() => {
-            tracing::warn!("the API key (--api-key / DELTASERVE_API_KEY) is empty: requests need no key");
-            None
-        }
-        other => other,
     }
 }
 
@@ -822,18 +338,5 @@ pub fn cuda_options(cuda_graphs: bool) -> CudaOptions {
         short_chunk_decode_attention_from,
         snapshots_in_step: sw.snapshots_in_step,
         ..CudaOptions::default()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn an_empty_api_key_is_no_key() {
-        assert_eq!(api_key_or_none(None), None);
-        assert_eq!(api_key_or_none(Some(String::new())), None);
-        assert_eq!(api_key_or_none(Some(" ".into())), None);
-        assert_eq!(api_key_or_none(Some("k".into())), Some("k".into()));
     }
 }
