@@ -158,11 +158,12 @@ pub const SOURCES: &[KernelSource] = &[
     },
     KernelSource {
         module: "attention",
-        // The shared tile code, the prefill kernels, the decode kernels' shared tensor-core pieces, then the
+        // The shared tile code, the prefill kernels (warp pairs, then wide), the decode kernels' shared tensor-core pieces, then the
         // decode and the verify kernels: one module.
         src: concat!(
             include_str!("../../kernels/attention_tile.cuh"),
             include_str!("../../kernels/attention_prefill.cu"),
+            include_str!("../../kernels/attention_prefill_wide.cu"),
             include_str!("../../kernels/attention_mma.cuh"),
             include_str!("../../kernels/attention_decode.cu"),
             include_str!("../../kernels/attention_verify.cu")

@@ -1,6 +1,7 @@
-//! Launchers for kernels/attention_prefill.cu, attention_decode.cu and attention_verify.cu: causal GQA
-//! attention over the paged KV cache, prefill (varlen, online softmax on tensor cores, no scratch),
-//! decode (fixed split count + combine) and groups of a sequence's rows (a verify chunk) read together.
+//! Launchers for kernels/attention_prefill.cu, attention_prefill_wide.cu, attention_decode.cu and
+//! attention_verify.cu: causal GQA attention over the paged KV cache, prefill (varlen, online softmax
+//! on tensor cores, no scratch), decode (fixed split count + combine) and groups of a sequence's rows
+//! (a verify chunk) read together.
 //! The cache is bf16, or quantised per [`Kernels::kv`] (the `_q` launchers take its scales).
 
 use cudarc::driver::CudaStream;
@@ -31,7 +32,7 @@ pub(crate) fn prefill_smem_bytes(d: &KernelDims, kv: &KvFormats, t: &AttnTiling)
 pub const WIDE_ROWS: usize = 128;
 
 /// Dynamic shared memory of `attn_prefill_wide` at `keys` per KV tile (the pw_* layout in
-/// attention_prefill.cu): the block's Q rows (unpadded, swizzled), 2 stages of K and V (bf16 tiles with rows
+/// attention_prefill_wide.cu): the block's Q rows (unpadded, swizzled), 2 stages of K and V (bf16 tiles with rows
 /// padded by 8, or a quantised format's codes), for each quantised matrix its converted bf16 tile and
 /// f32 tile scales, the pairs' P exchange (bf16, 32 lanes x keys / 16 x 16 B per warp) and the rows'
 /// factors (a float2 per lane and warp).
