@@ -58,6 +58,10 @@
 #   steps        where an int4 decode step's wall time goes (`bench --phases`, chart: step-phases.svg)
 #   timeline     one traced int4 decode step (DELTASERVE_TRACE; table, TSV and timeline.svg)
 #   soak         a 12-turn agent session to SOAK_TARGET tokens on the 27B shapes (TTFT per new token)
+#   saves        snapshots inside a step: the conv and chunked DeltaNet kernels cut at snapshots against the
+#                CPU, the backend's cut chunks against their pieces run as steps (and MTP drafts from them),
+#                then a 12-turn agent session (int4 + fp8 KV at 24 GiB) with DELTASERVE_SNAPSHOTS_IN_STEP 0
+#                and 1: TTFT per turn and each request's prefill steps (saves-on/off.json, .log)
 #   probe        the ceiling ladder at the full 262,144 context, 27B bf16
 #   probe-int4   the same with int4 weights and fp8 KV in 24 GiB
 #   smoke        the built-in demo model served on CUDA, a short soak
@@ -281,6 +285,23 @@ step_soak() {
     # shellcheck disable=SC2086
     ds soak 420 soak $Q27 --max-seqs 4 --turns 12 --target-context "${SOAK_TARGET:-131072}" --svg "$OUT_DIR/soak.svg"
     smi_stop "$OUT_DIR/soak-smi.csv"
+}
+step_saves() {
+    DS_OPS_FILTER=conv_prefill test_run ops-saves-conv 120 "FAIL|test result|panicked|snapshots" ops \
+        ops_match_cpu_reference --nocapture --test-threads=1
+    DS_OPS_FILTER=gdn_chunk test_run ops-saves-gdn 200 "FAIL|test result|panicked|cuts" ops \
+        ops_match_cpu_reference --nocapture --test-threads=1
+    test_run backend-saves 200 "$TESTS_PAT|continuation|last rows|median" backend snapshots_inside --nocapture \
+        --test-threads=1
+    test_run spec-saves 200 "$TESTS_PAT|drafts|median" speculative snapshot_inside --nocapture --test-threads=1
+    local on
+    for on in 0 1; do
+        # shellcheck disable=SC2086 # word lists of arguments
+        DELTASERVE_SNAPSHOTS_IN_STEP=$on RUST_LOG=info,deltaserve_engine=debug ds "saves-$on" 420 soak $Q27 \
+            --weights-dtype int4 --kv-cache-dtype fp8 --memory 24GiB --max-seqs 4 --turns 12 \
+            --target-context "${SOAK_TARGET:-131072}"
+        grep -o "prefill_steps=[0-9]*" "$OUT_DIR/saves-$on.log" | sort | uniq -c
+    done
 }
 step_probe() {
     # shellcheck disable=SC2086

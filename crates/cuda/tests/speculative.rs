@@ -370,7 +370,7 @@ fn snapshot_inside_a_chunk_drafts_like_one_between_steps() {
     assert!(e_d < 2e-2 && e_v < 2e-2, "drafts {e_d:.3e}, verified rows {e_v:.3e}");
     let mut score = Score::default();
     score.add(&d_inside, &d_cpu, vocab);
-    score.check("drafts from a snapshot inside a chunk vs the CPU backend");
+    score.check_with("drafts from a snapshot inside a chunk vs the CPU backend", Bounds { argmax_share: 0.0, ..BF16 });
     let _ = std::fs::remove_dir_all(&dir);
 }
 

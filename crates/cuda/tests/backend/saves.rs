@@ -12,6 +12,9 @@ use rand::rngs::StdRng;
 
 use super::common::*;
 
+/// The bf16 bounds for a handful of rows: a near tie may pick another argmax (a decisive one may not).
+const FEW_ROWS: Bounds = Bounds { argmax_share: 0.0, ..BF16 };
+
 /// A chunk of `tokens` from `start` in `slot` with snapshots at `cuts` (absolute positions) into
 /// device snapshots `snaps`.
 fn cut_chunk(
@@ -77,7 +80,7 @@ fn snapshots_inside_a_chunk_equal_snapshots_between_steps() {
     assert!(e_a < 2e-2 && e_s < 2e-2, "a cut chunk's last logits differ from its pieces' ({e_a:.3e}, {e_s:.3e})");
     let mut score = Score::default();
     score.add(&got, &want_cpu, vocab);
-    score.check("one step with snapshots inside vs the CPU backend");
+    score.check_with("one step with snapshots inside vs the CPU backend", FEW_ROWS);
     // Continuations from each snapshot taken inside (slot 5) and between steps (slot 6), and on the
     // CPU backend from its own snapshot: the 20 tokens after the point, over the pages the prompt
     // wrote. A continuation writes over the rows after its point, so the later point goes first.
@@ -96,7 +99,7 @@ fn snapshots_inside_a_chunk_equal_snapshots_between_steps() {
         assert!(e < 2e-2, "continuation after {p} differs by {e:.3e}");
         let mut score = Score::default();
         score.add(&from_inside, &cpu_cont, vocab);
-        score.check(&format!("continuation after {p} from a snapshot inside a step vs the CPU backend"));
+        score.check_with(&format!("continuation after {p} from a snapshot inside a step vs the CPU backend"), FEW_ROWS);
     }
     assert_eq!(g.arena_stats(), stats);
 }
