@@ -81,9 +81,15 @@ impl CudaBackend {
     /// and the segment tables hold; none under tensor parallelism.
     pub(super) fn snapshots_within_step(&self) -> usize {
         match self.opts.snapshots_in_step && self.tp.is_none() {
-            true => self.snapshot_slots.min(MAX_SNAPSHOTS_WITHIN_STEP),
+            true => self.saves_capacity(),
             false => 0,
         }
+    }
+
+    /// The most snapshots a step's chunks may carry: the plan's device snapshot slots, at most what the
+    /// segment tables hold.
+    fn saves_capacity(&self) -> usize {
+        self.snapshot_slots.min(MAX_SNAPSHOTS_WITHIN_STEP)
     }
 
     /// Checks the step's snapshots inside chunks: strictly inside plain chunks and increasing, each to
@@ -92,10 +98,10 @@ impl CudaBackend {
         let inv = |m: String| Err(BackendError::InvalidStep(m));
         let with: Vec<&SeqChunk> = batch.seqs.iter().filter(|c| !c.save_within.is_empty()).collect();
         let total: usize = with.iter().map(|c| c.save_within.len()).sum();
-        if total > self.snapshot_slots.min(MAX_SNAPSHOTS_WITHIN_STEP) {
+        if total > self.saves_capacity() {
             return inv(format!(
                 "{total} snapshots inside the step's chunks: this backend takes {} a step",
-                self.snapshot_slots.min(MAX_SNAPSHOTS_WITHIN_STEP)
+                self.saves_capacity()
             ));
         }
         let mut seen = Vec::with_capacity(total);
@@ -118,7 +124,7 @@ impl CudaBackend {
     }
 
     /// Uploads the step's segment tables (`h`) and keeps its saves for the forward; clears them for a
-    /// step without (`None`).
+    /// step without (`None`). Every step sets them before its forward (`upload_step`).
     pub(super) fn set_saves(&self, h: Option<&HostSaves>) -> Result<(), CudaError> {
         let mut cur = self.saves.borrow_mut();
         let Some(h) = h else {

@@ -248,7 +248,6 @@ impl CudaBackend {
             None => self.forward(&shape).map_err(dev)?,
         }
         self.phase(Mark::Forwarded).map_err(dev)?;
-        self.set_saves(None).map_err(dev)?;
         self.retain_images(batch);
         self.record_verified(batch, &ord, &inp.cu, &inp.slots);
         self.step_outputs(inp.n_want, out)?;

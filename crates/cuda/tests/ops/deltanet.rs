@@ -383,9 +383,9 @@ fn gdn_case(
     let mut rs = st_dev.clone();
     let mut got_o = Vec::with_capacity(t * hv * dv);
     let all_o = d.get_bf16(op, t * hv * dv)?;
-    for (b, &len) in used.iter().enumerate() {
+    // The CPU recurrence over sequence b's first `len` rows from its carried state: (outputs, state).
+    let reference = |b: usize, len: usize| -> R<(Vec<f32>, Vec<f32>)> {
         let t0 = cu[b] as usize;
-        got_o.extend_from_slice(&all_o[t0 * hv * dv..][..len * hv * dv]);
         let vseq: Vec<f32> = (0..len).flat_map(|i| vrow[(t0 + i) * v_stride..][..hv * dv].to_vec()).collect();
         let inp = cpu::gdn::GdnInputs {
             q: &q[t0 * hk * dk..][..len * hk * dk],
@@ -398,6 +398,12 @@ fn gdn_case(
         let mut o = vec![0f32; len * hv * dv];
         cpu::gdn::gdn_recurrent(dims, &inp, &mut st, &mut o)
             .map_err(|e| deltaserve_cuda::CudaError::InvalidArgs { kernel: "cpu reference", msg: e.to_string() })?;
+        Ok((o, st))
+    };
+    for (b, &len) in used.iter().enumerate() {
+        let t0 = cu[b] as usize;
+        got_o.extend_from_slice(&all_o[t0 * hv * dv..][..len * hv * dv]);
+        let (o, st) = reference(b, len)?;
         ro.extend(o);
         // A verify leaves the committed state as it was.
         if !matches!(mode, GdnMode::Recurrent(None)) {
@@ -408,20 +414,7 @@ fn gdn_case(
     // Each state at a cut against the reference over the sequence's rows up to it.
     let (mut want_cut, mut got_cut) = (Vec::new(), Vec::new());
     for (b, row, got) in at_cuts {
-        let t0 = cu[b] as usize;
-        let vseq: Vec<f32> = (0..row).flat_map(|i| vrow[(t0 + i) * v_stride..][..hv * dv].to_vec()).collect();
-        let inp = cpu::gdn::GdnInputs {
-            q: &q[t0 * hk * dk..][..row * hk * dk],
-            k: &kk[t0 * hk * dk..][..row * hk * dk],
-            v: &vseq,
-            g: &g[t0 * hv..][..row * hv],
-            beta: &beta[t0 * hv..][..row * hv],
-        };
-        let mut st = st0[b * n_state..][..n_state].to_vec();
-        let mut o = vec![0f32; row * hv * dv];
-        cpu::gdn::gdn_recurrent(dims, &inp, &mut st, &mut o)
-            .map_err(|e| deltaserve_cuda::CudaError::InvalidArgs { kernel: "cpu reference", msg: e.to_string() })?;
-        want_cut.extend(st);
+        want_cut.extend(reference(b, row)?.1);
         got_cut.extend(got);
     }
     if !want_cut.is_empty() {
