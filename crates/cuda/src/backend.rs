@@ -295,22 +295,20 @@ impl CudaBackend {
         Self::with_options(cfg, weights, plan, host_snapshot_slots, CudaOptions::default())
     }
 
-    /// Whether this backend runs `cfg`; an error (before anything touches the GPU) for models it does not
-    /// implement yet: mixture-of-experts models with block-FP8 weights run on the CPU backend only (bf16,
-    /// f16 and f32 checkpoints of them run here with bf16 or int4 experts, GPTQ / AutoRound ones with
-    /// int4 experts).
+    /// Whether this backend's kernels take `cfg`'s shapes (head dims, GQA group, conv width); an error
+    /// naming the shape and the CPU backend, before anything touches the GPU. Every checkpoint format of
+    /// a model it takes runs: block-FP8 mixture-of-experts checkpoints with their experts dequantised to
+    /// bf16 at load, or quantised to int4 (`--quantize int4`).
     pub fn check_model(cfg: &ModelConfig) -> Result<(), CudaError> {
-        use deltaserve_model::quant::Quantization;
-        match (&cfg.moe, &cfg.quantization) {
-            (Some(m), Some(q @ Quantization::Fp8Block(_))) => Err(CudaError::UnsupportedModel(format!(
-                "mixture-of-experts models ({} experts, top {}) with {} weights run on the CPU backend only for \
-                 now: use --device cpu, or a bf16 or GPTQ int4 checkpoint",
-                m.num_experts,
-                m.top_k,
-                q.describe()
-            ))),
-            _ => Ok(()),
-        }
+        kernel_dims(cfg).validate().map_err(|e| {
+            let why = match e {
+                CudaError::InvalidArgs { msg, .. } => msg,
+                other => other.to_string(),
+            };
+            CudaError::UnsupportedModel(format!(
+                "this model's shapes are not ones the CUDA kernels take ({why}): use --device cpu"
+            ))
+        })
     }
 
     /// [`CudaBackend::new`] with explicit [`CudaOptions`].

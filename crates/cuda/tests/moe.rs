@@ -3,7 +3,8 @@
 //! dense first layer, plain top-k probabilities), whole prompts and greedy decode, with the experts run
 //! as per-pair GEMVs for decode steps and as grouped GEMMs (also forced for every step); the same with
 //! GPTQ int4 experts (symmetric, and v2 zero points) against the CPU's dequantised weights; bf16 experts
-//! quantised at load against the CPU on the host quantiser's values; and decode steps replayed from a CUDA graph while the tokens route differently,
+//! quantised at load against the CPU on the host quantiser's values; a block-FP8 checkpoint's experts
+//! dequantised to bf16 and quantised to int4 at load; and decode steps replayed from a CUDA graph while the tokens route differently,
 //! equal to eager launches; and with the routed experts in pinned host memory (`experts_on_host`) the logits of
 //! the experts on the device, bit for bit.
 //!
@@ -185,6 +186,41 @@ fn experts_quantised_at_load_match_cpu() {
             cpu_int4(&dir, &cfg, true, false, false),
             QUANT,
         ));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// A block-FP8 checkpoint of a mixture-of-experts model (`synth --fp8`: every expert, the shared expert and
+/// the attention and DeltaNet linears in e4m3 with 128×128 block scales, as the official `-FP8` releases):
+/// dequantised at load into bf16 experts, against the CPU on the same values rounded to bf16; and quantised
+/// to int4 at load (`--quantize int4`), against the CPU on the host quantiser's values of them. Per-pair
+/// GEMVs for decode steps, and grouped GEMMs for every step.
+#[test]
+fn fp8_checkpoint_experts_match_cpu() {
+    if !gpu() {
+        return;
+    }
+    let (dir, _) = wide_experts_dir("fp8");
+    let done = deltaserve_model::synth::fp8::convert(&dir, |_, _| {}).unwrap();
+    assert!(done.quantized.iter().any(|n| n.contains("experts.7.down_proj")), "experts stored as fp8");
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    CudaBackend::check_model(&cfg).unwrap();
+    let d = test_opts();
+    let mut failures = Vec::new();
+    for (w, bounds) in [(WeightsDtype::Bf16, BF16), (WeightsDtype::Int4, QUANT)] {
+        let plan = plan_with_checkpoint(&cfg, &dir, |o| o.weights_dtype = w);
+        for (what, opts) in [("", d), (" grouped", CudaOptions { gemv_max_tokens: 0, ..d })] {
+            let g = CudaBackend::with_options(&cfg, WeightSource::Checkpoint(dir.clone()), &plan, 0, opts).unwrap();
+            let c = match w {
+                WeightsDtype::Int4 => {
+                    assert!(g.w4_quantized > 0, "nothing quantised");
+                    cpu_int4(&dir, &cfg, true, false, false)
+                }
+                _ => cpu_bf16_linears(&dir, &cfg),
+            };
+            failures.extend(compare(&format!("fp8 checkpoint, {w} experts{what}"), g, c, bounds));
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
     assert!(failures.is_empty(), "{failures:#?}");

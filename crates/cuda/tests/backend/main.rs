@@ -682,15 +682,15 @@ fn fp8_kv_page_prefix_copy() {
     assert_eq!(g.arena_stats(), stats);
 }
 
-/// A mixture-of-experts model with block-FP8 weights is refused with one clear line before anything
-/// touches the GPU; its bf16 and GPTQ int4 checkpoints (and dense models) are taken.
+/// Every checkpoint format of a model whose shapes the kernels take passes the check before the GPU (a
+/// mixture-of-experts model's bf16, GPTQ int4 and block-FP8 checkpoints alike); shapes they do not take
+/// (the stored HF fixtures' head dims of 16) are refused with one line that names the CPU backend.
 #[test]
-fn fp8_mixture_of_experts_models_are_refused_before_the_gpu() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/hf/qwen35_moe");
-    let cfg = ModelConfig::from_dir(&dir).unwrap();
-    assert!(CudaBackend::check_model(&cfg).is_ok());
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+fn models_are_checked_against_the_kernels_before_the_gpu() {
+    use deltaserve_model::synth::Preset;
+    let tiny = ModelConfig::from_json_str(&Preset::TinyMoe.config_json(Some(4)).to_string()).unwrap();
+    assert!(CudaBackend::check_model(&tiny).is_ok());
+    let json: serde_json::Value = serde_json::from_str(&Preset::TinyMoe.config_json(Some(4)).to_string()).unwrap();
     let with = |q: serde_json::Value| {
         let mut j = json.clone();
         j["quantization_config"] = q;
@@ -699,12 +699,17 @@ fn fp8_mixture_of_experts_models_are_refused_before_the_gpu() {
     let gptq = with(serde_json::json!({
         "quant_method": "gptq", "bits": 4, "group_size": 128, "sym": true, "desc_act": false
     }));
-    assert!(CudaBackend::check_model(&gptq).is_ok());
     let fp8 = with(serde_json::json!({
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]
     }));
-    let e = CudaBackend::check_model(&fp8).unwrap_err().to_string();
-    assert!(e.contains("mixture-of-experts") && e.contains("--device cpu") && !e.contains('\n'), "{e}");
-    let dense = ModelConfig::from_dir(&dir.with_file_name("qwen35_gva3")).unwrap();
-    assert!(CudaBackend::check_model(&dense).is_ok());
+    assert!(matches!(fp8.quantization, Some(deltaserve_model::quant::Quantization::Fp8Block(_))));
+    for cfg in [&gptq, &fp8] {
+        assert!(CudaBackend::check_model(cfg).is_ok());
+    }
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/hf");
+    for name in ["qwen35_moe", "qwen35_gva3"] {
+        let cfg = ModelConfig::from_dir(&fixtures.join(name)).unwrap();
+        let e = CudaBackend::check_model(&cfg).unwrap_err().to_string();
+        assert!(e.contains("head dim") && e.contains("--device cpu") && !e.contains('\n'), "{name}: {e}");
+    }
 }

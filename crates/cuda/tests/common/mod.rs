@@ -73,14 +73,29 @@ pub fn tiny_dir(layers: usize) -> (PathBuf, ModelConfig) {
 
 /// The CPU reference over the weights the CUDA backend quantises at load: every decoder linear, a
 /// sparse layer's experts included (and lm_head with `lm_head_int4`), replaced by the host quantiser's
-/// dequantised values (bit-equal to `w4_quantize`).
+/// dequantised values (bit-equal to `w4_quantize`) of the bf16 values the GPU quantises (a bf16
+/// checkpoint's as stored; a block-FP8 one's dequantised, then rounded to bf16 as the loader uploads them).
 pub fn cpu_int4(dir: &Path, cfg: &ModelConfig, int4: bool, asym: bool, lm_head_int4: bool) -> CpuBackend {
     use deltaserve_cuda::w4::W4Linear;
     let q = |t: &mut deltaserve_model::weights::HostTensor| {
         let (o, i) = (t.shape[0], t.shape[1]);
+        round_to_bf16(t);
         t.data = W4Linear::quantize(&t.data, o, i, asym).unwrap().dequantize();
     };
     cpu_requantized(dir, cfg, int4, lm_head_int4, q)
+}
+
+/// The CPU reference over a checkpoint's decoder linears (a sparse layer's experts included) as the CUDA
+/// backend loads them into bf16: a block-FP8 checkpoint's dequantised, then rounded to bf16.
+pub fn cpu_bf16_linears(dir: &Path, cfg: &ModelConfig) -> CpuBackend {
+    cpu_requantized(dir, cfg, true, false, round_to_bf16)
+}
+
+/// Every value of `t` rounded to bf16 (nearest, ties to even), as the loader converts f32 for the GPU.
+fn round_to_bf16(t: &mut deltaserve_model::weights::HostTensor) {
+    for v in &mut t.data {
+        *v = half::bf16::from_f32(*v).to_f32();
+    }
 }
 
 /// The CPU reference over block-FP8 decoder linears quantised as `--quantize fp8` does on the GPU
