@@ -67,6 +67,8 @@
 #   smoke        the built-in demo model served on CUDA, a short soak
 #   moe          the 35B-A3B mixture of experts, int4 experts + fp8 KV in 24 GiB: the MoE tests, bench
 #                without and with MTP (K = 3), the full-context probe
+#   moe-shared   the MoE shared expert run with the routed experts' decode GEMVs: its ops cases and tests
+#                (and block-FP8 MoE checkpoints), then 35B-A3B decode b1/8/32 with it off and on, 2 rounds
 #   tp           on 2 GPUs: NCCL and TP=2 tests, `bench` at TP=2 and TP=1 (chart: tp.svg), the TP=2 probe
 #                with int4 weights at 24 GiB per card
 #   profile      Nsight Compute (ncu): decode step kernels' durations (bf16, int4), the DeltaNet chunk
@@ -329,6 +331,24 @@ step_moe() {
     ds bench-moe-spec 300 bench $q $b --batches 1,8 --speculative-tokens 3
     # shellcheck disable=SC2086
     ds probe-moe 420 probe $q --rungs "${PROBE_RUNGS:-100}" --turns "${PROBE_TURNS:-2}" --svg "$OUT_DIR/probe-moe.svg"
+}
+
+# A sparse layer's shared expert run with the routed experts' decode GEMVs (DELTASERVE_MOE_SHARED_PAIRS):
+# the ops moe cases (its pairs against the CPU), the MoE backend tests (shared pairs and block-FP8
+# checkpoints), then 35B-A3B decode (int4 experts, fp8 KV, 24 GiB) off and on, two rounds alternating.
+step_moe-shared() {
+    local q="--device cuda --preset qwen3.6-35b-a3b --random-weights --weights-dtype int4 --kv-cache-dtype fp8 --memory 24GiB"
+    DS_OPS_FILTER=moe test_run ops-moe 200 "FAIL|test result|panicked|shared" ops ops_match_cpu_reference --nocapture \
+        --test-threads=1
+    test_run moe-shared-tests 300 "$TESTS_PAT|median" moe --nocapture --test-threads=1 shared_expert_pairs fp8_checkpoint
+    local r on
+    for r in 1 2; do
+        for on in 0 1; do
+            # shellcheck disable=SC2086 # word lists of arguments
+            DELTASERVE_MOE_SHARED_PAIRS=$on ds "moe-shared-$on-$r" 300 bench $q --prompts 512 --contexts 1024 \
+                --steps 32 --batches 1,8,32 --verify-tokens 0 --short-chunks 0
+        done
+    done
 }
 
 step_tp() {

@@ -11,13 +11,17 @@
 //                   the grouped order (within an expert the order is arbitrary: rows are independent).
 //   moe_permute:    grouped[rows[p]] = x[p / K].
 //   moe_gemm:       Y[r, :N] = X[r, :Kd] · W_eᵀ for every grouped row r of expert e.
-//   moe_gemv:       Y[p, :N] = X[p / x_div, :Kd] · W_eᵀ, e = topk[p]'s expert (decode: reads only the
-//                   selected experts' weights; no grouping).
-//   moe_unpermute:  out[t] = bf16(Σ_j w_j · Y[row(t, j)] + gate[t] · out[t]) (out holds the shared expert).
+//   moe_gemv:       Y[p, :N] = X[p / x_div, :Kd] · W_eᵀ, e = topk[p]'s expert, for the P routed pairs
+//                   (decode: reads only the selected experts' weights; no grouping); the launch's pairs
+//                   past P (one per token, when the shared expert runs with them) use the shared expert's
+//                   projection Ws (same shape) over moe_x_row's row.
+//   moe_unpermute:  out[t] = bf16(Σ_j w_j · Y[row(t, j)] + gate[t] · S[t]), S the shared expert's output:
+//                   `shared` [T, H] when given (the shared pairs' rows of Y), else out itself.
 // Launch shapes depend only on T, K, E and the dims, never on the routing (CUDA graphs replay them):
 //   moe_route grid T block 256; moe_offsets grid 1 block 1024 smem 8·E; moe_permute grid T·K block 128;
 //   moe_gemm grid (ceil(N/64), ceil(T·K/64) + min(E, T·K)) block 128 (blocks past the last tile exit);
-//   moe_gemv grid (ceil(N/16), T·K) block 128; moe_unpermute grid T block 256.
+//   moe_gemv grid (ceil(N/16), T·K, or T·K + T with the shared expert) block 128; moe_unpermute grid T
+//   block 256.
 // Dtypes: bf16 activations and weights, f32 accumulate. Kd % 8 == 0, H % 8 == 0, 16-byte aligned
 //   rows (the launchers check).
 // Arch: mma.sync m16n8k16 bf16 (sm_80+), nothing Hopper-only. moe_route, moe_gemv and moe_unpermute (a
@@ -206,13 +210,13 @@ moe_gemm(const bf16_t* __restrict__ X, const int* __restrict__ offs, int E, cons
 #define MOE_GEMV_ROWS 4  // output rows per warp (4 warps: 16 per block)
 
 extern "C" __global__ void __launch_bounds__(128)
-moe_gemv(const bf16_t* X, int x_div, const int* topk, const bf16_t* __restrict__ W, long long wstride, int N, int Kd,
-         bf16_t* Y) {
+moe_gemv(const bf16_t* X, int x_div, const int* topk, int P, int sx, const bf16_t* __restrict__ W,
+         long long wstride, const bf16_t* __restrict__ Ws, int N, int Kd, bf16_t* Y) {
     pdl_enter();
     const int p = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int e = topk[2 * p];
-    const uint4* xr = (const uint4*)(X + (long long)(p / x_div) * Kd);
-    const bf16_t* We = W + (long long)e * wstride;
+    const bool sh = p >= P;  // a shared-expert pair (moe_x_row)
+    const uint4* xr = (const uint4*)(X + (long long)moe_x_row(p, P, x_div, sx) * Kd);
+    const bf16_t* We = sh ? Ws : W + (long long)topk[2 * p] * wstride;
     const int nb = blockIdx.x * (4 * MOE_GEMV_ROWS) + warp * MOE_GEMV_ROWS;
     const int K8 = Kd >> 3;
     float acc[MOE_GEMV_ROWS];
@@ -240,11 +244,12 @@ moe_gemv(const bf16_t* X, int x_div, const int* topk, const bf16_t* __restrict__
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-moe_unpermute(const bf16_t* ys, const int* rows, const int* topk, int K, const float* shared_gate, int H,
-              bf16_t* out) {
+moe_unpermute(const bf16_t* ys, const int* rows, const int* topk, int K, const float* shared_gate,
+              const bf16_t* shared, int H, bf16_t* out) {
     pdl_enter();
     const int t = blockIdx.x;
     const float g = shared_gate[t];
+    const bf16_t* so = shared ? shared + (long long)t * H : out + (long long)t * H;  // the shared expert's row
     for (int c = threadIdx.x; c < H; c += blockDim.x) {
         float acc = 0.0f;
         for (int j = 0; j < K; j++) {
@@ -252,7 +257,6 @@ moe_unpermute(const bf16_t* ys, const int* rows, const int* topk, int K, const f
             const int r = rows ? rows[p] : (int)p;
             acc += __int_as_float(topk[2 * p + 1]) * bf2f(ys[(long long)r * H + c]);
         }
-        bf16_t* o = out + (long long)t * H + c;
-        *o = f2bf(acc + g * bf2f(*o));
+        out[(long long)t * H + c] = f2bf(acc + g * bf2f(so[c]));
     }
 }

@@ -4,10 +4,14 @@
 // pointers and the stride locate every expert). The routing, grouping and un-permute are moe.cu's.
 //
 // Computes, for an expert projection W_e [out, in] (in % 128 == 0, out % 4 == 0):
-//   moe_w4p_*: Y[p, :out] = X[p / x_div, :in] · W_eᵀ, e = topk[p]'s expert (decode: one pair per
-//              blockIdx.y, reading only the selected experts' weights; no grouping). The pair GEMV
-//              (w4_pair.cuh's w4p_body, one token): grid.x = ceil(ceil(out/32) / (8/wpt)) blocks of 8
-//              warps, wpt warps per 32 output rows.
+//   moe_w4p_*: Y[p, :out] = X[p / x_div, :in] · W_eᵀ, e = topk[p]'s expert, for the P routed pairs
+//              (decode: one pair per blockIdx.y, reading only the selected experts' weights; no
+//              grouping); pairs past P (one per token, when the shared expert runs with them) use the
+//              shared expert's linear (MoeW4Shared: the experts' shape and format, its gate/up as two
+//              linears) over the row prelude.cuh's moe_x_row gives. The pair GEMV (w4_pair.cuh's
+//              w4p_body, one token): grid.x = ceil(ceil(out/32) / (8/wpt)) blocks of 8 warps, wpt warps
+//              per 32 output rows (with a two-linear shared expert: 2 · shb, each half's rows whole
+//              blocks).
 //   moe_w4g:   Y[r, :out] = X[r, :in] · W_eᵀ for the grouped rows r of every expert e (offs from
 //              moe_offsets with tiles of MOE_W4_TILE rows): the tile GEMM (w4_tile.cuh's w4g_body,
 //              32 tokens) over one expert tile per blockIdx.y, 128 output rows per blockIdx.x.
@@ -30,20 +34,36 @@ __device__ __forceinline__ const T* moe_w4_at(const T* p0, long long estride, in
     return p0 ? (const T*)((const char*)p0 + (long long)e * estride) : nullptr;
 }
 
+// The shared expert's linear of a moe_w4p_* launch: one linear over the launch's rows (the down
+// projection), or two stacked (gate/up: the gate's rows, then the up's, each `out / 2` rows), whose
+// first `shb` blocks of grid.x compute the top one and the rest the bottom one (shb: 0 for one linear).
+struct MoeW4Shared {
+    const u32* qw[2];
+    const unsigned short* sc[2];
+    const unsigned char* z[2];
+    int shb;
+};
+
 #define MOE_W4P_KERNEL(NAME, ASYM, SBF)                                                                        \
     extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 2)                                              \
-        NAME(const bf16_t* x, long long ldx, int x_div, const int* topk, int E,                                 \
+        NAME(const bf16_t* x, long long ldx, int x_div, const int* topk, int E, int P, int sx,                  \
              const u32* __restrict__ qw0, const unsigned short* __restrict__ sc0,                               \
-             const unsigned char* __restrict__ z0, long long estride, bf16_t* __restrict__ y, int out, int in,  \
-             int wpt) {                                                                                          \
+             const unsigned char* __restrict__ z0, long long estride, MoeW4Shared shw, bf16_t* __restrict__ y,   \
+             int out, int in, int wpt) {                                                                        \
         extern __shared__ uint4 w4_dyn[];                                                                        \
         pdl_enter(); /* the expert is the routing's: its weights are read after the wait */                     \
         const int p = blockIdx.y;                                                                                \
-        const int e = min(max(topk[2 * p], 0), E - 1);                                                           \
-        w4p_body<bf16_t, ASYM, SBF, true, false>(moe_w4_at(qw0, estride, e), moe_w4_at(sc0, estride, e),         \
-                                                 moe_w4_at(z0, estride, e), x + (long long)(p / x_div) * ldx, ldx, \
-                                                 y + (long long)p * out, out, 1, out, out, in, wpt, blockIdx.x,   \
-                                                 w4_dyn, {});                                                    \
+        const bf16_t* xr = x + (long long)moe_x_row(p, P, x_div, sx) * ldx;                                      \
+        /* A shared-expert pair (past P): h, the half of a two-linear gate/up this block computes. */           \
+        const bool sh = p >= P;                                                                                  \
+        const int h = sh && shw.shb > 0 && (int)blockIdx.x >= shw.shb;                                          \
+        const int rows = sh && shw.shb > 0 ? out / 2 : out;                                                      \
+        const int e = sh ? 0 : min(max(topk[2 * p], 0), E - 1);                                                  \
+        const u32* qw = sh ? (h ? shw.qw[1] : shw.qw[0]) : moe_w4_at(qw0, estride, e);                           \
+        const unsigned short* sc = sh ? (h ? shw.sc[1] : shw.sc[0]) : moe_w4_at(sc0, estride, e);                \
+        const unsigned char* z = sh ? (h ? shw.z[1] : shw.z[0]) : moe_w4_at(z0, estride, e);                     \
+        w4p_body<bf16_t, ASYM, SBF, true, false>(qw, sc, z, xr, ldx, y + (long long)p * out + h * rows, out, 1,   \
+                                                 rows, rows, in, wpt, blockIdx.x - h * shw.shb, w4_dyn, {});      \
     }
 // moe_w4p_<s symmetric | a zero points><h f16 | b bf16 scales>.
 MOE_W4P_KERNEL(moe_w4p_sh, false, false)

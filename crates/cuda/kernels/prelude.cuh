@@ -226,6 +226,14 @@ __device__ __forceinline__ bool moe_tile(const int* offs, int E, int j, int bm, 
     return true;
 }
 
+// The x row of pair p of a per-pair GEMV launch over P routed pairs (p < P: row p / x_div) and, past
+// them, one shared-expert pair per token (moe_gemv, moe_w4p_*): pair P + t reads row sx + t (sx = 0:
+// the gate/up projection over the layer's tokens; sx = P: the down projection over the pairs' SwiGLU
+// rows, the shared pairs' after the routed).
+__device__ __forceinline__ int moe_x_row(int p, int P, int x_div, int sx) {
+    return p < P ? p / x_div : sx + (p - P);
+}
+
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float siluf_(float x) { return x / (1.0f + expf(-x)); }
 // PyTorch F.softplus (beta 1, threshold 20).

@@ -185,6 +185,12 @@ pub struct CudaOptions {
     /// is measured on a GPU): chunks end at snapshot points. `DELTASERVE_SNAPSHOTS_IN_STEP=1` turns it
     /// on for the server and the benchmarks.
     pub snapshots_in_step: bool,
+    /// A sparse layer's shared expert runs in decode steps as one more pair per token of the routed
+    /// experts' GEMV launches (its gate/up, the SwiGLU and its down join theirs: three launches fewer a
+    /// layer), where it has the experts' width and format. Off (the default until it is measured on a
+    /// GPU): the shared expert runs as the layer's dense MLP first. `DELTASERVE_MOE_SHARED_PAIRS=1` turns
+    /// it on for the server and the benchmarks.
+    pub moe_shared_pairs: bool,
 }
 
 impl Default for CudaOptions {
@@ -201,6 +207,7 @@ impl Default for CudaOptions {
             w4_gemm_max_rows: deltaserve_plan::cuda::W4_GEMM_MAX_ROWS,
             fp8_tensor_cores: true,
             snapshots_in_step: false,
+            moe_shared_pairs: false,
         }
     }
 }

@@ -57,6 +57,9 @@ pub struct Switches {
     /// `DELTASERVE_SNAPSHOTS_IN_STEP=1`: snapshots at points inside a step's chunks
     /// (`CudaOptions::snapshots_in_step`); unset or anything else: chunks end at snapshot points.
     pub snapshots_in_step: bool,
+    /// `DELTASERVE_MOE_SHARED_PAIRS=1`: a sparse layer's shared expert runs with the routed experts'
+    /// decode GEMVs (`CudaOptions::moe_shared_pairs`); unset or anything else: as the layer's dense MLP.
+    pub moe_shared_pairs: bool,
 }
 
 impl Switches {
@@ -88,6 +91,7 @@ impl Switches {
             device_masks: var("DELTASERVE_DEVICE_MASKS").is_none_or(|v| v != "0"),
             later_picks: var("DELTASERVE_LATER_PICKS").is_none_or(|v| v != "0"),
             snapshots_in_step: var("DELTASERVE_SNAPSHOTS_IN_STEP").is_some_and(|v| v == "1"),
+            moe_shared_pairs: var("DELTASERVE_MOE_SHARED_PAIRS").is_some_and(|v| v == "1"),
         }
     }
 
@@ -130,7 +134,7 @@ mod tests {
         let s = from(&[]);
         assert!(!s.any_set());
         assert!(s.fold_norms && s.w4_gemm && s.device_masks && !s.decode_attn_split && !s.attn_prefill_pair);
-        assert!(s.later_picks && !s.snapshots_in_step);
+        assert!(s.later_picks && !s.snapshots_in_step && !s.moe_shared_pairs);
         assert!(s.pdl.is_none() && s.nvrtc_options.is_empty() && s.trace_cap.is_none());
     }
 
@@ -150,8 +154,9 @@ mod tests {
             ("DELTASERVE_DEVICE_MASKS", "0"),
             ("DELTASERVE_LATER_PICKS", "0"),
             ("DELTASERVE_SNAPSHOTS_IN_STEP", "1"),
+            ("DELTASERVE_MOE_SHARED_PAIRS", "1"),
         ]);
-        assert!(!s.device_masks && !s.later_picks && s.snapshots_in_step);
+        assert!(!s.device_masks && !s.later_picks && s.snapshots_in_step && s.moe_shared_pairs);
         assert!(s.any_set());
         assert_eq!(s.pdl.as_deref(), Some("0"));
         assert!(s.decode_attn_split && s.verify_attn_rows && s.attn_prefill_pair && !s.fold_norms && !s.w4_gemm);

@@ -4,7 +4,8 @@
 //! as per-pair GEMVs for decode steps and as grouped GEMMs (also forced for every step); the same with
 //! GPTQ int4 experts (symmetric, and v2 zero points) against the CPU's dequantised weights; bf16 experts
 //! quantised at load against the CPU on the host quantiser's values; a block-FP8 checkpoint's experts
-//! dequantised to bf16 and quantised to int4 at load; and decode steps replayed from a CUDA graph while the tokens route differently,
+//! dequantised to bf16 and quantised to int4 at load; the shared expert run with the routed experts' decode
+//! GEMVs; and decode steps replayed from a CUDA graph while the tokens route differently,
 //! equal to eager launches; and with the routed experts in pinned host memory (`experts_on_host`) the logits of
 //! the experts on the device, bit for bit.
 //!
@@ -221,6 +222,35 @@ fn fp8_checkpoint_experts_match_cpu() {
             };
             failures.extend(compare(&format!("fp8 checkpoint, {w} experts{what}"), g, c, bounds));
         }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The shared expert run as one more pair per token of the routed experts' decode GEMVs
+/// (`moe_shared_pairs`): experts and shared expert of width 256 (so int4 gate and up halves are whole
+/// GEMV blocks), bf16 and quantised to int4 at load, decode steps replayed from graphs and eager, against
+/// the CPU (prompts take the grouped GEMMs and the dense shared expert as before).
+#[test]
+fn shared_expert_pairs_match_cpu() {
+    if !gpu() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("ds-cuda-moe-shared-{}", std::process::id()));
+    let mut c = tiny_moe_int4_config();
+    c["text_config"]["moe_intermediate_size"] = serde_json::json!(256);
+    c["text_config"]["shared_expert_intermediate_size"] = serde_json::json!(256);
+    let cfg = write_model_json(&dir, Preset::TinyMoe, c, 17, MtpVariant::Random, |_, _| {}).unwrap();
+    let opts = CudaOptions { moe_shared_pairs: true, ..test_opts() };
+    let mut failures = Vec::new();
+    for graphs in [true, false] {
+        let o = CudaOptions { cuda_graphs: graphs, ..opts };
+        let what = if graphs { "graphs" } else { "eager" };
+        failures.extend(against_cpu(&format!("shared pairs, bf16, {what}"), &dir, &cfg, o));
+        let plan = plan_with(&cfg, |o| o.weights_dtype = WeightsDtype::Int4);
+        let g = CudaBackend::with_options(&cfg, WeightSource::Checkpoint(dir.clone()), &plan, 0, o).unwrap();
+        let c = cpu_int4(&dir, &cfg, true, false, false);
+        failures.extend(compare(&format!("shared pairs, int4 at load, {what}"), g, c, QUANT));
     }
     let _ = std::fs::remove_dir_all(&dir);
     assert!(failures.is_empty(), "{failures:#?}");

@@ -33,12 +33,14 @@ const READ_ONLY: &[&str] = &[
     "groups",
     "cu_seqlens",
     "perm",
-    // mixture-of-experts weights: the shared expert's gate, expert 0's int4 tensors, the bf16 experts
+    // mixture-of-experts weights: the shared expert's gate, expert 0's int4 tensors, the bf16 experts, the
+    // shared expert's bf16 projection run with them
     "wg",
     "qw0",
     "sc0",
     "z0",
     "W",
+    "Ws",
     // block-FP8 weights' scales (the FP8 GEMV's segments)
     "S",
     "s0",

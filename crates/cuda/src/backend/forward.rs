@@ -174,6 +174,14 @@ impl CudaBackend {
         if layer.moe.is_some() && fold.is_some() {
             return Err(CudaError::Plan("a sparse layer's norms do not fold into its projections".into()));
         }
+        // A sparse layer whose shared expert runs with the routed experts' GEMVs.
+        if let Some(m) = &layer.moe
+            && let Some(shared) = self.shared_pairs(ws, m, &layer.gate_up, &layer.down, t)
+        {
+            self.moe(ws, m, t, Some(shared))?;
+            self.all_reduce(ws.mlp_out, t * h)?;
+            return Ok(());
+        }
         self.proj_fold(s, mlp_x, t, h, &[po(&layer.gate_up, ws.mlp_gate_up, 2 * i)], mlp_fold)?;
         elementwise::swiglu(k, s, ws.mlp_gate_up, 2 * i, ws.mlp_gate_up + b2(i), 2 * i, ws.mlp_act, t, i)?;
         if let Some(next) = fold.and_then(|f| f.next_norm) {
@@ -184,7 +192,7 @@ impl CudaBackend {
         self.proj(s, ws.mlp_act, t, i, &[po(&layer.down, ws.mlp_out, h)], false)?;
         self.tick("MLP (GEMMs + SwiGLU)")?;
         if let Some(m) = &layer.moe {
-            self.moe(ws, m, t)?;
+            self.moe(ws, m, t, None)?;
         }
         self.all_reduce(ws.mlp_out, t * h)?;
         Ok(())

@@ -9,8 +9,8 @@ use deltaserve_model::MoeConfig;
 use deltaserve_model::weights::MoeWeights;
 
 use crate::error::CudaError;
-use crate::ops::moe::{self, ExpertWeights};
-use crate::ops::moe_w4::{self, W4Experts};
+use crate::ops::moe::{self, ExpertWeights, SharedPairs};
+use crate::ops::moe_w4::{self, W4Experts, W4Shared};
 use crate::ops::w4a16::W4Weights;
 use crate::ops::{elementwise, gemv};
 use crate::w4::{ScaleDtype, W4Bytes};
@@ -207,6 +207,10 @@ pub(super) fn loaded_experts(w: &MoeWeights<Part>, m: &MoeConfig, hidden: usize)
     Ok(ml)
 }
 
+fn shared_mismatch() -> CudaError {
+    CudaError::Plan("the shared expert's storage is not the routed experts'".into())
+}
+
 /// The routed experts' workspace buffers (the plan's `moe_*`).
 #[derive(Clone, Copy)]
 pub(super) struct MoeWs {
@@ -219,6 +223,25 @@ pub(super) struct MoeWs {
     act: u64,
     rows_out: u64,
     shared_gate: u64,
+    /// Rows the per-pair buffers (`moe_gate_up`, `moe_act`, `moe_rows_out`) hold: the plan's tokens × top-k.
+    pair_rows: usize,
+}
+
+/// A sparse layer's shared expert as it runs with the routed experts' decode GEMVs, one more pair per
+/// token ([`crate::CudaOptions::moe_shared_pairs`]): its gate/up and down projections.
+/// (A value on the stack for one layer's forward: the int4 variant's size is no cost.)
+#[allow(clippy::large_enum_variant)]
+#[derive(Clone, Copy, Debug)]
+pub(super) enum SharedExpert {
+    /// `[2·I, hidden]` and `[hidden, I]` bf16.
+    Bf16 {
+        gate_up: u64,
+        down: u64,
+    },
+    Int4 {
+        gate_up: W4Shared,
+        down: W4Shared,
+    },
 }
 
 /// The `moe_*` buffers for steps of `t` tokens, each checked against what the kernels put there.
@@ -235,13 +258,43 @@ pub(super) fn moe_views(wsb: &Workspace<'_>, m: &MoeConfig, t: usize, hidden: us
         act: get("moe_act", 2 * t * k * i)?,
         rows_out: get("moe_rows_out", 2 * t * k * hidden)?,
         shared_gate: get("moe_shared_gate", 4 * t)?,
+        pair_rows: t * k,
     })
 }
 
+/// The shared expert of sparse layer `m` (`gate_up`, `down`: the layer's dense MLP parts) where it can run
+/// as one more pair of the routed experts' GEMVs: the experts' width and storage — bf16 `[2·I, hidden]`
+/// and `[hidden, I]`, or int4 linears of the experts' format whose gate and up halves are whole GEMV
+/// blocks ([`W4Shared::fits`]).
+pub(super) fn shared_expert(m: &MoeLayer, gate_up: &[Part], down: &[Part], hidden: usize) -> Option<SharedExpert> {
+    let i = m.expert_width;
+    if m.shared_width != i {
+        return None;
+    }
+    match (&m.experts, gate_up, down) {
+        (Experts::Bf16 { .. }, [Part::Bf16 { w: gu, rows: r }], [Part::Bf16 { w: dn, rows: hr }])
+            if *r == 2 * i && *hr == hidden =>
+        {
+            Some(SharedExpert::Bf16 { gate_up: *gu, down: *dn })
+        }
+        (Experts::Int4 { gate_up: eg, down: ed }, gu, [Part::W4(dn)]) => {
+            let gate_up = match gu {
+                [Part::W4(a)] => W4Shared { top: *a, bottom: None },
+                [Part::W4(a), Part::W4(b)] => W4Shared { top: *a, bottom: Some(*b) },
+                _ => return None,
+            };
+            let down = W4Shared { top: *dn, bottom: None };
+            (gate_up.fits(&eg.first) && down.fits(&ed.first)).then_some(SharedExpert::Int4 { gate_up, down })
+        }
+        _ => None,
+    }
+}
+
 impl CudaBackend {
-    /// The routed experts of layer `m` over the `t` rows of `mlp_in`, added to `mlp_out` (which holds
-    /// the shared expert's output) as `mlp_out = Σ_k w_k · expert_k + sigmoid(gate) · mlp_out`.
-    pub(super) fn moe(&self, ws: &Ws, m: &MoeLayer, t: usize) -> Result<(), CudaError> {
+    /// The routed experts of layer `m` over the `t` rows of `mlp_in`, added to `mlp_out` as
+    /// `mlp_out = Σ_k w_k · expert_k + sigmoid(gate) · S`: S the shared expert's output, which `mlp_out`
+    /// holds, or (`shared`: [`Self::shared_pairs`]) computed here with the routed experts' GEMVs.
+    pub(super) fn moe(&self, ws: &Ws, m: &MoeLayer, t: usize, shared: Option<SharedExpert>) -> Result<(), CudaError> {
         let (k, s, h) = (&self.k, self.rt.stream().as_ref(), self.d.hidden);
         let mw = ws.moe.as_ref().ok_or_else(|| CudaError::Plan("the workspace has no `moe_*` buffers".into()))?;
         let (e, top_k) = (m.num_experts, m.top_k);
@@ -263,28 +316,48 @@ impl CudaBackend {
             mw.shared_gate,
         )?;
         let i = m.expert_width;
-        let swiglu = || elementwise::swiglu(k, s, mw.gate_up, 2 * i, mw.gate_up + b2(i), 2 * i, mw.act, pairs, i);
+        // The shared expert's pairs follow the routed ones: its gate/up reads the tokens' rows, its down
+        // the SwiGLU rows after the routed pairs'.
+        let rows = pairs + if shared.is_some() { t } else { 0 };
+        let swiglu = || elementwise::swiglu(k, s, mw.gate_up, 2 * i, mw.gate_up + b2(i), 2 * i, mw.act, rows, i);
         let gemv = self.moe_gemv(t);
-        match &m.experts {
+        match (&m.experts, shared) {
             // Decode: each (token, k) pair reads its expert's rows only; the rows stay in pair order.
-            Experts::Bf16 { gate_up, down } if gemv => {
-                moe::gemv(k, s, ws.mlp_in, top_k, mw.topk, pairs, gate_up, mw.gate_up)?;
+            (Experts::Bf16 { gate_up, down }, sh_w) if gemv => {
+                let (sg, sd) = match sh_w {
+                    Some(SharedExpert::Bf16 { gate_up, down }) => (
+                        Some(SharedPairs { w: gate_up, tokens: t, x_row: 0 }),
+                        Some(SharedPairs { w: down, tokens: t, x_row: pairs }),
+                    ),
+                    Some(SharedExpert::Int4 { .. }) => return Err(shared_mismatch()),
+                    None => (None, None),
+                };
+                moe::gemv(k, s, ws.mlp_in, top_k, mw.topk, pairs, sg, gate_up, mw.gate_up)?;
                 swiglu()?;
-                moe::gemv(k, s, mw.act, 1, mw.topk, pairs, down, mw.rows_out)?;
+                moe::gemv(k, s, mw.act, 1, mw.topk, pairs, sd, down, mw.rows_out)?;
             }
-            Experts::Int4 { gate_up, down } if gemv => {
-                moe_w4::gemv(k, s, ws.mlp_in, h, top_k, mw.topk, pairs, gate_up, mw.gate_up)?;
+            (Experts::Int4 { gate_up, down }, sh_w) if gemv => {
+                let (sg, sd) = match sh_w {
+                    Some(SharedExpert::Int4 { gate_up, down }) => (
+                        Some(SharedPairs { w: gate_up, tokens: t, x_row: 0 }),
+                        Some(SharedPairs { w: down, tokens: t, x_row: pairs }),
+                    ),
+                    Some(SharedExpert::Bf16 { .. }) => return Err(shared_mismatch()),
+                    None => (None, None),
+                };
+                moe_w4::gemv(k, s, ws.mlp_in, h, top_k, mw.topk, pairs, sg, gate_up, mw.gate_up)?;
                 swiglu()?;
-                moe_w4::gemv(k, s, mw.act, i, 1, mw.topk, pairs, down, mw.rows_out)?;
+                moe_w4::gemv(k, s, mw.act, i, 1, mw.topk, pairs, sd, down, mw.rows_out)?;
             }
-            Experts::Bf16 { gate_up, down } => {
+            (_, Some(_)) => return Err(CudaError::Plan("the shared expert runs with per-pair GEMVs only".into())),
+            (Experts::Bf16 { gate_up, down }, None) => {
                 moe::offsets(k, s, mw.topk, pairs, e, moe::TILE_ROWS, mw.offsets, mw.rows)?;
                 moe::permute(k, s, ws.mlp_in, mw.rows, t, top_k, h, mw.rows_in)?;
                 moe::gemm(k, s, mw.rows_in, mw.offsets, e, pairs, gate_up, mw.gate_up)?;
                 swiglu()?;
                 moe::gemm(k, s, mw.act, mw.offsets, e, pairs, down, mw.rows_out)?;
             }
-            Experts::Int4 { gate_up, down } => {
+            (Experts::Int4 { gate_up, down }, None) => {
                 moe::offsets(k, s, mw.topk, pairs, e, moe_w4::TILE_ROWS, mw.offsets, mw.rows)?;
                 moe::permute(k, s, ws.mlp_in, mw.rows, t, top_k, h, mw.rows_in)?;
                 moe_w4::gemm(k, s, mw.rows_in, mw.offsets, pairs, gate_up, mw.gate_up)?;
@@ -292,9 +365,31 @@ impl CudaBackend {
                 moe_w4::gemm(k, s, mw.act, mw.offsets, pairs, down, mw.rows_out)?;
             }
         }
-        let rows = (!gemv).then_some(mw.rows);
-        moe::unpermute(k, s, mw.rows_out, rows, mw.topk, t, top_k, mw.shared_gate, h, ws.mlp_out)?;
+        let rows_in_order = (!gemv).then_some(mw.rows);
+        let shared_out = shared.map(|_| mw.rows_out + b2(pairs * h));
+        moe::unpermute(k, s, mw.rows_out, rows_in_order, mw.topk, t, top_k, mw.shared_gate, shared_out, h, ws.mlp_out)?;
         self.tick("MoE experts")
+    }
+
+    /// The shared expert of a sparse layer (`gate_up`, `down`: the layer's dense MLP) as one more pair per
+    /// token of the routed experts' GEMVs in a step of `t` tokens, where that runs: the option on, a
+    /// decode-sized step, one GPU, room for the extra rows in the per-pair buffers, and a shared expert
+    /// stored as the experts are ([`shared_expert`]). None: the dense MLP computes it.
+    pub(super) fn shared_pairs(
+        &self,
+        ws: &Ws,
+        m: &MoeLayer,
+        gate_up: &[Part],
+        down: &[Part],
+        t: usize,
+    ) -> Option<SharedExpert> {
+        let mw = ws.moe.as_ref()?;
+        let usable =
+            self.opts.moe_shared_pairs && self.moe_gemv(t) && t * (m.top_k + 1) <= mw.pair_rows && self.tp.is_none();
+        if !usable {
+            return None;
+        }
+        shared_expert(m, gate_up, down, self.d.hidden)
     }
 
     /// Whether a step of `t` tokens runs the experts as per-pair GEMVs (the decode GEMV's token range,
@@ -319,6 +414,58 @@ mod tests {
         assert_eq!(expert_proj("model.layers.0.mlp.shared_expert.gate_proj.weight"), None);
         assert_eq!(expert_proj("model.layers.0.mlp.gate.weight"), None);
         assert_eq!(expert_proj("model.layers.0.mlp.experts.gate_up_proj"), None);
+    }
+
+    #[test]
+    fn the_shared_expert_joins_the_experts_pairs_when_stored_as_they_are() {
+        let m = |width: usize, shared: usize| MoeConfig {
+            num_experts: 8,
+            top_k: 2,
+            expert_intermediate: width,
+            shared_expert_intermediate: shared,
+            norm_topk_prob: true,
+            sparse_layers: vec![true],
+        };
+        let h = 256;
+        let bf = |w: u64, rows: usize| Part::Bf16 { w, rows };
+        // bf16: the experts' width, gate and up fused.
+        let layer = MoeLayer::new(&m(256, 256), h, 1, 2, 4096);
+        assert!(matches!(
+            shared_expert(&layer, &[bf(1 << 20, 512)], &[bf(2 << 20, h)], h),
+            Some(SharedExpert::Bf16 { gate_up: 0x10_0000, down: 0x20_0000 })
+        ));
+        assert!(shared_expert(&MoeLayer::new(&m(256, 512), h, 1, 2, 4096), &[bf(1, 1024)], &[bf(2, h)], h).is_none());
+        // int4: the experts' format; gate and up as two linears need halves of whole blocks (256 rows).
+        let w4 =
+            |at: u64, out: usize, inp: usize, asym: bool| W4Weights::at(at, out, inp, asym, false, ScaleDtype::F16);
+        let experts = |width: usize, asym: bool| {
+            let lay = W4ExpertLayout::new(width, h, asym, ScaleDtype::F16);
+            let (g, d) = lay.expert(1 << 30, 0);
+            let experts = Experts::Int4 {
+                gate_up: W4Experts { first: g, stride: lay.stride as u64, count: 8 },
+                down: W4Experts { first: d, stride: lay.stride as u64, count: 8 },
+            };
+            MoeLayer::with(&m(width, width), 1, 2, experts)
+        };
+        let (gate, up, down) = (
+            Part::W4(w4(1 << 20, 256, h, false)),
+            Part::W4(w4(2 << 20, 256, h, false)),
+            Part::W4(w4(3 << 20, h, 256, false)),
+        );
+        assert!(matches!(
+            shared_expert(&experts(256, false), &[gate, up], &[down], h),
+            Some(SharedExpert::Int4 { .. })
+        ));
+        assert!(shared_expert(&experts(256, true), &[gate, up], &[down], h).is_none(), "zero points differ");
+        let stacked = Part::W4(w4(1 << 20, 512, h, false));
+        assert!(shared_expert(&experts(256, false), &[stacked], &[down], h).is_some());
+        let (g128, u128_, d128) = (
+            Part::W4(w4(1 << 20, 128, h, false)),
+            Part::W4(w4(2 << 20, 128, h, false)),
+            Part::W4(w4(3 << 20, h, 128, false)),
+        );
+        assert!(shared_expert(&experts(128, false), &[g128, u128_], &[d128], h).is_none(), "halves of 128 rows");
+        assert!(shared_expert(&experts(256, false), &[bf(1, 512)], &[down], h).is_none(), "bf16 beside int4 experts");
     }
 
     #[test]

@@ -187,8 +187,22 @@ pub fn gemm(
     launch!(k, s, NAME, grid, (128, 1, 1), 0; x, offsets, e, wb, ws, n, kd, y)
 }
 
+/// The shared expert run with a per-pair GEMV launch, as one more pair per token after the routed pairs:
+/// its projection `w` (the shape of an expert's: bf16 `[n, kdim]` at an address, or an int4 linear),
+/// the step's `tokens`, and `x_row`, the x row of its first pair (0 where the launch reads the tokens'
+/// rows, the gate/up projection; the routed pairs' count where it reads the pairs' rows, the down
+/// projection over the SwiGLU rows, the shared pairs' after the routed). Its outputs follow the routed
+/// pairs' rows of `y`.
+#[derive(Clone, Copy, Debug)]
+pub struct SharedPairs<W> {
+    pub w: W,
+    pub tokens: usize,
+    pub x_row: usize,
+}
+
 /// Per-pair GEMV (decode): `y[p, :n] = x[p / x_div, :kdim] · W_eᵀ` with e the expert of pair p in
-/// `topk`, for `pairs` pairs; reads only the selected experts' weights.
+/// `topk`, for `pairs` pairs; reads only the selected experts' weights; then the `shared` expert's
+/// pairs, if given.
 #[allow(clippy::too_many_arguments)]
 pub fn gemv(
     k: &Kernels,
@@ -197,24 +211,32 @@ pub fn gemv(
     x_div: usize,
     topk: u64,
     pairs: usize,
+    shared: Option<SharedPairs<u64>>,
     w: &ExpertWeights,
     y: u64,
 ) -> Result<(), CudaError> {
     const NAME: &str = "moe_gemv";
     let (ws, n, kd) = w.check(NAME, x, y)?;
-    if pairs == 0 || w.n == 0 {
+    let (sh_w, sh_t, sh_x) = shared.map_or((0, 0, 0), |p| (p.w, p.tokens, p.x_row));
+    if shared.is_some() {
+        check_vec8(NAME, &[w.kdim], &[sh_w])?;
+    }
+    let all = pairs + sh_t;
+    if all == 0 || w.n == 0 {
         return Ok(());
     }
-    if pairs > 65535 || x_div == 0 {
-        return Err(invalid(NAME, format!("{pairs} pairs (at most 65535), x_div {x_div} (> 0)")));
+    if all > 65535 || x_div == 0 {
+        return Err(invalid(NAME, format!("{all} pairs (at most 65535), x_div {x_div} (> 0)")));
     }
-    let grid = (to_u32(NAME, "row blocks", w.n.div_ceil(GEMV_ROWS))?, pairs as u32, 1);
+    let grid = (to_u32(NAME, "row blocks", w.n.div_ceil(GEMV_ROWS))?, all as u32, 1);
     let (xd, wb) = (to_i32(NAME, "x_div", x_div)?, w.base);
-    launch_pdl!(k, s, NAME, grid, (128, 1, 1), 0; x, xd, topk, wb, ws, n, kd, y)
+    let (p, sx) = (to_i32(NAME, "pairs", pairs)?, to_i32(NAME, "shared x row", sh_x)?);
+    launch_pdl!(k, s, NAME, grid, (128, 1, 1), 0; x, xd, topk, p, sx, wb, ws, sh_w, n, kd, y)
 }
 
-/// `out[t] = Σ_k w_k · ys[row(t, k)] + shared_gate[t] · out[t]` (bf16 `[t, hidden]`; `out` holds the
-/// shared expert's output): `rows` from [`offsets`], or None when `ys` is in pair order ([`gemv`]).
+/// `out[t] = Σ_k w_k · ys[row(t, k)] + shared_gate[t] · S[t]` (bf16 `[t, hidden]`), S the shared
+/// expert's output: `shared` `[t, hidden]` when given (the shared pairs' rows of a per-pair GEMV), else
+/// `out` itself; `rows` from [`offsets`], or None when `ys` is in pair order ([`gemv`]).
 #[allow(clippy::too_many_arguments)]
 pub fn unpermute(
     k: &Kernels,
@@ -225,6 +247,7 @@ pub fn unpermute(
     t: usize,
     top_k: usize,
     shared_gate: u64,
+    shared: Option<u64>,
     hidden: usize,
     out: u64,
 ) -> Result<(), CudaError> {
@@ -233,7 +256,8 @@ pub fn unpermute(
         return Ok(());
     }
     let (kk, h, rows) = (to_i32(NAME, "top_k", top_k)?, to_i32(NAME, "H", hidden)?, rows.unwrap_or(0));
-    launch_pdl!(k, s, NAME, (to_u32(NAME, "t", t)?, 1, 1), (256, 1, 1), 0; ys, rows, topk, kk, shared_gate, h, out)
+    let sh = shared.unwrap_or(0);
+    launch_pdl!(k, s, NAME, (to_u32(NAME, "t", t)?, 1, 1), (256, 1, 1), 0; ys, rows, topk, kk, shared_gate, sh, h, out)
 }
 
 #[cfg(test)]

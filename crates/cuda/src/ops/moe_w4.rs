@@ -6,7 +6,7 @@
 
 use cudarc::driver::CudaStream;
 
-use super::moe::{MAX_EXPERTS, tile_grid_rows};
+use super::moe::{MAX_EXPERTS, SharedPairs, tile_grid_rows};
 use super::w4a16::{BLOCK_THREADS, PAIR_SMEM_BYTES, W4Weights};
 use super::{Kernels, invalid, launch, launch_pdl, to_i32, to_u32};
 use crate::error::CudaError;
@@ -86,8 +86,75 @@ pub fn gemv_wpt(pairs: usize, out: usize, inp: usize, slots: usize) -> usize {
     last
 }
 
+/// The shared expert's projection for a GEMV launch with the routed experts ([`SharedPairs`]): one int4
+/// linear of the experts' shape and format, or (gate/up) two stacked, `top`'s rows then `bottom`'s, each
+/// half the experts' rows.
+#[derive(Clone, Copy, Debug)]
+pub struct W4Shared {
+    pub top: W4Weights,
+    pub bottom: Option<W4Weights>,
+}
+
+/// The kernel's `MoeW4Shared`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct SharedArg {
+    qw: [u64; 2],
+    sc: [u64; 2],
+    z: [u64; 2],
+    shb: i32,
+    pad: i32,
+}
+
+// SAFETY: plain old data laid out as the kernel's struct (repr(C), 8-byte device pointers, then two i32).
+unsafe impl cudarc::driver::DeviceRepr for SharedArg {}
+
+impl W4Shared {
+    /// Whether it runs with experts `f` in launches of `wpt` warps per pair (for every `wpt`: [`Self::fits`]).
+    fn arg(&self, name: &'static str, f: &W4Weights, wpt: usize) -> Result<SharedArg, CudaError> {
+        if !self.fits(f) {
+            return Err(invalid(name, "the shared expert's linears are not the experts' shape and format"));
+        }
+        let parts = [Some(self.top), self.bottom];
+        let mut a = SharedArg::default();
+        for (i, w) in parts.iter().enumerate() {
+            let Some(w) = w else { continue };
+            w.check(name)?;
+            (a.qw[i], a.sc[i], a.z[i]) = (w.qweight, w.scales, w.zeros.unwrap_or(0));
+        }
+        if self.bottom.is_some() {
+            a.shb = to_i32(name, "shared blocks", self.top.out.div_ceil(32).div_ceil(GEMV_WARPS / wpt))?;
+        }
+        Ok(a)
+    }
+
+    /// Whether these linears run as one more pair of `f`'s GEMV launches: the experts' input width and
+    /// format (zero points, scale dtype, no act-order); one linear of `f`'s rows, or two of half of them
+    /// each a whole number of blocks at any warps per pair (a multiple of 256 rows).
+    pub fn fits(&self, f: &W4Weights) -> bool {
+        let fmt = |w: &W4Weights| {
+            w.inp == f.inp
+                && w.zeros.is_some() == f.zeros.is_some()
+                && w.scale_dtype == f.scale_dtype
+                && w.perm.is_none()
+        };
+        match self.bottom {
+            None => fmt(&self.top) && self.top.out == f.out,
+            Some(b) => {
+                let half = f.out / 2;
+                fmt(&self.top)
+                    && fmt(&b)
+                    && self.top.out == half
+                    && b.out == half
+                    && half.is_multiple_of(32 * GEMV_WARPS)
+            }
+        }
+    }
+}
+
 /// Per-pair GEMV (decode): `y[p, :out] = x[p / x_div, :in] · W_eᵀ` (bf16, rows of `ldx`) with e the
-/// expert of pair p in `topk` (`moe_route`'s `(expert, weight)` pairs), for `pairs` pairs.
+/// expert of pair p in `topk` (`moe_route`'s `(expert, weight)` pairs), for `pairs` pairs; then the
+/// `shared` expert's pairs, if given.
 #[allow(clippy::too_many_arguments)]
 pub fn gemv(
     k: &Kernels,
@@ -97,6 +164,7 @@ pub fn gemv(
     x_div: usize,
     topk: u64,
     pairs: usize,
+    shared: Option<SharedPairs<W4Shared>>,
     w: &W4Experts,
     y: u64,
 ) -> Result<(), CudaError> {
@@ -108,20 +176,27 @@ pub fn gemv(
         (true, ScaleDtype::Bf16) => "moe_w4p_ab",
     };
     w.check(name, x, y)?;
-    if pairs == 0 {
+    let (sh_t, sh_x) = shared.as_ref().map_or((0, 0), |p| (p.tokens, p.x_row));
+    let all = pairs + sh_t;
+    if all == 0 {
         return Ok(());
     }
-    if pairs > 65535 || x_div == 0 || ldx < f.inp || !ldx.is_multiple_of(8) {
-        return Err(invalid(name, format!("{pairs} pairs (at most 65535), x_div {x_div} (> 0), ldx {ldx}")));
+    if all > 65535 || x_div == 0 || ldx < f.inp || !ldx.is_multiple_of(8) {
+        return Err(invalid(name, format!("{all} pairs (at most 65535), x_div {x_div} (> 0), ldx {ldx}")));
     }
-    let wpt = gemv_wpt(pairs, f.out, f.inp, k.w4_slots);
+    let wpt = gemv_wpt(all, f.out, f.inp, k.w4_slots);
+    let shw = match &shared {
+        Some(p) => p.w.arg(name, f, wpt)?,
+        None => SharedArg::default(),
+    };
     let blocks = f.out.div_ceil(32).div_ceil(GEMV_WARPS / wpt);
-    let grid = (to_u32(name, "blocks", blocks)?, pairs as u32, 1);
+    let grid = (to_u32(name, "blocks", blocks)?, all as u32, 1);
     let (ldx, xd, e) = (ldx as i64, to_i32(name, "x_div", x_div)?, to_i32(name, "E", w.count)?);
+    let (p, sx) = (to_i32(name, "pairs", pairs)?, to_i32(name, "shared x row", sh_x)?);
     let (qw, sc, z, es) = (f.qweight, f.scales, f.zeros.unwrap_or(0), w.stride_i64(name)?);
     let (out, inp, wpt) = (to_i32(name, "out", f.out)?, to_i32(name, "in", f.inp)?, wpt as i32);
     launch_pdl!(k, s, name, grid, (BLOCK_THREADS, 1, 1), PAIR_SMEM_BYTES as u32;
-        x, ldx, xd, topk, e, qw, sc, z, es, y, out, inp, wpt)
+        x, ldx, xd, topk, e, p, sx, qw, sc, z, es, shw, y, out, inp, wpt)
 }
 
 /// Grouped GEMM: `y[r, :out] = x[r, :in] · W_eᵀ` for the grouped rows r of every expert e (`offsets`

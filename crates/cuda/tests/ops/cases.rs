@@ -556,6 +556,8 @@ pub(crate) fn moe_cases() -> Vec<Case> {
         c("moe", q, m(300, 64, 8, 256, 136, true, Spread), ACCUM),
         c("moe", q, m(300, 6, 3, 64, 32, false, OneHot), ACCUM),
         c("moe", q, m(65, 8, 2, 64, 32, true, Few), ACCUM),
+        // Expert width 256: the shared expert's gate and up as two int4 linears, each half whole GEMV blocks.
+        c("moe", q, m(2, 16, 4, 256, 256, true, Spread), ACCUM),
         // The 35B-A3B's expert shape (width 512 over 2048, top 8; 64 of its 256 experts, what the test
         // arena holds) and Qwen3-Next's 512 experts, top 10. At K = 2048 the grouped GEMM's f32 sums
         // round the bf16 intermediates one step off the reference's now and then, and the down

@@ -4,12 +4,13 @@
 //! with the GPU's bf16 roundings (after gate/up, SwiGLU and down), under routings where every token
 //! picks at random, where one expert gets every token, and where most experts get none; at widths the
 //! int4 format takes, the same with int4 experts (symmetric with fp16 scales, zero points with bf16
-//! scales) against their host dequantisation.
+//! scales) against their host dequantisation; and the per-pair path with the shared expert run as one more
+//! pair per token (bf16, and int4 with its gate/up stacked or as two linears).
 
 use deltaserve_cpu as cpu;
 use deltaserve_cuda::ops::elementwise;
-use deltaserve_cuda::ops::moe::{self, ExpertWeights};
-use deltaserve_cuda::ops::moe_w4::{self, W4Experts};
+use deltaserve_cuda::ops::moe::{self, ExpertWeights, SharedPairs};
+use deltaserve_cuda::ops::moe_w4::{self, W4Experts, W4Shared};
 use deltaserve_cuda::ops::w4a16::W4Weights;
 use deltaserve_cuda::w4::{ScaleDtype, W4Bytes, W4Linear};
 use half::bf16;
@@ -59,12 +60,9 @@ fn reference(
     for (r, route) in routes.iter().enumerate() {
         let xr = &x[r * h..(r + 1) * h];
         for &(e, p) in route {
-            let blk = &w[e * 3 * i * h..(e + 1) * 3 * i * h];
-            let gu: Vec<f32> = cpu::linear::linear(xr, 1, &blk[..2 * i * h], 2 * i, h).into_iter().map(rb).collect();
-            let act: Vec<f32> = (0..i).map(|c| rb(cpu::activation::silu(gu[c]) * gu[i + c])).collect();
-            let y = cpu::linear::linear(&act, 1, &blk[2 * i * h..], h, i);
+            let y = expert_mlp(xr, &w[e * 3 * i * h..(e + 1) * 3 * i * h], h, i);
             for (o, v) in out[r * h..(r + 1) * h].iter_mut().zip(y) {
-                *o += p * rb(v);
+                *o += p * v;
             }
         }
         for c in 0..h {
@@ -72,6 +70,19 @@ fn reference(
         }
     }
     out
+}
+
+/// One expert's SwiGLU MLP over the row `xr` (`blk`: its gate, up and down, `[2i, h]` then `[h, i]`),
+/// rounded to bf16 where the GPU stores (after gate/up, SwiGLU and down).
+fn expert_mlp(xr: &[f32], blk: &[f32], h: usize, i: usize) -> Vec<f32> {
+    let gu: Vec<f32> = cpu::linear::linear(xr, 1, &blk[..2 * i * h], 2 * i, h).into_iter().map(rb).collect();
+    let act: Vec<f32> = (0..i).map(|c| rb(cpu::activation::silu(gu[c]) * gu[i + c])).collect();
+    cpu::linear::linear(&act, 1, &blk[2 * i * h..], h, i).into_iter().map(rb).collect()
+}
+
+/// The shared expert of weights `blk` (an expert's layout) over every row of `x`, as the GPU stores it.
+fn shared_mlp(x: &[f32], t: usize, h: usize, i: usize, blk: &[f32]) -> Vec<f32> {
+    (0..t).flat_map(|r| expert_mlp(&x[r * h..(r + 1) * h], blk, h, i)).collect()
 }
 
 /// [`Op::Moe`]: routing, grouping, and both expert paths against the CPU.
@@ -135,12 +146,26 @@ pub fn moe_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
             if grouped {
                 moe::gemm(k, s, x, offs, ne, pairs, w, y)
             } else {
-                moe::gemv(k, s, x, x_div, topk, pairs, w, y)
+                moe::gemv(k, s, x, x_div, topk, pairs, None, w, y)
             }
         })?;
         let what = if grouped { "grouped GEMM out" } else { "per-pair GEMV out" };
         v.push(compare(what, &want, &out, tol));
     }
+    // The shared expert as one more pair per token of the per-pair GEMVs (its own weights, an expert's
+    // shape): the output onto poison (the un-permute must not read it).
+    let wsh = randv(rng, 3 * i * h, 0.08);
+    let want = reference(&x, t, h, i, &w, &routes, &gate, &shared_mlp(&x, t, h, i, &wsh));
+    let shp = d.bf16(&wsh)?;
+    let out = path.run_shared(e, d, &|down, x, y| {
+        let (w, x_div, sh) = if down {
+            (&dn, 1, SharedPairs { w: shp + (2 * 2 * i * h) as u64, tokens: t, x_row: pairs })
+        } else {
+            (&gu, top_k, SharedPairs { w: shp, tokens: t, x_row: 0 })
+        };
+        moe::gemv(k, s, x, x_div, topk, pairs, Some(sh), w, y)
+    })?;
+    v.push(compare("per-pair GEMV with the shared expert's pairs out", &want, &out, tol));
     if h.is_multiple_of(128) && i.is_multiple_of(128) {
         let offs32 = d.poison(moe::offsets_bytes(ne))?;
         moe::offsets(k, s, topk, pairs, ne, moe_w4::TILE_ROWS, offs32, rows)?;
@@ -157,12 +182,33 @@ pub fn moe_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
                     if grouped {
                         moe_w4::gemm(k, s, x, offs32, pairs, w, y)
                     } else {
-                        moe_w4::gemv(k, s, x, ldx, x_div, topk, pairs, w, y)
+                        moe_w4::gemv(k, s, x, ldx, x_div, topk, pairs, None, w, y)
                     }
                 })?;
                 let fmt = if asym { "zero points, bf16 scales" } else { "symmetric, fp16 scales" };
                 let what = if grouped { "grouped GEMM" } else { "per-pair GEMV" };
                 v.push(compare(&format!("int4 ({fmt}) {what} out"), &want, &out, tol));
+            }
+            // The shared expert's pairs: its gate/up as one stacked linear, and (where each half is whole
+            // GEMV blocks) as the separate gate and up linears the backend loads.
+            let (wsq, sgu, sgate, sup, sdn) = w4_shared(d, &wsh, h, i, asym)?;
+            let want = reference(&x, t, h, i, &wq, &routes, &gate, &shared_mlp(&x, t, h, i, &wsq));
+            let split = W4Shared { top: sgate, bottom: Some(sup) };
+            let stacked = W4Shared { top: sgu, bottom: None };
+            for (what, g) in [("stacked", stacked), ("gate and up", split)] {
+                if !g.fits(&gu.first) {
+                    continue;
+                }
+                let out = path.run_shared(e, d, &|down, x, y| {
+                    let (w, x_div, ldx, sh) = if down {
+                        (&dn, 1, i, SharedPairs { w: W4Shared { top: sdn, bottom: None }, tokens: t, x_row: pairs })
+                    } else {
+                        (&gu, top_k, h, SharedPairs { w: g, tokens: t, x_row: 0 })
+                    };
+                    moe_w4::gemv(k, s, x, ldx, x_div, topk, pairs, Some(sh), w, y)
+                })?;
+                let fmt = if asym { "zero points" } else { "symmetric" };
+                v.push(compare(&format!("int4 ({fmt}) with the shared expert's pairs ({what}) out"), &want, &out, tol));
             }
         }
     }
@@ -202,9 +248,70 @@ impl Path<'_> {
         proj(false, x, g)?;
         elementwise::swiglu(k, s, g, 2 * i, g + (2 * i) as u64, 2 * i, a, pairs, i)?;
         proj(true, a, y)?;
-        moe::unpermute(k, s, y, grouped.then_some(rows), topk, t, top_k, sg, h, out)?;
+        moe::unpermute(k, s, y, grouped.then_some(rows), topk, t, top_k, sg, None, h, out)?;
         d.get_bf16(out, t * h)
     }
+}
+
+impl Path<'_> {
+    /// The per-pair path with the shared expert's pairs after the routed ones (`proj(down, x, y)` launches
+    /// both): its output from the shared pairs' rows, onto poison.
+    fn run_shared(&self, e: Env, d: &mut Dev, proj: &dyn Fn(bool, u64, u64) -> R<()>) -> R<Vec<f32>> {
+        let Env { k, s, .. } = e;
+        let Path { xp, topk, sg, t, top_k, h, i, .. } = *self;
+        let (pairs, rows) = (t * top_k, t * top_k + t);
+        let (g, a, y) = (d.poison(4 * rows * i)?, d.poison(2 * rows * i)?, d.poison(2 * rows * h)?);
+        let out = d.poison(2 * t * h)?;
+        proj(false, xp, g)?;
+        elementwise::swiglu(k, s, g, 2 * i, g + (2 * i) as u64, 2 * i, a, rows, i)?;
+        proj(true, a, y)?;
+        let shared_rows = y + (2 * pairs * h) as u64;
+        moe::unpermute(k, s, y, None, topk, t, top_k, sg, Some(shared_rows), h, out)?;
+        d.get_bf16(out, t * h)
+    }
+}
+
+/// The shared expert `w` (an expert's layout) quantised to int4 as the experts of [`w4_experts`] are:
+/// its dequantised weights (per row: the same whether gate and up are one linear or two), its gate/up as
+/// one stacked linear, its gate and up as two, and its down.
+fn w4_shared(
+    d: &mut Dev,
+    w: &[f32],
+    h: usize,
+    i: usize,
+    asym: bool,
+) -> R<(Vec<f32>, W4Weights, W4Weights, W4Weights, W4Weights)> {
+    let (deq, gu, dn) = w4_experts(d, w, 1, h, i, asym)?;
+    let (gate, _) = place_w4(d, &w[..i * h], i, h, asym)?;
+    let (up, _) = place_w4(d, &w[i * h..2 * i * h], i, h, asym)?;
+    Ok((deq, gu.first, gate, up, dn.first))
+}
+
+/// `[out, inp]` weights quantised to int4 (`asym`: zero points and bf16 scales, else symmetric with fp16
+/// scales) and uploaded into a fresh allocation as the backend places one linear: the linear and its
+/// dequantised values.
+fn place_w4(d: &mut Dev, w: &[f32], out: usize, inp: usize, asym: bool) -> R<(W4Weights, Vec<f32>)> {
+    let base = d.alloc(W4Bytes::new(out, inp, asym, false).aligned())?;
+    place_w4_at(d, w, out, inp, asym, base)
+}
+
+/// [`place_w4`] at `base` (256-byte aligned, room for the linear).
+fn place_w4_at(d: &mut Dev, w: &[f32], out: usize, inp: usize, asym: bool, base: u64) -> R<(W4Weights, Vec<f32>)> {
+    let l = W4Linear::quantize(w, out, inp, asym)?;
+    let l = if asym {
+        let scales = l.scales.iter().map(|&b| bf16::from_f32(half::f16::from_bits(b).to_f32()).to_bits()).collect();
+        W4Linear { scales, scale_dtype: ScaleDtype::Bf16, ..l }
+    } else {
+        l
+    };
+    let sd = if asym { ScaleDtype::Bf16 } else { ScaleDtype::F16 };
+    let p = W4Weights::at(base, out, inp, asym, false, sd);
+    d.rt.upload(p.qweight, &l.qweight)?;
+    d.rt.upload(p.scales, &l.scales)?;
+    if let (Some(zp), Some(z)) = (p.zeros, &l.zeros) {
+        d.rt.upload(zp, z)?;
+    }
+    Ok((p, l.dequantize()))
 }
 
 /// The experts of `w` (the bf16 block's layout) quantised to int4 and placed as the backend places
@@ -223,30 +330,15 @@ fn w4_experts(
     let (gu_bytes, dn_bytes) = (al(W4Bytes::new(2 * i, h, asym, false)), al(W4Bytes::new(h, i, asym, false)));
     let stride = gu_bytes + dn_bytes;
     let base = d.alloc(ne * stride)?;
-    let sd = if asym { ScaleDtype::Bf16 } else { ScaleDtype::F16 };
     let mut deq = Vec::with_capacity(w.len());
-    let mut place = |l: W4Linear, at: u64| -> R<W4Weights> {
-        let l = if asym {
-            let scales = l.scales.iter().map(|&b| bf16::from_f32(half::f16::from_bits(b).to_f32()).to_bits()).collect();
-            W4Linear { scales, scale_dtype: ScaleDtype::Bf16, ..l }
-        } else {
-            l
-        };
-        let p = W4Weights::at(at, l.out_features, l.in_features, asym, false, sd);
-        d.rt.upload(p.qweight, &l.qweight)?;
-        d.rt.upload(p.scales, &l.scales)?;
-        if let (Some(zp), Some(z)) = (p.zeros, &l.zeros) {
-            d.rt.upload(zp, z)?;
-        }
-        deq.extend(l.dequantize());
-        Ok(p)
-    };
     let mut first = None;
     for e in 0..ne {
         let blk = &w[e * 3 * i * h..(e + 1) * 3 * i * h];
         let at = base + (e * stride) as u64;
-        let g = place(W4Linear::quantize(&blk[..2 * i * h], 2 * i, h, asym)?, at)?;
-        let dn = place(W4Linear::quantize(&blk[2 * i * h..], h, i, asym)?, at + gu_bytes as u64)?;
+        let (g, gq) = place_w4_at(d, &blk[..2 * i * h], 2 * i, h, asym, at)?;
+        let (dn, dq) = place_w4_at(d, &blk[2 * i * h..], h, i, asym, at + gu_bytes as u64)?;
+        deq.extend(gq);
+        deq.extend(dq);
         first.get_or_insert((g, dn));
     }
     let (g, dn) = first.expect("at least one expert");
