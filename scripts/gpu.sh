@@ -69,6 +69,8 @@
 #                without and with MTP (K = 3), the full-context probe
 #   moe-shared   the MoE shared expert run with the routed experts' decode GEMVs: its ops cases and tests
 #                (and block-FP8 MoE checkpoints), then 35B-A3B decode b1/8/32 with it off and on, 2 rounds
+#   fp8-mma      the mma.sync FP8 GEMM (sm_89+) of prefill projections: its ops cases, the FP8 checkpoint's
+#                backend test, then 27B FP8 prefill 512/4K/16K with it off (cuBLASLt) and on
 #   tp           on 2 GPUs: NCCL and TP=2 tests, `bench` at TP=2 and TP=1 (chart: tp.svg), the TP=2 probe
 #                with int4 weights at 24 GiB per card
 #   profile      Nsight Compute (ncu): decode step kernels' durations (bf16, int4), the DeltaNet chunk
@@ -348,6 +350,20 @@ step_moe-shared() {
             DELTASERVE_MOE_SHARED_PAIRS=$on ds "moe-shared-$on-$r" 300 bench $q --prompts 512 --contexts 1024 \
                 --steps 32 --batches 1,8,32 --verify-tokens 0 --short-chunks 0
         done
+    done
+}
+
+# The mma.sync FP8 GEMM of prefill projections (DELTASERVE_FP8_MMA): the ops fp8_gemm cases (against the CPU
+# and cuBLASLt's), the backend's FP8 checkpoint test (every prefill path), then the 27B FP8 prefill off and on.
+step_fp8-mma() {
+    DS_OPS_FILTER=fp8_gemm test_run ops-fp8-gemm 200 "FAIL|test result|panicked|mma|cuBLASLt" ops \
+        ops_match_cpu_reference --nocapture --test-threads=1
+    test_run backend-fp8 200 "$TESTS_PAT|median" backend fp8_checkpoint --nocapture --test-threads=1
+    local on
+    for on in 0 1; do
+        # shellcheck disable=SC2086 # word lists of arguments
+        DELTASERVE_FP8_MMA=$on ds "fp8-mma-$on" 300 bench --device cuda --preset qwen3.6-27b --random-weights \
+            --weights-dtype fp8 --prompts 512,4096,16384 --contexts 1024 --batches 1 --verify-tokens 0 --short-chunks 0
     done
 }
 

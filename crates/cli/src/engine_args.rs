@@ -323,7 +323,8 @@ fn parse_fraction(s: &str) -> Result<f64, String> {
 /// steps run the residual add + RMSNorm as its own kernel instead of folded into the int4 projections;
 /// `DELTASERVE_W4_GEMM=0`: int4 projections of more rows than the decode GEMV's dequantise for cuBLASLt;
 /// `DELTASERVE_SNAPSHOTS_IN_STEP=1`: snapshots inside a step's chunks; `DELTASERVE_MOE_SHARED_PAIRS=1`: a sparse
-/// layer's shared expert runs with the routed experts' decode GEMVs.
+/// layer's shared expert runs with the routed experts' decode GEMVs; `DELTASERVE_FP8_MMA=1`: block-FP8 prefill
+/// projections run the mma.sync FP8 GEMM.
 pub fn cuda_options(cuda_graphs: bool) -> CudaOptions {
     let sw = deltaserve_cuda::Switches::get();
     let w4_gemm_max_rows = if sw.w4_gemm { CudaOptions::default().w4_gemm_max_rows } else { 0 };
@@ -339,6 +340,7 @@ pub fn cuda_options(cuda_graphs: bool) -> CudaOptions {
         short_chunk_decode_attention_from,
         snapshots_in_step: sw.snapshots_in_step,
         moe_shared_pairs: sw.moe_shared_pairs,
+        fp8_mma_gemm: sw.fp8_mma_gemm,
         ..CudaOptions::default()
     }
 }

@@ -191,6 +191,11 @@ pub struct CudaOptions {
     /// GPU): the shared expert runs as the layer's dense MLP first. `DELTASERVE_MOE_SHARED_PAIRS=1` turns
     /// it on for the server and the benchmarks.
     pub moe_shared_pairs: bool,
+    /// Block-FP8 projections of prefill steps (with [`CudaOptions::fp8_tensor_cores`]) run our FP8 GEMM on
+    /// mma.sync (`kernels/fp8_gemm.cu`, sm_89 and later) instead of cuBLASLt's block-scaled GEMM (Hopper) or
+    /// dequantised row slices (Ada, where cuBLASLt has none). Off (the default until it is checked and
+    /// measured on a GPU). `DELTASERVE_FP8_MMA=1` turns it on for the server and the benchmarks.
+    pub fp8_mma_gemm: bool,
 }
 
 impl Default for CudaOptions {
@@ -208,6 +213,7 @@ impl Default for CudaOptions {
             fp8_tensor_cores: true,
             snapshots_in_step: false,
             moe_shared_pairs: false,
+            fp8_mma_gemm: false,
         }
     }
 }

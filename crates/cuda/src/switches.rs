@@ -60,6 +60,9 @@ pub struct Switches {
     /// `DELTASERVE_MOE_SHARED_PAIRS=1`: a sparse layer's shared expert runs with the routed experts'
     /// decode GEMVs (`CudaOptions::moe_shared_pairs`); unset or anything else: as the layer's dense MLP.
     pub moe_shared_pairs: bool,
+    /// `DELTASERVE_FP8_MMA=1`: block-FP8 prefill projections run the mma.sync FP8 GEMM
+    /// (`CudaOptions::fp8_mma_gemm`); unset or anything else: cuBLASLt's (Hopper) or dequantised rows.
+    pub fp8_mma_gemm: bool,
 }
 
 impl Switches {
@@ -92,6 +95,7 @@ impl Switches {
             later_picks: var("DELTASERVE_LATER_PICKS").is_none_or(|v| v != "0"),
             snapshots_in_step: var("DELTASERVE_SNAPSHOTS_IN_STEP").is_some_and(|v| v == "1"),
             moe_shared_pairs: var("DELTASERVE_MOE_SHARED_PAIRS").is_some_and(|v| v == "1"),
+            fp8_mma_gemm: var("DELTASERVE_FP8_MMA").is_some_and(|v| v == "1"),
         }
     }
 
@@ -134,7 +138,7 @@ mod tests {
         let s = from(&[]);
         assert!(!s.any_set());
         assert!(s.fold_norms && s.w4_gemm && s.device_masks && !s.decode_attn_split && !s.attn_prefill_pair);
-        assert!(s.later_picks && !s.snapshots_in_step && !s.moe_shared_pairs);
+        assert!(s.later_picks && !s.snapshots_in_step && !s.moe_shared_pairs && !s.fp8_mma_gemm);
         assert!(s.pdl.is_none() && s.nvrtc_options.is_empty() && s.trace_cap.is_none());
     }
 
@@ -155,8 +159,9 @@ mod tests {
             ("DELTASERVE_LATER_PICKS", "0"),
             ("DELTASERVE_SNAPSHOTS_IN_STEP", "1"),
             ("DELTASERVE_MOE_SHARED_PAIRS", "1"),
+            ("DELTASERVE_FP8_MMA", "1"),
         ]);
-        assert!(!s.device_masks && !s.later_picks && s.snapshots_in_step && s.moe_shared_pairs);
+        assert!(!s.device_masks && !s.later_picks && s.snapshots_in_step && s.moe_shared_pairs && s.fp8_mma_gemm);
         assert!(s.any_set());
         assert_eq!(s.pdl.as_deref(), Some("0"));
         assert!(s.decode_attn_split && s.verify_attn_rows && s.attn_prefill_pair && !s.fold_norms && !s.w4_gemm);

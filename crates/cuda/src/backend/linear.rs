@@ -160,9 +160,10 @@ impl CudaBackend {
     }
 
     /// `y_s = x · W_sᵀ` for block-FP8 linears sharing `x [t, kdim]`: the FP8 GEMV (three linears a launch)
-    /// for steps of up to 16 tokens; longer ones through cuBLASLt's block-scaled FP8 GEMM where it runs
-    /// (Hopper; x quantised once per 128 features and token, the last `t % 4` tokens by the GEMV), else
-    /// row slices dequantised to bf16 and a bf16 GEMM per slice (and for f32 outputs).
+    /// for steps of up to 16 tokens; longer ones (x quantised once per 128 features and token) through our
+    /// mma.sync FP8 GEMM with [`crate::CudaOptions::fp8_mma_gemm`] (sm_89+), else cuBLASLt's block-scaled
+    /// FP8 GEMM where it runs (Hopper; the last `t % 4` tokens by the GEMV), else row slices dequantised to
+    /// bf16 and a bf16 GEMM per slice (and for f32 outputs).
     pub(super) fn fp8_proj(
         &self,
         s: &CudaStream,
@@ -178,9 +179,24 @@ impl CudaBackend {
             }
             return Ok(());
         }
+        let scratch = self.ws.fp8_x;
+        let mma = !f32_out
+            && self.opts.fp8_tensor_cores
+            && self.opts.fp8_mma_gemm
+            && fp8::gemm_mma_supported(&self.k)
+            && kdim.is_multiple_of(fp8::FP8_BLOCK)
+            && scratch.bytes >= fp8::act_scratch_bytes(t, kdim)
+            && outs.iter().all(|o| o.w.out.is_multiple_of(8) && o.ldy.is_multiple_of(2) && o.y.is_multiple_of(4));
+        if mma {
+            let xs = scratch.ptr + fp8::act_scales_offset(t, kdim) as u64;
+            fp8::act_quant(&self.k, s, x, t, kdim, scratch.ptr, xs)?;
+            for o in outs {
+                fp8::gemm_mma(&self.k, s, scratch.ptr, xs, t, o.w, o.y, o.ldy)?;
+            }
+            return Ok(());
+        }
         let t4 = t & !3;
         let xs_at = fp8::act_scales_offset(t4, kdim) as u64;
-        let scratch = self.ws.fp8_x;
         let tensor_cores = !f32_out
             && self.opts.fp8_tensor_cores
             && self.rt.cc.0 >= 9

@@ -97,8 +97,9 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource { module: "gemv", src: include_str!("../../kernels/gemv.cu"), functions: &["gemv_bf16"] },
     KernelSource {
         module: "fp8",
-        src: include_str!("../../kernels/fp8.cu"),
-        functions: &["gemv_fp8_n8", "gemv_fp8_n16", "fp8_act_quant", "fp8_dequant", "fp8_quantize"],
+        // The GEMV, quantisers and dequantiser, then the tensor-core GEMM.
+        src: concat!(include_str!("../../kernels/fp8.cu"), include_str!("../../kernels/fp8_gemm.cu")),
+        functions: &["gemv_fp8_n8", "gemv_fp8_n16", "fp8_act_quant", "fp8_dequant", "fp8_quantize", "gemm_fp8"],
     },
     KernelSource {
         module: "moe",

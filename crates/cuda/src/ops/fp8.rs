@@ -144,6 +144,57 @@ pub fn act_quant(k: &Kernels, s: &CudaStream, x: u64, t: usize, kdim: usize, q: 
     launch_pdl!(k, s, NAME, grid, (256, 1, 1), 0; x, tt, kk, q, xs)
 }
 
+/// Dynamic shared memory of `gemm_fp8`: 3 stages of a 128×128 activation tile, a 128×128 weight tile and
+/// 128 tokens' scales (97.5 KB: within the 99 KB an sm_86 / sm_89 block may opt in to).
+pub const GEMM_SMEM_BYTES: usize = 3 * (2 * 128 * 128 + 4 * 128);
+
+/// Whether `gemm_fp8` runs on GPUs of this kernel build (mma.sync e4m3: sm_89 and later).
+pub fn gemm_mma_supported(k: &Kernels) -> bool {
+    let cc: u32 =
+        k.arch.trim_start_matches("sm_").trim_end_matches(|c: char| c.is_ascii_alphabetic()).parse().unwrap_or(0);
+    cc >= 89
+}
+
+/// `y [t, w.out]` bf16 (row stride `ldy`) = x · Wᵀ on the FP8 tensor cores with mma.sync (sm_89+; Ada has
+/// no cuBLASLt block-scaled FP8 GEMM): `xq` `[t, w.inp]` e4m3 codes and `xs` `[w.inp/128, t]` scales from
+/// [`act_quant`]; each 128-k block's exact sums of products scaled by the token's and the weight block's
+/// scales, in f32.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_mma(
+    k: &Kernels,
+    s: &CudaStream,
+    xq: u64,
+    xs: u64,
+    t: usize,
+    w: &Fp8Weights,
+    y: u64,
+    ldy: usize,
+) -> Result<(), CudaError> {
+    const NAME: &str = "gemm_fp8";
+    if !gemm_mma_supported(k) {
+        return Err(invalid(NAME, format!("FP8 mma.sync needs sm_89 or later, not {}", k.arch)));
+    }
+    w.check(NAME)?;
+    if !w.inp.is_multiple_of(FP8_BLOCK) || !w.out.is_multiple_of(8) {
+        return Err(invalid(NAME, format!("[{}, {}]: out must be a multiple of 8 and in of 128", w.out, w.inp)));
+    }
+    if ldy < w.out || !ldy.is_multiple_of(2) || !y.is_multiple_of(4) || !xq.is_multiple_of(16) || !xs.is_multiple_of(4)
+    {
+        return Err(invalid(
+            NAME,
+            format!("y (row stride {ldy}) 4-byte aligned with an even stride, xq 16-byte aligned"),
+        ));
+    }
+    if t == 0 {
+        return Ok(());
+    }
+    let grid = (to_u32(NAME, "token tiles", t.div_ceil(128))?, to_u32(NAME, "row tiles", w.out.div_ceil(128))?, 1);
+    let (tt, kk, m, ld) =
+        (to_i32(NAME, "t", t)?, to_i32(NAME, "k", w.inp)?, to_i32(NAME, "m", w.out)?, to_i32(NAME, "ldy", ldy)?);
+    let (codes, scales) = (w.codes, w.scales);
+    launch!(k, s, NAME, grid, (256, 1, 1), GEMM_SMEM_BYTES as u32; xq, xs, tt, kk, codes, scales, m, y, ld)
+}
+
 /// Rows `r0..r1` of `w` dequantised to bf16 `[r1 - r0, in]` at `out` (`f2bf(e4m3(code) · scale)`).
 pub fn dequant(k: &Kernels, s: &CudaStream, w: &Fp8Weights, r0: usize, r1: usize, out: u64) -> Result<(), CudaError> {
     const NAME: &str = "fp8_dequant";

@@ -157,6 +157,7 @@ impl Kernels {
         .chain(std::iter::once(("init_smem", rt.max_smem_optin.max(0) as usize)))
         .chain(w4_gemm::KERNELS.iter().map(|&(n, tokens)| (n, w4_gemm::smem_bytes(tokens))))
         .chain(moe_w4::KERNELS.iter().map(|&n| (n, moe_w4::smem_bytes(n))))
+        .chain(std::iter::once(("gemm_fp8", fp8::GEMM_SMEM_BYTES)))
         {
             if bytes as i64 > rt.max_smem_optin as i64 {
                 return Err(CudaError::InvalidArgs {

@@ -47,7 +47,8 @@ fn fp8_quantized_at_load_matches_cpu() {
 
 /// A block-FP8 checkpoint written as the official ones are (`synth --fp8`: e4m3 codes, f32 128×128 block
 /// scales, `in_proj_a/b` and the MTP head's `fc` left bf16) keeps its codes on the GPU as stored and matches
-/// the CPU on the same checkpoint (which dequantises it exactly).
+/// the CPU on the same checkpoint (which dequantises it exactly): its prefill projections through cuBLASLt's
+/// FP8 GEMM (Hopper), dequantised rows, and our mma.sync FP8 GEMM.
 #[test]
 fn fp8_checkpoint_matches_cpu() {
     if !fp8_gpu() {
@@ -77,6 +78,17 @@ fn fp8_checkpoint_matches_cpu() {
     g.set_options(CudaOptions { fp8_tensor_cores: false, ..g.options() }).unwrap();
     let mut c = cpu(&dir, &cfg);
     failures.extend(compare_quantised("fp8 checkpoint (dequantised rows)", &mut g, &mut c, QUANT, QUANT));
+    // Our mma.sync FP8 GEMM for the prefill projections (sm_89+), activations quantised as for cuBLASLt's.
+    let mut g = cuda(&dir, &cfg, &plan);
+    g.set_options(CudaOptions { fp8_mma_gemm: true, ..g.options() }).unwrap();
+    let mut c = cpu(&dir, &cfg);
+    failures.extend(compare_quantised(
+        "fp8 checkpoint (mma.sync GEMM)",
+        &mut g,
+        &mut c,
+        FP8_TENSOR_CORES,
+        FP8_TENSOR_CORES,
+    ));
     assert!(failures.is_empty(), "{failures:#?}");
 }
 

@@ -1,5 +1,6 @@
 //! Block-FP8 weights (e4m3 codes, one f32 scale per 128×128 block): the decode GEMV, the activations'
-//! quantisation and cuBLASLt's block-scaled FP8 GEMM, dequantisation, and the quantiser, against the CPU
+//! quantisation, cuBLASLt's block-scaled FP8 GEMM and our mma.sync one, dequantisation, and the quantiser,
+//! against the CPU
 //! (`deltaserve_model::quant`'s encoder and quantiser, the CPU linear on dequantised weights).
 
 use deltaserve_cpu as cpu;
@@ -150,6 +151,19 @@ pub fn gemm(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
             ok: true,
             detail: format!("cuBLASLt block-scaled FP8: not on sm_{}{} (skipped)", rt.cc.0, rt.cc.1),
         });
+    }
+    // Our mma.sync FP8 GEMM (sm_89+) on the same codes and scales, into the same column slice.
+    if fp8::gemm_mma_supported(k) {
+        let y = d.poison(2 * n * ldy)?;
+        fp8::gemm_mma(k, s, scratch, xs, n, &w, y + 16, ldy)?;
+        let got = d.get_bf16(y, n * ldy)?;
+        let pad_ok = got.chunks(ldy).all(|row| row[..8].iter().chain(&row[8 + out..]).all(|v| v.is_nan()));
+        let got: Vec<f32> = got.chunks(ldy).flat_map(|row| row[8..8 + out].to_vec()).collect();
+        let r = cpu::linear::linear(&xdq, n, &l.w, out, kk);
+        v.push(compare(&format!("mma.sync FP8 y [{n}, {out}] (columns 8.. of {ldy})"), &r, &got, ACCUM));
+        v.push(Outcome { ok: pad_ok, detail: format!("mma.sync FP8: nothing written outside the slice: {pad_ok}") });
+    } else {
+        v.push(Outcome { ok: true, detail: format!("mma.sync FP8: not on sm_{}{} (skipped)", rt.cc.0, rt.cc.1) });
     }
     // Dequantised rows (a slice from an offset) bit for bit, then the bf16 GEMM on them.
     let (r0, r1) = (out / 3, out);
