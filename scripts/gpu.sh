@@ -353,8 +353,9 @@ step_moe-shared() {
     done
 }
 
-# The mma.sync FP8 GEMM of prefill projections (DELTASERVE_FP8_MMA): the ops fp8_gemm cases (against the CPU
-# and cuBLASLt's), the backend's FP8 checkpoint test (every prefill path), then the 27B FP8 prefill off and on.
+# The mma.sync FP8 GEMM of prefill projections (DELTASERVE_FP8_MMA; Ada's path, emulated on Hopper): the ops
+# fp8_gemm cases (against the CPU and cuBLASLt's), the backend's FP8 checkpoint test (every prefill path), then
+# the 27B FP8 prefill off and on (on Hopper the emulation's rate, not Ada's).
 step_fp8-mma() {
     DS_OPS_FILTER=fp8_gemm test_run ops-fp8-gemm 200 "FAIL|test result|panicked|mma|cuBLASLt" ops \
         ops_match_cpu_reference --nocapture --test-threads=1

@@ -1,6 +1,7 @@
-// fp8_gemm.cu — the block-FP8 GEMM of prefill chunks on the FP8 tensor cores with mma.sync (sm_89 and later:
-// Ada, where cuBLASLt has no block-scaled FP8 GEMM, and Hopper beside cuBLASLt's), in the fp8 module after
-// fp8.cu (its format and fp8_act_quant).
+// fp8_gemm.cu — the block-FP8 GEMM of prefill chunks on Ada's FP8 tensor cores with mma.sync (sm_89, where
+// cuBLASLt has no block-scaled FP8 GEMM), in the fp8 module after fp8.cu (its format and fp8_act_quant).
+// Hopper runs the same instruction emulated (its codes converted to fp16 for the fp16 tensor cores; the
+// FP8 rate is wgmma's): there it checks this kernel, and cuBLASLt's block-scaled GEMM stays the fast path.
 //
 // gemm_fp8: y [T, M] bf16 (row stride ldy) = x · Wᵀ with, per 128-k block kb,
 //   y[t, m] = sum_kb (sum_{k in kb} e4m3(q[t, k]) · e4m3(W[m, k])) · xs[kb, t] · S[m / 128, kb]

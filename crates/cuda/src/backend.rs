@@ -192,9 +192,10 @@ pub struct CudaOptions {
     /// it on for the server and the benchmarks.
     pub moe_shared_pairs: bool,
     /// Block-FP8 projections of prefill steps (with [`CudaOptions::fp8_tensor_cores`]) run our FP8 GEMM on
-    /// mma.sync (`kernels/fp8_gemm.cu`, sm_89 and later) instead of cuBLASLt's block-scaled GEMM (Hopper) or
-    /// dequantised row slices (Ada, where cuBLASLt has none). Off (the default until it is checked and
-    /// measured on a GPU). `DELTASERVE_FP8_MMA=1` turns it on for the server and the benchmarks.
+    /// mma.sync (`kernels/fp8_gemm.cu`, sm_89 and later) instead of dequantised row slices (Ada, where
+    /// cuBLASLt has no block-scaled FP8 GEMM) or cuBLASLt's (Hopper, where mma.sync e4m3 is emulated: only
+    /// a check there). Off (the default until it is checked on a GPU and measured on an Ada card).
+    /// `DELTASERVE_FP8_MMA=1` turns it on for the server and the benchmarks.
     pub fp8_mma_gemm: bool,
 }
 
