@@ -755,7 +755,8 @@ impl CudaBackend {
                 }
             };
             let (kept, fills) = Default::default();
-            be.vision = Some(vision::Vision { cfg: v, w, max_patches, region, layout, kept, fills });
+            let pixels = vision::PixelStaging::new(&be.rt)?;
+            be.vision = Some(vision::Vision { cfg: v, w, max_patches, region, layout, kept, fills, pixels });
         }
         // Zero every cache region once (never read before written, but deterministic).
         for span in [kv, be.states, be.snapshots] {

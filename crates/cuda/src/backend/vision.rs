@@ -13,6 +13,8 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 
+use cudarc::driver::{CudaEvent, CudaStream};
+
 use deltaserve_model::vision::{VisionBlockWeights, VisionLinear, tensor_shapes};
 use deltaserve_model::{Checkpoint, ImagePatches, ModelConfig, VisionAct, VisionConfig, VisionWeights};
 use deltaserve_plan::{CudaTowerLayout, Plan};
@@ -23,7 +25,7 @@ use crate::gemm::Gemm;
 use crate::ops::Kernels;
 use crate::ops::init::{Init, init_random};
 use crate::ops::vision::{self as vk, Act, Grid};
-use crate::runtime::Runtime;
+use crate::runtime::{PinnedHost, Runtime};
 
 use super::images::{Fill, KeptRows};
 use super::loader::convert;
@@ -44,6 +46,75 @@ pub(super) struct Vision {
     pub(super) kept: RefCell<KeptRows>,
     /// The image rows the next forward writes.
     pub(super) fills: RefCell<Vec<Fill>>,
+    /// The pixels of the image being encoded on their way to the GPU, as bf16.
+    pub(super) pixels: PixelStaging,
+}
+
+/// Pinned host memory for an image's pixels on their way to the GPU, two halves in turn: a piece of the
+/// image is converted to bf16 in one half (by a few threads) while the previous piece is copied out of the
+/// other, asynchronously (pageable memory would be staged by the driver, and the copy would wait for it).
+/// A half is rewritten only once its last copy is done.
+pub(super) struct PixelStaging {
+    host: PinnedHost,
+    /// Recorded after each copy out of each half.
+    done: [CudaEvent; 2],
+}
+
+impl PixelStaging {
+    /// Pinned bytes of the staging (both halves): 16 MiB, a 4,096-patch image in one piece per half.
+    pub(super) const BYTES: usize = 16 << 20;
+
+    pub(super) fn new(rt: &Runtime) -> Result<PixelStaging, CudaError> {
+        let host = PinnedHost::new(rt, Self::BYTES)?;
+        let event = || rt.context().new_event(None).map_err(CudaError::driver("cuEventCreate"));
+        Ok(PixelStaging { host, done: [event()?, event()?] })
+    }
+
+    /// `pixels` as bf16 at `dst` on the stream `s` (`dst` holds them all).
+    fn upload(&self, s: &CudaStream, pixels: &[f32], dst: u64) -> Result<(), CudaError> {
+        let half = Self::BYTES / 4; // values a half holds
+        for (i, piece) in pixels.chunks(half).enumerate() {
+            let done = &self.done[i % 2];
+            done.synchronize().map_err(CudaError::driver("cuEventSynchronize"))?;
+            // SAFETY: half i % 2 of the staging holds `half` u16 from byte (i % 2) · BYTES / 2 (2-byte aligned:
+            // a page-aligned pinned allocation), piece.len() ≤ half, and no copy reads it now (the event above).
+            let staged = unsafe {
+                std::slice::from_raw_parts_mut((self.host.ptr() as *mut u16).add((i % 2) * half), piece.len())
+            };
+            bf16_bits_parallel(piece, staged);
+            let at = dst + (2 * i * half) as u64;
+            // SAFETY: `dst` holds pixels.len() bf16 (the caller's buffer), so `at` holds the piece; the source is
+            // pinned and stays unwritten until `done` (recorded right after) has passed.
+            unsafe { cudarc::driver::result::memcpy_htod_async(at, &*staged, s.cu_stream()) }
+                .map_err(CudaError::driver("cuMemcpyHtoDAsync"))?;
+            done.record(s).map_err(CudaError::driver("cuEventRecord"))?;
+        }
+        Ok(())
+    }
+}
+
+/// The bf16 bits of `v`, rounded to nearest even (NaN stays a quiet NaN): what `half::bf16::from_f32` gives,
+/// in a form the compiler vectorises.
+fn bf16_bits(v: f32) -> u16 {
+    let b = v.to_bits();
+    if v.is_nan() { ((b >> 16) as u16) | 0x40 } else { ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16 }
+}
+
+/// `src` as bf16 bits into `dst` (the same length), split over a few threads for large images.
+fn bf16_bits_parallel(src: &[f32], dst: &mut [u16]) {
+    const PER_THREAD: usize = 1 << 20;
+    let threads =
+        std::thread::available_parallelism().map_or(1, |n| n.get()).min(8).min(src.len().div_ceil(PER_THREAD));
+    let convert = |s: &[f32], d: &mut [u16]| d.iter_mut().zip(s).for_each(|(o, &v)| *o = bf16_bits(v));
+    if threads <= 1 {
+        return convert(src, dst);
+    }
+    let chunk = src.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        for (s, d) in src.chunks(chunk).zip(dst.chunks_mut(chunk)) {
+            scope.spawn(move || convert(s, d));
+        }
+    });
 }
 
 /// Whether the backend loads the tower of `cfg` under `plan`: the plan prices it. Under tensor
@@ -210,12 +281,12 @@ impl Vision {
         let (h, heads, hd, inter) = (c.hidden_size, c.num_heads, c.head_dim(), c.intermediate_size);
         let l = &self.layout;
         let (x, xn, wide, narrow) = (self.at(l.x), self.at(l.xn), self.at(l.wide), self.at(l.narrow));
-        // The pixels as bf16, in the wide buffer until the patch embedding has read them.
-        let pix: Vec<u16> = img.pixels.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
-        // SAFETY: `wide` holds max_patches × patch_dim bf16 (the layout) and n ≤ max_patches (checked);
-        // pageable memory is staged before the call returns.
-        unsafe { cudarc::driver::result::memcpy_htod_async(wide, &pix, s.cu_stream()) }
-            .map_err(CudaError::driver("cuMemcpyHtoDAsync"))?;
+        // The pixels as bf16, in the wide buffer until the patch embedding has read them (it holds
+        // max_patches × patch_dim bf16: the layout; n ≤ max_patches, checked).
+        if img.pixels.len() != n * c.patch_dim() {
+            return Err(CudaError::Plan(format!("{} pixel values for {n} patches", img.pixels.len())));
+        }
+        self.pixels.upload(s, &img.pixels, wide)?;
         let w = &self.w;
         gemm.linear_out(s, wide, w.patch_embed.weight, x, n, h, c.patch_dim(), true)?;
         vk::embed_pos(k, s, x, bias(&w.patch_embed), w.pos_embed, h, grid, c.position_grid_side())?;
@@ -244,5 +315,27 @@ impl Vision {
         vk::bias_act(k, s, wide, bias(&w.merger_fc1), narrow, rows, merged, Act::Gelu)?;
         gemm.linear_out(s, narrow, w.merger_fc2.weight, wide, rows, c.out_hidden_size, merged, true)?;
         vk::bias_act(k, s, wide, bias(&w.merger_fc2), self.merged(), rows, c.out_hidden_size, Act::None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pixels_convert_to_bf16_as_half_does() {
+        let mut v: Vec<f32> = (0..(3 << 20) + 17).map(|i| ((i * 31) % 977) as f32 / 488.5 - 1.0).collect();
+        let specials = [0.0, -0.0, 1.0, f32::MIN_POSITIVE, 1e-40, -1e-40, f32::MAX, f32::INFINITY, f32::NEG_INFINITY];
+        v[..specials.len()].copy_from_slice(&specials);
+        // Halfway cases round to even, both ways; the largest finite value rounds to infinity as half does.
+        v[20] = f32::from_bits(0x3f80_8000);
+        v[21] = f32::from_bits(0x3f81_8000);
+        v[22] = f32::from_bits(0x3f80_8001);
+        let mut got = vec![0u16; v.len()];
+        bf16_bits_parallel(&v, &mut got);
+        let want: Vec<u16> = v.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
+        assert_eq!(got, want);
+        let nan = bf16_bits(f32::NAN);
+        assert!(half::bf16::from_bits(nan).is_nan());
     }
 }
