@@ -71,6 +71,8 @@
 #                (and block-FP8 MoE checkpoints), then 35B-A3B decode b1/8/32 with it off and on, 2 rounds
 #   fp8-mma      the mma.sync FP8 GEMM (sm_89+) of prefill projections: its ops cases, the FP8 checkpoint's
 #                backend test, then 27B FP8 prefill 512/4K/16K with it off (cuBLASLt) and on
+#   vision       the vision tower at the real shapes: a 1024x1024 image's encode in a step, its attention
+#                alone, and each op kind's time over the 27 blocks
 #   tp           on 2 GPUs: NCCL and TP=2 tests, `bench` at TP=2 and TP=1 (chart: tp.svg), the TP=2 probe
 #                with int4 weights at 24 GiB per card
 #   profile      Nsight Compute (ncu): decode step kernels' durations (bf16, int4), the DeltaNet chunk
@@ -80,7 +82,7 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 BIN_DIR="${GPU_BIN_DIR:-${CARGO_TARGET_DIR:-$ROOT/target}/release}"
 OUT_DIR="${GPU_OUT:-gpu-results}"
-TESTS="ops kernels_check bench_w4 bench_fp8 bench_attention bench_backend backend speculative moe w4_gemm nccl tp"
+TESTS="ops kernels_check bench_w4 bench_fp8 bench_attention bench_backend bench_vision backend speculative moe w4_gemm nccl tp"
 INT4="--weights-dtype int4 --kv-cache-dtype fp8 --lm-head-int4 --embed-on-host --memory 24GiB"
 DECODE="--prompts 512 --batches 1,8 --contexts 1024,32768 --steps 48 --verify-tokens 0 --short-chunks 0"
 Q27="--device cuda --preset qwen3.6-27b --random-weights"
@@ -366,6 +368,12 @@ step_fp8-mma() {
         DELTASERVE_FP8_MMA=$on ds "fp8-mma-$on" 300 bench --device cuda --preset qwen3.6-27b --random-weights \
             --weights-dtype fp8 --prompts 512,4096,16384 --contexts 1024 --batches 1 --verify-tokens 0 --short-chunks 0
     done
+}
+
+# The vision tower at the real shapes: one 1024x1024 image in a step against text (the tower's time, host work
+# included), its attention alone, and each op kind's time over the 27 blocks (where the rest goes).
+step_vision() {
+    test_run vision 200 "BENCH|panicked|test result" bench_vision --ignored --nocapture --test-threads=1
 }
 
 step_tp() {

@@ -153,3 +153,111 @@ fn bench_vision_tower_27b() {
         tower_s * 1e3 - layers_ms
     );
 }
+
+/// Where the tower's time goes: one pass of its 27 blocks at a 1024×1024 image's 4,096 patches, on random
+/// activations and one block's random weights (every block reads the same ones), each op timed with CUDA
+/// events and summed by kind (LayerNorms, each GEMM, the q/k rotary, attention, residual adds, bias +
+/// activation), with each GEMM's rate. Their sum against the tower's time in a step (above) is the host's
+/// share (pixels, the step's other work).
+#[test]
+#[ignore]
+fn bench_vision_tower_ops_27b() {
+    let Ok(rt) = Runtime::open(0) else {
+        println!("SKIP: no GPU");
+        return;
+    };
+    let cfg = ModelConfig::from_json_str(&Preset::Qwen36_27b.config_json(Some(4)).to_string()).unwrap();
+    let v = cfg.vision.clone().unwrap();
+    let side = 1024 / v.patch_size;
+    let n = side * side;
+    let (h, heads, hd, inter) = (v.hidden_size, v.num_heads, v.head_dim(), v.intermediate_size);
+    let wide_cols = (3 * h).max(inter);
+    let k = Kernels::load(&rt, KernelDims::QWEN35_27B).unwrap();
+    let ws_bytes = deltaserve_cuda::gemm::recommended_workspace_bytes(&rt);
+    let weights = 2 * (3 * h * h + h * h + 2 * h * inter) + 2 * (3 * h + 2 * h + inter + 4 * h);
+    let acts = 4 * n * h + 2 * n * h + 4 * n * wide_cols + 2 * n * wide_cols;
+    let mut arena = Arena::new(rt.context().clone());
+    let reg = arena.add_region("bench", weights + acts + ws_bytes + (16 << 20)).unwrap();
+    let s = rt.stream();
+    let mut buf = |len: usize, bytes_per: usize, fill: Option<(u64, Init)>| {
+        let p = arena.alloc(reg, bytes_per * len).unwrap().ptr;
+        if let Some((seed, init)) = fill {
+            init_random(&k, s, p, len, seed, init, bytes_per == 4).unwrap();
+        }
+        p
+    };
+    let lin = |fan_in: usize, seed| Some((seed, Init::Normal(1.0 / (fan_in as f32).sqrt())));
+    let qkv_w = buf(3 * h * h, 2, lin(h, 1));
+    let proj_w = buf(h * h, 2, lin(h, 2));
+    let fc1_w = buf(inter * h, 2, lin(h, 3));
+    let fc2_w = buf(h * inter, 2, lin(inter, 4));
+    let small = |seed| Some((seed, Init::Normal(0.02)));
+    let (qkv_b, proj_b, fc1_b, fc2_b) =
+        (buf(3 * h, 2, small(5)), buf(h, 2, small(6)), buf(inter, 2, small(7)), buf(h, 2, small(8)));
+    let (ln_w, ln_b) = (buf(h, 2, Some((9, Init::OnePlusNormal(0.1)))), buf(h, 2, small(10)));
+    let x = buf(n * h, 4, Some((11, Init::Normal(1.0))));
+    let xn = buf(n * h, 2, Some((12, Init::Normal(1.0))));
+    let (wide, narrow) = (buf(n * wide_cols, 4, None), buf(n * wide_cols, 2, None));
+    let ws = buf(ws_bytes, 1, None);
+    let gemm = deltaserve_cuda::gemm::Gemm::new(&rt, deltaserve_cuda::DevSpan { ptr: ws, bytes: ws_bytes }).unwrap();
+    let grid = Grid { t: 1, h: side, w: side, merge: v.spatial_merge_size };
+    let act = vk::Act::GeluTanh;
+    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let ev = || rt.context().new_event(flags).unwrap();
+    let kinds = [
+        "layer norms",
+        "qkv GEMM",
+        "q/k rotary",
+        "attention",
+        "proj GEMM",
+        "residual adds",
+        "fc1 GEMM",
+        "bias + activation",
+        "fc2 GEMM",
+    ];
+    let mut ms = vec![0.0f64; kinds.len()];
+    let pass = |timed: bool, ms: &mut Vec<f64>| {
+        for _ in 0..v.depth {
+            let mut op = |kind: usize, f: &mut dyn FnMut()| {
+                let (e0, e1) = (ev(), ev());
+                e0.record(s).unwrap();
+                f();
+                e1.record(s).unwrap();
+                if timed {
+                    ms[kind] += e0.elapsed_ms(&e1).unwrap() as f64;
+                }
+            };
+            op(0, &mut || vk::layer_norm(&k, s, x, ln_w, ln_b, xn, n, h, 1e-6).unwrap());
+            op(1, &mut || gemm.linear_out(s, xn, qkv_w, wide, n, 3 * h, h, true).unwrap());
+            op(2, &mut || vk::qkv_rope(&k, s, wide, qkv_b, narrow, heads, hd, grid, v.rope_theta as f32).unwrap());
+            op(3, &mut || vk::attention(&k, s, narrow, xn, heads, hd, grid).unwrap());
+            op(4, &mut || gemm.linear_out(s, xn, proj_w, wide, n, h, h, true).unwrap());
+            op(5, &mut || vk::residual(&k, s, x, wide, proj_b, n, h).unwrap());
+            op(0, &mut || vk::layer_norm(&k, s, x, ln_w, ln_b, xn, n, h, 1e-6).unwrap());
+            op(6, &mut || gemm.linear_out(s, xn, fc1_w, wide, n, inter, h, true).unwrap());
+            op(7, &mut || vk::bias_act(&k, s, wide, fc1_b, narrow, n, inter, act).unwrap());
+            op(8, &mut || gemm.linear_out(s, narrow, fc2_w, wide, n, h, inter, true).unwrap());
+            op(5, &mut || vk::residual(&k, s, x, wide, fc2_b, n, h).unwrap());
+        }
+    };
+    pass(false, &mut ms);
+    rt.synchronize().unwrap();
+    pass(true, &mut ms);
+    let flops = |m: usize, kk: usize| 2.0 * (n * m * kk) as f64 * v.depth as f64;
+    let gemm_flops = [(1, flops(3 * h, h)), (4, flops(h, h)), (6, flops(inter, h)), (8, flops(h, inter))];
+    let total: f64 = ms.iter().sum();
+    for (i, kind) in kinds.iter().enumerate() {
+        let rate = gemm_flops.iter().find(|g| g.0 == i).map_or(String::new(), |g| {
+            format!(
+                " ({:.0} TFLOP/s, {:.0}% of 989)",
+                g.1 / (ms[i] * 1e-3) / 1e12,
+                100.0 * g.1 / (ms[i] * 1e-3) / H200_BF16
+            )
+        });
+        println!("BENCH vision tower op, {} blocks at {n} patches: {kind:<18} {:7.2} ms{rate}", v.depth, ms[i]);
+    }
+    println!(
+        "BENCH vision tower ops: {total:.2} ms for the {} blocks (the merger and patch embedding not included)",
+        v.depth
+    );
+}
