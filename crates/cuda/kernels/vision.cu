@@ -90,6 +90,9 @@ __device__ __forceinline__ float vis_rot(float x, float y, float c, float s) {
     return __fadd_rn(__fmul_rn(x, c), __fmul_rn(y, s));
 }
 
+// Rotated pairs of a head the rotary takes at most (head dims up to 128).
+#define VIS_MAX_HALF 64
+
 extern "C" __global__ void vision_qkv_rope(const float* __restrict__ y, const bf16_t* __restrict__ bias,
                                            bf16_t* __restrict__ qkv, int heads, int hd, int gh, int gw, int merge,
                                            float theta) {
@@ -99,14 +102,21 @@ extern "C" __global__ void vision_qkv_rope(const float* __restrict__ y, const bf
     vis_patch_pos(r, gh, gw, merge, row, col);
     const float* yr = y + (long long)r * 3 * D;
     bf16_t* out = qkv + (long long)r * 3 * D;
+    // The patch's rotation of each pair j (the same for every q and k head): computed once.
+    __shared__ float rot[2][VIS_MAX_HALF];
+    for (int j = threadIdx.x; j < half; j += blockDim.x) {
+        const int fi = j < quarter ? j : j - quarter;
+        const float inv_freq = 1.0f / powf(theta, (float)(2 * fi) / (float)half);
+        const float ang = (float)(j < quarter ? row : col) * inv_freq;
+        rot[0][j] = cosf(ang);
+        rot[1][j] = sinf(ang);
+    }
+    __syncthreads();
     // q and k: one thread per rotated pair (2 * heads * half of them).
     for (int k = threadIdx.x; k < 2 * heads * half; k += blockDim.x) {
         const int hh = k / half, j = k % half;  // hh < heads: q head, else k head hh - heads
         const int base = hh * hd;               // q | k are contiguous: k head h at D + h*hd
-        const int fi = j < quarter ? j : j - quarter;
-        const float inv_freq = 1.0f / powf(theta, (float)(2 * fi) / (float)half);
-        const float ang = (float)(j < quarter ? row : col) * inv_freq;
-        const float c = cosf(ang), s = sinf(ang);
+        const float c = rot[0][j], s = rot[1][j];
         const float a = yr[base + j] + (bias ? bf2f(bias[base + j]) : 0.0f);
         const float b = yr[base + j + half] + (bias ? bf2f(bias[base + j + half]) : 0.0f);
         out[base + j] = f2bf(vis_rot(a, b, c, -s));
@@ -459,18 +469,22 @@ vision_attn_d128(const bf16_t* __restrict__ qkv, bf16_t* __restrict__ o, const i
     vat_body<128>(qkv, o, cu_frames, n, heads, hd, L, scale, vec);
 }
 
+// The elementwise kernels: blockIdx.x the row, blockIdx.y * blockDim.x + threadIdx.x the column (no
+// division per element).
 extern "C" __global__ void vision_residual(float* __restrict__ x, const float* __restrict__ y,
-                                           const bf16_t* __restrict__ bias, long long total, int D) {
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= total) return;
-    x[i] += y[i] + (bias ? bf2f(bias[i % D]) : 0.0f);
+                                           const bf16_t* __restrict__ bias, int D) {
+    const int c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= D) return;
+    const long long i = (long long)blockIdx.x * D + c;
+    x[i] += y[i] + (bias ? bf2f(bias[c]) : 0.0f);
 }
 
 extern "C" __global__ void vision_bias_act(const float* __restrict__ y, const bf16_t* __restrict__ bias,
-                                           bf16_t* __restrict__ out, long long total, int D, int act) {
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= total) return;
-    const float v = y[i] + (bias ? bf2f(bias[i % D]) : 0.0f);
+                                           bf16_t* __restrict__ out, int D, int act) {
+    const int c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= D) return;
+    const long long i = (long long)blockIdx.x * D + c;
+    const float v = y[i] + (bias ? bf2f(bias[c]) : 0.0f);
     float a;
     if (act == 0) {
         const float k = 0.7978846f;  // sqrt(2 / pi), the reference's f32 constant

@@ -109,8 +109,8 @@ pub fn qkv_rope(
 ) -> Result<(), CudaError> {
     const K: &str = "vision_qkv_rope";
     let (gh, gw, merge) = grid.ints(K)?;
-    if heads == 0 || hd == 0 || !hd.is_multiple_of(4) {
-        return Err(invalid(K, format!("{heads} heads of dim {hd} (a multiple of 4)")));
+    if heads == 0 || hd == 0 || !hd.is_multiple_of(4) || hd > MAX_HEAD_DIM {
+        return Err(invalid(K, format!("{heads} heads of dim {hd} (a multiple of 4, at most {MAX_HEAD_DIM})")));
     }
     let (nh, d) = (to_i32(K, "heads", heads)?, to_i32(K, "hd", hd)?);
     let blocks = (to_u32(K, "patches", grid.patches())?, 1, 1);
@@ -223,8 +223,8 @@ pub fn residual(
 ) -> Result<(), CudaError> {
     const K: &str = "vision_residual";
     let Some(shape) = elementwise(K, rows, d) else { return Ok(()) };
-    let (blocks, total, dd) = shape?;
-    launch!(k, s, K, blocks, (256, 1, 1), 0; x, y, bias, total, dd)
+    let (blocks, dd) = shape?;
+    launch!(k, s, K, blocks, (ELEMENTWISE_THREADS as u32, 1, 1), 0; x, y, bias, dd)
 }
 
 /// out `[rows, d]` bf16 = act(y + bias): y f32, bias `[d]` bf16 (0: none).
@@ -242,23 +242,30 @@ pub fn bias_act(
     const K: &str = "vision_bias_act";
     let a = act as i32;
     let Some(shape) = elementwise(K, rows, d) else { return Ok(()) };
-    let (blocks, total, dd) = shape?;
-    launch!(k, s, K, blocks, (256, 1, 1), 0; y, bias, out, total, dd, a)
+    let (blocks, dd) = shape?;
+    launch!(k, s, K, blocks, (ELEMENTWISE_THREADS as u32, 1, 1), 0; y, bias, out, dd, a)
 }
 
-/// The grid, element count and width of an elementwise launch over `[rows, d]` (None: nothing to do).
-type Elementwise = ((u32, u32, u32), i64, i32);
+/// Threads of an elementwise block (columns of one row).
+const ELEMENTWISE_THREADS: usize = 256;
+
+/// The grid (a row per `x`, column blocks in `y`) and width of an elementwise launch over `[rows, d]` (None:
+/// nothing to do).
+type Elementwise = ((u32, u32, u32), i32);
 
 fn elementwise(kernel: &'static str, rows: usize, d: usize) -> Option<Result<Elementwise, CudaError>> {
-    let total = rows.checked_mul(d)?;
-    if total == 0 {
+    if rows == 0 || d == 0 {
         return None;
     }
-    let blocks = match to_u32(kernel, "blocks", total.div_ceil(256)) {
-        Ok(b) => b,
-        Err(e) => return Some(Err(e)),
+    let shape = || -> Result<Elementwise, CudaError> {
+        let cols = to_u32(kernel, "column blocks", d.div_ceil(ELEMENTWISE_THREADS))?;
+        if cols > 65_535 {
+            return Err(invalid(kernel, format!("rows of {d}: at most {} columns", 65_535 * ELEMENTWISE_THREADS)));
+        }
+        rows.checked_mul(d).ok_or_else(|| invalid(kernel, "rows × d overflows"))?;
+        Ok(((to_u32(kernel, "rows", rows)?, cols, 1), to_i32(kernel, "d", d)?))
     };
-    Some(to_i32(kernel, "d", d).map(|dd| ((blocks, 1, 1), total as i64, dd)))
+    Some(shape())
 }
 
 #[cfg(test)]
