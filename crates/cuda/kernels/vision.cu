@@ -19,8 +19,9 @@
 //  vision_bias_act:   out = bf16(act(y + bias))   act: 0 gelu tanh, 1 gelu (erf), 2 silu, 3 none
 // Shapes/dtypes: x, y f32 [n, D]; qkv bf16 [n, 3D] (q | k | v, head h at h*hd); o bf16 [n, D]; weights,
 // biases, the table bf16. hd ≤ 128 and even (the tower's is 72, a multiple of 4 by its config).
-// Launch: embed_pos, layer_norm, qkv_rope: grid (n), block 256; attention: see its design; residual,
-// bias_act: grid (ceil(n*D / 256)), block 256. Arch: plain f32 math, sm_80+ (the attention: mma.sync,
+// Launch: embed_pos, layer_norm, qkv_rope: grid (n), block 256 (qkv_rope: the patch's cos / sin in shared
+// memory, once for all heads); attention: see its design; residual, bias_act: grid (n, ceil(D / 256)),
+// block 256. Arch: plain f32 math, sm_80+ (the attention: mma.sync,
 // ldmatrix, cp.async, sm_80+).
 // Tested by: tests/ops/ cases "vision_*" (against the CPU reference's functions).
 
