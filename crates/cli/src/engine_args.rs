@@ -278,6 +278,9 @@ impl EngineArgs {
         if let Some(why) = &fitted.shortfall {
             tracing::warn!("memory plan: {why}");
         }
+        if let Some(hint) = &fitted.hint {
+            tracing::warn!("memory plan: {hint}");
+        }
         Ok(fitted.plan)
     }
 

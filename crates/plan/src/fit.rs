@@ -73,11 +73,37 @@ pub struct Fitted {
     pub target_context: usize,
     /// Why the target was not reached, when it was not.
     pub shortfall: Option<String>,
+    /// A setting the user may prefer to what the planner traded: where it moved a mixture of experts' bf16 or
+    /// fp8 experts to the host, int4 weights when they keep the experts on the GPU at the full context.
+    pub hint: Option<String>,
 }
 
 /// Plans for the target context (see the module docs). Each candidate's plan prices its own backend
-/// scratch (it depends on the sequences per step and the lm_head's format).
+/// scratch (it depends on the sequences per step and the lm_head's format). Where the planner moved a
+/// mixture of experts' bf16 or fp8 experts to the host and int4 weights would keep them on the GPU at the
+/// target, [`Fitted::hint`] says so (reading the experts across the bus costs far more than 4-bit weights).
 pub fn fit_context(cfg: &ModelConfig, base: &PlanOptions, free: Free) -> Result<Fitted, PlanError> {
+    let mut fitted = fit_ladder(cfg, base, free)?;
+    if fitted.adjustments.iter().any(|a| a == EXPERTS_ON_HOST) && base.weights_dtype != WeightsDtype::Int4 {
+        let int4 = PlanOptions { weights_dtype: WeightsDtype::Int4, ..base.clone() };
+        if let Ok(alt) = fit_ladder(cfg, &int4, free)
+            && alt.shortfall.is_none()
+            && !alt.adjustments.iter().any(|a| a == EXPERTS_ON_HOST)
+        {
+            fitted.hint = Some(format!(
+                "the routed experts ({} weights) go to host memory, where every token reads its experts across the \
+                 bus; with --weights-dtype int4 (a bf16 or FP8 checkpoint: --quantize int4) they stay on the GPU and \
+                 the full context ({} tokens) fits",
+                base.weights_dtype.name(),
+                fmt_count(alt.plan.max_context as u64)
+            ));
+        }
+    }
+    Ok(fitted)
+}
+
+/// [`fit_context`] without its hint.
+fn fit_ladder(cfg: &ModelConfig, base: &PlanOptions, free: Free) -> Result<Fitted, PlanError> {
     let target = base.max_context.unwrap_or(cfg.max_position_embeddings);
     // The user's settings, planned for "as large as fits" so a shortfall is a plan, not an error.
     let open = PlanOptions { max_context: None, ..base.clone() };
@@ -90,6 +116,7 @@ pub fn fit_context(cfg: &ModelConfig, base: &PlanOptions, free: Free) -> Result<
             adjustments: Vec::new(),
             target_context: target,
             shortfall: None,
+            hint: None,
         });
     }
 
@@ -117,13 +144,20 @@ pub fn fit_context(cfg: &ModelConfig, base: &PlanOptions, free: Free) -> Result<
             adjustments: Vec::new(),
             target_context: target,
             shortfall: None,
+            hint: None,
         });
     }
     let best = tried.iter().map(|(_, p)| p.max_context).max().unwrap_or(0);
     let Some((adjustments, plan)) = tried.into_iter().find(|(_, p)| p.max_context as f64 >= NEAR_BEST * best as f64)
     else {
         // No candidate planned at all: the error of the user's settings.
-        return first.map(|plan| Fitted { plan, adjustments: Vec::new(), target_context: target, shortfall: None });
+        return first.map(|plan| Fitted {
+            plan,
+            adjustments: Vec::new(),
+            target_context: target,
+            shortfall: None,
+            hint: None,
+        });
     };
     let taken = adjustments.len();
     let shortfall = Some(format!(
@@ -141,7 +175,7 @@ pub fn fit_context(cfg: &ModelConfig, base: &PlanOptions, free: Free) -> Result<
             _ => format!(" with {}", adjustments.join(", ")),
         },
     ));
-    Ok(Fitted { plan, adjustments, target_context: target, shortfall })
+    Ok(Fitted { plan, adjustments, target_context: target, shortfall, hint: None })
 }
 
 /// When the target is out of reach: the fewest rungs whose context is at least this share of the most
@@ -183,7 +217,7 @@ fn climb(
         if let Ok(p) = Plan::new(cfg, &o) {
             if p.max_context >= target {
                 let plan = finish(cfg, &p, base, &o)?;
-                return Ok(Some(Fitted { plan, adjustments, target_context: target, shortfall: None }));
+                return Ok(Some(Fitted { plan, adjustments, target_context: target, shortfall: None, hint: None }));
             }
             tried.push((adjustments.clone(), p));
         }

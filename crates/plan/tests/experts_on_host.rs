@@ -141,6 +141,27 @@ fn the_experts_move_only_when_the_ladder_stays_far_short() {
     assert!(!f.plan.options.experts_on_host && f.plan.max_context == 32_768);
 }
 
+/// Where the fit moves bf16 experts to the host and int4 weights would keep them on the GPU at the full
+/// context (the 35B-A3B at 24 GiB), it says so; not where int4 experts would still go to the host (the
+/// 80B-A3B), nor for int4 weights, nor when the experts stay on the GPU.
+#[test]
+fn the_fit_points_to_int4_where_that_keeps_the_experts_on_the_gpu() {
+    let bf16 = |gib: u64| PlanOptions { weights_dtype: WeightsDtype::Bf16, ..int4_fp8(gib * GIB) };
+    let f = fit_context(&cfg("qwen3.6-35b-a3b"), &bf16(24), Free::all()).unwrap();
+    assert!(f.plan.options.experts_on_host);
+    let hint = f.hint.expect("a hint for int4");
+    assert!(
+        hint.contains("--weights-dtype int4") && hint.contains("--quantize int4") && hint.contains("262,144"),
+        "{hint}"
+    );
+    let f = fit_context(&cfg("qwen3-next-80b-a3b"), &bf16(24), Free::all()).unwrap();
+    assert!(f.plan.options.experts_on_host && f.hint.is_none(), "{:?}", f.hint);
+    let f = fit_context(&cfg("qwen3.6-35b-a3b"), &int4_fp8(24 * GIB), Free::all()).unwrap();
+    assert!(!f.plan.options.experts_on_host && f.hint.is_none());
+    let f = fit_context(&cfg("qwen3.6-35b-a3b"), &bf16(140), Free::all()).unwrap();
+    assert!(!f.plan.options.experts_on_host && f.hint.is_none());
+}
+
 #[test]
 fn dense_models_never_move_experts() {
     let c = cfg("qwen3.6-27b");

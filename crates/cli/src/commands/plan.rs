@@ -225,6 +225,7 @@ fn fit_json(f: &Fitted) -> serde_json::Value {
         "reached": f.shortfall.is_none(),
         "adjustments": f.adjustments,
         "shortfall": f.shortfall,
+        "hint": f.hint,
     })
 }
 
@@ -243,6 +244,9 @@ fn fit_text(f: &Fitted) -> String {
         None => {}
         Some(why) if !f.adjustments.is_empty() => s += &format!("fit: {why} ({OVERRIDE})\n"),
         Some(why) => s += &format!("fit: {why}\n"),
+    }
+    if let Some(hint) = &f.hint {
+        s += &format!("hint: {hint}\n");
     }
     s
 }
