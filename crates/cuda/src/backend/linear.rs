@@ -183,7 +183,7 @@ impl CudaBackend {
         let mma = !f32_out
             && self.opts.fp8_tensor_cores
             && self.opts.fp8_mma_gemm
-            && fp8::gemm_mma_supported(&self.k)
+            && fp8::gemm_mma_supported(&self.k.arch)
             && kdim.is_multiple_of(fp8::FP8_BLOCK)
             && scratch.bytes >= fp8::act_scratch_bytes(t, kdim)
             && outs.iter().all(|o| o.w.out.is_multiple_of(8) && o.ldy.is_multiple_of(2) && o.y.is_multiple_of(4));

@@ -148,11 +148,11 @@ pub fn act_quant(k: &Kernels, s: &CudaStream, x: u64, t: usize, kdim: usize, q: 
 /// 128 tokens' scales (97.5 KB: within the 99 KB an sm_86 / sm_89 block may opt in to).
 pub const GEMM_SMEM_BYTES: usize = 3 * (2 * 128 * 128 + 4 * 128);
 
-/// Whether `gemm_fp8` runs on GPUs of this kernel build (mma.sync e4m3: sm_89 and later).
-pub fn gemm_mma_supported(k: &Kernels) -> bool {
-    let cc: u32 =
-        k.arch.trim_start_matches("sm_").trim_end_matches(|c: char| c.is_ascii_alphabetic()).parse().unwrap_or(0);
-    cc >= 89
+/// Whether `gemm_fp8` runs on a GPU of architecture `arch` (`sm_XY`, the kernels' [`Kernels::arch`]): mma.sync
+/// e4m3 needs sm_89 or later.
+pub fn gemm_mma_supported(arch: &str) -> bool {
+    let digits = arch.trim_start_matches("sm_").trim_end_matches(|c: char| c.is_ascii_alphabetic());
+    digits.parse::<u32>().is_ok_and(|cc| cc >= 89)
 }
 
 /// `y [t, w.out]` bf16 (row stride `ldy`) = x · Wᵀ on the FP8 tensor cores with mma.sync (sm_89+; Ada has
@@ -171,7 +171,7 @@ pub fn gemm_mma(
     ldy: usize,
 ) -> Result<(), CudaError> {
     const NAME: &str = "gemm_fp8";
-    if !gemm_mma_supported(k) {
+    if !gemm_mma_supported(&k.arch) {
         return Err(invalid(NAME, format!("FP8 mma.sync needs sm_89 or later, not {}", k.arch)));
     }
     w.check(NAME)?;
@@ -226,4 +226,17 @@ pub fn quantize(k: &Kernels, s: &CudaStream, src: u64, dst: &Fp8Weights) -> Resu
     let (m, kk) = (to_i32(NAME, "m", dst.out)?, to_i32(NAME, "k", dst.inp)?);
     let (codes, scales) = (dst.codes, dst.scales);
     launch!(k, s, NAME, grid, (256, 1, 1), 0; src, m, kk, codes, scales)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gemm_mma_supported;
+
+    #[test]
+    fn the_mma_gemm_runs_from_ada_on() {
+        for (arch, ok) in [("sm_80", false), ("sm_86", false), ("sm_89", true), ("sm_90", true), ("sm_90a", true)] {
+            assert_eq!(gemm_mma_supported(arch), ok, "{arch}");
+        }
+        assert!(!gemm_mma_supported("") && !gemm_mma_supported("compute_89x"));
+    }
 }

@@ -275,6 +275,15 @@ mod tests {
     /// Each even head dim up to 128 runs on the smallest kernel that computes at least as many dims;
     /// the others are refused.
     #[test]
+    fn elementwise_launches_take_a_row_per_block_column() {
+        use super::elementwise;
+        assert_eq!(elementwise("k", 4096, 4304).unwrap().unwrap(), ((4096, 17, 1), 4304));
+        assert_eq!(elementwise("k", 65_536, 1152).unwrap().unwrap(), ((65_536, 5, 1), 1152));
+        assert!(elementwise("k", 0, 8).is_none() && elementwise("k", 8, 0).is_none());
+        assert!(elementwise("k", 1, 65_536 * 256).unwrap().is_err(), "too many column blocks");
+    }
+
+    #[test]
     fn attention_kernel_by_head_dim() {
         for (hd, name) in
             [(2, "vision_attn_d64"), (64, "vision_attn_d64"), (66, "vision_attn_d72"), (72, "vision_attn_d72")]

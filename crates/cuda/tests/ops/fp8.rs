@@ -153,7 +153,7 @@ pub fn gemm(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
         });
     }
     // Our mma.sync FP8 GEMM (sm_89+) on the same codes and scales, into the same column slice.
-    if fp8::gemm_mma_supported(k) {
+    if fp8::gemm_mma_supported(&k.arch) {
         let y = d.poison(2 * n * ldy)?;
         fp8::gemm_mma(k, s, scratch, xs, n, &w, y + 16, ldy)?;
         let got = d.get_bf16(y, n * ldy)?;
