@@ -578,6 +578,21 @@ fn validate(cfg: &ModelConfig, o: &PlanOptions) -> Result<(), PlanError> {
             &format!("decode attention uses 1 to {MAX_DECODE_PARTITIONS} partitions"),
         );
     }
+    if o.weights_dtype == WeightsDtype::Fp8Block && cfg.moe.is_some() {
+        return bad(
+            "--weights-dtype",
+            "fp8".into(),
+            "mixture-of-experts models take bf16 or int4 weights (a block-FP8 checkpoint's experts are dequantised \
+             to bf16 at load, or quantised with --quantize int4)",
+        );
+    }
+    if o.weights_dtype == WeightsDtype::Fp8Block && o.tensor_parallel > 1 {
+        return bad(
+            "--weights-dtype",
+            "fp8".into(),
+            &format!("not with --tensor-parallel {} yet (bf16 or int4 weights)", o.tensor_parallel),
+        );
+    }
     if o.experts_on_host && cfg.moe.is_none() {
         return bad("--experts-on-host", "on".into(), "the model has no routed experts (its MLPs are dense)");
     }

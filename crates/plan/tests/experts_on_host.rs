@@ -162,6 +162,21 @@ fn the_fit_points_to_int4_where_that_keeps_the_experts_on_the_gpu() {
     assert!(!f.plan.options.experts_on_host && f.hint.is_none());
 }
 
+/// fp8 weights are the dense models' on one card: a mixture of experts' plan refuses them with what to use
+/// instead, and so does one under tensor parallelism.
+#[test]
+fn fp8_weights_are_refused_where_the_backend_does_not_keep_them() {
+    let fp8 = PlanOptions { weights_dtype: WeightsDtype::Fp8Block, ..int4_fp8(24 * GIB) };
+    let e = Plan::new(&cfg("qwen3.6-35b-a3b"), &fp8).unwrap_err().to_string();
+    assert!(e.contains("--weights-dtype") && e.contains("--quantize int4"), "{e}");
+    let mut tp = fp8.clone();
+    tp.set_tensor_parallel(2);
+    let e = Plan::new(&cfg("qwen3.6-27b"), &tp).unwrap_err().to_string();
+    assert!(e.contains("--tensor-parallel 2"), "{e}");
+    let dense = PlanOptions { weights_dtype: WeightsDtype::Fp8Block, ..int4_fp8(40 * GIB) };
+    assert!(Plan::new(&cfg("qwen3.6-27b"), &dense).is_ok());
+}
+
 #[test]
 fn dense_models_never_move_experts() {
     let c = cfg("qwen3.6-27b");
