@@ -43,43 +43,53 @@ pub fn smart_resize(
 }
 
 /// Resizes an RGB image to `height × width`, returning planar f32 channels `[3][height][width]` holding
-/// the 8-bit results (0..=255, whole numbers), as torchvision's uint8 resize leaves them.
+/// the 8-bit results (0..=255, whole numbers), as torchvision's uint8 resize leaves them. The rows of each pass
+/// are split over a few threads; every value is the same sum in the same order as one output at a time.
 pub fn resize_planar(img: &RgbImage, height: usize, width: usize, resample: Resample) -> Vec<f32> {
     let (in_h, in_w) = (img.height as usize, img.width as usize);
     let mut planes = vec![0f32; 3 * in_h * in_w];
-    for (i, px) in img.rgb.chunks_exact(3).enumerate() {
-        for c in 0..3 {
-            planes[c * in_h * in_w + i] = f32::from(px[c]);
+    // Row r of the planes: channel r / in_h of image row r % in_h.
+    crate::par::rows(&mut planes, in_w, |r, dst| {
+        let (c, y) = (r / in_h, r % in_h);
+        for (d, px) in dst.iter_mut().zip(img.rgb[3 * y * in_w..3 * (y + 1) * in_w].chunks_exact(3)) {
+            *d = f32::from(px[c]);
         }
-    }
+    });
     if (in_h, in_w) == (height, width) {
         return planes;
     }
     // Width first, then height, each pass rounded and clamped to 8 bits as PyTorch's uint8 kernel does.
     let mut cur = planes;
-    let mut cur_w = in_w;
     if width != in_w {
         let taps = Taps::new(in_w, width, resample);
         let mut out = vec![0f32; 3 * in_h * width];
-        for (src, dst) in cur.chunks_exact(in_w).zip(out.chunks_exact_mut(width)) {
+        // Output row r of the 3 · in_h rows filters source row r.
+        crate::par::rows(&mut out, width, |r, dst| {
+            let src = &cur[r * in_w..(r + 1) * in_w];
             for (x, d) in dst.iter_mut().enumerate() {
                 *d = to_u8(taps.apply(x, |k| src[k]));
             }
-        }
+        });
         cur = out;
-        cur_w = width;
     }
     if height != in_h {
         let taps = Taps::new(in_h, height, resample);
-        let mut out = vec![0f32; 3 * height * cur_w];
-        for c in 0..3 {
-            let src = &cur[c * in_h * cur_w..(c + 1) * in_h * cur_w];
-            for y in 0..height {
-                for x in 0..cur_w {
-                    out[(c * height + y) * cur_w + x] = to_u8(taps.apply(y, |k| src[k * cur_w + x]));
+        let mut out = vec![0f32; 3 * height * width];
+        // Output row r (channel r / height, row y = r % height) sums its taps' source rows of that channel,
+        // a row at a time, each sum started and added in the order of one output at a time.
+        crate::par::rows(&mut out, width, |r, dst| {
+            let (c, y) = (r / height, r % height);
+            let mut acc = vec![-0.0f64; width];
+            for (j, &w) in taps.weights[y].iter().enumerate() {
+                let k = c * in_h + taps.start[y] + j;
+                for (a, &v) in acc.iter_mut().zip(&cur[k * width..(k + 1) * width]) {
+                    *a += w * f64::from(v);
                 }
             }
-        }
+            for (d, a) in dst.iter_mut().zip(acc) {
+                *d = to_u8(a as f32);
+            }
+        });
         cur = out;
     }
     cur
@@ -164,6 +174,63 @@ mod tests {
         assert!(err.to_string().contains("200:1"), "{err}");
         assert!(smart_resize(10, 2000, 32, 1024, 1 << 30).is_ok());
         assert!(matches!(smart_resize(0, 5, 32, 1024, 65536), Err(MediaError::TooSmall { .. })));
+    }
+
+    /// One output at a time, as the resize was first written: the reference for the row-wise passes.
+    fn resize_one_at_a_time(img: &RgbImage, height: usize, width: usize, resample: Resample) -> Vec<f32> {
+        let (in_h, in_w) = (img.height as usize, img.width as usize);
+        let mut cur = vec![0f32; 3 * in_h * in_w];
+        for (i, px) in img.rgb.chunks_exact(3).enumerate() {
+            for c in 0..3 {
+                cur[c * in_h * in_w + i] = f32::from(px[c]);
+            }
+        }
+        let mut cur_w = in_w;
+        if width != in_w {
+            let taps = Taps::new(in_w, width, resample);
+            let mut out = vec![0f32; 3 * in_h * width];
+            for (src, dst) in cur.chunks_exact(in_w).zip(out.chunks_exact_mut(width)) {
+                for (x, d) in dst.iter_mut().enumerate() {
+                    *d = to_u8(taps.apply(x, |k| src[k]));
+                }
+            }
+            cur = out;
+            cur_w = width;
+        }
+        if height != in_h {
+            let taps = Taps::new(in_h, height, resample);
+            let mut out = vec![0f32; 3 * height * cur_w];
+            for c in 0..3 {
+                let src = &cur[c * in_h * cur_w..(c + 1) * in_h * cur_w];
+                for y in 0..height {
+                    for x in 0..cur_w {
+                        out[(c * height + y) * cur_w + x] = to_u8(taps.apply(y, |k| src[k * cur_w + x]));
+                    }
+                }
+            }
+            cur = out;
+        }
+        cur
+    }
+
+    #[test]
+    fn row_wise_passes_equal_one_output_at_a_time() {
+        let noisy = |w: u32, h: u32| RgbImage {
+            width: w,
+            height: h,
+            rgb: (0..(w * h * 3) as usize).map(|i| ((i * 7919 + i / 7) % 256) as u8).collect(),
+        };
+        for (w, h, out_w, out_h) in
+            [(640, 480, 448, 320), (300, 200, 640, 448), (1000, 37, 1024, 64), (33, 700, 32, 704), (512, 512, 512, 256)]
+        {
+            let img = noisy(w, h);
+            for resample in [Resample::Bicubic, Resample::Bilinear] {
+                let got = resize_planar(&img, out_h, out_w, resample);
+                let want = resize_one_at_a_time(&img, out_h, out_w, resample);
+                let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same && got.len() == want.len(), "{w}x{h} -> {out_w}x{out_h} {resample:?}");
+            }
+        }
     }
 
     #[test]

@@ -1,12 +1,12 @@
-//! Images in chat requests: the image parts of the messages, loaded (fetched, decoded, patched) off the
-//! async runtime before the request is queued, and each image's placeholder token expanded to the tokens
-//! the image takes.
+//! Images in chat requests: the image parts of the messages, loaded (fetched, decoded, patched; an image
+//! sent before comes from the processed-image cache) off the async runtime before the request is queued, and
+//! each image's placeholder token expanded to the tokens the image takes.
 
 use std::path::Path;
 use std::sync::Arc;
 
-pub use deltaserve_media::FetchPolicy;
 use deltaserve_media::{ConfigError, ImageProcessorConfig, decode, load, preprocess};
+pub use deltaserve_media::{FetchPolicy, ImageCache};
 use deltaserve_model::ImagePatches;
 
 use crate::error::ApiError;
@@ -25,10 +25,16 @@ pub struct MediaConfig {
     pub fetch: FetchPolicy,
     /// The most images one request may carry (`--limit-images-per-request`).
     pub max_images: usize,
+    /// Processed images by their encoded bytes (`--image-cache`): an image sent again (every earlier
+    /// screenshot of an agent's conversation, each turn) is not decoded and patched again.
+    pub cache: Arc<ImageCache>,
 }
 
 /// `--limit-images-per-request`'s default.
 pub const DEFAULT_MAX_IMAGES: usize = 32;
+
+/// `--image-cache`'s default: 1 GiB of patches (about twenty 1080p screenshots at Qwen3.5's image processor).
+pub const DEFAULT_IMAGE_CACHE_BYTES: usize = 1 << 30;
 
 impl Default for MediaConfig {
     fn default() -> Self {
@@ -36,6 +42,7 @@ impl Default for MediaConfig {
             processor: ImageProcessorConfig::qwen35(),
             fetch: FetchPolicy::default(),
             max_images: DEFAULT_MAX_IMAGES,
+            cache: Arc::new(ImageCache::new(DEFAULT_IMAGE_CACHE_BYTES)),
         }
     }
 }
@@ -89,8 +96,12 @@ pub async fn load_images(st: &AppState, parts: Vec<ImagePart>) -> Result<Vec<Arc
 fn load_one(cfg: &MediaConfig, part: &ImagePart) -> Result<Arc<ImagePatches>, ApiError> {
     let at = |e: deltaserve_media::MediaError| ApiError::bad_param("messages", format!("{}: {e}", part.location));
     let bytes = load(&part.url, &cfg.fetch).map_err(at)?;
-    let img = decode(&bytes).map_err(at)?;
-    Ok(Arc::new(preprocess(&cfg.processor, &img).map_err(at)?))
+    cfg.cache
+        .get_or_insert(&bytes, || {
+            let img = decode(&bytes)?;
+            Ok(Arc::new(preprocess(&cfg.processor, &img)?))
+        })
+        .map_err(at)
 }
 
 /// The prompt with each image's single placeholder `pad` replaced by the image's `tokens(merge)` copies.

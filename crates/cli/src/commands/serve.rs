@@ -43,6 +43,10 @@ pub struct Args {
     /// The most images one request may carry.
     #[arg(long, default_value_t = deltaserve_server::media::DEFAULT_MAX_IMAGES)]
     limit_images_per_request: usize,
+    /// Host memory for processed images kept by their encoded bytes, so an image sent again (an agent's earlier
+    /// screenshots, every turn) is not decoded and patched again; 0: none kept.
+    #[arg(long, default_value = "1GiB", value_name = "SIZE", value_parser = deltaserve_plan::parse_size)]
+    image_cache: u64,
 }
 
 pub fn run(mut a: Args) -> Result<()> {
@@ -79,6 +83,9 @@ pub fn run(mut a: Args) -> Result<()> {
     media.fetch.allowed_domains =
         a.allowed_media_domains.iter().map(|d| d.trim().to_string()).filter(|d| !d.is_empty()).collect();
     media.max_images = a.limit_images_per_request;
+    media.cache = std::sync::Arc::new(deltaserve_server::media::ImageCache::new(
+        usize::try_from(a.image_cache).context("--image-cache")?,
+    ));
     state.media = std::sync::Arc::new(media);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
