@@ -189,6 +189,24 @@ mod tests {
         assert!(check_context(21, &[], 2, 20).is_ok());
     }
 
+    /// An image sent again (the same bytes) is the one decoded and patched the first time; with no cache
+    /// every request makes its own; a bad image is still refused naming its part.
+    #[test]
+    fn an_image_sent_again_comes_from_the_cache() {
+        const PIXEL_PNG: &str = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg==";
+        let part = |url: &str| ImagePart { location: "messages[0].content[1]".into(), url: url.into() };
+        let cfg = MediaConfig::default();
+        let a = load_one(&cfg, &part(PIXEL_PNG)).unwrap();
+        let b = load_one(&cfg, &part(PIXEL_PNG)).unwrap();
+        assert!(Arc::ptr_eq(&a, &b));
+        assert_eq!(cfg.cache.stats().0, 1);
+        let off = MediaConfig { cache: Arc::new(ImageCache::new(0)), ..MediaConfig::default() };
+        let (c, d) = (load_one(&off, &part(PIXEL_PNG)).unwrap(), load_one(&off, &part(PIXEL_PNG)).unwrap());
+        assert!(!Arc::ptr_eq(&c, &d) && c.pixels == a.pixels);
+        let err = load_one(&cfg, &part("data:image/png;base64,aGVsbG8=")).unwrap_err();
+        assert!(err.message().contains("messages[0].content[1]"), "{}", err.message());
+    }
+
     #[test]
     fn image_url_reads_object_and_string_forms() {
         let obj = serde_json::json!({"type": "image_url", "image_url": {"url": "data:x"}});
