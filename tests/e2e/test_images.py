@@ -155,11 +155,14 @@ def chat_turns(gpt, image: bytes, first: bool) -> tuple[int, int]:
     return resp.usage.prompt_tokens, resp.usage.prompt_tokens_details.cached_tokens
 
 
-def test_the_same_image_next_turn_is_cached_and_another_is_not(gpt):
+def test_the_same_image_next_turn_is_cached_and_another_is_not(gpt, image_server):
     image, other = png(256, 256, shift=1), png(256, 256, shift=90)  # same size, other pixels
+    hits = util.metrics(image_server.base).get("deltaserve_image_cache_hits_total", 0.0)
     first, _ = chat_turns(gpt, image, first=True)
     prompt, cached = chat_turns(gpt, image, first=False)
     assert prompt > first and cached >= first, (first, prompt, cached)
+    # The second turn's image was not decoded and patched again: the processed-image cache had it.
+    assert util.metrics(image_server.base)["deltaserve_image_cache_hits_total"] >= hits + 1
     # Another image of the same size: the same tokens, but its rows are not the cached image's.
     prompt_other, cached_other = chat_turns(gpt, other, first=False)
     assert prompt_other == prompt

@@ -45,6 +45,10 @@ METRIC_NAMES = [
     "deltaserve_prompt_tokens_tokenized_total",
     "deltaserve_prompt_tokens_tokenizer_reused_total",
     "deltaserve_prompt_tokenizer_cache_tokens",
+    "deltaserve_image_cache_hits_total",
+    "deltaserve_image_cache_misses_total",
+    "deltaserve_image_cache_images",
+    "deltaserve_image_cache_bytes",
     "deltaserve_engine_step_seconds_total",
 ]
 

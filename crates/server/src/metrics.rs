@@ -242,6 +242,20 @@ pub fn render_prompt_encoder(out: &mut String, s: &PromptCacheStats) {
     }
 }
 
+/// The processed-image cache's counters (`--image-cache`): images taken from it vs decoded and patched, and
+/// what it holds.
+pub fn render_image_cache(out: &mut String, c: &deltaserve_media::ImageCache) {
+    let (hits, misses, images, bytes) = c.stats();
+    for (name, help, kind, v) in [
+        ("deltaserve_image_cache_hits_total", "Images taken from the processed-image cache.", "counter", hits),
+        ("deltaserve_image_cache_misses_total", "Images decoded and patched.", "counter", misses),
+        ("deltaserve_image_cache_images", "Images held by the processed-image cache.", "gauge", images as u64),
+        ("deltaserve_image_cache_bytes", "Bytes of patches held by the processed-image cache.", "gauge", bytes as u64),
+    ] {
+        sample(out, name, help, kind, v);
+    }
+}
+
 /// One unlabelled sample with its HELP and TYPE lines.
 fn sample(out: &mut String, name: &str, help: &str, kind: &str, v: impl std::fmt::Display) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");

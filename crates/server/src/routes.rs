@@ -69,6 +69,7 @@ async fn health(State(st): State<AppState>) -> Response {
 async fn metrics(State(st): State<AppState>) -> Response {
     let mut text = st.metrics.render(&st.engine.stats());
     crate::metrics::render_prompt_encoder(&mut text, &st.prompt_encoder.stats());
+    crate::metrics::render_image_cache(&mut text, &st.media.cache);
     ([("content-type", "text/plain; version=0.0.4")], text).into_response()
 }
 
