@@ -3,7 +3,8 @@
 //! as one linear, then down, every expert laid out alike at one stride), their workspace buffers, and
 //! the forward that runs after the shared expert has written `mlp_out`: router logits, top-k, the
 //! experts' SwiGLU MLPs (per-pair GEMVs for decode-sized steps, grouped GEMMs otherwise) and the
-//! weighted un-permute onto the shared expert's gated output.
+//! weighted un-permute onto the shared expert's gated output. With `moe_shared_pairs` a decode step's
+//! shared expert runs instead as one more pair per token of those GEMVs ([`SharedExpert`]).
 
 use deltaserve_model::MoeConfig;
 use deltaserve_model::weights::MoeWeights;
