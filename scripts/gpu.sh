@@ -61,7 +61,8 @@
 #   saves        snapshots inside a step: the conv and chunked DeltaNet kernels cut at snapshots against the
 #                CPU, the backend's cut chunks against their pieces run as steps (and MTP drafts from them),
 #                then a 12-turn agent session (int4 + fp8 KV at 24 GiB) with DELTASERVE_SNAPSHOTS_IN_STEP 0
-#                and 1: TTFT per turn and each request's prefill steps (saves-on/off.json, .log)
+#                and 1: TTFT per turn and each request's prefill steps (saves-0/1.json, .log; SAVES_SOAKS: which
+#                switch values to soak, default "0 1", empty for the tests alone)
 #   probe        the ceiling ladder at the full 262,144 context, 27B bf16
 #   probe-int4   the same with int4 weights and fp8 KV in 24 GiB
 #   smoke        the built-in demo model served on CUDA, a short soak
@@ -301,7 +302,7 @@ step_saves() {
         --test-threads=1
     test_run spec-saves 200 "$TESTS_PAT|drafts|median" speculative snapshot_inside --nocapture --test-threads=1
     local on
-    for on in 0 1; do
+    for on in ${SAVES_SOAKS-0 1}; do
         # shellcheck disable=SC2086 # word lists of arguments
         DELTASERVE_SNAPSHOTS_IN_STEP=$on RUST_LOG=info,deltaserve_engine=debug ds "saves-$on" 420 soak $Q27 \
             --weights-dtype int4 --kv-cache-dtype fp8 --memory 24GiB --max-seqs 4 --turns 12 \
