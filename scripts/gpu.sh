@@ -72,6 +72,8 @@
 #                (and block-FP8 MoE checkpoints), then 35B-A3B decode b1/8/32 with it off and on, 2 rounds
 #   fp8-mma      the mma.sync FP8 GEMM (sm_89+) of prefill projections: its ops cases, the FP8 checkpoint's
 #                backend test, then 27B FP8 prefill 512/4K/16K with it off (cuBLASLt) and on
+#   wgmma        the Hopper attention prefill kernel (DELTASERVE_ATTN_PREFILL=wgmma): ops cases, the attention
+#                benchmark, the backend against the CPU, 27B bf16 prefill 4K/32K/128K against the wide kernel
 #   vision       the vision tower at the real shapes: a 1024x1024 image's encode in a step, its attention
 #                alone, and each op kind's time over the 27 blocks
 #   tp           on 2 GPUs: NCCL and TP=2 tests, `bench` at TP=2 and TP=1 (chart: tp.svg), the TP=2 probe
@@ -368,6 +370,27 @@ step_fp8-mma() {
         # shellcheck disable=SC2086 # word lists of arguments
         DELTASERVE_FP8_MMA=$on ds "fp8-mma-$on" 300 bench --device cuda --preset qwen3.6-27b --random-weights \
             --weights-dtype fp8 --prompts 512,4096,16384 --contexts 1024 --batches 1 --verify-tokens 0 --short-chunks 0
+    done
+}
+
+# The warpgroup attention prefill kernel (Hopper, DELTASERVE_ATTN_PREFILL=wgmma): its ops cases against the
+# CPU over bf16 and quantised caches (and the wide kernel's split over the keys), the attention benchmark beside
+# the wide kernel, the backend against the CPU with it on, then the 27B prefill at 4K / 32K / 128K with the wide
+# kernel and with it: bf16, and int4 weights with fp8 KV at 24 GiB.
+step_wgmma() {
+    DS_OPS_FILTER=attn_prefill test_run ops-wgmma 300 "FAIL|test result|panicked|attn_prefill_wg" ops \
+        ops_match_cpu_reference --nocapture --test-threads=1
+    DS_BENCH_ATTN=prefill test_run attn-wgmma 200 "attn_prefill|^ +[0-9]|panicked" bench_attention --nocapture --ignored
+    DELTASERVE_ATTN_PREFILL=wgmma test_run backend-wgmma 300 "$TESTS_PAT|attn_prefill" backend --nocapture \
+        --test-threads=1 matches_cpu_backend error_by_depth short_chunks_over_long quantized_kv
+    local v
+    for v in wide wgmma; do
+        # shellcheck disable=SC2086 # word lists of arguments
+        DELTASERVE_ATTN_PREFILL=$v ds "wgmma-$v" 300 bench $Q27 --prompts 4096,32768,131072 --contexts 1024 \
+            --batches 1 --verify-tokens 0 --short-chunks 0
+        # shellcheck disable=SC2086
+        DELTASERVE_ATTN_PREFILL=$v ds "wgmma-int4-$v" 300 bench $Q27 --weights-dtype int4 --kv-cache-dtype fp8 \
+            --memory 24GiB --prompts 4096,32768,131072 --contexts 1024 --batches 1 --verify-tokens 0 --short-chunks 0
     done
 }
 

@@ -6,7 +6,8 @@
 //! Kernels include no toolkit header: `kernels/prelude.cuh` (bf16 on raw bit patterns, warp
 //! reductions) is prepended to each source as text. A module of several files is their text
 //! concatenated, its shared header first (attention: `attention_tile.cuh`, the prefill kernels,
-//! `attention_mma.cuh`, then the decode and the verify kernels).
+//! `attention_mma.cuh`, then the decode and the verify kernels). The attention module alone is also
+//! built for sm_90a (`HOPPER_ARCH`) where its warpgroup prefill kernel runs.
 
 use std::collections::HashMap;
 use std::ffi::{CStr, CString, c_char};
@@ -22,7 +23,7 @@ mod defines;
 mod sources;
 
 pub use check::{
-    CHECK_ARCHS, CHECK_KV, CheckLine, KernelsReport, check_defines, kernel_instructions, kernels_check,
+    CHECK_ARCHS, CHECK_KV, CheckLine, HOPPER_ARCH, KernelsReport, check_defines, kernel_instructions, kernels_check,
     kernels_check_where,
 };
 pub use defines::{AttnTiling, KernelDims, KvFormats};

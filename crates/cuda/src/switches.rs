@@ -21,6 +21,10 @@ pub struct Switches {
     /// `DELTASERVE_ATTN_PREFILL=pair`: attention prefill runs the warp-pair kernel (`attn_prefill`,
     /// 32-key tiles) instead of the wide one.
     pub attn_prefill_pair: bool,
+    /// `DELTASERVE_ATTN_PREFILL=wgmma`: on Hopper (sm_90), attention prefill runs
+    /// the warpgroup kernel (`attn_prefill_wg`, wgmma from an sm_90a build of the attention module)
+    /// instead of the wide one ([`crate::AttnTiling::wgmma`]).
+    pub attn_prefill_wgmma: bool,
     /// `DELTASERVE_NVRTC_OPTIONS`: extra NVRTC options (split at whitespace) for every kernel module,
     /// e.g. `-DNAME=VALUE` for a switch a kernel file reads under `#ifndef`.
     pub nvrtc_options: Vec<String>,
@@ -82,6 +86,7 @@ impl Switches {
             decode_attn_split: var("DELTASERVE_DECODE_ATTN").is_some_and(|v| v == "split"),
             verify_attn_rows: var("DELTASERVE_VERIFY_ATTN").is_some_and(|v| v == "rows"),
             attn_prefill_pair: var("DELTASERVE_ATTN_PREFILL").is_some_and(|v| v == "pair"),
+            attn_prefill_wgmma: var("DELTASERVE_ATTN_PREFILL").is_some_and(|v| v == "wgmma"),
             nvrtc_options: var("DELTASERVE_NVRTC_OPTIONS")
                 .map(|v| v.split_whitespace().map(str::to_string).collect())
                 .unwrap_or_default(),
@@ -139,6 +144,7 @@ mod tests {
         assert!(!s.any_set());
         assert!(s.fold_norms && s.w4_gemm && s.device_masks && !s.decode_attn_split && !s.attn_prefill_pair);
         assert!(s.later_picks && !s.snapshots_in_step && !s.moe_shared_pairs && !s.fp8_mma_gemm);
+        assert!(!s.attn_prefill_wgmma);
         assert!(s.pdl.is_none() && s.nvrtc_options.is_empty() && s.trace_cap.is_none());
     }
 
@@ -169,6 +175,8 @@ mod tests {
         assert_eq!(s.trace_cap.as_deref(), Some("1024"));
         assert_eq!(s.verify_decode_from, Some(0));
         assert_eq!(s.short_chunk_decode_from, Some(8192));
+        assert!(!s.attn_prefill_wgmma);
+        assert!(from(&[("DELTASERVE_ATTN_PREFILL", "wgmma")]).attn_prefill_wgmma);
     }
 
     #[test]
@@ -182,6 +190,7 @@ mod tests {
             ("DELTASERVE_VERIFY_DECODE_FROM", "soon"),
         ]);
         assert!(!s.decode_attn_split && !s.verify_attn_rows && !s.attn_prefill_pair && s.fold_norms && s.device_masks);
+        assert!(!s.attn_prefill_wgmma);
         assert!(!s.any_set());
     }
 }

@@ -9,6 +9,10 @@ use crate::error::CudaError;
 /// Archs the kernels must compile for (no `a` variants: no Hopper-only instructions).
 pub const CHECK_ARCHS: &[&str] = &["sm_80", "sm_86", "sm_89", "sm_90"];
 
+/// The arch-specific target of Hopper's additional paths (wgmma): where the checked archs include
+/// sm_90, [`kernels_check`] also builds the attention module for it (bf16, fp8 and int8/int4 KV).
+pub const HOPPER_ARCH: &str = "sm_90a";
+
 /// Quantised-KV builds of the attention module that [`kernels_check`] compiles besides the bf16
 /// one: every format's K path and V path at least once, and mixed pairs.
 pub const CHECK_KV: &[(KvFormats, &str)] = &[
@@ -102,6 +106,15 @@ pub fn kernels_check_where(
         archs.iter().flat_map(|a| sources.iter().map(move |s| (*s, *a, KvFormats::BF16, s.module))).collect();
     if let Some(&attn) = sources.iter().find(|s| s.module == "attention") {
         jobs.extend(archs.iter().flat_map(|a| CHECK_KV.iter().map(move |&(kv, label)| (attn, *a, kv, label))));
+        // The wgmma prefill kernel's body exists only in the sm_90a build.
+        if archs.contains(&"sm_90") {
+            jobs.push((attn, HOPPER_ARCH, KvFormats::BF16, "attention[wgmma]"));
+            jobs.extend(CHECK_KV[..2].iter().map(|&(kv, _)| {
+                let label =
+                    if kv.k == KvDtype::Fp8 { "attention[wgmma fp8/fp8]" } else { "attention[wgmma int8/int4]" };
+                (attn, HOPPER_ARCH, kv, label)
+            }));
+        }
     }
     let lines = std::thread::scope(|scope| {
         let handles: Vec<_> = jobs
@@ -187,12 +200,14 @@ pub fn kernel_instructions(cubin: &[u8]) -> Vec<(String, usize)> {
     parse().unwrap_or_default()
 }
 
-/// Keeps ptxas's per-function summary lines ("Compiling entry", "Used N registers", spills).
+/// Keeps ptxas's per-function summary lines ("Compiling entry", "Used N registers", spills) and its
+/// warnings (e.g. wgmma serialised).
 fn resource_lines(log: &str) -> String {
     log.lines()
         .filter(|l| {
             l.contains("Compiling entry")
                 || l.contains("registers")
+                || (l.contains("ptxas") && l.contains("arning"))
                 || (l.contains("spill") && !l.contains(" 0 bytes spill stores, 0 bytes spill loads"))
         })
         .map(|l| l.trim_start_matches("ptxas info    : ").to_string())

@@ -157,6 +157,10 @@ pub struct AttnTiling {
     /// `keys` (else at 32 keys; else `attn_prefill` at 32 keys). [`crate::Kernels::attn`] holds the
     /// tiling that runs ([`crate::Kernels::attn_wide`]).
     pub wide: bool,
+    /// On Hopper (sm_90) at head dims of 64 .. 256 (a multiple of 64): the wide kernel's work on
+    /// warpgroup tensor-core instructions (`attn_prefill_wg`, 64-key tiles, the attention
+    /// module built for sm_90a), where its shared memory fits; elsewhere the wide kernel runs.
+    pub wgmma: bool,
 }
 
 impl AttnTiling {
@@ -165,7 +169,7 @@ impl AttnTiling {
     /// bf16 P (FlashAttention's choice: its rounding moves o by about 2^-9 of |v|; 17% faster than
     /// the hi/lo split on the H200), 6 heads per block at the 27B's GQA 6 for `attn_prefill`
     /// (bench/results/attention-pairs-h200-2026-11-29.md).
-    pub const DEFAULT: AttnTiling = AttnTiling { keys: 64, p_split: false, heads: 0, wide: true };
+    pub const DEFAULT: AttnTiling = AttnTiling { keys: 64, p_split: false, heads: 0, wide: true, wgmma: false };
 
     /// The default heads per block: the largest divisor of the GQA group up to 6 (2 warps per head;
     /// 12 warps at most, so 168 registers per thread still fit one block per SM).

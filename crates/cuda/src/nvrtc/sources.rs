@@ -159,12 +159,13 @@ pub const SOURCES: &[KernelSource] = &[
     },
     KernelSource {
         module: "attention",
-        // The shared tile code, the prefill kernels (warp pairs, then wide), the decode kernels' shared tensor-core pieces, then the
-        // decode and the verify kernels: one module.
+        // The shared tile code, the prefill kernels (warp pairs, wide, then Hopper's wgmma), the decode
+        // kernels' shared tensor-core pieces, then the decode and the verify kernels: one module.
         src: concat!(
             include_str!("../../kernels/attention_tile.cuh"),
             include_str!("../../kernels/attention_prefill.cu"),
             include_str!("../../kernels/attention_prefill_wide.cu"),
+            include_str!("../../kernels/attention_prefill_wg.cu"),
             include_str!("../../kernels/attention_mma.cuh"),
             include_str!("../../kernels/attention_decode.cu"),
             include_str!("../../kernels/attention_verify.cu")
@@ -173,6 +174,7 @@ pub const SOURCES: &[KernelSource] = &[
             "attn_prefill",
             "attn_prefill_wide",
             "attn_prefill_wide64",
+            "attn_prefill_wg",
             "attn_decode_split",
             "attn_decode_combine",
             "attn_decode_mma",

@@ -44,30 +44,72 @@ pub(crate) fn wide_smem_bytes(d: &KernelDims, kv: &KvFormats, keys: usize) -> us
     WIDE_ROWS * hd * 2 + 2 * (part(kv.k) + part(kv.v)) + extra(kv.k) + extra(kv.v) + 8 * 32 * keys + 8 * 32 * 8
 }
 
-/// The tiling the kernels run for a requested `t`: the wide kernel at `t.keys` where it applies
-/// (plain P) and its shared memory fits `max_smem`, else at 32 keys, else `attn_prefill` at 32 keys
-/// (a tiling that asked for the wide kernel, e.g. the default, never falls back to 64-key pair
-/// tiles). Tilings with `wide: false` are kept as they are.
-pub(crate) fn resolve_tiling(d: &KernelDims, kv: &KvFormats, t: AttnTiling, max_smem: usize) -> AttnTiling {
+/// Dynamic shared memory of `attn_prefill_wg` (the WG_* layout in attention_prefill_wg.cu): 1 KB to
+/// align the block's tiles to the 128-byte swizzle's 1024-byte atoms, its Q rows, 2 stages of 64-key K
+/// and V (a bf16 matrix as its tile, a quantised one as its codes), for each quantised matrix its
+/// bf16 tile, then its f32 tile scales.
+pub(crate) fn wg_smem_bytes(d: &KernelDims, kv: &KvFormats) -> usize {
+    let hd = d.attn_head_dim;
+    let tile = WG_KEYS * hd * 2;
+    let part = |f: KvDtype| if f == KvDtype::Bf16 { tile } else { WG_KEYS * hd * f.bits() as usize / 8 };
+    let extra = |f: KvDtype| if f == KvDtype::Bf16 { 0 } else { tile + 4 * WG_KEYS };
+    1024 + WIDE_ROWS * hd * 2 + 2 * (part(kv.k) + part(kv.v)) + extra(kv.k) + extra(kv.v)
+}
+
+/// Keys per KV tile of `attn_prefill_wg`.
+const WG_KEYS: usize = 64;
+
+/// Whether `attn_prefill_wg` takes the wide kernel's work: compute capability 9.0 (its wgmma runs in an
+/// sm_90a build), head dims a multiple of 64 up to 256, and its block's shared memory fits.
+fn wgmma_applies(d: &KernelDims, kv: &KvFormats, cc: (i32, i32), max_smem: usize) -> bool {
+    let hd = d.attn_head_dim;
+    cc == (9, 0) && hd.is_multiple_of(64) && hd <= 256 && wg_smem_bytes(d, kv) <= max_smem
+}
+
+/// The tiling the kernels run for a requested `t` on a device of compute capability `cc`: the wide
+/// kernel at `t.keys` where it applies (plain P) and its shared memory fits `max_smem`, else at 32
+/// keys, else `attn_prefill` at 32 keys (a tiling that asked for the wide kernel, e.g. the default,
+/// never falls back to 64-key pair tiles); `wgmma` stays only where `attn_prefill_wg` applies (then at
+/// 64 keys). Tilings with `wide: false` are kept as they are.
+pub(crate) fn resolve_tiling(
+    d: &KernelDims,
+    kv: &KvFormats,
+    t: AttnTiling,
+    cc: (i32, i32),
+    max_smem: usize,
+) -> AttnTiling {
     if !t.wide {
-        return t;
+        return AttnTiling { wgmma: false, ..t };
     }
     if !t.p_split && d.attn_head_dim >= 32 {
+        if t.wgmma && wgmma_applies(d, kv, cc, max_smem) {
+            return AttnTiling { keys: WG_KEYS, ..t };
+        }
         for keys in [t.keys, 32] {
             if wide_smem_bytes(d, kv, keys) <= max_smem {
-                return AttnTiling { keys, ..t };
+                return AttnTiling { keys, wgmma: false, ..t };
             }
         }
     }
-    AttnTiling { wide: false, keys: 32, ..t }
+    AttnTiling { wide: false, keys: 32, wgmma: false, ..t }
 }
 
 /// The prefill kernel that runs with the (resolved) tiling `t`.
 pub(crate) fn prefill_kernel(t: &AttnTiling) -> &'static str {
-    match (t.wide, t.keys) {
-        (true, 64) => "attn_prefill_wide64",
-        (true, _) => "attn_prefill_wide",
+    match (t.wide, t.wgmma, t.keys) {
+        (true, true, _) => "attn_prefill_wg",
+        (true, false, 64) => "attn_prefill_wide64",
+        (true, false, _) => "attn_prefill_wide",
         _ => "attn_prefill",
+    }
+}
+
+/// Dynamic shared memory of the prefill kernel that runs with the (resolved) tiling `t`.
+pub(crate) fn prefill_kernel_smem(d: &KernelDims, kv: &KvFormats, t: &AttnTiling) -> usize {
+    match (t.wide, t.wgmma) {
+        (true, true) => wg_smem_bytes(d, kv),
+        (true, false) => wide_smem_bytes(d, kv, t.keys),
+        _ => prefill_smem_bytes(d, kv, t),
     }
 }
 
@@ -284,7 +326,7 @@ fn prefill_launch(
             to_u32("attn_prefill", "kv_heads", a.kv.kv_heads)?,
             n_split as u32,
         );
-        let smem = wide_smem_bytes(&d, &k.kv, k.attn.keys) as u32;
+        let smem = prefill_kernel_smem(&d, &k.kv, &k.attn) as u32;
         return launch!(k, s, k.attn_prefill_kernel(), grid, (256, 1, 1), smem;
             q, k_cache, v_cache, k_scales, v_scales, block_tables, mb, cu_seqlens, seq_lens, tile_table, o, hq, hkv,
             page, scale, qt, qh, n_split, row0, part_o, part_ml);
@@ -538,20 +580,49 @@ mod tests {
     fn the_default_tiling_follows_the_shared_memory() {
         let t = AttnTiling::DEFAULT;
         for kv in [KvFormats::BF16, FP8, KvFormats { k: KvDtype::Int4, v: KvDtype::Int8 }] {
-            let h = resolve_tiling(&D, &kv, t, H100);
+            let h = resolve_tiling(&D, &kv, t, (9, 0), H100);
             assert!(h.wide && h.keys == 64, "{kv:?}: {h:?}");
-            let a = resolve_tiling(&D, &kv, t, A100);
+            let a = resolve_tiling(&D, &kv, t, (8, 0), A100);
             assert!(a.wide && a.keys == 32, "{kv:?}: {a:?}");
             // sm_86 / sm_89: attn_prefill at 32-key tiles, which fits their 99 KB.
-            let r = resolve_tiling(&D, &kv, t, RTX3090);
+            let r = resolve_tiling(&D, &kv, t, (8, 6), RTX3090);
             assert!(!r.wide && r.keys == 32, "{kv:?}: {r:?}");
             assert!(prefill_smem_bytes(&D, &kv, &r) <= RTX3090);
         }
         // The hi/lo P split runs on attn_prefill only; a tiling without `wide` is kept as asked.
-        let split = resolve_tiling(&D, &KvFormats::BF16, AttnTiling { p_split: true, ..t }, H100);
+        let split = resolve_tiling(&D, &KvFormats::BF16, AttnTiling { p_split: true, ..t }, (9, 0), H100);
         assert!(!split.wide && split.keys == 32 && split.p_split);
-        let pair = AttnTiling { keys: 64, p_split: false, heads: 3, wide: false };
-        assert_eq!(resolve_tiling(&D, &KvFormats::BF16, pair, H100), pair);
+        let pair = AttnTiling { keys: 64, p_split: false, heads: 3, wide: false, wgmma: false };
+        assert_eq!(resolve_tiling(&D, &KvFormats::BF16, pair, (9, 0), H100), pair);
+    }
+
+    #[test]
+    fn the_warpgroup_kernel_runs_on_hopper_only() {
+        let t = AttnTiling { wgmma: true, ..AttnTiling::DEFAULT };
+        // Q 64 KiB + 2 stages of 64-key K and V + the alignment slack: 193 KiB, inside the H100's 227.
+        assert_eq!(wg_smem_bytes(&D, &KvFormats::BF16), 1024 + 65_536 + 131_072);
+        // fp8: code stages, then the converted bf16 tiles and the f32 scales.
+        assert_eq!(wg_smem_bytes(&D, &FP8), 1024 + 65_536 + 4 * 16_384 + 2 * (32_768 + 256));
+        for kv in [KvFormats::BF16, FP8, KvFormats { k: KvDtype::Int4, v: KvDtype::Int8 }] {
+            let h = resolve_tiling(&D, &kv, t, (9, 0), H100);
+            assert!(h.wide && h.wgmma && h.keys == 64, "{h:?}");
+            assert_eq!(prefill_kernel(&h), "attn_prefill_wg");
+            assert_eq!(prefill_kernel_smem(&D, &kv, &h), wg_smem_bytes(&D, &kv));
+            assert!(wg_smem_bytes(&D, &kv) <= H100);
+        }
+        // Other GPUs, other head dims: the wide kernel (or attn_prefill) as before.
+        for cc in [(8, 0), (8, 9), (10, 0)] {
+            let o = resolve_tiling(&D, &KvFormats::BF16, t, cc, H100);
+            assert!(o.wide && !o.wgmma, "{cc:?}: {o:?}");
+        }
+        for hd in [32, 72, 320] {
+            let d = KernelDims { attn_head_dim: hd, ..D };
+            assert!(!resolve_tiling(&d, &KvFormats::BF16, t, (9, 0), H100).wgmma, "head dim {hd}");
+        }
+        assert!(resolve_tiling(&KernelDims { attn_head_dim: 128, ..D }, &FP8, t, (9, 0), H100).wgmma);
+        // Nor with the hi/lo P split (attn_prefill), nor without `wide`.
+        assert!(!resolve_tiling(&D, &KvFormats::BF16, AttnTiling { p_split: true, ..t }, (9, 0), H100).wgmma);
+        assert!(!resolve_tiling(&D, &KvFormats::BF16, AttnTiling { wide: false, ..t }, (9, 0), H100).wgmma);
     }
 
     #[test]

@@ -78,11 +78,15 @@ impl Kernels {
 
     /// [`Kernels::load`] with the attention kernels reading a KV cache stored in `kv`. The default
     /// tiling, or with `DELTASERVE_ATTN_PREFILL=pair` the warp-pair prefill kernel (`attn_prefill`,
-    /// 32-key tiles) instead of the wide one: an A/B switch for comparing the two end to end.
+    /// 32-key tiles) instead of the wide one: an A/B switch for comparing the two end to end; with
+    /// `DELTASERVE_ATTN_PREFILL=wgmma` the warpgroup kernel where it applies (Hopper).
     pub fn load_kv(rt: &Runtime, dims: KernelDims, kv: KvFormats) -> Result<Kernels, CudaError> {
-        let pair = Switches::get().attn_prefill_pair;
-        let tiling =
-            if pair { AttnTiling { keys: 32, wide: false, ..AttnTiling::DEFAULT } } else { AttnTiling::DEFAULT };
+        let s = Switches::get();
+        let tiling = if s.attn_prefill_pair {
+            AttnTiling { keys: 32, wide: false, ..AttnTiling::DEFAULT }
+        } else {
+            AttnTiling { wgmma: s.attn_prefill_wgmma, ..AttnTiling::DEFAULT }
+        };
         Self::load_tiled(rt, dims, kv, tiling)
     }
 
@@ -92,7 +96,7 @@ impl Kernels {
         kv.validate()?;
         attn.validate(&dims)?;
         // From here on `attn` is the tiling that runs (`wide`: the wide prefill kernel at `keys`).
-        let attn = attention::resolve_tiling(&dims, &kv, attn, rt.max_smem_optin.max(0) as usize);
+        let attn = attention::resolve_tiling(&dims, &kv, attn, rt.cc, rt.max_smem_optin.max(0) as usize);
         let t0 = std::time::Instant::now();
         let arch = rt.arch();
         let trace = crate::trace::defines(rt)?;
@@ -100,7 +104,8 @@ impl Kernels {
             let hs: Vec<_> = SOURCES
                 .iter()
                 .map(|src| {
-                    let arch = arch.as_str();
+                    // The warpgroup prefill kernel's wgmma needs the arch-specific build.
+                    let arch = if attn.wgmma && src.module == "attention" { nvrtc::HOPPER_ARCH } else { arch.as_str() };
                     let mut defines = dims.defines(src.module);
                     defines.extend(kv.defines(src.module));
                     defines.extend(attn.defines(&dims, src.module));
@@ -142,14 +147,7 @@ impl Kernels {
         ]
         .into_iter()
         // The prefill kernel that runs (the other is never launched with these kernels).
-        .chain(std::iter::once((
-            attention::prefill_kernel(&attn),
-            if attn.wide {
-                attention::wide_smem_bytes(&dims, &kv, attn.keys)
-            } else {
-                attention::prefill_smem_bytes(&dims, &kv, &attn)
-            },
-        )))
+        .chain(std::iter::once((attention::prefill_kernel(&attn), attention::prefill_kernel_smem(&dims, &kv, &attn))))
         .chain(w4a16::PAIR_KERNELS.iter().map(|&n| (n, w4a16::PAIR_SMEM_BYTES)))
         .chain(w4a16::FOLD_KERNELS.iter().map(|&n| (n, w4a16::FOLD_KERNEL_SMEM_BYTES)))
         .chain(std::iter::once(("w4_read_probe", w4a16::PAIR_SMEM_BYTES)))

@@ -239,7 +239,12 @@ pub fn prefill(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>
 pub fn prefill_tiled(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
     let Op::AttnPrefillTiled { ref seqs, hq, hkv, page, tiling } = *op else { unreachable!() };
     let kt = Kernels::load_tiled(e.rt, e.k.dims, KvFormats::BF16, tiling)?;
-    attn_case(Env { k: &kt, ..e }, d, rng, seqs, (hq, hkv, page), None)
+    let mut out = attn_case(Env { k: &kt, ..e }, d, rng, seqs, (hq, hkv, page), None)?;
+    // Which kernel the tiling resolved to on this device (the warpgroup kernel on Hopper alone).
+    for o in &mut out {
+        o.detail = format!("{}: {}", kt.attn_prefill_kernel(), o.detail);
+    }
+    Ok(out)
 }
 
 /// [`Op::AttnDecode`]: one new token after `lens[b] − 1` cached ones per sequence, on the

@@ -86,14 +86,21 @@ pub(crate) fn commit_layers(
 /// the wide one) tiled `keys` per KV tile. (The `Op::AttnPrefill` cases run the default tiling: the
 /// wide kernel on devices whose shared memory holds it, as the H200's does.)
 pub(crate) fn tiled(seqs: &[(usize, usize)], page: usize, keys: usize, p_split: bool, heads: usize) -> Op {
-    let tiling = AttnTiling { keys, p_split, heads, wide: false };
+    let tiling = AttnTiling { keys, p_split, heads, wide: false, wgmma: false };
     Op::AttnPrefillTiled { seqs: seqs.to_vec(), hq: 24, hkv: 4, page, tiling }
 }
 
 /// A prefill case on the wide kernel at `keys` per KV tile (where the device's shared memory holds
 /// it: 64 keys on the H200; else the tiling falls back as `Kernels::load_tiled` resolves it).
 pub(crate) fn wide(seqs: &[(usize, usize)], hq: usize, hkv: usize, page: usize, keys: usize) -> Op {
-    let tiling = AttnTiling { keys, p_split: false, heads: 0, wide: true };
+    let tiling = AttnTiling { keys, p_split: false, heads: 0, wide: true, wgmma: false };
+    Op::AttnPrefillTiled { seqs: seqs.to_vec(), hq, hkv, page, tiling }
+}
+
+/// A prefill case on the warpgroup kernel (`attn_prefill_wg`, Hopper; elsewhere the tiling resolves to
+/// the wide kernel and the case checks that). Quantised caches: the `kv_q+attn_prefill` cases.
+pub(crate) fn wg(seqs: &[(usize, usize)], hq: usize, hkv: usize, page: usize) -> Op {
+    let tiling = AttnTiling { wgmma: true, ..AttnTiling::DEFAULT };
     Op::AttnPrefillTiled { seqs: seqs.to_vec(), hq, hkv, page, tiling }
 }
 
@@ -329,6 +336,16 @@ pub(crate) fn attention_cases() -> Vec<Case> {
         c("kv_write+attn_prefill", NEXT_ATTN, wide(&[(0, 100), (50, 33), (7, 1)], 16, 2, 32, 64), ATTN_PLAIN_P),
         c("kv_write+attn_prefill", HD32_G8, wide(&[(70, 40), (0, 16), (9, 1)], 8, 1, 8, 64), ATTN_PLAIN_P),
         c("kv_write+attn_prefill", TINY_ATTN, wide(&[(0, 37), (37, 5), (60, 1)], 4, 2, 16, 64), ATTN_PLAIN_P),
+        // The warpgroup kernel (wgmma): the same page sizes (per-row lookups at 16 and 32, one page a
+        // tile at 64 and 128), a long context, and head dims 256 / 128 / 64 at GQA 6, 8, 2 and 1.
+        c("kv_write+attn_prefill_wg", q, wg(&[(5, 64), (31, 127), (33, 129), (1000, 1)], 24, 4, 32), ATTN_PLAIN_P),
+        c("kv_write+attn_prefill_wg", q, wg(&[(0, 300), (70, 40), (0, 1)], 24, 4, 16), ATTN_PLAIN_P),
+        c("kv_write+attn_prefill_wg", q, wg(&[(0, 63), (64, 65), (100, 17)], 24, 4, 64), ATTN_PLAIN_P),
+        c("kv_write+attn_prefill_wg", q, wg(&[(0, 300), (129, 64)], 24, 4, 128), ATTN_PLAIN_P),
+        c("kv_write+attn_prefill_wg", q, wg(&[(3000, 200), (4100, 3)], 24, 4, 64), ATTN_PLAIN_P),
+        c("kv_write+attn_prefill_wg", NEXT_ATTN, wg(&[(0, 100), (50, 33), (7, 1)], 16, 2, 32), ATTN_PLAIN_P),
+        c("kv_write+attn_prefill_wg", SMALL, wg(&[(17, 63), (0, 64), (64, 65), (40, 2)], 8, 4, 16), ATTN_PLAIN_P),
+        c("kv_write+attn_prefill_wg", HD64_G1, wg(&[(0, 130), (200, 9)], 4, 4, 64), ATTN_PLAIN_P),
         c(
             "kv_write+attn_prefill",
             TINY_ATTN,
@@ -337,7 +354,7 @@ pub(crate) fn attention_cases() -> Vec<Case> {
                 hq: 4,
                 hkv: 2,
                 page: 16,
-                tiling: AttnTiling { keys: 32, p_split: false, heads: 0, wide: false },
+                tiling: AttnTiling { keys: 32, p_split: false, heads: 0, wide: false, wgmma: false },
             },
             ATTN_PLAIN_P,
         ),

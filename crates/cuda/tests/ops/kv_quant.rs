@@ -114,8 +114,9 @@ pub fn kvq_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
     let n = q.q.len();
     let kvp = pages(&w, (kc, vc));
     let scales = attention::KvScales { k: ksc, v: vsc };
-    // Prefill also runs on attn_prefill (the kernel of GPUs without room for the wide one) into op2.
-    let mut op2 = None;
+    // Prefill also runs on attn_prefill (the kernel of GPUs without room for the wide one) into op2,
+    // and on Hopper on the warpgroup kernel into op3.
+    let (mut op2, mut op3) = (None, None);
     match n_split {
         None => {
             let pair = AttnTiling { keys: 32, wide: false, ..AttnTiling::DEFAULT };
@@ -126,6 +127,12 @@ pub fn kvq_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
                 attention::attn_prefill_q(kk, s, &a, &scales)?;
             }
             op2 = Some(o2);
+            let kw = Kernels::load_tiled(rt, k.dims, kv, AttnTiling { wgmma: true, ..AttnTiling::DEFAULT })?;
+            if kw.attn.wgmma {
+                let o3 = d.poison(2 * n)?;
+                attention::attn_prefill_q(&kw, s, &prefill_args(d, &kw, &q, o3, kvp)?, &scales)?;
+                op3 = Some(o3);
+            }
         }
         Some(n_split) if seqs.iter().any(|&(_, n)| n > 1) => {
             // Verify-shaped rows: attn_verify_mma over each sequence's rows in groups, then the same rows
@@ -166,6 +173,9 @@ pub fn kvq_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
             None => "o (attn_prefill)",
         };
         out.push(compare(what, &r, &d.get_bf16(op2, n)?, tol));
+    }
+    if let Some(op3) = op3 {
+        out.push(compare("o (attn_prefill_wg)", &r, &d.get_bf16(op3, n)?, tol));
     }
     Ok(out)
 }
