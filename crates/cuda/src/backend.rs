@@ -181,9 +181,10 @@ pub struct CudaOptions {
     pub fp8_tensor_cores: bool,
     /// Snapshots at points inside a step's chunks (`Capabilities::snapshots_within_chunks`): a prompt's
     /// chunk runs past its message starts, its sequence cut there inside the chunked DeltaNet walk, so
-    /// a turn's new tokens run in the fewest steps the token budget allows. Off (the default until it
-    /// is measured on a GPU): chunks end at snapshot points. `DELTASERVE_SNAPSHOTS_IN_STEP=1` turns it
-    /// on for the server and the benchmarks.
+    /// a turn's new tokens run in the fewest steps the token budget allows (on by default; bitwise the
+    /// state and logits of the same pieces run as steps of their own, bench/results/attention-prefill-
+    /// wgmma-h200-2026-12-05.md §4). Off: chunks end at snapshot points; `DELTASERVE_SNAPSHOTS_IN_STEP=0`
+    /// turns it off for the server and the benchmarks.
     pub snapshots_in_step: bool,
     /// A sparse layer's shared expert runs in decode steps as one more pair per token of the routed
     /// experts' GEMV launches (its gate/up, the SwiGLU and its down join theirs: three launches fewer a
@@ -212,7 +213,7 @@ impl Default for CudaOptions {
             fold_norms: true,
             w4_gemm_max_rows: deltaserve_plan::cuda::W4_GEMM_MAX_ROWS,
             fp8_tensor_cores: true,
-            snapshots_in_step: false,
+            snapshots_in_step: true,
             moe_shared_pairs: false,
             fp8_mma_gemm: false,
         }

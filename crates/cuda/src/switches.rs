@@ -21,10 +21,10 @@ pub struct Switches {
     /// `DELTASERVE_ATTN_PREFILL=pair`: attention prefill runs the warp-pair kernel (`attn_prefill`,
     /// 32-key tiles) instead of the wide one.
     pub attn_prefill_pair: bool,
-    /// `DELTASERVE_ATTN_PREFILL=wgmma`: on Hopper (sm_90), attention prefill runs
-    /// the warpgroup kernel (`attn_prefill_wg`, wgmma from an sm_90a build of the attention module)
-    /// instead of the wide one ([`crate::AttnTiling::wgmma`]).
-    pub attn_prefill_wgmma: bool,
+    /// `DELTASERVE_ATTN_PREFILL=wide`: on Hopper (sm_90) too, attention prefill runs the wide kernel
+    /// (mma.sync, Ampere's path) instead of the warpgroup one (`attn_prefill_wg`, wgmma from an sm_90a
+    /// build of the attention module; [`crate::AttnTiling::wgmma`]).
+    pub attn_prefill_wide: bool,
     /// `DELTASERVE_NVRTC_OPTIONS`: extra NVRTC options (split at whitespace) for every kernel module,
     /// e.g. `-DNAME=VALUE` for a switch a kernel file reads under `#ifndef`.
     pub nvrtc_options: Vec<String>,
@@ -58,8 +58,8 @@ pub struct Switches {
     /// masks are known (`Capabilities::picks_after_launch`); `DELTASERVE_LATER_PICKS=0` makes such a
     /// step wait for its masks before it launches.
     pub later_picks: bool,
-    /// `DELTASERVE_SNAPSHOTS_IN_STEP=1`: snapshots at points inside a step's chunks
-    /// (`CudaOptions::snapshots_in_step`); unset or anything else: chunks end at snapshot points.
+    /// Snapshots at points inside a step's chunks (`CudaOptions::snapshots_in_step`);
+    /// `DELTASERVE_SNAPSHOTS_IN_STEP=0`: chunks end at snapshot points.
     pub snapshots_in_step: bool,
     /// `DELTASERVE_MOE_SHARED_PAIRS=1`: a sparse layer's shared expert runs with the routed experts'
     /// decode GEMVs (`CudaOptions::moe_shared_pairs`); unset or anything else: as the layer's dense MLP.
@@ -86,7 +86,7 @@ impl Switches {
             decode_attn_split: var("DELTASERVE_DECODE_ATTN").is_some_and(|v| v == "split"),
             verify_attn_rows: var("DELTASERVE_VERIFY_ATTN").is_some_and(|v| v == "rows"),
             attn_prefill_pair: var("DELTASERVE_ATTN_PREFILL").is_some_and(|v| v == "pair"),
-            attn_prefill_wgmma: var("DELTASERVE_ATTN_PREFILL").is_some_and(|v| v == "wgmma"),
+            attn_prefill_wide: var("DELTASERVE_ATTN_PREFILL").is_some_and(|v| v == "wide"),
             nvrtc_options: var("DELTASERVE_NVRTC_OPTIONS")
                 .map(|v| v.split_whitespace().map(str::to_string).collect())
                 .unwrap_or_default(),
@@ -98,7 +98,7 @@ impl Switches {
             short_chunk_decode_from: var("DELTASERVE_SHORT_CHUNK_DECODE_FROM").and_then(|v| v.trim().parse().ok()),
             device_masks: var("DELTASERVE_DEVICE_MASKS").is_none_or(|v| v != "0"),
             later_picks: var("DELTASERVE_LATER_PICKS").is_none_or(|v| v != "0"),
-            snapshots_in_step: var("DELTASERVE_SNAPSHOTS_IN_STEP").is_some_and(|v| v == "1"),
+            snapshots_in_step: var("DELTASERVE_SNAPSHOTS_IN_STEP").is_none_or(|v| v != "0"),
             moe_shared_pairs: var("DELTASERVE_MOE_SHARED_PAIRS").is_some_and(|v| v == "1"),
             fp8_mma_gemm: var("DELTASERVE_FP8_MMA").is_some_and(|v| v == "1"),
         }
@@ -125,6 +125,7 @@ impl Switches {
                 w4_gemm: true,
                 device_masks: true,
                 later_picks: true,
+                snapshots_in_step: true,
                 ..Switches::default()
             }
     }
@@ -143,8 +144,8 @@ mod tests {
         let s = from(&[]);
         assert!(!s.any_set());
         assert!(s.fold_norms && s.w4_gemm && s.device_masks && !s.decode_attn_split && !s.attn_prefill_pair);
-        assert!(s.later_picks && !s.snapshots_in_step && !s.moe_shared_pairs && !s.fp8_mma_gemm);
-        assert!(!s.attn_prefill_wgmma);
+        assert!(s.later_picks && s.snapshots_in_step && !s.moe_shared_pairs && !s.fp8_mma_gemm);
+        assert!(!s.attn_prefill_wide);
         assert!(s.pdl.is_none() && s.nvrtc_options.is_empty() && s.trace_cap.is_none());
     }
 
@@ -163,11 +164,11 @@ mod tests {
             ("DELTASERVE_SHORT_CHUNK_DECODE_FROM", "8192"),
             ("DELTASERVE_DEVICE_MASKS", "0"),
             ("DELTASERVE_LATER_PICKS", "0"),
-            ("DELTASERVE_SNAPSHOTS_IN_STEP", "1"),
+            ("DELTASERVE_SNAPSHOTS_IN_STEP", "0"),
             ("DELTASERVE_MOE_SHARED_PAIRS", "1"),
             ("DELTASERVE_FP8_MMA", "1"),
         ]);
-        assert!(!s.device_masks && !s.later_picks && s.snapshots_in_step && s.moe_shared_pairs && s.fp8_mma_gemm);
+        assert!(!s.device_masks && !s.later_picks && !s.snapshots_in_step && s.moe_shared_pairs && s.fp8_mma_gemm);
         assert!(s.any_set());
         assert_eq!(s.pdl.as_deref(), Some("0"));
         assert!(s.decode_attn_split && s.verify_attn_rows && s.attn_prefill_pair && !s.fold_norms && !s.w4_gemm);
@@ -175,8 +176,8 @@ mod tests {
         assert_eq!(s.trace_cap.as_deref(), Some("1024"));
         assert_eq!(s.verify_decode_from, Some(0));
         assert_eq!(s.short_chunk_decode_from, Some(8192));
-        assert!(!s.attn_prefill_wgmma);
-        assert!(from(&[("DELTASERVE_ATTN_PREFILL", "wgmma")]).attn_prefill_wgmma);
+        assert!(!s.attn_prefill_wide);
+        assert!(from(&[("DELTASERVE_ATTN_PREFILL", "wide")]).attn_prefill_wide);
     }
 
     #[test]
@@ -184,13 +185,13 @@ mod tests {
         let s = from(&[
             ("DELTASERVE_DECODE_ATTN", "mma"),
             ("DELTASERVE_VERIFY_ATTN", "together"),
-            ("DELTASERVE_ATTN_PREFILL", "wide"),
+            ("DELTASERVE_ATTN_PREFILL", "wgmma"),
             ("DELTASERVE_FOLD", "1"),
             ("DELTASERVE_DEVICE_MASKS", "1"),
             ("DELTASERVE_VERIFY_DECODE_FROM", "soon"),
         ]);
         assert!(!s.decode_attn_split && !s.verify_attn_rows && !s.attn_prefill_pair && s.fold_norms && s.device_masks);
-        assert!(!s.attn_prefill_wgmma);
+        assert!(!s.attn_prefill_wide);
         assert!(!s.any_set());
     }
 }
