@@ -72,7 +72,7 @@
 #                (and block-FP8 MoE checkpoints), then 35B-A3B decode b1/8/32 with it off and on, 2 rounds
 #   fp8-mma      the mma.sync FP8 GEMM (sm_89+) of prefill projections: its ops cases, the FP8 checkpoint's
 #                backend test, then 27B FP8 prefill 512/4K/16K with it off (cuBLASLt) and on
-#   wgmma        the Hopper attention prefill kernel (DELTASERVE_ATTN_PREFILL=wgmma): ops cases, the attention
+#   wgmma        the Hopper attention prefill kernel (the default there): ops cases, the attention
 #                benchmark, the backend against the CPU, 27B bf16 prefill 4K/32K/128K against the wide kernel
 #   vision       the vision tower at the real shapes: a 1024x1024 image's encode in a step, its attention
 #                alone, and each op kind's time over the 27 blocks
@@ -373,7 +373,7 @@ step_fp8-mma() {
     done
 }
 
-# The warpgroup attention prefill kernel (Hopper, DELTASERVE_ATTN_PREFILL=wgmma): its ops cases against the
+# The warpgroup attention prefill kernel (Hopper's default; DELTASERVE_ATTN_PREFILL=wide: the wide one): its ops cases against the
 # CPU over bf16 and quantised caches (and the wide kernel's split over the keys), the attention benchmark beside
 # the wide kernel, the backend against the CPU with it on, then the 27B prefill at 4K / 32K / 128K with the wide
 # kernel and with it: bf16, and int4 weights with fp8 KV at 24 GiB.
@@ -381,7 +381,7 @@ step_wgmma() {
     DS_OPS_FILTER=attn_prefill test_run ops-wgmma 300 "FAIL|test result|panicked|attn_prefill_wg" ops \
         ops_match_cpu_reference --nocapture --test-threads=1
     DS_BENCH_ATTN=prefill test_run attn-wgmma 200 "attn_prefill|^ +[0-9]|panicked" bench_attention --nocapture --ignored
-    DELTASERVE_ATTN_PREFILL=wgmma test_run backend-wgmma 300 "$TESTS_PAT|attn_prefill" backend --nocapture \
+    test_run backend-wgmma 300 "$TESTS_PAT|attn_prefill" backend --nocapture \
         --test-threads=1 matches_cpu_backend error_by_depth short_chunks_over_long quantized_kv
     local v
     for v in wide wgmma; do

@@ -178,6 +178,22 @@ attn_prefill_wg(const bf16_t* __restrict__ q, const void* __restrict__ k_cache, 
             const int pg = pshift >= 0 ? p >> pshift : p / page;
             return (long long)bt[pg] * page + (p - pg * page);
         };
+#if !KQ_ANY
+        // bf16 K and V: one address for both copies of a (key, chunk).
+        const long long width = (long long)Hkv * HD;
+        const bf16_t* kbase = (const bf16_t*)k_cache + (long long)hkv * HD;
+        const bf16_t* vbase = (const bf16_t*)v_cache + (long long)hkv * HD;
+#pragma unroll 4
+        for (int c = tid; c < WG_BK * CH; c += WG_NT) {
+            const int r = c / CH, ch = c % CH;
+            const int p = kb + r;
+            const bool ok = p < kend;
+            const long long off = (ok ? row_of(p, r) : 0) * width + ch * 8;
+            const u32 d = dst + wg_swz(r, ch, WG_BK);
+            cp_async16(d, kbase + off, ok ? 16 : 0);
+            cp_async16(d + WG_MAT, vbase + off, ok ? 16 : 0);
+        }
+#else
 #pragma unroll
         for (int m = 0; m < 2; m++) {
             const bool quant = m == 0 ? KQ_K : KQ_V;
@@ -195,6 +211,7 @@ attn_prefill_wg(const bf16_t* __restrict__ q, const void* __restrict__ k_cache, 
                 cp_async16(d, src + (row * Hkv + hkv) * rowb + ch * 16, ok ? 16 : 0);
             }
         }
+#endif
         if (KQ_ANY && tid < WG_BK) {
             const int p = kb + tid;
             unsigned short a = 0, b = 0;

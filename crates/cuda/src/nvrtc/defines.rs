@@ -164,12 +164,13 @@ pub struct AttnTiling {
 }
 
 impl AttnTiling {
-    /// The wide kernel at 64 keys per tile where it applies and fits (sm_90), else at 32 (sm_80);
+    /// On Hopper the warpgroup kernel (`attn_prefill_wg`, [`AttnTiling::wgmma`]); elsewhere the wide
+    /// kernel at 64 keys per tile where it applies and fits, else at 32 (sm_80);
     /// elsewhere (sm_86/89: 99 KB of shared memory per block) `attn_prefill` at 32-key tiles. Plain
     /// bf16 P (FlashAttention's choice: its rounding moves o by about 2^-9 of |v|; 17% faster than
     /// the hi/lo split on the H200), 6 heads per block at the 27B's GQA 6 for `attn_prefill`
     /// (bench/results/attention-pairs-h200-2026-11-29.md).
-    pub const DEFAULT: AttnTiling = AttnTiling { keys: 64, p_split: false, heads: 0, wide: true, wgmma: false };
+    pub const DEFAULT: AttnTiling = AttnTiling { keys: 64, p_split: false, heads: 0, wide: true, wgmma: true };
 
     /// The default heads per block: the largest divisor of the GQA group up to 6 (2 warps per head;
     /// 12 warps at most, so 168 registers per thread still fit one block per SM).

@@ -578,7 +578,7 @@ mod tests {
 
     #[test]
     fn the_default_tiling_follows_the_shared_memory() {
-        let t = AttnTiling::DEFAULT;
+        let t = AttnTiling { wgmma: false, ..AttnTiling::DEFAULT };
         for kv in [KvFormats::BF16, FP8, KvFormats { k: KvDtype::Int4, v: KvDtype::Int8 }] {
             let h = resolve_tiling(&D, &kv, t, (9, 0), H100);
             assert!(h.wide && h.keys == 64, "{kv:?}: {h:?}");
@@ -598,7 +598,8 @@ mod tests {
 
     #[test]
     fn the_warpgroup_kernel_runs_on_hopper_only() {
-        let t = AttnTiling { wgmma: true, ..AttnTiling::DEFAULT };
+        let t = AttnTiling::DEFAULT;
+        assert!(t.wgmma, "the default on Hopper");
         // Q 64 KiB + 2 stages of 64-key K and V + the alignment slack: 193 KiB, inside the H100's 227.
         assert_eq!(wg_smem_bytes(&D, &KvFormats::BF16), 1024 + 65_536 + 131_072);
         // fp8: code stages, then the converted bf16 tiles and the f32 scales.

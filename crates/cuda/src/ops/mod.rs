@@ -79,13 +79,13 @@ impl Kernels {
     /// [`Kernels::load`] with the attention kernels reading a KV cache stored in `kv`. The default
     /// tiling, or with `DELTASERVE_ATTN_PREFILL=pair` the warp-pair prefill kernel (`attn_prefill`,
     /// 32-key tiles) instead of the wide one: an A/B switch for comparing the two end to end; with
-    /// `DELTASERVE_ATTN_PREFILL=wgmma` the warpgroup kernel where it applies (Hopper).
+    /// `DELTASERVE_ATTN_PREFILL=wide` the wide kernel on Hopper too, instead of the warpgroup one.
     pub fn load_kv(rt: &Runtime, dims: KernelDims, kv: KvFormats) -> Result<Kernels, CudaError> {
         let s = Switches::get();
         let tiling = if s.attn_prefill_pair {
             AttnTiling { keys: 32, wide: false, ..AttnTiling::DEFAULT }
         } else {
-            AttnTiling { wgmma: s.attn_prefill_wgmma, ..AttnTiling::DEFAULT }
+            AttnTiling { wgmma: !s.attn_prefill_wide, ..AttnTiling::DEFAULT }
         };
         Self::load_tiled(rt, dims, kv, tiling)
     }

@@ -91,14 +91,15 @@ pub(crate) fn tiled(seqs: &[(usize, usize)], page: usize, keys: usize, p_split: 
 }
 
 /// A prefill case on the wide kernel at `keys` per KV tile (where the device's shared memory holds
-/// it: 64 keys on the H200; else the tiling falls back as `Kernels::load_tiled` resolves it).
+/// it: 64 keys on the H200, where it is not the default; else the tiling falls back as
+/// `Kernels::load_tiled` resolves it).
 pub(crate) fn wide(seqs: &[(usize, usize)], hq: usize, hkv: usize, page: usize, keys: usize) -> Op {
     let tiling = AttnTiling { keys, p_split: false, heads: 0, wide: true, wgmma: false };
     Op::AttnPrefillTiled { seqs: seqs.to_vec(), hq, hkv, page, tiling }
 }
 
-/// A prefill case on the warpgroup kernel (`attn_prefill_wg`, Hopper; elsewhere the tiling resolves to
-/// the wide kernel and the case checks that). Quantised caches: the `kv_q+attn_prefill` cases.
+/// A prefill case on the warpgroup kernel (`attn_prefill_wg`, the default on Hopper; elsewhere the tiling
+/// resolves to the wide kernel and the case checks that). Quantised caches: the `kv_q+attn_prefill` cases.
 pub(crate) fn wg(seqs: &[(usize, usize)], hq: usize, hkv: usize, page: usize) -> Op {
     let tiling = AttnTiling { wgmma: true, ..AttnTiling::DEFAULT };
     Op::AttnPrefillTiled { seqs: seqs.to_vec(), hq, hkv, page, tiling }

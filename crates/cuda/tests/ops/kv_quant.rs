@@ -115,7 +115,7 @@ pub fn kvq_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
     let kvp = pages(&w, (kc, vc));
     let scales = attention::KvScales { k: ksc, v: vsc };
     // Prefill also runs on attn_prefill (the kernel of GPUs without room for the wide one) into op2,
-    // and on Hopper on the warpgroup kernel into op3.
+    // and on Hopper, where the default is the warpgroup kernel, on the wide kernel into op3.
     let (mut op2, mut op3) = (None, None);
     match n_split {
         None => {
@@ -127,8 +127,8 @@ pub fn kvq_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
                 attention::attn_prefill_q(kk, s, &a, &scales)?;
             }
             op2 = Some(o2);
-            let kw = Kernels::load_tiled(rt, k.dims, kv, AttnTiling { wgmma: true, ..AttnTiling::DEFAULT })?;
-            if kw.attn.wgmma {
+            let kw = Kernels::load_tiled(rt, k.dims, kv, AttnTiling { wgmma: false, ..AttnTiling::DEFAULT })?;
+            if kq.attn.wgmma {
                 let o3 = d.poison(2 * n)?;
                 attention::attn_prefill_q(&kw, s, &prefill_args(d, &kw, &q, o3, kvp)?, &scales)?;
                 op3 = Some(o3);
@@ -175,7 +175,7 @@ pub fn kvq_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
         out.push(compare(what, &r, &d.get_bf16(op2, n)?, tol));
     }
     if let Some(op3) = op3 {
-        out.push(compare("o (attn_prefill_wg)", &r, &d.get_bf16(op3, n)?, tol));
+        out.push(compare("o (the wide kernel)", &r, &d.get_bf16(op3, n)?, tol));
     }
     Ok(out)
 }
