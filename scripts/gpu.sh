@@ -150,7 +150,7 @@ smi_stop() { kill "$SMI" 2>/dev/null; sort -t, -k2 -n "$1" | tail -n 1 | sed 's/
 
 step_ops() {
     test_run kernels_check 120 "NVRTC|module builds|FAIL|test result" kernels_check --nocapture
-    test_run ops 240 "FAIL|test result|panicked" ops --nocapture --test-threads=1 ops_match_cpu_reference
+    test_run ops 480 "FAIL|test result|panicked" ops --nocapture --test-threads=1 ops_match_cpu_reference
 }
 step_gdn() { test_run gdn 120 "^\||BENCH|panicked" ops --nocapture --ignored bench_gdn_prefill_27b; }
 step_w4() { test_run w4 200 "BENCH|pair|panicked|Best|units|rows" bench_w4 --nocapture --ignored bench_w4_27b; }
