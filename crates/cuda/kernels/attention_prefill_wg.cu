@@ -24,7 +24,7 @@
 // Smem (ops/attention.rs wg_smem_bytes): 1 KB of alignment slack, Q 128 x HD x 2, 2 stages of K + V
 // (a bf16 matrix as its swizzled tile, 64 x HD x 2, a quantised one as its codes), each quantised
 // matrix's bf16 tile, then its f32 tile scales: 193 KB at HD 256 with bf16 K/V, 193.5 KB with fp8.
-#define WG_ROWS 128
+#define WG_ROWS PW_ROWS  // the wide kernels' tiles (WideTile)
 #define WG_NT 256
 #define WG_BK 64
 #define WG_Q_BYTES (WG_ROWS * HD * 2)
@@ -56,26 +56,13 @@ __device__ __forceinline__ unsigned long long wg_desc(u32 addr, u32 lbo, u32 sbo
            ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
 }
 
-// Widens a tile of codes (`rowb` bytes a key, as they landed in the stage) into its swizzled bf16
-// tile: 8 elements, one 16-byte store, a thread at a time.
+// Widens a tile of codes (as they landed in the stage) into its swizzled bf16 tile: 8 elements, one
+// 16-byte store, a thread at a time.
 template <int FMT>
 __device__ __forceinline__ void wg_convert_tile(const unsigned char* raw, u32 cv, int tid) {
     for (int c = tid; c < WG_BK * (HD / 8); c += WG_NT) {
         const int r = c / (HD / 8), ch = c % (HD / 8);
-        uint4 o;
-        if (FMT == KVF_INT4) {
-            const u32 w = *(const u32*)(raw + r * (HD / 2) + ch * 4);
-            o.x = kv_codes_bf16x2<FMT>(w, w >> 4);
-            o.y = kv_codes_bf16x2<FMT>(w >> 8, w >> 12);
-            o.z = kv_codes_bf16x2<FMT>(w >> 16, w >> 20);
-            o.w = kv_codes_bf16x2<FMT>(w >> 24, w >> 28);
-        } else {
-            const uint2 w = *(const uint2*)(raw + r * HD + ch * 8);
-            o.x = kv_codes_bf16x2<FMT>(w.x, w.x >> 8);
-            o.y = kv_codes_bf16x2<FMT>(w.x >> 16, w.x >> 24);
-            o.z = kv_codes_bf16x2<FMT>(w.y, w.y >> 8);
-            o.w = kv_codes_bf16x2<FMT>(w.y >> 16, w.y >> 24);
-        }
+        const uint4 o = kv_widen8<FMT>(raw, r, ch);
         asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(cv + wg_swz(r, ch, WG_BK)), "r"(o.x), "r"(o.y),
                      "r"(o.z), "r"(o.w)
                      : "memory");
@@ -130,25 +117,11 @@ attn_prefill_wg(const bf16_t* __restrict__ q, const void* __restrict__ k_cache, 
     unsigned char* const sptr = wg_smem + (sbase - smem_addr(wg_smem));  // the aligned base, generic
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int g = lane >> 2, tg = lane & 3;
-    const int tile = gridDim.x - 1 - blockIdx.x;
-    const int s = tile_table[2 * tile], rt = tile_table[2 * tile + 1];
-    const int hkv = blockIdx.y;
-    const int qstart = cu_seqlens[s], qlen = cu_seqlens[s + 1] - qstart;
-    const int past = seq_lens[s] - qlen;
-    const int r0 = rt * WG_ROWS;
-    const int nrows = min(WG_ROWS, qlen * GQA_GROUP - r0);
-    const int first_q = past + r0 / GQA_GROUP;
-    const int kend = past + (r0 + nrows - 1) / GQA_GROUP + 1;
-    const int n_kt = (kend + WG_BK - 1) / WG_BK;
-    const int per = (n_kt + n_split - 1) / n_split;
-    const int jb = part_o ? blockIdx.z * per : 0, je = part_o ? min(n_kt, jb + per) : n_kt;
+    const WideTile wt = wide_tile<WG_BK>(tile_table, cu_seqlens, seq_lens, n_split, part_o != nullptr);
+    const int s = wt.s, hkv = wt.hkv, qstart = wt.qstart, past = wt.past, r0 = wt.r0, nrows = wt.nrows;
+    const int first_q = wt.first_q, kend = wt.kend, jb = wt.jb, je = wt.je;
     if (jb >= je) {
-        for (int r = tid; r < nrows; r += WG_NT) {
-            const int pr = r0 + r, i = pr / GQA_GROUP, hh = pr - i * GQA_GROUP;
-            const long long prow = ((long long)(qstart + i - row0) * Hq + hkv * GQA_GROUP + hh) * n_split + blockIdx.z;
-            part_ml[2 * prow] = NEG_INF;
-            part_ml[2 * prow + 1] = 0.0f;
-        }
+        wide_mark_empty<WG_NT>(wt, part_ml, Hq, n_split, row0, tid);
         return;
     }
     const int* bt = block_tables + (long long)s * max_blocks;
@@ -369,10 +342,9 @@ attn_prefill_wg(const bf16_t* __restrict__ q, const void* __restrict__ k_cache, 
     for (int hf = 0; hf < 2; hf++) {
         const int r = rown + 8 * hf;
         if (r >= nrows) continue;
-        const int pr = r0 + r, i = pr / GQA_GROUP, hh = pr - i * GQA_GROUP;
         if (part_o) {
             // Split: the row's unnormalised O and (max in the log2 domain, sum), attn_decode_combine's layout.
-            const long long prow = ((long long)(qstart + i - row0) * Hq + hkv * GQA_GROUP + hh) * n_split + blockIdx.z;
+            const long long prow = wide_prow(wt, r, Hq, n_split, row0);
             float* po = part_o + prow * HD + 2 * tg;
 #pragma unroll
             for (int b = 0; b < NB; b++)
@@ -384,6 +356,7 @@ attn_prefill_wg(const bf16_t* __restrict__ q, const void* __restrict__ k_cache, 
                 part_ml[2 * prow + 1] = hf ? l1 : l0;
             }
         } else {
+            const int pr = r0 + r, i = pr / GQA_GROUP, hh = pr - i * GQA_GROUP;
             const float l = hf ? l1 : l0;
             const float inv = l > 0.0f ? 1.0f / l : 0.0f;
             bf16_t* orow = o + ((long long)(qstart + i) * Hq + hkv * GQA_GROUP + hh) * HD + 2 * tg;

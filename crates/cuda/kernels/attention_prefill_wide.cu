@@ -52,6 +52,52 @@ __host__ __device__ constexpr int pw_xch(int bk) { return pw_scv(bk) + (KQ_V ? b
 __host__ __device__ constexpr int pw_xa(int bk) { return pw_xch(bk) + PW_NW * 32 * bk; }
 // The block's dynamic shared memory ends after the factor exchange: pw_xa(bk) + PW_NW * 32 * 8 bytes.
 
+// A block's tile of PW_ROWS packed rows of one sequence for kv head blockIdx.y (the wide kernels and
+// attn_prefill_wg), and its share of the tile's KV tiles of BK keys: jb .. je of them, all without a
+// split; with one (`split`: part_o given) the blockIdx.z-th of n_split equal runs.
+struct WideTile {
+    int s, hkv, qstart, past, r0, nrows, first_q, kend, jb, je;
+};
+
+template <int BK>
+__device__ __forceinline__ WideTile wide_tile(const int* __restrict__ tile_table, const int* __restrict__ cu_seqlens,
+                                              const int* __restrict__ seq_lens, int n_split, bool split) {
+    WideTile t;
+    const int tile = gridDim.x - 1 - blockIdx.x;
+    t.s = tile_table[2 * tile];
+    const int rt = tile_table[2 * tile + 1];
+    t.hkv = blockIdx.y;
+    t.qstart = cu_seqlens[t.s];
+    const int qlen = cu_seqlens[t.s + 1] - t.qstart;
+    t.past = seq_lens[t.s] - qlen;
+    t.r0 = rt * PW_ROWS;
+    t.nrows = min(PW_ROWS, qlen * GQA_GROUP - t.r0);
+    t.first_q = t.past + t.r0 / GQA_GROUP;
+    t.kend = t.past + (t.r0 + t.nrows - 1) / GQA_GROUP + 1;
+    const int n_kt = (t.kend + BK - 1) / BK;
+    const int per = (n_kt + n_split - 1) / n_split;
+    t.jb = split ? blockIdx.z * per : 0;
+    t.je = split ? min(n_kt, t.jb + per) : n_kt;
+    return t;
+}
+
+// The partial (attn_decode_combine's layout: query - row0, head, split) of the tile's row r.
+__device__ __forceinline__ long long wide_prow(const WideTile& t, int r, int Hq, int n_split, int row0) {
+    const int pr = t.r0 + r, i = pr / GQA_GROUP, hh = pr - i * GQA_GROUP;
+    return ((long long)(t.qstart + i - row0) * Hq + t.hkv * GQA_GROUP + hh) * n_split + blockIdx.z;
+}
+
+// A split past its tile's last KV tile: marks the rows' partials empty (NT threads).
+template <int NT>
+__device__ __forceinline__ void wide_mark_empty(const WideTile& t, float* __restrict__ part_ml, int Hq, int n_split,
+                                                int row0, int tid) {
+    for (int r = tid; r < t.nrows; r += NT) {
+        const long long prow = wide_prow(t, r, Hq, n_split, row0);
+        part_ml[2 * prow] = NEG_INF;
+        part_ml[2 * prow + 1] = 0.0f;
+    }
+}
+
 template <int BK>
 __device__ __forceinline__ void wide_body(const bf16_t* __restrict__ q, const void* __restrict__ k_cache,
                                           const void* __restrict__ v_cache,
@@ -69,27 +115,13 @@ __device__ __forceinline__ void wide_body(const bf16_t* __restrict__ q, const vo
     const int g = lane >> 2, tg = lane & 3;
     const int pair = warp >> 1, half = warp & 1;
     const int d0 = half * PF_HALF;
-    const int tile = gridDim.x - 1 - blockIdx.x;
-    const int s = tile_table[2 * tile], rt = tile_table[2 * tile + 1];
-    const int hkv = blockIdx.y;
-    const int qstart = cu_seqlens[s], qlen = cu_seqlens[s + 1] - qstart;
-    const int past = seq_lens[s] - qlen;
-    const int r0 = rt * PW_ROWS;
-    const int nrows = min(PW_ROWS, qlen * GQA_GROUP - r0);
-    const int first_q = past + r0 / GQA_GROUP;
-    const int kend = past + (r0 + nrows - 1) / GQA_GROUP + 1;
-    const int n_kt = (kend + BK - 1) / BK;
-    // Split over the keys (part_o given): this block's KV tiles jb .. je of the n_kt, its unnormalised
-    // partials to part_o / part_ml. A split past the block's last tile only marks its rows empty.
-    const int per = (n_kt + n_split - 1) / n_split;
-    const int jb = part_o ? blockIdx.z * per : 0, je = part_o ? min(n_kt, jb + per) : n_kt;
+    // Split over the keys (part_o given): this block's KV tiles jb .. je, its unnormalised partials to
+    // part_o / part_ml. A split past the block's last tile only marks its rows empty.
+    const WideTile wt = wide_tile<BK>(tile_table, cu_seqlens, seq_lens, n_split, part_o != nullptr);
+    const int s = wt.s, hkv = wt.hkv, qstart = wt.qstart, past = wt.past, r0 = wt.r0, nrows = wt.nrows;
+    const int first_q = wt.first_q, kend = wt.kend, jb = wt.jb, je = wt.je;
     if (jb >= je) {
-        for (int r = tid; r < nrows; r += PW_NT) {
-            const int pr = r0 + r, i = pr / GQA_GROUP, hh = pr - i * GQA_GROUP;
-            const long long prow = ((long long)(qstart + i - row0) * Hq + hkv * GQA_GROUP + hh) * n_split + blockIdx.z;
-            part_ml[2 * prow] = NEG_INF;
-            part_ml[2 * prow + 1] = 0.0f;
-        }
+        wide_mark_empty<PW_NT>(wt, part_ml, Hq, n_split, row0, tid);
         return;
     }
     const long long width = (long long)Hkv * HD;
@@ -351,9 +383,7 @@ __device__ __forceinline__ void wide_body(const bf16_t* __restrict__ q, const vo
             for (int hf = 0; hf < 2; hf++) {
                 const int r = 32 * pair + 16 * mt + 8 * hf + g;
                 if (r >= nrows) continue;
-                const int pr = r0 + r, i = pr / GQA_GROUP, hh = pr - i * GQA_GROUP;
-                const long long prow =
-                    ((long long)(qstart + i - row0) * Hq + hkv * GQA_GROUP + hh) * n_split + blockIdx.z;
+                const long long prow = wide_prow(wt, r, Hq, n_split, row0);
                 float* po = part_o + prow * HD + d0 + 2 * tg;
 #pragma unroll
                 for (int n = 0; n < PF_HALF / 8; n++)

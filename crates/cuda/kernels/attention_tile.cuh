@@ -125,26 +125,33 @@ __device__ __forceinline__ u32 dm_i4(u32 x) {
 #define PF_STR (HD + 8)                // smem row stride in bf16 (16-byte pad)
 #define PF_CH (HD / 8)                 // 16-byte chunks per K/V row
 
+// The 8 codes of row r's 16-byte bf16 chunk ch in a tile of raw codes (rows packed as they landed:
+// HD / 2 bytes for int4, HD for the 8-bit formats), widened to bf16 (exact).
+template <int FMT>
+__device__ __forceinline__ uint4 kv_widen8(const unsigned char* raw, int r, int ch) {
+    uint4 o;
+    if (FMT == KVF_INT4) {
+        const u32 w = *(const u32*)(raw + r * (HD / 2) + ch * 4);
+        o.x = kv_codes_bf16x2<FMT>(w, w >> 4);
+        o.y = kv_codes_bf16x2<FMT>(w >> 8, w >> 12);
+        o.z = kv_codes_bf16x2<FMT>(w >> 16, w >> 20);
+        o.w = kv_codes_bf16x2<FMT>(w >> 24, w >> 28);
+    } else {
+        const uint2 w = *(const uint2*)(raw + r * HD + ch * 8);
+        o.x = kv_codes_bf16x2<FMT>(w.x, w.x >> 8);
+        o.y = kv_codes_bf16x2<FMT>(w.x >> 16, w.x >> 24);
+        o.z = kv_codes_bf16x2<FMT>(w.y, w.y >> 8);
+        o.w = kv_codes_bf16x2<FMT>(w.y >> 16, w.y >> 24);
+    }
+    return o;
+}
+
 // Widens the raw codes of one tile (BK rows) into bf16 codes with the padded tile layout (NT threads).
 template <int FMT, int NT, int BK>
 __device__ __forceinline__ void pf_convert_tile(const unsigned char* raw, unsigned char* cv, int tid) {
     for (int c = tid; c < BK * (HD / 8); c += NT) {
         const int r = c / (HD / 8), ch = c % (HD / 8);  // 8 elements: one 16-byte bf16 store
-        uint4 o;
-        if (FMT == KVF_INT4) {
-            const u32 w = *(const u32*)(raw + r * (HD / 2) + ch * 4);
-            o.x = kv_codes_bf16x2<FMT>(w, w >> 4);
-            o.y = kv_codes_bf16x2<FMT>(w >> 8, w >> 12);
-            o.z = kv_codes_bf16x2<FMT>(w >> 16, w >> 20);
-            o.w = kv_codes_bf16x2<FMT>(w >> 24, w >> 28);
-        } else {
-            const uint2 w = *(const uint2*)(raw + r * HD + ch * 8);
-            o.x = kv_codes_bf16x2<FMT>(w.x, w.x >> 8);
-            o.y = kv_codes_bf16x2<FMT>(w.x >> 16, w.x >> 24);
-            o.z = kv_codes_bf16x2<FMT>(w.y, w.y >> 8);
-            o.w = kv_codes_bf16x2<FMT>(w.y >> 16, w.y >> 24);
-        }
-        *(uint4*)(cv + (r * PF_STR + ch * 8) * 2) = o;
+        *(uint4*)(cv + (r * PF_STR + ch * 8) * 2) = kv_widen8<FMT>(raw, r, ch);
     }
 }
 

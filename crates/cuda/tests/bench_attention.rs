@@ -132,10 +132,6 @@ fn bench_attn_prefill_27b() {
     let mode = std::env::var("DS_BENCH_ATTN").unwrap_or_default();
     let decode_only = mode == "decode" || mode == "verify";
     let mut tilings = if decode_only { Vec::new() } else { vec![AttnTiling::DEFAULT] };
-    // The default is the warpgroup kernel on Hopper: the wide kernel beside it.
-    if !decode_only && rt.cc == (9, 0) {
-        tilings.push(AttnTiling { wgmma: false, ..AttnTiling::DEFAULT });
-    }
     for keys in [32, 64].into_iter().filter(|_| !decode_only) {
         let t = AttnTiling { keys, wgmma: false, ..AttnTiling::DEFAULT };
         if !tilings.contains(&t) {

@@ -10,8 +10,16 @@ use crate::error::CudaError;
 pub const CHECK_ARCHS: &[&str] = &["sm_80", "sm_86", "sm_89", "sm_90"];
 
 /// The arch-specific target of Hopper's additional paths (wgmma): where the checked archs include
-/// sm_90, [`kernels_check`] also builds the attention module for it (bf16, fp8 and int8/int4 KV).
+/// sm_90, [`kernels_check`] also builds the attention module for it ([`CHECK_WGMMA`]).
 pub const HOPPER_ARCH: &str = "sm_90a";
+
+/// The [`HOPPER_ARCH`] builds of the attention module that [`kernels_check`] compiles (the wgmma
+/// prefill kernel's body exists only there): bf16, one 8-bit and one mixed pair of quantised formats.
+pub const CHECK_WGMMA: &[(KvFormats, &str)] = &[
+    (KvFormats::BF16, "attention[wgmma]"),
+    (KvFormats { k: KvDtype::Fp8, v: KvDtype::Fp8 }, "attention[wgmma fp8/fp8]"),
+    (KvFormats { k: KvDtype::Int8, v: KvDtype::Int4 }, "attention[wgmma int8/int4]"),
+];
 
 /// Quantised-KV builds of the attention module that [`kernels_check`] compiles besides the bf16
 /// one: every format's K path and V path at least once, and mixed pairs.
@@ -106,14 +114,8 @@ pub fn kernels_check_where(
         archs.iter().flat_map(|a| sources.iter().map(move |s| (*s, *a, KvFormats::BF16, s.module))).collect();
     if let Some(&attn) = sources.iter().find(|s| s.module == "attention") {
         jobs.extend(archs.iter().flat_map(|a| CHECK_KV.iter().map(move |&(kv, label)| (attn, *a, kv, label))));
-        // The wgmma prefill kernel's body exists only in the sm_90a build.
         if archs.contains(&"sm_90") {
-            jobs.push((attn, HOPPER_ARCH, KvFormats::BF16, "attention[wgmma]"));
-            jobs.extend(CHECK_KV[..2].iter().map(|&(kv, _)| {
-                let label =
-                    if kv.k == KvDtype::Fp8 { "attention[wgmma fp8/fp8]" } else { "attention[wgmma int8/int4]" };
-                (attn, HOPPER_ARCH, kv, label)
-            }));
+            jobs.extend(CHECK_WGMMA.iter().map(|&(kv, label)| (attn, HOPPER_ARCH, kv, label)));
         }
     }
     let lines = std::thread::scope(|scope| {

@@ -20,11 +20,18 @@ pub const Q_TILE: usize = deltaserve_plan::cuda::ATTN_Q_TILE;
 /// exchange (16 f32 per key and warp).
 pub(crate) fn prefill_smem_bytes(d: &KernelDims, kv: &KvFormats, t: &AttnTiling) -> usize {
     let (hd, keys) = (d.attn_head_dim, t.keys);
-    let tile = keys * (hd + 8) * 2;
+    let warps = 2 * t.heads_per_block(d.gqa_group);
+    kv_tiles_bytes(kv, keys, hd, keys * (hd + 8) * 2) + warps * keys * 64
+}
+
+/// The K/V part of a prefill kernel's shared memory at `keys` per KV tile and bf16 tiles of
+/// `tile` bytes (rows padded or not, as the kernel lays them out): 2 stages of K and V (a bf16 matrix as
+/// its tile, a quantised one as its codes), then for each quantised matrix its converted bf16 tile and
+/// the tile's f32 scales.
+fn kv_tiles_bytes(kv: &KvFormats, keys: usize, hd: usize, tile: usize) -> usize {
     let part = |f: KvDtype| if f == KvDtype::Bf16 { tile } else { keys * hd * f.bits() as usize / 8 };
     let extra = |f: KvDtype| if f == KvDtype::Bf16 { 0 } else { tile + 4 * keys };
-    let warps = 2 * t.heads_per_block(d.gqa_group);
-    2 * (part(kv.k) + part(kv.v)) + extra(kv.k) + extra(kv.v) + warps * keys * 64
+    2 * (part(kv.k) + part(kv.v)) + extra(kv.k) + extra(kv.v)
 }
 
 /// Packed (query, head) rows per block of `attn_prefill_wide` (row r of a sequence: query
@@ -38,10 +45,7 @@ pub const WIDE_ROWS: usize = 128;
 /// factors (a float2 per lane and warp).
 pub(crate) fn wide_smem_bytes(d: &KernelDims, kv: &KvFormats, keys: usize) -> usize {
     let hd = d.attn_head_dim;
-    let tile = keys * (hd + 8) * 2;
-    let part = |f: KvDtype| if f == KvDtype::Bf16 { tile } else { keys * hd * f.bits() as usize / 8 };
-    let extra = |f: KvDtype| if f == KvDtype::Bf16 { 0 } else { tile + 4 * keys };
-    WIDE_ROWS * hd * 2 + 2 * (part(kv.k) + part(kv.v)) + extra(kv.k) + extra(kv.v) + 8 * 32 * keys + 8 * 32 * 8
+    WIDE_ROWS * hd * 2 + kv_tiles_bytes(kv, keys, hd, keys * (hd + 8) * 2) + 8 * 32 * keys + 8 * 32 * 8
 }
 
 /// Dynamic shared memory of `attn_prefill_wg` (the WG_* layout in attention_prefill_wg.cu): 1 KB to
@@ -50,10 +54,7 @@ pub(crate) fn wide_smem_bytes(d: &KernelDims, kv: &KvFormats, keys: usize) -> us
 /// bf16 tile, then its f32 tile scales.
 pub(crate) fn wg_smem_bytes(d: &KernelDims, kv: &KvFormats) -> usize {
     let hd = d.attn_head_dim;
-    let tile = WG_KEYS * hd * 2;
-    let part = |f: KvDtype| if f == KvDtype::Bf16 { tile } else { WG_KEYS * hd * f.bits() as usize / 8 };
-    let extra = |f: KvDtype| if f == KvDtype::Bf16 { 0 } else { tile + 4 * WG_KEYS };
-    1024 + WIDE_ROWS * hd * 2 + 2 * (part(kv.k) + part(kv.v)) + extra(kv.k) + extra(kv.v)
+    1024 + WIDE_ROWS * hd * 2 + kv_tiles_bytes(kv, WG_KEYS, hd, WG_KEYS * hd * 2)
 }
 
 /// Keys per KV tile of `attn_prefill_wg`.
