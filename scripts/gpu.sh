@@ -72,8 +72,10 @@
 #                (and block-FP8 MoE checkpoints), then 35B-A3B decode b1/8/32 with it off and on, 2 rounds
 #   fp8-mma      the mma.sync FP8 GEMM (sm_89+) of prefill projections: its ops cases, the FP8 checkpoint's
 #                backend test, then 27B FP8 prefill 512/4K/16K with it off (cuBLASLt) and on
-#   wgmma        the Hopper attention prefill kernel (the default there): ops cases, the attention
-#                benchmark, the backend against the CPU, 27B bf16 prefill 4K/32K/128K against the wide kernel
+#   wgmma        the Hopper attention prefill kernels (wgmma the default there; the warp-specialised one
+#                with DELTASERVE_ATTN_PREFILL=ws): ops cases, the attention benchmark (and the warp-specialised
+#                kernel's build variants), the backend against the CPU, 27B prefill 4K/32K/128K (bf16; int4 +
+#                fp8 KV at 24 GiB) on the wide, the warpgroup and the warp-specialised kernel
 #   vision       the vision tower at the real shapes: a 1024x1024 image's encode in a step, its attention
 #                alone, and each op kind's time over the 27 blocks
 #   tp           on 2 GPUs: NCCL and TP=2 tests, `bench` at TP=2 and TP=1 (chart: tp.svg), the TP=2 probe
@@ -378,16 +380,27 @@ step_fp8-mma() {
 # the wide kernel, the backend against the CPU with it on, then the 27B prefill at 4K / 32K / 128K with the wide
 # kernel and with it: bf16, and int4 weights with fp8 KV at 24 GiB.
 step_wgmma() {
-    DS_OPS_FILTER=attn_prefill test_run ops-wgmma 300 "FAIL|test result|panicked|attn_prefill_wg" ops \
+    DS_OPS_FILTER=attn_prefill test_run ops-wgmma 300 "FAIL|test result|panicked|attn_prefill_w" ops \
         ops_match_cpu_reference --nocapture --test-threads=1
     DS_BENCH_ATTN=prefill test_run attn-wgmma 200 "attn_prefill|^ +[0-9]|panicked" bench_attention --nocapture --ignored
     test_run backend-wgmma 300 "$TESTS_PAT|attn_prefill" backend --nocapture \
         --test-threads=1 matches_cpu_backend error_by_depth short_chunks_over_long quantized_kv
+    DELTASERVE_ATTN_PREFILL=ws test_run backend-ws 300 "$TESTS_PAT|attn_prefill" backend --nocapture \
+        --test-threads=1 matches_cpu_backend error_by_depth short_chunks_over_long
     local v
-    for v in wide wgmma; do
+    # The warp-specialised kernel's build variants (its products overlapped with the softmax; the
+    # warpgroups taking turns) in the attention benchmark.
+    local o
+    for o in "-DWS_OVERLAP=1" "-DWS_OVERLAP=1 -DWS_PINGPONG=1"; do
+        DELTASERVE_NVRTC_OPTIONS="$o" DS_BENCH_ATTN=prefill test_run "attn-ws${o//[^0-9A-Z]/}" 200 \
+            "attn_prefill|^ +[0-9]|panicked" bench_attention --nocapture --ignored
+    done
+    # wide: mma.sync; default: wgmma (attn_prefill_wg); ws: the warp-specialised kernel (bf16 caches).
+    for v in wide default ws; do
         # shellcheck disable=SC2086 # word lists of arguments
         DELTASERVE_ATTN_PREFILL=$v ds "wgmma-$v" 300 bench $Q27 --prompts 4096,32768,131072 --contexts 1024 \
             --batches 1 --verify-tokens 0 --short-chunks 0
+        [[ $v == ws ]] && continue  # an fp8 cache runs attn_prefill_wg
         # shellcheck disable=SC2086
         DELTASERVE_ATTN_PREFILL=$v ds "wgmma-int4-$v" 300 bench $Q27 --weights-dtype int4 --kv-cache-dtype fp8 \
             --memory 24GiB --prompts 4096,32768,131072 --contexts 1024 --batches 1 --verify-tokens 0 --short-chunks 0

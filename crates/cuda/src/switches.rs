@@ -25,6 +25,10 @@ pub struct Switches {
     /// (mma.sync, Ampere's path) instead of the warpgroup one (`attn_prefill_wg`, wgmma from an sm_90a
     /// build of the attention module; [`crate::AttnTiling::wgmma`]).
     pub attn_prefill_wide: bool,
+    /// `DELTASERVE_ATTN_PREFILL=ws`: on Hopper with a bf16 cache, attention prefill runs the
+    /// warp-specialised kernel (`attn_prefill_ws`: a TMA producer warpgroup, two consumer warpgroups;
+    /// [`crate::AttnTiling::tma`]) instead of the warpgroup one whose threads all load and compute.
+    pub attn_prefill_ws: bool,
     /// `DELTASERVE_NVRTC_OPTIONS`: extra NVRTC options (split at whitespace) for every kernel module,
     /// e.g. `-DNAME=VALUE` for a switch a kernel file reads under `#ifndef`.
     pub nvrtc_options: Vec<String>,
@@ -87,6 +91,7 @@ impl Switches {
             verify_attn_rows: var("DELTASERVE_VERIFY_ATTN").is_some_and(|v| v == "rows"),
             attn_prefill_pair: var("DELTASERVE_ATTN_PREFILL").is_some_and(|v| v == "pair"),
             attn_prefill_wide: var("DELTASERVE_ATTN_PREFILL").is_some_and(|v| v == "wide"),
+            attn_prefill_ws: var("DELTASERVE_ATTN_PREFILL").is_some_and(|v| v == "ws"),
             nvrtc_options: var("DELTASERVE_NVRTC_OPTIONS")
                 .map(|v| v.split_whitespace().map(str::to_string).collect())
                 .unwrap_or_default(),
@@ -178,6 +183,7 @@ mod tests {
         assert_eq!(s.short_chunk_decode_from, Some(8192));
         assert!(!s.attn_prefill_wide);
         assert!(from(&[("DELTASERVE_ATTN_PREFILL", "wide")]).attn_prefill_wide);
+        assert!(from(&[("DELTASERVE_ATTN_PREFILL", "ws")]).attn_prefill_ws);
     }
 
     #[test]

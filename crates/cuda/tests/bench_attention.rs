@@ -12,8 +12,9 @@
 //! on attn_decode_split and attn_decode_mma: K/V bytes read per second against the 4.26 TB/s device
 //! copy rate of the same anchors file. Then over fp8 and int4 caches at 4K / 32K / 128K context.
 //!
-//! On Hopper the default prefill kernel is the warpgroup one (`attn_prefill_wg`, wgmma); the wide one
-//! runs beside it.
+//! On Hopper the default prefill kernel is the warpgroup one (`attn_prefill_wg`, wgmma); the
+//! warp-specialised one (`attn_prefill_ws`: a TMA producer warpgroup) and the wide one (mma.sync) run
+//! beside it.
 //!
 //! DS_BENCH_ATTN=verify: speculative verify chunks of 4 rows (fp8 K/V) at 1K–128K context, 1 / 4 / 8
 //! chunks, each row a decode query on attn_decode_mma (16 partitions, the backend's) against each chunk's
@@ -123,7 +124,15 @@ fn bench_attn_prefill_27b() {
     rt.upload(bt, &perm).unwrap();
     let small = arena.alloc(reg, 1 << 20).unwrap().ptr;
     let (cu_p, lens_p, tiles_p) = (small, small + 4096, small + 8192);
-    let kv = KvPages { k_cache: kc, v_cache: vc, block_tables: bt, max_blocks: n_pages, page: PAGE, kv_heads: HKV };
+    let kv = KvPages {
+        k_cache: kc,
+        v_cache: vc,
+        block_tables: bt,
+        max_blocks: n_pages,
+        page: PAGE,
+        kv_heads: HKV,
+        rows: n_pages * PAGE,
+    };
     let scale = 1.0 / (HD as f32).sqrt();
 
     // Every tiling the device's shared memory allows: the shipped default first (none with
@@ -131,7 +140,12 @@ fn bench_attn_prefill_27b() {
     // warp-pair kernel's default tiling, no decode).
     let mode = std::env::var("DS_BENCH_ATTN").unwrap_or_default();
     let decode_only = mode == "decode" || mode == "verify";
-    let mut tilings = if decode_only { Vec::new() } else { vec![AttnTiling::DEFAULT] };
+    // On Hopper the warp-specialised kernel (a TMA producer) beside the default warpgroup kernel.
+    let mut tilings = if decode_only {
+        Vec::new()
+    } else {
+        vec![AttnTiling::DEFAULT, AttnTiling { tma: true, ..AttnTiling::DEFAULT }]
+    };
     for keys in [32, 64].into_iter().filter(|_| !decode_only) {
         let t = AttnTiling { keys, wgmma: false, ..AttnTiling::DEFAULT };
         if !tilings.contains(&t) {
@@ -141,7 +155,7 @@ fn bench_attn_prefill_27b() {
     let grid: &[(usize, usize)] = if mode == "prefill" { &[(32, 6)] } else { &[(32, 6), (32, 3), (32, 2), (64, 3)] };
     for &(keys, heads) in grid.iter().filter(|_| !decode_only) {
         for p_split in [true, false].into_iter().filter(|&p| !(p && mode == "prefill")) {
-            let t = AttnTiling { keys, p_split, heads, wide: false, wgmma: false };
+            let t = AttnTiling { keys, p_split, heads, wide: false, wgmma: false, tma: false };
             if !tilings.contains(&t) {
                 tilings.push(t);
             }

@@ -183,6 +183,7 @@ impl CudaBackend {
             max_blocks: w,
             page: self.page_size,
             kv_heads: nkv,
+            rows: self.num_pages * self.page_size,
         };
         let scale = 1.0 / (hd as f32).sqrt();
         // The prefill kernel's tiles: the prefill chunks and the short-context verify chunks.

@@ -161,6 +161,11 @@ pub struct AttnTiling {
     /// warpgroup tensor-core instructions (`attn_prefill_wg`, 64-key tiles, the attention
     /// module built for sm_90a), where its shared memory fits; elsewhere the wide kernel runs.
     pub wgmma: bool,
+    /// With [`AttnTiling::wgmma`] over a bf16 cache: the warp-specialised kernel (`attn_prefill_ws`: a
+    /// producer warpgroup copying K/V tiles with the tensor memory accelerator, two consumer warpgroups)
+    /// where its shared memory fits and the page size allows its boxes; elsewhere `attn_prefill_wg`.
+    /// Off by default (`DELTASERVE_ATTN_PREFILL=ws` turns it on) until a GPU has measured it.
+    pub tma: bool,
 }
 
 impl AttnTiling {
@@ -170,7 +175,8 @@ impl AttnTiling {
     /// bf16 P (FlashAttention's choice: its rounding moves o by about 2^-9 of |v|; 17% faster than
     /// the hi/lo split on the H200), 6 heads per block at the 27B's GQA 6 for `attn_prefill`
     /// (bench/results/attention-pairs-h200-2026-11-29.md).
-    pub const DEFAULT: AttnTiling = AttnTiling { keys: 64, p_split: false, heads: 0, wide: true, wgmma: true };
+    pub const DEFAULT: AttnTiling =
+        AttnTiling { keys: 64, p_split: false, heads: 0, wide: true, wgmma: true, tma: false };
 
     /// The default heads per block: the largest divisor of the GQA group up to 6 (2 warps per head;
     /// 12 warps at most, so 168 registers per thread still fit one block per SM).

@@ -166,6 +166,7 @@ pub const SOURCES: &[KernelSource] = &[
             include_str!("../../kernels/attention_prefill.cu"),
             include_str!("../../kernels/attention_prefill_wide.cu"),
             include_str!("../../kernels/attention_prefill_wg.cu"),
+            include_str!("../../kernels/attention_prefill_ws.cu"),
             include_str!("../../kernels/attention_mma.cuh"),
             include_str!("../../kernels/attention_decode.cu"),
             include_str!("../../kernels/attention_verify.cu")
@@ -175,6 +176,7 @@ pub const SOURCES: &[KernelSource] = &[
             "attn_prefill_wide",
             "attn_prefill_wide64",
             "attn_prefill_wg",
+            "attn_prefill_ws",
             "attn_decode_split",
             "attn_decode_combine",
             "attn_decode_mma",

@@ -6,7 +6,7 @@
 
 use cudarc::driver::CudaStream;
 
-use super::{Kernels, invalid, launch, launch_pdl, to_i32, to_u32};
+use super::{Kernels, invalid, launch, launch_pdl, tma, to_i32, to_u32};
 use crate::error::CudaError;
 use crate::nvrtc::{AttnTiling, KernelDims, KvFormats};
 use deltaserve_plan::KvDtype;
@@ -57,8 +57,15 @@ pub(crate) fn wg_smem_bytes(d: &KernelDims, kv: &KvFormats) -> usize {
     1024 + WIDE_ROWS * hd * 2 + kv_tiles_bytes(kv, WG_KEYS, hd, WG_KEYS * hd * 2)
 }
 
-/// Keys per KV tile of `attn_prefill_wg`.
+/// Keys per KV tile of `attn_prefill_wg` and `attn_prefill_ws`.
 const WG_KEYS: usize = 64;
+
+/// Dynamic shared memory of `attn_prefill_ws` (attention_prefill_ws.cu): 1 KB of alignment slack, its
+/// Q rows, 2 stages of 64-key bf16 K and 2 of V (swizzled tiles), 8 barriers.
+pub(crate) fn ws_smem_bytes(d: &KernelDims) -> usize {
+    let hd = d.attn_head_dim;
+    1024 + WIDE_ROWS * hd * 2 + 4 * WG_KEYS * hd * 2 + 64
+}
 
 /// Whether `attn_prefill_wg` takes the wide kernel's work: compute capability 9.0 (its wgmma runs in an
 /// sm_90a build), head dims a multiple of 64 up to 256, and its block's shared memory fits.
@@ -67,11 +74,28 @@ fn wgmma_applies(d: &KernelDims, kv: &KvFormats, cc: (i32, i32), max_smem: usize
     cc == (9, 0) && hd.is_multiple_of(64) && hd <= 256 && wg_smem_bytes(d, kv) <= max_smem
 }
 
+/// Whether `attn_prefill_ws` can take `attn_prefill_wg`'s work: a bf16 cache and its shared memory fits.
+fn tma_applies(d: &KernelDims, kv: &KvFormats, max_smem: usize) -> bool {
+    kv.k == KvDtype::Bf16 && kv.v == KvDtype::Bf16 && ws_smem_bytes(d) <= max_smem
+}
+
+/// Rows of `attn_prefill_ws`'s copy boxes over pages of `page` keys: the page where it divides a 64-key
+/// tile (from 8 keys: a box's rows start on the 128-byte swizzle's 1024-byte atoms), 64 where 64 divides
+/// the page; None otherwise (`attn_prefill_wg` runs).
+pub(crate) fn tma_box_rows(page: usize) -> Option<usize> {
+    match page {
+        8..=64 if WG_KEYS.is_multiple_of(page) => Some(page),
+        p if p > WG_KEYS && p.is_multiple_of(WG_KEYS) => Some(WG_KEYS),
+        _ => None,
+    }
+}
+
 /// The tiling the kernels run for a requested `t` on a device of compute capability `cc`: the wide
 /// kernel at `t.keys` where it applies (plain P) and its shared memory fits `max_smem`, else at 32
 /// keys, else `attn_prefill` at 32 keys (a tiling that asked for the wide kernel, e.g. the default,
 /// never falls back to 64-key pair tiles); `wgmma` stays only where `attn_prefill_wg` applies (then at
-/// 64 keys). Tilings with `wide: false` are kept as they are.
+/// 64 keys), `tma` only where `attn_prefill_ws` applies too. Tilings with `wide: false` are kept as
+/// they are.
 pub(crate) fn resolve_tiling(
     d: &KernelDims,
     kv: &KvFormats,
@@ -80,36 +104,46 @@ pub(crate) fn resolve_tiling(
     max_smem: usize,
 ) -> AttnTiling {
     if !t.wide {
-        return AttnTiling { wgmma: false, ..t };
+        return AttnTiling { wgmma: false, tma: false, ..t };
     }
     if !t.p_split && d.attn_head_dim >= 32 {
         if t.wgmma && wgmma_applies(d, kv, cc, max_smem) {
-            return AttnTiling { keys: WG_KEYS, ..t };
+            return AttnTiling { keys: WG_KEYS, tma: t.tma && tma_applies(d, kv, max_smem), ..t };
         }
         for keys in [t.keys, 32] {
             if wide_smem_bytes(d, kv, keys) <= max_smem {
-                return AttnTiling { keys, wgmma: false, ..t };
+                return AttnTiling { keys, wgmma: false, tma: false, ..t };
             }
         }
     }
-    AttnTiling { wide: false, keys: 32, wgmma: false, ..t }
+    AttnTiling { wide: false, keys: 32, wgmma: false, tma: false, ..t }
 }
 
-/// The prefill kernel that runs with the (resolved) tiling `t`.
+/// The prefill kernel that runs with the (resolved) tiling `t` (`attn_prefill_ws` where the page size
+/// allows its boxes: [`tma_box_rows`]; else `attn_prefill_wg`).
 pub(crate) fn prefill_kernel(t: &AttnTiling) -> &'static str {
-    match (t.wide, t.wgmma, t.keys) {
-        (true, true, _) => "attn_prefill_wg",
-        (true, false, 64) => "attn_prefill_wide64",
-        (true, false, _) => "attn_prefill_wide",
+    match (t.wide, t.wgmma, t.tma, t.keys) {
+        (true, true, true, _) => "attn_prefill_ws",
+        (true, true, false, _) => "attn_prefill_wg",
+        (true, false, _, 64) => "attn_prefill_wide64",
+        (true, false, _, _) => "attn_prefill_wide",
         _ => "attn_prefill",
     }
 }
 
+/// The prefill kernel the kernels `k` launch over pages of `page` keys: [`prefill_kernel`], with
+/// `attn_prefill_wg` for `attn_prefill_ws` where the page size does not allow its boxes.
+pub fn prefill_kernel_at(k: &Kernels, page: usize) -> &'static str {
+    let t = AttnTiling { tma: k.attn.tma && tma_box_rows(page).is_some(), ..k.attn };
+    prefill_kernel(&t)
+}
+
 /// Dynamic shared memory of the prefill kernel that runs with the (resolved) tiling `t`.
 pub(crate) fn prefill_kernel_smem(d: &KernelDims, kv: &KvFormats, t: &AttnTiling) -> usize {
-    match (t.wide, t.wgmma) {
-        (true, true) => wg_smem_bytes(d, kv),
-        (true, false) => wide_smem_bytes(d, kv, t.keys),
+    match (t.wide, t.wgmma, t.tma) {
+        (true, true, true) => ws_smem_bytes(d),
+        (true, true, false) => wg_smem_bytes(d, kv),
+        (true, false, _) => wide_smem_bytes(d, kv, t.keys),
         _ => prefill_smem_bytes(d, kv, t),
     }
 }
@@ -166,6 +200,8 @@ pub struct KvPages {
     pub max_blocks: usize,
     pub page: usize,
     pub kv_heads: usize,
+    /// Rows of each cache (num_blocks * page): the extent of the tensor maps of `attn_prefill_ws`.
+    pub rows: usize,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -327,8 +363,19 @@ fn prefill_launch(
             to_u32("attn_prefill", "kv_heads", a.kv.kv_heads)?,
             n_split as u32,
         );
-        let smem = prefill_kernel_smem(&d, &k.kv, &k.attn) as u32;
-        return launch!(k, s, k.attn_prefill_kernel(), grid, (256, 1, 1), smem;
+        if let (true, Some(br)) = (k.attn.tma, tma_box_rows(a.kv.page)) {
+            // The warp-specialised kernel: the caches as tensor maps [rows, kv_heads * head_dim].
+            let (width, box_rows) = (a.kv.kv_heads * d.attn_head_dim, br as i32);
+            let kmap = tma::bf16_rows_swizzled(k_cache, a.kv.rows, width, br)?;
+            let vmap = tma::bf16_rows_swizzled(v_cache, a.kv.rows, width, br)?;
+            let smem = ws_smem_bytes(&d) as u32;
+            return launch!(k, s, "attn_prefill_ws", grid, (384, 1, 1), smem;
+                kmap, vmap, q, block_tables, mb, cu_seqlens, seq_lens, tile_table, o, hq, page, box_rows, scale, qt,
+                qh, n_split, row0, part_o, part_ml);
+        }
+        let t = AttnTiling { tma: false, ..k.attn };
+        let smem = prefill_kernel_smem(&d, &k.kv, &t) as u32;
+        return launch!(k, s, prefill_kernel(&t), grid, (256, 1, 1), smem;
             q, k_cache, v_cache, k_scales, v_scales, block_tables, mb, cu_seqlens, seq_lens, tile_table, o, hq, hkv,
             page, scale, qt, qh, n_split, row0, part_o, part_ml);
     }
@@ -593,7 +640,7 @@ mod tests {
         // The hi/lo P split runs on attn_prefill only; a tiling without `wide` is kept as asked.
         let split = resolve_tiling(&D, &KvFormats::BF16, AttnTiling { p_split: true, ..t }, (9, 0), H100);
         assert!(!split.wide && split.keys == 32 && split.p_split);
-        let pair = AttnTiling { keys: 64, p_split: false, heads: 3, wide: false, wgmma: false };
+        let pair = AttnTiling { keys: 64, p_split: false, heads: 3, wide: false, wgmma: false, tma: false };
         assert_eq!(resolve_tiling(&D, &KvFormats::BF16, pair, (9, 0), H100), pair);
     }
 
@@ -625,6 +672,35 @@ mod tests {
         // Nor with the hi/lo P split (attn_prefill), nor without `wide`.
         assert!(!resolve_tiling(&D, &KvFormats::BF16, AttnTiling { p_split: true, ..t }, (9, 0), H100).wgmma);
         assert!(!resolve_tiling(&D, &KvFormats::BF16, AttnTiling { wide: false, ..t }, (9, 0), H100).wgmma);
+    }
+
+    #[test]
+    fn the_warp_specialised_kernel_takes_bf16_caches_on_hopper() {
+        let t = AttnTiling { tma: true, ..AttnTiling::DEFAULT };
+        const { assert!(!AttnTiling::DEFAULT.tma, "opt-in until measured") };
+        // Q 64 KiB + 2 K and 2 V stages of 64 keys + the alignment slack + 8 barriers.
+        assert_eq!(ws_smem_bytes(&D), 1024 + 65_536 + 131_072 + 64);
+        let h = resolve_tiling(&D, &KvFormats::BF16, t, (9, 0), H100);
+        assert!(h.wgmma && h.tma && h.keys == 64, "{h:?}");
+        assert_eq!(prefill_kernel(&h), "attn_prefill_ws");
+        assert_eq!(prefill_kernel_smem(&D, &KvFormats::BF16, &h), ws_smem_bytes(&D));
+        // Quantised caches, other GPUs, the wide kernel asked for: no TMA producer.
+        for (kv, cc) in
+            [(FP8, (9, 0)), (KvFormats { k: KvDtype::Bf16, v: KvDtype::Int8 }, (9, 0)), (KvFormats::BF16, (8, 0))]
+        {
+            let o = resolve_tiling(&D, &kv, t, cc, H100);
+            assert!(!o.tma && prefill_kernel(&o) != "attn_prefill_ws", "{kv:?} {cc:?}: {o:?}");
+        }
+        assert!(!resolve_tiling(&D, &KvFormats::BF16, AttnTiling { wgmma: false, ..t }, (9, 0), H100).tma);
+        // Its copy boxes: a page that divides a 64-key tile (from 8 keys), or 64 rows of a page that 64 divides.
+        for (page, rows) in
+            [(8, Some(8)), (16, Some(16)), (32, Some(32)), (64, Some(64)), (128, Some(64)), (256, Some(64))]
+        {
+            assert_eq!(tma_box_rows(page), rows, "page {page}");
+        }
+        for page in [1, 4, 24, 48, 96, 100] {
+            assert_eq!(tma_box_rows(page), None, "page {page}");
+        }
     }
 
     #[test]

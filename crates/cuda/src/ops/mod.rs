@@ -22,6 +22,7 @@ pub mod mtp;
 pub mod norm;
 pub mod rope;
 pub mod sample;
+pub mod tma;
 pub mod vision;
 pub mod w4_gemm;
 pub mod w4a16;
@@ -79,13 +80,14 @@ impl Kernels {
     /// [`Kernels::load`] with the attention kernels reading a KV cache stored in `kv`. The default
     /// tiling, or with `DELTASERVE_ATTN_PREFILL=pair` the warp-pair prefill kernel (`attn_prefill`,
     /// 32-key tiles) instead of the wide one: an A/B switch for comparing the two end to end; with
-    /// `DELTASERVE_ATTN_PREFILL=wide` the wide kernel on Hopper too, instead of the warpgroup one.
+    /// `DELTASERVE_ATTN_PREFILL=wide` the wide kernel on Hopper too, instead of the warpgroup one; with
+    /// `DELTASERVE_ATTN_PREFILL=ws` the warp-specialised one over a bf16 cache (`attn_prefill_ws`).
     pub fn load_kv(rt: &Runtime, dims: KernelDims, kv: KvFormats) -> Result<Kernels, CudaError> {
         let s = Switches::get();
         let tiling = if s.attn_prefill_pair {
             AttnTiling { keys: 32, wide: false, ..AttnTiling::DEFAULT }
         } else {
-            AttnTiling { wgmma: !s.attn_prefill_wide, ..AttnTiling::DEFAULT }
+            AttnTiling { wgmma: !s.attn_prefill_wide, tma: s.attn_prefill_ws, ..AttnTiling::DEFAULT }
         };
         Self::load_tiled(rt, dims, kv, tiling)
     }
@@ -148,6 +150,11 @@ impl Kernels {
         .into_iter()
         // The prefill kernel that runs (the other is never launched with these kernels).
         .chain(std::iter::once((attention::prefill_kernel(&attn), attention::prefill_kernel_smem(&dims, &kv, &attn))))
+        // attn_prefill_ws's fallback where a page size does not allow its boxes.
+        .chain(attn.tma.then(|| {
+            let wg = AttnTiling { tma: false, ..attn };
+            (attention::prefill_kernel(&wg), attention::prefill_kernel_smem(&dims, &kv, &wg))
+        }))
         .chain(w4a16::PAIR_KERNELS.iter().map(|&n| (n, w4a16::PAIR_SMEM_BYTES)))
         .chain(w4a16::FOLD_KERNELS.iter().map(|&n| (n, w4a16::FOLD_KERNEL_SMEM_BYTES)))
         .chain(std::iter::once(("w4_read_probe", w4a16::PAIR_SMEM_BYTES)))

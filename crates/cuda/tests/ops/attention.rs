@@ -131,10 +131,12 @@ pub struct Queries {
     pub hd: usize,
 }
 
-/// The paged geometry of the cache `kv_write` wrote, its K and V at `k_cache` / `v_cache`.
-pub fn pages(w: &kv_cache::KvWrite, (k_cache, v_cache): (u64, u64)) -> attention::KvPages {
+/// The paged geometry of the cache `kv_write` wrote, its K and V at `k_cache` / `v_cache`, each
+/// `num_blocks` pages.
+pub fn pages(w: &kv_cache::KvWrite, (k_cache, v_cache): (u64, u64), num_blocks: usize) -> attention::KvPages {
     let (block_tables, max_blocks, page, kv_heads) = (w.block_tables, w.max_blocks, w.page, w.kv_heads);
-    attention::KvPages { k_cache, v_cache, block_tables, max_blocks, page, kv_heads }
+    let rows = num_blocks * page;
+    attention::KvPages { k_cache, v_cache, block_tables, max_blocks, page, kv_heads, rows }
 }
 
 /// Prefill launch arguments for the queries `q` over `kv` into `o`, with the tile table of the
@@ -242,7 +244,7 @@ pub fn prefill_tiled(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Ou
     let mut out = attn_case(Env { k: &kt, ..e }, d, rng, seqs, (hq, hkv, page), None)?;
     // Which kernel the tiling resolved to on this device (the warpgroup kernel on Hopper alone).
     for o in &mut out {
-        o.detail = format!("{}: {}", kt.attn_prefill_kernel(), o.detail);
+        o.detail = format!("{}: {}", attention::prefill_kernel_at(&kt, page), o.detail);
     }
     Ok(out)
 }
@@ -284,7 +286,7 @@ fn attn_case(
     kv_cache::kv_write(k, s, &w)?;
     let q = paged.queries(rng, d, hq)?;
     let n = q.q.len();
-    let kv = pages(&w, (kc, vc));
+    let kv = pages(&w, (kc, vc), paged.num_blocks);
     let mut indirect = None;
     let mut gated: Option<(u64, Vec<f32>)> = None;
     let mut split_outs: Vec<(usize, u64)> = Vec::new();

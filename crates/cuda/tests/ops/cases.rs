@@ -86,7 +86,7 @@ pub(crate) fn commit_layers(
 /// the wide one) tiled `keys` per KV tile. (The `Op::AttnPrefill` cases run the default tiling: the
 /// wide kernel on devices whose shared memory holds it, as the H200's does.)
 pub(crate) fn tiled(seqs: &[(usize, usize)], page: usize, keys: usize, p_split: bool, heads: usize) -> Op {
-    let tiling = AttnTiling { keys, p_split, heads, wide: false, wgmma: false };
+    let tiling = AttnTiling { keys, p_split, heads, wide: false, wgmma: false, tma: false };
     Op::AttnPrefillTiled { seqs: seqs.to_vec(), hq: 24, hkv: 4, page, tiling }
 }
 
@@ -94,14 +94,20 @@ pub(crate) fn tiled(seqs: &[(usize, usize)], page: usize, keys: usize, p_split: 
 /// it: 64 keys on the H200, where it is not the default; else the tiling falls back as
 /// `Kernels::load_tiled` resolves it).
 pub(crate) fn wide(seqs: &[(usize, usize)], hq: usize, hkv: usize, page: usize, keys: usize) -> Op {
-    let tiling = AttnTiling { keys, p_split: false, heads: 0, wide: true, wgmma: false };
+    let tiling = AttnTiling { keys, p_split: false, heads: 0, wide: true, wgmma: false, tma: false };
     Op::AttnPrefillTiled { seqs: seqs.to_vec(), hq, hkv, page, tiling }
 }
 
 /// A prefill case on the warpgroup kernel (`attn_prefill_wg`, the default on Hopper; elsewhere the tiling
 /// resolves to the wide kernel and the case checks that). Quantised caches: the `kv_q+attn_prefill` cases.
 pub(crate) fn wg(seqs: &[(usize, usize)], hq: usize, hkv: usize, page: usize) -> Op {
-    let tiling = AttnTiling { wgmma: true, ..AttnTiling::DEFAULT };
+    Op::AttnPrefillTiled { seqs: seqs.to_vec(), hq, hkv, page, tiling: AttnTiling::DEFAULT }
+}
+
+/// [`wg`] on the warp-specialised kernel (`attn_prefill_ws`, a TMA producer) where the page size allows
+/// its copy boxes (else `attn_prefill_wg`).
+pub(crate) fn ws(seqs: &[(usize, usize)], hq: usize, hkv: usize, page: usize) -> Op {
+    let tiling = AttnTiling { tma: true, ..AttnTiling::DEFAULT };
     Op::AttnPrefillTiled { seqs: seqs.to_vec(), hq, hkv, page, tiling }
 }
 
@@ -347,6 +353,18 @@ pub(crate) fn attention_cases() -> Vec<Case> {
         c("kv_write+attn_prefill_wg", NEXT_ATTN, wg(&[(0, 100), (50, 33), (7, 1)], 16, 2, 32), ATTN_PLAIN_P),
         c("kv_write+attn_prefill_wg", SMALL, wg(&[(17, 63), (0, 64), (64, 65), (40, 2)], 8, 4, 16), ATTN_PLAIN_P),
         c("kv_write+attn_prefill_wg", HD64_G1, wg(&[(0, 130), (200, 9)], 4, 4, 64), ATTN_PLAIN_P),
+        // The warp-specialised kernel (TMA boxes of a page at 16 and 32 keys, of 64 keys at 64 and 128
+        // pages), the same shapes; pages its boxes cannot take (4, 48 keys: attn_prefill_wg runs).
+        c("kv_write+attn_prefill_ws", q, ws(&[(5, 64), (31, 127), (33, 129), (1000, 1)], 24, 4, 32), ATTN_PLAIN_P),
+        c("kv_write+attn_prefill_ws", q, ws(&[(0, 300), (70, 40), (0, 1)], 24, 4, 16), ATTN_PLAIN_P),
+        c("kv_write+attn_prefill_ws", q, ws(&[(0, 63), (64, 65), (100, 17)], 24, 4, 64), ATTN_PLAIN_P),
+        c("kv_write+attn_prefill_ws", q, ws(&[(0, 300), (129, 64)], 24, 4, 128), ATTN_PLAIN_P),
+        c("kv_write+attn_prefill_ws", q, ws(&[(3000, 200), (4100, 3)], 24, 4, 64), ATTN_PLAIN_P),
+        c("kv_write+attn_prefill_ws", NEXT_ATTN, ws(&[(0, 100), (50, 33), (7, 1)], 16, 2, 32), ATTN_PLAIN_P),
+        c("kv_write+attn_prefill_ws", SMALL, ws(&[(17, 63), (0, 64), (64, 65), (40, 2)], 8, 4, 16), ATTN_PLAIN_P),
+        c("kv_write+attn_prefill_ws", HD64_G1, ws(&[(0, 130), (200, 9)], 4, 4, 64), ATTN_PLAIN_P),
+        c("kv_write+attn_prefill_ws", q, ws(&[(0, 300), (70, 40), (0, 1)], 24, 4, 4), ATTN_PLAIN_P),
+        c("kv_write+attn_prefill_ws", q, ws(&[(5, 64), (31, 127), (100, 17)], 24, 4, 48), ATTN_PLAIN_P),
         c(
             "kv_write+attn_prefill",
             TINY_ATTN,
@@ -355,7 +373,7 @@ pub(crate) fn attention_cases() -> Vec<Case> {
                 hq: 4,
                 hkv: 2,
                 page: 16,
-                tiling: AttnTiling { keys: 32, p_split: false, heads: 0, wide: false, wgmma: false },
+                tiling: AttnTiling { keys: 32, p_split: false, heads: 0, wide: false, wgmma: false, tma: false },
             },
             ATTN_PLAIN_P,
         ),

@@ -112,7 +112,7 @@ pub fn kvq_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
     let mut kq = Kernels::load_kv(rt, k.dims, kv)?;
     let q = paged.queries(rng, d, hq)?;
     let n = q.q.len();
-    let kvp = pages(&w, (kc, vc));
+    let kvp = pages(&w, (kc, vc), paged.num_blocks);
     let scales = attention::KvScales { k: ksc, v: vsc };
     // Prefill also runs on attn_prefill (the kernel of GPUs without room for the wide one) into op2,
     // and on Hopper, where the default is the warpgroup kernel, on the wide kernel into op3.

@@ -1,0 +1,419 @@
+// attention_prefill_ws.cu — attn_prefill_wg's work (attention_prefill_wg.cu: the same launch, tile table,
+// key split, partials and wgmma tiles) over a bf16 cache, with warps specialised as Hopper's attention
+// kernels run them (FlashAttention-3): a producer warpgroup and two consumer warpgroups, no block-wide
+// barrier inside the key loop.
+//
+// attn_prefill_ws: 384 threads.
+//  Producer (warpgroup 0, registers lowered to 24): one thread copies each 64-key K and V tile with the
+//    tensor memory accelerator (cp.async.bulk.tensor, 2-D maps of the cache [rows, kv heads x HD], a
+//    box of 64 dims x min(page, 64) rows landing in the 128-byte-swizzled layout wgmma reads), into
+//    two stages of K and two of V, each with a full barrier (the copy's bytes) and an empty one (the
+//    consumer warps' releases). Boxes whose keys all lie past the tile's end are not copied.
+//  Consumers (warpgroups 1 and 2, registers raised to 240): 64 packed rows each, as attn_prefill_wg's
+//    warpgroups: wait for K_j, S = Q K_j^T, release K_j, softmax, wait for V_j, O += P V_j, release V_j.
+//    The two warpgroups are not ordered against each other: one's softmax runs beside the other's
+//    products.
+//  WS_OVERLAP=1 (a build switch, off by default): each warpgroup issues S_j and P_{j-1} V_{j-1} together
+//    and runs the softmax of S_j while P_{j-1} V_{j-1} is still on the tensor cores, then rescales O.
+//    NVRTC 13.0's ptxas serialises those products (warning C7513); 13.5's keeps them asynchronous.
+//    WS_PINGPONG=1 with it: the warpgroups take turns issuing their products (named barriers 4 and 5).
+// V rows past the block's last key (a partial last tile: stale rows of its last page, or boxes not
+// copied) are zeroed by each consumer warpgroup before its P V (P is 0 there; 0 * a stale NaN is not);
+// K rows there only reach masked scores.
+// Smem (ops/attention.rs ws_smem_bytes): 1 KB of alignment slack, Q 128 x HD x 2, 2 K stages and 2 V
+// stages of 64 x HD x 2, 8 barriers: 193 KB at HD 256.
+// Launch: grid as attn_prefill_wg, block 384; kmap / vmap encoded by the launcher for this layer's
+// cache, boxes of `box_rows` rows (ops/attention.rs tma_box_rows: the page where it divides 64 keys,
+// from 8; 64 where 64 divides the page). Chosen with DELTASERVE_ATTN_PREFILL=ws (AttnTiling::tma).
+
+#ifndef WS_OVERLAP
+#define WS_OVERLAP 0
+#endif
+#ifndef WS_PINGPONG
+#define WS_PINGPONG 0
+#endif
+#define WS_NT 384
+#define WS_MAT (WG_BK * HD * 2)
+
+// A CUtensorMap (cuda.h): 128 opaque bytes, passed by value as a __grid_constant__ parameter.
+struct __align__(64) TmaMap {
+    unsigned long long v[16];
+};
+
+#if WG_BODY
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the barrier's phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+// One box of the map at (x, y) (elements, rows) to dst, its bytes counted on bar.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TmaMap* map, int x, int y, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+            dst),
+        "l"((unsigned long long)map), "r"(x), "r"(y), "r"(bar)
+        : "memory");
+}
+__device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void named_arrive(int id, int n) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+// Pins the compiler's view of registers an asynchronous wgmma wrote (after its wait).
+template <int N>
+__device__ __forceinline__ void reg_fence(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void reg_fence(u32 (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+r"(r[i])::"memory");
+}
+#define WS_OUT32(d)                                                                                            \
+    "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), \
+        "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]),   \
+        "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), \
+        "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
+// d (64 x 64, f32) = A (64 x 16) * B (16 x 64), both K-major in smem: d's old values are not read.
+__device__ __forceinline__ void wg_mma_ss_first(float (&d)[32], unsigned long long da, unsigned long long db) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_D32 ", %32, %33, 0, 1, 1, 0, 0;\n"
+                 : WS_OUT32(d)
+                 : "l"(da), "l"(db));
+}
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(WS_NT, 1)
+attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ TmaMap vmap, const bf16_t* __restrict__ q,
+                const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ cu_seqlens,
+                const int* __restrict__ seq_lens, const int* __restrict__ tile_table, bf16_t* __restrict__ o, int Hq,
+                int page, int box_rows, float scale, long long q_tok, long long q_head, int n_split, int row0,
+                float* __restrict__ part_o, float* __restrict__ part_ml) {
+#if WG_BODY && !KQ_ANY
+    constexpr int NB = HD / 64;  // 64-dim column blocks
+    constexpr int CH = HD / 8;   // 16-byte chunks per row
+    extern __shared__ __align__(16) unsigned char ws_smem[];
+    const u32 sbase = (smem_addr(ws_smem) + 1023u) & ~1023u;
+    const int tid = threadIdx.x;
+    const WideTile wt = wide_tile<WG_BK>(tile_table, cu_seqlens, seq_lens, n_split, part_o != nullptr);
+    const int hkv = wt.hkv, qstart = wt.qstart, past = wt.past, r0 = wt.r0, nrows = wt.nrows;
+    const int first_q = wt.first_q, kend = wt.kend, jb = wt.jb, je = wt.je;
+    if (jb >= je) {
+        wide_mark_empty<WS_NT>(wt, part_ml, Hq, n_split, row0, tid);
+        return;
+    }
+    const u32 ks0 = sbase + WG_Q_BYTES, vs0 = ks0 + 2 * WS_MAT;
+    // Barriers: full K [2], full V [2], empty K [2], empty V [2].
+    const u32 bars = vs0 + 2 * WS_MAT;
+    auto full_k = [&](int st) { return bars + 8 * st; };
+    auto full_v = [&](int st) { return bars + 16 + 8 * st; };
+    auto empty_k = [&](int st) { return bars + 32 + 8 * st; };
+    auto empty_v = [&](int st) { return bars + 48 + 8 * st; };
+    if (tid == 0) {
+        for (int st = 0; st < 2; st++) {
+            mbar_init(full_k(st), 1);
+            mbar_init(full_v(st), 1);
+            mbar_init(empty_k(st), 8);  // one release a consumer warp
+            mbar_init(empty_v(st), 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (tid < 128) {
+        // Producer warpgroup: one thread issues every copy; the rest leave.
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        if (tid != 0) return;
+        const int* bt = block_tables + (long long)wt.s * max_blocks;
+        const int pshift = (page & (page - 1)) == 0 ? __ffs(page) - 1 : -1;
+        const int per_tile = WG_BK / box_rows;
+        const u32 box_bytes = (u32)box_rows * 128;
+        for (int j = jb, it = 0; j < je; j++, it++) {
+            const int st = it & 1, use = it >> 1;
+            const int kb = j * WG_BK;
+            const int nbox = min(per_tile, (kend - kb + box_rows - 1) / box_rows);  // boxes with a key before kend
+            for (int m = 0; m < 2; m++) {
+                const u32 full = m == 0 ? full_k(st) : full_v(st);
+                if (use > 0) mbar_wait(m == 0 ? empty_k(st) : empty_v(st), (use - 1) & 1);
+                mbar_expect_tx(full, (u32)nbox * box_bytes * NB);
+                const u32 dst = (m == 0 ? ks0 : vs0) + st * WS_MAT;
+                const TmaMap* map = m == 0 ? &kmap : &vmap;
+                for (int rb = 0; rb < nbox; rb++) {
+                    const int key = kb + rb * box_rows;
+                    const int pg = pshift >= 0 ? key >> pshift : key / page;
+                    const int row = bt[pg] * page + (key - pg * page);
+#pragma unroll
+                    for (int b = 0; b < NB; b++)
+                        tma_load_2d(dst + (u32)(b * WG_BK * 128 + rb * box_rows * 128), map, hkv * HD + b * 64, row, full);
+                }
+            }
+        }
+        return;
+    }
+
+    // Consumers.
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+    const int ct = tid - 128, cw = ct >> 7, warp = (ct >> 5) & 3, lane = ct & 31;
+    const int g = lane >> 2, tg = lane & 3;
+    for (int c = ct; c < WG_ROWS * CH; c += 256) {
+        const int r = c / CH, ch = c % CH;
+        const bool ok = r < nrows;
+        const int pr = r0 + r, i = pr / GQA_GROUP, hh = pr - i * GQA_GROUP;
+        const bf16_t* src = ok ? q + (long long)(qstart + i) * q_tok + (long long)(wt.hkv * GQA_GROUP + hh) * q_head + ch * 8 : q;
+        cp_async16(sbase + wg_swz(r, ch, WG_ROWS), src, ok ? 16 : 0);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_proxy_async();
+    named_sync(1, 256);
+
+    const int rown = cw * 64 + warp * 16 + g;  // own rows of the block's 128: rown and rown + 8
+    int qpos[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        const int r = rown + 8 * hf;
+        qpos[hf] = r < nrows ? past + (r0 + r) / GQA_GROUP : -1;
+    }
+    float oacc[NB][32];
+#pragma unroll
+    for (int b = 0; b < NB; b++)
+#pragma unroll
+        for (int i = 0; i < 32; i++) oacc[b][i] = 0.0f;
+    float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.0f, 0.0f};
+    const float sl2 = scale * 1.4426950408889634f;  // log2 domain
+    const u32 q_wg = sbase + (u32)(cw * 64 * 128);  // this warpgroup's rows in each column block
+
+    // S = Q K^T of stage st's K (issued, not waited).
+    auto issue_s = [&](float (&sacc)[32], int st) {
+        const u32 ks = ks0 + st * WS_MAT;
+        wg_fence();
+#pragma unroll
+        for (int k = 0; k < HD / 16; k++) {
+            const unsigned long long da = wg_desc(q_wg + (u32)((k >> 2) * WG_ROWS * 128 + (k & 3) * 32), 16, 1024);
+            const unsigned long long db = wg_desc(ks + (u32)((k >> 2) * WG_BK * 128 + (k & 3) * 32), 16, 1024);
+            if (k == 0)
+                wg_mma_ss_first(sacc, da, db);
+            else
+                wg_mma_ss(sacc, da, db, 1);
+        }
+        wg_commit();
+        reg_fence(sacc);
+    };
+    // O += P V of stage st's V (issued, not waited); a partial last tile's V rows past kend zeroed first.
+    auto issue_pv = [&](const u32 (&pa)[WG_BK / 16][4], int st, int kb, bool last) {
+        const u32 vs = vs0 + st * WS_MAT;
+        if (last && kend - kb < WG_BK) {
+            const int v0 = kend - kb;
+            for (int c = ct & 127; c < (WG_BK - v0) * CH; c += 128) {
+                const int r = v0 + c / CH, ch = c % CH;
+                asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(vs + wg_swz(r, ch, WG_BK)), "r"(0)
+                             : "memory");
+            }
+            fence_proxy_async();
+            named_sync(2 + cw, 128);
+        }
+#pragma unroll
+        for (int b = 0; b < NB; b++) reg_fence(oacc[b]);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < WG_BK / 16; kk++)
+#pragma unroll
+            for (int b = 0; b < NB; b++)
+                wg_mma_rs_t(oacc[b], pa[kk], wg_desc(vs + (u32)(b * WG_BK * 128 + kk * 16 * 128), WG_BK * 128, 1024));
+        wg_commit();
+#pragma unroll
+        for (int b = 0; b < NB; b++) reg_fence(oacc[b]);
+    };
+    // The online softmax of tile kb's scores: masks, new maxima, P (bf16 A fragments) to pa, the
+    // factors that rescale O and the row sums to al.
+    auto softmax = [&](float (&sacc)[32], int kb, u32 (&pa)[WG_BK / 16][4], float (&al)[2]) {
+        if (kb + WG_BK - 1 > first_q) {
+#pragma unroll
+            for (int n = 0; n < WG_BK / 8; n++) {
+                const int key = kb + n * 8 + 2 * tg;
+                if (key > qpos[0]) sacc[4 * n] = NEG_INF;
+                if (key + 1 > qpos[0]) sacc[4 * n + 1] = NEG_INF;
+                if (key > qpos[1]) sacc[4 * n + 2] = NEG_INF;
+                if (key + 1 > qpos[1]) sacc[4 * n + 3] = NEG_INF;
+            }
+        }
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            float mx = NEG_INF;
+#pragma unroll
+            for (int n = 0; n < WG_BK / 8; n++) mx = fmaxf(mx, fmaxf(sacc[4 * n + 2 * hf], sacc[4 * n + 2 * hf + 1]));
+            mx = fmaxf(mrow[hf], quad_max(mx) * sl2);
+            const float base = mx == NEG_INF ? 0.0f : mx;
+            al[hf] = pf_exp2(mrow[hf] - base);
+            mrow[hf] = mx;
+            float rs = 0.0f;
+#pragma unroll
+            for (int n = 0; n < WG_BK / 8; n++) {
+                sacc[4 * n + 2 * hf] = pf_exp2(fmaf(sacc[4 * n + 2 * hf], sl2, -base));
+                sacc[4 * n + 2 * hf + 1] = pf_exp2(fmaf(sacc[4 * n + 2 * hf + 1], sl2, -base));
+                rs += sacc[4 * n + 2 * hf] + sacc[4 * n + 2 * hf + 1];
+            }
+            lrow[hf] = lrow[hf] * al[hf] + rs;
+        }
+#pragma unroll
+        for (int kk = 0; kk < WG_BK / 16; kk++) {
+            pa[kk][0] = pack_bf16(sacc[8 * kk], sacc[8 * kk + 1]);
+            pa[kk][1] = pack_bf16(sacc[8 * kk + 2], sacc[8 * kk + 3]);
+            pa[kk][2] = pack_bf16(sacc[8 * kk + 4], sacc[8 * kk + 5]);
+            pa[kk][3] = pack_bf16(sacc[8 * kk + 6], sacc[8 * kk + 7]);
+        }
+    };
+    auto rescale = [&](const float (&al)[2]) {
+        if (__any_sync(0xffffffffu, al[0] != 1.0f || al[1] != 1.0f)) {
+#pragma unroll
+            for (int b = 0; b < NB; b++)
+#pragma unroll
+                for (int n = 0; n < 8; n++) {
+                    oacc[b][4 * n] *= al[0];
+                    oacc[b][4 * n + 1] *= al[0];
+                    oacc[b][4 * n + 2] *= al[1];
+                    oacc[b][4 * n + 3] *= al[1];
+                }
+        }
+    };
+    auto release = [&](u32 bar) {
+        // Lane 0 of each warp, predicated (no branch inside a warpgroup's open products).
+        asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(bar),
+                     "r"(lane)
+                     : "memory");
+    };
+
+    float sacc[32];
+    u32 pa[WG_BK / 16][4];
+    float al[2];
+#if WS_OVERLAP
+    // Tile jb: S, softmax (O is still 0).
+    mbar_wait(full_k(0), 0);
+    issue_s(sacc, 0);
+    wg_wait<0>();
+    reg_fence(sacc);
+    release(empty_k(0));
+    softmax(sacc, jb * WG_BK, pa, al);
+#pragma unroll
+    for (int kk = 0; kk < WG_BK / 16; kk++) reg_fence(pa[kk]);
+#if WS_PINGPONG
+    // The warpgroups take turns on the tensor cores: one issues its S and P V while the other runs
+    // its softmax (barrier 4 + w: warpgroup w's turn). Warpgroup 0 goes first.
+    if (cw == 1) named_arrive(4, 256);
+#endif
+    for (int j = jb + 1, it = 1; j < je; j++, it++) {
+        const int st = it & 1, pst = st ^ 1;
+        mbar_wait(full_k(st), (it >> 1) & 1);
+        mbar_wait(full_v(pst), ((it - 1) >> 1) & 1);
+#if WS_PINGPONG
+        named_sync(4 + cw, 256);
+#endif
+        issue_s(sacc, st);
+        issue_pv(pa, pst, (j - 1) * WG_BK, false);
+#if WS_PINGPONG
+        named_arrive(4 + (cw ^ 1), 256);
+#endif
+        wg_wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run
+        release(empty_k(st));
+        u32 pn[WG_BK / 16][4];
+        softmax(sacc, j * WG_BK, pn, al);
+        wg_wait<0>();
+        // P_{j-1} stays live until its product is done, so P_j cannot take its registers.
+#pragma unroll
+        for (int kk = 0; kk < WG_BK / 16; kk++) reg_fence(pa[kk]);
+        release(empty_v(pst));
+        rescale(al);
+#pragma unroll
+        for (int kk = 0; kk < WG_BK / 16; kk++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) pa[kk][i] = pn[kk][i];
+            reg_fence(pa[kk]);
+        }
+    }
+#if WS_PINGPONG
+    if (cw == 0) named_sync(4, 256);  // warpgroup 1's last turn handed back: every arrival met
+#endif
+    {
+        const int it = je - 1 - jb, st = it & 1;
+        mbar_wait(full_v(st), (it >> 1) & 1);
+        issue_pv(pa, st, (je - 1) * WG_BK, true);
+        wg_wait<0>();
+#pragma unroll
+        for (int b = 0; b < NB; b++) reg_fence(oacc[b]);
+        release(empty_v(st));
+    }
+#else
+    for (int j = jb, it = 0; j < je; j++, it++) {
+        const int st = it & 1, par = (it >> 1) & 1;
+        mbar_wait(full_k(st), par);
+        issue_s(sacc, st);
+        wg_wait<0>();
+        reg_fence(sacc);
+        release(empty_k(st));
+        softmax(sacc, j * WG_BK, pa, al);
+        rescale(al);
+        mbar_wait(full_v(st), par);
+        issue_pv(pa, st, j * WG_BK, true);
+        wg_wait<0>();
+#pragma unroll
+        for (int b = 0; b < NB; b++) reg_fence(oacc[b]);
+        release(empty_v(st));
+    }
+#endif
+
+    const float l0 = quad_sum(lrow[0]), l1 = quad_sum(lrow[1]);
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        const int r = rown + 8 * hf;
+        if (r >= nrows) continue;
+        if (part_o) {
+            // Split: the row's unnormalised O and (max in the log2 domain, sum), attn_decode_combine's layout.
+            const long long prow = wide_prow(wt, r, Hq, n_split, row0);
+            float* po = part_o + prow * HD + 2 * tg;
+#pragma unroll
+            for (int b = 0; b < NB; b++)
+#pragma unroll
+                for (int n = 0; n < 8; n++)
+                    *(float2*)(po + b * 64 + n * 8) = make_float2(oacc[b][4 * n + 2 * hf], oacc[b][4 * n + 2 * hf + 1]);
+            if (tg == 0) {
+                part_ml[2 * prow] = mrow[hf];
+                part_ml[2 * prow + 1] = hf ? l1 : l0;
+            }
+        } else {
+            const int pr = r0 + r, i = pr / GQA_GROUP, hh = pr - i * GQA_GROUP;
+            const float l = hf ? l1 : l0;
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            bf16_t* orow = o + ((long long)(qstart + i) * Hq + wt.hkv * GQA_GROUP + hh) * HD + 2 * tg;
+#pragma unroll
+            for (int b = 0; b < NB; b++)
+#pragma unroll
+                for (int n = 0; n < 8; n++)
+                    *(u32*)(orow + b * 64 + n * 8) =
+                        pack_bf16(oacc[b][4 * n + 2 * hf] * inv, oacc[b][4 * n + 2 * hf + 1] * inv);
+        }
+    }
+#else
+    (void)kmap, (void)vmap, (void)q, (void)block_tables, (void)max_blocks, (void)cu_seqlens, (void)seq_lens;
+    (void)tile_table, (void)o, (void)Hq, (void)page, (void)box_rows, (void)scale, (void)q_tok, (void)q_head;
+    (void)n_split, (void)row0, (void)part_o, (void)part_ml;
+    __trap();
+#endif
+}
