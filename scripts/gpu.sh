@@ -395,12 +395,11 @@ step_wgmma() {
         DELTASERVE_NVRTC_OPTIONS="$o" DS_BENCH_ATTN=prefill test_run "attn-ws${o//[^0-9A-Z]/}" 200 \
             "attn_prefill|^ +[0-9]|panicked" bench_attention --nocapture --ignored
     done
-    # wide: mma.sync; default: wgmma (attn_prefill_wg); ws: the warp-specialised kernel (bf16 caches).
+    # wide: mma.sync; default: wgmma (attn_prefill_wg); ws: the warp-specialised kernel.
     for v in wide default ws; do
         # shellcheck disable=SC2086 # word lists of arguments
         DELTASERVE_ATTN_PREFILL=$v ds "wgmma-$v" 300 bench $Q27 --prompts 4096,32768,131072 --contexts 1024 \
             --batches 1 --verify-tokens 0 --short-chunks 0
-        [[ $v == ws ]] && continue  # an fp8 cache runs attn_prefill_wg
         # shellcheck disable=SC2086
         DELTASERVE_ATTN_PREFILL=$v ds "wgmma-int4-$v" 300 bench $Q27 --weights-dtype int4 --kv-cache-dtype fp8 \
             --memory 24GiB --prompts 4096,32768,131072 --contexts 1024 --batches 1 --verify-tokens 0 --short-chunks 0

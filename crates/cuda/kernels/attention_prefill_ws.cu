@@ -17,11 +17,17 @@
 //    and runs the softmax of S_j while P_{j-1} V_{j-1} is still on the tensor cores, then rescales O.
 //    NVRTC 13.0's ptxas serialises those products (warning C7513); 13.5's keeps them asynchronous.
 //    WS_PINGPONG=1 with it: the warpgroups take turns issuing their products (named barriers 4 and 5).
+// Quantised K and/or V (fp8, int8, int4; mixed): thread 0 copies a tile's codes (a 2-D map of the
+//    cache's bytes, box rowb x rows) into one stage of codes; the whole producer warpgroup (registers
+//    lowered to 40, the consumers' raised to 232) widens them into the bf16 stage's swizzled tile, writes
+//    the tile's f32 scales beside it and publishes the stage; the consumers scale S's key columns by the
+//    K scales and fold the V scales into P before its bf16 rounding, as attn_prefill_wg does.
 // V rows past the block's last key (a partial last tile: stale rows of its last page, or boxes not
-// copied) are zeroed by each consumer warpgroup before its P V (P is 0 there; 0 * a stale NaN is not);
-// K rows there only reach masked scores.
+// copied) are zeroed before P V (P is 0 there; 0 * a stale NaN is not): by each consumer warpgroup for
+// a bf16 V, by the widening for codes. K rows there only reach masked scores.
 // Smem (ops/attention.rs ws_smem_bytes): 1 KB of alignment slack, Q 128 x HD x 2, 2 K stages and 2 V
-// stages of 64 x HD x 2, 8 barriers: 193 KB at HD 256.
+// stages of 64 x HD x 2, 9 barriers in 128 bytes (193.1 KB at HD 256); with codes the scales
+// (2 stages x 128 f32) and the codes' stage (64 rows of each quantised matrix: 225.1 KB for fp8 / fp8).
 // Launch: grid as attn_prefill_wg, block 384; kmap / vmap encoded by the launcher for this layer's
 // cache, boxes of `box_rows` rows (ops/attention.rs tma_box_rows: the page where it divides 64 keys,
 // from 8; 64 where 64 divides the page). Chosen with DELTASERVE_ATTN_PREFILL=ws (AttnTiling::tma).
@@ -34,6 +40,7 @@
 #endif
 #define WS_NT 384
 #define WS_MAT (WG_BK * HD * 2)
+#define WS_BAR_BYTES 128  // 9 barriers, padded
 
 // A CUtensorMap (cuda.h): 128 opaque bytes, passed by value as a __grid_constant__ parameter.
 struct __align__(64) TmaMap {
@@ -101,13 +108,108 @@ __device__ __forceinline__ void wg_wait() {
 }
 #endif
 
+#if WG_BODY && KQ_ANY
+// The producer warpgroup over a cache with quantised K and/or V (128 threads). Per tile: thread 0 copies
+// the quantised matrices' codes into the codes' one stage (counted on code_full) and a bf16 matrix's tile
+// straight into its stage; every thread waits for the codes and the stage's release, widens the codes
+// into the stage's swizzled bf16 tile (rows past kend as zeros) and writes the tile's f32 scales; after a
+// barrier of the warpgroup thread 0 publishes the stage and copies the next tile's codes.
+__device__ __forceinline__ void ws_produce_quantised(const TmaMap& kmap, const TmaMap& vmap,
+                                                     const unsigned short* __restrict__ k_scales,
+                                                     const unsigned short* __restrict__ v_scales,
+                                                     const int* __restrict__ bt, int page, int box_rows, int Hkv,
+                                                     int hkv, int kend, int jb, int je, u32 ks0, u32 vs0, u32 bars,
+                                                     u32 codes, float* sc_f, int tid, const unsigned char* codes_p) {
+    constexpr int NB = HD / 64, CH = HD / 8;
+    auto full = [&](int m, int st) { return bars + 16 * m + 8 * st; };
+    auto empty = [&](int m, int st) { return bars + 32 + 16 * m + 8 * st; };
+    const u32 code_full = bars + 64;
+    const int pshift = (page & (page - 1)) == 0 ? __ffs(page) - 1 : -1;
+    const int per_tile = WG_BK / box_rows;
+    auto row_of = [&](int key) {
+        const int pg = pshift >= 0 ? key >> pshift : key / page;
+        return bt[pg] * page + (key - pg * page);
+    };
+    auto nbox_of = [&](int kb) { return min(per_tile, (kend - kb + box_rows - 1) / box_rows); };
+    // Thread 0: tile j's copies.
+    auto issue = [&](int j, int it) {
+        const int st = it & 1, use = it >> 1, kb = j * WG_BK, nbox = nbox_of(kb);
+        mbar_expect_tx(code_full, (u32)(nbox * box_rows * ((KQ_K ? K_ROWB : 0) + (KQ_V ? V_ROWB : 0))));
+#pragma unroll
+        for (int m = 0; m < 2; m++) {
+            const bool quant = m == 0 ? KQ_K : KQ_V;
+            const TmaMap* map = m == 0 ? &kmap : &vmap;
+            if (quant) {
+                const int rowb = m == 0 ? K_ROWB : V_ROWB;
+                const u32 dst = codes + (m == 0 ? 0 : (KQ_K ? WG_BK * K_ROWB : 0));
+                for (int rb = 0; rb < nbox; rb++)
+                    tma_load_2d(dst + (u32)(rb * box_rows * rowb), map, hkv * rowb, row_of(kb + rb * box_rows), code_full);
+            } else {
+                if (use > 0) mbar_wait(empty(m, st), (use - 1) & 1);
+                mbar_expect_tx(full(m, st), (u32)(nbox * box_rows * 128 * NB));
+                const u32 dst = (m == 0 ? ks0 : vs0) + st * WS_MAT;
+                for (int rb = 0; rb < nbox; rb++) {
+                    const int row = row_of(kb + rb * box_rows);
+#pragma unroll
+                    for (int b = 0; b < NB; b++)
+                        tma_load_2d(dst + (u32)(b * WG_BK * 128 + rb * box_rows * 128), map, hkv * HD + b * 64, row,
+                                    full(m, st));
+                }
+            }
+        }
+    };
+    if (tid == 0) issue(jb, 0);
+    for (int j = jb, it = 0; j < je; j++, it++) {
+        const int st = it & 1, use = it >> 1, kb = j * WG_BK;
+        float ksv = 0.0f, vsv = 0.0f;  // the scales of key kb + tid (tid < 64), loaded while the codes land
+        if (tid < WG_BK && kb + tid < kend) {
+            const long long at = (long long)row_of(kb + tid) * Hkv + hkv;
+            if (KQ_K) ksv = f16_to_f32(k_scales[at]);
+            if (KQ_V) vsv = f16_to_f32(v_scales[at]);
+        }
+        mbar_wait(code_full, it & 1);
+        if (use > 0) {
+            // The stage's tiles and its scales (read until the consumers release V) are free.
+            mbar_wait(empty(0, st), (use - 1) & 1);
+            mbar_wait(empty(1, st), (use - 1) & 1);
+        }
+#pragma unroll
+        for (int m = 0; m < 2; m++) {
+            if (!(m == 0 ? KQ_K : KQ_V)) continue;
+            const unsigned char* raw = codes_p + (m == 0 ? 0 : (KQ_K ? WG_BK * K_ROWB : 0));
+            const u32 dst = (m == 0 ? ks0 : vs0) + st * WS_MAT;
+            for (int c = tid; c < WG_BK * CH; c += 128) {
+                const int r = c / CH, ch = c % CH;
+                uint4 w = make_uint4(0, 0, 0, 0);
+                if (kb + r < kend) w = m == 0 ? kv_widen8<KV_K_FMT>(raw, r, ch) : kv_widen8<KV_V_FMT>(raw, r, ch);
+                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst + wg_swz(r, ch, WG_BK)), "r"(w.x),
+                             "r"(w.y), "r"(w.z), "r"(w.w)
+                             : "memory");
+            }
+        }
+        if (tid < WG_BK) {
+            sc_f[st * 2 * WG_BK + tid] = ksv;
+            sc_f[st * 2 * WG_BK + WG_BK + tid] = vsv;
+        }
+        fence_proxy_async();
+        named_sync(6, 128);
+        if (tid == 0) {
+            if (KQ_K) mbar_arrive(full(0, st));
+            if (KQ_V) mbar_arrive(full(1, st));
+            if (j + 1 < je) issue(j + 1, it + 1);
+        }
+    }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(WS_NT, 1)
 attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ TmaMap vmap, const bf16_t* __restrict__ q,
+                const unsigned short* __restrict__ k_scales, const unsigned short* __restrict__ v_scales,
                 const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ cu_seqlens,
                 const int* __restrict__ seq_lens, const int* __restrict__ tile_table, bf16_t* __restrict__ o, int Hq,
-                int page, int box_rows, float scale, long long q_tok, long long q_head, int n_split, int row0,
+                int Hkv, int page, int box_rows, float scale, long long q_tok, long long q_head, int n_split, int row0,
                 float* __restrict__ part_o, float* __restrict__ part_ml) {
-#if WG_BODY && !KQ_ANY
+#if WG_BODY
     constexpr int NB = HD / 64;  // 64-dim column blocks
     constexpr int CH = HD / 8;   // 16-byte chunks per row
     extern __shared__ __align__(16) unsigned char ws_smem[];
@@ -121,12 +223,13 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
         return;
     }
     const u32 ks0 = sbase + WG_Q_BYTES, vs0 = ks0 + 2 * WS_MAT;
-    // Barriers: full K [2], full V [2], empty K [2], empty V [2].
+    // Barriers: full K [2], full V [2], empty K [2], empty V [2], the codes' stage.
     const u32 bars = vs0 + 2 * WS_MAT;
     auto full_k = [&](int st) { return bars + 8 * st; };
     auto full_v = [&](int st) { return bars + 16 + 8 * st; };
     auto empty_k = [&](int st) { return bars + 32 + 8 * st; };
     auto empty_v = [&](int st) { return bars + 48 + 8 * st; };
+    const u32 code_full = bars + 64;
     if (tid == 0) {
         for (int st = 0; st < 2; st++) {
             mbar_init(full_k(st), 1);
@@ -134,10 +237,28 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
             mbar_init(empty_k(st), 8);  // one release a consumer warp
             mbar_init(empty_v(st), 8);
         }
+        mbar_init(code_full, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
 
+#if KQ_ANY
+    // Quantised K and/or V: f32 tile scales [2 stages][K 64, V 64], then the codes' one stage (K codes,
+    // V codes, 64 rows each as they lie in the cache).
+    const u32 scs = bars + WS_BAR_BYTES;
+    float* const sc_f = (float*)(ws_smem + (scs - smem_addr(ws_smem)));
+    const u32 codes = scs + 2 * 2 * WG_BK * 4;
+    if (tid < 128) {
+        // Producer warpgroup: thread 0 copies each tile's codes (and a bf16 matrix's tile) with the TMA;
+        // all 128 threads widen the codes into the bf16 stage and write the tile's scales.
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        ws_produce_quantised(kmap, vmap, k_scales, v_scales, block_tables + (long long)wt.s * max_blocks, page,
+                             box_rows, Hkv, hkv, kend, jb, je, ks0, vs0, bars, codes, sc_f, tid,
+                             ws_smem + (codes - smem_addr(ws_smem)));
+        return;
+    }
+#else
+    (void)code_full;
     if (tid < 128) {
         // Producer warpgroup: one thread issues every copy; the rest leave.
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
@@ -168,9 +289,14 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
         }
         return;
     }
+#endif
 
     // Consumers.
+#if KQ_ANY
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+#else
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+#endif
     const int ct = tid - 128, cw = ct >> 7, warp = (ct >> 5) & 3, lane = ct & 31;
     const int g = lane >> 2, tg = lane & 3;
     for (int c = ct; c < WG_ROWS * CH; c += 256) {
@@ -220,7 +346,8 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
     // O += P V of stage st's V (issued, not waited); a partial last tile's V rows past kend zeroed first.
     auto issue_pv = [&](const u32 (&pa)[WG_BK / 16][4], int st, int kb, bool last) {
         const u32 vs = vs0 + st * WS_MAT;
-        if (last && kend - kb < WG_BK) {
+        // (Quantised V: the producer wrote those rows as zeros.)
+        if (!KQ_V && last && kend - kb < WG_BK) {
             const int v0 = kend - kb;
             for (int c = ct & 127; c < (WG_BK - v0) * CH; c += 128) {
                 const int r = v0 + c / CH, ch = c % CH;
@@ -244,7 +371,22 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
     };
     // The online softmax of tile kb's scores: masks, new maxima, P (bf16 A fragments) to pa, the
     // factors that rescale O and the row sums to al.
-    auto softmax = [&](float (&sacc)[32], int kb, u32 (&pa)[WG_BK / 16][4], float (&al)[2]) {
+    // bf16 K: the scale rides on the exp's FFMA; quantised K: S is scaled per key column.
+    const float fs = KQ_K ? 1.0f : sl2;
+    auto softmax = [&](float (&sacc)[32], int kb, int st, u32 (&pa)[WG_BK / 16][4], float (&al)[2]) {
+#if KQ_K
+        {
+            const float* sks = sc_f + st * 2 * WG_BK;
+#pragma unroll
+            for (int n = 0; n < WG_BK / 8; n++) {
+                const float f0 = sks[n * 8 + 2 * tg] * sl2, f1 = sks[n * 8 + 2 * tg + 1] * sl2;
+                sacc[4 * n] *= f0;
+                sacc[4 * n + 1] *= f1;
+                sacc[4 * n + 2] *= f0;
+                sacc[4 * n + 3] *= f1;
+            }
+        }
+#endif
         if (kb + WG_BK - 1 > first_q) {
 #pragma unroll
             for (int n = 0; n < WG_BK / 8; n++) {
@@ -260,25 +402,34 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
             float mx = NEG_INF;
 #pragma unroll
             for (int n = 0; n < WG_BK / 8; n++) mx = fmaxf(mx, fmaxf(sacc[4 * n + 2 * hf], sacc[4 * n + 2 * hf + 1]));
-            mx = fmaxf(mrow[hf], quad_max(mx) * sl2);
+            mx = fmaxf(mrow[hf], quad_max(mx) * fs);
             const float base = mx == NEG_INF ? 0.0f : mx;
             al[hf] = pf_exp2(mrow[hf] - base);
             mrow[hf] = mx;
             float rs = 0.0f;
 #pragma unroll
             for (int n = 0; n < WG_BK / 8; n++) {
-                sacc[4 * n + 2 * hf] = pf_exp2(fmaf(sacc[4 * n + 2 * hf], sl2, -base));
-                sacc[4 * n + 2 * hf + 1] = pf_exp2(fmaf(sacc[4 * n + 2 * hf + 1], sl2, -base));
+                sacc[4 * n + 2 * hf] = pf_exp2(fmaf(sacc[4 * n + 2 * hf], fs, -base));
+                sacc[4 * n + 2 * hf + 1] = pf_exp2(fmaf(sacc[4 * n + 2 * hf + 1], fs, -base));
                 rs += sacc[4 * n + 2 * hf] + sacc[4 * n + 2 * hf + 1];
             }
             lrow[hf] = lrow[hf] * al[hf] + rs;
         }
+        // P as bf16 A fragments (times the keys' V scales for quantised V; the row sums use P unscaled).
 #pragma unroll
         for (int kk = 0; kk < WG_BK / 16; kk++) {
-            pa[kk][0] = pack_bf16(sacc[8 * kk], sacc[8 * kk + 1]);
-            pa[kk][1] = pack_bf16(sacc[8 * kk + 2], sacc[8 * kk + 3]);
-            pa[kk][2] = pack_bf16(sacc[8 * kk + 4], sacc[8 * kk + 5]);
-            pa[kk][3] = pack_bf16(sacc[8 * kk + 6], sacc[8 * kk + 7]);
+#if KQ_V
+            const float* svs = sc_f + st * 2 * WG_BK + WG_BK;
+            const float va = svs[kk * 16 + 2 * tg], vb = svs[kk * 16 + 2 * tg + 1];
+            const float vc = svs[kk * 16 + 8 + 2 * tg], vd = svs[kk * 16 + 8 + 2 * tg + 1];
+#else
+            const float va = 1.0f, vb = 1.0f, vc = 1.0f, vd = 1.0f;
+            (void)st;
+#endif
+            pa[kk][0] = pack_bf16(sacc[8 * kk] * va, sacc[8 * kk + 1] * vb);
+            pa[kk][1] = pack_bf16(sacc[8 * kk + 2] * va, sacc[8 * kk + 3] * vb);
+            pa[kk][2] = pack_bf16(sacc[8 * kk + 4] * vc, sacc[8 * kk + 5] * vd);
+            pa[kk][3] = pack_bf16(sacc[8 * kk + 6] * vc, sacc[8 * kk + 7] * vd);
         }
     };
     auto rescale = [&](const float (&al)[2]) {
@@ -311,7 +462,7 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
     wg_wait<0>();
     reg_fence(sacc);
     release(empty_k(0));
-    softmax(sacc, jb * WG_BK, pa, al);
+    softmax(sacc, jb * WG_BK, 0, pa, al);
 #pragma unroll
     for (int kk = 0; kk < WG_BK / 16; kk++) reg_fence(pa[kk]);
 #if WS_PINGPONG
@@ -334,7 +485,7 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
         wg_wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run
         release(empty_k(st));
         u32 pn[WG_BK / 16][4];
-        softmax(sacc, j * WG_BK, pn, al);
+        softmax(sacc, j * WG_BK, st, pn, al);
         wg_wait<0>();
         // P_{j-1} stays live until its product is done, so P_j cannot take its registers.
 #pragma unroll
@@ -368,7 +519,7 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
         wg_wait<0>();
         reg_fence(sacc);
         release(empty_k(st));
-        softmax(sacc, j * WG_BK, pa, al);
+        softmax(sacc, j * WG_BK, st, pa, al);
         rescale(al);
         mbar_wait(full_v(st), par);
         issue_pv(pa, st, j * WG_BK, true);
@@ -411,8 +562,9 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
         }
     }
 #else
-    (void)kmap, (void)vmap, (void)q, (void)block_tables, (void)max_blocks, (void)cu_seqlens, (void)seq_lens;
-    (void)tile_table, (void)o, (void)Hq, (void)page, (void)box_rows, (void)scale, (void)q_tok, (void)q_head;
+    (void)kmap, (void)vmap, (void)q, (void)k_scales, (void)v_scales, (void)block_tables, (void)max_blocks;
+    (void)cu_seqlens, (void)seq_lens, (void)tile_table, (void)o, (void)Hq, (void)Hkv, (void)page, (void)box_rows;
+    (void)scale, (void)q_tok, (void)q_head;
     (void)n_split, (void)row0, (void)part_o, (void)part_ml;
     __trap();
 #endif

@@ -25,9 +25,9 @@ pub struct Switches {
     /// (mma.sync, Ampere's path) instead of the warpgroup one (`attn_prefill_wg`, wgmma from an sm_90a
     /// build of the attention module; [`crate::AttnTiling::wgmma`]).
     pub attn_prefill_wide: bool,
-    /// `DELTASERVE_ATTN_PREFILL=ws`: on Hopper with a bf16 cache, attention prefill runs the
-    /// warp-specialised kernel (`attn_prefill_ws`: a TMA producer warpgroup, two consumer warpgroups;
-    /// [`crate::AttnTiling::tma`]) instead of the warpgroup one whose threads all load and compute.
+    /// `DELTASERVE_ATTN_PREFILL=ws`: on Hopper, attention prefill runs the warp-specialised kernel
+    /// (`attn_prefill_ws`: a TMA producer warpgroup, two consumer warpgroups; [`crate::AttnTiling::tma`])
+    /// instead of the warpgroup one whose threads all load and compute.
     pub attn_prefill_ws: bool,
     /// `DELTASERVE_NVRTC_OPTIONS`: extra NVRTC options (split at whitespace) for every kernel module,
     /// e.g. `-DNAME=VALUE` for a switch a kernel file reads under `#ifndef`.

@@ -161,9 +161,10 @@ pub struct AttnTiling {
     /// warpgroup tensor-core instructions (`attn_prefill_wg`, 64-key tiles, the attention
     /// module built for sm_90a), where its shared memory fits; elsewhere the wide kernel runs.
     pub wgmma: bool,
-    /// With [`AttnTiling::wgmma`] over a bf16 cache: the warp-specialised kernel (`attn_prefill_ws`: a
-    /// producer warpgroup copying K/V tiles with the tensor memory accelerator, two consumer warpgroups)
-    /// where its shared memory fits and the page size allows its boxes; elsewhere `attn_prefill_wg`.
+    /// With [`AttnTiling::wgmma`]: the warp-specialised kernel (`attn_prefill_ws`: a producer warpgroup
+    /// copying K/V tiles with the tensor memory accelerator and widening quantised ones, two consumer
+    /// warpgroups) where its shared memory fits and the page size allows its boxes; elsewhere
+    /// `attn_prefill_wg`.
     /// Off by default (`DELTASERVE_ATTN_PREFILL=ws` turns it on) until a GPU has measured it.
     pub tma: bool,
 }

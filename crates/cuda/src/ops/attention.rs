@@ -61,10 +61,18 @@ pub(crate) fn wg_smem_bytes(d: &KernelDims, kv: &KvFormats) -> usize {
 const WG_KEYS: usize = 64;
 
 /// Dynamic shared memory of `attn_prefill_ws` (attention_prefill_ws.cu): 1 KB of alignment slack, its
-/// Q rows, 2 stages of 64-key bf16 K and 2 of V (swizzled tiles), 8 barriers.
-pub(crate) fn ws_smem_bytes(d: &KernelDims) -> usize {
+/// Q rows, 2 stages of 64-key bf16 K and 2 of V (swizzled tiles), 9 barriers in 128 bytes; with a
+/// quantised matrix the tiles' f32 scales (2 stages of K and V) and one stage of the codes.
+pub(crate) fn ws_smem_bytes(d: &KernelDims, kv: &KvFormats) -> usize {
     let hd = d.attn_head_dim;
-    1024 + WIDE_ROWS * hd * 2 + 4 * WG_KEYS * hd * 2 + 64
+    let codes = |f: KvDtype| if f == KvDtype::Bf16 { 0 } else { WG_KEYS * code_row_bytes(f, hd) };
+    let quantised = if kv.k == KvDtype::Bf16 && kv.v == KvDtype::Bf16 { 0 } else { 4 * WG_KEYS * 4 };
+    1024 + WIDE_ROWS * hd * 2 + 4 * WG_KEYS * hd * 2 + 128 + quantised + codes(kv.k) + codes(kv.v)
+}
+
+/// Bytes of one token-head row of codes of a quantised format (the kernels' K_ROWB / V_ROWB).
+fn code_row_bytes(f: KvDtype, hd: usize) -> usize {
+    hd * f.bits() as usize / 8
 }
 
 /// Whether `attn_prefill_wg` takes the wide kernel's work: compute capability 9.0 (its wgmma runs in an
@@ -74,9 +82,9 @@ fn wgmma_applies(d: &KernelDims, kv: &KvFormats, cc: (i32, i32), max_smem: usize
     cc == (9, 0) && hd.is_multiple_of(64) && hd <= 256 && wg_smem_bytes(d, kv) <= max_smem
 }
 
-/// Whether `attn_prefill_ws` can take `attn_prefill_wg`'s work: a bf16 cache and its shared memory fits.
+/// Whether `attn_prefill_ws` can take `attn_prefill_wg`'s work: its shared memory fits.
 fn tma_applies(d: &KernelDims, kv: &KvFormats, max_smem: usize) -> bool {
-    kv.k == KvDtype::Bf16 && kv.v == KvDtype::Bf16 && ws_smem_bytes(d) <= max_smem
+    ws_smem_bytes(d, kv) <= max_smem
 }
 
 /// Rows of `attn_prefill_ws`'s copy boxes over pages of `page` keys: the page where it divides a 64-key
@@ -141,7 +149,7 @@ pub fn prefill_kernel_at(k: &Kernels, page: usize) -> &'static str {
 /// Dynamic shared memory of the prefill kernel that runs with the (resolved) tiling `t`.
 pub(crate) fn prefill_kernel_smem(d: &KernelDims, kv: &KvFormats, t: &AttnTiling) -> usize {
     match (t.wide, t.wgmma, t.tma) {
-        (true, true, true) => ws_smem_bytes(d),
+        (true, true, true) => ws_smem_bytes(d, kv),
         (true, true, false) => wg_smem_bytes(d, kv),
         (true, false, _) => wide_smem_bytes(d, kv, t.keys),
         _ => prefill_smem_bytes(d, kv, t),
@@ -364,14 +372,21 @@ fn prefill_launch(
             n_split as u32,
         );
         if let (true, Some(br)) = (k.attn.tma, tma_box_rows(a.kv.page)) {
-            // The warp-specialised kernel: the caches as tensor maps [rows, kv_heads * head_dim].
-            let (width, box_rows) = (a.kv.kv_heads * d.attn_head_dim, br as i32);
-            let kmap = tma::bf16_rows_swizzled(k_cache, a.kv.rows, width, br)?;
-            let vmap = tma::bf16_rows_swizzled(v_cache, a.kv.rows, width, br)?;
-            let smem = ws_smem_bytes(&d) as u32;
+            // The warp-specialised kernel: each cache as a tensor map [rows, kv_heads * row], a bf16 one
+            // swizzled in 64-dim boxes, codes in boxes of a token-head row's bytes.
+            let (hd, kvh) = (d.attn_head_dim, a.kv.kv_heads);
+            let map = |ptr: u64, f: KvDtype| match f {
+                KvDtype::Bf16 => tma::bf16_rows_swizzled(ptr, a.kv.rows, kvh * hd, br),
+                _ => {
+                    let rowb = code_row_bytes(f, hd);
+                    tma::bytes_rows(ptr, a.kv.rows, kvh * rowb, rowb, br)
+                }
+            };
+            let (kmap, vmap) = (map(k_cache, k.kv.k)?, map(v_cache, k.kv.v)?);
+            let (box_rows, smem) = (br as i32, ws_smem_bytes(&d, &k.kv) as u32);
             return launch!(k, s, "attn_prefill_ws", grid, (384, 1, 1), smem;
-                kmap, vmap, q, block_tables, mb, cu_seqlens, seq_lens, tile_table, o, hq, page, box_rows, scale, qt,
-                qh, n_split, row0, part_o, part_ml);
+                kmap, vmap, q, k_scales, v_scales, block_tables, mb, cu_seqlens, seq_lens, tile_table, o, hq, hkv, page,
+                box_rows, scale, qt, qh, n_split, row0, part_o, part_ml);
         }
         let t = AttnTiling { tma: false, ..k.attn };
         let smem = prefill_kernel_smem(&d, &k.kv, &t) as u32;
@@ -675,22 +690,25 @@ mod tests {
     }
 
     #[test]
-    fn the_warp_specialised_kernel_takes_bf16_caches_on_hopper() {
+    fn the_warp_specialised_kernel_runs_on_hopper_where_it_fits() {
         let t = AttnTiling { tma: true, ..AttnTiling::DEFAULT };
         const { assert!(!AttnTiling::DEFAULT.tma, "opt-in until measured") };
-        // Q 64 KiB + 2 K and 2 V stages of 64 keys + the alignment slack + 8 barriers.
-        assert_eq!(ws_smem_bytes(&D), 1024 + 65_536 + 131_072 + 64);
-        let h = resolve_tiling(&D, &KvFormats::BF16, t, (9, 0), H100);
-        assert!(h.wgmma && h.tma && h.keys == 64, "{h:?}");
-        assert_eq!(prefill_kernel(&h), "attn_prefill_ws");
-        assert_eq!(prefill_kernel_smem(&D, &KvFormats::BF16, &h), ws_smem_bytes(&D));
-        // Quantised caches, other GPUs, the wide kernel asked for: no TMA producer.
-        for (kv, cc) in
-            [(FP8, (9, 0)), (KvFormats { k: KvDtype::Bf16, v: KvDtype::Int8 }, (9, 0)), (KvFormats::BF16, (8, 0))]
-        {
-            let o = resolve_tiling(&D, &kv, t, cc, H100);
-            assert!(!o.tma && prefill_kernel(&o) != "attn_prefill_ws", "{kv:?} {cc:?}: {o:?}");
+        // Q 64 KiB + 2 K and 2 V stages of 64 keys + the alignment slack + the barriers.
+        assert_eq!(ws_smem_bytes(&D, &KvFormats::BF16), 1024 + 65_536 + 131_072 + 128);
+        // Codes: the tiles' scales and one stage of 64 rows of each quantised matrix (fp8 / fp8: 225.1 KiB).
+        assert_eq!(ws_smem_bytes(&D, &FP8), 1024 + 65_536 + 131_072 + 128 + 1024 + 2 * 64 * 256);
+        let int4_bf16 = KvFormats { k: KvDtype::Int4, v: KvDtype::Bf16 };
+        assert_eq!(ws_smem_bytes(&D, &int4_bf16), 1024 + 65_536 + 131_072 + 128 + 1024 + 64 * 128);
+        for kv in [KvFormats::BF16, FP8, int4_bf16, KvFormats { k: KvDtype::Int8, v: KvDtype::Int4 }] {
+            let h = resolve_tiling(&D, &kv, t, (9, 0), H100);
+            assert!(h.wgmma && h.tma && h.keys == 64, "{kv:?}: {h:?}");
+            assert_eq!(prefill_kernel(&h), "attn_prefill_ws");
+            assert_eq!(prefill_kernel_smem(&D, &kv, &h), ws_smem_bytes(&D, &kv));
+            assert!(ws_smem_bytes(&D, &kv) <= H100, "{kv:?}");
         }
+        // Other GPUs, the wide kernel asked for: no TMA producer.
+        let o = resolve_tiling(&D, &KvFormats::BF16, t, (8, 0), H100);
+        assert!(!o.tma && prefill_kernel(&o) != "attn_prefill_ws", "{o:?}");
         assert!(!resolve_tiling(&D, &KvFormats::BF16, AttnTiling { wgmma: false, ..t }, (9, 0), H100).tma);
         // Its copy boxes: a page that divides a 64-key tile (from 8 keys), or 64 rows of a page that 64 divides.
         for (page, rows) in

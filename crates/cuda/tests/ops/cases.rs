@@ -536,6 +536,7 @@ pub(crate) fn kv_quant_cases() -> Vec<Case> {
         c("kv_q+attn_prefill", q, kvq(i4, i8, &[(0, 300)], 24, 4, 32, None, false), ATTN_PLAIN_P),
         c("kv_q+attn_prefill", SMALL, kvq(bf, i4, &[(17, 63), (0, 64), (64, 65)], 8, 4, 16, None, false), ATTN_PLAIN_P),
         c("kv_q+attn_prefill", HD32_G8, kvq(i4, f8, &[(70, 40), (0, 16), (9, 1)], 8, 1, 8, None, false), ATTN_PLAIN_P),
+        c("kv_q+attn_prefill", q, kvq(i8, bf, &[(0, 130), (3000, 40), (7, 1)], 24, 4, 64, None, false), ATTN_PLAIN_P),
         c("kv_q+attn_decode", q, kvq(f8, f8, &[(0, 1), (16, 1), (299, 1), (999, 1)], 24, 4, 16, Some(8), false), ACCUM),
         c("kv_q+attn_decode", q, kvq(i8, i4, &[(4, 1), (63, 1)], 24, 4, 32, Some(16), false), ACCUM),
         c("kv_q+attn_decode", q, kvq(i4, i8, &[(500, 1)], 24, 4, 16, Some(4), false), ACCUM),

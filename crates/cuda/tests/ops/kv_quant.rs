@@ -115,8 +115,9 @@ pub fn kvq_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
     let kvp = pages(&w, (kc, vc), paged.num_blocks);
     let scales = attention::KvScales { k: ksc, v: vsc };
     // Prefill also runs on attn_prefill (the kernel of GPUs without room for the wide one) into op2,
-    // and on Hopper, where the default is the warpgroup kernel, on the wide kernel into op3.
-    let (mut op2, mut op3) = (None, None);
+    // and on Hopper, where the default is the warpgroup kernel, on the wide kernel into op3 and on the
+    // warp-specialised one (its TMA producer widening the codes) into op4.
+    let (mut op2, mut op3, mut op4) = (None, None, None);
     match n_split {
         None => {
             let pair = AttnTiling { keys: 32, wide: false, ..AttnTiling::DEFAULT };
@@ -132,6 +133,12 @@ pub fn kvq_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
                 let o3 = d.poison(2 * n)?;
                 attention::attn_prefill_q(&kw, s, &prefill_args(d, &kw, &q, o3, kvp)?, &scales)?;
                 op3 = Some(o3);
+            }
+            let ks = Kernels::load_tiled(rt, k.dims, kv, AttnTiling { tma: true, ..AttnTiling::DEFAULT })?;
+            if attention::prefill_kernel_at(&ks, kvp.page) == "attn_prefill_ws" {
+                let o4 = d.poison(2 * n)?;
+                attention::attn_prefill_q(&ks, s, &prefill_args(d, &ks, &q, o4, kvp)?, &scales)?;
+                op4 = Some(o4);
             }
         }
         Some(n_split) if seqs.iter().any(|&(_, n)| n > 1) => {
@@ -176,6 +183,9 @@ pub fn kvq_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
     }
     if let Some(op3) = op3 {
         out.push(compare("o (the wide kernel)", &r, &d.get_bf16(op3, n)?, tol));
+    }
+    if let Some(op4) = op4 {
+        out.push(compare("o (attn_prefill_ws)", &r, &d.get_bf16(op4, n)?, tol));
     }
     Ok(out)
 }
