@@ -375,10 +375,11 @@ step_fp8-mma() {
     done
 }
 
-# The warpgroup attention prefill kernel (Hopper's default; DELTASERVE_ATTN_PREFILL=wide: the wide one): its ops cases against the
-# CPU over bf16 and quantised caches (and the wide kernel's split over the keys), the attention benchmark beside
-# the wide kernel, the backend against the CPU with it on, then the 27B prefill at 4K / 32K / 128K with the wide
-# kernel and with it: bf16, and int4 weights with fp8 KV at 24 GiB.
+# Hopper's attention prefill kernels, the warpgroup one (the default; DELTASERVE_ATTN_PREFILL=wide: the wide one)
+# and the warp-specialised one (DELTASERVE_ATTN_PREFILL=ws): their ops cases against the CPU over bf16 and
+# quantised caches (split over the keys too), the attention benchmark (and the warp-specialised kernel's build
+# variants), the backend against the CPU with each, then the 27B prefill at 4K / 32K / 128K with the wide, the
+# warpgroup and the warp-specialised kernel: bf16, and int4 weights with fp8 KV at 24 GiB.
 step_wgmma() {
     DS_OPS_FILTER=attn_prefill test_run ops-wgmma 300 "FAIL|test result|panicked|attn_prefill_w" ops \
         ops_match_cpu_reference --nocapture --test-threads=1
@@ -386,13 +387,12 @@ step_wgmma() {
     test_run backend-wgmma 300 "$TESTS_PAT|attn_prefill" backend --nocapture \
         --test-threads=1 matches_cpu_backend error_by_depth short_chunks_over_long quantized_kv
     DELTASERVE_ATTN_PREFILL=ws test_run backend-ws 300 "$TESTS_PAT|attn_prefill" backend --nocapture \
-        --test-threads=1 matches_cpu_backend error_by_depth short_chunks_over_long
-    local v
-    # The warp-specialised kernel's build variants (its products overlapped with the softmax; the
+        --test-threads=1 matches_cpu_backend error_by_depth short_chunks_over_long quantized_kv
+    # The warp-specialised kernel's build variants (each tile's products and softmax in turn; the
     # warpgroups taking turns) in the attention benchmark.
-    local o
-    for o in "-DWS_OVERLAP=1" "-DWS_OVERLAP=1 -DWS_PINGPONG=1"; do
-        DELTASERVE_NVRTC_OPTIONS="$o" DS_BENCH_ATTN=prefill test_run "attn-ws${o//[^0-9A-Z]/}" 200 \
+    local o v
+    for o in in-turn:-DWS_OVERLAP=0 pingpong:-DWS_PINGPONG=1; do
+        DELTASERVE_NVRTC_OPTIONS="${o#*:}" DS_BENCH_ATTN=prefill test_run "attn-ws-${o%%:*}" 200 \
             "attn_prefill|^ +[0-9]|panicked" bench_attention --nocapture --ignored
     done
     # wide: mma.sync; default: wgmma (attn_prefill_wg); ws: the warp-specialised kernel.

@@ -10,16 +10,16 @@
 //    two stages of K and two of V, each with a full barrier (the copy's bytes) and an empty one (the
 //    consumer warps' releases). Boxes whose keys all lie past the tile's end are not copied.
 //  Consumers (warpgroups 1 and 2, registers raised to 240): 64 packed rows each, as attn_prefill_wg's
-//    warpgroups: wait for K_j, S = Q K_j^T, release K_j, softmax, wait for V_j, O += P V_j, release V_j.
-//    The two warpgroups are not ordered against each other: one's softmax runs beside the other's
-//    products.
-//  WS_OVERLAP=1 (a build switch, off by default): each warpgroup issues S_j and P_{j-1} V_{j-1} together
-//    and runs the softmax of S_j while P_{j-1} V_{j-1} is still on the tensor cores, then rescales O.
-//    NVRTC 13.0's ptxas serialises those products (warning C7513); 13.5's keeps them asynchronous.
-//    WS_PINGPONG=1 with it: the warpgroups take turns issuing their products (named barriers 4 and 5).
+//    warpgroups. Each issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together and runs the softmax of S_j
+//    while P_{j-1} V_{j-1} is still on the tensor cores, then rescales O (P of consecutive tiles in two
+//    register arrays, so no product's operands are overwritten early); a K stage is released once its S
+//    is done, a V stage once its P V is. The two warpgroups are not ordered against each other: one's
+//    softmax runs beside the other's products.
+//  Build switches (-D, for measuring): WS_OVERLAP=0 runs each tile's S, softmax and P V in turn;
+//    WS_PINGPONG=1 makes the warpgroups take turns issuing their products (named barriers 4 and 5).
 // Quantised K and/or V (fp8, int8, int4; mixed): thread 0 copies a tile's codes (a 2-D map of the
 //    cache's bytes, box rowb x rows) into one stage of codes; the whole producer warpgroup (registers
-//    lowered to 40, the consumers' raised to 232) widens them into the bf16 stage's swizzled tile, writes
+//    lowered to 32) widens them into the bf16 stage's swizzled tile, writes
 //    the tile's f32 scales beside it and publishes the stage; the consumers scale S's key columns by the
 //    K scales and fold the V scales into P before its bf16 rounding, as attn_prefill_wg does.
 // V rows past the block's last key (a partial last tile: stale rows of its last page, or boxes not
@@ -33,7 +33,7 @@
 // from 8; 64 where 64 divides the page). Chosen with DELTASERVE_ATTN_PREFILL=ws (AttnTiling::tma).
 
 #ifndef WS_OVERLAP
-#define WS_OVERLAP 0
+#define WS_OVERLAP 1
 #endif
 #ifndef WS_PINGPONG
 #define WS_PINGPONG 0
@@ -113,7 +113,8 @@ __device__ __forceinline__ void wg_wait() {
 // the quantised matrices' codes into the codes' one stage (counted on code_full) and a bf16 matrix's tile
 // straight into its stage; every thread waits for the codes and the stage's release, widens the codes
 // into the stage's swizzled bf16 tile (rows past kend as zeros) and writes the tile's f32 scales; after a
-// barrier of the warpgroup thread 0 publishes the stage and copies the next tile's codes.
+// barrier of the warpgroup thread 0 publishes the stage (an arrival on both its barriers, so a consumer
+// that waited for either sees the scales) and copies the next tile's codes.
 __device__ __forceinline__ void ws_produce_quantised(const TmaMap& kmap, const TmaMap& vmap,
                                                      const unsigned short* __restrict__ k_scales,
                                                      const unsigned short* __restrict__ v_scales,
@@ -194,8 +195,8 @@ __device__ __forceinline__ void ws_produce_quantised(const TmaMap& kmap, const T
         fence_proxy_async();
         named_sync(6, 128);
         if (tid == 0) {
-            if (KQ_K) mbar_arrive(full(0, st));
-            if (KQ_V) mbar_arrive(full(1, st));
+            mbar_arrive(full(0, st));
+            mbar_arrive(full(1, st));
             if (j + 1 < je) issue(j + 1, it + 1);
         }
     }
@@ -232,8 +233,10 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
     const u32 code_full = bars + 64;
     if (tid == 0) {
         for (int st = 0; st < 2; st++) {
-            mbar_init(full_k(st), 1);
-            mbar_init(full_v(st), 1);
+            // With codes, every stage is also published after its tile's widening and scales (a second
+            // arrival on a bf16 matrix's barrier, beside its copy's), whichever barrier a consumer waits on.
+            mbar_init(full_k(st), KQ_ANY && !KQ_K ? 2 : 1);
+            mbar_init(full_v(st), KQ_ANY && !KQ_V ? 2 : 1);
             mbar_init(empty_k(st), 8);  // one release a consumer warp
             mbar_init(empty_v(st), 8);
         }
@@ -251,7 +254,7 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
     if (tid < 128) {
         // Producer warpgroup: thread 0 copies each tile's codes (and a bf16 matrix's tile) with the TMA;
         // all 128 threads widen the codes into the bf16 stage and write the tile's scales.
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n" ::: "memory");
         ws_produce_quantised(kmap, vmap, k_scales, v_scales, block_tables + (long long)wt.s * max_blocks, page,
                              box_rows, Hkv, hkv, kend, jb, je, ks0, vs0, bars, codes, sc_f, tid,
                              ws_smem + (codes - smem_addr(ws_smem)));
@@ -292,11 +295,7 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
 #endif
 
     // Consumers.
-#if KQ_ANY
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-#else
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
-#endif
     const int ct = tid - 128, cw = ct >> 7, warp = (ct >> 5) & 3, lane = ct & 31;
     const int g = lane >> 2, tg = lane & 3;
     for (int c = ct; c < WG_ROWS * CH; c += 256) {
@@ -470,7 +469,11 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
     // its softmax (barrier 4 + w: warpgroup w's turn). Warpgroup 0 goes first.
     if (cw == 1) named_arrive(4, 256);
 #endif
-    for (int j = jb + 1, it = 1; j < je; j++, it++) {
+    // Tile j (after the first): S_j and P_{j-1} V_{j-1} issued together, the softmax of S_j while the
+    // product runs. P_{j-1} (pin) and P_j (pout) live in two arrays the loop alternates, so P_j is never
+    // written to registers an issued product still reads (NVRTC 13.0's ptxas serialises the products
+    // when a copy between them lets that happen).
+    auto step = [&](int j, int it, const u32 (&pin)[WG_BK / 16][4], u32 (&pout)[WG_BK / 16][4]) {
         const int st = it & 1, pst = st ^ 1;
         mbar_wait(full_k(st), (it >> 1) & 1);
         mbar_wait(full_v(pst), ((it - 1) >> 1) & 1);
@@ -478,26 +481,31 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
         named_sync(4 + cw, 256);
 #endif
         issue_s(sacc, st);
-        issue_pv(pa, pst, (j - 1) * WG_BK, false);
+        issue_pv(pin, pst, (j - 1) * WG_BK, false);
 #if WS_PINGPONG
         named_arrive(4 + (cw ^ 1), 256);
 #endif
         wg_wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run
         release(empty_k(st));
-        u32 pn[WG_BK / 16][4];
-        softmax(sacc, j * WG_BK, st, pn, al);
+        softmax(sacc, j * WG_BK, st, pout, al);
         wg_wait<0>();
-        // P_{j-1} stays live until its product is done, so P_j cannot take its registers.
-#pragma unroll
-        for (int kk = 0; kk < WG_BK / 16; kk++) reg_fence(pa[kk]);
         release(empty_v(pst));
         rescale(al);
+    };
+    u32 pb[WG_BK / 16][4];
+    bool last_in_pb = false;
+    for (int j = jb + 1, it = 1; j < je; j += 2, it += 2) {
+        step(j, it, pa, pb);
+        if (j + 1 < je)
+            step(j + 1, it + 1, pb, pa);
+        else
+            last_in_pb = true;
+    }
+    if (last_in_pb) {
 #pragma unroll
-        for (int kk = 0; kk < WG_BK / 16; kk++) {
+        for (int kk = 0; kk < WG_BK / 16; kk++)
 #pragma unroll
-            for (int i = 0; i < 4; i++) pa[kk][i] = pn[kk][i];
-            reg_fence(pa[kk]);
-        }
+            for (int i = 0; i < 4; i++) pa[kk][i] = pb[kk][i];
     }
 #if WS_PINGPONG
     if (cw == 0) named_sync(4, 256);  // warpgroup 1's last turn handed back: every arrival met
