@@ -100,6 +100,153 @@ __device__ __forceinline__ void wg_mma_rs_t(float (&d)[32], const u32 (&a)[4], u
                  : WG_ACC32(d)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
+
+// O += P V, issued (committed, not waited): P as bf16 A fragments, V the swizzled 64-key tile at vs read
+// N-major, one m64n64k16 per 16 keys and 64 head dims.
+__device__ __forceinline__ void wg_issue_pv(float (&oacc)[HD / 64][32], const u32 (&pa)[WG_BK / 16][4], u32 vs) {
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < WG_BK / 16; kk++)
+#pragma unroll
+        for (int b = 0; b < HD / 64; b++)
+            wg_mma_rs_t(oacc[b], pa[kk], wg_desc(vs + (u32)(b * WG_BK * 128 + kk * 16 * 128), WG_BK * 128, 1024));
+    wg_commit();
+}
+
+// The online softmax of a 64-key tile's scores S (a warpgroup's accumulator layout: a thread holds its
+// warp's rows g and g + 8, keys 8n + 2tg and + 1), keys from kb, for the warpgroup kernels: quantised K
+// scales the key columns by sks (times the log2-domain scale sl2; bf16 K: sl2 rides on the exp), the
+// causal mask against the rows' positions qpos (from the block's first query first_q on), new maxima
+// (mrow, log2 domain) and row sums (lrow), P to pa as bf16 A fragments, 16 keys per k step (S's n8 tiles
+// 2kk and 2kk + 1; times the keys' V scales svs for quantised V, the row sums use P unscaled), and the
+// factors that rescale O to al.
+__device__ __forceinline__ void wg_softmax(float (&sacc)[32], const float* sks, const float* svs, int kb, int first_q,
+                                           const int (&qpos)[2], int tg, float sl2, float (&mrow)[2],
+                                           float (&lrow)[2], u32 (&pa)[WG_BK / 16][4], float (&al)[2]) {
+    const float fs = KQ_K ? 1.0f : sl2;
+    if (KQ_K) {
+#pragma unroll
+        for (int n = 0; n < WG_BK / 8; n++) {
+            const float f0 = sks[n * 8 + 2 * tg] * sl2, f1 = sks[n * 8 + 2 * tg + 1] * sl2;
+            sacc[4 * n] *= f0;
+            sacc[4 * n + 1] *= f1;
+            sacc[4 * n + 2] *= f0;
+            sacc[4 * n + 3] *= f1;
+        }
+    }
+    if (kb + WG_BK - 1 > first_q) {
+#pragma unroll
+        for (int n = 0; n < WG_BK / 8; n++) {
+            const int key = kb + n * 8 + 2 * tg;
+            if (key > qpos[0]) sacc[4 * n] = NEG_INF;
+            if (key + 1 > qpos[0]) sacc[4 * n + 1] = NEG_INF;
+            if (key > qpos[1]) sacc[4 * n + 2] = NEG_INF;
+            if (key + 1 > qpos[1]) sacc[4 * n + 3] = NEG_INF;
+        }
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        float mx = NEG_INF;
+#pragma unroll
+        for (int n = 0; n < WG_BK / 8; n++) mx = fmaxf(mx, fmaxf(sacc[4 * n + 2 * hf], sacc[4 * n + 2 * hf + 1]));
+        mx = fmaxf(mrow[hf], quad_max(mx) * fs);
+        const float base = mx == NEG_INF ? 0.0f : mx;
+        al[hf] = pf_exp2(mrow[hf] - base);
+        mrow[hf] = mx;
+        float rs = 0.0f;
+#pragma unroll
+        for (int n = 0; n < WG_BK / 8; n++) {
+            sacc[4 * n + 2 * hf] = pf_exp2(fmaf(sacc[4 * n + 2 * hf], fs, -base));
+            sacc[4 * n + 2 * hf + 1] = pf_exp2(fmaf(sacc[4 * n + 2 * hf + 1], fs, -base));
+            rs += sacc[4 * n + 2 * hf] + sacc[4 * n + 2 * hf + 1];
+        }
+        lrow[hf] = lrow[hf] * al[hf] + rs;
+    }
+#pragma unroll
+    for (int kk = 0; kk < WG_BK / 16; kk++) {
+        float va = 1.0f, vb = 1.0f, vc = 1.0f, vd = 1.0f;
+        if (KQ_V) {
+            va = svs[kk * 16 + 2 * tg], vb = svs[kk * 16 + 2 * tg + 1];
+            vc = svs[kk * 16 + 8 + 2 * tg], vd = svs[kk * 16 + 8 + 2 * tg + 1];
+        }
+        pa[kk][0] = pack_bf16(sacc[8 * kk] * va, sacc[8 * kk + 1] * vb);
+        pa[kk][1] = pack_bf16(sacc[8 * kk + 2] * va, sacc[8 * kk + 3] * vb);
+        pa[kk][2] = pack_bf16(sacc[8 * kk + 4] * vc, sacc[8 * kk + 5] * vd);
+        pa[kk][3] = pack_bf16(sacc[8 * kk + 6] * vc, sacc[8 * kk + 7] * vd);
+    }
+}
+
+// A thread's rows of the warpgroup kernels (rown and rown + 8 of the tile's 128 packed rows): their
+// query positions (-1 past the tile's rows), O zeroed, maxima at -inf and sums at 0.
+__device__ __forceinline__ void wg_rows_init(const WideTile& wt, int rown, int (&qpos)[2], float (&oacc)[HD / 64][32],
+                                             float (&mrow)[2], float (&lrow)[2]) {
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        const int r = rown + 8 * hf;
+        qpos[hf] = r < wt.nrows ? wt.past + (wt.r0 + r) / GQA_GROUP : -1;
+        mrow[hf] = NEG_INF;
+        lrow[hf] = 0.0f;
+    }
+#pragma unroll
+    for (int b = 0; b < HD / 64; b++)
+#pragma unroll
+        for (int i = 0; i < 32; i++) oacc[b][i] = 0.0f;
+}
+
+// O (a warpgroup's [64 x HD] accumulators: HD / 64 blocks of 32 a thread) rescaled by its rows' factors,
+// skipped where a warp's rows all keep their maxima.
+__device__ __forceinline__ void wg_rescale(float (&oacc)[HD / 64][32], const float (&al)[2]) {
+    if (__any_sync(0xffffffffu, al[0] != 1.0f || al[1] != 1.0f)) {
+#pragma unroll
+        for (int b = 0; b < HD / 64; b++)
+#pragma unroll
+            for (int n = 0; n < 8; n++) {
+                oacc[b][4 * n] *= al[0];
+                oacc[b][4 * n + 1] *= al[0];
+                oacc[b][4 * n + 2] *= al[1];
+                oacc[b][4 * n + 3] *= al[1];
+            }
+    }
+}
+
+// A thread's two rows of the tile (rown and rown + 8 of its 128 packed rows) out: O / l in bf16, or with
+// a key split (part_o) the unnormalised O and (max in the log2 domain, sum) in attn_decode_combine's
+// layout.
+__device__ __forceinline__ void wg_store_rows(const float (&oacc)[HD / 64][32], const float (&mrow)[2],
+                                              const float (&lrow)[2], const WideTile& wt, int rown, int tg,
+                                              bf16_t* __restrict__ o, int Hq, int n_split, int row0,
+                                              float* __restrict__ part_o, float* __restrict__ part_ml) {
+    const float l0 = quad_sum(lrow[0]), l1 = quad_sum(lrow[1]);
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        const int r = rown + 8 * hf;
+        if (r >= wt.nrows) continue;
+        if (part_o) {
+            const long long prow = wide_prow(wt, r, Hq, n_split, row0);
+            float* po = part_o + prow * HD + 2 * tg;
+#pragma unroll
+            for (int b = 0; b < HD / 64; b++)
+#pragma unroll
+                for (int n = 0; n < 8; n++)
+                    *(float2*)(po + b * 64 + n * 8) = make_float2(oacc[b][4 * n + 2 * hf], oacc[b][4 * n + 2 * hf + 1]);
+            if (tg == 0) {
+                part_ml[2 * prow] = mrow[hf];
+                part_ml[2 * prow + 1] = hf ? l1 : l0;
+            }
+        } else {
+            const int pr = wt.r0 + r, i = pr / GQA_GROUP, hh = pr - i * GQA_GROUP;
+            const float l = hf ? l1 : l0;
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            bf16_t* orow = o + ((long long)(wt.qstart + i) * Hq + wt.hkv * GQA_GROUP + hh) * HD + 2 * tg;
+#pragma unroll
+            for (int b = 0; b < HD / 64; b++)
+#pragma unroll
+                for (int n = 0; n < 8; n++)
+                    *(u32*)(orow + b * 64 + n * 8) =
+                        pack_bf16(oacc[b][4 * n + 2 * hf] * inv, oacc[b][4 * n + 2 * hf + 1] * inv);
+        }
+    }
+}
 #endif
 
 extern "C" __global__ void __launch_bounds__(WG_NT, 1)
@@ -118,7 +265,7 @@ attn_prefill_wg(const bf16_t* __restrict__ q, const void* __restrict__ k_cache, 
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int g = lane >> 2, tg = lane & 3;
     const WideTile wt = wide_tile<WG_BK>(tile_table, cu_seqlens, seq_lens, n_split, part_o != nullptr);
-    const int s = wt.s, hkv = wt.hkv, qstart = wt.qstart, past = wt.past, r0 = wt.r0, nrows = wt.nrows;
+    const int s = wt.s, hkv = wt.hkv, qstart = wt.qstart, r0 = wt.r0, nrows = wt.nrows;
     const int first_q = wt.first_q, kend = wt.kend, jb = wt.jb, je = wt.je;
     if (jb >= je) {
         wide_mark_empty<WG_NT>(wt, part_ml, Hq, n_split, row0, tid);
@@ -203,20 +350,9 @@ attn_prefill_wg(const bf16_t* __restrict__ q, const void* __restrict__ k_cache, 
     // Own rows (of the block's 128): wg * 64 + warp * 16 + g and + 8.
     const int rown = wg * 64 + warp * 16 + g;
     int qpos[2];
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        const int r = rown + 8 * hf;
-        qpos[hf] = r < nrows ? past + (r0 + r) / GQA_GROUP : -1;
-    }
-    float oacc[NB][32];
-#pragma unroll
-    for (int b = 0; b < NB; b++)
-#pragma unroll
-        for (int i = 0; i < 32; i++) oacc[b][i] = 0.0f;
-    float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.0f, 0.0f};
+    float oacc[NB][32], mrow[2], lrow[2];
+    wg_rows_init(wt, rown, qpos, oacc, mrow, lrow);
     const float sl2 = scale * 1.4426950408889634f;  // log2 domain
-    // bf16 K: the scale rides on the exp's FFMA; quantised K: S is scaled per key column below.
-    const float fs = KQ_K ? 1.0f : sl2;
     const u32 q_wg = sbase + (u32)(wg * 64 * 128);   // this warpgroup's rows in each column block
 
     for (int j = jb; j < je; j++) {
@@ -256,118 +392,17 @@ attn_prefill_wg(const bf16_t* __restrict__ q, const void* __restrict__ k_cache, 
         }
         wg_commit();
         wg_wait0();
-        if (KQ_K) {
-            const float* sks = (const float*)(sptr + WG_SCK);
-#pragma unroll
-            for (int n = 0; n < WG_BK / 8; n++) {
-                const float f0 = sks[n * 8 + 2 * tg] * sl2, f1 = sks[n * 8 + 2 * tg + 1] * sl2;
-                sacc[4 * n] *= f0;
-                sacc[4 * n + 1] *= f1;
-                sacc[4 * n + 2] *= f0;
-                sacc[4 * n + 3] *= f1;
-            }
-        }
-
-        const int kb = j * WG_BK;
-        if (kb + WG_BK - 1 > first_q) {
-#pragma unroll
-            for (int n = 0; n < WG_BK / 8; n++) {
-                const int key = kb + n * 8 + 2 * tg;
-                if (key > qpos[0]) sacc[4 * n] = NEG_INF;
-                if (key + 1 > qpos[0]) sacc[4 * n + 1] = NEG_INF;
-                if (key > qpos[1]) sacc[4 * n + 2] = NEG_INF;
-                if (key + 1 > qpos[1]) sacc[4 * n + 3] = NEG_INF;
-            }
-        }
         float al[2];
-#pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
-            float mx = NEG_INF;
-#pragma unroll
-            for (int n = 0; n < WG_BK / 8; n++) mx = fmaxf(mx, fmaxf(sacc[4 * n + 2 * hf], sacc[4 * n + 2 * hf + 1]));
-            mx = fmaxf(mrow[hf], quad_max(mx) * fs);
-            const float base = mx == NEG_INF ? 0.0f : mx;
-            al[hf] = pf_exp2(mrow[hf] - base);
-            mrow[hf] = mx;
-            float rs = 0.0f;
-#pragma unroll
-            for (int n = 0; n < WG_BK / 8; n++) {
-                sacc[4 * n + 2 * hf] = pf_exp2(fmaf(sacc[4 * n + 2 * hf], fs, -base));
-                sacc[4 * n + 2 * hf + 1] = pf_exp2(fmaf(sacc[4 * n + 2 * hf + 1], fs, -base));
-                rs += sacc[4 * n + 2 * hf] + sacc[4 * n + 2 * hf + 1];
-            }
-            lrow[hf] = lrow[hf] * al[hf] + rs;
-        }
-        if (__any_sync(0xffffffffu, al[0] != 1.0f || al[1] != 1.0f)) {
-#pragma unroll
-            for (int b = 0; b < NB; b++)
-#pragma unroll
-                for (int n = 0; n < 8; n++) {
-                    oacc[b][4 * n] *= al[0];
-                    oacc[b][4 * n + 1] *= al[0];
-                    oacc[b][4 * n + 2] *= al[1];
-                    oacc[b][4 * n + 3] *= al[1];
-                }
-        }
-        // P as bf16 A fragments, 16 keys per k step: S's n8 tiles 2kk and 2kk + 1 (times the keys' V
-        // scales for quantised V).
         u32 pa[WG_BK / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < WG_BK / 16; kk++) {
-#if KQ_V
-            const float* svs = (const float*)(sptr + WG_SCV);
-            const float va = svs[kk * 16 + 2 * tg], vb = svs[kk * 16 + 2 * tg + 1];
-            const float vc = svs[kk * 16 + 8 + 2 * tg], vd = svs[kk * 16 + 8 + 2 * tg + 1];
-#else
-            const float va = 1.0f, vb = 1.0f, vc = 1.0f, vd = 1.0f;
-#endif
-            pa[kk][0] = pack_bf16(sacc[8 * kk] * va, sacc[8 * kk + 1] * vb);
-            pa[kk][1] = pack_bf16(sacc[8 * kk + 2] * va, sacc[8 * kk + 3] * vb);
-            pa[kk][2] = pack_bf16(sacc[8 * kk + 4] * vc, sacc[8 * kk + 5] * vd);
-            pa[kk][3] = pack_bf16(sacc[8 * kk + 6] * vc, sacc[8 * kk + 7] * vd);
-        }
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < WG_BK / 16; kk++)
-#pragma unroll
-            for (int b = 0; b < NB; b++)
-                wg_mma_rs_t(oacc[b], pa[kk], wg_desc(vs + (u32)(b * WG_BK * 128 + kk * 16 * 128), WG_BK * 128, 1024));
-        wg_commit();
+        wg_softmax(sacc, (const float*)(sptr + WG_SCK), (const float*)(sptr + WG_SCV), j * WG_BK, first_q, qpos, tg, sl2,
+                   mrow, lrow, pa, al);
+        wg_rescale(oacc, al);
+        wg_issue_pv(oacc, pa, vs);
         wg_wait0();
         __syncthreads();
     }
 
-    const float l0 = quad_sum(lrow[0]), l1 = quad_sum(lrow[1]);
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        const int r = rown + 8 * hf;
-        if (r >= nrows) continue;
-        if (part_o) {
-            // Split: the row's unnormalised O and (max in the log2 domain, sum), attn_decode_combine's layout.
-            const long long prow = wide_prow(wt, r, Hq, n_split, row0);
-            float* po = part_o + prow * HD + 2 * tg;
-#pragma unroll
-            for (int b = 0; b < NB; b++)
-#pragma unroll
-                for (int n = 0; n < 8; n++)
-                    *(float2*)(po + b * 64 + n * 8) = make_float2(oacc[b][4 * n + 2 * hf], oacc[b][4 * n + 2 * hf + 1]);
-            if (tg == 0) {
-                part_ml[2 * prow] = mrow[hf];
-                part_ml[2 * prow + 1] = hf ? l1 : l0;
-            }
-        } else {
-            const int pr = r0 + r, i = pr / GQA_GROUP, hh = pr - i * GQA_GROUP;
-            const float l = hf ? l1 : l0;
-            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-            bf16_t* orow = o + ((long long)(qstart + i) * Hq + hkv * GQA_GROUP + hh) * HD + 2 * tg;
-#pragma unroll
-            for (int b = 0; b < NB; b++)
-#pragma unroll
-                for (int n = 0; n < 8; n++)
-                    *(u32*)(orow + b * 64 + n * 8) =
-                        pack_bf16(oacc[b][4 * n + 2 * hf] * inv, oacc[b][4 * n + 2 * hf + 1] * inv);
-        }
-    }
+    wg_store_rows(oacc, mrow, lrow, wt, rown, tg, o, Hq, n_split, row0, part_o, part_ml);
 #else
     (void)q, (void)k_cache, (void)v_cache, (void)k_scales, (void)v_scales, (void)block_tables, (void)max_blocks;
     (void)cu_seqlens, (void)seq_lens, (void)tile_table, (void)o, (void)Hq, (void)Hkv, (void)page, (void)scale;

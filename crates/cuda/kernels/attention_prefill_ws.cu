@@ -217,7 +217,7 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
     const u32 sbase = (smem_addr(ws_smem) + 1023u) & ~1023u;
     const int tid = threadIdx.x;
     const WideTile wt = wide_tile<WG_BK>(tile_table, cu_seqlens, seq_lens, n_split, part_o != nullptr);
-    const int hkv = wt.hkv, qstart = wt.qstart, past = wt.past, r0 = wt.r0, nrows = wt.nrows;
+    const int hkv = wt.hkv, qstart = wt.qstart, r0 = wt.r0, nrows = wt.nrows;
     const int first_q = wt.first_q, kend = wt.kend, jb = wt.jb, je = wt.je;
     if (jb >= je) {
         wide_mark_empty<WS_NT>(wt, part_ml, Hq, n_split, row0, tid);
@@ -312,17 +312,8 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
 
     const int rown = cw * 64 + warp * 16 + g;  // own rows of the block's 128: rown and rown + 8
     int qpos[2];
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        const int r = rown + 8 * hf;
-        qpos[hf] = r < nrows ? past + (r0 + r) / GQA_GROUP : -1;
-    }
-    float oacc[NB][32];
-#pragma unroll
-    for (int b = 0; b < NB; b++)
-#pragma unroll
-        for (int i = 0; i < 32; i++) oacc[b][i] = 0.0f;
-    float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.0f, 0.0f};
+    float oacc[NB][32], mrow[2], lrow[2];
+    wg_rows_init(wt, rown, qpos, oacc, mrow, lrow);
     const float sl2 = scale * 1.4426950408889634f;  // log2 domain
     const u32 q_wg = sbase + (u32)(cw * 64 * 128);  // this warpgroup's rows in each column block
 
@@ -358,92 +349,23 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
         }
 #pragma unroll
         for (int b = 0; b < NB; b++) reg_fence(oacc[b]);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < WG_BK / 16; kk++)
-#pragma unroll
-            for (int b = 0; b < NB; b++)
-                wg_mma_rs_t(oacc[b], pa[kk], wg_desc(vs + (u32)(b * WG_BK * 128 + kk * 16 * 128), WG_BK * 128, 1024));
-        wg_commit();
+        wg_issue_pv(oacc, pa, vs);
 #pragma unroll
         for (int b = 0; b < NB; b++) reg_fence(oacc[b]);
     };
     // The online softmax of tile kb's scores: masks, new maxima, P (bf16 A fragments) to pa, the
     // factors that rescale O and the row sums to al.
-    // bf16 K: the scale rides on the exp's FFMA; quantised K: S is scaled per key column.
-    const float fs = KQ_K ? 1.0f : sl2;
+    // The online softmax of stage st's tile (its scales with codes): attn_prefill_wg's.
     auto softmax = [&](float (&sacc)[32], int kb, int st, u32 (&pa)[WG_BK / 16][4], float (&al)[2]) {
-#if KQ_K
-        {
-            const float* sks = sc_f + st * 2 * WG_BK;
-#pragma unroll
-            for (int n = 0; n < WG_BK / 8; n++) {
-                const float f0 = sks[n * 8 + 2 * tg] * sl2, f1 = sks[n * 8 + 2 * tg + 1] * sl2;
-                sacc[4 * n] *= f0;
-                sacc[4 * n + 1] *= f1;
-                sacc[4 * n + 2] *= f0;
-                sacc[4 * n + 3] *= f1;
-            }
-        }
-#endif
-        if (kb + WG_BK - 1 > first_q) {
-#pragma unroll
-            for (int n = 0; n < WG_BK / 8; n++) {
-                const int key = kb + n * 8 + 2 * tg;
-                if (key > qpos[0]) sacc[4 * n] = NEG_INF;
-                if (key + 1 > qpos[0]) sacc[4 * n + 1] = NEG_INF;
-                if (key > qpos[1]) sacc[4 * n + 2] = NEG_INF;
-                if (key + 1 > qpos[1]) sacc[4 * n + 3] = NEG_INF;
-            }
-        }
-#pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
-            float mx = NEG_INF;
-#pragma unroll
-            for (int n = 0; n < WG_BK / 8; n++) mx = fmaxf(mx, fmaxf(sacc[4 * n + 2 * hf], sacc[4 * n + 2 * hf + 1]));
-            mx = fmaxf(mrow[hf], quad_max(mx) * fs);
-            const float base = mx == NEG_INF ? 0.0f : mx;
-            al[hf] = pf_exp2(mrow[hf] - base);
-            mrow[hf] = mx;
-            float rs = 0.0f;
-#pragma unroll
-            for (int n = 0; n < WG_BK / 8; n++) {
-                sacc[4 * n + 2 * hf] = pf_exp2(fmaf(sacc[4 * n + 2 * hf], fs, -base));
-                sacc[4 * n + 2 * hf + 1] = pf_exp2(fmaf(sacc[4 * n + 2 * hf + 1], fs, -base));
-                rs += sacc[4 * n + 2 * hf] + sacc[4 * n + 2 * hf + 1];
-            }
-            lrow[hf] = lrow[hf] * al[hf] + rs;
-        }
-        // P as bf16 A fragments (times the keys' V scales for quantised V; the row sums use P unscaled).
-#pragma unroll
-        for (int kk = 0; kk < WG_BK / 16; kk++) {
-#if KQ_V
-            const float* svs = sc_f + st * 2 * WG_BK + WG_BK;
-            const float va = svs[kk * 16 + 2 * tg], vb = svs[kk * 16 + 2 * tg + 1];
-            const float vc = svs[kk * 16 + 8 + 2 * tg], vd = svs[kk * 16 + 8 + 2 * tg + 1];
+#if KQ_ANY
+        const float *sks = sc_f + st * 2 * WG_BK, *svs = sks + WG_BK;
 #else
-            const float va = 1.0f, vb = 1.0f, vc = 1.0f, vd = 1.0f;
-            (void)st;
+        const float *sks = nullptr, *svs = nullptr;
+        (void)st;
 #endif
-            pa[kk][0] = pack_bf16(sacc[8 * kk] * va, sacc[8 * kk + 1] * vb);
-            pa[kk][1] = pack_bf16(sacc[8 * kk + 2] * va, sacc[8 * kk + 3] * vb);
-            pa[kk][2] = pack_bf16(sacc[8 * kk + 4] * vc, sacc[8 * kk + 5] * vd);
-            pa[kk][3] = pack_bf16(sacc[8 * kk + 6] * vc, sacc[8 * kk + 7] * vd);
-        }
+        wg_softmax(sacc, sks, svs, kb, first_q, qpos, tg, sl2, mrow, lrow, pa, al);
     };
-    auto rescale = [&](const float (&al)[2]) {
-        if (__any_sync(0xffffffffu, al[0] != 1.0f || al[1] != 1.0f)) {
-#pragma unroll
-            for (int b = 0; b < NB; b++)
-#pragma unroll
-                for (int n = 0; n < 8; n++) {
-                    oacc[b][4 * n] *= al[0];
-                    oacc[b][4 * n + 1] *= al[0];
-                    oacc[b][4 * n + 2] *= al[1];
-                    oacc[b][4 * n + 3] *= al[1];
-                }
-        }
-    };
+    auto rescale = [&](const float (&al)[2]) { wg_rescale(oacc, al); };
     auto release = [&](u32 bar) {
         // Lane 0 of each warp, predicated (no branch inside a warpgroup's open products).
         asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(bar),
@@ -538,37 +460,7 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
     }
 #endif
 
-    const float l0 = quad_sum(lrow[0]), l1 = quad_sum(lrow[1]);
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        const int r = rown + 8 * hf;
-        if (r >= nrows) continue;
-        if (part_o) {
-            // Split: the row's unnormalised O and (max in the log2 domain, sum), attn_decode_combine's layout.
-            const long long prow = wide_prow(wt, r, Hq, n_split, row0);
-            float* po = part_o + prow * HD + 2 * tg;
-#pragma unroll
-            for (int b = 0; b < NB; b++)
-#pragma unroll
-                for (int n = 0; n < 8; n++)
-                    *(float2*)(po + b * 64 + n * 8) = make_float2(oacc[b][4 * n + 2 * hf], oacc[b][4 * n + 2 * hf + 1]);
-            if (tg == 0) {
-                part_ml[2 * prow] = mrow[hf];
-                part_ml[2 * prow + 1] = hf ? l1 : l0;
-            }
-        } else {
-            const int pr = r0 + r, i = pr / GQA_GROUP, hh = pr - i * GQA_GROUP;
-            const float l = hf ? l1 : l0;
-            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-            bf16_t* orow = o + ((long long)(qstart + i) * Hq + wt.hkv * GQA_GROUP + hh) * HD + 2 * tg;
-#pragma unroll
-            for (int b = 0; b < NB; b++)
-#pragma unroll
-                for (int n = 0; n < 8; n++)
-                    *(u32*)(orow + b * 64 + n * 8) =
-                        pack_bf16(oacc[b][4 * n + 2 * hf] * inv, oacc[b][4 * n + 2 * hf + 1] * inv);
-        }
-    }
+    wg_store_rows(oacc, mrow, lrow, wt, rown, tg, o, Hq, n_split, row0, part_o, part_ml);
 #else
     (void)kmap, (void)vmap, (void)q, (void)k_scales, (void)v_scales, (void)block_tables, (void)max_blocks;
     (void)cu_seqlens, (void)seq_lens, (void)tile_table, (void)o, (void)Hq, (void)Hkv, (void)page, (void)box_rows;
