@@ -74,8 +74,9 @@
 #                backend test, then 27B FP8 prefill 512/4K/16K with it off (cuBLASLt) and on
 #   wgmma        the Hopper attention prefill kernels (wgmma the default there; the warp-specialised one
 #                with DELTASERVE_ATTN_PREFILL=ws): ops cases, the attention benchmark (and the warp-specialised
-#                kernel's build variants), the backend against the CPU, 27B prefill 4K/32K/128K (bf16; int4 +
-#                fp8 KV at 24 GiB) on the wide, the warpgroup and the warp-specialised kernel
+#                kernel's build variants), the backend against the CPU with each
+#   wgmma-bench  27B prefill 4K/32K/128K (bf16; int4 + fp8 KV at 24 GiB) on the wide, the warpgroup and the
+#                warp-specialised kernel
 #   vision       the vision tower at the real shapes: a 1024x1024 image's encode in a step, its attention
 #                alone, and each op kind's time over the 27 blocks
 #   tp           on 2 GPUs: NCCL and TP=2 tests, `bench` at TP=2 and TP=1 (chart: tp.svg), the TP=2 probe
@@ -378,8 +379,7 @@ step_fp8-mma() {
 # Hopper's attention prefill kernels, the warpgroup one (the default; DELTASERVE_ATTN_PREFILL=wide: the wide one)
 # and the warp-specialised one (DELTASERVE_ATTN_PREFILL=ws): their ops cases against the CPU over bf16 and
 # quantised caches (split over the keys too), the attention benchmark (and the warp-specialised kernel's build
-# variants), the backend against the CPU with each, then the 27B prefill at 4K / 32K / 128K with the wide, the
-# warpgroup and the warp-specialised kernel: bf16, and int4 weights with fp8 KV at 24 GiB.
+# variants), the backend against the CPU with each.
 step_wgmma() {
     DS_OPS_FILTER=attn_prefill test_run ops-wgmma 300 "FAIL|test result|panicked|attn_prefill_w" ops \
         ops_match_cpu_reference --nocapture --test-threads=1
@@ -390,12 +390,17 @@ step_wgmma() {
         --test-threads=1 matches_cpu_backend error_by_depth short_chunks_over_long quantized_kv
     # The warp-specialised kernel's build variants (each tile's products and softmax in turn; the
     # warpgroups taking turns) in the attention benchmark.
-    local o v
+    local o
     for o in in-turn:-DWS_OVERLAP=0 pingpong:-DWS_PINGPONG=1; do
         DELTASERVE_NVRTC_OPTIONS="${o#*:}" DS_BENCH_ATTN=prefill test_run "attn-ws-${o%%:*}" 200 \
             "attn_prefill|^ +[0-9]|panicked" bench_attention --nocapture --ignored
     done
-    # wide: mma.sync; default: wgmma (attn_prefill_wg); ws: the warp-specialised kernel.
+}
+
+# The 27B prefill at 4K / 32K / 128K on Hopper's attention prefill kernels (bf16, and int4 weights with fp8 KV
+# at 24 GiB): wide: mma.sync; default: wgmma (attn_prefill_wg); ws: the warp-specialised kernel.
+step_wgmma-bench() {
+    local v
     for v in wide default ws; do
         # shellcheck disable=SC2086 # word lists of arguments
         DELTASERVE_ATTN_PREFILL=$v ds "wgmma-$v" 300 bench $Q27 --prompts 4096,32768,131072 --contexts 1024 \

@@ -93,3 +93,23 @@ impl Map {
         Ok(map)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Matrices and boxes the tensor memory accelerator cannot take are refused before the driver is asked.
+    #[test]
+    fn bad_shapes_are_errors() {
+        let refused = |r: Result<TmaMap, CudaError>| matches!(r, Err(CudaError::InvalidArgs { .. }));
+        assert!(refused(bf16_rows_swizzled(0, 64, 1024, 32)), "null pointer");
+        assert!(refused(bf16_rows_swizzled(0x1008, 64, 1024, 32)), "8-byte aligned");
+        assert!(refused(bf16_rows_swizzled(0x1000, 64, 32, 32)), "rows narrower than a box");
+        assert!(refused(bf16_rows_swizzled(0x1000, 0, 1024, 32)), "no rows");
+        assert!(refused(bf16_rows_swizzled(0x1000, 64, 1024, 512)), "box of 512 rows");
+        assert!(refused(bytes_rows(0x1000, 64, 1024, 8, 32)), "box of 8 bytes");
+        assert!(refused(bytes_rows(0x1000, 64, 1024, 512, 32)), "box of 512 bytes");
+        assert!(refused(bytes_rows(0x1000, 64, 1000, 128, 32)), "rows not of 16-byte multiples");
+        assert!(refused(bytes_rows(0x1000, 64, 64, 128, 32)), "rows narrower than a box");
+    }
+}
