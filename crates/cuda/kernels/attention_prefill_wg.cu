@@ -117,12 +117,10 @@ __device__ __forceinline__ void wg_issue_pv(float (&oacc)[HD / 64][32], const u3
 // warp's rows g and g + 8, keys 8n + 2tg and + 1), keys from kb, for the warpgroup kernels: quantised K
 // scales the key columns by sks (times the log2-domain scale sl2; bf16 K: sl2 rides on the exp), the
 // causal mask against the rows' positions qpos (from the block's first query first_q on), new maxima
-// (mrow, log2 domain) and row sums (lrow), P to pa as bf16 A fragments, 16 keys per k step (S's n8 tiles
-// 2kk and 2kk + 1; times the keys' V scales svs for quantised V, the row sums use P unscaled), and the
-// factors that rescale O to al.
-__device__ __forceinline__ void wg_softmax(float (&sacc)[32], const float* sks, const float* svs, int kb, int first_q,
-                                           const int (&qpos)[2], int tg, float sl2, float (&mrow)[2],
-                                           float (&lrow)[2], u32 (&pa)[WG_BK / 16][4], float (&al)[2]) {
+// (mrow, log2 domain), row sums (lrow, of P unscaled) and P in S's registers, and the factors that
+// rescale O to al.
+__device__ __forceinline__ void wg_softmax(float (&sacc)[32], const float* sks, int kb, int first_q, const int (&qpos)[2],
+                                           int tg, float sl2, float (&mrow)[2], float (&lrow)[2], float (&al)[2]) {
     const float fs = KQ_K ? 1.0f : sl2;
     if (KQ_K) {
 #pragma unroll
@@ -162,6 +160,11 @@ __device__ __forceinline__ void wg_softmax(float (&sacc)[32], const float* sks, 
         }
         lrow[hf] = lrow[hf] * al[hf] + rs;
     }
+}
+
+// P (the probabilities wg_softmax left in S) as bf16 A fragments, 16 keys per k step: S's n8 tiles 2kk and
+// 2kk + 1, times the keys' V scales svs for quantised V.
+__device__ __forceinline__ void wg_pack_p(const float (&sacc)[32], const float* svs, int tg, u32 (&pa)[WG_BK / 16][4]) {
 #pragma unroll
     for (int kk = 0; kk < WG_BK / 16; kk++) {
         float va = 1.0f, vb = 1.0f, vc = 1.0f, vd = 1.0f;
@@ -394,9 +397,9 @@ attn_prefill_wg(const bf16_t* __restrict__ q, const void* __restrict__ k_cache, 
         wg_wait0();
         float al[2];
         u32 pa[WG_BK / 16][4];
-        wg_softmax(sacc, (const float*)(sptr + WG_SCK), (const float*)(sptr + WG_SCV), j * WG_BK, first_q, qpos, tg, sl2,
-                   mrow, lrow, pa, al);
+        wg_softmax(sacc, (const float*)(sptr + WG_SCK), j * WG_BK, first_q, qpos, tg, sl2, mrow, lrow, al);
         wg_rescale(oacc, al);
+        wg_pack_p(sacc, (const float*)(sptr + WG_SCV), tg, pa);
         wg_issue_pv(oacc, pa, vs);
         wg_wait0();
         __syncthreads();

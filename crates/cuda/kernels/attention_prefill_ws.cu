@@ -274,19 +274,29 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
             const int st = it & 1, use = it >> 1;
             const int kb = j * WG_BK;
             const int nbox = min(per_tile, (kend - kb + box_rows - 1) / box_rows);  // boxes with a key before kend
+            // The boxes' cache rows (block-table reads) before the wait for the stage, not after it.
+            int rows[WG_BK / 8];
+#pragma unroll
+            for (int rb = 0; rb < WG_BK / 8; rb++) {
+                if (rb < nbox) {
+                    const int key = kb + rb * box_rows;
+                    const int pg = pshift >= 0 ? key >> pshift : key / page;
+                    rows[rb] = bt[pg] * page + (key - pg * page);
+                }
+            }
             for (int m = 0; m < 2; m++) {
                 const u32 full = m == 0 ? full_k(st) : full_v(st);
                 if (use > 0) mbar_wait(m == 0 ? empty_k(st) : empty_v(st), (use - 1) & 1);
                 mbar_expect_tx(full, (u32)nbox * box_bytes * NB);
                 const u32 dst = (m == 0 ? ks0 : vs0) + st * WS_MAT;
                 const TmaMap* map = m == 0 ? &kmap : &vmap;
-                for (int rb = 0; rb < nbox; rb++) {
-                    const int key = kb + rb * box_rows;
-                    const int pg = pshift >= 0 ? key >> pshift : key / page;
-                    const int row = bt[pg] * page + (key - pg * page);
+#pragma unroll
+                for (int rb = 0; rb < WG_BK / 8; rb++) {
+                    if (rb >= nbox) break;
 #pragma unroll
                     for (int b = 0; b < NB; b++)
-                        tma_load_2d(dst + (u32)(b * WG_BK * 128 + rb * box_rows * 128), map, hkv * HD + b * 64, row, full);
+                        tma_load_2d(dst + (u32)(b * WG_BK * 128 + rb * box_rows * 128), map, hkv * HD + b * 64, rows[rb],
+                                    full);
                 }
             }
         }
@@ -363,7 +373,8 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
         const float *sks = nullptr, *svs = nullptr;
         (void)st;
 #endif
-        wg_softmax(sacc, sks, svs, kb, first_q, qpos, tg, sl2, mrow, lrow, pa, al);
+        wg_softmax(sacc, sks, kb, first_q, qpos, tg, sl2, mrow, lrow, al);
+        wg_pack_p(sacc, svs, tg, pa);
     };
     auto rescale = [&](const float (&al)[2]) { wg_rescale(oacc, al); };
     auto release = [&](u32 bar) {
