@@ -363,9 +363,7 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
 #pragma unroll
         for (int b = 0; b < NB; b++) reg_fence(oacc[b]);
     };
-    // The online softmax of tile kb's scores: masks, new maxima, P (bf16 A fragments) to pa, the
-    // factors that rescale O and the row sums to al.
-    // The online softmax of stage st's tile (its scales with codes): attn_prefill_wg's.
+    // The online softmax of tile kb in stage st (its scales, with codes): P to pa, O's factors to al.
     auto softmax = [&](float (&sacc)[32], int kb, int st, u32 (&pa)[WG_BK / 16][4], float (&al)[2]) {
 #if KQ_ANY
         const float *sks = sc_f + st * 2 * WG_BK, *svs = sks + WG_BK;
