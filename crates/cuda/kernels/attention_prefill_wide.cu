@@ -53,20 +53,22 @@ __host__ __device__ constexpr int pw_xa(int bk) { return pw_xch(bk) + PW_NW * 32
 // The block's dynamic shared memory ends after the factor exchange: pw_xa(bk) + PW_NW * 32 * 8 bytes.
 
 // A block's tile of PW_ROWS packed rows of one sequence for kv head blockIdx.y (the wide kernels and
-// attn_prefill_wg), and its share of the tile's KV tiles of BK keys: jb .. je of them, all without a
-// split; with one (`split`: part_o given) the blockIdx.z-th of n_split equal runs.
+// attn_prefill_wg; HEADS_X: the tile from blockIdx.y and the kv head blockIdx.x, so blocks launch every
+// head's tile before the next tile's, the heaviest tiles of all heads first), and its share of the tile's
+// KV tiles of BK keys: jb .. je of them, all without a split; with one (`split`: part_o given) the
+// blockIdx.z-th of n_split equal runs.
 struct WideTile {
     int s, hkv, qstart, past, r0, nrows, first_q, kend, jb, je;
 };
 
-template <int BK>
+template <int BK, bool HEADS_X = false>
 __device__ __forceinline__ WideTile wide_tile(const int* __restrict__ tile_table, const int* __restrict__ cu_seqlens,
                                               const int* __restrict__ seq_lens, int n_split, bool split) {
     WideTile t;
-    const int tile = gridDim.x - 1 - blockIdx.x;
+    const int tile = HEADS_X ? gridDim.y - 1 - blockIdx.y : gridDim.x - 1 - blockIdx.x;
     t.s = tile_table[2 * tile];
     const int rt = tile_table[2 * tile + 1];
-    t.hkv = blockIdx.y;
+    t.hkv = HEADS_X ? blockIdx.x : blockIdx.y;
     t.qstart = cu_seqlens[t.s];
     const int qlen = cu_seqlens[t.s + 1] - t.qstart;
     t.past = seq_lens[t.s] - qlen;

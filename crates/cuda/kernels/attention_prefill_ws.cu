@@ -28,7 +28,8 @@
 // Smem (ops/attention.rs ws_smem_bytes): 1 KB of alignment slack, Q 128 x HD x 2, 2 K stages and 2 V
 // stages of 64 x HD x 2, 9 barriers in 128 bytes (193.1 KB at HD 256); with codes the scales
 // (2 stages x 128 f32) and the codes' stage (64 rows of each quantised matrix: 225.1 KB for fp8 / fp8).
-// Launch: grid as attn_prefill_wg, block 384; kmap / vmap encoded by the launcher for this layer's
+// Launch: grid (Hkv, n_tiles, n_split) (attn_prefill_wg's with its first two dims swapped: every kv
+// head's heaviest tiles start first), block 384; kmap / vmap encoded by the launcher for this layer's
 // cache, boxes of `box_rows` rows (ops/attention.rs tma_box_rows: the page where it divides 64 keys,
 // from 8; 64 where 64 divides the page). Chosen with DELTASERVE_ATTN_PREFILL=ws (AttnTiling::tma).
 
@@ -216,7 +217,7 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
     extern __shared__ __align__(16) unsigned char ws_smem[];
     const u32 sbase = (smem_addr(ws_smem) + 1023u) & ~1023u;
     const int tid = threadIdx.x;
-    const WideTile wt = wide_tile<WG_BK>(tile_table, cu_seqlens, seq_lens, n_split, part_o != nullptr);
+    const WideTile wt = wide_tile<WG_BK, true>(tile_table, cu_seqlens, seq_lens, n_split, part_o != nullptr);
     const int hkv = wt.hkv, qstart = wt.qstart, r0 = wt.r0, nrows = wt.nrows;
     const int first_q = wt.first_q, kend = wt.kend, jb = wt.jb, je = wt.je;
     if (jb >= je) {

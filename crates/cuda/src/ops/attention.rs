@@ -384,6 +384,11 @@ fn prefill_launch(
             };
             let (kmap, vmap) = (map(k_cache, k.kv.k)?, map(v_cache, k.kv.v)?);
             let (box_rows, smem) = (br as i32, ws_smem_bytes(&d, &k.kv) as u32);
+            // Kv heads along x: every head's tile t launches before any head's tile t + 1 (heaviest first).
+            if a.n_tiles > 65_535 {
+                return Err(invalid("attn_prefill", format!("{} tiles: at most 65,535 a launch", a.n_tiles)));
+            }
+            let grid = (grid.1, grid.0, grid.2);
             return launch!(k, s, "attn_prefill_ws", grid, (384, 1, 1), smem;
                 kmap, vmap, q, k_scales, v_scales, block_tables, mb, cu_seqlens, seq_lens, tile_table, o, hq, hkv, page,
                 box_rows, scale, qt, qh, n_split, row0, part_o, part_ml);
