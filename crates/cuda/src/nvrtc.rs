@@ -23,8 +23,8 @@ mod defines;
 mod sources;
 
 pub use check::{
-    CHECK_ARCHS, CHECK_KV, CheckLine, HOPPER_ARCH, KernelsReport, check_defines, kernel_instructions, kernels_check,
-    kernels_check_where,
+    CHECK_ARCHS, CHECK_KV, CheckLine, HOPPER_ARCH, KernelsReport, WGMMA_SERIALISED, check_defines, kernel_instructions,
+    kernels_check, kernels_check_where,
 };
 pub use defines::{AttnTiling, KernelDims, KvFormats};
 pub use sources::{KernelSource, SOURCES};

@@ -2,7 +2,8 @@
 //! libnvrtc is not found (see scripts/ci_nvrtc.sh for the pinned wheel).
 
 use deltaserve_cuda::nvrtc::{
-    CHECK_ARCHS, KernelDims, KernelsReport, SOURCES, check_defines, kernels_check_where, nvrtc_present,
+    CHECK_ARCHS, KernelDims, KernelsReport, SOURCES, WGMMA_SERIALISED, check_defines, kernels_check_where,
+    nvrtc_present,
 };
 
 /// The small kernels a decode step launches once per layer (besides the int4 GEMVs, whose code is
@@ -49,6 +50,10 @@ fn every_kernel_compiles_for_every_arch() {
         }
         let bad = oversized(&report);
         assert!(bad.is_empty(), "per-layer decode kernels over {MAX_INSTRUCTIONS} instructions:\n{}", bad.join("\n"));
+        // The Hopper kernels' warpgroup products stay asynchronous (ptxas serialises them when registers an
+        // issued product reads are written before its wait).
+        let serialised: Vec<_> = report.lines.iter().filter(|l| l.detail.contains(WGMMA_SERIALISED)).collect();
+        assert!(serialised.is_empty(), "wgmma serialised by ptxas: {serialised:#?}");
     }
 }
 

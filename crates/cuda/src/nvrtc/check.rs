@@ -30,6 +30,10 @@ pub const CHECK_KV: &[(KvFormats, &str)] = &[
     (KvFormats { k: KvDtype::Bf16, v: KvDtype::Fp8 }, "attention[bf16/fp8]"),
 ];
 
+/// What ptxas says (C7510 … C7515) where it makes a kernel's warpgroup products wait for each other
+/// instead of running asynchronously: a kernel built that way loses the overlap it was written for.
+pub const WGMMA_SERIALISED: &str = "wgmma.mma_async instructions are serialized";
+
 /// One line of the kernels-check report.
 #[derive(Clone, Debug)]
 pub struct CheckLine {
@@ -202,13 +206,14 @@ pub fn kernel_instructions(cubin: &[u8]) -> Vec<(String, usize)> {
     parse().unwrap_or_default()
 }
 
-/// Keeps ptxas's per-function summary lines ("Compiling entry", "Used N registers", spills) and its
-/// warnings (e.g. wgmma serialised).
+/// Keeps ptxas's per-function summary lines ("Compiling entry", "Used N registers", spills), its
+/// warnings and its performance notes (e.g. [`WGMMA_SERIALISED`]).
 fn resource_lines(log: &str) -> String {
     log.lines()
         .filter(|l| {
             l.contains("Compiling entry")
                 || l.contains("registers")
+                || l.contains(WGMMA_SERIALISED)
                 || (l.contains("ptxas") && l.contains("arning"))
                 || (l.contains("spill") && !l.contains(" 0 bytes spill stores, 0 bytes spill loads"))
         })
@@ -219,7 +224,23 @@ fn resource_lines(log: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::kernel_instructions;
+    use super::{WGMMA_SERIALISED, kernel_instructions, resource_lines};
+
+    /// The report keeps what ptxas says about registers, spills and serialised warpgroup products, and
+    /// drops the rest of its log.
+    #[test]
+    fn the_report_keeps_resources_and_serialised_products() {
+        let log = "ptxas info    : 0 bytes gmem\n\
+                   ptxas info    : Compiling entry function 'k' for 'sm_90a'\n\
+                   ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized \
+                   due to the presence of Extern calls in the function 'k'\n\
+                   ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+                   ptxas info    : Used 168 registers, used 16 barriers\n\
+                   ptxas info    : Compile time = 1.0 ms";
+        let kept = resource_lines(log);
+        assert_eq!(kept.lines().count(), 3, "{kept}");
+        assert!(kept.contains(WGMMA_SERIALISED) && kept.contains("Used 168 registers"), "{kept}");
+    }
 
     /// A 64-bit ELF with a null section, `.shstrtab` and the given `.text.*` sections (name, bytes).
     fn elf(texts: &[(&str, usize)]) -> Vec<u8> {
