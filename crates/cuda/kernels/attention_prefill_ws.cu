@@ -58,16 +58,24 @@ __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-// Waits until the barrier's phase of parity `parity` has completed.
+// Waits until the barrier's phase of parity `parity` has completed. A wait of 2^33 SM clocks (seconds;
+// a tile takes microseconds) can only be a broken pipeline: it traps, so the launch fails with an error
+// instead of hanging the GPU.
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    u32 done;
-    do {
+    long long t0 = 0;
+    for (int n = 0;; n++) {
+        u32 done;
         asm volatile(
             "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
             : "=r"(done)
             : "r"(bar), "r"(parity)
             : "memory");
-    } while (!done);
+        if (done) return;
+        if (n == 0)
+            t0 = clock64();
+        else if (clock64() - t0 > (1ll << 33))
+            __trap();
+    }
 }
 // One box of the map at (x, y) (elements, rows) to dst, its bytes counted on bar.
 __device__ __forceinline__ void tma_load_2d(u32 dst, const TmaMap* map, int x, int y, u32 bar) {
