@@ -268,7 +268,7 @@ attn_prefill_wg(const bf16_t* __restrict__ q, const void* __restrict__ k_cache, 
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int g = lane >> 2, tg = lane & 3;
     const WideTile wt = wide_tile<WG_BK>(tile_table, cu_seqlens, seq_lens, n_split, part_o != nullptr);
-    const int s = wt.s, hkv = wt.hkv, qstart = wt.qstart, r0 = wt.r0, nrows = wt.nrows;
+    const int s = wt.s, hkv = wt.hkv;
     const int first_q = wt.first_q, kend = wt.kend, jb = wt.jb, je = wt.je;
     if (jb >= je) {
         wide_mark_empty<WG_NT>(wt, part_ml, Hq, n_split, row0, tid);
@@ -279,13 +279,7 @@ attn_prefill_wg(const bf16_t* __restrict__ q, const void* __restrict__ k_cache, 
     const bool page_tiles = (page % WG_BK) == 0;
     const int pshift = (page & (page - 1)) == 0 ? __ffs(page) - 1 : -1;
 
-    for (int c = tid; c < WG_ROWS * CH; c += WG_NT) {
-        const int r = c / CH, ch = c % CH;
-        const bool ok = r < nrows;
-        const int pr = r0 + r, i = pr / GQA_GROUP, hh = pr - i * GQA_GROUP;
-        const bf16_t* src = ok ? q + (long long)(qstart + i) * q_tok + (long long)(hkv * GQA_GROUP + hh) * q_head + ch * 8 : q;
-        cp_async16(sbase + wg_swz(r, ch, WG_ROWS), src, ok ? 16 : 0);
-    }
+    wide_load_q<WG_NT>(q, wt, q_tok, q_head, tid, [&](int r, int ch) { return sbase + wg_swz(r, ch, WG_ROWS); });
     u32 pend_k = 0, pend_v = 0;  // f16 scale bits of key (tile + tid), tid < 64, for the next tile
     // Keys [kb, kb + 64) of K and V into the stage at dst (a bf16 matrix as its swizzled tile, codes
     // as 64 rows of K_ROWB / V_ROWB bytes, the scales of key kb + tid to pend_k / pend_v); keys at or

@@ -83,6 +83,22 @@ __device__ __forceinline__ WideTile wide_tile(const int* __restrict__ tile_table
     return t;
 }
 
+// Copies the tile's packed Q rows (row r: query r / GQA_GROUP, head r % GQA_GROUP of its kv head) into
+// shared memory with cp.async, row r's 16-byte chunk ch to dst(r, ch), rows past the tile zero-filled:
+// threads t = 0 .. NT - 1 of the block; the caller commits.
+template <int NT, typename Dst>
+__device__ __forceinline__ void wide_load_q(const bf16_t* __restrict__ q, const WideTile& wt, long long q_tok,
+                                            long long q_head, int t, Dst dst) {
+    for (int c = t; c < PW_ROWS * (HD / 8); c += NT) {
+        const int r = c / (HD / 8), ch = c % (HD / 8);
+        const bool ok = r < wt.nrows;
+        const int pr = wt.r0 + r, i = pr / GQA_GROUP, hh = pr - i * GQA_GROUP;
+        const bf16_t* src =
+            ok ? q + (long long)(wt.qstart + i) * q_tok + (long long)(wt.hkv * GQA_GROUP + hh) * q_head + ch * 8 : q;
+        cp_async16(dst(r, ch), src, ok ? 16 : 0);
+    }
+}
+
 // The partial (attn_decode_combine's layout: query - row0, head, split) of the tile's row r.
 __device__ __forceinline__ long long wide_prow(const WideTile& t, int r, int Hq, int n_split, int row0) {
     const int pr = t.r0 + r, i = pr / GQA_GROUP, hh = pr - i * GQA_GROUP;
@@ -139,13 +155,8 @@ __device__ __forceinline__ void wide_body(const bf16_t* __restrict__ q, const vo
     const bool page_tiles = (page % BK) == 0;
     const int pshift = (page & (page - 1)) == 0 ? __ffs(page) - 1 : -1;
 
-    for (int c = tid; c < PW_ROWS * PF_CH; c += PW_NT) {
-        const int r = c / PF_CH, ch = c % PF_CH;
-        const bool ok = r < nrows;
-        const int pr = r0 + r, i = pr / GQA_GROUP, hh = pr - i * GQA_GROUP;
-        const bf16_t* src = ok ? q + (long long)(qstart + i) * q_tok + (long long)(hkv * GQA_GROUP + hh) * q_head + ch * 8 : q;
-        cp_async16(sbase + (u32)(r * HD * 2 + (ch ^ (r & PW_SWZ)) * 16), src, ok ? 16 : 0);
-    }
+    wide_load_q<PW_NT>(q, wt, q_tok, q_head, tid,
+                       [&](int r, int ch) { return sbase + (u32)(r * HD * 2 + (ch ^ (r & PW_SWZ)) * 16); });
 #if !KQ_ANY
     const KvLane kvl = kv_lane(tid, width);
     // 64-key tiles over 32-key pages: two one-page halves (no per-row block-table lookups).

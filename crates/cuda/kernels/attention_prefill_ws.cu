@@ -226,7 +226,7 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
     const u32 sbase = (smem_addr(ws_smem) + 1023u) & ~1023u;
     const int tid = threadIdx.x;
     const WideTile wt = wide_tile<WG_BK, true>(tile_table, cu_seqlens, seq_lens, n_split, part_o != nullptr);
-    const int hkv = wt.hkv, qstart = wt.qstart, r0 = wt.r0, nrows = wt.nrows;
+    const int hkv = wt.hkv;
     const int first_q = wt.first_q, kend = wt.kend, jb = wt.jb, je = wt.je;
     if (jb >= je) {
         wide_mark_empty<WS_NT>(wt, part_ml, Hq, n_split, row0, tid);
@@ -317,13 +317,7 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
     const int ct = tid - 128, cw = ct >> 7, warp = (ct >> 5) & 3, lane = ct & 31;
     const int g = lane >> 2, tg = lane & 3;
-    for (int c = ct; c < WG_ROWS * CH; c += 256) {
-        const int r = c / CH, ch = c % CH;
-        const bool ok = r < nrows;
-        const int pr = r0 + r, i = pr / GQA_GROUP, hh = pr - i * GQA_GROUP;
-        const bf16_t* src = ok ? q + (long long)(qstart + i) * q_tok + (long long)(wt.hkv * GQA_GROUP + hh) * q_head + ch * 8 : q;
-        cp_async16(sbase + wg_swz(r, ch, WG_ROWS), src, ok ? 16 : 0);
-    }
+    wide_load_q<256>(q, wt, q_tok, q_head, ct, [&](int r, int ch) { return sbase + wg_swz(r, ch, WG_ROWS); });
     cp_async_commit();
     cp_async_wait<0>();
     fence_proxy_async();
