@@ -6,6 +6,7 @@
 
 use cudarc::driver::CudaStream;
 
+use super::kv_quant::row_bytes;
 use super::{Kernels, invalid, launch, launch_pdl, tma, to_i32, to_u32};
 use crate::error::CudaError;
 use crate::nvrtc::{AttnTiling, KernelDims, KvFormats};
@@ -29,7 +30,7 @@ pub(crate) fn prefill_smem_bytes(d: &KernelDims, kv: &KvFormats, t: &AttnTiling)
 /// its tile, a quantised one as its codes), then for each quantised matrix its converted bf16 tile and
 /// the tile's f32 scales.
 fn kv_tiles_bytes(kv: &KvFormats, keys: usize, hd: usize, tile: usize) -> usize {
-    let part = |f: KvDtype| if f == KvDtype::Bf16 { tile } else { keys * hd * f.bits() as usize / 8 };
+    let part = |f: KvDtype| if f == KvDtype::Bf16 { tile } else { keys * row_bytes(f, hd) };
     let extra = |f: KvDtype| if f == KvDtype::Bf16 { 0 } else { tile + 4 * keys };
     2 * (part(kv.k) + part(kv.v)) + extra(kv.k) + extra(kv.v)
 }
@@ -65,14 +66,9 @@ const WG_KEYS: usize = 64;
 /// quantised matrix the tiles' f32 scales (2 stages of K and V) and one stage of the codes.
 pub(crate) fn ws_smem_bytes(d: &KernelDims, kv: &KvFormats) -> usize {
     let hd = d.attn_head_dim;
-    let codes = |f: KvDtype| if f == KvDtype::Bf16 { 0 } else { WG_KEYS * code_row_bytes(f, hd) };
+    let codes = |f: KvDtype| if f == KvDtype::Bf16 { 0 } else { WG_KEYS * row_bytes(f, hd) };
     let quantised = if kv.k == KvDtype::Bf16 && kv.v == KvDtype::Bf16 { 0 } else { 4 * WG_KEYS * 4 };
     1024 + WIDE_ROWS * hd * 2 + 4 * WG_KEYS * hd * 2 + 128 + quantised + codes(kv.k) + codes(kv.v)
-}
-
-/// Bytes of one token-head row of codes of a quantised format (the kernels' K_ROWB / V_ROWB).
-fn code_row_bytes(f: KvDtype, hd: usize) -> usize {
-    hd * f.bits() as usize / 8
 }
 
 /// Whether `attn_prefill_wg` takes the wide kernel's work: compute capability 9.0 (its wgmma runs in an
@@ -378,7 +374,7 @@ fn prefill_launch(
             let map = |ptr: u64, f: KvDtype| match f {
                 KvDtype::Bf16 => tma::bf16_rows_swizzled(ptr, a.kv.rows, kvh * hd, br),
                 _ => {
-                    let rowb = code_row_bytes(f, hd);
+                    let rowb = row_bytes(f, hd);
                     tma::bytes_rows(ptr, a.kv.rows, kvh * rowb, rowb, br)
                 }
             };
