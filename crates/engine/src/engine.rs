@@ -351,6 +351,9 @@ struct Live {
     /// Steps (and their seconds) that ran this request before its first token.
     prefill_steps: u32,
     prefill_step_s: f64,
+    /// Speculative decoding: tokens drafted for it, and accepted.
+    drafted: u64,
+    accepted: u64,
     /// The other choices of its prompt, forked from it once the prompt has run.
     forks: Vec<Choice>,
     /// It is one of those (its prompt counts once, with the first choice).
@@ -374,6 +377,8 @@ impl Live {
             preemptions: 0,
             prefill_steps: 0,
             prefill_step_s: 0.0,
+            drafted: 0,
+            accepted: 0,
             forks: Vec::new(),
             forked: false,
             images: Vec::new(),
@@ -629,14 +634,7 @@ impl Worker {
         }
         let step_seconds = started.elapsed().as_secs_f64();
         let committed = Instant::now();
-        for c in &plan.batch.seqs {
-            if let Some(live) = self.reqs.get_mut(&c.seq_id)
-                && live.first_token.is_none()
-            {
-                live.prefill_steps += 1;
-                live.prefill_step_s += step_seconds;
-            }
-        }
+        self.prompt_steps(&plan.batch.seqs, step_seconds);
         self.sched.commit(&plan);
         let commit = committed.elapsed();
         if let Ok(mut s) = self.shared.stats.lock() {
@@ -727,6 +725,10 @@ impl Worker {
                 s.spec_drafted += c.draft as u64;
                 s.spec_accepted += accepted as u64;
                 s.spec_emitted += emitted as u64;
+            }
+            if let Some(live) = self.reqs.get_mut(&c.seq_id) {
+                live.drafted += c.draft as u64;
+                live.accepted += accepted as u64;
             }
             if self.reqs.contains_key(&c.seq_id) && emitted > 0 {
                 self.sched.accept_drafts(c.seq_id, emitted - 1);

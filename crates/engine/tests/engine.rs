@@ -71,6 +71,7 @@ fn collect(mut s: deltaserve_engine::RequestStream) -> Result<(Vec<u32>, String,
                 text.push_str(&t);
             }
             Some(Event::Finished { reason, .. }) => return Ok((ids, text, reason)),
+            Some(Event::Prefill { .. }) => {}
             Some(Event::Error(e)) => return Err(e),
             None => return Err(EngineError::Stopped),
         }
@@ -360,6 +361,37 @@ fn timing_counts_the_prefill_steps_of_a_request() {
         timing.prefill_step_ms > 0.0 && timing.prefill_step_ms <= timing.ttft_ms - timing.queue_ms + 1e-6,
         "{timing:?}"
     );
+    engine.shutdown(true);
+}
+
+/// A request that asks for its prompt's progress hears of every step that ran a part of it, before its
+/// first token: a 50-token prompt in 7-token steps comes in at 7, 14, …, 49 and 50 tokens.
+#[test]
+fn progress_reports_each_prefill_step_before_the_first_token() {
+    let engine = start(sched(7, 400, 4));
+    let prompt: Vec<u32> = (0..50).map(|i| (i * 41 % 991) as u32).collect();
+    let r = Request { prompt, max_tokens: 3, sampling: SamplingParams::greedy(), progress: true, ..Default::default() };
+    let mut s = engine.submit(r).unwrap();
+    let (mut seen, mut tokens, mut last_ms) = (Vec::new(), 0, 0.0);
+    loop {
+        match s.blocking_next() {
+            Some(Event::Prefill { processed, total, cached, elapsed_ms }) => {
+                assert_eq!(tokens, 0, "progress after a token");
+                assert_eq!((total, cached), (50, 0));
+                assert!(elapsed_ms >= last_ms, "time went back: {elapsed_ms} < {last_ms}");
+                last_ms = elapsed_ms;
+                seen.push(processed);
+            }
+            Some(Event::Token { .. }) => tokens += 1,
+            Some(Event::Finished { timing, .. }) => {
+                assert_eq!(timing.prefill_steps as usize, seen.len());
+                break;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(seen, [7, 14, 21, 28, 35, 42, 49, 50]);
+    assert_eq!(tokens, 3);
     engine.shutdown(true);
 }
 

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 
 use deltaserve_cpu::{CpuBackend, CpuModel};
-use deltaserve_engine::{EngineHandle, Event, FinishReason, Request, SamplingParams, Usage};
+use deltaserve_engine::{EngineHandle, Event, FinishReason, Request, SamplingParams, Timing, Usage};
 use deltaserve_model::synth::{MtpVariant, Preset, write_model_with};
 use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
 
@@ -58,6 +58,7 @@ struct Out {
     logprobs: Vec<f32>,
     reason: FinishReason,
     usage: Usage,
+    timing: Timing,
 }
 
 fn collect(mut s: deltaserve_engine::RequestStream) -> Out {
@@ -68,7 +69,8 @@ fn collect(mut s: deltaserve_engine::RequestStream) -> Out {
                 ids.push(id);
                 logprobs.push(logprob.map_or(f32::NAN, |l| l.logprob));
             }
-            Some(Event::Finished { reason, usage, .. }) => return Out { ids, logprobs, reason, usage },
+            Some(Event::Finished { reason, usage, timing }) => return Out { ids, logprobs, reason, usage, timing },
+            Some(Event::Prefill { .. }) => {}
             Some(Event::Error(e)) => panic!("request failed: {e}"),
             None => panic!("stream ended early"),
         }
@@ -148,6 +150,10 @@ fn greedy_speculation_is_token_identical_to_plain_decoding() {
             assert_same(&want, &got, &format!("{variant:?} K={k}"));
             assert!(got[1].usage.cached_tokens > 0, "{variant:?} K={k}: prefix-cache hit");
             assert!(stats.spec_steps > 0 && stats.spec_drafted > 0);
+            // Every request's own draft counts add up to the engine's.
+            let drafted: u64 = got.iter().map(|o| o.timing.draft_tokens).sum();
+            let accepted: u64 = got.iter().map(|o| o.timing.accepted_tokens).sum();
+            assert_eq!((drafted, accepted), (stats.spec_drafted, stats.spec_accepted), "{variant:?} K={k}");
             assert!(stats.sched.preemptions + plain_stats.sched.preemptions > 0, "the page budget preempts");
             let rate = stats.acceptance_rate();
             match variant {
@@ -179,6 +185,7 @@ fn agreeing_head_emits_k_plus_one_tokens_per_step() {
         let stats = wait_idle(&e);
         e.shutdown(true);
         assert_eq!(out.ids.len(), 1 + 3 * (k + 1));
+        assert_eq!((out.timing.draft_tokens, out.timing.accepted_tokens), (3 * k as u64, 3 * k as u64), "K={k}");
         assert_eq!(stats.spec_steps, 3, "K={k}");
         assert_eq!(stats.acceptance_rate(), 1.0, "K={k}");
         assert_eq!(stats.tokens_per_spec_step(), (k + 1) as f64, "K={k}");

@@ -78,6 +78,7 @@ fn collect(mut s: deltaserve_engine::RequestStream) -> Out {
                 logprobs.push(logprob.map_or(f32::NAN, |l| l.logprob));
             }
             Some(Event::Finished { reason, .. }) => return Out { ids, logprobs, reason },
+            Some(Event::Prefill { .. }) => {}
             Some(Event::Error(e)) => panic!("request failed: {e}"),
             None => panic!("stream ended early"),
         }

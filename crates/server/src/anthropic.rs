@@ -404,7 +404,7 @@ impl Blocks {
                 OutEvent::ToolArgs { index, delta } => {
                     (Block::Tool(index), json!({"type": "input_json_delta", "partial_json": delta}))
                 }
-                OutEvent::Done { finish, usage } => {
+                OutEvent::Done { finish, usage, .. } => {
                     self.close(out);
                     if !self.answered {
                         self.start(Block::Text, json!({"type": "text", "text": ""}), out);
@@ -413,7 +413,12 @@ impl Blocks {
                     end = Some((finish, usage));
                     continue;
                 }
-                OutEvent::Reasoning(_) | OutEvent::ToolEnd { .. } | OutEvent::Token { .. } => continue,
+                OutEvent::Reasoning(_)
+                | OutEvent::ToolEnd { .. }
+                | OutEvent::Token { .. }
+                | OutEvent::Progress { .. } => {
+                    continue;
+                }
             };
             if self.open.map(|(b, _)| b) != Some(block) {
                 let start = match block {

@@ -7,7 +7,8 @@
 //! - [`error`]: every client-visible error and its status; [`metrics`]: Prometheus; [`routes`]: the router;
 //! - [`drain`]: graceful shutdown (a 503 for new requests while in-flight ones finish);
 //! - [`loads`]: `/v1/loads`, the load report a gateway's load-aware routing polls;
-//! - [`media`]: images in chat requests (loading off the runtime, placeholders expanded to image tokens).
+//! - [`media`]: images in chat requests (loading off the runtime, placeholders expanded to image tokens);
+//! - [`timings`]: a response's `timings` and a streamed prompt's `prompt_progress` (llama.cpp's fields).
 
 pub mod anthropic;
 pub mod drain;
@@ -21,6 +22,7 @@ pub mod request;
 pub mod routes;
 pub mod state;
 pub mod structured;
+pub mod timings;
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -24,6 +24,7 @@ use crate::request::{
 };
 use crate::state::{AppState, ChatDefaults};
 use crate::structured;
+use crate::timings::{progress_json, timings_json};
 
 #[derive(Debug, Deserialize)]
 pub struct ChatCompletionRequest {
@@ -179,6 +180,7 @@ async fn chat_inner(
     if let Some((g, field)) = &grammar {
         engine_req.constraint = Some(structured::constraint(st, g, field, &mut parsing)?);
     }
+    engine_req.progress = c.progress();
     tracing::debug!(
         prompt = engine_req.prompt.len(),
         prepare_ms = format!("{:.1}", received.elapsed().as_secs_f64() * 1e3),
@@ -187,9 +189,8 @@ async fn chat_inner(
     let outs = st.generate_n(engine_req, n, parsing)?;
     let id = new_id("chatcmpl-");
     let model = st.cfg.served_model_name.clone();
-    if c.stream.unwrap_or(false) {
-        let include_usage = c.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
-        return Ok(sse(chat_stream(outs, id, model, include_usage, logprobs.is_some())));
+    if c.streams() {
+        return Ok(sse(chat_stream(outs, id, model, c.include_usage(), logprobs.is_some())));
     }
     let cols = Collected::collect_all(outs).await?;
     let choices: Vec<Value> =
@@ -201,6 +202,7 @@ async fn chat_inner(
         "model": model,
         "choices": choices,
         "usage": usage_json(&combined_usage(cols.iter().map(|c| &c.usage))),
+        "timings": first_timings(&cols),
     }))
     .into_response())
 }
@@ -280,7 +282,15 @@ fn chat_stream(
                             lps.push(logprob_entry(&tokenizer_for_lp, &text, &logprob));
                         }
                     }
-                    OutEvent::Done { finish, usage } => done = Some((finish, usage)),
+                    OutEvent::Progress { processed, total, cached, elapsed_ms } => {
+                        let p = progress_json(processed, total, cached, elapsed_ms);
+                        let v = json!({"id": id, "object": "chat.completion.chunk", "created": created,
+                                       "model": model, "choices": [], "prompt_progress": p});
+                        if send_json(&tx, v).await.is_err() {
+                            return;
+                        }
+                    }
+                    OutEvent::Done { finish, usage, timing } => done = Some((finish, usage, timing)),
                 }
             }
             if !calls.is_empty() {
@@ -292,9 +302,10 @@ fn chat_stream(
                     return; // client gone: dropping `outs` cancels the request
                 }
             }
-            if let Some((finish, usage)) = done {
+            if let Some((finish, usage, timing)) = done {
                 let mut last = chunk(index, json!({}), json!(finish_reason(&finish)), Value::Null);
                 last["choices"][0]["stop_reason"] = finish.stop_string();
+                last["timings"] = timings_json(&usage, &timing);
                 let _ = send_json(&tx, last).await;
                 usages.push(usage);
             }
@@ -354,12 +365,12 @@ async fn completions_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -
     if let Some((g, field)) = &guided {
         engine_req.constraint = Some(structured::constraint(st, g, field, &mut parsing)?);
     }
+    engine_req.progress = c.progress();
     let outs = st.generate_n(engine_req, n, parsing)?;
     let id = new_id("cmpl-");
     let model = st.cfg.served_model_name.clone();
-    if c.stream.unwrap_or(false) {
-        let include_usage = c.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
-        return Ok(sse(completion_stream(outs, id, model, include_usage)));
+    if c.streams() {
+        return Ok(sse(completion_stream(outs, id, model, c.include_usage())));
     }
     let cols = Collected::collect_all(outs).await?;
     let choices: Vec<Value> = cols
@@ -375,8 +386,14 @@ async fn completions_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -
         "id": id, "object": "text_completion", "created": unix_now(), "model": model,
         "choices": choices,
         "usage": usage_json(&combined_usage(cols.iter().map(|c| &c.usage))),
+        "timings": first_timings(&cols),
     }))
     .into_response())
+}
+
+/// The `timings` of a non-streamed response: its first choice's (the one whose prompt ran).
+fn first_timings(cols: &[Collected]) -> Value {
+    cols.first().map_or(Value::Null, |c| timings_json(&c.usage, &c.timing))
 }
 
 fn completion_stream(
@@ -408,15 +425,25 @@ fn completion_stream(
             for e in events {
                 match e {
                     OutEvent::Content(s) | OutEvent::Reasoning(s) => text.push_str(&s),
-                    OutEvent::Done { finish, usage } => done = Some((finish, usage)),
+                    OutEvent::Progress { processed, total, cached, elapsed_ms } => {
+                        let p = progress_json(processed, total, cached, elapsed_ms);
+                        let v = json!({"id": id, "object": "text_completion", "created": created, "model": model,
+                                       "choices": [], "prompt_progress": p});
+                        if send_json(&tx, v).await.is_err() {
+                            return;
+                        }
+                    }
+                    OutEvent::Done { finish, usage, timing } => done = Some((finish, usage, timing)),
                     _ => {}
                 }
             }
             if !text.is_empty() && send_json(&tx, chunk(index, &text, Value::Null)).await.is_err() {
                 return;
             }
-            if let Some((finish, usage)) = done {
-                let _ = send_json(&tx, chunk(index, "", json!(finish_reason(&finish)))).await;
+            if let Some((finish, usage, timing)) = done {
+                let mut last = chunk(index, "", json!(finish_reason(&finish)));
+                last["timings"] = timings_json(&usage, &timing);
+                let _ = send_json(&tx, last).await;
                 usages.push(usage);
             }
         }

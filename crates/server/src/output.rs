@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use deltaserve_engine::{Event, FinishReason, RequestStream, TokenLogprob, Usage};
+use deltaserve_engine::{Event, FinishReason, RequestStream, Timing, TokenLogprob, Usage};
 use deltaserve_text::{ReasoningDelta, ReasoningParser, Tokenizer, ToolCallParser, ToolEvent};
 
 use crate::error::ApiError;
@@ -69,9 +69,17 @@ pub enum OutEvent {
         text: String,
         logprob: TokenLogprob,
     },
+    /// The prompt has advanced (only for requests that asked; see [`deltaserve_engine::Event::Prefill`]).
+    Progress {
+        processed: usize,
+        total: usize,
+        cached: usize,
+        elapsed_ms: f64,
+    },
     Done {
         finish: Finish,
         usage: Usage,
+        timing: Timing,
     },
 }
 
@@ -157,8 +165,11 @@ impl OutputStream {
                     FinishReason::StopString(s) => Finish::StopString(s),
                     FinishReason::Length => Finish::Length,
                 };
-                out.push(OutEvent::Done { finish, usage });
+                out.push(OutEvent::Done { finish, usage, timing });
                 self.done = true;
+            }
+            Some(Event::Prefill { processed, total, cached, elapsed_ms }) => {
+                out.push(OutEvent::Progress { processed, total, cached, elapsed_ms });
             }
             Some(Event::Error(e)) => {
                 self.done = true;
@@ -256,6 +267,7 @@ pub struct Collected {
     pub tokens: Vec<(u32, String, TokenLogprob)>,
     pub finish: Option<Finish>,
     pub usage: Usage,
+    pub timing: Timing,
 }
 
 impl Collected {
@@ -271,9 +283,11 @@ impl Collected {
             }
             OutEvent::ToolEnd { .. } => {}
             OutEvent::Token { id, text, logprob } => self.tokens.push((id, text, logprob)),
-            OutEvent::Done { finish, usage } => {
+            OutEvent::Progress { .. } => {}
+            OutEvent::Done { finish, usage, timing } => {
                 self.finish = Some(finish);
                 self.usage = usage;
+                self.timing = timing;
             }
         }
     }

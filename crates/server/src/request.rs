@@ -43,6 +43,9 @@ pub struct CommonParams {
     pub ignore_eos: Option<bool>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    /// llama.cpp's extension: a streamed response reports the prompt's progress in chunks of their own
+    /// (`prompt_progress`) while the prompt runs.
+    pub return_progress: Option<bool>,
     pub user: Option<String>,
 }
 
@@ -59,6 +62,21 @@ pub struct StreamOptions {
 }
 
 impl CommonParams {
+    /// Whether the response streams.
+    pub fn streams(&self) -> bool {
+        self.stream.unwrap_or(false)
+    }
+
+    /// Whether a streamed response reports the prompt's progress (`return_progress`).
+    pub fn progress(&self) -> bool {
+        self.streams() && self.return_progress.unwrap_or(false)
+    }
+
+    /// Whether a streamed response ends with a usage chunk (`stream_options.include_usage`).
+    pub fn include_usage(&self) -> bool {
+        self.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false)
+    }
+
     /// The `stop` strings as a list.
     pub fn stops(&self) -> Vec<String> {
         match &self.stop {
@@ -108,6 +126,7 @@ pub fn build_request(prompt: Vec<u32>, l: Limits) -> Result<Request, ApiError> {
         snapshot_on_finish: l.snapshot_on_finish,
         constraint: None,
         images: l.images,
+        progress: false,
     })
 }
 

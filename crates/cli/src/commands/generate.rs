@@ -3,6 +3,7 @@
 //! to stdout, or as one JSON object with `--json`.
 
 use std::io::Write;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use deltaserve_engine::{Event, Request, SamplingParams};
@@ -121,12 +122,15 @@ fn generate(a: &Args, started: &Started) -> Result<()> {
         sampling,
         stop_token_ids,
         stop_strings: a.stop.clone(),
+        progress: true,
         ..Request::default()
     };
     let mut stdout = std::io::stdout().lock();
     let mut stream = started.engine.submit(req)?;
     // Generated ids (a final stop token included) and text (special tokens skipped, cut before a stop string).
     let (mut token_ids, mut text) = (Vec::new(), String::new());
+    // A long prompt's progress, at most once a second.
+    let mut logged = Instant::now();
     let (finish_reason, timing) = loop {
         match stream.blocking_next() {
             Some(Event::Token { id, text: piece, .. }) => {
@@ -135,6 +139,13 @@ fn generate(a: &Args, started: &Started) -> Result<()> {
                 if !a.json {
                     let _ = stdout.write_all(piece.as_bytes());
                     let _ = stdout.flush();
+                }
+            }
+            Some(Event::Prefill { processed, total, cached, elapsed_ms }) => {
+                if logged.elapsed() >= Duration::from_secs(1) {
+                    logged = Instant::now();
+                    let done = 100.0 * processed as f64 / total.max(1) as f64;
+                    tracing::info!(processed, total, cached, "prompt {done:.1}% after {:.1} s", elapsed_ms / 1e3);
                 }
             }
             Some(Event::Finished { reason, timing, .. }) => break (reason, timing),

@@ -90,14 +90,7 @@ impl Worker {
         let now = Instant::now();
         let step_seconds = now.duration_since(cur.started.max(self.collected)).as_secs_f64();
         self.collected = now;
-        for c in &cur.plan.batch.seqs {
-            if let Some(live) = self.reqs.get_mut(&c.seq_id)
-                && live.first_token.is_none()
-            {
-                live.prefill_steps += 1;
-                live.prefill_step_s += step_seconds;
-            }
-        }
+        self.prompt_steps(&cur.plan.batch.seqs, step_seconds);
         if let Ok(mut s) = self.shared.stats.lock() {
             s.steps += 1;
             s.step_seconds += step_seconds;

@@ -8,6 +8,28 @@ use deltaserve_sched::SeqId;
 use super::*;
 
 impl Worker {
+    /// Counts a step of `step_seconds` that ran `seqs` against the requests still in their prompt, and
+    /// tells those that asked for it how far their prompt has come ([`Event::Prefill`]).
+    pub(super) fn prompt_steps(&mut self, seqs: &[SeqChunk], step_seconds: f64) {
+        for c in seqs {
+            let Some(live) = self.reqs.get_mut(&c.seq_id) else { continue };
+            if live.first_token.is_some() {
+                continue;
+            }
+            live.prefill_steps += 1;
+            live.prefill_step_s += step_seconds;
+            if live.req.progress && c.draft == 0 {
+                let event = Event::Prefill {
+                    processed: (c.start + c.tokens.len()).min(live.req.prompt.len()),
+                    total: live.req.prompt.len(),
+                    cached: self.sched.cached_prefix(c.seq_id),
+                    elapsed_ms: live.admitted.map_or(0.0, |a| a.elapsed().as_secs_f64() * 1e3),
+                };
+                let _ = live.tx.send(event);
+            }
+        }
+    }
+
     /// Streams a chosen token of `id` (with its logprobs from the `raw` row) and applies the stop rules.
     pub(super) fn emit(&mut self, id: SeqId, token: u32, raw: Option<Vec<f32>>) -> Emit {
         let Some(live) = self.reqs.get_mut(&id) else { return Emit::Gone };
@@ -80,6 +102,8 @@ impl Worker {
             preemptions: live.preemptions,
             prefill_steps: live.prefill_steps,
             prefill_step_ms: live.prefill_step_s * 1e3,
+            draft_tokens: live.drafted,
+            accepted_tokens: live.accepted,
         };
         let usage = Usage { prompt_tokens: live.req.prompt.len(), completion_tokens: live.generated, cached_tokens };
         tracing::debug!(

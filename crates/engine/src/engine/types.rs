@@ -35,6 +35,8 @@ pub struct Request {
     /// The prompt's images in the order of their placeholder runs (each `tokens(merge)` image-pad ids).
     /// Only a backend that runs images accepts a request with any.
     pub images: Vec<Arc<ImagePatches>>,
+    /// Send an [`Event::Prefill`] after every engine step that ran a part of the prompt.
+    pub progress: bool,
 }
 
 /// Which tokens a request may produce next (structured outputs: a grammar). The engine masks each
@@ -137,6 +139,10 @@ pub struct Timing {
     /// the rest of `ttft_ms - queue_ms` is spent outside the backend (scheduling, the engine loop).
     pub prefill_steps: u32,
     pub prefill_step_ms: f64,
+    /// Speculative decoding: tokens the draft head proposed for this request, and how many of them
+    /// the verify accepted (0 and 0 without speculation).
+    pub draft_tokens: u64,
+    pub accepted_tokens: u64,
 }
 
 /// What a request's stream carries.
@@ -145,6 +151,11 @@ pub enum Event {
     /// A generated token and the text that became final with it (possibly empty: text is held back
     /// while it could still be the start of a stop string or an incomplete UTF-8 character).
     Token { id: u32, text: String, logprob: Option<TokenLogprob> },
+    /// The prompt has advanced (only for a request that asked, [`Request::progress`]): `processed` of its
+    /// `total` tokens are in the context, `cached` of them restored from the prefix cache; `elapsed_ms`
+    /// since the request was first admitted. The last one has `processed == total` and comes before
+    /// the first token.
+    Prefill { processed: usize, total: usize, cached: usize, elapsed_ms: f64 },
     /// The last event of a successful request.
     Finished { reason: FinishReason, usage: Usage, timing: Timing },
     /// The last event of a failed request.
