@@ -247,11 +247,7 @@ fn paged_logits(k: KvFormat, v: KvFormat, tokens: &[u32], chunks: &[usize]) -> V
                 start: at,
                 tokens: tokens[at..at + c].to_vec(),
                 want_logits: true,
-                draft: 0,
-                greedy_draft_vocab: 0,
-                rope_delta: 0,
-                images: Vec::new(),
-                save_within: Vec::new(),
+                ..SeqChunk::default()
             }],
             ..StepBatch::default()
         };

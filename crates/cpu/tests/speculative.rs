@@ -5,7 +5,7 @@
 //! without an MTP head refuses.
 
 use deltaserve_backend::{
-    Backend, BackendError, CacheOp, SeqChunk, SnapshotLoc, SpecCommit, StepBatch, StepOut, Want, step_logits,
+    Backend, BackendError, CacheOp, SeqChunk, SnapshotLoc, SpecCommit, StepBatch, StepOut, Want, argmax, step_logits,
 };
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel, ForwardError};
 use deltaserve_model::synth::{MtpVariant, Preset, write_model_json, write_model_with};
@@ -49,16 +49,6 @@ fn model_of(form: Form, variant: MtpVariant, tag: &str) -> CpuModel {
 
 fn cache_cfg() -> CpuCacheConfig {
     CpuCacheConfig { num_pages: 32, page_size: PAGE, num_slots: 2, snapshot_slots: 2, host_snapshot_slots: 0 }
-}
-
-fn argmax(x: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in x.iter().enumerate() {
-        if *v > x[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 fn chunk(slot: u32, start: usize, tokens: &[u32], draft: usize) -> SeqChunk {
