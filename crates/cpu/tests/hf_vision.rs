@@ -9,7 +9,6 @@ mod hf_vision_fixture;
 
 use deltaserve_cpu::{CpuModel, GdnMode, Logits, VisionTower};
 use deltaserve_model::mrope::rope_index;
-use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
 
 use hf_vision_fixture::{Reference, fixture, load};
 
@@ -95,9 +94,7 @@ fn prompt_with_images_and_cached_decode_match_hf() {
 fn images_are_refused_without_a_tower_and_when_they_do_not_fit() {
     let r = Reference::open();
     let (ids, images) = (r.ids("input_ids"), r.images());
-    let cfg = ModelConfig::from_dir(&fixture()).unwrap();
-    let w = ModelWeights::load_f32(&Checkpoint::open(&fixture()).unwrap(), &cfg).unwrap();
-    let text_only = CpuModel::new(cfg, w);
+    let text_only = CpuModel::load(&fixture()).unwrap();
     let mut st = text_only.new_sequence();
     let e = text_only.forward_with_images(&mut st, &ids, &images, GdnMode::Auto, Logits::Last).unwrap_err();
     assert!(e.to_string().contains("no vision tower"), "{e}");

@@ -9,7 +9,6 @@ use deltaserve_backend::{
 };
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel, ForwardError};
 use deltaserve_model::synth::{MtpVariant, Preset, write_model_json, write_model_with};
-use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
 
 const PAGE: usize = 8;
 
@@ -41,10 +40,9 @@ fn model_of(form: Form, variant: MtpVariant, tag: &str) -> CpuModel {
         }
     }
     .unwrap();
-    let cfg = ModelConfig::from_dir(&dir).unwrap();
-    let w = ModelWeights::load_f32(&Checkpoint::open(&dir).unwrap(), &cfg).unwrap();
+    let model = CpuModel::load(&dir).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
-    CpuModel::new(cfg, w)
+    model
 }
 
 fn cache_cfg() -> CpuCacheConfig {

@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 use deltaserve_cpu::{CpuCacheConfig, CpuModel};
 use deltaserve_engine::{EngineHandle, EngineStats, Event, FinishReason, RequestStream, Usage};
 use deltaserve_model::synth::Preset;
-use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
 use deltaserve_sched::{PrefixCacheConfig, SchedConfig};
 
 /// Tokens per KV page in these tests.
@@ -25,9 +24,7 @@ pub fn tiny_model(name: &str, seed: u64) -> PathBuf {
 
 /// The model in `dir` on the CPU, in f32.
 pub fn load_model(dir: &Path) -> CpuModel {
-    let cfg = ModelConfig::from_dir(dir).unwrap();
-    let w = ModelWeights::load_f32(&Checkpoint::open(dir).unwrap(), &cfg).unwrap();
-    CpuModel::new(cfg, w)
+    CpuModel::load(dir).unwrap()
 }
 
 /// Bytes of one sequence's DeltaNet state in `model` (conv and recurrent, f32): a snapshot's size.
