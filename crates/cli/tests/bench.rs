@@ -2,27 +2,16 @@
 //! under a JSON schema and unconstrained ones at each batch and context, and the report carries both
 //! step times, their ratio and the grammar check (no timing is asserted).
 
-use std::process::{Command, Output};
+mod common;
 
-use serde_json::Value;
-
-fn bench(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_deltaserve"))
-        .env("RUST_LOG", "warn")
-        .args(["bench", "--device", "cpu"])
-        .args(args)
-        .output()
-        .expect("run deltaserve bench")
-}
+use common::{report_json, subcommand};
 
 #[test]
 fn constrained_decode_runs_on_the_cpu_and_reports_both_steps() {
-    let out = bench(&["--constrained", "--batches", "1,2", "--contexts", "40", "--steps", "4", "--json"]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    assert!(out.status.success(), "bench failed: {stderr}");
-    let v: Value = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {}", String::from_utf8_lossy(&out.stdout)));
+    let v = report_json(
+        "bench",
+        &["--device", "cpu", "--constrained", "--batches", "1,2", "--contexts", "40", "--steps", "4", "--json"],
+    );
     assert!(v["ceilings"].is_null(), "no GPU ceilings on the CPU: {v:#}");
     assert_eq!(v["constrained_schema"]["type"], "object");
     let rows = v["constrained"].as_array().expect("a `constrained` array");
@@ -43,7 +32,7 @@ fn constrained_decode_runs_on_the_cpu_and_reports_both_steps() {
     }
 
     // The CPU's only measurement is asked for by name.
-    let out = bench(&["--batches", "1"]);
+    let out = subcommand("bench", &["--device", "cpu", "--batches", "1"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && stderr.contains("--constrained") && !stderr.contains("panicked"), "{stderr}");
 }

@@ -1,38 +1,15 @@
 //! The `deltaserve` binary end to end: synth → generate/logits, the logits contract against an HF
 //! `save_pretrained` directory, and bad inputs (clear error, non-zero exit, never a panic).
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
-fn bin() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_deltaserve"));
-    c.env("RUST_LOG", "warn");
-    c
-}
-
-fn tempdir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ds-cli-{}-{tag}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn run(args: &[&str]) -> Output {
-    bin().args(args).output().expect("run deltaserve")
-}
-
-/// Asserts a clean failure: non-zero exit, an `error:` line containing every needle, no panic.
-fn assert_clean_error(out: &Output, needles: &[&str]) {
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "expected failure, got success; stderr: {stderr}");
-    assert!(!stderr.contains("panicked"), "panicked: {stderr}");
-    for n in needles {
-        assert!(stderr.contains(n), "stderr should mention `{n}`: {stderr}");
-    }
-}
+use common::{assert_clean_error, deltaserve, run, tempdir};
 
 fn synth_tiny(tag: &str) -> PathBuf {
-    let dir = tempdir(tag);
+    let dir = tempdir("cli", tag);
     let out = run(&["synth", "--preset", "tiny", "--out", dir.to_str().unwrap(), "--seed", "5"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     dir
@@ -95,7 +72,7 @@ fn logits_of_an_hf_saved_model_match_hf() {
     let reference: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(root.join("reference.json")).unwrap()).unwrap();
     let prompt = reference["prompts"].as_array().unwrap().iter().find(|p| p["len"] == 37).unwrap();
-    let dir = tempdir("logits");
+    let dir = tempdir("cli", "logits");
     let ids_path = dir.join("ids.json");
     std::fs::write(&ids_path, prompt["ids"].to_string()).unwrap();
     let out_path = dir.join("out.safetensors");
@@ -128,7 +105,7 @@ fn logits_of_an_hf_saved_model_match_hf() {
 #[test]
 fn synth_fp8_runs_on_the_cpu_close_to_bf16() {
     let bf16 = synth_tiny("fp8-base");
-    let dir = tempdir("fp8");
+    let dir = tempdir("cli", "fp8");
     let out = run(&["synth", "--preset", "tiny", "--out", dir.to_str().unwrap(), "--seed", "5", "--fp8"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let config: serde_json::Value =
@@ -251,9 +228,11 @@ fn serve_checks_everything_before_reading_weights() {
 
 #[test]
 fn os_errors_are_printed_once_and_logs_are_plain_text() {
-    let dir = tempdir("noconfig");
-    let out =
-        bin().env("RUST_LOG", "info").args(["generate", "--model", dir.to_str().unwrap(), "--tokens", "1"]).output();
+    let dir = tempdir("cli", "noconfig");
+    let out = deltaserve()
+        .env("RUST_LOG", "info")
+        .args(["generate", "--model", dir.to_str().unwrap(), "--tokens", "1"])
+        .output();
     let out = out.unwrap();
     let e = error_line(&out);
     assert!(e.contains("config.json") && e.matches("os error 2").count() == 1, "{e}");

@@ -7,12 +7,15 @@
 //! per element, per-token-head int8 a 255-step grid over the row), int4 16–17× fp8. Against an fp32
 //! baseline bf16 ≈ 9e-9 sits below them all.
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
+use common::{assert_clean_error, deltaserve};
+
 fn bin() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_deltaserve"));
-    c.env("RUST_LOG", "warn");
+    let mut c = deltaserve();
     // A demo model of this test process's own (generated once, race-safe).
     c.env("DELTASERVE_CACHE", std::env::temp_dir().join(format!("ds-eval-cache-{}", std::process::id())));
     c
@@ -96,16 +99,6 @@ fn kld_on_text_and_the_table() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("int4") && stdout.contains("p99.9") && stdout.contains("top-1"), "{stdout}");
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// Asserts a clean failure: non-zero exit, every needle in stderr, no panic.
-fn assert_clean_error(out: &Output, needles: &[&str]) {
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "expected failure; stderr: {stderr}");
-    assert!(!stderr.contains("panicked"), "panicked: {stderr}");
-    for n in needles {
-        assert!(stderr.contains(n), "stderr should mention `{n}`: {stderr}");
-    }
 }
 
 #[test]

@@ -3,12 +3,16 @@
 //! `HF_HUB_OFFLINE=1` runs from the cache, a partial download resumes, `plan` fetches the config alone,
 //! and unknown, gated or unreachable ids are one-line errors.
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 use std::sync::{Arc, Mutex, OnceLock};
+
+use common::tempdir;
 
 const SHA: &str = "0123456789abcdef0123456789abcdef01234567";
 const SHARD: &str = "model-00001-of-00001.safetensors";
@@ -182,21 +186,14 @@ fn answer(mut stream: TcpStream, log: &Mutex<Vec<Req>>) {
     let _ = stream.write_all(head.as_bytes()).and_then(|_| stream.write_all(&body));
 }
 
-fn tempdir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ds-hub-{}-{tag}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
 /// `deltaserve ARGS` with the Hub at `endpoint` and the cache in `home` (nothing from the caller's
 /// Hugging Face settings).
 fn deltaserve(endpoint: &str, home: &Path, args: &[&str]) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_deltaserve"));
+    let mut c = common::deltaserve();
     for k in ["HF_TOKEN", "HF_TOKEN_PATH", "HF_HUB_OFFLINE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"] {
         c.env_remove(k);
     }
-    c.env("RUST_LOG", "warn").env("HF_ENDPOINT", endpoint).env("HF_HOME", home).args(args);
+    c.env("HF_ENDPOINT", endpoint).env("HF_HOME", home).args(args);
     c
 }
 
@@ -250,7 +247,7 @@ fn wanted() -> BTreeSet<String> {
 
 #[test]
 fn downloads_what_the_server_reads_then_runs_from_the_cache() {
-    let (hub, home) = (FakeHub::start(), tempdir("flow"));
+    let (hub, home) = (FakeHub::start(), tempdir("hub", "flow"));
     let first = ok(deltaserve(&hub.url, &home, &generate("acme/tiny")).output().unwrap());
     let tokens = |out: &Output| serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()["token_ids"].clone();
     assert_eq!(tokens(&first).as_array().unwrap().len(), 2);
@@ -283,7 +280,7 @@ fn downloads_what_the_server_reads_then_runs_from_the_cache() {
 
 #[test]
 fn plan_downloads_the_config_alone_and_offline_names_what_is_missing() {
-    let (hub, home) = (FakeHub::start(), tempdir("plan"));
+    let (hub, home) = (FakeHub::start(), tempdir("hub", "plan"));
     let out = ok(deltaserve(&hub.url, &home, &["plan", "--model", "acme/tiny", "--memory", "1GiB", "--json"])
         .output()
         .unwrap());
@@ -301,7 +298,7 @@ fn plan_downloads_the_config_alone_and_offline_names_what_is_missing() {
 /// next run asks for the rest of the bytes only.
 #[test]
 fn a_partial_download_resumes() {
-    let (hub, home) = (FakeHub::start(), tempdir("resume"));
+    let (hub, home) = (FakeHub::start(), tempdir("hub", "resume"));
     let blobs = home.join("hub/models--acme--tiny/blobs");
     std::fs::create_dir_all(&blobs).unwrap();
     let weights = &repo_files()[SHARD];
@@ -320,7 +317,7 @@ fn a_partial_download_resumes() {
 
 #[test]
 fn unknown_gated_and_unreachable_ids_are_one_line_errors() {
-    let (hub, home) = (FakeHub::start(), tempdir("errors"));
+    let (hub, home) = (FakeHub::start(), tempdir("hub", "errors"));
     let out = deltaserve(&hub.url, &home, &generate("acme/nope")).output().unwrap();
     one_line_error(out, &["acme/nope", "neither a local directory nor a model on the Hugging Face Hub", "404"]);
     let out = deltaserve(&hub.url, &home, &generate("acme/gated")).output().unwrap();
@@ -337,7 +334,7 @@ fn unknown_gated_and_unreachable_ids_are_one_line_errors() {
 /// A directory that exists is a path even when it reads like an id: no request goes to the Hub.
 #[test]
 fn an_existing_directory_wins_over_an_id() {
-    let (hub, cwd) = (FakeHub::start(), tempdir("local"));
+    let (hub, cwd) = (FakeHub::start(), tempdir("hub", "local"));
     let model = cwd.join("acme/tiny");
     std::fs::create_dir_all(&model).unwrap();
     for name in ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"] {
@@ -352,7 +349,7 @@ fn an_existing_directory_wins_over_an_id() {
 /// before the weights download: the error comes with no shard requested.
 #[test]
 fn serve_checks_before_the_weights_download() {
-    let (hub, home) = (FakeHub::start(), tempdir("serve-check"));
+    let (hub, home) = (FakeHub::start(), tempdir("hub", "serve-check"));
     let args = ["serve", "--model", "acme/tiny", "--device", "cpu", "--port", "0", "--memory", "100000GiB"];
     one_line_error(deltaserve(&hub.url, &home, &args).output().unwrap(), &["memory"]);
     let resolved = hub.resolved();

@@ -1,26 +1,18 @@
 //! `deltaserve plan` as a user with a 24 GB card runs it (no GPU needed).
 
+mod common;
+
 use std::process::Command;
 
-fn plan_json(args: &[&str]) -> serde_json::Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_deltaserve")).arg("plan").args(args).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).unwrap()
-}
+use common::{plan, plan_json};
+
+/// Qwen3.6-27B on a 24 GiB card with int4 weights and an fp8 KV cache.
+const QWEN36_24GIB: [&str; 8] =
+    ["--preset", "qwen3.6-27b", "--memory", "24GiB", "--weights-dtype", "int4", "--kv-cache-dtype", "fp8"];
 
 #[test]
 fn qwen36_27b_in_24gib_with_int4_and_fp8_fills_262144() {
-    let j = plan_json(&[
-        "--preset",
-        "qwen3.6-27b",
-        "--memory",
-        "24GiB",
-        "--weights-dtype",
-        "int4",
-        "--kv-cache-dtype",
-        "fp8",
-        "--json",
-    ]);
+    let j = plan_json(&[&QWEN36_24GIB[..], &["--json"]].concat());
     assert!(j["max_context"].as_u64().unwrap() >= 262_144, "{j}");
     assert!(j["total_bytes"].as_u64().unwrap() <= 24 << 30, "{j}");
     assert_eq!(j["fit"]["reached"], true);
@@ -31,9 +23,8 @@ fn qwen36_27b_in_24gib_with_int4_and_fp8_fills_262144() {
 /// the head's weights, KV, verify workspace and draft logits are priced and traded like the rest.
 #[test]
 fn qwen36_27b_in_24gib_with_mtp_fills_262144() {
-    let base = ["--preset", "qwen3.6-27b", "--memory", "24GiB", "--weights-dtype", "int4", "--kv-cache-dtype", "fp8"];
-    let plain = plan_json(&[&base[..], &["--json"]].concat());
-    let j = plan_json(&[&base[..], &["--speculative-tokens", "3", "--json"]].concat());
+    let plain = plan_json(&[&QWEN36_24GIB[..], &["--json"]].concat());
+    let j = plan_json(&[&QWEN36_24GIB[..], &["--speculative-tokens", "3", "--json"]].concat());
     assert_eq!(j["fit"]["reached"], true, "{j}");
     assert!(j["max_context"].as_u64().unwrap() >= 262_144, "{j}");
     assert!(j["total_bytes"].as_u64().unwrap() <= 24 << 30, "{j}");
@@ -47,20 +38,14 @@ fn qwen36_27b_in_24gib_with_mtp_fills_262144() {
 
 #[test]
 fn no_fit_plans_the_settings_as_given() {
-    let j = plan_json(&[
-        "--preset",
-        "qwen3.6-27b",
-        "--memory",
-        "24GiB",
-        "--weights-dtype",
-        "int4",
-        "--kv-cache-dtype",
-        "fp8",
-        "--no-fit",
-        // (the vision tower alone would not leave room for a context: --no-fit does not trade it either)
-        "--no-vision",
-        "--json",
-    ]);
+    let j = plan_json(
+        &[
+            &QWEN36_24GIB[..],
+            // (the vision tower alone would not leave room for a context: --no-fit does not trade it either)
+            &["--no-fit", "--no-vision", "--json"],
+        ]
+        .concat(),
+    );
     let mc = j["max_context"].as_u64().unwrap();
     assert!(mc < 262_144 && mc > 60_000, "{j}");
     assert_eq!(j["fit"]["reached"], false);
@@ -97,8 +82,7 @@ fn synth_no_weights_plans_as_the_preset() {
 fn gptq_checkpoint_plans_int4_like_serve() {
     let dir = std::env::temp_dir().join(format!("ds-plan-gptq-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let bin = env!("CARGO_BIN_EXE_deltaserve");
-    let out = Command::new(bin)
+    let out = Command::new(env!("CARGO_BIN_EXE_deltaserve"))
         .args(["synth", "--preset", "tiny", "--out"])
         .arg(&dir)
         .args(["--gptq", "asym-act-order"])
@@ -119,7 +103,7 @@ fn gptq_checkpoint_plans_int4_like_serve() {
         j["backend_scratch_bytes"],
         plain["backend_scratch_bytes"]
     );
-    let out = Command::new(bin).args(["plan", "--model", d, "--weights-dtype", "bf16"]).output().unwrap();
+    let out = plan(&["--model", d, "--weights-dtype", "bf16"]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("GPTQ-quantised"), "{err}");
@@ -146,7 +130,7 @@ fn cpu_plan_prices_the_vision_tower() {
     assert!(none["regions"].as_array().unwrap().iter().all(|r| r["name"] != "vision"));
 
     let table = |args: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_deltaserve")).arg("plan").args(args).output().unwrap();
+        let out = plan(args);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8(out.stdout).unwrap()
     };
@@ -163,16 +147,7 @@ fn cpu_plan_prices_the_vision_tower() {
 /// trades it (`--no-vision` among the fit's changes) unless `--max-image-tokens-per-step` asks for images.
 #[test]
 fn cuda_plan_prices_the_gpu_tower_where_it_fits() {
-    let run = |extra: &[&str]| -> serde_json::Value {
-        let out = Command::new(env!("CARGO_BIN_EXE_deltaserve"))
-            .arg("plan")
-            .args(["--preset", "qwen3.6-27b", "--json"])
-            .args(extra)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        serde_json::from_slice(&out.stdout).unwrap()
-    };
+    let run = |extra: &[&str]| plan_json(&[&["--preset", "qwen3.6-27b", "--json"][..], extra].concat());
     let priced = |j: &serde_json::Value| {
         (j["weights"]["vision_bytes"].as_u64().unwrap(), j["vision_workspace_bytes"].as_u64().unwrap())
     };
@@ -220,13 +195,12 @@ fn qwen3_next_80b_in_24gib_keeps_its_experts_on_the_host() {
         (j["max_context"].clone(), j["weights_bytes"].clone())
     );
     // The table says where the experts are.
-    let bin = env!("CARGO_BIN_EXE_deltaserve");
-    let out = Command::new(bin).arg("plan").args(base).output().unwrap();
+    let out = plan(&base);
     let table = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success() && table.contains("host experts") && table.contains("routed experts"), "{table}");
     assert!(table.contains("the planner set --experts-on-host"), "{table}");
     // Without the fit the weights do not fit, and the error says what would.
-    let out = Command::new(bin).arg("plan").args(base).arg("--no-fit").output().unwrap();
+    let out = plan(&[&base[..], &["--no-fit"]].concat());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--experts-on-host"), "{err}");
     // Refused where it cannot work: the CPU backend, a dense model.
@@ -234,7 +208,7 @@ fn qwen3_next_80b_in_24gib_keeps_its_experts_on_the_host() {
         &["--preset", "qwen3-next-80b-a3b", "--device", "cpu", "--experts-on-host"][..],
         &["--preset", "qwen3.6-27b", "--experts-on-host"][..],
     ] {
-        let out = Command::new(bin).arg("plan").args(args).output().unwrap();
+        let out = plan(args);
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains("--experts-on-host"), "{args:?}: {err}");
     }

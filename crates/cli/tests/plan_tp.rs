@@ -1,16 +1,10 @@
 //! `deltaserve plan --tensor-parallel N`: the plan is per card (no GPU needed).
 
+mod common;
+
 use std::process::Command;
 
-fn plan(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_deltaserve")).arg("plan").args(args).output().unwrap()
-}
-
-fn plan_json(args: &[&str]) -> serde_json::Value {
-    let out = plan(args);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).unwrap()
-}
+use common::{plan, plan_json};
 
 #[test]
 fn tensor_parallel_plans_one_card() {

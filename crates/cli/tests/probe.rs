@@ -1,47 +1,30 @@
 //! `deltaserve probe` end to end on the in-process demo model: every rung fills exactly its share of the
 //! advertised context, the conversation reaches 100% through the prefix cache, and bad input is a clean error.
 
-use std::process::{Command, Output};
+mod common;
 
 use serde_json::Value;
 
-fn probe(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_deltaserve"))
-        .env("RUST_LOG", "warn")
-        .arg("probe")
-        .args(args)
-        .output()
-        .expect("run deltaserve probe")
-}
-
-/// Runs `deltaserve probe` with `args` (which ask for `--json`) and returns its JSON report, after
-/// checking that it succeeded without a panic.
-fn probe_json(args: &[&str]) -> Value {
-    let out = probe(args);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    let v: Value = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {}", String::from_utf8_lossy(&out.stdout)));
-    assert!(out.status.success(), "probe failed: {stderr}\n{v:#}");
-    v
-}
-
+use common::{report_json, subcommand};
 #[test]
 fn fills_the_demo_context_in_one_prompt_and_over_turns() {
     let svg = std::env::temp_dir().join(format!("ds-probe-{}.svg", std::process::id()));
-    let v = probe_json(&[
-        "--max-context",
-        "2048",
-        "--rungs",
-        "25,92,100",
-        "--turns",
-        "4",
-        "--max-tokens",
-        "4",
-        "--json",
-        "--svg",
-        svg.to_str().unwrap(),
-    ]);
+    let v = report_json(
+        "probe",
+        &[
+            "--max-context",
+            "2048",
+            "--rungs",
+            "25,92,100",
+            "--turns",
+            "4",
+            "--max-tokens",
+            "4",
+            "--json",
+            "--svg",
+            svg.to_str().unwrap(),
+        ],
+    );
     assert_eq!(v["passed"], true, "{v:#}");
     assert_eq!(v["max_context"], 2048);
     // The demo model has random weights: no needle check unless asked.
@@ -71,7 +54,7 @@ fn fills_the_demo_context_in_one_prompt_and_over_turns() {
 
 #[test]
 fn bad_rungs_are_a_clean_error() {
-    let out = probe(&["--rungs", "0,50"]);
+    let out = subcommand("probe", &["--rungs", "0,50"]);
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--rungs") && !stderr.contains("panicked"), "{stderr}");
@@ -79,7 +62,7 @@ fn bad_rungs_are_a_clean_error() {
 
 #[test]
 fn nothing_listening_is_a_clean_error() {
-    let out = probe(&["--url", "http://127.0.0.1:9", "--rungs", "50", "--turns", "0"]);
+    let out = subcommand("probe", &["--url", "http://127.0.0.1:9", "--rungs", "50", "--turns", "0"]);
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("cannot connect") && !stderr.contains("panicked"), "{stderr}");
@@ -87,7 +70,7 @@ fn nothing_listening_is_a_clean_error() {
 
 #[test]
 fn on_the_cpu_the_default_ladder_is_capped() {
-    let out = probe(&["--device", "cpu", "--rungs", "5", "--turns", "0", "--max-tokens", "1", "--json"]);
+    let out = subcommand("probe", &["--device", "cpu", "--rungs", "5", "--turns", "0", "--max-tokens", "1", "--json"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -100,23 +83,26 @@ fn on_the_cpu_the_default_ladder_is_capped() {
 #[test]
 fn prompts_with_images_still_fill_their_rungs_and_turns() {
     let svg = std::env::temp_dir().join(format!("ds-probe-images-{}.svg", std::process::id()));
-    let v = probe_json(&[
-        "--max-context",
-        "2048",
-        "--rungs",
-        "50,100",
-        "--turns",
-        "3",
-        "--max-tokens",
-        "4",
-        "--images",
-        "2",
-        "--image-size",
-        "320x200",
-        "--json",
-        "--svg",
-        svg.to_str().unwrap(),
-    ]);
+    let v = report_json(
+        "probe",
+        &[
+            "--max-context",
+            "2048",
+            "--rungs",
+            "50,100",
+            "--turns",
+            "3",
+            "--max-tokens",
+            "4",
+            "--images",
+            "2",
+            "--image-size",
+            "320x200",
+            "--json",
+            "--svg",
+            svg.to_str().unwrap(),
+        ],
+    );
     assert_eq!(v["passed"], true, "{v:#}");
     // 320x200 resizes to 352x224 (multiples of 32, at least 65,536 pixels): 22 × 14 patches, 77 tokens.
     assert_eq!((v["images_per_prompt"].as_u64(), v["image_size"].as_str()), (Some(2), Some("320x200")), "{v:#}");
@@ -156,7 +142,7 @@ fn images_the_server_cannot_take_are_a_clean_error() {
     ] {
         let mut all = vec!["--max-context", "2048", "--rungs", "50", "--images", "2", "--image-size", "320x200"];
         all.extend(args);
-        let out = probe(&all);
+        let out = subcommand("probe", &all);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && !stderr.contains("panicked"), "{args:?}: {stderr}");
         assert!(stderr.contains("--images: ") && stderr.contains(needle), "{args:?}: {stderr}");

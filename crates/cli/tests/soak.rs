@@ -1,35 +1,16 @@
 //! `deltaserve soak` end to end: a short session against the in-process demo server (JSON shape,
 //! prefix-cache accounting, no arena growth), and a clean failure when nothing listens at --url.
 
-use std::process::{Command, Output};
+mod common;
 
 use serde_json::Value;
 
-fn soak(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_deltaserve"))
-        .env("RUST_LOG", "warn")
-        .arg("soak")
-        .args(args)
-        .output()
-        .expect("run deltaserve soak")
-}
-
-/// Runs `deltaserve soak` with `args` (which ask for `--json`) and returns its JSON report, after
-/// checking that it succeeded without a panic.
-fn soak_json(args: &[&str]) -> Value {
-    let out = soak(args);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    let v: Value = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {}", String::from_utf8_lossy(&out.stdout)));
-    assert!(out.status.success(), "soak failed: {stderr}\n{v:#}");
-    v
-}
-
+use common::{report_json, subcommand};
 #[test]
 fn in_process_demo_session_restores_the_context_and_does_not_allocate() {
     let svg = std::env::temp_dir().join(format!("ds-soak-{}.svg", std::process::id()));
-    let v = soak_json(&["--turns", "6", "--target-context", "1500", "--json", "--svg", svg.to_str().unwrap()]);
+    let v =
+        report_json("soak", &["--turns", "6", "--target-context", "1500", "--json", "--svg", svg.to_str().unwrap()]);
 
     let s = &v["summary"];
     assert_eq!(s["ok"], true, "{v:#}");
@@ -79,7 +60,7 @@ fn in_process_demo_session_restores_the_context_and_does_not_allocate() {
 
 #[test]
 fn nothing_listening_is_a_clean_error() {
-    let out = soak(&["--url", "http://127.0.0.1:1", "--turns", "2", "--target-context", "500"]);
+    let out = subcommand("soak", &["--url", "http://127.0.0.1:1", "--turns", "2", "--target-context", "500"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "expected failure; stderr: {stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
@@ -87,7 +68,7 @@ fn nothing_listening_is_a_clean_error() {
     assert!(stderr.contains("cannot connect to 127.0.0.1:1"), "{stderr}");
 
     // With --json the report is still one JSON object, with the reason.
-    let out = soak(&["--url", "http://127.0.0.1:1", "--turns", "2", "--target-context", "500", "--json"]);
+    let out = subcommand("soak", &["--url", "http://127.0.0.1:1", "--turns", "2", "--target-context", "500", "--json"]);
     assert!(!out.status.success());
     let v: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
     assert_eq!(v["summary"]["ok"], false);
@@ -102,7 +83,7 @@ fn bad_arguments_are_clean_errors() {
         (&["--url", "https://127.0.0.1:1", "--turns", "2", "--target-context", "500"][..], "https is not supported"),
         (&["--url", "http://127.0.0.1:1", "--turns", "0", "--target-context", "500"][..], "--turns must be at least 1"),
     ] {
-        let out = soak(args);
+        let out = subcommand("soak", args);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && !stderr.contains("panicked"), "{args:?}: {stderr}");
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
@@ -111,7 +92,7 @@ fn bad_arguments_are_clean_errors() {
 
 #[test]
 fn screenshots_in_the_history_are_restored_from_the_prefix_cache() {
-    let v = soak_json(&["--turns", "6", "--target-context", "2000", "--screenshot", "256x256", "--json"]);
+    let v = report_json("soak", &["--turns", "6", "--target-context", "2000", "--screenshot", "256x256", "--json"]);
     let s = &v["summary"];
     assert_eq!(s["ok"], true, "{v:#}");
     // 256x256 is the smallest image the processor takes as it is: 16 × 16 patches, 64 tokens.
@@ -141,7 +122,7 @@ fn screenshots_the_server_cannot_take_are_a_clean_error() {
     {
         let mut all = vec!["--target-context", "1500", "--screenshot", "256x256"];
         all.extend(args);
-        let out = soak(&all);
+        let out = subcommand("soak", &all);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && !stderr.contains("panicked"), "{args:?}: {stderr}");
         assert!(stderr.contains("--screenshot: ") && stderr.contains(needle), "{args:?}: {stderr}");

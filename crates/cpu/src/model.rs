@@ -12,10 +12,12 @@
 //! images at its (t, h, w) M-RoPE positions (see [`crate::multimodal`]); a sequence that has seen images
 //! keeps its rope delta ([`SequenceState::rope_delta`]) so that later tokens continue from them.
 
+use std::path::Path;
+
 use deltaserve_model::weights::{
     AttentionWeights, DeltaNetWeights, HostTensor, LayerWeights, MixerWeights, MlpWeights,
 };
-use deltaserve_model::{Dims, LayerKind, ModelConfig, ModelWeights, VisionWeights};
+use deltaserve_model::{Checkpoint, Dims, LayerKind, ModelConfig, ModelError, ModelWeights, VisionWeights};
 
 use crate::activation::{sigmoid, silu, softplus};
 use crate::attention::causal_gqa_attention;
@@ -187,6 +189,13 @@ pub enum ForwardError {
 impl CpuModel {
     pub fn new(config: ModelConfig, weights: ModelWeights<HostTensor>) -> Self {
         Self { dims: config.dims(), config, weights, vision: None }
+    }
+
+    /// The model in checkpoint directory `dir`: its config and f32 weights, without a vision tower.
+    pub fn load(dir: &Path) -> Result<Self, ModelError> {
+        let config = ModelConfig::from_dir(dir)?;
+        let weights = ModelWeights::load_f32(&Checkpoint::open(dir)?, &config)?;
+        Ok(Self::new(config, weights))
     }
 
     /// The model with its vision tower (`None`: images are refused).

@@ -6,7 +6,6 @@ use std::sync::OnceLock;
 
 use deltaserve_cpu::{CpuModel, GdnMode, Logits};
 use deltaserve_model::synth::{Preset, write_model};
-use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
 use proptest::prelude::*;
 
 fn model() -> &'static CpuModel {
@@ -14,9 +13,7 @@ fn model() -> &'static CpuModel {
     M.get_or_init(|| {
         let dir = std::env::temp_dir().join(format!("ds-chunking-{}", std::process::id()));
         write_model(&dir, Preset::Tiny, None, 11, |_, _| {}).unwrap();
-        let cfg = ModelConfig::from_dir(&dir).unwrap();
-        let w = ModelWeights::load_f32(&Checkpoint::open(&dir).unwrap(), &cfg).unwrap();
-        CpuModel::new(cfg, w)
+        CpuModel::load(&dir).unwrap()
     })
 }
 

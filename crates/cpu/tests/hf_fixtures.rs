@@ -9,6 +9,7 @@
 
 use std::path::{Path, PathBuf};
 
+use deltaserve_backend::argmax;
 use deltaserve_cpu::{CpuModel, GdnMode, Logits};
 use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
 
@@ -124,20 +125,10 @@ fn greedy_decode_trace_matches_hf() {
         for step in 0..expected_ids.len() {
             let e = rel_err(&logits, &expected_logits[step * vocab..(step + 1) * vocab]);
             assert!(e < TOL, "{}: decode step {step} logits differ by {e:.3e}", dir.display());
-            let id = deltaserve_engine_argmax(&logits);
+            let id = argmax(&logits);
             got_ids.push(id);
             logits = model.forward(&mut st, &[id], GdnMode::Auto, Logits::Last).unwrap();
         }
         assert_eq!(got_ids, expected_ids, "{}: greedy ids differ from HF", dir.display());
     }
-}
-
-fn deltaserve_engine_argmax(x: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in x.iter().enumerate() {
-        if *v > x[best] {
-            best = i;
-        }
-    }
-    best as u32
 }

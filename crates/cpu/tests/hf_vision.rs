@@ -4,61 +4,15 @@
 //! merger output, the full prompt's logits and 8 cached greedy decode steps after it are within 1e-3 of
 //! HF relative to the largest magnitude, with the same greedy ids.
 
-use std::path::{Path, PathBuf};
+#[path = "hf_vision_fixture/mod.rs"]
+mod hf_vision_fixture;
 
 use deltaserve_cpu::{CpuModel, GdnMode, Logits, VisionTower};
 use deltaserve_model::mrope::rope_index;
-use deltaserve_model::{Checkpoint, DType, ImagePatches, ModelConfig, ModelWeights, VisionWeights};
+
+use hf_vision_fixture::{Reference, fixture, load};
 
 const TOL: f32 = 1e-3;
-
-fn dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/hf/qwen35_vision")
-}
-
-fn load() -> CpuModel {
-    let cfg = ModelConfig::from_dir(&dir()).unwrap();
-    let ckpt = Checkpoint::open(&dir()).unwrap();
-    let w = ModelWeights::load_f32(&ckpt, &cfg).unwrap();
-    let v = VisionWeights::load_f32(&ckpt, &cfg).unwrap();
-    assert!(v.is_some(), "the fixture has a vision tower");
-    CpuModel::new(cfg, w).with_vision(v)
-}
-
-struct Reference(Checkpoint);
-
-impl Reference {
-    fn open() -> Self {
-        Self(Checkpoint::open_file(&dir().join("reference.safetensors")).unwrap())
-    }
-    fn f32(&self, name: &str) -> Vec<f32> {
-        self.0.get(name).unwrap().to_f32().unwrap()
-    }
-    fn i64(&self, name: &str) -> Vec<i64> {
-        let t = self.0.get(name).unwrap();
-        assert_eq!(t.dtype, DType::Other("I64"), "{name}");
-        t.bytes.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect()
-    }
-    fn ids(&self, name: &str) -> Vec<u32> {
-        self.i64(name).into_iter().map(|v| v as u32).collect()
-    }
-    /// The prompt's images: HF's pixel values split by grid.
-    fn images(&self) -> Vec<ImagePatches> {
-        let grids = self.i64("image_grid_thw");
-        let pixels = self.f32("pixel_values");
-        let row = pixels.len() / grids.chunks(3).map(|g| g.iter().product::<i64>() as usize).sum::<usize>();
-        let mut at = 0;
-        grids
-            .chunks(3)
-            .map(|g| {
-                let grid_thw = [g[0] as usize, g[1] as usize, g[2] as usize];
-                let n = grid_thw.iter().product::<usize>() * row;
-                at += n;
-                ImagePatches { grid_thw, pixels: pixels[at - n..at].to_vec(), hash: [0; 32] }
-            })
-            .collect()
-    }
-}
 
 /// max |ours − ref| / max |ref|.
 fn rel_err(ours: &[f32], reference: &[f32]) -> f32 {
@@ -76,7 +30,7 @@ fn close(what: &str, ours: &[f32], reference: &[f32]) {
 
 #[test]
 fn positions_equal_hf_get_rope_index() {
-    let (model, r) = (load(), Reference::open());
+    let (model, r) = (load(&fixture()), Reference::open());
     let ids = r.ids("input_ids");
     let vc = model.config.vision.as_ref().unwrap();
     let grids: Vec<[usize; 3]> = r.images().iter().map(|i| i.grid_thw).collect();
@@ -92,7 +46,7 @@ fn positions_equal_hf_get_rope_index() {
 
 #[test]
 fn tower_intermediates_match_hf() {
-    let (model, r) = (load(), Reference::open());
+    let (model, r) = (load(&fixture()), Reference::open());
     let tower: VisionTower = model.vision_tower().unwrap();
     let images = r.images();
     let (mut patch, mut block0, mut merged) = (Vec::new(), Vec::new(), Vec::new());
@@ -116,7 +70,7 @@ fn tower_intermediates_match_hf() {
 
 #[test]
 fn prompt_with_images_and_cached_decode_match_hf() {
-    let (model, r) = (load(), Reference::open());
+    let (model, r) = (load(&fixture()), Reference::open());
     let ids = r.ids("input_ids");
     let images = r.images();
     let mut st = model.new_sequence();
@@ -140,14 +94,12 @@ fn prompt_with_images_and_cached_decode_match_hf() {
 fn images_are_refused_without_a_tower_and_when_they_do_not_fit() {
     let r = Reference::open();
     let (ids, images) = (r.ids("input_ids"), r.images());
-    let cfg = ModelConfig::from_dir(&dir()).unwrap();
-    let w = ModelWeights::load_f32(&Checkpoint::open(&dir()).unwrap(), &cfg).unwrap();
-    let text_only = CpuModel::new(cfg, w);
+    let text_only = CpuModel::load(&fixture()).unwrap();
     let mut st = text_only.new_sequence();
     let e = text_only.forward_with_images(&mut st, &ids, &images, GdnMode::Auto, Logits::Last).unwrap_err();
     assert!(e.to_string().contains("no vision tower"), "{e}");
 
-    let model = load();
+    let model = load(&fixture());
     let mut st = model.new_sequence();
     let e = model.forward_with_images(&mut st, &ids, &images[..1], GdnMode::Auto, Logits::Last).unwrap_err();
     assert!(e.to_string().contains("has no image"), "{e}");

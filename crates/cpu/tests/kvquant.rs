@@ -9,7 +9,6 @@ use deltaserve_backend::{SeqChunk, StepBatch, step_logits};
 use deltaserve_cpu::kvquant::{E4M3_MAX, e4m3_to_f32, round_bf16};
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel, GdnMode, KvFormat, KvQuant, Logits, QuantizingCache};
 use deltaserve_model::synth::{Preset, write_model};
-use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
 
 /// splitmix64: deterministic test data without a dependency on an RNG crate's API.
 struct Rng(u64);
@@ -218,10 +217,7 @@ fn model_dir() -> &'static PathBuf {
 }
 
 fn fresh_model() -> CpuModel {
-    let dir = model_dir();
-    let cfg = ModelConfig::from_dir(dir).unwrap();
-    let w = ModelWeights::load_f32(&Checkpoint::open(dir).unwrap(), &cfg).unwrap();
-    CpuModel::new(cfg, w)
+    CpuModel::load(model_dir()).unwrap()
 }
 
 fn model() -> &'static CpuModel {
@@ -247,11 +243,7 @@ fn paged_logits(k: KvFormat, v: KvFormat, tokens: &[u32], chunks: &[usize]) -> V
                 start: at,
                 tokens: tokens[at..at + c].to_vec(),
                 want_logits: true,
-                draft: 0,
-                greedy_draft_vocab: 0,
-                rope_delta: 0,
-                images: Vec::new(),
-                save_within: Vec::new(),
+                ..SeqChunk::default()
             }],
             ..StepBatch::default()
         };

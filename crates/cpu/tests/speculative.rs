@@ -5,11 +5,10 @@
 //! without an MTP head refuses.
 
 use deltaserve_backend::{
-    Backend, BackendError, CacheOp, SeqChunk, SnapshotLoc, SpecCommit, StepBatch, StepOut, Want, step_logits,
+    Backend, BackendError, CacheOp, SeqChunk, SnapshotLoc, SpecCommit, StepBatch, StepOut, Want, argmax, step_logits,
 };
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel, ForwardError};
 use deltaserve_model::synth::{MtpVariant, Preset, write_model_json, write_model_with};
-use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
 
 const PAGE: usize = 8;
 
@@ -41,24 +40,13 @@ fn model_of(form: Form, variant: MtpVariant, tag: &str) -> CpuModel {
         }
     }
     .unwrap();
-    let cfg = ModelConfig::from_dir(&dir).unwrap();
-    let w = ModelWeights::load_f32(&Checkpoint::open(&dir).unwrap(), &cfg).unwrap();
+    let model = CpuModel::load(&dir).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
-    CpuModel::new(cfg, w)
+    model
 }
 
 fn cache_cfg() -> CpuCacheConfig {
     CpuCacheConfig { num_pages: 32, page_size: PAGE, num_slots: 2, snapshot_slots: 2, host_snapshot_slots: 0 }
-}
-
-fn argmax(x: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in x.iter().enumerate() {
-        if *v > x[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 fn chunk(slot: u32, start: usize, tokens: &[u32], draft: usize) -> SeqChunk {

@@ -94,6 +94,11 @@ use weights::{Layer, Mixer, Proj};
 use crate::ops::kv_quant::LayerKv;
 use crate::ops::{self, conv, embed, gdn_decode, mtp, norm};
 
+/// A CUDA error as the backend contract's device error.
+fn device_error(e: CudaError) -> BackendError {
+    BackendError::Device(e.to_string())
+}
+
 /// Where the weights come from.
 #[derive(Clone, Debug)]
 pub enum WeightSource {

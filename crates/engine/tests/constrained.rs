@@ -18,17 +18,16 @@ use deltaserve_backend::sampling::{is_allowed, mask_words};
 use deltaserve_backend::{
     ArenaStats, Backend, BackendError, Capabilities, Feed, Pick, Picked, SpecCommit, StepBatch, StepOut, Want,
 };
-use deltaserve_cpu::{CpuBackend, CpuModel};
+use deltaserve_cpu::CpuBackend;
 use deltaserve_engine::{
     EngineHandle, Event, FinishReason, Request, SamplingParams, SharedConstraint, TokenConstraint,
 };
 use deltaserve_model::synth::{MtpVariant, Preset};
-use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
 use deltaserve_sched::SchedConfig;
 use deltaserve_text::{Grammar, GrammarCompiler, GrammarMatcher, Tokenizer};
 use serde_json::json;
 
-use common::{Setup, cache_cfg, wait_idle};
+use common::{Setup, cache_cfg, load_model, wait_idle};
 
 fn model_dir(variant: MtpVariant) -> PathBuf {
     static DIRS: Mutex<Vec<(String, PathBuf)>> = Mutex::new(Vec::new());
@@ -52,12 +51,9 @@ fn sched() -> SchedConfig {
 }
 
 fn backend(variant: MtpVariant, k: usize) -> CpuBackend {
-    let dir = model_dir(variant);
-    let cfg = ModelConfig::from_dir(&dir).unwrap();
-    let w = ModelWeights::load_f32(&Checkpoint::open(&dir).unwrap(), &cfg).unwrap();
     let c = sched();
     let cache = cache_cfg(&c);
-    let model = CpuModel::new(cfg, w);
+    let model = load_model(&model_dir(variant));
     if k == 0 { CpuBackend::new(model, cache) } else { CpuBackend::with_speculation(model, cache, k).unwrap() }
 }
 

@@ -3,31 +3,25 @@
 //! preemption), every request's tokens equal its solo run; the arena never moves; cancellation,
 //! overload and shutdown behave.
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel, GdnMode, Logits};
 use deltaserve_engine::{EngineError, EngineHandle, Event, FinishReason, Request, Sampler, SamplingParams};
-use deltaserve_model::synth::Preset;
-use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
 use deltaserve_sched::{AdmitError, PrefixCacheConfig, SchedConfig};
 use deltaserve_text::{IncrementalDecoder, Tokenizer};
 
+use common::{load_model, tiny_model, wait_released};
+
+/// How long the engine may take to go idle.
+const IDLE_WITHIN: Duration = Duration::from_secs(10);
+
 fn model_dir() -> &'static PathBuf {
     static D: OnceLock<PathBuf> = OnceLock::new();
-    D.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("ds-engine-test-{}", std::process::id()));
-        deltaserve_text::synth_model::write_synthetic_model(&dir, Preset::Tiny, None, 21, |_, _| {}).unwrap();
-        dir
-    })
-}
-
-fn load_model() -> CpuModel {
-    let dir = model_dir();
-    let cfg = ModelConfig::from_dir(dir).unwrap();
-    let w = ModelWeights::load_f32(&Checkpoint::open(dir).unwrap(), &cfg).unwrap();
-    CpuModel::new(cfg, w)
+    D.get_or_init(|| tiny_model("engine-test", 21))
 }
 
 fn tokenizer() -> Arc<Tokenizer> {
@@ -36,7 +30,7 @@ fn tokenizer() -> Arc<Tokenizer> {
 
 fn start(sched: SchedConfig) -> EngineHandle {
     let backend = CpuBackend::new(
-        load_model(),
+        load_model(model_dir()),
         CpuCacheConfig {
             num_pages: sched.num_pages,
             page_size: sched.page_size,
@@ -75,19 +69,6 @@ fn collect(mut s: deltaserve_engine::RequestStream) -> Result<(Vec<u32>, String,
             Some(Event::Error(e)) => return Err(e),
             None => return Err(EngineError::Stopped),
         }
-    }
-}
-
-/// Engine stats once nothing runs or waits (stats are published after each step).
-fn wait_idle(engine: &EngineHandle) -> deltaserve_engine::EngineStats {
-    let t0 = std::time::Instant::now();
-    loop {
-        let s = engine.stats();
-        if s.sched.running + s.sched.waiting == 0 && s.sched.slots_in_use == 0 {
-            return s;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(10), "engine did not go idle: {:?}", s.sched);
-        std::thread::sleep(Duration::from_millis(5));
     }
 }
 
@@ -174,7 +155,7 @@ fn request(c: &Case) -> Request {
 
 #[test]
 fn batched_outputs_equal_solo_runs_under_any_batching() {
-    let model = load_model();
+    let model = load_model(model_dir());
     let tok = tokenizer();
     let cs = cases(14, 5);
     let expected: Vec<_> = cs.iter().map(|c| solo(&model, &tok, c)).collect();
@@ -199,7 +180,7 @@ fn batched_outputs_equal_solo_runs_under_any_batching() {
             let (ids, text, _) = h.join().unwrap();
             assert_eq!((&ids, &text), (&expected[i].0, &expected[i].1), "config ({mbt}, {pages}, {seqs}) request {i}");
         }
-        let stats = wait_idle(&engine);
+        let stats = wait_released(&engine, IDLE_WITHIN);
         assert_eq!(stats.arena, arena_before, "the arena must not move while serving");
         assert_eq!((stats.sched.pages_in_use, stats.sched.slots_in_use), (0, 0));
         if pages == 24 {
@@ -262,7 +243,7 @@ fn dropping_a_stream_cancels_and_frees_its_memory() {
         assert!(matches!(s.blocking_next(), Some(Event::Token { .. })));
     }
     drop(s);
-    assert_eq!(wait_idle(&engine).sched.pages_in_use, 0);
+    assert_eq!(wait_released(&engine, IDLE_WITHIN).sched.pages_in_use, 0);
     engine.shutdown(false);
 }
 
@@ -297,7 +278,7 @@ fn full_queue_is_overloaded_and_shutdown_without_drain_ends_streams() {
 
 #[test]
 fn stop_strings_stop_tokens_and_logprobs() {
-    let model = load_model();
+    let model = load_model(model_dir());
     let tok = tokenizer();
     let engine = start(sched(64, 64, 4));
     let base = Request {
@@ -451,7 +432,7 @@ fn a_constraint_masks_every_pick_and_follows_every_token() {
 /// the last choice waits and recomputes, with the same tokens.
 #[test]
 fn choices_fork_after_the_prompt_and_equal_their_solo_runs() {
-    let model = load_model();
+    let model = load_model(model_dir());
     let tok = tokenizer();
     let prompt: Vec<u32> = (0..21).map(|i| (i * 37 + 11) % 900).collect(); // a partly filled last page
     let sampling =
@@ -472,7 +453,7 @@ fn choices_fork_after_the_prompt_and_equal_their_solo_runs() {
         if let Some(o) = other {
             collect(o).unwrap();
         }
-        let st = wait_idle(&engine);
+        let st = wait_released(&engine, IDLE_WITHIN);
         assert_eq!(st.sched.forks, forks, "busy: {busy}");
         let prompts = if busy { 2 * prompt.len() as u64 } else { prompt.len() as u64 };
         assert_eq!(st.prompt_tokens, prompts, "the prompt counts once");

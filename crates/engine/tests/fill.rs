@@ -2,20 +2,22 @@
 //! plan advertises exactly what fits; a single prompt of exactly that length completes, one token
 //! more is refused with a clear error before any work, and the engine keeps serving.
 
+mod common;
+
 use std::sync::Arc;
 
-use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
+use deltaserve_cpu::{CpuBackend, CpuCacheConfig};
 use deltaserve_engine::{EngineError, EngineHandle, Event, FinishReason, Request, SamplingParams};
-use deltaserve_model::synth::Preset;
-use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
+use deltaserve_model::ModelConfig;
 use deltaserve_plan::{Plan, PlanOptions};
 use deltaserve_sched::{AdmitError, PrefixCacheConfig, SchedConfig};
 use deltaserve_text::Tokenizer;
 
+use common::{load_model, tiny_model};
+
 #[test]
 fn the_advertised_context_fills_to_exactly_100_percent() {
-    let dir = std::env::temp_dir().join(format!("ds-fill-{}", std::process::id()));
-    deltaserve_text::synth_model::write_synthetic_model(&dir, Preset::Tiny, None, 4, |_, _| {}).unwrap();
+    let dir = tiny_model("fill", 4);
     let cfg = ModelConfig::from_dir(&dir).unwrap();
     // A budget with room for the fixed regions plus a few hundred tokens of KV.
     let probe = Plan::new(&cfg, &PlanOptions { max_seqs: 2, ..PlanOptions::cpu_defaults(1 << 30) }).unwrap();
@@ -25,7 +27,7 @@ fn the_advertised_context_fills_to_exactly_100_percent() {
     assert!(plan.max_context >= 600 && plan.max_context < 1000, "max_context {}", plan.max_context);
     assert!(plan.total_bytes <= budget);
 
-    let model = CpuModel::new(cfg.clone(), ModelWeights::load_f32(&Checkpoint::open(&dir).unwrap(), &cfg).unwrap());
+    let model = load_model(&dir);
     let backend = CpuBackend::new(
         model,
         CpuCacheConfig {

@@ -7,74 +7,26 @@
 //! image hits, a different one of the same size does not.
 
 mod common;
+#[path = "../../cpu/tests/hf_vision_fixture/mod.rs"]
+mod hf_vision_fixture;
 
-use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use deltaserve_backend::{
     ArenaStats, Backend, BackendError, Capabilities, Feed, ImageTokens, Pick, Picked, SpecCommit, StepBatch, StepOut,
     Want,
 };
-use deltaserve_cpu::{CpuBackend, CpuModel};
+use deltaserve_cpu::CpuBackend;
 use deltaserve_engine::{
     EngineError, EngineHandle, EngineOptions, Event, Request, SamplingParams, Usage, logits_with_images,
 };
+use deltaserve_model::ImagePatches;
 use deltaserve_model::synth::{MtpVariant, Preset, write_model_with};
-use deltaserve_model::{Checkpoint, DType, ImagePatches, ModelConfig, ModelWeights, VisionWeights};
 
 use common::{Setup, cache_cfg};
+use hf_vision_fixture::{Reference, fixture, load};
 
 const TOL: f32 = 1e-3;
-
-fn fixture() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/hf/qwen35_vision")
-}
-
-fn load(dir: &Path) -> CpuModel {
-    let cfg = ModelConfig::from_dir(dir).unwrap();
-    let ckpt = Checkpoint::open(dir).unwrap();
-    let w = ModelWeights::load_f32(&ckpt, &cfg).unwrap();
-    let v = VisionWeights::load_f32(&ckpt, &cfg).unwrap();
-    assert!(v.is_some(), "{} has a vision tower", dir.display());
-    CpuModel::new(cfg, w).with_vision(v)
-}
-
-/// HF's tensors of the fixture.
-struct Reference(Checkpoint);
-
-impl Reference {
-    fn open() -> Self {
-        Self(Checkpoint::open_file(&fixture().join("reference.safetensors")).unwrap())
-    }
-    fn f32(&self, name: &str) -> Vec<f32> {
-        self.0.get(name).unwrap().to_f32().unwrap()
-    }
-    fn i64(&self, name: &str) -> Vec<i64> {
-        let t = self.0.get(name).unwrap();
-        assert_eq!(t.dtype, DType::Other("I64"), "{name}");
-        t.bytes.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect()
-    }
-    fn ids(&self, name: &str) -> Vec<u32> {
-        self.i64(name).into_iter().map(|v| v as u32).collect()
-    }
-    /// The prompt's images (HF's pixel values split by grid), hashed 1, 2, ….
-    fn images(&self) -> Vec<Arc<ImagePatches>> {
-        let grids = self.i64("image_grid_thw");
-        let pixels = self.f32("pixel_values");
-        let row = pixels.len() / grids.chunks(3).map(|g| g.iter().product::<i64>() as usize).sum::<usize>();
-        let mut at = 0;
-        grids
-            .chunks(3)
-            .enumerate()
-            .map(|(i, g)| {
-                let grid_thw = [g[0] as usize, g[1] as usize, g[2] as usize];
-                let n = grid_thw.iter().product::<usize>() * row;
-                at += n;
-                Arc::new(ImagePatches { grid_thw, pixels: pixels[at - n..at].to_vec(), hash: [i as u8 + 1; 32] })
-            })
-            .collect()
-    }
-}
 
 /// What the engine asked of the backend: every chunk (seq, start, tokens, images' first indices) and
 /// every logits row, in step order.
@@ -191,7 +143,7 @@ fn same_rows(what: &str, ours: &[Vec<f32>], want: &[Vec<f32>]) {
 #[test]
 fn fixture_prompt_through_the_engine_matches_hf() {
     let r = Reference::open();
-    let (ids, images) = (r.ids("input_ids"), r.images());
+    let (ids, images) = (r.ids("input_ids"), r.shared_images());
     // 16-token steps: image A (tokens 5..29) is split between the first two steps.
     let (e, log) = engine(&Setup { max_batch_tokens: 16, num_pages: 16, max_seqs: 2, prefix_cache: false });
     let stream = e.submit(request(&ids, &images, 8, vec![])).unwrap();
@@ -224,7 +176,7 @@ fn fixture_prompt_through_the_engine_matches_hf() {
 #[test]
 fn images_over_the_patch_bound_are_refused_at_submission() {
     let r = Reference::open();
-    let (ids, images) = (r.ids("input_ids"), r.images());
+    let (ids, images) = (r.ids("input_ids"), r.shared_images());
     let largest = images.iter().map(|i| i.patches()).max().unwrap();
     let start = |bound: usize| {
         let c = Setup { max_batch_tokens: 16, num_pages: 16, max_seqs: 2, prefix_cache: false }.sched(4);
@@ -253,7 +205,7 @@ fn images_over_the_patch_bound_are_refused_at_submission() {
 #[test]
 fn scoring_every_position_matches_hf() {
     let r = Reference::open();
-    let (ids, images) = (r.ids("input_ids"), r.images());
+    let (ids, images) = (r.ids("input_ids"), r.shared_images());
     let c = Setup { max_batch_tokens: 64, num_pages: 8, max_seqs: 1, prefix_cache: false }.sched(4);
     let mut backend = CpuBackend::new(load(&fixture()), cache_cfg(&c));
     let pages: Vec<u32> = (0..8).collect();
@@ -282,7 +234,7 @@ fn solo(prompt: &[u32], images: &[Arc<ImagePatches>], max_tokens: usize) -> (Vec
 #[test]
 fn preemption_recomputes_the_same_positions() {
     let r = Reference::open();
-    let (ids, images) = (r.ids("input_ids"), r.images());
+    let (ids, images) = (r.ids("input_ids"), r.shared_images());
     let (want_tokens, want_rows) = solo(&ids, &images, 12);
     // Two sequences of 65 positions, 9 pages each, over 12 pages: the newer is preempted and recomputed
     // (its prompt, images included, runs again from the start, in 24-token steps).
@@ -301,7 +253,7 @@ fn preemption_recomputes_the_same_positions() {
 #[test]
 fn prefix_cache_hits_the_same_image_only() {
     let r = Reference::open();
-    let (ids, images) = (r.ids("input_ids"), r.images());
+    let (ids, images) = (r.ids("input_ids"), r.shared_images());
     // Snapshots inside image A (20) and after image B (44).
     let points = vec![20, 44];
     let (e, log) = engine(&Setup { max_batch_tokens: 64, num_pages: 48, max_seqs: 2, prefix_cache: true });

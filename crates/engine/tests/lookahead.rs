@@ -5,6 +5,8 @@
 //! also when some picks are made on the host (their fed rows do not run). Requests the host must see
 //! first (penalties, stop strings, logprobs) step one at a time.
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -12,31 +14,25 @@ use std::time::Duration;
 use deltaserve_backend::{
     Backend, BackendError, Capabilities, Feed, Pick, Picked, SpecCommit, StepBatch, StepOut, Want,
 };
-use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
-use deltaserve_engine::{EngineHandle, EngineOptions, EngineStats, Event, FinishReason, Request, SamplingParams};
-use deltaserve_model::synth::Preset;
-use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
+use deltaserve_cpu::{CpuBackend, CpuCacheConfig};
+use deltaserve_engine::{EngineHandle, EngineOptions, Event, FinishReason, Request, SamplingParams};
 use deltaserve_sched::{PrefixCacheConfig, SchedConfig};
+
+use common::{load_model, state_bytes, tiny_model, wait_released};
+
+/// How long the engine may take to go idle.
+const IDLE_WITHIN: Duration = Duration::from_secs(20);
 
 fn model_dir() -> &'static PathBuf {
     static D: OnceLock<PathBuf> = OnceLock::new();
-    D.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("ds-lookahead-test-{}", std::process::id()));
-        deltaserve_text::synth_model::write_synthetic_model(&dir, Preset::Tiny, None, 47, |_, _| {}).unwrap();
-        dir
-    })
+    D.get_or_init(|| tiny_model("lookahead-test", 47))
 }
 
 /// An engine on the CPU backend with the prefix cache on; `host_every`: every k-th launched pick is
 /// made on the host (0: none).
 fn engine(lookahead: bool, host_every: usize) -> EngineHandle {
-    let dir = model_dir();
-    let cfg = ModelConfig::from_dir(dir).unwrap();
-    let model = CpuModel::new(cfg.clone(), ModelWeights::load_f32(&Checkpoint::open(dir).unwrap(), &cfg).unwrap());
-    let d = cfg.dims();
-    let state_bytes = (d.num_deltanet_layers
-        * ((d.conv_kernel - 1) * d.conv_channels + d.gdn_v_heads * d.gdn_k_dim * d.gdn_v_dim)
-        * 4) as u64;
+    let model = load_model(model_dir());
+    let state_bytes = state_bytes(&model);
     let prefix = PrefixCacheConfig {
         device_slots: 4,
         host_slots: 4,
@@ -99,18 +95,6 @@ fn run_all(e: &EngineHandle, reqs: &[Request]) -> Vec<Out> {
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
-fn idle(e: &EngineHandle) -> EngineStats {
-    let t0 = std::time::Instant::now();
-    loop {
-        let s = e.stats();
-        if s.sched.running + s.sched.waiting == 0 && s.sched.slots_in_use == 0 {
-            return s;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(20), "engine did not go idle: {:?}", s.sched);
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
 fn prompt(seed: u64, n: usize) -> Vec<u32> {
     let mut x = seed;
     (0..n)
@@ -168,7 +152,7 @@ fn lookahead_gives_the_tokens_of_one_step_at_a_time() {
 
     let reference = engine(false, 0);
     let expected = workload(&reference, &stops);
-    assert_eq!(idle(&reference).steps_ahead, 0);
+    assert_eq!(wait_released(&reference, IDLE_WITHIN).steps_ahead, 0);
     reference.shutdown(true);
     assert!(expected.iter().any(|o| o.1 == FinishReason::Stop), "some requests stop at a stop id");
     assert!(expected.iter().skip(n).any(|o| o.2 > 0), "second turns resume from the cache");
@@ -176,7 +160,7 @@ fn lookahead_gives_the_tokens_of_one_step_at_a_time() {
     for host_every in [0, 3] {
         let e = engine(true, host_every);
         let got = workload(&e, &stops);
-        let stats = idle(&e);
+        let stats = wait_released(&e, IDLE_WITHIN);
         e.shutdown(true);
         for (i, (g, x)) in got.iter().zip(&expected).enumerate() {
             assert_eq!(g, x, "request {i} (host picks every {host_every})");
@@ -199,7 +183,7 @@ fn requests_the_host_must_see_first_step_one_at_a_time() {
         let before = e.stats().steps_ahead;
         let (ids, _, _) = run(&e, r.clone());
         assert_eq!(ids.len(), r.max_tokens);
-        assert_eq!(idle(&e).steps_ahead, before, "{r:?}");
+        assert_eq!(wait_released(&e, IDLE_WITHIN).steps_ahead, before, "{r:?}");
     }
     e.shutdown(true);
 }
@@ -252,9 +236,7 @@ fn a_failed_launched_step_fails_its_requests_and_the_engine_goes_on() {
     let plain = engine(false, 0);
     let want = run(&plain, Request { snapshot_on_finish: false, ..base(3) });
     plain.shutdown(true);
-    let dir = model_dir();
-    let cfg = ModelConfig::from_dir(dir).unwrap();
-    let model = CpuModel::new(cfg.clone(), ModelWeights::load_f32(&Checkpoint::open(dir).unwrap(), &cfg).unwrap());
+    let model = load_model(model_dir());
     let sched = SchedConfig {
         max_batch_tokens: 64,
         max_seqs: 2,
@@ -279,6 +261,6 @@ fn a_failed_launched_step_fails_its_requests_and_the_engine_goes_on() {
     };
     assert!(failed.contains("injected fault"), "{failed}");
     assert_eq!(run(&e, Request { snapshot_on_finish: false, ..base(3) }), want, "the next request runs as before");
-    assert_eq!(idle(&e).sched.slots_in_use, 0);
+    assert_eq!(wait_released(&e, IDLE_WITHIN).sched.slots_in_use, 0);
     e.shutdown(true);
 }

@@ -6,6 +6,8 @@
 //! message starts: inside a chunk (the CPU backend's) and by ending chunks there (a backend without
 //! `snapshots_within_chunks`); inside chunks a turn runs in fewer steps with the same cache hits.
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -14,21 +16,17 @@ use deltaserve_backend::{
     ArenaStats, Backend, BackendError, Capabilities, Feed, ImageTokens, Pick, Picked, SpecCommit, StepBatch, StepOut,
     Want,
 };
-use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel};
+use deltaserve_cpu::{CpuBackend, CpuCacheConfig};
 use deltaserve_engine::{EngineHandle, Event, Request, SamplingParams, Usage};
-use deltaserve_model::synth::Preset;
-use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
 use deltaserve_sched::{PrefixCacheConfig, SchedConfig};
+
+use common::{load_model, state_bytes, tiny_model};
 
 const IM_START: u32 = 992; // `<|im_start|>` in the tiny preset's tokenizer (mergeable 991 + 1)
 
 fn model_dir() -> &'static PathBuf {
     static D: OnceLock<PathBuf> = OnceLock::new();
-    D.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("ds-prefix-test-{}", std::process::id()));
-        deltaserve_text::synth_model::write_synthetic_model(&dir, Preset::Tiny, None, 33, |_, _| {}).unwrap();
-        dir
-    })
+    D.get_or_init(|| tiny_model("prefix-test", 33))
 }
 
 /// How snapshots at points inside a prompt are taken.
@@ -100,13 +98,8 @@ fn engine(cache: bool, num_pages: usize) -> EngineHandle {
 }
 
 fn engine_with(cache: bool, num_pages: usize, points: Points) -> (EngineHandle, Arc<Counts>) {
-    let dir = model_dir();
-    let cfg = ModelConfig::from_dir(dir).unwrap();
-    let model = CpuModel::new(cfg.clone(), ModelWeights::load_f32(&Checkpoint::open(dir).unwrap(), &cfg).unwrap());
-    let d = cfg.dims();
-    let state_bytes = (d.num_deltanet_layers
-        * ((d.conv_kernel - 1) * d.conv_channels + d.gdn_v_heads * d.gdn_k_dim * d.gdn_v_dim)
-        * 4) as u64;
+    let model = load_model(model_dir());
+    let state_bytes = state_bytes(&model);
     let prefix = if cache {
         PrefixCacheConfig {
             device_slots: 2,

@@ -14,11 +14,10 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 
 use deltaserve_cpu::{CpuBackend, CpuModel};
-use deltaserve_engine::{EngineHandle, Event, FinishReason, Request, SamplingParams, Timing, Usage};
+use deltaserve_engine::{EngineHandle, FinishReason, Request, SamplingParams};
 use deltaserve_model::synth::{MtpVariant, Preset, write_model_with};
-use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
 
-use common::{Setup, cache_cfg, wait_idle};
+use common::{Out, Setup, cache_cfg, collect, load_model, wait_idle};
 
 fn model(variant: MtpVariant) -> CpuModel {
     static DIRS: Mutex<Vec<(String, PathBuf)>> = Mutex::new(Vec::new());
@@ -36,9 +35,7 @@ fn model(variant: MtpVariant) -> CpuModel {
             }
         }
     };
-    let cfg = ModelConfig::from_dir(&dir).unwrap();
-    let w = ModelWeights::load_f32(&Checkpoint::open(&dir).unwrap(), &cfg).unwrap();
-    CpuModel::new(cfg, w)
+    load_model(&dir)
 }
 
 /// An engine over `variant`'s model: plain (`k == 0`) or speculative with `k` drafts.
@@ -49,31 +46,6 @@ fn engine(variant: MtpVariant, k: usize, s: &Setup) -> EngineHandle {
     } else {
         let b = CpuBackend::with_speculation(model(variant), cache_cfg(&c), k).unwrap();
         EngineHandle::start_speculative(Box::new(b), c, None, k).unwrap()
-    }
-}
-
-#[derive(Clone, Debug, PartialEq)]
-struct Out {
-    ids: Vec<u32>,
-    logprobs: Vec<f32>,
-    reason: FinishReason,
-    usage: Usage,
-    timing: Timing,
-}
-
-fn collect(mut s: deltaserve_engine::RequestStream) -> Out {
-    let (mut ids, mut logprobs) = (Vec::new(), Vec::new());
-    loop {
-        match s.blocking_next() {
-            Some(Event::Token { id, logprob, .. }) => {
-                ids.push(id);
-                logprobs.push(logprob.map_or(f32::NAN, |l| l.logprob));
-            }
-            Some(Event::Finished { reason, usage, timing }) => return Out { ids, logprobs, reason, usage, timing },
-            Some(Event::Prefill { .. }) => {}
-            Some(Event::Error(e)) => panic!("request failed: {e}"),
-            None => panic!("stream ended early"),
-        }
     }
 }
 

@@ -11,12 +11,12 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use deltaserve_cpu::{CpuBackend, CpuModel};
-use deltaserve_engine::{EngineHandle, Event, FinishReason, Request, SamplingParams};
+use deltaserve_engine::{EngineHandle, FinishReason, Request, SamplingParams};
 use deltaserve_model::synth::{MtpVariant, Preset, write_model_json, write_model_with};
 use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
 use deltaserve_sched::SchedConfig;
 
-use common::{Setup, cache_cfg, wait_idle};
+use common::{Out, Setup, cache_cfg, collect, wait_idle};
 
 #[derive(Clone, Copy, Debug)]
 enum Form {
@@ -59,29 +59,6 @@ fn engine(dir: &Path, k: usize) -> EngineHandle {
     } else {
         let b = CpuBackend::with_speculation(model(dir), cache, k).unwrap();
         EngineHandle::start_speculative(Box::new(b), c, None, k).unwrap()
-    }
-}
-
-#[derive(Debug)]
-struct Out {
-    ids: Vec<u32>,
-    logprobs: Vec<f32>,
-    reason: FinishReason,
-}
-
-fn collect(mut s: deltaserve_engine::RequestStream) -> Out {
-    let (mut ids, mut logprobs) = (Vec::new(), Vec::new());
-    loop {
-        match s.blocking_next() {
-            Some(Event::Token { id, logprob, .. }) => {
-                ids.push(id);
-                logprobs.push(logprob.map_or(f32::NAN, |l| l.logprob));
-            }
-            Some(Event::Finished { reason, .. }) => return Out { ids, logprobs, reason },
-            Some(Event::Prefill { .. }) => {}
-            Some(Event::Error(e)) => panic!("request failed: {e}"),
-            None => panic!("stream ended early"),
-        }
     }
 }
 

@@ -686,7 +686,7 @@ fn module_rules_follow_the_config() {
     // Names with the text-only prefix match the same entries.
     assert_eq!(q.module("model.layers.0.linear_attn.in_proj_a"), ModuleQuant::Excluded);
 
-    let none = ModelConfig::from_json_str(&Preset::Tiny.config_json(None).to_string()).unwrap();
+    let none = Preset::Tiny.config(None);
     assert!(none.quantization.is_none());
 }
 

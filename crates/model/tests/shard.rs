@@ -10,7 +10,7 @@ use deltaserve_model::shard::{ShardSpec, Split, WORLD_SIZES, check_world, unshar
 use deltaserve_model::synth::Preset;
 
 fn cfg_27b() -> ModelConfig {
-    ModelConfig::from_json_str(&Preset::Qwen36_27b.config_json(Some(8)).to_string()).unwrap()
+    Preset::Qwen36_27b.config(Some(8))
 }
 
 /// The 27B's head counts (24 q / 4 kv, 16 k / 48 v) at small widths; vocab 1001 (not divisible by 2, 4).

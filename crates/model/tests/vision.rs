@@ -52,7 +52,7 @@ fn text_only_checkpoints_have_no_tower() {
 #[test]
 fn synthetic_presets_carry_a_tower_config_with_in_vocabulary_token_ids() {
     for (preset, depth, side) in [(Preset::Tiny, 2, 8), (Preset::Qwen36_27b, 27, 48)] {
-        let cfg = ModelConfig::from_json_str(&preset.config_json(None).to_string()).unwrap();
+        let cfg = preset.config(None);
         let v = cfg.vision.unwrap();
         assert_eq!((v.depth, v.head_dim(), v.position_grid_side()), (depth, 72, side));
         assert_eq!(v.image_token_id as usize, preset.tokenizer_mergeable() + 12);
@@ -61,7 +61,7 @@ fn synthetic_presets_carry_a_tower_config_with_in_vocabulary_token_ids() {
 
 #[test]
 fn the_real_tower_has_the_documented_parameter_count() {
-    let cfg = ModelConfig::from_json_str(&Preset::Qwen36_27b.config_json(None).to_string()).unwrap();
+    let cfg = Preset::Qwen36_27b.config(None);
     let shapes = deltaserve_model::vision::tensor_shapes(cfg.vision.as_ref().unwrap());
     let params: usize = shapes.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
     assert_eq!(params, 460_730_096, "docs/architecture.md §5");

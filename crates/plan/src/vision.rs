@@ -107,11 +107,10 @@ impl CudaTowerLayout {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use deltaserve_model::ModelConfig;
     use deltaserve_model::synth::Preset;
 
     fn tower(preset: Preset) -> VisionConfig {
-        let cfg = ModelConfig::from_json_str(&preset.config_json(None).to_string()).unwrap();
+        let cfg = preset.config(None);
         cfg.vision.expect("a multimodal preset has a tower")
     }
 

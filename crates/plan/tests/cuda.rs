@@ -10,10 +10,6 @@ use deltaserve_plan::cuda::{
 use deltaserve_plan::cuda::{weight_tensors, weights_device_bytes};
 use deltaserve_plan::{ALIGN, CheckpointTensors, Plan, PlanBackend, PlanOptions, WeightBytes, WeightsDtype, is_linear};
 
-fn preset(p: Preset, layers: Option<usize>) -> ModelConfig {
-    ModelConfig::from_json_str(&p.config_json(layers).to_string()).unwrap()
-}
-
 fn al(x: usize) -> usize {
     x.next_multiple_of(ALIGN as usize)
 }
@@ -27,7 +23,7 @@ fn f32_extra(cfg: &ModelConfig) -> usize {
 
 #[test]
 fn int4_weights_place_exactly_what_the_plan_charges() {
-    for cfg in [preset(Preset::Qwen36_27b, None), preset(Preset::Tiny, None)] {
+    for cfg in [Preset::Qwen36_27b.config(None), Preset::Tiny.config(None)] {
         for asym in [false, true] {
             for (lm_head_int4, spec) in [(false, 0), (true, 0), (false, 2), (true, 3)] {
                 for embed_on_host in [false, true] {
@@ -100,7 +96,7 @@ fn checkpoint_bytes_per_rank_are_the_rank_shapes() {
 
 #[test]
 fn int4_scratch_adds_the_slice_the_x_scratch_and_the_gemm_workspace() {
-    let cfg = preset(Preset::Qwen36_27b, None);
+    let cfg = Preset::Qwen36_27b.config(None);
     let mut o = PlanOptions::gpu_defaults(24 << 30);
     let base = ScratchParts::new(&cfg, o.max_batch_tokens, o.max_seqs, WeightsDtype::Bf16, false).total();
     assert_eq!(ScratchParts::of(&cfg, &o).total(), base);
@@ -116,7 +112,7 @@ fn int4_scratch_adds_the_slice_the_x_scratch_and_the_gemm_workspace() {
     o.lm_head_int4 = true;
     assert_eq!(ScratchParts::of(&cfg, &o).total(), base + al(2 * 8 * 5120));
     // The tiny model's largest linear fits whole.
-    let tiny = preset(Preset::Tiny, None);
+    let tiny = Preset::Tiny.config(None);
     let p = ScratchParts::new(&tiny, 512, 4, WeightsDtype::Int4, false);
     let d = tiny.dims();
     assert_eq!(p.w4_slice, 2 * d.hidden * d.intermediate.max(d.conv_channels));
@@ -126,7 +122,7 @@ fn int4_scratch_adds_the_slice_the_x_scratch_and_the_gemm_workspace() {
 
 #[test]
 fn fp8_scratch_adds_the_activation_codes_and_scales_and_the_slice() {
-    let cfg = preset(Preset::Qwen36_27b, None);
+    let cfg = Preset::Qwen36_27b.config(None);
     let mut o = PlanOptions::gpu_defaults(24 << 30);
     let base = ScratchParts::of(&cfg, &o).total();
     o.weights_dtype = WeightsDtype::Fp8Block;
@@ -165,7 +161,7 @@ fn linear_names() {
 
 #[test]
 fn the_cpu_backend_has_no_scratch() {
-    let cfg = preset(Preset::Tiny, None);
+    let cfg = Preset::Tiny.config(None);
     let p = Plan::new(&cfg, &PlanOptions::cpu_defaults(1 << 30)).unwrap();
     assert_eq!(p.backend_scratch_bytes, 0);
     let gpu = PlanOptions { backend: PlanBackend::Generic, ..PlanOptions::gpu_defaults(1 << 30) };
@@ -177,7 +173,7 @@ fn the_cpu_backend_has_no_scratch() {
 #[test]
 fn bf16_experts_place_what_the_plan_charges() {
     for p in [Preset::TinyMoe, Preset::Qwen36_35bA3b] {
-        let cfg = preset(p, None);
+        let cfg = p.config(None);
         let o = PlanOptions::gpu_defaults(80 << 30);
         let plan = WeightBytes::new(&cfg, &o).unwrap().device() as usize;
         let ours = weights_device_bytes(&cfg, WeightFormat::of(&o));

@@ -11,7 +11,7 @@ use deltaserve_plan::{Free, KvDtype, Plan, PlanError, PlanOptions, WeightBytes, 
 const GIB: u64 = 1 << 30;
 
 fn cfg(preset: &str) -> ModelConfig {
-    ModelConfig::from_json_str(&Preset::parse(preset).unwrap().config_json(None).to_string()).unwrap()
+    Preset::parse(preset).unwrap().config(None)
 }
 
 /// The CUDA backend's defaults at `budget`, int4 weights, fp8 KV.

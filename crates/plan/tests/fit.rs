@@ -7,8 +7,7 @@ use deltaserve_plan::{Free, KvDtype, Plan, PlanOptions, WeightsDtype, fit_contex
 const GIB: u64 = 1 << 30;
 
 fn cfg(preset: &str) -> ModelConfig {
-    let json = Preset::parse(preset).unwrap().config_json(None);
-    ModelConfig::from_json_str(&json.to_string()).unwrap()
+    Preset::parse(preset).unwrap().config(None)
 }
 
 fn opts(weights: WeightsDtype, kv: KvDtype, budget: u64) -> PlanOptions {

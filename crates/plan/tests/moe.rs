@@ -8,7 +8,7 @@ use deltaserve_plan::{KvDtype, Plan, PlanBackend, PlanOptions, WeightsDtype};
 const GIB: u64 = 1 << 30;
 
 fn cfg(preset: &str) -> ModelConfig {
-    ModelConfig::from_json_str(&Preset::parse(preset).unwrap().config_json(None).to_string()).unwrap()
+    Preset::parse(preset).unwrap().config(None)
 }
 
 fn int4_fp8(budget: u64) -> PlanOptions {

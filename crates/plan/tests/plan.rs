@@ -8,8 +8,7 @@ const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
 
 fn cfg(preset: &str, layers: Option<usize>) -> ModelConfig {
-    let json = Preset::parse(preset).unwrap().config_json(layers);
-    ModelConfig::from_json_str(&json.to_string()).unwrap()
+    Preset::parse(preset).unwrap().config(layers)
 }
 
 /// The GPU defaults priced for the generic regions alone (no CUDA backend scratch), as the design

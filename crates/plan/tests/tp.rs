@@ -9,7 +9,7 @@ use deltaserve_plan::size::GIB;
 use deltaserve_plan::{Free, KvDtype, Plan, PlanError, PlanOptions, WeightsDtype, card_config, fit_context};
 
 fn cfg_27b() -> ModelConfig {
-    ModelConfig::from_json_str(&Preset::Qwen36_27b.config_json(None).to_string()).unwrap()
+    Preset::Qwen36_27b.config(None)
 }
 
 fn opts(budget: u64, tp: usize) -> PlanOptions {

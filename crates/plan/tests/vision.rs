@@ -11,7 +11,7 @@ const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
 
 fn cfg(preset: Preset) -> ModelConfig {
-    ModelConfig::from_json_str(&preset.config_json(None).to_string()).unwrap()
+    preset.config(None)
 }
 
 fn region(p: &Plan, name: &str) -> Option<u64> {

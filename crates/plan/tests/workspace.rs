@@ -1,6 +1,5 @@
 //! The workspace layout never puts two buffers that are live at the same op at overlapping addresses.
 
-use deltaserve_model::ModelConfig;
 use deltaserve_model::synth::Preset;
 use deltaserve_plan::workspace::{STEP_INPUTS, StepShape, WorkspaceBuffer, place_first_fit, plan_workspace};
 use proptest::prelude::*;
@@ -45,7 +44,7 @@ proptest! {
         speculative in any::<bool>(),
     ) {
         let preset = Preset::parse(if tiny { "tiny" } else { "qwen3.6-27b" }).unwrap();
-        let cfg = ModelConfig::from_json_str(&preset.config_json(Some(layers)).to_string()).unwrap();
+        let cfg = preset.config(Some(layers));
         let seqs = 1 + ((tokens.min(256) - 1) as f64 * seq_frac) as usize;
         let shape = StepShape {
             tokens,
@@ -142,7 +141,7 @@ fn sampling_scratch_layout() {
         assert!((1..=64).contains(&s.blocks));
     }
     let preset = Preset::parse("qwen3.6-27b").unwrap();
-    let cfg = ModelConfig::from_json_str(&preset.config_json(None).to_string()).unwrap();
+    let cfg = preset.config(None);
     let shape = StepShape {
         tokens: 2048,
         seqs: 8,

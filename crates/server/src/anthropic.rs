@@ -23,7 +23,7 @@ use crate::error::{ApiError, Style};
 use crate::media::load_images;
 use crate::openai::{parse_body, sse};
 use crate::output::{Finish, OutEvent, OutputStream, Parsing};
-use crate::request::{Limits, build_request, new_id, normalize_messages, render_chat, snapshot_points, type_name};
+use crate::request::{Limits, build_request, new_id, normalize_messages, render_chat, type_name};
 use crate::state::{AppState, ChatDefaults};
 use crate::structured;
 use deltaserve_text::Grammar;
@@ -299,12 +299,10 @@ async fn messages_inner(
         top_k: req.top_k.map_or(d.top_k, |k| k as usize),
         ..d.clone()
     };
-    let points = snapshot_points(st, &prompt);
     let mut engine_req = build_request(
         prompt,
         Limits {
-            snapshot_points: points,
-            snapshot_on_finish: true,
+            chat: true,
             max_tokens: Some(max_tokens),
             sampling,
             stop: req.stop_sequences.clone().unwrap_or_default(),

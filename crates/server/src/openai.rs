@@ -18,7 +18,6 @@ use tokio_stream::wrappers::ReceiverStream;
 use crate::error::{ApiError, Style};
 use crate::media::load_images;
 use crate::output::{Collected, Finish, OutEvent, OutputStream, Parsing, combined_usage, merged};
-use crate::request::snapshot_points;
 use crate::request::{
     CommonParams, Limits, build_request, new_id, normalize_messages, render_chat, unix_now, validate_tools,
 };
@@ -162,12 +161,10 @@ async fn chat_inner(
     let kwargs = chat.merged(req.chat_template_kwargs.clone().unwrap_or_default());
     let (prompt, mut parsing) = render_chat(st, messages, tools, kwargs, &images)?;
     let c = &req.common;
-    let points = snapshot_points(st, &prompt);
     let mut engine_req = build_request(
         prompt,
         Limits {
-            snapshot_points: points,
-            snapshot_on_finish: true,
+            chat: true,
             max_tokens: c.max_completion_tokens.or(c.max_tokens),
             sampling: c.sampling(&st.sampling_defaults),
             stop: c.stops(),
@@ -254,14 +251,7 @@ fn chat_stream(
             }
         }
         let mut usages = Vec::with_capacity(n);
-        while let Some((index, batch)) = outs.recv().await {
-            let events = match batch {
-                Ok(e) => e,
-                Err(e) => {
-                    let _ = send_json(&tx, e.body(Style::OpenAi)).await;
-                    break;
-                }
-            };
+        while let Some((index, events)) = next_events(&mut outs, &tx).await {
             let mut delta = Map::new();
             let mut calls: Vec<Value> = Vec::new();
             let mut lps: Vec<Value> = Vec::new();
@@ -350,8 +340,7 @@ async fn completions_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -
     let mut engine_req = build_request(
         prompt,
         Limits {
-            snapshot_points: Vec::new(),
-            snapshot_on_finish: false,
+            chat: false,
             max_tokens: c.max_tokens.or(Some(16)),
             sampling: c.sampling(&st.sampling_defaults),
             stop: c.stops(),
@@ -396,6 +385,21 @@ fn first_timings(cols: &[Collected]) -> Value {
     cols.first().map_or(Value::Null, |c| timings_json(&c.usage, &c.timing))
 }
 
+/// The next batch of one choice's events from `outs`: None once every choice is done, or after
+/// sending an error (which ends the choices' events).
+async fn next_events(
+    outs: &mut mpsc::Receiver<(usize, Result<Vec<OutEvent>, ApiError>)>,
+    tx: &mpsc::Sender<Result<SseEvent, Infallible>>,
+) -> Option<(usize, Vec<OutEvent>)> {
+    match outs.recv().await? {
+        (index, Ok(events)) => Some((index, events)),
+        (_, Err(e)) => {
+            let _ = send_json(tx, e.body(Style::OpenAi)).await;
+            None
+        }
+    }
+}
+
 fn completion_stream(
     outs: Vec<OutputStream>,
     id: String,
@@ -412,14 +416,7 @@ fn completion_stream(
                    "choices": [{"index": index, "text": text, "logprobs": null, "finish_reason": finish}]})
         };
         let mut usages = Vec::with_capacity(n);
-        while let Some((index, batch)) = outs.recv().await {
-            let events = match batch {
-                Ok(e) => e,
-                Err(e) => {
-                    let _ = send_json(&tx, e.body(Style::OpenAi)).await;
-                    break;
-                }
-            };
+        while let Some((index, events)) = next_events(&mut outs, &tx).await {
             let mut text = String::new();
             let mut done = None;
             for e in events {

@@ -94,9 +94,9 @@ pub struct Limits<'a> {
     pub stop: Vec<String>,
     pub ignore_eos: bool,
     pub logprobs: Option<usize>,
-    /// Prefix-cache hints (chat: message starts; see [`snapshot_points`]).
-    pub snapshot_points: Vec<usize>,
-    pub snapshot_on_finish: bool,
+    /// A chat prompt: the prefix cache snapshots it at its message starts ([`snapshot_points`]) and when
+    /// it finishes.
+    pub chat: bool,
     /// The prompt's images, in order ([`crate::media::load_images`]).
     pub images: Vec<Arc<ImagePatches>>,
     pub state: &'a AppState,
@@ -115,6 +115,7 @@ pub fn build_request(prompt: Vec<u32>, l: Limits) -> Result<Request, ApiError> {
         // Fill the context exactly, as vLLM does (prompt + completion = max_model_len).
         None => max_context.saturating_sub(prompt.len()).max(1),
     };
+    let snapshot_points = if l.chat { snapshot_points(l.state, &prompt) } else { Vec::new() };
     Ok(Request {
         prompt,
         max_tokens,
@@ -122,8 +123,8 @@ pub fn build_request(prompt: Vec<u32>, l: Limits) -> Result<Request, ApiError> {
         stop_token_ids: if l.ignore_eos { Vec::new() } else { l.state.eos_ids.clone() },
         stop_strings: l.stop.into_iter().filter(|s| !s.is_empty()).collect(),
         logprobs: l.logprobs,
-        snapshot_points: l.snapshot_points,
-        snapshot_on_finish: l.snapshot_on_finish,
+        snapshot_points,
+        snapshot_on_finish: l.chat,
         constraint: None,
         images: l.images,
         progress: false,

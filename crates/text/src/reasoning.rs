@@ -143,6 +143,19 @@ impl ReasoningParser {
         self.at_phase_start = true;
     }
 
+    /// At a phase's start, drops the newlines that open it; false while nothing else has come yet.
+    fn past_opening_newlines(&mut self) -> bool {
+        if self.at_phase_start {
+            let n = self.pending.len() - self.pending.trim_start_matches('\n').len();
+            self.pending.drain(..n);
+            if self.pending.is_empty() {
+                return false;
+            }
+            self.at_phase_start = false;
+        }
+        true
+    }
+
     fn process(&mut self, out: &mut ReasoningDelta, eof: bool) {
         loop {
             match self.phase {
@@ -160,13 +173,8 @@ impl ReasoningParser {
                     }
                 }
                 Phase::Reasoning => {
-                    if self.at_phase_start {
-                        let n = self.pending.len() - self.pending.trim_start_matches('\n').len();
-                        self.pending.drain(..n);
-                        if self.pending.is_empty() {
-                            return;
-                        }
-                        self.at_phase_start = false;
+                    if !self.past_opening_newlines() {
+                        return;
                     }
                     match self.scan_reasoning() {
                         Scan::End { end, resume } => {
@@ -195,13 +203,8 @@ impl ReasoningParser {
                     }
                 }
                 Phase::Content => {
-                    if self.at_phase_start {
-                        let n = self.pending.len() - self.pending.trim_start_matches('\n').len();
-                        self.pending.drain(..n);
-                        if self.pending.is_empty() {
-                            return;
-                        }
-                        self.at_phase_start = false;
+                    if !self.past_opening_newlines() {
+                        return;
                     }
                     out.content.push_str(&self.pending);
                     self.pending.clear();

@@ -47,22 +47,9 @@ pub const SPECIAL_TOKENS: [&str; 33] = [
     "<|audio_pad|>",
 ];
 
-/// Added tokens that Qwen marks `special: false` (they survive `skip_special_tokens`, so reasoning
-/// and tool-call parsers can see them in decoded text).
-const NOT_SPECIAL: [&str; 12] = [
-    "<tool_call>",
-    "</tool_call>",
-    "<|fim_prefix|>",
-    "<|fim_middle|>",
-    "<|fim_suffix|>",
-    "<|fim_pad|>",
-    "<|repo_name|>",
-    "<|file_sep|>",
-    "<tool_response>",
-    "</tool_response>",
-    "<think>",
-    "</think>",
-];
+/// The ids of the added tokens that Qwen marks `special: false`, `<tool_call>` to `</think>` (they survive
+/// `skip_special_tokens`, so reasoning and tool-call parsers can see them in decoded text).
+const NOT_SPECIAL: std::ops::Range<usize> = 14..26;
 
 /// The Qwen3.5 pre-tokenizer split regex (marks `\p{M}` join letters).
 pub const QWEN35_SPLIT_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -71,7 +58,7 @@ const CORPUS: &str = include_str!("synth_corpus.txt");
 
 /// True if the added token is flagged special in Qwen's tokenizer files.
 pub fn is_special_token(token: &str) -> bool {
-    !NOT_SPECIAL.contains(&token)
+    !SPECIAL_TOKENS[NOT_SPECIAL].contains(&token)
 }
 
 fn byte_level_json() -> Value {

@@ -19,6 +19,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
+use deltaserve_backend::argmax;
 use deltaserve_plan::{KvDtype, WeightsDtype};
 
 use crate::engine_args::{EngineArgs, Prepared};
@@ -180,11 +181,6 @@ fn log_sum_exp(row: &[f32]) -> f64 {
     max + row.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln()
 }
 
-/// The first index of the largest logit.
-fn argmax(row: &[f32]) -> usize {
-    row.iter().enumerate().fold(0, |best, (i, &x)| if x > row[best] { i } else { best })
-}
-
 /// KL(p ‖ q) of the distributions of two logit rows (0 when they are equal; never negative).
 pub fn kl(p: &[f32], q: &[f32]) -> f64 {
     let (lp, lq) = (log_sum_exp(p), log_sum_exp(q));
@@ -264,7 +260,7 @@ pub fn kld(
     let vocab = base.len() / tokens.len();
     tracing::info!(config = %baseline.name, secs = t0.elapsed().as_secs_f64(), "baseline done");
     let base_row = |pos: usize| &base[pos * vocab..][..vocab];
-    let base_top: Vec<usize> = (0..tokens.len()).map(|p| argmax(base_row(p))).collect();
+    let base_top: Vec<u32> = (0..tokens.len()).map(|p| argmax(base_row(p))).collect();
     // Configurations with the same formats have the same numbers: each runs once.
     let mut done: HashMap<ConfigKey, (Vec<f64>, usize)> = HashMap::new();
     let mut reports = Vec::new();

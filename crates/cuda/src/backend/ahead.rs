@@ -166,7 +166,6 @@ impl CudaBackend {
 
     /// Waits for the oldest launched step and appends its picks.
     pub(super) fn collect_picks(&mut self, out: &mut Picked) -> Result<(), BackendError> {
-        let dev = |e: CudaError| BackendError::Device(e.to_string());
         let Some(p) = self.launches.queue.pop_front() else {
             return Err(BackendError::InvalidStep("no launched step to collect".into()));
         };
@@ -175,7 +174,10 @@ impl CudaBackend {
             out.on_device.extend(r.on_device);
             return Ok(());
         }
-        self.launches.done[p.slot].synchronize().map_err(CudaError::driver("cuEventSynchronize")).map_err(dev)?;
+        self.launches.done[p.slot]
+            .synchronize()
+            .map_err(CudaError::driver("cuEventSynchronize"))
+            .map_err(device_error)?;
         let v = self.d.vocab;
         // SAFETY: the slot's copy has completed (its event); it holds `rows` entries of `stride` i32.
         let got = unsafe {

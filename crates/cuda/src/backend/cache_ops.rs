@@ -7,6 +7,7 @@ use deltaserve_backend::{BackendError, CacheOp, SnapshotLoc};
 use crate::error::CudaError;
 
 use super::CudaBackend;
+use super::device_error;
 use super::layout::LayerCache;
 
 #[derive(Clone, Copy, Debug)]
@@ -88,7 +89,6 @@ impl CudaBackend {
             SnapshotLoc::Device(_) => Place::Dev(a),
             SnapshotLoc::Host(_) => Place::Host(a as usize),
         };
-        let dev = |e: CudaError| BackendError::Device(e.to_string());
         match *op {
             CacheOp::SaveState { slot, to } | CacheOp::RestoreState { from: to, slot } => {
                 self.snapshot_check(to)?;
@@ -98,9 +98,9 @@ impl CudaBackend {
                 let save = matches!(op, CacheOp::SaveState { .. });
                 for (sa, oa, len) in self.state_parts(Some(slot), to) {
                     if save {
-                        self.copy(place(to, oa), Place::Dev(sa), len).map_err(dev)?;
+                        self.copy(place(to, oa), Place::Dev(sa), len).map_err(device_error)?;
                     } else {
-                        self.copy(Place::Dev(sa), place(to, oa), len).map_err(dev)?;
+                        self.copy(Place::Dev(sa), place(to, oa), len).map_err(device_error)?;
                     }
                 }
             }
@@ -110,7 +110,7 @@ impl CudaBackend {
                 let src = self.state_parts(None, from);
                 let dst = self.state_parts(None, to);
                 for ((_, s, len), (_, d, _)) in src.into_iter().zip(dst) {
-                    self.copy(place(to, d), place(from, s), len).map_err(dev)?;
+                    self.copy(place(to, d), place(from, s), len).map_err(device_error)?;
                 }
             }
             CacheOp::CopyState { src, dst } => {
@@ -124,7 +124,7 @@ impl CudaBackend {
                 let from = self.state_parts(Some(src), SnapshotLoc::Device(0));
                 let to = self.state_parts(Some(dst), SnapshotLoc::Device(0));
                 for ((s, _, len), (d, _, _)) in from.into_iter().zip(to) {
-                    self.copy(Place::Dev(d), Place::Dev(s), len).map_err(dev)?;
+                    self.copy(Place::Dev(d), Place::Dev(s), len).map_err(device_error)?;
                 }
             }
             CacheOp::CopyPagePrefix { src, dst, tokens } => {
@@ -145,7 +145,7 @@ impl CudaBackend {
                     for (base, bpt) in l.token_tensors(self.d.kv_heads, self.d.head_dim) {
                         let s0 = base + (src as usize * ps * bpt) as u64;
                         let d0 = base + (dst as usize * ps * bpt) as u64;
-                        self.copy(Place::Dev(d0), Place::Dev(s0), tokens as usize * bpt).map_err(dev)?;
+                        self.copy(Place::Dev(d0), Place::Dev(s0), tokens as usize * bpt).map_err(device_error)?;
                     }
                 }
             }

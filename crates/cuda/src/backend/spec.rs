@@ -101,7 +101,6 @@ impl CudaBackend {
             return self.step_to(batch, out);
         }
         self.check_speculative(batch)?;
-        let dev = |e: CudaError| BackendError::Device(e.to_string());
         self.rt.context().bind_to_thread().map_err(|e| BackendError::Device(e.to_string()))?;
         if let Some(sp) = &mut self.spec {
             sp.verified.clear();
@@ -124,7 +123,7 @@ impl CudaBackend {
         for op in &batch.post {
             self.apply(op)?;
         }
-        self.rt.synchronize().map_err(dev)?;
+        self.rt.synchronize().map_err(device_error)?;
         drafts.extend(verify.iter().zip(dtoks.iter_mut()).filter(|(v, _)| **v).map(|(_, d)| std::mem::take(d)));
         Ok(())
     }
@@ -137,7 +136,6 @@ impl CudaBackend {
         batch: &StepBatch,
         pick: &mut DraftPicker<'_>,
     ) -> Result<Vec<Vec<u32>>, BackendError> {
-        let dev = |e: CudaError| BackendError::Device(e.to_string());
         let mut order: Vec<usize> = (0..batch.seqs.len()).filter(|&i| batch.seqs[i].draft > 0).collect();
         // Longest first: the chunks of draft step i are the first rows of step i − 1.
         order.sort_by_key(|&i| std::cmp::Reverse(batch.seqs[i].draft));
@@ -155,7 +153,7 @@ impl CudaBackend {
             self.upload_i32(ws_slots, &slots)?;
             self.upload_i32(ws_last, &all)
         })()
-        .map_err(dev)?;
+        .map_err(device_error)?;
         let mut rows = Vec::new();
         for i in 0..batch.seqs[first].draft {
             let m = order.iter().take_while(|&&j| batch.seqs[j].draft > i).count();
@@ -215,21 +213,21 @@ impl CudaBackend {
                 self.upload_i32(ws.cu_seqlens, &cu)?;
                 self.upload_i32(ws.seq_lens, &lens)
             })()
-            .map_err(dev)?;
-            self.run_graphed(GraphKey::Draft(m, i == 0), &work).map_err(dev)?;
+            .map_err(device_error)?;
+            self.run_graphed(GraphKey::Draft(m, i == 0), &work).map_err(device_error)?;
             // Greedy drafts of one vocabulary bound: picked by the argmax kernel, 4 bytes a row come back.
             let n0 = batch.seqs[order[0]].greedy_draft_vocab;
             if n0 > 0 && order[..m].iter().all(|&j| batch.seqs[j].greedy_draft_vocab == n0) {
                 let sp = self.spec.as_ref().ok_or_else(|| BackendError::Unsupported("speculative decoding".into()))?;
                 // Into the commit's arrays: free until the commit uploads them.
-                let got = self.logits_argmax(m, n0, sp.idx_at(2)).map_err(dev)?;
+                let got = self.logits_argmax(m, n0, sp.idx_at(2)).map_err(device_error)?;
                 for (&j, t) in order[..m].iter().zip(got) {
                     out[j].push(t);
                 }
                 continue;
             }
             rows.resize(m * v, 0.0);
-            self.rt.download(&mut rows[..m * v], self.logits.ptr).map_err(dev)?;
+            self.rt.download(&mut rows[..m * v], self.logits.ptr).map_err(device_error)?;
             for (r, &j) in order[..m].iter().enumerate() {
                 let c = &batch.seqs[j];
                 let t = c.pick_draft(pick, i, &rows[r * v..(r + 1) * v]);
@@ -315,7 +313,6 @@ impl CudaBackend {
         let n = commits.len();
         let sp = self.spec.as_ref().ok_or_else(|| inv("no speculation".into()))?;
         let (tv, nv) = (*sp.verify_cu.last().unwrap_or(&0) as usize, sp.verify_slots.len());
-        let dev = |e: CudaError| BackendError::Device(e.to_string());
         // Index arrays 0 ..= 6 in one copy (7 and 8, the verify rows' own, are kept).
         let stride = sp.rows + 1;
         let mut idx = vec![0i32; 7 * stride];
@@ -329,9 +326,10 @@ impl CudaBackend {
             self.rt.context().bind_to_thread().map_err(CudaError::driver("cuCtxSetCurrent"))?;
             self.upload_i32(sp.idx_at(0), &idx)
         };
-        upload().map_err(dev)?;
-        self.run_graphed(GraphKey::Commit(n, tv, nv), &|be: &Self| be.commit_kernels(n, tv, nv)).map_err(dev)?;
-        self.rt.synchronize().map_err(dev)
+        upload().map_err(device_error)?;
+        self.run_graphed(GraphKey::Commit(n, tv, nv), &|be: &Self| be.commit_kernels(n, tv, nv))
+            .map_err(device_error)?;
+        self.rt.synchronize().map_err(device_error)
     }
 
     /// The commit's work (inputs uploaded by [`CudaBackend::commit`]): per DeltaNet layer, conv and gates

@@ -9,6 +9,7 @@ use crate::ops::{self, attention, gdn_chunk};
 
 use super::CudaBackend;
 use super::ahead::LaunchOut;
+use super::device_error;
 use super::graphs::GraphKey;
 use super::phases::Mark;
 use super::saves::HostSaves;
@@ -133,10 +134,9 @@ impl CudaBackend {
         }
         // This step's picks (or its sampling) may overwrite the launched picks a feed would read.
         self.launches.last = None;
-        let dev = |e: CudaError| BackendError::Device(e.to_string());
         self.rt.context().bind_to_thread().map_err(|e| BackendError::Device(e.to_string()))?;
         self.enqueue_step(batch, out)?;
-        self.rt.synchronize().map_err(dev)
+        self.rt.synchronize().map_err(device_error)
     }
 
     /// Enqueues a step of plain chunks: its `pre` ops, its chunks (their wanted rows into `out`), its
@@ -164,10 +164,9 @@ impl CudaBackend {
         verify: &[bool],
         out: StepOut<'_>,
     ) -> Result<(), BackendError> {
-        let dev = |e: CudaError| BackendError::Device(e.to_string());
-        self.prof_begin().map_err(dev)?;
+        self.prof_begin().map_err(device_error)?;
         let r = self.run_chunks_timed(batch, verify, out);
-        let p = self.prof_end().map_err(dev);
+        let p = self.prof_end().map_err(device_error);
         r.and(p)
     }
 
@@ -178,8 +177,7 @@ impl CudaBackend {
         verify: &[bool],
         out: StepOut<'_>,
     ) -> Result<(), BackendError> {
-        let dev = |e: CudaError| BackendError::Device(e.to_string());
-        self.phase(Mark::Entry).map_err(dev)?;
+        self.phase(Mark::Entry).map_err(device_error)?;
         let inv = |m: String| Err(BackendError::InvalidStep(m));
         let chunks: Vec<usize> = (0..batch.seqs.len()).filter(|&i| !batch.seqs[i].tokens.is_empty()).collect();
         for c in &batch.seqs {
@@ -190,7 +188,7 @@ impl CudaBackend {
         if chunks.is_empty() {
             // A launched step of cache ops alone is collected too (no picks).
             if let StepOut::Launch(o) = out {
-                self.launch_picks(0, o).map_err(dev)?;
+                self.launch_picks(0, o).map_err(device_error)?;
             }
             return Ok(());
         }
@@ -199,8 +197,8 @@ impl CudaBackend {
         let inp = self.host_inputs(batch, verify, &ord)?;
         let fills = self.image_fills(batch, &ord.order, &inp.cu)?;
         let images = !fills.is_empty();
-        self.phase(Mark::Uploads).map_err(dev)?;
-        self.upload_step(batch, &ord, &inp, &out).map_err(dev)?;
+        self.phase(Mark::Uploads).map_err(device_error)?;
+        self.upload_step(batch, &ord, &inp, &out).map_err(device_error)?;
         let StepOrder { ref order, n_real, n_pre, n_ver, .. } = ord;
         let HostInputs { rows, tp, tv, tvd, .. } = inp;
         let (tvd_groups, tvd_group_rows) = group_shape(&inp.ver_groups);
@@ -241,17 +239,17 @@ impl CudaBackend {
         } else {
             None
         };
-        self.phase(Mark::Forward).map_err(dev)?;
+        self.phase(Mark::Forward).map_err(device_error)?;
         self.set_image_fills(fills);
         match key {
-            Some(key) => self.run_graphed(key, &|be: &Self| be.forward(&shape)).map_err(dev)?,
-            None => self.forward(&shape).map_err(dev)?,
+            Some(key) => self.run_graphed(key, &|be: &Self| be.forward(&shape)).map_err(device_error)?,
+            None => self.forward(&shape).map_err(device_error)?,
         }
-        self.phase(Mark::Forwarded).map_err(dev)?;
+        self.phase(Mark::Forwarded).map_err(device_error)?;
         self.retain_images(batch);
         self.record_verified(batch, &ord, &inp.cu, &inp.slots);
         self.step_outputs(inp.n_want, out)?;
-        self.phase(Mark::Outputs).map_err(dev)?;
+        self.phase(Mark::Outputs).map_err(device_error)?;
         Ok(())
     }
 
@@ -552,9 +550,8 @@ impl CudaBackend {
     /// Hands back the step's `n_want` wanted rows as `out` asks: logits, argmax or sampled ids, or (a
     /// launched step) the device picks' copy.
     fn step_outputs(&mut self, n_want: usize, out: StepOut<'_>) -> Result<(), BackendError> {
-        let dev = |e: CudaError| BackendError::Device(e.to_string());
         if let StepOut::Launch(o) = out {
-            self.launch_picks(n_want, o).map_err(dev)?;
+            self.launch_picks(n_want, o).map_err(device_error)?;
         } else if n_want > 0 {
             let v = self.d.vocab;
             match out {
@@ -563,14 +560,14 @@ impl CudaBackend {
                     // and a host copy was no faster at batch 1 and up to 0.4 ms slower at batch 8 (measured on an H200).
                     let at = logits.len();
                     logits.resize(at + n_want * v, 0.0);
-                    self.rt.download(&mut logits[at..], self.logits.ptr).map_err(dev)?;
+                    self.rt.download(&mut logits[at..], self.logits.ptr).map_err(device_error)?;
                 }
                 StepOut::Argmax { valid, tokens } => {
                     // The ids land in `last_idx` (the step's gather indices, read by the forward only).
-                    tokens.extend(self.logits_argmax(n_want, valid, self.ws.last_idx).map_err(dev)?);
+                    tokens.extend(self.logits_argmax(n_want, valid, self.ws.last_idx).map_err(device_error)?);
                 }
                 StepOut::Sample { valid, rows, tokens } => {
-                    tokens.extend(self.logits_sample(valid, rows).map_err(dev)?);
+                    tokens.extend(self.logits_sample(valid, rows).map_err(device_error)?);
                 }
                 StepOut::Launch(_) => {}
             }

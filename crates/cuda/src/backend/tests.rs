@@ -16,16 +16,12 @@ use super::inputs::StepInputs;
 use super::layout::{Carve, check_plan, weights_bytes};
 use super::loader::shard_bytes;
 
-fn preset(p: Preset, layers: Option<usize>) -> ModelConfig {
-    ModelConfig::from_json_str(&p.config_json(layers).to_string()).unwrap()
-}
-
 /// Every plan's step inputs form the block one upload writes: token_ids first, the others after it in
 /// order within their capacities, nothing live beside them inside it.
 #[test]
 fn step_inputs_are_one_block() {
     for (p, layers) in [(Preset::Qwen36_27b, None), (Preset::Tiny, Some(4))] {
-        let cfg = preset(p, layers);
+        let cfg = p.config(layers);
         for (spec, embed_on_host, memory) in [(0, false, 24u64 << 30), (2, true, 24 << 30), (0, true, 80 << 30)] {
             let mut o = PlanOptions::gpu_defaults(memory);
             o.weights_dtype = WeightsDtype::Int4;
@@ -43,7 +39,7 @@ fn step_inputs_are_one_block() {
         }
     }
     // A buffer live beside the inputs inside their block is refused.
-    let plan = Plan::new(&preset(Preset::Tiny, Some(4)), &PlanOptions::gpu_defaults(1 << 30)).unwrap();
+    let plan = Plan::new(&Preset::Tiny.config(Some(4)), &PlanOptions::gpu_defaults(1 << 30)).unwrap();
     let mut ws = plan.workspace.clone();
     let pos = ws.get("positions").unwrap().clone();
     let other = ws.buffers.iter_mut().find(|b| b.name == "residual").unwrap();
@@ -113,7 +109,7 @@ fn planned(p: &Plan) -> (usize, usize) {
 /// `backend_scratch` (a smaller shard's fit in it), the weights region holds the plan's and the layout's.
 #[test]
 fn the_carve_fits_the_plans_regions() {
-    let configs = [preset(Preset::Tiny, None), preset(Preset::Tiny, Some(4)), preset(Preset::Qwen36_27b, None)];
+    let configs = [Preset::Tiny.config(None), Preset::Tiny.config(Some(4)), Preset::Qwen36_27b.config(None)];
     for cfg in configs {
         for o in option_sets(&cfg) {
             let Ok(plan) = Plan::new(&cfg, &o) else { continue };
@@ -144,7 +140,7 @@ fn the_carve_fits_the_plans_regions() {
 
 #[test]
 fn a_plan_without_the_cuda_scratch_is_refused() {
-    let cfg = preset(Preset::Tiny, None);
+    let cfg = Preset::Tiny.config(None);
     let o = PlanOptions { backend: PlanBackend::Generic, ..PlanOptions::gpu_defaults(1 << 30) };
     let plan = Plan::new(&cfg, &o).unwrap();
     let e = check_plan(&cfg, cfg.dims(), &plan, None).unwrap_err().to_string();
@@ -197,7 +193,7 @@ fn a_quantised_checkpoint_fits_the_plans_regions() {
 /// A mixture-of-experts model takes bf16 and int4 plans (its experts in the plan's format), on one GPU.
 #[test]
 fn moe_plans_take_bf16_and_int4() {
-    let cfg = preset(Preset::TinyMoe, Some(4));
+    let cfg = Preset::TinyMoe.config(Some(4));
     let o = PlanOptions::gpu_defaults(1 << 30);
     assert!(check_plan(&cfg, cfg.dims(), &Plan::new(&cfg, &o).unwrap(), None).is_ok());
     let o4 = PlanOptions { weights_dtype: WeightsDtype::Int4, ..o };
@@ -210,7 +206,7 @@ fn moe_plans_take_bf16_and_int4() {
 fn int4_expert_layout_is_the_plans() {
     use super::moe::W4ExpertLayout;
     use deltaserve_plan::cuda::{WeightTensor, weight_tensors};
-    let cfg = preset(Preset::Qwen36_35bA3b, Some(1));
+    let cfg = Preset::Qwen36_35bA3b.config(Some(1));
     let m = cfg.moe.clone().unwrap();
     let fmt =
         WeightFormat::of(&PlanOptions { weights_dtype: WeightsDtype::Int4, ..PlanOptions::gpu_defaults(1 << 30) });
@@ -234,7 +230,7 @@ fn int4_expert_layout_is_the_plans() {
 #[test]
 fn host_experts_leave_the_weights_region() {
     use deltaserve_plan::cuda::host_experts_bytes;
-    let cfg = preset(Preset::TinyMoe, Some(4));
+    let cfg = Preset::TinyMoe.config(Some(4));
     for int4 in [false, true] {
         for spec in [0, 2] {
             let mut o = PlanOptions::gpu_defaults(1 << 30);
@@ -288,7 +284,7 @@ fn host_experts_leave_the_weights_region() {
     assert_eq!(c.weights + c.scratch, plan_weights + plan_scratch);
     let _ = std::fs::remove_dir_all(&dir);
     // Refused where it cannot work.
-    let dense = preset(Preset::Tiny, Some(4));
+    let dense = Preset::Tiny.config(Some(4));
     let mut plan = Plan::new(&dense, &PlanOptions::gpu_defaults(1 << 30)).unwrap();
     plan.options.experts_on_host = true;
     assert!(check_plan(&dense, dense.dims(), &plan, None).is_err());

@@ -132,6 +132,30 @@ mod tests {
     use rand::rngs::Xoshiro256PlusPlus;
     use rand::{RngExt, SeedableRng};
 
+    /// Unconstrained tasks of sequences 0, 1, …: row i sampled by `samplers[i]`, its logprobs where
+    /// `logprobs(i)`.
+    fn tasks<'a>(
+        samplers: &'a mut [Sampler],
+        rows: &'a mut [Vec<f32>],
+        context: &'a [u32],
+        logprobs: impl Fn(usize) -> bool,
+    ) -> Vec<SampleTask<'a>> {
+        samplers
+            .iter_mut()
+            .zip(rows.iter_mut())
+            .enumerate()
+            .map(|(i, (sampler, row))| SampleTask {
+                id: i as SeqId,
+                sampler,
+                logprobs: logprobs(i),
+                context,
+                row,
+                constraint: None,
+                mask: None,
+            })
+            .collect()
+    }
+
     /// Rows of a large vocabulary sampled on several threads give each sequence the tokens (and raw
     /// rows) of one sequential pass with the same samplers.
     #[test]
@@ -153,20 +177,7 @@ mod tests {
             let context = [1u32, 2, 3];
             let mut out = Vec::new();
             for _step in 0..3 {
-                let mut tasks: Vec<SampleTask<'_>> = samplers
-                    .iter_mut()
-                    .zip(rows.iter_mut())
-                    .enumerate()
-                    .map(|(i, (sampler, row))| SampleTask {
-                        id: i as SeqId,
-                        sampler,
-                        logprobs: i == 1,
-                        context: &context,
-                        row,
-                        constraint: None,
-                        mask: None,
-                    })
-                    .collect();
+                let mut tasks = tasks(&mut samplers, &mut rows, &context, |i| i == 1);
                 out.push(if parallel { run_all(&mut tasks) } else { tasks.iter_mut().map(SampleTask::run).collect() });
             }
             out
@@ -189,20 +200,7 @@ mod tests {
         for parallel in [false, true] {
             let mut rows: Vec<Vec<f32>> = vec![base.clone(); 32];
             let t0 = std::time::Instant::now();
-            let mut tasks: Vec<SampleTask<'_>> = samplers
-                .iter_mut()
-                .zip(rows.iter_mut())
-                .enumerate()
-                .map(|(i, (sampler, row))| SampleTask {
-                    id: i as SeqId,
-                    sampler,
-                    logprobs: false,
-                    context: &[],
-                    row,
-                    constraint: None,
-                    mask: None,
-                })
-                .collect();
+            let mut tasks = tasks(&mut samplers, &mut rows, &[], |_| false);
             let n = if parallel { run_all(&mut tasks).len() } else { tasks.iter_mut().map(SampleTask::run).count() };
             let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
             println!(

@@ -221,6 +221,11 @@ impl Preset {
         c
     }
 
+    /// The preset's model configuration: [`Preset::config_json`] parsed.
+    pub fn config(self, layers: Option<usize>) -> ModelConfig {
+        ModelConfig::from_json_str(&self.config_json(layers).to_string()).expect("a preset's config parses")
+    }
+
     /// The whole `config.json` in the multimodal layout that Qwen3.5/3.6 checkpoints use (Qwen3-Next:
     /// its text-only config).
     pub fn config_json(self, layers: Option<usize>) -> Value {

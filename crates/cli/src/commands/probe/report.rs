@@ -257,6 +257,26 @@ mod tests {
     use super::*;
     use crate::synthetic_images::ImageSize;
 
+    /// A report of `rungs` under a plan of `plan_bytes`, without a context, images or turns.
+    fn report(plan_bytes: u64, rungs: Vec<Row>) -> Report {
+        Report {
+            server: String::new(),
+            model: String::new(),
+            max_context: 0,
+            advertised_context: 0,
+            plan_bytes: Some(plan_bytes),
+            idle_driver_bytes: None,
+            arena_capacity_bytes: None,
+            needle: false,
+            images_per_prompt: 0,
+            image_size: ImageSize { width: 64, height: 64 },
+            tokens_per_image: 0,
+            rungs,
+            turns: vec![],
+            failures: vec![],
+        }
+    }
+
     #[test]
     fn the_chart_has_axis_values() {
         let row = |label: &str, peak| Row {
@@ -267,20 +287,10 @@ mod tests {
             ..Default::default()
         };
         let r = Report {
-            server: String::new(),
             model: "m".into(),
             max_context: 4096,
             advertised_context: 4096,
-            plan_bytes: Some(2 << 30),
-            idle_driver_bytes: None,
-            arena_capacity_bytes: None,
-            needle: false,
-            images_per_prompt: 0,
-            image_size: ImageSize { width: 64, height: 64 },
-            tokens_per_image: 0,
-            rungs: vec![row("25%", 3 << 29)],
-            turns: vec![],
-            failures: vec![],
+            ..report(2 << 30, vec![row("25%", 3 << 29)])
         };
         let svg = r.svg();
         for tick in [">0<", ">1000<", ">3000<", ">0 GiB<", ">0.5 GiB<", ">2 GiB<"] {
@@ -291,22 +301,7 @@ mod tests {
     #[test]
     fn growth_and_plan_checks() {
         let row = |label: &str, peak| Row { label: label.into(), driver_peak_bytes: Some(peak), ..Default::default() };
-        let mut r = Report {
-            server: String::new(),
-            model: String::new(),
-            max_context: 0,
-            advertised_context: 0,
-            plan_bytes: Some(1000),
-            idle_driver_bytes: None,
-            arena_capacity_bytes: None,
-            needle: false,
-            images_per_prompt: 0,
-            image_size: ImageSize { width: 64, height: 64 },
-            tokens_per_image: 0,
-            rungs: vec![row("25%", 900), row("50%", 905)],
-            turns: vec![],
-            failures: vec![],
-        };
+        let mut r = report(1000, vec![row("25%", 900), row("50%", 905)]);
         r.check();
         assert!(r.failures.is_empty(), "{:?}", r.failures);
         r.rungs.push(row("100%", 1001));
