@@ -17,6 +17,8 @@ pub(crate) struct Reply {
     /// (id, name, arguments) by index.
     pub(crate) tool_calls: Vec<(String, String, String)>,
     pub(crate) usage: Option<Value>,
+    /// The server's `timings` of the reply (deltaserve and llama-server send them on the finish chunk).
+    pub(crate) timings: Option<Value>,
     pub(crate) finish_reason: Option<String>,
     pub(crate) first_token: Option<Instant>,
     pub(crate) first_finish: Option<Instant>,
@@ -475,6 +477,9 @@ pub(crate) fn on_event(r: &mut Reply, data: &str) {
     }
     if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
         r.usage = Some(u.clone());
+    }
+    if let Some(t) = v.get("timings").filter(|t| t.is_object()) {
+        r.timings = Some(t.clone());
     }
     let Some(choices) = v.get("choices").and_then(Value::as_array) else {
         r.error = Some(format!("a chunk without `choices`: {data}"));

@@ -22,6 +22,8 @@ fn in_process_demo_session_restores_the_context_and_does_not_allocate() {
     assert!((1000..=2000).contains(&final_context), "the context should grow to about 1500: {final_context}");
     assert!(s["min_cached_fraction_of_previous_context"].as_f64().unwrap() >= 0.95, "{s:#}");
     assert!(s["ttft_ratio_last_vs_turn2_per_new_token"].as_f64().unwrap() > 0.0, "{s:#}");
+    let one_step = s["follow_up_turns_in_one_prefill_step"].as_array().expect("the server sends timings");
+    assert_eq!(one_step[1], 5, "{s:#}");
 
     let u = |t: &Value, k: &str| t[k].as_u64().unwrap_or_else(|| panic!("turn field {k} is not a count: {t}"));
     let f = |t: &Value, k: &str| t[k].as_f64().unwrap_or_else(|| panic!("turn field {k} is not a number: {t}"));
@@ -44,6 +46,11 @@ fn in_process_demo_session_restores_the_context_and_does_not_allocate() {
         let (steps, step_ms) = (u(t, "steps"), f(t, "step_ms"));
         assert!(steps >= u(t, "completion_tokens").max(1), "{t}");
         assert!(step_ms > 0.0, "{t}");
+        // The server's timings: the steps that ran the prompt are among the turn's, within its TTFT.
+        let (prefill_steps, prefill_ms) = (u(t, "prefill_steps"), f(t, "prefill_compute_ms"));
+        assert!(prefill_steps >= 1 && prefill_steps <= steps, "{t}");
+        assert!(prefill_ms > 0.0 && prefill_ms <= ttft + 1e-6, "{t}");
+        assert!((0.0..1.0).contains(&f(t, "ttft_outside_compute_fraction")), "{t}");
         if i > 0 {
             let prev = u(&turns[i - 1], "prompt_tokens");
             assert!(prompt > prev, "the context grows every turn: {t}");

@@ -121,6 +121,11 @@ pub(super) struct Turn {
     /// after it): how much of the turn was compute, and in how many steps its prompt ran.
     pub(super) steps: Option<u64>,
     pub(super) step_ms: Option<f64>,
+    /// From the server's `timings` of the reply: the engine steps that ran the turn's prompt and their
+    /// compute (ms). The rest of the TTFT is spent outside the engine's steps: the HTTP exchange, the
+    /// template and tokeniser, the queue, the prefix cache's restore and the engine's work between steps.
+    pub(super) prefill_steps: Option<u64>,
+    pub(super) prefill_ms: Option<f64>,
     /// Screenshots in the prompt and the prompt tokens they take (their placeholders).
     pub(super) images: usize,
     pub(super) image_tokens: u64,
@@ -132,6 +137,10 @@ impl Turn {
     }
     fn ttft_per_new_token_ms(&self) -> f64 {
         self.ttft_ms / self.new_tokens().max(1) as f64
+    }
+    /// The share of the TTFT spent outside the steps that ran the prompt.
+    fn outside_compute(&self) -> Option<f64> {
+        self.prefill_ms.filter(|_| self.ttft_ms > 0.0).map(|c| (1.0 - c / self.ttft_ms).max(0.0))
     }
 }
 

@@ -250,6 +250,8 @@ async fn run_session(
             completion_tokens: num(&usage["completion_tokens"], "completion_tokens")?,
             ttft_ms,
             total_ms,
+            prefill_steps: reply.timings.as_ref().and_then(|v| v["prefill_steps"].as_u64()),
+            prefill_ms: reply.timings.as_ref().and_then(|v| v["prefill_step_ms"].as_f64()),
             images: if a.screenshot.is_some() { t } else { 0 },
             image_tokens: a.screenshot.map_or(0, |(_, tokens)| (t * tokens) as u64),
             ..Default::default()

@@ -17,6 +17,14 @@ fn cached_fractions(turns: &[Turn]) -> impl Iterator<Item = Option<f64>> + '_ {
 }
 
 impl Report {
+    /// Turns from 2 on whose prompt ran in one engine step, and how many turns from 2 on reported their
+    /// steps (None when the server sent no `timings`).
+    fn follow_ups_in_one_step(&self) -> Option<[usize; 2]> {
+        let later = self.sessions.iter().flat_map(|s| s.turns.iter().skip(1));
+        let steps: Vec<u64> = later.filter_map(|t| t.prefill_steps).collect();
+        (!steps.is_empty()).then(|| [steps.iter().filter(|&&n| n == 1).count(), steps.len()])
+    }
+
     /// Completion tokens of every session's turns.
     fn generated_tokens(&self) -> u64 {
         self.sessions.iter().flat_map(|s| &s.turns).map(|t| t.completion_tokens).sum()
@@ -55,6 +63,9 @@ impl ToolReport for Report {
                     "host_rss_bytes": t.host_rss_bytes,
                     "steps": t.steps,
                     "step_ms": t.step_ms.map(round3),
+                    "prefill_steps": t.prefill_steps,
+                    "prefill_compute_ms": t.prefill_ms.map(round3),
+                    "ttft_outside_compute_fraction": t.outside_compute().map(|v| round_to(v, 4)),
                 })
             })
             .collect();
@@ -77,6 +88,7 @@ impl ToolReport for Report {
                 "final_context": self.sessions.iter().filter_map(|s| s.turns.last()).map(|t| t.prompt_tokens).max(),
                 "ttft_ratio_last_vs_turn2_per_new_token": first.and_then(Session::ttft_ratio).map(round3),
                 "min_cached_fraction_of_previous_context": min_cached.map(round3),
+                "follow_up_turns_in_one_prefill_step": self.follow_ups_in_one_step(),
                 "wall_s": round3(self.wall_s),
                 "generated_tokens": generated,
                 "generated_tokens_per_s": round3(generated as f64 / self.wall_s.max(1e-9)),
@@ -141,7 +153,7 @@ impl Report {
         let img = if self.screenshot.is_some() { format!(" {:>8}", "img tok") } else { String::new() };
         let _ = writeln!(
             s,
-            "{:>4} {:>4} {:>8} {:>8} {:>7} {:>7}{img} {:>9} {:>12} {:>9} {:>6} {:>9} {:>14} {:>7}{rss}",
+            "{:>4} {:>4} {:>8} {:>8} {:>7} {:>7}{img} {:>9} {:>12} {:>9} {:>9} {:>9} {:>6} {:>9} {:>14} {:>7}{rss}",
             "turn",
             "msg",
             "prompt",
@@ -150,6 +162,8 @@ impl Report {
             "new",
             "ttft ms",
             "ttft/new ms",
+            "pf steps",
+            "pf ms",
             "total ms",
             "steps",
             "step ms",
@@ -160,7 +174,7 @@ impl Report {
             let img = if self.screenshot.is_some() { format!(" {:>8}", t.image_tokens) } else { String::new() };
             let _ = write!(
                 s,
-                "{:>4} {:>4} {:>8} {:>8} {:>7} {:>7}{img} {:>9.1} {:>12.4} {:>9.1} {:>6} {:>9} {:>14} {:>7}",
+                "{:>4} {:>4} {:>8} {:>8} {:>7} {:>7}{img} {:>9.1} {:>12.4} {:>9} {:>9} {:>9.1} {:>6} {:>9} {:>14} {:>7}",
                 t.turn,
                 t.kind,
                 t.prompt_tokens,
@@ -169,6 +183,8 @@ impl Report {
                 t.new_tokens(),
                 t.ttft_ms,
                 t.ttft_per_new_token_ms(),
+                t.prefill_steps.map_or("-".into(), |v| v.to_string()),
+                t.prefill_ms.map_or("-".into(), |v| format!("{v:.1}")),
                 t.total_ms,
                 t.steps.map_or("-".into(), |v| v.to_string()),
                 t.step_ms.map_or("-".into(), |v| format!("{v:.1}")),
@@ -193,6 +209,13 @@ impl Report {
             fmt(first.and_then(Session::min_cached_fraction)),
             fmt(first.and_then(Session::ttft_ratio))
         );
+        if let Some([one, of]) = self.follow_ups_in_one_step() {
+            let _ = writeln!(
+                s,
+                "pf steps / pf ms: the engine steps that ran each prompt and their compute (the server's timings); \
+                 {one} of {of} follow-up turns in one step"
+            );
+        }
     }
 
     fn turns_svg(&self) -> String {
