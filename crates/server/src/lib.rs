@@ -8,7 +8,8 @@
 //! - [`drain`]: graceful shutdown (a 503 for new requests while in-flight ones finish);
 //! - [`loads`]: `/v1/loads`, the load report a gateway's load-aware routing polls;
 //! - [`media`]: images in chat requests (loading off the runtime, placeholders expanded to image tokens);
-//! - [`timings`]: a response's `timings` and a streamed prompt's `prompt_progress` (llama.cpp's fields).
+//! - [`timings`]: a response's `timings` and a streamed prompt's `prompt_progress` (llama.cpp's fields);
+//! - [`tokenize`]: `/tokenize` and `/detokenize` (vLLM's and llama.cpp's shapes).
 
 pub mod anthropic;
 pub mod drain;
@@ -23,6 +24,7 @@ pub mod routes;
 pub mod state;
 pub mod structured;
 pub mod timings;
+pub mod tokenize;
 
 use std::net::SocketAddr;
 use std::time::Duration;

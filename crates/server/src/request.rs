@@ -328,10 +328,22 @@ pub fn render_chat(
     kwargs: Map<String, Value>,
     images: &[Arc<ImagePatches>],
 ) -> Result<(Vec<u32>, Parsing), ApiError> {
+    render_chat_with(state, messages, tools, kwargs, images, true)
+}
+
+/// [`render_chat`], with the generation prompt (the assistant message's opening) or without it.
+pub fn render_chat_with(
+    state: &AppState,
+    messages: Vec<Value>,
+    tools: Option<Vec<Value>>,
+    kwargs: Map<String, Value>,
+    images: &[Arc<ImagePatches>],
+    add_generation_prompt: bool,
+) -> Result<(Vec<u32>, Parsing), ApiError> {
     let template =
         state.template.as_ref().ok_or_else(|| ApiError::bad("this model has no chat template; use /v1/completions"))?;
     let text = template
-        .render(&ChatRequest { messages, tools: tools.clone(), add_generation_prompt: true, kwargs })
+        .render(&ChatRequest { messages, tools: tools.clone(), add_generation_prompt, kwargs })
         .map_err(|e| ApiError::bad_param("messages", format!("chat template: {e}")))?;
     let mut ids =
         state.prompt_encoder.encode(&text).map_err(|e| ApiError::bad(format!("tokenising the prompt: {e}")))?;
