@@ -24,6 +24,7 @@ fn in_process_demo_session_restores_the_context_and_does_not_allocate() {
     assert!(s["ttft_ratio_last_vs_turn2_per_new_token"].as_f64().unwrap() > 0.0, "{s:#}");
     let one_step = s["follow_up_turns_in_one_prefill_step"].as_array().expect("the server sends timings");
     assert_eq!(one_step[1], 5, "{s:#}");
+    assert!(s["max_follow_up_ttft_over_prefill_compute"].as_f64().unwrap() >= 1.0, "{s:#}");
 
     let u = |t: &Value, k: &str| t[k].as_u64().unwrap_or_else(|| panic!("turn field {k} is not a count: {t}"));
     let f = |t: &Value, k: &str| t[k].as_f64().unwrap_or_else(|| panic!("turn field {k} is not a number: {t}"));

@@ -25,6 +25,13 @@ impl Report {
         (!steps.is_empty()).then(|| [steps.iter().filter(|&&n| n == 1).count(), steps.len()])
     }
 
+    /// The largest TTFT of a turn from 2 on over the compute of the steps that ran its prompt: what the
+    /// cache and the serving path add to a turn's first token (1.0: nothing).
+    fn max_ttft_over_compute(&self) -> Option<f64> {
+        let later = self.sessions.iter().flat_map(|s| s.turns.iter().skip(1));
+        later.filter_map(|t| t.prefill_ms.filter(|&c| c > 0.0).map(|c| t.ttft_ms / c)).max_by(f64::total_cmp)
+    }
+
     /// Completion tokens of every session's turns.
     fn generated_tokens(&self) -> u64 {
         self.sessions.iter().flat_map(|s| &s.turns).map(|t| t.completion_tokens).sum()
@@ -89,6 +96,7 @@ impl ToolReport for Report {
                 "ttft_ratio_last_vs_turn2_per_new_token": first.and_then(Session::ttft_ratio).map(round3),
                 "min_cached_fraction_of_previous_context": min_cached.map(round3),
                 "follow_up_turns_in_one_prefill_step": self.follow_ups_in_one_step(),
+                "max_follow_up_ttft_over_prefill_compute": self.max_ttft_over_compute().map(round3),
                 "wall_s": round3(self.wall_s),
                 "generated_tokens": generated,
                 "generated_tokens_per_s": round3(generated as f64 / self.wall_s.max(1e-9)),
@@ -213,7 +221,8 @@ impl Report {
             let _ = writeln!(
                 s,
                 "pf steps / pf ms: the engine steps that ran each prompt and their compute (the server's timings); \
-                 {one} of {of} follow-up turns in one step"
+                 {one} of {of} follow-up turns in one step; the largest follow-up TTFT over its prefill compute {}",
+                fmt(self.max_ttft_over_compute())
             );
         }
     }
