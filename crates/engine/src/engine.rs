@@ -121,6 +121,9 @@ impl Drop for RequestStream {
     }
 }
 
+/// How often the server logs the progress of a prompt still running (a long fill takes minutes).
+const PROGRESS_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The most draft tokens per step `--speculative-tokens` accepts.
 pub const MAX_SPECULATIVE_TOKENS: usize = 4;
 
@@ -354,6 +357,8 @@ struct Live {
     /// Speculative decoding: tokens drafted for it, and accepted.
     drafted: u64,
     accepted: u64,
+    /// When its prompt's progress was last logged (a long prompt logs it every [`PROGRESS_LOG_EVERY`]).
+    progress_logged: Option<Instant>,
     /// The other choices of its prompt, forked from it once the prompt has run.
     forks: Vec<Choice>,
     /// It is one of those (its prompt counts once, with the first choice).
@@ -379,6 +384,7 @@ impl Live {
             prefill_step_s: 0.0,
             drafted: 0,
             accepted: 0,
+            progress_logged: None,
             forks: Vec::new(),
             forked: false,
             images: Vec::new(),

@@ -3,7 +3,6 @@
 //! to stdout, or as one JSON object with `--json`.
 
 use std::io::Write;
-use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use deltaserve_engine::{Event, Request, SamplingParams};
@@ -122,15 +121,12 @@ fn generate(a: &Args, started: &Started) -> Result<()> {
         sampling,
         stop_token_ids,
         stop_strings: a.stop.clone(),
-        progress: true,
         ..Request::default()
     };
     let mut stdout = std::io::stdout().lock();
     let mut stream = started.engine.submit(req)?;
     // Generated ids (a final stop token included) and text (special tokens skipped, cut before a stop string).
     let (mut token_ids, mut text) = (Vec::new(), String::new());
-    // A long prompt's progress, at most once a second.
-    let mut logged = Instant::now();
     let (finish_reason, timing) = loop {
         match stream.blocking_next() {
             Some(Event::Token { id, text: piece, .. }) => {
@@ -141,13 +137,8 @@ fn generate(a: &Args, started: &Started) -> Result<()> {
                     let _ = stdout.flush();
                 }
             }
-            Some(Event::Prefill { processed, total, cached, elapsed_ms }) => {
-                if logged.elapsed() >= Duration::from_secs(1) {
-                    logged = Instant::now();
-                    let done = 100.0 * processed as f64 / total.max(1) as f64;
-                    tracing::info!(processed, total, cached, "prompt {done:.1}% after {:.1} s", elapsed_ms / 1e3);
-                }
-            }
+            // Not asked for: the engine logs a long prompt's progress itself.
+            Some(Event::Prefill { .. }) => {}
             Some(Event::Finished { reason, timing, .. }) => break (reason, timing),
             Some(Event::Error(e)) => return Err(e.into()),
             None => bail!("the engine stopped before the request finished"),

@@ -1,7 +1,7 @@
 //! A request's tokens on their way out: streamed with their text and logprobs under the stop rules,
 //! and the end of the request with its usage and timing.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use deltaserve_sched::SeqId;
 
@@ -18,14 +18,32 @@ impl Worker {
             }
             live.prefill_steps += 1;
             live.prefill_step_s += step_seconds;
-            if live.req.progress && c.draft == 0 {
+            if c.draft > 0 {
+                continue;
+            }
+            let (processed, total) = ((c.start + c.tokens.len()).min(live.req.prompt.len()), live.req.prompt.len());
+            let elapsed = live.admitted.map_or(Duration::ZERO, |a| a.elapsed());
+            if live.req.progress {
                 let event = Event::Prefill {
-                    processed: (c.start + c.tokens.len()).min(live.req.prompt.len()),
-                    total: live.req.prompt.len(),
+                    processed,
+                    total,
                     cached: self.sched.cached_prefix(c.seq_id),
-                    elapsed_ms: live.admitted.map_or(0.0, |a| a.elapsed().as_secs_f64() * 1e3),
+                    elapsed_ms: elapsed.as_secs_f64() * 1e3,
                 };
                 let _ = live.tx.send(event);
+            }
+            let since = live.progress_logged.or(live.admitted).map_or(Duration::ZERO, |t| t.elapsed());
+            if since >= PROGRESS_LOG_EVERY && processed < total {
+                live.progress_logged = Some(Instant::now());
+                let done = 100.0 * processed as f64 / total.max(1) as f64;
+                tracing::info!(
+                    id = c.seq_id,
+                    processed,
+                    total,
+                    "prompt {done:.1}% after {:.1} s ({} steps)",
+                    elapsed.as_secs_f64(),
+                    live.prefill_steps
+                );
             }
         }
     }
