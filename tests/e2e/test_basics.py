@@ -81,6 +81,22 @@ def test_models(http):
     assert isinstance(m["max_model_len"], int) and m["max_model_len"] > 0
 
 
+def test_props_in_llama_servers_shape(base, http):
+    """GET /props: the context, slots, chat template and modalities where llama.cpp's clients read them."""
+    p = http.get("/props")
+    assert p.status_code == 200, p.text
+    p = p.json()
+    m = http.get("/v1/models").json()["data"][0]
+    assert p["default_generation_settings"]["n_ctx"] == m["max_model_len"]
+    assert p["total_slots"] == 8, "the main server runs --max-seqs 8"
+    assert "<|im_start|>" in p["chat_template"]
+    assert p["model_path"] == util.MODEL
+    assert isinstance(p["modalities"]["vision"], bool) and p["modalities"]["audio"] is False
+    params = p["default_generation_settings"]["params"]
+    assert {"temperature", "top_k", "top_p", "min_p", "repeat_penalty"} <= set(params)
+    assert httpx.get(f"{base}/props", timeout=10).status_code == 401, "behind the API key"
+
+
 def test_models_with_sdk(oai):
     ids = [m.id for m in oai.models.list()]
     assert ids == [util.MODEL]

@@ -9,7 +9,8 @@
 //! - [`loads`]: `/v1/loads`, the load report a gateway's load-aware routing polls;
 //! - [`media`]: images in chat requests (loading off the runtime, placeholders expanded to image tokens);
 //! - [`timings`]: a response's `timings` and a streamed prompt's `prompt_progress` (llama.cpp's fields);
-//! - [`tokenize`]: `/tokenize` and `/detokenize` (vLLM's and llama.cpp's shapes).
+//! - [`tokenize`]: `/tokenize` and `/detokenize` (vLLM's and llama.cpp's shapes); [`props`]: `/props`
+//!   (llama.cpp's server settings).
 
 pub mod anthropic;
 pub mod drain;
@@ -19,6 +20,7 @@ pub mod media;
 pub mod metrics;
 pub mod openai;
 pub mod output;
+pub mod props;
 pub mod request;
 pub mod routes;
 pub mod state;

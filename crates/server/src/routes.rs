@@ -1,4 +1,4 @@
-//! The router: routes (the APIs, `/tokenize` and `/detokenize` behind the key as well), API-key check, body limit, chat defaults, health, metrics, load report and the
+//! The router: routes (the APIs, `/tokenize`, `/detokenize` and `/props` behind the key as well), API-key check, body limit, chat defaults, health, metrics, load report and the
 //! 404 fallback.
 
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -30,6 +30,7 @@ pub fn router_with(state: AppState, chat_defaults: ChatDefaults) -> Router {
         .route("/v1/loads", get(crate::loads::loads))
         .route("/tokenize", post(crate::tokenize::tokenize))
         .route("/detokenize", post(crate::tokenize::detokenize))
+        .route("/props", get(crate::props::props))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
     Router::new()
         .merge(api)

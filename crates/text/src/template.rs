@@ -31,6 +31,8 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     /// Special tokens passed to the template (`bos_token`, `eos_token`, ...), only those set.
     special: Map<String, serde_json::Value>,
+    /// The template's text.
+    source: String,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -68,7 +70,7 @@ impl ChatTemplate {
         let mut env = hf_environment()?;
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
             .map_err(|e| TextError::TemplateSyntax(error_chain(&e)))?;
-        Ok(Self { env, special })
+        Ok(Self { env, special, source: source.to_string() })
     }
 
     /// Finds the template in a model directory: `chat_template.jinja`, else `chat_template.json`'s
@@ -104,6 +106,16 @@ impl ChatTemplate {
             Some(src) => Self::with_special(&src, special).map(Some),
             None => Ok(None),
         }
+    }
+
+    /// The template's source text, as the model directory holds it.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// A special-token string the template sees (`bos_token`, `eos_token`, ...), when set.
+    pub fn special_token(&self, name: &str) -> Option<&str> {
+        self.special.get(name).and_then(|v| v.as_str())
     }
 
     /// Renders like HF `apply_chat_template(..., tokenize=False)`.
