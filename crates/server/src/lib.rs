@@ -1,6 +1,7 @@
 //! deltaserve-server: the HTTP API over the engine.
 //!
 //! - [`openai`]: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/v1/models/{id}`;
+//! - [`responses`]: `/v1/responses` (OpenAI's Responses API, stateless, over the chat pipeline);
 //! - [`anthropic`]: `/v1/messages`, `/v1/messages/count_tokens`;
 //! - [`request`]: API requests → engine requests (sampling, stops, chat rendering);
 //! - [`output`]: engine events → reasoning / content / tool-call events;
@@ -22,6 +23,7 @@ pub mod openai;
 pub mod output;
 pub mod props;
 pub mod request;
+pub mod responses;
 pub mod routes;
 pub mod state;
 pub mod structured;

@@ -93,8 +93,37 @@ async fn chat_inner(
     chat: &ChatDefaults,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let received = std::time::Instant::now();
     let req: ChatCompletionRequest = parse_body(body)?;
+    let (outs, logprobs) = start_chat(st, chat, &req).await?;
+    let c = &req.common;
+    let id = new_id("chatcmpl-");
+    let model = st.cfg.served_model_name.clone();
+    if c.streams() {
+        return Ok(sse(chat_stream(outs, id, model, c.include_usage(), logprobs.is_some())));
+    }
+    let cols = Collected::collect_all(outs).await?;
+    let choices: Vec<Value> =
+        cols.iter().enumerate().map(|(i, col)| chat_choice(st, i, col, logprobs.is_some())).collect();
+    Ok(axum::Json(json!({
+        "id": id,
+        "object": "chat.completion",
+        "created": unix_now(),
+        "model": model,
+        "choices": choices,
+        "usage": usage_json(&combined_usage(cols.iter().map(|c| &c.usage))),
+        "timings": first_timings(&cols),
+    }))
+    .into_response())
+}
+
+/// Checks a chat request, renders and submits it: the output stream of each choice, and the logprobs
+/// it asked for (the number of alternatives). The Responses API runs its requests through here too.
+pub async fn start_chat(
+    st: &AppState,
+    chat: &ChatDefaults,
+    req: &ChatCompletionRequest,
+) -> Result<(Vec<OutputStream>, Option<usize>), ApiError> {
+    let received = std::time::Instant::now();
     st.check_model(req.model.as_deref())?;
     req.common.validate()?;
     let n = req.common.choices(st.engine.sched_config().max_seqs)?;
@@ -183,25 +212,7 @@ async fn chat_inner(
         prepare_ms = format!("{:.1}", received.elapsed().as_secs_f64() * 1e3),
         "chat request parsed, rendered and tokenised"
     );
-    let outs = st.generate_n(engine_req, n, parsing)?;
-    let id = new_id("chatcmpl-");
-    let model = st.cfg.served_model_name.clone();
-    if c.streams() {
-        return Ok(sse(chat_stream(outs, id, model, c.include_usage(), logprobs.is_some())));
-    }
-    let cols = Collected::collect_all(outs).await?;
-    let choices: Vec<Value> =
-        cols.iter().enumerate().map(|(i, col)| chat_choice(st, i, col, logprobs.is_some())).collect();
-    Ok(axum::Json(json!({
-        "id": id,
-        "object": "chat.completion",
-        "created": unix_now(),
-        "model": model,
-        "choices": choices,
-        "usage": usage_json(&combined_usage(cols.iter().map(|c| &c.usage))),
-        "timings": first_timings(&cols),
-    }))
-    .into_response())
+    Ok((st.generate_n(engine_req, n, parsing)?, logprobs))
 }
 
 /// Choice `index` of a chat completion.

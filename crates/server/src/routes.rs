@@ -22,6 +22,7 @@ pub fn router_with(state: AppState, chat_defaults: ChatDefaults) -> Router {
     let api = Router::new()
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
+        .route("/v1/responses", post(crate::responses::responses))
         .route("/v1/models", get(openai::models))
         // `{*id}`: served names may hold a `/` (`Qwen/Qwen3.6-27B`).
         .route("/v1/models/{*id}", get(openai::model))
