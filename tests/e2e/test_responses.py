@@ -109,6 +109,11 @@ def test_bad_requests_name_the_field(http, body, param):
     assert err["param"] == param, err
 
 
+def test_an_empty_probe_is_answered(oai):
+    resp = oai.responses.create(model=util.MODEL, input=[], max_output_tokens=1)
+    assert resp.status in ("completed", "incomplete") and resp.usage.output_tokens <= 1
+
+
 def test_sdk_raises_on_bad_requests(oai):
     with pytest.raises(openai.BadRequestError):
         oai.responses.create(model=util.MODEL, input="hi", previous_response_id="resp_123")

@@ -251,6 +251,10 @@ fn messages(instructions: Option<&str>, input: &Value) -> Result<Vec<Value>, Api
             }
         }
     }
+    if out.is_empty() {
+        // Nothing but instructions (or nothing at all: a client's probe): an empty user turn to answer.
+        out.push(json!({"role": "user", "content": ""}));
+    }
     if !system.is_empty() {
         out.insert(0, json!({"role": "system", "content": system.join("\n\n")}));
     }
@@ -337,6 +341,7 @@ mod tests {
         assert_eq!(m[4], json!({"role": "tool", "tool_call_id": "c2", "content": "/w"}));
         assert_eq!(m[5], json!({"role": "assistant", "content": [{"type": "text", "text": "Done."}]}));
         assert_eq!(messages(None, &json!("hi")).unwrap(), [json!({"role": "user", "content": "hi"})]);
+        assert_eq!(messages(None, &json!([])).unwrap(), [json!({"role": "user", "content": ""})], "a probe");
     }
 
     #[test]
