@@ -5,8 +5,8 @@
 //! `tool_choice`, `text.format` and sampling the chat request's; the reply comes back as `reasoning`,
 //! `message` and `function_call` output items, streamed as the API's typed events or whole
 //! ([`events`]). Nothing is stored: `previous_response_id` is refused, a client sends the conversation
-//! (the prefix cache makes that cheap). Tools of other types (web search, hosted tools) are left out:
-//! the model cannot call them here.
+//! (the prefix cache makes that cheap). Hosted tools (web search, file search, ...) are left out: the
+//! model cannot call them here; other tool types are refused.
 
 mod events;
 
@@ -83,7 +83,8 @@ fn to_chat(req: &ResponsesRequest) -> Result<ChatCompletionRequest, ApiError> {
     }
     let input = req.input.as_ref().ok_or_else(|| ApiError::bad_param("input", "`input` is missing"))?;
     let messages = messages(req.instructions.as_deref(), input)?;
-    let tools: Vec<Value> = req.tools.iter().flatten().filter_map(chat_tool).collect();
+    let tools = req.tools.iter().flatten().enumerate().map(chat_tool).collect::<Result<Vec<_>, _>>()?;
+    let tools: Vec<Value> = tools.into_iter().flatten().collect();
     let mut kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
     if req.reasoning.as_ref().and_then(|r| r.get("effort")).and_then(Value::as_str) == Some("none") {
         kwargs.entry("enable_thinking").or_insert(json!(false));
@@ -115,13 +116,35 @@ fn to_chat(req: &ResponsesRequest) -> Result<ChatCompletionRequest, ApiError> {
     serde_json::from_value(chat).map_err(|e| ApiError::bad(format!("invalid request: {e}")))
 }
 
-/// A function tool in the chat shape; None for the other tool types (web search, file search, hosted
-/// tools, ...), which the model cannot call here.
-fn chat_tool(tool: &Value) -> Option<Value> {
-    if tool.get("type").and_then(Value::as_str) != Some("function") {
-        let kind = tool.get("type").cloned().unwrap_or_default();
-        tracing::debug!(tool = %kind, "responses: a tool that is not a function is left out");
-        return None;
+/// Tool types the API runs on its own side (search, hosted tools): the model cannot call them here, so a
+/// request that offers them runs without them.
+const HOSTED_TOOLS: [&str; 9] = [
+    "web_search",
+    "web_search_preview",
+    "file_search",
+    "image_generation",
+    "code_interpreter",
+    "computer_use_preview",
+    "mcp",
+    "namespace",
+    "local_shell",
+];
+
+/// Tool `i` in the chat shape: a function tool as one; None for a hosted tool ([`HOSTED_TOOLS`]); an
+/// error for a tool the model would be expected to call but cannot here (a `custom` grammar tool).
+fn chat_tool((i, tool): (usize, &Value)) -> Result<Option<Value>, ApiError> {
+    match tool.get("type").and_then(Value::as_str) {
+        Some("function") => {}
+        Some(kind) if HOSTED_TOOLS.contains(&kind) => {
+            tracing::debug!(tool = kind, "responses: a hosted tool is left out");
+            return Ok(None);
+        }
+        kind => {
+            return Err(ApiError::bad_param(
+                "tools",
+                format!("tools[{i}] of type {kind:?} is not supported (function tools are; hosted tools are left out)"),
+            ));
+        }
     }
     let mut f = Map::new();
     for key in ["name", "description", "parameters"] {
@@ -129,7 +152,7 @@ fn chat_tool(tool: &Value) -> Option<Value> {
             f.insert(key.into(), v.clone());
         }
     }
-    Some(json!({"type": "function", "function": f}))
+    Ok(Some(json!({"type": "function", "function": f})))
 }
 
 fn chat_tool_choice(choice: &Value) -> Result<Value, ApiError> {
@@ -371,5 +394,6 @@ mod tests {
         bad(json!({"input": [{"type": "item_reference", "id": "x"}]}), "input[0]");
         bad(json!({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}), "content[0]");
         bad(json!({"input": "hi", "text": {"format": {"type": "grammar"}}}), "text.format");
+        bad(json!({"input": "hi", "tools": [{"type": "custom", "name": "apply_patch"}]}), "tools[0]");
     }
 }
