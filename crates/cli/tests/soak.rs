@@ -136,3 +136,18 @@ fn screenshots_the_server_cannot_take_are_a_clean_error() {
         assert!(stderr.contains("--screenshot: ") && stderr.contains(needle), "{args:?}: {stderr}");
     }
 }
+
+#[test]
+fn speculative_decoding_reports_each_turns_drafts() {
+    let v = report_json(
+        "soak",
+        &["--turns", "2", "--target-context", "600", "--max-tokens", "12", "--speculative-tokens", "2", "--json"],
+    );
+    assert_eq!(v["summary"]["ok"], true, "{v:#}");
+    let rate = v["summary"]["draft_acceptance_rate"].as_f64().expect("an acceptance rate");
+    assert!((0.0..=1.0).contains(&rate), "{rate}");
+    for t in v["turns"].as_array().unwrap() {
+        let (drafted, accepted) = (t["draft_tokens"].as_u64().unwrap(), t["accepted_draft_tokens"].as_u64().unwrap());
+        assert!(drafted > 0 && accepted <= drafted, "{t}");
+    }
+}

@@ -126,6 +126,9 @@ pub(super) struct Turn {
     /// template and tokeniser, the queue, the prefix cache's restore and the engine's work between steps.
     pub(super) prefill_steps: Option<u64>,
     pub(super) prefill_ms: Option<f64>,
+    /// With speculative decoding (the reply's `timings`): tokens drafted for the turn's reply, and accepted.
+    pub(super) drafted: Option<u64>,
+    pub(super) accepted: Option<u64>,
     /// Screenshots in the prompt and the prompt tokens they take (their placeholders).
     pub(super) images: usize,
     pub(super) image_tokens: u64,

@@ -252,6 +252,8 @@ async fn run_session(
             total_ms,
             prefill_steps: reply.timings.as_ref().and_then(|v| v["prefill_steps"].as_u64()),
             prefill_ms: reply.timings.as_ref().and_then(|v| v["prefill_step_ms"].as_f64()),
+            drafted: reply.timings.as_ref().and_then(|v| v["draft_n"].as_u64()),
+            accepted: reply.timings.as_ref().and_then(|v| v["draft_n_accepted"].as_u64()),
             images: if a.screenshot.is_some() { t } else { 0 },
             image_tokens: a.screenshot.map_or(0, |(_, tokens)| (t * tokens) as u64),
             ..Default::default()

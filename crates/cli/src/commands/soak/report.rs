@@ -32,6 +32,13 @@ impl Report {
         later.filter_map(|t| t.prefill_ms.filter(|&c| c > 0.0).map(|c| t.ttft_ms / c)).max_by(f64::total_cmp)
     }
 
+    /// Accepted over drafted tokens of every turn (None without speculative decoding).
+    fn acceptance(&self) -> Option<f64> {
+        let turns = self.sessions.iter().flat_map(|s| &s.turns);
+        let (d, a) = turns.filter_map(|t| t.drafted.zip(t.accepted)).fold((0, 0), |s, (d, a)| (s.0 + d, s.1 + a));
+        (d > 0).then(|| a as f64 / d as f64)
+    }
+
     /// Completion tokens of every session's turns.
     fn generated_tokens(&self) -> u64 {
         self.sessions.iter().flat_map(|s| &s.turns).map(|t| t.completion_tokens).sum()
@@ -73,6 +80,8 @@ impl ToolReport for Report {
                     "prefill_steps": t.prefill_steps,
                     "prefill_compute_ms": t.prefill_ms.map(round3),
                     "ttft_outside_compute_fraction": t.outside_compute().map(|v| round_to(v, 4)),
+                    "draft_tokens": t.drafted,
+                    "accepted_draft_tokens": t.accepted,
                 })
             })
             .collect();
@@ -97,6 +106,7 @@ impl ToolReport for Report {
                 "min_cached_fraction_of_previous_context": min_cached.map(round3),
                 "follow_up_turns_in_one_prefill_step": self.follow_ups_in_one_step(),
                 "max_follow_up_ttft_over_prefill_compute": self.max_ttft_over_compute().map(round3),
+                "draft_acceptance_rate": self.acceptance().map(|v| round_to(v, 4)),
                 "wall_s": round3(self.wall_s),
                 "generated_tokens": generated,
                 "generated_tokens_per_s": round3(generated as f64 / self.wall_s.max(1e-9)),
@@ -217,6 +227,9 @@ impl Report {
             fmt(first.and_then(Session::min_cached_fraction)),
             fmt(first.and_then(Session::ttft_ratio))
         );
+        if let Some(rate) = self.acceptance() {
+            let _ = writeln!(s, "speculative decoding: {:.1}% of the drafted tokens accepted", 100.0 * rate);
+        }
         if let Some([one, of]) = self.follow_ups_in_one_step() {
             let _ = writeln!(
                 s,
