@@ -23,10 +23,14 @@ def test_metrics_needs_no_key_and_lists_every_metric(base, http):
     missing = [m for m in util.METRIC_NAMES if m not in text]
     assert not missing, f"/metrics lacks {missing}"
     m = util.metrics(base)
-    for h in ("deltaserve_request_ttft_seconds", "deltaserve_inter_token_latency_seconds"):
+    for h in ("deltaserve_request_ttft_seconds", "deltaserve_inter_token_latency_seconds",
+              "deltaserve_request_queue_seconds", "deltaserve_request_prefill_seconds",
+              "deltaserve_request_decode_seconds"):
         assert any(k.startswith(h + "_bucket") for k in m), f"{h} is not a histogram"
         assert f"{h}_count" in m and f"{h}_sum" in m, h
     assert m["deltaserve_kv_pages_total"] > 0
+    assert m["deltaserve_request_prefill_steps_total"] >= m["deltaserve_request_prefill_seconds_count"]
+    assert 0 < m["deltaserve_request_prefill_step_seconds_total"] <= m["deltaserve_request_prefill_seconds_sum"] + 1e-6
     assert 0 <= m["deltaserve_kv_pages_used"] <= m["deltaserve_kv_pages_total"]
     assert any(k.startswith("deltaserve_requests_total{") and 'endpoint=' in k and 'status=' in k for k in m), \
         [k for k in m if k.startswith("deltaserve_requests_total")]

@@ -1,5 +1,6 @@
 //! Prometheus metrics in the text exposition format: request counters by endpoint and status, token
-//! counters, TTFT / inter-token / end-to-end latency histograms, and gauges read from the engine at
+//! counters, TTFT / inter-token / end-to-end latency histograms and a finished request's phases (queue,
+//! prefill, decode), the engine's compute of prompt steps, and gauges read from the engine at
 //! scrape time (queue depth, running requests, KV pages, state slots, arena counters, speculative
 //! decoding: drafted / accepted tokens, acceptance rate, tokens per step).
 
@@ -7,7 +8,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::Mutex;
 
-use deltaserve_engine::EngineStats;
+use deltaserve_engine::{EngineStats, Timing};
 use deltaserve_text::PromptCacheStats;
 
 /// Upper bounds (seconds) of the latency histograms.
@@ -52,6 +53,11 @@ struct Inner {
     ttft: Histogram,
     itl: Histogram,
     e2e: Histogram,
+    queue: Histogram,
+    prefill: Histogram,
+    decode: Histogram,
+    prefill_steps: u64,
+    prefill_step_seconds: f64,
 }
 
 #[derive(Default)]
@@ -82,9 +88,16 @@ impl Metrics {
             m.itl.observe(seconds);
         }
     }
-    pub fn e2e(&self, seconds: f64) {
+    /// A finished request's latency and its phases: queue (arrival → admission), prefill (admission → first
+    /// token, with the engine steps that ran its prompt) and decode (first token → finish).
+    pub fn finished(&self, t: &Timing) {
         if let Ok(mut m) = self.inner.lock() {
-            m.e2e.observe(seconds);
+            m.e2e.observe(t.total_ms / 1e3);
+            m.queue.observe(t.queue_ms / 1e3);
+            m.prefill.observe((t.ttft_ms - t.queue_ms).max(0.0) / 1e3);
+            m.decode.observe((t.total_ms - t.ttft_ms).max(0.0) / 1e3);
+            m.prefill_steps += u64::from(t.prefill_steps);
+            m.prefill_step_seconds += t.prefill_step_ms / 1e3;
         }
     }
 
@@ -221,6 +234,22 @@ impl Metrics {
         m.ttft.render(&mut out, "deltaserve_request_ttft_seconds", "Time to first token.");
         m.itl.render(&mut out, "deltaserve_inter_token_latency_seconds", "Time between generated tokens.");
         m.e2e.render(&mut out, "deltaserve_request_e2e_seconds", "Request latency, submission to finish.");
+        m.queue.render(&mut out, "deltaserve_request_queue_seconds", "Time a request waited for admission.");
+        m.prefill.render(&mut out, "deltaserve_request_prefill_seconds", "Admission to the first token: the prompt.");
+        m.decode.render(&mut out, "deltaserve_request_decode_seconds", "First token to finish: the generation.");
+        counter(
+            &mut out,
+            "deltaserve_request_prefill_steps_total",
+            "Engine steps that ran finished requests' prompts (a step counts once per request it ran).",
+            m.prefill_steps,
+        );
+        sample(
+            &mut out,
+            "deltaserve_request_prefill_step_seconds_total",
+            "Wall time of those steps, per request: against the prefill histogram, the share outside the steps.",
+            "counter",
+            m.prefill_step_seconds,
+        );
         out
     }
 }

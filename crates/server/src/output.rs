@@ -155,7 +155,7 @@ impl OutputStream {
             Some(Event::Finished { reason, usage, timing }) => {
                 let delta = self.split_reasoning("", true);
                 self.route(delta, &mut out, true);
-                self.metrics.e2e(timing.total_ms / 1e3);
+                self.metrics.finished(&timing);
                 let (prompt, cached) =
                     if self.count_prompt { (usage.prompt_tokens, usage.cached_tokens) } else { (0, 0) };
                 self.metrics.tokens(prompt, usage.completion_tokens, cached);
