@@ -109,6 +109,25 @@ def test_bad_requests_name_the_field(http, body, param):
     assert err["param"] == param, err
 
 
+def test_reasoning_comes_back_and_goes_round(oai):
+    """Qwen's thinking as a reasoning item (its text also in encrypted_content when asked), sent back as an input
+    item of the next request."""
+    kw = dict(model=util.MODEL, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": True},
+                                                           "ignore_eos": True})
+    first = oai.responses.create(input="Think first.", max_output_tokens=8, include=["reasoning.encrypted_content"],
+                                 **kw)
+    reasoning = [item for item in first.output if item.type == "reasoning"]
+    assert len(reasoning) == 1, first.output
+    text = "".join(c.text for c in reasoning[0].content)
+    assert text and reasoning[0].encrypted_content == text
+    items = [{"role": "user", "content": "Think first."}]
+    items += [item.model_dump(exclude_none=True) for item in first.output]
+    items.append({"role": "user", "content": "Go on."})
+    second = oai.responses.create(input=items, max_output_tokens=2, **kw)
+    assert second.usage.input_tokens > first.usage.input_tokens
+    assert second.usage.input_tokens_details.cached_tokens > 0
+
+
 def test_an_empty_probe_is_answered(oai):
     resp = oai.responses.create(model=util.MODEL, input=[], max_output_tokens=1)
     assert resp.status in ("completed", "incomplete") and resp.usage.output_tokens <= 1

@@ -40,9 +40,11 @@ pub struct ResponsesRequest {
     presence_penalty: Option<f32>,
     frequency_penalty: Option<f32>,
     repetition_penalty: Option<f32>,
+    ignore_eos: Option<bool>,
     stream: Option<bool>,
     text: Option<Value>,
     reasoning: Option<Value>,
+    include: Option<Vec<String>>,
     previous_response_id: Option<Value>,
     chat_template_kwargs: Option<Map<String, Value>>,
 }
@@ -101,6 +103,7 @@ fn to_chat(req: &ResponsesRequest) -> Result<ChatCompletionRequest, ApiError> {
         "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty,
+        "ignore_eos": req.ignore_eos,
         "parallel_tool_calls": req.parallel_tool_calls,
         "chat_template_kwargs": kwargs,
     });
@@ -260,12 +263,7 @@ fn messages(instructions: Option<&str>, input: &Value) -> Result<Vec<Value>, Api
                 };
                 out.push(json!({"role": "tool", "tool_call_id": id, "content": output}));
             }
-            "reasoning" => {
-                let texts = ["content", "summary"].iter().filter_map(|k| obj.get(*k)?.as_array()).flatten();
-                for t in texts.filter_map(|p| p.get("text")?.as_str()) {
-                    reasoning.push_str(t);
-                }
-            }
+            "reasoning" => reasoning.push_str(&reasoning_text(obj)),
             other => {
                 return Err(bad(format!(
                     ": items of type `{other}` are not supported (message, function_call, function_call_output, \
@@ -282,6 +280,21 @@ fn messages(instructions: Option<&str>, input: &Value) -> Result<Vec<Value>, Api
         out.insert(0, json!({"role": "system", "content": system.join("\n\n")}));
     }
     Ok(out)
+}
+
+/// A reasoning item's text: its `content` (this server's items carry the whole reasoning there), else its
+/// `encrypted_content` (which this server's items fill with the same text when asked, for clients that send
+/// back only that), else its `summary`.
+fn reasoning_text(obj: &Map<String, Value>) -> String {
+    let texts = |k: &str| -> Option<String> {
+        let parts = obj.get(k)?.as_array()?;
+        let text: String = parts.iter().filter_map(|p| p.get("text")?.as_str()).collect();
+        (!text.is_empty()).then_some(text)
+    };
+    texts("content")
+        .or_else(|| obj.get("encrypted_content")?.as_str().filter(|t| !t.is_empty()).map(str::to_string))
+        .or_else(|| texts("summary"))
+        .unwrap_or_default()
 }
 
 /// Item content as chat content: a string, or text and image parts.
@@ -365,6 +378,16 @@ mod tests {
         assert_eq!(m[5], json!({"role": "assistant", "content": [{"type": "text", "text": "Done."}]}));
         assert_eq!(messages(None, &json!("hi")).unwrap(), [json!({"role": "user", "content": "hi"})]);
         assert_eq!(messages(None, &json!([])).unwrap(), [json!({"role": "user", "content": ""})], "a probe");
+        // A reasoning item sent back with its text in content, in encrypted_content only, or in a summary only.
+        for item in [
+            json!({"type": "reasoning", "content": [{"type": "reasoning_text", "text": "r"}], "summary": [{"type": "summary_text", "text": "r"}]}),
+            json!({"type": "reasoning", "summary": [], "encrypted_content": "r"}),
+            json!({"type": "reasoning", "summary": [{"type": "summary_text", "text": "r"}], "encrypted_content": null}),
+        ] {
+            let m =
+                messages(None, &json!([{"role": "user", "content": "q"}, item, {"role": "assistant", "content": "a"}]));
+            assert_eq!(m.unwrap()[1]["reasoning_content"], "r");
+        }
     }
 
     #[test]

@@ -29,6 +29,8 @@ pub struct Echo {
     parallel_tool_calls: bool,
     text: Value,
     reasoning: Value,
+    /// `include` asked for `reasoning.encrypted_content`: reasoning items carry their text there too.
+    encrypted_reasoning: bool,
 }
 
 impl Echo {
@@ -43,6 +45,7 @@ impl Echo {
             parallel_tool_calls: req.parallel_tool_calls.unwrap_or(true),
             text: req.text.clone().unwrap_or(json!({"format": {"type": "text"}})),
             reasoning: req.reasoning.clone().unwrap_or(json!({"effort": null, "summary": null})),
+            encrypted_reasoning: req.include.iter().flatten().any(|i| i == "reasoning.encrypted_content"),
         }
     }
 }
@@ -54,14 +57,16 @@ struct Items {
     open: Option<usize>,
     /// Output index of each tool call (by the parser's call index).
     calls: Vec<usize>,
+    /// Closed reasoning items carry their text in `encrypted_content` too ([`Echo`]).
+    encrypted_reasoning: bool,
 }
 
 /// The stream events an output event gives, in order (a whole response drops them).
 type Emitted = Vec<Value>;
 
 impl Items {
-    fn new() -> Self {
-        Self { items: Vec::new(), open: None, calls: Vec::new() }
+    fn new(encrypted_reasoning: bool) -> Self {
+        Self { items: Vec::new(), open: None, calls: Vec::new(), encrypted_reasoning }
     }
 
     /// Closes the open text item: its `done` events.
@@ -73,6 +78,9 @@ impl Items {
         match item["type"].as_str() {
             Some("reasoning") => {
                 let text = item["content"][0]["text"].clone();
+                if self.encrypted_reasoning {
+                    item["encrypted_content"] = text.clone();
+                }
                 out.push(json!({"type": "response.reasoning_text.done", "item_id": id, "output_index": i,
                                 "content_index": 0, "text": text}));
             }
@@ -199,7 +207,7 @@ fn response(
 /// Runs the reply to its end and returns the response object.
 pub async fn whole(mut out: OutputStream, echo: Echo, model: String) -> Result<Response, ApiError> {
     let (id, created) = (new_id("resp_"), unix_now());
-    let mut items = Items::new();
+    let mut items = Items::new(echo.encrypted_reasoning);
     let mut sink = Emitted::new();
     while let Some(batch) = out.next().await {
         for e in batch? {
@@ -243,7 +251,7 @@ pub fn stream(mut out: OutputStream, echo: Echo, model: String) -> Response {
                 return;
             }
         }
-        let mut items = Items::new();
+        let mut items = Items::new(echo.encrypted_reasoning);
         while let Some(batch) = out.next().await {
             let events = match batch {
                 Ok(e) => e,
