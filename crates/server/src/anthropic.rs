@@ -139,7 +139,7 @@ async fn convert(
     }
     let (messages, image_parts) = normalize_messages(&messages)?;
     let images = load_images(st, image_parts).await?;
-    let (prompt, parsing) = render_chat(st, messages, tools, chat.merged(kwargs), &images)?;
+    let (prompt, parsing) = render_chat(st, messages, tools, chat.merged(kwargs), &images, true)?;
     Ok((prompt, parsing, forced, images))
 }
 

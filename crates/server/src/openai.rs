@@ -188,7 +188,7 @@ pub async fn start_chat(
     let (messages, image_parts) = normalize_messages(&req.messages)?;
     let images = load_images(st, image_parts).await?;
     let kwargs = chat.merged(req.chat_template_kwargs.clone().unwrap_or_default());
-    let (prompt, mut parsing) = render_chat(st, messages, tools, kwargs, &images)?;
+    let (prompt, mut parsing) = render_chat(st, messages, tools, kwargs, &images, true)?;
     let c = &req.common;
     let mut engine_req = build_request(
         prompt,

@@ -319,20 +319,10 @@ pub fn validate_tools(tools: &[Value]) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Renders the chat template and tokenises: (prompt ids, output parsing). Each image's placeholder is
-/// expanded to the tokens the image takes.
+/// Renders the chat template, with the generation prompt (the assistant message's opening) or without it,
+/// and tokenises: (prompt ids, output parsing). Each image's placeholder is expanded to the tokens the image
+/// takes.
 pub fn render_chat(
-    state: &AppState,
-    messages: Vec<Value>,
-    tools: Option<Vec<Value>>,
-    kwargs: Map<String, Value>,
-    images: &[Arc<ImagePatches>],
-) -> Result<(Vec<u32>, Parsing), ApiError> {
-    render_chat_with(state, messages, tools, kwargs, images, true)
-}
-
-/// [`render_chat`], with the generation prompt (the assistant message's opening) or without it.
-pub fn render_chat_with(
     state: &AppState,
     messages: Vec<Value>,
     tools: Option<Vec<Value>>,

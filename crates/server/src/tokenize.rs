@@ -8,8 +8,8 @@
 //!   multi-byte character decodes to U+FFFD there; `/detokenize` of the whole list gives the text).
 //! - `/detokenize`: `tokens` → the text, as `prompt` (vLLM) and `content` (llama.cpp).
 //!
-//! Qwen's tokenizers add no special tokens of their own, so `add_special_tokens` / `add_special` are
-//! accepted and change nothing.
+//! Qwen's tokenizers add no special tokens of their own, so `add_special_tokens` / `add_special` (unknown
+//! fields, ignored as every unknown field is) change nothing.
 
 use axum::Extension;
 use axum::body::Bytes;
@@ -22,7 +22,7 @@ use serde_json::{Map, Value, json};
 use crate::error::ApiError;
 use crate::media::load_images;
 use crate::openai::{finish_response, parse_body};
-use crate::request::{normalize_messages, render_chat_with};
+use crate::request::{normalize_messages, render_chat};
 use crate::state::{AppState, ChatDefaults};
 
 #[derive(Debug, Default, Deserialize)]
@@ -34,10 +34,6 @@ struct TokenizeRequest {
     tools: Option<Vec<Value>>,
     chat_template_kwargs: Option<Map<String, Value>>,
     add_generation_prompt: Option<bool>,
-    #[allow(dead_code)]
-    add_special_tokens: Option<bool>,
-    #[allow(dead_code)]
-    add_special: Option<bool>,
     return_token_strs: Option<bool>,
     with_pieces: Option<bool>,
 }
@@ -72,7 +68,7 @@ async fn tokenize_inner(
             let images = load_images(st, image_parts).await?;
             let kwargs = chat.merged(req.chat_template_kwargs.clone().unwrap_or_default());
             let generation = req.add_generation_prompt.unwrap_or(true);
-            render_chat_with(st, messages, req.tools.clone(), kwargs, &images, generation)?.0
+            render_chat(st, messages, req.tools.clone(), kwargs, &images, generation)?.0
         }
         _ => {
             return Err(ApiError::bad(

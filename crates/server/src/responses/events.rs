@@ -125,8 +125,7 @@ impl Items {
             }
         };
         let item = &mut self.items[i];
-        let text = format!("{}{delta}", item["content"][0]["text"].as_str().unwrap_or(""));
-        item["content"][0]["text"] = json!(text);
+        append(&mut item["content"][0]["text"], delta);
         let kind = if kind == "reasoning" { "response.reasoning_text.delta" } else { "response.output_text.delta" };
         let mut e = json!({"type": kind, "item_id": item["id"], "output_index": i, "content_index": 0, "delta": delta});
         if kind == "response.output_text.delta" {
@@ -153,8 +152,7 @@ impl Items {
             OutEvent::ToolArgs { index, delta } => {
                 let Some(&i) = self.calls.get(index).filter(|&&i| i < self.items.len()) else { return };
                 let item = &mut self.items[i];
-                let args = format!("{}{delta}", item["arguments"].as_str().unwrap_or(""));
-                item["arguments"] = json!(args);
+                append(&mut item["arguments"], &delta);
                 out.push(json!({"type": "response.function_call_arguments.delta", "item_id": item["id"],
                                 "output_index": i, "delta": delta}));
             }
@@ -168,6 +166,14 @@ impl Items {
             }
             OutEvent::Token { .. } | OutEvent::Progress { .. } | OutEvent::Done { .. } => {}
         }
+    }
+}
+
+/// Appends `delta` to a string field in place (each token's text, not a copy of the whole reply per token).
+fn append(field: &mut Value, delta: &str) {
+    match field {
+        Value::String(s) => s.push_str(delta),
+        other => *other = json!(delta),
     }
 }
 
