@@ -436,3 +436,26 @@ def test_sdk_extra_sampling_params(oai):
         top_p=0.95, seed=3, presence_penalty=0.1, frequency_penalty=0.1, stop=["zzzz"],
         extra_body={"top_k": 10, "min_p": 0.01, "repetition_penalty": 1.05})
     assert resp.usage.completion_tokens <= 4
+
+
+def test_prompt_logprobs(http):
+    """vLLM's `prompt_logprobs` on chat: the rendered prompt's tokens scored, at the top of the response (in a
+    stream, with one chunk); without it, no such field."""
+    r = http.post(CHAT, json=util.chat_body(max_tokens=2, prompt_logprobs=0, **util.greedy()))
+    assert r.status_code == 200, r.text
+    d = r.json()
+    pl = d["prompt_logprobs"]
+    assert len(pl) == d["usage"]["prompt_tokens"] and pl[0] is None
+    for entry in pl[1:]:
+        assert len(entry) == 1, "the token itself, no alternatives"
+        (tok, e), = entry.items()
+        assert tok.isdigit() and e["logprob"] <= 0 and e["rank"] >= 1
+    plain = http.post(CHAT, json=util.chat_body(max_tokens=2, **util.greedy())).json()
+    assert plain.get("prompt_logprobs") is None
+    chunks, done = util.stream_openai(http, CHAT, util.chat_body(max_tokens=2, stream=True, prompt_logprobs=2,
+                                                                 **util.greedy()))
+    assert done
+    scored = [c["prompt_logprobs"] for c in chunks if "prompt_logprobs" in c]
+    assert len(scored) == 1 and len(scored[0]) == len(pl)
+    assert [e[k]["logprob"] for e, k in zip(scored[0][1:], (next(iter(x)) for x in pl[1:]))] == \
+        pytest.approx([next(iter(x.values()))["logprob"] for x in pl[1:]], abs=1e-5)

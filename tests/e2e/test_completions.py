@@ -105,6 +105,83 @@ def test_logprobs_int(http):
         assert lp["text_offset"] == sorted(lp["text_offset"])
 
 
+def test_echo_scores_the_prompt(http):
+    """echo + logprobs, what evaluation harnesses send: the prompt's tokens come first (the first has no score),
+    then the completion, which echo does not change; max_tokens 0 scores the prompt alone, the same way."""
+    n = len(TOKEN_IDS)
+    gen = post(http, prompt=TOKEN_IDS, max_tokens=4, logprobs=1, **util.greedy())["choices"][0]
+    ch = post(http, prompt=TOKEN_IDS, max_tokens=4, echo=True, logprobs=2, **util.greedy())["choices"][0]
+    lp = ch["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n + 4
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    prompt_text = "".join(lp["tokens"][:n])
+    assert ch["text"] == prompt_text + gen["text"]
+    assert lp["tokens"][n:] == gen["logprobs"]["tokens"]
+    assert lp["token_logprobs"][n:] == pytest.approx(gen["logprobs"]["token_logprobs"], abs=1e-5)
+    for value, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+        # (alternatives are keyed by their text: two byte tokens that both decode to U+FFFD make one key)
+        assert value <= 0 and 1 <= len(top) <= 2 and max(top.values()) >= value - 1e-6
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+    only = post(http, prompt=TOKEN_IDS, max_tokens=0, echo=True, logprobs=2)
+    och = only["choices"][0]
+    assert och["text"] == prompt_text and och["finish_reason"] == "length"
+    assert only["usage"]["completion_tokens"] == 0 and only["usage"]["prompt_tokens"] == n
+    assert och["logprobs"]["tokens"] == lp["tokens"][:n]
+    assert och["logprobs"]["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:n], abs=1e-5)
+    # A text prompt is echoed as sent.
+    text = post(http, prompt="Once upon a time", max_tokens=2, echo=True, **util.greedy())["choices"][0]["text"]
+    assert text.startswith("Once upon a time") and len(text) > len("Once upon a time")
+
+
+def test_prompt_logprobs_in_vllm_shape(http):
+    """vLLM's `prompt_logprobs`: null for the first prompt token, then each token keyed by its id with its
+    rank and the most likely alternatives; the same scores echo gives; in a stream, with the first chunk."""
+    n = len(TOKEN_IDS)
+    ref = post(http, prompt=TOKEN_IDS, max_tokens=0, echo=True, logprobs=1)["choices"][0]["logprobs"]
+    ch = post(http, prompt=TOKEN_IDS, max_tokens=2, prompt_logprobs=3, **util.greedy())["choices"][0]
+    pl = ch["prompt_logprobs"]
+    assert len(pl) == n and pl[0] is None
+    for i, entry in enumerate(pl[1:], start=1):
+        mine = entry[str(TOKEN_IDS[i])]
+        assert mine["logprob"] == pytest.approx(ref["token_logprobs"][i], abs=1e-5)
+        ranks = sorted(e["rank"] for e in entry.values())
+        assert mine["rank"] >= 1 and 3 <= len(entry) <= 4 and ranks[:3] == [1, 2, 3], entry
+        best = max(e["logprob"] for e in entry.values())
+        assert all(e["logprob"] <= best for e in entry.values()) and isinstance(mine["decoded_token"], str)
+    chunks, done = util.stream_openai(http, COMPL, body(prompt=TOKEN_IDS, stream=True, max_tokens=3, echo=True,
+                                                        prompt_logprobs=1, **util.greedy()))
+    assert done
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    assert texts[0] == "".join(ref["tokens"]), "the echoed prompt comes first"
+    scored = [c["choices"][0]["prompt_logprobs"] for c in chunks if c["choices"] and "prompt_logprobs" in c["choices"][0]]
+    assert len(scored) == 1 and len(scored[0]) == n and scored[0][0] is None
+    r = http.post(COMPL, json=body(prompt=TOKEN_IDS, prompt_logprobs=21))
+    assert r.status_code == 400 and "prompt_logprobs" in r.text
+
+
+def test_prompt_batch(http):
+    """A list of prompts, as batched clients send them: choice i * n + j continues prompt i like a request of its
+    own; usage counts each prompt once; echo and scores follow each prompt (lm-eval's batched loglikelihood)."""
+    a = post(http, prompt="Once upon a time", max_tokens=6, **util.greedy())
+    b = post(http, prompt=TOKEN_IDS, max_tokens=6, **util.greedy())
+    both = post(http, prompt=["Once upon a time", TOKEN_IDS], max_tokens=6, n=2, **util.greedy())
+    texts = [c["text"] for c in sorted(both["choices"], key=lambda c: c["index"])]
+    want = [a["choices"][0]["text"]] * 2 + [b["choices"][0]["text"]] * 2
+    assert texts == want
+    u = both["usage"]
+    assert u["prompt_tokens"] == a["usage"]["prompt_tokens"] + b["usage"]["prompt_tokens"]
+    assert u["completion_tokens"] == 24 and u["total_tokens"] == u["prompt_tokens"] + 24
+    shorter = TOKEN_IDS[:5]
+    scored = post(http, prompt=[TOKEN_IDS, shorter], max_tokens=1, echo=True, logprobs=1, temperature=0)
+    lens = [len(c["logprobs"]["token_logprobs"]) for c in sorted(scored["choices"], key=lambda c: c["index"])]
+    assert lens == [len(TOKEN_IDS) + 1, len(shorter) + 1]
+    alone = post(http, prompt=shorter, max_tokens=1, echo=True, logprobs=1, temperature=0)["choices"][0]
+    assert scored["choices"][1]["logprobs"]["token_logprobs"][1:] == \
+        pytest.approx(alone["logprobs"]["token_logprobs"][1:], abs=1e-5)
+    r = http.post(COMPL, json=body(prompt=["fine", [1, -2]]))
+    assert r.status_code == 400 and "prompt[1]" in r.text
+
+
 def test_sampling_params_accepted(http):
     check_shape(post(http, max_tokens=4, temperature=0.9, top_p=0.8, top_k=5, min_p=0.1, presence_penalty=1.0,
                      frequency_penalty=-0.5, repetition_penalty=1.2, seed=1), 4)

@@ -225,7 +225,7 @@ def test_fuzz_random_types_per_field_never_500(http, anthropic_http):
                   "frequency_penalty", "repetition_penalty", "stream_options", "chat_template_kwargs",
                   "max_completion_tokens", "ignore_eos"]
     compl_fields = ["model", "prompt", "max_tokens", "temperature", "echo", "logprobs", "stop", "seed", "stream",
-                    "suffix", "best_of"]
+                    "suffix", "best_of", "prompt_logprobs"]
     anth_fields = ["model", "max_tokens", "messages", "system", "tools", "stream", "thinking", "stop_sequences",
                    "temperature", "top_p", "top_k", "tool_choice", "metadata"]
     bad = []

@@ -231,6 +231,8 @@ mod tests {
                 masks_tokens: true,
                 picks_after_launch: true,
                 snapshots_within_chunks: 0,
+                prompt_logits: false,
+                max_logits_rows: 0,
             }
         }
         fn step(&mut self, batch: &StepBatch, want: Want<'_>, out: &mut StepOut) -> Result<(), BackendError> {

@@ -19,6 +19,11 @@ pub fn host_step(
     out: &mut StepOut,
     run: impl FnOnce(Option<&mut DraftPicker<'_>>, &mut Vec<f32>, &mut Vec<Vec<u32>>) -> Result<(), BackendError>,
 ) -> Result<(), BackendError> {
+    if matches!(want, Want::Tokens { .. } | Want::DraftsArgmax { .. }) && batch.seqs.iter().any(|c| c.all_logits) {
+        return Err(BackendError::InvalidStep(
+            "a step that returns picks takes no chunk wanting every row's logits".into(),
+        ));
+    }
     match want {
         Want::Logits => run(None, &mut out.logits, &mut out.drafts),
         Want::Drafts(pick) => run(Some(pick), &mut out.logits, &mut out.drafts),

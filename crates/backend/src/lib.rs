@@ -82,6 +82,11 @@ pub struct SeqChunk {
     pub tokens: Vec<u32>,
     /// Return the logits of the last token of this chunk.
     pub want_logits: bool,
+    /// Return the logits of every token of this chunk, in position order, instead of the last one's
+    /// only (prompt log-probabilities: row i is the distribution of the token after position
+    /// `start + i`). A plain chunk only, and only where [`Capabilities::prompt_logits`]; its rows count
+    /// against [`Capabilities::max_logits_rows`].
+    pub all_logits: bool,
     /// Speculative decoding: after `tokens` (exactly one, the sequence's next token), draft this many
     /// tokens with the MTP head and verify all `1 + draft` positions in one forward; the pages cover
     /// `start + 1 + draft` positions. 0: a plain chunk. Only steps that want [`Want::Drafts`] take such chunks.
@@ -146,6 +151,7 @@ impl SeqChunk {
                 start: from,
                 tokens: self.tokens[from - self.start..to - self.start].to_vec(),
                 want_logits: self.want_logits && to == end,
+                all_logits: self.all_logits,
                 rope_delta: before.map_or(self.rope_delta, |i| i.placed.delta_after()),
                 images,
                 save_within: Vec::new(),
@@ -160,6 +166,19 @@ impl SeqChunk {
     /// Positions this chunk runs through the model (its tokens plus its drafts).
     pub fn positions(&self) -> usize {
         self.tokens.len() + self.draft
+    }
+
+    /// The logits rows a step returns for this chunk where its rows come back as logits: every
+    /// verified position of a speculative chunk, every position of an [`SeqChunk::all_logits`] chunk,
+    /// else the last one's when it wants them.
+    pub fn logits_rows(&self) -> usize {
+        if self.draft > 0 {
+            1 + self.draft
+        } else if self.all_logits {
+            self.tokens.len()
+        } else {
+            usize::from(self.want_logits)
+        }
     }
 
     /// The (t, h, w) positions of this chunk's positions when it holds image rows (None: position `p`
@@ -290,6 +309,11 @@ pub struct Capabilities {
     /// How many snapshots one step may take inside its chunks ([`SeqChunk::save_within`], all
     /// chunks together). 0: none; the scheduler ends chunks at snapshot points.
     pub snapshots_within_chunks: usize,
+    /// Whether a chunk may ask for every row's logits ([`SeqChunk::all_logits`], prompt
+    /// log-probabilities).
+    pub prompt_logits: bool,
+    /// The most logits rows one step returns, all chunks together ([`SeqChunk::logits_rows`]).
+    pub max_logits_rows: usize,
 }
 
 /// What a step returns for each chunk that wants its logits (a wanted row), in batch order.
@@ -345,6 +369,32 @@ pub fn argmax(x: &[f32]) -> u32 {
         }
     }
     best as u32
+}
+
+/// Checks `batch`'s chunks that want every row's logits ([`SeqChunk::all_logits`]) against what the
+/// backend can do: plain chunks only, where it takes them, and within its logits rows.
+pub fn check_logits_rows(batch: &StepBatch, caps: &Capabilities) -> Result<(), BackendError> {
+    let mut all = batch.seqs.iter().filter(|c| c.all_logits).peekable();
+    if all.peek().is_none() {
+        return Ok(());
+    }
+    if !caps.prompt_logits {
+        return Err(BackendError::InvalidStep(format!("{} returns no logits of every prompt row", caps.name)));
+    }
+    if let Some(c) = all.find(|c| c.draft > 0) {
+        return Err(BackendError::InvalidStep(format!(
+            "seq {}: a speculative chunk wants every row's logits",
+            c.seq_id
+        )));
+    }
+    let rows: usize = batch.seqs.iter().map(SeqChunk::logits_rows).sum();
+    if rows > caps.max_logits_rows {
+        return Err(BackendError::InvalidStep(format!(
+            "the step wants {rows} logits rows; this backend returns at most {}",
+            caps.max_logits_rows
+        )));
+    }
+    Ok(())
 }
 
 /// Checks that `rows` holds one entry per wanted row of `batch` (for [`Pick::Sample`]).

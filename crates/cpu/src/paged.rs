@@ -25,7 +25,7 @@ use deltaserve_backend::ahead::Emulated;
 use deltaserve_backend::host::host_step;
 use deltaserve_backend::{
     ArenaStats, Backend, BackendError, CacheOp, Capabilities, DraftPicker, Feed, ImageTokens, Pick, Picked, SeqChunk,
-    SnapshotLoc, SpecCommit, StepBatch, StepOut, Want,
+    SnapshotLoc, SpecCommit, StepBatch, StepOut, Want, check_logits_rows,
 };
 use deltaserve_model::LayerKind;
 
@@ -295,7 +295,8 @@ impl CpuBackend {
         Ok(())
     }
 
-    /// Runs plain chunk `c` (no drafts) over `view`; appends its last row's logits if it wants them.
+    /// Runs plain chunk `c` (no drafts) over `view`; appends its last row's logits if it wants them, every
+    /// row's if it wants those.
     fn run_plain(
         model: &CpuModel,
         image_rows: &mut ImageRows,
@@ -315,9 +316,13 @@ impl CpuBackend {
             let mtp_layer = model.dims.num_layers;
             model.mtp_forward_at(view, mtp_layer, c.start, pos.get(), &hidden_in, &c.tokens)?;
             view.pending_hidden().copy_from_slice(&rows[(t - 1) * h..]);
-            if c.want_logits {
+            if c.all_logits {
+                logits.extend_from_slice(&model.logits(&rows));
+            } else if c.want_logits {
                 logits.extend_from_slice(&model.logits(&rows[(t - 1) * h..]));
             }
+        } else if c.all_logits {
+            logits.extend_from_slice(&model.logits_of(&rows, Logits::All));
         } else if c.want_logits {
             logits.extend_from_slice(&model.logits_of(&rows, Logits::Last));
         }
@@ -513,6 +518,8 @@ impl Backend for CpuBackend {
             masks_tokens: true,
             picks_after_launch: true,
             snapshots_within_chunks: usize::MAX,
+            prompt_logits: true,
+            max_logits_rows: usize::MAX,
         }
     }
 
@@ -523,6 +530,7 @@ impl Backend for CpuBackend {
 
     fn step(&mut self, batch: &StepBatch, want: Want<'_>, out: &mut StepOut) -> Result<(), BackendError> {
         let vocab = self.model.dims.vocab;
+        check_logits_rows(batch, &self.capabilities())?;
         host_step(batch, vocab, want, out, |pick, logits, drafts| self.run(batch, pick, logits, drafts))
     }
 

@@ -165,6 +165,8 @@ impl Backend for TpBackend {
             masks_tokens: true,
             picks_after_launch: false,
             snapshots_within_chunks: 0,
+            prompt_logits: false,
+            max_logits_rows: 0,
         }
     }
 

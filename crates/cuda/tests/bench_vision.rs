@@ -100,6 +100,7 @@ fn bench_vision_tower_27b() {
                 start: 0,
                 tokens,
                 want_logits: true,
+                all_logits: false,
                 draft: 0,
                 greedy_draft_vocab: 0,
                 rope_delta: 0,

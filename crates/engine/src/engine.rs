@@ -35,16 +35,16 @@ use std::time::Instant;
 use deltaserve_backend::sampling::mask_words;
 use deltaserve_backend::{Backend, Pick, RowSampling, SeqChunk, SpecCommit, StepOut, Want};
 use deltaserve_sched::{AdmitError, SchedConfig, Scheduler, SeqId, SeqOptions, check_request};
-use deltaserve_text::{IncrementalDecoder, StopMatcher, Tokenizer};
+use deltaserve_text::Tokenizer;
 use tokio::sync::mpsc as tmpsc;
-
-use crate::sampling::Sampler;
 
 mod ahead;
 mod choices;
 mod emit;
 pub(crate) mod images;
+mod live;
 mod masks;
+mod prompt;
 mod rows;
 mod types;
 mod verify;
@@ -52,6 +52,7 @@ mod verify;
 use ahead::Launched;
 use choices::Choice;
 use images::ImageRules;
+use live::Live;
 use rows::token_logprob;
 pub use types::{
     EngineError, EngineStats, Event, FinishReason, Request, SharedConstraint, Timing, TokenConstraint, TokenLogprob,
@@ -79,6 +80,8 @@ struct Inner {
     vocab: usize,
     /// What images the engine takes (how prompts hold them, when the backend runs them; their bound).
     images: ImageRules,
+    /// The backend returns every prompt row's logits ([`Request::prompt_logprobs`]).
+    prompt_logits: bool,
 }
 
 /// Cheap-to-clone handle to a running engine.
@@ -225,7 +228,8 @@ impl EngineHandle {
         let worker = Worker {
             sched: Scheduler::new(sched_cfg.clone())
                 .with_speculation(opts.speculative_tokens)
-                .with_snapshots_within_chunks(caps.snapshots_within_chunks),
+                .with_snapshots_within_chunks(caps.snapshots_within_chunks)
+                .with_logits_rows(caps.max_logits_rows),
             lookahead: opts.lookahead && caps.launches_ahead,
             masks_tokens: caps.masks_tokens,
             picks_after_launch: caps.picks_after_launch,
@@ -253,6 +257,7 @@ impl EngineHandle {
                 sched_cfg,
                 vocab,
                 images,
+                prompt_logits: caps.prompt_logits,
             }),
         }
     }
@@ -264,6 +269,11 @@ impl EngineHandle {
     /// Whether requests may carry images (the loaded model has a vision tower the backend runs).
     pub fn runs_images(&self) -> bool {
         self.inner.images.tokens.is_some()
+    }
+
+    /// Whether requests may ask for their prompt's log-probabilities ([`Request::prompt_logprobs`]).
+    pub fn scores_prompts(&self) -> bool {
+        self.inner.prompt_logits
     }
 
     /// Validates and queues a request.
@@ -284,6 +294,13 @@ impl EngineHandle {
         let choices = choices::requests(&req, n)?;
         req.sampling.validate().map_err(EngineError::Invalid)?;
         images::place(&req.prompt, &req.images, self.inner.images)?;
+        if req.prompt_logprobs.is_some() && !self.inner.prompt_logits {
+            return Err(EngineError::Invalid(
+                "prompt log-probabilities are not available on this backend (a CUDA backend returns them \
+                 without speculative decoding or tensor parallelism)"
+                    .into(),
+            ));
+        }
         if let Some((i, id)) = req.prompt.iter().enumerate().find(|(_, id)| **id as usize >= self.inner.vocab) {
             return Err(EngineError::Invalid(format!(
                 "prompt token {i} has id {id}, outside the vocabulary of {} ids",
@@ -337,59 +354,6 @@ enum Emit {
     Finish(FinishReason),
     /// Its client went away (cancelled).
     Gone,
-}
-
-/// Per-request state on the engine thread.
-struct Live {
-    req: Request,
-    tx: tmpsc::UnboundedSender<Event>,
-    sampler: Sampler,
-    decoder: IncrementalDecoder,
-    stops: StopMatcher,
-    submitted: Instant,
-    admitted: Option<Instant>,
-    first_token: Option<Instant>,
-    generated: usize,
-    preemptions: u32,
-    /// Steps (and their seconds) that ran this request before its first token.
-    prefill_steps: u32,
-    prefill_step_s: f64,
-    /// Speculative decoding: tokens drafted for it, and accepted.
-    drafted: u64,
-    accepted: u64,
-    /// When its prompt's progress was last logged (a long prompt logs it every [`PROGRESS_LOG_EVERY`]).
-    progress_logged: Option<Instant>,
-    /// The other choices of its prompt, forked from it once the prompt has run.
-    forks: Vec<Choice>,
-    /// It is one of those (its prompt counts once, with the first choice).
-    forked: bool,
-    /// Its images where its prompt holds them (empty for text).
-    images: images::Placed,
-}
-
-impl Live {
-    fn new(req: Request, tx: tmpsc::UnboundedSender<Event>, submitted: Instant, valid_vocab: usize) -> Self {
-        Self {
-            sampler: Sampler::new(req.sampling.clone(), valid_vocab),
-            stops: StopMatcher::new(req.stop_strings.clone()),
-            req,
-            tx,
-            decoder: IncrementalDecoder::new(true),
-            submitted,
-            admitted: None,
-            first_token: None,
-            generated: 0,
-            preemptions: 0,
-            prefill_steps: 0,
-            prefill_step_s: 0.0,
-            drafted: 0,
-            accepted: 0,
-            progress_logged: None,
-            forks: Vec::new(),
-            forked: false,
-            images: Vec::new(),
-        }
-    }
 }
 
 /// The engine thread's state.
@@ -462,6 +426,7 @@ impl Worker {
                     snapshot_on_finish: req.snapshot_on_finish,
                     no_drafts: !drafts_under(req.constraint.as_ref()),
                     media: placed.as_ref().map(images::media_spans).unwrap_or_default(),
+                    prompt_logits: req.prompt_logprobs.is_some(),
                 };
                 let added = placed.and_then(|p| {
                     self.sched.add_with(id, req.prompt.clone(), req.max_tokens, opts).map_err(EngineError::from)?;
@@ -574,11 +539,14 @@ impl Worker {
         // (the penalties and one uniform draw per row travel with the step); 4 bytes a row come back.
         let wanted: Vec<Option<&Live>> =
             plan.batch.seqs.iter().filter(|c| c.want_logits).map(|c| self.reqs.get(&c.seq_id)).collect();
+        // Chunks that want every row's logits (prompt log-probabilities) bring them back.
+        let scoring = plan.batch.seqs.iter().any(|c| c.all_logits);
         // A constrained row's token mask travels with its sampling rule where the backend applies one
         // (else the row is masked on the host, and its step brings the rows back). A row whose choices
         // fork from it comes back too.
         let masks = self.masks_tokens;
         let on_device = self.sched.speculative_tokens() == 0
+            && !scoring
             && wanted.iter().all(|l| {
                 l.is_some_and(|l| {
                     l.req.logprobs.is_none() && (masks || l.req.constraint.is_none()) && l.forks.is_empty()
@@ -593,7 +561,7 @@ impl Worker {
         });
         let greedy_step = on_device && all_greedy;
         let device_sampling = on_device && !greedy_step;
-        let greedy_spec = self.sched.speculative_tokens() > 0 && all_greedy;
+        let greedy_spec = self.sched.speculative_tokens() > 0 && all_greedy && !scoring;
         let started = Instant::now();
         let rows: Vec<RowSampling> = if device_sampling { self.sampling_rows(&plan.batch.seqs, true) } else { vec![] };
         let pick = on_device.then_some(if greedy_step { Pick::Argmax } else { Pick::Sample(&rows) });
@@ -657,7 +625,12 @@ impl Worker {
         let mut plain: Vec<(SeqId, &mut [f32])> = Vec::new();
         let mut verify_rows: Vec<Vec<&mut [f32]>> = Vec::new();
         for c in &plan.batch.seqs {
-            if c.draft == 0 {
+            if c.all_logits {
+                let mut all: Vec<&mut [f32]> = rows.by_ref().take(c.tokens.len()).collect();
+                let last = if c.want_logits { all.pop() } else { None };
+                self.send_prompt_logprobs(c, &all);
+                plain.extend(last.map(|row| (c.seq_id, row)));
+            } else if c.draft == 0 {
                 if c.want_logits {
                     let Some(row) = rows.next() else { break };
                     plain.push((c.seq_id, row));

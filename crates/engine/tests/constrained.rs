@@ -225,7 +225,7 @@ fn collect(mut s: deltaserve_engine::RequestStream) -> (Vec<u32>, FinishReason) 
         match s.blocking_next() {
             Some(Event::Token { id, .. }) => ids.push(id),
             Some(Event::Finished { reason, .. }) => return (ids, reason),
-            Some(Event::Prefill { .. }) => {}
+            Some(Event::Prefill { .. } | Event::PromptLogprobs { .. }) => {}
             Some(Event::Error(e)) => panic!("request failed: {e}"),
             None => panic!("stream ended early"),
         }

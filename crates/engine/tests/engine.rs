@@ -65,7 +65,7 @@ fn collect(mut s: deltaserve_engine::RequestStream) -> Result<(Vec<u32>, String,
                 text.push_str(&t);
             }
             Some(Event::Finished { reason, .. }) => return Ok((ids, text, reason)),
-            Some(Event::Prefill { .. }) => {}
+            Some(Event::Prefill { .. } | Event::PromptLogprobs { .. }) => {}
             Some(Event::Error(e)) => return Err(e),
             None => return Err(EngineError::Stopped),
         }

@@ -18,6 +18,8 @@ impl Backend for Null {
             masks_tokens: false,
             picks_after_launch: false,
             snapshots_within_chunks: 0,
+            prompt_logits: false,
+            max_logits_rows: 0,
         }
     }
     fn step(&mut self, b: &StepBatch, want: Want<'_>, out: &mut StepOut) -> Result<(), BackendError> {

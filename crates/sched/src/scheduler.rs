@@ -83,6 +83,8 @@ struct Sequence {
     cached_prefix: Option<usize>,
     /// The prompt's media spans (keyed by content in the prefix cache).
     media: Vec<MediaSpan>,
+    /// Its prompt chunks want every row's logits ([`SeqOptions::prompt_logits`]).
+    prompt_logits: bool,
 }
 
 /// Per-sequence options of [`Scheduler::add_with`].
@@ -98,6 +100,10 @@ pub struct SeqOptions {
     pub no_drafts: bool,
     /// The prompt's media (images): their placeholder tokens are keyed by content in the prefix cache.
     pub media: Vec<MediaSpan>,
+    /// Every prompt position's logits come back (prompt log-probabilities): its prompt runs from the
+    /// start (no prefix-cache hit) in chunks that want every row's logits, as many rows a step as the
+    /// backend returns ([`Scheduler::with_logits_rows`]).
+    pub prompt_logits: bool,
 }
 
 impl Sequence {
@@ -186,6 +192,8 @@ pub struct Scheduler {
     within_limit: usize,
     /// What is left of `within_limit` in the step being planned.
     within_room: usize,
+    /// The most logits rows one step returns ([`SeqChunk::logits_rows`], all chunks together).
+    logits_rows: usize,
 }
 
 impl Scheduler {
@@ -214,6 +222,7 @@ impl Scheduler {
             spec_tokens: 0,
             within_limit: 0,
             within_room: 0,
+            logits_rows: usize::MAX,
         }
     }
 
@@ -228,6 +237,13 @@ impl Scheduler {
     /// a turn's new tokens run in as few steps as the token budget allows.
     pub fn with_snapshots_within_chunks(mut self, limit: usize) -> Self {
         self.within_limit = limit;
+        self
+    }
+
+    /// The backend returns at most `rows` logits rows a step (`Capabilities::max_logits_rows`): chunks
+    /// that want every row's logits are cut to fit.
+    pub fn with_logits_rows(mut self, rows: usize) -> Self {
+        self.logits_rows = rows;
         self
     }
 
@@ -290,6 +306,7 @@ impl Scheduler {
                 no_drafts: opts.no_drafts,
                 cached_prefix: None,
                 media: opts.media,
+                prompt_logits: opts.prompt_logits,
             },
         );
         self.waiting.push_back(id);
@@ -416,8 +433,25 @@ impl Scheduler {
             self.take_within_room(&c);
             plan.batch.seqs.push(c);
         }
+        self.fit_logits_rows(&mut plan);
         self.place_snapshots(&mut plan);
         plan
+    }
+
+    /// Shortens the chunks that want every row's logits, the last first, until the step's logits rows
+    /// fit the backend's (each keeps one token: every chunk of a step fits in one row each).
+    fn fit_logits_rows(&self, plan: &mut StepPlan) {
+        let rows: usize = plan.batch.seqs.iter().map(SeqChunk::logits_rows).sum();
+        let mut excess = rows.saturating_sub(self.logits_rows);
+        for c in plan.batch.seqs.iter_mut().rev().filter(|c| c.all_logits) {
+            if excess == 0 {
+                break;
+            }
+            let cut = excess.min(c.tokens.len() - 1);
+            c.tokens.truncate(c.tokens.len() - cut);
+            c.want_logits = c.start + c.tokens.len() == self.seqs[&c.seq_id].tokens.len();
+            excess -= cut;
+        }
     }
 
     /// The step after `prev` (committed, its picks not appended yet), planned before those picks are
@@ -462,6 +496,7 @@ impl Scheduler {
                 start: s.cached,
                 tokens: vec![0],
                 want_logits: true,
+                all_logits: false,
                 draft: 0,
                 greedy_draft_vocab: 0,
                 rope_delta: 0,
@@ -502,7 +537,7 @@ impl Scheduler {
     fn admit(&mut self, id: SeqId, budget: usize, plan: &mut StepPlan) -> bool {
         let ps = self.cfg.page_size;
         let max_prefix = self.seqs[&id].tokens.len() - 1; // the last token must run to give logits
-        let hit = if self.prefix.enabled() {
+        let hit = if self.prefix.enabled() && !self.seqs[&id].prompt_logits {
             let s = &self.seqs[&id];
             self.prefix.lookup(&cache_key(&s.tokens, &s.media), max_prefix)
         } else {
@@ -613,6 +648,7 @@ impl Scheduler {
             start: s.cached,
             tokens: s.tokens[s.cached..s.cached + n].to_vec(),
             want_logits: s.cached + n == s.tokens.len(),
+            all_logits: s.prompt_logits && s.cached < s.prompt_len,
             draft: 0,
             greedy_draft_vocab: 0,
             rope_delta: 0,

@@ -414,7 +414,8 @@ impl Blocks {
                 OutEvent::Reasoning(_)
                 | OutEvent::ToolEnd { .. }
                 | OutEvent::Token { .. }
-                | OutEvent::Progress { .. } => {
+                | OutEvent::Progress { .. }
+                | OutEvent::PromptLogprobs(_) => {
                     continue;
                 }
             };

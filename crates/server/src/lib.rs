@@ -1,6 +1,6 @@
 //! deltaserve-server: the HTTP API over the engine.
 //!
-//! - [`openai`]: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/v1/models/{id}`;
+//! - [`openai`]: `/v1/chat/completions`, `/v1/models`, `/v1/models/{id}`; [`completions`]: `/v1/completions`;
 //! - [`responses`]: `/v1/responses` (OpenAI's Responses API, stateless, over the chat pipeline);
 //! - [`anthropic`]: `/v1/messages`, `/v1/messages/count_tokens`;
 //! - [`request`]: API requests → engine requests (sampling, stops, chat rendering);
@@ -14,6 +14,7 @@
 //!   (llama.cpp's server settings).
 
 pub mod anthropic;
+pub mod completions;
 pub mod drain;
 pub mod error;
 pub mod loads;

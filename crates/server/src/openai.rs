@@ -15,9 +15,10 @@ use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
+use crate::completions::vllm_prompt_logprobs;
 use crate::error::{ApiError, Style};
 use crate::media::load_images;
-use crate::output::{Collected, Finish, OutEvent, OutputStream, Parsing, combined_usage, merged};
+use crate::output::{Collected, Finish, OutEvent, OutputStream, PromptToken, combined_usage, merged};
 use crate::request::{
     CommonParams, Limits, build_request, new_id, normalize_messages, render_chat, unix_now, validate_tools,
 };
@@ -38,17 +39,6 @@ pub struct ChatCompletionRequest {
     pub response_format: Option<Value>,
     pub chat_template_kwargs: Option<Map<String, Value>>,
     pub parallel_tool_calls: Option<bool>,
-}
-
-#[derive(Debug, Deserialize)]
-pub struct CompletionRequest {
-    pub model: Option<String>,
-    pub prompt: Value,
-    #[serde(flatten)]
-    pub common: CommonParams,
-    pub logprobs: Option<u32>,
-    pub echo: Option<bool>,
-    pub suffix: Option<String>,
 }
 
 /// Parses a JSON body, mapping every failure to 400 (or 413 when the body exceeds the limit).
@@ -98,13 +88,18 @@ async fn chat_inner(
     let c = &req.common;
     let id = new_id("chatcmpl-");
     let model = st.cfg.served_model_name.clone();
+    let prompt_logprobs = c.prompt_logprobs()?;
     if c.streams() {
-        return Ok(sse(chat_stream(outs, id, model, c.include_usage(), logprobs.is_some())));
+        let shape = ChatStream { include_usage: c.include_usage(), logprobs: logprobs.is_some(), prompt_logprobs };
+        return Ok(sse(chat_stream(outs, id, model, shape)));
     }
     let cols = Collected::collect_all(outs).await?;
     let choices: Vec<Value> =
         cols.iter().enumerate().map(|(i, col)| chat_choice(st, i, col, logprobs.is_some())).collect();
+    let scores =
+        prompt_logprobs.zip(cols.first()).map(|(k, col)| vllm_prompt_logprobs(&st.tokenizer, &col.prompt_logprobs, k));
     Ok(axum::Json(json!({
+        "prompt_logprobs": scores,
         "id": id,
         "object": "chat.completion",
         "created": unix_now(),
@@ -207,6 +202,10 @@ pub async fn start_chat(
         engine_req.constraint = Some(structured::constraint(st, g, field, &mut parsing)?);
     }
     engine_req.progress = c.progress();
+    engine_req.prompt_logprobs = c.prompt_logprobs()?;
+    if engine_req.prompt_logprobs.is_some() && !st.engine.scores_prompts() {
+        return Err(ApiError::bad_param("prompt_logprobs", NO_PROMPT_LOGPROBS));
+    }
     tracing::debug!(
         prompt = engine_req.prompt.len(),
         prepare_ms = format!("{:.1}", received.elapsed().as_secs_f64() * 1e3),
@@ -236,15 +235,25 @@ fn chat_choice(st: &AppState, index: usize, col: &Collected, logprobs: bool) -> 
     json!({ "index": index, "message": message, "logprobs": logprobs_json, "finish_reason": finish_reason(&finish), "stop_reason": finish.stop_string() })
 }
 
+/// What a streamed chat completion returns besides its deltas.
+struct ChatStream {
+    /// A usage chunk once every choice is done.
+    include_usage: bool,
+    /// The generated tokens' logprobs.
+    logprobs: bool,
+    /// vLLM's `prompt_logprobs` (this many alternatives), with the first chunk after they are known.
+    prompt_logprobs: Option<usize>,
+}
+
 /// The SSE events of a streamed chat completion (of each choice, tagged with its index; the usage,
 /// when asked for, once every choice is done).
 fn chat_stream(
     outs: Vec<OutputStream>,
     id: String,
     model: String,
-    include_usage: bool,
-    with_logprobs: bool,
+    shape: ChatStream,
 ) -> mpsc::Receiver<Result<SseEvent, Infallible>> {
+    let ChatStream { include_usage, logprobs: with_logprobs, prompt_logprobs } = shape;
     let (tx, rx) = mpsc::channel(64);
     let created = unix_now();
     let n = outs.len();
@@ -262,6 +271,8 @@ fn chat_stream(
             }
         }
         let mut usages = Vec::with_capacity(n);
+        // The prompt's scores go with the first choice's next chunk.
+        let mut scores: Vec<PromptToken> = Vec::new();
         while let Some((index, events)) = next_events(&mut outs, &tx).await {
             let mut delta = Map::new();
             let mut calls: Vec<Value> = Vec::new();
@@ -291,20 +302,29 @@ fn chat_stream(
                             return;
                         }
                     }
+                    OutEvent::PromptLogprobs(p) => scores.extend(p),
                     OutEvent::Done { finish, usage, timing } => done = Some((finish, usage, timing)),
                 }
             }
+            let scored = |mut v: Value, scores: &mut Vec<PromptToken>| {
+                if let Some(k) = prompt_logprobs.filter(|_| index == 0 && !scores.is_empty()) {
+                    v["prompt_logprobs"] = vllm_prompt_logprobs(&tokenizer_for_lp, scores, k);
+                    scores.clear();
+                }
+                v
+            };
             if !calls.is_empty() {
                 delta.insert("tool_calls".into(), Value::Array(calls));
             }
             if !delta.is_empty() || !lps.is_empty() {
                 let lp = if lps.is_empty() { Value::Null } else { json!({ "content": lps }) };
-                if send_json(&tx, chunk(index, Value::Object(delta), Value::Null, lp)).await.is_err() {
+                let v = scored(chunk(index, Value::Object(delta), Value::Null, lp), &mut scores);
+                if send_json(&tx, v).await.is_err() {
                     return; // client gone: dropping `outs` cancels the request
                 }
             }
             if let Some((finish, usage, timing)) = done {
-                let mut last = chunk(index, json!({}), json!(finish_reason(&finish)), Value::Null);
+                let mut last = scored(chunk(index, json!({}), json!(finish_reason(&finish)), Value::Null), &mut scores);
                 last["choices"][0]["stop_reason"] = finish.stop_string();
                 last["timings"] = timings_json(&usage, &timing);
                 let _ = send_json(&tx, last).await;
@@ -325,80 +345,14 @@ fn chat_stream(
     rx
 }
 
-pub async fn completions(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
-    let result = completions_inner(&st, body).await;
-    finish_response(&st, "completions", result)
-}
-
-async fn completions_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
-    let req: CompletionRequest = parse_body(body)?;
-    st.check_model(req.model.as_deref())?;
-    req.common.validate()?;
-    let n = req.common.choices(st.engine.sched_config().max_seqs)?;
-    if req.echo.unwrap_or(false) {
-        return Err(ApiError::bad_param("echo", "`echo` is not supported yet"));
-    }
-    if req.suffix.is_some() {
-        return Err(ApiError::bad_param("suffix", "`suffix` is not supported"));
-    }
-    let prompt = completion_prompt(st, &req.prompt)?;
-    let top = req.logprobs.map(|k| k as usize);
-    if top.is_some_and(|k| k > 20) {
-        return Err(ApiError::bad_param("logprobs", "`logprobs` must be between 0 and 20"));
-    }
-    let c = &req.common;
-    let guided = structured::guided(c)?;
-    let mut engine_req = build_request(
-        prompt,
-        Limits {
-            chat: false,
-            max_tokens: c.max_tokens.or(Some(16)),
-            sampling: c.sampling(&st.sampling_defaults),
-            stop: c.stops(),
-            ignore_eos: c.ignore_eos.unwrap_or(false),
-            logprobs: top,
-            images: Vec::new(),
-            state: st,
-        },
-    )?;
-    let mut parsing = Parsing::default();
-    if let Some((g, field)) = &guided {
-        engine_req.constraint = Some(structured::constraint(st, g, field, &mut parsing)?);
-    }
-    engine_req.progress = c.progress();
-    let outs = st.generate_n(engine_req, n, parsing)?;
-    let id = new_id("cmpl-");
-    let model = st.cfg.served_model_name.clone();
-    if c.streams() {
-        return Ok(sse(completion_stream(outs, id, model, c.include_usage())));
-    }
-    let cols = Collected::collect_all(outs).await?;
-    let choices: Vec<Value> = cols
-        .iter()
-        .enumerate()
-        .map(|(i, col)| {
-            let finish = col.finish.clone().unwrap_or(Finish::Length);
-            let logprobs = top.map(|_| completion_logprobs(&st.tokenizer, &col.tokens));
-            json!({"index": i, "text": col.content, "logprobs": logprobs, "finish_reason": finish_reason(&finish), "stop_reason": finish.stop_string()})
-        })
-        .collect();
-    Ok(axum::Json(json!({
-        "id": id, "object": "text_completion", "created": unix_now(), "model": model,
-        "choices": choices,
-        "usage": usage_json(&combined_usage(cols.iter().map(|c| &c.usage))),
-        "timings": first_timings(&cols),
-    }))
-    .into_response())
-}
-
 /// The `timings` of a non-streamed response: its first choice's (the one whose prompt ran).
-fn first_timings(cols: &[Collected]) -> Value {
+pub(crate) fn first_timings(cols: &[Collected]) -> Value {
     cols.first().map_or(Value::Null, |c| timings_json(&c.usage, &c.timing))
 }
 
 /// The next batch of one choice's events from `outs`: None once every choice is done, or after
 /// sending an error (which ends the choices' events).
-async fn next_events(
+pub(crate) async fn next_events(
     outs: &mut mpsc::Receiver<(usize, Result<Vec<OutEvent>, ApiError>)>,
     tx: &mpsc::Sender<Result<SseEvent, Infallible>>,
 ) -> Option<(usize, Vec<OutEvent>)> {
@@ -408,77 +362,6 @@ async fn next_events(
             let _ = send_json(tx, e.body(Style::OpenAi)).await;
             None
         }
-    }
-}
-
-fn completion_stream(
-    outs: Vec<OutputStream>,
-    id: String,
-    model: String,
-    include_usage: bool,
-) -> mpsc::Receiver<Result<SseEvent, Infallible>> {
-    let (tx, rx) = mpsc::channel(64);
-    let created = unix_now();
-    let n = outs.len();
-    let mut outs = merged(outs);
-    tokio::spawn(async move {
-        let chunk = |index: usize, text: &str, finish: Value| {
-            json!({"id": id, "object": "text_completion", "created": created, "model": model,
-                   "choices": [{"index": index, "text": text, "logprobs": null, "finish_reason": finish}]})
-        };
-        let mut usages = Vec::with_capacity(n);
-        while let Some((index, events)) = next_events(&mut outs, &tx).await {
-            let mut text = String::new();
-            let mut done = None;
-            for e in events {
-                match e {
-                    OutEvent::Content(s) | OutEvent::Reasoning(s) => text.push_str(&s),
-                    OutEvent::Progress { processed, total, cached, elapsed_ms } => {
-                        let p = progress_json(processed, total, cached, elapsed_ms);
-                        let v = json!({"id": id, "object": "text_completion", "created": created, "model": model,
-                                       "choices": [], "prompt_progress": p});
-                        if send_json(&tx, v).await.is_err() {
-                            return;
-                        }
-                    }
-                    OutEvent::Done { finish, usage, timing } => done = Some((finish, usage, timing)),
-                    _ => {}
-                }
-            }
-            if !text.is_empty() && send_json(&tx, chunk(index, &text, Value::Null)).await.is_err() {
-                return;
-            }
-            if let Some((finish, usage, timing)) = done {
-                let mut last = chunk(index, "", json!(finish_reason(&finish)));
-                last["timings"] = timings_json(&usage, &timing);
-                let _ = send_json(&tx, last).await;
-                usages.push(usage);
-            }
-        }
-        if include_usage && usages.len() == n {
-            let usage = usage_json(&combined_usage(&usages));
-            let _ = send_json(&tx, json!({"id": id, "object": "text_completion", "created": created, "model": model, "choices": [], "usage": usage})).await;
-        }
-        let _ = tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
-    });
-    rx
-}
-
-/// A completions prompt: a string, a list of token ids, or a one-element list of either.
-fn completion_prompt(st: &AppState, p: &Value) -> Result<Vec<u32>, ApiError> {
-    let ids = |a: &[Value]| -> Option<Vec<u32>> {
-        a.iter().map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok())).collect()
-    };
-    match p {
-        Value::String(s) => {
-            st.prompt_encoder.encode(s).map_err(|e| ApiError::bad(format!("tokenising the prompt: {e}")))
-        }
-        Value::Array(a) if a.len() == 1 && !a[0].is_number() => completion_prompt(st, &a[0]),
-        Value::Array(a) if !a.is_empty() => ids(a).ok_or_else(|| {
-            ApiError::bad_param("prompt", "`prompt` as a list must hold token ids (non-negative integers)")
-        }),
-        Value::Array(_) => Err(ApiError::bad_param("prompt", "`prompt` must not be empty")),
-        _ => Err(ApiError::bad_param("prompt", "`prompt` must be a string or a list of token ids")),
     }
 }
 
@@ -539,30 +422,6 @@ fn chat_logprob(st: &AppState, text: &str, lp: &deltaserve_engine::TokenLogprob)
 
 /// The legacy completions `logprobs` object: `top_logprobs` maps each alternative's text to its
 /// logprob (as OpenAI and vLLM do); alternatives that decode to the same text keep the best one.
-fn completion_logprobs(
-    tok: &deltaserve_text::Tokenizer,
-    tokens: &[(u32, String, deltaserve_engine::TokenLogprob)],
-) -> Value {
-    let mut offset = 0;
-    let mut offsets = Vec::new();
-    for (_, t, _) in tokens {
-        offsets.push(offset);
-        offset += t.len();
-    }
-    json!({
-        "tokens": tokens.iter().map(|(_, t, _)| t.clone()).collect::<Vec<_>>(),
-        "token_logprobs": tokens.iter().map(|(_, _, lp)| lp.logprob).collect::<Vec<_>>(),
-        "top_logprobs": tokens.iter().map(|(_, _, lp)| {
-            let mut m = Map::new();
-            for (id, l) in &lp.top {
-                m.entry(tok.decode(&[*id], false).unwrap_or_default()).or_insert(json!(l));
-            }
-            Value::Object(m)
-        }).collect::<Vec<_>>(),
-        "text_offset": offsets,
-    })
-}
-
 fn append(delta: &mut Map<String, Value>, key: &str, s: &str) {
     match delta.get_mut(key) {
         Some(Value::String(v)) => v.push_str(s),
@@ -580,6 +439,10 @@ pub fn sse(rx: mpsc::Receiver<Result<SseEvent, Infallible>>) -> Response {
     Sse::new(ReceiverStream::new(rx)).keep_alive(KeepAlive::default()).into_response()
 }
 
+/// Why a request for prompt log-probabilities is refused where the backend does not return them.
+pub const NO_PROMPT_LOGPROBS: &str = "prompt log-probabilities are not available on this backend (a CUDA backend returns \
+                                      them without speculative decoding or tensor parallelism)";
+
 /// Records the request in the metrics and renders an error in the OpenAI style.
 pub fn finish_response(st: &AppState, endpoint: &str, r: Result<Response, ApiError>) -> Response {
     let resp = r.unwrap_or_else(|e| {
@@ -590,26 +453,4 @@ pub fn finish_response(st: &AppState, endpoint: &str, r: Result<Response, ApiErr
     });
     st.metrics.request(endpoint, resp.status().as_u16());
     resp
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn completion_top_logprobs_are_keyed_by_token_text() {
-        let dir = deltaserve_text::synth_model::demo_model_dir().unwrap();
-        let tok = deltaserve_text::Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap();
-        let text_817 = tok.decode(&[817], false).unwrap();
-        let text_300 = tok.decode(&[300], false).unwrap();
-        assert_ne!(text_817, text_300);
-        let lp = deltaserve_engine::TokenLogprob { logprob: -0.5, top: vec![(300, -0.5), (817, -8.9)] };
-        let v = completion_logprobs(&tok, &[(300, text_300.clone(), lp)]);
-        assert_eq!(v["tokens"], json!([text_300]));
-        let top = v["top_logprobs"][0].as_object().unwrap();
-        assert_eq!(top.len(), 2, "{top:?}");
-        assert_eq!(top[&text_300], json!(-0.5));
-        assert!((top[&text_817].as_f64().unwrap() + 8.9).abs() < 1e-6, "{top:?}");
-        assert!(!top.contains_key("817"));
-    }
 }

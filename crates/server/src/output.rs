@@ -12,6 +12,15 @@ use deltaserve_text::{ReasoningDelta, ReasoningParser, Tokenizer, ToolCallParser
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 
+/// A prompt token scored given the tokens before it: its log-probability, the most likely ids there,
+/// and its rank among them (1: the most likely).
+#[derive(Clone, Debug)]
+pub struct PromptToken {
+    pub id: u32,
+    pub logprob: TokenLogprob,
+    pub rank: usize,
+}
+
 /// How to interpret the generated text.
 #[derive(Clone, Debug, Default)]
 pub struct Parsing {
@@ -69,6 +78,9 @@ pub enum OutEvent {
         text: String,
         logprob: TokenLogprob,
     },
+    /// Prompt tokens' log-probabilities, in prompt order from token 1 (only for requests that asked;
+    /// see [`deltaserve_engine::Event::PromptLogprobs`]).
+    PromptLogprobs(Vec<PromptToken>),
     /// The prompt has advanced (only for requests that asked; see [`deltaserve_engine::Event::Prefill`]).
     Progress {
         processed: usize,
@@ -171,6 +183,12 @@ impl OutputStream {
             Some(Event::Prefill { processed, total, cached, elapsed_ms }) => {
                 out.push(OutEvent::Progress { processed, total, cached, elapsed_ms });
             }
+            Some(Event::PromptLogprobs { tokens, logprobs, ranks, .. }) => {
+                let scored = tokens.into_iter().zip(logprobs).zip(ranks);
+                out.push(OutEvent::PromptLogprobs(
+                    scored.map(|((id, logprob), rank)| PromptToken { id, logprob, rank }).collect(),
+                ));
+            }
             Some(Event::Error(e)) => {
                 self.done = true;
                 return Err(e.into());
@@ -265,6 +283,8 @@ pub struct Collected {
     /// (id, name, JSON arguments)
     pub tool_calls: Vec<(String, String, String)>,
     pub tokens: Vec<(u32, String, TokenLogprob)>,
+    /// The prompt's tokens' log-probabilities from token 1 on, when asked.
+    pub prompt_logprobs: Vec<PromptToken>,
     pub finish: Option<Finish>,
     pub usage: Usage,
     pub timing: Timing,
@@ -284,6 +304,7 @@ impl Collected {
             OutEvent::ToolEnd { .. } => {}
             OutEvent::Token { id, text, logprob } => self.tokens.push((id, text, logprob)),
             OutEvent::Progress { .. } => {}
+            OutEvent::PromptLogprobs(p) => self.prompt_logprobs.extend(p),
             OutEvent::Done { finish, usage, timing } => {
                 self.finish = Some(finish);
                 self.usage = usage;

@@ -46,6 +46,9 @@ pub struct CommonParams {
     /// llama.cpp's extension: a streamed response reports the prompt's progress in chunks of their own
     /// (`prompt_progress`) while the prompt runs.
     pub return_progress: Option<bool>,
+    /// vLLM's extension: every prompt token's log-probability (after the first) and this many most
+    /// likely alternatives at each prompt position.
+    pub prompt_logprobs: Option<i64>,
     pub user: Option<String>,
 }
 
@@ -70,6 +73,18 @@ impl CommonParams {
     /// Whether a streamed response reports the prompt's progress (`return_progress`).
     pub fn progress(&self) -> bool {
         self.streams() && self.return_progress.unwrap_or(false)
+    }
+
+    /// The alternatives per prompt position that `prompt_logprobs` asks for (None: not asked).
+    pub fn prompt_logprobs(&self) -> Result<Option<usize>, ApiError> {
+        match self.prompt_logprobs {
+            None => Ok(None),
+            Some(k @ 0..=20) => Ok(Some(k as usize)),
+            Some(k) => Err(ApiError::bad_param(
+                "prompt_logprobs",
+                format!("`prompt_logprobs` must be between 0 and 20, got {k}"),
+            )),
+        }
     }
 
     /// Whether a streamed response ends with a usage chunk (`stream_options.include_usage`).
@@ -128,6 +143,7 @@ pub fn build_request(prompt: Vec<u32>, l: Limits) -> Result<Request, ApiError> {
         constraint: None,
         images: l.images,
         progress: false,
+        prompt_logprobs: None,
     })
 }
 

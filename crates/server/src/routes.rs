@@ -10,7 +10,7 @@ use axum::{Extension, Router};
 
 use crate::error::{ApiError, Style};
 use crate::state::{AppState, ChatDefaults};
-use crate::{anthropic, openai};
+use crate::{anthropic, completions, openai};
 
 /// The router with no chat defaults (each model's template decides).
 pub fn router(state: AppState) -> Router {
@@ -21,7 +21,7 @@ pub fn router(state: AppState) -> Router {
 pub fn router_with(state: AppState, chat_defaults: ChatDefaults) -> Router {
     let api = Router::new()
         .route("/v1/chat/completions", post(openai::chat_completions))
-        .route("/v1/completions", post(openai::completions))
+        .route("/v1/completions", post(completions::completions))
         .route("/v1/responses", post(crate::responses::responses))
         .route("/v1/models", get(openai::models))
         // `{*id}`: served names may hold a `/` (`Qwen/Qwen3.6-27B`).

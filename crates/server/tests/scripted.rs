@@ -41,6 +41,8 @@ impl Backend for ScriptedBackend {
             masks_tokens: false,
             picks_after_launch: false,
             snapshots_within_chunks: 0,
+            prompt_logits: false,
+            max_logits_rows: 0,
         }
     }
     fn image_tokens(&self) -> Option<ImageTokens> {

@@ -138,7 +138,7 @@ fn generate(a: &Args, started: &Started) -> Result<()> {
                 }
             }
             // Not asked for: the engine logs a long prompt's progress itself.
-            Some(Event::Prefill { .. }) => {}
+            Some(Event::Prefill { .. } | Event::PromptLogprobs { .. }) => {}
             Some(Event::Finished { reason, timing, .. }) => break (reason, timing),
             Some(Event::Error(e)) => return Err(e.into()),
             None => bail!("the engine stopped before the request finished"),

@@ -9,6 +9,8 @@ use super::CudaBackend;
 use super::ahead::LaunchOut;
 use super::step::StepOut;
 
+const ALL_LOGITS_PICKED: &str = "a chunk wanting every row's logits needs a step that returns logits";
+
 impl Backend for CudaBackend {
     /// Steps launch ahead except under tensor parallelism (rows are picked on the host) or with
     /// speculative decoding.
@@ -21,6 +23,10 @@ impl Backend for CudaBackend {
             masks_tokens: crate::switches::Switches::get().device_masks,
             picks_after_launch: crate::switches::Switches::get().later_picks,
             snapshots_within_chunks: self.snapshots_within_step(),
+            // Every row's logits gather into the logits region's rows (one per sequence without
+            // speculation); a speculative backend's rows belong to its verify chunks.
+            prompt_logits: self.spec.is_none() && self.tp.is_none(),
+            max_logits_rows: self.max_seqs * (1 + self.spec.as_ref().map_or(0, |sp| sp.max_draft)),
         }
     }
 
@@ -41,6 +47,12 @@ impl Backend for CudaBackend {
         out: &mut deltaserve_backend::StepOut,
     ) -> Result<(), BackendError> {
         use deltaserve_backend::Want;
+        if batch.seqs.iter().any(|c| c.all_logits) {
+            deltaserve_backend::check_logits_rows(batch, &self.capabilities())?;
+            if !matches!(want, Want::Logits) {
+                return Err(BackendError::InvalidStep(ALL_LOGITS_PICKED.into()));
+            }
+        }
         let tokens = &mut out.tokens;
         match want {
             Want::Logits => self.step_to(batch, StepOut::Logits(&mut out.logits)),
@@ -76,6 +88,9 @@ impl Backend for CudaBackend {
         }
         if batch.seqs.iter().any(|c| c.draft > 0) {
             return Err(BackendError::InvalidStep("speculative chunks need a draft picker".into()));
+        }
+        if batch.seqs.iter().any(|c| c.all_logits) {
+            return Err(BackendError::InvalidStep(ALL_LOGITS_PICKED.into()));
         }
         if self.launches.queue_len() >= 2 {
             return Err(BackendError::InvalidStep("two launched steps are not collected yet".into()));

@@ -383,10 +383,11 @@ impl CudaBackend {
         }
         let tp = cu[n_pre] as usize;
         let tv = tp - cu[n_real] as usize;
-        // Wanted rows in batch order: a verify chunk's every row, another chunk's last.
+        // Wanted rows in batch order: a verify chunk's every row (and an all-logits chunk's), another
+        // chunk's last.
         let mut last: Vec<i32> = Vec::new();
         for (i, c) in batch.seqs.iter().enumerate() {
-            if is_ver(i) {
+            if is_ver(i) || c.all_logits {
                 let n = c.tokens.len() as i32;
                 last.extend(row_of[i] as i32 + 1 - n..=row_of[i] as i32);
             } else if c.want_logits {

@@ -472,6 +472,51 @@ fn ragged_batch_equals_alone() {
     assert_eq!(batched.arena_stats(), stats);
 }
 
+/// Every row's logits (prompt log-probabilities): a chunk that wants them, in a step beside a prompt and a
+/// decode, returns one row per position, each matching the CPU backend's; a step asking for more rows
+/// than the backend returns is refused with an error, and the next step runs.
+#[test]
+fn every_row_logits_match_the_cpu() {
+    if !gpu() {
+        return;
+    }
+    let (dir, cfg) = tiny_dir(8);
+    let plan = plan_for(&cfg);
+    let mut g = cuda(&dir, &cfg, &plan);
+    let mut c = cpu(&dir, &cfg);
+    let caps = g.capabilities();
+    assert!(caps.prompt_logits && caps.max_logits_rows == 8, "{caps:?}");
+    let vocab = caps.vocab_size;
+    let mut rng = StdRng::seed_from_u64(17);
+    let hist = random_tokens(&mut rng, 40, vocab);
+    let (pa, pb, pc) = (pages(0, 200), pages(40, 200), pages(80, 200));
+    for be in [&mut g as &mut dyn Backend, &mut c] {
+        run(be, &one(chunk(1, &pb, 0, &hist)));
+    }
+    let scored = random_tokens(&mut rng, 6, vocab);
+    let prompt = random_tokens(&mut rng, 37, vocab);
+    let mut batch = StepBatch::default();
+    let mut all = chunk(0, &pa, 0, &scored);
+    all.all_logits = true;
+    all.want_logits = false;
+    batch.seqs.extend([all, chunk(1, &pb, 40, &[7]), chunk(2, &pc, 0, &prompt)]);
+    let (got, want) = (run(&mut g, &batch), run(&mut c, &batch));
+    assert_eq!(got.len(), 8 * vocab, "6 rows of the scored chunk, one of each other");
+    let mut s = Score::default();
+    s.add(&got, &want, vocab);
+    s.check("every row's logits beside a prompt and a decode");
+    // Nine rows: one more than the logits region holds.
+    let mut over = chunk(3, &pages(120, 200), 0, &random_tokens(&mut rng, 9, vocab));
+    over.all_logits = true;
+    let mut out = Vec::new();
+    let err = step_logits(&mut g, &one(over), &mut out).expect_err("nine rows of eight");
+    assert!(err.to_string().contains("logits rows"), "{err}");
+    let b = one(chunk(1, &pb, 41, &[9]));
+    let mut s = Score::default();
+    s.add(&run(&mut g, &b), &run(&mut c, &b), vocab);
+    s.check("the step after a refused one");
+}
+
 /// (5): SaveState / RestoreState / MoveSnapshot (device ↔ host) / CopyPagePrefix / CopyState
 /// round trips: a continuation from a restored (or copied, as a fork does) state + copied partial
 /// page equals the original continuation.

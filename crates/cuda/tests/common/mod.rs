@@ -349,6 +349,7 @@ pub fn chunk(slot: u32, pages: &[u32], start: usize, tokens: &[u32]) -> SeqChunk
         start,
         tokens: tokens.to_vec(),
         want_logits: true,
+        all_logits: false,
         draft: 0,
         greedy_draft_vocab: 0,
         rope_delta: 0,

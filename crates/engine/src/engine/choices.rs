@@ -61,8 +61,9 @@ impl Worker {
         let mut out = Vec::new();
         let mut row = 0;
         for c in seqs {
-            let at = row;
-            row += if c.draft > 0 { c.draft + 1 } else { usize::from(c.want_logits) };
+            // A plain chunk's last row is the one its choices fork from.
+            let at = row + c.logits_rows().saturating_sub(1);
+            row += c.logits_rows();
             let Some(parent) = self.reqs.get_mut(&c.seq_id).filter(|l| c.want_logits && !l.forks.is_empty()) else {
                 continue;
             };

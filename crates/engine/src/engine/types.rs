@@ -22,6 +22,10 @@ pub struct Request {
     pub stop_strings: Vec<String>,
     /// Return the sampled token's log-probability and this many top alternatives.
     pub logprobs: Option<usize>,
+    /// Return every prompt token's log-probability (after the first) and this many top alternatives
+    /// at each prompt position ([`Event::PromptLogprobs`]). Its prompt runs from the start (no
+    /// prefix-cache hit), with every row's logits coming back.
+    pub prompt_logprobs: Option<usize>,
     /// Prompt positions where the DeltaNet state is worth snapshotting for later requests (message
     /// starts, the end of the prompt before the generation prompt).
     pub snapshot_points: Vec<usize>,
@@ -156,6 +160,11 @@ pub enum Event {
     /// since the request was first admitted. The last one has `processed == total` and comes before
     /// the first token.
     Prefill { processed: usize, total: usize, cached: usize, elapsed_ms: f64 },
+    /// Log-probabilities of prompt tokens (only for a request that asked,
+    /// [`Request::prompt_logprobs`]): entry i is of prompt token `from + i` (its id in `tokens`) given
+    /// the tokens before it, with its rank (1: the most likely id there). They come in order, starting
+    /// at token 1, all of them before the first token.
+    PromptLogprobs { from: usize, tokens: Vec<u32>, logprobs: Vec<TokenLogprob>, ranks: Vec<usize> },
     /// The last event of a successful request.
     Finished { reason: FinishReason, usage: Usage, timing: Timing },
     /// The last event of a failed request.

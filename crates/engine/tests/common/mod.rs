@@ -127,7 +127,7 @@ pub fn collect(mut s: RequestStream) -> Out {
                 logprobs.push(logprob.map_or(f32::NAN, |l| l.logprob));
             }
             Some(Event::Finished { reason, usage, timing }) => return Out { ids, logprobs, reason, usage, timing },
-            Some(Event::Prefill { .. }) => {}
+            Some(Event::Prefill { .. } | Event::PromptLogprobs { .. }) => {}
             Some(Event::Error(e)) => panic!("request failed: {e}"),
             None => panic!("stream ended early"),
         }

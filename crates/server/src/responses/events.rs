@@ -164,7 +164,10 @@ impl Items {
                                 "output_index": i, "name": item["name"], "arguments": item["arguments"]}));
                 out.push(json!({"type": "response.output_item.done", "output_index": i, "item": item}));
             }
-            OutEvent::Token { .. } | OutEvent::Progress { .. } | OutEvent::Done { .. } => {}
+            OutEvent::Token { .. }
+            | OutEvent::Progress { .. }
+            | OutEvent::PromptLogprobs(_)
+            | OutEvent::Done { .. } => {}
         }
     }
 }

@@ -356,7 +356,9 @@ fn run_point(
                 Some(Event::Token { id, .. }) => ids.push(id),
                 Some(Event::Finished { reason, .. }) => bail!("a reply ended after {i} tokens ({reason:?})"),
                 Some(Event::Error(e)) => bail!("a reply failed: {e}"),
-                Some(Event::Prefill { .. }) => bail!("a reply reported its prompt's progress unasked"),
+                Some(Event::Prefill { .. } | Event::PromptLogprobs { .. }) => {
+                    bail!("a reply reported its prompt's progress or scores unasked")
+                }
                 None => bail!("a reply's stream ended after {i} tokens"),
             }
         }
