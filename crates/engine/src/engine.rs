@@ -84,6 +84,10 @@ struct Inner {
     prompt_logits: bool,
 }
 
+/// Why a request for its prompt's log-probabilities is refused where the backend does not return them.
+pub const NO_PROMPT_LOGPROBS: &str = "prompt log-probabilities are not available on this backend (a CUDA backend \
+                                      returns them without speculative decoding or tensor parallelism)";
+
 /// Cheap-to-clone handle to a running engine.
 #[derive(Clone)]
 pub struct EngineHandle {
@@ -271,7 +275,8 @@ impl EngineHandle {
         self.inner.images.tokens.is_some()
     }
 
-    /// Whether requests may ask for their prompt's log-probabilities ([`Request::prompt_logprobs`]).
+    /// Whether requests may ask for their prompt's log-probabilities ([`Request::prompt_logprobs`]; else
+    /// they are refused with [`NO_PROMPT_LOGPROBS`]).
     pub fn scores_prompts(&self) -> bool {
         self.inner.prompt_logits
     }
@@ -295,11 +300,7 @@ impl EngineHandle {
         req.sampling.validate().map_err(EngineError::Invalid)?;
         images::place(&req.prompt, &req.images, self.inner.images)?;
         if req.prompt_logprobs.is_some() && !self.inner.prompt_logits {
-            return Err(EngineError::Invalid(
-                "prompt log-probabilities are not available on this backend (a CUDA backend returns them \
-                 without speculative decoding or tensor parallelism)"
-                    .into(),
-            ));
+            return Err(EngineError::Invalid(NO_PROMPT_LOGPROBS.into()));
         }
         if let Some((i, id)) = req.prompt.iter().enumerate().find(|(_, id)| **id as usize >= self.inner.vocab) {
             return Err(EngineError::Invalid(format!(

@@ -11,7 +11,8 @@ pub mod score;
 
 pub use engine::{
     EngineError, EngineHandle, EngineOptions, EngineStats, Event, FinishReason, MAX_SPECULATIVE_TOKENS,
-    NO_VISION_TOWER, Request, RequestStream, SharedConstraint, Timing, TokenConstraint, TokenLogprob, Usage,
+    NO_PROMPT_LOGPROBS, NO_VISION_TOWER, Request, RequestStream, SharedConstraint, Timing, TokenConstraint,
+    TokenLogprob, Usage,
 };
 pub use sampling::{Sampler, SamplingParams};
 pub use score::{ScoreError, logits_at_every_position, logits_with_images};

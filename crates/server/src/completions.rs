@@ -14,13 +14,12 @@ use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 
-use deltaserve_engine::{TokenLogprob, Usage};
+use deltaserve_engine::{NO_PROMPT_LOGPROBS, TokenLogprob, Usage};
 use deltaserve_text::Tokenizer;
 
 use crate::error::ApiError;
 use crate::openai::{
-    NO_PROMPT_LOGPROBS, finish_reason, finish_response, first_timings, next_events, parse_body, send_json, sse,
-    usage_json,
+    finish_reason, finish_response, first_timings, next_events, parse_body, send_json, sse, usage_json,
 };
 use crate::output::{Collected, Finish, OutEvent, OutputStream, Parsing, PromptToken, combined_usage};
 use crate::request::{CommonParams, Limits, build_request, new_id, unix_now};

@@ -204,7 +204,7 @@ pub async fn start_chat(
     engine_req.progress = c.progress();
     engine_req.prompt_logprobs = c.prompt_logprobs()?;
     if engine_req.prompt_logprobs.is_some() && !st.engine.scores_prompts() {
-        return Err(ApiError::bad_param("prompt_logprobs", NO_PROMPT_LOGPROBS));
+        return Err(ApiError::bad_param("prompt_logprobs", deltaserve_engine::NO_PROMPT_LOGPROBS));
     }
     tracing::debug!(
         prompt = engine_req.prompt.len(),
@@ -438,10 +438,6 @@ pub async fn send_json(tx: &mpsc::Sender<Result<SseEvent, Infallible>>, v: Value
 pub fn sse(rx: mpsc::Receiver<Result<SseEvent, Infallible>>) -> Response {
     Sse::new(ReceiverStream::new(rx)).keep_alive(KeepAlive::default()).into_response()
 }
-
-/// Why a request for prompt log-probabilities is refused where the backend does not return them.
-pub const NO_PROMPT_LOGPROBS: &str = "prompt log-probabilities are not available on this backend (a CUDA backend returns \
-                                      them without speculative decoding or tensor parallelism)";
 
 /// Records the request in the metrics and renders an error in the OpenAI style.
 pub fn finish_response(st: &AppState, endpoint: &str, r: Result<Response, ApiError>) -> Response {
