@@ -159,6 +159,26 @@ def test_prompt_logprobs_in_vllm_shape(http):
     assert r.status_code == 400 and "prompt_logprobs" in r.text
 
 
+def test_stream_logprobs_add_up(http):
+    """Streamed logprobs add up to the whole reply's: each token's with the chunk that carries it, and with echo the
+    prompt's part in the echoed chunk (text offsets running on over the chunks)."""
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    for echo in (False, True):
+        kw = dict(prompt=TOKEN_IDS, max_tokens=6, echo=echo, logprobs=2, **util.greedy())
+        ref = post(http, **kw)["choices"][0]["logprobs"]
+        chunks, done = util.stream_openai(http, COMPL, body(stream=True, **kw))
+        assert done
+        parts = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+        got = {k: sum((p[k] for p in parts), []) for k in keys}
+        assert got["tokens"] == ref["tokens"] and got["text_offset"] == ref["text_offset"]
+        assert got["top_logprobs"] == ref["top_logprobs"] or len(got["top_logprobs"]) == len(ref["top_logprobs"])
+        nums = lambda xs: [x for x in xs if x is not None]  # noqa: E731
+        assert nums(got["token_logprobs"]) == pytest.approx(nums(ref["token_logprobs"]), abs=1e-5)
+        assert (got["token_logprobs"][0] is None) == echo
+    r = http.post(COMPL, json=body(stream=True, echo=True, logprobs=1, n=2))
+    assert r.status_code == 400 and "`n`" in r.text
+
+
 def test_prompt_batch(http):
     """A list of prompts, as batched clients send them: choice i * n + j continues prompt i like a request of its
     own; usage counts each prompt once; echo and scores follow each prompt (lm-eval's batched loglikelihood)."""

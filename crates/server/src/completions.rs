@@ -44,6 +44,10 @@ struct Shape {
     n: usize,
     /// Each prompt's text, returned before each of its choices' completions (`echo`).
     echo: Option<Vec<String>>,
+    /// Each prompt's token ids.
+    prompts: Vec<Vec<u32>>,
+    /// Alternatives per position of the `logprobs` object (None: no `logprobs` object).
+    logprobs: Option<usize>,
     /// Alternatives per prompt position of vLLM's `prompt_logprobs` (None: not returned).
     prompt_logprobs: Option<usize>,
     /// `max_tokens: 0` with `echo`: the prompts are scored and nothing is generated (the engine's one
@@ -73,7 +77,17 @@ async fn completions_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -
     let echo = req.echo.unwrap_or(false);
     let prompt_only = echo && c.max_tokens == Some(0);
     let texts = || prompts.iter().map(|(text, ids)| text.clone().unwrap_or_else(|| decode(st, ids))).collect();
-    let shape = Shape { n, echo: echo.then(texts), prompt_logprobs: c.prompt_logprobs()?, prompt_only };
+    let shape = Shape {
+        n,
+        echo: echo.then(texts),
+        prompts: prompts.iter().map(|p| p.1.clone()).collect(),
+        logprobs: top,
+        prompt_logprobs: c.prompt_logprobs()?,
+        prompt_only,
+    };
+    if echo && top.is_some() && c.streams() && n > 1 {
+        return Err(ApiError::bad_param("n", "a streamed `echo` with `logprobs` takes `n` = 1"));
+    }
     let scored = [shape.prompt_logprobs, top.filter(|_| echo)].into_iter().flatten().max();
     if scored.is_some() && !st.engine.scores_prompts() {
         let field = if shape.prompt_logprobs.is_some() { "prompt_logprobs" } else { "echo" };
@@ -120,7 +134,7 @@ async fn completions_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -
         .map(|(i, col)| {
             let finish = col.finish.clone().unwrap_or(Finish::Length);
             // A prompt's scores come with its first choice (the one whose prompt ran).
-            let (prompt, scores) = (&prompts[i / n].1, &cols[i - i % n].prompt_logprobs);
+            let (prompt, scores) = (&shape.prompts[i / n], &cols[i - i % n].prompt_logprobs);
             let echoed = shape.echo.as_ref().map(|_| (&prompt[..], &scores[..]));
             let logprobs = top.map(|k| completion_logprobs(&tok, echoed, &col.tokens, k));
             let echo_text = shape.echo.as_ref().map_or("", |e| e[i / n].as_str());
@@ -168,8 +182,10 @@ fn completion_stream(
             json!({"id": id, "object": "text_completion", "created": created, "model": model,
                    "choices": [{"index": index, "text": text, "logprobs": null, "finish_reason": finish}]})
         };
-        // Each prompt's text comes first, once per choice.
-        if let Some(texts) = &shape.echo {
+        // Each prompt's text comes first, once per choice; with logprobs, once its scores are in (before
+        // the choice's first token), the prompt's part of the `logprobs` object with it.
+        let echo_late = shape.echo.is_some() && shape.logprobs.is_some();
+        if let Some(texts) = shape.echo.as_ref().filter(|_| !echo_late) {
             for i in 0..all {
                 if send_json(&tx, chunk(i, &texts[i / shape.n], Value::Null)).await.is_err() {
                     return;
@@ -179,12 +195,17 @@ fn completion_stream(
         // A prompt's scores (vLLM's `prompt_logprobs`) go with its first choice's next chunk.
         let mut scores: Vec<Vec<PromptToken>> = vec![Vec::new(); all];
         let mut usages: Vec<Option<Usage>> = vec![None; all];
+        // Where each choice's next token starts in its text (the `logprobs` object's `text_offset`).
+        let mut offsets = vec![0; all];
+        let mut echoed = vec![!echo_late; all];
         while let Some((index, events)) = next_events(&mut outs, &tx).await {
             let mut text = String::new();
             let mut done = None;
+            let mut tokens = Vec::new();
             for e in events {
                 match e {
                     OutEvent::Content(s) | OutEvent::Reasoning(s) if !shape.prompt_only => text.push_str(&s),
+                    OutEvent::Token { id, text, logprob } if !shape.prompt_only => tokens.push((id, text, logprob)),
                     OutEvent::Progress { processed, total, cached, elapsed_ms } => {
                         let p = progress_json(processed, total, cached, elapsed_ms);
                         let v = json!({"id": id, "object": "text_completion", "created": created, "model": model,
@@ -206,6 +227,17 @@ fn completion_stream(
                     _ => {}
                 }
             }
+            let (k, g) = (shape.logprobs.unwrap_or(0), index / shape.n);
+            let mut echo_chunk = None;
+            if !echoed[index] && (!text.is_empty() || !tokens.is_empty() || done.is_some()) {
+                echoed[index] = true;
+                let texts = shape.echo.as_ref().map_or(&[][..], Vec::as_slice);
+                let mut v = chunk(index, &texts[g], Value::Null);
+                let lp = completion_logprobs(&tok, Some((&shape.prompts[g], &scores[index])), &[], k);
+                offsets[index] = next_offset(&lp);
+                v["choices"][0]["logprobs"] = lp;
+                echo_chunk = Some(v);
+            }
             let mut scored = |mut v: Value| {
                 if let Some(k) = shape.prompt_logprobs.filter(|_| !scores[index].is_empty()) {
                     v["choices"][0]["prompt_logprobs"] = vllm_prompt_logprobs(&tok, &scores[index], k);
@@ -213,8 +245,24 @@ fn completion_stream(
                 }
                 v
             };
-            if !text.is_empty() && send_json(&tx, scored(chunk(index, &text, Value::Null))).await.is_err() {
-                return;
+            if let Some(v) = echo_chunk {
+                if send_json(&tx, scored(v)).await.is_err() {
+                    return;
+                }
+            }
+            if !text.is_empty() || !tokens.is_empty() {
+                let mut v = scored(chunk(index, &text, Value::Null));
+                if shape.logprobs.is_some() && !tokens.is_empty() {
+                    let mut lp = completion_logprobs(&tok, None, &tokens, k);
+                    for o in lp["text_offset"].as_array_mut().into_iter().flatten() {
+                        *o = json!(o.as_u64().unwrap_or(0) as usize + offsets[index]);
+                    }
+                    offsets[index] = next_offset(&lp);
+                    v["choices"][0]["logprobs"] = lp;
+                }
+                if send_json(&tx, v).await.is_err() {
+                    return;
+                }
             }
             if let Some((finish, usage, timing)) = done {
                 let mut last = scored(chunk(index, "", json!(finish_reason(&finish))));
@@ -235,6 +283,13 @@ fn completion_stream(
         let _ = tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
     });
     rx
+}
+
+/// Where the text after a `logprobs` object's tokens starts: its last offset plus its last token's length.
+fn next_offset(lp: &Value) -> usize {
+    let last = |key: &str| lp[key].as_array().and_then(|a| a.last().cloned());
+    let offset = last("text_offset").and_then(|o| o.as_u64()).unwrap_or(0) as usize;
+    offset + last("tokens").and_then(|t| t.as_str().map(str::len)).unwrap_or(0)
 }
 
 /// One prompt of a request: its text when sent as text, and its token ids.
