@@ -245,10 +245,10 @@ fn completion_stream(
                 }
                 v
             };
-            if let Some(v) = echo_chunk {
-                if send_json(&tx, scored(v)).await.is_err() {
-                    return;
-                }
+            if let Some(v) = echo_chunk
+                && send_json(&tx, scored(v)).await.is_err()
+            {
+                return;
             }
             if !text.is_empty() || !tokens.is_empty() {
                 let mut v = scored(chunk(index, &text, Value::Null));
