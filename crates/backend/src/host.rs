@@ -20,9 +20,7 @@ pub fn host_step(
     run: impl FnOnce(Option<&mut DraftPicker<'_>>, &mut Vec<f32>, &mut Vec<Vec<u32>>) -> Result<(), BackendError>,
 ) -> Result<(), BackendError> {
     if matches!(want, Want::Tokens { .. } | Want::DraftsArgmax { .. }) && batch.seqs.iter().any(|c| c.all_logits) {
-        return Err(BackendError::InvalidStep(
-            "a step that returns picks takes no chunk wanting every row's logits".into(),
-        ));
+        return Err(all_logits_picked());
     }
     match want {
         Want::Logits => run(None, &mut out.logits, &mut out.drafts),
@@ -66,6 +64,12 @@ pub fn pick_tokens(
         Pick::Later => return Err(later_in_a_step()),
     }
     Ok(())
+}
+
+/// The error of a step whose rows come back as picks (or a launched step) holding a chunk that wants
+/// every row's logits ([`crate::SeqChunk::all_logits`]).
+pub fn all_logits_picked() -> BackendError {
+    BackendError::InvalidStep("a chunk wanting every row's logits needs a step that returns logits".into())
 }
 
 /// The error of [`Pick::Later`] outside [`crate::Backend::launch`].

@@ -316,12 +316,8 @@ impl CpuBackend {
             let mtp_layer = model.dims.num_layers;
             model.mtp_forward_at(view, mtp_layer, c.start, pos.get(), &hidden_in, &c.tokens)?;
             view.pending_hidden().copy_from_slice(&rows[(t - 1) * h..]);
-            if c.all_logits {
-                logits.extend_from_slice(&model.logits(&rows));
-            } else if c.want_logits {
-                logits.extend_from_slice(&model.logits(&rows[(t - 1) * h..]));
-            }
-        } else if c.all_logits {
+        }
+        if c.all_logits {
             logits.extend_from_slice(&model.logits_of(&rows, Logits::All));
         } else if c.want_logits {
             logits.extend_from_slice(&model.logits_of(&rows, Logits::Last));

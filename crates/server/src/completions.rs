@@ -136,7 +136,7 @@ async fn completions_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -
             // A prompt's scores come with its first choice (the one whose prompt ran).
             let (prompt, scores) = (&shape.prompts[i / n], &cols[i - i % n].prompt_logprobs);
             let echoed = shape.echo.as_ref().map(|_| (&prompt[..], &scores[..]));
-            let logprobs = top.map(|k| completion_logprobs(&tok, echoed, &col.tokens, k));
+            let logprobs = top.map(|k| completion_logprobs(&tok, echoed, &col.tokens, k, &mut 0));
             let echo_text = shape.echo.as_ref().map_or("", |e| e[i / n].as_str());
             let mut choice = json!({"index": i, "text": format!("{echo_text}{}", col.content), "logprobs": logprobs,
                                     "finish_reason": finish_reason(&finish), "stop_reason": finish.stop_string()});
@@ -229,13 +229,12 @@ fn completion_stream(
             }
             let (k, g) = (shape.logprobs.unwrap_or(0), index / shape.n);
             let mut echo_chunk = None;
-            if !echoed[index] && (!text.is_empty() || !tokens.is_empty() || done.is_some()) {
+            let ready = !text.is_empty() || !tokens.is_empty() || done.is_some();
+            if let Some(texts) = shape.echo.as_ref().filter(|_| !echoed[index] && ready) {
                 echoed[index] = true;
-                let texts = shape.echo.as_ref().map_or(&[][..], Vec::as_slice);
                 let mut v = chunk(index, &texts[g], Value::Null);
-                let lp = completion_logprobs(&tok, Some((&shape.prompts[g], &scores[index])), &[], k);
-                offsets[index] = next_offset(&lp);
-                v["choices"][0]["logprobs"] = lp;
+                let prompt = Some((&shape.prompts[g][..], &scores[index][..]));
+                v["choices"][0]["logprobs"] = completion_logprobs(&tok, prompt, &[], k, &mut offsets[index]);
                 echo_chunk = Some(v);
             }
             let mut scored = |mut v: Value| {
@@ -253,12 +252,7 @@ fn completion_stream(
             if !text.is_empty() || !tokens.is_empty() {
                 let mut v = scored(chunk(index, &text, Value::Null));
                 if shape.logprobs.is_some() && !tokens.is_empty() {
-                    let mut lp = completion_logprobs(&tok, None, &tokens, k);
-                    for o in lp["text_offset"].as_array_mut().into_iter().flatten() {
-                        *o = json!(o.as_u64().unwrap_or(0) as usize + offsets[index]);
-                    }
-                    offsets[index] = next_offset(&lp);
-                    v["choices"][0]["logprobs"] = lp;
+                    v["choices"][0]["logprobs"] = completion_logprobs(&tok, None, &tokens, k, &mut offsets[index]);
                 }
                 if send_json(&tx, v).await.is_err() {
                     return;
@@ -283,13 +277,6 @@ fn completion_stream(
         let _ = tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
     });
     rx
-}
-
-/// Where the text after a `logprobs` object's tokens starts: its last offset plus its last token's length.
-fn next_offset(lp: &Value) -> usize {
-    let last = |key: &str| lp[key].as_array().and_then(|a| a.last().cloned());
-    let offset = last("text_offset").and_then(|o| o.as_u64()).unwrap_or(0) as usize;
-    offset + last("tokens").and_then(|t| t.as_str().map(str::len)).unwrap_or(0)
 }
 
 /// One prompt of a request: its text when sent as text, and its token ids.
@@ -346,12 +333,14 @@ fn prompts_usage<'a>(usages: impl IntoIterator<Item = &'a Usage>, n: usize) -> U
 
 /// The legacy completions `logprobs` object: with `echo`, the prompt's tokens first (`scores` holds
 /// tokens 1.. of `prompt`; the first has no log-probability), then the generated `tokens`; `k`
-/// alternatives per position, keyed by their text.
+/// alternatives per position, keyed by their text. Text offsets start at `offset`, which is left where
+/// the text after these tokens starts (a stream's chunks run on from one another).
 pub fn completion_logprobs(
     tok: &Tokenizer,
     echo: Option<(&[u32], &[PromptToken])>,
     tokens: &[(u32, String, TokenLogprob)],
     k: usize,
+    offset: &mut usize,
 ) -> Value {
     let mut texts: Vec<String> = Vec::new();
     let mut lps: Vec<Option<&TokenLogprob>> = Vec::new();
@@ -365,12 +354,11 @@ pub fn completion_logprobs(
         texts.push(t.clone());
         lps.push(Some(lp));
     }
-    let mut offset = 0;
     let offsets: Vec<usize> = texts
         .iter()
         .map(|t| {
-            let at = offset;
-            offset += t.len();
+            let at = *offset;
+            *offset += t.len();
             at
         })
         .collect();
@@ -422,7 +410,7 @@ mod tests {
         let text_300 = tok.decode(&[300], false).unwrap();
         assert_ne!(text_817, text_300);
         let lp = TokenLogprob { logprob: -0.5, top: vec![(300, -0.5), (817, -8.9)] };
-        let v = completion_logprobs(&tok, None, &[(300, text_300.clone(), lp)], 2);
+        let v = completion_logprobs(&tok, None, &[(300, text_300.clone(), lp)], 2, &mut 0);
         assert_eq!(v["tokens"], json!([text_300]));
         let top = v["top_logprobs"][0].as_object().unwrap();
         assert_eq!(top.len(), 2, "{top:?}");
@@ -443,7 +431,7 @@ mod tests {
         };
         let scores = [scored(817, -1.5, 2), scored(42, -3.0, 2)];
         let generated = (7, text(7), TokenLogprob { logprob: -0.25, top: vec![(7, -0.25)] });
-        let v = completion_logprobs(&tok, Some((&prompt, &scores)), std::slice::from_ref(&generated), 1);
+        let v = completion_logprobs(&tok, Some((&prompt, &scores)), std::slice::from_ref(&generated), 1, &mut 0);
         assert_eq!(v["tokens"], json!([text(300), text(817), text(42), text(7)]));
         assert_eq!(v["token_logprobs"], json!([null, -1.5, -3.0, -0.25]));
         assert_eq!(v["top_logprobs"][0], Value::Null);

@@ -9,8 +9,6 @@ use super::CudaBackend;
 use super::ahead::LaunchOut;
 use super::step::StepOut;
 
-const ALL_LOGITS_PICKED: &str = "a chunk wanting every row's logits needs a step that returns logits";
-
 impl Backend for CudaBackend {
     /// Steps launch ahead except under tensor parallelism (rows are picked on the host) or with
     /// speculative decoding.
@@ -50,7 +48,7 @@ impl Backend for CudaBackend {
         if batch.seqs.iter().any(|c| c.all_logits) {
             deltaserve_backend::check_logits_rows(batch, &self.capabilities())?;
             if !matches!(want, Want::Logits) {
-                return Err(BackendError::InvalidStep(ALL_LOGITS_PICKED.into()));
+                return Err(deltaserve_backend::host::all_logits_picked());
             }
         }
         let tokens = &mut out.tokens;
@@ -90,7 +88,7 @@ impl Backend for CudaBackend {
             return Err(BackendError::InvalidStep("speculative chunks need a draft picker".into()));
         }
         if batch.seqs.iter().any(|c| c.all_logits) {
-            return Err(BackendError::InvalidStep(ALL_LOGITS_PICKED.into()));
+            return Err(deltaserve_backend::host::all_logits_picked());
         }
         if self.launches.queue_len() >= 2 {
             return Err(BackendError::InvalidStep("two launched steps are not collected yet".into()));
