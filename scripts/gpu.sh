@@ -72,8 +72,8 @@
 #                (and block-FP8 MoE checkpoints), then 35B-A3B decode b1/8/32 with it off and on, 2 rounds
 #   fp8-mma      the mma.sync FP8 GEMM (sm_89+) of prefill projections: its ops cases, the FP8 checkpoint's
 #                backend test, then 27B FP8 prefill 512/4K/16K with it off (cuBLASLt) and on
-#   wgmma        the Hopper attention prefill kernels (wgmma the default there; the warp-specialised one
-#                with DELTASERVE_ATTN_PREFILL=ws): ops cases, the attention benchmark (and the warp-specialised
+#   wgmma        the Hopper attention prefill kernels (the warp-specialised one the default over bf16 KV, the
+#                warpgroup one with DELTASERVE_ATTN_PREFILL=wg): ops cases, the attention benchmark (and the warp-specialised
 #                kernel's build variants), the backend against the CPU with each
 #   wgmma-bench  27B prefill 4K/32K/128K (bf16; int4 + fp8 KV at 24 GiB) on the wide, the warpgroup and the
 #                warp-specialised kernel
@@ -376,17 +376,17 @@ step_fp8-mma() {
     done
 }
 
-# Hopper's attention prefill kernels, the warpgroup one (the default; DELTASERVE_ATTN_PREFILL=wide: the wide one)
-# and the warp-specialised one (DELTASERVE_ATTN_PREFILL=ws): their ops cases against the CPU over bf16 and
-# quantised caches (split over the keys too), the attention benchmark (and the warp-specialised kernel's build
-# variants), the backend against the CPU with each.
+# Hopper's attention prefill kernels, the warp-specialised one (the default over a bf16 cache) and the
+# warpgroup one (the default over a quantised cache; DELTASERVE_ATTN_PREFILL=wg over bf16 too): their ops
+# cases against the CPU over bf16 and quantised caches (split over the keys too), the attention benchmark (and
+# the warp-specialised kernel's build variants), the backend against the CPU with each.
 step_wgmma() {
-    DS_OPS_FILTER=attn_prefill test_run ops-wgmma 300 "FAIL|test result|panicked|attn_prefill_w" ops \
+    DS_OPS_FILTER=attn_prefill test_run ops-wgmma 480 "FAIL|test result|panicked|attn_prefill_w" ops \
         ops_match_cpu_reference --nocapture --test-threads=1
     DS_BENCH_ATTN=prefill test_run attn-wgmma 200 "attn_prefill|^ +[0-9]|panicked" bench_attention --nocapture --ignored
     test_run backend-wgmma 300 "$TESTS_PAT|attn_prefill" backend --nocapture \
         --test-threads=1 matches_cpu_backend error_by_depth short_chunks_over_long quantized_kv
-    DELTASERVE_ATTN_PREFILL=ws test_run backend-ws 300 "$TESTS_PAT|attn_prefill" backend --nocapture \
+    DELTASERVE_ATTN_PREFILL=wg test_run backend-wg 300 "$TESTS_PAT|attn_prefill" backend --nocapture \
         --test-threads=1 matches_cpu_backend error_by_depth short_chunks_over_long quantized_kv
     # The warp-specialised kernel's build variants (each tile's products and softmax in turn; the
     # warpgroups taking turns) in the attention benchmark.
@@ -398,10 +398,11 @@ step_wgmma() {
 }
 
 # The 27B prefill at 4K / 32K / 128K on Hopper's attention prefill kernels (bf16, and int4 weights with fp8 KV
-# at 24 GiB): wide: mma.sync; default: wgmma (attn_prefill_wg); ws: the warp-specialised kernel.
+# at 24 GiB): wide: mma.sync; wg: the warpgroup kernel; ws: the warp-specialised kernel (the default picks
+# ws over bf16 KV, wg over fp8).
 step_wgmma-bench() {
     local v
-    for v in wide default ws; do
+    for v in wide wg ws; do
         # shellcheck disable=SC2086 # word lists of arguments
         DELTASERVE_ATTN_PREFILL=$v ds "wgmma-$v" 300 bench $Q27 --prompts 4096,32768,131072 --contexts 1024 \
             --batches 1 --verify-tokens 0 --short-chunks 0

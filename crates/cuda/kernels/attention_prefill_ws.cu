@@ -9,8 +9,8 @@
 //    box of 64 dims x min(page, 64) rows landing in the 128-byte-swizzled layout wgmma reads), into
 //    two stages of K and two of V, each with a full barrier (the copy's bytes) and an empty one (the
 //    consumer warps' releases). Boxes whose keys all lie past the tile's end are not copied.
-//  Consumers (warpgroups 1 and 2, registers raised to 240): 64 packed rows each, as attn_prefill_wg's
-//    warpgroups. Each issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together and runs the softmax of S_j
+//  Consumers (warpgroups 1 and 2, registers raised to 240): 64 packed rows each, as
+//    attn_prefill_wg's warpgroups. Each issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together and runs the softmax of S_j
 //    while P_{j-1} V_{j-1} is still on the tensor cores, then rescales O (P of consecutive tiles in two
 //    register arrays, so no product's operands are overwritten early); a K stage is released once its S
 //    is done, a V stage once its P V is. The two warpgroups are not ordered against each other: one's
@@ -19,8 +19,8 @@
 //    WS_PINGPONG=1 makes the warpgroups take turns issuing their products (named barriers 4 and 5).
 // Quantised K and/or V (fp8, int8, int4; mixed): thread 0 copies a tile's codes (a 2-D map of the
 //    cache's bytes, box rowb x rows) into one stage of codes; the whole producer warpgroup (registers
-//    lowered to 32) widens them into the bf16 stage's swizzled tile, writes
-//    the tile's f32 scales beside it and publishes the stage; the consumers scale S's key columns by the
+//    still 24) widens them into the bf16 stage's swizzled tile, writes the tile's f32 scales beside
+//    it and publishes the stage; the consumers scale S's key columns by the
 //    K scales and fold the V scales into P before its bf16 rounding, as attn_prefill_wg does.
 // V rows past the block's last key (a partial last tile: stale rows of its last page, or boxes not
 // copied) are zeroed before P V (P is 0 there; 0 * a stale NaN is not): by each consumer warpgroup for
@@ -31,7 +31,8 @@
 // Launch: grid (Hkv, n_tiles, n_split) (attn_prefill_wg's with its first two dims swapped: every kv
 // head's heaviest tiles start first), block 384; kmap / vmap encoded by the launcher for this layer's
 // cache, boxes of `box_rows` rows (ops/attention.rs tma_box_rows: the page where it divides 64 keys,
-// from 8; 64 where 64 divides the page). Chosen with DELTASERVE_ATTN_PREFILL=ws (AttnTiling::tma).
+// from 8; 64 where 64 divides the page). Hopper's default over a bf16 cache (AttnTiling::tma; over quantised
+// caches ops/attention.rs producer_copies keeps attn_prefill_wg, DELTASERVE_ATTN_PREFILL=ws runs this one).
 
 #ifndef WS_OVERLAP
 #define WS_OVERLAP 1
@@ -40,6 +41,19 @@
 #define WS_PINGPONG 0
 #endif
 #define WS_NT 384
+// Registers a thread after the warpgroups re-divide the block's: the launch gives 168 to each of the 384
+// threads (__launch_bounds__(384, 1)), and a setmaxnreg.inc waits until the block has released enough
+// with setmaxnreg.dec, so the producer's and the consumers' counts together must stay within the
+// launch's (an increase past it waits on registers no warp releases: the block hangs once another block
+// holds the SM's remaining registers). ptxas fits the producer's widening of codes in 24 without spills;
+// 32 for it with 240 for the consumers hung the 27B's fp8-KV prefill on the H200.
+#define WS_LAUNCH_REGS 168
+#define WS_PRODUCER_REGS 24
+#define WS_CONSUMER_REGS 240
+static_assert(WS_PRODUCER_REGS * 128 + WS_CONSUMER_REGS * 256 <= WS_LAUNCH_REGS * WS_NT,
+              "the warpgroups' registers exceed the launch's: setmaxnreg.inc would never return");
+#define WS_STR2(x) #x
+#define WS_STR(x) WS_STR2(x)
 #define WS_MAT (WG_BK * HD * 2)
 #define WS_BAR_BYTES 128  // 9 barriers, padded
 
@@ -263,7 +277,7 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
     if (tid < 128) {
         // Producer warpgroup: thread 0 copies each tile's codes (and a bf16 matrix's tile) with the TMA;
         // all 128 threads widen the codes into the bf16 stage and write the tile's scales.
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n" ::: "memory");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 " WS_STR(WS_PRODUCER_REGS) ";\n" ::: "memory");
         ws_produce_quantised(kmap, vmap, k_scales, v_scales, block_tables + (long long)wt.s * max_blocks, page,
                              box_rows, Hkv, hkv, kend, jb, je, ks0, vs0, bars, codes, sc_f, tid,
                              ws_smem + (codes - smem_addr(ws_smem)));
@@ -273,7 +287,7 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
     (void)code_full;
     if (tid < 128) {
         // Producer warpgroup: one thread issues every copy; the rest leave.
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 " WS_STR(WS_PRODUCER_REGS) ";\n" ::: "memory");
         if (tid != 0) return;
         const int* bt = block_tables + (long long)wt.s * max_blocks;
         const int pshift = (page & (page - 1)) == 0 ? __ffs(page) - 1 : -1;
@@ -314,7 +328,7 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
 #endif
 
     // Consumers.
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 " WS_STR(WS_CONSUMER_REGS) ";\n" ::: "memory");
     const int ct = tid - 128, cw = ct >> 7, warp = (ct >> 5) & 3, lane = ct & 31;
     const int g = lane >> 2, tg = lane & 3;
     wide_load_q<256>(q, wt, q_tok, q_head, ct, [&](int r, int ch) { return sbase + wg_swz(r, ch, WG_ROWS); });

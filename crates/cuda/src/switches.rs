@@ -25,9 +25,12 @@ pub struct Switches {
     /// (mma.sync, Ampere's path) instead of the warpgroup one (`attn_prefill_wg`, wgmma from an sm_90a
     /// build of the attention module; [`crate::AttnTiling::wgmma`]).
     pub attn_prefill_wide: bool,
-    /// `DELTASERVE_ATTN_PREFILL=ws`: on Hopper, attention prefill runs the warp-specialised kernel
-    /// (`attn_prefill_ws`: a TMA producer warpgroup, two consumer warpgroups; [`crate::AttnTiling::tma`])
-    /// instead of the warpgroup one whose threads all load and compute.
+    /// `DELTASERVE_ATTN_PREFILL=wg`: on Hopper, attention prefill runs the warpgroup kernel whose threads
+    /// all load and compute (`attn_prefill_wg`) instead of the warp-specialised one (`attn_prefill_ws`: a
+    /// TMA producer warpgroup, two consumer warpgroups; [`crate::AttnTiling::tma`]).
+    pub attn_prefill_wg: bool,
+    /// `DELTASERVE_ATTN_PREFILL=ws`: on Hopper, the warp-specialised kernel over a quantised cache too
+    /// (by default the warpgroup one runs there: [`crate::ops::attention::producer_copies`]).
     pub attn_prefill_ws: bool,
     /// `DELTASERVE_NVRTC_OPTIONS`: extra NVRTC options (split at whitespace) for every kernel module,
     /// e.g. `-DNAME=VALUE` for a switch a kernel file reads under `#ifndef`.
@@ -91,6 +94,7 @@ impl Switches {
             verify_attn_rows: var("DELTASERVE_VERIFY_ATTN").is_some_and(|v| v == "rows"),
             attn_prefill_pair: var("DELTASERVE_ATTN_PREFILL").is_some_and(|v| v == "pair"),
             attn_prefill_wide: var("DELTASERVE_ATTN_PREFILL").is_some_and(|v| v == "wide"),
+            attn_prefill_wg: var("DELTASERVE_ATTN_PREFILL").is_some_and(|v| v == "wg"),
             attn_prefill_ws: var("DELTASERVE_ATTN_PREFILL").is_some_and(|v| v == "ws"),
             nvrtc_options: var("DELTASERVE_NVRTC_OPTIONS")
                 .map(|v| v.split_whitespace().map(str::to_string).collect())
@@ -183,6 +187,7 @@ mod tests {
         assert_eq!(s.short_chunk_decode_from, Some(8192));
         assert!(!s.attn_prefill_wide);
         assert!(from(&[("DELTASERVE_ATTN_PREFILL", "wide")]).attn_prefill_wide);
+        assert!(from(&[("DELTASERVE_ATTN_PREFILL", "wg")]).attn_prefill_wg);
         assert!(from(&[("DELTASERVE_ATTN_PREFILL", "ws")]).attn_prefill_ws);
     }
 

@@ -164,20 +164,21 @@ pub struct AttnTiling {
     /// With [`AttnTiling::wgmma`]: the warp-specialised kernel (`attn_prefill_ws`: a producer warpgroup
     /// copying K/V tiles with the tensor memory accelerator and widening quantised ones, two consumer
     /// warpgroups) where its shared memory fits and the page size allows its boxes; elsewhere
-    /// `attn_prefill_wg`.
-    /// Off by default (`DELTASERVE_ATTN_PREFILL=ws` turns it on) until a GPU has measured it.
+    /// `attn_prefill_wg` (`DELTASERVE_ATTN_PREFILL=wg` asks for that one).
     pub tma: bool,
 }
 
 impl AttnTiling {
-    /// On Hopper the warpgroup kernel (`attn_prefill_wg`, [`AttnTiling::wgmma`]); elsewhere the wide
+    /// On Hopper the warp-specialised kernel (`attn_prefill_ws`, [`AttnTiling::tma`]: 1.2× the
+    /// warpgroup one's 27B bf16 prefill at 128K; over quantised caches `Kernels::load_kv` keeps the
+    /// warpgroup one, bench/results/attention-prefill-ws-2026-12-05.md); elsewhere the wide
     /// kernel at 64 keys per tile where it applies and fits, else at 32 (sm_80);
     /// elsewhere (sm_86/89: 99 KB of shared memory per block) `attn_prefill` at 32-key tiles. Plain
     /// bf16 P (FlashAttention's choice: its rounding moves o by about 2^-9 of |v|; 17% faster than
     /// the hi/lo split on the H200), 6 heads per block at the 27B's GQA 6 for `attn_prefill`
     /// (bench/results/attention-pairs-h200-2026-11-29.md).
     pub const DEFAULT: AttnTiling =
-        AttnTiling { keys: 64, p_split: false, heads: 0, wide: true, wgmma: true, tma: false };
+        AttnTiling { keys: 64, p_split: false, heads: 0, wide: true, wgmma: true, tma: true };
 
     /// The default heads per block: the largest divisor of the GQA group up to 6 (2 warps per head;
     /// 12 warps at most, so 168 registers per thread still fit one block per SM).

@@ -83,6 +83,15 @@ fn tma_applies(d: &KernelDims, kv: &KvFormats, max_smem: usize) -> bool {
     ws_smem_bytes(d, kv) <= max_smem
 }
 
+/// Whether Hopper's attention prefill runs the warp-specialised kernel (`attn_prefill_ws`, its producer
+/// copying K/V tiles) by default over a cache in `kv`: over bf16 K and V (27B bf16 prefill at 128K 1.21×
+/// the warpgroup kernel's on the H200, 1.22× on the H100), not where either is quantised (there its
+/// producer warpgroup widening the codes is the bottleneck: int4 weights + fp8 KV at 24 GiB, 128K 0.87×
+/// on the H100; bench/results/attention-prefill-ws-2026-12-05.md).
+pub fn producer_copies(kv: &KvFormats) -> bool {
+    *kv == KvFormats::BF16
+}
+
 /// Rows of `attn_prefill_ws`'s copy boxes over pages of `page` keys: the page where it divides a 64-key
 /// tile (from 8 keys: a box's rows start on the 128-byte swizzle's 1024-byte atoms), 64 where 64 divides
 /// the page; None otherwise (`attn_prefill_wg` runs).
@@ -662,8 +671,8 @@ mod tests {
 
     #[test]
     fn the_warpgroup_kernel_runs_on_hopper_only() {
-        let t = AttnTiling::DEFAULT;
-        assert!(t.wgmma, "the default on Hopper");
+        let t = AttnTiling { tma: false, ..AttnTiling::DEFAULT };
+        assert!(t.wgmma, "Hopper's tensor-core instructions by default");
         // Q 64 KiB + 2 stages of 64-key K and V + the alignment slack: 193 KiB, inside the H100's 227.
         assert_eq!(wg_smem_bytes(&D, &KvFormats::BF16), 1024 + 65_536 + 131_072);
         // fp8: code stages, then the converted bf16 tiles and the f32 scales.
@@ -692,8 +701,8 @@ mod tests {
 
     #[test]
     fn the_warp_specialised_kernel_runs_on_hopper_where_it_fits() {
-        let t = AttnTiling { tma: true, ..AttnTiling::DEFAULT };
-        const { assert!(!AttnTiling::DEFAULT.tma, "opt-in until measured") };
+        let t = AttnTiling::DEFAULT;
+        const { assert!(AttnTiling::DEFAULT.tma, "Hopper's default: measured faster on the H200") };
         // Q 64 KiB + 2 K and 2 V stages of 64 keys + the alignment slack + the barriers.
         assert_eq!(ws_smem_bytes(&D, &KvFormats::BF16), 1024 + 65_536 + 131_072 + 128);
         // Codes: the tiles' scales and one stage of 64 rows of each quantised matrix (fp8 / fp8: 225.1 KiB).
@@ -707,6 +716,8 @@ mod tests {
             assert_eq!(prefill_kernel_smem(&D, &kv, &h), ws_smem_bytes(&D, &kv));
             assert!(ws_smem_bytes(&D, &kv) <= H100, "{kv:?}");
         }
+        // By default only over bf16 K and V (Kernels::load_kv).
+        assert!(producer_copies(&KvFormats::BF16) && !producer_copies(&FP8) && !producer_copies(&int4_bf16));
         // Other GPUs, the wide kernel asked for: no TMA producer.
         let o = resolve_tiling(&D, &KvFormats::BF16, t, (8, 0), H100);
         assert!(!o.tma && prefill_kernel(&o) != "attn_prefill_ws", "{o:?}");

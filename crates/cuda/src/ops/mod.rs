@@ -80,14 +80,22 @@ impl Kernels {
     /// [`Kernels::load`] with the attention kernels reading a KV cache stored in `kv`. The default
     /// tiling, or with `DELTASERVE_ATTN_PREFILL=pair` the warp-pair prefill kernel (`attn_prefill`,
     /// 32-key tiles) instead of the wide one: an A/B switch for comparing the two end to end; with
-    /// `DELTASERVE_ATTN_PREFILL=wide` the wide kernel on Hopper too, instead of the warpgroup one; with
-    /// `DELTASERVE_ATTN_PREFILL=ws` the warp-specialised one over a bf16 cache (`attn_prefill_ws`).
+    /// `DELTASERVE_ATTN_PREFILL=wide` the wide kernel on Hopper too, instead of the warp-specialised or
+    /// warpgroup one ([`attention::producer_copies`] chooses by the cache's formats);
+    /// `DELTASERVE_ATTN_PREFILL=wg` the warpgroup one whose threads all load (`attn_prefill_wg`),
+    /// `DELTASERVE_ATTN_PREFILL=ws` the warp-specialised one (`attn_prefill_ws`) over any cache.
     pub fn load_kv(rt: &Runtime, dims: KernelDims, kv: KvFormats) -> Result<Kernels, CudaError> {
         let s = Switches::get();
         let tiling = if s.attn_prefill_pair {
             AttnTiling { keys: 32, wide: false, ..AttnTiling::DEFAULT }
         } else {
-            AttnTiling { wgmma: !s.attn_prefill_wide, tma: s.attn_prefill_ws, ..AttnTiling::DEFAULT }
+            let d = AttnTiling::DEFAULT;
+            let tma = match (s.attn_prefill_ws, s.attn_prefill_wg) {
+                (true, _) => true,
+                (_, true) => false,
+                _ => attention::producer_copies(&kv),
+            };
+            AttnTiling { wgmma: d.wgmma && !s.attn_prefill_wide, tma: d.tma && tma, ..d }
         };
         Self::load_tiled(rt, dims, kv, tiling)
     }

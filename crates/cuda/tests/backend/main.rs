@@ -504,7 +504,17 @@ fn every_row_logits_match_the_cpu() {
     assert_eq!(got.len(), 8 * vocab, "6 rows of the scored chunk, one of each other");
     let mut s = Score::default();
     s.add(&got, &want, vocab);
-    s.check("every row's logits beside a prompt and a decode");
+    // Eight rows, six of them a prompt's first positions: the median is one row's bf16 error (4.3e-2
+    // measured on the H200), so each row is held to the row bound, and to being its own position's: a
+    // row from another position or sequence is ~1.4 away in L2 on this random model.
+    s.check_with("every row's logits beside a prompt and a decode", Bounds { median: TOL_ROW, ..BF16 });
+    for (i, row) in got.chunks_exact(vocab).enumerate() {
+        let nearest = (0..8).min_by(|&a, &b| {
+            let d = |j: usize| rel_l2(row, &want[j * vocab..(j + 1) * vocab]);
+            d(a).total_cmp(&d(b))
+        });
+        assert_eq!(nearest, Some(i), "row {i} is nearest another row of the CPU's");
+    }
     // Nine rows: one more than the logits region holds.
     let mut over = chunk(3, &pages(120, 200), 0, &random_tokens(&mut rng, 9, vocab));
     over.all_logits = true;

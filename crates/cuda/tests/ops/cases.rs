@@ -98,17 +98,18 @@ pub(crate) fn wide(seqs: &[(usize, usize)], hq: usize, hkv: usize, page: usize, 
     Op::AttnPrefillTiled { seqs: seqs.to_vec(), hq, hkv, page, tiling }
 }
 
-/// A prefill case on the warpgroup kernel (`attn_prefill_wg`, the default on Hopper; elsewhere the tiling
-/// resolves to the wide kernel and the case checks that). Quantised caches: the `kv_q+attn_prefill` cases.
+/// A prefill case on the warpgroup kernel (`attn_prefill_wg`, Hopper's without the TMA producer;
+/// elsewhere the tiling resolves to the wide kernel and the case checks that). Quantised caches: the
+/// `kv_q+attn_prefill` cases.
 pub(crate) fn wg(seqs: &[(usize, usize)], hq: usize, hkv: usize, page: usize) -> Op {
-    Op::AttnPrefillTiled { seqs: seqs.to_vec(), hq, hkv, page, tiling: AttnTiling::DEFAULT }
+    let tiling = AttnTiling { tma: false, ..AttnTiling::DEFAULT };
+    Op::AttnPrefillTiled { seqs: seqs.to_vec(), hq, hkv, page, tiling }
 }
 
-/// [`wg`] on the warp-specialised kernel (`attn_prefill_ws`, a TMA producer) where the page size allows
-/// its copy boxes (else `attn_prefill_wg`).
+/// [`wg`] on the warp-specialised kernel (`attn_prefill_ws`, a TMA producer: the default on Hopper) where
+/// the page size allows its copy boxes (else `attn_prefill_wg`).
 pub(crate) fn ws(seqs: &[(usize, usize)], hq: usize, hkv: usize, page: usize) -> Op {
-    let tiling = AttnTiling { tma: true, ..AttnTiling::DEFAULT };
-    Op::AttnPrefillTiled { seqs: seqs.to_vec(), hq, hkv, page, tiling }
+    Op::AttnPrefillTiled { seqs: seqs.to_vec(), hq, hkv, page, tiling: AttnTiling::DEFAULT }
 }
 
 /// A quantised-KV case (see [`Op::KvQ`]).

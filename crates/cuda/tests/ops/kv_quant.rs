@@ -115,8 +115,9 @@ pub fn kvq_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
     let kvp = pages(&w, (kc, vc), paged.num_blocks);
     let scales = attention::KvScales { k: ksc, v: vsc };
     // Prefill also runs on attn_prefill (the kernel of GPUs without room for the wide one) into op2,
-    // and on Hopper, where the default is the warpgroup kernel, on the wide kernel into op3 and on the
-    // warp-specialised one (its TMA producer widening the codes) into op4.
+    // and on Hopper, where the default is the warp-specialised kernel, on the wide kernel into op3 and
+    // on the Hopper kernel the default is not (the warpgroup one, or the warp-specialised one with its
+    // TMA producer widening the codes) into op4.
     let (mut op2, mut op3, mut op4) = (None, None, None);
     match n_split {
         None => {
@@ -134,11 +135,14 @@ pub fn kvq_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
                 attention::attn_prefill_q(&kw, s, &prefill_args(d, &kw, &q, o3, kvp)?, &scales)?;
                 op3 = Some(o3);
             }
-            let ks = Kernels::load_tiled(rt, k.dims, kv, AttnTiling { tma: true, ..AttnTiling::DEFAULT })?;
-            if attention::prefill_kernel_at(&ks, kvp.page) == "attn_prefill_ws" {
-                let o4 = d.poison(2 * n)?;
-                attention::attn_prefill_q(&ks, s, &prefill_args(d, &ks, &q, o4, kvp)?, &scales)?;
-                op4 = Some(o4);
+            for tma in [true, false] {
+                let ks = Kernels::load_tiled(rt, k.dims, kv, AttnTiling { tma, ..AttnTiling::DEFAULT })?;
+                let name = attention::prefill_kernel_at(&ks, kvp.page);
+                if ks.attn.wgmma && name != attention::prefill_kernel_at(&kq, kvp.page) {
+                    let o4 = d.poison(2 * n)?;
+                    attention::attn_prefill_q(&ks, s, &prefill_args(d, &ks, &q, o4, kvp)?, &scales)?;
+                    op4 = Some((name, o4));
+                }
             }
         }
         Some(n_split) if seqs.iter().any(|&(_, n)| n > 1) => {
@@ -184,8 +188,8 @@ pub fn kvq_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
     if let Some(op3) = op3 {
         out.push(compare("o (the wide kernel)", &r, &d.get_bf16(op3, n)?, tol));
     }
-    if let Some(op4) = op4 {
-        out.push(compare("o (attn_prefill_ws)", &r, &d.get_bf16(op4, n)?, tol));
+    if let Some((name, op4)) = op4 {
+        out.push(compare(&format!("o ({name})"), &r, &d.get_bf16(op4, n)?, tol));
     }
     Ok(out)
 }
