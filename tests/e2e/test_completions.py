@@ -244,3 +244,61 @@ def test_missing_prompt(http):
 
 def test_out_of_vocab_token_id(http):
     util.assert_openai_error(http.post(COMPL, json=body(prompt=[1, 2, 10_000_000])), 400)
+
+
+A, B = 65, 66  # two ids of the demo vocabulary's byte tokens
+
+
+def detok(http, ids):
+    r = http.post("/detokenize", json={"model": util.MODEL, "tokens": ids})
+    assert r.status_code == 200, r.text
+    return r.json()["prompt"]
+
+
+def test_logit_bias_lifts_and_bans_tokens(http):
+    a, b = detok(http, [A]), detok(http, [B])
+    forced = post(http, max_tokens=6, logit_bias={str(A): 100, str(B): 90}, **util.greedy())["choices"][0]
+    assert forced["text"] == a * 6, forced
+    # llama.cpp's list form, with `false` banning an id: "B" then comes out.
+    banned = post(http, max_tokens=6, logit_bias=[[A, False], [B, 90]], **util.greedy())["choices"][0]
+    assert banned["text"] == b * 6, banned
+    full = post(http, max_tokens=8, **util.greedy())["choices"][0]["text"]
+    assert post(http, max_tokens=8, logit_bias={}, **util.greedy())["choices"][0]["text"] == full
+
+
+def test_stop_token_ids_and_min_tokens(http):
+    a = detok(http, [A])
+    # The forced token is a stop id: the reply ends at once, with its text (a stop id that is not a special
+    # token stays in the output, as in vLLM).
+    kw = dict(logit_bias={str(A): 100}, stop_token_ids=[A], **util.greedy())
+    one = post(http, max_tokens=8, **kw)
+    assert (one["choices"][0]["text"], one["choices"][0]["finish_reason"]) == (a, "stop"), one
+    assert one["usage"]["completion_tokens"] == 1
+    # min_tokens bans the stop ids (the +100 bias notwithstanding) until 3 tokens are out: the 4th is it.
+    four = post(http, max_tokens=8, min_tokens=3, logprobs=0, **kw)
+    assert four["choices"][0]["finish_reason"] == "stop" and four["usage"]["completion_tokens"] == 4, four
+    assert a not in four["choices"][0]["logprobs"]["tokens"][:3]
+    # Nor does a stop string end the reply before min_tokens.
+    full = post(http, max_tokens=40, **util.greedy())["choices"][0]["text"]
+    stop = util.pick_stop(full)
+    held = post(http, max_tokens=40, stop=[stop], min_tokens=40, **util.greedy())["choices"][0]
+    assert (held["text"], held["finish_reason"]) == (full, "length")
+    # The chat endpoint takes the same fields.
+    chat = http.post("/v1/chat/completions", json={
+        "model": util.MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, **kw, **util.no_think()})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["finish_reason"] == "stop" and chat.json()["usage"]["completion_tokens"] == 1
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"logit_bias": {"65": 101}}, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"10000000": 1}}, "logit_bias"),
+    ({"logit_bias": [[65]]}, "logit_bias"),
+    ({"logit_bias": "65"}, "logit_bias"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"min_tokens": 9}, "min_tokens"),
+    ({"min_tokens": 2, "guided_choice": ["yes", "no"]}, "min_tokens"),
+])
+def test_bad_bias_and_stop_fields(http, extra, param):
+    util.assert_openai_error(http.post(COMPL, json=body(**extra)), 400, param)

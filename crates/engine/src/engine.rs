@@ -298,6 +298,18 @@ impl EngineHandle {
         }
         let choices = choices::requests(&req, n)?;
         req.sampling.validate().map_err(EngineError::Invalid)?;
+        if req.sampling.min_tokens > req.max_tokens {
+            return Err(EngineError::Invalid(format!(
+                "`min_tokens` ({}) must be at most `max_tokens` ({})",
+                req.sampling.min_tokens, req.max_tokens
+            )));
+        }
+        if let Some(&(id, _)) = req.sampling.logit_bias.iter().find(|(id, _)| *id as usize >= self.inner.vocab) {
+            return Err(EngineError::Invalid(format!(
+                "`logit_bias` names token {id}, outside the vocabulary of {} ids",
+                self.inner.vocab
+            )));
+        }
         images::place(&req.prompt, &req.images, self.inner.images)?;
         if req.prompt_logprobs.is_some() && !self.inner.prompt_logits {
             return Err(EngineError::Invalid(NO_PROMPT_LOGPROBS.into()));

@@ -4,7 +4,9 @@
 //! follow vLLM's:
 //! - `repetition_penalty` p over prompt + generated tokens: a positive logit is divided by p, a negative one multiplied;
 //! - `presence_penalty` / `frequency_penalty` over generated tokens: `logit −= presence·[count>0] + frequency·count`;
-//! - top-k keeps the k most likely, top-p the smallest set whose mass reaches p, min-p drops tokens below `min_p · p_max`.
+//! - top-k keeps the k most likely, top-p the smallest set whose mass reaches p, min-p drops tokens below `min_p · p_max`;
+//! - `logit_bias` adds its value to its id's logit (after the penalties; -100 all but bans it);
+//! - `min_tokens`: the request's stop ids cannot be picked before that many tokens are generated.
 //!
 //! Ids at or beyond `valid_vocab` (padding rows of the embedding) are never chosen.
 
@@ -32,6 +34,10 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     /// Seed of this request's RNG (None: drawn from the OS).
     pub seed: Option<u64>,
+    /// Added to the logits of these ids (id, bias in [-100, 100]); each id once.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// The stop ids ([`Sampler::banning_stops`]) are not picked before this many tokens are generated.
+    pub min_tokens: usize,
 }
 
 impl Default for SamplingParams {
@@ -45,6 +51,8 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: None,
+            logit_bias: Vec::new(),
+            min_tokens: 0,
         }
     }
 }
@@ -75,6 +83,13 @@ impl SamplingParams {
             "in [-2, 2]",
             self.frequency_penalty,
         )?;
+        let mut ids = std::collections::HashSet::new();
+        for &(id, b) in &self.logit_bias {
+            check((-100.0..=100.0).contains(&b), "logit_bias", "in [-100, 100]", b)?;
+            if !ids.insert(id) {
+                return Err(format!("`logit_bias` names token {id} twice"));
+            }
+        }
         Ok(())
     }
 
@@ -101,6 +116,9 @@ pub struct Sampler {
     folded_last: Option<u32>,
     /// A draw given back ([`Sampler::unread`]), taken by the next row.
     unread: Option<f32>,
+    /// Tokens generated so far, and the ids banned until there are `min_tokens` of them.
+    produced: usize,
+    banned: Vec<u32>,
 }
 
 impl Sampler {
@@ -118,7 +136,30 @@ impl Sampler {
             folded: 0,
             folded_last: None,
             unread: None,
+            produced: 0,
+            banned: Vec::new(),
         }
+    }
+
+    /// Bans `stop_ids` (the request's end-of-sequence and stop ids) until `min_tokens` tokens are
+    /// generated: their logits are -inf in every row before then.
+    pub fn banning_stops(mut self, stop_ids: &[u32]) -> Self {
+        if self.params.min_tokens > 0 {
+            self.banned = stop_ids.iter().copied().filter(|&id| (id as usize) < self.valid_vocab).collect();
+            self.banned.sort_unstable();
+            self.banned.dedup();
+        }
+        self
+    }
+
+    /// Whether the stop ids are still banned (fewer than `min_tokens` tokens generated).
+    fn banning(&self) -> bool {
+        !self.banned.is_empty() && self.produced < self.params.min_tokens
+    }
+
+    /// Whether fewer than `min_tokens` tokens have been generated: stop strings do not end the reply yet.
+    pub fn below_min_tokens(&self) -> bool {
+        self.produced < self.params.min_tokens
     }
 
     /// Folds the context tokens not folded yet into the repetition penalty's ids (no-op without one).
@@ -148,11 +189,11 @@ impl Sampler {
         self.folded_last = context.last().copied();
     }
 
-    /// Whether a row's rule does not depend on the context (no penalties): the next step's row can be
-    /// made before this step's pick is known.
+    /// Whether a row's rule does not depend on the context (no penalties, no stop ids banned by
+    /// `min_tokens` yet): the next step's row can be made before this step's pick is known.
     pub fn context_free(&self) -> bool {
         let p = &self.params;
-        p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
+        p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 && !self.banning()
     }
 
     /// Gives back the draw of a `row` that was not used (its step did not run): the next row draws it
@@ -165,6 +206,7 @@ impl Sampler {
 
     /// Records a generated token (for presence/frequency penalties).
     pub fn observe(&mut self, id: u32) {
+        self.produced += 1;
         let at = *self.generated_at.entry(id).or_insert(self.generated.len());
         match self.generated.get_mut(at) {
             Some(g) => g.1 += 1,
@@ -205,15 +247,18 @@ impl Sampler {
         }
     }
 
-    /// The penalties: the folded context's ids (with a repetition penalty), then the generated ones
-    /// (with presence / frequency penalties). An id may have one entry of each kind; the repeated ones
-    /// come first, as [`RowSampling::apply_penalties`] wants. No lookups: a step copies two lists.
+    /// The penalties: the folded context's ids (with a repetition penalty), then one subtrahend per id:
+    /// the generated ones' (with presence / frequency penalties), minus the logit bias, +inf for a banned
+    /// stop id. An id may have one entry of each kind; the repeated ones come first, as
+    /// [`RowSampling::apply_penalties`] wants (and the device applies the subtrahends in parallel). Without
+    /// a bias or a ban, no lookups: a step copies two lists.
     fn penalties(&self) -> Vec<Penalty> {
         let p = &self.params;
         let mut out = Vec::new();
         if p.repetition_penalty != 1.0 {
             out.extend(self.repeated.iter().map(|&id| Penalty { id, repeated: true, subtract: 0.0 }));
         }
+        let first_sub = out.len();
         if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
             let sub = |c: u32| p.presence_penalty + p.frequency_penalty * c as f32;
             out.extend(
@@ -223,6 +268,22 @@ impl Sampler {
                     subtract: sub(c),
                 }),
             );
+        }
+        let banned = if self.banning() { &self.banned[..] } else { &[] };
+        if p.logit_bias.is_empty() && banned.is_empty() {
+            return out;
+        }
+        let mut at: HashMap<u32, usize> =
+            out[first_sub..].iter().enumerate().map(|(i, e)| (e.id, first_sub + i)).collect();
+        let extra = p.logit_bias.iter().map(|&(id, b)| (id, -b)).chain(banned.iter().map(|&id| (id, f32::INFINITY)));
+        for (id, sub) in extra.filter(|&(id, _)| (id as usize) < self.valid_vocab) {
+            match at.get(&id) {
+                Some(&i) => out[i].subtract += sub,
+                None => {
+                    at.insert(id, out.len());
+                    out.push(Penalty { id, repeated: false, subtract: sub });
+                }
+            }
         }
         out
     }
@@ -287,9 +348,9 @@ impl Sampler {
         self.params.is_greedy()
     }
 
-    /// Whether [`Sampler::sample`] is the plain argmax of the row (greedy, no penalty to apply).
+    /// Whether [`Sampler::sample`] is the plain argmax of the row (greedy, no penalty or bias to apply).
     pub fn picks_argmax(&self) -> bool {
-        self.params.is_greedy() && self.context_free()
+        self.params.is_greedy() && self.context_free() && self.params.logit_bias.is_empty()
     }
 }
 
@@ -346,6 +407,51 @@ mod tests {
         // The same as a sampler that sees the last context first.
         let mut fresh = Sampler::new(params, 8);
         assert_eq!(ids(&fresh.row(&[2, 4, 6])), [2, 4, 6]);
+    }
+
+    #[test]
+    fn logit_bias_adds_to_the_logits_with_one_entry_per_id() {
+        let params = SamplingParams {
+            frequency_penalty: 1.0,
+            logit_bias: vec![(1, -100.0), (2, 5.0), (9, 50.0)],
+            ..SamplingParams::greedy()
+        };
+        let mut s = sampler(params);
+        assert!(!s.picks_argmax(), "a biased greedy row is not the plain argmax");
+        s.observe(2);
+        let row = s.row(&[2]);
+        // Token 2 has its frequency penalty and its bias in one entry (the device applies entries in
+        // parallel); id 9 is padding and is dropped.
+        let mut subs: Vec<(u32, f32)> = row.penalties.iter().map(|p| (p.id, p.subtract)).collect();
+        subs.sort_by_key(|e| e.0);
+        assert_eq!(subs, [(1, 100.0), (2, 1.0 - 5.0)]);
+        let mut logits = vec![0.0, 9.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0];
+        assert_eq!(s.sample(&mut logits, &[2]), 2, "the bias lifts 2 over 3 and bans 1");
+        assert_eq!(logits[1], -91.0);
+        let bad = SamplingParams { logit_bias: vec![(3, 101.0)], ..SamplingParams::greedy() };
+        assert!(bad.validate().unwrap_err().contains("logit_bias"));
+        let twice = SamplingParams { logit_bias: vec![(3, 1.0), (3, 2.0)], ..SamplingParams::greedy() };
+        assert!(twice.validate().unwrap_err().contains("twice"));
+    }
+
+    #[test]
+    fn min_tokens_bans_the_stop_ids_until_enough_tokens_are_out() {
+        let params = SamplingParams { min_tokens: 2, presence_penalty: 2.0, ..SamplingParams::greedy() };
+        let mut s = Sampler::new(params, 8).banning_stops(&[0, 7, 99]);
+        let logits = vec![9.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0, 8.0];
+        assert!(!s.context_free(), "the next row depends on how many tokens are out");
+        assert_eq!(s.sample(&mut logits.clone(), &[]), 2, "neither stop id while none is out");
+        s.observe(2);
+        assert!(s.below_min_tokens());
+        let banned = |s: &mut Sampler| s.row(&[]).penalties.iter().filter(|p| p.subtract.is_infinite()).count();
+        assert_eq!(banned(&mut s), 2, "ids past the vocabulary are not banned");
+        assert_eq!(s.sample(&mut logits.clone(), &[]), 1, "the presence penalty demotes 2, the stop ids stay banned");
+        s.observe(1);
+        assert!(!s.below_min_tokens() && banned(&mut s) == 0);
+        assert_eq!(s.sample(&mut logits.clone(), &[]), 0, "the end of sequence is allowed from then on");
+        // Without min_tokens the stop ids are never banned, and the sampler stays context-free.
+        let plain = Sampler::new(SamplingParams::greedy(), 8).banning_stops(&[0]);
+        assert!(plain.context_free() && plain.picks_argmax());
     }
 
     #[test]

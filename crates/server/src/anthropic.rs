@@ -307,6 +307,7 @@ async fn messages_inner(
             sampling,
             stop: req.stop_sequences.clone().unwrap_or_default(),
             ignore_eos: false,
+            stop_token_ids: Vec::new(),
             logprobs: None,
             images,
             state: st,

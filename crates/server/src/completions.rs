@@ -102,9 +102,10 @@ async fn completions_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -
             Limits {
                 chat: false,
                 max_tokens: if prompt_only { Some(1) } else { c.max_tokens.or(Some(16)) },
-                sampling: c.sampling(&st.sampling_defaults),
+                sampling: c.sampling(&st.sampling_defaults, st.tokenizer.vocab_size())?,
                 stop: c.stops(),
                 ignore_eos: c.ignore_eos.unwrap_or(false),
+                stop_token_ids: c.stop_token_ids(st.tokenizer.vocab_size())?,
                 logprobs: top,
                 images: Vec::new(),
                 state: st,
@@ -113,6 +114,7 @@ async fn completions_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -
         engine_req.prompt_logprobs = scored;
         let mut parsing = Parsing::default();
         if let Some((g, field)) = &guided {
+            c.min_tokens_unconstrained(field)?;
             engine_req.constraint = Some(structured::constraint(st, g, field, &mut parsing)?);
         }
         engine_req.progress = c.progress();

@@ -190,15 +190,17 @@ pub async fn start_chat(
         Limits {
             chat: true,
             max_tokens: c.max_completion_tokens.or(c.max_tokens),
-            sampling: c.sampling(&st.sampling_defaults),
+            sampling: c.sampling(&st.sampling_defaults, st.tokenizer.vocab_size())?,
             stop: c.stops(),
             ignore_eos: c.ignore_eos.unwrap_or(false),
+            stop_token_ids: c.stop_token_ids(st.tokenizer.vocab_size())?,
             logprobs,
             images,
             state: st,
         },
     )?;
     if let Some((g, field)) = &grammar {
+        c.min_tokens_unconstrained(field)?;
         engine_req.constraint = Some(structured::constraint(st, g, field, &mut parsing)?);
     }
     engine_req.progress = c.progress();

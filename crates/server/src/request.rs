@@ -49,6 +49,14 @@ pub struct CommonParams {
     /// vLLM's extension: every prompt token's log-probability (after the first) and this many most
     /// likely alternatives at each prompt position.
     pub prompt_logprobs: Option<i64>,
+    /// OpenAI's `{"token id": bias}` (llama.cpp's `[[id, bias | false], ...]` too): added to the
+    /// logits of those ids; -100 (or `false`) all but bans one.
+    pub logit_bias: Option<Value>,
+    /// vLLM's: the end-of-sequence and stop ids are not picked, nor do stop strings end the reply,
+    /// before this many tokens.
+    pub min_tokens: Option<u64>,
+    /// vLLM's: more ids that end the reply (the token is not part of the text), besides end of sequence.
+    pub stop_token_ids: Option<Vec<Value>>,
     pub user: Option<String>,
 }
 
@@ -108,6 +116,8 @@ pub struct Limits<'a> {
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
+    /// Ids that end the reply besides the end-of-sequence ones (which `ignore_eos` drops).
+    pub stop_token_ids: Vec<u32>,
     pub logprobs: Option<usize>,
     /// A chat prompt: the prefix cache snapshots it at its message starts ([`snapshot_points`]) and when
     /// it finishes.
@@ -130,12 +140,23 @@ pub fn build_request(prompt: Vec<u32>, l: Limits) -> Result<Request, ApiError> {
         // Fill the context exactly, as vLLM does (prompt + completion = max_model_len).
         None => max_context.saturating_sub(prompt.len()).max(1),
     };
+    if l.sampling.min_tokens > max_tokens {
+        let m = l.sampling.min_tokens;
+        return Err(ApiError::bad_param(
+            "min_tokens",
+            format!("`min_tokens` ({m}) must be at most `max_tokens` ({max_tokens})"),
+        ));
+    }
     let snapshot_points = if l.chat { snapshot_points(l.state, &prompt) } else { Vec::new() };
     Ok(Request {
         prompt,
         max_tokens,
         sampling: l.sampling,
-        stop_token_ids: if l.ignore_eos { Vec::new() } else { l.state.eos_ids.clone() },
+        stop_token_ids: {
+            let mut ids = if l.ignore_eos { Vec::new() } else { l.state.eos_ids.clone() };
+            ids.extend(l.stop_token_ids.iter().filter(|id| !ids.contains(id)).copied().collect::<Vec<_>>());
+            ids
+        },
         stop_strings: l.stop.into_iter().filter(|s| !s.is_empty()).collect(),
         logprobs: l.logprobs,
         snapshot_points,
@@ -148,9 +169,10 @@ pub fn build_request(prompt: Vec<u32>, l: Limits) -> Result<Request, ApiError> {
 }
 
 impl CommonParams {
-    /// Sampling parameters: the request's, else the model's defaults (`d`).
-    pub fn sampling(&self, d: &SamplingParams) -> SamplingParams {
-        SamplingParams {
+    /// Sampling parameters: the request's, else the model's defaults (`d`); `vocab`: the ids a
+    /// `logit_bias` may name.
+    pub fn sampling(&self, d: &SamplingParams, vocab: usize) -> Result<SamplingParams, ApiError> {
+        Ok(SamplingParams {
             temperature: self.temperature.unwrap_or(d.temperature),
             top_k: self.top_k.map_or(d.top_k, |k| if k > 0 { k as usize } else { 0 }),
             top_p: self.top_p.unwrap_or(d.top_p),
@@ -159,7 +181,24 @@ impl CommonParams {
             presence_penalty: self.presence_penalty.unwrap_or(d.presence_penalty),
             frequency_penalty: self.frequency_penalty.unwrap_or(d.frequency_penalty),
             seed: self.seed,
+            logit_bias: self.logit_bias.as_ref().map_or(Ok(Vec::new()), |b| logit_bias(b, vocab))?,
+            min_tokens: self.min_tokens.map_or(0, |m| usize::try_from(m).unwrap_or(usize::MAX)),
+        })
+    }
+
+    /// vLLM's `stop_token_ids`: each an id of the vocabulary (`vocab` ids).
+    pub fn stop_token_ids(&self, vocab: usize) -> Result<Vec<u32>, ApiError> {
+        let bad = |m: String| ApiError::bad_param("stop_token_ids", m);
+        let ids = self.stop_token_ids.as_deref().unwrap_or_default();
+        if ids.len() > 256 {
+            return Err(bad(format!("at most 256 `stop_token_ids`, got {}", ids.len())));
         }
+        ids.iter()
+            .map(|v| {
+                token_id(v, vocab)
+                    .ok_or_else(|| bad(format!("`stop_token_ids` holds {v}, not a token id below {vocab}")))
+            })
+            .collect()
     }
 
     /// The number of choices, `n`: 1..=`max_seqs` (the sequences that run at once).
@@ -182,6 +221,72 @@ impl CommonParams {
         }
         Ok(())
     }
+
+    /// Refuses `min_tokens` beside a structured output (`field`): the grammar may allow nothing but the
+    /// end of the reply before `min_tokens` are out.
+    pub fn min_tokens_unconstrained(&self, field: &str) -> Result<(), ApiError> {
+        match self.min_tokens {
+            Some(m) if m > 0 => Err(ApiError::bad_param(
+                "min_tokens",
+                format!(
+                    "`min_tokens` cannot be combined with `{field}` (a structured output ends where its grammar does)"
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The most ids a `logit_bias` may name.
+const MAX_LOGIT_BIAS: usize = 1024;
+
+/// A token id below `vocab` given as a JSON number or a string of digits (OpenAI's map keys).
+fn token_id(v: &Value, vocab: usize) -> Option<u32> {
+    let id = match v {
+        Value::Number(n) => n.as_u64()?,
+        Value::String(s) => s.trim().parse().ok()?,
+        _ => return None,
+    };
+    u32::try_from(id).ok().filter(|&id| (id as usize) < vocab)
+}
+
+/// `logit_bias` as (id, bias) pairs, each id once: OpenAI's object of token-id strings to numbers in
+/// [-100, 100], or llama.cpp's list of `[id, bias]` pairs where a bias of `false` bans the id (-100).
+fn logit_bias(v: &Value, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    let bad = |m: String| ApiError::bad_param("logit_bias", m);
+    let entries: Vec<(Value, &Value)> = match v {
+        Value::Null => Vec::new(),
+        Value::Object(m) => m.iter().map(|(k, b)| (Value::String(k.clone()), b)).collect(),
+        Value::Array(a) => a
+            .iter()
+            .map(|e| match e.as_array().map(Vec::as_slice) {
+                Some([id, b]) => Ok((id.clone(), b)),
+                _ => Err(bad(format!("a `logit_bias` list holds [token id, bias] pairs, got {e}"))),
+            })
+            .collect::<Result<_, _>>()?,
+        _ => return Err(bad("`logit_bias` must be an object of token ids to biases".into())),
+    };
+    if entries.len() > MAX_LOGIT_BIAS {
+        return Err(bad(format!("`logit_bias` may name at most {MAX_LOGIT_BIAS} tokens, got {}", entries.len())));
+    }
+    let mut out: Vec<(u32, f32)> = Vec::with_capacity(entries.len());
+    for (id, b) in entries {
+        let id = token_id(&id, vocab)
+            .ok_or_else(|| bad(format!("`logit_bias` key {id} is not a token id below {vocab}")))?;
+        let b = match b {
+            Value::Bool(false) => -100.0,
+            b => b
+                .as_f64()
+                .filter(|b| (-100.0..=100.0).contains(b))
+                .ok_or_else(|| bad(format!("the bias of token {id} must be a number in [-100, 100], got {b}")))?
+                as f32,
+        };
+        if out.iter().any(|&(i, _)| i == id) {
+            return Err(bad(format!("`logit_bias` names token {id} twice")));
+        }
+        out.push((id, b));
+    }
+    Ok(out)
 }
 
 /// Normalises chat messages for the Qwen templates: text parts joined, `developer` as `system`, OpenAI

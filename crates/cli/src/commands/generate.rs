@@ -113,6 +113,7 @@ fn generate(a: &Args, started: &Started) -> Result<()> {
         presence_penalty: a.presence_penalty,
         frequency_penalty: a.frequency_penalty,
         seed: a.seed,
+        ..SamplingParams::default()
     };
     let stop_token_ids = if a.ignore_eos { Vec::new() } else { started.eos_ids.clone() };
     let req = Request {

@@ -52,6 +52,8 @@ impl Worker {
     pub(super) fn emit(&mut self, id: SeqId, token: u32, raw: Option<Vec<f32>>) -> Emit {
         let Some(live) = self.reqs.get_mut(&id) else { return Emit::Gone };
         let logprob = raw.zip(live.req.logprobs).map(|(raw, k)| token_logprob(&raw, self.valid_vocab, token, k));
+        // Stop strings end the reply only once `min_tokens` are out (as in vLLM): before, the text passes.
+        let stops_armed = !live.sampler.below_min_tokens();
         live.sampler.observe(token);
         if let Some(c) = &live.req.constraint {
             c.with(|c| c.accept(token));
@@ -63,6 +65,7 @@ impl Worker {
         let mut reason = None;
         if let Some(tok) = &self.tokenizer {
             match live.decoder.push(tok, token) {
+                Ok(piece) if !stops_armed => text = piece,
                 Ok(piece) => {
                     let out = live.stops.push(&piece);
                     text = out.emit;

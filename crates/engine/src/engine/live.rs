@@ -44,7 +44,7 @@ pub(super) struct Live {
 impl Live {
     pub(super) fn new(req: Request, tx: tmpsc::UnboundedSender<Event>, submitted: Instant, valid_vocab: usize) -> Self {
         Self {
-            sampler: Sampler::new(req.sampling.clone(), valid_vocab),
+            sampler: Sampler::new(req.sampling.clone(), valid_vocab).banning_stops(&req.stop_token_ids),
             stops: StopMatcher::new(req.stop_strings.clone()),
             req,
             tx,
