@@ -290,6 +290,17 @@ def test_stop_token_ids_and_min_tokens(http):
     assert chat.json()["choices"][0]["finish_reason"] == "stop" and chat.json()["usage"]["completion_tokens"] == 1
 
 
+
+def test_allowed_token_ids_and_stop_string_kept(http):
+    a, b = detok(http, [A]), detok(http, [B])
+    for kw in (util.greedy(), dict(temperature=1.0, seed=5, ignore_eos=True)):
+        r = post(http, max_tokens=12, allowed_token_ids=[A, B], logprobs=0, **kw)["choices"][0]
+        assert set(r["logprobs"]["tokens"]) <= {a, b} and len(r["logprobs"]["tokens"]) == 12, r
+    full = post(http, max_tokens=40, **util.greedy())["choices"][0]["text"]
+    stop = util.pick_stop(full)
+    kept = post(http, max_tokens=40, stop=[stop], include_stop_str_in_output=True, **util.greedy())["choices"][0]
+    assert (kept["text"], kept["finish_reason"]) == (full[:full.find(stop)] + stop, "stop")
+
 @pytest.mark.parametrize("extra,param", [
     ({"logit_bias": {"65": 101}}, "logit_bias"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
@@ -299,6 +310,9 @@ def test_stop_token_ids_and_min_tokens(http):
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"min_tokens": 9}, "min_tokens"),
     ({"min_tokens": 2, "guided_choice": ["yes", "no"]}, "min_tokens"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [1, 10000000]}, "allowed_token_ids"),
+    ({"allowed_token_ids": [65], "guided_choice": ["yes", "no"]}, "allowed_token_ids"),
 ])
-def test_bad_bias_and_stop_fields(http, extra, param):
+def test_bad_token_rule_fields(http, extra, param):
     util.assert_openai_error(http.post(COMPL, json=body(**extra)), 400, param)

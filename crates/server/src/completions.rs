@@ -114,9 +114,9 @@ async fn completions_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -
         engine_req.prompt_logprobs = scored;
         let mut parsing = Parsing::default();
         if let Some((g, field)) = &guided {
-            c.min_tokens_unconstrained(field)?;
             engine_req.constraint = Some(structured::constraint(st, g, field, &mut parsing)?);
         }
+        c.apply_token_rules(&mut engine_req, st.tokenizer.vocab_size(), guided.as_ref().map(|(_, f)| *f))?;
         engine_req.progress = c.progress();
         outs.extend(st.generate_n(engine_req, n, parsing)?);
     }

@@ -200,9 +200,9 @@ pub async fn start_chat(
         },
     )?;
     if let Some((g, field)) = &grammar {
-        c.min_tokens_unconstrained(field)?;
         engine_req.constraint = Some(structured::constraint(st, g, field, &mut parsing)?);
     }
+    c.apply_token_rules(&mut engine_req, st.tokenizer.vocab_size(), grammar.as_ref().map(|(_, f)| f.as_ref()))?;
     engine_req.progress = c.progress();
     engine_req.prompt_logprobs = c.prompt_logprobs()?;
     if engine_req.prompt_logprobs.is_some() && !st.engine.scores_prompts() {

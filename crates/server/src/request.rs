@@ -7,7 +7,7 @@ use std::sync::Arc;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
-use deltaserve_engine::{Request, SamplingParams};
+use deltaserve_engine::{Request, SamplingParams, SharedConstraint};
 use deltaserve_model::ImagePatches;
 use deltaserve_text::ChatRequest;
 
@@ -15,6 +15,7 @@ use crate::error::ApiError;
 use crate::media::{ImagePart, check_context, expand_placeholders, image_url};
 use crate::output::Parsing;
 use crate::state::AppState;
+use crate::structured::AllowedTokens;
 
 /// Sampling and length fields common to the OpenAI endpoints (vLLM's extensions included).
 #[derive(Debug, Default, Deserialize)]
@@ -55,8 +56,12 @@ pub struct CommonParams {
     /// vLLM's: the end-of-sequence and stop ids are not picked, nor do stop strings end the reply,
     /// before this many tokens.
     pub min_tokens: Option<u64>,
-    /// vLLM's: more ids that end the reply (the token is not part of the text), besides end of sequence.
+    /// vLLM's: more ids that end the reply, besides end of sequence.
     pub stop_token_ids: Option<Vec<Value>>,
+    /// vLLM's: the reply's tokens come from these ids only.
+    pub allowed_token_ids: Option<Vec<Value>>,
+    /// vLLM's: a stop string that ends the reply stays at the end of its text.
+    pub include_stop_str_in_output: Option<bool>,
     pub user: Option<String>,
 }
 
@@ -165,6 +170,7 @@ pub fn build_request(prompt: Vec<u32>, l: Limits) -> Result<Request, ApiError> {
         images: l.images,
         progress: false,
         prompt_logprobs: None,
+        include_stop_str: false,
     })
 }
 
@@ -222,18 +228,39 @@ impl CommonParams {
         Ok(())
     }
 
-    /// Refuses `min_tokens` beside a structured output (`field`): the grammar may allow nothing but the
-    /// end of the reply before `min_tokens` are out.
-    pub fn min_tokens_unconstrained(&self, field: &str) -> Result<(), ApiError> {
-        match self.min_tokens {
-            Some(m) if m > 0 => Err(ApiError::bad_param(
+    /// Sets on `req` what these fields ask of the reply's tokens and text beyond sampling:
+    /// `allowed_token_ids` (as a token constraint) and `include_stop_str_in_output`. `grammar`: the field of
+    /// the structured output `req` is under, if any; `min_tokens` and `allowed_token_ids` are refused beside
+    /// one (its grammar may allow nothing but the end of the reply before `min_tokens` are out, and it
+    /// masks the tokens itself).
+    pub fn apply_token_rules(&self, req: &mut Request, vocab: usize, grammar: Option<&str>) -> Result<(), ApiError> {
+        if let (Some(field), Some(m)) = (grammar, self.min_tokens.filter(|m| *m > 0)) {
+            return Err(ApiError::bad_param(
                 "min_tokens",
                 format!(
-                    "`min_tokens` cannot be combined with `{field}` (a structured output ends where its grammar does)"
+                    "`min_tokens` ({m}) cannot be combined with `{field}` (a structured output ends where its grammar does)"
                 ),
-            )),
-            _ => Ok(()),
+            ));
         }
+        if let Some(ids) = &self.allowed_token_ids {
+            let bad = |m: String| ApiError::bad_param("allowed_token_ids", m);
+            if let Some(field) = grammar {
+                return Err(bad(format!("`allowed_token_ids` cannot be combined with `{field}`")));
+            }
+            if ids.is_empty() {
+                return Err(bad("`allowed_token_ids` must not be empty".into()));
+            }
+            let ids = ids
+                .iter()
+                .map(|v| {
+                    token_id(v, vocab)
+                        .ok_or_else(|| bad(format!("`allowed_token_ids` holds {v}, not a token id below {vocab}")))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            req.constraint = Some(SharedConstraint::new(AllowedTokens::new(&ids, vocab)));
+        }
+        req.include_stop_str = self.include_stop_str_in_output.unwrap_or(false);
+        Ok(())
     }
 }
 

@@ -95,6 +95,11 @@ impl Worker {
                 None => text.push_str(&live.stops.flush()),
             }
         }
+        if let Some(FinishReason::StopString(s)) = &reason
+            && live.req.include_stop_str
+        {
+            text.push_str(s);
+        }
         if live.tx.send(Event::Token { id: token, text, logprob }).is_err() {
             self.cancel(id);
             return Emit::Gone;

@@ -41,6 +41,9 @@ pub struct Request {
     pub images: Vec<Arc<ImagePatches>>,
     /// Send an [`Event::Prefill`] after every engine step that ran a part of the prompt.
     pub progress: bool,
+    /// A stop string that ends the reply stays at the end of its text (vLLM's
+    /// `include_stop_str_in_output`).
+    pub include_stop_str: bool,
 }
 
 /// Which tokens a request may produce next (structured outputs: a grammar). The engine masks each
