@@ -325,8 +325,8 @@ fn parse_fraction(s: &str) -> Result<f64, String> {
 /// The CUDA backend's options of the server and the benchmarks. A/B switches: `DELTASERVE_FOLD=0`: decode
 /// steps run the residual add + RMSNorm as its own kernel instead of folded into the int4 projections;
 /// `DELTASERVE_W4_GEMM=0`: int4 projections of more rows than the decode GEMV's dequantise for cuBLASLt;
-/// `DELTASERVE_SNAPSHOTS_IN_STEP=1`: snapshots inside a step's chunks; `DELTASERVE_MOE_SHARED_PAIRS=1`: a sparse
-/// layer's shared expert runs with the routed experts' decode GEMVs; `DELTASERVE_FP8_MMA=1`: block-FP8 prefill
+/// `DELTASERVE_SNAPSHOTS_IN_STEP=0`: chunks end at snapshot points; `DELTASERVE_MOE_SHARED_PAIRS=0`: a sparse
+/// layer's shared expert runs as its own dense MLP instead of with the routed experts' decode GEMVs; `DELTASERVE_FP8_MMA=1`: block-FP8 prefill
 /// projections run the mma.sync FP8 GEMM.
 pub fn cuda_options(cuda_graphs: bool) -> CudaOptions {
     let sw = deltaserve_cuda::Switches::get();

@@ -193,9 +193,10 @@ pub struct CudaOptions {
     pub snapshots_in_step: bool,
     /// A sparse layer's shared expert runs in decode steps as one more pair per token of the routed
     /// experts' GEMV launches (its gate/up, the SwiGLU and its down join theirs: three launches fewer a
-    /// layer), where it has the experts' width and format. Off (the default until it is measured on a
-    /// GPU): the shared expert runs as the layer's dense MLP first. `DELTASERVE_MOE_SHARED_PAIRS=1` turns
-    /// it on for the server and the benchmarks.
+    /// layer), where it has the experts' width and format: 35B-A3B decode 3.4–3.7% faster at batch 1, 1.3%
+    /// at 8, the same at 32 (H100, bench/results/moe-shared-pairs-h100-2026-12-05.md). Off: the shared
+    /// expert runs as the layer's dense MLP first; `DELTASERVE_MOE_SHARED_PAIRS=0` turns it off for the
+    /// server and the benchmarks.
     pub moe_shared_pairs: bool,
     /// Block-FP8 projections of prefill steps (with [`CudaOptions::fp8_tensor_cores`]) run our FP8 GEMM on
     /// mma.sync (`kernels/fp8_gemm.cu`, sm_89 and later) instead of dequantised row slices (Ada, where
@@ -219,7 +220,7 @@ impl Default for CudaOptions {
             w4_gemm_max_rows: deltaserve_plan::cuda::W4_GEMM_MAX_ROWS,
             fp8_tensor_cores: true,
             snapshots_in_step: true,
-            moe_shared_pairs: false,
+            moe_shared_pairs: true,
             fp8_mma_gemm: false,
         }
     }

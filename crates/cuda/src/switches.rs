@@ -68,8 +68,8 @@ pub struct Switches {
     /// Snapshots at points inside a step's chunks (`CudaOptions::snapshots_in_step`);
     /// `DELTASERVE_SNAPSHOTS_IN_STEP=0`: chunks end at snapshot points.
     pub snapshots_in_step: bool,
-    /// `DELTASERVE_MOE_SHARED_PAIRS=1`: a sparse layer's shared expert runs with the routed experts'
-    /// decode GEMVs (`CudaOptions::moe_shared_pairs`); unset or anything else: as the layer's dense MLP.
+    /// `DELTASERVE_MOE_SHARED_PAIRS=0`: a sparse layer's shared expert runs as the layer's dense MLP;
+    /// unset or anything else: with the routed experts' decode GEMVs (`CudaOptions::moe_shared_pairs`).
     pub moe_shared_pairs: bool,
     /// `DELTASERVE_FP8_MMA=1`: block-FP8 prefill projections run the mma.sync FP8 GEMM
     /// (`CudaOptions::fp8_mma_gemm`); unset or anything else: cuBLASLt's (Hopper) or dequantised rows.
@@ -108,7 +108,7 @@ impl Switches {
             device_masks: var("DELTASERVE_DEVICE_MASKS").is_none_or(|v| v != "0"),
             later_picks: var("DELTASERVE_LATER_PICKS").is_none_or(|v| v != "0"),
             snapshots_in_step: var("DELTASERVE_SNAPSHOTS_IN_STEP").is_none_or(|v| v != "0"),
-            moe_shared_pairs: var("DELTASERVE_MOE_SHARED_PAIRS").is_some_and(|v| v == "1"),
+            moe_shared_pairs: var("DELTASERVE_MOE_SHARED_PAIRS").is_none_or(|v| v != "0"),
             fp8_mma_gemm: var("DELTASERVE_FP8_MMA").is_some_and(|v| v == "1"),
         }
     }
@@ -135,6 +135,7 @@ impl Switches {
                 device_masks: true,
                 later_picks: true,
                 snapshots_in_step: true,
+                moe_shared_pairs: true,
                 ..Switches::default()
             }
     }
@@ -153,7 +154,7 @@ mod tests {
         let s = from(&[]);
         assert!(!s.any_set());
         assert!(s.fold_norms && s.w4_gemm && s.device_masks && !s.decode_attn_split && !s.attn_prefill_pair);
-        assert!(s.later_picks && s.snapshots_in_step && !s.moe_shared_pairs && !s.fp8_mma_gemm);
+        assert!(s.later_picks && s.snapshots_in_step && s.moe_shared_pairs && !s.fp8_mma_gemm);
         assert!(!s.attn_prefill_wide);
         assert!(s.pdl.is_none() && s.nvrtc_options.is_empty() && s.trace_cap.is_none());
     }
@@ -174,10 +175,10 @@ mod tests {
             ("DELTASERVE_DEVICE_MASKS", "0"),
             ("DELTASERVE_LATER_PICKS", "0"),
             ("DELTASERVE_SNAPSHOTS_IN_STEP", "0"),
-            ("DELTASERVE_MOE_SHARED_PAIRS", "1"),
+            ("DELTASERVE_MOE_SHARED_PAIRS", "0"),
             ("DELTASERVE_FP8_MMA", "1"),
         ]);
-        assert!(!s.device_masks && !s.later_picks && !s.snapshots_in_step && s.moe_shared_pairs && s.fp8_mma_gemm);
+        assert!(!s.device_masks && !s.later_picks && !s.snapshots_in_step && !s.moe_shared_pairs && s.fp8_mma_gemm);
         assert!(s.any_set());
         assert_eq!(s.pdl.as_deref(), Some("0"));
         assert!(s.decode_attn_split && s.verify_attn_rows && s.attn_prefill_pair && !s.fold_norms && !s.w4_gemm);
