@@ -15,6 +15,7 @@
 
 pub mod anthropic;
 pub mod completions;
+pub mod cors;
 pub mod drain;
 pub mod error;
 pub mod loads;

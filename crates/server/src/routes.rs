@@ -1,5 +1,5 @@
-//! The router: routes (the APIs, `/tokenize`, `/detokenize` and `/props` behind the key as well), API-key check, body limit, chat defaults, health, metrics, load report and the
-//! 404 fallback.
+//! The router: routes (the APIs, `/tokenize`, `/detokenize` and `/props` behind the key as well), API-key
+//! check, body limit, chat defaults, cross-origin requests, health, metrics, load report and the 404 fallback.
 
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -40,6 +40,7 @@ pub fn router_with(state: AppState, chat_defaults: ChatDefaults) -> Router {
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(state.cfg.max_body_bytes))
         .layer(Extension(chat_defaults))
+        .layer(middleware::from_fn_with_state(state.clone(), crate::cors::cors))
         .with_state(state)
 }
 

@@ -16,6 +16,8 @@ pub struct ServerConfig {
     pub api_key: Option<String>,
     /// Largest request body accepted (413 above).
     pub max_body_bytes: usize,
+    /// The origins whose web pages may call the API ([`crate::cors`]).
+    pub allowed_origins: crate::cors::AllowedOrigins,
 }
 
 /// Chat-template variables every chat request starts from; a request's `chat_template_kwargs` (or

@@ -107,6 +107,7 @@ fn state_with(script: &str, step_delay: Duration, images: Option<ImageTokens>, o
             served_model_name: "demo".into(),
             api_key: Some("k".into()),
             max_body_bytes: 1 << 20,
+            allowed_origins: Default::default(),
         }),
         eos_ids: vec![eos],
         sampling_defaults: Default::default(),
@@ -432,6 +433,53 @@ async fn load_report_for_gateways() {
     assert!((0.0..=1.0).contains(&l["token_usage"].as_f64().unwrap()), "{l}");
     let unauthorized = app.clone().oneshot(Request::get("/v1/loads").body(Body::empty()).unwrap()).await.unwrap();
     assert_eq!(unauthorized.status(), StatusCode::UNAUTHORIZED);
+}
+
+/// Cross-origin calls from a web page: a preflight is answered without the key (browsers send none), with the
+/// headers it asks for; the call itself still needs the key, and its answer (an error too) carries the
+/// origin's permission so the page can read it; an origin not in `--allowed-origins` gets no CORS headers.
+#[tokio::test(flavor = "multi_thread")]
+async fn cross_origin_preflights_and_calls() {
+    let app = app();
+    let preflight = Request::options("/v1/chat/completions")
+        .header("origin", "http://localhost:3000")
+        .header("access-control-request-method", "POST")
+        .header("access-control-request-headers", "authorization, content-type")
+        .body(Body::empty())
+        .unwrap();
+    let r = app.clone().oneshot(preflight).await.unwrap();
+    assert_eq!(r.status(), StatusCode::NO_CONTENT);
+    let h = r.headers();
+    assert_eq!(h["access-control-allow-origin"], "*");
+    assert_eq!(h["access-control-allow-headers"], "authorization, content-type");
+    assert!(h["access-control-allow-methods"].to_str().unwrap().contains("POST"));
+    let call = |auth: bool| {
+        let mut b = Request::get("/v1/models").header("origin", "http://localhost:3000");
+        if auth {
+            b = b.header("authorization", "Bearer k");
+        }
+        b.body(Body::empty()).unwrap()
+    };
+    for (auth, status) in [(true, StatusCode::OK), (false, StatusCode::UNAUTHORIZED)] {
+        let r = app.clone().oneshot(call(auth)).await.unwrap();
+        assert_eq!(r.status(), status);
+        assert_eq!(r.headers()["access-control-allow-origin"], "*");
+    }
+    // Without an Origin header (not a browser): no CORS headers.
+    let r = app.clone().oneshot(Request::get("/health").body(Body::empty()).unwrap()).await.unwrap();
+    assert!(!r.headers().contains_key("access-control-allow-origin"));
+    // Only the listed origins.
+    let mut st = state(SCRIPT, Duration::ZERO);
+    let mut cfg = (*st.cfg).clone();
+    cfg.allowed_origins = deltaserve_server::cors::AllowedOrigins::parse(&["https://chat.example.com".into()]);
+    st.cfg = Arc::new(cfg);
+    let app = routes::router(st);
+    let from = |origin: &str| Request::get("/health").header("origin", origin).body(Body::empty()).unwrap();
+    let r = app.clone().oneshot(from("https://chat.example.com")).await.unwrap();
+    assert_eq!(r.headers()["access-control-allow-origin"], "https://chat.example.com");
+    assert_eq!(r.headers()["vary"], "Origin");
+    let r = app.clone().oneshot(from("https://evil.example.com")).await.unwrap();
+    assert!(!r.headers().contains_key("access-control-allow-origin"));
 }
 
 /// Prompt tokens and reasoning/content of a non-streamed chat reply.

@@ -36,6 +36,10 @@ pub struct Args {
     /// signal exits at once).
     #[arg(long, default_value_t = 10)]
     shutdown_grace_secs: u64,
+    /// Origins whose web pages may call the API (CORS), comma-separated (`scheme://host[:port]`; `*`: any,
+    /// as vLLM and llama.cpp allow by default; an empty value: none, no CORS headers).
+    #[arg(long, value_delimiter = ',', value_name = "ORIGINS", default_value = "*")]
+    allowed_origins: Vec<String>,
     /// Hosts whose http(s) image URLs the server fetches, comma-separated (a host also allows its
     /// subdomains; `*`: any host). Default: none, only data: URLs.
     #[arg(long, value_delimiter = ',', value_name = "HOSTS")]
@@ -87,6 +91,9 @@ pub fn run(mut a: Args) -> Result<()> {
         usize::try_from(a.image_cache).context("--image-cache")?,
     ));
     state.media = std::sync::Arc::new(media);
+    let mut cfg = (*state.cfg).clone();
+    cfg.allowed_origins = deltaserve_server::cors::AllowedOrigins::parse(&a.allowed_origins);
+    state.cfg = std::sync::Arc::new(cfg);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::from_std(listener).context("the listening socket")?;

@@ -107,6 +107,7 @@ impl Started {
                 served_model_name: name.to_string(),
                 api_key: api_key_or_none(api_key),
                 max_body_bytes,
+                allowed_origins: Default::default(),
             }),
             eos_ids: self.eos_ids.clone(),
             sampling_defaults: deltaserve_server::state::sampling_defaults(model_dir),
