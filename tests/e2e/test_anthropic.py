@@ -91,6 +91,18 @@ def test_thinking_enabled(anthropic_http):
     assert th or t
 
 
+def test_thinking_budget_closes_the_thinking_block(anthropic_http):
+    # The demo model never ends its thinking: a budget of 5 tokens ends it, and the text block follows.
+    kw = dict(max_tokens=24, temperature=0, ignore_eos=True)
+    free = post(anthropic_http, thinking={"type": "enabled", "budget_tokens": 1024}, **kw)
+    th_free, t_free = texts(check_message(free))
+    assert th_free and not t_free
+    th, t = texts(check_message(post(anthropic_http, thinking={"type": "enabled", "budget_tokens": 5}, **kw)))
+    assert t and th and th_free.startswith(th.rstrip()), (th, t)
+    r = anthropic_http.post(MSGS, json=body(thinking={"type": "enabled", "budget_tokens": -3}))
+    assert r.status_code == 400 and "budget_tokens" in r.text
+
+
 def test_deterministic_greedy(anthropic_http):
     kw = dict(max_tokens=16, temperature=0, thinking={"type": "disabled"})
     assert texts(post(anthropic_http, **kw)) == texts(post(anthropic_http, **kw))

@@ -459,3 +459,35 @@ def test_prompt_logprobs(http):
     assert len(scored) == 1 and len(scored[0]) == len(pl)
     assert [e[k]["logprob"] for e, k in zip(scored[0][1:], (next(iter(x)) for x in pl[1:]))] == \
         pytest.approx([next(iter(x.values()))["logprob"] for x in pl[1:]], abs=1e-5)
+
+
+def test_thinking_budget_closes_the_reasoning(http):
+    """The demo model never closes <think> itself: a budget of 6 closes it after 6 reasoning tokens, and the
+    reply goes on in content; the names of vLLM, SGLang and llama.cpp all take it."""
+    kw = dict(max_tokens=30, **util.greedy(), chat_template_kwargs={"enable_thinking": True})
+    free_reasoning, free_content = text_of(post_chat(http, **kw))
+    assert free_reasoning and not free_content, "the demo model keeps thinking"
+    for name in ("thinking_token_budget", "thinking_budget", "thinking_budget_tokens"):
+        resp = post_chat(http, **kw, **{name: 6})
+        reasoning, content = text_of(resp)
+        assert content, resp
+        assert reasoning and free_reasoning.startswith(reasoning.rstrip()), (reasoning, free_reasoning)
+        assert resp["usage"]["completion_tokens"] == 30
+    chunks, done = util.stream_openai(http, CHAT, util.chat_body(stream=True, thinking_token_budget=6, **kw))
+    assert done
+    j = util.join_chat_stream(chunks)
+    assert (j["reasoning"], j["content"]) == text_of(post_chat(http, **kw, thinking_token_budget=6))
+    # No budget (negative), or thinking off: the budget changes nothing.
+    assert text_of(post_chat(http, **kw, thinking_token_budget=-1)) == (free_reasoning, free_content)
+    off = dict(max_tokens=12, **util.greedy(), **util.no_think())
+    assert text_of(post_chat(http, **off, thinking_token_budget=2)) == text_of(post_chat(http, **off))
+
+
+def test_reasoning_effort_turns_thinking_on_and_off(http):
+    kw = dict(max_tokens=12, **util.greedy())
+    on = dict(kw, chat_template_kwargs={"enable_thinking": True})
+    assert text_of(post_chat(http, **kw, reasoning_effort="high")) == text_of(post_chat(http, **on))
+    assert text_of(post_chat(http, **on, reasoning_effort="none")) == text_of(post_chat(http, **on)), \
+        "chat_template_kwargs win"
+    assert text_of(post_chat(http, **kw, reasoning_effort="none")) == text_of(post_chat(http, **util.no_think(), **kw))
+    util.assert_openai_error(http.post(CHAT, json=util.chat_body(reasoning_effort="max", **kw)), 400, "reasoning_effort")

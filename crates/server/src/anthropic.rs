@@ -51,6 +51,22 @@ impl MessagesRequest {
     fn thinking_enabled(&self) -> bool {
         self.thinking.as_ref().and_then(|t| t.get("type")).and_then(Value::as_str) == Some("enabled")
     }
+
+    /// `thinking.budget_tokens` of enabled thinking: the most reasoning tokens before the reasoning is
+    /// closed ([`crate::thinking`]).
+    fn thinking_budget(&self) -> Result<Option<usize>, ApiError> {
+        let Some(b) = self.thinking.as_ref().and_then(|t| t.get("budget_tokens")).filter(|_| self.thinking_enabled())
+        else {
+            return Ok(None);
+        };
+        let n = b.as_u64().ok_or_else(|| {
+            ApiError::bad_param(
+                "thinking.budget_tokens",
+                format!("`budget_tokens` must be a non-negative integer, got {b}"),
+            )
+        })?;
+        Ok(Some(usize::try_from(n).unwrap_or(usize::MAX)))
+    }
 }
 
 /// The prompt and output parsing of an Anthropic request.
@@ -315,6 +331,11 @@ async fn messages_inner(
     )?;
     if let Some(g) = &forced {
         engine_req.constraint = Some(structured::constraint(st, g, "tool_choice", &mut parsing)?);
+    }
+    if let Some(budget) = req.thinking_budget()? {
+        let thinking = parsing.reasoning == Some(true);
+        let inner = engine_req.constraint.take();
+        engine_req.constraint = crate::thinking::budget(st, budget, thinking, inner, "thinking.budget_tokens")?;
     }
     let mut out = st.generate(engine_req, parsing)?;
     let id = new_id("msg_");

@@ -29,6 +29,7 @@ pub mod responses;
 pub mod routes;
 pub mod state;
 pub mod structured;
+pub mod thinking;
 pub mod timings;
 pub mod tokenize;
 

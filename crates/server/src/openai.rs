@@ -24,6 +24,7 @@ use crate::request::{
 };
 use crate::state::{AppState, ChatDefaults};
 use crate::structured;
+use crate::thinking;
 use crate::timings::{progress_json, timings_json};
 
 #[derive(Debug, Deserialize)]
@@ -39,7 +40,17 @@ pub struct ChatCompletionRequest {
     pub response_format: Option<Value>,
     pub chat_template_kwargs: Option<Map<String, Value>>,
     pub parallel_tool_calls: Option<bool>,
+    /// OpenAI's: `none` turns thinking off, another level on (as vLLM maps it), unless
+    /// `chat_template_kwargs` says.
+    pub reasoning_effort: Option<String>,
+    /// vLLM's (SGLang's `thinking_budget`, llama.cpp's `thinking_budget_tokens`): the most reasoning tokens
+    /// before the reasoning is closed ([`crate::thinking`]); negative: no budget.
+    #[serde(alias = "thinking_budget", alias = "thinking_budget_tokens")]
+    pub thinking_token_budget: Option<i64>,
 }
+
+/// The reasoning efforts `reasoning_effort` takes.
+const EFFORTS: [&str; 6] = ["none", "minimal", "low", "medium", "high", "xhigh"];
 
 /// Parses a JSON body, mapping every failure to 400 (or 413 when the body exceeds the limit).
 pub fn parse_body<T: serde::de::DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
@@ -182,7 +193,15 @@ pub async fn start_chat(
     let logprobs = req.logprobs.unwrap_or(false).then_some(top_logprobs);
     let (messages, image_parts) = normalize_messages(&req.messages)?;
     let images = load_images(st, image_parts).await?;
-    let kwargs = chat.merged(req.chat_template_kwargs.clone().unwrap_or_default());
+    let mut request_kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
+    if let Some(effort) = &req.reasoning_effort {
+        if !EFFORTS.contains(&effort.as_str()) {
+            let msg = format!("`reasoning_effort` must be one of {}, got {effort:?}", EFFORTS.join(", "));
+            return Err(ApiError::bad_param("reasoning_effort", msg));
+        }
+        request_kwargs.entry("enable_thinking").or_insert(json!(effort != "none"));
+    }
+    let kwargs = chat.merged(request_kwargs);
     let (prompt, mut parsing) = render_chat(st, messages, tools, kwargs, &images, true)?;
     let c = &req.common;
     let mut engine_req = build_request(
@@ -203,6 +222,11 @@ pub async fn start_chat(
         engine_req.constraint = Some(structured::constraint(st, g, field, &mut parsing)?);
     }
     c.apply_token_rules(&mut engine_req, st.tokenizer.vocab_size(), grammar.as_ref().map(|(_, f)| f.as_ref()))?;
+    if let Some(budget) = req.thinking_token_budget.and_then(|b| usize::try_from(b).ok()) {
+        let thinking = parsing.reasoning == Some(true);
+        let inner = engine_req.constraint.take();
+        engine_req.constraint = thinking::budget(st, budget, thinking, inner, "thinking_token_budget")?;
+    }
     engine_req.progress = c.progress();
     engine_req.prompt_logprobs = c.prompt_logprobs()?;
     if engine_req.prompt_logprobs.is_some() && !st.engine.scores_prompts() {

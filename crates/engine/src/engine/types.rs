@@ -91,7 +91,8 @@ impl SharedConstraint {
         self.with(|c| c.fork())
     }
 
-    pub(crate) fn with<R>(&self, f: impl FnOnce(&mut dyn TokenConstraint) -> R) -> R {
+    /// Runs `f` on the constraint (locked meanwhile): for a constraint that holds another.
+    pub fn with<R>(&self, f: impl FnOnce(&mut dyn TokenConstraint) -> R) -> R {
         let mut guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
         f(&mut *guard)
     }
