@@ -334,8 +334,7 @@ async fn messages_inner(
     }
     if let Some(budget) = req.thinking_budget()? {
         let thinking = parsing.reasoning == Some(true);
-        let inner = engine_req.constraint.take();
-        engine_req.constraint = crate::thinking::budget(st, budget, thinking, inner, "thinking.budget_tokens")?;
+        crate::thinking::budget(st, budget, &mut engine_req, thinking, "thinking.budget_tokens")?;
     }
     let mut out = st.generate(engine_req, parsing)?;
     let id = new_id("msg_");

@@ -224,8 +224,7 @@ pub async fn start_chat(
     c.apply_token_rules(&mut engine_req, st.tokenizer.vocab_size(), grammar.as_ref().map(|(_, f)| f.as_ref()))?;
     if let Some(budget) = req.thinking_token_budget.and_then(|b| usize::try_from(b).ok()) {
         let thinking = parsing.reasoning == Some(true);
-        let inner = engine_req.constraint.take();
-        engine_req.constraint = thinking::budget(st, budget, thinking, inner, "thinking_token_budget")?;
+        thinking::budget(st, budget, &mut engine_req, thinking, "thinking_token_budget")?;
     }
     engine_req.progress = c.progress();
     engine_req.prompt_logprobs = c.prompt_logprobs()?;

@@ -5,7 +5,7 @@
 //! (SGLang's `thinking_budget`, llama.cpp's `thinking_budget_tokens`) on chat completions, and as Anthropic's
 //! `thinking.budget_tokens`.
 
-use deltaserve_engine::{SharedConstraint, TokenConstraint};
+use deltaserve_engine::{Request, SharedConstraint, TokenConstraint};
 
 use crate::error::ApiError;
 use crate::state::AppState;
@@ -115,17 +115,12 @@ impl TokenConstraint for ThinkingBudget {
     }
 }
 
-/// The budget's constraint over `inner` for a reply that starts inside `<think>` (`thinking`); a request
-/// whose reply does not think gets `inner` back unchanged. `field`: the field that asked (for errors).
-pub fn budget(
-    st: &AppState,
-    budget: usize,
-    thinking: bool,
-    inner: Option<SharedConstraint>,
-    field: &str,
-) -> Result<Option<SharedConstraint>, ApiError> {
-    if !thinking {
-        return Ok(inner);
+/// The budget's constraint over `inner` for a reply that starts inside `<think>` (`thinking`) and may run
+/// past the budget (`max_tokens`); any other request gets `inner` back unchanged (a constrained request
+/// gives up the plain greedy picks on the device). `field`: the field that asked (for errors).
+pub fn budget(st: &AppState, budget: usize, req: &mut Request, thinking: bool, field: &str) -> Result<(), ApiError> {
+    if !thinking || budget >= req.max_tokens {
+        return Ok(());
     }
     let think_end = st.tokenizer.token_id("</think>").ok_or_else(|| {
         ApiError::bad_param(field, format!("`{field}` needs a model whose vocabulary has `</think>`"))
@@ -137,7 +132,9 @@ pub fn budget(
     if !close.contains(&think_end) {
         return Err(ApiError::bad_param(field, "the close of the reasoning does not hold `</think>` as one token"));
     }
-    Ok(Some(SharedConstraint::new(ThinkingBudget::new(budget, close, think_end, inner))))
+    let inner = req.constraint.take();
+    req.constraint = Some(SharedConstraint::new(ThinkingBudget::new(budget, close, think_end, inner)));
+    Ok(())
 }
 
 #[cfg(test)]
