@@ -1,7 +1,8 @@
 """Fixtures for the end-to-end suite: real `deltaserve serve` processes on 127.0.0.1 (built-in demo model).
 
 - `server`: the main server for the whole session (8 sequences, 256-token batches).
-- `small_server`: a server with tiny limits (256-token context, 1 running + 1 waiting request), per module.
+- `small_server`: a server with tiny limits (256-token context, 1 running + 1 waiting request), per module; it
+  also has a default thinking budget of 3 tokens and takes cross-origin calls from one origin only.
 Both are stopped with SIGINT at teardown, which must end the process with exit code 0 within 15 s.
 """
 
@@ -15,7 +16,8 @@ import util
 MAIN_ARGS = ["--api-key", util.API_KEY, "--served-model-name", util.MODEL, "--max-seqs", "8",
              "--max-batch-tokens", "256"]
 SMALL_ARGS = ["--api-key", util.API_KEY, "--served-model-name", util.MODEL, "--max-context", "256",
-              "--max-seqs", "1", "--max-waiting", "1", "--max-batch-tokens", "256"]
+              "--max-seqs", "1", "--max-waiting", "1", "--max-batch-tokens", "256", "--reasoning-budget", "3",
+              "--allowed-origins", "https://chat.example.com"]
 
 
 def run_server(tmp_path_factory, name: str, args: list[str]):

@@ -1,4 +1,5 @@
-"""A server with tiny limits: 256-token context, 1 running + 1 waiting request. Context errors and overload."""
+"""A server with tiny limits: 256-token context, 1 running + 1 waiting request. Context errors and overload;
+the server-wide flags it also has (a thinking budget, cross-origin calls from one origin)."""
 
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -127,3 +128,26 @@ def test_overload_streaming_and_anthropic(small_server):
         and util.metrics(base)["deltaserve_requests_waiting"] == 0, 10)
     time.sleep(0.1)
     assert small_server.alive()
+
+
+def test_server_reasoning_budget(small_server):
+    """`--reasoning-budget 3`: a thinking reply is closed after 3 reasoning tokens unless the request gives
+    its own budget (-1: none); the demo model never closes it itself."""
+    body = {"model": util.MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20,
+            "chat_template_kwargs": {"enable_thinking": True}, **util.greedy()}
+    with util.client(small_server.base) as c:
+        msg = c.post(CHAT, json=body).json()["choices"][0]["message"]
+        assert msg["reasoning_content"] and msg["content"], msg
+        free = c.post(CHAT, json={**body, "thinking_token_budget": -1}).json()["choices"][0]["message"]
+        assert free["reasoning_content"] and not free["content"], free
+        assert free["reasoning_content"].startswith(msg["reasoning_content"].rstrip())
+
+
+def test_cross_origin_calls_from_the_listed_origin_only(small_server):
+    with util.client(small_server.base) as c:
+        ok = c.options(CHAT, headers={"Origin": "https://chat.example.com", "Access-Control-Request-Method": "POST",
+                                      "Access-Control-Request-Headers": "authorization, content-type"})
+        assert ok.status_code == 204 and ok.headers["access-control-allow-origin"] == "https://chat.example.com"
+        assert "authorization" in ok.headers["access-control-allow-headers"]
+        other = c.get("/v1/models", headers={"Origin": "https://other.example.com"})
+        assert other.status_code == 200 and "access-control-allow-origin" not in other.headers

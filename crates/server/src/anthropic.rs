@@ -332,7 +332,7 @@ async fn messages_inner(
     if let Some(g) = &forced {
         engine_req.constraint = Some(structured::constraint(st, g, "tool_choice", &mut parsing)?);
     }
-    if let Some(budget) = req.thinking_budget()? {
+    if let Some(budget) = req.thinking_budget()?.or(st.cfg.reasoning_budget) {
         let thinking = parsing.reasoning == Some(true);
         crate::thinking::budget(st, budget, &mut engine_req, thinking, "thinking.budget_tokens")?;
     }

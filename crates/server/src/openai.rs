@@ -222,7 +222,8 @@ pub async fn start_chat(
         engine_req.constraint = Some(structured::constraint(st, g, field, &mut parsing)?);
     }
     c.apply_token_rules(&mut engine_req, st.tokenizer.vocab_size(), grammar.as_ref().map(|(_, f)| f.as_ref()))?;
-    if let Some(budget) = req.thinking_token_budget.and_then(|b| usize::try_from(b).ok()) {
+    let budget = req.thinking_token_budget.map_or(st.cfg.reasoning_budget, |b| usize::try_from(b).ok());
+    if let Some(budget) = budget {
         let thinking = parsing.reasoning == Some(true);
         thinking::budget(st, budget, &mut engine_req, thinking, "thinking_token_budget")?;
     }

@@ -18,6 +18,8 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// The origins whose web pages may call the API ([`crate::cors`]).
     pub allowed_origins: crate::cors::AllowedOrigins,
+    /// The thinking budget of chat requests that do not give one (`--reasoning-budget`; [`crate::thinking`]).
+    pub reasoning_budget: Option<usize>,
 }
 
 /// Chat-template variables every chat request starts from; a request's `chat_template_kwargs` (or

@@ -108,6 +108,7 @@ fn state_with(script: &str, step_delay: Duration, images: Option<ImageTokens>, o
             api_key: Some("k".into()),
             max_body_bytes: 1 << 20,
             allowed_origins: Default::default(),
+            reasoning_budget: None,
         }),
         eos_ids: vec![eos],
         sampling_defaults: Default::default(),

@@ -40,6 +40,11 @@ pub struct Args {
     /// as vLLM and llama.cpp allow by default; an empty value: none, no CORS headers).
     #[arg(long, value_delimiter = ',', value_name = "ORIGINS", default_value = "*")]
     allowed_origins: Vec<String>,
+    /// The thinking budget of chat requests that give none (their `thinking_token_budget`, Anthropic's
+    /// `thinking.budget_tokens`): the reasoning is closed after this many tokens; 0: no reasoning; -1
+    /// (the default): no budget.
+    #[arg(long, default_value_t = -1, allow_negative_numbers = true, value_name = "N")]
+    reasoning_budget: i64,
     /// Hosts whose http(s) image URLs the server fetches, comma-separated (a host also allows its
     /// subdomains; `*`: any host). Default: none, only data: URLs.
     #[arg(long, value_delimiter = ',', value_name = "HOSTS")]
@@ -93,6 +98,7 @@ pub fn run(mut a: Args) -> Result<()> {
     state.media = std::sync::Arc::new(media);
     let mut cfg = (*state.cfg).clone();
     cfg.allowed_origins = deltaserve_server::cors::AllowedOrigins::parse(&a.allowed_origins);
+    cfg.reasoning_budget = usize::try_from(a.reasoning_budget).ok();
     state.cfg = std::sync::Arc::new(cfg);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {

@@ -108,6 +108,7 @@ impl Started {
                 api_key: api_key_or_none(api_key),
                 max_body_bytes,
                 allowed_origins: Default::default(),
+                reasoning_budget: None,
             }),
             eos_ids: self.eos_ids.clone(),
             sampling_defaults: deltaserve_server::state::sampling_defaults(model_dir),
