@@ -76,6 +76,19 @@ def test_n_choices_each_follow_the_schema(http):
     assert resp["usage"]["prompt_tokens"] == single["usage"]["prompt_tokens"]
 
 
+
+def test_thinking_budget_then_the_schema(http):
+    """Thinking on: the demo model never closes <think>, so the grammar (which starts after it) never starts;
+    a thinking budget closes the reasoning and the reply is the schema's JSON."""
+    think = {"chat_template_kwargs": {"enable_thinking": True}}
+    stuck = http.post(CHAT, json=schema_body(3, **think, max_completion_tokens=40)).json()["choices"][0]
+    assert stuck["finish_reason"] == "length" and not stuck["message"]["content"], stuck
+    r = http.post(CHAT, json=schema_body(3, **think, thinking_token_budget=8))
+    assert r.status_code == 200, r.text[:800]
+    ch = r.json()["choices"][0]
+    assert ch["finish_reason"] == "stop" and ch["message"]["reasoning_content"], ch
+    check_schema(json.loads(ch["message"]["content"]))
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_json_schema_stream_is_valid(http, seed):
     chunks, done = util.stream_openai(http, CHAT, schema_body(seed, stream=True))

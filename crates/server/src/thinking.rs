@@ -1,7 +1,8 @@
 //! A thinking budget: the reply's reasoning is closed after a number of tokens, so a thinking model cannot
 //! spend the whole `max_tokens` inside `<think>` and leave no answer. As vLLM's `thinking_token_budget`
-//! does it, the sampler forces the end of the reasoning once the budget is spent (here `\n</think>\n\n`, the
-//! close the Qwen templates write) and the model goes on to answer. Asked as vLLM's `thinking_token_budget`
+//! does it, the sampler forces the end of the reasoning once the budget is spent (here `\n</think>`; what
+//! follows, the template's blank line and the answer, is the model's or a structured output's) and the model
+//! goes on to answer. Asked as vLLM's `thinking_token_budget`
 //! (SGLang's `thinking_budget`, llama.cpp's `thinking_budget_tokens`) on chat completions, and as Anthropic's
 //! `thinking.budget_tokens`.
 
@@ -127,7 +128,7 @@ pub fn budget(st: &AppState, budget: usize, req: &mut Request, thinking: bool, f
     })?;
     let close = st
         .tokenizer
-        .encode("\n</think>\n\n")
+        .encode("\n</think>")
         .map_err(|e| ApiError::bad_param(field, format!("the close of the reasoning does not tokenize: {e}")))?;
     if !close.contains(&think_end) {
         return Err(ApiError::bad_param(field, "the close of the reasoning does not hold `</think>` as one token"));
