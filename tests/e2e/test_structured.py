@@ -132,6 +132,19 @@ def test_anthropic_forced_tool_use(anthropic_http):
         assert set(uses[0]["input"]) == {"city", "days", "unit"}
 
 
+
+def test_text_completion_response_format(http):
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+    body = {"model": util.MODEL, "prompt": "A thing:", "max_tokens": 300, "temperature": 1.0, "seed": 4,
+            "response_format": fmt}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text[:800]
+    ch = r.json()["choices"][0]
+    assert ch["finish_reason"] == "stop", ch
+    check_schema(json.loads(ch["text"]))
+    r = http.post("/v1/completions", json={**body, "guided_regex": "a+"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text
+
 @pytest.mark.parametrize("body,param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format"),

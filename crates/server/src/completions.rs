@@ -36,6 +36,8 @@ pub struct CompletionRequest {
     pub logprobs: Option<u32>,
     pub echo: Option<bool>,
     pub suffix: Option<String>,
+    /// As on chat completions (vLLM takes it here too): `json_object` or `json_schema`.
+    pub response_format: Option<Value>,
 }
 
 /// What a completion returns besides its text.
@@ -93,7 +95,13 @@ async fn completions_inner(st: &AppState, body: Result<Bytes, BytesRejection>) -
         let field = if shape.prompt_logprobs.is_some() { "prompt_logprobs" } else { "echo" };
         return Err(ApiError::bad_param(field, NO_PROMPT_LOGPROBS));
     }
-    let guided = structured::guided(c)?;
+    let guided = match (structured::response_format(req.response_format.as_ref())?, structured::guided(c)?) {
+        (Some(_), Some((_, field))) => {
+            return Err(ApiError::bad_param(field, format!("`{field}` cannot be combined with response_format")));
+        }
+        (Some(g), None) => Some((g, "response_format")),
+        (None, g) => g,
+    };
     // Each prompt is a request of `n` choices; a refused one drops (cancels) those already queued.
     let mut outs = Vec::with_capacity(prompts.len() * n);
     for (_, prompt) in &prompts {
