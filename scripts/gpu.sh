@@ -77,6 +77,9 @@
 #                kernel's build variants), the backend against the CPU with each
 #   wgmma-bench  27B prefill 4K/32K/128K (bf16; int4 + fp8 KV at 24 GiB) on the wide, the warpgroup and the
 #                warp-specialised kernel
+#   widen        e4m3 codes widened to bf16 pairs by integer moves and one bf16x2 multiply (the build switch
+#                KV_WIDEN_BF16X2=1) against the f32 conversions: the quantised ops cases with it, then the
+#                27B int4 + fp8 KV prefill at 24 GiB (4K/32K/128K) on both Hopper kernels with it off and on
 #   vision       the vision tower at the real shapes: a 1024x1024 image's encode in a step, its attention
 #                alone, and each op kind's time over the 27 blocks
 #   tp           on 2 GPUs: NCCL and TP=2 tests, `bench` at TP=2 and TP=1 (chart: tp.svg), the TP=2 probe
@@ -409,6 +412,23 @@ step_wgmma-bench() {
         # shellcheck disable=SC2086
         DELTASERVE_ATTN_PREFILL=$v ds "wgmma-int4-$v" 300 bench $Q27 --weights-dtype int4 --kv-cache-dtype fp8 \
             --memory 24GiB --prompts 4096,32768,131072 --contexts 1024 --batches 1 --verify-tokens 0 --short-chunks 0
+    done
+}
+
+# The e4m3 widening of quantised K/V by integer moves and one bf16x2 multiply (-DKV_WIDEN_BF16X2=1 through
+# DELTASERVE_NVRTC_OPTIONS) against two f32 conversions a pair: correctness in the ops table (subnormal and
+# special codes included), then the fp8-KV prefill on the warpgroup (default) and warp-specialised kernels.
+step_widen() {
+    DELTASERVE_NVRTC_OPTIONS="-DKV_WIDEN_BF16X2=1" DS_OPS_FILTER=kv_q test_run ops-widen 300 \
+        "FAIL|test result|panicked" ops ops_match_cpu_reference --nocapture --test-threads=1
+    local v o
+    for v in wg ws; do
+        for o in 0 1; do
+            # shellcheck disable=SC2086 # word lists of arguments
+            DELTASERVE_ATTN_PREFILL=$v DELTASERVE_NVRTC_OPTIONS="-DKV_WIDEN_BF16X2=$o" ds "widen-$v-$o" 300 bench $Q27 \
+                --weights-dtype int4 --kv-cache-dtype fp8 --memory 24GiB --prompts 4096,32768,131072 --contexts 1024 \
+                --batches 1 --verify-tokens 0 --short-chunks 0
+        done
     done
 }
 

@@ -72,6 +72,23 @@ __device__ __forceinline__ float kv_code_f32(u32 c) {
     }
 }
 
+// Build switch (-D, for measuring): KV_WIDEN_BF16X2=1 widens e4m3 codes to bf16 pairs with integer moves
+// and one bf16x2 multiply (fp8x2_bf16x2) instead of two f32 conversions.
+#ifndef KV_WIDEN_BF16X2
+#define KV_WIDEN_BF16X2 0
+#endif
+
+// Two e4m3 codes in bytes 0 and 2 of v (bytes 1 and 3 zero) -> the bf16x2 of their exact values (byte 0 in
+// the low half): the sign to bit 15 and the 7 exponent/mantissa bits to bits 10..4 make the bf16 of
+// value * 2^-120 (a bf16 subnormal for a subnormal code, exact), then one multiply by 2^120 (bf16 0x7b80;
+// the fma adds -0, which keeps every product, -0 included).
+__device__ __forceinline__ u32 fp8x2_bf16x2(u32 v) {
+    const u32 b = ((v & 0x00800080u) << 8) | ((v & 0x007f007fu) << 4);
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(b), "r"(0x7b807b80u), "r"(0x80008000u));
+    return r;
+}
+
 // Two codes -> packed bf16x2 (exact: every code has <= 4 significant bits, int8 <= 8 bits).
 template <int FMT>
 __device__ __forceinline__ u32 kv_codes_bf16x2(u32 c0, u32 c1) {
@@ -136,6 +153,12 @@ __device__ __forceinline__ uint4 kv_widen8(const unsigned char* raw, int r, int 
         o.y = kv_codes_bf16x2<FMT>(w >> 8, w >> 12);
         o.z = kv_codes_bf16x2<FMT>(w >> 16, w >> 20);
         o.w = kv_codes_bf16x2<FMT>(w >> 24, w >> 28);
+    } else if (FMT == KVF_FP8 && KV_WIDEN_BF16X2) {
+        const uint2 w = *(const uint2*)(raw + r * HD + ch * 8);
+        o.x = fp8x2_bf16x2(dm_prmt(w.x, 0u, 0x4140u));
+        o.y = fp8x2_bf16x2(dm_prmt(w.x, 0u, 0x4342u));
+        o.z = fp8x2_bf16x2(dm_prmt(w.y, 0u, 0x4140u));
+        o.w = fp8x2_bf16x2(dm_prmt(w.y, 0u, 0x4342u));
     } else {
         const uint2 w = *(const uint2*)(raw + r * HD + ch * 8);
         o.x = kv_codes_bf16x2<FMT>(w.x, w.x >> 8);
