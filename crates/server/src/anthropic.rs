@@ -333,8 +333,7 @@ async fn messages_inner(
         engine_req.constraint = Some(structured::constraint(st, g, "tool_choice", &mut parsing)?);
     }
     if let Some(budget) = req.thinking_budget()?.or(st.cfg.reasoning_budget) {
-        let thinking = parsing.reasoning == Some(true);
-        crate::thinking::budget(st, budget, &mut engine_req, thinking, "thinking.budget_tokens")?;
+        crate::thinking::budget(st, budget, &mut engine_req, &parsing, "thinking.budget_tokens")?;
     }
     let mut out = st.generate(engine_req, parsing)?;
     let id = new_id("msg_");

@@ -224,8 +224,7 @@ pub async fn start_chat(
     c.apply_token_rules(&mut engine_req, st.tokenizer.vocab_size(), grammar.as_ref().map(|(_, f)| f.as_ref()))?;
     let budget = req.thinking_token_budget.map_or(st.cfg.reasoning_budget, |b| usize::try_from(b).ok());
     if let Some(budget) = budget {
-        let thinking = parsing.reasoning == Some(true);
-        thinking::budget(st, budget, &mut engine_req, thinking, "thinking_token_budget")?;
+        thinking::budget(st, budget, &mut engine_req, &parsing, "thinking_token_budget")?;
     }
     engine_req.progress = c.progress();
     engine_req.prompt_logprobs = c.prompt_logprobs()?;

@@ -159,7 +159,11 @@ pub fn build_request(prompt: Vec<u32>, l: Limits) -> Result<Request, ApiError> {
         sampling: l.sampling,
         stop_token_ids: {
             let mut ids = if l.ignore_eos { Vec::new() } else { l.state.eos_ids.clone() };
-            ids.extend(l.stop_token_ids.iter().filter(|id| !ids.contains(id)).copied().collect::<Vec<_>>());
+            for id in l.stop_token_ids {
+                if !ids.contains(&id) {
+                    ids.push(id);
+                }
+            }
             ids
         },
         stop_strings: l.stop.into_iter().filter(|s| !s.is_empty()).collect(),
@@ -194,17 +198,12 @@ impl CommonParams {
 
     /// vLLM's `stop_token_ids`: each an id of the vocabulary (`vocab` ids).
     pub fn stop_token_ids(&self, vocab: usize) -> Result<Vec<u32>, ApiError> {
-        let bad = |m: String| ApiError::bad_param("stop_token_ids", m);
         let ids = self.stop_token_ids.as_deref().unwrap_or_default();
         if ids.len() > 256 {
-            return Err(bad(format!("at most 256 `stop_token_ids`, got {}", ids.len())));
+            let msg = format!("at most 256 `stop_token_ids`, got {}", ids.len());
+            return Err(ApiError::bad_param("stop_token_ids", msg));
         }
-        ids.iter()
-            .map(|v| {
-                token_id(v, vocab)
-                    .ok_or_else(|| bad(format!("`stop_token_ids` holds {v}, not a token id below {vocab}")))
-            })
-            .collect()
+        token_ids("stop_token_ids", ids, vocab)
     }
 
     /// The number of choices, `n`: 1..=`max_seqs` (the sequences that run at once).
@@ -250,13 +249,7 @@ impl CommonParams {
             if ids.is_empty() {
                 return Err(bad("`allowed_token_ids` must not be empty".into()));
             }
-            let ids = ids
-                .iter()
-                .map(|v| {
-                    token_id(v, vocab)
-                        .ok_or_else(|| bad(format!("`allowed_token_ids` holds {v}, not a token id below {vocab}")))
-                })
-                .collect::<Result<Vec<_>, _>>()?;
+            let ids = token_ids("allowed_token_ids", ids, vocab)?;
             req.constraint = Some(SharedConstraint::new(AllowedTokens::new(&ids, vocab)));
         }
         req.include_stop_str = self.include_stop_str_in_output.unwrap_or(false);
@@ -275,6 +268,17 @@ fn token_id(v: &Value, vocab: usize) -> Option<u32> {
         _ => return None,
     };
     u32::try_from(id).ok().filter(|&id| (id as usize) < vocab)
+}
+
+/// The token ids of the list `field` (each below `vocab`), or a 400 naming the field.
+fn token_ids(field: &str, values: &[Value], vocab: usize) -> Result<Vec<u32>, ApiError> {
+    values
+        .iter()
+        .map(|v| {
+            token_id(v, vocab)
+                .ok_or_else(|| ApiError::bad_param(field, format!("`{field}` holds {v}, not a token id below {vocab}")))
+        })
+        .collect()
 }
 
 /// `logit_bias` as (id, bias) pairs, each id once: OpenAI's object of token-id strings to numbers in

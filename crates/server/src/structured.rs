@@ -246,6 +246,55 @@ impl TokenConstraint for GrammarConstraint {
     }
 }
 
+/// vLLM's `allowed_token_ids`: the reply's tokens come from these ids only (as a token mask, on the
+/// device where the backend applies masks); the end of sequence only where the list holds it.
+#[derive(Clone)]
+pub struct AllowedTokens {
+    /// Bit `id % 32` of word `id / 32` set for an allowed id.
+    bits: Vec<u32>,
+}
+
+impl AllowedTokens {
+    /// The constraint allowing `ids` (each below `vocab`).
+    pub fn new(ids: &[u32], vocab: usize) -> Self {
+        let mut bits = vec![0u32; vocab.div_ceil(32)];
+        for &id in ids {
+            bits[id as usize / 32] |= 1 << (id % 32);
+        }
+        Self { bits }
+    }
+
+    fn allows(&self, id: u32) -> bool {
+        self.bits.get(id as usize / 32).is_some_and(|w| (w >> (id % 32)) & 1 == 1)
+    }
+}
+
+impl TokenConstraint for AllowedTokens {
+    fn mask(&mut self, row: &mut [f32]) {
+        for (id, l) in row.iter_mut().enumerate() {
+            if !self.allows(id as u32) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+
+    fn allowed(&mut self, bits: &mut [u32]) {
+        bits.fill(0);
+        let n = bits.len().min(self.bits.len());
+        bits[..n].copy_from_slice(&self.bits[..n]);
+    }
+
+    fn allows_prefix(&mut self, tokens: &[u32]) -> Option<usize> {
+        Some(tokens.iter().take_while(|&&t| self.allows(t)).count())
+    }
+
+    fn fork(&self) -> Option<SharedConstraint> {
+        Some(SharedConstraint::new(self.clone()))
+    }
+
+    fn accept(&mut self, _token: u32) {}
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -310,53 +359,4 @@ mod tests {
             assert_eq!(param(&parse(body.clone()).unwrap_err()), field, "{body}");
         }
     }
-}
-
-/// vLLM's `allowed_token_ids`: the reply's tokens come from these ids only (as a token mask, on the
-/// device where the backend applies masks); the end of sequence only where the list holds it.
-#[derive(Clone)]
-pub struct AllowedTokens {
-    /// Bit `id % 32` of word `id / 32` set for an allowed id.
-    bits: Vec<u32>,
-}
-
-impl AllowedTokens {
-    /// The constraint allowing `ids` (each below `vocab`).
-    pub fn new(ids: &[u32], vocab: usize) -> Self {
-        let mut bits = vec![0u32; vocab.div_ceil(32)];
-        for &id in ids {
-            bits[id as usize / 32] |= 1 << (id % 32);
-        }
-        Self { bits }
-    }
-
-    fn allows(&self, id: u32) -> bool {
-        self.bits.get(id as usize / 32).is_some_and(|w| (w >> (id % 32)) & 1 == 1)
-    }
-}
-
-impl TokenConstraint for AllowedTokens {
-    fn mask(&mut self, row: &mut [f32]) {
-        for (id, l) in row.iter_mut().enumerate() {
-            if !self.allows(id as u32) {
-                *l = f32::NEG_INFINITY;
-            }
-        }
-    }
-
-    fn allowed(&mut self, bits: &mut [u32]) {
-        bits.fill(0);
-        let n = bits.len().min(self.bits.len());
-        bits[..n].copy_from_slice(&self.bits[..n]);
-    }
-
-    fn allows_prefix(&mut self, tokens: &[u32]) -> Option<usize> {
-        Some(tokens.iter().take_while(|&&t| self.allows(t)).count())
-    }
-
-    fn fork(&self) -> Option<SharedConstraint> {
-        Some(SharedConstraint::new(self.clone()))
-    }
-
-    fn accept(&mut self, _token: u32) {}
 }

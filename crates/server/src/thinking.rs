@@ -9,6 +9,7 @@
 use deltaserve_engine::{Request, SharedConstraint, TokenConstraint};
 
 use crate::error::ApiError;
+use crate::output::Parsing;
 use crate::state::AppState;
 
 /// The budget's state over the reply, with the constraint it was put over (a structured output, allowed
@@ -116,11 +117,11 @@ impl TokenConstraint for ThinkingBudget {
     }
 }
 
-/// The budget's constraint over `inner` for a reply that starts inside `<think>` (`thinking`) and may run
-/// past the budget (`max_tokens`); any other request gets `inner` back unchanged (a constrained request
-/// gives up the plain greedy picks on the device). `field`: the field that asked (for errors).
-pub fn budget(st: &AppState, budget: usize, req: &mut Request, thinking: bool, field: &str) -> Result<(), ApiError> {
-    if !thinking || budget >= req.max_tokens {
+/// Puts the budget over `req`'s constraint where its reply starts inside `<think>` (`parsing`) and may run
+/// past the budget (`max_tokens`); any other request is left as it is (a constrained request gives up the
+/// plain greedy picks on the device). `field`: the field that asked (for errors).
+pub fn budget(st: &AppState, budget: usize, req: &mut Request, parsing: &Parsing, field: &str) -> Result<(), ApiError> {
+    if parsing.reasoning != Some(true) || budget >= req.max_tokens {
         return Ok(());
     }
     let think_end = st.tokenizer.token_id("</think>").ok_or_else(|| {
