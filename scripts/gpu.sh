@@ -58,6 +58,8 @@
 #   steps        where an int4 decode step's wall time goes (`bench --phases`, chart: step-phases.svg)
 #   timeline     one traced int4 decode step (DELTASERVE_TRACE; table, TSV and timeline.svg)
 #   soak         a 12-turn agent session to SOAK_TARGET tokens on the 27B shapes (TTFT per new token)
+#   follow-up    a 12-turn agent session to FOLLOW_UP_CONTEXT tokens (default 172032), int4 + fp8 KV at 24 GiB,
+#                then 3 short user follow-ups (about 24 tokens each): their time to the first token
 #   saves        snapshots inside a step: the conv and chunked DeltaNet kernels cut at snapshots against the
 #                CPU, the backend's cut chunks against their pieces run as steps (and MTP drafts from them),
 #                then a 12-turn agent session (int4 + fp8 KV at 24 GiB) with DELTASERVE_SNAPSHOTS_IN_STEP 0
@@ -77,8 +79,8 @@
 #                kernel's build variants), the backend against the CPU with each
 #   wgmma-bench  27B prefill 4K/32K/128K (bf16; int4 + fp8 KV at 24 GiB) on the wide, the warpgroup and the
 #                warp-specialised kernel
-#   widen        e4m3 codes widened to bf16 pairs by integer moves and one bf16x2 multiply (the build switch
-#                KV_WIDEN_BF16X2=1) against the f32 conversions: the quantised ops cases with it, then the
+#   widen        e4m3 codes widened to bf16 pairs by integer moves and one bf16x2 multiply (the default; the
+#                build switch KV_WIDEN_BF16X2=0 keeps two f32 conversions): the quantised ops cases, then the
 #                27B int4 + fp8 KV prefill at 24 GiB (4K/32K/128K) on both Hopper kernels with it off and on
 #   vision       the vision tower at the real shapes: a 1024x1024 image's encode in a step, its attention
 #                alone, and each op kind's time over the 27 blocks
@@ -301,6 +303,11 @@ step_soak() {
     ds soak 420 soak $Q27 --max-seqs 4 --turns 12 --target-context "${SOAK_TARGET:-131072}" --svg "$OUT_DIR/soak.svg"
     smi_stop "$OUT_DIR/soak-smi.csv"
 }
+step_follow-up() {
+    # shellcheck disable=SC2086 # word lists of arguments
+    ds follow-up 540 soak $Q27 $INT4 --turns 12 --target-context "${FOLLOW_UP_CONTEXT:-172032}" --follow-ups 3 \
+        --follow-up-tokens 24 --svg "$OUT_DIR/follow-up.svg"
+}
 step_saves() {
     DS_OPS_FILTER=conv_prefill test_run ops-saves-conv 120 "FAIL|test result|panicked|snapshots" ops \
         ops_match_cpu_reference --nocapture --test-threads=1
@@ -415,9 +422,9 @@ step_wgmma-bench() {
     done
 }
 
-# The e4m3 widening of quantised K/V by integer moves and one bf16x2 multiply (-DKV_WIDEN_BF16X2=1 through
-# DELTASERVE_NVRTC_OPTIONS) against two f32 conversions a pair: correctness in the ops table (subnormal and
-# special codes included), then the fp8-KV prefill on the warpgroup (default) and warp-specialised kernels.
+# The e4m3 widening of quantised K/V by integer moves and one bf16x2 multiply (the default, -DKV_WIDEN_BF16X2=1
+# through DELTASERVE_NVRTC_OPTIONS) against two f32 conversions a pair (=0): correctness in the ops table, then
+# the fp8-KV prefill on the warpgroup and warp-specialised kernels.
 step_widen() {
     DELTASERVE_NVRTC_OPTIONS="-DKV_WIDEN_BF16X2=1" DS_OPS_FILTER=kv_q test_run ops-widen 300 \
         "FAIL|test result|panicked" ops ops_match_cpu_reference --nocapture --test-threads=1

@@ -9,21 +9,29 @@ use common::{report_json, subcommand};
 #[test]
 fn in_process_demo_session_restores_the_context_and_does_not_allocate() {
     let svg = std::env::temp_dir().join(format!("ds-soak-{}.svg", std::process::id()));
-    let v =
-        report_json("soak", &["--turns", "6", "--target-context", "1500", "--json", "--svg", svg.to_str().unwrap()]);
+    let svg_arg = svg.to_str().unwrap();
+    let args = ["--turns", "6", "--target-context", "1500", "--follow-ups", "2", "--follow-up-tokens", "20"];
+    let v = report_json("soak", &[&args[..], &["--json", "--svg", svg_arg]].concat());
 
     let s = &v["summary"];
     assert_eq!(s["ok"], true, "{v:#}");
     assert_eq!(s["failures"].as_array().map(Vec::len), Some(0), "{v:#}");
-    assert_eq!(s["turns"], 6);
+    assert_eq!(s["turns"], 8, "6 turns and 2 short follow-ups");
     let turns = v["turns"].as_array().expect("turns is a list");
-    assert_eq!(turns.len(), 6);
+    assert_eq!(turns.len(), 8);
+    // The short follow-ups: a few new tokens each (the message, the reply before it, the template's
+    // wrapping), in one prefill step on the whole conversation.
+    assert_eq!(s["short_follow_ups"], 2, "{s:#}");
+    assert!(s["short_follow_up_max_new_tokens"].as_u64().unwrap() <= 64, "{s:#}");
+    assert_eq!(s["short_follow_up_max_prefill_steps"], 1, "{s:#}");
+    assert!(s["short_follow_up_max_ttft_ms"].as_f64().unwrap() > 0.0, "{s:#}");
+    assert!(turns[..6].iter().all(|t| t["kind"] != "short") && turns[6..].iter().all(|t| t["kind"] == "short"));
     let final_context = s["final_context"].as_u64().unwrap();
     assert!((1000..=2000).contains(&final_context), "the context should grow to about 1500: {final_context}");
     assert!(s["min_cached_fraction_of_previous_context"].as_f64().unwrap() >= 0.95, "{s:#}");
     assert!(s["ttft_ratio_last_vs_turn2_per_new_token"].as_f64().unwrap() > 0.0, "{s:#}");
     let one_step = s["follow_up_turns_in_one_prefill_step"].as_array().expect("the server sends timings");
-    assert_eq!(one_step[1], 5, "{s:#}");
+    assert_eq!(one_step[1], 7, "{s:#}");
     assert!(s["max_follow_up_ttft_over_prefill_compute"].as_f64().unwrap() >= 1.0, "{s:#}");
 
     let u = |t: &Value, k: &str| t[k].as_u64().unwrap_or_else(|| panic!("turn field {k} is not a count: {t}"));
@@ -63,7 +71,7 @@ fn in_process_demo_session_restores_the_context_and_does_not_allocate() {
     let chart = std::fs::read_to_string(&svg).expect("the SVG was written");
     let _ = std::fs::remove_file(&svg);
     assert!(chart.starts_with("<svg") && chart.trim_end().ends_with("</svg>"));
-    assert_eq!(chart.matches("<title>turn ").count(), 6 * 3, "one TTFT bar and a cached + a new bar per turn");
+    assert_eq!(chart.matches("<title>turn ").count(), 8 * 3, "one TTFT bar and a cached + a new bar per turn");
 }
 
 #[test]

@@ -77,6 +77,14 @@ pub struct Args {
     /// images (the server's limit: 32 by default).
     #[arg(long, value_name = "WxH")]
     screenshot: Option<ImageSize>,
+    /// After the --turns turns, this many short user follow-ups of about --follow-up-tokens tokens each
+    /// (kind `short`): the first token of a few new tokens on the whole long conversation, as an agent's
+    /// quick reply or tool result sends them.
+    #[arg(long, default_value_t = 0)]
+    follow_ups: usize,
+    /// Prompt tokens each --follow-ups message adds, about.
+    #[arg(long, default_value_t = 40)]
+    follow_up_tokens: usize,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -88,6 +96,9 @@ pub fn run(a: Args) -> Result<()> {
     }
     if a.sessions == 0 {
         bail!("--sessions must be at least 1");
+    }
+    if a.follow_ups > 0 && a.follow_up_tokens == 0 {
+        bail!("--follow-up-tokens must be at least 1");
     }
     let replicas = a.metrics_urls.iter().map(|u| Target::parse(u)).collect::<Result<Vec<_>>>()?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
@@ -102,11 +113,14 @@ pub fn run(a: Args) -> Result<()> {
     emit("soak", &report?, a.json, a.svg.as_deref())
 }
 
+/// The kind of a --follow-ups turn.
+const SHORT: &str = "short";
+
 /// One turn's measurements.
 #[derive(Clone, Debug, Default)]
 pub(super) struct Turn {
     pub(super) turn: usize,
-    /// What the turn appended: `task` (turn 1), `tool` or `user`.
+    /// What the turn appended: `task` (turn 1), `tool`, `user` or `short` (a --follow-ups message).
     pub(super) kind: &'static str,
     pub(super) prompt_tokens: u64,
     pub(super) cached_tokens: u64,
@@ -173,9 +187,21 @@ pub(super) struct Session {
 }
 
 impl Session {
+    /// The session's turns before its short follow-ups.
+    fn main_turns(&self) -> &[Turn] {
+        let n = self.turns.iter().take_while(|t| t.kind != SHORT).count();
+        &self.turns[..n]
+    }
+
+    /// The short follow-ups' turns.
+    pub(super) fn short_turns(&self) -> &[Turn] {
+        &self.turns[self.main_turns().len()..]
+    }
+
     fn ttft_ratio(&self) -> Option<f64> {
-        let (t2, last) = (self.turns.get(1)?, self.turns.last()?);
-        (self.turns.len() >= 2 && t2.ttft_per_new_token_ms() > 0.0)
+        let turns = self.main_turns();
+        let (t2, last) = (turns.get(1)?, turns.last()?);
+        (turns.len() >= 2 && t2.ttft_per_new_token_ms() > 0.0)
             .then(|| last.ttft_per_new_token_ms() / t2.ttft_per_new_token_ms())
     }
 

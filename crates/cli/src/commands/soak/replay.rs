@@ -77,6 +77,8 @@ pub(super) async fn soak(
         target_context: a.target_context,
         max_tokens: a.max_tokens,
         screenshot: report.screenshot,
+        follow_ups: a.follow_ups,
+        follow_up_tokens: a.follow_up_tokens,
     };
     let runs: Vec<_> = (0..a.sessions as u64)
         .map(|i| {
@@ -131,6 +133,9 @@ struct Shape {
     max_tokens: u32,
     /// A screenshot each turn, and the prompt tokens it takes.
     screenshot: Option<(ImageSize, usize)>,
+    /// Short user follow-ups after the turns, and the tokens each adds.
+    follow_ups: usize,
+    follow_up_tokens: usize,
 }
 
 /// Prompt tokens a screenshot's message adds beyond the image's placeholders (its vision markers, the
@@ -175,10 +180,17 @@ async fn run_session(
     let mut messages = vec![json!({"role": "system", "content": system}), json!({"role": "user", "content": task})];
     let mut chars_per_token = 3.0; // replaced by what turn 1 measures
     let mut prev: Option<(Turn, Reply, usize)> = None; // (turn, reply, payload chars)
-    for t in 1..=n {
+    for t in 1..=n + a.follow_ups {
         let mut kind = "task";
         let mut payload_chars = 0;
-        if let Some((pt, reply, prev_payload)) = &prev {
+        if let (Some((_, reply, _)), true) = (&prev, t > n) {
+            // A short follow-up on the whole conversation (no screenshot: a few tokens of text).
+            kind = super::SHORT;
+            payload_chars = (a.follow_up_tokens as f64 * chars_per_token).round().max(1.0) as usize;
+            messages.push(assistant_message(reply));
+            let text: String = follow_up(&mut rng, payload_chars).chars().take(payload_chars).collect();
+            messages.push(json!({"role": "user", "content": text}));
+        } else if let Some((pt, reply, prev_payload)) = &prev {
             // Refine chars/token from the last growth (payload + the re-rendered reply + wrappers).
             if t > 2 && *prev_payload > 0 {
                 let before = report.turns[report.turns.len() - 2].prompt_tokens
@@ -254,8 +266,8 @@ async fn run_session(
             prefill_ms: reply.timings.as_ref().and_then(|v| v["prefill_step_ms"].as_f64()),
             drafted: reply.timings.as_ref().and_then(|v| v["draft_n"].as_u64()),
             accepted: reply.timings.as_ref().and_then(|v| v["draft_n_accepted"].as_u64()),
-            images: if a.screenshot.is_some() { t } else { 0 },
-            image_tokens: a.screenshot.map_or(0, |(_, tokens)| (t * tokens) as u64),
+            images: if a.screenshot.is_some() { t.min(n) } else { 0 },
+            image_tokens: a.screenshot.map_or(0, |(_, tokens)| (t.min(n) * tokens) as u64),
             ..Default::default()
         };
         if per_turn_metrics {

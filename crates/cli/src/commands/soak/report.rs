@@ -32,6 +32,11 @@ impl Report {
         later.filter_map(|t| t.prefill_ms.filter(|&c| c > 0.0).map(|c| t.ttft_ms / c)).max_by(f64::total_cmp)
     }
 
+    /// Every session's short follow-ups (--follow-ups).
+    fn short_turns(&self) -> impl Iterator<Item = &Turn> {
+        self.sessions.iter().flat_map(|s| s.short_turns())
+    }
+
     /// Accepted over drafted tokens of every turn (None without speculative decoding).
     fn acceptance(&self) -> Option<f64> {
         let turns = self.sessions.iter().flat_map(|s| &s.turns);
@@ -106,6 +111,10 @@ impl ToolReport for Report {
                 "min_cached_fraction_of_previous_context": min_cached.map(round3),
                 "follow_up_turns_in_one_prefill_step": self.follow_ups_in_one_step(),
                 "max_follow_up_ttft_over_prefill_compute": self.max_ttft_over_compute().map(round3),
+                "short_follow_ups": self.short_turns().count(),
+                "short_follow_up_max_new_tokens": self.short_turns().map(Turn::new_tokens).max(),
+                "short_follow_up_max_ttft_ms": self.short_turns().map(|t| t.ttft_ms).max_by(f64::total_cmp).map(round3),
+                "short_follow_up_max_prefill_steps": self.short_turns().filter_map(|t| t.prefill_steps).max(),
                 "draft_acceptance_rate": self.acceptance().map(|v| round_to(v, 4)),
                 "wall_s": round3(self.wall_s),
                 "generated_tokens": generated,
