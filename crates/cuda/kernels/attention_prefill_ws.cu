@@ -18,16 +18,15 @@
 //  Build switches (-D, for measuring): WS_OVERLAP=0 runs each tile's S, softmax and P V in turn;
 //    WS_PINGPONG=1 makes the warpgroups take turns issuing their products (named barriers 4 and 5).
 // Quantised K and/or V (fp8, int8, int4; mixed): thread 0 copies a tile's codes (a 2-D map of the
-//    cache's bytes, box rowb x rows) into one stage of codes, K's and V's halves on barriers of their
-//    own (the next tile's K codes land while this tile's V codes are widened); the whole producer
-//    warpgroup (registers still 24) widens them into the bf16 stage's swizzled tile, writes the tile's
-//    f32 scales beside it and publishes the stage; the consumers scale S's key columns by the
+//    cache's bytes, box rowb x rows) into one stage of codes; the whole producer warpgroup (registers
+//    still 24) widens them into the bf16 stage's swizzled tile, writes the tile's f32 scales beside
+//    it and publishes the stage; the consumers scale S's key columns by the
 //    K scales and fold the V scales into P before its bf16 rounding, as attn_prefill_wg does.
 // V rows past the block's last key (a partial last tile: stale rows of its last page, or boxes not
 // copied) are zeroed before P V (P is 0 there; 0 * a stale NaN is not): by each consumer warpgroup for
 // a bf16 V, by the widening for codes. K rows there only reach masked scores.
 // Smem (ops/attention.rs ws_smem_bytes): 1 KB of alignment slack, Q 128 x HD x 2, 2 K stages and 2 V
-// stages of 64 x HD x 2, 10 barriers in 128 bytes (193.1 KB at HD 256); with codes the scales
+// stages of 64 x HD x 2, 9 barriers in 128 bytes (193.1 KB at HD 256); with codes the scales
 // (2 stages x 128 f32) and the codes' stage (64 rows of each quantised matrix: 225.1 KB for fp8 / fp8).
 // Launch: grid (Hkv, n_tiles, n_split) (attn_prefill_wg's with its first two dims swapped: every kv
 // head's heaviest tiles start first), block 384; kmap / vmap encoded by the launcher for this layer's
@@ -56,7 +55,7 @@ static_assert(WS_PRODUCER_REGS * 128 + WS_CONSUMER_REGS * 256 <= WS_LAUNCH_REGS 
 #define WS_STR2(x) #x
 #define WS_STR(x) WS_STR2(x)
 #define WS_MAT (WG_BK * HD * 2)
-#define WS_BAR_BYTES 128  // 10 barriers, padded
+#define WS_BAR_BYTES 128  // 9 barriers, padded
 
 // A CUtensorMap (cuda.h): 128 opaque bytes, passed by value as a __grid_constant__ parameter.
 struct __align__(64) TmaMap {
@@ -134,13 +133,11 @@ __device__ __forceinline__ void wg_wait() {
 
 #if WG_BODY && KQ_ANY
 // The producer warpgroup over a cache with quantised K and/or V (128 threads). Per tile: thread 0 copies
-// each quantised matrix's codes into its half of the codes' one stage (K's counted on code_k, V's on
-// code_v) and a bf16 matrix's tile straight into its stage; every thread waits for the stage's release,
-// then for K's codes, widens them into the stage's swizzled bf16 tile (rows past kend as zeros) and
-// writes the tile's f32 scales (K's and V's: a consumer's softmax reads both once K is out); after a
-// barrier of the warpgroup thread 0 publishes K (an arrival on its barrier) and copies the next tile's K
-// codes, which land while V's are widened and the consumers multiply Q by this K; then V's codes alike,
-// a barrier, V published and the next tile's V codes (and a bf16 matrix's tile) copied.
+// the quantised matrices' codes into the codes' one stage (counted on code_full) and a bf16 matrix's tile
+// straight into its stage; every thread waits for the codes and the stage's release, widens the codes
+// into the stage's swizzled bf16 tile (rows past kend as zeros) and writes the tile's f32 scales; after a
+// barrier of the warpgroup thread 0 publishes the stage (an arrival on both its barriers, so a consumer
+// that waited for either sees the scales) and copies the next tile's codes.
 __device__ __forceinline__ void ws_produce_quantised(const TmaMap& kmap, const TmaMap& vmap,
                                                      const unsigned short* __restrict__ k_scales,
                                                      const unsigned short* __restrict__ v_scales,
@@ -150,7 +147,7 @@ __device__ __forceinline__ void ws_produce_quantised(const TmaMap& kmap, const T
     constexpr int NB = HD / 64, CH = HD / 8;
     auto full = [&](int m, int st) { return bars + 16 * m + 8 * st; };
     auto empty = [&](int m, int st) { return bars + 32 + 16 * m + 8 * st; };
-    const u32 code_k = bars + 64, code_v = bars + 72;
+    const u32 code_full = bars + 64;
     const int pshift = (page & (page - 1)) == 0 ? __ffs(page) - 1 : -1;
     const int per_tile = WG_BK / box_rows;
     auto row_of = [&](int key) {
@@ -158,67 +155,62 @@ __device__ __forceinline__ void ws_produce_quantised(const TmaMap& kmap, const T
         return bt[pg] * page + (key - pg * page);
     };
     auto nbox_of = [&](int kb) { return min(per_tile, (kend - kb + box_rows - 1) / box_rows); };
-    // Thread 0: matrix m's copies of tile j (its codes, or a bf16 matrix's tile into stage it & 1).
-    auto issue = [&](int m, int j, int it) {
+    // Thread 0: tile j's copies.
+    auto issue = [&](int j, int it) {
         const int st = it & 1, use = it >> 1, kb = j * WG_BK, nbox = nbox_of(kb);
-        const TmaMap* map = m == 0 ? &kmap : &vmap;
-        if (m == 0 ? KQ_K : KQ_V) {
-            const int rowb = m == 0 ? K_ROWB : V_ROWB;
-            const u32 bar = m == 0 ? code_k : code_v;
-            const u32 dst = codes + (m == 0 ? 0 : (KQ_K ? WG_BK * K_ROWB : 0));
-            mbar_expect_tx(bar, (u32)(nbox * box_rows * rowb));
-            for (int rb = 0; rb < nbox; rb++)
-                tma_load_2d(dst + (u32)(rb * box_rows * rowb), map, hkv * rowb, row_of(kb + rb * box_rows), bar);
-        } else {
-            if (use > 0) mbar_wait(empty(m, st), (use - 1) & 1);
-            mbar_expect_tx(full(m, st), (u32)(nbox * box_rows * 128 * NB));
-            const u32 dst = (m == 0 ? ks0 : vs0) + st * WS_MAT;
-            for (int rb = 0; rb < nbox; rb++) {
-                const int row = row_of(kb + rb * box_rows);
+        mbar_expect_tx(code_full, (u32)(nbox * box_rows * ((KQ_K ? K_ROWB : 0) + (KQ_V ? V_ROWB : 0))));
 #pragma unroll
-                for (int b = 0; b < NB; b++)
-                    tma_load_2d(dst + (u32)(b * WG_BK * 128 + rb * box_rows * 128), map, hkv * HD + b * 64, row,
-                                full(m, st));
+        for (int m = 0; m < 2; m++) {
+            const bool quant = m == 0 ? KQ_K : KQ_V;
+            const TmaMap* map = m == 0 ? &kmap : &vmap;
+            if (quant) {
+                const int rowb = m == 0 ? K_ROWB : V_ROWB;
+                const u32 dst = codes + (m == 0 ? 0 : (KQ_K ? WG_BK * K_ROWB : 0));
+                for (int rb = 0; rb < nbox; rb++)
+                    tma_load_2d(dst + (u32)(rb * box_rows * rowb), map, hkv * rowb, row_of(kb + rb * box_rows), code_full);
+            } else {
+                if (use > 0) mbar_wait(empty(m, st), (use - 1) & 1);
+                mbar_expect_tx(full(m, st), (u32)(nbox * box_rows * 128 * NB));
+                const u32 dst = (m == 0 ? ks0 : vs0) + st * WS_MAT;
+                for (int rb = 0; rb < nbox; rb++) {
+                    const int row = row_of(kb + rb * box_rows);
+#pragma unroll
+                    for (int b = 0; b < NB; b++)
+                        tma_load_2d(dst + (u32)(b * WG_BK * 128 + rb * box_rows * 128), map, hkv * HD + b * 64, row,
+                                    full(m, st));
+                }
             }
         }
     };
-    if (tid == 0) {
-        issue(0, jb, 0);
-        issue(1, jb, 0);
-    }
-    // Widens matrix m's codes of the tile at kb into stage st's bf16 tile.
-    auto widen = [&](int m, int kb, int st) {
-        const unsigned char* raw = codes_p + (m == 0 ? 0 : (KQ_K ? WG_BK * K_ROWB : 0));
-        const u32 dst = (m == 0 ? ks0 : vs0) + st * WS_MAT;
-        for (int c = tid; c < WG_BK * CH; c += 128) {
-            const int r = c / CH, ch = c % CH;
-            uint4 w = make_uint4(0, 0, 0, 0);
-            if (kb + r < kend) w = m == 0 ? kv_widen8<KV_K_FMT>(raw, r, ch) : kv_widen8<KV_V_FMT>(raw, r, ch);
-            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst + wg_swz(r, ch, WG_BK)), "r"(w.x),
-                         "r"(w.y), "r"(w.z), "r"(w.w)
-                         : "memory");
-        }
-    };
+    if (tid == 0) issue(jb, 0);
     for (int j = jb, it = 0; j < je; j++, it++) {
         const int st = it & 1, use = it >> 1, kb = j * WG_BK;
-        const bool next = j + 1 < je;
         float ksv = 0.0f, vsv = 0.0f;  // the scales of key kb + tid (tid < 64), loaded while the codes land
         if (tid < WG_BK && kb + tid < kend) {
             const long long at = (long long)row_of(kb + tid) * Hkv + hkv;
             if (KQ_K) ksv = f16_to_f32(k_scales[at]);
             if (KQ_V) vsv = f16_to_f32(v_scales[at]);
         }
+        mbar_wait(code_full, it & 1);
         if (use > 0) {
             // The stage's tiles and its scales (read until the consumers release V) are free.
             mbar_wait(empty(0, st), (use - 1) & 1);
             mbar_wait(empty(1, st), (use - 1) & 1);
         }
-        if (KQ_K) {
-            mbar_wait(code_k, it & 1);
-            widen(0, kb, st);
+#pragma unroll
+        for (int m = 0; m < 2; m++) {
+            if (!(m == 0 ? KQ_K : KQ_V)) continue;
+            const unsigned char* raw = codes_p + (m == 0 ? 0 : (KQ_K ? WG_BK * K_ROWB : 0));
+            const u32 dst = (m == 0 ? ks0 : vs0) + st * WS_MAT;
+            for (int c = tid; c < WG_BK * CH; c += 128) {
+                const int r = c / CH, ch = c % CH;
+                uint4 w = make_uint4(0, 0, 0, 0);
+                if (kb + r < kend) w = m == 0 ? kv_widen8<KV_K_FMT>(raw, r, ch) : kv_widen8<KV_V_FMT>(raw, r, ch);
+                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst + wg_swz(r, ch, WG_BK)), "r"(w.x),
+                             "r"(w.y), "r"(w.z), "r"(w.w)
+                             : "memory");
+            }
         }
-        // Both scales with K (a consumer's softmax of this tile reads V's too), then K is published: the
-        // consumers' S of this tile runs while V's codes are widened.
         if (tid < WG_BK) {
             sc_f[st * 2 * WG_BK + tid] = ksv;
             sc_f[st * 2 * WG_BK + WG_BK + tid] = vsv;
@@ -227,19 +219,8 @@ __device__ __forceinline__ void ws_produce_quantised(const TmaMap& kmap, const T
         named_sync(6, 128);
         if (tid == 0) {
             mbar_arrive(full(0, st));
-            // Every thread is done with K's codes: the next tile's may land while V's are widened.
-            if (KQ_K && next) issue(0, j + 1, it + 1);
-        }
-        if (KQ_V) {
-            mbar_wait(code_v, it & 1);
-            widen(1, kb, st);
-            fence_proxy_async();
-            named_sync(6, 128);
-        }
-        if (tid == 0) {
             mbar_arrive(full(1, st));
-            if (next && !KQ_K) issue(0, j + 1, it + 1);
-            if (next) issue(1, j + 1, it + 1);
+            if (j + 1 < je) issue(j + 1, it + 1);
         }
     }
 }
@@ -266,7 +247,7 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
         return;
     }
     const u32 ks0 = sbase + WG_Q_BYTES, vs0 = ks0 + 2 * WS_MAT;
-    // Barriers: full K [2], full V [2], empty K [2], empty V [2], the codes' stage (K's, V's).
+    // Barriers: full K [2], full V [2], empty K [2], empty V [2], the codes' stage.
     const u32 bars = vs0 + 2 * WS_MAT;
     auto full_k = [&](int st) { return bars + 8 * st; };
     auto full_v = [&](int st) { return bars + 16 + 8 * st; };
@@ -283,7 +264,6 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
             mbar_init(empty_v(st), 8);
         }
         mbar_init(code_full, 1);
-        mbar_init(code_full + 8, 1);  // the codes' stage has K's (code_full) and V's barriers
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
