@@ -16,7 +16,8 @@
 //! Pure bookkeeping: page references are taken and released by the caller (the scheduler).
 
 use std::borrow::Cow;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
 
 use deltaserve_backend::{CacheOp, SnapshotLoc};
 
@@ -101,9 +102,31 @@ pub struct PrefixStats {
     pub demotions: u64,
 }
 
+/// The entries' map keys are [`prefix_hash`]es, mixed already: the map uses them as they are (a lookup
+/// probes the map at every position of a prompt, 152K probes for a 152K-token one).
+#[derive(Default)]
+struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // (Only u64 keys are hashed; any other input folds in byte by byte.)
+        for &b in bytes {
+            self.0 = step(self.0, u32::from(b));
+        }
+    }
+    fn write_u64(&mut self, k: u64) {
+        self.0 = k;
+    }
+}
+
 pub struct PrefixCache {
     cfg: PrefixCacheConfig,
-    entries: HashMap<u64, Entry>,
+    entries: HashMap<u64, Entry, BuildHasherDefault<KeyHasher>>,
+    /// How many entries have each length: the positions a lookup probes.
+    lengths: BTreeMap<usize, usize>,
     device_free: Vec<u32>,
     host_free: Vec<u32>,
     clock: u64,
@@ -128,7 +151,8 @@ impl PrefixCache {
             device_free: (0..cfg.device_slots as u32).rev().collect(),
             host_free: (0..cfg.host_slots as u32).rev().collect(),
             cfg,
-            entries: HashMap::new(),
+            entries: HashMap::default(),
+            lengths: BTreeMap::new(),
             clock: 0,
             stats: PrefixStats::default(),
         }
@@ -155,19 +179,24 @@ impl PrefixCache {
     }
 
     /// The entry (key, length) of the longest cached prefix of `tokens` no longer than `max_len`: one
-    /// pass of the rolling hash, a map probe per position (O(len), not O(len²)).
+    /// pass of the rolling hash with a map probe at each length some entry has (O(len), not O(len²)),
+    /// then the tokens of the longest entries whose hash matched compared until one is equal (the
+    /// first, but for a 64-bit collision): one comparison, not one per cached ancestor.
     fn longest_entry(&self, tokens: &[u32], max_len: usize) -> Option<(u64, usize)> {
-        let mut h = SEED;
-        let mut best = None;
-        for (i, &t) in tokens[..max_len.min(tokens.len())].iter().enumerate() {
-            h = step(h, t);
-            if let Some(e) = self.entries.get(&h)
-                && e.tokens[..] == tokens[..=i]
-            {
-                best = Some((h, i + 1));
+        let n = max_len.min(tokens.len());
+        if n == 0 {
+            return None;
+        }
+        let (mut h, mut at) = (SEED, 0);
+        let mut found = Vec::new();
+        for &len in self.lengths.range(1..=n).map(|(len, _)| len) {
+            h = tokens[at..len].iter().fold(h, |h, &t| step(h, t));
+            at = len;
+            if self.entries.contains_key(&h) {
+                found.push((h, len));
             }
         }
-        best
+        found.into_iter().rev().find(|&(key, len)| self.entries[&key].tokens[..] == tokens[..len])
     }
 
     /// Whether `tokens` (a whole prefix) is cached already.
@@ -224,6 +253,7 @@ impl PrefixCache {
         // per snapshot at 131K tokens.)
         let parent_len = self.longest_entry(&tokens, tokens.len().saturating_sub(1)).map_or(0, |(_, l)| l);
         self.clock += 1;
+        *self.lengths.entry(tokens.len()).or_default() += 1;
         let old = self.entries.insert(key, Entry { tokens, pages, loc, parent_len, hits: 0, last_used: self.clock });
         assert!(old.is_none(), "insert of a prefix that is cached already (or a 64-bit hash collision)");
     }
@@ -242,6 +272,12 @@ impl PrefixCache {
 
     fn remove(&mut self, key: u64) -> Vec<u32> {
         let e = self.entries.remove(&key).expect("exists");
+        if let Some(n) = self.lengths.get_mut(&e.tokens.len()) {
+            *n -= 1;
+            if *n == 0 {
+                self.lengths.remove(&e.tokens.len());
+            }
+        }
         match e.loc {
             SnapshotLoc::Device(d) => self.device_free.push(d),
             SnapshotLoc::Host(h) => self.host_free.push(h),
@@ -275,8 +311,13 @@ impl PrefixCache {
         PrefixStats { entries_device: device, entries_host: self.entries.len() - device, ..self.stats }
     }
 
-    /// Panics if slots are double-booked.
+    /// Panics if slots are double-booked or the probed lengths are not the entries'.
     pub fn assert_consistent(&self) {
+        let mut lengths = BTreeMap::new();
+        for e in self.entries.values() {
+            *lengths.entry(e.tokens.len()).or_default() += 1;
+        }
+        assert_eq!(lengths, self.lengths, "the lengths a lookup probes are the entries'");
         let mut dev: Vec<u32> = self.device_free.clone();
         let mut host: Vec<u32> = self.host_free.clone();
         for e in self.entries.values() {
