@@ -17,7 +17,6 @@
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
-use std::hash::{BuildHasherDefault, Hasher};
 
 use deltaserve_backend::{CacheOp, SnapshotLoc};
 
@@ -102,29 +101,9 @@ pub struct PrefixStats {
     pub demotions: u64,
 }
 
-/// The entries' map keys are [`prefix_hash`]es, mixed already: the map uses them as they are (a lookup
-/// probes the map at every position of a prompt, 152K probes for a 152K-token one).
-#[derive(Default)]
-struct KeyHasher(u64);
-
-impl Hasher for KeyHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        // (Only u64 keys are hashed; any other input folds in byte by byte.)
-        for &b in bytes {
-            self.0 = step(self.0, u32::from(b));
-        }
-    }
-    fn write_u64(&mut self, k: u64) {
-        self.0 = k;
-    }
-}
-
 pub struct PrefixCache {
     cfg: PrefixCacheConfig,
-    entries: HashMap<u64, Entry, BuildHasherDefault<KeyHasher>>,
+    entries: HashMap<u64, Entry>,
     /// How many entries have each length: the positions a lookup probes.
     lengths: BTreeMap<usize, usize>,
     device_free: Vec<u32>,
@@ -151,7 +130,7 @@ impl PrefixCache {
             device_free: (0..cfg.device_slots as u32).rev().collect(),
             host_free: (0..cfg.host_slots as u32).rev().collect(),
             cfg,
-            entries: HashMap::default(),
+            entries: HashMap::new(),
             lengths: BTreeMap::new(),
             clock: 0,
             stats: PrefixStats::default(),
@@ -184,12 +163,9 @@ impl PrefixCache {
     /// first, but for a 64-bit collision): one comparison, not one per cached ancestor.
     fn longest_entry(&self, tokens: &[u32], max_len: usize) -> Option<(u64, usize)> {
         let n = max_len.min(tokens.len());
-        if n == 0 {
-            return None;
-        }
         let (mut h, mut at) = (SEED, 0);
         let mut found = Vec::new();
-        for &len in self.lengths.range(1..=n).map(|(len, _)| len) {
+        for &len in self.lengths.range(1..n + 1).map(|(len, _)| len) {
             h = tokens[at..len].iter().fold(h, |h, &t| step(h, t));
             at = len;
             if self.entries.contains_key(&h) {
