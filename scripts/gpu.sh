@@ -23,7 +23,7 @@
 #   ROUNDS        decode: rounds over the sets (default 2)
 #   SOAK_TARGET   soak: tokens the agent session grows to (default 131072)
 #   PROBE_RUNGS, PROBE_TURNS   probe, probe-int4 and tp: the ladder's rungs and conversation turns
-#   PROFILE       profile: what to profile, of decode,decode-int4,gdn,attn,w4 (default decode,decode-int4)
+#   PROFILE       profile: what to profile, of decode,decode-int4,gdn,attn,w4,w4g (default decode,decode-int4)
 #   DS_OPS_FILTER ops: only the kernel cases whose name contains it
 #   BACKEND_ARGS  backend: extra test arguments (e.g. --skip hf_fixtures_logits without fixtures/hf)
 #
@@ -493,7 +493,14 @@ step_profile() {
             # shellcheck disable=SC2086
             w4) DS_BENCH_W4="gate+up" run profile-w4 120 "w4p_hsh|$keep" $ncu $sect --section SourceCounters \
                 --kernel-name w4p_hsh --launch-skip 110 --launch-count 1 "$(bin bench_w4)" --nocapture --ignored bench_w4_27b ;;
-            *) echo "unknown profile $p (decode, decode-int4, gdn, attn, w4)" ;;
+            # The int4 tile GEMM at 32 and 48 rows (gate / up, then down): one launch each, after 20.
+            # shellcheck disable=SC2086
+            w4g) for m in 32 48; do for lin in gate down; do
+                    DS_BENCH_W4="$lin" DS_BENCH_W4_ROWS_M=$m run "profile-w4g-$lin-$m" 120 "w4g_|$keep" $ncu $sect $stalls \
+                        --section SourceCounters --kernel-name regex:'w4g_[0-9]' --launch-skip 20 --launch-count 1 \
+                        "$(bin bench_w4)" --nocapture --ignored bench_w4_rows
+                done; done ;;
+            *) echo "unknown profile $p (decode, decode-int4, gdn, attn, w4, w4g)" ;;
         esac
     done
 }

@@ -30,10 +30,20 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 KERNELS = os.path.join("crates", "cuda", "kernels")
 
 
+def module_files(module, root=ROOT):
+    """The kernel files a module's source is made of, in order, as crates/cuda/src/nvrtc/sources.rs
+    concatenates them (e.g. w4_tile.cuh then w4_gemm.cu); [module.cu] when it names none."""
+    sources = open(os.path.join(root, "crates", "cuda", "src", "nvrtc", "sources.rs")).read()
+    m = re.search(r'module:\s*"' + re.escape(module) + r'",(.*?)functions:', sources, flags=re.S)
+    files = re.findall(r'include_str!\("\.\./\.\./kernels/([\w.]+)"\)', m.group(1)) if m else []
+    return files or [module + ".cu"]
+
+
 def compile_cubin(module, arch, defines, root=ROOT):
     lib = ctypes.CDLL("libnvrtc.so.13")
     kdir = os.path.join(root, KERNELS)
-    src = open(os.path.join(kdir, "prelude.cuh")).read() + "\n" + open(os.path.join(kdir, module + ".cu")).read()
+    parts = [open(os.path.join(kdir, f)).read() for f in ["prelude.cuh"] + module_files(module, root)]
+    src = "\n".join(parts)
     prog = ctypes.c_void_p()
     lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), (module + ".cu").encode(), 0, None, None)
     opts = [f"--gpu-architecture={arch}", "-std=c++17", "--device-as-default-execution-space"] + defines

@@ -540,7 +540,7 @@ fn run_rows(rt: &Runtime, k: &Kernels) -> R<()> {
             if sweep && (9..=64).contains(&m) {
                 // The pair kernels (16 tokens, 1/2/4 warps per pair), then the tile kernels (wpt 0).
                 let kinds = [(16, 1), (16, 2), (16, 4), (16, 0), (24, 0), (32, 0)];
-                for splits in [1, 2, 4, 8].into_iter().filter(|&sp| sp <= inp / 512) {
+                for splits in [1, 2, 3, 4, 5, 6, 8, 12].into_iter().filter(|&sp| sp <= inp / 512) {
                     for (tokens, wpt) in kinds.into_iter().filter(|&(tk, wpt)| wpt == 0 || m <= tk) {
                         let cfg = W4GemmConfig { tokens, splits, wpt };
                         let t = gemm_us(cfg)?;
