@@ -338,6 +338,7 @@ pub fn cuda_options(cuda_graphs: bool) -> CudaOptions {
     CudaOptions {
         cuda_graphs,
         fold_norms: sw.fold_norms,
+        norms_in_reduce: sw.norms_in_reduce,
         w4_gemm_max_rows,
         verify_decode_attention_from,
         short_chunk_decode_attention_from,

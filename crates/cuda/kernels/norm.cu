@@ -3,15 +3,20 @@
 // Computes (f32 math, bf16 in/out):
 //  add_rms_norm_1p:  h = bf16(x + res) (res optional: null -> h = x); res_out = h;
 //                    out = bf16(h * rsqrt(mean(h^2) + eps) * (1 + w))        (Qwen3_5RMSNorm)
+//  add_rms_norm_1p_parts: the same with x = bf16(sum over s < splits, in order, of parts[s]) (the
+//                    f32 partial sums of an int4 GEMM split over K: w4g_reduce's bf16 output, bit for
+//                    bit, never stored); res required
 //  rms_norm_1p:      out[r] = bf16(x[r] * rsqrt(mean(x[r]^2) + eps) * (1 + w)) over rows with
 //                    independent strides (used for q_norm/k_norm on the per-head q|gate layout)
 //  gated_rms_norm:   out[r] = bf16(w * (o[r] * rsqrt(mean(o[r]^2) + eps)) * silu(z[r]))  (plain w)
 // Shapes/dtypes:
 //  add_rms_norm_1p: x, res, res_out, out [rows, D] bf16 (res_out may alias res); w [D] bf16.
+//  add_rms_norm_1p_parts: parts [splits][rows][D] f32 (16-byte aligned), splits 1..16; the vector
+//                   path's limits below (the launcher checks them).
 //  rms_norm_1p:     x row r at x + r*x_stride, out row r at out + r*out_stride (elements); w [D] bf16.
 //  gated_rms_norm:  o [rows, D] bf16 (rows = T*Hv, D = Dv); z row r at z + (r/H)*z_tok_stride +
 //                   (r%H)*D; w [D] f32 (Qwen3.5 stores it f32; Qwen3.6 bf16 upcasts exactly).
-// Launch: grid (rows), block 256 (any multiple of 32 <= 1024; add_rms_norm_1p: up to 640, its launcher
+// Launch: grid (rows), block 256 (any multiple of 32 <= 1024; add_rms_norm_1p(_parts): up to 640, its launcher
 // takes a thread per 16-byte vector of the row); gated_rms_norm grid (ceil(rows/8)), block 256 (a
 // warp per row). Arch: shuffles only, sm_80+.
 // add_rms_norm_1p keeps a row in registers (16-byte loads, all issued before the sum) when D % 8 == 0,
@@ -24,29 +29,72 @@
 // them) load before the wait for the previous kernel (pdl_wait), x and res after it. Needs D % 8 == 0,
 // D <= 8 * NORM_MAXV * blockDim.x and 16-byte aligned rows (checked by the kernel below).
 #define NORM_MAXV 4
-__device__ __forceinline__ void add_rms_norm_1p_vec(const bf16_t* x, const bf16_t* res,
-                                                    const bf16_t* __restrict__ w, bf16_t* res_out,
-                                                    bf16_t* __restrict__ out, int D, float eps, float* red) {
+// add_rms_norm_1p_parts: 16-byte vectors a thread holds (rows of up to 8 * 2 * 640), and the splits whose
+// partial sums it loads at once (per vector two float4 a split; 82 registers on sm_90, no spills).
+#define NORM_PARTS_MAXV 2
+#define NORM_PART_BATCH 4
+
+// x[8v .. 8v + 7] of the row at `base` as w4g_reduce writes it: the splits' f32 partial sums added in
+// split order (NORM_PART_BATCH splits' loads in flight at once), rounded to bf16 pairs.
+__device__ __forceinline__ uint4 sum_parts8(const float* parts, long long pstride, int splits, long long at) {
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
+    for (int s0 = 0; s0 < splits; s0 += NORM_PART_BATCH) {
+        float4 pa[NORM_PART_BATCH], pb[NORM_PART_BATCH];
+#pragma unroll
+        for (int i = 0; i < NORM_PART_BATCH; i++) {
+            if (s0 + i < splits) {
+                const float4* p = (const float4*)(parts + (long long)(s0 + i) * pstride + at);
+                pa[i] = p[0];
+                pb[i] = p[1];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < NORM_PART_BATCH; i++) {
+            if (s0 + i == 0) {
+                a = pa[0];
+                b = pb[0];
+            } else if (s0 + i < splits) {
+                a.x += pa[i].x;
+                a.y += pa[i].y;
+                a.z += pa[i].z;
+                a.w += pa[i].w;
+                b.x += pb[i].x;
+                b.y += pb[i].y;
+                b.z += pb[i].z;
+                b.w += pb[i].w;
+            }
+        }
+    }
+    return make_uint4(pack_bf16(a.x, a.y), pack_bf16(a.z, a.w), pack_bf16(b.x, b.y), pack_bf16(b.z, b.w));
+}
+
+// PARTS: x is the sum of `splits` f32 partial-sum arrays `parts` (pstride floats apart) instead. MAXV:
+// 16-byte vectors a thread holds (D <= 8 * MAXV * blockDim.x).
+template <bool PARTS, int MAXV>
+__device__ __forceinline__ void add_rms_norm_1p_vec(const bf16_t* x, const float* parts, long long pstride,
+                                                    int splits, const bf16_t* res, const bf16_t* __restrict__ w,
+                                                    bf16_t* res_out, bf16_t* __restrict__ out, int D, float eps,
+                                                    float* red) {
     const long long base = (long long)blockIdx.x * D;
     const int nv = D >> 3;
-    uint4 hv[NORM_MAXV], wv[NORM_MAXV], rv[NORM_MAXV];
+    uint4 hv[MAXV], wv[MAXV], rv[MAXV];
 #pragma unroll
-    for (int j = 0; j < NORM_MAXV; j++) {
+    for (int j = 0; j < MAXV; j++) {
         const int v = threadIdx.x + j * blockDim.x;
         if (v < nv) wv[j] = *(const uint4*)(w + 8 * v);
     }
     pdl_wait();
 #pragma unroll
-    for (int j = 0; j < NORM_MAXV; j++) {
+    for (int j = 0; j < MAXV; j++) {
         const int v = threadIdx.x + j * blockDim.x;
         if (v < nv) {
-            hv[j] = *(const uint4*)(x + base + 8 * v);
             rv[j] = res ? *(const uint4*)(res + base + 8 * v) : make_uint4(0u, 0u, 0u, 0u);
+            hv[j] = PARTS ? sum_parts8(parts, pstride, splits, base + 8 * v) : *(const uint4*)(x + base + 8 * v);
         }
     }
     float ss = 0.0f;
 #pragma unroll
-    for (int j = 0; j < NORM_MAXV; j++) {
+    for (int j = 0; j < MAXV; j++) {
         const int v = threadIdx.x + j * blockDim.x;
         if (v < nv) {
             u32* hw = (u32*)&hv[j];
@@ -67,7 +115,7 @@ __device__ __forceinline__ void add_rms_norm_1p_vec(const bf16_t* x, const bf16_
     }
     const float inv = rsqrtf(block_sum(ss, red) / (float)D + eps);
 #pragma unroll
-    for (int j = 0; j < NORM_MAXV; j++) {
+    for (int j = 0; j < MAXV; j++) {
         const int v = threadIdx.x + j * blockDim.x;
         if (v < nv) {
             const u32* hw = (const u32*)&hv[j];
@@ -96,7 +144,7 @@ extern "C" __global__ void add_rms_norm_1p(const bf16_t* x, const bf16_t* res,
     const unsigned long long al = (unsigned long long)x | (unsigned long long)res | (unsigned long long)w |
                                   (unsigned long long)res_out | (unsigned long long)out;
     if ((D & 7) == 0 && (al & 15) == 0 && D <= 8 * NORM_MAXV * (int)blockDim.x) {  // uniform
-        add_rms_norm_1p_vec(x, res, w, res_out, out, D, eps, red);
+        add_rms_norm_1p_vec<false, NORM_MAXV>(x, nullptr, 0, 0, res, w, res_out, out, D, eps, red);
         return;
     }
     pdl_wait();
@@ -115,6 +163,18 @@ extern "C" __global__ void add_rms_norm_1p(const bf16_t* x, const bf16_t* res,
         float h = res_out ? bf2f(res_out[base + i]) : bf2f(x[base + i]);
         out[base + i] = f2bf(h * inv * (1.0f + bf2f(w[i])));
     }
+}
+
+// The residual add + RMSNorm after an int4 GEMM split over K, in place of its w4g_reduce: one block a
+// row, the vector path of add_rms_norm_1p (the launcher checks its limits: NORM_PARTS_MAXV vectors a
+// thread) with x summed from the partials. Equal to w4g_reduce then add_rms_norm_1p bit for bit, one launch and one bf16 [rows, D]
+// round trip fewer.
+extern "C" __global__ void __launch_bounds__(640) add_rms_norm_1p_parts(const float* parts, int splits, const bf16_t* res,
+                                                 const bf16_t* __restrict__ w, bf16_t* res_out,
+                                                 bf16_t* __restrict__ out, int D, float eps) {
+    pdl_trigger();
+    __shared__ float red[32];
+    add_rms_norm_1p_vec<true, NORM_PARTS_MAXV>(nullptr, parts, (long long)gridDim.x * D, splits, res, w, res_out, out, D, eps, red);
 }
 
 extern "C" __global__ void rms_norm_1p(const bf16_t* __restrict__ x, long long x_stride,

@@ -173,6 +173,11 @@ pub struct CudaOptions {
     /// when every layer's projections are int4 GEMVs and tensor parallelism is off. Off: the separate
     /// `add_rms_norm_1p` kernel (bitwise the reference's order of operations).
     pub fold_norms: bool,
+    /// Steps the int4 GEMM takes (more tokens than the decode GEMV, at most `w4_gemm_max_rows`) run each
+    /// residual add + RMSNorm in the split-K reduce of the int4 projection before it
+    /// ([`crate::ops::w4_gemm::w4_gemm_norm`]: one launch a norm fewer, bitwise the separate kernels'
+    /// result) when tensor parallelism is off. Off: the reduce, then `add_rms_norm_1p`.
+    pub norms_in_reduce: bool,
     /// Steps of more tokens than the decode GEMV takes and at most this many run their int4
     /// projections (and an int4 lm_head) through the int4 tensor-core GEMM (`kernels/w4_gemm.cu`,
     /// reading the int4 weights in place); longer steps dequantise row slices for cuBLASLt. At most
@@ -217,6 +222,7 @@ impl Default for CudaOptions {
             short_chunk_split_keys: true,
             short_chunk_split_max_tokens: SHORT_CHUNK_SPLIT_TOKENS,
             fold_norms: true,
+            norms_in_reduce: true,
             w4_gemm_max_rows: deltaserve_plan::cuda::W4_GEMM_MAX_ROWS,
             fp8_tensor_cores: true,
             snapshots_in_step: true,

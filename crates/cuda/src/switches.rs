@@ -45,6 +45,9 @@ pub struct Switches {
     /// instead of folded into the projections around it (the default of
     /// `CudaOptions::fold_norms` that the server and the benchmarks use).
     pub fold_norms: bool,
+    /// `DELTASERVE_NORM_IN_REDUCE=0`: steps of the int4 GEMM run each residual add + RMSNorm as its
+    /// own kernel after the projection's split-K reduce instead of in it (`CudaOptions::norms_in_reduce`).
+    pub norms_in_reduce: bool,
     /// `DELTASERVE_W4_GEMM=0`: int4 projections of steps above the decode GEMV's rows dequantise row
     /// slices for cuBLASLt instead of running the int4 tensor-core GEMM (`CudaOptions::w4_gemm_max_rows`
     /// 0 instead of its default).
@@ -102,6 +105,7 @@ impl Switches {
             trace: var("DELTASERVE_TRACE").filter(|p| !p.is_empty()).map(PathBuf::from),
             trace_cap: var("DELTASERVE_TRACE_CAP"),
             fold_norms: var("DELTASERVE_FOLD").is_none_or(|v| v != "0"),
+            norms_in_reduce: var("DELTASERVE_NORM_IN_REDUCE").is_none_or(|v| v != "0"),
             w4_gemm: var("DELTASERVE_W4_GEMM").is_none_or(|v| v != "0"),
             verify_decode_from: var("DELTASERVE_VERIFY_DECODE_FROM").and_then(|v| v.trim().parse().ok()),
             short_chunk_decode_from: var("DELTASERVE_SHORT_CHUNK_DECODE_FROM").and_then(|v| v.trim().parse().ok()),
@@ -131,6 +135,7 @@ impl Switches {
         *self
             != Switches {
                 fold_norms: true,
+                norms_in_reduce: true,
                 w4_gemm: true,
                 device_masks: true,
                 later_picks: true,
@@ -153,7 +158,8 @@ mod tests {
     fn defaults_without_variables() {
         let s = from(&[]);
         assert!(!s.any_set());
-        assert!(s.fold_norms && s.w4_gemm && s.device_masks && !s.decode_attn_split && !s.attn_prefill_pair);
+        assert!(s.fold_norms && s.norms_in_reduce && s.w4_gemm && s.device_masks && !s.decode_attn_split);
+        assert!(!s.attn_prefill_pair);
         assert!(s.later_picks && s.snapshots_in_step && s.moe_shared_pairs && !s.fp8_mma_gemm);
         assert!(!s.attn_prefill_wide);
         assert!(s.pdl.is_none() && s.nvrtc_options.is_empty() && s.trace_cap.is_none());
@@ -169,6 +175,7 @@ mod tests {
             ("DELTASERVE_NVRTC_OPTIONS", " -DA=1  -DB=2 "),
             ("DELTASERVE_TRACE_CAP", "1024"),
             ("DELTASERVE_FOLD", "0"),
+            ("DELTASERVE_NORM_IN_REDUCE", "0"),
             ("DELTASERVE_W4_GEMM", "0"),
             ("DELTASERVE_VERIFY_DECODE_FROM", "0"),
             ("DELTASERVE_SHORT_CHUNK_DECODE_FROM", "8192"),
@@ -179,6 +186,7 @@ mod tests {
             ("DELTASERVE_FP8_MMA", "1"),
         ]);
         assert!(!s.device_masks && !s.later_picks && !s.snapshots_in_step && !s.moe_shared_pairs && s.fp8_mma_gemm);
+        assert!(!s.norms_in_reduce);
         assert!(s.any_set());
         assert_eq!(s.pdl.as_deref(), Some("0"));
         assert!(s.decode_attn_split && s.verify_attn_rows && s.attn_prefill_pair && !s.fold_norms && !s.w4_gemm);

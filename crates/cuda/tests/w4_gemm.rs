@@ -428,3 +428,82 @@ fn w4_gemm_multi_equals_single_launches() {
         assert!(!w4_gemm::multi_supported(&w4, x, inp, 17));
     }
 }
+
+/// `w4_gemm_norm` (the residual add + RMSNorm in place of the split-K reduce) equals `w4_gemm` into y
+/// then `add_rms_norm_1p` of y into the residual, bit for bit (the residual and the norm's output), over
+/// both kernel kinds, 2–16 splits (the partial sums loaded four splits at a time), the 27B's hidden
+/// width and small ones; a launch that is not split, and outputs the fused norm does not take, are
+/// refused before anything runs.
+#[test]
+fn w4_gemm_norm_equals_reduce_then_norm() {
+    use deltaserve_cuda::ops::norm;
+    let Some((rt, k)) = device() else {
+        println!("SKIP: no CUDA driver");
+        return;
+    };
+    let cfg = |tokens, splits, wpt| W4GemmConfig { tokens, splits, wpt };
+    let cases = [
+        (12, 5120, 17408, false, cfg(16, 2, 4)),
+        (40, 5120, 6144, true, cfg(24, 8, 0)),
+        (17, 256, 1024, true, cfg(24, 3, 0)),
+        (9, 1024, 512, true, cfg(16, 2, 1)),
+        (33, 512, 4096, false, cfg(32, 16, 0)),
+        (64, 5120, 5120, false, cfg(32, 5, 0)),
+    ];
+    for (n, (m, out, inp, asym, cfg)) in cases.into_iter().enumerate() {
+        let mut rng = StdRng::seed_from_u64(0x5eed_0200 + n as u64);
+        let c = Case { m, out, inp, asym, bf16_scales: n % 2 == 0, perm: false, f32_out: false };
+        let l = random_linear(&mut rng, c);
+        let ws_bytes = w4_gemm::w4_gemm_workspace_bytes(m, out, cfg);
+        let bytes = l.bytes().total() + 2 * m * inp + ws_bytes + 2 * out + 5 * 2 * m * out;
+        let mut arena = Arena::new(rt.context().clone());
+        let region = arena.add_region("w4_gemm_norm test", bytes + 64 * 256).expect("region");
+        let mut d = Dev { rt: &rt, arena, region };
+        let w = W4Weights {
+            qweight: d.put(&l.qweight).expect("put"),
+            scales: d.put(&l.scales).expect("put"),
+            scale_dtype: l.scale_dtype,
+            zeros: l.zeros.as_ref().map(|z| d.put(z).expect("put")),
+            perm: None,
+            out,
+            inp,
+        };
+        let bf = |n: usize, lim: f32, rng: &mut StdRng| -> Vec<bf16> {
+            (0..n).map(|_| bf16::from_f32(rng.random_range(-lim..lim))).collect()
+        };
+        let x = d.put(&bf(m * inp, 2.0, &mut rng)).expect("x");
+        let res0 = bf(m * out, 4.0, &mut rng);
+        let nw = d.put(&bf(out, 0.5, &mut rng)).expect("norm weight");
+        let (res_a, res_b) = (d.put(&res0).expect("res"), d.put(&res0).expect("res"));
+        let (y, out_a, out_b) =
+            (d.span(2 * m * out).unwrap(), d.span(2 * m * out).unwrap(), d.span(2 * m * out).unwrap());
+        let ws = DevSpan { ptr: d.span(ws_bytes).unwrap(), bytes: ws_bytes };
+        let s = rt.stream().clone();
+        w4_gemm::w4_gemm(&k, &s, &w, x, inp, y, out, m, cfg, false, Some(ws), None).expect("w4_gemm");
+        norm::add_rms_norm_1p(&k, &s, y, Some(res_a), nw, Some(res_a), out_a, m, out, 1e-6).expect("norm");
+        let an = w4_gemm::AddNorm { res: res_b, w: nw, out: out_b, eps: 1e-6 };
+        assert!(w4_gemm::norm_supported(&w, cfg, &an));
+        w4_gemm::w4_gemm_norm(&k, &s, &w, x, inp, m, cfg, ws, None, an).expect("w4_gemm_norm");
+        let get = |p: u64| {
+            let mut h = vec![0u16; m * out];
+            rt.download(&mut h, p).expect("download");
+            h
+        };
+        let (ra, rb, oa, ob) = (get(res_a), get(res_b), get(out_a), get(out_b));
+        let moved = ra.iter().zip(&res0).filter(|(a, r)| **a != r.to_bits()).count();
+        println!(
+            "m={m} [{out}, {inp}] {cfg:?}: residual {moved} of {} updated; fused equal: residual {}, output {}",
+            ra.len(),
+            ra == rb,
+            oa == ob
+        );
+        assert!(moved > ra.len() / 2, "the residual barely moved: the test is vacuous");
+        assert_eq!(ra, rb, "m={m} [{out}, {inp}] {cfg:?}: the residual differs");
+        assert_eq!(oa, ob, "m={m} [{out}, {inp}] {cfg:?}: the norm's output differs");
+        // Refused: no split (nothing to reduce), and too many splits for the fused norm.
+        for bad in [W4GemmConfig { splits: 1, ..cfg }, W4GemmConfig { splits: 17, ..cfg }] {
+            assert!(!w4_gemm::norm_supported(&w, bad, &an));
+            assert!(w4_gemm::w4_gemm_norm(&k, &s, &w, x, inp, m, bad, ws, None, an).is_err(), "{bad:?} accepted");
+        }
+    }
+}

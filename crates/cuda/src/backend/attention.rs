@@ -11,14 +11,14 @@ use crate::ops::{self, attention, elementwise, kv_cache};
 use super::CudaBackend;
 use super::forward::b2;
 use super::layout::Ws;
-use super::linear::po;
+use super::linear::{OutNorm, po};
 use super::step::StepShape;
 use super::weights::AttnLayer;
 
 impl CudaBackend {
     /// An attention layer's mixer over the step `sh`: its input `x` (the input norm's output, or
-    /// folded: [`Fold::Norm`]) into `mixer_out` (or with `out_fold` the residual stream and the next
-    /// norm's input). `kv_only`: stop once the K/V of the step's rows are in the cache `l`.
+    /// folded: [`Fold::Norm`]) into `mixer_out` (or with `out_fold` the post-attention norm too:
+    /// [`OutNorm`]). `kv_only`: stop once the K/V of the step's rows are in the cache `l`.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attention(
         &self,
@@ -28,7 +28,7 @@ impl CudaBackend {
         sh: &StepShape,
         (x_in, in_fold): (u64, Fold),
         kv_only: bool,
-        out_fold: Option<Fold>,
+        out_fold: Option<OutNorm>,
     ) -> Result<(), CudaError> {
         let (k, s, d) = (&self.k, self.rt.stream().as_ref(), &self.d);
         let StepShape { t, n, tp, .. } = *sh;

@@ -10,7 +10,7 @@ use super::CudaBackend;
 use super::cache_ops::Place;
 use super::forward::b2;
 use super::layout::Ws;
-use super::linear::po;
+use super::linear::{OutNorm, po};
 use super::step::StepShape;
 use super::weights::GdnLayer;
 
@@ -26,8 +26,8 @@ pub(super) struct GdnOffsets {
 
 impl CudaBackend {
     /// A DeltaNet layer's mixer over the step `sh`: its input `x` (the input norm's output, or folded:
-    /// [`Fold::Norm`]) into `mixer_out` (or with `out_fold` the residual stream and the next norm's
-    /// input). `st`: its state tensors; `gdn_index`: its index among the DeltaNet layers (its verify
+    /// [`Fold::Norm`]) into `mixer_out` (or with `out_fold` the post-attention norm too: [`OutNorm`]).
+    /// `st`: its state tensors; `gdn_index`: its index among the DeltaNet layers (its verify
     /// trace).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn deltanet(
@@ -38,7 +38,7 @@ impl CudaBackend {
         sh: &StepShape,
         gdn_index: Option<usize>,
         (x_in, in_fold): (u64, Fold),
-        out_fold: Option<Fold>,
+        out_fold: Option<OutNorm>,
     ) -> Result<(), CudaError> {
         let (k, s, d) = (&self.k, self.rt.stream().as_ref(), &self.d);
         let StepShape { t, tp, .. } = *sh;

@@ -9,7 +9,7 @@ use super::CudaBackend;
 use super::cache_ops::Place;
 use super::deltanet::GdnOffsets;
 use super::layout::{LayerCache, Ws};
-use super::linear::{LayerFold, po};
+use super::linear::{LayerFold, OutNorm, po};
 use super::step::StepShape;
 use super::weights::{Layer, Mixer};
 
@@ -36,12 +36,22 @@ impl CudaBackend {
         self.all_reduce(ws.residual, t * h)?;
         let mut gdn_index = 0;
         let fold = self.folds(t);
-        for (li, layer) in self.w.layers.iter().enumerate() {
+        let after = !fold && self.norms_in_reduce(t);
+        let layers = &self.w.layers;
+        for (li, layer) in layers.iter().enumerate() {
             let cache = self.caches[li];
             let gi = matches!(cache, LayerCache::Gdn { .. }).then_some(gdn_index);
-            // The last layer's output stays in mlp_out: the final norm below adds it.
-            let lf =
-                fold.then(|| LayerFold { input: li > 0, next_norm: self.w.layers.get(li + 1).map(|l| l.input_norm) });
+            // The last layer's output stays in mlp_out: the final norm below adds it. Run after the
+            // projections, a sparse layer's output does too (its experts add into mlp_out after `down`).
+            let next_norm = layers.get(li + 1).map(|l| l.input_norm);
+            let lf = if fold {
+                Some(LayerFold { input: li > 0, next_norm, gemv: true })
+            } else if after {
+                let input = li > 0 && layers[li - 1].moe.is_none();
+                Some(LayerFold { input, next_norm: next_norm.filter(|_| layer.moe.is_none()), gemv: false })
+            } else {
+                None
+            };
             self.layer(ws, layer, cache, li == 0, sh, gi, false, lf)?;
             gdn_index += usize::from(gi.is_some());
         }
@@ -109,8 +119,11 @@ impl CudaBackend {
         // The input norm: its own kernel, or the previous layer's down projection and this layer's
         // in-projection (folded).
         let fold_in = fold.is_some_and(|f| f.input);
-        let (x_in, in_fold) =
-            if fold_in { (ws.fold_x, Fold::Norm { sums: ws.fold_sums, eps }) } else { (ws.x_norm, Fold::None) };
+        let (x_in, in_fold) = if fold_in && fold.is_some_and(|f| f.gemv) {
+            (ws.fold_x, Fold::Norm { sums: ws.fold_sums, eps })
+        } else {
+            (ws.x_norm, Fold::None)
+        };
         if first {
             norm::add_rms_norm_1p(k, s, ws.residual, None, layer.input_norm, None, ws.x_norm, t, h, eps)?;
         } else if !fold_in {
@@ -128,7 +141,13 @@ impl CudaBackend {
             )?;
         }
         self.tick("norms")?;
-        let out_fold = fold.map(|_| fold_out(ws, layer.post_norm));
+        let out_fold = fold.map(|f| {
+            if f.gemv {
+                OutNorm::Fold(fold_out(ws, layer.post_norm))
+            } else {
+                OutNorm::After { w: layer.post_norm, out: ws.mlp_in }
+            }
+        });
         match (&layer.mixer, cache) {
             (Mixer::Gdn(gw), LayerCache::Gdn { rec, conv, snap_rec, snap_conv }) => {
                 let st = GdnOffsets { rec, conv, snap_rec, snap_conv };
@@ -151,8 +170,12 @@ impl CudaBackend {
         let (k, s, d) = (&self.k, self.rt.stream().as_ref(), &self.d);
         let h = d.hidden;
         let eps = self.eps;
-        let (mlp_x, mlp_fold) = if fold.is_some() {
+        let gemv_fold = fold.is_some_and(|f| f.gemv);
+        let (mlp_x, mlp_fold) = if gemv_fold {
             (ws.fold_x, Fold::Norm { sums: ws.fold_sums, eps })
+        } else if fold.is_some() {
+            // The mixer's out projection ran the post-attention norm.
+            (ws.mlp_in, Fold::None)
         } else {
             self.all_reduce(ws.mixer_out, t * h)?;
             norm::add_rms_norm_1p(
@@ -171,7 +194,7 @@ impl CudaBackend {
             (ws.mlp_in, Fold::None)
         };
         let i = layer.moe.as_ref().map_or(d.intermediate, |m| m.shared_width);
-        if layer.moe.is_some() && fold.is_some() {
+        if layer.moe.is_some() && gemv_fold {
             return Err(CudaError::Plan("a sparse layer's norms do not fold into its projections".into()));
         }
         // A sparse layer whose shared expert runs with the routed experts' GEMVs.
@@ -184,8 +207,14 @@ impl CudaBackend {
         }
         self.proj_fold(s, mlp_x, t, h, &[po(&layer.gate_up, ws.mlp_gate_up, 2 * i)], mlp_fold)?;
         elementwise::swiglu(k, s, ws.mlp_gate_up, 2 * i, ws.mlp_gate_up + b2(i), 2 * i, ws.mlp_act, t, i)?;
-        if let Some(next) = fold.and_then(|f| f.next_norm) {
-            self.proj_fold(s, ws.mlp_act, t, i, &[po(&layer.down, ws.residual, h)], fold_out(ws, next))?;
+        if let Some(f) = fold
+            && let Some(next) = f.next_norm
+        {
+            if f.gemv {
+                self.proj_fold(s, ws.mlp_act, t, i, &[po(&layer.down, ws.residual, h)], fold_out(ws, next))?;
+            } else {
+                self.proj_norm(s, ws.mlp_act, t, i, &layer.down, ws.mlp_out, next, ws.x_norm)?;
+            }
             self.tick("MLP (GEMMs + SwiGLU)")?;
             return Ok(());
         }

@@ -8,7 +8,7 @@ use crate::error::CudaError;
 use crate::ops::fp8::{self, Fp8Out};
 use crate::ops::gemv::GemvOut;
 use crate::ops::w4a16::{Fold, W4Weights};
-use crate::ops::{gemv, w4_gemm, w4a16};
+use crate::ops::{gemv, norm, w4_gemm, w4a16};
 
 use super::CudaBackend;
 use super::layout::Ws;
@@ -107,6 +107,16 @@ impl CudaBackend {
     /// and every layer's projections allow it).
     pub fn norms_fold(&self) -> bool {
         self.fold && self.opts.fold_norms
+    }
+
+    /// Whether this step's residual add + RMSNorms run right after the projections before them, in their
+    /// split-K reduce where the int4 GEMM splits ([`CudaOptions::norms_in_reduce`]): steps of the int4
+    /// GEMM's rows, tensor parallelism off (the norm follows the all-reduce there).
+    pub(super) fn norms_in_reduce(&self, t: usize) -> bool {
+        self.opts.norms_in_reduce
+            && self.tp.is_none()
+            && t > self.opts.gemv_max_tokens
+            && t <= self.opts.w4_gemm_max_rows
     }
 
     /// Whether this step's norms fold into its projections ([`CudaOptions::fold_norms`]).
@@ -248,8 +258,7 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// A mixer's output projection: into `mixer_out`, or folded (`fold`) into the residual stream and
-    /// the post-attention norm's input.
+    /// A mixer's output projection: into `mixer_out`, or with `out_norm` the post-attention norm too.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn mixer_out_proj(
         &self,
@@ -259,25 +268,73 @@ impl CudaBackend {
         t: usize,
         kdim: usize,
         w: &Proj,
-        fold: Option<Fold>,
+        out_norm: Option<OutNorm>,
     ) -> Result<(), CudaError> {
         let h = self.d.hidden;
-        match fold {
-            Some(f) => self.proj_fold(s, x, t, kdim, &[po(w, ws.residual, h)], f),
+        match out_norm {
+            Some(OutNorm::Fold(f)) => self.proj_fold(s, x, t, kdim, &[po(w, ws.residual, h)], f),
+            Some(OutNorm::After { w: nw, out }) => self.proj_norm(s, x, t, kdim, w, ws.mixer_out, nw, out),
             None => self.proj(s, x, t, kdim, &[po(w, ws.mixer_out, h)], false),
         }
     }
+
+    /// `y [t, hidden]` = x · Wᵀ, then the residual add + RMSNorm of weight `norm_w` over it into `out`
+    /// (the residual stream updated). An int4 linear whose int4 GEMM launch splits over K runs the norm
+    /// in the reduce of its partial sums ([`w4_gemm::w4_gemm_norm`]: y is not written); otherwise
+    /// [`CudaBackend::proj`] into y and [`norm::add_rms_norm_1p`]. Both give the same bits.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn proj_norm(
+        &self,
+        s: &CudaStream,
+        x: u64,
+        t: usize,
+        kdim: usize,
+        w: &Proj,
+        y: u64,
+        norm_w: u64,
+        out: u64,
+    ) -> Result<(), CudaError> {
+        let (h, res, eps) = (self.d.hidden, self.ws.residual, self.eps);
+        if let [Part::W4(w4)] = w.as_slice()
+            && w4.out == h
+            && t > self.opts.gemv_max_tokens
+            && t <= self.opts.w4_gemm_max_rows
+            && w4_gemm::supported(w4, x, kdim)
+        {
+            let (sms, ws) = (self.rt.sm_count.max(1) as usize, self.ws.w4_gemm);
+            let cfg = w4_gemm::w4_gemm_config(t, w4.out, w4.inp, sms, ws.bytes);
+            let an = w4_gemm::AddNorm { res, w: norm_w, out, eps };
+            if w4_gemm::norm_supported(w4, cfg, &an) {
+                return w4_gemm::w4_gemm_norm(&self.k, s, w4, x, kdim, t, cfg, ws, Some(self.ws.w4_x), an);
+            }
+        }
+        self.proj(s, x, t, kdim, &[po(w, y, h)], false)?;
+        norm::add_rms_norm_1p(&self.k, s, y, Some(res), norm_w, Some(res), out, t, h, eps)
+    }
 }
 
-/// How a layer's RMSNorms fold into its int4 projections ([`CudaBackend::layer`]; the post-attention
-/// norm always does when this is given).
+/// What the projection that ends a mixer (or the MLP) does with the norm after it.
+#[derive(Clone, Copy)]
+pub(super) enum OutNorm {
+    /// Folded into its int4 GEMV ([`Fold::Residual`]).
+    Fold(Fold),
+    /// Run right after it ([`CudaBackend::proj_norm`]): the residual add + RMSNorm of weight `w` into
+    /// `out`.
+    After { w: u64, out: u64 },
+}
+
+/// How a layer's RMSNorms go with its projections ([`CudaBackend::layer`]; the post-attention norm
+/// always does when this is given): folded into int4 GEMVs (`gemv`), or run by the projection before
+/// each ([`CudaBackend::proj_norm`]).
 #[derive(Clone, Copy)]
 pub(super) struct LayerFold {
-    /// The input norm was folded into the previous layer's down projection.
+    /// The input norm went with the previous layer's down projection.
     pub(super) input: bool,
-    /// The weight of the norm after this layer (the next layer's input norm), which the down projection
-    /// folds into; None: the output goes to `mlp_out`.
+    /// The weight of the norm after this layer (the next layer's input norm), which goes with the down
+    /// projection; None: the output goes to `mlp_out`.
     pub(super) next_norm: Option<u64>,
+    /// Folded into the int4 GEMVs ([`Fold`]); false: [`OutNorm::After`].
+    pub(super) gemv: bool,
 }
 
 /// One output of [`CudaBackend::proj`]: `y [t, m]`, its parts writing consecutive columns.

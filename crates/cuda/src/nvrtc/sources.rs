@@ -48,7 +48,7 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         module: "norm",
         src: include_str!("../../kernels/norm.cu"),
-        functions: &["add_rms_norm_1p", "rms_norm_1p", "gated_rms_norm"],
+        functions: &["add_rms_norm_1p", "add_rms_norm_1p_parts", "rms_norm_1p", "gated_rms_norm"],
     },
     KernelSource {
         module: "elementwise",

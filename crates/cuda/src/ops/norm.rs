@@ -33,6 +33,51 @@ pub fn add_rms_norm_1p(
     launch_pdl!(k, s, "add_rms_norm_1p", grid, (add_norm_threads(d), 1, 1), 0; x, res, w, res_out, out, dd, eps)
 }
 
+/// Whether [`add_rms_norm_1p_parts`] takes rows of `d` with these addresses: the kernel's vector path
+/// (`d % 8 == 0`, at most 8 × 4 × 640, 16-byte aligned rows).
+pub fn add_rms_norm_1p_parts_supported(d: usize, ptrs: &[u64]) -> bool {
+    d > 0
+        && d.is_multiple_of(8)
+        && d <= 8 * 4 * add_norm_threads(d) as usize
+        && ptrs.iter().all(|p| p.is_multiple_of(16))
+}
+
+/// Splits over K an [`add_rms_norm_1p_parts`] launch takes.
+pub const PARTS_MAX_SPLITS: usize = 16;
+
+/// [`add_rms_norm_1p`] with x the bf16 rounding of the sum, in split order, of `splits` f32 partial-sum
+/// arrays `parts [splits][rows][d]` (an int4 GEMM split over K; what `w4g_reduce` would write, bit
+/// for bit, never stored), `res` updated in place: h = x + res; res = h; out = rmsnorm_1p(h).
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm_1p_parts(
+    k: &Kernels,
+    s: &CudaStream,
+    parts: u64,
+    splits: usize,
+    res: u64,
+    w: u64,
+    out: u64,
+    rows: usize,
+    d: usize,
+    eps: f32,
+) -> Result<(), CudaError> {
+    const K: &str = "add_rms_norm_1p_parts";
+    if !add_rms_norm_1p_parts_supported(d, &[parts, res, w, out]) || !(1..=PARTS_MAX_SPLITS).contains(&splits) {
+        return Err(invalid(
+            K,
+            format!(
+                "d {d} (a multiple of 8, at most 20480), 16-byte aligned rows, {splits} splits (1..={PARTS_MAX_SPLITS})"
+            ),
+        ));
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    let (dd, sp) = (to_i32(K, "d", d)?, splits as i32);
+    let grid = (to_u32(K, "rows", rows)?, 1, 1);
+    launch_pdl!(k, s, K, grid, (add_norm_threads(d), 1, 1), 0; parts, sp, res, w, res, out, dd, eps)
+}
+
 /// Threads of an add_rms_norm_1p block for rows of `d`: one per 16-byte vector of the row (all its
 /// loads in one round trip), 256 to 640 (the kernel's 68 registers x 640 fit an SM). At the 27B's
 /// 5,120: 640, which took the H200's batch-1 decode step from 6.28 to 6.20 ms

@@ -16,7 +16,7 @@ pub use deltaserve_plan::cuda::W4_GEMM_MAX_SPLITS as MAX_SPLITS;
 use deltaserve_plan::cuda::{w4_gemm_partial_bytes, w4_gemm_splits, w4_gemm_tokens};
 
 use super::w4a16::{self, W4Out, W4Weights, permute_x};
-use super::{Kernels, invalid, launch_pdl, to_i32, to_u32};
+use super::{Kernels, invalid, launch_pdl, norm, to_i32, to_u32};
 use crate::arena::DevSpan;
 use crate::error::CudaError;
 use crate::w4::W4_GROUP;
@@ -158,12 +158,95 @@ pub fn w4_gemm(
     workspace: Option<DevSpan>,
     x_scratch: Option<DevSpan>,
 ) -> Result<(), CudaError> {
+    let Some(parts) = launch_gemm(k, s, w, x, ldx, y, ldy, m, cfg, f32_out, workspace, x_scratch)? else {
+        return Ok(());
+    };
+    let (splits, f32_i, vec) = (cfg.splits as i32, i32::from(f32_out), out_vec(y, ldy, f32_out));
+    let (m_i, out, ldy_l) = (m as i32, w.out as i32, ldy as i64);
+    let rgrid = (to_u32("w4_gemm", "reduce blocks", (m * w.out / 4).div_ceil(256))?, 1, 1);
+    launch_pdl!(k, s, "w4g_reduce", rgrid, (256, 1, 1), 0; parts, splits, m_i, out, y, ldy_l, f32_i, vec)
+}
+
+/// The residual add + RMSNorm that follows an int4 linear feeding the residual stream: `res`
+/// (bf16 `[m, out]`) += the linear's output, `out` = rmsnorm_1p(res) with weight `w`.
+#[derive(Clone, Copy, Debug)]
+pub struct AddNorm {
+    pub res: u64,
+    pub w: u64,
+    pub out: u64,
+    pub eps: f32,
+}
+
+/// Whether [`w4_gemm_norm`] takes `w` at `cfg` with `norm`'s rows: a launch split over K (its partial
+/// sums are what the norm reads) into outputs the fused norm takes.
+pub fn norm_supported(w: &W4Weights, cfg: W4GemmConfig, norm: &AddNorm) -> bool {
+    (2..=norm::PARTS_MAX_SPLITS).contains(&cfg.splits)
+        && norm::add_rms_norm_1p_parts_supported(w.out, &[norm.res, norm.w, norm.out])
+}
+
+/// [`w4_gemm`] (bf16 outputs, split over K: `cfg.splits` ≥ 2) with the residual add + RMSNorm after
+/// it in place of the reduce: `norm.res += x · Wᵀ`, `norm.out = rmsnorm_1p(norm.res)`, the sum of the
+/// partial sums rounded to bf16 as [`w4_gemm`] rounds it (the same bits as `w4_gemm` into y then
+/// [`norm::add_rms_norm_1p`] of y into `res`), y never written: one launch and one `[m, out]` round
+/// trip fewer.
+#[allow(clippy::too_many_arguments)]
+pub fn w4_gemm_norm(
+    k: &Kernels,
+    s: &CudaStream,
+    w: &W4Weights,
+    x: u64,
+    ldx: usize,
+    m: usize,
+    cfg: W4GemmConfig,
+    workspace: DevSpan,
+    x_scratch: Option<DevSpan>,
+    norm: AddNorm,
+) -> Result<(), CudaError> {
+    if !norm_supported(w, cfg, &norm) {
+        return Err(invalid(
+            "w4_gemm_norm",
+            format!(
+                "{cfg:?} over {} outputs: a split over K (2..={}) into 16-byte aligned rows",
+                w.out,
+                norm::PARTS_MAX_SPLITS
+            ),
+        ));
+    }
+    let Some(parts) = launch_gemm(k, s, w, x, ldx, 0, w.out, m, cfg, false, Some(workspace), x_scratch)? else {
+        return Ok(());
+    };
+    norm::add_rms_norm_1p_parts(k, s, parts, cfg.splits, norm.res, norm.w, norm.out, m, w.out, norm.eps)
+}
+
+/// Whether y's rows take 4-row vector stores (`vec` of the kernels).
+fn out_vec(y: u64, ldy: usize, f32_out: bool) -> i32 {
+    let eb = if f32_out { 4 } else { 2 };
+    i32::from(y.is_multiple_of(2 * eb as u64) && ldy.is_multiple_of(4))
+}
+
+/// The GEMM launch of [`w4_gemm`]: into y, or split over K into the workspace's partial sums, whose
+/// address it returns (None: nothing to reduce).
+#[allow(clippy::too_many_arguments)]
+fn launch_gemm(
+    k: &Kernels,
+    s: &CudaStream,
+    w: &W4Weights,
+    x: u64,
+    ldx: usize,
+    y: u64,
+    ldy: usize,
+    m: usize,
+    cfg: W4GemmConfig,
+    f32_out: bool,
+    workspace: Option<DevSpan>,
+    x_scratch: Option<DevSpan>,
+) -> Result<Option<u64>, CudaError> {
     const K: &str = "w4_gemm";
     if let Some(e) = weights_error(w) {
         return Err(e);
     }
     if m == 0 {
-        return Ok(());
+        return Ok(None);
     }
     let groups = w.inp / W4_GROUP;
     let name = if cfg.wpt == 0 {
@@ -198,8 +281,7 @@ pub fn w4_gemm(
     if !xg.is_multiple_of(16) || !ldxg.is_multiple_of(8) {
         return Err(invalid(K, format!("x at {xg:#x} with row stride {ldxg} is not 16-byte aligned per row")));
     }
-    let eb = if f32_out { 4 } else { 2 };
-    let vec = i32::from(y.is_multiple_of(2 * eb as u64) && ldy.is_multiple_of(4));
+    let vec = out_vec(y, ldy, f32_out);
     let (mode, dst) = match (cfg.splits > 1, workspace) {
         (false, _) => (i32::from(f32_out), y),
         (true, Some(ws)) if ws.ptr.is_multiple_of(16) && ws.bytes >= w4_gemm_workspace_bytes(m, w.out, cfg) => {
@@ -225,12 +307,7 @@ pub fn w4_gemm(
         let seg = [Seg { w, y: dst, ldy }];
         launch_pairs(k, s, name, &seg, xg, ldxg, m, cfg.wpt, cfg.splits, mode, vec)?;
     }
-    if mode != 2 {
-        return Ok(());
-    }
-    let (splits, f32_i) = (cfg.splits as i32, i32::from(f32_out));
-    let rgrid = (to_u32(K, "reduce blocks", (m * w.out / 4).div_ceil(256))?, 1, 1);
-    launch_pdl!(k, s, "w4g_reduce", rgrid, (256, 1, 1), 0; dst, splits, m_i, out, y, ldy_l, f32_i, vec)
+    Ok((mode == 2).then_some(dst))
 }
 
 /// Whether [`w4_gemm_multi`] takes `outs` with x at `x` of row stride `ldx` for `m` rows.

@@ -408,3 +408,75 @@ pub(crate) fn random_weights_run(label: &str, cfg: &ModelConfig, plan: &deltaser
     assert_eq!(g.arena_stats().allocations, allocs);
     println!("{label}: weights {} B, logits finite", g.weights_bytes);
 }
+
+/// Steps the int4 GEMM takes (40 rows of one prompt, then 12 rows of three sequences) with each residual
+/// add + RMSNorm run in the split-K reduce of the projection before it (`CudaOptions::norms_in_reduce`)
+/// give the logits of the reduce and the norm kernel apart, bit for bit, and so does the decode step
+/// after them: at the 27B widths (4 layers, one attention; random int4 weights), where the
+/// hidden-size projections split over K. GPU only.
+#[test]
+fn norms_in_the_reduce_equal_the_norm_kernel() {
+    use deltaserve_cuda::ops::w4_gemm;
+    if !gpu() {
+        return;
+    }
+    let rt = deltaserve_cuda::Runtime::open(0).unwrap();
+    let free = rt.free_memory().unwrap_or(0);
+    if free < 24 << 30 {
+        println!("SKIP: two 27B-width backends need 24 GiB free ({} GiB here)", free >> 30);
+        return;
+    }
+    let preset = Preset::parse("qwen3.6-27b").unwrap();
+    let cfg = ModelConfig::from_json_str(&preset.config_json(Some(4)).to_string()).unwrap();
+    let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    for t in [12, 40] {
+        let cfg = w4_gemm::w4_gemm_config(t, h, i, rt.sm_count as usize, usize::MAX);
+        assert!(cfg.splits > 1, "down at {t} rows does not split ({cfg:?}): the test would not reach the fused norm");
+    }
+    let plan = plan_with(&cfg, |o| {
+        o.weights_dtype = deltaserve_plan::WeightsDtype::Int4;
+        o.budget_bytes = 12 << 30;
+        o.max_batch_tokens = 2048;
+        o.max_context = Some(4096);
+    });
+    let new_backend = |on: bool| {
+        let mut b =
+            CudaBackend::with_options(&cfg, WeightSource::RandomWeights { seed: 9 }, &plan, 2, test_opts()).unwrap();
+        b.set_options(CudaOptions { norms_in_reduce: on, ..b.options() }).unwrap();
+        b
+    };
+    let (mut on, mut off) = (new_backend(true), new_backend(false));
+    let vocab = cfg.vocab_size;
+    let mut rng = StdRng::seed_from_u64(43);
+    let pg: Vec<Vec<u32>> = (0..3).map(|s| pages(64 * s as u32, 128)).collect();
+    let toks: Vec<Vec<u32>> = (0..3).map(|_| random_tokens(&mut rng, 64, vocab)).collect();
+    let prompt = chunk(0, &pg[0], 0, &toks[0][..40]);
+    // 1 + 4 + 7 rows, then a decode step of the three.
+    let mixed = StepBatch {
+        pre: vec![],
+        seqs: vec![
+            chunk(0, &pg[0], 40, &toks[0][40..41]),
+            chunk(1, &pg[1], 0, &toks[1][..4]),
+            chunk(2, &pg[2], 0, &toks[2][..7]),
+        ],
+        post: vec![],
+    };
+    let decode = StepBatch {
+        pre: vec![],
+        seqs: vec![
+            chunk(0, &pg[0], 41, &toks[0][41..42]),
+            chunk(1, &pg[1], 4, &toks[1][4..5]),
+            chunk(2, &pg[2], 7, &toks[2][7..8]),
+        ],
+        post: vec![],
+    };
+    for (what, b) in
+        [("a 40-token prompt", one(prompt)), ("12 rows of three sequences", mixed), ("the decode step after", decode)]
+    {
+        let (a, z) = (run(&mut on, &b), run(&mut off, &b));
+        assert!(a.iter().all(|v| v.is_finite()), "{what}: non-finite logits");
+        let differ = a.iter().zip(&z).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+        println!("norms in the reduce, {what}: {} logits, {differ} differ from the norm kernel's", a.len());
+        assert_eq!(differ, 0, "{what}: the norm in the reduce changed {differ} logits");
+    }
+}
