@@ -82,6 +82,8 @@
 #   widen        e4m3 codes widened to bf16 pairs by integer moves and one bf16x2 multiply (the default; the
 #                build switch KV_WIDEN_BF16X2=0 keeps two f32 conversions): the quantised ops cases, then the
 #                27B int4 + fp8 KV prefill at 24 GiB (4K/32K/128K) on both Hopper kernels with it off and on
+#   w4g-variants the int4 tile GEMM's build switches (W4G_SMEM_SCALES, W4G_SCALE_A, both) against the default:
+#                w4_gemm tests and MoE ops cases under each, the kernels alone, int4 decode by batch, MTP K = 3
 #   vision       the vision tower at the real shapes: a 1024x1024 image's encode in a step, its attention
 #                alone, and each op kind's time over the 27 blocks
 #   tp           on 2 GPUs: NCCL and TP=2 tests, `bench` at TP=2 and TP=1 (chart: tp.svg), the TP=2 probe
@@ -436,6 +438,32 @@ step_widen() {
                 --weights-dtype int4 --kv-cache-dtype fp8 --memory 24GiB --prompts 4096,32768,131072 --contexts 1024 \
                 --batches 1 --verify-tokens 0 --short-chunks 0
         done
+    done
+}
+
+# The int4 tile GEMM's build switches (kernels/w4_tile.cuh: W4G_SMEM_SCALES, W4G_SCALE_A) against the default
+# build: each build's w4_gemm tests and MoE expert ops cases, its kernels alone (bench_w4_rows), then the 27B
+# int4 + fp8 KV decode by batch and MTP K = 3 at 24 GiB, the builds alternating.
+step_w4g-variants() {
+    local i
+    local -a vs=("" "-DW4G_SMEM_SCALES=1" "-DW4G_SCALE_A=1" "-DW4G_SCALE_A=1 -DW4G_SMEM_SCALES=1")
+    local b="--prompts 512 --contexts 1024 --verify-tokens 0 --short-chunks 0 --steps 16 --batches 1,8,12,16,24,32,48,64"
+    for i in "${!vs[@]}"; do
+        echo "build $i: [${vs[$i]}]"
+        DELTASERVE_NVRTC_OPTIONS="${vs[$i]}" test_run "w4g-v$i-tests" 300 "$TESTS_PAT|^FAIL" w4_gemm --nocapture \
+            --test-threads=1
+        DELTASERVE_NVRTC_OPTIONS="${vs[$i]}" DS_OPS_FILTER=moe test_run "w4g-v$i-ops-moe" 300 \
+            "FAIL|test result|panicked" ops ops_match_cpu_reference --nocapture --test-threads=1
+        DELTASERVE_NVRTC_OPTIONS="${vs[$i]}" DS_BENCH_W4_ROWS_M=16,24,32,48,64 test_run "w4g-v$i-rows" 120 "^\| (mlp|gdn|attn)" \
+            bench_w4 --nocapture --ignored bench_w4_rows
+    done
+    for i in "${!vs[@]}"; do
+        # shellcheck disable=SC2086 # word lists of arguments
+        DELTASERVE_NVRTC_OPTIONS="${vs[$i]}" ds "w4g-v$i-batches" 200 bench $Q27 $b --weights-dtype int4 \
+            --kv-cache-dtype fp8 --lm-head-int4 --memory 40GiB
+        # shellcheck disable=SC2086
+        DELTASERVE_NVRTC_OPTIONS="${vs[$i]}" ds "w4g-v$i-spec" 200 bench $Q27 --prompts 512 --contexts 1024 --steps 16 \
+            $INT4 --speculative-tokens 3 --batches 1,4,8 --short-chunks 0
     done
 }
 

@@ -6,6 +6,21 @@
 #define W4G_S 4
 // Bytes of a stage's weights (4 warps x one 2 KB unit).
 #define W4G_WBYTES (W4G_WARPS * 2048)
+// Two build switches, off by default, for the tile kernel's measured stalls (bench/results/
+// norm-in-reduce-h200-2026-12-05.md §3; `scripts/gpu.sh w4g-variants` checks and times them):
+// W4G_SMEM_SCALES: a group's scales ride the cp.async ring (W4G_SBYTES a stage: 4 warps x 8 row quads x
+// 8 bytes, after the weights and the x tile; the launcher's shared memory always has room) instead of
+// registers loaded S - 1 groups ahead.
+#define W4G_SBYTES (W4G_WARPS * 64)
+#ifndef W4G_SMEM_SCALES
+#define W4G_SMEM_SCALES 0
+#endif
+// W4G_SCALE_A: the weights dequantised to bf16 (q - z) * s before the MMA, which then accumulates across
+// groups: no per-group partial sums to scale after the group's last MMA (the drain the profile shows), the
+// weights rounded to bf16 as the dequantise + cuBLASLt path rounds them.
+#ifndef W4G_SCALE_A
+#define W4G_SCALE_A 0
+#endif
 
 // The column pair in nibbles (p, p + 4) of w (after w >> 4p) as bf16 (q0 - z, q1 - z), exact: the LOP3
 // gives bf16 (128 + q0, 128 + q1), and a bf16x2 FMA (sm_80) adds nz = -(128 + z) in both halves.
@@ -84,7 +99,7 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
                                          long long ldx, void* y, long long ldy, int M, int out, int in, int mode,
                                          int vec, int m0, int rb, int split, int splits) {
     constexpr int S = W4G_S, BM = 8 * NT;
-    constexpr int XBYTES = BM * 256, STAGE = W4G_WBYTES + XBYTES;
+    constexpr int XBYTES = BM * 256, STAGE = W4G_WBYTES + XBYTES + (W4G_SMEM_SCALES ? W4G_SBYTES : 0);
     extern __shared__ uint4 w4g_smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -109,7 +124,15 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
 #pragma unroll
         for (int j = 0; j < 4; ++j) cp_async16(base + j * 512, qw4 + (pw[j] + (u32)(gstep * rel)));
         const long long grp = gb + rel;
-        s_out = __ldg((const uint2*)(scales + grp * out + rc));
+        if (W4G_SMEM_SCALES) {
+            if (t == 0)
+                asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_s + st * STAGE + W4G_WBYTES +
+                                                                                 XBYTES + warp * 64 + g * 8),
+                             "l"(scales + grp * out + rc)
+                             : "memory");
+        } else {
+            s_out = __ldg((const uint2*)(scales + grp * out + rc));
+        }
         z_out = zeros ? (u32)__ldg((const unsigned short*)(zeros + grp * zstride + (rc >> 1))) : 0x8888u;
     };
     // The thread's 16-byte pieces of each stage's x tile: piece c is chunk ch of token row r (clamped to
@@ -168,8 +191,27 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
                 u32 nz[4];
 #pragma unroll
                 for (int j = 0; j < 4; ++j) nz[j] = 0x80008000u | ((0x4300u | ((zv[u] >> (4 * j)) & 15u)) * 0x10001u);
+                // The group's 4 row scales (f32), from the ring or the registers loaded S - 1 groups ahead.
+                auto row_scales = [&](float (&s)[4]) {
+                    const uint2 sb = W4G_SMEM_SCALES ? *(const uint2*)((const char*)w4g_smem + u * STAGE + W4G_WBYTES +
+                                                                       XBYTES + warp * 64 + g * 8)
+                                                     : sv[u];
+                    const u32 bits[4] = {sb.x & 0xffffu, sb.x >> 16, sb.y & 0xffffu, sb.y >> 16};
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+                        s[j] = scale_bf16 ? __uint_as_float(bits[j] << 16) : f16_to_f32((unsigned short)bits[j]);
+                };
+#if W4G_SCALE_A
+                float s[4];
+                row_scales(s);
+                u32 s2[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) s2[j] = pack_bf16(s[j], s[j]);
+                float(&tmp)[2][NT][4] = acc;
+#else
                 float tmp[2][NT][4];
                 w4g_zero<NT>(tmp);
+#endif
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     uint4 xv[NT];
@@ -187,6 +229,14 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
                         a[1][h][1] = w4g_dq(w3 >> (8 * h), nz[3]);
                         a[1][h][2] = w4g_dq(w2 >> (8 * h + 4), nz[2]);
                         a[1][h][3] = w4g_dq(w3 >> (8 * h + 4), nz[3]);
+#if W4G_SCALE_A
+#pragma unroll
+                        for (int r = 0; r < 4; ++r) {
+                            const u32 sa = s2[r & 1], sc = s2[2 + (r & 1)];
+                            asm("fma.rn.bf16x2 %0, %0, %1, %2;" : "+r"(a[0][h][r]) : "r"(sa), "r"(0x80008000u));
+                            asm("fma.rn.bf16x2 %0, %0, %1, %2;" : "+r"(a[1][h][r]) : "r"(sc), "r"(0x80008000u));
+                        }
+#endif
                     }
 #pragma unroll
                     for (int b = 0; b < NT; ++b) {
@@ -196,17 +246,16 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
                         mma_bf16(tmp[1][b], a[1][1], xv[b].z, xv[b].w);
                     }
                 }
-                const uint2 sb = sv[u];
-                const u32 bits[4] = {sb.x & 0xffffu, sb.x >> 16, sb.y & 0xffffu, sb.y >> 16};
+#if !W4G_SCALE_A
                 float s[4];
-#pragma unroll
-                for (int j = 0; j < 4; ++j) s[j] = scale_bf16 ? __uint_as_float(bits[j] << 16) : f16_to_f32((unsigned short)bits[j]);
+                row_scales(s);
 #pragma unroll
                 for (int a = 0; a < 2; ++a)
 #pragma unroll
                     for (int b = 0; b < NT; ++b)
 #pragma unroll
                         for (int c = 0; c < 4; ++c) acc[a][b][c] = fmaf(s[2 * a + (c >> 1)], tmp[a][b][c], acc[a][b][c]);
+#endif
             }
         }
     }
