@@ -179,6 +179,12 @@ pub(crate) fn row_cases() -> Vec<Case> {
         // The scalar path: a width not a multiple of 8, and one wider than the vector path holds.
         c("add_rms_norm_1p", q, Op::AddRmsNorm { rows: 3, d: 36, residual: true }, SINGLE),
         c("add_rms_norm_1p", q, Op::AddRmsNorm { rows: 2, d: 8200, residual: true }, SINGLE),
+        // In place of an int4 GEMM's split-K reduce: the 27B's width at 2 and 8 splits, 16 splits (four
+        // batches of loads), a width of one vector a thread.
+        c("add_rms_norm_1p_parts", q, Op::AddRmsNormParts { rows: 12, d: 5120, splits: 2 }, SINGLE),
+        c("add_rms_norm_1p_parts", q, Op::AddRmsNormParts { rows: 40, d: 5120, splits: 8 }, SINGLE),
+        c("add_rms_norm_1p_parts", q, Op::AddRmsNormParts { rows: 3, d: 256, splits: 16 }, SINGLE),
+        c("add_rms_norm_1p_parts", q, Op::AddRmsNormParts { rows: 64, d: 2048, splits: 5 }, SINGLE),
         c("rms_norm_1p_strided", q, Op::RmsNormStrided { t: 7, heads: 24, hd: 256, stride: 512 }, SINGLE),
         c("rms_norm_1p_strided", q, Op::RmsNormStrided { t: 1, heads: 4, hd: 256, stride: 256 }, SINGLE),
         c("gated_rms_norm", q, Op::GatedRmsNorm { t: 9, hv: 48, dv: 128 }, SINGLE),

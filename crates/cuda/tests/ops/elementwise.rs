@@ -48,6 +48,24 @@ pub fn add_rms_norm(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Out
     Ok(v)
 }
 
+/// [`Op::AddRmsNormParts`]: x summed from the f32 partials in split order and rounded to bf16 (as the
+/// int4 GEMM's reduce writes it), then as [`Op::AddRmsNorm`]: the normed rows, the residual bit for bit.
+pub fn add_rms_norm_parts(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
+    let Env { k, s, tol, .. } = e;
+    let Op::AddRmsNormParts { rows, d: dim, splits } = *op else { unreachable!() };
+    let n = rows * dim;
+    let parts: Vec<f32> = (0..splits * n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let res = randv(rng, n, 2.0);
+    let w = randv(rng, dim, 0.5);
+    let (pp, rp, wp, op) = (d.f32s(&parts)?, d.bf16(&res)?, d.bf16(&w)?, d.poison(2 * n)?);
+    ops::norm::add_rms_norm_1p_parts(k, s, pp, splits, rp, wp, op, rows, dim, 1e-6)?;
+    let x: Vec<f32> = (0..n).map(|i| rb((1..splits).fold(parts[i], |a, sp| a + parts[sp * n + i]))).collect();
+    let h: Vec<f32> = x.iter().zip(&res).map(|(a, b)| rb(a + rb(*b))).collect();
+    let mut normed = h.clone();
+    cpu::norm::rms_norm_1p(&mut normed, &w, 1e-6);
+    Ok(vec![compare("normed", &normed, &d.get_bf16(op, n)?, tol), compare("residual", &h, &d.get_bf16(rp, n)?, EXACT)])
+}
+
 /// [`Op::RmsNormStrided`]: RMSNorm of `hd`-wide heads read at a row stride.
 pub fn rms_norm_strided(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
     let Env { k, s, tol, .. } = e;

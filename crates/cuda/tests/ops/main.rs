@@ -70,6 +70,12 @@ enum Op {
         d: usize,
         residual: bool,
     },
+    /// `add_rms_norm_1p_parts`: x the bf16 rounding of `splits` f32 partial-sum arrays added in order.
+    AddRmsNormParts {
+        rows: usize,
+        d: usize,
+        splits: usize,
+    },
     RmsNormStrided {
         t: usize,
         heads: usize,
@@ -466,6 +472,7 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
         Op::Argmax { .. } => sampling::argmax,
         Op::Sample { .. } => sampling::sample,
         Op::AddRmsNorm { .. } => elementwise::add_rms_norm,
+        Op::AddRmsNormParts { .. } => elementwise::add_rms_norm_parts,
         Op::RmsNormStrided { .. } => elementwise::rms_norm_strided,
         Op::GatedRmsNorm { .. } => elementwise::gated_rms_norm,
         Op::SigmoidGate { .. } => elementwise::sigmoid_gate,
