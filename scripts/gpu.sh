@@ -82,7 +82,7 @@
 #   widen        e4m3 codes widened to bf16 pairs by integer moves and one bf16x2 multiply (the default; the
 #                build switch KV_WIDEN_BF16X2=0 keeps two f32 conversions): the quantised ops cases, then the
 #                27B int4 + fp8 KV prefill at 24 GiB (4K/32K/128K) on both Hopper kernels with it off and on
-#   w4g-variants the int4 tile GEMM's build switches (W4G_SMEM_SCALES, W4G_SCALE_A, both) against the default:
+#   w4g-variants the int4 tile GEMM's build switches (W4G_SMEM_SCALES, W4G_SCALE_A=1/2, both) against the default:
 #                w4_gemm tests and MoE ops cases under each, the kernels alone, int4 decode by batch, MTP K = 3
 #   vision       the vision tower at the real shapes: a 1024x1024 image's encode in a step, its attention
 #                alone, and each op kind's time over the 27 blocks
@@ -446,7 +446,8 @@ step_widen() {
 # int4 + fp8 KV decode by batch and MTP K = 3 at 24 GiB, the builds alternating.
 step_w4g-variants() {
     local i
-    local -a vs=("" "-DW4G_SMEM_SCALES=1" "-DW4G_SCALE_A=1" "-DW4G_SCALE_A=1 -DW4G_SMEM_SCALES=1")
+    local -a vs=("" "-DW4G_SMEM_SCALES=1" "-DW4G_SCALE_A=1" "-DW4G_SCALE_A=1 -DW4G_SMEM_SCALES=1"
+        "-DW4G_SCALE_A=2 -DW4G_SMEM_SCALES=1")
     local b="--prompts 512 --contexts 1024 --verify-tokens 0 --short-chunks 0 --steps 16 --batches 1,8,12,16,24,32,48,64"
     for i in "${!vs[@]}"; do
         echo "build $i: [${vs[$i]}]"

@@ -19,7 +19,8 @@
 // groups: no per-group partial sums to scale after the group's last MMA (the drain the profile shows). The
 // weights are rounded to bf16 as the dequantise + cuBLASLt path rounds them, fp16 scales rounded to bf16
 // first (two roundings: a host simulation of the w4_gemm tests' draws put the worst error at up to 1.5x
-// their tolerance with fp16 scales, 0.9x with bf16 ones; one rounding, 0.9x).
+// their tolerance with fp16 scales, 0.9x with bf16 ones). W4G_SCALE_A=2 rounds once: the scale split into
+// bf16 s_hi + s_lo, (q - z) * s_lo first, then one FMA adds (q - z) * s_hi (one more FMA a pair; 0.9x).
 #ifndef W4G_SCALE_A
 #define W4G_SCALE_A 0
 #endif
@@ -206,9 +207,13 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
 #if W4G_SCALE_A
                 float s[4];
                 row_scales(s);
-                u32 s2[4];
+                u32 s2[4], s2lo[4];
 #pragma unroll
-                for (int j = 0; j < 4; ++j) s2[j] = pack_bf16(s[j], s[j]);
+                for (int j = 0; j < 4; ++j) {
+                    s2[j] = pack_bf16(s[j], s[j]);
+                    const float lo = s[j] - __uint_as_float(s2[j] << 16);
+                    s2lo[j] = pack_bf16(lo, lo);
+                }
                 float(&tmp)[2][NT][4] = acc;
 #else
                 float tmp[2][NT][4];
@@ -235,8 +240,13 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
 #pragma unroll
                         for (int r = 0; r < 4; ++r) {
                             const u32 sa = s2[r & 1], sc = s2[2 + (r & 1)];
-                            asm("fma.rn.bf16x2 %0, %0, %1, %2;" : "+r"(a[0][h][r]) : "r"(sa), "r"(0x80008000u));
-                            asm("fma.rn.bf16x2 %0, %0, %1, %2;" : "+r"(a[1][h][r]) : "r"(sc), "r"(0x80008000u));
+                            u32 ca = 0x80008000u, cc = 0x80008000u;
+                            if (W4G_SCALE_A == 2) {
+                                asm("fma.rn.bf16x2 %0, %1, %2, %0;" : "+r"(ca) : "r"(a[0][h][r]), "r"(s2lo[r & 1]));
+                                asm("fma.rn.bf16x2 %0, %1, %2, %0;" : "+r"(cc) : "r"(a[1][h][r]), "r"(s2lo[2 + (r & 1)]));
+                            }
+                            asm("fma.rn.bf16x2 %0, %0, %1, %2;" : "+r"(a[0][h][r]) : "r"(sa), "r"(ca));
+                            asm("fma.rn.bf16x2 %0, %0, %1, %2;" : "+r"(a[1][h][r]) : "r"(sc), "r"(cc));
                         }
 #endif
                     }
