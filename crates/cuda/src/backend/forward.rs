@@ -36,7 +36,7 @@ impl CudaBackend {
         self.all_reduce(ws.residual, t * h)?;
         let mut gdn_index = 0;
         let fold = self.folds(t);
-        let after = !fold && self.norms_in_reduce(t);
+        let in_reduce = !fold && self.norms_in_reduce(t);
         let layers = &self.w.layers;
         for (li, layer) in layers.iter().enumerate() {
             let cache = self.caches[li];
@@ -46,7 +46,7 @@ impl CudaBackend {
             let next_norm = layers.get(li + 1).map(|l| l.input_norm);
             let lf = if fold {
                 Some(LayerFold { input: li > 0, next_norm, gemv: true })
-            } else if after {
+            } else if in_reduce {
                 let input = li > 0 && layers[li - 1].moe.is_none();
                 Some(LayerFold { input, next_norm: next_norm.filter(|_| layer.moe.is_none()), gemv: false })
             } else {
@@ -117,7 +117,7 @@ impl CudaBackend {
         let h = d.hidden;
         let eps = self.eps;
         // The input norm: its own kernel, or the previous layer's down projection and this layer's
-        // in-projection (folded).
+        // in-projection (folded), or the previous layer's down projection alone (run after it).
         let fold_in = fold.is_some_and(|f| f.input);
         let (x_in, in_fold) = if fold_in && fold.is_some_and(|f| f.gemv) {
             (ws.fold_x, Fold::Norm { sums: ws.fold_sums, eps })

@@ -113,10 +113,13 @@ impl CudaBackend {
     /// split-K reduce where the int4 GEMM splits ([`CudaOptions::norms_in_reduce`]): steps of the int4
     /// GEMM's rows, tensor parallelism off (the norm follows the all-reduce there).
     pub(super) fn norms_in_reduce(&self, t: usize) -> bool {
-        self.opts.norms_in_reduce
-            && self.tp.is_none()
-            && t > self.opts.gemv_max_tokens
-            && t <= self.opts.w4_gemm_max_rows
+        self.opts.norms_in_reduce && self.tp.is_none() && self.w4_gemm_rows(t)
+    }
+
+    /// Whether the int4 projections of a step of `t` tokens run the int4 GEMM: more than the decode
+    /// GEMV's rows, at most [`CudaOptions::w4_gemm_max_rows`].
+    fn w4_gemm_rows(&self, t: usize) -> bool {
+        t > self.opts.gemv_max_tokens && t <= self.opts.w4_gemm_max_rows
     }
 
     /// Whether this step's norms fold into its projections ([`CudaOptions::fold_norms`]).
@@ -141,7 +144,7 @@ impl CudaBackend {
         f32_out: bool,
     ) -> Result<(), CudaError> {
         let gemv_rows = t <= self.opts.gemv_max_tokens;
-        if !gemv_rows && t <= self.opts.w4_gemm_max_rows && w4_gemm::supported(w, x, w.inp) {
+        if self.w4_gemm_rows(t) && w4_gemm::supported(w, x, w.inp) {
             let ws = self.ws.w4_gemm;
             let cfg = w4_gemm::w4_gemm_config(t, w.out, w.inp, self.rt.sm_count.max(1) as usize, ws.bytes);
             let xs = Some(self.ws.w4_x);
@@ -297,8 +300,7 @@ impl CudaBackend {
         let (h, res, eps) = (self.d.hidden, self.ws.residual, self.eps);
         if let [Part::W4(w4)] = w.as_slice()
             && w4.out == h
-            && t > self.opts.gemv_max_tokens
-            && t <= self.opts.w4_gemm_max_rows
+            && self.w4_gemm_rows(t)
             && w4_gemm::supported(w4, x, kdim)
         {
             let (sms, ws) = (self.rt.sm_count.max(1) as usize, self.ws.w4_gemm);
