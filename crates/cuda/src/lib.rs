@@ -7,6 +7,7 @@
 //! - [`ops`]: one launcher file per kernel file (same name), raw `u64` device pointers in;
 //! - [`gemm`]: `y = x · Wᵀ` through cuBLASLt with per-shape cached algorithms;
 //! - [`w4`]: the device format of 4-bit (W4A16) linears: GPTQ conversion, reference quantiser;
+//! - [`w4_host`]: int4 linears in that format computed by the host CPU (experts kept in host memory);
 //! - [`collective`]: NCCL communicators over local GPUs, in-place all-reduce (sum) and all-gather;
 //! - [`backend`]: [`CudaBackend`], the engine's `Backend` over the static plan's memory;
 //! - [`switches`]: the `DELTASERVE_*` environment switches, read once;
@@ -28,6 +29,7 @@ pub mod switches;
 pub mod tp;
 pub mod trace;
 pub mod w4;
+pub mod w4_host;
 
 pub use arena::{Arena, DevSpan, RegionId};
 pub use backend::{CudaBackend, StepPhases, WeightSource};
