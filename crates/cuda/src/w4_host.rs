@@ -93,12 +93,24 @@ impl<'a> W4HostView<'a> {
         unsafe { std::slice::from_raw_parts(self.qweight.as_ptr().cast::<u8>(), self.qweight.len() * 4) }
     }
 
-    fn scale(&self, g: usize, o: usize) -> f32 {
-        self.scale_dtype.to_f32(self.scales[g * self.out + o])
-    }
-
-    fn zero(&self, g: usize, o: usize) -> i32 {
-        self.zeros.map_or(8, |z| i32::from((z[g * self.out.div_ceil(2) + o / 2] >> (4 * (o & 1))) & 15))
+    /// Group `g`'s scales and zero points of pair `p`'s rows (as many as `sc` holds), in row order.
+    fn pair_scales(&self, g: usize, p: usize, sc: &mut [f32], zr: &mut [i32]) {
+        let o0 = PAIR * p;
+        let bits = &self.scales[g * self.out + o0..][..sc.len()];
+        match self.scale_dtype {
+            ScaleDtype::F16 => half::slice::HalfFloatSliceExt::convert_to_f32_slice(
+                half::slice::HalfBitsSliceExt::reinterpret_cast::<half::f16>(bits),
+                sc,
+            ),
+            ScaleDtype::Bf16 => sc.iter_mut().zip(bits).for_each(|(s, &b)| *s = f32::from_bits(u32::from(b) << 16)),
+        }
+        if let Some(z) = self.zeros {
+            let row = &z[g * self.out.div_ceil(2)..];
+            for (rr, v) in zr.iter_mut().enumerate() {
+                let o = o0 + rr;
+                *v = i32::from((row[o / 2] >> (4 * (o & 1))) & 15);
+            }
+        }
     }
 }
 
@@ -152,14 +164,16 @@ pub fn gemv(w: &W4HostView<'_>, x: &PackedX, rows: Range<usize>, y: &mut [f32]) 
             slot_row[(u4_index(w.out, w.inp, PAIR * p + rr, 0) - p * ng * 128) / 4] = rr;
         }
         let mut acc = [0f32; PAIR];
+        let (mut sc, mut zr) = ([0f32; PAIR], [8i32; PAIR]);
         for g in 0..ng {
             let unit = &bytes[16 * (p * ng * 128 + g * r * 4)..][..r * GROUP_BYTES];
             let xq = <&[i8; W4_GROUP]>::try_from(&x.q[g * W4_GROUP..(g + 1) * W4_GROUP]).expect("128 a group");
             let mut dots = [0i32; PAIR];
             dot_unit(unit, xq, &mut dots[..r]);
+            w.pair_scales(g, p, &mut sc[..r], &mut zr[..r]);
             for (slot, &d) in dots[..r].iter().enumerate() {
-                let o = PAIR * p + slot_row[slot];
-                acc[slot_row[slot]] += w.scale(g, o) * x.scale[g] * (d - w.zero(g, o) * x.qsum[g]) as f32;
+                let rr = slot_row[slot];
+                acc[rr] += sc[rr] * x.scale[g] * (d - zr[rr] * x.qsum[g]) as f32;
             }
         }
         for (rr, &a) in acc[..r].iter().enumerate() {
