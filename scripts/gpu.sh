@@ -84,6 +84,8 @@
 #                27B int4 + fp8 KV prefill at 24 GiB (4K/32K/128K) on both Hopper kernels with it off and on
 #   w4g-variants the int4 tile GEMM's build switches (W4G_SMEM_SCALES, W4G_SCALE_A=1/2, both) against the default:
 #                w4_gemm tests and MoE ops cases under each, the kernels alone, int4 decode by batch, MTP K = 3
+#   host-experts routed int4 experts computed by the machine's CPU at 1..16 threads (examples/bench_host_experts,
+#                build it with --example bench_host_experts; no GPU used), against the bus
 #   vision       the vision tower at the real shapes: a 1024x1024 image's encode in a step, its attention
 #                alone, and each op kind's time over the 27 blocks
 #   tp           on 2 GPUs: NCCL and TP=2 tests, `bench` at TP=2 and TP=1 (chart: tp.svg), the TP=2 probe
@@ -106,6 +108,7 @@ usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 # $BIN_DIR/deps/NAME-<hash> test binary.
 bin() {
     if [[ -x "$BIN_DIR/$1" ]]; then echo "$BIN_DIR/$1"; return; fi
+    if [[ -x "$BIN_DIR/examples/$1" ]]; then echo "$BIN_DIR/examples/$1"; return; fi
     ls -t "$BIN_DIR"/deps/"$1"-* 2>/dev/null | grep -v '\.d$' | head -1
 }
 
@@ -117,6 +120,8 @@ stage() {
         b=$(bin "$t")
         if [[ -n "$b" ]]; then cp "$b" "$dir/$t"; else echo "no release test binary for $t" >&2; fi
     done
+    b=$(bin bench_host_experts)
+    [[ -n "$b" ]] && cp "$b" "$dir/"
     ls -la "$dir"
 }
 
@@ -465,6 +470,18 @@ step_w4g-variants() {
         # shellcheck disable=SC2086
         DELTASERVE_NVRTC_OPTIONS="${vs[$i]}" ds "w4g-v$i-spec" 200 bench $Q27 --prompts 512 --contexts 1024 --steps 16 \
             $INT4 --speculative-tokens 3 --batches 1,4,8 --short-chunks 0
+    done
+}
+
+# Routed int4 experts computed by this machine's CPU (no GPU used) at 1..16 threads, against the bus.
+step_host-experts() {
+    local b p t th
+    b=$(bin bench_host_experts)
+    [[ -n "$b" ]] || { echo "no bench_host_experts (cargo build --release -p deltaserve-cuda --example bench_host_experts)"; return; }
+    for p in qwen3-next-80b-a3b qwen3.6-35b-a3b; do
+        for t in 1 8; do
+            for th in 1 4 8 16; do run "host-experts-$p-$t-$th" 300 "^step" "$b" "$p" "$t" "$th"; done
+        done
     done
 }
 
