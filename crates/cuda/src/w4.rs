@@ -195,6 +195,28 @@ impl W4Linear {
         (r0..r1).flat_map(|o| self.dequantize_row(o)).map(|v| bf16::from_f32(v).to_bits()).collect()
     }
 
+    /// A linear from its quants per (row, device column) (`q[o·in + j]`, 0..16), zero points per
+    /// (group, row) (`z[g·out + o]`; None: symmetric) and scales `[in/128, out]` in `scale_dtype`;
+    /// no act-order permutation.
+    pub fn from_quants(
+        out: usize,
+        inp: usize,
+        q: &[u8],
+        z: Option<&[u8]>,
+        scales: Vec<u16>,
+        scale_dtype: ScaleDtype,
+    ) -> Self {
+        W4Linear {
+            out_features: out,
+            in_features: inp,
+            qweight: Self::pack_quants(out, inp, q),
+            scales,
+            scale_dtype,
+            zeros: z.map(|z| Self::pack_zeros(out, inp / W4_GROUP, z)),
+            perm: None,
+        }
+    }
+
     /// Packs quants given per (row, device column) (`q[o·in + j]`, values 0..16) into `qweight`.
     pub fn pack_quants(out: usize, inp: usize, q: &[u8]) -> Vec<u32> {
         let mut w = vec![0u32; out * inp / 8];

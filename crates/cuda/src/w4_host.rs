@@ -280,15 +280,8 @@ mod tests {
                 if bf16_scales { half::bf16::from_f32(v).to_bits() } else { half::f16::from_f32(v).to_bits() }
             })
             .collect();
-        W4Linear {
-            out_features: out,
-            in_features: inp,
-            qweight: W4Linear::pack_quants(out, inp, &q),
-            scales,
-            scale_dtype: if bf16_scales { ScaleDtype::Bf16 } else { ScaleDtype::F16 },
-            zeros: asym.then(|| W4Linear::pack_zeros(out, ng, &z)),
-            perm: None,
-        }
+        let dtype = if bf16_scales { ScaleDtype::Bf16 } else { ScaleDtype::F16 };
+        W4Linear::from_quants(out, inp, &q, asym.then_some(z.as_slice()), scales, dtype)
     }
 
     #[test]

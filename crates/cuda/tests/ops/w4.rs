@@ -23,10 +23,7 @@ fn w4_random(rng: &mut StdRng, out: usize, inp: usize, asym: bool, perm: bool, b
             if bf16_scales { bf16::from_f32(v).to_bits() } else { half::f16::from_f32(v).to_bits() }
         })
         .collect();
-    let zeros = asym.then(|| {
-        let z: Vec<u8> = (0..groups * out).map(|_| rng.random_range(0..16u8)).collect();
-        W4Linear::pack_zeros(out, groups, &z)
-    });
+    let zeros: Option<Vec<u8>> = asym.then(|| (0..groups * out).map(|_| rng.random_range(0..16u8)).collect());
     let perm = perm.then(|| {
         let mut p: Vec<i32> = (0..inp as i32).collect();
         for i in (1..inp).rev() {
@@ -34,15 +31,8 @@ fn w4_random(rng: &mut StdRng, out: usize, inp: usize, asym: bool, perm: bool, b
         }
         p
     });
-    W4Linear {
-        out_features: out,
-        in_features: inp,
-        qweight: W4Linear::pack_quants(out, inp, &q),
-        scales,
-        scale_dtype: if bf16_scales { ScaleDtype::Bf16 } else { ScaleDtype::F16 },
-        zeros,
-        perm,
-    }
+    let dtype = if bf16_scales { ScaleDtype::Bf16 } else { ScaleDtype::F16 };
+    W4Linear { perm, ..W4Linear::from_quants(out, inp, &q, zeros.as_deref(), scales, dtype) }
 }
 
 fn w4_upload(d: &mut Dev, l: &W4Linear) -> R<w4a16::W4Weights> {
