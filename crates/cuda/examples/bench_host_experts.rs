@@ -11,23 +11,22 @@
 //!   host memory at on an H200 machine: bench/results/fp8-weights-h200-2026-12-03.md).
 //!
 //! Random int4 experts (a pool of distinct experts several times the last-level cache, routed at random
-//! so that no expert stays cached between layers), random x. Per sparse layer and row: gate/up
-//! (`[2·width, hidden]`), SwiGLU, down (`[hidden, width]`), weighted into the row's output: the rows'
-//! pairs run in parallel, split in row ranges. Prints the step's time, the int4 bytes it read and the
-//! rate, and the time those bytes take across the bus.
+//! so that no expert stays cached between layers), random x. Per sparse layer, the step's rows through
+//! their top-k experts (`deltaserve_cuda::host_experts_mlp::routed_experts`: gate/up, SwiGLU, down,
+//! weighted into each row's output, in row ranges over the threads). Prints the step's time, the int4
+//! bytes it read and the rate, and the time those bytes take across the bus.
 
 use std::time::Instant;
 
+use deltaserve_cuda::host_experts_mlp::{ExpertView, Route, routed_experts};
 use deltaserve_cuda::w4::{ScaleDtype, W4Linear};
-use deltaserve_cuda::w4_host::{PackedX, W4HostView, gemv};
+use deltaserve_cuda::w4_host::W4HostView;
 use deltaserve_model::ModelConfig;
 use deltaserve_model::synth::Preset;
 use rayon::prelude::*;
 
 /// Bytes of distinct experts to route over (several times any last-level cache).
 const POOL_BYTES: usize = 3 << 30;
-/// Rows of a linear one task computes.
-const TASK_ROWS: usize = 256;
 
 struct Expert {
     gate_up: W4Linear,
@@ -52,10 +51,6 @@ fn random_linear(out: usize, inp: usize, seed: u64) -> W4Linear {
         zeros: None,
         perm: None,
     }
-}
-
-fn silu(v: f32) -> f32 {
-    v / (1.0 + (-v).exp())
 }
 
 fn main() {
@@ -102,9 +97,15 @@ fn main() {
         })
         .collect();
     println!("made in {:.1} s", t0.elapsed().as_secs_f64());
-    let xs: Vec<PackedX> = (0..tokens)
-        .map(|t| PackedX::new(&(0..h).map(|j| ((j * 31 + t * 7) % 97) as f32 / 97.0 - 0.5).collect::<Vec<_>>()))
+    let views: Vec<ExpertView<'_>> = experts
+        .iter()
+        .map(|e| ExpertView {
+            gate_up: W4HostView::of(&e.gate_up).expect("format"),
+            down: W4HostView::of(&e.down).expect("format"),
+        })
         .collect();
+    let x: Vec<f32> = (0..tokens * h).map(|j| ((j * 31) % 97) as f32 / 97.0 - 0.5).collect();
+    let mut out = vec![0f32; tokens * h];
     let mut rng = 0x2545_f491_4f6c_dd1du64;
     let mut pick = move |n: usize| {
         rng ^= rng << 13;
@@ -132,28 +133,11 @@ fn main() {
             .collect();
         let t0 = Instant::now();
         for layer in 0..sparse {
-            let pairs: Vec<(usize, usize)> =
-                (0..tokens).flat_map(|t| routes[layer * tokens + t].iter().map(move |&e| (t, e))).collect();
-            // Gate/up of every pair, in row ranges.
-            let mut gu = vec![0f32; pairs.len() * 2 * width];
-            gu.par_chunks_mut(TASK_ROWS).enumerate().for_each(|(c, y)| {
-                let (p, r0) = (c * TASK_ROWS / (2 * width), c * TASK_ROWS % (2 * width));
-                let (t, e) = pairs[p];
-                let v = W4HostView::of(&experts[e].gate_up).expect("format");
-                gemv(&v, &xs[t], r0..r0 + y.len(), y);
-            });
-            let acts: Vec<PackedX> = gu
-                .chunks(2 * width)
-                .map(|g| PackedX::new(&(0..width).map(|j| silu(g[j]) * g[width + j]).collect::<Vec<_>>()))
+            let routes: Vec<Route> = (0..tokens)
+                .flat_map(|t| routes[layer * tokens + t].iter().map(move |&e| Route { row: t, expert: e, weight: 0.1 }))
                 .collect();
-            // Down of every pair, in row ranges.
-            let mut dn = vec![0f32; pairs.len() * h];
-            dn.par_chunks_mut(TASK_ROWS).enumerate().for_each(|(c, y)| {
-                let (p, r0) = (c * TASK_ROWS / h, c * TASK_ROWS % h);
-                let v = W4HostView::of(&experts[pairs[p].1].down).expect("format");
-                gemv(&v, &acts[p], r0..r0 + y.len(), y);
-            });
-            sink += dn.iter().step_by(97).sum::<f32>();
+            routed_experts(&views, &x, h, &routes, &mut out).expect("routed experts");
+            sink += out.iter().step_by(97).sum::<f32>();
         }
         let s = t0.elapsed().as_secs_f64();
         if step > 0 {

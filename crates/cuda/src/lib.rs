@@ -8,6 +8,7 @@
 //! - [`gemm`]: `y = x · Wᵀ` through cuBLASLt with per-shape cached algorithms;
 //! - [`w4`]: the device format of 4-bit (W4A16) linears: GPTQ conversion, reference quantiser;
 //! - [`w4_host`]: int4 linears in that format computed by the host CPU (experts kept in host memory);
+//!   [`host_experts_mlp`]: a sparse layer's routed experts for a step's rows, computed by the host;
 //! - [`collective`]: NCCL communicators over local GPUs, in-place all-reduce (sum) and all-gather;
 //! - [`backend`]: [`CudaBackend`], the engine's `Backend` over the static plan's memory;
 //! - [`switches`]: the `DELTASERVE_*` environment switches, read once;
@@ -22,6 +23,7 @@ pub mod collective;
 pub mod error;
 pub mod gdn_bench;
 pub mod gemm;
+pub mod host_experts_mlp;
 pub mod nvrtc;
 pub mod ops;
 pub mod runtime;
