@@ -138,7 +138,8 @@ impl PackedX {
         for g in 0..ng {
             let xg = &x[g * W4_GROUP..][..W4_GROUP];
             let amax = xg.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = if amax > 0.0 && amax.is_finite() { amax / 127.0 } else { 0.0 };
+            // A non-finite x makes the group's scale NaN: the outputs it reaches are NaN, as on the GPU.
+            let d = if xg.iter().all(|v| v.is_finite()) { amax / 127.0 } else { f32::NAN };
             let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
             let qg = &mut q[g * W4_GROUP..][..W4_GROUP];
             for b in 0..GROUP_BYTES {
@@ -361,6 +362,19 @@ mod tests {
                 .sum();
             assert_eq!(d, want, "slot {s}");
         }
+    }
+
+    #[test]
+    fn a_non_finite_x_reaches_the_outputs() {
+        let w = random(32, 256, false, false, 3);
+        let mut x = vec![0.5f32; 256];
+        x[200] = f32::NAN;
+        let mut y = vec![0f32; 32];
+        gemv(&W4HostView::of(&w).unwrap(), &PackedX::new(&x), 0..32, &mut y);
+        assert!(y.iter().all(|v| v.is_nan()));
+        let mut y = vec![f32::NAN; 32];
+        gemv(&W4HostView::of(&w).unwrap(), &PackedX::new(&[0f32; 256]), 0..32, &mut y);
+        assert!(y.iter().all(|&v| v == 0.0), "x = 0 gives 0");
     }
 
     #[test]
