@@ -23,6 +23,8 @@ use deltaserve_cuda::w4::{ScaleDtype, W4Linear};
 use deltaserve_cuda::w4_host::W4HostView;
 use deltaserve_model::ModelConfig;
 use deltaserve_model::synth::Preset;
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
 use rayon::prelude::*;
 
 /// Bytes of distinct experts to route over (several times any last-level cache).
@@ -34,19 +36,13 @@ struct Expert {
 }
 
 fn random_linear(out: usize, inp: usize, seed: u64) -> W4Linear {
-    let mut s = seed | 1;
-    let mut next = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        s
-    };
+    let mut rng = StdRng::seed_from_u64(seed);
     let ng = inp / 128;
     W4Linear {
         out_features: out,
         in_features: inp,
-        qweight: (0..out * inp / 8).map(|_| next() as u32).collect(),
-        scales: (0..ng * out).map(|_| half::f16::from_f32((next() % 1000) as f32 * 2e-5 + 1e-3).to_bits()).collect(),
+        qweight: (0..out * inp / 8).map(|_| rng.random::<u32>()).collect(),
+        scales: (0..ng * out).map(|_| half::f16::from_f32(rng.random_range(1e-3f32..2e-2)).to_bits()).collect(),
         scale_dtype: ScaleDtype::F16,
         zeros: None,
         perm: None,
@@ -106,13 +102,7 @@ fn main() {
         .collect();
     let x: Vec<f32> = (0..tokens * h).map(|j| ((j * 31) % 97) as f32 / 97.0 - 0.5).collect();
     let mut out = vec![0f32; tokens * h];
-    let mut rng = 0x2545_f491_4f6c_dd1du64;
-    let mut pick = move |n: usize| {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        (rng % n as u64) as usize
-    };
+    let mut rng = StdRng::seed_from_u64(0x2545_f491_4f6c_dd1d);
 
     let steps = 6;
     let mut best = f64::INFINITY;
@@ -123,7 +113,7 @@ fn main() {
             .map(|_| {
                 let mut r: Vec<usize> = Vec::with_capacity(top_k);
                 while r.len() < top_k {
-                    let e = pick(pool);
+                    let e = rng.random_range(0..pool);
                     if !r.contains(&e) {
                         r.push(e);
                     }

@@ -260,24 +260,22 @@ unsafe fn dot_unit_avx2(unit: &[u8], xq: &[i8; W4_GROUP], dots: &mut [i32]) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
+    use rand::rngs::StdRng;
+    use rand::{RngExt, SeedableRng};
+
     use super::*;
 
-    /// A random linear in the format (the GEMV kernels' tests draw theirs the same way).
-    fn random(out: usize, inp: usize, asym: bool, bf16_scales: bool, seed: u64) -> W4Linear {
-        let mut s = seed;
-        let mut next = move || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s
-        };
+    /// A random linear in the format: quants and zero points (`asym`) uniform, scales of both signs
+    /// in fp16 or bf16.
+    pub(crate) fn random(out: usize, inp: usize, asym: bool, bf16_scales: bool, seed: u64) -> W4Linear {
+        let mut rng = StdRng::seed_from_u64(seed);
         let ng = inp / W4_GROUP;
-        let q: Vec<u8> = (0..out * inp).map(|_| (next() % 16) as u8).collect();
-        let z: Vec<u8> = (0..ng * out).map(|_| (next() % 16) as u8).collect();
+        let q: Vec<u8> = (0..out * inp).map(|_| rng.random_range(0..16u8)).collect();
+        let z: Vec<u8> = (0..ng * out).map(|_| rng.random_range(0..16u8)).collect();
         let scales = (0..ng * out)
             .map(|_| {
-                let v = (next() % 1000) as f32 * 2e-5 - 0.01;
+                let v = rng.random_range(-0.01f32..0.01);
                 if bf16_scales { half::bf16::from_f32(v).to_bits() } else { half::f16::from_f32(v).to_bits() }
             })
             .collect();
