@@ -11,8 +11,8 @@
 //  gated_rms_norm:   out[r] = bf16(w * (o[r] * rsqrt(mean(o[r]^2) + eps)) * silu(z[r]))  (plain w)
 // Shapes/dtypes:
 //  add_rms_norm_1p: x, res, res_out, out [rows, D] bf16 (res_out may alias res); w [D] bf16.
-//  add_rms_norm_1p_parts: parts [splits][rows][D] f32 (16-byte aligned), splits 1..16; the vector
-//                   path's limits below (the launcher checks them).
+//  add_rms_norm_1p_parts: parts [splits][rows][D] f32 (16-byte aligned), splits >= 1 (the launcher takes
+//                   the int4 GEMM's, 1..16); the vector path's limits below (the launcher checks them).
 //  rms_norm_1p:     x row r at x + r*x_stride, out row r at out + r*out_stride (elements); w [D] bf16.
 //  gated_rms_norm:  o [rows, D] bf16 (rows = T*Hv, D = Dv); z row r at z + (r/H)*z_tok_stride +
 //                   (r%H)*D; w [D] f32 (Qwen3.5 stores it f32; Qwen3.6 bf16 upcasts exactly).

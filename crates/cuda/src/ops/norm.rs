@@ -42,8 +42,8 @@ pub fn add_rms_norm_1p_parts_supported(d: usize, ptrs: &[u64]) -> bool {
         && ptrs.iter().all(|p| p.is_multiple_of(16))
 }
 
-/// Splits over K an [`add_rms_norm_1p_parts`] launch takes.
-pub const PARTS_MAX_SPLITS: usize = 16;
+/// Splits over K an [`add_rms_norm_1p_parts`] launch takes: the int4 GEMM's.
+pub use deltaserve_plan::cuda::W4_GEMM_MAX_SPLITS as PARTS_MAX_SPLITS;
 
 /// [`add_rms_norm_1p`] with x the bf16 rounding of the sum, in split order, of `splits` f32 partial-sum
 /// arrays `parts [splits][rows][d]` (an int4 GEMM split over K; what `w4g_reduce` would write, bit
