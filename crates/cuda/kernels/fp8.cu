@@ -49,6 +49,17 @@ __device__ __forceinline__ u32 f8_bf16x2(u32 w, int p) {
     return (t & 0x80008000u) | ((t >> 4) & 0x07f007f0u);
 }
 
+// F8_CONV=1: a word's codes as the pairs (bytes 0, 2) and (bytes 1, 3), values * 2^-120, in five integer operations
+// (two of them shifts left, which ptxas may give the multiply pipe) instead of eight, the x pairs that meet them
+// in the MMA permuted alike (two byte permutes an MMA, shared by the block's row tiles).
+#ifndef F8_CONV
+#define F8_CONV 0
+#endif
+__device__ __forceinline__ void f8_bf16x2_pairs(u32 w, u32& p02, u32& p13) {
+    p02 = ((w << 4) & 0x07f007f0u) | ((w << 8) & 0x80008000u);
+    p13 = ((w >> 4) & 0x07f007f0u) | (w & 0x80008000u);
+}
+
 // The value of one e4m3 code (f32, exact).
 __device__ __forceinline__ float f8_value(u32 code) {
     const u32 b = ((code & 0x80u) << 24) | ((code & 0x7fu) << 20);
@@ -156,26 +167,229 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* x, int N, int K, con
     }
 }
 
-#define GEMV_FP8(NAME, NT, U, WARPS, BLOCKS)                                                                                 \
+// One block: RT tiles of 16 rows (rows b*16*RT ..), WARPS warps splitting K into slices of U vectors a lane (a
+// warp's slices start at vector warp*U*4 and follow every WARPS*U*4). XP: each slice's x vectors and block scales
+// are loaded with its codes, a slice ahead (register double buffer), instead of when its MMAs need them.
+// The slices wholly inside K run without bounds checks: a row past M reads row 0's codes and a token past N token
+// 0's x (their outputs are never stored; an MMA's output rows and columns depend on their own A rows and B
+// columns only); at most one slice a warp straddles K's end, and there the vectors past K count as zero.
+// Every row tile runs the same operations in the same order whatever RT and XP are: only WARPS and U decide a
+// row's sums.
+template <int NT, int U, int WARPS, int RT, bool XP>
+__device__ __forceinline__ void gemv_fp8_tile(const bf16_t* x, int N, int K, const unsigned char* __restrict__ W,
+                                              const float* __restrict__ S, void* Y, int M, int ldy, int b,
+                                              int f32_out, float (*red)[F8_ROWS * RT][8 * NT]) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int r = lane >> 2, c = lane & 3;
+    const int rb = b * F8_ROWS * RT;  // the block's first row (RT * 16 divides the 128-row scale blocks)
+    const uint4* wp[RT][2];
+#pragma unroll
+    for (int t = 0; t < RT; t++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int row = rb + F8_ROWS * t + 8 * h + r;
+            wp[t][h] = (const uint4*)(W + (long long)(row < M ? row : 0) * K) + c;
+        }
+    const int KV = K >> 4;  // 16-byte code vectors per row
+    const int KBP = (((K + 127) >> 7) + 3) & ~3;
+    const float* srow = S + (long long)(rb >> 7) * KBP;
+    const uint4* xp[NT];
+#pragma unroll
+    for (int n = 0; n < NT; n++) xp[n] = (const uint4*)(x + (long long)(r + 8 * n < N ? r + 8 * n : 0) * K) + 2 * c;
+    float acc[RT][NT][4];
+#pragma unroll
+    for (int t = 0; t < RT; t++)
+#pragma unroll
+        for (int n = 0; n < NT; n++) acc[t][n][0] = acc[t][n][1] = acc[t][n][2] = acc[t][n][3] = 0.0f;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    const int step = WARPS * U * 4;
+    // A slice: the codes of U vectors of each row, and with XP their x vectors and scales.
+    struct Slice {
+        uint4 a[U][RT][2];
+        uint4 xv[XP ? U : 1][NT][2];
+        float sc[XP ? U : 1];
+    };
+    // The loads of the slice from vector vb; `part`: vectors past K are read at vector 0 (the MMAs zero them).
+    auto load_codes = [&](Slice& sl, int vb, bool part) {
+        if (!part) {  // one address a row, the vectors at constant offsets from it
+#pragma unroll
+            for (int t = 0; t < RT; t++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const uint4* p = wp[t][h] + vb;
+#pragma unroll
+                    for (int u = 0; u < U; u++) sl.a[u][t][h] = ld_nc_stream(p + u * 4);
+                }
+            return;
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int o = vb + u * 4 + c >= KV ? -c : vb + u * 4;
+#pragma unroll
+            for (int t = 0; t < RT; t++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) sl.a[u][t][h] = ld_nc_stream(wp[t][h] + o);
+        }
+    };
+    auto load_x = [&](Slice& sl, int vb, bool part) {
+        if (XP) {
+#pragma unroll
+            for (int u = 0; u < (XP ? U : 1); u++) {
+                const int vq = vb + u * 4, o = part && vq + c >= KV ? -c : vq;
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+                    sl.xv[u][n][0] = ld_act(xp[n] + 2 * o);
+                    sl.xv[u][n][1] = ld_act(xp[n] + 2 * o + 1);
+                }
+                sl.sc[u] = __ldg(srow + ((part && vq >= KV ? 0 : vq) >> 3));
+            }
+        }
+    };
+    // The MMAs of slice `sl` from vector vb (`part`: zero the vectors past K).
+    auto compute = [&](Slice& sl, int vb, bool part) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int vq = vb + u * 4;  // the quad's first vector: 64 aligned k in one scale block
+            const bool in = !part || vq + c < KV;
+            if (!in) {
+#pragma unroll
+                for (int t = 0; t < RT; t++) sl.a[u][t][0] = sl.a[u][t][1] = zero;
+            }
+            float sc;
+            if (XP) sc = sl.sc[XP ? u : 0];
+            else sc = __ldg(srow + ((part && vq >= KV ? 0 : vq) >> 3));
+            sc = part && vq >= KV ? 0.0f : sc * F8_TWO120;
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                uint4 xv[2];
+                if (XP) {
+                    xv[0] = sl.xv[XP ? u : 0][n][0];
+                    xv[1] = sl.xv[XP ? u : 0][n][1];
+                } else {
+                    const int o = in ? vq : -c;
+                    xv[0] = ld_act(xp[n] + 2 * o);
+                    xv[1] = ld_act(xp[n] + 2 * o + 1);
+                }
+                if (!in) xv[0] = xv[1] = zero;
+                u32 xb[4][2];  // MMA j's B registers
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const uint4& xx = xv[j >> 1];
+                    const u32 lo = (j & 1) ? xx.z : xx.x, hi = (j & 1) ? xx.w : xx.y;
+                    xb[j][0] = F8_CONV ? __byte_perm(lo, hi, 0x5410) : lo;
+                    xb[j][1] = F8_CONV ? __byte_perm(lo, hi, 0x7632) : hi;
+                }
+#pragma unroll
+                for (int t = 0; t < RT; t++) {
+                    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        const u32 w0 = u4_comp(sl.a[u][t][0], j), w1 = u4_comp(sl.a[u][t][1], j);
+                        if (F8_CONV) {
+                            u32 a0, a1, a2, a3;
+                            f8_bf16x2_pairs(w0, a0, a2);
+                            f8_bf16x2_pairs(w1, a1, a3);
+                            mma_bf16(d, a0, a1, a2, a3, xb[j][0], xb[j][1]);
+                        } else {
+                            mma_bf16(d, f8_bf16x2(w0, 0), f8_bf16x2(w1, 0), f8_bf16x2(w0, 2), f8_bf16x2(w1, 2),
+                                     xb[j][0], xb[j][1]);
+                        }
+                    }
+#pragma unroll
+                    for (int i = 0; i < 4; i++) acc[t][n][i] = fmaf(sc, d[i], acc[t][n][i]);
+                }
+            }
+        }
+    };
+    // Whether the slice from vector v lies wholly inside K.
+    auto whole = [&](int v) { return v + U * 4 <= KV; };
+    // One whole slice's MMAs (in `now`) with the next slice's loads (into `next`) in flight; false when the next
+    // slice is not whole (then `next` holds it if it starts inside K).
+    int vb = warp * U * 4;
+    auto advance = [&](Slice& now, Slice& next) {
+        const int nb = vb + step;
+        if (whole(nb) || nb < KV) {
+            load_codes(next, nb, !whole(nb));
+            load_x(next, nb, !whole(nb));
+        }
+        compute(now, vb, false);
+        vb = nb;
+        return whole(vb);
+    };
+    // Two slices in turn (no copies between them).
+    Slice s0, s1;
+    if (vb < KV) load_codes(s0, vb, !whole(vb));
+    // Launched to overlap the previous kernel (sm_90): the first codes are in flight; x and y are its.
+    pdl_wait();
+    if (vb < KV) load_x(s0, vb, !whole(vb));
+    bool last_in_s0 = true;
+    if (whole(vb)) {
+        for (;;) {
+            if (!advance(s0, s1)) {
+                last_in_s0 = false;
+                break;
+            }
+            if (!advance(s1, s0)) break;
+        }
+    }
+    if (vb < KV) {
+        if (last_in_s0) compute(s0, vb, true);
+        else compute(s1, vb, true);
+    }
+    // Accumulators: (row r, token 2c), (row r, token 2c+1), (row r+8, token 2c), (row r+8, token 2c+1).
+#pragma unroll
+    for (int t = 0; t < RT; t++)
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            red[warp][F8_ROWS * t + r][8 * n + 2 * c] = acc[t][n][0];
+            red[warp][F8_ROWS * t + r][8 * n + 2 * c + 1] = acc[t][n][1];
+            red[warp][F8_ROWS * t + r + 8][8 * n + 2 * c] = acc[t][n][2];
+            red[warp][F8_ROWS * t + r + 8][8 * n + 2 * c + 1] = acc[t][n][3];
+        }
+    __syncthreads();
+    for (int i = threadIdx.x; i < F8_ROWS * RT * 8 * NT; i += blockDim.x) {
+        const int row = i / (8 * NT), t = i % (8 * NT);
+        const int gr = rb + row;
+        if (t < N && gr < M) {
+            float s = 0.0f;
+#pragma unroll
+            for (int w = 0; w < WARPS; w++) s += red[w][row][t];
+            const long long at = (long long)t * ldy + gr;
+            if (f32_out) ((float*)Y)[at] = s;
+            else ((bf16_t*)Y)[at] = f2bf(s);
+        }
+    }
+}
+
+// A GEMV kernel: BODY (gemv_fp8_body or gemv_fp8_tile, instantiated) over the launch's three segments, WARPS warps a
+// block, a shared-memory reduction of [WARPS][ROWS][COLS].
+#define GEMV_FP8(NAME, WARPS, BLOCKS, ROWS, COLS, ...)                                                         \
     extern "C" __global__ void __launch_bounds__(32 * WARPS, BLOCKS)                                           \
     NAME(const bf16_t* x, int N, int K, const unsigned char* __restrict__ w0, const float* __restrict__ s0,     \
          void* __restrict__ y0, int m0, int ld0, int nb0, const unsigned char* __restrict__ w1,                \
          const float* __restrict__ s1, void* __restrict__ y1, int m1, int ld1, int nb1,                         \
          const unsigned char* __restrict__ w2, const float* __restrict__ s2, void* __restrict__ y2, int m2,    \
          int ld2, int f32_out) {                                                                                \
-        __shared__ float red[WARPS][F8_ROWS][8 * NT];                                                          \
+        __shared__ float red[WARPS][ROWS][COLS];                                                               \
         int b = blockIdx.x;                                                                                     \
         if (b < nb0) {                                                                                          \
-            gemv_fp8_body<NT, U, WARPS>(x, N, K, w0, s0, y0, m0, ld0, b, f32_out, red);                                   \
+            __VA_ARGS__(x, N, K, w0, s0, y0, m0, ld0, b, f32_out, red);                                         \
         } else if (b < nb0 + nb1) {                                                                             \
-            gemv_fp8_body<NT, U, WARPS>(x, N, K, w1, s1, y1, m1, ld1, b - nb0, f32_out, red);                             \
+            __VA_ARGS__(x, N, K, w1, s1, y1, m1, ld1, b - nb0, f32_out, red);                                   \
         } else {                                                                                                \
-            gemv_fp8_body<NT, U, WARPS>(x, N, K, w2, s2, y2, m2, ld2, b - nb0 - nb1, f32_out, red);                       \
+            __VA_ARGS__(x, N, K, w2, s2, y2, m2, ld2, b - nb0 - nb1, f32_out, red);                             \
         }                                                                                                       \
     }
 
-GEMV_FP8(gemv_fp8_n8, 1, 2, 8, 3)
-GEMV_FP8(gemv_fp8_n16, 2, 2, 8, 2)
+GEMV_FP8(gemv_fp8_n8, 8, 3, F8_ROWS, 8, gemv_fp8_body<1, 2, 8>)
+GEMV_FP8(gemv_fp8_n16, 8, 2, F8_ROWS, 16, gemv_fp8_body<2, 2, 8>)
+// Shapes of gemv_fp8_tile measured against gemv_fp8_n8 (tests/bench_fp8.rs, bench_fp8_gemv_shapes; up to 8 tokens):
+// _r{RT}w{WARPS}u{U}{x: XP}b{BLOCKS}.
+GEMV_FP8(gemv_fp8_r1w8u2b3, 8, 3, F8_ROWS * 1, 8, gemv_fp8_tile<1, 2, 8, 1, false>)
+GEMV_FP8(gemv_fp8_r1w8u2xb2, 8, 2, F8_ROWS * 1, 8, gemv_fp8_tile<1, 2, 8, 1, true>)
+GEMV_FP8(gemv_fp8_r1w4u4b4, 4, 4, F8_ROWS * 1, 8, gemv_fp8_tile<1, 4, 4, 1, false>)
+GEMV_FP8(gemv_fp8_r2w8u1xb2, 8, 2, F8_ROWS * 2, 8, gemv_fp8_tile<1, 1, 8, 2, true>)
+GEMV_FP8(gemv_fp8_r2w4u1xb4, 4, 4, F8_ROWS * 2, 8, gemv_fp8_tile<1, 1, 4, 2, true>)
 
 // Two f32 -> e4m3 codes (lo in bits 0..7), round to nearest even, saturating at +-448: the hardware
 // conversion on sm_89 and later, kq_e4m3 (the same rounding) before.
