@@ -45,8 +45,6 @@
 #   fp8          block-FP8 weights (sm_89+): the FP8 kernels against the CPU (ops fp8 cases), the backend's
 #                fp8 tests, the FP8 linears against bf16 at the 27B shapes (tests/bench_fp8.rs), and
 #                `deltaserve bench` with fp8 then bf16 weights on the 27B shapes (prefill 4K, decode b1..b32)
-#   fp8-gemv     the FP8 GEMV's block shapes and code conversions (F8_CONV=0/1) at a 27B layer's launches, then
-#                decode with the two fastest against the default and bf16, and the fp8 ops cases under the fastest
 #   batches      decode ms per step at batches 1..64 (1K context), int4 and bf16 weights, and int4 with the
 #                int4 GEMM off (DELTASERVE_W4_GEMM=0): the step from each batch to the next
 #   memory       the driver-reported peak against the plan in every cell of weights (bf16, int4) x MTP
@@ -84,7 +82,8 @@
 #   widen        e4m3 codes widened to bf16 pairs by integer moves and one bf16x2 multiply (the default; the
 #                build switch KV_WIDEN_BF16X2=0 keeps two f32 conversions): the quantised ops cases, then the
 #                27B int4 + fp8 KV prefill at 24 GiB (4K/32K/128K) on both Hopper kernels with it off and on
-#   w4g-variants the int4 tile GEMM's build switches (W4G_SMEM_SCALES, W4G_SCALE_A=1/2, both) against the default:
+#   w4g-variants the int4 tile GEMM's build switches: scales in registers (W4G_SMEM_SCALES=0), the default, and
+#                W4G_SCALE_A=1 (with either), W4G_SCALE_A=2:
 #                w4_gemm tests and MoE ops cases under each, the kernels alone, int4 decode by batch, MTP K = 3
 #                (W4G_BUILDS: which builds, indices 0..4, default all; W4G_PARTS: "kernels", "model" or both)
 #   host-experts routed int4 experts computed by the machine's CPU at 1..16 threads (examples/bench_host_experts,
@@ -217,36 +216,6 @@ step_fp8() {
     ds bench-27b-fp8 400 bench $Q27 $b --weights-dtype fp8
     # shellcheck disable=SC2086
     ds bench-27b-bf16-beside-fp8 400 bench $Q27 $b
-}
-
-# The FP8 GEMV's block shapes (ops::fp8::GEMV_SHAPES) and its two code conversions (F8_CONV=0/1) against the default
-# kernel (bench_fp8_gemv_shapes: one launch of each of a 27B layer's kinds, 1 and 8 tokens, outputs compared), then
-# 27B decode with the two fastest (shape, conversion) pairs against the default and bf16, and the fp8 ops cases
-# under the fastest.
-step_fp8-gemv() {
-    local c conv shape
-    for c in 0 1; do
-        DELTASERVE_NVRTC_OPTIONS="-DF8_CONV=$c" test_run "fp8-gemv-shapes-c$c" 200 "^BENCH fp8 gemv one|panicked" \
-            bench_fp8 --ignored --nocapture bench_fp8_gemv_shapes
-    done
-    for c in 0 1; do
-        sed -nE "s/.*one layer of each kind at t=1: ([a-z0-9_]+) ([0-9.]+) us.*/\\2 $c \\1/p" \
-            "$OUT_DIR/fp8-gemv-shapes-c$c.log" 2>/dev/null
-    done | sort -n | head -2 >"$OUT_DIR/fp8-gemv-best.txt"
-    cat "$OUT_DIR/fp8-gemv-best.txt"
-    local b="--prompts 512 --batches 1,8 --contexts 1024 --steps 16 --verify-tokens 0 --short-chunks 0 --memory 100GiB"
-    # shellcheck disable=SC2086 # word lists of arguments
-    ds fp8-gemv-bf16 200 bench $Q27 $b
-    # shellcheck disable=SC2086
-    ds fp8-gemv-default 200 bench $Q27 $b --weights-dtype fp8
-    while read -r _ conv shape; do
-        # shellcheck disable=SC2086
-        DELTASERVE_NVRTC_OPTIONS="-DF8_CONV=$conv" DELTASERVE_FP8_GEMV=$shape ds "fp8-gemv-c$conv-$shape" 200 bench $Q27 \
-            $b --weights-dtype fp8
-    done <"$OUT_DIR/fp8-gemv-best.txt"
-    read -r _ conv shape <"$OUT_DIR/fp8-gemv-best.txt"
-    DELTASERVE_NVRTC_OPTIONS="-DF8_CONV=$conv" DELTASERVE_FP8_GEMV=$shape DS_OPS_FILTER=fp8 test_run fp8-gemv-ops 300 \
-        "FAIL|test result|panicked" ops ops_match_cpu_reference --nocapture --test-threads=1
 }
 
 step_batches() {
@@ -484,8 +453,8 @@ step_widen() {
 # int4 + fp8 KV decode by batch and MTP K = 3 at 24 GiB, the builds alternating.
 step_w4g-variants() {
     local i
-    local -a vs=("" "-DW4G_SMEM_SCALES=1" "-DW4G_SCALE_A=1" "-DW4G_SCALE_A=1 -DW4G_SMEM_SCALES=1"
-        "-DW4G_SCALE_A=2 -DW4G_SMEM_SCALES=1")
+    local -a vs=("-DW4G_SMEM_SCALES=0" "" "-DW4G_SCALE_A=1 -DW4G_SMEM_SCALES=0" "-DW4G_SCALE_A=1"
+        "-DW4G_SCALE_A=2")
     local b="--prompts 512 --contexts 1024 --verify-tokens 0 --short-chunks 0 --steps 16 --batches 1,8,12,16,24,32,48,64"
     local sel="${W4G_BUILDS:-${!vs[*]}}" parts="${W4G_PARTS:-kernels model}"
     if [[ $parts == *kernels* ]]; then

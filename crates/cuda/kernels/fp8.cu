@@ -23,6 +23,10 @@
 //   block takes its own k-slices (split-K in the block, U = 2 vectors in flight per lane per row, register
 //   double-buffered); the partial tiles are summed in shared memory in a fixed order (a token's output
 //   does not depend on N).
+//   n8 (gemv_fp8_tile) runs the slices wholly inside K without bounds checks and converts the codes in five
+//   integer operations a word (f8_bf16x2_pairs; MMA j's k-slots then hold codes 4j, 4j+2 | 4j+1, 4j+3 and x
+//   alike); n16 (gemv_fp8_body) checks bounds in every slice and converts as f8_bf16x2. The two measure
+//   bitwise equal (a token's products meet in the same MMAs and slices, summed in the same order).
 // Launch: grid (sum_s ceil(M_s / 16)), block 256 (8 warps splitting K: the 320 blocks of a 5120-row
 //   projection fill one wave, 3 blocks an SM for n8), static smem 4 / 8 KB (n8 / n16). Both take the same
 //   k-slices in the same order (U = 2): a token's output is bitwise the same at every N.
@@ -49,12 +53,9 @@ __device__ __forceinline__ u32 f8_bf16x2(u32 w, int p) {
     return (t & 0x80008000u) | ((t >> 4) & 0x07f007f0u);
 }
 
-// F8_CONV=1: a word's codes as the pairs (bytes 0, 2) and (bytes 1, 3), values * 2^-120, in five integer operations
-// (two of them shifts left, which ptxas may give the multiply pipe) instead of eight, the x pairs that meet them
-// in the MMA permuted alike (two byte permutes an MMA, shared by the block's row tiles).
-#ifndef F8_CONV
-#define F8_CONV 0
-#endif
+// A word's codes as the pairs (bytes 0, 2) and (bytes 1, 3), values * 2^-120: five integer operations (two of them
+// shifts left, which ptxas gives the multiply pipe) against f8_bf16x2's eight; the x pairs that meet them in the MMA
+// are permuted alike (two byte permutes an MMA). gemv_fp8_tile's conversion.
 __device__ __forceinline__ void f8_bf16x2_pairs(u32 w, u32& p02, u32& p13) {
     p02 = ((w << 4) & 0x07f007f0u) | ((w << 8) & 0x80008000u);
     p13 = ((w >> 4) & 0x07f007f0u) | (w & 0x80008000u);
@@ -276,8 +277,8 @@ __device__ __forceinline__ void gemv_fp8_tile(const bf16_t* x, int N, int K, con
                 for (int j = 0; j < 4; j++) {
                     const uint4& xx = xv[j >> 1];
                     const u32 lo = (j & 1) ? xx.z : xx.x, hi = (j & 1) ? xx.w : xx.y;
-                    xb[j][0] = F8_CONV ? __byte_perm(lo, hi, 0x5410) : lo;
-                    xb[j][1] = F8_CONV ? __byte_perm(lo, hi, 0x7632) : hi;
+                    xb[j][0] = __byte_perm(lo, hi, 0x5410);
+                    xb[j][1] = __byte_perm(lo, hi, 0x7632);
                 }
 #pragma unroll
                 for (int t = 0; t < RT; t++) {
@@ -285,15 +286,10 @@ __device__ __forceinline__ void gemv_fp8_tile(const bf16_t* x, int N, int K, con
 #pragma unroll
                     for (int j = 0; j < 4; j++) {
                         const u32 w0 = u4_comp(sl.a[u][t][0], j), w1 = u4_comp(sl.a[u][t][1], j);
-                        if (F8_CONV) {
-                            u32 a0, a1, a2, a3;
-                            f8_bf16x2_pairs(w0, a0, a2);
-                            f8_bf16x2_pairs(w1, a1, a3);
-                            mma_bf16(d, a0, a1, a2, a3, xb[j][0], xb[j][1]);
-                        } else {
-                            mma_bf16(d, f8_bf16x2(w0, 0), f8_bf16x2(w1, 0), f8_bf16x2(w0, 2), f8_bf16x2(w1, 2),
-                                     xb[j][0], xb[j][1]);
-                        }
+                        u32 a0, a1, a2, a3;
+                        f8_bf16x2_pairs(w0, a0, a2);
+                        f8_bf16x2_pairs(w1, a1, a3);
+                        mma_bf16(d, a0, a1, a2, a3, xb[j][0], xb[j][1]);
                     }
 #pragma unroll
                     for (int i = 0; i < 4; i++) acc[t][n][i] = fmaf(sc, d[i], acc[t][n][i]);
@@ -381,15 +377,8 @@ __device__ __forceinline__ void gemv_fp8_tile(const bf16_t* x, int N, int K, con
         }                                                                                                       \
     }
 
-GEMV_FP8(gemv_fp8_n8, 8, 3, F8_ROWS, 8, gemv_fp8_body<1, 2, 8>)
+GEMV_FP8(gemv_fp8_n8, 8, 3, F8_ROWS, 8, gemv_fp8_tile<1, 2, 8, 1, false>)
 GEMV_FP8(gemv_fp8_n16, 8, 2, F8_ROWS, 16, gemv_fp8_body<2, 2, 8>)
-// Shapes of gemv_fp8_tile measured against gemv_fp8_n8 (tests/bench_fp8.rs, bench_fp8_gemv_shapes; up to 8 tokens):
-// _r{RT}w{WARPS}u{U}{x: XP}b{BLOCKS}.
-GEMV_FP8(gemv_fp8_r1w8u2b3, 8, 3, F8_ROWS * 1, 8, gemv_fp8_tile<1, 2, 8, 1, false>)
-GEMV_FP8(gemv_fp8_r1w8u2xb2, 8, 2, F8_ROWS * 1, 8, gemv_fp8_tile<1, 2, 8, 1, true>)
-GEMV_FP8(gemv_fp8_r1w4u4b4, 4, 4, F8_ROWS * 1, 8, gemv_fp8_tile<1, 4, 4, 1, false>)
-GEMV_FP8(gemv_fp8_r2w8u1xb2, 8, 2, F8_ROWS * 2, 8, gemv_fp8_tile<1, 1, 8, 2, true>)
-GEMV_FP8(gemv_fp8_r2w4u1xb4, 4, 4, F8_ROWS * 2, 8, gemv_fp8_tile<1, 1, 4, 2, true>)
 
 // Two f32 -> e4m3 codes (lo in bits 0..7), round to nearest even, saturating at +-448: the hardware
 // conversion on sm_89 and later, kq_e4m3 (the same rounding) before.

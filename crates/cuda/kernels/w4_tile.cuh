@@ -6,14 +6,15 @@
 #define W4G_S 4
 // Bytes of a stage's weights (4 warps x one 2 KB unit).
 #define W4G_WBYTES (W4G_WARPS * 2048)
-// Two build switches, off by default, for the tile kernel's measured stalls (bench/results/
-// norm-in-reduce-h200-2026-12-05.md §3; `scripts/gpu.sh w4g-variants` checks and times them):
-// W4G_SMEM_SCALES: a group's scales ride the cp.async ring (W4G_SBYTES a stage: 4 warps x 8 row quads x
-// 8 bytes, after the weights and the x tile; the launcher's shared memory always has room) instead of
-// registers loaded S - 1 groups ahead.
+// Two build switches for the tile kernel's measured stalls (bench/results/norm-in-reduce-h200-2026-12-05.md §3;
+// `scripts/gpu.sh w4g-variants` checks and times them):
+// W4G_SMEM_SCALES (on by default): a group's scales ride the cp.async ring (W4G_SBYTES a stage: 4 warps x 8 row
+// quads x 8 bytes, after the weights and the x tile; the launcher's shared memory always has room) instead of
+// registers loaded S - 1 groups ahead; 0 restores the registers. The kernels alone 4-12% faster at 24-64 rows,
+// int4 decode at batch 24-64 4-7% (bench/results/fp8-gemv-and-w4g-scales-h100-2026-12-06.md §2).
 #define W4G_SBYTES (W4G_WARPS * 64)
 #ifndef W4G_SMEM_SCALES
-#define W4G_SMEM_SCALES 0
+#define W4G_SMEM_SCALES 1
 #endif
 // W4G_SCALE_A: the weights dequantised to bf16 (q - z) * s before the MMA, which then accumulates across
 // groups: no per-group partial sums to scale after the group's last MMA (the drain the profile shows). The

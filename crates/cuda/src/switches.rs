@@ -77,9 +77,6 @@ pub struct Switches {
     /// `DELTASERVE_FP8_MMA=1`: block-FP8 prefill projections run the mma.sync FP8 GEMM
     /// (`CudaOptions::fp8_mma_gemm`); unset or anything else: cuBLASLt's (Hopper) or dequantised rows.
     pub fp8_mma_gemm: bool,
-    /// `DELTASERVE_FP8_GEMV=<kernel>`: FP8 GEMV launches of up to 8 tokens run this block shape of
-    /// `ops::fp8::GEMV_SHAPES` instead of `gemv_fp8_n8` (another name: the default).
-    pub fp8_gemv: Option<String>,
 }
 
 impl Switches {
@@ -117,7 +114,6 @@ impl Switches {
             snapshots_in_step: var("DELTASERVE_SNAPSHOTS_IN_STEP").is_none_or(|v| v != "0"),
             moe_shared_pairs: var("DELTASERVE_MOE_SHARED_PAIRS").is_none_or(|v| v != "0"),
             fp8_mma_gemm: var("DELTASERVE_FP8_MMA").is_some_and(|v| v == "1"),
-            fp8_gemv: var("DELTASERVE_FP8_GEMV"),
         }
     }
 

@@ -8,9 +8,6 @@
 //!   measured in the same run; several copies of each weight cycled so that the footprint exceeds L2;
 //! - prefill: 32 .. 4096 tokens through the activations' quantisation + cuBLASLt's block-scaled FP8 GEMM
 //!   against one bf16 cuBLASLt GEMM of the same shape: TFLOP/s, the quantisation's share, the speed-up.
-//!
-//! `bench_fp8_gemv_shapes` times the GEMV's other block shapes (`fp8::GEMV_SHAPES`) against the default one at
-//! 1 and 8 tokens on the decode launches of the 27B, and checks each shape's outputs against the default's.
 
 use deltaserve_cuda::ops::fp8::{self, Fp8Out, Fp8Weights};
 use deltaserve_cuda::ops::gemv::{self, GemvOut};
@@ -38,11 +35,6 @@ const SHAPES: &[(&str, usize, usize)] = &[
 #[test]
 #[ignore = "benchmark; needs a GPU with FP8 tensor cores"]
 fn bench_fp8_27b() {
-    on_fp8_gpu(run);
-}
-
-/// Runs `f` on device 0 with the 27B's kernels, or says why not (no driver, no FP8 tensor cores).
-fn on_fp8_gpu(f: fn(&Runtime, &Kernels) -> R<()>) {
     if !LibStatus::probe().driver {
         eprintln!("SKIP bench: no CUDA driver");
         return;
@@ -53,7 +45,7 @@ fn on_fp8_gpu(f: fn(&Runtime, &Kernels) -> R<()>) {
         return;
     }
     let k = Kernels::load(&rt, KernelDims::QWEN35_27B).expect("load kernels");
-    if let Err(e) = f(&rt, &k) {
+    if let Err(e) = run(&rt, &k) {
         panic!("bench failed: {e}");
     }
 }
@@ -137,109 +129,6 @@ fn run(rt: &Runtime, k: &Kernels) -> R<()> {
                 bf / mm
             );
         }
-    }
-    Ok(())
-}
-
-/// A 27B decode step's FP8 GEMV launches (name, linears' rows, in): those sharing x go in one launch.
-const LAUNCHES: &[(&str, &[usize], usize)] = &[
-    ("gdn qkv+z+ba", &[10240, 6144, 96], 5120),
-    ("gdn out", &[5120], 6144),
-    ("attn q+gate, k, v", &[12288, 1024, 1024], 5120),
-    ("attn o", &[5120], 6144),
-    ("mlp gate+up", &[17408, 17408], 5120),
-    ("mlp down", &[5120], 17408),
-];
-
-#[test]
-#[ignore = "benchmark; needs a GPU with FP8 tensor cores"]
-fn bench_fp8_gemv_shapes() {
-    on_fp8_gpu(run_shapes);
-}
-
-fn run_shapes(rt: &Runtime, k: &Kernels) -> R<()> {
-    let s = rt.stream().clone();
-    let mut d = Dev::new(rt, 40 << 30)?;
-    let copy = copy_bandwidth(rt)?;
-    println!("BENCH fp8 copy bandwidth {copy:.0} GB/s");
-    let x = d.alloc(2 * 8 * 17408)?;
-    init_random(k, &s, x, 8 * 17408, 8, Init::Normal(1.0), false)?;
-    let default = ("gemv_fp8_n8", 16, 256);
-    let mut total = vec![0.0f64; fp8::GEMV_SHAPES.len() + 1];
-    for &(name, rows, inp) in LAUNCHES {
-        let bytes: usize = rows.iter().map(|&o| Fp8Bytes::new(o, inp).codes + Fp8Bytes::new(o, inp).scales).sum();
-        let set_bytes: usize = rows.iter().map(|&o| Fp8Bytes::new(o, inp).aligned()).sum();
-        let n = (1usize << 30).div_ceil(set_bytes).max(2);
-        let sets: Vec<Vec<Fp8Weights>> = (0..n)
-            .map(|i| {
-                rows.iter()
-                    .enumerate()
-                    .map(|(j, &o)| {
-                        let fb = Fp8Bytes::new(o, inp);
-                        let w = Fp8Weights::at(d.alloc(fb.aligned())?, o, inp);
-                        init_random(k, &s, w.codes, fb.codes, 20 + (i * 4 + j) as u64, Init::Fp8Codes(32.0), false)?;
-                        init_random(k, &s, w.scales, fb.scales / 4, 21, Init::Scale(1e-3), true)?;
-                        Ok(w)
-                    })
-                    .collect::<R<Vec<_>>>()
-            })
-            .collect::<R<_>>()?;
-        let ys: Vec<u64> = rows.iter().map(|&o| d.alloc(2 * 8 * o)).collect::<R<_>>()?;
-        let outs = |i: usize| -> Vec<Fp8Out<'_>> {
-            sets[i % n].iter().zip(&ys).map(|(w, &y)| Fp8Out { w, y, ldy: w.out }).collect()
-        };
-        for t in [1usize, 8] {
-            let read = |rt: &Runtime| -> R<Vec<u16>> {
-                let mut v = Vec::new();
-                for (&y, &o) in ys.iter().zip(rows.iter()) {
-                    let mut h = vec![0u16; t * o];
-                    rt.download(&mut h, y)?;
-                    v.extend(h);
-                }
-                Ok(v)
-            };
-            fp8::gemv_fp8_shape(k, &s, default, x, t, inp, &outs(0), false)?;
-            let want = read(rt)?;
-            let base = time_ms(rt, 50, |i| fp8::gemv_fp8_shape(k, &s, default, x, t, inp, &outs(i), false))?;
-            if t == 1 {
-                total[0] += base;
-            }
-            let pct = |ms: f64| 100.0 * bytes as f64 / (ms * 1e-3) / 1e9 / copy;
-            println!("BENCH fp8 gemv {name} t={t} {:<20} {:.2} us ({:.1}%)", default.0, base * 1e3, pct(base));
-            for (vi, &shape) in fp8::GEMV_SHAPES.iter().enumerate() {
-                fp8::gemv_fp8_shape(k, &s, shape, x, t, inp, &outs(0), false)?;
-                let got = read(rt)?;
-                let bf = |b: u16| f32::from_bits(u32::from(b) << 16);
-                let (mut diff, mut scale) = (0.0f32, 0.0f32);
-                for (&g, &w) in got.iter().zip(&want) {
-                    diff = diff.max((bf(g) - bf(w)).abs());
-                    scale = scale.max(bf(w).abs());
-                }
-                let ms = time_ms(rt, 50, |i| fp8::gemv_fp8_shape(k, &s, shape, x, t, inp, &outs(i), false))?;
-                if t == 1 {
-                    total[vi + 1] += ms;
-                }
-                println!(
-                    "BENCH fp8 gemv {name} t={t} {:<20} {:.2} us ({:.1}%) {:.3}x, max diff {:.2e} of {:.2e}{}",
-                    shape.0,
-                    ms * 1e3,
-                    pct(ms),
-                    base / ms,
-                    diff,
-                    scale,
-                    if got == want { " (bitwise)" } else { "" }
-                );
-            }
-        }
-    }
-    println!("BENCH fp8 gemv one layer of each kind at t=1: {} {:.2} us", default.0, total[0] * 1e3);
-    for (vi, &shape) in fp8::GEMV_SHAPES.iter().enumerate() {
-        println!(
-            "BENCH fp8 gemv one layer of each kind at t=1: {} {:.2} us ({:.3}x)",
-            shape.0,
-            total[vi + 1] * 1e3,
-            total[0] / total[vi + 1]
-        );
     }
     Ok(())
 }

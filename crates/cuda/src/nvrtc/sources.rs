@@ -99,19 +99,7 @@ pub const SOURCES: &[KernelSource] = &[
         module: "fp8",
         // The GEMV, quantisers and dequantiser, then the tensor-core GEMM.
         src: concat!(include_str!("../../kernels/fp8.cu"), include_str!("../../kernels/fp8_gemm.cu")),
-        functions: &[
-            "gemv_fp8_n8",
-            "gemv_fp8_n16",
-            "gemv_fp8_r1w8u2b3",
-            "gemv_fp8_r1w8u2xb2",
-            "gemv_fp8_r1w4u4b4",
-            "gemv_fp8_r2w8u1xb2",
-            "gemv_fp8_r2w4u1xb4",
-            "fp8_act_quant",
-            "fp8_dequant",
-            "fp8_quantize",
-            "gemm_fp8",
-        ],
+        functions: &["gemv_fp8_n8", "gemv_fp8_n16", "fp8_act_quant", "fp8_dequant", "fp8_quantize", "gemm_fp8"],
     },
     KernelSource {
         module: "moe",

@@ -80,40 +80,7 @@ pub fn gemv_fp8(
     outs: &[Fp8Out<'_>],
     f32_out: bool,
 ) -> Result<(), CudaError> {
-    let shape = if n > 8 {
-        ("gemv_fp8_n16", ROWS, 256)
-    } else {
-        let chosen = crate::switches::Switches::get().fp8_gemv.as_deref();
-        GEMV_SHAPES.iter().find(|s| Some(s.0) == chosen).copied().unwrap_or(("gemv_fp8_n8", ROWS, 256))
-    };
-    gemv_fp8_shape(k, s, shape, x, n, kdim, outs, f32_out)
-}
-
-/// Other shapes of the FP8 GEMV for up to 8 tokens, measured against `gemv_fp8_n8` (tests/bench_fp8.rs):
-/// (kernel, rows a block, threads a block).
-pub const GEMV_SHAPES: &[(&str, usize, u32)] = &[
-    ("gemv_fp8_r1w8u2b3", 16, 256),
-    ("gemv_fp8_r1w8u2xb2", 16, 256),
-    ("gemv_fp8_r1w4u4b4", 16, 128),
-    ("gemv_fp8_r2w8u1xb2", 32, 256),
-    ("gemv_fp8_r2w4u1xb4", 32, 128),
-];
-
-/// [`gemv_fp8`] through one kernel shape: (kernel, rows a block, threads a block) of [`GEMV_SHAPES`] (up to 8
-/// tokens) or the default ones.
-#[allow(clippy::too_many_arguments)]
-pub fn gemv_fp8_shape(
-    k: &Kernels,
-    s: &CudaStream,
-    shape: (&'static str, usize, u32),
-    x: u64,
-    n: usize,
-    kdim: usize,
-    outs: &[Fp8Out<'_>],
-    f32_out: bool,
-) -> Result<(), CudaError> {
     const NAME: &str = "gemv_fp8";
-    let (name, rows, threads) = shape;
     if !(1..=GEMV_MAX_TOKENS).contains(&n) {
         return Err(invalid(NAME, format!("n = {n} tokens (1..={GEMV_MAX_TOKENS})")));
     }
@@ -135,7 +102,7 @@ pub fn gemv_fp8_shape(
     let seg = |i: usize| {
         outs.get(i).map_or((0u64, 0u64, 0u64, 0usize, 0usize), |o| (o.w.codes, o.w.scales, o.y, o.w.out, o.ldy))
     };
-    let nb: Vec<usize> = (0..MAX_OUTS).map(|i| seg(i).3.div_ceil(rows)).collect();
+    let nb: Vec<usize> = (0..MAX_OUTS).map(|i| seg(i).3.div_ceil(ROWS)).collect();
     let blocks: usize = nb.iter().sum();
     let grid = (to_u32(NAME, "blocks", blocks)?, 1, 1);
     let (nn, kk) = (to_i32(NAME, "n", n)?, to_i32(NAME, "k", kdim)?);
@@ -146,10 +113,8 @@ pub fn gemv_fp8_shape(
     let (m1, ld1, nb1) = (to_i32(NAME, "m", m1)?, to_i32(NAME, "ldy", ld1)?, to_i32(NAME, "blocks", nb[1])?);
     let (m2, ld2) = (to_i32(NAME, "m", m2)?, to_i32(NAME, "ldy", ld2)?);
     let f32o = i32::from(f32_out);
-    if n > 8 && name != "gemv_fp8_n16" {
-        return Err(invalid(NAME, format!("{name} takes up to 8 tokens, not {n}")));
-    }
-    launch_pdl!(k, s, name, grid, (threads, 1, 1), 0;
+    let name = if n <= 8 { "gemv_fp8_n8" } else { "gemv_fp8_n16" };
+    launch_pdl!(k, s, name, grid, (256, 1, 1), 0;
         x, nn, kk, w0, s0, y0, m0, ld0, nb0, w1, s1, y1, m1, ld1, nb1, w2, s2, y2, m2, ld2, f32o)
 }
 

@@ -40,9 +40,9 @@ pub(crate) const KERNELS: [(&str, usize); 3] = [("w4g_16", 16), ("w4g_24", 24), 
 pub(crate) const PAIR_KERNELS: [&str; 2] = ["w4t_16s", "w4t_16a"];
 
 /// Dynamic shared memory of a tile-kernel block of `tokens` tokens: per stage 4 weight units of 2 KB,
-/// the x tile (`tokens` × 128 bf16) and room for the warps' scales (4 × 64 B, `W4G_SBYTES`, used by the
-/// `W4G_SMEM_SCALES` build; 3 blocks of 32 tokens still fit an H100's / H200's multiprocessor, 1 an
-/// sm_86 / sm_89 one as before).
+/// the x tile (`tokens` × 128 bf16) and the warps' scales (4 × 64 B, `W4G_SBYTES`, which the default
+/// `W4G_SMEM_SCALES` build copies with the weights; 3 blocks of 32 tokens fit an H100's / H200's
+/// multiprocessor, 1 an sm_86 / sm_89 one).
 pub fn smem_bytes(tokens: usize) -> usize {
     STAGES * (4 * 2048 + tokens * 2 * W4_GROUP + 4 * 64)
 }
