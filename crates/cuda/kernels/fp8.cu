@@ -67,6 +67,25 @@ __device__ __forceinline__ float f8_value(u32 code) {
     return __uint_as_float(b) * F8_TWO120;
 }
 
+// The block's outputs: row `rb + row`, token t is the sum over the warps of red[w][row][t] in warp order (rows
+// past M and tokens past N not stored). After the block's barrier.
+template <int ROWS, int COLS, int WARPS>
+__device__ __forceinline__ void gemv_fp8_store(float (*red)[ROWS][COLS], int rb, int N, int M, int ldy, void* Y,
+                                               int f32_out) {
+    for (int i = threadIdx.x; i < ROWS * COLS; i += blockDim.x) {
+        const int row = i / COLS, t = i % COLS;
+        const int gr = rb + row;
+        if (t < N && gr < M) {
+            float s = 0.0f;
+#pragma unroll
+            for (int w = 0; w < WARPS; w++) s += red[w][row][t];
+            const long long at = (long long)t * ldy + gr;
+            if (f32_out) ((float*)Y)[at] = s;
+            else ((bf16_t*)Y)[at] = f2bf(s);
+        }
+    }
+}
+
 template <int NT, int U, int WARPS>
 __device__ __forceinline__ void gemv_fp8_body(const bf16_t* x, int N, int K, const unsigned char* __restrict__ W,
                                               const float* __restrict__ S, void* Y, int M, int ldy, int b,
@@ -154,18 +173,7 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* x, int N, int K, con
         red[warp][r + 8][8 * n + 2 * c + 1] = acc[n][3];
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < F8_ROWS * 8 * NT; i += blockDim.x) {
-        const int row = i / (8 * NT), t = i % (8 * NT);
-        const int gr = b * F8_ROWS + row;
-        if (t < N && gr < M) {
-            float s = 0.0f;
-#pragma unroll
-            for (int w = 0; w < WARPS; w++) s += red[w][row][t];
-            const long long at = (long long)t * ldy + gr;
-            if (f32_out) ((float*)Y)[at] = s;
-            else ((bf16_t*)Y)[at] = f2bf(s);
-        }
-    }
+    gemv_fp8_store<F8_ROWS, 8 * NT, WARPS>(red, b * F8_ROWS, N, M, ldy, Y, f32_out);
 }
 
 // One block: RT tiles of 16 rows (rows b*16*RT ..), WARPS warps splitting K into slices of U vectors a lane (a
@@ -343,18 +351,7 @@ __device__ __forceinline__ void gemv_fp8_tile(const bf16_t* x, int N, int K, con
             red[warp][F8_ROWS * t + r + 8][8 * n + 2 * c + 1] = acc[t][n][3];
         }
     __syncthreads();
-    for (int i = threadIdx.x; i < F8_ROWS * RT * 8 * NT; i += blockDim.x) {
-        const int row = i / (8 * NT), t = i % (8 * NT);
-        const int gr = rb + row;
-        if (t < N && gr < M) {
-            float s = 0.0f;
-#pragma unroll
-            for (int w = 0; w < WARPS; w++) s += red[w][row][t];
-            const long long at = (long long)t * ldy + gr;
-            if (f32_out) ((float*)Y)[at] = s;
-            else ((bf16_t*)Y)[at] = f2bf(s);
-        }
-    }
+    gemv_fp8_store<F8_ROWS * RT, 8 * NT, WARPS>(red, rb, N, M, ldy, Y, f32_out);
 }
 
 // A GEMV kernel: BODY (gemv_fp8_body or gemv_fp8_tile, instantiated) over the launch's three segments, WARPS warps a
