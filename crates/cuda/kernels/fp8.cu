@@ -183,7 +183,7 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* x, int N, int K, con
 // 0's x (their outputs are never stored; an MMA's output rows and columns depend on their own A rows and B
 // columns only); at most one slice a warp straddles K's end, and there the vectors past K count as zero.
 // Every row tile runs the same operations in the same order whatever RT and XP are: only WARPS and U decide a
-// row's sums. gemv_fp8_n8 is RT = 1 without XP, U = 2, 8 warps: the other shapes measured 0.94-1.05x it
+// row's sums. gemv_fp8_n8 is RT = 1 without XP, U = 2, 8 warps: the other shapes measured 0.88-0.99x it
 // (bench/results/fp8-gemv-and-w4g-scales-h100-2026-12-06.md §1).
 template <int NT, int U, int WARPS, int RT, bool XP>
 __device__ __forceinline__ void gemv_fp8_tile(const bf16_t* x, int N, int K, const unsigned char* __restrict__ W,
