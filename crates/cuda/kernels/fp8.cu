@@ -226,9 +226,9 @@ __device__ __forceinline__ void gemv_fp8_tile(const bf16_t* x, int N, int K, con
             for (int t = 0; t < RT; t++)
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
-                    const uint4* p = wp[t][h] + vb;
+                    const uint4* wrow = wp[t][h] + vb;
 #pragma unroll
-                    for (int u = 0; u < U; u++) sl.a[u][t][h] = ld_nc_stream(p + u * 4);
+                    for (int u = 0; u < U; u++) sl.a[u][t][h] = ld_nc_stream(wrow + u * 4);
                 }
             return;
         }
