@@ -176,83 +176,57 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* x, int N, int K, con
     gemv_fp8_store<F8_ROWS, 8 * NT, WARPS>(red, b * F8_ROWS, N, M, ldy, Y, f32_out);
 }
 
-// One block: RT tiles of 16 rows (rows b*16*RT ..), WARPS warps splitting K into slices of U vectors a lane (a
-// warp's slices start at vector warp*U*4 and follow every WARPS*U*4). XP: each slice's x vectors and block scales
-// are loaded with its codes, a slice ahead (register double buffer), instead of when its MMAs need them.
-// The slices wholly inside K run without bounds checks: a row past M reads row 0's codes and a token past N token
-// 0's x (their outputs are never stored; an MMA's output rows and columns depend on their own A rows and B
-// columns only); at most one slice a warp straddles K's end, and there the vectors past K count as zero.
-// Every row tile runs the same operations in the same order whatever RT and XP are: only WARPS and U decide a
-// row's sums. gemv_fp8_n8 is RT = 1 without XP, U = 2, 8 warps: the other shapes measured 0.88-0.99x it
+// One block of 16 rows, WARPS warps splitting K into slices of U vectors a lane (a warp's slices start at vector
+// warp*U*4 and follow every WARPS*U*4), the same slices and order as gemv_fp8_body. The slices wholly inside K run
+// without bounds checks: a row past M reads row 0's codes and a token past N token 0's x (their outputs are never
+// stored; an MMA's output rows and columns depend on their own A rows and B columns only); at most one slice a
+// warp straddles K's end, and there the vectors past K count as zero. Other block shapes (two row tiles a warp, x
+// and scales loaded a slice ahead, 4-warp blocks) measured 0.88-0.99x this one
 // (bench/results/fp8-gemv-and-w4g-scales-h100-2026-12-06.md §1).
-template <int NT, int U, int WARPS, int RT, bool XP>
+template <int NT, int U, int WARPS>
 __device__ __forceinline__ void gemv_fp8_tile(const bf16_t* x, int N, int K, const unsigned char* __restrict__ W,
                                               const float* __restrict__ S, void* Y, int M, int ldy, int b,
-                                              int f32_out, float (*red)[F8_ROWS * RT][8 * NT]) {
+                                              int f32_out, float (*red)[F8_ROWS][8 * NT]) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int r = lane >> 2, c = lane & 3;
-    const int rb = b * F8_ROWS * RT;  // the block's first row (RT * 16 divides the 128-row scale blocks)
-    const uint4* wp[RT][2];
+    const int rb = b * F8_ROWS;  // the block's first row
+    const uint4* wp[2];
 #pragma unroll
-    for (int t = 0; t < RT; t++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int row = rb + F8_ROWS * t + 8 * h + r;
-            wp[t][h] = (const uint4*)(W + (long long)(row < M ? row : 0) * K) + c;
-        }
+    for (int h = 0; h < 2; h++) {
+        const int row = rb + 8 * h + r;
+        wp[h] = (const uint4*)(W + (long long)(row < M ? row : 0) * K) + c;
+    }
     const int KV = K >> 4;  // 16-byte code vectors per row
     const int KBP = (((K + 127) >> 7) + 3) & ~3;
     const float* srow = S + (long long)(rb >> 7) * KBP;
     const uint4* xp[NT];
 #pragma unroll
     for (int n = 0; n < NT; n++) xp[n] = (const uint4*)(x + (long long)(r + 8 * n < N ? r + 8 * n : 0) * K) + 2 * c;
-    float acc[RT][NT][4];
+    float acc[NT][4];
 #pragma unroll
-    for (int t = 0; t < RT; t++)
-#pragma unroll
-        for (int n = 0; n < NT; n++) acc[t][n][0] = acc[t][n][1] = acc[t][n][2] = acc[t][n][3] = 0.0f;
+    for (int n = 0; n < NT; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     const int step = WARPS * U * 4;
-    // A slice: the codes of U vectors of each row, and with XP their x vectors and scales.
+    // A slice: the codes of U vectors of each of the lane's two rows.
     struct Slice {
-        uint4 a[U][RT][2];
-        uint4 xv[XP ? U : 1][NT][2];
-        float sc[XP ? U : 1];
+        uint4 a[U][2];
     };
     // The loads of the slice from vector vb; `part`: vectors past K are read at vector 0 (the MMAs zero them).
-    auto load_codes = [&](Slice& sl, int vb, bool part) {
+    auto load = [&](Slice& sl, int vb, bool part) {
         if (!part) {  // one address a row, the vectors at constant offsets from it
 #pragma unroll
-            for (int t = 0; t < RT; t++)
+            for (int h = 0; h < 2; h++) {
+                const uint4* wrow = wp[h] + vb;
 #pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const uint4* wrow = wp[t][h] + vb;
-#pragma unroll
-                    for (int u = 0; u < U; u++) sl.a[u][t][h] = ld_nc_stream(wrow + u * 4);
-                }
+                for (int u = 0; u < U; u++) sl.a[u][h] = ld_nc_stream(wrow + u * 4);
+            }
             return;
         }
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int o = vb + u * 4 + c >= KV ? -c : vb + u * 4;
 #pragma unroll
-            for (int t = 0; t < RT; t++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) sl.a[u][t][h] = ld_nc_stream(wp[t][h] + o);
-        }
-    };
-    auto load_x = [&](Slice& sl, int vb, bool part) {
-        if (XP) {
-#pragma unroll
-            for (int u = 0; u < (XP ? U : 1); u++) {
-                const int vq = vb + u * 4, o = part && vq + c >= KV ? -c : vq;
-#pragma unroll
-                for (int n = 0; n < NT; n++) {
-                    sl.xv[u][n][0] = ld_act(xp[n] + 2 * o);
-                    sl.xv[u][n][1] = ld_act(xp[n] + 2 * o + 1);
-                }
-                sl.sc[u] = __ldg(srow + ((part && vq >= KV ? 0 : vq) >> 3));
-            }
+            for (int h = 0; h < 2; h++) sl.a[u][h] = ld_nc_stream(wp[h] + o);
         }
     };
     // The MMAs of slice `sl` from vector vb (`part`: zero the vectors past K).
@@ -261,27 +235,17 @@ __device__ __forceinline__ void gemv_fp8_tile(const bf16_t* x, int N, int K, con
         for (int u = 0; u < U; u++) {
             const int vq = vb + u * 4;  // the quad's first vector: 64 aligned k in one scale block
             const bool in = !part || vq + c < KV;
-            if (!in) {
-#pragma unroll
-                for (int t = 0; t < RT; t++) sl.a[u][t][0] = sl.a[u][t][1] = zero;
-            }
-            float sc;
-            if (XP) sc = sl.sc[XP ? u : 0];
-            else sc = __ldg(srow + ((part && vq >= KV ? 0 : vq) >> 3));
+            if (!in) sl.a[u][0] = sl.a[u][1] = zero;
+            float sc = __ldg(srow + ((part && vq >= KV ? 0 : vq) >> 3));
             sc = part && vq >= KV ? 0.0f : sc * F8_TWO120;
 #pragma unroll
             for (int n = 0; n < NT; n++) {
                 uint4 xv[2];
-                if (XP) {
-                    xv[0] = sl.xv[XP ? u : 0][n][0];
-                    xv[1] = sl.xv[XP ? u : 0][n][1];
-                } else {
-                    const int o = in ? vq : -c;
-                    xv[0] = ld_act(xp[n] + 2 * o);
-                    xv[1] = ld_act(xp[n] + 2 * o + 1);
-                }
+                const int o = in ? vq : -c;
+                xv[0] = ld_act(xp[n] + 2 * o);
+                xv[1] = ld_act(xp[n] + 2 * o + 1);
                 if (!in) xv[0] = xv[1] = zero;
-                u32 xb[4][2];  // MMA j's B registers
+                u32 xb[4][2];  // MMA j's B registers: x permuted as f8_bf16x2_pairs pairs the codes
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
                     const uint4& xx = xv[j >> 1];
@@ -289,20 +253,17 @@ __device__ __forceinline__ void gemv_fp8_tile(const bf16_t* x, int N, int K, con
                     xb[j][0] = __byte_perm(lo, hi, 0x5410);
                     xb[j][1] = __byte_perm(lo, hi, 0x7632);
                 }
+                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-                for (int t = 0; t < RT; t++) {
-                    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-                    for (int j = 0; j < 4; j++) {
-                        const u32 w0 = u4_comp(sl.a[u][t][0], j), w1 = u4_comp(sl.a[u][t][1], j);
-                        u32 a0, a1, a2, a3;
-                        f8_bf16x2_pairs(w0, a0, a2);
-                        f8_bf16x2_pairs(w1, a1, a3);
-                        mma_bf16(d, a0, a1, a2, a3, xb[j][0], xb[j][1]);
-                    }
-#pragma unroll
-                    for (int i = 0; i < 4; i++) acc[t][n][i] = fmaf(sc, d[i], acc[t][n][i]);
+                for (int j = 0; j < 4; j++) {
+                    const u32 w0 = u4_comp(sl.a[u][0], j), w1 = u4_comp(sl.a[u][1], j);
+                    u32 a0, a1, a2, a3;
+                    f8_bf16x2_pairs(w0, a0, a2);
+                    f8_bf16x2_pairs(w1, a1, a3);
+                    mma_bf16(d, a0, a1, a2, a3, xb[j][0], xb[j][1]);
                 }
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[n][i] = fmaf(sc, d[i], acc[n][i]);
             }
         }
     };
@@ -313,20 +274,16 @@ __device__ __forceinline__ void gemv_fp8_tile(const bf16_t* x, int N, int K, con
     int vb = warp * U * 4;
     auto advance = [&](Slice& now, Slice& next) {
         const int nb = vb + step;
-        if (whole(nb) || nb < KV) {
-            load_codes(next, nb, !whole(nb));
-            load_x(next, nb, !whole(nb));
-        }
+        if (whole(nb) || nb < KV) load(next, nb, !whole(nb));
         compute(now, vb, false);
         vb = nb;
         return whole(vb);
     };
     // Two slices in turn (no copies between them).
     Slice s0, s1;
-    if (vb < KV) load_codes(s0, vb, !whole(vb));
+    if (vb < KV) load(s0, vb, !whole(vb));
     // Launched to overlap the previous kernel (sm_90): the first codes are in flight; x and y are its.
     pdl_wait();
-    if (vb < KV) load_x(s0, vb, !whole(vb));
     bool last_in_s0 = true;
     if (whole(vb)) {
         for (;;) {
@@ -343,20 +300,18 @@ __device__ __forceinline__ void gemv_fp8_tile(const bf16_t* x, int N, int K, con
     }
     // Accumulators: (row r, token 2c), (row r, token 2c+1), (row r+8, token 2c), (row r+8, token 2c+1).
 #pragma unroll
-    for (int t = 0; t < RT; t++)
-#pragma unroll
-        for (int n = 0; n < NT; n++) {
-            red[warp][F8_ROWS * t + r][8 * n + 2 * c] = acc[t][n][0];
-            red[warp][F8_ROWS * t + r][8 * n + 2 * c + 1] = acc[t][n][1];
-            red[warp][F8_ROWS * t + r + 8][8 * n + 2 * c] = acc[t][n][2];
-            red[warp][F8_ROWS * t + r + 8][8 * n + 2 * c + 1] = acc[t][n][3];
-        }
+    for (int n = 0; n < NT; n++) {
+        red[warp][r][8 * n + 2 * c] = acc[n][0];
+        red[warp][r][8 * n + 2 * c + 1] = acc[n][1];
+        red[warp][r + 8][8 * n + 2 * c] = acc[n][2];
+        red[warp][r + 8][8 * n + 2 * c + 1] = acc[n][3];
+    }
     __syncthreads();
-    gemv_fp8_store<F8_ROWS * RT, 8 * NT, WARPS>(red, rb, N, M, ldy, Y, f32_out);
+    gemv_fp8_store<F8_ROWS, 8 * NT, WARPS>(red, rb, N, M, ldy, Y, f32_out);
 }
 
-// A GEMV kernel: BODY (gemv_fp8_body or gemv_fp8_tile, instantiated) over the launch's three segments, WARPS warps a
-// block, a shared-memory reduction of [WARPS][ROWS][COLS].
+// A GEMV kernel: the body (gemv_fp8_body or gemv_fp8_tile, instantiated) over the launch's three segments, WARPS
+// warps a block, a shared-memory reduction of [WARPS][ROWS][COLS].
 #define GEMV_FP8(NAME, WARPS, BLOCKS, ROWS, COLS, ...)                                                         \
     extern "C" __global__ void __launch_bounds__(32 * WARPS, BLOCKS)                                           \
     NAME(const bf16_t* x, int N, int K, const unsigned char* __restrict__ w0, const float* __restrict__ s0,     \
@@ -375,7 +330,7 @@ __device__ __forceinline__ void gemv_fp8_tile(const bf16_t* x, int N, int K, con
         }                                                                                                       \
     }
 
-GEMV_FP8(gemv_fp8_n8, 8, 3, F8_ROWS, 8, gemv_fp8_tile<1, 2, 8, 1, false>)
+GEMV_FP8(gemv_fp8_n8, 8, 3, F8_ROWS, 8, gemv_fp8_tile<1, 2, 8>)
 GEMV_FP8(gemv_fp8_n16, 8, 2, F8_ROWS, 16, gemv_fp8_body<2, 2, 8>)
 
 // Two f32 -> e4m3 codes (lo in bits 0..7), round to nearest even, saturating at +-448: the hardware
