@@ -53,19 +53,13 @@ __device__ __forceinline__ void dm_load(const unsigned char* p, u32* w) {
 #pragma unroll
     for (int i = 0; i < U / 4; i++) w[i] = u4_comp(v, i);
 }
-// Two f32 -> f16x2 (lo in bits 0..15), round to nearest even.
-__device__ __forceinline__ u32 dm_pack_h2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
 __device__ __forceinline__ float dm_h_lo(u32 h) { return f16_to_f32((unsigned short)(h & 0xffffu)); }
 __device__ __forceinline__ float dm_h_hi(u32 h) { return f16_to_f32((unsigned short)(h >> 16)); }
 
 // Two f32 -> the 16-bit pair of the mma type that V's format uses (bf16: bf16, codes: f16).
 template <int FMT>
 __device__ __forceinline__ u32 dm_pack(float lo, float hi) {
-    return FMT == KVF_BF16 ? pack_bf16(lo, hi) : dm_pack_h2(lo, hi);
+    return FMT == KVF_BF16 ? pack_bf16(lo, hi) : pack_f16(lo, hi);
 }
 template <int FMT>
 __device__ __forceinline__ float dm_lo(u32 h) {
@@ -76,12 +70,6 @@ __device__ __forceinline__ float dm_hi(u32 h) {
     return FMT == KVF_BF16 ? __uint_as_float(h & 0xffff0000u) : dm_h_hi(h);
 }
 
-__device__ __forceinline__ void mma_f16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 // The mma of a matrix's format: bf16 for a bf16 cache, f16 for codes.
 template <int FMT>
 __device__ __forceinline__ void dm_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -152,7 +140,7 @@ __device__ __forceinline__ float dm_q_frags(const bf16_t* qh, bool ok, int t, ui
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             h[r] = KV_K_FMT == KVF_BF16 ? qw[st][r]
-                                        : dm_pack_h2(__uint_as_float(qw[st][r] << 16) * qs,
+                                        : pack_f16(__uint_as_float(qw[st][r] << 16) * qs,
                                                      __uint_as_float(qw[st][r] & 0xffff0000u) * qs);
         }
         f[st] = make_uint2(h[0], h[1]);

@@ -331,7 +331,13 @@ __device__ __forceinline__ void gemv_fp8_tile(const bf16_t* x, int N, int K, con
     }
 
 GEMV_FP8(gemv_fp8_n8, 8, 3, F8_ROWS, 8, gemv_fp8_tile<1, 2, 8>)
+// F8_N16_TILE (build switch, NVRTC -DF8_N16_TILE): the 9-16-token kernel on the 8-token kernel's tile body
+// (two token tiles; not yet measured on a GPU, hence off).
+#ifdef F8_N16_TILE
+GEMV_FP8(gemv_fp8_n16, 8, 2, F8_ROWS, 16, gemv_fp8_tile<2, 2, 8>)
+#else
 GEMV_FP8(gemv_fp8_n16, 8, 2, F8_ROWS, 16, gemv_fp8_body<2, 2, 8>)
+#endif
 
 // Two f32 -> e4m3 codes (lo in bits 0..7), round to nearest even, saturating at +-448: the hardware
 // conversion on sm_89 and later, kq_e4m3 (the same rounding) before.

@@ -90,6 +90,12 @@ __device__ __forceinline__ bf16_t f2bf(float f) {
     return (bf16_t)(u >> 16);
 }
 
+// Two f32 -> f16x2 (lo in bits 0..15), round to nearest even (one instruction).
+__device__ __forceinline__ u32 pack_f16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
 // Two f32 -> packed bf16x2, round to nearest even (one instruction; NaN -> the canonical NaN): lo in
 // bits 0..15 (the lower column / address).
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
@@ -296,6 +302,13 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b
 __device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     const u32 a[4] = {a0, a1, a2, a3};
     mma_bf16(*reinterpret_cast<float(*)[4]>(c), a, b0, b1);
+}
+// mma_bf16's fragments with f16 A and B (mma.sync m16n8k16 .f16, f32 accumulate).
+__device__ __forceinline__ void mma_f16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 // c = A * B (mma_bf16 on a zero accumulator, no zeroing of c first).
 __device__ __forceinline__ void mma_bf16_0(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {

@@ -173,6 +173,14 @@ extern "C" __global__ void vision_qkv_rope(const float* __restrict__ y, const bf
 #define VA_NT (32 * VA_NW)
 #define VA_NEG_INF (-__int_as_float(0x7f800000))
 #define VA_SLACK 8.0f  // log2 of the largest P: a row's softmax base lags its max by at most this
+// VA_P_F16 (build switch, NVRTC -DVA_P_F16=0|1): P V in f16, V converted in shared memory once per tile
+// (scaled by 2^-8, exact for |v| in [2^-6, 2^24), so no bf16 value of a vision head overflows f16's
+// 65,504) and P rounded to f16 (11 significant bits, P <= 2^VA_SLACK), one MMA per fragment; 0: the two
+// bf16 MMAs (P's rounding and its residue).
+#ifndef VA_P_F16
+#define VA_P_F16 0
+#endif
+#define VA_V_SCALE 0.00390625f  // 2^-8: V's scale in f16 (O is multiplied back by 2^8 at the end)
 
 // The tiling at HDK computed head dims.
 template <int HDK>
@@ -311,6 +319,19 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
         }
         __syncthreads();
         const u32 kt = (j & 1) ? st1 : st0, vt = kt + T::MAT;
+#if VA_P_F16
+        {  // V's hd.. HDK columns of every row (zeros past the frame or hd) to f16 x 2^-8, in place
+            u32* vw = (u32*)(vat_smem + ((j & 1) ? T::STAGE : 0) + T::MAT);
+            constexpr int WPR = HDK / 2;  // words of a row the fragments read
+            for (int i = tid; i < BK * WPR; i += VA_NT) {
+                const int r = i / WPR, c = i - r * WPR;
+                const u32 w = vw[r * (STR / 2) + c];
+                vw[r * (STR / 2) + c] =
+                    pack_f16(__uint_as_float(w << 16) * VA_V_SCALE, __uint_as_float(w & 0xffff0000u) * VA_V_SCALE);
+            }
+            __syncthreads();
+        }
+#endif
 
         float s[MT][BK / 8][4];
 #pragma unroll
@@ -397,9 +418,34 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
 
         // O += P V, 16 keys per k step; P as two bf16 A fragments straight from the S accumulators, its
         // rounding to bf16 and what that rounding left (P to ~16 bits: with P in bf16 alone the tower's
-        // images moved a test model's logits 1.3x further from the f32 oracle than the text did).
+        // images moved a test model's logits 1.3x further from the f32 oracle than the text did), or
+        // (VA_P_F16) one f16 fragment against V in f16.
 #pragma unroll
         for (int kk = 0; kk < BK / 16; kk++) {
+#if VA_P_F16
+            u32 pa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    pa[mt][q] = pack_f16(s[mt][2 * kk + (q >> 1)][2 * (q & 1)], s[mt][2 * kk + (q >> 1)][2 * (q & 1) + 1]);
+#pragma unroll
+            for (int np = 0; np < KS; np++) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4_t(vt + v_lane + (u32)(kk * 16 * STR + np * 16) * 2, b0, b1, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    mma_f16(oacc[mt][2 * np], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b0, b1);
+                    mma_f16(oacc[mt][2 * np + 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b2, b3);
+                }
+            }
+            if (TAIL) {
+                u32 b0, b1;
+                ldsm_x2_t(vt + t_lane + (u32)(kk * 16 * STR) * 2, b0, b1);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) mma_f16(oacc[mt][NO - 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b0, b1);
+            }
+#else
             u32 pa[MT][4], pl[MT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
@@ -431,6 +477,7 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
                     mma_bf16(oacc[mt][NO - 1], pl[mt], b0, b1);
                 }
             }
+#endif
         }
         __syncthreads();  // this stage is rewritten by the copy of tile j + 2
     }
@@ -440,7 +487,7 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
             const float l = quad_sum(lrow[mt][hf]);
-            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            const float inv = l > 0.0f ? (VA_P_F16 ? 256.0f : 1.0f) / l : 0.0f;
             const int row = q0 + (warp * MT + mt) * 16 + 8 * hf + g;
             if (row < fe) {
                 bf16_t* orow = o + (long long)row * D + (long long)h * hd + 2 * tg;

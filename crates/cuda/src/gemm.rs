@@ -1,7 +1,8 @@
-//! `y[n, m] = x[n, k] · W[m, k]ᵀ` (PyTorch Linear, row-major, no bias) through cuBLASLt:
-//! bf16 in, f32 accumulate, bf16 out. Descriptors and the algorithm are created once per exact
-//! shape (m = out features, n = tokens, k = in features) and cached; [`Gemm::prepare`] does it at
-//! warm-up so a step only calls `cublasLtMatmul`. [`Gemm::heuristic_calls`] lets callers assert
+//! `y[n, m] = x[n, k] · W[m, k]ᵀ` (PyTorch Linear, row-major) through cuBLASLt: bf16 in, f32
+//! accumulate, bf16 out (or f32; a bias, GELU and an add onto y in the epilogue where asked:
+//! [`Epilogue`]). Descriptors and the algorithm are created once per exact shape (m = out features,
+//! n = tokens, k = in features) and cached; [`Gemm::prepare`] does it at warm-up so a step only calls
+//! `cublasLtMatmul`. [`Gemm::heuristic_calls`] lets callers assert
 //! that no heuristic ran on the hot path.
 //!
 //! Layout: cuBLASLt is column-major, so we compute yᵀ[m, n] = W · xᵀ with A = W viewed as a
@@ -27,8 +28,28 @@ struct Plan {
     algo: sys::cublasLtMatmulAlgo_t,
 }
 
-/// (m, n, k, f32 y, y's leading dimension, y's alignment in bytes, FP8 with block scales).
-type PlanKey = (usize, usize, usize, bool, usize, u32, bool);
+/// (m, n, k, f32 y, y's leading dimension, y's alignment in bytes, FP8 with block scales, epilogue).
+type PlanKey = (usize, usize, usize, bool, usize, u32, bool, EpilogueKind);
+
+/// What the GEMM applies to each output after the product (a cuBLASLt epilogue, part of the plan).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EpilogueKind {
+    /// y = x · Wᵀ.
+    None,
+    /// y = x · Wᵀ + bias (a bf16 vector of m).
+    Bias,
+    /// y = gelu_tanh(x · Wᵀ + bias): GELU's tanh approximation, `0.5 v (1 + tanh(√(2/π) (v + 0.044715 v³)))`.
+    GeluTanhBias,
+}
+
+/// An epilogue and its bias (a device address of m bf16, 256-byte aligned as the weights are).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Epilogue {
+    pub kind: EpilogueKind,
+    pub bias: u64,
+    /// y += the result (y read and written in place; f32 y: the residual stream).
+    pub accumulate: bool,
+}
 
 /// The largest power of two (at most 256) dividing a device address: what cuBLASLt may assume of it.
 fn alignment(ptr: u64) -> u32 {
@@ -84,7 +105,7 @@ impl Gemm {
 
     /// [`Gemm::prepare`] with y in f32 (`f32_out`) or bf16.
     pub fn prepare_out(&self, m: usize, n: usize, k: usize, f32_out: bool) -> Result<(), CudaError> {
-        self.prepare_key((m, n, k, f32_out, m, 256, false))
+        self.prepare_key((m, n, k, f32_out, m, 256, false, EpilogueKind::None))
     }
 
     fn prepare_key(&self, key: PlanKey) -> Result<(), CudaError> {
@@ -97,7 +118,7 @@ impl Gemm {
     }
 
     fn make_plan(&self, key: PlanKey) -> Result<Plan, CudaError> {
-        let (m, n, k, f32_out, ldc, align_c, fp8) = key;
+        let (m, n, k, f32_out, ldc, align_c, fp8, epi) = key;
         let err = |call| move |source| CudaError::Blas { call, m, n, k, cause: source };
         if m == 0 || n == 0 || k == 0 || ldc < m {
             return Err(CudaError::InvalidArgs {
@@ -120,6 +141,9 @@ impl Gemm {
             )
         }
         .map_err(err("cublasLtMatmulDescSetAttribute(TRANSA)"))?;
+        if epi != EpilogueKind::None {
+            set_epilogue(desc, epi).map_err(err("cublasLtMatmulDescSetAttribute(epilogue)"))?;
+        }
         if fp8 {
             // A = the weights in 128×128 blocks, B = the activations in 1×128 blocks (f32 scales each).
             for (attr, mode) in [
@@ -236,11 +260,80 @@ impl Gemm {
         if n == 0 {
             return Ok(());
         }
-        self.matmul(stream, (m, n, k, f32_out, ldc, alignment(y), false), w, x, y, None)
+        self.matmul(stream, (m, n, k, f32_out, ldc, alignment(y), false, EpilogueKind::None), w, x, y, None, false)
     }
 
-    /// `cublasLtMatmul` of the plan for `key` (planned now if it never was) on `stream`: y = x · wᵀ, with
-    /// the FP8 plan's scale pointers (weights', activations') set to `scales` first.
+    /// Whether cuBLASLt has a plan for [`Gemm::linear_epilogue`] of this shape and epilogue kind into y (planned
+    /// now, once per shape and y's alignment; false where it refuses: the caller runs the epilogue's kernels).
+    pub fn epilogue_supported(&self, m: usize, n: usize, k: usize, f32_out: bool, kind: EpilogueKind, y: u64) -> bool {
+        let key = (m, n, k, f32_out, m, alignment(y), false, kind);
+        if m == 0 || n == 0 || k == 0 || self.refused.borrow().contains(&key) {
+            return false;
+        }
+        match self.prepare_key(key) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::debug!("cuBLASLt has no {kind:?} epilogue for m={m} n={n} k={k}: {e}");
+                self.refused.borrow_mut().insert(key);
+                false
+            }
+        }
+    }
+
+    /// [`Gemm::linear_out`] with the epilogue `epi` (y's row stride m): y = x · Wᵀ + bias,
+    /// through the activation of `epi.kind`, added to y's values (`epi.accumulate`) or in their place. The
+    /// shape must pass [`Gemm::epilogue_supported`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_epilogue(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        w: u64,
+        y: u64,
+        n: usize,
+        m: usize,
+        k: usize,
+        f32_out: bool,
+        epi: Epilogue,
+    ) -> Result<(), CudaError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let key = (m, n, k, f32_out, m, alignment(y), false, epi.kind);
+        if !self.plans.borrow().contains_key(&key) {
+            return Err(CudaError::InvalidArgs {
+                kernel: "gemm",
+                msg: format!("no {:?} epilogue planned for m={m} n={n} k={k} at y={y:#x}", epi.kind),
+            });
+        }
+        if epi.kind != EpilogueKind::None {
+            let plans = self.plans.borrow();
+            let desc = plans[&key].desc;
+            let b = epi.bias;
+            // SAFETY: desc is live; the attribute is a device pointer (8 bytes).
+            unsafe {
+                result::set_matmul_desc_attribute(
+                    desc,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    &b as *const u64 as *const c_void,
+                    8,
+                )
+            }
+            .map_err(|source| CudaError::Blas {
+                call: "cublasLtMatmulDescSetAttribute(bias)",
+                m,
+                n,
+                k,
+                cause: source,
+            })?;
+        }
+        self.matmul(stream, key, w, x, y, None, epi.accumulate)
+    }
+
+    /// `cublasLtMatmul` of the plan for `key` (planned now if it never was) on `stream`: y = x · wᵀ (plus y's
+    /// values with `accumulate`: beta 1), with the FP8 plan's scale pointers (weights', activations') set to
+    /// `scales` first.
+    #[allow(clippy::too_many_arguments)]
     fn matmul(
         &self,
         stream: &CudaStream,
@@ -249,6 +342,7 @@ impl Gemm {
         x: u64,
         y: u64,
         scales: Option<(u64, u64)>,
+        accumulate: bool,
     ) -> Result<(), CudaError> {
         let (m, n, k, ..) = key;
         self.prepare_key(key)?;
@@ -265,7 +359,7 @@ impl Gemm {
                 cause: source,
             })?;
         }
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         // SAFETY: descriptors are live and describe the row-major buffers the caller passes (an FP8 plan's
         // scale pointers were just set to this call's); the workspace span belongs to this Gemm.
         unsafe {
@@ -297,6 +391,43 @@ const SCALE_VEC128_32F: i32 = 4;
 /// `cublasLtMatmulMatrixScale_t`: one f32 scale per 128×128 block.
 const SCALE_BLK128X128_32F: i32 = 5;
 
+/// Sets a descriptor's epilogue (`kind` not None), its bias type (bf16) and a placeholder bias pointer (the
+/// heuristic wants one set; each call sets the real one).
+fn set_epilogue(
+    desc: sys::cublasLtMatmulDesc_t,
+    kind: EpilogueKind,
+) -> Result<(), cudarc::cublaslt::result::CublasError> {
+    use sys::cublasLtMatmulDescAttributes_t as A;
+    let e = match kind {
+        EpilogueKind::None => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT,
+        EpilogueKind::Bias => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
+        EpilogueKind::GeluTanhBias => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS,
+    } as u32;
+    let bias_type = sys::cudaDataType::CUDA_R_16BF as u32;
+    let placeholder: u64 = 256;
+    // SAFETY: desc is live; the epilogue and the bias type are 4-byte enums, the bias pointer 8 bytes.
+    unsafe {
+        result::set_matmul_desc_attribute(
+            desc,
+            A::CUBLASLT_MATMUL_DESC_EPILOGUE,
+            &e as *const u32 as *const c_void,
+            4,
+        )?;
+        result::set_matmul_desc_attribute(
+            desc,
+            A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+            &bias_type as *const u32 as *const c_void,
+            4,
+        )?;
+        result::set_matmul_desc_attribute(
+            desc,
+            A::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+            &placeholder as *const u64 as *const c_void,
+            8,
+        )
+    }
+}
+
 /// Sets the A and B scale pointers of an FP8 plan's descriptor.
 fn set_scale_pointers(
     desc: sys::cublasLtMatmulDesc_t,
@@ -317,7 +448,7 @@ impl Gemm {
     /// Whether cuBLASLt runs the block-scaled FP8 GEMM of [`Gemm::linear_fp8`] for this shape (Hopper:
     /// `sm_90`; plans it now, once per shape). False where it refuses: the caller dequantises instead.
     pub fn fp8_supported(&self, m: usize, n: usize, k: usize, ldc: usize, y: u64) -> bool {
-        let key = (m, n, k, false, ldc, alignment(y), true);
+        let key = (m, n, k, false, ldc, alignment(y), true, EpilogueKind::None);
         if m == 0 || n == 0 || !k.is_multiple_of(128) || self.refused.borrow().contains(&key) {
             return false;
         }
@@ -352,7 +483,8 @@ impl Gemm {
         if n == 0 {
             return Ok(());
         }
-        self.matmul(stream, (m, n, k, false, ldc, alignment(y), true), w, xq, y, Some((ws, xs)))
+        let key = (m, n, k, false, ldc, alignment(y), true, EpilogueKind::None);
+        self.matmul(stream, key, w, xq, y, Some((ws, xs)), false)
     }
 }
 
