@@ -1,7 +1,8 @@
 //! The vision tower on the GPU (`crates/cpu/src/vision.rs` is its reference): bf16 weights in the
 //! weights region, its buffers in the plan's `vision` region ([`CudaTowerLayout`]), one image at a time.
 //! The residual stream stays f32; each GEMM (cuBLASLt, bf16 in, f32 out) is followed by the kernel that
-//! adds its bias (`kernels/vision.cu`): patch embedding → position embeddings → blocks (LayerNorm, qkv,
+//! adds its bias (`kernels/vision.cu`), or carries the bias, the blocks' GELU and residual adds in its
+//! epilogue ([`Fused`], `DELTASERVE_VISION_EPILOGUES=1`): patch embedding → position embeddings → blocks (LayerNorm, qkv,
 //! axial rotary, attention within each frame, proj, residual; LayerNorm, fc1, activation, fc2, residual)
 //! → merger (LayerNorm, `merge²` consecutive rows as one, fc1, exact GELU, fc2) → the image's merged rows
 //! `[tokens, out_hidden]` bf16, the text model's embedding rows.
