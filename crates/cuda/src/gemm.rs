@@ -155,7 +155,8 @@ impl Gemm {
                     .map_err(err("cublasLtMatmulDescSetAttribute(scale mode)"))?;
             }
             // The heuristic wants scale pointers set: any non-null address (each call sets the real ones).
-            set_scale_pointers(desc, 256, 256).map_err(err("cublasLtMatmulDescSetAttribute(scale pointer)"))?;
+            set_pointers(desc, &[(A_SCALE, 256), (B_SCALE, 256)])
+                .map_err(err("cublasLtMatmulDescSetAttribute(scale pointer)"))?;
         }
         let (m64, n64, k64) = (m as u64, n as u64, k as u64);
         let ab = if fp8 { sys::cudaDataType::CUDA_R_8F_E4M3 } else { bf16 };
@@ -260,20 +261,26 @@ impl Gemm {
         if n == 0 {
             return Ok(());
         }
-        self.matmul(stream, (m, n, k, f32_out, ldc, alignment(y), false, EpilogueKind::None), w, x, y, None, false)
+        self.matmul(stream, (m, n, k, f32_out, ldc, alignment(y), false, EpilogueKind::None), w, x, y, &[], false)
     }
 
     /// Whether cuBLASLt has a plan for [`Gemm::linear_epilogue`] of this shape and epilogue kind into y (planned
     /// now, once per shape and y's alignment; false where it refuses: the caller runs the epilogue's kernels).
     pub fn epilogue_supported(&self, m: usize, n: usize, k: usize, f32_out: bool, kind: EpilogueKind, y: u64) -> bool {
-        let key = (m, n, k, f32_out, m, alignment(y), false, kind);
-        if m == 0 || n == 0 || k == 0 || self.refused.borrow().contains(&key) {
+        k > 0 && self.plannable((m, n, k, f32_out, m, alignment(y), false, kind), &format!("{kind:?} epilogue"))
+    }
+
+    /// Whether cuBLASLt plans `key` (planned now, once; a refusal is remembered and logged as having no
+    /// `what`).
+    fn plannable(&self, key: PlanKey, what: &str) -> bool {
+        let (m, n, k, ..) = key;
+        if m == 0 || n == 0 || self.refused.borrow().contains(&key) {
             return false;
         }
         match self.prepare_key(key) {
             Ok(()) => true,
             Err(e) => {
-                tracing::debug!("cuBLASLt has no {kind:?} epilogue for m={m} n={n} k={k}: {e}");
+                tracing::debug!("cuBLASLt has no {what} for m={m} n={n} k={k}: {e}");
                 self.refused.borrow_mut().insert(key);
                 false
             }
@@ -306,33 +313,14 @@ impl Gemm {
                 msg: format!("no {:?} epilogue planned for m={m} n={n} k={k} at y={y:#x}", epi.kind),
             });
         }
-        if epi.kind != EpilogueKind::None {
-            let plans = self.plans.borrow();
-            let desc = plans[&key].desc;
-            let b = epi.bias;
-            // SAFETY: desc is live; the attribute is a device pointer (8 bytes).
-            unsafe {
-                result::set_matmul_desc_attribute(
-                    desc,
-                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                    &b as *const u64 as *const c_void,
-                    8,
-                )
-            }
-            .map_err(|source| CudaError::Blas {
-                call: "cublasLtMatmulDescSetAttribute(bias)",
-                m,
-                n,
-                k,
-                cause: source,
-            })?;
-        }
-        self.matmul(stream, key, w, x, y, None, epi.accumulate)
+        let bias = [(BIAS, epi.bias)];
+        let pointers: &[(Attr, u64)] = if epi.kind == EpilogueKind::None { &[] } else { &bias };
+        self.matmul(stream, key, w, x, y, pointers, epi.accumulate)
     }
 
     /// `cublasLtMatmul` of the plan for `key` (planned now if it never was) on `stream`: y = x · wᵀ (plus y's
-    /// values with `accumulate`: beta 1), with the FP8 plan's scale pointers (weights', activations') set to
-    /// `scales` first.
+    /// values with `accumulate`: beta 1), with the descriptor's `pointers` set to this call's first (an FP8
+    /// plan's scales, an epilogue's bias).
     #[allow(clippy::too_many_arguments)]
     fn matmul(
         &self,
@@ -341,7 +329,7 @@ impl Gemm {
         w: u64,
         x: u64,
         y: u64,
-        scales: Option<(u64, u64)>,
+        pointers: &[(Attr, u64)],
         accumulate: bool,
     ) -> Result<(), CudaError> {
         let (m, n, k, ..) = key;
@@ -350,8 +338,8 @@ impl Gemm {
         let p = plans
             .get(&key)
             .ok_or(CudaError::InvalidArgs { kernel: "gemm", msg: format!("no plan for m={m} n={n} k={k}") })?;
-        if let Some((ws, xs)) = scales {
-            set_scale_pointers(p.desc, ws, xs).map_err(|source| CudaError::Blas {
+        if !pointers.is_empty() {
+            set_pointers(p.desc, pointers).map_err(|source| CudaError::Blas {
                 call: "cublasLtMatmulDescSetAttribute",
                 m,
                 n,
@@ -361,7 +349,8 @@ impl Gemm {
         }
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         // SAFETY: descriptors are live and describe the row-major buffers the caller passes (an FP8 plan's
-        // scale pointers were just set to this call's); the workspace span belongs to this Gemm.
+        // scale pointers or an epilogue's bias were just set to this call's); the workspace span belongs to this
+        // Gemm.
         unsafe {
             result::matmul(
                 self.handle,
@@ -397,47 +386,44 @@ fn set_epilogue(
     desc: sys::cublasLtMatmulDesc_t,
     kind: EpilogueKind,
 ) -> Result<(), cudarc::cublaslt::result::CublasError> {
-    use sys::cublasLtMatmulDescAttributes_t as A;
     let e = match kind {
         EpilogueKind::None => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT,
         EpilogueKind::Bias => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
         EpilogueKind::GeluTanhBias => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS,
     } as u32;
     let bias_type = sys::cudaDataType::CUDA_R_16BF as u32;
-    let placeholder: u64 = 256;
-    // SAFETY: desc is live; the epilogue and the bias type are 4-byte enums, the bias pointer 8 bytes.
+    // SAFETY: desc is live; the epilogue and the bias type are 4-byte enums.
     unsafe {
         result::set_matmul_desc_attribute(
             desc,
-            A::CUBLASLT_MATMUL_DESC_EPILOGUE,
+            Attr::CUBLASLT_MATMUL_DESC_EPILOGUE,
             &e as *const u32 as *const c_void,
             4,
         )?;
         result::set_matmul_desc_attribute(
             desc,
-            A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+            Attr::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
             &bias_type as *const u32 as *const c_void,
             4,
         )?;
-        result::set_matmul_desc_attribute(
-            desc,
-            A::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-            &placeholder as *const u64 as *const c_void,
-            8,
-        )
     }
+    set_pointers(desc, &[(BIAS, 256)])
 }
 
-/// Sets the A and B scale pointers of an FP8 plan's descriptor.
-fn set_scale_pointers(
+type Attr = sys::cublasLtMatmulDescAttributes_t;
+/// The descriptor attributes that hold device pointers: an FP8 plan's scales (weights', activations'), an
+/// epilogue's bias.
+const A_SCALE: Attr = Attr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER;
+const B_SCALE: Attr = Attr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER;
+const BIAS: Attr = Attr::CUBLASLT_MATMUL_DESC_BIAS_POINTER;
+
+/// Sets device-pointer attributes of a descriptor (the heuristic wants them set at planning: any non-null
+/// address; each call sets the real ones).
+fn set_pointers(
     desc: sys::cublasLtMatmulDesc_t,
-    a: u64,
-    b: u64,
+    pointers: &[(Attr, u64)],
 ) -> Result<(), cudarc::cublaslt::result::CublasError> {
-    for (attr, p) in [
-        (sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, a),
-        (sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, b),
-    ] {
+    for &(attr, p) in pointers {
         // SAFETY: desc is live; the attribute is a device pointer (8 bytes).
         unsafe { result::set_matmul_desc_attribute(desc, attr, &p as *const u64 as *const c_void, 8) }?;
     }
@@ -449,17 +435,7 @@ impl Gemm {
     /// `sm_90`; plans it now, once per shape). False where it refuses: the caller dequantises instead.
     pub fn fp8_supported(&self, m: usize, n: usize, k: usize, ldc: usize, y: u64) -> bool {
         let key = (m, n, k, false, ldc, alignment(y), true, EpilogueKind::None);
-        if m == 0 || n == 0 || !k.is_multiple_of(128) || self.refused.borrow().contains(&key) {
-            return false;
-        }
-        match self.prepare_key(key) {
-            Ok(()) => true,
-            Err(e) => {
-                tracing::debug!("cuBLASLt has no block-scaled FP8 GEMM for m={m} n={n} k={k}: {e}");
-                self.refused.borrow_mut().insert(key);
-                false
-            }
-        }
+        k.is_multiple_of(128) && self.plannable(key, "block-scaled FP8 GEMM")
     }
 
     /// y [n, m] bf16 (row `i` at `y + i·ldc` elements) = x · Wᵀ with FP8 tensor cores: `xq` the
@@ -484,7 +460,7 @@ impl Gemm {
             return Ok(());
         }
         let key = (m, n, k, false, ldc, alignment(y), true, EpilogueKind::None);
-        self.matmul(stream, key, w, xq, y, Some((ws, xs)), false)
+        self.matmul(stream, key, w, xq, y, &[(A_SCALE, ws), (B_SCALE, xs)], false)
     }
 }
 
