@@ -241,6 +241,17 @@ __device__ __forceinline__ void vat_copy(u32 dst, const bf16_t* src, long long s
     }
 }
 
+// c += P V for one fragment pair of V: P in f16 against V in f16 (VA_P_F16), or P's bf16 rounding pa and
+// its residue pl, in that order.
+__device__ __forceinline__ void vat_pv(float (&c)[4], const u32 (&pa)[4], const u32 (&pl)[4], u32 b0, u32 b1) {
+#if VA_P_F16
+    mma_f16(c, pa[0], pa[1], pa[2], pa[3], b0, b1);
+#else
+    mma_bf16(c, pa, b0, b1);
+    mma_bf16(c, pl, b0, b1);
+#endif
+}
+
 template <int HDK>
 __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t* __restrict__ o,
                                          const int* __restrict__ cu_frames, int n, int heads, int hd, int L,
@@ -422,38 +433,18 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
         // (VA_P_F16) one f16 fragment against V in f16.
 #pragma unroll
         for (int kk = 0; kk < BK / 16; kk++) {
-#if VA_P_F16
-            u32 pa[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-                    pa[mt][q] = pack_f16(s[mt][2 * kk + (q >> 1)][2 * (q & 1)], s[mt][2 * kk + (q >> 1)][2 * (q & 1) + 1]);
-#pragma unroll
-            for (int np = 0; np < KS; np++) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4_t(vt + v_lane + (u32)(kk * 16 * STR + np * 16) * 2, b0, b1, b2, b3);
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    mma_f16(oacc[mt][2 * np], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b0, b1);
-                    mma_f16(oacc[mt][2 * np + 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b2, b3);
-                }
-            }
-            if (TAIL) {
-                u32 b0, b1;
-                ldsm_x2_t(vt + t_lane + (u32)(kk * 16 * STR) * 2, b0, b1);
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) mma_f16(oacc[mt][NO - 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b0, b1);
-            }
-#else
             u32 pa[MT][4], pl[MT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
                 for (int q = 0; q < 4; q++) {
                     const float a = s[mt][2 * kk + (q >> 1)][2 * (q & 1)], b = s[mt][2 * kk + (q >> 1)][2 * (q & 1) + 1];
+#if VA_P_F16
+                    pa[mt][q] = pack_f16(a, b);
+#else
                     pa[mt][q] = pack_bf16(a, b);
                     pl[mt][q] = pack_bf16(a - __uint_as_float(pa[mt][q] << 16), b - __uint_as_float(pa[mt][q] & 0xffff0000u));
+#endif
                 }
             }
 #pragma unroll
@@ -462,22 +453,16 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
                 ldsm_x4_t(vt + v_lane + (u32)(kk * 16 * STR + np * 16) * 2, b0, b1, b2, b3);
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++) {
-                    mma_bf16(oacc[mt][2 * np], pa[mt], b0, b1);
-                    mma_bf16(oacc[mt][2 * np + 1], pa[mt], b2, b3);
-                    mma_bf16(oacc[mt][2 * np], pl[mt], b0, b1);
-                    mma_bf16(oacc[mt][2 * np + 1], pl[mt], b2, b3);
+                    vat_pv(oacc[mt][2 * np], pa[mt], pl[mt], b0, b1);
+                    vat_pv(oacc[mt][2 * np + 1], pa[mt], pl[mt], b2, b3);
                 }
             }
             if (TAIL) {
                 u32 b0, b1;
                 ldsm_x2_t(vt + t_lane + (u32)(kk * 16 * STR) * 2, b0, b1);
 #pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    mma_bf16(oacc[mt][NO - 1], pa[mt], b0, b1);
-                    mma_bf16(oacc[mt][NO - 1], pl[mt], b0, b1);
-                }
+                for (int mt = 0; mt < MT; mt++) vat_pv(oacc[mt][NO - 1], pa[mt], pl[mt], b0, b1);
             }
-#endif
         }
         __syncthreads();  // this stage is rewritten by the copy of tile j + 2
     }
