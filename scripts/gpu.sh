@@ -523,9 +523,10 @@ step_vision() {
         bench_vision --ignored --nocapture bench_vision_tower_27b
     DS_OPS_FILTER=vision DELTASERVE_NVRTC_OPTIONS=$f16 test_run ops-vision-f16 200 "FAIL|test result|panicked" ops \
         ops_match_cpu_reference --nocapture --test-threads=1
-    for v in "0 -" "1 -" "1 $f16"; do
+    for v in "0 none" "1 none" "1 $f16"; do
         set -- $v
-        DELTASERVE_VISION_EPILOGUES=$1 DELTASERVE_NVRTC_OPTIONS="${2#-}" test_run "backend-images-$1${2#-}" 200 \
+        [[ $2 == none ]] && set -- "$1" ""
+        DELTASERVE_VISION_EPILOGUES=$1 DELTASERVE_NVRTC_OPTIONS="$2" test_run "backend-images-$1$2" 200 \
             "$TESTS_PAT|median" backend images --nocapture --test-threads=1
     done
 }
