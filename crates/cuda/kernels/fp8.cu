@@ -67,11 +67,22 @@ __device__ __forceinline__ float f8_value(u32 code) {
     return __uint_as_float(b) * F8_TWO120;
 }
 
-// The block's outputs: row `rb + row`, token t is the sum over the warps of red[w][row][t] in warp order (rows
-// past M and tokens past N not stored). After the block's barrier.
-template <int ROWS, int COLS, int WARPS>
-__device__ __forceinline__ void gemv_fp8_store(float (*red)[ROWS][COLS], int rb, int N, int M, int ldy, void* Y,
-                                               int f32_out) {
+// The block's outputs from each warp's accumulators acc[n] (lane (r, c): rows r, r + 8 of the block, tokens
+// 8n + 2c, 8n + 2c + 1 in the mma layout): through red, row `rb + row`, token t is the sum over the warps of
+// their values in warp order (rows past M and tokens past N not stored).
+template <int NT, int WARPS>
+__device__ __forceinline__ void gemv_fp8_store(const float (&acc)[NT][4], float (*red)[F8_ROWS][8 * NT], int rb,
+                                               int N, int M, int ldy, void* Y, int f32_out) {
+    constexpr int ROWS = F8_ROWS, COLS = 8 * NT;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int n = 0; n < NT; n++) {
+        red[warp][r][8 * n + 2 * c] = acc[n][0];
+        red[warp][r][8 * n + 2 * c + 1] = acc[n][1];
+        red[warp][r + 8][8 * n + 2 * c] = acc[n][2];
+        red[warp][r + 8][8 * n + 2 * c + 1] = acc[n][3];
+    }
+    __syncthreads();
     for (int i = threadIdx.x; i < ROWS * COLS; i += blockDim.x) {
         const int row = i / COLS, t = i % COLS;
         const int gr = rb + row;
@@ -164,16 +175,7 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* x, int N, int K, con
             a8[u] = na8[u];
         }
     }
-    // Accumulators: (row r, token 2c), (row r, token 2c+1), (row r+8, token 2c), (row r+8, token 2c+1).
-#pragma unroll
-    for (int n = 0; n < NT; n++) {
-        red[warp][r][8 * n + 2 * c] = acc[n][0];
-        red[warp][r][8 * n + 2 * c + 1] = acc[n][1];
-        red[warp][r + 8][8 * n + 2 * c] = acc[n][2];
-        red[warp][r + 8][8 * n + 2 * c + 1] = acc[n][3];
-    }
-    __syncthreads();
-    gemv_fp8_store<F8_ROWS, 8 * NT, WARPS>(red, b * F8_ROWS, N, M, ldy, Y, f32_out);
+    gemv_fp8_store<NT, WARPS>(acc, red, b * F8_ROWS, N, M, ldy, Y, f32_out);
 }
 
 // One block of 16 rows, WARPS warps splitting K into slices of U vectors a lane (a warp's slices start at vector
@@ -298,16 +300,7 @@ __device__ __forceinline__ void gemv_fp8_tile(const bf16_t* x, int N, int K, con
         if (last_in_s0) compute(s0, vb, true);
         else compute(s1, vb, true);
     }
-    // Accumulators: (row r, token 2c), (row r, token 2c+1), (row r+8, token 2c), (row r+8, token 2c+1).
-#pragma unroll
-    for (int n = 0; n < NT; n++) {
-        red[warp][r][8 * n + 2 * c] = acc[n][0];
-        red[warp][r][8 * n + 2 * c + 1] = acc[n][1];
-        red[warp][r + 8][8 * n + 2 * c] = acc[n][2];
-        red[warp][r + 8][8 * n + 2 * c + 1] = acc[n][3];
-    }
-    __syncthreads();
-    gemv_fp8_store<F8_ROWS, 8 * NT, WARPS>(red, rb, N, M, ldy, Y, f32_out);
+    gemv_fp8_store<NT, WARPS>(acc, red, rb, N, M, ldy, Y, f32_out);
 }
 
 // A GEMV kernel: the body (gemv_fp8_body or gemv_fp8_tile, instantiated) over the launch's three segments, WARPS

@@ -205,6 +205,16 @@ fn bench_vision_tower_ops_27b() {
     let act = vk::Act::GeluTanh;
     let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
     let ev = || rt.context().new_event(flags).unwrap();
+    // Runs `f` between two events, adding its milliseconds to `slot` when `timed`.
+    let op = |timed: bool, slot: &mut f64, f: &mut dyn FnMut()| {
+        let (e0, e1) = (ev(), ev());
+        e0.record(s).unwrap();
+        f();
+        e1.record(s).unwrap();
+        if timed {
+            *slot += e0.elapsed_ms(&e1).unwrap() as f64;
+        }
+    };
     let kinds = [
         "layer norms",
         "qkv GEMM",
@@ -219,15 +229,7 @@ fn bench_vision_tower_ops_27b() {
     let mut ms = vec![0.0f64; kinds.len()];
     let pass = |timed: bool, ms: &mut Vec<f64>| {
         for _ in 0..v.depth {
-            let mut op = |kind: usize, f: &mut dyn FnMut()| {
-                let (e0, e1) = (ev(), ev());
-                e0.record(s).unwrap();
-                f();
-                e1.record(s).unwrap();
-                if timed {
-                    ms[kind] += e0.elapsed_ms(&e1).unwrap() as f64;
-                }
-            };
+            let mut op = |kind: usize, f: &mut dyn FnMut()| op(timed, &mut ms[kind], f);
             op(0, &mut || vk::layer_norm(&k, s, x, ln_w, ln_b, xn, n, h, 1e-6).unwrap());
             op(1, &mut || gemm.linear_out(s, xn, qkv_w, wide, n, 3 * h, h, true).unwrap());
             op(2, &mut || vk::qkv_rope(&k, s, wide, qkv_b, narrow, heads, hd, grid, v.rope_theta as f32).unwrap());
@@ -277,15 +279,7 @@ fn bench_vision_tower_ops_27b() {
     let mut fused = [0.0f64; 3];
     for timed in [false, true] {
         for _ in 0..v.depth {
-            let mut op = |i: usize, f: &mut dyn FnMut()| {
-                let (e0, e1) = (ev(), ev());
-                e0.record(s).unwrap();
-                f();
-                e1.record(s).unwrap();
-                if timed {
-                    fused[i] += e0.elapsed_ms(&e1).unwrap() as f64;
-                }
-            };
+            let mut op = |i: usize, f: &mut dyn FnMut()| op(timed, &mut fused[i], f);
             op(0, &mut || gemm.linear_epilogue(s, xn, proj_w, x, n, h, h, true, onto(proj_b)).unwrap());
             op(1, &mut || gemm.linear_epilogue(s, xn, fc1_w, narrow, n, inter, h, false, gelu).unwrap());
             op(2, &mut || gemm.linear_epilogue(s, narrow, fc2_w, x, n, h, inter, true, onto(fc2_b)).unwrap());
