@@ -74,8 +74,6 @@
 #                (and block-FP8 MoE checkpoints), then 35B-A3B decode b1/8/32 with it off and on, 2 rounds
 #   fp8-mma      the mma.sync FP8 GEMM (sm_89+) of prefill projections: its ops cases, the FP8 checkpoint's
 #                backend test, then 27B FP8 prefill 512/4K/16K with it off (cuBLASLt) and on
-#   fp8-n16      the 9-16-token FP8 decode GEMV on the tile body (NVRTC -DF8_N16_TILE): the fp8_gemv ops
-#                cases with it, then 27B FP8 decode b1/8/12/16 without and with it, 2 rounds
 #   wgmma        the Hopper attention prefill kernels (the warp-specialised one the default over bf16 KV, the
 #                warpgroup one with DELTASERVE_ATTN_PREFILL=wg): ops cases, the attention benchmark (and the warp-specialised
 #                kernel's build variants), the backend against the CPU with each
@@ -91,10 +89,8 @@
 #   host-experts routed int4 experts computed by the machine's CPU at 1..16 threads (examples/bench_host_experts,
 #                build it with --example bench_host_experts; no GPU used), against the bus
 #   vision       the vision tower at the real shapes: a 1024x1024 image's encode in a step, its attention
-#                alone, and each op kind's time over the 27 blocks (with the GEMMs that carry the biases,
-#                GELU and residual adds in cuBLASLt epilogues); then the encode with the epilogues on
-#                (DELTASERVE_VISION_EPILOGUES=1) and also with P V in f16 (NVRTC -DVA_P_F16=1), the
-#                vision ops cases under VA_P_F16=1 and the backend's image test under each
+#                alone, and each op kind's time over the 27 blocks; the vision ops cases and the backend's
+#                image test (its logits against the CPU engine's)
 #   tp           on 2 GPUs: NCCL and TP=2 tests, `bench` at TP=2 and TP=1 (chart: tp.svg), the TP=2 probe
 #                with int4 weights at 24 GiB per card
 #   profile      Nsight Compute (ncu): decode step kernels' durations (bf16, int4), the DeltaNet chunk
@@ -388,21 +384,6 @@ step_moe-shared() {
 # The mma.sync FP8 GEMM of prefill projections (DELTASERVE_FP8_MMA; Ada's path, emulated on Hopper): the ops
 # fp8_gemm cases (against the CPU and cuBLASLt's), the backend's FP8 checkpoint test (every prefill path), then
 # the 27B FP8 prefill off and on (on Hopper the emulation's rate, not Ada's).
-step_fp8-n16() {
-    DS_OPS_FILTER=fp8_gemv DELTASERVE_NVRTC_OPTIONS=-DF8_N16_TILE test_run ops-fp8-gemv-tile 200 \
-        "FAIL|test result|panicked" ops ops_match_cpu_reference --nocapture --test-threads=1
-    local r t mem=70GiB
-    nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '$1 > 100000 {f=1} END {exit !f}' && mem=100GiB
-    for r in 1 2; do
-        for t in 0 1; do
-            # shellcheck disable=SC2086 # word lists of arguments
-            DELTASERVE_NVRTC_OPTIONS="$([[ $t == 1 ]] && echo -DF8_N16_TILE)" ds "fp8-n16-tile$t-run$r" 200 bench \
-                $Q27 --weights-dtype fp8 --memory $mem --prompts 512 --batches 1,8,12,16 --contexts 1024 --steps 16 \
-                --verify-tokens 0 --short-chunks 0
-        done
-    done
-}
-
 step_fp8-mma() {
     DS_OPS_FILTER=fp8_gemm test_run ops-fp8-gemm 200 "FAIL|test result|panicked|mma|cuBLASLt" ops \
         ops_match_cpu_reference --nocapture --test-threads=1
@@ -516,19 +497,9 @@ step_host-experts() {
 # included), its attention alone, and each op kind's time over the 27 blocks (where the rest goes).
 step_vision() {
     test_run vision 200 "BENCH|panicked|test result" bench_vision --ignored --nocapture --test-threads=1
-    local f16=-DVA_P_F16=1 v
-    DELTASERVE_VISION_EPILOGUES=1 test_run vision-epilogues 120 "BENCH|panicked" bench_vision --ignored \
-        --nocapture bench_vision_tower_27b
-    DELTASERVE_VISION_EPILOGUES=1 DELTASERVE_NVRTC_OPTIONS=$f16 test_run vision-epilogues-f16 120 "BENCH|panicked" \
-        bench_vision --ignored --nocapture bench_vision_tower_27b
-    DS_OPS_FILTER=vision DELTASERVE_NVRTC_OPTIONS=$f16 test_run ops-vision-f16 200 "FAIL|test result|panicked" ops \
-        ops_match_cpu_reference --nocapture --test-threads=1
-    for v in "0 none" "1 none" "1 $f16"; do
-        set -- $v
-        [[ $2 == none ]] && set -- "$1" ""
-        DELTASERVE_VISION_EPILOGUES=$1 DELTASERVE_NVRTC_OPTIONS="$2" test_run "backend-images-$1$2" 200 \
-            "$TESTS_PAT|median" backend images --nocapture --test-threads=1
-    done
+    DS_OPS_FILTER=vision test_run ops-vision 200 "FAIL|test result|panicked" ops ops_match_cpu_reference \
+        --nocapture --test-threads=1
+    test_run backend-images 200 "$TESTS_PAT|median" backend images --nocapture --test-threads=1
 }
 
 step_tp() {

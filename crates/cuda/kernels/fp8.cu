@@ -7,7 +7,7 @@
 //   up to a multiple of 4, the 16-byte rows cuBLASLt's block-scaled GEMM reads): w[r, k] = e4m3(W[r, k]) *
 //   S[r/128, k/128]. K % 16 == 0.
 //
-// e4m3 -> bf16 in two integer ops per pair (f8_bf16x2): the code's sign, exponent and mantissa bits moved
+// e4m3 -> bf16 by integer ops (f8_bf16x2_pairs): the code's sign, exponent and mantissa bits moved
 //   into a bf16's places give e4m3(c) * 2^-120 exactly (normals and subnormals alike: both formats' exponent
 //   fields count from the same zero); the 2^120 is folded into the block scale. NaN codes (never in a
 //   checkpoint) become finite.
@@ -23,10 +23,9 @@
 //   block takes its own k-slices (split-K in the block, U = 2 vectors in flight per lane per row, register
 //   double-buffered); the partial tiles are summed in shared memory in a fixed order (a token's output
 //   does not depend on N).
-//   n8 (gemv_fp8_tile) runs the slices wholly inside K without bounds checks and converts the codes in five
-//   integer operations a word (f8_bf16x2_pairs; MMA j's k-slots then hold codes 4j, 4j+2 | 4j+1, 4j+3 and x
-//   alike); n16 (gemv_fp8_body) checks bounds in every slice and converts as f8_bf16x2. The two measure
-//   bitwise equal (a token's products meet in the same MMAs and slices, summed in the same order).
+//   Both (gemv_fp8_tile with one or two token tiles) run the slices wholly inside K without bounds checks and
+//   convert the codes in five integer operations a word (f8_bf16x2_pairs; MMA j's k-slots then hold codes 4j,
+//   4j+2 | 4j+1, 4j+3 and x alike).
 // Launch: grid (sum_s ceil(M_s / 16)), block 256 (8 warps splitting K: the 320 blocks of a 5120-row
 //   projection fill one wave, 3 blocks an SM for n8), static smem 4 / 8 KB (n8 / n16). Both take the same
 //   k-slices in the same order (U = 2): a token's output is bitwise the same at every N.
@@ -47,15 +46,9 @@
 #define F8_ROWS 16
 #define F8_TWO120 1.329227995784916e36f  // 2^120
 
-// Codes (byte p, byte p+1) of w -> bf16x2 of their values * 2^-120 (p = 0 or 2).
-__device__ __forceinline__ u32 f8_bf16x2(u32 w, int p) {
-    const u32 t = __byte_perm(w, 0u, p == 0 ? 0x1404u : 0x3424u);  // bytes p, p+1 in each half's high byte
-    return (t & 0x80008000u) | ((t >> 4) & 0x07f007f0u);
-}
-
 // A word's codes as the pairs (bytes 0, 2) and (bytes 1, 3), values * 2^-120: five integer operations (two of them
-// shifts left, which ptxas gives the multiply pipe) against f8_bf16x2's eight; the x pairs that meet them in the MMA
-// are permuted alike (two byte permutes an MMA). gemv_fp8_tile's conversion.
+// shifts left, which ptxas gives the multiply pipe) against eight for the pairs in byte order; the x pairs that meet
+// them in the MMA are permuted alike (two byte permutes an MMA). gemv_fp8_tile's conversion.
 __device__ __forceinline__ void f8_bf16x2_pairs(u32 w, u32& p02, u32& p13) {
     p02 = ((w << 4) & 0x07f007f0u) | ((w << 8) & 0x80008000u);
     p13 = ((w >> 4) & 0x07f007f0u) | (w & 0x80008000u);
@@ -97,89 +90,8 @@ __device__ __forceinline__ void gemv_fp8_store(const float (&acc)[NT][4], float 
     }
 }
 
-template <int NT, int U, int WARPS>
-__device__ __forceinline__ void gemv_fp8_body(const bf16_t* x, int N, int K, const unsigned char* __restrict__ W,
-                                              const float* __restrict__ S, void* Y, int M, int ldy, int b,
-                                              int f32_out, float (*red)[F8_ROWS][8 * NT]) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int r = lane >> 2, c = lane & 3;
-    const int row0 = b * F8_ROWS + r, row1 = row0 + 8;
-    const bool ok0 = row0 < M, ok1 = row1 < M;
-    const uint4* wp0 = (const uint4*)(W + (long long)(ok0 ? row0 : 0) * K);
-    const uint4* wp1 = (const uint4*)(W + (long long)(ok1 ? row1 : 0) * K);
-    const int KV = K >> 4;  // 16-byte code vectors per row
-    const int KBP = (((K + 127) >> 7) + 3) & ~3;
-    const float* srow = S + (long long)(b >> 3) * KBP;
-    const uint4* xp[NT];
-    bool okx[NT];
-#pragma unroll
-    for (int n = 0; n < NT; n++) {
-        okx[n] = r + 8 * n < N;
-        xp[n] = (const uint4*)(x + (long long)(okx[n] ? r + 8 * n : 0) * K);
-    }
-    float acc[NT][4];
-#pragma unroll
-    for (int n = 0; n < NT; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-    const int step = WARPS * U * 4;
-    // The codes are register double-buffered (the next slice's loads issued before this one's MMAs, U x 2
-    // x 16 B in flight per lane); x (L2-resident, shared by every block) is loaded as each vector's MMAs
-    // need it.
-    // The codes of the U vectors of the slice from vector `from` (addresses clamped; the loop zeroes what is
-    // out of range).
-    auto load_codes = [&](uint4 (&r0)[U], uint4 (&r1)[U], int from) {
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int v = from + u * 4 + c, vc = v < KV ? v : 0;
-            r0[u] = ld_nc_stream(wp0 + vc);
-            r1[u] = ld_nc_stream(wp1 + vc);
-        }
-    };
-    uint4 a[U], a8[U];
-    int vb = warp * U * 4;
-    if (vb < KV) load_codes(a, a8, vb);
-    // Launched to overlap the previous kernel (sm_90): the first codes are in flight; x and y are its.
-    pdl_wait();
-    for (; vb < KV; vb += step) {
-        uint4 na[U], na8[U];
-        if (vb + step < KV) load_codes(na, na8, vb + step);
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int vq = vb + u * 4;  // the quad's first vector: 64 aligned k in one scale block
-            const bool in = vq + c < KV;
-            const int vc = in ? vq + c : 0;
-            if (!(ok0 && in)) a[u] = zero;
-            if (!(ok1 && in)) a8[u] = zero;
-            const float sc = vq < KV ? __ldg(srow + (vq >> 3)) * F8_TWO120 : 0.0f;
-#pragma unroll
-            for (int n = 0; n < NT; n++) {
-                uint4 xv[2];
-                xv[0] = ld_act(xp[n] + 2 * vc);
-                xv[1] = ld_act(xp[n] + 2 * vc + 1);
-                if (!(okx[n] && in)) xv[0] = xv[1] = zero;
-                float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const u32 w0 = u4_comp(a[u], j), w1 = u4_comp(a8[u], j);
-                    const uint4& xx = xv[j >> 1];
-                    const u32 b0 = (j & 1) ? xx.z : xx.x, b1 = (j & 1) ? xx.w : xx.y;
-                    mma_bf16(t, f8_bf16x2(w0, 0), f8_bf16x2(w1, 0), f8_bf16x2(w0, 2), f8_bf16x2(w1, 2), b0, b1);
-                }
-#pragma unroll
-                for (int i = 0; i < 4; i++) acc[n][i] = fmaf(sc, t[i], acc[n][i]);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            a[u] = na[u];
-            a8[u] = na8[u];
-        }
-    }
-    gemv_fp8_store<NT, WARPS>(acc, red, b * F8_ROWS, N, M, ldy, Y, f32_out);
-}
-
 // One block of 16 rows, WARPS warps splitting K into slices of U vectors a lane (a warp's slices start at vector
-// warp*U*4 and follow every WARPS*U*4), the same slices and order as gemv_fp8_body. The slices wholly inside K run
+// warp*U*4 and follow every WARPS*U*4), the same slices and order at every N. The slices wholly inside K run
 // without bounds checks: a row past M reads row 0's codes and a token past N token 0's x (their outputs are never
 // stored; an MMA's output rows and columns depend on their own A rows and B columns only); at most one slice a
 // warp straddles K's end, and there the vectors past K count as zero. Other block shapes (two row tiles a warp, x
@@ -303,7 +215,7 @@ __device__ __forceinline__ void gemv_fp8_tile(const bf16_t* x, int N, int K, con
     gemv_fp8_store<NT, WARPS>(acc, red, rb, N, M, ldy, Y, f32_out);
 }
 
-// A GEMV kernel: the body (gemv_fp8_body or gemv_fp8_tile, instantiated) over the launch's three segments, WARPS
+// A GEMV kernel: the body (gemv_fp8_tile, instantiated) over the launch's three segments, WARPS
 // warps a block, a shared-memory reduction of [WARPS][ROWS][COLS].
 #define GEMV_FP8(NAME, WARPS, BLOCKS, ROWS, COLS, ...)                                                         \
     extern "C" __global__ void __launch_bounds__(32 * WARPS, BLOCKS)                                           \
@@ -324,13 +236,7 @@ __device__ __forceinline__ void gemv_fp8_tile(const bf16_t* x, int N, int K, con
     }
 
 GEMV_FP8(gemv_fp8_n8, 8, 3, F8_ROWS, 8, gemv_fp8_tile<1, 2, 8>)
-// F8_N16_TILE (build switch, NVRTC -DF8_N16_TILE): the 9-16-token kernel on the 8-token kernel's tile body
-// (two token tiles; not yet measured on a GPU, hence off).
-#ifdef F8_N16_TILE
 GEMV_FP8(gemv_fp8_n16, 8, 2, F8_ROWS, 16, gemv_fp8_tile<2, 2, 8>)
-#else
-GEMV_FP8(gemv_fp8_n16, 8, 2, F8_ROWS, 16, gemv_fp8_body<2, 2, 8>)
-#endif
 
 // Two f32 -> e4m3 codes (lo in bits 0..7), round to nearest even, saturating at +-448: the hardware
 // conversion on sm_89 and later, kq_e4m3 (the same rounding) before.

@@ -16,7 +16,7 @@
 //              moe_offsets with tiles of MOE_W4_TILE rows): the tile GEMM (w4_tile.cuh's w4g_body,
 //              32 tokens) over one expert tile per blockIdx.y, 128 output rows per blockIdx.x.
 // Y bf16, f32 accumulation; the weights exactly as the dense int4 kernels compute them.
-// Launch: moe_w4p_*: grid (blocks, pairs), block 256, dynamic smem 64 KB (the pair ring); moe_w4g: grid
+// Launch: moe_w4p_*: grid (blocks, pairs), block 256, dynamic smem 8 KB (the pairs' sums); moe_w4g: grid
 //   (ceil(out/128), moe.rs's gemm_tiles(pairs, E, MOE_W4_TILE)), block 128, dynamic smem
 //   w4_gemm::smem_bytes(32); blocks past the last tile exit. Launch shapes depend only on the step's
 //   tokens, top-k and the expert count, never on the routing (CUDA graphs replay them). An expert index

@@ -155,8 +155,7 @@ extern "C" __global__ void vision_qkv_rope(const float* __restrict__ y, const bf
 //    in the log2 domain (scale · log2 e applied in the exp's FFMA, ex2.approx) against a base that
 //    moves only when a row's max passes it by more than VA_SLACK (P <= 2^8: bf16 rounds it with the
 //    same relative error, the f32 sums are far from overflow), so O is rescaled (when any row's base
-//    moved: warp vote) on the first tiles only, in practice; P V as two bf16 MMAs, P rounded to bf16
-//    and the residue of that rounding (P to ~16 bits, the row sums' f32 P to within 2^-16); V
+//    moved: warp vote) on the first tiles only, in practice; P V in f16 (VA_P_F16, below); V
 //    fragments by ldmatrix.trans. Query rows past
 //    the frame's end read zeros and are not stored.
 //  - Static shared memory: 2 stages of K + V tiles (36,864 B at HDK 64 and 72, 34,816 B at 128); the Q
@@ -173,12 +172,14 @@ extern "C" __global__ void vision_qkv_rope(const float* __restrict__ y, const bf
 #define VA_NT (32 * VA_NW)
 #define VA_NEG_INF (-__int_as_float(0x7f800000))
 #define VA_SLACK 8.0f  // log2 of the largest P: a row's softmax base lags its max by at most this
-// VA_P_F16 (build switch, NVRTC -DVA_P_F16=0|1): P V in f16, V converted in shared memory once per tile
-// (scaled by 2^-8, exact for |v| in [2^-6, 2^24), so no bf16 value of a vision head overflows f16's
-// 65,504) and P rounded to f16 (11 significant bits, P <= 2^VA_SLACK), one MMA per fragment; 0: the two
-// bf16 MMAs (P's rounding and its residue).
+// VA_P_F16 (build switch, NVRTC -DVA_P_F16=0|1, default 1): P V in f16, V converted in shared memory once
+// per tile (scaled by 2^-8: exact for |v| in [2^-6, 2^24), values below lose bits as f16 subnormals, none
+// of a vision head's overflows f16's 65,504 below 2^24) and P rounded to f16 (11 significant bits, P <=
+// 2^VA_SLACK), one MMA per fragment: 0.95x the attention's time of 0, with P 8x more precise than bf16
+// (bench/results/int4-gemv-register-stages-h100-2026-12-06.md). 0: two bf16 MMAs, P's rounding and its
+// residue (P to ~16 bits), for values of V past f16's range.
 #ifndef VA_P_F16
-#define VA_P_F16 0
+#define VA_P_F16 1
 #endif
 #define VA_V_SCALE 0.00390625f  // 2^-8: V's scale in f16 (O is multiplied back by 2^8 at the end)
 

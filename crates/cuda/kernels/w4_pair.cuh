@@ -29,9 +29,11 @@ __device__ __forceinline__ void w4_gemv_store(float* acc, float* red, int red_st
     }
 }
 
-// The pair kernel's ring (described above its code): W4P_S stages of W4P_STAGE_U4 uint4 per warp.
-#define W4P_S 4
-#define W4P_STAGE_U4 128
+// The pair kernel's stages (described above its code): W4P_S units of the format in registers per lane.
+// Its shared memory: W4P_WARP_U4 uint4 (1 KB) per warp, where the parts of a pair add their sums
+// (w4_sum_parts) and the fold's epilogue takes them, then the fold's staging (W4Fold).
+#define W4P_S 2
+#define W4P_WARP_U4 64
 
 // The residual add + RMSNorm between two decode projections, folded into them (a "fold", the w4pf_*
 // kernels; steps of at most 8 tokens, tensor parallelism off, rows of at most W4_FOLD_MAX_D with
@@ -51,8 +53,8 @@ __device__ __forceinline__ void w4_gemv_store(float* acc, float* red, int red_st
 // What it saves: the norm kernel between the two projections (one launch and its memory round trips
 // on the critical path of every decode step, 126 per step at the 27B's 64 layers). What it adds stays
 // off the tail: the epilogue's inputs (mode 1: the lane's residual values and norm weights; mode 2: the
-// sums) are copied into W4_FOLD_SMEM bytes of shared memory after the ring, by cp.async issued with the
-// ring's weights, so the epilogue reads shared memory only.
+// sums) are copied into W4_FOLD_SMEM bytes of shared memory after the sums' slots, by cp.async issued with
+// the first weights, so the epilogue reads shared memory only.
 // W4Fold holds the kernel's parameters as they are; offsets are derived where they are used.
 struct W4Fold {
     bf16_t* fx;
@@ -70,16 +72,15 @@ struct W4Fold {
 __device__ __forceinline__ void cp_async8(u32 dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src) : "memory");
 }
-// Commits what is pending and waits for every cp.async of the thread (the fold's copies join the
-// ring's groups; a warp without groups has them uncommitted).
+// Commits what is pending and waits for every cp.async of the thread (the fold's staging copies).
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // The fold's epilogue, once per kernel (not in each w4p_body instantiation), after w4p_body left each
-// pair's summed acc in its part-0 warp's slice of the ring (acc[c] at red[c * 32 + lane]: row r0 + c / 2,
+// pair's summed acc in its part-0 warp's slot (acc[c] at red[c * 32 + lane]: row r0 + c / 2,
 // token 2t + c % 2) and the staging is filled (W4Fold). Lane (g, t) of a part-0 warp: rows r0 .. r0 + 3
 // (r0 = 32 * pair + 4g), tokens 2t, 2t + 1. wpt is a power of two. Mode 1 stores 4 rows of a token as
 // one 8-byte vector (the launcher keeps y, fx 8-byte aligned and ldy % 4 == 0).
-#define W4P_RED_STRIDE (W4P_S * W4P_STAGE_U4 * 4)
+#define W4P_RED_STRIDE (W4P_WARP_U4 * 4)
 __device__ __forceinline__ void w4p_fold_epilogue(const W4Fold& f, int block, int wpt, bf16_t* y, long long ldy,
                                                   int out, int M, int in, const uint4* smem) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, lw = __ffs(wpt) - 1;
@@ -87,7 +88,7 @@ __device__ __forceinline__ void w4p_fold_epilogue(const W4Fold& f, int block, in
     const int g = lane >> 2, t = lane & 3, pw = warp >> lw;  // pw: the warp's pair in the block
     const int pair = (block << (3 - lw)) + pw, r0 = 32 * pair + 4 * g;
     const float* red = (const float*)smem + warp * W4P_RED_STRIDE + lane;
-    const bf16_t* stage = (const bf16_t*)(smem + W4_WARPS * W4P_S * W4P_STAGE_U4);
+    const bf16_t* stage = (const bf16_t*)(smem + W4_WARPS * W4P_WARP_U4);
     const bool live = r0 < out;  // whole pairs: out % 32 == 0
     float v[2] = {0.f, 0.f};     // mode 1: sums of h^2; mode 2: of the producer's sums (tokens 2t, 2t + 1)
     if (f.mode == 1) {
@@ -146,9 +147,10 @@ __device__ __forceinline__ void w4p_fold_epilogue(const W4Fold& f, int block, in
 }
 
 // The "pair" GEMV (w4p_*): a warp streams two 16-row tiles (32 output rows, one pair of the format)
-// through a cp.async ring and spends ~90 instructions per KB of weights:
-//  - per group the warp copies its pair's unit: lane (g, t) takes chunk t of rows 4g + j, j = 0..3,
-//    which in the tile-major format are four contiguous 512-byte runs (a 2 KB unit);
+// into registers and spends ~90 instructions per KB of weights:
+//  - per group the warp loads its pair's unit: lane (g, t) takes chunk t of rows 4g + j, j = 0..3,
+//    which in the tile-major format are four contiguous 512-byte runs (a 2 KB unit), with
+//    non-allocating 16-byte loads (the lane's registers are its MMA operands);
 //  - lane (g, t) owns the 4 consecutive rows rb + j (rb = 32*pair + 4g, j = 0..3) as MMA rows g
 //    (j = 0), g + 8 (j = 1) of tile 0 and g, g + 8 of tile 1 (j = 2, 3); their 4 scales are one 8-byte
 //    load, their zeros one 2-byte load (out % 4 == 0, VEC; otherwise one load per row);
@@ -156,9 +158,10 @@ __device__ __forceinline__ void w4p_fold_epilogue(const W4Fold& f, int block, in
 //    128 + q1), straight into the MMA (no zero subtraction per weight);
 //  - a third MMA with A = ones gives each token's sum of x over the group, X, and the group adds
 //    s * (T - (128 + z) * X) per row and token (T: the MMA of 128 + q; exact integers times bf16 x).
-// The weights of S = 4 groups (2 KB each) stream through a per-warp ring (3 in flight); scales and
-// zeros ride in registers 3 groups ahead; x one group ahead. The group loop is unrolled by S, so
-// stages and register slots are compile-time.
+// The weights, scales and zeros of the next group are loaded while this one's MMAs run (S = 2 register
+// stages; x one group ahead too). The group loop is unrolled by S, so stages are compile-time. A 4-stage
+// cp.async ring through shared memory instead measured 1.02-1.05x the decode step's time
+// (bench/results/int4-gemv-register-stages-h100-2026-12-06.md).
 template <bool SBF>
 __device__ __forceinline__ float w4p_scale(u32 bits) {
     return SBF ? __uint_as_float(bits << 16) : f16_to_f32((unsigned short)bits);
@@ -196,17 +199,15 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
     const bool has_x = g < M;
     // x of word i of the lane's chunk t of a group: uint4 4i + t of the group's 16.
     const uint4* px = (const uint4*)(x + (long long)(has_x ? g : 0) * ldx) + t + 16 * gb;
-    const u32 ring_s = smem_addr(smem + warp * (S * W4P_STAGE_U4));
-    const uint4* ring = smem + warp * (S * W4P_STAGE_U4);
+    uint4 wr[S][4];  // the stages: the lane's four uint4 of a unit
 
     uint2 sv[S];  // scale bits: x = rows 0 | 1 << 16, y = rows 2 | 3 << 16
     u32 zv[S];    // zeros: nibble j = row j
     // Issues group rel (relative to the group that pw/px point at) into stage st; scales / zeros
     // from ps / pz, which then advance.
     auto issue = [&](int st, int rel, uint2& s_out, u32& z_out) {
-        const u32 base = ring_s + (u32)(st * W4P_STAGE_U4 * 16) + lane * 16;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) cp_async16(base + j * 512, qw4 + (pw[j] + gstep * rel));
+        for (int j = 0; j < 4; ++j) wr[st][j] = ld_nc_stream(qw4 + (pw[j] + gstep * rel));
         if (VEC) {
             s_out = __ldg((const uint2*)(ps + rv));
         } else {
@@ -237,12 +238,11 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
 #pragma unroll
     for (int st = 0; st < S - 1; ++st) {
         if (st < n) issue(st, st, sv[st], zv[st]);
-        cp_async_commit();
     }
-    // The fold's staging (W4Fold), after the ring: a mode-1 lane's norm weights (a weight: before the
+    // The fold's staging (W4Fold), after the sums' slots: a mode-1 lane's norm weights (a weight: before the
     // wait) and residual values at its rows from prow in the block (the launcher keeps out % 32 == 0);
     // mode 2's sums, copied by every thread of the block.
-    const u32 fold_s = smem_addr(smem + W4_WARPS * S * W4P_STAGE_U4);
+    const u32 fold_s = smem_addr(smem + W4_WARPS * W4P_WARP_U4);
     const int prow = (warp / wpt) * 32 + 4 * g;
     if constexpr (FOLD) {
         if (f.mode == 1 && part == 0)
@@ -276,14 +276,11 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
             if (k < n) {
                 const int sn = (u + S - 1) % S;
                 if (k + S - 1 < n) issue(sn, u + S - 1, sv[sn], zv[sn]);
-                cp_async_commit();
                 if (has_x && k + 1 < n) {
 #pragma unroll
                     for (int q = 0; q < 4; ++q) xb[(u + 1) & 1][q] = ld_act(px + 16 * (u + 1) + 4 * q);
                 }
-                cp_async_wait<S - 1>();
-                const uint4* st = ring + u * W4P_STAGE_U4 + lane;
-                const uint4 w0 = st[0], w1 = st[32], w2 = st[64], w3 = st[96];
+                const uint4 w0 = wr[u][0], w1 = wr[u][1], w2 = wr[u][2], w3 = wr[u][3];
                 const uint4* xv = xb[u & 1];
                 float t0[4] = {0.f, 0.f, 0.f, 0.f}, t1[4] = {0.f, 0.f, 0.f, 0.f}, xs[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -307,7 +304,8 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     // -(128 + z) as f32: 128 = 0x43000000, one unit of the mantissa at bit 16.
-                    const float zf = ASYM ? __uint_as_float(0x43000000u | (((zv[u] >> (4 * j)) & 15u) << 16)) : 136.f;
+                    const u32 zq = ASYM ? (zv[u] >> (4 * j)) & 15u : 8u;
+                    const float zf = __uint_as_float(0x43000000u | (zq << 16));
                     c[j] = -zf * s[j];
                 }
                 acc[0] = fmaf(c[0], xs[0], fmaf(s[0], t0[0], acc[0]));
@@ -328,15 +326,14 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
         cp_async_wait_all();
         if (f.mode == 2) __syncthreads();  // the sums were staged by every thread of the block
         if (!w4_sum_parts<2>(acc, (float*)smem, W4P_RED_STRIDE, wpt, warp, lane, part)) return;
-        // w4p_fold_epilogue takes the sums from the warp's slice of the ring.
+        // w4p_fold_epilogue takes the sums from the warp's slot.
 #pragma unroll
         for (int c = 0; c < 8; ++c) ((float*)smem)[warp * W4P_RED_STRIDE + c * 32 + lane] = acc[c];
         return;
     }
-    cp_async_wait<0>();
     // Rows of the fragment values: tile 0 rows g, g + 8 = r0, r0 + 1; tile 1: r0 + 2, r0 + 3.
     int rows[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) rows[j] = r0 + j < out ? r0 + j : -1;
-    w4_gemv_store<2>(acc, (float*)smem, S * W4P_STAGE_U4 * 4, wpt, warp, lane, part, rows, M, y, ldy);
+    w4_gemv_store<2>(acc, (float*)smem, W4P_RED_STRIDE, wpt, warp, lane, part, rows, M, y, ldy);
 }

@@ -41,7 +41,7 @@
 // Launch:
 //  w4_permute_x: grid (ceil(M*in/256)), block 256.
 //  w4p_*, w4pf_*: grid (sum over the segments of ceil(ceil(out_s/32) / (8/wpt_s))), block 256, dynamic
-//                smem 64 KB (8 warps x 4 stages x 2 KB); x 16-byte aligned with ldx % 8 == 0; scales
+//                smem 8 KB (8 warps x 1 KB of sums); x 16-byte aligned with ldx % 8 == 0; scales
 //                8-byte aligned, zeros 4-byte aligned (a segment from row r0 of a linear: r0 % 32 == 0);
 //                w4pf_*: 8 KB more dynamic smem (W4_FOLD_SMEM).
 //  w4_dequant:   grid (ceil((r1-r0)*in/32 / 256)) (grid-stride; per word with perm), block 256;
@@ -49,7 +49,7 @@
 //  w4_quantize:  grid (ceil(ceil((r1-r0)/2) * NG / 8)), block 256: one warp per (row pair, group);
 //                r0 even, r1 even or r1 == out.
 // Arch: mma.sync bf16, cp.async, cvt f16, ld.global.nc: sm_80+ (nothing Hopper-only; on sm_90 the
-// launcher may launch w4p_* programmatically: the ring's first units load before pdl_wait(), and a
+// launcher may launch w4p_* programmatically: the first units load before pdl_wait(), and a
 // w4p_* block lets the next kernel launch as it starts: pdl_trigger(), a no-op below sm_90).
 // Tested by: tests/ops/ cases "w4_gemv", "w4_gemv_multi", "w4_gemv_fold", "w4_dequant", "w4_quantize";
 // tests/backend.rs folded_norms_match_separate_kernels; bench in tests/bench_w4.rs.
@@ -310,16 +310,18 @@ w4_quantize(const bf16_t* __restrict__ w, long long ldw, int out, int in, int r0
     if (asym && lane == 0) zeros[(long long)gi * zstride + (r0 >> 1) + pi] = (unsigned char)zbyte;
 }
 
-// w4_read_probe (benchmark only, tests/bench_w4.rs): the pair kernel's weight streaming alone (its
-// grid, warps per pair and 4-stage cp.async ring; no math), over an [out, in] int4 buffer read either
-// in the device format (tiled != 0: tile-major, a (pair, group) unit contiguous) or row-major as the
-// format was before (tiled == 0: a unit = 64 bytes of each of 32 rows, row stride in/2 bytes). Says
-// how much of the GEMV's gap to the copy rate is streaming and access pattern rather than math.
-// sink gets one word that is never 0x9e3779b9.
+// w4_read_probe (benchmark only, tests/bench_w4.rs): weight streaming alone at the pair kernel's grid
+// and warps per pair (no math), through a 4-stage cp.async ring of 2 KB units per warp (64 KB of dynamic
+// smem), over an [out, in] int4 buffer read either in the device format (tiled != 0: tile-major, a
+// (pair, group) unit contiguous) or row-major as the format was before (tiled == 0: a unit = 64 bytes of
+// each of 32 rows, row stride in/2 bytes). Says how much of the GEMV's gap to the copy rate is streaming
+// and access pattern rather than math. sink gets one word that is never 0x9e3779b9.
+#define W4R_S 4
+#define W4R_STAGE_U4 128
 extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 2)
 w4_read_probe(const uint4* __restrict__ qw, int out, int in, int wpt, int tiled, unsigned* __restrict__ sink) {
     extern __shared__ uint4 w4_dyn[];
-    constexpr int S = W4P_S;
+    constexpr int S = W4R_S;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int pair = blockIdx.x * (W4_WARPS / wpt) + warp / wpt;
@@ -329,14 +331,14 @@ w4_read_probe(const uint4* __restrict__ qw, int out, int in, int wpt, int tiled,
     const int n = ge - gb;
     const int r0 = pair * 32 + 4 * g;
     const long long wrow = (long long)(in >> 5);
-    const u32 ring_s = smem_addr(w4_dyn + warp * (S * W4P_STAGE_U4));
-    const uint4* ring = w4_dyn + warp * (S * W4P_STAGE_U4);
+    const u32 ring_s = smem_addr(w4_dyn + warp * (S * W4R_STAGE_U4));
+    const uint4* ring = w4_dyn + warp * (S * W4R_STAGE_U4);
     auto src = [&](int k, int j) -> const uint4* {
         if (tiled) return qw + w4_u4(min(r0 + j, out - 1), 4 * k + t, out, ng);
         return qw + (long long)min(r0 + j, out - 1) * wrow + t + 4 * k;
     };
     auto issue = [&](int st, int k) {
-        const u32 base = ring_s + (u32)(st * W4P_STAGE_U4 * 16) + lane * 16;
+        const u32 base = ring_s + (u32)(st * W4R_STAGE_U4 * 16) + lane * 16;
 #pragma unroll
         for (int j = 0; j < 4; ++j) cp_async16(base + j * 512, src(k, j));
     };
@@ -354,7 +356,7 @@ w4_read_probe(const uint4* __restrict__ qw, int out, int in, int wpt, int tiled,
                 if (k + S - 1 < n) issue((u + S - 1) % S, gb + k + S - 1);
                 cp_async_commit();
                 cp_async_wait<S - 1>();
-                const uint4* stg = ring + u * W4P_STAGE_U4 + lane;
+                const uint4* stg = ring + u * W4R_STAGE_U4 + lane;
                 acc ^= stg[0].x ^ stg[32].y ^ stg[64].z ^ stg[96].w;
             }
         }

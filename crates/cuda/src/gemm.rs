@@ -1,8 +1,7 @@
-//! `y[n, m] = x[n, k] · W[m, k]ᵀ` (PyTorch Linear, row-major) through cuBLASLt: bf16 in, f32
-//! accumulate, bf16 out (or f32; a bias, GELU and an add onto y in the epilogue where asked:
-//! [`Epilogue`]). Descriptors and the algorithm are created once per exact shape (m = out features,
-//! n = tokens, k = in features) and cached; [`Gemm::prepare`] does it at warm-up so a step only calls
-//! `cublasLtMatmul`. [`Gemm::heuristic_calls`] lets callers assert
+//! `y[n, m] = x[n, k] · W[m, k]ᵀ` (PyTorch Linear, row-major, no bias) through cuBLASLt:
+//! bf16 in, f32 accumulate, bf16 out. Descriptors and the algorithm are created once per exact
+//! shape (m = out features, n = tokens, k = in features) and cached; [`Gemm::prepare`] does it at
+//! warm-up so a step only calls `cublasLtMatmul`. [`Gemm::heuristic_calls`] lets callers assert
 //! that no heuristic ran on the hot path.
 //!
 //! Layout: cuBLASLt is column-major, so we compute yᵀ[m, n] = W · xᵀ with A = W viewed as a
@@ -28,28 +27,8 @@ struct Plan {
     algo: sys::cublasLtMatmulAlgo_t,
 }
 
-/// (m, n, k, f32 y, y's leading dimension, y's alignment in bytes, FP8 with block scales, epilogue).
-type PlanKey = (usize, usize, usize, bool, usize, u32, bool, EpilogueKind);
-
-/// What the GEMM applies to each output after the product (a cuBLASLt epilogue, part of the plan).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum EpilogueKind {
-    /// y = x · Wᵀ.
-    None,
-    /// y = x · Wᵀ + bias (a bf16 vector of m).
-    Bias,
-    /// y = gelu_tanh(x · Wᵀ + bias): GELU's tanh approximation, `0.5 v (1 + tanh(√(2/π) (v + 0.044715 v³)))`.
-    GeluTanhBias,
-}
-
-/// An epilogue and its bias (a device address of m bf16, 256-byte aligned as the weights are).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Epilogue {
-    pub kind: EpilogueKind,
-    pub bias: u64,
-    /// y += the result (y read and written in place; f32 y: the residual stream).
-    pub accumulate: bool,
-}
+/// (m, n, k, f32 y, y's leading dimension, y's alignment in bytes, FP8 with block scales).
+type PlanKey = (usize, usize, usize, bool, usize, u32, bool);
 
 /// The largest power of two (at most 256) dividing a device address: what cuBLASLt may assume of it.
 fn alignment(ptr: u64) -> u32 {
@@ -105,7 +84,7 @@ impl Gemm {
 
     /// [`Gemm::prepare`] with y in f32 (`f32_out`) or bf16.
     pub fn prepare_out(&self, m: usize, n: usize, k: usize, f32_out: bool) -> Result<(), CudaError> {
-        self.prepare_key((m, n, k, f32_out, m, 256, false, EpilogueKind::None))
+        self.prepare_key((m, n, k, f32_out, m, 256, false))
     }
 
     fn prepare_key(&self, key: PlanKey) -> Result<(), CudaError> {
@@ -118,7 +97,7 @@ impl Gemm {
     }
 
     fn make_plan(&self, key: PlanKey) -> Result<Plan, CudaError> {
-        let (m, n, k, f32_out, ldc, align_c, fp8, epi) = key;
+        let (m, n, k, f32_out, ldc, align_c, fp8) = key;
         let err = |call| move |source| CudaError::Blas { call, m, n, k, cause: source };
         if m == 0 || n == 0 || k == 0 || ldc < m {
             return Err(CudaError::InvalidArgs {
@@ -141,9 +120,6 @@ impl Gemm {
             )
         }
         .map_err(err("cublasLtMatmulDescSetAttribute(TRANSA)"))?;
-        if epi != EpilogueKind::None {
-            set_epilogue(desc, epi).map_err(err("cublasLtMatmulDescSetAttribute(epilogue)"))?;
-        }
         if fp8 {
             // A = the weights in 128×128 blocks, B = the activations in 1×128 blocks (f32 scales each).
             for (attr, mode) in [
@@ -155,8 +131,7 @@ impl Gemm {
                     .map_err(err("cublasLtMatmulDescSetAttribute(scale mode)"))?;
             }
             // The heuristic wants scale pointers set: any non-null address (each call sets the real ones).
-            set_pointers(desc, &[(A_SCALE, 256), (B_SCALE, 256)])
-                .map_err(err("cublasLtMatmulDescSetAttribute(scale pointer)"))?;
+            set_scale_pointers(desc, 256, 256).map_err(err("cublasLtMatmulDescSetAttribute(scale pointer)"))?;
         }
         let (m64, n64, k64) = (m as u64, n as u64, k as u64);
         let ab = if fp8 { sys::cudaDataType::CUDA_R_8F_E4M3 } else { bf16 };
@@ -261,61 +236,11 @@ impl Gemm {
         if n == 0 {
             return Ok(());
         }
-        self.matmul(stream, (m, n, k, f32_out, ldc, alignment(y), false, EpilogueKind::None), w, x, y, &[], false)
+        self.matmul(stream, (m, n, k, f32_out, ldc, alignment(y), false), w, x, y, None)
     }
 
-    /// Whether cuBLASLt has a plan for [`Gemm::linear_epilogue`] of this shape and epilogue kind into y (planned
-    /// now, once per shape and y's alignment; false where it refuses: the caller runs the epilogue's kernels).
-    pub fn epilogue_supported(&self, m: usize, n: usize, k: usize, f32_out: bool, kind: EpilogueKind, y: u64) -> bool {
-        k > 0 && self.plannable((m, n, k, f32_out, m, alignment(y), false, kind), &format!("{kind:?} epilogue"))
-    }
-
-    /// Whether cuBLASLt plans `key` (planned now, once; a refusal is remembered and logged as having no
-    /// `what`).
-    fn plannable(&self, key: PlanKey, what: &str) -> bool {
-        let (m, n, k, ..) = key;
-        if m == 0 || n == 0 || self.refused.borrow().contains(&key) {
-            return false;
-        }
-        match self.prepare_key(key) {
-            Ok(()) => true,
-            Err(e) => {
-                tracing::debug!("cuBLASLt has no {what} for m={m} n={n} k={k}: {e}");
-                self.refused.borrow_mut().insert(key);
-                false
-            }
-        }
-    }
-
-    /// [`Gemm::linear_out`] with the epilogue `epi` (y's row stride m): y = x · Wᵀ + bias,
-    /// through the activation of `epi.kind`, added to y's values (`epi.accumulate`) or in their place. The
-    /// shape must pass [`Gemm::epilogue_supported`] (else planned here, an error where cuBLASLt refuses it).
-    #[allow(clippy::too_many_arguments)]
-    pub fn linear_epilogue(
-        &self,
-        stream: &CudaStream,
-        x: u64,
-        w: u64,
-        y: u64,
-        n: usize,
-        m: usize,
-        k: usize,
-        f32_out: bool,
-        epi: Epilogue,
-    ) -> Result<(), CudaError> {
-        if n == 0 {
-            return Ok(());
-        }
-        let key = (m, n, k, f32_out, m, alignment(y), false, epi.kind);
-        let bias = [(BIAS, epi.bias)];
-        let pointers: &[(Attr, u64)] = if epi.kind == EpilogueKind::None { &[] } else { &bias };
-        self.matmul(stream, key, w, x, y, pointers, epi.accumulate)
-    }
-
-    /// `cublasLtMatmul` of the plan for `key` (planned now if it never was) on `stream`: y = x · wᵀ (plus y's
-    /// values with `accumulate`: beta 1), with the descriptor's `pointers` set to this call's first (an FP8
-    /// plan's scales, an epilogue's bias).
-    #[allow(clippy::too_many_arguments)]
+    /// `cublasLtMatmul` of the plan for `key` (planned now if it never was) on `stream`: y = x · wᵀ, with
+    /// the FP8 plan's scale pointers (weights', activations') set to `scales` first.
     fn matmul(
         &self,
         stream: &CudaStream,
@@ -323,8 +248,7 @@ impl Gemm {
         w: u64,
         x: u64,
         y: u64,
-        pointers: &[(Attr, u64)],
-        accumulate: bool,
+        scales: Option<(u64, u64)>,
     ) -> Result<(), CudaError> {
         let (m, n, k, ..) = key;
         self.prepare_key(key)?;
@@ -332,8 +256,8 @@ impl Gemm {
         let p = plans
             .get(&key)
             .ok_or(CudaError::InvalidArgs { kernel: "gemm", msg: format!("no plan for m={m} n={n} k={k}") })?;
-        if !pointers.is_empty() {
-            set_pointers(p.desc, pointers).map_err(|source| CudaError::Blas {
+        if let Some((ws, xs)) = scales {
+            set_scale_pointers(p.desc, ws, xs).map_err(|source| CudaError::Blas {
                 call: "cublasLtMatmulDescSetAttribute",
                 m,
                 n,
@@ -341,10 +265,9 @@ impl Gemm {
                 cause: source,
             })?;
         }
-        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
+        let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: descriptors are live and describe the row-major buffers the caller passes (an FP8 plan's
-        // scale pointers or an epilogue's bias were just set to this call's); the workspace span belongs to this
-        // Gemm.
+        // scale pointers were just set to this call's); the workspace span belongs to this Gemm.
         unsafe {
             result::matmul(
                 self.handle,
@@ -374,50 +297,16 @@ const SCALE_VEC128_32F: i32 = 4;
 /// `cublasLtMatmulMatrixScale_t`: one f32 scale per 128×128 block.
 const SCALE_BLK128X128_32F: i32 = 5;
 
-/// Sets a descriptor's epilogue (`kind` not None), its bias type (bf16) and a placeholder bias pointer (the
-/// heuristic wants one set; each call sets the real one).
-fn set_epilogue(
+/// Sets the A and B scale pointers of an FP8 plan's descriptor.
+fn set_scale_pointers(
     desc: sys::cublasLtMatmulDesc_t,
-    kind: EpilogueKind,
+    a: u64,
+    b: u64,
 ) -> Result<(), cudarc::cublaslt::result::CublasError> {
-    let e = match kind {
-        EpilogueKind::None => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT,
-        EpilogueKind::Bias => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
-        EpilogueKind::GeluTanhBias => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS,
-    } as u32;
-    let bias_type = sys::cudaDataType::CUDA_R_16BF as u32;
-    // SAFETY: desc is live; the epilogue and the bias type are 4-byte enums.
-    unsafe {
-        result::set_matmul_desc_attribute(
-            desc,
-            Attr::CUBLASLT_MATMUL_DESC_EPILOGUE,
-            &e as *const u32 as *const c_void,
-            4,
-        )?;
-        result::set_matmul_desc_attribute(
-            desc,
-            Attr::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
-            &bias_type as *const u32 as *const c_void,
-            4,
-        )?;
-    }
-    set_pointers(desc, &[(BIAS, 256)])
-}
-
-type Attr = sys::cublasLtMatmulDescAttributes_t;
-/// The descriptor attributes that hold device pointers: an FP8 plan's scales (weights', activations'), an
-/// epilogue's bias.
-const A_SCALE: Attr = Attr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER;
-const B_SCALE: Attr = Attr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER;
-const BIAS: Attr = Attr::CUBLASLT_MATMUL_DESC_BIAS_POINTER;
-
-/// Sets device-pointer attributes of a descriptor (the heuristic wants them set at planning: any non-null
-/// address; each call sets the real ones).
-fn set_pointers(
-    desc: sys::cublasLtMatmulDesc_t,
-    pointers: &[(Attr, u64)],
-) -> Result<(), cudarc::cublaslt::result::CublasError> {
-    for &(attr, p) in pointers {
+    for (attr, p) in [
+        (sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, a),
+        (sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, b),
+    ] {
         // SAFETY: desc is live; the attribute is a device pointer (8 bytes).
         unsafe { result::set_matmul_desc_attribute(desc, attr, &p as *const u64 as *const c_void, 8) }?;
     }
@@ -428,8 +317,18 @@ impl Gemm {
     /// Whether cuBLASLt runs the block-scaled FP8 GEMM of [`Gemm::linear_fp8`] for this shape (Hopper:
     /// `sm_90`; plans it now, once per shape). False where it refuses: the caller dequantises instead.
     pub fn fp8_supported(&self, m: usize, n: usize, k: usize, ldc: usize, y: u64) -> bool {
-        let key = (m, n, k, false, ldc, alignment(y), true, EpilogueKind::None);
-        k.is_multiple_of(128) && self.plannable(key, "block-scaled FP8 GEMM")
+        let key = (m, n, k, false, ldc, alignment(y), true);
+        if m == 0 || n == 0 || !k.is_multiple_of(128) || self.refused.borrow().contains(&key) {
+            return false;
+        }
+        match self.prepare_key(key) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::debug!("cuBLASLt has no block-scaled FP8 GEMM for m={m} n={n} k={k}: {e}");
+                self.refused.borrow_mut().insert(key);
+                false
+            }
+        }
     }
 
     /// y [n, m] bf16 (row `i` at `y + i·ldc` elements) = x · Wᵀ with FP8 tensor cores: `xq` the
@@ -453,8 +352,7 @@ impl Gemm {
         if n == 0 {
             return Ok(());
         }
-        let key = (m, n, k, false, ldc, alignment(y), true, EpilogueKind::None);
-        self.matmul(stream, key, w, xq, y, &[(A_SCALE, ws), (B_SCALE, xs)], false)
+        self.matmul(stream, (m, n, k, false, ldc, alignment(y), true), w, xq, y, Some((ws, xs)))
     }
 }
 

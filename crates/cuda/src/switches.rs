@@ -77,10 +77,6 @@ pub struct Switches {
     /// `DELTASERVE_FP8_MMA=1`: block-FP8 prefill projections run the mma.sync FP8 GEMM
     /// (`CudaOptions::fp8_mma_gemm`); unset or anything else: cuBLASLt's (Hopper) or dequantised rows.
     pub fp8_mma_gemm: bool,
-    /// `DELTASERVE_VISION_EPILOGUES=1`: the vision tower's biases, GELU and residual adds in its GEMMs'
-    /// cuBLASLt epilogues where cuBLASLt plans them; unset or anything else: kernels of their own after
-    /// f32 GEMM outputs.
-    pub vision_epilogues: bool,
 }
 
 impl Switches {
@@ -118,7 +114,6 @@ impl Switches {
             snapshots_in_step: var("DELTASERVE_SNAPSHOTS_IN_STEP").is_none_or(|v| v != "0"),
             moe_shared_pairs: var("DELTASERVE_MOE_SHARED_PAIRS").is_none_or(|v| v != "0"),
             fp8_mma_gemm: var("DELTASERVE_FP8_MMA").is_some_and(|v| v == "1"),
-            vision_epilogues: var("DELTASERVE_VISION_EPILOGUES").is_some_and(|v| v == "1"),
         }
     }
 
@@ -165,7 +160,7 @@ mod tests {
         assert!(!s.any_set());
         assert!(s.fold_norms && s.norms_in_reduce && s.w4_gemm && s.device_masks && !s.decode_attn_split);
         assert!(!s.attn_prefill_pair);
-        assert!(s.later_picks && s.snapshots_in_step && s.moe_shared_pairs && !s.fp8_mma_gemm && !s.vision_epilogues);
+        assert!(s.later_picks && s.snapshots_in_step && s.moe_shared_pairs && !s.fp8_mma_gemm);
         assert!(!s.attn_prefill_wide);
         assert!(s.pdl.is_none() && s.nvrtc_options.is_empty() && s.trace_cap.is_none());
     }
@@ -189,10 +184,9 @@ mod tests {
             ("DELTASERVE_SNAPSHOTS_IN_STEP", "0"),
             ("DELTASERVE_MOE_SHARED_PAIRS", "0"),
             ("DELTASERVE_FP8_MMA", "1"),
-            ("DELTASERVE_VISION_EPILOGUES", "1"),
         ]);
         assert!(!s.device_masks && !s.later_picks && !s.snapshots_in_step && !s.moe_shared_pairs && s.fp8_mma_gemm);
-        assert!(!s.norms_in_reduce && s.vision_epilogues);
+        assert!(!s.norms_in_reduce);
         assert!(s.any_set());
         assert_eq!(s.pdl.as_deref(), Some("0"));
         assert!(s.decode_attn_split && s.verify_attn_rows && s.attn_prefill_pair && !s.fold_norms && !s.w4_gemm);

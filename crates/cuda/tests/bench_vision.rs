@@ -205,16 +205,6 @@ fn bench_vision_tower_ops_27b() {
     let act = vk::Act::GeluTanh;
     let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
     let ev = || rt.context().new_event(flags).unwrap();
-    // Runs `f` between two events, adding its milliseconds to `slot` when `timed`.
-    let op = |timed: bool, slot: &mut f64, f: &mut dyn FnMut()| {
-        let (e0, e1) = (ev(), ev());
-        e0.record(s).unwrap();
-        f();
-        e1.record(s).unwrap();
-        if timed {
-            *slot += e0.elapsed_ms(&e1).unwrap() as f64;
-        }
-    };
     let kinds = [
         "layer norms",
         "qkv GEMM",
@@ -229,7 +219,15 @@ fn bench_vision_tower_ops_27b() {
     let mut ms = vec![0.0f64; kinds.len()];
     let pass = |timed: bool, ms: &mut Vec<f64>| {
         for _ in 0..v.depth {
-            let mut op = |kind: usize, f: &mut dyn FnMut()| op(timed, &mut ms[kind], f);
+            let mut op = |kind: usize, f: &mut dyn FnMut()| {
+                let (e0, e1) = (ev(), ev());
+                e0.record(s).unwrap();
+                f();
+                e1.record(s).unwrap();
+                if timed {
+                    ms[kind] += e0.elapsed_ms(&e1).unwrap() as f64;
+                }
+            };
             op(0, &mut || vk::layer_norm(&k, s, x, ln_w, ln_b, xn, n, h, 1e-6).unwrap());
             op(1, &mut || gemm.linear_out(s, xn, qkv_w, wide, n, 3 * h, h, true).unwrap());
             op(2, &mut || vk::qkv_rope(&k, s, wide, qkv_b, narrow, heads, hd, grid, v.rope_theta as f32).unwrap());
@@ -262,45 +260,5 @@ fn bench_vision_tower_ops_27b() {
     println!(
         "BENCH vision tower ops: {total:.2} ms for the {} blocks (the merger and patch embedding not included)",
         v.depth
-    );
-
-    // The same blocks with the bias, GELU and residual adds in the GEMMs' epilogues (as the backend runs them
-    // where cuBLASLt plans them): the three GEMMs that carry them, against their GEMMs and kernels above.
-    use deltaserve_cuda::gemm::{Epilogue, EpilogueKind};
-    let supported = gemm.epilogue_supported(h, n, h, true, EpilogueKind::Bias, x)
-        && gemm.epilogue_supported(h, n, inter, true, EpilogueKind::Bias, x)
-        && gemm.epilogue_supported(inter, n, h, false, EpilogueKind::GeluTanhBias, narrow);
-    if !supported {
-        println!("BENCH vision tower epilogues: cuBLASLt plans none of them here");
-        return;
-    }
-    let onto = |bias| Epilogue { kind: EpilogueKind::Bias, bias, accumulate: true };
-    let gelu = Epilogue { kind: EpilogueKind::GeluTanhBias, bias: fc1_b, accumulate: false };
-    let mut fused = [0.0f64; 3];
-    for timed in [false, true] {
-        for _ in 0..v.depth {
-            let mut op = |i: usize, f: &mut dyn FnMut()| op(timed, &mut fused[i], f);
-            op(0, &mut || gemm.linear_epilogue(s, xn, proj_w, x, n, h, h, true, onto(proj_b)).unwrap());
-            op(1, &mut || gemm.linear_epilogue(s, xn, fc1_w, narrow, n, inter, h, false, gelu).unwrap());
-            op(2, &mut || gemm.linear_epilogue(s, narrow, fc2_w, x, n, h, inter, true, onto(fc2_b)).unwrap());
-        }
-    }
-    let names = ["proj GEMM + bias + residual", "fc1 GEMM + bias + GELU", "fc2 GEMM + bias + residual"];
-    for (i, (name, f)) in names.iter().zip(&gemm_flops[1..]).enumerate() {
-        println!(
-            "BENCH vision tower epilogue, {} blocks: {name:<28} {:7.2} ms ({:.0} TFLOP/s)",
-            v.depth,
-            fused[i],
-            f.1 / (fused[i] * 1e-3) / 1e12
-        );
-    }
-    let unfused = ms[4] + ms[5] + ms[6] + ms[7] + ms[8];
-    let with = total - unfused + fused.iter().sum::<f64>();
-    println!(
-        "BENCH vision tower ops with epilogues: {with:.2} ms for the {} blocks ({:.2} ms for the GEMMs and kernels \
-         they replace, {:.2} with them)",
-        v.depth,
-        unfused,
-        fused.iter().sum::<f64>()
     );
 }

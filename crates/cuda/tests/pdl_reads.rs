@@ -49,8 +49,8 @@ const READ_ONLY: &[&str] = &[
 ];
 
 /// Local pointers into weights that the functions that wait read with `ld_nc` / `__ldg` (the bf16
-/// GEMV's rows, the int4 GEMV's scales and zeros, a bf16 expert's rows, the FP8 GEMV's rows).
-const READ_ONLY_LOCALS: &[&str] = &["wp0", "wp1", "ps", "pz", "We", "srow", "wp", "wrow"];
+/// GEMV's rows, the int4 GEMV's codes, scales and zeros, a bf16 expert's rows, the FP8 GEMV's rows).
+const READ_ONLY_LOCALS: &[&str] = &["wp0", "wp1", "qw4", "ps", "pz", "We", "srow", "wp", "wrow"];
 
 /// A function definition of a kernel source: its name, parameter list and body.
 struct Function<'a> {
@@ -237,7 +237,7 @@ fn functions_that_wait_read_earlier_kernels_outputs_coherently() {
         "attn_verify_mma",
         "qk_norm_rope",
         "w4_gemv_store",
-        "gemv_fp8_body",
+        "gemv_fp8_tile",
         "fp8_act_quant",
     ] {
         assert!(checked.iter().any(|c| c == must), "{must} not found among the functions that wait: {checked:?}");

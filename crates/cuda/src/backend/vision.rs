@@ -1,8 +1,7 @@
 //! The vision tower on the GPU (`crates/cpu/src/vision.rs` is its reference): bf16 weights in the
 //! weights region, its buffers in the plan's `vision` region ([`CudaTowerLayout`]), one image at a time.
 //! The residual stream stays f32; each GEMM (cuBLASLt, bf16 in, f32 out) is followed by the kernel that
-//! adds its bias (`kernels/vision.cu`), or carries the bias, the blocks' GELU and residual adds in its
-//! epilogue ([`Fused`], `DELTASERVE_VISION_EPILOGUES=1`): patch embedding → position embeddings → blocks (LayerNorm, qkv,
+//! adds its bias (`kernels/vision.cu`): patch embedding → position embeddings → blocks (LayerNorm, qkv,
 //! axial rotary, attention within each frame, proj, residual; LayerNorm, fc1, activation, fc2, residual)
 //! → merger (LayerNorm, `merge²` consecutive rows as one, fc1, exact GELU, fc2) → the image's merged rows
 //! `[tokens, out_hidden]` bf16, the text model's embedding rows.
@@ -22,7 +21,7 @@ use deltaserve_plan::{CudaTowerLayout, Plan};
 
 use crate::arena::{Arena, DevSpan, RegionId};
 use crate::error::CudaError;
-use crate::gemm::{Epilogue, EpilogueKind, Gemm};
+use crate::gemm::Gemm;
 use crate::ops::Kernels;
 use crate::ops::init::{Init, init_random};
 use crate::ops::vision::{self as vk, Act, Grid};
@@ -296,32 +295,18 @@ impl Vision {
             VisionAct::Gelu => Act::Gelu,
             VisionAct::Silu => Act::Silu,
         };
-        let fused = Fused::probe(gemm, &w.blocks, act, n, h, inter, x, narrow);
         for b in &w.blocks {
             vk::layer_norm(k, s, x, b.norm1.weight, b.norm1.bias, xn, n, h, LN_EPS)?;
             gemm.linear_out(s, xn, b.qkv.weight, wide, n, 3 * h, h, true)?;
             vk::qkv_rope(k, s, wide, bias(&b.qkv), narrow, heads, hd, grid, c.rope_theta as f32)?;
             vk::attention(k, s, narrow, xn, heads, hd, grid)?;
-            if fused.residual {
-                gemm.linear_epilogue(s, xn, b.proj.weight, x, n, h, h, true, Fused::onto(bias(&b.proj)))?;
-            } else {
-                gemm.linear_out(s, xn, b.proj.weight, wide, n, h, h, true)?;
-                vk::residual(k, s, x, wide, bias(&b.proj), n, h)?;
-            }
+            gemm.linear_out(s, xn, b.proj.weight, wide, n, h, h, true)?;
+            vk::residual(k, s, x, wide, bias(&b.proj), n, h)?;
             vk::layer_norm(k, s, x, b.norm2.weight, b.norm2.bias, xn, n, h, LN_EPS)?;
-            if fused.gelu {
-                let epi = Epilogue { kind: EpilogueKind::GeluTanhBias, bias: bias(&b.fc1), accumulate: false };
-                gemm.linear_epilogue(s, xn, b.fc1.weight, narrow, n, inter, h, false, epi)?;
-            } else {
-                gemm.linear_out(s, xn, b.fc1.weight, wide, n, inter, h, true)?;
-                vk::bias_act(k, s, wide, bias(&b.fc1), narrow, n, inter, act)?;
-            }
-            if fused.residual {
-                gemm.linear_epilogue(s, narrow, b.fc2.weight, x, n, h, inter, true, Fused::onto(bias(&b.fc2)))?;
-            } else {
-                gemm.linear_out(s, narrow, b.fc2.weight, wide, n, h, inter, true)?;
-                vk::residual(k, s, x, wide, bias(&b.fc2), n, h)?;
-            }
+            gemm.linear_out(s, xn, b.fc1.weight, wide, n, inter, h, true)?;
+            vk::bias_act(k, s, wide, bias(&b.fc1), narrow, n, inter, act)?;
+            gemm.linear_out(s, narrow, b.fc2.weight, wide, n, h, inter, true)?;
+            vk::residual(k, s, x, wide, bias(&b.fc2), n, h)?;
         }
         // The merger: each merge² consecutive rows of the normed stream are one row of h · merge².
         let (rows, merged) = (n / c.merge_unit(), h * c.merge_unit());
@@ -330,51 +315,6 @@ impl Vision {
         vk::bias_act(k, s, wide, bias(&w.merger_fc1), narrow, rows, merged, Act::Gelu)?;
         gemm.linear_out(s, narrow, w.merger_fc2.weight, wide, rows, c.out_hidden_size, merged, true)?;
         vk::bias_act(k, s, wide, bias(&w.merger_fc2), self.merged(), rows, c.out_hidden_size, Act::None)
-    }
-}
-
-/// Which of a block's bias, activation and residual kernels ride in its GEMMs' epilogues (cuBLASLt), for one
-/// image's patch count: `residual`, the attention and MLP output projections add their bias and their product
-/// onto the f32 residual stream in place (`x + (x_in · Wᵀ + b)` as `(x_in · Wᵀ + x) + b`: the same sum, an f32
-/// rounding apart), no f32 output and no residual kernel; `gelu`, the MLP's first projection writes
-/// `bf16(gelu_tanh(· + b))` itself (the tower's activation, rounded once as the kernel does), no f32
-/// intermediate. Each only with `DELTASERVE_VISION_EPILOGUES=1`, where every block has the biases and
-/// cuBLASLt plans the shape (else neither: the kernels as the reference orders them).
-#[derive(Clone, Copy, Debug)]
-struct Fused {
-    residual: bool,
-    gelu: bool,
-}
-
-impl Fused {
-    #[allow(clippy::too_many_arguments)]
-    fn probe(
-        gemm: &Gemm,
-        blocks: &[VisionBlockWeights<u64>],
-        act: Act,
-        n: usize,
-        h: usize,
-        inter: usize,
-        x: u64,
-        narrow: u64,
-    ) -> Fused {
-        if !crate::switches::Switches::get().vision_epilogues {
-            return Fused { residual: false, gelu: false };
-        }
-        let all = |f: fn(&VisionBlockWeights<u64>) -> &VisionLinear<u64>| blocks.iter().all(|b| f(b).bias.is_some());
-        let residual = all(|b| &b.proj)
-            && all(|b| &b.fc2)
-            && gemm.epilogue_supported(h, n, h, true, EpilogueKind::Bias, x)
-            && gemm.epilogue_supported(h, n, inter, true, EpilogueKind::Bias, x);
-        let gelu = act == Act::GeluTanh
-            && all(|b| &b.fc1)
-            && gemm.epilogue_supported(inter, n, h, false, EpilogueKind::GeluTanhBias, narrow);
-        Fused { residual, gelu }
-    }
-
-    /// The epilogue adding `bias` and the product onto the residual stream.
-    fn onto(bias: u64) -> Epilogue {
-        Epilogue { kind: EpilogueKind::Bias, bias, accumulate: true }
     }
 }
 

@@ -55,8 +55,8 @@ pub struct Kernels {
     /// kernel before it finishes; the GEMVs stream their first weights and the DeltaNet decode kernel
     /// loads its state before waiting for it. [`pdl_enabled`].
     pub pdl: bool,
-    /// Blocks of the int4 GEMV the GPU holds at once (its occupancy per SM × SMs: 264 on the H200,
-    /// 2 per SM; 1 per SM where an SM's shared memory holds one, e.g. sm_86). [`w4a16::gemv_config`].
+    /// Blocks of the int4 GEMV the GPU holds at once (its occupancy per SM × SMs: 2 per SM, as its
+    /// registers allow on sm_80 to sm_90; 264 on the H200). [`w4a16::gemv_config`].
     pub w4_slots: usize,
     /// Decode attention on tensor cores (`attn_decode_mma`) where the cache formats allow it
     /// ([`attention::decode_mma_supported`]: a 4-bit K or V at head dims % 64 == 0 only);
@@ -165,7 +165,7 @@ impl Kernels {
         }))
         .chain(w4a16::PAIR_KERNELS.iter().map(|&n| (n, w4a16::PAIR_SMEM_BYTES)))
         .chain(w4a16::FOLD_KERNELS.iter().map(|&n| (n, w4a16::FOLD_KERNEL_SMEM_BYTES)))
-        .chain(std::iter::once(("w4_read_probe", w4a16::PAIR_SMEM_BYTES)))
+        .chain(std::iter::once(("w4_read_probe", w4a16::PROBE_SMEM_BYTES)))
         // (Tests fill every byte of an SM's shared memory: init::fill_smem.)
         .chain(std::iter::once(("init_smem", rt.max_smem_optin.max(0) as usize)))
         .chain(w4_gemm::KERNELS.iter().map(|&(n, tokens)| (n, w4_gemm::smem_bytes(tokens))))

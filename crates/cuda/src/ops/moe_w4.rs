@@ -21,7 +21,7 @@ const GEMV_WARPS: usize = 8;
 /// The GEMV kernels (zero points × scale dtype) and the grouped GEMM.
 pub(crate) const KERNELS: [&str; 5] = ["moe_w4p_sh", "moe_w4p_sb", "moe_w4p_ah", "moe_w4p_ab", "moe_w4g"];
 
-/// Dynamic shared memory of each of [`KERNELS`] (the pair ring; the 32-token tile GEMM's stages).
+/// Dynamic shared memory of each of [`KERNELS`] (the pair kernel's sums; the 32-token tile GEMM's stages).
 pub(crate) fn smem_bytes(name: &str) -> usize {
     if name == "moe_w4g" { super::w4_gemm::smem_bytes(TILE_ROWS) } else { PAIR_SMEM_BYTES }
 }

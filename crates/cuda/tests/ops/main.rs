@@ -402,7 +402,11 @@ fn ops_match_cpu_reference() {
         return;
     }
     let rt = Runtime::open(0).expect("CUDA driver present but the device could not be opened");
-    let seed = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
+    // DS_OPS_SEED=<u64>: a printed seed again (a failing run's inputs reproduced); else from the clock.
+    let seed = std::env::var("DS_OPS_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1));
     println!("device {} ({}), seed {seed}", rt.name, rt.arch());
     let mut kernels: Vec<(KernelDims, Kernels)> = Vec::new();
     let mut failures = Vec::new();

@@ -80,6 +80,30 @@ fn expert_mlp(xr: &[f32], blk: &[f32], h: usize, i: usize) -> Vec<f32> {
     cpu::linear::linear(&act, 1, &blk[2 * i * h..], h, i).into_iter().map(rb).collect()
 }
 
+/// How far one rounding of the shared expert's SwiGLU output to the other neighbouring bf16 moves an output:
+/// one bf16 step (2^-7 relative) of its largest value, through the down projection's largest weight, times
+/// the largest gate. The GPU's f32 sums differ from the reference's in their last bits, so now and then an
+/// intermediate stored as bf16 (after gate/up and the SwiGLU) lands on the other side of a rounding boundary;
+/// the int4 kernels form each group's dot product as `s · (T − (128 + z) · X)` with T ≈ (128 + z) · X (a
+/// cancellation the plain f32 dot product of the reference does not have), so their sums sit ~30× further
+/// off and flip far more often: at 64 tokens several values a case (the bf16 GEMVs: at a few hundred
+/// tokens), each moving the outputs it feeds by up to this much (twice it covers a flip of the gate/up
+/// output, which SwiGLU passes on at about the same size). The shared expert's gate (~0.5) passes a flip on
+/// larger than a routed expert's weight (~1 / top-k) does.
+fn flip_bound(x: &[f32], t: usize, h: usize, i: usize, blk: &[f32], gate: &[f32]) -> f32 {
+    let mut a_max = 0.0f32;
+    for r in 0..t {
+        let gu = cpu::linear::linear(&x[r * h..(r + 1) * h], 1, &blk[..2 * i * h], 2 * i, h);
+        for c in 0..i {
+            a_max = a_max.max((cpu::activation::silu(rb(gu[c])) * rb(gu[i + c])).abs());
+        }
+    }
+    let w_max = blk[2 * i * h..].iter().fold(0.0f32, |m, w| m.max(w.abs()));
+    let g_max = gate.iter().fold(0.0f32, |m, g| m.max(g.abs()));
+    let step = if a_max > 0.0 { 2f32.powi(a_max.log2().floor() as i32 - 7) } else { 0.0 };
+    2.0 * step * w_max * g_max
+}
+
 /// The shared expert of weights `blk` (an expert's layout) over every row of `x`, as the GPU stores it.
 fn shared_mlp(x: &[f32], t: usize, h: usize, i: usize, blk: &[f32]) -> Vec<f32> {
     (0..t).flat_map(|r| expert_mlp(&x[r * h..(r + 1) * h], blk, h, i)).collect()
@@ -165,7 +189,9 @@ pub fn moe_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
         };
         moe::gemv(k, s, x, x_div, topk, pairs, Some(sh), w, y)
     })?;
-    v.push(compare("per-pair GEMV with the shared expert's pairs out", &want, &out, tol));
+    let flip = flip_bound(&x, t, h, i, &wsh, &gate);
+    let what = format!("per-pair GEMV with the shared expert's pairs (a rounding flip {flip:.1e}) out");
+    v.push(compare(&what, &want, &out, crate::Tol { atol_abs: tol.atol_abs + flip, ..tol }));
     if h.is_multiple_of(128) && i.is_multiple_of(128) {
         let offs32 = d.poison(moe::offsets_bytes(ne))?;
         moe::offsets(k, s, topk, pairs, ne, moe_w4::TILE_ROWS, offs32, rows)?;
@@ -193,6 +219,8 @@ pub fn moe_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
             // GEMV blocks) as the separate gate and up linears the backend loads.
             let (wsq, sgu, sgate, sup, sdn) = w4_shared(d, &wsh, h, i, asym)?;
             let want = reference(&x, t, h, i, &wq, &routes, &gate, &shared_mlp(&x, t, h, i, &wsq));
+            let flip = flip_bound(&x, t, h, i, &wsq, &gate);
+            let tol_sh = crate::Tol { atol_abs: tol.atol_abs + flip, ..tol };
             let split = W4Shared { top: sgate, bottom: Some(sup) };
             let stacked = W4Shared { top: sgu, bottom: None };
             for (what, g) in [("stacked", stacked), ("gate and up", split)] {
@@ -208,7 +236,9 @@ pub fn moe_case(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
                     moe_w4::gemv(k, s, x, ldx, x_div, topk, pairs, Some(sh), w, y)
                 })?;
                 let fmt = if asym { "zero points" } else { "symmetric" };
-                v.push(compare(&format!("int4 ({fmt}) with the shared expert's pairs ({what}) out"), &want, &out, tol));
+                let what =
+                    format!("int4 ({fmt}) with the shared expert's pairs ({what}, a rounding flip {flip:.1e}) out");
+                v.push(compare(&what, &want, &out, tol_sh));
             }
         }
     }
