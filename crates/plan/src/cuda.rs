@@ -27,7 +27,7 @@ pub const W4_GEMM_MAX_SPLITS: usize = 16;
 /// Output rows of an int4 GEMM block (4 warps, one 32-row pair of the int4 format each).
 pub const W4_GEMM_BLOCK_ROWS: usize = 128;
 
-/// Fewest groups of 128 input columns per split (the cp.async ring holds 3 in flight).
+/// Fewest groups of 128 input columns per split (the tile GEMM's cp.async ring holds 3 in flight).
 const W4_GEMM_MIN_GROUPS_PER_SPLIT: usize = 4;
 
 /// The most multiprocessors [`w4_gemm_workspace_bound`] sizes for (more splits on larger GPUs; a
