@@ -36,8 +36,8 @@
 
 // The "pair" GEMM (w4t_*): the decode GEMV's pair structure (w4a16.cu, w4p_body) for NT n-tiles of 8
 // tokens. No block barrier in the main loop: every warp streams its own pair's 2 KB units (lane (g, t):
-// chunk t of rows 4g + j, j = 0..3) through its own W4T_S-stage cp.async ring and reads back only what
-// it copied; x comes from global memory (L1 / L2: every warp of the SM reads the same columns) into
+// chunk t of rows 4g + j, j = 0..3) into W4T_S register stages with non-allocating loads, the next
+// group's while this one's MMAs run (as w4p_body does); x comes from global memory (L1 / L2: every warp of the SM reads the same columns) into
 // registers one group ahead, each register reloaded right after its last use. Unpacking is one LOP3
 // per column pair into bf16 (128 + q0, 128 + q1), straight into the MMA; a third MMA with A = ones
 // gives each token's sum X of x over the group, and the group adds s * (T - (128 + z) * X) per row and
@@ -47,11 +47,11 @@
 // memory, w4_sum_parts); blockIdx.x: pairs, blockIdx.y: tiles of 8 * NT tokens. Warps of pairs past
 // out (the last block) run on clamped rows and store nothing.
 // Launch: grid (ceil(pairs / (W4T_WARPS / wpt)), ceil(M / (8 * NT)), splits), block W4T_WARPS * 32,
-// dynamic smem W4T_WARPS * W4T_S * 2 KB; the limits of w4g_* (out % 4 == 0, in % 128 == 0, x rows
+// dynamic smem W4T_WARPS * 2 KB (the parts' sums), at most 168 registers (3 blocks an SM); the limits of w4g_* (out % 4 == 0, in % 128 == 0, x rows
 // 16-byte aligned); ASYM: zeros given (else symmetric, zero 8).
 #define W4T_WARPS 4
-#define W4T_S 4
-#define W4T_RING_U4 (W4T_S * 128)
+#define W4T_S 2
+#define W4T_SLOT_U4 128  // a warp's shared memory: its 2 KB of partial sums (w4_sum_parts)
 
 template <int NT, bool ASYM>
 __device__ __forceinline__ void w4t_body(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,
@@ -76,21 +76,18 @@ __device__ __forceinline__ void w4t_body(const u32* __restrict__ qw, const unsig
     for (int j = 0; j < 4; ++j) pw[j] = (u32)w4_u4(min(r0 + j, out - 1), 4 * gb + t, out, ng);
     const unsigned short* ps = scales + (long long)gb * out + rc;
     const unsigned char* pz = ASYM ? zeros + (long long)gb * (out >> 1) + (rc >> 1) : nullptr;
-    const u32 ring_s = smem_addr(w4t_smem + warp * W4T_RING_U4) + lane * 16;
-    const uint4* ring = w4t_smem + warp * W4T_RING_U4 + lane;
-
-    uint2 sv[S];  // scale bits: x = rows 0 | 1 << 16, y = rows 2 | 3 << 16
-    u32 zv[S];    // zeros: nibble j = row j
+    uint4 wr[S][4];  // the stages: the lane's four uint4 of a unit
+    uint2 sv[S];     // scale bits: x = rows 0 | 1 << 16, y = rows 2 | 3 << 16
+    u32 zv[S];       // zeros: nibble j = row j
     auto issue = [&](int st, int rel) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) cp_async16(ring_s + st * 2048 + j * 512, qw4 + (pw[j] + (u32)(gstep * rel)));
+        for (int j = 0; j < 4; ++j) wr[st][j] = ld_nc_stream(qw4 + (pw[j] + (u32)(gstep * rel)));
         sv[st] = __ldg((const uint2*)(ps + (long long)rel * out));
         if (ASYM) zv[st] = __ldg((const unsigned short*)(pz + (long long)rel * (out >> 1)));
     };
 #pragma unroll
     for (int st = 0; st < S - 1; ++st) {
         if (st < n) issue(st, st);
-        cp_async_commit();
     }
     pdl_wait();  // x is the previous kernel's
     // x of token m0 + 8b + g (clamped to M - 1: tokens past M are computed, not stored), columns
@@ -113,10 +110,7 @@ __device__ __forceinline__ void w4t_body(const u32* __restrict__ qw, const unsig
             if (k < n) {
                 const int sn = (u + S - 1) % S;
                 if (k + S - 1 < n) issue(sn, u + S - 1);
-                cp_async_commit();
-                cp_async_wait<S - 1>();
-                const uint4 w0 = ring[u * 128], w1 = ring[u * 128 + 32], w2 = ring[u * 128 + 64],
-                            w3 = ring[u * 128 + 96];
+                const uint4 w0 = wr[u][0], w1 = wr[u][1], w2 = wr[u][2], w3 = wr[u][3];
                 const bool more = k + 1 < n;
                 float tm[2][NT][4], xs[NT][4];
                 w4g_zero<NT>(tm);
@@ -174,9 +168,7 @@ __device__ __forceinline__ void w4t_body(const u32* __restrict__ qw, const unsig
 #pragma unroll
         for (int b = 0; b < NT; ++b) px[b] += 16 * S;
     }
-    cp_async_wait<0>();
-    // Each warp's partial sums go to its own ring slice (only it reads its ring): no barrier first.
-    if (!w4_sum_parts<2 * NT>(&acc[0][0][0], (float*)w4t_smem, W4T_RING_U4 * 4, wpt, warp, lane, part)) return;
+    if (!w4_sum_parts<2 * NT>(&acc[0][0][0], (float*)w4t_smem, W4T_SLOT_U4 * 4, wpt, warp, lane, part)) return;
     if (r0 >= out) return;  // out % 4 == 0: the lane's 4 rows are all in or all out
     w4g_store<NT>(acc, r0, m0, t, y, ldy, M, out, mode, vec, split);
 }
@@ -206,7 +198,7 @@ W4G_KERNEL(w4g_32, 4)
         void *y##i, long long ldy##i, int out##i, int nb##i
 // w4t_16<s symmetric | a zero points>.
 #define W4T_KERNEL(NAME, NT, ASYM)                                                                             \
-    extern "C" __global__ void __launch_bounds__(W4T_WARPS * 32)                                                 \
+    extern "C" __global__ void __launch_bounds__(W4T_WARPS * 32, 3)                                              \
         NAME(const bf16_t* x, long long ldx, int M, int in, int scale_bf16, int mode, int vec, int wpt,           \
              W4T_SEG_ARGS(0), W4T_SEG_ARGS(1), W4T_SEG_ARGS(2), W4T_SEG_ARGS(3)) {                                 \
         pdl_trigger();                                                                                           \

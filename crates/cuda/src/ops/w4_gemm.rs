@@ -22,14 +22,14 @@ use crate::error::CudaError;
 use crate::w4::W4_GROUP;
 
 const THREADS: u32 = 128;
-/// cp.async ring stages (`W4G_S`, `W4T_S`).
+/// cp.async ring stages of the tile kernels (`W4G_S`).
 const STAGES: usize = 4;
 /// Warps of a pair-kernel block (`W4T_WARPS`): one 32-row pair each at `wpt` = 1.
 const PAIR_WARPS: usize = 4;
 /// Rows of a pair of the int4 format.
 const PAIR_ROWS: usize = 32;
-/// Blocks of the pair kernels a multiprocessor holds (~136 registers a thread, 32 KB of shared memory
-/// a block), by which [`w4_gemm_config`] sizes a wave.
+/// Blocks of the pair kernels a multiprocessor holds (at most 168 registers a thread, their launch
+/// bound; 8 KB of shared memory a block), by which [`w4_gemm_config`] sizes a wave.
 const PAIR_BLOCKS_PER_SM: usize = 3;
 /// Rows of x up to which the pair kernels run (one tile of 16 tokens; from 17 rows the tile kernels
 /// are faster at the 27B shapes: bench_w4's `bench_w4_rows`).
@@ -47,8 +47,9 @@ pub fn smem_bytes(tokens: usize) -> usize {
     STAGES * (4 * 2048 + tokens * 2 * W4_GROUP + 4 * 64)
 }
 
-/// Dynamic shared memory of a pair-kernel block: each warp's ring of 2 KB units.
-pub const PAIR_SMEM_BYTES: usize = PAIR_WARPS * STAGES * 2048;
+/// Dynamic shared memory of a pair-kernel block: each warp's 2 KB of partial sums (`W4T_SLOT_U4`; the
+/// weights stream through registers).
+pub const PAIR_SMEM_BYTES: usize = PAIR_WARPS * 2048;
 
 /// How one [`w4_gemm`] launch tiles its work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
