@@ -310,18 +310,15 @@ w4_quantize(const bf16_t* __restrict__ w, long long ldw, int out, int in, int r0
     if (asym && lane == 0) zeros[(long long)gi * zstride + (r0 >> 1) + pi] = (unsigned char)zbyte;
 }
 
-// w4_read_probe (benchmark only, tests/bench_w4.rs): weight streaming alone at the pair kernel's grid
-// and warps per pair (no math), through a 4-stage cp.async ring of 2 KB units per warp (64 KB of dynamic
-// smem), over an [out, in] int4 buffer read either in the device format (tiled != 0: tile-major, a
-// (pair, group) unit contiguous) or row-major as the format was before (tiled == 0: a unit = 64 bytes of
-// each of 32 rows, row stride in/2 bytes). Says how much of the GEMV's gap to the copy rate is streaming
-// and access pattern rather than math. sink gets one word that is never 0x9e3779b9.
-#define W4R_S 4
-#define W4R_STAGE_U4 128
+// w4_read_probe (benchmark only, tests/bench_w4.rs): weight streaming alone as the pair kernel streams
+// (its grid, warps per pair and W4P_S register stages of non-allocating loads; no math, no shared memory),
+// over an [out, in] int4 buffer read either in the device format (tiled != 0: tile-major, a (pair, group)
+// unit contiguous) or row-major as the format was before (tiled == 0: a unit = 64 bytes of each of 32
+// rows, row stride in/2 bytes). Says how much of the GEMV's gap to the copy rate is streaming and access
+// pattern rather than math. sink gets one word that is never 0x9e3779b9.
 extern "C" __global__ void __launch_bounds__(W4_WARPS * 32, 2)
 w4_read_probe(const uint4* __restrict__ qw, int out, int in, int wpt, int tiled, unsigned* __restrict__ sink) {
-    extern __shared__ uint4 w4_dyn[];
-    constexpr int S = W4R_S;
+    constexpr int S = W4P_S;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int pair = blockIdx.x * (W4_WARPS / wpt) + warp / wpt;
@@ -331,36 +328,29 @@ w4_read_probe(const uint4* __restrict__ qw, int out, int in, int wpt, int tiled,
     const int n = ge - gb;
     const int r0 = pair * 32 + 4 * g;
     const long long wrow = (long long)(in >> 5);
-    const u32 ring_s = smem_addr(w4_dyn + warp * (S * W4R_STAGE_U4));
-    const uint4* ring = w4_dyn + warp * (S * W4R_STAGE_U4);
     auto src = [&](int k, int j) -> const uint4* {
         if (tiled) return qw + w4_u4(min(r0 + j, out - 1), 4 * k + t, out, ng);
         return qw + (long long)min(r0 + j, out - 1) * wrow + t + 4 * k;
     };
+    uint4 wr[S][4];
     auto issue = [&](int st, int k) {
-        const u32 base = ring_s + (u32)(st * W4R_STAGE_U4 * 16) + lane * 16;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) cp_async16(base + j * 512, src(k, j));
+        for (int j = 0; j < 4; ++j) wr[st][j] = ld_nc_stream(src(k, j));
     };
     u32 acc = 0;
 #pragma unroll
-    for (int st = 0; st < S - 1; ++st) {
+    for (int st = 0; st < S - 1; ++st)
         if (st < n) issue(st, gb + st);
-        cp_async_commit();
-    }
     for (int k0 = 0; k0 < n; k0 += S) {
 #pragma unroll
         for (int u = 0; u < S; ++u) {
             const int k = k0 + u;
             if (k < n) {
                 if (k + S - 1 < n) issue((u + S - 1) % S, gb + k + S - 1);
-                cp_async_commit();
-                cp_async_wait<S - 1>();
-                const uint4* stg = ring + u * W4R_STAGE_U4 + lane;
-                acc ^= stg[0].x ^ stg[32].y ^ stg[64].z ^ stg[96].w;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc ^= wr[u][j].x ^ wr[u][j].y ^ wr[u][j].z ^ wr[u][j].w;
             }
         }
     }
-    cp_async_wait<0>();
     if (acc == 0x9e3779b9u) sink[0] = acc;
 }

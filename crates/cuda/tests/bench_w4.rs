@@ -332,7 +332,7 @@ fn run(rt: &Runtime, k: &Kernels) -> R<()> {
     Ok(())
 }
 
-/// The pair kernel's weight streaming alone (w4_read_probe: same grid and ring, no math), in the
+/// The pair kernel's weight streaming alone (w4_read_probe: same grid and register stages, no math), in the
 /// device layout (tile-major: contiguous 2 KB units) and row-major as the format was before (64 bytes
 /// from each of 32 rows per unit): how much of the GEMV's gap to the copy rate is streaming and
 /// access pattern rather than the math.

@@ -165,7 +165,6 @@ impl Kernels {
         }))
         .chain(w4a16::PAIR_KERNELS.iter().map(|&n| (n, w4a16::PAIR_SMEM_BYTES)))
         .chain(w4a16::FOLD_KERNELS.iter().map(|&n| (n, w4a16::FOLD_KERNEL_SMEM_BYTES)))
-        .chain(std::iter::once(("w4_read_probe", w4a16::PROBE_SMEM_BYTES)))
         // (Tests fill every byte of an SM's shared memory: init::fill_smem.)
         .chain(std::iter::once(("init_smem", rt.max_smem_optin.max(0) as usize)))
         .chain(w4_gemm::KERNELS.iter().map(|&(n, tokens)| (n, w4_gemm::smem_bytes(tokens))))

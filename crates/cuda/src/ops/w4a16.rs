@@ -97,9 +97,6 @@ fn pair_kernel(f32_out: bool, asym: bool, bf16_scales: bool, fold: bool, vec: bo
 /// Dynamic shared memory of a pair-kernel block: 1 KB per warp, where the warps of a pair add their sums
 /// (kernels/w4_pair.cuh `W4P_WARP_U4`; the weights stream through registers).
 pub const PAIR_SMEM_BYTES: usize = WARPS * 1024;
-/// Dynamic shared memory of `w4_read_probe`: 8 warps × 4 ring stages × 2 KB (one unit of the format:
-/// 32 rows × 128 columns).
-pub const PROBE_SMEM_BYTES: usize = WARPS * 4 * 128 * 16;
 /// Output rows per warp of the pair kernel (two 16-row MMA tiles).
 const PAIR_ROWS: usize = 32;
 
@@ -523,8 +520,8 @@ fn launch_pair(
         q2, s2, z2, y2, l2, o2, r2, w2, n2, q3, s3, z3, y3, l3, o3, r3, w3, n3, fx, nw, fss, fmode, fnp, feps)
 }
 
-/// Benchmark probe: streams `w.qweight` at the pair kernel's grid for `wpt` warps per pair (through a
-/// cp.async ring, no math) in the device layout (`tiled` true: tile-major, a 2 KB unit per
+/// Benchmark probe: streams `w.qweight` as the pair kernel does for `wpt` warps per pair (its grid and
+/// register stages, no math) in the device layout (`tiled` true: tile-major, a 2 KB unit per
 /// (32-row pair, group)) or row-major as the format was before (`tiled` false, the same bytes).
 /// `sink`: one writable u32.
 pub fn w4_read_probe(
@@ -543,7 +540,7 @@ pub fn w4_read_probe(
     let grid = (to_u32(K, "blocks", w.out.div_ceil(32 * (WARPS / wpt)))?, 1, 1);
     let (out, inp, wpt_i, tiled_i) = (to_i32(K, "out", w.out)?, to_i32(K, "in", w.inp)?, wpt as i32, i32::from(tiled));
     let qw = w.qweight;
-    launch!(k, s, K, grid, (BLOCK_THREADS, 1, 1), PROBE_SMEM_BYTES as u32;
+    launch!(k, s, K, grid, (BLOCK_THREADS, 1, 1), 0;
         qw, out, inp, wpt_i, tiled_i, sink)
 }
 
