@@ -175,7 +175,7 @@ extern "C" __global__ void vision_qkv_rope(const float* __restrict__ y, const bf
 // VA_P_F16 (build switch, NVRTC -DVA_P_F16=0|1, default 1): P V in f16, V converted in shared memory once
 // per tile (scaled by 2^-8: exact for |v| in [2^-6, 2^24), values below lose bits as f16 subnormals, none
 // of a vision head's overflows f16's 65,504 below 2^24) and P rounded to f16 (11 significant bits, P <=
-// 2^VA_SLACK), one MMA per fragment: 0.95x the attention's time of 0, with P 8x more precise than bf16
+// 2^VA_SLACK), one MMA per fragment: 0.96x the attention's time of 0, with P 8x more precise than bf16
 // (bench/results/int4-gemv-register-stages-h100-2026-12-06.md). 0: two bf16 MMAs, P's rounding and its
 // residue (P to ~16 bits), for values of V past f16's range.
 #ifndef VA_P_F16

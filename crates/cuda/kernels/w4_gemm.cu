@@ -37,18 +37,20 @@
 // The "pair" GEMM (w4t_*): the decode GEMV's pair structure (w4a16.cu, w4p_body) for NT n-tiles of 8
 // tokens. No block barrier in the main loop: every warp streams its own pair's 2 KB units (lane (g, t):
 // chunk t of rows 4g + j, j = 0..3) into W4T_S register stages with non-allocating loads, the next
-// group's while this one's MMAs run (as w4p_body does); x comes from global memory (L1 / L2: every warp of the SM reads the same columns) into
-// registers one group ahead, each register reloaded right after its last use. Unpacking is one LOP3
-// per column pair into bf16 (128 + q0, 128 + q1), straight into the MMA; a third MMA with A = ones
-// gives each token's sum X of x over the group, and the group adds s * (T - (128 + z) * X) per row and
-// token (T: the MMA of 128 + q, exact integers times bf16 x, f32 accumulation).
+// group's while this one's MMAs run (as w4p_body does); x comes from global memory (L1 / L2: every
+// warp of the SM reads the same columns) into registers one group ahead, each register reloaded right
+// after its last use. Unpacking is one LOP3 per column pair into bf16 (128 + q0, 128 + q1), straight
+// into the MMA; a third MMA with A = ones gives each token's sum X of x over the group, and the group
+// adds s * (T - (128 + z) * X) per row and token (T: the MMA of 128 + q, exact integers times bf16 x,
+// f32 accumulation).
 // Blocks of W4T_WARPS warps: W4T_WARPS / wpt pairs, each over the groups of the block's K split
 // (blockIdx.z of gridDim.z) in wpt parts (the warps' partial sums are added in part order in shared
 // memory, w4_sum_parts); blockIdx.x: pairs, blockIdx.y: tiles of 8 * NT tokens. Warps of pairs past
 // out (the last block) run on clamped rows and store nothing.
 // Launch: grid (ceil(pairs / (W4T_WARPS / wpt)), ceil(M / (8 * NT)), splits), block W4T_WARPS * 32,
-// dynamic smem W4T_WARPS * 2 KB (the parts' sums), at most 168 registers (3 blocks an SM); the limits of w4g_* (out % 4 == 0, in % 128 == 0, x rows
-// 16-byte aligned); ASYM: zeros given (else symmetric, zero 8).
+// dynamic smem W4T_WARPS * 2 KB (the parts' sums), at most 168 registers (3 blocks an SM); the limits
+// of w4g_* (out % 4 == 0, in % 128 == 0, x rows 16-byte aligned); ASYM: zeros given (else symmetric,
+// zero 8).
 #define W4T_WARPS 4
 #define W4T_S 2
 #define W4T_SLOT_U4 128  // a warp's shared memory: its 2 KB of partial sums (w4_sum_parts)
@@ -86,9 +88,8 @@ __device__ __forceinline__ void w4t_body(const u32* __restrict__ qw, const unsig
         if (ASYM) zv[st] = __ldg((const unsigned short*)(pz + (long long)rel * (out >> 1)));
     };
 #pragma unroll
-    for (int st = 0; st < S - 1; ++st) {
+    for (int st = 0; st < S - 1; ++st)
         if (st < n) issue(st, st);
-    }
     pdl_wait();  // x is the previous kernel's
     // x of token m0 + 8b + g (clamped to M - 1: tokens past M are computed, not stored), columns
     // 32i + 8t .. + 7 of each group for word i: uint4 4i from px[b] + 16 * group.

@@ -236,11 +236,10 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
 #pragma unroll
     for (int c = 0; c < 8; ++c) acc[c] = 0.f;
 #pragma unroll
-    for (int st = 0; st < S - 1; ++st) {
+    for (int st = 0; st < S - 1; ++st)
         if (st < n) issue(st, st, sv[st], zv[st]);
-    }
-    // The fold's staging (W4Fold), after the sums' slots: a mode-1 lane's norm weights (a weight: before the
-    // wait) and residual values at its rows from prow in the block (the launcher keeps out % 32 == 0);
+    // The fold's staging (W4Fold), after the sums' slots: a mode-1 lane's norm weights (a weight: before
+    // the wait) and residual values at its rows from prow in the block (the launcher keeps out % 32 == 0);
     // mode 2's sums, copied by every thread of the block.
     const u32 fold_s = smem_addr(smem + W4_WARPS * W4P_WARP_U4);
     const int prow = (warp / wpt) * 32 + 4 * g;
@@ -304,8 +303,7 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     // -(128 + z) as f32: 128 = 0x43000000, one unit of the mantissa at bit 16.
-                    const u32 zq = ASYM ? (zv[u] >> (4 * j)) & 15u : 8u;
-                    const float zf = __uint_as_float(0x43000000u | (zq << 16));
+                    const float zf = ASYM ? __uint_as_float(0x43000000u | (((zv[u] >> (4 * j)) & 15u) << 16)) : 136.f;
                     c[j] = -zf * s[j];
                 }
                 acc[0] = fmaf(c[0], xs[0], fmaf(s[0], t0[0], acc[0]));

@@ -75,9 +75,14 @@ fn reference(
 /// One expert's SwiGLU MLP over the row `xr` (`blk`: its gate, up and down, `[2i, h]` then `[h, i]`),
 /// rounded to bf16 where the GPU stores (after gate/up, SwiGLU and down).
 fn expert_mlp(xr: &[f32], blk: &[f32], h: usize, i: usize) -> Vec<f32> {
-    let gu: Vec<f32> = cpu::linear::linear(xr, 1, &blk[..2 * i * h], 2 * i, h).into_iter().map(rb).collect();
-    let act: Vec<f32> = (0..i).map(|c| rb(cpu::activation::silu(gu[c]) * gu[i + c])).collect();
+    let act = expert_act(xr, blk, h, i);
     cpu::linear::linear(&act, 1, &blk[2 * i * h..], h, i).into_iter().map(rb).collect()
+}
+
+/// [`expert_mlp`]'s SwiGLU output (the down projection's input), as the GPU stores it.
+fn expert_act(xr: &[f32], blk: &[f32], h: usize, i: usize) -> Vec<f32> {
+    let gu: Vec<f32> = cpu::linear::linear(xr, 1, &blk[..2 * i * h], 2 * i, h).into_iter().map(rb).collect();
+    (0..i).map(|c| rb(cpu::activation::silu(gu[c]) * gu[i + c])).collect()
 }
 
 /// How far one rounding of the shared expert's SwiGLU output to the other neighbouring bf16 moves an output:
@@ -91,13 +96,7 @@ fn expert_mlp(xr: &[f32], blk: &[f32], h: usize, i: usize) -> Vec<f32> {
 /// output, which SwiGLU passes on at about the same size). The shared expert's gate (~0.5) passes a flip on
 /// larger than a routed expert's weight (~1 / top-k) does.
 fn flip_bound(x: &[f32], t: usize, h: usize, i: usize, blk: &[f32], gate: &[f32]) -> f32 {
-    let mut a_max = 0.0f32;
-    for r in 0..t {
-        let gu = cpu::linear::linear(&x[r * h..(r + 1) * h], 1, &blk[..2 * i * h], 2 * i, h);
-        for c in 0..i {
-            a_max = a_max.max((cpu::activation::silu(rb(gu[c])) * rb(gu[i + c])).abs());
-        }
-    }
+    let a_max = (0..t).flat_map(|r| expert_act(&x[r * h..(r + 1) * h], blk, h, i)).fold(0.0f32, |m, a| m.max(a.abs()));
     let w_max = blk[2 * i * h..].iter().fold(0.0f32, |m, w| m.max(w.abs()));
     let g_max = gate.iter().fold(0.0f32, |m, g| m.max(g.abs()));
     let step = if a_max > 0.0 { 2f32.powi(a_max.log2().floor() as i32 - 7) } else { 0.0 };
