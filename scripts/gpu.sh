@@ -82,10 +82,8 @@
 #   widen        e4m3 codes widened to bf16 pairs by integer moves and one bf16x2 multiply (the default; the
 #                build switch KV_WIDEN_BF16X2=0 keeps two f32 conversions): the quantised ops cases, then the
 #                27B int4 + fp8 KV prefill at 24 GiB (4K/32K/128K) on both Hopper kernels with it off and on
-#   w4g-variants the int4 tile GEMM's build switches: scales in registers (W4G_SMEM_SCALES=0), the default, and
-#                W4G_SCALE_A=1 (with either), W4G_SCALE_A=2:
-#                w4_gemm tests and MoE ops cases under each, the kernels alone, int4 decode by batch, MTP K = 3
-#                (W4G_BUILDS: which builds, indices 0..4, default all; W4G_PARTS: "kernels", "model" or both)
+#   w4g-tiles    the int4 tile GEMMs: w4_gemm and backend int4 tests, the kernels alone with every tile and split
+#                at 24-256 rows, 27B int4 decode at batches 24-128, prefill of 128-512 tokens, MTP K = 3 at 8-32
 #   host-experts routed int4 experts computed by the machine's CPU at 1..16 threads (examples/bench_host_experts,
 #                build it with --example bench_host_experts; no GPU used), against the bus
 #   vision       the vision tower at the real shapes: a 1024x1024 image's encode in a step, its attention
@@ -449,36 +447,20 @@ step_widen() {
     done
 }
 
-# The int4 tile GEMM's build switches (kernels/w4_tile.cuh: W4G_SMEM_SCALES, W4G_SCALE_A) against the default
-# build: each build's w4_gemm tests and MoE expert ops cases, its kernels alone (bench_w4_rows), then the 27B
-# int4 + fp8 KV decode by batch and MTP K = 3 at 24 GiB, the builds alternating.
-step_w4g-variants() {
-    local i
-    local -a vs=("-DW4G_SMEM_SCALES=0" "" "-DW4G_SCALE_A=1 -DW4G_SMEM_SCALES=0" "-DW4G_SCALE_A=1"
-        "-DW4G_SCALE_A=2")
-    local b="--prompts 512 --contexts 1024 --verify-tokens 0 --short-chunks 0 --steps 16 --batches 1,8,12,16,24,32,48,64"
-    local sel="${W4G_BUILDS:-${!vs[*]}}" parts="${W4G_PARTS:-kernels model}"
-    if [[ $parts == *kernels* ]]; then
-        for i in $sel; do
-            echo "build $i: [${vs[$i]}]"
-            DELTASERVE_NVRTC_OPTIONS="${vs[$i]}" test_run "w4g-v$i-tests" 300 "$TESTS_PAT|^FAIL" w4_gemm --nocapture \
-                --test-threads=1
-            DELTASERVE_NVRTC_OPTIONS="${vs[$i]}" DS_OPS_FILTER=moe test_run "w4g-v$i-ops-moe" 300 \
-                "FAIL|test result|panicked" ops ops_match_cpu_reference --nocapture --test-threads=1
-            DELTASERVE_NVRTC_OPTIONS="${vs[$i]}" DS_BENCH_W4_ROWS_M=16,24,32,48,64 test_run "w4g-v$i-rows" 120 \
-                "^\| (mlp|gdn|attn)" bench_w4 --nocapture --ignored bench_w4_rows
-        done
-    fi
-    if [[ $parts == *model* ]]; then
-        for i in $sel; do
-            # shellcheck disable=SC2086 # word lists of arguments
-            DELTASERVE_NVRTC_OPTIONS="${vs[$i]}" ds "w4g-v$i-batches" 200 bench $Q27 $b --weights-dtype int4 \
-                --kv-cache-dtype fp8 --lm-head-int4 --memory 40GiB
-            # shellcheck disable=SC2086
-            DELTASERVE_NVRTC_OPTIONS="${vs[$i]}" ds "w4g-v$i-spec" 200 bench $Q27 --prompts 512 --contexts 1024 \
-                --steps 16 $INT4 --speculative-tokens 3 --batches 1,4,8 --short-chunks 0
-        done
-    fi
+# The int4 tile GEMMs: the w4_gemm tests and the backend's int4 tests, the kernels alone with every tile and
+# K split at 24-256 rows (bench_w4_rows' sweep, against dequantised slices + cuBLASLt), then the 27B int4 +
+# fp8 KV steps the tiles serve: decode at batches 24-128, prefill of 128-512 tokens, MTP K = 3 at batches 8-32.
+step_w4g-tiles() {
+    test_run w4g-tests 300 "$TESTS_PAT|^FAIL" w4_gemm --nocapture --test-threads=1
+    test_run w4g-backend 300 "$TESTS_PAT|int4 GEMM" backend int4 --nocapture --test-threads=1
+    DS_BENCH_W4_ROWS_SWEEP=1 DS_BENCH_W4_ROWS_M=24,32,48,64,128,256 test_run w4g-rows 300 "^\| (mlp|gdn|attn)" \
+        bench_w4 --nocapture --ignored bench_w4_rows
+    local b="--contexts 1024 --steps 12 --short-chunks 0 --weights-dtype int4 --kv-cache-dtype fp8 --lm-head-int4"
+    # shellcheck disable=SC2086 # word lists of arguments
+    ds w4g-batches 200 bench $Q27 $b --memory 40GiB --prompts 128,256,512 --batches 24,32,48,64,96,128 \
+        --verify-tokens 0
+    # shellcheck disable=SC2086
+    ds w4g-spec 200 bench $Q27 $b --memory 40GiB --prompts 512 --batches 8,16,32 --speculative-tokens 3
 }
 
 # Routed int4 experts computed by this machine's CPU (no GPU used) at 1..16 threads, against the bus.
@@ -550,9 +532,10 @@ step_profile() {
             # shellcheck disable=SC2086
             w4) DS_BENCH_W4="gate+up" run profile-w4 120 "w4p_hsh|$keep" $ncu $sect --section SourceCounters \
                 --kernel-name w4p_hsh --launch-skip 110 --launch-count 1 "$(bin bench_w4)" --nocapture --ignored bench_w4_27b ;;
-            # The int4 tile GEMM at 32 and 48 rows (gate / up, then down): one launch each, after 20.
+            # The int4 tile GEMM at W4G_ROWS rows (default 32 and 128: the exact 32-token tile and the rounded
+            # 64-token one; gate / up, then down): one launch each, after 20.
             # shellcheck disable=SC2086
-            w4g) for m in 32 48; do for lin in gate down; do
+            w4g) for m in ${W4G_ROWS:-32 128}; do for lin in gate down; do
                     DS_BENCH_W4="$lin" DS_BENCH_W4_ROWS_M=$m run "profile-w4g-$lin-$m" 120 "w4g_|$keep" $ncu $sect $stalls \
                         --section SourceCounters --kernel-name regex:'w4g_[0-9]' --launch-skip 20 --launch-count 1 \
                         "$(bin bench_w4)" --nocapture --ignored bench_w4_rows

@@ -6,8 +6,7 @@
 #define W4G_S 4
 // Bytes of a stage's weights (4 warps x one 2 KB unit).
 #define W4G_WBYTES (W4G_WARPS * 2048)
-// Two build switches for the tile kernel's measured stalls (bench/results/norm-in-reduce-h200-2026-12-05.md §3;
-// `scripts/gpu.sh w4g-variants` checks and times them):
+// A build switch for the tile kernel's measured stalls (bench/results/norm-in-reduce-h200-2026-12-05.md §3):
 // W4G_SMEM_SCALES (on by default): a group's scales ride the cp.async ring (W4G_SBYTES a stage: 4 warps x 8 row
 // quads x 8 bytes, after the weights and the x tile; the launcher's shared memory always has room) instead of
 // registers loaded S - 1 groups ahead; 0 restores the registers. The kernels alone 4-12% faster at 24-64 rows,
@@ -16,15 +15,14 @@
 #ifndef W4G_SMEM_SCALES
 #define W4G_SMEM_SCALES 1
 #endif
-// W4G_SCALE_A: the weights dequantised to bf16 (q - z) * s before the MMA, which then accumulates across
-// groups: no per-group partial sums to scale after the group's last MMA (the drain the profile shows). The
-// weights are rounded to bf16 as the dequantise + cuBLASLt path rounds them, fp16 scales rounded to bf16
-// first (two roundings: a host simulation of the w4_gemm tests' draws put the worst error at up to 1.5x
-// their tolerance with fp16 scales, 0.9x with bf16 ones). W4G_SCALE_A=2 rounds once: the scale split into
-// bf16 s_hi + s_lo, (q - z) * s_lo first, then one FMA adds (q - z) * s_hi (one more FMA a pair; 0.9x).
-#ifndef W4G_SCALE_A
-#define W4G_SCALE_A 0
-#endif
+// RW (a template argument, "rounded weights"): 0 computes each group's exact products (q - z) * x on the
+// tensor cores into per-group partial sums and adds scale * sum in f32 (no rounding of the weights; the
+// group's last MMAs drain into those FMAs: norm-in-reduce-h200-2026-12-05.md §3). 1 multiplies the
+// unpacked weights by their scales before the MMA, which then accumulates across groups (no per-group
+// sums, half the accumulator registers): each weight is rounded to bf16 once, RNE((q - z) * s), as the
+// dequantise + cuBLASLt path rounds it. An fp16 scale is split into bf16 s_hi + s_lo (exact: s_lo has at
+// most 3 significant bits); (q - z) * s_lo is exact in bf16 (at most 7 bits), and one FMA adds
+// (q - z) * s_hi to it with a single rounding (a bf16 scale has s_lo = 0).
 
 // The column pair in nibbles (p, p + 4) of w (after w >> 4p) as bf16 (q0 - z, q1 - z), exact: the LOP3
 // gives bf16 (128 + q0, 128 + q1), and a bf16x2 FMA (sm_80) adds nz = -(128 + z) in both halves.
@@ -33,6 +31,16 @@ __device__ __forceinline__ u32 w4g_dq(u32 w, u32 nz) {
     asm("{\n .reg .b32 q;\n lop3.b32 q, %1, %2, %3, 0xea;\n fma.rn.bf16x2 %0, q, %4, %5;\n}"
         : "=r"(r)
         : "r"(w), "r"(0x000f000fu), "r"(0x43004300u), "r"(0x3f803f80u), "r"(nz));
+    return r;
+}
+
+// RNE((q - z) * s) of both halves of d (bf16 (q - z), exact) for s = s_hi + s_lo (both bf16x2): the
+// product with s_lo is exact (RW's comment above), the FMA with s_hi rounds once.
+__device__ __forceinline__ u32 w4g_scale(u32 d, u32 sh, u32 sl) {
+    u32 r;
+    asm("{\n .reg .b32 c;\n fma.rn.bf16x2 c, %1, %3, %4;\n fma.rn.bf16x2 %0, %1, %2, c;\n}"
+        : "=r"(r)
+        : "r"(d), "r"(sh), "r"(sl), "r"(0x80008000u));
     return r;
 }
 
@@ -97,7 +105,7 @@ __device__ __forceinline__ void w4g_store(const float (&acc)[2][NT][4], int r0, 
 // One block's tile: tokens m0 .. m0 + 8*NT of x (rows past M zero-filled, not stored), output rows
 // 128*rb .. + 127, the groups of K split `split` of `splits` (w4g_*: blockIdx.x * 8*NT, blockIdx.y,
 // blockIdx.z of gridDim.z; moe_w4g: one expert's tile).
-template <int NT>
+template <int NT, int RW = 0>
 __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,
                                          const unsigned char* __restrict__ zeros, int scale_bf16, const bf16_t* x,
                                          long long ldx, void* y, long long ldy, int M, int out, int in, int mode,
@@ -205,21 +213,21 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
                     for (int j = 0; j < 4; ++j)
                         s[j] = scale_bf16 ? __uint_as_float(bits[j] << 16) : f16_to_f32((unsigned short)bits[j]);
                 };
-#if W4G_SCALE_A
-                float s[4];
-                row_scales(s);
-                u32 s2[4], s2lo[4];
+                // RW: the scales as bf16x2 pairs s_hi, s_lo of each row; the MMAs accumulate into acc.
+                u32 sh[4], sl[4];
+                if constexpr (RW) {
+                    float s[4];
+                    row_scales(s);
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    s2[j] = pack_bf16(s[j], s[j]);
-                    const float lo = s[j] - __uint_as_float(s2[j] << 16);
-                    s2lo[j] = pack_bf16(lo, lo);
+                    for (int j = 0; j < 4; ++j) {
+                        sh[j] = pack_bf16(s[j], s[j]);
+                        const float lo = s[j] - __uint_as_float(sh[j] << 16);
+                        sl[j] = pack_bf16(lo, lo);
+                    }
                 }
-                float(&tmp)[2][NT][4] = acc;
-#else
-                float tmp[2][NT][4];
-                w4g_zero<NT>(tmp);
-#endif
+                float own[2][NT][4];
+                if constexpr (!RW) w4g_zero<NT>(own);
+                float(&tmp)[2][NT][4] = *(RW ? &acc : &own);
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     uint4 xv[NT];
@@ -237,19 +245,13 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
                         a[1][h][1] = w4g_dq(w3 >> (8 * h), nz[3]);
                         a[1][h][2] = w4g_dq(w2 >> (8 * h + 4), nz[2]);
                         a[1][h][3] = w4g_dq(w3 >> (8 * h + 4), nz[3]);
-#if W4G_SCALE_A
+                        if constexpr (RW) {
+                            // Registers 0, 2 of a tile hold its first row (4g, 4g + 2), 1, 3 its second.
 #pragma unroll
-                        for (int r = 0; r < 4; ++r) {
-                            const u32 sa = s2[r & 1], sc = s2[2 + (r & 1)];
-                            u32 ca = 0x80008000u, cc = 0x80008000u;
-                            if (W4G_SCALE_A == 2) {
-                                asm("fma.rn.bf16x2 %0, %1, %2, %0;" : "+r"(ca) : "r"(a[0][h][r]), "r"(s2lo[r & 1]));
-                                asm("fma.rn.bf16x2 %0, %1, %2, %0;" : "+r"(cc) : "r"(a[1][h][r]), "r"(s2lo[2 + (r & 1)]));
-                            }
-                            asm("fma.rn.bf16x2 %0, %0, %1, %2;" : "+r"(a[0][h][r]) : "r"(sa), "r"(ca));
-                            asm("fma.rn.bf16x2 %0, %0, %1, %2;" : "+r"(a[1][h][r]) : "r"(sc), "r"(cc));
+                            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                                for (int tl = 0; tl < 2; ++tl) a[tl][h][r] = w4g_scale(a[tl][h][r], sh[2 * tl + (r & 1)], sl[2 * tl + (r & 1)]);
                         }
-#endif
                     }
 #pragma unroll
                     for (int b = 0; b < NT; ++b) {
@@ -259,16 +261,16 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
                         mma_bf16(tmp[1][b], a[1][1], xv[b].z, xv[b].w);
                     }
                 }
-#if !W4G_SCALE_A
-                float s[4];
-                row_scales(s);
+                if constexpr (!RW) {
+                    float s[4];
+                    row_scales(s);
 #pragma unroll
-                for (int a = 0; a < 2; ++a)
+                    for (int a = 0; a < 2; ++a)
 #pragma unroll
-                    for (int b = 0; b < NT; ++b)
+                        for (int b = 0; b < NT; ++b)
 #pragma unroll
-                        for (int c = 0; c < 4; ++c) acc[a][b][c] = fmaf(s[2 * a + (c >> 1)], tmp[a][b][c], acc[a][b][c]);
-#endif
+                            for (int c = 0; c < 4; ++c) acc[a][b][c] = fmaf(s[2 * a + (c >> 1)], tmp[a][b][c], acc[a][b][c]);
+                }
             }
         }
     }

@@ -19,7 +19,7 @@ pub const W4_SLICE_BYTES: usize = 64 << 20;
 /// Most rows of x an int4 projection runs through the int4 tensor-core GEMM (`w4_gemm`): steps of
 /// more tokens than the decode GEMV takes and at most this many; longer steps dequantise row slices
 /// for cuBLASLt. The act-order x scratch and the split-K workspace are sized for this many rows.
-pub const W4_GEMM_MAX_ROWS: usize = 64;
+pub const W4_GEMM_MAX_ROWS: usize = 256;
 
 /// Most splits over K of one int4 GEMM launch (its f32 partial sums go through the workspace).
 pub const W4_GEMM_MAX_SPLITS: usize = 16;
@@ -34,25 +34,34 @@ const W4_GEMM_MIN_GROUPS_PER_SPLIT: usize = 4;
 /// GPU with more takes the splits this workspace holds).
 const W4_GEMM_PLANNED_SMS: usize = 200;
 
-/// Tokens (rows of x) per int4 GEMM block for `m` rows: 16 up to 16 rows, else 24 or 32, whichever
-/// pads `m` less (32 on a tie: fewer blocks). Every token of a block is computed (rows past `m` are
+/// An int4 GEMM block's tile for `m` rows: tokens (rows of x) per block and whether its kernel rounds
+/// the weights to bf16 before the MMA. 16 tokens up to 16 rows; to 64 rows 24 or 32 (exact weights),
+/// whichever pads `m` less (32 on a tie: fewer blocks); above 64 rows 64 tokens with rounded weights
+/// (the "r" kernel: half the accumulators, no per-group sums; 1.05–1.8× faster than dequantised
+/// slices + cuBLASLt at 128–256 rows on an H100, and slower than two exact 32-token tiles at 33–64
+/// rows: `bench_w4_rows` with its sweep). Every token of a block is computed (rows past `m` are
 /// zeros), so padding is work.
-pub fn w4_gemm_tokens(m: usize) -> usize {
-    if m <= 16 {
-        return 16;
+pub fn w4_gemm_tile(m: usize) -> (usize, bool) {
+    match m {
+        0..=16 => (16, false),
+        17..=64 if m.div_ceil(24) * 24 < m.div_ceil(32) * 32 => (24, false),
+        17..=64 => (32, false),
+        _ => (64, true),
     }
-    if m.div_ceil(24) * 24 < m.div_ceil(32) * 32 { 24 } else { 32 }
 }
 
 /// Splits over K of an int4 GEMM of `m` rows through an `[out, in]` linear on a GPU of `sms`
-/// multiprocessors: the fewest powers of two that give the launch 2.4 blocks per multiprocessor,
-/// at most [`W4_GEMM_MAX_SPLITS`] and at least 4 groups of 128 columns per split. Measured on the
-/// H200 at the 27B shapes (`bench_w4_rows` with its sweep): within 10% of the best split of each
-/// shape at 12–48 rows, where a rule aiming at 2 blocks per SM and partial sums of at most a quarter
-/// of the weight bytes was up to 1.7× slower (10240 × 5120 at 32 rows: 50.9 µs against 29.3).
+/// multiprocessors: the fewest powers of two that give the launch 2.4 blocks per multiprocessor (0.8
+/// waves of the exact tiles, 3 blocks an SM) or, for the 64-token rounded tile (2 an SM), 2.6 (1.3
+/// waves); at most [`W4_GEMM_MAX_SPLITS`] and at least 4 groups of 128 columns per split. Measured at
+/// the 27B shapes (`bench_w4_rows` with its sweep): within 10% of the best split of each shape at
+/// 12–48 rows on the H200 and at 128 and 256 rows on the H100 (11% for 5120 × 6144 at 128 rows), where
+/// a rule aiming at 2 blocks per SM and partial sums of at most a quarter of the weight bytes was up to
+/// 1.7× slower (10240 × 5120 at 32 rows: 50.9 µs against 29.3).
 pub fn w4_gemm_splits(m: usize, out: usize, inp: usize, sms: usize) -> usize {
-    let tiles = out.div_ceil(W4_GEMM_BLOCK_ROWS) * m.max(1).div_ceil(w4_gemm_tokens(m));
-    let target = (12 * sms.max(1)).div_ceil(5);
+    let (tokens, rounded) = w4_gemm_tile(m);
+    let tiles = out.div_ceil(W4_GEMM_BLOCK_ROWS) * m.max(1).div_ceil(tokens);
+    let target = (if rounded { 26 } else { 24 } * sms.max(1)).div_ceil(10);
     let most = (inp / QUANT_GROUP / W4_GEMM_MIN_GROUPS_PER_SPLIT).clamp(1, W4_GEMM_MAX_SPLITS);
     let mut splits = 1;
     while tiles * splits < target && 2 * splits <= most {

@@ -101,13 +101,14 @@ fn int4_scratch_adds_the_slice_the_x_scratch_and_the_gemm_workspace() {
     let base = ScratchParts::new(&cfg, o.max_batch_tokens, o.max_seqs, WeightsDtype::Bf16, false).total();
     assert_eq!(ScratchParts::of(&cfg, &o).total(), base);
     o.weights_dtype = WeightsDtype::Int4;
-    // x for up to 64 rows of the widest input (down: 17408); the split-K partial sums of the linear that
-    // needs most on a GPU of 200 SMs: attention q + gate (12288 outputs, 96 row tiles) in 8 splits at 32
-    // rows (down: 16 splits of 5120 outputs).
-    let ws = w4_gemm_workspace_bound(12288, 5120, W4_GEMM_MAX_ROWS);
-    assert_eq!(ws, 8 * 32 * 12288 * 4);
-    assert_eq!(w4_gemm_workspace_bound(5120, 17408, W4_GEMM_MAX_ROWS), 16 * 32 * 5120 * 4);
-    assert_eq!(ScratchParts::of(&cfg, &o).total(), base + al(2 * 64 * 17408) + W4_SLICE_BYTES + al(ws));
+    // x for up to 256 rows of the widest input (down: 17408); the split-K partial sums of the linear
+    // that needs most on a GPU of 200 SMs: DeltaNet qkv (10240 outputs, 80 row tiles) in 4 splits at 192
+    // rows (three 64-token tiles; down's 40 row tiles: 8 splits of 5120 outputs, the same bytes).
+    let ws = w4_gemm_workspace_bound(10240, 5120, W4_GEMM_MAX_ROWS);
+    assert_eq!(ws, 4 * 192 * 10240 * 4);
+    assert_eq!(w4_gemm_workspace_bound(5120, 17408, W4_GEMM_MAX_ROWS), 8 * 192 * 5120 * 4);
+    assert_eq!(w4_gemm_workspace_bound(12288, 5120, W4_GEMM_MAX_ROWS), 4 * 128 * 12288 * 4);
+    assert_eq!(ScratchParts::of(&cfg, &o).total(), base + al(2 * 256 * 17408) + W4_SLICE_BYTES + al(ws));
     o.weights_dtype = WeightsDtype::Bf16;
     o.lm_head_int4 = true;
     assert_eq!(ScratchParts::of(&cfg, &o).total(), base + al(2 * 8 * 5120));

@@ -13,7 +13,7 @@
 use cudarc::driver::CudaStream;
 pub use deltaserve_plan::cuda::W4_GEMM_BLOCK_ROWS as BLOCK_ROWS;
 pub use deltaserve_plan::cuda::W4_GEMM_MAX_SPLITS as MAX_SPLITS;
-use deltaserve_plan::cuda::{w4_gemm_partial_bytes, w4_gemm_splits, w4_gemm_tokens};
+use deltaserve_plan::cuda::{w4_gemm_partial_bytes, w4_gemm_splits, w4_gemm_tile};
 
 use super::w4a16::{self, W4Out, W4Weights, permute_x};
 use super::{Kernels, invalid, launch_pdl, norm, to_i32, to_u32};
@@ -34,15 +34,16 @@ const PAIR_BLOCKS_PER_SM: usize = 3;
 /// Rows of x up to which the pair kernels run (one tile of 16 tokens; from 17 rows the tile kernels
 /// are faster at the 27B shapes: bench_w4's `bench_w4_rows`).
 pub const PAIR_MAX_ROWS: usize = 16;
-/// The tile kernels and their tokens per block.
-pub(crate) const KERNELS: [(&str, usize); 3] = [("w4g_16", 16), ("w4g_24", 24), ("w4g_32", 32)];
+/// The tile kernels: tokens per block, weights rounded to bf16 before the MMA (the "r" kernels).
+pub(crate) const KERNELS: [(&str, usize, bool); 4] =
+    [("w4g_16", 16, false), ("w4g_24", 24, false), ("w4g_32", 32, false), ("w4g_64r", 64, true)];
 /// The pair kernels: symmetric, with zero points.
 pub(crate) const PAIR_KERNELS: [&str; 2] = ["w4t_16s", "w4t_16a"];
 
 /// Dynamic shared memory of a tile-kernel block of `tokens` tokens: per stage 4 weight units of 2 KB,
 /// the x tile (`tokens` × 128 bf16) and the warps' scales (4 × 64 B, `W4G_SBYTES`, which the default
-/// `W4G_SMEM_SCALES` build copies with the weights; 3 blocks of 32 tokens fit an H100's / H200's
-/// multiprocessor, 1 an sm_86 / sm_89 one).
+/// `W4G_SMEM_SCALES` build copies with the weights; 3 blocks of 32 tokens or 2 of 64 fit an H100's /
+/// H200's multiprocessor, 1 an sm_86 / sm_89 one).
 pub fn smem_bytes(tokens: usize) -> usize {
     STAGES * (4 * 2048 + tokens * 2 * W4_GROUP + 4 * 64)
 }
@@ -54,13 +55,16 @@ pub const PAIR_SMEM_BYTES: usize = PAIR_WARPS * 2048;
 /// How one [`w4_gemm`] launch tiles its work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct W4GemmConfig {
-    /// Tokens (rows of x) per block: 16, 24 or 32 (the pair kernels: 16).
+    /// Tokens (rows of x) per block: 16, 24, 32 or 64 (the pair kernels: 16).
     pub tokens: usize,
     /// Splits over K (groups of 128 columns); above 1 the partial sums go through the workspace.
     pub splits: usize,
     /// The pair kernels (`w4t_*`) with this many warps per pair (1, 2 or 4; a split's groups in that
     /// many parts, added in the block); 0: the tile kernels (`w4g_*`).
     pub wpt: usize,
+    /// The tile kernel that rounds each weight to bf16 before the MMA (`w4g_64r`, 64 tokens) instead
+    /// of scaling exact per-group sums.
+    pub rounded: bool,
 }
 
 /// The configuration for `m` rows of x through an `[out, inp]` linear on a GPU of `sms` SMs with a
@@ -71,7 +75,7 @@ pub fn w4_gemm_config(m: usize, out: usize, inp: usize, sms: usize, workspace: u
         return w4_tile_config(m, out, inp, sms, workspace);
     }
     let (wpt, splits) = pair_tiling(out.div_ceil(PAIR_ROWS), inp, sms, true);
-    W4GemmConfig { tokens: PAIR_MAX_ROWS, splits: fit_splits(splits, m, out, workspace), wpt }
+    W4GemmConfig { tokens: PAIR_MAX_ROWS, splits: fit_splits(splits, m, out, workspace), wpt, rounded: false }
 }
 
 /// `splits` halved until the partial sums of `m` rows through `out` outputs fit `workspace` bytes.
@@ -105,7 +109,8 @@ fn pair_tiling(pairs: usize, inp: usize, sms: usize, split: bool) -> (usize, usi
 /// with no more splits than the workspace holds.
 pub fn w4_tile_config(m: usize, out: usize, inp: usize, sms: usize, workspace: usize) -> W4GemmConfig {
     let splits = fit_splits(w4_gemm_splits(m, out, inp, sms), m, out, workspace);
-    W4GemmConfig { tokens: w4_gemm_tokens(m), splits, wpt: 0 }
+    let (tokens, rounded) = w4_gemm_tile(m);
+    W4GemmConfig { tokens, splits, wpt: 0, rounded }
 }
 
 /// Bytes of f32 partial sums a launch of `m` rows through `out` outputs with `cfg` needs (0 unsplit).
@@ -253,16 +258,16 @@ fn launch_gemm(
     }
     let groups = w.inp / W4_GROUP;
     let name = if cfg.wpt == 0 {
-        KERNELS.iter().find(|kn| kn.1 == cfg.tokens).map(|kn| kn.0)
+        KERNELS.iter().find(|kn| (kn.1, kn.2) == (cfg.tokens, cfg.rounded)).map(|kn| kn.0)
     } else {
-        let ok = cfg.tokens == PAIR_MAX_ROWS && [1, 2, 4].contains(&cfg.wpt);
+        let ok = cfg.tokens == PAIR_MAX_ROWS && [1, 2, 4].contains(&cfg.wpt) && !cfg.rounded;
         ok.then(|| PAIR_KERNELS[usize::from(w.zeros.is_some())])
     };
     let Some(name) = name.filter(|_| (1..=groups.min(MAX_SPLITS)).contains(&cfg.splits)) else {
         return Err(invalid(
             K,
             format!(
-                "{cfg:?}: 16, 24 or 32 tokens (pairs: 16), 0, 1, 2 or 4 warps per pair, 1..={} splits",
+                "{cfg:?}: 16, 24 or 32 tokens, or 64 rounded (pairs: 16), 0, 1, 2 or 4 warps per pair, 1..={} splits",
                 groups.min(MAX_SPLITS)
             ),
         ));
@@ -412,21 +417,24 @@ mod tests {
 
     #[test]
     fn tokens_per_block_follow_the_rows() {
-        for (m, tokens) in [
-            (1, 16),
-            (9, 16),
-            (16, 16),
-            (17, 24),
-            (24, 24),
-            (25, 32),
-            (32, 32),
-            (48, 24),
-            (64, 32),
-            (100, 24),
-            (256, 32),
+        for (m, tokens, rounded) in [
+            (1, 16, false),
+            (9, 16, false),
+            (16, 16, false),
+            (17, 24, false),
+            (24, 24, false),
+            (25, 32, false),
+            (32, 32, false),
+            (48, 24, false),
+            (64, 32, false),
+            (65, 64, true),
+            (100, 64, true),
+            (256, 64, true),
         ] {
-            assert_eq!(w4_tile_config(m, 17408, 5120, H200, usize::MAX).tokens, tokens, "m = {m}");
-            assert_eq!(w4_gemm_config(m, 17408, 5120, H200, usize::MAX).tokens, tokens, "m = {m}");
+            let cfg = w4_tile_config(m, 17408, 5120, H200, usize::MAX);
+            assert_eq!((cfg.tokens, cfg.rounded), (tokens, rounded), "m = {m}");
+            let cfg = w4_gemm_config(m, 17408, 5120, H200, usize::MAX);
+            assert_eq!((cfg.tokens, cfg.rounded), (tokens, rounded), "m = {m}");
         }
     }
 
@@ -441,8 +449,14 @@ mod tests {
         // gate / up (17408 x 5120): 136 row tiles; 4 splits at 16 rows, 2 at 64 (two token tiles).
         assert_eq!(c(16, 17408, 5120), 4);
         assert_eq!(c(64, 17408, 5120), 2);
-        // Enough blocks: no split; 256 rows of the 5120 x 5120 shape: 320 blocks.
-        assert_eq!(c(256, 5120, 5120), 1);
+        // Above 64 rows the 64-token tile, 2.6 blocks an SM: 344 on the H200. gate / up at 128 rows:
+        // 272 tiles, 2 splits; at 256 rows 544 tiles, none; down at 128 rows: 80 tiles, 8 splits.
+        assert_eq!(c(128, 17408, 5120), 2);
+        assert_eq!(c(256, 17408, 5120), 1);
+        assert_eq!(c(128, 5120, 17408), 8);
+        // Enough blocks: no split; 100 rows of the 5120 x 5120 shape: 80 tiles, 8 splits (640).
+        assert_eq!(c(100, 5120, 5120), 8);
+        assert_eq!(c(200, 12288, 5120), 1);
         // Few groups: at least 4 per split (the tiny model's 128 x 256: 2 groups, no split).
         assert_eq!(c(4, 128, 256), 1);
         assert_eq!(c(1, 256, 1024), 2);
@@ -494,7 +508,7 @@ mod tests {
             }
             assert_eq!(w4_gemm_config(16, out, inp, H200, 0).splits, 1);
         }
-        let cfg = W4GemmConfig { tokens: 16, splits: 3, wpt: 1 };
+        let cfg = W4GemmConfig { tokens: 16, splits: 3, wpt: 1, rounded: false };
         assert_eq!(w4_gemm_workspace_bytes(10, 5120, cfg), 3 * 10 * 5120 * 4);
         assert_eq!(w4_gemm_workspace_bytes(10, 5120, W4GemmConfig { splits: 1, ..cfg }), 0);
         assert_eq!(w4_gemm_x_scratch_bytes(3, 5120), 3 * 5120 * 2);
@@ -503,7 +517,7 @@ mod tests {
     #[test]
     fn every_kernel_is_compiled_with_the_module() {
         let module = crate::nvrtc::SOURCES.iter().find(|s| s.module == "w4_gemm").expect("w4_gemm module");
-        for (name, tokens) in KERNELS {
+        for (name, tokens, _) in KERNELS {
             assert!(module.functions.contains(&name), "{name}");
             assert!(smem_bytes(tokens) <= 99 * 1024, "{name}: fits sm_86's 99 KB per block");
         }
