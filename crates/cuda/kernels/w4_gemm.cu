@@ -182,8 +182,9 @@ __device__ __forceinline__ void w4t_body(const u32* __restrict__ qw, const unsig
 // registers. Registers capped for the blocks a multiprocessor's shared memory holds at W4G_S = 4: 3 of
 // 32 tokens or fewer (168), 2 of 64. (A 64-token tile with exact per-group sums, 255 registers, measured
 // 5-15% slower than two 32-token or 24-token tiles at 40-64 rows on the H200; the rounded 64-token tile
-// is as fast as two 32-token ones at 64 rows and 1.05-1.8x faster than dequantised slices + cuBLASLt at
-// 128-256 rows on the H100; rounded 32- and 48-token tiles were no faster than the exact ones at 24-48.)
+// is within 6% of two 32-token ones at 64 rows and 1.04-2.1x faster than dequantised slices + cuBLASLt at
+// 96-256 rows on the H100 (bench/results/int4-64-token-tile-h100-2026-12-06.md); rounded 32- and 48-token
+// tiles were no faster than the exact ones at 24-64 rows.)
 #define W4G_KERNEL(NAME, NT, RW, BLOCKS)                                                                         \
     extern "C" __global__ void __launch_bounds__(W4G_WARPS * 32, BLOCKS)                                         \
         NAME(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,                              \

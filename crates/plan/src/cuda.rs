@@ -37,8 +37,8 @@ const W4_GEMM_PLANNED_SMS: usize = 200;
 /// An int4 GEMM block's tile for `m` rows: tokens (rows of x) per block and whether its kernel rounds
 /// the weights to bf16 before the MMA. 16 tokens up to 16 rows; to 64 rows 24 or 32 (exact weights),
 /// whichever pads `m` less (32 on a tie: fewer blocks); above 64 rows 64 tokens with rounded weights
-/// (the "r" kernel: half the accumulators, no per-group sums; 1.05–1.8× faster than dequantised
-/// slices + cuBLASLt at 128–256 rows on an H100, and slower than two exact 32-token tiles at 33–64
+/// (the "r" kernel: half the accumulators, no per-group sums; 1.04–2.1× faster than dequantised
+/// slices + cuBLASLt at 96–256 rows on an H100, and no faster than two exact 32-token tiles at 33–64
 /// rows: `bench_w4_rows` with its sweep). Every token of a block is computed (rows past `m` are
 /// zeros), so padding is work.
 pub fn w4_gemm_tile(m: usize) -> (usize, bool) {
