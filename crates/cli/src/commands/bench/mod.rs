@@ -282,6 +282,7 @@ pub fn run(a: Args) -> Result<()> {
     let page = plan.page_size;
     // All-reduces per step: after the embedding and after each layer's mixer and MLP.
     let reduces = (2 * d.num_layers + 1) as f64;
+    let mut warmed = std::collections::HashSet::new();
     for &t in &a.prompts {
         if t > plan.max_context {
             report.skipped.push(format!("prefill {t}: beyond the plan's context {}", plan.max_context));
@@ -290,9 +291,13 @@ pub fn run(a: Args) -> Result<()> {
         tracing::info!("bench: prefill {} tokens", fmt_count(t as u64));
         let pages: Vec<u32> = (0..t.div_ceil(page) as u32).collect();
         let tokens: Vec<u32> = (0..t).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
-        // Warm-up on the first length only (kernels and GEMM algorithms are ready after one step).
-        if report.prefill.is_empty() {
-            prefill(be.get(), &pages, &tokens[..t.min(a.max_batch_tokens)], a.max_batch_tokens)?;
+        // Warm-up: one step of each chunk size this prompt runs that no earlier prompt ran (a step's
+        // kernels and GEMM algorithms differ by its rows: the int4 linears take the int4 GEMM up to 256
+        // rows and dequantised slices above, cuBLASLt picks an algorithm per shape).
+        for size in [t.min(a.max_batch_tokens), if t > a.max_batch_tokens { t % a.max_batch_tokens } else { 0 }] {
+            if size > 0 && warmed.insert(size) {
+                prefill(be.get(), &pages, &tokens[..size], a.max_batch_tokens)?;
+            }
         }
         peak(&sampler);
         let s = prefill(be.get(), &pages, &tokens, a.max_batch_tokens)?;
