@@ -246,11 +246,14 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
                         a[1][h][2] = w4g_dq(w2 >> (8 * h + 4), nz[2]);
                         a[1][h][3] = w4g_dq(w3 >> (8 * h + 4), nz[3]);
                         if constexpr (RW) {
-                            // Registers 0, 2 of a tile hold its first row (4g, 4g + 2), 1, 3 its second.
+                            // Registers 0 and 2 of tile tl hold row 4g + 2tl, 1 and 3 row 4g + 2tl + 1.
 #pragma unroll
                             for (int r = 0; r < 4; ++r)
 #pragma unroll
-                                for (int tl = 0; tl < 2; ++tl) a[tl][h][r] = w4g_scale(a[tl][h][r], sh[2 * tl + (r & 1)], sl[2 * tl + (r & 1)]);
+                                for (int tl = 0; tl < 2; ++tl) {
+                                    const int j = 2 * tl + (r & 1);
+                                    a[tl][h][r] = w4g_scale(a[tl][h][r], sh[j], sl[j]);
+                                }
                         }
                     }
 #pragma unroll
