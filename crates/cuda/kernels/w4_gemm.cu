@@ -8,7 +8,7 @@
 // in split order (deterministic).
 //
 // Tiling: a block of W4G_WARPS = 4 warps owns 128 output rows (4 "pairs" of the format, one per warp)
-// x 8*NT tokens (NT = 2, 3, 4, 8: 16, 24, 32, 64), and the groups gb .. ge of its K split. Per group of 128
+// x 8*NT tokens (NT = 2, 3, 4, 6, 8: 16, 24, 32, 48, 64), and the groups gb .. ge of its K split. Per group of 128
 // columns a stage of the cp.async ring (W4G_S stages) holds each warp's 2 KB weight unit (the lane
 // (g, t) copies, and alone reads back, chunk t of rows 4g + j, j = 0..3, as the decode GEMV does) and
 // the x tile [8*NT tokens][128 columns] bf16 shared by the warps (16-byte chunks swizzled so that the
@@ -23,7 +23,7 @@
 // scale * tmp to acc in f32 (the GEMV's accuracy: no rounding of the weights). The "r" kernels instead
 // scale the fragments before the MMA (each weight rounded to bf16 once, as the dequantise + cuBLASLt
 // path rounds it) and accumulate across groups: no per-group drain, half the accumulators, which is what
-// lets a warp hold 64 tokens.
+// lets a warp hold 48 or 64 tokens.
 //
 // Launch: grid (ceil(M / (8*NT)), ceil(out / 128), splits), block 128, dynamic smem W4G_S * (8 KB +
 // 8*NT * 256 B); out % 4 == 0, in % 128 == 0, splits <= in / 128; x 16-byte aligned rows (ldx % 8 == 0);
@@ -180,7 +180,7 @@ __device__ __forceinline__ void w4t_body(const u32* __restrict__ qw, const unsig
 
 // w4g_<tokens per block>[r]: r rounds the weights to bf16 (w4g_body's RW), which halves the accumulator
 // registers. Registers capped for the blocks a multiprocessor's shared memory holds at W4G_S = 4: 3 of
-// 32 tokens or fewer (168), 2 of 64. (A 64-token tile with exact per-group sums, 255 registers, measured
+// 32 tokens or fewer (168), 2 of 48 or 64. (A 64-token tile with exact per-group sums, 255 registers, measured
 // 5-15% slower than two 32-token or 24-token tiles at 40-64 rows on the H200; the rounded 64-token tile
 // is within 6% of two 32-token ones at 64 rows and 1.04-2.1x faster than dequantised slices + cuBLASLt at
 // 96-256 rows on the H100 (bench/results/int4-64-token-tile-h100-2026-12-06.md); rounded 32- and 48-token
@@ -197,6 +197,7 @@ __device__ __forceinline__ void w4t_body(const u32* __restrict__ qw, const unsig
 W4G_KERNEL(w4g_16, 2, 0, 3)
 W4G_KERNEL(w4g_24, 3, 0, 3)
 W4G_KERNEL(w4g_32, 4, 0, 3)
+W4G_KERNEL(w4g_48r, 6, 1, 2)
 W4G_KERNEL(w4g_64r, 8, 1, 2)
 
 // The pair kernels take up to four linears sharing x (a layer's q/k/v, qkv/z/b/a, gate/up) as segments:

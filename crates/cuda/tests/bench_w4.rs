@@ -548,10 +548,11 @@ fn run_rows(rt: &Runtime, k: &Kernels) -> R<()> {
                     (16, 0, false),
                     (24, 0, false),
                     (32, 0, false),
+                    (48, 0, true),
                     (64, 0, true),
                 ];
                 for splits in [1, 2, 3, 4, 5, 6, 8, 12].into_iter().filter(|&sp| sp <= inp / 512) {
-                    let fits = |&(tk, wpt, _): &(usize, usize, bool)| (wpt == 0 || m <= tk) && (m <= 64 || tk == 64);
+                    let fits = |&(tk, wpt, _): &(usize, usize, bool)| (wpt == 0 || m <= tk) && (m <= 64 || tk >= 48);
                     for (tokens, wpt, rounded) in kinds.into_iter().filter(fits) {
                         let cfg = W4GemmConfig { tokens, splits, wpt, rounded };
                         let t = gemm_us(cfg)?;

@@ -245,7 +245,7 @@ fn run_case(rt: &Runtime, k: &Kernels, sms: usize, c: Case, rng: &mut StdRng) ->
     let mut cfgs = vec![auto];
     if c.out < SAMPLE_FROM {
         let groups = c.inp / W4_GROUP;
-        let tiles = [(16, false), (24, false), (32, false), (64, true)];
+        let tiles = [(16, false), (24, false), (32, false), (48, true), (64, true)];
         for (tokens, rounded) in tiles {
             for splits in [1, 2, 3, groups.min(w4_gemm::MAX_SPLITS)] {
                 for wpt in [0, 1, 2, 4].into_iter().filter(|&w| w == 0 || (tokens == 16 && !rounded)) {

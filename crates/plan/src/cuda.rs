@@ -36,28 +36,30 @@ const W4_GEMM_PLANNED_SMS: usize = 200;
 
 /// An int4 GEMM block's tile for `m` rows: tokens (rows of x) per block and whether its kernel rounds
 /// the weights to bf16 before the MMA. 16 tokens up to 16 rows; to 64 rows 24 or 32 (exact weights),
-/// whichever pads `m` less (32 on a tie: fewer blocks); above 64 rows 64 tokens with rounded weights
-/// (the "r" kernel: half the accumulators, no per-group sums; 1.04–2.1× faster than dequantised
-/// slices + cuBLASLt at 96–256 rows on an H100, and no faster than two exact 32-token tiles at 33–64
-/// rows: `bench_w4_rows` with its sweep). Every token of a block is computed (rows past `m` are
-/// zeros), so padding is work.
+/// whichever pads `m` less (32 on a tie: fewer blocks); above 64 rows 48 or 64 tokens with rounded
+/// weights (the "r" kernels: half the accumulators, no per-group sums; 1.04–2.1× faster than
+/// dequantised slices + cuBLASLt at 96–256 rows on an H100, and no faster than two exact 32-token tiles
+/// at 33–64 rows: `bench_w4_rows` with its sweep): 48 where it takes no more tiles than 64 (a 48-token
+/// tile costs 8–16% less than a 64-token one), else 64. Every token of a block is computed (rows past
+/// `m` are zeros), so padding is work.
 pub fn w4_gemm_tile(m: usize) -> (usize, bool) {
     match m {
         0..=16 => (16, false),
         17..=64 if m.div_ceil(24) * 24 < m.div_ceil(32) * 32 => (24, false),
         17..=64 => (32, false),
+        _ if m.div_ceil(48) == m.div_ceil(64) => (48, true),
         _ => (64, true),
     }
 }
 
 /// Splits over K of an int4 GEMM of `m` rows through an `[out, in]` linear on a GPU of `sms`
 /// multiprocessors: the fewest powers of two that give the launch 2.4 blocks per multiprocessor (0.8
-/// waves of the exact tiles, 3 blocks an SM) or, for the 64-token rounded tile (2 an SM), 2.6 (1.3
-/// waves); at most [`W4_GEMM_MAX_SPLITS`] and at least 4 groups of 128 columns per split. Measured at
-/// the 27B shapes (`bench_w4_rows` with its sweep): within 10% of the best split of each shape at
-/// 12–48 rows on the H200 and at 128 and 256 rows on the H100 (11% for 5120 × 6144 at 128 rows), where
-/// a rule aiming at 2 blocks per SM and partial sums of at most a quarter of the weight bytes was up to
-/// 1.7× slower (10240 × 5120 at 32 rows: 50.9 µs against 29.3).
+/// waves of the exact tiles, 3 blocks an SM) or, for the rounded tiles (2 an SM), 2.6 (1.3 waves); at
+/// most [`W4_GEMM_MAX_SPLITS`] and at least 4 groups of 128 columns per split. Measured at the 27B
+/// shapes (`bench_w4_rows` with its sweep): within 10% of the best split of each shape at 12–48 rows on
+/// the H200 and at 128 and 256 rows on the H100 (11% for 5120 × 6144 at 128 rows), where a rule aiming
+/// at 2 blocks per SM and partial sums of at most a quarter of the weight bytes was up to 1.7× slower
+/// (10240 × 5120 at 32 rows: 50.9 µs against 29.3).
 pub fn w4_gemm_splits(m: usize, out: usize, inp: usize, sms: usize) -> usize {
     let (tokens, rounded) = w4_gemm_tile(m);
     let tiles = out.div_ceil(W4_GEMM_BLOCK_ROWS) * m.max(1).div_ceil(tokens);

@@ -35,8 +35,8 @@ const PAIR_BLOCKS_PER_SM: usize = 3;
 /// are faster at the 27B shapes: bench_w4's `bench_w4_rows`).
 pub const PAIR_MAX_ROWS: usize = 16;
 /// The tile kernels: tokens per block, weights rounded to bf16 before the MMA (the "r" kernels).
-pub(crate) const KERNELS: [(&str, usize, bool); 4] =
-    [("w4g_16", 16, false), ("w4g_24", 24, false), ("w4g_32", 32, false), ("w4g_64r", 64, true)];
+pub(crate) const KERNELS: [(&str, usize, bool); 5] =
+    [("w4g_16", 16, false), ("w4g_24", 24, false), ("w4g_32", 32, false), ("w4g_48r", 48, true), ("w4g_64r", 64, true)];
 /// The pair kernels: symmetric, with zero points.
 pub(crate) const PAIR_KERNELS: [&str; 2] = ["w4t_16s", "w4t_16a"];
 
@@ -55,15 +55,15 @@ pub const PAIR_SMEM_BYTES: usize = PAIR_WARPS * 2048;
 /// How one [`w4_gemm`] launch tiles its work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct W4GemmConfig {
-    /// Tokens (rows of x) per block: 16, 24, 32 or 64 (the pair kernels: 16).
+    /// Tokens (rows of x) per block: 16, 24, 32, 48 or 64 (the pair kernels: 16).
     pub tokens: usize,
     /// Splits over K (groups of 128 columns); above 1 the partial sums go through the workspace.
     pub splits: usize,
     /// The pair kernels (`w4t_*`) with this many warps per pair (1, 2 or 4; a split's groups in that
     /// many parts, added in the block); 0: the tile kernels (`w4g_*`).
     pub wpt: usize,
-    /// The tile kernel that rounds each weight to bf16 before the MMA (`w4g_64r`, 64 tokens) instead
-    /// of scaling exact per-group sums.
+    /// The tile kernels that round each weight to bf16 before the MMA (`w4g_48r`, `w4g_64r`: 48 or 64
+    /// tokens) instead of scaling exact per-group sums.
     pub rounded: bool,
 }
 
@@ -267,7 +267,7 @@ fn launch_gemm(
         return Err(invalid(
             K,
             format!(
-                "{cfg:?}: 16, 24 or 32 tokens, or 64 rounded (pairs: 16), 0, 1, 2 or 4 warps per pair, 1..={} splits",
+                "{cfg:?}: 16, 24 or 32 tokens, or 48 or 64 rounded (pairs: 16), 0, 1, 2 or 4 warps per pair, 1..={} splits",
                 groups.min(MAX_SPLITS)
             ),
         ));
@@ -427,8 +427,12 @@ mod tests {
             (32, 32, false),
             (48, 24, false),
             (64, 32, false),
-            (65, 64, true),
-            (100, 64, true),
+            (65, 48, true),
+            (96, 48, true),
+            (97, 64, true),
+            (128, 64, true),
+            (144, 48, true),
+            (200, 64, true),
             (256, 64, true),
         ] {
             let cfg = w4_tile_config(m, 17408, 5120, H200, usize::MAX);
