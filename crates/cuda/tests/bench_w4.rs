@@ -532,7 +532,7 @@ fn run_rows(rt: &Runtime, k: &Kernels) -> R<()> {
             println!(
                 "| {name} | {out} x {inp} | {m} | {}{}/{}/{} | {us:.1} | {gbs:.0} | {:.1}% | {tile_us:.1} | {gemv} | {dq:.1} | {:.2}x |",
                 auto.tokens,
-                if auto.rounded { "r" } else { "" },
+                if w4_gemm::rounds_weights(auto.tokens) { "r" } else { "" },
                 auto.splits,
                 auto.wpt,
                 100.0 * gbs / copy,
@@ -541,25 +541,16 @@ fn run_rows(rt: &Runtime, k: &Kernels) -> R<()> {
             if sweep && m >= 9 {
                 // The pair kernels (16 tokens, 1/2/4 warps per pair), then the tile kernels (wpt 0;
                 // "r": the weights rounded to bf16 before the MMA).
-                let kinds = [
-                    (16, 1, false),
-                    (16, 2, false),
-                    (16, 4, false),
-                    (16, 0, false),
-                    (24, 0, false),
-                    (32, 0, false),
-                    (48, 0, true),
-                    (64, 0, true),
-                ];
+                let kinds = [(16, 1), (16, 2), (16, 4), (16, 0), (24, 0), (32, 0), (48, 0), (64, 0)];
                 for splits in [1, 2, 3, 4, 5, 6, 8, 12].into_iter().filter(|&sp| sp <= inp / 512) {
-                    let fits = |&(tk, wpt, _): &(usize, usize, bool)| (wpt == 0 || m <= tk) && (m <= 64 || tk >= 48);
-                    for (tokens, wpt, rounded) in kinds.into_iter().filter(fits) {
-                        let cfg = W4GemmConfig { tokens, splits, wpt, rounded };
+                    let fits = |&(tk, wpt): &(usize, usize)| (wpt == 0 || m <= tk) && (m <= 64 || tk >= 48);
+                    for (tokens, wpt) in kinds.into_iter().filter(fits) {
+                        let cfg = W4GemmConfig { tokens, splits, wpt };
                         let t = gemm_us(cfg)?;
                         let gbs = wbytes / (t * 1e-6) / 1e9;
                         println!(
                             "|   sweep | {out} x {inp} | {m} | {tokens}{}/{splits}/{wpt} | {t:.1} | {gbs:.0} | {:.1}% | | | | |",
-                            if rounded { "r" } else { "" },
+                            if w4_gemm::rounds_weights(tokens) { "r" } else { "" },
                             100.0 * gbs / copy
                         );
                     }

@@ -1,7 +1,7 @@
 //! `w4_gemm` (int4 weights × bf16 x at any number of rows) against the host oracle: the weights
 //! dequantised by [`W4Linear::dequantize_row`] times the bf16-rounded x, summed in f64; for the tile
-//! kernels that round the weights to bf16 before the MMA (`rounded`), the oracle's weights rounded the
-//! same way (RNE of the exact (q − z)·s, what `w4_dequant` writes).
+//! kernels that round the weights to bf16 before the MMA (`w4_gemm::rounds_weights`), the oracle's
+//! weights rounded the same way (RNE of the exact (q − z)·s, what `w4_dequant` writes).
 //!
 //! Each case draws a random linear in the device format (random quant words, scales of both signs in
 //! fp16 or bf16 bits, random zero points when asymmetric, a random act-order permutation when `perm`),
@@ -245,11 +245,10 @@ fn run_case(rt: &Runtime, k: &Kernels, sms: usize, c: Case, rng: &mut StdRng) ->
     let mut cfgs = vec![auto];
     if c.out < SAMPLE_FROM {
         let groups = c.inp / W4_GROUP;
-        let tiles = [(16, false), (24, false), (32, false), (48, true), (64, true)];
-        for (tokens, rounded) in tiles {
+        for tokens in [16, 24, 32, 48, 64] {
             for splits in [1, 2, 3, groups.min(w4_gemm::MAX_SPLITS)] {
-                for wpt in [0, 1, 2, 4].into_iter().filter(|&w| w == 0 || (tokens == 16 && !rounded)) {
-                    let cfg = W4GemmConfig { tokens, splits: splits.min(groups), wpt, rounded };
+                for wpt in [0, 1, 2, 4].into_iter().filter(|&w| w == 0 || tokens == 16) {
+                    let cfg = W4GemmConfig { tokens, splits: splits.min(groups), wpt };
                     if !cfgs.contains(&cfg) {
                         cfgs.push(cfg);
                     }
@@ -258,7 +257,7 @@ fn run_case(rt: &Runtime, k: &Kernels, sms: usize, c: Case, rng: &mut StdRng) ->
         }
     }
     let exact = oracle(&l, &rows, &xs, c.m, false);
-    let rounded = cfgs.iter().any(|cfg| cfg.rounded).then(|| oracle(&l, &rows, &xs, c.m, true));
+    let rounded = cfgs.iter().any(|cfg| w4_gemm::rounds_weights(cfg.tokens)).then(|| oracle(&l, &rows, &xs, c.m, true));
     let b = l.bytes();
     let ws_most = cfgs.iter().map(|&cfg| w4_gemm::w4_gemm_workspace_bytes(c.m, c.out, cfg)).max().unwrap_or(0);
     let y_bytes = 4 * (c.m + 1) * ldy;
@@ -300,12 +299,12 @@ fn run_case(rt: &Runtime, k: &Kernels, sms: usize, c: Case, rng: &mut StdRng) ->
         let tag = format!(
             "tokens={}{} splits={} wpt={}{}",
             cfg.tokens,
-            if cfg.rounded { "r" } else { "" },
+            if w4_gemm::rounds_weights(cfg.tokens) { "r" } else { "" },
             cfg.splits,
             cfg.wpt,
             if cfg == auto { " (default)" } else { "" }
         );
-        let reference = match (&rounded, cfg.rounded) {
+        let reference = match (&rounded, w4_gemm::rounds_weights(cfg.tokens)) {
             (Some(r), true) => r,
             _ => &exact,
         };
@@ -428,7 +427,7 @@ fn w4_gemm_multi_equals_single_launches() {
         assert!(w4_gemm::multi_supported(&w4, x, inp, m));
         w4_gemm::w4_gemm_multi(&k, &s, &w4, x, inp, m, sms).expect("multi launch");
         let wpt = w4_gemm::multi_wpt(&w4, sms);
-        let cfg = W4GemmConfig { tokens: 16, splits: 1, wpt, rounded: false };
+        let cfg = W4GemmConfig { tokens: 16, splits: 1, wpt };
         for o in &w4 {
             let y = y_single + (o.y - y_multi);
             w4_gemm::w4_gemm(&k, &s, o.w, x, inp, y, total, m, cfg, false, None, None).expect("single launch");
@@ -453,8 +452,7 @@ fn w4_gemm_norm_equals_reduce_then_norm() {
         println!("SKIP: no CUDA driver");
         return;
     };
-    let cfg = |tokens, splits, wpt| W4GemmConfig { tokens, splits, wpt, rounded: false };
-    let rounded = |tokens, splits| W4GemmConfig { tokens, splits, wpt: 0, rounded: true };
+    let cfg = |tokens, splits, wpt| W4GemmConfig { tokens, splits, wpt };
     let cases = [
         (12, 5120, 17408, false, cfg(16, 2, 4)),
         (40, 5120, 6144, true, cfg(24, 8, 0)),
@@ -462,8 +460,8 @@ fn w4_gemm_norm_equals_reduce_then_norm() {
         (9, 1024, 512, true, cfg(16, 2, 1)),
         (33, 512, 4096, false, cfg(32, 16, 0)),
         (64, 5120, 5120, false, cfg(32, 5, 0)),
-        (64, 5120, 17408, true, rounded(64, 8)),
-        (100, 5120, 6144, false, rounded(64, 3)),
+        (64, 5120, 17408, true, cfg(64, 8, 0)),
+        (100, 5120, 6144, false, cfg(64, 3, 0)),
     ];
     for (n, (m, out, inp, asym, cfg)) in cases.into_iter().enumerate() {
         let mut rng = StdRng::seed_from_u64(0x5eed_0200 + n as u64);

@@ -34,22 +34,27 @@ const W4_GEMM_MIN_GROUPS_PER_SPLIT: usize = 4;
 /// GPU with more takes the splits this workspace holds).
 const W4_GEMM_PLANNED_SMS: usize = 200;
 
-/// An int4 GEMM block's tile for `m` rows: tokens (rows of x) per block and whether its kernel rounds
-/// the weights to bf16 before the MMA. 16 tokens up to 16 rows; to 64 rows 24 or 32 (exact weights),
+/// Tokens (rows of x) per int4 GEMM block for `m` rows: 16 up to 16 rows; to 64 rows 24 or 32 (exact weights),
 /// whichever pads `m` less (32 on a tie: fewer blocks); above 64 rows 48 or 64 tokens with rounded
 /// weights (the "r" kernels: half the accumulators, no per-group sums; 1.04–2.1× faster than
 /// dequantised slices + cuBLASLt at 96–256 rows on an H100, and no faster than two exact 32-token tiles
 /// at 33–64 rows: `bench_w4_rows` with its sweep): 48 where it takes no more tiles than 64 (a 48-token
 /// tile costs 8–16% less than a 64-token one), else 64. Every token of a block is computed (rows past
 /// `m` are zeros), so padding is work.
-pub fn w4_gemm_tile(m: usize) -> (usize, bool) {
+pub fn w4_gemm_tokens(m: usize) -> usize {
     match m {
-        0..=16 => (16, false),
-        17..=64 if m.div_ceil(24) * 24 < m.div_ceil(32) * 32 => (24, false),
-        17..=64 => (32, false),
-        _ if m.div_ceil(48) == m.div_ceil(64) => (48, true),
-        _ => (64, true),
+        0..=16 => 16,
+        17..=64 if m.div_ceil(24) * 24 < m.div_ceil(32) * 32 => 24,
+        17..=64 => 32,
+        _ if m.div_ceil(48) == m.div_ceil(64) => 48,
+        _ => 64,
     }
+}
+
+/// Whether the int4 GEMM's tile of `tokens` tokens rounds the weights to bf16 before the MMA (the 48-
+/// and 64-token tiles, [`w4_gemm_tokens`]) rather than scaling exact per-group sums.
+pub fn w4_gemm_rounds_weights(tokens: usize) -> bool {
+    tokens > 32
 }
 
 /// Splits over K of an int4 GEMM of `m` rows through an `[out, in]` linear on a GPU of `sms`
@@ -61,9 +66,9 @@ pub fn w4_gemm_tile(m: usize) -> (usize, bool) {
 /// at 2 blocks per SM and partial sums of at most a quarter of the weight bytes was up to 1.7× slower
 /// (10240 × 5120 at 32 rows: 50.9 µs against 29.3).
 pub fn w4_gemm_splits(m: usize, out: usize, inp: usize, sms: usize) -> usize {
-    let (tokens, rounded) = w4_gemm_tile(m);
+    let tokens = w4_gemm_tokens(m);
     let tiles = out.div_ceil(W4_GEMM_BLOCK_ROWS) * m.max(1).div_ceil(tokens);
-    let target = (if rounded { 26 } else { 24 } * sms.max(1)).div_ceil(10);
+    let target = (if w4_gemm_rounds_weights(tokens) { 26 } else { 24 } * sms.max(1)).div_ceil(10);
     let most = (inp / QUANT_GROUP / W4_GEMM_MIN_GROUPS_PER_SPLIT).clamp(1, W4_GEMM_MAX_SPLITS);
     let mut splits = 1;
     while tiles * splits < target && 2 * splits <= most {

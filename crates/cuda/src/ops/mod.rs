@@ -167,7 +167,7 @@ impl Kernels {
         .chain(w4a16::FOLD_KERNELS.iter().map(|&n| (n, w4a16::FOLD_KERNEL_SMEM_BYTES)))
         // (Tests fill every byte of an SM's shared memory: init::fill_smem.)
         .chain(std::iter::once(("init_smem", rt.max_smem_optin.max(0) as usize)))
-        .chain(w4_gemm::KERNELS.iter().map(|&(n, tokens, _)| (n, w4_gemm::smem_bytes(tokens))))
+        .chain(w4_gemm::KERNELS.iter().map(|&(n, tokens)| (n, w4_gemm::smem_bytes(tokens))))
         .chain(moe_w4::KERNELS.iter().map(|&n| (n, moe_w4::smem_bytes(n))))
         .chain(std::iter::once(("gemm_fp8", fp8::GEMM_SMEM_BYTES)))
         {

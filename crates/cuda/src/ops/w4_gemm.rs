@@ -13,7 +13,8 @@
 use cudarc::driver::CudaStream;
 pub use deltaserve_plan::cuda::W4_GEMM_BLOCK_ROWS as BLOCK_ROWS;
 pub use deltaserve_plan::cuda::W4_GEMM_MAX_SPLITS as MAX_SPLITS;
-use deltaserve_plan::cuda::{w4_gemm_partial_bytes, w4_gemm_splits, w4_gemm_tile};
+pub use deltaserve_plan::cuda::w4_gemm_rounds_weights as rounds_weights;
+use deltaserve_plan::cuda::{w4_gemm_partial_bytes, w4_gemm_splits, w4_gemm_tokens};
 
 use super::w4a16::{self, W4Out, W4Weights, permute_x};
 use super::{Kernels, invalid, launch_pdl, norm, to_i32, to_u32};
@@ -34,9 +35,10 @@ const PAIR_BLOCKS_PER_SM: usize = 3;
 /// Rows of x up to which the pair kernels run (one tile of 16 tokens; from 17 rows the tile kernels
 /// are faster at the 27B shapes: bench_w4's `bench_w4_rows`).
 pub const PAIR_MAX_ROWS: usize = 16;
-/// The tile kernels: tokens per block, weights rounded to bf16 before the MMA (the "r" kernels).
-pub(crate) const KERNELS: [(&str, usize, bool); 5] =
-    [("w4g_16", 16, false), ("w4g_24", 24, false), ("w4g_32", 32, false), ("w4g_48r", 48, true), ("w4g_64r", 64, true)];
+/// The tile kernels and their tokens per block ("r": the weights rounded to bf16 before the MMA,
+/// [`rounds_weights`]).
+pub(crate) const KERNELS: [(&str, usize); 5] =
+    [("w4g_16", 16), ("w4g_24", 24), ("w4g_32", 32), ("w4g_48r", 48), ("w4g_64r", 64)];
 /// The pair kernels: symmetric, with zero points.
 pub(crate) const PAIR_KERNELS: [&str; 2] = ["w4t_16s", "w4t_16a"];
 
@@ -55,16 +57,14 @@ pub const PAIR_SMEM_BYTES: usize = PAIR_WARPS * 2048;
 /// How one [`w4_gemm`] launch tiles its work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct W4GemmConfig {
-    /// Tokens (rows of x) per block: 16, 24, 32, 48 or 64 (the pair kernels: 16).
+    /// Tokens (rows of x) per block: 16, 24, 32, 48 or 64 (the pair kernels: 16); the 48- and 64-token
+    /// tiles round each weight to bf16 before the MMA ([`rounds_weights`]).
     pub tokens: usize,
     /// Splits over K (groups of 128 columns); above 1 the partial sums go through the workspace.
     pub splits: usize,
     /// The pair kernels (`w4t_*`) with this many warps per pair (1, 2 or 4; a split's groups in that
     /// many parts, added in the block); 0: the tile kernels (`w4g_*`).
     pub wpt: usize,
-    /// The tile kernels that round each weight to bf16 before the MMA (`w4g_48r`, `w4g_64r`: 48 or 64
-    /// tokens) instead of scaling exact per-group sums.
-    pub rounded: bool,
 }
 
 /// The configuration for `m` rows of x through an `[out, inp]` linear on a GPU of `sms` SMs with a
@@ -75,7 +75,7 @@ pub fn w4_gemm_config(m: usize, out: usize, inp: usize, sms: usize, workspace: u
         return w4_tile_config(m, out, inp, sms, workspace);
     }
     let (wpt, splits) = pair_tiling(out.div_ceil(PAIR_ROWS), inp, sms, true);
-    W4GemmConfig { tokens: PAIR_MAX_ROWS, splits: fit_splits(splits, m, out, workspace), wpt, rounded: false }
+    W4GemmConfig { tokens: PAIR_MAX_ROWS, splits: fit_splits(splits, m, out, workspace), wpt }
 }
 
 /// `splits` halved until the partial sums of `m` rows through `out` outputs fit `workspace` bytes.
@@ -109,8 +109,7 @@ fn pair_tiling(pairs: usize, inp: usize, sms: usize, split: bool) -> (usize, usi
 /// with no more splits than the workspace holds.
 pub fn w4_tile_config(m: usize, out: usize, inp: usize, sms: usize, workspace: usize) -> W4GemmConfig {
     let splits = fit_splits(w4_gemm_splits(m, out, inp, sms), m, out, workspace);
-    let (tokens, rounded) = w4_gemm_tile(m);
-    W4GemmConfig { tokens, splits, wpt: 0, rounded }
+    W4GemmConfig { tokens: w4_gemm_tokens(m), splits, wpt: 0 }
 }
 
 /// Bytes of f32 partial sums a launch of `m` rows through `out` outputs with `cfg` needs (0 unsplit).
@@ -258,16 +257,16 @@ fn launch_gemm(
     }
     let groups = w.inp / W4_GROUP;
     let name = if cfg.wpt == 0 {
-        KERNELS.iter().find(|kn| (kn.1, kn.2) == (cfg.tokens, cfg.rounded)).map(|kn| kn.0)
+        KERNELS.iter().find(|kn| kn.1 == cfg.tokens).map(|kn| kn.0)
     } else {
-        let ok = cfg.tokens == PAIR_MAX_ROWS && [1, 2, 4].contains(&cfg.wpt) && !cfg.rounded;
+        let ok = cfg.tokens == PAIR_MAX_ROWS && [1, 2, 4].contains(&cfg.wpt);
         ok.then(|| PAIR_KERNELS[usize::from(w.zeros.is_some())])
     };
     let Some(name) = name.filter(|_| (1..=groups.min(MAX_SPLITS)).contains(&cfg.splits)) else {
         return Err(invalid(
             K,
             format!(
-                "{cfg:?}: 16, 24 or 32 tokens, or 48 or 64 rounded (pairs: 16), 0, 1, 2 or 4 warps per pair, 1..={} splits",
+                "{cfg:?}: 16, 24, 32, 48 or 64 tokens (pairs: 16), 0, 1, 2 or 4 warps per pair, 1..={} splits",
                 groups.min(MAX_SPLITS)
             ),
         ));
@@ -417,28 +416,27 @@ mod tests {
 
     #[test]
     fn tokens_per_block_follow_the_rows() {
-        for (m, tokens, rounded) in [
-            (1, 16, false),
-            (9, 16, false),
-            (16, 16, false),
-            (17, 24, false),
-            (24, 24, false),
-            (25, 32, false),
-            (32, 32, false),
-            (48, 24, false),
-            (64, 32, false),
-            (65, 48, true),
-            (96, 48, true),
-            (97, 64, true),
-            (128, 64, true),
-            (144, 48, true),
-            (200, 64, true),
-            (256, 64, true),
+        for (m, tokens) in [
+            (1, 16),
+            (9, 16),
+            (16, 16),
+            (17, 24),
+            (24, 24),
+            (25, 32),
+            (32, 32),
+            (48, 24),
+            (64, 32),
+            (65, 48),
+            (96, 48),
+            (97, 64),
+            (128, 64),
+            (144, 48),
+            (200, 64),
+            (256, 64),
         ] {
-            let cfg = w4_tile_config(m, 17408, 5120, H200, usize::MAX);
-            assert_eq!((cfg.tokens, cfg.rounded), (tokens, rounded), "m = {m}");
-            let cfg = w4_gemm_config(m, 17408, 5120, H200, usize::MAX);
-            assert_eq!((cfg.tokens, cfg.rounded), (tokens, rounded), "m = {m}");
+            assert_eq!(w4_tile_config(m, 17408, 5120, H200, usize::MAX).tokens, tokens, "m = {m}");
+            assert_eq!(w4_gemm_config(m, 17408, 5120, H200, usize::MAX).tokens, tokens, "m = {m}");
+            assert_eq!(rounds_weights(tokens), m > 64, "m = {m}");
         }
     }
 
@@ -512,7 +510,7 @@ mod tests {
             }
             assert_eq!(w4_gemm_config(16, out, inp, H200, 0).splits, 1);
         }
-        let cfg = W4GemmConfig { tokens: 16, splits: 3, wpt: 1, rounded: false };
+        let cfg = W4GemmConfig { tokens: 16, splits: 3, wpt: 1 };
         assert_eq!(w4_gemm_workspace_bytes(10, 5120, cfg), 3 * 10 * 5120 * 4);
         assert_eq!(w4_gemm_workspace_bytes(10, 5120, W4GemmConfig { splits: 1, ..cfg }), 0);
         assert_eq!(w4_gemm_x_scratch_bytes(3, 5120), 3 * 5120 * 2);
@@ -521,7 +519,7 @@ mod tests {
     #[test]
     fn every_kernel_is_compiled_with_the_module() {
         let module = crate::nvrtc::SOURCES.iter().find(|s| s.module == "w4_gemm").expect("w4_gemm module");
-        for (name, tokens, _) in KERNELS {
+        for (name, tokens) in KERNELS {
             assert!(module.functions.contains(&name), "{name}");
             assert!(smem_bytes(tokens) <= 99 * 1024, "{name}: fits sm_86's 99 KB per block");
         }
