@@ -49,6 +49,12 @@ __device__ __forceinline__ u32 wg_swz(int r, int ch, int rows) {
     return (u32)((ch >> 3) * rows * 128 + r * 128 + (((ch & 7) ^ (r & 7)) << 4));
 }
 
+// A shared-memory matrix descriptor with the 128-byte swizzle: start address, leading and stride
+// byte offsets, each encoded >> 4.
+__device__ __forceinline__ unsigned long long wg_desc(u32 addr, u32 lbo, u32 sbo) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+           ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
+}
 
 // Widens a tile of codes (as they landed in the stage) into its swizzled bf16 tile: 8 elements, one
 // 16-byte store, a thread at a time.
@@ -63,6 +69,10 @@ __device__ __forceinline__ void wg_convert_tile(const unsigned char* raw, u32 cv
     }
 }
 
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 #define WG_D32                                                                                                   \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \

@@ -633,19 +633,3 @@ __device__ __forceinline__ void kq_row(const bf16_t* x, unsigned char* dst, unsi
 __device__ __forceinline__ long long kq_row_bytes(int fmt, int hd) {
     return fmt == KVF_BF16 ? 2LL * hd : (fmt == KVF_INT4 ? hd / 2 : hd);
 }
-
-// ---------------------------------------------------------------------------------------------
-// Hopper's warpgroup tensor-core helpers (wgmma, sm_90a builds only: the attention prefill and the int4
-// GEMM's Hopper kernels). A shared-memory matrix descriptor with the 128-byte swizzle: start address,
-// leading and stride byte offsets, each encoded >> 4.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ unsigned long long wg_desc(u32 addr, u32 lbo, u32 sbo) {
-    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
-           ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
-}
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-#endif

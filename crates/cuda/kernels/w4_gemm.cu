@@ -35,8 +35,7 @@
 // read through cp.async, L2-coherent). Arch: mma.sync bf16, cp.async, fma.rn.bf16x2: sm_80+.
 // Tested by tests/w4_gemm.rs (host oracle src/w4.rs); bench in tests/bench_w4.rs (bench_w4_rows).
 
-// The tile GEMM's device code (w4g_body) is w4_tile.cuh, and its Hopper form (w4w_body) w4_tile_wg.cuh,
-// which the module puts before this file.
+// The tile GEMM's device code (w4g_body) is w4_tile.cuh, which the module puts before this file.
 
 // The "pair" GEMM (w4t_*): the decode GEMV's pair structure (w4a16.cu, w4p_body) for NT n-tiles of 8
 // tokens. No block barrier in the main loop: every warp streams its own pair's 2 KB units (lane (g, t):
@@ -200,25 +199,6 @@ W4G_KERNEL(w4g_24, 3, 0, 3)
 W4G_KERNEL(w4g_32, 4, 0, 3)
 W4G_KERNEL(w4g_48r, 6, 1, 2)
 W4G_KERNEL(w4g_64r, 8, 1, 2)
-
-// w4w_<tokens per block>[r]: the same tiles on Hopper's wgmma (w4_tile_wg.cuh; sm_90a builds only), the
-// blocks a multiprocessor holds as for w4g_*.
-#define W4W_KERNEL(NAME, NT, RW, BLOCKS)                                                                         \
-    extern "C" __global__ void __launch_bounds__(W4G_WARPS * 32, BLOCKS)                                         \
-        NAME(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,                              \
-             const unsigned char* __restrict__ zeros, int scale_bf16, const bf16_t* x, long long ldx, void* y,    \
-             long long ldy, int M, int out, int in, int mode, int vec) {                                           \
-        pdl_trigger();                                                                                           \
-        w4w_body<NT, RW>(qw, scales, zeros, scale_bf16, x, ldx, y, ldy, M, out, in, mode, vec, blockIdx.x * 8 * NT, \
-                         blockIdx.y, blockIdx.z, gridDim.z);                                                    \
-    }
-#ifndef W4W_EXACT
-#define W4W_EXACT 1
-#endif
-W4W_KERNEL(w4w_24, 3, 1 - W4W_EXACT, 2)
-W4W_KERNEL(w4w_32, 4, 1 - W4W_EXACT, 2)
-W4W_KERNEL(w4w_48r, 6, 1, 2)
-W4W_KERNEL(w4w_64r, 8, 1, 2)
 
 // The pair kernels take up to four linears sharing x (a layer's q/k/v, qkv/z/b/a, gate/up) as segments:
 // segment i's blocks follow segment i - 1's (nb_i blocks; unused: 0); its qweight, scales, zeros, y,

@@ -52,9 +52,6 @@ pub struct Switches {
     /// slices for cuBLASLt instead of running the int4 tensor-core GEMM (`CudaOptions::w4_gemm_max_rows`
     /// 0 instead of its default).
     pub w4_gemm: bool,
-    /// `DELTASERVE_W4_GEMM=mma`: on Hopper too, the int4 GEMM's tiles run on mma.sync (`w4g_*`, Ampere's
-    /// path) instead of wgmma (`w4w_*`, from an sm_90a build of the w4_gemm module; `Kernels::w4_wgmma`).
-    pub w4_gemm_mma: bool,
     /// `DELTASERVE_VERIFY_DECODE_FROM=<tokens>`: speculative verify chunks whose context reaches this
     /// many tokens attend as decode queries (`CudaOptions::verify_decode_attention_from` instead of its
     /// default); not a number: unset.
@@ -110,7 +107,6 @@ impl Switches {
             fold_norms: var("DELTASERVE_FOLD").is_none_or(|v| v != "0"),
             norms_in_reduce: var("DELTASERVE_NORM_IN_REDUCE").is_none_or(|v| v != "0"),
             w4_gemm: var("DELTASERVE_W4_GEMM").is_none_or(|v| v != "0"),
-            w4_gemm_mma: var("DELTASERVE_W4_GEMM").is_some_and(|v| v == "mma"),
             verify_decode_from: var("DELTASERVE_VERIFY_DECODE_FROM").and_then(|v| v.trim().parse().ok()),
             short_chunk_decode_from: var("DELTASERVE_SHORT_CHUNK_DECODE_FROM").and_then(|v| v.trim().parse().ok()),
             device_masks: var("DELTASERVE_DEVICE_MASKS").is_none_or(|v| v != "0"),
@@ -202,8 +198,6 @@ mod tests {
         assert!(from(&[("DELTASERVE_ATTN_PREFILL", "wide")]).attn_prefill_wide);
         assert!(from(&[("DELTASERVE_ATTN_PREFILL", "wg")]).attn_prefill_wg);
         assert!(from(&[("DELTASERVE_ATTN_PREFILL", "ws")]).attn_prefill_ws);
-        let mma = from(&[("DELTASERVE_W4_GEMM", "mma")]);
-        assert!(mma.w4_gemm && mma.w4_gemm_mma && mma.any_set());
     }
 
     #[test]

@@ -10,8 +10,7 @@ use crate::error::CudaError;
 pub const CHECK_ARCHS: &[&str] = &["sm_80", "sm_86", "sm_89", "sm_90"];
 
 /// The arch-specific target of Hopper's additional paths (wgmma): where the checked archs include
-/// sm_90, [`kernels_check`] also builds the attention module ([`CHECK_WGMMA`]) and the w4_gemm module
-/// for it.
+/// sm_90, [`kernels_check`] also builds the attention module for it ([`CHECK_WGMMA`]).
 pub const HOPPER_ARCH: &str = "sm_90a";
 
 /// The [`HOPPER_ARCH`] builds of the attention module that [`kernels_check`] compiles (the wgmma
@@ -122,11 +121,6 @@ pub fn kernels_check_where(
         if archs.contains(&"sm_90") {
             jobs.extend(CHECK_WGMMA.iter().map(|&(kv, label)| (attn, HOPPER_ARCH, kv, label)));
         }
-    }
-    if let Some(&w4) = sources.iter().find(|s| s.module == "w4_gemm")
-        && archs.contains(&"sm_90")
-    {
-        jobs.push((w4, HOPPER_ARCH, KvFormats::BF16, "w4_gemm[wgmma]"));
     }
     let lines = std::thread::scope(|scope| {
         let handles: Vec<_> = jobs

@@ -68,9 +68,6 @@ pub struct Kernels {
     /// V) and the tensor-core decode kernel runs; `DELTASERVE_VERIFY_ATTN=rows` at load (or false here)
     /// runs them one by one as decode queries, the A/B switch of the benchmarks.
     pub verify_mma: bool,
-    /// The int4 GEMM's tiles on Hopper's wgmma (`w4w_*`, from an sm_90a build of the w4_gemm module)
-    /// instead of mma.sync (`w4g_*`): on sm_90 unless `DELTASERVE_W4_GEMM=mma` at load.
-    pub w4_wgmma: bool,
 }
 
 impl Kernels {
@@ -112,19 +109,13 @@ impl Kernels {
         let attn = attention::resolve_tiling(&dims, &kv, attn, rt.cc, rt.max_smem_optin.max(0) as usize);
         let t0 = std::time::Instant::now();
         let arch = rt.arch();
-        let w4_wgmma = rt.cc == (9, 0) && !Switches::get().w4_gemm_mma;
         let trace = crate::trace::defines(rt)?;
         let cubins: Vec<Result<nvrtc::Cubin, CudaError>> = std::thread::scope(|scope| {
             let hs: Vec<_> = SOURCES
                 .iter()
                 .map(|src| {
-                    // The warpgroup kernels' wgmma needs the arch-specific build.
-                    let hopper = match src.module {
-                        "attention" => attn.wgmma,
-                        "w4_gemm" => w4_wgmma,
-                        _ => false,
-                    };
-                    let arch = if hopper { nvrtc::HOPPER_ARCH } else { arch.as_str() };
+                    // The warpgroup prefill kernel's wgmma needs the arch-specific build.
+                    let arch = if attn.wgmma && src.module == "attention" { nvrtc::HOPPER_ARCH } else { arch.as_str() };
                     let mut defines = dims.defines(src.module);
                     defines.extend(kv.defines(src.module));
                     defines.extend(attn.defines(&dims, src.module));
@@ -158,8 +149,7 @@ impl Kernels {
         let load_ms = t0.elapsed().as_secs_f64() * 1e3;
         let verify_mma =
             decode_mma && attention::verify_mma_supported(&kv, dims.attn_head_dim) && !switches.verify_attn_rows;
-        let mut k =
-            Kernels { funcs, dims, kv, attn, arch, load_ms, pdl, w4_slots: 0, decode_mma, verify_mma, w4_wgmma };
+        let mut k = Kernels { funcs, dims, kv, attn, arch, load_ms, pdl, w4_slots: 0, decode_mma, verify_mma };
         for (name, bytes) in [
             ("gdn_chunk_prep", gdn_chunk::prep_smem_bytes(&dims)),
             ("gdn_chunk_state", gdn_chunk::state_smem_bytes(&dims)),
@@ -178,7 +168,6 @@ impl Kernels {
         // (Tests fill every byte of an SM's shared memory: init::fill_smem.)
         .chain(std::iter::once(("init_smem", rt.max_smem_optin.max(0) as usize)))
         .chain(w4_gemm::KERNELS.iter().map(|&(n, tokens)| (n, w4_gemm::smem_bytes(tokens))))
-        .chain(w4_gemm::KERNELS_WG.iter().filter(|_| w4_wgmma).map(|&(n, tokens)| (n, w4_gemm::smem_bytes_wg(tokens))))
         .chain(moe_w4::KERNELS.iter().map(|&n| (n, moe_w4::smem_bytes(n))))
         .chain(std::iter::once(("gemm_fp8", fp8::GEMM_SMEM_BYTES)))
         {

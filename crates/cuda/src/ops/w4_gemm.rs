@@ -39,9 +39,6 @@ pub const PAIR_MAX_ROWS: usize = 16;
 /// [`rounds_weights`]).
 pub(crate) const KERNELS: [(&str, usize); 5] =
     [("w4g_16", 16), ("w4g_24", 24), ("w4g_32", 32), ("w4g_48r", 48), ("w4g_64r", 64)];
-/// The tile kernels on Hopper's wgmma (`Kernels::w4_wgmma`), for the same tiles from 24 tokens (16
-/// tokens stay on `w4g_16`).
-pub(crate) const KERNELS_WG: [(&str, usize); 4] = [("w4w_24", 24), ("w4w_32", 32), ("w4w_48r", 48), ("w4w_64r", 64)];
 /// The pair kernels: symmetric, with zero points.
 pub(crate) const PAIR_KERNELS: [&str; 2] = ["w4t_16s", "w4t_16a"];
 
@@ -51,19 +48,6 @@ pub(crate) const PAIR_KERNELS: [&str; 2] = ["w4t_16s", "w4t_16a"];
 /// H200's multiprocessor, 1 an sm_86 / sm_89 one).
 pub fn smem_bytes(tokens: usize) -> usize {
     STAGES * (4 * 2048 + tokens * 2 * W4_GROUP + 4 * 64)
-}
-
-/// Dynamic shared memory of a wgmma tile-kernel block of `tokens` tokens: 6 stages (4 of 64 tokens, 5
-/// of 48: `w4w_stages`) of [`smem_bytes`]'s contents, each rounded up to 1 KB (the swizzled x tile
-/// first, 1 KB aligned: `w4w_stage_bytes`), and 1 KB of alignment slack; 2 blocks fit an sm_90
-/// multiprocessor.
-pub fn smem_bytes_wg(tokens: usize) -> usize {
-    let stages = match tokens {
-        64 => 4,
-        48 => 5,
-        _ => 6,
-    };
-    stages * (4 * 2048 + tokens * 2 * W4_GROUP + 4 * 64).next_multiple_of(1024) + 1024
 }
 
 /// Dynamic shared memory of a pair-kernel block: each warp's 2 KB of partial sums (`W4T_SLOT_U4`; the
@@ -272,10 +256,8 @@ fn launch_gemm(
         return Ok(None);
     }
     let groups = w.inp / W4_GROUP;
-    let wg = cfg.wpt == 0 && k.w4_wgmma && KERNELS_WG.iter().any(|kn| kn.1 == cfg.tokens);
     let name = if cfg.wpt == 0 {
-        let kernels: &[(&str, usize)] = if wg { &KERNELS_WG } else { &KERNELS };
-        kernels.iter().find(|kn| kn.1 == cfg.tokens).map(|kn| kn.0)
+        KERNELS.iter().find(|kn| kn.1 == cfg.tokens).map(|kn| kn.0)
     } else {
         let ok = cfg.tokens == PAIR_MAX_ROWS && [1, 2, 4].contains(&cfg.wpt);
         ok.then(|| PAIR_KERNELS[usize::from(w.zeros.is_some())])
@@ -326,7 +308,7 @@ fn launch_gemm(
     let tiles = to_u32(K, "token tiles", m.div_ceil(cfg.tokens))?;
     if cfg.wpt == 0 {
         let grid = (tiles, to_u32(K, "row tiles", w.out.div_ceil(BLOCK_ROWS))?, cfg.splits as u32);
-        let smem = if wg { smem_bytes_wg(cfg.tokens) } else { smem_bytes(cfg.tokens) } as u32;
+        let smem = smem_bytes(cfg.tokens) as u32;
         launch_pdl!(k, s, name, grid, (THREADS, 1, 1), smem; qw, sc, zp, sbf, xg, ldx_l, dst, ldy_l, m_i, out, inp, mode, vec)?;
     } else {
         let seg = [Seg { w, y: dst, ldy }];
