@@ -184,7 +184,9 @@ __device__ __forceinline__ void w4t_body(const u32* __restrict__ qw, const unsig
 // 5-15% slower than two 32-token or 24-token tiles at 40-64 rows on the H200; the rounded 64-token tile
 // is within 6% of two 32-token ones at 64 rows and 1.04-2.1x faster than dequantised slices + cuBLASLt at
 // 96-256 rows on the H100 (bench/results/int4-64-token-tile-h100-2026-12-06.md); rounded 32- and 48-token
-// tiles were no faster than the exact ones at 24-64 rows.)
+// tiles were no faster than the exact ones at 24-64 rows. The exact 48-token tile, 217 registers, is
+// 0.85-0.99x the time of two 24-token tiles at 40-48 rows and faster than the rounded one, on the H100:
+// bench/results/int4-48-token-exact-tile-h100-2026-12-06.md.)
 #define W4G_KERNEL(NAME, NT, RW, BLOCKS)                                                                         \
     extern "C" __global__ void __launch_bounds__(W4G_WARPS * 32, BLOCKS)                                         \
         NAME(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,                              \
@@ -197,7 +199,7 @@ __device__ __forceinline__ void w4t_body(const u32* __restrict__ qw, const unsig
 W4G_KERNEL(w4g_16, 2, 0, 3)
 W4G_KERNEL(w4g_24, 3, 0, 3)
 W4G_KERNEL(w4g_32, 4, 0, 3)
-W4G_KERNEL(w4g_48r, 6, 1, 2)
+W4G_KERNEL(w4g_48, 6, 0, 2)
 W4G_KERNEL(w4g_64r, 8, 1, 2)
 
 // The pair kernels take up to four linears sharing x (a layer's q/k/v, qkv/z/b/a, gate/up) as segments:

@@ -34,16 +34,17 @@ const W4_GEMM_MIN_GROUPS_PER_SPLIT: usize = 4;
 /// GPU with more takes the splits this workspace holds).
 const W4_GEMM_PLANNED_SMS: usize = 200;
 
-/// Tokens (rows of x) per int4 GEMM block for `m` rows: 16 up to 16 rows; to 64 rows 24 or 32 (exact weights),
-/// whichever pads `m` less (32 on a tie: fewer blocks); above 64 rows 48 or 64 tokens with rounded
-/// weights (the "r" kernels: half the accumulators, no per-group sums; 1.04–2.1× faster than
-/// dequantised slices + cuBLASLt at 96–256 rows on an H100, and no faster than two exact 32-token tiles
-/// at 33–64 rows: `bench_w4_rows` with its sweep): 48 where it takes no more tiles than 64 (a 48-token
-/// tile costs 8–16% less than a 64-token one), else 64. Every token of a block is computed (rows past
-/// `m` are zeros), so padding is work.
+/// Tokens (rows of x) per int4 GEMM block for `m` rows: 16 up to 16 rows; 24 or 32 to 32 rows, whichever
+/// pads `m` less (32 on a tie: fewer blocks); one 48-token tile at 33–48 rows (0.85–0.99× the time of
+/// two 24-token tiles, 2 blocks an SM against 3); 24 or 32 again at 49–64 rows; above 64 rows 48 where
+/// it takes no more tiles than 64, else 64 with rounded weights (the "r" kernel: half the accumulators,
+/// no per-group sums; 1.04–2.1× faster than dequantised slices + cuBLASLt at 96–256 rows on an H100).
+/// Measured by `bench_w4_rows` with its sweep. Every token of a block is computed (rows past `m` are
+/// zeros), so padding is work.
 pub fn w4_gemm_tokens(m: usize) -> usize {
     match m {
         0..=16 => 16,
+        33..=48 => 48,
         17..=64 if m.div_ceil(24) * 24 < m.div_ceil(32) * 32 => 24,
         17..=64 => 32,
         _ if m.div_ceil(48) == m.div_ceil(64) => 48,
@@ -51,18 +52,19 @@ pub fn w4_gemm_tokens(m: usize) -> usize {
     }
 }
 
-/// Whether the int4 GEMM's tile of `tokens` tokens rounds the weights to bf16 before the MMA (the 48-
-/// and 64-token tiles, [`w4_gemm_tokens`]) rather than scaling exact per-group sums.
+/// Whether the int4 GEMM's tile of `tokens` tokens rounds the weights to bf16 before the MMA (the
+/// 64-token tile, [`w4_gemm_tokens`]) rather than scaling exact per-group sums.
 pub fn w4_gemm_rounds_weights(tokens: usize) -> bool {
-    tokens > 32
+    tokens > 48
 }
 
 /// Splits over K of an int4 GEMM of `m` rows through an `[out, in]` linear on a GPU of `sms`
 /// multiprocessors: the fewest powers of two that give the launch 2.4 blocks per multiprocessor (0.8
-/// waves of the exact tiles, 3 blocks an SM) or, for the rounded tiles (2 an SM), 2.6 (1.3 waves); at
-/// most [`W4_GEMM_MAX_SPLITS`] and at least 4 groups of 128 columns per split. Measured at the 27B
-/// shapes (`bench_w4_rows` with its sweep): within 10% of the best split of each shape at 12–48 rows on
-/// the H200 and at 128 and 256 rows on the H100 (11% for 5120 × 6144 at 128 rows), where a rule aiming
+/// waves of the exact tiles of up to 32 tokens, 3 blocks an SM; 1.2 of the 48-token one, 2 an SM) or,
+/// for the rounded tile (2 an SM), 2.6 (1.3 waves); at most [`W4_GEMM_MAX_SPLITS`] and at least 4
+/// groups of 128 columns per split. Measured at the 27B shapes (`bench_w4_rows` with its sweep): within
+/// 10% of the best split of each shape at 12–48 rows on the H200 and at 128 and 256 rows on the H100
+/// (11% for 5120 × 6144 at 128 rows; the 48-token tile at 48 rows within 13%, H100), where a rule aiming
 /// at 2 blocks per SM and partial sums of at most a quarter of the weight bytes was up to 1.7× slower
 /// (10240 × 5120 at 32 rows: 50.9 µs against 29.3).
 pub fn w4_gemm_splits(m: usize, out: usize, inp: usize, sms: usize) -> usize {

@@ -38,7 +38,7 @@ pub const PAIR_MAX_ROWS: usize = 16;
 /// The tile kernels and their tokens per block ("r": the weights rounded to bf16 before the MMA,
 /// [`rounds_weights`]).
 pub(crate) const KERNELS: [(&str, usize); 5] =
-    [("w4g_16", 16), ("w4g_24", 24), ("w4g_32", 32), ("w4g_48r", 48), ("w4g_64r", 64)];
+    [("w4g_16", 16), ("w4g_24", 24), ("w4g_32", 32), ("w4g_48", 48), ("w4g_64r", 64)];
 /// The pair kernels: symmetric, with zero points.
 pub(crate) const PAIR_KERNELS: [&str; 2] = ["w4t_16s", "w4t_16a"];
 
@@ -57,7 +57,7 @@ pub const PAIR_SMEM_BYTES: usize = PAIR_WARPS * 2048;
 /// How one [`w4_gemm`] launch tiles its work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct W4GemmConfig {
-    /// Tokens (rows of x) per block: 16, 24, 32, 48 or 64 (the pair kernels: 16); the 48- and 64-token
+    /// Tokens (rows of x) per block: 16, 24, 32, 48 or 64 (the pair kernels: 16); the 64-token
     /// tiles round each weight to bf16 before the MMA ([`rounds_weights`]).
     pub tokens: usize,
     /// Splits over K (groups of 128 columns); above 1 the partial sums go through the workspace.
