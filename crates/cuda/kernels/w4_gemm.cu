@@ -19,11 +19,8 @@
 // subtracts 128 + zero exactly, giving A fragments of the integers q - z (rows 4g, 4g + 1 in tile 0,
 // 4g + 2, 4g + 3 in tile 1; the K order inside a group is the format's, matched by the x fragment:
 // lane (g, t) reads x[token g][32i + 8t .. 32i + 8t + 7] for word i as one 16-byte load). mma.sync
-// m16n8k16 (bf16, f32 accumulation) sums the exact products per group into tmp, and the group adds
-// scale * tmp to acc in f32 (the GEMV's accuracy: no rounding of the weights). The "r" kernels instead
-// scale the fragments before the MMA (each weight rounded to bf16 once, as the dequantise + cuBLASLt
-// path rounds it) and accumulate across groups: no per-group drain, half the accumulators, which is what
-// lets a warp hold 48 or 64 tokens.
+// m16n8k16 (bf16, f32 accumulation) sums the exact products per group into its own accumulators, and the
+// group adds scale * sum to acc in f32 (the GEMV's accuracy: no rounding of the weights).
 //
 // Launch: grid (ceil(M / (8*NT)), ceil(out / 128), splits), block 128, dynamic smem W4G_S * (8 KB +
 // 8*NT * 256 B); out % 4 == 0, in % 128 == 0, splits <= in / 128; x 16-byte aligned rows (ldx % 8 == 0);
@@ -178,29 +175,27 @@ __device__ __forceinline__ void w4t_body(const u32* __restrict__ qw, const unsig
 }
 
 
-// w4g_<tokens per block>[r]: r rounds the weights to bf16 (w4g_body's RW), which halves the accumulator
-// registers. Registers capped for the blocks a multiprocessor's shared memory holds at W4G_S = 4: 3 of
-// 32 tokens or fewer (168), 2 of 48 or 64. (A 64-token tile with exact per-group sums, 255 registers, measured
-// 5-15% slower than two 32-token or 24-token tiles at 40-64 rows on the H200; the rounded 64-token tile
-// is within 6% of two 32-token ones at 64 rows and 1.04-2.1x faster than dequantised slices + cuBLASLt at
-// 96-256 rows on the H100 (bench/results/int4-64-token-tile-h100-2026-12-06.md); rounded 32- and 48-token
-// tiles were no faster than the exact ones at 24-64 rows. The exact 48-token tile, 217 registers, is
-// 0.85-0.99x the time of two 24-token tiles at 40-48 rows and faster than the rounded one, on the H100:
-// bench/results/int4-48-token-exact-tile-h100-2026-12-06.md.)
-#define W4G_KERNEL(NAME, NT, RW, BLOCKS)                                                                         \
+// w4g_<tokens per block>. Registers capped for the blocks a multiprocessor's shared memory holds at W4G_S
+// = 4: 3 of 32 tokens or fewer (168), 2 of 48 or 64 (217 / 255 registers). On the H100 the 48-token tile
+// is 0.85-0.99x the time of two 24-token tiles at 40-48 rows, and the 48- and 64-token tiles with exact
+// per-group sums 0.90-0.96x those that round the weights to bf16 before the MMA (scaled fragments,
+// accumulation across groups: which is what made them 1.04-2.1x faster than dequantised slices +
+// cuBLASLt at 96-256 rows, bench/results/int4-64-token-tile-h100-2026-12-06.md):
+// bench/results/int4-48-token-exact-tile-h100-2026-12-06.md.
+#define W4G_KERNEL(NAME, NT, BLOCKS)                                                                         \
     extern "C" __global__ void __launch_bounds__(W4G_WARPS * 32, BLOCKS)                                         \
         NAME(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,                              \
              const unsigned char* __restrict__ zeros, int scale_bf16, const bf16_t* x, long long ldx, void* y,    \
              long long ldy, int M, int out, int in, int mode, int vec) {                                           \
         pdl_trigger();                                                                                           \
-        w4g_body<NT, RW>(qw, scales, zeros, scale_bf16, x, ldx, y, ldy, M, out, in, mode, vec, blockIdx.x * 8 * NT, \
+        w4g_body<NT>(qw, scales, zeros, scale_bf16, x, ldx, y, ldy, M, out, in, mode, vec, blockIdx.x * 8 * NT, \
                          blockIdx.y, blockIdx.z, gridDim.z);                                                    \
     }
-W4G_KERNEL(w4g_16, 2, 0, 3)
-W4G_KERNEL(w4g_24, 3, 0, 3)
-W4G_KERNEL(w4g_32, 4, 0, 3)
-W4G_KERNEL(w4g_48, 6, 0, 2)
-W4G_KERNEL(w4g_64r, 8, 1, 2)
+W4G_KERNEL(w4g_16, 2, 3)
+W4G_KERNEL(w4g_24, 3, 3)
+W4G_KERNEL(w4g_32, 4, 3)
+W4G_KERNEL(w4g_48, 6, 2)
+W4G_KERNEL(w4g_64, 8, 2)
 
 // The pair kernels take up to four linears sharing x (a layer's q/k/v, qkv/z/b/a, gate/up) as segments:
 // segment i's blocks follow segment i - 1's (nb_i blocks; unused: 0); its qweight, scales, zeros, y,

@@ -15,14 +15,11 @@
 #ifndef W4G_SMEM_SCALES
 #define W4G_SMEM_SCALES 1
 #endif
-// RW (a template argument, "rounded weights"): 0 computes each group's exact products (q - z) * x on the
-// tensor cores into per-group partial sums and adds scale * sum in f32 (no rounding of the weights; the
-// group's last MMAs drain into those FMAs: norm-in-reduce-h200-2026-12-05.md §3). 1 multiplies the
-// unpacked weights by their scales before the MMA, which then accumulates across groups (no per-group
-// sums, half the accumulator registers): each weight is rounded to bf16 once, RNE((q - z) * s), as the
-// dequantise + cuBLASLt path rounds it. An fp16 scale is split into bf16 s_hi + s_lo (exact: s_lo has at
-// most 3 significant bits); (q - z) * s_lo is exact in bf16 (at most 7 bits), and one FMA adds
-// (q - z) * s_hi to it with a single rounding (a bf16 scale has s_lo = 0).
+// Each group's exact products (q - z) * x run on the tensor cores into per-group partial sums, to which
+// the group adds scale * sum in f32 (no rounding of the weights; the group's last MMAs drain into those
+// FMAs: norm-in-reduce-h200-2026-12-05.md §3). Scaling the unpacked weights before the MMA instead (each
+// weight rounded to bf16 once, accumulation across groups, half the accumulator registers) measured
+// slower at every tile size on the H100 (bench/results/int4-48-token-exact-tile-h100-2026-12-06.md).
 
 // The column pair in nibbles (p, p + 4) of w (after w >> 4p) as bf16 (q0 - z, q1 - z), exact: the LOP3
 // gives bf16 (128 + q0, 128 + q1), and a bf16x2 FMA (sm_80) adds nz = -(128 + z) in both halves.
@@ -31,16 +28,6 @@ __device__ __forceinline__ u32 w4g_dq(u32 w, u32 nz) {
     asm("{\n .reg .b32 q;\n lop3.b32 q, %1, %2, %3, 0xea;\n fma.rn.bf16x2 %0, q, %4, %5;\n}"
         : "=r"(r)
         : "r"(w), "r"(0x000f000fu), "r"(0x43004300u), "r"(0x3f803f80u), "r"(nz));
-    return r;
-}
-
-// RNE((q - z) * s) of both halves of d (bf16 (q - z), exact) for s = s_hi + s_lo (both bf16x2): the
-// product with s_lo is exact (RW's comment above), the FMA with s_hi rounds once.
-__device__ __forceinline__ u32 w4g_scale(u32 d, u32 sh, u32 sl) {
-    u32 r;
-    asm("{\n .reg .b32 c;\n fma.rn.bf16x2 c, %1, %3, %4;\n fma.rn.bf16x2 %0, %1, %2, c;\n}"
-        : "=r"(r)
-        : "r"(d), "r"(sh), "r"(sl), "r"(0x80008000u));
     return r;
 }
 
@@ -105,7 +92,7 @@ __device__ __forceinline__ void w4g_store(const float (&acc)[2][NT][4], int r0, 
 // One block's tile: tokens m0 .. m0 + 8*NT of x (rows past M zero-filled, not stored), output rows
 // 128*rb .. + 127, the groups of K split `split` of `splits` (w4g_*: blockIdx.x * 8*NT, blockIdx.y,
 // blockIdx.z of gridDim.z; moe_w4g: one expert's tile).
-template <int NT, int RW = 0>
+template <int NT>
 __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,
                                          const unsigned char* __restrict__ zeros, int scale_bf16, const bf16_t* x,
                                          long long ldx, void* y, long long ldy, int M, int out, int in, int mode,
@@ -203,31 +190,8 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
                 u32 nz[4];
 #pragma unroll
                 for (int j = 0; j < 4; ++j) nz[j] = 0x80008000u | ((0x4300u | ((zv[u] >> (4 * j)) & 15u)) * 0x10001u);
-                // The group's 4 row scales (f32), from the ring or the registers loaded S - 1 groups ahead.
-                auto row_scales = [&](float (&s)[4]) {
-                    const uint2 sb = W4G_SMEM_SCALES ? *(const uint2*)((const char*)w4g_smem + u * STAGE + W4G_WBYTES +
-                                                                       XBYTES + warp * 64 + g * 8)
-                                                     : sv[u];
-                    const u32 bits[4] = {sb.x & 0xffffu, sb.x >> 16, sb.y & 0xffffu, sb.y >> 16};
-#pragma unroll
-                    for (int j = 0; j < 4; ++j)
-                        s[j] = scale_bf16 ? __uint_as_float(bits[j] << 16) : f16_to_f32((unsigned short)bits[j]);
-                };
-                // RW: the scales as bf16x2 pairs s_hi, s_lo of each row; the MMAs accumulate into acc.
-                u32 sh[4], sl[4];
-                if constexpr (RW) {
-                    float s[4];
-                    row_scales(s);
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        sh[j] = pack_bf16(s[j], s[j]);
-                        const float lo = s[j] - __uint_as_float(sh[j] << 16);
-                        sl[j] = pack_bf16(lo, lo);
-                    }
-                }
                 float own[2][NT][4];
-                if constexpr (!RW) w4g_zero<NT>(own);
-                float(&tmp)[2][NT][4] = *(RW ? &acc : &own);
+                w4g_zero<NT>(own);
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     uint4 xv[NT];
@@ -245,35 +209,30 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
                         a[1][h][1] = w4g_dq(w3 >> (8 * h), nz[3]);
                         a[1][h][2] = w4g_dq(w2 >> (8 * h + 4), nz[2]);
                         a[1][h][3] = w4g_dq(w3 >> (8 * h + 4), nz[3]);
-                        if constexpr (RW) {
-                            // Registers 0 and 2 of tile tl hold row 4g + 2tl, 1 and 3 row 4g + 2tl + 1.
-#pragma unroll
-                            for (int r = 0; r < 4; ++r)
-#pragma unroll
-                                for (int tl = 0; tl < 2; ++tl) {
-                                    const int j = 2 * tl + (r & 1);
-                                    a[tl][h][r] = w4g_scale(a[tl][h][r], sh[j], sl[j]);
-                                }
-                        }
                     }
 #pragma unroll
                     for (int b = 0; b < NT; ++b) {
-                        mma_bf16(tmp[0][b], a[0][0], xv[b].x, xv[b].y);
-                        mma_bf16(tmp[1][b], a[1][0], xv[b].x, xv[b].y);
-                        mma_bf16(tmp[0][b], a[0][1], xv[b].z, xv[b].w);
-                        mma_bf16(tmp[1][b], a[1][1], xv[b].z, xv[b].w);
+                        mma_bf16(own[0][b], a[0][0], xv[b].x, xv[b].y);
+                        mma_bf16(own[1][b], a[1][0], xv[b].x, xv[b].y);
+                        mma_bf16(own[0][b], a[0][1], xv[b].z, xv[b].w);
+                        mma_bf16(own[1][b], a[1][1], xv[b].z, xv[b].w);
                     }
                 }
-                if constexpr (!RW) {
-                    float s[4];
-                    row_scales(s);
+                // The group's 4 row scales (f32), from the ring or the registers loaded S - 1 groups ahead.
+                const uint2 sb = W4G_SMEM_SCALES ? *(const uint2*)((const char*)w4g_smem + u * STAGE + W4G_WBYTES +
+                                                                   XBYTES + warp * 64 + g * 8)
+                                                 : sv[u];
+                const u32 bits[4] = {sb.x & 0xffffu, sb.x >> 16, sb.y & 0xffffu, sb.y >> 16};
+                float s[4];
 #pragma unroll
-                    for (int a = 0; a < 2; ++a)
+                for (int j = 0; j < 4; ++j)
+                    s[j] = scale_bf16 ? __uint_as_float(bits[j] << 16) : f16_to_f32((unsigned short)bits[j]);
 #pragma unroll
-                        for (int b = 0; b < NT; ++b)
+                for (int a = 0; a < 2; ++a)
 #pragma unroll
-                            for (int c = 0; c < 4; ++c) acc[a][b][c] = fmaf(s[2 * a + (c >> 1)], tmp[a][b][c], acc[a][b][c]);
-                }
+                    for (int b = 0; b < NT; ++b)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) acc[a][b][c] = fmaf(s[2 * a + (c >> 1)], own[a][b][c], acc[a][b][c]);
             }
         }
     }

@@ -530,17 +530,15 @@ fn run_rows(rt: &Runtime, k: &Kernels) -> R<()> {
                 })?;
             let gbs = wbytes / (us * 1e-6) / 1e9;
             println!(
-                "| {name} | {out} x {inp} | {m} | {}{}/{}/{} | {us:.1} | {gbs:.0} | {:.1}% | {tile_us:.1} | {gemv} | {dq:.1} | {:.2}x |",
+                "| {name} | {out} x {inp} | {m} | {}/{}/{} | {us:.1} | {gbs:.0} | {:.1}% | {tile_us:.1} | {gemv} | {dq:.1} | {:.2}x |",
                 auto.tokens,
-                if w4_gemm::rounds_weights(auto.tokens) { "r" } else { "" },
                 auto.splits,
                 auto.wpt,
                 100.0 * gbs / copy,
                 dq / us
             );
             if sweep && m >= 9 {
-                // The pair kernels (16 tokens, 1/2/4 warps per pair), then the tile kernels (wpt 0;
-                // "r": the weights rounded to bf16 before the MMA).
+                // The pair kernels (16 tokens, 1/2/4 warps per pair), then the tile kernels (wpt 0).
                 let kinds = [(16, 1), (16, 2), (16, 4), (16, 0), (24, 0), (32, 0), (48, 0), (64, 0)];
                 for splits in [1, 2, 3, 4, 5, 6, 8, 12].into_iter().filter(|&sp| sp <= inp / 512) {
                     let fits = |&(tk, wpt): &(usize, usize)| (wpt == 0 || m <= tk) && (m <= 64 || tk >= 48);
@@ -549,8 +547,7 @@ fn run_rows(rt: &Runtime, k: &Kernels) -> R<()> {
                         let t = gemm_us(cfg)?;
                         let gbs = wbytes / (t * 1e-6) / 1e9;
                         println!(
-                            "|   sweep | {out} x {inp} | {m} | {tokens}{}/{splits}/{wpt} | {t:.1} | {gbs:.0} | {:.1}% | | | | |",
-                            if w4_gemm::rounds_weights(tokens) { "r" } else { "" },
+                            "|   sweep | {out} x {inp} | {m} | {tokens}/{splits}/{wpt} | {t:.1} | {gbs:.0} | {:.1}% | | | | |",
                             100.0 * gbs / copy
                         );
                     }

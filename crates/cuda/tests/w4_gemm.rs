@@ -1,7 +1,5 @@
 //! `w4_gemm` (int4 weights × bf16 x at any number of rows) against the host oracle: the weights
-//! dequantised by [`W4Linear::dequantize_row`] times the bf16-rounded x, summed in f64; for the tile
-//! kernels that round the weights to bf16 before the MMA (`w4_gemm::rounds_weights`), the oracle's
-//! weights rounded the same way (RNE of the exact (q − z)·s, what `w4_dequant` writes).
+//! dequantised by [`W4Linear::dequantize_row`] times the bf16-rounded x, summed in f64.
 //!
 //! Each case draws a random linear in the device format (random quant words, scales of both signs in
 //! fp16 or bf16 bits, random zero points when asymmetric, a random act-order permutation when `perm`),
@@ -175,9 +173,9 @@ fn checked_rows(out: usize) -> Vec<usize> {
     (0..out).filter(|&o| o < 160 || o >= out - 160 || o % 29 == 0).collect()
 }
 
-/// `reference[m][i]` = y[m, rows[i]] from the dequantised rows (rounded to bf16 when `rounded`) and x
-/// (bf16 values), f64 sums, on every core.
-fn oracle(l: &W4Linear, rows: &[usize], x: &[f32], m: usize, rounded: bool) -> Vec<Vec<f32>> {
+/// `reference[m][i]` = y[m, rows[i]] from the dequantised rows and x (bf16 values), f64 sums, on every
+/// core.
+fn oracle(l: &W4Linear, rows: &[usize], x: &[f32], m: usize) -> Vec<Vec<f32>> {
     let inp = l.in_features;
     let threads = std::thread::available_parallelism().map_or(4, |n| n.get()).min(32);
     let per = rows.len().div_ceil(threads).max(1);
@@ -189,10 +187,7 @@ fn oracle(l: &W4Linear, rows: &[usize], x: &[f32], m: usize, rounded: bool) -> V
                     chunk
                         .iter()
                         .map(|&o| {
-                            let mut w = l.dequantize_row(o);
-                            if rounded {
-                                w.iter_mut().for_each(|v| *v = bf16::from_f32(*v).to_f32());
-                            }
+                            let w = l.dequantize_row(o);
                             (0..m)
                                 .map(|t| {
                                     let xr = &x[t * inp..(t + 1) * inp];
@@ -256,8 +251,7 @@ fn run_case(rt: &Runtime, k: &Kernels, sms: usize, c: Case, rng: &mut StdRng) ->
             }
         }
     }
-    let exact = oracle(&l, &rows, &xs, c.m, false);
-    let rounded = cfgs.iter().any(|cfg| w4_gemm::rounds_weights(cfg.tokens)).then(|| oracle(&l, &rows, &xs, c.m, true));
+    let reference = oracle(&l, &rows, &xs, c.m);
     let b = l.bytes();
     let ws_most = cfgs.iter().map(|&cfg| w4_gemm::w4_gemm_workspace_bytes(c.m, c.out, cfg)).max().unwrap_or(0);
     let y_bytes = 4 * (c.m + 1) * ldy;
@@ -297,18 +291,13 @@ fn run_case(rt: &Runtime, k: &Kernels, sms: usize, c: Case, rng: &mut StdRng) ->
         };
         let got = run(&d)?;
         let tag = format!(
-            "tokens={}{} splits={} wpt={}{}",
+            "tokens={} splits={} wpt={}{}",
             cfg.tokens,
-            if w4_gemm::rounds_weights(cfg.tokens) { "r" } else { "" },
             cfg.splits,
             cfg.wpt,
             if cfg == auto { " (default)" } else { "" }
         );
-        let reference = match (&rounded, w4_gemm::rounds_weights(cfg.tokens)) {
-            (Some(r), true) => r,
-            _ => &exact,
-        };
-        let mut line = compare(&got, reference, &rows, c, ldy);
+        let mut line = compare(&got, &reference, &rows, c, ldy);
         if cfg.splits > 1 {
             // A workspace one float short of the launch is refused before anything runs.
             let need = w4_gemm::w4_gemm_workspace_bytes(c.m, c.out, cfg);

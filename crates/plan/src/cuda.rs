@@ -37,10 +37,9 @@ const W4_GEMM_PLANNED_SMS: usize = 200;
 /// Tokens (rows of x) per int4 GEMM block for `m` rows: 16 up to 16 rows; 24 or 32 to 32 rows, whichever
 /// pads `m` less (32 on a tie: fewer blocks); one 48-token tile at 33–48 rows (0.85–0.99× the time of
 /// two 24-token tiles, 2 blocks an SM against 3); 24 or 32 again at 49–64 rows; above 64 rows 48 where
-/// it takes no more tiles than 64, else 64 with rounded weights (the "r" kernel: half the accumulators,
-/// no per-group sums; 1.04–2.1× faster than dequantised slices + cuBLASLt at 96–256 rows on an H100).
-/// Measured by `bench_w4_rows` with its sweep. Every token of a block is computed (rows past `m` are
-/// zeros), so padding is work.
+/// it takes no more tiles than 64, else 64 (faster than dequantised slices + cuBLASLt up to 256 rows on
+/// an H100). Measured by `bench_w4_rows` with its sweep. Every token of a block is computed (rows past
+/// `m` are zeros), so padding is work.
 pub fn w4_gemm_tokens(m: usize) -> usize {
     match m {
         0..=16 => 16,
@@ -52,25 +51,19 @@ pub fn w4_gemm_tokens(m: usize) -> usize {
     }
 }
 
-/// Whether the int4 GEMM's tile of `tokens` tokens rounds the weights to bf16 before the MMA (the
-/// 64-token tile, [`w4_gemm_tokens`]) rather than scaling exact per-group sums.
-pub fn w4_gemm_rounds_weights(tokens: usize) -> bool {
-    tokens > 48
-}
-
 /// Splits over K of an int4 GEMM of `m` rows through an `[out, in]` linear on a GPU of `sms`
 /// multiprocessors: the fewest powers of two that give the launch 2.4 blocks per multiprocessor (0.8
-/// waves of the exact tiles of up to 32 tokens, 3 blocks an SM; 1.2 of the 48-token one, 2 an SM) or,
-/// for the rounded tile (2 an SM), 2.6 (1.3 waves); at most [`W4_GEMM_MAX_SPLITS`] and at least 4
-/// groups of 128 columns per split. Measured at the 27B shapes (`bench_w4_rows` with its sweep): within
-/// 10% of the best split of each shape at 12–48 rows on the H200 and at 128 and 256 rows on the H100
-/// (11% for 5120 × 6144 at 128 rows; the 48-token tile at 48 rows within 13%, H100), where a rule aiming
+/// waves of the tiles of up to 32 tokens, 3 blocks an SM; 1.2 of the 48-token one, 2 an SM) or, for the
+/// 64-token tile (2 an SM), 2.6 (1.3 waves); at most [`W4_GEMM_MAX_SPLITS`] and at least 4 groups of 128
+/// columns per split. Measured at the 27B shapes (`bench_w4_rows` with its sweep): within 10% of the best
+/// split of each shape at 12–48 rows on the H200 and at 128 and 256 rows on the H100 (11% for 5120 × 6144
+/// at 128 rows; on the H100 the 48-token tile at 48 rows within 13%, the 64-token one at 128 rows 9%), where a rule aiming
 /// at 2 blocks per SM and partial sums of at most a quarter of the weight bytes was up to 1.7× slower
 /// (10240 × 5120 at 32 rows: 50.9 µs against 29.3).
 pub fn w4_gemm_splits(m: usize, out: usize, inp: usize, sms: usize) -> usize {
     let tokens = w4_gemm_tokens(m);
     let tiles = out.div_ceil(W4_GEMM_BLOCK_ROWS) * m.max(1).div_ceil(tokens);
-    let target = (if w4_gemm_rounds_weights(tokens) { 26 } else { 24 } * sms.max(1)).div_ceil(10);
+    let target = (if tokens == 64 { 26 } else { 24 } * sms.max(1)).div_ceil(10);
     let most = (inp / QUANT_GROUP / W4_GEMM_MIN_GROUPS_PER_SPLIT).clamp(1, W4_GEMM_MAX_SPLITS);
     let mut splits = 1;
     while tiles * splits < target && 2 * splits <= most {

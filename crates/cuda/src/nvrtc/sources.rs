@@ -145,7 +145,7 @@ pub const SOURCES: &[KernelSource] = &[
         module: "w4_gemm",
         // The tile GEMM's device code, then its kernels.
         src: concat!(include_str!("../../kernels/w4_tile.cuh"), include_str!("../../kernels/w4_gemm.cu")),
-        functions: &["w4g_16", "w4g_24", "w4g_32", "w4g_48", "w4g_64r", "w4t_16s", "w4t_16a", "w4g_reduce"],
+        functions: &["w4g_16", "w4g_24", "w4g_32", "w4g_48", "w4g_64", "w4t_16s", "w4t_16a", "w4g_reduce"],
     },
     KernelSource {
         module: "moe_w4",

@@ -13,7 +13,6 @@
 use cudarc::driver::CudaStream;
 pub use deltaserve_plan::cuda::W4_GEMM_BLOCK_ROWS as BLOCK_ROWS;
 pub use deltaserve_plan::cuda::W4_GEMM_MAX_SPLITS as MAX_SPLITS;
-pub use deltaserve_plan::cuda::w4_gemm_rounds_weights as rounds_weights;
 use deltaserve_plan::cuda::{w4_gemm_partial_bytes, w4_gemm_splits, w4_gemm_tokens};
 
 use super::w4a16::{self, W4Out, W4Weights, permute_x};
@@ -35,10 +34,9 @@ const PAIR_BLOCKS_PER_SM: usize = 3;
 /// Rows of x up to which the pair kernels run (one tile of 16 tokens; from 17 rows the tile kernels
 /// are faster at the 27B shapes: bench_w4's `bench_w4_rows`).
 pub const PAIR_MAX_ROWS: usize = 16;
-/// The tile kernels and their tokens per block ("r": the weights rounded to bf16 before the MMA,
-/// [`rounds_weights`]).
+/// The tile kernels and their tokens per block.
 pub(crate) const KERNELS: [(&str, usize); 5] =
-    [("w4g_16", 16), ("w4g_24", 24), ("w4g_32", 32), ("w4g_48", 48), ("w4g_64r", 64)];
+    [("w4g_16", 16), ("w4g_24", 24), ("w4g_32", 32), ("w4g_48", 48), ("w4g_64", 64)];
 /// The pair kernels: symmetric, with zero points.
 pub(crate) const PAIR_KERNELS: [&str; 2] = ["w4t_16s", "w4t_16a"];
 
@@ -57,8 +55,7 @@ pub const PAIR_SMEM_BYTES: usize = PAIR_WARPS * 2048;
 /// How one [`w4_gemm`] launch tiles its work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct W4GemmConfig {
-    /// Tokens (rows of x) per block: 16, 24, 32, 48 or 64 (the pair kernels: 16); the 64-token
-    /// tiles round each weight to bf16 before the MMA ([`rounds_weights`]).
+    /// Tokens (rows of x) per block: 16, 24, 32, 48 or 64 (the pair kernels: 16).
     pub tokens: usize,
     /// Splits over K (groups of 128 columns); above 1 the partial sums go through the workspace.
     pub splits: usize,
@@ -424,7 +421,9 @@ mod tests {
             (24, 24),
             (25, 32),
             (32, 32),
-            (48, 24),
+            (33, 48),
+            (48, 48),
+            (49, 32),
             (64, 32),
             (65, 48),
             (96, 48),
@@ -436,7 +435,6 @@ mod tests {
         ] {
             assert_eq!(w4_tile_config(m, 17408, 5120, H200, usize::MAX).tokens, tokens, "m = {m}");
             assert_eq!(w4_gemm_config(m, 17408, 5120, H200, usize::MAX).tokens, tokens, "m = {m}");
-            assert_eq!(rounds_weights(tokens), m > 64, "m = {m}");
         }
     }
 
@@ -451,6 +449,8 @@ mod tests {
         // gate / up (17408 x 5120): 136 row tiles; 4 splits at 16 rows, 2 at 64 (two token tiles).
         assert_eq!(c(16, 17408, 5120), 4);
         assert_eq!(c(64, 17408, 5120), 2);
+        // One 48-token tile at 33..48 rows, 2.4 blocks an SM: down at 48 rows, 40 tiles, 8 splits.
+        assert_eq!(c(48, 5120, 17408), 8);
         // Above 64 rows the 64-token tile, 2.6 blocks an SM: 344 on the H200. gate / up at 128 rows:
         // 272 tiles, 2 splits; at 256 rows 544 tiles, none; down at 128 rows: 80 tiles, 8 splits.
         assert_eq!(c(128, 17408, 5120), 2);
