@@ -59,12 +59,21 @@ pub fn w4_gemm_tokens(m: usize) -> usize {
 /// split of each shape at 12–48 rows on the H200 and at 128 and 256 rows on the H100 (11% for 5120 × 6144
 /// at 128 rows; on the H100 the 48-token tile at 48 rows within 13%, the 64-token one at 128 rows 9%), where a rule aiming
 /// at 2 blocks per SM and partial sums of at most a quarter of the weight bytes was up to 1.7× slower
-/// (10240 × 5120 at 32 rows: 50.9 µs against 29.3).
+/// (10240 × 5120 at 32 rows: 50.9 µs against 29.3). One 48-token tile (33–48 rows) first tries the most
+/// splits whose blocks fit one wave of 2 an SM, taken where they fill at least 85% of it (3 or 6 splits at
+/// the 27B shapes: 0.84–0.88× the power of two's time at 40–48 rows on the H100).
 pub fn w4_gemm_splits(m: usize, out: usize, inp: usize, sms: usize) -> usize {
     let tokens = w4_gemm_tokens(m);
     let tiles = out.div_ceil(W4_GEMM_BLOCK_ROWS) * m.max(1).div_ceil(tokens);
-    let target = (if tokens == 64 { 26 } else { 24 } * sms.max(1)).div_ceil(10);
     let most = (inp / QUANT_GROUP / W4_GEMM_MIN_GROUPS_PER_SPLIT).clamp(1, W4_GEMM_MAX_SPLITS);
+    if tokens == 48 && m <= 48 {
+        let slots = 2 * sms.max(1);
+        let wave = (slots / tiles).clamp(1, most);
+        if 100 * tiles * wave >= 85 * slots {
+            return wave;
+        }
+    }
+    let target = (if tokens == 64 { 26 } else { 24 } * sms.max(1)).div_ceil(10);
     let mut splits = 1;
     while tiles * splits < target && 2 * splits <= most {
         splits *= 2;

@@ -449,8 +449,12 @@ mod tests {
         // gate / up (17408 x 5120): 136 row tiles; 4 splits at 16 rows, 2 at 64 (two token tiles).
         assert_eq!(c(16, 17408, 5120), 4);
         assert_eq!(c(64, 17408, 5120), 2);
-        // One 48-token tile at 33..48 rows, 2.4 blocks an SM: down at 48 rows, 40 tiles, 8 splits.
-        assert_eq!(c(48, 5120, 17408), 8);
+        // One 48-token tile at 33..48 rows: the most splits that fit one wave of 2 blocks an SM (264) where
+        // they fill 85% of it: down at 48 rows, 40 tiles, 6 splits (240); in-proj 80 tiles, 3 (240); else
+        // the powers of two: q 96 tiles, 4 (two splits would fill 73%).
+        assert_eq!(c(48, 5120, 17408), 6);
+        assert_eq!(c(40, 10240, 5120), 3);
+        assert_eq!(c(48, 12288, 5120), 4);
         // Above 64 rows the 64-token tile, 2.6 blocks an SM: 344 on the H200. gate / up at 128 rows:
         // 272 tiles, 2 splits; at 256 rows 544 tiles, none; down at 128 rows: 80 tiles, 8 splits.
         assert_eq!(c(128, 17408, 5120), 2);
