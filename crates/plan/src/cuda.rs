@@ -57,9 +57,8 @@ pub fn w4_gemm_tokens(m: usize) -> usize {
 /// 64-token tile (2 an SM), 2.6 (1.3 waves); at most [`W4_GEMM_MAX_SPLITS`] and at least 4 groups of 128
 /// columns per split. Measured at the 27B shapes (`bench_w4_rows` with its sweep): within 10% of the best
 /// split of each shape at 12–48 rows on the H200 and at 128 and 256 rows on the H100 (11% for 5120 × 6144
-/// at 128 rows; on the H100 the 48-token tile at 48 rows within 13%, the 64-token one at 128 rows 9%), where a rule aiming
-/// at 2 blocks per SM and partial sums of at most a quarter of the weight bytes was up to 1.7× slower
-/// (10240 × 5120 at 32 rows: 50.9 µs against 29.3). One 48-token tile (33–48 rows) first tries the most
+/// at 128 rows), where a rule aiming at 2 blocks per SM and partial sums of at most a quarter of the weight
+/// bytes was up to 1.7× slower (10240 × 5120 at 32 rows: 50.9 µs against 29.3). One 48-token tile (33–48 rows) first tries the most
 /// splits whose blocks fit one wave of 2 an SM, taken where they fill at least 85% of it (3 or 6 splits at
 /// the 27B shapes: 0.84–0.88× the power of two's time at 40–48 rows on the H100).
 pub fn w4_gemm_splits(m: usize, out: usize, inp: usize, sms: usize) -> usize {
