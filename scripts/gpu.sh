@@ -532,8 +532,8 @@ step_profile() {
             # shellcheck disable=SC2086
             w4) DS_BENCH_W4="gate+up" run profile-w4 120 "w4p_hsh|$keep" $ncu $sect --section SourceCounters \
                 --kernel-name w4p_hsh --launch-skip 110 --launch-count 1 "$(bin bench_w4)" --nocapture --ignored bench_w4_27b ;;
-            # The int4 tile GEMM at W4G_ROWS rows (default 32 and 128: the exact 32-token tile and the rounded
-            # 64-token one; gate / up, then down): one launch each, after 20.
+            # The int4 tile GEMM at W4G_ROWS rows (default 32 and 128: the 32-token tile and two 64-token
+            # ones; gate / up, then down): one launch each, after 20.
             # shellcheck disable=SC2086
             w4g) for m in ${W4G_ROWS:-32 128}; do for lin in gate down; do
                     DS_BENCH_W4="$lin" DS_BENCH_W4_ROWS_M=$m run "profile-w4g-$lin-$m" 120 "w4g_|$keep" $ncu $sect $stalls \

@@ -253,11 +253,10 @@ fn gptq_checkpoint_matches_cpu() {
 /// longer steps take: two backends of the same weights (GEMM on, off) and the CPU reference run prompts of
 /// 12, 20, 37, 64, 100 and 200 tokens, then verify-shaped steps of 3 sequences × 4 tokens (12 rows),
 /// teacher-forced by the reference, for weights quantised at load (sym, asym) and an asymmetric gptq_v2
-/// checkpoint. Up to 64 rows the GEMM multiplies the exact integers (q − z) and scales in f32 (above,
-/// its 64-token tile rounds the weights to bf16 as the slices do), the slices round the weights to bf16,
-/// so the paths differ by rounding, which 8 random layers amplify: on the H200 single rows of either
-/// path reach 0.2–0.6 relative L2 against the reference (the slices' worst), so rows are not bounded one
-/// by one. The GEMM must match the reference within the int4 median bound, with a median error at most
+/// checkpoint. The GEMM multiplies the exact integers (q − z) and scales in f32, the slices round the
+/// weights to bf16, so the paths differ by rounding, which 8 random layers amplify: on the H200 single
+/// rows of either path reach 0.2–0.6 relative L2 against the reference (the slices' worst), so rows are
+/// not bounded one by one. The GEMM must match the reference within the int4 median bound, with a median error at most
 /// 1.25× the slices' (+2e-3) and a worst row no worse than the slices' worst (or the row bound).
 #[test]
 fn int4_gemm_matches_the_dequantised_slices() {
