@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 use deltaserve_cuda::backend::CudaOptions;
 use deltaserve_engine::EngineOptions;
 use deltaserve_model::ModelConfig;
-use deltaserve_plan::{Free, KvDtype, Plan, PlanOptions, WeightsDtype, fit_context, fmt_bytes, parse_size};
+use deltaserve_plan::{Free, KvDtype, Plan, PlanOptions, StateDtype, WeightsDtype, fit_context, fmt_bytes, parse_size};
 use deltaserve_sched::{PrefixCacheConfig, SchedConfig};
 
 use crate::model_source::Device;
@@ -53,6 +53,12 @@ pub struct EngineArgs {
     /// V cache storage (overrides --kv-cache-dtype for V).
     #[arg(long)]
     pub v_cache_dtype: Option<String>,
+    /// DeltaNet recurrent state storage in its slots and snapshots: fp32 (exact, default) or bf16 (half the
+    /// memory and half the state traffic of a decode step). The recurrence still computes in f32; the state
+    /// is rounded after every decoded or verified token and at the end of each prefill chunk, so speculation
+    /// keeps plain decode's results. The CPU reference backend keeps f32 holding those values.
+    #[arg(long, visible_aliases = ["mamba-ssm-cache-dtype", "mamba-ssm-dtype"])]
+    pub state_dtype: Option<StateDtype>,
     /// DeltaNet state snapshots kept in the backend's memory plan (the prefix cache's first tier).
     #[arg(long)]
     pub snapshot_slots: Option<usize>,
@@ -246,6 +252,7 @@ impl EngineArgs {
         let (k_dtype, v_dtype) = self.kv_dtypes()?;
         opts.k_dtype = k_dtype.unwrap_or(opts.k_dtype);
         opts.v_dtype = v_dtype.unwrap_or(opts.v_dtype);
+        opts.state_dtype = self.state_dtype.unwrap_or_default();
         opts.speculative_tokens = self.speculative_tokens()?;
         if let Some(n) = self.decode_partitions {
             opts.decode_partitions = n; // the plan checks the range

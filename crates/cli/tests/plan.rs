@@ -36,6 +36,27 @@ fn qwen36_27b_in_24gib_with_mtp_fills_262144() {
     assert!(region(&j, "logits") > region(&plain, "logits"), "{j}");
 }
 
+/// `--state-dtype bf16` halves the DeltaNet recurrent state: with MTP on a 24 GiB card the full context
+/// then takes twice the sequences per step (the fit trades fewer of them away); a format it does not
+/// store is a clear error.
+#[test]
+fn bf16_state_in_24gib_with_mtp_serves_more_sequences() {
+    let mtp = [&QWEN36_24GIB[..], &["--speculative-tokens", "3", "--json"]].concat();
+    let f32s = plan_json(&mtp);
+    let bf16s = plan_json(&[&mtp[..], &["--state-dtype", "bf16"]].concat());
+    assert_eq!(bf16s["options"]["state_dtype"], "bf16");
+    assert!(bf16s["max_context"].as_u64().unwrap() >= 262_144, "{bf16s}");
+    assert!(bf16s["total_bytes"].as_u64().unwrap() <= 24 << 30, "{bf16s}");
+    let n = |j: &serde_json::Value, k: &str| j[k].as_u64().unwrap();
+    // 48 layers × 48 value heads × 128 × 128 recurrent elements, 2 bytes fewer each.
+    assert_eq!(n(&f32s, "state_bytes_per_seq") - n(&bf16s, "state_bytes_per_seq"), 48 * 48 * 128 * 128 * 2);
+    assert!(n(&bf16s, "max_seqs") >= 2 * n(&f32s, "max_seqs"), "{} vs {}", n(&bf16s, "max_seqs"), n(&f32s, "max_seqs"));
+    let out = plan(&["--preset", "tiny", "--state-dtype", "fp8"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("fp32, bf16"), "{err}");
+}
+
 #[test]
 fn no_fit_plans_the_settings_as_given() {
     let j = plan_json(

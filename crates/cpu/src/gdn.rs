@@ -35,6 +35,8 @@
 
 use rayon::prelude::*;
 
+use crate::kvquant::round_bf16_slice;
+
 /// Shapes of one Gated DeltaNet layer's core.
 #[derive(Clone, Copy, Debug)]
 pub struct GdnDims {
@@ -83,6 +85,26 @@ pub enum GdnError {
 pub fn gdn_recurrent(d: GdnDims, x: &GdnInputs, state: &mut [f32], out: &mut [f32]) -> Result<(), GdnError> {
     let t = validate(d, x, state, out)?;
     run_per_head(d, t, state, out, |h, s, o| recurrent_head(&HeadView::new(d, x, t, h), s, o));
+    Ok(())
+}
+
+/// [`gdn_recurrent`] with the state stored bf16: token by token, each output read from the updated f32
+/// state, then the state rounded to bf16 (what a bf16 state slot keeps after decoding that token), so
+/// that any split of the tokens into calls leaves the same state.
+pub fn gdn_recurrent_bf16_state(d: GdnDims, x: &GdnInputs, state: &mut [f32], out: &mut [f32]) -> Result<(), GdnError> {
+    let t = validate(d, x, state, out)?;
+    let (kw, vw, hv) = (d.num_k_heads * d.head_k_dim, d.num_v_heads * d.head_v_dim, d.num_v_heads);
+    for i in 0..t {
+        let one = GdnInputs {
+            q: &x.q[i * kw..][..kw],
+            k: &x.k[i * kw..][..kw],
+            v: &x.v[i * vw..][..vw],
+            g: &x.g[i * hv..][..hv],
+            beta: &x.beta[i * hv..][..hv],
+        };
+        gdn_recurrent(d, &one, state, &mut out[i * vw..][..vw])?;
+        round_bf16_slice(state);
+    }
     Ok(())
 }
 

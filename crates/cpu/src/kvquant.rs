@@ -120,6 +120,11 @@ pub fn round_bf16(x: f32) -> f32 {
     f32::from_bits(b.wrapping_add(0x7fff + lsb) & 0xffff_0000)
 }
 
+/// Every value of `xs` rounded to the nearest bf16 ([`round_bf16`]).
+pub fn round_bf16_slice(xs: &mut [f32]) {
+    xs.iter_mut().for_each(|x| *x = round_bf16(*x));
+}
+
 /// `x` rounded to the nearest f16 (ties to even), as f32.
 pub fn round_f16(x: f32) -> f32 {
     f16_bits_to_f32(f32_to_f16_bits(x))
@@ -187,6 +192,9 @@ pub struct QuantizingCache<C> {
 impl<C: crate::SeqCache> crate::SeqCache for QuantizingCache<C> {
     fn deltanet_state(&mut self, layer: usize) -> (&mut [f32], &mut [f32]) {
         self.inner.deltanet_state(layer)
+    }
+    fn state_bf16(&self) -> bool {
+        self.inner.state_bf16()
     }
     fn write_kv(&mut self, layer: usize, start: usize, k: &[f32], v: &[f32]) {
         let (mut k, mut v) = (k.to_vec(), v.to_vec());

@@ -22,7 +22,8 @@ use deltaserve_model::{Checkpoint, Dims, LayerKind, ModelConfig, ModelError, Mod
 use crate::activation::{sigmoid, silu, softplus};
 use crate::attention::causal_gqa_attention;
 use crate::conv::causal_conv1d_silu;
-use crate::gdn::{GdnDims, GdnInputs, gdn_chunked, gdn_recurrent};
+use crate::gdn::{GdnDims, GdnInputs, gdn_chunked, gdn_recurrent, gdn_recurrent_bf16_state};
+use crate::kvquant::round_bf16_slice;
 use crate::linear::linear;
 use crate::norm::{gated_rms_norm, l2_norm, rms_norm_1p};
 use crate::rope::{apply_mrope, apply_partial_rope};
@@ -101,6 +102,11 @@ pub trait SeqCache {
     fn write_kv(&mut self, layer: usize, start: usize, k: &[f32], v: &[f32]);
     /// K and V rows of positions `0..len` of attention layer `layer`, contiguous.
     fn read_kv(&self, layer: usize, len: usize) -> (Vec<f32>, Vec<f32>);
+    /// Whether the DeltaNet recurrent state is stored bf16: a layer's state is rounded to bf16 after each
+    /// update (what a bf16 state slot holds; the recurrence itself runs in f32).
+    fn state_bf16(&self) -> bool {
+        false
+    }
     /// Whether DeltaNet layers should hand their recurrence inputs to [`SeqCache::record_gdn_trace`].
     fn wants_gdn_trace(&self) -> bool {
         false
@@ -295,9 +301,9 @@ impl CpuModel {
             rms_norm_1p(&mut hn, &lw.input_norm.data, eps);
             let mixed = match &lw.mixer {
                 MixerWeights::DeltaNet(w) => {
-                    let trace = cache.wants_gdn_trace();
+                    let (trace, bf16_state) = (cache.wants_gdn_trace(), cache.state_bf16());
                     let (conv, recurrent) = cache.deltanet_state(i);
-                    let (out, tr) = self.deltanet(w, &hn, t, conv, recurrent, mode, trace)?;
+                    let (out, tr) = self.deltanet(w, &hn, t, (conv, recurrent, bf16_state), mode, trace)?;
                     if let Some(tr) = tr {
                         cache.record_gdn_trace(i, tr);
                     }
@@ -385,14 +391,13 @@ impl CpuModel {
         Ok(x)
     }
 
-    /// Advances a DeltaNet layer's committed state (`conv`, `recurrent`) by the first `n` tokens
-    /// of `trace`, with the recurrence (the arithmetic of token-by-token decode).
+    /// Advances a DeltaNet layer's committed state (`conv`, `recurrent`; `bf16_state`: stored bf16) by the
+    /// first `n` tokens of `trace`, with the recurrence (the arithmetic of token-by-token decode).
     pub fn replay_gdn(
         &self,
         trace: &GdnTrace,
         n: usize,
-        conv: &mut [f32],
-        recurrent: &mut [f32],
+        (conv, recurrent, bf16_state): (&mut [f32], &mut [f32], bool),
     ) -> Result<(), ForwardError> {
         let d = &self.dims;
         let layer_w = self.weights.layers.iter().find_map(|l| match &l.mixer {
@@ -418,7 +423,10 @@ impl CpuModel {
             beta: &trace.beta[..n * hv],
         };
         let mut o = vec![0.0f32; n * d.gdn_value_width];
-        gdn_recurrent(dims, &inputs, recurrent, &mut o)?;
+        match bf16_state {
+            true => gdn_recurrent_bf16_state(dims, &inputs, recurrent, &mut o)?,
+            false => gdn_recurrent(dims, &inputs, recurrent, &mut o)?,
+        }
         Ok(())
     }
 
@@ -454,8 +462,7 @@ impl CpuModel {
         w: &DeltaNetWeights<HostTensor>,
         hn: &[f32],
         t: usize,
-        conv_state: &mut [f32],
-        recurrent: &mut [f32],
+        (conv_state, recurrent, bf16_state): (&mut [f32], &mut [f32], bool),
         mode: GdnMode,
         trace: bool,
     ) -> Result<(Vec<f32>, Option<GdnTrace>), ForwardError> {
@@ -494,10 +501,16 @@ impl CpuModel {
         let dims = GdnDims { num_k_heads: hk, num_v_heads: hv, head_k_dim: dk, head_v_dim: dv };
         let inputs = GdnInputs { q: &q, k: &k, v: &v, g: &g, beta: &beta };
         let mut o = vec![0.0f32; t * d.gdn_value_width];
-        if mode == GdnMode::Recurrent || t == 1 {
-            gdn_recurrent(dims, &inputs, recurrent, &mut o)?;
-        } else {
-            gdn_chunked(dims, GDN_CHUNK, &inputs, recurrent, &mut o)?;
+        // A bf16 state slot: rounded after every token of the recurrence, at the end of a chunked prefill.
+        match (mode == GdnMode::Recurrent || t == 1, bf16_state) {
+            (true, false) => gdn_recurrent(dims, &inputs, recurrent, &mut o)?,
+            (true, true) => gdn_recurrent_bf16_state(dims, &inputs, recurrent, &mut o)?,
+            (false, _) => {
+                gdn_chunked(dims, GDN_CHUNK, &inputs, recurrent, &mut o)?;
+                if bf16_state {
+                    round_bf16_slice(recurrent);
+                }
+            }
         }
         gated_rms_norm(&mut o, &z, &w.norm.data, self.config.rms_norm_eps);
         let out = linear(&o, t, &w.out_proj.data, d.hidden, d.gdn_value_width);

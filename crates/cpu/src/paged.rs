@@ -28,6 +28,7 @@ use deltaserve_backend::{
     SnapshotLoc, SpecCommit, StepBatch, StepOut, Want, check_logits_rows,
 };
 use deltaserve_model::LayerKind;
+use deltaserve_plan::StateDtype;
 
 use crate::chunk_input::{ChunkInput, ImageRows};
 use crate::kvquant::{KvFormat, KvQuant};
@@ -121,6 +122,8 @@ struct Caches {
     k_format: KvFormat,
     v_format: KvFormat,
     head_dim: usize,
+    /// The DeltaNet recurrent state is stored bf16: rounded after every update (the arena stays f32).
+    state_bf16: bool,
     /// Speculation: arena offset of the pending hidden rows `[slots, hidden]` (part of each snapshot).
     pending_hidden: Option<usize>,
     hidden: usize,
@@ -204,6 +207,7 @@ impl CpuBackend {
                 k_format: KvFormat::F32,
                 v_format: KvFormat::F32,
                 head_dim: d.head_dim,
+                state_bf16: false,
                 pending_hidden,
                 hidden: d.hidden,
             },
@@ -219,6 +223,13 @@ impl CpuBackend {
     pub fn with_kv_formats(mut self, k: KvFormat, v: KvFormat) -> Self {
         self.caches.k_format = k;
         self.caches.v_format = v;
+        self
+    }
+
+    /// Stores the DeltaNet recurrent state in `dtype` (default f32, exact): with bf16 every state a step
+    /// leaves is rounded to bf16, as a device slot of that format holds it (the arena stays f32).
+    pub fn with_state_dtype(mut self, dtype: StateDtype) -> Self {
+        self.caches.state_bf16 = dtype == StateDtype::Bf16;
         self
     }
 
@@ -453,6 +464,9 @@ impl SeqCache for VerifyView<'_> {
     fn read_kv(&self, layer: usize, len: usize) -> (Vec<f32>, Vec<f32>) {
         self.inner.read_kv(layer, len)
     }
+    fn state_bf16(&self) -> bool {
+        self.inner.state_bf16()
+    }
     fn wants_gdn_trace(&self) -> bool {
         true
     }
@@ -472,6 +486,9 @@ impl SeqCache for PagedSeq<'_> {
         // conv regions precede recurrent regions of the same layer, so the split is disjoint.
         let (head, tail) = b.arena.buf.split_at_mut(r0);
         (&mut head[c0..c0 + b.conv_len], &mut tail[..b.rec_len])
+    }
+    fn state_bf16(&self) -> bool {
+        self.backend.state_bf16
     }
     fn write_kv(&mut self, layer: usize, start: usize, k: &[f32], v: &[f32]) {
         let LayerRegion::Attention { k: kb, v: vb } = self.backend.layers[layer] else {
@@ -583,10 +600,11 @@ impl Backend for CpuBackend {
                 return Err(BackendError::InvalidStep(format!("seq {}: commit pages out of range", c.seq_id)));
             }
             let err = |e: ForwardError| BackendError::InvalidStep(format!("seq {}: {e}", c.seq_id));
+            let bf16_state = self.caches.state_bf16;
             let mut view = PagedSeq { backend: &mut self.caches, slot: c.slot as usize, pages: &c.pages };
             for (layer, trace) in &v.traces {
                 let (conv, rec) = view.deltanet_state(*layer);
-                self.model.replay_gdn(trace, e, conv, rec).map_err(err)?;
+                self.model.replay_gdn(trace, e, (conv, rec, bf16_state)).map_err(err)?;
             }
             // The head's cache entries of the accepted drafts, from the main model's hidden rows.
             let h = self.model.dims.hidden;

@@ -147,7 +147,7 @@ impl TpModel {
                 rms_norm_1p(&mut hn, &lw.input_norm.data, eps);
                 let part = match (&lw.mixer, &mut st.layers[i]) {
                     (MixerWeights::DeltaNet(w), LayerState::DeltaNet { conv, recurrent }) => {
-                        r.model.deltanet(w, &hn, t, conv, recurrent, mode, false)?.0
+                        r.model.deltanet(w, &hn, t, (conv, recurrent, false), mode, false)?.0
                     }
                     (MixerWeights::Attention(w), LayerState::Attention { .. }) => {
                         r.model.attention(w, &hn, t, start, Positions::Sequential(start), i, st)

@@ -9,6 +9,7 @@ use deltaserve_backend::{
 };
 use deltaserve_cpu::{CpuBackend, CpuCacheConfig, CpuModel, ForwardError};
 use deltaserve_model::synth::{MtpVariant, Preset, write_model_json, write_model_with};
+use deltaserve_plan::StateDtype;
 
 const PAGE: usize = 8;
 
@@ -68,8 +69,8 @@ fn batch(c: SeqChunk) -> StepBatch {
 }
 
 /// Greedy decode without speculation: the generated tokens and the logits row before each of them.
-fn reference(m: CpuModel, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let mut b = CpuBackend::new(m, cache_cfg());
+fn reference(m: CpuModel, prompt: &[u32], n: usize, state: StateDtype) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let mut b = CpuBackend::new(m, cache_cfg()).with_state_dtype(state);
     let mut rows = Vec::new();
     let mut out = Vec::new();
     let mut logits = Vec::new();
@@ -85,10 +86,15 @@ fn reference(m: CpuModel, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f32>>)
 
 /// Speculative greedy decode where draft i of step s is right when `right(s, i)` (else a wrong token):
 /// every accepted prefix length occurs. Checks each verified row against the reference, bit for bit.
-fn speculative(m: CpuModel, prompt: &[u32], reference: &(Vec<u32>, Vec<Vec<f32>>), k: usize, snapshot: bool) {
+fn speculative(
+    m: CpuModel,
+    prompt: &[u32],
+    reference: &(Vec<u32>, Vec<Vec<f32>>),
+    (k, snapshot, state): (usize, bool, StateDtype),
+) {
     let (want, ref_rows) = reference;
     let vocab = m.dims.vocab as u32;
-    let mut b = CpuBackend::with_speculation(m, cache_cfg(), 4).unwrap();
+    let mut b = CpuBackend::with_speculation(m, cache_cfg(), 4).unwrap().with_state_dtype(state);
     assert_eq!(b.capabilities().max_draft_tokens, 4);
     let mut logits = Vec::new();
     step_logits(&mut b, &batch(chunk(0, 0, prompt, 0)), &mut logits).unwrap();
@@ -147,9 +153,28 @@ fn speculative(m: CpuModel, prompt: &[u32], reference: &(Vec<u32>, Vec<Vec<f32>>
 #[test]
 fn verify_and_commit_match_plain_decode_bit_for_bit() {
     let prompt: Vec<u32> = (0..13).map(|i| (i * 37 + 5) % 1000).collect();
-    let r = reference(model(MtpVariant::Random, "ref"), &prompt, 24);
+    let r = reference(model(MtpVariant::Random, "ref"), &prompt, 24, StateDtype::F32);
     for k in 1..=4 {
-        speculative(model(MtpVariant::Random, "k"), &prompt, &r, k, k % 2 == 0);
+        speculative(model(MtpVariant::Random, "k"), &prompt, &r, (k, k % 2 == 0, StateDtype::F32));
+    }
+}
+
+/// The DeltaNet state stored bf16: the verify and the commit round it after every token, as decode
+/// steps store it, so speculation still gives plain decode's logits bit for bit; the rounding shows in
+/// the logits, within a small fraction of them.
+#[test]
+fn bf16_state_verify_and_commit_match_plain_decode_bit_for_bit() {
+    let prompt: Vec<u32> = (0..13).map(|i| (i * 37 + 5) % 1000).collect();
+    let r = reference(model(MtpVariant::Random, "ref16"), &prompt, 24, StateDtype::Bf16);
+    let exact = reference(model(MtpVariant::Random, "ref32"), &prompt, 24, StateDtype::F32);
+    let rel = |a: &[f32], b: &[f32]| {
+        let d: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+        (d / b.iter().map(|y| y * y).sum::<f32>()).sqrt()
+    };
+    let worst = r.1.iter().zip(&exact.1).map(|(a, b)| rel(a, b)).fold(0.0f32, f32::max);
+    assert!(worst > 0.0 && worst < 2e-2, "bf16 state vs f32: worst logits row {worst:.2e}");
+    for k in [1, 3, 4] {
+        speculative(model(MtpVariant::Random, "k16"), &prompt, &r, (k, k != 1, StateDtype::Bf16));
     }
 }
 
@@ -160,9 +185,9 @@ fn moe_verify_and_commit_match_plain_decode_bit_for_bit() {
         let m = model_of(form, MtpVariant::Random, "moe-ref");
         let mtp = m.weights.mtp.as_ref().expect("the MTP head is loaded");
         assert!(mtp.layer.moe.is_some(), "{form:?}: the MTP head's MLP is a mixture of experts");
-        let r = reference(m, &prompt, 16);
+        let r = reference(m, &prompt, 16, StateDtype::F32);
         for k in [1, 3] {
-            speculative(model_of(form, MtpVariant::Random, "moe-k"), &prompt, &r, k, k == 3);
+            speculative(model_of(form, MtpVariant::Random, "moe-k"), &prompt, &r, (k, k == 3, StateDtype::F32));
         }
     }
 }

@@ -40,7 +40,7 @@
 //   plain bf16 operands; about 2.4x fewer mma in the walk: gdn_chunk_state_bf16).
 // Shapes/dtypes: q, k [T, Hk, DK] bf16 (L2-normalised, q pre-scaled: gdn_gate.cu), 16-byte aligned rows;
 //   v [T, *] bf16 (head v at column v*DV, token stride v_stride (multiple of 8): the conv output);
-//   g, beta [T, Hv] f32; state [slots, Hv, DK, DV] f32; o [T, Hv, DV] bf16;
+//   g, beta [T, Hv] f32; state [slots, Hv, DK, DV] state_t (prelude.cuh); o [T, Hv, DV] bf16;
 //   cu_seqlens [B+1] i32; slots [B] i32; chunk_table [n_chunks, 2] i32 = (seq, chunk index in seq),
 //   built on the host (ops::gdn_chunk::chunk_table). Value head v reads key head v / (Hv / Hk).
 //   gdn_chunk_state skips sequences of slot < 0: a sequence cut into segments (a snapshot inside a
@@ -357,7 +357,7 @@ __device__ __forceinline__ void state_walk(const bf16_t* __restrict__ q, const b
                                            const bf16_t* __restrict__ ws_wh, const bf16_t* __restrict__ ws_wl,
                                            const float* __restrict__ ws_u, const bf16_t* __restrict__ ws_ph,
                                            const bf16_t* __restrict__ ws_pl, const float* __restrict__ ws_g,
-                                           float* __restrict__ state, bf16_t* __restrict__ o,
+                                           state_t* __restrict__ state, bf16_t* __restrict__ o,
                                            const int* __restrict__ cu_seqlens, const int* __restrict__ slots,
                                            int T, int Hk, int Hv) {
     extern __shared__ uint4 smem_u4[];
@@ -377,7 +377,7 @@ __device__ __forceinline__ void state_walk(const bf16_t* __restrict__ q, const b
     const int start = cu_seqlens[s], len = cu_seqlens[s + 1] - start;
     if (len <= 0 || slots[s] < 0) return;  // uniform over the block (slot < 0: a segment another launch walks)
     const int nch = (len + CH - 1) / CH;
-    float* st = state + ((long long)slots[s] * Hv + hv) * DK * DV;
+    state_t* st = state + ((long long)slots[s] * Hv + hv) * DK * DV;
     // Row of (this head, the sequence's first token) in the head-major workspace parts: a chunk's
     // w, P, u, decay rows are contiguous there, so every offset inside a tile is a constant.
     const long long wrow = (long long)hv * T + start;
@@ -508,11 +508,11 @@ __device__ __forceinline__ void state_walk(const bf16_t* __restrict__ q, const b
     float h[DK / 8][4];
 #pragma unroll
     for (int n = 0; n < DK / 8; n++) {
-        const float* sp = st + (long long)(8 * n + 2 * t4) * DV + vw + gq;
-        h[n][0] = -sp[0];
-        h[n][1] = -sp[DV];
-        h[n][2] = -sp[8];
-        h[n][3] = -sp[DV + 8];
+        const state_t* sp = st + (long long)(8 * n + 2 * t4) * DV + vw + gq;
+        h[n][0] = -state_ld(sp);
+        h[n][1] = -state_ld(sp + DV);
+        h[n][2] = -state_ld(sp + 8);
+        h[n][3] = -state_ld(sp + DV + 8);
     }
     load_a(0);
     load_b(0);
@@ -671,18 +671,18 @@ __device__ __forceinline__ void state_walk(const bf16_t* __restrict__ q, const b
 
 #pragma unroll
     for (int n = 0; n < DK / 8; n++) {
-        float* sp = st + (long long)(8 * n + 2 * t4) * DV + vw + gq;
-        sp[0] = -h[n][0];
-        sp[DV] = -h[n][1];
-        sp[8] = -h[n][2];
-        sp[DV + 8] = -h[n][3];
+        state_t* sp = st + (long long)(8 * n + 2 * t4) * DV + vw + gq;
+        state_st(sp, -h[n][0]);
+        state_st(sp + DV, -h[n][1]);
+        state_st(sp + 8, -h[n][2]);
+        state_st(sp + DV + 8, -h[n][3]);
     }
 }
 
 #define GDN_STATE_ARGS                                                                                          \
     const bf16_t *__restrict__ q, const bf16_t *__restrict__ k, const bf16_t *__restrict__ ws_wh,             \
         const bf16_t *__restrict__ ws_wl, const float *__restrict__ ws_u, const bf16_t *__restrict__ ws_ph,  \
-        const bf16_t *__restrict__ ws_pl, const float *__restrict__ ws_g, float *__restrict__ state,         \
+        const bf16_t *__restrict__ ws_pl, const float *__restrict__ ws_g, state_t *__restrict__ state,       \
         bf16_t *__restrict__ o, const int *__restrict__ cu_seqlens, const int *__restrict__ slots, int T, int Hk, \
         int Hv
 extern "C" __global__ void __launch_bounds__(SNW * 32) gdn_chunk_state(GDN_STATE_ARGS) {

@@ -14,7 +14,8 @@
 // Sequences whose slot is < 0 (decode-graph padding) touch no state and output 0.
 // Shapes/dtypes: q, k [rows, Hk, DK] bf16 (normalised, q pre-scaled: gdn_gate.cu);
 //   v [rows, *] bf16 (head v at column v*DV, row stride v_stride); g, beta [rows, Hv] f32;
-//   state [slots, Hv, DK, DV] f32; slots, lens [B], starts [B] (or [B+1]) i32; o [rows, Hv, DV] bf16.
+//   state [slots, Hv, DK, DV] state_t (f32, or bf16 under -D STATE_BF16=1: prelude.cuh); slots, lens [B],
+//   starts [B] (or [B+1]) i32; o [rows, Hv, DV] bf16.
 // Launch: grid (B, Hv, DV / 32), block 128: lane = value column, warp w owns state rows
 //   [w*DK/4, (w+1)*DK/4) in registers; the two column sums reduce across the 4 warps in smem.
 //   gdn_decode_gated (decode rows + the gated RMSNorm): grid (B, Hv), block 4 * DV.
@@ -57,6 +58,7 @@ __device__ __forceinline__ bf16_t gdn_token(float (&S)[RW], const float* qs, con
     for (int r = 0; r < RW; r++) {
         S[r] += ks[w * RW + r] * delta;
         ov += S[r] * qs[w * RW + r];
+        S[r] = state_kept(S[r]);  // what the slot keeps (bf16 state: rounded); o reads the f32 update
     }
     __syncthreads();
     red[w][c] = ov;
@@ -71,14 +73,14 @@ __device__ __forceinline__ bf16_t gdn_token(float (&S)[RW], const float* qs, con
 __device__ __forceinline__ void gdn_tokens(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                                            const bf16_t* __restrict__ v, long long v_stride,
                                            const float* __restrict__ g, const float* __restrict__ beta,
-                                           float* __restrict__ st, bf16_t* __restrict__ o, int Hk, int Hv, int hv,
+                                           state_t* __restrict__ st, bf16_t* __restrict__ o, int Hk, int Hv, int hv,
                                            int c, long long t0, int n, bool write_state) {
     __shared__ float qs[GDN_ROWS][DK], ks[GDN_ROWS][DK], red[4][DV];
     const int w = (threadIdx.x >> 5) & 3;
     const int hk = hv / (Hv / Hk);
     float S[RW];
 #pragma unroll
-    for (int r = 0; r < RW; r++) S[r] = st[(long long)(w * RW + r) * DV + c];
+    for (int r = 0; r < RW; r++) S[r] = state_ld(st + (long long)(w * RW + r) * DV + c);
     for (int i0 = 0; i0 < n; i0 += GDN_ROWS) {
         const int m = min(GDN_ROWS, n - i0);
         __syncthreads();  // the previous rows' reads of qs and ks are done
@@ -108,7 +110,7 @@ __device__ __forceinline__ void gdn_tokens(const bf16_t* __restrict__ q, const b
     }
     if (write_state) {
 #pragma unroll
-        for (int r = 0; r < RW; r++) st[(long long)(w * RW + r) * DV + c] = S[r];
+        for (int r = 0; r < RW; r++) state_st(st + (long long)(w * RW + r) * DV + c, S[r]);
     }
 }
 
@@ -116,14 +118,14 @@ extern "C" __global__ void __launch_bounds__(128)
 gdn_decode(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
            const bf16_t* __restrict__ v, long long v_stride,
            const float* __restrict__ g, const float* __restrict__ beta,
-           float* __restrict__ state, const int* __restrict__ slots,
+           state_t* __restrict__ state, const int* __restrict__ slots,
            bf16_t* __restrict__ o, int Hk, int Hv) {
     const int b = blockIdx.x, hv = blockIdx.y, c = blockIdx.z * 32 + (threadIdx.x & 31);
     if (slots[b] < 0) {  // padding row of a decode graph (whole block): no state, zero output
         if ((threadIdx.x >> 5) == 0) o[((long long)b * Hv + hv) * DV + c] = 0;
         return;
     }
-    float* st = state + ((long long)slots[b] * Hv + hv) * DK * DV;
+    state_t* st = state + ((long long)slots[b] * Hv + hv) * DK * DV;
     gdn_tokens(q, k, v, v_stride, g, beta, st, o, Hk, Hv, hv, c, b, 1, true);
 }
 
@@ -153,7 +155,7 @@ __device__ __forceinline__ void gdn_gated_out(float o, float nwc, float zv, int 
 // warps). Padding rows (slot < 0) normalise o = 0, as the two kernels did.
 extern "C" __global__ void __launch_bounds__(4 * DV, 2)
 gdn_decode_gated(const bf16_t* q, const bf16_t* k, const bf16_t* v, long long v_stride, const float* g,
-                 const float* beta, float* __restrict__ state, const int* __restrict__ slots, const bf16_t* z,
+                 const float* beta, state_t* __restrict__ state, const int* __restrict__ slots, const bf16_t* z,
                  long long z_tok_stride, const float* __restrict__ nw,
                  bf16_t* __restrict__ out, int Hk, int Hv, float eps) {
     // Launched programmatically on sm_90: the GEMV that follows may start streaming its weights, and
@@ -166,11 +168,11 @@ gdn_decode_gated(const bf16_t* q, const bf16_t* k, const bf16_t* v, long long v_
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, w = warp & 3;
     const int c = (warp >> 2) * 32 + lane;
     const int slot = slots[b];  // uniform over the block
-    float* st = state + ((long long)max(slot, 0) * Hv + hv) * DK * DV;
+    state_t* st = state + ((long long)max(slot, 0) * Hv + hv) * DK * DV;
     float S[RW];
     if (slot >= 0) {
 #pragma unroll
-        for (int r = 0; r < RW; r++) S[r] = st[(long long)(w * RW + r) * DV + c];
+        for (int r = 0; r < RW; r++) S[r] = state_ld(st + (long long)(w * RW + r) * DV + c);
     }
     const float nwc = w == 0 ? nw[c] : 0.0f;  // (a weight: no kernel writes it)
     pdl_wait();
@@ -186,7 +188,7 @@ gdn_decode_gated(const bf16_t* q, const bf16_t* k, const bf16_t* v, long long v_
         __syncthreads();
         o = bf2f(gdn_token(S, qs, ks, decay, bt, vv, w, c, red));
 #pragma unroll
-        for (int r = 0; r < RW; r++) st[(long long)(w * RW + r) * DV + c] = S[r];
+        for (int r = 0; r < RW; r++) state_st(st + (long long)(w * RW + r) * DV + c, S[r]);
     }
     gdn_gated_out(o, nwc, zv, warp, lane, gred, eps, out + ((long long)b * Hv + hv) * DV + c);
 }
@@ -195,13 +197,13 @@ extern "C" __global__ void __launch_bounds__(128)
 gdn_recurrent(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
               const bf16_t* __restrict__ v, long long v_stride,
               const float* __restrict__ g, const float* __restrict__ beta,
-              float* __restrict__ state, const int* __restrict__ slots,
+              state_t* __restrict__ state, const int* __restrict__ slots,
               const int* __restrict__ starts, const int* __restrict__ lens,
               bf16_t* __restrict__ o, int Hk, int Hv, int write_state) {
     const int b = blockIdx.x, hv = blockIdx.y, c = blockIdx.z * 32 + (threadIdx.x & 31);
     const int n = lens ? lens[b] : starts[b + 1] - starts[b];
     if (slots[b] < 0 || n <= 0) return;  // uniform over the block
-    float* st = state + ((long long)slots[b] * Hv + hv) * DK * DV;
+    state_t* st = state + ((long long)slots[b] * Hv + hv) * DK * DV;
     gdn_tokens(q, k, v, v_stride, g, beta, st, o, Hk, Hv, hv, c, starts[b], n, write_state != 0);
 }
 
@@ -213,7 +215,7 @@ gdn_recurrent(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
 // < 0 normalise o = 0.
 extern "C" __global__ void __launch_bounds__(4 * DV, 2)
 gdn_recurrent_gated(const bf16_t* q, const bf16_t* k, const bf16_t* v, long long v_stride, const float* g,
-                    const float* beta, const float* __restrict__ state, const int* __restrict__ slots,
+                    const float* beta, const state_t* __restrict__ state, const int* __restrict__ slots,
                     const int* __restrict__ starts, const bf16_t* z, long long z_tok_stride,
                     const float* __restrict__ nw, bf16_t* __restrict__ out, int Hk, int Hv, float eps) {
     __shared__ float qs[GDN_ROWS][DK], ks[GDN_ROWS][DK], vs[GDN_ROWS][DV], zs[GDN_ROWS][DV];
@@ -222,10 +224,10 @@ gdn_recurrent_gated(const bf16_t* q, const bf16_t* k, const bf16_t* v, long long
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, w = warp & 3;
     const int c = (warp >> 2) * 32 + lane;
     const int slot = slots[b];  // uniform over the block
-    const float* st = state + ((long long)max(slot, 0) * Hv + hv) * DK * DV;
+    const state_t* st = state + ((long long)max(slot, 0) * Hv + hv) * DK * DV;
     float S[RW];
 #pragma unroll
-    for (int r = 0; r < RW; r++) S[r] = slot >= 0 ? st[(long long)(w * RW + r) * DV + c] : 0.0f;
+    for (int r = 0; r < RW; r++) S[r] = slot >= 0 ? state_ld(st + (long long)(w * RW + r) * DV + c) : 0.0f;
     const float nwc = w == 0 ? nw[c] : 0.0f;
     for (int t0 = starts[b]; t0 < starts[b + 1]; t0 += GDN_ROWS) {
         const int m = min(GDN_ROWS, starts[b + 1] - t0);
@@ -280,7 +282,7 @@ gdn_recurrent_gated(const bf16_t* q, const bf16_t* k, const bf16_t* v, long long
 __device__ __forceinline__ void gdn_rows_body(const bf16_t* x, long long x_stride, const bf16_t* __restrict__ cw,
                                               bf16_t* conv_state, const bf16_t* ba, long long ba_stride,
                                               const float* __restrict__ A_log, const float* __restrict__ dt_bias,
-                                              float* state, const int* __restrict__ slots,
+                                              state_t* state, const int* __restrict__ slots,
                                               const int* __restrict__ starts, const int* __restrict__ lens,
                                               const bf16_t* z, long long z_tok_stride, const float* __restrict__ nw,
                                               bf16_t* __restrict__ out, bf16_t* __restrict__ trace_x,
@@ -303,10 +305,10 @@ __device__ __forceinline__ void gdn_rows_body(const bf16_t* x, long long x_strid
     bf16_t win[CONV_K];
     float wv[CONV_K];
     if (slot >= 0 && has_ch) conv_window_load<CONV_K>(cst, cw, (int)ch, C, win, wv);
-    float* st = state + ((long long)max(slot, 0) * Hv + hv) * DK * DV;
+    state_t* st = state + ((long long)max(slot, 0) * Hv + hv) * DK * DV;
     float S[RW];
 #pragma unroll
-    for (int r = 0; r < RW; r++) S[r] = slot >= 0 ? st[(long long)(w * RW + r) * DV + c] : 0.0f;
+    for (int r = 0; r < RW; r++) S[r] = slot >= 0 ? state_ld(st + (long long)(w * RW + r) * DV + c) : 0.0f;
     const float nwc = !commit && w == 0 ? nw[c] : 0.0f;
     for (int i0 = 0; i0 < n; i0 += GDN_ROWS) {
         const int m = min(GDN_ROWS, n - i0);
@@ -371,7 +373,7 @@ __device__ __forceinline__ void gdn_rows_body(const bf16_t* x, long long x_strid
     }
     if (commit && slot >= 0 && n > 0) {
 #pragma unroll
-        for (int r = 0; r < RW; r++) st[(long long)(w * RW + r) * DV + c] = S[r];
+        for (int r = 0; r < RW; r++) state_st(st + (long long)(w * RW + r) * DV + c, S[r]);
         if (has_ch && (tid >= 2 * DK || hv % (Hv / Hk) == 0)) {
 #pragma unroll
             for (int r = 0; r < CONV_K - 1; r++) cst[(long long)r * C + ch] = win[r];
@@ -381,7 +383,7 @@ __device__ __forceinline__ void gdn_rows_body(const bf16_t* x, long long x_strid
 
 extern "C" __global__ void __launch_bounds__(4 * DV, 2)
 gdn_rows(const bf16_t* x, long long x_stride, const bf16_t* __restrict__ cw, bf16_t* conv_state, const bf16_t* ba,
-         long long ba_stride, const float* __restrict__ A_log, const float* __restrict__ dt_bias, float* state,
+         long long ba_stride, const float* __restrict__ A_log, const float* __restrict__ dt_bias, state_t* state,
          const int* __restrict__ slots, const int* __restrict__ starts, const int* __restrict__ lens, const bf16_t* z,
          long long z_tok_stride, const float* __restrict__ nw, bf16_t* __restrict__ out, bf16_t* __restrict__ trace_x,
          bf16_t* __restrict__ trace_ba, int Hk, int Hv, float eps, int commit) {
@@ -397,7 +399,7 @@ struct GdnLayerTable {
     bf16_t* conv_state[GDN_LAYER_TABLE];
     const float* a_log[GDN_LAYER_TABLE];
     const float* dt_bias[GDN_LAYER_TABLE];
-    float* state[GDN_LAYER_TABLE];
+    state_t* state[GDN_LAYER_TABLE];
 };
 
 // gdn_commit_layers: the commit of gdn_rows (commit != 0) for up to GDN_LAYER_TABLE DeltaNet layers in

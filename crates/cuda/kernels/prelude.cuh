@@ -107,6 +107,28 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
 // Round an f32 through bf16 (what storing to a bf16 tensor and reading back does).
 __device__ __forceinline__ float round_bf(float f) { return bf2f(f2bf(f)); }
 
+// The DeltaNet recurrent state's storage in its slots (gdn_decode.cu, gdn_chunk.cu): -D STATE_BF16=1
+// stores bf16 (round to nearest even at every store; the recurrence computes in f32), else f32.
+// The recurrent kernels (decode, verify, commit) keep what a slot would after every token
+// (state_kept), so a commit of n tokens leaves the state n decode steps leave; the chunked walk rounds
+// where it stores.
+#if defined(STATE_BF16) && STATE_BF16
+typedef bf16_t state_t;
+__device__ __forceinline__ bf16_t state_bits(float x) {  // f2bf's rounding, one instruction
+    unsigned short r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+    return (bf16_t)r;
+}
+__device__ __forceinline__ float state_ld(const state_t* p) { return bf2f(*p); }
+__device__ __forceinline__ void state_st(state_t* p, float x) { *p = state_bits(x); }
+__device__ __forceinline__ float state_kept(float x) { return bf2f(state_bits(x)); }
+#else
+typedef float state_t;
+__device__ __forceinline__ float state_ld(const state_t* p) { return *p; }
+__device__ __forceinline__ void state_st(state_t* p, float x) { *p = x; }
+__device__ __forceinline__ float state_kept(float x) { return x; }
+#endif
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -17,8 +17,8 @@
 //!
 //! Layouts (as `deltaserve_plan::Plan` documents them): per attention layer K then V
 //! `[pages, page_size, kv_heads, head_dim]` bf16, each 256-byte aligned; per DeltaNet layer the
-//! recurrent state `[slots, Hv, Dk, Dv]` f32 then the conv state `[slots, K-1, conv_channels]`
-//! bf16. Activations are bf16 with f32 math inside kernels; logits f32.
+//! recurrent state `[slots, Hv, Dk, Dv]` f32 (bf16 under `--state-dtype bf16`) then the conv state
+//! `[slots, K-1, conv_channels]` bf16. Activations are bf16 with f32 math inside kernels; logits f32.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -120,6 +120,7 @@ pub fn kernel_dims(cfg: &ModelConfig) -> KernelDims {
         attn_head_dim: d.head_dim,
         gqa_group: d.q_per_kv.max(1),
         gdn_bv: if d.gdn_v_dim.is_multiple_of(32) { 32 } else { 16 },
+        state_bf16: false,
     }
 }
 
@@ -259,7 +260,7 @@ pub struct CudaBackend {
     max_tokens: usize,
     max_seqs: usize,
     decode_partitions: usize,
-    /// One per-sequence state size: recurrent f32 and conv bf16 bytes (one DeltaNet layer).
+    /// One per-sequence state size: recurrent (f32 or bf16: `--state-dtype`) and conv bf16 bytes (one DeltaNet layer).
     rec_bytes: usize,
     conv_bytes: usize,
     /// Pinned host snapshot pool: [host_snapshot_slots, state bytes of every DeltaNet layer].

@@ -25,7 +25,7 @@ use deltaserve_cuda::backend::CudaOptions;
 use deltaserve_cuda::{CudaBackend, WeightSource};
 use deltaserve_model::synth::{MtpVariant, Preset, write_model_json, write_model_with};
 use deltaserve_model::{Checkpoint, ModelConfig, ModelWeights};
-use deltaserve_plan::KvDtype;
+use deltaserve_plan::{KvDtype, StateDtype};
 
 mod common;
 use common::*;
@@ -192,21 +192,50 @@ fn verify_and_commit_track_plain_decode() {
         return;
     }
     let (dir, cfg) = model_dir(MtpVariant::Random, "random");
-    let vocab = cfg.vocab_size;
     let mut g = cuda_spec(&dir, &cfg, MAX_DRAFT);
     assert_eq!(g.capabilities().max_draft_tokens, MAX_DRAFT);
     let mut c = cpu_spec(&dir, &cfg);
+    let runs =
+        [(1, false, false), (2, true, true), (3, false, true), (4, true, false), (1, true, true), (4, true, true)];
+    tracks_plain_decode(&mut g, &mut c, &runs);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The DeltaNet state stored bf16 (`--state-dtype bf16`): the verify and the commit round the state after
+/// every token as decode steps do, so the verified rows track plain decode on the same card and the CPU
+/// oracle storing bf16 states within the same bounds as with an f32 state.
+#[test]
+fn bf16_state_verify_and_commit_track_plain_decode() {
+    if !gpu() {
+        return;
+    }
+    let (dir, cfg) = model_dir(MtpVariant::Random, "bf16-state");
+    let plan = plan_with(&cfg, |o| {
+        o.speculative_tokens = MAX_DRAFT;
+        o.state_dtype = StateDtype::Bf16;
+    });
+    let f32_state = plan_with(&cfg, |o| o.speculative_tokens = MAX_DRAFT);
+    assert!(plan.state_bytes_per_seq < f32_state.state_bytes_per_seq, "a bf16 state takes fewer bytes");
+    let mut g = CudaBackend::with_options(&cfg, WeightSource::Checkpoint(dir.clone()), &plan, 2, test_opts()).unwrap();
+    let mut c = cpu_spec(&dir, &cfg).with_state_dtype(StateDtype::Bf16);
+    tracks_plain_decode(&mut g, &mut c, &[(1, false, true), (3, true, false), (4, true, true)]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Plain greedy decode of a prompt on `g` (the reference), then the scripted speculative runs `(k,
+/// companions, verify attention as decode)` on `g` and on the CPU oracle `c`: the verified rows against
+/// the reference rows and the oracle's, the draft logits against the oracle's.
+fn tracks_plain_decode(g: &mut CudaBackend, c: &mut CpuBackend, runs: &[(usize, bool, bool)]) {
+    let vocab = g.capabilities().vocab_size;
     let prompt: Vec<u32> = (0..37).map(|i| ((i * 37 + 5) % vocab) as u32).collect();
-    let (want, ref_rows) = reference(&mut g, &prompt, 40);
+    let (want, ref_rows) = reference(g, &prompt, 40);
     let stats0 = g.arena_stats();
     let (mut vs_plain, mut vs_cpu, mut drafts_vs_cpu) = (Score::default(), Score::default(), Score::default());
-    for (k, companions, as_decode) in
-        [(1, false, false), (2, true, true), (3, false, true), (4, true, false), (1, true, true), (4, true, true)]
-    {
+    for &(k, companions, as_decode) in runs {
         // Verify rows attend with the prefill kernel or as decode queries (split-K; long contexts).
-        verify_attention(&mut g, as_decode);
-        let sg = scripted(&mut g, &prompt, &want, k, vocab, companions);
-        let sc = scripted(&mut c, &prompt, &want, k, vocab, companions);
+        verify_attention(g, as_decode);
+        let sg = scripted(g, &prompt, &want, k, vocab, companions);
+        let sc = scripted(c, &prompt, &want, k, vocab, companions);
         assert!(sg.accepted > 0 && sg.accepted < (want.len() - 2), "k = {k}: the pattern accepts some drafts");
         assert_eq!(sg.verified.len(), sc.verified.len());
         for ((i, row), (ci, crow)) in sg.verified.iter().zip(&sc.verified) {
@@ -260,7 +289,6 @@ fn verify_and_commit_track_plain_decode() {
     assert_eq!(g.arena_stats().allocations, stats0.allocations, "no allocation while serving");
     // Verify, commit and draft steps of a repeated shape replay CUDA graphs (with `test_opts()` graphs on).
     println!("graphs: {:?}", g.graph_stats());
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

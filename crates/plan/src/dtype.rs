@@ -167,6 +167,54 @@ impl FromStr for KvDtype {
     }
 }
 
+/// How the DeltaNet layers' recurrent state (`[Hv, dk, dv]` per layer and sequence) is stored in its slots and
+/// snapshots. The recurrence computes in f32 either way; `Bf16` rounds the state to bf16 each time a step
+/// stores it (half the memory and half the bytes a decode step reads and writes for it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum StateDtype {
+    /// f32: exact (the checkpoints' `mamba_ssm_dtype`).
+    #[default]
+    F32,
+    Bf16,
+}
+
+impl StateDtype {
+    pub const CHOICES: &'static str = "fp32, bf16";
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "fp32",
+            Self::Bf16 => "bf16",
+        }
+    }
+
+    /// Bytes per stored element.
+    pub fn bytes(self) -> u64 {
+        match self {
+            Self::F32 => 4,
+            Self::Bf16 => 2,
+        }
+    }
+}
+
+impl fmt::Display for StateDtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for StateDtype {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            // `auto`: the checkpoints' `mamba_ssm_dtype` (float32 for Qwen3.5/3.6), as vLLM reads it.
+            "fp32" | "f32" | "float32" | "float" | "auto" => Ok(Self::F32),
+            "bf16" | "bfloat16" => Ok(Self::Bf16),
+            _ => Err(format!("unknown DeltaNet state dtype `{s}` (choices: {})", Self::CHOICES)),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -191,5 +239,14 @@ mod tests {
         // Two rows of scale blocks, each padded from 1 to 4 scales.
         assert_eq!(WeightsDtype::Fp8Block.linear_bytes(129, 128, false), 129 * 128 + 2 * 4 * 4);
         assert_eq!(KvDtype::Int4.bytes_per_head(256), 130);
+    }
+
+    #[test]
+    fn state_dtype() {
+        assert_eq!("bfloat16".parse::<StateDtype>(), Ok(StateDtype::Bf16));
+        assert_eq!("F32".parse::<StateDtype>(), Ok(StateDtype::F32));
+        assert_eq!(StateDtype::default(), StateDtype::F32);
+        let e = "fp8".parse::<StateDtype>().unwrap_err();
+        assert!(e.contains("fp8") && e.contains("fp32, bf16"), "{e}");
     }
 }

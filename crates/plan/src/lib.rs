@@ -36,7 +36,7 @@ pub mod weights;
 pub mod workspace;
 
 pub use checkpoint::{CheckpointTensors, act_order, is_f32_tensor, is_linear};
-pub use dtype::{KvDtype, WeightsDtype};
+pub use dtype::{KvDtype, StateDtype, WeightsDtype};
 pub use error::PlanError;
 pub use fit::{Fitted, Free, NEAR_BEST, fit_context};
 pub use options::{COLLECTIVE_RESERVE_BYTES, MAX_DECODE_PARTITIONS, PlanBackend, PlanOptions};

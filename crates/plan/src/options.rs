@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use crate::checkpoint::CheckpointTensors;
-use crate::dtype::{KvDtype, WeightsDtype};
+use crate::dtype::{KvDtype, StateDtype, WeightsDtype};
 use crate::size::MIB;
 use crate::vision::MIN_DEFAULT_IMAGE_TOKENS;
 
@@ -50,6 +50,9 @@ pub struct PlanOptions {
     pub experts_on_host: bool,
     pub k_dtype: KvDtype,
     pub v_dtype: KvDtype,
+    /// Storage of the DeltaNet recurrent state in its slots and snapshots (`--state-dtype`). The generic
+    /// (CPU) backend keeps f32 whatever this says: it stores the values the format holds.
+    pub state_dtype: StateDtype,
     /// 2 on GPU (bf16), 4 on the CPU reference backend.
     pub activation_bytes_per_elem: usize,
     /// Tokens per engine step (chunked prefill + decodes).
@@ -127,6 +130,7 @@ impl PlanOptions {
             experts_on_host: false,
             k_dtype: KvDtype::Bf16,
             v_dtype: KvDtype::Bf16,
+            state_dtype: StateDtype::F32,
             activation_bytes_per_elem: 2,
             max_batch_tokens: 4096,
             max_seqs: 16,
@@ -153,6 +157,7 @@ impl PlanOptions {
             weights_dtype: WeightsDtype::F32,
             k_dtype: KvDtype::F32,
             v_dtype: KvDtype::F32,
+            state_dtype: StateDtype::F32,
             activation_bytes_per_elem: 4,
             max_batch_tokens: 512,
             max_seqs: 4,

@@ -82,6 +82,7 @@ impl Plan {
                 "experts_on_host": o.experts_on_host,
                 "k_dtype": o.k_dtype.name(),
                 "v_dtype": o.v_dtype.name(),
+                "state_dtype": o.state_dtype.name(),
                 "activation_bytes_per_elem": o.activation_bytes_per_elem,
                 "decode_partitions": o.decode_partitions,
                 "max_context": o.max_context,

@@ -2,7 +2,7 @@
 
 use deltaserve_model::ModelConfig;
 use deltaserve_model::synth::Preset;
-use deltaserve_plan::{KvDtype, Plan, PlanBackend, PlanError, PlanOptions, WeightsDtype};
+use deltaserve_plan::{KvDtype, Plan, PlanBackend, PlanError, PlanOptions, StateDtype, WeightsDtype};
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
@@ -161,6 +161,29 @@ fn qwen36_27b_24gib_context_by_switches() {
         }),
         262_144
     );
+}
+
+/// `--state-dtype bf16` halves the recurrent state of every slot and snapshot on the CUDA backend (the
+/// conv state stays 16-bit); the generic (CPU) backend stores f32 either way; the freed bytes go to the KV.
+#[test]
+fn bf16_state_halves_the_recurrent_state() {
+    let c = cfg("qwen3.6-27b", None);
+    let cuda = |state| PlanOptions {
+        state_dtype: state,
+        weights_dtype: WeightsDtype::Int4,
+        ..PlanOptions::gpu_defaults(24 * GIB)
+    };
+    let (f32s, bf16s) =
+        (Plan::new(&c, &cuda(StateDtype::F32)).unwrap(), Plan::new(&c, &cuda(StateDtype::Bf16)).unwrap());
+    let (recurrent, conv) = (48 * 128 * 128, 3 * 10240 * 2);
+    assert_eq!(f32s.state_bytes_per_seq, 48 * (recurrent * 4 + conv));
+    assert_eq!(bf16s.state_bytes_per_seq, 48 * (recurrent * 2 + conv));
+    assert_eq!(bf16s.state_tensor_bytes(1), [recurrent * 2, conv]);
+    assert!(bf16s.max_context > f32s.max_context, "{} vs {}", bf16s.max_context, f32s.max_context);
+    let region = |p: &Plan, name| p.region(name).unwrap().bytes;
+    assert!(region(&bf16s, "snapshots") < region(&f32s, "snapshots"));
+    let generic16 = Plan::new(&c, &PlanOptions { state_dtype: StateDtype::Bf16, ..int4_fp8(24 * GIB) }).unwrap();
+    assert_eq!(generic16.state_bytes_per_seq, f32s.state_bytes_per_seq);
 }
 
 #[test]

@@ -8,7 +8,9 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use deltaserve_model::ModelConfig;
 use deltaserve_model::synth::Preset;
-use deltaserve_plan::{Fitted, Free, KvDtype, PlanOptions, WeightsDtype, card_config, fit_context, parse_size};
+use deltaserve_plan::{
+    Fitted, Free, KvDtype, PlanOptions, StateDtype, WeightsDtype, card_config, fit_context, parse_size,
+};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -58,6 +60,10 @@ pub struct Args {
     /// V cache dtype (overrides --kv-cache-dtype for V).
     #[arg(long)]
     v_cache_dtype: Option<KvDtype>,
+    /// DeltaNet recurrent state storage: fp32 (default) or bf16 (half the state's bytes), as `serve
+    /// --state-dtype` (the CPU backend keeps f32).
+    #[arg(long)]
+    state_dtype: Option<StateDtype>,
     /// MTP speculation with K draft tokens a step (1..=4; 0: off), as `serve --speculative-tokens`:
     /// prices the MTP head's weights and KV, the verify workspace and the draft logits.
     #[arg(long, default_value_t = 0)]
@@ -153,6 +159,7 @@ pub fn run(a: Args) -> Result<()> {
     }
     o.k_dtype = a.k_cache_dtype.unwrap_or(o.k_dtype);
     o.v_dtype = a.v_cache_dtype.unwrap_or(o.v_dtype);
+    o.state_dtype = a.state_dtype.unwrap_or_default();
     o.max_batch_tokens = a.max_batch_tokens.unwrap_or(o.max_batch_tokens);
     o.max_seqs = a.max_seqs.unwrap_or(o.max_seqs);
     o.max_context = a.max_context;

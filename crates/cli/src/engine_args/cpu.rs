@@ -101,6 +101,8 @@ impl EngineArgs {
         } else {
             CpuBackend::new(weights, cache)
         };
-        Ok(backend.with_kv_formats(plan.options.k_dtype, plan.options.v_dtype))
+        Ok(backend
+            .with_kv_formats(plan.options.k_dtype, plan.options.v_dtype)
+            .with_state_dtype(plan.options.state_dtype))
     }
 }

@@ -453,8 +453,7 @@ fn cache_layouts(
     let [kb, ks, vb, vs] = plan.kv_tensor_bytes().map(|x| x as usize);
     let [rb, cb] = plan.state_tensor_bytes(plan.num_state_slots).map(|x| x as usize);
     let [srb, scb] = plan.state_tensor_bytes(plan.options.snapshot_slots).map(|x| x as usize);
-    let rec_bytes = d.gdn_v_heads * d.gdn_k_dim * d.gdn_v_dim * 4;
-    let conv_bytes = d.conv_kernel.saturating_sub(1) * d.conv_channels * 2;
+    let [rec_bytes, conv_bytes] = plan.state_tensor_bytes(1).map(|x| x as usize);
     let (mut kv_at, mut st_at, mut sn_at) = (0usize, 0usize, 0usize);
     let mut caches = Vec::with_capacity(d.num_layers);
     for kind in &cfg.layer_types {
@@ -597,7 +596,7 @@ impl CudaBackend {
         let rt = Runtime::open(shard.as_ref().map_or(0, |s| s.rank))?;
         let d = cfg.dims();
         let (kvf, fmt, max_draft) = check_plan(cfg, d, plan, shard.as_ref())?;
-        let k = Kernels::load_kv(&rt, kernel_dims(cfg), kvf)?;
+        let k = Kernels::load_kv(&rt, kernel_dims(cfg).with_state_dtype(plan.options.state_dtype), kvf)?;
         tracing::info!(
             "kernels for {} compiled and loaded in {:.0} ms; attention prefill: {}",
             k.arch,

@@ -1,7 +1,7 @@
 //! The kernels check: every module compiled for every supported arch without a GPU, with ptxas's resource
 //! lines and each kernel's instruction count.
 
-use deltaserve_plan::KvDtype;
+use deltaserve_plan::{KvDtype, StateDtype};
 
 use super::{AttnTiling, KernelDims, KernelSource, KvFormats, SOURCES, compile, nvrtc_version};
 use crate::error::CudaError;
@@ -29,6 +29,10 @@ pub const CHECK_KV: &[(KvFormats, &str)] = &[
     (KvFormats { k: KvDtype::Int4, v: KvDtype::Int8 }, "attention[int4/int8]"),
     (KvFormats { k: KvDtype::Bf16, v: KvDtype::Fp8 }, "attention[bf16/fp8]"),
 ];
+
+/// The DeltaNet state modules that [`kernels_check`] also compiles with the state stored bf16.
+pub const CHECK_BF16_STATE: [(&str, &str); 2] =
+    [("gdn_decode", "gdn_decode[bf16 state]"), ("gdn_chunk", "gdn_chunk[bf16 state]")];
 
 /// What ptxas says (C7510 … C7515) where it makes a kernel's warpgroup products wait for each other
 /// instead of running asynchronously: a kernel built that way loses the overlap it was written for.
@@ -113,19 +117,26 @@ pub fn kernels_check_where(
     let nvrtc_version = nvrtc_version()?;
     dims.validate()?;
     let sources: Vec<&KernelSource> = SOURCES.iter().filter(|s| keep(s.module)).collect();
-    // (source, arch, KV formats, report label)
-    let mut jobs: Vec<(&KernelSource, &str, KvFormats, &'static str)> =
-        archs.iter().flat_map(|a| sources.iter().map(move |s| (*s, *a, KvFormats::BF16, s.module))).collect();
+    // (source, arch, KV formats, dims, report label)
+    let bf16_state = dims.with_state_dtype(StateDtype::Bf16);
+    let mut jobs: Vec<(&KernelSource, &str, KvFormats, &KernelDims, &'static str)> =
+        archs.iter().flat_map(|a| sources.iter().map(move |s| (*s, *a, KvFormats::BF16, dims, s.module))).collect();
     if let Some(&attn) = sources.iter().find(|s| s.module == "attention") {
-        jobs.extend(archs.iter().flat_map(|a| CHECK_KV.iter().map(move |&(kv, label)| (attn, *a, kv, label))));
+        jobs.extend(archs.iter().flat_map(|a| CHECK_KV.iter().map(move |&(kv, label)| (attn, *a, kv, dims, label))));
         if archs.contains(&"sm_90") {
-            jobs.extend(CHECK_WGMMA.iter().map(|&(kv, label)| (attn, HOPPER_ARCH, kv, label)));
+            jobs.extend(CHECK_WGMMA.iter().map(|&(kv, label)| (attn, HOPPER_ARCH, kv, dims, label)));
+        }
+    }
+    // The DeltaNet state kernels with the state stored bf16.
+    for (module, label) in CHECK_BF16_STATE {
+        if let Some(&src) = sources.iter().find(|s| s.module == module) {
+            jobs.extend(archs.iter().map(|a| (src, *a, KvFormats::BF16, &bf16_state, label)));
         }
     }
     let lines = std::thread::scope(|scope| {
         let handles: Vec<_> = jobs
             .iter()
-            .map(|&(src, arch, kv, label)| {
+            .map(|&(src, arch, kv, dims, label)| {
                 scope.spawn(move || {
                     // attn_prefill as it runs where the wide kernels do not fit (sm_86/89: 32-key
                     // tiles); the wide kernels do not depend on the tiling's defines.
@@ -158,7 +169,7 @@ pub fn kernels_check_where(
         handles
             .into_iter()
             .zip(&jobs)
-            .map(|(h, (_, arch, _, label))| {
+            .map(|(h, (_, arch, _, _, label))| {
                 h.join().unwrap_or_else(|_| CheckLine {
                     module: label,
                     arch: arch.to_string(),

@@ -1,7 +1,7 @@
 //! The `-D` specialisations the modules are compiled with: the model's dimensions, the KV cache's storage
 //! formats and the attention prefill kernel's tiling.
 
-use deltaserve_plan::KvDtype;
+use deltaserve_plan::{KvDtype, StateDtype};
 
 use crate::error::CudaError;
 
@@ -18,12 +18,21 @@ pub struct KernelDims {
     pub gqa_group: usize,
     /// Value columns per block in gdn_chunk_state (16 or 32).
     pub gdn_bv: usize,
+    /// The DeltaNet recurrent state is stored bf16 (`STATE_BF16`), not f32 (`--state-dtype`).
+    pub state_bf16: bool,
 }
 
 impl KernelDims {
     /// Qwen3.5/3.6 27B.
-    pub const QWEN35_27B: KernelDims =
-        KernelDims { gdn_k_dim: 128, gdn_v_dim: 128, conv_kernel: 4, attn_head_dim: 256, gqa_group: 6, gdn_bv: 32 };
+    pub const QWEN35_27B: KernelDims = KernelDims {
+        gdn_k_dim: 128,
+        gdn_v_dim: 128,
+        conv_kernel: 4,
+        attn_head_dim: 256,
+        gqa_group: 6,
+        gdn_bv: 32,
+        state_bf16: false,
+    };
 
     /// n-tiles of 8 query columns in `attn_verify_mma` (VQ_NT): room for the 4 rows of a verify chunk at
     /// 3 draft tokens (4 × the GQA group columns), at most 3 (ops::attention::verify_group_rows says which
@@ -32,8 +41,14 @@ impl KernelDims {
         (4 * self.gqa_group).div_ceil(8).clamp(1, 3)
     }
 
+    /// These dims with the DeltaNet recurrent state stored as `state`.
+    pub fn with_state_dtype(self, state: StateDtype) -> Self {
+        Self { state_bf16: state == StateDtype::Bf16, ..self }
+    }
+
     /// The `-D` list for one module.
     pub fn defines(&self, module: &str) -> Vec<(&'static str, String)> {
+        let state = ("STATE_BF16", u8::from(self.state_bf16).to_string());
         match module {
             "conv" => vec![("CONV_K", self.conv_kernel.to_string())],
             "gdn_gate" => vec![("DK", self.gdn_k_dim.to_string()), ("CONV_K", self.conv_kernel.to_string())],
@@ -41,11 +56,13 @@ impl KernelDims {
                 ("DK", self.gdn_k_dim.to_string()),
                 ("DV", self.gdn_v_dim.to_string()),
                 ("CONV_K", self.conv_kernel.to_string()),
+                state,
             ],
             "gdn_chunk" => vec![
                 ("DK", self.gdn_k_dim.to_string()),
                 ("DV", self.gdn_v_dim.to_string()),
                 ("GDN_BV", self.gdn_bv.to_string()),
+                state,
             ],
             "attention" => vec![
                 ("HD", self.attn_head_dim.to_string()),

@@ -7,10 +7,12 @@
 use deltaserve_backend::{Backend, CacheOp, SnapshotLoc, StepBatch, step_logits};
 use deltaserve_cuda::backend::CudaOptions;
 use deltaserve_cuda::{CudaBackend, WeightSource};
+use deltaserve_plan::StateDtype;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
 use super::common::*;
+use super::int4::compare_int4;
 
 /// The bf16 bounds for a handful of rows: a near tie may pick another argmax (a decisive one may not).
 const FEW_ROWS: Bounds = Bounds { argmax_share: 0.0, ..BF16 };
@@ -35,15 +37,39 @@ fn cut_chunk(
 
 #[test]
 fn snapshots_inside_a_chunk_equal_snapshots_between_steps() {
+    if gpu() {
+        inside_vs_between(StateDtype::F32);
+    }
+}
+
+/// The DeltaNet state stored bf16 (`--state-dtype bf16`): a step with snapshots inside, its pieces as
+/// steps and the continuations from either against the CPU backend storing bf16 states (every segment
+/// of a cut chunk stores its state, as a step of its own does); then prefill and decode against it.
+#[test]
+fn bf16_state_snapshots_prefill_and_decode_match_cpu() {
     if !gpu() {
         return;
     }
+    inside_vs_between(StateDtype::Bf16);
     let (dir, cfg) = tiny_dir(8);
-    let plan = plan_with(&cfg, |o| o.snapshot_slots = 8);
+    let plan = plan_with(&cfg, |o| o.state_dtype = StateDtype::Bf16);
+    let mut g = cuda(&dir, &cfg, &plan);
+    let mut c = cpu(&dir, &cfg).with_state_dtype(StateDtype::Bf16);
+    let failures = compare_int4("DeltaNet state bf16", &mut g, &mut c);
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+fn inside_vs_between(state: StateDtype) {
+    let (dir, cfg) = tiny_dir(8);
+    let plan = plan_with(&cfg, |o| {
+        o.snapshot_slots = 8;
+        o.state_dtype = state;
+    });
     let opts = CudaOptions { snapshots_in_step: true, ..test_opts() };
     let mut g = CudaBackend::with_options(&cfg, WeightSource::Checkpoint(dir.clone()), &plan, 4, opts).unwrap();
     assert_eq!(g.capabilities().snapshots_within_chunks, 8, "as many a step as the device snapshots");
-    let mut c = cpu(&dir, &cfg);
+    let mut c = cpu(&dir, &cfg).with_state_dtype(state);
+    println!("DeltaNet state {state}");
     let stats = g.arena_stats();
     let vocab = g.capabilities().vocab_size;
     let mut rng = StdRng::seed_from_u64(17);
@@ -115,8 +141,12 @@ fn bad_snapshots_inside_chunks_are_refused() {
     }
     let (dir, cfg) = tiny_dir(2);
     let plan = plan_for(&cfg);
+    let off = CudaOptions { snapshots_in_step: false, ..test_opts() };
+    let g = CudaBackend::with_options(&cfg, WeightSource::Checkpoint(dir.clone()), &plan, 4, off).unwrap();
+    assert_eq!(g.capabilities().snapshots_within_chunks, 0, "none when the options turn them off");
+    drop(g);
     let mut g = cuda(&dir, &cfg, &plan);
-    assert_eq!(g.capabilities().snapshots_within_chunks, 0, "off unless the options turn it on");
+    assert!(g.capabilities().snapshots_within_chunks > 0, "on by default");
     let toks: Vec<u32> = (0..50).collect();
     let pg = pages(0, 64);
     let mut out = Vec::new();

@@ -54,6 +54,13 @@ pub(crate) const GDN32: KernelDims = KernelDims { gdn_k_dim: 32, gdn_v_dim: 32, 
 /// output rms on near-zero elements (2.4x over a 3x-ACCUM bound on the H200), hence this loose bound;
 /// the default Precision::Split is held to ACCUM.
 pub(crate) const GDN_BF16: Tol = Tol { atol_rms: 6e-2, atol_abs: 1e-6, rtol: 6e-2 };
+/// The DeltaNet state stored bf16 (`--state-dtype bf16`): the state kernels against the reference that
+/// rounds where they store (the recurrent ones after every token, the chunked walk at its stores).
+pub(crate) const BF16_STATE: KernelDims = KernelDims { state_bf16: true, ..KernelDims::QWEN35_27B };
+/// A cut sequence with a bf16 state: where the chunked walk and the reference's recurrence straddle a
+/// rounding boundary at a cut, an element differs by one bf16 ulp (2^-8 of it), which the rows after the
+/// cut mix into every other element of its column: measured up to 0.9% of the state rms on the H100.
+pub(crate) const BF16_STATE_CUT: Tol = Tol { atol_rms: 1.6e-2, ..ACCUM };
 pub(crate) const SPLIT: gdn_chunk::Precision = gdn_chunk::Precision::Split;
 pub(crate) const BF16: gdn_chunk::Precision = gdn_chunk::Precision::Bf16;
 
@@ -271,6 +278,32 @@ pub(crate) fn row_cases() -> Vec<Case> {
             ACCUM,
         ),
         c("gdn_recurrent", GDN32, Op::GdnRecurrent { lens: vec![4, 2], accept: Some(vec![3, 2]), hk: 2, hv: 6 }, ACCUM),
+        c("gdn_chunk", BF16_STATE, gdn_op(&[129, 1, 64, 200], 16, 48, SPLIT), ACCUM),
+        c("gdn_chunk", BF16_STATE, gdn_op(&[1000], 16, 48, SPLIT), ACCUM),
+        c("gdn_chunk", BF16_STATE, gdn_cut_op(&[65, 300], &[&[37], &[128, 129, 299]], 16, 48), BF16_STATE_CUT),
+        c("gdn_decode", BF16_STATE, Op::GdnDecode { b: 7, hk: 16, hv: 48 }, ACCUM),
+        c("gdn_decode_gated", BF16_STATE, Op::GdnDecodeGated { slots: vec![3, -1, 0, 1], hk: 16, hv: 48 }, EXACT),
+        c(
+            "gdn_recurrent_gated",
+            BF16_STATE,
+            Op::GdnRecurrentGated { lens: vec![4, 1, 3], slots: vec![2, 0, 1], hk: 16, hv: 48 },
+            EXACT,
+        ),
+        c(
+            "gdn_recurrent",
+            BF16_STATE,
+            Op::GdnRecurrent { lens: vec![3, 1, 5, 2], accept: None, hk: 16, hv: 48 },
+            ACCUM,
+        ),
+        c(
+            "gdn_recurrent",
+            BF16_STATE,
+            Op::GdnRecurrent { lens: vec![3, 1, 5, 2], accept: Some(vec![2, 1, 5, 1]), hk: 16, hv: 48 },
+            ACCUM,
+        ),
+        c("gdn_rows", BF16_STATE, gdn_rows(&[4, 1, 6], &[3, -1, 1], None, 16, 48), EXACT),
+        c("gdn_rows", BF16_STATE, gdn_rows(&[4, 3, 6, 2], &[3, 0, 1, -1], Some(&[2, 3, 5, 1]), 16, 48), EXACT),
+        c("gdn_commit_layers", BF16_STATE, commit_layers(&[4, 3, 2], &[3, -1, 0], &[2, 3, 1], 16, 48, 3), EXACT),
         c("conv_state_update", q, Op::ConvAccept { lens: vec![3, 1, 5, 2], accept: vec![2, 1, 5, 1], c: 10240 }, EXACT),
         c("mtp_rows", q, Op::MtpRows { lens: vec![3, 1, 5, 2], d: 5120 }, EXACT),
         c("mtp_rows", q, Op::MtpRows { lens: vec![1, 2], d: 36 }, EXACT),

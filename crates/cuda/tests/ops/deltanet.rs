@@ -169,7 +169,7 @@ pub fn decode_gated(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Out
     let (zp, nwp, sp, cup) = (d.bf16(&z)?, d.f32s(&nw)?, d.i32s(&slots)?, d.i32s(&cu_of(&lens))?);
     let mut got = Vec::new();
     for fused in [false, true] {
-        let st = d.f32s(&st0)?;
+        let st = d.state(&st0, k.dims.state_bf16)?;
         let (o, out) = (d.poison(2 * b * hv * dv)?, d.poison(2 * b * hv * dv)?);
         let dec = gdn_decode::GdnDecode {
             q: qp,
@@ -213,7 +213,7 @@ pub fn decode_gated(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Out
         }
         let mut ob = vec![0u16; b * hv * dv];
         d.rt.download(&mut ob, out)?;
-        let mut sb = vec![0u16; 2 * st0.len()];
+        let mut sb = vec![0u16; if k.dims.state_bf16 { 1 } else { 2 } * st0.len()];
         d.rt.download(&mut sb, st)?;
         got.push((ob, sb));
     }
@@ -273,7 +273,12 @@ fn gdn_case(
     let g: Vec<f32> = (0..t * hv).map(|_| -rng.random_range(0.0f32..1.5).powi(2)).collect();
     let beta: Vec<f32> = (0..t * hv).map(|_| rng.random_range(0.05..0.95)).collect();
     let n_state = hv * dk * dv;
-    let st0: Vec<f32> = (0..nb * n_state).map(|_| rng.random_range(-0.5..0.5)).collect();
+    // A bf16 state slot holds bf16 values: the reference starts from the same ones.
+    let bf16_state = k.dims.state_bf16;
+    let st0: Vec<f32> = (0..nb * n_state)
+        .map(|_| rng.random_range(-0.5..0.5))
+        .map(|x: f32| if bf16_state { rb(x) } else { x })
+        .collect();
     let n_slots = nb + 2;
     // A permutation of 1..=nb (slot 0 and nb+1 unused), reversed against the batch order.
     let slots: Vec<i32> = (0..nb).map(|b| (nb - b) as i32).collect();
@@ -283,7 +288,7 @@ fn gdn_case(
     }
     let cu = cu_of(lens);
     let (qp, kp, vp, gp, bp) = (d.bf16(&q)?, d.bf16(&kk)?, d.bf16(&vrow)?, d.f32s(&g)?, d.f32s(&beta)?);
-    let (sp, cup, slp, op) = (d.f32s(&st_dev)?, d.i32s(&cu)?, d.i32s(&slots)?, d.poison(2 * t * hv * dv)?);
+    let (sp, cup, slp, op) = (d.state(&st_dev, bf16_state)?, d.i32s(&cu)?, d.i32s(&slots)?, d.poison(2 * t * hv * dv)?);
     let dec = gdn_decode::GdnDecode {
         q: qp,
         k: kp,
@@ -313,6 +318,7 @@ fn gdn_case(
         }
         _ => None,
     };
+    let is_chunked = chunked.is_some();
     if let Some((prec, segments)) = chunked {
         let table = gdn_chunk::chunk_table(segments.as_ref().map_or(&cu, |s| &s.cu));
         let ws_bytes = gdn_chunk::workspace_bytes(t, hv, &k.dims);
@@ -343,7 +349,7 @@ fn gdn_case(
                 gdn_chunk::SegmentsOnDevice { cu: d.i32s(&seg.cu)?, slots: d.i32s(&seg.slots)?, n_segs, rounds };
             let dev = &*d;
             gdn_chunk::gdn_chunk_segments(k, s, &a, on_dev, |r| {
-                let now = dev.get_f32(sp, st_dev.len())?;
+                let now = dev.get_state(sp, st_dev.len(), bf16_state)?;
                 for (b, c) in cuts.iter().enumerate() {
                     if let Some(&row) = c.get(r) {
                         at_cuts.push((b, row, now[slots[b] as usize * n_state..][..n_state].to_vec()));
@@ -368,11 +374,16 @@ fn gdn_case(
             // The same rows through gdn_decode, one token per launch, on a copy of the state: the
             // commit must leave exactly (bit for bit) what decoding them one by one leaves.
             let b = decoded_token_by_token(k, s, d, dec, &cu, &used, &st_dev)?;
-            let a = d.get_f32(sp, st_dev.len())?;
+            let a = d.get_state(sp, st_dev.len(), bf16_state)?;
             if a.iter().zip(&b).any(|(x, y)| x.to_bits() != y.to_bits()) {
                 extra.push(Outcome::error("commit state differs from gdn_decode token by token".into()));
             }
-        } else if d.get_f32(sp, st_dev.len())?.iter().zip(&st_dev).any(|(x, y)| x.to_bits() != y.to_bits()) {
+        } else if d
+            .get_state(sp, st_dev.len(), bf16_state)?
+            .iter()
+            .zip(&st_dev)
+            .any(|(x, y)| x.to_bits() != y.to_bits())
+        {
             extra.push(Outcome::error("verify (write_state = 0) changed the state".into()));
         }
     } else {
@@ -384,20 +395,38 @@ fn gdn_case(
     let mut got_o = Vec::with_capacity(t * hv * dv);
     let all_o = d.get_bf16(op, t * hv * dv)?;
     // The CPU recurrence over sequence b's first `len` rows from its carried state: (outputs, state).
+    // A bf16 state: the recurrent kernels round it after every token, the chunked walk where it stores
+    // (at the end of each segment of a cut sequence: the reference rounds at the same rows).
+    let cuts_of = |b: usize| match &mode {
+        GdnMode::ChunkedCut(c) if bf16_state => c[b].clone(),
+        _ => Vec::new(),
+    };
     let reference = |b: usize, len: usize| -> R<(Vec<f32>, Vec<f32>)> {
-        let t0 = cu[b] as usize;
-        let vseq: Vec<f32> = (0..len).flat_map(|i| vrow[(t0 + i) * v_stride..][..hv * dv].to_vec()).collect();
-        let inp = cpu::gdn::GdnInputs {
-            q: &q[t0 * hk * dk..][..len * hk * dk],
-            k: &kk[t0 * hk * dk..][..len * hk * dk],
-            v: &vseq,
-            g: &g[t0 * hv..][..len * hv],
-            beta: &beta[t0 * hv..][..len * hv],
-        };
         let mut st = st0[b * n_state..][..n_state].to_vec();
         let mut o = vec![0f32; len * hv * dv];
-        cpu::gdn::gdn_recurrent(dims, &inp, &mut st, &mut o)
-            .map_err(|e| deltaserve_cuda::CudaError::InvalidArgs { kernel: "cpu reference", msg: e.to_string() })?;
+        let ends: Vec<usize> = cuts_of(b).into_iter().filter(|&r| r < len).chain([len]).collect();
+        let mut from = 0;
+        for to in ends {
+            let (t0, n) = (cu[b] as usize + from, to - from);
+            let vseq: Vec<f32> = (0..n).flat_map(|i| vrow[(t0 + i) * v_stride..][..hv * dv].to_vec()).collect();
+            let inp = cpu::gdn::GdnInputs {
+                q: &q[t0 * hk * dk..][..n * hk * dk],
+                k: &kk[t0 * hk * dk..][..n * hk * dk],
+                v: &vseq,
+                g: &g[t0 * hv..][..n * hv],
+                beta: &beta[t0 * hv..][..n * hv],
+            };
+            let out = &mut o[from * hv * dv..][..n * hv * dv];
+            let r = match (bf16_state, is_chunked) {
+                (true, false) => cpu::gdn::gdn_recurrent_bf16_state(dims, &inp, &mut st, out),
+                _ => cpu::gdn::gdn_recurrent(dims, &inp, &mut st, out),
+            };
+            r.map_err(|e| deltaserve_cuda::CudaError::InvalidArgs { kernel: "cpu reference", msg: e.to_string() })?;
+            if bf16_state {
+                cpu::kvquant::round_bf16_slice(&mut st);
+            }
+            from = to;
+        }
         Ok((o, st))
     };
     for (b, &len) in used.iter().enumerate() {
@@ -410,7 +439,8 @@ fn gdn_case(
             rs[slots[b] as usize * n_state..][..n_state].copy_from_slice(&st);
         }
     }
-    let mut out = vec![compare("o", &ro, &got_o, tol), compare("state", &rs, &d.get_f32(sp, rs.len())?, tol)];
+    let got_st = d.get_state(sp, rs.len(), bf16_state)?;
+    let mut out = vec![compare("o", &ro, &got_o, tol), compare("state", &rs, &got_st, tol)];
     // Each state at a cut against the reference over the sequence's rows up to it.
     let (mut want_cut, mut got_cut) = (Vec::new(), Vec::new());
     for (b, row, got) in at_cuts {
@@ -437,7 +467,7 @@ fn decoded_token_by_token(
 ) -> R<Vec<f32>> {
     let (dk, dv) = (k.dims.gdn_k_dim, k.dims.gdn_v_dim);
     let (hk, hv, v_stride) = (dec.hk, dec.hv, dec.v_stride);
-    let sp2 = d.f32s(st_dev)?;
+    let sp2 = d.state(st_dev, k.dims.state_bf16)?;
     let o2 = d.poison(2 * hv * dv)?;
     for (b, &n) in used.iter().enumerate() {
         for i in 0..n {
@@ -457,7 +487,7 @@ fn decoded_token_by_token(
             gdn_decode::gdn_decode(k, s, &one)?;
         }
     }
-    d.get_f32(sp2, st_dev.len())
+    d.get_state(sp2, st_dev.len(), k.dims.state_bf16)
 }
 
 /// one `[t, 2·hv]` bf16 buffer `ba` ([b | a] per row, like the fused projection), outputs

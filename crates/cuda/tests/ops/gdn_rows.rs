@@ -36,7 +36,7 @@ pub fn rows(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
     let (trace_x, trace_ba) = if commit { (0, 0) } else { (d.poison(2 * b * xs)?, d.poison(2 * b * 2 * hv)?) };
     let mut got = Vec::new();
     for fused in [false, true] {
-        let (conv_st, rec_st) = (d.bf16(&conv0)?, d.f32s(&rec0)?);
+        let (conv_st, rec_st) = (d.bf16(&conv0)?, d.state(&rec0, k.dims.state_bf16)?);
         let out = d.poison(2 * b * hv * dv)?;
         if fused {
             let a = gdn_decode::GdnRows {
@@ -116,7 +116,7 @@ pub fn rows(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
         }
         let mut ob = vec![0u16; if commit { 0 } else { b * hv * dv }];
         d.rt.download(&mut ob, out)?;
-        let mut rb = vec![0u16; 2 * rec0.len()];
+        let mut rb = vec![0u16; if k.dims.state_bf16 { 1 } else { 2 } * rec0.len()];
         d.rt.download(&mut rb, rec_st)?;
         let mut cb = vec![0u16; conv0.len()];
         d.rt.download(&mut cb, conv_st)?;
@@ -184,9 +184,10 @@ pub fn commit_layers(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Ou
         ptrs.push(l);
         inits.push((conv0, rec0));
     }
+    let bf16_state = k.dims.state_bf16;
     let states = |d: &mut Dev, ptrs: &mut [gdn_decode::GdnLayerPtrs]| -> R<()> {
         for (l, (conv0, rec0)) in ptrs.iter_mut().zip(&inits) {
-            (l.conv_state, l.state) = (d.bf16(conv0)?, d.f32s(rec0)?);
+            (l.conv_state, l.state) = (d.bf16(conv0)?, d.state(rec0, bf16_state)?);
         }
         Ok(())
     };
@@ -242,7 +243,8 @@ pub fn commit_layers(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Ou
         }
         let (mut rb, mut cb) = (Vec::new(), Vec::new());
         for (l, (conv0, rec0)) in ptrs.iter().zip(&inits) {
-            let (mut r, mut cv) = (vec![0u16; 2 * rec0.len()], vec![0u16; conv0.len()]);
+            let words = if k.dims.state_bf16 { 1 } else { 2 } * rec0.len();
+            let (mut r, mut cv) = (vec![0u16; words], vec![0u16; conv0.len()]);
             d.rt.download(&mut r, l.state)?;
             d.rt.download(&mut cv, l.conv_state)?;
             rb.extend(r);

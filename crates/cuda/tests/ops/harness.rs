@@ -118,6 +118,14 @@ impl<'a> Dev<'a> {
         self.rt.download(&mut h, p)?;
         Ok(h.into_iter().map(|b| bf16::from_bits(b).to_f32()).collect())
     }
+    /// A DeltaNet recurrent state in the kernels' storage: bf16 (`bf16`, rounded) or f32.
+    pub fn state(&mut self, v: &[f32], bf16: bool) -> R<u64> {
+        if bf16 { self.bf16(v) } else { self.f32s(v) }
+    }
+    /// `n` values of a state stored as [`Dev::state`] stores it.
+    pub fn get_state(&self, p: u64, n: usize, bf16: bool) -> R<Vec<f32>> {
+        if bf16 { self.get_bf16(p, n) } else { self.get_f32(p, n) }
+    }
     pub fn get_f32(&self, p: u64, n: usize) -> R<Vec<f32>> {
         let mut h = vec![0f32; n];
         self.rt.download(&mut h, p)?;

@@ -54,7 +54,9 @@ use deltaserve_cuda::backend::{CudaOptions, SHORT_CHUNK_TOKENS};
 use deltaserve_cuda::ops::init::{Init, init_random};
 use deltaserve_cuda::{Arena, CudaBackend, Kernels, Runtime, TpBackend, WeightSource};
 use deltaserve_model::ModelConfig;
-use deltaserve_plan::{KvDtype, Plan, PlanOptions, WeightsDtype, card_config, fmt_bytes, fmt_count, parse_size};
+use deltaserve_plan::{
+    KvDtype, Plan, PlanOptions, StateDtype, WeightsDtype, card_config, fmt_bytes, fmt_count, parse_size,
+};
 use serde_json::{Value, json};
 
 use crate::gpu_memory::GpuSampler;
@@ -106,6 +108,9 @@ pub struct Args {
     /// KV cache dtype for K and V: bf16, fp8, int8, int4.
     #[arg(long, default_value = "bf16")]
     kv_cache_dtype: KvDtype,
+    /// DeltaNet recurrent state storage: fp32 or bf16 (half the state's bytes a decode step reads and writes).
+    #[arg(long, default_value = "fp32")]
+    state_dtype: StateDtype,
     /// Tokens per engine step (prefill chunk).
     #[arg(long, default_value_t = 4096)]
     max_batch_tokens: usize,
@@ -177,7 +182,7 @@ pub fn run(a: Args) -> Result<()> {
     let gpu = format!("{} ({})", rt.context().name().unwrap_or_default(), rt.arch());
     tracing::info!("bench: measuring the device's ceilings on {gpu}");
     // One set of kernels, specialised to the model, for the ceilings and the DeltaNet timings.
-    let kernels = Kernels::load(&rt, deltaserve_cuda::backend::kernel_dims(&card))?;
+    let kernels = Kernels::load(&rt, deltaserve_cuda::backend::kernel_dims(&card).with_state_dtype(a.state_dtype))?;
     let ceilings = measure_ceilings(&rt, &kernels, a.experts_on_host)?;
     tracing::info!(
         "bench: bf16 GEMM {:.0} TFLOP/s, device copy {:.0} GB/s (read + write)",
@@ -215,6 +220,7 @@ pub fn run(a: Args) -> Result<()> {
     o.embed_on_host = a.embed_on_host;
     o.experts_on_host = a.experts_on_host;
     (o.k_dtype, o.v_dtype) = (a.kv_cache_dtype, a.kv_cache_dtype);
+    o.state_dtype = a.state_dtype;
     o.decode_partitions = a.decode_partitions; // the plan checks the range
     o.set_tensor_parallel(tp);
     if a.speculative_tokens > 0 {
@@ -248,14 +254,15 @@ pub fn run(a: Args) -> Result<()> {
         gpu: if tp > 1 { format!("{tp}× {gpu}") } else { gpu },
         tensor_parallel: tp,
         model: format!(
-            "{}{} · weights {}{}{}{} · KV {}",
+            "{}{} · weights {}{}{}{} · KV {}{}",
             model_name(&model, &cfg),
             if tp > 1 { format!(" · tensor parallel {tp} (per card below)") } else { String::new() },
             plan.options.weights_dtype.name(),
             if plan.options.lm_head_int4 { " + int4 lm_head" } else { "" },
             if plan.options.embed_on_host { " + host embedding" } else { "" },
             if plan.options.experts_on_host { " + host experts" } else { "" },
-            plan.options.k_dtype.name()
+            plan.options.k_dtype.name(),
+            if plan.options.state_dtype == StateDtype::Bf16 { " · DeltaNet state bf16" } else { "" }
         ),
         ceilings: Some(ceilings),
         plan_bytes: plan.total_bytes,
