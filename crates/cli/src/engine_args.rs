@@ -288,6 +288,9 @@ impl EngineArgs {
         if let Some(hint) = &fitted.hint {
             tracing::warn!("memory plan: {hint}");
         }
+        if let Some(note) = &fitted.note {
+            tracing::info!("memory plan: {note}");
+        }
         Ok(fitted.plan)
     }
 

@@ -45,6 +45,9 @@ fn bf16_state_in_24gib_with_mtp_serves_more_sequences() {
     let f32s = plan_json(&mtp);
     let bf16s = plan_json(&[&mtp[..], &["--state-dtype", "bf16"]].concat());
     assert_eq!(bf16s["options"]["state_dtype"], "bf16");
+    // The f32 plan, which traded sequences for the context, says what the bf16 state would keep.
+    let note = f32s["fit"]["note"].as_str().unwrap_or_default();
+    assert!(note.contains("--state-dtype bf16"), "{f32s}");
     assert!(bf16s["max_context"].as_u64().unwrap() >= 262_144, "{bf16s}");
     assert!(bf16s["total_bytes"].as_u64().unwrap() <= 24 << 30, "{bf16s}");
     let n = |j: &serde_json::Value, k: &str| j[k].as_u64().unwrap();

@@ -27,9 +27,9 @@
 
 use deltaserve_model::ModelConfig;
 
-use crate::dtype::WeightsDtype;
+use crate::dtype::{StateDtype, WeightsDtype};
 use crate::error::PlanError;
-use crate::options::PlanOptions;
+use crate::options::{PlanBackend, PlanOptions};
 use crate::plan::Plan;
 use crate::size::{fmt_bytes, fmt_count};
 
@@ -76,12 +76,16 @@ pub struct Fitted {
     /// A setting the user may prefer to what the planner traded: where it moved a mixture of experts' bf16 or
     /// fp8 experts to the host, int4 weights when they keep the experts on the GPU at the full context.
     pub hint: Option<String>,
+    /// A format the user may choose: where the fit traded sequences per step on the CUDA backend and a bf16
+    /// DeltaNet state keeps more of them at the same context, `--state-dtype bf16`.
+    pub note: Option<String>,
 }
 
 /// Plans for the target context (see the module docs). Each candidate's plan prices its own backend
 /// scratch (it depends on the sequences per step and the lm_head's format). Where the planner moved a
 /// mixture of experts' bf16 or fp8 experts to the host and int4 weights would keep them on the GPU at the
-/// target, [`Fitted::hint`] says so (reading the experts across the bus costs far more than 4-bit weights).
+/// target, [`Fitted::hint`] says so (reading the experts across the bus costs far more than 4-bit weights);
+/// where it traded sequences and a bf16 DeltaNet state would keep more, [`Fitted::note`] says that.
 pub fn fit_context(cfg: &ModelConfig, base: &PlanOptions, free: Free) -> Result<Fitted, PlanError> {
     let mut fitted = fit_ladder(cfg, base, free)?;
     if fitted.adjustments.iter().any(|a| a == EXPERTS_ON_HOST) && base.weights_dtype != WeightsDtype::Int4 {
@@ -99,7 +103,29 @@ pub fn fit_context(cfg: &ModelConfig, base: &PlanOptions, free: Free) -> Result<
             ));
         }
     }
+    fitted.note = state_note(cfg, base, free, &fitted);
     Ok(fitted)
+}
+
+/// `--state-dtype bf16` where the fit traded sequences per step on the CUDA backend with an f32 DeltaNet
+/// state, and half the state's bytes keep more sequences at the same context.
+fn state_note(cfg: &ModelConfig, base: &PlanOptions, free: Free, fitted: &Fitted) -> Option<String> {
+    let cuda = matches!(base.backend, PlanBackend::Cuda { .. });
+    if !cuda || base.state_dtype != StateDtype::F32 || fitted.plan.max_seqs >= base.max_seqs {
+        return None;
+    }
+    let bf16 = PlanOptions { state_dtype: StateDtype::Bf16, ..base.clone() };
+    let alt = fit_ladder(cfg, &bf16, free).ok()?;
+    let keeps = alt.plan.max_seqs > fitted.plan.max_seqs && alt.plan.max_context >= fitted.plan.max_context;
+    keeps.then(|| {
+        format!(
+            "the DeltaNet state in bf16 (--state-dtype bf16: half its bytes, rounded after every token) keeps {} \
+             sequences per step at {} tokens instead of {}",
+            alt.plan.max_seqs,
+            fmt_count(fitted.plan.max_context as u64),
+            fitted.plan.max_seqs
+        )
+    })
 }
 
 /// [`fit_context`] without its hint.
@@ -117,6 +143,7 @@ fn fit_ladder(cfg: &ModelConfig, base: &PlanOptions, free: Free) -> Result<Fitte
             target_context: target,
             shortfall: None,
             hint: None,
+            note: None,
         });
     }
 
@@ -145,6 +172,7 @@ fn fit_ladder(cfg: &ModelConfig, base: &PlanOptions, free: Free) -> Result<Fitte
             target_context: target,
             shortfall: None,
             hint: None,
+            note: None,
         });
     }
     let best = tried.iter().map(|(_, p)| p.max_context).max().unwrap_or(0);
@@ -157,6 +185,7 @@ fn fit_ladder(cfg: &ModelConfig, base: &PlanOptions, free: Free) -> Result<Fitte
             target_context: target,
             shortfall: None,
             hint: None,
+            note: None,
         });
     };
     let taken = adjustments.len();
@@ -175,7 +204,7 @@ fn fit_ladder(cfg: &ModelConfig, base: &PlanOptions, free: Free) -> Result<Fitte
             _ => format!(" with {}", adjustments.join(", ")),
         },
     ));
-    Ok(Fitted { plan, adjustments, target_context: target, shortfall, hint: None })
+    Ok(Fitted { plan, adjustments, target_context: target, shortfall, hint: None, note: None })
 }
 
 /// When the target is out of reach: the fewest rungs whose context is at least this share of the most
@@ -217,7 +246,14 @@ fn climb(
         if let Ok(p) = Plan::new(cfg, &o) {
             if p.max_context >= target {
                 let plan = finish(cfg, &p, base, &o)?;
-                return Ok(Some(Fitted { plan, adjustments, target_context: target, shortfall: None, hint: None }));
+                return Ok(Some(Fitted {
+                    plan,
+                    adjustments,
+                    target_context: target,
+                    shortfall: None,
+                    hint: None,
+                    note: None,
+                }));
             }
             tried.push((adjustments.clone(), p));
         }

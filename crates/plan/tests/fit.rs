@@ -2,7 +2,7 @@
 
 use deltaserve_model::ModelConfig;
 use deltaserve_model::synth::Preset;
-use deltaserve_plan::{Free, KvDtype, Plan, PlanOptions, WeightsDtype, fit_context};
+use deltaserve_plan::{Free, KvDtype, Plan, PlanOptions, StateDtype, WeightsDtype, fit_context};
 
 const GIB: u64 = 1 << 30;
 
@@ -34,6 +34,24 @@ fn qwen36_27b_int4_fp8_24gib_fills_262144() {
     assert_eq!((o.max_seqs, o.snapshot_slots), (8, 4));
     // The plan is the plain plan of the options it reports.
     assert_eq!(Plan::new(&cfg, o).unwrap(), f.plan);
+}
+
+/// With MTP the fit trades sequences per step for the full context; the note says how many a bf16 DeltaNet
+/// state keeps there (the plan itself stays f32: a format the user chooses), and nothing where it did not
+/// trade them.
+#[test]
+fn traded_sequences_hint_at_a_bf16_state() {
+    let cfg = cfg("qwen3.6-27b");
+    let base = PlanOptions { speculative_tokens: 3, ..opts(WeightsDtype::Int4, KvDtype::Fp8, 24 * GIB) };
+    let f = fit_context(&cfg, &base, Free::all()).unwrap();
+    assert_eq!((f.plan.max_context, f.plan.max_seqs, f.plan.options.state_dtype), (262_144, 4, StateDtype::F32));
+    let note = f.note.expect("a note");
+    assert!(note.contains("--state-dtype bf16") && note.contains("keeps 8 sequences"), "{note}");
+    let bf16 = PlanOptions { state_dtype: StateDtype::Bf16, ..base.clone() };
+    let g = fit_context(&cfg, &bf16, Free::all()).unwrap();
+    assert_eq!((g.plan.max_context, g.plan.max_seqs, g.note), (262_144, 8, None));
+    let big = fit_context(&cfg, &PlanOptions { budget_bytes: 80 * GIB, ..base }, Free::all()).unwrap();
+    assert!(big.note.is_none(), "{:?}", big.note);
 }
 
 #[test]

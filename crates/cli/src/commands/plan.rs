@@ -233,6 +233,7 @@ fn fit_json(f: &Fitted) -> serde_json::Value {
         "adjustments": f.adjustments,
         "shortfall": f.shortfall,
         "hint": f.hint,
+        "note": f.note,
     })
 }
 
@@ -254,6 +255,9 @@ fn fit_text(f: &Fitted) -> String {
     }
     if let Some(hint) = &f.hint {
         s += &format!("hint: {hint}\n");
+    }
+    if let Some(note) = &f.note {
+        s += &format!("note: {note}\n");
     }
     s
 }
