@@ -313,6 +313,11 @@ impl EngineArgs {
         Self { k_cache_dtype: Some(k.to_string()), v_cache_dtype: Some(v.to_string()), ..self.clone() }
     }
 
+    /// A copy of these options storing the DeltaNet state as `s`; `None` keeps the command line's choice.
+    pub fn with_state_dtype(&self, s: Option<StateDtype>) -> Self {
+        Self { state_dtype: s.or(self.state_dtype), ..self.clone() }
+    }
+
     /// A copy of these options storing the decoder linears as `w` (what `--weights-dtype` gives: `int4` or
     /// `fp8` with a bf16 checkpoint quantises it at load, `bf16` with a block-FP8 checkpoint dequantises it);
     /// `None` keeps the command line's choice.

@@ -1,7 +1,7 @@
 //! `deltaserve eval`: quality evaluations of serving configurations.
 //!
 //! `eval kld` measures what a storage format does to the model's next-token distributions: the KV cache's
-//! (K and V) and, on the CUDA backend, the decoder weights'. The whole sequence runs once per configuration
+//! (K and V), the DeltaNet state's and, on the CUDA backend, the decoder weights'. The whole sequence runs once per configuration
 //! on a backend built for it (the backend `--device` selects, with the engine flags of `serve`, K and V
 //! stored in the configuration's formats, so every attention read sees the stored values, and the decoder
 //! linears stored as its `w=` says, quantised at load from a bf16 checkpoint as `--weights-dtype` does), one
@@ -11,8 +11,9 @@
 //!
 //! A configuration is a KV dtype for both K and V (`fp8`), or `:`-separated keys: `k=`, `v=` (a missing
 //! half is bf16), `kv=` (both) and `w=` (weights: bf16, int4 or fp8; missing: as the command line and the
-//! checkpoint say). So `bf16,fp8,int8,int4` compares KV formats, and `w=bf16,w=fp8,w=int4` with the
-//! baseline `w=bf16` compares weight formats over a bf16 KV cache.
+//! checkpoint say) and `s=` (the DeltaNet recurrent state: fp32 or bf16; missing: `--state-dtype`). So
+//! `bf16,fp8,int8,int4` compares KV formats, `w=bf16,w=fp8,w=int4` with the baseline `w=bf16` compares weight
+//! formats over a bf16 KV cache, and `s=bf16` with the baseline `s=fp32` the state's storage.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -20,7 +21,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use deltaserve_backend::argmax;
-use deltaserve_plan::{KvDtype, WeightsDtype};
+use deltaserve_plan::{KvDtype, StateDtype, WeightsDtype};
 
 use crate::engine_args::{EngineArgs, Prepared};
 use crate::model_source::{Device, ModelArgs};
@@ -51,8 +52,10 @@ pub struct KldArgs {
     /// int8, int4), so the default compares KV formats. Otherwise `:`-separated keys: `k=DTYPE`, `v=DTYPE`
     /// (a missing half is bf16), `kv=DTYPE` (both) and `w=DTYPE`, the decoder weights on the CUDA backend
     /// (bf16, int4 or fp8, as --weights-dtype: a bf16 checkpoint is quantised at load; without `w=`, the
-    /// weights the command line and checkpoint give). E.g. `w=fp8`, `w=int4:kv=fp8`, `k=fp8:v=int4:w=fp8`;
-    /// `--configs w=bf16,w=fp8,w=int4 --baseline w=bf16` compares the weight formats.
+    /// weights the command line and checkpoint give) and `s=DTYPE`, the DeltaNet recurrent state (fp32 or
+    /// bf16, as --state-dtype). E.g. `w=fp8`, `w=int4:kv=fp8`, `k=fp8:v=int4:w=fp8`;
+    /// `--configs w=bf16,w=fp8,w=int4 --baseline w=bf16` compares the weight formats, `--configs s=bf16
+    /// --baseline s=fp32` the state's (each position runs as a decode step, so the state is rounded every token).
     #[arg(long, default_value = "bf16,fp8,int8,int4")]
     configs: String,
     /// The configuration every other is compared with (the syntax of --configs).
@@ -70,7 +73,7 @@ pub struct KldArgs {
 const WEIGHTS_CHOICES: &str = "bf16, int4, fp8";
 
 /// What a run with these formats computes: configurations with the same key have the same numbers.
-pub type ConfigKey = (KvDtype, KvDtype, Option<WeightsDtype>);
+pub type ConfigKey = (KvDtype, KvDtype, Option<WeightsDtype>, Option<StateDtype>);
 
 /// One configuration: the storage of K, V and (when given) the decoder weights.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -81,6 +84,8 @@ pub struct KldConfig {
     pub v: KvDtype,
     /// The decoder weights' storage; `None`: as the command line and the checkpoint say.
     pub w: Option<WeightsDtype>,
+    /// The DeltaNet recurrent state's storage; `None`: as the command line says (`--state-dtype`).
+    pub s: Option<StateDtype>,
 }
 
 impl KldConfig {
@@ -94,7 +99,7 @@ impl KldConfig {
         let dtype = |d: &str| d.parse::<KvDtype>().map_err(|e| anyhow::anyhow!("configuration `{name}`: {e}"));
         if !name.contains('=') {
             let d = dtype(&name)?;
-            return Ok(Self { name, k: d, v: d, w: None });
+            return Ok(Self { name, k: d, v: d, w: None, s: None });
         }
         let weights = |d: &str| match d.parse::<WeightsDtype>() {
             Ok(w @ (WeightsDtype::Bf16 | WeightsDtype::Int4 | WeightsDtype::Fp8Block)) => Ok(w),
@@ -104,10 +109,10 @@ impl KldConfig {
             )),
         };
         let twice = |key: &str| anyhow::anyhow!("configuration `{name}`: `{key}` given twice");
-        let (mut k, mut v, mut w) = (None, None, None);
+        let (mut k, mut v, mut w, mut st) = (None, None, None, None);
         for part in name.split(':') {
             let (key, val) = part.split_once('=').with_context(|| {
-                format!("configuration `{name}`: expected `KEY=DTYPE` (keys k, v, kv, w), got `{part}`")
+                format!("configuration `{name}`: expected `KEY=DTYPE` (keys k, v, kv, w, s), got `{part}`")
             })?;
             let key = key.trim().to_ascii_lowercase();
             match key.as_str() {
@@ -128,20 +133,32 @@ impl KldConfig {
                     }
                     w = Some(weights(val)?);
                 }
-                other => bail!("configuration `{name}`: unknown key `{other}` (expected k, v, kv or w)"),
+                "s" => {
+                    if st.is_some() {
+                        return Err(twice("s"));
+                    }
+                    let d = val.parse::<StateDtype>().map_err(|e| anyhow::anyhow!("configuration `{name}`: {e}"))?;
+                    st = Some(d);
+                }
+                other => bail!("configuration `{name}`: unknown key `{other}` (expected k, v, kv, w or s)"),
             }
         }
-        Ok(Self { k: k.unwrap_or(KvDtype::Bf16), v: v.unwrap_or(KvDtype::Bf16), w, name })
+        Ok(Self { k: k.unwrap_or(KvDtype::Bf16), v: v.unwrap_or(KvDtype::Bf16), w, s: st, name })
     }
 
     /// The formats that decide this configuration's numbers.
     pub fn key(&self) -> ConfigKey {
-        (self.k, self.v, self.w)
+        (self.k, self.v, self.w, self.s)
     }
 
     /// The weights' storage as reported: its name, or `as loaded`.
     pub fn weights_name(&self) -> String {
         self.w.map_or_else(|| "as loaded".to_string(), |w| w.to_string())
+    }
+
+    /// The DeltaNet state's storage as reported: its name, or `as given` (`--state-dtype`, else fp32).
+    pub fn state_name(&self) -> String {
+        self.s.map_or_else(|| "as given".to_string(), |s| s.to_string())
     }
 }
 
@@ -153,6 +170,8 @@ pub struct KldReport {
     pub v: String,
     /// The decoder weights' storage (bf16, int4, fp8), or `as loaded` (the command line's and checkpoint's).
     pub weights: String,
+    /// The DeltaNet recurrent state's storage (fp32, bf16), or `as given` (`--state-dtype`).
+    pub state: String,
     pub positions: usize,
     pub mean_kl: f64,
     pub p99_kl: f64,
@@ -203,7 +222,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 /// The engine flags of `cfg`'s backend: the command line's, with K, V and the weights stored as `cfg` says.
 fn config_engine(a: &KldArgs, cfg: &KldConfig) -> EngineArgs {
-    a.engine.with_kv_dtypes(cfg.k, cfg.v).with_weights_dtype(cfg.w)
+    a.engine.with_kv_dtypes(cfg.k, cfg.v).with_weights_dtype(cfg.w).with_state_dtype(cfg.s)
 }
 
 /// Refuses what `eval kld` cannot measure, before anything is loaded: `w=` configurations on the CPU
@@ -292,6 +311,7 @@ pub fn kld(
             k: cfg.k.to_string(),
             v: cfg.v.to_string(),
             weights: cfg.weights_name(),
+            state: cfg.state_name(),
             positions: n,
             mean_kl: kls.iter().sum::<f64>() / n as f64,
             p99_kl: percentile(&sorted, 0.99),
@@ -370,6 +390,7 @@ fn run_kld(a: KldArgs) -> Result<()> {
                 "k": baseline.k.to_string(),
                 "v": baseline.v.to_string(),
                 "weights": baseline.weights_name(),
+                "state": baseline.state_name(),
             },
             "source": source,
             "positions": tokens.len(),
@@ -386,16 +407,17 @@ fn run_kld(a: KldArgs) -> Result<()> {
         tokens.len()
     );
     println!(
-        "{:<20} {:>5} {:>5} {:>9} {:>12} {:>12} {:>12} {:>12} {:>8}",
-        "config", "K", "V", "W", "mean", "p99", "p99.9", "max", "top-1"
+        "{:<20} {:>5} {:>5} {:>9} {:>8} {:>12} {:>12} {:>12} {:>12} {:>8}",
+        "config", "K", "V", "W", "state", "mean", "p99", "p99.9", "max", "top-1"
     );
     for r in &reports {
         println!(
-            "{:<20} {:>5} {:>5} {:>9} {:>12.4e} {:>12.4e} {:>12.4e} {:>12.4e} {:>7.2}%",
+            "{:<20} {:>5} {:>5} {:>9} {:>8} {:>12.4e} {:>12.4e} {:>12.4e} {:>12.4e} {:>7.2}%",
             r.name,
             r.k,
             r.v,
             r.weights,
+            r.state,
             r.mean_kl,
             r.p99_kl,
             r.p999_kl,
@@ -438,6 +460,10 @@ mod tests {
         assert!(e.contains("int3") && e.contains("choices"), "{e}");
         assert!(KldConfig::parse("k=fp8:k=int4").is_err());
         assert!(KldConfig::parse("q=fp8").is_err());
+        let c = KldConfig::parse("kv=fp8:s=bf16").unwrap();
+        assert_eq!((c.k, c.v, c.w, c.s), (KvDtype::Fp8, KvDtype::Fp8, None, Some(StateDtype::Bf16)));
+        assert_eq!((c.state_name(), KldConfig::parse("fp8").unwrap().state_name()), ("bf16".into(), "as given".into()));
+        assert!(KldConfig::parse("s=bf16:s=fp32").is_err());
     }
 
     #[test]
@@ -486,7 +512,7 @@ mod tests {
             assert!(err(bad).contains("unknown weights dtype"), "{bad}: {}", err(bad));
         }
         let e = err("k=fp8:q=int4");
-        assert!(e.contains("unknown key `q`") && e.contains("k, v, kv or w"), "{e}");
+        assert!(e.contains("unknown key `q`") && e.contains("k, v, kv, w or s"), "{e}");
         let e = err("w=fp8:int4");
         assert!(e.contains("expected `KEY=DTYPE`") && e.contains("`int4`"), "{e}");
         // `kv` and a half of it: given twice, whichever comes first.
