@@ -84,7 +84,7 @@ pub enum GdnError {
 /// overwritten. `T = beta.len() / Hv`.
 pub fn gdn_recurrent(d: GdnDims, x: &GdnInputs, state: &mut [f32], out: &mut [f32]) -> Result<(), GdnError> {
     let t = validate(d, x, state, out)?;
-    run_per_head(d, t, state, out, |h, s, o| recurrent_head(&HeadView::new(d, x, t, h), s, o));
+    run_per_head(d, t, state, out, |h, s, o| recurrent_head(&HeadView::new(d, x, t, h), s, o, false));
     Ok(())
 }
 
@@ -93,18 +93,7 @@ pub fn gdn_recurrent(d: GdnDims, x: &GdnInputs, state: &mut [f32], out: &mut [f3
 /// that any split of the tokens into calls leaves the same state.
 pub fn gdn_recurrent_bf16_state(d: GdnDims, x: &GdnInputs, state: &mut [f32], out: &mut [f32]) -> Result<(), GdnError> {
     let t = validate(d, x, state, out)?;
-    let (kw, vw, hv) = (d.num_k_heads * d.head_k_dim, d.num_v_heads * d.head_v_dim, d.num_v_heads);
-    for i in 0..t {
-        let one = GdnInputs {
-            q: &x.q[i * kw..][..kw],
-            k: &x.k[i * kw..][..kw],
-            v: &x.v[i * vw..][..vw],
-            g: &x.g[i * hv..][..hv],
-            beta: &x.beta[i * hv..][..hv],
-        };
-        gdn_recurrent(d, &one, state, &mut out[i * vw..][..vw])?;
-        round_bf16_slice(state);
-    }
+    run_per_head(d, t, state, out, |h, s, o| recurrent_head(&HeadView::new(d, x, t, h), s, o, true));
     Ok(())
 }
 
@@ -240,8 +229,9 @@ fn add_outer(m: &mut [f32], x: &[f32], y: &[f32]) {
     }
 }
 
-/// One value head, token by token. `s: [Dk, Dv]`, `o: [T, Dv]`.
-fn recurrent_head(x: &HeadView, s: &mut [f32], o: &mut [f32]) {
+/// One value head, token by token. `s: [Dk, Dv]`, `o: [T, Dv]`; `bf16`: `s` rounded to bf16 after each
+/// token (after its output is read).
+fn recurrent_head(x: &HeadView, s: &mut [f32], o: &mut [f32], bf16: bool) {
     let dv = x.dv;
     let mut kv = vec![0.0f32; dv];
     let mut delta = vec![0.0f32; dv];
@@ -256,6 +246,9 @@ fn recurrent_head(x: &HeadView, s: &mut [f32], o: &mut [f32]) {
         }
         add_outer(s, k, &delta);
         vec_mat(q, s, &mut o[tok * dv..(tok + 1) * dv]);
+        if bf16 {
+            round_bf16_slice(s);
+        }
     }
 }
 

@@ -423,10 +423,7 @@ impl CpuModel {
             beta: &trace.beta[..n * hv],
         };
         let mut o = vec![0.0f32; n * d.gdn_value_width];
-        match bf16_state {
-            true => gdn_recurrent_bf16_state(dims, &inputs, recurrent, &mut o)?,
-            false => gdn_recurrent(dims, &inputs, recurrent, &mut o)?,
-        }
+        recurrence(dims, &inputs, recurrent, &mut o, bf16_state)?;
         Ok(())
     }
 
@@ -502,14 +499,12 @@ impl CpuModel {
         let inputs = GdnInputs { q: &q, k: &k, v: &v, g: &g, beta: &beta };
         let mut o = vec![0.0f32; t * d.gdn_value_width];
         // A bf16 state slot: rounded after every token of the recurrence, at the end of a chunked prefill.
-        match (mode == GdnMode::Recurrent || t == 1, bf16_state) {
-            (true, false) => gdn_recurrent(dims, &inputs, recurrent, &mut o)?,
-            (true, true) => gdn_recurrent_bf16_state(dims, &inputs, recurrent, &mut o)?,
-            (false, _) => {
-                gdn_chunked(dims, GDN_CHUNK, &inputs, recurrent, &mut o)?;
-                if bf16_state {
-                    round_bf16_slice(recurrent);
-                }
+        if mode == GdnMode::Recurrent || t == 1 {
+            recurrence(dims, &inputs, recurrent, &mut o, bf16_state)?;
+        } else {
+            gdn_chunked(dims, GDN_CHUNK, &inputs, recurrent, &mut o)?;
+            if bf16_state {
+                round_bf16_slice(recurrent);
             }
         }
         gated_rms_norm(&mut o, &z, &w.norm.data, self.config.rms_norm_eps);
@@ -583,5 +578,20 @@ impl CpuModel {
 fn add_in_place(x: &mut [f32], y: &[f32]) {
     for (a, b) in x.iter_mut().zip(y) {
         *a += b;
+    }
+}
+
+/// The token-by-token recurrence (the arithmetic of decode); `bf16_state`: the state rounded to bf16
+/// after every token, as a bf16 state slot keeps it.
+fn recurrence(
+    dims: GdnDims,
+    inputs: &GdnInputs,
+    state: &mut [f32],
+    out: &mut [f32],
+    bf16_state: bool,
+) -> Result<(), crate::gdn::GdnError> {
+    match bf16_state {
+        true => gdn_recurrent_bf16_state(dims, inputs, state, out),
+        false => gdn_recurrent(dims, inputs, state, out),
     }
 }

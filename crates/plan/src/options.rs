@@ -103,6 +103,15 @@ pub struct PlanOptions {
 pub const COLLECTIVE_RESERVE_BYTES: u64 = 1 << 30;
 
 impl PlanOptions {
+    /// How the state slots hold the DeltaNet state: `state_dtype` on CUDA, f32 on the generic backend
+    /// (which stores the values of `state_dtype` in f32).
+    pub fn stored_state_dtype(&self) -> StateDtype {
+        match self.backend {
+            PlanBackend::Generic => StateDtype::F32,
+            PlanBackend::Cuda { .. } => self.state_dtype,
+        }
+    }
+
     /// Split-K partitions of a speculative verify row's decode attention.
     pub fn verify_partitions(&self) -> usize {
         self.decode_partitions.min(VERIFY_PARTITIONS)

@@ -37,7 +37,8 @@ pub struct Plan {
     pub host_weights_bytes: u64,
     /// All attention layers, K + V, scales included.
     pub kv_bytes_per_token: u64,
-    /// Recurrent state `[Hv, Dk, Dv]` (the state dtype) + conv state `[K-1, conv_channels]` (activation dtype), every DeltaNet layer.
+    /// Recurrent state `[Hv, Dk, Dv]` (the stored state dtype) + conv state `[K-1, conv_channels]` (activation
+    /// dtype), every DeltaNet layer.
     pub state_bytes_per_seq: u64,
     pub activation_bytes: u64,
     pub snapshot_bytes: u64,
@@ -326,10 +327,7 @@ impl Plan {
                     "{} slots × {} (DeltaNet recurrent {} + conv, {} layers)",
                     opts.max_seqs,
                     fmt_bytes(state_bytes_per_seq),
-                    match opts.backend {
-                        PlanBackend::Generic => "fp32",
-                        PlanBackend::Cuda { .. } => opts.state_dtype.name(),
-                    },
+                    opts.stored_state_dtype().name(),
                     d.num_deltanet_layers
                 ),
             ),
@@ -459,8 +457,8 @@ impl Plan {
     }
 
     /// Layout of the `state_slots` (and `snapshots`) region: for each DeltaNet layer in order, the recurrent state
-    /// `[slots, Hv, Dk, Dv]` (the state dtype) then the conv state `[slots, K-1, conv_channels]` (activation dtype), each
-    /// starting 256-byte aligned. Returns their unpadded sizes for `slots`.
+    /// `[slots, Hv, Dk, Dv]` ([`PlanOptions::stored_state_dtype`]) then the conv state `[slots, K-1, conv_channels]`
+    /// (activation dtype), each starting 256-byte aligned. Returns their unpadded sizes for `slots`.
     pub fn state_tensor_bytes(&self, slots: usize) -> [u64; 2] {
         let st = StateShape::new(&self.dims, &self.options);
         st.tensors(slots).map(|x| x as u64)
@@ -506,7 +504,7 @@ impl KvShape {
 /// Byte sizes of the DeltaNet state (slots and snapshots).
 struct StateShape {
     layers: u128,
-    /// Per sequence of one layer: recurrent (the state dtype; f32 on the generic backend), conv (activation dtype).
+    /// Per sequence of one layer: recurrent (the stored state dtype), conv (activation dtype).
     per_seq: [u128; 2],
     /// Per sequence, beyond the layers: the pending hidden row of speculative decoding (else 0).
     extra: u128,
@@ -514,10 +512,7 @@ struct StateShape {
 
 impl StateShape {
     fn new(d: &Dims, o: &PlanOptions) -> Self {
-        let elem = match o.backend {
-            PlanBackend::Generic => 4,
-            PlanBackend::Cuda { .. } => o.state_dtype.bytes() as u128,
-        };
+        let elem = o.stored_state_dtype().bytes() as u128;
         let recurrent = d.gdn_v_heads as u128 * d.gdn_k_dim as u128 * d.gdn_v_dim as u128 * elem;
         let conv =
             (d.conv_kernel as u128).saturating_sub(1) * d.conv_channels as u128 * o.activation_bytes_per_elem as u128;

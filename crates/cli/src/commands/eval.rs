@@ -1,8 +1,9 @@
 //! `deltaserve eval`: quality evaluations of serving configurations.
 //!
 //! `eval kld` measures what a storage format does to the model's next-token distributions: the KV cache's
-//! (K and V), the DeltaNet state's and, on the CUDA backend, the decoder weights'. The whole sequence runs once per configuration
-//! on a backend built for it (the backend `--device` selects, with the engine flags of `serve`, K and V
+//! (K and V), the DeltaNet state's and, on the CUDA backend, the decoder weights'. The whole sequence runs
+//! once per configuration on a backend built for it (the backend `--device` selects, with the engine flags
+//! of `serve`, K and V
 //! stored in the configuration's formats, so every attention read sees the stored values, and the decoder
 //! linears stored as its `w=` says, quantised at load from a bf16 checkpoint as `--weights-dtype` does), one
 //! position per step, and each position's distribution is compared with the baseline configuration's:

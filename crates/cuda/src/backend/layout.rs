@@ -596,7 +596,7 @@ impl CudaBackend {
         let rt = Runtime::open(shard.as_ref().map_or(0, |s| s.rank))?;
         let d = cfg.dims();
         let (kvf, fmt, max_draft) = check_plan(cfg, d, plan, shard.as_ref())?;
-        let k = Kernels::load_kv(&rt, kernel_dims(cfg).with_state_dtype(plan.options.state_dtype), kvf)?;
+        let k = Kernels::load_kv(&rt, kernel_dims(cfg).with_state_dtype(plan.options.stored_state_dtype()), kvf)?;
         tracing::info!(
             "kernels for {} compiled and loaded in {:.0} ms; attention prefill: {}",
             k.arch,

@@ -213,9 +213,7 @@ pub fn decode_gated(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Out
         }
         let mut ob = vec![0u16; b * hv * dv];
         d.rt.download(&mut ob, out)?;
-        let mut sb = vec![0u16; if k.dims.state_bf16 { 1 } else { 2 } * st0.len()];
-        d.rt.download(&mut sb, st)?;
-        got.push((ob, sb));
+        got.push((ob, d.state_words(st, st0.len(), k.dims.state_bf16)?));
     }
     let unfused = if rows { "gdn_recurrent" } else { "gdn_decode" };
     Ok(vec![

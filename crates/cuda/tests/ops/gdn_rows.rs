@@ -116,8 +116,7 @@ pub fn rows(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
         }
         let mut ob = vec![0u16; if commit { 0 } else { b * hv * dv }];
         d.rt.download(&mut ob, out)?;
-        let mut rb = vec![0u16; if k.dims.state_bf16 { 1 } else { 2 } * rec0.len()];
-        d.rt.download(&mut rb, rec_st)?;
+        let rb = d.state_words(rec_st, rec0.len(), k.dims.state_bf16)?;
         let mut cb = vec![0u16; conv0.len()];
         d.rt.download(&mut cb, conv_st)?;
         got.push([ob, rb, cb]);
@@ -243,9 +242,8 @@ pub fn commit_layers(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Ou
         }
         let (mut rb, mut cb) = (Vec::new(), Vec::new());
         for (l, (conv0, rec0)) in ptrs.iter().zip(&inits) {
-            let words = if k.dims.state_bf16 { 1 } else { 2 } * rec0.len();
-            let (mut r, mut cv) = (vec![0u16; words], vec![0u16; conv0.len()]);
-            d.rt.download(&mut r, l.state)?;
+            let r = d.state_words(l.state, rec0.len(), k.dims.state_bf16)?;
+            let mut cv = vec![0u16; conv0.len()];
             d.rt.download(&mut cv, l.conv_state)?;
             rb.extend(r);
             cb.extend(cv);

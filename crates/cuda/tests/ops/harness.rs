@@ -126,6 +126,12 @@ impl<'a> Dev<'a> {
     pub fn get_state(&self, p: u64, n: usize, bf16: bool) -> R<Vec<f32>> {
         if bf16 { self.get_bf16(p, n) } else { self.get_f32(p, n) }
     }
+    /// The 16-bit words of `n` state values stored as [`Dev::state`] stores them (bitwise comparisons).
+    pub fn state_words(&self, p: u64, n: usize, bf16: bool) -> R<Vec<u16>> {
+        let mut h = vec![0u16; if bf16 { n } else { 2 * n }];
+        self.rt.download(&mut h, p)?;
+        Ok(h)
+    }
     pub fn get_f32(&self, p: u64, n: usize) -> R<Vec<f32>> {
         let mut h = vec![0f32; n];
         self.rt.download(&mut h, p)?;
