@@ -18,7 +18,8 @@
 //   starts [B] (or [B+1]) i32; o [rows, Hv, DV] bf16.
 // Launch: grid (B, Hv, DV / 32), block 128: lane = value column, warp w owns state rows
 //   [w*DK/4, (w+1)*DK/4) in registers; the two column sums reduce across the 4 warps in smem.
-//   gdn_decode_gated (decode rows + the gated RMSNorm): grid (B, Hv), block 4 * DV.
+//   gdn_decode_gated (decode rows + the gated RMSNorm): grid (B, Hv), block 4 * DV (a bf16 state with DV a
+//   multiple of 64: block 2 * DV, two columns a lane).
 //   gdn_rows (a speculative step's verify or commit rows with their conv and gates): described above it.
 //   gdn_commit_layers (the commit of gdn_rows for many layers in one launch): described above it.
 //   Each warp reads 128 contiguous bytes per state row. -D DK, DV (multiples of 32), CONV_K.
@@ -148,6 +149,97 @@ __device__ __forceinline__ void gdn_gated_out(float o, float nwc, float zv, int 
     }
 }
 
+#if defined(STATE_BF16) && STATE_BF16 && DV % 64 == 0
+// gdn_decode_gated over a bf16 state: a lane holds two adjacent columns c, c + 1 of its row group's RW state
+// rows (a row's two values in one 4-byte load and store: 128 contiguous bytes a warp, as the f32 state's
+// lanes read, instead of 64), each column's arithmetic exactly gdn_token's (the same products, sums and
+// rounding, so decode, verify and commit still agree bit for bit); the gated RMSNorm then runs on threads
+// 0 .. DV - 1, one column each, warp w summing columns 32w .. 32w + 31 as gdn_gated_out's row-group-0 warps
+// do (bitwise norm.cu's gated_rms_norm). Launch: grid (B, Hv), block 2 * DV (DV / 64 column groups of 4
+// warps). Other DV (small test models): the kernel below, a column a lane.
+extern "C" __global__ void __launch_bounds__(2 * DV, 2)
+gdn_decode_gated(const bf16_t* q, const bf16_t* k, const bf16_t* v, long long v_stride, const float* g,
+                 const float* beta, state_t* __restrict__ state, const int* __restrict__ slots, const bf16_t* z,
+                 long long z_tok_stride, const float* __restrict__ nw,
+                 bf16_t* __restrict__ out, int Hk, int Hv, float eps) {
+    pdl_trigger();
+    __shared__ float qs[DK], ks[DK], red[4][DV], ob[DV], gred[DV / 32];
+    const int b = blockIdx.x, hv = blockIdx.y, hk = hv / (Hv / Hk);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, w = warp & 3;
+    const int c = (warp >> 2) * 64 + 2 * lane;  // this lane's columns c, c + 1
+    const int slot = slots[b];                  // uniform over the block
+    state_t* st = state + ((long long)max(slot, 0) * Hv + hv) * DK * DV;
+    float S0[RW], S1[RW];
+    if (slot >= 0) {
+#pragma unroll
+        for (int r = 0; r < RW; r++) {
+            const u32 two = *(const u32*)(st + (long long)(w * RW + r) * DV + c);
+            S0[r] = __uint_as_float(two << 16);
+            S1[r] = __uint_as_float(two & 0xffff0000u);
+        }
+    }
+    const float nwc = tid < DV ? nw[tid] : 0.0f;  // the norm's column tid (a weight: no kernel writes it)
+    pdl_wait();
+    const float zv = tid < DV ? bf2f(z[(long long)b * z_tok_stride + (long long)hv * DV + tid]) : 0.0f;
+    if (slot >= 0) {
+        for (int d = tid; d < DK; d += blockDim.x) {
+            qs[d] = bf2f(q[((long long)b * Hk + hk) * DK + d]);
+            ks[d] = bf2f(k[((long long)b * Hk + hk) * DK + d]);
+        }
+        const float decay = expf(g[(long long)b * Hv + hv]), bt = beta[(long long)b * Hv + hv];
+        const u32 vv2 = *(const u32*)(v + (long long)b * v_stride + (long long)hv * DV + c);
+        const float vv0 = __uint_as_float(vv2 << 16), vv1 = __uint_as_float(vv2 & 0xffff0000u);
+        __syncthreads();
+        // gdn_token for both columns.
+        float kv0 = 0.0f, kv1 = 0.0f;
+#pragma unroll
+        for (int r = 0; r < RW; r++) {
+            S0[r] *= decay;
+            kv0 += S0[r] * ks[w * RW + r];
+            S1[r] *= decay;
+            kv1 += S1[r] * ks[w * RW + r];
+        }
+        *(float2*)&red[w][c] = make_float2(kv0, kv1);
+        __syncthreads();
+        kv0 = red[0][c] + red[1][c] + red[2][c] + red[3][c];
+        kv1 = red[0][c + 1] + red[1][c + 1] + red[2][c + 1] + red[3][c + 1];
+        const float delta0 = bt * (vv0 - kv0), delta1 = bt * (vv1 - kv1);
+        float ov0 = 0.0f, ov1 = 0.0f;
+#pragma unroll
+        for (int r = 0; r < RW; r++) {
+            S0[r] += ks[w * RW + r] * delta0;
+            ov0 += S0[r] * qs[w * RW + r];
+            S1[r] += ks[w * RW + r] * delta1;
+            ov1 += S1[r] * qs[w * RW + r];
+        }
+        __syncthreads();
+        *(float2*)&red[w][c] = make_float2(ov0, ov1);
+        __syncthreads();
+        if (w == 0) {
+            ob[c] = bf2f(f2bf(red[0][c] + red[1][c] + red[2][c] + red[3][c]));
+            ob[c + 1] = bf2f(f2bf(red[0][c + 1] + red[1][c + 1] + red[2][c + 1] + red[3][c + 1]));
+        }
+        // What the slot keeps: each value rounded as state_kept rounds it.
+#pragma unroll
+        for (int r = 0; r < RW; r++) *(u32*)(st + (long long)(w * RW + r) * DV + c) = pack_bf16(S0[r], S1[r]);
+    } else if (tid < DV) {
+        ob[tid] = 0.0f;  // padding row: o = 0, normalised as the two kernels did
+    }
+    __syncthreads();
+    if (warp < DV / 32) {
+        const float o = ob[tid];
+        const float ws = warp_sum(o * o);
+        if (lane == 0) gred[warp] = ws;
+    }
+    __syncthreads();
+    if (warp < DV / 32) {
+        const float o = ob[tid];
+        const float tsum = warp_sum(lane < DV / 32 ? gred[lane] : 0.0f);
+        const float inv = rsqrtf(tsum / (float)DV + eps);
+        out[((long long)b * Hv + hv) * DV + tid] = f2bf(nwc * (o * inv) * siluf_(zv));
+    }
+}
+#else
 // gdn_decode_gated: gdn_decode followed by norm.cu's gated_rms_norm of the row's head, in one launch
 // and bitwise the same: out[b, hv, :] = bf16(w * (o * rsqrt(mean(o^2) + eps)) * silu(z[b, hv, :]))
 // with o the bf16 recurrence output (not stored). z row b head hv at z + b*z_tok_stride + hv*DV;
@@ -192,6 +284,7 @@ gdn_decode_gated(const bf16_t* q, const bf16_t* k, const bf16_t* v, long long v_
     }
     gdn_gated_out(o, nwc, zv, warp, lane, gred, eps, out + ((long long)b * Hv + hv) * DV + c);
 }
+#endif
 
 extern "C" __global__ void __launch_bounds__(128)
 gdn_recurrent(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,

@@ -68,7 +68,14 @@ pub fn gdn_decode_gated(k: &Kernels, s: &CudaStream, a: &GdnDecodeGated) -> Resu
     let (vs, zs) = (d.v_stride as i64, a.z_tok_stride as i64);
     let (hk, hv) = (to_i32(K, "hk", d.hk)?, to_i32(K, "hv", d.hv)?);
     let grid = (to_u32(K, "n_seqs", d.n_seqs)?, to_u32(K, "hv", d.hv)?, 1);
-    launch_pdl!(k, s, K, grid, ((4 * dv) as u32, 1, 1), 0;
+    // A bf16 state with DV a multiple of 64: two columns a lane (gdn_decode.cu), half the threads; v read
+    // two columns at a time.
+    let pairs = k.dims.state_bf16 && dv.is_multiple_of(64);
+    if pairs && (!d.v_stride.is_multiple_of(2) || !v.is_multiple_of(4)) {
+        return Err(invalid(K, format!("{a:?}: a bf16 state's kernel reads v two columns at a time (4-byte aligned)")));
+    }
+    let threads = if pairs { 2 * dv } else { 4 * dv };
+    launch_pdl!(k, s, K, grid, (threads as u32, 1, 1), 0;
         q, kp, v, vs, g, beta, state, slots, z, zs, nw, out, hk, hv, eps)
 }
 
