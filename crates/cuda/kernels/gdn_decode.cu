@@ -149,6 +149,11 @@ __device__ __forceinline__ void gdn_gated_out(float o, float nwc, float zv, int 
     }
 }
 
+// The arguments of gdn_decode_gated (both forms below).
+#define GDN_DECODE_GATED_ARGS                                                                                  \
+    const bf16_t *q, const bf16_t *k, const bf16_t *v, long long v_stride, const float *g, const float *beta,   \
+        state_t *__restrict__ state, const int *__restrict__ slots, const bf16_t *z, long long z_tok_stride,    \
+        const float *__restrict__ nw, bf16_t *__restrict__ out, int Hk, int Hv, float eps
 #if defined(STATE_BF16) && STATE_BF16 && DV % 64 == 0
 // gdn_decode_gated over a bf16 state: a lane holds two adjacent columns c, c + 1 of its row group's RW state
 // rows (a row's two values in one 4-byte load and store: 128 contiguous bytes a warp, as the f32 state's
@@ -158,10 +163,7 @@ __device__ __forceinline__ void gdn_gated_out(float o, float nwc, float zv, int 
 // do (bitwise norm.cu's gated_rms_norm). Launch: grid (B, Hv), block 2 * DV (DV / 64 column groups of 4
 // warps). Other DV (small test models): the kernel below, a column a lane.
 extern "C" __global__ void __launch_bounds__(2 * DV, 2)
-gdn_decode_gated(const bf16_t* q, const bf16_t* k, const bf16_t* v, long long v_stride, const float* g,
-                 const float* beta, state_t* __restrict__ state, const int* __restrict__ slots, const bf16_t* z,
-                 long long z_tok_stride, const float* __restrict__ nw,
-                 bf16_t* __restrict__ out, int Hk, int Hv, float eps) {
+gdn_decode_gated(GDN_DECODE_GATED_ARGS) {
     pdl_trigger();
     __shared__ float qs[DK], ks[DK], red[4][DV], ob[DV], gred[DV / 32];
     const int b = blockIdx.x, hv = blockIdx.y, hk = hv / (Hv / Hk);
@@ -246,10 +248,7 @@ gdn_decode_gated(const bf16_t* q, const bf16_t* k, const bf16_t* v, long long v_
 // w [DV] f32; out [B, Hv, DV] bf16. Launch: grid (B, Hv), block 4 * DV (DV / 32 column groups of 4
 // warps). Padding rows (slot < 0) normalise o = 0, as the two kernels did.
 extern "C" __global__ void __launch_bounds__(4 * DV, 2)
-gdn_decode_gated(const bf16_t* q, const bf16_t* k, const bf16_t* v, long long v_stride, const float* g,
-                 const float* beta, state_t* __restrict__ state, const int* __restrict__ slots, const bf16_t* z,
-                 long long z_tok_stride, const float* __restrict__ nw,
-                 bf16_t* __restrict__ out, int Hk, int Hv, float eps) {
+gdn_decode_gated(GDN_DECODE_GATED_ARGS) {
     // Launched programmatically on sm_90: the GEMV that follows may start streaming its weights, and
     // this kernel loads its state (no kernel before it in the step writes it; slots is a step input)
     // (and its norm weight) before it waits for the previous kernel; then every input of the row (q,
