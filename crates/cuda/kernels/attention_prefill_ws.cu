@@ -17,17 +17,17 @@
 //    softmax runs beside the other's products.
 //  Build switches (-D, for measuring): WS_OVERLAP=0 runs each tile's S, softmax and P V in turn;
 //    WS_PINGPONG=1 makes the warpgroups take turns issuing their products (named barriers 4 and 5).
-// Quantised K and/or V (fp8, int8, int4; mixed): warp 0 copies a tile's codes (a 2-D map of the
-//    cache's bytes, box rowb x rows) into one stage of codes, in pieces of 32 rows (ws_produce_quantised);
-//    the whole producer warpgroup (registers still 24) widens them into the bf16 stage's swizzled tile,
-//    writes the tile's f32 scales and publishes K, then V; the consumers scale S's key columns by the
+// Quantised K and/or V (fp8, int8, int4; mixed): thread 0 copies a tile's codes (a 2-D map of the
+//    cache's bytes, box rowb x rows) into one stage of codes; the whole producer warpgroup (registers
+//    still 24) widens them into the bf16 stage's swizzled tile, writes the tile's f32 scales beside
+//    it and publishes the stage; the consumers scale S's key columns by the
 //    K scales and fold the V scales into P before its bf16 rounding, as attn_prefill_wg does.
 // V rows past the block's last key (a partial last tile: stale rows of its last page, or boxes not
 // copied) are zeroed before P V (P is 0 there; 0 * a stale NaN is not): by each consumer warpgroup for
 // a bf16 V, by the widening for codes. K rows there only reach masked scores.
 // Smem (ops/attention.rs ws_smem_bytes): 1 KB of alignment slack, Q 128 x HD x 2, 2 K stages and 2 V
-// stages of 64 x HD x 2, 12 barriers in 128 bytes (193.1 KB at HD 256); with codes the scales
-// (3 stages x 128 f32) and the codes' stage (64 rows of each quantised matrix: 226.6 KB for fp8 / fp8).
+// stages of 64 x HD x 2, 9 barriers in 128 bytes (193.1 KB at HD 256); with codes the scales
+// (2 stages x 128 f32) and the codes' stage (64 rows of each quantised matrix: 225.1 KB for fp8 / fp8).
 // Launch: grid (Hkv, n_tiles, n_split) (attn_prefill_wg's with its first two dims swapped: every kv
 // head's heaviest tiles start first), block 384; kmap / vmap encoded by the launcher for this layer's
 // cache, boxes of `box_rows` rows (ops/attention.rs tma_box_rows: the page where it divides 64 keys,
@@ -55,10 +55,7 @@ static_assert(WS_PRODUCER_REGS * 128 + WS_CONSUMER_REGS * 256 <= WS_LAUNCH_REGS 
 #define WS_STR2(x) #x
 #define WS_STR(x) WS_STR2(x)
 #define WS_MAT (WG_BK * HD * 2)
-#define WS_BAR_BYTES 128  // 12 barriers, padded
-// Stages of the tile scales (quantised caches): the producer writes tile j's while the consumers may still
-// read tile j - 2's (its K stage is released before its softmax).
-#define WS_SCALE_STAGES 3
+#define WS_BAR_BYTES 128  // 9 barriers, padded
 
 // A CUtensorMap (cuda.h): 128 opaque bytes, passed by value as a __grid_constant__ parameter.
 struct __align__(64) TmaMap {
@@ -135,139 +132,96 @@ __device__ __forceinline__ void wg_wait() {
 #endif
 
 #if WG_BODY && KQ_ANY
-// The producer warpgroup over a cache with quantised K and/or V (128 threads, 24 registers). The codes'
-// stage holds each quantised matrix's 64 rows as two pieces of 32 (the launcher's copy boxes have at most
-// 32 rows over quantised caches), each with its own barrier, so a piece of the next tile is copied as soon
-// as this tile's is widened: the copy's latency hides behind the widening of the other pieces. Per tile, in
-// order: K's pieces widened into K's stage (free once both consumer warpgroups have run S of the tile two
-// back), the tile's f32 scales written (a ring of WS_SCALE_STAGES, the f16 bits loaded at the tile's start),
-// K published; then V's pieces (once P V of the tile two back is done), V published. A bf16 matrix beside a
-// quantised one (mixed formats) is copied by thread 0 straight into its stage and published with the
-// scales (its barrier counts both arrivals).
-#define WS_PIECE_ROWS 32
+// The producer warpgroup over a cache with quantised K and/or V (128 threads). Per tile: thread 0 copies
+// the quantised matrices' codes into the codes' one stage (counted on code_full) and a bf16 matrix's tile
+// straight into its stage; every thread waits for the codes and the stage's release, widens the codes
+// into the stage's swizzled bf16 tile (rows past kend as zeros) and writes the tile's f32 scales; after a
+// barrier of the warpgroup thread 0 publishes the stage (an arrival on both its barriers, so a consumer
+// that waited for either sees the scales) and copies the next tile's codes.
 __device__ __forceinline__ void ws_produce_quantised(const TmaMap& kmap, const TmaMap& vmap,
                                                      const unsigned short* __restrict__ k_scales,
                                                      const unsigned short* __restrict__ v_scales,
                                                      const int* __restrict__ bt, int page, int box_rows, int Hkv,
-                                                     int hkv, int kend, int jb, int je, u32 bars, int tid,
-                                                     const unsigned char* codes_p) {
-    constexpr int NB = HD / 64, CH = HD / 8, PR = WS_PIECE_ROWS, RSTEP = 128 / CH;
-    static_assert(128 % CH == 0 && PR % RSTEP == 0 && RSTEP % 4 == 0, "a pass covers whole rows of a piece");
-    const int lane = tid & 31, warp = tid >> 5;
-    const u32 ks0 = bars - 4 * WS_MAT, vs0 = bars - 2 * WS_MAT, scs = bars + WS_BAR_BYTES;
-    const u32 codes = scs + WS_SCALE_STAGES * 2 * WG_BK * 4;
+                                                     int hkv, int kend, int jb, int je, u32 ks0, u32 vs0, u32 bars,
+                                                     u32 codes, float* sc_f, int tid, const unsigned char* codes_p) {
+    constexpr int NB = HD / 64, CH = HD / 8;
     auto full = [&](int m, int st) { return bars + 16 * m + 8 * st; };
     auto empty = [&](int m, int st) { return bars + 32 + 16 * m + 8 * st; };
-    auto piece_full = [&](int m, int h) { return bars + 64 + 16 * m + 8 * h; };
+    const u32 code_full = bars + 64;
     const int pshift = (page & (page - 1)) == 0 ? __ffs(page) - 1 : -1;
+    const int per_tile = WG_BK / box_rows;
     auto row_of = [&](int key) {
         const int pg = pshift >= 0 ? key >> pshift : key / page;
         return bt[pg] * page + (key - pg * page);
     };
-    // Warp 0's lane l < 64 / box_rows: the cache row of box l of tile j (0 past kend or je).
-    auto box_row = [&](int j) {
-        const int key = j * WG_BK + lane * box_rows;
-        return j < je && key < min(kend, j * WG_BK + WG_BK) ? row_of(key) : 0;
-    };
-    // Warp 0: the copy of piece h of quantised matrix m of tile j (rows: box_row(j) of each lane).
-    auto issue_piece = [&](int m, int h, int j, int rows) {
-        const int rowb = m == 0 ? K_ROWB : V_ROWB, k0 = j * WG_BK + h * PR, per = PR / box_rows;
-        const int nbox = max(0, min(per, (kend - k0 + box_rows - 1) / box_rows));
-        const u32 bar = piece_full(m, h);
-        const u32 dst = codes + (m == 0 ? 0 : (KQ_K ? WG_BK * K_ROWB : 0)) + (u32)(h * PR * rowb);
-        if (lane == 0) mbar_expect_tx(bar, (u32)(nbox * box_rows * rowb));
-        for (int rb = 0; rb < per; rb++) {
-            const int row = __shfl_sync(0xffffffffu, rows, h * per + rb);
-            if (lane == 0 && rb < nbox)
-                tma_load_2d(dst + (u32)(rb * box_rows * rowb), m == 0 ? &kmap : &vmap, hkv * rowb, row, bar);
+    auto nbox_of = [&](int kb) { return min(per_tile, (kend - kb + box_rows - 1) / box_rows); };
+    // Thread 0: tile j's copies.
+    auto issue = [&](int j, int it) {
+        const int st = it & 1, use = it >> 1, kb = j * WG_BK, nbox = nbox_of(kb);
+        mbar_expect_tx(code_full, (u32)(nbox * box_rows * ((KQ_K ? K_ROWB : 0) + (KQ_V ? V_ROWB : 0))));
+#pragma unroll
+        for (int m = 0; m < 2; m++) {
+            const bool quant = m == 0 ? KQ_K : KQ_V;
+            const TmaMap* map = m == 0 ? &kmap : &vmap;
+            if (quant) {
+                const int rowb = m == 0 ? K_ROWB : V_ROWB;
+                const u32 dst = codes + (m == 0 ? 0 : (KQ_K ? WG_BK * K_ROWB : 0));
+                for (int rb = 0; rb < nbox; rb++)
+                    tma_load_2d(dst + (u32)(rb * box_rows * rowb), map, hkv * rowb, row_of(kb + rb * box_rows), code_full);
+            } else {
+                if (use > 0) mbar_wait(empty(m, st), (use - 1) & 1);
+                mbar_expect_tx(full(m, st), (u32)(nbox * box_rows * 128 * NB));
+                const u32 dst = (m == 0 ? ks0 : vs0) + st * WS_MAT;
+                for (int rb = 0; rb < nbox; rb++) {
+                    const int row = row_of(kb + rb * box_rows);
+#pragma unroll
+                    for (int b = 0; b < NB; b++)
+                        tma_load_2d(dst + (u32)(b * WG_BK * 128 + rb * box_rows * 128), map, hkv * HD + b * 64, row,
+                                    full(m, st));
+                }
+            }
         }
     };
-    // Thread 0 (mixed formats): bf16 matrix m's tile j straight into stage st.
-    auto issue_bf16 = [&](int m, int j, int st) {
-        const int kb = j * WG_BK, nbox = min(WG_BK / box_rows, (kend - kb + box_rows - 1) / box_rows);
-        mbar_expect_tx(full(m, st), (u32)(nbox * box_rows * 128 * NB));
-        const u32 dst = (m == 0 ? ks0 : vs0) + st * WS_MAT;
-        for (int rb = 0; rb < nbox; rb++) {
-            const int row = row_of(kb + rb * box_rows);
-#pragma unroll
-            for (int b = 0; b < NB; b++)
-                tma_load_2d(dst + (u32)(b * WG_BK * 128 + rb * box_rows * 128), m == 0 ? &kmap : &vmap,
-                            hkv * HD + b * 64, row, full(m, st));
-        }
-    };
-    // Widens piece h of quantised matrix m of tile j (its codes landed) into stage st, rows past kend as
-    // zeros (a tile's rows past kend only in the last tile: the checked loop); then the piece's codes are
-    // free for tile j + 1's copy. Thread tid: chunk tid % CH of rows tid / CH, + RSTEP, ... of the piece.
-    auto widen_piece = [&](int m, int h, int j, int it, int st, int next_rows) {
-        const unsigned char* raw = codes_p + (m == 0 ? 0 : (KQ_K ? WG_BK * K_ROWB : 0));
-        const u32 dst = (m == 0 ? ks0 : vs0) + st * WS_MAT;
-        const int ch = tid % CH, r0 = h * PR + tid / CH, kb = j * WG_BK;
-        // wg_swz(r, ch) of row r = r0 + i * RSTEP: the row's 128 bytes plus the chunk's 16-byte slot, whose
-        // row bits (r & 7) are r0's with bit 2 flipped for odd i (RSTEP a multiple of 4: adding 4 mod 8).
-        const u32 d0 = dst + (u32)((ch >> 3) * WG_BK * 128 + r0 * 128), s0 = (u32)(((ch & 7) ^ (r0 & 7)) << 4);
-        mbar_wait(piece_full(m, h), it & 1);
-        auto one = [&](int i, bool zero) {
-            uint4 w = m == 0 ? kv_widen8<KV_K_FMT>(raw, r0 + i * RSTEP, ch) : kv_widen8<KV_V_FMT>(raw, r0 + i * RSTEP, ch);
-            if (zero) w = make_uint4(0, 0, 0, 0);
-            const u32 at = d0 + (u32)(i * RSTEP * 128) + (s0 ^ (u32)(((i * RSTEP) & 4) << 4));
-            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(at), "r"(w.x), "r"(w.y), "r"(w.z),
-                         "r"(w.w)
-                         : "memory");
-        };
-        if (kb + (h + 1) * PR <= kend) {
-#pragma unroll
-            for (int i = 0; i < PR / RSTEP; i++) one(i, false);
-        } else {
-            for (int i = 0; i < PR / RSTEP; i++) one(i, kb + r0 + i * RSTEP >= kend);
-        }
-        fence_proxy_async();
-        named_sync(6, 128);
-        if (warp == 0 && j + 1 < je) issue_piece(m, h, j + 1, next_rows);
-    };
-    int rows = warp == 0 ? box_row(jb) : 0;
-    if (warp == 0) {
-#pragma unroll
-        for (int m = 0; m < 2; m++)
-            if (m == 0 ? KQ_K : KQ_V)
-                for (int h = 0; h < 2; h++) issue_piece(m, h, jb, rows);
-    }
+    if (tid == 0) issue(jb, 0);
     for (int j = jb, it = 0; j < je; j++, it++) {
         const int st = it & 1, use = it >> 1, kb = j * WG_BK;
-        // This tile's scales (threads tid < 64: key kb + tid) and the next tile's box rows (warp 0), loaded
-        // while K is widened.
-        u32 sc = 0;
+        float ksv = 0.0f, vsv = 0.0f;  // the scales of key kb + tid (tid < 64), loaded while the codes land
         if (tid < WG_BK && kb + tid < kend) {
             const long long at = (long long)row_of(kb + tid) * Hkv + hkv;
-            if (KQ_K) sc = k_scales[at];
-            if (KQ_V) sc |= (u32)v_scales[at] << 16;
+            if (KQ_K) ksv = f16_to_f32(k_scales[at]);
+            if (KQ_V) vsv = f16_to_f32(v_scales[at]);
         }
-        rows = warp == 0 ? box_row(j + 1) : 0;
-        // K: its stage is free once both consumer warpgroups have run S of tile j - 2 (and with it the
-        // softmax of tile j - 3, the last reader of this tile's scale stage).
-        if (use > 0) mbar_wait(empty(0, st), (use - 1) & 1);
-        if (!KQ_K && tid == 0) issue_bf16(0, j, st);
-        if (KQ_K) {
-            widen_piece(0, 0, j, it, st, rows);
-            widen_piece(0, 1, j, it, st, rows);
+        mbar_wait(code_full, it & 1);
+        if (use > 0) {
+            // The stage's tiles and its scales (read until the consumers release V) are free.
+            mbar_wait(empty(0, st), (use - 1) & 1);
+            mbar_wait(empty(1, st), (use - 1) & 1);
+        }
+#pragma unroll
+        for (int m = 0; m < 2; m++) {
+            if (!(m == 0 ? KQ_K : KQ_V)) continue;
+            const unsigned char* raw = codes_p + (m == 0 ? 0 : (KQ_K ? WG_BK * K_ROWB : 0));
+            const u32 dst = (m == 0 ? ks0 : vs0) + st * WS_MAT;
+            for (int c = tid; c < WG_BK * CH; c += 128) {
+                const int r = c / CH, ch = c % CH;
+                uint4 w = make_uint4(0, 0, 0, 0);
+                if (kb + r < kend) w = m == 0 ? kv_widen8<KV_K_FMT>(raw, r, ch) : kv_widen8<KV_V_FMT>(raw, r, ch);
+                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst + wg_swz(r, ch, WG_BK)), "r"(w.x),
+                             "r"(w.y), "r"(w.z), "r"(w.w)
+                             : "memory");
+            }
         }
         if (tid < WG_BK) {
-            const u32 sa = scs + (u32)(((it % WS_SCALE_STAGES) * 2 * WG_BK + tid) * 4);
-            const float kf = KQ_K ? f16_to_f32((unsigned short)(sc & 0xffffu)) : 0.0f;
-            const float vf = KQ_V ? f16_to_f32((unsigned short)(sc >> 16)) : 0.0f;
-            asm volatile("st.shared.f32 [%0], %1;\n st.shared.f32 [%0 + 256], %2;\n" ::"r"(sa), "f"(kf), "f"(vf)
-                         : "memory");
+            sc_f[st * 2 * WG_BK + tid] = ksv;
+            sc_f[st * 2 * WG_BK + WG_BK + tid] = vsv;
         }
         fence_proxy_async();
         named_sync(6, 128);
-        if (tid == 0) mbar_arrive(full(0, st));
-        // V: its stage is free once P V of tile j - 2 is done.
-        if (use > 0) mbar_wait(empty(1, st), (use - 1) & 1);
-        if (!KQ_V && tid == 0) issue_bf16(1, j, st);
-        if (KQ_V) {
-            widen_piece(1, 0, j, it, st, rows);
-            widen_piece(1, 1, j, it, st, rows);
+        if (tid == 0) {
+            mbar_arrive(full(0, st));
+            mbar_arrive(full(1, st));
+            if (j + 1 < je) issue(j + 1, it + 1);
         }
-        if (tid == 0) mbar_arrive(full(1, st));
     }
 }
 #endif
@@ -293,12 +247,13 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
         return;
     }
     const u32 ks0 = sbase + WG_Q_BYTES, vs0 = ks0 + 2 * WS_MAT;
-    // Barriers: full K [2], full V [2], empty K [2], empty V [2], the codes' pieces [K 2, V 2].
+    // Barriers: full K [2], full V [2], empty K [2], empty V [2], the codes' stage.
     const u32 bars = vs0 + 2 * WS_MAT;
     auto full_k = [&](int st) { return bars + 8 * st; };
     auto full_v = [&](int st) { return bars + 16 + 8 * st; };
     auto empty_k = [&](int st) { return bars + 32 + 8 * st; };
     auto empty_v = [&](int st) { return bars + 48 + 8 * st; };
+    const u32 code_full = bars + 64;
     if (tid == 0) {
         for (int st = 0; st < 2; st++) {
             // With codes, every stage is also published after its tile's widening and scales (a second
@@ -308,26 +263,28 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
             mbar_init(empty_k(st), 8);  // one release a consumer warp
             mbar_init(empty_v(st), 8);
         }
-        for (int p = 0; p < 4; p++) mbar_init(bars + 64 + 8 * p, 1);
+        mbar_init(code_full, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
 
 #if KQ_ANY
-    // Quantised K and/or V: f32 tile scales [WS_SCALE_STAGES][K 64, V 64], then the codes' one stage (K
-    // codes, V codes, 64 rows each as they lie in the cache).
+    // Quantised K and/or V: f32 tile scales [2 stages][K 64, V 64], then the codes' one stage (K codes,
+    // V codes, 64 rows each as they lie in the cache).
     const u32 scs = bars + WS_BAR_BYTES;
-    const float* const sc_f = (const float*)(ws_smem + (scs - smem_addr(ws_smem)));
-    const u32 codes = scs + WS_SCALE_STAGES * 2 * WG_BK * 4;
+    float* const sc_f = (float*)(ws_smem + (scs - smem_addr(ws_smem)));
+    const u32 codes = scs + 2 * 2 * WG_BK * 4;
     if (tid < 128) {
-        // Producer warpgroup: warp 0 copies each tile's codes (thread 0 a bf16 matrix's tile) with the
-        // TMA; all 128 threads widen the codes into the bf16 stage and write the tile's scales.
+        // Producer warpgroup: thread 0 copies each tile's codes (and a bf16 matrix's tile) with the TMA;
+        // all 128 threads widen the codes into the bf16 stage and write the tile's scales.
         asm volatile("setmaxnreg.dec.sync.aligned.u32 " WS_STR(WS_PRODUCER_REGS) ";\n" ::: "memory");
         ws_produce_quantised(kmap, vmap, k_scales, v_scales, block_tables + (long long)wt.s * max_blocks, page,
-                             box_rows, Hkv, hkv, kend, jb, je, bars, tid, ws_smem + (codes - smem_addr(ws_smem)));
+                             box_rows, Hkv, hkv, kend, jb, je, ks0, vs0, bars, codes, sc_f, tid,
+                             ws_smem + (codes - smem_addr(ws_smem)));
         return;
     }
 #else
+    (void)code_full;
     if (tid < 128) {
         // Producer warpgroup: one thread issues every copy; the rest leave.
         asm volatile("setmaxnreg.dec.sync.aligned.u32 " WS_STR(WS_PRODUCER_REGS) ";\n" ::: "memory");
@@ -423,14 +380,13 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
 #pragma unroll
         for (int b = 0; b < NB; b++) reg_fence(oacc[b]);
     };
-    // The online softmax of tile kb, the block's tile `it` (its scales in stage it % WS_SCALE_STAGES, with
-    // codes): P to pa, O's factors to al.
-    auto softmax = [&](float (&sacc)[32], int kb, int it, u32 (&pa)[WG_BK / 16][4], float (&al)[2]) {
+    // The online softmax of tile kb in stage st (its scales, with codes): P to pa, O's factors to al.
+    auto softmax = [&](float (&sacc)[32], int kb, int st, u32 (&pa)[WG_BK / 16][4], float (&al)[2]) {
 #if KQ_ANY
-        const float *sks = sc_f + (it % WS_SCALE_STAGES) * 2 * WG_BK, *svs = sks + WG_BK;
+        const float *sks = sc_f + st * 2 * WG_BK, *svs = sks + WG_BK;
 #else
         const float *sks = nullptr, *svs = nullptr;
-        (void)it;
+        (void)st;
 #endif
         wg_softmax(sacc, sks, kb, first_q, qpos, tg, sl2, mrow, lrow, al);
         wg_pack_p(sacc, svs, tg, pa);
@@ -479,7 +435,7 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
 #endif
         wg_wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run
         release(empty_k(st));
-        softmax(sacc, j * WG_BK, it, pout, al);
+        softmax(sacc, j * WG_BK, st, pout, al);
         wg_wait<0>();
         release(empty_v(pst));
         rescale(al);
@@ -519,7 +475,7 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
         wg_wait<0>();
         reg_fence(sacc);
         release(empty_k(st));
-        softmax(sacc, j * WG_BK, it, pa, al);
+        softmax(sacc, j * WG_BK, st, pa, al);
         rescale(al);
         mbar_wait(full_v(st), par);
         issue_pv(pa, st, j * WG_BK, true);

@@ -14,7 +14,8 @@
 //!
 //! On Hopper the default prefill kernel is the warpgroup one (`attn_prefill_wg`, wgmma); the
 //! warp-specialised one (`attn_prefill_ws`: a TMA producer warpgroup) and the wide one (mma.sync) run
-//! beside it.
+//! beside it. Then both Hopper kernels over an fp8 cache (random codes, scales 1.0: timing only);
+//! DS_BENCH_ATTN=prefill-fp8 runs those alone.
 //!
 //! DS_BENCH_ATTN=verify: speculative verify chunks of 4 rows (fp8 K/V) at 1K–128K context, 1 / 4 / 8
 //! chunks, each row a decode query on attn_decode_mma (16 partitions, the backend's) against each chunk's
@@ -139,7 +140,7 @@ fn bench_attn_prefill_27b() {
     // DS_BENCH_ATTN=decode / verify: the decode / verify kernels only; with DS_BENCH_ATTN=prefill: the default and the
     // warp-pair kernel's default tiling, no decode).
     let mode = std::env::var("DS_BENCH_ATTN").unwrap_or_default();
-    let decode_only = mode == "decode" || mode == "verify";
+    let decode_only = mode == "decode" || mode == "verify" || mode == "prefill-fp8";
     // On Hopper the warpgroup kernel beside the default warp-specialised one (a TMA producer).
     let mut tilings = if decode_only {
         Vec::new()
@@ -161,26 +162,18 @@ fn bench_attn_prefill_27b() {
             }
         }
     }
-    for tiling in tilings {
-        let kt = match Kernels::load_tiled(&rt, KernelDims::QWEN35_27B, KvFormats::BF16, tiling) {
-            Ok(kt) => kt,
-            Err(e) => {
-                println!("attn_prefill {tiling:?}: not loaded ({e})");
-                continue;
-            }
-        };
-        let kernel = kt.attn_prefill_kernel();
-        println!(
-            "{kernel} {tiling:?}, 27B shape (Hq {HQ}, Hkv {HKV}, head dim {HD}, page {PAGE}), {TQ} causal queries:"
-        );
+    let prefill_header = || {
         println!(
             "{:>8} {:>8} {:>10} {:>9} {:>8} {:>10} {:>8}",
             "past", "keys", "ms", "TFLOP/s", "/GEMM", "SDPA", "/SDPA"
-        );
+        )
+    };
+    // The prefill table of `kt` over the cache as it holds (codes with their scales `sc`): a row a past.
+    let prefill_rows = |kt: &Kernels, sc: &KvScales| {
         for past in [0usize, 28_672, 126_976, 258_048] {
             let cu = [0i32, TQ as i32];
             let lens = [(past + TQ) as i32];
-            let tiles = attention::tile_table(&kt, &cu);
+            let tiles = attention::tile_table(kt, &cu);
             rt.upload(cu_p, &cu).unwrap();
             rt.upload(lens_p, &lens).unwrap();
             rt.upload(tiles_p, &tiles).unwrap();
@@ -198,7 +191,7 @@ fn bench_attn_prefill_27b() {
                 scale,
             };
             let runs = if past > 100_000 { 5 } else { 9 };
-            let ms = time_ms(&rt, runs, |s| attention::attn_prefill(&kt, s, &a).unwrap());
+            let ms = time_ms(&rt, runs, |s| attention::attn_prefill_q(kt, s, &a, sc).unwrap());
             let visible = (TQ * past + TQ * (TQ + 1) / 2) as f64;
             let tflops = 4.0 * (HD * HQ) as f64 * visible / (ms * 1e-3) / 1e12;
             let ctx = past + TQ;
@@ -210,9 +203,48 @@ fn bench_attn_prefill_27b() {
                 sd.map(|t| format!("{:.0}%", 100.0 * tflops / t)).unwrap_or_else(|| "-".into()),
             );
         }
+    };
+    for tiling in tilings {
+        let kt = match Kernels::load_tiled(&rt, KernelDims::QWEN35_27B, KvFormats::BF16, tiling) {
+            Ok(kt) => kt,
+            Err(e) => {
+                println!("attn_prefill {tiling:?}: not loaded ({e})");
+                continue;
+            }
+        };
+        let kernel = kt.attn_prefill_kernel();
+        println!(
+            "{kernel} {tiling:?}, 27B shape (Hq {HQ}, Hkv {HKV}, head dim {HD}, page {PAGE}), {TQ} causal queries:"
+        );
+        prefill_header();
+        prefill_rows(&kt, &KvScales::default());
     }
-
-    if mode == "prefill" {
+    // Over an fp8 cache (the 24 GB configuration's): the warpgroup kernel (the default there) and the
+    // warp-specialised one (DELTASERVE_ATTN_PREFILL=ws). Codes are random bytes and every scale 1.0
+    // (timing only: some codes are NaN patterns). DS_BENCH_ATTN=prefill-fp8 runs these alone.
+    if mode.is_empty() || mode == "prefill" || mode == "prefill-fp8" {
+        let fp8 = KvFormats { k: KvDtype::Fp8, v: KvDtype::Fp8 };
+        init_random(&k, s, kc, cache_elems / 4, 21, Init::Bits, false).unwrap();
+        init_random(&k, s, vc, cache_elems / 4, 22, Init::Bits, false).unwrap();
+        rt.upload(ksc, &vec![0x3c00u16; MAX_CTX * HKV]).unwrap();
+        rt.upload(vsc, &vec![0x3c00u16; MAX_CTX * HKV]).unwrap();
+        for tma in [false, true] {
+            let tiling = AttnTiling { tma, ..AttnTiling::DEFAULT };
+            let kq = match Kernels::load_tiled(&rt, KernelDims::QWEN35_27B, fp8, tiling) {
+                Ok(kq) => kq,
+                Err(e) => {
+                    println!("attn_prefill fp8 {tiling:?}: not loaded ({e})");
+                    continue;
+                }
+            };
+            println!("{} over fp8 K/V {tiling:?}, {TQ} causal queries:", kq.attn_prefill_kernel());
+            prefill_header();
+            prefill_rows(&kq, &KvScales { k: ksc, v: vsc });
+        }
+        init_random(&k, s, kc, cache_elems, 11, Init::Normal(1.0), false).unwrap();
+        init_random(&k, s, vc, cache_elems, 12, Init::Normal(1.0), false).unwrap();
+    }
+    if mode == "prefill" || mode == "prefill-fp8" {
         return;
     }
     if mode == "verify" {

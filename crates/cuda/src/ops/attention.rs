@@ -62,12 +62,12 @@ pub(crate) fn wg_smem_bytes(d: &KernelDims, kv: &KvFormats) -> usize {
 const WG_KEYS: usize = 64;
 
 /// Dynamic shared memory of `attn_prefill_ws` (attention_prefill_ws.cu): 1 KB of alignment slack, its
-/// Q rows, 2 stages of 64-key bf16 K and 2 of V (swizzled tiles), 12 barriers in 128 bytes; with a
-/// quantised matrix the tiles' f32 scales (3 stages of K and V) and one stage of the codes.
+/// Q rows, 2 stages of 64-key bf16 K and 2 of V (swizzled tiles), 9 barriers in 128 bytes; with a
+/// quantised matrix the tiles' f32 scales (2 stages of K and V) and one stage of the codes.
 pub(crate) fn ws_smem_bytes(d: &KernelDims, kv: &KvFormats) -> usize {
     let hd = d.attn_head_dim;
     let codes = |f: KvDtype| if f == KvDtype::Bf16 { 0 } else { WG_KEYS * row_bytes(f, hd) };
-    let quantised = if kv.k == KvDtype::Bf16 && kv.v == KvDtype::Bf16 { 0 } else { 3 * 2 * WG_KEYS * 4 };
+    let quantised = if kv.k == KvDtype::Bf16 && kv.v == KvDtype::Bf16 { 0 } else { 4 * WG_KEYS * 4 };
     1024 + WIDE_ROWS * hd * 2 + 4 * WG_KEYS * hd * 2 + 128 + quantised + codes(kv.k) + codes(kv.v)
 }
 
@@ -378,9 +378,7 @@ fn prefill_launch(
         );
         if let (true, Some(br)) = (k.attn.tma, tma_box_rows(a.kv.page)) {
             // The warp-specialised kernel: each cache as a tensor map [rows, kv_heads * row], a bf16 one
-            // swizzled in 64-dim boxes, codes in boxes of a token-head row's bytes. Over a quantised cache
-            // its producer copies codes in pieces of 32 rows: boxes of at most 32.
-            let br = if k.kv == KvFormats::BF16 { br } else { br.min(WG_KEYS / 2) };
+            // swizzled in 64-dim boxes, codes in boxes of a token-head row's bytes.
             let (hd, kvh) = (d.attn_head_dim, a.kv.kv_heads);
             let map = |ptr: u64, f: KvDtype| match f {
                 KvDtype::Bf16 => tma::bf16_rows_swizzled(ptr, a.kv.rows, kvh * hd, br),
@@ -707,11 +705,10 @@ mod tests {
         const { assert!(AttnTiling::DEFAULT.tma, "Hopper's default: measured faster on the H200") };
         // Q 64 KiB + 2 K and 2 V stages of 64 keys + the alignment slack + the barriers.
         assert_eq!(ws_smem_bytes(&D, &KvFormats::BF16), 1024 + 65_536 + 131_072 + 128);
-        // Codes: 3 stages of the tiles' scales and one stage of 64 rows of each quantised matrix (fp8 / fp8:
-        // 226.6 KiB, within the H100's and H200's 227).
-        assert_eq!(ws_smem_bytes(&D, &FP8), 1024 + 65_536 + 131_072 + 128 + 1536 + 2 * 64 * 256);
+        // Codes: the tiles' scales and one stage of 64 rows of each quantised matrix (fp8 / fp8: 225.1 KiB).
+        assert_eq!(ws_smem_bytes(&D, &FP8), 1024 + 65_536 + 131_072 + 128 + 1024 + 2 * 64 * 256);
         let int4_bf16 = KvFormats { k: KvDtype::Int4, v: KvDtype::Bf16 };
-        assert_eq!(ws_smem_bytes(&D, &int4_bf16), 1024 + 65_536 + 131_072 + 128 + 1536 + 64 * 128);
+        assert_eq!(ws_smem_bytes(&D, &int4_bf16), 1024 + 65_536 + 131_072 + 128 + 1024 + 64 * 128);
         for kv in [KvFormats::BF16, FP8, int4_bf16, KvFormats { k: KvDtype::Int8, v: KvDtype::Int4 }] {
             let h = resolve_tiling(&D, &kv, t, (9, 0), H100);
             assert!(h.wgmma && h.tma && h.keys == 64, "{kv:?}: {h:?}");
