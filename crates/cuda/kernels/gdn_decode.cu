@@ -130,23 +130,29 @@ gdn_decode(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     gdn_tokens(q, k, v, v_stride, g, beta, st, o, Hk, Hv, hv, c, b, 1, true);
 }
 
-// norm.cu's gated_rms_norm of one (row, head) whose recurrence output o (column c = this thread's, in
-// the warps of row group 0) is spread over a block of 4 * DV threads: the block sum over the DV values
-// (its block of DV threads: warp = column group), then *dst = bf16(nwc * (o * inv) * silu(zv)) in row
-// group 0. Every thread calls it (one barrier); gred must be free on entry.
-__device__ __forceinline__ void gdn_gated_out(float o, float nwc, float zv, int warp, int lane, float* gred, float eps,
-                                              bf16_t* dst) {
-    const int w = warp & 3;
-    if (w == 0) {
+// norm.cu's gated_rms_norm of one (row, head) whose recurrence output o is held one column a thread by
+// the DV / 32 active warps, warp `group` holding columns 32 group .. 32 group + 31: the block sum over
+// the DV values (each warp's sum, then the groups' in order), then *dst = bf16(nwc * (o * inv) *
+// silu(zv)) in the active warps. Every thread calls it (one barrier); gred must be free on entry.
+__device__ __forceinline__ void gdn_gated_norm(float o, float nwc, float zv, bool active, int group, int lane,
+                                               float* gred, float eps, bf16_t* dst) {
+    if (active) {
         const float ws = warp_sum(o * o);
-        if (lane == 0) gred[warp >> 2] = ws;
+        if (lane == 0) gred[group] = ws;
     }
     __syncthreads();
-    if (w == 0) {
+    if (active) {
         const float tsum = warp_sum(lane < DV / 32 ? gred[lane] : 0.0f);
         const float inv = rsqrtf(tsum / (float)DV + eps);
         *dst = f2bf(nwc * (o * inv) * siluf_(zv));
     }
+}
+
+// gdn_gated_norm over a block of 4 * DV threads whose recurrence output o (column c = this thread's) is
+// in the warps of row group 0 (warp = column group * 4 + row group).
+__device__ __forceinline__ void gdn_gated_out(float o, float nwc, float zv, int warp, int lane, float* gred, float eps,
+                                              bf16_t* dst) {
+    gdn_gated_norm(o, nwc, zv, (warp & 3) == 0, warp >> 2, lane, gred, eps, dst);
 }
 
 // The arguments of gdn_decode_gated (both forms below).
@@ -159,9 +165,9 @@ __device__ __forceinline__ void gdn_gated_out(float o, float nwc, float zv, int 
 // rows (a row's two values in one 4-byte load and store: 128 contiguous bytes a warp, as the f32 state's
 // lanes read, instead of 64), each column's arithmetic exactly gdn_token's (the same products, sums and
 // rounding, so decode, verify and commit still agree bit for bit); the gated RMSNorm then runs on threads
-// 0 .. DV - 1, one column each, warp w summing columns 32w .. 32w + 31 as gdn_gated_out's row-group-0 warps
-// do (bitwise norm.cu's gated_rms_norm). Launch: grid (B, Hv), block 2 * DV (DV / 64 column groups of 4
-// warps). Other DV (small test models): the kernel below, a column a lane.
+// 0 .. DV - 1, one column each, warp w summing columns 32w .. 32w + 31 (gdn_gated_norm, as gdn_gated_out's
+// row-group-0 warps do: bitwise norm.cu's gated_rms_norm). Launch: grid (B, Hv), block 2 * DV (DV / 64
+// column groups of 4 warps). Other DV (small test models): the kernel below, a column a lane.
 extern "C" __global__ void __launch_bounds__(2 * DV, 2)
 gdn_decode_gated(GDN_DECODE_GATED_ARGS) {
     pdl_trigger();
@@ -228,18 +234,9 @@ gdn_decode_gated(GDN_DECODE_GATED_ARGS) {
         ob[tid] = 0.0f;  // padding row: o = 0, normalised as the two kernels did
     }
     __syncthreads();
-    if (warp < DV / 32) {
-        const float o = ob[tid];
-        const float ws = warp_sum(o * o);
-        if (lane == 0) gred[warp] = ws;
-    }
-    __syncthreads();
-    if (warp < DV / 32) {
-        const float o = ob[tid];
-        const float tsum = warp_sum(lane < DV / 32 ? gred[lane] : 0.0f);
-        const float inv = rsqrtf(tsum / (float)DV + eps);
-        out[((long long)b * Hv + hv) * DV + tid] = f2bf(nwc * (o * inv) * siluf_(zv));
-    }
+    const bool active = warp < DV / 32;
+    gdn_gated_norm(active ? ob[tid] : 0.0f, nwc, zv, active, warp, lane, gred, eps,
+                   out + ((long long)b * Hv + hv) * DV + tid);
 }
 #else
 // gdn_decode_gated: gdn_decode followed by norm.cu's gated_rms_norm of the row's head, in one launch

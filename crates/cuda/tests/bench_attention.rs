@@ -140,21 +140,21 @@ fn bench_attn_prefill_27b() {
     // DS_BENCH_ATTN=decode / verify: the decode / verify kernels only; with DS_BENCH_ATTN=prefill: the default and the
     // warp-pair kernel's default tiling, no decode).
     let mode = std::env::var("DS_BENCH_ATTN").unwrap_or_default();
-    let decode_only = mode == "decode" || mode == "verify" || mode == "prefill-fp8";
+    let no_bf16_prefill = mode == "decode" || mode == "verify" || mode == "prefill-fp8";
     // On Hopper the warpgroup kernel beside the default warp-specialised one (a TMA producer).
-    let mut tilings = if decode_only {
+    let mut tilings = if no_bf16_prefill {
         Vec::new()
     } else {
         vec![AttnTiling { tma: false, ..AttnTiling::DEFAULT }, AttnTiling::DEFAULT]
     };
-    for keys in [32, 64].into_iter().filter(|_| !decode_only) {
+    for keys in [32, 64].into_iter().filter(|_| !no_bf16_prefill) {
         let t = AttnTiling { keys, wgmma: false, ..AttnTiling::DEFAULT };
         if !tilings.contains(&t) {
             tilings.push(t);
         }
     }
     let grid: &[(usize, usize)] = if mode == "prefill" { &[(32, 6)] } else { &[(32, 6), (32, 3), (32, 2), (64, 3)] };
-    for &(keys, heads) in grid.iter().filter(|_| !decode_only) {
+    for &(keys, heads) in grid.iter().filter(|_| !no_bf16_prefill) {
         for p_split in [true, false].into_iter().filter(|&p| !(p && mode == "prefill")) {
             let t = AttnTiling { keys, p_split, heads, wide: false, wgmma: false, tma: false };
             if !tilings.contains(&t) {
@@ -162,14 +162,12 @@ fn bench_attn_prefill_27b() {
             }
         }
     }
-    let prefill_header = || {
+    // The prefill table of `kt` over the cache as it holds (codes with their scales `sc`): a row a past.
+    let prefill_rows = |kt: &Kernels, sc: &KvScales| {
         println!(
             "{:>8} {:>8} {:>10} {:>9} {:>8} {:>10} {:>8}",
             "past", "keys", "ms", "TFLOP/s", "/GEMM", "SDPA", "/SDPA"
-        )
-    };
-    // The prefill table of `kt` over the cache as it holds (codes with their scales `sc`): a row a past.
-    let prefill_rows = |kt: &Kernels, sc: &KvScales| {
+        );
         for past in [0usize, 28_672, 126_976, 258_048] {
             let cu = [0i32, TQ as i32];
             let lens = [(past + TQ) as i32];
@@ -216,7 +214,6 @@ fn bench_attn_prefill_27b() {
         println!(
             "{kernel} {tiling:?}, 27B shape (Hq {HQ}, Hkv {HKV}, head dim {HD}, page {PAGE}), {TQ} causal queries:"
         );
-        prefill_header();
         prefill_rows(&kt, &KvScales::default());
     }
     // Over an fp8 cache (the 24 GB configuration's): the warpgroup kernel (the default there) and the
@@ -238,14 +235,16 @@ fn bench_attn_prefill_27b() {
                 }
             };
             println!("{} over fp8 K/V {tiling:?}, {TQ} causal queries:", kq.attn_prefill_kernel());
-            prefill_header();
             prefill_rows(&kq, &KvScales { k: ksc, v: vsc });
         }
-        init_random(&k, s, kc, cache_elems, 11, Init::Normal(1.0), false).unwrap();
-        init_random(&k, s, vc, cache_elems, 12, Init::Normal(1.0), false).unwrap();
     }
     if mode == "prefill" || mode == "prefill-fp8" {
         return;
+    }
+    if mode.is_empty() {
+        // The fp8 runs above overwrote the bf16 cache the decode runs below read.
+        init_random(&k, s, kc, cache_elems, 11, Init::Normal(1.0), false).unwrap();
+        init_random(&k, s, vc, cache_elems, 12, Init::Normal(1.0), false).unwrap();
     }
     if mode == "verify" {
         bench_verify(&rt, KvPages { max_blocks: n_pages, ..kv }, (ksc, vsc), (q, o), small, &mut arena, copy_tbps);
