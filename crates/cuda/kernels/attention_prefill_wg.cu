@@ -118,10 +118,10 @@ __device__ __forceinline__ void wg_issue_pv(float (&oacc)[HD / 64][32], const u3
 // scales the key columns by sks (times the log2-domain scale sl2; bf16 K: sl2 rides on the exp), the
 // causal mask against the rows' positions qpos (from the block's first query first_q on), new maxima
 // (mrow, log2 domain), row sums (lrow, of P unscaled) and P in S's registers, and the factors that
-// rescale O to al.
+// rescale O to al. Quantised K: rq0 and rq1 scale the rows' scores too (attn_prefill_ws's e4m3 Q).
 __device__ __forceinline__ void wg_softmax(float (&sacc)[32], const float* sks, int kb, int first_q, const int (&qpos)[2],
-                                           int tg, float sl2, float (&mrow)[2], float (&lrow)[2], float (&al)[2]) {
-    const float fs = KQ_K ? 1.0f : sl2;
+                                           int tg, float sl2, float (&mrow)[2], float (&lrow)[2], float (&al)[2],
+                                           float rq0 = 1.0f, float rq1 = 1.0f) {
     if (KQ_K) {
 #pragma unroll
         for (int n = 0; n < WG_BK / 8; n++) {
@@ -144,6 +144,7 @@ __device__ __forceinline__ void wg_softmax(float (&sacc)[32], const float* sks, 
     }
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
+        const float fs = KQ_K ? (hf ? rq1 : rq0) : sl2;
         float mx = NEG_INF;
 #pragma unroll
         for (int n = 0; n < WG_BK / 8; n++) mx = fmaxf(mx, fmaxf(sacc[4 * n + 2 * hf], sacc[4 * n + 2 * hf + 1]));

@@ -20,19 +20,26 @@
 // Quantised K and/or V (fp8, int8, int4; mixed): thread 0 copies a tile's codes (a 2-D map of the
 //    cache's bytes, box rowb x rows) into one stage of codes; the whole producer warpgroup (registers
 //    still 24) widens them into the bf16 stage's swizzled tile, writes the tile's f32 scales beside
-//    it and publishes the stage; the consumers scale S's key columns by the
-//    K scales and fold the V scales into P before its bf16 rounding, as attn_prefill_wg does.
+//    it and publishes the stage; the consumers scale S's key columns by the K scales and fold the V
+//    scales into P before its bf16 rounding, as attn_prefill_wg does.
+// fp8 K: its codes are not widened. The K map is the cache's bytes in 128-byte swizzled boxes (128 e4m3
+//    a row, as wgmma's 8-bit operands lie), copied straight into 16 KB K stages, and S = Q K^T runs as
+//    e4m3 products (m64n64k32) against Q split once into two e4m3 halves whose sum is the bf16 Q exactly
+//    (ws_split_q), so S is what bf16 products over the widened codes give, at the same tensor-core time
+//    and with half the widening.
 // V rows past the block's last key (a partial last tile: stale rows of its last page, or boxes not
 // copied) are zeroed before P V (P is 0 there; 0 * a stale NaN is not): by each consumer warpgroup for
 // a bf16 V, by the widening for codes. K rows there only reach masked scores.
 // Smem (ops/attention.rs ws_smem_bytes): 1 KB of alignment slack, Q 128 x HD x 2, 2 K stages and 2 V
-// stages of 64 x HD x 2, 9 barriers in 128 bytes (193.1 KB at HD 256); with codes the scales
-// (2 stages x 128 f32) and the codes' stage (64 rows of each quantised matrix: 225.1 KB for fp8 / fp8).
+// stages of 64 x HD x 2 (an fp8 K's: 64 x HD), 9 barriers in 128 bytes (193.1 KB at HD 256); with codes
+// the scales (2 stages x 128 f32) and the codes' stage (64 rows of each widened matrix: 178.1 KB for fp8 /
+// fp8).
 // Launch: grid (Hkv, n_tiles, n_split) (attn_prefill_wg's with its first two dims swapped: every kv
 // head's heaviest tiles start first), block 384; kmap / vmap encoded by the launcher for this layer's
 // cache, boxes of `box_rows` rows (ops/attention.rs tma_box_rows: the page where it divides 64 keys,
-// from 8; 64 where 64 divides the page). Hopper's default over a bf16 cache (AttnTiling::tma; over quantised
-// caches ops/attention.rs producer_copies keeps attn_prefill_wg, DELTASERVE_ATTN_PREFILL=ws runs this one).
+// from 8; 64 where 64 divides the page). Hopper's default over a bf16 and an fp8 cache (AttnTiling::tma; over
+// other quantised caches ops/attention.rs producer_copies keeps attn_prefill_wg, DELTASERVE_ATTN_PREFILL=ws
+// runs this one).
 
 #ifndef WS_OVERLAP
 #define WS_OVERLAP 1
@@ -48,13 +55,26 @@
 // holds the SM's remaining registers). ptxas fits the producer's widening of codes in 24 without spills;
 // 32 for it with 240 for the consumers hung the 27B's fp8-KV prefill on the H200.
 #define WS_LAUNCH_REGS 168
+#ifndef WS_PRODUCER_REGS
 #define WS_PRODUCER_REGS 24
+#endif
+#ifndef WS_CONSUMER_REGS
 #define WS_CONSUMER_REGS 240
+#endif
 static_assert(WS_PRODUCER_REGS * 128 + WS_CONSUMER_REGS * 256 <= WS_LAUNCH_REGS * WS_NT,
               "the warpgroups' registers exceed the launch's: setmaxnreg.inc would never return");
 #define WS_STR2(x) #x
 #define WS_STR(x) WS_STR2(x)
 #define WS_MAT (WG_BK * HD * 2)
+// An fp8 K's codes feed the tensor cores as they lie (e4m3 products, no widening; see ws_split_q), at
+// head dims in whole 128-byte swizzle rows.
+#if KQ_K && KV_K_FMT == KVF_FP8 && HD % 128 == 0
+#define WS_K8 1
+#else
+#define WS_K8 0
+#endif
+#define WS_KMAT (WG_BK * HD * (WS_K8 ? 1 : 2))  // a K stage's bytes
+#define WS_KCODES (KQ_K && !WS_K8)            // K's codes widened through the codes' stage
 #define WS_BAR_BYTES 128  // 9 barriers, padded
 
 // A CUtensorMap (cuda.h): 128 opaque bytes, passed by value as a __grid_constant__ parameter.
@@ -131,10 +151,106 @@ __device__ __forceinline__ void wg_wait() {
 }
 #endif
 
+#if WG_BODY && WS_K8
+// d (64 x 64, f32) (+)= A (64 x 32, e4m3) * B (32 x 64, e4m3), both K-major in smem (128-byte swizzle: a
+// 32-element k step is 32 bytes, as a bf16 k16 step); d is overwritten when `acc` is 0.
+__device__ __forceinline__ void wg_mma_e4m3(float (&d)[32], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " WG_D32 ", %32, %33, p, 1, 1;\n}\n"
+                 : WG_ACC32(d)
+                 : "l"(da), "l"(db), "r"(acc));
+}
+
+// Two f32 -> e4m3 codes (round to nearest; x0 in the low byte).
+__device__ __forceinline__ u32 e4m3x2(float x0, float x1) {
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(x1), "f"(x0));
+    return r;
+}
+// The e4m3 codes in the low 16 bits of c -> their exact values (the low byte to x0).
+__device__ __forceinline__ void e4m3x2_f32(u32 c, float& x0, float& x1) {
+    u32 h;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)c));
+    x0 = f16_to_f32((unsigned short)h);
+    x1 = f16_to_f32((unsigned short)(h >> 16));
+}
+
+// The consumers' Q tile (bf16 rows in the swizzled layout at q) rewritten as two e4m3 tiles for the fp8
+// products: hi = e4m3(x), lo = e4m3(x - hi) of x = q * 2^e, e a row's power of two that brings its largest
+// |q| into [128, 256). A bf16 has 8 significant bits, an e4m3 4: x - hi is a multiple of x's last bit
+// at most 8 of them, so hi + lo = x exactly (where lo is not subnormal: |q| >= 2^-9 of the row's largest),
+// and S = (Q_hi K^T + Q_lo K^T) 2^-e. hi (128 rows of HD bytes, swizzled as K's tiles) replaces the
+// bf16 tile's first half, lo its second. Two threads a row (ct = 2 r + h: dims h HD/2 ...), so a warp
+// holds exactly the 16 rows its accumulators hold; returns 2^-e of the thread's row.
+__device__ __forceinline__ float ws_split_q(u32 q, int ct) {
+    constexpr int CH = HD / 8, HC = CH / 2;  // bf16 chunks a row, a thread's
+    const int r = ct >> 1, h = ct & 1;
+    float amax = 0.0f;
+    for (int i = 0; i < HC; i++) {
+        uint4 w;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
+                     : "r"(q + wg_swz(r, h * HC + i, WG_ROWS)));
+        const u32 ww[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(ww[e] << 16)), fabsf(__uint_as_float(ww[e] & 0xffff0000u))));
+    }
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    // amax in [2^(E-127), 2^(E-126)): 2^(134 - E) (biased 261 - E) brings it into [128, 256). Zero,
+    // subnormal, inf or NaN rows: 1.
+    const int E = (int)((__float_as_uint(amax) >> 23) & 0xffu);
+    const int sb = E == 0 || E == 255 ? 127 : min(261 - E, 253);
+    const float sc = __uint_as_float((u32)sb << 23);
+    // A thread's codes: HD / 32 16-byte chunks of hi and of lo (16 dims each, from 2 bf16 chunks).
+    constexpr int NC = HD / 32;
+    u32 hi[NC][4], lo[NC][4];
+#pragma unroll
+    for (int c = 0; c < NC; c++) {
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            uint4 w;
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
+                         : "r"(q + wg_swz(r, h * HC + 2 * c + half, WG_ROWS)));
+            const u32 ww[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int p = 0; p < 2; p++) {
+                u32 hw = 0, lw = 0;
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const u32 v = ww[2 * p + e];
+                    const float x0 = __uint_as_float(v << 16) * sc, x1 = __uint_as_float(v & 0xffff0000u) * sc;
+                    const u32 hc = e4m3x2(x0, x1);
+                    float h0, h1;
+                    e4m3x2_f32(hc, h0, h1);
+                    hw |= hc << (16 * e);
+                    lw |= e4m3x2(x0 - h0, x1 - h1) << (16 * e);
+                }
+                hi[c][2 * half + p] = hw;
+                lo[c][2 * half + p] = lw;
+            }
+        }
+    }
+    named_sync(1, 256);  // every bf16 chunk read before any code lands over it
+#pragma unroll
+    for (int c = 0; c < NC; c++) {
+        const u32 at = q + wg_swz(r, h * NC + c, WG_ROWS);
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(at), "r"(hi[c][0]), "r"(hi[c][1]),
+                     "r"(hi[c][2]), "r"(hi[c][3])
+                     : "memory");
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(at + WG_ROWS * HD), "r"(lo[c][0]),
+                     "r"(lo[c][1]), "r"(lo[c][2]), "r"(lo[c][3])
+                     : "memory");
+    }
+    return __uint_as_float((u32)(254 - sb) << 23);
+}
+#endif
+
 #if WG_BODY && KQ_ANY
 // The producer warpgroup over a cache with quantised K and/or V (128 threads). Per tile: thread 0 copies
-// the quantised matrices' codes into the codes' one stage (counted on code_full) and a bf16 matrix's tile
-// straight into its stage; every thread waits for the codes and the stage's release, widens the codes
+// the codes to widen into the codes' one stage (counted on code_full) and a bf16 matrix's tile (or an fp8
+// K's codes) straight into its stage; every thread waits for the codes and the stage's release, widens the codes
 // into the stage's swizzled bf16 tile (rows past kend as zeros) and writes the tile's f32 scales; after a
 // barrier of the warpgroup thread 0 publishes the stage (an arrival on both its barriers, so a consumer
 // that waited for either sees the scales) and copies the next tile's codes.
@@ -158,26 +274,29 @@ __device__ __forceinline__ void ws_produce_quantised(const TmaMap& kmap, const T
     // Thread 0: tile j's copies.
     auto issue = [&](int j, int it) {
         const int st = it & 1, use = it >> 1, kb = j * WG_BK, nbox = nbox_of(kb);
-        mbar_expect_tx(code_full, (u32)(nbox * box_rows * ((KQ_K ? K_ROWB : 0) + (KQ_V ? V_ROWB : 0))));
+        mbar_expect_tx(code_full, (u32)(nbox * box_rows * ((WS_KCODES ? K_ROWB : 0) + (KQ_V ? V_ROWB : 0))));
 #pragma unroll
         for (int m = 0; m < 2; m++) {
-            const bool quant = m == 0 ? KQ_K : KQ_V;
+            const bool quant = m == 0 ? WS_KCODES : KQ_V;
             const TmaMap* map = m == 0 ? &kmap : &vmap;
             if (quant) {
                 const int rowb = m == 0 ? K_ROWB : V_ROWB;
-                const u32 dst = codes + (m == 0 ? 0 : (KQ_K ? WG_BK * K_ROWB : 0));
+                const u32 dst = codes + (m == 0 ? 0 : (WS_KCODES ? WG_BK * K_ROWB : 0));
                 for (int rb = 0; rb < nbox; rb++)
                     tma_load_2d(dst + (u32)(rb * box_rows * rowb), map, hkv * rowb, row_of(kb + rb * box_rows), code_full);
             } else {
+                // A bf16 matrix's tile or fp8 K's codes, copied straight into its stage (128-byte boxes:
+                // 64 bf16 or 128 e4m3 a row).
+                const bool k8 = m == 0 && WS_K8;
+                const int nb = k8 ? HD / 128 : NB, per_box = k8 ? 128 : 64;
                 if (use > 0) mbar_wait(empty(m, st), (use - 1) & 1);
-                mbar_expect_tx(full(m, st), (u32)(nbox * box_rows * 128 * NB));
-                const u32 dst = (m == 0 ? ks0 : vs0) + st * WS_MAT;
+                mbar_expect_tx(full(m, st), (u32)(nbox * box_rows * 128 * nb));
+                const u32 dst = m == 0 ? ks0 + st * WS_KMAT : vs0 + st * WS_MAT;
                 for (int rb = 0; rb < nbox; rb++) {
                     const int row = row_of(kb + rb * box_rows);
-#pragma unroll
-                    for (int b = 0; b < NB; b++)
-                        tma_load_2d(dst + (u32)(b * WG_BK * 128 + rb * box_rows * 128), map, hkv * HD + b * 64, row,
-                                    full(m, st));
+                    for (int b = 0; b < nb; b++)
+                        tma_load_2d(dst + (u32)(b * WG_BK * 128 + rb * box_rows * 128), map, hkv * HD + b * per_box,
+                                    row, full(m, st));
                 }
             }
         }
@@ -199,9 +318,9 @@ __device__ __forceinline__ void ws_produce_quantised(const TmaMap& kmap, const T
         }
 #pragma unroll
         for (int m = 0; m < 2; m++) {
-            if (!(m == 0 ? KQ_K : KQ_V)) continue;
-            const unsigned char* raw = codes_p + (m == 0 ? 0 : (KQ_K ? WG_BK * K_ROWB : 0));
-            const u32 dst = (m == 0 ? ks0 : vs0) + st * WS_MAT;
+            if (!(m == 0 ? WS_KCODES : KQ_V)) continue;
+            const unsigned char* raw = codes_p + (m == 0 ? 0 : (WS_KCODES ? WG_BK * K_ROWB : 0));
+            const u32 dst = m == 0 ? ks0 + st * WS_KMAT : vs0 + st * WS_MAT;
             for (int c = tid; c < WG_BK * CH; c += 128) {
                 const int r = c / CH, ch = c % CH;
                 uint4 w = make_uint4(0, 0, 0, 0);
@@ -246,7 +365,7 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
         wide_mark_empty<WS_NT>(wt, part_ml, Hq, n_split, row0, tid);
         return;
     }
-    const u32 ks0 = sbase + WG_Q_BYTES, vs0 = ks0 + 2 * WS_MAT;
+    const u32 ks0 = sbase + WG_Q_BYTES, vs0 = ks0 + 2 * WS_KMAT;
     // Barriers: full K [2], full V [2], empty K [2], empty V [2], the codes' stage.
     const u32 bars = vs0 + 2 * WS_MAT;
     auto full_k = [&](int st) { return bars + 8 * st; };
@@ -258,7 +377,7 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
         for (int st = 0; st < 2; st++) {
             // With codes, every stage is also published after its tile's widening and scales (a second
             // arrival on a bf16 matrix's barrier, beside its copy's), whichever barrier a consumer waits on.
-            mbar_init(full_k(st), KQ_ANY && !KQ_K ? 2 : 1);
+            mbar_init(full_k(st), KQ_ANY && !WS_KCODES ? 2 : 1);
             mbar_init(full_v(st), KQ_ANY && !KQ_V ? 2 : 1);
             mbar_init(empty_k(st), 8);  // one release a consumer warp
             mbar_init(empty_v(st), 8);
@@ -336,6 +455,16 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
     cp_async_wait<0>();
     fence_proxy_async();
     named_sync(1, 256);
+#if WS_K8
+    // Q as e4m3 halves for the fp8 products; this thread's rows' factors 2^-e (from the lanes that split
+    // them: rows rown and rown + 8 are lanes 2g and 2g + 16's).
+    const float rq_own = ws_split_q(sbase, ct);
+    fence_proxy_async();
+    named_sync(1, 256);
+    const float rq0 = __shfl_sync(0xffffffffu, rq_own, 2 * g), rq1 = __shfl_sync(0xffffffffu, rq_own, 2 * g + 16);
+#else
+    const float rq0 = 1.0f, rq1 = 1.0f;
+#endif
 
     const int rown = cw * 64 + warp * 16 + g;  // own rows of the block's 128: rown and rown + 8
     int qpos[2];
@@ -346,8 +475,19 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
 
     // S = Q K^T of stage st's K (issued, not waited).
     auto issue_s = [&](float (&sacc)[32], int st) {
-        const u32 ks = ks0 + st * WS_MAT;
+        const u32 ks = ks0 + st * WS_KMAT;
         wg_fence();
+#if WS_K8
+        // Q_hi K^T + Q_lo K^T: 32 dims a k step, both halves into one accumulator.
+#pragma unroll
+        for (int k = 0; k < 2 * (HD / 32); k++) {
+            const int kd = k % (HD / 32);
+            const u32 qa = q_wg + (k >= HD / 32 ? (u32)(WG_ROWS * HD) : 0u);
+            const unsigned long long da = wg_desc(qa + (u32)((kd >> 2) * WG_ROWS * 128 + (kd & 3) * 32), 16, 1024);
+            const unsigned long long db = wg_desc(ks + (u32)((kd >> 2) * WG_BK * 128 + (kd & 3) * 32), 16, 1024);
+            wg_mma_e4m3(sacc, da, db, k > 0);
+        }
+#else
 #pragma unroll
         for (int k = 0; k < HD / 16; k++) {
             const unsigned long long da = wg_desc(q_wg + (u32)((k >> 2) * WG_ROWS * 128 + (k & 3) * 32), 16, 1024);
@@ -357,6 +497,7 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
             else
                 wg_mma_ss(sacc, da, db, 1);
         }
+#endif
         wg_commit();
         reg_fence(sacc);
     };
@@ -388,7 +529,7 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
         const float *sks = nullptr, *svs = nullptr;
         (void)st;
 #endif
-        wg_softmax(sacc, sks, kb, first_q, qpos, tg, sl2, mrow, lrow, al);
+        wg_softmax(sacc, sks, kb, first_q, qpos, tg, sl2, mrow, lrow, al, rq0, rq1);
         wg_pack_p(sacc, svs, tg, pa);
     };
     auto rescale = [&](const float (&al)[2]) { wg_rescale(oacc, al); };

@@ -29,8 +29,8 @@ pub struct Switches {
     /// all load and compute (`attn_prefill_wg`) instead of the warp-specialised one (`attn_prefill_ws`: a
     /// TMA producer warpgroup, two consumer warpgroups; [`crate::AttnTiling::tma`]).
     pub attn_prefill_wg: bool,
-    /// `DELTASERVE_ATTN_PREFILL=ws`: on Hopper, the warp-specialised kernel over a quantised cache too
-    /// (by default the warpgroup one runs there: [`crate::ops::attention::producer_copies`]).
+    /// `DELTASERVE_ATTN_PREFILL=ws`: on Hopper, the warp-specialised kernel over any quantised cache
+    /// (by default the warpgroup one runs over those but fp8 K and V: [`crate::ops::attention::producer_copies`]).
     pub attn_prefill_ws: bool,
     /// `DELTASERVE_NVRTC_OPTIONS`: extra NVRTC options (split at whitespace) for every kernel module,
     /// e.g. `-DNAME=VALUE` for a switch a kernel file reads under `#ifndef`.

@@ -62,13 +62,24 @@ pub(crate) fn wg_smem_bytes(d: &KernelDims, kv: &KvFormats) -> usize {
 const WG_KEYS: usize = 64;
 
 /// Dynamic shared memory of `attn_prefill_ws` (attention_prefill_ws.cu): 1 KB of alignment slack, its
-/// Q rows, 2 stages of 64-key bf16 K and 2 of V (swizzled tiles), 9 barriers in 128 bytes; with a
-/// quantised matrix the tiles' f32 scales (2 stages of K and V) and one stage of the codes.
+/// Q rows, 2 stages of 64-key K (swizzled bf16 tiles; an fp8 K's codes as they are) and 2 of bf16 V,
+/// 9 barriers in 128 bytes; with a quantised matrix the tiles' f32 scales (2 stages of K and V) and one
+/// stage of the codes the producer widens (every quantised matrix's but an fp8 K's).
 pub(crate) fn ws_smem_bytes(d: &KernelDims, kv: &KvFormats) -> usize {
     let hd = d.attn_head_dim;
-    let codes = |f: KvDtype| if f == KvDtype::Bf16 { 0 } else { WG_KEYS * row_bytes(f, hd) };
+    let k8 = ws_k_codes_direct(d, kv);
+    let widened = |f: KvDtype| if f == KvDtype::Bf16 { 0 } else { WG_KEYS * row_bytes(f, hd) };
+    let codes = if k8 { 0 } else { widened(kv.k) } + widened(kv.v);
+    let k_stage = WG_KEYS * hd * if k8 { 1 } else { 2 };
     let quantised = if kv.k == KvDtype::Bf16 && kv.v == KvDtype::Bf16 { 0 } else { 4 * WG_KEYS * 4 };
-    1024 + WIDE_ROWS * hd * 2 + 4 * WG_KEYS * hd * 2 + 128 + quantised + codes(kv.k) + codes(kv.v)
+    1024 + WIDE_ROWS * hd * 2 + 2 * k_stage + 2 * WG_KEYS * hd * 2 + 128 + quantised + codes
+}
+
+/// Whether `attn_prefill_ws` multiplies K's codes as they lie in the cache (an fp8 K at a head dim of
+/// whole 128-byte rows: e4m3 tensor-core products against Q split into two e4m3 halves), its K stages
+/// copied straight from the cache.
+fn ws_k_codes_direct(d: &KernelDims, kv: &KvFormats) -> bool {
+    kv.k == KvDtype::Fp8 && d.attn_head_dim.is_multiple_of(128)
 }
 
 /// Whether `attn_prefill_wg` takes the wide kernel's work: compute capability 9.0 (its wgmma runs in an
@@ -85,11 +96,13 @@ fn tma_applies(d: &KernelDims, kv: &KvFormats, max_smem: usize) -> bool {
 
 /// Whether Hopper's attention prefill runs the warp-specialised kernel (`attn_prefill_ws`, its producer
 /// copying K/V tiles) by default over a cache in `kv`: over bf16 K and V (27B bf16 prefill at 128K 1.21×
-/// the warpgroup kernel's on the H200, 1.22× on the H100), not where either is quantised (there its
-/// producer warpgroup widening the codes is the bottleneck: int4 weights + fp8 KV at 24 GiB, 128K 0.87×
-/// on the H100; bench/results/attention-prefill-ws-2026-12-05.md).
+/// the warpgroup kernel's on the H200, 1.22× on the H100) and over fp8 K and V, where K's codes go to
+/// e4m3 products unwidened (int4 weights + fp8 KV at 24 GiB, 128K 1.10× on the H100,
+/// bench/results/fp8-k-codes-to-e4m3-products-h100-2026-12-06.md); not over the other quantised formats,
+/// where the producer warpgroup widening both matrices' codes is the bottleneck (0.87×,
+/// bench/results/attention-prefill-ws-2026-12-05.md).
 pub fn producer_copies(kv: &KvFormats) -> bool {
-    *kv == KvFormats::BF16
+    *kv == KvFormats::BF16 || (kv.k == KvDtype::Fp8 && kv.v == KvDtype::Fp8)
 }
 
 /// Rows of `attn_prefill_ws`'s copy boxes over pages of `page` keys: the page where it divides a 64-key
@@ -380,14 +393,17 @@ fn prefill_launch(
             // The warp-specialised kernel: each cache as a tensor map [rows, kv_heads * row], a bf16 one
             // swizzled in 64-dim boxes, codes in boxes of a token-head row's bytes.
             let (hd, kvh) = (d.attn_head_dim, a.kv.kv_heads);
-            let map = |ptr: u64, f: KvDtype| match f {
+            // (An fp8 K's codes swizzled as wgmma reads them, in 128-byte boxes.)
+            let map = |ptr: u64, f: KvDtype, direct: bool| match f {
                 KvDtype::Bf16 => tma::bf16_rows_swizzled(ptr, a.kv.rows, kvh * hd, br),
+                _ if direct => tma::bytes_rows_swizzled(ptr, a.kv.rows, kvh * hd, br),
                 _ => {
                     let rowb = row_bytes(f, hd);
                     tma::bytes_rows(ptr, a.kv.rows, kvh * rowb, rowb, br)
                 }
             };
-            let (kmap, vmap) = (map(k_cache, k.kv.k)?, map(v_cache, k.kv.v)?);
+            let kmap = map(k_cache, k.kv.k, ws_k_codes_direct(&d, &k.kv))?;
+            let vmap = map(v_cache, k.kv.v, false)?;
             let (box_rows, smem) = (br as i32, ws_smem_bytes(&d, &k.kv) as u32);
             // Kv heads along x: every head's tile t launches before any head's tile t + 1 (heaviest first).
             if a.n_tiles > 65_535 {
@@ -705,19 +721,25 @@ mod tests {
         const { assert!(AttnTiling::DEFAULT.tma, "Hopper's default: measured faster on the H200") };
         // Q 64 KiB + 2 K and 2 V stages of 64 keys + the alignment slack + the barriers.
         assert_eq!(ws_smem_bytes(&D, &KvFormats::BF16), 1024 + 65_536 + 131_072 + 128);
-        // Codes: the tiles' scales and one stage of 64 rows of each quantised matrix (fp8 / fp8: 225.1 KiB).
-        assert_eq!(ws_smem_bytes(&D, &FP8), 1024 + 65_536 + 131_072 + 128 + 1024 + 2 * 64 * 256);
+        // Codes: the tiles' scales and one stage of 64 rows of each quantised matrix the producer widens;
+        // an fp8 K's stages hold its codes (fp8 / fp8: K 2 x 16 KiB, V 2 x 32 KiB, V's codes 16 KiB).
+        assert_eq!(ws_smem_bytes(&D, &FP8), 1024 + 65_536 + 32_768 + 65_536 + 128 + 1024 + 64 * 256);
+        // (At head dim 64 an fp8 K's codes are widened: 64-byte rows.)
+        let d64 = KernelDims { attn_head_dim: 64, ..D };
+        assert_eq!(ws_smem_bytes(&d64, &FP8), 1024 + 16_384 + 32_768 + 128 + 1024 + 2 * 64 * 64);
         let int4_bf16 = KvFormats { k: KvDtype::Int4, v: KvDtype::Bf16 };
         assert_eq!(ws_smem_bytes(&D, &int4_bf16), 1024 + 65_536 + 131_072 + 128 + 1024 + 64 * 128);
-        for kv in [KvFormats::BF16, FP8, int4_bf16, KvFormats { k: KvDtype::Int8, v: KvDtype::Int4 }] {
+        let int8 = KvFormats { k: KvDtype::Int8, v: KvDtype::Int8 };
+        for kv in [KvFormats::BF16, FP8, int4_bf16, KvFormats { k: KvDtype::Int8, v: KvDtype::Int4 }, int8] {
             let h = resolve_tiling(&D, &kv, t, (9, 0), H100);
             assert!(h.wgmma && h.tma && h.keys == 64, "{kv:?}: {h:?}");
             assert_eq!(prefill_kernel(&h), "attn_prefill_ws");
             assert_eq!(prefill_kernel_smem(&D, &kv, &h), ws_smem_bytes(&D, &kv));
             assert!(ws_smem_bytes(&D, &kv) <= H100, "{kv:?}");
         }
-        // By default only over bf16 K and V (Kernels::load_kv).
-        assert!(producer_copies(&KvFormats::BF16) && !producer_copies(&FP8) && !producer_copies(&int4_bf16));
+        // By default over bf16 K and V and over fp8 K and V (Kernels::load_kv).
+        assert!(producer_copies(&KvFormats::BF16) && producer_copies(&FP8) && !producer_copies(&int4_bf16));
+        assert!(!producer_copies(&KvFormats { k: KvDtype::Fp8, v: KvDtype::Int8 }) && !producer_copies(&int8));
         // Other GPUs, the wide kernel asked for: no TMA producer.
         let o = resolve_tiling(&D, &KvFormats::BF16, t, (8, 0), H100);
         assert!(!o.tma && prefill_kernel(&o) != "attn_prefill_ws", "{o:?}");

@@ -38,6 +38,14 @@ pub fn bf16_rows_swizzled(ptr: u64, rows: usize, cols: usize, box_rows: usize) -
     m.encode(sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, true)
 }
 
+/// The map of a row-major byte matrix at `ptr` with `rows` rows of `cols` bytes, copied in boxes of
+/// `box_rows` rows × 128 bytes in the 128-byte swizzle (as [`bf16_rows_swizzled`]: the layout of wgmma's
+/// swizzled 8-bit operands); rows outside the matrix land as zeros.
+pub fn bytes_rows_swizzled(ptr: u64, rows: usize, cols: usize, box_rows: usize) -> Result<TmaMap, CudaError> {
+    let m = Map { ptr, rows, cols, elem_bytes: 1, box_cols: 128, box_rows };
+    m.encode(sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8, true)
+}
+
 /// A 2-D row-major matrix and its box (columns in elements).
 struct Map {
     ptr: u64,

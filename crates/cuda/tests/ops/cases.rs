@@ -572,6 +572,16 @@ pub(crate) fn kv_quant_cases() -> Vec<Case> {
         c("kv_write_q", SMALL, kvq(i4, bf, &[(60, 70)], 8, 4, 32, None, true), EXACT),
         // ... and attention over them (write checks included), same tolerance as the bf16 cases.
         c("kv_q+attn_prefill", q, kvq(f8, f8, &[(0, 63), (10, 65), (100, 17)], 24, 4, 16, None, false), ATTN_PLAIN_P),
+        // fp8 K's codes multiplied unwidened on Hopper: 64-key boxes, a longer context; head dim 128 (one
+        // 128-byte box a row); beside a widened int4 V (the warp-specialised kernel as the other Hopper one).
+        c("kv_q+attn_prefill", q, kvq(f8, f8, &[(0, 700), (3000, 129)], 24, 4, 64, None, false), ATTN_PLAIN_P),
+        c(
+            "kv_q+attn_prefill",
+            SMALL,
+            kvq(f8, f8, &[(17, 63), (0, 64), (200, 65)], 8, 4, 32, None, false),
+            ATTN_PLAIN_P,
+        ),
+        c("kv_q+attn_prefill", q, kvq(f8, i4, &[(0, 200), (64, 64)], 24, 4, 128, None, false), ATTN_PLAIN_P),
         c("kv_q+attn_prefill", q, kvq(i8, i4, &[(5, 64), (31, 127), (1000, 1)], 24, 4, 32, None, false), ATTN_PLAIN_P),
         c("kv_q+attn_prefill", q, kvq(i4, i8, &[(0, 300)], 24, 4, 32, None, false), ATTN_PLAIN_P),
         c("kv_q+attn_prefill", SMALL, kvq(bf, i4, &[(17, 63), (0, 64), (64, 65)], 8, 4, 16, None, false), ATTN_PLAIN_P),
