@@ -22,7 +22,7 @@
 //    still 24) widens them into the bf16 stage's swizzled tile, writes the tile's f32 scales beside
 //    it and publishes the stage; the consumers scale S's key columns by the K scales and fold the V
 //    scales into P before its bf16 rounding, as attn_prefill_wg does.
-// fp8 K: its codes are not widened. The K map is the cache's bytes in 128-byte swizzled boxes (128 e4m3
+// fp8 K (head dim 256): its codes are not widened. The K map is the cache's bytes in 128-byte swizzled boxes (128 e4m3
 //    a row, as wgmma's 8-bit operands lie), copied straight into 16 KB K stages, and S = Q K^T runs as
 //    e4m3 products (m64n64k32) against Q split once into two e4m3 halves whose sum is the bf16 Q exactly
 //    (ws_split_q), so S is what bf16 products over the widened codes give, at the same tensor-core time
@@ -66,9 +66,9 @@ static_assert(WS_PRODUCER_REGS * 128 + WS_CONSUMER_REGS * 256 <= WS_LAUNCH_REGS 
 #define WS_STR2(x) #x
 #define WS_STR(x) WS_STR2(x)
 #define WS_MAT (WG_BK * HD * 2)
-// An fp8 K's codes feed the tensor cores as they lie (e4m3 products, no widening; see ws_split_q), at
-// head dims in whole 128-byte swizzle rows.
-#if KQ_K && KV_K_FMT == KVF_FP8 && HD % 128 == 0
+// An fp8 K's codes feed the tensor cores as they lie (e4m3 products, no widening; see ws_split_q) at head
+// dim 256, the shape checked on a GPU (the code takes any multiple of 128: whole 128-byte swizzle rows).
+#if KQ_K && KV_K_FMT == KVF_FP8 && HD == 256
 #define WS_K8 1
 #else
 #define WS_K8 0

@@ -75,11 +75,11 @@ pub(crate) fn ws_smem_bytes(d: &KernelDims, kv: &KvFormats) -> usize {
     1024 + WIDE_ROWS * hd * 2 + 2 * k_stage + 2 * WG_KEYS * hd * 2 + 128 + quantised + codes
 }
 
-/// Whether `attn_prefill_ws` multiplies K's codes as they lie in the cache (an fp8 K at a head dim of
-/// whole 128-byte rows: e4m3 tensor-core products against Q split into two e4m3 halves), its K stages
-/// copied straight from the cache.
+/// Whether `attn_prefill_ws` multiplies K's codes as they lie in the cache (an fp8 K at head dim 256, the
+/// shape checked on a GPU: e4m3 tensor-core products against Q split into two e4m3 halves), its K stages
+/// copied straight from the cache (`WS_K8` in attention_prefill_ws.cu).
 fn ws_k_codes_direct(d: &KernelDims, kv: &KvFormats) -> bool {
-    kv.k == KvDtype::Fp8 && d.attn_head_dim.is_multiple_of(128)
+    kv.k == KvDtype::Fp8 && d.attn_head_dim == 256
 }
 
 /// Whether `attn_prefill_wg` takes the wide kernel's work: compute capability 9.0 (its wgmma runs in an
@@ -724,7 +724,7 @@ mod tests {
         // Codes: the tiles' scales and one stage of 64 rows of each quantised matrix the producer widens;
         // an fp8 K's stages hold its codes (fp8 / fp8: K 2 x 16 KiB, V 2 x 32 KiB, V's codes 16 KiB).
         assert_eq!(ws_smem_bytes(&D, &FP8), 1024 + 65_536 + 32_768 + 65_536 + 128 + 1024 + 64 * 256);
-        // (At head dim 64 an fp8 K's codes are widened: 64-byte rows.)
+        // (At other head dims an fp8 K's codes are widened.)
         let d64 = KernelDims { attn_head_dim: 64, ..D };
         assert_eq!(ws_smem_bytes(&d64, &FP8), 1024 + 16_384 + 32_768 + 128 + 1024 + 2 * 64 * 64);
         let int4_bf16 = KvFormats { k: KvDtype::Int4, v: KvDtype::Bf16 };

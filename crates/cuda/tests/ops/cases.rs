@@ -572,8 +572,8 @@ pub(crate) fn kv_quant_cases() -> Vec<Case> {
         c("kv_write_q", SMALL, kvq(i4, bf, &[(60, 70)], 8, 4, 32, None, true), EXACT),
         // ... and attention over them (write checks included), same tolerance as the bf16 cases.
         c("kv_q+attn_prefill", q, kvq(f8, f8, &[(0, 63), (10, 65), (100, 17)], 24, 4, 16, None, false), ATTN_PLAIN_P),
-        // fp8 K's codes multiplied unwidened on Hopper: 64-key boxes, a longer context; head dim 128 (one
-        // 128-byte box a row); beside a widened int4 V (the warp-specialised kernel as the other Hopper one).
+        // fp8 K's codes multiplied unwidened on Hopper (head dim 256): 64-key boxes, a longer context; beside a
+        // widened int4 V (the warp-specialised kernel as the other Hopper one); head dim 128 (K widened).
         c("kv_q+attn_prefill", q, kvq(f8, f8, &[(0, 700), (3000, 129)], 24, 4, 64, None, false), ATTN_PLAIN_P),
         c(
             "kv_q+attn_prefill",
