@@ -270,6 +270,30 @@ mod tests {
         assert_eq!(e4m3_to_f32(f32_to_e4m3(7.6 / 512.0)), 8.0 / 512.0);
     }
 
+    /// Hopper's attention prefill over an fp8 K multiplies Q as two e4m3 halves (hi = e4m3(x), lo = e4m3(x −
+    /// hi), x = q · 2^e with a row's largest |x| in [128, 256)): every bf16 of magnitude in [2^-2, 2^8) is
+    /// exactly such a sum, so only elements below 2^-9 of their row's largest can lose bits.
+    #[test]
+    fn a_bf16_is_two_e4m3_halves() {
+        let mut checked = 0;
+        for bits in 0u16..0x7f80 {
+            let x = f32::from_bits((bits as u32) << 16);
+            if !(0.25..256.0).contains(&x) {
+                continue;
+            }
+            for x in [x, -x] {
+                let hi = e4m3_to_f32(f32_to_e4m3(x));
+                let lo = e4m3_to_f32(f32_to_e4m3(x - hi));
+                assert_eq!(hi + lo, x, "{x}: {hi} + {lo}");
+            }
+            checked += 1;
+        }
+        assert_eq!(checked, 10 * 128); // 10 binades of 128 bf16 values
+        // Below 2^-2 the low half's last bits fall under e4m3's subnormal step (2^-9).
+        let x = f32::from_bits(0x3e01_0000); // 2^-3 + 2^-10: the low half 2^-10 rounds to 0
+        assert_ne!(e4m3_to_f32(f32_to_e4m3(x)) + e4m3_to_f32(f32_to_e4m3(x - e4m3_to_f32(f32_to_e4m3(x)))), x);
+    }
+
     #[test]
     fn scales_round_up_and_clamp() {
         assert_eq!(f16_scale(1.0), 1.0);

@@ -178,7 +178,8 @@ __device__ __forceinline__ void e4m3x2_f32(u32 c, float& x0, float& x1) {
 // The consumers' Q tile (bf16 rows in the swizzled layout at q) rewritten as two e4m3 tiles for the fp8
 // products: hi = e4m3(x), lo = e4m3(x - hi) of x = q * 2^e, e a row's power of two that brings its largest
 // |q| into [128, 256). A bf16 has 8 significant bits, an e4m3 4: x - hi is a multiple of x's last bit
-// at most 8 of them, so hi + lo = x exactly (where lo is not subnormal: |q| >= 2^-9 of the row's largest),
+// at most 8 of them, so hi + lo = x exactly where x's last bit is at least e4m3's smallest step 2^-9: |x| >=
+// 2^-2, i.e. |q| >= 2^-9 of the row's largest (deltaserve_cpu::kvquant's a_bf16_is_two_e4m3_halves),
 // and S = (Q_hi K^T + Q_lo K^T) 2^-e. hi (128 rows of HD bytes, swizzled as K's tiles) replaces the
 // bf16 tile's first half, lo its second. Two threads a row (ct = 2 r + h: dims h HD/2 ...), so a warp
 // holds exactly the 16 rows its accumulators hold; returns 2^-e of the thread's row.
