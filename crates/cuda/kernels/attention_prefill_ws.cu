@@ -22,11 +22,11 @@
 //    still 24) widens them into the bf16 stage's swizzled tile, writes the tile's f32 scales beside
 //    it and publishes the stage; the consumers scale S's key columns by the K scales and fold the V
 //    scales into P before its bf16 rounding, as attn_prefill_wg does.
-// fp8 K (head dim 256): its codes are not widened. The K map is the cache's bytes in 128-byte swizzled boxes (128 e4m3
-//    a row, as wgmma's 8-bit operands lie), copied straight into 16 KB K stages, and S = Q K^T runs as
-//    e4m3 products (m64n64k32) against Q split once into two e4m3 halves whose sum is the bf16 Q exactly
-//    (ws_split_q), so S is what bf16 products over the widened codes give, at the same tensor-core time
-//    and with half the widening.
+// fp8 K (head dim 256): its codes are not widened. The K map is the cache's bytes in 128-byte swizzled
+//    boxes (128 e4m3 a row, as wgmma's 8-bit operands lie), copied straight into 16 KB K stages, and
+//    S = Q K^T runs as e4m3 products (m64n64k32) against Q split once into two e4m3 halves whose sum is
+//    the bf16 Q exactly (ws_split_q), so S is what bf16 products over the widened codes give, at the
+//    same tensor-core time and with half the widening.
 // V rows past the block's last key (a partial last tile: stale rows of its last page, or boxes not
 // copied) are zeroed before P V (P is 0 there; 0 * a stale NaN is not): by each consumer warpgroup for
 // a bf16 V, by the widening for codes. K rows there only reach masked scores.
@@ -55,12 +55,8 @@
 // holds the SM's remaining registers). ptxas fits the producer's widening of codes in 24 without spills;
 // 32 for it with 240 for the consumers hung the 27B's fp8-KV prefill on the H200.
 #define WS_LAUNCH_REGS 168
-#ifndef WS_PRODUCER_REGS
 #define WS_PRODUCER_REGS 24
-#endif
-#ifndef WS_CONSUMER_REGS
 #define WS_CONSUMER_REGS 240
-#endif
 static_assert(WS_PRODUCER_REGS * 128 + WS_CONSUMER_REGS * 256 <= WS_LAUNCH_REGS * WS_NT,
               "the warpgroups' registers exceed the launch's: setmaxnreg.inc would never return");
 #define WS_STR2(x) #x
@@ -194,8 +190,10 @@ __device__ __forceinline__ float ws_split_q(u32 q, int ct) {
                      : "r"(q + wg_swz(r, h * HC + i, WG_ROWS)));
         const u32 ww[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-        for (int e = 0; e < 4; e++)
-            amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(ww[e] << 16)), fabsf(__uint_as_float(ww[e] & 0xffff0000u))));
+        for (int e = 0; e < 4; e++) {
+            const float lo = fabsf(__uint_as_float(ww[e] << 16)), hi = fabsf(__uint_as_float(ww[e] & 0xffff0000u));
+            amax = fmaxf(amax, fmaxf(lo, hi));
+        }
     }
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
     // amax in [2^(E-127), 2^(E-126)): 2^(134 - E) (biased 261 - E) brings it into [128, 256). Zero,
@@ -249,12 +247,12 @@ __device__ __forceinline__ float ws_split_q(u32 q, int ct) {
 #endif
 
 #if WG_BODY && KQ_ANY
-// The producer warpgroup over a cache with quantised K and/or V (128 threads). Per tile: thread 0 copies
-// the codes to widen into the codes' one stage (counted on code_full) and a bf16 matrix's tile (or an fp8
-// K's codes) straight into its stage; every thread waits for the codes and the stage's release, widens the codes
-// into the stage's swizzled bf16 tile (rows past kend as zeros) and writes the tile's f32 scales; after a
-// barrier of the warpgroup thread 0 publishes the stage (an arrival on both its barriers, so a consumer
-// that waited for either sees the scales) and copies the next tile's codes.
+// The producer warpgroup over a cache with quantised K and/or V (128 threads). Per tile: thread 0 copies the codes
+// to widen into the codes' one stage (counted on code_full) and a bf16 matrix's tile (or an fp8 K's codes) straight
+// into its stage; every thread waits for the codes and the stage's release, widens the codes into the stage's
+// swizzled bf16 tile (rows past kend as zeros) and writes the tile's f32 scales; after a barrier of the warpgroup
+// thread 0 publishes the stage (an arrival on both its barriers, so a consumer that waited for either sees the
+// scales) and copies the next tile's codes.
 __device__ __forceinline__ void ws_produce_quantised(const TmaMap& kmap, const TmaMap& vmap,
                                                      const unsigned short* __restrict__ k_scales,
                                                      const unsigned short* __restrict__ v_scales,
