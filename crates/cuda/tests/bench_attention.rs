@@ -12,9 +12,9 @@
 //! on attn_decode_split and attn_decode_mma: K/V bytes read per second against the 4.26 TB/s device
 //! copy rate of the same anchors file. Then over fp8 and int4 caches at 4K / 32K / 128K context.
 //!
-//! On Hopper the default prefill kernel is the warpgroup one (`attn_prefill_wg`, wgmma); the
-//! warp-specialised one (`attn_prefill_ws`: a TMA producer warpgroup) and the wide one (mma.sync) run
-//! beside it. Then both Hopper kernels over an fp8 cache (random codes, scales 1.0: timing only);
+//! On Hopper the default prefill kernel is the warp-specialised one (`attn_prefill_ws`: a TMA producer
+//! warpgroup); the warpgroup one (`attn_prefill_wg`, wgmma) and the wide one (mma.sync) run beside it.
+//! Then both Hopper kernels over an fp8 cache (random codes, scales 1.0: timing only);
 //! DS_BENCH_ATTN=prefill-fp8 runs those alone.
 //!
 //! DS_BENCH_ATTN=verify: speculative verify chunks of 4 rows (fp8 K/V) at 1K–128K context, 1 / 4 / 8
@@ -216,8 +216,8 @@ fn bench_attn_prefill_27b() {
         );
         prefill_rows(&kt, &KvScales::default());
     }
-    // Over an fp8 cache (the 24 GB configuration's): the warpgroup kernel (the default there) and the
-    // warp-specialised one (DELTASERVE_ATTN_PREFILL=ws). Codes are random bytes and every scale 1.0
+    // Over an fp8 cache (the 24 GB configuration's): the warpgroup kernel (DELTASERVE_ATTN_PREFILL=wg) and
+    // the warp-specialised one (the default there: K's codes as e4m3 products). Codes are random bytes and every scale 1.0
     // (timing only: some codes are NaN patterns). DS_BENCH_ATTN=prefill-fp8 runs these alone.
     if mode.is_empty() || mode == "prefill" || mode == "prefill-fp8" {
         let fp8 = KvFormats { k: KvDtype::Fp8, v: KvDtype::Fp8 };
