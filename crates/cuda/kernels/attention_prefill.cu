@@ -75,7 +75,7 @@
 #define PF_SC_K (PF_CV_V + (KQ_V ? PF_MAT_BYTES : 0))
 #define PF_SC_V (PF_SC_K + (KQ_K ? PF_BK * 4 : 0))
 #define PF_XCH (PF_SC_V + (KQ_V ? PF_BK * 4 : 0))
-#define PF_SMEM_BYTES (PF_XCH + PF_NW * PF_BK * 64)  // = ops/attention.rs prefill_smem_bytes
+#define PF_SMEM_BYTES (PF_XCH + PF_NW * PF_BK * 64)  // = ops/attention_tiling.rs prefill_smem_bytes
 
 // (x0, x1) -> hi = bf16x2(x0, x1) and lo = bf16x2(x0 - hi0, x1 - hi1).
 __device__ __forceinline__ void split_bf16(float x0, float x1, u32& hi, u32& lo) {

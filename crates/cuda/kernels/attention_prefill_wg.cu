@@ -21,7 +21,7 @@
 // into its swizzled bf16 tile after the wait (fenced like the copies), K scales multiply S per key
 // column (with the softmax scale), V scales fold into P before its bf16 rounding (the row sums use P
 // unscaled).
-// Smem (ops/attention.rs wg_smem_bytes): 1 KB of alignment slack, Q 128 x HD x 2, 2 stages of K + V
+// Smem (ops/attention_tiling.rs wg_smem_bytes): 1 KB of alignment slack, Q 128 x HD x 2, 2 stages of K + V
 // (a bf16 matrix as its swizzled tile, 64 x HD x 2, a quantised one as its codes), each quantised
 // matrix's bf16 tile, then its f32 tile scales: 193 KB at HD 256 with bf16 K/V, 193.5 KB with fp8.
 #define WG_ROWS PW_ROWS  // the wide kernels' tiles (WideTile)
@@ -73,6 +73,11 @@ __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.alig
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Named barriers (bar.sync / bar.arrive) of n threads.
+__device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void named_arrive(int id, int n) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
 
 #define WG_D32                                                                                                   \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
@@ -215,11 +220,12 @@ __device__ __forceinline__ void wg_rescale(float (&oacc)[HD / 64][32], const flo
 
 // A thread's two rows of the tile (rown and rown + 8 of its 128 packed rows) out: O / l in bf16, or with
 // a key split (part_o) the unnormalised O and (max in the log2 domain, sum) in attn_decode_combine's
-// layout.
+// layout; O times ounit first (attn_prefill_ws's O in units of a power of two over an fp8 V).
 __device__ __forceinline__ void wg_store_rows(const float (&oacc)[HD / 64][32], const float (&mrow)[2],
                                               const float (&lrow)[2], const WideTile& wt, int rown, int tg,
                                               bf16_t* __restrict__ o, int Hq, int n_split, int row0,
-                                              float* __restrict__ part_o, float* __restrict__ part_ml) {
+                                              float* __restrict__ part_o, float* __restrict__ part_ml,
+                                              float ounit = 1.0f) {
     const float l0 = quad_sum(lrow[0]), l1 = quad_sum(lrow[1]);
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
@@ -232,7 +238,8 @@ __device__ __forceinline__ void wg_store_rows(const float (&oacc)[HD / 64][32], 
             for (int b = 0; b < HD / 64; b++)
 #pragma unroll
                 for (int n = 0; n < 8; n++)
-                    *(float2*)(po + b * 64 + n * 8) = make_float2(oacc[b][4 * n + 2 * hf], oacc[b][4 * n + 2 * hf + 1]);
+                    *(float2*)(po + b * 64 + n * 8) =
+                        make_float2(oacc[b][4 * n + 2 * hf] * ounit, oacc[b][4 * n + 2 * hf + 1] * ounit);
             if (tg == 0) {
                 part_ml[2 * prow] = mrow[hf];
                 part_ml[2 * prow + 1] = hf ? l1 : l0;
@@ -240,7 +247,7 @@ __device__ __forceinline__ void wg_store_rows(const float (&oacc)[HD / 64][32], 
         } else {
             const int pr = wt.r0 + r, i = pr / GQA_GROUP, hh = pr - i * GQA_GROUP;
             const float l = hf ? l1 : l0;
-            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            const float inv = l > 0.0f ? ounit / l : 0.0f;
             bf16_t* orow = o + ((long long)(wt.qstart + i) * Hq + wt.hkv * GQA_GROUP + hh) * HD + 2 * tg;
 #pragma unroll
             for (int b = 0; b < HD / 64; b++)

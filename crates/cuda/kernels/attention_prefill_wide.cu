@@ -29,7 +29,7 @@
 // n_split equal runs of its tile's KV tiles and writes its rows' unnormalised O and (max in the log2
 // domain, sum) in f32 at partial (query - row0, head, z) — attn_decode_combine's layout, which it then
 // merges (no seq_lens: n_split partials a row; a split past a tile's last KV tile marks its rows empty).
-// Launch: grid (n_tiles, Hkv, n_split), block PW_NT, dynamic smem ops/attention.rs wide_smem_bytes;
+// Launch: grid (n_tiles, Hkv, n_split), block PW_NT, dynamic smem ops/attention_tiling.rs wide_smem_bytes;
 // tile_table [n_tiles, 2] = (seq, 128-row tile) over the packed rows (q_len * GQA_GROUP per sequence).
 // q 16-byte aligned with q_tok, q_head multiples of 8.
 #define PW_ROWS 128                        // packed (query, head) rows per block
@@ -37,7 +37,7 @@
 #define PW_NT (32 * PW_NW)
 #define PW_KV0 (PW_ROWS * HD * 2)          // the K/V stages follow the Q tile
 #define PW_SWZ (PF_CH >= 8 ? 7 : PF_CH - 1)
-// Smem layout for BK keys per tile (its total = ops/attention.rs wide_smem_bytes): Q, 2 stages of K + V (a
+// Smem layout for BK keys per tile (its total = ops/attention_tiling.rs wide_smem_bytes): Q, 2 stages of K + V (a
 // bf16 matrix as a padded tile, a quantised one as its codes), for each quantised matrix its
 // converted bf16 tile and then its f32 tile scales, the P exchange (BK / 16 uint4 per lane and warp),
 // the factor exchange (a float2 per lane and warp).

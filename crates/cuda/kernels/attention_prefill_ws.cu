@@ -22,23 +22,26 @@
 //    still 24) widens them into the bf16 stage's swizzled tile, writes the tile's f32 scales beside
 //    it and publishes the stage; the consumers scale S's key columns by the K scales and fold the V
 //    scales into P before its bf16 rounding, as attn_prefill_wg does.
-// fp8 K (head dim 256): its codes are not widened. The K map is the cache's bytes in 128-byte swizzled
-//    boxes (128 e4m3 a row, as wgmma's 8-bit operands lie), copied straight into 16 KB K stages, and
-//    S = Q K^T runs as e4m3 products (m64n64k32) against Q split once into two e4m3 halves whose sum is
-//    the bf16 Q exactly (ws_split_q), so S is what bf16 products over the widened codes give, at the
-//    same tensor-core time and with half the widening.
+// fp8 K and V (head dim 256): no codes are widened; both products run on e4m3 tensor cores
+//    (attention_prefill_e4m3.cuh). The K map is the cache's bytes in 128-byte swizzled boxes (128 e4m3 a
+//    row, as wgmma's 8-bit operands lie), copied straight into 16 KB K stages; S = Q K^T runs against Q
+//    split once into two e4m3 halves whose sum is the bf16 Q exactly (ws_split_q). V's codes land the same
+//    way in two codes stages (thread 0 copies tile j + 1's while tile j's are transposed); the producer
+//    warpgroup transposes each into its V stage (ws_transpose_v: ldmatrix / byte permutes / stmatrix) and
+//    P V runs against P split into e4m3 halves (ws_pack_p8), so S and O are what bf16 products over the
+//    widened codes give, at the same tensor-core time. (fp8 K with another V: K as here, V widened.)
 // V rows past the block's last key (a partial last tile: stale rows of its last page, or boxes not
 // copied) are zeroed before P V (P is 0 there; 0 * a stale NaN is not): by each consumer warpgroup for
-// a bf16 V, by the widening for codes. K rows there only reach masked scores.
-// Smem (ops/attention.rs ws_smem_bytes): 1 KB of alignment slack, Q 128 x HD x 2, 2 K stages and 2 V
-// stages of 64 x HD x 2 (an fp8 K's: 64 x HD), 9 barriers in 128 bytes (193.1 KB at HD 256); with codes
-// the scales (2 stages x 128 f32) and the codes' stage (64 rows of each widened matrix: 178.1 KB for fp8 /
-// fp8).
+// a bf16 V, by the widening or the transposition for codes. K rows there only reach masked scores.
+// Smem (ops/attention_tiling.rs ws_smem_bytes): 1 KB of alignment slack, Q 128 x HD x 2, 2 K stages and 2 V
+// stages of 64 x HD x 2 (an fp8 K's: 64 x HD; an fp8 V's: its transposed tile, 17 KB, then its 2 codes
+// stages of 64 x HD), 10 barriers in 128 bytes (193.1 KB at HD 256); with codes the scales (2 stages x
+// 128 f32) and the codes' stage (64 rows of each widened matrix; none for fp8 / fp8: 164.1 KB).
 // Launch: grid (Hkv, n_tiles, n_split) (attn_prefill_wg's with its first two dims swapped: every kv
 // head's heaviest tiles start first), block 384; kmap / vmap encoded by the launcher for this layer's
-// cache, boxes of `box_rows` rows (ops/attention.rs tma_box_rows: the page where it divides 64 keys,
+// cache, boxes of `box_rows` rows (ops/attention_tiling.rs tma_box_rows: the page where it divides 64 keys,
 // from 8; 64 where 64 divides the page). Hopper's default over a bf16 and an fp8 cache (AttnTiling::tma; over
-// other quantised caches ops/attention.rs producer_copies keeps attn_prefill_wg, DELTASERVE_ATTN_PREFILL=ws
+// other quantised caches ops/attention_tiling.rs producer_copies keeps attn_prefill_wg, DELTASERVE_ATTN_PREFILL=ws
 // runs this one).
 
 #ifndef WS_OVERLAP
@@ -62,16 +65,12 @@ static_assert(WS_PRODUCER_REGS * 128 + WS_CONSUMER_REGS * 256 <= WS_LAUNCH_REGS 
 #define WS_STR2(x) #x
 #define WS_STR(x) WS_STR2(x)
 #define WS_MAT (WG_BK * HD * 2)
-// An fp8 K's codes feed the tensor cores as they lie (e4m3 products, no widening; see ws_split_q) at head
-// dim 256, the shape checked on a GPU (the code takes any multiple of 128: whole 128-byte swizzle rows).
-#if KQ_K && KV_K_FMT == KVF_FP8 && HD == 256
-#define WS_K8 1
-#else
-#define WS_K8 0
-#endif
 #define WS_KMAT (WG_BK * HD * (WS_K8 ? 1 : 2))  // a K stage's bytes
+#define WS_VMAT (WS_V8 ? WS_VT_BYTES : WG_BK * HD * 2)  // a V stage's bytes
 #define WS_KCODES (KQ_K && !WS_K8)            // K's codes widened through the codes' stage
-#define WS_BAR_BYTES 128  // 9 barriers, padded
+#define WS_VCODES (KQ_V && !WS_V8)            // V's codes widened through the codes' stage
+#define WS_VT_CODES (WS_V8 ? WG_BK * HD : 0)  // an fp8 V's codes stage (two, before the barriers)
+#define WS_BAR_BYTES 128  // 10 barriers, padded
 
 // A CUtensorMap (cuda.h): 128 opaque bytes, passed by value as a __grid_constant__ parameter.
 struct __align__(64) TmaMap {
@@ -115,10 +114,6 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TmaMap* map, int x, i
         "l"((unsigned long long)map), "r"(x), "r"(y), "r"(bar)
         : "memory");
 }
-__device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
-__device__ __forceinline__ void named_arrive(int id, int n) {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
-}
 // Pins the compiler's view of registers an asynchronous wgmma wrote (after its wait).
 template <int N>
 __device__ __forceinline__ void reg_fence(float (&r)[N]) {
@@ -147,105 +142,6 @@ __device__ __forceinline__ void wg_wait() {
 }
 #endif
 
-#if WG_BODY && WS_K8
-// d (64 x 64, f32) (+)= A (64 x 32, e4m3) * B (32 x 64, e4m3), both K-major in smem (128-byte swizzle: a
-// 32-element k step is 32 bytes, as a bf16 k16 step); d is overwritten when `acc` is 0.
-__device__ __forceinline__ void wg_mma_e4m3(float (&d)[32], unsigned long long da, unsigned long long db, int acc) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " WG_D32 ", %32, %33, p, 1, 1;\n}\n"
-                 : WG_ACC32(d)
-                 : "l"(da), "l"(db), "r"(acc));
-}
-
-// Two f32 -> e4m3 codes (round to nearest; x0 in the low byte).
-__device__ __forceinline__ u32 e4m3x2(float x0, float x1) {
-    unsigned short r;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(x1), "f"(x0));
-    return r;
-}
-// The e4m3 codes in the low 16 bits of c -> their exact values (the low byte to x0).
-__device__ __forceinline__ void e4m3x2_f32(u32 c, float& x0, float& x1) {
-    u32 h;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)c));
-    x0 = f16_to_f32((unsigned short)h);
-    x1 = f16_to_f32((unsigned short)(h >> 16));
-}
-
-// The consumers' Q tile (bf16 rows in the swizzled layout at q) rewritten as two e4m3 tiles for the fp8
-// products: hi = e4m3(x), lo = e4m3(x - hi) of x = q * 2^e, e a row's power of two that brings its largest
-// |q| into [128, 256). A bf16 has 8 significant bits, an e4m3 4: x - hi is a multiple of x's last bit
-// at most 8 of them, so hi + lo = x exactly where x's last bit is at least e4m3's smallest step 2^-9: |x| >=
-// 2^-2, i.e. |q| >= 2^-9 of the row's largest (deltaserve_cpu::kvquant's a_bf16_is_two_e4m3_halves),
-// and S = (Q_hi K^T + Q_lo K^T) 2^-e. hi (128 rows of HD bytes, swizzled as K's tiles) replaces the
-// bf16 tile's first half, lo its second. Two threads a row (ct = 2 r + h: dims h HD/2 ...), so a warp
-// holds exactly the 16 rows its accumulators hold; returns 2^-e of the thread's row.
-__device__ __forceinline__ float ws_split_q(u32 q, int ct) {
-    constexpr int CH = HD / 8, HC = CH / 2;  // bf16 chunks a row, a thread's
-    const int r = ct >> 1, h = ct & 1;
-    float amax = 0.0f;
-    for (int i = 0; i < HC; i++) {
-        uint4 w;
-        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
-                     : "r"(q + wg_swz(r, h * HC + i, WG_ROWS)));
-        const u32 ww[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const float lo = fabsf(__uint_as_float(ww[e] << 16)), hi = fabsf(__uint_as_float(ww[e] & 0xffff0000u));
-            amax = fmaxf(amax, fmaxf(lo, hi));
-        }
-    }
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    // amax in [2^(E-127), 2^(E-126)): 2^(134 - E) (biased 261 - E) brings it into [128, 256). Zero,
-    // subnormal, inf or NaN rows: 1.
-    const int E = (int)((__float_as_uint(amax) >> 23) & 0xffu);
-    const int sb = E == 0 || E == 255 ? 127 : min(261 - E, 253);
-    const float sc = __uint_as_float((u32)sb << 23);
-    // A thread's codes: HD / 32 16-byte chunks of hi and of lo (16 dims each, from 2 bf16 chunks).
-    constexpr int NC = HD / 32;
-    u32 hi[NC][4], lo[NC][4];
-#pragma unroll
-    for (int c = 0; c < NC; c++) {
-#pragma unroll
-        for (int half = 0; half < 2; half++) {
-            uint4 w;
-            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
-                         : "r"(q + wg_swz(r, h * HC + 2 * c + half, WG_ROWS)));
-            const u32 ww[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-            for (int p = 0; p < 2; p++) {
-                u32 hw = 0, lw = 0;
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const u32 v = ww[2 * p + e];
-                    const float x0 = __uint_as_float(v << 16) * sc, x1 = __uint_as_float(v & 0xffff0000u) * sc;
-                    const u32 hc = e4m3x2(x0, x1);
-                    float h0, h1;
-                    e4m3x2_f32(hc, h0, h1);
-                    hw |= hc << (16 * e);
-                    lw |= e4m3x2(x0 - h0, x1 - h1) << (16 * e);
-                }
-                hi[c][2 * half + p] = hw;
-                lo[c][2 * half + p] = lw;
-            }
-        }
-    }
-    named_sync(1, 256);  // every bf16 chunk read before any code lands over it
-#pragma unroll
-    for (int c = 0; c < NC; c++) {
-        const u32 at = q + wg_swz(r, h * NC + c, WG_ROWS);
-        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(at), "r"(hi[c][0]), "r"(hi[c][1]),
-                     "r"(hi[c][2]), "r"(hi[c][3])
-                     : "memory");
-        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(at + WG_ROWS * HD), "r"(lo[c][0]),
-                     "r"(lo[c][1]), "r"(lo[c][2]), "r"(lo[c][3])
-                     : "memory");
-    }
-    return __uint_as_float((u32)(254 - sb) << 23);
-}
-#endif
-
 #if WG_BODY && KQ_ANY
 // The producer warpgroup over a cache with quantised K and/or V (128 threads). Per tile: thread 0 copies the codes
 // to widen into the codes' one stage (counted on code_full) and a bf16 matrix's tile (or an fp8 K's codes) straight
@@ -262,7 +158,8 @@ __device__ __forceinline__ void ws_produce_quantised(const TmaMap& kmap, const T
     constexpr int NB = HD / 64, CH = HD / 8;
     auto full = [&](int m, int st) { return bars + 16 * m + 8 * st; };
     auto empty = [&](int m, int st) { return bars + 32 + 16 * m + 8 * st; };
-    const u32 code_full = bars + 64;
+    // The codes' barrier (an fp8 V's: one a stage of its two).
+    auto code_full = [&](int st) { return bars + 64 + (WS_V8 ? 8 * st : 0); };
     const int pshift = (page & (page - 1)) == 0 ? __ffs(page) - 1 : -1;
     const int per_tile = WG_BK / box_rows;
     auto row_of = [&](int key) {
@@ -273,16 +170,30 @@ __device__ __forceinline__ void ws_produce_quantised(const TmaMap& kmap, const T
     // Thread 0: tile j's copies.
     auto issue = [&](int j, int it) {
         const int st = it & 1, use = it >> 1, kb = j * WG_BK, nbox = nbox_of(kb);
-        mbar_expect_tx(code_full, (u32)(nbox * box_rows * ((WS_KCODES ? K_ROWB : 0) + (KQ_V ? V_ROWB : 0))));
+        if (WS_V8) {
+            // An fp8 V's codes into codes stage st, in 128-byte swizzled boxes (ws_transpose_v reads them so).
+            const u32 bar = code_full(st), dst = codes + st * WS_VT_CODES;
+            mbar_expect_tx(bar, (u32)(nbox * box_rows * HD));
+            for (int rb = 0; rb < nbox; rb++) {
+                const int row = row_of(kb + rb * box_rows);
+                for (int b = 0; b < HD / 128; b++)
+                    tma_load_2d(dst + (u32)(b * WG_BK * 128 + rb * box_rows * 128), &vmap, hkv * HD + b * 128, row,
+                                bar);
+            }
+        } else {
+            mbar_expect_tx(code_full(0), (u32)(nbox * box_rows * ((WS_KCODES ? K_ROWB : 0) + (KQ_V ? V_ROWB : 0))));
+        }
 #pragma unroll
         for (int m = 0; m < 2; m++) {
-            const bool quant = m == 0 ? WS_KCODES : KQ_V;
+            const bool quant = m == 0 ? WS_KCODES : WS_VCODES;
             const TmaMap* map = m == 0 ? &kmap : &vmap;
+            if (m == 1 && WS_V8) continue;
             if (quant) {
                 const int rowb = m == 0 ? K_ROWB : V_ROWB;
                 const u32 dst = codes + (m == 0 ? 0 : (WS_KCODES ? WG_BK * K_ROWB : 0));
                 for (int rb = 0; rb < nbox; rb++)
-                    tma_load_2d(dst + (u32)(rb * box_rows * rowb), map, hkv * rowb, row_of(kb + rb * box_rows), code_full);
+                    tma_load_2d(dst + (u32)(rb * box_rows * rowb), map, hkv * rowb, row_of(kb + rb * box_rows),
+                                code_full(0));
             } else {
                 // A bf16 matrix's tile or fp8 K's codes, copied straight into its stage (128-byte boxes:
                 // 64 bf16 or 128 e4m3 a row).
@@ -290,7 +201,7 @@ __device__ __forceinline__ void ws_produce_quantised(const TmaMap& kmap, const T
                 const int nb = k8 ? HD / 128 : NB, per_box = k8 ? 128 : 64;
                 if (use > 0) mbar_wait(empty(m, st), (use - 1) & 1);
                 mbar_expect_tx(full(m, st), (u32)(nbox * box_rows * 128 * nb));
-                const u32 dst = m == 0 ? ks0 + st * WS_KMAT : vs0 + st * WS_MAT;
+                const u32 dst = m == 0 ? ks0 + st * WS_KMAT : vs0 + st * WS_VMAT;
                 for (int rb = 0; rb < nbox; rb++) {
                     const int row = row_of(kb + rb * box_rows);
                     for (int b = 0; b < nb; b++)
@@ -303,13 +214,19 @@ __device__ __forceinline__ void ws_produce_quantised(const TmaMap& kmap, const T
     if (tid == 0) issue(jb, 0);
     for (int j = jb, it = 0; j < je; j++, it++) {
         const int st = it & 1, use = it >> 1, kb = j * WG_BK;
+        // An fp8 V's next codes go to the other codes stage (free: its transposition ended at the last
+        // barrier) while this tile's are transposed.
+        if (WS_V8 && tid == 0 && j + 1 < je) issue(j + 1, it + 1);
         float ksv = 0.0f, vsv = 0.0f;  // the scales of key kb + tid (tid < 64), loaded while the codes land
         if (tid < WG_BK && kb + tid < kend) {
             const long long at = (long long)row_of(kb + tid) * Hkv + hkv;
             if (KQ_K) ksv = f16_to_f32(k_scales[at]);
             if (KQ_V) vsv = f16_to_f32(v_scales[at]);
         }
-        mbar_wait(code_full, it & 1);
+        if (WS_V8)
+            mbar_wait(code_full(st), use & 1);
+        else
+            mbar_wait(code_full(0), it & 1);
         if (use > 0) {
             // The stage's tiles and its scales (read until the consumers release V) are free.
             mbar_wait(empty(0, st), (use - 1) & 1);
@@ -317,9 +234,9 @@ __device__ __forceinline__ void ws_produce_quantised(const TmaMap& kmap, const T
         }
 #pragma unroll
         for (int m = 0; m < 2; m++) {
-            if (!(m == 0 ? WS_KCODES : KQ_V)) continue;
+            if (!(m == 0 ? WS_KCODES : WS_VCODES)) continue;
             const unsigned char* raw = codes_p + (m == 0 ? 0 : (WS_KCODES ? WG_BK * K_ROWB : 0));
-            const u32 dst = m == 0 ? ks0 + st * WS_KMAT : vs0 + st * WS_MAT;
+            const u32 dst = m == 0 ? ks0 + st * WS_KMAT : vs0 + st * WS_VMAT;
             for (int c = tid; c < WG_BK * CH; c += 128) {
                 const int r = c / CH, ch = c % CH;
                 uint4 w = make_uint4(0, 0, 0, 0);
@@ -329,6 +246,9 @@ __device__ __forceinline__ void ws_produce_quantised(const TmaMap& kmap, const T
                              : "memory");
             }
         }
+#if WS_V8
+        ws_transpose_v(codes + st * WS_VT_CODES, vs0 + st * WS_VMAT, kend - kb, tid);
+#endif
         if (tid < WG_BK) {
             sc_f[st * 2 * WG_BK + tid] = ksv;
             sc_f[st * 2 * WG_BK + WG_BK + tid] = vsv;
@@ -338,7 +258,7 @@ __device__ __forceinline__ void ws_produce_quantised(const TmaMap& kmap, const T
         if (tid == 0) {
             mbar_arrive(full(0, st));
             mbar_arrive(full(1, st));
-            if (j + 1 < je) issue(j + 1, it + 1);
+            if (!WS_V8 && j + 1 < je) issue(j + 1, it + 1);
         }
     }
 }
@@ -365,8 +285,9 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
         return;
     }
     const u32 ks0 = sbase + WG_Q_BYTES, vs0 = ks0 + 2 * WS_KMAT;
-    // Barriers: full K [2], full V [2], empty K [2], empty V [2], the codes' stage.
-    const u32 bars = vs0 + 2 * WS_MAT;
+    // (An fp8 V: its two codes stages after the V stages.) Barriers: full K [2], full V [2], empty K [2],
+    // empty V [2], the codes' stage (an fp8 V's two).
+    const u32 bars = vs0 + 2 * WS_VMAT + 2 * WS_VT_CODES;
     auto full_k = [&](int st) { return bars + 8 * st; };
     auto full_v = [&](int st) { return bars + 16 + 8 * st; };
     auto empty_k = [&](int st) { return bars + 32 + 8 * st; };
@@ -382,16 +303,17 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
             mbar_init(empty_v(st), 8);
         }
         mbar_init(code_full, 1);
+        if (WS_V8) mbar_init(code_full + 8, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
 
 #if KQ_ANY
     // Quantised K and/or V: f32 tile scales [2 stages][K 64, V 64], then the codes' one stage (K codes,
-    // V codes, 64 rows each as they lie in the cache).
+    // V codes, 64 rows each as they lie in the cache; an fp8 V's two stages lie before the barriers).
     const u32 scs = bars + WS_BAR_BYTES;
     float* const sc_f = (float*)(ws_smem + (scs - smem_addr(ws_smem)));
-    const u32 codes = scs + 2 * 2 * WG_BK * 4;
+    const u32 codes = WS_V8 ? vs0 + 2 * WS_VMAT : scs + 2 * 2 * WG_BK * 4;
     if (tid < 128) {
         // Producer warpgroup: thread 0 copies each tile's codes (and a bf16 matrix's tile) with the TMA;
         // all 128 threads widen the codes into the bf16 stage and write the tile's scales.
@@ -429,7 +351,7 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
                 const u32 full = m == 0 ? full_k(st) : full_v(st);
                 if (use > 0) mbar_wait(m == 0 ? empty_k(st) : empty_v(st), (use - 1) & 1);
                 mbar_expect_tx(full, (u32)nbox * box_bytes * NB);
-                const u32 dst = (m == 0 ? ks0 : vs0) + st * WS_MAT;
+                const u32 dst = (m == 0 ? ks0 : vs0) + st * WS_MAT;  // (bf16 K and V: WS_KMAT = WS_VMAT = WS_MAT)
                 const TmaMap* map = m == 0 ? &kmap : &vmap;
 #pragma unroll
                 for (int rb = 0; rb < WG_BK / 8; rb++) {
@@ -470,6 +392,8 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
     float oacc[NB][32], mrow[2], lrow[2];
     wg_rows_init(wt, rown, qpos, oacc, mrow, lrow);
     const float sl2 = scale * 1.4426950408889634f;  // log2 domain
+    int sb_run = 253;  // an fp8 V: O's unit c = 2^(sb_run - 127) (ws_pack_p8), none set yet
+    (void)sb_run;
     const u32 q_wg = sbase + (u32)(cw * 64 * 128);  // this warpgroup's rows in each column block
 
     // S = Q K^T of stage st's K (issued, not waited).
@@ -502,7 +426,7 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
     };
     // O += P V of stage st's V (issued, not waited); a partial last tile's V rows past kend zeroed first.
     auto issue_pv = [&](const u32 (&pa)[WG_BK / 16][4], int st, int kb, bool last) {
-        const u32 vs = vs0 + st * WS_MAT;
+        const u32 vs = vs0 + st * WS_VMAT;
         // (Quantised V: the producer wrote those rows as zeros.)
         if (!KQ_V && last && kend - kb < WG_BK) {
             const int v0 = kend - kb;
@@ -516,7 +440,11 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
         }
 #pragma unroll
         for (int b = 0; b < NB; b++) reg_fence(oacc[b]);
+#if WS_V8
+        ws_issue_pv8(oacc, pa, vs);
+#else
         wg_issue_pv(oacc, pa, vs);
+#endif
 #pragma unroll
         for (int b = 0; b < NB; b++) reg_fence(oacc[b]);
     };
@@ -529,7 +457,11 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
         (void)st;
 #endif
         wg_softmax(sacc, sks, kb, first_q, qpos, tg, sl2, mrow, lrow, al, rq0, rq1);
+#if WS_V8
+        ws_pack_p8(sacc, svs, tg, sb_run, al, pa);
+#else
         wg_pack_p(sacc, svs, tg, pa);
+#endif
     };
     auto rescale = [&](const float (&al)[2]) { wg_rescale(oacc, al); };
     auto release = [&](u32 bar) {
@@ -626,7 +558,9 @@ attn_prefill_ws(const __grid_constant__ TmaMap kmap, const __grid_constant__ Tma
     }
 #endif
 
-    wg_store_rows(oacc, mrow, lrow, wt, rown, tg, o, Hq, n_split, row0, part_o, part_ml);
+    // (An fp8 V: O in units of c = 2^(sb_run - 127).)
+    wg_store_rows(oacc, mrow, lrow, wt, rown, tg, o, Hq, n_split, row0, part_o, part_ml,
+                  WS_V8 ? __uint_as_float((u32)(254 - sb_run) << 23) : 1.0f);
 #else
     (void)kmap, (void)vmap, (void)q, (void)k_scales, (void)v_scales, (void)block_tables, (void)max_blocks;
     (void)cu_seqlens, (void)seq_lens, (void)tile_table, (void)o, (void)Hq, (void)Hkv, (void)page, (void)box_rows;

@@ -159,13 +159,15 @@ pub const SOURCES: &[KernelSource] = &[
     },
     KernelSource {
         module: "attention",
-        // The shared tile code, the prefill kernels (warp pairs, wide, then Hopper's wgmma), the decode
-        // kernels' shared tensor-core pieces, then the decode and the verify kernels: one module.
+        // The shared tile code, the prefill kernels (warp pairs, wide, then Hopper's wgmma; the warp-specialised
+        // one after its e4m3 pieces), the decode kernels' shared tensor-core pieces, then the decode and the
+        // verify kernels: one module.
         src: concat!(
             include_str!("../../kernels/attention_tile.cuh"),
             include_str!("../../kernels/attention_prefill.cu"),
             include_str!("../../kernels/attention_prefill_wide.cu"),
             include_str!("../../kernels/attention_prefill_wg.cu"),
+            include_str!("../../kernels/attention_prefill_e4m3.cuh"),
             include_str!("../../kernels/attention_prefill_ws.cu"),
             include_str!("../../kernels/attention_mma.cuh"),
             include_str!("../../kernels/attention_decode.cu"),

@@ -4,6 +4,7 @@
 
 pub mod argmax;
 pub mod attention;
+mod attention_tiling;
 pub mod conv;
 pub mod elementwise;
 pub mod embed;
