@@ -16,7 +16,9 @@
 //    is done, a V stage once its P V is. The two warpgroups are not ordered against each other: one's
 //    softmax runs beside the other's products.
 //  Build switches (-D, for measuring): WS_OVERLAP=0 runs each tile's S, softmax and P V in turn;
-//    WS_PINGPONG=1 makes the warpgroups take turns issuing their products (named barriers 4 and 5).
+//    WS_PINGPONG=1 makes the warpgroups take turns issuing their products (named barriers 4 and 5);
+//    WS_V8_K_LATE=0 copies an fp8 cache's next K tile with V's codes at the start of a tile (thread 0 then
+//    waits there for the K stage, and the producer's barrier with it: 0.86x at 128K keys on the H100).
 // Quantised K and/or V (fp8, int8, int4; mixed): thread 0 copies a tile's codes (a 2-D map of the
 //    cache's bytes, box rowb x rows) into one stage of codes; the whole producer warpgroup (registers
 //    still 24) widens them into the bf16 stage's swizzled tile, writes the tile's f32 scales beside
@@ -49,6 +51,9 @@
 #endif
 #ifndef WS_PINGPONG
 #define WS_PINGPONG 0
+#endif
+#ifndef WS_V8_K_LATE
+#define WS_V8_K_LATE 1
 #endif
 #define WS_NT 384
 // Registers a thread after the warpgroups re-divide the block's: the launch gives 168 to each of the 384
@@ -168,9 +173,10 @@ __device__ __forceinline__ void ws_produce_quantised(const TmaMap& kmap, const T
     };
     auto nbox_of = [&](int kb) { return min(per_tile, (kend - kb + box_rows - 1) / box_rows); };
     // Thread 0: tile j's copies.
-    auto issue = [&](int j, int it) {
+    // (An fp8 V: `codes_part` its codes, `tiles_part` the K tile; otherwise both at once.)
+    auto issue = [&](int j, int it, bool codes_part, bool tiles_part) {
         const int st = it & 1, use = it >> 1, kb = j * WG_BK, nbox = nbox_of(kb);
-        if (WS_V8) {
+        if (WS_V8 && codes_part) {
             // An fp8 V's codes into codes stage st, in 128-byte swizzled boxes (ws_transpose_v reads them so).
             const u32 bar = code_full(st), dst = codes + st * WS_VT_CODES;
             mbar_expect_tx(bar, (u32)(nbox * box_rows * HD));
@@ -180,9 +186,10 @@ __device__ __forceinline__ void ws_produce_quantised(const TmaMap& kmap, const T
                     tma_load_2d(dst + (u32)(b * WG_BK * 128 + rb * box_rows * 128), &vmap, hkv * HD + b * 128, row,
                                 bar);
             }
-        } else {
+        } else if (!WS_V8) {
             mbar_expect_tx(code_full(0), (u32)(nbox * box_rows * ((WS_KCODES ? K_ROWB : 0) + (KQ_V ? V_ROWB : 0))));
         }
+        if (!tiles_part) return;
 #pragma unroll
         for (int m = 0; m < 2; m++) {
             const bool quant = m == 0 ? WS_KCODES : WS_VCODES;
@@ -211,12 +218,13 @@ __device__ __forceinline__ void ws_produce_quantised(const TmaMap& kmap, const T
             }
         }
     };
-    if (tid == 0) issue(jb, 0);
+    if (tid == 0) issue(jb, 0, true, true);
     for (int j = jb, it = 0; j < je; j++, it++) {
         const int st = it & 1, use = it >> 1, kb = j * WG_BK;
         // An fp8 V's next codes go to the other codes stage (free: its transposition ended at the last
-        // barrier) while this tile's are transposed.
-        if (WS_V8 && tid == 0 && j + 1 < je) issue(j + 1, it + 1);
+        // barrier) while this tile's are transposed; the next K tile (whose stage waits for the consumers'
+        // S two tiles back) after this tile is published (WS_V8_K_LATE), so no producer thread waits on it here.
+        if (WS_V8 && tid == 0 && j + 1 < je) issue(j + 1, it + 1, true, !WS_V8_K_LATE);
         float ksv = 0.0f, vsv = 0.0f;  // the scales of key kb + tid (tid < 64), loaded while the codes land
         if (tid < WG_BK && kb + tid < kend) {
             const long long at = (long long)row_of(kb + tid) * Hkv + hkv;
@@ -258,7 +266,7 @@ __device__ __forceinline__ void ws_produce_quantised(const TmaMap& kmap, const T
         if (tid == 0) {
             mbar_arrive(full(0, st));
             mbar_arrive(full(1, st));
-            if (!WS_V8 && j + 1 < je) issue(j + 1, it + 1);
+            if ((!WS_V8 || WS_V8_K_LATE) && j + 1 < je) issue(j + 1, it + 1, !WS_V8, true);
         }
     }
 }
