@@ -101,9 +101,9 @@ fn tma_applies(d: &KernelDims, kv: &KvFormats, max_smem: usize) -> bool {
 
 /// Whether Hopper's attention prefill runs the warp-specialised kernel (`attn_prefill_ws`, its producer
 /// copying K/V tiles) by default over a cache in `kv`: over bf16 K and V (27B bf16 prefill at 128K 1.21×
-/// the warpgroup kernel's on the H200, 1.22× on the H100) and over fp8 K and V, where K's codes go to
-/// e4m3 products unwidened (int4 weights + fp8 KV at 24 GiB, 128K 1.10× on the H100,
-/// bench/results/fp8-k-codes-to-e4m3-products-h100-2026-12-06.md); not over the other quantised formats,
+/// the warpgroup kernel's on the H200, 1.22× on the H100) and over fp8 K and V, where both matrices' codes go
+/// to e4m3 products unwidened (int4 weights + fp8 KV at 24 GiB, 128K 1.32× on the H100,
+/// bench/results/fp8-v-codes-to-e4m3-products-h100-2026-12-06.md); not over the other quantised formats,
 /// where the producer warpgroup widening both matrices' codes is the bottleneck (0.87×,
 /// bench/results/attention-prefill-ws-2026-12-05.md).
 pub fn producer_copies(kv: &KvFormats) -> bool {
