@@ -12,8 +12,8 @@
 //    every P * vscale * c under 256 (e4m3's largest finite is 448); O accumulates in units of c
 //    (ws_pack_p8).
 
-// The e4m3 paths, at head dim 256 (the shape checked on a GPU; the code takes any multiple of 128: whole
-// 128-byte swizzle rows).
+// The e4m3 paths, at head dim 256 (the shape checked on a GPU; K's code takes any multiple of 128, whole 128-byte
+// swizzle rows; V's transposition is written for 256: 4 warps of 64 dims).
 #if KQ_K && KV_K_FMT == KVF_FP8 && HD == 256
 #define WS_K8 1
 #else
@@ -228,6 +228,7 @@ __device__ __forceinline__ void ws_pack_p8(const float (&sacc)[32], const float*
 // in 8 swizzle rows, a stored one's 8 rows (dims 2 apart) in 8 banks (WS_VT_SBO).
 template <bool PARTIAL>
 __device__ __forceinline__ void ws_transpose_v_(u32 codes, u32 vt, int nk, int w, int l) {
+    static_assert(HD == 256, "the producer's 4 warps transpose 64 dims each");
     const int m = l >> 3, i = l & 7, q = l & 3;
     // ldmatrix: lane 8m + i addresses key 16 kc + 8 (m & 1) + i of 16-dim chunk 4w + 2 (u >> 2) + (m >> 1);
     // stmatrix: dim 16 (4w + 2 (u >> 2) + (m >> 1)) + 2i + (m & 1), 16-key chunk kc (u = 4 (x - 2w) / 2 + kc).
