@@ -172,20 +172,23 @@ __device__ __forceinline__ void ws_produce_quantised(const TmaMap& kmap, const T
         return bt[pg] * page + (key - pg * page);
     };
     auto nbox_of = [&](int kb) { return min(per_tile, (kend - kb + box_rows - 1) / box_rows); };
+    // nbox boxes of rows from key kb, each row nb boxes of 128 bytes (per_box of the map's columns apart), into
+    // the swizzled 64-row tile at dst, counted on bar.
+    auto copy_tile = [&](u32 dst, const TmaMap* map, int per_box, int nb, int kb, int nbox, u32 bar) {
+        for (int rb = 0; rb < nbox; rb++) {
+            const int row = row_of(kb + rb * box_rows);
+            for (int b = 0; b < nb; b++)
+                tma_load_2d(dst + (u32)(b * WG_BK * 128 + rb * box_rows * 128), map, hkv * HD + b * per_box, row, bar);
+        }
+    };
     // Thread 0: tile j's copies.
     // (An fp8 V: `codes_part` its codes, `tiles_part` the K tile; otherwise both at once.)
     auto issue = [&](int j, int it, bool codes_part, bool tiles_part) {
         const int st = it & 1, use = it >> 1, kb = j * WG_BK, nbox = nbox_of(kb);
         if (WS_V8 && codes_part) {
             // An fp8 V's codes into codes stage st, in 128-byte swizzled boxes (ws_transpose_v reads them so).
-            const u32 bar = code_full(st), dst = codes + st * WS_VT_CODES;
-            mbar_expect_tx(bar, (u32)(nbox * box_rows * HD));
-            for (int rb = 0; rb < nbox; rb++) {
-                const int row = row_of(kb + rb * box_rows);
-                for (int b = 0; b < HD / 128; b++)
-                    tma_load_2d(dst + (u32)(b * WG_BK * 128 + rb * box_rows * 128), &vmap, hkv * HD + b * 128, row,
-                                bar);
-            }
+            mbar_expect_tx(code_full(st), (u32)(nbox * box_rows * HD));
+            copy_tile(codes + st * WS_VT_CODES, &vmap, 128, HD / 128, kb, nbox, code_full(st));
         } else if (!WS_V8) {
             mbar_expect_tx(code_full(0), (u32)(nbox * box_rows * ((WS_KCODES ? K_ROWB : 0) + (KQ_V ? V_ROWB : 0))));
         }
@@ -208,13 +211,7 @@ __device__ __forceinline__ void ws_produce_quantised(const TmaMap& kmap, const T
                 const int nb = k8 ? HD / 128 : NB, per_box = k8 ? 128 : 64;
                 if (use > 0) mbar_wait(empty(m, st), (use - 1) & 1);
                 mbar_expect_tx(full(m, st), (u32)(nbox * box_rows * 128 * nb));
-                const u32 dst = m == 0 ? ks0 + st * WS_KMAT : vs0 + st * WS_VMAT;
-                for (int rb = 0; rb < nbox; rb++) {
-                    const int row = row_of(kb + rb * box_rows);
-                    for (int b = 0; b < nb; b++)
-                        tma_load_2d(dst + (u32)(b * WG_BK * 128 + rb * box_rows * 128), map, hkv * HD + b * per_box,
-                                    row, full(m, st));
-                }
+                copy_tile(m == 0 ? ks0 + st * WS_KMAT : vs0 + st * WS_VMAT, map, per_box, nb, kb, nbox, full(m, st));
             }
         }
     };
