@@ -9,20 +9,20 @@
 //
 //  vision_embed_pos:  x[r] += bias + Σ taps table[k] * weight   (align-corners bilinear resampling of the
 //                     side x side table to gh x gw; HF's f32 arithmetic, taps in the reference's order)
-//  vision_layer_norm: out[r] = bf16((x[r] - mean) * rsqrt(var + eps) * w + b)     (x f32, two passes)
+//  vision_add_norm:   with y: x[r] += y[r] + bias (the residual add, stored); then out[r] = bf16((x[r] - mean)
+//                     * rsqrt(var + eps) * w + b)  (x f32; without y the LayerNorm alone)
 //  vision_qkv_rope:   qkv[r] = bf16(y[r] + bias); q and k heads rotated by the 2-D axial rotary: pair j of
 //                     hd/2 pairs (dims j, j + hd/2) at angle row * inv[j] for j < hd/4, col * inv[j - hd/4]
 //                     after, inv[i] = 1 / theta^(2i / (hd/2))
 //  vision_attn_d64 / _d72 / _d128: o = softmax(q kᵀ / sqrt(hd)) v per head, each query over the keys of
 //                     its frame (non-causal), FlashAttention-2 style on tensor cores (design above its code)
-//  vision_residual:   x += y + bias                                    (x, y f32 [n, D])
 //  vision_bias_act:   out = bf16(act(y + bias))   act: 0 gelu tanh, 1 gelu (erf), 2 silu, 3 none
 // Shapes/dtypes: x, y f32 [n, D]; qkv bf16 [n, 3D] (q | k | v, head h at h*hd); o bf16 [n, D]; weights,
 // biases, the table bf16. hd ≤ 128 and even (the tower's is 72, a multiple of 4 by its config).
-// Launch: embed_pos, layer_norm, qkv_rope: grid (n), block 256 (qkv_rope: the patch's cos / sin in shared
-// memory, once for all heads); attention: see its design; residual, bias_act: grid (n, ceil(D / 256)),
-// block 256. Arch: plain f32 math, sm_80+ (the attention: mma.sync,
-// ldmatrix, cp.async, sm_80+).
+// Launch: embed_pos: grid (n), block 256; add_norm: a warp a row, 4 rows a block of 128; qkv_rope: 4 patches a
+// block of 256 (their cos / sin in shared memory, once for all heads); attention: see its design; bias_act:
+// grid (n, ceil(D / 1024)), block 256, four values a thread. Arch: plain f32 math, sm_80+ (the attention:
+// mma.sync, ldmatrix, cp.async, sm_80+).
 // Tested by: tests/ops/ cases "vision_*" (against the CPU reference's functions).
 
 __device__ __forceinline__ void vis_patch_pos(int r, int gh, int gw, int merge, int& row, int& col) {
@@ -67,23 +67,135 @@ extern "C" __global__ void vision_embed_pos(float* x, const bf16_t* __restrict__
     }
 }
 
-extern "C" __global__ void vision_layer_norm(const float* __restrict__ x, const bf16_t* __restrict__ w,
-                                             const bf16_t* __restrict__ b, bf16_t* __restrict__ out, int D,
-                                             float eps) {
-    __shared__ float red[32];
-    const float* xr = x + (long long)blockIdx.x * D;
-    float s = 0.0f;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) s += xr[d];
-    const float mean = block_sum(s, red) / (float)D;
-    float v = 0.0f;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        const float c = xr[d] - mean;
-        v += c * c;
+// Four consecutive values of a row as f32: element 4c + i of the row for i < 4 (vec: one 16-byte load of
+// f32, else element loads masked to the row's D, zeros past it). bf16 rows: one 8-byte load, or elements.
+__device__ __forceinline__ float4 vis_ld4(const float* row, int c, int D, bool vec) {
+    if (vec) return *reinterpret_cast<const float4*>(row + 4 * c);
+    float4 v;
+    v.x = 4 * c < D ? row[4 * c] : 0.0f;
+    v.y = 4 * c + 1 < D ? row[4 * c + 1] : 0.0f;
+    v.z = 4 * c + 2 < D ? row[4 * c + 2] : 0.0f;
+    v.w = 4 * c + 3 < D ? row[4 * c + 3] : 0.0f;
+    return v;
+}
+__device__ __forceinline__ float4 vis_ld4(const bf16_t* row, int c, int D, bool vec) {
+    float4 v;
+    if (vec) {
+        const uint2 u = *reinterpret_cast<const uint2*>(row + 4 * c);
+        v.x = __uint_as_float(u.x << 16);
+        v.y = __uint_as_float(u.x & 0xffff0000u);
+        v.z = __uint_as_float(u.y << 16);
+        v.w = __uint_as_float(u.y & 0xffff0000u);
+        return v;
     }
-    const float var = block_sum(v, red) / (float)D;
-    const float inv = 1.0f / sqrtf(var + eps);
-    bf16_t* o = out + (long long)blockIdx.x * D;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) o[d] = f2bf((xr[d] - mean) * inv * bf2f(w[d]) + bf2f(b[d]));
+    v.x = 4 * c < D ? bf2f(row[4 * c]) : 0.0f;
+    v.y = 4 * c + 1 < D ? bf2f(row[4 * c + 1]) : 0.0f;
+    v.z = 4 * c + 2 < D ? bf2f(row[4 * c + 2]) : 0.0f;
+    v.w = 4 * c + 3 < D ? bf2f(row[4 * c + 3]) : 0.0f;
+    return v;
+}
+// Stores the four values of chunk c (vec: one 16-byte f32 store / 8-byte bf16 store, else the elements below D).
+__device__ __forceinline__ void vis_st4(float* row, int c, int D, bool vec, float4 v) {
+    if (vec) {
+        *reinterpret_cast<float4*>(row + 4 * c) = v;
+        return;
+    }
+    if (4 * c < D) row[4 * c] = v.x;
+    if (4 * c + 1 < D) row[4 * c + 1] = v.y;
+    if (4 * c + 2 < D) row[4 * c + 2] = v.z;
+    if (4 * c + 3 < D) row[4 * c + 3] = v.w;
+}
+__device__ __forceinline__ void vis_st4(bf16_t* row, int c, int D, bool vec, float4 v) {
+    if (vec) {
+        uint2 u;
+        u.x = (u32)f2bf(v.x) | ((u32)f2bf(v.y) << 16);
+        u.y = (u32)f2bf(v.z) | ((u32)f2bf(v.w) << 16);
+        *reinterpret_cast<uint2*>(row + 4 * c) = u;
+        return;
+    }
+    if (4 * c < D) row[4 * c] = f2bf(v.x);
+    if (4 * c + 1 < D) row[4 * c + 1] = f2bf(v.y);
+    if (4 * c + 2 < D) row[4 * c + 2] = f2bf(v.z);
+    if (4 * c + 3 < D) row[4 * c + 3] = f2bf(v.w);
+}
+__device__ __forceinline__ float4 vis_add4(float4 a, float4 b) {
+    return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
+
+// Chunks of 4 values a lane of vision_add_norm keeps in registers (rows of up to 32 * 4 * VIS_NORM_REGS
+// values: 1,536; longer rows read the rest again from global memory, where they are cached).
+#define VIS_NORM_REGS 12
+
+// One warp a row (4 rows a block of 128 threads), the row's chunks of 4 values at lane + 32 i: with y, x[r] +=
+// y[r] + bias (stored back), then out[r] = LayerNorm(x[r]) (mean, then the mean of the squared deviations).
+// vec: D % 4 == 0 and every row 16-byte (f32) / 8-byte (bf16) aligned.
+extern "C" __global__ void __launch_bounds__(128) vision_add_norm(float* __restrict__ x, const float* __restrict__ y,
+                                                                const bf16_t* __restrict__ bias,
+                                                                const bf16_t* __restrict__ w,
+                                                                const bf16_t* __restrict__ b, bf16_t* __restrict__ out,
+                                                                int rows, int D, float eps, int vec) {
+    const int r = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (r >= rows) return;
+    const int nch = (D + 3) >> 2;
+    float* xr = x + (long long)r * D;
+    const float* yr = y ? y + (long long)r * D : nullptr;
+    float4 v[VIS_NORM_REGS];
+    float s = 0.0f;
+    // Pass 1: the row (the residual added and stored), its sum; chunks past the registers' reach are
+    // added and stored here and read again below.
+#pragma unroll
+    for (int i = 0; i < VIS_NORM_REGS; i++) {
+        const int c = lane + 32 * i;
+        if (c < nch) {
+            v[i] = vis_ld4(xr, c, D, vec);
+            if (yr) {
+                float4 a = vis_ld4(yr, c, D, vec);
+                if (bias) a = vis_add4(a, vis_ld4(bias, c, D, vec));
+                v[i] = vis_add4(v[i], a);
+                vis_st4(xr, c, D, vec, v[i]);
+            }
+            s += (v[i].x + v[i].y) + (v[i].z + v[i].w);
+        }
+    }
+    for (int c = lane + 32 * VIS_NORM_REGS; c < nch; c += 32) {
+        float4 t = vis_ld4(xr, c, D, vec);
+        if (yr) {
+            float4 a = vis_ld4(yr, c, D, vec);
+            if (bias) a = vis_add4(a, vis_ld4(bias, c, D, vec));
+            t = vis_add4(t, a);
+            vis_st4(xr, c, D, vec, t);
+        }
+        s += (t.x + t.y) + (t.z + t.w);
+    }
+    const float mean = warp_sum(s) / (float)D;
+    // Pass 2: the squared deviations (elements past D, zeros in the chunk, do not count).
+    float q = 0.0f;
+    auto dev = [&](float4 t, int c) {
+        const float e[4] = {t.x - mean, t.y - mean, t.z - mean, t.w - mean};
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            if (4 * c + j < D) q += e[j] * e[j];
+    };
+#pragma unroll
+    for (int i = 0; i < VIS_NORM_REGS; i++) {
+        const int c = lane + 32 * i;
+        if (c < nch) dev(v[i], c);
+    }
+    for (int c = lane + 32 * VIS_NORM_REGS; c < nch; c += 32) dev(vis_ld4(xr, c, D, vec), c);
+    const float inv = 1.0f / sqrtf(warp_sum(q) / (float)D + eps);
+    bf16_t* o = out + (long long)r * D;
+    auto norm = [&](float4 t, int c) {
+        const float4 g = vis_ld4(w, c, D, vec), bb = vis_ld4(b, c, D, vec);
+        vis_st4(o, c, D, vec,
+                make_float4((t.x - mean) * inv * g.x + bb.x, (t.y - mean) * inv * g.y + bb.y,
+                            (t.z - mean) * inv * g.z + bb.z, (t.w - mean) * inv * g.w + bb.w));
+    };
+#pragma unroll
+    for (int i = 0; i < VIS_NORM_REGS; i++) {
+        const int c = lane + 32 * i;
+        if (c < nch) norm(v[i], c);
+    }
+    for (int c = lane + 32 * VIS_NORM_REGS; c < nch; c += 32) norm(vis_ld4(xr, c, D, vec), c);
 }
 
 // a*c - b*s and b*c + a*s with the products rounded before the sum (the reference's order, no FMA).
@@ -93,39 +205,62 @@ __device__ __forceinline__ float vis_rot(float x, float y, float c, float s) {
 
 // Rotated pairs of a head the rotary takes at most (head dims up to 128).
 #define VIS_MAX_HALF 64
+// Patches a vision_qkv_rope block rotates.
+#define VIS_ROPE_ROWS 4
 
-extern "C" __global__ void vision_qkv_rope(const float* __restrict__ y, const bf16_t* __restrict__ bias,
-                                           bf16_t* __restrict__ qkv, int heads, int hd, int gh, int gw, int merge,
-                                           float theta) {
-    const int r = blockIdx.x;
+// VIS_ROPE_ROWS patches a block of 256 threads: the rotation of each pair j at each patch first (shared
+// memory), then per patch the q and k heads two pairs a thread (pairs j, j + 1: 8-byte loads at dims j and
+// j + hd / 2) and v four values a thread. Needs hd % 4 == 0, y 16-byte, bias and qkv 8-byte aligned.
+extern "C" __global__ void __launch_bounds__(256) vision_qkv_rope(const float* __restrict__ y,
+                                                                const bf16_t* __restrict__ bias,
+                                                                bf16_t* __restrict__ qkv, int n, int heads, int hd,
+                                                                int gh, int gw, int merge, float theta) {
+    const int r0 = blockIdx.x * VIS_ROPE_ROWS;
     const int D = heads * hd, half = hd / 2, quarter = hd / 4;
-    int row, col;
-    vis_patch_pos(r, gh, gw, merge, row, col);
-    const float* yr = y + (long long)r * 3 * D;
-    bf16_t* out = qkv + (long long)r * 3 * D;
-    // The patch's rotation of each pair j (the same for every q and k head): computed once.
-    __shared__ float rot[2][VIS_MAX_HALF];
-    for (int j = threadIdx.x; j < half; j += blockDim.x) {
+    const int rows = min(VIS_ROPE_ROWS, n - r0);
+    // The rotation of pair j at patch r0 + i (the same for every q and k head): computed once.
+    __shared__ float2 rot[VIS_ROPE_ROWS][VIS_MAX_HALF];
+    for (int t = threadIdx.x; t < rows * half; t += blockDim.x) {
+        const int i = t / half, j = t % half;
+        int row, col;
+        vis_patch_pos(r0 + i, gh, gw, merge, row, col);
         const int fi = j < quarter ? j : j - quarter;
         const float inv_freq = 1.0f / powf(theta, (float)(2 * fi) / (float)half);
         const float ang = (float)(j < quarter ? row : col) * inv_freq;
-        rot[0][j] = cosf(ang);
-        rot[1][j] = sinf(ang);
+        rot[i][j] = make_float2(cosf(ang), sinf(ang));
     }
     __syncthreads();
-    // q and k: one thread per rotated pair (2 * heads * half of them).
-    for (int k = threadIdx.x; k < 2 * heads * half; k += blockDim.x) {
-        const int hh = k / half, j = k % half;  // hh < heads: q head, else k head hh - heads
-        const int base = hh * hd;               // q | k are contiguous: k head h at D + h*hd
-        const float c = rot[0][j], s = rot[1][j];
-        const float a = yr[base + j] + (bias ? bf2f(bias[base + j]) : 0.0f);
-        const float b = yr[base + j + half] + (bias ? bf2f(bias[base + j + half]) : 0.0f);
-        out[base + j] = f2bf(vis_rot(a, b, c, -s));
-        out[base + j + half] = f2bf(vis_rot(b, a, c, s));
+    // q and k: pairs (j, j + 1) of head hh (hh < heads: a q head, else k head hh - heads; q | k are
+    // contiguous, so k head h sits at D + h * hd).
+    const int hp = half / 2, qk = 2 * heads * hp;
+    for (int t = threadIdx.x; t < rows * qk; t += blockDim.x) {
+        const int i = t / qk, p = t % qk;
+        const int hh = p / hp, j = 2 * (p % hp);
+        const long long at = (long long)(r0 + i) * 3 * D + hh * hd + j;
+        float2 a = *reinterpret_cast<const float2*>(y + at);
+        float2 b = *reinterpret_cast<const float2*>(y + at + half);
+        if (bias) {
+            const u32 ba = *reinterpret_cast<const u32*>(bias + hh * hd + j);
+            const u32 bb = *reinterpret_cast<const u32*>(bias + hh * hd + j + half);
+            a.x += __uint_as_float(ba << 16);
+            a.y += __uint_as_float(ba & 0xffff0000u);
+            b.x += __uint_as_float(bb << 16);
+            b.y += __uint_as_float(bb & 0xffff0000u);
+        }
+        const float2 r1 = rot[i][j], r2 = rot[i][j + 1];
+        const u32 lo = (u32)f2bf(vis_rot(a.x, b.x, r1.x, -r1.y)) | ((u32)f2bf(vis_rot(a.y, b.y, r2.x, -r2.y)) << 16);
+        const u32 hi = (u32)f2bf(vis_rot(b.x, a.x, r1.x, r1.y)) | ((u32)f2bf(vis_rot(b.y, a.y, r2.x, r2.y)) << 16);
+        *reinterpret_cast<u32*>(qkv + at) = lo;
+        *reinterpret_cast<u32*>(qkv + at + half) = hi;
     }
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        const int i = 2 * D + d;
-        out[i] = f2bf(yr[i] + (bias ? bf2f(bias[i]) : 0.0f));
+    // v: four values a thread.
+    const int vq = D / 4;
+    for (int t = threadIdx.x; t < rows * vq; t += blockDim.x) {
+        const int i = t / vq, c = t % vq;
+        const long long row = (long long)(r0 + i) * 3 * D + 2 * D;
+        float4 v = vis_ld4(y + row, c, D, true);
+        if (bias) v = vis_add4(v, vis_ld4(bias + 2 * D, c, D, true));
+        vis_st4(qkv + row, c, D, true, v);
     }
 }
 
@@ -319,29 +454,33 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
     const u32 v_lane = (u32)(((lane & 7) + (((lane >> 3) & 1) << 3)) * STR + (lane >> 4) * 8) * 2;
     const u32 t_lane = (u32)((lane & 15) * STR + KS * 16) * 2;
 
+    // Per key tile j, two barriers: the first makes tile j visible and frees the other stage (every warp
+    // is past tile j - 1), so the copy of tile j + 1 starts there; V's conversion (VA_P_F16) is waited
+    // for by the second, after S and the softmax, just before P V.
     for (int j = 0; j < n_kt; j++) {
         const int kb = fs + j * BK;
+        cp_async_wait<0>();
+        __syncthreads();
         if (j + 1 < n_kt) {
             vat_copy<HDK, BK, true>((j & 1) ? st0 : st1, head + (long long)(kb + BK) * stride + D, stride, D,
                                     fe - kb - BK, hd, vec, tid);
             cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
         }
-        __syncthreads();
         const u32 kt = (j & 1) ? st1 : st0, vt = kt + T::MAT;
 #if VA_P_F16
-        {  // V's hd.. HDK columns of every row (zeros past the frame or hd) to f16 x 2^-8, in place
-            u32* vw = (u32*)(vat_smem + ((j & 1) ? T::STAGE : 0) + T::MAT);
-            constexpr int WPR = HDK / 2;  // words of a row the fragments read
-            for (int i = tid; i < BK * WPR; i += VA_NT) {
-                const int r = i / WPR, c = i - r * WPR;
-                const u32 w = vw[r * (STR / 2) + c];
-                vw[r * (STR / 2) + c] =
-                    pack_f16(__uint_as_float(w << 16) * VA_V_SCALE, __uint_as_float(w & 0xffff0000u) * VA_V_SCALE);
+        {  // V's 0..HDK columns of every row (zeros past the frame or hd) to f16 x 2^-8, in place, 16 bytes a step
+            uint4* vw = (uint4*)(vat_smem + ((j & 1) ? T::STAGE : 0) + T::MAT);
+            constexpr int UPR = HDK / 8;  // 16-byte pieces of a row the fragments read
+            for (int i = tid; i < BK * UPR; i += VA_NT) {
+                const int r = i / UPR, c = i - r * UPR;
+                uint4 u = vw[r * (STR / 8) + c];
+                u32* e = (u32*)&u;
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    e[q] = pack_f16(__uint_as_float(e[q] << 16) * VA_V_SCALE,
+                                    __uint_as_float(e[q] & 0xffff0000u) * VA_V_SCALE);
+                vw[r * (STR / 8) + c] = u;
             }
-            __syncthreads();
         }
 #endif
 
@@ -428,6 +567,9 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
                 }
         }
 
+#if VA_P_F16
+        __syncthreads();  // V's conversion done by every thread
+#endif
         // O += P V, 16 keys per k step; P as two bf16 A fragments straight from the S accumulators, its
         // rounding to bf16 and what that rounding left (P to ~16 bits: with P in bf16 alone the tower's
         // images moved a test model's logits 1.3x further from the f32 oracle than the text did), or
@@ -465,7 +607,6 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
                 for (int mt = 0; mt < MT; mt++) vat_pv(oacc[mt][NO - 1], pa[mt], pl[mt], b0, b1);
             }
         }
-        __syncthreads();  // this stage is rewritten by the copy of tile j + 2
     }
 
 #pragma unroll
@@ -503,32 +644,27 @@ vision_attn_d128(const bf16_t* __restrict__ qkv, bf16_t* __restrict__ o, const i
     vat_body<128>(qkv, o, cu_frames, n, heads, hd, L, scale, vec);
 }
 
-// The elementwise kernels: blockIdx.x the row, blockIdx.y * blockDim.x + threadIdx.x the column (no
-// division per element).
-extern "C" __global__ void vision_residual(float* __restrict__ x, const float* __restrict__ y,
-                                           const bf16_t* __restrict__ bias, int D) {
-    const int c = blockIdx.y * blockDim.x + threadIdx.x;
-    if (c >= D) return;
-    const long long i = (long long)blockIdx.x * D + c;
-    x[i] += y[i] + (bias ? bf2f(bias[c]) : 0.0f);
-}
-
+// vision_bias_act: blockIdx.x the row, blockIdx.y * blockDim.x + threadIdx.x its chunk of four values
+// (vec: D % 4 == 0 and rows 16-byte (y) / 8-byte (bias, out) aligned, else element loads and stores).
 extern "C" __global__ void vision_bias_act(const float* __restrict__ y, const bf16_t* __restrict__ bias,
-                                           bf16_t* __restrict__ out, int D, int act) {
+                                           bf16_t* __restrict__ out, int D, int act, int vec) {
     const int c = blockIdx.y * blockDim.x + threadIdx.x;
-    if (c >= D) return;
-    const long long i = (long long)blockIdx.x * D + c;
-    const float v = y[i] + (bias ? bf2f(bias[c]) : 0.0f);
-    float a;
-    if (act == 0) {
-        const float k = 0.7978846f;  // sqrt(2 / pi), the reference's f32 constant
-        a = 0.5f * v * (1.0f + tanhf(k * (v + 0.044715f * v * v * v)));
-    } else if (act == 1) {
-        a = 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
-    } else if (act == 2) {
-        a = v * (1.0f / (1.0f + expf(-v)));
-    } else {
-        a = v;
+    if (4 * c >= D) return;
+    const long long r = (long long)blockIdx.x * D;
+    float4 v = vis_ld4(y + r, c, D, vec);
+    if (bias) v = vis_add4(v, vis_ld4(bias, c, D, vec));
+    float e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const float t = e[j];
+        if (act == 0) {
+            const float k = 0.7978846f;  // sqrt(2 / pi), the reference's f32 constant
+            e[j] = 0.5f * t * (1.0f + tanhf(k * (t + 0.044715f * t * t * t)));
+        } else if (act == 1) {
+            e[j] = 0.5f * t * (1.0f + erff(t * 0.70710678118654752f));
+        } else if (act == 2) {
+            e[j] = t * (1.0f / (1.0f + expf(-t)));
+        }
     }
-    out[i] = f2bf(a);
+    vis_st4(out + r, c, D, vec, make_float4(e[0], e[1], e[2], e[3]));
 }

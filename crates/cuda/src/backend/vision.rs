@@ -4,7 +4,8 @@
 //! adds its bias (`kernels/vision.cu`): patch embedding → position embeddings → blocks (LayerNorm, qkv,
 //! axial rotary, attention within each frame, proj, residual; LayerNorm, fc1, activation, fc2, residual)
 //! → merger (LayerNorm, `merge²` consecutive rows as one, fc1, exact GELU, fc2) → the image's merged rows
-//! `[tokens, out_hidden]` bf16, the text model's embedding rows.
+//! `[tokens, out_hidden]` bf16, the text model's embedding rows. Each residual add runs in one kernel with
+//! the LayerNorm that follows it.
 //!
 //! The tower is loaded when the plan prices it (`max_image_tokens_per_step`: the CLI sets it for a model
 //! that has one, unless `--no-vision` or the fit traded it for context); it does not run under tensor
@@ -295,22 +296,23 @@ impl Vision {
             VisionAct::Gelu => Act::Gelu,
             VisionAct::Silu => Act::Silu,
         };
-        for b in &w.blocks {
-            vk::layer_norm(k, s, x, b.norm1.weight, b.norm1.bias, xn, n, h, LN_EPS)?;
+        // Each residual add runs with the LayerNorm after it (the next block's first, or the merger's).
+        let first = w.blocks.first().map_or(&w.merger_norm, |b| &b.norm1);
+        vk::layer_norm(k, s, x, first.weight, first.bias, xn, n, h, LN_EPS)?;
+        for (i, b) in w.blocks.iter().enumerate() {
             gemm.linear_out(s, xn, b.qkv.weight, wide, n, 3 * h, h, true)?;
             vk::qkv_rope(k, s, wide, bias(&b.qkv), narrow, heads, hd, grid, c.rope_theta as f32)?;
             vk::attention(k, s, narrow, xn, heads, hd, grid)?;
             gemm.linear_out(s, xn, b.proj.weight, wide, n, h, h, true)?;
-            vk::residual(k, s, x, wide, bias(&b.proj), n, h)?;
-            vk::layer_norm(k, s, x, b.norm2.weight, b.norm2.bias, xn, n, h, LN_EPS)?;
+            vk::residual_norm(k, s, x, wide, bias(&b.proj), b.norm2.weight, b.norm2.bias, xn, n, h, LN_EPS)?;
             gemm.linear_out(s, xn, b.fc1.weight, wide, n, inter, h, true)?;
             vk::bias_act(k, s, wide, bias(&b.fc1), narrow, n, inter, act)?;
             gemm.linear_out(s, narrow, b.fc2.weight, wide, n, h, inter, true)?;
-            vk::residual(k, s, x, wide, bias(&b.fc2), n, h)?;
+            let next = w.blocks.get(i + 1).map_or(&w.merger_norm, |nb| &nb.norm1);
+            vk::residual_norm(k, s, x, wide, bias(&b.fc2), next.weight, next.bias, xn, n, h, LN_EPS)?;
         }
         // The merger: each merge² consecutive rows of the normed stream are one row of h · merge².
         let (rows, merged) = (n / c.merge_unit(), h * c.merge_unit());
-        vk::layer_norm(k, s, x, w.merger_norm.weight, w.merger_norm.bias, xn, n, h, LN_EPS)?;
         gemm.linear_out(s, xn, w.merger_fc1.weight, wide, rows, merged, merged, true)?;
         vk::bias_act(k, s, wide, bias(&w.merger_fc1), narrow, rows, merged, Act::Gelu)?;
         gemm.linear_out(s, narrow, w.merger_fc2.weight, wide, rows, c.out_hidden_size, merged, true)?;

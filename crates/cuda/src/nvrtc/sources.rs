@@ -31,12 +31,11 @@ pub const SOURCES: &[KernelSource] = &[
         src: include_str!("../../kernels/vision.cu"),
         functions: &[
             "vision_embed_pos",
-            "vision_layer_norm",
+            "vision_add_norm",
             "vision_qkv_rope",
             "vision_attn_d64",
             "vision_attn_d72",
             "vision_attn_d128",
-            "vision_residual",
             "vision_bias_act",
         ],
     },

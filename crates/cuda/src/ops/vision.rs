@@ -1,6 +1,6 @@
-//! Launchers for kernels/vision.cu: the vision tower's own kernels (position embeddings, LayerNorm, the
-//! qkv bias with the 2-D axial rotary, non-causal attention within an image's frames, the residual add
-//! and the biased activations). Every launch is over one image of grid (t, h, w) patches.
+//! Launchers for kernels/vision.cu: the vision tower's own kernels (position embeddings, LayerNorm with
+//! the residual add before it, the qkv bias with the 2-D axial rotary, non-causal attention within an
+//! image's frames and the biased activations). Every launch is over one image of grid (t, h, w) patches.
 
 use cudarc::driver::CudaStream;
 
@@ -82,15 +82,56 @@ pub fn layer_norm(
     d: usize,
     eps: f32,
 ) -> Result<(), CudaError> {
-    const K: &str = "vision_layer_norm";
+    add_norm(k, s, x, None, w, b, out, rows, d, eps)
+}
+
+/// The residual add and the LayerNorm after it, one pass: x `[rows, d]` f32 += y `[rows, d]` f32 + bias
+/// (`[d]` bf16, 0: none), then out `[rows, d]` bf16 = LayerNorm(x) with weight and bias `[d]` bf16.
+#[allow(clippy::too_many_arguments)]
+pub fn residual_norm(
+    k: &Kernels,
+    s: &CudaStream,
+    x: u64,
+    y: u64,
+    bias: u64,
+    w: u64,
+    b: u64,
+    out: u64,
+    rows: usize,
+    d: usize,
+    eps: f32,
+) -> Result<(), CudaError> {
+    add_norm(k, s, x, Some((y, bias)), w, b, out, rows, d, eps)
+}
+
+/// `vision_add_norm`: a warp a row, four rows a block; chunks of four values where every row is aligned.
+#[allow(clippy::too_many_arguments)]
+fn add_norm(
+    k: &Kernels,
+    s: &CudaStream,
+    x: u64,
+    residual: Option<(u64, u64)>,
+    w: u64,
+    b: u64,
+    out: u64,
+    rows: usize,
+    d: usize,
+    eps: f32,
+) -> Result<(), CudaError> {
+    const K: &str = "vision_add_norm";
     if rows == 0 {
         return Ok(());
     }
     if d == 0 {
         return Err(invalid(K, "d = 0"));
     }
-    let dd = to_i32(K, "d", d)?;
-    launch!(k, s, K, (to_u32(K, "rows", rows)?, 1, 1), (256, 1, 1), 0; x, w, b, out, dd, eps)
+    let (y, bias) = residual.unwrap_or((0, 0));
+    let f32s = [x, y].iter().all(|p| p.is_multiple_of(16));
+    let vec = (d.is_multiple_of(4) && f32s && [bias, w, b, out].iter().all(|p| p.is_multiple_of(8))) as i32;
+    let (n, dd) = (to_i32(K, "rows", rows)?, to_i32(K, "d", d)?);
+    rows.checked_mul(d).ok_or_else(|| invalid(K, "rows × d overflows"))?;
+    let blocks = (to_u32(K, "row blocks", rows.div_ceil(4))?, 1, 1);
+    launch!(k, s, K, blocks, (128, 1, 1), 0; x, y, bias, w, b, out, n, dd, eps, vec)
 }
 
 /// qkv `[patches, 3·heads·hd]` bf16 = y (f32, the qkv GEMM's output) + bias (`[3·heads·hd]` bf16, 0:
@@ -112,10 +153,17 @@ pub fn qkv_rope(
     if heads == 0 || hd == 0 || !hd.is_multiple_of(4) || hd > MAX_HEAD_DIM {
         return Err(invalid(K, format!("{heads} heads of dim {hd} (a multiple of 4, at most {MAX_HEAD_DIM})")));
     }
-    let (nh, d) = (to_i32(K, "heads", heads)?, to_i32(K, "hd", hd)?);
-    let blocks = (to_u32(K, "patches", grid.patches())?, 1, 1);
-    launch!(k, s, K, blocks, (256, 1, 1), 0; y, bias, qkv, nh, d, gh, gw, merge, theta)
+    if !y.is_multiple_of(16) || !bias.is_multiple_of(8) || !qkv.is_multiple_of(8) {
+        return Err(invalid(K, format!("y {y:#x} must be 16-byte, bias {bias:#x} and qkv {qkv:#x} 8-byte aligned")));
+    }
+    let n = grid.patches();
+    let (nn, nh, d) = (to_i32(K, "patches", n)?, to_i32(K, "heads", heads)?, to_i32(K, "hd", hd)?);
+    let blocks = (to_u32(K, "patch blocks", n.div_ceil(ROPE_ROWS))?, 1, 1);
+    launch!(k, s, K, blocks, (256, 1, 1), 0; y, bias, qkv, nn, nh, d, gh, gw, merge, theta)
 }
+
+/// Patches a `vision_qkv_rope` block rotates (`VIS_ROPE_ROWS`).
+const ROPE_ROWS: usize = 4;
 
 /// o `[patches, heads·hd]` bf16 = softmax(q kᵀ / √hd) v per head, each patch attending to every patch of
 /// its frame (`grid.h · grid.w` patches); q, k, v the thirds of qkv `[patches, 3·heads·hd]` bf16.
@@ -210,23 +258,6 @@ pub fn attention_frames(
     launch!(k, s, name, blocks, (128, 1, 1), 0; qkv, o, cu, nn, nh, d, l, scale, vec)
 }
 
-/// x += y + bias: x, y `[rows, d]` f32, bias `[d]` bf16 (0: none).
-#[allow(clippy::too_many_arguments)]
-pub fn residual(
-    k: &Kernels,
-    s: &CudaStream,
-    x: u64,
-    y: u64,
-    bias: u64,
-    rows: usize,
-    d: usize,
-) -> Result<(), CudaError> {
-    const K: &str = "vision_residual";
-    let Some(shape) = elementwise(K, rows, d) else { return Ok(()) };
-    let (blocks, dd) = shape?;
-    launch!(k, s, K, blocks, (ELEMENTWISE_THREADS as u32, 1, 1), 0; x, y, bias, dd)
-}
-
 /// out `[rows, d]` bf16 = act(y + bias): y f32, bias `[d]` bf16 (0: none).
 #[allow(clippy::too_many_arguments)]
 pub fn bias_act(
@@ -243,14 +274,15 @@ pub fn bias_act(
     let a = act as i32;
     let Some(shape) = elementwise(K, rows, d) else { return Ok(()) };
     let (blocks, dd) = shape?;
-    launch!(k, s, K, blocks, (ELEMENTWISE_THREADS as u32, 1, 1), 0; y, bias, out, dd, a)
+    let vec = (d.is_multiple_of(4) && y.is_multiple_of(16) && [bias, out].iter().all(|p| p.is_multiple_of(8))) as i32;
+    launch!(k, s, K, blocks, (ELEMENTWISE_THREADS as u32, 1, 1), 0; y, bias, out, dd, a, vec)
 }
 
-/// Threads of an elementwise block (columns of one row).
+/// Threads of an elementwise block (chunks of four columns of one row).
 const ELEMENTWISE_THREADS: usize = 256;
 
-/// The grid (a row per `x`, column blocks in `y`) and width of an elementwise launch over `[rows, d]` (None:
-/// nothing to do).
+/// The grid (a row per `x`, blocks of `4 · ELEMENTWISE_THREADS` columns in `y`) and width of an elementwise
+/// launch over `[rows, d]` (None: nothing to do).
 type Elementwise = ((u32, u32, u32), i32);
 
 fn elementwise(kernel: &'static str, rows: usize, d: usize) -> Option<Result<Elementwise, CudaError>> {
@@ -258,9 +290,9 @@ fn elementwise(kernel: &'static str, rows: usize, d: usize) -> Option<Result<Ele
         return None;
     }
     let shape = || -> Result<Elementwise, CudaError> {
-        let cols = to_u32(kernel, "column blocks", d.div_ceil(ELEMENTWISE_THREADS))?;
+        let cols = to_u32(kernel, "column blocks", d.div_ceil(4 * ELEMENTWISE_THREADS))?;
         if cols > 65_535 {
-            return Err(invalid(kernel, format!("rows of {d}: at most {} columns", 65_535 * ELEMENTWISE_THREADS)));
+            return Err(invalid(kernel, format!("rows of {d}: at most {} columns", 65_535 * 4 * ELEMENTWISE_THREADS)));
         }
         rows.checked_mul(d).ok_or_else(|| invalid(kernel, "rows × d overflows"))?;
         Ok(((to_u32(kernel, "rows", rows)?, cols, 1), to_i32(kernel, "d", d)?))
@@ -277,10 +309,10 @@ mod tests {
     #[test]
     fn elementwise_launches_take_a_row_per_block_column() {
         use super::elementwise;
-        assert_eq!(elementwise("k", 4096, 4304).unwrap().unwrap(), ((4096, 17, 1), 4304));
-        assert_eq!(elementwise("k", 65_536, 1152).unwrap().unwrap(), ((65_536, 5, 1), 1152));
+        assert_eq!(elementwise("k", 4096, 4304).unwrap().unwrap(), ((4096, 5, 1), 4304));
+        assert_eq!(elementwise("k", 65_536, 1152).unwrap().unwrap(), ((65_536, 2, 1), 1152));
         assert!(elementwise("k", 0, 8).is_none() && elementwise("k", 8, 0).is_none());
-        assert!(elementwise("k", 1, 65_536 * 256).unwrap().is_err(), "too many column blocks");
+        assert!(elementwise("k", 1, 65_536 * 1024).unwrap().is_err(), "too many column blocks");
     }
 
     #[test]

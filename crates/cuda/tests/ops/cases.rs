@@ -672,8 +672,13 @@ pub(crate) fn vision_cases() -> Vec<Case> {
     vec![
         c("qk_norm_rope_mrope", q, mrope(12, 24, 4, 256, 64), SINGLE),
         c("qk_norm_rope_mrope", q, mrope(9, 4, 2, 32, 8), SINGLE),
-        c("vision_layer_norm", q, Op::VisionLayerNorm { rows: 7, d: 1152 }, SINGLE),
-        c("vision_layer_norm", q, Op::VisionLayerNorm { rows: 3, d: 144 }, SINGLE),
+        c("vision_layer_norm", q, Op::VisionLayerNorm { rows: 7, d: 1152, residual: false }, SINGLE),
+        c("vision_layer_norm", q, Op::VisionLayerNorm { rows: 3, d: 144, residual: false }, SINGLE),
+        // The residual add before it: the tower's width, a width past the registers' 1,536 and one not a
+        // multiple of 4 (element loads), row counts not a multiple of the block's 4.
+        c("vision_layer_norm", q, Op::VisionLayerNorm { rows: 9, d: 1152, residual: true }, SINGLE),
+        c("vision_layer_norm", q, Op::VisionLayerNorm { rows: 5, d: 2052, residual: true }, SINGLE),
+        c("vision_layer_norm", q, Op::VisionLayerNorm { rows: 6, d: 150, residual: true }, SINGLE),
         c("vision_embed_pos", q, Op::VisionEmbedPos { grid: [1, 4, 6], d: 144, side: 8 }, SINGLE),
         c("vision_embed_pos", q, Op::VisionEmbedPos { grid: [2, 14, 10], d: 1152, side: 48 }, SINGLE),
         c("vision_embed_pos", q, Op::VisionEmbedPos { grid: [1, 64, 96], d: 144, side: 48 }, SINGLE),
@@ -709,5 +714,6 @@ pub(crate) fn vision_cases() -> Vec<Case> {
         c("vision_bias_act", q, Op::VisionBiasAct { rows: 9, d: 576, act: Gelu }, SINGLE),
         c("vision_bias_act", q, Op::VisionBiasAct { rows: 4, d: 288, act: Silu }, SINGLE),
         c("vision_bias_act", q, Op::VisionBiasAct { rows: 3, d: 5120, act: Plain }, SINGLE),
+        c("vision_bias_act", q, Op::VisionBiasAct { rows: 4, d: 1030, act: GeluTanh }, SINGLE),
     ]
 }

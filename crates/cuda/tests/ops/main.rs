@@ -136,10 +136,12 @@ enum Op {
         rot: usize,
         section: [usize; 3],
     },
-    /// The vision tower's LayerNorm: f32 rows in, bf16 out.
+    /// The vision tower's LayerNorm: f32 rows in, bf16 out; with `residual`, the residual add (x += y +
+    /// bias, stored) in the same kernel before it.
     VisionLayerNorm {
         rows: usize,
         d: usize,
+        residual: bool,
     },
     /// The tower's position embeddings: an image of `grid` (t, h, w) patches, the `side²` table.
     VisionEmbedPos {
@@ -167,7 +169,7 @@ enum Op {
         hd: usize,
         nan_smem: bool,
     },
-    /// The biased activation (and the residual add) of the tower's GEMM outputs.
+    /// The biased activation of the tower's GEMM outputs.
     VisionBiasAct {
         rows: usize,
         d: usize,

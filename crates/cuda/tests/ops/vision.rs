@@ -47,18 +47,29 @@ fn randf(rng: &mut StdRng, n: usize, a: f32) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-a..a)).collect()
 }
 
-/// [`Op::VisionLayerNorm`]: f32 rows → LayerNorm → bf16.
+/// [`Op::VisionLayerNorm`]: f32 rows → LayerNorm → bf16; with `residual`, x += y + bias first (the stored
+/// stream compared too).
 pub fn layer_norm(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
     let Env { k, s, tol, .. } = e;
-    let Op::VisionLayerNorm { rows, d: dim } = *op else { unreachable!() };
+    let Op::VisionLayerNorm { rows, d: dim, residual } = *op else { unreachable!() };
     // An offset, so the mean matters.
     let x: Vec<f32> = randf(rng, rows * dim, 3.0).iter().map(|v| v + 1.5).collect();
     let (w, b) = (randv(rng, dim, 1.0), randv(rng, dim, 0.5));
     let (xp, wp, bp, op) = (d.f32s(&x)?, d.bf16(&w)?, d.bf16(&b)?, d.poison(2 * rows * dim)?);
-    vk::layer_norm(k, s, xp, wp, bp, op, rows, dim, 1e-6)?;
+    let mut out = Vec::new();
     let mut r = x.clone();
+    if residual {
+        let (y, bias) = (randf(rng, rows * dim, 2.0), randv(rng, dim, 0.5));
+        let (yp, biasp) = (d.f32s(&y)?, d.bf16(&bias)?);
+        vk::residual_norm(k, s, xp, yp, biasp, wp, bp, op, rows, dim, 1e-6)?;
+        r.iter_mut().enumerate().for_each(|(i, v)| *v += y[i] + bias[i % dim]);
+        out.push(compare("stream", &r, &d.get_f32(xp, rows * dim)?, tol));
+    } else {
+        vk::layer_norm(k, s, xp, wp, bp, op, rows, dim, 1e-6)?;
+    }
     cpu::norm::layer_norm(&mut r, &w, &b, 1e-6);
-    Ok(vec![compare("normed", &r, &d.get_bf16(op, rows * dim)?, tol)])
+    out.push(compare("normed", &r, &d.get_bf16(op, rows * dim)?, tol));
+    Ok(out)
 }
 
 /// [`Op::VisionEmbedPos`]: x + bias + the interpolated position table.
@@ -158,7 +169,7 @@ pub fn attention_frames(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec
     Ok(out)
 }
 
-/// [`Op::VisionBiasAct`]: act(y + bias) to bf16; [`Op::VisionResidual`] rides along: x += y + bias.
+/// [`Op::VisionBiasAct`]: act(y + bias) to bf16.
 pub fn bias_act(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
     let Env { k, s, tol, .. } = e;
     let Op::VisionBiasAct { rows, d: dim, act } = *op else { unreachable!() };
@@ -166,14 +177,7 @@ pub fn bias_act(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
     let (yp, bp, op) = (d.f32s(&y)?, d.bf16(&bias)?, d.poison(2 * rows * dim)?);
     vk::bias_act(k, s, yp, bp, op, rows, dim, act.kernel())?;
     let r: Vec<f32> = y.iter().enumerate().map(|(i, v)| act.reference(v + bias[i % dim])).collect();
-    let x = randf(rng, rows * dim, 1.0);
-    let xp = d.f32s(&x)?;
-    vk::residual(k, s, xp, yp, bp, rows, dim)?;
-    let rx: Vec<f32> = x.iter().enumerate().map(|(i, v)| v + (y[i] + bias[i % dim])).collect();
-    Ok(vec![
-        compare("act", &r, &d.get_bf16(op, rows * dim)?, tol),
-        compare("residual", &rx, &d.get_f32(xp, rows * dim)?, tol),
-    ])
+    Ok(vec![compare("act", &r, &d.get_bf16(op, rows * dim)?, tol)])
 }
 
 /// [`Op::QkNormRopeMrope`]: the fused q/k norm + RoPE at (t, h, w) positions against rms_norm_1p +
