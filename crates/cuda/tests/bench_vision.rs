@@ -229,17 +229,17 @@ fn bench_vision_tower_ops_27b() {
                 }
             };
             if block == 0 {
-                op(0, &mut || vk::layer_norm(&k, s, x, ln_w, ln_b, xn, n, h, 1e-6).unwrap());
+                op(0, &mut || vk::layer_norm(&k, s, x, None, ln_w, ln_b, xn, n, h, 1e-6).unwrap());
             }
             op(1, &mut || gemm.linear_out(s, xn, qkv_w, wide, n, 3 * h, h, true).unwrap());
             op(2, &mut || vk::qkv_rope(&k, s, wide, qkv_b, narrow, heads, hd, grid, v.rope_theta as f32).unwrap());
             op(3, &mut || vk::attention(&k, s, narrow, xn, heads, hd, grid).unwrap());
             op(4, &mut || gemm.linear_out(s, xn, proj_w, wide, n, h, h, true).unwrap());
-            op(5, &mut || vk::residual_norm(&k, s, x, wide, proj_b, ln_w, ln_b, xn, n, h, 1e-6).unwrap());
+            op(5, &mut || vk::layer_norm(&k, s, x, Some((wide, proj_b)), ln_w, ln_b, xn, n, h, 1e-6).unwrap());
             op(6, &mut || gemm.linear_out(s, xn, fc1_w, wide, n, inter, h, true).unwrap());
             op(7, &mut || vk::bias_act(&k, s, wide, fc1_b, narrow, n, inter, act).unwrap());
             op(8, &mut || gemm.linear_out(s, narrow, fc2_w, wide, n, h, inter, true).unwrap());
-            op(5, &mut || vk::residual_norm(&k, s, x, wide, fc2_b, ln_w, ln_b, xn, n, h, 1e-6).unwrap());
+            op(5, &mut || vk::layer_norm(&k, s, x, Some((wide, fc2_b)), ln_w, ln_b, xn, n, h, 1e-6).unwrap());
         }
     };
     pass(false, &mut ms);

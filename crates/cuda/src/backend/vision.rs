@@ -298,18 +298,18 @@ impl Vision {
         };
         // Each residual add runs with the LayerNorm after it (the next block's first, or the merger's).
         let first = w.blocks.first().map_or(&w.merger_norm, |b| &b.norm1);
-        vk::layer_norm(k, s, x, first.weight, first.bias, xn, n, h, LN_EPS)?;
+        vk::layer_norm(k, s, x, None, first.weight, first.bias, xn, n, h, LN_EPS)?;
         for (i, b) in w.blocks.iter().enumerate() {
             gemm.linear_out(s, xn, b.qkv.weight, wide, n, 3 * h, h, true)?;
             vk::qkv_rope(k, s, wide, bias(&b.qkv), narrow, heads, hd, grid, c.rope_theta as f32)?;
             vk::attention(k, s, narrow, xn, heads, hd, grid)?;
             gemm.linear_out(s, xn, b.proj.weight, wide, n, h, h, true)?;
-            vk::residual_norm(k, s, x, wide, bias(&b.proj), b.norm2.weight, b.norm2.bias, xn, n, h, LN_EPS)?;
+            vk::layer_norm(k, s, x, Some((wide, bias(&b.proj))), b.norm2.weight, b.norm2.bias, xn, n, h, LN_EPS)?;
             gemm.linear_out(s, xn, b.fc1.weight, wide, n, inter, h, true)?;
             vk::bias_act(k, s, wide, bias(&b.fc1), narrow, n, inter, act)?;
             gemm.linear_out(s, narrow, b.fc2.weight, wide, n, h, inter, true)?;
             let next = w.blocks.get(i + 1).map_or(&w.merger_norm, |nb| &nb.norm1);
-            vk::residual_norm(k, s, x, wide, bias(&b.fc2), next.weight, next.bias, xn, n, h, LN_EPS)?;
+            vk::layer_norm(k, s, x, Some((wide, bias(&b.fc2))), next.weight, next.bias, xn, n, h, LN_EPS)?;
         }
         // The merger: each merge² consecutive rows of the normed stream are one row of h · merge².
         let (rows, merged) = (n / c.merge_unit(), h * c.merge_unit());

@@ -69,44 +69,12 @@ pub fn embed_pos(
     launch!(k, s, K, blocks, (256, 1, 1), 0; x, bias, table, dd, gh, gw, merge, side)
 }
 
-/// out `[rows, d]` bf16 = LayerNorm(x `[rows, d]` f32) with weight and bias `[d]` bf16.
+/// out `[rows, d]` bf16 = LayerNorm(x `[rows, d]` f32) with weight and bias `[d]` bf16; with `residual` =
+/// (y, bias), the residual add before it in the same pass: x += y (`[rows, d]` f32) + bias (`[d]` bf16, 0:
+/// none), stored. `vision_add_norm`: a warp a row, four rows a block, chunks of four values where every row
+/// is aligned.
 #[allow(clippy::too_many_arguments)]
 pub fn layer_norm(
-    k: &Kernels,
-    s: &CudaStream,
-    x: u64,
-    w: u64,
-    b: u64,
-    out: u64,
-    rows: usize,
-    d: usize,
-    eps: f32,
-) -> Result<(), CudaError> {
-    add_norm(k, s, x, None, w, b, out, rows, d, eps)
-}
-
-/// The residual add and the LayerNorm after it, one pass: x `[rows, d]` f32 += y `[rows, d]` f32 + bias
-/// (`[d]` bf16, 0: none), then out `[rows, d]` bf16 = LayerNorm(x) with weight and bias `[d]` bf16.
-#[allow(clippy::too_many_arguments)]
-pub fn residual_norm(
-    k: &Kernels,
-    s: &CudaStream,
-    x: u64,
-    y: u64,
-    bias: u64,
-    w: u64,
-    b: u64,
-    out: u64,
-    rows: usize,
-    d: usize,
-    eps: f32,
-) -> Result<(), CudaError> {
-    add_norm(k, s, x, Some((y, bias)), w, b, out, rows, d, eps)
-}
-
-/// `vision_add_norm`: a warp a row, four rows a block; chunks of four values where every row is aligned.
-#[allow(clippy::too_many_arguments)]
-fn add_norm(
     k: &Kernels,
     s: &CudaStream,
     x: u64,

@@ -61,11 +61,11 @@ pub fn layer_norm(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outco
     if residual {
         let (y, bias) = (randf(rng, rows * dim, 2.0), randv(rng, dim, 0.5));
         let (yp, biasp) = (d.f32s(&y)?, d.bf16(&bias)?);
-        vk::residual_norm(k, s, xp, yp, biasp, wp, bp, op, rows, dim, 1e-6)?;
+        vk::layer_norm(k, s, xp, Some((yp, biasp)), wp, bp, op, rows, dim, 1e-6)?;
         r.iter_mut().enumerate().for_each(|(i, v)| *v += y[i] + bias[i % dim]);
         out.push(compare("stream", &r, &d.get_f32(xp, rows * dim)?, tol));
     } else {
-        vk::layer_norm(k, s, xp, wp, bp, op, rows, dim, 1e-6)?;
+        vk::layer_norm(k, s, xp, None, wp, bp, op, rows, dim, 1e-6)?;
     }
     cpu::norm::layer_norm(&mut r, &w, &b, 1e-6);
     out.push(compare("normed", &r, &d.get_bf16(op, rows * dim)?, tol));
