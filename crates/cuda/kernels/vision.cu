@@ -143,21 +143,7 @@ extern "C" __global__ void __launch_bounds__(128) vision_add_norm(float* __restr
     float s = 0.0f;
     // Pass 1: the row (the residual added and stored), its sum; chunks past the registers' reach are
     // added and stored here and read again below.
-#pragma unroll
-    for (int i = 0; i < VIS_NORM_REGS; i++) {
-        const int c = lane + 32 * i;
-        if (c < nch) {
-            v[i] = vis_ld4(xr, c, D, vec);
-            if (yr) {
-                float4 a = vis_ld4(yr, c, D, vec);
-                if (bias) a = vis_add4(a, vis_ld4(bias, c, D, vec));
-                v[i] = vis_add4(v[i], a);
-                vis_st4(xr, c, D, vec, v[i]);
-            }
-            s += (v[i].x + v[i].y) + (v[i].z + v[i].w);
-        }
-    }
-    for (int c = lane + 32 * VIS_NORM_REGS; c < nch; c += 32) {
+    auto add = [&](int c) {
         float4 t = vis_ld4(xr, c, D, vec);
         if (yr) {
             float4 a = vis_ld4(yr, c, D, vec);
@@ -166,7 +152,14 @@ extern "C" __global__ void __launch_bounds__(128) vision_add_norm(float* __restr
             vis_st4(xr, c, D, vec, t);
         }
         s += (t.x + t.y) + (t.z + t.w);
+        return t;
+    };
+#pragma unroll
+    for (int i = 0; i < VIS_NORM_REGS; i++) {
+        const int c = lane + 32 * i;
+        if (c < nch) v[i] = add(c);
     }
+    for (int c = lane + 32 * VIS_NORM_REGS; c < nch; c += 32) add(c);
     const float mean = warp_sum(s) / (float)D;
     // Pass 2: the squared deviations (elements past D, zeros in the chunk, do not count).
     float q = 0.0f;
