@@ -94,8 +94,7 @@ pub fn layer_norm(
         return Err(invalid(K, "d = 0"));
     }
     let (y, bias) = residual.unwrap_or((0, 0));
-    let f32s = [x, y].iter().all(|p| p.is_multiple_of(16));
-    let vec = (d.is_multiple_of(4) && f32s && [bias, w, b, out].iter().all(|p| p.is_multiple_of(8))) as i32;
+    let vec = chunks_of_four(d, &[x, y], &[bias, w, b, out]);
     let (n, dd) = (to_i32(K, "rows", rows)?, to_i32(K, "d", d)?);
     rows.checked_mul(d).ok_or_else(|| invalid(K, "rows × d overflows"))?;
     let blocks = (to_u32(K, "row blocks", rows.div_ceil(4))?, 1, 1);
@@ -242,8 +241,16 @@ pub fn bias_act(
     let a = act as i32;
     let Some(shape) = elementwise(K, rows, d) else { return Ok(()) };
     let (blocks, dd) = shape?;
-    let vec = (d.is_multiple_of(4) && y.is_multiple_of(16) && [bias, out].iter().all(|p| p.is_multiple_of(8))) as i32;
+    let vec = chunks_of_four(d, &[y], &[bias, out]);
     launch!(k, s, K, blocks, (ELEMENTWISE_THREADS as u32, 1, 1), 0; y, bias, out, dd, a, vec)
+}
+
+/// The kernels' `vec` flag: 1 where rows of `d` values take 16-byte loads of f32 and 8-byte loads of bf16
+/// (`d` a multiple of 4, the f32 rows at `f32s` 16-byte and the bf16 rows at `bf16s` 8-byte aligned), else 0
+/// (element loads).
+fn chunks_of_four(d: usize, f32s: &[u64], bf16s: &[u64]) -> i32 {
+    let aligned = |ps: &[u64], to: u64| ps.iter().all(|p| p.is_multiple_of(to));
+    (d.is_multiple_of(4) && aligned(f32s, 16) && aligned(bf16s, 8)) as i32
 }
 
 /// Threads of an elementwise block (chunks of four columns of one row).
@@ -281,6 +288,15 @@ mod tests {
         assert_eq!(elementwise("k", 65_536, 1152).unwrap().unwrap(), ((65_536, 2, 1), 1152));
         assert!(elementwise("k", 0, 8).is_none() && elementwise("k", 8, 0).is_none());
         assert!(elementwise("k", 1, 65_536 * 1024).unwrap().is_err(), "too many column blocks");
+    }
+
+    #[test]
+    fn chunks_of_four_need_a_width_of_fours_and_aligned_rows() {
+        use super::chunks_of_four;
+        assert_eq!(chunks_of_four(1152, &[0x100, 0], &[0x208, 0]), 1);
+        assert_eq!(chunks_of_four(150, &[0x100], &[0x200]), 0, "width not a multiple of 4");
+        assert_eq!(chunks_of_four(1152, &[0x108], &[0x200]), 0, "f32 rows 8-byte aligned only");
+        assert_eq!(chunks_of_four(1152, &[0x100], &[0x204]), 0, "bf16 rows 4-byte aligned only");
     }
 
     #[test]
