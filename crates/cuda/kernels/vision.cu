@@ -11,19 +11,25 @@
 //                     side x side table to gh x gw; HF's f32 arithmetic, taps in the reference's order)
 //  vision_add_norm:   with y: x[r] += y[r] + bias (the residual add, stored); then out[r] = bf16((x[r] - mean)
 //                     * rsqrt(var + eps) * w + b)  (x f32; without y the LayerNorm alone)
-//  vision_qkv_rope:   qkv[r] = bf16(y[r] + bias); q and k heads rotated by the 2-D axial rotary: pair j of
+//  vision_qkv_rope:   qkv[r] = y[r] + bias: q and k heads (bf16) rotated by the 2-D axial rotary, pair j of
 //                     hd/2 pairs (dims j, j + hd/2) at angle row * inv[j] for j < hd/4, col * inv[j - hd/4]
-//                     after, inv[i] = 1 / theta^(2i / (hd/2))
+//                     after, inv[i] = 1 / theta^(2i / (hd/2)); v as the f16 codes of v * 2^-8 (VIS_V_SCALE)
 //  vision_attn_d64 / _d72 / _d128: o = softmax(q kᵀ / sqrt(hd)) v per head, each query over the keys of
 //                     its frame (non-causal), FlashAttention-2 style on tensor cores (design above its code)
 //  vision_bias_act:   out = bf16(act(y + bias))   act: 0 gelu tanh, 1 gelu (erf), 2 silu, 3 none
-// Shapes/dtypes: x, y f32 [n, D]; qkv bf16 [n, 3D] (q | k | v, head h at h*hd); o bf16 [n, D]; weights,
+// Shapes/dtypes: x, y f32 [n, D]; qkv [n, 3D] (q | k | v, head h at h*hd; q, k bf16, v f16); o bf16 [n, D]; weights,
 // biases, the table bf16. hd ≤ 128 and even (the tower's is 72, a multiple of 4 by its config).
 // Launch: embed_pos: grid (n), block 256; add_norm: a warp a row, 4 rows a block of 128; qkv_rope: 4 patches a
 // block of 256 (their cos / sin in shared memory, once for all heads); attention: see its design; bias_act:
 // grid (n, ceil(D / 1024)), block 256, four values a thread. Arch: plain f32 math, sm_80+ (the attention:
 // mma.sync, ldmatrix, cp.async, sm_80+).
 // Tested by: tests/ops/ cases "vision_*" (against the CPU reference's functions).
+
+// V's scale in its f16 codes (vision_qkv_rope writes v * 2^-8 as f16, the attention multiplies O by 2^8):
+// v in [2^-6, 2^24) keeps all of f16's 11 significant bits, smaller values lose bits as f16 subnormals;
+// no activation of a vision tower comes near 2^24.
+#define VIS_V_SCALE 0.00390625f
+#define VIS_V_UNSCALE 256.0f
 
 __device__ __forceinline__ void vis_patch_pos(int r, int gh, int gw, int merge, int& row, int& col) {
     const int frame = gh * gw;
@@ -246,14 +252,16 @@ extern "C" __global__ void __launch_bounds__(256) vision_qkv_rope(const float* _
         *reinterpret_cast<u32*>(qkv + at) = lo;
         *reinterpret_cast<u32*>(qkv + at + half) = hi;
     }
-    // v: four values a thread.
+    // v: four values a thread, as the f16 codes of v * 2^-8 (the attention's P V operand).
     const int vq = D / 4;
     for (int t = threadIdx.x; t < rows * vq; t += blockDim.x) {
         const int i = t / vq, c = t % vq;
         const long long row = (long long)(r0 + i) * 3 * D + 2 * D;
         float4 v = vis_ld4(y + row, c, D, true);
         if (bias) v = vis_add4(v, vis_ld4(bias + 2 * D, c, D, true));
-        vis_st4(qkv + row, c, D, true, v);
+        const uint2 u = make_uint2(pack_f16(v.x * VIS_V_SCALE, v.y * VIS_V_SCALE),
+                                   pack_f16(v.z * VIS_V_SCALE, v.w * VIS_V_SCALE));
+        *reinterpret_cast<uint2*>(qkv + row + 4 * c) = u;
     }
 }
 
@@ -264,8 +272,9 @@ extern "C" __global__ void __launch_bounds__(256) vision_qkv_rope(const float* _
 // Computes, for each frame [fs, fe) (cu_frames null: frame z = [z L, min(z L + L, n)), an image's frames
 // of L patches; else frame z = [cu_frames[z], cu_frames[z + 1])), head h and query row i of the frame:
 //   o[i, h] = sum_{j in [fs, fe)} softmax_j(scale * q[i, h] . k[j, h]) v[j, h]      (non-causal, f32 softmax)
-// Shapes/dtypes: qkv bf16 [n, 3 D] (q | k | v, D = heads * hd, head h at h * hd), o bf16 [n, D]; hd even,
-// <= HDK; qkv and o 4-byte aligned; vec = 1 where hd % 8 == 0 and qkv is 16-byte aligned (16-byte copies),
+// Shapes/dtypes: qkv [n, 3 D] (q | k | v, D = heads * hd, head h at h * hd): q and k bf16, v the f16 codes
+// of v * 2^-8 (VIS_V_SCALE, as vision_qkv_rope writes them); o bf16 [n, D]; hd even, <= HDK; qkv and o
+// 4-byte aligned; vec = 1 where hd % 8 == 0 and qkv is 16-byte aligned (16-byte copies),
 // else 0 (4-byte copies).
 // Design: FlashAttention-2 on mma.sync (m16n8k16 bf16 -> f32, ldmatrix, cp.async), attn_prefill's
 // (attention_prefill.cu) without paging, GQA or the causal mask:
@@ -283,9 +292,12 @@ extern "C" __global__ void __launch_bounds__(256) vision_qkv_rope(const float* _
 //    in the log2 domain (scale · log2 e applied in the exp's FFMA, ex2.approx) against a base that
 //    moves only when a row's max passes it by more than VA_SLACK (P <= 2^8: bf16 rounds it with the
 //    same relative error, the f32 sums are far from overflow), so O is rescaled (when any row's base
-//    moved: warp vote) on the first tiles only, in practice; P V in f16 (VA_P_F16, below); V
-//    fragments by ldmatrix.trans. Query rows past
-//    the frame's end read zeros and are not stored.
+//    moved: warp vote) on the first tiles only, in practice. P V in f16: P rounded to f16 (11
+//    significant bits, P <= 2^VA_SLACK) against V's f16 codes, one MMA per fragment (V fragments by
+//    ldmatrix.trans); O times 2^8 at the end. Query rows past the frame's end read zeros and are not
+//    stored.
+//  - One barrier per key tile (V arrives in f16: nothing to convert in shared memory; a conversion here
+//    and its second barrier took 1.13x the time, bench/results/vision-tower-fused-h100-2026-12-06.md).
 //  - Static shared memory: 2 stages of K + V tiles (36,864 B at HDK 64 and 72, 34,816 B at 128); the Q
 //    tile (the bytes of one stage) lands in stage 1 before the key loop. Two blocks per SM (8 warps; up
 //    to 255 registers a thread, no spills).
@@ -300,17 +312,6 @@ extern "C" __global__ void __launch_bounds__(256) vision_qkv_rope(const float* _
 #define VA_NT (32 * VA_NW)
 #define VA_NEG_INF (-__int_as_float(0x7f800000))
 #define VA_SLACK 8.0f  // log2 of the largest P: a row's softmax base lags its max by at most this
-// VA_P_F16 (build switch, NVRTC -DVA_P_F16=0|1, default 1): P V in f16, V converted in shared memory once
-// per tile (scaled by 2^-8: exact for |v| in [2^-6, 2^24), values below lose bits as f16 subnormals, none
-// of a vision head's overflows f16's 65,504 below 2^24) and P rounded to f16 (11 significant bits, P <=
-// 2^VA_SLACK), one MMA per fragment: 0.96x the attention's time of 0, with P 8x more precise than bf16
-// (bench/results/int4-gemv-register-stages-h100-2026-12-06.md). 0: two bf16 MMAs, P's rounding and its
-// residue (P to ~16 bits), for values of V past f16's range.
-#ifndef VA_P_F16
-#define VA_P_F16 1
-#endif
-#define VA_V_SCALE 0.00390625f  // 2^-8: V's scale in f16 (O is multiplied back by 2^8 at the end)
-
 // The tiling at HDK computed head dims.
 template <int HDK>
 struct VaTile {
@@ -368,17 +369,6 @@ __device__ __forceinline__ void vat_copy(u32 dst, const bf16_t* src, long long s
             }
         }
     }
-}
-
-// c += P V for one fragment pair of V: P in f16 against V in f16 (VA_P_F16), or P's bf16 rounding pa and
-// its residue pl, in that order.
-__device__ __forceinline__ void vat_pv(float (&c)[4], const u32 (&pa)[4], const u32 (&pl)[4], u32 b0, u32 b1) {
-#if VA_P_F16
-    mma_f16(c, pa[0], pa[1], pa[2], pa[3], b0, b1);
-#else
-    mma_bf16(c, pa, b0, b1);
-    mma_bf16(c, pl, b0, b1);
-#endif
 }
 
 template <int HDK>
@@ -447,9 +437,8 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
     const u32 v_lane = (u32)(((lane & 7) + (((lane >> 3) & 1) << 3)) * STR + (lane >> 4) * 8) * 2;
     const u32 t_lane = (u32)((lane & 15) * STR + KS * 16) * 2;
 
-    // Per key tile j, two barriers: the first makes tile j visible and frees the other stage (every warp
-    // is past tile j - 1), so the copy of tile j + 1 starts there; V's conversion (VA_P_F16) is waited
-    // for by the second, after S and the softmax, just before P V.
+    // Per key tile j, one barrier: it makes tile j visible and frees the other stage (every warp is past
+    // tile j - 1), so the copy of tile j + 1 starts there.
     for (int j = 0; j < n_kt; j++) {
         const int kb = fs + j * BK;
         cp_async_wait<0>();
@@ -460,22 +449,6 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
             cp_async_commit();
         }
         const u32 kt = (j & 1) ? st1 : st0, vt = kt + T::MAT;
-#if VA_P_F16
-        {  // V's 0..HDK columns of every row (zeros past the frame or hd) to f16 x 2^-8, in place, 16 bytes a step
-            uint4* vw = (uint4*)(vat_smem + ((j & 1) ? T::STAGE : 0) + T::MAT);
-            constexpr int UPR = HDK / 8;  // 16-byte pieces of a row the fragments read
-            for (int i = tid; i < BK * UPR; i += VA_NT) {
-                const int r = i / UPR, c = i - r * UPR;
-                uint4 u = vw[r * (STR / 8) + c];
-                u32* e = (u32*)&u;
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-                    e[q] = pack_f16(__uint_as_float(e[q] << 16) * VA_V_SCALE,
-                                    __uint_as_float(e[q] & 0xffff0000u) * VA_V_SCALE);
-                vw[r * (STR / 8) + c] = u;
-            }
-        }
-#endif
 
         float s[MT][BK / 8][4];
 #pragma unroll
@@ -560,27 +533,17 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
                 }
         }
 
-#if VA_P_F16
-        __syncthreads();  // V's conversion done by every thread
-#endif
-        // O += P V, 16 keys per k step; P as two bf16 A fragments straight from the S accumulators, its
-        // rounding to bf16 and what that rounding left (P to ~16 bits: with P in bf16 alone the tower's
-        // images moved a test model's logits 1.3x further from the f32 oracle than the text did), or
-        // (VA_P_F16) one f16 fragment against V in f16.
+        // O += P V, 16 keys per k step: P in f16 (one A fragment straight from the S accumulators) against
+        // V's f16 codes.
 #pragma unroll
         for (int kk = 0; kk < BK / 16; kk++) {
-            u32 pa[MT][4], pl[MT][4];
+            u32 pa[MT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
                 for (int q = 0; q < 4; q++) {
-                    const float a = s[mt][2 * kk + (q >> 1)][2 * (q & 1)], b = s[mt][2 * kk + (q >> 1)][2 * (q & 1) + 1];
-#if VA_P_F16
-                    pa[mt][q] = pack_f16(a, b);
-#else
-                    pa[mt][q] = pack_bf16(a, b);
-                    pl[mt][q] = pack_bf16(a - __uint_as_float(pa[mt][q] << 16), b - __uint_as_float(pa[mt][q] & 0xffff0000u));
-#endif
+                    const float* p = s[mt][2 * kk + (q >> 1)];
+                    pa[mt][q] = pack_f16(p[2 * (q & 1)], p[2 * (q & 1) + 1]);
                 }
             }
 #pragma unroll
@@ -589,15 +552,16 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
                 ldsm_x4_t(vt + v_lane + (u32)(kk * 16 * STR + np * 16) * 2, b0, b1, b2, b3);
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++) {
-                    vat_pv(oacc[mt][2 * np], pa[mt], pl[mt], b0, b1);
-                    vat_pv(oacc[mt][2 * np + 1], pa[mt], pl[mt], b2, b3);
+                    mma_f16(oacc[mt][2 * np], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b0, b1);
+                    mma_f16(oacc[mt][2 * np + 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b2, b3);
                 }
             }
             if (TAIL) {
                 u32 b0, b1;
                 ldsm_x2_t(vt + t_lane + (u32)(kk * 16 * STR) * 2, b0, b1);
 #pragma unroll
-                for (int mt = 0; mt < MT; mt++) vat_pv(oacc[mt][NO - 1], pa[mt], pl[mt], b0, b1);
+                for (int mt = 0; mt < MT; mt++)
+                    mma_f16(oacc[mt][NO - 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b0, b1);
             }
         }
     }
@@ -607,7 +571,7 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
             const float l = quad_sum(lrow[mt][hf]);
-            const float inv = l > 0.0f ? (VA_P_F16 ? 256.0f : 1.0f) / l : 0.0f;
+            const float inv = l > 0.0f ? VIS_V_UNSCALE / l : 0.0f;
             const int row = q0 + (warp * MT + mt) * 16 + 8 * hf + g;
             if (row < fe) {
                 bf16_t* orow = o + (long long)row * D + (long long)h * hd + 2 * tg;

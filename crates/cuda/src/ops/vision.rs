@@ -10,6 +10,16 @@ use crate::error::CudaError;
 /// Head dims the attention kernels take (even, at most this).
 pub const MAX_HEAD_DIM: usize = 128;
 
+/// The scale of V's f16 codes (`VIS_V_SCALE` in kernels/vision.cu): the attention multiplies V in f16
+/// against P in f16, and v · 2⁻⁸ keeps f16's 11 significant bits for |v| in [2⁻⁶, 2²⁴).
+pub const V_SCALE: f32 = 1.0 / 256.0;
+
+/// The f16 code a value `v` of V has in the attention's qkv (bits of f16(v · [`V_SCALE`]), rounded to
+/// nearest even), as [`qkv_rope`] writes it.
+pub fn v_code(v: f32) -> u16 {
+    half::f16::from_f32(v * V_SCALE).to_bits()
+}
+
 /// An image's patch grid: `t` frames of `h × w` patches, folded by `merge × merge` windows (the rows come
 /// window by window, `crates/cpu/src/vision.rs` `patch_positions`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -101,8 +111,9 @@ pub fn layer_norm(
     launch!(k, s, K, blocks, (128, 1, 1), 0; x, y, bias, w, b, out, n, dd, eps, vec)
 }
 
-/// qkv `[patches, 3·heads·hd]` bf16 = y (f32, the qkv GEMM's output) + bias (`[3·heads·hd]` bf16, 0:
-/// none), q and k heads rotated by the 2-D axial rotary of base `theta` at each patch's (row, column).
+/// qkv `[patches, 3·heads·hd]` = y (f32, the qkv GEMM's output) + bias (`[3·heads·hd]` bf16, 0: none): q
+/// and k heads (bf16) rotated by the 2-D axial rotary of base `theta` at each patch's (row, column), v as
+/// its f16 codes ([`v_code`], what [`attention`] reads).
 #[allow(clippy::too_many_arguments)]
 pub fn qkv_rope(
     k: &Kernels,
@@ -133,7 +144,8 @@ pub fn qkv_rope(
 const ROPE_ROWS: usize = 4;
 
 /// o `[patches, heads·hd]` bf16 = softmax(q kᵀ / √hd) v per head, each patch attending to every patch of
-/// its frame (`grid.h · grid.w` patches); q, k, v the thirds of qkv `[patches, 3·heads·hd]` bf16.
+/// its frame (`grid.h · grid.w` patches); q, k, v the thirds of qkv `[patches, 3·heads·hd]` (q and k bf16,
+/// v as [`v_code`]s: what [`qkv_rope`] writes).
 /// [`attention_frames`] over the image's `grid.t` frames.
 pub fn attention(
     k: &Kernels,
@@ -179,7 +191,7 @@ pub fn attention_kernel(hd: usize) -> Result<(&'static str, usize), CudaError> {
 
 /// o `[n, heads·hd]` bf16 = softmax(q kᵀ / √hd) v per head, each row attending to every row of its
 /// frame (non-causal; rows outside every frame are left as they are); q, k, v the thirds of qkv
-/// `[n, 3·heads·hd]` bf16. Tensor cores (kernels/vision.cu `vision_attn_d*`): hd even, at most
+/// `[n, 3·heads·hd]` (q and k bf16, v as [`v_code`]s). Tensor cores (kernels/vision.cu `vision_attn_d*`): hd even, at most
 /// [`MAX_HEAD_DIM`], qkv and o 4-byte aligned.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_frames(

@@ -97,6 +97,17 @@ impl<'a> Dev<'a> {
         self.rt.upload(p, &h)?;
         Ok(p)
     }
+    /// Raw 16-bit codes (bf16 or f16 bits) as they are.
+    pub fn u16s(&mut self, h: &[u16]) -> R<u64> {
+        let p = self.alloc(2 * h.len().max(1))?;
+        self.rt.upload(p, h)?;
+        Ok(p)
+    }
+    pub fn get_u16s(&self, p: u64, n: usize) -> R<Vec<u16>> {
+        let mut h = vec![0u16; n];
+        self.rt.download(&mut h, p)?;
+        Ok(h)
+    }
     pub fn f32s(&mut self, v: &[f32]) -> R<u64> {
         let p = self.alloc(4 * v.len())?;
         self.rt.upload(p, v)?;

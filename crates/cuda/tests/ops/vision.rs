@@ -86,7 +86,8 @@ pub fn embed_pos(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcom
     Ok(vec![compare("x", &r, &d.get_f32(xp, n * dim)?, tol)])
 }
 
-/// [`Op::VisionQkvRope`]: y + bias, q and k rotated at each patch's (row, column), v as is.
+/// [`Op::VisionQkvRope`]: y + bias, q and k rotated at each patch's (row, column) in bf16, v as its f16
+/// codes.
 pub fn qkv_rope(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
     let Env { k, s, tol, .. } = e;
     let Op::VisionQkvRope { grid, heads, hd } = *op else { unreachable!() };
@@ -103,8 +104,27 @@ pub fn qkv_rope(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome
     cpu::rope::apply_axial_rope(&mut q, heads, hd, theta as f64, &pos);
     cpu::rope::apply_axial_rope(&mut kk, heads, hd, theta as f64, &pos);
     let c = w / 3;
-    let r: Vec<f32> = (0..n).flat_map(|i| [&q[i * c..][..c], &kk[i * c..][..c], &v[i * c..][..c]].concat()).collect();
-    Ok(vec![compare("qkv", &r, &d.get_bf16(op, n * w)?, tol)])
+    let got = d.get_u16s(op, n * w)?;
+    let (mut got_qk, mut got_v) = (Vec::new(), Vec::new());
+    for row in got.chunks(w) {
+        got_qk.extend(row[..2 * c].iter().map(|&b| half::bf16::from_bits(b).to_f32()));
+        got_v.extend(row[2 * c..].iter().map(|&b| half::f16::from_bits(b).to_f32() / vk::V_SCALE));
+    }
+    let r_qk: Vec<f32> = (0..n).flat_map(|i| [&q[i * c..][..c], &kk[i * c..][..c]].concat()).collect();
+    Ok(vec![compare("q, k", &r_qk, &got_qk, tol), compare("v (f16 codes)", &v, &got_v, tol)])
+}
+
+/// qkv `[n, 3·dim]` on the device as the attention reads it: q and k bf16, v as its f16 codes
+/// (`ops::vision::v_code`).
+fn qkv_dev(d: &mut Dev, qkv: &[f32], dim: usize) -> R<u64> {
+    let bits: Vec<u16> = qkv
+        .chunks(3 * dim)
+        .flat_map(|row| {
+            let qk = row[..2 * dim].iter().map(|&x| half::bf16::from_f32(x).to_bits());
+            qk.chain(row[2 * dim..].iter().map(|&x| vk::v_code(x))).collect::<Vec<u16>>()
+        })
+        .collect();
+    d.u16s(&bits)
 }
 
 /// [`Op::VisionAttention`]: each image (its own qkv rows) attends within each of its frames, launched
@@ -117,7 +137,7 @@ pub fn attention(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcom
     for (i, &g) in grids.iter().enumerate() {
         let n: usize = g.iter().product();
         let qkv = randv(rng, n * 3 * dim, 2.0);
-        let (qp, op) = (d.bf16(&qkv)?, d.poison(2 * n * dim)?);
+        let (qp, op) = (qkv_dev(d, &qkv, dim)?, d.poison(2 * n * dim)?);
         vk::attention(k, s, qp, op, heads, hd, grid_of(g))?;
         let r = frames_reference(&qkv, &vec![g[1] * g[2]; g[0]], heads, hd);
         out.push(compare(&format!("image {i} {g:?}"), &r, &d.get_bf16(op, n * dim)?, tol));
@@ -148,7 +168,7 @@ pub fn attention_frames(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec
     let Op::VisionAttentionFrames { ref lens, heads, hd, nan_smem } = *op else { unreachable!() };
     let (dim, n) = (heads * hd, lens.iter().sum::<usize>());
     let qkv = randv(rng, n * 3 * dim, 2.0);
-    let (qp, op, cu) = (d.bf16(&qkv)?, d.poison(2 * n * dim)?, d.i32s(&cu_of(lens))?);
+    let (qp, op, cu) = (qkv_dev(d, &qkv, dim)?, d.poison(2 * n * dim)?, d.i32s(&cu_of(lens))?);
     let frames = vk::Frames::Packed { cu, count: lens.len(), max_len: lens.iter().copied().max().unwrap_or(0) };
     if nan_smem {
         // A few blocks per SM, each over all the shared memory a block may have.
