@@ -294,10 +294,12 @@ extern "C" __global__ void __launch_bounds__(256) vision_qkv_rope(const float* _
 //    same relative error, the f32 sums are far from overflow), so O is rescaled (when any row's base
 //    moved: warp vote) on the first tiles only, in practice. P V in f16: P rounded to f16 (11
 //    significant bits, P <= 2^VA_SLACK) against V's f16 codes, one MMA per fragment (V fragments by
-//    ldmatrix.trans); O times 2^8 at the end. Query rows past the frame's end read zeros and are not
-//    stored.
+//    ldmatrix.trans); O times 2^8 at the end. Each row's sum of P on the tensor cores: P's f16 fragments
+//    against a B of ones, one mma per 16 keys and row tile, the sum in every column of its C fragment
+//    (of the f16 P that multiplies V), instead of two FADDs a score and a quad sum at the end (0.97x the
+//    time). Query rows past the frame's end read zeros and are not stored.
 //  - One barrier per key tile (V arrives in f16: nothing to convert in shared memory; a conversion here
-//    and its second barrier took 1.13x the time, bench/results/vision-tower-fused-h100-2026-12-06.md).
+//    and its second barrier took 1.13x the time). Measured: bench/results/vision-attention-v-codes-h100-2026-12-07.md.
 //  - Static shared memory: 2 stages of K + V tiles (36,864 B at HDK 64 and 72, 34,816 B at 128); the Q
 //    tile (the bytes of one stage) lands in stage 1 before the key loop. Two blocks per SM (8 warps; up
 //    to 255 registers a thread, no spills).
@@ -308,58 +310,20 @@ extern "C" __global__ void __launch_bounds__(256) vision_qkv_rope(const float* _
 //   not multiples of the tiles, several per launch, with shared memory filled with NaN beforehand; head
 //   dims 2 to 128) against deltaserve_cpu::attention::full_attention per frame; timed by
 //   tests/bench_vision.rs.
-#define VA_NW 4  // warps per attention block (the narrow kernels; the wide ones: 8)
+#define VA_NW 4  // warps per attention block
 #define VA_NT (32 * VA_NW)
-#define VA_NT_WIDE 256
 #define VA_NEG_INF (-__int_as_float(0x7f800000))
 #define VA_SLACK 8.0f  // log2 of the largest P: a row's softmax base lags its max by at most this
-// VA_SUM_MMA (build switch, NVRTC -DVA_SUM_MMA=0|1, default 1): each row's sum of P by the tensor cores, P's
-// f16 fragments against a B of ones (one mma per 16 keys and row tile), instead of two FADDs per score and a
-// quad sum at the end; the sum is then of the f16 P that multiplies V, in f32.
-#ifndef VA_SUM_MMA
-#define VA_SUM_MMA 1
-#endif
-// VA_POLY (build switch, NVRTC -DVA_POLY=0..8, default 0): the exps of the first VA_POLY of each row's BK / 8
-// n8 score tiles on the FMA pipe (va_exp2_fma) instead of the MUFU's ex2, which then carries fewer of them.
-#ifndef VA_POLY
-#define VA_POLY 0
-#endif
-
-// 2^f ~ 1 + f (P1 + f (P2 + f (P3 + f P4))) on [-1/2, 1/2]: a minimax fit of the relative error (2.9e-6 at most
-// in f32 arithmetic).
-#define VA_P1 6.931241751e-01f
-#define VA_P2 2.402409911e-01f
-#define VA_P3 5.590642616e-02f
-#define VA_P4 9.582852945e-03f
-// 2^x for x <= VA_SLACK (or -inf) on the FMA pipe: x = r + f, r = rint(x), f in [-1/2, 1/2]; 2^f by a degree-4
-// polynomial (relative error < 3e-6, far below P's f16 rounding), 2^r added to its exponent. Results below
-// 2^-126 are tiny denormals or 0 (ex2.approx.ftz: 0); -inf gives 0.
-__device__ __forceinline__ float va_exp2_fma(float x) {
-    x = fmaxf(x, -127.0f);
-    const float t = x + 12582912.0f;  // 1.5 * 2^23: rint(x) in the low mantissa bits
-    const float f = x - (t - 12582912.0f);
-    float p = fmaf(VA_P4, f, VA_P3);
-    p = fmaf(p, f, VA_P2);
-    p = fmaf(p, f, VA_P1);
-    p = fmaf(p, f, 1.0f);
-    return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));
-}
-__device__ __forceinline__ float va_exp2(float x, bool fma_pipe) {
-    return fma_pipe ? va_exp2_fma(x) : pf_exp2(x);
-}
-
 // The tiling at HDK computed head dims.
-template <int HDK, int NW = VA_NW>
+template <int HDK>
 struct VaTile {
-    static constexpr int NT = 32 * NW;                        // threads
-    static constexpr int MT = NW == 4 && HDK <= 80 ? 2 : 1;  // m16 row tiles per warp
-    static constexpr int QROWS = 16 * MT * NW;                // queries per block
-    static constexpr int BK = NW == 4 ? 32 * MT : 64;         // keys per K/V tile
+    static constexpr int MT = HDK <= 80 ? 2 : 1;  // m16 row tiles per warp
+    static constexpr int QROWS = 16 * MT * VA_NW;  // queries per block
+    static constexpr int BK = 32 * MT;             // keys per K/V tile
     static constexpr int CH = HDK / 8;             // 16-byte chunks of a row
     static constexpr int STR = (CH | 1) * 8;       // shared-memory row stride (bf16): odd in 16-byte chunks
     static constexpr int MAT = BK * STR * 2;       // bytes of a K or a V tile
     static constexpr int STAGE = 2 * MAT;          // K + V; = the Q tile's QROWS * STR * 2 bytes
-    static_assert(QROWS * STR * 2 <= STAGE, "the Q tile lands in one stage");
 };
 
 // Copies R rows of one (TWO: two) matrices of a head into shared-memory rows VaTile<HDK>::STR bf16 apart
@@ -369,13 +333,13 @@ struct VaTile {
 // it; the caller commits. Thread tid copies row tid / TPR, chunks tid % TPR + k TPR (TPR = VA_NT / R
 // threads per row: the warp's copies of one k are whole 16 TPR-byte pieces of 32 / TPR rows), so its
 // addresses step by constants (one row offset per copy call, no division).
-template <int HDK, int NW, int R, bool TWO>
+template <int HDK, int R, bool TWO>
 __device__ __forceinline__ void vat_copy(u32 dst, const bf16_t* src, long long stride, long long second, int rows,
                                          int hd, bool vec, int tid) {
-    using T = VaTile<HDK, NW>;
-    constexpr int TPR = T::NT / R;                 // threads per row (R: 32, 64 or 128)
+    using T = VaTile<HDK>;
+    constexpr int TPR = VA_NT / R;                 // threads per row (R: 32, 64 or 128)
     constexpr int CPT = (T::CH + TPR - 1) / TPR;   // chunks per thread
-    static_assert(T::NT % R == 0, "rows per copy divide the block");
+    static_assert(VA_NT % R == 0, "rows per copy divide the block");
     const int r = tid / TPR, part = tid % TPR;
     const bool live = r < rows;
     // 32-bit offsets: r * stride < 128 * 3 * 65,535 * 128 < 2^32 (the launcher's bounds).
@@ -409,11 +373,11 @@ __device__ __forceinline__ void vat_copy(u32 dst, const bf16_t* src, long long s
     }
 }
 
-template <int HDK, int NW>
+template <int HDK>
 __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t* __restrict__ o,
                                          const int* __restrict__ cu_frames, int n, int heads, int hd, int L,
                                          float scale, int vec) {
-    using T = VaTile<HDK, NW>;
+    using T = VaTile<HDK>;
     constexpr int MT = T::MT, BK = T::BK, STR = T::STR;
     constexpr int KS = HDK / 16;          // k16 steps over the head dims
     constexpr bool TAIL = HDK % 16 != 0;  // and a k8 step (S) / the last n8 tile (O) for dims 16 KS..HDK
@@ -439,8 +403,8 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
     const int n_kt = (fe - fs + BK - 1) / BK;
 
     // The block's queries to stage 1, key tile 0 to stage 0; Q into registers, then stage 1 is free.
-    vat_copy<HDK, NW, T::QROWS, false>(st1, head + (long long)q0 * stride, stride, 0, fe - q0, hd, vec, tid);
-    vat_copy<HDK, NW, BK, true>(st0, head + (long long)fs * stride + D, stride, D, fe - fs, hd, vec, tid);
+    vat_copy<HDK, T::QROWS, false>(st1, head + (long long)q0 * stride, stride, 0, fe - q0, hd, vec, tid);
+    vat_copy<HDK, BK, true>(st0, head + (long long)fs * stride + D, stride, D, fe - fs, hd, vec, tid);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -462,22 +426,14 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int nn = 0; nn < NO; nn++) oacc[mt][nn][0] = oacc[mt][nn][1] = oacc[mt][nn][2] = oacc[mt][nn][3] = 0.0f;
-    float mrow[MT][2];
-#if VA_SUM_MMA
-    // Each row's sum of P, in every column of an mma C fragment (P against a B of ones): c0 row g, c2 row g + 8.
-    float lacc[MT][4];
-    constexpr u32 ONES = 0x3c003c00u;  // f16 1.0 pair
-#else
-    float lrow[MT][2];
-#endif
+    // mrow: each row's softmax base (log2 domain); lacc: each row's sum of P, in every column of an mma C
+    // fragment (P against a B of ones, below): c0 / c1 row g, c2 / c3 row g + 8.
+    float mrow[MT][2], lacc[MT][4];
+    constexpr u32 ONES = 0x3c003c00u;  // a pair of f16 1.0
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
         mrow[mt][0] = mrow[mt][1] = VA_NEG_INF;
-#if VA_SUM_MMA
         lacc[mt][0] = lacc[mt][1] = lacc[mt][2] = lacc[mt][3] = 0.0f;
-#else
-        lrow[mt][0] = lrow[mt][1] = 0.0f;
-#endif
     }
     const float sl2 = scale * 1.4426950408889634f;  // log2 domain
     // Lane addresses in a tile: K (B of S, keys 16 np.., dims 16 ks..), V (B of P V, transposed: keys
@@ -493,7 +449,7 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
         cp_async_wait<0>();
         __syncthreads();
         if (j + 1 < n_kt) {
-            vat_copy<HDK, NW, BK, true>((j & 1) ? st0 : st1, head + (long long)(kb + BK) * stride + D, stride, D,
+            vat_copy<HDK, BK, true>((j & 1) ? st0 : st1, head + (long long)(kb + BK) * stride + D, stride, D,
                                     fe - kb - BK, hd, vec, tid);
             cp_async_commit();
         }
@@ -563,15 +519,9 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
                 const float base = mrow[mt][hf] == VA_NEG_INF ? 0.0f : mrow[mt][hf];
 #pragma unroll
                 for (int nn = 0; nn < BK / 8; nn++) {
-                    s[mt][nn][2 * hf] = va_exp2(fmaf(s[mt][nn][2 * hf], sl2, -base), nn < VA_POLY);
-                    s[mt][nn][2 * hf + 1] = va_exp2(fmaf(s[mt][nn][2 * hf + 1], sl2, -base), nn < VA_POLY);
+                    s[mt][nn][2 * hf] = pf_exp2(fmaf(s[mt][nn][2 * hf], sl2, -base));
+                    s[mt][nn][2 * hf + 1] = pf_exp2(fmaf(s[mt][nn][2 * hf + 1], sl2, -base));
                 }
-#if !VA_SUM_MMA
-                float rs = 0.0f;
-#pragma unroll
-                for (int nn = 0; nn < BK / 8; nn++) rs += s[mt][nn][2 * hf] + s[mt][nn][2 * hf + 1];
-                lrow[mt][hf] = lrow[mt][hf] * al[mt][hf] + rs;
-#endif
             }
         if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
@@ -583,7 +533,6 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
                     oacc[mt][nn][2] *= al[mt][1];
                     oacc[mt][nn][3] *= al[mt][1];
                 }
-#if VA_SUM_MMA
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
                 lacc[mt][0] *= al[mt][0];
@@ -591,7 +540,6 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
                 lacc[mt][2] *= al[mt][1];
                 lacc[mt][3] *= al[mt][1];
             }
-#endif
         }
 
         // O += P V, 16 keys per k step: P in f16 (one A fragment straight from the S accumulators) against
@@ -606,9 +554,7 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
                     const float* p = s[mt][2 * kk + (q >> 1)];
                     pa[mt][q] = pack_f16(p[2 * (q & 1)], p[2 * (q & 1) + 1]);
                 }
-#if VA_SUM_MMA
-                mma_f16(lacc[mt], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], ONES, ONES);
-#endif
+                mma_f16(lacc[mt], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], ONES, ONES);  // the rows' sums of P
             }
 #pragma unroll
             for (int np = 0; np < KS; np++) {
@@ -634,11 +580,7 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
-#if VA_SUM_MMA
             const float l = lacc[mt][2 * hf];
-#else
-            const float l = quad_sum(lrow[mt][hf]);
-#endif
             const float inv = l > 0.0f ? VIS_V_UNSCALE / l : 0.0f;
             const int row = q0 + (warp * MT + mt) * 16 + 8 * hf + g;
             if (row < fe) {
@@ -654,32 +596,19 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
 extern "C" __global__ void __launch_bounds__(VA_NT, 2)
 vision_attn_d64(const bf16_t* __restrict__ qkv, bf16_t* __restrict__ o, const int* __restrict__ cu_frames, int n,
                 int heads, int hd, int L, float scale, int vec) {
-    vat_body<64, VA_NW>(qkv, o, cu_frames, n, heads, hd, L, scale, vec);
+    vat_body<64>(qkv, o, cu_frames, n, heads, hd, L, scale, vec);
 }
 
 extern "C" __global__ void __launch_bounds__(VA_NT, 2)
 vision_attn_d72(const bf16_t* __restrict__ qkv, bf16_t* __restrict__ o, const int* __restrict__ cu_frames, int n,
                 int heads, int hd, int L, float scale, int vec) {
-    vat_body<72, VA_NW>(qkv, o, cu_frames, n, heads, hd, L, scale, vec);
-}
-
-// The wide kernels: 8 warps of one m16 row tile each, 64-key tiles (the same 128 queries a block).
-extern "C" __global__ void __launch_bounds__(VA_NT_WIDE, 2)
-vision_attn_d64w(const bf16_t* __restrict__ qkv, bf16_t* __restrict__ o, const int* __restrict__ cu_frames, int n,
-                 int heads, int hd, int L, float scale, int vec) {
-    vat_body<64, 8>(qkv, o, cu_frames, n, heads, hd, L, scale, vec);
-}
-
-extern "C" __global__ void __launch_bounds__(VA_NT_WIDE, 2)
-vision_attn_d72w(const bf16_t* __restrict__ qkv, bf16_t* __restrict__ o, const int* __restrict__ cu_frames, int n,
-                 int heads, int hd, int L, float scale, int vec) {
-    vat_body<72, 8>(qkv, o, cu_frames, n, heads, hd, L, scale, vec);
+    vat_body<72>(qkv, o, cu_frames, n, heads, hd, L, scale, vec);
 }
 
 extern "C" __global__ void __launch_bounds__(VA_NT, 2)
 vision_attn_d128(const bf16_t* __restrict__ qkv, bf16_t* __restrict__ o, const int* __restrict__ cu_frames, int n,
                  int heads, int hd, int L, float scale, int vec) {
-    vat_body<128, VA_NW>(qkv, o, cu_frames, n, heads, hd, L, scale, vec);
+    vat_body<128>(qkv, o, cu_frames, n, heads, hd, L, scale, vec);
 }
 
 // vision_bias_act: blockIdx.x the row, blockIdx.y * blockDim.x + threadIdx.x its chunk of four values

@@ -32,9 +32,6 @@ pub struct Switches {
     /// `DELTASERVE_ATTN_PREFILL=ws`: on Hopper, the warp-specialised kernel over any quantised cache
     /// (by default the warpgroup one runs over those but fp8 K and V: [`crate::ops::attention::producer_copies`]).
     pub attn_prefill_ws: bool,
-    /// `DELTASERVE_VISION_ATTN=wide`: the vision tower's attention at head dims up to 72 runs the wide
-    /// kernels (8 warps of 16 queries, `vision_attn_d64w` / `_d72w`) instead of 4 warps of 32.
-    pub vision_attn_wide: bool,
     /// `DELTASERVE_NVRTC_OPTIONS`: extra NVRTC options (split at whitespace) for every kernel module,
     /// e.g. `-DNAME=VALUE` for a switch a kernel file reads under `#ifndef`.
     pub nvrtc_options: Vec<String>,
@@ -102,7 +99,6 @@ impl Switches {
             attn_prefill_wide: var("DELTASERVE_ATTN_PREFILL").is_some_and(|v| v == "wide"),
             attn_prefill_wg: var("DELTASERVE_ATTN_PREFILL").is_some_and(|v| v == "wg"),
             attn_prefill_ws: var("DELTASERVE_ATTN_PREFILL").is_some_and(|v| v == "ws"),
-            vision_attn_wide: var("DELTASERVE_VISION_ATTN").is_some_and(|v| v == "wide"),
             nvrtc_options: var("DELTASERVE_NVRTC_OPTIONS")
                 .map(|v| v.split_whitespace().map(str::to_string).collect())
                 .unwrap_or_default(),

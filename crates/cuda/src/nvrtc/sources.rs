@@ -36,8 +36,6 @@ pub const SOURCES: &[KernelSource] = &[
             "vision_attn_d64",
             "vision_attn_d72",
             "vision_attn_d128",
-            "vision_attn_d64w",
-            "vision_attn_d72w",
             "vision_bias_act",
         ],
     },

@@ -179,19 +179,12 @@ const ATTENTION: &str = "vision_attention";
 /// queries per block (`VaTile::QROWS`).
 const ATTENTION_KERNELS: [(&str, usize, usize); 3] =
     [("vision_attn_d64", 64, 128), ("vision_attn_d72", 72, 128), ("vision_attn_d128", 128, 64)];
-/// The wide kernels (`DELTASERVE_VISION_ATTN=wide`): 8 warps, the same queries per block.
-const ATTENTION_KERNELS_WIDE: [(&str, usize, usize); 3] =
-    [("vision_attn_d64w", 64, 128), ("vision_attn_d72w", 72, 128), ("vision_attn_d128", 128, 64)];
 
-/// The attention kernel for head dim `hd`, its queries per block and threads; an error unless `hd` is
-/// even and at most [`MAX_HEAD_DIM`].
-pub fn attention_kernel(hd: usize) -> Result<(&'static str, usize, u32), CudaError> {
-    let wide = crate::switches::Switches::get().vision_attn_wide;
-    let table = if wide { &ATTENTION_KERNELS_WIDE } else { &ATTENTION_KERNELS };
-    match table.iter().find(|&&(_, dims, _)| hd <= dims) {
-        Some(&(name, _, rows)) if hd > 0 && hd.is_multiple_of(2) => {
-            Ok((name, rows, if name.ends_with('w') { 256 } else { 128 }))
-        }
+/// The attention kernel for head dim `hd` and its queries per block; an error unless `hd` is even and
+/// at most [`MAX_HEAD_DIM`].
+pub fn attention_kernel(hd: usize) -> Result<(&'static str, usize), CudaError> {
+    match ATTENTION_KERNELS.iter().find(|&&(_, dims, _)| hd <= dims) {
+        Some(&(name, _, rows)) if hd > 0 && hd.is_multiple_of(2) => Ok((name, rows)),
         _ => Err(invalid(ATTENTION, format!("head dim {hd}: the kernels take even head dims up to {MAX_HEAD_DIM}"))),
     }
 }
@@ -212,7 +205,7 @@ pub fn attention_frames(
     frames: Frames,
 ) -> Result<(), CudaError> {
     const K: &str = ATTENTION;
-    let (name, rows, threads) = attention_kernel(hd)?;
+    let (name, rows) = attention_kernel(hd)?;
     if heads == 0 {
         return Err(invalid(K, "no heads"));
     }
@@ -241,7 +234,7 @@ pub fn attention_frames(
     let scale = 1.0 / (hd as f32).sqrt();
     // 16-byte copies where every head row is 16-byte aligned.
     let vec = (hd.is_multiple_of(8) && qkv.is_multiple_of(16)) as i32;
-    launch!(k, s, name, blocks, (threads, 1, 1), 0; qkv, o, cu, nn, nh, d, l, scale, vec)
+    launch!(k, s, name, blocks, (128, 1, 1), 0; qkv, o, cu, nn, nh, d, l, scale, vec)
 }
 
 /// out `[rows, d]` bf16 = act(y + bias): y f32, bias `[d]` bf16 (0: none).
