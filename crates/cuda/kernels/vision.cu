@@ -314,6 +314,14 @@ extern "C" __global__ void __launch_bounds__(256) vision_qkv_rope(const float* _
 #define VA_NT (32 * VA_NW)
 #define VA_NEG_INF (-__int_as_float(0x7f800000))
 #define VA_SLACK 8.0f  // log2 of the largest P: a row's softmax base lags its max by at most this
+// VA_PIPE (build switch, NVRTC -DVA_PIPE=0|1, default 0; not yet measured on a GPU): each key tile in two
+// halves, the next half's S = Q Kᵀ issued before this half's softmax and P V, so a warp has products in flight
+// while it computes its exps (FlashAttention-3's overlap, inside a warp on mma.sync); K in two stages and V in
+// three (46,080 B at HDK 72, two blocks an SM still fit 100 KB), the same registers (two halves of S).
+#ifndef VA_PIPE
+#define VA_PIPE 0
+#endif
+
 // The tiling at HDK computed head dims.
 template <int HDK>
 struct VaTile {
@@ -373,6 +381,150 @@ __device__ __forceinline__ void vat_copy(u32 dst, const bf16_t* src, long long s
     }
 }
 
+// The key loop's three parts over NB n8 key tiles (8 NB keys; the tile's first at kt / vt in shared memory,
+// key index kb in the frame), shared by both loops of vat_body. S = Q Kᵀ:
+template <int HDK, int NB>
+__device__ __forceinline__ void vat_scores(float (&s)[VaTile<HDK>::MT][NB][4],
+                                           const u32 (&qf)[VaTile<HDK>::MT][HDK / 16][4],
+                                           const u32 (&qt)[VaTile<HDK>::MT][2], u32 kt, u32 k_lane, u32 t_lane) {
+    constexpr int MT = VaTile<HDK>::MT, STR = VaTile<HDK>::STR, KS = HDK / 16;
+    constexpr bool TAIL = HDK % 16 != 0;
+#pragma unroll
+    for (int ks = 0; ks < KS; ks++)
+#pragma unroll
+        for (int np = 0; np < NB / 2; np++) {
+            u32 b0, b1, b2, b3;
+            ldsm_x4(kt + k_lane + (u32)(np * 16 * STR + ks * 16) * 2, b0, b1, b2, b3);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                if (ks == 0) {  // the first k step starts from zero (no zeroing of S)
+                    mma_bf16_0(s[mt][2 * np], qf[mt][ks], b0, b1);
+                    mma_bf16_0(s[mt][2 * np + 1], qf[mt][ks], b2, b3);
+                } else {
+                    mma_bf16(s[mt][2 * np], qf[mt][ks], b0, b1);
+                    mma_bf16(s[mt][2 * np + 1], qf[mt][ks], b2, b3);
+                }
+            }
+        }
+    if (TAIL) {
+#pragma unroll
+        for (int np = 0; np < NB / 2; np++) {
+            u32 b0, b1;
+            ldsm_x2(kt + t_lane + (u32)(np * 16 * STR) * 2, b0, b1);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                mma_bf16_k8(s[mt][2 * np], qt[mt][0], qt[mt][1], b0);
+                mma_bf16_k8(s[mt][2 * np + 1], qt[mt][0], qt[mt][1], b1);
+            }
+        }
+    }
+}
+
+// Keys at or past fe masked (where the tile passes fe), then the online softmax of rows g and g + 8 of each
+// row tile (4 lanes per row): s becomes P, O and the row sums rescaled where a row's base moved.
+template <int HDK, int NB>
+__device__ __forceinline__ void vat_softmax(float (&s)[VaTile<HDK>::MT][NB][4], float (&mrow)[VaTile<HDK>::MT][2],
+                                            float (&oacc)[VaTile<HDK>::MT][HDK / 8][4],
+                                            float (&lacc)[VaTile<HDK>::MT][4], int kb, int fe, float sl2, int tg) {
+    constexpr int MT = VaTile<HDK>::MT, NO = HDK / 8;
+    if (kb + 8 * NB > fe) {  // the frame's last tile: no key at or past fe
+#pragma unroll
+        for (int nn = 0; nn < NB; nn++) {
+            const int key = kb + nn * 8 + 2 * tg;
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                if (key >= fe) s[mt][nn][0] = s[mt][nn][2] = VA_NEG_INF;
+                if (key + 1 >= fe) s[mt][nn][1] = s[mt][nn][3] = VA_NEG_INF;
+            }
+        }
+    }
+
+    float al[MT][2];
+    bool moved = false;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            float mx = VA_NEG_INF;
+#pragma unroll
+            for (int nn = 0; nn < NB; nn++) mx = fmaxf(mx, fmaxf(s[mt][nn][2 * hf], s[mt][nn][2 * hf + 1]));
+            mx = quad_max(mx) * sl2;  // sl2 > 0: -inf stays -inf
+            // The row's base moves only when the max passes it by more than VA_SLACK (the first tile
+            // always): P stays below 2^VA_SLACK, and O is rarely rescaled after the first tiles.
+            al[mt][hf] = 1.0f;
+            if (mx > mrow[mt][hf] + VA_SLACK) {
+                al[mt][hf] = pf_exp2(mrow[mt][hf] - mx);  // 0 on the first tile (-inf)
+                mrow[mt][hf] = mx;
+                moved = true;
+            }
+            const float base = mrow[mt][hf] == VA_NEG_INF ? 0.0f : mrow[mt][hf];
+#pragma unroll
+            for (int nn = 0; nn < NB; nn++) {
+                s[mt][nn][2 * hf] = pf_exp2(fmaf(s[mt][nn][2 * hf], sl2, -base));
+                s[mt][nn][2 * hf + 1] = pf_exp2(fmaf(s[mt][nn][2 * hf + 1], sl2, -base));
+            }
+        }
+    if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int nn = 0; nn < NO; nn++) {
+                oacc[mt][nn][0] *= al[mt][0];
+                oacc[mt][nn][1] *= al[mt][0];
+                oacc[mt][nn][2] *= al[mt][1];
+                oacc[mt][nn][3] *= al[mt][1];
+            }
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            lacc[mt][0] *= al[mt][0];
+            lacc[mt][1] *= al[mt][0];
+            lacc[mt][2] *= al[mt][1];
+            lacc[mt][3] *= al[mt][1];
+        }
+    }
+}
+
+// O += P V, 16 keys per k step: P in f16 (one A fragment straight from the S accumulators) against V's f16
+// codes; each row's sum of P against a B of ones.
+template <int HDK, int NB>
+__device__ __forceinline__ void vat_pv(const float (&s)[VaTile<HDK>::MT][NB][4],
+                                       float (&oacc)[VaTile<HDK>::MT][HDK / 8][4], float (&lacc)[VaTile<HDK>::MT][4],
+                                       u32 vt, u32 v_lane, u32 t_lane) {
+    constexpr int MT = VaTile<HDK>::MT, STR = VaTile<HDK>::STR, KS = HDK / 16, NO = HDK / 8;
+    constexpr bool TAIL = HDK % 16 != 0;
+    constexpr u32 ONES = 0x3c003c00u;  // a pair of f16 1.0
+#pragma unroll
+    for (int kk = 0; kk < NB / 2; kk++) {
+        u32 pa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const float* p = s[mt][2 * kk + (q >> 1)];
+                pa[mt][q] = pack_f16(p[2 * (q & 1)], p[2 * (q & 1) + 1]);
+            }
+            mma_f16(lacc[mt], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], ONES, ONES);  // the rows' sums of P
+        }
+#pragma unroll
+        for (int np = 0; np < KS; np++) {
+            u32 b0, b1, b2, b3;
+            ldsm_x4_t(vt + v_lane + (u32)(kk * 16 * STR + np * 16) * 2, b0, b1, b2, b3);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                mma_f16(oacc[mt][2 * np], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b0, b1);
+                mma_f16(oacc[mt][2 * np + 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b2, b3);
+            }
+        }
+        if (TAIL) {
+            u32 b0, b1;
+            ldsm_x2_t(vt + t_lane + (u32)(kk * 16 * STR) * 2, b0, b1);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+                mma_f16(oacc[mt][NO - 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b0, b1);
+        }
+    }
+}
+
 template <int HDK>
 __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t* __restrict__ o,
                                          const int* __restrict__ cu_frames, int n, int heads, int hd, int L,
@@ -382,7 +534,7 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
     constexpr int KS = HDK / 16;          // k16 steps over the head dims
     constexpr bool TAIL = HDK % 16 != 0;  // and a k8 step (S) / the last n8 tile (O) for dims 16 KS..HDK
     constexpr int NO = HDK / 8;           // n8 tiles of O
-    __shared__ __align__(16) unsigned char vat_smem[2 * T::STAGE];
+    __shared__ __align__(16) unsigned char vat_smem[(VA_PIPE ? 5 : 4) * T::MAT];
     const int z = blockIdx.z, h = blockIdx.y;
     int fs, fe;
     if (cu_frames) {
@@ -429,7 +581,6 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
     // mrow: each row's softmax base (log2 domain); lacc: each row's sum of P, in every column of an mma C
     // fragment (P against a B of ones, below): c0 / c1 row g, c2 / c3 row g + 8.
     float mrow[MT][2], lacc[MT][4];
-    constexpr u32 ONES = 0x3c003c00u;  // a pair of f16 1.0
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
         mrow[mt][0] = mrow[mt][1] = VA_NEG_INF;
@@ -442,6 +593,44 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
     const u32 v_lane = (u32)(((lane & 7) + (((lane >> 3) & 1) << 3)) * STR + (lane >> 4) * 8) * 2;
     const u32 t_lane = (u32)((lane & 15) * STR + KS * 16) * 2;
 
+#if VA_PIPE
+    // Each key tile in two halves, a half's S issued before the previous half's softmax and P V (see
+    // VA_PIPE). Shared memory in MAT slots: K_j in slot 2 (j & 1), V_j in slot 1, 3, 4 for j % 3 = 0, 1, 2
+    // (tile 0 and Q landed in slots 0, 1 and 2-3 above). One barrier a tile, at its second half: tile j + 1
+    // is visible, K_j's slot is free (its last S was issued in the first half) and so is V_{j - 1}'s, so the
+    // copy of tile j + 2 starts there.
+    constexpr int NH = BK / 16;                 // n8 key tiles of a half
+    constexpr u32 HALF = (u32)(BK / 2 * STR * 2);  // bytes of a half's rows
+    if (n_kt > 1) {
+        vat_copy<HDK, BK, false>(st0 + 2 * T::MAT, head + (long long)(fs + BK) * stride + D, stride, 0, fe - fs - BK,
+                                 hd, vec, tid);
+        vat_copy<HDK, BK, false>(st0 + 3 * T::MAT, head + (long long)(fs + BK) * stride + 2 * D, stride, 0,
+                                 fe - fs - BK, hd, vec, tid);
+        cp_async_commit();
+    }
+    float sa[MT][NH][4], sb[MT][NH][4];
+    vat_scores<HDK, NH>(sa, qf, qt, st0, k_lane, t_lane);
+    for (int j = 0, r = 0; j < n_kt; j++, r = r == 2 ? 0 : r + 1) {  // r = j % 3
+        const int kb = fs + j * BK;
+        const u32 kt = st0 + (u32)(2 * (j & 1)) * T::MAT, vt = st0 + (u32)(r == 0 ? 1 : r + 2) * T::MAT;
+        vat_scores<HDK, NH>(sb, qf, qt, kt + HALF, k_lane, t_lane);
+        vat_softmax<HDK, NH>(sa, mrow, oacc, lacc, kb, fe, sl2, tg);
+        vat_pv<HDK, NH>(sa, oacc, lacc, vt, v_lane, t_lane);
+        cp_async_wait<0>();
+        __syncthreads();
+        if (j + 2 < n_kt) {
+            const int r2 = r == 0 ? 2 : r - 1;  // (j + 2) % 3
+            const long long at = (long long)(kb + 2 * BK) * stride;
+            vat_copy<HDK, BK, false>(kt, head + at + D, stride, 0, fe - kb - 2 * BK, hd, vec, tid);
+            vat_copy<HDK, BK, false>(st0 + (u32)(r2 == 0 ? 1 : r2 + 2) * T::MAT, head + at + 2 * D, stride, 0,
+                                     fe - kb - 2 * BK, hd, vec, tid);
+            cp_async_commit();
+        }
+        if (j + 1 < n_kt) vat_scores<HDK, NH>(sa, qf, qt, st0 + (u32)(2 * ((j + 1) & 1)) * T::MAT, k_lane, t_lane);
+        vat_softmax<HDK, NH>(sb, mrow, oacc, lacc, kb + BK / 2, fe, sl2, tg);
+        vat_pv<HDK, NH>(sb, oacc, lacc, vt + HALF, v_lane, t_lane);
+    }
+#else
     // Per key tile j, one barrier: it makes tile j visible and frees the other stage (every warp is past
     // tile j - 1), so the copy of tile j + 1 starts there.
     for (int j = 0; j < n_kt; j++) {
@@ -456,125 +645,11 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
         const u32 kt = (j & 1) ? st1 : st0, vt = kt + T::MAT;
 
         float s[MT][BK / 8][4];
-#pragma unroll
-        for (int ks = 0; ks < KS; ks++)
-#pragma unroll
-            for (int np = 0; np < BK / 16; np++) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4(kt + k_lane + (u32)(np * 16 * STR + ks * 16) * 2, b0, b1, b2, b3);
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    if (ks == 0) {  // the first k step starts from zero (no zeroing of S)
-                        mma_bf16_0(s[mt][2 * np], qf[mt][ks], b0, b1);
-                        mma_bf16_0(s[mt][2 * np + 1], qf[mt][ks], b2, b3);
-                    } else {
-                        mma_bf16(s[mt][2 * np], qf[mt][ks], b0, b1);
-                        mma_bf16(s[mt][2 * np + 1], qf[mt][ks], b2, b3);
-                    }
-                }
-            }
-        if (TAIL) {
-#pragma unroll
-            for (int np = 0; np < BK / 16; np++) {
-                u32 b0, b1;
-                ldsm_x2(kt + t_lane + (u32)(np * 16 * STR) * 2, b0, b1);
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    mma_bf16_k8(s[mt][2 * np], qt[mt][0], qt[mt][1], b0);
-                    mma_bf16_k8(s[mt][2 * np + 1], qt[mt][0], qt[mt][1], b1);
-                }
-            }
-        }
-        if (kb + BK > fe) {  // the frame's last tile: no key at or past fe
-#pragma unroll
-            for (int nn = 0; nn < BK / 8; nn++) {
-                const int key = kb + nn * 8 + 2 * tg;
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    if (key >= fe) s[mt][nn][0] = s[mt][nn][2] = VA_NEG_INF;
-                    if (key + 1 >= fe) s[mt][nn][1] = s[mt][nn][3] = VA_NEG_INF;
-                }
-            }
-        }
-
-        // Online softmax of rows g and g + 8 of each row tile (4 lanes per row).
-        float al[MT][2];
-        bool moved = false;
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                float mx = VA_NEG_INF;
-#pragma unroll
-                for (int nn = 0; nn < BK / 8; nn++) mx = fmaxf(mx, fmaxf(s[mt][nn][2 * hf], s[mt][nn][2 * hf + 1]));
-                mx = quad_max(mx) * sl2;  // sl2 > 0: -inf stays -inf
-                // The row's base moves only when the max passes it by more than VA_SLACK (the first tile
-                // always): P stays below 2^VA_SLACK, and O is rarely rescaled after the first tiles.
-                al[mt][hf] = 1.0f;
-                if (mx > mrow[mt][hf] + VA_SLACK) {
-                    al[mt][hf] = pf_exp2(mrow[mt][hf] - mx);  // 0 on the first tile (-inf)
-                    mrow[mt][hf] = mx;
-                    moved = true;
-                }
-                const float base = mrow[mt][hf] == VA_NEG_INF ? 0.0f : mrow[mt][hf];
-#pragma unroll
-                for (int nn = 0; nn < BK / 8; nn++) {
-                    s[mt][nn][2 * hf] = pf_exp2(fmaf(s[mt][nn][2 * hf], sl2, -base));
-                    s[mt][nn][2 * hf + 1] = pf_exp2(fmaf(s[mt][nn][2 * hf + 1], sl2, -base));
-                }
-            }
-        if (__any_sync(0xffffffffu, moved)) {
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                for (int nn = 0; nn < NO; nn++) {
-                    oacc[mt][nn][0] *= al[mt][0];
-                    oacc[mt][nn][1] *= al[mt][0];
-                    oacc[mt][nn][2] *= al[mt][1];
-                    oacc[mt][nn][3] *= al[mt][1];
-                }
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-                lacc[mt][0] *= al[mt][0];
-                lacc[mt][1] *= al[mt][0];
-                lacc[mt][2] *= al[mt][1];
-                lacc[mt][3] *= al[mt][1];
-            }
-        }
-
-        // O += P V, 16 keys per k step: P in f16 (one A fragment straight from the S accumulators) against
-        // V's f16 codes.
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; kk++) {
-            u32 pa[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-#pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    const float* p = s[mt][2 * kk + (q >> 1)];
-                    pa[mt][q] = pack_f16(p[2 * (q & 1)], p[2 * (q & 1) + 1]);
-                }
-                mma_f16(lacc[mt], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], ONES, ONES);  // the rows' sums of P
-            }
-#pragma unroll
-            for (int np = 0; np < KS; np++) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4_t(vt + v_lane + (u32)(kk * 16 * STR + np * 16) * 2, b0, b1, b2, b3);
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    mma_f16(oacc[mt][2 * np], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b0, b1);
-                    mma_f16(oacc[mt][2 * np + 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b2, b3);
-                }
-            }
-            if (TAIL) {
-                u32 b0, b1;
-                ldsm_x2_t(vt + t_lane + (u32)(kk * 16 * STR) * 2, b0, b1);
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++)
-                    mma_f16(oacc[mt][NO - 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], b0, b1);
-            }
-        }
+        vat_scores<HDK, BK / 8>(s, qf, qt, kt, k_lane, t_lane);
+        vat_softmax<HDK, BK / 8>(s, mrow, oacc, lacc, kb, fe, sl2, tg);
+        vat_pv<HDK, BK / 8>(s, oacc, lacc, vt, v_lane, t_lane);
     }
+#endif
 
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
