@@ -601,31 +601,27 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
     // copy of tile j + 2 starts there.
     constexpr int NH = BK / 16;                 // n8 key tiles of a half
     constexpr u32 HALF = (u32)(BK / 2 * STR * 2);  // bytes of a half's rows
-    if (n_kt > 1) {
-        vat_copy<HDK, BK, false>(st0 + 2 * T::MAT, head + (long long)(fs + BK) * stride + D, stride, 0, fe - fs - BK,
-                                 hd, vec, tid);
-        vat_copy<HDK, BK, false>(st0 + 3 * T::MAT, head + (long long)(fs + BK) * stride + 2 * D, stride, 0,
-                                 fe - fs - BK, hd, vec, tid);
+    auto v_slot = [&](int r) { return st0 + (u32)(r == 0 ? 1 : r + 2) * T::MAT; };  // V_t's, r = t % 3
+    // Tile t's K to slot ks and V to its slot (r = t % 3), committed.
+    auto copy_tile = [&](int t, u32 ks, int r) {
+        const int kb = fs + t * BK;
+        const bf16_t* k = head + (long long)kb * stride + D;
+        vat_copy<HDK, BK, false>(st0 + ks * T::MAT, k, stride, 0, fe - kb, hd, vec, tid);
+        vat_copy<HDK, BK, false>(v_slot(r), k + D, stride, 0, fe - kb, hd, vec, tid);
         cp_async_commit();
-    }
+    };
+    if (n_kt > 1) copy_tile(1, 2, 1);
     float sa[MT][NH][4], sb[MT][NH][4];
     vat_scores<HDK, NH>(sa, qf, qt, st0, k_lane, t_lane);
     for (int j = 0, r = 0; j < n_kt; j++, r = r == 2 ? 0 : r + 1) {  // r = j % 3
         const int kb = fs + j * BK;
-        const u32 kt = st0 + (u32)(2 * (j & 1)) * T::MAT, vt = st0 + (u32)(r == 0 ? 1 : r + 2) * T::MAT;
+        const u32 kt = st0 + (u32)(2 * (j & 1)) * T::MAT, vt = v_slot(r);
         vat_scores<HDK, NH>(sb, qf, qt, kt + HALF, k_lane, t_lane);
         vat_softmax<HDK, NH>(sa, mrow, oacc, lacc, kb, fe, sl2, tg);
         vat_pv<HDK, NH>(sa, oacc, lacc, vt, v_lane, t_lane);
         cp_async_wait<0>();
         __syncthreads();
-        if (j + 2 < n_kt) {
-            const int r2 = r == 0 ? 2 : r - 1;  // (j + 2) % 3
-            const long long at = (long long)(kb + 2 * BK) * stride;
-            vat_copy<HDK, BK, false>(kt, head + at + D, stride, 0, fe - kb - 2 * BK, hd, vec, tid);
-            vat_copy<HDK, BK, false>(st0 + (u32)(r2 == 0 ? 1 : r2 + 2) * T::MAT, head + at + 2 * D, stride, 0,
-                                     fe - kb - 2 * BK, hd, vec, tid);
-            cp_async_commit();
-        }
+        if (j + 2 < n_kt) copy_tile(j + 2, 2 * (j & 1), r == 0 ? 2 : r - 1);  // (j + 2) % 3
         if (j + 1 < n_kt) vat_scores<HDK, NH>(sa, qf, qt, st0 + (u32)(2 * ((j + 1) & 1)) * T::MAT, k_lane, t_lane);
         vat_softmax<HDK, NH>(sb, mrow, oacc, lacc, kb + BK / 2, fe, sl2, tg);
         vat_pv<HDK, NH>(sb, oacc, lacc, vt + HALF, v_lane, t_lane);

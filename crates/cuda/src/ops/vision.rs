@@ -191,8 +191,8 @@ pub fn attention_kernel(hd: usize) -> Result<(&'static str, usize), CudaError> {
 
 /// o `[n, heads·hd]` bf16 = softmax(q kᵀ / √hd) v per head, each row attending to every row of its
 /// frame (non-causal; rows outside every frame are left as they are); q, k, v the thirds of qkv
-/// `[n, 3·heads·hd]` (q and k bf16, v as [`v_code`]s). Tensor cores (kernels/vision.cu `vision_attn_d*`): hd even, at most
-/// [`MAX_HEAD_DIM`], qkv and o 4-byte aligned.
+/// `[n, 3·heads·hd]` (q and k bf16, v as [`v_code`]s). Tensor cores (kernels/vision.cu `vision_attn_d*`):
+/// hd even, at most [`MAX_HEAD_DIM`], qkv and o 4-byte aligned.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_frames(
     k: &Kernels,

@@ -93,13 +93,11 @@ impl<'a> Dev<'a> {
     }
     pub fn bf16(&mut self, v: &[f32]) -> R<u64> {
         let h: Vec<u16> = v.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
-        let p = self.alloc(2 * v.len())?;
-        self.rt.upload(p, &h)?;
-        Ok(p)
+        self.u16s(&h)
     }
     /// Raw 16-bit codes (bf16 or f16 bits) as they are.
     pub fn u16s(&mut self, h: &[u16]) -> R<u64> {
-        let p = self.alloc(2 * h.len().max(1))?;
+        let p = self.alloc(2 * h.len())?;
         self.rt.upload(p, h)?;
         Ok(p)
     }
@@ -125,9 +123,7 @@ impl<'a> Dev<'a> {
         Ok(p)
     }
     pub fn get_bf16(&self, p: u64, n: usize) -> R<Vec<f32>> {
-        let mut h = vec![0u16; n];
-        self.rt.download(&mut h, p)?;
-        Ok(h.into_iter().map(|b| bf16::from_bits(b).to_f32()).collect())
+        Ok(self.get_u16s(p, n)?.into_iter().map(|b| bf16::from_bits(b).to_f32()).collect())
     }
     /// A DeltaNet recurrent state in the kernels' storage: bf16 (`bf16`, rounded) or f32.
     pub fn state(&mut self, v: &[f32], bf16: bool) -> R<u64> {
