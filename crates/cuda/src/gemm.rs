@@ -25,6 +25,8 @@ struct Plan {
     b: sys::cublasLtMatrixLayout_t,
     c: sys::cublasLtMatrixLayout_t,
     algo: sys::cublasLtMatmulAlgo_t,
+    /// What the heuristic offered, best first (filled by [`Gemm::algorithms`]; `algo` is one of them).
+    offered: Vec<sys::cublasLtMatmulAlgo_t>,
 }
 
 /// (m, n, k, f32 y, y's leading dimension, y's alignment in bytes, FP8 with block scales).
@@ -97,6 +99,11 @@ impl Gemm {
     }
 
     fn make_plan(&self, key: PlanKey) -> Result<Plan, CudaError> {
+        self.make_plan_offering(key, 1)
+    }
+
+    /// A plan for `key` with up to `count` of the heuristic's algorithms (at least one, or an error).
+    fn make_plan_offering(&self, key: PlanKey, count: usize) -> Result<Plan, CudaError> {
         let (m, n, k, f32_out, ldc, align_c, fp8) = key;
         let err = |call| move |source| CudaError::Blas { call, m, n, k, cause: source };
         if m == 0 || n == 0 || k == 0 || ldc < m {
@@ -174,15 +181,42 @@ impl Gemm {
                 Ok(())
             })
             .and_then(|_| {
-                result::get_matmul_algo_heuristic(self.handle, desc, a, b, c, c, pref)
-                    .map_err(err("cublasLtMatmulAlgoGetHeuristic"))
+                heuristic(self.handle, desc, a, b, c, pref, count).map_err(err("cublasLtMatmulAlgoGetHeuristic"))
             })
         };
         // SAFETY: destroyed once.
         let _ = unsafe { result::destroy_matmul_pref(pref) };
         self.heuristic_calls.set(self.heuristic_calls.get() + 1);
-        let heur = heur?;
-        Ok(Plan { desc, a, b, c, algo: heur.algo })
+        let offered = heur?;
+        Ok(Plan { desc, a, b, c, algo: offered[0], offered })
+    }
+
+    /// How many algorithms cuBLASLt's heuristic offers for y[n, m] = x[n, k] · W[m, k]ᵀ (`f32_out`:
+    /// y in f32), up to `most`, best first; the plan keeps its choice ([`Gemm::use_algorithm`]).
+    pub fn algorithms(&self, m: usize, n: usize, k: usize, f32_out: bool, most: usize) -> Result<usize, CudaError> {
+        let key = (m, n, k, f32_out, m, 256, false);
+        let current = self.plans.borrow().get(&key).map(|p| p.algo);
+        let mut plan = self.make_plan_offering(key, most.max(1))?;
+        if let Some(a) = current {
+            plan.algo = a;
+        }
+        let count = plan.offered.len();
+        if let Some(old) = self.plans.borrow_mut().insert(key, plan) {
+            destroy_plan(&old);
+        }
+        Ok(count)
+    }
+
+    /// Makes the `i`-th algorithm [`Gemm::algorithms`] offered for this shape the one its GEMMs run.
+    pub fn use_algorithm(&self, m: usize, n: usize, k: usize, f32_out: bool, i: usize) -> Result<(), CudaError> {
+        let key = (m, n, k, f32_out, m, 256, false);
+        let mut plans = self.plans.borrow_mut();
+        let p = plans.get_mut(&key).filter(|p| i < p.offered.len()).ok_or_else(|| CudaError::InvalidArgs {
+            kernel: "gemm",
+            msg: format!("no algorithm {i} offered for m={m} n={n} k={k} (call algorithms first)"),
+        })?;
+        p.algo = p.offered[i];
+        Ok(())
     }
 
     /// y [n, m] bf16 = x [n, k] bf16 · w [m, k] bf16ᵀ on `stream`. Uses the cached plan; a shape
@@ -356,18 +390,66 @@ impl Gemm {
     }
 }
 
+/// Up to `count` algorithms of cuBLASLt's heuristic for a described GEMM, best first (at least one).
+fn heuristic(
+    handle: sys::cublasLtHandle_t,
+    desc: sys::cublasLtMatmulDesc_t,
+    a: sys::cublasLtMatrixLayout_t,
+    b: sys::cublasLtMatrixLayout_t,
+    c: sys::cublasLtMatrixLayout_t,
+    pref: sys::cublasLtMatmulPreference_t,
+    count: usize,
+) -> Result<Vec<sys::cublasLtMatmulAlgo_t>, cudarc::cublaslt::result::CublasError> {
+    let mut found = vec![std::mem::MaybeUninit::<sys::cublasLtMatmulHeuristicResult_t>::zeroed(); count];
+    let mut returned = 0i32;
+    // SAFETY: the descriptors are live; `found` has room for `count` results, `returned` says how many
+    // cuBLASLt wrote.
+    unsafe {
+        sys::cublasLtMatmulAlgoGetHeuristic(
+            handle,
+            desc,
+            a,
+            b,
+            c,
+            c,
+            pref,
+            count as i32,
+            found.as_mut_ptr().cast(),
+            &mut returned,
+        )
+        .result()?;
+    }
+    let mut algos = Vec::new();
+    for r in found.iter().take(returned.max(0) as usize) {
+        // SAFETY: the first `returned` entries were written by cuBLASLt.
+        let r = unsafe { r.assume_init_ref() };
+        if r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            algos.push(r.algo);
+        }
+    }
+    if algos.is_empty() {
+        return Err(cudarc::cublaslt::result::CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED));
+    }
+    Ok(algos)
+}
+
+/// Destroys a plan's descriptors (once; errors ignored).
+fn destroy_plan(p: &Plan) {
+    // SAFETY: the plan's descriptors are live and destroyed exactly once.
+    unsafe {
+        let _ = result::destroy_matrix_layout(p.a);
+        let _ = result::destroy_matrix_layout(p.b);
+        let _ = result::destroy_matrix_layout(p.c);
+        let _ = result::destroy_matmul_desc(p.desc);
+    }
+}
+
 impl Drop for Gemm {
     fn drop(&mut self) {
-        // SAFETY: every descriptor and the handle are destroyed exactly once; errors at teardown
-        // are ignored.
-        unsafe {
-            for p in self.plans.borrow().values() {
-                let _ = result::destroy_matrix_layout(p.a);
-                let _ = result::destroy_matrix_layout(p.b);
-                let _ = result::destroy_matrix_layout(p.c);
-                let _ = result::destroy_matmul_desc(p.desc);
-            }
-            let _ = result::destroy_handle(self.handle);
+        for p in self.plans.borrow().values() {
+            destroy_plan(p);
         }
+        // SAFETY: the handle is destroyed exactly once; errors at teardown are ignored.
+        let _ = unsafe { result::destroy_handle(self.handle) };
     }
 }

@@ -131,9 +131,9 @@ pub struct Args {
     /// The most split-K partitions a decode row's attention uses (as `serve --decode-partitions`).
     #[arg(long, default_value_t = PlanOptions::gpu_defaults(0).decode_partitions)]
     decode_partitions: usize,
-    /// Also time one decode step of one sequence per context op group by op group (eagerly, a timing
-    /// event after each group: where a decode step's GPU time goes; one GPU, not under
-    /// --tensor-parallel).
+    /// Also time one decode step of each batch per context, and each prompt's prefill, op group by op
+    /// group (eagerly, a timing event after each group: where a step's GPU time goes; one GPU, not
+    /// under --tensor-parallel).
     #[arg(long)]
     profile: bool,
     /// Also split each decode point's steps (logits to the host, and greedy) into host work, uploads,
@@ -321,6 +321,14 @@ pub fn run(a: Args) -> Result<()> {
             }
             None => None,
         };
+        if let (true, Under::One(cb)) = (a.profile, &mut be) {
+            tracing::info!("bench: prefill of {} tokens op group by op group", fmt_count(t as u64));
+            cb.set_profiling(true)?;
+            let eager_ms = 1e3 * prefill(cb.as_mut(), &pages, &tokens, a.max_batch_tokens)?;
+            let groups = cb.take_profile().into_iter().map(|(g, s)| (g, s * 1e3)).collect();
+            cb.set_profiling(false)?;
+            report.profiles.push(ProfileRow { prefill: Some(t), batch: 1, context: 0, eager_ms, groups });
+        }
         report.prefill.push(PrefillRow {
             tokens: t,
             seconds: s,
@@ -363,7 +371,7 @@ pub fn run(a: Args) -> Result<()> {
                 let steps = (a.steps + 3) as f64; // decode() runs 3 warm-up steps
                 let groups = cb.take_profile().into_iter().map(|(g, s)| (g, s * 1e3 / steps)).collect();
                 cb.set_profiling(false)?;
-                report.profiles.push(ProfileRow { batch: b, context: ctx, eager_ms, groups });
+                report.profiles.push(ProfileRow { prefill: None, batch: b, context: ctx, eager_ms, groups });
             }
             if let (true, Under::One(cb)) = (a.phases, &mut be) {
                 tracing::info!("bench: decode step phases, batch {b} at context {}", fmt_count(ctx as u64));

@@ -98,11 +98,14 @@ pub(super) struct ShortChunkRow {
     pub(super) floor_ms: f64,
 }
 
-/// `--profile`: one decode step of `batch` rows at `context`, op group by op group.
+/// `--profile`: one decode step of `batch` rows at `context`, or one prompt of `prefill` tokens,
+/// op group by op group.
 pub(super) struct ProfileRow {
+    /// `Some(tokens)`: a whole prompt's prefill (every step of it summed); `None`: one decode step.
+    pub(super) prefill: Option<usize>,
     pub(super) batch: usize,
     pub(super) context: usize,
-    /// Eager (profiled) ms per step.
+    /// Eager (profiled) ms per step, or of the whole prompt.
     pub(super) eager_ms: f64,
     /// (op group, GPU ms per step).
     pub(super) groups: Vec<(&'static str, f64)>,
@@ -350,11 +353,12 @@ impl Report {
         }
         for p in &self.profiles {
             let gpu: f64 = p.groups.iter().map(|g| g.1).sum();
-            let _ = writeln!(
-                s,
-                "\ndecode step at batch {}, context {}, op group by op group (eager: {:.2} ms/step, GPU {gpu:.2} ms)",
-                p.batch, p.context, p.eager_ms
-            );
+            let what = match p.prefill {
+                Some(t) => format!("prefill of {t} tokens"),
+                None => format!("decode step at batch {}, context {}", p.batch, p.context),
+            };
+            let per = if p.prefill.is_some() { "" } else { "/step" };
+            let _ = writeln!(s, "\n{what}, op group by op group (eager: {:.2} ms{per}, GPU {gpu:.2} ms)", p.eager_ms);
             for (g, ms) in &p.groups {
                 let _ = writeln!(s, "{g:>32} {ms:>8.3} ms {:>5.1}%", 100.0 * ms / gpu);
             }
@@ -547,7 +551,7 @@ impl ToolReport for Report {
                 })
             }).collect::<Vec<_>>(),
             "profile": self.profiles.iter().map(|p| json!({
-                "batch": p.batch, "context": p.context, "eager_ms_per_step": r3(p.eager_ms),
+                "prefill_tokens": p.prefill, "batch": p.batch, "context": p.context, "eager_ms_per_step": r3(p.eager_ms),
                 "gpu_ms_per_step": r3(p.groups.iter().map(|g| g.1).sum::<f64>()),
                 "groups_ms": p.groups.iter().map(|(g, ms)| json!([g, r3(*ms)])).collect::<Vec<_>>(),
             })).collect::<Vec<_>>(),
