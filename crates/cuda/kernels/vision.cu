@@ -314,13 +314,6 @@ extern "C" __global__ void __launch_bounds__(256) vision_qkv_rope(const float* _
 #define VA_NT (32 * VA_NW)
 #define VA_NEG_INF (-__int_as_float(0x7f800000))
 #define VA_SLACK 8.0f  // log2 of the largest P: a row's softmax base lags its max by at most this
-// VA_PIPE (build switch, NVRTC -DVA_PIPE=0|1, default 0; not yet measured on a GPU): each key tile in two
-// halves, the next half's S = Q Kᵀ issued before this half's softmax and P V, so a warp has products in flight
-// while it computes its exps (FlashAttention-3's overlap, inside a warp on mma.sync); K in two stages and V in
-// three (46,080 B at HDK 72, two blocks an SM still fit 100 KB), the same registers (two halves of S).
-#ifndef VA_PIPE
-#define VA_PIPE 0
-#endif
 
 // The tiling at HDK computed head dims.
 template <int HDK>
@@ -534,7 +527,7 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
     constexpr int KS = HDK / 16;          // k16 steps over the head dims
     constexpr bool TAIL = HDK % 16 != 0;  // and a k8 step (S) / the last n8 tile (O) for dims 16 KS..HDK
     constexpr int NO = HDK / 8;           // n8 tiles of O
-    __shared__ __align__(16) unsigned char vat_smem[(VA_PIPE ? 5 : 4) * T::MAT];
+    __shared__ __align__(16) unsigned char vat_smem[4 * T::MAT];
     const int z = blockIdx.z, h = blockIdx.y;
     int fs, fe;
     if (cu_frames) {
@@ -593,40 +586,6 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
     const u32 v_lane = (u32)(((lane & 7) + (((lane >> 3) & 1) << 3)) * STR + (lane >> 4) * 8) * 2;
     const u32 t_lane = (u32)((lane & 15) * STR + KS * 16) * 2;
 
-#if VA_PIPE
-    // Each key tile in two halves, a half's S issued before the previous half's softmax and P V (see
-    // VA_PIPE). Shared memory in MAT slots: K_j in slot 2 (j & 1), V_j in slot 1, 3, 4 for j % 3 = 0, 1, 2
-    // (tile 0 and Q landed in slots 0, 1 and 2-3 above). One barrier a tile, at its second half: tile j + 1
-    // is visible, K_j's slot is free (its last S was issued in the first half) and so is V_{j - 1}'s, so the
-    // copy of tile j + 2 starts there.
-    constexpr int NH = BK / 16;                 // n8 key tiles of a half
-    constexpr u32 HALF = (u32)(BK / 2 * STR * 2);  // bytes of a half's rows
-    auto v_slot = [&](int r) { return st0 + (u32)(r == 0 ? 1 : r + 2) * T::MAT; };  // V_t's, r = t % 3
-    // Tile t's K to slot ks and V to its slot (r = t % 3), committed.
-    auto copy_tile = [&](int t, u32 ks, int r) {
-        const int kb = fs + t * BK;
-        const bf16_t* k = head + (long long)kb * stride + D;
-        vat_copy<HDK, BK, false>(st0 + ks * T::MAT, k, stride, 0, fe - kb, hd, vec, tid);
-        vat_copy<HDK, BK, false>(v_slot(r), k + D, stride, 0, fe - kb, hd, vec, tid);
-        cp_async_commit();
-    };
-    if (n_kt > 1) copy_tile(1, 2, 1);
-    float sa[MT][NH][4], sb[MT][NH][4];
-    vat_scores<HDK, NH>(sa, qf, qt, st0, k_lane, t_lane);
-    for (int j = 0, r = 0; j < n_kt; j++, r = r == 2 ? 0 : r + 1) {  // r = j % 3
-        const int kb = fs + j * BK;
-        const u32 kt = st0 + (u32)(2 * (j & 1)) * T::MAT, vt = v_slot(r);
-        vat_scores<HDK, NH>(sb, qf, qt, kt + HALF, k_lane, t_lane);
-        vat_softmax<HDK, NH>(sa, mrow, oacc, lacc, kb, fe, sl2, tg);
-        vat_pv<HDK, NH>(sa, oacc, lacc, vt, v_lane, t_lane);
-        cp_async_wait<0>();
-        __syncthreads();
-        if (j + 2 < n_kt) copy_tile(j + 2, 2 * (j & 1), r == 0 ? 2 : r - 1);  // (j + 2) % 3
-        if (j + 1 < n_kt) vat_scores<HDK, NH>(sa, qf, qt, st0 + (u32)(2 * ((j + 1) & 1)) * T::MAT, k_lane, t_lane);
-        vat_softmax<HDK, NH>(sb, mrow, oacc, lacc, kb + BK / 2, fe, sl2, tg);
-        vat_pv<HDK, NH>(sb, oacc, lacc, vt + HALF, v_lane, t_lane);
-    }
-#else
     // Per key tile j, one barrier: it makes tile j visible and frees the other stage (every warp is past
     // tile j - 1), so the copy of tile j + 1 starts there.
     for (int j = 0; j < n_kt; j++) {
@@ -645,7 +604,6 @@ __device__ __forceinline__ void vat_body(const bf16_t* __restrict__ qkv, bf16_t*
         vat_softmax<HDK, BK / 8>(s, mrow, oacc, lacc, kb, fe, sl2, tg);
         vat_pv<HDK, BK / 8>(s, oacc, lacc, vt, v_lane, t_lane);
     }
-#endif
 
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
