@@ -25,7 +25,7 @@ struct Plan {
     b: sys::cublasLtMatrixLayout_t,
     c: sys::cublasLtMatrixLayout_t,
     algo: sys::cublasLtMatmulAlgo_t,
-    /// What the heuristic offered, best first (filled by [`Gemm::algorithms`]; `algo` is one of them).
+    /// What the heuristic offered, best first (one unless more were asked for; `algo` is one of them).
     offered: Vec<sys::cublasLtMatmulAlgo_t>,
 }
 
@@ -223,9 +223,7 @@ impl Gemm {
             plan.algo = a;
         }
         let count = plan.offered.len();
-        if let Some(old) = self.plans.borrow_mut().insert(key, plan) {
-            destroy_plan(&old);
-        }
+        self.install(key, plan);
         Ok(count)
     }
 
@@ -409,10 +407,15 @@ impl Gemm {
             us[kept],
             us[0]
         );
+        self.install(key, plan);
+        Ok(())
+    }
+
+    /// Makes `plan` the one of `key`, destroying the plan it replaces.
+    fn install(&self, key: PlanKey, plan: Plan) {
         if let Some(old) = self.plans.borrow_mut().insert(key, plan) {
             destroy_plan(&old);
         }
-        Ok(())
     }
 }
 
