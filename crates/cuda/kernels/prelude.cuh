@@ -431,6 +431,12 @@ __device__ __forceinline__ void cp_async4(u32 dst, const void* src, int src_byte
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Named barriers of n threads (whole warps): bar.sync waits for n arrivals, bar.arrive counts one
+// and goes on; both order the shared-memory accesses before them for the threads that wait.
+__device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void named_arrive(int id, int n) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
 // Waits until at most N commit groups are pending.
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

@@ -3,7 +3,7 @@
 //! second per layer (the target: ≥ 8 M at the 27B shape; flash-linear-attention's rate on an
 //! H200 in [`FLA_H200_MTOK`]).
 
-use crate::ops::gdn_chunk::{self, GdnChunk, Precision};
+use crate::ops::gdn_chunk::{self, GdnChunk, Precision, Walk};
 use crate::ops::init::{Init, init_random};
 use crate::{Arena, CudaError, Kernels, Runtime};
 
@@ -33,6 +33,8 @@ pub struct GdnTiming {
     pub workspace_bytes: usize,
     /// Non-finite values in the output (0 expected).
     pub nonfinite: usize,
+    /// The walk that ran.
+    pub walk: Walk,
 }
 
 impl GdnTiming {
@@ -55,7 +57,7 @@ pub fn gdn_bench_bytes(k: &Kernels, t: usize, n_seqs: usize, hk: usize, hv: usiz
         + (1 << 20)
 }
 
-/// Times [`gdn_chunk::gdn_chunk_prep_with`] + [`gdn_chunk::gdn_chunk_state_with`] with CUDA events:
+/// Times [`gdn_chunk::gdn_chunk_prep_with`] + [`gdn_chunk::gdn_chunk_state_walk`] with CUDA events:
 /// `runs` timed launches after a warm-up (≥ 2 runs and ≥ 100 ms). Inputs: q and k with entries
 /// N(0, 1/dk) (about unit norm, as after the L2 norm), v N(0, 1), g in [-0.5, 0], beta in
 /// [0.05, 0.95]; the output and the workspace start poisoned (NaN). Allocates [`gdn_bench_bytes`] in
@@ -69,6 +71,7 @@ pub fn time_gdn_prefill(
     t: usize,
     n_seqs: usize,
     prec: Precision,
+    walk: Walk,
     runs: usize,
 ) -> Result<GdnTiming, CudaError> {
     let bad = |msg: String| Err(CudaError::InvalidArgs { kernel: "time_gdn_prefill", msg });
@@ -143,7 +146,7 @@ pub fn time_gdn_prefill(
     let mut warm_runs = 0;
     while warm_runs < 2 || (warm.elapsed().as_secs_f64() < 0.1 && warm_runs < 1000) {
         gdn_chunk::gdn_chunk_prep_with(k, &s, &a, prec)?;
-        gdn_chunk::gdn_chunk_state_with(k, &s, &a, prec)?;
+        gdn_chunk::gdn_chunk_state_walk(k, &s, &a, prec, walk)?;
         rt.synchronize()?;
         warm_runs += 1;
     }
@@ -153,7 +156,7 @@ pub fn time_gdn_prefill(
         rec(&e0)?;
         gdn_chunk::gdn_chunk_prep_with(k, &s, &a, prec)?;
         rec(&e1)?;
-        gdn_chunk::gdn_chunk_state_with(k, &s, &a, prec)?;
+        gdn_chunk::gdn_chunk_state_walk(k, &s, &a, prec, walk)?;
         rec(&e2)?;
         let (prep, walk) = (elapsed(&e0, &e1)?, elapsed(&e1, &e2)?);
         times.push([prep + walk, prep, walk]);
@@ -175,5 +178,6 @@ pub fn time_gdn_prefill(
         runs,
         workspace_bytes: ws_bytes,
         nonfinite,
+        walk,
     })
 }

@@ -46,18 +46,7 @@ pub struct Gemm {
     /// FP8 shapes cuBLASLt refused (asked once each).
     refused: RefCell<HashSet<PlanKey>>,
     heuristic_calls: Cell<usize>,
-    /// Token count whose bf16 GEMMs are timed over the heuristic's offers at first use (0: none).
-    tuned_rows: Cell<usize>,
-    /// Shapes already timed.
-    tuned: RefCell<HashSet<PlanKey>>,
 }
-
-/// Algorithms of the heuristic timed per tuned shape ([`Gemm::set_tuned_rows`]).
-const TUNE_OFFERS: usize = 8;
-/// Timed launches per algorithm (after one untimed), the fastest kept.
-const TUNE_LAUNCHES: usize = 4;
-/// An offer replaces the heuristic's first choice only when this much faster (timing noise aside).
-const TUNE_MARGIN: f64 = 0.97;
 
 /// cuBLAS's recommended workspace: 32 MiB on Hopper, 4 MiB before.
 pub fn recommended_workspace_bytes(rt: &Runtime) -> usize {
@@ -82,18 +71,7 @@ impl Gemm {
             plans: RefCell::new(HashMap::new()),
             refused: RefCell::new(HashSet::new()),
             heuristic_calls: Cell::new(0),
-            tuned_rows: Cell::new(0),
-            tuned: RefCell::new(HashSet::new()),
         })
-    }
-
-    /// From now on, the first GEMM of each bf16 shape with `rows` tokens (a step's full prefill chunk:
-    /// the shape long prompts run over and over) times up to 8 of cuBLASLt's offered algorithms on its own
-    /// operands and keeps the fastest (the heuristic's first choice unless another is 3% faster); the
-    /// call's result is then computed by the kept one. 0 turns it off. Never while the stream captures
-    /// a graph.
-    pub fn set_tuned_rows(&self, rows: usize) {
-        self.tuned_rows.set(rows);
     }
 
     /// Number of algorithm heuristics run so far (one per distinct shape).
@@ -305,16 +283,6 @@ impl Gemm {
         scales: Option<(u64, u64)>,
     ) -> Result<(), CudaError> {
         let (m, n, k, ..) = key;
-        if scales.is_none() && n == self.tuned_rows.get() && !self.tuned.borrow().contains(&key) {
-            let capturing = stream.capture_status().map_err(CudaError::driver("cuStreamIsCapturing"))?
-                != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-            if !capturing && let Err(e) = self.tune(stream, key, w, x, y) {
-                // Timing is an optimisation: the heuristic's first choice computes the call below.
-                tracing::warn!(
-                    "GEMM m={m} n={n} k={k}: measuring cuBLASLt's offers failed ({e}); its first choice runs"
-                );
-            }
-        }
         self.prepare_key(key)?;
         let plans = self.plans.borrow();
         let p = plans
@@ -369,46 +337,6 @@ impl Gemm {
             )
         }
         .map_err(|source| CudaError::Blas { call: "cublasLtMatmul", m, n, k, cause: source })
-    }
-
-    /// Times the heuristic's offers for `key` on these operands (y is overwritten: the caller's launch
-    /// that follows writes the real result) and plans the shape with the fastest. Synchronises the stream.
-    fn tune(&self, stream: &CudaStream, key: PlanKey, w: u64, x: u64, y: u64) -> Result<(), CudaError> {
-        self.tuned.borrow_mut().insert(key);
-        let mut plan = self.make_plan_offering(key, TUNE_OFFERS)?;
-        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let ctx = stream.context();
-        let (e0, e1) = (
-            ctx.new_event(timing).map_err(CudaError::driver("cuEventCreate"))?,
-            ctx.new_event(timing).map_err(CudaError::driver("cuEventCreate"))?,
-        );
-        let mut us = Vec::with_capacity(plan.offered.len());
-        for algo in &plan.offered {
-            let mut best = f64::INFINITY;
-            // An offer that fails to launch is skipped (the heuristic's first one never is).
-            if self.launch(stream, key, &plan, algo, w, x, y).is_ok() {
-                for _ in 0..TUNE_LAUNCHES {
-                    e0.record(stream).map_err(CudaError::driver("cuEventRecord"))?;
-                    self.launch(stream, key, &plan, algo, w, x, y)?;
-                    e1.record(stream).map_err(CudaError::driver("cuEventRecord"))?;
-                    let ms = e0.elapsed_ms(&e1).map_err(CudaError::driver("cuEventElapsedTime"))?;
-                    best = best.min(1e3 * f64::from(ms));
-                }
-            }
-            us.push(best);
-        }
-        let fastest = (0..us.len()).min_by(|&a, &b| us[a].total_cmp(&us[b])).unwrap_or(0);
-        let kept = if us[fastest] < TUNE_MARGIN * us[0] { fastest } else { 0 };
-        plan.algo = plan.offered[kept];
-        let (m, n, k, ..) = key;
-        tracing::debug!(
-            "GEMM m={m} n={n} k={k}: algorithm {kept} of {} offered, {:.1} µs against the heuristic's first {:.1} µs",
-            us.len(),
-            us[kept],
-            us[0]
-        );
-        self.install(key, plan);
-        Ok(())
     }
 
     /// Makes `plan` the one of `key`, destroying the plan it replaces.

@@ -77,10 +77,10 @@ pub struct Switches {
     /// `DELTASERVE_FP8_MMA=1`: block-FP8 prefill projections run the mma.sync FP8 GEMM
     /// (`CudaOptions::fp8_mma_gemm`); unset or anything else: cuBLASLt's (Hopper) or dequantised rows.
     pub fp8_mma_gemm: bool,
-    /// `DELTASERVE_GEMM_TUNE=1`: the bf16 GEMMs of full prefill chunks time the heuristic's offers at first
-    /// use and keep the fastest ([`crate::gemm::Gemm::set_tuned_rows`]); unset or anything else: every GEMM
-    /// runs cuBLASLt's first heuristic choice.
-    pub gemm_tune: bool,
+    /// `DELTASERVE_GDN_WALK=one-stream`: the chunked DeltaNet prefill walks its chunks in one instruction
+    /// stream per 16 value columns (`gdn_chunk_state`) also where the warp-specialised walk fits
+    /// ([`crate::ops::gdn_chunk::Walk`]).
+    pub gdn_walk_one_stream: bool,
 }
 
 impl Switches {
@@ -118,7 +118,7 @@ impl Switches {
             snapshots_in_step: var("DELTASERVE_SNAPSHOTS_IN_STEP").is_none_or(|v| v != "0"),
             moe_shared_pairs: var("DELTASERVE_MOE_SHARED_PAIRS").is_none_or(|v| v != "0"),
             fp8_mma_gemm: var("DELTASERVE_FP8_MMA").is_some_and(|v| v == "1"),
-            gemm_tune: var("DELTASERVE_GEMM_TUNE").is_some_and(|v| v == "1"),
+            gdn_walk_one_stream: var("DELTASERVE_GDN_WALK").is_some_and(|v| v == "one-stream"),
         }
     }
 
@@ -165,7 +165,8 @@ mod tests {
         assert!(!s.any_set());
         assert!(s.fold_norms && s.norms_in_reduce && s.w4_gemm && s.device_masks && !s.decode_attn_split);
         assert!(!s.attn_prefill_pair);
-        assert!(s.later_picks && s.snapshots_in_step && s.moe_shared_pairs && !s.fp8_mma_gemm && !s.gemm_tune);
+        assert!(s.later_picks && s.snapshots_in_step && s.moe_shared_pairs && !s.fp8_mma_gemm);
+        assert!(!s.gdn_walk_one_stream);
         assert!(!s.attn_prefill_wide);
         assert!(s.pdl.is_none() && s.nvrtc_options.is_empty() && s.trace_cap.is_none());
     }
@@ -189,9 +190,9 @@ mod tests {
             ("DELTASERVE_SNAPSHOTS_IN_STEP", "0"),
             ("DELTASERVE_MOE_SHARED_PAIRS", "0"),
             ("DELTASERVE_FP8_MMA", "1"),
-            ("DELTASERVE_GEMM_TUNE", "1"),
+            ("DELTASERVE_GDN_WALK", "one-stream"),
         ]);
-        assert!(s.gemm_tune);
+        assert!(s.gdn_walk_one_stream);
         assert!(!s.device_masks && !s.later_picks && !s.snapshots_in_step && !s.moe_shared_pairs && s.fp8_mma_gemm);
         assert!(!s.norms_in_reduce);
         assert!(s.any_set());

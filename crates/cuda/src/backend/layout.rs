@@ -653,9 +653,6 @@ impl CudaBackend {
         }
 
         let gemm = Gemm::new(&rt, r.gemm_ws)?;
-        // DELTASERVE_GEMM_TUNE=1: full prefill chunks' GEMMs (long prompts run them step after step) keep the
-        // fastest of cuBLASLt's offers, measured at first use.
-        gemm.set_tuned_rows(if crate::switches::Switches::get().gemm_tune { t_max } else { 0 });
         let snapshot_len = d.num_deltanet_layers * (rec_bytes + conv_bytes) + if spec.is_some() { h * 2 } else { 0 };
         let host_pool_bytes = host_snapshot_slots * snapshot_len;
         let host_pool = (host_pool_bytes > 0).then(|| PinnedHost::new(&rt, host_pool_bytes)).transpose()?;

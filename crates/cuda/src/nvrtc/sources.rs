@@ -73,8 +73,9 @@ pub const SOURCES: &[KernelSource] = &[
     },
     KernelSource {
         module: "gdn_chunk",
-        src: include_str!("../../kernels/gdn_chunk.cu"),
-        functions: &["gdn_chunk_prep", "gdn_chunk_state", "gdn_chunk_state_bf16"],
+        // The prep and the one-stream walk, then the walk with its output on warps of its own.
+        src: concat!(include_str!("../../kernels/gdn_chunk.cu"), include_str!("../../kernels/gdn_chunk_ws.cu")),
+        functions: &["gdn_chunk_prep", "gdn_chunk_state", "gdn_chunk_state_bf16", "gdn_chunk_state_ws"],
     },
     KernelSource {
         module: "gdn_decode",

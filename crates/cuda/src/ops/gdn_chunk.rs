@@ -35,6 +35,35 @@ pub(crate) fn state_smem_bytes(d: &KernelDims) -> usize {
         + 2 * CHUNK * (state_block_cols(d) + 8)
 }
 
+/// Shared memory of gdn_chunk_state_ws (kernels/gdn_chunk_ws.cu): the exchange buffers X [2][warps][(dk + 64) / 16 * 2]
+/// [32] uint4, the w hi, w lo, k and q tiles [64][dk+8] bf16, P hi, lo [64][72] bf16, the o tile [64][cols+8]
+/// bf16, the decays [2][64] and [64] (f32, f32): 193 KB at dk = dv = 128 (sm_90's 227 KB a block; not sm_80's
+/// 163).
+pub fn ws_smem_bytes(d: &KernelDims) -> usize {
+    let cols = state_block_cols(d);
+    let exchange = 2 * (cols / 16) * ((d.gdn_k_dim + CHUNK) / 16) * 2 * 32 * 16;
+    exchange + 4 * 2 * CHUNK * (d.gdn_k_dim + 8) + 2 * 2 * CHUNK * (CHUNK + 8) + 2 * CHUNK * (cols + 8) + 3 * 8 * CHUNK
+}
+
+/// How gdn_chunk_state walks the chunks ([`Precision::Split`]; [`Precision::Bf16`] always walks in one stream).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Walk {
+    /// One instruction stream per 16 value columns computes the recurrence and the output
+    /// (`gdn_chunk_state`, any GPU).
+    OneStream,
+    /// The output on warps of its own beside the recurrence's (`gdn_chunk_state_ws`, the same results bit for
+    /// bit), where a block may have [`ws_smem_bytes`] of shared memory.
+    OutputWarps,
+}
+
+impl Walk {
+    /// The walk a GPU allowing `max_smem` bytes of shared memory per block runs by default (`one_stream`: the
+    /// `DELTASERVE_GDN_WALK=one-stream` switch).
+    pub fn choose(d: &KernelDims, max_smem: usize, one_stream: bool) -> Walk {
+        if !one_stream && ws_smem_bytes(d) <= max_smem { Walk::OutputWarps } else { Walk::OneStream }
+    }
+}
+
 /// Value columns per gdn_chunk_state block (16 per warp; 4 warps when dv/16 allows, else 2).
 fn state_block_cols(d: &KernelDims) -> usize {
     if (d.gdn_v_dim / 16).is_multiple_of(4) { 64 } else { 32 }
@@ -252,8 +281,27 @@ pub fn gdn_chunk_state(k: &Kernels, s: &CudaStream, a: &GdnChunk) -> Result<(), 
     gdn_chunk_state_with(k, s, a, Precision::Split)
 }
 
-/// [`gdn_chunk_state`] with an explicit operand precision.
+/// [`gdn_chunk_state`] with an explicit operand precision (the kernels' walk, [`Kernels::gdn_walk`]).
 pub fn gdn_chunk_state_with(k: &Kernels, s: &CudaStream, a: &GdnChunk, p: Precision) -> Result<(), CudaError> {
+    gdn_chunk_state_walk(k, s, a, p, k.gdn_walk)
+}
+
+/// [`gdn_chunk_state`] with an explicit precision and walk ([`Walk::OutputWarps`] only where the kernels
+/// allow it: [`Kernels::gdn_walk`] is that walk).
+pub fn gdn_chunk_state_walk(
+    k: &Kernels,
+    s: &CudaStream,
+    a: &GdnChunk,
+    p: Precision,
+    walk: Walk,
+) -> Result<(), CudaError> {
+    let ws = p == Precision::Split && walk == Walk::OutputWarps;
+    if ws && k.gdn_walk != Walk::OutputWarps {
+        return Err(invalid(
+            "gdn_chunk_state_ws",
+            format!("needs {} B of shared memory a block, more than this GPU allows", ws_smem_bytes(&k.dims)),
+        ));
+    }
     if a.t == 0 || a.n_chunks == 0 {
         return Ok(());
     }
@@ -264,24 +312,41 @@ pub fn gdn_chunk_state_with(k: &Kernels, s: &CudaStream, a: &GdnChunk, p: Precis
     let t = to_i32("gdn_chunk_state", "t", a.t)?;
     let hk = to_i32("gdn_chunk_state", "hk", a.hk)?;
     let hv = to_i32("gdn_chunk_state", "hv", a.hv)?;
-    let name = match p {
-        Precision::Split => "gdn_chunk_state",
-        Precision::Bf16 => "gdn_chunk_state_bf16",
-    };
     let cols = state_block_cols(&d);
+    // One warp a 16 columns, and in the warp-specialised walk one more for their output.
+    let (name, threads, smem) = match (p, ws) {
+        (_, true) => ("gdn_chunk_state_ws", 4 * cols, ws_smem_bytes(&d)),
+        (Precision::Split, false) => ("gdn_chunk_state", 2 * cols, state_smem_bytes(&d)),
+        (Precision::Bf16, false) => ("gdn_chunk_state_bf16", 2 * cols, state_smem_bytes(&d)),
+    };
     let grid = (
         to_u32("gdn_chunk_state", "n_seqs", a.n_seqs)?,
         to_u32("gdn_chunk_state", "hv", a.hv)?,
         (d.gdn_v_dim / cols) as u32,
     );
-    let smem = state_smem_bytes(&d) as u32;
-    launch!(k, s, name, grid, (2 * cols as u32, 1, 1), smem;
+    launch!(k, s, name, grid, (threads as u32, 1, 1), smem as u32;
         q, kp, wh, wl, u, ph, pl, ws_g, state, o, cu_seqlens, slots, t, hk, hv)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::Segments;
+    use super::{Segments, Walk, ws_smem_bytes};
+    use crate::nvrtc::KernelDims;
+
+    #[test]
+    fn the_output_warps_walk_where_a_block_has_the_shared_memory() {
+        let d = KernelDims::QWEN35_27B;
+        // 98,304 B of exchange buffers, 69,632 of w, k and q tiles, 18,432 of P, 9,216 of o, 1,536 of decays.
+        assert_eq!(ws_smem_bytes(&d), 197_120);
+        // sm_90's 227 KB a block; sm_80's 163 KB and sm_86/89's 99 KB keep the one-stream walk.
+        assert_eq!(Walk::choose(&d, 232_448, false), Walk::OutputWarps);
+        assert_eq!(Walk::choose(&d, 232_448, true), Walk::OneStream);
+        assert_eq!(Walk::choose(&d, 166_912, false), Walk::OneStream);
+        assert_eq!(Walk::choose(&d, 101_376, false), Walk::OneStream);
+        // Head dims 32 (2 + 2 warps a block) fit everywhere.
+        let small = KernelDims { gdn_k_dim: 32, gdn_v_dim: 32, ..d };
+        assert_eq!(Walk::choose(&small, 101_376, false), Walk::OutputWarps);
+    }
 
     #[test]
     fn segments_cut_sequences_and_walk_them_in_rounds() {

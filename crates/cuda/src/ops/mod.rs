@@ -69,6 +69,10 @@ pub struct Kernels {
     /// V) and the tensor-core decode kernel runs; `DELTASERVE_VERIFY_ATTN=rows` at load (or false here)
     /// runs them one by one as decode queries, the A/B switch of the benchmarks.
     pub verify_mma: bool,
+    /// How the chunked DeltaNet prefill walks its chunks: with the output on warps of its own where a block
+    /// may have the shared memory ([`gdn_chunk::Walk::choose`]); `DELTASERVE_GDN_WALK=one-stream` at load keeps
+    /// the one-stream walk, the A/B switch of the benchmarks.
+    pub gdn_walk: gdn_chunk::Walk,
 }
 
 impl Kernels {
@@ -150,13 +154,19 @@ impl Kernels {
         let load_ms = t0.elapsed().as_secs_f64() * 1e3;
         let verify_mma =
             decode_mma && attention::verify_mma_supported(&kv, dims.attn_head_dim) && !switches.verify_attn_rows;
-        let mut k = Kernels { funcs, dims, kv, attn, arch, load_ms, pdl, w4_slots: 0, decode_mma, verify_mma };
+        let gdn_walk = gdn_chunk::Walk::choose(&dims, rt.max_smem_optin.max(0) as usize, switches.gdn_walk_one_stream);
+        let mut k =
+            Kernels { funcs, dims, kv, attn, arch, load_ms, pdl, w4_slots: 0, decode_mma, verify_mma, gdn_walk };
         for (name, bytes) in [
             ("gdn_chunk_prep", gdn_chunk::prep_smem_bytes(&dims)),
             ("gdn_chunk_state", gdn_chunk::state_smem_bytes(&dims)),
             ("gdn_chunk_state_bf16", gdn_chunk::state_smem_bytes(&dims)),
         ]
         .into_iter()
+        // The warp-specialised walk where it runs.
+        .chain(
+            (gdn_walk == gdn_chunk::Walk::OutputWarps).then(|| ("gdn_chunk_state_ws", gdn_chunk::ws_smem_bytes(&dims))),
+        )
         // The prefill kernel that runs (the other is never launched with these kernels).
         .chain(std::iter::once((attention::prefill_kernel(&attn), attention::prefill_kernel_smem(&dims, &kv, &attn))))
         // attn_prefill_ws's fallback where a page size does not allow its boxes.

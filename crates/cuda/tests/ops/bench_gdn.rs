@@ -7,7 +7,7 @@ use deltaserve_cuda::{KernelDims, Kernels, LibStatus, Runtime};
 
 use crate::harness::R;
 
-/// Both precisions over one to eight sequences of 4K to 64K tokens.
+/// Both precisions and both walks over one to eight sequences of 4K to 64K tokens.
 pub fn prefill_27b() {
     if !LibStatus::probe().driver {
         eprintln!("SKIP bench: no CUDA driver");
@@ -16,9 +16,14 @@ pub fn prefill_27b() {
     let rt = Runtime::open(0).expect("open device");
     let k = Kernels::load(&rt, KernelDims::QWEN35_27B).expect("load");
     println!("device {} ({})", rt.name, rt.arch());
-    for prec in [gdn_chunk::Precision::Split, gdn_chunk::Precision::Bf16] {
+    let (split, one) = (gdn_chunk::Precision::Split, gdn_chunk::Walk::OneStream);
+    // The kernels' walk, the one-stream walk where that is another, then plain bf16 operands.
+    let mut kinds = vec![(split, k.gdn_walk)];
+    kinds.extend((k.gdn_walk != one).then_some((split, one)));
+    kinds.push((gdn_chunk::Precision::Bf16, one));
+    for (prec, walk) in kinds {
         for (t, n_seqs) in [(4096usize, 1usize), (4096, 4), (16384, 1), (16384, 8), (65536, 1)] {
-            if let Err(e) = bench_gdn(&rt, &k, t, n_seqs, prec) {
+            if let Err(e) = bench_gdn(&rt, &k, t, n_seqs, prec, walk) {
                 panic!("bench failed: {e}");
             }
         }
@@ -28,15 +33,22 @@ pub fn prefill_27b() {
 /// The prefill throughput target, M tokens/s per layer.
 const GDN_TARGET_MTOK: f64 = 8.0;
 
-fn bench_gdn(rt: &Runtime, k: &Kernels, t: usize, n_seqs: usize, prec: gdn_chunk::Precision) -> R<()> {
+fn bench_gdn(
+    rt: &Runtime,
+    k: &Kernels,
+    t: usize,
+    n_seqs: usize,
+    prec: gdn_chunk::Precision,
+    walk: gdn_chunk::Walk,
+) -> R<()> {
     let (hk, hv) = (16usize, 48usize);
     let (dk, dv) = (k.dims.gdn_k_dim, k.dims.gdn_v_dim);
-    let r = deltaserve_cuda::gdn_bench::time_gdn_prefill(rt, k, hk, hv, t, n_seqs, prec, 10)?;
+    let r = deltaserve_cuda::gdn_bench::time_gdn_prefill(rt, k, hk, hv, t, n_seqs, prec, walk, 10)?;
     let mtok = r.mtok_per_s();
     // FLA at the nearest measured prompt length (one sequence).
     let (fla_t, fla) = deltaserve_cuda::gdn_bench::fla_h200_nearest(t / n_seqs);
     println!(
-        "BENCH gdn_chunk 27B shape Hk={hk} Hv={hv} Dk={dk} Dv={dv} {prec:?} T={t} ({n_seqs} seqs): median {:.3} ms (prep {:.3} + state {:.3}) over {} runs (min {:.3}, max {:.3}) = {mtok:.2} M tokens/s per layer = {:.2}x the 8 M target, {:.2}x FLA at one {fla_t}-token sequence ({fla}); workspace {:.1} MiB ({} B/token); non-finite outputs {}",
+        "BENCH gdn_chunk 27B shape Hk={hk} Hv={hv} Dk={dk} Dv={dv} {prec:?} {walk:?} T={t} ({n_seqs} seqs): median {:.3} ms (prep {:.3} + state {:.3}) over {} runs (min {:.3}, max {:.3}) = {mtok:.2} M tokens/s per layer = {:.2}x the 8 M target, {:.2}x FLA at one {fla_t}-token sequence ({fla}); workspace {:.1} MiB ({} B/token); non-finite outputs {}",
         r.ms,
         r.prep_ms,
         r.state_ms,

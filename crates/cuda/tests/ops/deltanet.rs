@@ -357,6 +357,9 @@ fn gdn_case(
             })?;
         } else {
             gdn_chunk::gdn_chunk_with(k, s, &a, prec)?;
+            if prec == gdn_chunk::Precision::Split && k.gdn_walk == gdn_chunk::Walk::OutputWarps {
+                extra.extend(walks_agree(k, s, d, a, &st_dev, bf16_state)?);
+            }
         }
     } else if let GdnMode::Recurrent(accept) = &mode {
         // A verify takes its rows from cu_seqlens (lens 0), a commit from starts + lens.
@@ -450,6 +453,31 @@ fn gdn_case(
     }
     out.extend(extra);
     Ok(out)
+}
+
+/// Where the warp-specialised walk ran (`a`, done): the one-stream walk over the same inputs from a copy of the
+/// carried states `st0` gives the same outputs and states bit for bit.
+fn walks_agree(
+    k: &Kernels,
+    s: &CudaStream,
+    d: &mut Dev,
+    a: gdn_chunk::GdnChunk,
+    st0: &[f32],
+    bf16: bool,
+) -> R<Vec<Outcome>> {
+    let n_o = a.t * a.hv * k.dims.gdn_v_dim;
+    let b = gdn_chunk::GdnChunk { state: d.state(st0, bf16)?, o: d.poison(2 * n_o)?, ..a };
+    gdn_chunk::gdn_chunk_prep(k, s, &b)?;
+    gdn_chunk::gdn_chunk_state_walk(k, s, &b, gdn_chunk::Precision::Split, gdn_chunk::Walk::OneStream)?;
+    let bits = |x: Vec<f32>| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+    let differ = |x: Vec<u32>, y: Vec<u32>| x.iter().zip(&y).filter(|(p, q)| p != q).count();
+    let o = differ(bits(d.get_bf16(a.o, n_o)?), bits(d.get_bf16(b.o, n_o)?));
+    let n_st = st0.len();
+    let st = differ(bits(d.get_state(a.state, n_st, bf16)?), bits(d.get_state(b.state, n_st, bf16)?));
+    Ok(vec![Outcome {
+        ok: o == 0 && st == 0,
+        detail: format!("output warps' walk vs one-stream walk: {o} of {n_o} o and {st} of {n_st} state values differ"),
+    }])
 }
 
 /// The state after each sequence's first `used[b]` rows (from row `cu[b]`) went through

@@ -27,7 +27,7 @@ pub(super) fn measure_deltanet(
         }
         tracing::info!("bench: DeltaNet prefill kernels, {seqs} × {} tokens", fmt_count((t / seqs) as u64));
         let prec = deltaserve_cuda::ops::gdn_chunk::Precision::Split;
-        out.push(time_gdn_prefill(rt, k, d.gdn_k_heads, d.gdn_v_heads, t, seqs, prec, 10)?);
+        out.push(time_gdn_prefill(rt, k, d.gdn_k_heads, d.gdn_v_heads, t, seqs, prec, k.gdn_walk, 10)?);
     }
     Ok(out)
 }

@@ -329,7 +329,8 @@ impl Report {
         if !self.deltanet.is_empty() {
             let _ = writeln!(
                 s,
-                "\nDeltaNet chunked prefill kernels alone (one layer, the model's shape; FLA = flash-linear-attention on an H200)"
+                "\nDeltaNet chunked prefill kernels alone (one layer, the model's shape, {}; FLA = flash-linear-attention on an H200)",
+                self.deltanet.first().map_or("", |r| walk_name(r.walk))
             );
             let _ = writeln!(
                 s,
@@ -547,7 +548,7 @@ impl ToolReport for Report {
                     "tokens": r.tokens, "sequences": r.seqs, "ms": r3(r.ms), "prep_ms": r3(r.prep_ms),
                     "walk_ms": r3(r.state_ms), "mtok_per_s_per_layer": r3(r.mtok_per_s()),
                     "fla_h200_mtok_per_s": fla, "fla_h200_tokens": fla_t, "ratio_to_fla_h200": r3(r.mtok_per_s() / fla),
-                    "workspace_bytes": r.workspace_bytes, "nonfinite_outputs": r.nonfinite,
+                    "workspace_bytes": r.workspace_bytes, "nonfinite_outputs": r.nonfinite, "walk": walk_name(r.walk),
                 })
             }).collect::<Vec<_>>(),
             "profile": self.profiles.iter().map(|p| json!({
@@ -707,6 +708,14 @@ pub(super) fn r1(v: f64) -> f64 {
 
 pub(super) fn r3(v: f64) -> f64 {
     round_to(v, 3)
+}
+
+/// How the DeltaNet walk ran, in the report's words.
+fn walk_name(w: deltaserve_cuda::ops::gdn_chunk::Walk) -> &'static str {
+    match w {
+        deltaserve_cuda::ops::gdn_chunk::Walk::OneStream => "walk in one stream",
+        deltaserve_cuda::ops::gdn_chunk::Walk::OutputWarps => "walk with output warps",
+    }
 }
 
 #[cfg(test)]
