@@ -348,6 +348,150 @@ gdn_chunk_prep(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
 }
 
 // ---------------------------------------------------------------------------------------------
+// Walk pieces shared by gdn_chunk_state (below) and gdn_chunk_state_ws (gdn_chunk_ws.cu). Accumulator
+// tiles [n][4] hold (row g(+8), columns 8n + 2t (+1)) of a 16-row product.
+
+// a *= -(E[column].x), or .y with Y.
+template <bool Y>
+__device__ __forceinline__ void scale_cols_neg(float (&a)[CH / 8][4], const float2* E, int t4) {
+#pragma unroll
+    for (int n = 0; n < CH / 8; n++) {
+        const int j = 8 * n + 2 * t4;
+        const float d0 = -(Y ? E[j].y : E[j].x), d1 = -(Y ? E[j + 1].y : E[j + 1].x);
+        a[n][0] *= d0;
+        a[n][1] *= d1;
+        a[n][2] *= d0;
+        a[n][3] *= d1;
+    }
+}
+// The CH columns of `a` as A fragments (k = column), split into hi and lo bf16.
+__device__ __forceinline__ void split_frags(const float (&a)[CH / 8][4], u32 (&hi)[CH / 16][4], u32 (&lo)[CH / 16][4]) {
+#pragma unroll
+    for (int kt = 0; kt < CH / 16; kt++) {
+        split2(a[2 * kt][0], a[2 * kt][1], hi[kt][0], lo[kt][0]);
+        split2(a[2 * kt][2], a[2 * kt][3], hi[kt][1], lo[kt][1]);
+        split2(a[2 * kt + 1][0], a[2 * kt + 1][1], hi[kt][2], lo[kt][2]);
+        split2(a[2 * kt + 1][2], a[2 * kt + 1][3], hi[kt][3], lo[kt][3]);
+    }
+}
+// -h^T's k-tile kt (d = 16kt..16kt+15) as A fragments, hi and lo.
+__device__ __forceinline__ void split_h(const float (&h)[DK / 8][4], int kt, u32 (&hi)[4], u32 (&lo)[4]) {
+    split2(h[2 * kt][0], h[2 * kt][1], hi[0], lo[0]);
+    split2(h[2 * kt][2], h[2 * kt][3], hi[1], lo[1]);
+    split2(h[2 * kt + 1][0], h[2 * kt + 1][1], hi[2], lo[2]);
+    split2(h[2 * kt + 1][2], h[2 * kt + 1][3], hi[3], lo[3]);
+}
+// -h^T tiles of value columns vw.. from a state slot: h[n] covers (v = vw+g(+8), d = 8n+2t(+1)); element
+// (v, d) = -state[d][v]. store_neg_h writes them back.
+__device__ __forceinline__ void load_neg_h(float (&h)[DK / 8][4], const state_t* st, int vw, int gq, int t4) {
+#pragma unroll
+    for (int n = 0; n < DK / 8; n++) {
+        const state_t* sp = st + (long long)(8 * n + 2 * t4) * DV + vw + gq;
+        h[n][0] = -state_ld(sp);
+        h[n][1] = -state_ld(sp + DV);
+        h[n][2] = -state_ld(sp + 8);
+        h[n][3] = -state_ld(sp + DV + 8);
+    }
+}
+__device__ __forceinline__ void store_neg_h(const float (&h)[DK / 8][4], state_t* st, int vw, int gq, int t4) {
+#pragma unroll
+    for (int n = 0; n < DK / 8; n++) {
+        state_t* sp = st + (long long)(8 * n + 2 * t4) * DV + vw + gq;
+        state_st(sp, -h[n][0]);
+        state_st(sp + DV, -h[n][1]);
+        state_st(sp + 8, -h[n][2]);
+        state_st(sp + DV + 8, -h[n][3]);
+    }
+}
+// u^T tile of a chunk of L rows in accumulator layout (row v = vw+g(+8), column i = 8n+2t(+1)), 0 past L;
+// `ub` points at (row 2t, column vw + g): rows 8n + 2t + e sit at constant offsets from it.
+__device__ __forceinline__ void load_u_tile(float (&un)[CH / 8][4], const float* ub, int L, int t4) {
+    if (L == CH) {
+#pragma unroll
+        for (int n = 0; n < CH / 8; n++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const float* up = ub + (8 * n + e) * DV;
+                un[n][e] = up[0];
+                un[n][2 + e] = up[8];
+            }
+        }
+    } else {
+#pragma unroll
+        for (int n = 0; n < CH / 8; n++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int i = 8 * n + 2 * t4 + e;
+                const float* up = ub + (8 * n + e) * DV;
+                un[n][e] = i < L ? up[0] : 0.0f;
+                un[n][2 + e] = i < L ? up[8] : 0.0f;
+            }
+        }
+    }
+}
+// o^T += vn^T P^T, vn^T as A fragments (hi, lo); P lower triangular, rows 8n.. and 8n+8.. (n even) sharing
+// their nonzero k-tiles kt <= n / 2; ph_l / pl_l: the ldmatrix lane addresses of P's hi / lo tiles.
+template <bool PRECISE>
+__device__ __forceinline__ void add_vn_p(float (&oq)[CH / 8][4], const u32 (&vh)[CH / 16][4],
+                                         const u32 (&vl)[CH / 16][4], u32 ph_l, u32 pl_l) {
+#pragma unroll
+    for (int np = 0; np < CH / 16; np++) {
+#pragma unroll
+        for (int kt = 0; kt <= np; kt++) {
+            const u32 off = 2 * (16 * np * PPB + 16 * kt);
+            u32 b[4];
+            ldsm_x4(ph_l + off, b[0], b[1], b[2], b[3]);
+            mma_bf16(oq[2 * np], vh[kt], b[0], b[1]);
+            mma_bf16(oq[2 * np + 1], vh[kt], b[2], b[3]);
+            if (PRECISE) {
+                u32 cl[4];
+                ldsm_x4(pl_l + off, cl[0], cl[1], cl[2], cl[3]);
+                mma_bf16(oq[2 * np], vl[kt], b[0], b[1]);
+                mma_bf16(oq[2 * np + 1], vl[kt], b[2], b[3]);
+                mma_bf16(oq[2 * np], vh[kt], cl[0], cl[1]);
+                mma_bf16(oq[2 * np + 1], vh[kt], cl[2], cl[3]);
+            }
+        }
+    }
+}
+// The o^T tile into Os [CH][OPB] at column `col` (this warp's 16), as bf16.
+__device__ __forceinline__ void stage_o(const float (&oq)[CH / 8][4], bf16_t* Os, int col, int gq, int t4) {
+#pragma unroll
+    for (int n = 0; n < CH / 8; n++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            bf16_t* os = Os + (8 * n + 2 * t4 + e) * OPB + col + gq;
+            os[0] = f2bf(oq[n][e]);
+            os[8] = f2bf(oq[n][2 + e]);
+        }
+    }
+}
+// h^T = eg h^T + (Dl * vn)^T K on -h^T with -(Dl * vn)^T as A fragments (hi, lo); k_t: K's ldmatrix.trans
+// lane address.
+template <bool PRECISE>
+__device__ __forceinline__ void update_h(float (&h)[DK / 8][4], const u32 (&vh)[CH / 16][4],
+                                         const u32 (&vl)[CH / 16][4], u32 k_t, float eg) {
+#pragma unroll
+    for (int n = 0; n < DK / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) h[n][e] *= eg;
+#pragma unroll
+    for (int kt = 0; kt < CH / 16; kt++) {
+#pragma unroll
+        for (int np = 0; np < DK / 16; np++) {
+            u32 b[4];
+            ldsm_x4_t(k_t + 2 * (16 * kt * KPB + 16 * np), b[0], b[1], b[2], b[3]);
+            mma_bf16(h[2 * np], vh[kt], b[0], b[1]);
+            mma_bf16(h[2 * np + 1], vh[kt], b[2], b[3]);
+            if (PRECISE) {
+                mma_bf16(h[2 * np], vl[kt], b[0], b[1]);
+                mma_bf16(h[2 * np + 1], vl[kt], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // State walk: per (sequence, value head, SBV value columns); warp w owns columns vw..vw+15.
 // PRECISE: the hi/lo operands (gdn_chunk_state); else plain bf16 (gdn_chunk_state_bf16, tests and
 // benches only). A template, not a runtime flag, so that each kernel's loop has only its own code.
@@ -468,32 +612,7 @@ __device__ __forceinline__ void state_walk(const bf16_t* __restrict__ q, const b
     // Rows 8n + 2t + e of the chunk sit at constant offsets from one per-chunk pointer.
     float un[CH / 8][4];
     const float* u0 = ws_u + (wrow + 2 * t4) * DV + vw + gq;
-    auto load_u = [&](int c) {
-        const int L = c < nch ? chunk_len(c) : 0;
-        const float* ub = u0 + (long long)c * CH * DV;
-        if (L == CH) {
-#pragma unroll
-            for (int n = 0; n < CH / 8; n++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const float* up = ub + (8 * n + e) * DV;
-                    un[n][e] = up[0];
-                    un[n][2 + e] = up[8];
-                }
-            }
-        } else {
-#pragma unroll
-            for (int n = 0; n < CH / 8; n++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int i = 8 * n + 2 * t4 + e;
-                    const float* up = ub + (8 * n + e) * DV;
-                    un[n][e] = i < L ? up[0] : 0.0f;
-                    un[n][2 + e] = i < L ? up[8] : 0.0f;
-                }
-            }
-        }
-    };
+    auto load_u = [&](int c) { load_u_tile(un, u0 + (long long)c * CH * DV, c < nch ? chunk_len(c) : 0, t4); };
 
     // ldmatrix lane addresses (bytes): B fragments of two n-tiles (rows 8n.., 8n+8..) x one k-tile
     // (columns 16kt.., 16kt+8..) of a row-major [n][k] tile; + constant tile offsets below.
@@ -503,17 +622,9 @@ __device__ __forceinline__ void state_walk(const bf16_t* __restrict__ q, const b
     const u32 ph_l = smem_addr(Ph) + 2 * (b_row * PPB + b_col), pl_l = smem_addr(Pl) + 2 * (b_row * PPB + b_col);
     const u32 k_t = smem_addr(Ks + (lane & 15) * KPB + (lane >> 4) * 8);  // ldmatrix.trans rows
 
-    // -h^T tiles (negated: the products below need -h, and negating the decays instead is free):
-    // h[n] covers (v = vw+g(+8), d = 8n+2t(+1)); element (v, d) = -state[d][v].
+    // -h^T tiles (negated: the products below need -h, and negating the decays instead is free).
     float h[DK / 8][4];
-#pragma unroll
-    for (int n = 0; n < DK / 8; n++) {
-        const state_t* sp = st + (long long)(8 * n + 2 * t4) * DV + vw + gq;
-        h[n][0] = -state_ld(sp);
-        h[n][1] = -state_ld(sp + DV);
-        h[n][2] = -state_ld(sp + 8);
-        h[n][3] = -state_ld(sp + DV + 8);
-    }
+    load_neg_h(h, st, vw, gq, t4);
     load_a(0);
     load_b(0);
     load_c(0);
@@ -536,10 +647,7 @@ __device__ __forceinline__ void state_walk(const bf16_t* __restrict__ q, const b
 #pragma unroll
         for (int kt = 0; kt < DK / 16; kt++) {
             u32 ah[4], al[4];  // -h^T, k-tile kt (d = 16kt..16kt+15)
-            split2(h[2 * kt][0], h[2 * kt][1], ah[0], al[0]);
-            split2(h[2 * kt][2], h[2 * kt][3], ah[1], al[1]);
-            split2(h[2 * kt + 1][0], h[2 * kt + 1][1], ah[2], al[2]);
-            split2(h[2 * kt + 1][2], h[2 * kt + 1][3], ah[3], al[3]);
+            split_h(h, kt, ah, al);
 #pragma unroll
             for (int np = 0; np < CH / 16; np++) {
                 const u32 off = 2 * (16 * np * KPB + 16 * kt);
@@ -569,70 +677,14 @@ __device__ __forceinline__ void state_walk(const bf16_t* __restrict__ q, const b
 
         // Phase 2: o^T = exp(G_i) h^T q^T + vn^T P^T  (oq holds -h^T q^T).
         const float2* E = Es + (c & 1) * CH;
-#pragma unroll
-        for (int n = 0; n < CH / 8; n++) {
-            const int i = 8 * n + 2 * t4;
-            const float e0 = -E[i].x, e1 = -E[i + 1].x;
-            oq[n][0] *= e0;
-            oq[n][1] *= e1;
-            oq[n][2] *= e0;
-            oq[n][3] *= e1;
-        }
+        scale_cols_neg<false>(oq, E, t4);
         u32 vh[CH / 16][4], vl[CH / 16][4];  // vn^T as A fragments (k = chunk row j)
-#pragma unroll
-        for (int kt = 0; kt < CH / 16; kt++) {
-            split2(acc[2 * kt][0], acc[2 * kt][1], vh[kt][0], vl[kt][0]);
-            split2(acc[2 * kt][2], acc[2 * kt][3], vh[kt][1], vl[kt][1]);
-            split2(acc[2 * kt + 1][0], acc[2 * kt + 1][1], vh[kt][2], vl[kt][2]);
-            split2(acc[2 * kt + 1][2], acc[2 * kt + 1][3], vh[kt][3], vl[kt][3]);
-        }
-        // Rows 8n.. and 8n+8.. of P (n even) share their nonzero k-tiles kt <= n / 2.
-#pragma unroll
-        for (int np = 0; np < CH / 16; np++) {
-#pragma unroll
-            for (int kt = 0; kt <= np; kt++) {
-                const u32 off = 2 * (16 * np * PPB + 16 * kt);
-                u32 b[4];
-                ldsm_x4(ph_l + off, b[0], b[1], b[2], b[3]);
-                mma_bf16(oq[2 * np], vh[kt], b[0], b[1]);
-                mma_bf16(oq[2 * np + 1], vh[kt], b[2], b[3]);
-                if (PRECISE) {
-                    u32 cl[4];
-                    ldsm_x4(pl_l + off, cl[0], cl[1], cl[2], cl[3]);
-                    mma_bf16(oq[2 * np], vl[kt], b[0], b[1]);
-                    mma_bf16(oq[2 * np + 1], vl[kt], b[2], b[3]);
-                    mma_bf16(oq[2 * np], vh[kt], cl[0], cl[1]);
-                    mma_bf16(oq[2 * np + 1], vh[kt], cl[2], cl[3]);
-                }
-            }
-        }
-        // o through shared memory (stored below with 16-byte writes).
-#pragma unroll
-        for (int n = 0; n < CH / 8; n++) {
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                bf16_t* os = Os + (8 * n + 2 * t4 + e) * OPB + warp * 16 + gq;
-                os[0] = f2bf(oq[n][e]);
-                os[8] = f2bf(oq[n][2 + e]);
-            }
-        }
+        split_frags(acc, vh, vl);
+        add_vn_p<PRECISE>(oq, vh, vl, ph_l, pl_l);
+        stage_o(oq, Os, warp * 16, gq, t4);  // o through shared memory (stored below with 16-byte writes)
         // -(Dl * vn)^T with Dl_j = exp(G_last - G_j), 0 past the chunk end.
-#pragma unroll
-        for (int n = 0; n < CH / 8; n++) {
-            const int j = 8 * n + 2 * t4;
-            const float d0 = -E[j].y, d1 = -E[j + 1].y;
-            acc[n][0] *= d0;
-            acc[n][1] *= d1;
-            acc[n][2] *= d0;
-            acc[n][3] *= d1;
-        }
-#pragma unroll
-        for (int kt = 0; kt < CH / 16; kt++) {
-            split2(acc[2 * kt][0], acc[2 * kt][1], vh[kt][0], vl[kt][0]);
-            split2(acc[2 * kt][2], acc[2 * kt][3], vh[kt][1], vl[kt][1]);
-            split2(acc[2 * kt + 1][0], acc[2 * kt + 1][1], vh[kt][2], vl[kt][2]);
-            split2(acc[2 * kt + 1][2], acc[2 * kt + 1][3], vh[kt][3], vl[kt][3]);
-        }
+        scale_cols_neg<true>(acc, E, t4);
+        split_frags(acc, vh, vl);
         __syncthreads();  // P buffers free, o tile complete
         load_b(c + 1);
         for (int e = tid; e < CH * (SBV / 8); e += SNW * 32) {
@@ -646,37 +698,11 @@ __device__ __forceinline__ void state_walk(const bf16_t* __restrict__ q, const b
         load_u(c + 1);    // next chunk's u, in flight during the state update
 
         // Phase 3: h^T = exp(G_last) h^T + (Dl * vn)^T K  (on -h^T, with -(Dl * vn)^T).
-        const float eg = E[L - 1].x;
-#pragma unroll
-        for (int n = 0; n < DK / 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) h[n][e] *= eg;
-#pragma unroll
-        for (int kt = 0; kt < CH / 16; kt++) {
-#pragma unroll
-            for (int np = 0; np < DK / 16; np++) {
-                u32 b[4];
-                ldsm_x4_t(k_t + 2 * (16 * kt * KPB + 16 * np), b[0], b[1], b[2], b[3]);
-                mma_bf16(h[2 * np], vh[kt], b[0], b[1]);
-                mma_bf16(h[2 * np + 1], vh[kt], b[2], b[3]);
-                if (PRECISE) {
-                    mma_bf16(h[2 * np], vl[kt], b[0], b[1]);
-                    mma_bf16(h[2 * np + 1], vl[kt], b[2], b[3]);
-                }
-            }
-        }
+        update_h<PRECISE>(h, vh, vl, k_t, E[L - 1].x);
         __syncthreads();  // K buffer free
         load_c(c + 1);
     }
-
-#pragma unroll
-    for (int n = 0; n < DK / 8; n++) {
-        state_t* sp = st + (long long)(8 * n + 2 * t4) * DV + vw + gq;
-        state_st(sp, -h[n][0]);
-        state_st(sp + DV, -h[n][1]);
-        state_st(sp + 8, -h[n][2]);
-        state_st(sp + DV + 8, -h[n][3]);
-    }
+    store_neg_h(h, st, vw, gq, t4);
 }
 
 #define GDN_STATE_ARGS                                                                                          \

@@ -1,5 +1,5 @@
 // gdn_chunk_ws.cu — gdn_chunk_state with the output on warps of its own (gdn_chunk_state_ws), where a block
-// may have its shared memory (ops::gdn_chunk::ws_smem_bytes: 193 KB at DK = DV = 128, sm_90's 227).
+// may have its shared memory (ops::gdn_chunk::ws_smem_bytes: 226 KB at DK = DV = 128, sm_90's 227).
 // Follows gdn_chunk.cu in one module (its helpers, tile pitches, SNW / SBV and GDN_STATE_ARGS).
 //
 // The one-stream walk (state_walk) spends 188 of its 508 tensor-core instructions a chunk on the output
@@ -14,13 +14,16 @@
 // one-stream walk's (split hi/lo operands), so o and the state are bit for bit the same (the ops table
 // checks it).
 // Shared memory: X [2][SNW][(DK/16 + CH/16) * 2][32] uint4 (per buffer, warp, k-tile and hi/lo: one lane's
-// 4 fragment registers; 16-byte stores and loads of consecutive lanes), then the state warps' w hi, lo, K
-// tiles and decays [2][CH], the output warps' q, P hi, lo tiles, o tile and exp(G) [CH].
+// 4 fragment registers; 16-byte stores and loads of consecutive lanes), then the state warps' w hi, lo tiles
+// twice (chunk c + 2's copy starts once chunk c's product has read its buffer: a whole chunk ahead, which made
+// the walk 11% faster than one buffer), K tile and decays [CH] (group C: read after v_new, free at the chunk's
+// end), the output warps' q, P hi, lo tiles, o tile and decays [CH]. u comes in registers a chunk ahead.
 // Named barriers (the block never uses barrier 0): 1 the state warps, 2 the output warps, 3 + b "buffer b
 // written" (state warps arrive, output warps wait), 5 + b "buffer b read" (output warps arrive, state
 // warps wait before they write it again). Each side copies its own tiles with cp.async (its own groups).
 
 #define WS_XU4 ((DK / 16 + CH / 16) * 2 * 32)  // uint4 of one warp's exchange buffer
+#define WS_WBUF (2 * CH * KPB * 2)             // bytes of one w buffer (hi and lo tiles)
 #define WS_NT (SNW * 32)                      // threads of one side
 #define WS_BAR_STATE 1
 #define WS_BAR_OUT 2
@@ -38,15 +41,15 @@ __device__ __forceinline__ void u4_to(u32 (&r)[4], const uint4& v) {
 extern "C" __global__ void __launch_bounds__(2 * SNW * 32) gdn_chunk_state_ws(GDN_STATE_ARGS) {
     extern __shared__ uint4 smem_u4[];
     uint4* X = smem_u4;                              // [2][SNW][WS_XU4]
-    bf16_t* Wh = (bf16_t*)(X + 2 * SNW * WS_XU4);    // [CH][KPB] w hi   (state)
-    bf16_t* Wl = Wh + CH * KPB;                      // [CH][KPB] w lo   (state)
-    bf16_t* Ks = Wl + CH * KPB;                      // [CH][KPB] k      (state)
+    bf16_t* Wh = (bf16_t*)(X + 2 * SNW * WS_XU4);    // [2][w hi, w lo][CH][KPB] (state, double-buffered)
+    bf16_t* Wl = Wh + CH * KPB;
+    bf16_t* Ks = Wh + 4 * CH * KPB;                  // [CH][KPB] k      (state)
     bf16_t* Qs = Ks + CH * KPB;                      // [CH][KPB] q      (output)
     bf16_t* Ph = Qs + CH * KPB;                      // [CH][PPB] P hi   (output)
     bf16_t* Pl = Ph + CH * PPB;                      // [CH][PPB] P lo   (output)
     bf16_t* Os = Pl + CH * PPB;                      // [CH][OPB] o      (output)
-    float2* Es = (float2*)(Os + CH * OPB);           // [2][CH] (exp(G_i), exp(G_last - G_i)) (state)
-    float2* Eo = Es + 2 * CH;                        // [CH] the same pairs, the output warps' copy
+    float2* Es = (float2*)(Os + CH * OPB);           // [CH] (exp(G_i), exp(G_last - G_i)) (state)
+    float2* Eo = Es + CH;                            // [CH] the same pairs, the output warps' copy
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const bool out_side = warp >= SNW;
@@ -100,68 +103,42 @@ extern "C" __global__ void __launch_bounds__(2 * SNW * 32) gdn_chunk_state_ws(GD
         const bf16_t* k0 = k + qrow0;
         const u32 wh_d = smem_addr(Wh + li * KPB + 8 * lp), wl_d = smem_addr(Wl + li * KPB + 8 * lp);
         const u32 k_d = smem_addr(Ks + li * KPB + 8 * lp);
-        auto load_a = [&](int c) {  // group A: w hi, lo and the decays
+        auto load_a = [&](int c) {  // group A: w hi, lo (buffer c & 1)
             if (c < nch) {
                 const int L = chunk_len(c);
-                load_rows(wh_d, wh0 + (long long)c * CH * DK, RP * DK, L);
-                load_rows(wl_d, wl0 + (long long)c * CH * DK, RP * DK, L);
-                load_decays(Es + (c & 1) * CH, c, L);
+                const u32 wb = (c & 1) * WS_WBUF;
+                load_rows(wh_d + wb, wh0 + (long long)c * CH * DK, RP * DK, L);
+                load_rows(wl_d + wb, wl0 + (long long)c * CH * DK, RP * DK, L);
             }
             cp_async_commit();
         };
-        auto load_c = [&](int c) {  // group C: k
-            if (c < nch) load_rows(k_d, k0 + (long long)c * CH * Hk * DK, qstep, chunk_len(c));
+        auto load_c = [&](int c) {  // group C: k and the decays
+            if (c < nch) {
+                const int L = chunk_len(c);
+                load_rows(k_d, k0 + (long long)c * CH * Hk * DK, qstep, L);
+                load_decays(Es, c, L);
+            }
             cp_async_commit();
         };
         float un[CH / 8][4];
         const float* u0 = ws_u + (wrow + 2 * t4) * DV + vw + gq;
-        auto load_u = [&](int c) {
-            const int L = c < nch ? chunk_len(c) : 0;
-            const float* ub = u0 + (long long)c * CH * DV;
-            if (L == CH) {
-#pragma unroll
-                for (int n = 0; n < CH / 8; n++) {
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const float* up = ub + (8 * n + e) * DV;
-                        un[n][e] = up[0];
-                        un[n][2 + e] = up[8];
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int n = 0; n < CH / 8; n++) {
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const bool ok = 8 * n + 2 * t4 + e < L;
-                        const float* up = ub + (8 * n + e) * DV;
-                        un[n][e] = ok ? up[0] : 0.0f;
-                        un[n][2 + e] = ok ? up[8] : 0.0f;
-                    }
-                }
-            }
-        };
+        auto load_u = [&](int c) { load_u_tile(un, u0 + (long long)c * CH * DV, c < nch ? chunk_len(c) : 0, t4); };
         const u32 wh_l = smem_addr(Wh) + 2 * (b_row * KPB + b_col), wl_l = smem_addr(Wl) + 2 * (b_row * KPB + b_col);
         const u32 k_t = smem_addr(Ks + (lane & 15) * KPB + (lane >> 4) * 8);
 
         float h[DK / 8][4];  // -h^T (see state_walk)
-#pragma unroll
-        for (int n = 0; n < DK / 8; n++) {
-            const state_t* sp = st + (long long)(8 * n + 2 * t4) * DV + vw + gq;
-            h[n][0] = -state_ld(sp);
-            h[n][1] = -state_ld(sp + DV);
-            h[n][2] = -state_ld(sp + 8);
-            h[n][3] = -state_ld(sp + DV + 8);
-        }
+        load_neg_h(h, st, vw, gq, t4);
         load_a(0);
         load_c(0);
+        load_a(1);
         load_u(0);
 
         for (int c = 0; c < nch; c++) {
             const int L = chunk_len(c), b = c & 1;
             uint4* xb = Xw + b * SNW * WS_XU4;
-            cp_async_wait<1>();
-            named_sync(WS_BAR_STATE, WS_NT);  // group A(c): w, decays
+            const u32 wb = b * WS_WBUF;
+            cp_async_wait<2>();
+            named_sync(WS_BAR_STATE, WS_NT);  // group A(c): w
             if (c >= 2) named_sync(WS_BAR_EMPTY + b, 2 * WS_NT);  // the output of chunk c - 2 read buffer b
 
             // vn^T = u^T - h^T w^T; -h^T's fragments to the output warp.
@@ -170,21 +147,19 @@ extern "C" __global__ void __launch_bounds__(2 * SNW * 32) gdn_chunk_state_ws(GD
             for (int n = 0; n < CH / 8; n++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) acc[n][e] = un[n][e];
+            load_u(c + 1);
 #pragma unroll
             for (int kt = 0; kt < DK / 16; kt++) {
                 u32 ah[4], al[4];
-                split2(h[2 * kt][0], h[2 * kt][1], ah[0], al[0]);
-                split2(h[2 * kt][2], h[2 * kt][3], ah[1], al[1]);
-                split2(h[2 * kt + 1][0], h[2 * kt + 1][1], ah[2], al[2]);
-                split2(h[2 * kt + 1][2], h[2 * kt + 1][3], ah[3], al[3]);
+                split_h(h, kt, ah, al);
                 xb[32 * (2 * kt)] = u4_of(ah);
                 xb[32 * (2 * kt + 1)] = u4_of(al);
 #pragma unroll
                 for (int np = 0; np < CH / 16; np++) {
                     const u32 off = 2 * (16 * np * KPB + 16 * kt);
                     u32 bh[4], bl[4];
-                    ldsm_x4(wh_l + off, bh[0], bh[1], bh[2], bh[3]);
-                    ldsm_x4(wl_l + off, bl[0], bl[1], bl[2], bl[3]);
+                    ldsm_x4(wh_l + wb + off, bh[0], bh[1], bh[2], bh[3]);
+                    ldsm_x4(wl_l + wb + off, bl[0], bl[1], bl[2], bl[3]);
                     mma_bf16(acc[2 * np], ah, bh[0], bh[1]);
                     mma_bf16(acc[2 * np + 1], ah, bh[2], bh[3]);
                     mma_bf16(acc[2 * np], al, bh[0], bh[1]);
@@ -193,71 +168,30 @@ extern "C" __global__ void __launch_bounds__(2 * SNW * 32) gdn_chunk_state_ws(GD
                     mma_bf16(acc[2 * np + 1], ah, bl[2], bl[3]);
                 }
             }
-            named_sync(WS_BAR_STATE, WS_NT);  // w buffers free
-            load_a(c + 1);
+            named_sync(WS_BAR_STATE, WS_NT);  // w buffer b free
+            load_a(c + 2);
             u32 vh[CH / 16][4], vl[CH / 16][4];  // vn^T as A fragments (k = chunk row j)
+            split_frags(acc, vh, vl);
 #pragma unroll
             for (int kt = 0; kt < CH / 16; kt++) {
-                split2(acc[2 * kt][0], acc[2 * kt][1], vh[kt][0], vl[kt][0]);
-                split2(acc[2 * kt][2], acc[2 * kt][3], vh[kt][1], vl[kt][1]);
-                split2(acc[2 * kt + 1][0], acc[2 * kt + 1][1], vh[kt][2], vl[kt][2]);
-                split2(acc[2 * kt + 1][2], acc[2 * kt + 1][3], vh[kt][3], vl[kt][3]);
                 xb[32 * (XV + 2 * kt)] = u4_of(vh[kt]);
                 xb[32 * (XV + 2 * kt + 1)] = u4_of(vl[kt]);
             }
             named_arrive(WS_BAR_FULL + b, 2 * WS_NT);  // buffer b holds chunk c's -h^T and vn^T
 
             // -(Dl * vn)^T with Dl_j = exp(G_last - G_j), 0 past the chunk end.
-            const float2* E = Es + b * CH;
-#pragma unroll
-            for (int n = 0; n < CH / 8; n++) {
-                const int j = 8 * n + 2 * t4;
-                const float d0 = -E[j].y, d1 = -E[j + 1].y;
-                acc[n][0] *= d0;
-                acc[n][1] *= d1;
-                acc[n][2] *= d0;
-                acc[n][3] *= d1;
-            }
-#pragma unroll
-            for (int kt = 0; kt < CH / 16; kt++) {
-                split2(acc[2 * kt][0], acc[2 * kt][1], vh[kt][0], vl[kt][0]);
-                split2(acc[2 * kt][2], acc[2 * kt][3], vh[kt][1], vl[kt][1]);
-                split2(acc[2 * kt + 1][0], acc[2 * kt + 1][1], vh[kt][2], vl[kt][2]);
-                split2(acc[2 * kt + 1][2], acc[2 * kt + 1][3], vh[kt][3], vl[kt][3]);
-            }
             cp_async_wait<1>();
-            named_sync(WS_BAR_STATE, WS_NT);  // group C(c): K
-            load_u(c + 1);
+            named_sync(WS_BAR_STATE, WS_NT);  // group C(c): K, decays
+            const float2* E = Es;
+            scale_cols_neg<true>(acc, E, t4);
+            split_frags(acc, vh, vl);
 
             // h^T = exp(G_last) h^T + (Dl * vn)^T K  (on -h^T, with -(Dl * vn)^T).
-            const float eg = E[L - 1].x;
-#pragma unroll
-            for (int n = 0; n < DK / 8; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) h[n][e] *= eg;
-#pragma unroll
-            for (int kt = 0; kt < CH / 16; kt++) {
-#pragma unroll
-                for (int np = 0; np < DK / 16; np++) {
-                    u32 bk[4];
-                    ldsm_x4_t(k_t + 2 * (16 * kt * KPB + 16 * np), bk[0], bk[1], bk[2], bk[3]);
-                    mma_bf16(h[2 * np], vh[kt], bk[0], bk[1]);
-                    mma_bf16(h[2 * np + 1], vh[kt], bk[2], bk[3]);
-                    mma_bf16(h[2 * np], vl[kt], bk[0], bk[1]);
-                    mma_bf16(h[2 * np + 1], vl[kt], bk[2], bk[3]);
-                }
-            }
+            update_h<true>(h, vh, vl, k_t, E[L - 1].x);
             named_sync(WS_BAR_STATE, WS_NT);  // K buffer free
             load_c(c + 1);
         }
-#pragma unroll
-        for (int n = 0; n < DK / 8; n++) {
-            state_t* sp = st + (long long)(8 * n + 2 * t4) * DV + vw + gq;
-            state_st(sp, -h[n][0]);
-            state_st(sp + DV, -h[n][1]);
-            state_st(sp + 8, -h[n][2]);
-            state_st(sp + DV + 8, -h[n][3]);
-        }
+        store_neg_h(h, st, vw, gq, t4);
         return;
     }
 
@@ -322,15 +256,7 @@ extern "C" __global__ void __launch_bounds__(2 * SNW * 32) gdn_chunk_state_ws(GD
                 mma_bf16(oq[2 * np + 1], al, qb[2], qb[3]);
             }
         }
-#pragma unroll
-        for (int n = 0; n < CH / 8; n++) {
-            const int i = 8 * n + 2 * t4;
-            const float e0 = -Eo[i].x, e1 = -Eo[i + 1].x;
-            oq[n][0] *= e0;
-            oq[n][1] *= e1;
-            oq[n][2] *= e0;
-            oq[n][3] *= e1;
-        }
+        scale_cols_neg<false>(oq, Eo, t4);
         u32 vh[CH / 16][4], vl[CH / 16][4];
 #pragma unroll
         for (int kt = 0; kt < CH / 16; kt++) {
@@ -343,32 +269,8 @@ extern "C" __global__ void __launch_bounds__(2 * SNW * 32) gdn_chunk_state_ws(GD
         cp_async_wait<1>();
         named_sync(WS_BAR_OUT, WS_NT);  // group P(c)
 
-        // o^T += vn^T P^T; rows 8n.. and 8n+8.. of P (n even) share their nonzero k-tiles kt <= n / 2.
-#pragma unroll
-        for (int np = 0; np < CH / 16; np++) {
-#pragma unroll
-            for (int kt = 0; kt <= np; kt++) {
-                const u32 off = 2 * (16 * np * PPB + 16 * kt);
-                u32 bh[4], bl[4];
-                ldsm_x4(ph_l + off, bh[0], bh[1], bh[2], bh[3]);
-                mma_bf16(oq[2 * np], vh[kt], bh[0], bh[1]);
-                mma_bf16(oq[2 * np + 1], vh[kt], bh[2], bh[3]);
-                ldsm_x4(pl_l + off, bl[0], bl[1], bl[2], bl[3]);
-                mma_bf16(oq[2 * np], vl[kt], bh[0], bh[1]);
-                mma_bf16(oq[2 * np + 1], vl[kt], bh[2], bh[3]);
-                mma_bf16(oq[2 * np], vh[kt], bl[0], bl[1]);
-                mma_bf16(oq[2 * np + 1], vh[kt], bl[2], bl[3]);
-            }
-        }
-#pragma unroll
-        for (int n = 0; n < CH / 8; n++) {
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                bf16_t* os = Os + (8 * n + 2 * t4 + e) * OPB + sw * 16 + gq;
-                os[0] = f2bf(oq[n][e]);
-                os[8] = f2bf(oq[n][2 + e]);
-            }
-        }
+        add_vn_p<true>(oq, vh, vl, ph_l, pl_l);
+        stage_o(oq, Os, sw * 16, gq, t4);
         named_sync(WS_BAR_OUT, WS_NT);  // P buffers free, o tile complete
         load_p(c + 1);
         for (int e = rt; e < CH * (SBV / 8); e += WS_NT) {
