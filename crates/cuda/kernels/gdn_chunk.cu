@@ -351,6 +351,19 @@ gdn_chunk_prep(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
 // Walk pieces shared by gdn_chunk_state (below) and gdn_chunk_state_ws (gdn_chunk_ws.cu). Accumulator
 // tiles [n][4] hold (row g(+8), columns 8n + 2t (+1)) of a 16-row product.
 
+// The P hi and lo tiles [CH][PPB] of a chunk of L rows (cp.async): this thread's 16-byte piece of rows pi,
+// pi + RPP, ... from phb / plb (that piece of row pi; rows CH apart), rows at or past L zero-filled (from row 0:
+// a valid address, not read).
+template <int RPP>
+__device__ __forceinline__ void cp_p_tiles(u32 ph_d, u32 pl_d, const bf16_t* phb, const bf16_t* plb, int L, int pi) {
+    const bf16_t *ph_z = phb - pi * CH, *pl_z = plb - pi * CH;
+#pragma unroll
+    for (int m = 0; m < CH / RPP; m++) {
+        const bool ok = L == CH || pi + m * RPP < L;
+        cp_async16(ph_d + 2 * m * RPP * PPB, ok ? phb + m * RPP * CH : ph_z, ok ? 16 : 0);
+        cp_async16(pl_d + 2 * m * RPP * PPB, ok ? plb + m * RPP * CH : pl_z, ok ? 16 : 0);
+    }
+}
 // a *= -(E[column].x), or .y with Y.
 template <bool Y>
 __device__ __forceinline__ void scale_cols_neg(float (&a)[CH / 8][4], const float2* E, int t4) {
@@ -577,17 +590,7 @@ __device__ __forceinline__ void state_walk(const bf16_t* __restrict__ q, const b
         cp_async_commit();
     };
     auto load_b = [&](int c) {
-        if (c < nch) {
-            const int L = chunk_len(c);
-            const bf16_t *phb = ph0 + (long long)c * CH * CH, *plb = pl0 + (long long)c * CH * CH;
-            const bf16_t *ph_z = phb - pi * CH, *pl_z = plb - pi * CH;  // row 0 (zero-fill source)
-#pragma unroll
-            for (int m = 0; m < CH / RPP; m++) {
-                const bool ok = L == CH || pi + m * RPP < L;
-                cp_async16(ph_d + 2 * m * RPP * PPB, ok ? phb + m * RPP * CH : ph_z, ok ? 16 : 0);
-                cp_async16(pl_d + 2 * m * RPP * PPB, ok ? plb + m * RPP * CH : pl_z, ok ? 16 : 0);
-            }
-        }
+        if (c < nch) cp_p_tiles<RPP>(ph_d, pl_d, ph0 + (long long)c * CH * CH, pl0 + (long long)c * CH * CH, chunk_len(c), pi);
         cp_async_commit();
     };
     auto load_c = [&](int c) {

@@ -210,17 +210,7 @@ extern "C" __global__ void __launch_bounds__(2 * SNW * 32) gdn_chunk_state_ws(GD
         cp_async_commit();
     };
     auto load_p = [&](int c) {  // group P: P hi, lo
-        if (c < nch) {
-            const int L = chunk_len(c);
-            const bf16_t *phb = ph0 + (long long)c * CH * CH, *plb = pl0 + (long long)c * CH * CH;
-            const bf16_t *ph_z = phb - pi * CH, *pl_z = plb - pi * CH;
-#pragma unroll
-            for (int m = 0; m < CH / RPP; m++) {
-                const bool ok = L == CH || pi + m * RPP < L;
-                cp_async16(ph_d + 2 * m * RPP * PPB, ok ? phb + m * RPP * CH : ph_z, ok ? 16 : 0);
-                cp_async16(pl_d + 2 * m * RPP * PPB, ok ? plb + m * RPP * CH : pl_z, ok ? 16 : 0);
-            }
-        }
+        if (c < nch) cp_p_tiles<RPP>(ph_d, pl_d, ph0 + (long long)c * CH * CH, pl0 + (long long)c * CH * CH, chunk_len(c), pi);
         cp_async_commit();
     };
     const u32 q_l = smem_addr(Qs) + 2 * (b_row * KPB + b_col);

@@ -201,7 +201,9 @@ impl Gemm {
             plan.algo = a;
         }
         let count = plan.offered.len();
-        self.install(key, plan);
+        if let Some(old) = self.plans.borrow_mut().insert(key, plan) {
+            destroy_plan(&old);
+        }
         Ok(count)
     }
 
@@ -297,22 +299,6 @@ impl Gemm {
                 cause: source,
             })?;
         }
-        self.launch(stream, key, p, &p.algo, w, x, y)
-    }
-
-    /// One `cublasLtMatmul` of plan `p` (for `key`) with algorithm `algo`: y = x · wᵀ.
-    #[allow(clippy::too_many_arguments)]
-    fn launch(
-        &self,
-        stream: &CudaStream,
-        key: PlanKey,
-        p: &Plan,
-        algo: &sys::cublasLtMatmulAlgo_t,
-        w: u64,
-        x: u64,
-        y: u64,
-    ) -> Result<(), CudaError> {
-        let (m, n, k, ..) = key;
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: descriptors are live and describe the row-major buffers the caller passes (an FP8 plan's
         // scale pointers were just set to this call's); the workspace span belongs to this Gemm.
@@ -330,20 +316,13 @@ impl Gemm {
                 p.c,
                 y as *mut c_void,
                 p.c,
-                algo,
+                &p.algo,
                 self.workspace.ptr as *mut c_void,
                 self.workspace.bytes,
                 stream.cu_stream() as sys::cudaStream_t,
             )
         }
         .map_err(|source| CudaError::Blas { call: "cublasLtMatmul", m, n, k, cause: source })
-    }
-
-    /// Makes `plan` the one of `key`, destroying the plan it replaces.
-    fn install(&self, key: PlanKey, plan: Plan) {
-        if let Some(old) = self.plans.borrow_mut().insert(key, plan) {
-            destroy_plan(&old);
-        }
     }
 }
 
