@@ -202,12 +202,18 @@ gdn_chunk_prep(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     }
     cp_async_wait<0>();
     __syncthreads();
-    if (tid == 0) {
-        float acc = 0.0f;
-        for (int i = 0; i < CH; i++) {
-            acc += Gs[i];
-            Gs[i] = acc;
+    if (warp == 0) {  // G = inclusive cumsum of g: two rows a lane, then a scan over the lanes
+        const float a = Gs[2 * lane], b = Gs[2 * lane + 1];
+        float x = a + b;
+#pragma unroll
+        for (int d = 1; d < 32; d *= 2) {
+            const float y = __shfl_up_sync(0xffffffffu, x, d);
+            if (lane >= d) x += y;
         }
+        float before = __shfl_up_sync(0xffffffffu, x, 1);
+        if (lane == 0) before = 0.0f;
+        Gs[2 * lane] = before + a;
+        Gs[2 * lane + 1] = x;
     }
     __syncthreads();
     if (tid < CH) {
@@ -245,7 +251,13 @@ gdn_chunk_prep(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                 mma_bf16(sp[2 * np + 1], aq, b[2], b[3]);
             }
         }
-        // Epilogue: A into shared memory, P (hi/lo bf16) into the workspace.
+        // Epilogue: A into shared memory, P (hi/lo bf16) into the workspace. Where this warp's own Q rows
+        // (read by no other warp, dead now) hold its 16 rows of P hi and lo ([16][64] bf16 each, at DK >= 120),
+        // P leaves through them, each row's 16-byte pieces swizzled by the row (conflict-free fragment
+        // stores), then as whole rows; else straight from the fragments.
+        constexpr bool stage_p = KPB >= 2 * CH;
+        __syncwarp();
+        char* stage = (char*)(Qs + r0 * KPB);
 #pragma unroll
         for (int n = 0; n < CH / 8; n++) {
 #pragma unroll
@@ -259,12 +271,29 @@ gdn_chunk_prep(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                     As[i * AP + j] = j < i ? Bs[i] * dec * sa[n][2 * hh + e] : 0.0f;
                     pv[e] = dec * sp[n][2 * hh + e];
                 }
-                if (i < L) {
-                    u32 hi, lo;
-                    split2(pv[0], pv[1], hi, lo);
+                u32 hi, lo;
+                split2(pv[0], pv[1], hi, lo);
+                if (stage_p) {
+                    const int at = (gq + 8 * hh) * (2 * CH) + ((n ^ gq) << 4) + 4 * t4;
+                    *(u32*)(stage + at) = hi;
+                    *(u32*)(stage + 32 * CH + at) = lo;
+                } else if (i < L) {
                     const long long off = (wrow + i) * CH + 8 * n + 2 * t4;
                     *(u32*)(ws_ph + off) = hi;
                     *(u32*)(ws_pl + off) = lo;
+                }
+            }
+        }
+        if (stage_p) {
+            __syncwarp();
+#pragma unroll
+            for (int e = lane; e < 16 * (CH / 8); e += 32) {
+                const int row = e / (CH / 8), p = e % (CH / 8);
+                if (r0 + row < L) {
+                    const int at = row * (2 * CH) + ((p ^ (row & 7)) << 4);
+                    const long long off = (wrow + r0 + row) * CH + 8 * p;
+                    *(uint4*)(ws_ph + off) = *(const uint4*)(stage + at);
+                    *(uint4*)(ws_pl + off) = *(const uint4*)(stage + 32 * CH + at);
                 }
             }
         }

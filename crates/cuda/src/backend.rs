@@ -210,6 +210,10 @@ pub struct CudaOptions {
     /// a check there). Off (the default until it is checked on a GPU and measured on an Ada card).
     /// `DELTASERVE_FP8_MMA=1` turns it on for the server and the benchmarks.
     pub fp8_mma_gemm: bool,
+    /// Long prefill steps cut the chunked DeltaNet into pieces, each piece's walk on a stream of its own beside
+    /// the next piece's prep, where the kernels allow it ([`crate::Kernels::gdn_overlap`]; the same results bit
+    /// for bit). Off: one prep, then one walk.
+    pub deltanet_overlap: bool,
 }
 
 impl Default for CudaOptions {
@@ -229,6 +233,7 @@ impl Default for CudaOptions {
             snapshots_in_step: true,
             moe_shared_pairs: true,
             fp8_mma_gemm: false,
+            deltanet_overlap: true,
         }
     }
 }
@@ -303,6 +308,10 @@ pub struct CudaBackend {
     mrope_section: [usize; 3],
     /// The running step's snapshots inside its chunks.
     saves: std::cell::RefCell<saves::StepSaves>,
+    /// The stream and events of the chunked DeltaNet's overlapped pieces (where the kernels allow them), and
+    /// the running step's rounds of pieces (none: one prep, one walk).
+    overlap: Option<crate::ops::gdn_overlap::Overlap>,
+    rounds: std::cell::RefCell<Vec<crate::ops::gdn_overlap::RoundOnDevice>>,
 }
 
 // SAFETY: the backend is driven by one thread at a time (the engine's step loop); every entry
@@ -411,6 +420,12 @@ impl CudaBackend {
             self.opts = opts;
         }
         Ok(())
+    }
+
+    /// Rounds of pieces the last step's chunked DeltaNet ran in (each round's walk beside the next round's
+    /// prep; 0: one prep and one walk).
+    pub fn last_deltanet_rounds(&self) -> usize {
+        self.rounds.borrow().len()
     }
 
     /// Seconds the last speculative step spent drafting with the MTP head (0 without speculation).

@@ -4,6 +4,7 @@
 //! H200 in [`FLA_H200_MTOK`]).
 
 use crate::ops::gdn_chunk::{self, GdnChunk, Precision, Walk};
+use crate::ops::gdn_overlap::{self, Overlap, Rounds};
 use crate::ops::init::{Init, init_random};
 use crate::{Arena, CudaError, Kernels, Runtime};
 
@@ -17,15 +18,32 @@ pub fn fla_h200_nearest(tokens: usize) -> (usize, f64) {
     FLA_H200_MTOK.iter().copied().min_by_key(|&(t, _)| t.abs_diff(tokens)).unwrap_or((0, 0.0))
 }
 
-/// One shape's timing: `seqs` sequences of `tokens / seqs` tokens, zero initial state.
+/// What [`time_gdn_prefill`] times: `seqs` sequences of `tokens / seqs` tokens (zero initial state) through
+/// the kernels of one layer of `hk` key and `hv` value heads, `runs` times.
+#[derive(Clone, Copy, Debug)]
+pub struct GdnCase {
+    pub hk: usize,
+    pub hv: usize,
+    pub tokens: usize,
+    pub seqs: usize,
+    pub prec: Precision,
+    pub walk: Walk,
+    /// Rows a piece of each sequence has when each piece's walk runs beside the next one's prep
+    /// ([`gdn_overlap`]); 0: one prep, then one walk.
+    pub piece: usize,
+    pub runs: usize,
+}
+
+/// One shape's timing.
 #[derive(Clone, Copy, Debug)]
 pub struct GdnTiming {
     pub tokens: usize,
     pub seqs: usize,
-    /// Medians over the runs (by the total): prep + walk, and each part; the fastest and slowest total.
+    /// Medians over the runs (by the total): prep + walk, and each part (not timed apart when the pieces
+    /// overlap); the fastest and slowest total.
     pub ms: f64,
-    pub prep_ms: f64,
-    pub state_ms: f64,
+    pub prep_ms: Option<f64>,
+    pub state_ms: Option<f64>,
     pub min_ms: f64,
     pub max_ms: f64,
     pub runs: usize,
@@ -33,8 +51,9 @@ pub struct GdnTiming {
     pub workspace_bytes: usize,
     /// Non-finite values in the output (0 expected).
     pub nonfinite: usize,
-    /// The walk that ran.
+    /// The walk that ran, and the rows of its pieces (0: one walk).
     pub walk: Walk,
+    pub piece: usize,
 }
 
 impl GdnTiming {
@@ -54,6 +73,8 @@ pub fn gdn_bench_bytes(k: &Kernels, t: usize, n_seqs: usize, hk: usize, hv: usiz
         + 2 * pad(4 * t * hv)                 // g, beta f32
         + pad(4 * n_seqs * hv * dk * dv)      // state f32
         + 3 * pad(4 * (2 * n_seqs + 2 * (t / gdn_chunk::CHUNK + n_seqs) + 1)) // cu_seqlens, slots, chunk table
+        // the rounds of pieces: chunk tables, and each round's boundaries and slots (at most 4 i32 a sequence)
+        + pad(4 * (2 * t / gdn_chunk::CHUNK + 6 * t / gdn_overlap::MIN_PIECE + 6 * n_seqs + 8))
         + (1 << 20)
 }
 
@@ -62,21 +83,21 @@ pub fn gdn_bench_bytes(k: &Kernels, t: usize, n_seqs: usize, hk: usize, hv: usiz
 /// N(0, 1/dk) (about unit norm, as after the L2 norm), v N(0, 1), g in [-0.5, 0], beta in
 /// [0.05, 0.95]; the output and the workspace start poisoned (NaN). Allocates [`gdn_bench_bytes`] in
 /// its own arena, freed on return.
-#[allow(clippy::too_many_arguments)]
-pub fn time_gdn_prefill(
-    rt: &Runtime,
-    k: &Kernels,
-    hk: usize,
-    hv: usize,
-    t: usize,
-    n_seqs: usize,
-    prec: Precision,
-    walk: Walk,
-    runs: usize,
-) -> Result<GdnTiming, CudaError> {
+pub fn time_gdn_prefill(rt: &Runtime, k: &Kernels, c: GdnCase) -> Result<GdnTiming, CudaError> {
+    let GdnCase { hk, hv, tokens: t, seqs: n_seqs, prec, walk, piece, runs } = c;
     let bad = |msg: String| Err(CudaError::InvalidArgs { kernel: "time_gdn_prefill", msg });
     if t == 0 || n_seqs == 0 || !t.is_multiple_of(n_seqs) || runs == 0 {
         return bad(format!("{t} tokens in {n_seqs} equal sequences, {runs} runs"));
+    }
+    if piece > 0 && (piece < gdn_overlap::MIN_PIECE || !piece.is_multiple_of(gdn_chunk::CHUNK)) {
+        return bad(format!(
+            "pieces of {piece} rows: a multiple of {} from {}",
+            gdn_chunk::CHUNK,
+            gdn_overlap::MIN_PIECE
+        ));
+    }
+    if piece > 0 && walk != k.gdn_walk {
+        return bad(format!("pieces walk as the kernels do ({:?}), not {walk:?}", k.gdn_walk));
     }
     let (dk, dv) = (k.dims.gdn_k_dim, k.dims.gdn_v_dim);
     let s = rt.stream().clone();
@@ -91,6 +112,9 @@ pub fn time_gdn_prefill(
     let (cup, slp, tp) = (buf(4 * cu.len())?, buf(4 * slots.len())?, buf(4 * table.len())?);
     let ws_bytes = gdn_chunk::workspace_bytes(t, hv, &k.dims);
     let ws = buf(ws_bytes)?;
+    let rounds = (piece > 0).then(|| Rounds::new(&cu, &slots, piece));
+    let image = rounds.as_ref().map(Rounds::image).unwrap_or_default();
+    let imp = buf(4 * image.len().max(1))?;
 
     let std_qk = 1.0 / (dk as f32).sqrt();
     init_random(k, &s, q, t * hk * dk, 11, Init::Normal(std_qk), false)?;
@@ -109,6 +133,11 @@ pub fn time_gdn_prefill(
     rt.upload(cup, &cu)?;
     rt.upload(slp, &slots)?;
     rt.upload(tp, &table)?;
+    if !image.is_empty() {
+        rt.upload(imp, &image)?;
+    }
+    let on_device = rounds.as_ref().map(|r| r.on_device(imp)).unwrap_or_default();
+    let overlap = if piece > 0 { Some(Overlap::new(rt.context())?) } else { None };
     rt.memset(state, 0, 4 * n_seqs * hv * dk * dv)?;
     rt.memset(o, 0xff, 2 * t * hv * dv)?;
     rt.memset(ws, 0xff, ws_bytes)?;
@@ -140,26 +169,34 @@ pub fn time_gdn_prefill(
     let elapsed = |a: &cudarc::driver::CudaEvent, b: &cudarc::driver::CudaEvent| {
         a.elapsed_ms(b).map(f64::from).map_err(CudaError::driver("cuEventElapsedTime"))
     };
+    let run = |timed: Option<[&cudarc::driver::CudaEvent; 3]>| -> Result<(), CudaError> {
+        if let Some(ov) = &overlap {
+            timed.map(|e| rec(e[0])).transpose()?;
+            gdn_overlap::gdn_chunk_overlapped(k, &s, ov, &a, &on_device, prec)?;
+            return timed.map(|e| rec(e[2])).transpose().map(|_| ());
+        }
+        timed.map(|e| rec(e[0])).transpose()?;
+        gdn_chunk::gdn_chunk_prep_with(k, &s, &a, prec)?;
+        timed.map(|e| rec(e[1])).transpose()?;
+        gdn_chunk::gdn_chunk_state_walk(k, &s, &a, prec, walk)?;
+        timed.map(|e| rec(e[2])).transpose().map(|_| ())
+    };
     // Warm-up: at least two runs and 100 ms of them, so that the clocks have left an idle state (a
     // single warm-up run measured the first small case ~8% slow right after kernel compilation).
     let warm = std::time::Instant::now();
     let mut warm_runs = 0;
     while warm_runs < 2 || (warm.elapsed().as_secs_f64() < 0.1 && warm_runs < 1000) {
-        gdn_chunk::gdn_chunk_prep_with(k, &s, &a, prec)?;
-        gdn_chunk::gdn_chunk_state_walk(k, &s, &a, prec, walk)?;
+        run(None)?;
         rt.synchronize()?;
         warm_runs += 1;
     }
     // [total, prep, walk] per timed run.
     let mut times: Vec<[f64; 3]> = Vec::with_capacity(runs);
     for _ in 0..runs {
-        rec(&e0)?;
-        gdn_chunk::gdn_chunk_prep_with(k, &s, &a, prec)?;
-        rec(&e1)?;
-        gdn_chunk::gdn_chunk_state_walk(k, &s, &a, prec, walk)?;
-        rec(&e2)?;
-        let (prep, walk) = (elapsed(&e0, &e1)?, elapsed(&e1, &e2)?);
-        times.push([prep + walk, prep, walk]);
+        run(Some([&e0, &e1, &e2]))?;
+        let total = elapsed(&e0, &e2)?;
+        let parts = if overlap.is_some() { [f64::NAN; 2] } else { [elapsed(&e0, &e1)?, elapsed(&e1, &e2)?] };
+        times.push([total, parts[0], parts[1]]);
     }
     times.sort_by(|x, y| x[0].total_cmp(&y[0]));
     let [ms, prep_ms, state_ms] = times[times.len() / 2];
@@ -171,13 +208,14 @@ pub fn time_gdn_prefill(
         tokens: t,
         seqs: n_seqs,
         ms,
-        prep_ms,
-        state_ms,
+        prep_ms: (!prep_ms.is_nan()).then_some(prep_ms),
+        state_ms: (!state_ms.is_nan()).then_some(state_ms),
         min_ms: times[0][0],
         max_ms: times[times.len() - 1][0],
         runs,
         workspace_bytes: ws_bytes,
         nonfinite,
         walk,
+        piece,
     })
 }

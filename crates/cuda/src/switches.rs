@@ -81,6 +81,9 @@ pub struct Switches {
     /// stream per 16 value columns (`gdn_chunk_state`) also where the warp-specialised walk fits
     /// ([`crate::ops::gdn_chunk::Walk`]).
     pub gdn_walk_one_stream: bool,
+    /// `DELTASERVE_GDN_OVERLAP=0`: the chunked DeltaNet prefill runs one prep then one walk over the whole
+    /// step instead of each piece's walk beside the next piece's prep ([`crate::ops::gdn_overlap`]).
+    pub gdn_overlap: bool,
 }
 
 impl Switches {
@@ -119,6 +122,7 @@ impl Switches {
             moe_shared_pairs: var("DELTASERVE_MOE_SHARED_PAIRS").is_none_or(|v| v != "0"),
             fp8_mma_gemm: var("DELTASERVE_FP8_MMA").is_some_and(|v| v == "1"),
             gdn_walk_one_stream: var("DELTASERVE_GDN_WALK").is_some_and(|v| v == "one-stream"),
+            gdn_overlap: var("DELTASERVE_GDN_OVERLAP").is_none_or(|v| v != "0"),
         }
     }
 
@@ -146,6 +150,7 @@ impl Switches {
                 later_picks: true,
                 snapshots_in_step: true,
                 moe_shared_pairs: true,
+                gdn_overlap: true,
                 ..Switches::default()
             }
     }
@@ -166,7 +171,7 @@ mod tests {
         assert!(s.fold_norms && s.norms_in_reduce && s.w4_gemm && s.device_masks && !s.decode_attn_split);
         assert!(!s.attn_prefill_pair);
         assert!(s.later_picks && s.snapshots_in_step && s.moe_shared_pairs && !s.fp8_mma_gemm);
-        assert!(!s.gdn_walk_one_stream);
+        assert!(!s.gdn_walk_one_stream && s.gdn_overlap);
         assert!(!s.attn_prefill_wide);
         assert!(s.pdl.is_none() && s.nvrtc_options.is_empty() && s.trace_cap.is_none());
     }
@@ -191,8 +196,9 @@ mod tests {
             ("DELTASERVE_MOE_SHARED_PAIRS", "0"),
             ("DELTASERVE_FP8_MMA", "1"),
             ("DELTASERVE_GDN_WALK", "one-stream"),
+            ("DELTASERVE_GDN_OVERLAP", "0"),
         ]);
-        assert!(s.gdn_walk_one_stream);
+        assert!(s.gdn_walk_one_stream && !s.gdn_overlap);
         assert!(!s.device_masks && !s.later_picks && !s.snapshots_in_step && !s.moe_shared_pairs && s.fp8_mma_gemm);
         assert!(!s.norms_in_reduce);
         assert!(s.any_set());

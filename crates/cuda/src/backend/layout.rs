@@ -667,6 +667,9 @@ impl CudaBackend {
             fmt.experts_on_host.then(|| HostExperts::new(&rt, host_experts_bytes(cfg, fmt))).transpose()?;
         let inputs = StepInputs::new(&rt, plan)?;
         let launches = Launches::new(&rt, s_max, d.vocab)?;
+        let overlap = (k.gdn_overlap && d.num_deltanet_layers > 0)
+            .then(|| crate::ops::gdn_overlap::Overlap::new(rt.context()))
+            .transpose()?;
 
         let be = CudaBackend {
             rt,
@@ -717,6 +720,8 @@ impl CudaBackend {
             vision: None,
             mrope_section: cfg.mrope_section,
             saves: Default::default(),
+            overlap,
+            rounds: Default::default(),
         };
         be.place_weights(weights, (full_cfg, cfg), r.wreg, fmt, kv, tower)
     }

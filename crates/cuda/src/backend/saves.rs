@@ -8,7 +8,7 @@ use deltaserve_backend::{BackendError, SeqChunk, SnapshotLoc, StepBatch};
 use deltaserve_plan::cuda::MAX_SNAPSHOTS_WITHIN_STEP;
 
 use crate::error::CudaError;
-use crate::ops::{conv, gdn_chunk};
+use crate::ops::{conv, gdn_chunk, gdn_overlap};
 
 use super::CudaBackend;
 use super::cache_ops::Place;
@@ -156,6 +156,10 @@ impl CudaBackend {
     /// in the snapshots region).
     pub(super) fn gdn_chunk_saving(&self, a: &gdn_chunk::GdnChunk, snap_rec: usize) -> Result<(), CudaError> {
         let (k, s) = (&self.k, self.rt.stream().as_ref());
+        let rounds = self.rounds.borrow();
+        if let (Some(ov), false) = (&self.overlap, rounds.is_empty()) {
+            return gdn_overlap::gdn_chunk_overlapped(k, s, ov, a, &rounds, gdn_chunk::Precision::Split);
+        }
         let sv = self.saves.borrow();
         let Some(seg) = sv.segments else { return gdn_chunk::gdn_chunk(k, s, a) };
         let len = self.rec_bytes;
@@ -167,6 +171,20 @@ impl CudaBackend {
             }
             Ok(())
         })
+    }
+
+    /// The step's prefill chunks (`cu`, `slots`: the first `n` entries of its varlen arrays) cut into pieces whose
+    /// walks run beside the next pieces' prep ([`gdn_overlap::piece_for`]), where the step has no snapshots inside
+    /// its chunks (`plain`), the options allow it, the backend has an overlap stream and the rounds' tables fit the
+    /// chunk table's scratch.
+    pub(super) fn gdn_rounds(&self, plain: bool, cu: &[i32], slots: &[i32]) -> Option<gdn_overlap::Rounds> {
+        let rows = *cu.last()? as usize - *cu.first()? as usize;
+        let piece = gdn_overlap::piece_for(&self.k, rows, slots.len(), self.d.gdn_v_heads);
+        if !plain || !self.opts.deltanet_overlap || self.overlap.is_none() || piece == 0 {
+            return None;
+        }
+        let r = gdn_overlap::Rounds::new(cu, slots, piece);
+        (4 * r.image().len() <= self.ws.chunk_table.bytes).then_some(r)
     }
 
     /// The conv state of each snapshot inside the step's chunks (before the slots' update reads and

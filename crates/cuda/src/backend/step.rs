@@ -5,7 +5,7 @@ use deltaserve_backend::sampling::pick_rows;
 use deltaserve_backend::{BackendError, RowSampling, SnapshotLoc, StepBatch};
 
 use crate::error::CudaError;
-use crate::ops::{self, attention, gdn_chunk};
+use crate::ops::{self, attention, gdn_chunk, gdn_overlap};
 
 use super::CudaBackend;
 use super::ahead::LaunchOut;
@@ -100,6 +100,9 @@ struct HostInputs<'b> {
     tile_table: Vec<i32>,
     /// Snapshots inside the prefill chunks: the chunks cut there (the chunk table is of their segments).
     saves: Option<HostSaves>,
+    /// The prefill chunks cut into pieces whose walks run beside the next pieces' prep (their tables take
+    /// the chunk table's place).
+    rounds: Option<gdn_overlap::Rounds>,
     /// Long-context verify rows: attention lengths and block-table rows, and their groups' row offsets.
     ver_lens: Vec<i32>,
     ver_tables: Vec<i32>,
@@ -413,6 +416,7 @@ impl CudaBackend {
         }
         let saves = HostSaves::new(batch, order, n_real, &cu, &slots);
         let chunk_table = gdn_chunk::chunk_table(saves.as_ref().map_or(&cu[..=n_real], |s| &s.segments.cu));
+        let rounds = self.gdn_rounds(saves.is_none(), &cu[..=n_real], &slots[..n_real]);
         // Prefill attention covers the prefill chunks and the short-context verify chunks; the other
         // verify rows run as decode queries.
         // Short chunks over a long context: their tiles last, for the prefill kernel split over the keys
@@ -465,6 +469,7 @@ impl CudaBackend {
             chunk_table,
             tile_table,
             saves,
+            rounds,
             ver_lens,
             ver_tables,
             ver_groups,
@@ -498,7 +503,11 @@ impl CudaBackend {
         if ws.rope_pos != 0 {
             self.upload_i32(ws.rope_pos, &inp.rope)?;
         }
-        self.upload_i32(ws.chunk_table.ptr, &inp.chunk_table)?;
+        match &inp.rounds {
+            Some(r) => self.upload_i32(ws.chunk_table.ptr, &r.image())?,
+            None => self.upload_i32(ws.chunk_table.ptr, &inp.chunk_table)?,
+        }
+        *self.rounds.borrow_mut() = inp.rounds.as_ref().map_or(Vec::new(), |r| r.on_device(ws.chunk_table.ptr));
         self.upload_i32(ws.tile_table.ptr, &inp.tile_table)?;
         self.upload_i32(ws.decode_rows.ptr, &inp.short_rows)?;
         self.set_saves(inp.saves.as_ref())?;

@@ -69,6 +69,11 @@ fn state_block_cols(d: &KernelDims) -> usize {
     if (d.gdn_v_dim / 16).is_multiple_of(4) { 64 } else { 32 }
 }
 
+/// Blocks of the walk a (sequence, value head) launches.
+pub(crate) fn walk_column_blocks(d: &KernelDims) -> usize {
+    d.gdn_v_dim / state_block_cols(d)
+}
+
 /// Host-side chunk table: (sequence, chunk index) per 64-token chunk; upload as i32 pairs.
 pub fn chunk_table(cu_seqlens: &[i32]) -> Vec<i32> {
     super::tile_table(cu_seqlens, CHUNK)

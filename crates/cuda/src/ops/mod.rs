@@ -13,6 +13,7 @@ pub mod fp8;
 pub mod gdn_chunk;
 pub mod gdn_decode;
 pub mod gdn_gate;
+pub mod gdn_overlap;
 pub mod gemv;
 pub mod init;
 pub mod kv_cache;
@@ -73,6 +74,11 @@ pub struct Kernels {
     /// may have the shared memory ([`gdn_chunk::Walk::choose`]); `DELTASERVE_GDN_WALK=one-stream` at load keeps
     /// the one-stream walk, the A/B switch of the benchmarks.
     pub gdn_walk: gdn_chunk::Walk,
+    /// Whether the chunked DeltaNet prefill may run each piece's walk beside the next piece's prep
+    /// ([`gdn_overlap`]: with an f32 state; `DELTASERVE_GDN_OVERLAP=0` at load: never), and the GPU's SMs
+    /// ([`Kernels::gdn_piece`]).
+    pub gdn_overlap: bool,
+    pub sm_count: usize,
 }
 
 impl Kernels {
@@ -155,8 +161,23 @@ impl Kernels {
         let verify_mma =
             decode_mma && attention::verify_mma_supported(&kv, dims.attn_head_dim) && !switches.verify_attn_rows;
         let gdn_walk = gdn_chunk::Walk::choose(&dims, rt.max_smem_optin.max(0) as usize, switches.gdn_walk_one_stream);
-        let mut k =
-            Kernels { funcs, dims, kv, attn, arch, load_ms, pdl, w4_slots: 0, decode_mma, verify_mma, gdn_walk };
+        let gdn_overlap = switches.gdn_overlap && !dims.state_bf16;
+        let sm_count = rt.sm_count.max(1) as usize;
+        let mut k = Kernels {
+            funcs,
+            dims,
+            kv,
+            attn,
+            arch,
+            load_ms,
+            pdl,
+            w4_slots: 0,
+            decode_mma,
+            verify_mma,
+            gdn_walk,
+            gdn_overlap,
+            sm_count,
+        };
         for (name, bytes) in [
             ("gdn_chunk_prep", gdn_chunk::prep_smem_bytes(&dims)),
             ("gdn_chunk_state", gdn_chunk::state_smem_bytes(&dims)),

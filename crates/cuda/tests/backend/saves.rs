@@ -167,3 +167,34 @@ fn bad_snapshots_inside_chunks_are_refused() {
     // Still serves.
     assert_eq!(run(&mut g, &one(chunk(0, &pg, 0, &toks))).len(), g.capabilities().vocab_size);
 }
+
+/// A long step's chunked DeltaNet cut into pieces, each piece's walk beside the next piece's prep: the same
+/// logits bit for bit as one prep and one walk, for two prompts in one step (4,300 rows: pieces of 2,048, the
+/// longer prompt cut once) and the token after each (the states they left).
+#[test]
+fn overlapped_pieces_equal_one_walk() {
+    if !gpu() {
+        return;
+    }
+    let (dir, cfg) = tiny_dir(4);
+    let plan = plan_with(&cfg, |o| o.max_batch_tokens = 4608);
+    let mut got = Vec::new();
+    for overlap in [true, false] {
+        let opts = CudaOptions { deltanet_overlap: overlap, ..test_opts() };
+        let mut g = CudaBackend::with_options(&cfg, WeightSource::Checkpoint(dir.clone()), &plan, 4, opts).unwrap();
+        let vocab = g.capabilities().vocab_size;
+        let mut rng = StdRng::seed_from_u64(5);
+        let (a, b) = (random_tokens(&mut rng, 3000, vocab), random_tokens(&mut rng, 1300, vocab));
+        let (pa, pb) = (pages(0, 3100), pages(200, 1400));
+        let mut l =
+            run(&mut g, &StepBatch { seqs: vec![chunk(0, &pa, 0, &a), chunk(1, &pb, 0, &b)], ..Default::default() });
+        let rounds = g.last_deltanet_rounds();
+        println!("overlap {overlap}: {rounds} rounds of pieces");
+        assert_eq!(rounds, if overlap { 2 } else { 0 });
+        let next = StepBatch { seqs: vec![chunk(0, &pa, 3000, &[7]), chunk(1, &pb, 1300, &[9])], ..Default::default() };
+        l.extend(run(&mut g, &next));
+        got.push(l);
+    }
+    let differ = got[0].iter().zip(&got[1]).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+    assert_eq!(differ, 0, "{differ} of {} logits differ between overlapped pieces and one walk", got[0].len());
+}

@@ -360,6 +360,9 @@ fn gdn_case(
             if prec == gdn_chunk::Precision::Split && k.gdn_walk == gdn_chunk::Walk::OutputWarps {
                 extra.extend(walks_agree(k, s, d, a, &st_dev, bf16_state)?);
             }
+            if prec == gdn_chunk::Precision::Split && k.gdn_overlap {
+                extra.extend(pieces_agree(k, s, d, a, (&cu, &slots), &st_dev)?);
+            }
         }
     } else if let GdnMode::Recurrent(accept) = &mode {
         // A verify takes its rows from cu_seqlens (lens 0), a commit from starts + lens.
@@ -469,15 +472,51 @@ fn walks_agree(
     // The walk only reads the workspace: the prep of `a`'s run is still there.
     let b = gdn_chunk::GdnChunk { state: d.state(st0, bf16)?, o: d.poison(2 * n_o)?, ..a };
     gdn_chunk::gdn_chunk_state_walk(k, s, &b, gdn_chunk::Precision::Split, gdn_chunk::Walk::OneStream)?;
+    runs_agree(d, (&a, &b), (n_o, st0.len()), bf16, "output warps' walk vs one-stream walk")
+}
+
+/// Whether two runs' outputs (`n_o` of them) and states (`n_st`) are the same bit for bit.
+fn runs_agree(
+    d: &mut Dev,
+    (a, b): (&gdn_chunk::GdnChunk, &gdn_chunk::GdnChunk),
+    (n_o, n_st): (usize, usize),
+    bf16: bool,
+    what: &str,
+) -> R<Vec<Outcome>> {
     let bits = |x: Vec<f32>| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
     let differ = |x: Vec<u32>, y: Vec<u32>| x.iter().zip(&y).filter(|(p, q)| p != q).count();
     let o = differ(bits(d.get_bf16(a.o, n_o)?), bits(d.get_bf16(b.o, n_o)?));
-    let n_st = st0.len();
     let st = differ(bits(d.get_state(a.state, n_st, bf16)?), bits(d.get_state(b.state, n_st, bf16)?));
     Ok(vec![Outcome {
         ok: o == 0 && st == 0,
-        detail: format!("output warps' walk vs one-stream walk: {o} of {n_o} o and {st} of {n_st} state values differ"),
+        detail: format!("{what}: {o} of {n_o} o and {st} of {n_st} state values differ"),
     }])
+}
+
+/// Where pieces may overlap: the batch of `a` (done; `cu`, `slots` its varlen arrays) cut into pieces of one
+/// chunk, each piece's walk beside the next piece's prep (fresh, poisoned workspace), from a copy of the carried
+/// states `st0`, gives the same outputs and states bit for bit.
+fn pieces_agree(
+    k: &Kernels,
+    s: &CudaStream,
+    d: &mut Dev,
+    a: gdn_chunk::GdnChunk,
+    (cu, slots): (&[i32], &[i32]),
+    st0: &[f32],
+) -> R<Vec<Outcome>> {
+    use deltaserve_cuda::ops::gdn_overlap::{Overlap, Rounds, gdn_chunk_overlapped};
+    let n_o = a.t * a.hv * k.dims.gdn_v_dim;
+    let rounds = Rounds::new(cu, slots, gdn_chunk::CHUNK);
+    let on_dev = rounds.on_device(d.i32s(&rounds.image())?);
+    let b = gdn_chunk::GdnChunk {
+        state: d.state(st0, false)?,
+        o: d.poison(2 * n_o)?,
+        workspace: d.poison(a.workspace_bytes)?,
+        ..a
+    };
+    gdn_chunk_overlapped(k, s, &Overlap::new(s.context())?, &b, &on_dev, gdn_chunk::Precision::Split)?;
+    let what = format!("{} rounds of one-chunk pieces, walks beside preps, vs one walk", rounds.rounds.len());
+    runs_agree(d, (&a, &b), (n_o, st0.len()), false, &what)
 }
 
 /// The state after each sequence's first `used[b]` rows (from row `cu[b]`) went through

@@ -12,7 +12,8 @@ pub(super) fn measure_deltanet(
     card: &ModelConfig,
     skipped: &mut Vec<String>,
 ) -> Result<Vec<deltaserve_cuda::gdn_bench::GdnTiming>> {
-    use deltaserve_cuda::gdn_bench::{gdn_bench_bytes, time_gdn_prefill};
+    use deltaserve_cuda::gdn_bench::{GdnCase, gdn_bench_bytes, time_gdn_prefill};
+    use deltaserve_cuda::ops::gdn_overlap::piece_for;
     let d = card.dims();
     if d.num_deltanet_layers == 0 {
         return Ok(Vec::new());
@@ -27,7 +28,14 @@ pub(super) fn measure_deltanet(
         }
         tracing::info!("bench: DeltaNet prefill kernels, {seqs} × {} tokens", fmt_count((t / seqs) as u64));
         let prec = deltaserve_cuda::ops::gdn_chunk::Precision::Split;
-        out.push(time_gdn_prefill(rt, k, d.gdn_k_heads, d.gdn_v_heads, t, seqs, prec, k.gdn_walk, 10)?);
+        let (hk, hv) = (d.gdn_k_heads, d.gdn_v_heads);
+        let case = GdnCase { hk, hv, tokens: t, seqs, prec, walk: k.gdn_walk, piece: 0, runs: 10 };
+        // As a step runs them, and where that overlaps pieces, the single prep and walk beside it.
+        let piece = piece_for(k, t, seqs, hv);
+        if piece > 0 {
+            out.push(time_gdn_prefill(rt, k, GdnCase { piece, ..case })?);
+        }
+        out.push(time_gdn_prefill(rt, k, case)?);
     }
     Ok(out)
 }

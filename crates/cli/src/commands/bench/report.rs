@@ -334,18 +334,19 @@ impl Report {
             );
             let _ = writeln!(
                 s,
-                "{:>14} {:>9} {:>9} {:>9} {:>12} {:>8} {:>12}",
-                "tokens", "ms", "prep ms", "walk ms", "M tok/s", "vs FLA", "workspace"
+                "{:>14} {:>7} {:>9} {:>9} {:>9} {:>12} {:>8} {:>12}",
+                "tokens", "pieces", "ms", "prep ms", "walk ms", "M tok/s", "vs FLA", "workspace"
             );
             for r in &self.deltanet {
                 let (_, fla) = deltaserve_cuda::gdn_bench::fla_h200_nearest(r.tokens / r.seqs);
                 let _ = writeln!(
                     s,
-                    "{:>14} {:>9.3} {:>9.3} {:>9.3} {:>12.2} {:>7.2}× {:>12}",
+                    "{:>14} {:>7} {:>9.3} {:>9} {:>9} {:>12.2} {:>7.2}× {:>12}",
                     if r.seqs == 1 { format!("{}", r.tokens) } else { format!("{} × {}", r.seqs, r.tokens / r.seqs) },
+                    if r.piece > 0 { r.piece.to_string() } else { "-".into() },
                     r.ms,
-                    r.prep_ms,
-                    r.state_ms,
+                    r.prep_ms.map_or("-".into(), |v| format!("{v:.3}")),
+                    r.state_ms.map_or("-".into(), |v| format!("{v:.3}")),
                     r.mtok_per_s(),
                     r.mtok_per_s() / fla,
                     fmt_bytes(r.workspace_bytes as u64)
@@ -545,8 +546,8 @@ impl ToolReport for Report {
             "deltanet_prefill": self.deltanet.iter().map(|r| {
                 let (fla_t, fla) = deltaserve_cuda::gdn_bench::fla_h200_nearest(r.tokens / r.seqs);
                 json!({
-                    "tokens": r.tokens, "sequences": r.seqs, "ms": r3(r.ms), "prep_ms": r3(r.prep_ms),
-                    "walk_ms": r3(r.state_ms), "mtok_per_s_per_layer": r3(r.mtok_per_s()),
+                    "tokens": r.tokens, "sequences": r.seqs, "ms": r3(r.ms), "prep_ms": r.prep_ms.map(r3),
+                    "walk_ms": r.state_ms.map(r3), "piece_rows": r.piece, "mtok_per_s_per_layer": r3(r.mtok_per_s()),
                     "fla_h200_mtok_per_s": fla, "fla_h200_tokens": fla_t, "ratio_to_fla_h200": r3(r.mtok_per_s() / fla),
                     "workspace_bytes": r.workspace_bytes, "nonfinite_outputs": r.nonfinite, "walk": walk_name(r.walk),
                 })
