@@ -10,7 +10,7 @@
 //   o_i   = exp(G_i) q_i h + sum_{j<=i} P_ij v_new_j
 //   h'    = exp(G_last) h + sum_j k_j^T (exp(G_last - G_j) v_new_j)
 // Two kernels, several sequences per launch (varlen: cu_seqlens + state slots):
-//  gdn_chunk_prep   grid (n_chunks, Hv), 128 threads (4 warps x 16 chunk rows), smem ~69 KB.
+//  gdn_chunk_prep   grid (n_chunks, Hv), 128 threads (4 warps x 16 chunk rows), smem ~52 KB.
 //      Everything that depends only on the chunk: K K^T and Q K^T on tensor cores (exact bf16
 //      inputs, f32 accumulate), T in f32 by 16 x 16 blocks (forward substitution on the diagonal blocks,
 //      then the block rows below as small products), then w and u as tensor-core products of T (times
@@ -61,8 +61,13 @@
 #define VPB (DV + 8)   // bf16 row pitch of V tiles
 #define PPB (CH + 8)   // bf16 row pitch of P tiles
 #define AP (CH + 4)    // f32 row pitch of A and T
-// Bytes of the region Q and then T share in gdn_chunk_prep (ops::gdn_chunk::prep_smem_bytes).
-#define PREP_QT_BYTES (CH * KPB * 2 > CH * AP * 4 ? CH * KPB * 2 : CH * AP * 4)
+// gdn_chunk_prep's three regions (ops::gdn_chunk::prep_smem_bytes): K, then the staging of w and u (UB value
+// columns a pass); Q, then T; A, then V.
+#define PREP_UB (DV < 64 ? DV : 64)
+#define PREP_MAX(a, b) ((a) > (b) ? (a) : (b))
+#define PREP_KS_BYTES PREP_MAX(CH * KPB * 2, CH * (PREP_UB + 4) * 4)
+#define PREP_QT_BYTES PREP_MAX(CH * KPB * 2, CH * AP * 4)
+#define PREP_AV_BYTES PREP_MAX(CH * AP * 4, CH * VPB * 2)
 #define SNW ((DV / 16) % 4 == 0 ? 4 : 2)  // warps per gdn_chunk_state block
 #define SBV (16 * SNW)                    // value columns per gdn_chunk_state block
 #define OPB (SBV + 8)                     // bf16 row pitch of the o tile
@@ -164,13 +169,16 @@ gdn_chunk_prep(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                bf16_t* __restrict__ ws_ph, bf16_t* __restrict__ ws_pl, float* __restrict__ ws_g,
                int T, int Hk, int Hv, int precise) {
     extern __shared__ uint4 smem_u4[];
-    // Q is dead once Q K^T is out, so T takes its place (3 blocks per SM instead of 2 at DK = 128).
-    bf16_t* Ks = (bf16_t*)smem_u4;       // [CH][KPB]
-    bf16_t* Qs = Ks + CH * KPB;          // [CH][KPB]
-    float* Ts = (float*)Qs;              // [CH][AP]  T = (I + A)^-1, after Q's last read
-    bf16_t* Vs = (bf16_t*)((unsigned char*)Qs + PREP_QT_BYTES);  // [CH][VPB]
-    float* As = (float*)(Vs + CH * VPB); // [CH][AP]  A (strictly lower)
-    float* Gs = As + CH * AP;            // [CH] cumsum of g (0 past the chunk end)
+    // Three regions, each holding two things in turn (52 KB at DK = DV = 128: 4 blocks per SM, not 3): Q is
+    // dead once Q K^T is out, so T takes its place; A is dead once T is out, so V lands there (its copy starts
+    // then and runs under w's product); K is dead once w's product is out, so w and u are staged there.
+    unsigned char* base = (unsigned char*)smem_u4;
+    bf16_t* Ks = (bf16_t*)base;                                   // [CH][KPB]
+    bf16_t* Qs = (bf16_t*)(base + PREP_KS_BYTES);                 // [CH][KPB]
+    float* Ts = (float*)Qs;                                       // [CH][AP]  T = (I + A)^-1, after Q's last read
+    float* As = (float*)(base + PREP_KS_BYTES + PREP_QT_BYTES);   // [CH][AP]  A (strictly lower)
+    bf16_t* Vs = (bf16_t*)As;                                     // [CH][VPB] V, after A's last read
+    float* Gs = (float*)(base + PREP_KS_BYTES + PREP_QT_BYTES + PREP_AV_BYTES);  // [CH] cumsum of g (0 past the end)
     float* Bs = Gs + CH;                 // [CH] beta (0 past the chunk end)
     float* Ew = Bs + CH;                 // [CH] beta * exp(G)
 
@@ -182,18 +190,13 @@ gdn_chunk_prep(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     const int L = min(CH, cu_seqlens[s + 1] - t0);
     const long long wrow = (long long)hv * T + t0;  // this chunk's first row in the head-major workspace
 
-    // All tile loads in flight at once (cp.async, zero-filled past the chunk end).
+    // K and Q in flight at once (cp.async, zero-filled past the chunk end); V once A is out of the way.
     for (int e = tid; e < CH * (DK / 8); e += blockDim.x) {
         const int i = e / (DK / 8), p = e % (DK / 8);
         const bool ok = i < L;
         const long long off = ((long long)(ok ? t0 + i : t0) * Hk + hk) * DK + 8 * p;
         cp16(Ks + i * KPB + 8 * p, k + off, ok);
         cp16(Qs + i * KPB + 8 * p, q + off, ok);
-    }
-    for (int e = tid; e < CH * (DV / 8); e += blockDim.x) {
-        const int i = e / (DV / 8), p = e % (DV / 8);
-        const bool ok = i < L;
-        cp16(Vs + i * VPB + 8 * p, v + (long long)(ok ? t0 + i : t0) * v_stride + (long long)hv * DV + 8 * p, ok);
     }
     cp_async_commit();
     if (tid < CH) {
@@ -344,13 +347,21 @@ gdn_chunk_prep(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
         __syncthreads();
     }
 
+    // V into A's place, under w's product.
+    for (int e = tid; e < CH * (DV / 8); e += blockDim.x) {
+        const int i = e / (DV / 8), p = e % (DV / 8);
+        const bool ok = i < L;
+        cp16(Vs + i * VPB + 8 * p, v + (long long)(ok ? t0 + i : t0) * v_stride + (long long)hv * DV + 8 * p, ok);
+    }
+    cp_async_commit();
+
     // w = T diag(beta exp(G)) K -> hi/lo bf16;  u = T diag(beta) V -> f32. Rows r0..r0+15.
-    // The results leave through A's shared memory (dead once T is out) as 16-byte row stores, 16 KB
-    // per pass: written straight from the mma fragments, every store instruction filled half sectors
-    // of 8 rows and the stores took ~45% of the kernel.
-    bf16_t* Sw = (bf16_t*)As;  // [CH][KPB] bf16 (DK <= 128: fits A's [CH][AP] f32)
-    float* Su = As;            // [CH][UB + 4] f32, UB value columns per pass
-    constexpr int UB = DV < 64 ? DV : 64;
+    // The results leave through K's shared memory (dead once w's product is out) as 16-byte row stores,
+    // 16 KB per pass: written straight from the mma fragments, every store instruction filled half
+    // sectors of 8 rows and the stores took ~45% of the kernel.
+    bf16_t* Sw = Ks;           // [CH][KPB] bf16
+    float* Su = (float*)Ks;    // [CH][UB + 4] f32, UB value columns per pass
+    constexpr int UB = PREP_UB;
     auto rows_out = [&](const uint4* src, int pitch_u4, void* dst, int row_stride_bytes, int pieces) {
         __syncthreads();  // the staged tile is complete
         for (int e = tid; e < CH * pieces; e += blockDim.x) {
@@ -362,11 +373,14 @@ gdn_chunk_prep(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     {
         float acc[DK / 8][4];
         t_times<DK, KPB>(acc, Ts, Ew, Ks, r0, warp, lane, precise != 0);
+        __syncthreads();  // every warp's last read of K
         stage_w<false>(acc, Sw, r0, gq, t4);
         rows_out((const uint4*)Sw, KPB / 8, ws_wh + wrow * DK, 2 * DK, DK / 8);
         stage_w<true>(acc, Sw, r0, gq, t4);
         rows_out((const uint4*)Sw, KPB / 8, ws_wl + wrow * DK, 2 * DK, DK / 8);
     }
+    cp_async_wait<0>();
+    __syncthreads();  // V is in
     {
         float acc[DV / 8][4];
         t_times<DV, VPB>(acc, Ts, Bs, Vs, r0, warp, lane, precise != 0);

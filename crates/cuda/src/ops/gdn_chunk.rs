@@ -21,10 +21,12 @@ pub fn workspace_bytes(t: usize, hv: usize, dims: &KernelDims) -> usize {
 pub const MAX_K_DIM: usize = 128;
 
 pub(crate) fn prep_smem_bytes(d: &KernelDims) -> usize {
-    // K [64][dk+8] bf16, Q [64][dk+8] bf16 then T [64][68] f32 in one region, V [64][dv+8] bf16,
-    // A [64][68] f32, G/beta/scale [64] f32 (PREP_QT_BYTES in gdn_chunk.cu).
+    // Three regions, each two things in turn (PREP_*_BYTES in gdn_chunk.cu): K [64][dk+8] bf16 then the w / u
+    // staging ([64][dk+8] bf16, [64][min(dv, 64)+4] f32); Q [64][dk+8] bf16 then T [64][68] f32; A [64][68] f32
+    // then V [64][dv+8] bf16; then G/beta/scale [64] f32.
     let (k_tile, a_tile) = (2 * CHUNK * (d.gdn_k_dim + 8), 4 * CHUNK * (CHUNK + 4));
-    k_tile + k_tile.max(a_tile) + 2 * CHUNK * (d.gdn_v_dim + 8) + a_tile + 4 * 3 * CHUNK
+    let (v_tile, u_stage) = (2 * CHUNK * (d.gdn_v_dim + 8), 4 * CHUNK * (d.gdn_v_dim.min(64) + 4));
+    k_tile.max(u_stage) + k_tile.max(a_tile) + a_tile.max(v_tile) + 4 * 3 * CHUNK
 }
 
 pub(crate) fn state_smem_bytes(d: &KernelDims) -> usize {
