@@ -63,10 +63,10 @@ pub struct Rounds {
 }
 
 impl Rounds {
-    /// `cu` `[n + 1]` and `slots` `[n]` of a varlen batch cut every `piece` rows (a positive multiple of
-    /// the chunk) of each sequence.
+    /// `cu` `[n + 1]` and `slots` `[n]` of a varlen batch cut every `piece` rows of each sequence (rounded up
+    /// to a positive multiple of the chunk).
     pub fn new(cu: &[i32], slots: &[i32], piece: usize) -> Self {
-        assert!(piece > 0 && piece.is_multiple_of(CHUNK), "piece of {piece} rows");
+        let piece = piece.max(1).next_multiple_of(CHUNK);
         let longest = cu.windows(2).map(|w| (w[1] - w[0]).max(0) as usize).max().unwrap_or(0);
         let mut rounds = Vec::new();
         for r in 0..longest.div_ceil(piece) {
@@ -187,6 +187,7 @@ mod tests {
         // Sequences of 200, 70 and 150 rows (slots 3, 5, 7), pieces of 128 rows.
         let r = Rounds::new(&[0, 200, 270, 420], &[3, 5, 7], 128);
         assert_eq!(r.rounds.len(), 2);
+        assert_eq!(Rounds::new(&[0, 200, 270, 420], &[3, 5, 7], 100), r, "a piece rounds up to whole chunks");
         // Round 0: rows 0..128, 200..270, 270..398, contiguous but for the gap 128..200 (slot -1).
         let r0 = &r.rounds[0];
         assert_eq!((r0.cu.clone(), r0.slots.clone()), (vec![0, 128, 200, 270, 398], vec![3, -1, 5, 7]));
