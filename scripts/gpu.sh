@@ -30,8 +30,9 @@
 # Steps:
 #   ops          kernels_check (every module built for sm_80/86/89/90) and every kernel against the CPU
 #                reference (random inputs, poisoned outputs, awkward sizes)
-#   gdn          the chunked DeltaNet prefill kernels at the 27B shape (M tokens/s per layer; each walk the GPU
-#                runs: with output warps on sm_90, and in one stream)
+#   gdn          the chunked DeltaNet prefill kernels at the 27B shape (M tokens/s per layer; one prompt in
+#                pieces of 2,048 / 4,096 / 8,192 rows, each walk beside the next prep; then each walk the GPU
+#                runs over the whole prompt: with output warps on sm_90, and in one stream)
 #   w4           the int4 GEMV at the 27B shapes (GB/s against copy); w4-sweep: over shapes varying its
 #                waves and groups per warp
 #   attn         the attention kernels alone (tests/bench_attention.rs): decode, then prefill
