@@ -76,7 +76,7 @@ pub struct Kernels {
     pub gdn_walk: gdn_chunk::Walk,
     /// Whether the chunked DeltaNet prefill may run each piece's walk beside the next piece's prep
     /// ([`gdn_overlap`]: with an f32 state; `DELTASERVE_GDN_OVERLAP=0` at load: never), and the GPU's SMs
-    /// ([`Kernels::gdn_piece`]).
+    /// ([`gdn_overlap::piece_for`]).
     pub gdn_overlap: bool,
     pub sm_count: usize,
 }
