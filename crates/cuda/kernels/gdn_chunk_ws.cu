@@ -90,6 +90,15 @@ extern "C" __global__ void __launch_bounds__(2 * SNW * 32) gdn_chunk_state_ws(GD
             cp8(E + rt, ws_g + 2 * (wrow + c * CH + (ok ? rt : 0)), ok);
         }
     };
+    // Chunk c's k or q tile (`base`: this thread's first row of the tensor) and its decays into E, one group.
+    auto load_rows_decays = [&](u32 dst, const bf16_t* base, float2* E, int c) {
+        if (c < nch) {
+            const int L = chunk_len(c);
+            load_rows(dst, base + (long long)c * CH * Hk * DK, qstep, L);
+            load_decays(E, c, L);
+        }
+        cp_async_commit();
+    };
     // ldmatrix lane addresses (bytes) of B fragments (see state_walk).
     const int b_row = (lane >> 4) * 8 + (lane & 7), b_col = ((lane >> 3) & 1) * 8;
     uint4* Xw = X + sw * WS_XU4 + lane;  // this warp pair's exchange slots, + buffer * SNW * WS_XU4 + 32 * slot
@@ -112,14 +121,7 @@ extern "C" __global__ void __launch_bounds__(2 * SNW * 32) gdn_chunk_state_ws(GD
             }
             cp_async_commit();
         };
-        auto load_c = [&](int c) {  // group C: k and the decays
-            if (c < nch) {
-                const int L = chunk_len(c);
-                load_rows(k_d, k0 + (long long)c * CH * Hk * DK, qstep, L);
-                load_decays(Es, c, L);
-            }
-            cp_async_commit();
-        };
+        auto load_c = [&](int c) { load_rows_decays(k_d, k0, Es, c); };  // group C: k and the decays
         float un[CH / 8][4];
         const float* u0 = ws_u + (wrow + 2 * t4) * DV + vw + gq;
         auto load_u = [&](int c) { load_u_tile(un, u0 + (long long)c * CH * DV, c < nch ? chunk_len(c) : 0, t4); };
@@ -201,14 +203,7 @@ extern "C" __global__ void __launch_bounds__(2 * SNW * 32) gdn_chunk_state_ws(GD
     const bf16_t* pl0 = ws_pl + wrow * CH + pi * CH + 8 * pp;
     const u32 q_d = smem_addr(Qs + li * KPB + 8 * lp);
     const u32 ph_d = smem_addr(Ph + pi * PPB + 8 * pp), pl_d = smem_addr(Pl + pi * PPB + 8 * pp);
-    auto load_q = [&](int c) {  // group Q: q and the decays
-        if (c < nch) {
-            const int L = chunk_len(c);
-            load_rows(q_d, q0 + (long long)c * CH * Hk * DK, qstep, L);
-            load_decays(Eo, c, L);
-        }
-        cp_async_commit();
-    };
+    auto load_q = [&](int c) { load_rows_decays(q_d, q0, Eo, c); };  // group Q: q and the decays
     auto load_p = [&](int c) {  // group P: P hi, lo
         if (c < nch) cp_p_tiles<RPP>(ph_d, pl_d, ph0 + (long long)c * CH * CH, pl0 + (long long)c * CH * CH, chunk_len(c), pi);
         cp_async_commit();

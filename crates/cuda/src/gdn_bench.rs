@@ -169,17 +169,18 @@ pub fn time_gdn_prefill(rt: &Runtime, k: &Kernels, c: GdnCase) -> Result<GdnTimi
     let elapsed = |a: &cudarc::driver::CudaEvent, b: &cudarc::driver::CudaEvent| {
         a.elapsed_ms(b).map(f64::from).map_err(CudaError::driver("cuEventElapsedTime"))
     };
+    // One run; `timed`: the events recorded before it, between its prep and walk (one walk only) and after it.
     let run = |timed: Option<[&cudarc::driver::CudaEvent; 3]>| -> Result<(), CudaError> {
+        let mark = |i: usize| timed.map_or(Ok(()), |e| rec(e[i]));
+        mark(0)?;
         if let Some(ov) = &overlap {
-            timed.map(|e| rec(e[0])).transpose()?;
             gdn_overlap::gdn_chunk_overlapped(k, &s, ov, &a, &on_device, prec)?;
-            return timed.map(|e| rec(e[2])).transpose().map(|_| ());
+        } else {
+            gdn_chunk::gdn_chunk_prep_with(k, &s, &a, prec)?;
+            mark(1)?;
+            gdn_chunk::gdn_chunk_state_walk(k, &s, &a, prec, walk)?;
         }
-        timed.map(|e| rec(e[0])).transpose()?;
-        gdn_chunk::gdn_chunk_prep_with(k, &s, &a, prec)?;
-        timed.map(|e| rec(e[1])).transpose()?;
-        gdn_chunk::gdn_chunk_state_walk(k, &s, &a, prec, walk)?;
-        timed.map(|e| rec(e[2])).transpose().map(|_| ())
+        mark(2)
     };
     // Warm-up: at least two runs and 100 ms of them, so that the clocks have left an idle state (a
     // single warm-up run measured the first small case ~8% slow right after kernel compilation).

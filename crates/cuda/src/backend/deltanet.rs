@@ -4,7 +4,7 @@
 
 use crate::error::CudaError;
 use crate::ops::w4a16::Fold;
-use crate::ops::{conv, gdn_chunk, gdn_decode, gdn_gate, norm};
+use crate::ops::{conv, gdn_chunk, gdn_decode, gdn_gate, gdn_overlap, norm};
 
 use super::CudaBackend;
 use super::cache_ops::Place;
@@ -319,6 +319,20 @@ impl CudaBackend {
         }
         self.tick("gdn core (chunked / decode)")?;
         Ok(n_real == 0 && sh.n_ver > 0)
+    }
+
+    /// The step's prefill chunks (`cu`, `slots`: the first `n` entries of its varlen arrays) cut into pieces whose
+    /// walks run beside the next pieces' prep ([`gdn_overlap::piece_for`]), where the step has no snapshots inside
+    /// its chunks (`plain`), the options allow it, the backend has an overlap stream and the rounds' tables fit the
+    /// chunk table's scratch.
+    pub(super) fn gdn_rounds(&self, plain: bool, cu: &[i32], slots: &[i32]) -> Option<gdn_overlap::Rounds> {
+        let rows = *cu.last()? as usize - *cu.first()? as usize;
+        let piece = gdn_overlap::piece_for(&self.k, rows, slots.len(), self.d.gdn_v_heads);
+        if !plain || !self.opts.deltanet_overlap || self.overlap.is_none() || piece == 0 {
+            return None;
+        }
+        let r = gdn_overlap::Rounds::new(cu, slots, piece);
+        (4 * r.image_len() <= self.ws.chunk_table.bytes).then_some(r)
     }
 
     /// Whether the step's rows before its decode rows are all verify rows and their conv, gates,

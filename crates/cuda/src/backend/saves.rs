@@ -173,20 +173,6 @@ impl CudaBackend {
         })
     }
 
-    /// The step's prefill chunks (`cu`, `slots`: the first `n` entries of its varlen arrays) cut into pieces whose
-    /// walks run beside the next pieces' prep ([`gdn_overlap::piece_for`]), where the step has no snapshots inside
-    /// its chunks (`plain`), the options allow it, the backend has an overlap stream and the rounds' tables fit the
-    /// chunk table's scratch.
-    pub(super) fn gdn_rounds(&self, plain: bool, cu: &[i32], slots: &[i32]) -> Option<gdn_overlap::Rounds> {
-        let rows = *cu.last()? as usize - *cu.first()? as usize;
-        let piece = gdn_overlap::piece_for(&self.k, rows, slots.len(), self.d.gdn_v_heads);
-        if !plain || !self.opts.deltanet_overlap || self.overlap.is_none() || piece == 0 {
-            return None;
-        }
-        let r = gdn_overlap::Rounds::new(cu, slots, piece);
-        (4 * r.image().len() <= self.ws.chunk_table.bytes).then_some(r)
-    }
-
     /// The conv state of each snapshot inside the step's chunks (before the slots' update reads and
     /// overwrites the carried state); `snap_conv`: the layer's conv tensor in the snapshots region.
     pub(super) fn conv_saves(&self, cp: &conv::ConvPrefill, snap_conv: usize) -> Result<(), CudaError> {

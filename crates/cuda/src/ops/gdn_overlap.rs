@@ -1,7 +1,7 @@
 //! The chunked DeltaNet prefill ([`super::gdn_chunk`]) with each piece's walk running beside the next piece's
 //! prep. The walk launches one block per (sequence, value head, 64 value columns) — 96 blocks for one 27B
 //! prompt, on a GPU of 132 SMs — and each block takes most of an SM's shared memory, so while it runs a
-//! third of the GPU is idle. Cut every sequence into pieces of [`Rounds::piece`] rows (at chunk boundaries,
+//! third of the GPU is idle. Cut every sequence into pieces of [`piece_rows`] rows (at chunk boundaries,
 //! so the chunks are the same ones), the walk of round r (every sequence's r-th piece) runs on a stream of
 //! higher priority while round r + 1's prep fills the SMs the walk leaves: the same kernels, the same
 //! results bit for bit where the state is f32 (a bf16 state would be rounded once more at each cut, so
@@ -58,7 +58,6 @@ pub struct Round {
 /// A varlen batch cut every `piece` rows of each sequence, on the host, round by round.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Rounds {
-    pub piece: usize,
     pub rounds: Vec<Round>,
 }
 
@@ -92,7 +91,12 @@ impl Rounds {
             }
             rounds.push(round);
         }
-        Rounds { piece, rounds }
+        Rounds { rounds }
+    }
+
+    /// The length of [`Rounds::image`] (i32 values).
+    pub fn image_len(&self) -> usize {
+        self.rounds.iter().map(|r| r.cu.len() + r.slots.len() + r.table.len()).sum()
     }
 
     /// The i32 image uploaded for [`Rounds::on_device`]: each round's boundaries, slots and chunk table.
@@ -198,6 +202,7 @@ mod tests {
         assert_eq!(r1.table, vec![0, 0, 0, 1, 2, 0]);
         let img = r.image();
         assert_eq!(img.len(), 5 + 4 + 12 + 4 + 3 + 6);
+        assert_eq!(r.image_len(), img.len());
         let d = r.on_device(1000);
         assert_eq!((d[0].slots, d[0].table, d[0].n, d[0].chunks), (1020, 1036, 4, 6));
         assert_eq!((d[1].cu, d[1].slots, d[1].table, d[1].n, d[1].chunks), (1084, 1100, 1112, 3, 3));
