@@ -22,12 +22,12 @@
 // m16n8k16 (bf16, f32 accumulation) sums the exact products per group into its own accumulators, and the
 // group adds scale * sum to acc in f32 (the GEMV's accuracy: no rounding of the weights).
 //
-// Launch: grid (ceil(M / (8*NT)), ceil(out / 128), splits), block 128, dynamic smem W4G_S * (8 KB +
-// 8*NT * 256 B); out % 4 == 0, in % 128 == 0, splits <= in / 128; x 16-byte aligned rows (ldx % 8 == 0);
-// scales 8-byte aligned, zeros 2-byte aligned; qweight 16-byte aligned, out * in / 32 < 2^31.
+// Launch: grid (ceil(M / (8*NT)), the segments' ceil(out_i / 128) together, splits), block 128, dynamic
+// smem W4G_S * (8 KB + 8*NT * 256 B); out % 4 == 0, in % 128 == 0, splits <= in / 128; x 16-byte aligned
+// rows (ldx % 8 == 0); scales 8-byte aligned, zeros 2-byte aligned; qweight 16-byte aligned, out * in / 32 < 2^31.
 // mode 0: bf16 y, mode 1: f32 y (vec != 0: y's rows 8-byte (bf16) / 16-byte (f32) aligned and ldy % 4
-// == 0, 4 rows per store); mode 2: f32 partials ws[split][M][out] (16-byte aligned).
-// w4g_reduce: grid (ceil(M * out / 4 / 256)), block 256.
+// == 0, 4 rows per store); mode 2: f32 partials ws[split][M][ldp] (16-byte aligned), segment i's at column
+// col_i. w4g_reduce: grid (ceil(M * ldp / 4 / 256)), block 256.
 // PDL: the first stages' weights, scales and zeros are issued before pdl_wait(); x after it (x is
 // read through cp.async, L2-coherent). Arch: mma.sync bf16, cp.async, fma.rn.bf16x2: sm_80+.
 // Tested by tests/w4_gemm.rs (host oracle src/w4.rs); bench in tests/bench_w4.rs (bench_w4_rows).
@@ -175,21 +175,59 @@ __device__ __forceinline__ void w4t_body(const u32* __restrict__ qw, const unsig
 }
 
 
+// The tile and pair kernels take up to four linears sharing x (a layer's q/k/v, qkv/z/b/a, gate/up) as
+// segments: segment i's blocks follow segment i - 1's (nb_i blocks; unused: 0); its qweight, scales, zeros, y,
+// ldy and out. Split over K, the tile kernels write segment i's partial sums at column col_i (the outs before
+// it) of ws[split][M][ldp] (ldp: every segment's outs together), which w4g_reduce adds into each y; a pair
+// kernel split over K runs one segment.
+#define W4T_SEG_ARGS(i)                                                                                        \
+    const u32 *__restrict__ qw##i, const unsigned short *__restrict__ sc##i, const unsigned char *__restrict__ z##i, \
+        void *y##i, long long ldy##i, int out##i, int nb##i
+#define W4T_SEGS W4T_SEG_ARGS(0), W4T_SEG_ARGS(1), W4T_SEG_ARGS(2), W4T_SEG_ARGS(3)
+#define W4T_SEG_VALS                                                                                       \
+    qw0, sc0, z0, y0, ldy0, out0, nb0, qw1, sc1, z1, y1, ldy1, out1, nb1, qw2, sc2, z2, y2, ldy2, out2, nb2, qw3, sc3, \
+        z3, y3, ldy3, out3, nb3
+struct W4Seg {
+    const u32* qw;
+    const unsigned short* sc;
+    const unsigned char* z;
+    void* y;
+    long long ldy;
+    int out, b, col;  // the block's index inside its segment, the segment's first column
+};
+// The segment of block b (of the segments' blocks in order).
+__device__ __forceinline__ W4Seg w4_seg(int b, W4T_SEGS) {
+    W4Seg g = {qw0, sc0, z0, y0, ldy0, out0, b, 0};
+    if (b >= nb0) {
+        b -= nb0;
+        if (b < nb1) {
+            g = {qw1, sc1, z1, y1, ldy1, out1, b, out0};
+        } else if (b < nb1 + nb2) {
+            g = {qw2, sc2, z2, y2, ldy2, out2, b - nb1, out0 + out1};
+        } else {
+            g = {qw3, sc3, z3, y3, ldy3, out3, b - nb1 - nb2, out0 + out1 + out2};
+        }
+    }
+    return g;
+}
+
 // w4g_<tokens per block>. Registers capped for the blocks a multiprocessor's shared memory holds at W4G_S
 // = 4: 3 of 32 tokens or fewer (168), 2 of 48 or 64 (217 / 255 registers). On the H100 the 48-token tile
 // is 0.85-0.99x the time of two 24-token tiles at 40-48 rows, and the 48- and 64-token tiles with exact
 // per-group sums 0.90-0.96x those that round the weights to bf16 before the MMA (scaled fragments,
 // accumulation across groups: which is what made them 1.04-2.1x faster than dequantised slices +
 // cuBLASLt at 96-256 rows, bench/results/int4-64-token-tile-h100-2026-12-06.md):
-// bench/results/int4-48-token-exact-tile-h100-2026-12-06.md.
+// bench/results/int4-48-token-exact-tile-h100-2026-12-06.md. Blocks: blockIdx.y over the segments' row
+// tiles of 128.
 #define W4G_KERNEL(NAME, NT, BLOCKS)                                                                         \
     extern "C" __global__ void __launch_bounds__(W4G_WARPS * 32, BLOCKS)                                         \
-        NAME(const u32* __restrict__ qw, const unsigned short* __restrict__ scales,                              \
-             const unsigned char* __restrict__ zeros, int scale_bf16, const bf16_t* x, long long ldx, void* y,    \
-             long long ldy, int M, int out, int in, int mode, int vec) {                                           \
+        NAME(const bf16_t* x, long long ldx, int M, int in, int scale_bf16, int mode, int vec, float* ws,         \
+             long long ldp, W4T_SEGS) {                                                                            \
         pdl_trigger();                                                                                           \
-        w4g_body<NT>(qw, scales, zeros, scale_bf16, x, ldx, y, ldy, M, out, in, mode, vec, blockIdx.x * 8 * NT, \
-                         blockIdx.y, blockIdx.z, gridDim.z);                                                    \
+        const W4Seg g = w4_seg(blockIdx.y, W4T_SEG_VALS);                                                        \
+        void* dst = mode == 2 ? (void*)(ws + g.col) : g.y;                                                       \
+        w4g_body<NT>(g.qw, g.sc, g.z, scale_bf16, x, ldx, dst, mode == 2 ? ldp : g.ldy, M, g.out, in, mode, vec,  \
+                     blockIdx.x * 8 * NT, g.b, blockIdx.z, gridDim.z);                                           \
     }
 W4G_KERNEL(w4g_16, 2, 3)
 W4G_KERNEL(w4g_24, 3, 3)
@@ -197,17 +235,12 @@ W4G_KERNEL(w4g_32, 4, 3)
 W4G_KERNEL(w4g_48, 6, 2)
 W4G_KERNEL(w4g_64, 8, 2)
 
-// The pair kernels take up to four linears sharing x (a layer's q/k/v, qkv/z/b/a, gate/up) as segments:
-// segment i's blocks follow segment i - 1's (nb_i blocks; unused: 0); its qweight, scales, zeros, y,
-// ldy and out. A split over K (gridDim.z > 1) runs one segment.
-#define W4T_SEG_ARGS(i)                                                                                        \
-    const u32 *__restrict__ qw##i, const unsigned short *__restrict__ sc##i, const unsigned char *__restrict__ z##i, \
-        void *y##i, long long ldy##i, int out##i, int nb##i
-// w4t_16<s symmetric | a zero points>.
+// w4t_16<s symmetric | a zero points>. The segment picked inline (w4_seg here changes ptxas's schedule of the
+// pair loop).
 #define W4T_KERNEL(NAME, NT, ASYM)                                                                             \
     extern "C" __global__ void __launch_bounds__(W4T_WARPS * 32, 3)                                              \
         NAME(const bf16_t* x, long long ldx, int M, int in, int scale_bf16, int mode, int vec, int wpt,           \
-             W4T_SEG_ARGS(0), W4T_SEG_ARGS(1), W4T_SEG_ARGS(2), W4T_SEG_ARGS(3)) {                                 \
+             W4T_SEGS) {                                                                                         \
         pdl_trigger();                                                                                           \
         int b = blockIdx.x;                                                                                      \
         const u32* qw = qw0;                                                                                     \
@@ -233,19 +266,32 @@ W4G_KERNEL(w4g_64, 8, 2)
 W4T_KERNEL(w4t_16s, 2, false)
 W4T_KERNEL(w4t_16a, 2, true)
 
-// y[m, o] (bf16, or f32 when f32_out) = sum over s < splits, in order, of ws[s][m][o]; 4 outputs per
-// thread (out % 4 == 0; vec as for w4g_*).
+// y_i[m, o] (bf16, or f32 when f32_out) = sum over s < splits, in order, of ws[s][m][col_i + o] for the
+// segments (the tile kernels' y_i, ldy_i, out_i; nb_i unused) of ldp columns together; 4 outputs per thread
+// (out_i % 4 == 0; vec as for w4g_*).
 extern "C" __global__ void __launch_bounds__(256)
-w4g_reduce(const float* ws, int splits, int M, int out, void* y, long long ldy, int f32_out, int vec) {
+w4g_reduce(const float* ws, int splits, int M, long long ldp, int f32_out, int vec, W4T_SEGS) {
     pdl_enter();
-    const long long n4 = (long long)M * out / 4;
+    const long long n4 = (long long)M * ldp / 4;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n4) return;
-    const long long e = 4 * i, m = e / out;
-    const int o = (int)(e - m * out);
+    const long long e = 4 * i, m = e / ldp;
+    int o = (int)(e - m * ldp);
+    void* y = y0;
+    long long ldy = ldy0;
+    if (o >= out0) {
+        o -= out0;
+        if (o < out1) {
+            y = y1; ldy = ldy1;
+        } else if (o < out1 + out2) {
+            o -= out1; y = y2; ldy = ldy2;
+        } else {
+            o -= out1 + out2; y = y3; ldy = ldy3;
+        }
+    }
     float4 v = *(const float4*)(ws + e);
     for (int s = 1; s < splits; ++s) {
-        const float4 p = *(const float4*)(ws + (long long)s * M * out + e);
+        const float4 p = *(const float4*)(ws + (long long)s * M * ldp + e);
         v.x += p.x;
         v.y += p.y;
         v.z += p.z;

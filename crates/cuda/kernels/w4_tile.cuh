@@ -49,10 +49,10 @@ __device__ __forceinline__ int w4g_swz(int r, int c) { return c ^ ((r & 1) << 2)
 
 // Stores the fragments of a lane's 4 rows r0 .. r0 + 3 (all in: out % 4 == 0) for NT n-tiles of 8
 // tokens from m0: fragment c of tile a, n-tile b is row r0 + 2a + (c >> 1), token m0 + 8b + 2t + (c & 1).
-// mode 0: bf16 y, 1: f32 y, 2: f32 partials ws[split][M][out] (y = ws); vec: 4 rows per store.
+// mode 0: bf16 y, 1: f32 y, 2: f32 partials ws[split][M][ldp] (y = ws); vec: 4 rows per store.
 template <int NT>
 __device__ __forceinline__ void w4g_store(const float (&acc)[2][NT][4], int r0, int m0, int t, void* y, long long ldy,
-                                          int M, int out, int mode, int vec, int split) {
+                                          int M, long long ldp, int mode, int vec, int split) {
 #pragma unroll
     for (int b = 0; b < NT; ++b) {
 #pragma unroll
@@ -61,7 +61,7 @@ __device__ __forceinline__ void w4g_store(const float (&acc)[2][NT][4], int r0, 
             if (m >= M) continue;
             const float v0 = acc[0][b][e], v1 = acc[0][b][2 + e], v2 = acc[1][b][e], v3 = acc[1][b][2 + e];
             if (mode == 2) {
-                float* ws = (float*)y + ((long long)split * M + m) * out + r0;
+                float* ws = (float*)y + ((long long)split * M + m) * ldp + r0;
                 *(float4*)ws = make_float4(v0, v1, v2, v3);
             } else if (mode == 1) {
                 float* p = (float*)y + m * ldy + r0;
@@ -97,8 +97,8 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
                                          const unsigned char* __restrict__ zeros, int scale_bf16, const bf16_t* x,
                                          long long ldx, void* y, long long ldy, int M, int out, int in, int mode,
                                          int vec, int m0, int rb, int split, int splits) {
-    constexpr int S = W4G_S, BM = 8 * NT;
-    constexpr int XBYTES = BM * 256, STAGE = W4G_WBYTES + XBYTES + (W4G_SMEM_SCALES ? W4G_SBYTES : 0);
+    constexpr int S = W4G_S, BM = 8 * NT, WB = W4G_WBYTES;
+    constexpr int XBYTES = BM * 256, STAGE = WB + XBYTES + (W4G_SMEM_SCALES ? W4G_SBYTES : 0);
     extern __shared__ uint4 w4g_smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -118,24 +118,34 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
 
     uint2 sv[S];  // scale bits: x = rows 0 | 1 << 16, y = rows 2 | 3 << 16
     u32 zv[S];    // zeros: nibble j = row j
-    auto issue_w = [&](int st, int rel, uint2& s_out, u32& z_out) {
+    // The next group's sources, one group on after each issue (the groups are issued in order).
+    const uint4* wsrc[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) wsrc[j] = qw4 + pw[j];
+    const unsigned short* ssrc = scales + (long long)gb * out + rc;
+    const unsigned char* zsrc = zeros ? zeros + (long long)gb * zstride + (rc >> 1) : nullptr;
+    auto issue_w = [&](int st, uint2& s_out, u32& z_out) {
         const u32 base = smem_s + st * STAGE + warp * 2048 + lane * 16;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) cp_async16(base + j * 512, qw4 + (pw[j] + (u32)(gstep * rel)));
-        const long long grp = gb + rel;
+        for (int j = 0; j < 4; ++j) {
+            cp_async16(base + j * 512, wsrc[j]);
+            wsrc[j] += gstep;
+        }
         if (W4G_SMEM_SCALES) {
             if (t == 0)
-                asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_s + st * STAGE + W4G_WBYTES +
-                                                                                 XBYTES + warp * 64 + g * 8),
-                             "l"(scales + grp * out + rc)
+                asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_s + st * STAGE + WB + XBYTES +
+                                                                                 warp * 64 + g * 8),
+                             "l"(ssrc)
                              : "memory");
         } else {
-            s_out = __ldg((const uint2*)(scales + grp * out + rc));
+            s_out = __ldg((const uint2*)ssrc);
         }
-        z_out = zeros ? (u32)__ldg((const unsigned short*)(zeros + grp * zstride + (rc >> 1))) : 0x8888u;
+        ssrc += out;
+        z_out = zsrc ? (u32)__ldg((const unsigned short*)zsrc) : 0x8888u;
+        if (zsrc) zsrc += zstride;
     };
     // The thread's 16-byte pieces of each stage's x tile: piece c is chunk ch of token row r (clamped to
-    // M - 1 and zero-filled past M), at group gb in xp[c] (one group on: + 128 columns).
+    // M - 1 and zero-filled past M), at the next group in xp[c] (+ 128 columns after each issue).
     constexpr int XC = BM * 16 / (W4G_WARPS * 32);
     const bf16_t* xp[XC];
     u32 xd[XC];
@@ -144,12 +154,15 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
     for (int c = 0; c < XC; ++c) {
         const int id = tid + c * W4G_WARPS * 32, r = id >> 4, ch = id & 15;
         xp[c] = x + (long long)min(m0 + r, M - 1) * ldx + (long long)gb * 128 + ch * 8;
-        xd[c] = W4G_WBYTES + r * 256 + w4g_swz(r, ch) * 16;
+        xd[c] = WB + r * 256 + w4g_swz(r, ch) * 16;
         xn[c] = m0 + r < M ? 16 : 0;
     }
-    auto issue_x = [&](int st, int rel) {
+    auto issue_x = [&](int st) {
 #pragma unroll
-        for (int c = 0; c < XC; ++c) cp_async16(smem_s + st * STAGE + xd[c], xp[c] + rel * 128, xn[c]);
+        for (int c = 0; c < XC; ++c) {
+            cp_async16(smem_s + st * STAGE + xd[c], xp[c], xn[c]);
+            xp[c] += 128;
+        }
     };
 
     float acc[2][NT][4];
@@ -158,20 +171,19 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
     // kernel), x after it; commit group st holds stage st's x (and, in group 0, every early weight).
 #pragma unroll
     for (int st = 0; st < S - 1; ++st)
-        if (st < n) issue_w(st, st, sv[st], zv[st]);
+        if (st < n) issue_w(st, sv[st], zv[st]);
     pdl_wait();
 #pragma unroll
     for (int st = 0; st < S - 1; ++st) {
-        if (st < n) issue_x(st, st);
+        if (st < n) issue_x(st);
         cp_async_commit();
     }
     // The lane's x-fragment offsets in shared memory: token row r = 8b + g (r & 1 = g & 1), chunk 4i + t of the
     // stage's x tile: byte g * 256 + w4g_swz(g, 4i + t) * 16 (+ b * 2048 + the stage's offset, constants
     // once the loops are unrolled). Every n-tile is computed (tokens at or past M are zero-filled and not
-    // stored): no branch between the fragment loads and the MMAs.
-    u32 xoff[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) xoff[i] = W4G_WBYTES + g * 256 + w4g_swz(g, 4 * i + t) * 16;
+    // stored): no branch between the fragment loads and the MMAs. Chunk 4i + t sits at 64 * (i ^ (g & 1)) +
+    // 16t, so words 2h and 2h + 1 are at xa and xa ^ 64, + 128h (two registers; bit 7 of both clear).
+    const u32 xa = WB + g * 256 + w4g_swz(g, t) * 16, xo = xa ^ 64u;
     for (int k0 = 0; k0 < n; k0 += S) {
 #pragma unroll
         for (int u = 0; u < S; ++u) {
@@ -181,22 +193,26 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
                 __syncthreads();  // stage u is complete for every thread; stage u - 1 is free
                 const int sn = (u + S - 1) % S;
                 if (k + S - 1 < n) {
-                    issue_w(sn, k + S - 1, sv[sn], zv[sn]);
-                    issue_x(sn, k + S - 1);
+                    issue_w(sn, sv[sn], zv[sn]);
+                    issue_x(sn);
                 }
                 cp_async_commit();
                 const uint4* wst = w4g_smem + (u * STAGE + warp * 2048) / 16 + lane;
                 const uint4 q0 = wst[0], q1 = wst[32], q2 = wst[64], q3 = wst[96];
+                // -(128 + z) as bf16 in both halves: the zero points spread to both halves once, a LOP3 a row.
+                const u32 zz = zv[u] * 0x10001u;
                 u32 nz[4];
 #pragma unroll
-                for (int j = 0; j < 4; ++j) nz[j] = 0x80008000u | ((0x4300u | ((zv[u] >> (4 * j)) & 15u)) * 0x10001u);
+                for (int j = 0; j < 4; ++j) nz[j] = ((zz >> (4 * j)) & 0x000f000fu) | 0xc300c300u;
                 float own[2][NT][4];
                 w4g_zero<NT>(own);
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     uint4 xv[NT];
 #pragma unroll
-                    for (int b = 0; b < NT; ++b) xv[b] = *(const uint4*)((const char*)w4g_smem + xoff[i] + u * STAGE + b * 2048);
+                    for (int b = 0; b < NT; ++b)
+                        xv[b] = *(const uint4*)((const char*)w4g_smem + ((i & 1) ? xo : xa) + (i >> 1) * 128 +
+                                                u * STAGE + b * 2048);
                     const u32 w0 = u4_comp(q0, i), w1 = u4_comp(q1, i), w2 = u4_comp(q2, i), w3 = u4_comp(q3, i);
                     u32 a[2][2][4];  // [tile][half][fragment register]
 #pragma unroll
@@ -219,8 +235,8 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
                     }
                 }
                 // The group's 4 row scales (f32), from the ring or the registers loaded S - 1 groups ahead.
-                const uint2 sb = W4G_SMEM_SCALES ? *(const uint2*)((const char*)w4g_smem + u * STAGE + W4G_WBYTES +
-                                                                   XBYTES + warp * 64 + g * 8)
+                const uint2 sb = W4G_SMEM_SCALES ? *(const uint2*)((const char*)w4g_smem + u * STAGE + WB + XBYTES +
+                                                                   warp * 64 + g * 8)
                                                  : sv[u];
                 const u32 bits[4] = {sb.x & 0xffffu, sb.x >> 16, sb.y & 0xffffu, sb.y >> 16};
                 float s[4];
@@ -238,5 +254,5 @@ __device__ __forceinline__ void w4g_body(const u32* __restrict__ qw, const unsig
     }
     cp_async_wait<0>();
     if (r0 >= out) return;  // out % 4 == 0: the lane's 4 rows are all in or all out
-    w4g_store<NT>(acc, r0, m0, t, y, ldy, M, out, mode, vec, split);
+    w4g_store<NT>(acc, r0, m0, t, y, ldy, M, ldy, mode, vec, split);
 }

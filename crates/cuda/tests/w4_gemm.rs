@@ -377,20 +377,81 @@ fn w4_gemm_multi_equals_single_launches() {
     };
     let sms = rt.sm_count as usize;
     for (i, (asym, m)) in [(false, 9), (true, 12), (false, 16), (true, 16)].into_iter().enumerate() {
-        let mut rng = StdRng::seed_from_u64(0x5eed_0100 + i as u64);
-        let outs = [640, 384, 44];
-        let inp = 512;
-        let cs: Vec<Case> = outs
+        let sx = SharedX::new(&rt, 0x5eed_0100 + i as u64, asym, i % 2 == 0, m, 1);
+        let w4 = sx.outs(sx.y_multi);
+        assert!(w4_gemm::multi_supported(&w4, sx.x, INP, m));
+        let s = rt.stream().clone();
+        w4_gemm::w4_gemm_multi(&k, &s, &w4, sx.x, INP, m, sms).expect("multi launch");
+        let wpt = w4_gemm::multi_wpt(&w4, sms);
+        let cfg = W4GemmConfig { tokens: 16, splits: 1, wpt };
+        let (a, b) = sx.against_single(&k, &w4, cfg);
+        assert_eq!(a, b, "asym {asym}, m {m}, {wpt} warps per pair: the multi launch differs");
+        // Too many rows for one tile, and act-order weights, are refused.
+        assert!(!w4_gemm::multi_supported(&w4, sx.x, INP, 17));
+    }
+}
+
+#[test]
+fn w4_gemm_segments_equal_single_launches() {
+    let Some((rt, k)) = device() else {
+        println!("SKIP: no CUDA driver");
+        return;
+    };
+    for (i, (asym, m, tokens, splits)) in
+        [(false, 17, 24, 1), (true, 33, 32, 3), (false, 64, 32, 2), (true, 24, 24, 4), (false, 48, 48, 2)]
+            .into_iter()
+            .enumerate()
+    {
+        let sx = SharedX::new(&rt, 0x5eed_0200 + i as u64, asym, i % 2 == 1, m, splits);
+        let w4 = sx.outs(sx.y_multi);
+        assert!(w4_gemm::segments_supported(&w4, sx.x, INP));
+        let s = rt.stream().clone();
+        let cfg = W4GemmConfig { tokens, splits, wpt: 0 };
+        let ws = Some(DevSpan { ptr: sx.ws, bytes: sx.ws_bytes });
+        w4_gemm::w4_gemm_segments(&k, &s, &w4, sx.x, INP, m, cfg, ws).expect("segments launch");
+        let (a, b) = sx.against_single(&k, &w4, cfg);
+        assert_eq!(a, b, "asym {asym}, m {m}, {cfg:?}: the launch over segments differs");
+        // A workspace too small for the segments' partial sums together is refused.
+        if splits > 1 {
+            let short = Some(DevSpan { ptr: sx.ws, bytes: sx.ws_bytes - 4 });
+            assert!(w4_gemm::w4_gemm_segments(&k, &s, &w4, sx.x, INP, m, cfg, short).is_err());
+        }
+    }
+}
+
+/// Input columns of the linears that share x.
+const INP: usize = 512;
+/// Their outputs (the last one a partial pair and a partial block of rows).
+const SHARED_OUTS: [usize; 3] = [640, 384, 44];
+
+/// Linears sharing x, written as consecutive columns of one output: their weights, x, two outputs (a launch
+/// over all of them, one launch each) and a split-K workspace for `splits`.
+struct SharedX<'a> {
+    d: Dev<'a>,
+    ws_w: Vec<W4Weights>,
+    m: usize,
+    x: u64,
+    y_multi: u64,
+    y_single: u64,
+    ws: u64,
+    ws_bytes: usize,
+}
+
+impl<'a> SharedX<'a> {
+    fn new(rt: &'a Runtime, seed: u64, asym: bool, bf16_scales: bool, m: usize, splits: usize) -> SharedX<'a> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let cs: Vec<Case> = SHARED_OUTS
             .iter()
-            .map(|&out| Case { m, out, inp, asym, bf16_scales: i % 2 == 0, perm: false, f32_out: false })
+            .map(|&out| Case { m, out, inp: INP, asym, bf16_scales, perm: false, f32_out: false })
             .collect();
         let lin: Vec<W4Linear> = cs.iter().map(|&c| random_linear(&mut rng, c)).collect();
-        let total: usize = outs.iter().sum();
-        let bytes: usize = lin.iter().map(|l| l.bytes().total()).sum::<usize>() + 2 * m * inp + 4 * 2 * m * total;
+        let total: usize = SHARED_OUTS.iter().sum();
+        let ws_bytes = 4 * splits * m * total;
+        let bytes: usize = lin.iter().map(|l| l.bytes().total()).sum::<usize>() + 2 * m * INP + 4 * 2 * m * total;
         let mut arena = Arena::new(rt.context().clone());
-        let region = arena.add_region("w4_gemm_multi test", bytes + 64 * 256).expect("region");
-        let mut d = Dev { rt: &rt, arena, region };
-        let ws: Vec<W4Weights> = lin
+        let region = arena.add_region("w4_gemm shared-x test", bytes + ws_bytes + 64 * 256).expect("region");
+        let mut d = Dev { rt, arena, region };
+        let ws_w: Vec<W4Weights> = lin
             .iter()
             .zip(&cs)
             .map(|(l, c)| W4Weights {
@@ -403,29 +464,37 @@ fn w4_gemm_multi_equals_single_launches() {
                 inp: c.inp,
             })
             .collect();
-        let xv: Vec<bf16> = (0..m * inp).map(|_| bf16::from_f32(rng.random_range(-2.0f32..2.0))).collect();
+        let xv: Vec<bf16> = (0..m * INP).map(|_| bf16::from_f32(rng.random_range(-2.0f32..2.0))).collect();
         let x = d.put(&xv).expect("put x");
         let (y_multi, y_single) = (d.span(2 * m * total).expect("y"), d.span(2 * m * total).expect("y"));
-        let s = rt.stream().clone();
+        let ws = d.span(ws_bytes.max(16)).expect("workspace");
+        SharedX { d, ws_w, m, x, y_multi, y_single, ws, ws_bytes }
+    }
+
+    /// The linears' outputs at `y` (consecutive columns, row stride the outputs together).
+    fn outs(&self, y: u64) -> Vec<W4Out<'_>> {
+        let total: usize = SHARED_OUTS.iter().sum();
         let mut col = 0;
         let mut w4 = Vec::new();
-        for w in &ws {
-            w4.push(W4Out { w, y: y_multi + 2 * col as u64, ldy: total });
+        for w in &self.ws_w {
+            w4.push(W4Out { w, y: y + 2 * col as u64, ldy: total });
             col += w.out;
         }
-        assert!(w4_gemm::multi_supported(&w4, x, inp, m));
-        w4_gemm::w4_gemm_multi(&k, &s, &w4, x, inp, m, sms).expect("multi launch");
-        let wpt = w4_gemm::multi_wpt(&w4, sms);
-        let cfg = W4GemmConfig { tokens: 16, splits: 1, wpt };
-        for o in &w4 {
-            let y = y_single + (o.y - y_multi);
-            w4_gemm::w4_gemm(&k, &s, o.w, x, inp, y, total, m, cfg, false, None, None).expect("single launch");
+        w4
+    }
+
+    /// One [`w4_gemm::w4_gemm`] launch per linear at `cfg` into y_single; both outputs as bits.
+    fn against_single(&self, k: &Kernels, w4: &[W4Out<'_>], cfg: W4GemmConfig) -> (Vec<u32>, Vec<u32>) {
+        let total: usize = SHARED_OUTS.iter().sum();
+        let s = self.d.rt.stream().clone();
+        let ws = (cfg.splits > 1).then_some(DevSpan { ptr: self.ws, bytes: self.ws_bytes });
+        for o in w4 {
+            let y = self.y_single + (o.y - self.y_multi);
+            w4_gemm::w4_gemm(k, &s, o.w, self.x, INP, y, total, self.m, cfg, false, ws, None).expect("single launch");
         }
-        let a = fetch(&rt, y_multi, m * total, false).expect("fetch");
-        let b = fetch(&rt, y_single, m * total, false).expect("fetch");
-        assert_eq!(a, b, "asym {asym}, m {m}, {wpt} warps per pair: the multi launch differs");
-        // Too many rows for one tile, and act-order weights, are refused.
-        assert!(!w4_gemm::multi_supported(&w4, x, inp, 17));
+        let a = fetch(self.d.rt, self.y_multi, self.m * total, false).expect("fetch");
+        let b = fetch(self.d.rt, self.y_single, self.m * total, false).expect("fetch");
+        (a, b)
     }
 }
 

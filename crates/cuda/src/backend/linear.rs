@@ -51,7 +51,7 @@ impl CudaBackend {
         if !f32_out && outs.iter().map(|o| o.parts.len()).sum::<usize>() > 1 {
             // Several int4 linears sharing x (q/k/v, qkv/z/b/a, gate/up: outputs and the parts that
             // write consecutive columns of one): one launch of the int4 GEMV, or of the int4 GEMM's
-            // pair kernel for a few more rows.
+            // pair kernel for a few more rows, or of its tile kernels.
             if let Some(w4) = w4_outs(outs) {
                 if t <= self.opts.gemv_max_tokens {
                     let cfg = w4_multi_config(&w4, kdim, self.k.w4_slots);
@@ -60,6 +60,13 @@ impl CudaBackend {
                 if t <= self.opts.w4_gemm_max_rows && w4_gemm::multi_supported(&w4, x, kdim, t) {
                     let sms = self.rt.sm_count.max(1) as usize;
                     return w4_gemm::w4_gemm_multi(&self.k, s, &w4, x, kdim, t, sms);
+                }
+                if self.w4_gemm_rows(t) && w4_gemm::segments_supported(&w4, x, kdim) {
+                    // The tile kernels over every linear's row tiles in one grid, one split-K reduce.
+                    let (sms, ws) = (self.rt.sm_count.max(1) as usize, self.ws.w4_gemm);
+                    let out = w4.iter().map(|o| o.w.out).sum();
+                    let cfg = w4_gemm::w4_tile_config(t, out, kdim, sms, ws.bytes);
+                    return w4_gemm::w4_gemm_segments(&self.k, s, &w4, x, kdim, t, cfg, Some(ws));
                 }
             }
         }

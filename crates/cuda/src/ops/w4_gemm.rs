@@ -6,6 +6,9 @@
 //! - [`w4_gemm_config`]: tokens per block and the split over K for a shape on a GPU of `sms` SMs;
 //! - [`w4_gemm`]: the launch (plus, split over K, the in-order reduction of the partial sums; with
 //!   act-order weights, the gather of x first);
+//! - [`w4_gemm_segments`]: up to four linears sharing x (a layer's q/k/v, qkv/z/b/a, gate/up) in one
+//!   launch of the tile kernels and one reduce — one wave of blocks over all their rows instead of a
+//!   launch, a reduce and a tail each;
 //! - [`w4_gemm_workspace_bytes`] / [`w4_gemm_x_scratch_bytes`]: the scratch a launch needs (the memory
 //!   plan bounds the workspace with `deltaserve_plan::cuda::w4_gemm_workspace_bound`, and a launch
 //!   takes no more splits than the workspace it is given holds).
@@ -162,13 +165,95 @@ pub fn w4_gemm(
     workspace: Option<DevSpan>,
     x_scratch: Option<DevSpan>,
 ) -> Result<(), CudaError> {
-    let Some(parts) = launch_gemm(k, s, w, x, ldx, y, ldy, m, cfg, f32_out, workspace, x_scratch)? else {
+    let segs = [Seg { w, y, ldy }];
+    let Some(parts) = launch_gemm(k, s, &segs, x, ldx, m, cfg, f32_out, workspace, x_scratch)? else {
         return Ok(());
     };
-    let (splits, f32_i, vec) = (cfg.splits as i32, i32::from(f32_out), out_vec(y, ldy, f32_out));
-    let (m_i, out, ldy_l) = (m as i32, w.out as i32, ldy as i64);
-    let rgrid = (to_u32("w4_gemm", "reduce blocks", (m * w.out / 4).div_ceil(256))?, 1, 1);
-    launch_pdl!(k, s, "w4g_reduce", rgrid, (256, 1, 1), 0; parts, splits, m_i, out, y, ldy_l, f32_i, vec)
+    reduce(k, s, parts, &segs, m, cfg.splits, f32_out)
+}
+
+/// Whether [`w4_gemm_segments`] takes `outs` with x at `x` of row stride `ldx`: the linears of one
+/// [`w4a16::W4Out`] list the int4 GEMV takes together (1 to 4, one input width and format, no act-order),
+/// each one [`w4_gemm`] takes, into 8-byte aligned outputs.
+pub fn segments_supported(outs: &[W4Out<'_>], x: u64, ldx: usize) -> bool {
+    w4a16::multi_supported(outs)
+        && outs.iter().all(|o| o.ldy >= o.w.out && o.y.is_multiple_of(8) && supported(o.w, x, ldx))
+}
+
+/// `y_i[m, out_i]` (bf16) = `x[m, in]` · W_iᵀ for up to four int4 linears sharing x (a layer's q/k/v,
+/// qkv/z/b/a, gate/up) in one launch of the tile kernels (`cfg.wpt` 0; [`w4_gemm_config`] of their outputs
+/// together) and, split over K, one reduce: the linears' row tiles side by side in one grid, their partial
+/// sums side by side in the workspace. Each linear's outputs equal [`w4_gemm`]'s with the same `cfg`,
+/// bitwise.
+#[allow(clippy::too_many_arguments)]
+pub fn w4_gemm_segments(
+    k: &Kernels,
+    s: &CudaStream,
+    outs: &[W4Out<'_>],
+    x: u64,
+    ldx: usize,
+    m: usize,
+    cfg: W4GemmConfig,
+    workspace: Option<DevSpan>,
+) -> Result<(), CudaError> {
+    if !segments_supported(outs, x, ldx) || cfg.wpt != 0 {
+        return Err(invalid(
+            "w4_gemm_segments",
+            "1 to 4 linears of one input width and format, no act-order, 8-byte aligned outputs, the tile kernels",
+        ));
+    }
+    let segs: Vec<Seg<'_>> = outs.iter().map(|o| Seg { w: o.w, y: o.y, ldy: o.ldy }).collect();
+    let Some(parts) = launch_gemm(k, s, &segs, x, ldx, m, cfg, false, workspace, None)? else {
+        return Ok(());
+    };
+    reduce(k, s, parts, &segs, m, cfg.splits, false)
+}
+
+/// The in-order sum of a split launch's partial sums at `parts` into each segment's y.
+fn reduce(
+    k: &Kernels,
+    s: &CudaStream,
+    parts: u64,
+    segs: &[Seg<'_>],
+    m: usize,
+    splits: usize,
+    f32_out: bool,
+) -> Result<(), CudaError> {
+    const K: &str = "w4_gemm";
+    let ldp: usize = segs.iter().map(|g| g.w.out).sum();
+    let vec = i32::from(segs.iter().all(|g| out_vec(g.y, g.ldy, f32_out) != 0));
+    let (splits, f32_i, m_i, ldp_l) = (splits as i32, i32::from(f32_out), to_i32(K, "rows", m)?, ldp as i64);
+    let rgrid = (to_u32(K, "reduce blocks", (m * ldp / 4).div_ceil(256))?, 1, 1);
+    let [
+        (q0, s0, z0, y0, l0, o0, n0),
+        (q1, s1, z1, y1, l1, o1, n1),
+        (q2, s2, z2, y2, l2, o2, n2),
+        (q3, s3, z3, y3, l3, o3, n3),
+    ] = seg_args(segs, |_| 0, |g| (g.y, g.ldy))?;
+    launch_pdl!(k, s, "w4g_reduce", rgrid, (256, 1, 1), 0; parts, splits, m_i, ldp_l, f32_i, vec,
+        q0, s0, z0, y0, l0, o0, n0, q1, s1, z1, y1, l1, o1, n1,
+        q2, s2, z2, y2, l2, o2, n2, q3, s3, z3, y3, l3, o3, n3)
+}
+
+/// The kernels' four segment arguments (qweight, scales, zeros, y, ldy, out, blocks) from `segs`
+/// (at most 4): `blocks(seg)` blocks each, written to `dst(seg)`; unused segments empty.
+#[allow(clippy::type_complexity)]
+fn seg_args(
+    segs: &[Seg<'_>],
+    blocks: impl Fn(&Seg<'_>) -> usize,
+    dst: impl Fn(&Seg<'_>) -> (u64, usize),
+) -> Result<[(u64, u64, u64, u64, i64, i32, i32); w4a16::MULTI_MAX], CudaError> {
+    const K: &str = "w4_gemm";
+    let mut seg = [(0u64, 0u64, 0u64, 0u64, 0i64, 0i32, 0i32); w4a16::MULTI_MAX];
+    if segs.is_empty() || segs.len() > w4a16::MULTI_MAX {
+        return Err(invalid(K, format!("{} linears in one launch (1 to {})", segs.len(), w4a16::MULTI_MAX)));
+    }
+    for (n, g) in segs.iter().enumerate() {
+        let (y, ldy) = dst(g);
+        let (out, nb) = (to_i32(K, "out", g.w.out)?, to_i32(K, "blocks", blocks(g))?);
+        seg[n] = (g.w.qweight, g.w.scales, g.w.zeros.unwrap_or(0), y, ldy as i64, out, nb);
+    }
+    Ok(seg)
 }
 
 /// The residual add + RMSNorm that follows an int4 linear feeding the residual stream: `res`
@@ -216,7 +301,9 @@ pub fn w4_gemm_norm(
             ),
         ));
     }
-    let Some(parts) = launch_gemm(k, s, w, x, ldx, 0, w.out, m, cfg, false, Some(workspace), x_scratch)? else {
+    let Some(parts) =
+        launch_gemm(k, s, &[Seg { w, y: 0, ldy: w.out }], x, ldx, m, cfg, false, Some(workspace), x_scratch)?
+    else {
         return Ok(());
     };
     norm::add_rms_norm_1p_parts(k, s, parts, cfg.splits, norm.res, norm.w, norm.out, m, w.out, norm.eps)
@@ -228,17 +315,16 @@ fn out_vec(y: u64, ldy: usize, f32_out: bool) -> i32 {
     i32::from(y.is_multiple_of(2 * eb as u64) && ldy.is_multiple_of(4))
 }
 
-/// The GEMM launch of [`w4_gemm`]: into y, or split over K into the workspace's partial sums, whose
-/// address it returns (None: nothing to reduce).
+/// The GEMM launch of [`w4_gemm`] / [`w4_gemm_segments`] over `segs` (one, or several sharing x through the
+/// tile kernels): into each y, or split over K into the workspace's partial sums (the segments' columns side
+/// by side), whose address it returns (None: nothing to reduce).
 #[allow(clippy::too_many_arguments)]
 fn launch_gemm(
     k: &Kernels,
     s: &CudaStream,
-    w: &W4Weights,
+    segs: &[Seg<'_>],
     x: u64,
     ldx: usize,
-    y: u64,
-    ldy: usize,
     m: usize,
     cfg: W4GemmConfig,
     f32_out: bool,
@@ -246,8 +332,14 @@ fn launch_gemm(
     x_scratch: Option<DevSpan>,
 ) -> Result<Option<u64>, CudaError> {
     const K: &str = "w4_gemm";
-    if let Some(e) = weights_error(w) {
-        return Err(e);
+    let w = segs.first().ok_or_else(|| invalid(K, "no linear"))?.w;
+    for g in segs {
+        if let Some(e) = weights_error(g.w) {
+            return Err(e);
+        }
+        if g.ldy < g.w.out || ldx < g.w.inp {
+            return Err(invalid(K, format!("ldx {ldx} (>= in {}), ldy {} (>= out {})", g.w.inp, g.ldy, g.w.out)));
+        }
     }
     if m == 0 {
         return Ok(None);
@@ -256,22 +348,20 @@ fn launch_gemm(
     let name = if cfg.wpt == 0 {
         KERNELS.iter().find(|kn| kn.1 == cfg.tokens).map(|kn| kn.0)
     } else {
-        let ok = cfg.tokens == PAIR_MAX_ROWS && [1, 2, 4].contains(&cfg.wpt);
+        let ok = cfg.tokens == PAIR_MAX_ROWS && [1, 2, 4].contains(&cfg.wpt) && segs.len() == 1;
         ok.then(|| PAIR_KERNELS[usize::from(w.zeros.is_some())])
     };
     let Some(name) = name.filter(|_| (1..=groups.min(MAX_SPLITS)).contains(&cfg.splits)) else {
         return Err(invalid(
             K,
             format!(
-                "{cfg:?}: 16, 24, 32, 48 or 64 tokens (pairs: 16), 0, 1, 2 or 4 warps per pair, 1..={} splits",
+                "{cfg:?}: 16, 24, 32, 48 or 64 tokens (pairs: 16, one linear), 0, 1, 2 or 4 warps per pair, 1..={} splits",
                 groups.min(MAX_SPLITS)
             ),
         ));
     };
-    if ldy < w.out || ldx < w.inp {
-        return Err(invalid(K, format!("ldx {ldx} (>= in {}), ldy {ldy} (>= out {})", w.inp, w.out)));
-    }
     let (xg, ldxg) = match w.perm {
+        Some(_) if segs.len() > 1 => return Err(invalid(K, "act-order weights take x gathered for them alone")),
         Some(perm) => {
             let need = w4_gemm_x_scratch_bytes(m, w.inp);
             let Some(scratch) = x_scratch.filter(|p| p.ptr.is_multiple_of(16) && p.bytes >= need).map(|p| p.ptr) else {
@@ -285,40 +375,48 @@ fn launch_gemm(
     if !xg.is_multiple_of(16) || !ldxg.is_multiple_of(8) {
         return Err(invalid(K, format!("x at {xg:#x} with row stride {ldxg} is not 16-byte aligned per row")));
     }
-    let vec = out_vec(y, ldy, f32_out);
-    let (mode, dst) = match (cfg.splits > 1, workspace) {
-        (false, _) => (i32::from(f32_out), y),
-        (true, Some(ws)) if ws.ptr.is_multiple_of(16) && ws.bytes >= w4_gemm_workspace_bytes(m, w.out, cfg) => {
+    let vec = i32::from(segs.iter().all(|g| out_vec(g.y, g.ldy, f32_out) != 0));
+    let ldp: usize = segs.iter().map(|g| g.w.out).sum();
+    let (mode, parts) = match (cfg.splits > 1, workspace) {
+        (false, _) => (i32::from(f32_out), 0),
+        (true, Some(ws)) if ws.ptr.is_multiple_of(16) && ws.bytes >= w4_gemm_workspace_bytes(m, ldp, cfg) => {
             (2, ws.ptr)
         }
         (true, _) => {
-            let need = w4_gemm_workspace_bytes(m, w.out, cfg);
+            let need = w4_gemm_workspace_bytes(m, ldp, cfg);
             return Err(invalid(
                 K,
                 format!("a launch of {} splits needs a 16-byte aligned workspace of {need} B", cfg.splits),
             ));
         }
     };
-    let (qw, sc, zp, sbf) = (w.qweight, w.scales, w.zeros.unwrap_or(0), w.scale_bf16());
-    let (ldx_l, ldy_l, m_i) = (ldxg as i64, ldy as i64, to_i32(K, "rows", m)?);
-    let (out, inp) = (to_i32(K, "out", w.out)?, to_i32(K, "in", w.inp)?);
+    let (sbf, ldx_l, m_i) = (w.scale_bf16(), ldxg as i64, to_i32(K, "rows", m)?);
+    let inp = to_i32(K, "in", w.inp)?;
     let tiles = to_u32(K, "token tiles", m.div_ceil(cfg.tokens))?;
     if cfg.wpt == 0 {
-        let grid = (tiles, to_u32(K, "row tiles", w.out.div_ceil(BLOCK_ROWS))?, cfg.splits as u32);
+        let rows: usize = segs.iter().map(|g| g.w.out.div_ceil(BLOCK_ROWS)).sum();
+        let grid = (tiles, to_u32(K, "row tiles", rows)?, cfg.splits as u32);
         let smem = smem_bytes(cfg.tokens) as u32;
-        launch_pdl!(k, s, name, grid, (THREADS, 1, 1), smem; qw, sc, zp, sbf, xg, ldx_l, dst, ldy_l, m_i, out, inp, mode, vec)?;
+        let [
+            (q0, s0, z0, y0, l0, o0, n0),
+            (q1, s1, z1, y1, l1, o1, n1),
+            (q2, s2, z2, y2, l2, o2, n2),
+            (q3, s3, z3, y3, l3, o3, n3),
+        ] = seg_args(segs, |g| g.w.out.div_ceil(BLOCK_ROWS), |g| (g.y, g.ldy))?;
+        let ldp_l = ldp as i64;
+        launch_pdl!(k, s, name, grid, (THREADS, 1, 1), smem; xg, ldx_l, m_i, inp, sbf, mode, vec, parts, ldp_l,
+            q0, s0, z0, y0, l0, o0, n0, q1, s1, z1, y1, l1, o1, n1,
+            q2, s2, z2, y2, l2, o2, n2, q3, s3, z3, y3, l3, o3, n3)?;
     } else {
-        let seg = [Seg { w, y: dst, ldy }];
+        let seg = [if mode == 2 { Seg { w, y: parts, ldy: w.out } } else { Seg { w, y: segs[0].y, ldy: segs[0].ldy } }];
         launch_pairs(k, s, name, &seg, xg, ldxg, m, cfg.wpt, cfg.splits, mode, vec)?;
     }
-    Ok((mode == 2).then_some(dst))
+    Ok((mode == 2).then_some(parts))
 }
 
 /// Whether [`w4_gemm_multi`] takes `outs` with x at `x` of row stride `ldx` for `m` rows.
 pub fn multi_supported(outs: &[W4Out<'_>], x: u64, ldx: usize, m: usize) -> bool {
-    m <= PAIR_MAX_ROWS
-        && w4a16::multi_supported(outs)
-        && outs.iter().all(|o| o.ldy >= o.w.out && supported(o.w, x, ldx) && o.y.is_multiple_of(8))
+    m <= PAIR_MAX_ROWS && segments_supported(outs, x, ldx)
 }
 
 /// `y_i[m, out_i]` (bf16) = `x[m, in]` · W_iᵀ for up to four int4 linears sharing x (a layer's q/k/v,
@@ -382,14 +480,9 @@ fn launch_pairs(
     vec: i32,
 ) -> Result<(), CudaError> {
     const K: &str = "w4_gemm";
-    let mut seg = [(0u64, 0u64, 0u64, 0u64, 0i64, 4i32, 0i32); w4a16::MULTI_MAX];
-    let mut blocks = 0usize;
-    for (n, sg) in segs.iter().enumerate() {
-        let nb = sg.w.out.div_ceil(PAIR_ROWS).div_ceil(PAIR_WARPS / wpt);
-        blocks += nb;
-        let (ldy, out) = (sg.ldy as i64, to_i32(K, "out", sg.w.out)?);
-        seg[n] = (sg.w.qweight, sg.w.scales, sg.w.zeros.unwrap_or(0), sg.y, ldy, out, to_i32(K, "blocks", nb)?);
-    }
+    let per_block = |g: &Seg<'_>| g.w.out.div_ceil(PAIR_ROWS).div_ceil(PAIR_WARPS / wpt);
+    let blocks: usize = segs.iter().map(per_block).sum();
+    let seg = seg_args(segs, per_block, |g| (g.y, g.ldy))?;
     let first = segs[0].w;
     let grid = (to_u32(K, "pair blocks", blocks)?, to_u32(K, "token tiles", m.div_ceil(PAIR_MAX_ROWS))?, splits as u32);
     let (ldx_l, m_i, inp) = (ldx as i64, to_i32(K, "rows", m)?, to_i32(K, "in", first.inp)?);
