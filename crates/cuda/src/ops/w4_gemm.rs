@@ -229,19 +229,18 @@ fn reduce(
         (q1, s1, z1, y1, l1, o1, n1),
         (q2, s2, z2, y2, l2, o2, n2),
         (q3, s3, z3, y3, l3, o3, n3),
-    ] = seg_args(segs, |_| 0, |g| (g.y, g.ldy))?;
+    ] = seg_args(segs, |_| 0)?;
     launch_pdl!(k, s, "w4g_reduce", rgrid, (256, 1, 1), 0; parts, splits, m_i, ldp_l, f32_i, vec,
         q0, s0, z0, y0, l0, o0, n0, q1, s1, z1, y1, l1, o1, n1,
         q2, s2, z2, y2, l2, o2, n2, q3, s3, z3, y3, l3, o3, n3)
 }
 
 /// The kernels' four segment arguments (qweight, scales, zeros, y, ldy, out, blocks) from `segs`
-/// (at most 4): `blocks(seg)` blocks each, written to `dst(seg)`; unused segments empty.
+/// (at most 4): `blocks(seg)` blocks each; unused segments empty.
 #[allow(clippy::type_complexity)]
 fn seg_args(
     segs: &[Seg<'_>],
     blocks: impl Fn(&Seg<'_>) -> usize,
-    dst: impl Fn(&Seg<'_>) -> (u64, usize),
 ) -> Result<[(u64, u64, u64, u64, i64, i32, i32); w4a16::MULTI_MAX], CudaError> {
     const K: &str = "w4_gemm";
     let mut seg = [(0u64, 0u64, 0u64, 0u64, 0i64, 0i32, 0i32); w4a16::MULTI_MAX];
@@ -249,9 +248,8 @@ fn seg_args(
         return Err(invalid(K, format!("{} linears in one launch (1 to {})", segs.len(), w4a16::MULTI_MAX)));
     }
     for (n, g) in segs.iter().enumerate() {
-        let (y, ldy) = dst(g);
         let (out, nb) = (to_i32(K, "out", g.w.out)?, to_i32(K, "blocks", blocks(g))?);
-        seg[n] = (g.w.qweight, g.w.scales, g.w.zeros.unwrap_or(0), y, ldy as i64, out, nb);
+        seg[n] = (g.w.qweight, g.w.scales, g.w.zeros.unwrap_or(0), g.y, g.ldy as i64, out, nb);
     }
     Ok(seg)
 }
@@ -402,7 +400,7 @@ fn launch_gemm(
             (q1, s1, z1, y1, l1, o1, n1),
             (q2, s2, z2, y2, l2, o2, n2),
             (q3, s3, z3, y3, l3, o3, n3),
-        ] = seg_args(segs, |g| g.w.out.div_ceil(BLOCK_ROWS), |g| (g.y, g.ldy))?;
+        ] = seg_args(segs, |g| g.w.out.div_ceil(BLOCK_ROWS))?;
         let ldp_l = ldp as i64;
         launch_pdl!(k, s, name, grid, (THREADS, 1, 1), smem; xg, ldx_l, m_i, inp, sbf, mode, vec, parts, ldp_l,
             q0, s0, z0, y0, l0, o0, n0, q1, s1, z1, y1, l1, o1, n1,
@@ -482,7 +480,7 @@ fn launch_pairs(
     const K: &str = "w4_gemm";
     let per_block = |g: &Seg<'_>| g.w.out.div_ceil(PAIR_ROWS).div_ceil(PAIR_WARPS / wpt);
     let blocks: usize = segs.iter().map(per_block).sum();
-    let seg = seg_args(segs, per_block, |g| (g.y, g.ldy))?;
+    let seg = seg_args(segs, per_block)?;
     let first = segs[0].w;
     let grid = (to_u32(K, "pair blocks", blocks)?, to_u32(K, "token tiles", m.div_ceil(PAIR_MAX_ROWS))?, splits as u32);
     let (ldx_l, m_i, inp) = (ldx as i64, to_i32(K, "rows", m)?, to_i32(K, "in", first.inp)?);
