@@ -49,8 +49,9 @@ const READ_ONLY: &[&str] = &[
 ];
 
 /// Local pointers into weights that the functions that wait read with `ld_nc` / `__ldg` (the bf16
-/// GEMV's rows, the int4 GEMV's codes, scales and zeros, a bf16 expert's rows, the FP8 GEMV's rows).
-const READ_ONLY_LOCALS: &[&str] = &["wp0", "wp1", "qw4", "ps", "pz", "We", "srow", "wp", "wrow"];
+/// GEMV's rows, the int4 GEMV's codes, scales and zeros, the int4 tile GEMM's next group's scales and
+/// zeros, a bf16 expert's rows, the FP8 GEMV's rows).
+const READ_ONLY_LOCALS: &[&str] = &["wp0", "wp1", "qw4", "ps", "pz", "ssrc", "zsrc", "We", "srow", "wp", "wrow"];
 
 /// A function definition of a kernel source: its name, parameter list and body.
 struct Function<'a> {
