@@ -149,7 +149,7 @@ impl CudaBackend {
         let blocks = tiles * self.d.kv_heads;
         let kv_tiles = max_end.div_ceil(self.k.attn.keys.max(1));
         let units = self.split_units();
-        prefill_key_splits(self.rt.sm_count.max(1) as usize, blocks, kv_tiles, units, rows)
+        prefill_key_splits(self.k.sm_count, blocks, kv_tiles, units, rows)
     }
 
     /// Rows of a group of one chunk's rows that attend together (attention::attn_verify_q); 0 where the
@@ -163,7 +163,7 @@ impl CudaBackend {
     /// hold, at most 64. A function of the step's shape: a graph replays it at any context.
     fn group_splits(&self, g: &attention::RowGroups, rows: usize, bytes: usize) -> usize {
         let units = partial_units(bytes, self.d.q_heads, self.d.head_dim);
-        let sms = attention::VERIFY_BLOCKS_PER_SM * self.rt.sm_count.max(1) as usize;
+        let sms = attention::VERIFY_BLOCKS_PER_SM * self.k.sm_count;
         attention::wave_splits(sms, g.n * self.d.kv_heads, (units / rows.max(1)).clamp(1, 64))
     }
 

@@ -58,12 +58,12 @@ impl CudaBackend {
                     return w4a16::w4_gemv_multi(&self.k, s, &w4, x, kdim, t, cfg, false);
                 }
                 if t <= self.opts.w4_gemm_max_rows && w4_gemm::multi_supported(&w4, x, kdim, t) {
-                    let sms = self.rt.sm_count.max(1) as usize;
+                    let sms = self.k.sm_count;
                     return w4_gemm::w4_gemm_multi(&self.k, s, &w4, x, kdim, t, sms);
                 }
                 if self.w4_gemm_rows(t) && w4_gemm::segments_supported(&w4, x, kdim) {
                     // The tile kernels over every linear's row tiles in one grid, one split-K reduce.
-                    let (sms, ws) = (self.rt.sm_count.max(1) as usize, self.ws.w4_gemm);
+                    let (sms, ws) = (self.k.sm_count, self.ws.w4_gemm);
                     let out = w4.iter().map(|o| o.w.out).sum();
                     let cfg = w4_gemm::w4_tile_config(t, out, kdim, sms, ws.bytes);
                     return w4_gemm::w4_gemm_segments(&self.k, s, &w4, x, kdim, t, cfg, Some(ws));
@@ -153,7 +153,7 @@ impl CudaBackend {
         let gemv_rows = t <= self.opts.gemv_max_tokens;
         if self.w4_gemm_rows(t) && w4_gemm::supported(w, x, w.inp) {
             let ws = self.ws.w4_gemm;
-            let cfg = w4_gemm::w4_gemm_config(t, w.out, w.inp, self.rt.sm_count.max(1) as usize, ws.bytes);
+            let cfg = w4_gemm::w4_gemm_config(t, w.out, w.inp, self.k.sm_count, ws.bytes);
             let xs = Some(self.ws.w4_x);
             return w4_gemm::w4_gemm(&self.k, s, w, x, w.inp, y, ldy, t, cfg, f32_out, Some(ws), xs);
         }
@@ -310,7 +310,7 @@ impl CudaBackend {
             && self.w4_gemm_rows(t)
             && w4_gemm::supported(w4, x, kdim)
         {
-            let (sms, ws) = (self.rt.sm_count.max(1) as usize, self.ws.w4_gemm);
+            let (sms, ws) = (self.k.sm_count, self.ws.w4_gemm);
             let cfg = w4_gemm::w4_gemm_config(t, w4.out, w4.inp, sms, ws.bytes);
             let an = w4_gemm::AddNorm { res, w: norm_w, out, eps };
             if w4_gemm::norm_supported(w4, cfg, &an) {
