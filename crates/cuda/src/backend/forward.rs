@@ -8,6 +8,7 @@ use crate::ops::{elementwise, embed, mtp, norm};
 use super::CudaBackend;
 use super::cache_ops::Place;
 use super::deltanet::GdnOffsets;
+use super::inputs::HOST_EMBED_GPU_ROWS;
 use super::layout::{LayerCache, Ws};
 use super::linear::{LayerFold, OutNorm, po};
 use super::step::StepShape;
@@ -27,9 +28,16 @@ impl CudaBackend {
         let h = d.hidden;
         let eps = self.eps;
         self.tick("step inputs")?;
-        if self.host_embed.is_none() {
-            embed::embed_gather(k, s, self.w.embed, ws.token_ids, ws.residual, t, h)?;
-        } // else: run_chunks uploaded the rows gathered on the host into `residual`.
+        match &self.host_embed {
+            None => embed::embed_gather(k, s, self.w.embed, ws.token_ids, ws.residual, t, h)?,
+            // A step of many rows reads them across the bus from the mapped table: the host's copy of
+            // every row into the staging before the upload took longer (prefill chunks).
+            Some(he) if t >= HOST_EMBED_GPU_ROWS => {
+                embed::embed_gather(k, s, he.table.ptr() as u64, ws.token_ids, ws.residual, t, h)?
+            }
+            // Fewer rows: the step's upload gathered them on the host into `residual`.
+            Some(_) => {}
+        }
         // Image rows in place of their placeholders' embeddings (the tower runs here for new images).
         self.put_image_rows()?;
         self.tick("embed")?;

@@ -58,6 +58,12 @@ impl StepInputs {
     }
 }
 
+/// Steps of at least this many rows take their embedding rows from the host table with a kernel that reads
+/// them across the bus (the step's forward); shorter ones through [`CudaBackend::upload_host_embedding`].
+/// Decided by the row count alone, so a captured graph and the uploads of the steps that replay it agree (a
+/// padded graph of more rows gathers what the upload already wrote: the same values).
+pub(super) const HOST_EMBED_GPU_ROWS: usize = 64;
+
 impl CudaBackend {
     /// Gathers the embedding rows of `ids` from the pinned host table into the pinned staging
     /// buffer and uploads them to `residual` (before the step's kernels or graph; the previous

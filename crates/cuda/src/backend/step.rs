@@ -11,6 +11,7 @@ use super::CudaBackend;
 use super::ahead::LaunchOut;
 use super::device_error;
 use super::graphs::GraphKey;
+use super::inputs::HOST_EMBED_GPU_ROWS;
 use super::phases::Mark;
 use super::saves::HostSaves;
 use super::spec::Verified;
@@ -521,7 +522,9 @@ impl CudaBackend {
         match (out, &self.host_embed) {
             // A fed step's rows come from the device (feed_rows, below).
             (StepOut::Launch(LaunchOut { feed: Some(_), .. }), _) | (_, None) => {}
-            (_, Some(he)) => self.upload_host_embedding(he, &inp.ids)?,
+            // Longer steps gather on the GPU from the mapped table (forward).
+            (_, Some(he)) if inp.ids.len() < HOST_EMBED_GPU_ROWS => self.upload_host_embedding(he, &inp.ids)?,
+            (_, Some(_)) => {}
         }
         if let StepOut::Launch(LaunchOut { feed: Some(f), valid, .. }) = out {
             self.feed_inputs(f, *valid)?;
