@@ -475,10 +475,7 @@ gdn_rows(const bf16_t* x, long long x_stride, const bf16_t* __restrict__ cw, bf1
          long long ba_stride, const float* __restrict__ A_log, const float* __restrict__ dt_bias, state_t* state,
          const int* __restrict__ slots, const int* __restrict__ starts, const int* __restrict__ lens, const bf16_t* z,
          long long z_tok_stride, const float* __restrict__ nw, bf16_t* __restrict__ out, bf16_t* __restrict__ trace_x,
-         bf16_t* __restrict__ trace_ba, int Hk, int Hv, float eps, int commit, const void* l2_next,
-         long long l2_bytes) {
-    // The layer's out projection into L2 beside the recurrence (a verify step; none for a commit).
-    l2_prefetch_span(l2_next, l2_bytes);
+         bf16_t* __restrict__ trace_ba, int Hk, int Hv, float eps, int commit) {
     gdn_rows_body(x, x_stride, cw, conv_state, ba, ba_stride, A_log, dt_bias, state, slots, starts, lens, z,
                   z_tok_stride, nw, out, trace_x, trace_ba, Hk, Hv, eps, commit, blockIdx.x, blockIdx.y);
 }

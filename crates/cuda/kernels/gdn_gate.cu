@@ -50,8 +50,6 @@ extern "C" __global__ void gdn_gate(const bf16_t* __restrict__ qk, long long qk_
 // (b, C/DK) writes row b's beta and g. Padding rows (slot < 0): y = 0, no state, q/k from zeros.
 // x [B, *] bf16 (token stride x_stride), w [C, CONV_K], y [B, C], state [slots, CONV_K-1, C] bf16;
 // q_out, k_out [B, Hk, DK]; b, a [B, Hv] (strides b_stride, a_stride); g, beta [B, Hv] f32.
-// l2_next, l2_bytes (0: none): the weights of the layer's out projection, brought into L2 after the wait
-// (l2_prefetch_span) while this kernel and the recurrence after it leave the memory bus idle.
 // Launch: grid (B, C/DK + 1), block DK (C % DK == 0, DV == DK). Tested by: tests/ops/ case
 // "gdn_conv_gate_decode" (bitwise vs conv_decode + gdn_gate).
 extern "C" __global__ void gdn_conv_gate_decode(const bf16_t* x, long long x_stride, const bf16_t* __restrict__ w,
@@ -60,8 +58,7 @@ extern "C" __global__ void gdn_conv_gate_decode(const bf16_t* x, long long x_str
                                                 long long a_stride,
                                                 const float* __restrict__ A_log, const float* __restrict__ dt_bias,
                                                 bf16_t* __restrict__ q_out, bf16_t* __restrict__ k_out,
-                                                float* __restrict__ g, float* __restrict__ beta, int Hk, int Hv,
-                                                const void* l2_next, long long l2_bytes) {
+                                                float* __restrict__ g, float* __restrict__ beta, int Hk, int Hv) {
     __shared__ bf16_t ys[DK];
     // Launched programmatically on sm_90: the conv state rows and taps load before the wait for the
     // in-projection (no earlier kernel of the step writes them; the slot ids are a step input).
@@ -74,7 +71,6 @@ extern "C" __global__ void gdn_conv_gate_decode(const bf16_t* x, long long x_str
     float wv[CONV_K];
     if (j < C / DK && slot >= 0) conv_window_load<CONV_K>(st, w, c, C, win, wv);
     pdl_wait();
-    l2_prefetch_span(l2_next, l2_bytes);
     if (j == C / DK) {
         for (int h = tid; h < Hv; h += blockDim.x)
             gdn_gate_values(bf2f(b[(long long)row * b_stride + h]), bf2f(a[(long long)row * a_stride + h]), A_log,

@@ -584,22 +584,6 @@ __device__ __forceinline__ void pdl_enter() {
     pdl_wait();
 }
 
-// Brings [p, p + bytes) into L2 ahead of the kernel that will stream it (a decode step's next weights,
-// while the small kernels between two projections leave the memory bus idle): a hint with no effect on
-// any result. One prefetch instruction a 128-byte line, consecutive lines on consecutive threads of the
-// whole grid (a thread does not wait for its prefetches). Measured on the H100 (int4 + fp8 KV, 24 GiB):
-// sm_90's bulk prefetch (cp.async.bulk.prefetch.L2, 16 KB pieces) made the decode step 1.19x slower at
-// batch 1, this form 1.07x (batch 8 1.03x, batch 32 1.01x).
-__device__ __forceinline__ void l2_prefetch_span(const void* p, long long bytes) {
-    if (p == nullptr || bytes <= 0) return;
-    const long long threads = (long long)gridDim.x * gridDim.y * gridDim.z * blockDim.x * blockDim.y * blockDim.z;
-    const long long block = blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z);
-    const long long me =
-        block * blockDim.x * blockDim.y * blockDim.z + threadIdx.x + (long long)blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
-    const long long lines = (bytes + 127) >> 7;
-    for (long long l = me; l < lines; l += threads) asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)p + (l << 7)));
-}
-
 // ---------------------------------------------------------------------------------------------
 // KV-cache codes (kv_quant.cu's kv_write_q, rope.cu's qk_norm_rope; attention_*.cu read the formats): the
 // formats (nvrtc::KvFormats::code) and one token-head row's encoding, as deltaserve_cpu::kvquant rounds it

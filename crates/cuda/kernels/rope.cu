@@ -56,8 +56,6 @@ extern "C" __global__ void rope_partial(bf16_t* x, long long tok_stride, const i
 // scheduled: 115K blocks for 4,096 tokens). The rotation's loops stay rolled:
 // unrolled, sinf / cosf's rarely taken large-argument paths made the kernel ~9K instructions and, with
 // its code fetched once per layer, 2.7x slower (bench/results/decode-small-kernels-h200-2026-12-01.md).
-// l2_next, l2_bytes (0: none): the weights of the layer's o projection, brought into L2 after the wait
-// (l2_prefetch_span) while this kernel and the attention after it leave the memory bus idle.
 // Launch: grid (ceil(T*(nq + nk + nv)/8)), block 256. Tested by: tests/ops/ cases "qk_norm_rope"
 // (vs rms_norm_1p + rope_partial), "qk_norm_rope_kv" (vs the same launch without KV + kv_write_q) and
 // "qk_norm_rope_mrope" (M-RoPE vs rms_norm_1p + apply_mrope; equal streams bitwise the pos-based launch).
@@ -68,8 +66,7 @@ qk_norm_rope(bf16_t* q, long long q_tok, long long q_head, const bf16_t* __restr
              long long v_tok, int nv, const int* __restrict__ pos, int T, int D, int R, float theta_base, float eps,
              unsigned char* k_cache, unsigned short* k_scales, unsigned char* v_cache, unsigned short* v_scales,
              const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ cu_seqlens, int B,
-             int page, int k_fmt, int v_fmt, const int* __restrict__ rope_pos, int sec_h, int sec_w,
-             const void* l2_next, long long l2_bytes) {
+             int page, int k_fmt, int v_fmt, const int* __restrict__ rope_pos, int sec_h, int sec_w) {
     __shared__ float ys_all[8][QKNR_MAX_D];
     __shared__ float rot_all[8][2][QKNR_MAX_D / 2];  // cos, sin of the row's rotation frequencies
     __shared__ __align__(16) bf16_t kb_all[8][QKNR_MAX_D];  // a k row's final values (kq_row reads words)
@@ -109,7 +106,6 @@ qk_norm_rope(bf16_t* q, long long q_tok, long long q_head, const bf16_t* __restr
         wr[m] = live && h < nq + nk && i < D ? bf2f((h < nq ? wq : wk)[i]) : 0.0f;
     }
     pdl_wait();
-    l2_prefetch_span(l2_next, l2_bytes);
     if (!live) return;
     const bf16_t* x = v + (long long)t * v_tok + (long long)(h - nq - nk) * D;  // a v head's row
     if (h < nq + nk) {

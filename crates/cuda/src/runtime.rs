@@ -68,8 +68,6 @@ pub struct Runtime {
     pub sm_count: i32,
     /// Largest dynamic shared memory a block may opt into (bytes).
     pub max_smem_optin: i32,
-    /// The L2 cache (bytes).
-    pub l2_bytes: i32,
 }
 
 /// Number of CUDA devices the driver reports (after `CUDA_VISIBLE_DEVICES`).
@@ -107,10 +105,8 @@ impl Runtime {
             CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
             "cuDeviceGetAttribute(max shared memory per block opt-in)",
         )?;
-        let l2_bytes =
-            attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, "cuDeviceGetAttribute(L2 cache size)")?;
         let stream = ctx.new_stream().map_err(CudaError::driver("cuStreamCreate"))?;
-        Ok(Runtime { ctx, stream, cc, name, sm_count, max_smem_optin, l2_bytes })
+        Ok(Runtime { ctx, stream, cc, name, sm_count, max_smem_optin })
     }
 
     /// Device memory free right now, as the driver reports it (bytes).

@@ -84,9 +84,6 @@ pub struct Switches {
     /// `DELTASERVE_GDN_OVERLAP=0`: the chunked DeltaNet prefill runs one prep then one walk over the whole
     /// step instead of each piece's walk beside the next piece's prep ([`crate::ops::gdn_overlap`]).
     pub gdn_overlap: bool,
-    /// `DELTASERVE_L2_PREFETCH`: `0` never brings a decode step's next projection weights into L2 ahead of
-    /// it, `1` does so on any GPU ([`crate::ops::l2_prefetch_bytes`]); unset: on sm_90.
-    pub l2_prefetch: Option<String>,
 }
 
 impl Switches {
@@ -126,7 +123,6 @@ impl Switches {
             fp8_mma_gemm: var("DELTASERVE_FP8_MMA").is_some_and(|v| v == "1"),
             gdn_walk_one_stream: var("DELTASERVE_GDN_WALK").is_some_and(|v| v == "one-stream"),
             gdn_overlap: var("DELTASERVE_GDN_OVERLAP").is_none_or(|v| v != "0"),
-            l2_prefetch: var("DELTASERVE_L2_PREFETCH"),
         }
     }
 

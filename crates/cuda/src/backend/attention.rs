@@ -56,7 +56,6 @@ impl CudaBackend {
             rotary_dim: d.rotary_dim,
             theta: self.rope_theta,
             eps,
-            l2_next: if kv_only { ops::L2Span::default() } else { self.l2_next(&aw.o, t, ad) },
         };
         let w = self.table_width;
         let kvw = kv_cache::KvWrite {

@@ -148,7 +148,6 @@ impl CudaBackend {
                     hk,
                     hv,
                 },
-                l2_next: self.l2_next(&gw.out, t, d.gdn_value_width),
             };
             gdn_gate::gdn_conv_gate_decode(k, s, &f)?;
         } else if n_dec > 0 {
@@ -274,7 +273,6 @@ impl CudaBackend {
                     hk,
                     hv,
                     commit: false,
-                    l2_next: self.l2_next(&gw.out, sh.t, vw),
                 };
                 gdn_decode::gdn_rows(k, s, &rows)?;
             } else if n_real == 0 {

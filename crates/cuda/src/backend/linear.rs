@@ -8,14 +8,10 @@ use crate::error::CudaError;
 use crate::ops::fp8::{self, Fp8Out};
 use crate::ops::gemv::GemvOut;
 use crate::ops::w4a16::{Fold, W4Weights};
-use crate::ops::{L2Span, gemv, norm, w4_gemm, w4a16};
+use crate::ops::{gemv, norm, w4_gemm, w4a16};
 
 use super::CudaBackend;
 use super::layout::Ws;
-
-/// The most tokens of a step whose mixers bring their output projection's weights into L2 ahead of it
-/// ([`CudaBackend::l2_next`]): decode and verify steps, whose projections stream their weights once.
-pub(super) const L2_PREFETCH_MAX_ROWS: usize = 64;
 use super::weights::{Layer, Mixer, Part, Proj};
 
 impl CudaBackend {
@@ -270,23 +266,6 @@ impl CudaBackend {
             }
         }
         Ok(())
-    }
-
-    /// The weights of a mixer's output projection `w` (`[rows, kdim]`), for the kernel after the mixer's
-    /// in-projection to bring into L2 ([`L2Span`]) in steps of at most [`L2_PREFETCH_MAX_ROWS`] tokens,
-    /// where they take at most [`crate::Kernels::l2_prefetch_max`] bytes: the int4 words, FP8 codes or
-    /// bf16 rows of a one-part projection.
-    pub(super) fn l2_next(&self, w: &Proj, t: usize, kdim: usize) -> L2Span {
-        let [part] = w.as_slice() else { return L2Span::default() };
-        let (ptr, bytes) = match part {
-            Part::W4(w) => (w.qweight, w.out * w.inp / 2),
-            Part::Fp8(w) => (w.codes, w.out * w.inp),
-            Part::Bf16 { w, rows } => (*w, 2 * rows * kdim),
-        };
-        if t > L2_PREFETCH_MAX_ROWS || bytes > self.k.l2_prefetch_max {
-            return L2Span::default();
-        }
-        L2Span { ptr, bytes }
     }
 
     /// A mixer's output projection: into `mixer_out`, or with `out_norm` the post-attention norm too.

@@ -3,7 +3,7 @@
 
 use cudarc::driver::CudaStream;
 
-use super::{Kernels, L2Span, invalid, l2_args, launch, launch_pdl, to_i32, to_u32};
+use super::{Kernels, invalid, launch, launch_pdl, to_i32, to_u32};
 use crate::error::CudaError;
 
 #[derive(Clone, Copy, Debug)]
@@ -200,8 +200,6 @@ pub struct GdnRows {
     pub hk: usize,
     pub hv: usize,
     pub commit: bool,
-    /// What the launch brings into L2 beside its work (a verify's out projection; none by default).
-    pub l2_next: L2Span,
 }
 
 /// Whether [`gdn_rows`] takes a layer of these dims: equal key and value head dims (as the fused conv
@@ -250,10 +248,9 @@ pub fn gdn_rows(k: &Kernels, s: &CudaStream, a: &GdnRows) -> Result<(), CudaErro
     let (xs, bs, zs) = (a.x_stride as i64, a.ba_stride as i64, a.z_tok_stride as i64);
     let (hk, hv, commit) = (to_i32(K, "hk", a.hk)?, to_i32(K, "hv", a.hv)?, i32::from(a.commit));
     let grid = (to_u32(K, "n_seqs", a.n_seqs)?, to_u32(K, "hv", a.hv)?, 1);
-    let (pf, pf_bytes) = l2_args(K, &a.l2_next)?;
     launch!(k, s, K, grid, ((4 * dv) as u32, 1, 1), 0;
         x, xs, conv_w, conv_state, ba, bs, a_log, dt_bias, state, slots, starts, lens, z, zs, norm_w, out, trace_x,
-        trace_ba, hk, hv, eps, commit, pf, pf_bytes)
+        trace_ba, hk, hv, eps, commit)
 }
 
 /// Layers per [`gdn_commit_layers`] launch: the kernel's pointer table (`GDN_LAYER_TABLE` in

@@ -4,7 +4,7 @@
 use cudarc::driver::CudaStream;
 
 use super::conv::ConvPrefill;
-use super::{Kernels, L2Span, invalid, l2_args, launch, launch_pdl, to_i32, to_u32};
+use super::{Kernels, invalid, launch, launch_pdl, to_i32, to_u32};
 use crate::KernelDims;
 use crate::error::CudaError;
 
@@ -63,8 +63,6 @@ pub struct GdnConvGateDecode {
     /// The gates of the same rows; `gate.qk` is where the conv output goes ([gate.t, channels] bf16,
     /// `gate.qk_stride` = channels = (2 hk + hv) head_dim).
     pub gate: GdnGate,
-    /// What the launch brings into L2 after its wait (the layer's out projection; none by default).
-    pub l2_next: L2Span,
 }
 
 /// Whether [`gdn_conv_gate_decode`] takes a layer of `channels` conv channels with `hk` key and `hv`
@@ -87,9 +85,8 @@ pub fn gdn_conv_gate_decode(k: &Kernels, s: &CudaStream, a: &GdnConvGateDecode) 
     let c = to_i32(K, "channels", channels)?;
     let (hk, hv) = (to_i32(K, "hk", g.hk)?, to_i32(K, "hv", g.hv)?);
     let grid = (to_u32(K, "n_seqs", g.t)?, to_u32(K, "heads", channels / dk + 1)?, 1);
-    let (pf, pf_bytes) = l2_args(K, &a.l2_next)?;
     launch_pdl!(k, s, K, grid, (dk as u32, 1, 1), 0;
-        x, xs, w, y, state, slots, c, b, bs, ap, as_, a_log, dt_bias, q_out, k_out, gp, beta, hk, hv, pf, pf_bytes)
+        x, xs, w, y, state, slots, c, b, bs, ap, as_, a_log, dt_bias, q_out, k_out, gp, beta, hk, hv)
 }
 
 /// What the fused conv + gate kernels require of their arguments `a` (x token stride `x_stride`, gates

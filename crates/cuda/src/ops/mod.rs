@@ -40,15 +40,6 @@ use crate::nvrtc::{self, AttnTiling, KernelDims, KvFormats, SOURCES};
 use crate::runtime::Runtime;
 use crate::switches::Switches;
 
-/// Bytes a kernel brings into L2 ahead of the one that streams them (`l2_prefetch_span` in
-/// kernels/prelude.cuh: a hint, no result depends on it): a decode step's next projection weights, while
-/// the small kernels before that projection leave the memory bus idle. `bytes` 0: none.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct L2Span {
-    pub ptr: u64,
-    pub bytes: usize,
-}
-
 /// Every kernel of the crate, compiled for one device and one set of [`KernelDims`].
 pub struct Kernels {
     funcs: HashMap<&'static str, CudaFunction>,
@@ -88,22 +79,6 @@ pub struct Kernels {
     /// ([`gdn_overlap::piece_for`]).
     pub gdn_overlap: bool,
     pub sm_count: usize,
-    /// The most bytes a decode step brings into L2 ahead of a projection ([`L2Span`]): half the GPU's L2
-    /// where it runs by default or `DELTASERVE_L2_PREFETCH=1` asks for it, 0 (never) with
-    /// `DELTASERVE_L2_PREFETCH=0` ([`l2_prefetch_bytes`]).
-    pub l2_prefetch_max: usize,
-}
-
-/// [`Kernels::l2_prefetch_max`] on a GPU of compute capability `cc` with `l2` bytes of L2 under the
-/// switch `DELTASERVE_L2_PREFETCH` (`None`: unset): on by default on sm_90 (one bulk prefetch a 16 KB
-/// piece; the per-line form of sm_80 / sm_89 only when asked for).
-pub fn l2_prefetch_bytes(cc: (i32, i32), l2: usize, switch: Option<&str>) -> usize {
-    let on = match switch {
-        Some("0") => false,
-        Some("1") => true,
-        _ => cc.0 >= 9,
-    };
-    if on { l2 / 2 } else { 0 }
 }
 
 impl Kernels {
@@ -188,7 +163,6 @@ impl Kernels {
         let gdn_walk = gdn_chunk::Walk::choose(&dims, rt.max_smem_optin.max(0) as usize, switches.gdn_walk_one_stream);
         let gdn_overlap = switches.gdn_overlap && !dims.state_bf16;
         let sm_count = rt.sm_count.max(1) as usize;
-        let l2_prefetch_max = l2_prefetch_bytes(rt.cc, rt.l2_bytes.max(0) as usize, switches.l2_prefetch.as_deref());
         let mut k = Kernels {
             funcs,
             dims,
@@ -203,7 +177,6 @@ impl Kernels {
             gdn_walk,
             gdn_overlap,
             sm_count,
-            l2_prefetch_max,
         };
         for (name, bytes) in [
             ("gdn_chunk_prep", gdn_chunk::prep_smem_bytes(&dims)),
@@ -371,16 +344,6 @@ pub(crate) fn to_i32(kernel: &'static str, what: &str, v: usize) -> Result<i32, 
     i32::try_from(v).map_err(|_| invalid(kernel, format!("{what} = {v} does not fit in i32")))
 }
 
-/// A launch's [`L2Span`] arguments `(ptr, bytes)` (a kernel's `const void*, long long`): the span's
-/// start must be 16-byte aligned (the bulk prefetch's rule).
-pub(crate) fn l2_args(kernel: &'static str, span: &L2Span) -> Result<(u64, i64), CudaError> {
-    if span.bytes > 0 && !span.ptr.is_multiple_of(16) {
-        return Err(invalid(kernel, format!("the L2 span at {:#x} is not 16-byte aligned", span.ptr)));
-    }
-    let bytes = i64::try_from(span.bytes).map_err(|_| invalid(kernel, "the L2 span's bytes overflow i64"))?;
-    Ok(if span.bytes == 0 { (0, 0) } else { (span.ptr, bytes) })
-}
-
 /// `usize` -> grid dimension.
 pub(crate) fn to_u32(kernel: &'static str, what: &str, v: usize) -> Result<u32, CudaError> {
     u32::try_from(v).map_err(|_| invalid(kernel, format!("{what} = {v} does not fit in u32")))
@@ -403,19 +366,7 @@ pub fn tile_table(cu_seqlens: &[i32], tile: usize) -> Vec<i32> {
 
 #[cfg(test)]
 mod tests {
-    use super::{l2_prefetch_bytes, pdl_enabled};
-
-    #[test]
-    fn l2_prefetch_on_hopper_by_default_and_switchable() {
-        let l2 = 50 << 20;
-        for cc in [(8, 0), (8, 6), (8, 9)] {
-            assert_eq!(l2_prefetch_bytes(cc, l2, None), 0, "{cc:?}: the per-line form only when asked for");
-            assert_eq!(l2_prefetch_bytes(cc, l2, Some("1")), l2 / 2);
-        }
-        assert_eq!(l2_prefetch_bytes((9, 0), l2, None), l2 / 2, "half the L2 a span");
-        assert_eq!(l2_prefetch_bytes((9, 0), l2, Some("0")), 0, "DELTASERVE_L2_PREFETCH=0 turns it off");
-        assert_eq!(l2_prefetch_bytes((9, 0), 6 << 20, None), 3 << 20, "a small L2 takes small spans only");
-    }
+    use super::pdl_enabled;
 
     #[test]
     fn programmatic_launches_only_from_sm90_and_switchable() {

@@ -4,7 +4,7 @@
 
 use cudarc::driver::CudaStream;
 
-use super::{Kernels, L2Span, invalid, l2_args, launch, launch_pdl, to_i32, to_u32};
+use super::{Kernels, invalid, launch, launch_pdl, to_i32, to_u32};
 use crate::error::CudaError;
 
 /// x [t, heads, head_dim] bf16 (token stride `tok_stride` elements), pos [t] i32; rotates the
@@ -92,8 +92,6 @@ pub struct QkNormRope {
     pub rotary_dim: usize,
     pub theta: f32,
     pub eps: f32,
-    /// What the launch brings into L2 after its wait (the layer's o projection; none by default).
-    pub l2_next: L2Span,
 }
 
 /// The checks of a [`QkNormRope`] launch named `what` (`a.t > 0`).
@@ -182,8 +180,7 @@ fn launch_qk(
         ),
         None => ((0u64, 0i64), (0u64, 0u64, 0u64, 0u64), (0u64, 0u64), (0i32, 0i32, 1i32), (0i32, 0i32)),
     };
-    let (pf, pf_bytes) = l2_args(K, &a.l2_next)?;
     launch_pdl!(k, s, K, grid, (256, 1, 1), 0;
         q, qt, qh, wq, nq, kp, kt, kh, wk, nk, vp, vt, nv, pos, tt, d, r, theta, eps,
-        kc, ksc, vc, vsc, bt, mb, cu, b, page, kf, vf, rp, sec_h, sec_w, pf, pf_bytes)
+        kc, ksc, vc, vsc, bt, mb, cu, b, page, kf, vf, rp, sec_h, sec_w)
 }

@@ -106,9 +106,7 @@ pub fn conv_gate_decode(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec
         };
         match (rows, fused) {
             (false, true) => {
-                // The prefetch hint runs too (over the in-projection rows: any readable span) and changes nothing.
-                let l2_next = ops::L2Span { ptr: xp, bytes: 2 * b * xs };
-                let f = gdn_gate::GdnConvGateDecode { x: xp, x_stride: xs, w: wp, state: st, slots: sp, gate, l2_next };
+                let f = gdn_gate::GdnConvGateDecode { x: xp, x_stride: xs, w: wp, state: st, slots: sp, gate };
                 gdn_gate::gdn_conv_gate_decode(k, s, &f)?;
             }
             (false, false) => conv::conv_decode(k, s, xp, xs, wp, y, st, sp, b, c)?,

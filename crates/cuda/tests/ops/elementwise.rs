@@ -174,8 +174,6 @@ pub fn qk_norm_rope(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Out
         rotary_dim: rot,
         theta,
         eps,
-        // The prefetch hint runs too (over the k rows: any readable span) and changes nothing.
-        l2_next: ops::L2Span { ptr: ka, bytes: 2 * kv.len() },
     };
     ops::rope::qk_norm_rope(k, s, &a)?;
     let bits = |p: u64, n: usize| -> R<Vec<u16>> {
@@ -253,7 +251,6 @@ pub fn qk_norm_rope_kv(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<
             rotary_dim: hd / 4,
             theta: 1e7,
             eps: 1e-6,
-            l2_next: ops::L2Span::default(),
         };
         let w = ops::kv_cache::KvWrite {
             k: kp,

@@ -2,7 +2,7 @@
 //! kernels it replaces: the verify against gdn_conv_gate_rows + gdn_recurrent_gated, the commit
 //! against gdn_conv_gate_rows + gdn_recurrent with write-back + conv_state_update.
 
-use deltaserve_cuda::ops::{self, conv, gdn_decode, gdn_gate};
+use deltaserve_cuda::ops::{conv, gdn_decode, gdn_gate};
 use rand::RngExt;
 use rand::rngs::StdRng;
 
@@ -63,8 +63,6 @@ pub fn rows(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
                 hk,
                 hv,
                 commit,
-                // The prefetch hint runs too (over the in-projection rows: any readable span) and changes nothing.
-                l2_next: ops::L2Span { ptr: xp, bytes: 2 * b * xs },
             };
             gdn_decode::gdn_rows(k, s, &a)?;
         } else {
@@ -238,7 +236,6 @@ pub fn commit_layers(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Ou
                     hk,
                     hv,
                     commit: true,
-                    l2_next: ops::L2Span::default(),
                 };
                 gdn_decode::gdn_rows(k, s, &a)?;
             }

@@ -235,7 +235,6 @@ pub fn qk_norm_rope_mrope(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<V
             rotary_dim: rot,
             theta,
             eps,
-            l2_next: ops::L2Span::default(),
         };
         ops::rope::qk_norm_rope(k, s, &a)
     };
