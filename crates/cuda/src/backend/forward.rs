@@ -32,8 +32,8 @@ impl CudaBackend {
             None => embed::embed_gather(k, s, self.w.embed, ws.token_ids, ws.residual, t, h)?,
             // A step of many rows reads them across the bus from the mapped table: the host's copy of
             // every row into the staging before the upload took longer (prefill chunks).
-            Some(he) if t >= HOST_EMBED_GPU_ROWS => {
-                embed::embed_gather(k, s, he.table.ptr() as u64, ws.token_ids, ws.residual, t, h)?
+            Some(_) if t >= HOST_EMBED_GPU_ROWS => {
+                embed::embed_gather(k, s, self.embed_table(), ws.token_ids, ws.residual, t, h)?
             }
             // Fewer rows: the step's upload gathered them on the host into `residual`.
             Some(_) => {}
