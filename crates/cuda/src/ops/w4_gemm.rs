@@ -202,7 +202,7 @@ pub fn w4_gemm_segments(
             "1 to 4 linears of one input width and format, no act-order, 8-byte aligned outputs, the tile kernels",
         ));
     }
-    let segs: Vec<Seg<'_>> = outs.iter().map(|o| Seg { w: o.w, y: o.y, ldy: o.ldy }).collect();
+    let segs = segs_of(outs);
     let Some(parts) = launch_gemm(k, s, &segs, x, ldx, m, cfg, false, workspace, None)? else {
         return Ok(());
     };
@@ -444,7 +444,7 @@ pub fn w4_gemm_multi(
         return Ok(());
     }
     let wpt = multi_wpt(outs, sms);
-    let segs: Vec<Seg<'_>> = outs.iter().map(|o| Seg { w: o.w, y: o.y, ldy: o.ldy }).collect();
+    let segs = segs_of(outs);
     let vec = i32::from(outs.iter().all(|o| o.ldy.is_multiple_of(4)));
     launch_pairs(k, s, PAIR_KERNELS[usize::from(outs[0].w.zeros.is_some())], &segs, x, ldx, m, wpt, 1, 0, vec)
 }
@@ -460,6 +460,11 @@ struct Seg<'a> {
     w: &'a W4Weights,
     y: u64,
     ldy: usize,
+}
+
+/// The segments of the linears `outs`, in order.
+fn segs_of<'a>(outs: &[W4Out<'a>]) -> Vec<Seg<'a>> {
+    outs.iter().map(|o| Seg { w: o.w, y: o.y, ldy: o.ldy }).collect()
 }
 
 /// Launches pair kernel `name` over `segs` (checked by the caller; more than one only unsplit).
