@@ -360,6 +360,7 @@ pub fn cuda_options(cuda_graphs: bool) -> CudaOptions {
         snapshots_in_step: sw.snapshots_in_step,
         moe_shared_pairs: sw.moe_shared_pairs,
         fp8_mma_gemm: sw.fp8_mma_gemm,
+        fp8_fused_quant: sw.fp8_fused_quant,
         ..CudaOptions::default()
     }
 }

@@ -39,10 +39,6 @@ extern "C" __global__ void swiglu(const bf16_t* gate, long long g_stride, const 
     }
 }
 
-// (g0, g1) of a packed bf16 pair as f32.
-__device__ __forceinline__ float lo_f(u32 w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float hi_f(u32 w) { return __uint_as_float(w & 0xffff0000u); }
-__device__ __forceinline__ u32 pack_f2bf(float lo, float hi) { return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16); }
 
 extern "C" __global__ void sigmoid_gate_mul8(bf16_t* x, const bf16_t* __restrict__ gate, int T, int H, int hd,
                                              long long g_tok, long long g_head) {
@@ -71,11 +67,6 @@ extern "C" __global__ void swiglu8(const bf16_t* gate, long long g_stride, const
     for (long long t = blockIdx.y; t < T; t += gridDim.y) {
         const uint4 gv = *(const uint4*)(gate + t * g_stride + c);
         const uint4 uv = *(const uint4*)(up + t * u_stride + c);
-        const u32 gw[4] = {gv.x, gv.y, gv.z, gv.w}, uw[4] = {uv.x, uv.y, uv.z, uv.w};
-        u32 o[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-            o[k] = pack_f2bf(siluf_(lo_f(gw[k])) * lo_f(uw[k]), siluf_(hi_f(gw[k])) * hi_f(uw[k]));
-        *(uint4*)(out + t * I + c) = make_uint4(o[0], o[1], o[2], o[3]);
+        *(uint4*)(out + t * I + c) = swiglu_vec8(gv, uv);
     }
 }

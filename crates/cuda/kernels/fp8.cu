@@ -34,6 +34,11 @@
 //   cuBLASLt's VEC128_32F scaling reads): per token and 128-k block, s = amax / 448 (1 for an all-zero
 //   block), q = e4m3(x * (1 / s)) rounded to nearest even, saturating (f8_pack2). K % 128 == 0. Launch:
 //   grid-stride, block 256 (a lane per 8 features).
+// fp8_swiglu_quant: the SwiGLU of a prefill step quantised for the FP8 GEMM in one pass: h = bf16(silu(g) * u)
+//   (elementwise.cu's swiglu8, the same bits) of gate / up [T, I] (row strides g_stride / u_stride elements), its
+//   rows t < Tq quantised exactly as fp8_act_quant would quantise h (q [Tq, I] codes, xs [I/128, Tq]) and never
+//   written as bf16; rows t >= Tq (the last tokens, which the GEMV takes) written to out [T, I] as bf16. I % 128
+//   == 0. Launch: grid (ceil(I / 2048), min(T, 65535)), block 256 (8 columns a lane, 16-byte loads).
 // fp8_dequant: rows [r0, r1) of W, S -> bf16 [r1 - r0, K] (row stride K), f2bf(e4m3(c) * s) (f32 math).
 //   Launch: grid-stride, block 256.
 // fp8_quantize: bf16 W [M, K] -> codes and S as deltaserve_model::quant::fp8_block_quantize does (s = amax /
@@ -238,18 +243,6 @@ __device__ __forceinline__ void gemv_fp8_tile(const bf16_t* x, int N, int K, con
 GEMV_FP8(gemv_fp8_n8, 8, 3, F8_ROWS, 8, gemv_fp8_tile<1, 2, 8>)
 GEMV_FP8(gemv_fp8_n16, 8, 2, F8_ROWS, 16, gemv_fp8_tile<2, 2, 8>)
 
-// Two f32 -> e4m3 codes (lo in bits 0..7), round to nearest even, saturating at +-448: the hardware
-// conversion on sm_89 and later, kq_e4m3 (the same rounding) before.
-__device__ __forceinline__ u32 f8_pack2(float lo, float hi) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    unsigned short r;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-    return (u32)r;
-#else
-    return kq_e4m3(lo) | (kq_e4m3(hi) << 8);
-#endif
-}
-
 extern "C" __global__ void fp8_act_quant(const bf16_t* x, int T, int K, unsigned char* __restrict__ q,
                                          float* __restrict__ xs) {
     pdl_enter();
@@ -262,30 +255,40 @@ extern "C" __global__ void fp8_act_quant(const bf16_t* x, int T, int K, unsigned
         const long long g = base + lane;
         const bool ok = g < groups;
         const uint4 v = ok ? ld_act((const uint4*)x + g) : make_uint4(0u, 0u, 0u, 0u);
-        float f[8];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const u32 w = u4_comp(v, i);
-            f[2 * i] = __uint_as_float(w << 16);
-            f[2 * i + 1] = __uint_as_float(w & 0xffff0000u);
-        }
-        float amax = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(f[i]));
-#pragma unroll
-        for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        const float s = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
-        const float inv = __frcp_rn(s);
-        uint2 out;
-        out.x = f8_pack2(f[0] * inv, f[1] * inv) | (f8_pack2(f[2] * inv, f[3] * inv) << 16);
-        out.y = f8_pack2(f[4] * inv, f[5] * inv) | (f8_pack2(f[6] * inv, f[7] * inv) << 16);
+        float f[8], sc;
+        bf16x8_f32(v, f);
+        const uint2 out = f8_quant8(f, sc);
         if (ok) {
             *(uint2*)(q + 8 * g) = out;
             if ((lane & 15) == 0) {
                 const long long row = g / (K >> 3);
                 const int kb = (int)((g - row * (K >> 3)) >> 4);
-                xs[(long long)kb * T + row] = s;
+                xs[(long long)kb * T + row] = sc;
             }
+        }
+    }
+}
+
+extern "C" __global__ void fp8_swiglu_quant(const bf16_t* gate, long long g_stride, const bf16_t* up,
+                                            long long u_stride, int T, int I, int Tq, unsigned char* __restrict__ q,
+                                            float* __restrict__ xs, bf16_t* __restrict__ out) {
+    pdl_enter();
+    // A lane per 8 columns, a half-warp per 128-column block (I % 128 == 0 and 2048 columns a block: a
+    // half-warp's lanes are all inside I or all past it); every lane runs the quantisation (its shuffles).
+    const int c = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+    const bool in = c < I;
+    for (long long t = blockIdx.y; t < T; t += gridDim.y) {
+        uint4 h = make_uint4(0u, 0u, 0u, 0u);
+        if (in) h = swiglu_vec8(ld_act((const uint4*)(gate + t * g_stride + c)), ld_act((const uint4*)(up + t * u_stride + c)));
+        float f[8], sc;
+        bf16x8_f32(h, f);
+        const uint2 codes = f8_quant8(f, sc);
+        if (!in) continue;
+        if (t < Tq) {
+            *(uint2*)(q + t * I + c) = codes;
+            if ((threadIdx.x & 15) == 0) xs[(long long)(c >> 7) * Tq + t] = sc;
+        } else {
+            *(uint4*)(out + t * I + c) = h;
         }
     }
 }

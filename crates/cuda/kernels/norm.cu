@@ -8,7 +8,9 @@
 //                    bit, never stored); res required
 //  rms_norm_1p:      out[r] = bf16(x[r] * rsqrt(mean(x[r]^2) + eps) * (1 + w)) over rows with
 //                    independent strides (used for q_norm/k_norm on the per-head q|gate layout)
-//  gated_rms_norm:   out[r] = bf16(w * (o[r] * rsqrt(mean(o[r]^2) + eps)) * silu(z[r]))  (plain w)
+//  gated_rms_norm:   out[r] = bf16(w * (o[r] * rsqrt(mean(o[r]^2) + eps)) * silu(z[r]))  (plain w);
+//                    gated_rms_norm128 the same bits for D = 128, 16-byte loads, and optionally quantised for
+//                    the FP8 GEMM (below)
 // Shapes/dtypes:
 //  add_rms_norm_1p: x, res, res_out, out [rows, D] bf16 (res_out may alias res); w [D] bf16.
 //  add_rms_norm_1p_parts: parts [splits][rows][D] f32 (16-byte aligned), splits >= 1 (the launcher takes
@@ -68,6 +70,39 @@ __device__ __forceinline__ uint4 sum_parts8(const float* parts, long long pstrid
     return make_uint4(pack_bf16(a.x, a.y), pack_bf16(a.z, a.w), pack_bf16(b.x, b.y), pack_bf16(b.z, b.w));
 }
 
+// One 16-byte vector of a row: h = bf16(x + res) in place (with res), its squares added to ss in element
+// order (add_rms_norm_1p's vector paths).
+__device__ __forceinline__ void norm_add8(uint4& hv, const uint4& rv, bool has_res, float& ss) {
+    u32* hw = (u32*)&hv;
+    const u32* rw = (const u32*)&rv;
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        float a = __uint_as_float(hw[e] << 16), b = __uint_as_float(hw[e] & 0xffff0000u);
+        if (has_res) {
+            a = round_bf(a + __uint_as_float(rw[e] << 16));
+            b = round_bf(b + __uint_as_float(rw[e] & 0xffff0000u));
+            hw[e] = (__float_as_uint(a) >> 16) | (__float_as_uint(b) & 0xffff0000u);
+        }
+        ss += a * a;
+        ss += b * b;
+    }
+}
+// One 16-byte vector of the output: bf16(h * inv * (1 + w)).
+__device__ __forceinline__ uint4 norm_out8(const uint4& hv, const uint4& wv, float inv) {
+    const u32* hw = (const u32*)&hv;
+    const u32* ww = (const u32*)&wv;
+    uint4 o;
+    u32* ow = (u32*)&o;
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        const float wa = 1.0f + __uint_as_float(ww[e] << 16), wb = 1.0f + __uint_as_float(ww[e] & 0xffff0000u);
+        const float a = __uint_as_float(hw[e] << 16) * inv * wa;
+        const float b = __uint_as_float(hw[e] & 0xffff0000u) * inv * wb;
+        ow[e] = (u32)f2bf(a) | ((u32)f2bf(b) << 16);
+    }
+    return o;
+}
+
 // PARTS: x is the sum of `splits` f32 partial-sum arrays `parts` (pstride floats apart) instead. MAXV:
 // 16-byte vectors a thread holds (D <= 8 * MAXV * blockDim.x).
 template <bool PARTS, int MAXV>
@@ -97,19 +132,7 @@ __device__ __forceinline__ void add_rms_norm_1p_vec(const bf16_t* x, const float
     for (int j = 0; j < MAXV; j++) {
         const int v = threadIdx.x + j * blockDim.x;
         if (v < nv) {
-            u32* hw = (u32*)&hv[j];
-            const u32* rw = (const u32*)&rv[j];
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float a = __uint_as_float(hw[e] << 16), b = __uint_as_float(hw[e] & 0xffff0000u);
-                if (res) {
-                    a = round_bf(a + __uint_as_float(rw[e] << 16));
-                    b = round_bf(b + __uint_as_float(rw[e] & 0xffff0000u));
-                    hw[e] = (__float_as_uint(a) >> 16) | (__float_as_uint(b) & 0xffff0000u);
-                }
-                ss += a * a;
-                ss += b * b;
-            }
+            norm_add8(hv[j], rv[j], res != nullptr, ss);
             if (res_out) *(uint4*)(res_out + base + 8 * v) = hv[j];
         }
     }
@@ -117,20 +140,7 @@ __device__ __forceinline__ void add_rms_norm_1p_vec(const bf16_t* x, const float
 #pragma unroll
     for (int j = 0; j < MAXV; j++) {
         const int v = threadIdx.x + j * blockDim.x;
-        if (v < nv) {
-            const u32* hw = (const u32*)&hv[j];
-            const u32* ww = (const u32*)&wv[j];
-            uint4 o;
-            u32* ow = (u32*)&o;
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const float wa = 1.0f + __uint_as_float(ww[e] << 16), wb = 1.0f + __uint_as_float(ww[e] & 0xffff0000u);
-                const float a = __uint_as_float(hw[e] << 16) * inv * wa;
-                const float b = __uint_as_float(hw[e] & 0xffff0000u) * inv * wb;
-                ow[e] = (u32)f2bf(a) | ((u32)f2bf(b) << 16);
-            }
-            *(uint4*)(out + base + 8 * v) = o;
-        }
+        if (v < nv) *(uint4*)(out + base + 8 * v) = norm_out8(hv[j], wv[j], inv);
     }
 }
 
@@ -162,6 +172,55 @@ extern "C" __global__ void add_rms_norm_1p(const bf16_t* x, const bf16_t* res,
         // res because each element is read and written by one thread only.
         float h = res_out ? bf2f(res_out[base + i]) : bf2f(x[base + i]);
         out[base + i] = f2bf(h * inv * (1.0f + bf2f(w[i])));
+    }
+}
+
+// add_rms_norm_1p for steps of many rows: the vector path's row (D <= 8 * V, one vector a thread) with V /
+// NORM_VT threads, thread r playing threads r + (V / NORM_VT) i (i < NORM_VT) of add_rms_norm_1p's V-thread
+// block: the same sums in the same order (each played thread's warp sum into its warp's place, then block_sum's
+// sum of the V / 32 warp sums), so the same bits, with NORM_VT times the rows an SM holds at once (a V-thread
+// block a row held three: 66% of the copy rate at 4,096 rows of 5,120). Launch: grid (rows), block V / NORM_VT
+// (a multiple of 32); the vector path's alignment.
+#define NORM_VT 4
+extern "C" __global__ void add_rms_norm_1p_rows(const bf16_t* x, const bf16_t* res, const bf16_t* __restrict__ w,
+                                                bf16_t* res_out, bf16_t* __restrict__ out, int D, float eps, int V) {
+    pdl_trigger();
+    __shared__ float red[32];
+    const int R = blockDim.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long base = (long long)blockIdx.x * D;
+    const int nv = D >> 3;
+    uint4 hv[NORM_VT], wv[NORM_VT], rv[NORM_VT];
+#pragma unroll
+    for (int i = 0; i < NORM_VT; i++) {
+        const int v = threadIdx.x + i * R;
+        if (v < nv) wv[i] = *(const uint4*)(w + 8 * v);
+    }
+    pdl_wait();
+#pragma unroll
+    for (int i = 0; i < NORM_VT; i++) {
+        const int v = threadIdx.x + i * R;
+        if (v < nv) {
+            rv[i] = res ? *(const uint4*)(res + base + 8 * v) : make_uint4(0u, 0u, 0u, 0u);
+            hv[i] = *(const uint4*)(x + base + 8 * v);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < NORM_VT; i++) {
+        const int v = threadIdx.x + i * R;
+        float ss = 0.0f;
+        if (v < nv) {
+            norm_add8(hv[i], rv[i], res != nullptr, ss);
+            if (res_out) *(uint4*)(res_out + base + 8 * v) = hv[i];
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) red[warp + (R >> 5) * i] = ss;
+    }
+    __syncthreads();
+    const float inv = rsqrtf(warp_sum(lane < (V >> 5) ? red[lane] : 0.0f) / (float)D + eps);
+#pragma unroll
+    for (int i = 0; i < NORM_VT; i++) {
+        const int v = threadIdx.x + i * R;
+        if (v < nv) *(uint4*)(out + base + 8 * v) = norm_out8(hv[i], wv[i], inv);
     }
 }
 
@@ -209,4 +268,60 @@ extern "C" __global__ void gated_rms_norm(const bf16_t* __restrict__ o, const bf
     const float inv = rsqrtf(warp_as_block_sumsq<4>(orow, D, lane) / (float)D + eps);
     for (int i = lane; i < D; i += 32)
         out[(long long)r * D + i] = f2bf(w[i] * (bf2f(orow[i]) * inv) * siluf_(bf2f(zrow[i])));
+}
+
+// gated_rms_norm for D = 128 (the value heads of every Qwen3.5 / 3.6 / Next model), a half-warp per row with 8
+// features a lane in 16-byte loads and stores; the same bits as gated_rms_norm: the sum of squares is added in
+// warp_as_block_sumsq<4>'s order (element e is its lane e % 32 of pass e / 32; the butterflies over lanes xor 16
+// and 8 are this lane's xor 2 and 1, those over xor 4, 2, 1 its own registers i ^ 4, ^ 2, ^ 1; the passes
+// combined as (0 + 2) + (1 + 3)). With q, the rows of tokens t < Tq are quantised for the FP8 GEMM instead of
+// stored (a row is one 128-feature block: codes q[r * 128 ..], the scale at xs[(r % H) * Tq + t]; fp8.cu's
+// fp8_act_quant of the stored row, the same bits) and the rows from Tq stored to out.
+// Launch: grid (ceil(rows / 16)), block 256; o, z, out 16-byte aligned, z_tok_stride % 8 == 0, w 16-byte aligned.
+extern "C" __global__ void gated_rms_norm128(const bf16_t* o, const bf16_t* z, long long z_tok_stride, int H,
+                                             const float* __restrict__ w, bf16_t* __restrict__ out, int rows,
+                                             float eps, int Tq, unsigned char* __restrict__ q,
+                                             float* __restrict__ xs) {
+    const int sub = threadIdx.x & 15;
+    const int r = blockIdx.x * 16 + (threadIdx.x >> 4);
+    const bool ok = r < rows;  // every lane goes on: the shuffles need them all
+    const int t = ok ? r / H : 0, h = ok ? r - t * H : 0;
+    uint4 ov = make_uint4(0u, 0u, 0u, 0u), zv = ov;
+    if (ok) {
+        ov = ld_act((const uint4*)(o + (long long)r * 128) + sub);
+        zv = ld_act((const uint4*)(z + (long long)t * z_tok_stride + (long long)h * 128) + sub);
+    }
+    const float4 w0 = ((const float4*)w)[2 * sub], w1 = ((const float4*)w)[2 * sub + 1];
+    const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+    float x[8], zf[8], a[8];
+    bf16x8_f32(ov, x);
+    bf16x8_f32(zv, zf);
+#pragma unroll
+    for (int i = 0; i < 8; i++) a[i] = x[i] * x[i];
+#pragma unroll
+    for (int i = 0; i < 8; i++) a[i] += __shfl_xor_sync(0xffffffffu, a[i], 2);
+#pragma unroll
+    for (int i = 0; i < 8; i++) a[i] += __shfl_xor_sync(0xffffffffu, a[i], 1);
+    const float b0 = a[0] + a[4], b1 = a[1] + a[5], b2 = a[2] + a[6], b3 = a[3] + a[7];
+    float ss = (b0 + b2) + (b1 + b3);  // this pass's sum (pass sub / 4)
+    ss += __shfl_xor_sync(0xffffffffu, ss, 8);
+    ss += __shfl_xor_sync(0xffffffffu, ss, 4);
+    const float inv = rsqrtf(ss / 128.0f + eps);
+    u32 yw[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        yw[i] = pack_f2bf(wv[2 * i] * (x[2 * i] * inv) * siluf_(zf[2 * i]),
+                          wv[2 * i + 1] * (x[2 * i + 1] * inv) * siluf_(zf[2 * i + 1]));
+    const uint4 y = make_uint4(yw[0], yw[1], yw[2], yw[3]);
+    if (q) {
+        float f[8], sc;
+        bf16x8_f32(y, f);
+        const uint2 codes = f8_quant8(f, sc);
+        if (ok && t < Tq) {
+            ((uint2*)(q + (long long)r * 128))[sub] = codes;
+            if (sub == 0) xs[(long long)h * Tq + t] = sc;
+            return;
+        }
+    }
+    if (ok) ((uint4*)(out + (long long)r * 128))[sub] = y;
 }

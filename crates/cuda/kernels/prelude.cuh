@@ -264,6 +264,27 @@ __device__ __forceinline__ int moe_x_row(int p, int P, int x_div, int sx) {
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float siluf_(float x) { return x / (1.0f + expf(-x)); }
+// (g0, g1) of a packed bf16 pair as f32, and two f32 rounded to a packed bf16 pair.
+__device__ __forceinline__ float lo_f(u32 w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float hi_f(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ u32 pack_f2bf(float lo, float hi) { return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16); }
+// SwiGLU of 8 features: bf16(silu(g) * u) of the packed bf16 vectors g and u (swiglu8, fp8_swiglu_quant).
+__device__ __forceinline__ uint4 swiglu_vec8(uint4 gv, uint4 uv) {
+    const u32 gw[4] = {gv.x, gv.y, gv.z, gv.w}, uw[4] = {uv.x, uv.y, uv.z, uv.w};
+    u32 o[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) o[k] = pack_f2bf(siluf_(lo_f(gw[k])) * lo_f(uw[k]), siluf_(hi_f(gw[k])) * hi_f(uw[k]));
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+// The 8 bf16 features of a 16-byte vector as f32 (f[2i] the low half of word i).
+__device__ __forceinline__ void bf16x8_f32(uint4 v, float (&f)[8]) {
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = lo_f(w[i]);
+        f[2 * i + 1] = hi_f(w[i]);
+    }
+}
 // PyTorch F.softplus (beta 1, threshold 20).
 __device__ __forceinline__ float softplusf_(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
@@ -614,6 +635,36 @@ __device__ __forceinline__ unsigned int kq_e4m3(float y) {
         r = 8.0f;
     }
     return sign | ((unsigned int)(e + 7) << 3) | ((unsigned int)r - 8u);
+}
+
+// Two f32 -> e4m3 codes (lo in bits 0..7), round to nearest even, saturating at +-448: the hardware
+// conversion on sm_89 and later, kq_e4m3 (the same rounding) before.
+__device__ __forceinline__ u32 f8_pack2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return (u32)r;
+#else
+    return kq_e4m3(lo) | (kq_e4m3(hi) << 8);
+#endif
+}
+
+// The FP8 GEMM's activation quantisation (fp8.cu's fp8_act_quant, and the producers that quantise their
+// output for it): a lane's 8 features f of a 128-feature block that its half-warp holds (lanes 16h ..
+// 16h + 15 in feature order; every lane of the warp calls, the shuffles need them all) -> their 8 e4m3
+// codes of f * (1 / s), s = amax / 448 over the block (1 for an all-zero block), returned in `s`.
+__device__ __forceinline__ uint2 f8_quant8(const float (&f)[8], float& s) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    s = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
+    const float inv = __frcp_rn(s);
+    uint2 out;
+    out.x = f8_pack2(f[0] * inv, f[1] * inv) | (f8_pack2(f[2] * inv, f[3] * inv) << 16);
+    out.y = f8_pack2(f[4] * inv, f[5] * inv) | (f8_pack2(f[6] * inv, f[7] * inv) << 16);
+    return out;
 }
 
 // One code of a scaled format for y = x / scale (the low 8 bits; int4 uses the low 4).

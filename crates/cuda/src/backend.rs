@@ -210,6 +210,11 @@ pub struct CudaOptions {
     /// a check there). Off (the default until it is checked on a GPU and measured on an Ada card).
     /// `DELTASERVE_FP8_MMA=1` turns it on for the server and the benchmarks.
     pub fp8_mma_gemm: bool,
+    /// The SwiGLU before a block-FP8 down projection on the tensor cores writes the FP8 GEMM's activation
+    /// codes and scales itself (`fp8_swiglu_quant`: the same codes, one pass over the rows instead of the
+    /// SwiGLU and the activations' quantisation). Off: the SwiGLU, then the quantisation;
+    /// `DELTASERVE_FP8_FUSED_QUANT=0` turns it off for the server and the benchmarks.
+    pub fp8_fused_quant: bool,
     /// Long prefill steps cut the chunked DeltaNet into pieces, each piece's walk on a stream of its own beside
     /// the next piece's prep, where the kernels allow it ([`crate::Kernels::gdn_overlap`]; the same results bit
     /// for bit). Off: one prep, then one walk.
@@ -233,6 +238,7 @@ impl Default for CudaOptions {
             snapshots_in_step: true,
             moe_shared_pairs: true,
             fp8_mma_gemm: false,
+            fp8_fused_quant: true,
             deltanet_overlap: true,
         }
     }
@@ -312,6 +318,9 @@ pub struct CudaBackend {
     /// the running step's rounds of pieces (none: one prep, one walk).
     overlap: Option<crate::ops::gdn_overlap::Overlap>,
     rounds: std::cell::RefCell<Vec<crate::ops::gdn_overlap::RoundOnDevice>>,
+    /// What the FP8 activation scratch (`fp8_x`) holds when a kernel that wrote an activation quantised
+    /// it for the projection that reads it next ([`linear::Fp8XTag`]); taken by that projection.
+    fp8_x_holds: std::cell::Cell<Option<linear::Fp8XTag>>,
 }
 
 // SAFETY: the backend is driven by one thread at a time (the engine's step loop); every entry

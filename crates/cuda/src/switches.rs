@@ -77,6 +77,9 @@ pub struct Switches {
     /// `DELTASERVE_FP8_MMA=1`: block-FP8 prefill projections run the mma.sync FP8 GEMM
     /// (`CudaOptions::fp8_mma_gemm`); unset or anything else: cuBLASLt's (Hopper) or dequantised rows.
     pub fp8_mma_gemm: bool,
+    /// `DELTASERVE_FP8_FUSED_QUANT=0`: the SwiGLU before a block-FP8 down projection writes bf16 and the
+    /// activations' quantisation runs on its own (`CudaOptions::fp8_fused_quant` off).
+    pub fp8_fused_quant: bool,
     /// `DELTASERVE_GDN_WALK=one-stream`: the chunked DeltaNet prefill walks its chunks in one instruction
     /// stream per 16 value columns (`gdn_chunk_state`) also where the warp-specialised walk fits
     /// ([`crate::ops::gdn_chunk::Walk`]).
@@ -121,6 +124,7 @@ impl Switches {
             snapshots_in_step: var("DELTASERVE_SNAPSHOTS_IN_STEP").is_none_or(|v| v != "0"),
             moe_shared_pairs: var("DELTASERVE_MOE_SHARED_PAIRS").is_none_or(|v| v != "0"),
             fp8_mma_gemm: var("DELTASERVE_FP8_MMA").is_some_and(|v| v == "1"),
+            fp8_fused_quant: var("DELTASERVE_FP8_FUSED_QUANT").is_none_or(|v| v != "0"),
             gdn_walk_one_stream: var("DELTASERVE_GDN_WALK").is_some_and(|v| v == "one-stream"),
             gdn_overlap: var("DELTASERVE_GDN_OVERLAP").is_none_or(|v| v != "0"),
         }
@@ -150,6 +154,7 @@ impl Switches {
                 later_picks: true,
                 snapshots_in_step: true,
                 moe_shared_pairs: true,
+                fp8_fused_quant: true,
                 gdn_overlap: true,
                 ..Switches::default()
             }
@@ -171,7 +176,7 @@ mod tests {
         assert!(s.fold_norms && s.norms_in_reduce && s.w4_gemm && s.device_masks && !s.decode_attn_split);
         assert!(!s.attn_prefill_pair);
         assert!(s.later_picks && s.snapshots_in_step && s.moe_shared_pairs && !s.fp8_mma_gemm);
-        assert!(!s.gdn_walk_one_stream && s.gdn_overlap);
+        assert!(!s.gdn_walk_one_stream && s.gdn_overlap && s.fp8_fused_quant);
         assert!(!s.attn_prefill_wide);
         assert!(s.pdl.is_none() && s.nvrtc_options.is_empty() && s.trace_cap.is_none());
     }
@@ -195,10 +200,11 @@ mod tests {
             ("DELTASERVE_SNAPSHOTS_IN_STEP", "0"),
             ("DELTASERVE_MOE_SHARED_PAIRS", "0"),
             ("DELTASERVE_FP8_MMA", "1"),
+            ("DELTASERVE_FP8_FUSED_QUANT", "0"),
             ("DELTASERVE_GDN_WALK", "one-stream"),
             ("DELTASERVE_GDN_OVERLAP", "0"),
         ]);
-        assert!(s.gdn_walk_one_stream && !s.gdn_overlap);
+        assert!(s.gdn_walk_one_stream && !s.gdn_overlap && !s.fp8_fused_quant);
         assert!(!s.device_masks && !s.later_picks && !s.snapshots_in_step && !s.moe_shared_pairs && s.fp8_mma_gemm);
         assert!(!s.norms_in_reduce);
         assert!(s.any_set());

@@ -3,6 +3,7 @@
 //! norm and the out projection.
 
 use crate::error::CudaError;
+use crate::ops::fp8::Fp8Out;
 use crate::ops::w4a16::Fold;
 use crate::ops::{conv, gdn_chunk, gdn_decode, gdn_gate, gdn_overlap, norm};
 
@@ -10,9 +11,9 @@ use super::CudaBackend;
 use super::cache_ops::Place;
 use super::forward::b2;
 use super::layout::Ws;
-use super::linear::{OutNorm, po};
+use super::linear::{Fp8XTag, OutNorm, po};
 use super::step::StepShape;
-use super::weights::GdnLayer;
+use super::weights::{GdnLayer, Part};
 
 /// A DeltaNet layer's state tensors: byte offsets of its recurrent and conv tensors in `state_slots`
 /// and in `snapshots`.
@@ -40,11 +41,10 @@ impl CudaBackend {
         (x_in, in_fold): (u64, Fold),
         out_fold: Option<OutNorm>,
     ) -> Result<(), CudaError> {
-        let (k, s, d) = (&self.k, self.rt.stream().as_ref(), &self.d);
+        let (s, d) = (self.rt.stream().as_ref(), &self.d);
         let StepShape { t, tp, .. } = *sh;
         let h = d.hidden;
-        let eps = self.eps;
-        let (cc, vw, hv, dv) = (d.conv_channels, d.gdn_value_width, d.gdn_v_heads, d.gdn_v_dim);
+        let (cc, vw, hv) = (d.conv_channels, d.gdn_value_width, d.gdn_v_heads);
         let rec_state = self.states.ptr + st.rec as u64;
         let conv_state = self.states.ptr + st.conv as u64;
         let outs = [po(&gw.qkv, ws.gdn_qkv, cc), po(&gw.z, ws.gdn_z, vw), po(&gw.ba, ws.gdn_ba, 2 * hv)];
@@ -59,11 +59,33 @@ impl CudaBackend {
         self.tick("gdn gates + l2norm")?;
         if !self.gdn_core(ws, gw, (rec_state, conv_state, st.snap_rec), sh, (q, kk), gdn_index)? {
             // The gated norm of the other rows (the chunked and verify rows).
-            norm::gated_rms_norm(k, s, ws.gdn_core_out, ws.gdn_z, vw, hv, gw.norm, ws.gdn_normed, tp, dv, eps)?;
+            self.gdn_gated_norm(ws, gw, t, tp)?;
         }
         self.mixer_out_proj(s, ws, ws.gdn_normed, t, vw, &gw.out, out_fold)?;
         self.tick("gdn gated norm + out GEMM")?;
         Ok(())
+    }
+
+    /// The gated norm of the step's first `tp` rows (the chunked and verify rows) into `gdn_normed`. In a step
+    /// of those rows only whose out projection is one block-FP8 linear on the tensor cores, the norm writes
+    /// the codes and scales that projection reads instead ([`norm::gated_rms_norm_fp8`], [`Fp8XTag`]; with
+    /// [`crate::CudaOptions::fp8_fused_quant`]) and `gdn_normed` only the rows the GEMV takes.
+    fn gdn_gated_norm(&self, ws: &Ws, gw: &GdnLayer, t: usize, tp: usize) -> Result<(), CudaError> {
+        let (k, s, d, eps) = (&self.k, self.rt.stream().as_ref(), &self.d, self.eps);
+        let (vw, hv, dv) = (d.gdn_value_width, d.gdn_v_heads, d.gdn_v_dim);
+        let (o, z, out) = (ws.gdn_core_out, ws.gdn_z, ws.gdn_normed);
+        if let [Part::Fp8(w)] = gw.out.as_slice()
+            && tp == t
+            && self.opts.fp8_fused_quant
+            && norm::gated_rms_norm128_supported(o, z, vw, gw.norm, out, dv)
+            && let Some(route) = self.fp8_gemm_route(t, vw, &[Fp8Out { w, y: ws.mixer_out, ldy: d.hidden }], false)
+        {
+            let tq = route.tq;
+            norm::gated_rms_norm_fp8(k, s, (o, z, vw, hv), gw.norm, out, t, eps, tq, self.fp8_x_at(tq, vw))?;
+            self.fp8_x_holds.set(Some(Fp8XTag { x: out, tq, kdim: vw }));
+            return Ok(());
+        }
+        norm::gated_rms_norm(k, s, o, z, vw, hv, gw.norm, out, tp, dv, eps)
     }
 
     /// The conv of the step's rows (prefill rows: conv, the conv state of the snapshots inside them

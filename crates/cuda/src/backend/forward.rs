@@ -1,7 +1,10 @@
 //! The forward of a step: the embedding, the decoder layers (input norm, mixer, MLP), the final norm and
 //! lm_head, and the MTP head's cache entries.
 
+use cudarc::driver::CudaStream;
+
 use crate::error::CudaError;
+use crate::ops::fp8::{self, Fp8Out};
 use crate::ops::w4a16::Fold;
 use crate::ops::{elementwise, embed, mtp, norm};
 
@@ -10,9 +13,9 @@ use super::cache_ops::Place;
 use super::deltanet::GdnOffsets;
 use super::inputs::HOST_EMBED_GPU_ROWS;
 use super::layout::{LayerCache, Ws};
-use super::linear::{LayerFold, OutNorm, po};
+use super::linear::{Fp8XTag, LayerFold, OutNorm, po};
 use super::step::StepShape;
-use super::weights::{Layer, Mixer};
+use super::weights::{Layer, Mixer, Part, Proj};
 
 impl CudaBackend {
     /// The embedding table kernels gather rows from: on the device, or the pinned host table
@@ -214,7 +217,7 @@ impl CudaBackend {
             return Ok(());
         }
         self.proj_fold(s, mlp_x, t, h, &[po(&layer.gate_up, ws.mlp_gate_up, 2 * i)], mlp_fold)?;
-        elementwise::swiglu(k, s, ws.mlp_gate_up, 2 * i, ws.mlp_gate_up + b2(i), 2 * i, ws.mlp_act, t, i)?;
+        self.mlp_swiglu(s, ws, t, i, &layer.down)?;
         if let Some(f) = fold
             && let Some(next) = f.next_norm
         {
@@ -233,6 +236,27 @@ impl CudaBackend {
         }
         self.all_reduce(ws.mlp_out, t * h)?;
         Ok(())
+    }
+}
+
+impl CudaBackend {
+    /// The MLP's SwiGLU of the gate/up rows (`i` wide) into `mlp_act`. Where the down projection is one
+    /// block-FP8 linear that the step runs on the tensor cores, the same pass writes the codes and scales
+    /// that projection reads ([`fp8::swiglu_quant`], [`Fp8XTag`]; with
+    /// [`crate::CudaOptions::fp8_fused_quant`]) and `mlp_act` only the rows the GEMV takes.
+    fn mlp_swiglu(&self, s: &CudaStream, ws: &Ws, t: usize, i: usize, down: &Proj) -> Result<(), CudaError> {
+        let (gate, up) = ((ws.mlp_gate_up, 2 * i), (ws.mlp_gate_up + b2(i), 2 * i));
+        if let [Part::Fp8(w)] = down.as_slice()
+            && self.opts.fp8_fused_quant
+            && i.is_multiple_of(fp8::FP8_BLOCK)
+            && let Some(route) = self.fp8_gemm_route(t, i, &[Fp8Out { w, y: ws.mlp_out, ldy: self.d.hidden }], false)
+        {
+            let tq = route.tq;
+            fp8::swiglu_quant(&self.k, s, gate, up, t, i, tq, self.fp8_x_at(tq, i), ws.mlp_act)?;
+            self.fp8_x_holds.set(Some(Fp8XTag { x: ws.mlp_act, tq, kdim: i }));
+            return Ok(());
+        }
+        elementwise::swiglu(&self.k, s, gate.0, gate.1, up.0, up.1, ws.mlp_act, t, i)
     }
 }
 

@@ -722,6 +722,7 @@ impl CudaBackend {
             saves: Default::default(),
             overlap,
             rounds: Default::default(),
+            fp8_x_holds: Default::default(),
         };
         be.place_weights(weights, (full_cfg, cfg), r.wreg, fmt, kv, tower)
     }

@@ -71,6 +71,8 @@ impl CudaBackend {
             }
         }
         let eb = if f32_out { 4 } else { 2 };
+        // The block-FP8 parts together (x quantised once for all of them), after the others.
+        let mut fp8_parts = Vec::new();
         for o in outs {
             let mut col = 0usize;
             for p in o.parts {
@@ -78,13 +80,16 @@ impl CudaBackend {
                 match p {
                     Part::Bf16 { w, rows } => self.gemm.linear_ld(s, x, *w, y, t, *rows, kdim, o.m, f32_out)?,
                     Part::W4(w) => self.w4_linear(s, x, w, y, o.m, t, f32_out)?,
-                    Part::Fp8(w) => self.fp8_proj(s, x, t, kdim, &[Fp8Out { w, y, ldy: o.m }], f32_out)?,
+                    Part::Fp8(w) => fp8_parts.push(Fp8Out { w, y, ldy: o.m }),
                 }
                 col += p.rows();
             }
             if col != o.m {
                 return Err(CudaError::Plan(format!("projection parts cover {col} of {} output columns", o.m)));
             }
+        }
+        if !fp8_parts.is_empty() {
+            self.fp8_proj(s, x, t, kdim, &fp8_parts, f32_out)?;
         }
         Ok(())
     }
@@ -179,11 +184,40 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// How block-FP8 linears sharing `x [t, kdim]` run on the tensor cores in a step of `t` tokens, if they
+    /// do: our mma.sync FP8 GEMM with [`crate::CudaOptions::fp8_mma_gemm`] (sm_89+) over every token, else
+    /// cuBLASLt's block-scaled FP8 GEMM where it runs (Hopper) over the first `t & !3` (the rest by the
+    /// GEMV). None: the GEMV (up to 16 tokens) or dequantised row slices.
+    pub(super) fn fp8_gemm_route(&self, t: usize, kdim: usize, outs: &[Fp8Out<'_>], f32_out: bool) -> Option<Fp8Gemm> {
+        if t <= fp8::GEMV_MAX_TOKENS || f32_out || !self.opts.fp8_tensor_cores {
+            return None;
+        }
+        let scratch = self.ws.fp8_x.bytes;
+        let mma = self.opts.fp8_mma_gemm
+            && fp8::gemm_mma_supported(&self.k.arch)
+            && kdim.is_multiple_of(fp8::FP8_BLOCK)
+            && scratch >= fp8::act_scratch_bytes(t, kdim)
+            && outs.iter().all(|o| o.w.out.is_multiple_of(8) && o.ldy.is_multiple_of(2) && o.y.is_multiple_of(4));
+        if mma {
+            return Some(Fp8Gemm { mma: true, tq: t });
+        }
+        let t4 = t & !3;
+        let cublas = self.rt.cc.0 >= 9
+            && scratch >= fp8::act_scratch_bytes(t4, kdim)
+            && outs.iter().all(|o| self.gemm.fp8_supported(o.w.out, t4, kdim, o.ldy, o.y));
+        cublas.then_some(Fp8Gemm { mma: false, tq: t4 })
+    }
+
+    /// Where [`Self::fp8_gemm_route`] puts the codes and scales of `tq` tokens of `kdim` features.
+    pub(super) fn fp8_x_at(&self, tq: usize, kdim: usize) -> (u64, u64) {
+        let q = self.ws.fp8_x.ptr;
+        (q, q + fp8::act_scales_offset(tq, kdim) as u64)
+    }
+
     /// `y_s = x · W_sᵀ` for block-FP8 linears sharing `x [t, kdim]`: the FP8 GEMV (three linears a launch)
-    /// for steps of up to 16 tokens; longer ones (x quantised once per 128 features and token) through our
-    /// mma.sync FP8 GEMM with [`crate::CudaOptions::fp8_mma_gemm`] (sm_89+), else cuBLASLt's block-scaled
-    /// FP8 GEMM where it runs (Hopper; the last `t % 4` tokens by the GEMV), else row slices dequantised to
-    /// bf16 and a bf16 GEMM per slice (and for f32 outputs).
+    /// for steps of up to 16 tokens; longer ones on the tensor cores where [`Self::fp8_gemm_route`] says
+    /// (x quantised once per 128 features and token, unless the kernel that wrote x did: [`Fp8XTag`]),
+    /// else row slices dequantised to bf16 and a bf16 GEMM per slice (and for f32 outputs).
     pub(super) fn fp8_proj(
         &self,
         s: &CudaStream,
@@ -193,57 +227,32 @@ impl CudaBackend {
         outs: &[Fp8Out<'_>],
         f32_out: bool,
     ) -> Result<(), CudaError> {
+        let held = self.fp8_x_holds.take();
         if t <= fp8::GEMV_MAX_TOKENS {
             for group in outs.chunks(fp8::MAX_OUTS) {
                 fp8::gemv_fp8(&self.k, s, x, t, kdim, group, f32_out)?;
             }
             return Ok(());
         }
-        let scratch = self.ws.fp8_x;
-        let mma = !f32_out
-            && self.opts.fp8_tensor_cores
-            && self.opts.fp8_mma_gemm
-            && fp8::gemm_mma_supported(&self.k.arch)
-            && kdim.is_multiple_of(fp8::FP8_BLOCK)
-            && scratch.bytes >= fp8::act_scratch_bytes(t, kdim)
-            && outs.iter().all(|o| o.w.out.is_multiple_of(8) && o.ldy.is_multiple_of(2) && o.y.is_multiple_of(4));
-        if mma {
-            let xs = scratch.ptr + fp8::act_scales_offset(t, kdim) as u64;
-            fp8::act_quant(&self.k, s, x, t, kdim, scratch.ptr, xs)?;
-            for o in outs {
-                fp8::gemm_mma(&self.k, s, scratch.ptr, xs, t, o.w, o.y, o.ldy)?;
+        if let Some(route) = self.fp8_gemm_route(t, kdim, outs, f32_out) {
+            let tq = route.tq;
+            let (q, xs) = self.fp8_x_at(tq, kdim);
+            if held != Some(Fp8XTag { x, tq, kdim }) {
+                fp8::act_quant(&self.k, s, x, tq, kdim, q, xs)?;
             }
-            return Ok(());
-        }
-        let t4 = t & !3;
-        let xs_at = fp8::act_scales_offset(t4, kdim) as u64;
-        let tensor_cores = !f32_out
-            && self.opts.fp8_tensor_cores
-            && self.rt.cc.0 >= 9
-            && scratch.bytes >= fp8::act_scratch_bytes(t4, kdim)
-            && outs.iter().all(|o| self.gemm.fp8_supported(o.w.out, t4, kdim, o.ldy, o.y));
-        if tensor_cores {
-            fp8::act_quant(&self.k, s, x, t4, kdim, scratch.ptr, scratch.ptr + xs_at)?;
             for o in outs {
-                self.gemm.linear_fp8(
-                    s,
-                    scratch.ptr,
-                    scratch.ptr + xs_at,
-                    o.w.codes,
-                    o.w.scales,
-                    o.y,
-                    t4,
-                    o.w.out,
-                    kdim,
-                    o.ldy,
-                )?;
+                if route.mma {
+                    fp8::gemm_mma(&self.k, s, q, xs, tq, o.w, o.y, o.ldy)?;
+                } else {
+                    self.gemm.linear_fp8(s, q, xs, o.w.codes, o.w.scales, o.y, tq, o.w.out, kdim, o.ldy)?;
+                }
             }
-            if t4 < t {
+            if tq < t {
                 let rest: Vec<Fp8Out<'_>> =
-                    outs.iter().map(|o| Fp8Out { y: o.y + (2 * t4 * o.ldy) as u64, ..*o }).collect();
-                let xr = x + (2 * t4 * kdim) as u64;
+                    outs.iter().map(|o| Fp8Out { y: o.y + (2 * tq * o.ldy) as u64, ..*o }).collect();
+                let xr = x + (2 * tq * kdim) as u64;
                 for group in rest.chunks(fp8::MAX_OUTS) {
-                    fp8::gemv_fp8(&self.k, s, xr, t - t4, kdim, group, false)?;
+                    fp8::gemv_fp8(&self.k, s, xr, t - tq, kdim, group, false)?;
                 }
             }
             return Ok(());
@@ -415,4 +424,22 @@ pub(super) fn layers_fold(layers: &[Layer], hidden: usize) -> bool {
 
 pub(super) fn po(parts: &[Part], y: u64, m: usize) -> ProjOut<'_> {
     ProjOut { parts, y, m }
+}
+
+/// How a step's block-FP8 projections run on the tensor cores ([`CudaBackend::fp8_gemm_route`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Fp8Gemm {
+    /// Our mma.sync FP8 GEMM; false: cuBLASLt's block-scaled one.
+    pub(super) mma: bool,
+    /// The tokens it takes (the first `tq` of the step; the rest by the GEMV, from bf16).
+    pub(super) tq: usize,
+}
+
+/// The FP8 activation scratch holds the codes and scales of the first `tq` tokens of the activation at
+/// `x` (`kdim` features), written by the kernel that wrote `x` for the projection that reads it next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Fp8XTag {
+    pub(super) x: u64,
+    pub(super) tq: usize,
+    pub(super) kdim: usize,
 }

@@ -47,7 +47,14 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         module: "norm",
         src: include_str!("../../kernels/norm.cu"),
-        functions: &["add_rms_norm_1p", "add_rms_norm_1p_parts", "rms_norm_1p", "gated_rms_norm"],
+        functions: &[
+            "add_rms_norm_1p",
+            "add_rms_norm_1p_rows",
+            "add_rms_norm_1p_parts",
+            "rms_norm_1p",
+            "gated_rms_norm",
+            "gated_rms_norm128",
+        ],
     },
     KernelSource {
         module: "elementwise",
@@ -64,7 +71,7 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         module: "conv",
         src: include_str!("../../kernels/conv.cu"),
-        functions: &["conv_prefill", "conv_state_update", "conv_state_save", "conv_decode"],
+        functions: &["conv_prefill", "conv_prefill8", "conv_state_update", "conv_state_save", "conv_decode"],
     },
     KernelSource {
         module: "gdn_gate",
@@ -99,7 +106,15 @@ pub const SOURCES: &[KernelSource] = &[
         module: "fp8",
         // The GEMV, quantisers and dequantiser, then the tensor-core GEMM.
         src: concat!(include_str!("../../kernels/fp8.cu"), include_str!("../../kernels/fp8_gemm.cu")),
-        functions: &["gemv_fp8_n8", "gemv_fp8_n16", "fp8_act_quant", "fp8_dequant", "fp8_quantize", "gemm_fp8"],
+        functions: &[
+            "gemv_fp8_n8",
+            "gemv_fp8_n16",
+            "fp8_act_quant",
+            "fp8_swiglu_quant",
+            "fp8_dequant",
+            "fp8_quantize",
+            "gemm_fp8",
+        ],
     },
     KernelSource {
         module: "moe",

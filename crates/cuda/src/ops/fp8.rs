@@ -144,6 +144,42 @@ pub fn act_quant(k: &Kernels, s: &CudaStream, x: u64, t: usize, kdim: usize, q: 
     launch_pdl!(k, s, NAME, grid, (256, 1, 1), 0; x, tt, kk, q, xs)
 }
 
+/// The SwiGLU of a step quantised for the FP8 GEMM in one pass: `h = bf16(silu(gate) · up)` of `[t, i]`
+/// (row strides `gs` / `us` elements; exactly [`super::elementwise::swiglu`]'s h), its first `tq` rows
+/// as [`act_quant`] would quantise h (codes at `q`, scales `[i/128, tq]` at `xs`, never stored as bf16)
+/// and the rows from `tq` (those the GEMV takes) as bf16 to `out [t, i]`.
+#[allow(clippy::too_many_arguments)]
+pub fn swiglu_quant(
+    k: &Kernels,
+    s: &CudaStream,
+    (gate, gs): (u64, usize),
+    (up, us): (u64, usize),
+    t: usize,
+    i: usize,
+    tq: usize,
+    (q, xs): (u64, u64),
+    out: u64,
+) -> Result<(), CudaError> {
+    const NAME: &str = "fp8_swiglu_quant";
+    if t == 0 {
+        return Ok(());
+    }
+    let aligned = [gate, up, out].iter().all(|p| p.is_multiple_of(16)) && gs.is_multiple_of(8) && us.is_multiple_of(8);
+    if !i.is_multiple_of(FP8_BLOCK) || tq > t || !aligned || !q.is_multiple_of(8) || !xs.is_multiple_of(4) {
+        return Err(invalid(
+            NAME,
+            format!(
+                "i = {i} must be a multiple of 128, tq = {tq} at most t = {t}, gate / up / out 16-byte aligned with \
+                 strides of 8 elements, q 8- and xs 4-byte aligned"
+            ),
+        ));
+    }
+    let grid = (to_u32(NAME, "blocks", i.div_ceil(8 * 256))?, t.min(65_535) as u32, 1);
+    let (gs, us) = (gs as i64, us as i64);
+    let (tt, ii, tqq) = (to_i32(NAME, "t", t)?, to_i32(NAME, "i", i)?, to_i32(NAME, "tq", tq)?);
+    launch_pdl!(k, s, NAME, grid, (256, 1, 1), 0; gate, gs, up, us, tt, ii, tqq, q, xs, out)
+}
+
 /// Dynamic shared memory of `gemm_fp8`: 3 stages of a 128×128 activation tile, a 128×128 weight tile and
 /// 128 tokens' scales (97.5 KB: within the 99 KB an sm_86 / sm_89 block may opt in to).
 pub const GEMM_SMEM_BYTES: usize = 3 * (2 * 128 * 128 + 4 * 128);

@@ -30,8 +30,22 @@ pub fn add_rms_norm_1p(
     let (res, res_out) = (res.unwrap_or(0), res_out.unwrap_or(0));
     let dd = to_i32("add_rms_norm_1p", "d", d)?;
     let grid = (to_u32("add_rms_norm_1p", "rows", rows)?, 1, 1);
-    launch_pdl!(k, s, "add_rms_norm_1p", grid, (add_norm_threads(d), 1, 1), 0; x, res, w, res_out, out, dd, eps)
+    let v = add_norm_threads(d);
+    let aligned = [x, res, w, res_out, out].iter().all(|p| p.is_multiple_of(16));
+    if rows >= NORM_ROWS_MIN && d.is_multiple_of(8) && d <= 8 * v as usize && v.is_multiple_of(32 * NORM_VT) && aligned
+    {
+        // The same bits with a quarter of the threads a row (`add_rms_norm_1p_rows`).
+        let vv = v as i32;
+        return launch_pdl!(k, s, "add_rms_norm_1p_rows", grid, (v / NORM_VT, 1, 1), 0; x, res, w, res_out, out, dd, eps, vv);
+    }
+    launch_pdl!(k, s, "add_rms_norm_1p", grid, (v, 1, 1), 0; x, res, w, res_out, out, dd, eps)
 }
+
+/// Rows from which [`add_rms_norm_1p`] runs `add_rms_norm_1p_rows` (four times the rows an SM holds at once;
+/// fewer rows keep the wide block, whose rows finish sooner).
+const NORM_ROWS_MIN: usize = 256;
+/// Threads of `add_rms_norm_1p`'s block each thread of `add_rms_norm_1p_rows` plays (`NORM_VT`).
+const NORM_VT: u32 = 4;
 
 /// Whether [`add_rms_norm_1p_parts`] takes rows of `d` with these addresses: the kernel's vector path
 /// (`d % 8 == 0`, at most 8 × 4 × 640, 16-byte aligned rows).
@@ -115,7 +129,8 @@ pub fn rms_norm_1p(
 }
 
 /// o [t*heads, d] bf16; z: head h of token t at `z + t*z_tok_stride + h*d`; w [d] f32;
-/// out [t*heads, d] = w * rmsnorm(o) * silu(z).
+/// out [t*heads, d] = w * rmsnorm(o) * silu(z). Heads of 128 with aligned rows take `gated_rms_norm128`
+/// (16-byte loads, the same bits).
 #[allow(clippy::too_many_arguments)]
 pub fn gated_rms_norm(
     k: &Kernels,
@@ -130,6 +145,50 @@ pub fn gated_rms_norm(
     d: usize,
     eps: f32,
 ) -> Result<(), CudaError> {
+    gated(k, s, (o, z, z_tok_stride, heads, w), out, t, d, eps, None)
+}
+
+/// Whether [`gated_rms_norm_fp8`] takes these rows: heads of 128 features, o / z / out / w 16-byte aligned and
+/// z's token stride a multiple of 8 elements.
+pub fn gated_rms_norm128_supported(o: u64, z: u64, z_tok_stride: usize, w: u64, out: u64, d: usize) -> bool {
+    d == 128 && [o, z, w, out].iter().all(|p| p.is_multiple_of(16)) && z_tok_stride.is_multiple_of(8)
+}
+
+/// [`gated_rms_norm`] (heads of 128: [`gated_rms_norm128_supported`]) with the rows of the first `tq`
+/// tokens quantised for the FP8 GEMM as [`super::fp8::act_quant`] would quantise them (codes `[tq,
+/// heads*128]` at `q`, scales `[heads, tq]` at `xs`) instead of stored; the rows from `tq` stored to `out`.
+#[allow(clippy::too_many_arguments)]
+pub fn gated_rms_norm_fp8(
+    k: &Kernels,
+    s: &CudaStream,
+    (o, z, z_tok_stride, heads): (u64, u64, usize, usize),
+    w: u64,
+    out: u64,
+    t: usize,
+    eps: f32,
+    tq: usize,
+    (q, xs): (u64, u64),
+) -> Result<(), CudaError> {
+    if !gated_rms_norm128_supported(o, z, z_tok_stride, w, out, 128) || tq > t || !q.is_multiple_of(8) {
+        return Err(invalid(
+            "gated_rms_norm128",
+            format!("the quantised norm needs aligned rows of 128 and tq = {tq} <= t = {t}"),
+        ));
+    }
+    gated(k, s, (o, z, z_tok_stride, heads, w), out, t, 128, eps, Some((tq, q, xs)))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gated(
+    k: &Kernels,
+    s: &CudaStream,
+    (o, z, z_tok_stride, heads, w): (u64, u64, usize, usize, u64),
+    out: u64,
+    t: usize,
+    d: usize,
+    eps: f32,
+    quant: Option<(usize, u64, u64)>,
+) -> Result<(), CudaError> {
     if t == 0 {
         return Ok(());
     }
@@ -138,8 +197,14 @@ pub fn gated_rms_norm(
     }
     let zs = z_tok_stride as i64;
     let h = to_i32("gated_rms_norm", "heads", heads)?;
-    let dd = to_i32("gated_rms_norm", "d", d)?;
     let rows = to_i32("gated_rms_norm", "rows", t * heads)?;
+    if gated_rms_norm128_supported(o, z, z_tok_stride, w, out, d) {
+        let (tq, q, xs) = quant.unwrap_or((0, 0, 0));
+        let tq = to_i32("gated_rms_norm128", "tq", tq)?;
+        let grid = ((t * heads).div_ceil(16) as u32, 1, 1);
+        return launch!(k, s, "gated_rms_norm128", grid, (256, 1, 1), 0; o, z, zs, h, w, out, rows, eps, tq, q, xs);
+    }
+    let dd = to_i32("gated_rms_norm", "d", d)?;
     let grid = ((t * heads).div_ceil(8) as u32, 1, 1);
     launch!(k, s, "gated_rms_norm", grid, (256, 1, 1), 0; o, z, zs, h, w, out, rows, dd, eps)
 }

@@ -12,8 +12,11 @@
 //! and scales bit for bit, the GEMM against the CPU on them). Every other path (the GEMV, dequantised rows
 //! and bf16 GEMMs) is held to the int4 bound.
 
+use deltaserve_backend::Backend;
 use deltaserve_cuda::backend::CudaOptions;
 use deltaserve_plan::WeightsDtype;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
 
 use crate::common::*;
 use crate::int4::{compare_quantised, random_weights_run, tiny_int4_dir, tiny_int4_dir_named};
@@ -102,4 +105,34 @@ fn random_fp8_weights_run() {
     let (_, cfg) = tiny_int4_dir(4);
     let plan = plan_with(&cfg, |o| o.weights_dtype = WeightsDtype::Fp8Block);
     random_weights_run("random fp8", &cfg, &plan);
+}
+
+/// The SwiGLU that quantises the down projection's activations itself (`fp8_swiglu_quant`, the default)
+/// gives the logits of the SwiGLU then the quantisation bit for bit: prefill chunks of 37 (the last token by
+/// the GEMV), 301 and 1100 tokens, on a block-FP8 model whose MLP width (256) the fused pass takes.
+#[test]
+fn fp8_fused_swiglu_quant_is_bitwise() {
+    if !fp8_gpu() {
+        return;
+    }
+    let (dir, cfg) = tiny_int4_dir_named("fp8-fused", 4);
+    assert!(cfg.intermediate_size.is_multiple_of(128), "the fused pass needs a multiple of 128");
+    let plan = plan_with(&cfg, |o| o.weights_dtype = WeightsDtype::Fp8Block);
+    let mut g = cuda(&dir, &cfg, &plan);
+    assert!(g.options().fp8_fused_quant, "on by default");
+    let vocab = g.capabilities().vocab_size;
+    let mut rng = StdRng::seed_from_u64(5);
+    for (i, len) in [37usize, 301, 1100].into_iter().enumerate() {
+        let ids = random_tokens(&mut rng, len, vocab);
+        let b = one(chunk(0, &pages(200 * i as u32, len), 0, &ids));
+        g.set_options(CudaOptions { fp8_fused_quant: true, ..g.options() }).unwrap();
+        let fused = run(&mut g, &b);
+        g.set_options(CudaOptions { fp8_fused_quant: false, ..g.options() }).unwrap();
+        let apart = run(&mut g, &b);
+        let same = fused.iter().zip(&apart).all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(
+            same && fused.len() == apart.len(),
+            "{len} tokens: fused logits differ from the SwiGLU then the quantisation"
+        );
+    }
 }

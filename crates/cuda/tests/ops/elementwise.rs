@@ -41,10 +41,20 @@ pub fn add_rms_norm(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Out
     let h: Vec<f32> = if residual { x.iter().zip(&res).map(|(a, b)| rb(a + b)).collect() } else { x.clone() };
     let mut n = h.clone();
     cpu::norm::rms_norm_1p(&mut n, &w, 1e-6);
-    let mut v = vec![compare("normed", &n, &d.get_bf16(op, rows * dim)?, tol)];
+    let got = d.get_bf16(op, rows * dim)?;
+    let mut v = vec![compare("normed", &n, &got, tol)];
     if residual {
         v.push(compare("residual", &h, &d.get_bf16(ro, rows * dim)?, EXACT));
     }
+    // The first rows alone (a launch of few rows: the one-row-a-block kernel) give the same bits as in the
+    // launch of every row (many rows: a quarter of the threads a row).
+    let few = rows.min(3);
+    let (ro1, op1) = (d.poison(2 * few * dim)?, d.poison(2 * few * dim)?);
+    let rop1 = if residual { Some(ro1) } else { None };
+    ops::norm::add_rms_norm_1p(k, s, xp, resp, wp, rop1, op1, few, dim, 1e-6)?;
+    let alone = d.get_bf16(op1, few * dim)?;
+    let same = alone.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits());
+    v.push(Outcome { ok: same, detail: format!("rows 0..{few} alone the same bits as among {rows}: {same}") });
     Ok(v)
 }
 
@@ -90,7 +100,18 @@ pub fn gated_rms_norm(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<O
     ops::norm::gated_rms_norm(k, s, opp, zp, hv * dv, hv, wp, outp, t, dv, 1e-6)?;
     let mut r = o.clone();
     cpu::norm::gated_rms_norm(&mut r, &z, &w, 1e-6);
-    Ok(vec![compare("out", &r, &d.get_bf16(outp, t * hv * dv)?, tol)])
+    let got = d.get_bf16(outp, t * hv * dv)?;
+    let mut v = vec![compare("out", &r, &got, tol)];
+    // The same rows with z's token stride padded by 4 elements take the scalar kernel: heads of 128 (which
+    // the 16-byte kernel takes above) give the same bits.
+    let zs = hv * dv + 4;
+    let zpad: Vec<f32> = z.chunks(hv * dv).flat_map(|row| row.iter().copied().chain([0.0; 4])).collect();
+    let (zpp, out2) = (d.bf16(&zpad)?, d.poison(2 * t * hv * dv)?);
+    ops::norm::gated_rms_norm(k, s, opp, zpp, zs, hv, wp, out2, t, dv, 1e-6)?;
+    let scalar = d.get_bf16(out2, t * hv * dv)?;
+    let same = got.iter().zip(&scalar).all(|(a, b)| a.to_bits() == b.to_bits());
+    v.push(Outcome { ok: same, detail: format!("the kernel of any row layout gives the same bits: {same}") });
+    Ok(v)
 }
 
 /// [`Op::SigmoidGate`]: attention output times sigmoid of the gate half of q|gate, in place.
@@ -341,6 +362,12 @@ pub fn conv_prefill(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Out
         saves.iter().enumerate().flat_map(|(i, &(b, r))| [b as i32, r as i32, (saves.len() - 1 - i) as i32]).collect();
     let (savp, dstp) = (d.i32s(&table)?, d.poison(2 * saves.len() * n)?);
     conv::conv_prefill_only(k, s, &a)?;
+    // The same rows at a token stride of c + 1 (no 16-byte rows): the one-channel kernel, the same bits.
+    let xpad: Vec<f32> = x.chunks(c).flat_map(|row| row.iter().copied().chain([0.0])).collect();
+    let (xpp, y1) = (d.bf16(&xpad)?, d.poison(2 * t * c)?);
+    conv::conv_prefill_only(k, s, &conv::ConvPrefill { x: xpp, x_stride: c + 1, y: y1, ..a })?;
+    let (yv, y1v) = (d.get_bf16(yp, t * c)?, d.get_bf16(y1, t * c)?);
+    let same = yv.iter().zip(&y1v).all(|(p, q)| p.to_bits() == q.to_bits());
     conv::conv_state_save(k, s, &a, savp, saves.len(), dstp)?;
     conv::conv_state_update(k, s, &a, nb, 0)?;
     let (mut ry, mut rs) = (Vec::new(), vec![0f32; st0.len()]);
@@ -357,8 +384,11 @@ pub fn conv_prefill(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Out
         cpu::conv::causal_conv1d_silu(&x[cu[b] as usize * c..][..r * c], c, &w, kw, &mut st);
         rsave[(saves.len() - 1 - i) * n..][..n].copy_from_slice(&st);
     }
-    let mut out =
-        vec![compare("y", &ry, &d.get_bf16(yp, t * c)?, tol), compare("state", &rs, &d.get_bf16(sp, rs.len())?, EXACT)];
+    let mut out = vec![
+        compare("y", &ry, &yv, tol),
+        Outcome { ok: same, detail: format!("y of either kernel (16-byte rows or not) the same bits: {same}") },
+        compare("state", &rs, &d.get_bf16(sp, rs.len())?, EXACT),
+    ];
     if !saves.is_empty() {
         out.push(compare("snapshots", &rsave, &d.get_bf16(dstp, rsave.len())?, EXACT));
     }

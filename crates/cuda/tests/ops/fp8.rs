@@ -181,6 +181,74 @@ pub fn gemm(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
     Ok(v)
 }
 
+/// [`Op::Fp8SwigluQuant`]: the fused pass against the SwiGLU kernel then the activations' quantisation, all
+/// bit for bit: the first `tq` rows' codes and scales, the bf16 rows from `tq` (the GEMV's). The first row's
+/// gates are zero (an all-zero block: scale 1).
+pub fn swiglu_quant(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
+    let Env { rt, k, s, .. } = e;
+    let Op::Fp8SwigluQuant { t, i, tq } = *op else { unreachable!() };
+    let mut gu: Vec<f32> = (0..t).flat_map(|r| randv(rng, 2 * i, 0.5 + 2.0 * (r % 3) as f32)).collect();
+    gu[..i].fill(0.0);
+    let gp = d.bf16(&gu)?;
+    let (gate, up) = ((gp, 2 * i), (gp + 2 * i as u64, 2 * i));
+    let h = d.poison(2 * t * i)?;
+    deltaserve_cuda::ops::elementwise::swiglu(k, s, gate.0, gate.1, up.0, up.1, h, t, i)?;
+    let (q_ref, xs_ref) = (d.poison(t * i)?, d.poison(4 * t * i / 128)?);
+    fp8::act_quant(k, s, h, tq, i, q_ref, xs_ref)?;
+    let (q, xs, out) = (d.poison(t * i)?, d.poison(4 * t * i / 128)?, d.poison(2 * t * i)?);
+    fp8::swiglu_quant(k, s, gate, up, t, i, tq, (q, xs), out)?;
+    let bytes = |p: u64, n: usize| -> R<Vec<u8>> {
+        let mut v = vec![0u8; n];
+        rt.download(&mut v, p)?;
+        Ok(v)
+    };
+    let cs = bytes(q, tq * i)? == bytes(q_ref, tq * i)?;
+    let ss = bytes(xs, 4 * tq * i / 128)? == bytes(xs_ref, 4 * tq * i / 128)?;
+    let tail = 2 * (t - tq) * i;
+    let at = 2 * (tq * i) as u64;
+    let hs = bytes(out + at, tail)? == bytes(h + at, tail)?;
+    Ok(vec![
+        Outcome { ok: cs, detail: format!("codes [{tq}, {i}] bitwise as SwiGLU then quantisation: {cs}") },
+        Outcome { ok: ss, detail: format!("scales [{}, {tq}] bitwise: {ss}", i / 128) },
+        Outcome { ok: hs, detail: format!("bf16 rows {tq}..{t} bitwise as the SwiGLU's: {hs}") },
+    ])
+}
+
+/// [`Op::Fp8GatedNormQuant`]: the quantising gated norm against the gated norm then the activations'
+/// quantisation, bit for bit (codes and scales of the first `tq` tokens, the bf16 rows after); a zero head
+/// row (scale 1) in token 0.
+pub fn gated_norm_quant(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
+    let Env { rt, k, s, .. } = e;
+    let Op::Fp8GatedNormQuant { t, hv, tq } = *op else { unreachable!() };
+    let n = t * hv * 128;
+    let mut o = randv(rng, n, 1.0);
+    o[..128].fill(0.0);
+    let z = randv(rng, n, 3.0);
+    let w: Vec<f32> = (0..128).map(|_| rng.random_range(0.5..1.5)).collect();
+    let (op_, zp, wp) = (d.bf16(&o)?, d.bf16(&z)?, d.f32s(&w)?);
+    let h = d.poison(2 * n)?;
+    deltaserve_cuda::ops::norm::gated_rms_norm(k, s, op_, zp, hv * 128, hv, wp, h, t, 128, 1e-6)?;
+    let (q_ref, xs_ref) = (d.poison(n)?, d.poison(4 * t * hv)?);
+    fp8::act_quant(k, s, h, tq, hv * 128, q_ref, xs_ref)?;
+    let (q, xs, out) = (d.poison(n)?, d.poison(4 * t * hv)?, d.poison(2 * n)?);
+    deltaserve_cuda::ops::norm::gated_rms_norm_fp8(k, s, (op_, zp, hv * 128, hv), wp, out, t, 1e-6, tq, (q, xs))?;
+    let bytes = |p: u64, n: usize| -> R<Vec<u8>> {
+        let mut v = vec![0u8; n];
+        rt.download(&mut v, p)?;
+        Ok(v)
+    };
+    let m = tq * hv * 128;
+    let cs = bytes(q, m)? == bytes(q_ref, m)?;
+    let ss = bytes(xs, 4 * tq * hv)? == bytes(xs_ref, 4 * tq * hv)?;
+    let tail = 2 * (n - m);
+    let hs = bytes(out + 2 * m as u64, tail)? == bytes(h + 2 * m as u64, tail)?;
+    Ok(vec![
+        Outcome { ok: cs, detail: format!("codes [{tq}, {}] bitwise as the norm then quantisation: {cs}", hv * 128) },
+        Outcome { ok: ss, detail: format!("scales [{hv}, {tq}] bitwise: {ss}") },
+        Outcome { ok: hs, detail: format!("bf16 rows of tokens {tq}..{t} bitwise as the norm's: {hs}") },
+    ])
+}
+
 /// [`Op::Fp8Quantize`]: bf16 weights quantised on the GPU, codes and scales bit for bit against
 /// `fp8_block_quantize`.
 pub fn quantize(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {

@@ -318,6 +318,20 @@ enum Op {
         out: usize,
         k: usize,
     },
+    /// The SwiGLU of [t, i] rows quantised for the FP8 GEMM in one pass (its first tq rows; the rest bf16)
+    /// against the SwiGLU and the activations' quantisation.
+    Fp8SwigluQuant {
+        t: usize,
+        i: usize,
+        tq: usize,
+    },
+    /// The DeltaNet output norm (heads of 128) of t tokens quantised for the FP8 GEMM (its first tq tokens;
+    /// the rest bf16) against the norm and the activations' quantisation.
+    Fp8GatedNormQuant {
+        t: usize,
+        hv: usize,
+        tq: usize,
+    },
     /// bf16 weights [out, k] quantised to block FP8 on the GPU.
     Fp8Quantize {
         out: usize,
@@ -412,10 +426,10 @@ fn ops_match_cpu_reference() {
     println!("device {} ({}), seed {seed}", rt.name, rt.arch());
     let mut kernels: Vec<(KernelDims, Kernels)> = Vec::new();
     let mut failures = Vec::new();
-    // DS_OPS_FILTER=<substring>: only the cases whose name contains it (quick device runs).
+    // DS_OPS_FILTER=<substring>[,<substring>…]: only the cases whose name contains one of them (quick device runs).
     let filter = std::env::var("DS_OPS_FILTER").unwrap_or_default();
     for (i, case) in cases().into_iter().enumerate() {
-        if !case.name.contains(filter.as_str()) {
+        if !filter.split(',').any(|f| case.name.contains(f)) {
             continue;
         }
         if !kernels.iter().any(|(d, _)| *d == case.dims) {
@@ -512,6 +526,8 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
         Op::Gemv { .. } => elementwise::gemv,
         Op::Fp8Gemv { .. } => fp8::gemv,
         Op::Fp8Gemm { .. } => fp8::gemm,
+        Op::Fp8SwigluQuant { .. } => fp8::swiglu_quant,
+        Op::Fp8GatedNormQuant { .. } => fp8::gated_norm_quant,
         Op::Fp8Quantize { .. } => fp8::quantize,
         Op::W4Gemv { .. } => w4::gemv,
         Op::W4GemvMulti { .. } => w4::gemv_multi,
