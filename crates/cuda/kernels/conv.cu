@@ -17,8 +17,7 @@
 //   w [C, KW] bf16; y [T, C] bf16 contiguous; state [slots, KW-1, C] bf16 (pre-activation inputs);
 //   cu_seqlens [B+1] i32 (flattened token offsets); slots [B] i32.
 // Launch: conv_prefill grid (ceil(C/128), ceil(T/16)), block 128 (one channel per thread, 16
-//   tokens per block, the window sliding in registers; conv_prefill8, below, where rows allow 16-byte
-//   vectors); conv_state_update / conv_decode grid (ceil(C/128), B),
+//   tokens per block, the window sliding in registers); conv_state_update / conv_decode grid (ceil(C/128), B),
 //   conv_state_save grid (ceil(C/128), saves), block 128.
 // Arch: plain loads, sm_80+.
 // Tested by: tests/ops/ cases "conv_prefill" (ragged batches, with carried state, snapshots inside) and
@@ -70,65 +69,6 @@ extern "C" __global__ void conv_prefill(const bf16_t* __restrict__ x, long long 
 #pragma unroll
         for (int j = 0; j < CONV_K; j++) acc += wk[j] * win[j];
         y[(long long)t * C + c] = f2bf(siluf_(acc));
-    }
-}
-
-// conv_prefill8: conv_prefill with 8 channels a thread (16-byte loads and stores) and every x row of its
-// CONV_TT8 tokens and their windows loaded before any arithmetic (conv_prefill's one load a token in a
-// dependent loop kept a few bytes a thread in flight: 40% of the copy rate at 4,096 tokens). The same sums in
-// the same order (bitwise conv_prefill's). A window row before its sequence's start comes from the state.
-// Launch: grid (ceil(C / 1024), ceil(T / CONV_TT8)), block 128; C % 8 == 0, x_stride % 8 == 0, x, w, y, state
-// 16-byte aligned.
-#define CONV_TT8 8
-extern "C" __global__ void conv_prefill8(const bf16_t* __restrict__ x, long long x_stride,
-                                         const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
-                                         const bf16_t* __restrict__ state, const int* __restrict__ cu_seqlens,
-                                         const int* __restrict__ slots, int B, int C, int T) {
-    const int c = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
-    const int t0 = blockIdx.y * CONV_TT8;
-    if (c >= C || t0 >= T) return;
-    constexpr int R = CONV_TT8 + CONV_K - 1;  // rows t0 - (K - 1) .. t0 + TT - 1
-    uint4 xr[R];
-#pragma unroll
-    for (int i = 0; i < R; i++) {
-        const int r = min(max(t0 - (CONV_K - 1) + i, 0), T - 1);
-        xr[i] = *(const uint4*)(x + (long long)r * x_stride + c);
-    }
-    // The taps of the 8 channels: wv[j][e] = w[c + e, j] (8 * CONV_K consecutive bf16).
-    float wv[CONV_K][8];
-#pragma unroll
-    for (int e = 0; e < 8; e++)
-#pragma unroll
-        for (int j = 0; j < CONV_K; j++) wv[j][e] = bf2f(w[(long long)(c + e) * CONV_K + j]);
-    int s = seq_of_token(cu_seqlens, B, t0);
-    int start = cu_seqlens[s], next = cu_seqlens[s + 1];
-#pragma unroll
-    for (int i = 0; i < CONV_TT8; i++) {
-        const int t = t0 + i;
-        if (t < T) {
-            while (t >= next) {
-                s++;
-                start = next;
-                next = cu_seqlens[s + 1];
-            }
-            float acc[8];
-#pragma unroll
-            for (int e = 0; e < 8; e++) acc[e] = 0.0f;
-#pragma unroll
-            for (int j = 0; j < CONV_K; j++) {
-                const int rel = t - start - (CONV_K - 1) + j;  // the window row's place in its sequence
-                uint4 v = xr[i + j];
-                if (rel < 0) v = *(const uint4*)(state + ((long long)slots[s] * (CONV_K - 1) + CONV_K - 1 + rel) * C + c);
-                float f[8];
-                bf16x8_f32(v, f);
-#pragma unroll
-                for (int e = 0; e < 8; e++) acc[e] += wv[j][e] * f[e];
-            }
-            u32 o[4];
-#pragma unroll
-            for (int e = 0; e < 4; e++) o[e] = pack_f2bf(siluf_(acc[2 * e]), siluf_(acc[2 * e + 1]));
-            *(uint4*)(y + (long long)t * C + c) = make_uint4(o[0], o[1], o[2], o[3]);
-        }
     }
 }
 

@@ -67,7 +67,7 @@ qk_norm_rope(bf16_t* q, long long q_tok, long long q_head, const bf16_t* __restr
              unsigned char* k_cache, unsigned short* k_scales, unsigned char* v_cache, unsigned short* v_scales,
              const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ cu_seqlens, int B,
              int page, int k_fmt, int v_fmt, const int* __restrict__ rope_pos, int sec_h, int sec_w) {
-    __shared__ bf16_t ys_all[8][QKNR_MAX_D];  // the normalised row (bf16-rounded: stored as bf16, the same values)
+    __shared__ float ys_all[8][QKNR_MAX_D];
     __shared__ float rot_all[8][2][QKNR_MAX_D / 2];  // cos, sin of the row's rotation frequencies
     __shared__ __align__(16) bf16_t kb_all[8][QKNR_MAX_D];  // a k row's final values (kq_row reads words)
     pdl_trigger();  // launched programmatically on sm_90: the attention kernel may launch
@@ -112,7 +112,7 @@ qk_norm_rope(bf16_t* q, long long q_tok, long long q_head, const bf16_t* __restr
         const bool isq = h < nq;
         bf16_t* row = isq ? q + (long long)t * q_tok + (long long)h * q_head
                           : k + (long long)t * k_tok + (long long)(h - nq) * k_head;
-        bf16_t* ys = ys_all[warp];
+        float* ys = ys_all[warp];
         bf16_t* kb = kb_all[warp];
         // The row's values at dims lane + 32m, all loads in flight at once.
         float xr[QKNR_MAX_D / 32];
@@ -125,15 +125,15 @@ qk_norm_rope(bf16_t* q, long long q_tok, long long q_head, const bf16_t* __restr
 #pragma unroll
         for (int m = 0; m < QKNR_MAX_D / 32; m++) {
             const int i = lane + 32 * m;
-            if (i < D) ys[i] = f2bf(xr[m] * inv * (1.0f + wr[m]));
+            if (i < D) ys[i] = round_bf(xr[m] * inv * (1.0f + wr[m]));
         }
         __syncwarp();
         for (int i = lane; i < D; i += 32) {
-            float vv = bf2f(ys[i]);
+            float vv = ys[i];
             if (i < R) {
                 const int j = i < half ? i : i - half;
-                vv = i < half ? rope_rot(vv, bf2f(ys[i + half]), rc[j], -rs[j])
-                              : rope_rot(vv, bf2f(ys[i - half]), rc[j], rs[j]);
+                vv = i < half ? rope_rot(ys[i], ys[i + half], rc[j], -rs[j])
+                              : rope_rot(ys[i], ys[i - half], rc[j], rs[j]);
             }
             row[i] = f2bf(vv);
             kb[i] = f2bf(vv);
