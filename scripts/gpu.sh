@@ -23,7 +23,7 @@
 #   ROUNDS        decode: rounds over the sets (default 2)
 #   SOAK_TARGET   soak: tokens the agent session grows to (default 131072)
 #   PROBE_RUNGS, PROBE_TURNS   probe, probe-int4 and tp: the ladder's rungs and conversation turns
-#   PROFILE       profile: what to profile, of decode,decode-int4,gdn,attn,w4,w4g (default decode,decode-int4)
+#   PROFILE       profile: what to profile, of decode,decode-int4,gdn,attn,w4,w4g,elementwise (default decode,decode-int4)
 #   DS_OPS_FILTER ops: only the kernel cases whose name contains it
 #   BACKEND_ARGS  backend: extra test arguments (e.g. --skip hf_fixtures_logits without fixtures/hf)
 #
@@ -95,7 +95,9 @@
 #   tp           on 2 GPUs: NCCL and TP=2 tests, `bench` at TP=2 and TP=1 (chart: tp.svg), the TP=2 probe
 #                with int4 weights at 24 GiB per card
 #   profile      Nsight Compute (ncu): decode step kernels' durations (bf16, int4), the DeltaNet chunk
-#                kernels, attention prefill at 32K keys, the int4 pair GEMV
+#                kernels, attention prefill at 32K keys, the int4 pair GEMV; PROFILE=elementwise: the
+#                elementwise kernels of a 4K bf16 prefill step, duration and DRAM bytes each (the bench's own
+#                memory check fails under ncu, whose allocations the plan does not hold; the CSV is complete)
 #   all          ops backend bench-bf16 soak probe probe-int4 bench-int4
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -552,7 +554,14 @@ step_profile() {
                         --section SourceCounters --kernel-name regex:'w4g_[0-9]' --launch-skip 20 --launch-count 1 \
                         "$(bin bench_w4)" --nocapture --ignored bench_w4_rows
                 done; done ;;
-            *) echo "unknown profile $p (decode, decode-int4, gdn, attn, w4, w4g)" ;;
+            # The elementwise kernels of one 4K prefill step: duration and DRAM bytes a launch.
+            # shellcheck disable=SC2086
+            elementwise) run profile-elementwise 240 "rror" ncu --clock-control none --cache-control none --csv \
+                --print-units base --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
+                --kernel-name "regex:conv_prefill|add_rms_norm_1p|rms_norm|swiglu|gdn_gate|kv_write|sigmoid_gate_mul|qk_norm|act_quant" \
+                --launch-count 500 "$DS" bench $Q27 --prompts 4096 --contexts 1024 --batches 1 --steps 1 \
+                --verify-tokens 0 --short-chunks 0 --json ;;
+            *) echo "unknown profile $p (decode, decode-int4, gdn, attn, w4, w4g, elementwise)" ;;
         esac
     done
 }
