@@ -39,7 +39,6 @@ extern "C" __global__ void swiglu(const bf16_t* gate, long long g_stride, const 
     }
 }
 
-
 extern "C" __global__ void sigmoid_gate_mul8(bf16_t* x, const bf16_t* __restrict__ gate, int T, int H, int hd,
                                              long long g_tok, long long g_head) {
     const int c = (blockIdx.x * blockDim.x + threadIdx.x) * 8;

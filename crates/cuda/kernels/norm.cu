@@ -77,10 +77,10 @@ __device__ __forceinline__ void norm_add8(uint4& hv, const uint4& rv, bool has_r
     const u32* rw = (const u32*)&rv;
 #pragma unroll
     for (int e = 0; e < 4; e++) {
-        float a = __uint_as_float(hw[e] << 16), b = __uint_as_float(hw[e] & 0xffff0000u);
+        float a = lo_f(hw[e]), b = hi_f(hw[e]);
         if (has_res) {
-            a = round_bf(a + __uint_as_float(rw[e] << 16));
-            b = round_bf(b + __uint_as_float(rw[e] & 0xffff0000u));
+            a = round_bf(a + lo_f(rw[e]));
+            b = round_bf(b + hi_f(rw[e]));
             hw[e] = (__float_as_uint(a) >> 16) | (__float_as_uint(b) & 0xffff0000u);
         }
         ss += a * a;
@@ -95,10 +95,8 @@ __device__ __forceinline__ uint4 norm_out8(const uint4& hv, const uint4& wv, flo
     u32* ow = (u32*)&o;
 #pragma unroll
     for (int e = 0; e < 4; e++) {
-        const float wa = 1.0f + __uint_as_float(ww[e] << 16), wb = 1.0f + __uint_as_float(ww[e] & 0xffff0000u);
-        const float a = __uint_as_float(hw[e] << 16) * inv * wa;
-        const float b = __uint_as_float(hw[e] & 0xffff0000u) * inv * wb;
-        ow[e] = (u32)f2bf(a) | ((u32)f2bf(b) << 16);
+        const float wa = 1.0f + lo_f(ww[e]), wb = 1.0f + hi_f(ww[e]);
+        ow[e] = pack_f2bf(lo_f(hw[e]) * inv * wa, hi_f(hw[e]) * inv * wb);
     }
     return o;
 }

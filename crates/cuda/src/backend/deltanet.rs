@@ -3,7 +3,6 @@
 //! norm and the out projection.
 
 use crate::error::CudaError;
-use crate::ops::fp8::Fp8Out;
 use crate::ops::w4a16::Fold;
 use crate::ops::{conv, gdn_chunk, gdn_decode, gdn_gate, gdn_overlap, norm};
 
@@ -11,9 +10,9 @@ use super::CudaBackend;
 use super::cache_ops::Place;
 use super::forward::b2;
 use super::layout::Ws;
-use super::linear::{Fp8XTag, OutNorm, po};
+use super::linear::{OutNorm, po};
 use super::step::StepShape;
-use super::weights::{GdnLayer, Part};
+use super::weights::GdnLayer;
 
 /// A DeltaNet layer's state tensors: byte offsets of its recurrent and conv tensors in `state_slots`
 /// and in `snapshots`.
@@ -67,22 +66,18 @@ impl CudaBackend {
     }
 
     /// The gated norm of the step's first `tp` rows (the chunked and verify rows) into `gdn_normed`. In a step
-    /// of those rows only whose out projection is one block-FP8 linear on the tensor cores, the norm writes
-    /// the codes and scales that projection reads instead ([`norm::gated_rms_norm_fp8`], [`Fp8XTag`]; with
-    /// [`crate::CudaOptions::fp8_fused_quant`]) and `gdn_normed` only the rows the GEMV takes.
+    /// of those rows only whose out projection takes FP8 codes ([`Self::fp8_fused_target`]), heads of 128 write
+    /// them instead ([`norm::gated_rms_norm_fp8`]) and `gdn_normed` only the rows the GEMV takes.
     fn gdn_gated_norm(&self, ws: &Ws, gw: &GdnLayer, t: usize, tp: usize) -> Result<(), CudaError> {
         let (k, s, d, eps) = (&self.k, self.rt.stream().as_ref(), &self.d, self.eps);
         let (vw, hv, dv) = (d.gdn_value_width, d.gdn_v_heads, d.gdn_v_dim);
         let (o, z, out) = (ws.gdn_core_out, ws.gdn_z, ws.gdn_normed);
-        if let [Part::Fp8(w)] = gw.out.as_slice()
-            && tp == t
-            && self.opts.fp8_fused_quant
+        if tp == t
             && norm::gated_rms_norm128_supported(o, z, vw, gw.norm, out, dv)
-            && let Some(route) = self.fp8_gemm_route(t, vw, &[Fp8Out { w, y: ws.mixer_out, ldy: d.hidden }], false)
+            && let Some((tq, at)) = self.fp8_fused_target(&gw.out, t, vw, ws.mixer_out, d.hidden)
         {
-            let tq = route.tq;
-            norm::gated_rms_norm_fp8(k, s, (o, z, vw, hv), gw.norm, out, t, eps, tq, self.fp8_x_at(tq, vw))?;
-            self.fp8_x_holds.set(Some(Fp8XTag { x: out, tq, kdim: vw }));
+            norm::gated_rms_norm_fp8(k, s, (o, z, vw, hv), gw.norm, out, t, eps, tq, at)?;
+            self.fp8_x_written(out, tq, vw);
             return Ok(());
         }
         norm::gated_rms_norm(k, s, o, z, vw, hv, gw.norm, out, tp, dv, eps)

@@ -4,7 +4,7 @@
 use cudarc::driver::CudaStream;
 
 use crate::error::CudaError;
-use crate::ops::fp8::{self, Fp8Out};
+use crate::ops::fp8;
 use crate::ops::w4a16::Fold;
 use crate::ops::{elementwise, embed, mtp, norm};
 
@@ -13,9 +13,9 @@ use super::cache_ops::Place;
 use super::deltanet::GdnOffsets;
 use super::inputs::HOST_EMBED_GPU_ROWS;
 use super::layout::{LayerCache, Ws};
-use super::linear::{Fp8XTag, LayerFold, OutNorm, po};
+use super::linear::{LayerFold, OutNorm, po};
 use super::step::StepShape;
-use super::weights::{Layer, Mixer, Part, Proj};
+use super::weights::{Layer, Mixer, Proj};
 
 impl CudaBackend {
     /// The embedding table kernels gather rows from: on the device, or the pinned host table
@@ -31,15 +31,11 @@ impl CudaBackend {
         let h = d.hidden;
         let eps = self.eps;
         self.tick("step inputs")?;
-        match &self.host_embed {
-            None => embed::embed_gather(k, s, self.w.embed, ws.token_ids, ws.residual, t, h)?,
-            // A step of many rows reads them across the bus from the mapped table: the host's copy of
-            // every row into the staging before the upload took longer (prefill chunks).
-            Some(_) if t >= HOST_EMBED_GPU_ROWS => {
-                embed::embed_gather(k, s, self.embed_table(), ws.token_ids, ws.residual, t, h)?
-            }
-            // Fewer rows: the step's upload gathered them on the host into `residual`.
-            Some(_) => {}
+        // The embedding rows, gathered from the table where kernels read it (with the table on the host, a step
+        // of many rows reads them across the bus: the host's copy of every row into the staging before the
+        // upload took longer); a shorter step's upload gathered them on the host into `residual`.
+        if self.host_embed.is_none() || t >= HOST_EMBED_GPU_ROWS {
+            embed::embed_gather(k, s, self.embed_table(), ws.token_ids, ws.residual, t, h)?;
         }
         // Image rows in place of their placeholders' embeddings (the tower runs here for new images).
         self.put_image_rows()?;
@@ -237,23 +233,15 @@ impl CudaBackend {
         self.all_reduce(ws.mlp_out, t * h)?;
         Ok(())
     }
-}
 
-impl CudaBackend {
-    /// The MLP's SwiGLU of the gate/up rows (`i` wide) into `mlp_act`. Where the down projection is one
-    /// block-FP8 linear that the step runs on the tensor cores, the same pass writes the codes and scales
-    /// that projection reads ([`fp8::swiglu_quant`], [`Fp8XTag`]; with
-    /// [`crate::CudaOptions::fp8_fused_quant`]) and `mlp_act` only the rows the GEMV takes.
+    /// The MLP's SwiGLU of the gate/up rows (`i` wide) into `mlp_act`; where the down projection takes FP8
+    /// codes ([`Self::fp8_fused_target`]) the same pass writes them ([`fp8::swiglu_quant`]) and `mlp_act` only
+    /// the rows the GEMV takes.
     fn mlp_swiglu(&self, s: &CudaStream, ws: &Ws, t: usize, i: usize, down: &Proj) -> Result<(), CudaError> {
         let (gate, up) = ((ws.mlp_gate_up, 2 * i), (ws.mlp_gate_up + b2(i), 2 * i));
-        if let [Part::Fp8(w)] = down.as_slice()
-            && self.opts.fp8_fused_quant
-            && i.is_multiple_of(fp8::FP8_BLOCK)
-            && let Some(route) = self.fp8_gemm_route(t, i, &[Fp8Out { w, y: ws.mlp_out, ldy: self.d.hidden }], false)
-        {
-            let tq = route.tq;
-            fp8::swiglu_quant(&self.k, s, gate, up, t, i, tq, self.fp8_x_at(tq, i), ws.mlp_act)?;
-            self.fp8_x_holds.set(Some(Fp8XTag { x: ws.mlp_act, tq, kdim: i }));
+        if let Some((tq, at)) = self.fp8_fused_target(down, t, i, ws.mlp_out, self.d.hidden) {
+            fp8::swiglu_quant(&self.k, s, gate, up, t, i, tq, at, ws.mlp_act)?;
+            self.fp8_x_written(ws.mlp_act, tq, i);
             return Ok(());
         }
         elementwise::swiglu(&self.k, s, gate.0, gate.1, up.0, up.1, ws.mlp_act, t, i)

@@ -209,9 +209,37 @@ impl CudaBackend {
     }
 
     /// Where [`Self::fp8_gemm_route`] puts the codes and scales of `tq` tokens of `kdim` features.
-    pub(super) fn fp8_x_at(&self, tq: usize, kdim: usize) -> (u64, u64) {
+    fn fp8_x_at(&self, tq: usize, kdim: usize) -> (u64, u64) {
         let q = self.ws.fp8_x.ptr;
         (q, q + fp8::act_scales_offset(tq, kdim) as u64)
+    }
+
+    /// Whether the kernel that writes an activation `[t, kdim]` for the projection `w` (into `y`, row stride
+    /// `ldy`) writes its FP8 codes and scales too: `w` one block-FP8 linear that the step runs on the tensor
+    /// cores, with [`crate::CudaOptions::fp8_fused_quant`]. Some: the tokens to quantise (the rest the GEMV
+    /// takes as bf16) and where their codes and scales go; the kernel's caller then calls
+    /// [`Self::fp8_x_written`].
+    pub(super) fn fp8_fused_target(
+        &self,
+        w: &Proj,
+        t: usize,
+        kdim: usize,
+        y: u64,
+        ldy: usize,
+    ) -> Option<(usize, (u64, u64))> {
+        let [Part::Fp8(w)] = w.as_slice() else { return None };
+        if !self.opts.fp8_fused_quant || !kdim.is_multiple_of(fp8::FP8_BLOCK) {
+            return None;
+        }
+        let tq = self.fp8_gemm_route(t, kdim, &[Fp8Out { w, y, ldy }], false)?.tq;
+        Some((tq, self.fp8_x_at(tq, kdim)))
+    }
+
+    /// The FP8 scratch now holds the codes and scales of the first `tq` tokens of the activation at `x`
+    /// (`kdim` features), which its writer quantised ([`Self::fp8_fused_target`]): the projection that reads
+    /// `x` next takes them instead of quantising.
+    pub(super) fn fp8_x_written(&self, x: u64, tq: usize, kdim: usize) {
+        self.fp8_x_holds.set(Some(Fp8XTag { x, tq, kdim }));
     }
 
     /// `y_s = x · W_sᵀ` for block-FP8 linears sharing `x [t, kdim]`: the FP8 GEMV (three linears a launch)
@@ -439,7 +467,7 @@ pub(super) struct Fp8Gemm {
 /// `x` (`kdim` features), written by the kernel that wrote `x` for the projection that reads it next.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Fp8XTag {
-    pub(super) x: u64,
-    pub(super) tq: usize,
-    pub(super) kdim: usize,
+    x: u64,
+    tq: usize,
+    kdim: usize,
 }

@@ -185,7 +185,7 @@ pub fn gemm(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
 /// bit for bit: the first `tq` rows' codes and scales, the bf16 rows from `tq` (the GEMV's). The first row's
 /// gates are zero (an all-zero block: scale 1).
 pub fn swiglu_quant(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
-    let Env { rt, k, s, .. } = e;
+    let Env { k, s, .. } = e;
     let Op::Fp8SwigluQuant { t, i, tq } = *op else { unreachable!() };
     let mut gu: Vec<f32> = (0..t).flat_map(|r| randv(rng, 2 * i, 0.5 + 2.0 * (r % 3) as f32)).collect();
     gu[..i].fill(0.0);
@@ -197,20 +197,30 @@ pub fn swiglu_quant(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Out
     fp8::act_quant(k, s, h, tq, i, q_ref, xs_ref)?;
     let (q, xs, out) = (d.poison(t * i)?, d.poison(4 * t * i / 128)?, d.poison(2 * t * i)?);
     fp8::swiglu_quant(k, s, gate, up, t, i, tq, (q, xs), out)?;
-    let bytes = |p: u64, n: usize| -> R<Vec<u8>> {
-        let mut v = vec![0u8; n];
-        rt.download(&mut v, p)?;
-        Ok(v)
-    };
-    let cs = bytes(q, tq * i)? == bytes(q_ref, tq * i)?;
-    let ss = bytes(xs, 4 * tq * i / 128)? == bytes(xs_ref, 4 * tq * i / 128)?;
-    let tail = 2 * (t - tq) * i;
-    let at = 2 * (tq * i) as u64;
-    let hs = bytes(out + at, tail)? == bytes(h + at, tail)?;
+    fused_against_apart(d, "SwiGLU", (q, xs, out), (q_ref, xs_ref, h), t, tq, i)
+}
+
+/// The outputs of a pass that writes an activation quantised (`q`, `xs`, and bf16 `out` from token `tq`)
+/// against the activation `h` written in bf16 then quantised (`q_ref`, `xs_ref`), bit for bit: the first `tq`
+/// tokens' codes and scales, the bf16 rows of the tokens after (`t` tokens of `width` features).
+fn fused_against_apart(
+    d: &Dev,
+    what: &str,
+    (q, xs, out): (u64, u64, u64),
+    (q_ref, xs_ref, h): (u64, u64, u64),
+    t: usize,
+    tq: usize,
+    width: usize,
+) -> R<Vec<Outcome>> {
+    let m = tq * width;
+    let cs = d.get_bytes(q, m)? == d.get_bytes(q_ref, m)?;
+    let ss = d.get_bytes(xs, 4 * m / 128)? == d.get_bytes(xs_ref, 4 * m / 128)?;
+    let (at, tail) = (2 * m as u64, 2 * (t - tq) * width);
+    let hs = d.get_bytes(out + at, tail)? == d.get_bytes(h + at, tail)?;
     Ok(vec![
-        Outcome { ok: cs, detail: format!("codes [{tq}, {i}] bitwise as SwiGLU then quantisation: {cs}") },
-        Outcome { ok: ss, detail: format!("scales [{}, {tq}] bitwise: {ss}", i / 128) },
-        Outcome { ok: hs, detail: format!("bf16 rows {tq}..{t} bitwise as the SwiGLU's: {hs}") },
+        Outcome { ok: cs, detail: format!("codes [{tq}, {width}] bitwise as the {what} then quantisation: {cs}") },
+        Outcome { ok: ss, detail: format!("scales [{}, {tq}] bitwise: {ss}", width / 128) },
+        Outcome { ok: hs, detail: format!("bf16 rows of tokens {tq}..{t} bitwise as the {what}'s: {hs}") },
     ])
 }
 
@@ -218,7 +228,7 @@ pub fn swiglu_quant(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Out
 /// quantisation, bit for bit (codes and scales of the first `tq` tokens, the bf16 rows after); a zero head
 /// row (scale 1) in token 0.
 pub fn gated_norm_quant(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
-    let Env { rt, k, s, .. } = e;
+    let Env { k, s, .. } = e;
     let Op::Fp8GatedNormQuant { t, hv, tq } = *op else { unreachable!() };
     let n = t * hv * 128;
     let mut o = randv(rng, n, 1.0);
@@ -232,21 +242,7 @@ pub fn gated_norm_quant(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec
     fp8::act_quant(k, s, h, tq, hv * 128, q_ref, xs_ref)?;
     let (q, xs, out) = (d.poison(n)?, d.poison(4 * t * hv)?, d.poison(2 * n)?);
     deltaserve_cuda::ops::norm::gated_rms_norm_fp8(k, s, (op_, zp, hv * 128, hv), wp, out, t, 1e-6, tq, (q, xs))?;
-    let bytes = |p: u64, n: usize| -> R<Vec<u8>> {
-        let mut v = vec![0u8; n];
-        rt.download(&mut v, p)?;
-        Ok(v)
-    };
-    let m = tq * hv * 128;
-    let cs = bytes(q, m)? == bytes(q_ref, m)?;
-    let ss = bytes(xs, 4 * tq * hv)? == bytes(xs_ref, 4 * tq * hv)?;
-    let tail = 2 * (n - m);
-    let hs = bytes(out + 2 * m as u64, tail)? == bytes(h + 2 * m as u64, tail)?;
-    Ok(vec![
-        Outcome { ok: cs, detail: format!("codes [{tq}, {}] bitwise as the norm then quantisation: {cs}", hv * 128) },
-        Outcome { ok: ss, detail: format!("scales [{hv}, {tq}] bitwise: {ss}") },
-        Outcome { ok: hs, detail: format!("bf16 rows of tokens {tq}..{t} bitwise as the norm's: {hs}") },
-    ])
+    fused_against_apart(d, "norm", (q, xs, out), (q_ref, xs_ref, h), t, tq, hv * 128)
 }
 
 /// [`Op::Fp8Quantize`]: bf16 weights quantised on the GPU, codes and scales bit for bit against

@@ -101,6 +101,12 @@ impl<'a> Dev<'a> {
         self.rt.upload(p, h)?;
         Ok(p)
     }
+    /// `n` bytes at `p`.
+    pub fn get_bytes(&self, p: u64, n: usize) -> R<Vec<u8>> {
+        let mut v = vec![0u8; n];
+        self.rt.download(&mut v, p)?;
+        Ok(v)
+    }
     pub fn get_u16s(&self, p: u64, n: usize) -> R<Vec<u16>> {
         let mut h = vec![0u16; n];
         self.rt.download(&mut h, p)?;
