@@ -157,3 +157,84 @@ extern "C" __global__ void gdn_conv_gate_rows(const bf16_t* x, long long x_strid
         __syncthreads();  // ys is free for the next rows
     }
 }
+
+// gdn_conv_gate_prefill: the rows of prefill steps (any sequences and lengths; verify rows among them read
+// their state too): conv_prefill (conv.cu) and gdn_gate in one launch, bitwise the same; the conv state is
+// read, never written (conv_state_save / conv_state_update stay apart). Block (j < C/DK, i) convolves
+// channels j*DK .. j*DK + DK - 1 (one q, k or v head) of tokens i*CG_TT .. i*CG_TT + CG_TT - 1, with every x
+// row its windows need loaded first (CG_TT + CONV_K - 1 loads a thread in flight; a window row before its
+// sequence's first token comes from the sequence's state). A v head writes y; a q or k head keeps its
+// tokens' outputs in shared memory and normalises them (a warp a row, as gdn_gate), so y's q and k columns
+// are not written (nothing after the gates reads them). Block (C/DK, i) writes the tokens' beta and g.
+// Sequences of slot < 0: y = 0, q / k from zeros. x [T, *] bf16 (token stride x_stride), w [C, CONV_K],
+// y [T, C], state [slots, CONV_K-1, C] bf16; cu_seqlens [B+1], slots [B] i32; the gates as gdn_gate.
+// Launch: grid (C/DK + 1, ceil(T / CG_TT)), block DK (C % DK == 0, DV == DK). Tested by: tests/ops/ case
+// "gdn_conv_gate_prefill" (bitwise vs conv_prefill + gdn_gate).
+#define CG_TT 16
+extern "C" __global__ void __launch_bounds__(DK)
+gdn_conv_gate_prefill(const bf16_t* x, long long x_stride, const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
+                      const bf16_t* state, const int* __restrict__ cu_seqlens, const int* __restrict__ slots, int B,
+                      int T, int C, const bf16_t* b, long long b_stride, const bf16_t* a, long long a_stride,
+                      const float* __restrict__ A_log, const float* __restrict__ dt_bias, bf16_t* __restrict__ q_out,
+                      bf16_t* __restrict__ k_out, float* __restrict__ g, float* __restrict__ beta, int Hk, int Hv) {
+    __shared__ bf16_t ys[CG_TT][DK];
+    const int j = blockIdx.x, tid = threadIdx.x;
+    const int t0 = blockIdx.y * CG_TT, n = min(CG_TT, T - t0);
+    if (j == C / DK) {
+        for (int e = tid; e < n * Hv; e += blockDim.x) {
+            const long long row = t0 + e / Hv;
+            const int h = e % Hv;
+            gdn_gate_values(bf2f(b[row * b_stride + h]), bf2f(a[row * a_stride + h]), A_log, dt_bias, h,
+                            &beta[row * Hv + h], &g[row * Hv + h]);
+        }
+        return;
+    }
+    const int c = j * DK + tid;
+    // x rows t0 - (CONV_K - 1) .. t0 + CG_TT - 1 (clamped into the step; rows outside a token's sequence are
+    // never used).
+    bf16_t xr[CG_TT + CONV_K - 1];
+#pragma unroll
+    for (int i = 0; i < CG_TT + CONV_K - 1; i++)
+        xr[i] = x[(long long)min(max(t0 - (CONV_K - 1) + i, 0), T - 1) * x_stride + c];
+    float wv[CONV_K];
+#pragma unroll
+    for (int k = 0; k < CONV_K; k++) wv[k] = bf2f(w[(long long)c * CONV_K + k]);
+    int s = seq_of_token(cu_seqlens, B, t0);
+    int start = cu_seqlens[s], next = cu_seqlens[s + 1];
+    const bool is_v = j >= 2 * Hk;
+#pragma unroll
+    for (int i = 0; i < CG_TT; i++) {
+        const int t = t0 + i;
+        if (i < n) {
+            while (t >= next) {
+                s++;
+                start = next;
+                next = cu_seqlens[s + 1];
+            }
+            const int slot = slots[s];
+            bf16_t out = 0;
+            if (slot >= 0) {
+                bf16_t win[CONV_K];
+#pragma unroll
+                for (int k = 0; k < CONV_K - 1; k++) {
+                    const int rel = t - start - (CONV_K - 1) + k;  // the window row's place in its sequence
+                    win[k] = rel >= 0 ? xr[i + k] : state[((long long)slot * (CONV_K - 1) + CONV_K - 1 + rel) * C + c];
+                }
+                out = conv_window_out<CONV_K>(xr[i + CONV_K - 1], wv, win);
+            }
+            if (is_v) {
+                y[(long long)t * C + c] = out;
+            } else {
+                ys[i][tid] = out;
+            }
+        }
+    }
+    if (is_v) return;  // uniform over the block
+    __syncthreads();
+    const bool is_q = j < Hk;
+    for (int i = tid >> 5; i < n; i += DK / 32) {
+        const long long row = t0 + i;
+        bf16_t* dst = is_q ? q_out + (row * Hk + j) * DK : k_out + (row * Hk + (j - Hk)) * DK;
+        gdn_l2norm_row<DK>(ys[i], dst, is_q ? rsqrtf((float)DK) : 1.0f, tid & 31);
+    }
+}

@@ -64,7 +64,7 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         module: "rope",
         src: include_str!("../../kernels/rope.cu"),
-        functions: &["rope_partial", "qk_norm_rope"],
+        functions: &["rope_partial", "qk_norm_rope", "qk_norm_rope_v2", "qk_norm_rope_v4", "qk_norm_rope_v8"],
     },
     KernelSource { module: "kv_cache", src: include_str!("../../kernels/kv_cache.cu"), functions: &["kv_write"] },
     KernelSource { module: "kv_quant", src: include_str!("../../kernels/kv_quant.cu"), functions: &["kv_write_q"] },
@@ -76,7 +76,7 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         module: "gdn_gate",
         src: include_str!("../../kernels/gdn_gate.cu"),
-        functions: &["gdn_gate", "gdn_conv_gate_decode", "gdn_conv_gate_rows"],
+        functions: &["gdn_gate", "gdn_conv_gate_decode", "gdn_conv_gate_rows", "gdn_conv_gate_prefill"],
     },
     KernelSource {
         module: "gdn_chunk",

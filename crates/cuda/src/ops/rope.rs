@@ -149,6 +149,30 @@ pub fn qk_norm_rope_kv(
     launch_qk(k, s, a, Some((kv, layer, formats)))
 }
 
+/// The kernels of E consecutive dims a lane (E = 2, 4, 8: head_dim 64, 128, 256).
+const QK_VECTOR: [&str; 3] = ["qk_norm_rope_v2", "qk_norm_rope_v4", "qk_norm_rope_v8"];
+
+/// Steps of at least this many tokens run one block a token with 4 rows a warp (the rotation table
+/// computed once a token), shorter ones a row a warp.
+const QK_ONE_PIECE_TOKENS: usize = 256;
+
+/// E for `qk_norm_rope_vE` when `a` (and the KV write `kv`) allow it: head_dim 32E for E in {2, 4, 8},
+/// the rotated half a multiple of E, every row address and norm weight aligned to 2E bytes.
+fn vector_width(a: &QkNormRope, kv: Option<&super::kv_cache::KvWrite>) -> Option<usize> {
+    let e = a.head_dim / 32;
+    if a.head_dim % 32 != 0 || ![2, 4, 8].contains(&e) || (a.rotary_dim / 2) % e != 0 {
+        return None;
+    }
+    let bytes = 2 * e as u64;
+    let mut addrs = vec![a.q, a.k, a.q_norm, a.k_norm];
+    let mut strides = vec![a.q_tok, a.q_head, a.k_tok];
+    if let Some(w) = kv {
+        addrs.push(w.v);
+        strides.push(w.v_stride);
+    }
+    (addrs.iter().all(|p| p % bytes == 0) && strides.iter().all(|s| s % e == 0)).then_some(e)
+}
+
 /// The `qk_norm_rope` kernel over `a`'s rows, and with `kv` the KV write (the formats' kernel codes).
 fn launch_qk(
     k: &Kernels,
@@ -159,8 +183,16 @@ fn launch_qk(
     const K: &str = "qk_norm_rope";
     let hd = a.head_dim;
     let nv_rows = if kv.is_some() { a.kv_heads } else { 0 };
-    // One warp per (token, head) row of q, k (and v), 8 rows per block.
-    let grid = (to_u32(K, "blocks", (a.t * (a.q_heads + a.kv_heads + nv_rows)).div_ceil(8))?, 1, 1);
+    let rows = a.q_heads + a.kv_heads + nv_rows;
+    let (name, grid) = match vector_width(a, kv.map(|(w, ..)| w)) {
+        // A token a block (its rows in pieces of 8 warps): one piece for long steps, a row a warp for short ones.
+        Some(e) => {
+            let pieces = if a.t >= QK_ONE_PIECE_TOKENS { 1 } else { rows.div_ceil(8) };
+            (QK_VECTOR[e.trailing_zeros() as usize - 1], (to_u32(K, "t", a.t)?, pieces as u32, 1))
+        }
+        // One warp per (token, head) row of q, k (and v), 8 rows per block.
+        None => (K, (to_u32(K, "blocks", (a.t * rows).div_ceil(8))?, 1, 1)),
+    };
     let (q, qt, qh, wq, nq) = (a.q, a.q_tok as i64, a.q_head as i64, a.q_norm, to_i32(K, "q_heads", a.q_heads)?);
     let (kp, kt, kh, wk, nk) = (a.k, a.k_tok as i64, hd as i64, a.k_norm, to_i32(K, "kv_heads", a.kv_heads)?);
     let (pos, tt, d, r, theta, eps) =
@@ -180,7 +212,7 @@ fn launch_qk(
         ),
         None => ((0u64, 0i64), (0u64, 0u64, 0u64, 0u64), (0u64, 0u64), (0i32, 0i32, 1i32), (0i32, 0i32)),
     };
-    launch_pdl!(k, s, K, grid, (256, 1, 1), 0;
+    launch_pdl!(k, s, name, grid, (256, 1, 1), 0;
         q, qt, qh, wq, nq, kp, kt, kh, wk, nk, vp, vt, nv, pos, tt, d, r, theta, eps,
         kc, ksc, vc, vsc, bt, mb, cu, b, page, kf, vf, rp, sec_h, sec_w)
 }

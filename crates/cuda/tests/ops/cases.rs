@@ -220,6 +220,10 @@ pub(crate) fn row_cases() -> Vec<Case> {
         c("qk_norm_rope_kv", q, qkv(i8, bf, &[(0, 37), (70_000, 5)], 16, 2, 256, 16, false), EXACT),
         c("qk_norm_rope_kv", q, qkv(bf, bf, &[(5, 9)], 8, 1, 64, 8, true), EXACT),
         c("qk_norm_rope_kv", q, qkv(i4, f8, &[(259_000, 1), (17, 2)], 8, 4, 128, 32, false), EXACT),
+        // Long steps (a block a token, 4 rows a warp): the 27B's and the 35B-A3B's rows a token.
+        c("qk_norm_rope", q, Op::QkNormRope { t: 300, nq: 24, nkv: 4, hd: 256, rot: 64, pos0: 7 }, EXACT),
+        c("qk_norm_rope_kv", q, qkv(f8, f8, &[(1023, 260)], 16, 2, 256, 16, false), EXACT),
+        c("qk_norm_rope_kv", q, qkv(bf, i8, &[(0, 200), (40, 90)], 8, 2, 128, 16, true), EXACT),
         c("conv_prefill", q, Op::ConvPrefill { lens: vec![1], c: 10240, saves: vec![] }, SINGLE),
         c("conv_prefill", q, Op::ConvPrefill { lens: vec![63, 64, 65], c: 10240, saves: vec![] }, SINGLE),
         c("conv_prefill", q, Op::ConvPrefill { lens: vec![2, 1, 129, 127], c: 10240, saves: vec![] }, SINGLE),
@@ -242,6 +246,22 @@ pub(crate) fn row_cases() -> Vec<Case> {
             EXACT,
         ),
         c("gdn_conv_gate_rows", q, Op::GdnConvGateRows { lens: vec![2, 3], slots: vec![1, 2], hk: 2, hv: 6 }, EXACT),
+        // Prefill rows: tiles of 16 tokens across sequence starts (windows from the state), a step shorter
+        // than a tile.
+        c(
+            "gdn_conv_gate_prefill",
+            q,
+            Op::GdnConvGatePrefill { lens: vec![37, 1, 20, 3, 2], slots: vec![3, 0, 1, 2, 3], hk: 16, hv: 48 },
+            EXACT,
+        ),
+        c(
+            "gdn_conv_gate_prefill",
+            q,
+            Op::GdnConvGatePrefill { lens: vec![5, 17], slots: vec![1, 2], hk: 16, hv: 48 },
+            EXACT,
+        ),
+        c("gdn_conv_gate_prefill", q, Op::GdnConvGatePrefill { lens: vec![3], slots: vec![1], hk: 2, hv: 6 }, EXACT),
+        c("gdn_conv_gate_prefill", q, Op::GdnConvGatePrefill { lens: vec![70], slots: vec![0], hk: 2, hv: 6 }, EXACT),
         c("gdn_chunk", q, gdn_op(&[1], 16, 48, SPLIT), ACCUM),
         c("gdn_chunk", q, gdn_op(&[63], 16, 48, SPLIT), ACCUM),
         c("gdn_chunk", q, gdn_op(&[64], 16, 48, SPLIT), ACCUM),
