@@ -342,8 +342,7 @@ fn parse_fraction(s: &str) -> Result<f64, String> {
 /// `DELTASERVE_W4_GEMM=0`: int4 projections of more rows than the decode GEMV's dequantise for cuBLASLt;
 /// `DELTASERVE_SNAPSHOTS_IN_STEP=0`: chunks end at snapshot points; `DELTASERVE_MOE_SHARED_PAIRS=0`: a sparse
 /// layer's shared expert runs as its own dense MLP instead of with the routed experts' decode GEMVs; `DELTASERVE_FP8_MMA=1`: block-FP8 prefill
-/// projections run the mma.sync FP8 GEMM; `DELTASERVE_CONV_GATE_PREFILL=0`: a DeltaNet layer's prefill rows
-/// run the conv and the gates as two kernels.
+/// projections run the mma.sync FP8 GEMM.
 pub fn cuda_options(cuda_graphs: bool) -> CudaOptions {
     let sw = deltaserve_cuda::Switches::get();
     let w4_gemm_max_rows = if sw.w4_gemm { CudaOptions::default().w4_gemm_max_rows } else { 0 };
@@ -362,7 +361,6 @@ pub fn cuda_options(cuda_graphs: bool) -> CudaOptions {
         moe_shared_pairs: sw.moe_shared_pairs,
         fp8_mma_gemm: sw.fp8_mma_gemm,
         fp8_fused_quant: sw.fp8_fused_quant,
-        conv_gate_prefill: sw.conv_gate_prefill,
         ..CudaOptions::default()
     }
 }

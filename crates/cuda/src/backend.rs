@@ -219,11 +219,6 @@ pub struct CudaOptions {
     /// the next piece's prep, where the kernels allow it ([`crate::Kernels::gdn_overlap`]; the same results bit
     /// for bit). Off: one prep, then one walk.
     pub deltanet_overlap: bool,
-    /// Prefill rows of a DeltaNet layer run the causal conv and the gates + q/k norm in one launch
-    /// (`gdn_conv_gate_prefill`: the same results bit for bit, the conv output's q and k columns never
-    /// written). Off: the conv, then the gates; `DELTASERVE_CONV_GATE_PREFILL=0` turns it off for the server
-    /// and the benchmarks.
-    pub conv_gate_prefill: bool,
 }
 
 impl Default for CudaOptions {
@@ -245,7 +240,6 @@ impl Default for CudaOptions {
             fp8_mma_gemm: false,
             fp8_fused_quant: true,
             deltanet_overlap: true,
-            conv_gate_prefill: true,
         }
     }
 }

@@ -87,9 +87,6 @@ pub struct Switches {
     /// `DELTASERVE_GDN_OVERLAP=0`: the chunked DeltaNet prefill runs one prep then one walk over the whole
     /// step instead of each piece's walk beside the next piece's prep ([`crate::ops::gdn_overlap`]).
     pub gdn_overlap: bool,
-    /// `DELTASERVE_CONV_GATE_PREFILL=0`: a DeltaNet layer's prefill rows run the conv, then the gates
-    /// (`CudaOptions::conv_gate_prefill` off); unset or anything else: one launch.
-    pub conv_gate_prefill: bool,
 }
 
 impl Switches {
@@ -130,7 +127,6 @@ impl Switches {
             fp8_fused_quant: var("DELTASERVE_FP8_FUSED_QUANT").is_none_or(|v| v != "0"),
             gdn_walk_one_stream: var("DELTASERVE_GDN_WALK").is_some_and(|v| v == "one-stream"),
             gdn_overlap: var("DELTASERVE_GDN_OVERLAP").is_none_or(|v| v != "0"),
-            conv_gate_prefill: var("DELTASERVE_CONV_GATE_PREFILL").is_none_or(|v| v != "0"),
         }
     }
 
@@ -160,7 +156,6 @@ impl Switches {
                 moe_shared_pairs: true,
                 fp8_fused_quant: true,
                 gdn_overlap: true,
-                conv_gate_prefill: true,
                 ..Switches::default()
             }
     }
@@ -181,7 +176,7 @@ mod tests {
         assert!(s.fold_norms && s.norms_in_reduce && s.w4_gemm && s.device_masks && !s.decode_attn_split);
         assert!(!s.attn_prefill_pair);
         assert!(s.later_picks && s.snapshots_in_step && s.moe_shared_pairs && !s.fp8_mma_gemm);
-        assert!(!s.gdn_walk_one_stream && s.gdn_overlap && s.fp8_fused_quant && s.conv_gate_prefill);
+        assert!(!s.gdn_walk_one_stream && s.gdn_overlap && s.fp8_fused_quant);
         assert!(!s.attn_prefill_wide);
         assert!(s.pdl.is_none() && s.nvrtc_options.is_empty() && s.trace_cap.is_none());
     }
@@ -208,9 +203,8 @@ mod tests {
             ("DELTASERVE_FP8_FUSED_QUANT", "0"),
             ("DELTASERVE_GDN_WALK", "one-stream"),
             ("DELTASERVE_GDN_OVERLAP", "0"),
-            ("DELTASERVE_CONV_GATE_PREFILL", "0"),
         ]);
-        assert!(s.gdn_walk_one_stream && !s.gdn_overlap && !s.fp8_fused_quant && !s.conv_gate_prefill);
+        assert!(s.gdn_walk_one_stream && !s.gdn_overlap && !s.fp8_fused_quant);
         assert!(!s.device_masks && !s.later_picks && !s.snapshots_in_step && !s.moe_shared_pairs && s.fp8_mma_gemm);
         assert!(!s.norms_in_reduce);
         assert!(s.any_set());

@@ -83,8 +83,7 @@ impl CudaBackend {
         norm::gated_rms_norm(k, s, o, z, vw, hv, gw.norm, out, tp, dv, eps)
     }
 
-    /// The conv of the step's rows (prefill rows: conv, with their gates in one launch where supported
-    /// ([`crate::CudaOptions::conv_gate_prefill`]), the conv state of the snapshots inside them
+    /// The conv of the step's rows (prefill rows: conv, the conv state of the snapshots inside them
     /// (`snap_conv`: the layer's conv tensor in `snapshots`) and the state update of the chunked rows;
     /// decode rows: conv and gates in one launch where supported; a step of verify chunks and decode
     /// rows only: the verify rows' conv and gates in one launch too) and the verify trace. Returns
@@ -105,8 +104,6 @@ impl CudaBackend {
         let fusable = gdn_gate::conv_gate_decode_supported(&k.dims, cc, hk, hv);
         // Verify chunks only (with decode rows or none): their conv and gates in one launch.
         let fused_pre = n_pre > 0 && n_real == 0 && fusable;
-        // Whether the rows before the decode rows got their gates with their conv.
-        let mut gates_pre = fused_pre;
         if fused_pre && self.verify_rows_fused(sh) {
             // The verify rows' conv and gates run with their recurrence (gdn_core).
         } else if fused_pre {
@@ -136,15 +133,7 @@ impl CudaBackend {
                 t: tp,
                 channels: cc,
             };
-            if fusable && self.opts.conv_gate_prefill {
-                // The conv and the gates of the rows in one launch.
-                let qk = (ws.gdn_qk, ws.gdn_qk + b2(t * kw));
-                let gate = self.gate_args(gw, ws.gdn_conv_out, ws.gdn_ba, qk, tp);
-                gdn_gate::gdn_conv_gate_prefill(k, s, &gdn_gate::GdnConvGateRows::of_conv(&cp, gate))?;
-                gates_pre = true;
-            } else {
-                conv::conv_prefill_only(k, s, &cp)?;
-            }
+            conv::conv_prefill_only(k, s, &cp)?;
             self.conv_saves(&cp, snap_conv)?;
             conv::conv_state_update(k, s, &cp, n_real, 0)?;
         }
@@ -203,7 +192,7 @@ impl CudaBackend {
             self.copy(Place::Dev(ba_at), Place::Dev(ws.gdn_ba + b2(r0 * 2 * hv)), 2 * tv * 2 * hv)?;
         }
         self.tick("gdn conv")?;
-        Ok((fused_dec, gates_pre && (n_dec == 0 || fused_dec)))
+        Ok((fused_dec, fused_pre && (n_dec == 0 || fused_dec)))
     }
 
     /// The DeltaNet core: chunked rows (cut at the snapshots inside them: `snap_rec`, the layer's

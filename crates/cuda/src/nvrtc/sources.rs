@@ -76,7 +76,7 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         module: "gdn_gate",
         src: include_str!("../../kernels/gdn_gate.cu"),
-        functions: &["gdn_gate", "gdn_conv_gate_decode", "gdn_conv_gate_rows", "gdn_conv_gate_prefill"],
+        functions: &["gdn_gate", "gdn_conv_gate_decode", "gdn_conv_gate_rows"],
     },
     KernelSource {
         module: "gdn_chunk",

@@ -1,6 +1,5 @@
-//! Launchers for kernels/gdn_gate.cu: beta/g gates fused with q/k L2 norm and the q scale, and with the
-//! causal conv before them for decode rows ([`gdn_conv_gate_decode`]), verify rows ([`gdn_conv_gate_rows`])
-//! and prefill rows ([`gdn_conv_gate_prefill`]).
+//! Launchers for kernels/gdn_gate.cu: beta/g gates fused with q/k L2 norm and the q scale, and for
+//! decode rows the causal conv too ([`gdn_conv_gate_decode`]).
 
 use cudarc::driver::CudaStream;
 
@@ -158,30 +157,4 @@ pub fn gdn_conv_gate_rows(k: &Kernels, s: &CudaStream, a: &GdnConvGateRows) -> R
     let grid = (to_u32(K, "n_seqs", a.n_seqs)?, to_u32(K, "heads", channels / dk + 1)?, 1);
     launch!(k, s, K, grid, (dk as u32, 1, 1), 0;
         x, xs, w, y, state, cu_seqlens, slots, c, b, bs, ap, as_, a_log, dt_bias, q_out, k_out, gp, beta, hk, hv)
-}
-
-/// Tokens a block of `gdn_conv_gate_prefill` takes (CG_TT in kernels/gdn_gate.cu).
-const CONV_GATE_PREFILL_TOKENS: usize = 16;
-
-/// The rows of prefill steps (any sequences and lengths) through conv and gates in one launch
-/// (kernels/gdn_gate.cu `gdn_conv_gate_prefill`): bitwise conv_prefill + gdn_gate, the conv state read and
-/// never written, but of the conv output (`gate.qk`) only the v columns written (nothing after the gates
-/// reads its q and k columns).
-pub fn gdn_conv_gate_prefill(k: &Kernels, s: &CudaStream, a: &GdnConvGateRows) -> Result<(), CudaError> {
-    const K: &str = "gdn_conv_gate_prefill";
-    let g = &a.gate;
-    if g.t == 0 || a.n_seqs == 0 {
-        return Ok(());
-    }
-    let dk = k.dims.gdn_k_dim;
-    let channels = check_conv_gate(K, k, a.x_stride, g, a)?;
-    let GdnConvGateRows { x, w, state, cu_seqlens, slots, .. } = *a;
-    let GdnGate { qk: y, b, a: ap, a_log, dt_bias, q_out, k_out, g: gp, beta, .. } = *g;
-    let (xs, bs, as_) = (a.x_stride as i64, g.b_stride as i64, g.a_stride as i64);
-    let (nb, t, c) = (to_i32(K, "n_seqs", a.n_seqs)?, to_i32(K, "t", g.t)?, to_i32(K, "channels", channels)?);
-    let (hk, hv) = (to_i32(K, "hk", g.hk)?, to_i32(K, "hv", g.hv)?);
-    let grid =
-        (to_u32(K, "heads", channels / dk + 1)?, to_u32(K, "token tiles", g.t.div_ceil(CONV_GATE_PREFILL_TOKENS))?, 1);
-    launch!(k, s, K, grid, (dk as u32, 1, 1), 0;
-        x, xs, w, y, state, cu_seqlens, slots, nb, t, c, b, bs, ap, as_, a_log, dt_bias, q_out, k_out, gp, beta, hk, hv)
 }

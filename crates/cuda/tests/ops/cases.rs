@@ -246,22 +246,6 @@ pub(crate) fn row_cases() -> Vec<Case> {
             EXACT,
         ),
         c("gdn_conv_gate_rows", q, Op::GdnConvGateRows { lens: vec![2, 3], slots: vec![1, 2], hk: 2, hv: 6 }, EXACT),
-        // Prefill rows: tiles of 16 tokens across sequence starts (windows from the state), a step shorter
-        // than a tile.
-        c(
-            "gdn_conv_gate_prefill",
-            q,
-            Op::GdnConvGatePrefill { lens: vec![37, 1, 20, 3, 2], slots: vec![3, 0, 1, 2, 3], hk: 16, hv: 48 },
-            EXACT,
-        ),
-        c(
-            "gdn_conv_gate_prefill",
-            q,
-            Op::GdnConvGatePrefill { lens: vec![5, 17], slots: vec![1, 2], hk: 16, hv: 48 },
-            EXACT,
-        ),
-        c("gdn_conv_gate_prefill", q, Op::GdnConvGatePrefill { lens: vec![3], slots: vec![1], hk: 2, hv: 6 }, EXACT),
-        c("gdn_conv_gate_prefill", q, Op::GdnConvGatePrefill { lens: vec![70], slots: vec![0], hk: 2, hv: 6 }, EXACT),
         c("gdn_chunk", q, gdn_op(&[1], 16, 48, SPLIT), ACCUM),
         c("gdn_chunk", q, gdn_op(&[63], 16, 48, SPLIT), ACCUM),
         c("gdn_chunk", q, gdn_op(&[64], 16, 48, SPLIT), ACCUM),

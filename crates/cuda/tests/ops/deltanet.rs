@@ -63,14 +63,12 @@ pub fn gate(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
 }
 
 /// [`Op::GdnConvGateDecode`]: the fused conv + gate bit for bit against conv_decode + gdn_gate;
-/// [`Op::GdnConvGateRows`]: the fused rows kernel against conv_prefill + gdn_gate (the state untouched);
-/// [`Op::GdnConvGatePrefill`]: the fused prefill kernel likewise (y's v columns: it writes no others).
+/// [`Op::GdnConvGateRows`]: the fused rows kernel against conv_prefill + gdn_gate (the state untouched).
 pub fn conv_gate_decode(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
     let Env { k, s, .. } = e;
-    let (lens, slots, hk, hv, rows, prefill) = match op {
-        Op::GdnConvGateDecode { slots, hk, hv } => (vec![1; slots.len()], slots.clone(), *hk, *hv, false, false),
-        Op::GdnConvGateRows { lens, slots, hk, hv } => (lens.clone(), slots.clone(), *hk, *hv, true, false),
-        Op::GdnConvGatePrefill { lens, slots, hk, hv } => (lens.clone(), slots.clone(), *hk, *hv, true, true),
+    let (lens, slots, hk, hv, rows) = match op {
+        Op::GdnConvGateDecode { slots, hk, hv } => (vec![1; slots.len()], slots.clone(), *hk, *hv, false),
+        Op::GdnConvGateRows { lens, slots, hk, hv } => (lens.clone(), slots.clone(), *hk, *hv, true),
         _ => unreachable!(),
     };
     let (dk, kw) = (k.dims.gdn_k_dim, k.dims.conv_kernel);
@@ -112,9 +110,6 @@ pub fn conv_gate_decode(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec
                 gdn_gate::gdn_conv_gate_decode(k, s, &f)?;
             }
             (false, false) => conv::conv_decode(k, s, xp, xs, wp, y, st, sp, b, c)?,
-            (true, true) if prefill => {
-                gdn_gate::gdn_conv_gate_prefill(k, s, &gdn_gate::GdnConvGateRows::of_conv(&cp, gate))?
-            }
             (true, true) => gdn_gate::gdn_conv_gate_rows(k, s, &gdn_gate::GdnConvGateRows::of_conv(&cp, gate))?,
             (true, false) => conv::conv_prefill_only(k, s, &cp)?,
         }
@@ -131,10 +126,8 @@ pub fn conv_gate_decode(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec
             d.rt.download(&mut v, p)?;
             Ok(v)
         };
-        // The prefill kernel writes y's v columns only.
-        let y_cols = if prefill { 2 * hk * dk } else { 0 };
         outs.push([
-            bits16(y, b * c)?.chunks(c).flat_map(|row| row[y_cols..].to_vec()).collect(),
+            bits16(y, b * c)?,
             bits16(st, st0.len())?,
             bits16(qo, b * hk * dk)?,
             bits16(ko, b * hk * dk)?,

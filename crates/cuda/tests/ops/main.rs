@@ -198,13 +198,6 @@ enum Op {
         hk: usize,
         hv: usize,
     },
-    /// Prefill rows of sequences of `lens` rows: gdn_conv_gate_prefill bitwise vs conv_prefill + gdn_gate.
-    GdnConvGatePrefill {
-        lens: Vec<usize>,
-        slots: Vec<i32>,
-        hk: usize,
-        hv: usize,
-    },
     GdnGate {
         t: usize,
         hk: usize,
@@ -516,9 +509,7 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
         Op::VisionBiasAct { .. } => vision::bias_act,
         Op::ConvPrefill { .. } => elementwise::conv_prefill,
         Op::ConvDecode { .. } => elementwise::conv_decode,
-        Op::GdnConvGateDecode { .. } | Op::GdnConvGateRows { .. } | Op::GdnConvGatePrefill { .. } => {
-            deltanet::conv_gate_decode
-        }
+        Op::GdnConvGateDecode { .. } | Op::GdnConvGateRows { .. } => deltanet::conv_gate_decode,
         Op::GdnGate { .. } => deltanet::gate,
         Op::GdnChunk { .. } => deltanet::chunk,
         Op::GdnDecode { .. } => deltanet::decode,
