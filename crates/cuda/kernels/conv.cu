@@ -17,7 +17,8 @@
 //   w [C, KW] bf16; y [T, C] bf16 contiguous; state [slots, KW-1, C] bf16 (pre-activation inputs);
 //   cu_seqlens [B+1] i32 (flattened token offsets); slots [B] i32.
 // Launch: conv_prefill grid (ceil(C/128), ceil(T/16)), block 128 (one channel per thread, 16
-//   tokens per block, the window sliding in registers); conv_state_update / conv_decode grid (ceil(C/128), B),
+//   tokens per block, the window sliding in registers; conv_prefill8, below, where rows allow 16-byte
+//   vectors); conv_state_update / conv_decode grid (ceil(C/128), B),
 //   conv_state_save grid (ceil(C/128), saves), block 128.
 // Arch: plain loads, sm_80+.
 // Tested by: tests/ops/ cases "conv_prefill" (ragged batches, with carried state, snapshots inside) and
@@ -69,6 +70,104 @@ extern "C" __global__ void conv_prefill(const bf16_t* __restrict__ x, long long 
 #pragma unroll
         for (int j = 0; j < CONV_K; j++) acc += wk[j] * win[j];
         y[(long long)t * C + c] = f2bf(siluf_(acc));
+    }
+}
+
+// conv_prefill8: conv_prefill with 8 channels a thread (16-byte loads and stores; the 8 channels' taps are
+// 8*KW consecutive values, KW 16-byte loads) over CONV_TT8 tokens, the same sums in the same order (bitwise
+// conv_prefill's). A block whose tokens and windows lie inside one sequence (every tile of a long prompt but
+// its first) loads the x rows of CONV_SUB tokens' windows before their arithmetic and runs unrolled; a tile
+// that meets a sequence start looks up each token's sequence and takes the window rows before it from the
+// state, a token at a time. (conv_prefill is issue-bound: a token's sequence lookup and its window's checks
+// for every element; 40% of the copy rate at 4,096 tokens.)
+// Launch: grid (ceil(C / 1024), ceil(T / CONV_TT8)), block 128; C % 8 == 0, x_stride % 8 == 0, x, w, y, state
+// 16-byte aligned.
+#define CONV_TT8 8
+#ifndef CONV_SUB
+#define CONV_SUB 4  // tokens a pass of the unrolled path loads rows for (a divisor of CONV_TT8; 4: 75 us a call
+                    // at 4,096 tokens against 83 for 8, H100)
+#endif
+// y's 8 channels at p from their sums: bf16(silu(acc)).
+__device__ __forceinline__ void conv8_store(bf16_t* p, const float (&acc)[8]) {
+    u32 o[4];
+#pragma unroll
+    for (int e = 0; e < 4; e++) o[e] = pack_f2bf(siluf_(acc[2 * e]), siluf_(acc[2 * e + 1]));
+    *(uint4*)p = make_uint4(o[0], o[1], o[2], o[3]);
+}
+extern "C" __global__ void __launch_bounds__(128)
+conv_prefill8(const bf16_t* __restrict__ x, long long x_stride, const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
+              const bf16_t* __restrict__ state, const int* __restrict__ cu_seqlens, const int* __restrict__ slots,
+              int B, int C, int T) {
+    const int c = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+    const int t0 = blockIdx.y * CONV_TT8;
+    if (c >= C) return;
+    const int n = min(CONV_TT8, T - t0);
+    // wv[j][e] = w[c + e, j]: the 8 * CONV_K values from w + c * CONV_K, CONV_K 16-byte words.
+    float wv[CONV_K][8];
+#pragma unroll
+    for (int q = 0; q < CONV_K; q++) {
+        const uint4 v = *(const uint4*)(w + (long long)c * CONV_K + 8 * q);
+        const u32 ww[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int h = 0; h < 8; h++) {
+            const int idx = 8 * q + h;  // = e * CONV_K + j
+            wv[idx % CONV_K][idx / CONV_K] = h & 1 ? hi_f(ww[h >> 1]) : lo_f(ww[h >> 1]);
+        }
+    }
+    const int s0 = seq_of_token(cu_seqlens, B, t0);
+    int start = cu_seqlens[s0], next = cu_seqlens[s0 + 1];
+    if (t0 - (CONV_K - 1) >= start && t0 + n <= next) {
+        // CONV_SUB tokens at a time: rows ts - (CONV_K - 1) .. ts + CONV_SUB - 1 (clamped into the step: rows
+        // past T are never used).
+        constexpr int R = CONV_SUB + CONV_K - 1;
+#pragma unroll 1
+        for (int ts = t0; ts < t0 + n; ts += CONV_SUB) {
+        uint4 xr[R];
+#pragma unroll
+        for (int i = 0; i < R; i++)
+            xr[i] = *(const uint4*)(x + (long long)min(ts - (CONV_K - 1) + i, T - 1) * x_stride + c);
+#pragma unroll
+        for (int i = 0; i < CONV_SUB; i++) {
+            if (ts + i < t0 + n) {
+                float acc[8];
+#pragma unroll
+                for (int e = 0; e < 8; e++) acc[e] = 0.0f;
+#pragma unroll
+                for (int j = 0; j < CONV_K; j++) {
+                    float fv[8];
+                    bf16x8_f32(xr[i + j], fv);
+#pragma unroll
+                    for (int e = 0; e < 8; e++) acc[e] += wv[j][e] * fv[e];
+                }
+                conv8_store(y + (long long)(ts + i) * C + c, acc);
+            }
+        }
+        }
+        return;
+    }
+    int s = s0;
+#pragma unroll 1
+    for (int i = 0; i < n; i++) {
+        const int t = t0 + i;
+        while (t >= next) {
+            s++;
+            start = next;
+            next = cu_seqlens[s + 1];
+        }
+        float acc[8];
+#pragma unroll
+        for (int e = 0; e < 8; e++) acc[e] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < CONV_K; j++) {
+            const int rel = t - start - (CONV_K - 1) + j;  // the window row's place in its sequence
+            const uint4 v = rel >= 0 ? *(const uint4*)(x + (long long)(start + rel) * x_stride + c)
+                                     : *(const uint4*)(state + ((long long)slots[s] * (CONV_K - 1) + CONV_K - 1 + rel) * C + c);
+            float fv[8];
+            bf16x8_f32(v, fv);
+#pragma unroll
+            for (int e = 0; e < 8; e++) acc[e] += wv[j][e] * fv[e];
+        }
+        conv8_store(y + (long long)t * C + c, acc);
     }
 }
 

@@ -166,8 +166,11 @@ qk_norm_rope(bf16_t* q, long long q_tok, long long q_head, const bf16_t* __restr
 //    E/2 .. 1 over j, lane L ^ (o * 32/E);
 //  - RoPE's partner dims i +- R/2 are lane L +- R/(2E)'s, by one shuffle of the packed bf16 values.
 // A block of 8 warps takes the rows of token blockIdx.x in gridDim.y pieces (warp w of piece y rows
-// y*8 + w + 8*gridDim.y*k) and computes the token's rotation table and cache row once; a long step runs
-// one piece a token (a warp's rows loaded before the first is reduced), a short one a row a warp.
+// y*8 + w + 8*gridDim.y*k) and computes the token's rotation table and cache row once (before the wait:
+// a step's first blocks do it while the previous kernel finishes); a long step runs one piece a token (a
+// warp's rows loaded before the first is reduced), a short one a row a warp. Measured against
+// qk_norm_rope (H100): 214 -> 76-83 us at 4,096 tokens, decode steps 0.6-0.7% faster
+// (bench/results/prefill-conv-and-qk-norm-vectors-2026-12-07.md).
 // Launch: grid (T, pieces), block 256; rows, strides and norm weights aligned to 2E bytes.
 #define QKNV_ROWS 4  // a warp's rows in flight at once
 
@@ -211,9 +214,8 @@ __device__ __forceinline__ void qknr_v(bf16_t* q, long long q_tok, long long q_h
     const int t = blockIdx.x, rows = nq + nk + nv, half = R / 2;
     const int p = pos[t];
     // Step inputs and weights before the wait: the rotation table, the cache row, the norm weights.
-    if (nq + nk > 0)
-        for (int j = threadIdx.x; j < half; j += blockDim.x)
-            qknr_rotation(j, p, t, rope_pos, R, theta_base, sec_h, sec_w, rc[j], rs[j]);
+    for (int j = threadIdx.x; j < half; j += blockDim.x)
+        qknr_rotation(j, p, t, rope_pos, R, theta_base, sec_h, sec_w, rc[j], rs[j]);
     const long long crow = nv > 0 && p >= 0 ? qknr_cache_row(t, p, block_tables, max_blocks, cu_seqlens, B, page) : -1;
     u32 wqw[W], wkw[W];
     bf16_ld<E>(wq + E * lane, wqw);

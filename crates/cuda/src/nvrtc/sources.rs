@@ -71,7 +71,7 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         module: "conv",
         src: include_str!("../../kernels/conv.cu"),
-        functions: &["conv_prefill", "conv_state_update", "conv_state_save", "conv_decode"],
+        functions: &["conv_prefill", "conv_prefill8", "conv_state_update", "conv_state_save", "conv_decode"],
     },
     KernelSource {
         module: "gdn_gate",

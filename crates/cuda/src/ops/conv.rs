@@ -8,6 +8,8 @@ use crate::error::CudaError;
 
 /// Tokens per block of `conv_prefill` (CONV_TT in kernels/conv.cu).
 const CONV_TOKENS_PER_BLOCK: usize = 16;
+/// Tokens per block of `conv_prefill8` (`CONV_TT8`): 8 channels a thread, 16-byte rows.
+const CONV8_TOKENS_PER_BLOCK: usize = 8;
 
 /// Varlen conv for `t` flattened tokens of `n_seqs` sequences.
 #[derive(Clone, Copy, Debug)]
@@ -50,6 +52,14 @@ pub fn conv_prefill_only(k: &Kernels, s: &CudaStream, a: &ConvPrefill) -> Result
     let b = to_i32("conv_prefill", "n_seqs", a.n_seqs)?;
     let c = to_i32("conv_prefill", "channels", a.channels)?;
     let t = to_i32("conv_prefill", "t", a.t)?;
+    let vec8 = a.channels.is_multiple_of(8)
+        && a.x_stride.is_multiple_of(8)
+        && [x, w, y, state].iter().all(|p| p.is_multiple_of(16));
+    if vec8 {
+        let gx = to_u32("conv_prefill8", "channel blocks", a.channels.div_ceil(8 * 128))?;
+        let gy = to_u32("conv_prefill8", "token tiles", a.t.div_ceil(CONV8_TOKENS_PER_BLOCK))?;
+        return launch!(k, s, "conv_prefill8", (gx, gy, 1), (128, 1, 1), 0; x, xs, w, y, state, cu_seqlens, slots, b, c, t);
+    }
     let gx = to_u32("conv_prefill", "channel blocks", a.channels.div_ceil(128))?;
     let gy = to_u32("conv_prefill", "token tiles", a.t.div_ceil(CONV_TOKENS_PER_BLOCK))?;
     launch!(k, s, "conv_prefill", (gx, gy, 1), (128, 1, 1), 0; x, xs, w, y, state, cu_seqlens, slots, b, c, t)

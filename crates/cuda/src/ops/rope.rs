@@ -160,7 +160,7 @@ const QK_ONE_PIECE_TOKENS: usize = 256;
 /// the rotated half a multiple of E, every row address and norm weight aligned to 2E bytes.
 fn vector_width(a: &QkNormRope, kv: Option<&super::kv_cache::KvWrite>) -> Option<usize> {
     let e = a.head_dim / 32;
-    if a.head_dim % 32 != 0 || ![2, 4, 8].contains(&e) || (a.rotary_dim / 2) % e != 0 {
+    if !a.head_dim.is_multiple_of(32) || ![2, 4, 8].contains(&e) || !(a.rotary_dim / 2).is_multiple_of(e) {
         return None;
     }
     let bytes = 2 * e as u64;
@@ -170,7 +170,7 @@ fn vector_width(a: &QkNormRope, kv: Option<&super::kv_cache::KvWrite>) -> Option
         addrs.push(w.v);
         strides.push(w.v_stride);
     }
-    (addrs.iter().all(|p| p % bytes == 0) && strides.iter().all(|s| s % e == 0)).then_some(e)
+    (addrs.iter().all(|p| p.is_multiple_of(bytes)) && strides.iter().all(|s| s.is_multiple_of(e))).then_some(e)
 }
 
 /// The `qk_norm_rope` kernel over `a`'s rows, and with `kv` the KV write (the formats' kernel codes).

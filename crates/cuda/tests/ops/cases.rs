@@ -220,13 +220,16 @@ pub(crate) fn row_cases() -> Vec<Case> {
         c("qk_norm_rope_kv", q, qkv(i8, bf, &[(0, 37), (70_000, 5)], 16, 2, 256, 16, false), EXACT),
         c("qk_norm_rope_kv", q, qkv(bf, bf, &[(5, 9)], 8, 1, 64, 8, true), EXACT),
         c("qk_norm_rope_kv", q, qkv(i4, f8, &[(259_000, 1), (17, 2)], 8, 4, 128, 32, false), EXACT),
-        // Long steps (a block a token, 4 rows a warp): the 27B's and the 35B-A3B's rows a token.
+        // Long steps (qk_norm_rope_vE in one piece a token, 4 rows a warp): the 27B's and the 35B-A3B's rows a
+        // token, head dims 64 and 128.
         c("qk_norm_rope", q, Op::QkNormRope { t: 300, nq: 24, nkv: 4, hd: 256, rot: 64, pos0: 7 }, EXACT),
+        c("qk_norm_rope", q, Op::QkNormRope { t: 260, nq: 8, nkv: 1, hd: 64, rot: 32, pos0: 260_000 }, EXACT),
         c("qk_norm_rope_kv", q, qkv(f8, f8, &[(1023, 260)], 16, 2, 256, 16, false), EXACT),
         c("qk_norm_rope_kv", q, qkv(bf, i8, &[(0, 200), (40, 90)], 8, 2, 128, 16, true), EXACT),
         c("conv_prefill", q, Op::ConvPrefill { lens: vec![1], c: 10240, saves: vec![] }, SINGLE),
         c("conv_prefill", q, Op::ConvPrefill { lens: vec![63, 64, 65], c: 10240, saves: vec![] }, SINGLE),
         c("conv_prefill", q, Op::ConvPrefill { lens: vec![2, 1, 129, 127], c: 10240, saves: vec![] }, SINGLE),
+        c("conv_prefill", q, Op::ConvPrefill { lens: vec![300, 9], c: 136, saves: vec![] }, SINGLE),
         // Snapshots inside: a cut after 1 and 2 rows (part of the carried state kept), 3, and deep.
         c(
             "conv_prefill",
@@ -687,6 +690,7 @@ pub(crate) fn vision_cases() -> Vec<Case> {
     vec![
         c("qk_norm_rope_mrope", q, mrope(12, 24, 4, 256, 64), SINGLE),
         c("qk_norm_rope_mrope", q, mrope(9, 4, 2, 32, 8), SINGLE),
+        c("qk_norm_rope_mrope", q, mrope(300, 24, 4, 256, 64), SINGLE),
         c("vision_layer_norm", q, Op::VisionLayerNorm { rows: 7, d: 1152, residual: false }, SINGLE),
         c("vision_layer_norm", q, Op::VisionLayerNorm { rows: 3, d: 144, residual: false }, SINGLE),
         // The residual add before it: the tower's width, a width past the registers' 1,536 and one not a
