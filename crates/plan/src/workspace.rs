@@ -369,9 +369,15 @@ pub fn plan_workspace(cfg: &ModelConfig, s: &StepShape) -> Option<WorkspaceLayou
     b.op("input_norm", &["residual", "fold_x", "fold_sums"], &["x_norm"]);
     // The DeltaNet ops in the backend's order: conv first, then the gates fused with the q/k L2 norm (it
     // reads the conv output and the b/a rows); decode's recurrence reads v (conv output) while writing
-    // its output, so the conv output stays live through the core.
+    // its output, so the conv output stays live through the core. Decode and verify rows run the conv and
+    // the gates in one launch, which writes the gates' outputs while it reads the in-projection rows: the
+    // conv op writes them too, so they never share bytes with gdn_qkv.
     b.op("gdn_in_proj", &["x_norm", "fold_x", "fold_sums"], &["gdn_qkv", "gdn_z", "gdn_b", "gdn_a"]);
-    b.op("gdn_conv", &["gdn_qkv", "cu_seqlens", "state_slot_ids"], &["gdn_conv_out"]);
+    b.op(
+        "gdn_conv",
+        &["gdn_qkv", "gdn_a", "gdn_b", "cu_seqlens", "state_slot_ids"],
+        &["gdn_conv_out", "gdn_g", "gdn_beta", "gdn_qk"],
+    );
     b.op("gdn_gate_qk_l2norm", &["gdn_a", "gdn_b", "gdn_conv_out"], &["gdn_g", "gdn_beta", "gdn_qk"]);
     b.op(
         "gdn_chunk_wy",

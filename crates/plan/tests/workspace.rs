@@ -64,6 +64,13 @@ proptest! {
         for name in ["positions", "cu_seqlens", "seq_lens", "state_slot_ids"] {
             prop_assert!(ws.get(name).unwrap().last_op >= last_layer_op, "{}", name);
         }
+        // The fused conv + gate launches (decode and verify rows) read the in-projection rows while they write
+        // the conv output and the gates' outputs: never at the same bytes.
+        if let Some(x) = ws.get("gdn_qkv") {
+            for name in ["gdn_conv_out", "gdn_g", "gdn_beta", "gdn_qk"] {
+                prop_assert!(!x.address_overlaps(ws.get(name).unwrap()), "gdn_qkv and {} share bytes", name);
+            }
+        }
         // The step inputs are one block from offset 0, in order, with one lifetime (one upload fills them).
         let mut at = 0;
         for name in STEP_INPUTS {
