@@ -87,6 +87,14 @@ extern "C" __global__ void conv_prefill(const bf16_t* __restrict__ x, long long 
 #define CONV_SUB 4  // tokens a pass of the unrolled path loads rows for (a divisor of CONV_TT8; 4: 75 us a call
                     // at 4,096 tokens against 83 for 8, H100)
 #endif
+// One tap j of 8 channels: acc[e] += w[c + e, j] * x[e] for the row's 16-byte vector xv (conv_prefill's
+// sum order, tap after tap).
+__device__ __forceinline__ void conv8_tap(float (&acc)[8], const float (&wj)[8], uint4 xv) {
+    float fv[8];
+    bf16x8_f32(xv, fv);
+#pragma unroll
+    for (int e = 0; e < 8; e++) acc[e] += wj[e] * fv[e];
+}
 // y's 8 channels at p from their sums: bf16(silu(acc)).
 __device__ __forceinline__ void conv8_store(bf16_t* p, const float (&acc)[8]) {
     u32 o[4];
@@ -122,26 +130,19 @@ conv_prefill8(const bf16_t* __restrict__ x, long long x_stride, const bf16_t* __
         constexpr int R = CONV_SUB + CONV_K - 1;
 #pragma unroll 1
         for (int ts = t0; ts < t0 + n; ts += CONV_SUB) {
-        uint4 xr[R];
+            uint4 xr[R];
 #pragma unroll
-        for (int i = 0; i < R; i++)
-            xr[i] = *(const uint4*)(x + (long long)min(ts - (CONV_K - 1) + i, T - 1) * x_stride + c);
+            for (int i = 0; i < R; i++)
+                xr[i] = *(const uint4*)(x + (long long)min(ts - (CONV_K - 1) + i, T - 1) * x_stride + c);
 #pragma unroll
-        for (int i = 0; i < CONV_SUB; i++) {
-            if (ts + i < t0 + n) {
-                float acc[8];
+            for (int i = 0; i < CONV_SUB; i++) {
+                if (ts + i < t0 + n) {
+                    float acc[8] = {};
 #pragma unroll
-                for (int e = 0; e < 8; e++) acc[e] = 0.0f;
-#pragma unroll
-                for (int j = 0; j < CONV_K; j++) {
-                    float fv[8];
-                    bf16x8_f32(xr[i + j], fv);
-#pragma unroll
-                    for (int e = 0; e < 8; e++) acc[e] += wv[j][e] * fv[e];
+                    for (int j = 0; j < CONV_K; j++) conv8_tap(acc, wv[j], xr[i + j]);
+                    conv8_store(y + (long long)(ts + i) * C + c, acc);
                 }
-                conv8_store(y + (long long)(ts + i) * C + c, acc);
             }
-        }
         }
         return;
     }
@@ -154,18 +155,13 @@ conv_prefill8(const bf16_t* __restrict__ x, long long x_stride, const bf16_t* __
             start = next;
             next = cu_seqlens[s + 1];
         }
-        float acc[8];
-#pragma unroll
-        for (int e = 0; e < 8; e++) acc[e] = 0.0f;
+        float acc[8] = {};
 #pragma unroll
         for (int j = 0; j < CONV_K; j++) {
             const int rel = t - start - (CONV_K - 1) + j;  // the window row's place in its sequence
-            const uint4 v = rel >= 0 ? *(const uint4*)(x + (long long)(start + rel) * x_stride + c)
-                                     : *(const uint4*)(state + ((long long)slots[s] * (CONV_K - 1) + CONV_K - 1 + rel) * C + c);
-            float fv[8];
-            bf16x8_f32(v, fv);
-#pragma unroll
-            for (int e = 0; e < 8; e++) acc[e] += wv[j][e] * fv[e];
+            conv8_tap(acc, wv[j],
+                      rel >= 0 ? *(const uint4*)(x + (long long)(start + rel) * x_stride + c)
+                               : *(const uint4*)(state + ((long long)slots[s] * (CONV_K - 1) + CONV_K - 1 + rel) * C + c));
         }
         conv8_store(y + (long long)t * C + c, acc);
     }

@@ -230,14 +230,14 @@ __device__ __forceinline__ void qknr_v(bf16_t* q, long long q_tok, long long q_h
     const int j0 = lo_half ? i0 : i0 - half;
     const int partner = !rot ? lane : lo_half ? lane + half / E : lane - half / E;
     bf16_t* kb = kb_all[warp];
+    // Row h < nq + nk of the token: a q or k head, normalised and rotated in place.
+    auto qk_row = [&](int h) { return h < nq ? q + t * q_tok + h * q_head : k + t * k_tok + (h - nq) * k_head; };
     for (int h0 = blockIdx.y * 8 + warp; h0 < rows; h0 += QKNV_ROWS * step) {
         u32 xw[QKNV_ROWS][W];
 #pragma unroll
         for (int m = 0; m < QKNV_ROWS; m++) {
             const int h = h0 + m * step;
-            const bf16_t* src = h < nq        ? q + t * q_tok + h * q_head
-                                : h < nq + nk ? k + t * k_tok + (h - nq) * k_head
-                                              : v + t * v_tok + (long long)(h - nq - nk) * D;
+            const bf16_t* src = h < nq + nk ? qk_row(h) : v + t * v_tok + (long long)(h - nq - nk) * D;
             if (h < rows) bf16_ld<E>(src + i0, xw[m]);
         }
         // Rolled (the code stays small: a short step runs it once a layer): row m is always in xw[0], the
@@ -298,7 +298,7 @@ __device__ __forceinline__ void qknr_v(bf16_t* q, long long q_tok, long long q_h
 #pragma unroll
                     for (int c = 0; c < W; c++) ow[c] = yw[c];
                 }
-                bf16_st<E>((isq ? q + t * q_tok + h * q_head : k + t * k_tok + (h - nq) * k_head) + i0, ow);
+                bf16_st<E>(qk_row(h) + i0, ow);
             } else {
 #pragma unroll
                 for (int c = 0; c < W; c++) ow[c] = xw[0][c];
