@@ -61,10 +61,12 @@ pub(crate) const GDN_BF16: Tol = Tol { atol_rms: 6e-2, atol_abs: 1e-6, rtol: 6e-
 /// The DeltaNet state stored bf16 (`--state-dtype bf16`): the state kernels against the reference that
 /// rounds where they store (the recurrent ones after every token, the chunked walk at its stores).
 pub(crate) const BF16_STATE: KernelDims = KernelDims { state_bf16: true, ..KernelDims::QWEN35_27B };
-/// A cut sequence with a bf16 state: where the chunked walk and the reference's recurrence straddle a
-/// rounding boundary at a cut, an element differs by one bf16 ulp (2^-8 of it), which the rows after the
-/// cut mix into every other element of its column: measured up to 0.9% of the state rms on the H100.
-pub(crate) const BF16_STATE_CUT: Tol = Tol { atol_rms: 1.6e-2, ..ACCUM };
+/// A bf16 state rounded between rows: where the kernel and the reference straddle a rounding boundary (their
+/// f32 sums in different orders), an element differs by one bf16 ulp (2^-8 of it), which the rows after mix
+/// into every other element of its column. At a cut of the chunked walk: measured up to 0.9% of the state
+/// rms on the H100; the recurrent kernels round after every token of a multi-token row (a state element at
+/// 138% of ACCUM's bound at one seed).
+pub(crate) const BF16_STATE_ROUNDED: Tol = Tol { atol_rms: 1.6e-2, ..ACCUM };
 pub(crate) const SPLIT: gdn_chunk::Precision = gdn_chunk::Precision::Split;
 pub(crate) const BF16: gdn_chunk::Precision = gdn_chunk::Precision::Bf16;
 
@@ -297,7 +299,7 @@ pub(crate) fn row_cases() -> Vec<Case> {
         c("gdn_recurrent", GDN32, Op::GdnRecurrent { lens: vec![4, 2], accept: Some(vec![3, 2]), hk: 2, hv: 6 }, ACCUM),
         c("gdn_chunk", BF16_STATE, gdn_op(&[129, 1, 64, 200], 16, 48, SPLIT), ACCUM),
         c("gdn_chunk", BF16_STATE, gdn_op(&[1000], 16, 48, SPLIT), ACCUM),
-        c("gdn_chunk", BF16_STATE, gdn_cut_op(&[65, 300], &[&[37], &[128, 129, 299]], 16, 48), BF16_STATE_CUT),
+        c("gdn_chunk", BF16_STATE, gdn_cut_op(&[65, 300], &[&[37], &[128, 129, 299]], 16, 48), BF16_STATE_ROUNDED),
         c("gdn_decode", BF16_STATE, Op::GdnDecode { b: 7, hk: 16, hv: 48 }, ACCUM),
         c("gdn_decode_gated", BF16_STATE, Op::GdnDecodeGated { slots: vec![3, -1, 0, 1], hk: 16, hv: 48 }, EXACT),
         c(
@@ -310,13 +312,13 @@ pub(crate) fn row_cases() -> Vec<Case> {
             "gdn_recurrent",
             BF16_STATE,
             Op::GdnRecurrent { lens: vec![3, 1, 5, 2], accept: None, hk: 16, hv: 48 },
-            ACCUM,
+            BF16_STATE_ROUNDED,
         ),
         c(
             "gdn_recurrent",
             BF16_STATE,
             Op::GdnRecurrent { lens: vec![3, 1, 5, 2], accept: Some(vec![2, 1, 5, 1]), hk: 16, hv: 48 },
-            ACCUM,
+            BF16_STATE_ROUNDED,
         ),
         c("gdn_rows", BF16_STATE, gdn_rows(&[4, 1, 6], &[3, -1, 1], None, 16, 48), EXACT),
         c("gdn_rows", BF16_STATE, gdn_rows(&[4, 3, 6, 2], &[3, 0, 1, -1], Some(&[2, 3, 5, 1]), 16, 48), EXACT),
