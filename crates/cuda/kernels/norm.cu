@@ -179,9 +179,13 @@ extern "C" __global__ void add_rms_norm_1p(const bf16_t* x, const bf16_t* res,
 // sum of the V / 32 warp sums), so the same bits, with NORM_VT times the rows an SM holds at once (a V-thread
 // block a row held three: 66% of the copy rate at 4,096 rows of 5,120). Launch: grid (rows), block V / NORM_VT
 // (a multiple of 32); the vector path's alignment.
+// With q (D % 128 == 0), the rows of tokens t < Tq are quantised for the FP8 GEMM instead of stored (codes
+// q[t * D ..], scales xs[(k / 128) * Tq + t]; fp8.cu's fp8_act_quant of the stored row, the same bits: a
+// half-warp holds a 128-feature block, since R is a multiple of 32) and the rows from Tq stored to out.
 #define NORM_VT 4
 extern "C" __global__ void add_rms_norm_1p_rows(const bf16_t* x, const bf16_t* res, const bf16_t* __restrict__ w,
-                                                bf16_t* res_out, bf16_t* __restrict__ out, int D, float eps, int V) {
+                                                bf16_t* res_out, bf16_t* __restrict__ out, int D, float eps, int V,
+                                                int Tq, unsigned char* __restrict__ q, float* __restrict__ xs) {
     pdl_trigger();
     __shared__ float red[32];
     const int R = blockDim.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -215,10 +219,22 @@ extern "C" __global__ void add_rms_norm_1p_rows(const bf16_t* x, const bf16_t* r
     }
     __syncthreads();
     const float inv = rsqrtf(warp_sum(lane < (V >> 5) ? red[lane] : 0.0f) / (float)D + eps);
+    const bool quant = q != nullptr && (int)blockIdx.x < Tq;  // block-uniform
 #pragma unroll
     for (int i = 0; i < NORM_VT; i++) {
         const int v = threadIdx.x + i * R;
-        if (v < nv) *(uint4*)(out + base + 8 * v) = norm_out8(hv[i], wv[i], inv);
+        const uint4 y = v < nv ? norm_out8(hv[i], wv[i], inv) : make_uint4(0u, 0u, 0u, 0u);
+        if (quant) {  // every lane: the shuffles need them all (a half-warp is all inside the row or all past it)
+            float f[8], sc;
+            bf16x8_f32(y, f);
+            const uint2 codes = f8_quant8(f, sc);
+            if (v < nv) {
+                *(uint2*)(q + base + 8 * v) = codes;
+                if ((v & 15) == 0) xs[(long long)(v >> 4) * Tq + blockIdx.x] = sc;
+            }
+        } else if (v < nv) {
+            *(uint4*)(out + base + 8 * v) = y;
+        }
     }
 }
 

@@ -11,7 +11,7 @@ use crate::ops::{self, attention, elementwise, kv_cache};
 use super::CudaBackend;
 use super::forward::b2;
 use super::layout::Ws;
-use super::linear::{OutNorm, po};
+use super::linear::{OutNorm, ProjOut, po};
 use super::step::StepShape;
 use super::weights::AttnLayer;
 
@@ -35,8 +35,7 @@ impl CudaBackend {
         let h = d.hidden;
         let eps = self.eps;
         let (nh, nkv, hd, ad, kvd) = (d.q_heads, d.kv_heads, d.head_dim, d.attn_dim, d.kv_dim);
-        let outs = [po(&aw.q, ws.attn_qg, 2 * ad), po(&aw.k, ws.attn_k, kvd), po(&aw.v, ws.attn_v, kvd)];
-        self.proj_fold(s, x_in, t, h, &outs, in_fold)?;
+        self.proj_fold(s, x_in, t, h, &self.attn_in_outs(ws, aw), in_fold)?;
         self.tick("attn q/k/v GEMMs")?;
         let qkr = ops::rope::QkNormRope {
             q: ws.attn_qg,
@@ -89,6 +88,12 @@ impl CudaBackend {
         self.mixer_out_proj(s, ws, ws.attn_out, t, ad, &aw.o, out_fold)?;
         self.tick("attn gate + o GEMM")?;
         Ok(())
+    }
+
+    /// The input projections, each into its workspace buffer: q and gate, k, v.
+    pub(super) fn attn_in_outs<'a>(&self, ws: &Ws, aw: &'a AttnLayer) -> [ProjOut<'a>; 3] {
+        let (ad, kvd) = (self.d.attn_dim, self.d.kv_dim);
+        [po(&aw.q, ws.attn_qg, 2 * ad), po(&aw.k, ws.attn_k, kvd), po(&aw.v, ws.attn_v, kvd)]
     }
 
     /// Whether short chunks run the prefill kernel split over the keys (else their rows attend as

@@ -10,7 +10,7 @@ use super::CudaBackend;
 use super::cache_ops::Place;
 use super::forward::b2;
 use super::layout::Ws;
-use super::linear::{OutNorm, po};
+use super::linear::{OutNorm, ProjOut, po};
 use super::step::StepShape;
 use super::weights::GdnLayer;
 
@@ -43,11 +43,10 @@ impl CudaBackend {
         let (s, d) = (self.rt.stream().as_ref(), &self.d);
         let StepShape { t, tp, .. } = *sh;
         let h = d.hidden;
-        let (cc, vw, hv) = (d.conv_channels, d.gdn_value_width, d.gdn_v_heads);
+        let vw = d.gdn_value_width;
         let rec_state = self.states.ptr + st.rec as u64;
         let conv_state = self.states.ptr + st.conv as u64;
-        let outs = [po(&gw.qkv, ws.gdn_qkv, cc), po(&gw.z, ws.gdn_z, vw), po(&gw.ba, ws.gdn_ba, 2 * hv)];
-        self.proj_fold(s, x_in, t, h, &outs, in_fold)?;
+        self.proj_fold(s, x_in, t, h, &self.gdn_in_outs(ws, gw), in_fold)?;
         self.tick("gdn in-proj GEMMs")?;
         let (fused_dec, fused_pre) = self.gdn_conv(ws, gw, (conv_state, st.snap_conv), sh, gdn_index)?;
         let (q, kk) = if fused_pre {
@@ -63,6 +62,13 @@ impl CudaBackend {
         self.mixer_out_proj(s, ws, ws.gdn_normed, t, vw, &gw.out, out_fold)?;
         self.tick("gdn gated norm + out GEMM")?;
         Ok(())
+    }
+
+    /// The in-projections, each into its workspace buffer: qkv, z, then b and a.
+    pub(super) fn gdn_in_outs<'a>(&self, ws: &Ws, gw: &'a GdnLayer) -> [ProjOut<'a>; 3] {
+        let d = &self.d;
+        let (cc, vw, hv) = (d.conv_channels, d.gdn_value_width, d.gdn_v_heads);
+        [po(&gw.qkv, ws.gdn_qkv, cc), po(&gw.z, ws.gdn_z, vw), po(&gw.ba, ws.gdn_ba, 2 * hv)]
     }
 
     /// The gated norm of the step's first `tp` rows (the chunked and verify rows) into `gdn_normed`. In a step

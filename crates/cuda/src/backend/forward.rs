@@ -13,7 +13,7 @@ use super::cache_ops::Place;
 use super::deltanet::GdnOffsets;
 use super::inputs::HOST_EMBED_GPU_ROWS;
 use super::layout::{LayerCache, Ws};
-use super::linear::{LayerFold, OutNorm, po};
+use super::linear::{LayerFold, OutNorm, ProjOut, po};
 use super::step::StepShape;
 use super::weights::{Layer, Mixer, Proj};
 
@@ -119,9 +119,8 @@ impl CudaBackend {
         kv_only: bool,
         fold: Option<LayerFold>,
     ) -> Result<(), CudaError> {
-        let (k, s, d) = (&self.k, self.rt.stream().as_ref(), &self.d);
+        let s = self.rt.stream().as_ref();
         let t = sh.t;
-        let h = d.hidden;
         let eps = self.eps;
         // The input norm: its own kernel, or the previous layer's down projection and this layer's
         // in-projection (folded), or the previous layer's down projection alone (run after it).
@@ -131,21 +130,9 @@ impl CudaBackend {
         } else {
             (ws.x_norm, Fold::None)
         };
-        if first {
-            norm::add_rms_norm_1p(k, s, ws.residual, None, layer.input_norm, None, ws.x_norm, t, h, eps)?;
-        } else if !fold_in {
-            norm::add_rms_norm_1p(
-                k,
-                s,
-                ws.mlp_out,
-                Some(ws.residual),
-                layer.input_norm,
-                Some(ws.residual),
-                ws.x_norm,
-                t,
-                h,
-                eps,
-            )?;
+        if first || !fold_in {
+            let x = if first { (ws.residual, None, None) } else { (ws.mlp_out, Some(ws.residual), Some(ws.residual)) };
+            self.add_norm_into(s, x, layer.input_norm, ws.x_norm, t, &self.mixer_in_outs(ws, &layer.mixer))?;
         }
         self.tick("norms")?;
         let out_fold = fold.map(|f| {
@@ -171,13 +158,22 @@ impl CudaBackend {
         self.mlp(ws, layer, t, fold)
     }
 
+    /// The projections of a mixer's input, each into its workspace buffer.
+    pub(super) fn mixer_in_outs<'a>(&self, ws: &Ws, mixer: &'a Mixer) -> [ProjOut<'a>; 3] {
+        match mixer {
+            Mixer::Gdn(g) => self.gdn_in_outs(ws, g),
+            Mixer::Attn(a) => self.attn_in_outs(ws, a),
+        }
+    }
+
     /// A layer's MLP after its mixer: the post-attention norm (or folded: its sums), gate/up, SwiGLU and
     /// down into `mlp_out`, or with `fold.next_norm` into the residual stream and the next norm's input.
     fn mlp(&self, ws: &Ws, layer: &Layer, t: usize, fold: Option<LayerFold>) -> Result<(), CudaError> {
-        let (k, s, d) = (&self.k, self.rt.stream().as_ref(), &self.d);
+        let (s, d) = (self.rt.stream().as_ref(), &self.d);
         let h = d.hidden;
         let eps = self.eps;
         let gemv_fold = fold.is_some_and(|f| f.gemv);
+        let i = layer.moe.as_ref().map_or(d.intermediate, |m| m.shared_width);
         let (mlp_x, mlp_fold) = if gemv_fold {
             (ws.fold_x, Fold::Norm { sums: ws.fold_sums, eps })
         } else if fold.is_some() {
@@ -185,22 +181,13 @@ impl CudaBackend {
             (ws.mlp_in, Fold::None)
         } else {
             self.all_reduce(ws.mixer_out, t * h)?;
-            norm::add_rms_norm_1p(
-                k,
-                s,
-                ws.mixer_out,
-                Some(ws.residual),
-                layer.post_norm,
-                Some(ws.residual),
-                ws.mlp_in,
-                t,
-                h,
-                eps,
-            )?;
+            let x = (ws.mixer_out, Some(ws.residual), Some(ws.residual));
+            // A sparse layer's router and experts read mlp_in too: stored whole.
+            let outs = if layer.moe.is_none() { vec![po(&layer.gate_up, ws.mlp_gate_up, 2 * i)] } else { vec![] };
+            self.add_norm_into(s, x, layer.post_norm, ws.mlp_in, t, &outs)?;
             self.tick("norms")?;
             (ws.mlp_in, Fold::None)
         };
-        let i = layer.moe.as_ref().map_or(d.intermediate, |m| m.shared_width);
         if layer.moe.is_some() && gemv_fold {
             return Err(CudaError::Plan("a sparse layer's norms do not fold into its projections".into()));
         }

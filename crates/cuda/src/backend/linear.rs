@@ -215,10 +215,7 @@ impl CudaBackend {
     }
 
     /// Whether the kernel that writes an activation `[t, kdim]` for the projection `w` (into `y`, row stride
-    /// `ldy`) writes its FP8 codes and scales too: `w` one block-FP8 linear that the step runs on the tensor
-    /// cores, with [`crate::CudaOptions::fp8_fused_quant`]. Some: the tokens to quantise (the rest the GEMV
-    /// takes as bf16) and where their codes and scales go; the kernel's caller then calls
-    /// [`Self::fp8_x_written`].
+    /// `ldy`) writes its FP8 codes and scales too ([`Self::fp8_fused_targets`] of that one output).
     pub(super) fn fp8_fused_target(
         &self,
         w: &Proj,
@@ -227,12 +224,46 @@ impl CudaBackend {
         y: u64,
         ldy: usize,
     ) -> Option<(usize, (u64, u64))> {
-        let [Part::Fp8(w)] = w.as_slice() else { return None };
-        if !self.opts.fp8_fused_quant || !kdim.is_multiple_of(fp8::FP8_BLOCK) {
+        self.fp8_fused_targets(&[po(w, y, ldy)], t, kdim)
+    }
+
+    /// Whether the kernel that writes an activation `[t, kdim]` for the projections `outs` (sharing it as x)
+    /// writes its FP8 codes and scales too: every part block-FP8, run on the tensor cores this step, with
+    /// [`crate::CudaOptions::fp8_fused_quant`]. Some: the tokens to quantise (the rest the GEMV takes as bf16)
+    /// and where their codes and scales go; the kernel's caller then calls [`Self::fp8_x_written`].
+    pub(super) fn fp8_fused_targets(&self, outs: &[ProjOut<'_>], t: usize, kdim: usize) -> Option<(usize, (u64, u64))> {
+        if !self.opts.fp8_fused_quant || !kdim.is_multiple_of(fp8::FP8_BLOCK) || outs.is_empty() {
             return None;
         }
-        let tq = self.fp8_gemm_route(t, kdim, &[Fp8Out { w, y, ldy }], false)?.tq;
+        let fp8 = fp8_outs(outs)?;
+        let tq = self.fp8_gemm_route(t, kdim, &fp8, false)?.tq;
         Some((tq, self.fp8_x_at(tq, kdim)))
+    }
+
+    /// The residual add + RMSNorm of the step's `t` rows (`x` added to `res` where given, `res_out` updated)
+    /// into `out`, the input of the projections `outs`: where those take FP8 codes
+    /// ([`Self::fp8_fused_targets`]) and the norm's many-rows kernel runs, it writes the codes instead of
+    /// `out`'s quantised rows ([`norm::add_rms_norm_1p_quant`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn add_norm_into(
+        &self,
+        s: &CudaStream,
+        (x, res, res_out): (u64, Option<u64>, Option<u64>),
+        norm_w: u64,
+        out: u64,
+        t: usize,
+        outs: &[ProjOut<'_>],
+    ) -> Result<(), CudaError> {
+        let (h, eps) = (self.d.hidden, self.eps);
+        let ptrs = [x, res.unwrap_or(0), norm_w, res_out.unwrap_or(0), out];
+        if let Some((tq, at)) = self.fp8_fused_targets(outs, t, h)
+            && norm::add_rms_norm_1p_quant_supported(t, h, &ptrs, at)
+        {
+            norm::add_rms_norm_1p_quant(&self.k, s, (x, res, norm_w, res_out, out), (t, h, eps), tq, at)?;
+            self.fp8_x_written(out, tq, h);
+            return Ok(());
+        }
+        norm::add_rms_norm_1p(&self.k, s, x, res, norm_w, res_out, out, t, h, eps)
     }
 
     /// The FP8 scratch now holds the codes and scales of the first `tq` tokens of the activation at `x`

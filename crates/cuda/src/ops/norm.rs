@@ -31,14 +31,59 @@ pub fn add_rms_norm_1p(
     let dd = to_i32("add_rms_norm_1p", "d", d)?;
     let grid = (to_u32("add_rms_norm_1p", "rows", rows)?, 1, 1);
     let v = add_norm_threads(d);
-    let aligned = [x, res, w, res_out, out].iter().all(|p| p.is_multiple_of(16));
-    if rows >= NORM_ROWS_MIN && d.is_multiple_of(8) && d <= 8 * v as usize && v.is_multiple_of(32 * NORM_VT) && aligned
-    {
+    if rows_path(rows, d, &[x, res, w, res_out, out]) {
         // The same bits with a quarter of the threads a row (`add_rms_norm_1p_rows`).
-        let vv = v as i32;
-        return launch_pdl!(k, s, "add_rms_norm_1p_rows", grid, (v / NORM_VT, 1, 1), 0; x, res, w, res_out, out, dd, eps, vv);
+        let (vv, tq, none) = (v as i32, 0i32, 0u64);
+        return launch_pdl!(k, s, "add_rms_norm_1p_rows", grid, (v / NORM_VT, 1, 1), 0;
+            x, res, w, res_out, out, dd, eps, vv, tq, none, none);
     }
     launch_pdl!(k, s, "add_rms_norm_1p", grid, (v, 1, 1), 0; x, res, w, res_out, out, dd, eps)
+}
+
+/// Whether [`add_rms_norm_1p`] runs `add_rms_norm_1p_rows` for these rows and addresses.
+fn rows_path(rows: usize, d: usize, ptrs: &[u64]) -> bool {
+    let v = add_norm_threads(d);
+    rows >= NORM_ROWS_MIN
+        && d.is_multiple_of(8)
+        && d <= 8 * v as usize
+        && v.is_multiple_of(32 * NORM_VT)
+        && ptrs.iter().all(|p| p.is_multiple_of(16))
+}
+
+/// Whether [`add_rms_norm_1p_quant`] takes these rows (the many-rows kernel's, `d` a multiple of 128) with
+/// these addresses (`x`, `res`, `w`, `res_out`, `out`; 0 for none) and codes `q`, scales `xs`.
+pub fn add_rms_norm_1p_quant_supported(rows: usize, d: usize, ptrs: &[u64], (q, xs): (u64, u64)) -> bool {
+    d.is_multiple_of(128) && rows_path(rows, d, ptrs) && q.is_multiple_of(8) && xs.is_multiple_of(4)
+}
+
+/// [`add_rms_norm_1p`] whose first `tq` rows of out are quantised for the FP8 GEMM instead of stored:
+/// codes `[tq, d]` at `q` and scales `[d/128, tq]` at `xs`, exactly as [`super::fp8::act_quant`] would
+/// quantise the stored rows; the rows from `tq` are stored to `out` as bf16. Where
+/// [`add_rms_norm_1p_quant_supported`].
+/// The norm's tensors as [`add_rms_norm_1p`] takes them: `(x, res, w, res_out, out)`.
+pub fn add_rms_norm_1p_quant(
+    k: &Kernels,
+    s: &CudaStream,
+    (x, res, w, res_out, out): (u64, Option<u64>, u64, Option<u64>, u64),
+    (rows, d, eps): (usize, usize, f32),
+    tq: usize,
+    (q, xs): (u64, u64),
+) -> Result<(), CudaError> {
+    const NAME: &str = "add_rms_norm_1p_rows";
+    let (res, res_out) = (res.unwrap_or(0), res_out.unwrap_or(0));
+    if !add_rms_norm_1p_quant_supported(rows, d, &[x, res, w, res_out, out], (q, xs)) || tq > rows {
+        return Err(invalid(
+            NAME,
+            format!(
+                "quantised rows: {rows} rows of {d} (at least {NORM_ROWS_MIN}, d a multiple of 128), tq = {tq} at \
+                 most the rows, rows 16-, q 8- and xs 4-byte aligned"
+            ),
+        ));
+    }
+    let v = add_norm_threads(d);
+    let grid = (to_u32(NAME, "rows", rows)?, 1, 1);
+    let (dd, vv, tqq) = (to_i32(NAME, "d", d)?, v as i32, to_i32(NAME, "tq", tq)?);
+    launch_pdl!(k, s, NAME, grid, (v / NORM_VT, 1, 1), 0; x, res, w, res_out, out, dd, eps, vv, tqq, q, xs)
 }
 
 /// Rows from which [`add_rms_norm_1p`] runs `add_rms_norm_1p_rows` (four times the rows an SM holds at once;

@@ -107,16 +107,21 @@ fn random_fp8_weights_run() {
     random_weights_run("random fp8", &cfg, &plan);
 }
 
-/// The SwiGLU that quantises the down projection's activations itself (`fp8_swiglu_quant`, the default)
-/// gives the logits of the SwiGLU then the quantisation bit for bit: prefill chunks of 37 (the last token by
-/// the GEMV), 301 and 1100 tokens, on a block-FP8 model whose MLP width (256) the fused pass takes.
+/// The kernels that quantise the next projection's activations themselves (the default: the SwiGLU for the
+/// down projection, `fp8_swiglu_quant`; the residual add + RMSNorms of 256 rows or more for the mixer's
+/// in-projections and gate / up, `add_rms_norm_1p_rows`) give the logits of the kernels then the
+/// quantisation bit for bit: prefill chunks of 37 (the last token by the GEMV), 301 and 1100 tokens, on a
+/// block-FP8 model whose MLP width (256) and hidden size (128) the fused passes take.
 #[test]
 fn fp8_fused_swiglu_quant_is_bitwise() {
     if !fp8_gpu() {
         return;
     }
     let (dir, cfg) = tiny_int4_dir_named("fp8-fused", 4);
-    assert!(cfg.intermediate_size.is_multiple_of(128), "the fused pass needs a multiple of 128");
+    assert!(
+        cfg.intermediate_size.is_multiple_of(128) && cfg.hidden_size.is_multiple_of(128),
+        "the fused passes need multiples of 128"
+    );
     let plan = plan_with(&cfg, |o| o.weights_dtype = WeightsDtype::Fp8Block);
     let mut g = cuda(&dir, &cfg, &plan);
     assert!(g.options().fp8_fused_quant, "on by default");

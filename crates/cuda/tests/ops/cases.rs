@@ -486,6 +486,9 @@ pub(crate) fn linear_cases() -> Vec<Case> {
         c("fp8_gated_norm_quant", q, Op::Fp8GatedNormQuant { t: 4099, hv: 48, tq: 4096 }, EXACT),
         c("fp8_gated_norm_quant", q, Op::Fp8GatedNormQuant { t: 21, hv: 3, tq: 21 }, EXACT),
         c("fp8_swiglu_quant", q, Op::Fp8SwigluQuant { t: 70, i: 384, tq: 68 }, EXACT),
+        // The 27B's rows (the GEMV's tail token bf16); a width whose last threads hold no vector.
+        c("fp8_norm_quant", q, Op::Fp8NormQuant { t: 4097, d: 5120, tq: 4096 }, EXACT),
+        c("fp8_norm_quant", q, Op::Fp8NormQuant { t: 300, d: 384, tq: 300 }, EXACT),
         c("fp8_swiglu_quant", q, Op::Fp8SwigluQuant { t: 33, i: 2176, tq: 33 }, EXACT),
         c("fp8_quantize", q, Op::Fp8Quantize { out: 300, k: 1040 }, EXACT),
         c("fp8_quantize", q, Op::Fp8Quantize { out: 5120, k: 640 }, EXACT),

@@ -245,6 +245,34 @@ pub fn gated_norm_quant(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec
     fused_against_apart(d, "norm", (q, xs, out), (q_ref, xs_ref, h), t, tq, hv * 128)
 }
 
+/// [`Op::Fp8NormQuant`]: the quantising residual add + RMSNorm against the norm then the activations'
+/// quantisation, bit for bit (codes and scales of the first `tq` rows, the bf16 rows after, the residual
+/// stream written alike); a zero row (scale 1) first.
+pub fn norm_quant(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {
+    use deltaserve_cuda::ops::norm;
+    let Env { k, s, .. } = e;
+    let Op::Fp8NormQuant { t, d: dd, tq } = *op else { unreachable!() };
+    let n = t * dd;
+    let (mut x, mut res) = (randv(rng, n, 1.0), randv(rng, n, 4.0));
+    x[..dd].fill(0.0);
+    res[..dd].fill(0.0);
+    let w: Vec<f32> = randv(rng, dd, 0.5);
+    let (xp, wp) = (d.bf16(&x)?, d.bf16(&w)?);
+    let (res_a, res_b) = (d.bf16(&res)?, d.bf16(&res)?);
+    let h = d.poison(2 * n)?;
+    norm::add_rms_norm_1p(k, s, xp, Some(res_a), wp, Some(res_a), h, t, dd, 1e-6)?;
+    let (q_ref, xs_ref) = (d.poison(n)?, d.poison(4 * n / 128)?);
+    fp8::act_quant(k, s, h, tq, dd, q_ref, xs_ref)?;
+    let (q, xs, out) = (d.poison(n)?, d.poison(4 * n / 128)?, d.poison(2 * n)?);
+    let supported = norm::add_rms_norm_1p_quant_supported(t, dd, &[xp, res_b, wp, res_b, out], (q, xs));
+    norm::add_rms_norm_1p_quant(k, s, (xp, Some(res_b), wp, Some(res_b), out), (t, dd, 1e-6), tq, (q, xs))?;
+    let mut v = fused_against_apart(d, "norm", (q, xs, out), (q_ref, xs_ref, h), t, tq, dd)?;
+    let same_res = d.get_bytes(res_a, 2 * n)? == d.get_bytes(res_b, 2 * n)?;
+    v.push(Outcome { ok: same_res, detail: format!("residual stream bitwise: {same_res}") });
+    v.push(Outcome { ok: supported, detail: format!("taken by the many-rows kernel: {supported}") });
+    Ok(v)
+}
+
 /// [`Op::Fp8Quantize`]: bf16 weights quantised on the GPU, codes and scales bit for bit against
 /// `fp8_block_quantize`.
 pub fn quantize(e: Env, d: &mut Dev, rng: &mut StdRng, op: &Op) -> R<Vec<Outcome>> {

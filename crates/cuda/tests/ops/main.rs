@@ -332,6 +332,13 @@ enum Op {
         hv: usize,
         tq: usize,
     },
+    /// The residual add + RMSNorm of t rows of d (the many-rows kernel) quantised for the FP8 GEMM (its first
+    /// tq rows; the rest bf16) against the norm and the activations' quantisation.
+    Fp8NormQuant {
+        t: usize,
+        d: usize,
+        tq: usize,
+    },
     /// bf16 weights [out, k] quantised to block FP8 on the GPU.
     Fp8Quantize {
         out: usize,
@@ -528,6 +535,7 @@ fn run_case(rt: &Runtime, k: &Kernels, case: &Case, rng: &mut StdRng) -> R<Vec<O
         Op::Fp8Gemm { .. } => fp8::gemm,
         Op::Fp8SwigluQuant { .. } => fp8::swiglu_quant,
         Op::Fp8GatedNormQuant { .. } => fp8::gated_norm_quant,
+        Op::Fp8NormQuant { .. } => fp8::norm_quant,
         Op::Fp8Quantize { .. } => fp8::quantize,
         Op::W4Gemv { .. } => w4::gemv,
         Op::W4GemvMulti { .. } => w4::gemv_multi,
