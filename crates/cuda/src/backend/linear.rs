@@ -187,9 +187,7 @@ impl CudaBackend {
     /// How block-FP8 linears sharing `x [t, kdim]` run on the tensor cores in a step of `t` tokens, if they
     /// do: our mma.sync FP8 GEMM with [`crate::CudaOptions::fp8_mma_gemm`] (sm_89+) over every token, else
     /// cuBLASLt's block-scaled FP8 GEMM where it runs (Hopper) over the first `t & !3` (the rest by the
-    /// GEMV), each output it has no GEMM for (a width not a multiple of 128, as a DeltaNet's b / a) on
-    /// dequantised rows beside the others ([`Fp8Gemm::apart`]). None: the GEMV (up to 16 tokens) or
-    /// dequantised row slices for every output.
+    /// GEMV). None: the GEMV (up to 16 tokens) or dequantised row slices.
     pub(super) fn fp8_gemm_route(&self, t: usize, kdim: usize, outs: &[Fp8Out<'_>], f32_out: bool) -> Option<Fp8Gemm> {
         if t <= fp8::GEMV_MAX_TOKENS || f32_out || !self.opts.fp8_tensor_cores {
             return None;
@@ -201,18 +199,13 @@ impl CudaBackend {
             && scratch >= fp8::act_scratch_bytes(t, kdim)
             && outs.iter().all(|o| o.w.out.is_multiple_of(8) && o.ldy.is_multiple_of(2) && o.y.is_multiple_of(4));
         if mma {
-            return Some(Fp8Gemm { mma: true, tq: t, apart: 0 });
+            return Some(Fp8Gemm { mma: true, tq: t });
         }
         let t4 = t & !3;
-        if self.rt.cc.0 < 9 || scratch < fp8::act_scratch_bytes(t4, kdim) || outs.len() > 64 {
-            return None;
-        }
-        let apart = outs
-            .iter()
-            .enumerate()
-            .filter(|(_, o)| !self.gemm.fp8_supported(o.w.out, t4, kdim, o.ldy, o.y))
-            .fold(0u64, |m, (i, _)| m | 1 << i);
-        (apart.count_ones() < outs.len() as u32).then_some(Fp8Gemm { mma: false, tq: t4, apart })
+        let cublas = self.rt.cc.0 >= 9
+            && scratch >= fp8::act_scratch_bytes(t4, kdim)
+            && outs.iter().all(|o| self.gemm.fp8_supported(o.w.out, t4, kdim, o.ldy, o.y));
+        cublas.then_some(Fp8Gemm { mma: false, tq: t4 })
     }
 
     /// Where [`Self::fp8_gemm_route`] puts the codes and scales of `tq` tokens of `kdim` features.
@@ -243,9 +236,8 @@ impl CudaBackend {
             return None;
         }
         let fp8 = fp8_outs(outs)?;
-        // Outputs on dequantised rows read x in bf16: every output on the tensor cores, or none fused.
-        let route = self.fp8_gemm_route(t, kdim, &fp8, false).filter(|r| r.apart == 0)?;
-        Some((route.tq, self.fp8_x_at(route.tq, kdim)))
+        let tq = self.fp8_gemm_route(t, kdim, &fp8, false)?.tq;
+        Some((tq, self.fp8_x_at(tq, kdim)))
     }
 
     /// The residual add + RMSNorm of the step's `t` rows (`x` added to `res` where given, `res_out` updated)
@@ -301,59 +293,45 @@ impl CudaBackend {
             }
             return Ok(());
         }
-        let Some(route) = self.fp8_gemm_route(t, kdim, outs, f32_out) else {
-            return outs.iter().try_for_each(|o| self.fp8_dequant_linear(s, x, t, o, f32_out));
-        };
-        let tq = route.tq;
-        let (q, xs) = self.fp8_x_at(tq, kdim);
-        if held != Some(Fp8XTag { x, tq, kdim }) {
-            fp8::act_quant(&self.k, s, x, tq, kdim, q, xs)?;
-        }
-        let mut rest = Vec::new();
-        for (i, o) in outs.iter().enumerate() {
-            if route.apart & (1 << i) != 0 {
-                self.fp8_dequant_linear(s, x, t, o, false)?;
-                continue;
+        if let Some(route) = self.fp8_gemm_route(t, kdim, outs, f32_out) {
+            let tq = route.tq;
+            let (q, xs) = self.fp8_x_at(tq, kdim);
+            if held != Some(Fp8XTag { x, tq, kdim }) {
+                fp8::act_quant(&self.k, s, x, tq, kdim, q, xs)?;
             }
-            if route.mma {
-                fp8::gemm_mma(&self.k, s, q, xs, tq, o.w, o.y, o.ldy)?;
-            } else {
-                self.gemm.linear_fp8(s, q, xs, o.w.codes, o.w.scales, o.y, tq, o.w.out, kdim, o.ldy)?;
+            for o in outs {
+                if route.mma {
+                    fp8::gemm_mma(&self.k, s, q, xs, tq, o.w, o.y, o.ldy)?;
+                } else {
+                    self.gemm.linear_fp8(s, q, xs, o.w.codes, o.w.scales, o.y, tq, o.w.out, kdim, o.ldy)?;
+                }
             }
-            rest.push(Fp8Out { y: o.y + (2 * tq * o.ldy) as u64, ..*o });
-        }
-        if tq < t {
-            let xr = x + (2 * tq * kdim) as u64;
-            for group in rest.chunks(fp8::MAX_OUTS) {
-                fp8::gemv_fp8(&self.k, s, xr, t - tq, kdim, group, false)?;
+            if tq < t {
+                let rest: Vec<Fp8Out<'_>> =
+                    outs.iter().map(|o| Fp8Out { y: o.y + (2 * tq * o.ldy) as u64, ..*o }).collect();
+                let xr = x + (2 * tq * kdim) as u64;
+                for group in rest.chunks(fp8::MAX_OUTS) {
+                    fp8::gemv_fp8(&self.k, s, xr, t - tq, kdim, group, false)?;
+                }
             }
+            return Ok(());
         }
-        Ok(())
-    }
-
-    /// `o.y = x · o.wᵀ` over `t` tokens on the FP8 weights dequantised to bf16, a row slice at a time, by
-    /// the bf16 GEMM (f32 outputs with `f32_out`).
-    fn fp8_dequant_linear(
-        &self,
-        s: &CudaStream,
-        x: u64,
-        t: usize,
-        o: &Fp8Out<'_>,
-        f32_out: bool,
-    ) -> Result<(), CudaError> {
-        let (w, slice) = (o.w, self.ws.w4_slice);
-        let rows = w4_slice_rows(w.out, w.inp, slice.bytes);
-        if rows == 0 {
-            return Err(CudaError::Plan(format!(
-                "the fp8 prefill slice ({} B) cannot hold 16 rows of a [{}, {}] linear",
-                slice.bytes, w.out, w.inp
-            )));
-        }
-        let eb = if f32_out { 4 } else { 2 };
-        for r0 in (0..w.out).step_by(rows) {
-            let r1 = (r0 + rows).min(w.out);
-            fp8::dequant(&self.k, s, w, r0, r1, slice.ptr)?;
-            self.gemm.linear_ld(s, x, slice.ptr, o.y + (eb * r0) as u64, t, r1 - r0, w.inp, o.ldy, f32_out)?;
+        let slice = self.ws.w4_slice;
+        for o in outs {
+            let w = o.w;
+            let rows = w4_slice_rows(w.out, w.inp, slice.bytes);
+            if rows == 0 {
+                return Err(CudaError::Plan(format!(
+                    "the fp8 prefill slice ({} B) cannot hold 16 rows of a [{}, {}] linear",
+                    slice.bytes, w.out, w.inp
+                )));
+            }
+            let eb = if f32_out { 4 } else { 2 };
+            for r0 in (0..w.out).step_by(rows) {
+                let r1 = (r0 + rows).min(w.out);
+                fp8::dequant(&self.k, s, w, r0, r1, slice.ptr)?;
+                self.gemm.linear_ld(s, x, slice.ptr, o.y + (eb * r0) as u64, t, r1 - r0, w.inp, o.ldy, f32_out)?;
+            }
         }
         Ok(())
     }
@@ -514,9 +492,6 @@ pub(super) struct Fp8Gemm {
     pub(super) mma: bool,
     /// The tokens it takes (the first `tq` of the step; the rest by the GEMV, from bf16).
     pub(super) tq: usize,
-    /// Bit i: output i has no cuBLASLt GEMM of this shape and runs on dequantised rows, all `t` tokens
-    /// from bf16.
-    pub(super) apart: u64,
 }
 
 /// The FP8 activation scratch holds the codes and scales of the first `tq` tokens of the activation at
