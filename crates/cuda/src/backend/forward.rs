@@ -183,8 +183,9 @@ impl CudaBackend {
             self.all_reduce(ws.mixer_out, t * h)?;
             let x = (ws.mixer_out, Some(ws.residual), Some(ws.residual));
             // A sparse layer's router and experts read mlp_in too: stored whole.
-            let outs = if layer.moe.is_none() { vec![po(&layer.gate_up, ws.mlp_gate_up, 2 * i)] } else { vec![] };
-            self.add_norm_into(s, x, layer.post_norm, ws.mlp_in, t, &outs)?;
+            let gate_up = [po(&layer.gate_up, ws.mlp_gate_up, 2 * i)];
+            let outs: &[ProjOut<'_>] = if layer.moe.is_none() { &gate_up } else { &[] };
+            self.add_norm_into(s, x, layer.post_norm, ws.mlp_in, t, outs)?;
             self.tick("norms")?;
             (ws.mlp_in, Fold::None)
         };

@@ -56,11 +56,10 @@ pub fn add_rms_norm_1p_quant_supported(rows: usize, d: usize, ptrs: &[u64], (q, 
     d.is_multiple_of(128) && rows_path(rows, d, ptrs) && q.is_multiple_of(8) && xs.is_multiple_of(4)
 }
 
-/// [`add_rms_norm_1p`] whose first `tq` rows of out are quantised for the FP8 GEMM instead of stored:
-/// codes `[tq, d]` at `q` and scales `[d/128, tq]` at `xs`, exactly as [`super::fp8::act_quant`] would
-/// quantise the stored rows; the rows from `tq` are stored to `out` as bf16. Where
-/// [`add_rms_norm_1p_quant_supported`].
-/// The norm's tensors as [`add_rms_norm_1p`] takes them: `(x, res, w, res_out, out)`.
+/// [`add_rms_norm_1p`] (its tensors `(x, res, w, res_out, out)` as it takes them) whose first `tq` rows of out
+/// are quantised for the FP8 GEMM instead of stored: codes `[tq, d]` at `q` and scales `[d/128, tq]` at `xs`,
+/// exactly as [`super::fp8::act_quant`] would quantise the stored rows; the rows from `tq` are stored to `out`
+/// as bf16. Where [`add_rms_norm_1p_quant_supported`].
 pub fn add_rms_norm_1p_quant(
     k: &Kernels,
     s: &CudaStream,
