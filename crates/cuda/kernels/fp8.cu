@@ -49,13 +49,6 @@
 // Tested by: tests/ops/ case "fp8" against the CPU oracle (deltaserve_cuda::fp8).
 
 #define F8_ROWS 16
-// F8_PF: slices of a warp asked of L2 ahead of its register stages (0: none).
-#ifndef F8_PF
-#define F8_PF 0
-#endif
-#ifndef F8_PF_PRE
-#define F8_PF_PRE F8_PF
-#endif
 #define F8_TWO120 1.329227995784916e36f  // 2^120
 
 // A word's codes as the pairs (bytes 0, 2) and (bytes 1, 3), values * 2^-120: five integer operations (two of them
@@ -198,15 +191,9 @@ __device__ __forceinline__ void gemv_fp8_tile(const bf16_t* x, int N, int K, con
     // One whole slice's MMAs (in `now`) with the next slice's loads (into `next`) in flight; false when the next
     // slice is not whole (then `next` holds it if it starts inside K).
     int vb = warp * U * 4;
-    // The L2 prefetch of the whole slice from vector v (F8_PF > 0): lane < 16 asks for row rb + lane's codes.
-    const unsigned char* pfrow = W + (long long)min(rb + (lane & 15), M - 1) * K;
-    auto prefetch = [&](int v) {
-        if (F8_PF > 0 && lane < 16 && whole(v)) l2_prefetch1(pfrow + 16 * v, 16 * U * 4);
-    };
     auto advance = [&](Slice& now, Slice& next) {
         const int nb = vb + step;
         if (whole(nb) || nb < KV) load(next, nb, !whole(nb));
-        prefetch(nb + F8_PF * step);
         compute(now, vb, false);
         vb = nb;
         return whole(vb);
@@ -214,8 +201,6 @@ __device__ __forceinline__ void gemv_fp8_tile(const bf16_t* x, int N, int K, con
     // Two slices in turn (no copies between them).
     Slice s0, s1;
     if (vb < KV) load(s0, vb, !whole(vb));
-#pragma unroll
-    for (int i = 1; i <= F8_PF_PRE; ++i) prefetch(vb + i * step);
     // Launched to overlap the previous kernel (sm_90): the first codes are in flight; x and y are its.
     pdl_wait();
     bool last_in_s0 = true;

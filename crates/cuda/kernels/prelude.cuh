@@ -605,32 +605,6 @@ __device__ __forceinline__ void pdl_enter() {
     pdl_wait();
 }
 
-// W4_PF: int4 groups a warp asks of L2 ahead of its register stages (w4p_body, w4t_body; 0: none).
-#ifndef W4_PF
-#define W4_PF 0
-#endif
-// W4_PF_PRE: of those, the groups asked before the kernel waits for its predecessor (at most W4_PF).
-#ifndef W4_PF_PRE
-#define W4_PF_PRE W4_PF
-#endif
-// Asks L2 for bytes that will be loaded soon; returns at once (no registers or shared memory wait for the
-// data). l2_prefetch1: one thread, `bytes` (a multiple of 16) at p, 16-byte aligned. l2_prefetch: every lane of a
-// warp, `bytes` (a multiple of 64 up to 2 KB) at p. On sm_90 one bulk prefetch; before, one a 64 bytes.
-__device__ __forceinline__ void l2_prefetch1(const void* p, int bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#else
-    for (int o = 0; o < bytes; o += 64) asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)p + o));
-#endif
-}
-__device__ __forceinline__ void l2_prefetch(const void* p, int bytes, int lane) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (lane == 0) l2_prefetch1(p, bytes);
-#else
-    if (lane * 64 < bytes) asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)p + lane * 64));
-#endif
-}
-
 // ---------------------------------------------------------------------------------------------
 // KV-cache codes (kv_quant.cu's kv_write_q, rope.cu's qk_norm_rope; attention_*.cu read the formats): the
 // formats (nvrtc::KvFormats::code) and one token-head row's encoding, as deltaserve_cpu::kvquant rounds it

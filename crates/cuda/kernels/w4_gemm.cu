@@ -90,13 +90,6 @@ __device__ __forceinline__ void w4t_body(const u32* __restrict__ qw, const unsig
 #pragma unroll
     for (int st = 0; st < S - 1; ++st)
         if (st < n) issue(st, st);
-    // The L2 prefetch of group k (W4_PF > 0, prelude.cuh): the pair's unit of group gb + k, gstep uint4 long.
-    const u32 ubase = (u32)(min(r0, out - 1) >> 5) * (u32)ng * 128u + (u32)gb * (u32)gstep;
-    auto prefetch = [&](int k) {
-        if (W4_PF > 0 && k < n) l2_prefetch(qw4 + ubase + (u32)k * (u32)gstep, 16 * gstep, lane);
-    };
-#pragma unroll
-    for (int k = S - 1; k < S - 1 + W4_PF_PRE; ++k) prefetch(k);
     pdl_wait();  // x is the previous kernel's
     // x of token m0 + 8b + g (clamped to M - 1: tokens past M are computed, not stored), columns
     // 32i + 8t .. + 7 of each group for word i: uint4 4i from px[b] + 16 * group.
@@ -118,7 +111,6 @@ __device__ __forceinline__ void w4t_body(const u32* __restrict__ qw, const unsig
             if (k < n) {
                 const int sn = (u + S - 1) % S;
                 if (k + S - 1 < n) issue(sn, u + S - 1);
-                prefetch(k + S - 1 + W4_PF);
                 const uint4 w0 = wr[u][0], w1 = wr[u][1], w2 = wr[u][2], w3 = wr[u][3];
                 const bool more = k + 1 < n;
                 float tm[2][NT][4], xs[NT][4];

@@ -238,13 +238,6 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
 #pragma unroll
     for (int st = 0; st < S - 1; ++st)
         if (st < n) issue(st, st, sv[st], zv[st]);
-    // The L2 prefetch of group k (W4_PF > 0, prelude.cuh): the pair's unit of group gb + k, gstep uint4 long.
-    const u32 ubase = (u32)(min(r0, out - 1) >> 5) * (u32)ng * 128u + (u32)gb * (u32)gstep;
-    auto prefetch = [&](int k) {
-        if (W4_PF > 0 && k < n) l2_prefetch(qw4 + ubase + (u32)k * (u32)gstep, 16 * gstep, lane);
-    };
-#pragma unroll
-    for (int k = S - 1; k < S - 1 + W4_PF_PRE; ++k) prefetch(k);
     // The fold's staging (W4Fold), after the sums' slots: a mode-1 lane's norm weights (a weight: before
     // the wait) and residual values at its rows from prow in the block (the launcher keeps out % 32 == 0);
     // mode 2's sums, copied by every thread of the block.
@@ -282,7 +275,6 @@ __device__ __forceinline__ void w4p_body(const u32* __restrict__ qw, const unsig
             if (k < n) {
                 const int sn = (u + S - 1) % S;
                 if (k + S - 1 < n) issue(sn, u + S - 1, sv[sn], zv[sn]);
-                prefetch(k + S - 1 + W4_PF);
                 if (has_x && k + 1 < n) {
 #pragma unroll
                     for (int q = 0; q < 4; ++q) xb[(u + 1) & 1][q] = ld_act(px + 16 * (u + 1) + 4 * q);
